@@ -1,0 +1,47 @@
+"""Supported architectures and backend selection."""
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Literal
+
+from transformers import AutoConfig, PretrainedConfig
+
+from lmdeploy.messages import PytorchEngineConfig
+
+Task = Literal['llm', 'vlm']
+
+# architecture -> (task, 'module:class')
+SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
+    'LlamaForCausalLM': ('llm', 'lmdeploy.pytorch.models.llama:LlamaForCausalLM'),
+    'Qwen2ForCausalLM': ('llm', 'lmdeploy.pytorch.models.llama:LlamaForCausalLM'),
+    'Qwen3ForCausalLM': ('llm', 'lmdeploy.pytorch.models.llama:LlamaForCausalLM'),
+}
+
+
+def load_hf_config(model_dir: str) -> PretrainedConfig:
+    """Reads ``config.json`` and checks the architecture is supported."""
+    if not os.path.isfile(os.path.join(model_dir, 'config.json')):
+        raise FileNotFoundError(f'{model_dir} has no config.json')
+    config = AutoConfig.from_pretrained(model_dir)
+    arch = (getattr(config, 'architectures', None) or ['<none>'])[0]
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(f'architecture {arch!r} is not supported; supported: {", ".join(SUPPORTED_ARCHS)}')
+    return config
+
+
+def get_task(config: PretrainedConfig) -> Task:
+    return SUPPORTED_ARCHS[config.architectures[0]][0]
+
+
+def get_model_class(architecture: str) -> type:
+    module, _, name = SUPPORTED_ARCHS[architecture][1].partition(':')
+    return getattr(importlib.import_module(module), name)
+
+
+def autoget_backend_config(model_path: str,
+                           backend_config: PytorchEngineConfig | None = None) -> tuple[str, PytorchEngineConfig]:
+    """Returns ``('pytorch', config)``: the in-tree PyTorch engine serves every supported model."""
+    from lmdeploy.model_source import resolve_model_path
+    load_hf_config(resolve_model_path(model_path))
+    return 'pytorch', backend_config or PytorchEngineConfig()

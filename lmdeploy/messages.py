@@ -1,0 +1,135 @@
+"""Public configuration and result types: GenerationConfig, PytorchEngineConfig, Response."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+MAX_NEW_TOKENS_LIMIT = 1 << 20
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass
+class GenerationConfig:
+    """Per-request generation parameters (names follow LMDeploy).
+
+    Greedy decoding is used when ``do_sample`` is False or ``top_k == 1``.
+    """
+
+    max_new_tokens: int = 512
+    do_sample: bool = False
+    top_k: int = 0
+    top_p: float = 1.0
+    temperature: float = 0.8
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    random_seed: int | None = None
+    stop_words: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_new_tokens: int = 0
+    skip_special_tokens: bool = True
+    logprobs: int | None = None
+    n: int = 1
+
+    def __post_init__(self):
+        if isinstance(self.stop_words, str):
+            self.stop_words = [self.stop_words]
+        _check(isinstance(self.max_new_tokens, int) and 0 < self.max_new_tokens <= MAX_NEW_TOKENS_LIMIT,
+               f'max_new_tokens must be an int in [1, {MAX_NEW_TOKENS_LIMIT}], got {self.max_new_tokens!r}')
+        _check(isinstance(self.top_k, int) and self.top_k >= 0,
+               f'top_k must be an int >= 0 (0 disables it), got {self.top_k!r}')
+        _check(0.0 < self.top_p <= 1.0, f'top_p must be in (0, 1], got {self.top_p!r}')
+        _check(0.0 <= self.min_p <= 1.0, f'min_p must be in [0, 1], got {self.min_p!r}')
+        _check(0.0 <= self.temperature <= 100.0, f'temperature must be in [0, 100], got {self.temperature!r}')
+        _check(0.0 < self.repetition_penalty <= 100.0,
+               f'repetition_penalty must be in (0, 100], got {self.repetition_penalty!r}')
+        _check(-2.0 <= self.presence_penalty <= 2.0,
+               f'presence_penalty must be in [-2, 2], got {self.presence_penalty!r}')
+        _check(-2.0 <= self.frequency_penalty <= 2.0,
+               f'frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}')
+        _check(isinstance(self.min_new_tokens, int) and 0 <= self.min_new_tokens <= self.max_new_tokens,
+               f'min_new_tokens must be an int in [0, max_new_tokens], got {self.min_new_tokens!r}')
+        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+               f'logprobs must be None or an int in [0, 20], got {self.logprobs!r}')
+        _check(isinstance(self.n, int) and 1 <= self.n <= 128, f'n must be an int in [1, 128], got {self.n!r}')
+        _check(self.stop_words is None or all(isinstance(w, str) and w for w in self.stop_words),
+               'stop_words must be a list of non-empty strings')
+        _check(self.stop_token_ids is None or all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+               'stop_token_ids must be a list of non-negative ints')
+
+    @property
+    def is_greedy(self) -> bool:
+        return not self.do_sample or self.top_k == 1 or self.temperature == 0.0
+
+
+@dataclass
+class PytorchEngineConfig:
+    """Engine settings.
+
+    ``cache_max_entry_count`` is the fraction of free memory (GPU) or available RAM (CPU) that the
+    KV cache may take; on CPU it is also capped by ``max_cache_bytes``.
+    """
+
+    dtype: Literal['auto', 'float32', 'bfloat16', 'float16'] = 'auto'
+    session_len: int | None = None
+    max_batch_size: int = 64
+    cache_max_entry_count: float = 0.5
+    max_cache_bytes: int = 4 << 30
+    num_gpu_blocks: int = 0
+    block_size: int = 64
+    max_prefill_token_num: int = 4096
+    enable_prefix_caching: bool = True
+    tp: int = 1
+    device: str = 'cpu'
+    num_threads: int | None = None
+
+    def __post_init__(self):
+        _check(self.dtype in ('auto', 'float32', 'bfloat16', 'float16'),
+               f"dtype must be one of 'auto', 'float32', 'bfloat16', 'float16', got {self.dtype!r}")
+        _check(self.session_len is None or self.session_len > 0, 'session_len must be positive')
+        _check(self.max_batch_size > 0, 'max_batch_size must be positive')
+        _check(0.0 < self.cache_max_entry_count <= 1.0, 'cache_max_entry_count must be in (0, 1]')
+        _check(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
+               f'block_size must be a power of two, got {self.block_size}')
+        _check(self.max_prefill_token_num >= self.block_size, 'max_prefill_token_num must be >= block_size')
+        _check(self.num_gpu_blocks >= 0, 'num_gpu_blocks must be >= 0 (0 means size from memory)')
+        _check(self.tp == 1, 'tp > 1 is not supported yet')
+
+
+FinishReason = Literal['stop', 'length', 'abort', 'error']
+
+
+@dataclass
+class Response:
+    """The result of one prompt (or one streamed chunk of it)."""
+
+    text: str
+    generate_token_len: int
+    input_token_len: int
+    finish_reason: FinishReason | None = None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    index: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass
+class EngineOutput:
+    """Incremental output of one request from one engine step."""
+
+    seq_id: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[dict[int, float]] | None
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    error: str | None = None

@@ -1,0 +1,123 @@
+"""The PyTorch engine: add requests, step the batch, collect outputs."""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+
+import psutil
+import torch
+
+from lmdeploy.archs import get_model_class, load_hf_config
+from lmdeploy.messages import EngineOutput, GenerationConfig, PytorchEngineConfig
+from lmdeploy.model_source import resolve_model_path
+from lmdeploy.pytorch.config import ModelConfig
+from lmdeploy.pytorch.engine.model_runner import ModelRunner
+from lmdeploy.pytorch.engine.output_processor import OutputProcessor
+from lmdeploy.pytorch.engine.sampler import sample
+from lmdeploy.pytorch.engine.sequence import Sequence
+from lmdeploy.pytorch.paging.block_manager import BlockManager
+from lmdeploy.pytorch.paging.scheduler import Scheduler
+from lmdeploy.pytorch.weights.safetensors_loader import iterate_weights
+from lmdeploy.tokenizer import Tokenizer
+
+logger = logging.getLogger('lmdeploy')
+
+DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    """``auto`` is bf16: on this CPU (AVX512-BF16/AMX) batched bf16 matmuls are 3-6x faster than fp32."""
+    if name == 'auto':
+        return torch.bfloat16
+    return DTYPES[name]
+
+
+class Engine:
+    """Continuous-batching inference over a paged KV cache.
+
+    Not thread-safe: one caller drives ``add_request``/``abort``/``step``.
+    """
+
+    def __init__(self, model_path: str | None = None, config: PytorchEngineConfig | None = None,
+                 show_progress: bool = True):
+        self.config = config = config or PytorchEngineConfig()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model_dir = resolve_model_path(model_path)
+        hf_config = load_hf_config(self.model_dir)
+        self.model_config = cfg = ModelConfig.from_hf(hf_config, resolve_dtype(config.dtype, config.device))
+        self.tokenizer = Tokenizer(self.model_dir)
+        model = get_model_class(cfg.architecture)(cfg).to(cfg.dtype)
+        model.load_weights(iterate_weights(self.model_dir, show_progress))
+        model.eval()
+        num_blocks = config.num_gpu_blocks or self._blocks_from_memory(cfg)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_batch_size, config.max_prefill_token_num)
+        self.runner = ModelRunner(model, cfg, num_blocks, config.block_size)
+        capacity = num_blocks * config.block_size
+        self.session_len = min(config.session_len or cfg.max_position_embeddings, capacity)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self.sequences: dict[int, Sequence] = {}
+        self._ids = itertools.count()
+
+    def _blocks_from_memory(self, cfg: ModelConfig) -> int:
+        available = psutil.virtual_memory().available
+        budget = min(int(available * self.config.cache_max_entry_count), self.config.max_cache_bytes)
+        num_blocks = budget // (cfg.kv_bytes_per_token() * self.config.block_size)
+        if num_blocks < 1:
+            raise MemoryError('not enough memory for even one KV-cache block; lower block_size')
+        return num_blocks
+
+    def add_request(self, prompt_ids: list[int], gen_config: GenerationConfig | None = None) -> int:
+        """Queues a request and returns its id; raises ``ValueError`` for input it cannot serve."""
+        gen_config = gen_config or GenerationConfig()
+        if not prompt_ids:
+            raise ValueError('the prompt is empty; give at least one token')
+        if len(prompt_ids) >= self.session_len:
+            raise ValueError(f'the prompt has {len(prompt_ids)} tokens, but session_len is {self.session_len}; '
+                             'shorten the prompt or raise session_len')
+        vocab = self.model_config.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise ValueError(f'prompt token ids must be in [0, {vocab})')
+        seq = Sequence(next(self._ids), list(prompt_ids), gen_config, self.tokenizer.eos_token_ids)
+        self.sequences[seq.seq_id] = seq
+        self.outputs.add(seq)
+        self.scheduler.add(seq)
+        return seq.seq_id
+
+    def abort(self, seq_id: int) -> EngineOutput | None:
+        """Stops a request and frees its blocks; unknown or finished ids are a no-op."""
+        seq = self.sequences.pop(seq_id, None)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq)
+        seq.finish_reason = 'abort'
+        return self.outputs.finish(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[EngineOutput]:
+        """Runs one batched forward pass and returns the new output of every sequence that got one."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        logits = self.runner.forward(plan)
+        items = plan.prefill + plan.decode
+        for item in items:
+            item.seq.num_computed += item.num_tokens
+        sampled = [item.seq for item in items if item.seq.num_computed == item.seq.num_tokens]
+        result = sample(logits, sampled)
+        outputs = []
+        for row, seq in enumerate(sampled):
+            logprobs = result.logprobs[row] if result.logprobs else None
+            output = self.outputs.append_token(seq, result.token_ids[row], logprobs, self.session_len)
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+                del self.sequences[seq.seq_id]
+            outputs.append(output)
+        for item in items:
+            if not item.seq.is_finished:
+                self.block_manager.register_full_blocks(item.seq)
+        return outputs

@@ -1,0 +1,72 @@
+"""The engine's view of one request: its tokens, its KV blocks and its progress."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from lmdeploy.messages import FinishReason, GenerationConfig
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+@dataclass
+class Sequence:
+    """One generation request inside the engine.
+
+    ``num_computed`` counts the tokens whose K/V already sit in the cache; the tokens after it are
+    fed to the model in the next step that schedules this sequence.
+    """
+
+    seq_id: int
+    prompt_ids: list[int]
+    gen_config: GenerationConfig
+    eos_token_ids: frozenset[int] = frozenset()
+    output_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    num_cached: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    generator: torch.Generator | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self):
+        if not self.gen_config.is_greedy:
+            self.generator = torch.Generator()
+            seed = self.gen_config.random_seed
+            if seed is None:
+                self.generator.seed()
+            else:
+                self.generator.manual_seed(seed)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens not yet fed to the model."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def stop_ids(self) -> set[int]:
+        """Token ids that end generation (EOS unless ignored, plus ``stop_token_ids``)."""
+        ids = set(self.gen_config.stop_token_ids or ())
+        if not self.gen_config.ignore_eos:
+            ids |= self.eos_token_ids
+        return ids

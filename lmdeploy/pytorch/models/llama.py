@@ -1,0 +1,140 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3) over the paged KV cache."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from lmdeploy.pytorch.config import ModelConfig
+from lmdeploy.pytorch.kernels import apply_rotary, silu_and_mul
+from lmdeploy.pytorch.nn.attention import PagedAttention
+from lmdeploy.pytorch.nn.linear import Linear, MergedLinear, linear
+from lmdeploy.pytorch.nn.norm import RMSNorm
+from lmdeploy.pytorch.nn.rotary import RotaryEmbedding
+from lmdeploy.pytorch.step_context import StepContext
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class LlamaAttention(nn.Module):
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        hf = cfg.hf_config
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv_bias = getattr(hf, 'attention_bias', cfg.architecture == 'Qwen2ForCausalLM')
+        o_bias = getattr(hf, 'attention_bias', False)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias)
+        self.o_proj = Linear(q_size, cfg.hidden_size, bias=o_bias)
+        self.qk_norm = cfg.architecture == 'Qwen3ForCausalLM'
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, hf.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, hf.rms_norm_eps)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+        self.split = [q_size, kv_size, kv_size]
+
+    def forward(self, x: torch.Tensor, kv_cache: KVCache, ctx: StepContext) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q, ctx.cos, ctx.sin)
+        k = apply_rotary(k, ctx.cos, ctx.sin)
+        return self.o_proj(self.attn(q, k, v, kv_cache, ctx))
+
+
+class LlamaMLP(nn.Module):
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        hf = cfg.hf_config
+        bias = getattr(hf, 'mlp_bias', False)
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, [hf.intermediate_size] * 2, bias=bias)
+        self.down_proj = Linear(hf.intermediate_size, cfg.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        eps = cfg.hf_config.rms_norm_eps
+        self.self_attn = LlamaAttention(cfg)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, kv_cache: KVCache, ctx: StepContext):
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, kv_cache, ctx)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder stack plus LM head; ``forward`` returns hidden states, ``logits`` projects them."""
+
+    # HF name fragment -> (merged parameter, part index)
+    stacked_params = {
+        'q_proj': ('qkv_proj', 0), 'k_proj': ('qkv_proj', 1), 'v_proj': ('qkv_proj', 2),
+        'gate_proj': ('gate_up_proj', 0), 'up_proj': ('gate_up_proj', 1),
+    }
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        hf = cfg.hf_config
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, hf.rms_norm_eps)
+        self.rotary = RotaryEmbedding(hf, cfg.head_dim)
+        self.tie_word_embeddings = getattr(hf, 'tie_word_embeddings', False)
+        self.lm_head = None if self.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+
+    def forward(self, input_ids: torch.Tensor, kv_caches: list[KVCache], ctx: StepContext) -> torch.Tensor:
+        ctx.cos, ctx.sin = self.rotary(ctx.positions, self.cfg.dtype)
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x, residual = layer(x, residual, kv_cache, ctx)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Loads Hugging Face-named tensors; raises if a parameter is missing afterwards."""
+        params = dict(self.named_parameters())
+        loaded = set()
+        for name, tensor in weights:
+            name = name.removeprefix('model.')
+            if 'rotary_emb' in name or (self.lm_head is None and name == 'lm_head.weight'):
+                continue
+            module_name, _, kind = name.rpartition('.')
+            owner, _, proj = module_name.rpartition('.')
+            tensor = tensor.to(self.cfg.dtype)
+            if proj in self.stacked_params:
+                merged, index = self.stacked_params[proj]
+                target = self.get_submodule(f'{owner}.{merged}')
+                part = getattr(target, kind)[target.offsets[index]:target.offsets[index + 1]]
+                part.copy_(tensor)
+                loaded.add(f'{owner}.{merged}.{kind}')
+            elif name in params:
+                params[name].copy_(tensor)
+                loaded.add(name)
+        missing = set(params) - loaded
+        if missing:
+            raise ValueError(f'weights are missing for {sorted(missing)[:5]} ({len(missing)} in all)')

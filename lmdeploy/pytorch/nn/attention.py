@@ -1,0 +1,34 @@
+"""Attention over the paged KV cache for a packed batch of prefill chunks and decode tokens."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lmdeploy.pytorch.kernels import decode_attention, fill_kv_cache, prefill_attention
+from lmdeploy.pytorch.step_context import StepContext
+
+
+class PagedAttention(nn.Module):
+    """Stores this step's K/V in the cache, then attends each token over its context."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], ctx: StepContext) -> torch.Tensor:
+        """``q [T, H, D]``, ``k, v [T, H_kv, D]`` -> ``[T, H * D]``."""
+        k_cache, v_cache = kv_cache
+        fill_kv_cache(k, v, k_cache, v_cache, ctx.slot_mapping)
+        num_prefill = ctx.num_prefill_tokens
+        out = torch.empty_like(q)
+        for span in ctx.prefill_spans:
+            sl = slice(span.start, span.start + span.length)
+            out[sl] = prefill_attention(q[sl], k[sl], v[sl], k_cache, v_cache, span.context_slots, self.scale)
+        if ctx.decode_slots is not None:
+            out[num_prefill:] = decode_attention(q[num_prefill:], k_cache, v_cache, ctx.decode_slots,
+                                                 ctx.decode_mask, self.scale)
+        return out.flatten(1)

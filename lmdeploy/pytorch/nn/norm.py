@@ -1,0 +1,20 @@
+"""RMSNorm layer."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lmdeploy.pytorch.kernels import rms_norm
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm; given ``residual`` it adds it first and also returns the sum."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        out, summed = rms_norm(x, self.weight, self.eps, residual)
+        return out if residual is None else (out, summed)

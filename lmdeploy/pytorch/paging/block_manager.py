@@ -1,0 +1,123 @@
+"""Paged KV-cache bookkeeping: ref-counted blocks and a prefix cache keyed by chained block hashes."""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from lmdeploy.pytorch.engine.sequence import Sequence
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    token_ids: tuple[int, ...] = ()
+
+
+def chain_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """The hash of a full block given its tokens and the hash of the block before it."""
+    return hash((prev_hash, token_ids))
+
+
+class BlockManager:
+    """Hands out KV blocks to sequences.
+
+    Free blocks wait in LRU order; a free block that still holds a full, hashed block of tokens
+    can be revived by a later request with the same prefix until it is evicted for reuse.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.hash_to_block: dict[int, int] = {}
+        self.num_queries = 0
+        self.num_hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        """Free blocks that still hold reusable prefix-cache content."""
+        return sum(1 for block_id in self.free if self.blocks[block_id].hash is not None)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding a prefix of ``seq``; at least one token is always left to compute."""
+        if not self.enable_prefix_caching:
+            return []
+        tokens, bs = seq.token_ids, self.block_size
+        matched: list[int] = []
+        prev = None
+        for start in range(0, len(tokens) - bs, bs):
+            block_tokens = tuple(tokens[start:start + bs])
+            prev = chain_hash(prev, block_tokens)
+            block_id = self.hash_to_block.get(prev)
+            if block_id is None or self.blocks[block_id].token_ids != block_tokens:
+                break
+            matched.append(block_id)
+        self.num_queries += len(tokens) // bs
+        self.num_hits += len(matched)
+        return matched
+
+    def can_allocate(self, num_new_blocks: int, revived: list[int] = ()) -> bool:
+        """Whether ``num_new_blocks`` fresh blocks fit once the ``revived`` cached ones are taken."""
+        taken_from_free = sum(1 for b in revived if self.blocks[b].ref_count == 0)
+        return num_new_blocks <= self.num_free_blocks - taken_from_free
+
+    def allocate(self, seq: Sequence, num_tokens: int, revived: list[int] = ()) -> None:
+        """Gives ``seq`` the ``revived`` prefix blocks, then fresh ones until ``num_tokens`` fit."""
+        for block_id in revived:
+            self._ref(block_id)
+            seq.block_ids.append(block_id)
+            seq.block_hashes.append(self.blocks[block_id].hash)
+        while len(seq.block_ids) < self.blocks_needed(num_tokens):
+            block_id, _ = self.free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.hash is not None:
+                del self.hash_to_block[block.hash]
+                block.hash, block.token_ids = None, ()
+            block.ref_count = 1
+            seq.block_ids.append(block_id)
+
+    def free_blocks(self, seq: Sequence) -> None:
+        """Drops ``seq``'s references; its tail blocks become the first to be evicted."""
+        for block_id in reversed(seq.block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[block_id] = None
+        seq.block_ids.clear()
+        seq.block_hashes.clear()
+
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """Publishes the blocks of ``seq`` that have become full of computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        tokens = seq.token_ids
+        for index in range(len(seq.block_hashes), seq.num_computed // bs):
+            block_tokens = tuple(tokens[index * bs:(index + 1) * bs])
+            prev = seq.block_hashes[-1] if seq.block_hashes else None
+            block_hash = chain_hash(prev, block_tokens)
+            seq.block_hashes.append(block_hash)
+            block = self.blocks[seq.block_ids[index]]
+            if block_hash not in self.hash_to_block:
+                self.hash_to_block[block_hash] = block.block_id
+                block.hash, block.token_ids = block_hash, block_tokens
+
+    def _ref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free[block_id]
+        block.ref_count += 1

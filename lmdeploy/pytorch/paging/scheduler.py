@@ -1,0 +1,110 @@
+"""Continuous batching with chunked prefill and preemption by recompute."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from lmdeploy.pytorch.engine.sequence import Sequence, SequenceStatus
+from lmdeploy.pytorch.paging.block_manager import BlockManager
+
+
+@dataclass
+class ScheduledSeq:
+    """``seq`` feeds ``num_tokens`` new tokens this step, starting at ``seq.num_computed``."""
+
+    seq: Sequence
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the sequence's known tokens, so it yields a token."""
+        return self.seq.num_computed + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    prefill: list[ScheduledSeq] = field(default_factory=list)
+    decode: list[ScheduledSeq] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.prefill and not self.decode
+
+
+class Scheduler:
+    """Decides which sequences run in the next step and gives them KV blocks.
+
+    Each step spends a token budget of ``max_prefill_token_num``: running sequences come first
+    (one token each when decoding, a chunk when their prompt is still being prefilled), then
+    waiting ones in arrival order. When blocks run out, the most recently admitted sequence is
+    preempted: its blocks are freed and it is recomputed later from its tokens so far.
+    """
+
+    def __init__(self, block_manager: BlockManager, max_batch_size: int, max_prefill_token_num: int):
+        self.block_manager = block_manager
+        self.max_batch_size = max_batch_size
+        self.max_prefill_token_num = max_prefill_token_num
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_prefill_token_num
+        bm = self.block_manager
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_tokens = min(seq.num_pending, budget)
+            needed = bm.blocks_needed(seq.num_computed + num_tokens) - len(seq.block_ids)
+            while not bm.can_allocate(needed) and self.running[-1] is not seq:
+                self._preempt(self.running.pop())
+            if not bm.can_allocate(needed):
+                self._preempt(self.running.pop())
+                break
+            bm.allocate(seq, seq.num_computed + num_tokens)
+            item = ScheduledSeq(seq, num_tokens)
+            (out.decode if seq.num_pending == 1 else out.prefill).append(item)
+            budget -= num_tokens
+            index += 1
+        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
+            seq = self.waiting[0]
+            revived = bm.match_prefix(seq)
+            num_cached = len(revived) * bm.block_size
+            num_tokens = min(seq.num_tokens - num_cached, budget)
+            needed = bm.blocks_needed(num_cached + num_tokens) - len(revived)
+            if not bm.can_allocate(needed, revived):
+                break
+            self.waiting.popleft()
+            bm.allocate(seq, num_cached + num_tokens, revived)
+            seq.num_computed = num_cached
+            if seq.num_preemptions == 0:
+                seq.num_cached = num_cached
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.prefill.append(ScheduledSeq(seq, num_tokens))
+            budget -= num_tokens
+        return out
+
+    def finish(self, seq: Sequence) -> None:
+        """Removes a finished or aborted sequence and frees its blocks."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SequenceStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free_blocks(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free_blocks(seq)
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1

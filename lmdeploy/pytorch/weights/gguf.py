@@ -1,0 +1,201 @@
+"""Convert a GGUF checkpoint (llama.cpp format) into a Hugging Face-style model folder."""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHS: dict[str, str] = {
+    'llama': 'LlamaForCausalLM',
+    'qwen2': 'Qwen2ForCausalLM',
+    'qwen3': 'Qwen3ForCausalLM',
+}
+
+_GLOBAL_NAMES = {'token_embd': 'model.embed_tokens', 'output_norm': 'model.norm', 'output': 'lm_head'}
+_LAYER_NAMES = {
+    'attn_q': 'self_attn.q_proj',
+    'attn_k': 'self_attn.k_proj',
+    'attn_v': 'self_attn.v_proj',
+    'attn_output': 'self_attn.o_proj',
+    'attn_q_norm': 'self_attn.q_norm',
+    'attn_k_norm': 'self_attn.k_norm',
+    'ffn_gate': 'mlp.gate_proj',
+    'ffn_up': 'mlp.up_proj',
+    'ffn_down': 'mlp.down_proj',
+    'attn_norm': 'input_layernorm',
+    'ffn_norm': 'post_attention_layernorm',
+}
+_LAYER_RE = re.compile(r'blk\.(\d+)\.(\w+)')
+_CACHE_FORMAT = 1  # bump when the converted output changes, so stale cache entries are not reused
+
+
+def cache_dir() -> Path:
+    """The lmdeploy cache root: ``$LMDEPLOY_CACHE_DIR`` or ``~/.cache/lmdeploy``."""
+    return Path(os.environ.get('LMDEPLOY_CACHE_DIR') or Path.home() / '.cache' / 'lmdeploy')
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """The transformers parameter name of a llama.cpp tensor, or None if it has none."""
+    base, _, kind = gguf_name.rpartition('.')
+    if kind not in ('weight', 'bias'):
+        return None
+    if base in _GLOBAL_NAMES:
+        return f'{_GLOBAL_NAMES[base]}.{kind}'
+    match = _LAYER_RE.fullmatch(base)
+    if match and match[2] in _LAYER_NAMES:
+        return f'model.layers.{match[1]}.{_LAYER_NAMES[match[2]]}.{kind}'
+    return None
+
+
+def unpermute_rotary(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (interleaved rotary halves) for llama models."""
+    dim = weight.shape[0] // n_head // 2
+    return weight.reshape(n_head, dim, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def open_gguf(gguf_path: str | os.PathLike) -> GGUFReader:
+    """Open a GGUF file, turning low-level parse errors (truncated/corrupt file) into a ValueError."""
+    if not os.path.isfile(gguf_path):
+        raise FileNotFoundError(f'GGUF file {gguf_path} does not exist')
+    try:
+        return GGUFReader(gguf_path)
+    except Exception as err:  # the reader fails with numpy/struct/index errors on bad or missing bytes
+        raise ValueError(f'{gguf_path} is not a valid GGUF file, it may be truncated or corrupt '
+                         f'({type(err).__name__}: {err})') from err
+
+
+def _meta(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def gguf_config(reader: GGUFReader, source: str) -> dict[str, Any]:
+    """A transformers config dict built from the GGUF metadata of ``source``."""
+    arch = _meta(reader, 'general.architecture')
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(f'{source}: unsupported GGUF architecture {arch!r}; '
+                         f'supported: {", ".join(SUPPORTED_ARCHS)}')
+    key = lambda name, default=None: _meta(reader, f'{arch}.{name}', default)  # noqa: E731
+    tensors = {t.name: t for t in reader.tensors}
+    required = ('embedding_length', 'feed_forward_length', 'block_count', 'attention.head_count')
+    missing = [f'{arch}.{name}' for name in required if key(name) is None]
+    if 'token_embd.weight' not in tensors:
+        missing.append('tensor token_embd.weight')
+    if missing:
+        raise ValueError(f'{source}: missing GGUF metadata: {", ".join(missing)}')
+    hidden, heads = key('embedding_length'), key('attention.head_count')
+    head_dim = key('attention.key_length') or (key('rope.dimension_count') if arch == 'llama' else None)
+    return {
+        'model_type': arch,
+        'architectures': [SUPPORTED_ARCHS[arch]],
+        'hidden_size': hidden,
+        'intermediate_size': key('feed_forward_length'),
+        'num_hidden_layers': key('block_count'),
+        'num_attention_heads': heads,
+        'num_key_value_heads': key('attention.head_count_kv', heads),
+        'head_dim': head_dim or hidden // heads,
+        'max_position_embeddings': key('context_length', 2048),
+        'rms_norm_eps': key('attention.layer_norm_rms_epsilon', 1e-6),
+        'rope_theta': key('rope.freq_base', 10000.0),
+        'vocab_size': int(tensors['token_embd.weight'].shape[-1]),  # ggml order: (hidden, vocab)
+        'attention_bias': 'blk.0.attn_q.bias' in tensors,
+        'tie_word_embeddings': 'output.weight' not in tensors,
+        'bos_token_id': _meta(reader, 'tokenizer.ggml.bos_token_id'),
+        'eos_token_id': _meta(reader, 'tokenizer.ggml.eos_token_id'),
+        'pad_token_id': _meta(reader, 'tokenizer.ggml.padding_token_id'),
+        'dtype': 'float32',
+    }
+
+
+def gguf_state_dict(reader: GGUFReader, config: dict[str, Any], source: str) -> dict[str, torch.Tensor]:
+    """Dequantize every tensor to float32 under its transformers name."""
+    arch = config['model_type']
+    heads = {'attn_q': config['num_attention_heads'], 'attn_k': config['num_key_value_heads']}
+    state_dict = {}
+    for tensor in tqdm(reader.tensors, desc=f'Converting {Path(source).name}', unit='tensor'):
+        name = hf_tensor_name(tensor.name)
+        if name is None:
+            logger.warning('Skipping GGUF tensor %s: no transformers counterpart', tensor.name)
+            continue
+        try:
+            weight = dequantize(tensor.data, tensor.tensor_type)
+        except Exception as err:
+            raise ValueError(f'{source}: cannot dequantize tensor {tensor.name} '
+                             f'({tensor.tensor_type.name}): {err}') from err
+        module = tensor.name.split('.')[-2]
+        if arch == 'llama' and module in heads:
+            weight = unpermute_rotary(weight, heads[module])
+        state_dict[name] = torch.from_numpy(np.array(weight, dtype=np.float32))
+    return state_dict
+
+
+def _save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tokenizer.save_pretrained(str(out_dir))
+
+
+def convert_gguf(gguf_path: str, out_dir: str) -> None:
+    """Write ``model.safetensors`` (float32), ``config.json`` and tokenizer files for a GGUF file.
+
+    The folder is built next to ``out_dir`` and renamed into place, so it is either complete or absent.
+    """
+    from transformers import AutoConfig
+    src, out = Path(gguf_path).absolute(), Path(out_dir).absolute()
+    if out.exists():
+        raise FileExistsError(f'output folder {out} already exists')
+    reader = open_gguf(src)
+    config = gguf_config(reader, str(src))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f'.{out.name}.tmp-', dir=out.parent))
+    try:
+        tmp.chmod(0o755)
+        state_dict = gguf_state_dict(reader, config, str(src))
+        save_file(state_dict, str(tmp / 'model.safetensors'), metadata={'format': 'pt'})
+        (tmp / 'model.safetensors').chmod(0o644)
+        del state_dict
+        AutoConfig.for_model(**config).save_pretrained(str(tmp))
+        _save_tokenizer(src, tmp)
+        try:
+            tmp.rename(out)
+        except OSError as err:
+            if out.exists():
+                raise FileExistsError(f'output folder {out} was created concurrently') from err
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def resolve_gguf(gguf_path: str) -> str:
+    """The cached HF folder for a GGUF file, converting it on first use.
+
+    Keyed by the file's absolute path, size and mtime (and the converter format), so an edited file is
+    converted again.
+    """
+    src = Path(gguf_path).absolute()
+    if not src.is_file():
+        raise FileNotFoundError(f'GGUF file {gguf_path} does not exist')
+    stat = src.stat()
+    key = hashlib.sha256(f'{_CACHE_FORMAT}\0{src}\0{stat.st_size}\0{stat.st_mtime_ns}'.encode()).hexdigest()[:16]
+    out = cache_dir() / 'gguf' / f'{src.stem}-{key}'
+    if not (out / 'config.json').is_file():
+        try:
+            convert_gguf(str(src), str(out))
+        except FileExistsError:
+            if not (out / 'config.json').is_file():
+                raise
+    return str(out)

@@ -1,0 +1,137 @@
+"""Tokenizer wrapper, incremental (streaming) detokenization and stop-word handling."""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+
+from transformers import AutoTokenizer
+
+_REPLACEMENT_CHAR = '\ufffd'
+
+
+def _as_ids(value: int | Iterable[int] | None) -> set[int]:
+    if value is None:
+        return set()
+    if isinstance(value, int):
+        return {value}
+    return {int(v) for v in value}
+
+
+class Tokenizer:
+    """A Hugging Face tokenizer loaded from a model folder, with the model's EOS ids."""
+
+    def __init__(self, model_dir: str):
+        self.model_dir = model_dir
+        self.hf = AutoTokenizer.from_pretrained(model_dir)
+        eos = _as_ids(self.hf.eos_token_id)
+        for name in ('generation_config.json', 'config.json'):
+            path = os.path.join(model_dir, name)
+            if os.path.isfile(path):
+                with open(path, encoding='utf-8') as f:
+                    eos |= _as_ids(json.load(f).get('eos_token_id'))
+        self.eos_token_ids: frozenset[int] = frozenset(eos)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of tokens, added tokens included."""
+        return len(self.hf)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``."""
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``, without the legacy clean-up of spaces (which breaks streaming)."""
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render ``messages`` with the model's chat template, or join their contents if it has none."""
+        if getattr(self.hf, 'chat_template', None):
+            return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return '\n'.join(str(m['content']) for m in messages)
+
+
+class IncrementalDetokenizer:
+    """Turns one request's output tokens into text deltas while they are generated.
+
+    Each step decodes a short window (the tokens of the previous delta plus the new ones) and emits
+    what the new tokens added. Text ending in an incomplete UTF-8 character is held back until the
+    character is complete, so the concatenated deltas equal ``tokenizer.decode(output_ids)``.
+    ``prompt_ids`` is accepted for interface symmetry only: the text is decoded from the output tokens
+    alone (with the prompt as context, a SentencePiece leading space would appear that
+    ``decode(output_ids)`` strips).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.output_ids: list[int] = []
+        self.text = ''
+        self._prefix = 0  # start of the decode window
+        self._read = 0  # tokens up to here have been turned into text
+
+    def _decode(self, start: int, end: int) -> str:
+        return self.tokenizer.decode(self.output_ids[start:end], self.skip_special_tokens)
+
+    def _advance(self, force: bool) -> str:
+        prefix_text = self._decode(self._prefix, self._read)
+        new_text = self._decode(self._prefix, len(self.output_ids))
+        if not force and (len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR)):
+            return ''
+        delta = new_text[len(prefix_text):]
+        self._prefix, self._read = self._read, len(self.output_ids)
+        self.text += delta
+        return delta
+
+    def step(self, new_ids: list[int]) -> str:
+        """Add newly generated tokens; return the text they complete (may be empty)."""
+        self.output_ids.extend(new_ids)
+        return self._advance(force=False)
+
+    def finish(self) -> str:
+        """Return the text still held back (e.g. a trailing invalid byte sequence)."""
+        return self._advance(force=True)
+
+
+class StopChecker:
+    """Stops at the first stop word in streamed text and never streams part of one.
+
+    ``feed`` takes each text delta and returns the text that is safe to stream: a suffix that could
+    still grow into a stop word is held back until it can no longer. The stop word and everything
+    after it are dropped.
+    """
+
+    def __init__(self, stop_words: list[str] | None):
+        self.stop_words = [w for w in stop_words or () if w]
+        self.stopped = False
+        self._pending = ''  # text received but not yet released
+
+    def _held_len(self, text: str) -> int:
+        """Length of the longest suffix of ``text`` that is a proper prefix of a stop word."""
+        best = 0
+        for word in self.stop_words:
+            for k in range(min(len(word) - 1, len(text)), best, -1):
+                if text.endswith(word[:k]):
+                    best = k
+                    break
+        return best
+
+    def feed(self, delta: str) -> tuple[str, bool]:
+        """Add a text delta; return (text safe to stream now, whether a stop word was reached)."""
+        if self.stopped:
+            return '', True
+        text = self._pending + delta
+        hits = [i for i in (text.find(w) for w in self.stop_words) if i >= 0]
+        if hits:
+            self.stopped = True
+            self._pending = ''
+            return text[:min(hits)], True
+        keep = len(text) - self._held_len(text)
+        self._pending = text[keep:]
+        return text[:keep], False
+
+    def flush(self) -> str:
+        """Release the held-back text when generation ends without a stop word."""
+        out, self._pending = self._pending, ''
+        return out

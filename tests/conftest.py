@@ -1,0 +1,81 @@
+"""Shared fixtures: tiny random models saved with transformers, and the default model."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CORPUS = ['Hello world! The quick brown fox jumps over the lazy dog.', 'héllo 世界 🙂 naïve café',
+          'Paged attention stores keys and values in blocks.', '0123456789 + - * / = ( ) [ ] { }']
+VOCAB_SIZE = 320
+
+TINY_CONFIGS = {
+    'llama': lambda: LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB_SIZE,
+                                 max_position_embeddings=1024, tie_word_embeddings=False,
+                                 rope_parameters={'rope_type': 'llama3', 'rope_theta': 10000.0, 'factor': 8.0,
+                                                  'low_freq_factor': 1.0, 'high_freq_factor': 4.0,
+                                                  'original_max_position_embeddings': 128}),
+    'qwen2': lambda: Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB_SIZE,
+                                 max_position_embeddings=1024, tie_word_embeddings=True),
+    'qwen3': lambda: Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+                                 vocab_size=VOCAB_SIZE, max_position_embeddings=1024, tie_word_embeddings=False),
+}
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on a few sentences, with ChatML special tokens."""
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE - 8, special_tokens=['<|endoftext|>', '<|im_start|>',
+                                                                             '<|im_end|>'],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token='<|im_end|>', bos_token='<|endoftext|>',
+                                   chat_template=CHAT_TEMPLATE)
+
+
+def save_tiny_model(kind: str, path: str) -> str:
+    torch.manual_seed(0)
+    config = TINY_CONFIGS[kind]()
+    tokenizer = build_tokenizer()
+    config.eos_token_id = tokenizer.eos_token_id
+    config.bos_token_id = tokenizer.bos_token_id
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.2)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope='session', params=sorted(TINY_CONFIGS))
+def tiny_model(request, tmp_path_factory) -> str:
+    """Path of a tiny random model of each supported family."""
+    return save_tiny_model(request.param, str(tmp_path_factory.mktemp(request.param)))
+
+
+@pytest.fixture(scope='session')
+def tiny_llama(tmp_path_factory) -> str:
+    return save_tiny_model('llama', str(tmp_path_factory.mktemp('llama')))
+
+
+@pytest.fixture(scope='session')
+def default_model_gguf() -> str:
+    from lmdeploy.model_source import default_model_path
+    return default_model_path()
+
+
+@pytest.fixture(autouse=True, scope='session')
+def _threads():
+    torch.set_num_threads(min(2, os.cpu_count() or 1))

@@ -1,0 +1,136 @@
+"""The engine against transformers on tiny random models, in fp32."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
+from lmdeploy.pytorch.engine.engine import Engine
+
+GREEDY_32 = GenerationConfig(max_new_tokens=32, ignore_eos=True)
+
+
+def random_prompts(lengths, seed=0, vocab=300):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def make_engine(path, **kwargs) -> Engine:
+    kwargs.setdefault('num_gpu_blocks', 128)
+    kwargs.setdefault('block_size', 16)
+    return Engine(path, PytorchEngineConfig(dtype='float32', **kwargs), show_progress=False)
+
+
+def run(engine: Engine, prompts, gen_config=GREEDY_32) -> list[list[int]]:
+    index = {engine.add_request(p, gen_config): i for i, p in enumerate(prompts)}
+    outs = [[] for _ in prompts]
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs[index[out.seq_id]].extend(out.token_ids)
+    return outs
+
+
+def hf_greedy(model, prompt, n=32) -> list[int]:
+    model.generation_config.eos_token_id = None
+    ids = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, top_k=None, top_p=None,
+                         temperature=None)
+    return ids[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope='module')
+def hf_model(tiny_model):
+    return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+
+
+def test_greedy_matches_transformers(tiny_model, hf_model):
+    prompts = random_prompts([3, 17, 40, 64, 90])
+    outs = run(make_engine(tiny_model), prompts)
+    for prompt, out in zip(prompts, outs):
+        assert out == hf_greedy(hf_model, prompt)
+
+
+def test_first_step_logits_match(tiny_model, hf_model):
+    engine = make_engine(tiny_model)
+    prompts = random_prompts([7, 31])
+    for p in prompts:
+        engine.add_request(p, GenerationConfig(max_new_tokens=1))
+    plan = engine.scheduler.schedule()
+    logits = engine.runner.forward(plan)
+    for row, prompt in enumerate(prompts):
+        with torch.no_grad():
+            ref = hf_model(torch.tensor([prompt])).logits[0, -1]
+        assert (logits[row] - ref).abs().max().item() < 1e-3
+
+
+def test_batch_does_not_change_outputs(tiny_llama):
+    engine = make_engine(tiny_llama)
+    prompts = random_prompts([5 + 9 * i for i in range(16)], seed=1)
+    batched = run(engine, prompts)
+    solo = [run(engine, [p])[0] for p in prompts]
+    assert batched == solo
+
+
+def test_preemption_keeps_outputs(tiny_llama):
+    prompts = random_prompts([40, 50, 60, 70, 45, 55], seed=2)
+    gen = GenerationConfig(max_new_tokens=48, ignore_eos=True)
+    roomy = run(make_engine(tiny_llama), prompts, gen)
+    tight = make_engine(tiny_llama, num_gpu_blocks=14, enable_prefix_caching=False)
+    assert run(tight, prompts, gen) == roomy
+    assert tight.scheduler.num_preemptions > 0
+    assert tight.block_manager.num_free_blocks == 14
+
+
+def test_chunked_prefill_and_prefix_cache_keep_outputs(tiny_llama):
+    prompts = random_prompts([100, 130], seed=3)
+    shared = prompts[0][:64]
+    prompts += [shared + p for p in random_prompts([20, 30], seed=4)]
+    plain = run(make_engine(tiny_llama, enable_prefix_caching=False), prompts)
+    chunked = make_engine(tiny_llama, max_prefill_token_num=32)
+    assert run(chunked, prompts) == plain
+    cached = make_engine(tiny_llama)
+    run(cached, prompts[:1])
+    assert run(cached, prompts) == plain
+    assert cached.block_manager.num_hits > 0
+
+
+def test_cached_tokens_reported(tiny_llama):
+    engine = make_engine(tiny_llama)
+    prompt = random_prompts([70], seed=5)[0]
+    run(engine, [prompt])
+    engine.add_request(prompt + [5, 6, 7], GREEDY_32)
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert outputs[-1].num_cached_tokens == 64
+
+
+def test_max_new_tokens_and_ignore_eos_exact(tiny_llama):
+    engine = make_engine(tiny_llama)
+    eos = next(iter(engine.tokenizer.eos_token_ids))
+    prompts = random_prompts([10, 20, 30], seed=6)
+    for n in (1, 7, 50):
+        outs = run(engine, prompts, GenerationConfig(max_new_tokens=n, ignore_eos=True))
+        assert [len(o) for o in outs] == [n] * 3
+    engine.add_request(prompts[0], GenerationConfig(max_new_tokens=20, stop_token_ids=[eos], min_new_tokens=3,
+                                                    logit_bias={eos: 100.0}))
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert [o.token_ids[0] for o in outputs][-1] == eos and len(outputs) == 4
+    assert outputs[-1].finish_reason == 'stop'
+
+
+def test_stop_words_are_trimmed(tiny_llama):
+    engine = make_engine(tiny_llama)
+    prompt = random_prompts([12], seed=7)[0]
+    full = engine.tokenizer.decode(run(engine, [prompt])[0])
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    assert stop.strip(), 'the generated text must be printable for this test'
+    engine.add_request(prompt, GenerationConfig(max_new_tokens=32, ignore_eos=True, stop_words=[stop]))
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    text = ''.join(o.text for o in outputs)
+    assert outputs[-1].finish_reason == 'stop'
+    assert text == full[:full.index(stop)]
