@@ -57,7 +57,9 @@ class IncrementalDetokenizer:
 
     Each step decodes a short window (the tokens of the previous delta plus the new ones) and emits
     what the new tokens added. Text ending in an incomplete UTF-8 character is held back until the
-    character is complete, so the concatenated deltas equal ``tokenizer.decode(output_ids)``.
+    character is complete, so the concatenated deltas equal ``tokenizer.decode(output_ids)``. (One
+    exception: a SentencePiece byte-fallback decoder turns *every* byte of an invalid byte run into
+    U+FFFD, also bytes that were valid and already streamed; only garbage output is affected.)
     ``prompt_ids`` is accepted for interface symmetry only: the text is decoded from the output tokens
     alone (with the prompt as context, a SentencePiece leading space would appear that
     ``decode(output_ids)`` strips).
@@ -67,7 +69,6 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.output_ids: list[int] = []
-        self.text = ''
         self._prefix = 0  # start of the decode window
         self._read = 0  # tokens up to here have been turned into text
 
@@ -81,7 +82,6 @@ class IncrementalDetokenizer:
             return ''
         delta = new_text[len(prefix_text):]
         self._prefix, self._read = self._read, len(self.output_ids)
-        self.text += delta
         return delta
 
     def step(self, new_ids: list[int]) -> str:

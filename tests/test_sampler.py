@@ -63,25 +63,31 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent():
 MIXED = [dict(do_sample=True, temperature=0.9), dict(do_sample=True, top_k=20), dict(do_sample=True, top_p=0.8),
          dict(do_sample=True, top_k=50, top_p=0.9, temperature=1.3), dict(do_sample=True, min_p=0.05),
          dict(), dict(do_sample=True, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.4),
-         dict(do_sample=True, top_k=5, logit_bias={3: 5.0}, logprobs=3), dict(repetition_penalty=1.2)]
+         dict(do_sample=True, top_k=5, logit_bias={3: 5.0}, logprobs=3), dict(repetition_penalty=1.2),
+         dict(do_sample=True, top_p=0.95, temperature=3.0),  # nucleus wider than any slice: full sort
+         dict(do_sample=True, top_k=2000, top_p=0.5, min_p=0.01, min_new_tokens=3, logprobs=0)]
 
 
 def test_batch_composition_does_not_change_a_sequence_result():
-    vocab, steps = 49152, 4
+    vocab, steps = 49152, 3
     logits = [_logits(len(MIXED), vocab, seed=s) for s in range(steps)]
 
     def make() -> list[Sequence]:
-        return [_seq(prompt=[1, 2, 3, 4], output=[5, 5, 6], random_seed=100 + i, **c) for i, c in enumerate(MIXED)]
+        return [_seq(prompt=[1, 2, 3, 4], output=[5, 5, 6], eos=frozenset({7}), random_seed=100 + i, **c)
+                for i, c in enumerate(MIXED)]
 
     alone = []
     for i, seq in enumerate(make()):
         outs = [sample(logits[s][i:i + 1], [seq]) for s in range(steps)]
         alone.append(([o.token_ids[0] for o in outs], [o.logprobs[0] if o.logprobs else None for o in outs]))
     seqs = make()
-    order = [3, 0, 8, 5, 1, 7, 2, 6, 4]  # a different row order, all in one batch
+    order = [3, 0, 8, 10, 5, 1, 7, 2, 9, 6, 4]  # a different row order, all in one batch
     batched = {i: ([], []) for i in order}
     for s in range(steps):
-        out = sample(logits[s][order], [seqs[i] for i in order])
+        rows = logits[s][order]
+        before = rows.clone()
+        out = sample(rows, [seqs[i] for i in order])
+        assert torch.equal(rows, before)
         for row, i in enumerate(order):
             batched[i][0].append(out.token_ids[row])
             batched[i][1].append(out.logprobs[row])
@@ -99,7 +105,8 @@ def test_min_p_keeps_only_tokens_near_the_top():
 def test_top_k_and_top_p_distributions():
     logits = torch.log(torch.tensor([[0.4, 0.25, 0.2, 0.1, 0.05]]))
     for cfg, expect in [(dict(top_k=3), [0.4, 0.25, 0.2, 0, 0]), (dict(top_p=0.6), [0.4, 0.25, 0, 0, 0]),
-                        (dict(top_k=4, top_p=0.7), [0.4, 0.25, 0.2, 0, 0])]:
+                        (dict(top_k=4, top_p=0.7), [0.4, 0.25, 0.2, 0, 0]),
+                        (dict(top_k=100, top_p=0.99), [0.4, 0.25, 0.2, 0.1, 0.05])]:  # top_k > vocab
         freq = _frequencies(logits, temperature=1.0, **cfg)
         expect = torch.tensor(expect) / sum(expect)
         assert torch.allclose(freq, expect, atol=0.015), (cfg, freq)

@@ -8,8 +8,10 @@ else is in the batch.
 """
 from __future__ import annotations
 
+import array
 import math
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -35,8 +37,28 @@ class SampleOutput:
     logprobs: list[dict[int, float] | None] | None
 
 
-def _long(values: list[int], device: torch.device) -> Tensor:
-    return torch.tensor(values, dtype=torch.long, device=device)
+def _long(values: Iterable[int], device: torch.device) -> Tensor:
+    """A long tensor from Python ints (through ``array``: far faster than ``torch.tensor`` on long lists)."""
+    buf = array.array('q', values)
+    if not buf:
+        return torch.empty(0, dtype=torch.long, device=device)
+    return torch.frombuffer(buf, dtype=torch.long).to(device)
+
+
+def _pairs(per_row: list[Iterable[int] | None], device: torch.device) -> tuple[Tensor, Tensor]:
+    """Index pairs (row, token) for the tokens listed per row (None: the row has none)."""
+    rows, counts, cols = [], [], []
+    for i, toks in enumerate(per_row):
+        if toks is not None:
+            n = len(cols)
+            cols.extend(toks)
+            rows.append(i)
+            counts.append(len(cols) - n)
+    return torch.repeat_interleave(_long(rows, device), _long(counts, device)), _long(cols, device)
+
+
+def _row_values(x: Tensor, values: list[float], rows: Tensor) -> Tensor:
+    return torch.tensor(values, dtype=x.dtype, device=x.device)[rows]
 
 
 def _needs_edit(seq: Sequence) -> bool:
@@ -46,56 +68,47 @@ def _needs_edit(seq: Sequence) -> bool:
 
 
 def _apply_logit_bias(x: Tensor, seqs: list[Sequence]) -> None:
-    rows, cols, bias = [], [], []
-    for i, seq in enumerate(seqs):
-        for tok, b in (seq.gen_config.logit_bias or {}).items():
-            if 0 <= int(tok) < x.shape[1]:
-                rows.append(i), cols.append(int(tok)), bias.append(float(b))
-    if rows:
-        x.index_put_((_long(rows, x.device), _long(cols, x.device)),
-                     torch.tensor(bias, dtype=x.dtype, device=x.device), accumulate=True)
+    """Add ``logit_bias`` (token ids may be strings, as in JSON requests)."""
+    V = x.shape[1]
+    biases = [{int(t): float(b) for t, b in (s.gen_config.logit_bias or {}).items() if 0 <= int(t) < V} or None
+              for s in seqs]
+    rows, cols = _pairs(biases, x.device)
+    if len(rows):
+        bias = torch.tensor([b for d in biases if d for b in d.values()], dtype=x.dtype, device=x.device)
+        x.index_put_((rows, cols), bias, accumulate=True)
 
 
 def _apply_repetition_penalty(x: Tensor, seqs: list[Sequence]) -> None:
     """HF semantics over prompt and output tokens: positive logits divided, negative multiplied."""
-    rows, cols, pens = [], [], []
-    for i, seq in enumerate(seqs):
-        p = seq.gen_config.repetition_penalty
-        if p != 1.0:
-            seen = set(seq.prompt_ids)
-            seen.update(seq.output_ids)
-            rows += [i] * len(seen)
-            cols += seen
-            pens += [p] * len(seen)
-    if rows:
-        idx = (_long(rows, x.device), _long(cols, x.device))
-        p = torch.tensor(pens, dtype=x.dtype, device=x.device)
-        v = x[idx]
-        x[idx] = torch.where(v > 0, v / p, v * p)
+    pens = [s.gen_config.repetition_penalty for s in seqs]
+    rows, cols = _pairs([set(s.prompt_ids).union(s.output_ids) if p != 1.0 else None for s, p in zip(seqs, pens)],
+                        x.device)
+    if len(rows):
+        p = _row_values(x, pens, rows)
+        v = x[rows, cols]
+        x[rows, cols] = torch.where(v > 0, v / p, v * p)
 
 
 def _apply_presence_frequency(x: Tensor, seqs: list[Sequence]) -> None:
     """OpenAI semantics over output tokens: ``-= frequency * count + presence * (count > 0)``."""
-    rows, cols, subs = [], [], []
-    for i, seq in enumerate(seqs):
-        g = seq.gen_config
-        if g.presence_penalty or g.frequency_penalty:
-            for tok, n in Counter(seq.output_ids).items():
-                rows.append(i), cols.append(tok), subs.append(g.frequency_penalty * n + g.presence_penalty)
-    if rows:
-        idx = (_long(rows, x.device), _long(cols, x.device))
-        x[idx] = x[idx] - torch.tensor(subs, dtype=x.dtype, device=x.device)
+    cfgs = [s.gen_config for s in seqs]
+    counts = [Counter(s.output_ids) if g.presence_penalty or g.frequency_penalty else None
+              for s, g in zip(seqs, cfgs)]
+    rows, cols = _pairs(counts, x.device)
+    if len(rows):
+        n = torch.tensor([c for cnt in counts if cnt for c in cnt.values()], dtype=x.dtype, device=x.device)
+        freq = _row_values(x, [g.frequency_penalty for g in cfgs], rows)
+        pres = _row_values(x, [g.presence_penalty for g in cfgs], rows)
+        x[rows, cols] -= freq * n + pres
 
 
 def _apply_min_new_tokens(x: Tensor, seqs: list[Sequence]) -> None:
-    rows, cols = [], []
-    for i, seq in enumerate(seqs):
-        if len(seq.output_ids) < seq.gen_config.min_new_tokens:
-            stops = [t for t in seq.stop_ids if t < x.shape[1]]
-            rows += [i] * len(stops)
-            cols += stops
-    if rows:
-        x[_long(rows, x.device), _long(cols, x.device)] = -math.inf
+    """Forbid the stop tokens until ``min_new_tokens`` tokens have been generated."""
+    V = x.shape[1]
+    rows, cols = _pairs([[t for t in s.stop_ids if t < V] if len(s.output_ids) < s.gen_config.min_new_tokens
+                         else None for s in seqs], x.device)
+    if len(rows):
+        x[rows, cols] = -math.inf
 
 
 def _draw_plain(x: Tensor, cfgs: list[GenerationConfig], inv_t: Tensor, u: Tensor) -> Tensor:
@@ -121,7 +134,7 @@ def _draw_ranked(x: Tensor, cfgs: list[GenerationConfig], inv_t: Tensor, u: Tens
     """
     dev = x.device
     vals, ids = x.topk(width, dim=-1)
-    top_k = torch.tensor([g.top_k or width for g in cfgs], device=dev)[:, None]
+    top_k = torch.tensor([min(g.top_k, width) or width for g in cfgs], device=dev)[:, None]
     w = ((vals - vals[:, :1]) * inv_t).exp_()
     w.masked_fill_(torch.arange(width, device=dev) >= top_k, 0.0)
     no_k = _long([i for i, g in enumerate(cfgs) if not g.top_k], dev)
@@ -145,7 +158,7 @@ def _draw_ranked(x: Tensor, cfgs: list[GenerationConfig], inv_t: Tensor, u: Tens
 
 
 def _pick(t: Tensor, rows: Tensor) -> Tensor:
-    """``t[rows]``, without the copy when ``rows`` is every row in order."""
+    """``t[rows]`` for ascending unique ``rows``, without the copy when they are all the rows."""
     return t if len(rows) == len(t) else t[rows]
 
 
@@ -160,7 +173,8 @@ def _sample_rows(x: Tensor, seqs: list[Sequence]) -> Tensor:
     plain = _long(sorted(set(range(len(seqs))) - set(ranked)), dev)
     if len(plain):
         tokens[plain] = _draw_plain(_pick(x, plain), [cfgs[i] for i in plain.tolist()], inv_t[plain], u[plain])
-    first = max([g.top_k for g in cfgs] + [_TOP_P_SLICES[0] if any(not g.top_k for g in cfgs) else 0])
+    ranked_cfgs = [cfgs[i] for i in ranked]
+    first = max([g.top_k for g in ranked_cfgs] + [_TOP_P_SLICES[0] if any(not g.top_k for g in ranked_cfgs) else 0])
     widths = sorted({min(w, V) for w in (first, *_TOP_P_SLICES[1:], V) if w >= first})
     rows = _long(ranked, dev)
     for width in widths:  # top-p rows whose nucleus is wider than the slice go on to a wider one
@@ -172,22 +186,20 @@ def _sample_rows(x: Tensor, seqs: list[Sequence]) -> Tensor:
     return tokens
 
 
-def _logprobs(logits: Tensor, token_ids: Tensor, seqs: list[Sequence]) -> list[dict[int, float] | None] | None:
+def _logprobs(logits: Tensor, tokens: list[int], seqs: list[Sequence]) -> list[dict[int, float] | None] | None:
+    """Raw-logit logprobs of the chosen token and of the top ``logprobs`` tokens, per asking row."""
     rows = [i for i, s in enumerate(seqs) if s.gen_config.logprobs is not None]
     if not rows:
         return None
     row_t = _long(rows, logits.device)
-    lp = torch.log_softmax(logits[row_t].float(), dim=-1)
-    chosen = lp.gather(1, token_ids[row_t][:, None]).squeeze(1).tolist()
-    n = max(seqs[i].gen_config.logprobs for i in rows)
-    top_v, top_i = lp.topk(n, dim=-1) if n else (lp[:, :0], lp[:, :0].long())
+    lp = torch.log_softmax(_pick(logits, row_t).float(), dim=-1)
+    chosen = lp.gather(1, _long([tokens[i] for i in rows], logits.device)[:, None]).squeeze(1).tolist()
+    top_v, top_i = lp.topk(max(seqs[i].gen_config.logprobs for i in rows), dim=-1)
     top_v, top_i = top_v.tolist(), top_i.tolist()
     out: list[dict[int, float] | None] = [None] * len(seqs)
     for j, i in enumerate(rows):
-        d = {int(token_ids[i]): chosen[j]}
         k = seqs[i].gen_config.logprobs
-        d.update(zip(top_i[j][:k], top_v[j][:k]))
-        out[i] = d
+        out[i] = {tokens[i]: chosen[j], **dict(zip(top_i[j][:k], top_v[j][:k]))}
     return out
 
 
@@ -204,15 +216,13 @@ def sample(logits: Tensor, seqs: list[Sequence]) -> SampleOutput:
         _apply_repetition_penalty(x, seqs)
         _apply_presence_frequency(x, seqs)
         _apply_min_new_tokens(x, seqs)
-    greedy = [s.gen_config.is_greedy for s in seqs]
-    if all(greedy):
+    sampled = [i for i, s in enumerate(seqs) if not s.gen_config.is_greedy]
+    if len(sampled) < len(seqs):
         token_ids = x.argmax(-1)
     else:
-        rows = [i for i, g in enumerate(greedy) if not g]
-        if len(rows) == len(seqs):
-            token_ids = _sample_rows(x.float(), seqs)
-        else:
-            token_ids = x.argmax(-1)
-            row_t = _long(rows, x.device)
-            token_ids[row_t] = _sample_rows(x[row_t].float(), [seqs[i] for i in rows])
-    return SampleOutput(token_ids=token_ids.tolist(), logprobs=_logprobs(logits, token_ids, seqs))
+        token_ids = torch.empty(len(seqs), dtype=torch.long, device=x.device)
+    if sampled:
+        rows = _long(sampled, x.device)
+        token_ids[rows] = _sample_rows(_pick(x, rows).float(), [seqs[i] for i in sampled])
+    tokens = token_ids.tolist()
+    return SampleOutput(token_ids=tokens, logprobs=_logprobs(logits, tokens, seqs))

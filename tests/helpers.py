@@ -1,0 +1,37 @@
+"""Helpers shared by the engine tests."""
+from __future__ import annotations
+
+import torch
+
+from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
+from lmdeploy.pytorch.engine.engine import Engine
+
+GREEDY_32 = GenerationConfig(max_new_tokens=32, ignore_eos=True)
+
+
+def random_prompts(lengths, seed=0, vocab=300):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def make_engine(path, **kwargs) -> Engine:
+    kwargs.setdefault('num_gpu_blocks', 128)
+    kwargs.setdefault('block_size', 16)
+    return Engine(path, PytorchEngineConfig(dtype='float32', **kwargs), show_progress=False)
+
+
+def run(engine: Engine, prompts, gen_config=GREEDY_32) -> list[list[int]]:
+    index = {engine.add_request(p, gen_config): i for i, p in enumerate(prompts)}
+    outs = [[] for _ in prompts]
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs[index[out.seq_id]].extend(out.token_ids)
+    return outs
+
+
+def hf_greedy(model, prompt, n=32) -> list[int]:
+    model.generation_config.eos_token_id = None
+    input_ids = torch.tensor([prompt])
+    ids = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=n,
+                         do_sample=False, top_k=None, top_p=None, temperature=None)
+    return ids[0, len(prompt):].tolist()

@@ -1,0 +1,91 @@
+"""Bad input gets a clear exception and leaves the engine usable."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+from helpers import make_engine, run
+
+from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
+from lmdeploy.pytorch.engine.engine import Engine
+
+
+def copy_model(src: str, dst) -> str:
+    return shutil.copytree(src, str(dst))
+
+
+def test_unknown_architecture_names_supported(tiny_llama, tmp_path):
+    path = copy_model(tiny_llama, tmp_path / 'm')
+    config_path = os.path.join(path, 'config.json')
+    with open(config_path) as f:
+        config = json.load(f)
+    config['architectures'] = ['GPTNeoXForCausalLM']
+    config['model_type'] = 'gpt_neox'
+    with open(config_path, 'w') as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match='GPTNeoXForCausalLM.*LlamaForCausalLM'):
+        make_engine(path)
+
+
+def test_missing_model_path():
+    with pytest.raises(FileNotFoundError, match='does not exist'):
+        Engine('/no/such/model', PytorchEngineConfig(dtype='float32'))
+
+
+def test_missing_weight_file(tiny_llama, tmp_path):
+    path = copy_model(tiny_llama, tmp_path / 'm')
+    os.remove(os.path.join(path, 'model.safetensors'))
+    with pytest.raises(FileNotFoundError, match='safetensors'):
+        make_engine(path)
+
+
+def test_corrupt_weight_file(tiny_llama, tmp_path):
+    path = copy_model(tiny_llama, tmp_path / 'm')
+    weights = os.path.join(path, 'model.safetensors')
+    with open(weights, 'r+b') as f:
+        f.truncate(os.path.getsize(weights) // 2)
+    with pytest.raises(ValueError, match='model.safetensors'):
+        make_engine(path)
+
+
+@pytest.fixture(scope='module')
+def engine(tiny_llama):
+    return make_engine(tiny_llama, session_len=256)
+
+
+def test_prompt_longer_than_session_len(engine):
+    with pytest.raises(ValueError, match='session_len is 256'):
+        engine.add_request(list(range(3, 303)))
+    assert len(run(engine, [[5, 6, 7]])[0]) == 32
+
+
+def test_empty_prompt(engine):
+    with pytest.raises(ValueError, match='empty'):
+        engine.add_request([])
+    with pytest.raises(ValueError, match='token ids must be in'):
+        engine.add_request([10**9])
+    assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize('kwargs, match', [
+    ({'max_new_tokens': -1}, 'max_new_tokens'),
+    ({'max_new_tokens': 10**12}, 'max_new_tokens'),
+    ({'top_p': 0.0}, 'top_p'),
+    ({'top_p': 1.5}, 'top_p'),
+    ({'temperature': -0.5}, 'temperature'),
+    ({'temperature': 1e6}, 'temperature'),
+    ({'top_k': -3}, 'top_k'),
+    ({'min_p': 2.0}, 'min_p'),
+    ({'repetition_penalty': 0.0}, 'repetition_penalty'),
+    ({'logprobs': 100}, 'logprobs'),
+])
+def test_bad_generation_config(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GenerationConfig(**kwargs)
+
+
+def test_generation_stops_at_session_len(engine):
+    out = run(engine, [list(range(3, 243))], GenerationConfig(max_new_tokens=100, ignore_eos=True))[0]
+    assert len(out) == 256 - 240

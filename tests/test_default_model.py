@@ -1,0 +1,57 @@
+"""End to end on the bundled default model (SmolLM2-135M-Instruct, Q4_1 GGUF)."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from helpers import hf_greedy
+from transformers import AutoModelForCausalLM
+
+from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
+from lmdeploy.model_source import DEFAULT_GGUF
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = ['What is the capital of France?', 'Write a haiku about the sea.',
+             'Explain paged attention in one sentence.', 'List three prime numbers.']
+
+
+@pytest.fixture(scope='module')
+def pipe():
+    with pipeline(backend_config=PytorchEngineConfig(dtype='float32', max_batch_size=8)) as p:
+        yield p
+
+
+def test_greedy_matches_transformers_gguf(pipe, default_model_gguf):
+    ref = AutoModelForCausalLM.from_pretrained(os.path.dirname(default_model_gguf), gguf_file=DEFAULT_GGUF,
+                                               dtype=torch.float32).eval()
+    gen = GenerationConfig(max_new_tokens=32, ignore_eos=True)
+    responses = pipe(QUESTIONS, gen_config=gen)
+    for question, response in zip(QUESTIONS, responses):
+        prompt = pipe.encode(question)
+        assert response.token_ids == hf_greedy(ref, prompt, 32)
+        assert response.generate_token_len == 32 and response.finish_reason == 'length'
+
+
+def test_answers_make_sense(pipe):
+    response = pipe('What is the capital of France?', gen_config=GenerationConfig(max_new_tokens=32))
+    assert 'Paris' in response.text
+    assert response.finish_reason == 'stop'
+
+
+def test_stream_matches_batch(pipe):
+    gen = GenerationConfig(max_new_tokens=24)
+    full = pipe(QUESTIONS[:2], gen_config=gen)
+    texts = ['', '']
+    for chunk in pipe.stream_infer(QUESTIONS[:2], gen_config=gen):
+        texts[chunk.index] += chunk.text
+    assert texts == [r.text for r in full]
+
+
+def test_second_start_is_fast():
+    start = time.perf_counter()
+    with pipeline(backend_config=PytorchEngineConfig(num_gpu_blocks=16), show_progress=False):
+        pass
+    assert time.perf_counter() - start < 10
