@@ -6,13 +6,7 @@ import torch
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns ``(norm(x + residual), x + residual)``; the sum is the next residual.
-
-    The statistics are computed in fp32, as transformers does.
-    """
+    """Returns ``(norm(x + residual), x + residual)``; the sum is the next residual."""
     if residual is not None:
         x = x + residual
-    dtype = x.dtype
-    xf = x.float()
-    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(dtype), x
+    return torch.rms_norm(x, weight.shape, weight, eps), x

@@ -22,13 +22,14 @@ class PagedAttention(nn.Module):
                 kv_cache: tuple[torch.Tensor, torch.Tensor], ctx: StepContext) -> torch.Tensor:
         """``q [T, H, D]``, ``k, v [T, H_kv, D]`` -> ``[T, H * D]``."""
         k_cache, v_cache = kv_cache
-        fill_kv_cache(k, v, k_cache, v_cache, ctx.slot_mapping)
+        fill_kv_cache(k, v, k_cache, v_cache, ctx.kv_blocks, ctx.kv_offsets)
         num_prefill = ctx.num_prefill_tokens
         out = torch.empty_like(q)
         for span in ctx.prefill_spans:
             sl = slice(span.start, span.start + span.length)
-            out[sl] = prefill_attention(q[sl], k[sl], v[sl], k_cache, v_cache, span.context_slots, self.scale)
-        if ctx.decode_slots is not None:
-            out[num_prefill:] = decode_attention(q[num_prefill:], k_cache, v_cache, ctx.decode_slots,
-                                                 ctx.decode_mask, self.scale)
+            out[sl] = prefill_attention(q[sl], k[sl], v[sl], k_cache, v_cache, span.context_blocks, span.context_len,
+                                        self.scale)
+        if ctx.decode_blocks is not None:
+            out[num_prefill:] = decode_attention(q[num_prefill:], k_cache, v_cache, ctx.decode_blocks,
+                                                 ctx.decode_bias, self.scale)
         return out.flatten(1)

@@ -6,15 +6,6 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` for ``x [T, in]``, picking the fastest CPU kernel for one row."""
-    if x.shape[0] == 1 and x.dtype == torch.bfloat16 and x.device.type == 'cpu':
-        # oneDNN's bf16 GEMM is slow for one row; the matrix-vector kernel is not.
-        y = torch.mv(weight, x[0]).unsqueeze(0)
-        return y if bias is None else y + bias
-    return F.linear(x, weight, bias)
-
-
 class Linear(nn.Module):
     """``y = x @ W.T + b`` with weights in the model dtype."""
 
@@ -24,7 +15,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class MergedLinear(Linear):

@@ -1,0 +1,106 @@
+"""BlockManager and Scheduler on their own, without a model."""
+from __future__ import annotations
+
+from lmdeploy.messages import GenerationConfig
+from lmdeploy.pytorch.engine.sequence import Sequence, SequenceStatus
+from lmdeploy.pytorch.paging.block_manager import BlockManager
+from lmdeploy.pytorch.paging.scheduler import Scheduler
+
+
+def make_seq(seq_id: int, num_tokens: int, first: int = 0) -> Sequence:
+    return Sequence(seq_id, list(range(first, first + num_tokens)), GenerationConfig(max_new_tokens=8))
+
+
+def compute_all(bm: BlockManager, seq: Sequence) -> None:
+    """Pretends the model computed every token of ``seq``."""
+    bm.allocate(seq, seq.num_tokens)
+    seq.num_computed = seq.num_tokens
+    bm.register_full_blocks(seq)
+
+
+def test_allocate_and_free_refcounts():
+    bm = BlockManager(8, 4)
+    seq = make_seq(0, 10)
+    bm.allocate(seq, 10)
+    assert len(seq.block_ids) == 3 and bm.num_free_blocks == 5
+    assert all(bm.blocks[b].ref_count == 1 for b in seq.block_ids)
+    bm.free_blocks(seq)
+    assert bm.num_free_blocks == 8 and seq.block_ids == []
+
+
+def test_prefix_match_shares_blocks_and_leaves_one_token():
+    bm = BlockManager(16, 4)
+    first = make_seq(0, 12)
+    compute_all(bm, first)
+    same = make_seq(1, 12)
+    matched = bm.match_prefix(same)
+    assert matched == first.block_ids[:2], 'the last full block is recomputed so one token is left'
+    longer = make_seq(2, 14)
+    assert bm.match_prefix(longer) == first.block_ids
+    bm.allocate(longer, 14, bm.match_prefix(longer))
+    assert all(bm.blocks[b].ref_count == 2 for b in first.block_ids)
+
+
+def test_hash_hit_checks_tokens():
+    bm = BlockManager(16, 4)
+    first = make_seq(0, 9)
+    compute_all(bm, first)
+    block = bm.blocks[first.block_ids[0]]
+    block.token_ids = (99, 99, 99, 99)  # a hash collision in disguise
+    assert bm.match_prefix(make_seq(1, 9)) == []
+
+
+def test_cached_blocks_survive_free_and_are_evicted_lru():
+    bm = BlockManager(4, 4)
+    first = make_seq(0, 9)
+    compute_all(bm, first)
+    block_ids = list(first.block_ids)
+    bm.free_blocks(first)
+    assert bm.num_free_blocks == 4 and bm.num_cached_free_blocks == 2
+    assert bm.match_prefix(make_seq(1, 9)) == block_ids[:2]
+    hog = make_seq(2, 16, first=1000)
+    bm.allocate(hog, 16)
+    assert bm.num_cached_free_blocks == 0 and bm.hash_to_block == {}
+    assert bm.match_prefix(make_seq(3, 9)) == []
+
+
+def test_scheduler_chunks_prefill_within_budget():
+    bm = BlockManager(64, 4)
+    sched = Scheduler(bm, max_batch_size=8, max_prefill_token_num=16)
+    long_seq, short_seq = make_seq(0, 40), make_seq(1, 5, first=500)
+    sched.add(long_seq)
+    sched.add(short_seq)
+    plan = sched.schedule()
+    assert [(i.seq.seq_id, i.num_tokens) for i in plan.prefill] == [(0, 16)]
+    long_seq.num_computed += 16
+    plan = sched.schedule()
+    assert [(i.seq.seq_id, i.num_tokens) for i in plan.prefill] == [(0, 16)]
+
+
+def test_scheduler_preempts_latest_and_requeues_it_first():
+    bm = BlockManager(4, 4)
+    sched = Scheduler(bm, max_batch_size=8, max_prefill_token_num=64)
+    a, b = make_seq(0, 8), make_seq(1, 8, first=100)
+    sched.add(a)
+    sched.add(b)
+    sched.schedule()
+    for seq in (a, b):
+        seq.num_computed = 8
+        seq.output_ids.append(1)
+    assert bm.num_free_blocks == 0
+    plan = sched.schedule()
+    assert [i.seq.seq_id for i in plan.decode] == [0]
+    assert b.status == SequenceStatus.WAITING and sched.waiting[0] is b and b.block_ids == []
+    assert b.num_computed == 0 and sched.num_preemptions == 1
+    assert len(a.block_ids) == 3
+    sched.finish(a)
+    assert bm.num_free_blocks == 4
+
+
+def test_scheduler_respects_max_batch_size():
+    bm = BlockManager(64, 4)
+    sched = Scheduler(bm, max_batch_size=2, max_prefill_token_num=256)
+    for i in range(5):
+        sched.add(make_seq(i, 3, first=10 * i))
+    plan = sched.schedule()
+    assert len(plan.prefill) == 2 and len(sched.waiting) == 3
