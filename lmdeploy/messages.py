@@ -1,6 +1,7 @@
-"""Public configuration and result types: GenerationConfig, PytorchEngineConfig, Response."""
+"""Public configuration and result types: GenerationConfig, PytorchEngineConfig, ChatTemplateConfig, Response."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -103,6 +104,20 @@ class PytorchEngineConfig:
         _check(self.tp == 1, 'tp > 1 is not supported yet')
 
 
+@dataclass
+class ChatTemplateConfig:
+    """Overrides the model's chat template: ``chat_template`` is Jinja text or the path of a file holding it."""
+
+    chat_template: str | None = None
+
+    def __post_init__(self):
+        _check(self.chat_template is None or (isinstance(self.chat_template, str) and self.chat_template.strip()),
+               'chat_template must be None or a non-empty str (Jinja text or a file path)')
+        if self.chat_template and os.path.isfile(self.chat_template):
+            with open(self.chat_template, encoding='utf-8') as f:
+                self.chat_template = f.read()
+
+
 FinishReason = Literal['stop', 'length', 'abort', 'error']
 
 
@@ -118,6 +133,19 @@ class Response:
     logprobs: list[dict[int, float]] | None = None
     index: int = 0
     cached_tokens: int = 0
+    error: str | None = None
+
+    def extend(self, chunk: Response) -> None:
+        """Adds a streamed chunk of the same prompt: text and tokens grow, counts and finish_reason follow it."""
+        self.text += chunk.text
+        self.token_ids.extend(chunk.token_ids)
+        if chunk.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + chunk.logprobs
+        self.generate_token_len = max(self.generate_token_len, chunk.generate_token_len)
+        self.input_token_len = chunk.input_token_len
+        self.cached_tokens = chunk.cached_tokens
+        self.finish_reason = chunk.finish_reason
+        self.error = chunk.error
 
 
 @dataclass

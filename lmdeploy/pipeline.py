@@ -1,17 +1,26 @@
-"""``Pipeline``: the synchronous Python API over the engine."""
+"""``Pipeline``: the synchronous Python API, on top of an :class:`AsyncEngine` run by its own event-loop thread."""
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Union
+import asyncio
+import concurrent.futures
+import queue
+import threading
+from collections.abc import Coroutine, Iterator
+from contextlib import aclosing
+from typing import Any, TypeVar, Union
 
 from tqdm import tqdm
 
-from lmdeploy.messages import EngineOutput, GenerationConfig, PytorchEngineConfig, Response
-from lmdeploy.pytorch.engine.engine import Engine
+from lmdeploy.messages import ChatTemplateConfig, GenerationConfig, PytorchEngineConfig, Response
+from lmdeploy.serve.async_engine import AsyncEngine
+from lmdeploy.serve.exceptions import SafeRunException
+from lmdeploy.serve.session_manager import Session
+from lmdeploy.vl.processor import Prompt
 
-Messages = list[dict]
-Prompt = Union[str, Messages]
 Prompts = Union[Prompt, list[Prompt]]
+GenConfigs = Union[GenerationConfig, list[GenerationConfig], None]
+T = TypeVar('T')
+_DONE = object()
 
 
 def _as_batch(prompts: Prompts) -> tuple[list[Prompt], bool]:
@@ -25,79 +34,155 @@ def _as_batch(prompts: Prompts) -> tuple[list[Prompt], bool]:
     raise TypeError('prompts must be a str, an OpenAI-style message list, or a list of those')
 
 
+def _per_prompt(gen_config: GenConfigs, count: int) -> list[GenerationConfig | None]:
+    configs = gen_config if isinstance(gen_config, list) else [gen_config] * count
+    if len(configs) != count:
+        raise ValueError(f'got {len(configs)} gen_configs for {count} prompts')
+    return configs
+
+
 class Pipeline:
-    """Generates text for prompts with a local model (see :func:`lmdeploy.pipeline`)."""
+    """Generates text with a local model (see :func:`lmdeploy.pipeline`).
+
+    Every method may be called from any thread, also one that runs an asyncio loop (Jupyter): the
+    work runs on the pipeline's own loop thread while the caller waits. Async code may also drive
+    ``pipe.async_engine`` directly. A prompt that fails (bad input, too long) gets a Response with
+    ``finish_reason='error'`` and the message in ``error``; the other prompts are unaffected.
+    """
 
     def __init__(self, model_path: str | None = None, backend_config: PytorchEngineConfig | None = None,
-                 show_progress: bool = True):
-        self.engine = Engine(model_path, backend_config, show_progress=show_progress)
-        self.tokenizer = self.engine.tokenizer
+                 chat_template_config: ChatTemplateConfig | None = None, show_progress: bool = True):
+        self.async_engine = AsyncEngine(model_path, backend_config, chat_template_config, show_progress)
+        self.tokenizer = self.async_engine.tokenizer
+        self._loop = asyncio.new_event_loop()
+        self._thread: threading.Thread | None = threading.Thread(target=self._loop.run_forever,
+                                                                 name='lmdeploy-pipeline-loop', daemon=True)
+        self._thread.start()
+        self._close_lock = threading.Lock()
+
+    def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future:
+        """Schedules ``coro`` on the pipeline's loop."""
+        if self._thread is None or threading.current_thread() is self._thread:
+            coro.close()
+            raise RuntimeError('the pipeline is closed' if self._thread is None else
+                               'the synchronous Pipeline API cannot be called from its own event loop')
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Runs ``coro`` on the pipeline's loop and waits for it; interrupting the wait cancels it."""
+        future = self._submit(coro)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()
+            raise
 
     def encode(self, prompt: Prompt, do_preprocess: bool = True) -> list[int]:
-        """Token ids of a prompt; ``do_preprocess`` applies the model's chat template to a str."""
-        if isinstance(prompt, str) and not do_preprocess:
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
-        messages = [{'role': 'user', 'content': prompt}] if isinstance(prompt, str) else prompt
-        return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages), add_special_tokens=False)
+        """Token ids of a prompt; ``do_preprocess`` applies the chat template."""
+        return self.async_engine.encode(prompt, do_preprocess)
 
-    def _submit(self, prompts: Prompts, gen_config, do_preprocess: bool) -> tuple[dict[int, int], list[int], bool]:
-        batch, single = _as_batch(prompts)
-        configs = gen_config if isinstance(gen_config, list) else [gen_config] * len(batch)
-        if len(configs) != len(batch):
-            raise ValueError(f'got {len(configs)} gen_configs for {len(batch)} prompts')
-        encoded = [self.encode(p, do_preprocess) for p in batch]
-        index_of: dict[int, int] = {}
+    async def _one(self, index: int, prompt: Prompt, gen_config: GenerationConfig | None,
+                   do_preprocess: bool) -> Response:
         try:
-            for index, (ids, config) in enumerate(zip(encoded, configs)):
-                index_of[self.engine.add_request(ids, config or GenerationConfig())] = index
-        except Exception:
-            for seq_id in index_of:
-                self.engine.abort(seq_id)
-            raise
-        return index_of, [len(ids) for ids in encoded], single
+            generate = self.async_engine.generate(prompt, gen_config=gen_config, do_preprocess=do_preprocess)
+            return await self.async_engine.collect(generate, index)
+        except SafeRunException as exc:
+            return Response('', 0, 0, 'error', index=index, error=exc.message)
 
-    def _run(self, index_of: dict[int, int]) -> Iterator[EngineOutput]:
-        try:
-            while self.engine.has_unfinished():
-                yield from self.engine.step()
-        finally:
-            for seq_id in index_of:
-                self.engine.abort(seq_id)
-
-    def __call__(self, prompts: Prompts, gen_config: GenerationConfig | list[GenerationConfig] | None = None,
-                 do_preprocess: bool = True, use_tqdm: bool = False) -> Response | list[Response]:
-        """Generates a full response for each prompt (a single prompt gives a single Response)."""
-        index_of, input_lens, single = self._submit(prompts, gen_config, do_preprocess)
-        responses = [Response('', 0, n, index=i) for i, n in enumerate(input_lens)]
-        progress = tqdm(total=len(responses), disable=not use_tqdm, desc='Generating')
-        for out in self._run(index_of):
-            r = responses[index_of[out.seq_id]]
-            r.text += out.text
-            r.token_ids.extend(out.token_ids)
-            r.generate_token_len = out.num_output_tokens
-            r.cached_tokens = out.num_cached_tokens
-            if out.logprobs is not None:
-                r.logprobs = (r.logprobs or []) + out.logprobs
-            if out.finish_reason is not None:
-                r.finish_reason = out.finish_reason
+    async def _infer(self, batch: list[Prompt], configs: list, do_preprocess: bool, use_tqdm: bool) -> list[Response]:
+        with tqdm(total=len(batch), disable=not use_tqdm, desc='Generating') as progress:
+            async def one(index: int) -> Response:
+                response = await self._one(index, batch[index], configs[index], do_preprocess)
                 progress.update(1)
-        progress.close()
+                return response
+            return list(await asyncio.gather(*(one(i) for i in range(len(batch)))))
+
+    def __call__(self, prompts: Prompts, gen_config: GenConfigs = None, do_preprocess: bool = True,
+                 use_tqdm: bool = False) -> Response | list[Response]:
+        """Generates a full response for each prompt (a single prompt gives a single Response).
+
+        ``gen_config`` is one config or one per prompt; ``do_preprocess=False`` skips the chat template.
+        """
+        batch, single = _as_batch(prompts)
+        responses = self._run(self._infer(batch, _per_prompt(gen_config, len(batch)), do_preprocess, use_tqdm))
         return responses[0] if single else responses
 
     infer = __call__
 
-    def stream_infer(self, prompts: Prompts, gen_config: GenerationConfig | list[GenerationConfig] | None = None,
+    async def _stream(self, batch: list[Prompt], configs: list, do_preprocess: bool, put) -> None:
+        async def one(index: int) -> None:
+            try:
+                generate = self.async_engine.generate(batch[index], gen_config=configs[index],
+                                                      do_preprocess=do_preprocess)
+                async with aclosing(generate) as chunks:
+                    async for chunk in chunks:
+                        chunk.index = index
+                        put(chunk)
+            except SafeRunException as exc:
+                put(Response('', 0, 0, 'error', index=index, error=exc.message))
+        try:
+            await asyncio.gather(*(one(i) for i in range(len(batch))))
+        finally:
+            put(_DONE)
+
+    def stream_infer(self, prompts: Prompts, gen_config: GenConfigs = None,
                      do_preprocess: bool = True) -> Iterator[Response]:
-        """Yields incremental ``Response`` chunks; ``chunk.index`` says which prompt each belongs to."""
-        index_of, input_lens, _ = self._submit(prompts, gen_config, do_preprocess)
-        for out in self._run(index_of):
-            index = index_of[out.seq_id]
-            yield Response(out.text, out.num_output_tokens, input_lens[index], out.finish_reason,
-                           out.token_ids, out.logprobs, index, out.num_cached_tokens)
+        """Yields incremental ``Response`` chunks; ``chunk.index`` says which prompt each belongs to.
+
+        Closing the iterator early aborts the prompts still running.
+        """
+        batch, _ = _as_batch(prompts)
+        configs = _per_prompt(gen_config, len(batch))
+        chunks: queue.SimpleQueue = queue.SimpleQueue()
+        future = self._submit(self._stream(batch, configs, do_preprocess, chunks.put))
+        try:
+            while (chunk := chunks.get()) is not _DONE:
+                yield chunk
+            future.result()
+        finally:
+            future.cancel()
+
+    def session(self, session_id: int | None = None, gen_config: GenerationConfig | None = None) -> Session:
+        """A new chat session (an automatic id unless ``session_id`` is given)."""
+        return self.async_engine.session(session_id, gen_config)
+
+    def chat(self, prompt: Prompt, session: Session | None = None, gen_config: GenerationConfig | None = None,
+             do_preprocess: bool = True) -> Session:
+        """One chat turn in ``session`` (a new one if None); returns the session, whose ``response``
+        holds the reply and ``history`` the conversation. Bad input raises :class:`SafeRunException`."""
+        session = session or self.session()
+        self._run(self.async_engine.chat(prompt, session, gen_config, do_preprocess))
+        return session
+
+    def end_session(self, session: Session) -> None:
+        """Aborts the session's request, if any, and forgets the session."""
+        self._run(self.async_engine.end_session(session.session_id))
+
+    def get_ppl(self, input_ids: list[int] | list[list[int]]) -> float | list[float]:
+        """Mean negative log-likelihood per predicted token, for one token list or a list of them."""
+        if input_ids and isinstance(input_ids[0], list):
+            return [self._run(self.async_engine.get_ppl(ids)) for ids in input_ids]
+        return self._run(self.async_engine.get_ppl(input_ids))
+
+    async def _cancel_tasks(self) -> None:
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._loop.shutdown_asyncgens()
 
     def close(self) -> None:
-        """Releases the engine."""
-        self.engine = None
+        """Aborts what is in flight, stops both threads and frees the engine; calling it again is a no-op."""
+        with self._close_lock:
+            if self._thread is None:
+                return
+            self._run(self.async_engine.stop_all_session())
+            self.async_engine.close()
+            self._run(self._cancel_tasks())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self._thread = None
+            self._loop.close()
 
     def __enter__(self) -> Pipeline:
         return self

@@ -45,10 +45,13 @@ class Tokenizer:
         """Text of ``ids``, without the legacy clean-up of spaces (which breaks streaming)."""
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render ``messages`` with the model's chat template, or join their contents if it has none."""
-        if getattr(self.hf, 'chat_template', None):
-            return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            chat_template: str | None = None) -> str:
+        """Render ``messages`` with ``chat_template`` (Jinja) or the model's own template, or join their
+        contents if there is none."""
+        if chat_template or getattr(self.hf, 'chat_template', None):
+            return self.hf.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
+                                               add_generation_prompt=add_generation_prompt)
         return '\n'.join(str(m['content']) for m in messages)
 
 

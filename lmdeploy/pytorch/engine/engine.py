@@ -17,7 +17,7 @@ from lmdeploy.pytorch.engine.output_processor import OutputProcessor
 from lmdeploy.pytorch.engine.sampler import sample
 from lmdeploy.pytorch.engine.sequence import Sequence
 from lmdeploy.pytorch.paging.block_manager import BlockManager
-from lmdeploy.pytorch.paging.scheduler import Scheduler
+from lmdeploy.pytorch.paging.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from lmdeploy.pytorch.weights.safetensors_loader import iterate_weights
 from lmdeploy.tokenizer import Tokenizer
 
@@ -69,9 +69,7 @@ class Engine:
             raise MemoryError('not enough memory for even one KV-cache block; lower block_size')
         return num_blocks
 
-    def add_request(self, prompt_ids: list[int], gen_config: GenerationConfig | None = None) -> int:
-        """Queues a request and returns its id; raises ``ValueError`` for input it cannot serve."""
-        gen_config = gen_config or GenerationConfig()
+    def _check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
             raise ValueError('the prompt is empty; give at least one token')
         if len(prompt_ids) >= self.session_len:
@@ -80,6 +78,11 @@ class Engine:
         vocab = self.model_config.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise ValueError(f'prompt token ids must be in [0, {vocab})')
+
+    def add_request(self, prompt_ids: list[int], gen_config: GenerationConfig | None = None) -> int:
+        """Queues a request and returns its id; raises ``ValueError`` for input it cannot serve."""
+        gen_config = gen_config or GenerationConfig()
+        self._check_prompt(prompt_ids)
         seq = Sequence(next(self._ids), list(prompt_ids), gen_config, self.tokenizer.eos_token_ids)
         self.sequences[seq.seq_id] = seq
         self.outputs.add(seq)
@@ -94,6 +97,22 @@ class Engine:
         self.scheduler.finish(seq)
         seq.finish_reason = 'abort'
         return self.outputs.finish(seq)
+
+    @torch.inference_mode()
+    def get_logits(self, prompt_ids: list[int]) -> torch.Tensor:
+        """fp32 logits ``[len(prompt_ids), vocab]`` of every position, from a fresh prefill of the prompt
+        in borrowed free blocks (no prefix-cache reuse); runs between steps, on the engine's thread."""
+        self._check_prompt(prompt_ids)
+        seq = Sequence(-1, list(prompt_ids), GenerationConfig(max_new_tokens=1))
+        if not self.block_manager.can_allocate(self.block_manager.blocks_needed(len(prompt_ids))):
+            raise ValueError('not enough free KV-cache blocks for this prompt right now; retry when the engine is idle')
+        self.block_manager.allocate(seq, len(prompt_ids))
+        try:
+            input_ids, ctx, _ = self.runner.build_inputs(SchedulerOutput(prefill=[ScheduledSeq(seq, len(prompt_ids))]))
+            hidden = self.runner.model(input_ids, self.runner.kv_caches, ctx)
+            return self.runner.model.logits(hidden).float()
+        finally:
+            self.block_manager.free_blocks(seq)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -1,0 +1,155 @@
+"""``AsyncEngine``: the request lifecycle (sessions, admission, streaming, abort) over the PyTorch engine."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import torch
+import torch.nn.functional as F
+
+from lmdeploy.messages import ChatTemplateConfig, EngineOutput, GenerationConfig, PytorchEngineConfig, Response
+from lmdeploy.pytorch.engine.engine import Engine
+from lmdeploy.serve.engine_loop import EngineLoop
+from lmdeploy.serve.exceptions import ErrorCode, SafeRunException
+from lmdeploy.serve.inst_manager import InferInstManager
+from lmdeploy.serve.session_manager import Session, SessionManager
+from lmdeploy.vl.processor import MultiModalProcessor, Prompt
+
+
+def _to_response(out: EngineOutput) -> Response:
+    return Response(out.text, out.num_output_tokens, out.num_prompt_tokens, out.finish_reason, out.token_ids,
+                    out.logprobs, 0, out.num_cached_tokens, out.error)
+
+
+class AsyncEngine:
+    """Serves prompts from asyncio code, from any number of event loops and threads.
+
+    It owns the tokenizer, the chat template (in its :class:`MultiModalProcessor`), the engine (driven
+    by one engine-loop thread), and its own :class:`SessionManager` and :class:`InferInstManager`.
+    """
+
+    def __init__(self, model_path: str | None = None, backend_config: PytorchEngineConfig | None = None,
+                 chat_template_config: ChatTemplateConfig | None = None, show_progress: bool = True):
+        self.backend_config = backend_config or PytorchEngineConfig()
+        self.engine: Engine | None = Engine(model_path, self.backend_config, show_progress=show_progress)
+        self.tokenizer = self.engine.tokenizer
+        self.session_len = self.engine.session_len
+        template = chat_template_config.chat_template if chat_template_config else None
+        self.processor = MultiModalProcessor(self.tokenizer, template)
+        self.session_manager = SessionManager()
+        self.engine_loop = EngineLoop(self.engine, lambda: self.session_manager.epoch)
+        self.inst_manager = InferInstManager(self.engine_loop, self.backend_config.max_batch_size)
+
+    def encode(self, prompt: Prompt, do_preprocess: bool = True) -> list[int]:
+        """Token ids of a prompt; raises :class:`SafeRunException` (INVALID_ARGUMENT) for bad input."""
+        try:
+            return self.processor.encode(prompt, do_preprocess)
+        except ValueError as exc:
+            raise SafeRunException(ErrorCode.INVALID_ARGUMENT, str(exc)) from exc
+
+    async def generate(self, messages: Prompt | None = None, session_id: int | None = None,
+                       gen_config: GenerationConfig | None = None, do_preprocess: bool = True,
+                       input_ids: list[int] | None = None) -> AsyncIterator[Response]:
+        """Streams incremental :class:`Response` chunks for one prompt (or ``input_ids``).
+
+        Each chunk carries the new text and token ids (and logprobs if asked); the counts are totals
+        so far; the last chunk has a ``finish_reason``: 'stop', 'length', 'abort', or 'error' when
+        the engine failed while the request ran (``error`` says why).
+
+        Bad input (malformed prompt, empty or longer than ``session_len``, bad token ids) and a
+        session that already has a request running raise :class:`SafeRunException` before anything
+        is yielded. ``session_id`` picks an existing session (see :meth:`session`) or names a new
+        one-request session; None makes an anonymous one. Cancelling the consumer or closing the
+        generator aborts the request in the engine and frees everything it held.
+        """
+        session = self.session_manager.get(session_id) if session_id is not None else None
+        gen_config = gen_config or (session and session.gen_config) or GenerationConfig()
+        if not isinstance(gen_config, GenerationConfig):
+            raise SafeRunException(ErrorCode.INVALID_ARGUMENT, 'gen_config must be a GenerationConfig')
+        prompt_ids = self._input_ids(input_ids) if input_ids is not None else self.encode(messages, do_preprocess)
+        one_shot = session is None
+        session = session or self.session_manager.create(session_id)
+        request = self.session_manager.start_request(session)
+        try:
+            async with self.inst_manager.instance(request) as inst:
+                if inst is None or request.aborted or request.epoch != self.session_manager.epoch:
+                    yield Response('', 0, len(prompt_ids), 'abort')
+                    return
+                stream = inst.start(request, prompt_ids, gen_config)
+                try:
+                    while True:
+                        out = await stream.queue.get()
+                        if out.finish_reason == 'error' and stream.error_code is not ErrorCode.ENGINE_ERROR:
+                            raise SafeRunException(stream.error_code, out.error)
+                        yield _to_response(out)
+                        if out.finish_reason is not None:
+                            break
+                finally:
+                    if not stream.done.done():
+                        await asyncio.wrap_future(inst.cancel(stream))
+        finally:
+            self.session_manager.finish_request(session, request, end_session=one_shot)
+
+    async def collect(self, responses: AsyncIterator[Response], index: int = 0) -> Response:
+        """Merges a stream of chunks into one :class:`Response`."""
+        total = Response('', 0, 0, index=index)
+        async for chunk in responses:
+            total.extend(chunk)
+        return total
+
+    def session(self, session_id: int | None = None, gen_config: GenerationConfig | None = None) -> Session:
+        """A new session for multi-turn chat, kept until :meth:`end_session`."""
+        return self.session_manager.create(session_id, gen_config)
+
+    async def chat(self, prompt: Prompt, session: Session, gen_config: GenerationConfig | None = None,
+                   do_preprocess: bool = True) -> Response:
+        """One chat turn: answers ``prompt`` after the session's history, then records both in it.
+
+        The earlier turns' KV blocks are found again by the prefix cache (``Response.cached_tokens``).
+        """
+        turn = [{'role': 'user', 'content': prompt}] if isinstance(prompt, str) else list(prompt)
+        response = await self.collect(self.generate(session.history + turn, session.session_id, gen_config,
+                                                    do_preprocess))
+        session.history += turn + [{'role': 'assistant', 'content': response.text}]
+        session.response = response
+        return response
+
+    async def abort_session(self, session_id: int) -> None:
+        """Stops the session's request; a no-op for unknown or idle sessions."""
+        await self.session_manager.abort(session_id)
+
+    async def end_session(self, session_id: int) -> None:
+        """Aborts the session's request and forgets the session."""
+        await self.session_manager.end(session_id)
+
+    async def stop_all_session(self) -> None:
+        """Aborts every request in flight, also those still waiting for admission."""
+        await self.session_manager.abort_all()
+
+    def _input_ids(self, input_ids: object) -> list[int]:
+        if not isinstance(input_ids, list) or not all(type(t) is int for t in input_ids):
+            raise SafeRunException(ErrorCode.INVALID_ARGUMENT, 'input_ids must be a list of ints')
+        return input_ids
+
+    async def get_logits(self, input_ids: list[int]) -> torch.Tensor:
+        """fp32 logits ``[len(input_ids), vocab]`` at every position of the prompt."""
+        ids = self._input_ids(input_ids)
+        try:
+            return await asyncio.wrap_future(self.engine_loop.call(lambda engine: engine.get_logits(ids)))
+        except ValueError as exc:
+            code = ErrorCode.INPUT_LENGTH_ERROR if len(ids) >= self.session_len else ErrorCode.INVALID_ARGUMENT
+            raise SafeRunException(code, str(exc)) from exc
+
+    async def get_ppl(self, input_ids: list[int]) -> float:
+        """Mean negative log-likelihood per predicted token of ``input_ids`` (at least two tokens)."""
+        if not isinstance(input_ids, list) or len(input_ids) < 2:
+            raise SafeRunException(ErrorCode.INVALID_ARGUMENT, 'get_ppl needs at least two token ids')
+        logits = await self.get_logits(input_ids)
+        return F.cross_entropy(logits[:-1], torch.tensor(input_ids[1:])).item()
+
+    def close(self) -> None:
+        """Ends every request (in flight or waiting) as 'abort', stops the engine-loop thread and drops
+        the engine."""
+        self.session_manager.abort_all_nowait()
+        self.engine_loop.stop()
+        self.engine_loop.engine = self.engine = None

@@ -1,0 +1,202 @@
+"""The one thread that drives the synchronous :class:`Engine`.
+
+Requests, aborts and calls go in through a thread-safe queue; the thread runs them, steps the
+batch while there is work and sleeps on the queue when there is none. Each request's outputs go
+back to its consumer's event loop with ``loop.call_soon_threadsafe``.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from lmdeploy.messages import EngineOutput, FinishReason, GenerationConfig
+from lmdeploy.pytorch.engine.engine import Engine
+from lmdeploy.serve.exceptions import ErrorCode, SafeRunException
+
+logger = logging.getLogger('lmdeploy')
+
+
+def _running_future() -> concurrent.futures.Future:
+    """A future that waiters cannot cancel (``asyncio.wrap_future`` would cancel it with the waiter)."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    future.set_running_or_notify_cancel()
+    return future
+
+
+@dataclass(eq=False)
+class RequestStream:
+    """One request's channel between its consumer's event loop and the engine-loop thread.
+
+    ``done`` resolves once the engine holds nothing of the request any more.
+    """
+
+    prompt_ids: list[int]
+    gen_config: GenerationConfig
+    epoch: int
+    done: concurrent.futures.Future = field(default_factory=_running_future)
+    loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    seq_id: int | None = None
+    error_code: ErrorCode | None = None
+
+    def deliver(self, output: EngineOutput) -> None:
+        """Hands an output to the consumer (called on the engine-loop thread)."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, output)
+        except RuntimeError:
+            logger.debug('request output dropped: its event loop is closed')
+        if output.finish_reason is not None and not self.done.done():
+            self.done.set_result(None)
+
+    def end(self, reason: FinishReason, error: str | None = None, code: ErrorCode | None = None) -> None:
+        """Ends the request with a made-up final output (it never ran, or the engine cannot report on it)."""
+        self.error_code = code
+        self.deliver(EngineOutput(-1, [], '', None, reason, len(self.prompt_ids), 0, 0, error))
+
+
+class EngineLoop:
+    """Owns the engine-loop thread; ``current_epoch`` tells which requests are still wanted."""
+
+    def __init__(self, engine: Engine, current_epoch: Callable[[], int], heartbeat_interval: float = 1.0):
+        self.engine = engine
+        self.heartbeat_interval = heartbeat_interval
+        self.last_heartbeat = time.monotonic()
+        self.error: str | None = None
+        self._current_epoch = current_epoch
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[int, RequestStream] = {}
+        self._lock = threading.Lock()
+        self._accepting = True
+        self._thread = threading.Thread(target=self._run, name='lmdeploy-engine-loop', daemon=True)
+        self._thread.start()
+
+    @property
+    def is_alive(self) -> bool:
+        """Whether the loop thread is running (``last_heartbeat`` says when it last made progress)."""
+        return self._thread.is_alive()
+
+    def _put(self, command: tuple) -> bool:
+        with self._lock:
+            if self._accepting:
+                self._commands.put(command)
+            return self._accepting
+
+    def submit(self, stream: RequestStream) -> None:
+        """Queues a request; raises :class:`SafeRunException` once the loop has stopped."""
+        if not self._put(('add', stream)):
+            code = ErrorCode.ENGINE_ERROR if self.error else ErrorCode.ABORTED
+            raise SafeRunException(code, f'the engine is not running: {self.error or "it was closed"}')
+
+    def abort(self, stream: RequestStream) -> None:
+        """Asks the loop to stop a request; a no-op once it has ended."""
+        self._put(('abort', stream))
+
+    def call(self, fn: Callable[[Engine], Any]) -> concurrent.futures.Future:
+        """Runs ``fn(engine)`` on the loop thread between two steps."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if not self._put(('call', (fn, future))):
+            future.set_exception(SafeRunException(ErrorCode.ABORTED, 'the engine is not running'))
+        return future
+
+    def stop(self) -> None:
+        """Ends every request still in flight as 'abort' and joins the thread."""
+        self._put(('stop', None))
+        self._thread.join()
+
+    def _run(self) -> None:
+        try:
+            while self._run_commands():
+                if self.engine.has_unfinished():
+                    self._step()
+                self.last_heartbeat = time.monotonic()
+        except BaseException as exc:
+            logger.exception('the engine loop crashed')
+            self.error = f'{type(exc).__name__}: {exc}'
+        finally:
+            self._shutdown()
+
+    def _run_commands(self) -> bool:
+        """Runs the queued commands, first waiting for one if the engine is idle; False means stop."""
+        block = not self.engine.has_unfinished()
+        while True:
+            try:
+                kind, arg = self._commands.get(block=block, timeout=self.heartbeat_interval)
+            except queue.Empty:
+                return True
+            if kind == 'stop':
+                return False
+            getattr(self, f'_do_{kind}')(arg)
+            block = False
+
+    def _do_add(self, stream: RequestStream) -> None:
+        if stream.epoch != self._current_epoch():
+            stream.end('abort')
+            return
+        try:
+            stream.seq_id = self.engine.add_request(stream.prompt_ids, stream.gen_config)
+        except ValueError as exc:
+            too_long = len(stream.prompt_ids) >= self.engine.session_len
+            stream.end('error', str(exc), ErrorCode.INPUT_LENGTH_ERROR if too_long else ErrorCode.INVALID_ARGUMENT)
+            return
+        self._streams[stream.seq_id] = stream
+
+    def _do_abort(self, stream: RequestStream) -> None:
+        if self._streams.pop(stream.seq_id, None) is not None:
+            stream.deliver(self.engine.abort(stream.seq_id))
+
+    def _do_call(self, arg: tuple[Callable[[Engine], Any], concurrent.futures.Future]) -> None:
+        fn, future = arg
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(fn(self.engine))
+            except Exception as exc:
+                future.set_exception(exc)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            logger.exception('engine step failed; failing the requests in flight')
+            self._end_all('error', f'engine step failed: {type(exc).__name__}: {exc}')
+            return
+        for output in outputs:
+            stream = self._streams[output.seq_id]
+            if output.finish_reason is not None:
+                del self._streams[output.seq_id]
+            stream.deliver(output)
+
+    def _end_all(self, reason: FinishReason, error: str | None = None) -> None:
+        streams, self._streams = self._streams, {}
+        code = ErrorCode.ENGINE_ERROR if error else None
+        for seq_id, stream in streams.items():
+            try:
+                output = self.engine.abort(seq_id)
+            except Exception:
+                logger.exception('could not free request %d', seq_id)
+                stream.end(reason, error, code)
+                continue
+            output.finish_reason, output.error = reason, error
+            stream.error_code = code
+            stream.deliver(output)
+
+    def _shutdown(self) -> None:
+        with self._lock:
+            self._accepting = False
+        reason: FinishReason = 'error' if self.error else 'abort'
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if kind == 'add':
+                arg.end(reason, self.error, ErrorCode.ENGINE_ERROR if self.error else None)
+            elif kind == 'call' and arg[1].set_running_or_notify_cancel():
+                arg[1].set_exception(SafeRunException(ErrorCode.ABORTED, 'the engine stopped'))
+        self._end_all(reason, self.error)
