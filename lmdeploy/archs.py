@@ -16,6 +16,9 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'LlamaForCausalLM': ('llm', 'lmdeploy.pytorch.models.llama:LlamaForCausalLM'),
     'Qwen2ForCausalLM': ('llm', 'lmdeploy.pytorch.models.llama:LlamaForCausalLM'),
     'Qwen3ForCausalLM': ('llm', 'lmdeploy.pytorch.models.llama:LlamaForCausalLM'),
+    'MixtralForCausalLM': ('llm', 'lmdeploy.pytorch.models.moe:MoEForCausalLM'),
+    'Qwen2MoeForCausalLM': ('llm', 'lmdeploy.pytorch.models.moe:MoEForCausalLM'),
+    'Qwen3MoeForCausalLM': ('llm', 'lmdeploy.pytorch.models.moe:MoEForCausalLM'),
 }
 
 

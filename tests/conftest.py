@@ -7,7 +7,8 @@ import pytest
 import torch
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config
+from transformers import (AutoModelForCausalLM, LlamaConfig, MixtralConfig, PreTrainedTokenizerFast, Qwen2Config,
+                          Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -28,6 +29,18 @@ TINY_CONFIGS = {
     'qwen3': lambda: Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                  num_attention_heads=4, num_key_value_heads=1, head_dim=32,
                                  vocab_size=VOCAB_SIZE, max_position_embeddings=1024, tie_word_embeddings=False),
+    'mixtral': lambda: MixtralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, vocab_size=VOCAB_SIZE, max_position_embeddings=1024,
+                                     num_local_experts=4, num_experts_per_tok=2),
+    'qwen2_moe': lambda: Qwen2MoeConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB_SIZE,
+                                        max_position_embeddings=1024, num_experts=4, num_experts_per_tok=2,
+                                        moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                        mlp_only_layers=[1], tie_word_embeddings=True),
+    'qwen3_moe': lambda: Qwen3MoeConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                        vocab_size=VOCAB_SIZE, max_position_embeddings=1024, num_experts=4,
+                                        num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
 }
 
 
@@ -79,3 +92,17 @@ def default_model_gguf() -> str:
 @pytest.fixture(autouse=True, scope='session')
 def _threads():
     torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope='session')
+def api_server(tiny_llama):
+    """A uvicorn server (background thread) for the tiny Llama, model name 'tiny'; yields its ServerThread."""
+    from server_helpers import ServerThread, tiny_engine
+
+    from lmdeploy.serve.openai.api_server import create_app
+    engine = tiny_engine(tiny_llama)
+    server = ServerThread(create_app(engine, model_name='tiny'))
+    server.engine = engine
+    yield server
+    server.stop()
+    engine.close()

@@ -24,12 +24,12 @@ class LlamaAttention(nn.Module):
         super().__init__()
         hf = cfg.hf_config
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv_bias = getattr(hf, 'attention_bias', cfg.architecture == 'Qwen2ForCausalLM')
-        o_bias = getattr(hf, 'attention_bias', False)
+        o_bias = bool(getattr(hf, 'attention_bias', False))
+        qkv_bias = o_bias or bool(getattr(hf, 'qkv_bias', False)) or hf.model_type == 'qwen2'
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias)
         self.o_proj = Linear(q_size, cfg.hidden_size, bias=o_bias)
-        self.qk_norm = cfg.architecture == 'Qwen3ForCausalLM'
+        self.qk_norm = hf.model_type in ('qwen3', 'qwen3_moe')
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, hf.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, hf.rms_norm_eps)
@@ -48,12 +48,13 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None):
         super().__init__()
         hf = cfg.hf_config
-        bias = getattr(hf, 'mlp_bias', False)
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, [hf.intermediate_size] * 2, bias=bias)
-        self.down_proj = Linear(hf.intermediate_size, cfg.hidden_size, bias=bias)
+        bias = bool(getattr(hf, 'mlp_bias', False))
+        intermediate_size = intermediate_size or hf.intermediate_size
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, [intermediate_size] * 2, bias=bias)
+        self.down_proj = Linear(intermediate_size, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -61,11 +62,11 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, mlp: nn.Module):
         super().__init__()
         eps = cfg.hf_config.rms_norm_eps
         self.self_attn = LlamaAttention(cfg)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
 
@@ -95,11 +96,15 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.make_mlp(cfg, i)) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, hf.rms_norm_eps)
         self.rotary = RotaryEmbedding(hf, cfg.head_dim)
         self.tie_word_embeddings = getattr(hf, 'tie_word_embeddings', False)
         self.lm_head = None if self.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+
+    def make_mlp(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
+        """The feed-forward block of one decoder layer; MoE models override it."""
+        return LlamaMLP(cfg)
 
     def forward(self, input_ids: torch.Tensor, kv_caches: list[KVCache], ctx: StepContext) -> torch.Tensor:
         ctx.cos, ctx.sin = self.rotary(ctx.positions, self.cfg.dtype)
@@ -114,26 +119,31 @@ class LlamaForCausalLM(nn.Module):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
 
+    def weight_target(self, name: str) -> tuple[torch.Tensor, str] | None:
+        """Where a Hugging Face tensor (name without ``model.``) goes: the tensor or slice to fill and
+        the parameter it belongs to; None for tensors the model does not use."""
+        if 'rotary_emb' in name or (self.lm_head is None and name == 'lm_head.weight'):
+            return None
+        module_name, _, kind = name.rpartition('.')
+        owner, _, proj = module_name.rpartition('.')
+        if proj in self.stacked_params:
+            merged, index = self.stacked_params[proj]
+            target = self.get_submodule(f'{owner}.{merged}')
+            part = getattr(target, kind)[target.offsets[index]:target.offsets[index + 1]]
+            return part, f'{owner}.{merged}.{kind}'
+        try:
+            return self.get_parameter(name), name
+        except AttributeError:
+            return None
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Loads Hugging Face-named tensors; raises if a parameter is missing afterwards."""
-        params = dict(self.named_parameters())
         loaded = set()
         for name, tensor in weights:
-            name = name.removeprefix('model.')
-            if 'rotary_emb' in name or (self.lm_head is None and name == 'lm_head.weight'):
-                continue
-            module_name, _, kind = name.rpartition('.')
-            owner, _, proj = module_name.rpartition('.')
-            tensor = tensor.to(self.cfg.dtype)
-            if proj in self.stacked_params:
-                merged, index = self.stacked_params[proj]
-                target = self.get_submodule(f'{owner}.{merged}')
-                part = getattr(target, kind)[target.offsets[index]:target.offsets[index + 1]]
-                part.copy_(tensor)
-                loaded.add(f'{owner}.{merged}.{kind}')
-            elif name in params:
-                params[name].copy_(tensor)
-                loaded.add(name)
-        missing = set(params) - loaded
+            target = self.weight_target(name.removeprefix('model.'))
+            if target is not None:
+                target[0].copy_(tensor.to(self.cfg.dtype))
+                loaded.add(target[1])
+        missing = {name for name, _ in self.named_parameters()} - loaded
         if missing:
             raise ValueError(f'weights are missing for {sorted(missing)[:5]} ({len(missing)} in all)')

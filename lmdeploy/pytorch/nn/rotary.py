@@ -22,9 +22,10 @@ class RotaryEmbedding(nn.Module):
             inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device('cpu'))
         else:
             raise ValueError(f'rope type {rope_type!r} is not supported')
-        self.register_buffer('inv_freq', inv_freq, persistent=False)
+        # A plain attribute, not a buffer: casting the model to bf16 must not round the frequencies.
+        self.inv_freq = inv_freq
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)

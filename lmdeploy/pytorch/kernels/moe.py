@@ -1,0 +1,40 @@
+"""Mixture-of-experts routing and expert compute in torch: the CPU path and the reference."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lmdeploy.pytorch.kernels.activation import silu_and_mul
+
+
+def moe_routing(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax top-k routing: ``(topk_weights [T, k] fp32, topk_ids [T, k])``."""
+    weights, ids = torch.topk(torch.softmax(router_logits.float(), dim=-1), top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def fused_moe(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """``sum_k w[t, k] * down_e(silu(gate_e(x)) * up_e(x))`` with ``e = topk_ids[t, k]``.
+
+    ``gate_up [E, 2I, H]`` holds each expert's gate rows then up rows, ``down [E, H, I]``. Only
+    experts that received tokens run; results are combined in expert order with ``index_add_``.
+    """
+    top_k = topk_ids.shape[1]
+    flat_ids = topk_ids.flatten()
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()
+    tokens = order // top_k
+    weights = topk_weights.flatten()[order].to(hidden.dtype)
+    out = torch.zeros_like(hidden)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows = tokens[start:start + count]
+        y = F.linear(silu_and_mul(F.linear(hidden[rows], gate_up[expert])), down[expert])
+        out.index_add_(0, rows, y * weights[start:start + count, None])
+        start += count
+    return out

@@ -1,0 +1,61 @@
+"""Mixture-of-experts decoders: Mixtral, Qwen2-MoE (with a shared expert) and Qwen3-MoE."""
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from lmdeploy.pytorch.config import ModelConfig
+from lmdeploy.pytorch.kernels.moe import moe_routing
+from lmdeploy.pytorch.models.llama import LlamaForCausalLM, LlamaMLP
+from lmdeploy.pytorch.nn.linear import Linear
+from lmdeploy.pytorch.nn.moe import FusedExperts
+
+# HF expert projection name -> FusedExperts part
+EXPERT_PARTS = {'w1': 'gate', 'w3': 'up', 'w2': 'down', 'gate_proj': 'gate', 'up_proj': 'up', 'down_proj': 'down'}
+EXPERT_NAME = re.compile(r'(layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.weight')
+
+
+class SparseMoeBlock(nn.Module):
+    """Routes each token to its top-k experts; Qwen2-MoE adds a sigmoid-gated shared expert."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        hf = cfg.hf_config
+        num_experts = getattr(hf, 'num_local_experts', None) or hf.num_experts
+        intermediate = getattr(hf, 'moe_intermediate_size', None) or hf.intermediate_size
+        self.top_k = hf.num_experts_per_tok
+        self.renormalize = getattr(hf, 'norm_topk_prob', True)
+        self.gate = Linear(cfg.hidden_size, num_experts)
+        self.experts = FusedExperts(cfg.hidden_size, intermediate, num_experts)
+        self.shared_expert = None
+        if getattr(hf, 'shared_expert_intermediate_size', None):
+            self.shared_expert = LlamaMLP(cfg, hf.shared_expert_intermediate_size)
+            self.shared_expert_gate = Linear(cfg.hidden_size, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = moe_routing(self.gate(x), self.top_k, self.renormalize)
+        out = self.experts(x, topk_weights, topk_ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+class MoEForCausalLM(LlamaForCausalLM):
+    """A Llama-style decoder whose sparse layers are :class:`SparseMoeBlock`s."""
+
+    def make_mlp(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
+        hf = cfg.hf_config
+        sparse_step = getattr(hf, 'decoder_sparse_step', None) or 1
+        dense = layer_index in (getattr(hf, 'mlp_only_layers', None) or []) or (layer_index + 1) % sparse_step
+        return LlamaMLP(cfg) if dense else SparseMoeBlock(cfg)
+
+    def weight_target(self, name: str) -> tuple[torch.Tensor, str] | None:
+        name = name.replace('.block_sparse_moe.', '.mlp.')
+        match = EXPERT_NAME.fullmatch(name)
+        if match is None:
+            return super().weight_target(name)
+        experts_name, expert, proj = match.groups()
+        weight, param = self.get_submodule(experts_name).expert_weight(int(expert), EXPERT_PARTS[proj])
+        return weight, f'{experts_name}.{param}'
