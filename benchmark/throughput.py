@@ -4,7 +4,7 @@ Workload: N prompts of random token ids (seed 0), input length uniform in [64, 2
 uniform in [64, 256], ``ignore_eos``. transformers runs static batches of 16, left-padded, bf16, and
 is credited only with each prompt's own output length. Also prints batch-1 decode speed for both.
 
-    python benchmark/throughput.py [--model PATH] [--num-prompts 64] [--dtype bfloat16]
+    python benchmark/throughput.py [--model PATH] [--num-prompts 64] [--dtype bfloat16] [--device cuda]
 """
 from __future__ import annotations
 
@@ -76,10 +76,11 @@ def main() -> None:
     parser.add_argument('--dtype', default='auto')
     parser.add_argument('--decode-tokens', type=int, default=128)
     parser.add_argument('--skip-hf', action='store_true', help='measure only this engine')
+    parser.add_argument('--device', default='cpu', help="this engine's device: 'cpu' or 'cuda'")
     args = parser.parse_args()
 
     model_dir = resolve_model_path(args.model)
-    engine = Engine(model_dir, PytorchEngineConfig(dtype=args.dtype), show_progress=False)
+    engine = Engine(model_dir, PytorchEngineConfig(dtype=args.dtype, device=args.device), show_progress=False)
     workload = make_workload(args.num_prompts, engine.model_config.vocab_size)
     total_out = sum(n for _, n in workload)
     run_engine(engine, make_workload(4, engine.model_config.vocab_size, seed=1))  # warm-up

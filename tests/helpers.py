@@ -1,5 +1,7 @@
-"""Helpers shared by the engine tests."""
+"""Helpers shared by the engine tests; ``LMDEPLOY_TEST_DEVICE=cuda`` runs the engines they make on CUDA."""
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -17,6 +19,7 @@ def random_prompts(lengths, seed=0, vocab=300):
 def make_engine(path, **kwargs) -> Engine:
     kwargs.setdefault('num_gpu_blocks', 128)
     kwargs.setdefault('block_size', 16)
+    kwargs.setdefault('device', os.environ.get('LMDEPLOY_TEST_DEVICE', 'cpu'))
     return Engine(path, PytorchEngineConfig(dtype='float32', **kwargs), show_progress=False)
 
 

@@ -32,7 +32,7 @@ def test_first_step_logits_match(tiny_model, hf_model):
     for row, prompt in enumerate(prompts):
         with torch.no_grad():
             ref = hf_model(torch.tensor([prompt])).logits[0, -1]
-        assert (logits[row] - ref).abs().max().item() < 1e-3
+        assert (logits[row].cpu() - ref).abs().max().item() < 1e-3
 
 
 def test_batch_does_not_change_outputs(tiny_llama):

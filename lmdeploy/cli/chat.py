@@ -1,61 +1,144 @@
-"""``lmdeploy chat [MODEL]``: an interactive terminal chat that streams its replies."""
+"""``lmdeploy chat [MODEL]``: an interactive terminal chat that streams its replies.
+
+On a terminal the input line (prompt_toolkit) has history (up/down, kept in
+``~/.cache/lmdeploy/chat_history``) and takes several lines: end a line with ``\\`` or press
+Esc then Enter to go on to the next one. Ctrl-C during a reply stops that reply; Ctrl-D or
+``exit`` quits, ``reset`` starts a new conversation.
+"""
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
 
-from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
+from lmdeploy.cli.args import add_engine_args, add_generation_args, engine_config, generation_config
+from lmdeploy.messages import GenerationConfig
+from lmdeploy.serve.async_engine import AsyncEngine
+from lmdeploy.serve.session_manager import Session
 
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument('model_path', nargs='?', default=None,
-                        help='local Hugging Face folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)')
-    parser.add_argument('--dtype', default='auto', choices=['auto', 'float32', 'bfloat16', 'float16'])
-    parser.add_argument('--session-len', type=int, default=None)
-    parser.add_argument('--max-batch-size', type=int, default=64)
-    parser.add_argument('--cache-max-entry-count', type=float, default=0.5)
-    parser.add_argument('--block-size', type=int, default=64)
-
-
-def engine_config(args: argparse.Namespace) -> PytorchEngineConfig:
-    return PytorchEngineConfig(dtype=args.dtype, session_len=args.session_len, max_batch_size=args.max_batch_size,
-                               cache_max_entry_count=args.cache_max_entry_count, block_size=args.block_size)
+PROMPT = '>>> '
+CONTINUATION = '... '
 
 
 def add_chat_parser(commands) -> None:
+    """Registers ``lmdeploy chat``."""
     parser = commands.add_parser('chat', help='chat with a model in the terminal')
     add_engine_args(parser)
-    parser.add_argument('--max-new-tokens', type=int, default=512)
-    parser.add_argument('--temperature', type=float, default=0.0, help='0 means greedy decoding')
-    parser.add_argument('--top-p', type=float, default=1.0)
-    parser.add_argument('--top-k', type=int, default=0)
-    parser.add_argument('--seed', type=int, default=None)
+    add_generation_args(parser)
     parser.set_defaults(run=run_chat)
 
 
-def run_chat(args: argparse.Namespace) -> None:
-    from lmdeploy.api import pipeline
-    gen = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0,
-                           temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, random_seed=args.seed)
-    pipe = pipeline(args.model_path, backend_config=engine_config(args))
-    messages: list[dict] = []
-    print("Type a message; 'reset' starts over, 'exit' quits.")
+def _history_path() -> str:
+    cache = os.environ.get('LMDEPLOY_CACHE_DIR') or os.path.join(os.path.expanduser('~'), '.cache', 'lmdeploy')
+    os.makedirs(cache, exist_ok=True)
+    return os.path.join(cache, 'chat_history')
+
+
+class LineReader:
+    """Reads one (possibly multi-line) message: prompt_toolkit on a terminal, plain lines otherwise.
+
+    Returns None at end of input.
+    """
+
+    def __init__(self):
+        self.session = None
+        if sys.stdin.isatty() and sys.stdout.isatty():
+            from prompt_toolkit import PromptSession
+            from prompt_toolkit.history import FileHistory
+            self.session = PromptSession(history=FileHistory(_history_path()), multiline=True,
+                                         key_bindings=_key_bindings(),
+                                         prompt_continuation=lambda *_: CONTINUATION)
+
+    async def read(self) -> str | None:
+        if self.session is not None:
+            while True:
+                try:
+                    return await self.session.prompt_async(PROMPT)
+                except KeyboardInterrupt:
+                    continue
+                except EOFError:
+                    return None
+        lines = []
+        while True:
+            print(CONTINUATION if lines else PROMPT, end='', flush=True)
+            line = await asyncio.to_thread(sys.stdin.readline)
+            if not line:
+                return '\n'.join(lines) if lines else None
+            line = line.rstrip('\n')
+            if not line.endswith('\\'):
+                return '\n'.join(lines + [line])
+            lines.append(line[:-1])
+
+
+def _key_bindings():
+    from prompt_toolkit.key_binding import KeyBindings
+    bindings = KeyBindings()
+
+    @bindings.add('enter')
+    def _enter(event) -> None:
+        buffer = event.current_buffer
+        if buffer.document.text_before_cursor.endswith('\\'):
+            buffer.delete_before_cursor(1)
+            buffer.insert_text('\n')
+        else:
+            buffer.validate_and_handle()
+
+    @bindings.add('escape', 'enter')
+    def _newline(event) -> None:
+        event.current_buffer.insert_text('\n')
+
+    return bindings
+
+
+async def _reply(engine: AsyncEngine, session: Session, turn: list[dict], gen: GenerationConfig) -> str:
+    text = ''
+    async for chunk in engine.generate(session.history + turn, session.session_id, gen):
+        print(chunk.text, end='', flush=True)
+        text += chunk.text
+        if chunk.finish_reason == 'error':
+            print(f'\n[error: {chunk.error}]', end='')
+    return text
+
+
+async def chat(engine: AsyncEngine, gen: GenerationConfig) -> None:
+    """The read-reply loop; Ctrl-C (SIGINT) during a reply aborts just that reply."""
+    loop = asyncio.get_running_loop()
+    reader = LineReader()
+    session = engine.session()
+    print("Type a message; 'reset' starts over, 'exit' (or Ctrl-D) quits. End a line with \\ to go on.")
     while True:
+        prompt = await reader.read()
+        if prompt is None or prompt.strip() == 'exit':
+            break
+        if prompt.strip() == 'reset':
+            await engine.end_session(session.session_id)
+            session = engine.session()
+            print('[new conversation]')
+            continue
+        if not prompt.strip():
+            continue
+        turn = [{'role': 'user', 'content': prompt}]
+        task = asyncio.create_task(_reply(engine, session, turn, gen))
+        loop.add_signal_handler(signal.SIGINT, task.cancel)
         try:
-            prompt = input('\n>>> ').strip()
-        except EOFError:
-            break
-        if prompt == 'exit':
-            break
-        if prompt == 'reset':
-            messages = []
-            continue
-        if not prompt:
-            continue
-        messages.append({'role': 'user', 'content': prompt})
-        reply = ''
-        for chunk in pipe.stream_infer([messages], gen_config=gen):
-            print(chunk.text, end='', flush=True)
-            reply += chunk.text
-        print()
-        messages.append({'role': 'assistant', 'content': reply})
-    pipe.close()
+            reply = await task
+            session.history += turn + [{'role': 'assistant', 'content': reply}]
+            print()
+        except asyncio.CancelledError:
+            print('\n[interrupted]')
+        finally:
+            loop.remove_signal_handler(signal.SIGINT)
+    await engine.end_session(session.session_id)
+
+
+def run_chat(args: argparse.Namespace) -> None:
+    logging.getLogger('lmdeploy').setLevel(args.log_level)
+    gen = generation_config(args)
+    engine = AsyncEngine(args.model_path, engine_config(args), show_progress=False)
+    try:
+        asyncio.run(chat(engine, gen))
+    finally:
+        engine.close()

@@ -4,12 +4,14 @@ from __future__ import annotations
 import argparse
 
 from lmdeploy.cli.chat import add_chat_parser
+from lmdeploy.cli.serve import add_serve_parser
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog='lmdeploy', description='Serve and chat with large language models.')
     commands = parser.add_subparsers(dest='command', required=True)
     add_chat_parser(commands)
+    add_serve_parser(commands)
     args = parser.parse_args(argv)
     args.run(args)
 

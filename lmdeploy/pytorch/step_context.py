@@ -7,35 +7,26 @@ import torch
 
 
 @dataclass
-class PrefillSpan:
-    """One sequence's chunk of new tokens in the packed batch.
-
-    ``context_blocks`` lists the KV blocks of the whole context (cached prefix plus this chunk,
-    ``context_len`` tokens); it is None when the chunk is the whole context, so attention can use
-    the fresh K/V directly.
-    """
-
-    start: int
-    length: int
-    context_blocks: torch.Tensor | None
-    context_len: int
-
-
-@dataclass
 class StepContext:
     """Packed layout of one step: prefill chunks first, then one token per decoding sequence.
 
-    Token ``i`` stores its K/V at ``(kv_blocks[i], kv_offsets[i])``. Decoding sequences read the
-    blocks in the rows of ``decode_blocks``; ``decode_bias`` is 0 on their tokens and -inf on the
-    padding after them (None when no row is padded).
+    Token ``i`` stores its K/V at ``(kv_blocks[i], kv_offsets[i])``. Prefill sequence ``s`` owns
+    rows ``prefill_q_start[s]:+prefill_q_len[s]`` and has ``prefill_ctx_len[s]`` context tokens in
+    the blocks of ``prefill_block_table[s]`` (zero-padded rows). Decoding sequence ``b`` reads
+    ``decode_kv_lens[b]`` tokens in the blocks of ``decode_blocks[b]``. The prefill fields are None
+    without prefill chunks, the decode fields without decode tokens.
     """
 
     positions: torch.Tensor
     kv_blocks: torch.Tensor
     kv_offsets: torch.Tensor
-    prefill_spans: list[PrefillSpan]
     num_prefill_tokens: int
+    prefill_block_table: torch.Tensor | None
+    prefill_q_start: torch.Tensor | None
+    prefill_q_len: torch.Tensor | None
+    prefill_ctx_len: torch.Tensor | None
+    prefill_max_q_len: int
     decode_blocks: torch.Tensor | None
-    decode_bias: torch.Tensor | None
+    decode_kv_lens: torch.Tensor | None
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None

@@ -10,7 +10,7 @@ class ErrorCode(enum.Enum):
 
     INVALID_ARGUMENT = ('invalid_argument', HTTPStatus.BAD_REQUEST)
     INPUT_LENGTH_ERROR = ('input_length_error', HTTPStatus.BAD_REQUEST)
-    SESSION_OCCUPIED = ('session_occupied', HTTPStatus.CONFLICT)
+    SESSION_OCCUPIED = ('session_occupied', HTTPStatus.BAD_REQUEST)
     ABORTED = ('aborted', HTTPStatus.SERVICE_UNAVAILABLE)
     ENGINE_ERROR = ('engine_error', HTTPStatus.INTERNAL_SERVER_ERROR)
 

@@ -42,6 +42,11 @@ class Engine:
     def __init__(self, model_path: str | None = None, config: PytorchEngineConfig | None = None,
                  show_progress: bool = True):
         self.config = config = config or PytorchEngineConfig()
+        if config.device.split(':')[0] not in ('cpu', 'cuda'):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {config.device!r}")
+        self.device = torch.device(config.device)
+        if self.device.type == 'cuda' and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for, but torch sees no CUDA device")
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.model_dir = resolve_model_path(model_path)
@@ -50,11 +55,11 @@ class Engine:
         self.tokenizer = Tokenizer(self.model_dir)
         model = get_model_class(cfg.architecture)(cfg).to(cfg.dtype)
         model.load_weights(iterate_weights(self.model_dir, show_progress))
-        model.eval()
+        model.to(self.device).eval()
         num_blocks = config.num_gpu_blocks or self._blocks_from_memory(cfg)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_batch_size, config.max_prefill_token_num)
-        self.runner = ModelRunner(model, cfg, num_blocks, config.block_size)
+        self.runner = ModelRunner(model, cfg, num_blocks, config.block_size, self.device)
         capacity = num_blocks * config.block_size
         self.session_len = min(config.session_len or cfg.max_position_embeddings, capacity)
         self.outputs = OutputProcessor(self.tokenizer)
@@ -62,8 +67,11 @@ class Engine:
         self._ids = itertools.count()
 
     def _blocks_from_memory(self, cfg: ModelConfig) -> int:
-        available = psutil.virtual_memory().available
-        budget = min(int(available * self.config.cache_max_entry_count), self.config.max_cache_bytes)
+        if self.device.type == 'cuda':
+            budget = int(torch.cuda.mem_get_info(self.device)[0] * self.config.cache_max_entry_count)
+        else:
+            available = psutil.virtual_memory().available
+            budget = min(int(available * self.config.cache_max_entry_count), self.config.max_cache_bytes)
         num_blocks = budget // (cfg.kv_bytes_per_token() * self.config.block_size)
         if num_blocks < 1:
             raise MemoryError('not enough memory for even one KV-cache block; lower block_size')
@@ -110,7 +118,7 @@ class Engine:
         try:
             input_ids, ctx, _ = self.runner.build_inputs(SchedulerOutput(prefill=[ScheduledSeq(seq, len(prompt_ids))]))
             hidden = self.runner.model(input_ids, self.runner.kv_caches, ctx)
-            return self.runner.model.logits(hidden).float()
+            return self.runner.model.logits(hidden).float().cpu()
         finally:
             self.block_manager.free_blocks(seq)
 

@@ -1,7 +1,40 @@
-"""Compute kernels behind one interface; the torch versions run everywhere and are the reference."""
-from lmdeploy.pytorch.kernels.activation import silu_and_mul
-from lmdeploy.pytorch.kernels.attention import decode_attention, fill_kv_cache, prefill_attention
-from lmdeploy.pytorch.kernels.norm import rms_norm
-from lmdeploy.pytorch.kernels.rotary import apply_rotary
+"""Compute kernels behind one interface: a CUDA tensor goes to the Triton kernel in ``kernels/cuda``,
+anything else to the torch version, which runs everywhere and is the reference."""
+from __future__ import annotations
 
-__all__ = ['apply_rotary', 'decode_attention', 'fill_kv_cache', 'prefill_attention', 'rms_norm', 'silu_and_mul']
+import functools
+import importlib
+from collections.abc import Callable
+
+import torch
+
+from lmdeploy.pytorch.kernels import activation, attention, moe, norm, rotary
+
+
+def dispatch(torch_fn: Callable) -> Callable:
+    """Wraps ``torch_fn`` so that a CUDA first argument runs ``kernels.cuda.<same name>`` instead.
+
+    The Triton module is imported on the first CUDA call, so CPU-only installs never need triton.
+    """
+    name = torch_fn.__name__
+
+    @functools.wraps(torch_fn)
+    def run(first: torch.Tensor, *args, **kwargs):
+        if first.is_cuda:
+            return getattr(importlib.import_module('lmdeploy.pytorch.kernels.cuda'), name)(first, *args, **kwargs)
+        return torch_fn(first, *args, **kwargs)
+
+    return run
+
+
+apply_rotary = dispatch(rotary.apply_rotary)
+decode_attention = dispatch(attention.decode_attention)
+fill_kv_cache = dispatch(attention.fill_kv_cache)
+fused_moe = dispatch(moe.fused_moe)
+moe_routing = dispatch(moe.moe_routing)
+prefill_attention = dispatch(attention.prefill_attention)
+rms_norm = dispatch(norm.rms_norm)
+silu_and_mul = dispatch(activation.silu_and_mul)
+
+__all__ = ['apply_rotary', 'decode_attention', 'dispatch', 'fill_kv_cache', 'fused_moe', 'moe_routing',
+           'prefill_attention', 'rms_norm', 'silu_and_mul']

@@ -22,33 +22,40 @@ def _gather_context(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> t
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, context_blocks: torch.Tensor | None, context_len: int,
-                      scale: float) -> torch.Tensor:
-    """Causal attention of one chunk ``q [L, H, D]`` over its context; returns ``[L, H, D]``.
+                      v_cache: torch.Tensor, block_table: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor,
+                      ctx_len: torch.Tensor, max_q_len: int, scale: float) -> torch.Tensor:
+    """Causal attention of the packed chunks ``q [T, H, D]`` over their contexts; returns ``[T, H, D]``.
 
-    Without ``context_blocks`` the chunk is the whole context and ``k, v [L, H_kv, D]`` are used;
-    otherwise K/V of the cached prefix plus the chunk are read from the cache.
+    Sequence ``s`` owns rows ``q_start[s]:q_start[s] + q_len[s]`` of ``q`` and of the fresh
+    ``k, v [T, H_kv, D]``; its context is ``ctx_len[s]`` tokens in the blocks of ``block_table[s]``
+    (already holding this chunk). A chunk that is its whole context uses the fresh K/V directly.
+    ``max_q_len`` sizes the GPU launch; here each sequence is one SDPA call.
     """
-    q_len = q.shape[0]
-    qt = q.transpose(0, 1).unsqueeze(0)
-    if context_blocks is None:
-        kt, vt = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
-    else:
-        kt = _gather_context(k_cache, context_blocks, context_len).unsqueeze(0)
-        vt = _gather_context(v_cache, context_blocks, context_len).unsqueeze(0)
-        q_pos = torch.arange(context_len - q_len, context_len).unsqueeze(1)
-        mask = torch.arange(context_len).unsqueeze(0) <= q_pos
-        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
-    return out.squeeze(0).transpose(0, 1)
+    out = torch.empty_like(q)
+    block_size = k_cache.shape[2]
+    for row, (start, length, context_len) in enumerate(zip(q_start.tolist(), q_len.tolist(), ctx_len.tolist())):
+        qt = q[start:start + length].transpose(0, 1).unsqueeze(0)
+        if context_len == length:
+            kt = k[start:start + length].transpose(0, 1).unsqueeze(0)
+            vt = v[start:start + length].transpose(0, 1).unsqueeze(0)
+            chunk = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            blocks = block_table[row, :-(-context_len // block_size)]
+            kt = _gather_context(k_cache, blocks, context_len).unsqueeze(0)
+            vt = _gather_context(v_cache, blocks, context_len).unsqueeze(0)
+            q_pos = torch.arange(context_len - length, context_len, device=q.device).unsqueeze(1)
+            mask = torch.arange(context_len, device=q.device).unsqueeze(0) <= q_pos
+            chunk = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[start:start + length] = chunk.squeeze(0).transpose(0, 1)
+    return out
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                     bias: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """One new token per sequence: ``q [B, H, D]`` over the blocks ``block_table [B, N]``.
+                     kv_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One new token per sequence: ``q [B, H, D]`` over ``kv_lens [B]`` tokens in ``block_table [B, N]``.
 
     Scores are computed block by block on the gathered blocks, so K/V are never copied into a
-    contiguous layout; ``bias [B, N * block_size]`` masks the padding. Returns ``[B, H, D]``.
+    contiguous layout; positions past ``kv_lens`` are masked. Returns ``[B, H, D]``.
     """
     batch, num_heads, head_dim = q.shape
     num_blocks = block_table.shape[1]
@@ -59,8 +66,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     qg = q.view(batch, 1, num_kv_heads, group, head_dim)
     scores = torch.matmul(qg, k.transpose(-1, -2))
     scores = scores.permute(0, 2, 3, 1, 4).reshape(batch, num_kv_heads, group, -1).float() * scale
-    if bias is not None:
-        scores = scores + bias[:, None, None, :]
+    padding = torch.arange(num_blocks * block_size, device=q.device) >= kv_lens.unsqueeze(1)
+    scores.masked_fill_(padding[:, None, None, :], float('-inf'))
     probs = scores.softmax(-1).to(q.dtype).view(batch, num_kv_heads, group, num_blocks, block_size)
     out = torch.matmul(probs.permute(0, 3, 1, 2, 4), v).sum(1)
     return out.reshape(batch, num_heads, head_dim)

@@ -24,12 +24,13 @@ class PagedAttention(nn.Module):
         k_cache, v_cache = kv_cache
         fill_kv_cache(k, v, k_cache, v_cache, ctx.kv_blocks, ctx.kv_offsets)
         num_prefill = ctx.num_prefill_tokens
-        out = torch.empty_like(q)
-        for span in ctx.prefill_spans:
-            sl = slice(span.start, span.start + span.length)
-            out[sl] = prefill_attention(q[sl], k[sl], v[sl], k_cache, v_cache, span.context_blocks, span.context_len,
-                                        self.scale)
+        parts = []
+        if ctx.prefill_q_len is not None:
+            parts.append(prefill_attention(q[:num_prefill], k[:num_prefill], v[:num_prefill], k_cache, v_cache,
+                                           ctx.prefill_block_table, ctx.prefill_q_start, ctx.prefill_q_len,
+                                           ctx.prefill_ctx_len, ctx.prefill_max_q_len, self.scale))
         if ctx.decode_blocks is not None:
-            out[num_prefill:] = decode_attention(q[num_prefill:], k_cache, v_cache, ctx.decode_blocks,
-                                                 ctx.decode_bias, self.scale)
+            parts.append(decode_attention(q[num_prefill:], k_cache, v_cache, ctx.decode_blocks, ctx.decode_kv_lens,
+                                          self.scale))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return out.flatten(1)

@@ -1,0 +1,57 @@
+"""Command-line arguments shared by ``lmdeploy chat`` and ``lmdeploy serve api_server``."""
+from __future__ import annotations
+
+import argparse
+
+from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """MODEL and the :class:`PytorchEngineConfig` flags."""
+    parser.add_argument('model_path', nargs='?', default=None,
+                        help='local Hugging Face folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)')
+    parser.add_argument('--dtype', default='auto', choices=['auto', 'float32', 'bfloat16', 'float16'])
+    parser.add_argument('--session-len', type=int, default=None, help='context length (default: the model\'s)')
+    parser.add_argument('--max-batch-size', type=int, default=64)
+    parser.add_argument('--cache-max-entry-count', type=float, default=0.5,
+                        help='fraction of free memory the KV cache may take')
+    parser.add_argument('--num-gpu-blocks', type=int, default=0,
+                        help='number of KV-cache blocks (0: size the cache from --cache-max-entry-count)')
+    parser.add_argument('--block-size', type=int, default=64)
+    parser.add_argument('--enable-prefix-caching', dest='enable_prefix_caching', action='store_true', default=True)
+    parser.add_argument('--disable-prefix-caching', dest='enable_prefix_caching', action='store_false')
+    parser.add_argument('--tp', type=int, default=1, help='tensor parallelism (only 1 for now)')
+    parser.add_argument('--log-level', default='WARNING', choices=['DEBUG', 'INFO', 'WARNING', 'ERROR'])
+
+
+def engine_config(args: argparse.Namespace) -> PytorchEngineConfig:
+    """The engine config the flags of :func:`add_engine_args` ask for."""
+    return PytorchEngineConfig(dtype=args.dtype, session_len=args.session_len, max_batch_size=args.max_batch_size,
+                               cache_max_entry_count=args.cache_max_entry_count, num_gpu_blocks=args.num_gpu_blocks,
+                               block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
+                               tp=args.tp)
+
+
+def add_generation_args(parser: argparse.ArgumentParser) -> None:
+    """The sampling flags (the same knobs as the server's request fields)."""
+    parser.add_argument('--max-new-tokens', type=int, default=512)
+    parser.add_argument('--temperature', type=float, default=0.0, help='0 means greedy decoding')
+    parser.add_argument('--top-p', type=float, default=1.0)
+    parser.add_argument('--top-k', type=int, default=0)
+    parser.add_argument('--min-p', type=float, default=0.0)
+    parser.add_argument('--repetition-penalty', type=float, default=1.0)
+    parser.add_argument('--presence-penalty', type=float, default=0.0)
+    parser.add_argument('--frequency-penalty', type=float, default=0.0)
+    parser.add_argument('--stop', nargs='*', default=None, help='stop words')
+    parser.add_argument('--ignore-eos', action='store_true')
+    parser.add_argument('--min-new-tokens', type=int, default=0)
+    parser.add_argument('--seed', type=int, default=None)
+
+
+def generation_config(args: argparse.Namespace) -> GenerationConfig:
+    """The generation config the flags of :func:`add_generation_args` ask for."""
+    return GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0,
+                            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                            repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                            frequency_penalty=args.frequency_penalty, stop_words=args.stop or None,
+                            ignore_eos=args.ignore_eos, min_new_tokens=args.min_new_tokens, random_seed=args.seed)

@@ -1,0 +1,44 @@
+"""``lmdeploy serve api_server [MODEL]``: the OpenAI-compatible HTTP server."""
+from __future__ import annotations
+
+import argparse
+import logging
+
+from lmdeploy.cli.args import add_engine_args, engine_config
+
+
+def add_serve_parser(commands) -> None:
+    """Registers ``lmdeploy serve api_server``."""
+    serve = commands.add_parser('serve', help='serve a model over HTTP')
+    servers = serve.add_subparsers(dest='server', required=True)
+    parser = servers.add_parser('api_server', help='OpenAI-compatible server (see docs/api_server.md)')
+    add_engine_args(parser)
+    parser.add_argument('--server-name', default='127.0.0.1', help='address to listen on')
+    parser.add_argument('--server-port', type=int, default=23333)
+    parser.add_argument('--model-name', default=None, help='the model id clients send (default: the folder name)')
+    parser.add_argument('--api-keys', nargs='*', default=None, help='accepted Bearer keys (default: no auth)')
+    parser.add_argument('--allow-origins', nargs='*', default=None, help='CORS origins (default: CORS off)')
+    parser.add_argument('--allow-credentials', action='store_true')
+    parser.add_argument('--allow-methods', nargs='*', default=['*'])
+    parser.add_argument('--allow-headers', nargs='*', default=['*'])
+    parser.add_argument('--max-concurrent-requests', type=int, default=256,
+                        help='requests served at once; more wait in the queue')
+    parser.add_argument('--max-queue-size', type=int, default=1024,
+                        help='requests that may wait; beyond that the server answers 429')
+    parser.add_argument('--shutdown-timeout', type=float, default=30.0,
+                        help='seconds requests in flight get to finish after SIGTERM before they are aborted')
+    parser.set_defaults(run=run_api_server)
+
+
+def run_api_server(args: argparse.Namespace) -> None:
+    from lmdeploy.serve.async_engine import AsyncEngine
+    from lmdeploy.serve.openai.api_server import create_app, run_server
+    logging.basicConfig(level=args.log_level)
+    logging.getLogger('lmdeploy').setLevel(args.log_level)
+    engine = AsyncEngine(args.model_path, engine_config(args), show_progress=False)
+    try:
+        app = create_app(engine, args.model_name, args.api_keys, args.allow_origins, args.allow_credentials,
+                         args.allow_methods, args.allow_headers, args.max_concurrent_requests, args.max_queue_size)
+        run_server(app, args.server_name, args.server_port, args.log_level, args.shutdown_timeout)
+    finally:
+        engine.close()

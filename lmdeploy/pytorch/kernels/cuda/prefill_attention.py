@@ -1,0 +1,94 @@
+"""Varlen causal prefill attention in Triton: one launch for every prefill chunk of a step.
+
+A program handles ``BLOCK_M`` queries of one sequence and one head. It first attends over the
+sequence's cached prefix (read page by page through its block-table row), then causally over the
+chunk's fresh K/V, so chunked prefill and prefix-cache hits need no gather.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lmdeploy.pytorch.kernels.cuda.utils import dot_precision
+
+
+@triton.jit
+def _online_softmax_step(q, k, v, s_mask, m, l, acc, scale, PRECISION: tl.constexpr):
+    s = tl.where(s_mask, tl.dot(q, k, input_precision=PRECISION) * scale, float('-inf'))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float('-inf'), 0.0, m_new)
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m - m_safe)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l * alpha + tl.sum(p, axis=1), acc
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, table_ptr, q_start_ptr, q_len_ptr, ctx_len_ptr,
+                    scale, group, head_dim,
+                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                    stride_cb, stride_ch, stride_cs, stride_tb,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    mblock = tl.program_id(0)
+    seq = tl.program_id(1).to(tl.int64)
+    head = tl.program_id(2)
+    kvh = head // group
+    q_len = tl.load(q_len_ptr + seq)
+    if mblock * BLOCK_M >= q_len:
+        return
+    q_start = tl.load(q_start_ptr + seq).to(tl.int64)
+    prefix = tl.load(ctx_len_ptr + seq) - q_len
+    rows = mblock * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < q_len
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < head_dim
+    q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + d[None, :],
+                mask=rmask[:, None] & dmask[None, :], other=0.0)
+    m = tl.full([BLOCK_M], float('-inf'), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    t = tl.arange(0, BLOCK_SIZE)
+    for i in range(0, tl.cdiv(prefix, BLOCK_SIZE)):
+        block = tl.load(table_ptr + seq * stride_tb + i).to(tl.int64)
+        base = block * stride_cb + kvh * stride_ch
+        k = tl.load(kc_ptr + base + t[None, :] * stride_cs + d[:, None], mask=dmask[:, None], other=0.0)
+        v = tl.load(vc_ptr + base + t[:, None] * stride_cs + d[None, :], mask=dmask[None, :], other=0.0)
+        s_mask = rmask[:, None] & ((i * BLOCK_SIZE + t) < prefix)[None, :]
+        m, l, acc = _online_softmax_step(q, k, v, s_mask, m, l, acc, scale, PRECISION)
+    n = tl.arange(0, BLOCK_N)
+    for j in range(0, tl.minimum(q_len, (mblock + 1) * BLOCK_M), BLOCK_N):
+        cols = j + n
+        cmask = cols < q_len
+        k = tl.load(k_ptr + (q_start + cols)[None, :] * stride_kt + kvh * stride_kh + d[:, None],
+                    mask=cmask[None, :] & dmask[:, None], other=0.0)
+        v = tl.load(v_ptr + (q_start + cols)[:, None] * stride_vt + kvh * stride_vh + d[None, :],
+                    mask=cmask[:, None] & dmask[None, :], other=0.0)
+        s_mask = rmask[:, None] & cmask[None, :] & (cols[None, :] <= rows[:, None])
+        m, l, acc = _online_softmax_step(q, k, v, s_mask, m, l, acc, scale, PRECISION)
+    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, block_table: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor,
+                      ctx_len: torch.Tensor, max_q_len: int, scale: float) -> torch.Tensor:
+    """Causal attention of the packed chunks ``q [T, H, D]`` over their contexts; returns ``[T, H, D]``.
+
+    Sequence ``s`` owns rows ``q_start[s]:q_start[s] + q_len[s]`` of ``q`` and of the fresh ``k, v``;
+    its first ``ctx_len[s] - q_len[s]`` context tokens are cached in the blocks of ``block_table[s]``.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, num_kv_heads, block_size, _ = k_cache.shape
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    block_m = 64 if max_q_len > 32 else 16
+    grid = (triton.cdiv(max_q_len, block_m), q_len.shape[0], num_heads)
+    _prefill_kernel[grid](q, k, v, k_cache, v_cache, out, block_table, q_start, q_len, ctx_len, scale,
+                          num_heads // num_kv_heads, head_dim, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                          v.stride(0), v.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
+                          k_cache.stride(1), k_cache.stride(2), block_table.stride(0), BLOCK_M=block_m,
+                          BLOCK_N=block_m, BLOCK_SIZE=block_size, BLOCK_D=triton.next_power_of_2(head_dim),
+                          PRECISION=dot_precision(q.dtype))
+    return out

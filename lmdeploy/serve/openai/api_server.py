@@ -1,0 +1,142 @@
+"""The OpenAI-compatible HTTP server: :func:`create_app` builds the FastAPI app, :func:`run_server` runs it."""
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import signal
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from lmdeploy.serve.async_engine import AsyncEngine
+from lmdeploy.serve.openai.admission import Admission
+from lmdeploy.serve.openai.errors import error_response, install_error_handlers
+from lmdeploy.serve.openai.metrics import Metrics
+from lmdeploy.serve.openai.protocol import (AbortRequest, ChatCompletionRequest, CompletionRequest, EncodeRequest,
+                                            GenerateRequest, ModelCard, ModelList)
+from lmdeploy.serve.openai.serving_chat import create_chat_completion
+from lmdeploy.serve.openai.serving_common import ServerState
+from lmdeploy.serve.openai.serving_completion import create_completion
+from lmdeploy.serve.openai.serving_native import abort_request, encode_text, generate
+
+logger = logging.getLogger('lmdeploy')
+AUTH_EXEMPT = frozenset({'/health'})
+
+
+class APIKeyMiddleware:
+    """Requires ``Authorization: Bearer <key>`` with one of ``api_keys`` (except on ``/health``)."""
+
+    def __init__(self, app: ASGIApp, api_keys: list[str]):
+        self.app = app
+        self.api_keys = [key.encode() for key in api_keys]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope['type'] == 'http' and scope['path'] not in AUTH_EXEMPT and scope['method'] != 'OPTIONS':
+            auth = dict(scope['headers']).get(b'authorization', b'')
+            scheme, _, token = auth.partition(b' ')
+            ok = scheme.lower() == b'bearer' and any(hmac.compare_digest(token.strip(), k) for k in self.api_keys)
+            if not ok:
+                response = error_response(401, 'missing or invalid API key (send Authorization: Bearer <key>)',
+                                          code='invalid_api_key', headers={'WWW-Authenticate': 'Bearer'})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def default_model_name(engine: AsyncEngine) -> str:
+    return os.path.basename(os.path.normpath(engine.engine.model_dir))
+
+
+def create_app(engine: AsyncEngine, model_name: str | None = None, api_keys: list[str] | None = None,
+               allow_origins: list[str] | None = None, allow_credentials: bool = False,
+               allow_methods: list[str] | None = None, allow_headers: list[str] | None = None,
+               max_concurrent_requests: int = 256, max_queue_size: int = 1024,
+               heartbeat_timeout: float = 30.0) -> FastAPI:
+    """An app serving ``engine``; each app has its own metrics registry. The caller owns (and closes) the
+    engine; on shutdown the app aborts what is still in flight."""
+    admission = Admission(max_concurrent_requests, max_queue_size)
+    state = ServerState(engine, model_name or default_model_name(engine), admission,
+                        Metrics(engine, lambda: admission.num_waiting), heartbeat_timeout)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await engine.stop_all_session()
+
+    app = FastAPI(title='lmdeploy OpenAI-compatible server', lifespan=lifespan)
+    app.state.server = state
+    install_error_handlers(app)
+
+    @app.get('/v1/models')
+    async def list_models() -> ModelList:
+        """The served model."""
+        return ModelList(data=[ModelCard(id=state.model_name)])
+
+    @app.post('/v1/chat/completions')
+    async def chat_completions(req: ChatCompletionRequest, raw: Request):
+        """OpenAI chat completions (streaming with ``stream: true``)."""
+        return await create_chat_completion(state, req, raw)
+
+    @app.post('/v1/completions')
+    async def completions(req: CompletionRequest, raw: Request):
+        """OpenAI text completions (streaming with ``stream: true``)."""
+        return await create_completion(state, req, raw)
+
+    @app.post('/generate')
+    async def generate_endpoint(req: GenerateRequest, raw: Request):
+        """Native generation from a prompt or token ids."""
+        return await generate(state, req, raw)
+
+    @app.post('/v1/encode')
+    async def encode_endpoint(req: EncodeRequest) -> dict:
+        """Token ids of a text or a list of texts."""
+        return encode_text(state, req)
+
+    @app.post('/abort_request')
+    async def abort_endpoint(req: AbortRequest) -> dict:
+        """Aborts a session's request, or all requests."""
+        return await abort_request(state, req)
+
+    @app.get('/health')
+    async def health() -> Response:
+        """200 while the engine loop runs and makes progress, else 503."""
+        loop = engine.engine_loop
+        stale = time.monotonic() - loop.last_heartbeat
+        if loop.is_alive and stale < state.heartbeat_timeout:
+            return JSONResponse({'status': 'ok'})
+        reason = loop.error or ('the engine loop stopped' if not loop.is_alive else f'no progress for {stale:.0f} s')
+        return error_response(503, f'unhealthy: {reason}', code='engine_unhealthy')
+
+    @app.get('/metrics')
+    async def metrics() -> Response:
+        """Prometheus metrics."""
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    if api_keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=api_keys)
+    if allow_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=allow_origins, allow_credentials=allow_credentials,
+                           allow_methods=allow_methods or ['*'], allow_headers=allow_headers or ['*'])
+    return app
+
+
+def _ignore_signal(signum: int, _frame: object) -> None:
+    logger.info('signal %d handled: the server has shut down', signum)
+
+
+def run_server(app: FastAPI, host: str = '127.0.0.1', port: int = 23333, log_level: str = 'info',
+               shutdown_timeout: float = 30.0) -> None:
+    """Serves ``app`` until SIGINT/SIGTERM: then it stops accepting, lets requests in flight finish for up
+    to ``shutdown_timeout`` seconds, aborts the rest and returns."""
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
+                            timeout_graceful_shutdown=shutdown_timeout)
+    signal.signal(signal.SIGTERM, _ignore_signal)
+    uvicorn.Server(config).run()

@@ -1,0 +1,75 @@
+"""OpenAI-style error bodies and the exception handlers that produce them."""
+from __future__ import annotations
+
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from lmdeploy.serve.exceptions import SafeRunException
+
+ERROR_TYPES = {400: 'invalid_request_error', 401: 'authentication_error', 404: 'not_found_error',
+               429: 'rate_limit_error', 500: 'internal_error', 503: 'service_unavailable'}
+
+
+class APIError(Exception):
+    """A request the server refuses: ``status`` is the HTTP status, ``param`` the offending field."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.headers = status, message, param, headers
+        self.code = code or HTTPStatus(status).phrase.lower().replace(' ', '_')
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """``{"error": {"message", "type", "param", "code"}}``."""
+    return {'error': {'message': message, 'type': ERROR_TYPES.get(status, 'invalid_request_error'),
+                      'param': param, 'code': code}}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+def from_safe_run(exc: SafeRunException) -> APIError:
+    return APIError(exc.code.http_status, exc.message, code=exc.code.value[0])
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return 'invalid request', None
+    first = errors[0]
+    loc = [str(p) for p in first.get('loc', ()) if p != 'body']
+    if loc == [] and first.get('type') in ('model_attributes_type', 'dict_type'):
+        return 'the request body must be a JSON object', None
+    if first.get('type') == 'json_invalid':
+        return f'malformed JSON body: {first.get("ctx", {}).get("error", first.get("msg"))}', None
+    param = '.'.join(loc) or None
+    return f'{param + ": " if param else ""}{first.get("msg")}' + (
+        f' (and {len(errors) - 1} more errors)' if len(errors) > 1 else ''), param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Pydantic errors, :class:`SafeRunException` and :class:`APIError` all become OpenAI error bodies."""
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return error_response(400, message, param, 'invalid_argument')
+
+    @app.exception_handler(SafeRunException)
+    async def _safe_run(_: Request, exc: SafeRunException) -> JSONResponse:
+        return error_response(exc.code.http_status, exc.message, code=exc.code.value[0])
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, 'headers', None))

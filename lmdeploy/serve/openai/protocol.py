@@ -1,0 +1,152 @@
+"""Pydantic request and response models of the OpenAI-compatible server.
+
+Unknown request fields are ignored, as OpenAI does; every known field is either honoured or
+rejected with a 400.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, NonNegativeInt
+
+
+def random_id(prefix: str) -> str:
+    return f'{prefix}-{uuid.uuid4().hex[:24]}'
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class ResponseFormat(BaseModel):
+    type: Literal['text', 'json_object', 'json_schema'] = 'text'
+    json_schema: dict[str, Any] | None = None
+
+
+class SamplingFields(BaseModel):
+    """Fields shared by chat and completion requests."""
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=128)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[NonNegativeInt] | None = None
+    seed: int | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    min_tokens: int = Field(0, ge=0)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    session_id: int | None = Field(None, ge=0)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    max_tokens: int | None = Field(16, ge=1)
+
+
+class GenerateRequest(SamplingFields):
+    """Native ``/generate``: a prompt (chat-templated unless ``do_preprocess`` is False) or token ids."""
+
+    model: str | None = None
+    prompt: str | list[dict[str, Any]] | None = None
+    input_ids: list[int] | None = None
+    do_preprocess: bool = True
+    temperature: float = Field(0.0, ge=0.0, le=2.0)
+    logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class EncodeRequest(BaseModel):
+    input: str | list[str]
+    do_preprocess: bool = False
+    add_bos: bool = True
+
+
+class AbortRequest(BaseModel):
+    session_id: int | None = Field(None, ge=0)
+    abort_all: bool = False
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: str = 'model'
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = 'lmdeploy'
+
+
+class ModelList(BaseModel):
+    object: str = 'list'
+    data: list[ModelCard]
+
+
+class ChatMessage(BaseModel):
+    role: str | None = 'assistant'
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessage | None = None
+    delta: ChatMessage | None = None
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal['chat.completion', 'chat.completion.chunk'] = 'chat.completion'
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal['text_completion'] = 'text_completion'
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None

@@ -1,0 +1,101 @@
+"""``POST /v1/completions``: raw-text (or token-id) prompts, no chat template."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from lmdeploy.messages import Response
+from lmdeploy.serve.openai.errors import APIError
+from lmdeploy.serve.openai.logprobs import completion_logprobs
+from lmdeploy.serve.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse, random_id
+from lmdeploy.serve.openai.serving_common import (ChoiceRun, Job, ServerState, check_model, check_prompt_ids,
+                                                  check_session, choice_config, collect_or_abort, encode, gen_config,
+                                                  raise_for_error, sse, sse_stream, start_run, usage)
+
+
+def _prompt_ids(state: ServerState, prompt: object) -> list[list[int]]:
+    """Token ids of each prompt: a str, a list of str, a list of ids or a list of id lists."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise APIError(400, 'prompt must not be empty', 'prompt')
+    if all(isinstance(p, int) for p in prompt):
+        prompt = [prompt]
+    out = []
+    for p in prompt:
+        if isinstance(p, str):
+            out.append(encode(state, p, False, 'prompt'))
+            continue
+        vocab = state.engine.engine.model_config.vocab_size
+        if not p or not all(0 <= t < vocab for t in p):
+            raise APIError(400, f'token-id prompts must be non-empty lists of ids in [0, {vocab})', 'prompt')
+        check_prompt_ids(state, p)
+        out.append(p)
+    return out
+
+
+def _jobs(state: ServerState, req: CompletionRequest) -> tuple[list[Job], list[str]]:
+    """The engine jobs (``n`` per prompt) and, with ``echo``, each prompt's text."""
+    check_model(state, req.model)
+    if req.suffix:
+        raise APIError(400, 'suffix is not supported by this server', 'suffix', 'unsupported_value')
+    if req.echo and req.logprobs is not None:
+        raise APIError(400, 'echo together with logprobs (prompt logprobs) is not supported', 'echo',
+                       'unsupported_value')
+    prompts = _prompt_ids(state, req.prompt)
+    check_session(state, req.session_id, req.n * len(prompts))
+    jobs = []
+    for p, ids in enumerate(prompts):
+        config = gen_config(state, req, len(ids), req.logprobs, req.max_tokens)
+        jobs += [Job(p * req.n + i, ids, choice_config(config, i), req.session_id) for i in range(req.n)]
+    tokenizer = state.engine.tokenizer
+    echoes = [tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens) if req.echo else ''
+              for ids in prompts]
+    return jobs, echoes
+
+
+async def create_completion(state: ServerState, req: CompletionRequest, raw: Request):
+    """Completes each prompt ``n`` times; choice ``i * n + j`` is prompt ``i``'s ``j``-th."""
+    jobs, echoes = _jobs(state, req)
+    run = await start_run(state, jobs)
+    request_id = random_id('cmpl')
+    if req.stream:
+        return StreamingResponse(_stream(state, req, run, request_id, echoes), media_type='text/event-stream')
+    responses = await collect_or_abort(raw, run)
+    if responses is None:
+        return None
+    raise_for_error(run, responses)
+    top, tokenizer = req.logprobs or 0, state.engine.tokenizer
+    choices = []
+    for r in responses:
+        echo = echoes[r.index // req.n]
+        choices.append(CompletionChoice(index=r.index, text=echo + r.text, finish_reason=r.finish_reason,
+                                        logprobs=completion_logprobs(tokenizer, r.token_ids, r.logprobs, top,
+                                                                     len(echo))))
+    return CompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=usage(responses, req.n))
+
+
+def _stream(state: ServerState, req: CompletionRequest, run: ChoiceRun, request_id: str, echoes: list[str]):
+    top, tokenizer = req.logprobs or 0, state.engine.tokenizer
+    offsets: dict[int, int] = {}
+
+    def render(r: Response) -> Iterable[str]:
+        text = ''
+        if r.index not in offsets:
+            text = echoes[r.index // req.n]
+            offsets[r.index] = len(text)
+        logprobs = completion_logprobs(tokenizer, r.token_ids, r.logprobs, top, offsets[r.index])
+        offsets[r.index] += sum(len(t) for t in logprobs['tokens']) if logprobs else 0
+        text += r.text
+        if text or r.token_ids or r.finish_reason:
+            choice = CompletionChoice(index=r.index, text=text, finish_reason=r.finish_reason, logprobs=logprobs)
+            yield sse(CompletionResponse(id=request_id, model=state.model_name, choices=[choice]))
+
+    def tail() -> Iterable[str]:
+        if req.stream_options and req.stream_options.include_usage:
+            yield sse(CompletionResponse(id=request_id, model=state.model_name, choices=[],
+                                         usage=usage(run.last.values(), req.n)))
+
+    return sse_stream(run, render, tail)

@@ -1,0 +1,76 @@
+"""lmdeploy's own endpoints: ``/generate``, ``/v1/encode`` and ``/abort_request``."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from lmdeploy.messages import Response
+from lmdeploy.serve.openai.errors import APIError
+from lmdeploy.serve.openai.protocol import AbortRequest, EncodeRequest, GenerateRequest
+from lmdeploy.serve.openai.serving_common import (Job, ServerState, check_model, check_prompt_ids, check_session,
+                                                  collect_or_abort, encode, gen_config, raise_for_error, sse,
+                                                  sse_stream, start_run)
+
+
+def _body(r: Response, session_id: int | None) -> dict:
+    return {'text': r.text, 'token_ids': r.token_ids, 'logprobs': r.logprobs and [
+        {str(k): v for k, v in entry.items()} for entry in r.logprobs], 'input_tokens': r.input_token_len,
+        'generate_tokens': r.generate_token_len, 'cached_tokens': r.cached_tokens,
+        'finish_reason': r.finish_reason, 'session_id': session_id}
+
+
+async def generate(state: ServerState, req: GenerateRequest, raw: Request):
+    """Generates from ``prompt`` or ``input_ids``; streams ``{text, token_ids, ...}`` deltas when ``stream``."""
+    check_model(state, req.model)
+    if (req.prompt is None) == (req.input_ids is None):
+        raise APIError(400, 'give exactly one of prompt and input_ids', 'prompt')
+    if req.n != 1:
+        raise APIError(400, '/generate serves one sample per request; use /v1/completions for n > 1', 'n')
+    check_session(state, req.session_id, 1)
+    if req.input_ids is not None:
+        vocab = state.engine.engine.model_config.vocab_size
+        if not req.input_ids or not all(0 <= t < vocab for t in req.input_ids):
+            raise APIError(400, f'input_ids must be a non-empty list of ids in [0, {vocab})', 'input_ids')
+        check_prompt_ids(state, req.input_ids, 'input_ids')
+        input_ids = req.input_ids
+    else:
+        input_ids = encode(state, req.prompt, req.do_preprocess, 'prompt')
+    config = gen_config(state, req, len(input_ids), req.logprobs, None)
+    run = await start_run(state, [Job(0, input_ids, config, req.session_id)])
+    if req.stream:
+        def render(r: Response) -> Iterable[str]:
+            yield sse(_body(r, req.session_id))
+
+        return StreamingResponse(sse_stream(run, render, list), media_type='text/event-stream')
+    responses = await collect_or_abort(raw, run)
+    if responses is None:
+        return None
+    raise_for_error(run, responses)
+    return _body(responses[0], req.session_id)
+
+
+def encode_text(state: ServerState, req: EncodeRequest) -> dict:
+    """Token ids of one text or of each of a list (chat-templated when ``do_preprocess``)."""
+    texts = [req.input] if isinstance(req.input, str) else req.input
+    ids = []
+    for text in texts:
+        if req.do_preprocess:
+            ids.append(encode(state, text, True, 'input'))
+        else:
+            ids.append(state.engine.tokenizer.encode(text, add_special_tokens=req.add_bos))
+    if isinstance(req.input, str):
+        return {'input_ids': ids[0], 'length': len(ids[0])}
+    return {'input_ids': ids, 'length': [len(i) for i in ids]}
+
+
+async def abort_request(state: ServerState, req: AbortRequest) -> dict:
+    """Aborts one session's request, or every request with ``abort_all``; returns once the engine let go."""
+    if req.abort_all:
+        await state.engine.stop_all_session()
+    elif req.session_id is not None:
+        await state.engine.abort_session(req.session_id)
+    else:
+        raise APIError(400, 'give session_id or abort_all: true', 'session_id')
+    return {'success': True}

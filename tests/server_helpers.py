@@ -1,0 +1,65 @@
+"""Run an API server app with uvicorn on a free port in a background thread."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import uvicorn
+
+from lmdeploy.messages import PytorchEngineConfig
+from lmdeploy.serve.async_engine import AsyncEngine
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(('127.0.0.1', 0))
+        return sock.getsockname()[1]
+
+
+def tiny_engine(path: str, **kwargs) -> AsyncEngine:
+    kwargs.setdefault('num_gpu_blocks', 256)
+    kwargs.setdefault('block_size', 16)
+    return AsyncEngine(path, PytorchEngineConfig(dtype='float32', **kwargs), show_progress=False)
+
+
+class ServerThread:
+    """``app`` served on 127.0.0.1 by uvicorn in a daemon thread; ``url`` is its base address."""
+
+    def __init__(self, app):
+        self.app = app
+        self.port = free_port()
+        self.url = f'http://127.0.0.1:{self.port}'
+        self.server = uvicorn.Server(uvicorn.Config(app, host='127.0.0.1', port=self.port, log_level='warning'))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError('the test server did not start')
+            time.sleep(0.02)
+
+    def metrics(self, headers: dict | None = None) -> dict[str, float]:
+        """Unlabelled samples of ``/metrics`` by name (labelled ones keep their labels in the key)."""
+        text = httpx.get(f'{self.url}/metrics', headers=headers).text
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith('#'):
+                name, value = line.rsplit(' ', 1)
+                out[name] = float(value)
+        return out
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def slow_down(engine: AsyncEngine, seconds: float) -> None:
+    """Makes every engine step take at least ``seconds`` longer, so that requests stay in flight a while."""
+    step = engine.engine.step
+
+    def slow_step():
+        time.sleep(seconds)
+        return step()
+    engine.engine.step = slow_step

@@ -1,0 +1,125 @@
+"""Errors of the OpenAI-compatible server: OpenAI-style bodies, statuses, auth, CORS, back-pressure."""
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+from server_helpers import ServerThread, slow_down, tiny_engine
+
+from lmdeploy.serve.openai.api_server import create_app
+
+CHAT = {'model': 'tiny', 'messages': [{'role': 'user', 'content': 'hi'}], 'max_tokens': 4}
+
+
+def _error(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()['error']
+    assert set(error) == {'message', 'type', 'param', 'code'}
+    return error
+
+
+@pytest.mark.parametrize('patch, param', [
+    ({'temperature': 5}, 'temperature'), ({'top_p': 0}, 'top_p'), ({'n': 0}, 'n'), ({'max_tokens': 0}, 'max_tokens'),
+    ({'messages': []}, 'messages'), ({'messages': 'hi'}, 'messages'), ({'top_k': -2}, 'top_k'),
+    ({'logit_bias': {'x': 1}}, 'logit_bias'), ({'logit_bias': {'5': 1000}}, 'logit_bias'),
+    ({'stop_token_ids': [10 ** 6]}, 'stop_token_ids'), ({'session_id': -1}, 'session_id'),
+    ({'min_tokens': 10}, 'min_tokens'), ({'stream_options': {'include_usage': True}}, 'stream_options'),
+    ({'top_logprobs': 2}, 'top_logprobs'), ({'tools': [{'type': 'function'}]}, 'tools'),
+    ({'response_format': {'type': 'json_object'}}, 'response_format.type'),
+    ({'response_format': {'type': 'json_schema', 'json_schema': {'name': 'x'}}}, 'response_format.type'),
+    ({'messages': [{'role': 'user', 'content': [{'type': 'image_url', 'image_url': {'url': 'x'}}]}]}, 'messages'),
+])
+def test_invalid_values_are_400(api_server, patch, param):
+    error = _error(httpx.post(f'{api_server.url}/v1/chat/completions', json={**CHAT, **patch}), 400)
+    assert error['param'] == param and error['type'] == 'invalid_request_error'
+
+
+def test_images_json_model_and_length(api_server):
+    url = api_server.url
+    image = {**CHAT, 'messages': [{'role': 'user', 'content': [{'type': 'text', 'text': 'see'},
+                                                              {'type': 'image_url', 'image_url': {'url': 'x'}}]}]}
+    assert 'does not accept images' in _error(httpx.post(f'{url}/v1/chat/completions', json=image), 400)['message']
+    assert _error(httpx.post(f'{url}/v1/chat/completions', json={**CHAT, 'model': 'gpt-4'}), 404)['code'] == \
+        'model_not_found'
+    bad = httpx.post(f'{url}/v1/chat/completions', content=b'{"model": "tiny",',
+                     headers={'content-type': 'application/json'})
+    assert 'JSON' in _error(bad, 400)['message']
+    long = httpx.post(f'{url}/v1/completions', json={'model': 'tiny', 'prompt': [5] * 2000})
+    assert '1024' in _error(long, 400)['message']
+    long_text = httpx.post(f'{url}/v1/completions', json={'model': 'tiny', 'prompt': 'Hello world ' * 1000})
+    assert _error(long_text, 400)['code'] == 'context_length_exceeded'
+    assert _error(httpx.post(f'{url}/generate', json={'prompt': 'a', 'input_ids': [1]}), 400)['param'] == 'prompt'
+    assert _error(httpx.post(f'{url}/v1/completions', json={'model': 'tiny', 'prompt': 'a', 'echo': True,
+                                                            'logprobs': 1}), 400)['param'] == 'echo'
+    assert _error(httpx.post(f'{url}/abort_request', json={}), 400)['param'] == 'session_id'
+
+
+def test_openai_client_raises_bad_request(api_server):
+    client = openai.OpenAI(base_url=f'{api_server.url}/v1', api_key='none', max_retries=0)
+    with pytest.raises(openai.BadRequestError, match='json_schema'):
+        client.chat.completions.create(model='tiny', messages=CHAT['messages'],
+                                       response_format={'type': 'json_schema', 'json_schema': {'name': 'x'}})
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model='nope', prompt='hi')
+
+
+def test_occupied_session_is_400(api_server):
+    manager = api_server.engine.session_manager
+    session = manager.create(4242)
+    request = manager.start_request(session)
+    try:
+        body = {'input_ids': [5, 6, 7], 'session_id': 4242, 'max_tokens': 4}
+        assert _error(httpx.post(f'{api_server.url}/generate', json=body), 400)['code'] == 'session_occupied'
+    finally:
+        manager.finish_request(session, request, end_session=True)
+    assert httpx.post(f'{api_server.url}/generate', json=body).json()['finish_reason'] == 'length'
+
+
+@pytest.fixture(scope='module')
+def guarded(tiny_llama):
+    """A server with API keys, CORS, and room for one running and one waiting request."""
+    engine = tiny_engine(tiny_llama, num_gpu_blocks=64)
+    slow_down(engine, 0.01)
+    server = ServerThread(create_app(engine, model_name='tiny', api_keys=['k1', 'k2'],
+                                     allow_origins=['http://example.com'], max_concurrent_requests=1,
+                                     max_queue_size=1))
+    yield server
+    server.stop()
+    engine.close()
+
+
+def test_auth_and_cors(guarded):
+    url = guarded.url
+    assert _error(httpx.get(f'{url}/v1/models'), 401)['type'] == 'authentication_error'
+    assert httpx.get(f'{url}/v1/models', headers={'Authorization': 'Bearer nope'}).status_code == 401
+    assert httpx.get(f'{url}/v1/models', headers={'Authorization': 'Bearer k2'}).status_code == 200
+    assert httpx.get(f'{url}/health').status_code == 200
+    client = openai.OpenAI(base_url=f'{url}/v1', api_key='k1', max_retries=0)
+    assert client.models.list().data[0].id == 'tiny'
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f'{url}/v1', api_key='bad', max_retries=0).models.list()
+    preflight = httpx.options(f'{url}/v1/chat/completions', headers={
+        'Origin': 'http://example.com', 'Access-Control-Request-Method': 'POST'})
+    assert preflight.headers['access-control-allow-origin'] == 'http://example.com'
+
+
+def test_back_pressure_429(guarded):
+    headers = {'Authorization': 'Bearer k1'}
+    body = {'input_ids': [5, 6, 7], 'max_tokens': 60, 'ignore_eos': True}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=guarded.url, headers=headers, timeout=60) as http:
+            first = asyncio.create_task(http.post('/generate', json=body))
+            await asyncio.sleep(0.3)
+            second = asyncio.create_task(http.post('/generate', json=body))
+            await asyncio.sleep(0.3)
+            third = await http.post('/generate', json=body)
+            return third, await first, await second
+
+    third, first, second = asyncio.run(main())
+    assert _error(third, 429)['type'] == 'rate_limit_error' and third.headers['retry-after'] == '1'
+    assert first.status_code == second.status_code == 200
+    m = guarded.metrics(headers)
+    assert m['lmdeploy:num_requests_running'] == 0 and m['lmdeploy:num_requests_waiting'] == 0

@@ -1,0 +1,172 @@
+"""The OpenAI-compatible server end to end, driven by the official ``openai`` client."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+from server_helpers import ServerThread, free_port, tiny_engine
+
+from lmdeploy.serve.openai.api_server import create_app
+
+NO_EOS = {'ignore_eos': True}
+MESSAGES = [{'role': 'user', 'content': 'Hello world!'}]
+
+
+@pytest.fixture(scope='module')
+def client(api_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f'{api_server.url}/v1', api_key='none', max_retries=0)
+
+
+def test_models_and_docs(api_server, client):
+    assert [m.id for m in client.models.list().data] == ['tiny']
+    assert httpx.get(f'{api_server.url}/openapi.json').json()['paths'].keys() >= {
+        '/v1/chat/completions', '/v1/completions', '/generate', '/v1/encode', '/abort_request', '/health', '/metrics'}
+    assert httpx.get(f'{api_server.url}/docs').status_code == 200
+
+
+def test_chat_greedy_matches_engine_and_stream(api_server, client):
+    r = client.chat.completions.create(model='tiny', messages=MESSAGES, max_tokens=12, temperature=0, extra_body=NO_EOS)
+    ids = api_server.engine.encode(MESSAGES)
+    assert r.choices[0].finish_reason == 'length' and r.usage.completion_tokens == 12
+    assert r.usage.prompt_tokens == len(ids) and r.usage.total_tokens == len(ids) + 12
+    assert r.usage.prompt_tokens_details.cached_tokens >= 0
+    native = httpx.post(f'{api_server.url}/generate', json={'input_ids': ids, 'max_tokens': 12, 'ignore_eos': True})
+    assert native.json()['text'] == r.choices[0].message.content
+    chunks = list(client.chat.completions.create(model='tiny', messages=MESSAGES, max_tokens=12, temperature=0,
+                                                 extra_body=NO_EOS, stream=True,
+                                                 stream_options={'include_usage': True}, user='u1'))
+    assert chunks[0].choices[0].delta.role == 'assistant'
+    assert ''.join(c.choices[0].delta.content or '' for c in chunks if c.choices) == r.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == 'length'
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_chat_n_logprobs_seed(client):
+    r = client.chat.completions.create(model='tiny', messages=MESSAGES, max_tokens=6, n=2, seed=3, temperature=1.0,
+                                       logprobs=True, top_logprobs=3, extra_body=NO_EOS)
+    assert [c.index for c in r.choices] == [0, 1] and r.usage.completion_tokens == 12
+    for choice in r.choices:
+        content = choice.logprobs.content
+        assert len(content) == 6 and all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
+        assert all(t.top_logprobs[0].logprob >= t.logprob for t in content)
+    again = client.chat.completions.create(model='tiny', messages=MESSAGES, max_tokens=6, n=2, seed=3,
+                                           temperature=1.0, extra_body=NO_EOS)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
+
+
+def test_completions(client):
+    r = client.completions.create(model='tiny', prompt=['Hello world', 'The quick'], max_tokens=5, temperature=0,
+                                  n=2, logprobs=2, extra_body=NO_EOS)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.choices[0].text == r.choices[1].text and all(c.finish_reason == 'length' for c in r.choices)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5 and lp.text_offset[0] == 0
+    echo = client.completions.create(model='tiny', prompt='Hello world', max_tokens=5, temperature=0, echo=True,
+                                     extra_body=NO_EOS)
+    assert echo.choices[0].text == 'Hello world' + r.choices[0].text
+    stream = list(client.completions.create(model='tiny', prompt='Hello world', max_tokens=5, temperature=0,
+                                            stream=True, extra_body=NO_EOS))
+    assert ''.join(c.choices[0].text for c in stream) == r.choices[0].text
+    ids = client.completions.create(model='tiny', prompt=[5, 6, 7], max_tokens=3, temperature=0, extra_body=NO_EOS)
+    assert ids.usage.prompt_tokens == 3
+
+
+def test_stop_and_penalties(client):
+    base = client.completions.create(model='tiny', prompt='Hello world', max_tokens=16, temperature=0,
+                                     extra_body=NO_EOS).choices[0].text
+    word = base.strip()[2:4] if len(base.strip()) > 4 else base.strip()[:1]
+    stopped = client.completions.create(model='tiny', prompt='Hello world', max_tokens=16, temperature=0,
+                                        extra_body=NO_EOS, stop=[word]).choices[0]
+    assert stopped.finish_reason == 'stop' and word not in stopped.text and base.startswith(stopped.text)
+    penalised = client.completions.create(model='tiny', prompt='Hello world', max_tokens=16, temperature=0,
+                                          frequency_penalty=2.0, presence_penalty=2.0,
+                                          extra_body={'ignore_eos': True, 'repetition_penalty': 1.5, 'min_p': 0.01, 'top_k': 5})
+    assert penalised.choices[0].text != base
+    biased = client.completions.create(model='tiny', prompt='Hello world', max_tokens=4, temperature=0,
+                                       extra_body=NO_EOS, logit_bias={'100': 100}, logprobs=0)
+    assert biased.choices[0].logprobs.tokens == [biased.choices[0].logprobs.tokens[0]] * 4
+    by_id = client.completions.create(model='tiny', prompt='Hello world', max_tokens=8, temperature=0,
+                                      extra_body={'stop_token_ids': [100], 'min_tokens': 2}, logit_bias={'100': 100})
+    assert by_id.choices[0].finish_reason == 'stop' and by_id.usage.completion_tokens == 3
+
+
+def test_encode_generate_abort(api_server):
+    url = api_server.url
+    enc = httpx.post(f'{url}/v1/encode', json={'input': 'Hello world'}).json()
+    assert enc['length'] == len(enc['input_ids']) > 0
+    with httpx.stream('POST', f'{url}/generate', json={'input_ids': enc['input_ids'], 'session_id': 777,
+                                                       'max_tokens': 5000, 'ignore_eos': True, 'stream': True},
+                      timeout=30) as resp:
+        lines = resp.iter_lines()
+        assert next(line for line in lines if line.startswith('data:'))
+        assert httpx.post(f'{url}/abort_request', json={'session_id': 777}).json() == {'success': True}
+        events = [line for line in lines if line.startswith('data:')]
+    assert '"finish_reason": "abort"' in events[-2] and events[-1] == 'data: [DONE]'
+    assert httpx.post(f'{url}/abort_request', json={'abort_all': True}).json() == {'success': True}
+
+
+def test_metrics(api_server, client):
+    client.completions.create(model='tiny', prompt='Hello world', max_tokens=4, temperature=0, extra_body=NO_EOS)
+    m = api_server.metrics()
+    assert m['lmdeploy:num_requests_running'] == 0 and m['lmdeploy:num_requests_waiting'] == 0
+    assert 0 <= m['lmdeploy:kv_cache_usage_perc'] <= 1 and 0 <= m['lmdeploy:prefix_cache_hit_rate'] <= 1
+    assert m['lmdeploy:request_success_total{finish_reason="length"}'] >= 1
+    assert m['lmdeploy:prompt_tokens_total'] > 0 and m['lmdeploy:generation_tokens_total'] >= 4
+    assert m['lmdeploy:time_to_first_token_seconds_count'] >= 1
+    assert m['lmdeploy:time_per_output_token_seconds_count'] >= 1
+
+
+def test_health_503_when_engine_loop_dies(tiny_llama):
+    engine = tiny_engine(tiny_llama, num_gpu_blocks=32)
+    server = ServerThread(create_app(engine, model_name='tiny'))
+    try:
+        assert httpx.get(f'{server.url}/health').status_code == 200
+
+        def die():
+            raise SystemExit('engine killed by the test')
+        engine.engine.step = die
+        r = httpx.post(f'{server.url}/generate', json={'prompt': 'hi', 'max_tokens': 4}, timeout=30)
+        assert r.status_code == 500
+        health = httpx.get(f'{server.url}/health')
+        assert health.status_code == 503 and 'engine killed' in health.json()['error']['message']
+    finally:
+        server.stop()
+        engine.close()
+
+
+def test_sigterm_graceful_shutdown(tiny_llama):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, '-m', 'lmdeploy.cli.main', 'serve', 'api_server', tiny_llama,
+                             '--dtype', 'float32', '--num-gpu-blocks', '64', '--block-size', '16',
+                             '--server-port', str(port), '--model-name', 'tiny', '--shutdown-timeout', '20'],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, 'PYTHONUNBUFFERED': '1'})
+    url = f'http://127.0.0.1:{port}'
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f'{url}/health').status_code == 200:
+                    break
+            except httpx.TransportError:
+                assert proc.poll() is None and time.monotonic() < deadline
+                time.sleep(0.2)
+        with httpx.stream('POST', f'{url}/v1/completions', json={'model': 'tiny', 'prompt': 'Hello', 'max_tokens': 200,
+                                                                 'ignore_eos': True, 'stream': True,
+                                                                 'temperature': 0}, timeout=30) as resp:
+            lines = resp.iter_lines()
+            next(line for line in lines if line.startswith('data:'))
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith('data:')]
+        assert rest[-1] == 'data: [DONE]' and '"finish_reason":"length"' in rest[-2].replace(' ', '')
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

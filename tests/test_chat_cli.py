@@ -1,0 +1,65 @@
+"""``lmdeploy chat`` in a real pseudo-terminal."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+
+import pexpect
+import pytest
+
+PROMPT = '>>> '
+
+
+@pytest.fixture
+def long_llama(tiny_llama, tmp_path) -> str:
+    """The tiny Llama with a 64k context, so that a reply can run long enough to be interrupted."""
+    path = shutil.copytree(tiny_llama, tmp_path / 'long_llama')
+    config = json.loads((path / 'config.json').read_text())
+    config['max_position_embeddings'] = 65536
+    (path / 'config.json').write_text(json.dumps(config))
+    return str(path)
+
+
+@pytest.fixture
+def chat(tiny_llama, tmp_path):
+    def spawn(*flags: str, model: str = tiny_llama) -> pexpect.spawn:
+        env = {**os.environ, 'PROMPT_TOOLKIT_NO_CPR': '1', 'TERM': 'dumb', 'LMDEPLOY_CACHE_DIR': str(tmp_path)}
+        child = pexpect.spawn(sys.executable, ['-m', 'lmdeploy.cli.main', 'chat', model, '--dtype', 'float32',
+                                               '--num-gpu-blocks', '128', '--block-size', '16', *flags],
+                              env=env, encoding='utf-8', timeout=60, dimensions=(40, 200))
+        child.expect_exact(PROMPT)
+        return child
+    return spawn
+
+
+def test_reply_multiline_history_reset_exit(chat, tmp_path):
+    child = chat('--max-new-tokens', '8', '--ignore-eos')
+    child.send('Hello\\\r')
+    child.send('world\r')
+    child.expect_exact(PROMPT)
+    child.send('reset\r')
+    child.expect_exact('[new conversation]')
+    child.expect_exact(PROMPT)
+    child.send('exit\r')
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+    history = (tmp_path / 'chat_history').read_text()
+    assert '+Hello\n+world' in history and '+reset' in history
+
+
+def test_ctrl_c_stops_the_reply_only(chat, long_llama):
+    child = chat('--max-new-tokens', '60000', '--ignore-eos', '--num-gpu-blocks', '4096', model=long_llama)
+    child.send('Tell me everything\r')
+    child.expect_exact('everything')
+    time.sleep(1.0)
+    child.sendintr()
+    child.expect_exact('[interrupted]')
+    child.expect_exact(PROMPT)
+    child.send('exit\r')
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0

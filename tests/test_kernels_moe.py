@@ -1,0 +1,55 @@
+"""Triton fused MoE and routing against the torch twins (interpreter on CPU)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault('TRITON_INTERPRET', '1')
+pytest.importorskip('triton')
+
+from lmdeploy.pytorch.kernels import moe  # noqa: E402
+from lmdeploy.pytorch.kernels import cuda as triton_kernels  # noqa: E402
+from lmdeploy.pytorch.kernels.cuda.fused_moe import align_by_expert  # noqa: E402
+
+pytestmark = pytest.mark.triton
+DEVICE = 'cuda' if torch.cuda.is_available() else 'cpu'
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == 'cuda' else [])
+TOL = {torch.float32: 2e-3 if DEVICE == 'cuda' else 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+
+
+def rand(*shape, dtype, seed=0, std=1.0):
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * std).to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('top_k,renormalize', [(1, False), (2, True), (3, False)])
+def test_moe_routing(dtype, top_k, renormalize):
+    logits = rand(9, 6, dtype=dtype)
+    weights, ids = triton_kernels.moe_routing(logits, top_k, renormalize)
+    ref_weights, ref_ids = moe.moe_routing(logits.float(), top_k, renormalize)
+    assert weights.dtype == torch.float32 and weights.shape == (9, top_k)
+    assert torch.equal(ids.long(), ref_ids.long())
+    torch.testing.assert_close(weights, ref_weights, atol=1e-5, rtol=1e-5)
+
+
+def test_align_by_expert_groups_and_pads():
+    ids = torch.tensor([[2, 0], [2, 1], [0, 2]], device=DEVICE)
+    slots, block_expert = align_by_expert(ids, num_experts=4, block_m=4)
+    assert slots.tolist()[:12] == [1, 4, 6, 6, 3, 6, 6, 6, 0, 2, 5, 6]
+    assert block_expert.tolist()[:3] == [0, 1, 2] and all(e == 4 for e in block_expert.tolist()[3:])
+
+
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('num_tokens,top_k', [(1, 2), (37, 2), (20, 1), (150, 4)])
+def test_fused_moe(dtype, num_tokens, top_k):
+    num_experts, hidden_size, inter = 8, 64, 48
+    hidden = rand(num_tokens, hidden_size, dtype=dtype, seed=1)
+    gate_up = rand(num_experts, 2 * inter, hidden_size, dtype=dtype, seed=2, std=0.1)
+    down = rand(num_experts, hidden_size, inter, dtype=dtype, seed=3, std=0.1)
+    weights, ids = moe.moe_routing(rand(num_tokens, num_experts, dtype=torch.float32, seed=4), top_k, True)
+    out = triton_kernels.fused_moe(hidden, gate_up, down, weights, ids)
+    ref = moe.fused_moe(hidden.float(), gate_up.float(), down.float(), weights, ids)
+    torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
