@@ -1,21 +1,14 @@
 """Triton paged decode and varlen prefill attention against their torch twins (interpreter on CPU)."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from kernel_env import DEVICE, DTYPES
 
-if not torch.cuda.is_available():
-    os.environ.setdefault('TRITON_INTERPRET', '1')
-pytest.importorskip('triton')
-
-from lmdeploy.pytorch.kernels import attention  # noqa: E402
-from lmdeploy.pytorch.kernels import cuda as triton_kernels  # noqa: E402
+from lmdeploy.pytorch.kernels import attention
+from lmdeploy.pytorch.kernels import cuda as triton_kernels
 
 pytestmark = pytest.mark.triton
-DEVICE = 'cuda' if torch.cuda.is_available() else 'cpu'
-DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == 'cuda' else [])
 TOL = {torch.float32: 2e-3 if DEVICE == 'cuda' else 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 BLOCK_SIZE = 16
 

@@ -1,22 +1,15 @@
 """Triton fused MoE and routing against the torch twins (interpreter on CPU)."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from kernel_env import DEVICE, DTYPES
 
-if not torch.cuda.is_available():
-    os.environ.setdefault('TRITON_INTERPRET', '1')
-pytest.importorskip('triton')
-
-from lmdeploy.pytorch.kernels import moe  # noqa: E402
-from lmdeploy.pytorch.kernels import cuda as triton_kernels  # noqa: E402
-from lmdeploy.pytorch.kernels.cuda.fused_moe import align_by_expert  # noqa: E402
+from lmdeploy.pytorch.kernels import moe
+from lmdeploy.pytorch.kernels import cuda as triton_kernels
+from lmdeploy.pytorch.kernels.cuda.fused_moe import align_by_expert
 
 pytestmark = pytest.mark.triton
-DEVICE = 'cuda' if torch.cuda.is_available() else 'cpu'
-DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == 'cuda' else [])
 TOL = {torch.float32: 2e-3 if DEVICE == 'cuda' else 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
 
