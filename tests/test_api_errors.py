@@ -51,8 +51,6 @@ def test_images_json_model_and_length(api_server):
     long_text = httpx.post(f'{url}/v1/completions', json={'model': 'tiny', 'prompt': 'Hello world ' * 1000})
     assert _error(long_text, 400)['code'] == 'context_length_exceeded'
     assert _error(httpx.post(f'{url}/generate', json={'prompt': 'a', 'input_ids': [1]}), 400)['param'] == 'prompt'
-    assert _error(httpx.post(f'{url}/v1/completions', json={'model': 'tiny', 'prompt': 'a', 'echo': True,
-                                                            'logprobs': 1}), 400)['param'] == 'echo'
     assert _error(httpx.post(f'{url}/abort_request', json={}), 400)['param'] == 'session_id'
 
 

@@ -10,7 +10,10 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 from server_helpers import ServerThread, free_port, tiny_engine
+
+from transformers import AutoModelForCausalLM
 
 from lmdeploy.serve.openai.api_server import create_app
 
@@ -76,6 +79,33 @@ def test_completions(client):
     assert ''.join(c.choices[0].text for c in stream) == r.choices[0].text
     ids = client.completions.create(model='tiny', prompt=[5, 6, 7], max_tokens=3, temperature=0, extra_body=NO_EOS)
     assert ids.usage.prompt_tokens == 3
+
+
+def test_completions_echo_logprobs(api_server, client, tiny_llama):
+    prompt = 'Hello world! The quick'
+    ids = api_server.engine.encode(prompt, do_preprocess=False)
+    kwargs = dict(model='tiny', prompt=prompt, max_tokens=4, temperature=0, logprobs=2, extra_body=NO_EOS)
+    plain = client.completions.create(**kwargs).choices[0].logprobs
+    choice = client.completions.create(echo=True, **kwargs).choices[0]
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == len(ids) + 4
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.tokens[len(ids):] == plain.tokens and lp.text_offset[len(ids)] == len(prompt)
+    assert lp.token_logprobs[len(ids):] == pytest.approx(plain.token_logprobs, abs=1e-4)
+    assert all(choice.text[o:].startswith(t) for o, t in zip(lp.text_offset, lp.tokens))
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), dim=-1)
+    expected = ref.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(lp.token_logprobs[1:len(ids)]), expected, atol=1e-4)
+    for top, row in zip(lp.top_logprobs[1:len(ids)], ref):  # tokens with the same text share a key
+        best = row.topk(2).values.tolist()
+        assert 1 <= len(top) <= 2 and all(min(abs(v - b) for b in best) < 1e-4 for v in top.values())
+    chunks = list(client.completions.create(echo=True, stream=True, **kwargs))
+    assert ''.join(c.choices[0].text for c in chunks) == choice.text
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
+    assert sum((s.tokens for s in streamed), []) == lp.tokens
+    assert sum((s.text_offset for s in streamed), []) == lp.text_offset
 
 
 def test_stop_and_penalties(client):

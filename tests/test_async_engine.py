@@ -12,7 +12,7 @@ from helpers import random_prompts
 
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy.serve.async_engine import AsyncEngine
-from lmdeploy.serve.engine_loop import RequestStream
+from lmdeploy.serve.engine_loop import RequestStream, _put_all
 from lmdeploy.serve.exceptions import ErrorCode, SafeRunException
 
 GEN = GenerationConfig(max_new_tokens=6, ignore_eos=True)
@@ -55,6 +55,24 @@ def test_generate_streams_increments(engine):
     assert [c.finish_reason for c in chunks] == [None] * 5 + ['length']
     assert [c.generate_token_len for c in chunks] == list(range(1, 7))
     assert all(len(c.token_ids) == 1 and c.input_token_len == chunks[0].input_token_len for c in chunks)
+    assert_all_released(engine)
+
+
+def test_outputs_of_a_step_wake_their_loop_once(engine):
+    batches = []
+
+    async def main() -> list:
+        loop = asyncio.get_running_loop()
+        call_soon_threadsafe = loop.call_soon_threadsafe
+
+        def counting(callback, *args, **kwargs):
+            if callback is _put_all:
+                batches.append(len(args[0]))
+            return call_soon_threadsafe(callback, *args, **kwargs)
+        loop.call_soon_threadsafe = counting
+        return await asyncio.gather(*(consume(engine.generate(f'Hello {i}', gen_config=GEN)) for i in range(4)))
+    results = asyncio.run(main())
+    assert sum(batches) == sum(len(r) for r in results) == 24 and len(batches) < 24 and max(batches) > 1
     assert_all_released(engine)
 
 

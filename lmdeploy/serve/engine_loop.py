@@ -1,8 +1,8 @@
 """The one thread that drives the synchronous :class:`Engine`.
 
 Requests, aborts and calls go in through a thread-safe queue; the thread runs them, steps the
-batch while there is work and sleeps on the queue when there is none. Each request's outputs go
-back to its consumer's event loop with ``loop.call_soon_threadsafe``.
+batch while there is work and sleeps on the queue when there is none. The outputs of one step go
+back to their consumers' event loops with one ``loop.call_soon_threadsafe`` per loop.
 """
 from __future__ import annotations
 
@@ -48,17 +48,33 @@ class RequestStream:
 
     def deliver(self, output: EngineOutput) -> None:
         """Hands an output to the consumer (called on the engine-loop thread)."""
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, output)
-        except RuntimeError:
-            logger.debug('request output dropped: its event loop is closed')
-        if output.finish_reason is not None and not self.done.done():
-            self.done.set_result(None)
+        deliver_all([(self, output)])
 
     def end(self, reason: FinishReason, error: str | None = None, code: ErrorCode | None = None) -> None:
         """Ends the request with a made-up final output (it never ran, or the engine cannot report on it)."""
         self.error_code = code
         self.deliver(EngineOutput(-1, [], '', None, reason, len(self.prompt_ids), 0, 0, error))
+
+
+def _put_all(items: list[tuple[RequestStream, EngineOutput]]) -> None:
+    for stream, output in items:
+        stream.queue.put_nowait(output)
+
+
+def deliver_all(items: list[tuple[RequestStream, EngineOutput]]) -> None:
+    """Hands each output to its stream's consumer, with one wake-up per event loop (called on the
+    engine-loop thread); resolves ``done`` of the streams whose output is their last."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, EngineOutput]]] = {}
+    for item in items:
+        by_loop.setdefault(item[0].loop, []).append(item)
+    for loop, batch in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, batch)
+        except RuntimeError:
+            logger.debug('%d request outputs dropped: their event loop is closed', len(batch))
+    for stream, output in items:
+        if output.finish_reason is not None and not stream.done.done():
+            stream.done.set_result(None)
 
 
 class EngineLoop:
@@ -166,11 +182,13 @@ class EngineLoop:
             logger.exception('engine step failed; failing the requests in flight')
             self._end_all('error', f'engine step failed: {type(exc).__name__}: {exc}')
             return
+        items = []
         for output in outputs:
             stream = self._streams[output.seq_id]
             if output.finish_reason is not None:
                 del self._streams[output.seq_id]
-            stream.deliver(output)
+            items.append((stream, output))
+        deliver_all(items)
 
     def _end_all(self, reason: FinishReason, error: str | None = None) -> None:
         streams, self._streams = self._streams, {}

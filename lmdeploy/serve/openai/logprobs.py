@@ -1,15 +1,30 @@
 """Engine logprobs (per token: ``{token_id: logprob}``, the chosen token first) in OpenAI's two schemas."""
 from __future__ import annotations
 
+import torch
+
 from lmdeploy.tokenizer import Tokenizer
 
 
-def _text(tokenizer: Tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id], skip_special_tokens=False)
+def _text(tokenizer: Tokenizer, token_id: int, skip_special_tokens: bool = False) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=skip_special_tokens)
 
 
 def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
     return sorted(entry.items(), key=lambda item: -item[1])[:k]
+
+
+def prompt_logprobs(logits: torch.Tensor, token_ids: list[int], top: int) -> list[dict[int, float] | None]:
+    """Logprobs of each prompt token (None for the first, which nothing predicts) in the engine's format, from
+    the logits ``[len(token_ids), vocab]`` of every prompt position; each entry also holds the ``top`` most
+    likely tokens."""
+    logprobs = torch.log_softmax(logits[:-1].float(), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(token_ids[1:])[:, None])[:, 0].tolist()
+    values, ids = logprobs.topk(min(top, logprobs.shape[-1]), dim=-1)
+    entries: list[dict[int, float] | None] = [None]
+    for token_id, lp, top_ids, top_values in zip(token_ids[1:], chosen, ids.tolist(), values.tolist()):
+        entries.append({token_id: lp, **dict(zip(top_ids, top_values))})
+    return entries
 
 
 def chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[dict[int, float]] | None,
@@ -26,18 +41,28 @@ def chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[dic
     return {'content': content}
 
 
-def completion_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[dict[int, float]] | None,
-                        top: int, offset: int) -> dict | None:
+def completion_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[dict[int, float] | None] | None,
+                        top: int, offset: int, skip_special_tokens: bool = False) -> dict | None:
     """``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` of the completions schema;
-    ``offset`` is where the first token's text starts in the choice's text."""
+    ``offset`` is where the first token's text starts in the choice's text. A None entry (the first
+    prompt token's) has null logprobs."""
     if logprobs is None:
         return None
     out: dict[str, list] = {'tokens': [], 'token_logprobs': [], 'top_logprobs': [], 'text_offset': []}
     for token_id, entry in zip(token_ids, logprobs):
-        text = _text(tokenizer, token_id)
+        text = _text(tokenizer, token_id, skip_special_tokens)
         out['tokens'].append(text)
-        out['token_logprobs'].append(entry[token_id])
-        out['top_logprobs'].append({_text(tokenizer, tid): lp for tid, lp in _top(entry, top)})
+        out['token_logprobs'].append(None if entry is None else entry[token_id])
+        out['top_logprobs'].append(None if entry is None else
+                                   {_text(tokenizer, tid): lp for tid, lp in _top(entry, top)})
         out['text_offset'].append(offset)
         offset += len(text)
     return out
+
+
+def join_logprobs(prefix: dict | None, rest: dict | None) -> dict | None:
+    """Completions-schema logprobs of ``prefix``'s tokens followed by ``rest``'s (either may be None)."""
+    if prefix is None or rest is None:
+        return rest if prefix is None else prefix
+    return {key: prefix[key] + rest[key] for key in prefix}
+

@@ -1,6 +1,7 @@
 """``POST /v1/chat/completions``."""
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 from fastapi import Request
@@ -13,7 +14,8 @@ from lmdeploy.serve.openai.protocol import (ChatChoice, ChatCompletionRequest, C
                                             random_id)
 from lmdeploy.serve.openai.serving_common import (ChoiceRun, Job, ServerState, check_model, check_session,
                                                   choice_config, collect_or_abort, encode, gen_config,
-                                                  raise_for_error, sse, sse_stream, start_run, usage)
+                                                  raise_for_error, sse, sse_chunk, sse_stream, start_run,
+                                                  usage)
 
 
 def _check_unsupported(req: ChatCompletionRequest) -> None:
@@ -58,23 +60,23 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
 def _stream(state: ServerState, req: ChatCompletionRequest, run: ChoiceRun, request_id: str, top: int):
     tokenizer = state.engine.tokenizer
     started: set[int] = set()
+    head = {'id': request_id, 'object': 'chat.completion.chunk', 'created': int(time.time()),
+            'model': state.model_name}
 
-    def chunk_of(choice: ChatChoice) -> str:
-        return sse(ChatCompletionResponse(id=request_id, object='chat.completion.chunk', model=state.model_name,
-                                          choices=[choice]))
+    def chunk_of(index: int, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None) -> str:
+        return sse_chunk(head, {'index': index, 'message': None, 'delta': delta, 'logprobs': logprobs,
+                                'finish_reason': finish_reason})
 
     def render(r: Response) -> Iterable[str]:
         if r.index not in started:
             started.add(r.index)
-            yield chunk_of(ChatChoice(index=r.index, delta=ChatMessage(content='')))
+            yield chunk_of(r.index, {'role': 'assistant', 'content': ''})
         if r.text or r.token_ids or r.finish_reason:
-            yield chunk_of(ChatChoice(index=r.index, delta=ChatMessage(role=None, content=r.text),
-                                      finish_reason=r.finish_reason,
-                                      logprobs=chat_logprobs(tokenizer, r.token_ids, r.logprobs, top)))
+            yield chunk_of(r.index, {'role': None, 'content': r.text}, r.finish_reason,
+                           chat_logprobs(tokenizer, r.token_ids, r.logprobs, top))
 
     def tail() -> Iterable[str]:
         if req.stream_options and req.stream_options.include_usage:
-            yield sse(ChatCompletionResponse(id=request_id, object='chat.completion.chunk', model=state.model_name,
-                                             choices=[], usage=usage(run.last.values(), req.n)))
+            yield sse(ChatCompletionResponse(**head, choices=[], usage=usage(run.last.values(), req.n)))
 
     return sse_stream(run, render, tail)

@@ -214,6 +214,13 @@ def sse(data: BaseModel | dict) -> str:
     return f'data: {body}\n\n'
 
 
+def sse_chunk(head: dict, choice: dict) -> str:
+    """The event of one streamed chunk: ``head`` (id, object, created, model) with ``choice`` and no usage,
+    serialised as its pydantic model would be, without building one (this runs for every token)."""
+    body = json.dumps({**head, 'choices': [choice], 'usage': None}, ensure_ascii=False, separators=(',', ':'))
+    return f'data: {body}\n\n'
+
+
 async def sse_stream(run: ChoiceRun, render: Callable[[Response], Iterable[str]],
                      tail: Callable[[], Iterable[str]]) -> AsyncIterator[str]:
     """Server-sent events of a run: ``render`` each chunk, then ``tail``, then ``[DONE]``; an engine error

@@ -1,18 +1,21 @@
 """``POST /v1/completions``: raw-text (or token-id) prompts, no chat template."""
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from lmdeploy.messages import Response
-from lmdeploy.serve.openai.errors import APIError
-from lmdeploy.serve.openai.logprobs import completion_logprobs
+from lmdeploy.serve.exceptions import SafeRunException
+from lmdeploy.serve.openai.errors import APIError, from_safe_run
+from lmdeploy.serve.openai.logprobs import completion_logprobs, join_logprobs, prompt_logprobs
 from lmdeploy.serve.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse, random_id
 from lmdeploy.serve.openai.serving_common import (ChoiceRun, Job, ServerState, check_model, check_prompt_ids,
                                                   check_session, choice_config, collect_or_abort, encode, gen_config,
-                                                  raise_for_error, sse, sse_stream, start_run, usage)
+                                                  raise_for_error, sse, sse_chunk, sse_stream, start_run,
+                                                  usage)
 
 
 def _prompt_ids(state: ServerState, prompt: object) -> list[list[int]]:
@@ -36,14 +39,11 @@ def _prompt_ids(state: ServerState, prompt: object) -> list[list[int]]:
     return out
 
 
-def _jobs(state: ServerState, req: CompletionRequest) -> tuple[list[Job], list[str]]:
-    """The engine jobs (``n`` per prompt) and, with ``echo``, each prompt's text."""
+def _jobs(state: ServerState, req: CompletionRequest) -> tuple[list[Job], list[list[int]], list[str]]:
+    """The engine jobs (``n`` per prompt), each prompt's token ids and, with ``echo``, its text."""
     check_model(state, req.model)
     if req.suffix:
         raise APIError(400, 'suffix is not supported by this server', 'suffix', 'unsupported_value')
-    if req.echo and req.logprobs is not None:
-        raise APIError(400, 'echo together with logprobs (prompt logprobs) is not supported', 'echo',
-                       'unsupported_value')
     prompts = _prompt_ids(state, req.prompt)
     check_session(state, req.session_id, req.n * len(prompts))
     jobs = []
@@ -53,16 +53,34 @@ def _jobs(state: ServerState, req: CompletionRequest) -> tuple[list[Job], list[s
     tokenizer = state.engine.tokenizer
     echoes = [tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens) if req.echo else ''
               for ids in prompts]
-    return jobs, echoes
+    return jobs, prompts, echoes
+
+
+async def _echo_logprobs(state: ServerState, req: CompletionRequest, prompts: list[list[int]]) -> list[dict | None]:
+    """With ``echo`` and ``logprobs``, the completions-schema logprobs of each prompt's tokens (from the
+    logits of a prefill of the prompt); else None for each."""
+    if not req.echo or req.logprobs is None:
+        return [None] * len(prompts)
+    out = []
+    for ids in prompts:
+        try:
+            logits = await state.engine.get_logits(ids)
+        except SafeRunException as exc:
+            raise from_safe_run(exc) from exc
+        out.append(completion_logprobs(state.engine.tokenizer, ids, prompt_logprobs(logits, ids, req.logprobs),
+                                       req.logprobs, 0, req.skip_special_tokens))
+    return out
 
 
 async def create_completion(state: ServerState, req: CompletionRequest, raw: Request):
     """Completes each prompt ``n`` times; choice ``i * n + j`` is prompt ``i``'s ``j``-th."""
-    jobs, echoes = _jobs(state, req)
+    jobs, prompts, echoes = _jobs(state, req)
+    echo_logprobs = await _echo_logprobs(state, req, prompts)
     run = await start_run(state, jobs)
     request_id = random_id('cmpl')
     if req.stream:
-        return StreamingResponse(_stream(state, req, run, request_id, echoes), media_type='text/event-stream')
+        return StreamingResponse(_stream(state, req, run, request_id, echoes, echo_logprobs),
+                                 media_type='text/event-stream')
     responses = await collect_or_abort(raw, run)
     if responses is None:
         return None
@@ -71,31 +89,33 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     choices = []
     for r in responses:
         echo = echoes[r.index // req.n]
+        logprobs = completion_logprobs(tokenizer, r.token_ids, r.logprobs, top, len(echo))
         choices.append(CompletionChoice(index=r.index, text=echo + r.text, finish_reason=r.finish_reason,
-                                        logprobs=completion_logprobs(tokenizer, r.token_ids, r.logprobs, top,
-                                                                     len(echo))))
+                                        logprobs=join_logprobs(echo_logprobs[r.index // req.n], logprobs)))
     return CompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=usage(responses, req.n))
 
 
-def _stream(state: ServerState, req: CompletionRequest, run: ChoiceRun, request_id: str, echoes: list[str]):
+def _stream(state: ServerState, req: CompletionRequest, run: ChoiceRun, request_id: str, echoes: list[str],
+            echo_logprobs: list[dict | None]):
     top, tokenizer = req.logprobs or 0, state.engine.tokenizer
     offsets: dict[int, int] = {}
+    head = {'id': request_id, 'object': 'text_completion', 'created': int(time.time()), 'model': state.model_name}
 
     def render(r: Response) -> Iterable[str]:
-        text = ''
+        text, prefix = '', None
         if r.index not in offsets:
-            text = echoes[r.index // req.n]
+            text, prefix = echoes[r.index // req.n], echo_logprobs[r.index // req.n]
             offsets[r.index] = len(text)
         logprobs = completion_logprobs(tokenizer, r.token_ids, r.logprobs, top, offsets[r.index])
         offsets[r.index] += sum(len(t) for t in logprobs['tokens']) if logprobs else 0
+        logprobs = join_logprobs(prefix, logprobs)
         text += r.text
         if text or r.token_ids or r.finish_reason:
-            choice = CompletionChoice(index=r.index, text=text, finish_reason=r.finish_reason, logprobs=logprobs)
-            yield sse(CompletionResponse(id=request_id, model=state.model_name, choices=[choice]))
+            yield sse_chunk(head, {'index': r.index, 'text': text, 'logprobs': logprobs,
+                                   'finish_reason': r.finish_reason})
 
     def tail() -> Iterable[str]:
         if req.stream_options and req.stream_options.include_usage:
-            yield sse(CompletionResponse(id=request_id, model=state.model_name, choices=[],
-                                         usage=usage(run.last.values(), req.n)))
+            yield sse(CompletionResponse(**head, choices=[], usage=usage(run.last.values(), req.n)))
 
     return sse_stream(run, render, tail)
