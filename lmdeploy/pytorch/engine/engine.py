@@ -132,9 +132,9 @@ class Engine:
             return []
         logits = self.runner.forward(plan)
         items = plan.prefill + plan.decode
+        sampled = [item.seq for item in items if item.samples]
         for item in items:
             item.seq.num_computed += item.num_tokens
-        sampled = [item.seq for item in items if item.seq.num_computed == item.seq.num_tokens]
         result = sample(logits, sampled)
         outputs = []
         for row, seq in enumerate(sampled):
