@@ -33,10 +33,6 @@ def load_hf_config(model_dir: str) -> PretrainedConfig:
     return config
 
 
-def get_task(config: PretrainedConfig) -> Task:
-    return SUPPORTED_ARCHS[config.architectures[0]][0]
-
-
 def get_model_class(architecture: str) -> type:
     module, _, name = SUPPORTED_ARCHS[architecture][1].partition(':')
     return getattr(importlib.import_module(module), name)

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 
 import psutil
 import torch
