@@ -11,6 +11,7 @@ from lmdeploy.messages import PytorchEngineConfig
 
 Task = Literal['llm', 'vlm']
 
+_VL = 'lmdeploy.pytorch.models.vision_language'
 # architecture -> (task, 'module:class')
 SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'LlamaForCausalLM': ('llm', 'lmdeploy.pytorch.models.llama:LlamaForCausalLM'),
@@ -19,6 +20,9 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'MixtralForCausalLM': ('llm', 'lmdeploy.pytorch.models.moe:MoEForCausalLM'),
     'Qwen2MoeForCausalLM': ('llm', 'lmdeploy.pytorch.models.moe:MoEForCausalLM'),
     'Qwen3MoeForCausalLM': ('llm', 'lmdeploy.pytorch.models.moe:MoEForCausalLM'),
+    'Qwen2VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
+    'Qwen2_5_VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
+    'LlavaForConditionalGeneration': ('vlm', f'{_VL}:LlavaForConditionalGeneration'),
 }
 
 
@@ -31,6 +35,11 @@ def load_hf_config(model_dir: str) -> PretrainedConfig:
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(f'architecture {arch!r} is not supported; supported: {", ".join(SUPPORTED_ARCHS)}')
     return config
+
+
+def get_task(architecture: str) -> Task:
+    """'vlm' for models that take images, else 'llm'."""
+    return SUPPORTED_ARCHS[architecture][0]
 
 
 def get_model_class(architecture: str) -> type:

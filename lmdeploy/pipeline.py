@@ -25,13 +25,14 @@ _DONE = object()
 
 def _as_batch(prompts: Prompts) -> tuple[list[Prompt], bool]:
     """Normalizes to a list of prompts; the flag says whether a single prompt was given."""
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, tuple)):
         return [prompts], True
     if isinstance(prompts, list) and prompts and all(isinstance(p, dict) for p in prompts):
         return [prompts], True
-    if isinstance(prompts, list) and all(isinstance(p, (str, list)) for p in prompts):
+    if isinstance(prompts, list) and all(isinstance(p, (str, list, tuple)) for p in prompts):
         return list(prompts), False
-    raise TypeError('prompts must be a str, an OpenAI-style message list, or a list of those')
+    raise TypeError('prompts must be a str, an OpenAI-style message list, a (text, image or [images]) tuple, '
+                    'or a list of those')
 
 
 def _per_prompt(gen_config: GenConfigs, count: int) -> list[GenerationConfig | None]:

@@ -46,7 +46,7 @@ def test_hash_hit_checks_tokens():
     first = make_seq(0, 9)
     compute_all(bm, first)
     block = bm.blocks[first.block_ids[0]]
-    block.token_ids = (99, 99, 99, 99)  # a hash collision in disguise
+    block.key = (99, 99, 99, 99)  # a hash collision in disguise
     assert bm.match_prefix(make_seq(1, 9)) == []
 
 

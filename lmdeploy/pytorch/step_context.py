@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lmdeploy.pytorch.multimodal import MultiModalBatch
+
 
 @dataclass
 class StepContext:
@@ -14,7 +16,9 @@ class StepContext:
     rows ``prefill_q_start[s]:+prefill_q_len[s]`` and has ``prefill_ctx_len[s]`` context tokens in
     the blocks of ``prefill_block_table[s]`` (zero-padded rows). Decoding sequence ``b`` reads
     ``decode_kv_lens[b]`` tokens in the blocks of ``decode_blocks[b]``. The prefill fields are None
-    without prefill chunks, the decode fields without decode tokens.
+    without prefill chunks, the decode fields without decode tokens. ``rope_positions [3, T]`` replaces
+    ``positions`` in the rotary embedding of models with 3-D positions; ``multimodal`` holds the images
+    whose placeholder tokens this step feeds.
     """
 
     positions: torch.Tensor
@@ -28,5 +32,7 @@ class StepContext:
     prefill_max_q_len: int
     decode_blocks: torch.Tensor | None
     decode_kv_lens: torch.Tensor | None
+    rope_positions: torch.Tensor | None = None
+    multimodal: MultiModalBatch | None = None
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None

@@ -13,7 +13,10 @@ from lmdeploy.serve.engine_loop import EngineLoop
 from lmdeploy.serve.exceptions import ErrorCode, SafeRunException
 from lmdeploy.serve.inst_manager import InferInstManager
 from lmdeploy.serve.session_manager import Session, SessionManager
-from lmdeploy.vl.processor import MultiModalProcessor, Prompt
+from lmdeploy.pytorch.multimodal import MultiModalInput
+from lmdeploy.vl.image_inputs import ImageInputs
+from lmdeploy.vl.media import MediaPolicy
+from lmdeploy.vl.processor import MultiModalProcessor, ProcessedPrompt, Prompt
 
 
 def _to_response(out: EngineOutput) -> Response:
@@ -24,18 +27,22 @@ def _to_response(out: EngineOutput) -> Response:
 class AsyncEngine:
     """Serves prompts from asyncio code, from any number of event loops and threads.
 
-    It owns the tokenizer, the chat template (in its :class:`MultiModalProcessor`), the engine (driven
-    by one engine-loop thread), and its own :class:`SessionManager` and :class:`InferInstManager`.
+    It owns the tokenizer, the chat template and image preprocessing (in its :class:`MultiModalProcessor`,
+    which loads images under ``media_policy``), the engine (driven by one engine-loop thread), and its
+    own :class:`SessionManager` and :class:`InferInstManager`.
     """
 
     def __init__(self, model_path: str | None = None, backend_config: PytorchEngineConfig | None = None,
-                 chat_template_config: ChatTemplateConfig | None = None, show_progress: bool = True):
+                 chat_template_config: ChatTemplateConfig | None = None, show_progress: bool = True,
+                 media_policy: MediaPolicy | None = None):
         self.backend_config = backend_config or PytorchEngineConfig()
         self.engine: Engine | None = Engine(model_path, self.backend_config, show_progress=show_progress)
         self.tokenizer = self.engine.tokenizer
         self.session_len = self.engine.session_len
         template = chat_template_config.chat_template if chat_template_config else None
-        self.processor = MultiModalProcessor(self.tokenizer, template)
+        mm_config = self.engine.model_config.mm_config
+        image_inputs = ImageInputs.for_model(self.engine.model_dir, mm_config) if mm_config is not None else None
+        self.processor = MultiModalProcessor(self.tokenizer, template, image_inputs, media_policy or MediaPolicy())
         self.session_manager = SessionManager()
         self.engine_loop = EngineLoop(self.engine, lambda: self.session_manager.epoch)
         self.inst_manager = InferInstManager(self.engine_loop, self.backend_config.max_batch_size)
@@ -47,10 +54,22 @@ class AsyncEngine:
         except ValueError as exc:
             raise SafeRunException(ErrorCode.INVALID_ARGUMENT, str(exc)) from exc
 
+    async def process(self, prompt: Prompt, do_preprocess: bool = True) -> ProcessedPrompt:
+        """Token ids and images of a prompt; images are fetched and preprocessed on a worker thread.
+        Raises :class:`SafeRunException` (INVALID_ARGUMENT) for bad input, bad images included."""
+        try:
+            if self.processor.accepts_images:
+                return await asyncio.to_thread(self.processor.process, prompt, do_preprocess)
+            return self.processor.process(prompt, do_preprocess)
+        except ValueError as exc:
+            raise SafeRunException(ErrorCode.INVALID_ARGUMENT, str(exc)) from exc
+
     async def generate(self, messages: Prompt | None = None, session_id: int | None = None,
                        gen_config: GenerationConfig | None = None, do_preprocess: bool = True,
-                       input_ids: list[int] | None = None) -> AsyncIterator[Response]:
-        """Streams incremental :class:`Response` chunks for one prompt (or ``input_ids``).
+                       input_ids: list[int] | None = None,
+                       multimodal: list[MultiModalInput] | None = None) -> AsyncIterator[Response]:
+        """Streams incremental :class:`Response` chunks for one prompt (or ``input_ids`` with the
+        ``multimodal`` inputs that :meth:`process` made for them).
 
         Each chunk carries the new text and token ids (and logprobs if asked); the counts are totals
         so far; the last chunk has a ``finish_reason``: 'stop', 'length', 'abort', or 'error' when
@@ -66,16 +85,19 @@ class AsyncEngine:
         gen_config = gen_config or (session and session.gen_config) or GenerationConfig()
         if not isinstance(gen_config, GenerationConfig):
             raise SafeRunException(ErrorCode.INVALID_ARGUMENT, 'gen_config must be a GenerationConfig')
-        prompt_ids = self._input_ids(input_ids) if input_ids is not None else self.encode(messages, do_preprocess)
+        if input_ids is not None:
+            prompt = ProcessedPrompt(self._input_ids(input_ids), multimodal or [])
+        else:
+            prompt = await self.process(messages, do_preprocess)
         one_shot = session is None
         session = session or self.session_manager.create(session_id)
         request = self.session_manager.start_request(session)
         try:
             async with self.inst_manager.instance(request) as inst:
                 if inst is None or request.aborted or request.epoch != self.session_manager.epoch:
-                    yield Response('', 0, len(prompt_ids), 'abort')
+                    yield Response('', 0, len(prompt.input_ids), 'abort')
                     return
-                stream = inst.start(request, prompt_ids, gen_config)
+                stream = inst.start(request, prompt, gen_config)
                 try:
                     while True:
                         out = await stream.queue.get()

@@ -18,6 +18,7 @@ from typing import Any
 
 from lmdeploy.messages import EngineOutput, FinishReason, GenerationConfig
 from lmdeploy.pytorch.engine.engine import Engine
+from lmdeploy.pytorch.multimodal import MultiModalInput
 from lmdeploy.serve.exceptions import ErrorCode, SafeRunException
 
 logger = logging.getLogger('lmdeploy')
@@ -40,6 +41,7 @@ class RequestStream:
     prompt_ids: list[int]
     gen_config: GenerationConfig
     epoch: int
+    multimodal: list[MultiModalInput] = field(default_factory=list)
     done: concurrent.futures.Future = field(default_factory=_running_future)
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -156,7 +158,7 @@ class EngineLoop:
             stream.end('abort')
             return
         try:
-            stream.seq_id = self.engine.add_request(stream.prompt_ids, stream.gen_config)
+            stream.seq_id = self.engine.add_request(stream.prompt_ids, stream.gen_config, stream.multimodal)
         except ValueError as exc:
             too_long = len(stream.prompt_ids) >= self.engine.session_len
             stream.end('error', str(exc), ErrorCode.INPUT_LENGTH_ERROR if too_long else ErrorCode.INVALID_ARGUMENT)

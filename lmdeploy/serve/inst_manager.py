@@ -11,6 +11,7 @@ from contextlib import asynccontextmanager
 from lmdeploy.messages import GenerationConfig
 from lmdeploy.serve.engine_loop import EngineLoop, RequestStream
 from lmdeploy.serve.session_manager import Request
+from lmdeploy.vl.processor import ProcessedPrompt
 
 
 class EngineInstance:
@@ -20,9 +21,9 @@ class EngineInstance:
         self.inst_id = inst_id
         self.engine_loop = engine_loop
 
-    def start(self, request: Request, prompt_ids: list[int], gen_config: GenerationConfig) -> RequestStream:
+    def start(self, request: Request, prompt: ProcessedPrompt, gen_config: GenerationConfig) -> RequestStream:
         """Sends the request to the engine; its outputs arrive on the returned stream's queue."""
-        stream = RequestStream(prompt_ids, gen_config, request.epoch)
+        stream = RequestStream(prompt.input_ids, gen_config, request.epoch, prompt.multimodal)
         self.engine_loop.submit(stream)
         request.on_abort(lambda: self.cancel(stream))
         return stream

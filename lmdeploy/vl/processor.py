@@ -1,69 +1,152 @@
-"""``MultiModalProcessor``: a prompt (text or OpenAI messages) to token ids; text-only for now."""
+"""``MultiModalProcessor``: a prompt (text, OpenAI messages, or text with images) to model inputs."""
 from __future__ import annotations
 
-from typing import Union
+from dataclasses import dataclass, field
+from typing import Any, Union
 
+from lmdeploy.pytorch.multimodal import MultiModalInput
 from lmdeploy.tokenizer import Tokenizer
+from lmdeploy.vl.image_inputs import ImageInputs
+from lmdeploy.vl.media import MediaPolicy, image_hash, load_image
 
 Messages = list[dict]
-Prompt = Union[str, Messages]
+Prompt = Union[str, Messages, tuple]
 IMAGE_PART_TYPES = ('image', 'image_url', 'input_image')
 
 
-def _text_of(content: object, index: int) -> str:
-    """The text of a message's ``content``: a str, None, or a list of ``{'type': 'text', ...}`` parts."""
+@dataclass
+class ProcessedPrompt:
+    """Token ids (image placeholders expanded) and the prompt's images, in order."""
+
+    input_ids: list[int]
+    multimodal: list[MultiModalInput] = field(default_factory=list)
+
+
+def _image_source(part: dict, index: int) -> Any:
+    """Where an image content part's picture comes from: a URL or path, bytes, or a PIL image."""
+    source = part.get('image_url') or part.get('image') or part.get('url')
+    if isinstance(source, dict):
+        source = source.get('url')
+    if source is None:
+        raise ValueError(f"message {index}: an image part needs an 'image_url': {{'url': ...}}, got {part!r}")
+    return source
+
+
+def _content(content: object, index: int, images: list | None) -> str | list[dict]:
+    """A message's ``content`` in the form the chat template takes: text, or (when ``images`` collects
+    the pictures) a list of text and ``{'type': 'image'}`` parts."""
     if content is None or isinstance(content, str):
         return content or ''
     if not isinstance(content, list):
         raise ValueError(f'message {index}: content must be a str or a list of parts, got {type(content).__name__}')
-    texts = []
+    parts = []
     for part in content:
         kind = part.get('type') if isinstance(part, dict) else None
         if kind in IMAGE_PART_TYPES:
-            raise ValueError(f'message {index}: this model does not accept images')
-        if kind != 'text' or not isinstance(part.get('text'), str):
-            raise ValueError(f"message {index}: a content part must be {{'type': 'text', 'text': str}}, got {part!r}")
-        texts.append(part['text'])
-    return '\n'.join(texts)
+            if images is None:
+                raise ValueError(f'message {index}: this model does not accept images')
+            images.append(_image_source(part, index))
+            parts.append({'type': 'image'})
+        elif kind == 'text' and isinstance(part.get('text'), str):
+            parts.append({'type': 'text', 'text': part['text']})
+        else:
+            raise ValueError(f"message {index}: a content part must be {{'type': 'text', 'text': str}} or an "
+                             f'image part, got {part!r}')
+    if images is None or all(p['type'] == 'text' for p in parts):
+        return '\n'.join(p['text'] for p in parts)
+    return parts
 
 
-def normalize_messages(messages: Messages) -> Messages:
-    """Checks OpenAI-style messages and flattens list contents into plain text."""
-    if not isinstance(messages, list) or not messages:
-        raise ValueError('messages must be a non-empty list of {"role": ..., "content": ...} dicts')
-    out = []
-    for index, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get('role'), str):
-            raise ValueError(f'message {index} must be a dict with a str "role", got {message!r}')
-        out.append({**message, 'content': _text_of(message.get('content'), index)})
-    return out
+def _as_messages(prompt: Prompt) -> Messages:
+    """``str`` and ``(text, image)`` / ``(text, [images])`` prompts as a one-message conversation."""
+    if isinstance(prompt, str):
+        return [{'role': 'user', 'content': prompt}]
+    if isinstance(prompt, tuple):
+        if len(prompt) != 2 or not isinstance(prompt[0], str):
+            raise ValueError('a tuple prompt must be (text, image) or (text, [images])')
+        text, images = prompt
+        images = images if isinstance(images, list) else [images]
+        return [{'role': 'user', 'content': [{'type': 'image', 'image': image} for image in images] +
+                 [{'type': 'text', 'text': text}]}]
+    return prompt
 
 
 class MultiModalProcessor:
-    """Renders prompts with the chat template and tokenizes them.
+    """Renders prompts with the chat template, loads and preprocesses their images and tokenizes them.
 
-    ``chat_template`` (Jinja) overrides the model's own template when given.
+    ``chat_template`` (Jinja) overrides the model's own template when given. For a vision-language
+    model, ``image_inputs`` runs its transformers image processor; images load under ``media_policy``
+    and at most ``max_images`` go in one prompt.
     """
 
-    def __init__(self, tokenizer: Tokenizer, chat_template: str | None = None):
+    def __init__(self, tokenizer: Tokenizer, chat_template: str | None = None,
+                 image_inputs: ImageInputs | None = None, media_policy: MediaPolicy = MediaPolicy(),
+                 max_images: int = 16):
         self.tokenizer = tokenizer
         self.chat_template = chat_template
+        self.image_inputs = image_inputs
+        self.media_policy = media_policy
+        self.max_images = max_images
 
-    def render(self, prompt: Prompt, do_preprocess: bool = True) -> str:
-        """The prompt's text: chat-templated, or as given when ``do_preprocess`` is False
-        (the contents of a message list are then joined by newlines)."""
-        if isinstance(prompt, str):
-            if not do_preprocess:
-                return prompt
-            prompt = [{'role': 'user', 'content': prompt}]
-        messages = normalize_messages(prompt)
-        if not do_preprocess:
-            return '\n'.join(m['content'] for m in messages)
-        return self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template)
+    @property
+    def accepts_images(self) -> bool:
+        return self.image_inputs is not None
+
+    def normalize(self, messages: Messages, images: list | None = None) -> Messages:
+        """Checks OpenAI-style messages and puts their contents in template form (see ``_content``)."""
+        if not isinstance(messages, list) or not messages:
+            raise ValueError('messages must be a non-empty list of {"role": ..., "content": ...} dicts')
+        out = []
+        for index, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get('role'), str):
+                raise ValueError(f'message {index} must be a dict with a str "role", got {message!r}')
+            out.append({**message, 'content': _content(message.get('content'), index, images)})
+        return out
+
+    def render(self, prompt: Prompt, do_preprocess: bool = True, images: list | None = None) -> str:
+        """The prompt's text: chat-templated, or as given when ``do_preprocess`` is False (the texts of a
+        message list are then joined by newlines). Image sources are appended to ``images``."""
+        if isinstance(prompt, str) and not do_preprocess:
+            return prompt
+        messages = self.normalize(_as_messages(prompt), images)
+        if do_preprocess:
+            return self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template)
+        return '\n'.join(m['content'] if isinstance(m['content'], str) else
+                         ''.join(p.get('text', '') for p in m['content']) for m in messages)
+
+    def process(self, prompt: Prompt, do_preprocess: bool = True) -> ProcessedPrompt:
+        """Token ids and images of a prompt; raises ``ValueError`` for malformed input or bad images."""
+        if not isinstance(prompt, (str, list, tuple)):
+            raise ValueError(f'a prompt must be a str, a list of messages or a (text, images) tuple, '
+                             f'got {type(prompt).__name__}')
+        sources = [] if self.accepts_images else None
+        if isinstance(prompt, tuple) and sources is None:
+            raise ValueError('this model does not accept images')
+        text = self.render(prompt, do_preprocess, sources)
+        input_ids = self.tokenizer.encode(text, add_special_tokens=not do_preprocess)
+        if not sources:
+            return ProcessedPrompt(input_ids)
+        if len(sources) > self.max_images:
+            raise ValueError(f'a prompt may hold at most {self.max_images} images, got {len(sources)}')
+        return self._expand(input_ids, [load_image(source, self.media_policy) for source in sources])
+
+    def _expand(self, input_ids: list[int], images: list) -> ProcessedPrompt:
+        """Repeats each image's placeholder token once per feature the vision encoder gives it."""
+        placeholder = self.image_inputs.image_token_id
+        where = [i for i, token in enumerate(input_ids) if token == placeholder]
+        if len(where) != len(images):
+            raise ValueError(f'the prompt has {len(where)} image placeholders for {len(images)} images')
+        expanded: list[int] = []
+        multimodal = []
+        start = 0
+        for position, image in zip(where, images):
+            length, data = self.image_inputs(image)
+            expanded += input_ids[start:position]
+            multimodal.append(MultiModalInput(len(expanded), length, image_hash(image), data))
+            expanded += [placeholder] * length
+            start = position + 1
+        return ProcessedPrompt(expanded + input_ids[start:], multimodal)
 
     def encode(self, prompt: Prompt, do_preprocess: bool = True) -> list[int]:
-        """Token ids of a prompt; raises ``ValueError`` for malformed or image-bearing input."""
-        if not isinstance(prompt, (str, list)):
-            raise ValueError(f'a prompt must be a str or a list of messages, got {type(prompt).__name__}')
-        text = self.render(prompt, do_preprocess)
-        return self.tokenizer.encode(text, add_special_tokens=not do_preprocess)
+        """Token ids of a prompt, image placeholders expanded; raises ``ValueError`` for bad input."""
+        return self.process(prompt, do_preprocess).input_ids

@@ -15,6 +15,7 @@ from lmdeploy.pytorch.engine.model_runner import ModelRunner
 from lmdeploy.pytorch.engine.output_processor import OutputProcessor
 from lmdeploy.pytorch.engine.sampler import sample
 from lmdeploy.pytorch.engine.sequence import Sequence
+from lmdeploy.pytorch.multimodal import MultiModalInput
 from lmdeploy.pytorch.paging.block_manager import BlockManager
 from lmdeploy.pytorch.paging.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from lmdeploy.pytorch.weights.safetensors_loader import iterate_weights
@@ -86,11 +87,30 @@ class Engine:
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise ValueError(f'prompt token ids must be in [0, {vocab})')
 
-    def add_request(self, prompt_ids: list[int], gen_config: GenerationConfig | None = None) -> int:
-        """Queues a request and returns its id; raises ``ValueError`` for input it cannot serve."""
+    def _check_multimodal(self, prompt_ids: list[int], multimodal: list[MultiModalInput]) -> None:
+        if not hasattr(self.runner.model, 'encode_images'):
+            raise ValueError('this model does not accept images')
+        image_token_id = self.model_config.mm_config.image_token_id
+        end = 0
+        for image in multimodal:
+            if image.offset < end or image.end > len(prompt_ids) or image.length < 1 or any(
+                    token != image_token_id for token in prompt_ids[image.offset:image.end]):
+                raise ValueError('each image must cover its own span of image placeholder tokens of the prompt')
+            end = image.end
+
+    def add_request(self, prompt_ids: list[int], gen_config: GenerationConfig | None = None,
+                    multimodal: list[MultiModalInput] | None = None) -> int:
+        """Queues a request and returns its id; raises ``ValueError`` for input it cannot serve.
+
+        ``multimodal`` lists the prompt's images (see :class:`MultiModalInput`), in prompt order.
+        """
         gen_config = gen_config or GenerationConfig()
         self._check_prompt(prompt_ids)
         seq = Sequence(next(self._ids), list(prompt_ids), gen_config, self.tokenizer.eos_token_ids)
+        if multimodal:
+            self._check_multimodal(prompt_ids, multimodal)
+            seq.multimodal = list(multimodal)
+            seq.rope_positions, seq.rope_delta = self.runner.model.prompt_positions(len(prompt_ids), multimodal)
         self.sequences[seq.seq_id] = seq
         self.outputs.add(seq)
         self.scheduler.add(seq)

@@ -5,6 +5,8 @@ import torch
 from torch import nn
 
 from lmdeploy.pytorch.config import ModelConfig
+from lmdeploy.pytorch.engine.sequence import Sequence
+from lmdeploy.pytorch.multimodal import MultiModalBatch, MultiModalInput
 from lmdeploy.pytorch.paging.scheduler import ScheduledSeq, SchedulerOutput
 from lmdeploy.pytorch.step_context import StepContext
 
@@ -32,6 +34,37 @@ class ModelRunner:
         return self._tensor([item.seq.block_ids[:width] + [0] * (width - len(item.seq.block_ids[:width]))
                              for item in items])
 
+    @staticmethod
+    def _rope_positions(seq: Sequence, start: int, end: int) -> torch.Tensor:
+        """``[3, end - start]`` 3-D rotary positions of tokens ``start:end`` of ``seq``."""
+        if seq.rope_positions is None:
+            return torch.arange(start, end).expand(3, -1)
+        num_prompt = seq.rope_positions.shape[1]
+        tail = torch.arange(max(start, num_prompt), end) + seq.rope_delta
+        return torch.cat((seq.rope_positions[:, start:end], tail.expand(3, -1)), dim=1)
+
+    def _multimodal_batch(self, plan: SchedulerOutput, q_start: list[int]) -> MultiModalBatch | None:
+        """The images whose placeholder tokens the prefill chunks feed; a whole image is encoded even
+        when a chunk holds only part of it."""
+        inputs: list[MultiModalInput] = []
+        token_rows: list[int] = []
+        feature_rows: list[int] = []
+        num_features = 0
+        for item, row in zip(plan.prefill, q_start):
+            start = item.seq.num_computed
+            end = start + item.num_tokens
+            for image in item.seq.multimodal:
+                lo, hi = max(start, image.offset), min(end, image.end)
+                if lo >= hi:
+                    continue
+                inputs.append(image)
+                token_rows.extend(range(row + lo - start, row + hi - start))
+                feature_rows.extend(range(num_features + lo - image.offset, num_features + hi - image.offset))
+                num_features += image.length
+        if not inputs:
+            return None
+        return MultiModalBatch(inputs, self._tensor(token_rows), self._tensor(feature_rows))
+
     def build_inputs(self, plan: SchedulerOutput) -> tuple[torch.Tensor, StepContext, list[int]]:
         """Packs the step's tokens; also returns the row of each sampled sequence's last token."""
         bs = self.block_size
@@ -41,9 +74,13 @@ class ModelRunner:
         q_start: list[int] = []
         ctx_len: list[int] = []
         sample_rows: list[int] = []
+        rope_positions: list[torch.Tensor] = []
+        uses_mrope = getattr(self.model, 'uses_mrope', False)
         for item in plan.prefill:
             seq, start = item.seq, item.seq.num_computed
             end = start + item.num_tokens
+            if uses_mrope:
+                rope_positions.append(self._rope_positions(seq, start, end))
             q_start.append(len(input_ids))
             ctx_len.append(end)
             input_ids.extend(seq.token_ids[start:end])
@@ -67,13 +104,17 @@ class ModelRunner:
                 input_ids.append(seq.token_ids[-1])
                 positions.append(seq.num_tokens - 1)
                 kv_blocks.append(seq.block_ids[(seq.num_tokens - 1) // bs])
+                if uses_mrope:
+                    rope_positions.append(self._rope_positions(seq, seq.num_tokens - 1, seq.num_tokens))
             lengths = [item.seq.num_tokens for item in plan.decode]
             decode_blocks, decode_kv_lens = self._block_table(plan.decode, lengths), self._tensor(lengths)
             sample_rows.extend(range(num_prefill, len(input_ids)))
         position_tensor = self._tensor(positions)
         ctx = StepContext(positions=position_tensor, kv_blocks=self._tensor(kv_blocks),
                           kv_offsets=position_tensor % bs, num_prefill_tokens=num_prefill,
-                          decode_blocks=decode_blocks, decode_kv_lens=decode_kv_lens, **prefill)
+                          decode_blocks=decode_blocks, decode_kv_lens=decode_kv_lens,
+                          rope_positions=torch.cat(rope_positions, dim=1).to(self.device) if uses_mrope else None,
+                          multimodal=self._multimodal_batch(plan, q_start), **prefill)
         return self._tensor(input_ids), ctx, sample_rows
 
     @torch.inference_mode()

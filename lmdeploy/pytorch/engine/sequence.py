@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lmdeploy.messages import FinishReason, GenerationConfig
+from lmdeploy.pytorch.multimodal import MultiModalInput
 
 
 class SequenceStatus(enum.Enum):
@@ -20,7 +21,9 @@ class Sequence:
     """One generation request inside the engine.
 
     ``num_computed`` counts the tokens whose K/V already sit in the cache; the tokens after it are
-    fed to the model in the next step that schedules this sequence.
+    fed to the model in the next step that schedules this sequence. ``multimodal`` lists the
+    prompt's images; models with 3-D rotary positions (Qwen-VL) give the prompt's positions in
+    ``rope_positions [3, len(prompt_ids)]``, and later tokens sit at their index plus ``rope_delta``.
     """
 
     seq_id: int
@@ -36,6 +39,9 @@ class Sequence:
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None
     num_preemptions: int = 0
+    multimodal: list[MultiModalInput] = field(default_factory=list)
+    rope_positions: torch.Tensor | None = None
+    rope_delta: int = 0
 
     def __post_init__(self):
         if not self.gen_config.is_greedy:
@@ -70,3 +76,11 @@ class Sequence:
         if not self.gen_config.ignore_eos:
             ids |= self.eos_token_ids
         return ids
+
+    def block_key(self, start: int, size: int) -> tuple:
+        """What identifies the tokens ``[start, start + size)`` in the prefix cache: their ids and, when
+        images overlap them, each image's hash and offset, so the same text with another image differs."""
+        tokens = tuple(self.token_ids[start:start + size])
+        images = tuple((m.content_hash, m.offset - start) for m in self.multimodal
+                       if m.offset < start + size and m.end > start)
+        return (tokens, images) if images else tokens

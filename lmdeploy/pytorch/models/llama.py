@@ -16,6 +16,7 @@ from lmdeploy.pytorch.nn.rotary import RotaryEmbedding
 from lmdeploy.pytorch.step_context import StepContext
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+QKV_BIAS_MODEL_TYPES = ('qwen2', 'qwen2_vl_text', 'qwen2_5_vl_text')
 
 
 class LlamaAttention(nn.Module):
@@ -25,7 +26,7 @@ class LlamaAttention(nn.Module):
         hf = cfg.hf_config
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         o_bias = bool(getattr(hf, 'attention_bias', False))
-        qkv_bias = o_bias or bool(getattr(hf, 'qkv_bias', False)) or hf.model_type == 'qwen2'
+        qkv_bias = o_bias or bool(getattr(hf, 'qkv_bias', False)) or hf.model_type in QKV_BIAS_MODEL_TYPES
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias)
         self.o_proj = Linear(q_size, cfg.hidden_size, bias=o_bias)
@@ -99,7 +100,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.make_mlp(cfg, i)) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, hf.rms_norm_eps)
         self.rotary = RotaryEmbedding(hf, cfg.head_dim)
-        self.tie_word_embeddings = getattr(hf, 'tie_word_embeddings', False)
+        self.tie_word_embeddings = cfg.tie_word_embeddings
         self.lm_head = None if self.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
 
     def make_mlp(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
@@ -107,13 +108,18 @@ class LlamaForCausalLM(nn.Module):
         return LlamaMLP(cfg)
 
     def forward(self, input_ids: torch.Tensor, kv_caches: list[KVCache], ctx: StepContext) -> torch.Tensor:
-        ctx.cos, ctx.sin = self.rotary(ctx.positions, self.cfg.dtype)
-        x = self.embed_tokens(input_ids)
+        positions = ctx.positions if ctx.rope_positions is None else ctx.rope_positions
+        ctx.cos, ctx.sin = self.rotary(positions, self.cfg.dtype)
+        x = self.embed(input_ids, ctx)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, kv_cache, ctx)
         x, _ = self.norm(x, residual)
         return x
+
+    def embed(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """Input embeddings of the packed tokens; vision-language models fill in image features."""
+        return self.embed_tokens(input_ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -8,7 +8,11 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 
 class RotaryEmbedding(nn.Module):
-    """Computes per-token ``cos, sin [T, head_dim]`` for the model's rope type."""
+    """Computes per-token ``cos, sin [T, head_dim]`` for the model's rope type.
+
+    With ``mrope_section`` (Qwen-VL) positions are ``[3, T]`` (temporal, height, width) and each
+    band of frequencies turns with one of the three.
+    """
 
     def __init__(self, hf_config: PretrainedConfig, head_dim: int):
         super().__init__()
@@ -24,8 +28,15 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f'rope type {rope_type!r} is not supported')
         # A plain attribute, not a buffer: casting the model to bf16 must not round the frequencies.
         self.inv_freq = inv_freq
+        sections = params.get('mrope_section')
+        self.mrope_select = None if sections is None else torch.cat(
+            [torch.full((size,), index % 3) for index, size in enumerate(sections)])
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
+        inv_freq = self.inv_freq.to(positions.device)
+        if positions.dim() == 2:
+            freqs = positions.float()[self.mrope_select.to(positions.device)].T * inv_freq
+        else:
+            freqs = positions.float().unsqueeze(-1) * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)

@@ -12,12 +12,12 @@ class Block:
     block_id: int
     ref_count: int = 0
     hash: int | None = None
-    token_ids: tuple[int, ...] = ()
+    key: tuple = ()
 
 
-def chain_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """The hash of a full block given its tokens and the hash of the block before it."""
-    return hash((prev_hash, token_ids))
+def chain_hash(prev_hash: int | None, key: tuple) -> int:
+    """The hash of a full block given its key (see ``Sequence.block_key``) and the hash of the block before it."""
+    return hash((prev_hash, key))
 
 
 class BlockManager:
@@ -56,17 +56,17 @@ class BlockManager:
         """Cached blocks holding a prefix of ``seq``; at least one token is always left to compute."""
         if not self.enable_prefix_caching:
             return []
-        tokens, bs = seq.token_ids, self.block_size
+        num_tokens, bs = seq.num_tokens, self.block_size
         matched: list[int] = []
         prev = None
-        for start in range(0, len(tokens) - bs, bs):
-            block_tokens = tuple(tokens[start:start + bs])
-            prev = chain_hash(prev, block_tokens)
+        for start in range(0, num_tokens - bs, bs):
+            key = seq.block_key(start, bs)
+            prev = chain_hash(prev, key)
             block_id = self.hash_to_block.get(prev)
-            if block_id is None or self.blocks[block_id].token_ids != block_tokens:
+            if block_id is None or self.blocks[block_id].key != key:
                 break
             matched.append(block_id)
-        self.num_queries += len(tokens) // bs
+        self.num_queries += num_tokens // bs
         self.num_hits += len(matched)
         return matched
 
@@ -86,7 +86,7 @@ class BlockManager:
             block = self.blocks[block_id]
             if block.hash is not None:
                 del self.hash_to_block[block.hash]
-                block.hash, block.token_ids = None, ()
+                block.hash, block.key = None, ()
             block.ref_count = 1
             seq.block_ids.append(block_id)
 
@@ -105,16 +105,15 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        tokens = seq.token_ids
         for index in range(len(seq.block_hashes), seq.num_computed // bs):
-            block_tokens = tuple(tokens[index * bs:(index + 1) * bs])
+            key = seq.block_key(index * bs, bs)
             prev = seq.block_hashes[-1] if seq.block_hashes else None
-            block_hash = chain_hash(prev, block_tokens)
+            block_hash = chain_hash(prev, key)
             seq.block_hashes.append(block_hash)
             block = self.blocks[seq.block_ids[index]]
             if block_hash not in self.hash_to_block:
                 self.hash_to_block[block_hash] = block.block_id
-                block.hash, block.token_ids = block_hash, block_tokens
+                block.hash, block.key = block_hash, key
 
     def _ref(self, block_id: int) -> None:
         block = self.blocks[block_id]

@@ -1,0 +1,47 @@
+"""Per-family image preprocessing: the model's own transformers image processor, and how many
+placeholder tokens each image's features fill."""
+from __future__ import annotations
+
+import torch
+from PIL import Image
+from transformers import AutoImageProcessor, PretrainedConfig
+
+
+class ImageInputs:
+    """Turns one image into ``(number of placeholder tokens, tensors for the vision encoder)``."""
+
+    def __init__(self, model_dir: str, config: PretrainedConfig):
+        self.config = config
+        self.image_token_id: int = config.image_token_id
+        self.image_processor = AutoImageProcessor.from_pretrained(model_dir, backend='pil')
+
+    @classmethod
+    def for_model(cls, model_dir: str, config: PretrainedConfig) -> ImageInputs | None:
+        """The preprocessing of a vision-language model's family; None for text-only models."""
+        family = {'qwen2_vl': QwenVLImageInputs, 'qwen2_5_vl': QwenVLImageInputs, 'llava': LlavaImageInputs}
+        kind = family.get(config.model_type)
+        return kind(model_dir, config) if kind else None
+
+    def __call__(self, image: Image.Image) -> tuple[int, dict[str, torch.Tensor]]:
+        raise NotImplementedError
+
+
+class QwenVLImageInputs(ImageInputs):
+    """Qwen2-VL / Qwen2.5-VL: dynamic resolution; one token per merged ``merge x merge`` patch group."""
+
+    def __call__(self, image: Image.Image) -> tuple[int, dict[str, torch.Tensor]]:
+        out = self.image_processor(images=[image], return_tensors='pt')
+        grid = out['image_grid_thw']
+        merge = self.config.vision_config.spatial_merge_size
+        return int(grid.prod()) // merge**2, {'pixel_values': out['pixel_values'], 'image_grid_thw': grid}
+
+
+class LlavaImageInputs(ImageInputs):
+    """LLaVA: a fixed-size crop; one token per vision patch (plus CLS with the 'full' strategy)."""
+
+    def __call__(self, image: Image.Image) -> tuple[int, dict[str, torch.Tensor]]:
+        pixels = self.image_processor(images=[image], return_tensors='pt')['pixel_values']
+        patch = self.config.vision_config.patch_size
+        num_patches = (pixels.shape[-2] // patch) * (pixels.shape[-1] // patch)
+        cls_token = int(self.config.vision_feature_select_strategy == 'full')
+        return num_patches + cls_token, {'pixel_values': pixels}
