@@ -85,13 +85,13 @@ def _fetch(url: str, policy: MediaPolicy) -> bytes:
     is_ip = ':' in host or host.replace('.', '').isdigit()  # IP addresses have no subdomains
     allowed = [domain.strip('.').lower() for domain in policy.allowed_domains or ()]
     if policy.allowed_domains is not None and '*' not in allowed and not any(
-            domain and (host == domain or not is_ip and host.endswith('.' + domain)) for domain in allowed):
+            domain and (host == domain or host.endswith('.' + domain)) for domain in allowed):
         raise ValueError(f'image domain {host!r} is not allowed (the server allows domains with '
                          '--allowed-media-domains)')
     deadline = time.monotonic() + policy.fetch_timeout
     data = bytearray()
     try:
-        with (httpx.Client(timeout=policy.fetch_timeout, follow_redirects=True) as client,
+        with (httpx.Client(timeout=policy.fetch_timeout, follow_redirects=False) as client,
               client.stream('GET', parsed) as response):
             if not response.is_success:
                 hint = ' (redirects are not followed)' if response.is_redirect else ''

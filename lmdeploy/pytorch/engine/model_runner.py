@@ -40,7 +40,7 @@ class ModelRunner:
         if seq.rope_positions is None:
             return torch.arange(start, end).expand(3, -1)
         num_prompt = seq.rope_positions.shape[1]
-        tail = torch.arange(max(start, num_prompt), end) + seq.rope_delta
+        tail = torch.arange(min(max(start, num_prompt), end), end) + seq.rope_delta
         return torch.cat((seq.rope_positions[:, start:end], tail.expand(3, -1)), dim=1)
 
     def _multimodal_batch(self, plan: SchedulerOutput, q_start: list[int]) -> MultiModalBatch | None:
