@@ -18,10 +18,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def tiny_engine(path: str, **kwargs) -> AsyncEngine:
+def tiny_engine(path: str, media_policy=None, **kwargs) -> AsyncEngine:
     kwargs.setdefault('num_gpu_blocks', 256)
     kwargs.setdefault('block_size', 16)
-    return AsyncEngine(path, PytorchEngineConfig(dtype='float32', **kwargs), show_progress=False)
+    return AsyncEngine(path, PytorchEngineConfig(dtype='float32', **kwargs), show_progress=False,
+                       media_policy=media_policy)
 
 
 class ServerThread:

@@ -63,3 +63,36 @@ def test_ctrl_c_stops_the_reply_only(chat, long_llama):
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 0
+
+
+def test_image_command(chat, tmp_path):
+    from test_vl import IMAGES, png_bytes
+    from vl_models import save_tiny_vl_model
+
+    from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
+    model = save_tiny_vl_model('qwen2_vl', str(tmp_path / 'qwen2_vl'))
+    image = tmp_path / 'cat.png'
+    image.write_bytes(png_bytes(IMAGES[0]))
+    with pipeline(model, PytorchEngineConfig(dtype='float32', num_gpu_blocks=32, block_size=16),
+                  show_progress=False) as pipe:
+        expected = pipe(('describe', str(image)), gen_config=GenerationConfig(max_new_tokens=8, ignore_eos=True))
+    child = chat('--max-new-tokens', '8', '--ignore-eos', model=model)
+    child.send(f'/image {tmp_path}/missing.png\r')
+    child.expect_exact('[error:')
+    child.expect_exact(PROMPT)
+    child.send(f'/image {image}\r')
+    child.expect_exact(f'[image 1 attached: {image}]')
+    child.expect_exact(PROMPT)
+    child.send('describe\r')
+    child.expect_exact(PROMPT)
+    assert child.before.replace('\r\n', '\n').strip().endswith(expected.text.strip())
+    child.send('exit\r')
+    child.expect(pexpect.EOF)
+
+
+def test_image_command_on_a_text_model(chat):
+    child = chat()
+    child.send('/image /tmp/cat.png\r')
+    child.expect_exact('[error: this model does not accept images]')
+    child.send('exit\r')
+    child.expect(pexpect.EOF)

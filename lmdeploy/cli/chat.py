@@ -3,7 +3,8 @@
 On a terminal the input line (prompt_toolkit) has history (up/down, kept in
 ``~/.cache/lmdeploy/chat_history``) and takes several lines: end a line with ``\\`` or press
 Esc then Enter to go on to the next one. Ctrl-C during a reply stops that reply; Ctrl-D or
-``exit`` quits, ``reset`` starts a new conversation.
+``exit`` quits, ``reset`` starts a new conversation, and ``/image PATH`` (or URL) attaches an image
+to the next message when the model takes images.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from lmdeploy.cli.args import add_engine_args, add_generation_args, engine_confi
 from lmdeploy.messages import GenerationConfig
 from lmdeploy.serve.async_engine import AsyncEngine
 from lmdeploy.serve.session_manager import Session
+from lmdeploy.vl.media import load_image
 
 PROMPT = '>>> '
 CONTINUATION = '... '
@@ -103,12 +105,32 @@ async def _reply(engine: AsyncEngine, session: Session, turn: list[dict], gen: G
     return text
 
 
+def _attach_error(engine: AsyncEngine, source: str) -> str | None:
+    """Why ``/image source`` cannot be attached, or None when it loads."""
+    if not engine.processor.accepts_images:
+        return 'this model does not accept images'
+    try:
+        load_image(os.path.expanduser(source), engine.processor.media_policy)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _user_turn(prompt: str, images: list[str]) -> list[dict]:
+    if not images:
+        return [{'role': 'user', 'content': prompt}]
+    parts = [{'type': 'image_url', 'image_url': {'url': os.path.expanduser(image)}} for image in images]
+    return [{'role': 'user', 'content': parts + [{'type': 'text', 'text': prompt}]}]
+
+
 async def chat(engine: AsyncEngine, gen: GenerationConfig) -> None:
     """The read-reply loop; Ctrl-C (SIGINT) during a reply aborts just that reply."""
     loop = asyncio.get_running_loop()
     reader = LineReader()
     session = engine.session()
-    print("Type a message; 'reset' starts over, 'exit' (or Ctrl-D) quits. End a line with \\ to go on.")
+    images: list[str] = []
+    print("Type a message; 'reset' starts over, 'exit' (or Ctrl-D) quits. End a line with \\ to go on."
+          + (" '/image PATH' attaches an image to your next message." if engine.processor.accepts_images else ''))
     while True:
         prompt = await reader.read()
         if prompt is None or prompt.strip() == 'exit':
@@ -116,11 +138,22 @@ async def chat(engine: AsyncEngine, gen: GenerationConfig) -> None:
         if prompt.strip() == 'reset':
             await engine.end_session(session.session_id)
             session = engine.session()
+            images = []
             print('[new conversation]')
+            continue
+        if prompt.strip().startswith('/image'):
+            source = prompt.strip()[len('/image'):].strip()
+            error = _attach_error(engine, source) if source else 'usage: /image PATH'
+            if error:
+                print(f'[error: {error}]')
+            else:
+                images.append(source)
+                print(f'[image {len(images)} attached: {source}]')
             continue
         if not prompt.strip():
             continue
-        turn = [{'role': 'user', 'content': prompt}]
+        turn = _user_turn(prompt, images)
+        images = []
         task = asyncio.create_task(_reply(engine, session, turn, gen))
         loop.add_signal_handler(signal.SIGINT, task.cancel)
         try:

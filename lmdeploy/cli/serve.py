@@ -27,15 +27,22 @@ def add_serve_parser(commands) -> None:
                         help='requests that may wait; beyond that the server answers 429')
     parser.add_argument('--shutdown-timeout', type=float, default=30.0,
                         help='seconds requests in flight get to finish after SIGTERM before they are aborted')
+    parser.add_argument('--allowed-media-domains', nargs='*', default=(),
+                        help="hosts image_url may fetch http(s) images from ('*': any; default: none)")
+    parser.add_argument('--allowed-local-media-path', default=None,
+                        help='directory whose files image_url may name (default: no local files)')
     parser.set_defaults(run=run_api_server)
 
 
 def run_api_server(args: argparse.Namespace) -> None:
     from lmdeploy.serve.async_engine import AsyncEngine
     from lmdeploy.serve.openai.api_server import create_app, run_server
+    from lmdeploy.vl.media import MediaPolicy
     logging.basicConfig(level=args.log_level)
     logging.getLogger('lmdeploy').setLevel(args.log_level)
-    engine = AsyncEngine(args.model_path, engine_config(args), show_progress=False)
+    media = MediaPolicy(allowed_domains=tuple(args.allowed_media_domains),
+                        allowed_local_path=args.allowed_local_media_path)
+    engine = AsyncEngine(args.model_path, engine_config(args), show_progress=False, media_policy=media)
     try:
         app = create_app(engine, args.model_name, args.api_keys, args.allow_origins, args.allow_credentials,
                          args.allow_methods, args.allow_headers, args.max_concurrent_requests, args.max_queue_size)

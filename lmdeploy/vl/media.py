@@ -85,7 +85,7 @@ def _fetch(url: str, policy: MediaPolicy) -> bytes:
     is_ip = ':' in host or host.replace('.', '').isdigit()  # IP addresses have no subdomains
     allowed = [domain.strip('.').lower() for domain in policy.allowed_domains or ()]
     if policy.allowed_domains is not None and '*' not in allowed and not any(
-            domain and (host == domain or host.endswith('.' + domain)) for domain in allowed):
+            domain and (host == domain or not is_ip and host.endswith('.' + domain)) for domain in allowed):
         raise ValueError(f'image domain {host!r} is not allowed (the server allows domains with '
                          '--allowed-media-domains)')
     deadline = time.monotonic() + policy.fetch_timeout

@@ -13,7 +13,7 @@ from lmdeploy.serve.openai.logprobs import chat_logprobs
 from lmdeploy.serve.openai.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatMessage,
                                             random_id)
 from lmdeploy.serve.openai.serving_common import (ChoiceRun, Job, ServerState, check_model, check_session,
-                                                  choice_config, collect_or_abort, encode, gen_config,
+                                                  choice_config, collect_or_abort, gen_config, process,
                                                   raise_for_error, sse, sse_chunk, sse_stream, start_run,
                                                   usage)
 
@@ -30,18 +30,19 @@ def _check_unsupported(req: ChatCompletionRequest) -> None:
         raise APIError(400, 'top_logprobs requires logprobs to be true', 'top_logprobs')
 
 
-def _jobs(state: ServerState, req: ChatCompletionRequest) -> list[Job]:
+async def _jobs(state: ServerState, req: ChatCompletionRequest) -> list[Job]:
     check_model(state, req.model)
     _check_unsupported(req)
     check_session(state, req.session_id, req.n)
-    input_ids = encode(state, req.messages, True, 'messages')
-    config = gen_config(state, req, len(input_ids), (req.top_logprobs or 0) if req.logprobs else None, None)
-    return [Job(i, input_ids, choice_config(config, i), req.session_id) for i in range(req.n)]
+    prompt = await process(state, req.messages, 'messages')
+    config = gen_config(state, req, len(prompt.input_ids), (req.top_logprobs or 0) if req.logprobs else None, None)
+    return [Job(i, prompt.input_ids, choice_config(config, i), req.session_id, prompt.multimodal)
+            for i in range(req.n)]
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request):
     """Answers a chat request, streamed as server-sent events when ``req.stream``."""
-    jobs = _jobs(state, req)
+    jobs = await _jobs(state, req)
     run = await start_run(state, jobs)
     request_id, top = random_id('chatcmpl'), req.top_logprobs or 0
     tokenizer = state.engine.tokenizer

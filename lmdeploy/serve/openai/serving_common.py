@@ -6,19 +6,21 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import anyio
 from fastapi import Request
 from pydantic import BaseModel
 
 from lmdeploy.messages import MAX_NEW_TOKENS_LIMIT, GenerationConfig, Response
+from lmdeploy.pytorch.multimodal import MultiModalInput
 from lmdeploy.serve.async_engine import AsyncEngine
 from lmdeploy.serve.exceptions import ErrorCode, SafeRunException
 from lmdeploy.serve.openai.admission import Admission
 from lmdeploy.serve.openai.errors import APIError, error_body, from_safe_run
 from lmdeploy.serve.openai.metrics import Metrics
 from lmdeploy.serve.openai.protocol import PromptTokensDetails, SamplingFields, UsageInfo
+from lmdeploy.vl.processor import ProcessedPrompt
 
 
 @dataclass
@@ -40,6 +42,7 @@ class Job:
     input_ids: list[int]
     gen_config: GenerationConfig
     session_id: int | None = None
+    multimodal: list[MultiModalInput] = field(default_factory=list)
 
 
 def check_model(state: ServerState, model: str | None) -> None:
@@ -67,12 +70,23 @@ def check_session(state: ServerState, session_id: int | None, n: int) -> None:
 
 
 def encode(state: ServerState, prompt: object, do_preprocess: bool, param: str) -> list[int]:
+    """Token ids of a text prompt; bad input is a 400 about ``param``."""
     try:
         ids = state.engine.encode(prompt, do_preprocess)
     except SafeRunException as exc:
         raise APIError(400, exc.message, param, exc.code.value[0]) from exc
     check_prompt_ids(state, ids, param)
     return ids
+
+
+async def process(state: ServerState, messages: object, param: str) -> ProcessedPrompt:
+    """Token ids and images of chat messages; bad input (bad images included) is a 400 about ``param``."""
+    try:
+        prompt = await state.engine.process(messages)
+    except SafeRunException as exc:
+        raise APIError(400, exc.message, param, exc.code.value[0]) from exc
+    check_prompt_ids(state, prompt.input_ids, param)
+    return prompt
 
 
 def gen_config(state: ServerState, req: SamplingFields, num_prompt_tokens: int, logprobs: int | None,
@@ -135,7 +149,7 @@ class ChoiceRun:
         start, first, last = time.perf_counter(), None, None
         try:
             async for chunk in self.state.engine.generate(session_id=job.session_id, gen_config=job.gen_config,
-                                                          input_ids=job.input_ids):
+                                                          input_ids=job.input_ids, multimodal=job.multimodal):
                 if first is None and chunk.token_ids:
                     first = time.perf_counter()
                 chunk.index, last = job.index, chunk

@@ -1,0 +1,175 @@
+"""Images through the OpenAI-compatible server: data URLs, allowed domains, local files, bad images."""
+from __future__ import annotations
+
+import asyncio
+import http.server
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from server_helpers import ServerThread, free_port, tiny_engine
+from test_vl import IMAGES, data_url, png_bytes
+from vl_models import hf_vl_greedy, save_tiny_vl_model
+
+from lmdeploy.serve.openai.api_server import create_app
+from lmdeploy.vl.media import MediaPolicy
+
+
+def image_message(url: str, text: str = 'describe') -> list[dict]:
+    return [{'role': 'user', 'content': [{'type': 'text', 'text': text},
+                                         {'type': 'image_url', 'image_url': {'url': url}}]}]
+
+
+@pytest.fixture(scope='module')
+def qwen_vl(tmp_path_factory) -> str:
+    return save_tiny_vl_model('qwen2_vl', str(tmp_path_factory.mktemp('qwen2_vl')))
+
+
+@pytest.fixture(scope='module')
+def vl_server(qwen_vl):
+    engine = tiny_engine(qwen_vl, media_policy=MediaPolicy(allowed_domains=(), allowed_local_path=None))
+    server = ServerThread(create_app(engine, model_name='tiny-vl'))
+    server.engine = engine
+    yield server
+    server.stop()
+    engine.close()
+
+
+@pytest.fixture
+def client(vl_server):
+    return openai.OpenAI(base_url=f'{vl_server.url}/v1', api_key='none', max_retries=0)
+
+
+@pytest.fixture(scope='module')
+def image_host():
+    """An HTTP server on 127.0.0.1 serving IMAGES[0] at /cat.png."""
+    body = png_bytes(IMAGES[0])
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == '/cat.png' else 404)
+            self.send_header('Content-Length', str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f'http://127.0.0.1:{server.server_address[1]}'
+    server.shutdown()
+
+
+def chat(client, messages, **kwargs):
+    return client.chat.completions.create(model='tiny-vl', messages=messages, max_tokens=10, temperature=0,
+                                          extra_body={'ignore_eos': True}, **kwargs)
+
+
+def test_chat_with_image_matches_transformers_and_streams(vl_server, client, qwen_vl):
+    messages = image_message(data_url(IMAGES[0]))
+    processed = vl_server.engine.processor.process(messages)
+    expected = hf_vl_greedy(qwen_vl, processed.input_ids, [m.data for m in processed.multimodal], n=10)
+    reply = chat(client, messages)
+    assert reply.choices[0].message.content == vl_server.engine.tokenizer.decode(expected)
+    assert reply.usage.prompt_tokens == len(processed.input_ids)
+    chunks = list(chat(client, messages, stream=True))
+    assert ''.join(c.choices[0].delta.content or '' for c in chunks) == reply.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == 'length'
+
+
+def test_remote_images_only_from_allowed_domains(vl_server, client, image_host):
+    with pytest.raises(openai.BadRequestError, match='allowed-media-domains'):
+        chat(client, image_message(f'{image_host}/cat.png'))
+    vl_server.engine.processor.media_policy = MediaPolicy(allowed_domains=('127.0.0.1',), allowed_local_path=None)
+    try:
+        fetched = chat(client, image_message(f'{image_host}/cat.png')).choices[0].message.content
+        assert fetched == chat(client, image_message(data_url(IMAGES[0]))).choices[0].message.content
+        with pytest.raises(openai.BadRequestError, match='404'):
+            chat(client, image_message(f'{image_host}/missing.png'))
+    finally:
+        vl_server.engine.processor.media_policy = MediaPolicy(allowed_domains=(), allowed_local_path=None)
+
+
+def test_local_files_are_refused_over_http(client, tmp_path):
+    path = tmp_path / 'secret.png'
+    path.write_bytes(png_bytes(IMAGES[0]))
+    for url in (str(path), f'file://{path}'):
+        with pytest.raises(openai.BadRequestError, match='local image files are not allowed'):
+            chat(client, image_message(url))
+
+
+def test_bad_images_are_400_and_others_go_on(vl_server, client):
+    full = png_bytes(IMAGES[0])
+    bad_urls = [data_url(full[:len(full) // 2]), 'data:image/png;base64,!!!', data_url(b'not an image')]
+    good = image_message(data_url(IMAGES[1]))
+    expected = chat(client, good).choices[0].message.content
+
+    async def run_all():
+        async_client = openai.AsyncOpenAI(base_url=f'{vl_server.url}/v1', api_key='none', max_retries=0)
+        calls = [async_client.chat.completions.create(model='tiny-vl', messages=m, max_tokens=10, temperature=0,
+                                                      extra_body={'ignore_eos': True})
+                 for m in [image_message(u) for u in bad_urls] + [good] * 3]
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    results = asyncio.run(run_all())
+    assert all(isinstance(r, openai.BadRequestError) for r in results[:3])
+    assert [r.choices[0].message.content for r in results[3:]] == [expected] * 3
+    body = httpx.post(f'{vl_server.url}/v1/chat/completions', json={
+        'model': 'tiny-vl', 'messages': image_message(bad_urls[0])}).json()
+    assert set(body['error']) == {'message', 'type', 'param', 'code'} and body['error']['param'] == 'messages'
+    metrics = vl_server.metrics()
+    assert metrics['lmdeploy:num_requests_running'] == 0 and metrics['lmdeploy:kv_cache_usage_perc'] == 0
+
+
+def test_huge_image_is_400(vl_server, client):
+    vl_server.engine.processor.media_policy = MediaPolicy(allowed_domains=(), allowed_local_path=None,
+                                                          max_image_pixels=1000)
+    try:
+        with pytest.raises(openai.BadRequestError, match='pixels'):
+            chat(client, image_message(data_url(IMAGES[0])))
+    finally:
+        vl_server.engine.processor.media_policy = MediaPolicy(allowed_domains=(), allowed_local_path=None)
+
+
+def test_text_only_model_says_it_takes_no_images(api_server):
+    body = httpx.post(f'{api_server.url}/v1/chat/completions', json={
+        'model': 'tiny', 'messages': image_message(data_url(IMAGES[0]))})
+    assert body.status_code == 400 and 'does not accept images' in body.json()['error']['message']
+
+
+def test_cli_media_flags(qwen_vl, tmp_path, image_host):
+    allowed = tmp_path / 'media'
+    allowed.mkdir()
+    (allowed / 'cat.png').write_bytes(png_bytes(IMAGES[0]))
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, '-m', 'lmdeploy.cli.main', 'serve', 'api_server', qwen_vl,
+                             '--server-port', str(port), '--dtype', 'float32', '--num-gpu-blocks', '64',
+                             '--model-name', 'tiny-vl', '--allowed-local-media-path', str(allowed)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f'http://127.0.0.1:{port}'
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f'{url}/health').status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, 'the server did not start'
+            time.sleep(0.5)
+        request = {'model': 'tiny-vl', 'messages': image_message(str(allowed / 'cat.png')), 'max_tokens': 4}
+        accepted = httpx.post(f'{url}/v1/chat/completions', json=request, timeout=60)
+        assert accepted.status_code == 200, accepted.text
+        request['messages'] = image_message(f'{image_host}/cat.png')
+        refused = httpx.post(f'{url}/v1/chat/completions', json=request, timeout=60)
+        assert refused.status_code == 400 and 'not allowed' in refused.json()['error']['message']
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    assert os.path.exists(allowed / 'cat.png')
