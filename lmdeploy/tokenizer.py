@@ -18,6 +18,19 @@ def _as_ids(value: int | Iterable[int] | None) -> set[int]:
     return {int(v) for v in value}
 
 
+def _processor_chat_template(model_dir: str) -> str | None:
+    """The chat template a vision-language model keeps beside its processor rather than its tokenizer."""
+    jinja = os.path.join(model_dir, 'chat_template.jinja')
+    if os.path.isfile(jinja):
+        with open(jinja, encoding='utf-8') as f:
+            return f.read()
+    path = os.path.join(model_dir, 'chat_template.json')
+    if os.path.isfile(path):
+        with open(path, encoding='utf-8') as f:
+            return json.load(f).get('chat_template')
+    return None
+
+
 class Tokenizer:
     """A Hugging Face tokenizer loaded from a model folder, with the model's EOS ids."""
 
@@ -31,6 +44,8 @@ class Tokenizer:
                 with open(path, encoding='utf-8') as f:
                     eos |= _as_ids(json.load(f).get('eos_token_id'))
         self.eos_token_ids: frozenset[int] = frozenset(eos)
+        if not getattr(self.hf, 'chat_template', None):
+            self.hf.chat_template = _processor_chat_template(model_dir)
 
     @property
     def vocab_size(self) -> int:

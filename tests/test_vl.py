@@ -128,3 +128,19 @@ def test_text_only_model_rejects_images(tiny_llama):
         assert out.finish_reason == 'error' and 'does not accept images' in out.error
     finally:
         pipe.close()
+
+
+def test_chat_template_beside_the_processor(vl_model, tmp_path):
+    """LLaVA-style folders keep the template in chat_template.json, not in the tokenizer config."""
+    import json
+    import shutil
+
+    from lmdeploy.tokenizer import Tokenizer
+    path = shutil.copytree(vl_model, tmp_path / 'model')
+    config = json.loads((path / 'tokenizer_config.json').read_text())
+    template = config.pop('chat_template', None) or (path / 'chat_template.jinja').read_text()
+    (path / 'chat_template.jinja').unlink(missing_ok=True)
+    (path / 'tokenizer_config.json').write_text(json.dumps(config))
+    (path / 'chat_template.json').write_text(json.dumps({'chat_template': template}))
+    messages = [{'role': 'user', 'content': [{'type': 'image'}, {'type': 'text', 'text': 'hi'}]}]
+    assert Tokenizer(str(path)).apply_chat_template(messages) == Tokenizer(vl_model).apply_chat_template(messages)
