@@ -5,6 +5,11 @@ import os
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Before anything imports triton.language (transformers' image processors do): the Triton kernel
+    # tests run in the interpreter on the CPU.
+    os.environ.setdefault('TRITON_INTERPRET', '1')
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import (AutoModelForCausalLM, LlamaConfig, MixtralConfig, PreTrainedTokenizerFast, Qwen2Config,

@@ -1,14 +1,8 @@
-"""Shared setup of the Triton kernel tests: the interpreter on CPU, the device and dtypes to test.
-
-Import it before anything that imports triton; a missing triton skips the importing test module.
-"""
-import os
-
+"""Shared setup of the Triton kernel tests: the device and dtypes to test (conftest.py turns on the
+interpreter on CPU); a missing triton skips the importing test module."""
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault('TRITON_INTERPRET', '1')
 pytest.importorskip('triton')
 
 DEVICE = 'cuda' if torch.cuda.is_available() else 'cpu'

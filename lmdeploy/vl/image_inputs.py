@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import torch
 from PIL import Image
-from transformers import AutoImageProcessor, PretrainedConfig
+from transformers import PretrainedConfig
 
 
 class ImageInputs:
     """Turns one image into ``(number of placeholder tokens, tensors for the vision encoder)``."""
 
     def __init__(self, model_dir: str, config: PretrainedConfig):
+        from transformers import AutoImageProcessor  # heavy: only vision-language models need it
         self.config = config
         self.image_token_id: int = config.image_token_id
         self.image_processor = AutoImageProcessor.from_pretrained(model_dir, backend='pil')
