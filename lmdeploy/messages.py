@@ -76,6 +76,12 @@ class PytorchEngineConfig:
 
     ``cache_max_entry_count`` is the fraction of free memory (GPU) or available RAM (CPU) that the
     KV cache may take; on CPU it is also capped by ``max_cache_bytes``.
+
+    ``decode_int4`` (CPU, bfloat16): steps of at most a few tokens (batch-1 decode) run the linear
+    layers on 4-bit group-wise weights with torch's int4 CPU kernel, and a single row's LM head on an
+    fp16 copy of its weight; bigger steps keep the bf16 weights. None (auto) turns it on for GGUF
+    models whose linear weights are Q4_1, whose 4-bit grid it reproduces exactly; True also quantizes
+    other models (round-to-nearest, lossy); False turns it off.
     """
 
     dtype: Literal['auto', 'float32', 'bfloat16', 'float16'] = 'auto'
@@ -90,6 +96,7 @@ class PytorchEngineConfig:
     tp: int = 1
     device: str = 'cpu'
     num_threads: int | None = None
+    decode_int4: bool | None = None
 
     def __post_init__(self):
         _check(self.dtype in ('auto', 'float32', 'bfloat16', 'float16'),

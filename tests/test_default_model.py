@@ -59,3 +59,16 @@ def test_second_start_uses_the_converted_copy(monkeypatch):
     monkeypatch.setattr(gguf, 'convert_gguf', no_conversion)
     with pipeline(backend_config=PytorchEngineConfig(num_gpu_blocks=16), show_progress=False) as pipe:
         assert pipe('Hi', gen_config=GenerationConfig(max_new_tokens=2)).generate_token_len >= 1
+
+
+def test_bf16_batch1_decode_runs_the_q4_1_grid_in_int4():
+    """By default (bf16) small steps use the GGUF's own 4-bit grid and give the bf16 answers again."""
+    gen = GenerationConfig(max_new_tokens=8, ignore_eos=True)
+    answers = []
+    for decode_int4 in (None, False):
+        config = PytorchEngineConfig(num_gpu_blocks=64, decode_int4=decode_int4)
+        with pipeline(backend_config=config, show_progress=False) as bf16:
+            model = bf16.async_engine.engine.runner.model
+            assert (model.layers[0].mlp.gate_up_proj.int4 is not None) == (decode_int4 is None)
+            answers.append([bf16(question, gen_config=gen).token_ids for question in QUESTIONS])
+    assert answers[0] == answers[1]

@@ -15,6 +15,7 @@ from lmdeploy.pytorch.engine.model_runner import ModelRunner
 from lmdeploy.pytorch.engine.output_processor import OutputProcessor
 from lmdeploy.pytorch.engine.sampler import sample
 from lmdeploy.pytorch.engine.sequence import Sequence
+from lmdeploy.pytorch.kernels import cpu as cpu_kernels
 from lmdeploy.pytorch.multimodal import MultiModalInput
 from lmdeploy.pytorch.paging.block_manager import BlockManager
 from lmdeploy.pytorch.paging.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
@@ -49,6 +50,8 @@ class Engine:
             raise ValueError("device='cuda' was asked for, but torch sees no CUDA device")
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        if self.device.type == 'cpu':
+            cpu_kernels.native()
         self.model_dir = resolve_model_path(model_path)
         hf_config = load_hf_config(self.model_dir)
         self.model_config = cfg = ModelConfig.from_hf(hf_config, resolve_dtype(config.dtype, config.device))
@@ -56,6 +59,8 @@ class Engine:
         model = get_model_class(cfg.architecture)(cfg).to(cfg.dtype)
         model.load_weights(iterate_weights(self.model_dir, show_progress))
         model.to(self.device).eval()
+        if self._decode_int4(hf_config):
+            model.enable_decode_int4()
         num_blocks = config.num_gpu_blocks or self._blocks_from_memory(cfg)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_batch_size, config.max_prefill_token_num)
@@ -65,6 +70,14 @@ class Engine:
         self.outputs = OutputProcessor(self.tokenizer)
         self.sequences: dict[int, Sequence] = {}
         self._ids = itertools.count()
+
+    def _decode_int4(self, hf_config) -> bool:
+        """Whether small steps run on 4-bit weights (see ``PytorchEngineConfig.decode_int4``)."""
+        if self.device.type != 'cpu' or self.model_config.dtype != torch.bfloat16:
+            return False
+        if self.config.decode_int4 is None:
+            return getattr(hf_config, 'gguf_weight_type', None) == 'Q4_1'
+        return self.config.decode_int4
 
     def _blocks_from_memory(self, cfg: ModelConfig) -> int:
         if self.device.type == 'cuda':

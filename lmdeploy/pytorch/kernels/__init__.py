@@ -1,5 +1,6 @@
 """Compute kernels behind one interface: a CUDA tensor goes to the Triton kernel in ``kernels/cuda``,
-anything else to the torch version, which runs everywhere and is the reference."""
+a CPU tensor to the native kernel in ``kernels/cpu`` where there is one (and it built), anything else
+to the torch version, which runs everywhere and is the reference."""
 from __future__ import annotations
 
 import functools
@@ -8,11 +9,12 @@ from collections.abc import Callable
 
 import torch
 
-from lmdeploy.pytorch.kernels import activation, attention, moe, norm, rotary
+from lmdeploy.pytorch.kernels import activation, attention, cpu, moe, norm, rotary
 
 
-def dispatch(torch_fn: Callable) -> Callable:
-    """Wraps ``torch_fn`` so that a CUDA first argument runs ``kernels.cuda.<same name>`` instead.
+def dispatch(torch_fn: Callable, native_cpu: str | None = None) -> Callable:
+    """Wraps ``torch_fn`` so that a CUDA first argument runs ``kernels.cuda.<same name>`` instead, and a
+    CPU one the native kernel ``native_cpu`` when given and built.
 
     The Triton module is imported on the first CUDA call, so CPU-only installs never need triton.
     """
@@ -22,13 +24,16 @@ def dispatch(torch_fn: Callable) -> Callable:
     def run(first: torch.Tensor, *args, **kwargs):
         if first.is_cuda:
             return getattr(importlib.import_module('lmdeploy.pytorch.kernels.cuda'), name)(first, *args, **kwargs)
+        module = cpu.native() if native_cpu and first.device.type == 'cpu' else None
+        if module is not None:
+            return getattr(module, native_cpu)(first, *args, **kwargs)
         return torch_fn(first, *args, **kwargs)
 
     return run
 
 
 apply_rotary = dispatch(rotary.apply_rotary)
-decode_attention = dispatch(attention.decode_attention)
+decode_attention = dispatch(attention.decode_attention, native_cpu='paged_decode_attention')
 fill_kv_cache = dispatch(attention.fill_kv_cache)
 fused_moe = dispatch(moe.fused_moe)
 moe_routing = dispatch(moe.moe_routing)

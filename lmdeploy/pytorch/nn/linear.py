@@ -1,9 +1,33 @@
-"""Linear layers; a merged one stacks several projections so they run as one matmul."""
+"""Linear layers; a merged one stacks several projections so they run as one matmul.
+
+A layer may also hold its weight as 4-bit groups for small steps (``enable_int4``): on the CPU,
+torch's int4 kernel reads a quarter of the bytes, which is what a batch-1 decode step is bound by.
+"""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+INT4_GROUP = 32
+INT4_MAX_TOKENS = 8  # above this the int4 kernel is slower than a bf16 GEMM on the CPU
+
+
+def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight [N, K]`` as 4-bit codes on each group of 32 inputs' min/max grid (``(q - 8) * scale + zero``):
+    the packed codes and ``scales_and_zeros [K / 32, N, 2]`` (bf16) of torch's int4 CPU kernel.
+
+    A GGUF Q4_1 block spans exactly its min and max in 16 steps, so its grid comes back exactly.
+    """
+    out_features, in_features = weight.shape
+    groups = weight.float().view(out_features, in_features // INT4_GROUP, INT4_GROUP)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scale = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+    codes = ((groups - low[..., None]) / scale[..., None]).round_().clamp_(0, 15).to(torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.view(out_features, in_features), 2)
+    scales_and_zeros = torch.stack((scale.T, (low + 8 * scale).T), dim=-1).to(torch.bfloat16).contiguous()
+    return packed, scales_and_zeros
 
 
 class Linear(nn.Module):
@@ -13,8 +37,21 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.int4: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def enable_int4(self) -> bool:
+        """Keeps a 4-bit copy of a bf16 CPU weight for steps of at most ``INT4_MAX_TOKENS`` tokens;
+        False when the layer cannot use it."""
+        weight = self.weight
+        if weight.dtype != torch.bfloat16 or weight.device.type != 'cpu' or weight.shape[1] % INT4_GROUP:
+            return False
+        self.int4 = int4_groups(weight)
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int4 is not None and x.shape[0] <= INT4_MAX_TOKENS:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.int4[0], INT4_GROUP, self.int4[1])
+            return out if self.bias is None else out + self.bias
         return F.linear(x, self.weight, self.bias)
 
 

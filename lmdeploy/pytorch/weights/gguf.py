@@ -40,7 +40,7 @@ _LAYER_NAMES = {
     'ffn_norm': 'post_attention_layernorm',
 }
 _LAYER_RE = re.compile(r'blk\.(\d+)\.(\w+)')
-_CACHE_FORMAT = 1  # bump when the converted output changes, so stale cache entries are not reused
+_CACHE_FORMAT = 2  # bump when the converted output changes, so stale cache entries are not reused
 
 
 def cache_dir() -> Path:
@@ -98,6 +98,7 @@ def gguf_config(reader: GGUFReader, source: str) -> dict[str, Any]:
     if missing:
         raise ValueError(f'{source}: missing GGUF metadata: {", ".join(missing)}')
     hidden, heads = key('embedding_length'), key('attention.head_count')
+    linear = tensors.get('blk.0.attn_q.weight')  # its quantization is the linear layers'
     head_dim = key('attention.key_length') or (key('rope.dimension_count') if arch == 'llama' else None)
     return {
         'model_type': arch,
@@ -118,6 +119,7 @@ def gguf_config(reader: GGUFReader, source: str) -> dict[str, Any]:
         'eos_token_id': _meta(reader, 'tokenizer.ggml.eos_token_id'),
         'pad_token_id': _meta(reader, 'tokenizer.ggml.padding_token_id'),
         'dtype': 'float32',
+        'gguf_weight_type': linear.tensor_type.name if linear is not None else None,
     }
 
 

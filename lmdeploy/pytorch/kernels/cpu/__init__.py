@@ -1,0 +1,37 @@
+"""Native CPU kernels, compiled on first use with ``torch.utils.cpp_extension`` (about 40 s, then
+cached under ``~/.cache/torch_extensions``). Without a C++ compiler, or with
+``LMDEPLOY_CPU_KERNELS=0``, the torch versions run instead."""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from types import ModuleType
+
+logger = logging.getLogger('lmdeploy')
+_SOURCES = ['paged_decode_attention.cpp']
+_FLAGS = ['-O3', '-march=native', '-fopenmp', '-ffast-math']
+_lock = threading.Lock()
+_loaded: dict[str, ModuleType | None] = {}
+
+
+def native() -> ModuleType | None:
+    """The compiled kernels (building them the first time), or None when they are unavailable."""
+    with _lock:
+        if 'module' not in _loaded:
+            _loaded['module'] = _build()
+        return _loaded['module']
+
+
+def _build() -> ModuleType | None:
+    if os.environ.get('LMDEPLOY_CPU_KERNELS', '1') == '0':
+        return None
+    from torch.utils.cpp_extension import load
+    here = os.path.dirname(__file__)
+    logger.info('loading the native CPU kernels (the first time they are compiled, about 40 s)')
+    try:
+        return load('lmdeploy_cpu_kernels', [os.path.join(here, name) for name in _SOURCES], extra_cflags=_FLAGS,
+                    extra_ldflags=['-fopenmp'])
+    except Exception as exc:  # no compiler, no headers, ...: fall back to torch, loudly
+        logger.warning('native CPU kernels unavailable (%s: %s); using the torch versions', type(exc).__name__, exc)
+        return None

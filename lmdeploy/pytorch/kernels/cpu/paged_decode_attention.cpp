@@ -1,0 +1,140 @@
+// Paged decode attention for the CPU: one new query token per sequence over its cached K/V.
+// Each (sequence, kv head) pair is one task; its K and V are each read once, in block order,
+// and scores, softmax and the weighted sum of V are accumulated in fp32.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+// Scores of one key row against `G` query heads, sharing each load of the key.
+template <int G>
+inline void group_dots(const float* query, const float* key, int64_t head_dim, float* out, int64_t stride) {
+  float acc[G] = {};
+#pragma omp simd reduction(+ : acc[:G])
+  for (int64_t d = 0; d < head_dim; ++d)
+    for (int h = 0; h < G; ++h) acc[h] += query[h * head_dim + d] * key[d];
+  for (int h = 0; h < G; ++h) out[h * stride] = acc[h];
+}
+
+inline void dots(const float* query, const float* key, int64_t group, int64_t head_dim, float* out, int64_t stride) {
+  switch (group) {
+    case 1: return group_dots<1>(query, key, head_dim, out, stride);
+    case 2: return group_dots<2>(query, key, head_dim, out, stride);
+    case 3: return group_dots<3>(query, key, head_dim, out, stride);
+    case 4: return group_dots<4>(query, key, head_dim, out, stride);
+    default:
+      for (int64_t h = 0; h < group; h += 4)
+        dots(query + h * head_dim, key, std::min<int64_t>(4, group - h), head_dim, out + h * stride, stride);
+  }
+}
+
+template <typename T>
+void decode_task(const T* q, const T* k_cache, const T* v_cache, const int64_t* blocks, int64_t length,
+                 int64_t group, int64_t head_dim, int64_t block_size, int64_t block_stride, float scale,
+                 T* out, std::vector<float>& scores, std::vector<float>& acc) {
+  // q, out: the group's `group` query heads, each `head_dim` long; block_stride: elements between blocks.
+  scores.assign(group * length, 0.f);
+  acc.assign(group * head_dim, 0.f);
+  std::vector<float> query(group * head_dim), row(head_dim);
+  for (int64_t i = 0; i < group * head_dim; ++i) query[i] = to_float(q[i]) * scale;
+  float* converted = row.data();
+  for (int64_t start = 0; start < length; start += block_size) {
+    const T* keys = k_cache + blocks[start / block_size] * block_stride;
+    const int64_t count = std::min(block_size, length - start);
+    for (int64_t t = 0; t < count; ++t) {
+      const T* key = keys + t * head_dim;
+#pragma omp simd
+      for (int64_t d = 0; d < head_dim; ++d) converted[d] = to_float(key[d]);
+      dots(query.data(), converted, group, head_dim, scores.data() + start + t, length);
+    }
+  }
+  for (int64_t h = 0; h < group; ++h) {
+    float* row = scores.data() + h * length;
+    float peak = row[0];
+    for (int64_t t = 1; t < length; ++t) peak = std::max(peak, row[t]);
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t t = 0; t < length; ++t) {
+      row[t] = std::exp(row[t] - peak);
+      total += row[t];
+    }
+    const float inv = 1.f / total;
+    for (int64_t t = 0; t < length; ++t) row[t] *= inv;
+  }
+  for (int64_t start = 0; start < length; start += block_size) {
+    const T* values = v_cache + blocks[start / block_size] * block_stride;
+    const int64_t count = std::min(block_size, length - start);
+    for (int64_t t = 0; t < count; ++t) {
+      const T* value = values + t * head_dim;
+#pragma omp simd
+      for (int64_t d = 0; d < head_dim; ++d) converted[d] = to_float(value[d]);
+      for (int64_t h = 0; h < group; ++h) {
+        const float p = scores[h * length + start + t];
+        float* ah = acc.data() + h * head_dim;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) ah[d] += p * converted[d];
+      }
+    }
+  }
+  for (int64_t i = 0; i < group * head_dim; ++i) out[i] = static_cast<T>(acc[i]);
+}
+
+}  // namespace
+
+// q [B, H, D]; k_cache, v_cache [num_blocks, H_kv, block_size, D]; block_table [B, W]; kv_lens [B].
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_table, torch::Tensor kv_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "bad shapes");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "q and the caches must share a dtype");
+  q = q.contiguous();
+  k_cache = k_cache.contiguous();
+  v_cache = v_cache.contiguous();
+  auto table = block_table.to(torch::kInt64).contiguous();
+  auto lens = kv_lens.to(torch::kInt64).contiguous();
+  const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_kv_heads = k_cache.size(1), block_size = k_cache.size(2);
+  TORCH_CHECK(num_heads % num_kv_heads == 0 && k_cache.size(3) == head_dim, "bad head layout");
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t width = table.size(1);
+  const int64_t block_stride = num_kv_heads * block_size * head_dim;
+  auto out = torch::empty_like(q);
+  const int64_t* table_ptr = table.data_ptr<int64_t>();
+  const int64_t* lens_ptr = lens.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
+    const scalar_t* q_ptr = q.data_ptr<scalar_t>();
+    const scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();
+    const scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
+    scalar_t* out_ptr = out.data_ptr<scalar_t>();
+    at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores, acc;
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t b = task / num_kv_heads, kv_head = task % num_kv_heads;
+        const int64_t head_offset = (b * num_heads + kv_head * group) * head_dim;
+        decode_task<scalar_t>(q_ptr + head_offset, k_ptr + kv_head * block_size * head_dim,
+                              v_ptr + kv_head * block_size * head_dim, table_ptr + b * width, lens_ptr[b],
+                              group, head_dim, block_size, block_stride, static_cast<float>(scale),
+                              out_ptr + head_offset, scores, acc);
+      }
+    });
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+}

@@ -1,0 +1,73 @@
+"""The native CPU kernels against their torch twins, and the 4-bit weights of small steps."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmdeploy.pytorch.kernels import attention, cpu
+from lmdeploy.pytorch.nn.linear import INT4_GROUP, Linear, int4_groups
+
+
+@pytest.fixture(scope='module')
+def native():
+    module = cpu.native()
+    if module is None:
+        pytest.skip('no C++ compiler for the native CPU kernels')
+    return module
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize('num_heads,num_kv_heads,head_dim', [(9, 3, 64), (4, 4, 32), (16, 2, 128)])
+def test_paged_decode_attention(native, dtype, num_heads, num_kv_heads, head_dim):
+    torch.manual_seed(0)
+    block_size, lengths = 16, [1, 16, 17, 100, 64, 3]
+    widths = [-(-n // block_size) for n in lengths]
+    num_blocks = sum(widths) + 5
+    k_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_dim).to(dtype)
+    v_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_dim).to(dtype)
+    order = torch.randperm(num_blocks).tolist()
+    table = torch.zeros(len(lengths), max(widths), dtype=torch.long)
+    for row, width in enumerate(widths):
+        table[row, :width] = torch.tensor([order.pop() for _ in range(width)])
+    q = torch.randn(len(lengths), num_heads, head_dim).to(dtype)
+    kv_lens = torch.tensor(lengths)
+    expected = attention.decode_attention(q.float(), k_cache.float(), v_cache.float(), table, kv_lens, 0.1)
+    out = native.paged_decode_attention(q, k_cache, v_cache, table, kv_lens, 0.1)
+    assert out.dtype == dtype and out.shape == q.shape
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_int4_groups_reproduce_a_q4_1_grid():
+    """Weights on a Q4_1 grid (each group of 32 spans its min and max in 16 steps) come back exactly."""
+    torch.manual_seed(0)
+    out_features, in_features = 48, 128
+    groups = in_features // INT4_GROUP
+    scale = (torch.rand(out_features, groups, 1) * 0.02 + 0.001).bfloat16().float()
+    low = (torch.randn(out_features, groups, 1) * 0.05).bfloat16().float()
+    codes = torch.randint(0, 16, (out_features, groups, INT4_GROUP))
+    codes[..., 0], codes[..., 1] = 0, 15
+    low = (low + 8 * scale).bfloat16().float() - 8 * scale  # so that the kernel's bf16 zero point is exact
+    weight = (codes * scale + low).view(out_features, in_features)
+    packed, scales_and_zeros = int4_groups(weight)
+    identity = torch.eye(in_features, dtype=torch.bfloat16)
+    effective = torch.ops.aten._weight_int4pack_mm_for_cpu(identity, packed, INT4_GROUP, scales_and_zeros)
+    torch.testing.assert_close(effective.float().T, weight.bfloat16().float(), atol=0, rtol=0)
+
+
+def test_small_steps_use_int4_and_big_ones_bf16():
+    torch.manual_seed(0)
+    layer = Linear(64, 32, bias=True).bfloat16()
+    torch.nn.init.normal_(layer.weight)
+    torch.nn.init.normal_(layer.bias)
+    assert layer.enable_int4()
+    packed, scales_and_zeros = layer.int4
+    effective = torch.ops.aten._weight_int4pack_mm_for_cpu(torch.eye(64, dtype=torch.bfloat16), packed, INT4_GROUP,
+                                                           scales_and_zeros).float().T
+    half_step = scales_and_zeros[..., 0].float().repeat_interleave(INT4_GROUP, 0).T / 2
+    assert ((effective - layer.weight.float()).abs() <= half_step * 1.02 + 1e-2).all(), 'round to nearest'
+    small, big = torch.randn(2, 64).bfloat16(), torch.randn(9, 64).bfloat16()
+    expected = torch.nn.functional.linear(small.float(), effective, layer.bias.float())
+    torch.testing.assert_close(layer(small).float(), expected, atol=0.1, rtol=0.02)
+    assert torch.equal(layer(big), torch.nn.functional.linear(big, layer.weight, layer.bias))
+    assert not Linear(64, 32).enable_int4(), 'fp32 weights keep the exact path'
