@@ -25,6 +25,19 @@ def tiny_engine(path: str, media_policy=None, **kwargs) -> AsyncEngine:
                        media_policy=media_policy)
 
 
+def wait_healthy(url: str, proc, timeout: float = 120) -> None:
+    """Waits until the server process ``proc`` at ``url`` answers /health with 200."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(f'{url}/health').status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline, 'the server did not start'
+        time.sleep(0.2)
+
+
 class ServerThread:
     """``app`` served on 127.0.0.1 by uvicorn in a daemon thread; ``url`` is its base address."""
 

@@ -5,13 +5,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import openai
 import pytest
 import torch
-from server_helpers import ServerThread, free_port, tiny_engine
+from server_helpers import ServerThread, free_port, tiny_engine, wait_healthy
 
 from transformers import AutoModelForCausalLM
 
@@ -179,14 +178,7 @@ def test_sigterm_graceful_shutdown(tiny_llama):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, 'PYTHONUNBUFFERED': '1'})
     url = f'http://127.0.0.1:{port}'
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f'{url}/health').status_code == 200:
-                    break
-            except httpx.TransportError:
-                assert proc.poll() is None and time.monotonic() < deadline
-                time.sleep(0.2)
+        wait_healthy(url, proc)
         with httpx.stream('POST', f'{url}/v1/completions', json={'model': 'tiny', 'prompt': 'Hello', 'max_tokens': 200,
                                                                  'ignore_eos': True, 'stream': True,
                                                                  'temperature': 0}, timeout=30) as resp:

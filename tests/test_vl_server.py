@@ -7,12 +7,11 @@ import os
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import openai
 import pytest
-from server_helpers import ServerThread, free_port, tiny_engine
+from server_helpers import ServerThread, free_port, tiny_engine, wait_healthy
 from test_vl import IMAGES, data_url, png_bytes
 from vl_models import hf_vl_greedy, save_tiny_vl_model
 
@@ -154,15 +153,7 @@ def test_cli_media_flags(qwen_vl, tmp_path, image_host):
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         url = f'http://127.0.0.1:{port}'
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f'{url}/health').status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline and proc.poll() is None, 'the server did not start'
-            time.sleep(0.5)
+        wait_healthy(url, proc)
         request = {'model': 'tiny-vl', 'messages': image_message(str(allowed / 'cat.png')), 'max_tokens': 4}
         accepted = httpx.post(f'{url}/v1/chat/completions', json=request, timeout=60)
         assert accepted.status_code == 200, accepted.text

@@ -42,6 +42,22 @@ inline void dots(const float* query, const float* key, int64_t group, int64_t he
   }
 }
 
+// Calls fn(t, row) for the cached tokens t < length of one KV head, each row converted to fp32.
+template <typename T, typename Fn>
+void for_each_cached_row(const T* cache, const int64_t* blocks, int64_t length, int64_t head_dim, int64_t block_size,
+                         int64_t block_stride, float* row, Fn fn) {
+  for (int64_t start = 0; start < length; start += block_size) {
+    const T* block = cache + blocks[start / block_size] * block_stride;
+    const int64_t count = std::min(block_size, length - start);
+    for (int64_t t = 0; t < count; ++t) {
+      const T* cached = block + t * head_dim;
+#pragma omp simd
+      for (int64_t d = 0; d < head_dim; ++d) row[d] = to_float(cached[d]);
+      fn(start + t, row);
+    }
+  }
+}
+
 template <typename T>
 void decode_task(const T* q, const T* k_cache, const T* v_cache, const int64_t* blocks, int64_t length,
                  int64_t group, int64_t head_dim, int64_t block_size, int64_t block_stride, float scale,
@@ -49,47 +65,34 @@ void decode_task(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
   // q, out: the group's `group` query heads, each `head_dim` long; block_stride: elements between blocks.
   scores.assign(group * length, 0.f);
   acc.assign(group * head_dim, 0.f);
-  std::vector<float> query(group * head_dim), row(head_dim);
+  std::vector<float> query(group * head_dim), buffer(head_dim);
   for (int64_t i = 0; i < group * head_dim; ++i) query[i] = to_float(q[i]) * scale;
-  float* converted = row.data();
-  for (int64_t start = 0; start < length; start += block_size) {
-    const T* keys = k_cache + blocks[start / block_size] * block_stride;
-    const int64_t count = std::min(block_size, length - start);
-    for (int64_t t = 0; t < count; ++t) {
-      const T* key = keys + t * head_dim;
-#pragma omp simd
-      for (int64_t d = 0; d < head_dim; ++d) converted[d] = to_float(key[d]);
-      dots(query.data(), converted, group, head_dim, scores.data() + start + t, length);
-    }
-  }
+  for_each_cached_row(k_cache, blocks, length, head_dim, block_size, block_stride, buffer.data(),
+                      [&](int64_t t, const float* key) {
+                        dots(query.data(), key, group, head_dim, scores.data() + t, length);
+                      });
   for (int64_t h = 0; h < group; ++h) {
-    float* row = scores.data() + h * length;
-    float peak = row[0];
-    for (int64_t t = 1; t < length; ++t) peak = std::max(peak, row[t]);
+    float* head_scores = scores.data() + h * length;
+    float peak = head_scores[0];
+    for (int64_t t = 1; t < length; ++t) peak = std::max(peak, head_scores[t]);
     float total = 0.f;
 #pragma omp simd reduction(+ : total)
     for (int64_t t = 0; t < length; ++t) {
-      row[t] = std::exp(row[t] - peak);
-      total += row[t];
+      head_scores[t] = std::exp(head_scores[t] - peak);
+      total += head_scores[t];
     }
     const float inv = 1.f / total;
-    for (int64_t t = 0; t < length; ++t) row[t] *= inv;
+    for (int64_t t = 0; t < length; ++t) head_scores[t] *= inv;
   }
-  for (int64_t start = 0; start < length; start += block_size) {
-    const T* values = v_cache + blocks[start / block_size] * block_stride;
-    const int64_t count = std::min(block_size, length - start);
-    for (int64_t t = 0; t < count; ++t) {
-      const T* value = values + t * head_dim;
+  for_each_cached_row(v_cache, blocks, length, head_dim, block_size, block_stride, buffer.data(),
+                      [&](int64_t t, const float* value) {
+                        for (int64_t h = 0; h < group; ++h) {
+                          const float p = scores[h * length + t];
+                          float* head_acc = acc.data() + h * head_dim;
 #pragma omp simd
-      for (int64_t d = 0; d < head_dim; ++d) converted[d] = to_float(value[d]);
-      for (int64_t h = 0; h < group; ++h) {
-        const float p = scores[h * length + start + t];
-        float* ah = acc.data() + h * head_dim;
-#pragma omp simd
-        for (int64_t d = 0; d < head_dim; ++d) ah[d] += p * converted[d];
-      }
-    }
-  }
+                          for (int64_t d = 0; d < head_dim; ++d) head_acc[d] += p * value[d];
+                        }
+                      });
   for (int64_t i = 0; i < group * head_dim; ++i) out[i] = static_cast<T>(acc[i]);
 }
 
