@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmdeploy.pytorch.kernels import attention, cpu
+from lmdeploy.pytorch.kernels import activation, attention, cpu, norm
 from lmdeploy.pytorch.nn.linear import INT4_GROUP, Linear, int4_groups
 
 
@@ -71,3 +71,27 @@ def test_small_steps_use_int4_and_big_ones_bf16():
     torch.testing.assert_close(layer(small).float(), expected, atol=0.1, rtol=0.02)
     assert torch.equal(layer(big), torch.nn.functional.linear(big, layer.weight, layer.bias))
     assert not Linear(64, 32).enable_int4(), 'fp32 weights keep the exact path'
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize('shape', [(5, 64), (3, 4, 32), (1, 576)])
+@pytest.mark.parametrize('with_residual', [False, True])
+def test_rms_norm(native, dtype, shape, with_residual):
+    torch.manual_seed(0)
+    x, weight = torch.randn(shape).to(dtype), torch.randn(shape[-1]).to(dtype)
+    residual = torch.randn(shape).to(dtype) if with_residual else None
+    out, summed = native.rms_norm(x, weight, 1e-6, residual)
+    expected, expected_sum = norm.rms_norm(x, weight, 1e-6, residual)
+    assert torch.equal(summed, expected_sum)
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(out, expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize('shape', [(5, 128), (2, 3, 64), (1, 3072)])
+def test_silu_and_mul(native, dtype, shape):
+    torch.manual_seed(0)
+    gate_up = (torch.randn(shape) * 3).to(dtype)
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(native.silu_and_mul(gate_up), activation.silu_and_mul(gate_up), atol=tolerance,
+                               rtol=tolerance)

@@ -38,8 +38,8 @@ fill_kv_cache = dispatch(attention.fill_kv_cache)
 fused_moe = dispatch(moe.fused_moe)
 moe_routing = dispatch(moe.moe_routing)
 prefill_attention = dispatch(attention.prefill_attention)
-rms_norm = dispatch(norm.rms_norm)
-silu_and_mul = dispatch(activation.silu_and_mul)
+rms_norm = dispatch(norm.rms_norm, native_cpu='rms_norm')
+silu_and_mul = dispatch(activation.silu_and_mul, native_cpu='silu_and_mul')
 
 __all__ = ['apply_rotary', 'decode_attention', 'dispatch', 'fill_kv_cache', 'fused_moe', 'moe_routing',
            'prefill_attention', 'rms_norm', 'silu_and_mul']

@@ -1,24 +1,9 @@
 // Paged decode attention for the CPU: one new query token per sequence over its cached K/V.
 // Each (sequence, kv head) pair is one task; its K and V are each read once, in block order,
 // and scores, softmax and the weighted sum of V are accumulated in fp32.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-
-#include <algorithm>
-#include <cmath>
-#include <cstring>
-#include <vector>
+#include "common.h"
 
 namespace {
-
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
 
 // Scores of one key row against `G` query heads, sharing each load of the key.
 template <int G>
@@ -136,8 +121,4 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
     });
   });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
 }

@@ -1,0 +1,9 @@
+// The Python module of the native CPU kernels; each has a torch twin in lmdeploy/pytorch/kernels.
+#include "common.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention");
+  m.def("rms_norm", &rms_norm, "RMSNorm with an optional fused residual add", pybind11::arg("x"),
+        pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("residual") = pybind11::none());
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+}

@@ -1,0 +1,82 @@
+// Fused row-wise kernels for the CPU: RMSNorm with the residual add, and SiLU-and-mul. Each row is
+// read once and written once; the math is in fp32 with the roundings of the torch versions.
+#include "common.h"
+
+namespace {
+
+template <typename T>
+void rms_norm_rows(const T* x, const T* residual, const T* weight, T* out, T* summed, int64_t rows,
+                   int64_t size, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * size;
+      T* sr = summed + r * size;  // the sum is only written when there is a residual
+      T* outr = out + r * size;
+      if (residual) {
+        const T* rr = residual + r * size;
+#pragma omp simd
+        for (int64_t i = 0; i < size; ++i) sr[i] = static_cast<T>(to_float(xr[i]) + to_float(rr[i]));
+      }
+      const T* src = residual ? sr : xr;
+      float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+      for (int64_t i = 0; i < size; ++i) squares += to_float(src[i]) * to_float(src[i]);
+      const float inv_rms = 1.f / std::sqrt(squares / size + eps);
+#pragma omp simd
+      for (int64_t i = 0; i < size; ++i)
+        outr[i] = static_cast<T>(to_float(static_cast<T>(to_float(src[i]) * inv_rms)) * to_float(weight[i]));
+    }
+  });
+}
+
+template <typename T>
+void silu_and_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t size) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = gate_up + r * 2 * size;
+      const T* up = gate + size;
+      T* outr = out + r * size;
+#pragma omp simd
+      for (int64_t i = 0; i < size; ++i) {
+        const float g = to_float(gate[i]);
+        outr[i] = static_cast<T>(to_float(static_cast<T>(g / (1.f + std::exp(-g)))) * to_float(up[i]));
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// x [..., H] (plus residual of the same shape) -> (rms_norm(x + residual) * weight, x + residual).
+std::tuple<torch::Tensor, torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
+                                                  c10::optional<torch::Tensor> residual) {
+  TORCH_CHECK(weight.dim() == 1 && x.dim() >= 1 && weight.size(0) == x.size(-1), "rms_norm: bad shapes");
+  x = x.contiguous();
+  auto w = weight.to(x.scalar_type()).contiguous();
+  auto res = residual.has_value() ? residual->contiguous() : torch::Tensor();
+  TORCH_CHECK(!res.defined() || (res.sizes() == x.sizes() && res.scalar_type() == x.scalar_type()),
+              "rms_norm: the residual must match x");
+  auto out = torch::empty_like(x);
+  auto summed = res.defined() ? torch::empty_like(x) : x;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), res.defined() ? res.data_ptr<scalar_t>() : nullptr,
+                            w.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), summed.data_ptr<scalar_t>(),
+                            x.numel() / x.size(-1), x.size(-1), static_cast<float>(eps));
+  });
+  return {out, summed};
+}
+
+// gate_up [..., 2I] (gate then up) -> silu(gate) * up [..., I].
+torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0, "silu_and_mul: bad shape");
+  gate_up = gate_up.contiguous();
+  const int64_t size = gate_up.size(-1) / 2;
+  auto shape = gate_up.sizes().vec();
+  shape.back() = size;
+  auto out = torch::empty(shape, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_and_mul", [&] {
+    silu_and_mul_rows<scalar_t>(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), gate_up.numel() / (2 * size),
+                                size);
+  });
+  return out;
+}
