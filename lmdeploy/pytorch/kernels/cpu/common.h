@@ -20,6 +20,19 @@ inline float to_float(c10::BFloat16 x) {
 }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
 
+// fp32 to T with round-to-nearest-even, written so that loops over it vectorize (no NaN branch).
+template <typename T>
+inline T from_float(float x) { return static_cast<T>(x); }
+template <>
+inline c10::BFloat16 from_float<c10::BFloat16>(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  bits += 0x7FFF + ((bits >> 16) & 1);
+  c10::BFloat16 out;
+  out.x = static_cast<uint16_t>(bits >> 16);
+  return out;
+}
+
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_table, torch::Tensor kv_lens, double scale);
 std::tuple<torch::Tensor, torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps,

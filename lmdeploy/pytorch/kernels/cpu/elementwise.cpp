@@ -15,7 +15,7 @@ void rms_norm_rows(const T* x, const T* residual, const T* weight, T* out, T* su
       if (residual) {
         const T* rr = residual + r * size;
 #pragma omp simd
-        for (int64_t i = 0; i < size; ++i) sr[i] = static_cast<T>(to_float(xr[i]) + to_float(rr[i]));
+        for (int64_t i = 0; i < size; ++i) sr[i] = from_float<T>(to_float(xr[i]) + to_float(rr[i]));
       }
       const T* src = residual ? sr : xr;
       float squares = 0.f;
@@ -24,7 +24,7 @@ void rms_norm_rows(const T* x, const T* residual, const T* weight, T* out, T* su
       const float inv_rms = 1.f / std::sqrt(squares / size + eps);
 #pragma omp simd
       for (int64_t i = 0; i < size; ++i)
-        outr[i] = static_cast<T>(to_float(static_cast<T>(to_float(src[i]) * inv_rms)) * to_float(weight[i]));
+        outr[i] = from_float<T>(to_float(from_float<T>(to_float(src[i]) * inv_rms)) * to_float(weight[i]));
     }
   });
 }
@@ -39,7 +39,7 @@ void silu_and_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t size) {
 #pragma omp simd
       for (int64_t i = 0; i < size; ++i) {
         const float g = to_float(gate[i]);
-        outr[i] = static_cast<T>(to_float(static_cast<T>(g / (1.f + std::exp(-g)))) * to_float(up[i]));
+        outr[i] = from_float<T>(to_float(from_float<T>(g / (1.f + std::exp(-g)))) * to_float(up[i]));
       }
     }
   });
