@@ -13,6 +13,14 @@ import pytest
 PROMPT = '>>> '
 
 
+def quit_cleanly(child: pexpect.spawn) -> None:
+    """Types ``exit`` and checks the chat ends with status 0."""
+    child.send('exit\r')
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
 @pytest.fixture
 def long_llama(tiny_llama, tmp_path) -> str:
     """The tiny Llama with a 64k context, so that a reply can run long enough to be interrupted."""
@@ -43,10 +51,7 @@ def test_reply_multiline_history_reset_exit(chat, tmp_path):
     child.send('reset\r')
     child.expect_exact('[new conversation]')
     child.expect_exact(PROMPT)
-    child.send('exit\r')
-    child.expect(pexpect.EOF)
-    child.close()
-    assert child.exitstatus == 0
+    quit_cleanly(child)
     history = (tmp_path / 'chat_history').read_text()
     assert '+Hello\n+world' in history and '+reset' in history
 
@@ -59,10 +64,7 @@ def test_ctrl_c_stops_the_reply_only(chat, long_llama):
     child.sendintr()
     child.expect_exact('[interrupted]')
     child.expect_exact(PROMPT)
-    child.send('exit\r')
-    child.expect(pexpect.EOF)
-    child.close()
-    assert child.exitstatus == 0
+    quit_cleanly(child)
 
 
 def test_image_command(chat, tmp_path):
@@ -86,13 +88,11 @@ def test_image_command(chat, tmp_path):
     child.send('describe\r')
     child.expect_exact(PROMPT)
     assert child.before.replace('\r\n', '\n').strip().endswith(expected.text.strip())
-    child.send('exit\r')
-    child.expect(pexpect.EOF)
+    quit_cleanly(child)
 
 
 def test_image_command_on_a_text_model(chat):
     child = chat()
     child.send('/image /tmp/cat.png\r')
     child.expect_exact('[error: this model does not accept images]')
-    child.send('exit\r')
-    child.expect(pexpect.EOF)
+    quit_cleanly(child)
