@@ -17,6 +17,8 @@ _loaded: dict[str, ModuleType | None] = {}
 
 def native() -> ModuleType | None:
     """The compiled kernels (building them the first time), or None when they are unavailable."""
+    if 'module' in _loaded:  # every kernel call asks: no lock once loaded
+        return _loaded['module']
     with _lock:
         if 'module' not in _loaded:
             _loaded['module'] = _build()
