@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import asyncio
 import random
+import sys
+import threading
 import time
 from contextlib import aclosing
 
@@ -11,6 +13,7 @@ import pytest
 from helpers import random_prompts
 
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
+from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.serve.async_engine import AsyncEngine
 from lmdeploy.serve.engine_loop import RequestStream, _put_all
 from lmdeploy.serve.exceptions import ErrorCode, SafeRunException
@@ -292,3 +295,23 @@ def test_engines_do_not_share_sessions_or_instances(engine, tiny_llama):
     with pytest.raises(SafeRunException) as info:
         asyncio.run(consume(other.generate('Hi')))
     assert info.value.code is ErrorCode.ABORTED
+
+
+def test_engine_is_built_on_the_loop_thread_and_build_errors_reach_the_caller(tiny_llama, monkeypatch):
+    built_on = []
+
+    class RecordingEngine(Engine):
+        def __init__(self, *args, **kwargs):
+            built_on.append(threading.current_thread())
+            super().__init__(*args, **kwargs)
+    monkeypatch.setattr(sys.modules[AsyncEngine.__module__], 'Engine', RecordingEngine)
+    engine = make_async_engine(tiny_llama)
+    try:
+        assert built_on == [engine.engine_loop._thread]
+        assert asyncio.run(consume(engine.generate('Hi', gen_config=GEN)))[-1].finish_reason == 'length'
+    finally:
+        engine.close()
+    threads = threading.active_count()
+    with pytest.raises(FileNotFoundError, match='does not exist'):
+        make_async_engine('/nonexistent/model')
+    assert threading.active_count() == threads

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,8 @@ from lmdeploy.pytorch.multimodal import MultiModalInput
 from lmdeploy.vl.image_inputs import ImageInputs
 from lmdeploy.vl.media import MediaPolicy
 from lmdeploy.vl.processor import MultiModalProcessor, ProcessedPrompt, Prompt
+
+T = TypeVar('T')
 
 
 def _to_response(out: EngineOutput) -> Response:
@@ -36,15 +39,16 @@ class AsyncEngine:
                  chat_template_config: ChatTemplateConfig | None = None, show_progress: bool = True,
                  media_policy: MediaPolicy | None = None):
         self.backend_config = backend_config or PytorchEngineConfig()
-        self.engine: Engine | None = Engine(model_path, self.backend_config, show_progress=show_progress)
+        self.session_manager = SessionManager()
+        self.engine_loop = EngineLoop(lambda: Engine(model_path, self.backend_config, show_progress=show_progress),
+                                      lambda: self.session_manager.epoch)
+        self.engine: Engine | None = self.engine_loop.engine
         self.tokenizer = self.engine.tokenizer
         self.session_len = self.engine.session_len
         template = chat_template_config.chat_template if chat_template_config else None
         mm_config = self.engine.model_config.mm_config
         image_inputs = ImageInputs.for_model(self.engine.model_dir, mm_config) if mm_config is not None else None
         self.processor = MultiModalProcessor(self.tokenizer, template, image_inputs, media_policy or MediaPolicy())
-        self.session_manager = SessionManager()
-        self.engine_loop = EngineLoop(self.engine, lambda: self.session_manager.epoch)
         self.inst_manager = InferInstManager(self.engine_loop, self.backend_config.max_batch_size)
 
     def encode(self, prompt: Prompt, do_preprocess: bool = True) -> list[int]:
@@ -153,11 +157,15 @@ class AsyncEngine:
             raise SafeRunException(ErrorCode.INVALID_ARGUMENT, 'input_ids must be a list of ints')
         return input_ids
 
-    async def get_logits(self, input_ids: list[int]) -> torch.Tensor:
-        """fp32 logits ``[len(input_ids), vocab]`` at every position of the prompt."""
+    async def get_logits(self, input_ids: list[int], reduce: Callable[[torch.Tensor], T] | None = None) -> T:
+        """fp32 logits ``[len(input_ids), vocab]`` at every position of the prompt, or ``reduce(logits)``.
+
+        ``reduce`` runs on the engine-loop thread, where torch work does not slow the engine down.
+        """
         ids = self._input_ids(input_ids)
+        reduce = reduce or (lambda logits: logits)
         try:
-            return await asyncio.wrap_future(self.engine_loop.call(lambda engine: engine.get_logits(ids)))
+            return await asyncio.wrap_future(self.engine_loop.call(lambda engine: reduce(engine.get_logits(ids))))
         except ValueError as exc:
             code = ErrorCode.INPUT_LENGTH_ERROR if len(ids) >= self.session_len else ErrorCode.INVALID_ARGUMENT
             raise SafeRunException(code, str(exc)) from exc
@@ -166,8 +174,8 @@ class AsyncEngine:
         """Mean negative log-likelihood per predicted token of ``input_ids`` (at least two tokens)."""
         if not isinstance(input_ids, list) or len(input_ids) < 2:
             raise SafeRunException(ErrorCode.INVALID_ARGUMENT, 'get_ppl needs at least two token ids')
-        logits = await self.get_logits(input_ids)
-        return F.cross_entropy(logits[:-1], torch.tensor(input_ids[1:])).item()
+        targets = torch.tensor(input_ids[1:])
+        return await self.get_logits(input_ids, lambda logits: F.cross_entropy(logits[:-1], targets).item())
 
     def close(self) -> None:
         """Ends every request (in flight or waiting) as 'abort', stops the engine-loop thread and drops

@@ -1,5 +1,9 @@
 """Per-family image preprocessing: the model's own transformers image processor, and how many
-placeholder tokens each image's features fill."""
+placeholder tokens each image's features fill.
+
+The processors return numpy arrays that ``torch.from_numpy`` wraps without copying: a torch copy on
+the preprocessing thread would start an OpenMP team there and slow the engine's thread down.
+"""
 from __future__ import annotations
 
 import torch
@@ -31,17 +35,17 @@ class QwenVLImageInputs(ImageInputs):
     """Qwen2-VL / Qwen2.5-VL: dynamic resolution; one token per merged ``merge x merge`` patch group."""
 
     def __call__(self, image: Image.Image) -> tuple[int, dict[str, torch.Tensor]]:
-        out = self.image_processor(images=[image], return_tensors='pt')
-        grid = out['image_grid_thw']
+        out = self.image_processor(images=[image], return_tensors='np')
+        grid = torch.from_numpy(out['image_grid_thw'])
         merge = self.config.vision_config.spatial_merge_size
-        return int(grid.prod()) // merge**2, {'pixel_values': out['pixel_values'], 'image_grid_thw': grid}
+        return int(grid.prod()) // merge**2, {'pixel_values': torch.from_numpy(out['pixel_values']), 'image_grid_thw': grid}
 
 
 class LlavaImageInputs(ImageInputs):
     """LLaVA: a fixed-size crop; one token per vision patch (plus CLS with the 'full' strategy)."""
 
     def __call__(self, image: Image.Image) -> tuple[int, dict[str, torch.Tensor]]:
-        pixels = self.image_processor(images=[image], return_tensors='pt')['pixel_values']
+        pixels = torch.from_numpy(self.image_processor(images=[image], return_tensors='np')['pixel_values'])
         patch = self.config.vision_config.patch_size
         num_patches = (pixels.shape[-2] // patch) * (pixels.shape[-1] // patch)
         cls_token = int(self.config.vision_feature_select_strategy == 'full')

@@ -64,11 +64,11 @@ async def _echo_logprobs(state: ServerState, req: CompletionRequest, prompts: li
     out = []
     for ids in prompts:
         try:
-            logits = await state.engine.get_logits(ids)
+            logprobs = await state.engine.get_logits(ids, lambda logits: prompt_logprobs(logits, ids, req.logprobs))
         except SafeRunException as exc:
             raise from_safe_run(exc) from exc
-        out.append(completion_logprobs(state.engine.tokenizer, ids, prompt_logprobs(logits, ids, req.logprobs),
-                                       req.logprobs, 0, req.skip_special_tokens))
+        out.append(completion_logprobs(state.engine.tokenizer, ids, logprobs, req.logprobs, 0,
+                                       req.skip_special_tokens))
     return out
 
 
