@@ -17,10 +17,13 @@ def native():
 
 
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize('num_heads,num_kv_heads,head_dim', [(9, 3, 64), (4, 4, 32), (16, 2, 128)])
-def test_paged_decode_attention(native, dtype, num_heads, num_kv_heads, head_dim):
+@pytest.mark.parametrize('num_heads,num_kv_heads,head_dim',
+                         [(9, 3, 64), (4, 4, 32), (16, 2, 128), (6, 1, 64), (2, 2, 64), (4, 2, 128)])
+@pytest.mark.parametrize('block_size', [16, 24])
+def test_paged_decode_attention(native, dtype, num_heads, num_kv_heads, head_dim, block_size):
+    """bf16 with head_dim 64/128 takes the AVX-512 path (16-key chunks; groups of up to 4 heads per pass)."""
     torch.manual_seed(0)
-    block_size, lengths = 16, [1, 16, 17, 100, 64, 3]
+    lengths = [1, 16, 17, 100, 64, 3, 47]
     widths = [-(-n // block_size) for n in lengths]
     num_blocks = sum(widths) + 5
     k_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_dim).to(dtype)

@@ -33,6 +33,10 @@ inline c10::BFloat16 from_float<c10::BFloat16>(float x) {
   return out;
 }
 
+// Fills `out` and returns true where the AVX-512 path applies (bf16, head_dim 64 or 128).
+bool paged_decode_attention_avx512(const torch::Tensor& q, const torch::Tensor& k_cache,
+                                   const torch::Tensor& v_cache, const torch::Tensor& block_table,
+                                   const torch::Tensor& kv_lens, double scale, torch::Tensor& out);
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_table, torch::Tensor kv_lens, double scale);
 std::tuple<torch::Tensor, torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps,

@@ -101,6 +101,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   const int64_t width = table.size(1);
   const int64_t block_stride = num_kv_heads * block_size * head_dim;
   auto out = torch::empty_like(q);
+  if (paged_decode_attention_avx512(q, k_cache, v_cache, table, lens, scale, out)) return out;
   const int64_t* table_ptr = table.data_ptr<int64_t>();
   const int64_t* lens_ptr = lens.data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {

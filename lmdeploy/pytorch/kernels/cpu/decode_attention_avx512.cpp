@@ -1,0 +1,203 @@
+// The AVX-512 path of paged decode attention for bf16 caches and head_dim 64 or 128 (see
+// paged_decode_attention.cpp for the contract). Scores are computed 16 keys at a time: each key
+// gives a vector of partial dot products (with AVX512-BF16: bf16 pairs accumulated in fp32), and
+// one transposing reduction turns 16 such vectors into the 16 scores. The weighted sum of V keeps
+// its accumulators in registers.
+#include "common.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+namespace {
+
+using bf16 = c10::BFloat16;
+constexpr int kChunk = 16;
+
+inline __m512 load_bf16(const bf16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+inline __m256i to_bf16(__m512 x) {  // round to nearest even
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
+// Each fold adds two vectors' halves pairwise into one vector: 256-bit, then 128-bit halves, then
+// interleaved 32-bit and 64-bit elements.
+inline __m512 fold_256(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+}
+inline __m512 fold_128(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+}
+inline __m512 fold_32(__m512 a, __m512 b) { return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b)); }
+inline __m512 fold_64(__m512 a, __m512 b) {
+  const __m512d x = _mm512_castps_pd(a), y = _mm512_castps_pd(b);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+}
+
+// Lane j of sum16(v) is the sum of the lanes of v[slot(j)]: the folds transpose 4x4.
+constexpr int slot(int key) { return (key % 4) * 4 + key / 4; }
+inline __m512 sum16(const __m512* v) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i) a[i] = fold_256(v[2 * i], v[2 * i + 1]);
+  for (int i = 0; i < 4; ++i) b[i] = fold_128(a[2 * i], a[2 * i + 1]);
+  for (int i = 0; i < 2; ++i) c[i] = fold_32(b[2 * i], b[2 * i + 1]);
+  return fold_64(c[0], c[1]);
+}
+
+// Partial dot products (one vector) of a query head with a key row of 16 * NV bf16 values.
+template <int NV>
+struct QueryHead {
+#if defined(__AVX512BF16__)
+  __m512bh q[NV / 2];
+  explicit QueryHead(const bf16* query) {
+    for (int i = 0; i < NV / 2; ++i) q[i] = (__m512bh)_mm512_loadu_si512(query + 32 * i);
+  }
+  __m512 dot(const bf16* key) const {
+    __m512 acc = _mm512_setzero_ps();
+    for (int i = 0; i < NV / 2; ++i) acc = _mm512_dpbf16_ps(acc, q[i], (__m512bh)_mm512_loadu_si512(key + 32 * i));
+    return acc;
+  }
+#else
+  __m512 q[NV];
+  explicit QueryHead(const bf16* query) {
+    for (int i = 0; i < NV; ++i) q[i] = load_bf16(query + 16 * i);
+  }
+  __m512 dot(const bf16* key) const {
+    __m512 acc = _mm512_mul_ps(q[0], load_bf16(key));
+    for (int i = 1; i < NV; ++i) acc = _mm512_fmadd_ps(q[i], load_bf16(key + 16 * i), acc);
+    return acc;
+  }
+#endif
+};
+
+// scores[h * length + t] = scale * q_h . k_t for the G heads of one task.
+template <int G, int NV>
+void task_scores(const bf16* q, const bf16* k_cache, const int64_t* blocks, int64_t length, int64_t block_size,
+                 int64_t block_stride, float scale, float* scores) {
+  constexpr int D = 16 * NV;
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  __m512 partial[kChunk];
+  for (int h = 0; h < G; ++h) {
+    const QueryHead<NV> query(q + h * D);
+    float* head_scores = scores + h * length;
+    for (int64_t start = 0; start < length; start += block_size) {
+      const bf16* block = k_cache + blocks[start / block_size] * block_stride;
+      const int64_t in_block = std::min(block_size, length - start);
+      for (int64_t first = 0; first < in_block; first += kChunk) {
+        const int count = static_cast<int>(std::min<int64_t>(kChunk, in_block - first));
+        for (int t = 0; t < kChunk; ++t)
+          partial[slot(t)] = t < count ? query.dot(block + (first + t) * D) : _mm512_setzero_ps();
+        const __m512 chunk = _mm512_mul_ps(sum16(partial), scale_v);
+        _mm512_mask_storeu_ps(head_scores + start + first, static_cast<__mmask16>((1u << count) - 1), chunk);
+      }
+    }
+  }
+}
+
+void softmax(float* x, int64_t n) {
+  float peak = x[0];
+  for (int64_t t = 1; t < n; ++t) peak = std::max(peak, x[t]);
+  float total = 0.f;
+#pragma omp simd reduction(+ : total)
+  for (int64_t t = 0; t < n; ++t) {
+    x[t] = std::exp(x[t] - peak);
+    total += x[t];
+  }
+  const float inv = 1.f / total;
+#pragma omp simd
+  for (int64_t t = 0; t < n; ++t) x[t] *= inv;
+}
+
+// out_h = sum_t p[h][t] * v_t for the G heads of one task.
+template <int G, int NV>
+void task_values(const float* probs, const bf16* v_cache, const int64_t* blocks, int64_t length,
+                 int64_t block_size, int64_t block_stride, bf16* out) {
+  constexpr int D = 16 * NV;
+  __m512 acc[G][NV];
+  for (int h = 0; h < G; ++h)
+    for (int i = 0; i < NV; ++i) acc[h][i] = _mm512_setzero_ps();
+  for (int64_t start = 0; start < length; start += block_size) {
+    const bf16* block = v_cache + blocks[start / block_size] * block_stride;
+    const int64_t in_block = std::min(block_size, length - start);
+    for (int64_t t = 0; t < in_block; ++t) {
+      __m512 value[NV];
+      for (int i = 0; i < NV; ++i) value[i] = load_bf16(block + t * D + 16 * i);
+      for (int h = 0; h < G; ++h) {
+        const __m512 p = _mm512_set1_ps(probs[h * length + start + t]);
+        for (int i = 0; i < NV; ++i) acc[h][i] = _mm512_fmadd_ps(p, value[i], acc[h][i]);
+      }
+    }
+  }
+  for (int h = 0; h < G; ++h)
+    for (int i = 0; i < NV; ++i)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + h * D + 16 * i), to_bf16(acc[h][i]));
+}
+
+template <int G, int NV>
+void decode_task(const bf16* q, const bf16* k_cache, const bf16* v_cache, const int64_t* blocks, int64_t length,
+                 int64_t block_size, int64_t block_stride, float scale, bf16* out, std::vector<float>& scores) {
+  scores.resize(G * length);
+  task_scores<G, NV>(q, k_cache, blocks, length, block_size, block_stride, scale, scores.data());
+  for (int h = 0; h < G; ++h) softmax(scores.data() + h * length, length);
+  task_values<G, NV>(scores.data(), v_cache, blocks, length, block_size, block_stride, out);
+}
+
+using TaskFn = void (*)(const bf16*, const bf16*, const bf16*, const int64_t*, int64_t, int64_t, int64_t, float,
+                        bf16*, std::vector<float>&);
+
+template <int NV>
+TaskFn task_for(int64_t heads) {
+  switch (heads) {
+    case 1: return &decode_task<1, NV>;
+    case 2: return &decode_task<2, NV>;
+    case 3: return &decode_task<3, NV>;
+    default: return &decode_task<4, NV>;
+  }
+}
+
+}  // namespace
+
+bool paged_decode_attention_avx512(const torch::Tensor& q, const torch::Tensor& k_cache,
+                                   const torch::Tensor& v_cache, const torch::Tensor& block_table,
+                                   const torch::Tensor& kv_lens, double scale, torch::Tensor& out) {
+  const int64_t head_dim = q.size(2);
+  if (q.scalar_type() != at::kBFloat16 || (head_dim != 64 && head_dim != 128)) return false;
+  const int64_t batch = q.size(0), num_heads = q.size(1), num_kv_heads = k_cache.size(1);
+  const int64_t block_size = k_cache.size(2), width = block_table.size(1);
+  const int64_t group = num_heads / num_kv_heads, block_stride = num_kv_heads * block_size * head_dim;
+  const bf16* q_ptr = q.data_ptr<bf16>();
+  const bf16* k_ptr = k_cache.data_ptr<bf16>();
+  const bf16* v_ptr = v_cache.data_ptr<bf16>();
+  const int64_t* table = block_table.data_ptr<int64_t>();
+  const int64_t* lens = kv_lens.data_ptr<int64_t>();
+  bf16* out_ptr = out.data_ptr<bf16>();
+  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / num_kv_heads, kv_head = task % num_kv_heads;
+      const int64_t cache_offset = kv_head * block_size * head_dim;
+      for (int64_t h = 0; h < group; h += 4) {  // at most 4 query heads per pass over K and V
+        const int64_t heads = std::min<int64_t>(4, group - h);
+        const int64_t offset = (b * num_heads + kv_head * group + h) * head_dim;
+        const TaskFn fn = head_dim == 64 ? task_for<4>(heads) : task_for<8>(heads);
+        fn(q_ptr + offset, k_ptr + cache_offset, v_ptr + cache_offset, table + b * width, lens[b], block_size,
+           block_stride, static_cast<float>(scale), out_ptr + offset, scores);
+      }
+    }
+  });
+  return true;
+}
+
+#else
+
+bool paged_decode_attention_avx512(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                                   const torch::Tensor&, const torch::Tensor&, double, torch::Tensor&) {
+  return false;
+}
+
+#endif
