@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmdeploy.pytorch.kernels import activation, attention, cpu, norm
+from lmdeploy.pytorch.kernels import activation, attention, cpu, norm, rotary
 from lmdeploy.pytorch.nn.linear import INT4_GROUP, Linear, int4_groups
 
 
@@ -98,3 +98,35 @@ def test_silu_and_mul(native, dtype, shape):
     tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
     torch.testing.assert_close(native.silu_and_mul(gate_up), activation.silu_and_mul(gate_up), atol=tolerance,
                                rtol=tolerance)
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float16])
+def test_apply_rotary_on_a_strided_view(native, dtype):
+    """The q/k heads of a fused qkv projection: a view whose tokens are further apart than its rows."""
+    torch.manual_seed(0)
+    tokens, heads, extra, dim = 7, 12, 3, 64
+    qkv = torch.randn(tokens, heads + extra, dim).to(dtype)
+    x = qkv[:, :heads]
+    cos, sin = torch.randn(tokens, dim).to(dtype), torch.randn(tokens, dim).to(dtype)
+    out = native.apply_rotary(x, cos, sin)
+    expected = rotary.apply_rotary(x, cos, sin)
+    assert out.is_contiguous() and out.shape == x.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
+    else:
+        assert torch.equal(out, expected), 'the same roundings as the torch version'
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+def test_fill_kv_cache_from_strided_views(native, dtype):
+    torch.manual_seed(0)
+    tokens, kv_heads, dim, block_size, num_blocks = 11, 3, 64, 4, 8
+    qkv = torch.randn(tokens, 9 + 2 * kv_heads, dim).to(dtype)
+    k, v = qkv[:, 9:9 + kv_heads], qkv[:, 9 + kv_heads:]
+    slots = torch.randperm(num_blocks * block_size)[:tokens]  # distinct (block, offset) pairs
+    blocks, offsets = slots // block_size, slots % block_size
+    caches = [torch.zeros(num_blocks, kv_heads, block_size, dim, dtype=dtype) for _ in range(4)]
+    native.fill_kv_cache(k, v, caches[0], caches[1], blocks, offsets)
+    attention.fill_kv_cache(k, v, caches[2], caches[3], blocks, offsets)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert caches[0].abs().sum() > 0

@@ -32,9 +32,9 @@ def dispatch(torch_fn: Callable, native_cpu: str | None = None) -> Callable:
     return run
 
 
-apply_rotary = dispatch(rotary.apply_rotary)
+apply_rotary = dispatch(rotary.apply_rotary, native_cpu='apply_rotary')
 decode_attention = dispatch(attention.decode_attention, native_cpu='paged_decode_attention')
-fill_kv_cache = dispatch(attention.fill_kv_cache)
+fill_kv_cache = dispatch(attention.fill_kv_cache, native_cpu='fill_kv_cache')
 fused_moe = dispatch(moe.fused_moe)
 moe_routing = dispatch(moe.moe_routing)
 prefill_attention = dispatch(attention.prefill_attention)

@@ -6,4 +6,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm with an optional fused residual add", pybind11::arg("x"),
         pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("residual") = pybind11::none());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+  m.def("apply_rotary", &apply_rotary, "rotary embedding, rotate-half layout");
+  m.def("fill_kv_cache", &fill_kv_cache, "write K/V rows into the paged caches");
 }

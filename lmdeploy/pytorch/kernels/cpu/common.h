@@ -42,3 +42,6 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 std::tuple<torch::Tensor, torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
                                                   c10::optional<torch::Tensor> residual);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
+torch::Tensor apply_rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+void fill_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+                   torch::Tensor blocks, torch::Tensor offsets);

@@ -1,5 +1,6 @@
-// Fused row-wise kernels for the CPU: RMSNorm with the residual add, and SiLU-and-mul. Each row is
-// read once and written once; the math is in fp32 with the roundings of the torch versions.
+// Fused row-wise kernels for the CPU: RMSNorm with the residual add, SiLU-and-mul and rotary
+// embedding. Each row is read once and written once; the math is in fp32 with the roundings of the
+// torch versions.
 #include "common.h"
 
 namespace {
@@ -45,6 +46,28 @@ void silu_and_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t size) {
   });
 }
 
+template <typename T>
+void rotary_rows(const T* x, const T* cos, const T* sin, T* out, int64_t tokens, int64_t heads, int64_t dim,
+                 int64_t token_stride) {
+  const int64_t half = dim / 2;
+  at::parallel_for(0, tokens * heads, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t t = row / heads;
+      const T* xr = x + t * token_stride + (row % heads) * dim;
+      const T* c = cos + t * dim;
+      const T* s = sin + t * dim;
+      T* outr = out + row * dim;
+#pragma omp simd
+      for (int64_t i = 0; i < half; ++i) {
+        const float lo = to_float(from_float<T>(to_float(xr[i]) * to_float(c[i])));
+        outr[i] = from_float<T>(lo + to_float(from_float<T>(-to_float(xr[i + half]) * to_float(s[i]))));
+        const float hi = to_float(from_float<T>(to_float(xr[i + half]) * to_float(c[i + half])));
+        outr[i + half] = from_float<T>(hi + to_float(from_float<T>(to_float(xr[i]) * to_float(s[i + half]))));
+      }
+    }
+  });
+}
+
 }  // namespace
 
 // x [..., H] (plus residual of the same shape) -> (rms_norm(x + residual) * weight, x + residual).
@@ -77,6 +100,22 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_and_mul", [&] {
     silu_and_mul_rows<scalar_t>(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), gate_up.numel() / (2 * size),
                                 size);
+  });
+  return out;
+}
+
+// x [T, H, D] (any token stride), cos, sin [T, D] -> x rotated (rotate-half layout), contiguous.
+torch::Tensor apply_rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.dim() == 3 && cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == x.size(0) &&
+                  cos.size(1) == x.size(2) && x.size(2) % 2 == 0,
+              "apply_rotary: bad shapes");
+  if (x.stride(2) != 1 || x.stride(1) != x.size(2)) x = x.contiguous();
+  cos = cos.to(x.scalar_type()).contiguous();
+  sin = sin.to(x.scalar_type()).contiguous();
+  auto out = torch::empty(x.sizes(), x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "apply_rotary", [&] {
+    rotary_rows<scalar_t>(x.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(),
+                          out.data_ptr<scalar_t>(), x.size(0), x.size(1), x.size(2), x.stride(0));
   });
   return out;
 }
