@@ -130,3 +130,17 @@ def test_fill_kv_cache_from_strided_views(native, dtype):
     attention.fill_kv_cache(k, v, caches[2], caches[3], blocks, offsets)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     assert caches[0].abs().sum() > 0
+
+
+def test_packed_bf16_linear_matches_f_linear():
+    torch.manual_seed(0)
+    layer = Linear(64, 48, bias=True).bfloat16()
+    torch.nn.init.normal_(layer.weight)
+    torch.nn.init.normal_(layer.bias)
+    weight = layer.weight.detach().clone()
+    assert layer.pack_for_cpu() and layer.weight is None
+    for tokens in (1, 5, 64):
+        x = torch.randn(tokens, 64).bfloat16()
+        assert torch.equal(layer(x), torch.nn.functional.linear(x, weight, layer.bias))
+    exact = Linear(64, 48)
+    assert not exact.pack_for_cpu() and exact.weight is not None, 'fp32 weights keep the exact path'

@@ -61,6 +61,8 @@ class Engine:
         model.to(self.device).eval()
         if self._decode_int4(hf_config):
             model.enable_decode_int4()
+        if self.device.type == 'cpu':
+            model.pack_weights_for_cpu()
         num_blocks = config.num_gpu_blocks or self._blocks_from_memory(cfg)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_batch_size, config.max_prefill_token_num)

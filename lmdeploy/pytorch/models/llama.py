@@ -10,7 +10,7 @@ from torch import nn
 from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.kernels import apply_rotary, silu_and_mul
 from lmdeploy.pytorch.nn.attention import PagedAttention
-from lmdeploy.pytorch.nn.linear import Linear, MergedLinear
+from lmdeploy.pytorch.nn.linear import Linear, MergedLinear, pack_for_cpu, packed_linear
 from lmdeploy.pytorch.nn.norm import RMSNorm
 from lmdeploy.pytorch.nn.rotary import RotaryEmbedding
 from lmdeploy.pytorch.step_context import StepContext
@@ -104,6 +104,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = cfg.tie_word_embeddings
         self.lm_head = None if self.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         self.lm_head_fp16: torch.Tensor | None = None
+        self.lm_head_packed: torch.Tensor | None = None
 
     def make_mlp(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
         """The feed-forward block of one decoder layer; MoE models override it."""
@@ -126,11 +127,20 @@ class LlamaForCausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head_fp16 is not None and hidden.shape[0] == 1:
             return F.linear(hidden.half(), self.lm_head_fp16).float()
+        if self.lm_head_packed is not None:
+            return packed_linear(hidden, self.lm_head_packed).float()
         return F.linear(hidden, self.lm_head_weight).float()
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def pack_weights_for_cpu(self) -> None:
+        """Keeps bf16 CPU projection weights (and a copy of the LM head's) in oneDNN's layout."""
+        for module in self.layers.modules():
+            if isinstance(module, Linear):
+                module.pack_for_cpu()
+        self.lm_head_packed = pack_for_cpu(self.lm_head_weight)
 
     def enable_decode_int4(self) -> None:
         """Small steps run the decoder's projections on 4-bit weights and one row's LM head in fp16
