@@ -5,6 +5,7 @@ import hmac
 import logging
 import os
 import signal
+import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -29,6 +30,9 @@ from lmdeploy.serve.openai.serving_native import abort_request, encode_text, gen
 
 logger = logging.getLogger('lmdeploy')
 AUTH_EXEMPT = frozenset({'/health'})
+# The engine-loop thread gives up the GIL inside every torch op and needs it back after each; while
+# the event loop is busy streaming, Python's default 5 ms interval left it waiting that long.
+GIL_SWITCH_INTERVAL = 0.0005
 
 
 class APIKeyMiddleware:
@@ -139,4 +143,5 @@ def run_server(app: FastAPI, host: str = '127.0.0.1', port: int = 23333, log_lev
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
                             timeout_graceful_shutdown=shutdown_timeout)
     signal.signal(signal.SIGTERM, _ignore_signal)
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL)
     uvicorn.Server(config).run()
