@@ -33,6 +33,21 @@ inline c10::BFloat16 from_float<c10::BFloat16>(float x) {
   return out;
 }
 
+// x[0:n] = softmax(x[0:n]), in fp32.
+inline void softmax(float* x, int64_t n) {
+  float peak = x[0];
+  for (int64_t t = 1; t < n; ++t) peak = std::max(peak, x[t]);
+  float total = 0.f;
+#pragma omp simd reduction(+ : total)
+  for (int64_t t = 0; t < n; ++t) {
+    x[t] = std::exp(x[t] - peak);
+    total += x[t];
+  }
+  const float inv = 1.f / total;
+#pragma omp simd
+  for (int64_t t = 0; t < n; ++t) x[t] *= inv;
+}
+
 // Fills `out` and returns true where the AVX-512 path applies (bf16, head_dim 64 or 128).
 bool paged_decode_attention_avx512(const torch::Tensor& q, const torch::Tensor& k_cache,
                                    const torch::Tensor& v_cache, const torch::Tensor& block_table,

@@ -99,20 +99,6 @@ void task_scores(const bf16* q, const bf16* k_cache, const int64_t* blocks, int6
   }
 }
 
-void softmax(float* x, int64_t n) {
-  float peak = x[0];
-  for (int64_t t = 1; t < n; ++t) peak = std::max(peak, x[t]);
-  float total = 0.f;
-#pragma omp simd reduction(+ : total)
-  for (int64_t t = 0; t < n; ++t) {
-    x[t] = std::exp(x[t] - peak);
-    total += x[t];
-  }
-  const float inv = 1.f / total;
-#pragma omp simd
-  for (int64_t t = 0; t < n; ++t) x[t] *= inv;
-}
-
 // out_h = sum_t p[h][t] * v_t for the G heads of one task.
 template <int G, int NV>
 void task_values(const float* probs, const bf16* v_cache, const int64_t* blocks, int64_t length,

@@ -56,19 +56,7 @@ void decode_task(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
                       [&](int64_t t, const float* key) {
                         dots(query.data(), key, group, head_dim, scores.data() + t, length);
                       });
-  for (int64_t h = 0; h < group; ++h) {
-    float* head_scores = scores.data() + h * length;
-    float peak = head_scores[0];
-    for (int64_t t = 1; t < length; ++t) peak = std::max(peak, head_scores[t]);
-    float total = 0.f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t t = 0; t < length; ++t) {
-      head_scores[t] = std::exp(head_scores[t] - peak);
-      total += head_scores[t];
-    }
-    const float inv = 1.f / total;
-    for (int64_t t = 0; t < length; ++t) head_scores[t] *= inv;
-  }
+  for (int64_t h = 0; h < group; ++h) softmax(scores.data() + h * length, length);
   for_each_cached_row(v_cache, blocks, length, head_dim, block_size, block_stride, buffer.data(),
                       [&](int64_t t, const float* value) {
                         for (int64_t h = 0; h < group; ++h) {
