@@ -144,3 +144,34 @@ def test_packed_bf16_linear_matches_f_linear():
         assert torch.equal(layer(x), torch.nn.functional.linear(x, weight, layer.bias))
     exact = Linear(64, 48)
     assert not exact.pack_for_cpu() and exact.weight is not None, 'fp32 weights keep the exact path'
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize('num_heads,num_kv_heads,head_dim', [(9, 3, 64), (4, 2, 32), (8, 2, 128)])
+def test_paged_prefill_attention(native, dtype, num_heads, num_kv_heads, head_dim):
+    """Chunks that are their whole context, follow a cached prefix, are one token, or span many blocks."""
+    torch.manual_seed(0)
+    block_size, chunks = 24, [(5, 5), (20, 45), (1, 17), (70, 70), (3, 100)]  # (q_len, ctx_len)
+    q_lens, ctx_lens = [n for n, _ in chunks], [c for _, c in chunks]
+    widths = [-(-c // block_size) for c in ctx_lens]
+    num_blocks = sum(widths) + 2
+    k_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_dim).to(dtype)
+    v_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_dim).to(dtype)
+    order = torch.randperm(num_blocks).tolist()
+    table = torch.zeros(len(chunks), max(widths), dtype=torch.long)
+    for row, width in enumerate(widths):
+        table[row, :width] = torch.tensor([order.pop() for _ in range(width)])
+    q_start = torch.tensor([sum(q_lens[:i]) for i in range(len(chunks))])
+    k = torch.empty(sum(q_lens), num_kv_heads, head_dim)
+    v = torch.empty_like(k)
+    for row, (start, n, c) in enumerate(zip(q_start.tolist(), q_lens, ctx_lens)):
+        blocks = table[row, :widths[row]]
+        k[start:start + n] = attention._gather_context(k_cache.float(), blocks, c)[:, c - n:].transpose(0, 1)
+        v[start:start + n] = attention._gather_context(v_cache.float(), blocks, c)[:, c - n:].transpose(0, 1)
+    q = torch.randn(sum(q_lens), num_heads, head_dim).to(dtype)
+    args = (table, q_start, torch.tensor(q_lens), torch.tensor(ctx_lens), max(q_lens), 0.3)
+    out = native.paged_prefill_attention(q, k.to(dtype), v.to(dtype), k_cache, v_cache, *args)
+    expected = attention.prefill_attention(q.float(), k, v, k_cache.float(), v_cache.float(), *args)
+    assert out.dtype == dtype and out.shape == q.shape
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)

@@ -37,7 +37,7 @@ decode_attention = dispatch(attention.decode_attention, native_cpu='paged_decode
 fill_kv_cache = dispatch(attention.fill_kv_cache, native_cpu='fill_kv_cache')
 fused_moe = dispatch(moe.fused_moe)
 moe_routing = dispatch(moe.moe_routing)
-prefill_attention = dispatch(attention.prefill_attention)
+prefill_attention = dispatch(attention.prefill_attention, native_cpu='paged_prefill_attention')
 rms_norm = dispatch(norm.rms_norm, native_cpu='rms_norm')
 silu_and_mul = dispatch(activation.silu_and_mul, native_cpu='silu_and_mul')
 

@@ -3,6 +3,7 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention");
+  m.def("paged_prefill_attention", &paged_prefill_attention, "causal attention of prefill chunks over the caches");
   m.def("rms_norm", &rms_norm, "RMSNorm with an optional fused residual add", pybind11::arg("x"),
         pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("residual") = pybind11::none());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");

@@ -48,12 +48,16 @@ inline void softmax(float* x, int64_t n) {
   for (int64_t t = 0; t < n; ++t) x[t] *= inv;
 }
 
-// Fills `out` and returns true where the AVX-512 path applies (bf16, head_dim 64 or 128).
-bool paged_decode_attention_avx512(const torch::Tensor& q, const torch::Tensor& k_cache,
-                                   const torch::Tensor& v_cache, const torch::Tensor& block_table,
-                                   const torch::Tensor& kv_lens, double scale, torch::Tensor& out);
+// Fills `out` and returns true where the AVX-512 path applies (bf16, head_dim 64 or 128); the
+// arguments are those of attention_rows in paged_decode_attention.cpp, int64 and contiguous.
+bool attention_rows_avx512(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                           const torch::Tensor& table, const torch::Tensor& seqs, const torch::Tensor& lengths,
+                           double scale, torch::Tensor& out);
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_table, torch::Tensor kv_lens, double scale);
+torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
+                                      torch::Tensor v_cache, torch::Tensor block_table, torch::Tensor q_start,
+                                      torch::Tensor q_len, torch::Tensor ctx_len, int64_t max_q_len, double scale);
 std::tuple<torch::Tensor, torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
                                                   c10::optional<torch::Tensor> residual);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);

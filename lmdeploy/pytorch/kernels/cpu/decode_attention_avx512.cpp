@@ -1,5 +1,5 @@
-// The AVX-512 path of paged decode attention for bf16 caches and head_dim 64 or 128 (see
-// paged_decode_attention.cpp for the contract). Scores are computed 16 keys at a time: each key
+// The AVX-512 path of paged attention (decode rows, and prefill rows as decode-style queries) for
+// bf16 caches and head_dim 64 or 128 (see paged_decode_attention.cpp for the contract). Scores are computed 16 keys at a time: each key
 // gives a vector of partial dot products (with AVX512-BF16: bf16 pairs accumulated in fp32), and
 // one transposing reduction turns 16 such vectors into the 16 scores. The weighted sum of V keeps
 // its accumulators in registers.
@@ -148,41 +148,44 @@ TaskFn task_for(int64_t heads) {
 
 }  // namespace
 
-bool paged_decode_attention_avx512(const torch::Tensor& q, const torch::Tensor& k_cache,
-                                   const torch::Tensor& v_cache, const torch::Tensor& block_table,
-                                   const torch::Tensor& kv_lens, double scale, torch::Tensor& out) {
+bool attention_rows_avx512(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                           const torch::Tensor& table, const torch::Tensor& seqs, const torch::Tensor& lengths,
+                           double scale, torch::Tensor& out) {
   const int64_t head_dim = q.size(2);
   if (q.scalar_type() != at::kBFloat16 || (head_dim != 64 && head_dim != 128)) return false;
-  const int64_t batch = q.size(0), num_heads = q.size(1), num_kv_heads = k_cache.size(1);
-  const int64_t block_size = k_cache.size(2), width = block_table.size(1);
+  const int64_t rows = q.size(0), num_heads = q.size(1), num_kv_heads = k_cache.size(1);
+  const int64_t block_size = k_cache.size(2), width = table.size(1);
   const int64_t group = num_heads / num_kv_heads, block_stride = num_kv_heads * block_size * head_dim;
   const bf16* q_ptr = q.data_ptr<bf16>();
   const bf16* k_ptr = k_cache.data_ptr<bf16>();
   const bf16* v_ptr = v_cache.data_ptr<bf16>();
-  const int64_t* table = block_table.data_ptr<int64_t>();
-  const int64_t* lens = kv_lens.data_ptr<int64_t>();
+  const int64_t* table_ptr = table.data_ptr<int64_t>();
+  const int64_t* seq_ptr = seqs.data_ptr<int64_t>();
+  const int64_t* len_ptr = lengths.data_ptr<int64_t>();
   bf16* out_ptr = out.data_ptr<bf16>();
-  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
     std::vector<float> scores;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / num_kv_heads, kv_head = task % num_kv_heads;
+#pragma omp for schedule(dynamic, 4)
+    for (int64_t task = 0; task < rows * num_kv_heads; ++task) {
+      const int64_t row = task / num_kv_heads, kv_head = task % num_kv_heads;
       const int64_t cache_offset = kv_head * block_size * head_dim;
       for (int64_t h = 0; h < group; h += 4) {  // at most 4 query heads per pass over K and V
         const int64_t heads = std::min<int64_t>(4, group - h);
-        const int64_t offset = (b * num_heads + kv_head * group + h) * head_dim;
+        const int64_t offset = (row * num_heads + kv_head * group + h) * head_dim;
         const TaskFn fn = head_dim == 64 ? task_for<4>(heads) : task_for<8>(heads);
-        fn(q_ptr + offset, k_ptr + cache_offset, v_ptr + cache_offset, table + b * width, lens[b], block_size,
-           block_stride, static_cast<float>(scale), out_ptr + offset, scores);
+        fn(q_ptr + offset, k_ptr + cache_offset, v_ptr + cache_offset, table_ptr + seq_ptr[row] * width,
+           len_ptr[row], block_size, block_stride, static_cast<float>(scale), out_ptr + offset, scores);
       }
     }
-  });
+  }
   return true;
 }
 
 #else
 
-bool paged_decode_attention_avx512(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
-                                   const torch::Tensor&, const torch::Tensor&, double, torch::Tensor&) {
+bool attention_rows_avx512(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                           const torch::Tensor&, const torch::Tensor&, double, torch::Tensor&) {
   return false;
 }
 

@@ -69,45 +69,78 @@ void decode_task(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
   for (int64_t i = 0; i < group * head_dim; ++i) out[i] = static_cast<T>(acc[i]);
 }
 
-}  // namespace
+template <typename T>
+void generic_rows(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t width,
+                  const int64_t* seqs, const int64_t* lengths, int64_t rows, int64_t num_heads, int64_t num_kv_heads,
+                  int64_t head_dim, int64_t block_size, float scale, T* out) {
+  const int64_t group = num_heads / num_kv_heads, block_stride = num_kv_heads * block_size * head_dim;
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    std::vector<float> scores, acc;
+#pragma omp for schedule(dynamic, 4)
+    for (int64_t task = 0; task < rows * num_kv_heads; ++task) {
+      const int64_t row = task / num_kv_heads, kv_head = task % num_kv_heads;
+      const int64_t head_offset = (row * num_heads + kv_head * group) * head_dim;
+      const int64_t cache_offset = kv_head * block_size * head_dim;
+      decode_task<T>(q + head_offset, k_cache + cache_offset, v_cache + cache_offset, table + seqs[row] * width,
+                     lengths[row], group, head_dim, block_size, block_stride, scale, out + head_offset, scores, acc);
+    }
+  }
+}
 
-// q [B, H, D]; k_cache, v_cache [num_blocks, H_kv, block_size, D]; block_table [B, W]; kv_lens [B].
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_table, torch::Tensor kv_lens, double scale) {
+// Query row i attends over the first lengths[i] cached tokens of sequence seqs[i] (its row of
+// `table`); tasks are (row, KV head) pairs, handed out dynamically since their lengths differ.
+torch::Tensor attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                             const torch::Tensor& table, const torch::Tensor& seqs, const torch::Tensor& lengths,
+                             double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "bad shapes");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
               "q and the caches must share a dtype");
   q = q.contiguous();
   k_cache = k_cache.contiguous();
   v_cache = v_cache.contiguous();
-  auto table = block_table.to(torch::kInt64).contiguous();
-  auto lens = kv_lens.to(torch::kInt64).contiguous();
-  const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t rows = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(1), block_size = k_cache.size(2);
   TORCH_CHECK(num_heads % num_kv_heads == 0 && k_cache.size(3) == head_dim, "bad head layout");
-  const int64_t group = num_heads / num_kv_heads;
   const int64_t width = table.size(1);
-  const int64_t block_stride = num_kv_heads * block_size * head_dim;
   auto out = torch::empty_like(q);
-  if (paged_decode_attention_avx512(q, k_cache, v_cache, table, lens, scale, out)) return out;
-  const int64_t* table_ptr = table.data_ptr<int64_t>();
-  const int64_t* lens_ptr = lens.data_ptr<int64_t>();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    const scalar_t* q_ptr = q.data_ptr<scalar_t>();
-    const scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();
-    const scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
-    scalar_t* out_ptr = out.data_ptr<scalar_t>();
-    at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores, acc;
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t b = task / num_kv_heads, kv_head = task % num_kv_heads;
-        const int64_t head_offset = (b * num_heads + kv_head * group) * head_dim;
-        decode_task<scalar_t>(q_ptr + head_offset, k_ptr + kv_head * block_size * head_dim,
-                              v_ptr + kv_head * block_size * head_dim, table_ptr + b * width, lens_ptr[b],
-                              group, head_dim, block_size, block_stride, static_cast<float>(scale),
-                              out_ptr + head_offset, scores, acc);
-      }
-    });
+  if (attention_rows_avx512(q, k_cache, v_cache, table, seqs, lengths, scale, out)) return out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
+    generic_rows<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                           table.data_ptr<int64_t>(), width, seqs.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(),
+                           rows, num_heads, num_kv_heads, head_dim, block_size, static_cast<float>(scale),
+                           out.data_ptr<scalar_t>());
   });
   return out;
+}
+
+}  // namespace
+
+// q [B, H, D]; k_cache, v_cache [num_blocks, H_kv, block_size, D]; block_table [B, W]; kv_lens [B].
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_table, torch::Tensor kv_lens, double scale) {
+  return attention_rows(q, k_cache, v_cache, block_table.to(torch::kInt64).contiguous(),
+                        torch::arange(q.size(0), torch::kInt64), kv_lens.to(torch::kInt64).contiguous(), scale);
+}
+
+// Causal attention of packed prefill chunks q [T, H, D]: sequence s owns rows q_start[s] to
+// q_start[s] + q_len[s] and has ctx_len[s] tokens in the caches, this chunk's included, so each
+// row is a decode-style query over its own prefix (the fresh k, v are not needed).
+torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor, torch::Tensor, torch::Tensor k_cache,
+                                      torch::Tensor v_cache, torch::Tensor block_table, torch::Tensor q_start,
+                                      torch::Tensor q_len, torch::Tensor ctx_len, int64_t, double scale) {
+  auto starts = q_start.to(torch::kInt64).contiguous(), counts = q_len.to(torch::kInt64).contiguous();
+  auto contexts = ctx_len.to(torch::kInt64).contiguous();
+  auto seqs = torch::empty({q.size(0)}, torch::kInt64), lengths = torch::empty({q.size(0)}, torch::kInt64);
+  int64_t* seq_ptr = seqs.data_ptr<int64_t>();
+  int64_t* len_ptr = lengths.data_ptr<int64_t>();
+  for (int64_t s = 0; s < starts.size(0); ++s) {
+    const int64_t first = starts.data_ptr<int64_t>()[s], count = counts.data_ptr<int64_t>()[s];
+    TORCH_CHECK(first >= 0 && first + count <= q.size(0), "prefill rows out of range");
+    for (int64_t r = 0; r < count; ++r) {
+      seq_ptr[first + r] = s;
+      len_ptr[first + r] = contexts.data_ptr<int64_t>()[s] - count + r + 1;
+    }
+  }
+  return attention_rows(q, k_cache, v_cache, block_table.to(torch::kInt64).contiguous(), seqs, lengths, scale);
 }
