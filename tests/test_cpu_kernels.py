@@ -16,6 +16,19 @@ def native():
     return module
 
 
+def scattered_cache(lengths: list[int], num_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype):
+    """Random K/V caches and a block table giving each sequence shuffled blocks for its length."""
+    widths = [-(-n // block_size) for n in lengths]
+    num_blocks = sum(widths) + 3
+    k_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_dim).to(dtype)
+    v_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_dim).to(dtype)
+    order = torch.randperm(num_blocks).tolist()
+    table = torch.zeros(len(lengths), max(widths), dtype=torch.long)
+    for row, width in enumerate(widths):
+        table[row, :width] = torch.tensor([order.pop() for _ in range(width)])
+    return k_cache, v_cache, table
+
+
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize('num_heads,num_kv_heads,head_dim',
                          [(9, 3, 64), (4, 4, 32), (16, 2, 128), (6, 1, 64), (2, 2, 64), (4, 2, 128)])
@@ -24,14 +37,7 @@ def test_paged_decode_attention(native, dtype, num_heads, num_kv_heads, head_dim
     """bf16 with head_dim 64/128 takes the AVX-512 path (16-key chunks; groups of up to 4 heads per pass)."""
     torch.manual_seed(0)
     lengths = [1, 16, 17, 100, 64, 3, 47]
-    widths = [-(-n // block_size) for n in lengths]
-    num_blocks = sum(widths) + 5
-    k_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_dim).to(dtype)
-    v_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_dim).to(dtype)
-    order = torch.randperm(num_blocks).tolist()
-    table = torch.zeros(len(lengths), max(widths), dtype=torch.long)
-    for row, width in enumerate(widths):
-        table[row, :width] = torch.tensor([order.pop() for _ in range(width)])
+    k_cache, v_cache, table = scattered_cache(lengths, num_kv_heads, block_size, head_dim, dtype)
     q = torch.randn(len(lengths), num_heads, head_dim).to(dtype)
     kv_lens = torch.tensor(lengths)
     expected = attention.decode_attention(q.float(), k_cache.float(), v_cache.float(), table, kv_lens, 0.1)
@@ -153,19 +159,12 @@ def test_paged_prefill_attention(native, dtype, num_heads, num_kv_heads, head_di
     torch.manual_seed(0)
     block_size, chunks = 24, [(5, 5), (20, 45), (1, 17), (70, 70), (3, 100)]  # (q_len, ctx_len)
     q_lens, ctx_lens = [n for n, _ in chunks], [c for _, c in chunks]
-    widths = [-(-c // block_size) for c in ctx_lens]
-    num_blocks = sum(widths) + 2
-    k_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_dim).to(dtype)
-    v_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_dim).to(dtype)
-    order = torch.randperm(num_blocks).tolist()
-    table = torch.zeros(len(chunks), max(widths), dtype=torch.long)
-    for row, width in enumerate(widths):
-        table[row, :width] = torch.tensor([order.pop() for _ in range(width)])
+    k_cache, v_cache, table = scattered_cache(ctx_lens, num_kv_heads, block_size, head_dim, dtype)
     q_start = torch.tensor([sum(q_lens[:i]) for i in range(len(chunks))])
     k = torch.empty(sum(q_lens), num_kv_heads, head_dim)
     v = torch.empty_like(k)
     for row, (start, n, c) in enumerate(zip(q_start.tolist(), q_lens, ctx_lens)):
-        blocks = table[row, :widths[row]]
+        blocks = table[row, :-(-c // block_size)]
         k[start:start + n] = attention._gather_context(k_cache.float(), blocks, c)[:, c - n:].transpose(0, 1)
         v[start:start + n] = attention._gather_context(v_cache.float(), blocks, c)[:, c - n:].transpose(0, 1)
     q = torch.randn(sum(q_lens), num_heads, head_dim).to(dtype)
