@@ -1,4 +1,4 @@
-"""The engine against transformers on tiny random models, in fp32."""
+"""The engine against transformers on tiny random models: exact in fp32, close in bf16."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +7,8 @@ from transformers import AutoModelForCausalLM
 
 from helpers import GREEDY_32, hf_greedy, make_engine, random_prompts, run
 
-from lmdeploy.messages import GenerationConfig
+from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
+from lmdeploy.pytorch.engine.engine import Engine
 
 
 @pytest.fixture(scope='module')
@@ -33,6 +34,20 @@ def test_first_step_logits_match(tiny_model, hf_model):
         with torch.no_grad():
             ref = hf_model(torch.tensor([prompt])).logits[0, -1]
         assert (logits[row].cpu() - ref).abs().max().item() < 1e-3
+
+
+def test_bf16_on_packed_weights_stays_close(tiny_model, hf_model):
+    """On the CPU bf16 projections run on oneDNN-packed weights: last-position logits stay within bf16
+    error of fp32 transformers, with the same top token."""
+    engine = Engine(tiny_model, PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=32, block_size=16),
+                    show_progress=False)
+    assert engine.runner.model.layers[0].self_attn.qkv_proj.packed is not None
+    prompt = random_prompts([35], seed=5)[0]
+    ours = engine.get_logits(prompt)[-1]
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([prompt])).logits[0, -1]
+    assert ((ours - ref).norm() / ref.norm()).item() < 0.03
+    assert ours.argmax() == ref.argmax()
 
 
 def test_batch_does_not_change_outputs(tiny_llama):

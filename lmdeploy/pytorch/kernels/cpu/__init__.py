@@ -9,8 +9,7 @@ import threading
 from types import ModuleType
 
 logger = logging.getLogger('lmdeploy')
-_SOURCES = ['bindings.cpp', 'paged_decode_attention.cpp', 'decode_attention_avx512.cpp', 'elementwise.cpp',
-            'fill_kv_cache.cpp']
+_SOURCES = ['bindings.cpp', 'paged_attention.cpp', 'paged_attention_avx512.cpp', 'elementwise.cpp', 'fill_kv_cache.cpp']
 _FLAGS = ['-O3', '-march=native', '-fopenmp', '-ffast-math']
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}

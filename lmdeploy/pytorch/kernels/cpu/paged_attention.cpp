@@ -1,5 +1,6 @@
-// Paged decode attention for the CPU: one new query token per sequence over its cached K/V.
-// Each (sequence, kv head) pair is one task; its K and V are each read once, in block order,
+// Paged attention for the CPU. Decode: one new query token per sequence over its cached K/V.
+// Prefill: each row of a chunk is such a query over its own prefix (the chunk is in the cache).
+// Each (query row, kv head) pair is one task; its K and V are each read once, in block order,
 // and scores, softmax and the weighted sum of V are accumulated in fp32.
 #include "common.h"
 

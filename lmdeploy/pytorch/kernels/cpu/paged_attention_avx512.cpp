@@ -1,8 +1,8 @@
 // The AVX-512 path of paged attention (decode rows, and prefill rows as decode-style queries) for
-// bf16 caches and head_dim 64 or 128 (see paged_decode_attention.cpp for the contract). Scores are computed 16 keys at a time: each key
-// gives a vector of partial dot products (with AVX512-BF16: bf16 pairs accumulated in fp32), and
-// one transposing reduction turns 16 such vectors into the 16 scores. The weighted sum of V keeps
-// its accumulators in registers.
+// bf16 caches and head_dim 64 or 128; paged_attention.cpp states the contract. Scores are computed
+// 16 keys at a time: each key gives a vector of partial dot products (with AVX512-BF16: bf16 pairs
+// accumulated in fp32), and one transposing reduction turns 16 such vectors into the 16 scores.
+// The weighted sum of V keeps its accumulators in registers.
 #include "common.h"
 
 #if defined(__AVX512F__)
