@@ -138,18 +138,30 @@ def test_fill_kv_cache_from_strided_views(native, dtype):
     assert caches[0].abs().sum() > 0
 
 
-def test_packed_bf16_linear_matches_f_linear():
+@pytest.mark.parametrize('gemm', ['native', 'onednn'])
+@pytest.mark.parametrize('out_features', [48, 80])
+def test_packed_bf16_linear_rounds_the_exact_product(monkeypatch, gemm, out_features):
+    """Packed layers give the fp32 product of the bf16 inputs, rounded once to bf16, for every row count
+    (the native GEMM's 4-row tiles and their remainders; 48 and 80 columns leave partial panel groups)."""
+    if gemm == 'onednn':
+        monkeypatch.setattr(cpu, 'bf16_gemm', lambda: None)
+    elif cpu.bf16_gemm() is None:
+        pytest.skip('the native bf16 GEMM needs AVX512-BF16 and no AMX')
     torch.manual_seed(0)
-    layer = Linear(64, 48, bias=True).bfloat16()
+    layer = Linear(64, out_features, bias=True).bfloat16()
     torch.nn.init.normal_(layer.weight)
     torch.nn.init.normal_(layer.bias)
-    weight = layer.weight.detach().clone()
+    weight, bias = layer.weight.detach().float(), layer.bias.float()
     assert layer.pack_for_cpu() and layer.weight is None
-    for tokens in (1, 5, 64):
-        x = torch.randn(tokens, 64).bfloat16()
-        assert torch.equal(layer(x), torch.nn.functional.linear(x, weight, layer.bias))
-    exact = Linear(64, 48)
-    assert not exact.pack_for_cpu() and exact.weight is not None, 'fp32 weights keep the exact path'
+    assert layer.packed.native == (gemm == 'native')
+    for shape in ((1, 64), (3, 64), (5, 64), (67, 64), (2, 7, 64)):
+        x = torch.randn(shape).bfloat16()
+        out = layer(x)
+        exact = torch.nn.functional.linear(x.float(), weight, bias)
+        assert out.dtype == torch.bfloat16 and out.shape == exact.shape
+        assert ((out.float() - exact).abs() <= exact.abs() * 2**-8 + 1e-4).all()
+    fp32 = Linear(64, 48)
+    assert not fp32.pack_for_cpu() and fp32.weight is not None, 'fp32 weights keep the exact path'
 
 
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float16])

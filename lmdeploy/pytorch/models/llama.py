@@ -10,7 +10,7 @@ from torch import nn
 from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.kernels import apply_rotary, silu_and_mul
 from lmdeploy.pytorch.nn.attention import PagedAttention
-from lmdeploy.pytorch.nn.linear import Linear, MergedLinear, pack_for_cpu, packed_linear
+from lmdeploy.pytorch.nn.linear import Linear, MergedLinear, PackedWeight, pack_for_cpu, packed_linear
 from lmdeploy.pytorch.nn.norm import RMSNorm
 from lmdeploy.pytorch.nn.rotary import RotaryEmbedding
 from lmdeploy.pytorch.step_context import StepContext
@@ -104,7 +104,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = cfg.tie_word_embeddings
         self.lm_head = None if self.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         self.lm_head_fp16: torch.Tensor | None = None
-        self.lm_head_packed: torch.Tensor | None = None
+        self.lm_head_packed: PackedWeight | None = None
 
     def make_mlp(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
         """The feed-forward block of one decoder layer; MoE models override it."""

@@ -1,15 +1,20 @@
 """Linear layers; a merged one stacks several projections so they run as one matmul.
 
-On the CPU a bf16 layer keeps its weight in oneDNN's blocked layout (``pack_for_cpu``): the same
-GEMM without the per-call reorder, 15-45% faster for decode-sized batches. A layer may also hold its
+On the CPU a bf16 layer keeps its weight packed for its GEMM (``pack_for_cpu``): the native
+AVX512-BF16 kernel's panels where that beats oneDNN (no AMX), else oneDNN's blocked layout, which
+saves oneDNN's per-call reorder (15-45% faster for decode-sized batches). A layer may also hold its
 weight as 4-bit groups for small steps (``enable_int4``): torch's int4 kernel reads a quarter of the
 bytes, which is what a batch-1 decode step is bound by.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from lmdeploy.pytorch.kernels import cpu
 
 
 INT4_GROUP = 32
@@ -32,16 +37,32 @@ def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, scales_and_zeros
 
 
-def pack_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
-    """``weight [N, K]`` in oneDNN's layout for :func:`packed_linear`; None unless it is a bf16 CPU weight."""
-    if weight.dtype != torch.bfloat16 or weight.device.type != 'cpu' or not torch.backends.mkldnn.is_available():
+@dataclass
+class PackedWeight:
+    """A bf16 CPU weight laid out for the GEMM that runs it: the native AVX512-BF16 kernel's panels
+    (``native``) or oneDNN's blocked layout (CPUs with AMX, or no native kernels)."""
+
+    data: torch.Tensor
+    native: bool
+
+
+def pack_for_cpu(weight: torch.Tensor) -> PackedWeight | None:
+    """``weight [N, K]`` packed for :func:`packed_linear`; None unless it is a bf16 CPU weight."""
+    if weight.dtype != torch.bfloat16 or weight.device.type != 'cpu':
         return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight)
+    gemm = cpu.bf16_gemm()
+    if gemm is not None and weight.shape[0] % 16 == 0 and weight.shape[1] % 2 == 0:
+        return PackedWeight(gemm.pack_bf16_weight(weight), native=True)
+    if not torch.backends.mkldnn.is_available():
+        return None
+    return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight), native=False)
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` on a weight from :func:`pack_for_cpu` (the same results)."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, 'none', [], '')
+def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` on a weight from :func:`pack_for_cpu` (the same results up to summation order)."""
+    if packed.native:
+        return cpu.native().bf16_linear(x, packed.data, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed.data, bias, 'none', [], '')
 
 
 class Linear(nn.Module):
@@ -52,7 +73,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.int4: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.packed: torch.Tensor | None = None
+        self.packed: PackedWeight | None = None
 
     def enable_int4(self) -> bool:
         """Keeps a 4-bit copy of a bf16 CPU weight for steps of at most ``INT4_MAX_TOKENS`` tokens;

@@ -8,8 +8,11 @@ import os
 import threading
 from types import ModuleType
 
+import torch
+
 logger = logging.getLogger('lmdeploy')
-_SOURCES = ['bindings.cpp', 'paged_attention.cpp', 'paged_attention_avx512.cpp', 'elementwise.cpp', 'fill_kv_cache.cpp']
+_SOURCES = ['bindings.cpp', 'paged_attention.cpp', 'paged_attention_avx512.cpp', 'elementwise.cpp', 'fill_kv_cache.cpp',
+            'linear_bf16.cpp']
 _FLAGS = ['-O3', '-march=native', '-fopenmp', '-ffast-math']
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}
@@ -23,6 +26,15 @@ def native() -> ModuleType | None:
         if 'module' not in _loaded:
             _loaded['module'] = _build()
         return _loaded['module']
+
+
+def bf16_gemm() -> ModuleType | None:
+    """The kernels when their ``bf16_linear`` should run this machine's bf16 linear layers: built with
+    AVX512-BF16, on a CPU without AMX (whose oneDNN GEMMs are several times faster); else None."""
+    module = native()
+    if module is None or not module.bf16_gemm_available():
+        return None
+    return None if getattr(torch.cpu, '_is_amx_tile_supported', lambda: False)() else module
 
 
 def _build() -> ModuleType | None:

@@ -9,4 +9,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   m.def("apply_rotary", &apply_rotary, "rotary embedding, rotate-half layout");
   m.def("fill_kv_cache", &fill_kv_cache, "write K/V rows into the paged caches");
+  m.def("bf16_gemm_available", &bf16_gemm_available, "whether bf16_linear was built (AVX512-BF16)");
+  m.def("pack_bf16_weight", &pack_bf16_weight, "a bf16 [N, K] weight in bf16_linear's panel layout");
+  m.def("bf16_linear", &bf16_linear, "x @ W.T (+ bias) on a weight from pack_bf16_weight", pybind11::arg("x"),
+        pybind11::arg("packed"), pybind11::arg("bias") = pybind11::none());
 }

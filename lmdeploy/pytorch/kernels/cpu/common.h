@@ -64,3 +64,6 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up);
 torch::Tensor apply_rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 void fill_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                    torch::Tensor blocks, torch::Tensor offsets);
+bool bf16_gemm_available();
+torch::Tensor pack_bf16_weight(const torch::Tensor& weight);
+torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, c10::optional<torch::Tensor> bias);
