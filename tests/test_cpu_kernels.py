@@ -33,10 +33,12 @@ def scattered_cache(lengths: list[int], num_kv_heads: int, block_size: int, head
 @pytest.mark.parametrize('num_heads,num_kv_heads,head_dim',
                          [(9, 3, 64), (4, 4, 32), (16, 2, 128), (6, 1, 64), (2, 2, 64), (4, 2, 128)])
 @pytest.mark.parametrize('block_size', [16, 24])
-def test_paged_decode_attention(native, dtype, num_heads, num_kv_heads, head_dim, block_size):
-    """bf16 with head_dim 64/128 takes the AVX-512 path (16-key chunks; groups of up to 4 heads per pass)."""
+@pytest.mark.parametrize('copies', [1, 6])
+def test_paged_decode_attention(native, dtype, num_heads, num_kv_heads, head_dim, block_size, copies):
+    """bf16 with head_dim 64/128 takes the AVX-512 path (16-key chunks; up to 4 query heads per pass;
+    a task per KV head for a few rows, a task per row for many)."""
     torch.manual_seed(0)
-    lengths = [1, 16, 17, 100, 64, 3, 47]
+    lengths = [1, 16, 17, 100, 64, 3, 47] * copies
     k_cache, v_cache, table = scattered_cache(lengths, num_kv_heads, block_size, head_dim, dtype)
     q = torch.randn(len(lengths), num_heads, head_dim).to(dtype)
     kv_lens = torch.tensor(lengths)

@@ -18,7 +18,9 @@ from lmdeploy.pytorch.kernels import cpu
 
 
 INT4_GROUP = 32
-INT4_MAX_TOKENS = 8  # above this the int4 kernel is slower than a bf16 GEMM on the CPU
+# Steps of more tokens run faster on bf16 weights: with the native GEMM, or with oneDNN's.
+INT4_MAX_TOKENS_NATIVE_GEMM = 2
+INT4_MAX_TOKENS_ONEDNN = 8
 
 
 def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,19 +75,21 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.int4: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.int4_max_tokens = 0
         self.packed: PackedWeight | None = None
 
     def enable_int4(self) -> bool:
-        """Keeps a 4-bit copy of a bf16 CPU weight for steps of at most ``INT4_MAX_TOKENS`` tokens;
+        """Keeps a 4-bit copy of a bf16 CPU weight for steps too small to keep the bf16 GEMM busy;
         False when the layer cannot use it."""
         weight = self.weight
         if weight.dtype != torch.bfloat16 or weight.device.type != 'cpu' or weight.shape[1] % INT4_GROUP:
             return False
         self.int4 = int4_groups(weight)
+        self.int4_max_tokens = INT4_MAX_TOKENS_NATIVE_GEMM if cpu.bf16_gemm() else INT4_MAX_TOKENS_ONEDNN
         return True
 
     def pack_for_cpu(self) -> bool:
-        """Moves a bf16 CPU weight into oneDNN's layout (``weight`` becomes None); False when it cannot."""
+        """Packs a bf16 CPU weight for its GEMM (``weight`` becomes None); False when it cannot."""
         self.packed = pack_for_cpu(self.weight)
         if self.packed is None:
             return False
@@ -93,7 +97,7 @@ class Linear(nn.Module):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int4 is not None and x.shape[0] <= INT4_MAX_TOKENS:
+        if self.int4 is not None and x.shape[0] <= self.int4_max_tokens:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.int4[0], INT4_GROUP, self.int4[1])
             return out if self.bias is None else out + self.bias
         if self.packed is not None:

@@ -75,74 +75,103 @@ struct QueryHead {
 #endif
 };
 
-// scores[h * length + t] = scale * q_h . k_t for the G heads of one task.
+// A task is one query row over `heads` consecutive KV heads and G query heads of each (q and out
+// hold KV head k's heads from q + k * head_stride). Blocks are the outer loop, so a task reads each
+// block's rows of its KV heads as one contiguous run (a block holds head k's rows from
+// k * block_size * D).
+struct Task {
+  const bf16* q;
+  bf16* out;
+  const int64_t* blocks;  // the row's block-table row
+  int64_t length;         // cached tokens
+  int64_t heads;          // KV heads in the task
+  int64_t head_stride;    // elements of q and out between consecutive KV heads
+  int64_t cache_offset;   // elements from a block's start to the task's first KV head
+};
+
+// scores[(k * G + h) * length + t] = scale * q_{k,h} . k_{k,t} for KV head k and query head h of it.
 template <int G, int NV>
-void task_scores(const bf16* q, const bf16* k_cache, const int64_t* blocks, int64_t length, int64_t block_size,
-                 int64_t block_stride, float scale, float* scores) {
+void task_scores(const Task& task, const bf16* k_cache, int64_t block_size, int64_t block_stride, float scale,
+                 float* scores) {
   constexpr int D = 16 * NV;
   const __m512 scale_v = _mm512_set1_ps(scale);
   __m512 partial[kChunk];
-  for (int h = 0; h < G; ++h) {
-    const QueryHead<NV> query(q + h * D);
-    float* head_scores = scores + h * length;
-    for (int64_t start = 0; start < length; start += block_size) {
-      const bf16* block = k_cache + blocks[start / block_size] * block_stride;
-      const int64_t in_block = std::min(block_size, length - start);
+  for (int64_t start = 0; start < task.length; start += block_size) {
+    const bf16* block = k_cache + task.blocks[start / block_size] * block_stride + task.cache_offset;
+    const int64_t in_block = std::min(block_size, task.length - start);
+    for (int64_t k = 0; k < task.heads; ++k) {
+      const bf16* rows = block + k * block_size * D;
       for (int64_t first = 0; first < in_block; first += kChunk) {
         const int count = static_cast<int>(std::min<int64_t>(kChunk, in_block - first));
-        for (int t = 0; t < kChunk; ++t)
-          partial[slot(t)] = t < count ? query.dot(block + (first + t) * D) : _mm512_setzero_ps();
-        const __m512 chunk = _mm512_mul_ps(sum16(partial), scale_v);
-        _mm512_mask_storeu_ps(head_scores + start + first, static_cast<__mmask16>((1u << count) - 1), chunk);
+        for (int h = 0; h < G; ++h) {
+          const QueryHead<NV> query(task.q + k * task.head_stride + h * D);
+          for (int t = 0; t < kChunk; ++t)
+            partial[slot(t)] = t < count ? query.dot(rows + (first + t) * D) : _mm512_setzero_ps();
+          const __m512 chunk = _mm512_mul_ps(sum16(partial), scale_v);
+          _mm512_mask_storeu_ps(scores + (k * G + h) * task.length + start + first,
+                                static_cast<__mmask16>((1u << count) - 1), chunk);
+        }
       }
     }
   }
 }
 
-// out_h = sum_t p[h][t] * v_t for the G heads of one task.
+// out_{k,h} = sum_t p[k][h][t] * v_{k,t}; accumulators live in registers within a block.
 template <int G, int NV>
-void task_values(const float* probs, const bf16* v_cache, const int64_t* blocks, int64_t length,
-                 int64_t block_size, int64_t block_stride, bf16* out) {
+void task_values(const Task& task, const float* probs, const bf16* v_cache, int64_t block_size,
+                 int64_t block_stride, float* acc_store) {
   constexpr int D = 16 * NV;
-  __m512 acc[G][NV];
-  for (int h = 0; h < G; ++h)
-    for (int i = 0; i < NV; ++i) acc[h][i] = _mm512_setzero_ps();
-  for (int64_t start = 0; start < length; start += block_size) {
-    const bf16* block = v_cache + blocks[start / block_size] * block_stride;
-    const int64_t in_block = std::min(block_size, length - start);
-    for (int64_t t = 0; t < in_block; ++t) {
-      __m512 value[NV];
-      for (int i = 0; i < NV; ++i) value[i] = load_bf16(block + t * D + 16 * i);
-      for (int h = 0; h < G; ++h) {
-        const __m512 p = _mm512_set1_ps(probs[h * length + start + t]);
-        for (int i = 0; i < NV; ++i) acc[h][i] = _mm512_fmadd_ps(p, value[i], acc[h][i]);
+  std::fill(acc_store, acc_store + task.heads * G * D, 0.f);
+  for (int64_t start = 0; start < task.length; start += block_size) {
+    const bf16* block = v_cache + task.blocks[start / block_size] * block_stride + task.cache_offset;
+    const int64_t in_block = std::min(block_size, task.length - start);
+    for (int64_t k = 0; k < task.heads; ++k) {
+      const bf16* rows = block + k * block_size * D;
+      const float* p = probs + k * G * task.length + start;
+      float* stored = acc_store + k * G * D;
+      __m512 acc[G][NV];
+      for (int h = 0; h < G; ++h)
+        for (int i = 0; i < NV; ++i) acc[h][i] = _mm512_loadu_ps(stored + h * D + 16 * i);
+      for (int64_t t = 0; t < in_block; ++t) {
+        __m512 value[NV];
+        for (int i = 0; i < NV; ++i) value[i] = load_bf16(rows + t * D + 16 * i);
+        for (int h = 0; h < G; ++h) {
+          const __m512 weight = _mm512_set1_ps(p[h * task.length + t]);
+          for (int i = 0; i < NV; ++i) acc[h][i] = _mm512_fmadd_ps(weight, value[i], acc[h][i]);
+        }
       }
+      for (int h = 0; h < G; ++h)
+        for (int i = 0; i < NV; ++i) _mm512_storeu_ps(stored + h * D + 16 * i, acc[h][i]);
     }
   }
-  for (int h = 0; h < G; ++h)
-    for (int i = 0; i < NV; ++i)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + h * D + 16 * i), to_bf16(acc[h][i]));
+  for (int64_t k = 0; k < task.heads; ++k)
+    for (int h = 0; h < G; ++h)
+      for (int i = 0; i < NV; ++i)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(task.out + k * task.head_stride + h * D + 16 * i),
+                            to_bf16(_mm512_loadu_ps(acc_store + (k * G + h) * D + 16 * i)));
 }
 
 template <int G, int NV>
-void decode_task(const bf16* q, const bf16* k_cache, const bf16* v_cache, const int64_t* blocks, int64_t length,
-                 int64_t block_size, int64_t block_stride, float scale, bf16* out, std::vector<float>& scores) {
-  scores.resize(G * length);
-  task_scores<G, NV>(q, k_cache, blocks, length, block_size, block_stride, scale, scores.data());
-  for (int h = 0; h < G; ++h) softmax(scores.data() + h * length, length);
-  task_values<G, NV>(scores.data(), v_cache, blocks, length, block_size, block_stride, out);
+void run_task(const Task& task, const bf16* k_cache, const bf16* v_cache, int64_t block_size, int64_t block_stride,
+              float scale, std::vector<float>& scratch) {
+  constexpr int D = 16 * NV;
+  const int64_t rows = task.heads * G;
+  scratch.resize(rows * (task.length + D));
+  float* scores = scratch.data();
+  task_scores<G, NV>(task, k_cache, block_size, block_stride, scale, scores);
+  for (int64_t r = 0; r < rows; ++r) softmax(scores + r * task.length, task.length);
+  task_values<G, NV>(task, scores, v_cache, block_size, block_stride, scores + rows * task.length);
 }
 
-using TaskFn = void (*)(const bf16*, const bf16*, const bf16*, const int64_t*, int64_t, int64_t, int64_t, float,
-                        bf16*, std::vector<float>&);
+using TaskFn = void (*)(const Task&, const bf16*, const bf16*, int64_t, int64_t, float, std::vector<float>&);
 
 template <int NV>
 TaskFn task_for(int64_t heads) {
   switch (heads) {
-    case 1: return &decode_task<1, NV>;
-    case 2: return &decode_task<2, NV>;
-    case 3: return &decode_task<3, NV>;
-    default: return &decode_task<4, NV>;
+    case 1: return &run_task<1, NV>;
+    case 2: return &run_task<2, NV>;
+    case 3: return &run_task<3, NV>;
+    default: return &run_task<4, NV>;
   }
 }
 
@@ -154,8 +183,10 @@ bool attention_rows_avx512(const torch::Tensor& q, const torch::Tensor& k_cache,
   const int64_t head_dim = q.size(2);
   if (q.scalar_type() != at::kBFloat16 || (head_dim != 64 && head_dim != 128)) return false;
   const int64_t rows = q.size(0), num_heads = q.size(1), num_kv_heads = k_cache.size(1);
-  const int64_t block_size = k_cache.size(2), width = table.size(1);
-  const int64_t group = num_heads / num_kv_heads, block_stride = num_kv_heads * block_size * head_dim;
+  const int64_t group = num_heads / num_kv_heads, block_size = k_cache.size(2), width = table.size(1);
+  const int64_t block_stride = num_kv_heads * block_size * head_dim, threads = at::get_num_threads();
+  // Whole rows read the longest contiguous runs; rows are split by KV head only when too few to share out.
+  const int64_t splits = rows >= 4 * threads ? 1 : num_kv_heads, heads_per_task = num_kv_heads / splits;
   const bf16* q_ptr = q.data_ptr<bf16>();
   const bf16* k_ptr = k_cache.data_ptr<bf16>();
   const bf16* v_ptr = v_cache.data_ptr<bf16>();
@@ -163,19 +194,19 @@ bool attention_rows_avx512(const torch::Tensor& q, const torch::Tensor& k_cache,
   const int64_t* seq_ptr = seqs.data_ptr<int64_t>();
   const int64_t* len_ptr = lengths.data_ptr<int64_t>();
   bf16* out_ptr = out.data_ptr<bf16>();
-#pragma omp parallel num_threads(at::get_num_threads())
+#pragma omp parallel num_threads(threads)
   {
-    std::vector<float> scores;
-#pragma omp for schedule(dynamic, 4)
-    for (int64_t task = 0; task < rows * num_kv_heads; ++task) {
-      const int64_t row = task / num_kv_heads, kv_head = task % num_kv_heads;
-      const int64_t cache_offset = kv_head * block_size * head_dim;
-      for (int64_t h = 0; h < group; h += 4) {  // at most 4 query heads per pass over K and V
+    std::vector<float> scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t index = 0; index < rows * splits; ++index) {
+      const int64_t row = index / splits, first_head = (index % splits) * heads_per_task;
+      for (int64_t h = 0; h < group; h += 4) {  // at most 4 query heads of each KV head per pass
+        const int64_t offset = (row * num_heads + first_head * group + h) * head_dim;
+        const Task task{q_ptr + offset, out_ptr + offset, table_ptr + seq_ptr[row] * width, len_ptr[row],
+                        heads_per_task, group * head_dim, first_head * block_size * head_dim};
         const int64_t heads = std::min<int64_t>(4, group - h);
-        const int64_t offset = (row * num_heads + kv_head * group + h) * head_dim;
         const TaskFn fn = head_dim == 64 ? task_for<4>(heads) : task_for<8>(heads);
-        fn(q_ptr + offset, k_ptr + cache_offset, v_ptr + cache_offset, table_ptr + seq_ptr[row] * width,
-           len_ptr[row], block_size, block_stride, static_cast<float>(scale), out_ptr + offset, scores);
+        fn(task, k_ptr, v_ptr, block_size, block_stride, static_cast<float>(scale), scratch);
       }
     }
   }
