@@ -33,6 +33,18 @@ inline c10::BFloat16 from_float<c10::BFloat16>(float x) {
   return out;
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+// 16 fp32 lanes to bf16, rounding to nearest even.
+inline __m256i to_bf16(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+#endif
+
 // x[0:n] = softmax(x[0:n]), in fp32.
 inline void softmax(float* x, int64_t n) {
   float peak = x[0];

@@ -1,24 +1,16 @@
 // bf16 GEMM y = x @ W.T (+ b) for CPUs with AVX512-BF16 but no AMX, where it runs at 80-85% of the
-// vdpbf16ps peak from 8 rows up (oneDNN: 45-80%). The weight is packed once into 16-column panels of
+// vdpbf16ps peak from 8 rows up (oneDNN: 40-80%). The weight is packed once into 16-column panels of
 // K/2 bf16 pairs ([N/16, K/2, 16, 2]): one vdpbf16ps multiplies a broadcast pair of x with a pair of
 // each of 16 columns. A tile of 4 rows x 4 panels keeps 16 fp32 accumulators in registers over all
 // of K; each thread takes whole column groups, so every weight byte is read from memory once a call.
 #include "common.h"
 
 #if defined(__AVX512BF16__)
-#include <immintrin.h>
 
 namespace {
 
 using bf16 = c10::BFloat16;
 constexpr int kPanel = 16, kRows = 4, kPanels = 4, kRowBlock = 64;
-
-inline __m256i round_to_bf16(__m512 x) {  // round to nearest even
-  const __m512i bits = _mm512_castps_si512(x);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-}
 
 struct Gemm {
   const bf16* x;     // [M, K]
@@ -53,7 +45,7 @@ void tile(const Gemm& g, int64_t row, int64_t panel) {
                                : _mm512_setzero_ps();
     for (int r = 0; r < R; ++r)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(g.out + (row + r) * g.N + col),
-                          round_to_bf16(_mm512_add_ps(acc[r][c], bias)));
+                          to_bf16(_mm512_add_ps(acc[r][c], bias)));
   }
 }
 

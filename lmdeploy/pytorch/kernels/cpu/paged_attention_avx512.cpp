@@ -6,7 +6,6 @@
 #include "common.h"
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
 
 namespace {
 
@@ -16,13 +15,6 @@ constexpr int kChunk = 16;
 inline __m512 load_bf16(const bf16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-inline __m256i to_bf16(__m512 x) {  // round to nearest even
-  const __m512i bits = _mm512_castps_si512(x);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 }
 
 // Each fold adds two vectors' halves pairwise into one vector: 256-bit, then 128-bit halves, then
