@@ -36,11 +36,11 @@ def scattered_cache(lengths: list[int], num_kv_heads: int, block_size: int, head
 @pytest.mark.parametrize('copies', [1, 6])
 def test_paged_decode_attention(native, dtype, num_heads, num_kv_heads, head_dim, block_size, copies):
     """bf16 with head_dim 64/128 takes the AVX-512 path (16-key chunks; up to 4 query heads per pass;
-    a task per KV head for a few rows, a task per row for many)."""
+    a task per KV head for a few rows, a task per row for many); q is read in place from a strided view."""
     torch.manual_seed(0)
     lengths = [1, 16, 17, 100, 64, 3, 47] * copies
     k_cache, v_cache, table = scattered_cache(lengths, num_kv_heads, block_size, head_dim, dtype)
-    q = torch.randn(len(lengths), num_heads, head_dim).to(dtype)
+    q = torch.randn(len(lengths), num_heads + 2, head_dim).to(dtype)[:, :num_heads]  # heads of a qkv output
     kv_lens = torch.tensor(lengths)
     expected = attention.decode_attention(q.float(), k_cache.float(), v_cache.float(), table, kv_lens, 0.1)
     out = native.paged_decode_attention(q, k_cache, v_cache, table, kv_lens, 0.1)

@@ -61,7 +61,8 @@ inline void softmax(float* x, int64_t n) {
 }
 
 // Fills `out` and returns true where the AVX-512 path applies (bf16, head_dim 64 or 128); the
-// arguments are those of attention_rows in paged_attention.cpp, int64 and contiguous.
+// arguments are those of attention_rows in paged_attention.cpp: int64 and contiguous, but for q's
+// row stride and `seqs`, which may be undefined.
 bool attention_rows_avx512(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                            const torch::Tensor& table, const torch::Tensor& seqs, const torch::Tensor& lengths,
                            double scale, torch::Tensor& out);

@@ -72,8 +72,8 @@ void decode_task(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
 
 template <typename T>
 void generic_rows(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t width,
-                  const int64_t* seqs, const int64_t* lengths, int64_t rows, int64_t num_heads, int64_t num_kv_heads,
-                  int64_t head_dim, int64_t block_size, float scale, T* out) {
+                  const int64_t* seqs, const int64_t* lengths, int64_t rows, int64_t q_stride, int64_t num_heads,
+                  int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, T* out) {
   const int64_t group = num_heads / num_kv_heads, block_stride = num_kv_heads * block_size * head_dim;
 #pragma omp parallel num_threads(at::get_num_threads())
   {
@@ -81,35 +81,38 @@ void generic_rows(const T* q, const T* k_cache, const T* v_cache, const int64_t*
 #pragma omp for schedule(dynamic, 4)
     for (int64_t task = 0; task < rows * num_kv_heads; ++task) {
       const int64_t row = task / num_kv_heads, kv_head = task % num_kv_heads;
-      const int64_t head_offset = (row * num_heads + kv_head * group) * head_dim;
-      const int64_t cache_offset = kv_head * block_size * head_dim;
-      decode_task<T>(q + head_offset, k_cache + cache_offset, v_cache + cache_offset, table + seqs[row] * width,
-                     lengths[row], group, head_dim, block_size, block_stride, scale, out + head_offset, scores, acc);
+      const int64_t head_offset = kv_head * group * head_dim, out_offset = row * num_heads * head_dim + head_offset;
+      const int64_t cache_offset = kv_head * block_size * head_dim, seq = seqs ? seqs[row] : row;
+      decode_task<T>(q + row * q_stride + head_offset, k_cache + cache_offset, v_cache + cache_offset,
+                     table + seq * width, lengths[row], group, head_dim, block_size, block_stride, scale,
+                     out + out_offset, scores, acc);
     }
   }
 }
 
 // Query row i attends over the first lengths[i] cached tokens of sequence seqs[i] (its row of
-// `table`); tasks are (row, KV head) pairs, handed out dynamically since their lengths differ.
+// `table`; sequence i when `seqs` is undefined); tasks are (row, KV head) pairs, handed out
+// dynamically since their lengths differ. q may be a view with a row stride (q heads of a qkv output).
 torch::Tensor attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                              const torch::Tensor& table, const torch::Tensor& seqs, const torch::Tensor& lengths,
                              double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "bad shapes");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
               "q and the caches must share a dtype");
-  q = q.contiguous();
+  if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();
   k_cache = k_cache.contiguous();
   v_cache = v_cache.contiguous();
   const int64_t rows = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(1), block_size = k_cache.size(2);
   TORCH_CHECK(num_heads % num_kv_heads == 0 && k_cache.size(3) == head_dim, "bad head layout");
   const int64_t width = table.size(1);
-  auto out = torch::empty_like(q);
+  auto out = torch::empty({rows, num_heads, head_dim}, q.options());
   if (attention_rows_avx512(q, k_cache, v_cache, table, seqs, lengths, scale, out)) return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     generic_rows<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                           table.data_ptr<int64_t>(), width, seqs.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(),
-                           rows, num_heads, num_kv_heads, head_dim, block_size, static_cast<float>(scale),
+                           table.data_ptr<int64_t>(), width, seqs.defined() ? seqs.data_ptr<int64_t>() : nullptr,
+                           lengths.data_ptr<int64_t>(), rows, q.stride(0), num_heads, num_kv_heads, head_dim, block_size,
+                           static_cast<float>(scale),
                            out.data_ptr<scalar_t>());
   });
   return out;
@@ -120,8 +123,8 @@ torch::Tensor attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tens
 // q [B, H, D]; k_cache, v_cache [num_blocks, H_kv, block_size, D]; block_table [B, W]; kv_lens [B].
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_table, torch::Tensor kv_lens, double scale) {
-  return attention_rows(q, k_cache, v_cache, block_table.to(torch::kInt64).contiguous(),
-                        torch::arange(q.size(0), torch::kInt64), kv_lens.to(torch::kInt64).contiguous(), scale);
+  return attention_rows(q, k_cache, v_cache, block_table.to(torch::kInt64).contiguous(), torch::Tensor(),
+                        kv_lens.to(torch::kInt64).contiguous(), scale);
 }
 
 // Causal attention of packed prefill chunks q [T, H, D]: sequence s owns rows q_start[s] to

@@ -183,7 +183,8 @@ bool attention_rows_avx512(const torch::Tensor& q, const torch::Tensor& k_cache,
   const bf16* k_ptr = k_cache.data_ptr<bf16>();
   const bf16* v_ptr = v_cache.data_ptr<bf16>();
   const int64_t* table_ptr = table.data_ptr<int64_t>();
-  const int64_t* seq_ptr = seqs.data_ptr<int64_t>();
+  const int64_t* seq_ptr = seqs.defined() ? seqs.data_ptr<int64_t>() : nullptr;
+  const int64_t q_stride = q.stride(0);
   const int64_t* len_ptr = lengths.data_ptr<int64_t>();
   bf16* out_ptr = out.data_ptr<bf16>();
 #pragma omp parallel num_threads(threads)
@@ -193,9 +194,10 @@ bool attention_rows_avx512(const torch::Tensor& q, const torch::Tensor& k_cache,
     for (int64_t index = 0; index < rows * splits; ++index) {
       const int64_t row = index / splits, first_head = (index % splits) * heads_per_task;
       for (int64_t h = 0; h < group; h += 4) {  // at most 4 query heads of each KV head per pass
-        const int64_t offset = (row * num_heads + first_head * group + h) * head_dim;
-        const Task task{q_ptr + offset, out_ptr + offset, table_ptr + seq_ptr[row] * width, len_ptr[row],
-                        heads_per_task, group * head_dim, first_head * block_size * head_dim};
+        const int64_t offset = (first_head * group + h) * head_dim, seq = seq_ptr ? seq_ptr[row] : row;
+        const Task task{q_ptr + row * q_stride + offset, out_ptr + row * num_heads * head_dim + offset,
+                        table_ptr + seq * width, len_ptr[row], heads_per_task, group * head_dim,
+                        first_head * block_size * head_dim};
         const int64_t heads = std::min<int64_t>(4, group - h);
         const TaskFn fn = head_dim == 64 ? task_for<4>(heads) : task_for<8>(heads);
         fn(task, k_ptr, v_ptr, block_size, block_stride, static_cast<float>(scale), scratch);
