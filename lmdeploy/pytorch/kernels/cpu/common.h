@@ -10,6 +10,11 @@
 #include <tuple>
 #include <vector>
 
+// t as a contiguous tensor of `dtype`; no dispatcher call when it already is one (most calls).
+inline torch::Tensor contiguous_as(const torch::Tensor& t, at::ScalarType dtype) {
+  return t.scalar_type() == dtype && t.is_contiguous() ? t : t.to(dtype).contiguous();
+}
+
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) {
   // bf16 is the top half of an fp32; a shift the compiler can vectorize.

@@ -75,7 +75,7 @@ std::tuple<torch::Tensor, torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor
                                                   c10::optional<torch::Tensor> residual) {
   TORCH_CHECK(weight.dim() == 1 && x.dim() >= 1 && weight.size(0) == x.size(-1), "rms_norm: bad shapes");
   x = x.contiguous();
-  auto w = weight.to(x.scalar_type()).contiguous();
+  auto w = contiguous_as(weight, x.scalar_type());
   auto res = residual.has_value() ? residual->contiguous() : torch::Tensor();
   TORCH_CHECK(!res.defined() || (res.sizes() == x.sizes() && res.scalar_type() == x.scalar_type()),
               "rms_norm: the residual must match x");
@@ -110,8 +110,8 @@ torch::Tensor apply_rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin
                   cos.size(1) == x.size(2) && x.size(2) % 2 == 0,
               "apply_rotary: bad shapes");
   if (x.stride(2) != 1 || x.stride(1) != x.size(2)) x = x.contiguous();
-  cos = cos.to(x.scalar_type()).contiguous();
-  sin = sin.to(x.scalar_type()).contiguous();
+  cos = contiguous_as(cos, x.scalar_type());
+  sin = contiguous_as(sin, x.scalar_type());
   auto out = torch::empty(x.sizes(), x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "apply_rotary", [&] {
     rotary_rows<scalar_t>(x.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(),

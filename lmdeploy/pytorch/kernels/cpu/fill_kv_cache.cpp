@@ -33,8 +33,8 @@ void fill_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torc
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "fill_kv_cache: the caches must be contiguous");
   if (k.stride(2) != 1 || k.stride(1) != k.size(2)) k = k.contiguous();
   if (v.stride(2) != 1 || v.stride(1) != v.size(2)) v = v.contiguous();
-  auto block_ids = blocks.to(torch::kInt64).contiguous();
-  auto slots = offsets.to(torch::kInt64).contiguous();
+  auto block_ids = contiguous_as(blocks, torch::kInt64);
+  auto slots = contiguous_as(offsets, torch::kInt64);
   copy_rows(k, k_cache, block_ids.data_ptr<int64_t>(), slots.data_ptr<int64_t>());
   copy_rows(v, v_cache, block_ids.data_ptr<int64_t>(), slots.data_ptr<int64_t>());
 }

@@ -123,8 +123,8 @@ torch::Tensor attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tens
 // q [B, H, D]; k_cache, v_cache [num_blocks, H_kv, block_size, D]; block_table [B, W]; kv_lens [B].
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_table, torch::Tensor kv_lens, double scale) {
-  return attention_rows(q, k_cache, v_cache, block_table.to(torch::kInt64).contiguous(), torch::Tensor(),
-                        kv_lens.to(torch::kInt64).contiguous(), scale);
+  return attention_rows(q, k_cache, v_cache, contiguous_as(block_table, torch::kInt64), torch::Tensor(),
+                        contiguous_as(kv_lens, torch::kInt64), scale);
 }
 
 // Causal attention of packed prefill chunks q [T, H, D]: sequence s owns rows q_start[s] to
@@ -133,8 +133,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor, torch::Tensor, torch::Tensor k_cache,
                                       torch::Tensor v_cache, torch::Tensor block_table, torch::Tensor q_start,
                                       torch::Tensor q_len, torch::Tensor ctx_len, int64_t, double scale) {
-  auto starts = q_start.to(torch::kInt64).contiguous(), counts = q_len.to(torch::kInt64).contiguous();
-  auto contexts = ctx_len.to(torch::kInt64).contiguous();
+  auto starts = contiguous_as(q_start, torch::kInt64), counts = contiguous_as(q_len, torch::kInt64);
+  auto contexts = contiguous_as(ctx_len, torch::kInt64);
   auto seqs = torch::empty({q.size(0)}, torch::kInt64), lengths = torch::empty({q.size(0)}, torch::kInt64);
   int64_t* seq_ptr = seqs.data_ptr<int64_t>();
   int64_t* len_ptr = lengths.data_ptr<int64_t>();
@@ -146,5 +146,5 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor, torch::Ten
       len_ptr[first + r] = contexts.data_ptr<int64_t>()[s] - count + r + 1;
     }
   }
-  return attention_rows(q, k_cache, v_cache, block_table.to(torch::kInt64).contiguous(), seqs, lengths, scale);
+  return attention_rows(q, k_cache, v_cache, contiguous_as(block_table, torch::kInt64), seqs, lengths, scale);
 }
