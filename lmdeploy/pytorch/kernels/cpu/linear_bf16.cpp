@@ -98,7 +98,7 @@ torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, c
   auto out = torch::empty({rows.size(0), N}, x.options());
   torch::Tensor b;
   if (bias.has_value()) {
-    b = bias->to(at::kBFloat16).contiguous();
+    b = contiguous_as(*bias, at::kBFloat16);
     TORCH_CHECK(b.numel() == N, "bias must have ", N, " elements");
   }
   run(Gemm{rows.data_ptr<bf16>(), packed.data_ptr<bf16>(), b.defined() ? b.data_ptr<bf16>() : nullptr,

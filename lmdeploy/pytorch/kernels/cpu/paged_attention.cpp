@@ -111,9 +111,8 @@ torch::Tensor attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tens
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     generic_rows<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                            table.data_ptr<int64_t>(), width, seqs.defined() ? seqs.data_ptr<int64_t>() : nullptr,
-                           lengths.data_ptr<int64_t>(), rows, q.stride(0), num_heads, num_kv_heads, head_dim, block_size,
-                           static_cast<float>(scale),
-                           out.data_ptr<scalar_t>());
+                           lengths.data_ptr<int64_t>(), rows, q.stride(0), num_heads, num_kv_heads, head_dim,
+                           block_size, static_cast<float>(scale), out.data_ptr<scalar_t>());
   });
   return out;
 }
