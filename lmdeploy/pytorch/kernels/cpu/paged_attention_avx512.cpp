@@ -193,10 +193,11 @@ bool attention_rows_avx512(const torch::Tensor& q, const torch::Tensor& k_cache,
 #pragma omp for schedule(dynamic, 1)
     for (int64_t index = 0; index < rows * splits; ++index) {
       const int64_t row = index / splits, first_head = (index % splits) * heads_per_task;
+      const int64_t* blocks = table_ptr + (seq_ptr ? seq_ptr[row] : row) * width;
       for (int64_t h = 0; h < group; h += 4) {  // at most 4 query heads of each KV head per pass
-        const int64_t offset = (first_head * group + h) * head_dim, seq = seq_ptr ? seq_ptr[row] : row;
+        const int64_t offset = (first_head * group + h) * head_dim;
         const Task task{q_ptr + row * q_stride + offset, out_ptr + row * num_heads * head_dim + offset,
-                        table_ptr + seq * width, len_ptr[row], heads_per_task, group * head_dim,
+                        blocks, len_ptr[row], heads_per_task, group * head_dim,
                         first_head * block_size * head_dim};
         const int64_t heads = std::min<int64_t>(4, group - h);
         const TaskFn fn = head_dim == 64 ? task_for<4>(heads) : task_for<8>(heads);
