@@ -5,18 +5,38 @@ uniform in [64, 256], ``ignore_eos``. transformers runs static batches of 16, le
 is credited only with each prompt's own output length. Also prints batch-1 decode speed for both.
 
     python benchmark/throughput.py [--model PATH] [--num-prompts 64] [--dtype bfloat16] [--device cuda]
+
+``--random-weights`` measures a random-weight model of the default model's exact shape instead (for a
+machine without the default model and without network); the speed is the same.
 """
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
 
 import torch
-from transformers import AutoModelForCausalLM
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy.model_source import resolve_model_path
 from lmdeploy.pytorch.engine.engine import Engine
+
+
+def save_default_shaped_model(folder: str) -> str:
+    """A random-weight LlamaForCausalLM with SmolLM2-135M's configuration and a word-level tokenizer of its
+    vocabulary size, saved into ``folder``."""
+    config = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                         rope_parameters={'rope_type': 'default', 'rope_theta': 100000.0}, tie_word_embeddings=True,
+                         bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
+    words = Tokenizer(models.WordLevel({f'<{i}>': i for i in range(config.vocab_size)}, unk_token='<0>'))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=words, bos_token='<1>', eos_token='<2>').save_pretrained(folder)
+    return folder
 
 
 def make_workload(num_prompts: int, vocab_size: int, seed: int = 0) -> list[tuple[list[int], int]]:
@@ -46,8 +66,8 @@ def engine_decode_rate(engine: Engine, prompt: list[int], n: int) -> float:
 @torch.inference_mode()
 def hf_generate(model, prompts: list[list[int]], max_new: int, pad_id: int) -> None:
     width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
     model.generate(ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
                    pad_token_id=pad_id, top_k=None, top_p=None, temperature=None)
 
@@ -76,10 +96,16 @@ def main() -> None:
     parser.add_argument('--dtype', default='auto')
     parser.add_argument('--decode-tokens', type=int, default=128)
     parser.add_argument('--skip-hf', action='store_true', help='measure only this engine')
-    parser.add_argument('--device', default='cpu', help="this engine's device: 'cpu' or 'cuda'")
+    parser.add_argument('--device', default='cpu', help="this engine's and transformers' device: 'cpu' or 'cuda'")
+    parser.add_argument('--random-weights', action='store_true',
+                        help="a random-weight model of the default model's shape instead of --model")
     args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = save_default_shaped_model(tmp) if args.random_weights else resolve_model_path(args.model)
+        measure(model_dir, args)
 
-    model_dir = resolve_model_path(args.model)
+
+def measure(model_dir: str, args: argparse.Namespace) -> None:
     engine = Engine(model_dir, PytorchEngineConfig(dtype=args.dtype, device=args.device), show_progress=False)
     workload = make_workload(args.num_prompts, engine.model_config.vocab_size)
     total_out = sum(n for _, n in workload)
@@ -89,7 +115,7 @@ def main() -> None:
     print(f'lmdeploy      : {ours:8.1f} output tok/s   batch-1 decode {ours_b1:6.1f} tok/s')
     if args.skip_hf:
         return
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(args.device).eval()
     hf_generate(model, [workload[0][0]], 4, pad_id=0)  # warm-up
     theirs = total_out / run_hf(model, workload)
     theirs_b1 = hf_decode_rate(model, workload[0][0][:128], args.decode_tokens)

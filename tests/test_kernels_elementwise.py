@@ -1,6 +1,8 @@
 """Triton RMSNorm, rotary, SiLU-and-mul and fill-KV-cache against their torch twins (interpreter on CPU)."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from kernel_env import DEVICE, DTYPES
@@ -61,9 +63,13 @@ def test_fill_kv_cache(dtype):
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
 
 
-def test_dispatch_picks_the_torch_twin_on_cpu():
+def test_dispatch_on_cpu_picks_the_native_kernel_else_the_torch_twin(monkeypatch):
     x = torch.randn(3, 8)
+    monkeypatch.setattr(kernels.cpu, 'native', lambda: None)
     assert torch.equal(kernels.silu_and_mul(x), activation.silu_and_mul(x))
+    calls = []
+    monkeypatch.setattr(kernels.cpu, 'native', lambda: SimpleNamespace(silu_and_mul=lambda t: calls.append(t) or t))
+    assert kernels.silu_and_mul(x) is x and calls == [x]
     assert kernels.rms_norm.__doc__ == norm.rms_norm.__doc__
 
 
