@@ -144,7 +144,8 @@ def test_fill_kv_cache_from_strided_views(native, dtype):
 @pytest.mark.parametrize('out_features', [48, 80])
 def test_packed_bf16_linear_rounds_the_exact_product(monkeypatch, gemm, out_features):
     """Packed layers give the fp32 product of the bf16 inputs, rounded once to bf16, for every row count
-    (the native GEMM's 4-row tiles and their remainders; 48 and 80 columns leave partial panel groups)."""
+    (the native GEMM's 6-row tiles up to 64 rows, 4-row ones above, their remainders, and the prefetch
+    of the next column group; 48 and 80 columns leave partial panel groups)."""
     if gemm == 'onednn':
         monkeypatch.setattr(cpu, 'bf16_gemm', lambda: None)
     elif cpu.bf16_gemm() is None:
@@ -156,7 +157,7 @@ def test_packed_bf16_linear_rounds_the_exact_product(monkeypatch, gemm, out_feat
     weight, bias = layer.weight.detach().float(), layer.bias.float()
     assert layer.pack_for_cpu() and layer.weight is None
     assert layer.packed.native == (gemm == 'native')
-    for shape in ((1, 64), (3, 64), (5, 64), (67, 64), (2, 7, 64)):
+    for shape in ((1, 64), (3, 64), (5, 64), (23, 64), (64, 64), (67, 64), (2, 7, 64)):
         x = torch.randn(shape).bfloat16()
         out = layer(x)
         exact = torch.nn.functional.linear(x.float(), weight, bias)

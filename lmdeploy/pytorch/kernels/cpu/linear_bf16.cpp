@@ -1,8 +1,10 @@
 // bf16 GEMM y = x @ W.T (+ b) for CPUs with AVX512-BF16 but no AMX, where it runs at 80-85% of the
 // vdpbf16ps peak from 8 rows up (oneDNN: 40-80%). The weight is packed once into 16-column panels of
 // K/2 bf16 pairs ([N/16, K/2, 16, 2]): one vdpbf16ps multiplies a broadcast pair of x with a pair of
-// each of 16 columns. A tile of 4 rows x 4 panels keeps 16 fp32 accumulators in registers over all
-// of K; each thread takes whole column groups, so every weight byte is read from memory once a call.
+// each of 16 columns. A tile of 4 (or 6) rows x 4 panels keeps its fp32 accumulators in registers
+// over all of K; each thread takes whole column groups, so every weight byte is read from memory once a call.
+// With few rows (decode steps) the weights stream from memory faster than a lone row block can use
+// them, so that block's tiles also prefetch the next column group, spread over their k steps.
 #include "common.h"
 
 #if defined(__AVX512BF16__)
@@ -10,7 +12,7 @@
 namespace {
 
 using bf16 = c10::BFloat16;
-constexpr int kPanel = 16, kRows = 4, kPanels = 4, kRowBlock = 64;
+constexpr int kPanel = 16, kPanels = 4, kRowBlock = 64;
 
 struct Gemm {
   const bf16* x;     // [M, K]
@@ -20,16 +22,30 @@ struct Gemm {
   int64_t M, K, N;
 };
 
+// Where the next column group's weights are prefetched to: nowhere, L2, or L1 (measured best above
+// 20 rows, when each k step needs less than one line).
+enum class Pull { kNone, kL2, kL1 };
+
+// The next column group's cache lines still to prefetch, `rate` of them per k step in 1/65536ths.
+struct NextGroup {
+  const char* line;
+  uint32_t rate;
+};
+
 // Rows [row, row + R) by panels [panel, panel + C).
-template <int R, int C>
-void tile(const Gemm& g, int64_t row, int64_t panel) {
+template <int R, int C, Pull P>
+void tile(const Gemm& g, int64_t row, int64_t panel, NextGroup& next) {
   const int64_t pairs = g.K / 2, panel_stride = g.K * kPanel;
   const int32_t* x = reinterpret_cast<const int32_t*>(g.x + row * g.K);
   const bf16* w = g.w + panel * panel_stride;
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  uint32_t due = 0;
   for (int64_t k = 0; k < pairs; ++k) {
+    if constexpr (P != Pull::kNone)
+      for (due += next.rate; due >= 65536; due -= 65536, next.line += 64)
+        _mm_prefetch(next.line, P == Pull::kL1 ? _MM_HINT_T0 : _MM_HINT_T1);
     __m512bh cols[C];
     for (int c = 0; c < C; ++c) cols[c] = (__m512bh)_mm512_loadu_si512(w + c * panel_stride + k * 2 * kPanel);
     for (int r = 0; r < R; ++r) {
@@ -49,31 +65,52 @@ void tile(const Gemm& g, int64_t row, int64_t panel) {
   }
 }
 
-template <int C>
+// Tiles of 6 rows read the weights from L2 a third less often, which pays while the weights stream
+// from memory (a lone row block); with many row blocks 4-row tiles measured faster.
+template <int C, Pull P>
 void row_block(const Gemm& g, int64_t first, int64_t count, int64_t panel) {
+  constexpr int R = P == Pull::kNone ? 4 : 6;
+  NextGroup next{reinterpret_cast<const char*>(g.w + (panel + C) * g.K * kPanel), 0};
+  if constexpr (P != Pull::kNone) {
+    const int64_t next_panels = std::min<int64_t>(kPanels, g.N / kPanel - panel - C);
+    const int64_t tiles = (count + R - 1) / R;
+    next.rate = static_cast<uint32_t>((next_panels * g.K * kPanel * 2 / 64 << 16) / (tiles * (g.K / 2)));
+  }
   int64_t row = first;
-  for (; row + kRows <= first + count; row += kRows) tile<kRows, C>(g, row, panel);
+  for (; row + R <= first + count; row += R) tile<R, C, P>(g, row, panel, next);
   switch (first + count - row) {
-    case 1: return tile<1, C>(g, row, panel);
-    case 2: return tile<2, C>(g, row, panel);
-    case 3: return tile<3, C>(g, row, panel);
+    case 1: return tile<1, C, P>(g, row, panel, next);
+    case 2: return tile<2, C, P>(g, row, panel, next);
+    case 3: return tile<3, C, P>(g, row, panel, next);
+    case 4: return tile<4, C, P>(g, row, panel, next);
+    case 5: return tile<5, C, P>(g, row, panel, next);
     default: return;
+  }
+}
+
+template <int C>
+void row_block(const Gemm& g, int64_t first, int64_t count, int64_t panel, Pull pull) {
+  switch (pull) {
+    case Pull::kNone: return row_block<C, Pull::kNone>(g, first, count, panel);
+    case Pull::kL2: return row_block<C, Pull::kL2>(g, first, count, panel);
+    case Pull::kL1: return row_block<C, Pull::kL1>(g, first, count, panel);
   }
 }
 
 void run(const Gemm& g) {
   const int64_t panels = g.N / kPanel, groups = (panels + kPanels - 1) / kPanels;
   const int64_t row_blocks = (g.M + kRowBlock - 1) / kRowBlock;
+  const Pull pull = row_blocks > 1 ? Pull::kNone : g.M > 20 ? Pull::kL1 : Pull::kL2;
 #pragma omp parallel for collapse(2) schedule(static) num_threads(at::get_num_threads())
   for (int64_t group = 0; group < groups; ++group)
     for (int64_t block = 0; block < row_blocks; ++block) {
       const int64_t panel = group * kPanels, first = block * kRowBlock;
       const int64_t count = std::min<int64_t>(kRowBlock, g.M - first);
       switch (std::min<int64_t>(kPanels, panels - panel)) {
-        case 1: row_block<1>(g, first, count, panel); break;
-        case 2: row_block<2>(g, first, count, panel); break;
-        case 3: row_block<3>(g, first, count, panel); break;
-        default: row_block<4>(g, first, count, panel); break;
+        case 1: row_block<1>(g, first, count, panel, pull); break;
+        case 2: row_block<2>(g, first, count, panel, pull); break;
+        case 3: row_block<3>(g, first, count, panel, pull); break;
+        default: row_block<4>(g, first, count, panel, pull); break;
       }
     }
 }
