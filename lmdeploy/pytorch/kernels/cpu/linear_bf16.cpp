@@ -2,9 +2,9 @@
 // vdpbf16ps peak from 8 rows up (oneDNN: 40-80%). The weight is packed once into 16-column panels of
 // K/2 bf16 pairs ([N/16, K/2, 16, 2]): one vdpbf16ps multiplies a broadcast pair of x with a pair of
 // each of 16 columns. A tile of 4 (or 6) rows x 4 panels keeps its fp32 accumulators in registers
-// over all of K; each thread takes whole column groups, so every weight byte is read from memory once a call.
-// With few rows (decode steps) the weights stream from memory faster than a lone row block can use
-// them, so that block's tiles also prefetch the next column group, spread over their k steps.
+// over all of K; each thread takes whole column groups, so every weight byte is read from memory once
+// a call. With few rows (decode steps) a lone row block would wait for its weights to stream from
+// memory, so its tiles also prefetch the next column group, spread over their k steps.
 #include "common.h"
 
 #if defined(__AVX512BF16__)
