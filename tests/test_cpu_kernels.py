@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmdeploy.pytorch.kernels import activation, attention, cpu, norm, rotary
+from lmdeploy.pytorch.kernels import activation, attention, cpu, norm, rotary, sampling
 from lmdeploy.pytorch.nn.linear import INT4_GROUP, Linear, int4_groups
 
 
@@ -106,6 +106,19 @@ def test_silu_and_mul(native, dtype, shape):
     tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
     torch.testing.assert_close(native.silu_and_mul(gate_up), activation.silu_and_mul(gate_up), atol=tolerance,
                                rtol=tolerance)
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize('shape', [(64, 49152), (3, 17), (1, 5), (2, 3, 1000)])
+def test_argmax_takes_the_first_of_tied_maxima(native, dtype, shape):
+    """Lanes of 16 plus a scalar tail; ties inside one lane, across lanes and in the tail."""
+    torch.manual_seed(0)
+    x = torch.randn(shape).to(dtype)
+    for column in (shape[-1] - 1, 3 % shape[-1], 19 % shape[-1], 2 % shape[-1]):
+        x[..., column] = 10.0
+    assert torch.equal(native.argmax(x), sampling.argmax(x))
+    few_values = torch.randint(0, 3, (50, 4099)).to(dtype)
+    assert torch.equal(native.argmax(few_values), sampling.argmax(few_values))
 
 
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float16])

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from lmdeploy.messages import GenerationConfig
 from lmdeploy.pytorch.engine.sequence import Sequence
+from lmdeploy.pytorch.kernels import argmax
 
 # Rows with top-p but no top-k look at this many best tokens first, then at more (finally all) while
 # the nucleus does not fit; a full sort of the vocabulary is rarely needed.
@@ -218,7 +219,7 @@ def sample(logits: Tensor, seqs: list[Sequence]) -> SampleOutput:
         _apply_min_new_tokens(x, seqs)
     sampled = [i for i, s in enumerate(seqs) if not s.gen_config.is_greedy]
     if len(sampled) < len(seqs):
-        token_ids = x.argmax(-1)
+        token_ids = argmax(x)
     else:
         token_ids = torch.empty(len(seqs), dtype=torch.long, device=x.device)
     if sampled:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from lmdeploy.pytorch.kernels import activation, attention, cpu, moe, norm, rotary
+from lmdeploy.pytorch.kernels import activation, attention, cpu, moe, norm, rotary, sampling
 
 
 def dispatch(torch_fn: Callable, native_cpu: str | None = None) -> Callable:
@@ -33,6 +33,7 @@ def dispatch(torch_fn: Callable, native_cpu: str | None = None) -> Callable:
 
 
 apply_rotary = dispatch(rotary.apply_rotary, native_cpu='apply_rotary')
+argmax = dispatch(sampling.argmax, native_cpu='argmax')
 decode_attention = dispatch(attention.decode_attention, native_cpu='paged_decode_attention')
 fill_kv_cache = dispatch(attention.fill_kv_cache, native_cpu='fill_kv_cache')
 fused_moe = dispatch(moe.fused_moe)
@@ -41,5 +42,5 @@ prefill_attention = dispatch(attention.prefill_attention, native_cpu='paged_pref
 rms_norm = dispatch(norm.rms_norm, native_cpu='rms_norm')
 silu_and_mul = dispatch(activation.silu_and_mul, native_cpu='silu_and_mul')
 
-__all__ = ['apply_rotary', 'decode_attention', 'dispatch', 'fill_kv_cache', 'fused_moe', 'moe_routing',
+__all__ = ['apply_rotary', 'argmax', 'decode_attention', 'dispatch', 'fill_kv_cache', 'fused_moe', 'moe_routing',
            'prefill_attention', 'rms_norm', 'silu_and_mul']

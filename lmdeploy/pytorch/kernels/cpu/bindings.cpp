@@ -7,6 +7,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm with an optional fused residual add", pybind11::arg("x"),
         pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("residual") = pybind11::none());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+  m.def("argmax", &argmax, "the first index of each row's largest value");
   m.def("apply_rotary", &apply_rotary, "rotary embedding, rotate-half layout");
   m.def("fill_kv_cache", &fill_kv_cache, "write K/V rows into the paged caches");
   m.def("bf16_gemm_available", &bf16_gemm_available, "whether bf16_linear was built (AVX512-BF16)");

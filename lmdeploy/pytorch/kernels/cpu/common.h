@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 // t as a contiguous tensor of `dtype`; no dispatcher call when it already is one (most calls).
@@ -79,6 +80,7 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k, torch::T
 std::tuple<torch::Tensor, torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
                                                   c10::optional<torch::Tensor> residual);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
+torch::Tensor argmax(torch::Tensor x);
 torch::Tensor apply_rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 void fill_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                    torch::Tensor blocks, torch::Tensor offsets);

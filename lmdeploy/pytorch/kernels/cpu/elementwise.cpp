@@ -1,6 +1,6 @@
-// Fused row-wise kernels for the CPU: RMSNorm with the residual add, SiLU-and-mul and rotary
-// embedding. Each row is read once and written once; the math is in fp32 with the roundings of the
-// torch versions.
+// Fused row-wise kernels for the CPU: RMSNorm with the residual add, SiLU-and-mul, rotary embedding
+// and the greedy argmax. Each row is read once and written once; the math is in fp32 with the
+// roundings of the torch versions.
 #include "common.h"
 
 namespace {
@@ -116,6 +116,72 @@ torch::Tensor apply_rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "apply_rotary", [&] {
     rotary_rows<scalar_t>(x.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(),
                           out.data_ptr<scalar_t>(), x.size(0), x.size(1), x.size(2), x.stride(0));
+  });
+  return out;
+}
+
+namespace {
+
+// The first index of each row's largest value (NaN never wins; an all-NaN row gives 0), like argmax
+// on finite rows. With AVX-512 every lane keeps the first best of its own indices.
+template <typename T>
+int64_t argmax_row(const T* x, int64_t size) {
+  int64_t i = 0;
+  float best = -INFINITY;
+  int64_t best_index = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, float>) {
+    __m512 lane_best = _mm512_set1_ps(-INFINITY);
+    __m512i lane_index = _mm512_setzero_si512(), index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
+                                                                           12, 13, 14, 15);
+    const __m512i step = _mm512_set1_epi32(16);
+    for (; i + 16 <= size; i += 16, index = _mm512_add_epi32(index, step)) {
+      __m512 v;
+      if constexpr (std::is_same_v<T, float>)
+        v = _mm512_loadu_ps(x + i);
+      else
+        v = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i))), 16));
+      const __mmask16 better = _mm512_cmp_ps_mask(v, lane_best, _CMP_GT_OQ);
+      lane_best = _mm512_mask_mov_ps(lane_best, better, v);
+      lane_index = _mm512_mask_mov_epi32(lane_index, better, index);
+    }
+    alignas(64) float values[16];
+    alignas(64) int32_t indices[16];
+    _mm512_store_ps(values, lane_best);
+    _mm512_store_si512(indices, lane_index);
+    for (int lane = 0; lane < 16; ++lane)
+      if (values[lane] > best || (values[lane] == best && indices[lane] < best_index)) {
+        best = values[lane];
+        best_index = indices[lane];
+      }
+  }
+#endif
+  for (; i < size; ++i)
+    if (to_float(x[i]) > best) {
+      best = to_float(x[i]);
+      best_index = i;
+    }
+  return best_index;
+}
+
+}  // namespace
+
+// x [..., V] -> the index of each row's largest value [...] (int64).
+torch::Tensor argmax(torch::Tensor x) {
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0 && x.size(-1) < (int64_t{1} << 31),
+              "argmax: needs a non-empty last dimension of under 2**31");
+  x = x.contiguous();
+  const int64_t size = x.size(-1), rows = x.numel() / size;
+  auto shape = x.sizes().vec();
+  shape.pop_back();
+  auto out = torch::empty(shape, x.options().dtype(at::kLong));
+  int64_t* out_ptr = out.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "argmax", [&] {
+    const scalar_t* data = x.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) out_ptr[r] = argmax_row(data + r * size, size);
+    });
   });
   return out;
 }
