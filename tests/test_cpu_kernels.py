@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lmdeploy.pytorch.kernels import activation, attention, cpu, norm, rotary, sampling
-from lmdeploy.pytorch.nn.linear import INT4_GROUP, Linear, int4_groups
+from lmdeploy.pytorch.nn.linear import INT4_GROUP, GateUpLinear, Linear, int4_groups
 
 
 @pytest.fixture(scope='module')
@@ -178,6 +178,30 @@ def test_packed_bf16_linear_rounds_the_exact_product(monkeypatch, gemm, out_feat
         assert ((out.float() - exact).abs() <= exact.abs() * 2**-8 + 1e-4).all()
     fp32 = Linear(64, 48)
     assert not fp32.pack_for_cpu() and fp32.weight is not None, 'fp32 weights keep the exact path'
+
+
+@pytest.mark.parametrize('intermediate_size', [48, 64])
+def test_gate_up_silu_in_the_gemm_epilogue(native, intermediate_size):
+    """The fused layer equals the native GEMM followed by the native SiLU-and-mul (up to one bf16 step
+    where the compiler's scalar and vector exp differ), and the torch twins up to bf16 rounding (48
+    leaves a group of two panels)."""
+    if cpu.bf16_gemm() is None:
+        pytest.skip('the native bf16 GEMM needs AVX512-BF16 and no AMX')
+    torch.manual_seed(0)
+    layer = GateUpLinear(64, intermediate_size, bias=True).bfloat16()
+    torch.nn.init.normal_(layer.weight, std=0.3)
+    torch.nn.init.normal_(layer.bias)
+    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+    plain = native.pack_bf16_weight(weight)
+    assert layer.pack_for_cpu() and layer.fused and layer.weight is None
+    for shape in ((1, 64), (5, 64), (23, 64), (64, 64), (67, 64), (2, 7, 64)):
+        x = torch.randn(shape).bfloat16()
+        out = layer(x)
+        assert out.shape == (*shape[:-1], intermediate_size)
+        unfused = native.silu_and_mul(native.bf16_linear(x, plain, bias)).float()
+        assert ((out.float() - unfused).abs() <= unfused.abs() * 2**-7).all()
+        expected = activation.silu_and_mul(torch.nn.functional.linear(x.float(), weight.float(), bias.float()))
+        torch.testing.assert_close(out.float(), expected, atol=0.05, rtol=0.02)
 
 
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float16])

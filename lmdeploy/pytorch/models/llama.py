@@ -8,9 +8,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmdeploy.pytorch.config import ModelConfig
-from lmdeploy.pytorch.kernels import apply_rotary, silu_and_mul
+from lmdeploy.pytorch.kernels import apply_rotary
 from lmdeploy.pytorch.nn.attention import PagedAttention
-from lmdeploy.pytorch.nn.linear import Linear, MergedLinear, PackedWeight, pack_for_cpu, packed_linear
+from lmdeploy.pytorch.nn.linear import GateUpLinear, Linear, MergedLinear, PackedWeight, pack_for_cpu, packed_linear
 from lmdeploy.pytorch.nn.norm import RMSNorm
 from lmdeploy.pytorch.nn.rotary import RotaryEmbedding
 from lmdeploy.pytorch.step_context import StepContext
@@ -55,11 +55,11 @@ class LlamaMLP(nn.Module):
         hf = cfg.hf_config
         bias = bool(getattr(hf, 'mlp_bias', False))
         intermediate_size = intermediate_size or hf.intermediate_size
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, [intermediate_size] * 2, bias=bias)
+        self.gate_up_proj = GateUpLinear(cfg.hidden_size, intermediate_size, bias=bias)
         self.down_proj = Linear(intermediate_size, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -14,4 +14,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_bf16_weight", &pack_bf16_weight, "a bf16 [N, K] weight in bf16_linear's panel layout");
   m.def("bf16_linear", &bf16_linear, "x @ W.T (+ bias) on a weight from pack_bf16_weight", pybind11::arg("x"),
         pybind11::arg("packed"), pybind11::arg("bias") = pybind11::none());
+  m.def("pack_bf16_gate_up", &pack_bf16_gate_up, "a [gate; up] bf16 weight packed for bf16_gate_up_silu");
+  m.def("bf16_gate_up_silu", &bf16_gate_up_silu, "silu(x @ G.T) * (x @ U.T) on a weight from pack_bf16_gate_up",
+        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("bias") = pybind11::none());
 }

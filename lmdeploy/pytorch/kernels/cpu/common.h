@@ -87,3 +87,5 @@ void fill_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torc
 bool bf16_gemm_available();
 torch::Tensor pack_bf16_weight(const torch::Tensor& weight);
 torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, c10::optional<torch::Tensor> bias);
+torch::Tensor pack_bf16_gate_up(const torch::Tensor& weight);
+torch::Tensor bf16_gate_up_silu(const torch::Tensor& x, const torch::Tensor& packed, c10::optional<torch::Tensor> bias);

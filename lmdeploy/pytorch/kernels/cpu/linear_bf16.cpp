@@ -18,9 +18,23 @@ struct Gemm {
   const bf16* x;     // [M, K]
   const bf16* w;     // packed
   const bf16* bias;  // [N] or nullptr
-  bf16* out;         // [M, N]
+  bf16* out;         // [M, N], or [M, N / 2] with silu
   int64_t M, K, N;
+  bool silu;  // panels alternate gate and up (pack_bf16_gate_up): out = silu(gate) * up
 };
+
+inline __m512 round_to_bf16(__m512 x) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(x)), 16));
+}
+
+// silu(gate) * up with silu_and_mul's roundings, gate and up first rounded as a bf16 GEMM output.
+inline __m256i silu_times(__m512 gate, __m512 up) {
+  alignas(64) float g[16];
+  _mm512_store_ps(g, round_to_bf16(gate));
+#pragma omp simd
+  for (int i = 0; i < 16; ++i) g[i] = g[i] / (1.f + std::exp(-g[i]));
+  return to_bf16(_mm512_mul_ps(round_to_bf16(_mm512_load_ps(g)), round_to_bf16(up)));
+}
 
 // Where the next column group's weights are prefetched to: nowhere, L2, or L1 (measured best above
 // 20 rows, when each k step needs less than one line).
@@ -53,16 +67,23 @@ void tile(const Gemm& g, int64_t row, int64_t panel, NextGroup& next) {
       for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pair, cols[c]);
     }
   }
-  for (int c = 0; c < C; ++c) {
-    const int64_t col = (panel + c) * kPanel;
-    const __m512 bias = g.bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                                     _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                                         reinterpret_cast<const __m256i*>(g.bias + col))), 16))
-                               : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(g.out + (row + r) * g.N + col),
-                          to_bf16(_mm512_add_ps(acc[r][c], bias)));
+  __m512 bias[C];
+  for (int c = 0; c < C; ++c)
+    bias[c] = g.bias ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                               reinterpret_cast<const __m256i*>(g.bias + (panel + c) * kPanel))),
+                                           16))
+                     : _mm512_setzero_ps();
+  if (g.silu) {
+    for (int c = 0; c + 1 < C; c += 2)
+      for (int r = 0; r < R; ++r)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(g.out + (row + r) * (g.N / 2) + (panel + c) / 2 * kPanel),
+                            silu_times(_mm512_add_ps(acc[r][c], bias[c]), _mm512_add_ps(acc[r][c + 1], bias[c + 1])));
+    return;
   }
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(g.out + (row + r) * g.N + (panel + c) * kPanel),
+                          to_bf16(_mm512_add_ps(acc[r][c], bias[c])));
 }
 
 // Tiles of 6 rows read the weights from L2 a third less often, which pays while the weights stream
@@ -126,21 +147,41 @@ torch::Tensor pack_bf16_weight(const torch::Tensor& weight) {
   return weight.reshape({N / kPanel, kPanel, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
 }
 
-torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, c10::optional<torch::Tensor> bias) {
+torch::Tensor pack_bf16_gate_up(const torch::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) % (2 * kPanel) == 0, "expected gate and up of a multiple of 16 rows");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  return pack_bf16_weight(weight.reshape({2, N / 2 / kPanel, kPanel, K}).transpose(0, 1).reshape({N, K}));
+}
+
+namespace {
+
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, c10::optional<torch::Tensor> bias, bool silu) {
   const int64_t K = packed.size(1) * 2, N = packed.size(0) * kPanel;
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.size(-1) == K, "x must be bf16 with ", K, " features");
   const auto rows = x.reshape({-1, K}).contiguous();
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = N;
-  auto out = torch::empty({rows.size(0), N}, x.options());
+  shape.back() = silu ? N / 2 : N;
+  auto out = torch::empty({rows.size(0), shape.back()}, x.options());
   torch::Tensor b;
   if (bias.has_value()) {
     b = contiguous_as(*bias, at::kBFloat16);
     TORCH_CHECK(b.numel() == N, "bias must have ", N, " elements");
+    if (silu) b = b.reshape({2, N / 2 / kPanel, kPanel}).transpose(0, 1).contiguous();
   }
   run(Gemm{rows.data_ptr<bf16>(), packed.data_ptr<bf16>(), b.defined() ? b.data_ptr<bf16>() : nullptr,
-           out.data_ptr<bf16>(), rows.size(0), K, N});
+           out.data_ptr<bf16>(), rows.size(0), K, N, silu});
   return out.view(shape);
+}
+
+}  // namespace
+
+torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, c10::optional<torch::Tensor> bias) {
+  return linear(x, packed, bias, false);
+}
+
+torch::Tensor bf16_gate_up_silu(const torch::Tensor& x, const torch::Tensor& packed,
+                                c10::optional<torch::Tensor> bias) {
+  return linear(x, packed, bias, true);
 }
 
 #else
@@ -149,7 +190,13 @@ bool bf16_gemm_available() { return false; }
 
 torch::Tensor pack_bf16_weight(const torch::Tensor&) { TORCH_CHECK(false, "built without AVX512-BF16"); }
 
+torch::Tensor pack_bf16_gate_up(const torch::Tensor&) { TORCH_CHECK(false, "built without AVX512-BF16"); }
+
 torch::Tensor bf16_linear(const torch::Tensor&, const torch::Tensor&, c10::optional<torch::Tensor>) {
+  TORCH_CHECK(false, "built without AVX512-BF16");
+}
+
+torch::Tensor bf16_gate_up_silu(const torch::Tensor&, const torch::Tensor&, c10::optional<torch::Tensor>) {
   TORCH_CHECK(false, "built without AVX512-BF16");
 }
 
