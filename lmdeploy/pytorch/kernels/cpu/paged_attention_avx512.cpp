@@ -31,6 +31,14 @@ inline __m512 fold_64(__m512 a, __m512 b) {
   return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
 }
 
+// Pulls the given bytes into L2. Each pass prefetches the next block's rows as it works through the
+// current block's (after K's last block, V's first: the values pass comes next), which hides memory
+// latency that the hardware prefetcher, stopping at every scattered block, leaves exposed.
+inline void prefetch_l2(const c10::BFloat16* p, int64_t bytes) {
+  for (int64_t offset = 0; offset < bytes; offset += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(p) + offset, _MM_HINT_T1);
+}
+
 // Lane j of sum16(v) is the sum of the lanes of v[slot(j)]: the folds transpose 4x4.
 constexpr int slot(int key) { return (key % 4) * 4 + key / 4; }
 inline __m512 sum16(const __m512* v) {
@@ -83,18 +91,22 @@ struct Task {
 
 // scores[(k * G + h) * length + t] = scale * q_{k,h} . k_{k,t} for KV head k and query head h of it.
 template <int G, int NV>
-void task_scores(const Task& task, const bf16* k_cache, int64_t block_size, int64_t block_stride, float scale,
-                 float* scores) {
+void task_scores(const Task& task, const bf16* k_cache, const bf16* v_cache, int64_t block_size,
+                 int64_t block_stride, float scale, float* scores) {
   constexpr int D = 16 * NV;
   const __m512 scale_v = _mm512_set1_ps(scale);
   __m512 partial[kChunk];
   for (int64_t start = 0; start < task.length; start += block_size) {
     const bf16* block = k_cache + task.blocks[start / block_size] * block_stride + task.cache_offset;
+    const bf16* next = start + block_size < task.length
+                           ? k_cache + task.blocks[start / block_size + 1] * block_stride + task.cache_offset
+                           : v_cache + task.blocks[0] * block_stride + task.cache_offset;
     const int64_t in_block = std::min(block_size, task.length - start);
     for (int64_t k = 0; k < task.heads; ++k) {
       const bf16* rows = block + k * block_size * D;
       for (int64_t first = 0; first < in_block; first += kChunk) {
         const int count = static_cast<int>(std::min<int64_t>(kChunk, in_block - first));
+        prefetch_l2(next + (k * block_size + first) * D, std::min<int64_t>(kChunk, block_size - first) * D * 2);
         for (int h = 0; h < G; ++h) {
           const QueryHead<NV> query(task.q + k * task.head_stride + h * D);
           for (int t = 0; t < kChunk; ++t)
@@ -116,6 +128,9 @@ void task_values(const Task& task, const float* probs, const bf16* v_cache, int6
   std::fill(acc_store, acc_store + task.heads * G * D, 0.f);
   for (int64_t start = 0; start < task.length; start += block_size) {
     const bf16* block = v_cache + task.blocks[start / block_size] * block_stride + task.cache_offset;
+    const bf16* next = start + block_size < task.length
+                           ? v_cache + task.blocks[start / block_size + 1] * block_stride + task.cache_offset
+                           : nullptr;
     const int64_t in_block = std::min(block_size, task.length - start);
     for (int64_t k = 0; k < task.heads; ++k) {
       const bf16* rows = block + k * block_size * D;
@@ -125,6 +140,7 @@ void task_values(const Task& task, const float* probs, const bf16* v_cache, int6
       for (int h = 0; h < G; ++h)
         for (int i = 0; i < NV; ++i) acc[h][i] = _mm512_loadu_ps(stored + h * D + 16 * i);
       for (int64_t t = 0; t < in_block; ++t) {
+        if (next) prefetch_l2(next + (k * block_size + t) * D, D * 2);
         __m512 value[NV];
         for (int i = 0; i < NV; ++i) value[i] = load_bf16(rows + t * D + 16 * i);
         for (int h = 0; h < G; ++h) {
@@ -150,7 +166,7 @@ void run_task(const Task& task, const bf16* k_cache, const bf16* v_cache, int64_
   const int64_t rows = task.heads * G;
   scratch.resize(rows * (task.length + D));
   float* scores = scratch.data();
-  task_scores<G, NV>(task, k_cache, block_size, block_stride, scale, scores);
+  task_scores<G, NV>(task, k_cache, v_cache, block_size, block_stride, scale, scores);
   for (int64_t r = 0; r < rows; ++r) softmax(scores + r * task.length, task.length);
   task_values<G, NV>(task, scores, v_cache, block_size, block_stride, scores + rows * task.length);
 }
