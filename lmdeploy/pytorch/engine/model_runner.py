@@ -119,7 +119,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, plan: SchedulerOutput) -> torch.Tensor:
-        """Runs the step; returns fp32 logits ``[num_sampled, vocab]`` in plan order (prefill, decode)."""
+        """Runs the step; returns logits ``[num_sampled, vocab]`` in plan order (prefill, decode), in the
+        model's dtype (the sampler widens them where it needs to)."""
         input_ids, ctx, sample_rows = self.build_inputs(plan)
         hidden = self.model(input_ids, self.kv_caches, ctx)
-        return self.model.logits(hidden[sample_rows])
+        # Sampled rows are unique and ascending: as many as the rows means all of them (decode steps).
+        return self.model.logits(hidden if len(sample_rows) == hidden.shape[0] else hidden[sample_rows])

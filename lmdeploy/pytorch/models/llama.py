@@ -125,11 +125,12 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens(input_ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[T, vocab]`` logits in the model's dtype (fp32 for the fp16 LM head of one-row steps)."""
         if self.lm_head_fp16 is not None and hidden.shape[0] == 1:
             return F.linear(hidden.half(), self.lm_head_fp16).float()
         if self.lm_head_packed is not None:
-            return packed_linear(hidden, self.lm_head_packed).float()
-        return F.linear(hidden, self.lm_head_weight).float()
+            return packed_linear(hidden, self.lm_head_packed)
+        return F.linear(hidden, self.lm_head_weight)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
