@@ -1,10 +1,11 @@
 // bf16 GEMM y = x @ W.T (+ b) for CPUs with AVX512-BF16 but no AMX, where it runs at 80-85% of the
 // vdpbf16ps peak from 8 rows up (oneDNN: 40-80%). The weight is packed once into 16-column panels of
 // K/2 bf16 pairs ([N/16, K/2, 16, 2]): one vdpbf16ps multiplies a broadcast pair of x with a pair of
-// each of 16 columns. A tile of 4 (or 6) rows x 4 panels keeps its fp32 accumulators in registers
-// over all of K; each thread takes whole column groups, so every weight byte is read from memory once
-// a call. With few rows (decode steps) a lone row block would wait for its weights to stream from
-// memory, so its tiles also prefetch the next column group, spread over their k steps.
+// each of 16 columns. A tile of 4 (or 6) rows x 4 (or 3) panels keeps its fp32 accumulators in
+// registers over all of K; each thread takes whole column groups, so every weight byte is read from
+// memory once a call. With few rows (decode steps) a lone row block would wait for its weights to
+// stream from memory, so its tiles also prefetch the next column group, spread over their k steps.
+// The gate and up projections of an MLP can apply SiLU-and-mul in the epilogue (bf16_gate_up_silu).
 #include "common.h"
 
 #if defined(__AVX512BF16__)
@@ -89,11 +90,11 @@ void tile(const Gemm& g, int64_t row, int64_t panel, NextGroup& next) {
 // Tiles of 6 rows read the weights from L2 a third less often, which pays while the weights stream
 // from memory (a lone row block); with many row blocks 4-row tiles measured faster.
 template <int C, Pull P>
-void row_block(const Gemm& g, int64_t first, int64_t count, int64_t panel) {
+void row_block(const Gemm& g, int64_t first, int64_t count, int64_t panel, int64_t width) {
   constexpr int R = P == Pull::kNone ? 4 : 6;
   NextGroup next{reinterpret_cast<const char*>(g.w + (panel + C) * g.K * kPanel), 0};
   if constexpr (P != Pull::kNone) {
-    const int64_t next_panels = std::min<int64_t>(kPanels, g.N / kPanel - panel - C);
+    const int64_t next_panels = std::min<int64_t>(width, g.N / kPanel - panel - C);
     const int64_t tiles = (count + R - 1) / R;
     next.rate = static_cast<uint32_t>((next_panels * g.K * kPanel * 2 / 64 << 16) / (tiles * (g.K / 2)));
   }
@@ -110,28 +111,37 @@ void row_block(const Gemm& g, int64_t first, int64_t count, int64_t panel) {
 }
 
 template <int C>
-void row_block(const Gemm& g, int64_t first, int64_t count, int64_t panel, Pull pull) {
+void row_block(const Gemm& g, int64_t first, int64_t count, int64_t panel, int64_t width, Pull pull) {
   switch (pull) {
-    case Pull::kNone: return row_block<C, Pull::kNone>(g, first, count, panel);
-    case Pull::kL2: return row_block<C, Pull::kL2>(g, first, count, panel);
-    case Pull::kL1: return row_block<C, Pull::kL1>(g, first, count, panel);
+    case Pull::kNone: return row_block<C, Pull::kNone>(g, first, count, panel, width);
+    case Pull::kL2: return row_block<C, Pull::kL2>(g, first, count, panel, width);
+    case Pull::kL1: return row_block<C, Pull::kL1>(g, first, count, panel, width);
   }
 }
 
+// Panels per column group: 4, or 3 where a lone row block's groups of 4 would leave one thread a
+// group more than the other (576 columns: 9 groups of 4, but 12 of 3).
+int64_t group_width(const Gemm& g, int64_t row_blocks, int64_t threads) {
+  const int64_t panels = g.N / kPanel;
+  const auto uneven = [&](int64_t width) { return (panels + width - 1) / width % threads != 0; };
+  return row_blocks == 1 && !g.silu && uneven(kPanels) && !uneven(3) ? 3 : kPanels;
+}
+
 void run(const Gemm& g) {
-  const int64_t panels = g.N / kPanel, groups = (panels + kPanels - 1) / kPanels;
-  const int64_t row_blocks = (g.M + kRowBlock - 1) / kRowBlock;
+  const int64_t threads = at::get_num_threads(), row_blocks = (g.M + kRowBlock - 1) / kRowBlock;
+  const int64_t panels = g.N / kPanel, width = group_width(g, row_blocks, threads);
+  const int64_t groups = (panels + width - 1) / width;
   const Pull pull = row_blocks > 1 ? Pull::kNone : g.M > 20 ? Pull::kL1 : Pull::kL2;
-#pragma omp parallel for collapse(2) schedule(static) num_threads(at::get_num_threads())
+#pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
   for (int64_t group = 0; group < groups; ++group)
     for (int64_t block = 0; block < row_blocks; ++block) {
-      const int64_t panel = group * kPanels, first = block * kRowBlock;
+      const int64_t panel = group * width, first = block * kRowBlock;
       const int64_t count = std::min<int64_t>(kRowBlock, g.M - first);
-      switch (std::min<int64_t>(kPanels, panels - panel)) {
-        case 1: row_block<1>(g, first, count, panel, pull); break;
-        case 2: row_block<2>(g, first, count, panel, pull); break;
-        case 3: row_block<3>(g, first, count, panel, pull); break;
-        default: row_block<4>(g, first, count, panel, pull); break;
+      switch (std::min<int64_t>(width, panels - panel)) {
+        case 1: row_block<1>(g, first, count, panel, width, pull); break;
+        case 2: row_block<2>(g, first, count, panel, width, pull); break;
+        case 3: row_block<3>(g, first, count, panel, width, pull); break;
+        default: row_block<4>(g, first, count, panel, width, pull); break;
       }
     }
 }
