@@ -28,13 +28,25 @@ inline __m512 round_to_bf16(__m512 x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(x)), 16));
 }
 
+// e^x to about 2 ulp: 2^n * e^r with r = x - n ln 2 in [-ln 2 / 2, ln 2 / 2] (Cephes' expf polynomial).
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.f)), _mm512_set1_ps(-88.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
 // silu(gate) * up with silu_and_mul's roundings, gate and up first rounded as a bf16 GEMM output.
 inline __m256i silu_times(__m512 gate, __m512 up) {
-  alignas(64) float g[16];
-  _mm512_store_ps(g, round_to_bf16(gate));
-#pragma omp simd
-  for (int i = 0; i < 16; ++i) g[i] = g[i] / (1.f + std::exp(-g[i]));
-  return to_bf16(_mm512_mul_ps(round_to_bf16(_mm512_load_ps(g)), round_to_bf16(up)));
+  const __m512 g = round_to_bf16(gate);
+  const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+  return to_bf16(_mm512_mul_ps(round_to_bf16(silu), round_to_bf16(up)));
 }
 
 // Where the next column group's weights are prefetched to: nowhere, L2, or L1 (measured best above
