@@ -45,7 +45,8 @@ inline __m512 exp_ps(__m512 x) {
 // silu(gate) * up with silu_and_mul's roundings, gate and up first rounded as a bf16 GEMM output.
 inline __m256i silu_times(__m512 gate, __m512 up) {
   const __m512 g = round_to_bf16(gate);
-  const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+  const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g));
+  const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
   return to_bf16(_mm512_mul_ps(round_to_bf16(silu), round_to_bf16(up)));
 }
 
@@ -170,14 +171,16 @@ torch::Tensor pack_bf16_weight(const torch::Tensor& weight) {
 }
 
 torch::Tensor pack_bf16_gate_up(const torch::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.size(0) % (2 * kPanel) == 0, "expected gate and up of a multiple of 16 rows");
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) % (2 * kPanel) == 0,
+              "expected gate and up of a multiple of 16 rows each");
   const int64_t N = weight.size(0), K = weight.size(1);
   return pack_bf16_weight(weight.reshape({2, N / 2 / kPanel, kPanel, K}).transpose(0, 1).reshape({N, K}));
 }
 
 namespace {
 
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, c10::optional<torch::Tensor> bias, bool silu) {
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, c10::optional<torch::Tensor> bias,
+                     bool silu) {
   const int64_t K = packed.size(1) * 2, N = packed.size(0) * kPanel;
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.size(-1) == K, "x must be bf16 with ", K, " features");
   const auto rows = x.reshape({-1, K}).contiguous();
