@@ -212,7 +212,7 @@ def sample(logits: Tensor, seqs: list[Sequence]) -> SampleOutput:
     assert logits.dim() == 2 and logits.shape[0] == len(seqs), 'one row of logits per sequence'
     x = logits
     if any(_needs_edit(s) for s in seqs):
-        x = logits.float().clone()
+        x = logits.to(torch.float32, copy=True)
         _apply_logit_bias(x, seqs)
         _apply_repetition_penalty(x, seqs)
         _apply_presence_frequency(x, seqs)
