@@ -194,7 +194,7 @@ def test_gate_up_silu_in_the_gemm_epilogue(native, intermediate_size):
     torch.nn.init.normal_(layer.bias)
     weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
     plain = native.pack_bf16_weight(weight)
-    assert layer.pack_for_cpu() and layer.fused and layer.weight is None
+    assert layer.pack_for_cpu() and layer.packed.gate_up and layer.weight is None
     for shape in ((1, 64), (5, 64), (23, 64), (64, 64), (67, 64), (2, 7, 64)):
         x = torch.randn(shape).bfloat16()
         out = layer(x)

@@ -47,15 +47,18 @@ class PackedWeight:
 
     data: torch.Tensor
     native: bool
+    gate_up: bool = False  # native panels alternating gate and up, for ``bf16_gate_up_silu``
 
 
-def pack_for_cpu(weight: torch.Tensor) -> PackedWeight | None:
-    """``weight [N, K]`` packed for :func:`packed_linear`; None unless it is a bf16 CPU weight."""
+def pack_for_cpu(weight: torch.Tensor, gate_up: bool = False) -> PackedWeight | None:
+    """``weight [N, K]`` packed for :func:`packed_linear`; None unless it is a bf16 CPU weight. With
+    ``gate_up`` (gate then up rows) the native GEMM's panels alternate gate and up instead."""
     if weight.dtype != torch.bfloat16 or weight.device.type != 'cpu':
         return None
     gemm = cpu.bf16_gemm()
-    if gemm is not None and weight.shape[0] % 16 == 0 and weight.shape[1] % 2 == 0:
-        return PackedWeight(gemm.pack_bf16_weight(weight), native=True)
+    if gemm is not None and weight.shape[0] % (32 if gate_up else 16) == 0 and weight.shape[1] % 2 == 0:
+        pack = gemm.pack_bf16_gate_up if gate_up else gemm.pack_bf16_weight
+        return PackedWeight(pack(weight), native=True, gate_up=gate_up)
     if not torch.backends.mkldnn.is_available():
         return None
     return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight), native=False)
@@ -70,6 +73,8 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
 
 class Linear(nn.Module):
     """``y = x @ W.T + b`` with weights in the model dtype."""
+
+    gate_up_panels = False  # whether a native packing alternates gate and up panels (GateUpLinear)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
@@ -91,7 +96,7 @@ class Linear(nn.Module):
 
     def pack_for_cpu(self) -> bool:
         """Packs a bf16 CPU weight for its GEMM (``weight`` becomes None); False when it cannot."""
-        self.packed = pack_for_cpu(self.weight)
+        self.packed = pack_for_cpu(self.weight, gate_up=self.gate_up_panels)
         if self.packed is None:
             return False
         self.weight = None
@@ -121,20 +126,12 @@ class GateUpLinear(MergedLinear):
     the packed weight), so the ``[T, 2 * I]`` product is never written out nor read back.
     """
 
+    gate_up_panels = True
+
     def __init__(self, in_features: int, intermediate_size: int, bias: bool = False):
         super().__init__(in_features, [intermediate_size] * 2, bias)
-        self.fused = False
-
-    def pack_for_cpu(self) -> bool:
-        weight, gemm = self.weight, cpu.bf16_gemm()
-        if (gemm is None or weight.dtype != torch.bfloat16 or weight.device.type != 'cpu' or weight.shape[0] % 32
-                or weight.shape[1] % 2):
-            return super().pack_for_cpu()
-        self.packed = PackedWeight(gemm.pack_bf16_gate_up(weight), native=True)
-        self.fused, self.weight = True, None
-        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused and x.shape[0] > self.int4_max_tokens:
+        if self.packed is not None and self.packed.gate_up and x.shape[0] > self.int4_max_tokens:
             return cpu.native().bf16_gate_up_silu(x, self.packed.data, self.bias)
         return silu_and_mul(super().forward(x))

@@ -82,11 +82,13 @@ void tile(const Gemm& g, int64_t row, int64_t panel, NextGroup& next) {
     }
   }
   __m512 bias[C];
-  for (int c = 0; c < C; ++c)
-    bias[c] = g.bias ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                                               reinterpret_cast<const __m256i*>(g.bias + (panel + c) * kPanel))),
-                                           16))
-                     : _mm512_setzero_ps();
+  for (int c = 0; c < C; ++c) {
+    // With silu the panels alternate gate and up, while the bias keeps gate then up.
+    const int64_t p = panel + c, col = g.silu ? (p % 2) * (g.N / 2) + p / 2 * kPanel : p * kPanel;
+    const __m256i raw = g.bias ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g.bias + col))
+                               : _mm256_setzero_si256();
+    bias[c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  }
   if (g.silu) {
     for (int c = 0; c + 1 < C; c += 2)
       for (int r = 0; r < R; ++r)
@@ -191,7 +193,6 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, c10::o
   if (bias.has_value()) {
     b = contiguous_as(*bias, at::kBFloat16);
     TORCH_CHECK(b.numel() == N, "bias must have ", N, " elements");
-    if (silu) b = b.reshape({2, N / 2 / kPanel, kPanel}).transpose(0, 1).contiguous();
   }
   run(Gemm{rows.data_ptr<bf16>(), packed.data_ptr<bf16>(), b.defined() ? b.data_ptr<bf16>() : nullptr,
            out.data_ptr<bf16>(), rows.size(0), K, N, silu});
