@@ -183,9 +183,9 @@ def test_packed_bf16_linear_rounds_the_exact_product(monkeypatch, gemm, out_feat
 
 @pytest.mark.parametrize('intermediate_size', [48, 64])
 def test_gate_up_silu_in_the_gemm_epilogue(native, intermediate_size):
-    """The fused layer equals the native GEMM followed by the native SiLU-and-mul (up to one bf16 step
-    where the compiler's scalar and vector exp differ), and the torch twins up to bf16 rounding (48
-    leaves a group of two panels)."""
+    """The fused layer equals the native GEMM followed by the native SiLU-and-mul up to one bf16 step
+    of silu(gate) where their exps round differently (which the product then carries), and the torch
+    twins up to bf16 rounding (48 leaves a group of two panels)."""
     if cpu.bf16_gemm() is None:
         pytest.skip('the native bf16 GEMM needs AVX512-BF16 and no AMX')
     torch.manual_seed(0)
@@ -200,7 +200,8 @@ def test_gate_up_silu_in_the_gemm_epilogue(native, intermediate_size):
         out = layer(x)
         assert out.shape == (*shape[:-1], intermediate_size)
         unfused = native.silu_and_mul(native.bf16_linear(x, plain, bias)).float()
-        assert ((out.float() - unfused).abs() <= unfused.abs() * 2**-7).all()
+        assert ((out.float() - unfused).abs() <= unfused.abs() * 2**-6).all()
+        assert (out.float() == unfused).float().mean() > 0.98
         expected = activation.silu_and_mul(torch.nn.functional.linear(x.float(), weight.float(), bias.float()))
         torch.testing.assert_close(out.float(), expected, atol=0.05, rtol=0.02)
 
