@@ -2,7 +2,10 @@
 // bf16 caches and head_dim 64 or 128; paged_attention.cpp states the contract. Scores are computed
 // 16 keys at a time: each key gives a vector of partial dot products (with AVX512-BF16: bf16 pairs
 // accumulated in fp32), and one transposing reduction turns 16 such vectors into the 16 scores.
-// The weighted sum of V keeps its accumulators in registers.
+// Softmax is online (flash-decoding's rescaling, in one thread): each block's K rows of a KV head
+// are followed by its V rows, whose weighted sum keeps its accumulators in registers.
+#include <limits>
+
 #include "common.h"
 
 #if defined(__AVX512F__)
@@ -31,9 +34,11 @@ inline __m512 fold_64(__m512 a, __m512 b) {
   return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
 }
 
-// Pulls the given bytes into L2. Each pass prefetches the next block's rows as it works through the
-// current block's (after K's last block, V's first: the values pass comes next), which hides memory
-// latency that the hardware prefetcher, stopping at every scattered block, leaves exposed.
+// Pulls the given bytes into L2. Each pass over one KV head's rows of a block prefetches the rows
+// the next pass reads (K's pass that V's, V's pass the next head's or the next block's K), which hides
+// memory latency that the hardware prefetcher, stopping at every scattered block, leaves exposed.
+// With K and V interleaved this way memory never idles while a softmax runs: in isolation, 30 layers
+// of 64 rows went from 13.2 to 11.8 ms, close to what plainly reading the same scattered blocks takes.
 inline void prefetch_l2(const c10::BFloat16* p, int64_t bytes) {
   for (int64_t offset = 0; offset < bytes; offset += 64)
     _mm_prefetch(reinterpret_cast<const char*>(p) + offset, _MM_HINT_T1);
@@ -77,8 +82,7 @@ struct QueryHead {
 
 // A task is one query row over `heads` consecutive KV heads and G query heads of each (q and out
 // hold KV head k's heads from q + k * head_stride). Blocks are the outer loop, so a task reads each
-// block's rows of its KV heads as one contiguous run (a block holds head k's rows from
-// k * block_size * D).
+// block's rows of its KV heads in order (a block holds head k's rows from k * block_size * D).
 struct Task {
   const bf16* q;
   bf16* out;
@@ -89,62 +93,87 @@ struct Task {
   int64_t cache_offset;   // elements from a block's start to the task's first KV head
 };
 
-// scores[(k * G + h) * length + t] = scale * q_{k,h} . k_{k,t} for KV head k and query head h of it.
+// Rows [first, first + count) of one KV head's K block against G query heads: scale * q . k into
+// scores[h * block_size + t], prefetching `pull` (the bytes the next pass reads) meanwhile.
 template <int G, int NV>
-void task_scores(const Task& task, const bf16* k_cache, const bf16* v_cache, int64_t block_size,
-                 int64_t block_stride, float scale, float* scores) {
+void block_scores(const bf16* q, const bf16* rows, int64_t count, float scale, const bf16* pull, float* scores,
+                  int64_t block_size) {
   constexpr int D = 16 * NV;
   const __m512 scale_v = _mm512_set1_ps(scale);
   __m512 partial[kChunk];
-  for (int64_t start = 0; start < task.length; start += block_size) {
-    const bf16* block = k_cache + task.blocks[start / block_size] * block_stride + task.cache_offset;
-    const bf16* next = start + block_size < task.length
-                           ? k_cache + task.blocks[start / block_size + 1] * block_stride + task.cache_offset
-                           : v_cache + task.blocks[0] * block_stride + task.cache_offset;
-    const int64_t in_block = std::min(block_size, task.length - start);
-    for (int64_t k = 0; k < task.heads; ++k) {
-      const bf16* rows = block + k * block_size * D;
-      for (int64_t first = 0; first < in_block; first += kChunk) {
-        const int count = static_cast<int>(std::min<int64_t>(kChunk, in_block - first));
-        prefetch_l2(next + (k * block_size + first) * D, std::min<int64_t>(kChunk, block_size - first) * D * 2);
-        for (int h = 0; h < G; ++h) {
-          const QueryHead<NV> query(task.q + k * task.head_stride + h * D);
-          for (int t = 0; t < kChunk; ++t)
-            partial[slot(t)] = t < count ? query.dot(rows + (first + t) * D) : _mm512_setzero_ps();
-          const __m512 chunk = _mm512_mul_ps(sum16(partial), scale_v);
-          _mm512_mask_storeu_ps(scores + (k * G + h) * task.length + start + first,
-                                static_cast<__mmask16>((1u << count) - 1), chunk);
-        }
-      }
+  for (int64_t first = 0; first < count; first += kChunk) {
+    const int n = static_cast<int>(std::min<int64_t>(kChunk, count - first));
+    if (pull) prefetch_l2(pull + first * D, std::min<int64_t>(kChunk, block_size - first) * D * 2);
+    for (int h = 0; h < G; ++h) {
+      const QueryHead<NV> query(q + h * D);
+      for (int t = 0; t < kChunk; ++t)
+        partial[slot(t)] = t < n ? query.dot(rows + (first + t) * D) : _mm512_setzero_ps();
+      _mm512_mask_storeu_ps(scores + h * block_size + first, static_cast<__mmask16>((1u << n) - 1),
+                            _mm512_mul_ps(sum16(partial), scale_v));
     }
   }
 }
 
-// out_{k,h} = sum_t p[k][h][t] * v_{k,t}; accumulators live in registers within a block.
+// Online softmax over one block: turns scores into weights exp(s - peak) and gives the factor that
+// rescales the blocks before (none before while total is 0; the kernels build with -ffast-math, so
+// no infinities stand in for "no peak yet").
+inline void online_softmax(float* scores, int64_t count, float& peak, float& total, float& rescale) {
+  float block_peak = scores[0];
+  for (int64_t t = 1; t < count; ++t) block_peak = std::max(block_peak, scores[t]);
+  const float new_peak = std::max(peak, block_peak);
+  rescale = total == 0.f ? 0.f : std::exp(peak - new_peak);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < count; ++t) {
+    scores[t] = std::exp(scores[t] - new_peak);
+    sum += scores[t];
+  }
+  total = total * rescale + sum;
+  peak = new_peak;
+}
+
+// A task's rows stream block by block, each KV head's K rows then its V rows, so that memory never
+// idles between a scores pass and a values pass: flash-decoding's online softmax in one thread.
 template <int G, int NV>
-void task_values(const Task& task, const float* probs, const bf16* v_cache, int64_t block_size,
-                 int64_t block_stride, float* acc_store) {
+void run_task(const Task& task, const bf16* k_cache, const bf16* v_cache, int64_t block_size, int64_t block_stride,
+              float scale, std::vector<float>& scratch) {
   constexpr int D = 16 * NV;
-  std::fill(acc_store, acc_store + task.heads * G * D, 0.f);
+  const int64_t rows = task.heads * G;
+  scratch.resize(G * block_size + rows * (D + 2));
+  float* scores = scratch.data();
+  float* acc_store = scores + G * block_size;
+  float* peak = acc_store + rows * D;
+  float* total = peak + rows;
+  std::fill(acc_store, acc_store + rows * D, 0.f);
+  std::fill(peak, peak + rows, std::numeric_limits<float>::lowest());
+  std::fill(total, total + rows, 0.f);
   for (int64_t start = 0; start < task.length; start += block_size) {
-    const bf16* block = v_cache + task.blocks[start / block_size] * block_stride + task.cache_offset;
-    const bf16* next = start + block_size < task.length
-                           ? v_cache + task.blocks[start / block_size + 1] * block_stride + task.cache_offset
-                           : nullptr;
-    const int64_t in_block = std::min(block_size, task.length - start);
+    const int64_t index = start / block_size, in_block = std::min(block_size, task.length - start);
+    const int64_t offset = task.blocks[index] * block_stride + task.cache_offset;
+    const bool last = start + block_size >= task.length;
+    const int64_t next_offset = last ? 0 : task.blocks[index + 1] * block_stride + task.cache_offset;
     for (int64_t k = 0; k < task.heads; ++k) {
-      const bf16* rows = block + k * block_size * D;
-      const float* p = probs + k * G * task.length + start;
+      const bf16* keys = k_cache + offset + k * block_size * D;
+      const bf16* values = v_cache + offset + k * block_size * D;
+      block_scores<G, NV>(task.q + k * task.head_stride, keys, in_block, scale, values, scores, block_size);
+      float rescale[G];
+      for (int h = 0; h < G; ++h)
+        online_softmax(scores + h * block_size, in_block, peak[k * G + h], total[k * G + h], rescale[h]);
+      const bf16* pull = k + 1 < task.heads ? keys + block_size * D
+                         : last                ? nullptr
+                                               : k_cache + next_offset;
       float* stored = acc_store + k * G * D;
       __m512 acc[G][NV];
-      for (int h = 0; h < G; ++h)
-        for (int i = 0; i < NV; ++i) acc[h][i] = _mm512_loadu_ps(stored + h * D + 16 * i);
+      for (int h = 0; h < G; ++h) {
+        const __m512 r = _mm512_set1_ps(rescale[h]);
+        for (int i = 0; i < NV; ++i) acc[h][i] = _mm512_mul_ps(_mm512_loadu_ps(stored + h * D + 16 * i), r);
+      }
       for (int64_t t = 0; t < in_block; ++t) {
-        if (next) prefetch_l2(next + (k * block_size + t) * D, D * 2);
+        if (pull) prefetch_l2(pull + t * D, D * 2);
         __m512 value[NV];
-        for (int i = 0; i < NV; ++i) value[i] = load_bf16(rows + t * D + 16 * i);
+        for (int i = 0; i < NV; ++i) value[i] = load_bf16(values + t * D + 16 * i);
         for (int h = 0; h < G; ++h) {
-          const __m512 weight = _mm512_set1_ps(p[h * task.length + t]);
+          const __m512 weight = _mm512_set1_ps(scores[h * block_size + t]);
           for (int i = 0; i < NV; ++i) acc[h][i] = _mm512_fmadd_ps(weight, value[i], acc[h][i]);
         }
       }
@@ -153,22 +182,12 @@ void task_values(const Task& task, const float* probs, const bf16* v_cache, int6
     }
   }
   for (int64_t k = 0; k < task.heads; ++k)
-    for (int h = 0; h < G; ++h)
+    for (int h = 0; h < G; ++h) {
+      const __m512 inv = _mm512_set1_ps(1.f / total[k * G + h]);
       for (int i = 0; i < NV; ++i)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(task.out + k * task.head_stride + h * D + 16 * i),
-                            to_bf16(_mm512_loadu_ps(acc_store + (k * G + h) * D + 16 * i)));
-}
-
-template <int G, int NV>
-void run_task(const Task& task, const bf16* k_cache, const bf16* v_cache, int64_t block_size, int64_t block_stride,
-              float scale, std::vector<float>& scratch) {
-  constexpr int D = 16 * NV;
-  const int64_t rows = task.heads * G;
-  scratch.resize(rows * (task.length + D));
-  float* scores = scratch.data();
-  task_scores<G, NV>(task, k_cache, v_cache, block_size, block_stride, scale, scores);
-  for (int64_t r = 0; r < rows; ++r) softmax(scores + r * task.length, task.length);
-  task_values<G, NV>(task, scores, v_cache, block_size, block_stride, scores + rows * task.length);
+                            to_bf16(_mm512_mul_ps(_mm512_loadu_ps(acc_store + (k * G + h) * D + 16 * i), inv)));
+    }
 }
 
 using TaskFn = void (*)(const Task&, const bf16*, const bf16*, int64_t, int64_t, float, std::vector<float>&);
