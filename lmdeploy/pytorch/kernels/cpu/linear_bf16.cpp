@@ -4,7 +4,7 @@
 // each of 16 columns. A tile of 4 (or 6) rows x 4 (or 3) panels keeps its fp32 accumulators in
 // registers over all of K; each thread takes whole column groups, so every weight byte is read from
 // memory once a call. With few rows (decode steps) a lone row block would wait for its weights to
-// stream from memory, so its tiles also prefetch the next column group, spread over their k steps.
+// stream from memory, so its tiles also prefetch a column group ahead, spread over their k steps.
 // The gate and up projections of an MLP can apply SiLU-and-mul in the epilogue (bf16_gate_up_silu):
 // tiles stage their fp32 results, and one pass per row block applies it, so the tiles' k loops never
 // wait on the exp's long dependency chain.
@@ -16,6 +16,9 @@ namespace {
 
 using bf16 = c10::BFloat16;
 constexpr int kPanel = 16, kPanels = 4, kRowBlock = 64;
+// How many column groups ahead a lone row block prefetches: two measured 4-7% faster than one at
+// 8-24 rows (30 cold layers), the same at 64.
+constexpr int kAhead = 2;
 
 struct Gemm {
   const bf16* x;     // [M, K]
@@ -55,11 +58,11 @@ inline __m256i silu_times(__m512 gate, __m512 up) {
   return to_bf16(_mm512_mul_ps(round_to_bf16(silu), round_to_bf16(up)));
 }
 
-// Where the next column group's weights are prefetched to: nowhere, L2, or L1 (measured best above
+// Where the weights of a column group ahead are prefetched to: nowhere, L2, or L1 (measured best above
 // 20 rows, when each k step needs less than one line).
 enum class Pull { kNone, kL2, kL1 };
 
-// The next column group's cache lines still to prefetch, `rate` of them per k step in 1/65536ths.
+// That group's cache lines still to prefetch, `rate` of them per k step in 1/65536ths.
 struct NextGroup {
   const char* line;
   uint32_t rate;
@@ -110,9 +113,9 @@ void tile(const Gemm& g, int64_t row, int64_t panel, NextGroup& next, float* sta
 template <int C, Pull P>
 void row_block(const Gemm& g, int64_t first, int64_t count, int64_t panel, int64_t width) {
   constexpr int R = P == Pull::kNone ? 4 : 6;
-  NextGroup next{reinterpret_cast<const char*>(g.w + (panel + C) * g.K * kPanel), 0};
+  NextGroup next{reinterpret_cast<const char*>(g.w + (panel + kAhead * C) * g.K * kPanel), 0};
   if constexpr (P != Pull::kNone) {
-    const int64_t next_panels = std::min<int64_t>(width, g.N / kPanel - panel - C);
+    const int64_t next_panels = std::max<int64_t>(0, std::min<int64_t>(width, g.N / kPanel - panel - kAhead * C));
     const int64_t tiles = (count + R - 1) / R;
     next.rate = static_cast<uint32_t>((next_panels * g.K * kPanel * 2 / 64 << 16) / (tiles * (g.K / 2)));
   }
