@@ -211,7 +211,7 @@ def test_gate_up_silu_in_the_gemm_epilogue(native, intermediate_size):
 def test_paged_prefill_attention(native, dtype, num_heads, num_kv_heads, head_dim):
     """Chunks that are their whole context, follow a cached prefix, are one token, or span many blocks."""
     torch.manual_seed(0)
-    block_size, chunks = 24, [(5, 5), (20, 45), (1, 17), (70, 70), (3, 100)]  # (q_len, ctx_len)
+    block_size, chunks = 24, [(5, 5), (20, 45), (1, 17), (70, 70), (3, 100), (40, 150)]  # (q_len, ctx_len)
     q_lens, ctx_lens = [n for n, _ in chunks], [c for _, c in chunks]
     k_cache, v_cache, table = scattered_cache(ctx_lens, num_kv_heads, block_size, head_dim, dtype)
     q_start = torch.tensor([sum(q_lens[:i]) for i in range(len(chunks))])

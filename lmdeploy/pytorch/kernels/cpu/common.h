@@ -49,6 +49,20 @@ inline __m256i to_bf16(__m512 x) {
   const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 }
+
+// e^x to about 3e-6 relative error, well below a bf16 step: 2^n * e^r with r = x - n ln 2 in
+// [-ln 2 / 2, ln 2 / 2] and e^r = 1 + r + r^2 (1/2 + r/6 + r^2/24 + r^3/120).
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.f)), _mm512_set1_ps(-88.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147181f), x);
+  __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(1.f / 120), _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
 #endif
 
 // x[0:n] = softmax(x[0:n]), in fp32.
@@ -72,6 +86,11 @@ inline void softmax(float* x, int64_t n) {
 bool attention_rows_avx512(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                            const torch::Tensor& table, const torch::Tensor& seqs, const torch::Tensor& lengths,
                            double scale, torch::Tensor& out);
+// Fills `out` and returns true where the AVX512-BF16 prefill path applies (bf16, head_dim 64 or 128);
+// the arguments are paged_prefill_attention's, int64 and contiguous but for q's token stride.
+bool prefill_attention_avx512(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                              const torch::Tensor& table, const torch::Tensor& starts, const torch::Tensor& counts,
+                              const torch::Tensor& contexts, double scale, torch::Tensor& out);
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_table, torch::Tensor kv_lens, double scale);
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,

@@ -33,20 +33,6 @@ inline __m512 round_to_bf16(__m512 x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(x)), 16));
 }
 
-// e^x to about 3e-6 relative error, well below a bf16 step: 2^n * e^r with r = x - n ln 2 in
-// [-ln 2 / 2, ln 2 / 2] and e^r = 1 + r + r^2 (1/2 + r/6 + r^2/24 + r^3/120).
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.f)), _mm512_set1_ps(-88.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147181f), x);
-  __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(1.f / 120), _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
-
 // silu(gate) * up with silu_and_mul's roundings, gate and up first rounded as a bf16 GEMM output.
 inline __m256i silu_times(__m512 gate, __m512 up) {
   const __m512 g = round_to_bf16(gate);

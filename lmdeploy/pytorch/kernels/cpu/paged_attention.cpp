@@ -133,17 +133,25 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor, torch::Ten
                                       torch::Tensor v_cache, torch::Tensor block_table, torch::Tensor q_start,
                                       torch::Tensor q_len, torch::Tensor ctx_len, int64_t, double scale) {
   auto starts = contiguous_as(q_start, torch::kInt64), counts = contiguous_as(q_len, torch::kInt64);
-  auto contexts = contiguous_as(ctx_len, torch::kInt64);
+  auto contexts = contiguous_as(ctx_len, torch::kInt64), table = contiguous_as(block_table, torch::kInt64);
+  const int64_t* start_ptr = starts.data_ptr<int64_t>();
+  const int64_t* count_ptr = counts.data_ptr<int64_t>();
+  const int64_t* context_ptr = contexts.data_ptr<int64_t>();
+  for (int64_t s = 0; s < starts.size(0); ++s)
+    TORCH_CHECK(start_ptr[s] >= 0 && start_ptr[s] + count_ptr[s] <= q.size(0) && count_ptr[s] <= context_ptr[s],
+                "prefill rows out of range");
+  if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();
+  if (k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == q.scalar_type()) {
+    auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+    if (prefill_attention_avx512(q, k_cache, v_cache, table, starts, counts, contexts, scale, out)) return out;
+  }
   auto seqs = torch::empty({q.size(0)}, torch::kInt64), lengths = torch::empty({q.size(0)}, torch::kInt64);
   int64_t* seq_ptr = seqs.data_ptr<int64_t>();
   int64_t* len_ptr = lengths.data_ptr<int64_t>();
-  for (int64_t s = 0; s < starts.size(0); ++s) {
-    const int64_t first = starts.data_ptr<int64_t>()[s], count = counts.data_ptr<int64_t>()[s];
-    TORCH_CHECK(first >= 0 && first + count <= q.size(0), "prefill rows out of range");
-    for (int64_t r = 0; r < count; ++r) {
-      seq_ptr[first + r] = s;
-      len_ptr[first + r] = contexts.data_ptr<int64_t>()[s] - count + r + 1;
+  for (int64_t s = 0; s < starts.size(0); ++s)
+    for (int64_t r = 0; r < count_ptr[s]; ++r) {
+      seq_ptr[start_ptr[s] + r] = s;
+      len_ptr[start_ptr[s] + r] = context_ptr[s] - count_ptr[s] + r + 1;
     }
-  }
-  return attention_rows(q, k_cache, v_cache, contiguous_as(block_table, torch::kInt64), seqs, lengths, scale);
+  return attention_rows(q, k_cache, v_cache, table, seqs, lengths, scale);
 }

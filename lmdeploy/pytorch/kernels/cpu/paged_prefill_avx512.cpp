@@ -1,0 +1,206 @@
+// Prefill attention for bf16 caches and head_dim 64 or 128 with AVX512-BF16, as two small GEMMs per
+// (sequence, KV head): the chunk's query vectors (token-major, then the KV head's query heads) against
+// the sequence's keys, then the probabilities against its values, both on `vdpbf16ps` tiles like the
+// linear layers' (linear_bf16.cpp). Each task first copies its keys and values out of the paged cache
+// into those tiles' panel layouts; a tile of up to 6 query vectors then walks the keys 64 at a time
+// up to its last token's position, with an online softmax (bf16 probabilities, as torch's CPU flash
+// attention uses for bf16) and the causal mask applied per query vector.
+#include <limits>
+
+#include "common.h"
+
+#if defined(__AVX512BF16__)
+
+namespace {
+
+using bf16 = c10::BFloat16;
+constexpr int kPanel = 16, kKeys = 64, kTileRows = 6;
+
+// One (sequence, KV head) task. Query vector r is token r / group, query head r % group.
+struct PrefillTask {
+  const bf16* q;                 // the chunk's first token, at this KV head's first query head
+  bf16* out;                     // likewise
+  int64_t q_stride, out_stride;  // elements between tokens
+  int64_t count;                 // query tokens
+  int64_t first_pos;             // position of the first query token (its context is first_pos + 1 keys)
+  int64_t group, head_dim;
+  float scale;
+};
+
+// keys: [ceil(ctx / 16) panels][D / 2 pairs][16 keys] of int32 (bf16 pairs); values: [D / 16 panels]
+// [ctx_pad / 2 key pairs][16 dims] of int32 (the pair's two keys); rows past ctx are zero.
+void pack_context(const bf16* cache_k, const bf16* cache_v, const int64_t* blocks, int64_t block_size,
+                  int64_t block_stride, int64_t head_offset, int64_t ctx, int64_t ctx_pad, int64_t D,
+                  std::vector<int32_t>& keys, std::vector<int32_t>& values) {
+  keys.assign(ctx_pad * D / 2, 0);
+  values.assign(ctx_pad * D / 2, 0);
+  uint16_t* value_halves = reinterpret_cast<uint16_t*>(values.data());
+  for (int64_t t = 0; t < ctx; ++t) {
+    const int64_t row = blocks[t / block_size] * block_stride + head_offset + (t % block_size) * D;
+    const int32_t* key = reinterpret_cast<const int32_t*>(cache_k + row);
+    const uint16_t* value = reinterpret_cast<const uint16_t*>(cache_v + row);
+    for (int64_t j = 0; j < D / 2; ++j) keys[(t / kPanel * (D / 2) + j) * kPanel + t % kPanel] = key[j];
+    for (int64_t d = 0; d < D; ++d)
+      value_halves[((d / kPanel * (ctx_pad / 2) + t / 2) * kPanel + d % kPanel) * 2 + t % 2] = value[d];
+  }
+}
+
+// Scores of R query vectors against keys [64 g, 64 g + 64): scale * q . k, or lowest() past a query's
+// position; only the first C panels of 16 keys hold any key up to the last query's position.
+template <int R, int C>
+void tile_scores(const PrefillTask& task, int64_t row, int64_t g, const int32_t* keys, float* scores) {
+  const int64_t D = task.head_dim, pairs = D / 2;
+  const int32_t* q[R];
+  int64_t pos[R];
+  for (int r = 0; r < R; ++r) {
+    const int64_t token = (row + r) / task.group, head = (row + r) % task.group;
+    q[r] = reinterpret_cast<const int32_t*>(task.q + token * task.q_stride + head * D);
+    pos[r] = task.first_pos + token;
+  }
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+  const int32_t* panel = keys + g * 4 * pairs * kPanel;
+  for (int64_t j = 0; j < pairs; ++j) {
+    __m512bh k[C];
+    for (int c = 0; c < C; ++c) k[c] = (__m512bh)_mm512_loadu_si512(panel + (c * pairs + j) * kPanel);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh pair = (__m512bh)_mm512_set1_epi32(q[r][j]);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pair, k[c]);
+    }
+  }
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) {
+      const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(g * kKeys + c * kPanel)));
+      const __mmask16 valid = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(pos[r])));
+      _mm512_storeu_ps(scores + r * kKeys + c * kPanel,
+                       _mm512_mask_mul_ps(_mm512_set1_ps(std::numeric_limits<float>::lowest()), valid, acc[r][c],
+                                          _mm512_set1_ps(task.scale)));
+    }
+}
+
+// out[r] = out[r] * rescale[r] + probs[r] . values for dims [16 p, 16 p + 64) over the first `pairs`
+// key pairs from key 64 g.
+template <int R>
+void tile_values(int64_t g, int64_t p, int64_t pairs, const int32_t* probs, const float* rescale,
+                 const int32_t* values, int64_t ctx_pairs, int64_t D, float* out) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c)
+      acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(out + r * D + (p + c) * kPanel), _mm512_set1_ps(rescale[r]));
+  for (int64_t t = 0; t < pairs; ++t) {
+    __m512bh v[4];
+    for (int c = 0; c < 4; ++c)
+      v[c] = (__m512bh)_mm512_loadu_si512(values + ((p + c) * ctx_pairs + g * kKeys / 2 + t) * kPanel);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh pair = (__m512bh)_mm512_set1_epi32(probs[r * kKeys / 2 + t]);
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pair, v[c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out + r * D + (p + c) * kPanel, acc[r][c]);
+}
+
+// Query vectors [row, row + R) over their whole causal context.
+template <int R>
+void tile_rows(const PrefillTask& task, int64_t row, const int32_t* keys, const int32_t* values, int64_t ctx_pairs) {
+  const int64_t D = task.head_dim;
+  alignas(64) float scores[R * kKeys], out[R * 128] = {}, rescale[R], peak[R], total[R] = {};
+  alignas(64) int32_t probs[R * kKeys / 2];
+  const int64_t last = task.first_pos + (row + R - 1) / task.group;
+  for (int64_t g = 0; g * kKeys <= last; ++g) {
+    const int64_t panels = std::min<int64_t>(4, (last - g * kKeys) / kPanel + 1);
+    switch (panels) {
+      case 1: tile_scores<R, 1>(task, row, g, keys, scores); break;
+      case 2: tile_scores<R, 2>(task, row, g, keys, scores); break;
+      case 3: tile_scores<R, 3>(task, row, g, keys, scores); break;
+      default: tile_scores<R, 4>(task, row, g, keys, scores); break;
+    }
+    for (int r = 0; r < R; ++r) {
+      __m512 s[4];
+      for (int c = 0; c < 4; ++c) s[c] = _mm512_loadu_ps(scores + r * kKeys + c * kPanel);
+      const __m512 peaks = _mm512_max_ps(_mm512_max_ps(s[0], s[1]), _mm512_max_ps(s[2], s[3]));
+      const float block_peak = _mm512_reduce_max_ps(peaks);
+      const float new_peak = g == 0 ? block_peak : std::max(peak[r], block_peak);
+      rescale[r] = g == 0 ? 0.f : std::exp(peak[r] - new_peak);
+      __m512 sum = _mm512_setzero_ps();
+      for (int c = 0; c < 4; ++c) {
+        // Masked scores are lowest(): exp_ps clamps them to e^-88, and the mask zeroes them.
+        const __mmask16 valid = _mm512_cmplt_ps_mask(_mm512_set1_ps(std::numeric_limits<float>::lowest()), s[c]);
+        const __m512 e = _mm512_maskz_mov_ps(valid, exp_ps(_mm512_sub_ps(s[c], _mm512_set1_ps(new_peak))));
+        sum = _mm512_add_ps(sum, e);
+        uint16_t* halves = reinterpret_cast<uint16_t*>(probs + r * kKeys / 2);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(halves + c * kPanel), to_bf16(e));
+      }
+      total[r] = total[r] * rescale[r] + _mm512_reduce_add_ps(sum);
+      peak[r] = new_peak;
+    }
+    for (int64_t p = 0; p < D / kPanel; p += 4)
+      tile_values<R>(g, p, panels * kPanel / 2, probs, rescale, values, ctx_pairs, D, out);
+  }
+  for (int r = 0; r < R; ++r) {
+    const int64_t token = (row + r) / task.group, head = (row + r) % task.group;
+    bf16* dst = task.out + token * task.out_stride + head * D;
+    const __m512 inv = _mm512_set1_ps(1.f / total[r]);
+    for (int64_t d = 0; d < D; d += kPanel)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d),
+                          to_bf16(_mm512_mul_ps(_mm512_loadu_ps(out + r * D + d), inv)));
+  }
+}
+
+void run_task(const PrefillTask& task, const int32_t* keys, const int32_t* values, int64_t ctx_pairs) {
+  const int64_t rows = task.count * task.group;
+  int64_t row = 0;
+  for (; row + kTileRows <= rows; row += kTileRows) tile_rows<kTileRows>(task, row, keys, values, ctx_pairs);
+  switch (rows - row) {
+    case 1: return tile_rows<1>(task, row, keys, values, ctx_pairs);
+    case 2: return tile_rows<2>(task, row, keys, values, ctx_pairs);
+    case 3: return tile_rows<3>(task, row, keys, values, ctx_pairs);
+    case 4: return tile_rows<4>(task, row, keys, values, ctx_pairs);
+    case 5: return tile_rows<5>(task, row, keys, values, ctx_pairs);
+    default: return;
+  }
+}
+
+}  // namespace
+
+bool prefill_attention_avx512(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                              const torch::Tensor& table, const torch::Tensor& starts, const torch::Tensor& counts,
+                              const torch::Tensor& contexts, double scale, torch::Tensor& out) {
+  const int64_t D = q.size(2);
+  if (q.scalar_type() != at::kBFloat16 || (D != 64 && D != 128)) return false;
+  const int64_t num_heads = q.size(1), num_kv_heads = k_cache.size(1), group = num_heads / num_kv_heads;
+  const int64_t block_size = k_cache.size(2), block_stride = num_kv_heads * block_size * D;
+  const int64_t sequences = starts.size(0), width = table.size(1), q_stride = q.stride(0);
+  const int64_t* start_ptr = starts.data_ptr<int64_t>();
+  const int64_t* count_ptr = counts.data_ptr<int64_t>();
+  const int64_t* context_ptr = contexts.data_ptr<int64_t>();
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    std::vector<int32_t> keys, values;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t index = 0; index < sequences * num_kv_heads; ++index) {
+      const int64_t s = index / num_kv_heads, kv_head = index % num_kv_heads;
+      const int64_t ctx = context_ptr[s], ctx_pad = (ctx + kKeys - 1) / kKeys * kKeys;
+      pack_context(k_cache.data_ptr<bf16>(), v_cache.data_ptr<bf16>(), table.data_ptr<int64_t>() + s * width,
+                   block_size, block_stride, kv_head * block_size * D, ctx, ctx_pad, D, keys, values);
+      const int64_t head = kv_head * group * D;
+      const PrefillTask task{q.data_ptr<bf16>() + start_ptr[s] * q_stride + head,
+                             out.data_ptr<bf16>() + start_ptr[s] * num_heads * D + head, q_stride, num_heads * D,
+                             count_ptr[s], ctx - count_ptr[s], group, D, static_cast<float>(scale)};
+      run_task(task, keys.data(), values.data(), ctx_pad / 2);
+    }
+  }
+  return true;
+}
+
+#else
+
+bool prefill_attention_avx512(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                              const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, double,
+                              torch::Tensor&) {
+  return false;
+}
+
+#endif
