@@ -128,7 +128,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 
 // Causal attention of packed prefill chunks q [T, H, D]: sequence s owns rows q_start[s] to
 // q_start[s] + q_len[s] and has ctx_len[s] tokens in the caches, this chunk's included, so each
-// row is a decode-style query over its own prefix (the fresh k, v are not needed).
+// row is a decode-style query over its own prefix (the fresh k, v are not needed), unless the
+// GEMM-shaped path of paged_prefill_avx512.cpp applies.
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor, torch::Tensor, torch::Tensor k_cache,
                                       torch::Tensor v_cache, torch::Tensor block_table, torch::Tensor q_start,
                                       torch::Tensor q_len, torch::Tensor ctx_len, int64_t, double scale) {
