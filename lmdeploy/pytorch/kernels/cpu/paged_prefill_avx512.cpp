@@ -45,6 +45,20 @@ void pack_context(const bf16* cache_k, const bf16* cache_v, const int64_t* block
   }
 }
 
+// acc[r][c] += sum over k < steps of the bf16 pairs a[r][k] times the 16 pairs at b + (c * stride + k) * 16.
+template <int R, int C>
+inline void accumulate(__m512 (&acc)[R][4], const int32_t* const (&a)[R], const int32_t* b, int64_t stride,
+                       int64_t steps) {
+  for (int64_t k = 0; k < steps; ++k) {
+    __m512bh column[C];
+    for (int c = 0; c < C; ++c) column[c] = (__m512bh)_mm512_loadu_si512(b + (c * stride + k) * kPanel);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh pair = (__m512bh)_mm512_set1_epi32(a[r][k]);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pair, column[c]);
+    }
+  }
+}
+
 // Scores of R query vectors against keys [64 g, 64 g + 64): scale * q . k, or lowest() past a query's
 // position; only the first C panels of 16 keys hold any key up to the last query's position.
 template <int R, int C>
@@ -60,15 +74,7 @@ void tile_scores(const PrefillTask& task, int64_t row, int64_t g, const int32_t*
   __m512 acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
-  const int32_t* panel = keys + g * 4 * pairs * kPanel;
-  for (int64_t j = 0; j < pairs; ++j) {
-    __m512bh k[C];
-    for (int c = 0; c < C; ++c) k[c] = (__m512bh)_mm512_loadu_si512(panel + (c * pairs + j) * kPanel);
-    for (int r = 0; r < R; ++r) {
-      const __m512bh pair = (__m512bh)_mm512_set1_epi32(q[r][j]);
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pair, k[c]);
-    }
-  }
+  accumulate<R, C>(acc, q, keys + g * 4 * pairs * kPanel, pairs, pairs);
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 4; ++c) {
@@ -89,15 +95,9 @@ void tile_values(int64_t g, int64_t p, int64_t pairs, const int32_t* probs, cons
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 4; ++c)
       acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(out + r * D + (p + c) * kPanel), _mm512_set1_ps(rescale[r]));
-  for (int64_t t = 0; t < pairs; ++t) {
-    __m512bh v[4];
-    for (int c = 0; c < 4; ++c)
-      v[c] = (__m512bh)_mm512_loadu_si512(values + ((p + c) * ctx_pairs + g * kKeys / 2 + t) * kPanel);
-    for (int r = 0; r < R; ++r) {
-      const __m512bh pair = (__m512bh)_mm512_set1_epi32(probs[r * kKeys / 2 + t]);
-      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pair, v[c]);
-    }
-  }
+  const int32_t* rows[R];
+  for (int r = 0; r < R; ++r) rows[r] = probs + r * kKeys / 2;
+  accumulate<R, 4>(acc, rows, values + (p * ctx_pairs + g * kKeys / 2) * kPanel, ctx_pairs, pairs);
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out + r * D + (p + c) * kPanel, acc[r][c]);
 }
