@@ -85,7 +85,7 @@ def test_small_steps_use_int4_and_big_ones_bf16():
 
 
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize('shape', [(5, 64), (3, 4, 32), (1, 576)])
+@pytest.mark.parametrize('shape', [(5, 64), (3, 4, 32), (1, 576), (2, 40)])
 @pytest.mark.parametrize('with_residual', [False, True])
 def test_rms_norm(native, dtype, shape, with_residual):
     torch.manual_seed(0)
@@ -122,10 +122,11 @@ def test_argmax_takes_the_first_of_tied_maxima(native, dtype, shape):
 
 
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float16])
-def test_apply_rotary_on_a_strided_view(native, dtype):
+@pytest.mark.parametrize('dim', [64, 48])
+def test_apply_rotary_on_a_strided_view(native, dtype, dim):
     """The q/k heads of a fused qkv projection: a view whose tokens are further apart than its rows."""
     torch.manual_seed(0)
-    tokens, heads, extra, dim = 7, 12, 3, 64
+    tokens, heads, extra = 7, 12, 3
     qkv = torch.randn(tokens, heads + extra, dim).to(dtype)
     x = qkv[:, :heads]
     cos, sin = torch.randn(tokens, dim).to(dtype), torch.randn(tokens, dim).to(dtype)
