@@ -1,6 +1,9 @@
 """The engine against transformers on tiny random models: exact in fp32, close in bf16."""
 from __future__ import annotations
 
+import os
+import threading
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -9,6 +12,7 @@ from helpers import GREEDY_32, hf_greedy, make_engine, random_prompts, run
 
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
+from lmdeploy.pytorch.kernels import cpu
 
 
 @pytest.fixture(scope='module')
@@ -121,3 +125,36 @@ def test_stop_words_are_trimmed(tiny_llama):
     text = ''.join(o.text for o in outputs)
     assert outputs[-1].finish_reason == 'stop'
     assert text == full[:full.index(stop)]
+
+
+def _single_cpu_threads() -> dict[int, set[int]]:
+    """This process's threads that are pinned to one CPU, and their CPU."""
+    affinities = {int(tid): os.sched_getaffinity(int(tid)) for tid in os.listdir('/proc/self/task')}
+    return {tid: cpus for tid, cpus in affinities.items() if len(cpus) == 1}
+
+
+@pytest.mark.parametrize('bind', ['1', '0'])
+def test_engine_pins_its_openmp_workers_not_its_own_thread(tiny_llama, monkeypatch, bind):
+    """Each thread that runs CPU steps gets its OpenMP workers pinned to one CPU each; unless turned
+    off, and the thread itself stays free (threads it starts later inherit its affinity)."""
+    cpus = os.sched_getaffinity(0)
+    if len(cpus) < 2 or torch.get_num_threads() < 2 or cpu.native() is None:
+        pytest.skip('needs 2 CPUs, 2 torch threads and the native kernels')
+    monkeypatch.setenv('LMDEPLOY_CPU_BIND', bind)
+    engine = make_engine(tiny_llama, device='cpu')
+    before = _single_cpu_threads()
+    seen = {}
+
+    def steps():
+        run(engine, random_prompts([8]), GenerationConfig(max_new_tokens=2))
+        seen['caller'] = os.sched_getaffinity(0)
+        seen['pinned'] = {tid: cpus for tid, cpus in _single_cpu_threads().items() if tid not in before}
+
+    thread = threading.Thread(target=steps)
+    thread.start()
+    thread.join()
+    assert seen['caller'] == cpus
+    if bind == '1':
+        assert seen['pinned'] and all(pinned <= cpus for pinned in seen['pinned'].values())
+    else:
+        assert not seen['pinned']

@@ -6,6 +6,7 @@ from torch import nn
 
 from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.engine.sequence import Sequence
+from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.multimodal import MultiModalBatch, MultiModalInput
 from lmdeploy.pytorch.paging.scheduler import ScheduledSeq, SchedulerOutput
 from lmdeploy.pytorch.step_context import StepContext
@@ -121,6 +122,8 @@ class ModelRunner:
     def forward(self, plan: SchedulerOutput) -> torch.Tensor:
         """Runs the step; returns logits ``[num_sampled, vocab]`` in plan order (prefill, decode), in the
         model's dtype (the sampler widens them where it needs to)."""
+        if self.device.type == 'cpu':
+            cpu.bind_worker_threads()
         input_ids, ctx, sample_rows = self.build_inputs(plan)
         hidden = self.model(input_ids, self.kv_caches, ctx)
         # Sampled rows are unique and ascending: as many as the rows means all of them (decode steps).

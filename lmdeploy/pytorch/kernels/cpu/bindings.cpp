@@ -9,6 +9,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   m.def("argmax", &argmax, "the first index of each row's largest value");
   m.def("apply_rotary", &apply_rotary, "rotary embedding, rotate-half layout");
+  m.def("bind_worker_threads", &bind_worker_threads, "pin the calling thread's OpenMP workers to CPUs");
   m.def("fill_kv_cache", &fill_kv_cache, "write K/V rows into the paged caches");
   m.def("bf16_gemm_available", &bf16_gemm_available, "whether bf16_linear was built (AVX512-BF16)");
   m.def("pack_bf16_weight", &pack_bf16_weight, "a bf16 [N, K] weight in bf16_linear's panel layout");

@@ -103,6 +103,7 @@ torch::Tensor argmax(torch::Tensor x);
 torch::Tensor apply_rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 void fill_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                    torch::Tensor blocks, torch::Tensor offsets);
+void bind_worker_threads(const std::vector<int64_t>& cpus);
 bool bf16_gemm_available();
 torch::Tensor pack_bf16_weight(const torch::Tensor& weight);
 torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, c10::optional<torch::Tensor> bias);
