@@ -10,6 +10,7 @@ from torch import nn
 from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.kernels import apply_rotary
 from lmdeploy.pytorch.nn.attention import PagedAttention
+from lmdeploy.pytorch.nn.decoder_stack import LayerWeights, NativeDecoderStack
 from lmdeploy.pytorch.nn.linear import GateUpLinear, Linear, MergedLinear, PackedWeight, pack_for_cpu, packed_linear
 from lmdeploy.pytorch.nn.norm import RMSNorm
 from lmdeploy.pytorch.nn.rotary import RotaryEmbedding
@@ -82,6 +83,20 @@ class LlamaDecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
+    def native_weights(self) -> LayerWeights | None:
+        """This layer's weights for :class:`NativeDecoderStack`; None unless every projection holds
+        native GEMM panels and the layer has no parts the stack lacks (q/k norms, a MoE block)."""
+        attn, mlp = self.self_attn, self.mlp
+        if attn.qk_norm or not isinstance(mlp, LlamaMLP):
+            return None
+        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if not all(proj.packed is not None and proj.packed.native for proj in projections):
+            return None
+        weights = [self.input_layernorm.weight, self.post_attention_layernorm.weight]
+        for proj in projections:
+            weights += [proj.packed.data, proj.bias]
+        return weights
+
 
 class LlamaForCausalLM(nn.Module):
     """Decoder stack plus LM head; ``forward`` returns hidden states, ``logits`` projects them."""
@@ -105,6 +120,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if self.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         self.lm_head_fp16: torch.Tensor | None = None
         self.lm_head_packed: PackedWeight | None = None
+        self.native_stack: NativeDecoderStack | None = None
 
     def make_mlp(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
         """The feed-forward block of one decoder layer; MoE models override it."""
@@ -114,9 +130,12 @@ class LlamaForCausalLM(nn.Module):
         positions = ctx.positions if ctx.rope_positions is None else ctx.rope_positions
         ctx.cos, ctx.sin = self.rotary(positions, self.cfg.dtype)
         x = self.embed(input_ids, ctx)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, kv_cache, ctx)
+        if self.native_stack is not None and self.native_stack.runs(x.shape[0]):
+            x, residual = self.native_stack(x, kv_caches, ctx)
+        else:
+            residual = None
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                x, residual = layer(x, residual, kv_cache, ctx)
         x, _ = self.norm(x, residual)
         return x
 
@@ -137,11 +156,16 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def pack_weights_for_cpu(self) -> None:
-        """Keeps bf16 CPU projection weights (and a copy of the LM head's) in oneDNN's layout."""
-        for module in self.layers.modules():
-            if isinstance(module, Linear):
-                module.pack_for_cpu()
+        """Keeps bf16 CPU projection weights (and a copy of the LM head's) packed for their GEMM; with
+        native GEMM weights throughout, the decoder layers then run as one :class:`NativeDecoderStack`."""
+        projections = [module for module in self.layers.modules() if isinstance(module, Linear)]
+        for module in projections:
+            module.pack_for_cpu()
         self.lm_head_packed = pack_for_cpu(self.lm_head_weight)
+        attn = self.layers[0].self_attn
+        self.native_stack = NativeDecoderStack.build(
+            [layer.native_weights() for layer in self.layers], attn.num_heads, attn.num_kv_heads, attn.head_dim,
+            self.layers[0].input_layernorm.eps, attn.attn.scale, max(module.int4_max_tokens for module in projections))
 
     def enable_decode_int4(self) -> None:
         """Small steps run the decoder's projections on 4-bit weights and one row's LM head in fp16

@@ -18,4 +18,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_bf16_gate_up", &pack_bf16_gate_up, "a [gate; up] bf16 weight packed for bf16_gate_up_silu");
   m.def("bf16_gate_up_silu", &bf16_gate_up_silu, "silu(x @ G.T) * (x @ U.T) on a weight from pack_bf16_gate_up",
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("bias") = pybind11::none());
+  pybind11::class_<StepTensors>(m, "StepTensors", "the step's tensors that every decoder layer reads")
+      .def(pybind11::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t,
+                          c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
+                          c10::optional<torch::Tensor>, int64_t, c10::optional<torch::Tensor>,
+                          c10::optional<torch::Tensor>>());
+  pybind11::class_<DecoderStack>(m, "DecoderStack", "Llama-style decoder layers in one call per step")
+      .def(pybind11::init<const std::vector<std::vector<c10::optional<torch::Tensor>>>&, int64_t, int64_t, int64_t,
+                          double, double>())
+      .def("forward", &DecoderStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -109,3 +109,40 @@ torch::Tensor pack_bf16_weight(const torch::Tensor& weight);
 torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, c10::optional<torch::Tensor> bias);
 torch::Tensor pack_bf16_gate_up(const torch::Tensor& weight);
 torch::Tensor bf16_gate_up_silu(const torch::Tensor& x, const torch::Tensor& packed, c10::optional<torch::Tensor> bias);
+
+// The tensors of one engine step that every decoder layer reads (see StepContext in step_context.py).
+struct StepTensors {
+  torch::Tensor cos, sin, kv_blocks, kv_offsets;
+  int64_t num_prefill_tokens;
+  c10::optional<torch::Tensor> prefill_block_table, prefill_q_start, prefill_q_len, prefill_ctx_len;
+  int64_t prefill_max_q_len;
+  c10::optional<torch::Tensor> decode_blocks, decode_kv_lens;
+};
+
+// Llama-style decoder layers (decoder_stack.cpp) on weights packed for bf16_linear and bf16_gate_up_silu.
+class DecoderStack {
+ public:
+  DecoderStack(const std::vector<std::vector<c10::optional<torch::Tensor>>>& layers, int64_t num_heads,
+               int64_t num_kv_heads, int64_t head_dim, double eps, double scale);
+  // The embeddings x through every layer: (hidden states, residual), as the layers' forward leaves them.
+  std::tuple<torch::Tensor, torch::Tensor> forward(
+      torch::Tensor x, const std::vector<std::tuple<torch::Tensor, torch::Tensor>>& kv_caches,
+      const StepTensors& step) const;
+
+ private:
+  struct Layer {
+    torch::Tensor input_norm, post_norm, qkv;
+    c10::optional<torch::Tensor> qkv_bias;
+    torch::Tensor o;
+    c10::optional<torch::Tensor> o_bias;
+    torch::Tensor gate_up;
+    c10::optional<torch::Tensor> gate_up_bias;
+    torch::Tensor down;
+    c10::optional<torch::Tensor> down_bias;
+  };
+  torch::Tensor attention(const torch::Tensor& qkv, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                          const StepTensors& step) const;
+  std::vector<Layer> layers_;
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+  double eps_, scale_;
+};
