@@ -13,8 +13,9 @@ import torch
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.step_context import StepContext
 
-# A layer's tensors in the stack's order; the biases may be None.
-LayerWeights = list[torch.Tensor | None]  # input_norm, post_norm, qkv, qkv_bias, o, o_bias, gate_up, ..., down_bias
+# A layer's tensors in the stack's order, the biases None where a projection has none: input_norm,
+# post_norm, qkv, qkv_bias, o, o_bias, gate_up, gate_up_bias, down, down_bias (packed GEMM panels).
+LayerWeights = list[torch.Tensor | None]
 
 
 class NativeDecoderStack:
