@@ -6,6 +6,7 @@ identical; it only drops the Python between them, which in a 64-row decode step 
 """
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -22,19 +23,20 @@ class NativeDecoderStack:
     """Every decoder layer of a model in one native call; steps of at most ``small_step_rows`` tokens,
     which run on 4-bit weights, still take the layers' Python forward."""
 
-    def __init__(self, stack: Any, small_step_rows: int):
+    def __init__(self, native: ModuleType, stack: Any, small_step_rows: int):
+        self.native = native
         self.stack = stack
         self.small_step_rows = small_step_rows
 
     @classmethod
     def build(cls, layers: list[LayerWeights | None], num_heads: int, num_kv_heads: int, head_dim: int,
               eps: float, scale: float, small_step_rows: int) -> NativeDecoderStack | None:
-        """The stack of ``layers`` (each from a layer's ``native_weights``), or None when a layer cannot
-        run in it or the native kernels are unavailable."""
-        module = cpu.native()
-        if module is None or not layers or any(weights is None for weights in layers):
+        """The stack of ``layers`` (each from a layer's ``native_weights``, which holds native GEMM
+        panels, so the native kernels are loaded), or None when a layer cannot run in it."""
+        if not layers or any(weights is None for weights in layers):
             return None
-        return cls(module.DecoderStack(layers, num_heads, num_kv_heads, head_dim, eps, scale), small_step_rows)
+        native = cpu.native()
+        return cls(native, native.DecoderStack(layers, num_heads, num_kv_heads, head_dim, eps, scale), small_step_rows)
 
     def runs(self, num_tokens: int) -> bool:
         """Whether a step of ``num_tokens`` tokens runs in the stack."""
@@ -43,8 +45,8 @@ class NativeDecoderStack:
     def __call__(self, x: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
         """The embeddings ``x`` through every layer: ``(hidden states, residual)``."""
-        step = cpu.native().StepTensors(ctx.cos, ctx.sin, ctx.kv_blocks, ctx.kv_offsets, ctx.num_prefill_tokens,
-                                        ctx.prefill_block_table, ctx.prefill_q_start, ctx.prefill_q_len,
-                                        ctx.prefill_ctx_len, ctx.prefill_max_q_len, ctx.decode_blocks,
-                                        ctx.decode_kv_lens)
+        step = self.native.StepTensors(ctx.cos, ctx.sin, ctx.kv_blocks, ctx.kv_offsets, ctx.num_prefill_tokens,
+                                       ctx.prefill_block_table, ctx.prefill_q_start, ctx.prefill_q_len,
+                                       ctx.prefill_ctx_len, ctx.prefill_max_q_len, ctx.decode_blocks,
+                                       ctx.decode_kv_lens)
         return self.stack.forward(x, kv_caches, step)
