@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
@@ -79,3 +80,51 @@ def test_bf16_small_steps_run_the_q4_1_grid_in_int4():
         assert not torch.equal(int4, bf16)
         assert (int4 - fp32).norm() / fp32.norm() < 0.1
         assert int4.argmax() in (fp32.argmax(), bf16.argmax())
+
+
+
+def test_bf16_steps_release_the_gil_in_the_native_decoder_stack(monkeypatch):
+    """With the native GEMM (bf16) a step's decoder layers run with the GIL released, so other Python
+    threads (an API server's event loop) keep running during the step: a thread that stamps the time
+    every fraction of a millisecond leaves stamps well inside the call, which no thread can while a
+    native call holds the GIL (a GIL-holding kernel of the same length leaves none)."""
+    import sys
+    import time
+
+    from lmdeploy.pytorch.engine.engine import Engine
+    engine = Engine(None, PytorchEngineConfig(num_gpu_blocks=8), show_progress=False)
+    model = engine.runner.model
+    if model.native_stack is None:
+        pytest.skip('the native decoder stack needs the native bf16 GEMM (AVX512-BF16, no AMX)')
+    stamps, calls = [], []
+    done = threading.Event()
+
+    class TimedStack:
+        def __init__(self, stack):
+            self.stack = stack
+
+        def forward(self, *args):
+            start = time.perf_counter()
+            out = self.stack.forward(*args)
+            calls.append((start, time.perf_counter()))
+            return out
+
+    def stamp():
+        while not done.is_set():
+            stamps.append(time.perf_counter())
+            time.sleep(0.0002)
+
+    monkeypatch.setattr(model.native_stack, 'stack', TimedStack(model.native_stack.stack))
+    switch_interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.0005)  # a GIL holder hands over within 0.5 ms of a call's edges
+    thread = threading.Thread(target=stamp)
+    thread.start()
+    try:
+        engine.get_logits(list(range(100, 400)))
+    finally:
+        done.set()
+        thread.join()
+        sys.setswitchinterval(switch_interval)
+    (start, end), = calls
+    assert end - start > 0.01
+    assert any(start + 0.003 < when < end - 0.003 for when in stamps)
