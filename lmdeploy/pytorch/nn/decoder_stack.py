@@ -33,7 +33,7 @@ class NativeDecoderStack:
               eps: float, scale: float, small_step_rows: int) -> NativeDecoderStack | None:
         """The stack of ``layers`` (each from a layer's ``native_weights``, which holds native GEMM
         panels, so the native kernels are loaded), or None when a layer cannot run in it."""
-        if not layers or any(weights is None for weights in layers):
+        if any(weights is None for weights in layers):
             return None
         native = cpu.native()
         return cls(native, native.DecoderStack(layers, num_heads, num_kv_heads, head_dim, eps, scale), small_step_rows)
