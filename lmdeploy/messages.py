@@ -82,6 +82,16 @@ class PytorchEngineConfig:
     fp16 copy of its weight; bigger steps keep the bf16 weights. None (auto) turns it on for GGUF
     models whose linear weights are Q4_1, whose 4-bit grid it reproduces exactly; True also quantizes
     other models (round-to-nearest, lossy); False turns it off.
+
+    On CUDA, decode steps replay CUDA graphs captured per padded batch size (1, 2, 4, 8, 16, 24, 32,
+    then steps of 16, up to ``max_batch_size``); ``eager_mode=True`` runs every step eagerly instead.
+    ``load_format='dummy'`` fills the weights with random values on the device instead of reading
+    weight files (the folder needs only its config and tokenizer): for measuring speed at a model's
+    shape without its checkpoint.
+
+    ``overlap_schedule`` queues each step on the device before the previous step's tokens reach the
+    host, so that scheduling and input building overlap the device's work (None: on for CUDA, where
+    the device runs asynchronously; on the CPU there is nothing to overlap). Outputs are the same.
     """
 
     dtype: Literal['auto', 'float32', 'bfloat16', 'float16'] = 'auto'
@@ -97,6 +107,9 @@ class PytorchEngineConfig:
     device: str = 'cpu'
     num_threads: int | None = None
     decode_int4: bool | None = None
+    eager_mode: bool = False
+    overlap_schedule: bool | None = None
+    load_format: Literal['auto', 'dummy'] = 'auto'
 
     def __post_init__(self):
         _check(self.dtype in ('auto', 'float32', 'bfloat16', 'float16'),
@@ -109,6 +122,7 @@ class PytorchEngineConfig:
         _check(self.max_prefill_token_num >= self.block_size, 'max_prefill_token_num must be >= block_size')
         _check(self.num_gpu_blocks >= 0, 'num_gpu_blocks must be >= 0 (0 means size from memory)')
         _check(self.tp == 1, 'tp > 1 is not supported yet')
+        _check(self.load_format in ('auto', 'dummy'), f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
 
 
 @dataclass

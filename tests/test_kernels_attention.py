@@ -7,6 +7,7 @@ from kernel_env import DEVICE, DTYPES
 
 from lmdeploy.pytorch.kernels import attention
 from lmdeploy.pytorch.kernels import cuda as triton_kernels
+from lmdeploy.pytorch.kernels.cuda.decode_attention import DecodeConfig, decode_attention_with, decode_config
 
 pytestmark = pytest.mark.triton
 TOL = {torch.float32: 2e-3 if DEVICE == 'cuda' else 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
@@ -36,24 +37,57 @@ def assert_close(out, ref, dtype):
     torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
+def paged_case(lengths: list[int], num_heads: int, num_kv_heads: int, dtype: torch.dtype, width: int = 0):
+    """``(q, k_cache, v_cache, block_table, kv_lens)``; ``width`` pads the table (graph capture's wide tables)."""
+    k_cache, v_cache, table = paged_cache(lengths, num_kv_heads, 32, dtype)
+    if width > table.shape[1]:
+        table = torch.cat([table, table.new_zeros(len(lengths), width - table.shape[1])], dim=1)
+    q = rand(len(lengths), num_heads, 32, dtype=dtype)
+    return q, k_cache, v_cache, table, torch.tensor(lengths, device=DEVICE)
+
+
+def decode_reference(q, k_cache, v_cache, table, kv_lens):
+    return attention.decode_attention(q.float(), k_cache.float(), v_cache.float(), table, kv_lens, 0.2)
+
+
 @pytest.mark.parametrize('dtype', DTYPES)
-@pytest.mark.parametrize('lengths,num_heads,num_kv_heads', [
-    ([1, 37, 16, 90], 6, 2),  # ragged, GQA group of 3, partial last blocks: one block per split
-    ([1100, 17, 250], 4, 4),  # 69 blocks in 44 splits: two blocks per split, empty splits
+@pytest.mark.parametrize('lengths,num_heads,num_kv_heads,width', [
+    ([1, 37, 16, 90], 6, 2, 0),  # ragged, GQA group of 3, partial last blocks: one block per split
+    ([40, 7], 4, 1, 64),  # short sequences in a 64-page table: 64 splits, most of them empty
 ])
-def test_decode_attention(dtype, lengths, num_heads, num_kv_heads):
-    head_dim = 32
-    k_cache, v_cache, table = paged_cache(lengths, num_kv_heads, head_dim, dtype)
-    q = rand(len(lengths), num_heads, head_dim, dtype=dtype)
-    kv_lens = torch.tensor(lengths, device=DEVICE)
-    out = triton_kernels.decode_attention(q, k_cache, v_cache, table, kv_lens, 0.2)
-    ref = attention.decode_attention(q.float(), k_cache.float(), v_cache.float(), table, kv_lens, 0.2)
-    assert_close(out, ref, dtype)
+def test_decode_attention(dtype, lengths, num_heads, num_kv_heads, width):
+    case = paged_case(lengths, num_heads, num_kv_heads, dtype, width)
+    out = triton_kernels.decode_attention(*case, 0.2)
+    assert_close(out, decode_reference(*case), dtype)
 
 
-def test_decode_splits_cover_long_contexts():
-    from lmdeploy.pytorch.kernels.cuda.decode_attention import _num_splits
-    assert _num_splits(1, 8, 512) == 64 and _num_splits(64, 8, 512) == 2 and _num_splits(2, 2, 3) == 3
+@pytest.mark.parametrize('dtype', DTYPES[-1:])  # launch shapes; the dtypes go through the default config above
+@pytest.mark.parametrize('lengths,width,config', [
+    ([1100, 17, 250], 0, DecodeConfig(24, 2, 4, 2)),  # 69 pages in 24 splits: 3 per split, half-used steps
+    ([1, 300, 64, 129], 40, DecodeConfig(16, 1, 4, 3)),  # mixed lengths, many splits, page-aligned and not
+    ([200, 33], 13, DecodeConfig(5, 4, 4, 1)),  # 4 pages per step past a split's end
+])
+def test_decode_attention_configs(dtype, lengths, width, config):
+    case = paged_case(lengths, 4, 2, dtype, width)
+    out = decode_attention_with(*case, 0.2, config)
+    assert_close(out, decode_reference(*case), dtype)
+
+
+def test_decode_empty_sequence_gives_zeros():
+    """A padded row of a captured batch (``kv_len`` 0) yields zeros, and its neighbours stay exact."""
+    q, k_cache, v_cache, table, kv_lens = paged_case([50, 0, 20], 4, 2, torch.float32, 8)
+    out = decode_attention_with(q, k_cache, v_cache, table, kv_lens, 0.2, DecodeConfig(8, 2, 4, 2))
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    keep = torch.tensor([0, 2], device=DEVICE)
+    ref = decode_reference(q[keep], k_cache, v_cache, table[keep], kv_lens[keep])
+    assert_close(out[keep], ref, torch.float32)
+
+
+def test_decode_config_depends_on_shapes_only():
+    assert decode_config(1, 8, 512).splits == 128  # a single long sequence: the small-batch cap
+    assert decode_config(1, 8, 3).splits == 3  # never more splits than pages in the table
+    assert decode_config(8, 8, 128).splits == 17  # 64 rows: 8 programs per SM of an H200
+    assert decode_config(64, 8, 64).splits == 2 and decode_config(128, 8, 32).splits == 1
 
 
 @pytest.mark.parametrize('dtype', DTYPES)

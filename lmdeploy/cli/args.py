@@ -21,6 +21,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--enable-prefix-caching', dest='enable_prefix_caching', action='store_true', default=True)
     parser.add_argument('--disable-prefix-caching', dest='enable_prefix_caching', action='store_false')
     parser.add_argument('--tp', type=int, default=1, help='tensor parallelism (only 1 for now)')
+    parser.add_argument('--device', default='cpu', help="'cpu' or 'cuda' (or 'cuda:N')")
+    parser.add_argument('--eager-mode', action='store_true', help='on CUDA, run decode steps without CUDA graphs')
+    parser.add_argument('--load-format', default='auto', choices=['auto', 'dummy'],
+                        help="'dummy': random weights at the model's shape (for speed tests; no weight files read)")
     parser.add_argument('--log-level', default='WARNING', choices=['DEBUG', 'INFO', 'WARNING', 'ERROR'])
 
 
@@ -29,7 +33,8 @@ def engine_config(args: argparse.Namespace) -> PytorchEngineConfig:
     return PytorchEngineConfig(dtype=args.dtype, session_len=args.session_len, max_batch_size=args.max_batch_size,
                                cache_max_entry_count=args.cache_max_entry_count, num_gpu_blocks=args.num_gpu_blocks,
                                block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
-                               tp=args.tp)
+                               tp=args.tp, device=args.device, eager_mode=args.eager_mode,
+                               load_format=args.load_format)
 
 
 def add_generation_args(parser: argparse.ArgumentParser) -> None:

@@ -3,23 +3,26 @@ from __future__ import annotations
 
 import itertools
 import logging
+from dataclasses import dataclass
 
 import psutil
 import torch
+from torch import nn
 
-from lmdeploy.archs import get_model_class, load_hf_config
+from lmdeploy.archs import load_hf_config
 from lmdeploy.messages import EngineOutput, GenerationConfig, PytorchEngineConfig
 from lmdeploy.model_source import resolve_model_path
 from lmdeploy.pytorch.config import ModelConfig
-from lmdeploy.pytorch.engine.model_runner import ModelRunner
+from lmdeploy.pytorch.engine.cuda_graph import DecodeGraphRunner
+from lmdeploy.pytorch.engine.model_runner import InflightTokens, ModelRunner
 from lmdeploy.pytorch.engine.output_processor import OutputProcessor
-from lmdeploy.pytorch.engine.sampler import sample
+from lmdeploy.pytorch.engine.sampler import PendingSample, depends_on_outputs, launch_sample
 from lmdeploy.pytorch.engine.sequence import Sequence
 from lmdeploy.pytorch.kernels import cpu as cpu_kernels
 from lmdeploy.pytorch.multimodal import MultiModalInput
 from lmdeploy.pytorch.paging.block_manager import BlockManager
 from lmdeploy.pytorch.paging.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
-from lmdeploy.pytorch.weights.safetensors_loader import iterate_weights
+from lmdeploy.pytorch.weights.loader import build_model
 from lmdeploy.tokenizer import Tokenizer
 
 logger = logging.getLogger('lmdeploy')
@@ -32,6 +35,16 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     if name == 'auto':
         return torch.bfloat16
     return DTYPES[name]
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device: its scheduled items, the sequences it samples (one row each) and
+    their tokens on the way to the host."""
+
+    items: list[ScheduledSeq]
+    sampled: list[Sequence]
+    sample: PendingSample
 
 
 class Engine:
@@ -56,22 +69,25 @@ class Engine:
         hf_config = load_hf_config(self.model_dir)
         self.model_config = cfg = ModelConfig.from_hf(hf_config, resolve_dtype(config.dtype, config.device))
         self.tokenizer = Tokenizer(self.model_dir)
-        model = get_model_class(cfg.architecture)(cfg).to(cfg.dtype)
-        model.load_weights(iterate_weights(self.model_dir, show_progress))
-        model.to(self.device).eval()
+        model = build_model(cfg, self.model_dir, self.device, config.load_format, show_progress)
         if self._decode_int4(hf_config):
             model.enable_decode_int4()
         if self.device.type == 'cpu':
             model.pack_weights_for_cpu()
-        num_blocks = config.num_gpu_blocks or self._blocks_from_memory(cfg)
+        use_graphs = self.device.type == 'cuda' and not config.eager_mode
+        num_blocks = config.num_gpu_blocks or self._blocks_from_memory(cfg, model if use_graphs else None)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_batch_size, config.max_prefill_token_num)
         self.runner = ModelRunner(model, cfg, num_blocks, config.block_size, self.device)
         capacity = num_blocks * config.block_size
         self.session_len = min(config.session_len or cfg.max_position_embeddings, capacity)
+        if use_graphs:
+            self.runner.capture_graphs(config.max_batch_size, -(-self.session_len // config.block_size))
         self.outputs = OutputProcessor(self.tokenizer)
         self.sequences: dict[int, Sequence] = {}
         self._ids = itertools.count()
+        self.overlap = self.device.type == 'cuda' if config.overlap_schedule is None else config.overlap_schedule
+        self._launched: LaunchedStep | None = None
 
     def _decode_int4(self, hf_config) -> bool:
         """Whether small steps run on 4-bit weights (see ``PytorchEngineConfig.decode_int4``)."""
@@ -81,9 +97,31 @@ class Engine:
             return getattr(hf_config, 'gguf_weight_type', None) == 'Q4_1'
         return self.config.decode_int4
 
-    def _blocks_from_memory(self, cfg: ModelConfig) -> int:
+    def _graph_memory(self, model: nn.Module, cfg: ModelConfig) -> int:
+        """What the decode graphs will keep: the activations of an eager decode step at the largest graph
+        size (the graphs share one pool) plus every smaller graph's logits."""
+        probe = ModelRunner(model, cfg, 1, self.config.block_size, self.device)
+        graphs = DecodeGraphRunner(model, probe.kv_caches, self.config.max_batch_size, 1, self.config.block_size,
+                                   probe.scratch_block, make_graph=lambda: None)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        with torch.inference_mode():
+            logits = graphs.forward(graphs.sizes[-1])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        smaller_logits = sum(graphs.sizes[:-1]) * logits.shape[1] * logits.element_size()
+        del probe, graphs, logits
+        torch.cuda.empty_cache()
+        return peak + smaller_logits
+
+    def _blocks_from_memory(self, cfg: ModelConfig, graph_model: nn.Module | None) -> int:
+        """KV blocks that fit in ``cache_max_entry_count`` of the free memory, after what decode graphs of
+        ``graph_model`` (when given) will take."""
         if self.device.type == 'cuda':
-            budget = int(torch.cuda.mem_get_info(self.device)[0] * self.config.cache_max_entry_count)
+            reserved = self._graph_memory(graph_model, cfg) if graph_model is not None else 0
+            free = torch.cuda.mem_get_info(self.device)[0] - reserved
+            budget = int(max(free, 0) * self.config.cache_max_entry_count)
         else:
             available = psutil.virtual_memory().available
             budget = min(int(available * self.config.cache_max_entry_count), self.config.max_cache_bytes)
@@ -157,28 +195,62 @@ class Engine:
             self.block_manager.free_blocks(seq)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._launched is not None
 
     def step(self) -> list[EngineOutput]:
-        """Runs one batched forward pass and returns the new output of every sequence that got one."""
+        """Runs one batched forward pass and returns the new output of every sequence that got one.
+
+        Overlapped (``overlap_schedule``), the step is queued on the device first and the outputs are
+        those of the step before, whose tokens arrived meanwhile: the next step is scheduled and its
+        inputs are built while the device still runs the last one.
+        """
+        previous, self._launched = self._launched, None
+        outputs: list[EngineOutput] = []
+        if previous is not None and any(depends_on_outputs(seq) for seq in self.scheduler.running):
+            outputs, previous = self._collect(previous), None
         plan = self.scheduler.schedule()
-        if plan.is_empty:
-            return []
-        logits = self.runner.forward(plan)
+        if not plan.is_empty:
+            self._launched = self._launch(plan, previous)
+        if previous is not None:
+            outputs = self._collect(previous)
+        if self._launched is not None and not self.overlap:
+            outputs, self._launched = self._collect(self._launched), None
+        return outputs
+
+    def _launch(self, plan: SchedulerOutput, previous: LaunchedStep | None) -> LaunchedStep:
+        """Queues the forward pass and the sampling of ``plan``; the sampled tokens are in flight."""
+        inflight = None
+        if previous is not None:
+            inflight = InflightTokens(previous.sample.token_ids,
+                                      {seq.seq_id: row for row, seq in enumerate(previous.sampled)})
+        logits = self.runner.forward(plan, inflight)
         items = plan.prefill + plan.decode
         sampled = [item.seq for item in items if item.samples]
         for item in items:
             item.seq.num_computed += item.num_tokens
-        result = sample(logits, sampled)
+        pending = launch_sample(logits, sampled)
+        for seq in sampled:
+            seq.num_inflight += 1
+            seq.awaiting_final_token = (seq.num_generated >= seq.gen_config.max_new_tokens
+                                        or seq.num_tokens >= self.session_len)
+        return LaunchedStep(items, sampled, pending)
+
+    def _collect(self, step: LaunchedStep) -> list[EngineOutput]:
+        """Waits for a launched step's tokens and turns them into outputs; sequences that ended while it
+        was in flight (stopped by the step before, or aborted) drop theirs."""
+        result = step.sample.result()
         outputs = []
-        for row, seq in enumerate(sampled):
+        for row, seq in enumerate(step.sampled):
+            seq.num_inflight -= 1
+            if seq.is_finished:
+                continue
             logprobs = result.logprobs[row] if result.logprobs else None
             output = self.outputs.append_token(seq, result.token_ids[row], logprobs, self.session_len)
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
                 del self.sequences[seq.seq_id]
             outputs.append(output)
-        for item in items:
+        for item in step.items:
             if not item.seq.is_finished:
                 self.block_manager.register_full_blocks(item.seq)
         return outputs

@@ -1,19 +1,42 @@
 """Turns a scheduled step into one batched forward pass and returns logits for the sampled rows."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from lmdeploy.pytorch.config import ModelConfig
-from lmdeploy.pytorch.engine.sequence import Sequence
+from lmdeploy.pytorch.device import to_device
+from lmdeploy.pytorch.engine.cuda_graph import DecodeGraphRunner
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.multimodal import MultiModalBatch, MultiModalInput
 from lmdeploy.pytorch.paging.scheduler import ScheduledSeq, SchedulerOutput
 from lmdeploy.pytorch.step_context import StepContext
 
 
+@dataclass
+class InflightTokens:
+    """The previous step's sampled tokens, still on the device; ``row_of[seq_id]`` is a sequence's row."""
+
+    token_ids: torch.Tensor
+    row_of: dict[int, int]
+
+    def copy_into(self, target: torch.Tensor, decode: list[ScheduledSeq], first_row: int) -> None:
+        """Writes each decode row's token in flight into ``target[first_row + i]``, on the device."""
+        pairs = [(first_row + i, self.row_of[item.seq.seq_id]) for i, item in enumerate(decode) if item.seq.num_inflight]
+        if pairs:
+            dst, src = zip(*pairs)
+            device = self.token_ids.device
+            target[to_device(torch.tensor(dst), device)] = self.token_ids[to_device(torch.tensor(src), device)]
+
+
 class ModelRunner:
-    """Owns the model and its KV cache on ``device``; ``forward`` runs one step of the scheduler's plan."""
+    """Owns the model and its KV cache on ``device``; ``forward`` runs one step of the scheduler's plan.
+
+    The cache holds one block more than the block manager hands out: the scratch block that the
+    padding rows of graph-replayed decode steps write to.
+    """
 
     def __init__(self, model: nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int,
                  device: torch.device | str = 'cpu'):
@@ -21,28 +44,27 @@ class ModelRunner:
         self.cfg = cfg
         self.block_size = block_size
         self.device = torch.device(device)
-        shape = (num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim)
+        self.scratch_block = num_blocks
+        shape = (num_blocks + 1, cfg.num_kv_heads, block_size, cfg.head_dim)
         # Zeroed so that the padding read by batched decode never holds NaNs.
         self.kv_caches = [(torch.zeros(shape, dtype=cfg.dtype, device=self.device),
                            torch.zeros(shape, dtype=cfg.dtype, device=self.device)) for _ in range(cfg.num_layers)]
+        self.graphs: DecodeGraphRunner | None = None
+
+    def capture_graphs(self, max_batch_size: int, max_blocks: int, make_graph=None) -> None:
+        """Captures decode graphs for up to ``max_batch_size`` sequences of up to ``max_blocks`` blocks."""
+        self.graphs = DecodeGraphRunner(self.model, self.kv_caches, max_batch_size, max_blocks, self.block_size,
+                                        self.scratch_block, make_graph)
+        self.graphs.capture()
 
     def _tensor(self, values: list) -> torch.Tensor:
-        return torch.tensor(values, device=self.device)
+        return to_device(torch.tensor(values), self.device)
 
     def _block_table(self, items: list[ScheduledSeq], lengths: list[int]) -> torch.Tensor:
         """``[len(items), max blocks]``: each sequence's blocks covering its first ``lengths`` tokens."""
         width = -(-max(lengths) // self.block_size)
         return self._tensor([item.seq.block_ids[:width] + [0] * (width - len(item.seq.block_ids[:width]))
                              for item in items])
-
-    @staticmethod
-    def _rope_positions(seq: Sequence, start: int, end: int) -> torch.Tensor:
-        """``[3, end - start]`` 3-D rotary positions of tokens ``start:end`` of ``seq``."""
-        if seq.rope_positions is None:
-            return torch.arange(start, end).expand(3, -1)
-        num_prompt = seq.rope_positions.shape[1]
-        tail = torch.arange(min(max(start, num_prompt), end), end) + seq.rope_delta
-        return torch.cat((seq.rope_positions[:, start:end], tail.expand(3, -1)), dim=1)
 
     def _multimodal_batch(self, plan: SchedulerOutput, q_start: list[int]) -> MultiModalBatch | None:
         """The images whose placeholder tokens the prefill chunks feed; a whole image is encoded even
@@ -81,7 +103,7 @@ class ModelRunner:
             seq, start = item.seq, item.seq.num_computed
             end = start + item.num_tokens
             if uses_mrope:
-                rope_positions.append(self._rope_positions(seq, start, end))
+                rope_positions.append(seq.rope_positions_of(start, end))
             q_start.append(len(input_ids))
             ctx_len.append(end)
             input_ids.extend(seq.token_ids[start:end])
@@ -102,11 +124,11 @@ class ModelRunner:
         if plan.decode:
             for item in plan.decode:
                 seq = item.seq
-                input_ids.append(seq.token_ids[-1])
+                input_ids.append(seq.last_token)
                 positions.append(seq.num_tokens - 1)
                 kv_blocks.append(seq.block_ids[(seq.num_tokens - 1) // bs])
                 if uses_mrope:
-                    rope_positions.append(self._rope_positions(seq, seq.num_tokens - 1, seq.num_tokens))
+                    rope_positions.append(seq.rope_positions_of(seq.num_tokens - 1, seq.num_tokens))
             lengths = [item.seq.num_tokens for item in plan.decode]
             decode_blocks, decode_kv_lens = self._block_table(plan.decode, lengths), self._tensor(lengths)
             sample_rows.extend(range(num_prefill, len(input_ids)))
@@ -114,17 +136,22 @@ class ModelRunner:
         ctx = StepContext(positions=position_tensor, kv_blocks=self._tensor(kv_blocks),
                           kv_offsets=position_tensor % bs, num_prefill_tokens=num_prefill,
                           decode_blocks=decode_blocks, decode_kv_lens=decode_kv_lens,
-                          rope_positions=torch.cat(rope_positions, dim=1).to(self.device) if uses_mrope else None,
+                          rope_positions=to_device(torch.cat(rope_positions, dim=1), self.device) if uses_mrope else None,
                           multimodal=self._multimodal_batch(plan, q_start), **prefill)
         return self._tensor(input_ids), ctx, sample_rows
 
     @torch.inference_mode()
-    def forward(self, plan: SchedulerOutput) -> torch.Tensor:
+    def forward(self, plan: SchedulerOutput, inflight: InflightTokens | None = None) -> torch.Tensor:
         """Runs the step; returns logits ``[num_sampled, vocab]`` in plan order (prefill, decode), in the
-        model's dtype (the sampler widens them where it needs to)."""
+        model's dtype (the sampler widens them where it needs to). Decode rows of sequences with a token
+        in flight take it from ``inflight``."""
         if self.device.type == 'cpu':
             cpu.bind_worker_threads()
+        if self.graphs is not None and not plan.prefill and self.graphs.runs(plan.decode):
+            return self.graphs.run(plan.decode, inflight)
         input_ids, ctx, sample_rows = self.build_inputs(plan)
+        if inflight is not None:
+            inflight.copy_into(input_ids, plan.decode, ctx.num_prefill_tokens)
         hidden = self.model(input_ids, self.kv_caches, ctx)
         # Sampled rows are unique and ascending: as many as the rows means all of them (decode steps).
         return self.model.logits(hidden if len(sample_rows) == hidden.shape[0] else hidden[sample_rows])

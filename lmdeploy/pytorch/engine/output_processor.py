@@ -40,7 +40,7 @@ class OutputProcessor:
             text, hit_stop_word = state.stop_checker.feed(state.detokenizer.step([token_id]))
             if hit_stop_word:
                 seq.finish_reason = 'stop'
-            elif len(seq.output_ids) >= cfg.max_new_tokens or seq.num_tokens >= session_len:
+            elif len(seq.output_ids) >= cfg.max_new_tokens or len(seq.prompt_ids) + len(seq.output_ids) >= session_len:
                 seq.finish_reason = 'length'
         if seq.finish_reason == 'length' or (seq.finish_reason == 'stop' and not state.stop_checker.stopped):
             tail, _ = state.stop_checker.feed(state.detokenizer.finish())

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from lmdeploy.messages import GenerationConfig
+from lmdeploy.pytorch.device import HostCopy, to_device
 from lmdeploy.pytorch.engine.sequence import Sequence
 from lmdeploy.pytorch.kernels import argmax
 
@@ -43,7 +44,11 @@ def _long(values: Iterable[int], device: torch.device) -> Tensor:
     buf = array.array('q', values)
     if not buf:
         return torch.empty(0, dtype=torch.long, device=device)
-    return torch.frombuffer(buf, dtype=torch.long).to(device)
+    return to_device(torch.frombuffer(buf, dtype=torch.long), device)
+
+
+def _values(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
+    return to_device(torch.tensor(values, dtype=dtype), device)
 
 
 def _pairs(per_row: list[Iterable[int] | None], device: torch.device) -> tuple[Tensor, Tensor]:
@@ -59,13 +64,13 @@ def _pairs(per_row: list[Iterable[int] | None], device: torch.device) -> tuple[T
 
 
 def _row_values(x: Tensor, values: list[float], rows: Tensor) -> Tensor:
-    return torch.tensor(values, dtype=x.dtype, device=x.device)[rows]
+    return _values(values, x.dtype, x.device)[rows]
 
 
 def _needs_edit(seq: Sequence) -> bool:
     g = seq.gen_config
     return bool(g.logit_bias or g.repetition_penalty != 1.0 or g.presence_penalty or g.frequency_penalty
-                or len(seq.output_ids) < g.min_new_tokens)
+                or seq.num_generated < g.min_new_tokens)
 
 
 def _apply_logit_bias(x: Tensor, seqs: list[Sequence]) -> None:
@@ -75,7 +80,7 @@ def _apply_logit_bias(x: Tensor, seqs: list[Sequence]) -> None:
               for s in seqs]
     rows, cols = _pairs(biases, x.device)
     if len(rows):
-        bias = torch.tensor([b for d in biases if d for b in d.values()], dtype=x.dtype, device=x.device)
+        bias = _values([b for d in biases if d for b in d.values()], x.dtype, x.device)
         x.index_put_((rows, cols), bias, accumulate=True)
 
 
@@ -97,7 +102,7 @@ def _apply_presence_frequency(x: Tensor, seqs: list[Sequence]) -> None:
               for s, g in zip(seqs, cfgs)]
     rows, cols = _pairs(counts, x.device)
     if len(rows):
-        n = torch.tensor([c for cnt in counts if cnt for c in cnt.values()], dtype=x.dtype, device=x.device)
+        n = _values([c for cnt in counts if cnt for c in cnt.values()], x.dtype, x.device)
         freq = _row_values(x, [g.frequency_penalty for g in cfgs], rows)
         pres = _row_values(x, [g.presence_penalty for g in cfgs], rows)
         x[rows, cols] -= freq * n + pres
@@ -106,7 +111,7 @@ def _apply_presence_frequency(x: Tensor, seqs: list[Sequence]) -> None:
 def _apply_min_new_tokens(x: Tensor, seqs: list[Sequence]) -> None:
     """Forbid the stop tokens until ``min_new_tokens`` tokens have been generated."""
     V = x.shape[1]
-    rows, cols = _pairs([[t for t in s.stop_ids if t < V] if len(s.output_ids) < s.gen_config.min_new_tokens
+    rows, cols = _pairs([[t for t in s.stop_ids if t < V] if s.num_generated < s.gen_config.min_new_tokens
                          else None for s in seqs], x.device)
     if len(rows):
         x[rows, cols] = -math.inf
@@ -117,7 +122,7 @@ def _draw_plain(x: Tensor, cfgs: list[GenerationConfig], inv_t: Tensor, u: Tenso
     w = x * inv_t
     w.sub_(w.amax(-1, keepdim=True)).exp_()  # probabilities relative to the most likely token
     if any(g.min_p > 0.0 for g in cfgs):
-        w.masked_fill_(w < torch.tensor([g.min_p for g in cfgs], device=x.device)[:, None], 0.0)
+        w.masked_fill_(w < _values([g.min_p for g in cfgs], torch.float32, x.device)[:, None], 0.0)
     cdf = w.cumsum_(-1)
     total = cdf[:, -1:].contiguous()
     last = torch.searchsorted(cdf, total)  # the last token with a nonzero weight
@@ -135,7 +140,7 @@ def _draw_ranked(x: Tensor, cfgs: list[GenerationConfig], inv_t: Tensor, u: Tens
     """
     dev = x.device
     vals, ids = x.topk(width, dim=-1)
-    top_k = torch.tensor([min(g.top_k, width) or width for g in cfgs], device=dev)[:, None]
+    top_k = _values([min(g.top_k, width) or width for g in cfgs], torch.long, dev)[:, None]
     w = ((vals - vals[:, :1]) * inv_t).exp_()
     w.masked_fill_(torch.arange(width, device=dev) >= top_k, 0.0)
     no_k = _long([i for i, g in enumerate(cfgs) if not g.top_k], dev)
@@ -145,13 +150,13 @@ def _draw_ranked(x: Tensor, cfgs: list[GenerationConfig], inv_t: Tensor, u: Tens
     n = (w > 0).sum(-1, keepdim=True)
     covered = torch.ones(len(cfgs), dtype=torch.bool, device=dev)
     if any(g.top_p < 1.0 for g in cfgs):
-        top_p = torch.tensor([g.top_p for g in cfgs], device=dev)[:, None]
-        has_k = torch.tensor([g.top_k > 0 for g in cfgs], device=dev)[:, None]
+        top_p = _values([g.top_p for g in cfgs], torch.float32, dev)[:, None]
+        has_k = _values([g.top_k > 0 for g in cfgs], torch.bool, dev)[:, None]
         mass = torch.where(has_k, cdf.gather(1, top_k - 1), 1.0)  # top-p renormalises over the top-k
         n = torch.minimum(n, (cdf - w < top_p * mass).sum(-1, keepdim=True))
         covered = (has_k | (cdf[:, -1:] >= top_p) | (width == x.shape[1])).squeeze(1)
     if any(g.min_p > 0.0 for g in cfgs):
-        min_p = torch.tensor([g.min_p for g in cfgs], device=dev)[:, None]
+        min_p = _values([g.min_p for g in cfgs], torch.float32, dev)[:, None]
         n = torch.minimum(n, (w >= min_p * w[:, :1]).sum(-1, keepdim=True))
     n = n.clamp_min(1)
     pos = torch.searchsorted(cdf, u * cdf.gather(1, n - 1), right=True)
@@ -167,45 +172,78 @@ def _sample_rows(x: Tensor, seqs: list[Sequence]) -> Tensor:
     """Draw one token per row, each from one uniform of the sequence's own generator."""
     dev, V = x.device, x.shape[1]
     cfgs = [s.gen_config for s in seqs]
-    inv_t = torch.tensor([1.0 / g.temperature for g in cfgs], device=dev)[:, None]
-    u = torch.tensor([torch.rand((), generator=s.generator).item() for s in seqs], device=dev)[:, None]
+    inv_t = _values([1.0 / g.temperature for g in cfgs], torch.float32, dev)[:, None]
+    u = _values([torch.rand((), generator=s.generator).item() for s in seqs], torch.float32, dev)[:, None]
     tokens = torch.empty(len(seqs), dtype=torch.long, device=dev)
     ranked = [i for i, g in enumerate(cfgs) if g.top_k or g.top_p < 1.0]
-    plain = _long(sorted(set(range(len(seqs))) - set(ranked)), dev)
-    if len(plain):
-        tokens[plain] = _draw_plain(_pick(x, plain), [cfgs[i] for i in plain.tolist()], inv_t[plain], u[plain])
+    plain = sorted(set(range(len(seqs))) - set(ranked))
+    if plain:
+        rows = _long(plain, dev)
+        tokens[rows] = _draw_plain(_pick(x, rows), [cfgs[i] for i in plain], inv_t[rows], u[rows])
+    if not ranked:
+        return tokens
     ranked_cfgs = [cfgs[i] for i in ranked]
     first = max([g.top_k for g in ranked_cfgs] + [_TOP_P_SLICES[0] if any(not g.top_k for g in ranked_cfgs) else 0])
     widths = sorted({min(w, V) for w in (first, *_TOP_P_SLICES[1:], V) if w >= first})
-    rows = _long(ranked, dev)
-    for width in widths:  # top-p rows whose nucleus is wider than the slice go on to a wider one
-        if not len(rows):
+    if x.is_cuda:  # one pass: a full sort costs the GPU less than a host sync to find the rows left over
+        widths = [first] if all(g.top_k for g in ranked_cfgs) else [V]
+    rows, row_list = _long(ranked, dev), ranked
+    for width in widths[:-1]:  # top-p rows whose nucleus is wider than the slice go on to a wider one
+        if not row_list:
             break
-        got, covered = _draw_ranked(_pick(x, rows), [cfgs[i] for i in rows.tolist()], inv_t[rows], u[rows], width)
+        got, covered = _draw_ranked(_pick(x, rows), [cfgs[i] for i in row_list], inv_t[rows], u[rows], width)
         tokens[rows[covered]] = got[covered]
         rows = rows[~covered]
+        row_list = rows.tolist()
+    if row_list:
+        tokens[rows] = _draw_ranked(_pick(x, rows), [cfgs[i] for i in row_list], inv_t[rows], u[rows], widths[-1])[0]
     return tokens
 
 
-def _logprobs(logits: Tensor, tokens: list[int], seqs: list[Sequence]) -> list[dict[int, float] | None] | None:
-    """Raw-logit logprobs of the chosen token and of the top ``logprobs`` tokens, per asking row."""
-    rows = [i for i, s in enumerate(seqs) if s.gen_config.logprobs is not None]
+def depends_on_outputs(seq: Sequence) -> bool:
+    """Whether choosing this sequence's next token needs its latest token on the host: penalties over the
+    output so far."""
+    g = seq.gen_config
+    return bool(g.repetition_penalty != 1.0 or g.presence_penalty or g.frequency_penalty)
+
+
+@dataclass
+class PendingSample:
+    """Tokens chosen on the device (and logprobs where asked), on their way to the host.
+
+    ``token_ids`` stays on the device for the next step's inputs; :meth:`result` waits for the copy.
+    """
+
+    token_ids: Tensor
+    logprob_rows: list[int]
+    logprob_counts: list[int]
+    copy: HostCopy
+
+    def result(self) -> SampleOutput:
+        tokens, *logprob_parts = self.copy.wait()
+        tokens = tokens.tolist()
+        if not self.logprob_rows:
+            return SampleOutput(token_ids=tokens, logprobs=None)
+        chosen, top_v, top_i = (part.tolist() for part in logprob_parts)
+        out: list[dict[int, float] | None] = [None] * len(tokens)
+        for j, (i, k) in enumerate(zip(self.logprob_rows, self.logprob_counts)):
+            out[i] = {tokens[i]: chosen[j], **dict(zip(top_i[j][:k], top_v[j][:k]))}
+        return SampleOutput(token_ids=tokens, logprobs=out)
+
+
+def _logprobs(logits: Tensor, token_ids: Tensor, rows: list[int], counts: list[int]) -> list[Tensor]:
+    """Raw-logit logprobs of the chosen token and the top ``max(counts)`` tokens of each asking row."""
     if not rows:
-        return None
+        return []
     row_t = _long(rows, logits.device)
     lp = torch.log_softmax(_pick(logits, row_t).float(), dim=-1)
-    chosen = lp.gather(1, _long([tokens[i] for i in rows], logits.device)[:, None]).squeeze(1).tolist()
-    top_v, top_i = lp.topk(max(seqs[i].gen_config.logprobs for i in rows), dim=-1)
-    top_v, top_i = top_v.tolist(), top_i.tolist()
-    out: list[dict[int, float] | None] = [None] * len(seqs)
-    for j, i in enumerate(rows):
-        k = seqs[i].gen_config.logprobs
-        out[i] = {tokens[i]: chosen[j], **dict(zip(top_i[j][:k], top_v[j][:k]))}
-    return out
+    chosen = lp.gather(1, _pick(token_ids, row_t)[:, None]).squeeze(1)
+    return [chosen, *lp.topk(max(counts), dim=-1)]
 
 
-def sample(logits: Tensor, seqs: list[Sequence]) -> SampleOutput:
-    """Choose the next token for each sequence from ``logits`` [B, V] (the last position per row).
+def launch_sample(logits: Tensor, seqs: list[Sequence]) -> PendingSample:
+    """Choose the next token for each sequence from ``logits`` [B, V] (the last position per row), on
+    the logits' device, and start copying the choice to the host without waiting for it.
 
     Logprobs are the log-softmax of the raw logits, before any penalty or temperature.
     """
@@ -225,5 +263,11 @@ def sample(logits: Tensor, seqs: list[Sequence]) -> SampleOutput:
     if sampled:
         rows = _long(sampled, x.device)
         token_ids[rows] = _sample_rows(_pick(x, rows).float(), [seqs[i] for i in sampled])
-    tokens = token_ids.tolist()
-    return SampleOutput(token_ids=tokens, logprobs=_logprobs(logits, tokens, seqs))
+    rows = [i for i, s in enumerate(seqs) if s.gen_config.logprobs is not None]
+    counts = [seqs[i].gen_config.logprobs for i in rows]
+    return PendingSample(token_ids, rows, counts, HostCopy([token_ids, *_logprobs(logits, token_ids, rows, counts)]))
+
+
+def sample(logits: Tensor, seqs: list[Sequence]) -> SampleOutput:
+    """:func:`launch_sample`, waiting for its result."""
+    return launch_sample(logits, seqs).result()

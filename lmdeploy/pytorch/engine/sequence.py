@@ -24,6 +24,10 @@ class Sequence:
     fed to the model in the next step that schedules this sequence. ``multimodal`` lists the
     prompt's images; models with 3-D rotary positions (Qwen-VL) give the prompt's positions in
     ``rope_positions [3, len(prompt_ids)]``, and later tokens sit at their index plus ``rope_delta``.
+
+    ``num_inflight`` counts tokens already sampled on the device whose ids have not reached the host
+    yet (overlapped scheduling): they count in ``num_tokens`` but are not in ``output_ids``.
+    ``awaiting_final_token`` is set when the token in flight is the last one the request may get.
     """
 
     seq_id: int
@@ -42,6 +46,8 @@ class Sequence:
     multimodal: list[MultiModalInput] = field(default_factory=list)
     rope_positions: torch.Tensor | None = None
     rope_delta: int = 0
+    num_inflight: int = 0
+    awaiting_final_token: bool = False
 
     def __post_init__(self):
         if not self.gen_config.is_greedy:
@@ -57,8 +63,17 @@ class Sequence:
         return self.prompt_ids + self.output_ids
 
     @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_inflight
+
+    @property
+    def num_generated(self) -> int:
+        """Tokens sampled so far, those still in flight included."""
+        return len(self.output_ids) + self.num_inflight
 
     @property
     def num_pending(self) -> int:
@@ -76,6 +91,14 @@ class Sequence:
         if not self.gen_config.ignore_eos:
             ids |= self.eos_token_ids
         return ids
+
+    def rope_positions_of(self, start: int, end: int) -> torch.Tensor:
+        """``[3, end - start]`` 3-D rotary positions of tokens ``start:end``."""
+        if self.rope_positions is None:
+            return torch.arange(start, end).expand(3, -1)
+        num_prompt = self.rope_positions.shape[1]
+        tail = torch.arange(min(max(start, num_prompt), end), end) + self.rope_delta
+        return torch.cat((self.rope_positions[:, start:end], tail.expand(3, -1)), dim=1)
 
     def block_key(self, start: int, size: int) -> tuple:
         """What identifies the tokens ``[start, start + size)`` in the prefix cache: their ids and, when

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from lmdeploy.pytorch.config import ModelConfig
-from lmdeploy.pytorch.kernels.moe import moe_routing
+from lmdeploy.pytorch.kernels import moe_routing
 from lmdeploy.pytorch.models.llama import LlamaForCausalLM, LlamaMLP
 from lmdeploy.pytorch.nn.linear import Linear
 from lmdeploy.pytorch.nn.moe import FusedExperts

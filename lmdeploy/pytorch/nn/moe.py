@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lmdeploy.pytorch.kernels.moe import fused_moe
+from lmdeploy.pytorch.kernels import fused_moe
 
 
 class FusedExperts(nn.Module):

@@ -33,10 +33,12 @@ class RotaryEmbedding(nn.Module):
             [torch.full((size,), index % 3) for index, size in enumerate(sections)])
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq = self.inv_freq.to(positions.device)
+        if self.inv_freq.device != positions.device:  # moved once, so that a CUDA graph captures no copy
+            self.inv_freq = self.inv_freq.to(positions.device)
+            self.mrope_select = None if self.mrope_select is None else self.mrope_select.to(positions.device)
         if positions.dim() == 2:
-            freqs = positions.float()[self.mrope_select.to(positions.device)].T * inv_freq
+            freqs = positions.float()[self.mrope_select].T * self.inv_freq
         else:
-            freqs = positions.float().unsqueeze(-1) * inv_freq
+            freqs = positions.float().unsqueeze(-1) * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)

@@ -37,7 +37,8 @@ class Scheduler:
     Each step spends a token budget of ``max_prefill_token_num``: running sequences come first
     (one token each when decoding, a chunk when their prompt is still being prefilled), then
     waiting ones in arrival order. When blocks run out, the most recently admitted sequence is
-    preempted: its blocks are freed and it is recomputed later from its tokens so far.
+    preempted: its blocks are freed and it is recomputed later from its tokens so far. With
+    overlapped steps, a sequence whose last token in flight is its final one is not scheduled again.
     """
 
     def __init__(self, block_manager: BlockManager, max_batch_size: int, max_prefill_token_num: int):
@@ -61,12 +62,12 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
+            if seq.awaiting_final_token:
+                index += 1
+                continue
             num_tokens = min(seq.num_pending, budget)
             needed = bm.blocks_needed(seq.num_computed + num_tokens) - len(seq.block_ids)
-            while not bm.can_allocate(needed) and self.running[-1] is not seq:
-                self._preempt(self.running.pop())
-            if not bm.can_allocate(needed):
-                self._preempt(self.running.pop())
+            if not self._make_room(index, needed):
                 break
             bm.allocate(seq, seq.num_computed + num_tokens)
             item = ScheduledSeq(seq, num_tokens)
@@ -100,6 +101,22 @@ class Scheduler:
             self.waiting.remove(seq)
         self.block_manager.free_blocks(seq)
         seq.status = SequenceStatus.FINISHED
+
+    def _make_room(self, index: int, needed: int) -> bool:
+        """Preempts running sequences after ``index``, latest admitted first, until ``needed`` blocks are
+        free; if they still are not, preempts the sequence at ``index`` too and returns False. A sequence
+        with tokens in flight cannot be recomputed yet, so it is never preempted."""
+        bm = self.block_manager
+        victim = len(self.running) - 1
+        while not bm.can_allocate(needed) and victim > index:
+            if self.running[victim].num_inflight == 0:
+                self._preempt(self.running.pop(victim))
+            victim -= 1
+        if bm.can_allocate(needed):
+            return True
+        if self.running[index].num_inflight == 0:
+            self._preempt(self.running.pop(index))
+        return False
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free_blocks(seq)

@@ -2,9 +2,12 @@
 
 Routed slots ``(token, j)`` are flattened to ``token * top_k + j``, sorted by expert and padded so
 that every ``BLOCK_M`` rows belong to one expert; padding rows hold the sentinel ``T * top_k``.
-Nothing here synchronizes with the host.
+Nothing here synchronizes with the host, and every launch grid depends only on shapes (worst-case
+capacity), so MoE steps can be captured in CUDA graphs.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -12,6 +15,29 @@ import triton.language as tl
 
 from lmdeploy.pytorch.kernels.cuda.elementwise import silu_and_mul
 from lmdeploy.pytorch.kernels.cuda.utils import dot_precision
+
+
+class MoEConfig(NamedTuple):
+    """Tiles of both grouped GEMMs; ``group_m`` M-blocks walk all N-blocks before the next group."""
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+# (average routed slots per expert at most, config); the last row takes every larger shape. Up to a few
+# slots per expert the GEMMs stream each active expert's weights once (narrow tiles, many programs); from
+# about 48 on, BLOCK_M 128 gives most experts a single M-block, so their weights are read once.
+# Priors: vLLM's tuned H200 configs for 128 experts and intermediate 768 at 1, 64, 512 and 1024+ tokens.
+MOE_CONFIGS = (
+    (1.0, MoEConfig(16, 64, 128, 1, 4, 4)),
+    (8.0, MoEConfig(16, 128, 128, 1, 4, 2)),
+    (48.0, MoEConfig(64, 128, 64, 1, 4, 3)),
+    (float('inf'), MoEConfig(128, 256, 64, 16, 8, 4)),
+)
+_SLOTS_PER_PROGRAM = 1024
 
 
 @triton.jit
@@ -46,45 +72,85 @@ def moe_routing(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> t
     return weights, ids
 
 
+@triton.jit(do_not_specialize=['num_slots'])
+def _count_experts_kernel(ids_ptr, counts_ptr, num_slots, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < num_slots
+    tl.atomic_add(counts_ptr + tl.load(ids_ptr + offs, mask=mask, other=0), 1, mask=mask)
+
+
+@triton.jit(do_not_specialize=['num_blocks'])
+def _expert_blocks_kernel(counts_ptr, cursor_ptr, block_expert_ptr, num_experts, num_blocks, BLOCK_M: tl.constexpr,
+                          BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):
+    e = tl.arange(0, BLOCK_E)
+    emask = e < num_experts
+    padded = (tl.load(counts_ptr + e, mask=emask, other=0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    end = tl.cumsum(padded, axis=0)
+    tl.store(cursor_ptr + e, end - padded, mask=emask)
+    for j0 in range(0, num_blocks, BLOCK_B):
+        j = j0 + tl.arange(0, BLOCK_B)
+        done = (end[None, :] <= (j * BLOCK_M)[:, None]) & emask[None, :]
+        tl.store(block_expert_ptr + j, tl.sum(done.to(tl.int32), axis=1), mask=j < num_blocks)
+
+
+@triton.jit(do_not_specialize=['num_slots'])
+def _scatter_slots_kernel(ids_ptr, cursor_ptr, sorted_ptr, num_slots, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < num_slots
+    row = tl.atomic_add(cursor_ptr + tl.load(ids_ptr + offs, mask=mask, other=0), 1, mask=mask)
+    tl.store(sorted_ptr + row, offs, mask=mask)
+
+
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sorted_slots [P], block_expert [P // block_m])``: slots grouped by expert, each group padded
-    to ``block_m``; ``P`` is the worst case, unused blocks get expert ``num_experts``."""
-    flat = topk_ids.flatten().long()
+    """``(sorted_slots [P], block_expert [P // block_m])``: slots grouped by expert (in no fixed order
+    within an expert), each group padded to ``block_m`` with the sentinel ``T * k``; ``P`` is the
+    worst case for the shape, unused blocks get expert ``num_experts``."""
+    flat = topk_ids.reshape(-1).contiguous()
     num_slots = flat.numel()
-    counts = torch.bincount(flat, minlength=num_experts)
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = padded.cumsum(0)
-    order = torch.argsort(flat, stable=True)
-    rank = torch.arange(num_slots, device=flat.device) - (counts.cumsum(0) - counts)[flat[order]]
-    capacity = triton.cdiv(num_slots + num_experts * (block_m - 1), block_m) * block_m
+    capacity = triton.cdiv(num_slots + min(num_experts, num_slots) * (block_m - 1), block_m) * block_m
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
+    cursor = torch.empty_like(counts)  # each expert's next free row
     sorted_slots = torch.full((capacity,), num_slots, dtype=torch.int32, device=flat.device)
-    sorted_slots[(padded_end - padded)[flat[order]] + rank] = order.to(torch.int32)
-    block_start = torch.arange(0, capacity, block_m, device=flat.device)
-    block_expert = torch.searchsorted(padded_end, block_start, right=True).to(torch.int32)
+    block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=flat.device)
+    grid = (triton.cdiv(num_slots, _SLOTS_PER_PROGRAM),)
+    _count_experts_kernel[grid](flat, counts, num_slots, BLOCK=_SLOTS_PER_PROGRAM)
+    _expert_blocks_kernel[(1,)](counts, cursor, block_expert, num_experts, block_expert.shape[0], BLOCK_M=block_m,
+                                BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_B=64)
+    _scatter_slots_kernel[grid](flat, cursor, sorted_slots, num_slots, BLOCK=_SLOTS_PER_PROGRAM)
     return sorted_slots, block_expert
 
 
-@triton.jit
-def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, slots_ptr, block_expert_ptr, topk_w_ptr, num_slots, n, k,
+@triton.jit(do_not_specialize=['num_slots', 'num_mblocks'])
+def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, slots_ptr, block_expert_ptr, topk_w_ptr, num_slots, num_mblocks, n, k,
                          num_experts, a_row_div, stride_am, stride_we, stride_wn, stride_cm,
                          MUL_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    mblock = tl.program_id(0)
+                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+                         PRECISION: tl.constexpr):
+    pid = tl.program_id(0)
+    per_group = GROUP_M * tl.cdiv(n, BLOCK_N)
+    first_m = pid // per_group * GROUP_M
+    group_size = tl.minimum(num_mblocks - first_m, GROUP_M)
+    mblock = first_m + pid % per_group % group_size
+    nblock = pid % per_group // group_size
     expert = tl.load(block_expert_ptr + mblock).to(tl.int64)
     if expert >= num_experts:
         return
     slots = tl.load(slots_ptr + mblock * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     smask = slots < num_slots
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = nblock * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < n
     kk = tl.arange(0, BLOCK_K)
-    a_rows = a_ptr + (slots // a_row_div)[:, None] * stride_am
-    w_cols = w_ptr + expert * stride_we + cols[None, :] * stride_wn
+    a_rows = a_ptr + (slots // a_row_div)[:, None] * stride_am + kk[None, :]
+    w_cols = w_ptr + expert * stride_we + cols[None, :] * stride_wn + kk[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, k, BLOCK_K):
-        kmask = (k0 + kk) < k
-        a = tl.load(a_rows + (k0 + kk)[None, :], mask=smask[:, None] & kmask[None, :], other=0.0)
-        w = tl.load(w_cols + (k0 + kk)[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
+        if EVEN_K:
+            a = tl.load(a_rows + k0, mask=smask[:, None], other=0.0)
+            w = tl.load(w_cols + k0, mask=cmask[None, :], other=0.0)
+        else:
+            kmask = (k0 + kk) < k
+            a = tl.load(a_rows + k0, mask=smask[:, None] & kmask[None, :], other=0.0)
+            w = tl.load(w_cols + k0, mask=kmask[:, None] & cmask[None, :], other=0.0)
         acc += tl.dot(a, w, input_precision=PRECISION)
     if MUL_WEIGHT:
         acc *= tl.load(topk_w_ptr + slots, mask=smask, other=0.0)[:, None]
@@ -94,16 +160,42 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, slots_ptr, block_expert_ptr, topk_
 
 def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, sorted_slots: torch.Tensor,
                   block_expert: torch.Tensor, topk_weights: torch.Tensor | None, a_row_div: int,
-                  block_m: int) -> None:
+                  config: MoEConfig) -> None:
     """``c[slot] = a[slot // a_row_div] @ w[expert(slot)].T``, times the slot's weight when given."""
     num_experts, n, k = w.shape
-    block_n = min(128, max(16, triton.next_power_of_2(n)))
-    block_k = min(64, max(16, triton.next_power_of_2(k)))
-    grid = (block_expert.shape[0], triton.cdiv(n, block_n))
-    _grouped_gemm_kernel[grid](a, w, c, sorted_slots, block_expert, topk_weights, c.shape[0], n, k, num_experts,
-                               a_row_div, a.stride(0), w.stride(0), w.stride(1), c.stride(0),
-                               MUL_WEIGHT=topk_weights is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                               PRECISION=dot_precision(a.dtype))
+    block_n = min(config.block_n, max(16, triton.next_power_of_2(n)))
+    block_k = min(config.block_k, max(16, triton.next_power_of_2(k)))
+    num_mblocks = block_expert.shape[0]
+    grid = (num_mblocks * triton.cdiv(n, block_n),)
+    _grouped_gemm_kernel[grid](a, w, c, sorted_slots, block_expert, topk_weights, c.shape[0], num_mblocks, n, k,
+                               num_experts, a_row_div, a.stride(0), w.stride(0), w.stride(1), c.stride(0),
+                               MUL_WEIGHT=topk_weights is not None, BLOCK_M=config.block_m, BLOCK_N=block_n,
+                               BLOCK_K=block_k, GROUP_M=config.group_m, EVEN_K=k % block_k == 0,
+                               PRECISION=dot_precision(a.dtype), num_warps=config.num_warps,
+                               num_stages=config.num_stages)
+
+
+def moe_config(num_slots: int, num_experts: int) -> MoEConfig:
+    """The table's config for ``num_slots / num_experts`` routed slots per expert on average."""
+    return next(config for limit, config in MOE_CONFIGS if num_slots / num_experts <= limit)
+
+
+def fused_moe_with(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
+                   topk_ids: torch.Tensor, config: MoEConfig) -> torch.Tensor:
+    """``fused_moe`` with explicit tiles (benchmarks and tests)."""
+    num_tokens, hidden_size = hidden.shape
+    num_experts, two_inter, _ = gate_up.shape
+    top_k = topk_ids.shape[1]
+    num_slots = num_tokens * top_k
+    sorted_slots, block_expert = align_by_expert(topk_ids, num_experts, config.block_m)
+    # One buffer serves the gate_up output, then (after SiLU-and-mul read it) the down output.
+    buf = torch.empty(num_slots * max(two_inter, hidden_size), dtype=hidden.dtype, device=hidden.device)
+    gate_up_out = buf[:num_slots * two_inter].view(num_slots, two_inter)
+    _grouped_gemm(hidden, gate_up, gate_up_out, sorted_slots, block_expert, None, top_k, config)
+    act = silu_and_mul(gate_up_out)
+    down_out = buf[:num_slots * hidden_size].view(num_slots, hidden_size)
+    _grouped_gemm(act, down, down_out, sorted_slots, block_expert, topk_weights.flatten().float(), 1, config)
+    return down_out.view(num_tokens, top_k, hidden_size).sum(1)
 
 
 def fused_moe(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
@@ -113,17 +205,5 @@ def fused_moe(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, t
     ``gate_up [E, 2I, H]`` holds gate rows then up rows, ``down [E, H, I]``; weights are row-major
     in their last dimension.
     """
-    num_tokens, hidden_size = hidden.shape
-    num_experts, two_inter, _ = gate_up.shape
-    top_k = topk_ids.shape[1]
-    num_slots = num_tokens * top_k
-    block_m = 16 if num_slots <= 4 * num_experts * 16 else 64
-    sorted_slots, block_expert = align_by_expert(topk_ids, num_experts, block_m)
-    # One buffer serves the gate_up output, then (after SiLU-and-mul read it) the down output.
-    buf = torch.empty(num_slots * max(two_inter, hidden_size), dtype=hidden.dtype, device=hidden.device)
-    gate_up_out = buf[:num_slots * two_inter].view(num_slots, two_inter)
-    _grouped_gemm(hidden, gate_up, gate_up_out, sorted_slots, block_expert, None, top_k, block_m)
-    act = silu_and_mul(gate_up_out)
-    down_out = buf[:num_slots * hidden_size].view(num_slots, hidden_size)
-    _grouped_gemm(act, down, down_out, sorted_slots, block_expert, topk_weights.flatten().float(), 1, block_m)
-    return down_out.view(num_tokens, top_k, hidden_size).sum(1)
+    config = moe_config(topk_ids.numel(), gate_up.shape[0])
+    return fused_moe_with(hidden, gate_up, down, topk_weights, topk_ids, config)

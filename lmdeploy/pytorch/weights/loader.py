@@ -1,0 +1,55 @@
+"""Builds a model on its device: from its weight files, or with random weights (``load_format='dummy'``)."""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from lmdeploy.archs import get_model_class
+from lmdeploy.pytorch.config import ModelConfig
+from lmdeploy.pytorch.weights.safetensors_loader import iterate_weights
+
+DUMMY_STD = 0.02
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def fill_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Random weights of a trained model's scale: matrices ``N(0, 0.02)``, biases 0, norm weights 1."""
+    device = next(model.parameters()).device
+    generator = torch.Generator(device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if param.dim() >= 2:
+            param.normal_(0.0, DUMMY_STD, generator=generator)
+        elif name.endswith('bias'):
+            param.zero_()
+        else:
+            param.fill_(1.0)
+
+
+def build_model(cfg: ModelConfig, model_dir: str, device: torch.device, load_format: str = 'auto',
+                show_progress: bool = True) -> nn.Module:
+    """The model for ``cfg`` on ``device`` in ``cfg.dtype``, in eval mode.
+
+    ``auto`` reads the folder's weight files; ``dummy`` allocates the model on the device directly and
+    fills it with :func:`fill_dummy_weights` (no host copy: an 8B model takes seconds).
+    """
+    model_class = get_model_class(cfg.architecture)
+    if load_format == 'dummy':
+        with torch.no_grad(), _default_dtype(cfg.dtype), device:
+            model = model_class(cfg)
+            fill_dummy_weights(model)
+        return model.eval()
+    model = model_class(cfg).to(cfg.dtype)
+    model.load_weights(iterate_weights(model_dir, show_progress))
+    return model.to(device).eval()
