@@ -35,9 +35,11 @@ def long_llama(tiny_llama, tmp_path) -> str:
 def chat(tiny_llama, tmp_path):
     def spawn(*flags: str, model: str = tiny_llama) -> pexpect.spawn:
         env = {**os.environ, 'PROMPT_TOOLKIT_NO_CPR': '1', 'TERM': 'dumb', 'LMDEPLOY_CACHE_DIR': str(tmp_path)}
+        # Ctrl-C makes the terminal drop its pending output, which can cut a multi-byte character in two.
         child = pexpect.spawn(sys.executable, ['-m', 'lmdeploy.cli.main', 'chat', model, '--dtype', 'float32',
                                                '--num-gpu-blocks', '128', '--block-size', '16', *flags],
-                              env=env, encoding='utf-8', timeout=60, dimensions=(40, 200))
+                              env=env, encoding='utf-8', codec_errors='replace', timeout=60,
+                              dimensions=(40, 200))
         child.expect_exact(PROMPT)
         return child
     return spawn

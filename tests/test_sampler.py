@@ -168,3 +168,19 @@ def test_logprobs_are_raw_log_softmax_with_top_n():
         assert lp == pytest.approx(expect[0, tok].item(), abs=1e-5)
     assert out.logprobs[1] is None
     assert out.logprobs[2] == {out.token_ids[2]: pytest.approx(expect[2].max().item(), abs=1e-5)}
+
+
+def test_one_pass_draw_of_the_gpu_gives_the_sliced_draws_tokens(monkeypatch):
+    """On CUDA every ranked row is drawn in one pass (no host sync); the tokens are those of the CPU's
+    narrower-slices-first path."""
+    from lmdeploy.pytorch.engine import sampler
+    vocab, steps = 49152, 3
+    logits = [_logits(len(MIXED), vocab, seed=s) for s in range(steps)]
+
+    def draws(one_pass: bool) -> list[list[int]]:
+        monkeypatch.setattr(sampler, '_one_pass', lambda x: one_pass)
+        seqs = [_seq(prompt=[1, 2, 3, 4], output=[5, 5, 6], eos=frozenset({7}), random_seed=100 + i, **c)
+                for i, c in enumerate(MIXED)]
+        return [sample(logits[s], seqs).token_ids for s in range(steps)]
+
+    assert draws(True) == draws(False)

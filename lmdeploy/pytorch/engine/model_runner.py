@@ -24,7 +24,8 @@ class InflightTokens:
 
     def copy_into(self, target: torch.Tensor, decode: list[ScheduledSeq], first_row: int) -> None:
         """Writes each decode row's token in flight into ``target[first_row + i]``, on the device."""
-        pairs = [(first_row + i, self.row_of[item.seq.seq_id]) for i, item in enumerate(decode) if item.seq.num_inflight]
+        pairs = [(first_row + i, self.row_of[item.seq.seq_id])
+                 for i, item in enumerate(decode) if item.seq.num_inflight]
         if pairs:
             dst, src = zip(*pairs)
             device = self.token_ids.device
@@ -136,7 +137,8 @@ class ModelRunner:
         ctx = StepContext(positions=position_tensor, kv_blocks=self._tensor(kv_blocks),
                           kv_offsets=position_tensor % bs, num_prefill_tokens=num_prefill,
                           decode_blocks=decode_blocks, decode_kv_lens=decode_kv_lens,
-                          rope_positions=to_device(torch.cat(rope_positions, dim=1), self.device) if uses_mrope else None,
+                          rope_positions=to_device(torch.cat(rope_positions, dim=1), self.device) if uses_mrope
+                          else None,
                           multimodal=self._multimodal_batch(plan, q_start), **prefill)
         return self._tensor(input_ids), ctx, sample_rows
 
@@ -154,4 +156,6 @@ class ModelRunner:
             inflight.copy_into(input_ids, plan.decode, ctx.num_prefill_tokens)
         hidden = self.model(input_ids, self.kv_caches, ctx)
         # Sampled rows are unique and ascending: as many as the rows means all of them (decode steps).
-        return self.model.logits(hidden if len(sample_rows) == hidden.shape[0] else hidden[sample_rows])
+        if len(sample_rows) < hidden.shape[0]:
+            hidden = hidden[self._tensor(sample_rows)]
+        return self.model.logits(hidden)

@@ -60,7 +60,9 @@ def _pairs(per_row: list[Iterable[int] | None], device: torch.device) -> tuple[T
             cols.extend(toks)
             rows.append(i)
             counts.append(len(cols) - n)
-    return torch.repeat_interleave(_long(rows, device), _long(counts, device)), _long(cols, device)
+    # output_size spares CUDA the host sync that would size the result.
+    pair_rows = torch.repeat_interleave(_long(rows, device), _long(counts, device), output_size=len(cols))
+    return pair_rows, _long(cols, device)
 
 
 def _row_values(x: Tensor, values: list[float], rows: Tensor) -> Tensor:
@@ -168,6 +170,12 @@ def _pick(t: Tensor, rows: Tensor) -> Tensor:
     return t if len(rows) == len(t) else t[rows]
 
 
+def _one_pass(x: Tensor) -> bool:
+    """Whether to draw every ranked row in one pass: on a GPU a full sort costs less than the host sync
+    that finding the rows left over by a narrower slice needs."""
+    return x.is_cuda
+
+
 def _sample_rows(x: Tensor, seqs: list[Sequence]) -> Tensor:
     """Draw one token per row, each from one uniform of the sequence's own generator."""
     dev, V = x.device, x.shape[1]
@@ -185,7 +193,7 @@ def _sample_rows(x: Tensor, seqs: list[Sequence]) -> Tensor:
     ranked_cfgs = [cfgs[i] for i in ranked]
     first = max([g.top_k for g in ranked_cfgs] + [_TOP_P_SLICES[0] if any(not g.top_k for g in ranked_cfgs) else 0])
     widths = sorted({min(w, V) for w in (first, *_TOP_P_SLICES[1:], V) if w >= first})
-    if x.is_cuda:  # one pass: a full sort costs the GPU less than a host sync to find the rows left over
+    if _one_pass(x):
         widths = [first] if all(g.top_k for g in ranked_cfgs) else [V]
     rows, row_list = _long(ranked, dev), ranked
     for width in widths[:-1]:  # top-p rows whose nucleus is wider than the slice go on to a wider one
