@@ -20,6 +20,8 @@ def make_engine(path, **kwargs) -> Engine:
     kwargs.setdefault('num_gpu_blocks', 128)
     kwargs.setdefault('block_size', 16)
     kwargs.setdefault('device', os.environ.get('LMDEPLOY_TEST_DEVICE', 'cpu'))
+    if kwargs['device'].startswith('cuda'):
+        kwargs.setdefault('max_batch_size', 16)  # fewer CUDA graphs to capture per engine
     return Engine(path, PytorchEngineConfig(dtype='float32', **kwargs), show_progress=False)
 
 
