@@ -15,6 +15,7 @@ from lmdeploy.messages import ChatTemplateConfig, GenerationConfig, PytorchEngin
 from lmdeploy.serve.async_engine import AsyncEngine
 from lmdeploy.serve.exceptions import SafeRunException
 from lmdeploy.serve.session_manager import Session
+from lmdeploy.vl.media import MediaPolicy
 from lmdeploy.vl.processor import Prompt
 
 Prompts = Union[Prompt, list[Prompt]]
@@ -49,11 +50,17 @@ class Pipeline:
     work runs on the pipeline's own loop thread while the caller waits. Async code may also drive
     ``pipe.async_engine`` directly. A prompt that fails (bad input, too long) gets a Response with
     ``finish_reason='error'`` and the message in ``error``; the other prompts are unaffected.
+
+    Images load under ``media_policy``; the default, ``MediaPolicy.for_local_caller()``, takes local
+    files and public http(s) hosts, since the pipeline's caller is local. Pass a stricter one (e.g.
+    ``MediaPolicy()``) when the prompts come from someone else.
     """
 
     def __init__(self, model_path: str | None = None, backend_config: PytorchEngineConfig | None = None,
-                 chat_template_config: ChatTemplateConfig | None = None, show_progress: bool = True):
-        self.async_engine = AsyncEngine(model_path, backend_config, chat_template_config, show_progress)
+                 chat_template_config: ChatTemplateConfig | None = None, show_progress: bool = True,
+                 media_policy: MediaPolicy | None = None):
+        self.async_engine = AsyncEngine(model_path, backend_config, chat_template_config, show_progress,
+                                        media_policy or MediaPolicy.for_local_caller())
         self.tokenizer = self.async_engine.tokenizer
         self._loop = asyncio.new_event_loop()
         self._thread: threading.Thread | None = threading.Thread(target=self._loop.run_forever,
@@ -149,10 +156,25 @@ class Pipeline:
 
     def chat(self, prompt: Prompt, session: Session | None = None, gen_config: GenerationConfig | None = None,
              do_preprocess: bool = True) -> Session:
-        """One chat turn in ``session`` (a new one if None); returns the session, whose ``response``
-        holds the reply and ``history`` the conversation. Bad input raises :class:`SafeRunException`."""
-        session = session or self.session()
-        self._run(self.async_engine.chat(prompt, session, gen_config, do_preprocess))
+        """One chat turn in ``session``; returns the session, whose ``response`` holds the reply and
+        ``history`` the conversation. Bad input raises :class:`SafeRunException`.
+
+        Without a session (or with one this pipeline does not hold, such as one this method returned
+        or one already ended), the turn runs in a temporary session that is ended right after it, so
+        nothing is left behind: the Session returned carries the reply and the history, and passing
+        it back continues the conversation the same way."""
+        if session is not None and self.async_engine.session_manager.get(session.session_id) is session:
+            self._run(self.async_engine.chat(prompt, session, gen_config, do_preprocess))
+            return session
+        temporary = self.session(gen_config=session.gen_config if session is not None else None)
+        temporary.history = list(session.history) if session is not None else []
+        try:
+            self._run(self.async_engine.chat(prompt, temporary, gen_config, do_preprocess))
+            history, response = list(temporary.history), temporary.response
+        finally:
+            self._run(self.async_engine.end_session(temporary.session_id))
+        session = session if session is not None else Session(temporary.session_id, temporary.gen_config)
+        session.history, session.response = history, response
         return session
 
     def end_session(self, session: Session) -> None:

@@ -40,3 +40,19 @@ def hf_greedy(model, prompt, n=32) -> list[int]:
     ids = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=n,
                          do_sample=False, top_k=None, top_p=None, temperature=None)
     return ids[0, len(prompt):].tolist()
+
+
+def engine_state(engine) -> dict:
+    """An ``AsyncEngine``'s engine state, read on its engine-loop thread after everything queued before."""
+    def read(e):
+        bm = e.block_manager
+        return {'free': bm.num_free_blocks == bm.num_blocks, 'sequences': len(e.sequences),
+                'unfinished': e.has_unfinished()}
+    return engine.engine_loop.call(read).result(10)
+
+
+def assert_all_released(engine) -> None:
+    """Nothing of any request is held: KV blocks, sequences, sessions, engine instances."""
+    assert engine_state(engine) == {'free': True, 'sequences': 0, 'unfinished': False}
+    assert engine.session_manager.num_active == 0 and not engine.session_manager.sessions
+    assert engine.inst_manager.num_busy == 0 and engine.inst_manager.num_waiting == 0

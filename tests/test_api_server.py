@@ -138,7 +138,8 @@ def test_encode_generate_abort(api_server):
         assert httpx.post(f'{url}/abort_request', json={'session_id': 777}).json() == {'success': True}
         events = [line for line in lines if line.startswith('data:')]
     assert '"finish_reason": "abort"' in events[-2] and events[-1] == 'data: [DONE]'
-    assert httpx.post(f'{url}/abort_request', json={'abort_all': True}).json() == {'success': True}
+    # abort_all is an admin action, refused without --admin-api-keys (tests/test_security.py covers it)
+    assert httpx.post(f'{url}/abort_request', json={'abort_all': True}).status_code == 403
 
 
 def test_metrics(api_server, client):

@@ -10,7 +10,7 @@ from contextlib import aclosing
 
 import psutil
 import pytest
-from helpers import random_prompts
+from helpers import assert_all_released, engine_state, random_prompts
 
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
@@ -31,21 +31,6 @@ def engine(tiny_llama):
     engine = make_async_engine(tiny_llama)
     yield engine
     engine.close()
-
-
-def engine_state(engine: AsyncEngine) -> dict:
-    """Read on the engine-loop thread, after everything queued before it."""
-    def read(e):
-        bm = e.block_manager
-        return {'free': bm.num_free_blocks == bm.num_blocks, 'sequences': len(e.sequences),
-                'unfinished': e.has_unfinished()}
-    return engine.engine_loop.call(read).result(10)
-
-
-def assert_all_released(engine: AsyncEngine) -> None:
-    assert engine_state(engine) == {'free': True, 'sequences': 0, 'unfinished': False}
-    assert engine.session_manager.num_active == 0 and not engine.session_manager.sessions
-    assert engine.inst_manager.num_busy == 0 and engine.inst_manager.num_waiting == 0
 
 
 async def consume(agen) -> list:
@@ -244,14 +229,13 @@ def test_request_from_an_older_epoch_never_runs(engine):
 
 
 def test_engine_failure_ends_requests_in_flight_with_error(engine):
-    def break_next_step(e):
-        step = e.step
-
-        def failing():
-            e.step = step
-            raise RuntimeError('injected failure')
-        e.step = failing
-    engine.engine_loop.call(break_next_step).result(10)
+    def break_next_forward(e):
+        def failing(stage, seqs):
+            if stage == 'forward':
+                e.fault_hook = None
+                raise RuntimeError('injected failure')
+        e.fault_hook = failing
+    engine.engine_loop.call(break_next_forward).result(10)
     chunks = asyncio.run(consume(engine.generate('Hi', gen_config=GEN)))
     assert chunks[-1].finish_reason == 'error' and 'injected failure' in chunks[-1].error
     assert engine.engine_loop.is_alive

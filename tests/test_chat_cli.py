@@ -98,3 +98,45 @@ def test_image_command_on_a_text_model(chat):
     child.send('/image /tmp/cat.png\r')
     child.expect_exact('[error: this model does not accept images]')
     quit_cleanly(child)
+
+
+def test_conversation_outgrowing_session_len_drops_oldest_turns(chat):
+    child = chat('--max-new-tokens', '8', '--ignore-eos', '--session-len', '64')
+    for i in range(6):
+        child.send(f'Hello world {i}\r')
+        if child.expect_exact(['[the conversation outgrew session_len (64 tokens): left out the oldest', PROMPT]) == 0:
+            child.expect_exact(PROMPT)
+            break
+    else:
+        pytest.fail('the conversation never outgrew session_len')
+    assert '[error' not in child.before and 'Traceback' not in child.before
+    child.send('Hello again\r')  # the conversation goes on
+    child.expect_exact(PROMPT)
+    assert '[error' not in child.before
+    child.send('Hello world ' * 40 + '\r')  # too long on its own: an error, and the chat goes on
+    child.expect_exact('[error: the prompt has')
+    child.expect_exact(PROMPT)
+    child.send('Hello\r')
+    child.expect_exact(PROMPT)
+    assert '[error' not in child.before
+    quit_cleanly(child)
+
+
+def test_image_failing_at_send_time(chat, tmp_path):
+    from test_vl import IMAGES, png_bytes
+    from vl_models import save_tiny_vl_model
+    model = save_tiny_vl_model('qwen2_vl', str(tmp_path / 'qwen2_vl'))
+    image = tmp_path / 'cat.png'
+    image.write_bytes(png_bytes(IMAGES[0]))
+    child = chat('--max-new-tokens', '4', '--ignore-eos', model=model)
+    child.send(f'/image {image}\r')
+    child.expect_exact(f'[image 1 attached: {image}]')
+    child.expect_exact(PROMPT)
+    image.unlink()  # gone before the message is sent
+    child.send('describe\r')
+    child.expect_exact('[error:')
+    child.expect_exact(PROMPT)
+    child.send('hello\r')  # the failed message is not in the history: this one works
+    child.expect_exact(PROMPT)
+    assert '[error' not in child.before and 'Traceback' not in child.before
+    quit_cleanly(child)

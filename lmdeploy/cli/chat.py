@@ -5,6 +5,10 @@ On a terminal the input line (prompt_toolkit) has history (up/down, kept in
 Esc then Enter to go on to the next one. Ctrl-C during a reply stops that reply; Ctrl-D or
 ``exit`` quits, ``reset`` starts a new conversation, and ``/image PATH`` (or URL) attaches an image
 to the next message when the model takes images.
+
+A message that cannot be sent (a bad image, a message longer than ``session_len`` on its own)
+prints an error and leaves the conversation as it was. When the conversation outgrows
+``session_len``, its oldest turns are left out until the new message fits, and the chat says so.
 """
 from __future__ import annotations
 
@@ -18,8 +22,9 @@ import sys
 from lmdeploy.cli.args import add_engine_args, add_generation_args, engine_config, generation_config
 from lmdeploy.messages import GenerationConfig
 from lmdeploy.serve.async_engine import AsyncEngine
+from lmdeploy.serve.exceptions import ErrorCode, SafeRunException
 from lmdeploy.serve.session_manager import Session
-from lmdeploy.vl.media import load_image
+from lmdeploy.vl.media import MediaPolicy, load_image
 
 PROMPT = '>>> '
 CONTINUATION = '... '
@@ -95,14 +100,48 @@ def _key_bindings():
     return bindings
 
 
-async def _reply(engine: AsyncEngine, session: Session, turn: list[dict], gen: GenerationConfig) -> str:
+async def _reply(engine: AsyncEngine, session: Session, turn: list[dict], gen: GenerationConfig,
+                 history: list[dict]) -> str | None:
+    """Streams the reply to ``history + turn``; None when the engine failed mid-reply (the error is printed).
+
+    Raises :class:`SafeRunException` before printing anything when the prompt is rejected.
+    """
     text = ''
-    async for chunk in engine.generate(session.history + turn, session.session_id, gen):
+    async for chunk in engine.generate(history + turn, session.session_id, gen):
         print(chunk.text, end='', flush=True)
         text += chunk.text
         if chunk.finish_reason == 'error':
             print(f'\n[error: {chunk.error}]', end='')
+            return None
     return text
+
+
+async def _reply_fitting(engine: AsyncEngine, session: Session, turn: list[dict],
+                         gen: GenerationConfig) -> tuple[str | None, int]:
+    """Replies to ``turn`` after as much of the history as fits in ``session_len``.
+
+    When the whole conversation is too long, the oldest turns (a user message and its reply each)
+    are left out, one at a time, until the prompt fits. Returns the reply and how many history
+    messages had to be left out; raises the length error if even the new message alone is too long
+    (and every other :class:`SafeRunException` at once).
+    """
+    history = session.history
+    dropped = 0
+    while True:
+        try:
+            return await _reply(engine, session, turn, gen, history[dropped:]), dropped
+        except SafeRunException as exc:
+            if exc.code is not ErrorCode.INPUT_LENGTH_ERROR or dropped >= len(history):
+                raise
+            dropped = _next_turn_start(history, dropped)
+
+
+def _next_turn_start(history: list[dict], start: int) -> int:
+    """Index of the user message that begins the turn after the one at ``start`` (``len(history)`` if none)."""
+    index = start + 1
+    while index < len(history) and history[index].get('role') != 'user':
+        index += 1
+    return index
 
 
 def _attach_error(engine: AsyncEngine, source: str) -> str | None:
@@ -154,23 +193,34 @@ async def chat(engine: AsyncEngine, gen: GenerationConfig) -> None:
             continue
         turn = _user_turn(prompt, images)
         images = []
-        task = asyncio.create_task(_reply(engine, session, turn, gen))
+        task = asyncio.create_task(_reply_fitting(engine, session, turn, gen))
         loop.add_signal_handler(signal.SIGINT, task.cancel)
         try:
-            reply = await task
-            session.history += turn + [{'role': 'assistant', 'content': reply}]
-            print()
+            reply, dropped = await task
         except asyncio.CancelledError:
             print('\n[interrupted]')
+            continue
+        except SafeRunException as exc:  # the message is not sent; the conversation stays as it was
+            print(f'[error: {exc.message}]')
+            continue
         finally:
             loop.remove_signal_handler(signal.SIGINT)
+        print()
+        if dropped:
+            turns = sum(1 for message in session.history[:dropped] if message.get('role') == 'user')
+            print(f'[the conversation outgrew session_len ({engine.session_len} tokens): '
+                  f'left out the oldest {turns} turn{"s" if turns != 1 else ""}]')
+            del session.history[:dropped]
+        if reply is not None:
+            session.history += turn + [{'role': 'assistant', 'content': reply}]
     await engine.end_session(session.session_id)
 
 
 def run_chat(args: argparse.Namespace) -> None:
     logging.getLogger('lmdeploy').setLevel(args.log_level)
     gen = generation_config(args)
-    engine = AsyncEngine(args.model_path, engine_config(args), show_progress=False)
+    engine = AsyncEngine(args.model_path, engine_config(args), show_progress=False,
+                         media_policy=MediaPolicy.for_local_caller())  # /image PATH: the user's own files
     try:
         asyncio.run(chat(engine, gen))
     finally:

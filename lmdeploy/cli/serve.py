@@ -17,21 +17,54 @@ def add_serve_parser(commands) -> None:
     parser.add_argument('--server-port', type=int, default=23333)
     parser.add_argument('--model-name', default=None, help='the model id clients send (default: the folder name)')
     parser.add_argument('--api-keys', nargs='*', default=None, help='accepted Bearer keys (default: no auth)')
+    parser.add_argument('--admin-api-keys', nargs='*', default=None,
+                        help='Bearer keys that may also do admin actions (abort_request with abort_all); '
+                             'default: none, abort_all is refused')
     parser.add_argument('--allow-origins', nargs='*', default=None, help='CORS origins (default: CORS off)')
     parser.add_argument('--allow-credentials', action='store_true')
     parser.add_argument('--allow-methods', nargs='*', default=['*'])
     parser.add_argument('--allow-headers', nargs='*', default=['*'])
     parser.add_argument('--max-concurrent-requests', type=int, default=256,
-                        help='requests served at once; more wait in the queue')
+                        help='generations served at once (a request takes n x prompts); more wait in the queue')
     parser.add_argument('--max-queue-size', type=int, default=1024,
-                        help='requests that may wait; beyond that the server answers 429')
+                        help='generations that may wait; beyond that the server answers 429')
+    _add_limit_args(parser)
     parser.add_argument('--shutdown-timeout', type=float, default=30.0,
                         help='seconds requests in flight get to finish after SIGTERM before they are aborted')
     parser.add_argument('--allowed-media-domains', nargs='*', default=(),
                         help="hosts image_url may fetch http(s) images from ('*': any; default: none)")
     parser.add_argument('--allowed-local-media-path', default=None,
                         help='directory whose files image_url may name (default: no local files)')
+    parser.add_argument('--allow-private-media-hosts', action='store_true',
+                        help='let image_url fetch from hosts that resolve to loopback, private, link-local or '
+                             'other non-public addresses (default: refused, whatever --allowed-media-domains says)')
     parser.set_defaults(run=run_api_server)
+
+
+LIMIT_HELP = {
+    'max_request_body_bytes': 'request body size in bytes (Content-Length or bytes read, chunked too); over: 413',
+    'max_messages': 'chat messages per request; over: 400',
+    'max_prompt_chars': 'characters of prompt text per request (all messages, all prompts); over: 400',
+    'max_stop_sequences': 'stop strings per request; over: 400',
+    'max_stop_length': 'characters per stop string; over: 400',
+    'max_stop_token_ids': 'stop_token_ids per request; over: 400',
+    'max_fanout': 'generations one request fans out to (n x prompts); over: 400',
+}
+
+
+def _add_limit_args(parser: argparse.ArgumentParser) -> None:
+    from lmdeploy.serve.openai.limits import RequestLimits
+    defaults = RequestLimits()
+    for name, text in LIMIT_HELP.items():
+        parser.add_argument('--' + name.replace('_', '-'), type=int, default=getattr(defaults, name),
+                            help=f'{text} (default: %(default)s; 0: no limit)')
+    parser.add_argument('--preprocess-workers', type=int, default=2,
+                        help='threads that tokenize and preprocess images of admitted requests')
+
+
+def _limits(args: argparse.Namespace):
+    from lmdeploy.serve.openai.limits import RequestLimits
+    return RequestLimits(**{name: getattr(args, name) or None for name in LIMIT_HELP})
 
 
 def run_api_server(args: argparse.Namespace) -> None:
@@ -41,11 +74,14 @@ def run_api_server(args: argparse.Namespace) -> None:
     logging.basicConfig(level=args.log_level)
     logging.getLogger('lmdeploy').setLevel(args.log_level)
     media = MediaPolicy(allowed_domains=tuple(args.allowed_media_domains),
-                        allowed_local_path=args.allowed_local_media_path)
+                        allowed_local_path=args.allowed_local_media_path,
+                        allow_private_hosts=args.allow_private_media_hosts)
     engine = AsyncEngine(args.model_path, engine_config(args), show_progress=False, media_policy=media)
     try:
         app = create_app(engine, args.model_name, args.api_keys, args.allow_origins, args.allow_credentials,
-                         args.allow_methods, args.allow_headers, args.max_concurrent_requests, args.max_queue_size)
+                         args.allow_methods, args.allow_headers, args.max_concurrent_requests, args.max_queue_size,
+                         limits=_limits(args), preprocess_workers=args.preprocess_workers,
+                         admin_api_keys=args.admin_api_keys)
         run_server(app, args.server_name, args.server_port, args.log_level, args.shutdown_timeout)
     finally:
         engine.close()

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import hmac
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
@@ -21,6 +23,11 @@ from lmdeploy.vl.processor import MultiModalProcessor, ProcessedPrompt, Prompt
 
 T = TypeVar('T')
 
+# Who makes the requests started in this context (the server sets it to an id of the caller's API key):
+# a request remembers its owner, and :meth:`AsyncEngine.abort_session` with an ``owner`` aborts only
+# that owner's requests. None: no owner (the Python API, a server without keys).
+request_owner: contextvars.ContextVar[str | None] = contextvars.ContextVar('lmdeploy_request_owner', default=None)
+
 
 def _to_response(out: EngineOutput) -> Response:
     return Response(out.text, out.num_output_tokens, out.num_prompt_tokens, out.finish_reason, out.token_ids,
@@ -33,6 +40,10 @@ class AsyncEngine:
     It owns the tokenizer, the chat template and image preprocessing (in its :class:`MultiModalProcessor`,
     which loads images under ``media_policy``), the engine (driven by one engine-loop thread), and its
     own :class:`SessionManager` and :class:`InferInstManager`.
+
+    ``media_policy`` defaults to ``MediaPolicy()``, which loads no URL and no local file (only PIL
+    images, bytes and data URLs): an app built with ``create_app(AsyncEngine(path))`` serves remote
+    clients. A local caller passes ``MediaPolicy.for_local_caller()`` (as ``pipeline()`` does).
     """
 
     def __init__(self, model_path: str | None = None, backend_config: PytorchEngineConfig | None = None,
@@ -50,6 +61,7 @@ class AsyncEngine:
         image_inputs = ImageInputs.for_model(self.engine.model_dir, mm_config) if mm_config is not None else None
         self.processor = MultiModalProcessor(self.tokenizer, template, image_inputs, media_policy or MediaPolicy())
         self.inst_manager = InferInstManager(self.engine_loop, self.backend_config.max_batch_size)
+        self._owners: dict[int, tuple[object, str]] = {}  # session id -> (its active request, that one's owner)
 
     def encode(self, prompt: Prompt, do_preprocess: bool = True) -> list[int]:
         """Token ids of a prompt; raises :class:`SafeRunException` (INVALID_ARGUMENT) for bad input."""
@@ -90,12 +102,18 @@ class AsyncEngine:
         if not isinstance(gen_config, GenerationConfig):
             raise SafeRunException(ErrorCode.INVALID_ARGUMENT, 'gen_config must be a GenerationConfig')
         if input_ids is not None:
+            if multimodal is not None and not (isinstance(multimodal, list)
+                                               and all(isinstance(m, MultiModalInput) for m in multimodal)):
+                raise SafeRunException(ErrorCode.INVALID_ARGUMENT, 'multimodal must be a list of MultiModalInput')
             prompt = ProcessedPrompt(self._input_ids(input_ids), multimodal or [])
         else:
             prompt = await self.process(messages, do_preprocess)
         one_shot = session is None
         session = session or self.session_manager.create(session_id)
         request = self.session_manager.start_request(session)
+        owner = request_owner.get()
+        if owner is not None:
+            self._owners[session.session_id] = (request, owner)
         try:
             async with self.inst_manager.instance(request) as inst:
                 if inst is None or request.aborted or request.epoch != self.session_manager.epoch:
@@ -114,6 +132,8 @@ class AsyncEngine:
                     if not stream.done.done():
                         await asyncio.wrap_future(inst.cancel(stream))
         finally:
+            if self._owners.get(session.session_id, (None,))[0] is request:
+                self._owners.pop(session.session_id, None)
             self.session_manager.finish_request(session, request, end_session=one_shot)
 
     async def collect(self, responses: AsyncIterator[Response], index: int = 0) -> Response:
@@ -140,9 +160,26 @@ class AsyncEngine:
         session.response = response
         return response
 
-    async def abort_session(self, session_id: int) -> None:
-        """Stops the session's request; a no-op for unknown or idle sessions."""
-        await self.session_manager.abort(session_id)
+    async def abort_session(self, session_id: int, owner: str | None = None) -> bool:
+        """Stops the session's request; a no-op for unknown or idle sessions.
+
+        With an ``owner``, only a request started with that :data:`request_owner` is stopped: for one
+        of another owner (or of none) nothing happens and it returns False. Otherwise it returns True.
+        """
+        if owner is None:
+            await self.session_manager.abort(session_id)
+            return True
+        session = self.session_manager.get(session_id)
+        request = session.request if session is not None else None
+        if request is None:
+            return True
+        started_by = self._owners.get(session_id)
+        if started_by is None or started_by[0] is not request or not hmac.compare_digest(started_by[1], owner):
+            return False
+        future = request.abort()
+        if future is not None:
+            await asyncio.wrap_future(future)
+        return True
 
     async def end_session(self, session_id: int) -> None:
         """Aborts the session's request and forgets the session."""

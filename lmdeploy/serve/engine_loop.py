@@ -8,6 +8,11 @@ op several times slower (an ``add`` of [64, 576]: 6 us -> 40 us).
 Requests, aborts and calls go in through a thread-safe queue; the thread runs them, steps the
 batch while there is work and sleeps on the queue when there is none. The outputs of one step go
 back to their consumers' event loops with one ``loop.call_soon_threadsafe`` per loop.
+
+No request ever hangs: every command the thread runs is guarded, so a request that the engine
+cannot take ends alone as 'error'; a step that fails ends the requests it may have touched as
+'error' and the thread goes on; if the thread itself dies, everything in flight and everything
+queued ends, and new requests are refused.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ from typing import Any
 
 from lmdeploy.messages import EngineOutput, FinishReason, GenerationConfig
 from lmdeploy.pytorch.engine.engine import Engine
+from lmdeploy.pytorch.engine.sequence import SequenceStatus
 from lmdeploy.pytorch.multimodal import MultiModalInput
 from lmdeploy.serve.exceptions import ErrorCode, SafeRunException
 
@@ -58,7 +64,10 @@ class RequestStream:
         deliver_all([(self, output)])
 
     def end(self, reason: FinishReason, error: str | None = None, code: ErrorCode | None = None) -> None:
-        """Ends the request with a made-up final output (it never ran, or the engine cannot report on it)."""
+        """Ends the request with a made-up final output (it never ran, or the engine cannot report on it);
+        a no-op once it has ended."""
+        if self.done.done():
+            return
         self.error_code = code
         self.deliver(EngineOutput(-1, [], '', None, reason, len(self.prompt_ids), 0, 0, error))
 
@@ -106,8 +115,9 @@ class EngineLoop:
 
     @property
     def is_alive(self) -> bool:
-        """Whether the loop thread is running (``last_heartbeat`` says when it last made progress)."""
-        return self._thread.is_alive()
+        """Whether the loop thread runs and takes requests (``last_heartbeat`` says when it last made
+        progress); False from the moment it starts to stop or to die (``error`` says why)."""
+        return self._accepting and self._thread.is_alive()
 
     def _put(self, command: tuple) -> bool:
         with self._lock:
@@ -165,8 +175,27 @@ class EngineLoop:
                 return True
             if kind == 'stop':
                 return False
-            getattr(self, f'_do_{kind}')(arg)
+            try:
+                getattr(self, f'_do_{kind}')(arg)
+            except Exception as exc:
+                logger.exception('the engine loop could not run an %r command; it goes on', kind)
+                self._fail_command(kind, arg, exc)
+            except BaseException as exc:
+                self._fail_command(kind, arg, exc)
+                raise
             block = False
+
+    def _fail_command(self, kind: str, arg: Any, exc: BaseException) -> None:
+        """Ends what a command that raised was about: its request as 'error', or its call's future."""
+        if kind == 'call':
+            if not arg[1].done():
+                arg[1].set_exception(exc)
+            return
+        stream: RequestStream = arg
+        if stream.seq_id is not None and self._streams.get(stream.seq_id) is stream:
+            del self._streams[stream.seq_id]
+            self._release(stream.seq_id, stream, 'error', f'{type(exc).__name__}: {exc}', ErrorCode.ENGINE_ERROR)
+        stream.end('error', f'{type(exc).__name__}: {exc}', ErrorCode.ENGINE_ERROR)
 
     def _do_add(self, stream: RequestStream) -> None:
         if stream.epoch != self._current_epoch():
@@ -178,11 +207,16 @@ class EngineLoop:
             too_long = len(stream.prompt_ids) >= self.engine.session_len
             stream.end('error', str(exc), ErrorCode.INPUT_LENGTH_ERROR if too_long else ErrorCode.INVALID_ARGUMENT)
             return
+        except Exception:
+            # add_request may have registered the sequence before it failed: free what no stream owns.
+            for seq_id in [seq_id for seq_id in self.engine.sequences if seq_id not in self._streams]:
+                self._release(seq_id, None)
+            raise
         self._streams[stream.seq_id] = stream
 
     def _do_abort(self, stream: RequestStream) -> None:
         if self._streams.pop(stream.seq_id, None) is not None:
-            stream.deliver(self.engine.abort(stream.seq_id))
+            self._release(stream.seq_id, stream, 'abort')
 
     def _do_call(self, arg: tuple[Callable[[Engine], Any], concurrent.futures.Future]) -> None:
         fn, future = arg
@@ -196,30 +230,62 @@ class EngineLoop:
         try:
             outputs = self.engine.step()
         except Exception as exc:
-            logger.exception('engine step failed; failing the requests in flight')
-            self._end_all('error', f'engine step failed: {type(exc).__name__}: {exc}')
+            logger.exception('engine step failed; failing the requests it ran')
+            self._fail_step(f'engine step failed: {type(exc).__name__}: {exc}')
             return
         items = []
         for output in outputs:
-            stream = self._streams[output.seq_id]
+            stream = self._streams.get(output.seq_id)
+            if stream is None:  # not a request of this loop's: nobody waits for it
+                logger.error('engine output for unknown request %d dropped', output.seq_id)
+                continue
             if output.finish_reason is not None:
                 del self._streams[output.seq_id]
             items.append((stream, output))
         deliver_all(items)
 
+    def _fail_step(self, error: str) -> None:
+        """After a failed step, ends as 'error' (and frees) every request the step may have touched: all
+        but those waiting in the scheduler's queue with no KV blocks and no token in flight, which the
+        step cannot have run; those stay queued and are served by the next steps."""
+        try:
+            untouched = {seq.seq_id for seq in self.engine.scheduler.waiting
+                         if seq.status is SequenceStatus.WAITING and not seq.block_ids and not seq.num_inflight}
+        except Exception:
+            logger.exception('could not read the scheduler after a failed step')
+            untouched = set()
+        failed = {seq_id: stream for seq_id, stream in self._streams.items() if seq_id not in untouched}
+        for seq_id in failed:
+            del self._streams[seq_id]
+        for seq_id, stream in failed.items():
+            self._release(seq_id, stream, 'error', error, ErrorCode.ENGINE_ERROR)
+
     def _end_all(self, reason: FinishReason, error: str | None = None) -> None:
         streams, self._streams = self._streams, {}
         code = ErrorCode.ENGINE_ERROR if error else None
         for seq_id, stream in streams.items():
-            try:
-                output = self.engine.abort(seq_id)
-            except Exception:
-                logger.exception('could not free request %d', seq_id)
-                stream.end(reason, error, code)
-                continue
-            output.finish_reason, output.error = reason, error
-            stream.error_code = code
-            stream.deliver(output)
+            self._release(seq_id, stream, reason, error, code)
+
+    def _release(self, seq_id: int, stream: RequestStream | None, reason: FinishReason = 'abort',
+                 error: str | None = None, code: ErrorCode | None = None) -> None:
+        """Frees request ``seq_id`` in the engine and gives ``stream`` its final output, ending as ``reason``.
+
+        Never raises: when the engine cannot free the request, or it already ended there (a step that
+        failed after finishing it), the stream still gets a final output.
+        """
+        try:
+            output = self.engine.abort(seq_id)
+        except Exception:
+            logger.exception('could not free request %d', seq_id)
+            output = None
+        if stream is None:
+            return
+        if output is None:
+            stream.end(reason, error, code)
+            return
+        output.finish_reason, output.error = reason, error
+        stream.error_code = code
+        stream.deliver(output)
 
     def _shutdown(self) -> None:
         with self._lock:

@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 
 from lmdeploy.messages import GenerationConfig
 from lmdeploy.serve.engine_loop import EngineLoop, RequestStream
+from lmdeploy.serve.exceptions import ErrorCode, SafeRunException
 from lmdeploy.serve.session_manager import Request
 from lmdeploy.vl.processor import ProcessedPrompt
 
@@ -35,10 +36,16 @@ class EngineInstance:
 
 
 class InferInstManager:
-    """``size`` engine instances handed out first come, first served, from any thread or event loop."""
+    """``size`` engine instances handed out first come, first served, from any thread or event loop.
 
-    def __init__(self, engine_loop: EngineLoop, size: int):
+    At most ``max_waiting`` requests wait for one (None: no bound, as the pipeline wants); past that
+    :meth:`acquire` raises :class:`SafeRunException` (``ABORTED``, a 503 on the server, whose admission
+    normally keeps the line shorter than this).
+    """
+
+    def __init__(self, engine_loop: EngineLoop, size: int, max_waiting: int | None = None):
         self.size = size
+        self.max_waiting = max_waiting
         self._free = deque(EngineInstance(i, engine_loop) for i in range(size))
         self._waiters: deque[asyncio.Future] = deque()
         self._lock = threading.Lock()
@@ -67,6 +74,9 @@ class InferInstManager:
         with self._lock:
             if self._free and not self._waiters:
                 return self._free.popleft()
+            if self.max_waiting is not None and len(self._waiters) >= self.max_waiting:
+                raise SafeRunException(ErrorCode.ABORTED, f'the server is overloaded: {len(self._waiters)} requests '
+                                       'already wait for an engine instance; retry later')
             waiter = asyncio.get_running_loop().create_future()
             self._waiters.append(waiter)
         request.on_abort(lambda: self._withdraw(waiter))

@@ -6,15 +6,22 @@ import binascii
 import contextlib
 import hashlib
 import io
+import ipaddress
+import logging
 import os
 import re
+import socket
+import stat
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
+import httpcore
 import httpx
 from PIL import Image
+
+logger = logging.getLogger('lmdeploy')
 
 # Formats PIL may open; others (EPS runs Ghostscript, ...) are refused. JPEG includes MPO.
 _FORMATS = ('PNG', 'JPEG', 'GIF', 'WEBP', 'BMP')
@@ -23,14 +30,31 @@ _FORMS = ('an image must be a PIL image, bytes, a data:image/<format>;base64,...
 _SCHEME = re.compile(r'([A-Za-z][A-Za-z0-9+.-]*):')
 
 
+_MAX_REDIRECTS = 5
+
+
 @dataclass(frozen=True)
 class MediaPolicy:
-    """Where images may come from and how big they may be."""
-    allowed_domains: tuple[str, ...] | None = None  # http(s) hosts allowed; None = any host; () = none; '*' = any
-    allowed_local_path: str | None = '/'  # local files allowed only under this directory; None = no local files
+    """Where images may come from and how big they may be.
+
+    The default refuses every http(s) URL and every local file: only PIL images, bytes and ``data:``
+    URLs load. A server opts in with its flags; :meth:`for_local_caller` is what ``pipeline()`` and
+    ``lmdeploy chat`` use, whose caller already has the machine's files.
+    """
+    allowed_domains: tuple[str, ...] | None = ()  # http(s) hosts allowed; () = none; '*' or None = any
+    allowed_local_path: str | None = None  # local files allowed only under this directory; None = no local files
+    # http(s) hosts that resolve to loopback, private, link-local, shared, multicast, reserved or
+    # unspecified addresses are refused, whatever allowed_domains says, unless this is True
+    allow_private_hosts: bool = False
     max_image_bytes: int = 20 * 2**20
     max_image_pixels: int = 4096 * 4096
     fetch_timeout: float = 10.0  # seconds, for each network operation and for the whole download
+
+    @classmethod
+    def for_local_caller(cls) -> MediaPolicy:
+        """Any local file and any public http(s) host: for a caller on this machine (``pipeline()``,
+        ``lmdeploy chat``), never for remote clients."""
+        return cls(allowed_domains=('*',), allowed_local_path='/')
 
 
 def load_image(source: str | bytes | Image.Image, policy: MediaPolicy = MediaPolicy()) -> Image.Image:
@@ -75,53 +99,153 @@ def _data_url_bytes(url: str) -> bytes:
         raise ValueError(f'the data URL is not valid base64: {exc}') from exc
 
 
-def _fetch(url: str, policy: MediaPolicy) -> bytes:
-    """Downloads ``url`` from an allowed host, without following redirects, up to ``max_image_bytes``."""
+class _HostRefused(Exception):
+    """The host is unknown or resolves to an address the policy refuses (raised at connect time)."""
+
+
+def _is_public(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """Whether ``ip`` (and any IPv4 address embedded in it) is a global unicast address."""
+    candidates = [ip]
+    if ip.version == 6:
+        candidates += [a for a in (ip.ipv4_mapped, ip.sixtofour, ip.teredo and ip.teredo[1]) if a is not None]
+    return all(a.is_global and not (a.is_private or a.is_loopback or a.is_link_local or a.is_multicast
+                                    or a.is_reserved or a.is_unspecified) for a in candidates)
+
+
+def _resolve(host: str, port: int, policy: MediaPolicy) -> list[str]:
+    """The addresses of ``host`` to connect to; raises :class:`_HostRefused` if it has none, or if any of
+    them is not public and the policy does not allow private hosts."""
     try:
-        parsed = httpx.URL(url)  # the same parse decides the host check and the request
-    except httpx.InvalidURL as exc:
-        raise ValueError(f'invalid image URL {url[:80]!r}: {exc}') from exc
-    host = parsed.host.rstrip('.').lower()
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
+    except (OSError, UnicodeError) as exc:
+        raise _HostRefused(f'{host!r} does not resolve') from exc
+    addresses = list(dict.fromkeys(info[4][0] for info in infos))
+    if not addresses:
+        raise _HostRefused(f'{host!r} has no address')
+    if not policy.allow_private_hosts:
+        refused = [a for a in addresses if not _is_public(ipaddress.ip_address(a))]
+        if refused:
+            raise _HostRefused(f'{host!r} resolves to the non-public address {refused[0]}')
+    return addresses
+
+
+class _CheckedBackend(httpcore.SyncBackend):
+    """Resolves each host itself, checks the addresses against the policy and connects to exactly those:
+    no second lookup, so DNS rebinding between the check and the connection is not possible. TLS still
+    verifies the certificate against the host name."""
+
+    def __init__(self, policy: MediaPolicy):
+        self.policy = policy
+
+    def connect_tcp(self, host: str, port: int, timeout: float | None = None, local_address: str | None = None,
+                    socket_options=None) -> httpcore.NetworkStream:
+        error: Exception | None = None
+        for address in _resolve(host, port, self.policy):
+            try:
+                return super().connect_tcp(address, port, timeout, local_address, socket_options)
+            except httpcore.ConnectError as exc:
+                error = exc
+        raise error
+
+
+class _CheckedTransport(httpx.HTTPTransport):
+    """httpx's transport over :class:`_CheckedBackend`, ignoring proxy settings from the environment (a
+    proxy would connect to addresses this process never checked)."""
+
+    def __init__(self, policy: MediaPolicy):
+        super().__init__(trust_env=False)
+        self._pool = httpcore.ConnectionPool(ssl_context=httpx.create_ssl_context(trust_env=False),
+                                             network_backend=_CheckedBackend(policy))
+
+
+def _check_url(url: httpx.URL, policy: MediaPolicy, original: str | None = None) -> None:
+    """Refuses URLs whose scheme is not http(s) or whose host the policy does not list; ``original`` is
+    the URL the client sent when ``url`` is where it redirected to."""
+    if original is not None and (url.scheme not in ('http', 'https') or not url.host):
+        raise ValueError(f'image URL {original[:80]!r} redirects to a URL that is not http(s)')
+    host = url.host.rstrip('.').lower()
     is_ip = ':' in host or host.replace('.', '').isdigit()  # IP addresses have no subdomains
     allowed = [domain.strip('.').lower() for domain in policy.allowed_domains or ()]
     if policy.allowed_domains is not None and '*' not in allowed and not any(
             domain and (host == domain or not is_ip and host.endswith('.' + domain)) for domain in allowed):
+        if original is not None:
+            raise ValueError(f'image URL {original[:80]!r} redirects to a host that is not allowed')
         raise ValueError(f'image domain {host!r} is not allowed (the server allows domains with '
                          '--allowed-media-domains)')
+
+
+def _fetch(url: str, policy: MediaPolicy) -> bytes:
+    """Downloads ``url`` from an allowed, public host, up to ``max_image_bytes``.
+
+    Redirects are followed (at most 5) only to http(s) URLs the policy allows. Error messages name the
+    URL but never the upstream status, addresses or connection errors (those go to the log at INFO).
+    """
+    try:
+        parsed = httpx.URL(url)  # the same parse decides the host check and the request
+    except httpx.InvalidURL as exc:
+        raise ValueError(f'invalid image URL {url[:80]!r}: {exc}') from exc
+    _check_url(parsed, policy)
     deadline = time.monotonic() + policy.fetch_timeout
+    failed = f'could not fetch image {url[:80]!r}'
     data = bytearray()
     try:
-        with (httpx.Client(timeout=policy.fetch_timeout, follow_redirects=False) as client,
-              client.stream('GET', parsed) as response):
-            if not response.is_success:
-                hint = ' (redirects are not followed)' if response.is_redirect else ''
-                raise ValueError(f'fetching image {url[:80]!r} failed: HTTP {response.status_code}{hint}')
-            for chunk in response.iter_bytes():
-                data += chunk
-                if len(data) > policy.max_image_bytes:
-                    raise ValueError(_too_many_bytes(policy))
-                if time.monotonic() > deadline:
-                    raise ValueError(f'fetching image {url[:80]!r} timed out after {policy.fetch_timeout} s')
-    except httpx.HTTPError as exc:
-        raise ValueError(f'could not fetch image {url[:80]!r}: {exc!r}') from exc
-    return bytes(data)
+        with httpx.Client(transport=_CheckedTransport(policy), timeout=policy.fetch_timeout,
+                          follow_redirects=False, trust_env=False) as client:
+            for _ in range(_MAX_REDIRECTS + 1):
+                with client.stream('GET', parsed) as response:
+                    if response.is_redirect:
+                        parsed = parsed.join(response.headers['location'])
+                        _check_url(parsed, policy, url)
+                        continue
+                    if not response.is_success:
+                        logger.info('image fetch from %s failed: HTTP %d', parsed.host, response.status_code)
+                        raise ValueError(f'{failed}: the host did not answer with an image')
+                    for chunk in response.iter_bytes():
+                        data += chunk
+                        if len(data) > policy.max_image_bytes:
+                            raise ValueError(_too_many_bytes(policy))
+                        if time.monotonic() > deadline:
+                            raise ValueError(f'fetching image {url[:80]!r} timed out after {policy.fetch_timeout} s')
+                    return bytes(data)
+            raise ValueError(f'{failed}: more than {_MAX_REDIRECTS} redirects')
+    except _HostRefused as exc:
+        logger.info('image fetch refused: %s', exc)
+        raise ValueError(f'{failed}: its host is unknown or not a public address (the server allows private '
+                         'addresses with --allow-private-media-hosts)') from None
+    except httpx.TimeoutException:
+        raise ValueError(f'fetching image {url[:80]!r} timed out after {policy.fetch_timeout} s') from None
+    except (httpx.HTTPError, httpx.InvalidURL) as exc:
+        logger.info('image fetch from %s failed: %r', parsed.host, exc)
+        raise ValueError(f'{failed}: the host did not answer with an image') from None
 
 
 def _read_local(path: str, policy: MediaPolicy) -> bytes:
-    """Reads a local file inside ``allowed_local_path``, up to one byte past ``max_image_bytes``."""
+    """Reads a regular file inside ``allowed_local_path``, up to one byte past ``max_image_bytes``.
+
+    Every refusal (outside the directory, missing, unreadable, not a regular file) has the same message,
+    so that it does not tell whether a path exists.
+    """
     if policy.allowed_local_path is None:
         raise ValueError('local image files are not allowed here (the server allows a directory with '
                          '--allowed-local-media-path)')
+    refused = ValueError(f'cannot read image file {path!r}: it does not exist, is not a readable file or is '
+                         'outside the allowed directory')
     root, real = os.path.realpath(policy.allowed_local_path), os.path.realpath(path)
     if os.path.commonpath([root, real]) != root:
-        raise ValueError(f'image file {path!r} is outside the allowed directory {policy.allowed_local_path!r}')
-    if not os.path.isfile(real):
-        raise ValueError(f'image file not found: {path!r}; {_FORMS}')
+        raise refused
+    try:  # a symlink swapped in after realpath is not followed; a FIFO does not block the open
+        fd = os.open(real, os.O_RDONLY | getattr(os, 'O_NOFOLLOW', 0) | getattr(os, 'O_NONBLOCK', 0))
+    except OSError:
+        raise refused from None
     try:
-        with open(real, 'rb') as file:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise refused
+        with os.fdopen(fd, 'rb', closefd=False) as file:
             return file.read(policy.max_image_bytes + 1)
-    except OSError as exc:
-        raise ValueError(f'could not read image file {path!r}: {exc.strerror}') from exc
+    except OSError:
+        raise refused from None
+    finally:
+        os.close(fd)
 
 
 def _too_many_bytes(policy: MediaPolicy) -> str:

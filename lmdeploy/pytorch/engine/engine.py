@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import psutil
@@ -88,6 +89,11 @@ class Engine:
         self._ids = itertools.count()
         self.overlap = self.device.type == 'cuda' if config.overlap_schedule is None else config.overlap_schedule
         self._launched: LaunchedStep | None = None
+        # Fault injection, for tests only (None, and one attribute check per step, unless a test sets it):
+        # called on the engine's thread as fault_hook('forward', seqs) before a batch's forward pass, and as
+        # fault_hook('output', seqs) once a step's sampled tokens became outputs (finished sequences are
+        # already released then); what it raises is what step() raises.
+        self.fault_hook: Callable[[str, list[Sequence]], None] | None = None
 
     def _decode_int4(self, hf_config) -> bool:
         """Whether small steps run on 4-bit weights (see ``PytorchEngineConfig.decode_int4``)."""
@@ -214,7 +220,8 @@ class Engine:
         if previous is not None:
             outputs = self._collect(previous)
         if self._launched is not None and not self.overlap:
-            outputs, self._launched = self._collect(self._launched), None
+            launched, self._launched = self._launched, None
+            outputs = self._collect(launched)
         return outputs
 
     def _launch(self, plan: SchedulerOutput, previous: LaunchedStep | None) -> LaunchedStep:
@@ -223,6 +230,8 @@ class Engine:
         if previous is not None:
             inflight = InflightTokens(previous.sample.token_ids,
                                       {seq.seq_id: row for row, seq in enumerate(previous.sampled)})
+        if self.fault_hook is not None:
+            self.fault_hook('forward', [item.seq for item in plan.prefill + plan.decode])
         logits = self.runner.forward(plan, inflight)
         items = plan.prefill + plan.decode
         sampled = [item.seq for item in items if item.samples]
@@ -250,6 +259,8 @@ class Engine:
                 self.scheduler.finish(seq)
                 del self.sequences[seq.seq_id]
             outputs.append(output)
+        if self.fault_hook is not None:
+            self.fault_hook('output', step.sampled)
         for item in step.items:
             if not item.seq.is_finished:
                 self.block_manager.register_full_blocks(item.seq)

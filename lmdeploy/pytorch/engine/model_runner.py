@@ -157,5 +157,5 @@ class ModelRunner:
         hidden = self.model(input_ids, self.kv_caches, ctx)
         # Sampled rows are unique and ascending: as many as the rows means all of them (decode steps).
         if len(sample_rows) < hidden.shape[0]:
-            hidden = hidden[self._tensor(sample_rows)]
+            hidden = hidden[to_device(torch.tensor(sample_rows, dtype=torch.long), self.device)]
         return self.model.logits(hidden)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Union
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,8 @@ from lmdeploy.pytorch.step_context import StepContext
 KVCache = tuple[torch.Tensor, torch.Tensor]
 QKV_BIAS_MODEL_TYPES = ('qwen2', 'qwen2_vl_text', 'qwen2_5_vl_text')
 DECODE_INT4_LAYERS = ('qkv_proj', 'o_proj', 'gate_up_proj', 'down_proj')
+# what a checkpoint tensor fills: a whole parameter (its name) or one shard of a merged one (name, shard)
+WeightKey = Union[str, tuple[str, str]]
 
 
 class LlamaAttention(nn.Module):
@@ -175,9 +178,9 @@ class LlamaForCausalLM(nn.Module):
                 module.enable_int4()
         self.lm_head_fp16 = self.lm_head_weight.half()
 
-    def weight_target(self, name: str) -> tuple[torch.Tensor, str] | None:
+    def weight_target(self, name: str) -> tuple[torch.Tensor, WeightKey] | None:
         """Where a Hugging Face tensor (name without ``model.``) goes: the tensor or slice to fill and
-        the parameter it belongs to; None for tensors the model does not use."""
+        what it fills (see :meth:`required_weights`); None for tensors the model does not use."""
         if 'rotary_emb' in name or (self.lm_head is None and name == 'lm_head.weight'):
             return None
         module_name, _, kind = name.rpartition('.')
@@ -186,20 +189,44 @@ class LlamaForCausalLM(nn.Module):
             merged, index = self.stacked_params[proj]
             target = self.get_submodule(f'{owner}.{merged}')
             part = getattr(target, kind)[target.offsets[index]:target.offsets[index + 1]]
-            return part, f'{owner}.{merged}.{kind}'
+            return part, (f'{owner}.{merged}.{kind}', proj)
         try:
             return self.get_parameter(name), name
         except AttributeError:
             return None
 
+    def required_weights(self) -> set[WeightKey]:
+        """What the checkpoint must fill: the name of each whole parameter, and ``(parameter, shard)``
+        for each part of a merged one: every projection of a ``qkv_proj``/``gate_up_proj`` and every
+        expert's matrices (modules with such parameters list their shards in ``weight_shards()``)."""
+        merged_parts: dict[str, dict[int, str]] = {}
+        for proj, (merged, index) in self.stacked_params.items():
+            merged_parts.setdefault(merged, {})[index] = proj
+        shards: dict[str, list[str]] = {}
+        for module_name, module in self.named_modules():
+            prefix = f'{module_name}.' if module_name else ''
+            if isinstance(module, MergedLinear):
+                parts = merged_parts[module_name.rpartition('.')[2]]
+                for kind, _ in module.named_parameters(recurse=False):
+                    shards[prefix + kind] = [parts[i] for i in range(len(module.offsets) - 1)]
+            elif hasattr(module, 'weight_shards'):
+                shards.update({prefix + kind: labels for kind, labels in module.weight_shards().items()})
+        required: set[WeightKey] = set()
+        for name, _ in self.named_parameters():
+            required.update(((name, label) for label in shards[name]) if name in shards else (name,))
+        return required
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Loads Hugging Face-named tensors; raises if a parameter is missing afterwards."""
-        loaded = set()
+        """Loads Hugging Face-named tensors; raises naming what is missing afterwards, down to a single
+        shard of a merged parameter (a ``k_proj``, one expert's ``up`` matrix) whose rows would otherwise
+        be left uninitialized."""
+        loaded: set[WeightKey] = set()
         for name, tensor in weights:
             target = self.weight_target(name.removeprefix('model.'))
             if target is not None:
                 target[0].copy_(tensor.to(self.cfg.dtype))
                 loaded.add(target[1])
-        missing = {name for name, _ in self.named_parameters()} - loaded
+        missing = sorted(key if isinstance(key, str) else f'{key[0]} ({key[1]})'
+                         for key in self.required_weights() - loaded)
         if missing:
-            raise ValueError(f'weights are missing for {sorted(missing)[:5]} ({len(missing)} in all)')
+            raise ValueError(f'weights are missing for {missing[:5]} ({len(missing)} in all)')

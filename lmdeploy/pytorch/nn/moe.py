@@ -20,10 +20,18 @@ class FusedExperts(nn.Module):
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         return fused_moe(x, self.gate_up, self.down, topk_weights, topk_ids)
 
-    def expert_weight(self, expert: int, part: str) -> tuple[torch.Tensor, str]:
-        """The slice holding one expert's ``gate``, ``up`` or ``down`` weight, and its parameter's name."""
+    def expert_weight(self, expert: int, part: str) -> tuple[torch.Tensor, str, str]:
+        """The slice holding one expert's ``gate``, ``up`` or ``down`` weight, its parameter's name and
+        the shard's label (see :meth:`weight_shards`)."""
         size = self.intermediate_size
+        label = f'expert {expert} {part}'
         if part == 'down':
-            return self.down[expert], 'down'
+            return self.down[expert], 'down', label
         rows = slice(0, size) if part == 'gate' else slice(size, 2 * size)
-        return self.gate_up[expert, rows], 'gate_up'
+        return self.gate_up[expert, rows], 'gate_up', label
+
+    def weight_shards(self) -> dict[str, list[str]]:
+        """Each parameter's shards that the checkpoint must fill: every expert's gate, up and down."""
+        experts = range(self.gate_up.shape[0])
+        return {'gate_up': [f'expert {e} {part}' for e in experts for part in ('gate', 'up')],
+                'down': [f'expert {e} down' for e in experts]}

@@ -33,8 +33,12 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
+        # prefix-cache hit rate: full blocks looked up and found, counted once per request, when it is
+        # first admitted (a request waiting for blocks is looked up again every step, a preempted one
+        # again when it is readmitted: neither counts again)
         self.num_queries = 0
         self.num_hits = 0
+        self._lookup: tuple[Sequence, int] | None = None  # the last match_prefix: its sequence and full blocks
 
     @property
     def num_blocks(self) -> int:
@@ -66,8 +70,7 @@ class BlockManager:
             if block_id is None or self.blocks[block_id].key != key:
                 break
             matched.append(block_id)
-        self.num_queries += num_tokens // bs
-        self.num_hits += len(matched)
+        self._lookup = (seq, num_tokens // bs)
         return matched
 
     def can_allocate(self, num_new_blocks: int, revived: list[int] = ()) -> bool:
@@ -76,7 +79,15 @@ class BlockManager:
         return num_new_blocks <= self.num_free_blocks - taken_from_free
 
     def allocate(self, seq: Sequence, num_tokens: int, revived: list[int] = ()) -> None:
-        """Gives ``seq`` the ``revived`` prefix blocks, then fresh ones until ``num_tokens`` fit."""
+        """Gives ``seq`` the ``revived`` prefix blocks, then fresh ones until ``num_tokens`` fit.
+
+        Admitting a sequence right after its :meth:`match_prefix` counts that lookup in the hit rate,
+        the first time the sequence is admitted only."""
+        if self._lookup is not None and self._lookup[0] is seq and not seq.block_ids:
+            if seq.num_preemptions == 0:
+                self.num_queries += self._lookup[1]
+                self.num_hits += len(revived)
+            self._lookup = None
         for block_id in revived:
             self._ref(block_id)
             seq.block_ids.append(block_id)

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server: :func:`create_app` builds the FastAPI app, :func:`run_server` runs it."""
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 import os
@@ -8,6 +9,7 @@ import signal
 import sys
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 import uvicorn
@@ -17,9 +19,10 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from lmdeploy.serve.async_engine import AsyncEngine
+from lmdeploy.serve.async_engine import AsyncEngine, request_owner
 from lmdeploy.serve.openai.admission import Admission
-from lmdeploy.serve.openai.errors import error_response, install_error_handlers
+from lmdeploy.serve.openai.errors import APIError, error_response, install_error_handlers
+from lmdeploy.serve.openai.limits import BodyLimitMiddleware, RequestLimits
 from lmdeploy.serve.openai.metrics import Metrics
 from lmdeploy.serve.openai.protocol import (AbortRequest, ChatCompletionRequest, CompletionRequest, EncodeRequest,
                                             GenerateRequest, ModelCard, ModelList)
@@ -35,24 +38,52 @@ AUTH_EXEMPT = frozenset({'/health'})
 GIL_SWITCH_INTERVAL = 0.0005
 
 
+def _bearer_key(headers: list[tuple[bytes, bytes]], keys: list[bytes]) -> bytes | None:
+    """The key of ``keys`` that the ``Authorization: Bearer`` header carries, or None."""
+    auth = dict(headers).get(b'authorization', b'')
+    scheme, _, token = auth.partition(b' ')
+    if scheme.lower() != b'bearer':
+        return None
+    token = token.strip()
+    found = None
+    for key in keys:  # compare with every key, so that the time taken does not tell which one matched
+        if hmac.compare_digest(token, key):
+            found = key
+    return found
+
+
+def key_owner(key: bytes) -> str:
+    """The owner id of requests made with ``key``: a digest, so that the key itself is kept nowhere else."""
+    return hashlib.sha256(b'lmdeploy-request-owner:' + key).hexdigest()
+
+
 class APIKeyMiddleware:
-    """Requires ``Authorization: Bearer <key>`` with one of ``api_keys`` (except on ``/health``)."""
+    """Requires ``Authorization: Bearer <key>`` with one of ``api_keys`` on every HTTP request and websocket
+    (except on ``/health``); the requests it lets in run with :data:`request_owner` set to the key's owner id.
+    CORS preflights never get here: the CORS middleware, outside this one, answers them."""
 
     def __init__(self, app: ASGIApp, api_keys: list[str]):
         self.app = app
         self.api_keys = [key.encode() for key in api_keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope['type'] == 'http' and scope['path'] not in AUTH_EXEMPT and scope['method'] != 'OPTIONS':
-            auth = dict(scope['headers']).get(b'authorization', b'')
-            scheme, _, token = auth.partition(b' ')
-            ok = scheme.lower() == b'bearer' and any(hmac.compare_digest(token.strip(), k) for k in self.api_keys)
-            if not ok:
-                response = error_response(401, 'missing or invalid API key (send Authorization: Bearer <key>)',
-                                          code='invalid_api_key', headers={'WWW-Authenticate': 'Bearer'})
-                await response(scope, receive, send)
+        if scope['type'] not in ('http', 'websocket') or scope['path'] in AUTH_EXEMPT:
+            await self.app(scope, receive, send)
+            return
+        key = _bearer_key(scope['headers'], self.api_keys)
+        if key is None:
+            if scope['type'] == 'websocket':
+                await send({'type': 'websocket.close', 'code': 1008})
                 return
-        await self.app(scope, receive, send)
+            response = error_response(401, 'missing or invalid API key (send Authorization: Bearer <key>)',
+                                      code='invalid_api_key', headers={'WWW-Authenticate': 'Bearer'})
+            await response(scope, receive, send)
+            return
+        token = request_owner.set(key_owner(key))
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            request_owner.reset(token)
 
 
 def default_model_name(engine: AsyncEngine) -> str:
@@ -63,17 +94,33 @@ def create_app(engine: AsyncEngine, model_name: str | None = None, api_keys: lis
                allow_origins: list[str] | None = None, allow_credentials: bool = False,
                allow_methods: list[str] | None = None, allow_headers: list[str] | None = None,
                max_concurrent_requests: int = 256, max_queue_size: int = 1024,
-               heartbeat_timeout: float = 30.0) -> FastAPI:
+               heartbeat_timeout: float = 30.0, limits: RequestLimits | None = None,
+               preprocess_workers: int = 2, admin_api_keys: list[str] | None = None) -> FastAPI:
     """An app serving ``engine``; each app has its own metrics registry. The caller owns (and closes) the
-    engine; on shutdown the app aborts what is still in flight."""
+    engine; on shutdown the app aborts what is still in flight.
+
+    ``max_concurrent_requests`` and ``max_queue_size`` count slots: a request takes one per generation it
+    fans out to (n x prompts). ``limits`` bounds each request (see :class:`RequestLimits`);
+    ``preprocess_workers`` threads tokenize and preprocess images of admitted requests.
+
+    ``api_keys`` guard every endpoint but ``/health``; a session's request can then be aborted only with
+    the key that started it. ``admin_api_keys`` are accepted wherever ``api_keys`` are and alone may
+    ``abort_all`` (without them, ``abort_all`` is refused). Images load under the engine's
+    ``MediaPolicy``, which by default allows no URL and no local file."""
+    limits = limits or RequestLimits()
     admission = Admission(max_concurrent_requests, max_queue_size)
+    executor = ThreadPoolExecutor(preprocess_workers, thread_name_prefix='lmdeploy-preprocess')
     state = ServerState(engine, model_name or default_model_name(engine), admission,
-                        Metrics(engine, lambda: admission.num_waiting), heartbeat_timeout)
+                        Metrics(engine, lambda: admission.num_waiting), heartbeat_timeout, limits, executor)
+    # Admitted slots are the only waiters for engine instances: bound that line too (defence in depth).
+    insts = engine.inst_manager
+    insts.max_waiting = max(insts.max_waiting or 0, max_concurrent_requests)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
         await engine.stop_all_session()
+        executor.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title='lmdeploy OpenAI-compatible server', lifespan=lifespan)
     app.state.server = state
@@ -102,11 +149,23 @@ def create_app(engine: AsyncEngine, model_name: str | None = None, api_keys: lis
     @app.post('/v1/encode')
     async def encode_endpoint(req: EncodeRequest) -> dict:
         """Token ids of a text or a list of texts."""
-        return encode_text(state, req)
+        return await encode_text(state, req)
+
+    admin_keys = [key.encode() for key in admin_api_keys or ()]
 
     @app.post('/abort_request')
-    async def abort_endpoint(req: AbortRequest) -> dict:
-        """Aborts a session's request, or all requests."""
+    async def abort_endpoint(req: AbortRequest, raw: Request) -> dict:
+        """Aborts a session's request, or all requests (``abort_all``: admin keys only). With API keys, a
+        session's request is aborted only for the key that started it (or an admin key)."""
+        admin = bool(admin_keys) and _bearer_key(raw.scope['headers'], admin_keys) is not None
+        if req.abort_all and not admin:
+            raise APIError(403, 'abort_all is an admin action: send an admin API key (the server takes them '
+                           'with --admin-api-keys)', 'abort_all', 'admin_key_required')
+        if not req.abort_all and req.session_id is not None and api_keys and not admin:
+            if not await engine.abort_session(req.session_id, owner=request_owner.get()):
+                raise APIError(403, f'session {req.session_id} runs a request that was not started with your '
+                               'API key', 'session_id', 'not_session_owner')
+            return {'success': True}
         return await abort_request(state, req)
 
     @app.get('/health')
@@ -124,8 +183,10 @@ def create_app(engine: AsyncEngine, model_name: str | None = None, api_keys: lis
         """Prometheus metrics."""
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    if api_keys:
-        app.add_middleware(APIKeyMiddleware, api_keys=api_keys)
+    if limits.max_request_body_bytes is not None:
+        app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_request_body_bytes)
+    if api_keys:  # added after the body limit, so it runs first: no body is read for a bad key
+        app.add_middleware(APIKeyMiddleware, api_keys=list(api_keys) + list(admin_api_keys or ()))
     if allow_origins:
         app.add_middleware(CORSMiddleware, allow_origins=allow_origins, allow_credentials=allow_credentials,
                            allow_methods=allow_methods or ['*'], allow_headers=allow_headers or ['*'])

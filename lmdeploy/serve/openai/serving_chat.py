@@ -9,10 +9,11 @@ from fastapi.responses import StreamingResponse
 
 from lmdeploy.messages import Response
 from lmdeploy.serve.openai.errors import APIError
+from lmdeploy.serve.openai.limits import check_fanout, check_messages, check_stop
 from lmdeploy.serve.openai.logprobs import chat_logprobs
 from lmdeploy.serve.openai.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatMessage,
                                             random_id)
-from lmdeploy.serve.openai.serving_common import (ChoiceRun, Job, ServerState, check_model, check_session,
+from lmdeploy.serve.openai.serving_common import (ChoiceRun, Job, ServerState, admit, check_model, check_session,
                                                   choice_config, collect_or_abort, gen_config, process,
                                                   raise_for_error, sse, sse_chunk, sse_stream, start_run,
                                                   usage)
@@ -30,10 +31,18 @@ def _check_unsupported(req: ChatCompletionRequest) -> None:
         raise APIError(400, 'top_logprobs requires logprobs to be true', 'top_logprobs')
 
 
-async def _jobs(state: ServerState, req: ChatCompletionRequest) -> list[Job]:
+def _check(state: ServerState, req: ChatCompletionRequest) -> None:
+    """The cheap checks, before admission."""
     check_model(state, req.model)
     _check_unsupported(req)
     check_session(state, req.session_id, req.n)
+    check_messages(state.limits, req.messages)
+    check_stop(state.limits, req.stop, req.stop_token_ids)
+    check_fanout(state.limits, req.n, 1)
+
+
+async def _jobs(state: ServerState, req: ChatCompletionRequest) -> list[Job]:
+    """The engine jobs of an admitted request: the chat template, tokenization and images run here."""
     prompt = await process(state, req.messages, 'messages')
     config = gen_config(state, req, len(prompt.input_ids), (req.top_logprobs or 0) if req.logprobs else None, None)
     return [Job(i, prompt.input_ids, choice_config(config, i), req.session_id, prompt.multimodal)
@@ -42,8 +51,13 @@ async def _jobs(state: ServerState, req: ChatCompletionRequest) -> list[Job]:
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request):
     """Answers a chat request, streamed as server-sent events when ``req.stream``."""
-    jobs = await _jobs(state, req)
-    run = await start_run(state, jobs)
+    _check(state, req)
+    ticket = await admit(state, req.n)
+    try:
+        run = start_run(state, ticket, await _jobs(state, req))
+    except BaseException:
+        ticket.release()
+        raise
     request_id, top = random_id('chatcmpl'), req.top_logprobs or 0
     tokenizer = state.engine.tokenizer
     if req.stream:

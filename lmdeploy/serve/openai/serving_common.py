@@ -3,10 +3,14 @@ the choices of one request, disconnect handling, SSE framing and usage."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import anyio
 from fastapi import Request
@@ -16,11 +20,14 @@ from lmdeploy.messages import MAX_NEW_TOKENS_LIMIT, GenerationConfig, Response
 from lmdeploy.pytorch.multimodal import MultiModalInput
 from lmdeploy.serve.async_engine import AsyncEngine
 from lmdeploy.serve.exceptions import ErrorCode, SafeRunException
-from lmdeploy.serve.openai.admission import Admission
+from lmdeploy.serve.openai.admission import Admission, Ticket
 from lmdeploy.serve.openai.errors import APIError, error_body, from_safe_run
+from lmdeploy.serve.openai.limits import RequestLimits
 from lmdeploy.serve.openai.metrics import Metrics
 from lmdeploy.serve.openai.protocol import PromptTokensDetails, SamplingFields, UsageInfo
 from lmdeploy.vl.processor import ProcessedPrompt
+
+logger = logging.getLogger('lmdeploy')
 
 
 @dataclass
@@ -32,6 +39,18 @@ class ServerState:
     admission: Admission
     metrics: Metrics
     heartbeat_timeout: float = 30.0
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    # Where tokenization and image preprocessing run, off the event loop (None: the loop's default).
+    executor: Executor | None = None
+
+
+T = TypeVar('T')
+
+
+async def run_blocking(state: ServerState, fn: Callable[..., T], *args: object) -> T:
+    """``fn(*args)`` on the server's preprocessing executor; only admitted requests get here, so its
+    queue is bounded by admission."""
+    return await asyncio.get_running_loop().run_in_executor(state.executor, fn, *args)
 
 
 @dataclass
@@ -69,10 +88,10 @@ def check_session(state: ServerState, session_id: int | None, n: int) -> None:
         raise APIError(400, f'session {session_id} already has a request running', 'session_id', 'session_occupied')
 
 
-def encode(state: ServerState, prompt: object, do_preprocess: bool, param: str) -> list[int]:
-    """Token ids of a text prompt; bad input is a 400 about ``param``."""
+async def encode(state: ServerState, prompt: object, do_preprocess: bool, param: str) -> list[int]:
+    """Token ids of a text prompt (tokenized on the executor); bad input is a 400 about ``param``."""
     try:
-        ids = state.engine.encode(prompt, do_preprocess)
+        ids = await run_blocking(state, state.engine.encode, prompt, do_preprocess)
     except SafeRunException as exc:
         raise APIError(400, exc.message, param, exc.code.value[0]) from exc
     check_prompt_ids(state, ids, param)
@@ -80,11 +99,12 @@ def encode(state: ServerState, prompt: object, do_preprocess: bool, param: str) 
 
 
 async def process(state: ServerState, messages: object, param: str) -> ProcessedPrompt:
-    """Token ids and images of chat messages; bad input (bad images included) is a 400 about ``param``."""
+    """Token ids and images of chat messages, made on the executor (chat template, tokenizer, image fetch
+    and preprocessing); bad input (bad images included) is a 400 about ``param``."""
     try:
-        prompt = await state.engine.process(messages)
-    except SafeRunException as exc:
-        raise APIError(400, exc.message, param, exc.code.value[0]) from exc
+        prompt = await run_blocking(state, state.engine.processor.process, messages, True)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param, ErrorCode.INVALID_ARGUMENT.value[0]) from exc
     check_prompt_ids(state, prompt.input_ids, param)
     return prompt
 
@@ -146,6 +166,7 @@ class ChoiceRun:
         self.last: dict[int, Response] = {}
 
     async def _produce(self, job: Job) -> None:
+        """Streams one job's chunks into the queue; whatever happens, its last chunk has a finish_reason."""
         start, first, last = time.perf_counter(), None, None
         try:
             async for chunk in self.state.engine.generate(session_id=job.session_id, gen_config=job.gen_config,
@@ -155,16 +176,29 @@ class ChoiceRun:
                 chunk.index, last = job.index, chunk
                 self.queue.put_nowait(chunk)
         except SafeRunException as exc:
-            self.error_codes[job.index] = exc.code
-            last = Response('', 0, len(job.input_ids), 'error', index=job.index, error=exc.message)
-            self.queue.put_nowait(last)
+            last = self._end(job, last, 'error', exc.message, exc.code)
+        except Exception as exc:
+            logger.exception('request choice %d failed', job.index)
+            last = self._end(job, last, 'error', f'{type(exc).__name__}: {exc}', ErrorCode.ENGINE_ERROR)
         finally:
+            if last is not None and last.finish_reason is None:  # cancelled (or killed) while it streamed
+                last = self._end(job, last, 'abort', 'the request was stopped before it finished', ErrorCode.ABORTED)
+            elif last is None:  # cancelled before its first chunk: the consumer still gets an end
+                self._end(job, None, 'abort', 'the request was stopped before it started', ErrorCode.ABORTED)
             if last is not None:
                 self.state.metrics.observe(last.finish_reason, last.input_token_len, last.generate_token_len, start,
                                            first, time.perf_counter())
             self._pending -= 1
             if self._pending == 0:
                 self.state.admission.release()
+
+    def _end(self, job: Job, last: Response | None, reason: str, message: str, code: ErrorCode) -> Response:
+        """Puts the final chunk of a job whose producer stopped without one (its counts stay those of ``last``)."""
+        self.error_codes[job.index] = code
+        chunk = Response('', last.generate_token_len if last else 0, len(job.input_ids), reason, index=job.index,
+                         cached_tokens=last.cached_tokens if last else 0, error=message)
+        self.queue.put_nowait(chunk)
+        return chunk
 
     async def __aiter__(self) -> AsyncIterator[Response]:
         finished = 0
@@ -190,10 +224,16 @@ class ChoiceRun:
         await asyncio.gather(*self.tasks, return_exceptions=True)
 
 
-async def start_run(state: ServerState, jobs: list[Job]) -> ChoiceRun:
-    """Waits for admission (or raises 429) and starts the jobs."""
-    await state.admission.acquire()
-    return ChoiceRun(state, jobs)
+async def admit(state: ServerState, slots: int) -> Ticket:
+    """Waits for ``slots`` admission slots (one per engine request); raises 429 when the server is full
+    and 400 when it could never hold them. Cheap checks go before, heavy work (tokenization, images)
+    after it."""
+    return await state.admission.acquire(slots)
+
+
+def start_run(state: ServerState, ticket: Ticket, jobs: list[Job]) -> ChoiceRun:
+    """Starts the jobs of an admitted request; the run gives the ticket's slots back when all end."""
+    return ChoiceRun(dataclasses.replace(state, admission=ticket), jobs)
 
 
 async def _wait_disconnect(request: Request, interval: float = 0.1) -> None:

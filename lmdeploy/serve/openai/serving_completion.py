@@ -10,48 +10,60 @@ from fastapi.responses import StreamingResponse
 from lmdeploy.messages import Response
 from lmdeploy.serve.exceptions import SafeRunException
 from lmdeploy.serve.openai.errors import APIError, from_safe_run
+from lmdeploy.serve.openai.limits import check_fanout, check_prompt_chars, check_stop
 from lmdeploy.serve.openai.logprobs import completion_logprobs, join_logprobs, prompt_logprobs
 from lmdeploy.serve.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse, random_id
-from lmdeploy.serve.openai.serving_common import (ChoiceRun, Job, ServerState, check_model, check_prompt_ids,
-                                                  check_session, choice_config, collect_or_abort, encode, gen_config,
-                                                  raise_for_error, sse, sse_chunk, sse_stream, start_run,
-                                                  usage)
+from lmdeploy.serve.openai.serving_common import (ChoiceRun, Job, ServerState, admit, check_model,
+                                                  check_prompt_ids, check_session, choice_config, collect_or_abort,
+                                                  encode, gen_config, raise_for_error, run_blocking, sse, sse_chunk,
+                                                  sse_stream, start_run, usage)
 
 
-def _prompt_ids(state: ServerState, prompt: object) -> list[list[int]]:
-    """Token ids of each prompt: a str, a list of str, a list of ids or a list of id lists."""
+def _split_prompts(state: ServerState, prompt: object) -> list[str | list[int]]:
+    """Each prompt of a str, a list of str, a list of ids or a list of id lists; token-id prompts are
+    checked here (cheap), text ones are only counted."""
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
         raise APIError(400, 'prompt must not be empty', 'prompt')
     if all(isinstance(p, int) for p in prompt):
         prompt = [prompt]
-    out = []
+    vocab = state.engine.engine.model_config.vocab_size
     for p in prompt:
         if isinstance(p, str):
-            out.append(encode(state, p, False, 'prompt'))
             continue
-        vocab = state.engine.engine.model_config.vocab_size
         if not p or not all(0 <= t < vocab for t in p):
             raise APIError(400, f'token-id prompts must be non-empty lists of ids in [0, {vocab})', 'prompt')
         check_prompt_ids(state, p)
-        out.append(p)
-    return out
+    return prompt
 
 
-def _jobs(state: ServerState, req: CompletionRequest) -> tuple[list[Job], list[list[int]], list[str]]:
-    """The engine jobs (``n`` per prompt), each prompt's token ids and, with ``echo``, its text."""
+def _check(state: ServerState, req: CompletionRequest) -> list[str | list[int]]:
+    """The cheap checks, before admission; returns the prompts."""
     check_model(state, req.model)
     if req.suffix:
         raise APIError(400, 'suffix is not supported by this server', 'suffix', 'unsupported_value')
-    prompts = _prompt_ids(state, req.prompt)
+    check_stop(state.limits, req.stop, req.stop_token_ids)
+    if isinstance(req.prompt, list) and req.prompt and not all(isinstance(p, int) for p in req.prompt):
+        check_fanout(state.limits, req.n, len(req.prompt))
+    prompts = _split_prompts(state, req.prompt)
+    check_fanout(state.limits, req.n, len(prompts))
+    check_prompt_chars(state.limits, sum(len(p) for p in prompts if isinstance(p, str)))
     check_session(state, req.session_id, req.n * len(prompts))
+    return prompts
+
+
+async def _jobs(state: ServerState, req: CompletionRequest,
+                raw_prompts: list[str | list[int]]) -> tuple[list[Job], list[list[int]], list[str]]:
+    """The engine jobs (``n`` per prompt) of an admitted request, each prompt's token ids and, with
+    ``echo``, its text; tokenizing runs here, on the executor."""
+    prompts = [await encode(state, p, False, 'prompt') if isinstance(p, str) else p for p in raw_prompts]
     jobs = []
     for p, ids in enumerate(prompts):
         config = gen_config(state, req, len(ids), req.logprobs, req.max_tokens)
         jobs += [Job(p * req.n + i, ids, choice_config(config, i), req.session_id) for i in range(req.n)]
     tokenizer = state.engine.tokenizer
-    echoes = [tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens) if req.echo else ''
+    echoes = [await run_blocking(state, tokenizer.decode, ids, req.skip_special_tokens) if req.echo else ''
               for ids in prompts]
     return jobs, prompts, echoes
 
@@ -74,9 +86,15 @@ async def _echo_logprobs(state: ServerState, req: CompletionRequest, prompts: li
 
 async def create_completion(state: ServerState, req: CompletionRequest, raw: Request):
     """Completes each prompt ``n`` times; choice ``i * n + j`` is prompt ``i``'s ``j``-th."""
-    jobs, prompts, echoes = _jobs(state, req)
-    echo_logprobs = await _echo_logprobs(state, req, prompts)
-    run = await start_run(state, jobs)
+    raw_prompts = _check(state, req)
+    ticket = await admit(state, req.n * len(raw_prompts))
+    try:
+        jobs, prompts, echoes = await _jobs(state, req, raw_prompts)
+        echo_logprobs = await _echo_logprobs(state, req, prompts)
+        run = start_run(state, ticket, jobs)
+    except BaseException:
+        ticket.release()
+        raise
     request_id = random_id('cmpl')
     if req.stream:
         return StreamingResponse(_stream(state, req, run, request_id, echoes, echo_logprobs),

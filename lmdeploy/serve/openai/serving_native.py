@@ -8,10 +8,11 @@ from fastapi.responses import StreamingResponse
 
 from lmdeploy.messages import Response
 from lmdeploy.serve.openai.errors import APIError
+from lmdeploy.serve.openai.limits import check_fanout, check_messages, check_prompt_chars, check_stop
 from lmdeploy.serve.openai.protocol import AbortRequest, EncodeRequest, GenerateRequest
-from lmdeploy.serve.openai.serving_common import (Job, ServerState, check_model, check_prompt_ids, check_session,
-                                                  collect_or_abort, encode, gen_config, raise_for_error, sse,
-                                                  sse_stream, start_run)
+from lmdeploy.serve.openai.serving_common import (Job, ServerState, admit, check_model, check_prompt_ids,
+                                                  check_session, collect_or_abort, encode, gen_config,
+                                                  raise_for_error, run_blocking, sse, sse_stream, start_run)
 
 
 def _body(r: Response, session_id: int | None) -> dict:
@@ -29,16 +30,26 @@ async def generate(state: ServerState, req: GenerateRequest, raw: Request):
     if req.n != 1:
         raise APIError(400, '/generate serves one sample per request; use /v1/completions for n > 1', 'n')
     check_session(state, req.session_id, 1)
+    check_stop(state.limits, req.stop, req.stop_token_ids)
     if req.input_ids is not None:
         vocab = state.engine.engine.model_config.vocab_size
         if not req.input_ids or not all(0 <= t < vocab for t in req.input_ids):
             raise APIError(400, f'input_ids must be a non-empty list of ids in [0, {vocab})', 'input_ids')
         check_prompt_ids(state, req.input_ids, 'input_ids')
-        input_ids = req.input_ids
+    elif isinstance(req.prompt, str):
+        check_prompt_chars(state.limits, len(req.prompt))
     else:
-        input_ids = encode(state, req.prompt, req.do_preprocess, 'prompt')
-    config = gen_config(state, req, len(input_ids), req.logprobs, None)
-    run = await start_run(state, [Job(0, input_ids, config, req.session_id)])
+        check_messages(state.limits, req.prompt, 'prompt')
+    ticket = await admit(state, 1)
+    try:
+        input_ids = req.input_ids
+        if input_ids is None:
+            input_ids = await encode(state, req.prompt, req.do_preprocess, 'prompt')
+        config = gen_config(state, req, len(input_ids), req.logprobs, None)
+        run = start_run(state, ticket, [Job(0, input_ids, config, req.session_id)])
+    except BaseException:
+        ticket.release()
+        raise
     if req.stream:
         def render(r: Response) -> Iterable[str]:
             yield sse(_body(r, req.session_id))
@@ -51,15 +62,22 @@ async def generate(state: ServerState, req: GenerateRequest, raw: Request):
     return _body(responses[0], req.session_id)
 
 
-def encode_text(state: ServerState, req: EncodeRequest) -> dict:
-    """Token ids of one text or of each of a list (chat-templated when ``do_preprocess``)."""
+async def encode_text(state: ServerState, req: EncodeRequest) -> dict:
+    """Token ids of one text or of each of a list (chat-templated when ``do_preprocess``). The texts count
+    against ``--max-fanout`` and ``--max-prompt-chars``, and tokenizing takes one admission slot."""
     texts = [req.input] if isinstance(req.input, str) else req.input
-    ids = []
-    for text in texts:
-        if req.do_preprocess:
-            ids.append(encode(state, text, True, 'input'))
-        else:
-            ids.append(state.engine.tokenizer.encode(text, add_special_tokens=req.add_bos))
+    check_fanout(state.limits, 1, len(texts), 'input')
+    check_prompt_chars(state.limits, sum(len(t) for t in texts), 'input')
+    ticket = await admit(state, 1)
+    try:
+        ids = []
+        for text in texts:
+            if req.do_preprocess:
+                ids.append(await encode(state, text, True, 'input'))
+            else:
+                ids.append(await run_blocking(state, state.engine.tokenizer.encode, text, req.add_bos))
+    finally:
+        ticket.release()
     if isinstance(req.input, str):
         return {'input_ids': ids[0], 'length': len(ids[0])}
     return {'input_ids': ids, 'length': [len(i) for i in ids]}

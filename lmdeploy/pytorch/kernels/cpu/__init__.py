@@ -1,11 +1,20 @@
 """Native CPU kernels, compiled on first use with ``torch.utils.cpp_extension`` (about 40 s, then
 cached under ``~/.cache/torch_extensions``). Without a C++ compiler, or with
-``LMDEPLOY_CPU_KERNELS=0``, the torch versions run instead."""
+``LMDEPLOY_CPU_KERNELS=0``, the torch versions run instead.
+
+The build targets the CPU it runs on (``-march=native``), so the cached build is named after the CPU
+flags that stands for (``lmdeploy_cpu_kernels_<hash>``, see :func:`cache_key`): a cache shared by
+machines with different CPUs (a network home, a container image) holds one build per CPU kind
+instead of handing one machine's instructions to another (SIGILL)."""
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import shlex
+import subprocess
 import threading
+from collections.abc import Iterable
 from types import ModuleType
 
 import torch
@@ -55,14 +64,69 @@ def bind_worker_threads() -> None:
         module.bind_worker_threads(cpus)
 
 
+def cache_key(flags: Iterable[str]) -> str:
+    """A short hash of the CPU flags a build targets, for its cache name: the same flags give the same
+    key, any difference (another CPU model, one feature more or less) another."""
+    return hashlib.sha256('\0'.join(flags).encode()).hexdigest()[:16]
+
+
+def target_flags(driver_output: str) -> list[str]:
+    """The target flags in a compiler driver's ``-###`` listing of its compile command: gcc's expansion of
+    ``-march=native`` (``-march=znver3 -mavx512f ... --param l2-cache-size=1024 -mtune=znver3``) or
+    clang's (``-target-cpu znver3 -target-feature +avx512f ...``)."""
+    for line in driver_output.splitlines():
+        if 'cc1' not in line:
+            continue
+        try:
+            words = shlex.split(line)
+        except ValueError:
+            words = line.split()
+        flags = []
+        for index, word in enumerate(words):
+            if word.startswith('-m') or word.startswith('--param='):
+                flags.append(word)
+            elif word in ('--param', '-target-cpu', '-target-feature', '-tune-cpu') and index + 1 < len(words):
+                flags += [word, words[index + 1]]
+        if flags:
+            return flags
+    return []
+
+
+def cpu_flags() -> list[str]:
+    """What ``-march=native`` stands for on this CPU, as the C++ compiler that builds the kernels (``$CXX``
+    or ``c++``) expands it; without a compiler that says, the CPU's model and feature flags from
+    ``/proc/cpuinfo``."""
+    compiler = os.environ.get('CXX', 'c++')
+    try:
+        proc = subprocess.run([compiler, '-march=native', '-###', '-E', '-x', 'c++', os.devnull],
+                              capture_output=True, text=True, timeout=60)
+        flags = target_flags(proc.stderr)
+        if flags:
+            return flags
+    except (OSError, subprocess.SubprocessError):
+        pass
+    flags = []
+    try:
+        with open('/proc/cpuinfo') as f:
+            for line in f:
+                key, _, value = line.partition(':')
+                if key.strip() in ('model name', 'flags', 'Features', 'CPU part') and value.strip() not in flags:
+                    flags.append(value.strip())
+    except OSError:
+        pass
+    import platform
+    return flags or [platform.machine(), platform.processor()]
+
+
 def _build() -> ModuleType | None:
     if os.environ.get('LMDEPLOY_CPU_KERNELS', '1') == '0':
         return None
     from torch.utils.cpp_extension import load
     here = os.path.dirname(__file__)
-    logger.info('loading the native CPU kernels (the first time they are compiled, about 40 s)')
+    name = f'lmdeploy_cpu_kernels_{cache_key(cpu_flags())}'
+    logger.info('loading the native CPU kernels %s (the first time they are compiled, about 40 s)', name)
     try:
-        return load('lmdeploy_cpu_kernels', [os.path.join(here, name) for name in _SOURCES], extra_cflags=_FLAGS,
+        return load(name, [os.path.join(here, source) for source in _SOURCES], extra_cflags=_FLAGS,
                     extra_ldflags=['-fopenmp'])
     except Exception as exc:  # no compiler, no headers, ...: fall back to torch, loudly
         logger.warning('native CPU kernels unavailable (%s: %s); using the torch versions', type(exc).__name__, exc)
