@@ -102,12 +102,6 @@ def _threads():
 @pytest.fixture(scope='session')
 def api_server(tiny_llama):
     """A uvicorn server (background thread) for the tiny Llama, model name 'tiny'; yields its ServerThread."""
-    from server_helpers import ServerThread, tiny_engine
+    from server_helpers import serve, tiny_engine
 
-    from lmdeploy.serve.openai.api_server import create_app
-    engine = tiny_engine(tiny_llama)
-    server = ServerThread(create_app(engine, model_name='tiny'))
-    server.engine = engine
-    yield server
-    server.stop()
-    engine.close()
+    yield from serve(tiny_engine(tiny_llama), model_name='tiny')

@@ -4,6 +4,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import uvicorn
@@ -77,3 +78,16 @@ def slow_down(engine: AsyncEngine, seconds: float) -> None:
         time.sleep(seconds)
         return step()
     engine.engine.step = slow_step
+
+
+def serve(engine: AsyncEngine, **app_kwargs) -> Iterator[ServerThread]:
+    """A fixture's body (``yield from serve(...)``): ``engine`` behind a server (``server.engine``); the
+    server stops and the engine closes afterwards."""
+    from lmdeploy.serve.openai.api_server import create_app
+    server = ServerThread(create_app(engine, **app_kwargs))
+    server.engine = engine
+    try:
+        yield server
+    finally:
+        server.stop()
+        engine.close()

@@ -6,9 +6,8 @@ import asyncio
 import httpx
 import openai
 import pytest
-from server_helpers import ServerThread, slow_down, tiny_engine
+from server_helpers import serve, slow_down, tiny_engine
 
-from lmdeploy.serve.openai.api_server import create_app
 
 CHAT = {'model': 'tiny', 'messages': [{'role': 'user', 'content': 'hi'}], 'max_tokens': 4}
 
@@ -80,12 +79,8 @@ def guarded(tiny_llama):
     """A server with API keys, CORS, and room for one running and one waiting request."""
     engine = tiny_engine(tiny_llama, num_gpu_blocks=64)
     slow_down(engine, 0.01)
-    server = ServerThread(create_app(engine, model_name='tiny', api_keys=['k1', 'k2'],
-                                     allow_origins=['http://example.com'], max_concurrent_requests=1,
-                                     max_queue_size=1))
-    yield server
-    server.stop()
-    engine.close()
+    yield from serve(engine, model_name='tiny', api_keys=['k1', 'k2'], allow_origins=['http://example.com'],
+                     max_concurrent_requests=1, max_queue_size=1)
 
 
 def test_auth_and_cors(guarded):

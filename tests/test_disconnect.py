@@ -6,19 +6,15 @@ import time
 
 import httpx
 import pytest
-from server_helpers import ServerThread, slow_down, tiny_engine
+from server_helpers import ServerThread, serve, slow_down, tiny_engine
 
-from lmdeploy.serve.openai.api_server import create_app
 
 
 @pytest.fixture(scope='module')
 def server(tiny_llama):
     engine = tiny_engine(tiny_llama, num_gpu_blocks=512)
     slow_down(engine, 0.005)
-    server = ServerThread(create_app(engine, model_name='tiny'))
-    yield server
-    server.stop()
-    engine.close()
+    yield from serve(engine, model_name='tiny')
 
 
 def _idle(server: ServerThread, kv_idle: float, timeout: float = 5.0) -> dict:

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 from helpers import assert_all_released
-from server_helpers import ServerThread, tiny_engine
+from server_helpers import ServerThread, serve, tiny_engine
 
 from lmdeploy.messages import GenerationConfig, Response
 from lmdeploy.pytorch.multimodal import MultiModalInput
@@ -268,12 +268,7 @@ def test_dead_engine_loop_fails_everything_fast(tiny_llama):
 
 @pytest.fixture(scope='module')
 def server(tiny_llama):
-    engine = make_engine(tiny_llama, max_prefill_token_num=256)
-    server = ServerThread(create_app(engine, model_name='tiny'))
-    server.engine = engine
-    yield server
-    server.stop()
-    engine.close()
+    yield from serve(make_engine(tiny_llama, max_prefill_token_num=256), model_name='tiny')
 
 
 @pytest.fixture

@@ -77,7 +77,9 @@ def test_scheduler_chunks_prefill_within_budget():
     assert [(i.seq.seq_id, i.num_tokens) for i in plan.prefill] == [(0, 16)]
 
 
-def test_scheduler_preempts_latest_and_requeues_it_first():
+def two_decoding_seqs() -> tuple[BlockManager, Scheduler, Sequence, Sequence]:
+    """Two 8-token prompts prefilled into all 4 blocks of a 4-token-block cache, each with one output
+    token to decode: the next step must preempt one."""
     bm = BlockManager(4, 4)
     sched = Scheduler(bm, max_batch_size=8, max_prefill_token_num=64)
     a, b = make_seq(0, 8), make_seq(1, 8, first=100)
@@ -87,6 +89,11 @@ def test_scheduler_preempts_latest_and_requeues_it_first():
     for seq in (a, b):
         seq.num_computed = 8
         seq.output_ids.append(1)
+    return bm, sched, a, b
+
+
+def test_scheduler_preempts_latest_and_requeues_it_first():
+    bm, sched, a, b = two_decoding_seqs()
     assert bm.num_free_blocks == 0
     plan = sched.schedule()
     assert [i.seq.seq_id for i in plan.decode] == [0]
@@ -131,15 +138,8 @@ def test_hit_rate_counts_a_blocked_request_once():
 
 
 def test_hit_rate_counts_a_preempted_request_once():
-    bm = BlockManager(4, 4)
-    sched = Scheduler(bm, max_batch_size=8, max_prefill_token_num=64)
-    a, b = make_seq(0, 8), make_seq(1, 8, first=100)
-    sched.add(a)
-    sched.add(b)
-    sched.schedule()
+    bm, sched, a, b = two_decoding_seqs()
     for seq in (a, b):
-        seq.num_computed = 8
-        seq.output_ids.append(1)
         bm.register_full_blocks(seq)
     assert (bm.num_queries, bm.num_hits) == (4, 0)
     sched.schedule()  # b is preempted

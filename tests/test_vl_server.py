@@ -11,11 +11,10 @@ import threading
 import httpx
 import openai
 import pytest
-from server_helpers import ServerThread, free_port, tiny_engine, wait_healthy
+from server_helpers import serve, free_port, tiny_engine, wait_healthy
 from test_vl import IMAGES, data_url, png_bytes
 from vl_models import hf_vl_greedy, save_tiny_vl_model
 
-from lmdeploy.serve.openai.api_server import create_app
 from lmdeploy.vl.media import MediaPolicy
 
 
@@ -32,11 +31,7 @@ def qwen_vl(tmp_path_factory) -> str:
 @pytest.fixture(scope='module')
 def vl_server(qwen_vl):
     engine = tiny_engine(qwen_vl, media_policy=MediaPolicy(allowed_domains=(), allowed_local_path=None))
-    server = ServerThread(create_app(engine, model_name='tiny-vl'))
-    server.engine = engine
-    yield server
-    server.stop()
-    engine.close()
+    yield from serve(engine, model_name='tiny-vl')
 
 
 @pytest.fixture
