@@ -15,6 +15,6 @@ setup(
     python_requires='>=3.10',
     packages=find_packages(include=['lmdeploy', 'lmdeploy.*']),
     install_requires=read_requirements('requirements.txt'),
-    extras_require={'test': read_requirements('requirements-test.txt')},
+    extras_require={'test': read_requirements('requirements-test.txt'), 'ray': ['ray>=2.40']},
     entry_points={'console_scripts': ['lmdeploy = lmdeploy.cli.main:main']},
 )

@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 
+import anyio
 import httpx
 import psutil
 from scale_server import free_port, stop
@@ -46,9 +47,13 @@ def pct(values: list[float], q: float) -> float:
 
 
 def build_tiny_model(path: str) -> str:
-    sys.path.insert(0, os.path.join(HERE, '..', 'tests'))
-    from conftest import save_tiny_model  # the tiny random Llama of the tests
-    return save_tiny_model('llama', path)
+    """The tiny random Llama of the tests, saved at ``path`` by a process of its own: torch stays out of this
+    one, whose latencies would include each full garbage collection of torch's objects (0.2-0.4 s)."""
+    code = 'import sys; sys.path.insert(0, sys.argv[1]); from conftest import save_tiny_model; ' \
+           'save_tiny_model("llama", sys.argv[2])'
+    subprocess.run([sys.executable, '-c', code, os.path.join(HERE, '..', 'tests'), path], check=True,
+                   stdout=subprocess.DEVNULL)
+    return path
 
 
 def start_server(model: str, port: int, extra: list[str], log_path: str) -> subprocess.Popen:
@@ -70,13 +75,13 @@ def start_server(model: str, port: int, extra: list[str], log_path: str) -> subp
         time.sleep(0.3)
 
 
+def parse_metrics(text: str) -> dict[str, float]:
+    return {name: float(value) for name, value in (line.rsplit(' ', 1) for line in text.splitlines()
+                                                   if line and not line.startswith('#'))}
+
+
 def metrics(url: str) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(f'{url}/metrics', timeout=10).text.splitlines():
-        if line and not line.startswith('#'):
-            name, value = line.rsplit(' ', 1)
-            out[name] = float(value)
-    return out
+    return parse_metrics(httpx.get(f'{url}/metrics', timeout=10).text)
 
 
 def text(rng: random.Random, lo: int, hi: int) -> str:
@@ -160,7 +165,10 @@ async def check_stream(resp: httpx.Response, body: dict, drop_after: int | None)
         if data == '[DONE]':
             done = True
             break
-        chunk = json.loads(data)
+        try:
+            chunk = json.loads(data)
+        except json.JSONDecodeError:
+            return 'stream_bad_event', data
         if 'error' in chunk:
             return 'stream_error_event', data
         for choice in chunk.get('choices', []):
@@ -175,6 +183,28 @@ async def check_stream(resp: httpx.Response, body: dict, drop_after: int | None)
     if len(finished) != n:
         return 'stream_missing_choices', f'{len(finished)} of {n} choices finished'
     return 'ok', ''
+
+
+async def post_and_drop(http: httpx.AsyncClient, path: str, body: dict, after: float) -> httpx.Response | None:
+    """Posts ``body`` on a connection of its own and hangs up after ``after`` seconds unless answered by then:
+    the response, or None when dropped.
+
+    Not on ``http``'s pool: cancelling a request there (``task.cancel()``) can leave its connection taken for
+    good (httpcore 1.0.9, encode/httpcore#1093); once all of a client's connections are taken so, each of its
+    requests waits for one until it times out, and never reaches the server."""
+    async with httpx.AsyncClient(base_url=http.base_url, timeout=http.timeout) as own:
+        with anyio.move_on_after(after):
+            return await own.post(path, json=body)
+    return None
+
+
+async def server_load(http: httpx.AsyncClient) -> str:
+    """What the server runs and queues now, for the record of a timeout."""
+    try:
+        m = parse_metrics((await http.get('/metrics', timeout=10)).text)
+    except httpx.HTTPError as exc:
+        return f'server load unknown ({exc!r})'
+    return f"server running {m['lmdeploy:num_requests_running']}, waiting {m['lmdeploy:num_requests_waiting']}"
 
 
 async def one_request(http: httpx.AsyncClient, rng: random.Random, args, stats: Stats) -> None:
@@ -199,26 +229,20 @@ async def one_request(http: httpx.AsyncClient, rng: random.Random, args, stats: 
     disconnect = rng.random() < args.disconnect
     start = time.perf_counter()
     try:
-        if body['stream']:
-            drop_after = rng.randint(1, 6) if disconnect else None
-            task = asyncio.ensure_future(stream_request(http, path, body, drop_after))
-        else:
-            task = asyncio.ensure_future(http.post(path, json=body, timeout=args.request_timeout))
-        if disconnect and not body['stream']:
-            # drop the connection at a random point while waiting for the answer
-            done, _ = await asyncio.wait({task}, timeout=rng.uniform(0.0, 0.5))
-            if not done:
-                task.cancel()
-                try:
-                    await task
-                except asyncio.CancelledError:
-                    pass
-                stats.outcomes['dropped_by_client'] += 1
-                return
-        result = await asyncio.wait_for(task, args.request_timeout)
-    except (httpx.HTTPError, asyncio.TimeoutError) as exc:
-        kind = 'timeout' if isinstance(exc, asyncio.TimeoutError) else 'transport_error'
-        stats.error(kind, f'{path} {json.dumps(body)} {exc!r} after {time.perf_counter() - start:.1f} s')
+        with anyio.fail_after(args.request_timeout):
+            if body['stream']:
+                result = await stream_request(http, path, body, rng.randint(1, 6) if disconnect else None)
+            elif disconnect:    # hang up at a random point while waiting for the answer
+                result = await post_and_drop(http, path, body, rng.uniform(0.0, 0.5))
+                if result is None:
+                    stats.outcomes['dropped_by_client'] += 1
+                    return
+            else:
+                result = await http.post(path, json=body)
+    except (httpx.HTTPError, TimeoutError) as exc:
+        kind = 'timeout' if isinstance(exc, TimeoutError) else 'transport_error'
+        stats.error(kind, f'{path} {exc!r} after {time.perf_counter() - start:.1f} s ({await server_load(http)}): '
+                    f'{json.dumps(body)}')
         return
     if body['stream']:
         status, kind, detail = result

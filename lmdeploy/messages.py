@@ -1,9 +1,10 @@
 """Public configuration and result types: GenerationConfig, PytorchEngineConfig, ChatTemplateConfig, Response."""
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 MAX_NEW_TOKENS_LIMIT = 1 << 20
 
@@ -18,6 +19,17 @@ class GenerationConfig:
     """Per-request generation parameters (names follow LMDeploy).
 
     Greedy decoding is used when ``do_sample`` is False or ``top_k == 1``.
+
+    ``prompt_logprobs=N`` also returns, in the first output, the logprob of each prompt token after the
+    first (plus the top N tokens at its position), computed in the request's own prefill, which then
+    reuses no prefix-cache blocks.
+
+    ``response_format`` constrains the output with a grammar (xgrammar), one of
+    ``{'type': 'json_object'}``, ``{'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}``,
+    ``{'type': 'regex', 'regex': '...'}``, ``{'type': 'choice', 'choice': ['a', 'b']}`` or
+    ``{'type': 'grammar', 'grammar': '<EBNF>'}``; ``{'type': 'text'}`` is the same as None. With
+    ``response_format_after`` (a reasoning model's ``'</think>'``), the grammar applies only to the output
+    after that marker.
     """
 
     max_new_tokens: int = 512
@@ -37,11 +49,18 @@ class GenerationConfig:
     min_new_tokens: int = 0
     skip_special_tokens: bool = True
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     n: int = 1
+    response_format: dict[str, Any] | None = None
+    response_format_after: str | None = None
 
     def __post_init__(self):
         if isinstance(self.stop_words, str):
             self.stop_words = [self.stop_words]
+        self.response_format = _check_response_format(self.response_format)
+        _check(self.response_format_after is None or (isinstance(self.response_format_after, str)
+                                                       and self.response_format_after),
+               'response_format_after must be None or a non-empty str')
         _check(isinstance(self.max_new_tokens, int) and 0 < self.max_new_tokens <= MAX_NEW_TOKENS_LIMIT,
                f'max_new_tokens must be an int in [1, {MAX_NEW_TOKENS_LIMIT}], got {self.max_new_tokens!r}')
         _check(isinstance(self.top_k, int) and self.top_k >= 0,
@@ -59,6 +78,9 @@ class GenerationConfig:
                f'min_new_tokens must be an int in [0, max_new_tokens], got {self.min_new_tokens!r}')
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
                f'logprobs must be None or an int in [0, 20], got {self.logprobs!r}')
+        _check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
+                                                 and 0 <= self.prompt_logprobs <= 20),
+               f'prompt_logprobs must be None or an int in [0, 20], got {self.prompt_logprobs!r}')
         _check(isinstance(self.n, int) and 1 <= self.n <= 128, f'n must be an int in [1, 128], got {self.n!r}')
         _check(self.stop_words is None or all(isinstance(w, str) and w for w in self.stop_words),
                'stop_words must be a list of non-empty strings')
@@ -68,6 +90,39 @@ class GenerationConfig:
     @property
     def is_greedy(self) -> bool:
         return not self.do_sample or self.top_k == 1 or self.temperature == 0.0
+
+
+_FORMAT_FIELDS = {'json_object': None, 'json_schema': dict, 'regex': str, 'choice': list, 'grammar': str}
+
+
+def _check_response_format(fmt: Any) -> dict[str, Any] | None:
+    """The response format with its value checked (a JSON schema given as text parsed); None for plain text."""
+    if fmt is None:
+        return None
+    _check(isinstance(fmt, dict) and (fmt.get('type') == 'text' or fmt.get('type') in _FORMAT_FIELDS),
+           f"response_format must be a dict whose 'type' is one of 'text', {', '.join(map(repr, _FORMAT_FIELDS))}; "
+           f'got {str(fmt)[:80]!r}')
+    kind = fmt['type']
+    if kind == 'text':
+        return None
+    field_type = _FORMAT_FIELDS[kind]
+    if field_type is None:
+        return dict(fmt)
+    value = fmt.get(kind)
+    _check(isinstance(value, field_type) and bool(value),
+           f"response_format {kind!r} needs a non-empty {field_type.__name__} in its {kind!r} field")
+    if kind == 'json_schema':
+        schema = value.get('schema')
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as exc:
+                raise ValueError(f'response_format json_schema.schema is not valid JSON: {exc}') from None
+        _check(isinstance(schema, (dict, bool)), "response_format json_schema needs a JSON schema in 'schema'")
+        return {**fmt, 'json_schema': {**value, 'schema': schema}}
+    if kind == 'choice':
+        _check(all(isinstance(c, str) and c for c in value), 'response_format choice must list non-empty strings')
+    return dict(fmt)
 
 
 @dataclass
@@ -92,6 +147,12 @@ class PytorchEngineConfig:
     ``overlap_schedule`` queues each step on the device before the previous step's tokens reach the
     host, so that scheduling and input building overlap the device's work (None: on for CUDA, where
     the device runs asynchronously; on the CPU there is nothing to overlap). Outputs are the same.
+
+    ``tp`` splits the model over that many tensor-parallel ranks (see docs/scale_out.md): this process
+    is rank 0 and ``distributed_executor_backend`` runs the others, ``'mp'`` as processes on this
+    machine, ``'ray'`` as Ray actors (``pip install 'lmdeploy[ray]'``), on this machine or across a
+    Ray cluster. On the CPU each rank on a machine computes on its own share of the cores
+    (``num_threads`` threads each, default one per core of its share).
     """
 
     dtype: Literal['auto', 'float32', 'bfloat16', 'float16'] = 'auto'
@@ -104,6 +165,7 @@ class PytorchEngineConfig:
     max_prefill_token_num: int = 4096
     enable_prefix_caching: bool = True
     tp: int = 1
+    distributed_executor_backend: Literal['mp', 'ray'] = 'mp'
     device: str = 'cpu'
     num_threads: int | None = None
     decode_int4: bool | None = None
@@ -121,7 +183,9 @@ class PytorchEngineConfig:
                f'block_size must be a power of two, got {self.block_size}')
         _check(self.max_prefill_token_num >= self.block_size, 'max_prefill_token_num must be >= block_size')
         _check(self.num_gpu_blocks >= 0, 'num_gpu_blocks must be >= 0 (0 means size from memory)')
-        _check(self.tp == 1, 'tp > 1 is not supported yet')
+        _check(isinstance(self.tp, int) and self.tp >= 1, f'tp must be a positive integer, got {self.tp!r}')
+        _check(self.distributed_executor_backend in ('mp', 'ray'),
+               f"distributed_executor_backend must be 'mp' or 'ray', got {self.distributed_executor_backend!r}")
         _check(self.load_format in ('auto', 'dummy'), f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
 
 
@@ -144,7 +208,12 @@ FinishReason = Literal['stop', 'length', 'abort', 'error']
 
 @dataclass
 class Response:
-    """The result of one prompt (or one streamed chunk of it)."""
+    """The result of one prompt (or one streamed chunk of it).
+
+    ``prompt_logprobs`` (with ``GenerationConfig.prompt_logprobs``, in the first chunk) has one entry per
+    prompt token: None for the first, which nothing predicts, then ``{token_id: logprob}`` of the token
+    and the top tokens at its position.
+    """
 
     text: str
     generate_token_len: int
@@ -155,6 +224,7 @@ class Response:
     index: int = 0
     cached_tokens: int = 0
     error: str | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def extend(self, chunk: Response) -> None:
         """Adds a streamed chunk of the same prompt: text and tokens grow, counts and finish_reason follow it."""
@@ -162,6 +232,7 @@ class Response:
         self.token_ids.extend(chunk.token_ids)
         if chunk.logprobs is not None:
             self.logprobs = (self.logprobs or []) + chunk.logprobs
+        self.prompt_logprobs = self.prompt_logprobs or chunk.prompt_logprobs
         self.generate_token_len = max(self.generate_token_len, chunk.generate_token_len)
         self.input_token_len = chunk.input_token_len
         self.cached_tokens = chunk.cached_tokens
@@ -182,3 +253,4 @@ class EngineOutput:
     num_output_tokens: int
     num_cached_tokens: int
     error: str | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -61,12 +61,15 @@ class Tokenizer:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            chat_template: str | None = None) -> str:
-        """Render ``messages`` with ``chat_template`` (Jinja) or the model's own template, or join their
-        contents if there is none."""
+                            chat_template: str | None = None, tools: list[dict] | None = None,
+                            **template_kwargs) -> str:
+        """Render ``messages`` (and ``tools``, OpenAI-style function definitions) with ``chat_template``
+        (Jinja) or the model's own template, which also sees ``template_kwargs``; or join the messages'
+        contents if there is no template."""
         if chat_template or getattr(self.hf, 'chat_template', None):
             return self.hf.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
-                                               add_generation_prompt=add_generation_prompt)
+                                               add_generation_prompt=add_generation_prompt, tools=tools,
+                                               **template_kwargs)
         return '\n'.join(str(m['content']) for m in messages)
 
 

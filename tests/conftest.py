@@ -62,9 +62,12 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
                                    chat_template=CHAT_TEMPLATE)
 
 
-def save_tiny_model(kind: str, path: str) -> str:
+def save_tiny_model(kind: str, path: str, **overrides) -> str:
+    """A tiny random model of ``kind`` (its config changed by ``overrides``) saved with its tokenizer."""
     torch.manual_seed(0)
     config = TINY_CONFIGS[kind]()
+    for name, value in overrides.items():
+        setattr(config, name, value)
     tokenizer = build_tokenizer()
     config.eos_token_id = tokenizer.eos_token_id
     config.bos_token_id = tokenizer.bos_token_id

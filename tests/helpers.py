@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import os
+import time
 
+import psutil
 import torch
 
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
@@ -56,3 +58,20 @@ def assert_all_released(engine) -> None:
     assert engine_state(engine) == {'free': True, 'sequences': 0, 'unfinished': False}
     assert engine.session_manager.num_active == 0 and not engine.session_manager.sessions
     assert engine.inst_manager.num_busy == 0 and engine.inst_manager.num_waiting == 0
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def assert_gone(pids: list[int], timeout: float = 10) -> None:
+    """Every process of ``pids`` has exited within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in alive if _running(pid)]
+        time.sleep(0.1)
+    assert not alive, f'processes {alive} outlived their engine'

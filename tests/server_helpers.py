@@ -26,6 +26,16 @@ def tiny_engine(path: str, media_policy=None, **kwargs) -> AsyncEngine:
                        media_policy=media_policy)
 
 
+def metrics(url: str, headers: dict | None = None) -> dict[str, float]:
+    """Unlabelled samples of ``/metrics`` by name (labelled ones keep their labels in the key)."""
+    out = {}
+    for line in httpx.get(f'{url}/metrics', headers=headers).text.splitlines():
+        if line and not line.startswith('#'):
+            name, value = line.rsplit(' ', 1)
+            out[name] = float(value)
+    return out
+
+
 def wait_healthy(url: str, proc, timeout: float = 120) -> None:
     """Waits until the server process ``proc`` at ``url`` answers /health with 200."""
     deadline = time.monotonic() + timeout
@@ -56,14 +66,8 @@ class ServerThread:
             time.sleep(0.02)
 
     def metrics(self, headers: dict | None = None) -> dict[str, float]:
-        """Unlabelled samples of ``/metrics`` by name (labelled ones keep their labels in the key)."""
-        text = httpx.get(f'{self.url}/metrics', headers=headers).text
-        out = {}
-        for line in text.splitlines():
-            if line and not line.startswith('#'):
-                name, value = line.rsplit(' ', 1)
-                out[name] = float(value)
-        return out
+        """See :func:`metrics`."""
+        return metrics(self.url, headers)
 
     def stop(self) -> None:
         self.server.should_exit = True

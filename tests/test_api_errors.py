@@ -25,9 +25,9 @@ def _error(response: httpx.Response, status: int) -> dict:
     ({'logit_bias': {'x': 1}}, 'logit_bias'), ({'logit_bias': {'5': 1000}}, 'logit_bias'),
     ({'stop_token_ids': [10 ** 6]}, 'stop_token_ids'), ({'session_id': -1}, 'session_id'),
     ({'min_tokens': 10}, 'min_tokens'), ({'stream_options': {'include_usage': True}}, 'stream_options'),
-    ({'top_logprobs': 2}, 'top_logprobs'), ({'tools': [{'type': 'function'}]}, 'tools'),
-    ({'response_format': {'type': 'json_object'}}, 'response_format.type'),
-    ({'response_format': {'type': 'json_schema', 'json_schema': {'name': 'x'}}}, 'response_format.type'),
+    ({'top_logprobs': 2}, 'top_logprobs'), ({'tools': [{'type': 'function'}]}, 'tools.0.function'),
+    ({'response_format': {'type': 'xml'}}, 'response_format.type'),
+    ({'response_format': {'type': 'json_schema', 'json_schema': {'name': 'x'}}}, 'response_format.json_schema'),
     ({'messages': [{'role': 'user', 'content': [{'type': 'image_url', 'image_url': {'url': 'x'}}]}]}, 'messages'),
 ])
 def test_invalid_values_are_400(api_server, patch, param):

@@ -1,6 +1,7 @@
 """The OpenAI-compatible server end to end, driven by the official ``openai`` client."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -106,6 +107,19 @@ def test_completions_echo_logprobs(api_server, client, tiny_llama):
     assert sum((s.tokens for s in streamed), []) == lp.tokens
     assert sum((s.text_offset for s in streamed), []) == lp.text_offset
 
+
+
+def test_stream_events_stay_one_line_each(api_server):
+    """Text with U+0085, U+2028 and U+2029 (line breaks to str.splitlines, raw in JSON) is escaped in events,
+    so that a client reading lines with httpx's aiter_lines gets every event whole."""
+    prompt = 'one\x85two\u2028three\u2029four'
+    body = {'model': 'tiny', 'prompt': prompt, 'echo': True, 'max_tokens': 2, 'stream': True}
+    with httpx.stream('POST', f'{api_server.url}/v1/completions', json=body, timeout=60) as resp:
+        events = [line[len('data: '):] for line in resp.iter_lines() if line]
+    assert events[-1] == '[DONE]'
+    text = ''.join(choice['text'] for event in events[:-1] for choice in json.loads(event)['choices'])
+    assert text.startswith(api_server.engine.tokenizer.decode(api_server.engine.encode(prompt, False)))
+    assert '\u2028' in text
 
 def test_stop_and_penalties(client):
     base = client.completions.create(model='tiny', prompt='Hello world', max_tokens=16, temperature=0,

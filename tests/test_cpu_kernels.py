@@ -122,6 +122,25 @@ def test_argmax_takes_the_first_of_tied_maxima(native, dtype, shape):
 
 
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize('vocab', [320, 49152 + 7])
+def test_apply_token_bitmask_matches_xgrammar(native, dtype, vocab):
+    """Whole words of 0s and 1s, mixed words and a partial last word; rows left out stay as they were."""
+    import xgrammar as xgr
+    torch.manual_seed(0)
+    x = torch.randn(6, vocab).to(dtype)
+    bitmask = xgr.allocate_token_bitmask(6, vocab)
+    bitmask.random_(-2**31, 2**31 - 1)
+    bitmask[:, ::3] = 0
+    bitmask[:, 1::5] = -1
+    rows = [0, 2, 3, 5]
+    expected = x.clone()
+    xgr.apply_token_bitmask_inplace(expected, bitmask, indices=rows)
+    native.apply_token_bitmask(x, bitmask, rows)
+    assert torch.equal(x, expected)
+    assert torch.isinf(x[0]).any() and not torch.isinf(x[1]).any()
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize('dim', [64, 48])
 def test_apply_rotary_on_a_strided_view(native, dtype, dim):
     """The q/k heads of a fused qkv projection: a view whose tokens are further apart than its rows."""

@@ -2,12 +2,22 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import os
+import random
+import subprocess
+import sys
 import time
 
 import httpx
 import pytest
-from server_helpers import ServerThread, serve, slow_down, tiny_engine
+from server_helpers import free_port, metrics, serve, slow_down, tiny_engine, wait_healthy
 
+from lmdeploy.messages import GenerationConfig
+from lmdeploy.serve.openai.admission import Admission
+from lmdeploy.serve.openai.serving_common import Job, start_run
+
+ABORTED = 'lmdeploy:request_success_total{finish_reason="abort"}'
 
 
 @pytest.fixture(scope='module')
@@ -17,10 +27,10 @@ def server(tiny_llama):
     yield from serve(engine, model_name='tiny')
 
 
-def _idle(server: ServerThread, kv_idle: float, timeout: float = 5.0) -> dict:
+def _idle(url: str, kv_idle: float, timeout: float = 5.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
-        m = server.metrics()
+        m = metrics(url)
         idle = (m['lmdeploy:num_requests_running'] == 0 and m['lmdeploy:num_requests_waiting'] == 0
                 and m['lmdeploy:kv_cache_usage_perc'] <= kv_idle)
         if idle or time.monotonic() > deadline:
@@ -55,10 +65,10 @@ def test_half_of_50_streams_disconnect(server):
     results = asyncio.run(main())
     assert sum(hung for hung, _ in results) == 25
     assert all(last == 'data: [DONE]' for hung, last in results if not hung)
-    m = _idle(server, kv_idle)
+    m = _idle(server.url, kv_idle)
     assert m['lmdeploy:num_requests_running'] == 0 and m['lmdeploy:num_requests_waiting'] == 0
     assert m['lmdeploy:kv_cache_usage_perc'] <= kv_idle
-    assert m['lmdeploy:request_success_total{finish_reason="abort"}'] == 25
+    assert m[ABORTED] == 25
     assert not server.app.state.server.engine.session_manager.sessions
 
 
@@ -68,6 +78,119 @@ def test_non_streaming_disconnect_aborts(server):
         httpx.post(f'{server.url}/generate', json={'input_ids': [5, 6, 7], 'max_tokens': 1000, 'ignore_eos': True},
                    timeout=0.5)
     start = time.monotonic()
-    m = _idle(server, kv_idle)
+    m = _idle(server.url, kv_idle)
     assert m['lmdeploy:num_requests_running'] == 0 and time.monotonic() - start < 3
     assert m['lmdeploy:kv_cache_usage_perc'] <= kv_idle
+
+
+
+async def _drop_stream(http: httpx.AsyncClient, i: int) -> int:
+    """Streams a chat of 6 choices and hangs up after 3 to 9 events; returns the events read."""
+    body = {'model': 'tiny', 'messages': [{'role': 'user', 'content': f'Hi {i}'}], 'max_tokens': 60, 'n': 6,
+            'temperature': 0, 'ignore_eos': True, 'stream': True}
+    events = 0
+    async with http.stream('POST', '/v1/chat/completions', json=body) as resp:
+        assert resp.status_code == 200
+        async for line in resp.aiter_lines():
+            if line.startswith('data:'):
+                events += 1
+                if events == 3 + i % 7:
+                    break
+    return events
+
+
+def test_dropped_streams_are_aborted_at_once(server):
+    """Every choice of a stream dropped mid-way is aborted (none runs on to its end); nothing runs or waits
+    afterwards and KV usage is back to idle."""
+    before = server.metrics()
+    kv_idle = before['lmdeploy:kv_cache_usage_perc']
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60,
+                                     limits=httpx.Limits(max_connections=100)) as http:
+            return await asyncio.gather(*(_drop_stream(http, i) for i in range(40)))
+
+    assert asyncio.run(main()) == [3 + i % 7 for i in range(40)]
+    m = _idle(server.url, kv_idle)
+    assert m['lmdeploy:num_requests_running'] == 0 and m['lmdeploy:num_requests_waiting'] == 0
+    assert m['lmdeploy:kv_cache_usage_perc'] <= kv_idle
+    assert m[ABORTED] - before.get(ABORTED, 0) == 40 * 6
+    assert not server.app.state.server.engine.session_manager.sessions
+
+
+
+def test_run_closed_before_its_jobs_ran(server):
+    """A run closed before its jobs' tasks ever ran still ends each job (as 'abort') and gives its admission
+    slots back: nothing waits for a job that never started."""
+    state = server.app.state.server
+
+    async def main():
+        admission = Admission(4, 0)
+        ticket = await admission.acquire(2)
+        run = start_run(dataclasses.replace(state, admission=admission), ticket,
+                        [Job(i, [5, 6, 7], GenerationConfig(max_new_tokens=8)) for i in range(2)])
+        await run.close()
+        return await asyncio.wait_for(run.collect(), 10), admission.running
+
+    responses, running = asyncio.run(main())
+    assert [(r.index, r.finish_reason) for r in responses] == [(0, 'abort'), (1, 'abort')]
+    assert running == 0
+
+
+@pytest.fixture(scope='module')
+def server_process(tiny_llama, tmp_path_factory):
+    """``lmdeploy serve api_server`` in a process of its own (as deployed: asyncio reports writes to closed
+    sockets in its log); yields its url and the path of its log."""
+    log_path = tmp_path_factory.mktemp('server') / 'server.log'
+    port = free_port()
+    with open(log_path, 'w') as log:
+        proc = subprocess.Popen([sys.executable, '-m', 'lmdeploy.cli.main', 'serve', 'api_server', tiny_llama,
+                                 '--dtype', 'float32', '--num-gpu-blocks', '512', '--block-size', '16',
+                                 '--server-port', str(port), '--model-name', 'tiny'],
+                                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, 'PYTHONUNBUFFERED': '1'})
+    url = f'http://127.0.0.1:{port}'
+    try:
+        wait_healthy(url, proc)
+        yield url, log_path
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+async def _drop_streams(url: str, seed: int, count: int) -> int:
+    """``count`` streams of 1-3 choices, one after the other, each dropped after 1-6 events; returns the
+    number of choices."""
+    rng = random.Random(seed)
+    choices = 0
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        for _ in range(count):
+            n = rng.choice([1, 2, 3])
+            body = {'model': 'tiny', 'messages': [{'role': 'user', 'content': 'hello ' * rng.randint(3, 30)}],
+                    'max_tokens': 200, 'ignore_eos': True, 'n': n, 'stream': True}
+            drop_after, events = rng.randint(1, 6), 0
+            async with http.stream('POST', '/v1/chat/completions', json=body) as resp:
+                assert resp.status_code == 200
+                async for line in resp.aiter_lines():
+                    events += line.startswith('data:')
+                    if events == drop_after:
+                        break
+            choices += n
+    return choices
+
+
+@pytest.mark.slow
+def test_dropped_streams_leave_no_trace(server_process):
+    """800 streams dropped by 8 clients at random points: every choice is aborted, then nothing runs or waits,
+    every KV block is free, and the server never wrote on to a closed socket (asyncio logs each such write
+    after the fifth as 'socket.send() raised exception')."""
+    url, log_path = server_process
+
+    async def main():
+        return sum(await asyncio.gather(*(_drop_streams(url, seed, 100) for seed in range(8))))
+
+    choices = asyncio.run(main())
+    m = _idle(url, 0.0)
+    assert m['lmdeploy:num_requests_running'] == 0 and m['lmdeploy:num_requests_waiting'] == 0
+    assert m['lmdeploy:kv_cache_usage_perc'] == 0
+    assert m[ABORTED] == choices
+    assert 'socket.send() raised exception' not in log_path.read_text()

@@ -323,7 +323,8 @@ def test_server_step_failing_after_a_sequence_finished(server_hooked):
     assert raised
     for reply in replies:
         assert reply.status_code == 500 and 'injected output failure' in reply.json()['error']['message']
-    assert client(server).completions.create(model='tiny', prompt='hi', max_tokens=3).usage.completion_tokens == 3
+    assert client(server).completions.create(model='tiny', prompt='hi', max_tokens=3,
+                                             extra_body={'ignore_eos': True}).usage.completion_tokens == 3
     assert_all_released(engine)
 
 
@@ -340,7 +341,8 @@ def test_server_producer_that_dies_still_ends_its_response(server, monkeypatch):
         events = [line for line in r.iter_lines() if line.startswith('data: ')]
     assert 'injected producer failure' in events[-2] and events[-1] == 'data: [DONE]'
     monkeypatch.undo()
-    assert client(server).completions.create(model='tiny', prompt='hi', max_tokens=3).usage.completion_tokens == 3
+    assert client(server).completions.create(model='tiny', prompt='hi', max_tokens=3,
+                                             extra_body={'ignore_eos': True}).usage.completion_tokens == 3
     assert_all_released(server.engine)
 
 

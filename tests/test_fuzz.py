@@ -37,17 +37,6 @@ MAX_TOKENS = 8
 MAX_N = 4
 GENERATING = {'/v1/chat/completions', '/v1/completions', '/generate'}
 
-# Findings that are known server defects, by (operation, kind): they are reported, and the test that covers
-# them is an xfail with this reason, so that a new kind of failure still fails CI.
-KNOWN_FINDINGS = {
-    ('*', 'status_code_conformance'):
-        'the OpenAPI schema documents 422 (FastAPI validation error) for every POST, but the server answers '
-        'invalid bodies with 400 and the OpenAI error body (docs/api_server.md); 400/404/429/5xx are not in '
-        'the schema',
-    ('GET /metrics', 'content_type_conformance'):
-        '/metrics answers text/plain (Prometheus exposition) but the OpenAPI schema documents application/json',
-}
-
 
 def patched_schema(spec: dict) -> dict:
     """The server's schema with the sampling fields steered to where the server does work: the served model
@@ -96,12 +85,13 @@ CHECKS = {'not_a_server_error': not_a_server_error, 'response_schema_conformance
 
 def run_fuzz(url: str, total: int) -> dict:
     """Runs about ``total`` generated cases against the server at ``url``; returns counts and findings."""
-    spec = patched_schema(httpx.get(f'{url}/openapi.json').json())
-    schema = schemathesis.openapi.from_dict(spec)
+    served = httpx.get(f'{url}/openapi.json').json()
+    schema = schemathesis.openapi.from_dict(patched_schema(served))
     operations = [result.ok() for result in schema.get_all_operations()]
     posts = [op for op in operations if op.method.upper() == 'POST']
     per_post = max(1, total // (2 * len(posts)))
-    stats = {'cases': 0, 'status': collections.Counter(), 'findings': [], 'by_operation': collections.Counter()}
+    stats = {'cases': 0, 'status': collections.Counter(), 'findings': [], 'by_operation': collections.Counter(),
+             'schema': served}
     session = requests.Session()
 
     def one(op, mode, case):
@@ -139,20 +129,14 @@ def run_fuzz(url: str, total: int) -> dict:
     return stats
 
 
-def known(finding: dict) -> str | None:
-    return (KNOWN_FINDINGS.get((finding['operation'], finding['kind']))
-            or KNOWN_FINDINGS.get(('*', finding['kind'])))
-
-
 def summary(stats: dict) -> str:
     lines = [f"{stats['cases']} cases; status codes {dict(sorted(stats['status'].items()))}"]
     lines += [f'  {name}: {count}' for name, count in sorted(stats['by_operation'].items())]
     kinds = collections.Counter((f['operation'], f['kind']) for f in stats['findings'])
-    lines += [f'  finding {op} {kind}: {count}' + (' (known)' if known({'operation': op, 'kind': kind}) else '')
-              for (op, kind), count in sorted(kinds.items())]
+    lines += [f'  finding {op} {kind}: {count}' for (op, kind), count in sorted(kinds.items())]
     seen = set()
     for f in stats['findings']:
-        if (f['operation'], f['kind']) not in seen and not known(f):
+        if (f['operation'], f['kind']) not in seen:
             seen.add((f['operation'], f['kind']))
             lines.append('  example: ' + json.dumps(f, default=str)[:800])
     return '\n'.join(lines)
@@ -186,9 +170,9 @@ def fuzzed(tiny_llama):
 
 @pytest.mark.slow
 def test_fuzz_no_server_errors(fuzzed):
-    """No 5xx and no dropped connection, except known findings; enough cases ran."""
+    """No 5xx and no dropped connection; enough cases ran."""
     assert fuzzed['cases'] >= 0.8 * FUZZ_CASES, summary(fuzzed)
-    bad = [f for f in fuzzed['findings'] if f['kind'] in ('not_a_server_error', 'transport') and not known(f)]
+    bad = [f for f in fuzzed['findings'] if f['kind'] in ('not_a_server_error', 'transport')]
     assert not bad, summary(fuzzed)
 
 
@@ -203,9 +187,27 @@ def test_fuzz_server_healthy_after(fuzzed):
 
 @pytest.mark.slow
 def test_fuzz_responses_match_schema(fuzzed):
-    """Responses have a documented JSON content type and body; known schema defects are an xfail."""
+    """Every response has a documented status, content type and body."""
     found = [f for f in fuzzed['findings'] if f['kind'] not in ('not_a_server_error', 'transport')]
-    unknown = [f for f in found if not known(f)]
-    assert not unknown, summary(fuzzed)
-    if found:
-        pytest.xfail('; '.join(sorted({known(f) for f in found})))
+    assert not found, summary(fuzzed)
+
+
+@pytest.mark.slow
+def test_schema_documents_error_bodies(fuzzed):
+    """Errors are documented as the OpenAI error body, not as FastAPI's 422; /metrics is Prometheus text."""
+    paths = fuzzed['schema']['paths']
+    error_body = {'$ref': '#/components/schemas/ErrorResponse'}
+    for path, operations in paths.items():
+        for method, operation in operations.items():
+            responses = operation['responses']
+            assert '422' not in responses, f'{method} {path}'
+            if method == 'post':
+                for status in ('400', '413'):
+                    assert responses[status]['content']['application/json']['schema'] == error_body, f'{path} {status}'
+    for path in GENERATING:
+        statuses = set(paths[path]['post']['responses'])
+        assert {'200', '400', '404', '413', '429', '500', '503'} <= statuses, path
+        assert 'text/event-stream' in paths[path]['post']['responses']['200']['content'], path
+    assert 'Retry-After' in paths['/v1/chat/completions']['post']['responses']['429']['headers']
+    assert list(paths['/metrics']['get']['responses']['200']['content']) == ['text/plain']
+    assert 'HTTPValidationError' not in fuzzed['schema']['components']['schemas']

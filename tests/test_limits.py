@@ -131,7 +131,8 @@ def test_fanout_limit_and_capacity(limited):
 
 def test_fanout_takes_admission_slots_and_work_comes_after_admission(limited, engine):
     """A running n=3 request holds 3 of the 4 slots: n=2 gets a 429 before its prompt is tokenized,
-    its images fetched or its echo prefill run; n=1 still fits. Admitted work runs on the executor."""
+    its images fetched or its echo prefill run; n=1 still fits. Admitted work runs on the executor, and the
+    echo's prompt logprobs come from the request's own prefill, scheduled like any other."""
     url = limited.url
     process, encode, logits = (Calls(engine.processor, 'process'), Calls(engine, 'encode'),
                                Calls(engine, 'get_logits'))
@@ -162,7 +163,9 @@ def test_fanout_takes_admission_slots_and_work_comes_after_admission(limited, en
     for resp in busy_chat, busy_echo:
         assert _error(resp, 429)['type'] == 'rate_limit_error' and resp.headers['retry-after'] == '1'
     assert one.status_code == 200 and one.json()['choices'][0]['text'].startswith('Hello')
-    assert len(encode) == 1 and encode.threads[0].startswith('lmdeploy-preprocess') and len(logits) == 1
+    assert len(encode) == 1 and encode.threads[0].startswith('lmdeploy-preprocess')
+    assert len(logits) == 0, "the echo's prompt logprobs come from the request's own (scheduled) prefill"
+    assert one.json()['choices'][0]['logprobs']['token_logprobs'][0] is None
     assert first.status_code == 200 and len(first.json()['choices']) == 3
     assert limited.app.state.server.admission.running == 0
 

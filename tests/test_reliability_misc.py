@@ -185,3 +185,19 @@ def test_cpu_kernel_cache_key_follows_the_cpu_flags(monkeypatch):
         cpu._build()
     assert names[0] == f'lmdeploy_cpu_kernels_{cpu.cache_key(flags)}'
     assert names[1] != names[0] and names[2] == names[0]
+
+
+def test_the_engine_loop_publishes_a_snapshot_of_the_engine(pipe):
+    """Other threads read the engine's block usage and prefix-cache counts from the snapshot the loop
+    publishes after each step; it follows a request's blocks while it runs and after it ends."""
+    from lmdeploy import GenerationConfig
+    loop = pipe.async_engine.engine_loop
+    seen = []
+    gen = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    for chunk in pipe.stream_infer(['a prompt long enough to fill some blocks ' * 4], gen_config=gen):
+        seen.append(loop.snapshot)
+    idle = loop.snapshot
+    assert idle.num_free_blocks == idle.num_blocks == 64
+    assert min(s.num_free_blocks for s in seen) < 64
+    pipe('a prompt long enough to fill some blocks ' * 4, gen_config=gen)
+    assert loop.snapshot.prefix_hits > idle.prefix_hits and loop.snapshot.prefix_queries > idle.prefix_queries

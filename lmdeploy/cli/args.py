@@ -20,8 +20,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--block-size', type=int, default=64)
     parser.add_argument('--enable-prefix-caching', dest='enable_prefix_caching', action='store_true', default=True)
     parser.add_argument('--disable-prefix-caching', dest='enable_prefix_caching', action='store_false')
-    parser.add_argument('--tp', type=int, default=1, help='tensor parallelism (only 1 for now)')
+    parser.add_argument('--tp', type=int, default=1,
+                        help='tensor parallelism: split the model over this many ranks (processes or Ray actors)')
+    parser.add_argument('--distributed-executor-backend', default='mp', choices=['mp', 'ray'],
+                        help="how the ranks besides this process run with --tp > 1: 'mp' (processes on this "
+                             "machine) or 'ray' (Ray actors; joins $RAY_ADDRESS or starts a local cluster)")
     parser.add_argument('--device', default='cpu', help="'cpu' or 'cuda' (or 'cuda:N')")
+    parser.add_argument('--num-threads', type=int, default=None,
+                        help="torch's CPU threads (default: torch's choice)")
     parser.add_argument('--eager-mode', action='store_true', help='on CUDA, run decode steps without CUDA graphs')
     parser.add_argument('--load-format', default='auto', choices=['auto', 'dummy'],
                         help="'dummy': random weights at the model's shape (for speed tests; no weight files read)")
@@ -33,7 +39,8 @@ def engine_config(args: argparse.Namespace) -> PytorchEngineConfig:
     return PytorchEngineConfig(dtype=args.dtype, session_len=args.session_len, max_batch_size=args.max_batch_size,
                                cache_max_entry_count=args.cache_max_entry_count, num_gpu_blocks=args.num_gpu_blocks,
                                block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
-                               tp=args.tp, device=args.device, eager_mode=args.eager_mode,
+                               tp=args.tp, distributed_executor_backend=args.distributed_executor_backend,
+                               device=args.device, num_threads=args.num_threads, eager_mode=args.eager_mode,
                                load_format=args.load_format)
 
 

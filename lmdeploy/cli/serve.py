@@ -5,6 +5,7 @@ import argparse
 import logging
 
 from lmdeploy.cli.args import add_engine_args, engine_config
+from lmdeploy.cli.proxy import add_proxy_parser, add_scale_out_args
 
 
 def add_serve_parser(commands) -> None:
@@ -29,6 +30,7 @@ def add_serve_parser(commands) -> None:
     parser.add_argument('--max-queue-size', type=int, default=1024,
                         help='generations that may wait; beyond that the server answers 429')
     _add_limit_args(parser)
+    _add_parser_args(parser)
     parser.add_argument('--shutdown-timeout', type=float, default=30.0,
                         help='seconds requests in flight get to finish after SIGTERM before they are aborted')
     parser.add_argument('--allowed-media-domains', nargs='*', default=(),
@@ -38,7 +40,9 @@ def add_serve_parser(commands) -> None:
     parser.add_argument('--allow-private-media-hosts', action='store_true',
                         help='let image_url fetch from hosts that resolve to loopback, private, link-local or '
                              'other non-public addresses (default: refused, whatever --allowed-media-domains says)')
+    add_scale_out_args(parser)
     parser.set_defaults(run=run_api_server)
+    add_proxy_parser(servers)
 
 
 LIMIT_HELP = {
@@ -62,6 +66,15 @@ def _add_limit_args(parser: argparse.ArgumentParser) -> None:
                         help='threads that tokenize and preprocess images of admitted requests')
 
 
+def _add_parser_args(parser: argparse.ArgumentParser) -> None:
+    from lmdeploy.serve.openai.reasoning_parsers import REASONING_PARSERS
+    from lmdeploy.serve.openai.tool_parsers import TOOL_PARSERS
+    parser.add_argument('--tool-call-parser', default=None, choices=sorted(TOOL_PARSERS),
+                        help="reads tool calls out of chat replies (needed for tool_choice 'auto'; default: none)")
+    parser.add_argument('--reasoning-parser', default=None, choices=sorted(REASONING_PARSERS),
+                        help='splits chat replies into reasoning_content and content (default: none)')
+
+
 def _limits(args: argparse.Namespace):
     from lmdeploy.serve.openai.limits import RequestLimits
     return RequestLimits(**{name: getattr(args, name) or None for name in LIMIT_HELP})
@@ -73,6 +86,10 @@ def run_api_server(args: argparse.Namespace) -> None:
     from lmdeploy.vl.media import MediaPolicy
     logging.basicConfig(level=args.log_level)
     logging.getLogger('lmdeploy').setLevel(args.log_level)
+    if args.dp > 1:
+        from lmdeploy.serve.proxy.dp import run_data_parallel
+        run_data_parallel(args, run_api_server)
+        return
     media = MediaPolicy(allowed_domains=tuple(args.allowed_media_domains),
                         allowed_local_path=args.allowed_local_media_path,
                         allow_private_hosts=args.allow_private_media_hosts)
@@ -81,7 +98,9 @@ def run_api_server(args: argparse.Namespace) -> None:
         app = create_app(engine, args.model_name, args.api_keys, args.allow_origins, args.allow_credentials,
                          args.allow_methods, args.allow_headers, args.max_concurrent_requests, args.max_queue_size,
                          limits=_limits(args), preprocess_workers=args.preprocess_workers,
-                         admin_api_keys=args.admin_api_keys)
-        run_server(app, args.server_name, args.server_port, args.log_level, args.shutdown_timeout)
+                         admin_api_keys=args.admin_api_keys, tool_call_parser=args.tool_call_parser,
+                         reasoning_parser=args.reasoning_parser)
+        joins = {'proxy_url': args.proxy_url, 'proxy_api_key': args.proxy_api_key} if args.proxy_url else {}
+        run_server(app, args.server_name, args.server_port, args.log_level, args.shutdown_timeout, **joins)
     finally:
         engine.close()

@@ -8,10 +8,10 @@ from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 import torch
-import torch.nn.functional as F
 
 from lmdeploy.messages import ChatTemplateConfig, EngineOutput, GenerationConfig, PytorchEngineConfig, Response
 from lmdeploy.pytorch.engine.engine import Engine
+from lmdeploy.pytorch.engine.guided import Grammar
 from lmdeploy.serve.engine_loop import EngineLoop
 from lmdeploy.serve.exceptions import ErrorCode, SafeRunException
 from lmdeploy.serve.inst_manager import InferInstManager
@@ -31,7 +31,7 @@ request_owner: contextvars.ContextVar[str | None] = contextvars.ContextVar('lmde
 
 def _to_response(out: EngineOutput) -> Response:
     return Response(out.text, out.num_output_tokens, out.num_prompt_tokens, out.finish_reason, out.token_ids,
-                    out.logprobs, 0, out.num_cached_tokens, out.error)
+                    out.logprobs, 0, out.num_cached_tokens, out.error, out.prompt_logprobs)
 
 
 class AsyncEngine:
@@ -56,11 +56,14 @@ class AsyncEngine:
         self.engine: Engine | None = self.engine_loop.engine
         self.tokenizer = self.engine.tokenizer
         self.session_len = self.engine.session_len
+        self.vocab_size = self.engine.model_config.vocab_size
+        self.model_dir = self.engine.model_dir
         template = chat_template_config.chat_template if chat_template_config else None
         mm_config = self.engine.model_config.mm_config
-        image_inputs = ImageInputs.for_model(self.engine.model_dir, mm_config) if mm_config is not None else None
+        image_inputs = ImageInputs.for_model(self.model_dir, mm_config) if mm_config is not None else None
         self.processor = MultiModalProcessor(self.tokenizer, template, image_inputs, media_policy or MediaPolicy())
         self.inst_manager = InferInstManager(self.engine_loop, self.backend_config.max_batch_size)
+        self.grammars = self.engine.grammars
         self._owners: dict[int, tuple[object, str]] = {}  # session id -> (its active request, that one's owner)
 
     def encode(self, prompt: Prompt, do_preprocess: bool = True) -> list[int]:
@@ -80,6 +83,17 @@ class AsyncEngine:
         except ValueError as exc:
             raise SafeRunException(ErrorCode.INVALID_ARGUMENT, str(exc)) from exc
 
+    async def compile_grammar(self, gen_config: GenerationConfig) -> Grammar | None:
+        """``gen_config.response_format`` compiled on a worker thread (compiled grammars are cached by their
+        source), None without one; raises :class:`SafeRunException` (INVALID_ARGUMENT) with xgrammar's
+        reason for a schema, regex or grammar it cannot compile."""
+        if gen_config.response_format is None:
+            return None
+        try:
+            return await asyncio.to_thread(self.grammars.compile, gen_config)
+        except ValueError as exc:
+            raise SafeRunException(ErrorCode.INVALID_ARGUMENT, str(exc)) from exc
+
     async def generate(self, messages: Prompt | None = None, session_id: int | None = None,
                        gen_config: GenerationConfig | None = None, do_preprocess: bool = True,
                        input_ids: list[int] | None = None,
@@ -91,8 +105,8 @@ class AsyncEngine:
         so far; the last chunk has a ``finish_reason``: 'stop', 'length', 'abort', or 'error' when
         the engine failed while the request ran (``error`` says why).
 
-        Bad input (malformed prompt, empty or longer than ``session_len``, bad token ids) and a
-        session that already has a request running raise :class:`SafeRunException` before anything
+        Bad input (malformed prompt, empty or longer than ``session_len``, bad token ids, a
+        ``response_format`` that does not compile) and a session that already has a request running raise :class:`SafeRunException` before anything
         is yielded. ``session_id`` picks an existing session (see :meth:`session`) or names a new
         one-request session; None makes an anonymous one. Cancelling the consumer or closing the
         generator aborts the request in the engine and frees everything it held.
@@ -108,6 +122,7 @@ class AsyncEngine:
             prompt = ProcessedPrompt(self._input_ids(input_ids), multimodal or [])
         else:
             prompt = await self.process(messages, do_preprocess)
+        grammar = await self.compile_grammar(gen_config)
         one_shot = session is None
         session = session or self.session_manager.create(session_id)
         request = self.session_manager.start_request(session)
@@ -119,7 +134,7 @@ class AsyncEngine:
                 if inst is None or request.aborted or request.epoch != self.session_manager.epoch:
                     yield Response('', 0, len(prompt.input_ids), 'abort')
                     return
-                stream = inst.start(request, prompt, gen_config)
+                stream = inst.start(request, prompt, gen_config, grammar)
                 try:
                     while True:
                         out = await stream.queue.get()
@@ -208,11 +223,17 @@ class AsyncEngine:
             raise SafeRunException(code, str(exc)) from exc
 
     async def get_ppl(self, input_ids: list[int]) -> float:
-        """Mean negative log-likelihood per predicted token of ``input_ids`` (at least two tokens)."""
+        """Mean negative log-likelihood per predicted token of ``input_ids`` (at least two tokens), from the
+        prompt logprobs of a one-token request: it is scheduled like any other, in chunks."""
         if not isinstance(input_ids, list) or len(input_ids) < 2:
             raise SafeRunException(ErrorCode.INVALID_ARGUMENT, 'get_ppl needs at least two token ids')
-        targets = torch.tensor(input_ids[1:])
-        return await self.get_logits(input_ids, lambda logits: F.cross_entropy(logits[:-1], targets).item())
+        gen = GenerationConfig(max_new_tokens=1, prompt_logprobs=0, ignore_eos=True)
+        response = await self.collect(self.generate(input_ids=input_ids, gen_config=gen))
+        if response.prompt_logprobs is None:
+            code = ErrorCode.ENGINE_ERROR if response.finish_reason == 'error' else ErrorCode.ABORTED
+            raise SafeRunException(code, response.error or 'the request was aborted before its prefill')
+        return -sum(entry[token] for token, entry in zip(input_ids[1:], response.prompt_logprobs[1:])) / (
+            len(input_ids) - 1)
 
     def close(self) -> None:
         """Ends every request (in flight or waiting) as 'abort', stops the engine-loop thread and drops

@@ -7,12 +7,16 @@ op several times slower (an ``add`` of [64, 576]: 6 us -> 40 us).
 
 Requests, aborts and calls go in through a thread-safe queue; the thread runs them, steps the
 batch while there is work and sleeps on the queue when there is none. The outputs of one step go
-back to their consumers' event loops with one ``loop.call_soon_threadsafe`` per loop.
+back to their consumers' event loops with one ``loop.call_soon_threadsafe`` per loop. Other threads
+never touch the engine: they read the :class:`EngineSnapshot` the thread publishes after each step, or
+send it a call.
 
 No request ever hangs: every command the thread runs is guarded, so a request that the engine
 cannot take ends alone as 'error'; a step that fails ends the requests it may have touched as
 'error' and the thread goes on; if the thread itself dies, everything in flight and everything
-queued ends, and new requests are refused.
+queued ends, and new requests are refused. A tensor-parallel engine whose worker failed
+(:class:`WorkerError`, in a step or noticed between steps) kills the thread that way: it cannot run
+another step.
 """
 from __future__ import annotations
 
@@ -27,7 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmdeploy.messages import EngineOutput, FinishReason, GenerationConfig
+from lmdeploy.pytorch.distributed.parallel_state import WorkerError
 from lmdeploy.pytorch.engine.engine import Engine
+from lmdeploy.pytorch.engine.guided import Grammar
 from lmdeploy.pytorch.engine.sequence import SequenceStatus
 from lmdeploy.pytorch.multimodal import MultiModalInput
 from lmdeploy.serve.exceptions import ErrorCode, SafeRunException
@@ -42,6 +48,22 @@ def _running_future() -> concurrent.futures.Future:
     return future
 
 
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """What other threads may read of the engine: published by the engine-loop thread after every step and
+    batch of commands, never changed once published."""
+
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+
+    @classmethod
+    def of(cls, engine: Engine) -> EngineSnapshot:
+        bm = engine.block_manager
+        return cls(bm.num_blocks, bm.num_free_blocks, bm.num_queries, bm.num_hits)
+
+
 @dataclass(eq=False)
 class RequestStream:
     """One request's channel between its consumer's event loop and the engine-loop thread.
@@ -53,6 +75,7 @@ class RequestStream:
     gen_config: GenerationConfig
     epoch: int
     multimodal: list[MultiModalInput] = field(default_factory=list)
+    grammar: Grammar | None = None
     done: concurrent.futures.Future = field(default_factory=_running_future)
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -102,6 +125,7 @@ class EngineLoop:
         self.heartbeat_interval = heartbeat_interval
         self.last_heartbeat = time.monotonic()
         self.error: str | None = None
+        self.snapshot = EngineSnapshot()
         self._current_epoch = current_epoch
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[int, RequestStream] = {}
@@ -153,9 +177,12 @@ class EngineLoop:
         except BaseException as exc:
             built.set_exception(exc)
             return
+        self.snapshot = EngineSnapshot.of(self.engine)
         built.set_result(None)
         try:
             while self._run_commands():
+                self.snapshot = EngineSnapshot.of(self.engine)
+                self.engine.check_alive()
                 if self.engine.has_unfinished():
                     self._step()
                 self.last_heartbeat = time.monotonic()
@@ -164,6 +191,14 @@ class EngineLoop:
             self.error = f'{type(exc).__name__}: {exc}'
         finally:
             self._shutdown()
+            self._close_engine()
+
+    def _close_engine(self) -> None:
+        """Stops what the engine runs besides this thread (tensor-parallel workers)."""
+        try:
+            self.engine.close()
+        except Exception:
+            logger.exception('could not close the engine')
 
     def _run_commands(self) -> bool:
         """Runs the queued commands, first waiting for one if the engine is idle; False means stop."""
@@ -202,7 +237,8 @@ class EngineLoop:
             stream.end('abort')
             return
         try:
-            stream.seq_id = self.engine.add_request(stream.prompt_ids, stream.gen_config, stream.multimodal)
+            stream.seq_id = self.engine.add_request(stream.prompt_ids, stream.gen_config, stream.multimodal,
+                                                     stream.grammar)
         except ValueError as exc:
             too_long = len(stream.prompt_ids) >= self.engine.session_len
             stream.end('error', str(exc), ErrorCode.INPUT_LENGTH_ERROR if too_long else ErrorCode.INVALID_ARGUMENT)
@@ -229,6 +265,8 @@ class EngineLoop:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except WorkerError:
+            raise
         except Exception as exc:
             logger.exception('engine step failed; failing the requests it ran')
             self._fail_step(f'engine step failed: {type(exc).__name__}: {exc}')
@@ -242,6 +280,7 @@ class EngineLoop:
             if output.finish_reason is not None:
                 del self._streams[output.seq_id]
             items.append((stream, output))
+        self.snapshot = EngineSnapshot.of(self.engine)  # before the outputs: it holds what they report on
         deliver_all(items)
 
     def _fail_step(self, error: str) -> None:

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from lmdeploy.messages import GenerationConfig
+from lmdeploy.pytorch.engine.guided import Grammar
 from lmdeploy.serve.engine_loop import EngineLoop, RequestStream
 from lmdeploy.serve.exceptions import ErrorCode, SafeRunException
 from lmdeploy.serve.session_manager import Request
@@ -22,9 +23,11 @@ class EngineInstance:
         self.inst_id = inst_id
         self.engine_loop = engine_loop
 
-    def start(self, request: Request, prompt: ProcessedPrompt, gen_config: GenerationConfig) -> RequestStream:
-        """Sends the request to the engine; its outputs arrive on the returned stream's queue."""
-        stream = RequestStream(prompt.input_ids, gen_config, request.epoch, prompt.multimodal)
+    def start(self, request: Request, prompt: ProcessedPrompt, gen_config: GenerationConfig,
+              grammar: Grammar | None = None) -> RequestStream:
+        """Sends the request (with ``gen_config.response_format`` compiled to ``grammar``) to the engine;
+        its outputs arrive on the returned stream's queue."""
+        stream = RequestStream(prompt.input_ids, gen_config, request.epoch, prompt.multimodal, grammar)
         self.engine_loop.submit(stream)
         request.on_abort(lambda: self.cancel(stream))
         return stream

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+import jinja2
+
 from lmdeploy.pytorch.multimodal import MultiModalInput
 from lmdeploy.tokenizer import Tokenizer
 from lmdeploy.vl.image_inputs import ImageInputs
@@ -16,10 +18,11 @@ IMAGE_PART_TYPES = ('image', 'image_url', 'input_image')
 
 @dataclass
 class ProcessedPrompt:
-    """Token ids (image placeholders expanded) and the prompt's images, in order."""
+    """Token ids (image placeholders expanded), the prompt's images in order, and its rendered text."""
 
     input_ids: list[int]
     multimodal: list[MultiModalInput] = field(default_factory=list)
+    text: str = ''
 
 
 def _image_source(part: dict, index: int) -> Any:
@@ -103,32 +106,42 @@ class MultiModalProcessor:
             out.append({**message, 'content': _content(message.get('content'), index, images)})
         return out
 
-    def render(self, prompt: Prompt, do_preprocess: bool = True, images: list | None = None) -> str:
-        """The prompt's text: chat-templated, or as given when ``do_preprocess`` is False (the texts of a
-        message list are then joined by newlines). Image sources are appended to ``images``."""
+    def render(self, prompt: Prompt, do_preprocess: bool = True, images: list | None = None,
+               tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
+        """The prompt's text: chat-templated (with ``tools`` and ``template_kwargs``), or as given when
+        ``do_preprocess`` is False (the texts of a message list are then joined by newlines). Image sources
+        are appended to ``images``; a template that rejects the messages raises ``ValueError``."""
         if isinstance(prompt, str) and not do_preprocess:
             return prompt
         messages = self.normalize(_as_messages(prompt), images)
         if do_preprocess:
-            return self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template)
+            try:
+                return self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, tools=tools,
+                                                          **(template_kwargs or {}))
+            except jinja2.TemplateError as exc:
+                raise ValueError(f'the chat template rejected the messages: {exc}') from exc
         return '\n'.join(m['content'] if isinstance(m['content'], str) else
                          ''.join(p.get('text', '') for p in m['content']) for m in messages)
 
-    def process(self, prompt: Prompt, do_preprocess: bool = True) -> ProcessedPrompt:
-        """Token ids and images of a prompt; raises ``ValueError`` for malformed input or bad images."""
+    def process(self, prompt: Prompt, do_preprocess: bool = True, tools: list[dict] | None = None,
+                template_kwargs: dict | None = None) -> ProcessedPrompt:
+        """Token ids and images of a prompt (see :meth:`render` for ``tools`` and ``template_kwargs``);
+        raises ``ValueError`` for malformed input or bad images."""
         if not isinstance(prompt, (str, list, tuple)):
             raise ValueError(f'a prompt must be a str, a list of messages or a (text, images) tuple, '
                              f'got {type(prompt).__name__}')
         sources = [] if self.accepts_images else None
         if isinstance(prompt, tuple) and sources is None:
             raise ValueError('this model does not accept images')
-        text = self.render(prompt, do_preprocess, sources)
+        text = self.render(prompt, do_preprocess, sources, tools, template_kwargs)
         input_ids = self.tokenizer.encode(text, add_special_tokens=not do_preprocess)
         if not sources:
-            return ProcessedPrompt(input_ids)
+            return ProcessedPrompt(input_ids, text=text)
         if len(sources) > self.max_images:
             raise ValueError(f'a prompt may hold at most {self.max_images} images, got {len(sources)}')
-        return self._expand(input_ids, [load_image(source, self.media_policy) for source in sources])
+        expanded = self._expand(input_ids, [load_image(source, self.media_policy) for source in sources])
+        expanded.text = text
+        return expanded
 
     def _expand(self, input_ids: list[int], images: list) -> ProcessedPrompt:
         """Repeats each image's placeholder token once per feature the vision encoder gives it."""

@@ -3,39 +3,30 @@ from __future__ import annotations
 
 import itertools
 import logging
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import psutil
 import torch
-from torch import nn
 
-from lmdeploy.archs import load_hf_config
 from lmdeploy.messages import EngineOutput, GenerationConfig, PytorchEngineConfig
 from lmdeploy.model_source import resolve_model_path
-from lmdeploy.pytorch.config import ModelConfig
-from lmdeploy.pytorch.engine.cuda_graph import DecodeGraphRunner
-from lmdeploy.pytorch.engine.model_runner import InflightTokens, ModelRunner
+from lmdeploy.pytorch.distributed.cpu_affinity import bind_rank, rank_cpus
+from lmdeploy.pytorch.distributed.executor import Executor, create_executor
+from lmdeploy.pytorch.distributed.parallel_state import TPGroup, WorkerError
+from lmdeploy.pytorch.engine.guided import Grammar, GrammarCompiler, GrammarState
+from lmdeploy.pytorch.engine.model_runner import InflightTokens
 from lmdeploy.pytorch.engine.output_processor import OutputProcessor
-from lmdeploy.pytorch.engine.sampler import PendingSample, depends_on_outputs, launch_sample
+from lmdeploy.pytorch.engine.runner_builder import build_runner
+from lmdeploy.pytorch.engine.sampler import PendingSample, depends_on_outputs, launch_sample, record_prompt_logprobs
 from lmdeploy.pytorch.engine.sequence import Sequence
 from lmdeploy.pytorch.kernels import cpu as cpu_kernels
 from lmdeploy.pytorch.multimodal import MultiModalInput
 from lmdeploy.pytorch.paging.block_manager import BlockManager
 from lmdeploy.pytorch.paging.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
-from lmdeploy.pytorch.weights.loader import build_model
 from lmdeploy.tokenizer import Tokenizer
 
 logger = logging.getLogger('lmdeploy')
-
-DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
-
-
-def resolve_dtype(name: str, device: str) -> torch.dtype:
-    """``auto`` is bf16: on this CPU (AVX512-BF16/AMX) batched bf16 matmuls are 3-6x faster than fp32."""
-    if name == 'auto':
-        return torch.bfloat16
-    return DTYPES[name]
 
 
 @dataclass
@@ -51,7 +42,10 @@ class LaunchedStep:
 class Engine:
     """Continuous-batching inference over a paged KV cache.
 
-    Not thread-safe: one caller drives ``add_request``/``abort``/``step``.
+    Not thread-safe: one caller drives ``add_request``/``abort``/``step``, on the thread that built it.
+    With ``config.tp > 1`` that thread is tensor-parallel rank 0 (the scheduler and the sampler live
+    there) and an :class:`Executor` runs the other ranks; a failed rank makes every later call raise
+    :class:`WorkerError`. :meth:`close` stops them (so does dropping the engine).
     """
 
     def __init__(self, model_path: str | None = None, config: PytorchEngineConfig | None = None,
@@ -62,29 +56,34 @@ class Engine:
         self.device = torch.device(config.device)
         if self.device.type == 'cuda' and not torch.cuda.is_available():
             raise ValueError("device='cuda' was asked for, but torch sees no CUDA device")
-        if config.num_threads:
+        if config.num_threads and config.tp == 1:
             torch.set_num_threads(config.num_threads)
         if self.device.type == 'cpu':
-            cpu_kernels.native()
+            cpu_kernels.native()  # built once, before workers load it
         self.model_dir = resolve_model_path(model_path)
-        hf_config = load_hf_config(self.model_dir)
-        self.model_config = cfg = ModelConfig.from_hf(hf_config, resolve_dtype(config.dtype, config.device))
         self.tokenizer = Tokenizer(self.model_dir)
-        model = build_model(cfg, self.model_dir, self.device, config.load_format, show_progress)
-        if self._decode_int4(hf_config):
-            model.enable_decode_int4()
-        if self.device.type == 'cpu':
-            model.pack_weights_for_cpu()
-        use_graphs = self.device.type == 'cuda' and not config.eager_mode
-        num_blocks = config.num_gpu_blocks or self._blocks_from_memory(cfg, model if use_graphs else None)
+        self.executor: Executor | None = create_executor(self.model_dir, config) if config.tp > 1 else None
+        self._unbind_cpus: Callable[[], None] | None = None
+        weakref.finalize(self, _shutdown, self.executor)
+        try:
+            _, self.model_config, self.runner = build_runner(self.model_dir, config, self.device, self._start_ranks(),
+                                                             show_progress)
+        except BaseException as exc:
+            self.close()
+            if isinstance(exc, WorkerError):
+                raise self.executor.explain(exc) from exc
+            raise
+        num_blocks = self.runner.scratch_block
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_batch_size, config.max_prefill_token_num)
-        self.runner = ModelRunner(model, cfg, num_blocks, config.block_size, self.device)
+        cfg = self.model_config
+        use_graphs = self.device.type == 'cuda' and not config.eager_mode and config.tp == 1
         capacity = num_blocks * config.block_size
         self.session_len = min(config.session_len or cfg.max_position_embeddings, capacity)
         if use_graphs:
             self.runner.capture_graphs(config.max_batch_size, -(-self.session_len // config.block_size))
         self.outputs = OutputProcessor(self.tokenizer)
+        self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size)
         self.sequences: dict[int, Sequence] = {}
         self._ids = itertools.count()
         self.overlap = self.device.type == 'cuda' if config.overlap_schedule is None else config.overlap_schedule
@@ -95,46 +94,38 @@ class Engine:
         # already released then); what it raises is what step() raises.
         self.fault_hook: Callable[[str, list[Sequence]], None] | None = None
 
-    def _decode_int4(self, hf_config) -> bool:
-        """Whether small steps run on 4-bit weights (see ``PytorchEngineConfig.decode_int4``)."""
-        if self.device.type != 'cpu' or self.model_config.dtype != torch.bfloat16:
-            return False
-        if self.config.decode_int4 is None:
-            return getattr(hf_config, 'gguf_weight_type', None) == 'Q4_1'
-        return self.config.decode_int4
+    def _start_ranks(self) -> TPGroup:
+        """This thread's group: rank 0 of ``tp`` ranks, bound to its share of the CPUs, once the
+        executor's workers have connected."""
+        if self.executor is None:
+            return TPGroup()
+        group = self.executor.start()
+        if self.device.type == 'cpu':
+            self._unbind_cpus = bind_rank(rank_cpus(0, self.executor.local_world_size), self.config.num_threads)
+        return group
 
-    def _graph_memory(self, model: nn.Module, cfg: ModelConfig) -> int:
-        """What the decode graphs will keep: the activations of an eager decode step at the largest graph
-        size (the graphs share one pool) plus every smaller graph's logits."""
-        probe = ModelRunner(model, cfg, 1, self.config.block_size, self.device)
-        graphs = DecodeGraphRunner(model, probe.kv_caches, self.config.max_batch_size, 1, self.config.block_size,
-                                   probe.scratch_block, make_graph=lambda: None)
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        base = torch.cuda.memory_allocated(self.device)
-        with torch.inference_mode():
-            logits = graphs.forward(graphs.sizes[-1])
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - base
-        smaller_logits = sum(graphs.sizes[:-1]) * logits.shape[1] * logits.element_size()
-        del probe, graphs, logits
-        torch.cuda.empty_cache()
-        return peak + smaller_logits
+    def close(self) -> None:
+        """Stops the tensor-parallel workers and gives this thread its CPUs back; idempotent. The engine
+        cannot step afterwards."""
+        if self.executor is not None:
+            self.executor.shutdown()
+        if self._unbind_cpus is not None:
+            self._unbind_cpus, unbind = None, self._unbind_cpus
+            unbind()
 
-    def _blocks_from_memory(self, cfg: ModelConfig, graph_model: nn.Module | None) -> int:
-        """KV blocks that fit in ``cache_max_entry_count`` of the free memory, after what decode graphs of
-        ``graph_model`` (when given) will take."""
-        if self.device.type == 'cuda':
-            reserved = self._graph_memory(graph_model, cfg) if graph_model is not None else 0
-            free = torch.cuda.mem_get_info(self.device)[0] - reserved
-            budget = int(max(free, 0) * self.config.cache_max_entry_count)
-        else:
-            available = psutil.virtual_memory().available
-            budget = min(int(available * self.config.cache_max_entry_count), self.config.max_cache_bytes)
-        num_blocks = budget // (cfg.kv_bytes_per_token() * self.config.block_size)
-        if num_blocks < 1:
-            raise MemoryError('not enough memory for even one KV-cache block; lower block_size')
-        return num_blocks
+    def check_alive(self) -> None:
+        """Raises :class:`WorkerError` once a tensor-parallel worker has failed."""
+        if self.executor is not None:
+            self.executor.check()
+
+    def _on_all_ranks(self, forward: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``forward()``, which every tensor-parallel rank takes part in; a failed rank raises
+        :class:`WorkerError` saying which and why."""
+        self.check_alive()
+        try:
+            return forward()
+        except WorkerError as exc:
+            raise self.executor.explain(exc) from exc
 
     def _check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
@@ -158,14 +149,19 @@ class Engine:
             end = image.end
 
     def add_request(self, prompt_ids: list[int], gen_config: GenerationConfig | None = None,
-                    multimodal: list[MultiModalInput] | None = None) -> int:
+                    multimodal: list[MultiModalInput] | None = None, grammar: Grammar | None = None) -> int:
         """Queues a request and returns its id; raises ``ValueError`` for input it cannot serve.
 
         ``multimodal`` lists the prompt's images (see :class:`MultiModalInput`), in prompt order.
+        ``grammar`` is ``gen_config.response_format`` compiled by ``self.grammars`` (from any thread);
+        without it the format is compiled here, on the engine's thread.
         """
         gen_config = gen_config or GenerationConfig()
         self._check_prompt(prompt_ids)
+        grammar = grammar or self.grammars.compile(gen_config)
         seq = Sequence(next(self._ids), list(prompt_ids), gen_config, self.tokenizer.eos_token_ids)
+        if grammar is not None:
+            seq.grammar = GrammarState(grammar)
         if multimodal:
             self._check_multimodal(prompt_ids, multimodal)
             seq.multimodal = list(multimodal)
@@ -195,8 +191,8 @@ class Engine:
         self.block_manager.allocate(seq, len(prompt_ids))
         try:
             input_ids, ctx, _ = self.runner.build_inputs(SchedulerOutput(prefill=[ScheduledSeq(seq, len(prompt_ids))]))
-            hidden = self.runner.model(input_ids, self.runner.kv_caches, ctx)
-            return self.runner.model.logits(hidden).float().cpu()
+            rows = list(range(len(prompt_ids)))
+            return self._on_all_ranks(lambda: self.runner.execute(input_ids, ctx, rows)).float().cpu()
         finally:
             self.block_manager.free_blocks(seq)
 
@@ -232,9 +228,12 @@ class Engine:
                                       {seq.seq_id: row for row, seq in enumerate(previous.sampled)})
         if self.fault_hook is not None:
             self.fault_hook('forward', [item.seq for item in plan.prefill + plan.decode])
-        logits = self.runner.forward(plan, inflight)
+        logits = self._on_all_ranks(lambda: self.runner.forward(plan, inflight))
         items = plan.prefill + plan.decode
         sampled = [item.seq for item in items if item.samples]
+        if len(logits) > len(sampled):
+            record_prompt_logprobs(logits[len(sampled):], plan.prefill)
+            logits = logits[:len(sampled)]
         for item in items:
             item.seq.num_computed += item.num_tokens
         pending = launch_sample(logits, sampled)
@@ -265,3 +264,8 @@ class Engine:
             if not item.seq.is_finished:
                 self.block_manager.register_full_blocks(item.seq)
         return outputs
+
+
+def _shutdown(executor: Executor | None) -> None:
+    if executor is not None:
+        executor.shutdown()

@@ -8,6 +8,8 @@ from torch import nn
 
 from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.device import to_device
+from lmdeploy.pytorch.distributed import channel as step_channel
+from lmdeploy.pytorch.distributed.channel import StepChannel
 from lmdeploy.pytorch.engine.cuda_graph import DecodeGraphRunner
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.multimodal import MultiModalBatch, MultiModalInput
@@ -37,12 +39,17 @@ class ModelRunner:
 
     The cache holds one block more than the block manager hands out: the scratch block that the
     padding rows of graph-replayed decode steps write to.
+
+    Under tensor parallelism every rank has a runner over its shard of the model (``cfg`` gives this
+    rank's KV heads): rank 0 builds each step's inputs and sends them down ``channel`` before it runs
+    them; the other ranks run what arrives (:meth:`serve`).
     """
 
     def __init__(self, model: nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int,
-                 device: torch.device | str = 'cpu'):
+                 device: torch.device | str = 'cpu', channel: StepChannel | None = None):
         self.model = model
         self.cfg = cfg
+        self.channel = channel
         self.block_size = block_size
         self.device = torch.device(device)
         self.scratch_block = num_blocks
@@ -90,7 +97,9 @@ class ModelRunner:
         return MultiModalBatch(inputs, self._tensor(token_rows), self._tensor(feature_rows))
 
     def build_inputs(self, plan: SchedulerOutput) -> tuple[torch.Tensor, StepContext, list[int]]:
-        """Packs the step's tokens; also returns the row of each sampled sequence's last token."""
+        """Packs the step's tokens; also returns the rows whose logits the step needs: each sampled
+        sequence's last token, then the prompt positions whose logprobs prefill chunks record (see
+        ``Sequence.prompt_logprob_positions``)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -98,6 +107,7 @@ class ModelRunner:
         q_start: list[int] = []
         ctx_len: list[int] = []
         sample_rows: list[int] = []
+        prompt_rows: list[int] = []
         rope_positions: list[torch.Tensor] = []
         uses_mrope = getattr(self.model, 'uses_mrope', False)
         for item in plan.prefill:
@@ -106,6 +116,7 @@ class ModelRunner:
             if uses_mrope:
                 rope_positions.append(seq.rope_positions_of(start, end))
             q_start.append(len(input_ids))
+            prompt_rows.extend(len(input_ids) + p - start for p in seq.prompt_logprob_positions(start, end))
             ctx_len.append(end)
             input_ids.extend(seq.token_ids[start:end])
             chunk_positions = range(start, end)
@@ -140,22 +151,38 @@ class ModelRunner:
                           rope_positions=to_device(torch.cat(rope_positions, dim=1), self.device) if uses_mrope
                           else None,
                           multimodal=self._multimodal_batch(plan, q_start), **prefill)
-        return self._tensor(input_ids), ctx, sample_rows
+        return self._tensor(input_ids), ctx, sample_rows + prompt_rows
 
     @torch.inference_mode()
     def forward(self, plan: SchedulerOutput, inflight: InflightTokens | None = None) -> torch.Tensor:
-        """Runs the step; returns logits ``[num_sampled, vocab]`` in plan order (prefill, decode), in the
-        model's dtype (the sampler widens them where it needs to). Decode rows of sequences with a token
-        in flight take it from ``inflight``."""
-        if self.device.type == 'cpu':
-            cpu.bind_worker_threads()
+        """Runs the step; returns logits ``[num_sampled + num_prompt_rows, vocab]``: the sampled rows in plan
+        order (prefill, decode), then the prompt rows (see :meth:`build_inputs`), in the model's dtype (the
+        sampler widens them where it needs to). Decode rows of sequences with a token in flight take it
+        from ``inflight``."""
         if self.graphs is not None and not plan.prefill and self.graphs.runs(plan.decode):
             return self.graphs.run(plan.decode, inflight)
-        input_ids, ctx, sample_rows = self.build_inputs(plan)
+        input_ids, ctx, rows = self.build_inputs(plan)
         if inflight is not None:
             inflight.copy_into(input_ids, plan.decode, ctx.num_prefill_tokens)
+        return self.execute(input_ids, ctx, rows)
+
+    @torch.inference_mode()
+    def execute(self, input_ids: torch.Tensor, ctx: StepContext, rows: list[int]) -> torch.Tensor:
+        """Runs packed inputs (from :meth:`build_inputs`) on every rank; the logits of ``rows``."""
+        if self.channel is not None:
+            self.channel.send((input_ids, ctx, rows))
+        return self._run(input_ids, ctx, rows)
+
+    def _run(self, input_ids: torch.Tensor, ctx: StepContext, rows: list[int]) -> torch.Tensor | None:
+        if self.device.type == 'cpu':
+            cpu.bind_worker_threads()
         hidden = self.model(input_ids, self.kv_caches, ctx)
-        # Sampled rows are unique and ascending: as many as the rows means all of them (decode steps).
-        if len(sample_rows) < hidden.shape[0]:
-            hidden = hidden[to_device(torch.tensor(sample_rows, dtype=torch.long), self.device)]
+        if len(rows) < hidden.shape[0] or rows != list(range(len(rows))):  # decode steps need every row
+            hidden = hidden[to_device(torch.tensor(rows, dtype=torch.long), self.device)]
         return self.model.logits(hidden)
+
+    @torch.inference_mode()
+    def serve(self) -> None:
+        """The loop of a tensor-parallel rank other than 0: runs each step rank 0 sends, until it says stop."""
+        while (step := self.channel.recv()) is not None:
+            self._run(*step_channel.to_device(step, self.device))

@@ -29,16 +29,25 @@ class OutputProcessor:
 
     def append_token(self, seq: Sequence, token_id: int, logprobs: dict[int, float] | None,
                      session_len: int) -> EngineOutput:
-        """Records a sampled token, sets ``seq.finish_reason`` when the request ends, returns its output."""
+        """Records a sampled token, sets ``seq.finish_reason`` when the request ends, returns its output.
+
+        A token that completes the sequence's grammar ends it as 'stop'; when the grammar allowed nothing
+        but a stop token, that token adds no text. Stop words do not apply to text a grammar constrains."""
         cfg = seq.gen_config
+        constrained = seq.grammar is not None and seq.grammar.active  # this token was the grammar's choice
+        grammar_done = seq.grammar is not None and seq.grammar.accept(token_id, seq.output_ids)
         seq.output_ids.append(token_id)
         state = self.states[seq.seq_id]
         text = ''
-        if token_id in seq.stop_ids and len(seq.output_ids) > cfg.min_new_tokens:
+        if token_id in seq.stop_ids and (len(seq.output_ids) > cfg.min_new_tokens or grammar_done):
             seq.finish_reason = 'stop'
         else:
-            text, hit_stop_word = state.stop_checker.feed(state.detokenizer.step([token_id]))
-            if hit_stop_word:
+            delta = state.detokenizer.step([token_id])
+            if constrained:  # the grammar alone decides where its text ends
+                text, hit_stop_word = state.stop_checker.flush() + delta, False
+            else:
+                text, hit_stop_word = state.stop_checker.feed(delta)
+            if hit_stop_word or grammar_done:
                 seq.finish_reason = 'stop'
             elif len(seq.output_ids) >= cfg.max_new_tokens or len(seq.prompt_ids) + len(seq.output_ids) >= session_len:
                 seq.finish_reason = 'length'
@@ -55,5 +64,8 @@ class OutputProcessor:
                 logprobs: list[dict[int, float]] | None) -> EngineOutput:
         if seq.finish_reason is not None:
             self.states.pop(seq.seq_id, None)
+        prompt_logprobs = None
+        if seq.gen_config.prompt_logprobs is not None and len(seq.output_ids) == len(token_ids) == 1:
+            prompt_logprobs = [None, *seq.prompt_logprobs]
         return EngineOutput(seq.seq_id, token_ids, text, logprobs, seq.finish_reason, len(seq.prompt_ids),
-                            len(seq.output_ids), seq.num_cached)
+                            len(seq.output_ids), seq.num_cached, prompt_logprobs=prompt_logprobs)

@@ -19,7 +19,9 @@ from torch import Tensor
 
 from lmdeploy.messages import GenerationConfig
 from lmdeploy.pytorch.device import HostCopy, to_device
+from lmdeploy.pytorch.engine.guided import apply_grammars, needs_grammar
 from lmdeploy.pytorch.engine.sequence import Sequence
+from lmdeploy.pytorch.paging.scheduler import ScheduledSeq
 from lmdeploy.pytorch.kernels import argmax
 
 # Rows with top-p but no top-k look at this many best tokens first, then at more (finally all) while
@@ -111,10 +113,11 @@ def _apply_presence_frequency(x: Tensor, seqs: list[Sequence]) -> None:
 
 
 def _apply_min_new_tokens(x: Tensor, seqs: list[Sequence]) -> None:
-    """Forbid the stop tokens until ``min_new_tokens`` tokens have been generated."""
+    """Forbid the stop tokens until ``min_new_tokens`` tokens have been generated (a grammar, which alone
+    decides where its output ends, overrides this)."""
     V = x.shape[1]
     rows, cols = _pairs([[t for t in s.stop_ids if t < V] if s.num_generated < s.gen_config.min_new_tokens
-                         else None for s in seqs], x.device)
+                         and not (s.grammar and s.grammar.active) else None for s in seqs], x.device)
     if len(rows):
         x[rows, cols] = -math.inf
 
@@ -210,9 +213,9 @@ def _sample_rows(x: Tensor, seqs: list[Sequence]) -> Tensor:
 
 def depends_on_outputs(seq: Sequence) -> bool:
     """Whether choosing this sequence's next token needs its latest token on the host: penalties over the
-    output so far."""
+    output so far, or a grammar."""
     g = seq.gen_config
-    return bool(g.repetition_penalty != 1.0 or g.presence_penalty or g.frequency_penalty)
+    return bool(g.repetition_penalty != 1.0 or g.presence_penalty or g.frequency_penalty or seq.grammar)
 
 
 @dataclass
@@ -249,20 +252,47 @@ def _logprobs(logits: Tensor, token_ids: Tensor, rows: list[int], counts: list[i
     return [chosen, *lp.topk(max(counts), dim=-1)]
 
 
+def record_prompt_logprobs(logits: Tensor, prefill: list[ScheduledSeq]) -> None:
+    """Appends to each prefill chunk's sequence the prompt logprobs of the positions it asked for
+    (``Sequence.prompt_logprob_positions``, before the chunk counts as computed), from their logits in
+    chunk order."""
+    spans = [(item.seq, item.seq.prompt_logprob_positions(item.seq.num_computed,
+                                                          item.seq.num_computed + item.num_tokens))
+             for item in prefill]
+    targets = [seq.prompt_ids[p + 1] for seq, positions in spans for p in positions]
+    top = max(seq.gen_config.prompt_logprobs for seq, positions in spans if positions)
+    chosen, *top_parts = HostCopy(_logprobs(logits, _long(targets, logits.device), list(range(len(targets))),
+                                            [top] * len(targets))).wait()
+    chosen, top_v, top_i = chosen.tolist(), *(part.tolist() for part in top_parts)
+    row = 0
+    for seq, positions in spans:
+        k = seq.gen_config.prompt_logprobs
+        for _ in positions:
+            entry = {targets[row]: chosen[row], **dict(zip(top_i[row][:k], top_v[row][:k]))}
+            seq.prompt_logprobs.append(entry)
+            row += 1
+
+
 def launch_sample(logits: Tensor, seqs: list[Sequence]) -> PendingSample:
     """Choose the next token for each sequence from ``logits`` [B, V] (the last position per row), on
     the logits' device, and start copying the choice to the host without waiting for it.
 
-    Logprobs are the log-softmax of the raw logits, before any penalty or temperature.
+    Logprobs are the log-softmax of the raw logits, before any penalty, grammar or temperature.
     """
     assert logits.dim() == 2 and logits.shape[0] == len(seqs), 'one row of logits per sequence'
     x = logits
+    logprob_rows = [i for i, s in enumerate(seqs) if s.gen_config.logprobs is not None]
     if any(_needs_edit(s) for s in seqs):
         x = logits.to(torch.float32, copy=True)
         _apply_logit_bias(x, seqs)
         _apply_repetition_penalty(x, seqs)
         _apply_presence_frequency(x, seqs)
         _apply_min_new_tokens(x, seqs)
+    grammars = [s.grammar for s in seqs]
+    if needs_grammar(grammars):
+        if x is logits and logprob_rows:
+            x = logits.clone()
+        apply_grammars(x, grammars)
     sampled = [i for i, s in enumerate(seqs) if not s.gen_config.is_greedy]
     if len(sampled) < len(seqs):
         token_ids = argmax(x)
@@ -271,9 +301,9 @@ def launch_sample(logits: Tensor, seqs: list[Sequence]) -> PendingSample:
     if sampled:
         rows = _long(sampled, x.device)
         token_ids[rows] = _sample_rows(_pick(x, rows).float(), [seqs[i] for i in sampled])
-    rows = [i for i, s in enumerate(seqs) if s.gen_config.logprobs is not None]
-    counts = [seqs[i].gen_config.logprobs for i in rows]
-    return PendingSample(token_ids, rows, counts, HostCopy([token_ids, *_logprobs(logits, token_ids, rows, counts)]))
+    counts = [seqs[i].gen_config.logprobs for i in logprob_rows]
+    return PendingSample(token_ids, logprob_rows, counts,
+                         HostCopy([token_ids, *_logprobs(logits, token_ids, logprob_rows, counts)]))
 
 
 def sample(logits: Tensor, seqs: list[Sequence]) -> SampleOutput:

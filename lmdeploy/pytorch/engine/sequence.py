@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lmdeploy.messages import FinishReason, GenerationConfig
+from lmdeploy.pytorch.engine.guided import GrammarState
 from lmdeploy.pytorch.multimodal import MultiModalInput
 
 
@@ -28,6 +29,8 @@ class Sequence:
     ``num_inflight`` counts tokens already sampled on the device whose ids have not reached the host
     yet (overlapped scheduling): they count in ``num_tokens`` but are not in ``output_ids``.
     ``awaiting_final_token`` is set when the token in flight is the last one the request may get.
+    ``grammar`` constrains the tokens it may sample (``GenerationConfig.response_format``).
+    ``prompt_logprobs[j]`` is the logprob entry of prompt token ``j + 1``, from the logits at position ``j``.
     """
 
     seq_id: int
@@ -48,6 +51,8 @@ class Sequence:
     rope_delta: int = 0
     num_inflight: int = 0
     awaiting_final_token: bool = False
+    grammar: GrammarState | None = None
+    prompt_logprobs: list[dict[int, float]] = field(default_factory=list)
 
     def __post_init__(self):
         if not self.gen_config.is_greedy:
@@ -91,6 +96,12 @@ class Sequence:
         if not self.gen_config.ignore_eos:
             ids |= self.eos_token_ids
         return ids
+
+    def prompt_logprob_positions(self, start: int, end: int) -> range:
+        """The positions in ``[start, end)`` whose logits give prompt logprobs not yet recorded."""
+        if self.gen_config.prompt_logprobs is None:
+            return range(0)
+        return range(max(start, len(self.prompt_logprobs)), min(end, len(self.prompt_ids) - 1))
 
     def rope_positions_of(self, start: int, end: int) -> torch.Tensor:
         """``[3, end - start]`` 3-D rotary positions of tokens ``start:end``."""

@@ -5,23 +5,27 @@ from collections.abc import Iterable
 from typing import Union
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lmdeploy.pytorch.config import ModelConfig
+from lmdeploy.pytorch.distributed.parallel_state import Shard
 from lmdeploy.pytorch.kernels import apply_rotary
 from lmdeploy.pytorch.nn.attention import PagedAttention
 from lmdeploy.pytorch.nn.decoder_stack import LayerWeights, NativeDecoderStack
-from lmdeploy.pytorch.nn.linear import GateUpLinear, Linear, MergedLinear, PackedWeight, pack_for_cpu, packed_linear
+from lmdeploy.pytorch.nn.embedding import LMHead, VocabParallelEmbedding
+from lmdeploy.pytorch.nn.linear import GateUpLinear, Linear, MergedLinear, QKVLinear, RowLinear
 from lmdeploy.pytorch.nn.norm import RMSNorm
 from lmdeploy.pytorch.nn.rotary import RotaryEmbedding
 from lmdeploy.pytorch.step_context import StepContext
+from lmdeploy.pytorch.weights.safetensors_loader import WeightSource, read_shard
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 QKV_BIAS_MODEL_TYPES = ('qwen2', 'qwen2_vl_text', 'qwen2_5_vl_text')
 DECODE_INT4_LAYERS = ('qkv_proj', 'o_proj', 'gate_up_proj', 'down_proj')
 # what a checkpoint tensor fills: a whole parameter (its name) or one shard of a merged one (name, shard)
 WeightKey = Union[str, tuple[str, str]]
+# the tensor or slice to fill, what it fills, and which part of the checkpoint tensor fills it
+WeightTarget = tuple[torch.Tensor, WeightKey, Union[Shard, None]]
 
 
 class LlamaAttention(nn.Module):
@@ -29,12 +33,12 @@ class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         hf = cfg.hf_config
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.head_dim = cfg.head_dim
         o_bias = bool(getattr(hf, 'attention_bias', False))
         qkv_bias = o_bias or bool(getattr(hf, 'qkv_bias', False)) or hf.model_type in QKV_BIAS_MODEL_TYPES
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias)
-        self.o_proj = Linear(q_size, cfg.hidden_size, bias=o_bias)
+        self.qkv_proj = QKVLinear(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, self.head_dim, bias=qkv_bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowLinear.over_heads(self.qkv_proj, cfg.hidden_size, bias=o_bias)
         self.qk_norm = hf.model_type in ('qwen3', 'qwen3_moe')
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, hf.rms_norm_eps)
@@ -60,7 +64,7 @@ class LlamaMLP(nn.Module):
         bias = bool(getattr(hf, 'mlp_bias', False))
         intermediate_size = intermediate_size or hf.intermediate_size
         self.gate_up_proj = GateUpLinear(cfg.hidden_size, intermediate_size, bias=bias)
-        self.down_proj = Linear(intermediate_size, cfg.hidden_size, bias=bias)
+        self.down_proj = RowLinear(intermediate_size, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj(x))
@@ -114,15 +118,12 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         hf = cfg.hf_config
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.make_mlp(cfg, i)) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, hf.rms_norm_eps)
         self.rotary = RotaryEmbedding(hf, cfg.head_dim)
         self.tie_word_embeddings = cfg.tie_word_embeddings
-        self.lm_head = None if self.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
-        self.lm_head_fp16: torch.Tensor | None = None
-        self.lm_head_packed: PackedWeight | None = None
+        self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, self.embed_tokens if self.tie_word_embeddings else None)
         self.native_stack: NativeDecoderStack | None = None
 
     def make_mlp(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
@@ -146,17 +147,10 @@ class LlamaForCausalLM(nn.Module):
         """Input embeddings of the packed tokens; vision-language models fill in image features."""
         return self.embed_tokens(input_ids)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[T, vocab]`` logits in the model's dtype (fp32 for the fp16 LM head of one-row steps)."""
-        if self.lm_head_fp16 is not None and hidden.shape[0] == 1:
-            return F.linear(hidden.half(), self.lm_head_fp16).float()
-        if self.lm_head_packed is not None:
-            return packed_linear(hidden, self.lm_head_packed)
-        return F.linear(hidden, self.lm_head_weight)
-
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """``[T, vocab]`` logits in the model's dtype (fp32 for the fp16 LM head of one-row steps); None
+        on the tensor-parallel ranks that do not sample."""
+        return self.lm_head(hidden)
 
     def pack_weights_for_cpu(self) -> None:
         """Keeps bf16 CPU projection weights (and a copy of the LM head's) packed for their GEMM; with
@@ -164,7 +158,7 @@ class LlamaForCausalLM(nn.Module):
         projections = [module for module in self.layers.modules() if isinstance(module, Linear)]
         for module in projections:
             module.pack_for_cpu()
-        self.lm_head_packed = pack_for_cpu(self.lm_head_weight)
+        self.lm_head.pack_for_cpu()
         attn = self.layers[0].self_attn
         self.native_stack = NativeDecoderStack.build(
             [layer.native_weights() for layer in self.layers], attn.num_heads, attn.num_kv_heads, attn.head_dim,
@@ -176,24 +170,29 @@ class LlamaForCausalLM(nn.Module):
         for name, module in self.layers.named_modules():
             if name.endswith(DECODE_INT4_LAYERS) and isinstance(module, Linear):
                 module.enable_int4()
-        self.lm_head_fp16 = self.lm_head_weight.half()
+        self.lm_head.enable_fp16()
 
-    def weight_target(self, name: str) -> tuple[torch.Tensor, WeightKey] | None:
-        """Where a Hugging Face tensor (name without ``model.``) goes: the tensor or slice to fill and
-        what it fills (see :meth:`required_weights`); None for tensors the model does not use."""
-        if 'rotary_emb' in name or (self.lm_head is None and name == 'lm_head.weight'):
+    def weight_target(self, name: str) -> WeightTarget | None:
+        """Where a Hugging Face tensor (name without ``model.``) goes: the tensor or slice to fill, what it
+        fills (see :meth:`required_weights`) and the part of the tensor that fills it (None: all of it);
+        None for tensors the model does not use."""
+        if 'rotary_emb' in name or (self.tie_word_embeddings and name == 'lm_head.weight'):
             return None
         module_name, _, kind = name.rpartition('.')
         owner, _, proj = module_name.rpartition('.')
         if proj in self.stacked_params:
             merged, index = self.stacked_params[proj]
-            target = self.get_submodule(f'{owner}.{merged}')
-            part = getattr(target, kind)[target.offsets[index]:target.offsets[index + 1]]
-            return part, (f'{owner}.{merged}.{kind}', proj)
+            part, shard = self.get_submodule(f'{owner}.{merged}').checkpoint_part(kind, index)
+            return part, (f'{owner}.{merged}.{kind}', proj), shard
         try:
-            return self.get_parameter(name), name
+            param = self.get_parameter(name)
         except AttributeError:
             return None
+        module = self.get_submodule(module_name)
+        if not hasattr(module, 'checkpoint_part'):
+            return param, name, None
+        part, shard = module.checkpoint_part(kind)
+        return part, name, shard
 
     def required_weights(self) -> set[WeightKey]:
         """What the checkpoint must fill: the name of each whole parameter, and ``(parameter, shard)``
@@ -216,7 +215,7 @@ class LlamaForCausalLM(nn.Module):
             required.update(((name, label) for label in shards[name]) if name in shards else (name,))
         return required
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> None:
         """Loads Hugging Face-named tensors; raises naming what is missing afterwards, down to a single
         shard of a merged parameter (a ``k_proj``, one expert's ``up`` matrix) whose rows would otherwise
         be left uninitialized."""
@@ -224,8 +223,9 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             target = self.weight_target(name.removeprefix('model.'))
             if target is not None:
-                target[0].copy_(tensor.to(self.cfg.dtype))
-                loaded.add(target[1])
+                dest, key, shard = target
+                dest.copy_(read_shard(tensor, shard).to(self.cfg.dtype))
+                loaded.add(key)
         missing = sorted(key if isinstance(key, str) else f'{key[0]} ({key[1]})'
                          for key in self.required_weights() - loaded)
         if missing:

@@ -8,7 +8,7 @@ from torch import nn
 
 from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.kernels import moe_routing
-from lmdeploy.pytorch.models.llama import LlamaForCausalLM, LlamaMLP, WeightKey
+from lmdeploy.pytorch.models.llama import LlamaForCausalLM, LlamaMLP, WeightTarget
 from lmdeploy.pytorch.nn.linear import Linear
 from lmdeploy.pytorch.nn.moe import FusedExperts
 
@@ -51,11 +51,11 @@ class MoEForCausalLM(LlamaForCausalLM):
         dense = layer_index in (getattr(hf, 'mlp_only_layers', None) or []) or (layer_index + 1) % sparse_step
         return LlamaMLP(cfg) if dense else SparseMoeBlock(cfg)
 
-    def weight_target(self, name: str) -> tuple[torch.Tensor, WeightKey] | None:
+    def weight_target(self, name: str) -> WeightTarget | None:
         name = name.replace('.block_sparse_moe.', '.mlp.')
         match = EXPERT_NAME.fullmatch(name)
         if match is None:
             return super().weight_target(name)
         experts_name, expert, proj = match.groups()
-        weight, param, shard = self.get_submodule(experts_name).expert_weight(int(expert), EXPERT_PARTS[proj])
-        return weight, (f'{experts_name}.{param}', shard)
+        weight, param, label, shard = self.get_submodule(experts_name).expert_weight(int(expert), EXPERT_PARTS[proj])
+        return weight, (f'{experts_name}.{param}', label), shard

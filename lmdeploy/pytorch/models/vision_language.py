@@ -13,7 +13,7 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTra
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
 from lmdeploy.pytorch.config import ModelConfig
-from lmdeploy.pytorch.models.llama import LlamaForCausalLM
+from lmdeploy.pytorch.models.llama import LlamaForCausalLM, WeightTarget
 from lmdeploy.pytorch.multimodal import MultiModalInput
 from lmdeploy.pytorch.step_context import StepContext
 
@@ -48,13 +48,13 @@ class VisionLanguageModel(LlamaForCausalLM):
         weight = self.embed_tokens.weight
         return torch.cat([m.data['pixel_values'] for m in inputs]).to(weight.device, weight.dtype)
 
-    def weight_target(self, name: str) -> tuple[torch.Tensor, str] | None:
+    def weight_target(self, name: str) -> WeightTarget | None:
         for prefix in LANGUAGE_PREFIXES:
             name = name.removeprefix(prefix)
         if not name.startswith(VISION_PREFIXES):
             return super().weight_target(name)
         try:
-            return self.get_parameter(name), name
+            return self.get_parameter(name), name, None
         except AttributeError:
             return None
 

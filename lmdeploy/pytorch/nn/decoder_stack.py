@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from lmdeploy.pytorch.distributed.parallel_state import current_group
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.step_context import StepContext
 
@@ -32,8 +33,9 @@ class NativeDecoderStack:
     def build(cls, layers: list[LayerWeights | None], num_heads: int, num_kv_heads: int, head_dim: int,
               eps: float, scale: float, small_step_rows: int) -> NativeDecoderStack | None:
         """The stack of ``layers`` (each from a layer's ``native_weights``, which holds native GEMM
-        panels, so the native kernels are loaded), or None when a layer cannot run in it."""
-        if any(weights is None for weights in layers):
+        panels, so the native kernels are loaded), or None when a layer cannot run in it or the layers
+        are tensor-parallel (the stack has no collectives)."""
+        if current_group().world_size > 1 or any(weights is None for weights in layers):
             return None
         native = cpu.native()
         return cls(native, native.DecoderStack(layers, num_heads, num_kv_heads, head_dim, eps, scale), small_step_rows)

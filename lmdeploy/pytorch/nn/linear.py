@@ -6,6 +6,11 @@ saves oneDNN's per-call reorder (15-45% faster for decode-sized batches). A laye
 weight as 4-bit groups for small steps (``enable_int4``): torch's int4 kernel reads a quarter of the
 bytes, which is what a batch-1 decode step is bound by. The gate and up projections of a gated MLP
 (``GateUpLinear``) apply SiLU-and-mul in the native GEMM's epilogue.
+
+Under tensor parallelism (the :class:`TPGroup` current at construction) merged layers are
+column-parallel: each rank holds its share of every projection's output rows (:class:`QKVLinear` its
+attention heads); :class:`RowLinear` holds a share of the input columns and sums the ranks' partial
+products. ``checkpoint_part`` says which part of a checkpoint tensor a rank's parameter holds.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lmdeploy.pytorch.distributed.parallel_state import Shard, current_group, head_ranges, split_range
 from lmdeploy.pytorch.kernels import cpu, silu_and_mul
 
 
@@ -102,21 +108,83 @@ class Linear(nn.Module):
         self.weight = None
         return True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def checkpoint_part(self, kind: str, part: int | None = None) -> tuple[torch.Tensor, Shard | None]:
+        """The parameter ``kind`` (``weight``, ``bias``), or its rows of projection ``part`` in a merged
+        layer, and the part of the checkpoint tensor that fills it (None: all of it)."""
+        return getattr(self, kind), None
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.int4 is not None and x.shape[0] <= self.int4_max_tokens:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.int4[0], INT4_GROUP, self.int4[1])
-            return out if self.bias is None else out + self.bias
+            return out if bias is None else out + bias
         if self.packed is not None:
-            return packed_linear(x, self.packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            return packed_linear(x, self.packed, bias)
+        return F.linear(x, self.weight, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.bias)
+
+
+class RowLinear(Linear):
+    """Row-parallel: each rank holds a share of the input features (``in_range``, default an even share)
+    and multiplies the matching share of ``x``; the partial products are summed over the ranks, then the
+    bias is added once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 in_range: tuple[int, int] | None = None):
+        self.tp = current_group()
+        self.in_range = in_range or split_range(in_features, self.tp.rank, self.tp.world_size)
+        super().__init__(self.in_range[1] - self.in_range[0], out_features, bias)
+
+    @classmethod
+    def over_heads(cls, qkv: QKVLinear, out_features: int, bias: bool = False) -> RowLinear:
+        """The output projection of attention whose heads ``qkv`` computes: each rank holds the input
+        features of its own heads."""
+        return cls(qkv.num_heads_total * qkv.head_dim, out_features, bias, qkv.ranges[0])
+
+    def checkpoint_part(self, kind: str, part: int | None = None) -> tuple[torch.Tensor, Shard | None]:
+        if kind == 'bias' or self.tp.world_size == 1:
+            return getattr(self, kind), None
+        return self.weight, Shard(1, *self.in_range)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size == 1:
+            return self.matmul(x, self.bias)
+        out = self.tp.all_reduce(self.matmul(x, None))
+        return out if self.bias is None else out + self.bias
 
 
 class MergedLinear(Linear):
-    """Several projections of the same input stacked along the output dimension."""
+    """Several projections of the same input stacked along the output dimension; column-parallel: each
+    rank holds the rows ``ranges[i]`` of projection ``i``."""
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False):
-        super().__init__(in_features, sum(out_sizes), bias)
-        self.offsets = [sum(out_sizes[:i]) for i in range(len(out_sizes) + 1)]
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False,
+                 ranges: list[tuple[int, int]] | None = None):
+        tp = current_group()
+        self.ranges = ranges or [split_range(size, tp.rank, tp.world_size) for size in out_sizes]
+        local_sizes = [stop - start for start, stop in self.ranges]
+        super().__init__(in_features, sum(local_sizes), bias)
+        self.offsets = [sum(local_sizes[:i]) for i in range(len(local_sizes) + 1)]
+        self.sharded = local_sizes != list(out_sizes)
+
+    def checkpoint_part(self, kind: str, part: int | None = None) -> tuple[torch.Tensor, Shard | None]:
+        rows = getattr(self, kind)[self.offsets[part]:self.offsets[part + 1]]
+        return rows, Shard(0, *self.ranges[part]) if self.sharded else None
+
+
+class QKVLinear(MergedLinear):
+    """The q, k and v projections of attention, stacked; each rank holds its share of the query heads
+    and the KV heads they read (one replicated KV head when there are fewer KV heads than ranks).
+    ``num_heads`` and ``num_kv_heads`` are this rank's."""
+
+    def __init__(self, in_features: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool = False):
+        tp = current_group()
+        (q_start, q_stop), (kv_start, kv_stop) = head_ranges(num_heads, num_kv_heads, tp.rank, tp.world_size)
+        self.num_heads, self.num_kv_heads = q_stop - q_start, kv_stop - kv_start
+        self.num_heads_total, self.head_dim = num_heads, head_dim
+        kv = (kv_start * head_dim, kv_stop * head_dim)
+        super().__init__(in_features, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim],
+                         bias, ranges=[(q_start * head_dim, q_stop * head_dim), kv, kv])
 
 
 class GateUpLinear(MergedLinear):

@@ -1,34 +1,42 @@
-"""Experts of a mixture-of-experts layer, stacked as 3-D weights and run by the fused-MoE kernel."""
+"""Experts of a mixture-of-experts layer, stacked as 3-D weights and run by the fused-MoE kernel.
+
+Under tensor parallelism each rank holds every expert's share of the intermediate features (gate and
+up rows, down columns) and the ranks' partial outputs are summed.
+"""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from lmdeploy.pytorch.distributed.parallel_state import Shard, current_group, split_range
 from lmdeploy.pytorch.kernels import fused_moe
 
 
 class FusedExperts(nn.Module):
-    """Every expert's MLP: ``gate_up [E, 2I, H]`` (gate rows, then up rows) and ``down [E, H, I]``."""
+    """Every expert's MLP: ``gate_up [E, 2I, H]`` (gate rows, then up rows) and ``down [E, H, I]``, with
+    ``I`` this rank's share of the intermediate size."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int):
         super().__init__()
-        self.intermediate_size = intermediate_size
-        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size),
-                                    requires_grad=False)
-        self.down = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+        self.tp = current_group()
+        self.range = split_range(intermediate_size, self.tp.rank, self.tp.world_size)
+        self.intermediate_size = size = self.range[1] - self.range[0]
+        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * size, hidden_size), requires_grad=False)
+        self.down = nn.Parameter(torch.empty(num_experts, hidden_size, size), requires_grad=False)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        return fused_moe(x, self.gate_up, self.down, topk_weights, topk_ids)
+        return self.tp.all_reduce(fused_moe(x, self.gate_up, self.down, topk_weights, topk_ids))
 
-    def expert_weight(self, expert: int, part: str) -> tuple[torch.Tensor, str, str]:
-        """The slice holding one expert's ``gate``, ``up`` or ``down`` weight, its parameter's name and
-        the shard's label (see :meth:`weight_shards`)."""
+    def expert_weight(self, expert: int, part: str) -> tuple[torch.Tensor, str, str, Shard | None]:
+        """The slice holding one expert's ``gate``, ``up`` or ``down`` weight, its parameter's name, the
+        shard's label (see :meth:`weight_shards`) and the part of the checkpoint tensor that fills it."""
         size = self.intermediate_size
         label = f'expert {expert} {part}'
+        sharded = self.tp.world_size > 1
         if part == 'down':
-            return self.down[expert], 'down', label
+            return self.down[expert], 'down', label, Shard(1, *self.range) if sharded else None
         rows = slice(0, size) if part == 'gate' else slice(size, 2 * size)
-        return self.gate_up[expert, rows], 'gate_up', label
+        return self.gate_up[expert, rows], 'gate_up', label, Shard(0, *self.range) if sharded else None
 
     def weight_shards(self) -> dict[str, list[str]]:
         """Each parameter's shards that the checkpoint must fill: every expert's gate, up and down."""

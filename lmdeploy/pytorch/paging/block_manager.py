@@ -57,8 +57,9 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def match_prefix(self, seq: Sequence) -> list[int]:
-        """Cached blocks holding a prefix of ``seq``; at least one token is always left to compute."""
-        if not self.enable_prefix_caching:
+        """Cached blocks holding a prefix of ``seq``; at least one token is always left to compute. A
+        sequence that asks for prompt logprobs computes its whole prompt."""
+        if not self.enable_prefix_caching or seq.gen_config.prompt_logprobs is not None:
             return []
         num_tokens, bs = seq.num_tokens, self.block_size
         matched: list[int] = []

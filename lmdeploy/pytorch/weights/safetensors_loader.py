@@ -1,13 +1,38 @@
-"""Streams tensors out of a Hugging Face folder's safetensors files, sharded or single."""
+"""Streams tensors out of a Hugging Face folder's safetensors files, sharded or single.
+
+Tensors come as lazy slices: a tensor-parallel rank reads only the rows or columns it holds
+(:func:`read_shard`), straight from the memory-mapped file.
+"""
 from __future__ import annotations
 
 import glob
 import os
 from collections.abc import Iterator
+from typing import Any, Union
 
 import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
+
+from lmdeploy.pytorch.distributed.parallel_state import Shard
+
+
+class FileTensor:
+    """A tensor of a safetensors file; indexing it reads only the part indexed."""
+
+    def __init__(self, path: str, handle: Any, name: str):
+        self.path, self.handle, self.name = path, handle, name
+
+    def read(self, index: tuple) -> torch.Tensor:
+        try:
+            part = self.handle.get_slice(self.name)
+            return part[index] if part.get_shape() else self.handle.get_tensor(self.name)
+        except (SafetensorError, OSError) as err:
+            raise ValueError(f'cannot read weight file {self.path}: {err}') from err
+
+
+# A checkpoint tensor: loaded, or one to read from its file.
+WeightSource = Union[torch.Tensor, FileTensor]
 
 
 def safetensors_files(model_dir: str) -> list[str]:
@@ -17,13 +42,22 @@ def safetensors_files(model_dir: str) -> list[str]:
     return files
 
 
-def iterate_weights(model_dir: str, show_progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields ``(name, tensor)`` for every tensor; a corrupt file raises ``ValueError`` naming it."""
+def iterate_weights(model_dir: str, show_progress: bool = True) -> Iterator[tuple[str, WeightSource]]:
+    """Yields ``(name, FileTensor)`` for every tensor, each readable until the next one is yielded; a
+    corrupt file raises ``ValueError`` naming it."""
     files = safetensors_files(model_dir)
-    for path in tqdm(files, desc='Loading weights', unit='file', disable=not show_progress):
+    for path in tqdm(files, desc='Loading weights', unit='file') if show_progress else files:
         try:
             with safe_open(path, framework='pt') as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    yield name, FileTensor(path, f, name)
         except (SafetensorError, OSError) as err:
             raise ValueError(f'cannot read weight file {path}: {err}') from err
+
+
+def read_shard(source: WeightSource, shard: Shard | None) -> torch.Tensor:
+    """The part ``shard`` of a checkpoint tensor (all of it for None), reading only that part from a file."""
+    index = () if shard is None else (slice(None),) * shard.dim + (slice(shard.start, shard.stop),)
+    if isinstance(source, torch.Tensor):
+        return source[index]
+    return source.read(index or (slice(None),))

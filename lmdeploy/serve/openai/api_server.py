@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server: :func:`create_app` builds the FastAPI app, :func:`run_server` runs it."""
 from __future__ import annotations
 
+import gc
 import hashlib
 import hmac
 import logging
@@ -15,21 +16,26 @@ from contextlib import asynccontextmanager
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from lmdeploy.serve.async_engine import AsyncEngine, request_owner
 from lmdeploy.serve.openai.admission import Admission
-from lmdeploy.serve.openai.errors import APIError, error_response, install_error_handlers
+from lmdeploy.serve.openai.errors import (APIError, document_errors, error_response, error_responses,
+                                          install_error_handlers)
 from lmdeploy.serve.openai.limits import BodyLimitMiddleware, RequestLimits
 from lmdeploy.serve.openai.metrics import Metrics
-from lmdeploy.serve.openai.protocol import (AbortRequest, ChatCompletionRequest, CompletionRequest, EncodeRequest,
-                                            GenerateRequest, ModelCard, ModelList)
+from lmdeploy.serve.openai.protocol import (AbortRequest, ChatCompletionRequest, ChatCompletionResponse,
+                                            CompletionRequest, CompletionResponse, EncodeRequest, GenerateRequest,
+                                            ModelCard, ModelList)
+from lmdeploy.serve.openai.reasoning_parsers import get_reasoning_parser
 from lmdeploy.serve.openai.serving_chat import create_chat_completion
 from lmdeploy.serve.openai.serving_common import ServerState
 from lmdeploy.serve.openai.serving_completion import create_completion
 from lmdeploy.serve.openai.serving_native import abort_request, encode_text, generate
+from lmdeploy.serve.openai.tool_parsers import get_tool_parser
 
 logger = logging.getLogger('lmdeploy')
 AUTH_EXEMPT = frozenset({'/health'})
@@ -86,8 +92,15 @@ class APIKeyMiddleware:
             request_owner.reset(token)
 
 
+def streamed(model: type[BaseModel] | None = None) -> dict:
+    """The OpenAPI 200 of a route that answers JSON (``model``), or server-sent events with ``stream: true``."""
+    return {'description': 'The response (JSON), or server-sent events with stream: true',
+            **({'model': model} if model else {}),
+            'content': {'text/event-stream': {'schema': {'type': 'string'}}}}
+
+
 def default_model_name(engine: AsyncEngine) -> str:
-    return os.path.basename(os.path.normpath(engine.engine.model_dir))
+    return os.path.basename(os.path.normpath(engine.model_dir))
 
 
 def create_app(engine: AsyncEngine, model_name: str | None = None, api_keys: list[str] | None = None,
@@ -95,7 +108,8 @@ def create_app(engine: AsyncEngine, model_name: str | None = None, api_keys: lis
                allow_methods: list[str] | None = None, allow_headers: list[str] | None = None,
                max_concurrent_requests: int = 256, max_queue_size: int = 1024,
                heartbeat_timeout: float = 30.0, limits: RequestLimits | None = None,
-               preprocess_workers: int = 2, admin_api_keys: list[str] | None = None) -> FastAPI:
+               preprocess_workers: int = 2, admin_api_keys: list[str] | None = None,
+               tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> FastAPI:
     """An app serving ``engine``; each app has its own metrics registry. The caller owns (and closes) the
     engine; on shutdown the app aborts what is still in flight.
 
@@ -106,12 +120,19 @@ def create_app(engine: AsyncEngine, model_name: str | None = None, api_keys: lis
     ``api_keys`` guard every endpoint but ``/health``; a session's request can then be aborted only with
     the key that started it. ``admin_api_keys`` are accepted wherever ``api_keys`` are and alone may
     ``abort_all`` (without them, ``abort_all`` is refused). Images load under the engine's
-    ``MediaPolicy``, which by default allows no URL and no local file."""
+    ``MediaPolicy``, which by default allows no URL and no local file.
+
+    ``tool_call_parser`` and ``reasoning_parser`` name the parsers (see ``TOOL_PARSERS`` and
+    ``REASONING_PARSERS``) that read tool calls and reasoning out of chat replies; an unknown name raises
+    ``ValueError``."""
+    tools = get_tool_parser(tool_call_parser) if tool_call_parser else None
+    reasoning = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
     limits = limits or RequestLimits()
     admission = Admission(max_concurrent_requests, max_queue_size)
     executor = ThreadPoolExecutor(preprocess_workers, thread_name_prefix='lmdeploy-preprocess')
     state = ServerState(engine, model_name or default_model_name(engine), admission,
-                        Metrics(engine, lambda: admission.num_waiting), heartbeat_timeout, limits, executor)
+                        Metrics(engine, lambda: admission.num_waiting), heartbeat_timeout, limits, executor,
+                        tools, reasoning)
     # Admitted slots are the only waiters for engine instances: bound that line too (defence in depth).
     insts = engine.inst_manager
     insts.max_waiting = max(insts.max_waiting or 0, max_concurrent_requests)
@@ -125,35 +146,39 @@ def create_app(engine: AsyncEngine, model_name: str | None = None, api_keys: lis
     app = FastAPI(title='lmdeploy OpenAI-compatible server', lifespan=lifespan)
     app.state.server = state
     install_error_handlers(app)
+    document_errors(app)
+    auth = (401,) if api_keys else ()
+    body = (413,) if limits.max_request_body_bytes is not None else ()
+    generating = error_responses(400, *auth, 404, *body, 429, 500, 503)
 
-    @app.get('/v1/models')
+    @app.get('/v1/models', responses=error_responses(*auth))
     async def list_models() -> ModelList:
         """The served model."""
         return ModelList(data=[ModelCard(id=state.model_name)])
 
-    @app.post('/v1/chat/completions')
+    @app.post('/v1/chat/completions', responses={**generating, 200: streamed(ChatCompletionResponse)})
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         """OpenAI chat completions (streaming with ``stream: true``)."""
         return await create_chat_completion(state, req, raw)
 
-    @app.post('/v1/completions')
+    @app.post('/v1/completions', responses={**generating, 200: streamed(CompletionResponse)})
     async def completions(req: CompletionRequest, raw: Request):
         """OpenAI text completions (streaming with ``stream: true``)."""
         return await create_completion(state, req, raw)
 
-    @app.post('/generate')
+    @app.post('/generate', responses={**generating, 200: streamed()})
     async def generate_endpoint(req: GenerateRequest, raw: Request):
         """Native generation from a prompt or token ids."""
         return await generate(state, req, raw)
 
-    @app.post('/v1/encode')
+    @app.post('/v1/encode', responses=error_responses(400, *auth, *body, 429))
     async def encode_endpoint(req: EncodeRequest) -> dict:
         """Token ids of a text or a list of texts."""
         return await encode_text(state, req)
 
     admin_keys = [key.encode() for key in admin_api_keys or ()]
 
-    @app.post('/abort_request')
+    @app.post('/abort_request', responses=error_responses(400, *auth, 403, *body))
     async def abort_endpoint(req: AbortRequest, raw: Request) -> dict:
         """Aborts a session's request, or all requests (``abort_all``: admin keys only). With API keys, a
         session's request is aborted only for the key that started it (or an admin key)."""
@@ -168,7 +193,7 @@ def create_app(engine: AsyncEngine, model_name: str | None = None, api_keys: lis
             return {'success': True}
         return await abort_request(state, req)
 
-    @app.get('/health')
+    @app.get('/health', responses=error_responses(503))
     async def health() -> Response:
         """200 while the engine loop runs and makes progress, else 503."""
         loop = engine.engine_loop
@@ -178,7 +203,7 @@ def create_app(engine: AsyncEngine, model_name: str | None = None, api_keys: lis
         reason = loop.error or ('the engine loop stopped' if not loop.is_alive else f'no progress for {stale:.0f} s')
         return error_response(503, f'unhealthy: {reason}', code='engine_unhealthy')
 
-    @app.get('/metrics')
+    @app.get('/metrics', response_class=PlainTextResponse, responses=error_responses(*auth))
     async def metrics() -> Response:
         """Prometheus metrics."""
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
@@ -198,11 +223,20 @@ def _ignore_signal(signum: int, _frame: object) -> None:
 
 
 def run_server(app: FastAPI, host: str = '127.0.0.1', port: int = 23333, log_level: str = 'info',
-               shutdown_timeout: float = 30.0) -> None:
+               shutdown_timeout: float = 30.0, proxy_url: str | None = None, proxy_api_key: str | None = None) -> None:
     """Serves ``app`` until SIGINT/SIGTERM: then it stops accepting, lets requests in flight finish for up
-    to ``shutdown_timeout`` seconds, aborts the rest and returns."""
+    to ``shutdown_timeout`` seconds, aborts the rest and returns. With ``proxy_url`` the server registers
+    at that proxy once it listens and leaves it when it shuts down (see docs/scale_out.md)."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
                             timeout_graceful_shutdown=shutdown_timeout)
     signal.signal(signal.SIGTERM, _ignore_signal)
     sys.setswitchinterval(GIL_SWITCH_INTERVAL)
-    uvicorn.Server(config).run()
+    # The ~400k objects alive now (model, torch, transformers) would be scanned by every full collection, for
+    # 0.2-0.5 s with the GIL held: the event loop and the engine stalled. Frozen, they are never scanned.
+    gc.collect()
+    gc.freeze()
+    if proxy_url:
+        from lmdeploy.serve.proxy.registration import NodeServer
+        NodeServer(config, proxy_url, [app.state.server.model_name], proxy_api_key).run()
+    else:
+        uvicorn.Server(config).run()

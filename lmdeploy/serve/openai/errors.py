@@ -6,12 +6,38 @@ from http import HTTPStatus
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lmdeploy.serve.exceptions import SafeRunException
 
 ERROR_TYPES = {400: 'invalid_request_error', 401: 'authentication_error', 404: 'not_found_error',
                429: 'rate_limit_error', 500: 'internal_error', 503: 'service_unavailable'}
+# What each status means on this server, for the OpenAPI schema.
+ERROR_DESCRIPTIONS = {
+    400: 'Invalid or unsupported value, malformed JSON, a prompt longer than the context or a request over one '
+         'of the server\'s limits',
+    401: 'Missing or invalid API key',
+    403: 'abort_all without an admin key, or a session started with another key',
+    404: 'Unknown model',
+    413: 'Request body over --max-request-body-bytes',
+    429: 'Every running and waiting slot is taken; retry after Retry-After seconds',
+    500: 'The engine failed while the request ran',
+    503: 'The engine is closed or its loop died, or too many requests wait for an engine instance',
+}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """The OpenAI error body."""
+
+    error: ErrorDetail
 
 
 class APIError(Exception):
@@ -73,3 +99,32 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, 'headers', None))
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict]:
+    """The OpenAPI ``responses`` of a route that answers ``statuses`` with the OpenAI error body."""
+    responses: dict[int | str, dict] = {}
+    for status in statuses:
+        responses[status] = {'model': ErrorResponse, 'description': ERROR_DESCRIPTIONS[status]}
+        if status == 429:
+            responses[status]['headers'] = {'Retry-After': {'description': 'Seconds to wait before retrying',
+                                                            'schema': {'type': 'integer'}}}
+    return responses
+
+
+def document_errors(app: FastAPI) -> None:
+    """Leaves FastAPI's 422 out of the app's OpenAPI schema: invalid bodies get a 400 with the OpenAI error
+    body, which the routes document with :func:`error_responses`."""
+    generate = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = generate()
+            for operations in schema['paths'].values():
+                for operation in operations.values():
+                    operation['responses'].pop('422', None)
+            for name in ('HTTPValidationError', 'ValidationError'):
+                schema.get('components', {}).get('schemas', {}).pop(name, None)
+        return app.openapi_schema
+
+    app.openapi = openapi

@@ -1,8 +1,6 @@
 """Engine logprobs (per token: ``{token_id: logprob}``, the chosen token first) in OpenAI's two schemas."""
 from __future__ import annotations
 
-import torch
-
 from lmdeploy.tokenizer import Tokenizer
 
 
@@ -12,19 +10,6 @@ def _text(tokenizer: Tokenizer, token_id: int, skip_special_tokens: bool = False
 
 def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
     return sorted(entry.items(), key=lambda item: -item[1])[:k]
-
-
-def prompt_logprobs(logits: torch.Tensor, token_ids: list[int], top: int) -> list[dict[int, float] | None]:
-    """Logprobs of each prompt token (None for the first, which nothing predicts) in the engine's format, from
-    the logits ``[len(token_ids), vocab]`` of every prompt position; each entry also holds the ``top`` most
-    likely tokens."""
-    logprobs = torch.log_softmax(logits[:-1].float(), dim=-1)
-    chosen = logprobs.gather(1, torch.tensor(token_ids[1:])[:, None])[:, 0].tolist()
-    values, ids = logprobs.topk(min(top, logprobs.shape[-1]), dim=-1)
-    entries: list[dict[int, float] | None] = [None]
-    for token_id, lp, top_ids, top_values in zip(token_ids[1:], chosen, ids.tolist(), values.tolist()):
-        entries.append({token_id: lp, **dict(zip(top_ids, top_values))})
-    return entries
 
 
 def chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[dict[int, float]] | None,

@@ -12,7 +12,7 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
 
 
 class Metrics:
-    """Gauges read the engine at scrape time; counters and histograms are fed by the request handlers.
+    """Gauges read the engine loop's latest snapshot at scrape time; counters and histograms are fed by the request handlers.
 
     ``num_waiting`` gives the requests queued by the server's admission control.
     """
@@ -41,17 +41,12 @@ class Metrics:
                                          registry=registry)
 
     def kv_cache_usage(self) -> float:
-        engine = self.engine.engine
-        if engine is None:
-            return 0.0
-        bm = engine.block_manager
-        return 1.0 - bm.num_free_blocks / bm.num_blocks
+        snapshot = self.engine.engine_loop.snapshot
+        return 1.0 - snapshot.num_free_blocks / snapshot.num_blocks if snapshot.num_blocks else 0.0
 
     def prefix_cache_hit_rate(self) -> float:
-        engine = self.engine.engine
-        if engine is None or not engine.block_manager.num_queries:
-            return 0.0
-        return engine.block_manager.num_hits / engine.block_manager.num_queries
+        snapshot = self.engine.engine_loop.snapshot
+        return snapshot.prefix_hits / snapshot.prefix_queries if snapshot.prefix_queries else 0.0
 
     def observe(self, finish_reason: str | None, prompt_tokens: int, output_tokens: int, start: float,
                 first_token: float | None, end: float) -> None:

@@ -9,7 +9,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, NonNegativeInt
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
 
 
 def random_id(prefix: str) -> str:
@@ -20,9 +20,61 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str = 'response'
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias='schema')
+    strict: bool | None = None
+
+
 class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``text``, ``json_object`` or ``json_schema`` (with ``json_schema``)."""
+
     type: Literal['text', 'json_object', 'json_schema'] = 'text'
-    json_schema: dict[str, Any] | None = None
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: exactly one of ``json`` (a JSON schema, or its text), ``regex``,
+    ``choice``, ``grammar`` (EBNF) or ``json_object``."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    json_: dict[str, Any] | bool | str | None = Field(None, alias='json')
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class StructuredFields(BaseModel):
+    """The structured-output fields of chat and completion requests."""
+
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    type: Literal['function'] = 'function'
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal['function'] = 'function'
+    function: NamedFunction
 
 
 class SamplingFields(BaseModel):
@@ -52,16 +104,17 @@ class SamplingFields(BaseModel):
     session_id: int | None = Field(None, ge=0)
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, StructuredFields):
     messages: list[dict[str, Any]] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ChatTool] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(SamplingFields, StructuredFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
@@ -114,9 +167,22 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal['function'] = 'function'
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     role: str | None = 'assistant'
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):

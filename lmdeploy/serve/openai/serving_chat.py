@@ -1,80 +1,103 @@
 """``POST /v1/chat/completions``."""
 from __future__ import annotations
 
+import inspect
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from transformers import PreTrainedTokenizerBase
 
 from lmdeploy.messages import Response
+from lmdeploy.serve.openai.chat_output import ChoiceParser
 from lmdeploy.serve.openai.errors import APIError
 from lmdeploy.serve.openai.limits import check_fanout, check_messages, check_stop
 from lmdeploy.serve.openai.logprobs import chat_logprobs
-from lmdeploy.serve.openai.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatMessage,
-                                            random_id)
+from lmdeploy.serve.openai.protocol import ChatChoice, ChatCompletionRequest, ChatCompletionResponse, random_id
 from lmdeploy.serve.openai.serving_common import (ChoiceRun, Job, ServerState, admit, check_model, check_session,
-                                                  choice_config, collect_or_abort, gen_config, process,
-                                                  raise_for_error, sse, sse_chunk, sse_stream, start_run,
-                                                  usage)
+                                                  choice_config, gen_config, process, raise_for_error, start_run, usage)
+from lmdeploy.serve.openai.streaming import collect_or_abort, sse, sse_chunk, sse_stream
+from lmdeploy.serve.openai.structured import compile_format, requested_format, with_format
+from lmdeploy.serve.openai.tool_choice import ToolPlan, plan_tools, template_messages
+
+# What chat_template_kwargs must not set: the arguments of transformers' apply_chat_template itself.
+RESERVED_TEMPLATE_KWARGS = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
+                                     ) - {'self', 'kwargs'} | {'messages'}
+
+ParserFactory = Callable[[], ChoiceParser]
 
 
-def _check_unsupported(req: ChatCompletionRequest) -> None:
-    if req.response_format is not None and req.response_format.type != 'text':
-        raise APIError(400, f'response_format {req.response_format.type!r} is not supported (no guided decoding); '
-                       "only 'text' is", 'response_format.type', 'unsupported_value')
-    if req.tools:
-        raise APIError(400, 'tools are not supported by this server', 'tools', 'unsupported_value')
-    if req.tool_choice not in (None, 'none'):
-        raise APIError(400, 'tool_choice is not supported by this server', 'tool_choice', 'unsupported_value')
+def _check(state: ServerState, req: ChatCompletionRequest) -> ToolPlan:
+    """The cheap checks, before admission; returns how the request uses its tools."""
+    check_model(state, req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, 'top_logprobs requires logprobs to be true', 'top_logprobs')
-
-
-def _check(state: ServerState, req: ChatCompletionRequest) -> None:
-    """The cheap checks, before admission."""
-    check_model(state, req.model)
-    _check_unsupported(req)
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(req.chat_template_kwargs or ()))
+    if reserved:
+        raise APIError(400, f'chat_template_kwargs may not set {", ".join(reserved)}', 'chat_template_kwargs')
+    plan = plan_tools(req, state.tool_parser)
+    if plan.response_format is not None and requested_format(req)[0] is not None:
+        raise APIError(400, "tool_choice 'required' or a named function cannot be combined with response_format "
+                       'or structured_outputs', 'tool_choice')
     check_session(state, req.session_id, req.n)
     check_messages(state.limits, req.messages)
     check_stop(state.limits, req.stop, req.stop_token_ids)
     check_fanout(state.limits, req.n, 1)
+    return plan
 
 
-async def _jobs(state: ServerState, req: ChatCompletionRequest) -> list[Job]:
-    """The engine jobs of an admitted request: the chat template, tokenization and images run here."""
-    prompt = await process(state, req.messages, 'messages')
+async def _jobs(state: ServerState, req: ChatCompletionRequest, plan: ToolPlan) -> tuple[list[Job], ParserFactory]:
+    """The engine jobs of an admitted request, and what makes each choice's reply parser: the chat
+    template, tokenization, images and the grammar's compilation run here."""
+    prompt = await process(state, template_messages(req.messages), 'messages', plan.template_tools,
+                           req.chat_template_kwargs)
     config = gen_config(state, req, len(prompt.input_ids), (req.top_logprobs or 0) if req.logprobs else None, None)
-    return [Job(i, prompt.input_ids, choice_config(config, i), req.session_id, prompt.multimodal)
+    reasoning = state.reasoning_parser
+
+    def make_parser() -> ChoiceParser:
+        return ChoiceParser(reasoning(prompt.text) if reasoning else None,
+                            plan.make_parser() if plan.make_parser else None, plan.max_calls)
+
+    fmt, param = (plan.response_format, 'tools') if plan.response_format else requested_format(req)
+    config = with_format(config, fmt, reasoning(prompt.text).grammar_after() if reasoning else None, param)
+    await compile_format(state.engine, config, param)
+    jobs = [Job(i, prompt.input_ids, choice_config(config, i), req.session_id, prompt.multimodal)
             for i in range(req.n)]
+    return jobs, make_parser
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request):
     """Answers a chat request, streamed as server-sent events when ``req.stream``."""
-    _check(state, req)
+    plan = _check(state, req)
     ticket = await admit(state, req.n)
     try:
-        run = start_run(state, ticket, await _jobs(state, req))
+        jobs, make_parser = await _jobs(state, req, plan)
+        run = start_run(state, ticket, jobs)
     except BaseException:
         ticket.release()
         raise
     request_id, top = random_id('chatcmpl'), req.top_logprobs or 0
     tokenizer = state.engine.tokenizer
     if req.stream:
-        return StreamingResponse(_stream(state, req, run, request_id, top), media_type='text/event-stream')
+        return _stream(state, req, run, request_id, top, make_parser)
     responses = await collect_or_abort(raw, run)
     if responses is None:
         return None
     raise_for_error(run, responses)
-    choices = [ChatChoice(index=r.index, message=ChatMessage(content=r.text), finish_reason=r.finish_reason,
-                          logprobs=chat_logprobs(tokenizer, r.token_ids, r.logprobs, top)) for r in responses]
+    choices = []
+    for r in responses:
+        parser = make_parser()
+        choices.append(ChatChoice(index=r.index, message=parser.message(r.text),
+                                  finish_reason=parser.finish_reason(r.finish_reason),
+                                  logprobs=chat_logprobs(tokenizer, r.token_ids, r.logprobs, top)))
     return ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices,
                                   usage=usage(responses, req.n))
 
 
-def _stream(state: ServerState, req: ChatCompletionRequest, run: ChoiceRun, request_id: str, top: int):
+def _stream(state: ServerState, req: ChatCompletionRequest, run: ChoiceRun, request_id: str, top: int,
+            make_parser: ParserFactory):
     tokenizer = state.engine.tokenizer
-    started: set[int] = set()
+    parsers: dict[int, ChoiceParser] = {}
     head = {'id': request_id, 'object': 'chat.completion.chunk', 'created': int(time.time()),
             'model': state.model_name}
 
@@ -83,12 +106,14 @@ def _stream(state: ServerState, req: ChatCompletionRequest, run: ChoiceRun, requ
                                 'finish_reason': finish_reason})
 
     def render(r: Response) -> Iterable[str]:
-        if r.index not in started:
-            started.add(r.index)
+        parser = parsers.get(r.index)
+        if parser is None:
+            parser = parsers[r.index] = make_parser()
             yield chunk_of(r.index, {'role': 'assistant', 'content': ''})
-        if r.text or r.token_ids or r.finish_reason:
-            yield chunk_of(r.index, {'role': None, 'content': r.text}, r.finish_reason,
-                           chat_logprobs(tokenizer, r.token_ids, r.logprobs, top))
+        delta = parser.feed(r.text, final=r.finish_reason is not None)
+        logprobs = chat_logprobs(tokenizer, r.token_ids, r.logprobs, top)
+        if delta or r.finish_reason or logprobs is not None:
+            yield chunk_of(r.index, parser.delta_body(delta), parser.finish_reason(r.finish_reason), logprobs)
 
     def tail() -> Iterable[str]:
         if req.stream_options and req.stream_options.include_usage:

@@ -1,10 +1,10 @@
-"""What the chat, completion and native handlers share: request checks, generation config, running
-the choices of one request, disconnect handling, SSE framing and usage."""
+"""What the chat, completion and native handlers share: request checks, generation config, admission,
+running the choices of one request, and usage (streaming them is in :mod:`.streaming`)."""
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -12,19 +12,17 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-import anyio
-from fastapi import Request
-from pydantic import BaseModel
-
 from lmdeploy.messages import MAX_NEW_TOKENS_LIMIT, GenerationConfig, Response
 from lmdeploy.pytorch.multimodal import MultiModalInput
 from lmdeploy.serve.async_engine import AsyncEngine
 from lmdeploy.serve.exceptions import ErrorCode, SafeRunException
 from lmdeploy.serve.openai.admission import Admission, Ticket
-from lmdeploy.serve.openai.errors import APIError, error_body, from_safe_run
+from lmdeploy.serve.openai.errors import APIError, from_safe_run
 from lmdeploy.serve.openai.limits import RequestLimits
 from lmdeploy.serve.openai.metrics import Metrics
 from lmdeploy.serve.openai.protocol import PromptTokensDetails, SamplingFields, UsageInfo
+from lmdeploy.serve.openai.reasoning_parsers import ReasoningParser
+from lmdeploy.serve.openai.tool_parsers import ToolParser
 from lmdeploy.vl.processor import ProcessedPrompt
 
 logger = logging.getLogger('lmdeploy')
@@ -42,6 +40,8 @@ class ServerState:
     limits: RequestLimits = field(default_factory=RequestLimits)
     # Where tokenization and image preprocessing run, off the event loop (None: the loop's default).
     executor: Executor | None = None
+    tool_parser: type[ToolParser] | None = None
+    reasoning_parser: type[ReasoningParser] | None = None
 
 
 T = TypeVar('T')
@@ -68,6 +68,13 @@ def check_model(state: ServerState, model: str | None) -> None:
     if model is not None and model != state.model_name:
         raise APIError(404, f'the model {model!r} does not exist; this server serves {state.model_name!r}',
                        'model', 'model_not_found')
+
+
+def check_token_ids(state: ServerState, ids: list[int], param: str, what: str) -> None:
+    """``ids`` (``what`` they are, for the error) must be non-empty and in the model's vocabulary."""
+    vocab = state.engine.vocab_size
+    if not ids or not all(0 <= t < vocab for t in ids):
+        raise APIError(400, f'{what} must be a non-empty list of token ids in [0, {vocab})', param)
 
 
 def check_prompt_ids(state: ServerState, input_ids: list[int], param: str = 'prompt') -> None:
@@ -98,11 +105,13 @@ async def encode(state: ServerState, prompt: object, do_preprocess: bool, param:
     return ids
 
 
-async def process(state: ServerState, messages: object, param: str) -> ProcessedPrompt:
-    """Token ids and images of chat messages, made on the executor (chat template, tokenizer, image fetch
-    and preprocessing); bad input (bad images included) is a 400 about ``param``."""
+async def process(state: ServerState, messages: object, param: str, tools: list[dict] | None = None,
+                  template_kwargs: dict | None = None) -> ProcessedPrompt:
+    """Token ids and images of chat messages, made on the executor (chat template with ``tools`` and
+    ``template_kwargs``, tokenizer, image fetch and preprocessing); bad input (bad images included) is a
+    400 about ``param``."""
     try:
-        prompt = await run_blocking(state, state.engine.processor.process, messages, True)
+        prompt = await run_blocking(state, state.engine.processor.process, messages, True, tools, template_kwargs)
     except ValueError as exc:
         raise APIError(400, str(exc), param, ErrorCode.INVALID_ARGUMENT.value[0]) from exc
     check_prompt_ids(state, prompt.input_ids, param)
@@ -116,17 +125,17 @@ def gen_config(state: ServerState, req: SamplingFields, num_prompt_tokens: int, 
         raise APIError(400, 'stream_options is only allowed when stream is true', 'stream_options')
     max_tokens = req.max_completion_tokens or req.max_tokens or default_max_tokens
     max_tokens = max_tokens or max(1, min(state.engine.session_len - num_prompt_tokens, MAX_NEW_TOKENS_LIMIT))
-    vocab = state.engine.engine.model_config.vocab_size
     bias = None
     if req.logit_bias:
         try:
             bias = {int(k): float(v) for k, v in req.logit_bias.items()}
         except ValueError as exc:
             raise APIError(400, 'logit_bias keys must be token ids', 'logit_bias') from exc
-        if not all(0 <= k < vocab and -100 <= v <= 100 for k, v in bias.items()):
-            raise APIError(400, f'logit_bias maps token ids in [0, {vocab}) to values in [-100, 100]', 'logit_bias')
-    if req.stop_token_ids and max(req.stop_token_ids) >= vocab:
-        raise APIError(400, f'stop_token_ids must be in [0, {vocab})', 'stop_token_ids')
+        check_token_ids(state, list(bias), 'logit_bias', 'the keys of logit_bias')
+        if not all(-100 <= v <= 100 for v in bias.values()):
+            raise APIError(400, 'logit_bias values must be in [-100, 100]', 'logit_bias')
+    if req.stop_token_ids:
+        check_token_ids(state, req.stop_token_ids, 'stop_token_ids', 'stop_token_ids')
     if req.min_tokens > max_tokens:
         raise APIError(400, f'min_tokens ({req.min_tokens}) exceeds max_tokens ({max_tokens})', 'min_tokens')
     try:
@@ -151,62 +160,89 @@ def choice_config(config: GenerationConfig, choice: int) -> GenerationConfig:
 class ChoiceRun:
     """Runs the jobs of one client request concurrently, holding one admission slot until all end.
 
-    Iterating yields every chunk (``Response.index`` is the job's index) until all jobs finished;
-    ``last`` keeps each job's latest chunk (its counts are totals), ``error_code`` says why a job failed;
-    :meth:`close` aborts what still runs and waits until the engine let go of it (idempotent).
+    Iterating yields every chunk (``Response.index`` is the job's index) until each job gave its one final
+    chunk (one with a finish_reason), which it always does, also when its task is cancelled before it ran;
+    :meth:`batches` yields the chunks ready at once together. ``last`` keeps each job's latest chunk (its
+    counts are totals), ``error_code`` says why a job failed; :meth:`close` aborts what still runs and waits
+    until the engine let go of it (idempotent).
     """
 
     def __init__(self, state: ServerState, jobs: list[Job]):
         self.state = state
         self.queue: asyncio.Queue[Response] = asyncio.Queue()
         self.num_jobs = len(jobs)
-        self.tasks = [asyncio.create_task(self._produce(job)) for job in jobs]
-        self._pending = len(jobs)
         self.error_codes: dict[int, ErrorCode] = {}
         self.last: dict[int, Response] = {}
+        self._final: dict[int, Response] = {}
+        self._first_token: dict[int, float] = {}
+        self._pending = len(jobs)
+        self._start = time.perf_counter()
+        self.tasks = []
+        for job in jobs:
+            task = asyncio.create_task(self._produce(job))
+            task.add_done_callback(functools.partial(self._job_done, job))
+            self.tasks.append(task)
 
     async def _produce(self, job: Job) -> None:
-        """Streams one job's chunks into the queue; whatever happens, its last chunk has a finish_reason."""
-        start, first, last = time.perf_counter(), None, None
+        """Streams one job's chunks into the queue and ends it with a final chunk whatever happens."""
+        last = None
         try:
             async for chunk in self.state.engine.generate(session_id=job.session_id, gen_config=job.gen_config,
                                                           input_ids=job.input_ids, multimodal=job.multimodal):
-                if first is None and chunk.token_ids:
-                    first = time.perf_counter()
+                if chunk.token_ids:
+                    self._first_token.setdefault(job.index, time.perf_counter())
                 chunk.index, last = job.index, chunk
-                self.queue.put_nowait(chunk)
+                self._put(chunk)
         except SafeRunException as exc:
-            last = self._end(job, last, 'error', exc.message, exc.code)
+            self._end(job, last, 'error', exc.message, exc.code)
         except Exception as exc:
             logger.exception('request choice %d failed', job.index)
-            last = self._end(job, last, 'error', f'{type(exc).__name__}: {exc}', ErrorCode.ENGINE_ERROR)
+            self._end(job, last, 'error', f'{type(exc).__name__}: {exc}', ErrorCode.ENGINE_ERROR)
         finally:
-            if last is not None and last.finish_reason is None:  # cancelled (or killed) while it streamed
-                last = self._end(job, last, 'abort', 'the request was stopped before it finished', ErrorCode.ABORTED)
-            elif last is None:  # cancelled before its first chunk: the consumer still gets an end
-                self._end(job, None, 'abort', 'the request was stopped before it started', ErrorCode.ABORTED)
-            if last is not None:
-                self.state.metrics.observe(last.finish_reason, last.input_token_len, last.generate_token_len, start,
-                                           first, time.perf_counter())
-            self._pending -= 1
-            if self._pending == 0:
-                self.state.admission.release()
+            self._end(job, last, 'abort', 'the request was stopped before it finished', ErrorCode.ABORTED)
+
+    def _job_done(self, job: Job, _: asyncio.Task) -> None:
+        """Runs when a job's task ends, also one cancelled before it started (its body never ran): the job
+        gets its final chunk, the run its admission slots back once all jobs are done."""
+        final = self._end(job, None, 'abort', 'the request was stopped before it started', ErrorCode.ABORTED)
+        self._pending -= 1
+        if self._pending == 0:
+            self.state.admission.release()
+        self.state.metrics.observe(final.finish_reason, final.input_token_len, final.generate_token_len, self._start,
+                                   self._first_token.get(job.index), time.perf_counter())
+
+    def _put(self, chunk: Response) -> None:
+        if chunk.finish_reason is not None:
+            self._final[chunk.index] = chunk
+        self.queue.put_nowait(chunk)
 
     def _end(self, job: Job, last: Response | None, reason: str, message: str, code: ErrorCode) -> Response:
-        """Puts the final chunk of a job whose producer stopped without one (its counts stay those of ``last``)."""
+        """Puts the final chunk of a job that has none yet (its counts stay those of ``last``); returns the
+        job's final chunk."""
+        if job.index in self._final:
+            return self._final[job.index]
         self.error_codes[job.index] = code
         chunk = Response('', last.generate_token_len if last else 0, len(job.input_ids), reason, index=job.index,
                          cached_tokens=last.cached_tokens if last else 0, error=message)
-        self.queue.put_nowait(chunk)
+        self._put(chunk)
         return chunk
 
-    async def __aiter__(self) -> AsyncIterator[Response]:
+    async def batches(self) -> AsyncIterator[list[Response]]:
+        """The chunks in arrival order, those ready at once in one list, until every job ended."""
         finished = 0
         while finished < self.num_jobs:
-            chunk = await self.queue.get()
-            finished += chunk.finish_reason is not None
-            self.last[chunk.index] = chunk
-            yield chunk
+            batch = [await self.queue.get()]
+            while not self.queue.empty():
+                batch.append(self.queue.get_nowait())
+            for chunk in batch:
+                finished += chunk.finish_reason is not None
+                self.last[chunk.index] = chunk
+            yield batch
+
+    async def __aiter__(self) -> AsyncIterator[Response]:
+        async for batch in self.batches():
+            for chunk in batch:
+                yield chunk
 
     def error_code(self, index: int) -> ErrorCode:
         return self.error_codes.get(index, ErrorCode.ENGINE_ERROR)
@@ -236,63 +272,11 @@ def start_run(state: ServerState, ticket: Ticket, jobs: list[Job]) -> ChoiceRun:
     return ChoiceRun(dataclasses.replace(state, admission=ticket), jobs)
 
 
-async def _wait_disconnect(request: Request, interval: float = 0.1) -> None:
-    while not await request.is_disconnected():
-        await asyncio.sleep(interval)
-
-
-async def collect_or_abort(request: Request, run: ChoiceRun) -> list[Response] | None:
-    """Collects a non-streaming run; returns None (after aborting it) if the client goes away first."""
-    collect = asyncio.create_task(run.collect())
-    watch = asyncio.create_task(_wait_disconnect(request))
-    try:
-        await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if collect.done():
-            return collect.result()
-        return None
-    finally:
-        watch.cancel()
-        collect.cancel()
-        await run.close()
-
-
 def raise_for_error(run: ChoiceRun, responses: Iterable[Response]) -> None:
     """Turns the first failed choice into an :class:`APIError`."""
     for r in responses:
         if r.finish_reason == 'error':
             raise from_safe_run(SafeRunException(run.error_code(r.index), r.error or 'the engine failed'))
-
-
-def sse(data: BaseModel | dict) -> str:
-    body = data.model_dump_json(exclude_unset=False) if isinstance(data, BaseModel) else json.dumps(data)
-    return f'data: {body}\n\n'
-
-
-def sse_chunk(head: dict, choice: dict) -> str:
-    """The event of one streamed chunk: ``head`` (id, object, created, model) with ``choice`` and no usage,
-    serialised as its pydantic model would be, without building one (this runs for every token)."""
-    body = json.dumps({**head, 'choices': [choice], 'usage': None}, ensure_ascii=False, separators=(',', ':'))
-    return f'data: {body}\n\n'
-
-
-async def sse_stream(run: ChoiceRun, render: Callable[[Response], Iterable[str]],
-                     tail: Callable[[], Iterable[str]]) -> AsyncIterator[str]:
-    """Server-sent events of a run: ``render`` each chunk, then ``tail``, then ``[DONE]``; an engine error
-    becomes an error event. Leaving early (client gone) aborts the run."""
-    try:
-        async for chunk in run:
-            if chunk.finish_reason == 'error':
-                code = run.error_code(chunk.index)
-                yield sse(error_body(code.http_status, chunk.error or 'the engine failed', code=code.value[0]))
-                continue
-            for event in render(chunk):
-                yield event
-        for event in tail():
-            yield event
-        yield 'data: [DONE]\n\n'
-    finally:
-        with anyio.CancelScope(shield=True):
-            await run.close()
 
 
 def usage(responses: Iterable[Response], n: int) -> UsageInfo:

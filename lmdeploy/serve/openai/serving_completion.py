@@ -1,22 +1,22 @@
 """``POST /v1/completions``: raw-text (or token-id) prompts, no chat template."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterable
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
 
 from lmdeploy.messages import Response
-from lmdeploy.serve.exceptions import SafeRunException
-from lmdeploy.serve.openai.errors import APIError, from_safe_run
+from lmdeploy.serve.openai.errors import APIError
 from lmdeploy.serve.openai.limits import check_fanout, check_prompt_chars, check_stop
-from lmdeploy.serve.openai.logprobs import completion_logprobs, join_logprobs, prompt_logprobs
+from lmdeploy.serve.openai.logprobs import completion_logprobs, join_logprobs
 from lmdeploy.serve.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse, random_id
-from lmdeploy.serve.openai.serving_common import (ChoiceRun, Job, ServerState, admit, check_model,
-                                                  check_prompt_ids, check_session, choice_config, collect_or_abort,
-                                                  encode, gen_config, raise_for_error, run_blocking, sse, sse_chunk,
-                                                  sse_stream, start_run, usage)
+from lmdeploy.serve.openai.serving_common import (ChoiceRun, Job, ServerState, admit, check_model, check_prompt_ids,
+                                                  check_session, check_token_ids, choice_config, encode, gen_config,
+                                                  raise_for_error, run_blocking, start_run, usage)
+from lmdeploy.serve.openai.streaming import collect_or_abort, sse, sse_chunk, sse_stream
+from lmdeploy.serve.openai.structured import compile_format, requested_format, with_format
 
 
 def _split_prompts(state: ServerState, prompt: object) -> list[str | list[int]]:
@@ -28,12 +28,10 @@ def _split_prompts(state: ServerState, prompt: object) -> list[str | list[int]]:
         raise APIError(400, 'prompt must not be empty', 'prompt')
     if all(isinstance(p, int) for p in prompt):
         prompt = [prompt]
-    vocab = state.engine.engine.model_config.vocab_size
     for p in prompt:
         if isinstance(p, str):
             continue
-        if not p or not all(0 <= t < vocab for t in p):
-            raise APIError(400, f'token-id prompts must be non-empty lists of ids in [0, {vocab})', 'prompt')
+        check_token_ids(state, p, 'prompt', 'a token-id prompt')
         check_prompt_ids(state, p)
     return prompt
 
@@ -41,6 +39,7 @@ def _split_prompts(state: ServerState, prompt: object) -> list[str | list[int]]:
 def _check(state: ServerState, req: CompletionRequest) -> list[str | list[int]]:
     """The cheap checks, before admission; returns the prompts."""
     check_model(state, req.model)
+    requested_format(req)
     if req.suffix:
         raise APIError(400, 'suffix is not supported by this server', 'suffix', 'unsupported_value')
     check_stop(state.limits, req.stop, req.stop_token_ids)
@@ -58,9 +57,13 @@ async def _jobs(state: ServerState, req: CompletionRequest,
     """The engine jobs (``n`` per prompt) of an admitted request, each prompt's token ids and, with
     ``echo``, its text; tokenizing runs here, on the executor."""
     prompts = [await encode(state, p, False, 'prompt') if isinstance(p, str) else p for p in raw_prompts]
+    fmt, param = requested_format(req)
     jobs = []
     for p, ids in enumerate(prompts):
-        config = gen_config(state, req, len(ids), req.logprobs, req.max_tokens)
+        config = with_format(gen_config(state, req, len(ids), req.logprobs, req.max_tokens), fmt, None, param)
+        if req.echo and req.logprobs is not None:  # the prompt's logprobs come from the request's own prefill
+            config = dataclasses.replace(config, prompt_logprobs=req.logprobs)
+        await compile_format(state.engine, config, param)
         jobs += [Job(p * req.n + i, ids, choice_config(config, i), req.session_id) for i in range(req.n)]
     tokenizer = state.engine.tokenizer
     echoes = [await run_blocking(state, tokenizer.decode, ids, req.skip_special_tokens) if req.echo else ''
@@ -68,20 +71,12 @@ async def _jobs(state: ServerState, req: CompletionRequest,
     return jobs, prompts, echoes
 
 
-async def _echo_logprobs(state: ServerState, req: CompletionRequest, prompts: list[list[int]]) -> list[dict | None]:
-    """With ``echo`` and ``logprobs``, the completions-schema logprobs of each prompt's tokens (from the
-    logits of a prefill of the prompt); else None for each."""
-    if not req.echo or req.logprobs is None:
-        return [None] * len(prompts)
-    out = []
-    for ids in prompts:
-        try:
-            logprobs = await state.engine.get_logits(ids, lambda logits: prompt_logprobs(logits, ids, req.logprobs))
-        except SafeRunException as exc:
-            raise from_safe_run(exc) from exc
-        out.append(completion_logprobs(state.engine.tokenizer, ids, logprobs, req.logprobs, 0,
-                                       req.skip_special_tokens))
-    return out
+def _echo_logprobs(state: ServerState, req: CompletionRequest, prompt_ids: list[int], r: Response) -> dict | None:
+    """With ``echo`` and ``logprobs``, the completions-schema logprobs of the prompt's tokens."""
+    if r.prompt_logprobs is None:
+        return None
+    return completion_logprobs(state.engine.tokenizer, prompt_ids, r.prompt_logprobs, req.logprobs or 0, 0,
+                               req.skip_special_tokens)
 
 
 async def create_completion(state: ServerState, req: CompletionRequest, raw: Request):
@@ -90,15 +85,13 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     ticket = await admit(state, req.n * len(raw_prompts))
     try:
         jobs, prompts, echoes = await _jobs(state, req, raw_prompts)
-        echo_logprobs = await _echo_logprobs(state, req, prompts)
         run = start_run(state, ticket, jobs)
     except BaseException:
         ticket.release()
         raise
     request_id = random_id('cmpl')
     if req.stream:
-        return StreamingResponse(_stream(state, req, run, request_id, echoes, echo_logprobs),
-                                 media_type='text/event-stream')
+        return _stream(state, req, run, request_id, prompts, echoes)
     responses = await collect_or_abort(raw, run)
     if responses is None:
         return None
@@ -109,12 +102,13 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
         echo = echoes[r.index // req.n]
         logprobs = completion_logprobs(tokenizer, r.token_ids, r.logprobs, top, len(echo))
         choices.append(CompletionChoice(index=r.index, text=echo + r.text, finish_reason=r.finish_reason,
-                                        logprobs=join_logprobs(echo_logprobs[r.index // req.n], logprobs)))
+                                        logprobs=join_logprobs(_echo_logprobs(state, req, prompts[r.index // req.n],
+                                                                              r), logprobs)))
     return CompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=usage(responses, req.n))
 
 
-def _stream(state: ServerState, req: CompletionRequest, run: ChoiceRun, request_id: str, echoes: list[str],
-            echo_logprobs: list[dict | None]):
+def _stream(state: ServerState, req: CompletionRequest, run: ChoiceRun, request_id: str,
+            prompts: list[list[int]], echoes: list[str]):
     top, tokenizer = req.logprobs or 0, state.engine.tokenizer
     offsets: dict[int, int] = {}
     head = {'id': request_id, 'object': 'text_completion', 'created': int(time.time()), 'model': state.model_name}
@@ -122,7 +116,7 @@ def _stream(state: ServerState, req: CompletionRequest, run: ChoiceRun, request_
     def render(r: Response) -> Iterable[str]:
         text, prefix = '', None
         if r.index not in offsets:
-            text, prefix = echoes[r.index // req.n], echo_logprobs[r.index // req.n]
+            text, prefix = echoes[r.index // req.n], _echo_logprobs(state, req, prompts[r.index // req.n], r)
             offsets[r.index] = len(text)
         logprobs = completion_logprobs(tokenizer, r.token_ids, r.logprobs, top, offsets[r.index])
         offsets[r.index] += sum(len(t) for t in logprobs['tokens']) if logprobs else 0

@@ -4,15 +4,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
 
 from lmdeploy.messages import Response
 from lmdeploy.serve.openai.errors import APIError
 from lmdeploy.serve.openai.limits import check_fanout, check_messages, check_prompt_chars, check_stop
 from lmdeploy.serve.openai.protocol import AbortRequest, EncodeRequest, GenerateRequest
-from lmdeploy.serve.openai.serving_common import (Job, ServerState, admit, check_model, check_prompt_ids,
-                                                  check_session, collect_or_abort, encode, gen_config,
-                                                  raise_for_error, run_blocking, sse, sse_stream, start_run)
+from lmdeploy.serve.openai.serving_common import (Job, ServerState, admit, check_model, check_prompt_ids, check_session,
+                                                  check_token_ids, encode, gen_config, raise_for_error, run_blocking,
+                                                  start_run)
+from lmdeploy.serve.openai.streaming import collect_or_abort, sse, sse_stream
 
 
 def _body(r: Response, session_id: int | None) -> dict:
@@ -32,9 +32,7 @@ async def generate(state: ServerState, req: GenerateRequest, raw: Request):
     check_session(state, req.session_id, 1)
     check_stop(state.limits, req.stop, req.stop_token_ids)
     if req.input_ids is not None:
-        vocab = state.engine.engine.model_config.vocab_size
-        if not req.input_ids or not all(0 <= t < vocab for t in req.input_ids):
-            raise APIError(400, f'input_ids must be a non-empty list of ids in [0, {vocab})', 'input_ids')
+        check_token_ids(state, req.input_ids, 'input_ids', 'input_ids')
         check_prompt_ids(state, req.input_ids, 'input_ids')
     elif isinstance(req.prompt, str):
         check_prompt_chars(state.limits, len(req.prompt))
@@ -54,7 +52,7 @@ async def generate(state: ServerState, req: GenerateRequest, raw: Request):
         def render(r: Response) -> Iterable[str]:
             yield sse(_body(r, req.session_id))
 
-        return StreamingResponse(sse_stream(run, render, list), media_type='text/event-stream')
+        return sse_stream(run, render, list)
     responses = await collect_or_abort(raw, run)
     if responses is None:
         return None

@@ -50,16 +50,17 @@ def bf16_gemm() -> ModuleType | None:
 def bind_worker_threads() -> None:
     """Pins the calling thread's OpenMP worker threads to one CPU each, as vLLM's CPU backend pins its
     threads; the caller itself stays free, so threads it starts later are not pinned. Once per calling
-    thread and thread count; ``LMDEPLOY_CPU_BIND=0`` turns it off. Unpinned, a worker that the OS
-    moves or shares a CPU with the main thread stalls every barrier: offline throughput measured
-    5-7% lower and more variable on the 2-core machine."""
-    threads = torch.get_num_threads()
-    if (getattr(_this_thread, 'bound_threads', None) == threads or os.environ.get('LMDEPLOY_CPU_BIND', '1') == '0'
-            or not hasattr(os, 'sched_getaffinity')):
+    thread, thread count and set of allowed CPUs; ``LMDEPLOY_CPU_BIND=0`` turns it off. Unpinned, a
+    worker that the OS moves or shares a CPU with the main thread stalls every barrier: offline
+    throughput measured 5-7% lower and more variable on the 2-core machine."""
+    if os.environ.get('LMDEPLOY_CPU_BIND', '1') == '0' or not hasattr(os, 'sched_getaffinity'):
         return
-    _this_thread.bound_threads = threads
-    module = native()
+    threads = torch.get_num_threads()
     cpus = sorted(os.sched_getaffinity(0))
+    if getattr(_this_thread, 'bound', None) == (threads, cpus):
+        return
+    _this_thread.bound = (threads, cpus)
+    module = native()
     if module is not None and threads <= len(cpus):
         module.bind_worker_threads(cpus)
 

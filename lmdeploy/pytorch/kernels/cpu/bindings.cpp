@@ -8,6 +8,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("residual") = pybind11::none());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   m.def("argmax", &argmax, "the first index of each row's largest value");
+  m.def("apply_token_bitmask", &apply_token_bitmask, "-inf where a grammar's token bitmask has a 0 bit");
   m.def("apply_rotary", &apply_rotary, "rotary embedding, rotate-half layout");
   m.def("bind_worker_threads", &bind_worker_threads, "pin the calling thread's OpenMP workers to CPUs");
   m.def("fill_kv_cache", &fill_kv_cache, "write K/V rows into the paged caches");

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -100,6 +101,7 @@ std::tuple<torch::Tensor, torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor
                                                   c10::optional<torch::Tensor> residual);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 torch::Tensor argmax(torch::Tensor x);
+void apply_token_bitmask(torch::Tensor x, torch::Tensor bitmask, std::vector<int64_t> rows);
 torch::Tensor apply_rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 void fill_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                    torch::Tensor blocks, torch::Tensor offsets);

@@ -185,3 +185,37 @@ torch::Tensor argmax(torch::Tensor x) {
   });
   return out;
 }
+
+// Sets to -inf, in place, the logits of x [B, V] (contiguous) whose bit is 0 in their row of the int32
+// bitmask [>= B, ceil(V / 32)] (xgrammar's layout: bit j of word w is token 32 * w + j), in the rows
+// listed in `rows`. Grammar masks are mostly whole words of 0s or 1s: those take one fill or nothing.
+void apply_token_bitmask(torch::Tensor x, torch::Tensor bitmask, std::vector<int64_t> rows) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && bitmask.dim() == 2 && bitmask.scalar_type() == at::kInt &&
+                  bitmask.is_contiguous() && bitmask.size(1) * 32 >= x.size(1),
+              "apply_token_bitmask: needs contiguous x [B, V] and an int32 bitmask [B, ceil(V / 32)]");
+  const int64_t size = x.size(1), words = bitmask.size(1);
+  for (int64_t r : rows)
+    TORCH_CHECK(r >= 0 && r < x.size(0) && r < bitmask.size(0), "apply_token_bitmask: row out of range");
+  const uint32_t* masks = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "apply_token_bitmask", [&] {
+    const scalar_t neg_inf = -std::numeric_limits<scalar_t>::infinity();
+    scalar_t* data = x.data_ptr<scalar_t>();
+    at::parallel_for(0, static_cast<int64_t>(rows.size()), 4, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        scalar_t* row = data + rows[i] * size;
+        const uint32_t* mask = masks + rows[i] * words;
+        for (int64_t w = 0; w * 32 < size; ++w) {
+          const uint32_t bits = mask[w];
+          if (bits == 0xFFFFFFFFu) continue;
+          const int64_t start = w * 32, count = std::min<int64_t>(32, size - start);
+          if (bits == 0) {
+            std::fill(row + start, row + start + count, neg_inf);
+            continue;
+          }
+          for (int64_t j = 0; j < count; ++j)
+            if (!((bits >> j) & 1u)) row[start + j] = neg_inf;
+        }
+      }
+    });
+  });
+}

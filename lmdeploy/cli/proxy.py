@@ -1,0 +1,62 @@
+"""``lmdeploy serve proxy``: one address in front of several api_servers (see docs/scale_out.md), and the
+api_server flags that scale it out (``--dp``, ``--proxy-url``)."""
+from __future__ import annotations
+
+import argparse
+import logging
+
+from lmdeploy.serve.proxy.routing import ROUTING_STRATEGIES
+
+
+def _add_routing_arg(parser: argparse.ArgumentParser, note: str = '') -> None:
+    parser.add_argument('--routing-strategy', default='least_requests', choices=sorted(ROUTING_STRATEGIES),
+                        help='least_requests: the node with the fewest requests in flight; prefix_affinity: '
+                             f'requests of one session or with one long prompt prefix go to one node{note}')
+
+
+def add_proxy_parser(servers) -> None:
+    """Registers ``lmdeploy serve proxy``."""
+    parser = servers.add_parser('proxy', help='proxy in front of several api_servers (see docs/scale_out.md)')
+    parser.add_argument('--server-name', default='127.0.0.1', help='address to listen on')
+    parser.add_argument('--server-port', type=int, default=8000)
+    parser.add_argument('--nodes', nargs='*', default=(),
+                        help='api_server URLs to start with (more join with POST /nodes/add or --proxy-url)')
+    _add_routing_arg(parser)
+    parser.add_argument('--affinity-prefix-chars', type=int, default=512,
+                        help='prefix_affinity: how many leading characters of the prompt pick the node')
+    parser.add_argument('--api-keys', nargs='*', default=None,
+                        help='Bearer keys clients must send (default: none); they go on to the nodes as sent')
+    parser.add_argument('--admin-api-keys', nargs='*', default=None,
+                        help='Bearer keys that may add and remove nodes (with --api-keys and without these, '
+                             'nodes come from --nodes only)')
+    parser.add_argument('--health-interval', type=float, default=5.0, help='seconds between health checks')
+    parser.add_argument('--request-timeout', type=float, default=600.0,
+                        help='seconds to wait on a node: for its answer, its next streamed chunk, a free connection')
+    parser.add_argument('--max-connections-per-node', type=int, default=1024,
+                        help='connections open to one node at most (requests beyond wait for one)')
+    parser.add_argument('--shutdown-timeout', type=float, default=30.0,
+                        help='seconds requests in flight get to finish after SIGTERM')
+    parser.add_argument('--log-level', default='WARNING', choices=['DEBUG', 'INFO', 'WARNING', 'ERROR'])
+    parser.set_defaults(run=run_proxy_server)
+
+
+def add_scale_out_args(parser: argparse.ArgumentParser) -> None:
+    """``api_server``'s ``--dp``, ``--proxy-url`` and ``--proxy-api-key``."""
+    parser.add_argument('--dp', type=int, default=1,
+                        help='engine replicas, each a process on --server-port + 1.. behind a proxy on --server-port '
+                             '(on the CPU each gets its share of the cores; on CUDA one device each)')
+    _add_routing_arg(parser, ' (with --dp)')
+    parser.add_argument('--proxy-url', default=None,
+                        help='a proxy (lmdeploy serve proxy) to register at on startup and leave on shutdown')
+    parser.add_argument('--proxy-api-key', default=None, help='the Bearer key to register at --proxy-url with')
+
+
+def run_proxy_server(args: argparse.Namespace) -> None:
+    from lmdeploy.serve.proxy.app import create_proxy_app, run_proxy
+    logging.basicConfig(level=args.log_level)
+    logging.getLogger('lmdeploy').setLevel(args.log_level)
+    logging.getLogger('httpx').setLevel(logging.WARNING)  # at INFO it logs every health check
+    app = create_proxy_app(args.nodes, args.routing_strategy, args.api_keys, args.admin_api_keys,
+                           args.health_interval, args.request_timeout, args.max_connections_per_node,
+                           args.affinity_prefix_chars)
+    run_proxy(app, args.server_name, args.server_port, args.log_level, args.shutdown_timeout)

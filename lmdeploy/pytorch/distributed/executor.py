@@ -1,0 +1,120 @@
+"""Runs the ranks 1..N-1 of a tensor-parallel engine and watches them; rank 0 is the engine's own
+thread. The engine talks to one :class:`Executor`, whichever backend starts the workers."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from lmdeploy.messages import PytorchEngineConfig
+from lmdeploy.pytorch.distributed.channel import StepChannel
+from lmdeploy.pytorch.distributed.parallel_state import TPGroup, WorkerError
+from lmdeploy.pytorch.distributed.rendezvous import all_ready, connect, connect_timeout, host_store, reported_errors
+
+logger = logging.getLogger('lmdeploy')
+STOP_TIMEOUT = timedelta(seconds=5)
+JOIN_TIMEOUT = 10.0  # seconds a worker gets to exit after the stop message
+FAILED_JOIN_TIMEOUT = 1.0  # after a failure: a worker still there is likely hung
+
+
+class Executor(ABC):
+    """Starts the workers (:meth:`start`), notices when one fails (:meth:`check`), stops them all
+    (:meth:`shutdown`, also when the engine is dropped without it)."""
+
+    def __init__(self, model_dir: str, config: PytorchEngineConfig):
+        self.model_dir = model_dir
+        self.config = config
+        self.world_size = config.tp
+        self.device = torch.device(config.device)
+        self.store: dist.TCPStore | None = None
+        self.group: TPGroup | None = None
+        self.failure: str | None = None
+        self.local_world_size = self.world_size  # ranks on rank 0's machine, rank 0 included
+        self._closing = False
+        self._lock = threading.Lock()
+
+    @abstractmethod
+    def _launch(self, store_host: str, store_port: int) -> None:
+        """Starts ranks 1..N-1, each to connect to the store at ``store_host:store_port``."""
+
+    @abstractmethod
+    def _rank0_host(self) -> str:
+        """The address of rank 0's machine that the workers reach."""
+
+    @abstractmethod
+    def _stop_workers(self, timeout: float) -> None:
+        """Waits up to ``timeout`` seconds for the workers to exit, then ends those still there."""
+
+    def _fail(self, reason: str) -> None:
+        """Called by the watchdog when a worker ended without being told to."""
+        with self._lock:
+            if self._closing or self.failure is not None:
+                return
+            errors = reported_errors(self.store, self.world_size) if self.store is not None else {}
+            details = ''.join(f'; rank {rank}: {text}' for rank, text in sorted(errors.items()))
+            self.failure = f'{reason}{details}'
+        logger.error('tensor-parallel engine failed: %s', self.failure)
+
+    def start(self) -> TPGroup:
+        """Launches the workers and connects rank 0 to them; raises :class:`WorkerError` when a worker
+        fails before it connects."""
+        host = self._rank0_host()
+        self.store = host_store(host, self.world_size)
+        self._launch(host, self.store.port)
+        deadline = time.monotonic() + connect_timeout().total_seconds()
+        while not all_ready(self.store, range(1, self.world_size)):
+            self.check()
+            if time.monotonic() > deadline:
+                raise WorkerError(f'tensor-parallel workers did not connect within {connect_timeout()}')
+            time.sleep(0.05)
+        self.group = connect(self.store, 0, self.world_size, host, self.device)
+        return self.group
+
+    def check(self) -> None:
+        """Raises :class:`WorkerError` once a worker has failed."""
+        if self.failure is not None:
+            raise WorkerError(f'tensor-parallel {self.failure}; the engine cannot go on')
+
+    def explain(self, exc: BaseException) -> WorkerError:
+        """The error to raise for a collective that failed: why the group broke, where the workers said."""
+        deadline = time.monotonic() + 2.0  # a dying worker's watchdog report may be on its way
+        while self.failure is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self._fail(str(exc))
+        if self.failure in str(exc):
+            return WorkerError(str(exc))
+        return WorkerError(f'tensor-parallel {self.failure}; the engine cannot go on ({exc})')
+
+    def shutdown(self) -> None:
+        """Tells the workers to stop, waits a little for them, then ends those still running; idempotent."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+        if self.group is not None:
+            if self.failure is None:
+                with contextlib.suppress(Exception):
+                    self.group.timeout = STOP_TIMEOUT
+                    StepChannel(self.group).stop()
+            else:  # a worker may wait for a message that never comes: breaking its connection ends it
+                self.group.shutdown()
+        self._stop_workers(JOIN_TIMEOUT if self.failure is None else FAILED_JOIN_TIMEOUT)
+        if self.group is not None:
+            self.group.shutdown()
+        self.store = None
+
+
+def create_executor(model_dir: str, config: PytorchEngineConfig) -> Executor:
+    """The executor of ``config.distributed_executor_backend``: ``mp`` (processes on this machine) or
+    ``ray`` (Ray actors, on one machine or several)."""
+    if config.distributed_executor_backend == 'ray':
+        from lmdeploy.pytorch.distributed.ray_executor import RayExecutor
+        return RayExecutor(model_dir, config)
+    from lmdeploy.pytorch.distributed.mp_executor import MPExecutor
+    return MPExecutor(model_dir, config)

@@ -1,0 +1,148 @@
+"""Grammar-constrained decoding with xgrammar.
+
+A request's ``response_format`` compiles once into a :class:`Grammar` (xgrammar caches compiled grammars
+by their source); each sequence keeps its own :class:`GrammarState`, whose matcher masks the sequence's
+logits before sampling and advances with every token it samples.
+"""
+from __future__ import annotations
+
+import json
+import re
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import xgrammar as xgr
+from torch import Tensor
+
+from lmdeploy.messages import GenerationConfig
+from lmdeploy.pytorch.kernels import cpu
+from lmdeploy.tokenizer import Tokenizer
+
+_LOG_PREFIX = re.compile(r'^\[[\d:]+\] \S+:\d+: ')  # xgrammar's "[time] file.cc:line: " before its message
+
+# JSON grammars allow this much whitespace in a row: enough for indented JSON, too little for a model to
+# spend its whole budget on blank space.
+_MAX_WHITESPACE = 16
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A compiled response format; ``after_ids`` are the tokens after which it starts to apply."""
+
+    compiled: xgr.CompiledGrammar
+    after_ids: tuple[int, ...] = ()
+
+
+class GrammarCompiler:
+    """Compiles ``GenerationConfig.response_format`` for one tokenizer; safe to call from any thread.
+
+    The vocabulary is read on first use, so an engine that never sees a grammar never pays for it.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._compiler: xgr.GrammarCompiler | None = None
+        self._lock = threading.Lock()
+
+    def _get(self) -> xgr.GrammarCompiler:
+        with self._lock:
+            if self._compiler is None:
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer.hf, vocab_size=self.vocab_size,
+                                                          stop_token_ids=sorted(self.tokenizer.eos_token_ids))
+                self._compiler = xgr.GrammarCompiler(info)
+            return self._compiler
+
+    def compile(self, gen_config: GenerationConfig) -> Grammar | None:
+        """The grammar of ``gen_config.response_format`` (None without one); a format xgrammar cannot
+        compile raises ``ValueError`` with its reason."""
+        fmt = gen_config.response_format
+        if fmt is None:
+            return None
+        try:
+            compiled = self._compile(self._get(), fmt)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            reason = _LOG_PREFIX.sub('', str(exc).strip())
+            raise ValueError(f"response_format {fmt['type']!r} could not be compiled: {reason}") from None
+        after = gen_config.response_format_after
+        return Grammar(compiled, tuple(self.tokenizer.encode(after, add_special_tokens=False)) if after else ())
+
+    @staticmethod
+    def _compile(compiler: xgr.GrammarCompiler, fmt: dict[str, Any]) -> xgr.CompiledGrammar:
+        kind = fmt['type']
+        if kind in ('json_object', 'json_schema'):
+            schema = fmt['json_schema']['schema'] if kind == 'json_schema' else {'type': 'object'}
+            return compiler.compile_json_schema(json.dumps(_lengths_as_patterns(schema)), any_whitespace=True,
+                                                max_whitespace_cnt=_MAX_WHITESPACE)
+        if kind == 'regex':
+            return compiler.compile_regex(fmt['regex'])
+        if kind == 'choice':
+            return compiler.compile_grammar('root ::= ' + ' | '.join(json.dumps(c) for c in fmt['choice']))
+        return compiler.compile_grammar(fmt['grammar'])
+
+
+def _lengths_as_patterns(schema: Any) -> Any:
+    """The schema with each length-bounded plain string given as a pattern instead: xgrammar (0.2) lets
+    control characters, which JSON forbids unescaped, into strings with ``minLength``/``maxLength``, and
+    counts a UTF-8-encoded surrogate (invalid UTF-8, three characters once decoded) as one character."""
+    if isinstance(schema, list):
+        return [_lengths_as_patterns(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    schema = {k: _lengths_as_patterns(v) for k, v in schema.items()}
+    bounded = 'minLength' in schema or 'maxLength' in schema
+    if schema.get('type') == 'string' and bounded and not schema.keys() & {'pattern', 'format', 'enum', 'const'}:
+        low, high = schema.pop('minLength', 0), schema.pop('maxLength', '')
+        schema['pattern'] = f'^[^\\x00-\\x1f"\\\\\\ud800-\\udfff]{{{low},{high}}}$'
+    return schema
+
+
+class GrammarState:
+    """Where one sequence stands in its grammar."""
+
+    def __init__(self, grammar: Grammar):
+        self.matcher = xgr.GrammarMatcher(grammar.compiled)
+        self.after_ids = list(grammar.after_ids)
+        self.active = not self.after_ids
+
+    def accept(self, token_id: int, output_ids: list[int]) -> bool:
+        """Advances past ``token_id`` (sampled after ``output_ids``); True once the grammar is complete or
+        the token breaks it (it cannot when the logits were masked), so generation must stop."""
+        if not self.active:
+            n = len(self.after_ids)
+            self.active = (output_ids[-(n - 1):] if n > 1 else []) + [token_id] == self.after_ids
+            return False
+        return not self.matcher.accept_token(token_id) or self.matcher.is_terminated()
+
+
+_per_thread = threading.local()  # each engine thread its own batch matcher (it holds a thread pool) and bitmask
+
+
+def apply_grammars(x: Tensor, states: list[GrammarState | None]) -> None:
+    """Masks, in place, the logits ``x [B, V]`` of the rows whose grammar is active to the tokens their
+    grammar allows next."""
+    rows = [i for i, s in enumerate(states) if s is not None and s.active]
+    if not rows:
+        return
+    if not hasattr(_per_thread, 'batch_matcher'):
+        # On the CPU the engine's own threads hold every core: more threads would only take turns with them.
+        _per_thread.batch_matcher = xgr.BatchGrammarMatcher(max_threads=1 if x.device.type == 'cpu' else 'auto')
+        _per_thread.bitmask = xgr.allocate_token_bitmask(1, x.shape[1])
+    shape = (len(states), xgr.get_bitmask_shape(1, x.shape[1])[1])
+    if _per_thread.bitmask.shape[0] < shape[0] or _per_thread.bitmask.shape[1] != shape[1]:
+        _per_thread.bitmask = torch.empty((max(shape[0], _per_thread.bitmask.shape[0]), shape[1]),
+                                          dtype=xgr.bitmask_dtype)
+    bitmask = _per_thread.bitmask[:shape[0]]  # the rows not filled here are not applied either
+    _per_thread.batch_matcher.batch_fill_next_token_bitmask([states[i].matcher for i in rows], bitmask, rows)
+    native = cpu.native() if x.device.type == 'cpu' else None
+    if native is not None:  # xgrammar's CPU version is several times slower on bf16 logits
+        native.apply_token_bitmask(x, bitmask, rows)
+    else:
+        xgr.apply_token_bitmask_inplace(x, bitmask.to(x.device, non_blocking=True), indices=rows)
+
+
+def needs_grammar(states: list[GrammarState | None]) -> bool:
+    return any(s is not None and s.active for s in states)
+

@@ -1,0 +1,92 @@
+"""Token embedding and LM head, vocab-parallel under tensor parallelism.
+
+Each rank holds a contiguous share of the vocabulary's rows (the last share zero-padded when the
+vocabulary does not split evenly). The embedding looks up the tokens its rows hold and the ranks'
+results are summed; the LM head's logits of each share are gathered on rank 0, the rank that samples.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmdeploy.pytorch.distributed.parallel_state import Shard, TPGroup, current_group
+from lmdeploy.pytorch.nn.linear import PackedWeight, pack_for_cpu, packed_linear
+
+
+def vocab_rows(vocab_size: int, tp: TPGroup) -> tuple[int, int, int]:
+    """``(start, stop, rows)``: the vocabulary rows ``[start, stop)`` this rank holds, in a table of
+    ``rows`` rows (the same on every rank)."""
+    rows = -(-vocab_size // tp.world_size)
+    start = min(tp.rank * rows, vocab_size)
+    return start, min(start + rows, vocab_size), rows
+
+
+class VocabTable(nn.Module):
+    """``weight [rows, hidden]``: this rank's share of a table with a row per token (none without
+    ``own_weight``)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, own_weight: bool = True):
+        super().__init__()
+        self.tp = current_group()
+        self.vocab_size = vocab_size
+        self.start, self.stop, rows = vocab_rows(vocab_size, self.tp)
+        if own_weight:
+            self.weight = nn.Parameter(torch.empty(rows, hidden_size), requires_grad=False)
+            self.weight[self.stop - self.start:].zero_()
+
+    def checkpoint_part(self, kind: str, part: int | None = None) -> tuple[torch.Tensor, Shard | None]:
+        """The rows of the table this rank holds (see :meth:`Linear.checkpoint_part`)."""
+        if self.tp.world_size == 1:
+            return self.weight, None
+        return self.weight[:self.stop - self.start], Shard(0, self.start, self.stop)
+
+
+class VocabParallelEmbedding(VocabTable):
+    """The token embedding."""
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size == 1:
+            return F.embedding(input_ids, self.weight)
+        outside = (input_ids < self.start) | (input_ids >= self.stop)
+        out = F.embedding((input_ids - self.start).masked_fill_(outside, 0), self.weight)
+        return self.tp.all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0))
+
+
+class LMHead(VocabTable):
+    """Logits ``[T, vocab]`` of hidden states, on rank 0 (None on the other ranks).
+
+    ``tied`` shares the embedding's table instead of holding a weight. On the CPU a bf16 table is
+    also kept packed for its GEMM (:meth:`pack_for_cpu`), and one-row steps may run on an fp16 copy
+    (:meth:`enable_fp16`).
+    """
+
+    def __init__(self, hidden_size: int, vocab_size: int, tied: VocabParallelEmbedding | None = None):
+        super().__init__(vocab_size, hidden_size, own_weight=tied is None)
+        self._tied = [tied] if tied is not None else []  # a list: the embedding is not a submodule here
+        self.fp16: torch.Tensor | None = None
+        self.packed: PackedWeight | None = None
+
+    @property
+    def table_weight(self) -> torch.Tensor:
+        return self._tied[0].weight if self._tied else self.weight
+
+    def pack_for_cpu(self) -> None:
+        self.packed = pack_for_cpu(self.table_weight)
+
+    def enable_fp16(self) -> None:
+        """One-row steps use an fp16 copy (a CPU GEMV streams fp16 twice as fast as bf16 here; bf16 to
+        fp16 is exact for all but tiny values) and give fp32 logits."""
+        self.fp16 = self.table_weight.half()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        if self.fp16 is not None and hidden.shape[0] == 1:
+            logits = F.linear(hidden.half(), self.fp16).float()
+        elif self.packed is not None:
+            logits = packed_linear(hidden, self.packed)
+        else:
+            logits = F.linear(hidden, self.table_weight)
+        logits = self.tp.gather(logits, dim=-1)
+        if logits is None or logits.shape[-1] == self.vocab_size:
+            return logits
+        return logits[:, :self.vocab_size]

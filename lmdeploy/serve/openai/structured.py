@@ -1,0 +1,76 @@
+"""Structured output: a request's ``response_format`` or ``structured_outputs`` as the engine's
+``GenerationConfig.response_format``, checked and compiled before the request starts."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from lmdeploy.messages import GenerationConfig
+from lmdeploy.serve.exceptions import SafeRunException
+from lmdeploy.serve.openai.errors import APIError
+from lmdeploy.serve.openai.protocol import StructuredFields, StructuredOutputs
+
+Format = dict[str, Any]
+
+
+def requested_format(req: StructuredFields) -> tuple[Format | None, str | None]:
+    """The response format a request asks for (None: free text) and the field that asks for it."""
+    fmt, outputs = req.response_format, req.structured_outputs
+    if fmt is not None and fmt.type != 'text' and outputs is not None:
+        raise APIError(400, 'response_format and structured_outputs cannot be combined; send one of them',
+                       'structured_outputs')
+    if outputs is not None:
+        return _structured_outputs(outputs), 'structured_outputs'
+    if fmt is None or fmt.type == 'text':
+        return None, None
+    if fmt.type == 'json_object':
+        return {'type': 'json_object'}, 'response_format'
+    spec = fmt.json_schema
+    if spec is None or spec.schema_ is None:
+        raise APIError(400, "response_format of type 'json_schema' needs json_schema.schema (a JSON schema)",
+                       'response_format.json_schema')
+    return {'type': 'json_schema', 'json_schema': {'name': spec.name, 'schema': spec.schema_,
+                                                   'strict': bool(spec.strict)}}, 'response_format'
+
+
+def _structured_outputs(outputs: StructuredOutputs) -> Format:
+    given = {name: value for name, value in [('json', outputs.json_), ('regex', outputs.regex),
+                                             ('choice', outputs.choice), ('grammar', outputs.grammar),
+                                             ('json_object', outputs.json_object or None)] if value is not None}
+    if len(given) != 1:
+        raise APIError(400, 'structured_outputs needs exactly one of json, regex, choice, grammar, json_object; '
+                       f'got {", ".join(given) or "none"}', 'structured_outputs')
+    (kind, value), = given.items()
+    if kind == 'json':
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise APIError(400, f'structured_outputs.json is not valid JSON: {exc}',
+                               'structured_outputs.json') from exc
+        return {'type': 'json_schema', 'json_schema': {'name': 'structured_outputs', 'schema': value}}
+    if kind == 'json_object':
+        return {'type': 'json_object'}
+    return {'type': kind, kind: value}
+
+
+def with_format(config: GenerationConfig, fmt: Format | None, after: str | None, param: str | None
+                ) -> GenerationConfig:
+    """``config`` constrained to ``fmt`` (applying after the marker ``after``); a malformed one is a 400."""
+    if fmt is None:
+        return config
+    try:
+        return dataclasses.replace(config, response_format=fmt, response_format_after=after)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param) from exc
+
+
+async def compile_format(engine: Any, config: GenerationConfig, param: str | None) -> None:
+    """Compiles ``config``'s grammar (cached by the engine); one that cannot compile is a 400 with the reason."""
+    if config.response_format is None:
+        return
+    try:
+        await engine.compile_grammar(config)
+    except SafeRunException as exc:
+        raise APIError(exc.code.http_status, exc.message, param, exc.code.value[0]) from exc

@@ -1,0 +1,12 @@
+"""Tool-call parsers: turn a model's reply into text and OpenAI tool calls.
+
+A parser registers itself under the names ``--tool-call-parser`` accepts (see
+:func:`register_tool_parser`); importing this package registers the built-in ones.
+"""
+from lmdeploy.serve.openai.tool_parsers import hermes, llama3_json  # noqa: F401  (registration)
+from lmdeploy.serve.openai.tool_parsers.base import (TOOL_PARSERS, ParsedDelta, ToolCallDelta, ToolParser,
+                                                     get_tool_parser, register_tool_parser)
+from lmdeploy.serve.openai.tool_parsers.forced import NamedToolParser, RequiredToolParser
+
+__all__ = ['TOOL_PARSERS', 'NamedToolParser', 'ParsedDelta', 'RequiredToolParser', 'ToolCallDelta', 'ToolParser',
+           'get_tool_parser', 'register_tool_parser']

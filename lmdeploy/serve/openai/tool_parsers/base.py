@@ -1,0 +1,85 @@
+"""What every tool parser is: a stateful splitter of one choice's content into text and tool calls.
+
+A parser is fed the content as it is generated (:meth:`ToolParser.feed`) and flushed at the end
+(:meth:`ToolParser.finish`); each call returns a :class:`ParsedDelta`. Parsers decide only on text
+they have seen in full, so the deltas of any chunking of the same text add up to the same message:
+a non-streaming answer is the one-chunk case.
+"""
+from __future__ import annotations
+
+import uuid
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+from lmdeploy.serve.openai.registry import Registry
+
+
+def tool_call_id() -> str:
+    return f'call_{uuid.uuid4().hex[:24]}'
+
+
+@dataclass
+class ToolCallDelta:
+    """A piece of tool call ``index``: its first piece carries ``id`` and ``name``, later ones more
+    ``arguments`` text."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ''
+
+
+@dataclass
+class ParsedDelta:
+    """New plain text and new tool-call pieces."""
+
+    content: str = ''
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.content or self.tool_calls)
+
+    def extend(self, other: ParsedDelta) -> ParsedDelta:
+        self.content += other.content
+        self.tool_calls += other.tool_calls
+        return self
+
+
+class ToolParser(ABC):
+    """Splits one choice's content into text and tool calls, fed piecewise.
+
+    Subclasses keep the whole content in ``self.text`` and a read position ``self.pos``; :meth:`_advance`
+    consumes what can be decided (with ``final``: everything).
+    """
+
+    def __init__(self) -> None:
+        self.text = ''
+        self.pos = 0
+        self.num_calls = 0
+
+    def feed(self, text: str) -> ParsedDelta:
+        """The delta that ``text``, appended to the content, makes certain."""
+        self.text += text
+        return self._advance(False)
+
+    def finish(self) -> ParsedDelta:
+        """The rest, once the content is complete."""
+        return self._advance(True)
+
+    def parse(self, text: str) -> ParsedDelta:
+        """All of a complete content at once."""
+        return self.feed(text).extend(self.finish())
+
+    def new_call(self, name: str, arguments: str = '') -> ToolCallDelta:
+        """The first piece of the next tool call."""
+        self.num_calls += 1
+        return ToolCallDelta(self.num_calls - 1, tool_call_id(), name, arguments)
+
+    @abstractmethod
+    def _advance(self, final: bool) -> ParsedDelta:
+        """Consumes ``self.text`` from ``self.pos`` as far as it is certain (all of it when ``final``)."""
+
+
+TOOL_PARSERS: Registry[ToolParser] = Registry('tool call parser')
+register_tool_parser = TOOL_PARSERS.register
+get_tool_parser = TOOL_PARSERS.lookup

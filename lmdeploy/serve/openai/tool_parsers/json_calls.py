@@ -1,0 +1,121 @@
+"""Reading tool-call JSON objects, ``{"name": ..., "arguments": {...}}``, from text that grows."""
+from __future__ import annotations
+
+import json
+import re
+
+from lmdeploy.serve.openai.tool_parsers.base import ToolCallDelta, ToolParser
+
+# The head of a call whose name comes first and whose arguments are an object: the name is then known
+# before the arguments are written, and they can stream.
+_HEAD = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
+_SPECIAL = re.compile(r'[{}\[\]"\\<]')
+_ARGUMENT_KEYS = ('arguments', 'parameters')
+
+
+class JsonScanner:
+    """Finds the end of the JSON object or array that starts at ``start`` of a text that grows.
+
+    ``pos`` is how far the text has been read; ``end`` (once known) is the index after the closing
+    bracket. A ``<`` outside a string, which no JSON holds (the start of a closing tag), ends it too.
+    """
+
+    def __init__(self, start: int):
+        self.pos = start
+        self.depth = 0
+        self.in_string = False
+        self.end: int | None = None
+
+    def advance(self, text: str) -> int | None:
+        """Reads the new part of ``text``; returns ``end`` once known."""
+        while self.end is None:
+            m = _SPECIAL.search(text, self.pos)
+            if m is None:
+                self.pos = len(text)
+                break
+            c, self.pos = m.group(), m.end()
+            if self.in_string:
+                if c == '\\':
+                    if self.pos == len(text):  # the escaped character is still to come
+                        self.pos -= 1
+                        break
+                    self.pos += 1
+                elif c == '"':
+                    self.in_string = False
+            elif c == '"':
+                self.in_string = True
+            elif c in '{[':
+                self.depth += 1
+            elif c in '}]':
+                self.depth -= 1
+                if self.depth == 0:
+                    self.end = self.pos
+            elif c == '<':
+                self.end = self.pos = m.start()
+        return self.end
+
+
+def _string(literal: str) -> str | None:
+    try:
+        return json.loads(literal)
+    except ValueError:
+        return None
+
+
+def call_of(text: str) -> tuple[str, str] | None:
+    """``(name, arguments JSON)`` of a complete call object in any key order, or None if it is not one."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get('name'), str):
+        return None
+    args = next((obj[k] for k in _ARGUMENT_KEYS if obj.get(k) is not None), {})
+    return obj['name'], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+
+
+class CallReader:
+    """Reads the call object that starts at ``start`` of ``parser.text``.
+
+    Once its head (``{"name": "...", "arguments": `` or ``"parameters": ``) is complete the call's name
+    goes out, then its arguments as the model writes them, raw, up to the end of their object. A call
+    written otherwise is read whole, then given at once with its arguments re-serialised.
+    """
+
+    def __init__(self, start: int):
+        self.start = start
+        self.object = JsonScanner(start)
+        self.args: JsonScanner | None = None
+        self.index = -1
+        self.sent = start
+
+    @property
+    def end(self) -> int | None:
+        """Where the object ends, once known."""
+        return self.object.end
+
+    def advance(self, parser: ToolParser, final: bool) -> tuple[list[ToolCallDelta], bool | None]:
+        """The call's new pieces, and whether the object is a call: None while that is still open."""
+        text, out = parser.text, []
+        end = self.object.advance(text)
+        if self.args is None:
+            head = _HEAD.match(text, self.start)
+            name = _string(head.group(1)) if head else None
+            if name is not None:
+                out.append(parser.new_call(name))
+                self.index, self.sent = out[-1].index, head.end()
+                self.args = JsonScanner(head.end())
+        if self.args is not None:
+            args_end = self.args.advance(text)
+            upto = self.args.pos if args_end is None else args_end
+            if upto > self.sent:
+                out.append(ToolCallDelta(self.index, arguments=text[self.sent:upto]))
+                self.sent = upto
+            return out, True if end is not None or final else None
+        if end is None and not final:
+            return out, None
+        call = call_of(text[self.start:end])
+        if call is None:
+            return out, False
+        out.append(parser.new_call(*call))
+        return out, True

@@ -1,0 +1,61 @@
+"""Llama 3.x JSON tool calls: the reply is the call itself, optionally after ``<|python_tag|>``::
+
+    {"name": "get_weather", "parameters": {"city": "Paris"}}
+
+Several calls are separated by ``;``.
+"""
+from __future__ import annotations
+
+from lmdeploy.serve.openai.tool_parsers.base import ParsedDelta, ToolParser, register_tool_parser
+from lmdeploy.serve.openai.tool_parsers.json_calls import CallReader
+from lmdeploy.serve.openai.text_scan import skip_whitespace
+
+PYTHON_TAG = '<|python_tag|>'
+
+
+@register_tool_parser('llama3_json', 'llama3', 'llama4_json')
+class Llama3JsonToolParser(ToolParser):
+    """A reply that starts with a JSON object (or ``<|python_tag|>``) is calls; any other is text. Text
+    after the calls, or an object that is not a call, is given as text."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.state = 'start'
+        self.reader: CallReader | None = None
+
+    def _advance(self, final: bool) -> ParsedDelta:
+        out = ParsedDelta()
+        while True:
+            start = skip_whitespace(self.text, self.pos)
+            rest = self.text[start:start + len(PYTHON_TAG)]
+            if self.state == 'start':
+                if rest.startswith(PYTHON_TAG):
+                    self.pos, self.state = start + len(PYTHON_TAG), 'calls'
+                elif rest.startswith('{'):
+                    self.state = 'calls'
+                elif final or (rest and not PYTHON_TAG.startswith(rest)):
+                    self.state = 'text'
+                else:
+                    return out
+            elif self.state == 'calls':
+                while start < len(self.text) and self.text[start] == ';':
+                    start = skip_whitespace(self.text, start + 1)
+                if start == len(self.text):
+                    return out
+                self.pos = start
+                if self.text[start] != '{':
+                    self.state = 'text'
+                    continue
+                self.reader, self.state = CallReader(start), 'call'
+            elif self.state == 'call':
+                deltas, is_call = self.reader.advance(self, final)
+                out.tool_calls += deltas
+                if is_call is None:
+                    return out
+                self.state = 'calls' if is_call else 'text'
+                if is_call:
+                    self.pos = self.reader.end or len(self.text)
+            else:
+                out.content += self.text[self.pos:]
+                self.pos = len(self.text)
+                return out

@@ -1,0 +1,124 @@
+"""``lmdeploy serve api_server --dp N``: N engine replicas, each an api_server process of its own on
+127.0.0.1, ports ``--server-port`` + 1 .. + N, behind a proxy in the parent process on ``--server-port``.
+
+On the CPU each replica is pinned to its share of the cores (and runs that many torch threads) and sizes its
+KV cache from its share of the memory; on CUDA each gets one visible device. A replica dies with the parent: the parent stops them after its own shutdown, and
+the kernel sends them SIGTERM should the parent die any other way."""
+from __future__ import annotations
+
+import argparse
+import copy
+import ctypes
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+
+import httpx
+
+logger = logging.getLogger('lmdeploy')
+PR_SET_PDEATHSIG = 1
+STOP_GRACE = 15.0
+
+
+def cpu_shares(n: int) -> list[list[int]]:
+    """The cores this process may use, split into ``n`` shares of (nearly) equal size; with fewer cores
+    than ``n``, replicas share cores round-robin."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < n:
+        logger.warning('--dp %d on %d cores: replicas share cores', n, len(cores))
+        return [[cores[i % len(cores)]] for i in range(n)]
+    size, extra = divmod(len(cores), n)
+    starts = [i * size + min(i, extra) for i in range(n + 1)]
+    return [cores[starts[i]:starts[i + 1]] for i in range(n)]
+
+
+def cuda_devices(n: int) -> list[str]:
+    """One visible CUDA device per replica."""
+    visible = os.environ.get('CUDA_VISIBLE_DEVICES')
+    if visible is None:
+        import torch
+        devices = [str(i) for i in range(torch.cuda.device_count())]
+    else:
+        devices = [device for device in visible.split(',') if device.strip()]
+    if len(devices) < n:
+        raise ValueError(f'--dp {n} needs {n} CUDA devices, {len(devices)} are visible')
+    return devices[:n]
+
+
+def _replica_main(run: Callable[[argparse.Namespace], None], args: argparse.Namespace, cores: list[int] | None,
+                  device: str | None, parent: int) -> None:
+    """A replica process: dies with ``parent``, keeps to its ``cores`` or CUDA ``device``, serves ``args``."""
+    if sys.platform == 'linux':
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # the parent died before the line above took effect
+        return
+    if cores:
+        for thread in os.listdir('/proc/self/task'):
+            os.sched_setaffinity(int(thread), cores)
+    if device is not None:
+        os.environ['CUDA_VISIBLE_DEVICES'] = device
+    run(args)
+
+
+def _wait_ready(urls: list[str], replicas: list[multiprocessing.Process]) -> None:
+    pending = set(urls)
+    while pending:
+        for url, replica in zip(urls, replicas):
+            if replica.exitcode is not None:
+                raise RuntimeError(f'replica {replica.name} ({url}) exited with status {replica.exitcode}')
+            try:
+                if url in pending and httpx.get(f'{url}/health', timeout=5).status_code == 200:
+                    pending.discard(url)
+            except httpx.TransportError:
+                pass
+        time.sleep(0.2)
+
+
+def _stop(replicas: list[multiprocessing.Process], grace: float) -> None:
+    for replica in replicas:
+        if replica.is_alive():
+            replica.terminate()
+    deadline = time.monotonic() + grace
+    for replica in replicas:
+        replica.join(max(0.0, deadline - time.monotonic()))
+        if replica.is_alive():
+            logger.warning('replica %s did not stop within %.0f s: killing it', replica.name, grace)
+            replica.kill()
+            replica.join()
+
+
+def run_data_parallel(args: argparse.Namespace, run: Callable[[argparse.Namespace], None]) -> None:
+    """Serves ``args`` with ``args.dp`` replicas, each run by ``run`` (the single-replica api_server)."""
+    from lmdeploy.serve.proxy.app import create_proxy_app, quiet_signal, run_proxy
+    n = args.dp
+    on_cuda = args.device.startswith('cuda')
+    shares = [None] * n if on_cuda else cpu_shares(n)
+    devices = cuda_devices(n) if on_cuda else [None] * n
+    context = multiprocessing.get_context('spawn')
+    replicas, urls = [], []
+    try:
+        for i in range(n):
+            replica = copy.copy(args)
+            replica.dp, replica.proxy_url, replica.server_name = 1, None, '127.0.0.1'
+            replica.server_port = args.server_port + 1 + i
+            replica.num_threads = args.num_threads or (len(shares[i]) if shares[i] else None)
+            if on_cuda:
+                replica.device = 'cuda'
+            elif not args.num_gpu_blocks:  # the replicas share the host's memory: each sizes its cache from a share
+                replica.cache_max_entry_count = args.cache_max_entry_count / n
+            process = context.Process(target=_replica_main, args=(run, replica, shares[i], devices[i], os.getpid()),
+                                      name=f'lmdeploy-replica-{i}')
+            process.start()
+            replicas.append(process)
+            urls.append(f'http://127.0.0.1:{replica.server_port}')
+        _wait_ready(urls, replicas)
+        app = create_proxy_app(urls, args.routing_strategy, args.api_keys, args.admin_api_keys)
+        signal.signal(signal.SIGINT, quiet_signal)
+        run_proxy(app, args.server_name, args.server_port, args.log_level, args.shutdown_timeout, args.proxy_url,
+                  args.proxy_api_key)
+    finally:
+        _stop(replicas, args.shutdown_timeout + STOP_GRACE)

@@ -1,0 +1,145 @@
+"""Forwarding one request to a node: the node's status, headers and body come back unchanged, chunk by chunk
+as the node sends them, and a client that goes away closes the node's connection (the node then aborts)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import httpx
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
+
+from lmdeploy.serve.proxy.nodes import Node, NodeRegistry
+from lmdeploy.serve.proxy.routing import LeastRequests
+
+logger = logging.getLogger('lmdeploy')
+HOP_BY_HOP = frozenset({'connection', 'keep-alive', 'proxy-authenticate', 'proxy-authorization', 'te', 'trailer',
+                        'transfer-encoding', 'upgrade'})
+REQUEST_DROP = HOP_BY_HOP | {'host', 'content-length'}
+RESPONSE_DROP = HOP_BY_HOP | {'date', 'server'}
+ERROR_TYPES = {401: 'authentication_error', 403: 'permission_error', 404: 'not_found_error',
+               502: 'bad_gateway', 503: 'service_unavailable'}
+
+
+def error_body(status: int, message: str, code: str) -> dict:
+    """The OpenAI error body, as the nodes write theirs."""
+    return {'error': {'message': message, 'type': ERROR_TYPES.get(status, 'invalid_request_error'), 'param': None,
+                      'code': code}}
+
+
+def proxy_error(status: int, message: str, code: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    """An error the proxy itself answers."""
+    return JSONResponse(error_body(status, message, code), status_code=status, headers=headers)
+
+
+def forwarded_headers(raw: list[tuple[bytes, bytes]], drop: frozenset[str]) -> list[tuple[bytes, bytes]]:
+    return [(key, value) for key, value in raw if key.decode('latin-1').lower() not in drop]
+
+
+async def send_error(send: Send, status: int, message: str, code: str) -> None:
+    """Sends a whole :func:`proxy_error` response on ``send``."""
+    body = json.dumps(error_body(status, message, code)).encode()
+    await send({'type': 'http.response.start', 'status': status,
+                'headers': [(b'content-type', b'application/json'), (b'content-length', str(len(body)).encode())]})
+    await send({'type': 'http.response.body', 'body': body})
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())['type'] != 'http.disconnect':
+        pass
+
+
+class Forward(Response):
+    """The ASGI response of one forwarded request: the node is chosen by ``strategy`` among the healthy ones
+    (those serving the body's ``model``, when any does). A node that refuses the connection is marked down and
+    the next one is tried (the request never reached it); with none left the answer is a 503
+    ``no_healthy_node``. A node that fails mid-answer ends a server-sent-event stream with an error event
+    (``node_failed``), and cuts any other body short, so that the client sees an error rather than waiting."""
+
+    def __init__(self, registry: NodeRegistry, strategy: LeastRequests, request: Request, body: bytes):
+        super().__init__()
+        self.registry, self.strategy, self.body = registry, strategy, body
+        self.method = request.method
+        self.target = request.url.path + (f'?{request.url.query}' if request.url.query else '')
+        self.request_headers = forwarded_headers(request.headers.raw, REQUEST_DROP)
+        try:
+            self.parsed = json.loads(body) if body else None
+        except ValueError:
+            self.parsed = None
+        model = self.parsed.get('model') if isinstance(self.parsed, dict) else None
+        self.model = model if isinstance(model, str) else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        work = asyncio.ensure_future(self._forward(send))
+        watch = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            work.cancel()
+            await asyncio.wait({work, watch})
+        if not work.cancelled():
+            work.result()
+
+    async def _forward(self, send: Send) -> None:
+        tried: set[str] = set()
+        while True:
+            nodes = [node for node in self.registry.healthy(self.model) if node.url not in tried]
+            if not nodes:
+                message = 'no healthy node: ' + ('every node refused the connection' if tried else
+                                                 'the proxy has no node that passes its health check')
+                await send_error(send, 503, message, 'no_healthy_node')
+                return
+            node = self.strategy.choose(nodes, self.parsed)
+            self.registry.acquire(node)
+            try:
+                if await self._try(node, send):
+                    return
+            finally:
+                await self.registry.release(node)
+            tried.add(node.url)
+
+    async def _try(self, node: Node, send: Send) -> bool:
+        """Forwards to ``node``; False when it refused the connection (and nothing was sent)."""
+        request = node.client.build_request(self.method, self.target, headers=self.request_headers,
+                                          content=self.body)
+        try:
+            upstream = await node.client.send(request, stream=True)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            self.registry.mark_down(node, f'connection failed: {exc!r}')
+            return False
+        except httpx.PoolTimeout:
+            await send_error(send, 503, f'node {node.url} had no free connection within '
+                             f'{self.registry.request_timeout} s', 'node_busy')
+            return True
+        except httpx.HTTPError as exc:
+            self._failed(node, exc)
+            await send_error(send, 502, f'node {node.url} failed before answering: {exc!r}', 'node_failed')
+            return True
+        try:
+            await self._relay(node, upstream, send)
+        finally:
+            await upstream.aclose()
+        return True
+
+    async def _relay(self, node: Node, upstream: httpx.Response, send: Send) -> None:
+        await send({'type': 'http.response.start', 'status': upstream.status_code,
+                    'headers': forwarded_headers(upstream.headers.raw, RESPONSE_DROP)})
+        try:
+            async for chunk in upstream.aiter_raw():
+                await send({'type': 'http.response.body', 'body': chunk, 'more_body': True})
+        except httpx.HTTPError as exc:
+            self._failed(node, exc)
+            if not upstream.headers.get('content-type', '').startswith('text/event-stream'):
+                raise
+            body = error_body(502, f'node {node.url} failed mid-stream: {exc!r}', 'node_failed')
+            event = f'data: {json.dumps(body)}\n\ndata: [DONE]\n\n'.encode()
+            await send({'type': 'http.response.body', 'body': event, 'more_body': True})
+        await send({'type': 'http.response.body', 'body': b'', 'more_body': False})
+
+    def _failed(self, node: Node, exc: httpx.HTTPError) -> None:
+        logger.warning('proxy: %s %s on node %s failed: %r', self.method, self.target, node.url, exc)
+        if not isinstance(exc, httpx.TimeoutException):
+            self.registry.mark_down(node, f'{type(exc).__name__}: {exc}')

@@ -1,0 +1,112 @@
+"""Reasoning output through the server (``--reasoning-parser qwen3``) with the ``openai`` client, on a
+tiny random model: the reply splits into ``reasoning_content`` and ``content``, streamed or not; a
+grammar applies to the content after ``</think>`` (or from the start when the template closed the think
+block); ``chat_template_kwargs`` reach the template."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+from server_helpers import serve, tiny_engine
+from tool_models import save_tool_model
+
+ASK = [{'role': 'user', 'content': 'Hello world!'}]
+ANSWER = {'type': 'object', 'additionalProperties': False, 'required': ['answer', 'sure'],
+          'properties': {'answer': {'type': 'integer', 'minimum': 0, 'maximum': 99}, 'sure': {'type': 'boolean'}}}
+FORMAT = {'type': 'json_schema', 'json_schema': {'name': 'answer', 'schema': ANSWER, 'strict': True}}
+OPEN_THINK = {'chat_template_kwargs': {'open_think': True}}  # the prompt opens the block, as DeepSeek-R1's does
+NO_THINKING = {'chat_template_kwargs': {'enable_thinking': False}}  # the prompt closes it, as Qwen3's does
+
+
+@pytest.fixture(scope='module')
+def server(tmp_path_factory):
+    path = save_tool_model(str(tmp_path_factory.mktemp('reasoning_model')))
+    yield from serve(tiny_engine(path), model_name='tiny-think', reasoning_parser='qwen3', tool_call_parser='hermes')
+
+
+@pytest.fixture(scope='module')
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f'{server.url}/v1', api_key='none', max_retries=0)
+
+
+@pytest.fixture(scope='module')
+def bias(server):
+    """``logit_bias`` that makes a token the model's only choice (unless a grammar forbids it)."""
+    tokenizer = server.engine.tokenizer
+
+    def of(token: str) -> dict:
+        ids = tokenizer.encode(token, add_special_tokens=False)
+        assert len(ids) == 1
+        return {'logit_bias': {str(ids[0]): 100}}
+    return of
+
+
+def streamed(client, **kwargs) -> tuple[str, str, str]:
+    """(reasoning, content, finish_reason) that a client gathers from a stream."""
+    reasoning = content = ''
+    finish = None
+    for chunk in client.chat.completions.create(model='tiny-think', messages=ASK, stream=True, **kwargs):
+        delta = chunk.choices[0].delta
+        reasoning += (delta.model_extra or {}).get('reasoning_content') or ''
+        content += delta.content or ''
+        finish = chunk.choices[0].finish_reason or finish
+    return reasoning, content, finish
+
+
+def reply(client, **kwargs) -> tuple[str | None, str | None, str]:
+    r = client.chat.completions.create(model='tiny-think', messages=ASK, **kwargs)
+    message = r.choices[0].message
+    return (message.model_extra or {}).get('reasoning_content'), message.content, r.choices[0].finish_reason
+
+
+def test_reply_inside_an_opened_block_is_reasoning(client):
+    kwargs = dict(max_tokens=8, temperature=0, extra_body={'ignore_eos': True, **OPEN_THINK})
+    reasoning, content, finish = reply(client, **kwargs)
+    assert reasoning and content is None and finish == 'length'
+    assert streamed(client, **kwargs) == (reasoning, '', 'length')
+
+
+def test_reply_that_opens_the_block(client, bias):
+    reasoning, content, _ = reply(client, max_tokens=4, temperature=0, extra_body=bias('<think>'))
+    assert (reasoning, content) == ('<think>' * 3, None)
+
+
+def test_grammar_applies_after_the_reasoning(client, bias):
+    """``</think>`` is forced first: had the grammar applied from the start, it could not be written and
+    the whole reply would be reasoning."""
+    kwargs = dict(max_tokens=300, temperature=1.0, seed=4, response_format=FORMAT,
+                  extra_body={**bias('</think>'), **OPEN_THINK})
+    reasoning, content, finish = reply(client, **kwargs)
+    assert finish == 'stop' and not reasoning and '</think>' not in content
+    jsonschema.validate(json.loads(content), ANSWER)
+    assert streamed(client, **kwargs) == ('', content, 'stop')
+
+
+def test_template_closed_block_means_grammar_from_the_start(server, client):
+    kwargs = dict(max_tokens=300, temperature=1.0, seed=4, n=2, response_format=FORMAT, extra_body=NO_THINKING)
+    r = client.chat.completions.create(model='tiny-think', messages=ASK, **kwargs)
+    for choice in r.choices:
+        assert choice.finish_reason == 'stop' and choice.message.model_extra.get('reasoning_content') is None
+        jsonschema.validate(json.loads(choice.message.content), ANSWER)
+    plain = client.chat.completions.create(model='tiny-think', messages=ASK, max_tokens=1)
+    closed_block = server.engine.tokenizer.encode('<think>\n\n</think>\n\n', add_special_tokens=False)
+    assert r.usage.prompt_tokens == plain.usage.prompt_tokens + len(closed_block)
+
+
+def test_forced_tool_call_after_reasoning(client, bias):
+    tool = {'type': 'function', 'function': {'name': 'answer', 'parameters': ANSWER}}
+    kwargs = dict(max_tokens=300, temperature=0, tools=[tool],
+                  tool_choice={'type': 'function', 'function': {'name': 'answer'}},
+                  extra_body={**bias('</think>'), **OPEN_THINK})
+    r = client.chat.completions.create(model='tiny-think', messages=ASK, **kwargs)
+    call, = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == 'tool_calls' and call.function.name == 'answer'
+    jsonschema.validate(json.loads(call.function.arguments), ANSWER)
+
+
+def test_reserved_template_kwargs_are_400(client):
+    with pytest.raises(openai.BadRequestError, match='may not set tokenize'):
+        client.chat.completions.create(model='tiny-think', messages=ASK, max_tokens=1,
+                                       extra_body={'chat_template_kwargs': {'tokenize': True}})

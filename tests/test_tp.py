@@ -1,0 +1,176 @@
+"""Tensor parallelism over gloo on the CPU: tp=2 gives tp=1's greedy tokens in fp32, a worker that dies
+or hangs fails the engine fast, and no worker outlives its engine."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import psutil
+import pytest
+import torch
+from conftest import save_tiny_model
+from helpers import assert_gone, make_engine, random_prompts, run
+from server_helpers import free_port, wait_healthy
+from vl_models import random_image, save_tiny_vl_model
+
+from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
+from lmdeploy.pytorch.distributed.parallel_state import WorkerError
+from lmdeploy.pytorch.engine.engine import Engine
+
+PROMPTS = random_prompts([5, 17, 40, 9], seed=3)
+GREEDY = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+
+
+def tp1_reference(path: str) -> tuple[list[list[int]], torch.Tensor]:
+    engine = make_engine(path)
+    try:
+        return run(engine, PROMPTS, GREEDY), engine.get_logits(PROMPTS[2])
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize('kind', ['llama_vocab321', 'qwen3', 'qwen2_moe'])
+def test_tp2_matches_tp1(kind, tmp_path):
+    """Dense with GQA (2 KV heads split) and a padded vocabulary share; one KV head replicated on both
+    ranks (Qwen3, q/k norms); MoE with a shared expert, dense layers and tied embeddings."""
+    # 321 vocabulary rows: the second rank's share of the vocabulary is padded.
+    path = (save_tiny_model('llama', str(tmp_path), vocab_size=321) if kind == 'llama_vocab321'
+            else save_tiny_model(kind, str(tmp_path)))
+    expected_tokens, expected_logits = tp1_reference(path)
+    engine = make_engine(path, tp=2)
+    try:
+        pids = engine.executor.pids
+        assert run(engine, PROMPTS, GREEDY) == expected_tokens
+        logits = engine.get_logits(PROMPTS[2])
+        assert logits.shape == expected_logits.shape
+        torch.testing.assert_close(logits, expected_logits, rtol=1e-4, atol=1e-4)
+        assert engine.runner.kv_caches[0][0].shape[1] == 1  # this rank's KV heads
+    finally:
+        engine.close()
+    assert_gone(pids)
+
+
+def test_vl_pipeline_tp2_matches_tp1_and_close_leaves_no_process(tmp_path):
+    """The vision tower runs replicated on both ranks; the images reach rank 1 with the step's inputs."""
+    path = save_tiny_vl_model('qwen2_vl', str(tmp_path))
+    prompts = [('describe', random_image(1)), ('describe', [random_image(2, (60, 60)), random_image(3)]), 'text']
+    config = dict(dtype='float32', num_gpu_blocks=64, block_size=16)
+    with pipeline(path, PytorchEngineConfig(**config), show_progress=False) as pipe:
+        expected = [r.token_ids for r in pipe(prompts, gen_config=GREEDY)]
+    pipe = pipeline(path, PytorchEngineConfig(tp=2, **config), show_progress=False)
+    pids = pipe.async_engine.engine.executor.pids
+    try:
+        assert [r.token_ids for r in pipe(prompts, gen_config=GREEDY)] == expected
+    finally:
+        pipe.close()
+    assert_gone(pids)
+
+
+def test_bf16_tp2_runs_the_packed_native_layers_per_rank(tiny_llama):
+    """In bf16 each rank runs its layers on the native GEMM's packed weights (the one-call decoder stack,
+    which has no collectives, stays off); the logits differ from tp=1's only by bf16 rounding."""
+    config = dict(dtype='bfloat16', num_gpu_blocks=32, block_size=16)
+    logits = {}
+    for tp in (1, 2):
+        engine = Engine(tiny_llama, PytorchEngineConfig(tp=tp, **config), show_progress=False)
+        try:
+            assert tp == 1 or engine.runner.model.native_stack is None
+            logits[tp] = engine.get_logits(PROMPTS[1])
+        finally:
+            engine.close()
+    torch.testing.assert_close(logits[2], logits[1], rtol=0, atol=0.05)
+
+
+@pytest.mark.slow
+def test_default_model_tp2_matches_tp1(default_model_gguf):
+    prompts, config = PROMPTS[:2], GenerationConfig(max_new_tokens=16, ignore_eos=True)
+    engine = make_engine(default_model_gguf, num_gpu_blocks=32)
+    try:
+        expected = run(engine, prompts, config)
+    finally:
+        engine.close()
+    engine = make_engine(default_model_gguf, num_gpu_blocks=32, tp=2)
+    try:
+        assert run(engine, prompts, config) == expected
+    finally:
+        engine.close()
+
+
+def test_killed_worker_fails_the_engine_fast(tiny_llama):
+    engine = make_engine(tiny_llama, tp=2)
+    try:
+        pid = engine.executor.pids[0]
+        engine.add_request(PROMPTS[0], GenerationConfig(max_new_tokens=500, ignore_eos=True))
+        engine.step()
+        os.kill(pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match=r'rank 1 \(pid \d+\) was killed by SIGKILL'):
+            while True:
+                engine.step()
+        assert time.monotonic() - start < 5
+        with pytest.raises(WorkerError):
+            engine.check_alive()
+    finally:
+        engine.close()
+    assert_gone([pid])
+
+
+def test_hung_worker_fails_the_step_after_the_timeout(tiny_llama, monkeypatch):
+    monkeypatch.setenv('LMDEPLOY_TP_TIMEOUT', '2')
+    engine = make_engine(tiny_llama, tp=2)
+    try:
+        pid = engine.executor.pids[0]
+        engine.add_request(PROMPTS[0], GenerationConfig(max_new_tokens=500, ignore_eos=True))
+        engine.step()
+        os.kill(pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match='Timed out'):
+            while True:
+                engine.step()
+        assert time.monotonic() - start < 8
+    finally:
+        engine.close()
+    assert_gone([pid])
+
+
+def server_workers(proc: subprocess.Popen) -> list[psutil.Process]:
+    """The server's tensor-parallel worker processes."""
+    return [child for child in psutil.Process(proc.pid).children(recursive=True)
+            if 'spawn_main' in ' '.join(child.cmdline())]
+
+
+def test_server_tp2_streams_and_a_killed_worker_makes_health_503(tiny_llama):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, '-m', 'lmdeploy.cli.main', 'serve', 'api_server', tiny_llama, '--tp', '2',
+                             '--dtype', 'float32', '--num-gpu-blocks', '64', '--block-size', '16',
+                             '--server-port', str(port), '--model-name', 'tiny'],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f'http://127.0.0.1:{port}'
+    children: list[psutil.Process] = []
+    try:
+        wait_healthy(url, proc)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        body = {'model': 'tiny', 'prompt': 'Hello', 'max_tokens': 8, 'ignore_eos': True, 'stream': True,
+                'temperature': 0}
+        with httpx.stream('POST', f'{url}/v1/completions', json=body, timeout=30) as resp:
+            events = [line for line in resp.iter_lines() if line.startswith('data: ')]
+        assert events[-1] == 'data: [DONE]' and '"finish_reason":"length"' in events[-2].replace(' ', '')
+        with httpx.stream('POST', f'{url}/v1/completions', json={**body, 'max_tokens': 900}, timeout=30) as resp:
+            lines = resp.iter_lines()
+            next(line for line in lines if line.startswith('data: '))
+            (worker,) = server_workers(proc)
+            worker.kill()
+            events = [line for line in lines if line.startswith('data: ')]
+        assert 'was killed by SIGKILL' in events[-2] and events[-1] == 'data: [DONE]'
+        health = httpx.get(f'{url}/health', timeout=5)
+        assert health.status_code == 503 and 'WorkerError' in health.json()['error']['message']
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+    assert_gone([child.pid for child in children])
