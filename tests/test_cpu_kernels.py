@@ -5,7 +5,11 @@ import pytest
 import torch
 
 from lmdeploy.pytorch.kernels import activation, attention, cpu, norm, rotary, sampling
-from lmdeploy.pytorch.nn.linear import INT4_GROUP, GateUpLinear, Linear, int4_groups
+from lmdeploy.pytorch.nn.linear import GateUpLinear, Linear
+from lmdeploy.pytorch.nn.quant import LinearOptions
+from lmdeploy.pytorch.nn.quant.cpu_bf16 import NativeBf16Kernel, OneDnnKernel
+from lmdeploy.pytorch.nn.quant.dense import DenseKernel
+from lmdeploy.pytorch.nn.quant.int4_cpu import INT4_GROUP, SmallStepInt4Kernel, int4_groups
 
 
 @pytest.fixture(scope='module')
@@ -71,17 +75,21 @@ def test_small_steps_use_int4_and_big_ones_bf16():
     layer = Linear(64, 32, bias=True).bfloat16()
     torch.nn.init.normal_(layer.weight)
     torch.nn.init.normal_(layer.bias)
-    assert layer.enable_int4()
-    packed, scales_and_zeros = layer.int4
+    weight = layer.weight.detach().clone()
+    layer.finalize(LinearOptions(small_step_int4=True))
+    assert isinstance(layer.kernel, SmallStepInt4Kernel) and isinstance(layer.kernel.large, DenseKernel)
+    packed, scales_and_zeros = layer.kernel.packed, layer.kernel.scales_and_zeros
     effective = torch.ops.aten._weight_int4pack_mm_for_cpu(torch.eye(64, dtype=torch.bfloat16), packed, INT4_GROUP,
                                                            scales_and_zeros).float().T
     half_step = scales_and_zeros[..., 0].float().repeat_interleave(INT4_GROUP, 0).T / 2
-    assert ((effective - layer.weight.float()).abs() <= half_step * 1.02 + 1e-2).all(), 'round to nearest'
+    assert ((effective - weight.float()).abs() <= half_step * 1.02 + 1e-2).all(), 'round to nearest'
     small, big = torch.randn(2, 64).bfloat16(), torch.randn(9, 64).bfloat16()
     expected = torch.nn.functional.linear(small.float(), effective, layer.bias.float())
     torch.testing.assert_close(layer(small).float(), expected, atol=0.1, rtol=0.02)
-    assert torch.equal(layer(big), torch.nn.functional.linear(big, layer.weight, layer.bias))
-    assert not Linear(64, 32).enable_int4(), 'fp32 weights keep the exact path'
+    assert torch.equal(layer(big), torch.nn.functional.linear(big, weight, layer.bias))
+    fp32 = Linear(64, 32)
+    fp32.finalize(LinearOptions(small_step_int4=True))
+    assert isinstance(fp32.kernel, DenseKernel), 'fp32 weights keep the exact path'
 
 
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float16])
@@ -189,8 +197,9 @@ def test_packed_bf16_linear_rounds_the_exact_product(monkeypatch, gemm, out_feat
     torch.nn.init.normal_(layer.weight)
     torch.nn.init.normal_(layer.bias)
     weight, bias = layer.weight.detach().float(), layer.bias.float()
-    assert layer.pack_for_cpu() and layer.weight is None
-    assert layer.packed.native == (gemm == 'native')
+    layer.finalize(LinearOptions(pack_cpu=True))
+    assert layer.weight is None
+    assert isinstance(layer.kernel, NativeBf16Kernel if gemm == 'native' else OneDnnKernel)
     for shape in ((1, 64), (3, 64), (5, 64), (23, 64), (64, 64), (67, 64), (2, 7, 64)):
         x = torch.randn(shape).bfloat16()
         out = layer(x)
@@ -198,7 +207,8 @@ def test_packed_bf16_linear_rounds_the_exact_product(monkeypatch, gemm, out_feat
         assert out.dtype == torch.bfloat16 and out.shape == exact.shape
         assert ((out.float() - exact).abs() <= exact.abs() * 2**-8 + 1e-4).all()
     fp32 = Linear(64, 48)
-    assert not fp32.pack_for_cpu() and fp32.weight is not None, 'fp32 weights keep the exact path'
+    fp32.finalize(LinearOptions(pack_cpu=True))
+    assert isinstance(fp32.kernel, DenseKernel) and fp32.weight is not None, 'fp32 weights keep the exact path'
 
 
 @pytest.mark.parametrize('intermediate_size', [48, 64])
@@ -214,7 +224,8 @@ def test_gate_up_silu_in_the_gemm_epilogue(native, intermediate_size):
     torch.nn.init.normal_(layer.bias)
     weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
     plain = native.pack_bf16_weight(weight)
-    assert layer.pack_for_cpu() and layer.packed.gate_up and layer.weight is None
+    layer.finalize(LinearOptions(pack_cpu=True))
+    assert layer.kernel.gate_up and layer.weight is None
     for shape in ((1, 64), (5, 64), (23, 64), (64, 64), (67, 64), (2, 7, 64)):
         x = torch.randn(shape).bfloat16()
         out = layer(x)

@@ -67,6 +67,7 @@ def test_bf16_small_steps_run_the_q4_1_grid_in_int4():
     use the GGUF's own 4-bit grid (its scales and zero points rounded to bf16): their logits stay
     within a few percent of fp32's, with the same top token; a grid off by one step gives over 100%."""
     from lmdeploy.pytorch.engine.engine import Engine
+    from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
     prompts = [[1, 504], [1, 19556], [33, 30], [788, 260]]
     logits = {}
     for name, config in [('fp32', PytorchEngineConfig(dtype='float32', num_gpu_blocks=8)),
@@ -74,7 +75,7 @@ def test_bf16_small_steps_run_the_q4_1_grid_in_int4():
                          ('int4', PytorchEngineConfig(num_gpu_blocks=8))]:
         engine = Engine(None, config, show_progress=False)
         model = engine.runner.model
-        assert (model.layers[0].mlp.gate_up_proj.int4 is not None) == (name == 'int4')
+        assert isinstance(model.layers[0].mlp.gate_up_proj.kernel, SmallStepInt4Kernel) == (name == 'int4')
         logits[name] = [engine.get_logits(p)[-1] for p in prompts]
     for fp32, bf16, int4 in zip(logits['fp32'], logits['bf16'], logits['int4']):
         assert not torch.equal(int4, bf16)

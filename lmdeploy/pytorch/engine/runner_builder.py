@@ -82,10 +82,7 @@ def build_runner(model_dir: str, config: PytorchEngineConfig, device: torch.devi
     cfg = ModelConfig.from_hf(hf_config, resolve_dtype(config.dtype, config.device))
     with use_group(group):
         model = build_model(cfg, model_dir, device, config.load_format, show_progress)
-        if uses_decode_int4(config, cfg, hf_config, device):
-            model.enable_decode_int4()
-        if device.type == 'cpu':
-            model.pack_weights_for_cpu()
+        model.finalize_weights(device.type == 'cpu', uses_decode_int4(config, cfg, hf_config, device))
     (q_start, q_stop), (kv_start, kv_stop) = head_ranges(cfg.num_heads, cfg.num_kv_heads, group.rank,
                                                          group.world_size)
     rank_cfg = dataclasses.replace(cfg, num_heads=q_stop - q_start, num_kv_heads=kv_stop - kv_start)

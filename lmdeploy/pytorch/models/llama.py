@@ -14,6 +14,7 @@ from lmdeploy.pytorch.nn.attention import PagedAttention
 from lmdeploy.pytorch.nn.decoder_stack import LayerWeights, NativeDecoderStack
 from lmdeploy.pytorch.nn.embedding import LMHead, VocabParallelEmbedding
 from lmdeploy.pytorch.nn.linear import GateUpLinear, Linear, MergedLinear, QKVLinear, RowLinear
+from lmdeploy.pytorch.nn.quant import LinearOptions
 from lmdeploy.pytorch.nn.norm import RMSNorm
 from lmdeploy.pytorch.nn.rotary import RotaryEmbedding
 from lmdeploy.pytorch.step_context import StepContext
@@ -97,11 +98,12 @@ class LlamaDecoderLayer(nn.Module):
         if attn.qk_norm or not isinstance(mlp, LlamaMLP):
             return None
         projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if not all(proj.packed is not None and proj.packed.native for proj in projections):
+        panels = [proj.kernel.native_panels() for proj in projections]
+        if any(panel is None for panel in panels):
             return None
         weights = [self.input_layernorm.weight, self.post_attention_layernorm.weight]
-        for proj in projections:
-            weights += [proj.packed.data, proj.bias]
+        for proj, panel in zip(projections, panels):
+            weights += [panel, proj.bias]
         return weights
 
 
@@ -152,25 +154,25 @@ class LlamaForCausalLM(nn.Module):
         on the tensor-parallel ranks that do not sample."""
         return self.lm_head(hidden)
 
-    def pack_weights_for_cpu(self) -> None:
-        """Keeps bf16 CPU projection weights (and a copy of the LM head's) packed for their GEMM; with
+    def finalize_weights(self, pack_cpu: bool, small_step_int4: bool) -> None:
+        """Lays the loaded weights out for their kernels (see :class:`LinearOptions`): bf16 CPU weights
+        packed for their GEMM (and a copy of the LM head's); with ``small_step_int4`` the decoder's
+        projections keep a 4-bit copy for small steps and one row's LM head runs in fp16 (a CPU GEMV
+        streams fp16 twice as fast as bf16 here; bf16 to fp16 is exact for all but tiny values). With
         native GEMM weights throughout, the decoder layers then run as one :class:`NativeDecoderStack`."""
-        projections = [module for module in self.layers.modules() if isinstance(module, Linear)]
-        for module in projections:
-            module.pack_for_cpu()
+        projections = [(name, module) for name, module in self.layers.named_modules() if isinstance(module, Linear)]
+        for name, module in projections:
+            module.finalize(LinearOptions(pack_cpu, small_step_int4 and name.endswith(DECODE_INT4_LAYERS)))
+        if small_step_int4:
+            self.lm_head.enable_fp16()
+        if not pack_cpu:
+            return
         self.lm_head.pack_for_cpu()
         attn = self.layers[0].self_attn
         self.native_stack = NativeDecoderStack.build(
             [layer.native_weights() for layer in self.layers], attn.num_heads, attn.num_kv_heads, attn.head_dim,
-            self.layers[0].input_layernorm.eps, attn.attn.scale, max(module.int4_max_tokens for module in projections))
-
-    def enable_decode_int4(self) -> None:
-        """Small steps run the decoder's projections on 4-bit weights and one row's LM head in fp16
-        (a CPU GEMV streams fp16 twice as fast as bf16 here; bf16 to fp16 is exact for all but tiny values)."""
-        for name, module in self.layers.named_modules():
-            if name.endswith(DECODE_INT4_LAYERS) and isinstance(module, Linear):
-                module.enable_int4()
-        self.lm_head.enable_fp16()
+            self.layers[0].input_layernorm.eps, attn.attn.scale,
+            max(module.kernel.small_step_rows for _, module in projections))
 
     def weight_target(self, name: str) -> WeightTarget | None:
         """Where a Hugging Face tensor (name without ``model.``) goes: the tensor or slice to fill, what it
@@ -224,7 +226,7 @@ class LlamaForCausalLM(nn.Module):
             target = self.weight_target(name.removeprefix('model.'))
             if target is not None:
                 dest, key, shard = target
-                dest.copy_(read_shard(tensor, shard).to(self.cfg.dtype))
+                dest.copy_(read_shard(tensor, shard))
                 loaded.add(key)
         missing = sorted(key if isinstance(key, str) else f'{key[0]} ({key[1]})'
                          for key in self.required_weights() - loaded)

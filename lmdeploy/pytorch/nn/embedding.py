@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmdeploy.pytorch.distributed.parallel_state import Shard, TPGroup, current_group
-from lmdeploy.pytorch.nn.linear import PackedWeight, pack_for_cpu, packed_linear
+from lmdeploy.pytorch.nn.quant import LinearKernel
+from lmdeploy.pytorch.nn.quant.cpu_bf16 import packed_cpu_kernel
 
 
 def vocab_rows(vocab_size: int, tp: TPGroup) -> tuple[int, int, int]:
@@ -65,14 +66,14 @@ class LMHead(VocabTable):
         super().__init__(vocab_size, hidden_size, own_weight=tied is None)
         self._tied = [tied] if tied is not None else []  # a list: the embedding is not a submodule here
         self.fp16: torch.Tensor | None = None
-        self.packed: PackedWeight | None = None
+        self.packed: LinearKernel | None = None
 
     @property
     def table_weight(self) -> torch.Tensor:
         return self._tied[0].weight if self._tied else self.weight
 
     def pack_for_cpu(self) -> None:
-        self.packed = pack_for_cpu(self.table_weight)
+        self.packed = packed_cpu_kernel(self.table_weight)
 
     def enable_fp16(self) -> None:
         """One-row steps use an fp16 copy (a CPU GEMV streams fp16 twice as fast as bf16 here; bf16 to
@@ -83,7 +84,7 @@ class LMHead(VocabTable):
         if self.fp16 is not None and hidden.shape[0] == 1:
             logits = F.linear(hidden.half(), self.fp16).float()
         elif self.packed is not None:
-            logits = packed_linear(hidden, self.packed)
+            logits = self.packed(hidden, None)
         else:
             logits = F.linear(hidden, self.table_weight)
         logits = self.tp.gather(logits, dim=-1)

@@ -1,128 +1,51 @@
 """Linear layers; a merged one stacks several projections so they run as one matmul.
 
-On the CPU a bf16 layer keeps its weight packed for its GEMM (``pack_for_cpu``): the native
-AVX512-BF16 kernel's panels where that beats oneDNN (no AMX), else oneDNN's blocked layout, which
-saves oneDNN's per-call reorder (15-45% faster for decode-sized batches). A layer may also hold its
-weight as 4-bit groups for small steps (``enable_int4``): torch's int4 kernel reads a quarter of the
-bytes, which is what a batch-1 decode step is bound by. The gate and up projections of a gated MLP
-(``GateUpLinear``) apply SiLU-and-mul in the native GEMM's epilogue.
+A layer holds its weight in the format of the model's checkpoint (:mod:`lmdeploy.pytorch.nn.quant`:
+the parameters the checkpoint fills) and multiplies by it with that format's kernel, chosen again once
+the weights are loaded (:meth:`Linear.finalize`: on the CPU, bf16 weights packed for their GEMM, and a
+4-bit copy for small steps). The gate and up projections of a gated MLP (``GateUpLinear``) apply
+SiLU-and-mul in the native GEMM's epilogue.
 
 Under tensor parallelism (the :class:`TPGroup` current at construction) merged layers are
 column-parallel: each rank holds its share of every projection's output rows (:class:`QKVLinear` its
 attention heads); :class:`RowLinear` holds a share of the input columns and sums the ranks' partial
-products. ``checkpoint_part`` says which part of a checkpoint tensor a rank's parameter holds.
+products. ``checkpoint_part`` says which part of a checkpoint tensor a rank's parameter holds; each
+parameter's :class:`Layout` says along which dimensions that part runs.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lmdeploy.pytorch.distributed.parallel_state import Shard, current_group, head_ranges, split_range
-from lmdeploy.pytorch.kernels import cpu, silu_and_mul
-
-
-INT4_GROUP = 32
-# Steps of more tokens run faster on bf16 weights: with the native GEMM, or with oneDNN's.
-INT4_MAX_TOKENS_NATIVE_GEMM = 2
-INT4_MAX_TOKENS_ONEDNN = 8
-
-
-def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``weight [N, K]`` as 4-bit codes on each group of 32 inputs' min/max grid (``(q - 8) * scale + zero``):
-    the packed codes and ``scales_and_zeros [K / 32, N, 2]`` (bf16) of torch's int4 CPU kernel.
-
-    A GGUF Q4_1 block spans exactly its min and max in 16 steps, so its grid comes back exactly.
-    """
-    out_features, in_features = weight.shape
-    groups = weight.float().view(out_features, in_features // INT4_GROUP, INT4_GROUP)
-    low, high = groups.amin(-1), groups.amax(-1)
-    scale = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)
-    codes = ((groups - low[..., None]) / scale[..., None]).round_().clamp_(0, 15).to(torch.int32)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.view(out_features, in_features), 2)
-    scales_and_zeros = torch.stack((scale.T, (low + 8 * scale).T), dim=-1).to(torch.bfloat16).contiguous()
-    return packed, scales_and_zeros
-
-
-@dataclass
-class PackedWeight:
-    """A bf16 CPU weight laid out for the GEMM that runs it: the native AVX512-BF16 kernel's panels
-    (``native``) or oneDNN's blocked layout (CPUs with AMX, or no native kernels)."""
-
-    data: torch.Tensor
-    native: bool
-    gate_up: bool = False  # native panels alternating gate and up, for ``bf16_gate_up_silu``
-
-
-def pack_for_cpu(weight: torch.Tensor, gate_up: bool = False) -> PackedWeight | None:
-    """``weight [N, K]`` packed for :func:`packed_linear`; None unless it is a bf16 CPU weight. With
-    ``gate_up`` (gate then up rows) the native GEMM's panels alternate gate and up instead."""
-    if weight.dtype != torch.bfloat16 or weight.device.type != 'cpu':
-        return None
-    gemm = cpu.bf16_gemm()
-    if gemm is not None and weight.shape[0] % (32 if gate_up else 16) == 0 and weight.shape[1] % 2 == 0:
-        pack = gemm.pack_bf16_gate_up if gate_up else gemm.pack_bf16_weight
-        return PackedWeight(pack(weight), native=True, gate_up=gate_up)
-    if not torch.backends.mkldnn.is_available():
-        return None
-    return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight), native=False)
-
-
-def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` on a weight from :func:`pack_for_cpu` (the same results up to summation order)."""
-    if packed.native:
-        return cpu.native().bf16_linear(x, packed.data, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed.data, bias, 'none', [], '')
+from lmdeploy.pytorch.kernels import silu_and_mul
+from lmdeploy.pytorch.nn.quant import Layout, LinearKernel, LinearOptions, current_weight_format, layout_of, new_parameter
 
 
 class Linear(nn.Module):
-    """``y = x @ W.T + b`` with weights in the model dtype."""
+    """``y = x @ W.T + b``, ``W`` in the weight format current at construction."""
 
     gate_up_panels = False  # whether a native packing alternates gate and up panels (GateUpLinear)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        self.int4: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.int4_max_tokens = 0
-        self.packed: PackedWeight | None = None
+        self.in_features, self.out_features = in_features, out_features
+        self.weight_format = current_weight_format()
+        self.weight_format.create_weights(self)
+        self.bias = new_parameter((out_features,), Layout(0, None)) if bias else None
+        self.kernel: LinearKernel = self.weight_format.make_kernel(self, LinearOptions())
 
-    def enable_int4(self) -> bool:
-        """Keeps a 4-bit copy of a bf16 CPU weight for steps too small to keep the bf16 GEMM busy;
-        False when the layer cannot use it."""
-        weight = self.weight
-        if weight.dtype != torch.bfloat16 or weight.device.type != 'cpu' or weight.shape[1] % INT4_GROUP:
-            return False
-        self.int4 = int4_groups(weight)
-        self.int4_max_tokens = INT4_MAX_TOKENS_NATIVE_GEMM if cpu.bf16_gemm() else INT4_MAX_TOKENS_ONEDNN
-        return True
-
-    def pack_for_cpu(self) -> bool:
-        """Packs a bf16 CPU weight for its GEMM (``weight`` becomes None); False when it cannot."""
-        self.packed = pack_for_cpu(self.weight, gate_up=self.gate_up_panels)
-        if self.packed is None:
-            return False
-        self.weight = None
-        return True
+    def finalize(self, options: LinearOptions) -> None:
+        """Lays the loaded weight out for its kernel (see :class:`LinearOptions`); once."""
+        self.kernel = self.weight_format.make_kernel(self, options)
 
     def checkpoint_part(self, kind: str, part: int | None = None) -> tuple[torch.Tensor, Shard | None]:
-        """The parameter ``kind`` (``weight``, ``bias``), or its rows of projection ``part`` in a merged
-        layer, and the part of the checkpoint tensor that fills it (None: all of it)."""
+        """The parameter ``kind`` (``weight``, ``bias``, a format's scales...), or its share of projection
+        ``part`` in a merged layer, and the part of the checkpoint tensor that fills it (None: all of it)."""
         return getattr(self, kind), None
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.int4 is not None and x.shape[0] <= self.int4_max_tokens:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.int4[0], INT4_GROUP, self.int4[1])
-            return out if bias is None else out + bias
-        if self.packed is not None:
-            return packed_linear(x, self.packed, bias)
-        return F.linear(x, self.weight, bias)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+        return self.kernel(x, self.bias)
 
 
 class RowLinear(Linear):
@@ -143,14 +66,17 @@ class RowLinear(Linear):
         return cls(qkv.num_heads_total * qkv.head_dim, out_features, bias, qkv.ranges[0])
 
     def checkpoint_part(self, kind: str, part: int | None = None) -> tuple[torch.Tensor, Shard | None]:
-        if kind == 'bias' or self.tp.world_size == 1:
-            return getattr(self, kind), None
-        return self.weight, Shard(1, *self.in_range)
+        param = getattr(self, kind)
+        layout = layout_of(param)
+        if layout.input_dim is None or self.tp.world_size == 1:
+            return param, None
+        start, stop = (bound // layout.inputs_per_index for bound in self.in_range)
+        return param, Shard(layout.input_dim, start, stop)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
-            return self.matmul(x, self.bias)
-        out = self.tp.all_reduce(self.matmul(x, None))
+            return self.kernel(x, self.bias)
+        out = self.tp.all_reduce(self.kernel(x, None))
         return out if self.bias is None else out + self.bias
 
 
@@ -168,8 +94,15 @@ class MergedLinear(Linear):
         self.sharded = local_sizes != list(out_sizes)
 
     def checkpoint_part(self, kind: str, part: int | None = None) -> tuple[torch.Tensor, Shard | None]:
-        rows = getattr(self, kind)[self.offsets[part]:self.offsets[part + 1]]
-        return rows, Shard(0, *self.ranges[part]) if self.sharded else None
+        param = getattr(self, kind)
+        layout = layout_of(param)
+        if layout.output_dim is None:
+            return param, None
+        per = layout.outputs_per_index
+        start, stop = self.offsets[part] // per, self.offsets[part + 1] // per
+        rows = param.narrow(layout.output_dim, start, stop - start)
+        shard = Shard(layout.output_dim, *(bound // per for bound in self.ranges[part])) if self.sharded else None
+        return rows, shard
 
 
 class QKVLinear(MergedLinear):
@@ -200,6 +133,5 @@ class GateUpLinear(MergedLinear):
         super().__init__(in_features, [intermediate_size] * 2, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and self.packed.gate_up and x.shape[0] > self.int4_max_tokens:
-            return cpu.native().bf16_gate_up_silu(x, self.packed.data, self.bias)
-        return silu_and_mul(super().forward(x))
+        fused = self.kernel.gate_up_silu(x, self.bias)
+        return fused if fused is not None else silu_and_mul(self.kernel(x, self.bias))

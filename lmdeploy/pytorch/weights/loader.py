@@ -9,6 +9,7 @@ from torch import nn
 
 from lmdeploy.archs import get_model_class
 from lmdeploy.pytorch.config import ModelConfig
+from lmdeploy.pytorch.nn.quant import cast_model, use_weight_format, weight_format_for
 from lmdeploy.pytorch.weights.safetensors_loader import iterate_weights
 
 DUMMY_STD = 0.02
@@ -41,15 +42,18 @@ def build_model(cfg: ModelConfig, model_dir: str, device: torch.device, load_for
                 show_progress: bool = True) -> nn.Module:
     """The model for ``cfg`` on ``device`` in ``cfg.dtype``, in eval mode.
 
-    ``auto`` reads the folder's weight files; ``dummy`` allocates the model on the device directly and
+    Linear layers take the weight format of the checkpoint's ``quantization_config``. ``auto`` reads
+    the folder's weight files; ``dummy`` allocates the model on the device directly and
     fills it with :func:`fill_dummy_weights` (no host copy: an 8B model takes seconds).
     """
     model_class = get_model_class(cfg.architecture)
+    weight_format = weight_format_for(getattr(cfg.hf_config, 'quantization_config', None))
     if load_format == 'dummy':
-        with torch.no_grad(), _default_dtype(cfg.dtype), device:
+        with torch.no_grad(), _default_dtype(cfg.dtype), device, use_weight_format(weight_format):
             model = model_class(cfg)
             fill_dummy_weights(model)
         return model.eval()
-    model = model_class(cfg).to(cfg.dtype)
+    with use_weight_format(weight_format):
+        model = cast_model(model_class(cfg), cfg.dtype)
     model.load_weights(iterate_weights(model_dir, show_progress))
     return model.to(device).eval()

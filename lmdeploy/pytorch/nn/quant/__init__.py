@@ -1,0 +1,10 @@
+"""Weight formats of linear layers: what a checkpoint stores for a layer (:class:`WeightFormat`,
+chosen once from its ``quantization_config``) and the kernel that multiplies by it once loaded
+(:class:`LinearKernel`, chosen once by :meth:`WeightFormat.make_kernel`). A new format is a new
+module here that registers itself with :func:`register_format`."""
+from lmdeploy.pytorch.nn.quant.base import (Layout, LinearKernel, LinearOptions, WeightFormat, cast_model,
+                                            current_weight_format, layout_of, new_parameter, register_format,
+                                            use_weight_format, weight_format_for)
+
+__all__ = ['Layout', 'LinearKernel', 'LinearOptions', 'WeightFormat', 'cast_model', 'current_weight_format',
+           'layout_of', 'new_parameter', 'register_format', 'use_weight_format', 'weight_format_for']

@@ -1,0 +1,141 @@
+"""What a weight format is: the parameters a checkpoint fills (:class:`WeightFormat`) and the kernel
+that multiplies by them once they are loaded (:class:`LinearKernel`)."""
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from lmdeploy.pytorch.nn.linear import Linear
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which dimension of a parameter runs along its layer's outputs and inputs (None: neither), and
+    how many features one index of it covers (packed codes, one scale per group): what tensor
+    parallelism and merged layers slice."""
+
+    output_dim: int | None = 0
+    input_dim: int | None = 1
+    outputs_per_index: int = 1
+    inputs_per_index: int = 1
+
+
+def new_parameter(shape: tuple[int, ...], layout: Layout, dtype: torch.dtype | None = None) -> nn.Parameter:
+    """An uninitialized parameter of ``layout``. One with an explicit ``dtype`` keeps it when the model is
+    cast to its dtype (scales in fp32, integer codes)."""
+    param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+    param.linear_layout = layout
+    param.keep_dtype = dtype is not None
+    return param
+
+
+def layout_of(param: torch.Tensor) -> Layout:
+    return getattr(param, 'linear_layout', Layout())
+
+
+@dataclass(frozen=True)
+class LinearOptions:
+    """How to lay out a loaded weight: ``pack_cpu`` for the CPU GEMMs (bf16 on the CPU), and
+    ``small_step_int4`` for a 4-bit copy that steps of a few tokens run on (bf16 on the CPU)."""
+
+    pack_cpu: bool = False
+    small_step_int4: bool = False
+
+
+class LinearKernel(ABC):
+    """A linear layer's loaded weight, in the layout of the kernel that multiplies by it."""
+
+    # Steps of at most this many tokens run on another copy of the weight (see SmallStepInt4Kernel).
+    small_step_rows = 0
+
+    @abstractmethod
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ W.T + bias``."""
+
+    def gate_up_silu(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """``silu(gate) * up`` of a gate-and-up layer in one kernel, or None when this kernel has no such
+        epilogue (the layer then applies it)."""
+        return None
+
+    def native_panels(self) -> torch.Tensor | None:
+        """The weight as the native bf16 GEMM's panels (what the native decoder stack runs on), or None."""
+        return None
+
+
+class WeightFormat(ABC):
+    """How a checkpoint stores linear weights: the parameters it fills and the kernel run on them."""
+
+    @abstractmethod
+    def create_weights(self, layer: Linear) -> None:
+        """Registers ``layer``'s checkpoint parameters for its ``in_features`` x ``out_features`` (the
+        bias is the layer's own)."""
+
+    @abstractmethod
+    def make_kernel(self, layer: Linear, options: LinearOptions) -> LinearKernel:
+        """The kernel for ``layer``'s parameters, which it reads as they are then (loaded or not). A kernel
+        that keeps its own copy of the weight sets the layer's parameters to None."""
+
+
+_FORMATS: dict[str, type[WeightFormat]] = {}
+
+
+def register_format(quant_method: str):
+    """Class decorator: the format of checkpoints whose ``quantization_config`` names ``quant_method``;
+    the class is built as ``cls.from_config(quantization_config)``."""
+
+    def register(cls: type[WeightFormat]) -> type[WeightFormat]:
+        _FORMATS[quant_method] = cls
+        return cls
+
+    return register
+
+
+def weight_format_for(quantization_config: dict | None) -> WeightFormat:
+    """The format of a checkpoint with this ``quantization_config`` (None: weights in the model dtype)."""
+    from lmdeploy.pytorch.nn.quant.dense import DenseFormat
+    if not quantization_config:
+        return DenseFormat()
+    method = quantization_config.get('quant_method')
+    if method not in _FORMATS:
+        raise ValueError(f'quantization method {method!r} is not supported; supported: {sorted(_FORMATS)}')
+    return _FORMATS[method].from_config(quantization_config)
+
+
+_current: WeightFormat | None = None
+
+
+def current_weight_format() -> WeightFormat:
+    """The format linear layers constructed now take (weights in the model dtype outside
+    :func:`use_weight_format`)."""
+    return _current if _current is not None else weight_format_for(None)
+
+
+@contextlib.contextmanager
+def use_weight_format(weight_format: WeightFormat) -> Iterator[WeightFormat]:
+    """Makes ``weight_format`` current while a model is built."""
+    global _current
+    previous, _current = _current, weight_format
+    try:
+        yield weight_format
+    finally:
+        _current = previous
+
+
+def cast_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """``model.to(dtype)`` for its floating-point tensors, except parameters that keep their dtype
+    (:func:`new_parameter`)."""
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            if param.is_floating_point() and not getattr(param, 'keep_dtype', False):
+                param.data = param.data.to(dtype)
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer.is_floating_point():
+                module._buffers[name] = buffer.to(dtype)
+    return model

@@ -1,0 +1,50 @@
+"""bf16 weights packed for the CPU GEMMs: the native AVX512-BF16 kernel's panels where that beats oneDNN
+(no AMX), else oneDNN's blocked layout, which saves oneDNN's per-call reorder (15-45% faster for
+decode-sized batches). A gate-and-up layer's native panels alternate gate and up, so that SiLU-and-mul
+runs in the GEMM's epilogue and the ``[T, 2 * I]`` product is never written out nor read back."""
+from __future__ import annotations
+
+import torch
+
+from lmdeploy.pytorch.kernels import cpu
+from lmdeploy.pytorch.nn.quant.base import LinearKernel
+
+
+class NativeBf16Kernel(LinearKernel):
+    """The native AVX512-BF16 GEMM on its packed panels."""
+
+    def __init__(self, panels: torch.Tensor, gate_up: bool):
+        self.panels, self.gate_up = panels, gate_up
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return cpu.native().bf16_linear(x, self.panels, bias)
+
+    def gate_up_silu(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        return cpu.native().bf16_gate_up_silu(x, self.panels, bias) if self.gate_up else None
+
+    def native_panels(self) -> torch.Tensor | None:
+        return self.panels
+
+
+class OneDnnKernel(LinearKernel):
+    """oneDNN's GEMM on its blocked weight layout."""
+
+    def __init__(self, blocked: torch.Tensor):
+        self.blocked = blocked
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.blocked, bias, 'none', [], '')
+
+
+def packed_cpu_kernel(weight: torch.Tensor, gate_up: bool = False) -> LinearKernel | None:
+    """``weight [N, K]`` packed for this CPU's fastest bf16 GEMM; None unless it is a bf16 CPU weight.
+    With ``gate_up`` (gate then up rows) the native GEMM's panels alternate gate and up."""
+    if weight.dtype != torch.bfloat16 or weight.device.type != 'cpu':
+        return None
+    gemm = cpu.bf16_gemm()
+    if gemm is not None and weight.shape[0] % (32 if gate_up else 16) == 0 and weight.shape[1] % 2 == 0:
+        pack = gemm.pack_bf16_gate_up if gate_up else gemm.pack_bf16_weight
+        return NativeBf16Kernel(pack(weight), gate_up)
+    if not torch.backends.mkldnn.is_available():
+        return None
+    return OneDnnKernel(torch.ops.mkldnn._reorder_linear_weight(weight))

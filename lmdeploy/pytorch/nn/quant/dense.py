@@ -1,0 +1,41 @@
+"""Weights in the model's dtype, as most checkpoints hold them; on the CPU laid out for the bf16 GEMMs,
+and with a 4-bit copy for small steps when asked."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from lmdeploy.pytorch.nn.quant.base import Layout, LinearKernel, LinearOptions, WeightFormat, new_parameter
+from lmdeploy.pytorch.nn.quant.cpu_bf16 import packed_cpu_kernel
+from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
+
+if TYPE_CHECKING:
+    from lmdeploy.pytorch.nn.linear import Linear
+
+
+class DenseKernel(LinearKernel):
+    """``F.linear`` on the layer's ``weight`` parameter as it is at each call."""
+
+    def __init__(self, layer: Linear):
+        self.layer = layer
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, self.layer.weight, bias)
+
+
+class DenseFormat(WeightFormat):
+    """``weight [out_features, in_features]`` in the model's dtype."""
+
+    def create_weights(self, layer: Linear) -> None:
+        layer.weight = new_parameter((layer.out_features, layer.in_features), Layout(0, 1))
+
+    def make_kernel(self, layer: Linear, options: LinearOptions) -> LinearKernel:
+        small = SmallStepInt4Kernel.of(layer.weight) if options.small_step_int4 else None
+        kernel = packed_cpu_kernel(layer.weight, layer.gate_up_panels) if options.pack_cpu else None
+        if kernel is None:
+            kernel = DenseKernel(layer)
+        else:
+            layer.weight = None
+        return kernel if small is None else small.over(kernel)
