@@ -338,6 +338,13 @@ def _listening_on(processes: list[psutil.Process], port: int) -> psutil.Process:
         conn.laddr.port == port and conn.status == psutil.CONN_LISTEN for conn in proc.net_connections('tcp')))
 
 
+def _replica_pid(parent: int, port: int) -> int | None:
+    try:
+        return _listening_on(psutil.Process(parent).children(recursive=True), port).pid
+    except (StopIteration, psutil.Error):
+        return None
+
+
 @pytest.mark.parametrize('sig', [signal.SIGTERM, signal.SIGINT], ids=['SIGTERM', 'SIGINT'])
 def test_dp_replicas_share_the_port_and_the_cores_and_die_with_the_parent(tiny_llama, tmp_path, sig):
     port = _free_port_run(3)
@@ -362,3 +369,31 @@ def test_dp_replicas_share_the_port_and_the_cores_and_die_with_the_parent(tiny_l
         if parent.poll() is None:
             parent.kill()
             parent.wait()
+
+
+def test_a_dp_replica_that_dies_is_started_again(tiny_llama, tmp_path):
+    """SIGKILL to a replica: its requests end, the others go on, and the parent starts it again on the
+    same port, where the proxy takes it back."""
+    port = _free_port_run(3)
+    url = f'http://127.0.0.1:{port}'
+    flags = [flag for flag in NODE_FLAGS if flag not in ('--num-threads', '1')]
+    parent = lmdeploy(['serve', 'api_server', tiny_llama, '--server-port', str(port), '--dp', '2', *flags],
+                      tmp_path / 'dp.log')
+    try:
+        wait_healthy(url, parent, timeout=300)
+        children = psutil.Process(parent.pid).children(recursive=True)
+        victim = _listening_on(children, port + 2)
+        victim.kill()
+        victim.wait(timeout=30)
+        deadline = time.monotonic() + 240
+        while _replica_pid(parent.pid, port + 2) in (None, victim.pid) or \
+                healthy_nodes(url) != [f'http://127.0.0.1:{port + 1}', f'http://127.0.0.1:{port + 2}']:
+            assert time.monotonic() < deadline, 'the replica was not started again'
+            assert parent.poll() is None
+            time.sleep(1)
+        assert all(asyncio.run(_stream_texts(url, [f'prompt {i}' for i in range(6)], 8)))
+        assert per_node(metrics(url), 'lmdeploy:request_success_total').get(f'http://127.0.0.1:{port + 2}', 0) >= 1
+        assert 'starting it again' in (tmp_path / 'dp.log').read_text()
+    finally:
+        parent.terminate()
+        parent.wait(timeout=90)

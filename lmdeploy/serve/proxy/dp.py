@@ -2,8 +2,10 @@
 127.0.0.1, ports ``--server-port`` + 1 .. + N, behind a proxy in the parent process on ``--server-port``.
 
 On the CPU each replica is pinned to its share of the cores (and runs that many torch threads) and sizes its
-KV cache from its share of the memory; on CUDA each gets one visible device. A replica dies with the parent: the parent stops them after its own shutdown, and
-the kernel sends them SIGTERM should the parent die any other way."""
+KV cache from its share of the memory; on CUDA each gets one visible device. A replica that dies is started
+again (after 1 s, doubling up to a minute while it keeps dying within a minute of its start); the proxy
+takes it back once its health check passes. A replica dies with the parent: the parent stops them after
+its own shutdown, and the kernel sends them SIGTERM should the parent die any other way."""
 from __future__ import annotations
 
 import argparse
@@ -14,6 +16,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -22,6 +25,9 @@ import httpx
 logger = logging.getLogger('lmdeploy')
 PR_SET_PDEATHSIG = 1
 STOP_GRACE = 15.0
+RESTART_DELAY = 1.0
+MAX_RESTART_DELAY = 60.0
+STABLE_AFTER = 60.0  # a replica up this long that dies is restarted after RESTART_DELAY again
 
 
 def cpu_shares(n: int) -> list[list[int]]:
@@ -64,31 +70,80 @@ def _replica_main(run: Callable[[argparse.Namespace], None], args: argparse.Name
     run(args)
 
 
-def _wait_ready(urls: list[str], replicas: list[multiprocessing.Process]) -> None:
-    pending = set(urls)
-    while pending:
-        for url, replica in zip(urls, replicas):
-            if replica.exitcode is not None:
-                raise RuntimeError(f'replica {replica.name} ({url}) exited with status {replica.exitcode}')
-            try:
-                if url in pending and httpx.get(f'{url}/health', timeout=5).status_code == 200:
-                    pending.discard(url)
-            except httpx.TransportError:
-                pass
-        time.sleep(0.2)
+class Replicas:
+    """The replica processes: started, watched and restarted when one dies, stopped with the parent."""
 
+    def __init__(self, run: Callable[[argparse.Namespace], None], configs: list[argparse.Namespace],
+                 shares: list[list[int] | None], devices: list[str | None]):
+        self.run, self.configs, self.shares, self.devices = run, configs, shares, devices
+        self.urls = [f'http://127.0.0.1:{config.server_port}' for config in configs]
+        self.context = multiprocessing.get_context('spawn')
+        self.processes: list[multiprocessing.Process] = []
+        self.stopping = threading.Event()
+        self.lock = threading.Lock()  # a replica is not started again once stop() began
 
-def _stop(replicas: list[multiprocessing.Process], grace: float) -> None:
-    for replica in replicas:
-        if replica.is_alive():
-            replica.terminate()
-    deadline = time.monotonic() + grace
-    for replica in replicas:
-        replica.join(max(0.0, deadline - time.monotonic()))
-        if replica.is_alive():
-            logger.warning('replica %s did not stop within %.0f s: killing it', replica.name, grace)
-            replica.kill()
-            replica.join()
+    def start(self) -> None:
+        """Starts every replica."""
+        for i in range(len(self.configs)):
+            self.processes.append(self._start(i))
+
+    def _start(self, i: int) -> multiprocessing.Process:
+        process = self.context.Process(target=_replica_main, name=f'lmdeploy-replica-{i}',
+                                       args=(self.run, self.configs[i], self.shares[i], self.devices[i], os.getpid()))
+        process.start()
+        return process
+
+    def wait_ready(self) -> None:
+        """Returns once every replica answers its health check; raises if one exits first."""
+        pending = set(self.urls)
+        while pending:
+            for url, replica in zip(self.urls, self.processes):
+                if replica.exitcode is not None:
+                    raise RuntimeError(f'replica {replica.name} ({url}) exited with status {replica.exitcode}')
+                try:
+                    if url in pending and httpx.get(f'{url}/health', timeout=5).status_code == 200:
+                        pending.discard(url)
+                except httpx.TransportError:
+                    pass
+            time.sleep(0.2)
+
+    def supervise(self) -> None:
+        """Restarts replicas that die, in a daemon thread, until :meth:`stop`."""
+        threading.Thread(target=self._watch, name='lmdeploy-replica-watch', daemon=True).start()
+
+    def _watch(self) -> None:
+        started = [time.monotonic()] * len(self.processes)
+        delays = [RESTART_DELAY] * len(self.processes)
+        while not self.stopping.wait(0.5):
+            for i, replica in enumerate(self.processes):
+                if replica.exitcode is None:
+                    continue
+                if time.monotonic() - started[i] > STABLE_AFTER:
+                    delays[i] = RESTART_DELAY
+                logger.warning('replica %s (%s) exited with status %s: starting it again in %.0f s', replica.name,
+                               self.urls[i], replica.exitcode, delays[i])
+                if self.stopping.wait(delays[i]):
+                    return
+                with self.lock:
+                    if self.stopping.is_set():
+                        return
+                    self.processes[i] = self._start(i)
+                started[i], delays[i] = time.monotonic(), min(2 * delays[i], MAX_RESTART_DELAY)
+
+    def stop(self, grace: float) -> None:
+        """SIGTERM to every replica, SIGKILL to those still running after ``grace`` seconds."""
+        with self.lock:
+            self.stopping.set()
+        for replica in self.processes:
+            if replica.is_alive():
+                replica.terminate()
+        deadline = time.monotonic() + grace
+        for replica in self.processes:
+            replica.join(max(0.0, deadline - time.monotonic()))
+            if replica.is_alive():
+                logger.warning('replica %s did not stop within %.0f s: killing it', replica.name, grace)
+                replica.kill()
+                replica.join()
 
 
 def run_data_parallel(args: argparse.Namespace, run: Callable[[argparse.Namespace], None]) -> None:
@@ -98,27 +153,25 @@ def run_data_parallel(args: argparse.Namespace, run: Callable[[argparse.Namespac
     on_cuda = args.device.startswith('cuda')
     shares = [None] * n if on_cuda else cpu_shares(n)
     devices = cuda_devices(n) if on_cuda else [None] * n
-    context = multiprocessing.get_context('spawn')
-    replicas, urls = [], []
+    configs = []
+    for i in range(n):
+        replica = copy.copy(args)
+        replica.dp, replica.proxy_url, replica.server_name = 1, None, '127.0.0.1'
+        replica.server_port = args.server_port + 1 + i
+        replica.num_threads = args.num_threads or (len(shares[i]) if shares[i] else None)
+        if on_cuda:
+            replica.device = 'cuda'
+        elif not args.num_gpu_blocks:  # the replicas share the host's memory: each sizes its cache from a share
+            replica.cache_max_entry_count = args.cache_max_entry_count / n
+        configs.append(replica)
+    replicas = Replicas(run, configs, shares, devices)
     try:
-        for i in range(n):
-            replica = copy.copy(args)
-            replica.dp, replica.proxy_url, replica.server_name = 1, None, '127.0.0.1'
-            replica.server_port = args.server_port + 1 + i
-            replica.num_threads = args.num_threads or (len(shares[i]) if shares[i] else None)
-            if on_cuda:
-                replica.device = 'cuda'
-            elif not args.num_gpu_blocks:  # the replicas share the host's memory: each sizes its cache from a share
-                replica.cache_max_entry_count = args.cache_max_entry_count / n
-            process = context.Process(target=_replica_main, args=(run, replica, shares[i], devices[i], os.getpid()),
-                                      name=f'lmdeploy-replica-{i}')
-            process.start()
-            replicas.append(process)
-            urls.append(f'http://127.0.0.1:{replica.server_port}')
-        _wait_ready(urls, replicas)
-        app = create_proxy_app(urls, args.routing_strategy, args.api_keys, args.admin_api_keys)
+        replicas.start()
+        replicas.wait_ready()
+        replicas.supervise()
+        app = create_proxy_app(replicas.urls, args.routing_strategy, args.api_keys, args.admin_api_keys)
         signal.signal(signal.SIGINT, quiet_signal)
         run_proxy(app, args.server_name, args.server_port, args.log_level, args.shutdown_timeout, args.proxy_url,
                   args.proxy_api_key)
     finally:
-        _stop(replicas, args.shutdown_timeout + STOP_GRACE)
+        replicas.stop(args.shutdown_timeout + STOP_GRACE)
