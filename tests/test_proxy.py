@@ -18,6 +18,8 @@ import httpx
 import openai
 import psutil
 import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, RedirectResponse
 from server_helpers import ServerThread, free_port, metrics, serve, tiny_engine, wait_healthy
 
 from lmdeploy.serve.proxy.app import create_proxy_app
@@ -397,3 +399,41 @@ def test_a_dp_replica_that_dies_is_started_again(tiny_llama, tmp_path):
     finally:
         parent.terminate()
         parent.wait(timeout=90)
+
+
+def test_forwarding_keeps_no_cookies_between_clients_and_follows_no_redirects():
+    """The proxy relays a node's Set-Cookie and redirects to the client that asked, and sends the next
+    client's request with only that client's own headers."""
+    node_app = FastAPI()
+
+    @node_app.get('/health')
+    async def health():
+        return {'status': 'ok'}
+
+    @node_app.get('/v1/models')
+    async def models():
+        return {'object': 'list', 'data': []}
+
+    @node_app.post('/v1/echo')
+    async def echo(request: Request):
+        response = JSONResponse({'cookie': request.headers.get('cookie'), 'query': request.url.query})
+        response.set_cookie('session', 'first-client')
+        return response
+
+    @node_app.get('/v1/moved')
+    async def moved():
+        return RedirectResponse('/v1/elsewhere', status_code=307)
+
+    node = ServerThread(node_app)
+    proxy = ServerThread(create_proxy_app([node.url]))
+    try:
+        first = httpx.post(f'{proxy.url}/v1/echo?a=1&b=%20', json={})
+        assert first.cookies.get('session') == 'first-client'
+        assert first.json() == {'cookie': None, 'query': 'a=1&b=%20'}
+        second = httpx.post(f'{proxy.url}/v1/echo', json={})
+        assert second.json()['cookie'] is None
+        redirect = httpx.get(f'{proxy.url}/v1/moved')
+        assert redirect.status_code == 307 and redirect.headers['location'] == '/v1/elsewhere'
+    finally:
+        proxy.stop()
+        node.stop()

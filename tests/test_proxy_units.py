@@ -11,7 +11,7 @@ from lmdeploy.serve.proxy.routing import LeastRequests, PrefixAffinity, affinity
 
 
 def nodes(*outstanding: int) -> list[Node]:
-    return [Node(f'http://10.0.0.{i}:23333', client=None, healthy=True, outstanding=count)
+    return [Node(f'http://10.0.0.{i}:23333', transport=None, client=None, healthy=True, outstanding=count)
             for i, count in enumerate(outstanding)]
 
 
@@ -97,3 +97,4 @@ def test_a_node_on_a_wildcard_address_registers_its_route_to_the_proxy():
     assert advertised_url('0.0.0.0', 23333, 'http://127.0.0.1:8000') == 'http://127.0.0.1:23333'
     assert advertised_url('10.1.2.3', 23333, 'http://127.0.0.1:8000') == 'http://10.1.2.3:23333'
     assert advertised_url('::1', 5, 'http://[::1]:8000') == 'http://[::1]:5'
+

@@ -19,7 +19,7 @@ from lmdeploy.serve.proxy.aggregate import NO_NODE, list_models, metrics
 from lmdeploy.serve.proxy.forward import Forward, proxy_error
 from lmdeploy.serve.proxy.nodes import NodeRegistry
 from lmdeploy.serve.proxy.registration import NodeServer
-from lmdeploy.serve.proxy.routing import make_strategy
+from lmdeploy.serve.proxy.routing import LeastRequests, make_strategy
 
 logger = logging.getLogger('lmdeploy')
 NODE_PATHS = frozenset({'/nodes/add', '/nodes/remove'})
@@ -61,6 +61,27 @@ class ProxyAuth:
         else:
             await proxy_error(401, 'missing or invalid API key (send Authorization: Bearer <key>)',
                               'invalid_api_key', {'WWW-Authenticate': 'Bearer'})(scope, receive, send)
+
+
+class ForwardOthers:
+    """Every HTTP request for a path the proxy does not serve itself (chat, completions, generate, encode,
+    ...) goes to one node (:class:`Forward`), without the app's routing."""
+
+    def __init__(self, app: ASGIApp, registry: NodeRegistry, strategy: LeastRequests, own_paths: frozenset[str]):
+        self.app, self.registry, self.strategy, self.own_paths = app, registry, strategy, own_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope['type'] != 'http' or scope['path'] in self.own_paths:
+            await self.app(scope, receive, send)
+            return
+        body, more = [], True
+        while more:
+            message = await receive()
+            if message['type'] == 'http.disconnect':
+                return
+            body.append(message.get('body', b''))
+            more = message.get('more_body', False)
+        await Forward(self.registry, self.strategy, scope, b''.join(body))(scope, receive, send)
 
 
 def _client_auth(request: Request) -> dict[str, str]:
@@ -150,11 +171,8 @@ def create_proxy_app(nodes: list[str] = (), routing_strategy: str = 'least_reque
                 return Response(answer.content, answer.status_code, media_type=answer.headers.get('content-type'))
         return JSONResponse({'success': True})
 
-    @app.api_route('/{path:path}', methods=['GET', 'POST', 'PUT', 'PATCH', 'DELETE'], include_in_schema=False)
-    async def forward(path: str, request: Request) -> Response:
-        """Everything else (chat, completions, generate, encode, ...) goes to one node."""
-        return Forward(registry, strategy, request, await request.body())
-
+    app.add_middleware(ForwardOthers, registry=registry, strategy=strategy,
+                       own_paths=frozenset(route.path for route in app.routes))
     if api_keys or admin_api_keys:
         app.add_middleware(ProxyAuth, api_keys=list(api_keys or ()), admin_keys=list(admin_api_keys or ()))
     return app

@@ -7,7 +7,6 @@ import json
 import logging
 
 import httpx
-from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
@@ -58,12 +57,15 @@ class Forward(Response):
     ``no_healthy_node``. A node that fails mid-answer ends a server-sent-event stream with an error event
     (``node_failed``), and cuts any other body short, so that the client sees an error rather than waiting."""
 
-    def __init__(self, registry: NodeRegistry, strategy: LeastRequests, request: Request, body: bytes):
+    def __init__(self, registry: NodeRegistry, strategy: LeastRequests, scope: Scope, body: bytes):
         super().__init__()
         self.registry, self.strategy, self.body = registry, strategy, body
-        self.method = request.method
-        self.target = request.url.path + (f'?{request.url.query}' if request.url.query else '')
-        self.request_headers = forwarded_headers(request.headers.raw, REQUEST_DROP)
+        self.method = scope['method']
+        query = scope.get('query_string', b'').decode('latin-1')
+        self.target = scope.get('raw_path', b'').decode('latin-1').partition('?')[0] or scope['path']
+        self.target += f'?{query}' if query else ''
+        self.request_headers = forwarded_headers(scope['headers'], REQUEST_DROP)
+        self.timeout = registry.timeout.as_dict()
         try:
             self.parsed = json.loads(body) if body else None
         except ValueError:
@@ -72,16 +74,23 @@ class Forward(Response):
         self.model = model if isinstance(model, str) else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        work = asyncio.ensure_future(self._forward(send))
+        task, finished = asyncio.current_task(), False
         watch = asyncio.ensure_future(_wait_disconnect(receive))
+
+        def on_disconnect(done: asyncio.Future) -> None:
+            if not finished and not done.cancelled():
+                task.cancel()
+
+        watch.add_done_callback(on_disconnect)
         try:
-            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            await self._forward(send)
+        except asyncio.CancelledError:
+            if watch.cancelled() or not watch.done():
+                raise  # cancelled from outside, not by the client's disconnect
+            task.uncancel()
         finally:
+            finished = True
             watch.cancel()
-            work.cancel()
-            await asyncio.wait({work, watch})
-        if not work.cancelled():
-            work.result()
 
     async def _forward(self, send: Send) -> None:
         tried: set[str] = set()
@@ -103,10 +112,10 @@ class Forward(Response):
 
     async def _try(self, node: Node, send: Send) -> bool:
         """Forwards to ``node``; False when it refused the connection (and nothing was sent)."""
-        request = node.client.build_request(self.method, self.target, headers=self.request_headers,
-                                          content=self.body)
+        request = httpx.Request(self.method, node.url + self.target, headers=self.request_headers, content=self.body,
+                                extensions={'timeout': self.timeout})
         try:
-            upstream = await node.client.send(request, stream=True)
+            upstream = await node.transport.handle_async_request(request)
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             self.registry.mark_down(node, f'connection failed: {exc!r}')
             return False

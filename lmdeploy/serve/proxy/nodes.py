@@ -25,10 +25,12 @@ def normalize_url(url: str) -> str:
 
 @dataclass(eq=False)
 class Node:
-    """One api_server. ``client`` holds its bounded connection pool; ``models`` are the ids its
-    ``/v1/models`` lists (None while unknown: it may serve any)."""
+    """One api_server. ``transport`` holds its bounded connection pool, which forwarded requests use as
+    it is (no cookies kept between clients, no redirects followed); ``client`` sends the proxy's own
+    requests over it. ``models`` are the ids its ``/v1/models`` lists (None while unknown: it may serve any)."""
 
     url: str
+    transport: httpx.AsyncHTTPTransport
     client: httpx.AsyncClient
     models: list[str] | None = None
     healthy: bool = False
@@ -60,6 +62,7 @@ class NodeRegistry:
                  max_connections: int = 1024):
         self.health_interval = health_interval
         self.request_timeout = request_timeout
+        self.timeout = httpx.Timeout(request_timeout, connect=CONNECT_TIMEOUT)
         self.max_connections = max_connections
         self.nodes: dict[str, Node] = {}
         # Health checks and metrics scrapes get a client of their own, so that full pools cannot hold them up.
@@ -72,11 +75,10 @@ class NodeRegistry:
         url = normalize_url(url)
         node = self.nodes.get(url)
         if node is None:
-            client = httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(self.request_timeout,
-                                                                           connect=CONNECT_TIMEOUT),
-                                       limits=httpx.Limits(max_connections=self.max_connections,
-                                                           max_keepalive_connections=self.max_connections))
-            node = self.nodes[url] = Node(url, client)
+            transport = httpx.AsyncHTTPTransport(limits=httpx.Limits(
+                max_connections=self.max_connections, max_keepalive_connections=self.max_connections))
+            client = httpx.AsyncClient(base_url=url, timeout=self.timeout, transport=transport)
+            node = self.nodes[url] = Node(url, transport, client)
         if models:
             node.models = list(models)
         return node
