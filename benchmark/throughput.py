@@ -156,8 +156,8 @@ def measure(model_dir: str, quant_dir: str | None, args: argparse.Namespace) -> 
         extra = {'quant_policy': args.quant_policy} if args.quant_policy else {}
         config = PytorchEngineConfig(**base, decode_int4=None if quant_dir else False, **extra)
         quant = measure_engine(quant_dir or model_dir, config, args)[:2]
-        row(f'lmdeploy quantized (quant_policy {args.quant_policy}{", " + args.quant_model if quant_dir else ""})',
-            *quant)
+        what = [f'quant_policy {args.quant_policy}'] * bool(args.quant_policy) + [args.quant_model] * bool(quant_dir)
+        row(f'lmdeploy quantized ({", ".join(what)})', *quant)
         ratio_row(f'  ratio quantized / lmdeploy {dtype}', quant, ours)
     if args.skip_hf:
         return
