@@ -243,9 +243,10 @@ def run_engine(engine: Engine, work: Workload, deadline: float) -> tuple[int, fl
 
 
 def run_hf(model, work: Workload, batch_size: int, deadline: float) -> tuple[int, float, bool]:
-    """transformers in static batches of prompts sorted by length, left-padded, each batch generating its
-    longest output; credited with each prompt's own output length. Stops between batches at ``deadline``."""
-    ordered = sorted(work, key=lambda item: len(item[0]))
+    """transformers in static batches of prompts sorted by output length (as a capable user would batch
+    them), left-padded, each batch generating its longest output; credited with each prompt's own output
+    length. Stops between batches at ``deadline``."""
+    ordered = sorted(work, key=lambda item: item[1])
     start, tokens = time.perf_counter(), 0
     for i in range(0, len(ordered), batch_size):
         if time.monotonic() > deadline:
@@ -273,7 +274,7 @@ def part_offline(bench: Bench) -> None:
     engine.runner.model.load_weights(hf.state_dict().items())
     warm = sharegpt_like_workload(8, config.vocab_size, seed=1, **clips)
     run_engine(engine, warm, bench.deadline)
-    hf_generate(hf, [prompt for prompt, _ in warm[:2]], 4, pad_id=0)
+    run_hf(hf, warm, args.hf_batch_size, bench.deadline)
     piece = work[:args.hf_prompts]
     ours = run_engine(engine, piece, bench.deadline)
     theirs = run_hf(hf, piece, args.hf_batch_size, bench.deadline)
