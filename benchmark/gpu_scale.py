@@ -272,7 +272,7 @@ def part_offline(bench: Bench) -> None:
     with torch.device(args.device):
         hf = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, bench.dtype)).eval()
     engine.runner.model.load_weights(hf.state_dict().items())
-    warm = sharegpt_like_workload(8, config.vocab_size, seed=1, **clips)
+    warm = sharegpt_like_workload(max(8, args.hf_batch_size), config.vocab_size, seed=1, **clips)
     run_engine(engine, warm, bench.deadline)
     run_hf(hf, warm, args.hf_batch_size, bench.deadline)
     piece = work[:args.hf_prompts]
