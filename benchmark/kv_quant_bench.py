@@ -39,9 +39,13 @@ def main() -> None:
     parser.add_argument('--layers', type=int, default=4)
     parser.add_argument('--block-size', type=int, default=64)
     parser.add_argument('--rounds', type=int, default=5)
+    parser.add_argument('--threads', type=int, default=None, help="torch's CPU threads (default: torch's choice)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     native = cpu.native()
     assert native is not None, 'the native CPU kernels did not build'
+    cpu.bind_worker_threads()
     num_heads, num_kv_heads, head_dim = args.heads
     pages = -(-args.context // args.block_size)
     num_blocks = args.batch * pages
@@ -56,8 +60,8 @@ def main() -> None:
         for policy, per_layer in layers.items():
             start = time.perf_counter()
             for cache in per_layer:
-                native.paged_decode_attention(q, cache[0], cache[1], table, kv_lens, head_dim**-0.5, *cache[2:],
-                                              policy)
+                quant = (*cache[2:], policy) if policy else ()
+                native.paged_decode_attention(q, cache[0], cache[1], table, kv_lens, head_dim**-0.5, *quant)
             best[policy] = min(best[policy], (time.perf_counter() - start) / args.layers)
     print(f'decode attention, {args.batch} sequences x {args.context} tokens, {num_heads}/{num_kv_heads} heads, '
           f'head_dim {head_dim}, block {args.block_size}, {torch.get_num_threads()} threads, best of {args.rounds}')

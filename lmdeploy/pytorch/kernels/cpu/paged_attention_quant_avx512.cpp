@@ -4,7 +4,7 @@
 // Scores: a key row is scale * codes + zero, so q . k = scale * (q . codes) + zero * sum(q). Each task
 // rounds its query heads once to int16 (q ~ step * q16, 1/65534 of the largest |q| at worst) and q16 .
 // codes is an exact integer dot product (vpdpwssd, 32 codes a step, the same count as the bf16 path's
-// vdpbf16ps). Values: each row is dequantized in registers (codes to fp32, one fma) and accumulated.
+// vdpbf16ps), each key's codes widened to int16 once for all query heads of its KV head. Values: each row is dequantized in registers (codes to fp32, one fma) and accumulated.
 #include "attention_avx512.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -43,25 +43,46 @@ struct QuantQuery {
       q16[i] = _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
     }
   }
-  // Partial integer dot products (one vector) with a row of codes: int8, or int4 with dimension j in
-  // byte j's low nibble and j + D / 2 in its high one.
-  template <int BITS>
-  __m512i dot(const uint8_t* row) const {
-    __m512i acc = _mm512_setzero_si512();
-    if constexpr (BITS == 8) {
-      for (int c = 0; c < NV / 2; ++c)
-        acc = dot_i16(acc, q16[c], _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * c))));
-    } else {
-      const __m512i nibble = _mm512_set1_epi16(15);
-      for (int c = 0; c < NV / 4; ++c) {
-        const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * c)));
-        acc = dot_i16(acc, q16[c], _mm512_and_si512(bytes, nibble));
-        acc = dot_i16(acc, q16[c + NV / 4], _mm512_srli_epi16(bytes, 4));
-      }
-    }
+  // Partial integer dot products (one vector) with a key row's codes from `codes` below.
+  __m512i dot(const __m512i (&key)[NV / 2]) const {
+    __m512i acc = dot_i16(_mm512_setzero_si512(), q16[0], key[0]);
+    for (int c = 1; c < NV / 2; ++c) acc = dot_i16(acc, q16[c], key[c]);
     return acc;
   }
 };
+
+// A key row's codes as int16, 32 dimensions a vector: int8, or int4 with dimension j in byte j's low
+// nibble and j + D / 2 in its high one.
+template <int NV, int BITS>
+inline void codes(const uint8_t* row, __m512i (&out)[NV / 2]) {
+  const auto widen = [&](int c) {
+    return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * c)));
+  };
+  if constexpr (BITS == 8) {
+    for (int c = 0; c < NV / 2; ++c) out[c] = widen(c);
+  } else {
+    for (int c = 0; c < NV / 4; ++c) {
+      const __m512i bytes = widen(c);
+      out[c] = _mm512_and_si512(bytes, _mm512_set1_epi16(15));
+      out[c + NV / 4] = _mm512_srli_epi16(bytes, 4);
+    }
+  }
+}
+
+// sum16 (attention_avx512.h) on int32 lanes, exact.
+inline __m512i sum16_epi32(const __m512i* v) {
+  __m512i a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(v[2 * i], v[2 * i + 1], 0x44),
+                            _mm512_shuffle_i32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)
+    b[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(a[2 * i], a[2 * i + 1], 0x88),
+                            _mm512_shuffle_i32x4(a[2 * i], a[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    c[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(b[2 * i], b[2 * i + 1]),
+                            _mm512_unpackhi_epi32(b[2 * i], b[2 * i + 1]));
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(c[0], c[1]), _mm512_unpackhi_epi64(c[0], c[1]));
+}
 
 // Row t's codes as NV vectors of fp32 values (scale * code + zero).
 template <int NV, int BITS>
@@ -103,21 +124,28 @@ void block_scores(const QuantQuery<NV>* query, const uint8_t* rows, const float*
   constexpr int64_t row_bytes = 16 * NV * BITS / 8;
   const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
   const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-  __m512 partial[kChunk];
+  __m512i partial[G][kChunk];
   for (int64_t first = 0; first < count; first += kChunk) {
     const int n = static_cast<int>(std::min<int64_t>(kChunk, count - first));
     if (pull) prefetch_l2(pull + first * row_bytes, std::min<int64_t>(kChunk, block_size - first) * row_bytes);
+    for (int t = 0; t < kChunk; ++t) {  // each key's codes widened once for all G query heads
+      if (t < n) {
+        __m512i key[NV / 2];
+        codes<NV, BITS>(rows + (first + t) * row_bytes, key);
+        for (int h = 0; h < G; ++h) partial[h][slot(t)] = query[h].dot(key);
+      } else {
+        for (int h = 0; h < G; ++h) partial[h][slot(t)] = _mm512_setzero_si512();
+      }
+    }
     const __mmask16 keys = static_cast<__mmask16>((1u << n) - 1);
-    const __m512 pairs_low = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << std::min(2 * n, 16)) - 1), sz + 2 * first);
-    const __m512 pairs_high = _mm512_maskz_loadu_ps(n > 8 ? static_cast<__mmask16>((1u << (2 * n - 16)) - 1) : 0,
-                                                    sz + 2 * first + 16);
+    // (scale, zero) pairs of the chunk's keys, split into a vector of scales and one of zeros
+    const auto mask = [](int lanes) { return static_cast<__mmask16>((1u << std::clamp(lanes, 0, 16)) - 1); };
+    const __m512 pairs_low = _mm512_maskz_loadu_ps(mask(2 * n), sz + 2 * first);
+    const __m512 pairs_high = _mm512_maskz_loadu_ps(mask(2 * n - 16), sz + 2 * first + 16);
     const __m512 scales = _mm512_permutex2var_ps(pairs_low, even, pairs_high);
     const __m512 zeros = _mm512_permutex2var_ps(pairs_low, odd, pairs_high);
     for (int h = 0; h < G; ++h) {
-      for (int t = 0; t < kChunk; ++t)
-        partial[slot(t)] = t < n ? _mm512_cvtepi32_ps(query[h].template dot<BITS>(rows + (first + t) * row_bytes))
-                                 : _mm512_setzero_ps();
-      const __m512 dots = sum16(partial);
+      const __m512 dots = _mm512_cvtepi32_ps(sum16_epi32(partial[h]));
       const __m512 raw = _mm512_fmadd_ps(_mm512_mul_ps(dots, _mm512_set1_ps(query[h].step)), scales,
                                          _mm512_mul_ps(zeros, _mm512_set1_ps(query[h].sum)));
       _mm512_mask_storeu_ps(scores + h * block_size + first, keys, _mm512_mul_ps(raw, _mm512_set1_ps(scale)));
