@@ -252,3 +252,23 @@ def test_native_decoder_stack_reads_the_quantized_cache(llama_head_dim_64, polic
     stacked = run(engine, prompts, GREEDY_24)
     model.native_stack = None
     assert run(engine, prompts, GREEDY_24) == stacked
+
+
+def test_vision_language_model(tmp_path):
+    """Images go through the same attention: chunked prefill cutting through images, preemption and a
+    prefix-cache hit give the roomy run's tokens under int8."""
+    from vl_models import VL_KINDS, random_image, save_tiny_vl_model
+
+    from lmdeploy import pipeline
+    path = save_tiny_vl_model(VL_KINDS[0], str(tmp_path))
+    prompts = [('describe', random_image(1)), ('what is this', random_image(2, (60, 60)))]
+    outs = []
+    for config in (dict(num_gpu_blocks=64, block_size=16), dict(num_gpu_blocks=20, block_size=4,
+                                                                  max_prefill_token_num=5)):
+        with pipeline(path, PytorchEngineConfig(dtype='float32', quant_policy=8, **config),
+                      show_progress=False) as pipe:
+            outs.append([r.token_ids for r in pipe(prompts, gen_config=GREEDY_24)])
+            preempted = pipe.async_engine.engine.scheduler.num_preemptions > 0
+            again = pipe(prompts[0], gen_config=GREEDY_24)
+            assert again.cached_tokens > 0 and again.token_ids == outs[-1][0]
+    assert outs[0] == outs[1] and preempted
