@@ -42,7 +42,8 @@ void quantize_rows(const torch::Tensor& src, torch::Tensor& codes, torch::Tensor
         high = std::max(high, x[d]);
       }
       const float scale = std::max((high - low) / top, 1e-8f), inv = 1.f / scale;
-      for (int64_t d = 0; d < dim; ++d) q[d] = static_cast<uint8_t>(std::min(std::floor((x[d] - low) * inv + .5f), top));
+      for (int64_t d = 0; d < dim; ++d)
+        q[d] = static_cast<uint8_t>(std::min(std::floor((x[d] - low) * inv + .5f), top));
       uint8_t* out = to + slot * row_bytes;
       if (bits == 8) {
         std::memcpy(out, q.data(), dim);

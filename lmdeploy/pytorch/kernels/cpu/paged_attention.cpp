@@ -96,7 +96,8 @@ torch::Tensor attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tens
                              const torch::Tensor& table, const torch::Tensor& seqs, const torch::Tensor& lengths,
                              double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "bad shapes");
-  TORCH_CHECK(quant.bits || (q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type()),
+  TORCH_CHECK(quant.bits ||
+                  (q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type()),
               "q and the caches must share a dtype");
   if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();
   k_cache = k_cache.contiguous();

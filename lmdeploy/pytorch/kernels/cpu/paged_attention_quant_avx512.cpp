@@ -1,10 +1,11 @@
 // The AVX-512 path of paged attention over int8 and int4 caches (bf16 queries, head_dim 64 or 128); the
-// codes are read as they are, a quarter or half of a bf16 cache's bytes, and never written back out
+// codes are read as they are, half or a quarter of a bf16 cache's bytes, and never written back out
 // dequantized. Same task layout and online softmax as paged_attention_avx512.cpp.
 // Scores: a key row is scale * codes + zero, so q . k = scale * (q . codes) + zero * sum(q). Each task
 // rounds its query heads once to int16 (q ~ step * q16, 1/65534 of the largest |q| at worst) and q16 .
 // codes is an exact integer dot product (vpdpwssd, 32 codes a step, the same count as the bf16 path's
-// vdpbf16ps), each key's codes widened to int16 once for all query heads of its KV head. Values: each row is dequantized in registers (codes to fp32, one fma) and accumulated.
+// vdpbf16ps), each key's codes widened to int16 once for all query heads of its KV head. Values: each
+// row is dequantized in registers (codes to fp32, one fma) and accumulated.
 #include "attention_avx512.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)

@@ -39,8 +39,7 @@ _REDUCE_SPLITS = 64  # splits the reduce kernel merges per step
 
 @triton.jit(do_not_specialize=['num_splits', 'stride_tb'])
 def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, table_ptr, lens_ptr, part_out_ptr, part_lse_ptr,
-                         scale,
-                         num_heads, group, num_splits,
+                         scale, num_heads, group, num_splits,
                          stride_qb, stride_qh, stride_cb, stride_ch, stride_cs, stride_tb,
                          HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGES: tl.constexpr,
                          BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, NUM_STAGES: tl.constexpr,
@@ -145,10 +144,11 @@ def decode_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     part_lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(batch, num_kv_heads, splits)](
         q, k_cache, v_cache, k_scales_zeros, v_scales_zeros, block_table, kv_lens, part_out, part_lse, scale,
-        num_heads, num_heads // num_kv_heads, splits, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_table.stride(0), HEAD_DIM=head_dim, BLOCK_SIZE=block_size, PAGES=config.pages,
+        num_heads, num_heads // num_kv_heads, splits, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), block_table.stride(0), HEAD_DIM=head_dim, BLOCK_SIZE=block_size, PAGES=config.pages,
         BLOCK_H=max(16, triton.next_power_of_2(num_heads // num_kv_heads)), BLOCK_D=block_d,
-        NUM_STAGES=config.num_stages, PRECISION=dot_precision(q.dtype), BITS=quant_policy, num_warps=config.num_warps)
+        NUM_STAGES=config.num_stages, PRECISION=dot_precision(q.dtype), BITS=quant_policy,
+        num_warps=config.num_warps)
     out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
     _decode_reduce_kernel[(batch, num_heads)](part_out, part_lse, out, splits, out.stride(0), out.stride(1),
                                               HEAD_DIM=head_dim, BLOCK_S=_REDUCE_SPLITS, BLOCK_D=block_d)
