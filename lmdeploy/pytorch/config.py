@@ -59,6 +59,6 @@ class ModelConfig:
 
     def kv_bytes_per_token(self) -> int:
         """Bytes of KV cache one token takes across all layers, scales and zero points included."""
-        per_block = sum(torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        per_layer = sum(torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
                         for shape, dtype in self.kv_cache_shapes(1, 1))
-        return self.num_layers * per_block
+        return self.num_layers * per_layer
