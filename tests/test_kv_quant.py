@@ -272,3 +272,14 @@ def test_vision_language_model(tmp_path):
             again = pipe(prompts[0], gen_config=GREEDY_24)
             assert again.cached_tokens > 0 and again.token_ids == outs[-1][0]
     assert outs[0] == outs[1] and preempted
+
+
+def test_tensor_parallel_ranks_quantize_their_own_heads(tiny_llama, outputs):
+    """tp=2: each rank holds int8 codes and scales for its one KV head; the tokens are tp=1's."""
+    prompts, out = outputs
+    engine = make_engine(tiny_llama, quant_policy=8, tp=2)
+    try:
+        assert run(engine, prompts, GREEDY_24) == out[8]
+        assert [t.shape[1] for t in engine.runner.kv_caches[0]] == [1] * 4
+    finally:
+        engine.close()
