@@ -283,3 +283,15 @@ def test_tensor_parallel_ranks_quantize_their_own_heads(tiny_llama, outputs):
         assert [t.shape[1] for t in engine.runner.kv_caches[0]] == [1] * 4
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize('policy', [8, 4])
+def test_decode_graphs_with_a_quantized_cache(tiny_llama, policy):
+    """The decode graph runner (capture replaced by a recorder, see test_cuda_graph.py) with padded
+    batches writing codes and scales to the scratch block gives the eager tokens."""
+    from test_cuda_graph import MAX_BATCH, generate, ragged_requests, with_recorded_graphs
+    requests = ragged_requests()
+    eager = generate(make_engine(tiny_llama, max_batch_size=MAX_BATCH, quant_policy=policy), requests)
+    engine = with_recorded_graphs(make_engine(tiny_llama, max_batch_size=MAX_BATCH, quant_policy=policy))
+    assert generate(engine, requests) == eager
+    assert all(graph.replays > 0 for graph in engine.runner.graphs.graphs.values())
