@@ -1,4 +1,5 @@
-"""Throughput of the Triton kernels on one GPU: paged decode attention (GB/s against HBM), fused MoE
+"""Throughput of the Triton kernels on one GPU: paged decode attention (GB/s against HBM; also over int8
+and int4 KV caches, against bf16), fused MoE
 (TFLOP/s against bf16 dense peak, next to the unfused torch twin) and causal prefill attention.
 
     python benchmark/kernel_bench.py --device cuda           # the figures
@@ -29,6 +30,7 @@ QWEN3_30B_A3B = (128, 8, 2048, 768)  # experts, top-k, hidden, moe intermediate
 
 DECODE_CASES = [(1, 32768, 0), (1, 8192, 0), (8, 8192, 0), (16, 32768, 0), (64, 4096, 0), (128, 2048, 0),
                 (1, 8192, 512)]  # (batch, ctx, block-table width in pages; 0: just wide enough)
+KV_QUANT_CASES = [(64, 1024, 0), (64, 4096, 0)]  # int8/int4 caches against bf16
 MOE_TOKENS = [1, 64, 1024, 2048, 4096, 8192]
 TWIN_TOKENS = {1, 64, 1024}
 PREFILL_TOKENS = [4096, 16384]
@@ -94,17 +96,27 @@ def copies_beyond_l2(nbytes: int, device: str) -> int:
 
 
 def decode_attention(device: str, dtype: torch.dtype, cases: list[tuple[int, int, int]],
-                     configs: list | None = None) -> None:
-    """GB/s of K and V read, per ``(batch, ctx, table width)`` case, for the table's or the given configs."""
+                     configs: list | None = None, quant_policy: int = 0) -> dict[tuple[int, int, int], float]:
+    """GB/s of K and V read (codes, scales and zeros with ``quant_policy`` 8 or 4), per ``(batch, ctx, table
+    width)`` case, for the table's or the given configs; returns the table config's seconds per case."""
     from lmdeploy.pytorch.kernels.cuda.decode_attention import decode_attention_with, decode_config
+    seconds = {}
     for batch, ctx, width in cases:
         pages = -(-ctx // BLOCK_SIZE)
         width = width or pages
-        label = f'decode attention  batch {batch:3d} ctx {ctx:6d}' + (f' in a {width}-page table' * (width > pages))
-        nbytes = 2 * batch * ctx * NUM_KV_HEADS * HEAD_DIM * torch.finfo(dtype).bits // 8
+        label = (f'decode attention  batch {batch:3d} ctx {ctx:6d}' + (f' in a {width}-page table' * (width > pages))
+                 + (f' int{quant_policy}' if quant_policy else ''))
+        row_bytes = HEAD_DIM * quant_policy // 8 + 8 if quant_policy else HEAD_DIM * torch.finfo(dtype).bits // 8
+        nbytes = 2 * batch * ctx * NUM_KV_HEADS * row_bytes
         copies = copies_beyond_l2(nbytes, device)
         shape = (copies * batch * pages, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
-        k_cache, v_cache = (torch.randn(shape, device=device, dtype=dtype) for _ in range(2))
+        quant = ()
+        if quant_policy:
+            codes = (*shape[:3], HEAD_DIM * quant_policy // 8)
+            k_cache, v_cache = (torch.randint(0, 256, codes, device=device, dtype=torch.uint8) for _ in range(2))
+            quant = tuple(torch.rand(*shape[:3], 2, device=device) * 0.01 for _ in range(2)) + (quant_policy,)
+        else:
+            k_cache, v_cache = (torch.randn(shape, device=device, dtype=dtype) for _ in range(2))
         tables = torch.zeros(copies, batch, width, dtype=torch.int32, device=device)
         tables[:, :, :pages] = torch.randperm(shape[0], device=device, dtype=torch.int32).view(copies, batch, pages)
         lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
@@ -113,15 +125,27 @@ def decode_attention(device: str, dtype: torch.dtype, cases: list[tuple[int, int
         for config in configs or [table_config]:
             if out_of_time(label):
                 continue
-            calls = [partial(decode_attention_with, q, k_cache, v_cache, table, lens, HEAD_DIM**-0.5, config)
+            calls = [partial(decode_attention_with, q, k_cache, v_cache, table, lens, HEAD_DIM**-0.5, config, *quant)
                      for table in tables]
             sec = graph_seconds(calls, device)
+            if config == table_config:
+                seconds[(batch, ctx, width)] = sec
             gbs = nbytes / sec / 1e9
             print(f'{label}: {sec * 1e6:8.1f} us {gbs:7.1f} GB/s  {100 * gbs / COPY_GBS:5.1f}% of {COPY_GBS:.0f} '
                   f'(copy)  {100 * gbs / PEAK_GBS:5.1f}% of {PEAK_GBS:.0f} (peak)  '
                   f'{"*" * (config == table_config)}{config}', flush=True)
         del k_cache, v_cache
+    return seconds
 
+
+def decode_attention_quantized(device: str, dtype: torch.dtype, cases: list[tuple[int, int, int]]) -> None:
+    """Decode attention over int8 and int4 caches against ``dtype`` at the same shapes: time ratios."""
+    plain = decode_attention(device, dtype, cases)
+    for policy in (8, 4):
+        for case, sec in decode_attention(device, dtype, cases, quant_policy=policy).items():
+            if case in plain:
+                print(f'decode attention  batch {case[0]:3d} ctx {case[1]:6d}: int{policy} {plain[case] / sec:5.2f}x '
+                      f'the speed of {str(dtype).removeprefix("torch.")}', flush=True)
 
 def fused_moe(device: str, dtype: torch.dtype, dims: tuple[int, int, int, int], token_counts: list[int],
               twin_tokens: set[int], configs: list | None = None) -> None:
@@ -209,10 +233,12 @@ def main() -> None:
         sweep(args.device, dtype)
     elif args.device == 'cpu':
         decode_attention('cpu', dtype, [(2, 256, 0), (1, 128, 16)])
+        decode_attention_quantized('cpu', dtype, [(2, 256, 0)])
         fused_moe('cpu', dtype, (4, 2, 64, 32), [1, 8], {1})
         prefill_attention('cpu', dtype, [64], (4, 2, 32))
     else:
         decode_attention('cuda', dtype, DECODE_CASES)
+        decode_attention_quantized('cuda', dtype, KV_QUANT_CASES)
         fused_moe('cuda', dtype, QWEN3_30B_A3B, MOE_TOKENS, TWIN_TOKENS)
         prefill_attention('cuda', dtype, PREFILL_TOKENS, (NUM_HEADS, NUM_KV_HEADS, HEAD_DIM))
     print(f'kernel bench: {time.perf_counter() - start:.1f} s', flush=True)

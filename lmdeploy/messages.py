@@ -148,6 +148,11 @@ class PytorchEngineConfig:
     host, so that scheduling and input building overlap the device's work (None: on for CUDA, where
     the device runs asynchronously; on the CPU there is nothing to overlap). Outputs are the same.
 
+    ``quant_policy`` quantizes the KV cache: 0 keeps it in the model dtype, 8 stores K and V as int8 and
+    4 as int4 (two codes per byte), each token's row of each KV head with its own fp32 scale and zero
+    point (asymmetric min/max, LMDeploy's scheme); the cache then holds about 1.8x (int8) or 3x (int4)
+    as many tokens of a bf16 model (see docs/engine.md).
+
     ``tp`` splits the model over that many tensor-parallel ranks (see docs/scale_out.md): this process
     is rank 0 and ``distributed_executor_backend`` runs the others, ``'mp'`` as processes on this
     machine, ``'ray'`` as Ray actors (``pip install 'lmdeploy[ray]'``), on this machine or across a
@@ -172,6 +177,7 @@ class PytorchEngineConfig:
     eager_mode: bool = False
     overlap_schedule: bool | None = None
     load_format: Literal['auto', 'dummy'] = 'auto'
+    quant_policy: Literal[0, 4, 8] = 0
 
     def __post_init__(self):
         _check(self.dtype in ('auto', 'float32', 'bfloat16', 'float16'),
@@ -187,6 +193,8 @@ class PytorchEngineConfig:
         _check(self.distributed_executor_backend in ('mp', 'ray'),
                f"distributed_executor_backend must be 'mp' or 'ray', got {self.distributed_executor_backend!r}")
         _check(self.load_format in ('auto', 'dummy'), f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        _check(self.quant_policy in (0, 4, 8) and not isinstance(self.quant_policy, bool),
+               f'quant_policy must be 0 (off), 4 (int4 KV cache) or 8 (int8 KV cache), got {self.quant_policy!r}')
 
 
 @dataclass

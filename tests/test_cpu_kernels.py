@@ -250,8 +250,8 @@ def test_paged_prefill_attention(native, dtype, num_heads, num_kv_heads, head_di
     v = torch.empty_like(k)
     for row, (start, n, c) in enumerate(zip(q_start.tolist(), q_lens, ctx_lens)):
         blocks = table[row, :-(-c // block_size)]
-        k[start:start + n] = attention._gather_context(k_cache.float(), blocks, c)[:, c - n:].transpose(0, 1)
-        v[start:start + n] = attention._gather_context(v_cache.float(), blocks, c)[:, c - n:].transpose(0, 1)
+        k[start:start + n] = attention._gather_context(k_cache.float()[blocks], c)[:, c - n:].transpose(0, 1)
+        v[start:start + n] = attention._gather_context(v_cache.float()[blocks], c)[:, c - n:].transpose(0, 1)
     q = torch.randn(sum(q_lens), num_heads, head_dim).to(dtype)
     args = (table, q_start, torch.tensor(q_lens), torch.tensor(ctx_lens), max(q_lens), 0.3)
     out = native.paged_prefill_attention(q, k.to(dtype), v.to(dtype), k_cache, v_cache, *args)

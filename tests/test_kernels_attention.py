@@ -8,6 +8,7 @@ from kernel_env import DEVICE, DTYPES
 from lmdeploy.pytorch.kernels import attention
 from lmdeploy.pytorch.kernels import cuda as triton_kernels
 from lmdeploy.pytorch.kernels.cuda.decode_attention import DecodeConfig, decode_attention_with, decode_config
+from lmdeploy.pytorch.kernels.kv_quant import quantize_kv
 
 pytestmark = pytest.mark.triton
 TOL = {torch.float32: 2e-3 if DEVICE == 'cuda' else 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
@@ -105,11 +106,46 @@ def test_prefill_attention(dtype, chunks):
     v = torch.empty_like(k)
     for row, (start, n, c) in enumerate(zip(q_start, q_lens, ctx_lens)):
         blocks = table[row, :-(-c // BLOCK_SIZE)]
-        k[start:start + n] = attention._gather_context(k_cache, blocks, c)[:, c - n:].transpose(0, 1)
-        v[start:start + n] = attention._gather_context(v_cache, blocks, c)[:, c - n:].transpose(0, 1)
+        k[start:start + n] = attention._gather_context(k_cache[blocks], c)[:, c - n:].transpose(0, 1)
+        v[start:start + n] = attention._gather_context(v_cache[blocks], c)[:, c - n:].transpose(0, 1)
     q = rand(sum(q_lens), num_heads, head_dim, dtype=dtype, seed=3)
     args = [torch.tensor(x, device=DEVICE) for x in (q_start, q_lens, ctx_lens)]
     out = triton_kernels.prefill_attention(q, k, v, k_cache, v_cache, table, *args, max(q_lens), 0.3)
     ref = attention.prefill_attention(q.float(), k.float(), v.float(), k_cache.float(), v_cache.float(), table,
                                       *args, max(q_lens), 0.3)
+    assert_close(out, ref, dtype)
+
+
+def quantize_case(k_cache, v_cache, bits):
+    """``(k_codes, v_codes, k_sz, v_sz)`` of float caches, as the torch twin's fill writes them."""
+    (k, k_sz), (v, v_sz) = quantize_kv(k_cache, bits), quantize_kv(v_cache, bits)
+    return k, v, k_sz, v_sz
+
+
+@pytest.mark.parametrize('bits', [8, 4])
+@pytest.mark.parametrize('dtype', DTYPES)
+def test_decode_attention_quantized(dtype, bits):
+    """int8/int4 caches, dequantized as they are loaded, against the twin (which dequantizes the blocks)."""
+    q, k_cache, v_cache, table, kv_lens = paged_case([1, 37, 16, 90], 6, 2, dtype, 8)
+    k, v, k_sz, v_sz = quantize_case(k_cache, v_cache, bits)
+    out = triton_kernels.decode_attention(q, k, v, table, kv_lens, 0.2, k_sz, v_sz, bits)
+    ref = attention.decode_attention(q.float(), k, v, table, kv_lens, 0.2, k_sz, v_sz, bits)
+    assert_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize('bits', [8, 4])
+@pytest.mark.parametrize('dtype', DTYPES)
+def test_prefill_attention_quantized(dtype, bits):
+    """With a quantized cache the chunk's own K/V are read back from the cache (the fresh ones are not used)."""
+    chunks = [(5, 5), (20, 45), (1, 17), (70, 70), (3, 100)]  # (q_len, ctx_len)
+    num_heads, num_kv_heads, head_dim = 4, 2, 32
+    ctx_lens, q_lens = [c for _, c in chunks], [n for n, _ in chunks]
+    k_cache, v_cache, table = paged_cache(ctx_lens, num_kv_heads, head_dim, dtype, seed=2)
+    k, v, k_sz, v_sz = quantize_case(k_cache, v_cache, bits)
+    q = rand(sum(q_lens), num_heads, head_dim, dtype=dtype, seed=3)
+    fresh = torch.full((sum(q_lens), num_kv_heads, head_dim), float('nan'), dtype=dtype, device=DEVICE)
+    args = [torch.tensor(x, device=DEVICE) for x in ([sum(q_lens[:i]) for i in range(len(q_lens))], q_lens, ctx_lens)]
+    out = triton_kernels.prefill_attention(q, fresh, fresh, k, v, table, *args, max(q_lens), 0.3, k_sz, v_sz, bits)
+    ref = attention.prefill_attention(q.float(), fresh.float(), fresh.float(), k, v, table, *args, max(q_lens), 0.3,
+                                      k_sz, v_sz, bits)
     assert_close(out, ref, dtype)

@@ -63,6 +63,26 @@ def test_fill_kv_cache(dtype):
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
 
 
+@pytest.mark.parametrize('bits', [8, 4])
+@pytest.mark.parametrize('dtype', DTYPES)
+def test_fill_kv_cache_quantized(dtype, bits):
+    """int8/int4 codes and (scale, zero) per row, as the torch twin writes them (head_dim 20: masked lanes)."""
+    kv = rand(6, 2 * 3, 20, dtype=dtype)
+    k, v = kv[:, :3], kv[:, 3:]
+    blocks = torch.tensor([4, 4, 1, 0, 0, 2], device=DEVICE)
+    offsets = torch.tensor([0, 3, 7, 1, 2, 5], device=DEVICE)
+    caches = [[torch.zeros(5, 3, 8, 20 * bits // 8, dtype=torch.uint8, device=DEVICE) for _ in range(2)]
+              + [torch.zeros(5, 3, 8, 2, device=DEVICE) for _ in range(2)] for _ in range(2)]
+    triton_kernels.fill_kv_cache(k, v, *caches[0][:2], blocks, offsets, *caches[0][2:], bits)
+    attention.fill_kv_cache(k, v, *caches[1][:2], blocks, offsets, *caches[1][2:], bits)
+    for mine, ref in zip(caches[0], caches[1]):
+        if mine.dtype == torch.uint8:  # a code may be off by one where the GPU fuses a multiply-add
+            unpack = (lambda c: torch.cat((c & 15, c >> 4), -1)) if bits == 4 else (lambda c: c)
+            assert (unpack(mine).int() - unpack(ref).int()).abs().max() <= 1
+        else:
+            torch.testing.assert_close(mine, ref, atol=0, rtol=1e-6)
+
+
 def test_dispatch_on_cpu_picks_the_native_kernel_else_the_torch_twin(monkeypatch):
     x = torch.randn(3, 8)
     monkeypatch.setattr(kernels.cpu, 'native', lambda: None)

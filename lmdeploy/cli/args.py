@@ -31,6 +31,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--eager-mode', action='store_true', help='on CUDA, run decode steps without CUDA graphs')
     parser.add_argument('--load-format', default='auto', choices=['auto', 'dummy'],
                         help="'dummy': random weights at the model's shape (for speed tests; no weight files read)")
+    parser.add_argument('--quant-policy', type=int, default=0, choices=[0, 4, 8],
+                        help='KV-cache quantization: 0 off, 8 int8, 4 int4 (per-token, per-head scales and zeros)')
     parser.add_argument('--log-level', default='WARNING', choices=['DEBUG', 'INFO', 'WARNING', 'ERROR'])
 
 
@@ -41,7 +43,7 @@ def engine_config(args: argparse.Namespace) -> PytorchEngineConfig:
                                block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
                                tp=args.tp, distributed_executor_backend=args.distributed_executor_backend,
                                device=args.device, num_threads=args.num_threads, eager_mode=args.eager_mode,
-                               load_format=args.load_format)
+                               load_format=args.load_format, quant_policy=args.quant_policy)
 
 
 def add_generation_args(parser: argparse.ArgumentParser) -> None:

@@ -27,9 +27,10 @@ class ModelConfig:
     dtype: torch.dtype
     tie_word_embeddings: bool = False
     mm_config: PretrainedConfig | None = None
+    quant_policy: int = 0  # KV cache: 0 in ``dtype``, 8 int8, 4 int4 (see PytorchEngineConfig)
 
     @classmethod
-    def from_hf(cls, config: PretrainedConfig, dtype: torch.dtype) -> ModelConfig:
+    def from_hf(cls, config: PretrainedConfig, dtype: torch.dtype, quant_policy: int = 0) -> ModelConfig:
         hf_config = config.get_text_config()
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, 'head_dim', None) or hf_config.hidden_size // num_heads
@@ -44,9 +45,20 @@ class ModelConfig:
                    max_position_embeddings=getattr(hf_config, 'max_position_embeddings', 4096),
                    dtype=dtype,
                    tie_word_embeddings=bool(getattr(config, 'tie_word_embeddings', False)),
-                   mm_config=None if hf_config is config else config)
+                   mm_config=None if hf_config is config else config,
+                   quant_policy=quant_policy)
+
+    def kv_cache_shapes(self, num_blocks: int, block_size: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """Shape and dtype of each tensor of one layer's cache: K and V, then with ``quant_policy`` their
+        scales and zero points (``kernels/kv_quant.py`` describes the layout)."""
+        rows = (num_blocks, self.num_kv_heads, block_size)
+        if not self.quant_policy:
+            return [((*rows, self.head_dim), self.dtype)] * 2
+        codes = ((*rows, self.head_dim * self.quant_policy // 8), torch.uint8)
+        return [codes, codes, ((*rows, 2), torch.float32), ((*rows, 2), torch.float32)]
 
     def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V cache one token takes across all layers."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+        """Bytes of KV cache one token takes across all layers, scales and zero points included."""
+        per_layer = sum(torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+                        for shape, dtype in self.kv_cache_shapes(1, 1))
+        return self.num_layers * per_layer

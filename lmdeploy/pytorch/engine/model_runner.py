@@ -53,10 +53,10 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         self.scratch_block = num_blocks
-        shape = (num_blocks + 1, cfg.num_kv_heads, block_size, cfg.head_dim)
         # Zeroed so that the padding read by batched decode never holds NaNs.
-        self.kv_caches = [(torch.zeros(shape, dtype=cfg.dtype, device=self.device),
-                           torch.zeros(shape, dtype=cfg.dtype, device=self.device)) for _ in range(cfg.num_layers)]
+        self.kv_caches = [tuple(torch.zeros(shape, dtype=dtype, device=self.device)
+                                for shape, dtype in cfg.kv_cache_shapes(num_blocks + 1, block_size))
+                          for _ in range(cfg.num_layers)]
         self.graphs: DecodeGraphRunner | None = None
 
     def capture_graphs(self, max_batch_size: int, max_blocks: int, make_graph=None) -> None:

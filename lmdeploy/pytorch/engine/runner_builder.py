@@ -79,7 +79,7 @@ def build_runner(model_dir: str, config: PytorchEngineConfig, device: torch.devi
     """This rank's shard of the model and its runner, with as many KV blocks as every rank can hold;
     returns the Hugging Face config, the whole model's config and the runner."""
     hf_config = load_hf_config(model_dir)
-    cfg = ModelConfig.from_hf(hf_config, resolve_dtype(config.dtype, config.device))
+    cfg = ModelConfig.from_hf(hf_config, resolve_dtype(config.dtype, config.device), config.quant_policy)
     with use_group(group):
         model = build_model(cfg, model_dir, device, config.load_format, show_progress)
         model.finalize_weights(device.type == 'cpu', uses_decode_int4(config, cfg, hf_config, device))

@@ -1,48 +1,70 @@
 """Paged-KV attention in torch: the CPU path and the reference for the CUDA kernels.
 
-A layer's cache is a pair of tensors ``[num_blocks, num_kv_heads, block_size, head_dim]``.
+A layer's cache is a pair of tensors ``[num_blocks, num_kv_heads, block_size, head_dim]``; with
+``quant_policy`` 8 or 4 they hold codes, and ``k_scales_zeros, v_scales_zeros`` their scales and zero
+points (``kv_quant.py``). Attention over a quantized cache dequantizes what it reads to ``q``'s dtype
+and always reads the cache, the chunk's own K/V included, so that a prompt attends over the same values
+whether its prefix came from the prefix cache, an earlier chunk or this one.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from lmdeploy.pytorch.kernels.kv_quant import dequantize_kv, quantize_kv
+
 
 def fill_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  blocks: torch.Tensor, offsets: torch.Tensor) -> None:
+                  blocks: torch.Tensor, offsets: torch.Tensor, k_scales_zeros: torch.Tensor | None = None,
+                  v_scales_zeros: torch.Tensor | None = None, quant_policy: int = 0) -> None:
     """Writes ``k, v [T, H_kv, D]``; token ``i`` goes to block ``blocks[i]`` at ``offsets[i]``."""
+    if quant_policy:
+        k, k_scales_zeros[blocks, :, offsets] = quantize_kv(k, quant_policy)
+        v, v_scales_zeros[blocks, :, offsets] = quantize_kv(v, quant_policy)
     k_cache[blocks, :, offsets] = k
     v_cache[blocks, :, offsets] = v
 
 
-def _gather_context(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
-    """``[H_kv, length, D]``: one sequence's first ``length`` cached tokens."""
-    num_kv_heads, head_dim = cache.shape[1], cache.shape[3]
-    return cache[blocks].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :length]
+def _blocks(cache: torch.Tensor, scales_zeros: torch.Tensor | None, ids: torch.Tensor, quant_policy: int,
+            dtype: torch.dtype) -> torch.Tensor:
+    """The cache blocks ``ids``, ``[len(ids), H_kv, block_size, D]`` in ``dtype``."""
+    blocks = cache.index_select(0, ids)
+    if not quant_policy:
+        return blocks
+    return dequantize_kv(blocks, scales_zeros.index_select(0, ids), quant_policy, dtype)
+
+
+def _gather_context(blocks: torch.Tensor, length: int) -> torch.Tensor:
+    """``[H_kv, length, D]``: one sequence's first ``length`` tokens from its ``blocks``."""
+    num_kv_heads, head_dim = blocks.shape[1], blocks.shape[3]
+    return blocks.transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :length]
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, block_table: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor,
-                      ctx_len: torch.Tensor, max_q_len: int, scale: float) -> torch.Tensor:
+                      ctx_len: torch.Tensor, max_q_len: int, scale: float, k_scales_zeros: torch.Tensor | None = None,
+                      v_scales_zeros: torch.Tensor | None = None, quant_policy: int = 0) -> torch.Tensor:
     """Causal attention of the packed chunks ``q [T, H, D]`` over their contexts; returns ``[T, H, D]``.
 
     Sequence ``s`` owns rows ``q_start[s]:q_start[s] + q_len[s]`` of ``q`` and of the fresh
     ``k, v [T, H_kv, D]``; its context is ``ctx_len[s]`` tokens in the blocks of ``block_table[s]``
-    (already holding this chunk). A chunk that is its whole context uses the fresh K/V directly.
+    (already holding this chunk). A chunk that is its whole context uses the fresh K/V directly,
+    unless the cache is quantized.
     ``max_q_len`` sizes the GPU launch; here each sequence is one SDPA call.
     """
     out = torch.empty_like(q)
     block_size = k_cache.shape[2]
     for row, (start, length, context_len) in enumerate(zip(q_start.tolist(), q_len.tolist(), ctx_len.tolist())):
         qt = q[start:start + length].transpose(0, 1).unsqueeze(0)
-        if context_len == length:
+        if context_len == length and not quant_policy:
             kt = k[start:start + length].transpose(0, 1).unsqueeze(0)
             vt = v[start:start + length].transpose(0, 1).unsqueeze(0)
             chunk = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
         else:
             blocks = block_table[row, :-(-context_len // block_size)]
-            kt = _gather_context(k_cache, blocks, context_len).unsqueeze(0)
-            vt = _gather_context(v_cache, blocks, context_len).unsqueeze(0)
+            kt = _gather_context(_blocks(k_cache, k_scales_zeros, blocks, quant_policy, q.dtype), context_len)
+            vt = _gather_context(_blocks(v_cache, v_scales_zeros, blocks, quant_policy, q.dtype), context_len)
+            kt, vt = kt.unsqueeze(0), vt.unsqueeze(0)
             q_pos = torch.arange(context_len - length, context_len, device=q.device).unsqueeze(1)
             mask = torch.arange(context_len, device=q.device).unsqueeze(0) <= q_pos
             chunk = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
@@ -51,7 +73,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                     kv_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                     kv_lens: torch.Tensor, scale: float, k_scales_zeros: torch.Tensor | None = None,
+                     v_scales_zeros: torch.Tensor | None = None, quant_policy: int = 0) -> torch.Tensor:
     """One new token per sequence: ``q [B, H, D]`` over ``kv_lens [B]`` tokens in ``block_table [B, N]``.
 
     Scores are computed block by block on the gathered blocks, so K/V are never copied into a
@@ -61,8 +84,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     num_blocks = block_table.shape[1]
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    k = k_cache.index_select(0, block_table.flatten()).view(batch, num_blocks, num_kv_heads, block_size, head_dim)
-    v = v_cache.index_select(0, block_table.flatten()).view(batch, num_blocks, num_kv_heads, block_size, head_dim)
+    ids = block_table.flatten()
+    shape = (batch, num_blocks, num_kv_heads, block_size, head_dim)
+    k = _blocks(k_cache, k_scales_zeros, ids, quant_policy, q.dtype).view(shape)
+    v = _blocks(v_cache, v_scales_zeros, ids, quant_policy, q.dtype).view(shape)
     qg = q.view(batch, 1, num_kv_heads, group, head_dim)
     scores = torch.matmul(qg, k.transpose(-1, -2))
     scores = scores.permute(0, 2, 3, 1, 4).reshape(batch, num_kv_heads, group, -1).float() * scale

@@ -20,7 +20,7 @@ from lmdeploy.pytorch.nn.rotary import RotaryEmbedding
 from lmdeploy.pytorch.step_context import StepContext
 from lmdeploy.pytorch.weights.safetensors_loader import WeightSource, read_shard
 
-KVCache = tuple[torch.Tensor, torch.Tensor]
+KVCache = tuple[torch.Tensor, ...]  # see PagedAttention
 QKV_BIAS_MODEL_TYPES = ('qwen2', 'qwen2_vl_text', 'qwen2_5_vl_text')
 DECODE_INT4_LAYERS = ('qkv_proj', 'o_proj', 'gate_up_proj', 'down_proj')
 # what a checkpoint tensor fills: a whole parameter (its name) or one shard of a merged one (name, shard)
@@ -44,7 +44,8 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, hf.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, hf.rms_norm_eps)
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5,
+                                   cfg.quant_policy)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache, ctx: StepContext) -> torch.Tensor:
         heads = self.num_heads + 2 * self.num_kv_heads
@@ -172,7 +173,7 @@ class LlamaForCausalLM(nn.Module):
         self.native_stack = NativeDecoderStack.build(
             [layer.native_weights() for layer in self.layers], attn.num_heads, attn.num_kv_heads, attn.head_dim,
             self.layers[0].input_layernorm.eps, attn.attn.scale,
-            max(module.kernel.small_step_rows for _, module in projections))
+            max(module.kernel.small_step_rows for _, module in projections), self.cfg.quant_policy)
 
     def weight_target(self, name: str) -> WeightTarget | None:
         """Where a Hugging Face tensor (name without ``model.``) goes: the tensor or slice to fill, what it

@@ -9,28 +9,33 @@ from lmdeploy.pytorch.step_context import StepContext
 
 
 class PagedAttention(nn.Module):
-    """Stores this step's K/V in the cache, then attends each token over its context."""
+    """Stores this step's K/V in the cache, then attends each token over its context.
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    A layer's cache is ``(k_cache, v_cache)``, or with ``quant_policy`` 8 or 4
+    ``(k_codes, v_codes, k_scales_zeros, v_scales_zeros)`` (see ``kernels/kv_quant.py``)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, quant_policy: int = 0):
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.quant_policy = quant_policy
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], ctx: StepContext) -> torch.Tensor:
+                kv_cache: tuple[torch.Tensor, ...], ctx: StepContext) -> torch.Tensor:
         """``q [T, H, D]``, ``k, v [T, H_kv, D]`` -> ``[T, H * D]``."""
-        k_cache, v_cache = kv_cache
-        fill_kv_cache(k, v, k_cache, v_cache, ctx.kv_blocks, ctx.kv_offsets)
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        quant = (*kv_cache[2:], self.quant_policy) if self.quant_policy else ()
+        fill_kv_cache(k, v, k_cache, v_cache, ctx.kv_blocks, ctx.kv_offsets, *quant)
         num_prefill = ctx.num_prefill_tokens
         parts = []
         if ctx.prefill_q_len is not None:
             parts.append(prefill_attention(q[:num_prefill], k[:num_prefill], v[:num_prefill], k_cache, v_cache,
                                            ctx.prefill_block_table, ctx.prefill_q_start, ctx.prefill_q_len,
-                                           ctx.prefill_ctx_len, ctx.prefill_max_q_len, self.scale))
+                                           ctx.prefill_ctx_len, ctx.prefill_max_q_len, self.scale, *quant))
         if ctx.decode_blocks is not None:
             parts.append(decode_attention(q[num_prefill:], k_cache, v_cache, ctx.decode_blocks, ctx.decode_kv_lens,
-                                          self.scale))
+                                          self.scale, *quant))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return out.flatten(1)

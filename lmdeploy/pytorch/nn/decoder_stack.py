@@ -31,22 +31,24 @@ class NativeDecoderStack:
 
     @classmethod
     def build(cls, layers: list[LayerWeights | None], num_heads: int, num_kv_heads: int, head_dim: int,
-              eps: float, scale: float, small_step_rows: int) -> NativeDecoderStack | None:
+              eps: float, scale: float, small_step_rows: int, quant_policy: int = 0) -> NativeDecoderStack | None:
         """The stack of ``layers`` (each from a layer's ``native_weights``, which holds native GEMM
         panels, so the native kernels are loaded), or None when a layer cannot run in it or the layers
-        are tensor-parallel (the stack has no collectives)."""
+        are tensor-parallel (the stack has no collectives). ``quant_policy`` is the KV cache's."""
         if current_group().world_size > 1 or any(weights is None for weights in layers):
             return None
         native = cpu.native()
-        return cls(native, native.DecoderStack(layers, num_heads, num_kv_heads, head_dim, eps, scale), small_step_rows)
+        return cls(native, native.DecoderStack(layers, num_heads, num_kv_heads, head_dim, eps, scale, quant_policy),
+                   small_step_rows)
 
     def runs(self, num_tokens: int) -> bool:
         """Whether a step of ``num_tokens`` tokens runs in the stack."""
         return num_tokens > self.small_step_rows
 
-    def __call__(self, x: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    def __call__(self, x: torch.Tensor, kv_caches: list[tuple[torch.Tensor, ...]],
                  ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """The embeddings ``x`` through every layer: ``(hidden states, residual)``."""
+        """The embeddings ``x`` through every layer: ``(hidden states, residual)``; each layer's cache as
+        :class:`~lmdeploy.pytorch.nn.attention.PagedAttention` takes it."""
         step = self.native.StepTensors(ctx.cos, ctx.sin, ctx.kv_blocks, ctx.kv_offsets, ctx.num_prefill_tokens,
                                        ctx.prefill_block_table, ctx.prefill_q_start, ctx.prefill_q_len,
                                        ctx.prefill_ctx_len, ctx.prefill_max_q_len, ctx.decode_blocks,

@@ -2,8 +2,14 @@
 #include "common.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention");
-  m.def("paged_prefill_attention", &paged_prefill_attention, "causal attention of prefill chunks over the caches");
+  namespace py = pybind11;
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention", py::arg("q"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("block_table"), py::arg("kv_lens"), py::arg("scale"),
+        py::arg("k_scales_zeros") = py::none(), py::arg("v_scales_zeros") = py::none(), py::arg("quant_policy") = 0);
+  m.def("paged_prefill_attention", &paged_prefill_attention, "causal attention of prefill chunks over the caches",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),
+        py::arg("q_start"), py::arg("q_len"), py::arg("ctx_len"), py::arg("max_q_len"), py::arg("scale"),
+        py::arg("k_scales_zeros") = py::none(), py::arg("v_scales_zeros") = py::none(), py::arg("quant_policy") = 0);
   m.def("rms_norm", &rms_norm, "RMSNorm with an optional fused residual add", pybind11::arg("x"),
         pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("residual") = pybind11::none());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
@@ -11,7 +17,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("apply_token_bitmask", &apply_token_bitmask, "-inf where a grammar's token bitmask has a 0 bit");
   m.def("apply_rotary", &apply_rotary, "rotary embedding, rotate-half layout");
   m.def("bind_worker_threads", &bind_worker_threads, "pin the calling thread's OpenMP workers to CPUs");
-  m.def("fill_kv_cache", &fill_kv_cache, "write K/V rows into the paged caches");
+  m.def("fill_kv_cache", &fill_kv_cache, "write K/V rows (or their int8/int4 codes) into the paged caches",
+        py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("blocks"), py::arg("offsets"),
+        py::arg("k_scales_zeros") = py::none(), py::arg("v_scales_zeros") = py::none(), py::arg("quant_policy") = 0);
   m.def("bf16_gemm_available", &bf16_gemm_available, "whether bf16_linear was built (AVX512-BF16)");
   m.def("pack_bf16_weight", &pack_bf16_weight, "a bf16 [N, K] weight in bf16_linear's panel layout");
   m.def("bf16_linear", &bf16_linear, "x @ W.T (+ bias) on a weight from pack_bf16_weight", pybind11::arg("x"),
@@ -26,6 +34,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           c10::optional<torch::Tensor>>());
   pybind11::class_<DecoderStack>(m, "DecoderStack", "Llama-style decoder layers in one call per step")
       .def(pybind11::init<const std::vector<std::vector<c10::optional<torch::Tensor>>>&, int64_t, int64_t, int64_t,
-                          double, double>())
+                          double, double, int64_t>())
       .def("forward", &DecoderStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

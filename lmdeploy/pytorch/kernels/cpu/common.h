@@ -81,22 +81,76 @@ inline void softmax(float* x, int64_t n) {
   for (int64_t t = 0; t < n; ++t) x[t] *= inv;
 }
 
+// A cache row's values in fp32: the row at `slot` ((block * H_kv + kv head) * block_size + token) of a
+// cache in the model dtype T, or of a quantized one (kv_quant.py: codes and (scale, zero) per row).
+template <typename T>
+struct DenseRows {
+  const T* data;
+  int64_t dim;
+  void operator()(int64_t slot, float* out) const {
+    const T* row = data + slot * dim;
+#pragma omp simd
+    for (int64_t d = 0; d < dim; ++d) out[d] = to_float(row[d]);
+  }
+};
+template <int BITS>
+struct QuantRows {
+  const uint8_t* codes;
+  const float* scales_zeros;
+  int64_t dim;
+  void operator()(int64_t slot, float* out) const {
+    const float scale = scales_zeros[2 * slot], zero = scales_zeros[2 * slot + 1];
+    if constexpr (BITS == 8) {
+      const uint8_t* row = codes + slot * dim;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<float>(row[d]) * scale + zero;
+    } else {  // byte j: dimension j in the low nibble, j + dim / 2 in the high one
+      const int64_t half = dim / 2;
+      const uint8_t* row = codes + slot * half;
+#pragma omp simd
+      for (int64_t j = 0; j < half; ++j) {
+        out[j] = static_cast<float>(row[j] & 15) * scale + zero;
+        out[j + half] = static_cast<float>(row[j] >> 4) * scale + zero;
+      }
+    }
+  }
+};
+
+// The KV cache's scales and zero points and its quant_policy (0: a cache in the model dtype, no scales).
+struct KVQuant {
+  torch::Tensor k_scales_zeros, v_scales_zeros;
+  int64_t bits = 0;
+};
+// Checks a quantized cache's shapes and makes its scales contiguous fp32 (a no-op when already).
+KVQuant kv_quant(const torch::Tensor& k_cache, const torch::Tensor& v_cache, int64_t head_dim,
+                 const c10::optional<torch::Tensor>& k_scales_zeros, const c10::optional<torch::Tensor>& v_scales_zeros,
+                 int64_t quant_policy);
+
 // Fills `out` and returns true where the AVX-512 path applies (bf16, head_dim 64 or 128); the
 // arguments are those of attention_rows in paged_attention.cpp: int64 and contiguous, but for q's
 // row stride and `seqs`, which may be undefined.
 bool attention_rows_avx512(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                            const torch::Tensor& table, const torch::Tensor& seqs, const torch::Tensor& lengths,
                            double scale, torch::Tensor& out);
+// The same for int8 and int4 caches (paged_attention_quant_avx512.cpp).
+bool attention_rows_quant_avx512(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                                 const KVQuant& quant, const torch::Tensor& table, const torch::Tensor& seqs,
+                                 const torch::Tensor& lengths, double scale, torch::Tensor& out);
 // Fills `out` and returns true where the AVX512-BF16 prefill path applies (bf16, head_dim 64 or 128);
 // the arguments are paged_prefill_attention's, int64 and contiguous but for q's token stride.
 bool prefill_attention_avx512(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                              const torch::Tensor& table, const torch::Tensor& starts, const torch::Tensor& counts,
-                              const torch::Tensor& contexts, double scale, torch::Tensor& out);
+                              const KVQuant& quant, const torch::Tensor& table, const torch::Tensor& starts,
+                              const torch::Tensor& counts, const torch::Tensor& contexts, double scale,
+                              torch::Tensor& out);
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_table, torch::Tensor kv_lens, double scale);
+                                     torch::Tensor block_table, torch::Tensor kv_lens, double scale,
+                                     c10::optional<torch::Tensor> k_scales_zeros,
+                                     c10::optional<torch::Tensor> v_scales_zeros, int64_t quant_policy);
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
                                       torch::Tensor v_cache, torch::Tensor block_table, torch::Tensor q_start,
-                                      torch::Tensor q_len, torch::Tensor ctx_len, int64_t max_q_len, double scale);
+                                      torch::Tensor q_len, torch::Tensor ctx_len, int64_t max_q_len, double scale,
+                                      c10::optional<torch::Tensor> k_scales_zeros,
+                                      c10::optional<torch::Tensor> v_scales_zeros, int64_t quant_policy);
 std::tuple<torch::Tensor, torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
                                                   c10::optional<torch::Tensor> residual);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
@@ -104,7 +158,8 @@ torch::Tensor argmax(torch::Tensor x);
 void apply_token_bitmask(torch::Tensor x, torch::Tensor bitmask, std::vector<int64_t> rows);
 torch::Tensor apply_rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 void fill_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
-                   torch::Tensor blocks, torch::Tensor offsets);
+                   torch::Tensor blocks, torch::Tensor offsets, c10::optional<torch::Tensor> k_scales_zeros,
+                   c10::optional<torch::Tensor> v_scales_zeros, int64_t quant_policy);
 void bind_worker_threads(const std::vector<int64_t>& cpus);
 bool bf16_gemm_available();
 torch::Tensor pack_bf16_weight(const torch::Tensor& weight);
@@ -125,11 +180,12 @@ struct StepTensors {
 class DecoderStack {
  public:
   DecoderStack(const std::vector<std::vector<c10::optional<torch::Tensor>>>& layers, int64_t num_heads,
-               int64_t num_kv_heads, int64_t head_dim, double eps, double scale);
+               int64_t num_kv_heads, int64_t head_dim, double eps, double scale, int64_t quant_policy);
   // The embeddings x through every layer: (hidden states, residual), as the layers' forward leaves them.
-  std::tuple<torch::Tensor, torch::Tensor> forward(
-      torch::Tensor x, const std::vector<std::tuple<torch::Tensor, torch::Tensor>>& kv_caches,
-      const StepTensors& step) const;
+  // A layer's cache is (k, v), or (k codes, v codes, k scales and zeros, v scales and zeros).
+  std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor x,
+                                                   const std::vector<std::vector<torch::Tensor>>& kv_caches,
+                                                   const StepTensors& step) const;
 
  private:
   struct Layer {
@@ -142,9 +198,9 @@ class DecoderStack {
     torch::Tensor down;
     c10::optional<torch::Tensor> down_bias;
   };
-  torch::Tensor attention(const torch::Tensor& qkv, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+  torch::Tensor attention(const torch::Tensor& qkv, const std::vector<torch::Tensor>& cache,
                           const StepTensors& step) const;
   std::vector<Layer> layers_;
-  int64_t num_heads_, num_kv_heads_, head_dim_;
+  int64_t num_heads_, num_kv_heads_, head_dim_, quant_policy_;
   double eps_, scale_;
 };

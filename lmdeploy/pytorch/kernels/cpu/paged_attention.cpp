@@ -28,37 +28,36 @@ inline void dots(const float* query, const float* key, int64_t group, int64_t he
   }
 }
 
-// Calls fn(t, row) for the cached tokens t < length of one KV head, each row converted to fp32.
-template <typename T, typename Fn>
-void for_each_cached_row(const T* cache, const int64_t* blocks, int64_t length, int64_t head_dim, int64_t block_size,
-                         int64_t block_stride, float* row, Fn fn) {
+// Calls fn(t, row) for the cached tokens t < length of one KV head (its rows from `head_slot` in each
+// block of `slots_per_block` rows), each row read as fp32 by `rows`.
+template <typename Rows, typename Fn>
+void for_each_cached_row(const Rows& rows, const int64_t* blocks, int64_t length, int64_t block_size,
+                         int64_t slots_per_block, int64_t head_slot, float* row, Fn fn) {
   for (int64_t start = 0; start < length; start += block_size) {
-    const T* block = cache + blocks[start / block_size] * block_stride;
+    const int64_t first = blocks[start / block_size] * slots_per_block + head_slot;
     const int64_t count = std::min(block_size, length - start);
     for (int64_t t = 0; t < count; ++t) {
-      const T* cached = block + t * head_dim;
-#pragma omp simd
-      for (int64_t d = 0; d < head_dim; ++d) row[d] = to_float(cached[d]);
+      rows(first + t, row);
       fn(start + t, row);
     }
   }
 }
 
-template <typename T>
-void decode_task(const T* q, const T* k_cache, const T* v_cache, const int64_t* blocks, int64_t length,
-                 int64_t group, int64_t head_dim, int64_t block_size, int64_t block_stride, float scale,
-                 T* out, std::vector<float>& scores, std::vector<float>& acc) {
-  // q, out: the group's `group` query heads, each `head_dim` long; block_stride: elements between blocks.
+template <typename T, typename Rows>
+void decode_task(const T* q, const Rows& k_rows, const Rows& v_rows, const int64_t* blocks, int64_t length,
+                 int64_t group, int64_t head_dim, int64_t block_size, int64_t slots_per_block, int64_t head_slot,
+                 float scale, T* out, std::vector<float>& scores, std::vector<float>& acc) {
+  // q, out: the group's `group` query heads, each `head_dim` long.
   scores.assign(group * length, 0.f);
   acc.assign(group * head_dim, 0.f);
   std::vector<float> query(group * head_dim), buffer(head_dim);
   for (int64_t i = 0; i < group * head_dim; ++i) query[i] = to_float(q[i]) * scale;
-  for_each_cached_row(k_cache, blocks, length, head_dim, block_size, block_stride, buffer.data(),
+  for_each_cached_row(k_rows, blocks, length, block_size, slots_per_block, head_slot, buffer.data(),
                       [&](int64_t t, const float* key) {
                         dots(query.data(), key, group, head_dim, scores.data() + t, length);
                       });
   for (int64_t h = 0; h < group; ++h) softmax(scores.data() + h * length, length);
-  for_each_cached_row(v_cache, blocks, length, head_dim, block_size, block_stride, buffer.data(),
+  for_each_cached_row(v_rows, blocks, length, block_size, slots_per_block, head_slot, buffer.data(),
                       [&](int64_t t, const float* value) {
                         for (int64_t h = 0; h < group; ++h) {
                           const float p = scores[h * length + t];
@@ -70,11 +69,11 @@ void decode_task(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
   for (int64_t i = 0; i < group * head_dim; ++i) out[i] = static_cast<T>(acc[i]);
 }
 
-template <typename T>
-void generic_rows(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t width,
+template <typename T, typename Rows>
+void generic_rows(const T* q, const Rows& k_rows, const Rows& v_rows, const int64_t* table, int64_t width,
                   const int64_t* seqs, const int64_t* lengths, int64_t rows, int64_t q_stride, int64_t num_heads,
                   int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, T* out) {
-  const int64_t group = num_heads / num_kv_heads, block_stride = num_kv_heads * block_size * head_dim;
+  const int64_t group = num_heads / num_kv_heads, slots_per_block = num_kv_heads * block_size;
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     std::vector<float> scores, acc;
@@ -82,10 +81,10 @@ void generic_rows(const T* q, const T* k_cache, const T* v_cache, const int64_t*
     for (int64_t task = 0; task < rows * num_kv_heads; ++task) {
       const int64_t row = task / num_kv_heads, kv_head = task % num_kv_heads;
       const int64_t head_offset = kv_head * group * head_dim, out_offset = row * num_heads * head_dim + head_offset;
-      const int64_t cache_offset = kv_head * block_size * head_dim, seq = seqs ? seqs[row] : row;
-      decode_task<T>(q + row * q_stride + head_offset, k_cache + cache_offset, v_cache + cache_offset,
-                     table + seq * width, lengths[row], group, head_dim, block_size, block_stride, scale,
-                     out + out_offset, scores, acc);
+      const int64_t seq = seqs ? seqs[row] : row;
+      decode_task<T>(q + row * q_stride + head_offset, k_rows, v_rows, table + seq * width, lengths[row], group,
+                     head_dim, block_size, slots_per_block, kv_head * block_size, scale, out + out_offset, scores,
+                     acc);
     }
   }
 }
@@ -93,36 +92,55 @@ void generic_rows(const T* q, const T* k_cache, const T* v_cache, const int64_t*
 // Query row i attends over the first lengths[i] cached tokens of sequence seqs[i] (its row of
 // `table`; sequence i when `seqs` is undefined); tasks are (row, KV head) pairs, handed out
 // dynamically since their lengths differ. q may be a view with a row stride (q heads of a qkv output).
-torch::Tensor attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+torch::Tensor attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, const KVQuant& quant,
                              const torch::Tensor& table, const torch::Tensor& seqs, const torch::Tensor& lengths,
                              double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "bad shapes");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
+  TORCH_CHECK(quant.bits ||
+                  (q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type()),
               "q and the caches must share a dtype");
   if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();
   k_cache = k_cache.contiguous();
   v_cache = v_cache.contiguous();
   const int64_t rows = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(1), block_size = k_cache.size(2);
-  TORCH_CHECK(num_heads % num_kv_heads == 0 && k_cache.size(3) == head_dim, "bad head layout");
+  TORCH_CHECK(num_heads % num_kv_heads == 0 && (quant.bits || k_cache.size(3) == head_dim), "bad head layout");
   const int64_t width = table.size(1);
   auto out = torch::empty({rows, num_heads, head_dim}, q.options());
-  if (attention_rows_avx512(q, k_cache, v_cache, table, seqs, lengths, scale, out)) return out;
+  if (quant.bits ? attention_rows_quant_avx512(q, k_cache, v_cache, quant, table, seqs, lengths, scale, out)
+                 : attention_rows_avx512(q, k_cache, v_cache, table, seqs, lengths, scale, out))
+    return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
-    generic_rows<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                           table.data_ptr<int64_t>(), width, seqs.defined() ? seqs.data_ptr<int64_t>() : nullptr,
-                           lengths.data_ptr<int64_t>(), rows, q.stride(0), num_heads, num_kv_heads, head_dim,
-                           block_size, static_cast<float>(scale), out.data_ptr<scalar_t>());
+    const auto run = [&](const auto& k_rows, const auto& v_rows) {
+      generic_rows<scalar_t>(q.data_ptr<scalar_t>(), k_rows, v_rows, table.data_ptr<int64_t>(), width,
+                             seqs.defined() ? seqs.data_ptr<int64_t>() : nullptr, lengths.data_ptr<int64_t>(), rows,
+                             q.stride(0), num_heads, num_kv_heads, head_dim, block_size, static_cast<float>(scale),
+                             out.data_ptr<scalar_t>());
+    };
+    if (quant.bits == 8) {
+      run(QuantRows<8>{k_cache.data_ptr<uint8_t>(), quant.k_scales_zeros.data_ptr<float>(), head_dim},
+          QuantRows<8>{v_cache.data_ptr<uint8_t>(), quant.v_scales_zeros.data_ptr<float>(), head_dim});
+    } else if (quant.bits == 4) {
+      run(QuantRows<4>{k_cache.data_ptr<uint8_t>(), quant.k_scales_zeros.data_ptr<float>(), head_dim},
+          QuantRows<4>{v_cache.data_ptr<uint8_t>(), quant.v_scales_zeros.data_ptr<float>(), head_dim});
+    } else {
+      run(DenseRows<scalar_t>{k_cache.data_ptr<scalar_t>(), head_dim},
+          DenseRows<scalar_t>{v_cache.data_ptr<scalar_t>(), head_dim});
+    }
   });
   return out;
 }
 
 }  // namespace
 
-// q [B, H, D]; k_cache, v_cache [num_blocks, H_kv, block_size, D]; block_table [B, W]; kv_lens [B].
+// q [B, H, D]; k_cache, v_cache [num_blocks, H_kv, block_size, D] (or quantized, see fill_kv_cache.cpp);
+// block_table [B, W]; kv_lens [B].
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_table, torch::Tensor kv_lens, double scale) {
-  return attention_rows(q, k_cache, v_cache, contiguous_as(block_table, torch::kInt64), torch::Tensor(),
+                                     torch::Tensor block_table, torch::Tensor kv_lens, double scale,
+                                     c10::optional<torch::Tensor> k_scales_zeros,
+                                     c10::optional<torch::Tensor> v_scales_zeros, int64_t quant_policy) {
+  const KVQuant quant = kv_quant(k_cache, v_cache, q.size(2), k_scales_zeros, v_scales_zeros, quant_policy);
+  return attention_rows(q, k_cache, v_cache, quant, contiguous_as(block_table, torch::kInt64), torch::Tensor(),
                         contiguous_as(kv_lens, torch::kInt64), scale);
 }
 
@@ -132,7 +150,10 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 // GEMM-shaped path of paged_prefill_avx512.cpp applies.
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor, torch::Tensor, torch::Tensor k_cache,
                                       torch::Tensor v_cache, torch::Tensor block_table, torch::Tensor q_start,
-                                      torch::Tensor q_len, torch::Tensor ctx_len, int64_t, double scale) {
+                                      torch::Tensor q_len, torch::Tensor ctx_len, int64_t, double scale,
+                                      c10::optional<torch::Tensor> k_scales_zeros,
+                                      c10::optional<torch::Tensor> v_scales_zeros, int64_t quant_policy) {
+  const KVQuant quant = kv_quant(k_cache, v_cache, q.size(2), k_scales_zeros, v_scales_zeros, quant_policy);
   auto starts = contiguous_as(q_start, torch::kInt64), counts = contiguous_as(q_len, torch::kInt64);
   auto contexts = contiguous_as(ctx_len, torch::kInt64), table = contiguous_as(block_table, torch::kInt64);
   const int64_t* start_ptr = starts.data_ptr<int64_t>();
@@ -142,9 +163,9 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor, torch::Ten
     TORCH_CHECK(start_ptr[s] >= 0 && start_ptr[s] + count_ptr[s] <= q.size(0) && count_ptr[s] <= context_ptr[s],
                 "prefill rows out of range");
   if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();
-  if (k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == q.scalar_type()) {
+  if (k_cache.is_contiguous() && v_cache.is_contiguous() && (quant.bits || k_cache.scalar_type() == q.scalar_type())) {
     auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
-    if (prefill_attention_avx512(q, k_cache, v_cache, table, starts, counts, contexts, scale, out)) return out;
+    if (prefill_attention_avx512(q, k_cache, v_cache, quant, table, starts, counts, contexts, scale, out)) return out;
   }
   auto seqs = torch::empty({q.size(0)}, torch::kInt64), lengths = torch::empty({q.size(0)}, torch::kInt64);
   int64_t* seq_ptr = seqs.data_ptr<int64_t>();
@@ -154,5 +175,5 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor, torch::Ten
       seq_ptr[start_ptr[s] + r] = s;
       len_ptr[start_ptr[s] + r] = context_ptr[s] - count_ptr[s] + r + 1;
     }
-  return attention_rows(q, k_cache, v_cache, table, seqs, lengths, scale);
+  return attention_rows(q, k_cache, v_cache, quant, table, seqs, lengths, scale);
 }

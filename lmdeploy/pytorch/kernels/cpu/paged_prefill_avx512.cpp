@@ -1,4 +1,5 @@
-// Prefill attention for bf16 caches and head_dim 64 or 128 with AVX512-BF16, as two small GEMMs per
+// Prefill attention for bf16 caches (or int8/int4 ones, dequantized to bf16 as they are copied)
+// and head_dim 64 or 128 with AVX512-BF16, as two small GEMMs per
 // (sequence, KV head): the chunk's query vectors (token-major, then the KV head's query heads) against
 // the sequence's keys, then the probabilities against its values, both on `vdpbf16ps` tiles like the
 // linear layers' (linear_bf16.cpp). Each task first copies its keys and values out of the paged cache
@@ -27,18 +28,38 @@ struct PrefillTask {
   float scale;
 };
 
+// One bf16 row of a cache: in place, or dequantized into `buffer` (fp32 math, one rounding to bf16, as the
+// torch twin dequantizes) from a quantized cache.
+struct CacheRows {
+  const void* data;
+  const float* scales_zeros;  // null for a bf16 cache
+  int64_t bits, dim;
+  const bf16* row(int64_t slot, float* values, bf16* buffer) const {
+    if (!scales_zeros) return static_cast<const bf16*>(data) + slot * dim;
+    const uint8_t* codes = static_cast<const uint8_t*>(data);
+    if (bits == 8)
+      QuantRows<8>{codes, scales_zeros, dim}(slot, values);
+    else
+      QuantRows<4>{codes, scales_zeros, dim}(slot, values);
+    for (int64_t d = 0; d < dim; ++d) buffer[d] = from_float<bf16>(values[d]);
+    return buffer;
+  }
+};
+
 // keys: [ceil(ctx / 16) panels][D / 2 pairs][16 keys] of int32 (bf16 pairs); values: [D / 16 panels]
 // [ctx_pad / 2 key pairs][16 dims] of int32 (the pair's two keys); rows past ctx are zero.
-void pack_context(const bf16* cache_k, const bf16* cache_v, const int64_t* blocks, int64_t block_size,
-                  int64_t block_stride, int64_t head_offset, int64_t ctx, int64_t ctx_pad, int64_t D,
+void pack_context(const CacheRows& cache_k, const CacheRows& cache_v, const int64_t* blocks, int64_t block_size,
+                  int64_t slots_per_block, int64_t head_slot, int64_t ctx, int64_t ctx_pad, int64_t D,
                   std::vector<int32_t>& keys, std::vector<int32_t>& values) {
   keys.assign(ctx_pad * D / 2, 0);
   values.assign(ctx_pad * D / 2, 0);
   uint16_t* value_halves = reinterpret_cast<uint16_t*>(values.data());
+  alignas(64) float scratch[128];
+  alignas(64) bf16 key_row[128], value_row[128];
   for (int64_t t = 0; t < ctx; ++t) {
-    const int64_t row = blocks[t / block_size] * block_stride + head_offset + (t % block_size) * D;
-    const int32_t* key = reinterpret_cast<const int32_t*>(cache_k + row);
-    const uint16_t* value = reinterpret_cast<const uint16_t*>(cache_v + row);
+    const int64_t slot = blocks[t / block_size] * slots_per_block + head_slot + t % block_size;
+    const int32_t* key = reinterpret_cast<const int32_t*>(cache_k.row(slot, scratch, key_row));
+    const uint16_t* value = reinterpret_cast<const uint16_t*>(cache_v.row(slot, scratch, value_row));
     for (int64_t j = 0; j < D / 2; ++j) keys[(t / kPanel * (D / 2) + j) * kPanel + t % kPanel] = key[j];
     for (int64_t d = 0; d < D; ++d)
       value_halves[((d / kPanel * (ctx_pad / 2) + t / 2) * kPanel + d % kPanel) * 2 + t % 2] = value[d];
@@ -166,12 +187,17 @@ void run_task(const PrefillTask& task, const int32_t* keys, const int32_t* value
 }  // namespace
 
 bool prefill_attention_avx512(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                              const torch::Tensor& table, const torch::Tensor& starts, const torch::Tensor& counts,
-                              const torch::Tensor& contexts, double scale, torch::Tensor& out) {
+                              const KVQuant& quant, const torch::Tensor& table, const torch::Tensor& starts,
+                              const torch::Tensor& counts, const torch::Tensor& contexts, double scale,
+                              torch::Tensor& out) {
   const int64_t D = q.size(2);
   if (q.scalar_type() != at::kBFloat16 || (D != 64 && D != 128)) return false;
   const int64_t num_heads = q.size(1), num_kv_heads = k_cache.size(1), group = num_heads / num_kv_heads;
-  const int64_t block_size = k_cache.size(2), block_stride = num_kv_heads * block_size * D;
+  const int64_t block_size = k_cache.size(2), slots_per_block = num_kv_heads * block_size;
+  const CacheRows cache_k{k_cache.data_ptr(), quant.bits ? quant.k_scales_zeros.data_ptr<float>() : nullptr,
+                          quant.bits, D};
+  const CacheRows cache_v{v_cache.data_ptr(), quant.bits ? quant.v_scales_zeros.data_ptr<float>() : nullptr,
+                          quant.bits, D};
   const int64_t sequences = starts.size(0), width = table.size(1), q_stride = q.stride(0);
   const int64_t* start_ptr = starts.data_ptr<int64_t>();
   const int64_t* count_ptr = counts.data_ptr<int64_t>();
@@ -183,8 +209,8 @@ bool prefill_attention_avx512(const torch::Tensor& q, const torch::Tensor& k_cac
     for (int64_t index = 0; index < sequences * num_kv_heads; ++index) {
       const int64_t s = index / num_kv_heads, kv_head = index % num_kv_heads;
       const int64_t ctx = context_ptr[s], ctx_pad = (ctx + kKeys - 1) / kKeys * kKeys;
-      pack_context(k_cache.data_ptr<bf16>(), v_cache.data_ptr<bf16>(), table.data_ptr<int64_t>() + s * width,
-                   block_size, block_stride, kv_head * block_size * D, ctx, ctx_pad, D, keys, values);
+      pack_context(cache_k, cache_v, table.data_ptr<int64_t>() + s * width, block_size, slots_per_block,
+                   kv_head * block_size, ctx, ctx_pad, D, keys, values);
       const int64_t head = kv_head * group * D;
       const PrefillTask task{q.data_ptr<bf16>() + start_ptr[s] * q_stride + head,
                              out.data_ptr<bf16>() + start_ptr[s] * num_heads * D + head, q_stride, num_heads * D,
@@ -197,9 +223,9 @@ bool prefill_attention_avx512(const torch::Tensor& q, const torch::Tensor& k_cac
 
 #else
 
-bool prefill_attention_avx512(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
-                              const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, double,
-                              torch::Tensor&) {
+bool prefill_attention_avx512(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const KVQuant&,
+                              const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                              double, torch::Tensor&) {
   return false;
 }
 

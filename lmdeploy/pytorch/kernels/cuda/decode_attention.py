@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lmdeploy.pytorch.kernels.cuda.kv_quant import load_dequantized
 from lmdeploy.pytorch.kernels.cuda.utils import dot_precision
 
 
@@ -37,12 +38,12 @@ _REDUCE_SPLITS = 64  # splits the reduce kernel merges per step
 
 
 @triton.jit(do_not_specialize=['num_splits', 'stride_tb'])
-def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, lens_ptr, part_out_ptr, part_lse_ptr, scale,
-                         num_heads, group, num_splits,
+def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, table_ptr, lens_ptr, part_out_ptr, part_lse_ptr,
+                         scale, num_heads, group, num_splits,
                          stride_qb, stride_qh, stride_cb, stride_ch, stride_cs, stride_tb,
                          HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGES: tl.constexpr,
                          BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, NUM_STAGES: tl.constexpr,
-                         PRECISION: tl.constexpr):
+                         PRECISION: tl.constexpr, BITS: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -67,10 +68,17 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, lens_ptr, part_out_pt
         # The step's first page is always below `last`, so every row of `s` keeps a finite score.
         valid = (page < last) & (i * BLOCK_SIZE + t < kv_len)
         block = tl.load(table_ptr + b * stride_tb + page, mask=page < last, other=0).to(tl.int64)
-        offs = (block * stride_cb + kvh * stride_ch + (t % BLOCK_SIZE) * stride_cs)[:, None] + d[None, :]
-        kv_mask = valid[:, None] & dmask[None, :]
-        k = tl.load(kc_ptr + offs, mask=kv_mask, other=0.0)
-        v = tl.load(vc_ptr + offs, mask=kv_mask, other=0.0)
+        rows = block * stride_cb + kvh * stride_ch + (t % BLOCK_SIZE) * stride_cs
+        if BITS == 0:
+            kv_mask = valid[:, None] & dmask[None, :]
+            k = tl.load(kc_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(vc_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        else:
+            slots = (rows // stride_cs)[:, None]
+            k = load_dequantized(kc_ptr, ksz_ptr, rows[:, None], slots, valid[:, None], d[None, :], dmask[None, :],
+                                 HEAD_DIM, BITS).to(q.dtype)
+            v = load_dequantized(vc_ptr, vsz_ptr, rows[:, None], slots, valid[:, None], d[None, :], dmask[None, :],
+                                 HEAD_DIM, BITS).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         s = tl.where(valid[None, :], s, float('-inf'))
         m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -124,7 +132,9 @@ def decode_config(batch: int, num_kv_heads: int, table_width: int) -> DecodeConf
 
 
 def decode_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                          kv_lens: torch.Tensor, scale: float, config: DecodeConfig) -> torch.Tensor:
+                          kv_lens: torch.Tensor, scale: float, config: DecodeConfig,
+                          k_scales_zeros: torch.Tensor | None = None, v_scales_zeros: torch.Tensor | None = None,
+                          quant_policy: int = 0) -> torch.Tensor:
     """``decode_attention`` with an explicit launch config (benchmarks and tests)."""
     batch, num_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
@@ -133,11 +143,12 @@ def decode_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     part_out = torch.empty(batch, num_heads, splits, block_d, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(batch, num_kv_heads, splits)](
-        q, k_cache, v_cache, block_table, kv_lens, part_out, part_lse, scale, num_heads, num_heads // num_kv_heads,
-        splits, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_table.stride(0), HEAD_DIM=head_dim, BLOCK_SIZE=block_size, PAGES=config.pages,
+        q, k_cache, v_cache, k_scales_zeros, v_scales_zeros, block_table, kv_lens, part_out, part_lse, scale,
+        num_heads, num_heads // num_kv_heads, splits, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), block_table.stride(0), HEAD_DIM=head_dim, BLOCK_SIZE=block_size, PAGES=config.pages,
         BLOCK_H=max(16, triton.next_power_of_2(num_heads // num_kv_heads)), BLOCK_D=block_d,
-        NUM_STAGES=config.num_stages, PRECISION=dot_precision(q.dtype), num_warps=config.num_warps)
+        NUM_STAGES=config.num_stages, PRECISION=dot_precision(q.dtype), BITS=quant_policy,
+        num_warps=config.num_warps)
     out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
     _decode_reduce_kernel[(batch, num_heads)](part_out, part_lse, out, splits, out.stride(0), out.stride(1),
                                               HEAD_DIM=head_dim, BLOCK_S=_REDUCE_SPLITS, BLOCK_D=block_d)
@@ -145,7 +156,10 @@ def decode_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                     kv_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """One new token per sequence: ``q [B, H, D]`` over ``kv_lens [B]`` tokens in ``block_table [B, N]``."""
+                     kv_lens: torch.Tensor, scale: float, k_scales_zeros: torch.Tensor | None = None,
+                     v_scales_zeros: torch.Tensor | None = None, quant_policy: int = 0) -> torch.Tensor:
+    """One new token per sequence: ``q [B, H, D]`` over ``kv_lens [B]`` tokens in ``block_table [B, N]``;
+    an int8/int4 cache's rows are dequantized to ``q``'s dtype as they are loaded."""
     config = decode_config(q.shape[0], k_cache.shape[1], block_table.shape[1])
-    return decode_attention_with(q, k_cache, v_cache, block_table, kv_lens, scale, config)
+    return decode_attention_with(q, k_cache, v_cache, block_table, kv_lens, scale, config, k_scales_zeros,
+                                 v_scales_zeros, quant_policy)

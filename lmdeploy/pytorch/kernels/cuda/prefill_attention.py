@@ -2,7 +2,9 @@
 
 A program handles ``BLOCK_M`` queries of one sequence and one head. It first attends over the
 sequence's cached prefix (read page by page through its block-table row), then causally over the
-chunk's fresh K/V, so chunked prefill and prefix-cache hits need no gather.
+chunk's fresh K/V, so chunked prefill and prefix-cache hits need no gather. With an int8/int4 cache
+the chunk is read back from the cache too (dequantized, causally masked), so that a prompt attends
+over the same values however its prefix was computed.
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lmdeploy.pytorch.kernels.cuda.kv_quant import load_dequantized
 from lmdeploy.pytorch.kernels.cuda.utils import dot_precision
 
 
@@ -25,12 +28,12 @@ def _online_softmax_step(q, k, v, s_mask, m, l, acc, scale, PRECISION: tl.conste
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, table_ptr, q_start_ptr, q_len_ptr, ctx_len_ptr,
-                    scale, group, head_dim,
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, out_ptr, table_ptr, q_start_ptr,
+                    q_len_ptr, ctx_len_ptr, scale, group, head_dim,
                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                     stride_cb, stride_ch, stride_cs, stride_tb,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
-                    PRECISION: tl.constexpr):
+                    PRECISION: tl.constexpr, BITS: tl.constexpr):
     mblock = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
     head = tl.program_id(2)
@@ -50,15 +53,26 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, table_ptr, q_s
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     t = tl.arange(0, BLOCK_SIZE)
-    for i in range(0, tl.cdiv(prefix, BLOCK_SIZE)):
+    # the cached keys this program reads: the prefix, and with a quantized cache its chunk's keys up to its last row
+    cached = prefix if BITS == 0 else prefix + tl.minimum(q_len, (mblock + 1) * BLOCK_M)
+    for i in range(0, tl.cdiv(cached, BLOCK_SIZE)):
         block = tl.load(table_ptr + seq * stride_tb + i).to(tl.int64)
         base = block * stride_cb + kvh * stride_ch
-        k = tl.load(kc_ptr + base + t[None, :] * stride_cs + d[:, None], mask=dmask[:, None], other=0.0)
-        v = tl.load(vc_ptr + base + t[:, None] * stride_cs + d[None, :], mask=dmask[None, :], other=0.0)
-        s_mask = rmask[:, None] & ((i * BLOCK_SIZE + t) < prefix)[None, :]
+        pos = i * BLOCK_SIZE + t
+        if BITS == 0:
+            k = tl.load(kc_ptr + base + t[None, :] * stride_cs + d[:, None], mask=dmask[:, None], other=0.0)
+            v = tl.load(vc_ptr + base + t[:, None] * stride_cs + d[None, :], mask=dmask[None, :], other=0.0)
+        else:
+            kv_rows = base + t * stride_cs
+            slots = kv_rows // stride_cs
+            k = load_dequantized(kc_ptr, ksz_ptr, kv_rows[None, :], slots[None, :], (pos < cached)[None, :], d[:, None],
+                                 dmask[:, None], head_dim, BITS).to(q.dtype)
+            v = load_dequantized(vc_ptr, vsz_ptr, kv_rows[:, None], slots[:, None], (pos < cached)[:, None], d[None, :],
+                                 dmask[None, :], head_dim, BITS).to(q.dtype)
+        s_mask = rmask[:, None] & (pos < cached)[None, :] & (pos[None, :] <= prefix + rows[:, None])
         m, l, acc = _online_softmax_step(q, k, v, s_mask, m, l, acc, scale, PRECISION)
     n = tl.arange(0, BLOCK_N)
-    for j in range(0, tl.minimum(q_len, (mblock + 1) * BLOCK_M), BLOCK_N):
+    for j in range(0, tl.minimum(q_len, (mblock + 1) * BLOCK_M) if BITS == 0 else 0, BLOCK_N):
         cols = j + n
         cmask = cols < q_len
         k = tl.load(k_ptr + (q_start + cols)[None, :] * stride_kt + kvh * stride_kh + d[:, None],
@@ -74,21 +88,24 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, table_ptr, q_s
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, block_table: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor,
-                      ctx_len: torch.Tensor, max_q_len: int, scale: float) -> torch.Tensor:
+                      ctx_len: torch.Tensor, max_q_len: int, scale: float, k_scales_zeros: torch.Tensor | None = None,
+                      v_scales_zeros: torch.Tensor | None = None, quant_policy: int = 0) -> torch.Tensor:
     """Causal attention of the packed chunks ``q [T, H, D]`` over their contexts; returns ``[T, H, D]``.
 
     Sequence ``s`` owns rows ``q_start[s]:q_start[s] + q_len[s]`` of ``q`` and of the fresh ``k, v``;
-    its first ``ctx_len[s] - q_len[s]`` context tokens are cached in the blocks of ``block_table[s]``.
+    its first ``ctx_len[s] - q_len[s]`` context tokens are cached in the blocks of ``block_table[s]``
+    (all ``ctx_len[s]`` of them with an int8/int4 cache, which is read dequantized to ``q``'s dtype).
     """
     num_tokens, num_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     block_m = 64 if max_q_len > 32 else 16
     grid = (triton.cdiv(max_q_len, block_m), q_len.shape[0], num_heads)
-    _prefill_kernel[grid](q, k, v, k_cache, v_cache, out, block_table, q_start, q_len, ctx_len, scale,
-                          num_heads // num_kv_heads, head_dim, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                          v.stride(0), v.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
-                          k_cache.stride(1), k_cache.stride(2), block_table.stride(0), BLOCK_M=block_m,
-                          BLOCK_N=block_m, BLOCK_SIZE=block_size, BLOCK_D=triton.next_power_of_2(head_dim),
-                          PRECISION=dot_precision(q.dtype))
+    _prefill_kernel[grid](q, k, v, k_cache, v_cache, k_scales_zeros, v_scales_zeros, out, block_table, q_start,
+                          q_len, ctx_len, scale, num_heads // num_kv_heads, head_dim, q.stride(0), q.stride(1),
+                          k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+                          k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
+                          BLOCK_M=block_m, BLOCK_N=block_m, BLOCK_SIZE=block_size,
+                          BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=dot_precision(q.dtype),
+                          BITS=quant_policy)
     return out

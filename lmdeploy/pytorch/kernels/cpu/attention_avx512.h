@@ -1,0 +1,83 @@
+// AVX-512 pieces shared by the paged attention paths of paged_attention_avx512.cpp (bf16 caches) and
+// paged_attention_quant_avx512.cpp (int8 and int4 caches).
+#pragma once
+
+#include <limits>
+
+#include "common.h"
+
+#if defined(__AVX512F__)
+
+namespace attention_avx512 {
+
+using bf16 = c10::BFloat16;
+constexpr int kChunk = 16;  // keys per transposing reduction
+
+inline __m512 load_bf16(const bf16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// Each fold adds two vectors' halves pairwise into one vector: 256-bit, then 128-bit halves, then
+// interleaved 32-bit and 64-bit elements.
+inline __m512 fold_256(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+}
+inline __m512 fold_128(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+}
+inline __m512 fold_32(__m512 a, __m512 b) { return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b)); }
+inline __m512 fold_64(__m512 a, __m512 b) {
+  const __m512d x = _mm512_castps_pd(a), y = _mm512_castps_pd(b);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+}
+
+// Pulls the given bytes into L2. Each pass over one KV head's rows of a block prefetches the rows
+// the next pass reads (K's pass that V's, V's pass the next head's or the next block's K), which hides
+// memory latency that the hardware prefetcher, stopping at every scattered block, leaves exposed.
+// With K and V interleaved this way memory never idles while a softmax runs: in isolation, 30 layers
+// of 64 rows went from 13.2 to 11.8 ms, close to what plainly reading the same scattered blocks takes.
+inline void prefetch_l2(const void* p, int64_t bytes) {
+  for (int64_t offset = 0; offset < bytes; offset += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(p) + offset, _MM_HINT_T1);
+}
+
+// Lane j of sum16(v) is the sum of the lanes of v[slot(j)]: the folds transpose 4x4.
+constexpr int slot(int key) { return (key % 4) * 4 + key / 4; }
+inline __m512 sum16(const __m512* v) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i) a[i] = fold_256(v[2 * i], v[2 * i + 1]);
+  for (int i = 0; i < 4; ++i) b[i] = fold_128(a[2 * i], a[2 * i + 1]);
+  for (int i = 0; i < 2; ++i) c[i] = fold_32(b[2 * i], b[2 * i + 1]);
+  return fold_64(c[0], c[1]);
+}
+
+// Online softmax over one block: turns scores into weights exp(s - peak) and gives the factor that
+// rescales the blocks before (none before while total is 0; the kernels build with -ffast-math, so
+// no infinities stand in for "no peak yet"). The inline exp_ps made decode attention 4% faster in
+// the engine than libmvec's calls.
+inline void online_softmax(float* scores, int64_t count, float& peak, float& total, float& rescale) {
+  const auto lanes = [&](int64_t t) {
+    return count - t >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (count - t)) - 1);
+  };
+  __m512 top = _mm512_set1_ps(std::numeric_limits<float>::lowest());
+  for (int64_t t = 0; t < count; t += 16)
+    top = _mm512_mask_max_ps(top, lanes(t), top, _mm512_maskz_loadu_ps(lanes(t), scores + t));
+  const float new_peak = std::max(peak, _mm512_reduce_max_ps(top));
+  rescale = total == 0.f ? 0.f : std::exp(peak - new_peak);
+  const __m512 shift = _mm512_set1_ps(new_peak);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t t = 0; t < count; t += 16) {
+    const __mmask16 mask = lanes(t);
+    const __m512 shifted = _mm512_sub_ps(_mm512_maskz_loadu_ps(mask, scores + t), shift);
+    const __m512 weight = _mm512_maskz_mov_ps(mask, exp_ps(shifted));
+    _mm512_mask_storeu_ps(scores + t, mask, weight);
+    sum = _mm512_add_ps(sum, weight);
+  }
+  total = total * rescale + _mm512_reduce_add_ps(sum);
+  peak = new_peak;
+}
+
+}  // namespace attention_avx512
+
+#endif
