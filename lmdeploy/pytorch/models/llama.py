@@ -184,7 +184,10 @@ class LlamaForCausalLM(nn.Module):
         owner, _, proj = module_name.rpartition('.')
         if proj in self.stacked_params:
             merged, index = self.stacked_params[proj]
-            part, shard = self.get_submodule(f'{owner}.{merged}').checkpoint_part(kind, index)
+            module = self.get_submodule(f'{owner}.{merged}')
+            if getattr(module, kind, None) is None:  # a tensor its weight format does not use
+                return None
+            part, shard = module.checkpoint_part(kind, index)
             return part, (f'{owner}.{merged}.{kind}', proj), shard
         try:
             param = self.get_parameter(name)

@@ -1,16 +1,24 @@
-"""A 4-bit copy of a bf16 CPU weight for steps too small to keep the bf16 GEMM busy: torch's int4
-kernel reads a quarter of the bytes, which is what a batch-1 decode step is bound by."""
+"""torch's int4 CPU kernel (``_weight_int4pack_mm_for_cpu``) for steps too small to keep a bf16 GEMM
+busy: it reads a quarter of the bytes, which is what a batch-1 decode step is bound by. It runs on a 4-bit
+copy of a bf16 weight (``decode_int4``), and on the grid of a 4-bit checkpoint (AWQ, GPTQ) as it is."""
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.quant.base import LinearKernel
 
+if TYPE_CHECKING:
+    from lmdeploy.pytorch.nn.quant.w4a16 import Int4Grid
+
 INT4_GROUP = 32
 # Steps of more tokens run faster on bf16 weights: with the native GEMM, or with oneDNN's.
 INT4_MAX_TOKENS_NATIVE_GEMM = 2
 INT4_MAX_TOKENS_ONEDNN = 8
+# A 4-bit checkpoint's steps of more tokens dequantize their weight on each call (see Int4DequantKernel).
+INT4_MAX_TOKENS_CHECKPOINT = 8
 
 
 def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,14 +37,45 @@ def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, scales_and_zeros
 
 
+def grid_packed(grid: Int4Grid) -> tuple[torch.Tensor, torch.Tensor]:
+    """A checkpoint's grid (inputs in group order) as the int4 kernel's packed codes and
+    ``scales_and_zeros [K / G, N, 2]`` in the scales' dtype: ``(q - z) * s = (q - 8) * s + (8 - z) * s``."""
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(grid.codes.to(torch.int32).contiguous(), 2)
+    scales = grid.scales.float()
+    scales_and_zeros = torch.stack((scales, (8 - grid.zeros) * scales), dim=-1).to(grid.scales.dtype)
+    return packed, scales_and_zeros.contiguous()
+
+
+class Int4DequantKernel(LinearKernel):
+    """A 4-bit grid, dequantized on each call to the activations' dtype for ``F.linear``: for steps of
+    enough tokens that the GEMM outweighs the dequantization. Codes ``[N, K / 2]`` (uint8, even inputs
+    in the low nibbles), scales and zeros as the int4 kernel takes them."""
+
+    def __init__(self, codes: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int):
+        self.codes, self.scales_and_zeros, self.group_size = codes, scales_and_zeros, group_size
+
+    @classmethod
+    def of_grid(cls, grid: Int4Grid, scales_and_zeros: torch.Tensor) -> Int4DequantKernel:
+        codes = grid.codes.to(torch.uint8)
+        return cls(codes[:, 0::2] | (codes[:, 1::2] << 4), scales_and_zeros, grid.group_size)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        n, half = self.codes.shape
+        codes = torch.stack((self.codes & 15, self.codes >> 4), dim=-1).view(n, -1, self.group_size).to(x.dtype)
+        scale, zero = self.scales_and_zeros.to(x.dtype).permute(2, 1, 0).unsqueeze(-1)
+        weight = torch.addcmul(zero, codes.sub_(8), scale).reshape(n, 2 * half)
+        return torch.nn.functional.linear(x, weight, bias)
+
+
 class SmallStepInt4Kernel(LinearKernel):
-    """Steps of at most ``small_step_rows`` tokens on the 4-bit copy, larger ones on ``large``."""
+    """Steps of at most ``small_step_rows`` tokens on the int4 kernel, larger ones on ``large``. With
+    ``order``, the weight's inputs are in that order (act-order checkpoints), and so are ``x``'s first."""
 
     def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, small_step_rows: int,
-                 large: LinearKernel | None = None):
+                 large: LinearKernel | None = None, group_size: int = INT4_GROUP, order: torch.Tensor | None = None):
         self.packed, self.scales_and_zeros = packed, scales_and_zeros
         self.small_step_rows = small_step_rows
-        self.large = large
+        self.large, self.group_size, self.order = large, group_size, order
 
     @classmethod
     def of(cls, weight: torch.Tensor) -> SmallStepInt4Kernel | None:
@@ -46,18 +85,31 @@ class SmallStepInt4Kernel(LinearKernel):
         rows = INT4_MAX_TOKENS_NATIVE_GEMM if cpu.bf16_gemm() else INT4_MAX_TOKENS_ONEDNN
         return cls(*int4_groups(weight), rows)
 
+    @classmethod
+    def of_grid(cls, grid: Int4Grid) -> SmallStepInt4Kernel:
+        """A checkpoint's 4-bit grid (scales in bf16) as it is; larger steps dequantize it on each call."""
+        grid, order = grid.in_group_order()
+        packed, scales_and_zeros = grid_packed(grid)
+        large = Int4DequantKernel.of_grid(grid, scales_and_zeros)
+        return cls(packed, scales_and_zeros, INT4_MAX_TOKENS_CHECKPOINT, large, grid.group_size, order)
+
     def over(self, large: LinearKernel) -> SmallStepInt4Kernel:
         """This copy for small steps with ``large`` for the others."""
-        return SmallStepInt4Kernel(self.packed, self.scales_and_zeros, self.small_step_rows, large)
+        return SmallStepInt4Kernel(self.packed, self.scales_and_zeros, self.small_step_rows, large,
+                                   self.group_size, self.order)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.order is not None:
+            x = x[:, self.order]
         if x.shape[0] > self.small_step_rows:
             return self.large(x, bias)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_and_zeros)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
         return out if bias is None else out + bias
 
     def gate_up_silu(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-        return self.large.gate_up_silu(x, bias) if x.shape[0] > self.small_step_rows else None
+        if x.shape[0] <= self.small_step_rows:
+            return None
+        return self.large.gate_up_silu(x if self.order is None else x[:, self.order], bias)
 
     def native_panels(self) -> torch.Tensor | None:
         return self.large.native_panels()
