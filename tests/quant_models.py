@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import zlib
 from types import ModuleType
 
 import pytest
@@ -120,7 +121,10 @@ def quantize_checkpoint(src: str, dst: str, method: str, group_size: int, desc_a
         if not name.endswith('.weight') or module.rpartition('.')[2] not in PROJECTIONS:
             out[name] = tensor
             continue
-        g = torch.Generator().manual_seed(len(out))
+        # GPTQ orders a layer's inputs by its Hessian, the same for projections of the same input
+        parent, _, proj = module.rpartition('.')
+        shared = {'q_proj': 'qkv', 'k_proj': 'qkv', 'v_proj': 'qkv', 'gate_proj': 'gate_up', 'up_proj': 'gate_up'}
+        g = torch.Generator().manual_seed(zlib.crc32(f'{parent}.{shared.get(proj, proj)}'.encode()))
         g_idx = torch.randperm(tensor.shape[1], generator=g) // group_size if desc_act else None
         codes, zeros, scales = quantize_grid(tensor, group_size, g_idx)
         if method == 'awq':
@@ -130,6 +134,7 @@ def quantize_checkpoint(src: str, dst: str, method: str, group_size: int, desc_a
             layer = gptq_layer(codes, zeros, scales, group_size, g_idx)
             tensors = gptq_tensors(layer)
             dequantized[name] = gptq_dequantized(layer)
+        dequantized[name] = dequantized[name].contiguous()
         out.update({f'{module}.{kind}': value.contiguous() for kind, value in tensors.items()})
     os.makedirs(dst, exist_ok=True)
     save_file(out, os.path.join(dst, 'model.safetensors'), metadata={'format': 'pt'})

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from lmdeploy.pytorch.nn.linear import Linear
 from lmdeploy.pytorch.nn.quant import LinearOptions, use_weight_format, weight_format_for
 from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
-from lmdeploy.pytorch.nn.quant.w4a16 import Int4ReferenceKernel
+from lmdeploy.pytorch.nn.quant.w4a16 import ReferenceKernel
 
 AWQ = {'quant_method': 'awq', 'bits': 4, 'zero_point': True, 'version': 'gemm'}
 GPTQ = {'quant_method': 'gptq', 'bits': 4, 'sym': False}
@@ -45,7 +45,7 @@ def test_awq_unpacking_matches_autoawq(group_size):
     expected = awq_dequantized(tensors, group_size)
     assert torch.equal(dequantized(layer), expected)
     x = torch.randn(3, 256)
-    assert isinstance(layer.kernel, Int4ReferenceKernel)
+    assert isinstance(layer.kernel, ReferenceKernel)
     torch.testing.assert_close(layer(x), x @ expected.T)
 
 
@@ -93,7 +93,7 @@ def test_int4_cpu_kernel_runs_the_checkpoint_grid(rows):
     """With bf16 scales, the int4 CPU kernel (small steps) and the dequantizing path (large ones) give
     ``x @ W.T`` up to bf16 rounding (``(8 - zero) * scale`` is rounded to bf16)."""
     for layer, weight in cpu_layers(torch.bfloat16):
-        layer.finalize(LinearOptions(pack_cpu=True))
+        layer.finalize(LinearOptions(pack_cpu=True, dtype=torch.bfloat16))
         assert isinstance(layer.kernel, SmallStepInt4Kernel) and layer.qweight is None
         x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).bfloat16()
         expected = x.float() @ weight.T
@@ -103,8 +103,8 @@ def test_int4_cpu_kernel_runs_the_checkpoint_grid(rows):
 
 def test_fp32_models_keep_the_reference_kernel():
     for layer, _ in cpu_layers(torch.float32):
-        layer.finalize(LinearOptions(pack_cpu=True))
-        assert isinstance(layer.kernel, Int4ReferenceKernel)
+        layer.finalize(LinearOptions(pack_cpu=True, dtype=torch.float32))
+        assert isinstance(layer.kernel, ReferenceKernel)
 
 
 @pytest.mark.triton
@@ -116,7 +116,7 @@ def test_triton_w4a16_matches_the_reference(dtype, rows):
     from lmdeploy.pytorch.nn.quant.w4a16_cuda import TritonW4A16Kernel
     for layer, weight in cpu_layers(dtype):
         kernel = TritonW4A16Kernel.of(layer.weight_format.unpack(layer))
-        for name in ('qweight', 'scales', 'zeros'):
+        for name in ('qweight', 'scales', 'offsets'):
             setattr(kernel, name, getattr(kernel, name).to(DEVICE))
         if kernel.order is not None:
             kernel.order = kernel.order.to(DEVICE)
@@ -144,7 +144,7 @@ def test_engine_matches_transformers_on_the_dequantized_weights(float_llama, tmp
     prompts = random_prompts([4, 23], seed=11)
     engine = make_engine(path)
     try:
-        assert isinstance(engine.runner.model.layers[0].mlp.gate_up_proj.kernel, Int4ReferenceKernel)
+        assert isinstance(engine.runner.model.layers[0].mlp.gate_up_proj.kernel, ReferenceKernel)
         outs = run(engine, prompts)
     finally:
         engine.close()

@@ -162,7 +162,7 @@ class LlamaForCausalLM(nn.Module):
         native GEMM weights throughout, the decoder layers then run as one :class:`NativeDecoderStack`."""
         projections = [(name, module) for name, module in self.layers.named_modules() if isinstance(module, Linear)]
         for name, module in projections:
-            module.finalize(LinearOptions(pack_cpu, small_step_int4 and name.endswith(DECODE_INT4_LAYERS)))
+            module.finalize(LinearOptions(pack_cpu, small_step_int4 and name.endswith(DECODE_INT4_LAYERS), self.cfg.dtype))
         if small_step_int4:
             self.lm_head.enable_fp16()
         if not pack_cpu:

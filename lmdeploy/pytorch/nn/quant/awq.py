@@ -43,4 +43,4 @@ class AwqFormat(Int4GroupFormat):
         layer.scales = new_parameter((k // g, n), Layout(1, 0, 1, g))
 
     def unpack(self, layer: Linear) -> Int4Grid:
-        return Int4Grid(unpack_awq(layer.qweight).T, unpack_awq(layer.qzeros), layer.scales, self.group_size)
+        return Int4Grid.of_zeros(unpack_awq(layer.qweight).T, unpack_awq(layer.qzeros), layer.scales, self.group_size)

@@ -50,5 +50,5 @@ class GptqFormat(Int4GroupFormat):
 
     def unpack(self, layer: Linear) -> Int4Grid:
         zeros = unpack_int32(layer.qzeros, 1) + self.zero_offset
-        return Int4Grid(unpack_int32(layer.qweight, 0).T, zeros, layer.scales, self.group_size,
-                        layer.g_idx if self.desc_act else None)
+        return Int4Grid.of_zeros(unpack_int32(layer.qweight, 0).T, zeros, layer.scales, self.group_size,
+                                 layer.g_idx if self.desc_act else None)

@@ -37,12 +37,12 @@ def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, scales_and_zeros
 
 
-def grid_packed(grid: Int4Grid) -> tuple[torch.Tensor, torch.Tensor]:
+def grid_packed(grid: Int4Grid, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """A checkpoint's grid (inputs in group order) as the int4 kernel's packed codes and
-    ``scales_and_zeros [K / G, N, 2]`` in the scales' dtype: ``(q - z) * s = (q - 8) * s + (8 - z) * s``."""
+    ``scales_and_zeros [K / G, N, 2]`` in ``dtype`` (the activations'): ``q * s - o = (q - 8) * s + (8 * s - o)``."""
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(grid.codes.to(torch.int32).contiguous(), 2)
     scales = grid.scales.float()
-    scales_and_zeros = torch.stack((scales, (8 - grid.zeros) * scales), dim=-1).to(grid.scales.dtype)
+    scales_and_zeros = torch.stack((scales, 8 * scales - grid.offsets), dim=-1).to(dtype)
     return packed, scales_and_zeros.contiguous()
 
 
@@ -86,10 +86,11 @@ class SmallStepInt4Kernel(LinearKernel):
         return cls(*int4_groups(weight), rows)
 
     @classmethod
-    def of_grid(cls, grid: Int4Grid) -> SmallStepInt4Kernel:
-        """A checkpoint's 4-bit grid (scales in bf16) as it is; larger steps dequantize it on each call."""
+    def of_grid(cls, grid: Int4Grid, dtype: torch.dtype) -> SmallStepInt4Kernel:
+        """A checkpoint's 4-bit grid as it is, for activations in ``dtype`` (bf16); larger steps dequantize
+        it on each call."""
         grid, order = grid.in_group_order()
-        packed, scales_and_zeros = grid_packed(grid)
+        packed, scales_and_zeros = grid_packed(grid, dtype)
         large = Int4DequantKernel.of_grid(grid, scales_and_zeros)
         return cls(packed, scales_and_zeros, INT4_MAX_TOKENS_CHECKPOINT, large, grid.group_size, order)
 

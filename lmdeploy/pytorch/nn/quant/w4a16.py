@@ -1,9 +1,10 @@
-"""4-bit weights in groups of inputs with a scale and an integer zero point each, as AWQ and GPTQ
-checkpoints store them: ``W[n, k] = (q[n, k] - zero[g(k), n]) * scale[g(k), n]`` with ``g(k) = k // G``,
-or ``g_idx[k]`` for GPTQ's act-order checkpoints. Each checkpoint format packs the codes its own way
-(:meth:`Int4GroupFormat.unpack`); the kernels here read the unpacked grid, served as it is:
+"""4-bit weights in groups of inputs with a scale and an offset each: AWQ and GPTQ checkpoints store
+``W[n, k] = (q[n, k] - zero[g(k), n]) * scale[g(k), n]`` (the offset is ``zero * scale``) with
+``g(k) = k // G``, or ``g_idx[k]`` for GPTQ's act-order checkpoints; GGUF's Q4_K ``q * d * sc - dmin * m``.
+Each checkpoint format packs the codes its own way (:meth:`Int4GroupFormat.unpack`); the kernels here
+read the unpacked grid, served as it is:
 
-- CPU, bf16/fp16 models: torch's int4 CPU kernel (``_weight_int4pack_mm_for_cpu``) on the same grid;
+- CPU, bf16 models: torch's int4 CPU kernel (``_weight_int4pack_mm_for_cpu``) on the same grid;
 - CUDA: the Triton W4A16 GEMM (``kernels/cuda/w4a16.py``) on the codes repacked along the inputs;
 - otherwise (fp32 models, the reference): unpack and ``F.linear`` on every call.
 """
@@ -36,21 +37,28 @@ def unpack_int32(packed: torch.Tensor, dim: int) -> torch.Tensor:
 
 @dataclass
 class Int4Grid:
-    """A linear weight's 4-bit grid: ``codes [N, K]`` (integers in 0-15) and ``zeros [K / G, N]`` (integers),
-    ``scales [K / G, N]``, and ``g_idx [K]`` (the group of each input; None: ``k // G``)."""
+    """A linear weight's 4-bit grid, ``W = codes * scale - offset``: ``codes [N, K]`` (integers in 0-15),
+    ``scales [K / G, N]`` (the checkpoint's dtype), ``offsets [K / G, N]`` (fp32; exact for an integer zero
+    point times an fp16 or bf16 scale), and ``g_idx [K]`` (the group of each input; None: ``k // G``)."""
 
     codes: torch.Tensor
-    zeros: torch.Tensor
     scales: torch.Tensor
+    offsets: torch.Tensor
     group_size: int
     g_idx: torch.Tensor | None = None
+
+    @classmethod
+    def of_zeros(cls, codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int,
+                 g_idx: torch.Tensor | None = None) -> Int4Grid:
+        """The grid of ``(codes - zeros) * scales`` (integer zero points)."""
+        return cls(codes, scales, zeros * scales.float(), group_size, g_idx)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """``W [N, K]`` in ``dtype`` (computed in fp32)."""
         groups = self.g_idx.long() if self.g_idx is not None else (
             torch.arange(self.codes.shape[1], device=self.codes.device) // self.group_size)
-        zeros, scales = self.zeros.T[:, groups], self.scales.T.float()[:, groups]
-        return ((self.codes - zeros).float() * scales).to(dtype)
+        scales, offsets = self.scales.T.float()[:, groups], self.offsets.T[:, groups]
+        return (self.codes * scales - offsets).to(dtype)
 
     def in_group_order(self) -> tuple[Int4Grid, torch.Tensor | None]:
         """This grid with its inputs sorted by group, so that each group is ``G`` consecutive inputs,
@@ -59,21 +67,21 @@ class Int4Grid:
             return self, None
         groups = self.g_idx.long()
         if torch.equal(groups, torch.arange(groups.numel(), device=groups.device) // self.group_size):
-            return Int4Grid(self.codes, self.zeros, self.scales, self.group_size), None
-        if not torch.all(torch.bincount(groups, minlength=self.zeros.shape[0]) == self.group_size):
+            return Int4Grid(self.codes, self.scales, self.offsets, self.group_size), None
+        if not torch.all(torch.bincount(groups, minlength=self.scales.shape[0]) == self.group_size):
             raise ValueError(f'g_idx groups are not all of {self.group_size} inputs')
         order = torch.argsort(groups, stable=True)
-        return Int4Grid(self.codes[:, order], self.zeros, self.scales, self.group_size), order
+        return Int4Grid(self.codes[:, order], self.scales, self.offsets, self.group_size), order
 
 
-class Int4ReferenceKernel(LinearKernel):
-    """Unpacks the layer's parameters as they are at each call and runs ``F.linear``."""
+class ReferenceKernel(LinearKernel):
+    """Dequantizes the layer's parameters as they are at each call and runs ``F.linear``."""
 
     def __init__(self, weight_format: Int4GroupFormat, layer: Linear):
         self.weight_format, self.layer = weight_format, layer
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, self.weight_format.unpack(self.layer).dequantize(x.dtype), bias)
+        return F.linear(x, self.weight_format.dequantize(self.layer).to(x.dtype), bias)
 
 
 class Int4GroupFormat(WeightFormat):
@@ -94,15 +102,19 @@ class Int4GroupFormat(WeightFormat):
             raise ValueError(f'a {type(self).__name__} layer needs outputs in multiples of 8 and inputs in '
                              f'groups of {self.group_size}, not {layer.out_features} x {layer.in_features}')
 
+    def dequantize(self, layer: Linear) -> torch.Tensor:
+        """``layer``'s ``W [N, K]`` in fp32."""
+        return self.unpack(layer).dequantize(torch.float32)
+
     def make_kernel(self, layer: Linear, options: LinearOptions) -> LinearKernel:
-        scales = layer.scales
-        if scales.device.type == 'cuda':
+        device = layer.qweight.device.type
+        if options.dtype is not None and device == 'cuda':
             from lmdeploy.pytorch.nn.quant.w4a16_cuda import TritonW4A16Kernel
             kernel = TritonW4A16Kernel.of(self.unpack(layer))
-        elif options.pack_cpu and scales.dtype in (torch.bfloat16, torch.float16):
-            kernel = SmallStepInt4Kernel.of_grid(self.unpack(layer))
+        elif options.dtype == torch.bfloat16 and device == 'cpu':
+            kernel = SmallStepInt4Kernel.of_grid(self.unpack(layer), options.dtype)
         else:
-            return Int4ReferenceKernel(self, layer)
+            return ReferenceKernel(self, layer)
         for name in self.params():
             setattr(layer, name, None)
         return kernel

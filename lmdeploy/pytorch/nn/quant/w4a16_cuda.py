@@ -21,20 +21,19 @@ def pack_inputs(codes: torch.Tensor) -> torch.Tensor:
 class TritonW4A16Kernel(LinearKernel):
     """The Triton W4A16 GEMM on the codes packed along the inputs; act-order checkpoints permute ``x``."""
 
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_size: int,
                  order: torch.Tensor | None):
-        self.qweight, self.scales, self.zeros = qweight, scales, zeros
+        self.qweight, self.scales, self.offsets = qweight, scales, offsets
         self.group_size, self.order = group_size, order
 
     @classmethod
     def of(cls, grid: Int4Grid) -> TritonW4A16Kernel:
         grid, order = grid.in_group_order()
-        return cls(pack_inputs(grid.codes), grid.scales, grid.zeros.to(torch.uint8).contiguous(),
-                   grid.group_size, order)
+        return cls(pack_inputs(grid.codes), grid.scales, grid.offsets.contiguous(), grid.group_size, order)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         from lmdeploy.pytorch.kernels.cuda.w4a16 import w4a16_linear
         if self.order is not None:
             x = x[:, self.order]
-        out = w4a16_linear(x, self.qweight, self.scales, self.zeros, self.group_size)
+        out = w4a16_linear(x, self.qweight, self.scales, self.offsets, self.group_size)
         return out if bias is None else out + bias
