@@ -17,8 +17,6 @@ INT4_GROUP = 32
 # Steps of more tokens run faster on bf16 weights: with the native GEMM, or with oneDNN's.
 INT4_MAX_TOKENS_NATIVE_GEMM = 2
 INT4_MAX_TOKENS_ONEDNN = 8
-# A 4-bit checkpoint's steps of more tokens dequantize their weight on each call (see Int4DequantKernel).
-INT4_MAX_TOKENS_CHECKPOINT = 8
 
 
 def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,30 +44,10 @@ def grid_packed(grid: Int4Grid, dtype: torch.dtype) -> tuple[torch.Tensor, torch
     return packed, scales_and_zeros.contiguous()
 
 
-class Int4DequantKernel(LinearKernel):
-    """A 4-bit grid, dequantized on each call to the activations' dtype for ``F.linear``: for steps of
-    enough tokens that the GEMM outweighs the dequantization. Codes ``[N, K / 2]`` (uint8, even inputs
-    in the low nibbles), scales and zeros as the int4 kernel takes them."""
-
-    def __init__(self, codes: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int):
-        self.codes, self.scales_and_zeros, self.group_size = codes, scales_and_zeros, group_size
-
-    @classmethod
-    def of_grid(cls, grid: Int4Grid, scales_and_zeros: torch.Tensor) -> Int4DequantKernel:
-        codes = grid.codes.to(torch.uint8)
-        return cls(codes[:, 0::2] | (codes[:, 1::2] << 4), scales_and_zeros, grid.group_size)
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        n, half = self.codes.shape
-        codes = torch.stack((self.codes & 15, self.codes >> 4), dim=-1).view(n, -1, self.group_size).to(x.dtype)
-        scale, zero = self.scales_and_zeros.to(x.dtype).permute(2, 1, 0).unsqueeze(-1)
-        weight = torch.addcmul(zero, codes.sub_(8), scale).reshape(n, 2 * half)
-        return torch.nn.functional.linear(x, weight, bias)
-
-
 class SmallStepInt4Kernel(LinearKernel):
-    """Steps of at most ``small_step_rows`` tokens on the int4 kernel, larger ones on ``large``. With
-    ``order``, the weight's inputs are in that order (act-order checkpoints), and so are ``x``'s first."""
+    """Steps of at most ``small_step_rows`` tokens on the int4 kernel, larger ones on ``large`` (all steps
+    without one). With ``order``, the weight's inputs are in that order (act-order checkpoints), and so
+    are ``x``'s first."""
 
     def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, small_step_rows: int,
                  large: LinearKernel | None = None, group_size: int = INT4_GROUP, order: torch.Tensor | None = None):
@@ -87,12 +65,11 @@ class SmallStepInt4Kernel(LinearKernel):
 
     @classmethod
     def of_grid(cls, grid: Int4Grid, dtype: torch.dtype) -> SmallStepInt4Kernel:
-        """A checkpoint's 4-bit grid as it is, for activations in ``dtype`` (bf16); larger steps dequantize
-        it on each call."""
+        """A checkpoint's 4-bit grid as it is, for activations in ``dtype`` (bf16), for steps of any size:
+        dequantizing it on each call for a bf16 GEMM is slower at every size measured
+        (``benchmark/w4_cpu.py``)."""
         grid, order = grid.in_group_order()
-        packed, scales_and_zeros = grid_packed(grid, dtype)
-        large = Int4DequantKernel.of_grid(grid, scales_and_zeros)
-        return cls(packed, scales_and_zeros, INT4_MAX_TOKENS_CHECKPOINT, large, grid.group_size, order)
+        return cls(*grid_packed(grid, dtype), 0, None, grid.group_size, order)
 
     def over(self, large: LinearKernel) -> SmallStepInt4Kernel:
         """This copy for small steps with ``large`` for the others."""
@@ -102,15 +79,15 @@ class SmallStepInt4Kernel(LinearKernel):
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.order is not None:
             x = x[:, self.order]
-        if x.shape[0] > self.small_step_rows:
+        if self.large is not None and x.shape[0] > self.small_step_rows:
             return self.large(x, bias)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
         return out if bias is None else out + bias
 
     def gate_up_silu(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-        if x.shape[0] <= self.small_step_rows:
+        if self.large is None or x.shape[0] <= self.small_step_rows:
             return None
-        return self.large.gate_up_silu(x if self.order is None else x[:, self.order], bias)
+        return self.large.gate_up_silu(x, bias)
 
     def native_panels(self) -> torch.Tensor | None:
-        return self.large.native_panels()
+        return None if self.large is None else self.large.native_panels()
