@@ -12,6 +12,8 @@ from quant_models import (awq_dequantized, awq_reference, awq_tensors, gptq_dequ
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
+from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.nn.linear import Linear
 from lmdeploy.pytorch.nn.quant import LinearOptions, use_weight_format, weight_format_for
 from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
@@ -19,6 +21,7 @@ from lmdeploy.pytorch.nn.quant.w4a16 import ReferenceKernel
 
 AWQ = {'quant_method': 'awq', 'bits': 4, 'zero_point': True, 'version': 'gemm'}
 GPTQ = {'quant_method': 'gptq', 'bits': 4, 'sym': False}
+GREEDY_8 = GenerationConfig(max_new_tokens=8, ignore_eos=True)
 
 
 def loaded_layer(config: dict, tensors: dict[str, torch.Tensor], dtype=torch.float32) -> Linear:
@@ -164,3 +167,22 @@ def test_awq_tp2_matches_tp1(float_llama, tmp_path):
         finally:
             engine.close()
     assert outs[1] == outs[2]
+
+
+def test_bf16_engine_runs_the_int4_kernel(float_llama, tmp_path):
+    """In bf16 every projection of an act-order GPTQ checkpoint runs on the int4 CPU kernel; the logits
+    stay within bf16 rounding of fp32's."""
+    path = quantize_checkpoint(float_llama, str(tmp_path / 'gptq'), 'gptq', 128, desc_act=True)
+    prompt = random_prompts([21], seed=8)[0]
+    logits = {}
+    for dtype in ('float32', 'bfloat16'):
+        engine = Engine(path, PytorchEngineConfig(dtype=dtype, num_gpu_blocks=64, block_size=16), show_progress=False)
+        try:
+            kinds = {type(module.kernel) for module in engine.runner.model.modules() if isinstance(module, Linear)}
+            assert kinds == {SmallStepInt4Kernel if dtype == 'bfloat16' else ReferenceKernel}
+            assert len(run(engine, [prompt, prompt[:5]], GREEDY_8)[1]) == 8
+            logits[dtype] = engine.get_logits(prompt).float()
+        finally:
+            engine.close()
+    error = (logits['bfloat16'] - logits['float32']).norm() / logits['float32'].norm()
+    assert error < 0.05, error

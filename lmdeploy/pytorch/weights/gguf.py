@@ -155,8 +155,8 @@ def gguf_state_dict(reader: GGUFReader, config: dict[str, Any], source: str) -> 
         raw = raw_type is not None and _is_projection(tensor.name)
         try:
             if raw:
-                rows = int(tensor.shape[-1])
-                weight = np.array(tensor.data, dtype=np.uint8).reshape(rows, -1, GGML_QUANT_SIZES[tensor.tensor_type][1])
+                block_bytes = GGML_QUANT_SIZES[tensor.tensor_type][1]
+                weight = np.array(tensor.data, dtype=np.uint8).reshape(int(tensor.shape[-1]), -1, block_bytes)
                 name = name.removesuffix('.weight') + '.qweight'
             else:
                 weight = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
