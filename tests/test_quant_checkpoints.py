@@ -125,8 +125,8 @@ def test_triton_w4a16_matches_the_reference(dtype, rows):
             kernel.order = kernel.order.to(DEVICE)
         x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(DEVICE, dtype)
         expected = x.float() @ weight.T.to(DEVICE)
-        torch.testing.assert_close(kernel(x, None).float(), expected, rtol=1e-2, atol=1e-2 if dtype != torch.float32
-                                   else 1e-4)
+        tolerance = 1e-2 if dtype != torch.float32 else 2e-3 if DEVICE == 'cuda' else 1e-4  # tf32 dots on CUDA
+        torch.testing.assert_close(kernel(x, None).float(), expected, rtol=tolerance, atol=tolerance)
 
 
 QUANT_LLAMA = dict(hidden_size=256, intermediate_size=512, head_dim=64)

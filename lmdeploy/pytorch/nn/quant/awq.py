@@ -20,7 +20,7 @@ AWQ_FIELD = torch.tensor([0, 4, 1, 5, 2, 6, 3, 7])
 def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
     """``[rows, N / 8]`` AWQ-packed int32 as ``[rows, N]`` codes."""
     fields = unpack_int32(packed, 1).view(packed.shape[0], -1, 8)
-    return fields[..., AWQ_FIELD].reshape(packed.shape[0], -1)
+    return fields[..., AWQ_FIELD.to(packed.device)].reshape(packed.shape[0], -1)
 
 
 @register_format('awq')

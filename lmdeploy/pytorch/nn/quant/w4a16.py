@@ -29,7 +29,8 @@ SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 def unpack_int32(packed: torch.Tensor, dim: int) -> torch.Tensor:
     """The eight 4-bit fields of each int32 of ``packed``, lowest first, laid out along ``dim`` (which
     grows eightfold)."""
-    fields = (packed.unsqueeze(dim + 1) >> SHIFTS.view([-1] + [1] * (packed.dim() - dim - 1))) & 15
+    shifts = SHIFTS.to(packed.device).view([-1] + [1] * (packed.dim() - dim - 1))
+    fields = (packed.unsqueeze(dim + 1) >> shifts) & 15
     shape = list(packed.shape)
     shape[dim] *= 8
     return fields.reshape(shape)
