@@ -14,6 +14,8 @@ from helpers import hf_greedy, make_engine, random_prompts, run
 from test_gguf import _encode, make_gguf
 from transformers import AutoModelForCausalLM
 
+from lmdeploy.messages import PytorchEngineConfig
+from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.nn.linear import Linear
 from lmdeploy.pytorch.nn.quant import LinearOptions, use_weight_format, weight_format_for
 from lmdeploy.pytorch.nn.quant.gguf import Q8Kernel
@@ -82,3 +84,22 @@ def test_mixed_projection_types_are_dequantized(tmp_path: Path):
     make_gguf(src)
     convert_gguf(str(src), str(tmp_path / 'hf'))
     assert 'quantization_config' not in json.loads((tmp_path / 'hf' / 'config.json').read_text())
+
+
+def test_bf16_engine_runs_q4_k_on_the_int4_kernel(tmp_path: Path):
+    src = tmp_path / 'tiny.gguf'
+    make_gguf(src, 'llama', head_dim=64, hidden=256, projections=Q.Q4_K)
+    convert_gguf(str(src), str(tmp_path / 'hf'))
+    prompt = random_prompts([13], seed=2, vocab=200)[0]
+    logits = {}
+    for dtype in ('float32', 'bfloat16'):
+        engine = Engine(str(tmp_path / 'hf'), PytorchEngineConfig(dtype=dtype, num_gpu_blocks=64, block_size=16),
+                        show_progress=False)
+        try:
+            kinds = {type(module.kernel) for module in engine.runner.model.modules() if isinstance(module, Linear)}
+            assert kinds == {SmallStepInt4Kernel if dtype == 'bfloat16' else ReferenceKernel}
+            logits[dtype] = engine.get_logits(prompt).float()
+        finally:
+            engine.close()
+    error = (logits['bfloat16'] - logits['float32']).norm() / logits['float32'].norm()
+    assert error < 0.05, error
