@@ -67,14 +67,14 @@ def _encode(w: np.ndarray, qtype: Q, rng: np.random.Generator) -> np.ndarray:
 
 
 def make_gguf(path: Path, arch: str = 'llama', head_dim: int = 16, tied: bool = False, seed: int = 0,
-              hidden: int = HIDDEN, projections: Q | None = None) -> dict:
+              hidden: int = HIDDEN, ffn: int = FFN, projections: Q | None = None) -> dict:
     """Write a tiny random model; return {gguf tensor name: (stored array, type)}. The projections'
     types cycle through several, or are all ``projections``."""
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(path), arch)
     vocab = _add_tokenizer(writer)
     for add, value in [(writer.add_block_count, LAYERS), (writer.add_context_length, 512),
-                       (writer.add_embedding_length, hidden), (writer.add_feed_forward_length, FFN),
+                       (writer.add_embedding_length, hidden), (writer.add_feed_forward_length, ffn),
                        (writer.add_head_count, HEADS), (writer.add_head_count_kv, KV_HEADS),
                        (writer.add_key_length, head_dim), (writer.add_rope_dimension_count, head_dim),
                        (writer.add_rope_freq_base, 10000.0), (writer.add_layer_norm_rms_eps, 1e-6)]:
@@ -87,7 +87,7 @@ def make_gguf(path: Path, arch: str = 'llama', head_dim: int = 16, tied: bool = 
         shapes |= {f'blk.{i}.{name}': shape for name, shape in [
             ('attn_q.weight', (q_rows, hidden)), ('attn_k.weight', (kv_rows, hidden)),
             ('attn_v.weight', (kv_rows, hidden)), ('attn_output.weight', (hidden, q_rows)),
-            ('ffn_gate.weight', (FFN, hidden)), ('ffn_up.weight', (FFN, hidden)), ('ffn_down.weight', (hidden, FFN)),
+            ('ffn_gate.weight', (ffn, hidden)), ('ffn_up.weight', (ffn, hidden)), ('ffn_down.weight', (hidden, ffn)),
             ('attn_norm.weight', (hidden,)), ('ffn_norm.weight', (hidden,))]}
         if arch == 'qwen2':
             shapes |= {f'blk.{i}.attn_{x}.bias': (rows,) for x, rows in (('q', q_rows), ('k', kv_rows), ('v', kv_rows))}

@@ -103,3 +103,20 @@ def test_bf16_engine_runs_q4_k_on_the_int4_kernel(tmp_path: Path):
             engine.close()
     error = (logits['bfloat16'] - logits['float32']).norm() / logits['float32'].norm()
     assert error < 0.05, error
+
+
+@pytest.mark.parametrize('qtype', [Q.Q8_0, Q.Q4_K])
+def test_tp2_matches_tp1(tmp_path: Path, qtype):
+    """Row-parallel layers split their blocks along the inputs, merged ones their rows."""
+    src = tmp_path / 'tiny.gguf'
+    make_gguf(src, 'llama', head_dim=128, hidden=512, ffn=512, projections=qtype)
+    convert_gguf(str(src), str(tmp_path / 'hf'))
+    prompts = random_prompts([5, 17], seed=3, vocab=200)
+    outs = {}
+    for tp in (1, 2):
+        engine = make_engine(str(tmp_path / 'hf'), tp=tp)
+        try:
+            outs[tp] = run(engine, prompts)
+        finally:
+            engine.close()
+    assert outs[1] == outs[2]

@@ -155,9 +155,10 @@ def test_engine_matches_transformers_on_the_dequantized_weights(float_llama, tmp
         assert out == hf_greedy(hf, prompt)
 
 
-def test_awq_tp2_matches_tp1(float_llama, tmp_path):
+@pytest.mark.parametrize('method', ['awq', 'gptq'])
+def test_tp2_matches_tp1(float_llama, tmp_path, method):
     """q/k/v and gate/up slice the packed outputs, o_proj and down_proj the packed inputs and groups."""
-    path = quantize_checkpoint(float_llama, str(tmp_path / 'awq'), 'awq', 128)
+    path = quantize_checkpoint(float_llama, str(tmp_path / method), method, 128)
     prompts = random_prompts([5, 17], seed=3)
     outs = {}
     for tp in (1, 2):
