@@ -2,7 +2,7 @@
 ``weights/gguf.py``): ``qweight uint8 [N, K / B, block bytes]``, each row's blocks of ``B`` inputs.
 
 - Q8_0 (``B = 32``, 34 bytes): an fp16 scale ``d`` and 32 int8 codes, ``W = d * q``. Held as int8 codes
-  and fp32 scales, dequantized on each call for ``F.linear``.
+  and fp32 scales, dequantized on each call (in fp32, then to the activations' dtype) for ``F.linear``.
 - Q4_K (``B = 256``, 144 bytes): fp16 ``d`` and ``dmin``, eight 6-bit scales ``sc`` and mins ``m``, 256
   4-bit codes; ``W = q * (d * sc) - dmin * m`` per 32 inputs: a 4-bit grid of groups of 32 (exact in
   fp32), served by the 4-bit kernels (:mod:`lmdeploy.pytorch.nn.quant.w4a16`).
@@ -35,6 +35,12 @@ def q8_0_unpack(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.reshape(blocks.shape[0], -1), fp16_at(blocks, 0)
 
 
+def q8_0_weight(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``W [N, K]`` in fp32 (exact) from Q8_0 codes and scales."""
+    n = codes.shape[0]
+    return (codes.view(n, -1, 32) * scales[..., None]).view(n, -1)
+
+
 def q4_k_grid(blocks: torch.Tensor) -> Int4Grid:
     """``[N, K / 256, 144]`` Q4_K blocks as a 4-bit grid of groups of 32 inputs."""
     n, num_blocks = blocks.shape[:2]
@@ -56,9 +62,7 @@ class Q8Kernel(LinearKernel):
         self.codes, self.scales = codes, scales
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        n = self.codes.shape[0]
-        weight = self.codes.view(n, -1, 32).to(x.dtype) * self.scales.to(x.dtype)[..., None]
-        return F.linear(x, weight.view(n, -1), bias)
+        return F.linear(x, q8_0_weight(self.codes, self.scales).to(x.dtype), bias)
 
 
 @register_format('gguf')
@@ -93,8 +97,7 @@ class GgufFormat(Int4GroupFormat):
     def dequantize(self, layer: Linear) -> torch.Tensor:
         if self.ggml_type == 'Q4_K':
             return super().dequantize(layer)
-        codes, scales = q8_0_unpack(layer.qweight)
-        return (codes.view(codes.shape[0], -1, 32).float() * scales[..., None]).view(codes.shape)
+        return q8_0_weight(*q8_0_unpack(layer.qweight))
 
     def make_kernel(self, layer: Linear, options: LinearOptions) -> LinearKernel:
         if self.ggml_type == 'Q4_K':
