@@ -24,6 +24,7 @@ from lmdeploy.pytorch.weights.gguf import convert_gguf, resolve_gguf
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 64, 256, 2, 4, 2
 CYCLE = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1]
+PROJECTIONS = {'attn_q', 'attn_k', 'attn_v', 'attn_output', 'ffn_gate', 'ffn_up', 'ffn_down'}
 K_QUANTS = {Q.Q4_K: (144, slice(0, 4)), Q.Q6_K: (210, slice(208, 210))}  # block bytes, fp16 scale bytes
 CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
 TEXT = 'hello world, well well <|im_start|>hell'
@@ -65,27 +66,29 @@ def _encode(w: np.ndarray, qtype: Q, rng: np.random.Generator) -> np.ndarray:
     return gguf.quants.quantize(w, qtype)
 
 
-def make_gguf(path: Path, arch: str = 'llama', head_dim: int = 16, tied: bool = False, seed: int = 0) -> dict:
-    """Write a tiny random model; return {gguf tensor name: (stored array, type)}."""
+def make_gguf(path: Path, arch: str = 'llama', head_dim: int = 16, tied: bool = False, seed: int = 0,
+              hidden: int = HIDDEN, ffn: int = FFN, projections: Q | None = None) -> dict:
+    """Write a tiny random model; return {gguf tensor name: (stored array, type)}. The projections'
+    types cycle through several, or are all ``projections``."""
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(path), arch)
     vocab = _add_tokenizer(writer)
     for add, value in [(writer.add_block_count, LAYERS), (writer.add_context_length, 512),
-                       (writer.add_embedding_length, HIDDEN), (writer.add_feed_forward_length, FFN),
+                       (writer.add_embedding_length, hidden), (writer.add_feed_forward_length, ffn),
                        (writer.add_head_count, HEADS), (writer.add_head_count_kv, KV_HEADS),
                        (writer.add_key_length, head_dim), (writer.add_rope_dimension_count, head_dim),
                        (writer.add_rope_freq_base, 10000.0), (writer.add_layer_norm_rms_eps, 1e-6)]:
         add(value)
-    shapes = {'token_embd.weight': (vocab, HIDDEN), 'output_norm.weight': (HIDDEN,)}
+    shapes = {'token_embd.weight': (vocab, hidden), 'output_norm.weight': (hidden,)}
     if not tied:
-        shapes['output.weight'] = (vocab, HIDDEN)
+        shapes['output.weight'] = (vocab, hidden)
     q_rows, kv_rows = HEADS * head_dim, KV_HEADS * head_dim
     for i in range(LAYERS):
         shapes |= {f'blk.{i}.{name}': shape for name, shape in [
-            ('attn_q.weight', (q_rows, HIDDEN)), ('attn_k.weight', (kv_rows, HIDDEN)),
-            ('attn_v.weight', (kv_rows, HIDDEN)), ('attn_output.weight', (HIDDEN, q_rows)),
-            ('ffn_gate.weight', (FFN, HIDDEN)), ('ffn_up.weight', (FFN, HIDDEN)), ('ffn_down.weight', (HIDDEN, FFN)),
-            ('attn_norm.weight', (HIDDEN,)), ('ffn_norm.weight', (HIDDEN,))]}
+            ('attn_q.weight', (q_rows, hidden)), ('attn_k.weight', (kv_rows, hidden)),
+            ('attn_v.weight', (kv_rows, hidden)), ('attn_output.weight', (hidden, q_rows)),
+            ('ffn_gate.weight', (ffn, hidden)), ('ffn_up.weight', (ffn, hidden)), ('ffn_down.weight', (hidden, ffn)),
+            ('attn_norm.weight', (hidden,)), ('ffn_norm.weight', (hidden,))]}
         if arch == 'qwen2':
             shapes |= {f'blk.{i}.attn_{x}.bias': (rows,) for x, rows in (('q', q_rows), ('k', kv_rows), ('v', kv_rows))}
         if arch == 'qwen3':
@@ -95,6 +98,8 @@ def make_gguf(path: Path, arch: str = 'llama', head_dim: int = 16, tied: bool = 
         w = rng.standard_normal(shape).astype(np.float32) * 0.1
         if len(shape) == 1:
             qtype = Q.F32
+        elif projections is not None and name.rpartition('.')[0].split('.')[-1] in PROJECTIONS:
+            qtype = projections
         elif name.endswith('ffn_down.weight'):
             qtype = list(K_QUANTS)[int(name.split('.')[1]) % 2]
         else:

@@ -163,7 +163,7 @@ class LlamaForCausalLM(nn.Module):
         native GEMM weights throughout, the decoder layers then run as one :class:`NativeDecoderStack`."""
         projections = [(name, module) for name, module in self.layers.named_modules() if isinstance(module, Linear)]
         for name, module in projections:
-            module.finalize(LinearOptions(pack_cpu, small_step_int4 and name.endswith(DECODE_INT4_LAYERS)))
+            module.finalize(LinearOptions(pack_cpu, small_step_int4 and name.endswith(DECODE_INT4_LAYERS), self.cfg.dtype))
         if small_step_int4:
             self.lm_head.enable_fp16()
         if not pack_cpu:
@@ -185,7 +185,10 @@ class LlamaForCausalLM(nn.Module):
         owner, _, proj = module_name.rpartition('.')
         if proj in self.stacked_params:
             merged, index = self.stacked_params[proj]
-            part, shard = self.get_submodule(f'{owner}.{merged}').checkpoint_part(kind, index)
+            module = self.get_submodule(f'{owner}.{merged}')
+            if getattr(module, kind, None) is None:  # a tensor its weight format does not use
+                return None
+            part, shard = module.checkpoint_part(kind, index)
             return part, (f'{owner}.{merged}.{kind}', proj), shard
         try:
             param = self.get_parameter(name)

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader
+from gguf import GGML_QUANT_SIZES, GGUFReader
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
@@ -40,7 +40,10 @@ _LAYER_NAMES = {
     'ffn_norm': 'post_attention_layernorm',
 }
 _LAYER_RE = re.compile(r'blk\.(\d+)\.(\w+)')
-_CACHE_FORMAT = 2  # bump when the converted output changes, so stale cache entries are not reused
+_PROJECTIONS = {'attn_q', 'attn_k', 'attn_v', 'attn_output', 'ffn_gate', 'ffn_up', 'ffn_down'}
+# Projection types kept as llama.cpp's blocks and served as they are (``nn/quant/gguf.py``).
+RAW_TYPES = {'Q4_K', 'Q8_0'}
+_CACHE_FORMAT = 3  # bump when the converted output changes, so stale cache entries are not reused
 
 
 def cache_dir() -> Path:
@@ -100,7 +103,7 @@ def gguf_config(reader: GGUFReader, source: str) -> dict[str, Any]:
     hidden, heads = key('embedding_length'), key('attention.head_count')
     linear = tensors.get('blk.0.attn_q.weight')  # its quantization is the linear layers'
     head_dim = key('attention.key_length') or (key('rope.dimension_count') if arch == 'llama' else None)
-    return {
+    config = {
         'model_type': arch,
         'architectures': [SUPPORTED_ARCHS[arch]],
         'hidden_size': hidden,
@@ -121,27 +124,49 @@ def gguf_config(reader: GGUFReader, source: str) -> dict[str, Any]:
         'dtype': 'float32',
         'gguf_weight_type': linear.tensor_type.name if linear is not None else None,
     }
+    raw_type = raw_linear_type(reader)
+    if raw_type is not None:
+        config['quantization_config'] = {'quant_method': 'gguf', 'ggml_type': raw_type}
+    return config
+
+
+def _is_projection(gguf_name: str) -> bool:
+    return gguf_name.endswith('.weight') and gguf_name.split('.')[-2] in _PROJECTIONS
+
+
+def raw_linear_type(reader: GGUFReader) -> str | None:
+    """The type of the decoder's projections when they all have one that is served as it is, else None."""
+    types = {tensor.tensor_type.name for tensor in reader.tensors if _is_projection(tensor.name)}
+    return next(iter(types)) if len(types) == 1 and types <= RAW_TYPES else None
 
 
 def gguf_state_dict(reader: GGUFReader, config: dict[str, Any], source: str) -> dict[str, torch.Tensor]:
-    """Dequantize every tensor to float32 under its transformers name."""
+    """Every tensor under its transformers name: dequantized to float32, except the projections of
+    ``config['quantization_config']``'s type, kept as their blocks (``qweight uint8 [rows, blocks, bytes]``)."""
     arch = config['model_type']
     heads = {'attn_q': config['num_attention_heads'], 'attn_k': config['num_key_value_heads']}
+    raw_type = config.get('quantization_config', {}).get('ggml_type')
     state_dict = {}
     for tensor in tqdm(reader.tensors, desc=f'Converting {Path(source).name}', unit='tensor'):
         name = hf_tensor_name(tensor.name)
         if name is None:
             logger.warning('Skipping GGUF tensor %s: no transformers counterpart', tensor.name)
             continue
+        raw = raw_type is not None and _is_projection(tensor.name)
         try:
-            weight = dequantize(tensor.data, tensor.tensor_type)
+            if raw:
+                block_bytes = GGML_QUANT_SIZES[tensor.tensor_type][1]
+                weight = np.array(tensor.data, dtype=np.uint8).reshape(int(tensor.shape[-1]), -1, block_bytes)
+                name = name.removesuffix('.weight') + '.qweight'
+            else:
+                weight = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         except Exception as err:
             raise ValueError(f'{source}: cannot dequantize tensor {tensor.name} '
                              f'({tensor.tensor_type.name}): {err}') from err
         module = tensor.name.split('.')[-2]
         if arch == 'llama' and module in heads:
             weight = unpermute_rotary(weight, heads[module])
-        state_dict[name] = torch.from_numpy(np.array(weight, dtype=np.float32))
+        state_dict[name] = torch.from_numpy(np.ascontiguousarray(weight))
     return state_dict
 
 
@@ -152,7 +177,8 @@ def _save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
 
 
 def convert_gguf(gguf_path: str, out_dir: str) -> None:
-    """Write ``model.safetensors`` (float32), ``config.json`` and tokenizer files for a GGUF file.
+    """Write ``model.safetensors`` (float32, Q4_K or Q8_0 projections as they are), ``config.json`` and
+    tokenizer files for a GGUF file.
 
     The folder is built next to ``out_dir`` and renamed into place, so it is either complete or absent.
     """

@@ -43,10 +43,13 @@ def layout_of(param: torch.Tensor) -> Layout:
 @dataclass(frozen=True)
 class LinearOptions:
     """How to lay out a loaded weight: ``pack_cpu`` for the CPU GEMMs (bf16 on the CPU), and
-    ``small_step_int4`` for a 4-bit copy that steps of a few tokens run on (bf16 on the CPU)."""
+    ``small_step_int4`` for a 4-bit copy that steps of a few tokens run on (bf16 on the CPU). ``dtype``
+    is the model's, given once the weights are loaded (None at construction, when quantized formats'
+    kernels read their parameters as they are)."""
 
     pack_cpu: bool = False
     small_step_int4: bool = False
+    dtype: torch.dtype | None = None
 
 
 class LinearKernel(ABC):

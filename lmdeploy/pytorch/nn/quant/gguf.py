@@ -1,0 +1,109 @@
+"""GGUF Q4_K and Q8_0 linear weights as llama.cpp stores them (``quant_method: gguf``, written by
+``weights/gguf.py``): ``qweight uint8 [N, K / B, block bytes]``, each row's blocks of ``B`` inputs.
+
+- Q8_0 (``B = 32``, 34 bytes): an fp16 scale ``d`` and 32 int8 codes, ``W = d * q``. Held as int8 codes
+  and fp32 scales, dequantized on each call (in fp32, then to the activations' dtype) for ``F.linear``.
+- Q4_K (``B = 256``, 144 bytes): fp16 ``d`` and ``dmin``, eight 6-bit scales ``sc`` and mins ``m``, 256
+  4-bit codes; ``W = q * (d * sc) - dmin * m`` per 32 inputs: a 4-bit grid of groups of 32 (exact in
+  fp32), served by the 4-bit kernels (:mod:`lmdeploy.pytorch.nn.quant.w4a16`).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from lmdeploy.pytorch.nn.quant.base import Layout, LinearKernel, LinearOptions, new_parameter, register_format
+from lmdeploy.pytorch.nn.quant.w4a16 import Int4GroupFormat, Int4Grid, ReferenceKernel
+
+if TYPE_CHECKING:
+    from lmdeploy.pytorch.nn.linear import Linear
+
+# inputs and bytes per block
+BLOCKS = {'Q8_0': (32, 34), 'Q4_K': (256, 144)}
+
+
+def fp16_at(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """The fp16 at byte ``start`` of each block, as fp32."""
+    return blocks[..., start:start + 2].contiguous().view(torch.float16)[..., 0].float()
+
+
+def q8_0_unpack(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[N, K / 32, 34]`` Q8_0 blocks as int8 codes ``[N, K]`` and fp32 scales ``[N, K / 32]``."""
+    codes = blocks[..., 2:].contiguous().view(torch.int8)
+    return codes.reshape(blocks.shape[0], -1), fp16_at(blocks, 0)
+
+
+def q8_0_weight(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``W [N, K]`` in fp32 (exact) from Q8_0 codes and scales."""
+    n = codes.shape[0]
+    return (codes.view(n, -1, 32) * scales[..., None]).view(n, -1)
+
+
+def q4_k_grid(blocks: torch.Tensor) -> Int4Grid:
+    """``[N, K / 256, 144]`` Q4_K blocks as a 4-bit grid of groups of 32 inputs."""
+    n, num_blocks = blocks.shape[:2]
+    d, dmin = fp16_at(blocks, 0)[..., None], fp16_at(blocks, 2)[..., None]
+    packed = blocks[..., 4:16].long()
+    low, high, extra = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = torch.cat((low & 63, (extra & 15) | ((low >> 2) & 48)), dim=-1)
+    m = torch.cat((high & 63, (extra >> 4) | ((high >> 2) & 48)), dim=-1)
+    qs = blocks[..., 16:].view(n, num_blocks, 4, 1, 32)
+    codes = torch.cat((qs & 15, qs >> 4), dim=3).reshape(n, -1)
+    scales, offsets = (d * sc).view(n, -1), (dmin * m).view(n, -1)
+    return Int4Grid(codes, scales.T.contiguous(), offsets.T.contiguous(), 32)
+
+
+class Q8Kernel(LinearKernel):
+    """Q8_0 codes dequantized on each call to the activations' dtype for ``F.linear``."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor):
+        self.codes, self.scales = codes, scales
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, q8_0_weight(self.codes, self.scales).to(x.dtype), bias)
+
+
+@register_format('gguf')
+class GgufFormat(Int4GroupFormat):
+    """The linear weights of a GGUF file whose projections are all of one type, Q4_K or Q8_0."""
+
+    def __init__(self, ggml_type: str):
+        super().__init__(32)
+        self.ggml_type = ggml_type
+        self.block_inputs, self.block_bytes = BLOCKS[ggml_type]
+
+    @classmethod
+    def from_config(cls, config: dict) -> GgufFormat:
+        ggml_type = config.get('ggml_type')
+        if ggml_type not in BLOCKS:
+            raise ValueError(f'GGUF linear weights of types {sorted(BLOCKS)} are supported, not {ggml_type}')
+        return cls(ggml_type)
+
+    def params(self) -> tuple[str, ...]:
+        return ('qweight',)
+
+    def create_weights(self, layer: Linear) -> None:
+        if layer.in_features % self.block_inputs:
+            raise ValueError(f'a {self.ggml_type} layer needs inputs in blocks of {self.block_inputs}, '
+                             f'not {layer.in_features}')
+        layer.qweight = new_parameter((layer.out_features, layer.in_features // self.block_inputs, self.block_bytes),
+                                      Layout(0, 1, 1, self.block_inputs), torch.uint8)
+
+    def unpack(self, layer: Linear) -> Int4Grid:
+        return q4_k_grid(layer.qweight)
+
+    def dequantize(self, layer: Linear) -> torch.Tensor:
+        if self.ggml_type == 'Q4_K':
+            return super().dequantize(layer)
+        return q8_0_weight(*q8_0_unpack(layer.qweight))
+
+    def make_kernel(self, layer: Linear, options: LinearOptions) -> LinearKernel:
+        if self.ggml_type == 'Q4_K':
+            return super().make_kernel(layer, options)
+        if options.dtype is None:
+            return ReferenceKernel(self, layer)
+        kernel = Q8Kernel(*q8_0_unpack(layer.qweight))
+        layer.qweight = None
+        return kernel

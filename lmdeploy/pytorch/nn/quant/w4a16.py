@@ -1,0 +1,121 @@
+"""4-bit weights in groups of inputs with a scale and an offset each: AWQ and GPTQ checkpoints store
+``W[n, k] = (q[n, k] - zero[g(k), n]) * scale[g(k), n]`` (the offset is ``zero * scale``) with
+``g(k) = k // G``, or ``g_idx[k]`` for GPTQ's act-order checkpoints; GGUF's Q4_K ``q * d * sc - dmin * m``.
+Each checkpoint format packs the codes its own way (:meth:`Int4GroupFormat.unpack`); the kernels here
+read the unpacked grid, served as it is:
+
+- CPU, bf16 models: torch's int4 CPU kernel (``_weight_int4pack_mm_for_cpu``) on the same grid;
+- CUDA: the Triton W4A16 GEMM (``kernels/cuda/w4a16.py``) on the codes repacked along the inputs;
+- otherwise (fp32 models, the reference): unpack and ``F.linear`` on every call.
+"""
+from __future__ import annotations
+
+from abc import abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from lmdeploy.pytorch.nn.quant.base import LinearKernel, LinearOptions, WeightFormat
+from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
+
+if TYPE_CHECKING:
+    from lmdeploy.pytorch.nn.linear import Linear
+
+SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
+
+
+def unpack_int32(packed: torch.Tensor, dim: int) -> torch.Tensor:
+    """The eight 4-bit fields of each int32 of ``packed``, lowest first, laid out along ``dim`` (which
+    grows eightfold)."""
+    shifts = SHIFTS.to(packed.device).view([-1] + [1] * (packed.dim() - dim - 1))
+    fields = (packed.unsqueeze(dim + 1) >> shifts) & 15
+    shape = list(packed.shape)
+    shape[dim] *= 8
+    return fields.reshape(shape)
+
+
+@dataclass
+class Int4Grid:
+    """A linear weight's 4-bit grid, ``W = codes * scale - offset``: ``codes [N, K]`` (integers in 0-15),
+    ``scales [K / G, N]`` (the checkpoint's dtype), ``offsets [K / G, N]`` (fp32; exact for an integer zero
+    point times an fp16 or bf16 scale), and ``g_idx [K]`` (the group of each input; None: ``k // G``)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor
+    group_size: int
+    g_idx: torch.Tensor | None = None
+
+    @classmethod
+    def of_zeros(cls, codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int,
+                 g_idx: torch.Tensor | None = None) -> Int4Grid:
+        """The grid of ``(codes - zeros) * scales`` (integer zero points)."""
+        return cls(codes, scales, zeros * scales.float(), group_size, g_idx)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """``W [N, K]`` in ``dtype`` (computed in fp32)."""
+        groups = self.g_idx.long() if self.g_idx is not None else (
+            torch.arange(self.codes.shape[1], device=self.codes.device) // self.group_size)
+        scales, offsets = self.scales.T.float()[:, groups], self.offsets.T[:, groups]
+        return (self.codes * scales - offsets).to(dtype)
+
+    def in_group_order(self) -> tuple[Int4Grid, torch.Tensor | None]:
+        """This grid with its inputs sorted by group, so that each group is ``G`` consecutive inputs,
+        and the input order that gives (None: already so); raises if the groups are not all of size ``G``."""
+        if self.g_idx is None:
+            return self, None
+        groups = self.g_idx.long()
+        if torch.equal(groups, torch.arange(groups.numel(), device=groups.device) // self.group_size):
+            return Int4Grid(self.codes, self.scales, self.offsets, self.group_size), None
+        if not torch.all(torch.bincount(groups, minlength=self.scales.shape[0]) == self.group_size):
+            raise ValueError(f'g_idx groups are not all of {self.group_size} inputs')
+        order = torch.argsort(groups, stable=True)
+        return Int4Grid(self.codes[:, order], self.scales, self.offsets, self.group_size), order
+
+
+class ReferenceKernel(LinearKernel):
+    """Dequantizes the layer's parameters as they are at each call and runs ``F.linear``."""
+
+    def __init__(self, weight_format: Int4GroupFormat, layer: Linear):
+        self.weight_format, self.layer = weight_format, layer
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, self.weight_format.dequantize(self.layer).to(x.dtype), bias)
+
+
+class Int4GroupFormat(WeightFormat):
+    """A checkpoint format of 4-bit grouped weights: subclasses register its parameters and unpack them."""
+
+    def __init__(self, group_size: int):
+        self.group_size = group_size
+
+    @abstractmethod
+    def unpack(self, layer: Linear) -> Int4Grid:
+        """``layer``'s parameters as a grid."""
+
+    def params(self) -> tuple[str, ...]:
+        return ('qweight', 'qzeros', 'scales')
+
+    def check_shape(self, layer: Linear) -> None:
+        if layer.out_features % 8 or layer.in_features % self.group_size:
+            raise ValueError(f'a {type(self).__name__} layer needs outputs in multiples of 8 and inputs in '
+                             f'groups of {self.group_size}, not {layer.out_features} x {layer.in_features}')
+
+    def dequantize(self, layer: Linear) -> torch.Tensor:
+        """``layer``'s ``W [N, K]`` in fp32."""
+        return self.unpack(layer).dequantize(torch.float32)
+
+    def make_kernel(self, layer: Linear, options: LinearOptions) -> LinearKernel:
+        device = layer.qweight.device.type
+        if options.dtype is not None and device == 'cuda':
+            from lmdeploy.pytorch.nn.quant.w4a16_cuda import TritonW4A16Kernel
+            kernel = TritonW4A16Kernel.of(self.unpack(layer))
+        elif options.dtype == torch.bfloat16 and device == 'cpu':
+            kernel = SmallStepInt4Kernel.of_grid(self.unpack(layer), options.dtype)
+        else:
+            return ReferenceKernel(self, layer)
+        for name in self.params():
+            setattr(layer, name, None)
+        return kernel

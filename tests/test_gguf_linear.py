@@ -1,0 +1,122 @@
+"""GGUF Q4_K and Q8_0 projections served as their blocks: unpacked against the ``gguf`` package's own
+dequantization, and the engine against transformers loading the same GGUF file."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from helpers import hf_greedy, make_engine, random_prompts, run
+from test_gguf import _encode, make_gguf
+from transformers import AutoModelForCausalLM
+
+from lmdeploy.messages import PytorchEngineConfig
+from lmdeploy.pytorch.engine.engine import Engine
+from lmdeploy.pytorch.nn.linear import Linear
+from lmdeploy.pytorch.nn.quant import LinearOptions, use_weight_format, weight_format_for
+from lmdeploy.pytorch.nn.quant.gguf import Q8Kernel
+from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
+from lmdeploy.pytorch.nn.quant.w4a16 import ReferenceKernel
+from lmdeploy.pytorch.weights.gguf import convert_gguf
+
+
+def gguf_layer(qtype: Q, out_features: int = 48, in_features: int = 512, seed: int = 0):
+    """A linear layer holding random ``qtype`` blocks, and ``gguf``'s dequantization of them."""
+    rng = np.random.default_rng(seed)
+    weight = rng.standard_normal((out_features, in_features)).astype(np.float32) * 0.1
+    data = _encode(weight, qtype, rng)
+    with use_weight_format(weight_format_for({'quant_method': 'gguf', 'ggml_type': qtype.name})):
+        layer = Linear(in_features, out_features)
+    layer.qweight.copy_(torch.from_numpy(data).view(layer.qweight.shape))
+    return layer, torch.from_numpy(gguf.quants.dequantize(data, qtype).astype(np.float32))
+
+
+@pytest.mark.parametrize('qtype', [Q.Q8_0, Q.Q4_K])
+def test_unpacking_matches_gguf(qtype):
+    layer, expected = gguf_layer(qtype)
+    assert torch.equal(layer.weight_format.dequantize(layer), expected)
+    x = torch.randn(3, 512)
+    torch.testing.assert_close(layer(x), x @ expected.T)
+
+
+@pytest.mark.parametrize('qtype,kernel,dtype,tolerance', [(Q.Q8_0, Q8Kernel, torch.float32, 1e-6),
+                                                          (Q.Q4_K, SmallStepInt4Kernel, torch.bfloat16, 1e-2),
+                                                          (Q.Q4_K, ReferenceKernel, torch.float32, 1e-6)])
+def test_loaded_kernels(qtype, kernel, dtype, tolerance):
+    """Q4_K on the int4 CPU kernel is exact up to bf16 rounding of ``d * sc`` and ``8 * d * sc - dmin * m``."""
+    layer, expected = gguf_layer(qtype, seed=3)
+    layer.finalize(LinearOptions(pack_cpu=True, dtype=dtype))
+    assert isinstance(layer.kernel, kernel) and (layer.qweight is None) == (kernel is not ReferenceKernel)
+    for rows in (1, 7, 33):
+        x = torch.randn(rows, 512).to(dtype)
+        reference = x.float() @ expected.T
+        error = (layer(x).float() - reference).norm() / reference.norm()
+        assert error < tolerance, (rows, error)
+
+
+@pytest.mark.parametrize('qtype', [Q.Q8_0, Q.Q4_K])
+def test_engine_matches_transformers_on_the_gguf_file(tmp_path: Path, qtype):
+    """A llama whose projections are all ``qtype`` (q/k rows permuted by llama.cpp): the converted folder
+    keeps their blocks, and fp32 greedy tokens equal transformers' from the GGUF file."""
+    src = tmp_path / 'tiny.gguf'
+    make_gguf(src, 'llama', head_dim=64, hidden=256, projections=qtype)
+    out = tmp_path / 'hf'
+    convert_gguf(str(src), str(out))
+    config = json.loads((out / 'config.json').read_text())
+    assert config['quantization_config'] == {'quant_method': 'gguf', 'ggml_type': qtype.name}
+    reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=src.name, dtype=torch.float32).eval()
+    prompts = random_prompts([6, 19], seed=4, vocab=200)
+    engine = make_engine(str(out))
+    try:
+        outs = run(engine, prompts)
+    finally:
+        engine.close()
+    for prompt, tokens in zip(prompts, outs):
+        assert tokens == hf_greedy(reference, prompt)
+
+
+def test_mixed_projection_types_are_dequantized(tmp_path: Path):
+    src = tmp_path / 'tiny.gguf'
+    make_gguf(src)
+    convert_gguf(str(src), str(tmp_path / 'hf'))
+    assert 'quantization_config' not in json.loads((tmp_path / 'hf' / 'config.json').read_text())
+
+
+def test_bf16_engine_runs_q4_k_on_the_int4_kernel(tmp_path: Path):
+    src = tmp_path / 'tiny.gguf'
+    make_gguf(src, 'llama', head_dim=64, hidden=256, projections=Q.Q4_K)
+    convert_gguf(str(src), str(tmp_path / 'hf'))
+    prompt = random_prompts([13], seed=2, vocab=200)[0]
+    logits = {}
+    for dtype in ('float32', 'bfloat16'):
+        engine = Engine(str(tmp_path / 'hf'), PytorchEngineConfig(dtype=dtype, num_gpu_blocks=64, block_size=16),
+                        show_progress=False)
+        try:
+            kinds = {type(module.kernel) for module in engine.runner.model.modules() if isinstance(module, Linear)}
+            assert kinds == {SmallStepInt4Kernel if dtype == 'bfloat16' else ReferenceKernel}
+            logits[dtype] = engine.get_logits(prompt).float()
+        finally:
+            engine.close()
+    error = (logits['bfloat16'] - logits['float32']).norm() / logits['float32'].norm()
+    assert error < 0.05, error
+
+
+@pytest.mark.parametrize('qtype', [Q.Q8_0, Q.Q4_K])
+def test_tp2_matches_tp1(tmp_path: Path, qtype):
+    """Row-parallel layers split their blocks along the inputs, merged ones their rows."""
+    src = tmp_path / 'tiny.gguf'
+    make_gguf(src, 'llama', head_dim=128, hidden=512, ffn=512, projections=qtype)
+    convert_gguf(str(src), str(tmp_path / 'hf'))
+    prompts = random_prompts([5, 17], seed=3, vocab=200)
+    outs = {}
+    for tp in (1, 2):
+        engine = make_engine(str(tmp_path / 'hf'), tp=tp)
+        try:
+            outs[tp] = run(engine, prompts)
+        finally:
+            engine.close()
+    assert outs[1] == outs[2]
