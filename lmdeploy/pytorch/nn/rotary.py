@@ -32,9 +32,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 
 
 def step_seq_lens(ctx: StepContext) -> torch.Tensor:
-    """Each token's sequence length once this step's tokens are in (prefill chunks first, then decode)."""
-    lens = [] if ctx.prefill_ctx_len is None else [
-        torch.repeat_interleave(ctx.prefill_ctx_len, ctx.prefill_q_len, output_size=ctx.num_prefill_tokens)]
+    """The length of each token's sequence: all its tokens for prefill chunks, those up to the token for
+    decode tokens."""
+    lens = [] if ctx.prefill_seq_len is None else [
+        torch.repeat_interleave(ctx.prefill_seq_len, ctx.prefill_q_len, output_size=ctx.num_prefill_tokens)]
     if ctx.decode_kv_lens is not None:
         lens.append(ctx.decode_kv_lens)
     return lens[0] if len(lens) == 1 else torch.cat(lens)
@@ -44,9 +45,10 @@ class RotaryEmbedding(nn.Module):
     """Computes per-token ``cos, sin [T, rotary_dim]`` for the model's rope type.
 
     With ``mrope_section`` (Qwen-VL) positions are ``[3, T]`` (temporal, height, width) and each
-    band of frequencies turns with one of the three. LongRoPE (Phi-3) turns a sequence's tokens by its
-    long factors in the steps where the sequence is longer than ``original_max_position_embeddings``
-    and by its short factors before, as transformers does in each forward call.
+    band of frequencies turns with one of the three. LongRoPE (Phi-3) turns the tokens of a sequence
+    longer than ``original_max_position_embeddings`` by its long factors (every prefill chunk of a long
+    prompt), the others by its short factors. When decoding crosses that length the keys cached before
+    keep their short turn (transformers' ``generate`` computes them again).
     """
 
     def __init__(self, hf_config: PretrainedConfig, head_dim: int):
