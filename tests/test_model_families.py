@@ -10,7 +10,7 @@ from transformers import (AutoModelForCausalLM, Glm4Config, GlmConfig, MistralCo
 from conftest import VOCAB_SIZE, build_tokenizer
 from helpers import GREEDY_32, hf_greedy, make_engine, random_prompts, run
 
-from lmdeploy.messages import PytorchEngineConfig
+from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.kernels import cpu
 
@@ -109,7 +109,26 @@ def test_native_decoder_stack_only_for_plain_llama_layers(family):
     engine = Engine(path, PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=32, block_size=16), show_progress=False)
     model = engine.runner.model
     assert (model.native_stack is not None) == (kind in NATIVE_STACK)
-    run(engine, random_prompts([40], seed=6))
+    prompts = random_prompts([40, 9], seed=6)
+    outs = run(engine, prompts)
+    model.native_stack = None
+    assert run(engine, prompts) == outs
+
+
+def test_longrope_decode_crossing_keeps_what_is_cached(tmp_path):
+    """A sequence whose decoding crosses the switch turns its new tokens by the long factors and keeps the
+    keys cached before it: transformers' forward over its own cache, one token at a time."""
+    path = save_family('phi3_longrope', str(tmp_path / 'phi3'))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompt = random_prompts([40], seed=9)[0]
+    tokens = []
+    with torch.no_grad():
+        out = hf(torch.tensor([prompt]), use_cache=True)
+        for _ in range(16):
+            tokens.append(out.logits[0, -1].argmax().item())
+            out = hf(torch.tensor([tokens[-1:]]), cache=out.past_key_values, use_cache=True,
+                     position_ids=torch.tensor([[len(prompt) + len(tokens) - 1]]))
+    assert run(make_engine(path), [prompt], GenerationConfig(max_new_tokens=16, ignore_eos=True)) == [tokens]
 
 
 def test_sliding_window_narrower_than_the_context_is_refused(tmp_path):
