@@ -33,8 +33,8 @@ class StepContext:
     prefill_max_q_len: int
     decode_blocks: torch.Tensor | None
     decode_kv_lens: torch.Tensor | None
+    prefill_seq_len: torch.Tensor | None = None
     rope_positions: torch.Tensor | None = None
     multimodal: MultiModalBatch | None = None
     cos: torch.Tensor | None = None
-    prefill_seq_len: torch.Tensor | None = None
     sin: torch.Tensor | None = None

@@ -86,7 +86,6 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.gate_up_proj(x))
 
 
-
 class LlamaDecoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, mlp: nn.Module, attn: LlamaAttention | None = None):
@@ -259,10 +258,12 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             module_name, _, kind = name.rpartition('.')
             owner, _, fused = module_name.rpartition('.')
-            try:
-                module = self.get_submodule(module_name.removeprefix('model.')) if fused in FUSED_PROJECTIONS else None
-            except AttributeError:
-                module = None
+            module = None
+            if fused in FUSED_PROJECTIONS:
+                try:
+                    module = self.get_submodule(module_name.removeprefix('model.'))
+                except AttributeError:  # a tensor the model does not use
+                    pass
             if not isinstance(module, MergedLinear):
                 yield name, tensor
                 continue
