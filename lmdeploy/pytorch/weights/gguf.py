@@ -128,7 +128,7 @@ def gguf_config(reader: GGUFReader, source: str) -> dict[str, Any]:
         'gguf_weight_type': linear.tensor_type.name if linear is not None else None,
     }
     if arch == 'phi3':
-        config.update(_phi3_rope(reader, tensors, config['head_dim'] or hidden // heads, source))
+        config.update(_phi3_rope(reader, tensors, config['head_dim'], source))
     return config
 
 
