@@ -17,6 +17,8 @@ from gguf import GGMLQuantizationType as Q
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations.gguf.dequant import dequantize as torch_dequantize
 
+from helpers import hf_greedy, make_engine, random_prompts, run
+
 from lmdeploy import model_source
 from lmdeploy.model_source import DEFAULT_GGUF, default_model_path, resolve_model_path
 from lmdeploy.pytorch.weights import gguf as gguf_weights
@@ -67,27 +69,40 @@ def _encode(w: np.ndarray, qtype: Q, rng: np.random.Generator) -> np.ndarray:
 
 
 def make_gguf(path: Path, arch: str = 'llama', head_dim: int = 16, tied: bool = False, seed: int = 0,
-              hidden: int = HIDDEN, ffn: int = FFN, projections: Q | None = None) -> dict:
+              hidden: int = HIDDEN, ffn: int = FFN, projections: Q | None = None,
+              rope: dict[str, list[float]] | None = None) -> dict:
     """Write a tiny random model; return {gguf tensor name: (stored array, type)}. The projections'
-    types cycle through several, or are all ``projections``."""
+    types cycle through several, or are all ``projections``. ``rope`` (phi3): LongRoPE factor tensors
+    over half of each head, a 128-token switch and a 256-token sliding window."""
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(path), arch)
     vocab = _add_tokenizer(writer)
+    if arch == 'phi3':
+        writer.add_pad_token_id(vocab - 3)  # else transformers' Phi-3 default (32000) lies outside the vocabulary
+    if rope:
+        writer.add_rope_scaling_orig_ctx_len(128)
+        writer.add_sliding_window(256)
+        for name, factors in rope.items():
+            writer.add_tensor(name, np.array(factors, dtype=np.float32))
     for add, value in [(writer.add_block_count, LAYERS), (writer.add_context_length, 512),
                        (writer.add_embedding_length, hidden), (writer.add_feed_forward_length, ffn),
                        (writer.add_head_count, HEADS), (writer.add_head_count_kv, KV_HEADS),
-                       (writer.add_key_length, head_dim), (writer.add_rope_dimension_count, head_dim),
+                       (writer.add_key_length, head_dim),
+                       (writer.add_rope_dimension_count, head_dim // 2 if rope else head_dim),
                        (writer.add_rope_freq_base, 10000.0), (writer.add_layer_norm_rms_eps, 1e-6)]:
         add(value)
     shapes = {'token_embd.weight': (vocab, hidden), 'output_norm.weight': (hidden,)}
     if not tied:
         shapes['output.weight'] = (vocab, hidden)
     q_rows, kv_rows = HEADS * head_dim, KV_HEADS * head_dim
+    inputs = ([('attn_qkv.weight', (q_rows + 2 * kv_rows, hidden)), ('ffn_up.weight', (2 * ffn, hidden))]
+              if arch == 'phi3' else
+              [('attn_q.weight', (q_rows, hidden)), ('attn_k.weight', (kv_rows, hidden)),
+               ('attn_v.weight', (kv_rows, hidden)), ('ffn_gate.weight', (ffn, hidden)),
+               ('ffn_up.weight', (ffn, hidden))])
     for i in range(LAYERS):
-        shapes |= {f'blk.{i}.{name}': shape for name, shape in [
-            ('attn_q.weight', (q_rows, hidden)), ('attn_k.weight', (kv_rows, hidden)),
-            ('attn_v.weight', (kv_rows, hidden)), ('attn_output.weight', (hidden, q_rows)),
-            ('ffn_gate.weight', (ffn, hidden)), ('ffn_up.weight', (ffn, hidden)), ('ffn_down.weight', (hidden, ffn)),
+        shapes |= {f'blk.{i}.{name}': shape for name, shape in inputs + [
+            ('attn_output.weight', (hidden, q_rows)), ('ffn_down.weight', (hidden, ffn)),
             ('attn_norm.weight', (hidden,)), ('ffn_norm.weight', (hidden,))]}
         if arch == 'qwen2':
             shapes |= {f'blk.{i}.attn_{x}.bias': (rows,) for x, rows in (('q', q_rows), ('k', kv_rows), ('v', kv_rows))}
@@ -162,7 +177,8 @@ def test_convert_against_independent_dequant(tmp_path: Path, arch: str, head_dim
     assert {qtype for _, qtype in stored.values()} >= set(CYCLE) | set(K_QUANTS)
 
 
-@pytest.mark.parametrize('arch,tied', [('llama', False), ('llama', True), ('qwen2', False), ('qwen3', True)])
+@pytest.mark.parametrize('arch,tied', [('llama', False), ('llama', True), ('qwen2', False), ('qwen3', True),
+                                       ('phi3', False)])
 def test_convert_matches_transformers(tmp_path: Path, arch: str, tied: bool) -> None:
     src = tmp_path / 'tiny.gguf'
     make_gguf(src, arch, head_dim=128 if arch == 'qwen3' else 16, tied=tied)  # transformers assumes 128 for qwen3
@@ -179,6 +195,24 @@ def test_convert_matches_transformers(tmp_path: Path, arch: str, tied: bool) -> 
     assert tokenizer.chat_template == CHAT_TEMPLATE
     assert tokenizer.encode(TEXT) == gguf_tokenizer.encode(TEXT)
     assert not (set(os.listdir(tmp_path)) - {'tiny.gguf', 'hf'}), 'temporary folder left behind'
+
+
+def test_phi3_longrope_from_the_file(tmp_path: Path) -> None:
+    """llama.cpp keeps Phi-3's LongRoPE factors as tensors and its switch length as metadata; they come
+    back as the config's ``rope_parameters`` (transformers' own GGUF loader drops them)."""
+    src = tmp_path / 'phi3.gguf'
+    long_factor, short_factor = [1.0, 2.0, 3.0, 5.0], [1.0, 1.25, 1.5, 1.75]
+    make_gguf(src, 'phi3', head_dim=16, rope={'rope_factors_long.weight': long_factor,
+                                              'rope_factors_short.weight': short_factor})
+    convert_gguf(str(src), str(tmp_path / 'hf'))
+    config = AutoModelForCausalLM.from_pretrained(str(tmp_path / 'hf')).config
+    assert config.rope_parameters == {'rope_type': 'longrope', 'rope_theta': 10000.0, 'partial_rotary_factor': 0.5,
+                                      'long_factor': long_factor, 'short_factor': short_factor,
+                                      'original_max_position_embeddings': 128}
+    assert config.sliding_window == 256
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / 'hf'), dtype=torch.float32).eval()
+    prompts = random_prompts([20, 140], vocab=250)  # the longer one past the switch
+    assert run(make_engine(str(tmp_path / 'hf'), session_len=256), prompts) == [hf_greedy(hf, p) for p in prompts]
 
 
 def test_resolve_gguf_caches(tmp_path: Path, tmp_cache: Path) -> None:
@@ -228,7 +262,7 @@ def test_errors(tmp_path: Path, tmp_cache: Path) -> None:
             resolve_gguf(str(bad))
     assert not (tmp_cache / 'gguf').exists() or os.listdir(tmp_cache / 'gguf') == []
 
-    for arch, error in (('phi3', r"'phi3'.*llama, qwen2, qwen3"), ('llama', 'missing GGUF metadata: llama.embedding')):
+    for arch, error in (('gemma2', r"'gemma2'.*llama, qwen2, qwen3, phi3"), ('llama', 'missing GGUF metadata: llama.embedding')):
         finish(gguf.GGUFWriter(str(tmp_path / f'{arch}.gguf'), arch))
         with pytest.raises(ValueError, match=f'{arch}.gguf.*{error}'):
             convert_gguf(str(tmp_path / f'{arch}.gguf'), str(tmp_path / arch))

@@ -14,7 +14,8 @@ class StepContext:
 
     Token ``i`` stores its K/V at ``(kv_blocks[i], kv_offsets[i])``. Prefill sequence ``s`` owns
     rows ``prefill_q_start[s]:+prefill_q_len[s]`` and has ``prefill_ctx_len[s]`` context tokens in
-    the blocks of ``prefill_block_table[s]`` (zero-padded rows). Decoding sequence ``b`` reads
+    the blocks of ``prefill_block_table[s]`` (zero-padded rows) of its ``prefill_seq_len[s]`` tokens
+    in all (its whole prompt, and what it generated before a recompute). Decoding sequence ``b`` reads
     ``decode_kv_lens[b]`` tokens in the blocks of ``decode_blocks[b]``. The prefill fields are None
     without prefill chunks, the decode fields without decode tokens. ``rope_positions [3, T]`` replaces
     ``positions`` in the rotary embedding of models with 3-D positions; ``multimodal`` holds the images
@@ -32,6 +33,7 @@ class StepContext:
     prefill_max_q_len: int
     decode_blocks: torch.Tensor | None
     decode_kv_lens: torch.Tensor | None
+    prefill_seq_len: torch.Tensor | None = None
     rope_positions: torch.Tensor | None = None
     multimodal: MultiModalBatch | None = None
     cos: torch.Tensor | None = None

@@ -131,7 +131,8 @@ class ModelRunner:
             q_len = [item.num_tokens for item in plan.prefill]
             prefill = dict(prefill_block_table=self._block_table(plan.prefill, ctx_len),
                            prefill_q_start=self._tensor(q_start), prefill_q_len=self._tensor(q_len),
-                           prefill_ctx_len=self._tensor(ctx_len), prefill_max_q_len=max(q_len))
+                           prefill_ctx_len=self._tensor(ctx_len), prefill_max_q_len=max(q_len),
+                           prefill_seq_len=self._tensor([item.seq.num_tokens for item in plan.prefill]))
         decode_blocks = decode_kv_lens = None
         if plan.decode:
             for item in plan.decode:

@@ -1,7 +1,8 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3) over the paged KV cache."""
+"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3, Mistral) over the paged KV cache; the base of
+the other families."""
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Union
 
 import torch
@@ -9,20 +10,21 @@ from torch import nn
 
 from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.distributed.parallel_state import Shard
-from lmdeploy.pytorch.kernels import apply_rotary
 from lmdeploy.pytorch.nn.attention import PagedAttention
 from lmdeploy.pytorch.nn.decoder_stack import LayerWeights, NativeDecoderStack
 from lmdeploy.pytorch.nn.embedding import LMHead, VocabParallelEmbedding
 from lmdeploy.pytorch.nn.linear import GateUpLinear, Linear, MergedLinear, QKVLinear, RowLinear
-from lmdeploy.pytorch.nn.quant import LinearOptions
+from lmdeploy.pytorch.nn.quant import LinearOptions, layout_of
 from lmdeploy.pytorch.nn.norm import RMSNorm
-from lmdeploy.pytorch.nn.rotary import RotaryEmbedding
+from lmdeploy.pytorch.nn.rotary import RotaryEmbedding, apply_rope, rotary_dim
 from lmdeploy.pytorch.step_context import StepContext
-from lmdeploy.pytorch.weights.safetensors_loader import WeightSource, read_shard
+from lmdeploy.pytorch.weights.safetensors_loader import TensorPart, WeightSource, read_shard
 
 KVCache = tuple[torch.Tensor, ...]  # see PagedAttention
 QKV_BIAS_MODEL_TYPES = ('qwen2', 'qwen2_vl_text', 'qwen2_5_vl_text')
 DECODE_INT4_LAYERS = ('qkv_proj', 'o_proj', 'gate_up_proj', 'down_proj')
+# a merged layer -> the projections it stacks, in order; checkpoints may hold it fused (Phi-3, GLM)
+FUSED_PROJECTIONS = {'qkv_proj': ('q_proj', 'k_proj', 'v_proj'), 'gate_up_proj': ('gate_proj', 'up_proj')}
 # what a checkpoint tensor fills: a whole parameter (its name) or one shard of a merged one (name, shard)
 WeightKey = Union[str, tuple[str, str]]
 # the tensor or slice to fill, what it fills, and which part of the checkpoint tensor fills it
@@ -30,13 +32,20 @@ WeightTarget = tuple[torch.Tensor, WeightKey, Union[Shard, None]]
 
 
 class LlamaAttention(nn.Module):
+    """Self-attention with rotary queries and keys: all of each head's features, the first
+    ``partial_rotary_factor`` of them, or none (``use_rope=False``); ``interleaved_rope`` turns
+    neighbouring pairs (GLM) instead of halves."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, use_rope: bool = True, interleaved_rope: bool = False,
+                 o_bias: bool | None = None):
         super().__init__()
         hf = cfg.hf_config
         self.head_dim = cfg.head_dim
-        o_bias = bool(getattr(hf, 'attention_bias', False))
-        qkv_bias = o_bias or bool(getattr(hf, 'qkv_bias', False)) or hf.model_type in QKV_BIAS_MODEL_TYPES
+        self.use_rope, self.interleaved_rope = use_rope, interleaved_rope
+        self.rotary_dim = rotary_dim(hf, self.head_dim)
+        attention_bias = bool(getattr(hf, 'attention_bias', False))
+        o_bias = attention_bias if o_bias is None else o_bias
+        qkv_bias = attention_bias or bool(getattr(hf, 'qkv_bias', False)) or hf.model_type in QKV_BIAS_MODEL_TYPES
         self.qkv_proj = QKVLinear(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, self.head_dim, bias=qkv_bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowLinear.over_heads(self.qkv_proj, cfg.hidden_size, bias=o_bias)
@@ -53,9 +62,15 @@ class LlamaAttention(nn.Module):
         qk, v = qkv[:, :self.num_heads + self.num_kv_heads], qkv[:, self.num_heads + self.num_kv_heads:]
         if self.qk_norm:
             qk = torch.cat((self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])), dim=1)
-        qk = apply_rotary(qk, ctx.cos, ctx.sin)
+        if self.use_rope:
+            qk = apply_rope(qk, ctx.cos, ctx.sin, self.interleaved_rope)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         return self.o_proj(self.attn(q, k, v, kv_cache, ctx))
+
+    @property
+    def plain_rope(self) -> bool:
+        """Whether every feature of each head rotates, in halves."""
+        return self.use_rope and not self.interleaved_rope and self.rotary_dim == self.head_dim
 
 
 class LlamaMLP(nn.Module):
@@ -74,10 +89,10 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
 
-    def __init__(self, cfg: ModelConfig, mlp: nn.Module):
+    def __init__(self, cfg: ModelConfig, mlp: nn.Module, attn: LlamaAttention | None = None):
         super().__init__()
         eps = cfg.hf_config.rms_norm_eps
-        self.self_attn = LlamaAttention(cfg)
+        self.self_attn = attn or LlamaAttention(cfg)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
@@ -94,9 +109,10 @@ class LlamaDecoderLayer(nn.Module):
 
     def native_weights(self) -> LayerWeights | None:
         """This layer's weights for :class:`NativeDecoderStack`; None unless every projection holds
-        native GEMM panels and the layer has no parts the stack lacks (q/k norms, a MoE block)."""
+        native GEMM panels and the layer has no parts the stack lacks (q/k norms, a MoE block, partial or
+        no rotary, another family's extra norms)."""
         attn, mlp = self.self_attn, self.mlp
-        if attn.qk_norm or not isinstance(mlp, LlamaMLP):
+        if type(self) is not LlamaDecoderLayer or attn.qk_norm or not attn.plain_rope or not isinstance(mlp, LlamaMLP):
             return None
         projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         panels = [proj.kernel.native_panels() for proj in projections]
@@ -122,20 +138,23 @@ class LlamaForCausalLM(nn.Module):
         hf = cfg.hf_config
         self.cfg = cfg
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.make_mlp(cfg, i)) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.make_layer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, hf.rms_norm_eps)
         self.rotary = RotaryEmbedding(hf, cfg.head_dim)
         self.tie_word_embeddings = cfg.tie_word_embeddings
         self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, self.embed_tokens if self.tie_word_embeddings else None)
         self.native_stack: NativeDecoderStack | None = None
 
+    def make_layer(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
+        """One decoder layer; families with other layers override it."""
+        return LlamaDecoderLayer(cfg, self.make_mlp(cfg, layer_index))
+
     def make_mlp(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
         """The feed-forward block of one decoder layer; MoE models override it."""
         return LlamaMLP(cfg)
 
     def forward(self, input_ids: torch.Tensor, kv_caches: list[KVCache], ctx: StepContext) -> torch.Tensor:
-        positions = ctx.positions if ctx.rope_positions is None else ctx.rope_positions
-        ctx.cos, ctx.sin = self.rotary(positions, self.cfg.dtype)
+        ctx.cos, ctx.sin = self.rotary(ctx, self.cfg.dtype)
         x = self.embed(input_ids, ctx)
         if self.native_stack is not None and self.native_stack.runs(x.shape[0]):
             x, residual = self.native_stack(x, kv_caches, ctx)
@@ -226,7 +245,7 @@ class LlamaForCausalLM(nn.Module):
         shard of a merged parameter (a ``k_proj``, one expert's ``up`` matrix) whose rows would otherwise
         be left uninitialized."""
         loaded: set[WeightKey] = set()
-        for name, tensor in weights:
+        for name, tensor in self.split_fused(weights):
             target = self.weight_target(name.removeprefix('model.'))
             if target is not None:
                 dest, key, shard = target
@@ -236,3 +255,29 @@ class LlamaForCausalLM(nn.Module):
                          for key in self.required_weights() - loaded)
         if missing:
             raise ValueError(f'weights are missing for {missing[:5]} ({len(missing)} in all)')
+
+    def split_fused(self, weights: Iterable[tuple[str, WeightSource]]) -> Iterator[tuple[str, WeightSource]]:
+        """The checkpoint's tensors, each fused one (a ``qkv_proj`` or ``gate_up_proj`` of a merged layer)
+        as the projections it stacks, so that each rank reads only its own share of each."""
+        for name, tensor in weights:
+            module_name, _, kind = name.rpartition('.')
+            owner, _, fused = module_name.rpartition('.')
+            module = None
+            if fused in FUSED_PROJECTIONS:
+                try:
+                    module = self.get_submodule(module_name.removeprefix('model.'))
+                except AttributeError:  # a tensor the model does not use
+                    pass
+            if not isinstance(module, MergedLinear):
+                yield name, tensor
+                continue
+            layout = layout_of(getattr(module, kind))
+            start = 0
+            for proj, size in zip(FUSED_PROJECTIONS[fused], module.out_sizes):
+                part = f'{owner}.{proj}.{kind}'
+                if layout.output_dim is None:
+                    yield part, tensor
+                    continue
+                stop = start + size // layout.outputs_per_index
+                yield part, TensorPart(tensor, layout.output_dim, start, stop)
+                start = stop

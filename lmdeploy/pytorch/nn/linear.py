@@ -82,11 +82,12 @@ class RowLinear(Linear):
 
 class MergedLinear(Linear):
     """Several projections of the same input stacked along the output dimension; column-parallel: each
-    rank holds the rows ``ranges[i]`` of projection ``i``."""
+    rank holds the rows ``ranges[i]`` of projection ``i`` (of ``out_sizes[i]`` rows in all)."""
 
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False,
                  ranges: list[tuple[int, int]] | None = None):
         tp = current_group()
+        self.out_sizes = list(out_sizes)
         self.ranges = ranges or [split_range(size, tp.rank, tp.world_size) for size in out_sizes]
         local_sizes = [stop - start for start, stop in self.ranges]
         super().__init__(in_features, sum(local_sizes), bias)

@@ -6,24 +6,67 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from lmdeploy.pytorch.kernels import apply_rotary
+from lmdeploy.pytorch.step_context import StepContext
+
+
+def rotary_dim(hf_config: PretrainedConfig, head_dim: int) -> int:
+    """How many leading features of each head rotate (``partial_rotary_factor`` of them)."""
+    params = getattr(hf_config, 'rope_parameters', None) or {}
+    return int(head_dim * params.get('partial_rotary_factor', 1.0))
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """Rotates the first ``cos.shape[-1]`` features of each head of ``x [T, H, D]``, neox layout.
+
+    ``interleaved`` (GLM) rotates pairs of neighbouring features instead: the rotating features are
+    regrouped into halves first, and left so. Queries and keys both get the same regrouping, so their
+    products, and thus attention, are unchanged.
+    """
+    dim = cos.shape[-1]
+    rot = x[..., :dim]
+    if interleaved:
+        rot = rot.unflatten(-1, (dim // 2, 2)).transpose(-1, -2).flatten(-2)
+    rot = apply_rotary(rot, cos, sin)
+    return rot if dim == x.shape[-1] else torch.cat((rot, x[..., dim:]), dim=-1)
+
+
+def step_seq_lens(ctx: StepContext) -> torch.Tensor:
+    """The length of each token's sequence: all its tokens for prefill chunks, those up to the token for
+    decode tokens."""
+    lens = [] if ctx.prefill_seq_len is None else [
+        torch.repeat_interleave(ctx.prefill_seq_len, ctx.prefill_q_len, output_size=ctx.num_prefill_tokens)]
+    if ctx.decode_kv_lens is not None:
+        lens.append(ctx.decode_kv_lens)
+    return lens[0] if len(lens) == 1 else torch.cat(lens)
+
 
 class RotaryEmbedding(nn.Module):
-    """Computes per-token ``cos, sin [T, head_dim]`` for the model's rope type.
+    """Computes per-token ``cos, sin [T, rotary_dim]`` for the model's rope type.
 
     With ``mrope_section`` (Qwen-VL) positions are ``[3, T]`` (temporal, height, width) and each
-    band of frequencies turns with one of the three.
+    band of frequencies turns with one of the three. LongRoPE (Phi-3) turns the tokens of a sequence
+    longer than ``original_max_position_embeddings`` by its long factors (every prefill chunk of a long
+    prompt), the others by its short factors. When decoding crosses that length the keys cached before
+    keep their short turn (transformers' ``generate`` computes them again).
     """
 
     def __init__(self, hf_config: PretrainedConfig, head_dim: int):
         super().__init__()
         params = getattr(hf_config, 'rope_parameters', None) or {}
         rope_type = params.get('rope_type', 'default')
+        self.long_inv_freq: torch.Tensor | None = None
         if rope_type == 'default':
             base = params.get('rope_theta', getattr(hf_config, 'rope_theta', 10000.0))
-            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            dim = rotary_dim(hf_config, head_dim)
+            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
             self.scaling = 1.0
         elif rope_type in ROPE_INIT_FUNCTIONS and rope_type != 'dynamic':
             inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device('cpu'))
+            if rope_type == 'longrope':
+                self.original_max = params['original_max_position_embeddings']
+                self.long_inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device('cpu'),
+                                                                       seq_len=self.original_max + 1)
         else:
             raise ValueError(f'rope type {rope_type!r} is not supported')
         # A plain attribute, not a buffer: casting the model to bf16 must not round the frequencies.
@@ -32,12 +75,17 @@ class RotaryEmbedding(nn.Module):
         self.mrope_select = None if sections is None else torch.cat(
             [torch.full((size,), index % 3) for index, size in enumerate(sections)])
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, ctx: StepContext, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = ctx.positions if ctx.rope_positions is None else ctx.rope_positions
         if self.inv_freq.device != positions.device:  # moved once, so that a CUDA graph captures no copy
             self.inv_freq = self.inv_freq.to(positions.device)
             self.mrope_select = None if self.mrope_select is None else self.mrope_select.to(positions.device)
+            self.long_inv_freq = None if self.long_inv_freq is None else self.long_inv_freq.to(positions.device)
         if positions.dim() == 2:
             freqs = positions.float()[self.mrope_select].T * self.inv_freq
+        elif self.long_inv_freq is not None:
+            long = (step_seq_lens(ctx) > self.original_max).unsqueeze(-1)
+            freqs = positions.float().unsqueeze(-1) * torch.where(long, self.long_inv_freq, self.inv_freq)
         else:
             freqs = positions.float().unsqueeze(-1) * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)

@@ -23,6 +23,7 @@ SUPPORTED_ARCHS: dict[str, str] = {
     'llama': 'LlamaForCausalLM',
     'qwen2': 'Qwen2ForCausalLM',
     'qwen3': 'Qwen3ForCausalLM',
+    'phi3': 'Phi3ForCausalLM',
 }
 
 _GLOBAL_NAMES = {'token_embd': 'model.embed_tokens', 'output_norm': 'model.norm', 'output': 'lm_head'}
@@ -39,6 +40,10 @@ _LAYER_NAMES = {
     'attn_norm': 'input_layernorm',
     'ffn_norm': 'post_attention_layernorm',
 }
+# Phi-3 keeps q/k/v and gate/up fused, as its Hugging Face checkpoints do
+_FUSED_LAYER_NAMES = {'attn_qkv': 'self_attn.qkv_proj', 'ffn_up': 'mlp.gate_up_proj'}
+# tensors that llama.cpp stores and transformers keeps in the config (Phi-3's LongRoPE factors)
+_ROPE_FACTORS = ('rope_factors_long.weight', 'rope_factors_short.weight')
 _LAYER_RE = re.compile(r'blk\.(\d+)\.(\w+)')
 _PROJECTIONS = {'attn_q', 'attn_k', 'attn_v', 'attn_output', 'ffn_gate', 'ffn_up', 'ffn_down'}
 # Projection types kept as llama.cpp's blocks and served as they are (``nn/quant/gguf.py``).
@@ -51,16 +56,17 @@ def cache_dir() -> Path:
     return Path(os.environ.get('LMDEPLOY_CACHE_DIR') or Path.home() / '.cache' / 'lmdeploy')
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The transformers parameter name of a llama.cpp tensor, or None if it has none."""
+def hf_tensor_name(gguf_name: str, arch: str = 'llama') -> str | None:
+    """The transformers parameter name of a llama.cpp tensor of ``arch``, or None if it has none."""
     base, _, kind = gguf_name.rpartition('.')
     if kind not in ('weight', 'bias'):
         return None
     if base in _GLOBAL_NAMES:
         return f'{_GLOBAL_NAMES[base]}.{kind}'
     match = _LAYER_RE.fullmatch(base)
-    if match and match[2] in _LAYER_NAMES:
-        return f'model.layers.{match[1]}.{_LAYER_NAMES[match[2]]}.{kind}'
+    names = _LAYER_NAMES | _FUSED_LAYER_NAMES if arch == 'phi3' else _LAYER_NAMES
+    if match and match[2] in names:
+        return f'model.layers.{match[1]}.{names[match[2]]}.{kind}'
     return None
 
 
@@ -101,7 +107,7 @@ def gguf_config(reader: GGUFReader, source: str) -> dict[str, Any]:
     if missing:
         raise ValueError(f'{source}: missing GGUF metadata: {", ".join(missing)}')
     hidden, heads = key('embedding_length'), key('attention.head_count')
-    linear = tensors.get('blk.0.attn_q.weight')  # its quantization is the linear layers'
+    linear = tensors.get('blk.0.attn_q.weight', tensors.get('blk.0.attn_qkv.weight'))  # the linear layers' type
     head_dim = key('attention.key_length') or (key('rope.dimension_count') if arch == 'llama' else None)
     config = {
         'model_type': arch,
@@ -127,6 +133,8 @@ def gguf_config(reader: GGUFReader, source: str) -> dict[str, Any]:
     raw_type = raw_linear_type(reader)
     if raw_type is not None:
         config['quantization_config'] = {'quant_method': 'gguf', 'ggml_type': raw_type}
+    if arch == 'phi3':
+        config.update(_phi3_rope(reader, tensors, config['head_dim'], source))
     return config
 
 
@@ -136,8 +144,31 @@ def _is_projection(gguf_name: str) -> bool:
 
 def raw_linear_type(reader: GGUFReader) -> str | None:
     """The type of the decoder's projections when they all have one that is served as it is, else None."""
+    if any(tensor.name.endswith(tuple(f'{name}.weight' for name in _FUSED_LAYER_NAMES if name != 'ffn_up'))
+           for tensor in reader.tensors):
+        return None  # fused projections (Phi-3) are dequantized
     types = {tensor.tensor_type.name for tensor in reader.tensors if _is_projection(tensor.name)}
     return next(iter(types)) if len(types) == 1 and types <= RAW_TYPES else None
+
+
+def _phi3_rope(reader: GGUFReader, tensors: dict[str, Any], head_dim: int, source: str) -> dict[str, Any]:
+    """Phi-3's config fields that llama.cpp keeps elsewhere: the rotating share of each head, the
+    sliding window and the LongRoPE factors (tensors in the file)."""
+    key = lambda name: _meta(reader, f'phi3.{name}')  # noqa: E731
+    params = {'rope_theta': key('rope.freq_base') or 10000.0,
+              'partial_rotary_factor': (key('rope.dimension_count') or head_dim) / head_dim}
+    config = {'rope_parameters': params, 'sliding_window': key('attention.sliding_window')}
+    if _ROPE_FACTORS[0] in tensors:
+        original = key('rope.scaling.original_context_length')
+        if original is None:
+            raise ValueError(f'{source}: missing GGUF metadata: phi3.rope.scaling.original_context_length')
+        factors = [np.asarray(tensors[name].data, dtype=np.float32).tolist() for name in _ROPE_FACTORS]
+        params |= {'rope_type': 'longrope', 'long_factor': factors[0], 'short_factor': factors[1],
+                   'original_max_position_embeddings': original}
+        if key('rope.scaling.attn_factor') is not None:
+            params['attention_factor'] = key('rope.scaling.attn_factor')
+        config['original_max_position_embeddings'] = original
+    return config
 
 
 def gguf_state_dict(reader: GGUFReader, config: dict[str, Any], source: str) -> dict[str, torch.Tensor]:
@@ -148,7 +179,9 @@ def gguf_state_dict(reader: GGUFReader, config: dict[str, Any], source: str) -> 
     raw_type = config.get('quantization_config', {}).get('ggml_type')
     state_dict = {}
     for tensor in tqdm(reader.tensors, desc=f'Converting {Path(source).name}', unit='tensor'):
-        name = hf_tensor_name(tensor.name)
+        if tensor.name in _ROPE_FACTORS:
+            continue
+        name = hf_tensor_name(tensor.name, arch)
         if name is None:
             logger.warning('Skipping GGUF tensor %s: no transformers counterpart', tensor.name)
             continue

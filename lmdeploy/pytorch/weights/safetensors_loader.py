@@ -31,8 +31,23 @@ class FileTensor:
             raise ValueError(f'cannot read weight file {self.path}: {err}') from err
 
 
-# A checkpoint tensor: loaded, or one to read from its file.
-WeightSource = Union[torch.Tensor, FileTensor]
+class TensorPart:
+    """The indices ``start:stop`` along ``dim`` of a checkpoint tensor: one projection of a fused one
+    (Phi-3's ``qkv_proj``); reading it reads only what is indexed."""
+
+    def __init__(self, source: WeightSource, dim: int, start: int, stop: int):
+        self.source, self.dim, self.start, self.stop = source, dim, start, stop
+
+    def read(self, index: tuple) -> torch.Tensor:
+        index = index + (slice(None),) * (self.dim + 1 - len(index))
+        inner = index[self.dim]
+        stop = self.stop if inner.stop is None else self.start + inner.stop
+        index = index[:self.dim] + (slice(self.start + (inner.start or 0), stop),) + index[self.dim + 1:]
+        return self.source[index] if isinstance(self.source, torch.Tensor) else self.source.read(index)
+
+
+# A checkpoint tensor: loaded, one to read from its file, or a part of either.
+WeightSource = Union[torch.Tensor, FileTensor, TensorPart]
 
 
 def safetensors_files(model_dir: str) -> list[str]:
