@@ -95,14 +95,14 @@ def make_gguf(path: Path, arch: str = 'llama', head_dim: int = 16, tied: bool = 
     if not tied:
         shapes['output.weight'] = (vocab, hidden)
     q_rows, kv_rows = HEADS * head_dim, KV_HEADS * head_dim
-    inputs = ([('attn_qkv.weight', (q_rows + 2 * kv_rows, hidden)), ('ffn_up.weight', (2 * ffn, hidden))]
-              if arch == 'phi3' else
-              [('attn_q.weight', (q_rows, hidden)), ('attn_k.weight', (kv_rows, hidden)),
-               ('attn_v.weight', (kv_rows, hidden)), ('ffn_gate.weight', (ffn, hidden)),
-               ('ffn_up.weight', (ffn, hidden))])
+    attention = ([('attn_qkv.weight', (q_rows + 2 * kv_rows, hidden))] if arch == 'phi3' else
+                 [('attn_q.weight', (q_rows, hidden)), ('attn_k.weight', (kv_rows, hidden)),
+                  ('attn_v.weight', (kv_rows, hidden))])
+    mlp = ([('ffn_up.weight', (2 * ffn, hidden))] if arch == 'phi3' else
+           [('ffn_gate.weight', (ffn, hidden)), ('ffn_up.weight', (ffn, hidden))])
     for i in range(LAYERS):
-        shapes |= {f'blk.{i}.{name}': shape for name, shape in inputs + [
-            ('attn_output.weight', (hidden, q_rows)), ('ffn_down.weight', (hidden, ffn)),
+        shapes |= {f'blk.{i}.{name}': shape for name, shape in [
+            *attention, ('attn_output.weight', (hidden, q_rows)), *mlp, ('ffn_down.weight', (hidden, ffn)),
             ('attn_norm.weight', (hidden,)), ('ffn_norm.weight', (hidden,))]}
         if arch == 'qwen2':
             shapes |= {f'blk.{i}.attn_{x}.bias': (rows,) for x, rows in (('q', q_rows), ('k', kv_rows), ('v', kv_rows))}
