@@ -203,6 +203,14 @@ def test_sigterm_graceful_shutdown(tiny_llama):
             rest = [line for line in lines if line.startswith('data:')]
         assert rest[-1] == 'data: [DONE]' and '"finish_reason":"length"' in rest[-2].replace(' ', '')
         assert proc.wait(timeout=30) == 0
+        # at the default log level (INFO) it says what it serves, each request, and how the shutdown goes
+        log = proc.stdout.read().decode()
+        assert f'serving tiny on http://127.0.0.1:{port} (chat page at /)' in log, log
+        model = next(line for line in log.splitlines() if line.startswith('INFO:  model '))
+        assert f'{tiny_llama}: float32 on cpu, KV cache 1024 tokens (64 blocks of 16)' in model, model
+        assert model.endswith('native CPU kernels') or model.endswith('torch CPU kernels'), model
+        assert '"POST /v1/completions HTTP/1.1" 200' in log and '"GET /health HTTP/1.1" 200' in log, log
+        assert 'shutting down: 1 requests in flight get up to 20 s to finish' in log and 'stopped' in log, log
     finally:
         if proc.poll() is None:
             proc.kill()

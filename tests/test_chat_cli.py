@@ -64,7 +64,7 @@ def test_ctrl_c_stops_the_reply_only(chat, long_llama):
     child.expect_exact('everything')
     time.sleep(1.0)
     child.sendintr()
-    child.expect_exact('[interrupted]')
+    child.expect_exact('[interrupted: the partial reply stays in the conversation]')
     child.expect_exact(PROMPT)
     quit_cleanly(child)
 

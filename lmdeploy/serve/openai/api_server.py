@@ -232,18 +232,17 @@ def _ignore_signal(signum: int, _frame: object) -> None:
 
 
 def describe(state: ServerState) -> str:
-    """What the server runs, for its start-up line: model, dtype, device, KV cache size, kernels."""
+    """What the server runs, for its start-up log: model folder, dtype, device, KV cache size, kernels."""
     engine = state.engine.engine
     blocks = engine.block_manager.num_blocks
-    tokens = blocks * engine.config.block_size
     if engine.device.type == 'cuda':
         kernels = 'Triton kernels'
     else:
         from lmdeploy.pytorch.kernels import cpu
         kernels = 'native CPU kernels' if cpu.native() is not None else 'torch CPU kernels'
     dtype = str(engine.model_config.dtype).removeprefix('torch.')
-    return (f'{state.model_name} ({state.engine.model_dir}): {dtype} on {engine.device}, KV cache {tokens} tokens '
-            f'({blocks} blocks of {engine.config.block_size}), session_len {engine.session_len}, {kernels}')
+    return (f'{state.engine.model_dir}: {dtype} on {engine.device}, KV cache {blocks * engine.config.block_size} '
+            f'tokens ({blocks} blocks of {engine.config.block_size}), session_len {engine.session_len}, {kernels}')
 
 
 class DrainLogging:
@@ -291,8 +290,9 @@ def run_server(app: FastAPI, host: str = '127.0.0.1', port: int = 23333, log_lev
     gc.collect()
     gc.freeze()
     state: ServerState = app.state.server
-    web = ', chat page at /' if getattr(app.state, 'web_ui', False) else ''
-    logger.info('serving %s on http://%s:%d%s', describe(state), host, port, web)
+    web = ' (chat page at /)' if getattr(app.state, 'web_ui', False) else ''
+    logger.info('serving %s on http://%s:%d%s', state.model_name, host, port, web)
+    logger.info('model %s', describe(state))
     if proxy_url:
         from lmdeploy.serve.proxy.registration import NodeServer
 
