@@ -149,6 +149,7 @@ async function send(text) {
   state.messages.push({role: 'user', content: text, images: state.pending});
   state.pending = [];
   $('attachments').replaceChildren();
+  const body = JSON.stringify(requestBody());
   const reply = {role: 'assistant', content: '', meta: '…'};
   state.messages.push(reply);
   renderAll();
@@ -162,11 +163,11 @@ async function send(text) {
   const start = performance.now();
   try {
     const response = await fetch('/v1/chat/completions', {
-      method: 'POST', headers: headers(), body: JSON.stringify(requestBody()), signal: controller.signal});
+      method: 'POST', headers: headers(), body, signal: controller.signal});
     if (!response.ok) {
-      const body = await response.json().catch(() => ({}));
+      const error = await response.json().catch(() => ({}));
       if (response.status === 401) askForKey('the server needs an API key');
-      throw new Error(body.error?.message || `HTTP ${response.status}`);
+      throw new Error(error.error?.message || `HTTP ${response.status}`);
     }
     for await (const chunk of events(response)) {
       if (chunk.error) throw new Error(chunk.error.message || 'the server reported an error');
