@@ -215,3 +215,37 @@ def test_sigterm_graceful_shutdown(tiny_llama):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_sampling_defaults_come_from_the_generation_config(tiny_llama, tmp_path):
+    """Fields a request leaves out take the model's generation_config.json values ('auto', the default);
+    with 'none' they are the OpenAI API's (temperature 1, top_p 1)."""
+    import shutil
+    model = shutil.copytree(tiny_llama, tmp_path / 'model')
+    path = model / 'generation_config.json'
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    path.write_text(json.dumps({**config, 'temperature': 0.0, 'top_p': 0.5, 'top_k': 7}))
+    engine = tiny_engine(str(model))
+    body = {'model': 'tiny', 'messages': MESSAGES, 'max_tokens': 16, 'ignore_eos': True, 'seed': 3}
+
+    def reply(server: ServerThread, **fields) -> str:
+        r = httpx.post(f'{server.url}/v1/chat/completions', json={**body, **fields}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()['choices'][0]['message']['content']
+
+    try:
+        auto = ServerThread(create_app(engine, model_name='tiny'))
+        try:
+            assert auto.app.state.server.sampling_defaults == {'temperature': 0.0, 'top_p': 0.5, 'top_k': 7}
+            greedy, unset = reply(auto, temperature=0), reply(auto)
+            sampled = reply(auto, temperature=1.0, top_p=1.0, top_k=0)
+        finally:
+            auto.stop()
+        assert unset == greedy and sampled != greedy
+        plain = ServerThread(create_app(engine, model_name='tiny', generation_config='none'))
+        try:
+            assert reply(plain) == sampled
+        finally:
+            plain.stop()
+    finally:
+        engine.close()
