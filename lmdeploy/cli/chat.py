@@ -2,9 +2,9 @@
 
 On a terminal the input line (prompt_toolkit) has history (up/down, kept in
 ``~/.cache/lmdeploy/chat_history``) and takes several lines: end a line with ``\\`` or press
-Esc then Enter to go on to the next one. Ctrl-C during a reply stops that reply; Ctrl-D or
-``exit`` quits, ``reset`` starts a new conversation, and ``/image PATH`` (or URL) attaches an image
-to the next message when the model takes images.
+Esc then Enter to go on to the next one. Ctrl-C during a reply stops that reply (what it said so
+far stays in the conversation); Ctrl-D or ``exit`` quits, ``reset`` starts a new conversation, and
+``/image PATH`` (or URL) attaches an image to the next message when the model takes images.
 
 A message that cannot be sent (a bad image, a message longer than ``session_len`` on its own)
 prints an error and leaves the conversation as it was. When the conversation outgrows
@@ -208,10 +208,12 @@ async def chat(engine: AsyncEngine, gen: GenerationConfig) -> None:
         reply = Reply()
         task = asyncio.create_task(_reply_fitting(engine, session, turn, gen, reply))
         loop.add_signal_handler(signal.SIGINT, task.cancel)
+        interrupted = False
         try:
             await task
             print()
         except asyncio.CancelledError:  # the partial reply stays: the next message may refer to it
+            interrupted = True
             print('\n[interrupted: the partial reply stays in the conversation]' if reply.text
                   else '\n[interrupted: this message was left out of the conversation]')
         except SafeRunException as exc:  # the message is not sent; the conversation stays as it was
@@ -224,7 +226,7 @@ async def chat(engine: AsyncEngine, gen: GenerationConfig) -> None:
             print(f'[the conversation outgrew session_len ({engine.session_len} tokens): '
                   f'left out the oldest {turns} turn{"s" if turns != 1 else ""}]')
             del session.history[:reply.dropped]
-        if reply.text and not reply.failed:
+        if not reply.failed and (reply.text or not interrupted):
             session.history += turn + [{'role': 'assistant', 'content': reply.text}]
     await engine.end_session(session.session_id)
 
