@@ -161,7 +161,7 @@ COLLECT_GCC_OPTIONS='-march=native' '-E'
 '''
 
 
-def test_cpu_kernel_build_name_follows_the_cpu_flags_and_version(monkeypatch, tmp_path):
+def test_cpu_kernel_build_name_follows_the_cpu_flags_and_version(monkeypatch, tmp_path, capsys):
     import torch.utils.cpp_extension
 
     import lmdeploy
@@ -189,6 +189,13 @@ def test_cpu_kernel_build_name_follows_the_cpu_flags_and_version(monkeypatch, tm
         cpu._build()
     assert names[0] == (cpu.build_name(flags), str(tmp_path / cpu.build_name(flags)))
     assert names[1] != names[0] and names[2] == names[0]
+    # a build says so on stderr, whatever the log level; a folder that holds the built module says nothing
+    err = capsys.readouterr().err
+    assert err.count('compiling native CPU kernels (once, a few minutes)...') == 3
+    assert err.count(f'0/{len(cpu._SOURCES)} translation units compiled: done') == 3
+    (tmp_path / names[0][0] / f'{names[0][0]}.so').write_bytes(b'')
+    cpu._build()
+    assert 'compiling' not in capsys.readouterr().err
     # a build killed mid-way (Ctrl-C) leaves torch's lock file behind: the next build does not wait on it
     (tmp_path / names[0][0] / 'lock').write_text('')
     monkeypatch.setattr(cpu, 'cpu_flags', lambda: flags)
