@@ -9,10 +9,20 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
 
 // torch::Tensor, torch::empty, torch::kInt64, ... as <torch/types.h> names them.
 namespace torch {
 using namespace at;
+constexpr auto kUInt8 = at::kByte;
+constexpr auto kInt8 = at::kChar;
+constexpr auto kInt16 = at::kShort;
 constexpr auto kInt32 = at::kInt;
 constexpr auto kInt64 = at::kLong;
+constexpr auto kFloat16 = at::kHalf;
+constexpr auto kFloat32 = at::kFloat;
+constexpr auto kFloat64 = at::kDouble;
 }  // namespace torch
