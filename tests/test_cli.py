@@ -106,12 +106,22 @@ def test_model_name_is_the_models_own(tmp_path: Path):
     assert model_name(str(snapshot)) == 'Qwen/Qwen2-0.5B-Instruct'
 
 
+def _loaded_torch(pid: int) -> bool:
+    try:
+        return 'libtorch_cpu' in Path(f'/proc/{pid}/maps').read_text()
+    except OSError:
+        return False
+
+
 def test_ctrl_c_during_start_up_is_one_line(tiny_llama):
     """SIGINT while the engine starts (torch imports, kernels build or load, the model loads): no traceback."""
     proc = subprocess.Popen([sys.executable, '-m', 'lmdeploy.cli.main', 'chat', tiny_llama, '--dtype', 'float32'],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, 'PYTHONUNBUFFERED': '1'})
-    time.sleep(1.5)  # past parsing: the command runs (torch alone takes longer than the rest to import)
+    deadline = time.monotonic() + 120
+    while not _loaded_torch(proc.pid):  # the command runs: parsing is over (it never loads torch)
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, (out, err)

@@ -6,13 +6,14 @@ import os
 import sys
 
 from lmdeploy import __version__
-from lmdeploy.cli.args import HelpFormatter
-from lmdeploy.cli.chat import add_chat_parser
-from lmdeploy.cli.serve import add_serve_parser
+from lmdeploy.model_source import ModelNotFoundError
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every ``lmdeploy`` command; a command without a subcommand prints its help."""
+    from lmdeploy.cli.args import HelpFormatter
+    from lmdeploy.cli.chat import add_chat_parser
+    from lmdeploy.cli.serve import add_serve_parser
     parser = argparse.ArgumentParser(prog='lmdeploy', description='Serve and chat with large language models.',
                                      formatter_class=HelpFormatter)
     parser.add_argument('--version', action='version', version=f'lmdeploy {__version__}')
@@ -24,18 +25,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-    if args.run is None:
-        args.help_of.print_help()
-        return
     try:
+        args = build_parser().parse_args(argv)
+        if args.run is None:
+            args.help_of.print_help()
+            return
         args.run(args)
     except KeyboardInterrupt:
         print('\nlmdeploy: interrupted', file=sys.stderr, flush=True)
         os._exit(130)  # the engine thread may still be building: do not wait for it
-    except FileNotFoundError as exc:  # a model path that is not there: no traceback, the message says what to do
+    except ModelNotFoundError as exc:  # the message says what to give instead: no traceback
         print(f'lmdeploy: error: {exc}', file=sys.stderr, flush=True)
-        os._exit(2)
+        raise SystemExit(2) from None
 
 
 if __name__ == '__main__':
