@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -210,7 +211,9 @@ def test_sigterm_graceful_shutdown(tiny_llama):
         assert f'{tiny_llama}: float32 on cpu, KV cache 1024 tokens (64 blocks of 16)' in model, model
         assert model.endswith('native CPU kernels') or model.endswith('torch CPU kernels'), model
         assert '"POST /v1/completions HTTP/1.1" 200' in log and '"GET /health HTTP/1.1" 200' in log, log
-        assert 'shutting down: 1 requests in flight get up to 20 s to finish' in log and 'stopped' in log, log
+        # (the stream may finish before the server gets to its shutdown: 0 or 1 in flight)
+        assert re.search(r'shutting down: [01] requests in flight get up to 20 s to finish', log), log
+        assert 'INFO:  stopped' in log, log
     finally:
         if proc.poll() is None:
             proc.kill()
