@@ -167,8 +167,8 @@ def test_an_image_goes_to_a_vision_model(page: Page, tmp_path: Path):
 
 @pytest.mark.slow
 def test_a_conversation_with_the_default_model(page: Page):
-    """The default model answers coherently with its generation defaults (no temperature set in the page);
-    ``LMDEPLOY_SCREENSHOT=1`` saves the page as docs/chat_page.png."""
+    """The default model, greedy (temperature 0 in the settings, so that the answer is always the same), answers
+    in Markdown; ``LMDEPLOY_SCREENSHOT=1`` saves the page as docs/chat_page.png."""
     from lmdeploy.messages import PytorchEngineConfig
     from lmdeploy.serve.async_engine import AsyncEngine
     engine = AsyncEngine(None, PytorchEngineConfig(num_gpu_blocks=64), show_progress=False)
@@ -179,12 +179,14 @@ def test_a_conversation_with_the_default_model(page: Page):
         page.click('#settings-toggle')
         page.fill('#system-prompt', 'You are a helpful assistant.')
         page.fill('#max-tokens', '120')
+        page.fill('#temperature', '0')
         page.click('#settings-toggle')
         send(page, 'What is the capital of France?')
         expect(page.locator(REPLY).last.locator('.meta')).to_contain_text('finish: ', timeout=120_000)
         assert 'Paris' in page.locator(REPLY).last.inner_text()
         send(page, 'Write a Python function that adds two numbers.')
         expect(page.locator(REPLY).nth(1).locator('.meta')).to_contain_text('finish: ', timeout=120_000)
+        expect(page.locator(REPLY).nth(1).locator('pre code')).to_contain_text('def ')
         if os.environ.get('LMDEPLOY_SCREENSHOT') == '1':
             page.screenshot(path=str(SCREENSHOT), full_page=True)
     finally:
