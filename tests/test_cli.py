@@ -52,6 +52,15 @@ def test_parsing_imports_no_torch():
     assert out.returncode == 0 and out.stdout.strip() == '[]', out
 
 
+def test_public_names_load_on_first_use():
+    """``from lmdeploy import pipeline`` is the function, also after the submodule lmdeploy.pipeline loaded."""
+    code = ('import sys, lmdeploy\nassert "torch" not in sys.modules\nimport lmdeploy.pipeline, lmdeploy.api\n'
+            'from lmdeploy import Pipeline, pipeline\nassert pipeline is lmdeploy.api.pipeline is lmdeploy.pipeline\n'
+            'assert Pipeline is sys.modules["lmdeploy.pipeline"].Pipeline')
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out
+
+
 @pytest.mark.parametrize('argv', [
     ['serve', 'api_server', '--api-keys', 'k1', '/tmp/m.gguf', '--api-keys', 'k2'],
     ['serve', 'api_server', '/tmp/m.gguf', '--api-keys', 'k1', '--api-keys', 'k2'],
