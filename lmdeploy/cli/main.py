@@ -27,8 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     try:
         args = build_parser().parse_args(argv)
+        help_of = vars(args).pop('help_of')  # the args go to --dp replicas: no parser in them (not picklable)
         if args.run is None:
-            args.help_of.print_help()
+            help_of.print_help()
             return
         args.run(args)
     except KeyboardInterrupt:
