@@ -61,7 +61,8 @@ class Servers:
         blocks = 2 * self.opts.streams * -(-(self.opts.input_len + self.opts.output_len) // BLOCK_SIZE)
         self.procs.append(launch(['serve', 'api_server', *model, '--server-port', str(port), '--model-name',
                                   MODEL_NAME, '--dtype', self.opts.dtype, '--shutdown-timeout', '1',
-                                  '--block-size', str(BLOCK_SIZE), '--num-gpu-blocks', str(blocks), *flags], cores))
+                                  '--block-size', str(BLOCK_SIZE), '--num-gpu-blocks', str(blocks), '--log-level',
+                                  'WARNING', *flags], cores))  # no access-log line per request in the timings
         url = f'http://127.0.0.1:{port}'
         wait_ready(url, self.procs[-1], time.monotonic() + STARTUP_BUDGET)
         return url

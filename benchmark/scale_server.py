@@ -105,7 +105,8 @@ def server_latency(model_dir: str, flags: list[str], work: list[tuple[list[int],
     port = free_port()
     url = f'http://127.0.0.1:{port}'
     cmd = [sys.executable, '-m', 'lmdeploy.cli.main', 'serve', 'api_server', model_dir, '--server-name', '127.0.0.1',
-           '--server-port', str(port), '--model-name', MODEL_NAME, '--shutdown-timeout', '1', *flags]
+           '--server-port', str(port), '--model-name', MODEL_NAME, '--shutdown-timeout', '1',
+           '--log-level', 'WARNING', *flags]  # no access-log line per request in the timings
     with open(log_path, 'w') as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
                                 env={**os.environ, 'PYTHONUNBUFFERED': '1'})

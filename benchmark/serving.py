@@ -78,7 +78,8 @@ def run_offline(engine: Engine, work: list[list[int]], output_len: int) -> dict:
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     port = args.port
     cmd = [sys.executable, '-m', 'lmdeploy.cli.main', 'serve', 'api_server', *([args.model] if args.model else []),
-           '--server-port', str(port), '--dtype', args.dtype, '--max-batch-size', str(args.max_batch_size)]
+           '--server-port', str(port), '--dtype', args.dtype, '--max-batch-size', str(args.max_batch_size),
+           '--log-level', 'WARNING']  # no access-log line per request in the timings
     proc = subprocess.Popen(cmd, env={**os.environ, 'PYTHONUNBUFFERED': '1'})
     url = f'http://127.0.0.1:{port}'
     deadline = time.monotonic() + 600

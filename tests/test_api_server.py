@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -203,7 +204,51 @@ def test_sigterm_graceful_shutdown(tiny_llama):
             rest = [line for line in lines if line.startswith('data:')]
         assert rest[-1] == 'data: [DONE]' and '"finish_reason":"length"' in rest[-2].replace(' ', '')
         assert proc.wait(timeout=30) == 0
+        # at the default log level (INFO) it says what it serves, each request, and how the shutdown goes
+        log = proc.stdout.read().decode()
+        assert f'serving tiny on http://127.0.0.1:{port} (chat page at /)' in log, log
+        model = next(line for line in log.splitlines() if line.startswith('INFO:  model '))
+        assert f'{tiny_llama}: float32 on cpu, KV cache 1024 tokens (64 blocks of 16)' in model, model
+        assert model.endswith('native CPU kernels') or model.endswith('torch CPU kernels'), model
+        assert '"POST /v1/completions HTTP/1.1" 200' in log and '"GET /health HTTP/1.1" 200' in log, log
+        # (the stream may finish before the server gets to its shutdown: 0 or 1 in flight)
+        assert re.search(r'shutting down: [01] requests in flight get up to 20 s to finish', log), log
+        assert 'INFO:  stopped' in log, log
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_sampling_defaults_come_from_the_generation_config(tiny_llama, tmp_path):
+    """Fields a request leaves out take the model's generation_config.json values ('auto', the default);
+    with 'none' they are the OpenAI API's (temperature 1, top_p 1)."""
+    import shutil
+    model = shutil.copytree(tiny_llama, tmp_path / 'model')
+    path = model / 'generation_config.json'
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    path.write_text(json.dumps({**config, 'temperature': 0.0, 'top_p': 0.5, 'top_k': 7}))
+    engine = tiny_engine(str(model))
+    body = {'model': 'tiny', 'messages': MESSAGES, 'max_tokens': 16, 'ignore_eos': True, 'seed': 3}
+
+    def reply(server: ServerThread, **fields) -> str:
+        r = httpx.post(f'{server.url}/v1/chat/completions', json={**body, **fields}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()['choices'][0]['message']['content']
+
+    try:
+        auto = ServerThread(create_app(engine, model_name='tiny'))
+        try:
+            assert auto.app.state.server.sampling_defaults == {'temperature': 0.0, 'top_p': 0.5, 'top_k': 7}
+            greedy, unset = reply(auto, temperature=0), reply(auto)
+            sampled = reply(auto, temperature=1.0, top_p=1.0, top_k=0)
+        finally:
+            auto.stop()
+        assert unset == greedy and sampled != greedy
+        plain = ServerThread(create_app(engine, model_name='tiny', generation_config='none'))
+        try:
+            assert reply(plain) == sampled
+        finally:
+            plain.stop()
+    finally:
+        engine.close()

@@ -64,7 +64,7 @@ def test_ctrl_c_stops_the_reply_only(chat, long_llama):
     child.expect_exact('everything')
     time.sleep(1.0)
     child.sendintr()
-    child.expect_exact('[interrupted]')
+    child.expect_exact('[interrupted: the partial reply stays in the conversation]')
     child.expect_exact(PROMPT)
     quit_cleanly(child)
 
@@ -140,3 +140,50 @@ def test_image_failing_at_send_time(chat, tmp_path):
     child.expect_exact(PROMPT)
     assert '[error' not in child.before and 'Traceback' not in child.before
     quit_cleanly(child)
+
+
+def test_an_interrupted_reply_stays_in_the_conversation(monkeypatch, capsys):
+    """Ctrl-C mid-reply: the next message is sent after the partial reply, so it can refer to it."""
+    import asyncio
+    import io
+    import signal
+    from types import SimpleNamespace
+
+    from lmdeploy.cli.chat import chat
+    from lmdeploy.messages import GenerationConfig
+
+    class Engine:
+        """Streams 'word ' chunks; the first reply gets a SIGINT (as Ctrl-C sends) after three of them."""
+
+        session_len = 4096
+        processor = SimpleNamespace(accepts_images=False)
+
+        def __init__(self):
+            self.prompts: list[list[dict]] = []
+            self.conversation = SimpleNamespace(session_id=1, history=[])
+
+        def session(self):
+            return self.conversation
+
+        async def end_session(self, session_id: int) -> None:
+            pass
+
+        async def generate(self, messages, session_id, gen_config):
+            self.prompts.append([dict(m) for m in messages])
+            for i in range(200):
+                if len(self.prompts) == 1 and i == 3:
+                    os.kill(os.getpid(), signal.SIGINT)
+                await asyncio.sleep(0.01)
+                yield SimpleNamespace(text='word ', finish_reason='length' if i == 199 else None, error=None)
+                if len(self.prompts) > 1:
+                    yield SimpleNamespace(text='', finish_reason='stop', error=None)
+                    return
+
+    engine = Engine()
+    monkeypatch.setattr(sys, 'stdin', io.StringIO('Tell me a story\nSummarize that story\n'))
+    asyncio.run(chat(engine, GenerationConfig()))
+    assert '[interrupted: the partial reply stays in the conversation]' in capsys.readouterr().out
+    first, second = engine.prompts
+    assert first == [{'role': 'user', 'content': 'Tell me a story'}]
+    assert [m['role'] for m in second] == ['user', 'assistant', 'user'] and second[2]['content'] == 'Summarize that story'
+    assert second[1]['content'].startswith('word word word')

@@ -247,7 +247,7 @@ def test_errors(tmp_path: Path, tmp_cache: Path) -> None:
         resolve_gguf(str(missing))
     with pytest.raises(FileNotFoundError, match='does not exist; give a local Hugging Face folder'):
         resolve_model_path(str(missing))
-    with pytest.raises(FileNotFoundError, match='does not exist'):
+    with pytest.raises(FileNotFoundError, match='has no config.json'):
         resolve_model_path(str(tmp_path))  # a folder without config.json
     (tmp_path / 'config.json').write_text('{}')
     assert resolve_model_path(str(tmp_path)) == str(tmp_path)

@@ -161,8 +161,10 @@ COLLECT_GCC_OPTIONS='-march=native' '-E'
 '''
 
 
-def test_cpu_kernel_cache_key_follows_the_cpu_flags(monkeypatch):
+def test_cpu_kernel_build_name_follows_the_cpu_flags_and_version(monkeypatch, tmp_path, capsys):
     import torch.utils.cpp_extension
+
+    import lmdeploy
 
     from lmdeploy.pytorch.kernels import cpu
     flags = cpu.target_flags(GCC_DRIVER)
@@ -179,12 +181,29 @@ def test_cpu_kernel_cache_key_follows_the_cpu_flags(monkeypatch):
     assert here and cpu.cpu_flags() == here
     names = []  # the build is named after the flags (nothing is compiled here)
     monkeypatch.setenv('LMDEPLOY_CPU_KERNELS', '1')
-    monkeypatch.setattr(torch.utils.cpp_extension, 'load', lambda name, *args, **kwargs: names.append(name))
+    monkeypatch.setenv('TORCH_EXTENSIONS_DIR', str(tmp_path))
+    monkeypatch.setattr(torch.utils.cpp_extension, 'load',
+                        lambda name, *args, build_directory, **kwargs: names.append((name, build_directory)))
     for cpu_flags in (flags, other_cpu, list(flags)):
         monkeypatch.setattr(cpu, 'cpu_flags', lambda: cpu_flags)
         cpu._build()
-    assert names[0] == f'lmdeploy_cpu_kernels_{cpu.cache_key(flags)}'
+    assert names[0] == (cpu.build_name(flags), str(tmp_path / cpu.build_name(flags)))
     assert names[1] != names[0] and names[2] == names[0]
+    # a build says so on stderr, whatever the log level; a folder that holds the built module says nothing
+    err = capsys.readouterr().err
+    assert err.count('compiling native CPU kernels (once, a few minutes)...') == 3
+    assert err.count(f'0/{len(cpu._SOURCES)} translation units compiled: done') == 3
+    (tmp_path / names[0][0] / f'{names[0][0]}.so').write_bytes(b'')
+    cpu._build()
+    assert 'compiling' not in capsys.readouterr().err
+    # a build killed mid-way (Ctrl-C) leaves torch's lock file behind: the next build does not wait on it
+    (tmp_path / names[0][0] / 'lock').write_text('')
+    monkeypatch.setattr(cpu, 'cpu_flags', lambda: flags)
+    cpu._build()
+    assert not (tmp_path / names[0][0] / 'lock').exists()
+    # the lmdeploy version names the build too: two installs never share (or wait on) one build folder
+    monkeypatch.setattr(lmdeploy, '__version__', '0.0.0-other')
+    assert cpu.build_name(flags) != names[0][0]
 
 
 def test_the_engine_loop_publishes_a_snapshot_of_the_engine(pipe):

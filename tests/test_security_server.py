@@ -18,6 +18,8 @@ from lmdeploy.serve.openai import api_server as api_server_module
 from lmdeploy.serve.openai.api_server import AUTH_EXEMPT, create_app
 from lmdeploy.vl.media import MediaPolicy
 
+WEB_PATHS = {'/', '/web/app.js', '/web/markdown.js', '/web/style.css'}
+
 
 # ---------------------------------------------------------------------------------------------------------
 # the server: create_app(AsyncEngine(path)) and the one the CLI builds
@@ -109,7 +111,9 @@ def test_cli_server_refuses_local_files_and_private_hosts(qwen_vl, image_host, m
         checked.append('opted in')
 
     run_cli([qwen_vl, *base], monkeypatch, defaults)
-    run_cli([qwen_vl, *base, '--allowed-media-domains', '*', 'localhost', '127.0.0.1'], monkeypatch, every_domain)
+    domains = ['--allowed-media-domains', '*', '--allowed-media-domains', 'localhost', '--allowed-media-domains',
+               '127.0.0.1']
+    run_cli([qwen_vl, *base, *domains], monkeypatch, every_domain)
     assert len(hits) == before
     run_cli([qwen_vl, *base, '--allowed-media-domains', '127.0.0.1', '--allow-private-media-hosts'], monkeypatch,
             opted_in)
@@ -180,7 +184,12 @@ def test_every_endpoint_needs_a_key(keyed):
                 opened.append((method, path, r.status_code))
             elif method != 'HEAD':
                 assert r.json()['error']['code'] == 'invalid_api_key'
-    assert {path for _, path, _ in opened} == {'/health'}, opened
+    # the chat page's own files are public (the page asks for a key and sends it with its API calls)
+    assert {path for _, path, _ in opened} == {'/health'} | WEB_PATHS, opened
+    for path in WEB_PATHS:
+        page = httpx.get(f'{keyed.url}{path}')
+        assert page.status_code == 200 and page.headers['content-type'].startswith(('text/html', 'text/javascript',
+                                                                                      'text/css'))
     # and the keys do open them
     assert httpx.get(f'{keyed.url}/v1/models', headers=bearer(USER_KEYS[1])).status_code == 200
     assert httpx.get(f'{keyed.url}/docs', headers=bearer(ADMIN_KEY)).status_code == 200

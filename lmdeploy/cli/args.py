@@ -2,14 +2,44 @@
 from __future__ import annotations
 
 import argparse
+import copy
+import logging
 
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Shows each option's default, unless its help already says it or there is none to show."""
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if action.help is None and _has_default(action):  # argparse prints no help line without a help text
+            action = copy.copy(action)
+            action.help = '(default: %(default)s)'
+        return super()._format_action(action)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ''
+        if 'default' not in text and _has_default(action):
+            text += ' (default: %(default)s)'
+        return text
+
+
+def _has_default(action: argparse.Action) -> bool:
+    """Whether the option takes a value and has a default worth showing (flags without a value have none)."""
+    return (bool(action.option_strings) and action.nargs != 0 and action.default is not None
+            and action.default is not argparse.SUPPRESS and action.default not in ((), []))
+
+
+def add_list_arg(parser: argparse.ArgumentParser, flag: str, help: str, **kwargs) -> None:
+    """A flag that takes one value and may be repeated (``--api-keys k1 --api-keys k2``): a flag taking
+    several values would swallow the MODEL argument after it."""
+    parser.add_argument(flag, action='append', default=None, help=f'{help}; repeat the flag for more', **kwargs)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """MODEL and the :class:`PytorchEngineConfig` flags."""
     parser.add_argument('model_path', nargs='?', default=None,
-                        help='local Hugging Face folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)')
+                        help='local Hugging Face folder or .gguf file (default: SmolLM2-135M-Instruct, fetched once)')
     parser.add_argument('--dtype', default='auto', choices=['auto', 'float32', 'bfloat16', 'float16'])
     parser.add_argument('--session-len', type=int, default=None, help='context length (default: the model\'s)')
     parser.add_argument('--max-batch-size', type=int, default=64)
@@ -18,7 +48,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--num-gpu-blocks', type=int, default=0,
                         help='number of KV-cache blocks (0: size the cache from --cache-max-entry-count)')
     parser.add_argument('--block-size', type=int, default=64)
-    parser.add_argument('--enable-prefix-caching', dest='enable_prefix_caching', action='store_true', default=True)
+    parser.add_argument('--enable-prefix-caching', dest='enable_prefix_caching', action='store_true', default=True,
+                        help='reuse the KV cache of prompt prefixes seen before (default: on)')
     parser.add_argument('--disable-prefix-caching', dest='enable_prefix_caching', action='store_false')
     parser.add_argument('--tp', type=int, default=1,
                         help='tensor parallelism: split the model over this many ranks (processes or Ray actors)')
@@ -34,6 +65,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--quant-policy', type=int, default=0, choices=[0, 4, 8],
                         help='KV-cache quantization: 0 off, 8 int8, 4 int4 (per-token, per-head scales and zeros)')
     parser.add_argument('--log-level', default='WARNING', choices=['DEBUG', 'INFO', 'WARNING', 'ERROR'])
+
+
+def setup_logging(level: str) -> None:
+    """lmdeploy's log lines at ``level`` on stderr; other libraries' at WARNING."""
+    logging.basicConfig(format='%(levelname)s:  %(message)s')
+    logging.getLogger('lmdeploy').setLevel(level)
 
 
 def engine_config(args: argparse.Namespace) -> PytorchEngineConfig:
@@ -56,7 +93,7 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--repetition-penalty', type=float, default=1.0)
     parser.add_argument('--presence-penalty', type=float, default=0.0)
     parser.add_argument('--frequency-penalty', type=float, default=0.0)
-    parser.add_argument('--stop', nargs='*', default=None, help='stop words')
+    add_list_arg(parser, '--stop', 'a stop word', metavar='WORD')
     parser.add_argument('--ignore-eos', action='store_true')
     parser.add_argument('--min-new-tokens', type=int, default=0)
     parser.add_argument('--seed', type=int, default=None)

@@ -2,9 +2,9 @@
 
 On a terminal the input line (prompt_toolkit) has history (up/down, kept in
 ``~/.cache/lmdeploy/chat_history``) and takes several lines: end a line with ``\\`` or press
-Esc then Enter to go on to the next one. Ctrl-C during a reply stops that reply; Ctrl-D or
-``exit`` quits, ``reset`` starts a new conversation, and ``/image PATH`` (or URL) attaches an image
-to the next message when the model takes images.
+Esc then Enter to go on to the next one. Ctrl-C during a reply stops that reply (what it said so
+far stays in the conversation); Ctrl-D or ``exit`` quits, ``reset`` starts a new conversation, and
+``/image PATH`` (or URL) attaches an image to the next message when the model takes images.
 
 A message that cannot be sent (a bad image, a message longer than ``session_len`` on its own)
 prints an error and leaves the conversation as it was. When the conversation outgrows
@@ -14,17 +14,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import signal
 import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from lmdeploy.cli.args import add_engine_args, add_generation_args, engine_config, generation_config
+from lmdeploy.cli.args import (HelpFormatter, add_engine_args, add_generation_args, engine_config, generation_config,
+                               setup_logging)
 from lmdeploy.messages import GenerationConfig
-from lmdeploy.serve.async_engine import AsyncEngine
 from lmdeploy.serve.exceptions import ErrorCode, SafeRunException
 from lmdeploy.serve.session_manager import Session
-from lmdeploy.vl.media import MediaPolicy, load_image
+
+if TYPE_CHECKING:
+    from lmdeploy.serve.async_engine import AsyncEngine
 
 PROMPT = '>>> '
 CONTINUATION = '... '
@@ -32,7 +35,7 @@ CONTINUATION = '... '
 
 def add_chat_parser(commands) -> None:
     """Registers ``lmdeploy chat``."""
-    parser = commands.add_parser('chat', help='chat with a model in the terminal')
+    parser = commands.add_parser('chat', help='chat with a model in the terminal', formatter_class=HelpFormatter)
     add_engine_args(parser)
     add_generation_args(parser)
     parser.set_defaults(run=run_chat)
@@ -100,40 +103,48 @@ def _key_bindings():
     return bindings
 
 
+@dataclass
+class Reply:
+    """The reply being streamed: its text so far, and how many history messages were left out for it."""
+
+    text: str = ''
+    dropped: int = 0
+    failed: bool = False
+
+
 async def _reply(engine: AsyncEngine, session: Session, turn: list[dict], gen: GenerationConfig,
-                 history: list[dict]) -> str | None:
-    """Streams the reply to ``history + turn``; None when the engine failed mid-reply (the error is printed).
+                 history: list[dict], reply: Reply) -> None:
+    """Streams the reply to ``history + turn`` into ``reply``; a failure mid-reply is printed and marks it failed.
 
     Raises :class:`SafeRunException` before printing anything when the prompt is rejected.
     """
-    text = ''
+    reply.text = ''
     async for chunk in engine.generate(history + turn, session.session_id, gen):
         print(chunk.text, end='', flush=True)
-        text += chunk.text
+        reply.text += chunk.text
         if chunk.finish_reason == 'error':
             print(f'\n[error: {chunk.error}]', end='')
-            return None
-    return text
+            reply.failed = True
+            return
 
 
-async def _reply_fitting(engine: AsyncEngine, session: Session, turn: list[dict],
-                         gen: GenerationConfig) -> tuple[str | None, int]:
+async def _reply_fitting(engine: AsyncEngine, session: Session, turn: list[dict], gen: GenerationConfig,
+                         reply: Reply) -> None:
     """Replies to ``turn`` after as much of the history as fits in ``session_len``.
 
     When the whole conversation is too long, the oldest turns (a user message and its reply each)
-    are left out, one at a time, until the prompt fits. Returns the reply and how many history
-    messages had to be left out; raises the length error if even the new message alone is too long
-    (and every other :class:`SafeRunException` at once).
+    are left out, one at a time, until the prompt fits (``reply.dropped`` says how many history
+    messages); raises the length error if even the new message alone is too long (and every other
+    :class:`SafeRunException` at once).
     """
     history = session.history
-    dropped = 0
     while True:
         try:
-            return await _reply(engine, session, turn, gen, history[dropped:]), dropped
+            return await _reply(engine, session, turn, gen, history[reply.dropped:], reply)
         except SafeRunException as exc:
-            if exc.code is not ErrorCode.INPUT_LENGTH_ERROR or dropped >= len(history):
+            if exc.code is not ErrorCode.INPUT_LENGTH_ERROR or reply.dropped >= len(history):
                 raise
-            dropped = _next_turn_start(history, dropped)
+            reply.dropped = _next_turn_start(history, reply.dropped)
 
 
 def _next_turn_start(history: list[dict], start: int) -> int:
@@ -146,6 +157,7 @@ def _next_turn_start(history: list[dict], start: int) -> int:
 
 def _attach_error(engine: AsyncEngine, source: str) -> str | None:
     """Why ``/image source`` cannot be attached, or None when it loads."""
+    from lmdeploy.vl.media import load_image
     if not engine.processor.accepts_images:
         return 'this model does not accept images'
     try:
@@ -193,31 +205,38 @@ async def chat(engine: AsyncEngine, gen: GenerationConfig) -> None:
             continue
         turn = _user_turn(prompt, images)
         images = []
-        task = asyncio.create_task(_reply_fitting(engine, session, turn, gen))
+        reply = Reply()
+        task = asyncio.create_task(_reply_fitting(engine, session, turn, gen, reply))
         loop.add_signal_handler(signal.SIGINT, task.cancel)
+        interrupted = False
         try:
-            reply, dropped = await task
-        except asyncio.CancelledError:
-            print('\n[interrupted]')
-            continue
+            await task
+            print()
+        except asyncio.CancelledError:  # the partial reply stays: the next message may refer to it
+            interrupted = True
+            print('\n[interrupted: the partial reply stays in the conversation]' if reply.text
+                  else '\n[interrupted: this message was left out of the conversation]')
         except SafeRunException as exc:  # the message is not sent; the conversation stays as it was
             print(f'[error: {exc.message}]')
             continue
         finally:
             loop.remove_signal_handler(signal.SIGINT)
-        print()
-        if dropped:
-            turns = sum(1 for message in session.history[:dropped] if message.get('role') == 'user')
+        if reply.dropped:
+            turns = sum(1 for message in session.history[:reply.dropped] if message.get('role') == 'user')
             print(f'[the conversation outgrew session_len ({engine.session_len} tokens): '
                   f'left out the oldest {turns} turn{"s" if turns != 1 else ""}]')
-            del session.history[:dropped]
-        if reply is not None:
-            session.history += turn + [{'role': 'assistant', 'content': reply}]
+            del session.history[:reply.dropped]
+        if not reply.failed and (reply.text or not interrupted):
+            session.history += turn + [{'role': 'assistant', 'content': reply.text}]
     await engine.end_session(session.session_id)
 
 
 def run_chat(args: argparse.Namespace) -> None:
-    logging.getLogger('lmdeploy').setLevel(args.log_level)
+    from lmdeploy.model_source import check_model_path
+    check_model_path(args.model_path)
+    setup_logging(args.log_level)
+    from lmdeploy.serve.async_engine import AsyncEngine
+    from lmdeploy.vl.media import MediaPolicy
     gen = generation_config(args)
     engine = AsyncEngine(args.model_path, engine_config(args), show_progress=False,
                          media_policy=MediaPolicy.for_local_caller())  # /image PATH: the user's own files

@@ -16,7 +16,9 @@ def _add_routing_arg(parser: argparse.ArgumentParser, note: str = '') -> None:
 
 def add_proxy_parser(servers) -> None:
     """Registers ``lmdeploy serve proxy``."""
-    parser = servers.add_parser('proxy', help='proxy in front of several api_servers (see docs/scale_out.md)')
+    from lmdeploy.cli.args import HelpFormatter, add_list_arg
+    parser = servers.add_parser('proxy', help='proxy in front of several api_servers (see docs/scale_out.md)',
+                                formatter_class=HelpFormatter)
     parser.add_argument('--server-name', default='127.0.0.1', help='address to listen on')
     parser.add_argument('--server-port', type=int, default=8000)
     parser.add_argument('--nodes', nargs='*', default=(),
@@ -24,11 +26,10 @@ def add_proxy_parser(servers) -> None:
     _add_routing_arg(parser)
     parser.add_argument('--affinity-prefix-chars', type=int, default=512,
                         help='prefix_affinity: how many leading characters of the prompt pick the node')
-    parser.add_argument('--api-keys', nargs='*', default=None,
-                        help='Bearer keys clients must send (default: none); they go on to the nodes as sent')
-    parser.add_argument('--admin-api-keys', nargs='*', default=None,
-                        help='Bearer keys that may add and remove nodes (with --api-keys and without these, '
-                             'nodes come from --nodes only)')
+    add_list_arg(parser, '--api-keys', 'a Bearer key clients must send (default: none); keys go on to the nodes '
+                 'as sent', metavar='KEY')
+    add_list_arg(parser, '--admin-api-keys', 'a Bearer key that may add and remove nodes (with --api-keys and '
+                 'without these, nodes come from --nodes only)', metavar='KEY')
     parser.add_argument('--health-interval', type=float, default=5.0, help='seconds between health checks')
     parser.add_argument('--request-timeout', type=float, default=600.0,
                         help='seconds to wait on a node: for its answer, its next streamed chunk, a free connection')

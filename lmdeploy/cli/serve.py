@@ -2,29 +2,35 @@
 from __future__ import annotations
 
 import argparse
-import logging
 
-from lmdeploy.cli.args import add_engine_args, engine_config
+from lmdeploy.cli.args import HelpFormatter, add_engine_args, add_list_arg, engine_config, setup_logging
 from lmdeploy.cli.proxy import add_proxy_parser, add_scale_out_args
 
 
 def add_serve_parser(commands) -> None:
     """Registers ``lmdeploy serve api_server``."""
-    serve = commands.add_parser('serve', help='serve a model over HTTP')
-    servers = serve.add_subparsers(dest='server', required=True)
-    parser = servers.add_parser('api_server', help='OpenAI-compatible server (see docs/api_server.md)')
+    serve = commands.add_parser('serve', help='serve a model over HTTP', formatter_class=HelpFormatter)
+    serve.set_defaults(help_of=serve)
+    servers = serve.add_subparsers(dest='server', metavar='SERVER')
+    parser = servers.add_parser('api_server', help='OpenAI-compatible server and chat page (see docs/api_server.md)',
+                                formatter_class=HelpFormatter)
     add_engine_args(parser)
     parser.add_argument('--server-name', default='127.0.0.1', help='address to listen on')
     parser.add_argument('--server-port', type=int, default=23333)
-    parser.add_argument('--model-name', default=None, help='the model id clients send (default: the folder name)')
-    parser.add_argument('--api-keys', nargs='*', default=None, help='accepted Bearer keys (default: no auth)')
-    parser.add_argument('--admin-api-keys', nargs='*', default=None,
-                        help='Bearer keys that may also do admin actions (abort_request with abort_all); '
-                             'default: none, abort_all is refused')
-    parser.add_argument('--allow-origins', nargs='*', default=None, help='CORS origins (default: CORS off)')
+    parser.add_argument('--model-name', default=None,
+                        help="the model id clients send (default: the model's name: the .gguf file's or the folder's)")
+    add_list_arg(parser, '--api-keys', 'an accepted Bearer key (default: no auth)', metavar='KEY')
+    add_list_arg(parser, '--admin-api-keys', 'a Bearer key that may also do admin actions (abort_request with '
+                 'abort_all); default: none, abort_all is refused', metavar='KEY')
+    add_list_arg(parser, '--allow-origins', 'a CORS origin (default: CORS off)', metavar='ORIGIN')
     parser.add_argument('--allow-credentials', action='store_true')
-    parser.add_argument('--allow-methods', nargs='*', default=['*'])
-    parser.add_argument('--allow-headers', nargs='*', default=['*'])
+    add_list_arg(parser, '--allow-methods', "a CORS method (default: '*')", metavar='METHOD')
+    add_list_arg(parser, '--allow-headers', "a CORS header (default: '*')", metavar='HEADER')
+    parser.add_argument('--generation-config', default='auto', choices=['auto', 'none'],
+                        help="sampling defaults for what a request leaves out: 'auto' takes them from the model's "
+                             "generation_config.json, 'none' uses the OpenAI API's (temperature 1, top_p 1)")
+    parser.add_argument('--no-web-ui', dest='web_ui', action='store_false',
+                        help='do not serve the chat page at /')
     parser.add_argument('--max-concurrent-requests', type=int, default=256,
                         help='generations served at once (a request takes n x prompts); more wait in the queue')
     parser.add_argument('--max-queue-size', type=int, default=1024,
@@ -33,15 +39,16 @@ def add_serve_parser(commands) -> None:
     _add_parser_args(parser)
     parser.add_argument('--shutdown-timeout', type=float, default=30.0,
                         help='seconds requests in flight get to finish after SIGTERM before they are aborted')
-    parser.add_argument('--allowed-media-domains', nargs='*', default=(),
-                        help="hosts image_url may fetch http(s) images from ('*': any; default: none)")
+    add_list_arg(parser, '--allowed-media-domains', "a host image_url may fetch http(s) images from ('*': any; "
+                 'default: none)', metavar='HOST')
     parser.add_argument('--allowed-local-media-path', default=None,
                         help='directory whose files image_url may name (default: no local files)')
     parser.add_argument('--allow-private-media-hosts', action='store_true',
                         help='let image_url fetch from hosts that resolve to loopback, private, link-local or '
                              'other non-public addresses (default: refused, whatever --allowed-media-domains says)')
     add_scale_out_args(parser)
-    parser.set_defaults(run=run_api_server)
+    # At INFO the server says what it serves and where, logs one line per request and its shutdown.
+    parser.set_defaults(run=run_api_server, log_level='INFO')
     add_proxy_parser(servers)
 
 
@@ -81,16 +88,17 @@ def _limits(args: argparse.Namespace):
 
 
 def run_api_server(args: argparse.Namespace) -> None:
+    from lmdeploy.model_source import check_model_path
+    check_model_path(args.model_path)
+    setup_logging(args.log_level)
     from lmdeploy.serve.async_engine import AsyncEngine
     from lmdeploy.serve.openai.api_server import create_app, run_server
     from lmdeploy.vl.media import MediaPolicy
-    logging.basicConfig(level=args.log_level)
-    logging.getLogger('lmdeploy').setLevel(args.log_level)
     if args.dp > 1:
         from lmdeploy.serve.proxy.dp import run_data_parallel
         run_data_parallel(args, run_api_server)
         return
-    media = MediaPolicy(allowed_domains=tuple(args.allowed_media_domains),
+    media = MediaPolicy(allowed_domains=tuple(args.allowed_media_domains or ()),
                         allowed_local_path=args.allowed_local_media_path,
                         allow_private_hosts=args.allow_private_media_hosts)
     engine = AsyncEngine(args.model_path, engine_config(args), show_progress=False, media_policy=media)
@@ -99,7 +107,8 @@ def run_api_server(args: argparse.Namespace) -> None:
                          args.allow_methods, args.allow_headers, args.max_concurrent_requests, args.max_queue_size,
                          limits=_limits(args), preprocess_workers=args.preprocess_workers,
                          admin_api_keys=args.admin_api_keys, tool_call_parser=args.tool_call_parser,
-                         reasoning_parser=args.reasoning_parser)
+                         reasoning_parser=args.reasoning_parser, generation_config=args.generation_config,
+                         web_ui=args.web_ui)
         joins = {'proxy_url': args.proxy_url, 'proxy_api_key': args.proxy_api_key} if args.proxy_url else {}
         run_server(app, args.server_name, args.server_port, args.log_level, args.shutdown_timeout, **joins)
     finally:

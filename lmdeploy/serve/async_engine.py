@@ -9,6 +9,7 @@ from typing import TypeVar
 
 import torch
 
+from lmdeploy.model_source import model_name
 from lmdeploy.messages import ChatTemplateConfig, EngineOutput, GenerationConfig, PytorchEngineConfig, Response
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.engine.guided import Grammar
@@ -58,6 +59,7 @@ class AsyncEngine:
         self.session_len = self.engine.session_len
         self.vocab_size = self.engine.model_config.vocab_size
         self.model_dir = self.engine.model_dir
+        self.model_name = model_name(model_path)
         template = chat_template_config.chat_template if chat_template_config else None
         mm_config = self.engine.model_config.mm_config
         image_inputs = ImageInputs.for_model(self.model_dir, mm_config) if mm_config is not None else None

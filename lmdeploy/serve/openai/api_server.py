@@ -1,15 +1,15 @@
 """The OpenAI-compatible HTTP server: :func:`create_app` builds the FastAPI app, :func:`run_server` runs it."""
 from __future__ import annotations
 
+import asyncio
 import gc
 import hashlib
 import hmac
 import logging
-import os
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
@@ -32,10 +32,11 @@ from lmdeploy.serve.openai.protocol import (AbortRequest, ChatCompletionRequest,
                                             ModelCard, ModelList)
 from lmdeploy.serve.openai.reasoning_parsers import get_reasoning_parser
 from lmdeploy.serve.openai.serving_chat import create_chat_completion
-from lmdeploy.serve.openai.serving_common import ServerState
+from lmdeploy.serve.openai.serving_common import ServerState, sampling_defaults
 from lmdeploy.serve.openai.serving_completion import create_completion
 from lmdeploy.serve.openai.serving_native import abort_request, encode_text, generate
 from lmdeploy.serve.openai.tool_parsers import get_tool_parser
+from lmdeploy.serve.openai.web_ui import mount_web_ui
 
 logger = logging.getLogger('lmdeploy')
 AUTH_EXEMPT = frozenset({'/health'})
@@ -65,15 +66,17 @@ def key_owner(key: bytes) -> str:
 
 class APIKeyMiddleware:
     """Requires ``Authorization: Bearer <key>`` with one of ``api_keys`` on every HTTP request and websocket
-    (except on ``/health``); the requests it lets in run with :data:`request_owner` set to the key's owner id.
+    (except on ``public_paths``: ``/health``, and the chat page's files, which ask for a key themselves); the
+    requests it lets in run with :data:`request_owner` set to the key's owner id.
     CORS preflights never get here: the CORS middleware, outside this one, answers them."""
 
-    def __init__(self, app: ASGIApp, api_keys: list[str]):
+    def __init__(self, app: ASGIApp, api_keys: list[str], public_paths: frozenset[str] = AUTH_EXEMPT):
         self.app = app
         self.api_keys = [key.encode() for key in api_keys]
+        self.public_paths = public_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope['type'] not in ('http', 'websocket') or scope['path'] in AUTH_EXEMPT:
+        if scope['type'] not in ('http', 'websocket') or scope['path'] in self.public_paths:
             await self.app(scope, receive, send)
             return
         key = _bearer_key(scope['headers'], self.api_keys)
@@ -99,17 +102,14 @@ def streamed(model: type[BaseModel] | None = None) -> dict:
             'content': {'text/event-stream': {'schema': {'type': 'string'}}}}
 
 
-def default_model_name(engine: AsyncEngine) -> str:
-    return os.path.basename(os.path.normpath(engine.model_dir))
-
-
 def create_app(engine: AsyncEngine, model_name: str | None = None, api_keys: list[str] | None = None,
                allow_origins: list[str] | None = None, allow_credentials: bool = False,
                allow_methods: list[str] | None = None, allow_headers: list[str] | None = None,
                max_concurrent_requests: int = 256, max_queue_size: int = 1024,
                heartbeat_timeout: float = 30.0, limits: RequestLimits | None = None,
                preprocess_workers: int = 2, admin_api_keys: list[str] | None = None,
-               tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> FastAPI:
+               tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+               generation_config: str = 'auto', web_ui: bool = True) -> FastAPI:
     """An app serving ``engine``; each app has its own metrics registry. The caller owns (and closes) the
     engine; on shutdown the app aborts what is still in flight.
 
@@ -124,15 +124,22 @@ def create_app(engine: AsyncEngine, model_name: str | None = None, api_keys: lis
 
     ``tool_call_parser`` and ``reasoning_parser`` name the parsers (see ``TOOL_PARSERS`` and
     ``REASONING_PARSERS``) that read tool calls and reasoning out of chat replies; an unknown name raises
-    ``ValueError``."""
+    ``ValueError``.
+
+    ``model_name`` defaults to the model's own name (``engine.model_name``). With ``generation_config``
+    'auto', the sampling fields a chat or completion request leaves out come from the model's
+    ``generation_config.json`` ('none': the OpenAI defaults). ``web_ui`` serves the chat page at ``/``."""
     tools = get_tool_parser(tool_call_parser) if tool_call_parser else None
     reasoning = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
     limits = limits or RequestLimits()
     admission = Admission(max_concurrent_requests, max_queue_size)
     executor = ThreadPoolExecutor(preprocess_workers, thread_name_prefix='lmdeploy-preprocess')
-    state = ServerState(engine, model_name or default_model_name(engine), admission,
+    if generation_config not in ('auto', 'none'):
+        raise ValueError(f"generation_config must be 'auto' or 'none', got {generation_config!r}")
+    defaults = sampling_defaults(engine.model_dir) if generation_config == 'auto' else {}
+    state = ServerState(engine, model_name or engine.model_name, admission,
                         Metrics(engine, lambda: admission.num_waiting), heartbeat_timeout, limits, executor,
-                        tools, reasoning)
+                        tools, reasoning, defaults)
     # Admitted slots are the only waiters for engine instances: bound that line too (defence in depth).
     insts = engine.inst_manager
     insts.max_waiting = max(insts.max_waiting or 0, max_concurrent_requests)
@@ -208,10 +215,12 @@ def create_app(engine: AsyncEngine, model_name: str | None = None, api_keys: lis
         """Prometheus metrics."""
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    public = AUTH_EXEMPT | (mount_web_ui(app) if web_ui else frozenset())
     if limits.max_request_body_bytes is not None:
         app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_request_body_bytes)
     if api_keys:  # added after the body limit, so it runs first: no body is read for a bad key
-        app.add_middleware(APIKeyMiddleware, api_keys=list(api_keys) + list(admin_api_keys or ()))
+        app.add_middleware(APIKeyMiddleware, api_keys=list(api_keys) + list(admin_api_keys or ()),
+                           public_paths=public)
     if allow_origins:
         app.add_middleware(CORSMiddleware, allow_origins=allow_origins, allow_credentials=allow_credentials,
                            allow_methods=allow_methods or ['*'], allow_headers=allow_headers or ['*'])
@@ -222,11 +231,56 @@ def _ignore_signal(signum: int, _frame: object) -> None:
     logger.info('signal %d handled: the server has shut down', signum)
 
 
+def describe(state: ServerState) -> str:
+    """What the server runs, for its start-up log: model folder, dtype, device, KV cache size, kernels."""
+    engine = state.engine.engine
+    blocks = engine.block_manager.num_blocks
+    if engine.device.type == 'cuda':
+        kernels = 'Triton kernels'
+    else:
+        from lmdeploy.pytorch.kernels import cpu
+        kernels = 'native CPU kernels' if cpu.native() is not None else 'torch CPU kernels'
+    dtype = str(engine.model_config.dtype).removeprefix('torch.')
+    return (f'{state.engine.model_dir}: {dtype} on {engine.device}, KV cache {blocks * engine.config.block_size} '
+            f'tokens ({blocks} blocks of {engine.config.block_size}), session_len {engine.session_len}, {kernels}')
+
+
+class DrainLogging:
+    """A uvicorn server mixin that logs the shutdown: how many requests are in flight, every few seconds
+    while they finish, and when it is done."""
+
+    in_flight: Callable[[], int]
+    REPORT_EVERY = 5.0
+
+    async def shutdown(self, sockets: list | None = None) -> None:
+        timeout = self.config.timeout_graceful_shutdown
+        logger.info('shutting down: %d requests in flight get up to %.0f s to finish (Ctrl-C again aborts them)',
+                    self.in_flight(), timeout or 0)
+        reporter = asyncio.create_task(self._report())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            reporter.cancel()
+        logger.info('stopped')
+
+    async def _report(self) -> None:
+        start = time.monotonic()
+        while True:
+            await asyncio.sleep(self.REPORT_EVERY)
+            logger.info('draining: %d requests still in flight after %.0f s', self.in_flight(),
+                        time.monotonic() - start)
+
+
+class Server(DrainLogging, uvicorn.Server):
+    """uvicorn's server, logging its shutdown."""
+
+
 def run_server(app: FastAPI, host: str = '127.0.0.1', port: int = 23333, log_level: str = 'info',
                shutdown_timeout: float = 30.0, proxy_url: str | None = None, proxy_api_key: str | None = None) -> None:
     """Serves ``app`` until SIGINT/SIGTERM: then it stops accepting, lets requests in flight finish for up
     to ``shutdown_timeout`` seconds, aborts the rest and returns. With ``proxy_url`` the server registers
-    at that proxy once it listens and leaves it when it shuts down (see docs/scale_out.md)."""
+    at that proxy once it listens and leaves it when it shuts down (see docs/scale_out.md). At INFO it logs
+    what it serves, one line per request (uvicorn's access log) and its shutdown."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
                             timeout_graceful_shutdown=shutdown_timeout)
     signal.signal(signal.SIGTERM, _ignore_signal)
@@ -235,8 +289,18 @@ def run_server(app: FastAPI, host: str = '127.0.0.1', port: int = 23333, log_lev
     # 0.2-0.5 s with the GIL held: the event loop and the engine stalled. Frozen, they are never scanned.
     gc.collect()
     gc.freeze()
+    state: ServerState = app.state.server
+    web = ' (chat page at /)' if getattr(app.state, 'web_ui', False) else ''
+    logger.info('serving %s on http://%s:%d%s', state.model_name, host, port, web)
+    logger.info('model %s', describe(state))
     if proxy_url:
         from lmdeploy.serve.proxy.registration import NodeServer
-        NodeServer(config, proxy_url, [app.state.server.model_name], proxy_api_key).run()
+
+        class JoinedServer(DrainLogging, NodeServer):
+            """A node server logging its shutdown."""
+
+        server = JoinedServer(config, proxy_url, [state.model_name], proxy_api_key)
     else:
-        uvicorn.Server(config).run()
+        server = Server(config)
+    server.in_flight = lambda: state.admission.running
+    server.run()

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import Executor
@@ -42,6 +44,21 @@ class ServerState:
     executor: Executor | None = None
     tool_parser: type[ToolParser] | None = None
     reasoning_parser: type[ReasoningParser] | None = None
+    # What a chat or completion request that leaves a sampling field out gets (see sampling_defaults).
+    sampling_defaults: dict[str, float] = field(default_factory=dict)
+
+
+SAMPLING_FIELDS = ('temperature', 'top_p', 'top_k', 'min_p', 'repetition_penalty')
+
+
+def sampling_defaults(model_dir: str) -> dict[str, float]:
+    """The sampling fields the model's ``generation_config.json`` sets (vLLM's ``--generation-config auto``)."""
+    path = os.path.join(model_dir, 'generation_config.json')
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding='utf-8') as f:
+        config = json.load(f)
+    return {name: config[name] for name in SAMPLING_FIELDS if isinstance(config.get(name), (int, float))}
 
 
 T = TypeVar('T')
@@ -119,8 +136,12 @@ async def process(state: ServerState, messages: object, param: str, tools: list[
 
 
 def gen_config(state: ServerState, req: SamplingFields, num_prompt_tokens: int, logprobs: int | None,
-               default_max_tokens: int | None) -> GenerationConfig:
-    """The :class:`GenerationConfig` of a request; invalid values are a 400."""
+               default_max_tokens: int | None, model_defaults: bool = True) -> GenerationConfig:
+    """The :class:`GenerationConfig` of a request; invalid values are a 400. With ``model_defaults``, the
+    sampling fields the request leaves out take the values of ``state.sampling_defaults``."""
+    if model_defaults:
+        unset = {k: v for k, v in state.sampling_defaults.items() if k not in req.model_fields_set}
+        req = req.model_copy(update=unset)
     if req.stream_options is not None and not req.stream:
         raise APIError(400, 'stream_options is only allowed when stream is true', 'stream_options')
     max_tokens = req.max_completion_tokens or req.max_tokens or default_max_tokens

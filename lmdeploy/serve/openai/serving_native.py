@@ -43,7 +43,7 @@ async def generate(state: ServerState, req: GenerateRequest, raw: Request):
         input_ids = req.input_ids
         if input_ids is None:
             input_ids = await encode(state, req.prompt, req.do_preprocess, 'prompt')
-        config = gen_config(state, req, len(input_ids), req.logprobs, None)
+        config = gen_config(state, req, len(input_ids), req.logprobs, None, model_defaults=False)
         run = start_run(state, ticket, [Job(0, input_ids, config, req.session_id)])
     except BaseException:
         ticket.release()

@@ -1,19 +1,26 @@
-"""Native CPU kernels, compiled on first use with ``torch.utils.cpp_extension`` (about 40 s, then
-cached under ``~/.cache/torch_extensions``). Without a C++ compiler, or with
-``LMDEPLOY_CPU_KERNELS=0``, the torch versions run instead.
+"""Native CPU kernels, compiled on first use with ``torch.utils.cpp_extension`` (about a minute on two
+cores, once; the build is cached under ``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``).
+Without a C++ compiler, or with ``LMDEPLOY_CPU_KERNELS=0``, the torch versions run instead.
 
-The build targets the CPU it runs on (``-march=native``), so the cached build is named after the CPU
-flags that stands for (``lmdeploy_cpu_kernels_<hash>``, see :func:`cache_key`): a cache shared by
-machines with different CPUs (a network home, a container image) holds one build per CPU kind
-instead of handing one machine's instructions to another (SIGILL)."""
+The build targets the CPU it runs on (``-march=native``), so the cached build is named after what it is
+built from (``lmdeploy_cpu_kernels_<hash>``, see :func:`build_name`): the lmdeploy and torch versions, the
+sources and the CPU flags ``-march=native`` stands for. Two checkouts or venvs never overwrite or wait on
+each other's build, and a cache shared by machines with different CPUs (a network home, a container
+image) holds one build per CPU kind instead of handing one machine's instructions to another (SIGILL).
+
+While it compiles, a line on stderr says so and counts the compiled translation units."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import shlex
 import subprocess
+import sys
 import threading
+import time
 from collections.abc import Iterable
 from types import ModuleType
 
@@ -120,16 +127,94 @@ def cpu_flags() -> list[str]:
     return flags or [platform.machine(), platform.processor()]
 
 
+def build_name(flags: Iterable[str]) -> str:
+    """The build's name: ``lmdeploy_cpu_kernels_`` and a hash of the lmdeploy and torch versions, the sources
+    (every file of this folder but Python's) and the CPU ``flags`` (see :func:`cache_key`)."""
+    from lmdeploy import __version__
+    digest = hashlib.sha256(f'{__version__}\0{torch.__version__}\0{cache_key(flags)}'.encode())
+    here = os.path.dirname(__file__)
+    for name in sorted(os.listdir(here)):
+        if name.endswith(('.cpp', '.h')):
+            with open(os.path.join(here, name), 'rb') as f:
+                digest.update(name.encode() + b'\0' + f.read())
+    return f'lmdeploy_cpu_kernels_{digest.hexdigest()[:16]}'
+
+
+class BuildProgress:
+    """Says on stderr that the kernels compile, and how far: on a terminal one line that ticks every second,
+    elsewhere a line every 15 s."""
+
+    def __init__(self, build_dir: str):
+        self.build_dir = build_dir
+        self.start = time.monotonic()
+        self.done = threading.Event()
+        self.tty = sys.stderr.isatty()
+        self.thread = threading.Thread(target=self._run, name='lmdeploy-kernel-build-progress', daemon=True)
+
+    def __enter__(self) -> BuildProgress:
+        print('compiling native CPU kernels (once, a few minutes)...', file=sys.stderr, flush=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.done.set()
+        self.thread.join()
+        ok = exc[0] is None
+        print(f'{self._line()}: {"done" if ok else "failed"}', file=sys.stderr, flush=True)
+
+    def _line(self) -> str:
+        try:
+            compiled = sum(name.endswith('.o') for name in os.listdir(self.build_dir))
+        except OSError:
+            compiled = 0
+        return f'  {time.monotonic() - self.start:.0f} s, {compiled}/{len(_SOURCES)} translation units compiled'
+
+    def _run(self) -> None:
+        while not self.done.wait(1.0 if self.tty else 15.0):
+            print(f'\r{self._line()}' if self.tty else self._line(), end='' if self.tty else '\n',
+                  file=sys.stderr, flush=True)
+        if self.tty:
+            print('\r', end='', file=sys.stderr)
+
+
 def _build() -> ModuleType | None:
     if os.environ.get('LMDEPLOY_CPU_KERNELS', '1') == '0':
         return None
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import get_default_build_root, load
     here = os.path.dirname(__file__)
-    name = f'lmdeploy_cpu_kernels_{cache_key(cpu_flags())}'
-    logger.info('loading the native CPU kernels %s (the first time they are compiled, about 40 s)', name)
+    name = build_name(cpu_flags())
+    build_dir = os.path.join(os.environ.get('TORCH_EXTENSIONS_DIR') or get_default_build_root(), name)
+    os.makedirs(build_dir, exist_ok=True)
+    logger.info('loading the native CPU kernels from %s', build_dir)
     try:
-        return load(name, [os.path.join(here, source) for source in _SOURCES], extra_cflags=_FLAGS,
-                    extra_ldflags=['-fopenmp'])
+        with open(os.path.join(build_dir, 'lmdeploy.lock'), 'w') as lock:
+            if _locked_elsewhere(lock):
+                print(f'waiting for another process that builds the native CPU kernels in {build_dir}...',
+                      file=sys.stderr, flush=True)
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            # Holding our lock, no other lmdeploy process builds here: a torch lock file left by a build that
+            # was killed (Ctrl-C) is stale, and torch would wait on it forever.
+            _remove(os.path.join(build_dir, 'lock'))
+            built = os.path.isfile(os.path.join(build_dir, f'{name}.so'))
+            with contextlib.nullcontext() if built else BuildProgress(build_dir):
+                return load(name, [os.path.join(here, source) for source in _SOURCES], extra_cflags=_FLAGS,
+                            extra_ldflags=['-fopenmp'], build_directory=build_dir)
     except Exception as exc:  # no compiler, no headers, ...: fall back to torch, loudly
         logger.warning('native CPU kernels unavailable (%s: %s); using the torch versions', type(exc).__name__, exc)
         return None
+
+
+def _locked_elsewhere(lock) -> bool:
+    """Takes ``lock`` if it is free; True when another process holds it."""
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass

@@ -1,4 +1,6 @@
 // The Python module of the native CPU kernels; each has a torch twin in lmdeploy/pytorch/kernels.
+#include <torch/csrc/utils/pybind.h>
+
 #include "common.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

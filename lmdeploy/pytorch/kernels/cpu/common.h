@@ -1,7 +1,7 @@
 // Shared by the native CPU kernels: headers and the element conversions to fp32.
 #pragma once
 
-#include <torch/extension.h>
+#include "torch_headers.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
