@@ -14,6 +14,7 @@ setup(
     long_description_content_type='text/markdown',
     python_requires='>=3.10',
     packages=find_packages(include=['lmdeploy', 'lmdeploy.*']),
+    package_data={'lmdeploy': ['lite/*.txt']},
     install_requires=read_requirements('requirements.txt'),
     extras_require={'test': read_requirements('requirements-test.txt'), 'ray': ['ray>=2.40']},
     entry_points={'console_scripts': ['lmdeploy = lmdeploy.cli.main:main']},
