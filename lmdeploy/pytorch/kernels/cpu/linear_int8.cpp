@@ -6,7 +6,8 @@
 // The weight is packed once into 16-column panels of K/4 groups of 4 bytes ([N/16, K/4, 16, 4]): one
 // vpdpbusd adds four products to each of 16 columns' int32 accumulators. Tiles of 4 rows x 4 panels
 // keep their accumulators in registers over all of K, and each thread takes whole column groups, as
-// in linear_bf16.cpp; the scales and the bias are applied in fp32 in the epilogue.
+// in linear_bf16.cpp (without its prefetching); the scales and the bias are applied in fp32 in the
+// epilogue.
 #include "common.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -126,10 +127,18 @@ void row_block(const Gemm<T>& g, int64_t first, int64_t count, int64_t panel) {
   }
 }
 
+// Panels per column group: 4, or 3 where a lone row block's groups of 4 would leave one thread a group
+// more than the others (as in linear_bf16.cpp).
+int64_t group_width(int64_t panels, int64_t row_blocks, int64_t threads) {
+  const auto uneven = [&](int64_t width) { return (panels + width - 1) / width % threads != 0; };
+  return row_blocks == 1 && uneven(kPanels) && !uneven(3) ? 3 : kPanels;
+}
+
 template <typename T>
 void run(const Gemm<T>& g, const T* x, uint8_t* q, float* x_scale) {
   const int64_t threads = at::get_num_threads(), row_blocks = (g.M + kRowBlock - 1) / kRowBlock;
-  const int64_t panels = g.N / kPanel, groups = (panels + kPanels - 1) / kPanels;
+  const int64_t panels = g.N / kPanel, width = group_width(panels, row_blocks, threads);
+  const int64_t groups = (panels + width - 1) / width;
 #pragma omp parallel num_threads(threads)
   {
 #pragma omp for schedule(static)
@@ -137,9 +146,9 @@ void run(const Gemm<T>& g, const T* x, uint8_t* q, float* x_scale) {
 #pragma omp for collapse(2) schedule(dynamic, 1)
     for (int64_t group = 0; group < groups; ++group)
       for (int64_t block = 0; block < row_blocks; ++block) {
-        const int64_t panel = group * kPanels, first = block * kRowBlock;
+        const int64_t panel = group * width, first = block * kRowBlock;
         const int64_t count = std::min<int64_t>(kRowBlock, g.M - first);
-        switch (std::min<int64_t>(kPanels, panels - panel)) {
+        switch (std::min<int64_t>(width, panels - panel)) {
           case 1: row_block<1>(g, first, count, panel); break;
           case 2: row_block<2>(g, first, count, panel); break;
           case 3: row_block<3>(g, first, count, panel); break;
@@ -174,8 +183,12 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, c
     TORCH_CHECK(b.numel() == N, "bias must have ", N, " elements");
   }
   const int64_t M = rows.size(0);
-  auto q = torch::empty({M, K}, x.options().dtype(at::kByte));
-  auto x_scale = torch::empty({M}, x.options().dtype(at::kFloat));
+  // The quantized rows and their scales live in the calling thread's scratch: no allocation per call.
+  static thread_local std::vector<float> scratch;
+  const int64_t scales = (M + 15) / 16 * 16;
+  scratch.resize(scales + (M * K + 3) / 4);
+  float* x_scale = scratch.data();
+  uint8_t* q = reinterpret_cast<uint8_t*>(scratch.data() + scales);
   auto out = torch::empty({M, N}, x.options());
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;
@@ -183,10 +196,10 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, c
     if constexpr (std::is_same_v<scalar_t, double>) {
       TORCH_CHECK(false, "int8_linear takes fp32, bf16 or fp16 activations");
     } else {
-      const Gemm<scalar_t> g{q.data_ptr<uint8_t>(), x_scale.data_ptr<float>(), packed.data_ptr<int8_t>(),
+      const Gemm<scalar_t> g{q, x_scale, packed.data_ptr<int8_t>(),
                              compensation.data_ptr<int32_t>(), w_scale.data_ptr<float>(),
                              b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr<scalar_t>(), M, K, N};
-      run(g, rows.data_ptr<scalar_t>(), q.data_ptr<uint8_t>(), x_scale.data_ptr<float>());
+      run(g, rows.data_ptr<scalar_t>(), q, x_scale);
     }
   });
   return out.view(shape);

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from lmdeploy.pytorch.kernels import cpu, w8a8_linear
-from lmdeploy.pytorch.nn.quant.base import Layout, LinearKernel, LinearOptions, WeightFormat, new_parameter, register_format
+from lmdeploy.pytorch.nn.quant.base import (Layout, LinearKernel, LinearOptions, WeightFormat, new_parameter,
+                                            register_format)
 
 if TYPE_CHECKING:
     from lmdeploy.pytorch.nn.linear import Linear
