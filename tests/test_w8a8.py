@@ -164,7 +164,7 @@ def test_w8a8_tp2_matches_tp1(tiny_w8a8):
 def test_default_model_smooth_quant_end_to_end(default_model_gguf, tmp_path):
     """The CLI on the default GGUF model; the W8A8 engine (bf16 activations) against the bf16 engine."""
     out = str(tmp_path / 'w8a8')
-    main(['lite', 'smooth_quant', default_model_gguf, out])
+    main(['lite', 'smooth_quant', default_model_gguf, out, '--calib-tokens', '1024'])
     prompts = random_prompts([16, 40], seed=2, vocab=20000)
     tokens = {}
     for name, path in (('bf16', default_model_gguf), ('w8a8', out)):
