@@ -5,11 +5,12 @@ sizes, and against the torch reference (``torch._int_mm``) that CPUs without VNN
     python benchmark/w8a8_cpu_bench.py [--layers 30] [--repeat 5]
 
 Each shape runs on ``--layers`` distinct weights in turn, as a decode step does, so the weights stream
-from memory rather than from cache; a figure is the best of ``--repeat`` passes, per layer.
+from memory rather than from cache; a figure is the median call of the best of ``--repeat`` passes.
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -24,13 +25,17 @@ ROWS = [1, 8, 16, 32, 64, 512]
 
 
 def best_us(calls: list, repeat: int) -> float:
+    """The median call of the best of ``repeat`` passes over ``calls``: robust to the calls that another
+    process on the same cores interrupts."""
     best = float('inf')
     for _ in range(repeat):
-        start = time.perf_counter()
+        times = []
         for call in calls:
+            start = time.perf_counter()
             call()
-        best = min(best, time.perf_counter() - start)
-    return best / len(calls) * 1e6
+            times.append(time.perf_counter() - start)
+        best = min(best, statistics.median(times))
+    return best * 1e6
 
 
 def main() -> None:
@@ -42,8 +47,8 @@ def main() -> None:
     if bf16 is None or int8 is None:
         raise SystemExit('needs the native bf16 (AVX512-BF16, no AMX) and int8 (AVX512-VNNI) GEMMs')
     cpu.bind_worker_threads()
-    print(f'{torch.get_num_threads()} threads; microseconds per call, best of {args.repeat}, '
-          f'{args.layers} distinct weights per shape')
+    print(f'{torch.get_num_threads()} threads; microseconds per call (median call of the best of {args.repeat} '
+          f'passes), {args.layers} distinct weights per shape')
     print(f'{"shape":>14} {"rows":>5} {"bf16":>9} {"w8a8":>9} {"speedup":>8} {"torch ref":>10}')
     for name, k, n in SHAPES:
         weights = [torch.randn(n, k) * 0.05 for _ in range(args.layers)]
