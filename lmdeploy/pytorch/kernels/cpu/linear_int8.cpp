@@ -66,6 +66,13 @@ inline __m512 multiply(__m512 a, __m512 b) {
   return a;
 }
 
+// acc += four u8 x s8 products per lane. With the intrinsic GCC copied every accumulator through other
+// registers and the stack on each k step: 0.8x the bf16 GEMM's speed at 64 rows, 1.5x written this way.
+inline __m512i dpbusd(__m512i acc, __m512i u8, __m512i s8) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u8), "v"(s8));
+  return acc;
+}
+
 inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1); }
 
 // Row m of x as qx + 128 (bytes) and its scale sx.
@@ -99,7 +106,7 @@ void tile(const Gemm<T>& g, int64_t row, int64_t panel) {
     for (int c = 0; c < C; ++c) cols[c] = _mm512_loadu_si512(w + c * panel_stride + k * 4 * kPanel);
     for (int r = 0; r < R; ++r) {
       const __m512i quad = _mm512_set1_epi32(x[r * quads + k]);
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], quad, cols[c]);
+      for (int c = 0; c < C; ++c) acc[r][c] = dpbusd(acc[r][c], quad, cols[c]);
     }
   }
   for (int c = 0; c < C; ++c) {
