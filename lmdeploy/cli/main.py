@@ -13,14 +13,16 @@ def build_parser() -> argparse.ArgumentParser:
     """The parser of every ``lmdeploy`` command; a command without a subcommand prints its help."""
     from lmdeploy.cli.args import HelpFormatter
     from lmdeploy.cli.chat import add_chat_parser
+    from lmdeploy.cli.lite import add_lite_parser
     from lmdeploy.cli.serve import add_serve_parser
-    parser = argparse.ArgumentParser(prog='lmdeploy', description='Serve and chat with large language models.',
+    parser = argparse.ArgumentParser(prog='lmdeploy', description='Serve, chat with and quantize large language models.',
                                      formatter_class=HelpFormatter)
     parser.add_argument('--version', action='version', version=f'lmdeploy {__version__}')
     parser.set_defaults(run=None, help_of=parser)
     commands = parser.add_subparsers(dest='command', metavar='COMMAND')
     add_chat_parser(commands)
     add_serve_parser(commands)
+    add_lite_parser(commands)
     return parser
 
 

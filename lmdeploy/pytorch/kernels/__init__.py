@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from lmdeploy.pytorch.kernels import activation, attention, cpu, moe, norm, rotary, sampling
+from lmdeploy.pytorch.kernels import activation, attention, cpu, moe, norm, rotary, sampling, w8a8
 
 
 def dispatch(torch_fn: Callable, native_cpu: str | None = None) -> Callable:
@@ -41,6 +41,7 @@ moe_routing = dispatch(moe.moe_routing)
 prefill_attention = dispatch(attention.prefill_attention, native_cpu='paged_prefill_attention')
 rms_norm = dispatch(norm.rms_norm, native_cpu='rms_norm')
 silu_and_mul = dispatch(activation.silu_and_mul, native_cpu='silu_and_mul')
+w8a8_linear = dispatch(w8a8.w8a8_linear)
 
 __all__ = ['apply_rotary', 'argmax', 'decode_attention', 'dispatch', 'fill_kv_cache', 'fused_moe', 'moe_routing',
-           'prefill_attention', 'rms_norm', 'silu_and_mul']
+           'prefill_attention', 'rms_norm', 'silu_and_mul', 'w8a8_linear']

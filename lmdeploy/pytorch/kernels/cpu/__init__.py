@@ -28,8 +28,8 @@ import torch
 
 logger = logging.getLogger('lmdeploy')
 _SOURCES = ['bindings.cpp', 'paged_attention.cpp', 'paged_attention_avx512.cpp', 'paged_attention_quant_avx512.cpp',
-            'paged_prefill_avx512.cpp', 'elementwise.cpp', 'fill_kv_cache.cpp', 'linear_bf16.cpp', 'threads.cpp',
-            'decoder_stack.cpp']
+            'paged_prefill_avx512.cpp', 'elementwise.cpp', 'fill_kv_cache.cpp', 'linear_bf16.cpp', 'linear_int8.cpp',
+            'threads.cpp', 'decoder_stack.cpp']
 _FLAGS = ['-O3', '-march=native', '-fopenmp', '-ffast-math']
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}
@@ -53,6 +53,12 @@ def bf16_gemm() -> ModuleType | None:
     if module is None or not module.bf16_gemm_available():
         return None
     return None if getattr(torch.cpu, '_is_amx_tile_supported', lambda: False)() else module
+
+
+def int8_gemm() -> ModuleType | None:
+    """The kernels when their ``int8_linear`` (AVX512-VNNI) was built for this CPU; else None."""
+    module = native()
+    return module if module is not None and module.int8_gemm_available() else None
 
 
 def bind_worker_threads() -> None:

@@ -29,6 +29,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_bf16_gate_up", &pack_bf16_gate_up, "a [gate; up] bf16 weight packed for bf16_gate_up_silu");
   m.def("bf16_gate_up_silu", &bf16_gate_up_silu, "silu(x @ G.T) * (x @ U.T) on a weight from pack_bf16_gate_up",
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("bias") = pybind11::none());
+  m.def("int8_gemm_available", &int8_gemm_available, "whether int8_linear was built (AVX512-VNNI)");
+  m.def("pack_int8_weight", &pack_int8_weight, "an int8 [N, K] weight in int8_linear's panel layout");
+  m.def("int8_linear", &int8_linear,
+        "(qx @ W.T) * sx * scale (+ bias), x quantized per row, on a weight from pack_int8_weight",
+        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("compensation"), pybind11::arg("scale"),
+        pybind11::arg("bias") = pybind11::none());
   pybind11::class_<StepTensors>(m, "StepTensors", "the step's tensors that every decoder layer reads")
       .def(pybind11::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t,
                           c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,

@@ -166,6 +166,10 @@ torch::Tensor pack_bf16_weight(const torch::Tensor& weight);
 torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, c10::optional<torch::Tensor> bias);
 torch::Tensor pack_bf16_gate_up(const torch::Tensor& weight);
 torch::Tensor bf16_gate_up_silu(const torch::Tensor& x, const torch::Tensor& packed, c10::optional<torch::Tensor> bias);
+bool int8_gemm_available();
+torch::Tensor pack_int8_weight(const torch::Tensor& weight);
+torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& compensation,
+                          const torch::Tensor& scale, c10::optional<torch::Tensor> bias);
 
 // The tensors of one engine step that every decoder layer reads (see StepContext in step_context.py).
 struct StepTensors {

@@ -5,7 +5,8 @@ from lmdeploy.pytorch.kernels.cuda.elementwise import apply_rotary, rms_norm, si
 from lmdeploy.pytorch.kernels.cuda.fill_kv_cache import fill_kv_cache
 from lmdeploy.pytorch.kernels.cuda.fused_moe import fused_moe, moe_routing
 from lmdeploy.pytorch.kernels.cuda.prefill_attention import prefill_attention
+from lmdeploy.pytorch.kernels.cuda.w8a8 import w8a8_linear
 from lmdeploy.pytorch.kernels.sampling import argmax
 
 __all__ = ['apply_rotary', 'argmax', 'decode_attention', 'fill_kv_cache', 'fused_moe', 'moe_routing',
-           'prefill_attention', 'rms_norm', 'silu_and_mul']
+           'prefill_attention', 'rms_norm', 'silu_and_mul', 'w8a8_linear']

@@ -1,0 +1,68 @@
+"""W8A8 checkpoints (``lmdeploy lite smooth_quant``; ``quant_method: smooth_quant``, LMDeploy's name): each
+linear layer's ``weight`` in int8 with one fp32 ``scale [out, 1]`` per output channel, symmetric;
+activations are quantized per token when they arrive. On the CPU the weight is packed for the native
+AVX512-VNNI GEMM, which quantizes the activations in the same call; elsewhere (CUDA: Triton; CPUs without
+VNNI: torch) the kernel reads the parameters as they are."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from lmdeploy.pytorch.kernels import cpu, w8a8_linear
+from lmdeploy.pytorch.nn.quant.base import (Layout, LinearKernel, LinearOptions, WeightFormat, new_parameter,
+                                            register_format)
+
+if TYPE_CHECKING:
+    from lmdeploy.pytorch.nn.linear import Linear
+
+
+class W8A8Kernel(LinearKernel):
+    """:func:`~lmdeploy.pytorch.kernels.w8a8_linear` on the layer's ``weight`` and ``scale`` as they are
+    at each call."""
+
+    def __init__(self, layer: Linear):
+        self.layer = layer
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return w8a8_linear(x, self.layer.weight, self.layer.scale, bias)
+
+
+class NativeW8A8Kernel(LinearKernel):
+    """The native AVX512-VNNI GEMM on its packed weight; ``compensation`` is ``128 * sum_k W[n, k]`` (the
+    kernel multiplies activations offset by 128 into unsigned bytes)."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor):
+        gemm = cpu.int8_gemm()
+        self.packed = gemm.pack_int8_weight(weight)
+        self.compensation = 128 * weight.sum(1, dtype=torch.int32)
+        self.scale = scale.reshape(-1).float().contiguous()
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return cpu.native().int8_linear(x, self.packed, self.compensation, self.scale, bias)
+
+
+@register_format('smooth_quant')
+class W8A8Format(WeightFormat):
+    """int8 ``weight [out, in]`` and fp32 ``scale [out, 1]``: ``W = weight * scale``."""
+
+    @classmethod
+    def from_config(cls, quantization_config: dict) -> W8A8Format:
+        quant_dtype = quantization_config.get('quant_dtype', 'int8')
+        if quant_dtype != 'int8':
+            raise ValueError(f'smooth_quant checkpoints in {quant_dtype!r} are not supported (int8 only)')
+        return cls()
+
+    def create_weights(self, layer: Linear) -> None:
+        layer.weight = new_parameter((layer.out_features, layer.in_features), Layout(0, 1), dtype=torch.int8)
+        layer.scale = new_parameter((layer.out_features, 1), Layout(0, None), dtype=torch.float32)
+
+    def make_kernel(self, layer: Linear, options: LinearOptions) -> LinearKernel:
+        weight = layer.weight
+        native = (options.pack_cpu and weight.device.type == 'cpu' and cpu.int8_gemm() is not None
+                  and weight.shape[0] % 16 == 0 and weight.shape[1] % 4 == 0)
+        if not native:
+            return W8A8Kernel(layer)
+        kernel = NativeW8A8Kernel(weight, layer.scale)
+        layer.weight = layer.scale = None
+        return kernel
