@@ -15,6 +15,18 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import (AutoModelForCausalLM, LlamaConfig, MixtralConfig, PreTrainedTokenizerFast, Qwen2Config,
                           Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
+
+
+@pytest.fixture(scope='module')
+def native():
+    """The native CPU kernels (the test skips where they cannot be built)."""
+    from lmdeploy.pytorch.kernels import cpu
+    module = cpu.native()
+    if module is None:
+        pytest.skip('no C++ compiler for the native CPU kernels')
+    return module
+
+
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 CORPUS = ['Hello world! The quick brown fox jumps over the lazy dog.', 'héllo 世界 🙂 naïve café',

@@ -12,14 +12,6 @@ from lmdeploy.pytorch.nn.quant.dense import DenseKernel
 from lmdeploy.pytorch.nn.quant.int4_cpu import INT4_GROUP, SmallStepInt4Kernel, int4_groups
 
 
-@pytest.fixture(scope='module')
-def native():
-    module = cpu.native()
-    if module is None:
-        pytest.skip('no C++ compiler for the native CPU kernels')
-    return module
-
-
 def scattered_cache(lengths: list[int], num_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype):
     """Random K/V caches and a block table giving each sequence shuffled blocks for its length."""
     widths = [-(-n // block_size) for n in lengths]

@@ -75,14 +75,6 @@ def test_twin_attends_over_the_dequantized_cache(bits, dtype):
     torch.testing.assert_close(out.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
-@pytest.fixture(scope='module')
-def native():
-    module = cpu.native()
-    if module is None:
-        pytest.skip('no C++ compiler for the native CPU kernels')
-    return module
-
-
 @pytest.mark.parametrize('bits', [8, 4])
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float16])
 def test_native_fill_matches_twin(native, bits, dtype):

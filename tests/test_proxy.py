@@ -340,6 +340,15 @@ def _listening_on(processes: list[psutil.Process], port: int) -> psutil.Process:
         conn.laddr.port == port and conn.status == psutil.CONN_LISTEN for conn in proc.net_connections('tcp')))
 
 
+def _start_dp(model: str, tmp_path) -> tuple[int, subprocess.Popen]:
+    """``api_server --dp 2`` on a free run of three ports (logging to ``tmp_path / 'dp.log'``): its port and
+    process."""
+    port = _free_port_run(3)
+    flags = [flag for flag in NODE_FLAGS if flag not in ('--num-threads', '1')]
+    return port, lmdeploy(['serve', 'api_server', model, '--server-port', str(port), '--dp', '2', *flags],
+                          tmp_path / 'dp.log')
+
+
 def _replica_pid(parent: int, port: int) -> int | None:
     try:
         return _listening_on(psutil.Process(parent).children(recursive=True), port).pid
@@ -349,11 +358,8 @@ def _replica_pid(parent: int, port: int) -> int | None:
 
 @pytest.mark.parametrize('sig', [signal.SIGTERM, signal.SIGINT], ids=['SIGTERM', 'SIGINT'])
 def test_dp_replicas_share_the_port_and_the_cores_and_die_with_the_parent(tiny_llama, tmp_path, sig):
-    port = _free_port_run(3)
+    port, parent = _start_dp(tiny_llama, tmp_path)
     url = f'http://127.0.0.1:{port}'
-    flags = [flag for flag in NODE_FLAGS if flag not in ('--num-threads', '1')]
-    parent = lmdeploy(['serve', 'api_server', tiny_llama, '--server-port', str(port), '--dp', '2', *flags],
-                      tmp_path / 'dp.log')
     try:
         wait_healthy(url, parent, timeout=300)
         assert healthy_nodes(url) == [f'http://127.0.0.1:{port + 1}', f'http://127.0.0.1:{port + 2}']
@@ -376,11 +382,8 @@ def test_dp_replicas_share_the_port_and_the_cores_and_die_with_the_parent(tiny_l
 def test_a_dp_replica_that_dies_is_started_again(tiny_llama, tmp_path):
     """SIGKILL to a replica: its requests end, the others go on, and the parent starts it again on the
     same port, where the proxy takes it back."""
-    port = _free_port_run(3)
+    port, parent = _start_dp(tiny_llama, tmp_path)
     url = f'http://127.0.0.1:{port}'
-    flags = [flag for flag in NODE_FLAGS if flag not in ('--num-threads', '1')]
-    parent = lmdeploy(['serve', 'api_server', tiny_llama, '--server-port', str(port), '--dp', '2', *flags],
-                      tmp_path / 'dp.log')
     try:
         wait_healthy(url, parent, timeout=300)
         children = psutil.Process(parent.pid).children(recursive=True)
