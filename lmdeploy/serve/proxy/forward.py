@@ -134,18 +134,28 @@ class Forward(Response):
         return True
 
     async def _relay(self, node: Node, upstream: httpx.Response, send: Send) -> None:
-        await send({'type': 'http.response.start', 'status': upstream.status_code,
-                    'headers': forwarded_headers(upstream.headers.raw, RESPONSE_DROP)})
+        # The head goes out with the first chunk of the body: one wake-up of the client, not two.
+        start = {'type': 'http.response.start', 'status': upstream.status_code,
+                 'headers': forwarded_headers(upstream.headers.raw, RESPONSE_DROP)}
+        stream = upstream.headers.get('content-type', '').startswith('text/event-stream')
         try:
             async for chunk in upstream.aiter_raw():
+                if start is not None:
+                    await send(start)
+                    start = None
                 await send({'type': 'http.response.body', 'body': chunk, 'more_body': True})
         except httpx.HTTPError as exc:
             self._failed(node, exc)
-            if not upstream.headers.get('content-type', '').startswith('text/event-stream'):
+            if start is not None:
+                await send_error(send, 502, f'node {node.url} failed before answering: {exc!r}', 'node_failed')
+                return
+            if not stream:
                 raise
             body = error_body(502, f'node {node.url} failed mid-stream: {exc!r}', 'node_failed')
             event = f'data: {json.dumps(body)}\n\ndata: [DONE]\n\n'.encode()
             await send({'type': 'http.response.body', 'body': event, 'more_body': True})
+        if start is not None:
+            await send(start)
         await send({'type': 'http.response.body', 'body': b'', 'more_body': False})
 
     def _failed(self, node: Node, exc: httpx.HTTPError) -> None:
