@@ -78,6 +78,43 @@ inline void online_softmax(float* scores, int64_t count, float& peak, float& tot
   peak = new_peak;
 }
 
+// Adds one block's weighted values to the running sums of G query heads in `stored` ([G, D] fp32), after
+// rescaling them as the online softmax says; `value_row(t, value)` loads token t's value row as fp32.
+template <int G, int NV, class ValueRow>
+inline void accumulate_values(float* stored, const float* rescale, const float* scores, int64_t block_size,
+                              int64_t in_block, ValueRow value_row) {
+  constexpr int D = 16 * NV;
+  __m512 acc[G][NV];
+  for (int h = 0; h < G; ++h) {
+    const __m512 r = _mm512_set1_ps(rescale[h]);
+    for (int i = 0; i < NV; ++i) acc[h][i] = _mm512_mul_ps(_mm512_loadu_ps(stored + h * D + 16 * i), r);
+  }
+  for (int64_t t = 0; t < in_block; ++t) {
+    __m512 value[NV];
+    value_row(t, value);
+    for (int h = 0; h < G; ++h) {
+      const __m512 weight = _mm512_set1_ps(scores[h * block_size + t]);
+      for (int i = 0; i < NV; ++i) acc[h][i] = _mm512_fmadd_ps(weight, value[i], acc[h][i]);
+    }
+  }
+  for (int h = 0; h < G; ++h)
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(stored + h * D + 16 * i, acc[h][i]);
+}
+
+// The heads' sums divided by their softmax totals, written as bf16 to out (head k's G rows at k * head_stride).
+template <int G, int NV>
+inline void store_normalized(const float* acc_store, const float* total, int64_t heads, bf16* out,
+                             int64_t head_stride) {
+  constexpr int D = 16 * NV;
+  for (int64_t k = 0; k < heads; ++k)
+    for (int h = 0; h < G; ++h) {
+      const __m512 inv = _mm512_set1_ps(1.f / total[k * G + h]);
+      for (int i = 0; i < NV; ++i)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k * head_stride + h * D + 16 * i),
+                            to_bf16(_mm512_mul_ps(_mm512_loadu_ps(acc_store + (k * G + h) * D + 16 * i), inv)));
+    }
+}
+
 }  // namespace attention_avx512
 
 #endif

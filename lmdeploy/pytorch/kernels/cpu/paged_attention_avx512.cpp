@@ -102,32 +102,14 @@ void run_task(const Task& task, const bf16* k_cache, const bf16* v_cache, int64_
       const bf16* pull = k + 1 < task.heads ? keys + block_size * D
                          : last                ? nullptr
                                                : k_cache + next_offset;
-      float* stored = acc_store + k * G * D;
-      __m512 acc[G][NV];
-      for (int h = 0; h < G; ++h) {
-        const __m512 r = _mm512_set1_ps(rescale[h]);
-        for (int i = 0; i < NV; ++i) acc[h][i] = _mm512_mul_ps(_mm512_loadu_ps(stored + h * D + 16 * i), r);
-      }
-      for (int64_t t = 0; t < in_block; ++t) {
-        if (pull) prefetch_l2(pull + t * D, D * 2);
-        __m512 value[NV];
-        for (int i = 0; i < NV; ++i) value[i] = load_bf16(values + t * D + 16 * i);
-        for (int h = 0; h < G; ++h) {
-          const __m512 weight = _mm512_set1_ps(scores[h * block_size + t]);
-          for (int i = 0; i < NV; ++i) acc[h][i] = _mm512_fmadd_ps(weight, value[i], acc[h][i]);
-        }
-      }
-      for (int h = 0; h < G; ++h)
-        for (int i = 0; i < NV; ++i) _mm512_storeu_ps(stored + h * D + 16 * i, acc[h][i]);
+      accumulate_values<G, NV>(acc_store + k * G * D, rescale, scores, block_size, in_block,
+                               [&](int64_t t, auto& value) {
+                                 if (pull) prefetch_l2(pull + t * D, D * 2);
+                                 for (int i = 0; i < NV; ++i) value[i] = load_bf16(values + t * D + 16 * i);
+                               });
     }
   }
-  for (int64_t k = 0; k < task.heads; ++k)
-    for (int h = 0; h < G; ++h) {
-      const __m512 inv = _mm512_set1_ps(1.f / total[k * G + h]);
-      for (int i = 0; i < NV; ++i)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(task.out + k * task.head_stride + h * D + 16 * i),
-                            to_bf16(_mm512_mul_ps(_mm512_loadu_ps(acc_store + (k * G + h) * D + 16 * i), inv)));
-    }
+  store_normalized<G, NV>(acc_store, total, task.heads, task.out, task.head_stride);
 }
 
 using TaskFn = void (*)(const Task&, const bf16*, const bf16*, int64_t, int64_t, float, std::vector<float>&);

@@ -190,33 +190,15 @@ void run_task(const QuantTask& task, const QuantCache& cache, float scale, std::
       const int64_t next_slot = k + 1 < task.heads ? first_slot + block_size : last ? -1 : slot_of(index + 1, 0);
       if (next_slot >= 0) prefetch_l2(cache.k_sz + 2 * next_slot, block_size * 8);
       const uint8_t* pull = next_slot >= 0 ? cache.k + next_slot * row_bytes : nullptr;
-      float* stored = acc_store + k * G * D;
-      __m512 acc[G][NV];
-      for (int h = 0; h < G; ++h) {
-        const __m512 r = _mm512_set1_ps(rescale[h]);
-        for (int i = 0; i < NV; ++i) acc[h][i] = _mm512_mul_ps(_mm512_loadu_ps(stored + h * D + 16 * i), r);
-      }
-      for (int64_t t = 0; t < in_block; ++t) {
-        if (pull) prefetch_l2(pull + t * row_bytes, row_bytes);
-        __m512 value[NV];
-        dequantize<NV, BITS>(values + t * row_bytes, _mm512_set1_ps(v_sz[2 * t]), _mm512_set1_ps(v_sz[2 * t + 1]),
-                             value);
-        for (int h = 0; h < G; ++h) {
-          const __m512 weight = _mm512_set1_ps(scores[h * block_size + t]);
-          for (int i = 0; i < NV; ++i) acc[h][i] = _mm512_fmadd_ps(weight, value[i], acc[h][i]);
-        }
-      }
-      for (int h = 0; h < G; ++h)
-        for (int i = 0; i < NV; ++i) _mm512_storeu_ps(stored + h * D + 16 * i, acc[h][i]);
+      accumulate_values<G, NV>(acc_store + k * G * D, rescale, scores, block_size, in_block,
+                               [&](int64_t t, auto& value) {
+                                 if (pull) prefetch_l2(pull + t * row_bytes, row_bytes);
+                                 dequantize<NV, BITS>(values + t * row_bytes, _mm512_set1_ps(v_sz[2 * t]),
+                                                      _mm512_set1_ps(v_sz[2 * t + 1]), value);
+                               });
     }
   }
-  for (int64_t k = 0; k < task.heads; ++k)
-    for (int h = 0; h < G; ++h) {
-      const __m512 inv = _mm512_set1_ps(1.f / total[k * G + h]);
-      for (int i = 0; i < NV; ++i)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(task.out + k * task.head_stride + h * D + 16 * i),
-                            to_bf16(_mm512_mul_ps(_mm512_loadu_ps(acc_store + (k * G + h) * D + 16 * i), inv)));
-    }
+  store_normalized<G, NV>(acc_store, total, task.heads, task.out, task.head_stride);
 }
 
 using TaskFn = void (*)(const QuantTask&, const QuantCache&, float, std::vector<float>&);
