@@ -1,38 +1,26 @@
 """``lmdeploy serve proxy`` in front of two ``lmdeploy serve api_server`` processes on loopback (one joins with
-``--proxy-url``, one through ``POST /nodes/add``), in-process proxies in front of the same nodes, and
-``api_server --dp 2``."""
+``--proxy-url``, one through ``POST /nodes/add``), in-process proxies in front of the same nodes."""
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 
 import httpx
 import openai
-import psutil
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, RedirectResponse
+from proxy_helpers import NODE_FLAGS, healthy_nodes, lmdeploy, per_node, status, stream_texts
 from server_helpers import ServerThread, free_port, metrics, serve, tiny_engine, wait_healthy
 
 from lmdeploy.serve.proxy.app import create_proxy_app
 
-NODE_FLAGS = ['--dtype', 'float32', '--num-gpu-blocks', '256', '--block-size', '16', '--model-name', 'tiny',
-              '--num-threads', '1', '--shutdown-timeout', '5']
 ABORTED = 'lmdeploy:request_success_total{finish_reason="abort"'
-
-
-def lmdeploy(args: list[str], log_path) -> subprocess.Popen:
-    with open(log_path, 'a') as log:
-        return subprocess.Popen([sys.executable, '-m', 'lmdeploy.cli.main', *args], stdout=log,
-                                stderr=subprocess.STDOUT, env={**os.environ, 'PYTHONUNBUFFERED': '1'})
 
 
 def wait_for(condition: Callable[[], object], timeout: float, what: str) -> None:
@@ -42,26 +30,8 @@ def wait_for(condition: Callable[[], object], timeout: float, what: str) -> None
         time.sleep(0.1)
 
 
-def status(url: str) -> dict:
-    return httpx.get(f'{url}/nodes/status').json()
-
-
-def healthy_nodes(url: str) -> list[str]:
-    return sorted(node for node, state in status(url).items() if state['healthy'])
-
-
 def total(samples: dict[str, float], prefix: str) -> float:
     return sum(value for key, value in samples.items() if key.startswith(prefix))
-
-
-def per_node(samples: dict[str, float], name: str) -> dict[str, float]:
-    """``name``'s samples summed per ``node`` label."""
-    out: dict[str, float] = {}
-    for key, value in samples.items():
-        if key.startswith(name + '{'):
-            node = key.split('node="', 1)[1].split('"', 1)[0]
-            out[node] = out.get(node, 0.0) + value
-    return out
 
 
 def chat_body(text: str, max_tokens: int, **fields) -> dict:
@@ -107,19 +77,10 @@ def cluster(tiny_llama, tmp_path_factory) -> Iterator[Cluster]:
         cluster.close()
 
 
-async def _stream_texts(url: str, prompts: list[str], max_tokens: int) -> list[str]:
-    async with openai.AsyncOpenAI(base_url=f'{url}/v1', api_key='none', max_retries=0) as client:
-        async def one(prompt: str) -> str:
-            stream = await client.chat.completions.create(model='tiny', messages=[{'role': 'user', 'content': prompt}],
-                                                          max_tokens=max_tokens, stream=True,
-                                                          extra_body={'ignore_eos': True})
-            return ''.join([chunk.choices[0].delta.content or '' async for chunk in stream if chunk.choices])
-        return await asyncio.gather(*(one(prompt) for prompt in prompts))
-
 
 def test_requests_spread_over_both_nodes_and_answers_come_back_unchanged(cluster):
     before = per_node(metrics(cluster.url), 'lmdeploy:request_success_total')
-    assert all(asyncio.run(_stream_texts(cluster.url, [f'prompt {i}' for i in range(8)], 24)))
+    assert all(asyncio.run(stream_texts(cluster.url, [f'prompt {i}' for i in range(8)], 24)))
     after = per_node(metrics(cluster.url), 'lmdeploy:request_success_total')
     assert sorted(after) == sorted(cluster.nodes)
     assert all(after[node] - before.get(node, 0) >= 2 for node in cluster.nodes), (before, after)
@@ -305,7 +266,7 @@ def test_a_killed_node_fails_only_its_requests_and_the_survivor_takes_the_rest(c
 
     cluster.start_node(int(victim.rsplit(':', 1)[1]))
     wait_for(lambda: healthy_nodes(cluster.url) == sorted(cluster.nodes), 300, 'the restarted node to be taken back')
-    assert all(asyncio.run(_stream_texts(cluster.url, ['a', 'b', 'c', 'd'], 8)))
+    assert all(asyncio.run(stream_texts(cluster.url, ['a', 'b', 'c', 'd'], 8)))
     assert served(cluster.url)[victim] > after[victim]
 
 
@@ -316,92 +277,6 @@ def test_a_node_leaves_the_proxy_when_it_shuts_down(cluster):
     assert sorted(status(cluster.url)) == sorted(set(cluster.nodes) - {cluster.joined})
     cluster.proxy.send_signal(signal.SIGTERM)
     assert cluster.proxy.wait(timeout=60) == 0
-
-
-def _free_port_run(count: int) -> int:
-    """A port p with p .. p + count - 1 free."""
-    while True:
-        port = free_port()
-        if port + count < 65536 and all(_is_free(port + i) for i in range(1, count)):
-            return port
-
-
-def _is_free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(('127.0.0.1', port))
-        except OSError:
-            return False
-    return True
-
-
-def _listening_on(processes: list[psutil.Process], port: int) -> psutil.Process:
-    return next(proc for proc in processes if any(
-        conn.laddr.port == port and conn.status == psutil.CONN_LISTEN for conn in proc.net_connections('tcp')))
-
-
-def _start_dp(model: str, tmp_path) -> tuple[int, subprocess.Popen]:
-    """``api_server --dp 2`` on a free run of three ports (logging to ``tmp_path / 'dp.log'``): its port and
-    process."""
-    port = _free_port_run(3)
-    flags = [flag for flag in NODE_FLAGS if flag not in ('--num-threads', '1')]
-    return port, lmdeploy(['serve', 'api_server', model, '--server-port', str(port), '--dp', '2', *flags],
-                          tmp_path / 'dp.log')
-
-
-def _replica_pid(parent: int, port: int) -> int | None:
-    try:
-        return _listening_on(psutil.Process(parent).children(recursive=True), port).pid
-    except (StopIteration, psutil.Error):
-        return None
-
-
-@pytest.mark.parametrize('sig', [signal.SIGTERM, signal.SIGINT], ids=['SIGTERM', 'SIGINT'])
-def test_dp_replicas_share_the_port_and_the_cores_and_die_with_the_parent(tiny_llama, tmp_path, sig):
-    port, parent = _start_dp(tiny_llama, tmp_path)
-    url = f'http://127.0.0.1:{port}'
-    try:
-        wait_healthy(url, parent, timeout=300)
-        assert healthy_nodes(url) == [f'http://127.0.0.1:{port + 1}', f'http://127.0.0.1:{port + 2}']
-        assert all(asyncio.run(_stream_texts(url, [f'prompt {i}' for i in range(6)], 8)))
-        assert all(count >= 2 for count in per_node(metrics(url), 'lmdeploy:request_success_total').values())
-        children = psutil.Process(parent.pid).children(recursive=True)
-        first, second = (set(_listening_on(children, port + i).cpu_affinity()) for i in (1, 2))
-        if len(os.sched_getaffinity(0)) >= 2:
-            assert first.isdisjoint(second) and first | second == os.sched_getaffinity(0)
-        parent.send_signal(sig)
-        assert parent.wait(timeout=90) == 0
-        _, alive = psutil.wait_procs(children, timeout=30)
-        assert not alive, f'orphans: {alive}'
-    finally:
-        if parent.poll() is None:
-            parent.kill()
-            parent.wait()
-
-
-def test_a_dp_replica_that_dies_is_started_again(tiny_llama, tmp_path):
-    """SIGKILL to a replica: its requests end, the others go on, and the parent starts it again on the
-    same port, where the proxy takes it back."""
-    port, parent = _start_dp(tiny_llama, tmp_path)
-    url = f'http://127.0.0.1:{port}'
-    try:
-        wait_healthy(url, parent, timeout=300)
-        children = psutil.Process(parent.pid).children(recursive=True)
-        victim = _listening_on(children, port + 2)
-        victim.kill()
-        victim.wait(timeout=30)
-        deadline = time.monotonic() + 240
-        while _replica_pid(parent.pid, port + 2) in (None, victim.pid) or \
-                healthy_nodes(url) != [f'http://127.0.0.1:{port + 1}', f'http://127.0.0.1:{port + 2}']:
-            assert time.monotonic() < deadline, 'the replica was not started again'
-            assert parent.poll() is None
-            time.sleep(1)
-        assert all(asyncio.run(_stream_texts(url, [f'prompt {i}' for i in range(6)], 8)))
-        assert per_node(metrics(url), 'lmdeploy:request_success_total').get(f'http://127.0.0.1:{port + 2}', 0) >= 1
-        assert 'starting it again' in (tmp_path / 'dp.log').read_text()
-    finally:
-        parent.terminate()
-        parent.wait(timeout=90)
 
 
 def test_forwarding_keeps_no_cookies_between_clients_and_follows_no_redirects():

@@ -1,0 +1,101 @@
+"""``api_server --dp 2``: replicas behind one port on their own cores, dying with the parent, started again
+when one dies."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import time
+
+import psutil
+import pytest
+from proxy_helpers import NODE_FLAGS, healthy_nodes, lmdeploy, per_node, stream_texts
+from server_helpers import free_port, metrics, wait_healthy
+
+
+def _free_port_run(count: int) -> int:
+    """A port p with p .. p + count - 1 free."""
+    while True:
+        port = free_port()
+        if port + count < 65536 and all(_is_free(port + i) for i in range(1, count)):
+            return port
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(('127.0.0.1', port))
+        except OSError:
+            return False
+    return True
+
+
+def _listening_on(processes: list[psutil.Process], port: int) -> psutil.Process:
+    return next(proc for proc in processes if any(
+        conn.laddr.port == port and conn.status == psutil.CONN_LISTEN for conn in proc.net_connections('tcp')))
+
+
+def _start_dp(model: str, tmp_path) -> tuple[int, subprocess.Popen]:
+    """``api_server --dp 2`` on a free run of three ports (logging to ``tmp_path / 'dp.log'``): its port and
+    process."""
+    port = _free_port_run(3)
+    flags = [flag for flag in NODE_FLAGS if flag not in ('--num-threads', '1')]
+    return port, lmdeploy(['serve', 'api_server', model, '--server-port', str(port), '--dp', '2', *flags],
+                          tmp_path / 'dp.log')
+
+
+def _replica_pid(parent: int, port: int) -> int | None:
+    try:
+        return _listening_on(psutil.Process(parent).children(recursive=True), port).pid
+    except (StopIteration, psutil.Error):
+        return None
+
+
+@pytest.mark.parametrize('sig', [signal.SIGTERM, signal.SIGINT], ids=['SIGTERM', 'SIGINT'])
+def test_dp_replicas_share_the_port_and_the_cores_and_die_with_the_parent(tiny_llama, tmp_path, sig):
+    port, parent = _start_dp(tiny_llama, tmp_path)
+    url = f'http://127.0.0.1:{port}'
+    try:
+        wait_healthy(url, parent, timeout=300)
+        assert healthy_nodes(url) == [f'http://127.0.0.1:{port + 1}', f'http://127.0.0.1:{port + 2}']
+        assert all(asyncio.run(stream_texts(url, [f'prompt {i}' for i in range(6)], 8)))
+        assert all(count >= 2 for count in per_node(metrics(url), 'lmdeploy:request_success_total').values())
+        children = psutil.Process(parent.pid).children(recursive=True)
+        first, second = (set(_listening_on(children, port + i).cpu_affinity()) for i in (1, 2))
+        if len(os.sched_getaffinity(0)) >= 2:
+            assert first.isdisjoint(second) and first | second == os.sched_getaffinity(0)
+        parent.send_signal(sig)
+        assert parent.wait(timeout=90) == 0
+        _, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive, f'orphans: {alive}'
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+
+
+def test_a_dp_replica_that_dies_is_started_again(tiny_llama, tmp_path):
+    """SIGKILL to a replica: its requests end, the others go on, and the parent starts it again on the
+    same port, where the proxy takes it back."""
+    port, parent = _start_dp(tiny_llama, tmp_path)
+    url = f'http://127.0.0.1:{port}'
+    try:
+        wait_healthy(url, parent, timeout=300)
+        children = psutil.Process(parent.pid).children(recursive=True)
+        victim = _listening_on(children, port + 2)
+        victim.kill()
+        victim.wait(timeout=30)
+        deadline = time.monotonic() + 240
+        while _replica_pid(parent.pid, port + 2) in (None, victim.pid) or \
+                healthy_nodes(url) != [f'http://127.0.0.1:{port + 1}', f'http://127.0.0.1:{port + 2}']:
+            assert time.monotonic() < deadline, 'the replica was not started again'
+            assert parent.poll() is None
+            time.sleep(1)
+        assert all(asyncio.run(stream_texts(url, [f'prompt {i}' for i in range(6)], 8)))
+        assert per_node(metrics(url), 'lmdeploy:request_success_total').get(f'http://127.0.0.1:{port + 2}', 0) >= 1
+        assert 'starting it again' in (tmp_path / 'dp.log').read_text()
+    finally:
+        parent.terminate()
+        parent.wait(timeout=90)
