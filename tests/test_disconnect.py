@@ -27,12 +27,15 @@ def server(tiny_llama):
     yield from serve(engine, model_name='tiny')
 
 
-def _idle(url: str, kv_idle: float, timeout: float = 5.0) -> dict:
+def _idle(url: str, kv_idle: float, aborted: int | None = None, timeout: float = 5.0) -> dict:
+    """The metrics once nothing runs or waits, KV usage is back to ``kv_idle`` and (if given) ``aborted``
+    requests were counted, which a request's last choice does just after it let go of its engine instance;
+    or the metrics at the timeout."""
     deadline = time.monotonic() + timeout
     while True:
         m = metrics(url)
         idle = (m['lmdeploy:num_requests_running'] == 0 and m['lmdeploy:num_requests_waiting'] == 0
-                and m['lmdeploy:kv_cache_usage_perc'] <= kv_idle)
+                and m['lmdeploy:kv_cache_usage_perc'] <= kv_idle and aborted in (None, m.get(ABORTED, 0)))
         if idle or time.monotonic() > deadline:
             return m
         time.sleep(0.05)
@@ -65,7 +68,7 @@ def test_half_of_50_streams_disconnect(server):
     results = asyncio.run(main())
     assert sum(hung for hung, _ in results) == 25
     assert all(last == 'data: [DONE]' for hung, last in results if not hung)
-    m = _idle(server.url, kv_idle)
+    m = _idle(server.url, kv_idle, aborted=25)
     assert m['lmdeploy:num_requests_running'] == 0 and m['lmdeploy:num_requests_waiting'] == 0
     assert m['lmdeploy:kv_cache_usage_perc'] <= kv_idle
     assert m[ABORTED] == 25
@@ -111,7 +114,7 @@ def test_dropped_streams_are_aborted_at_once(server):
             return await asyncio.gather(*(_drop_stream(http, i) for i in range(40)))
 
     assert asyncio.run(main()) == [3 + i % 7 for i in range(40)]
-    m = _idle(server.url, kv_idle)
+    m = _idle(server.url, kv_idle, aborted=before.get(ABORTED, 0) + 40 * 6)
     assert m['lmdeploy:num_requests_running'] == 0 and m['lmdeploy:num_requests_waiting'] == 0
     assert m['lmdeploy:kv_cache_usage_perc'] <= kv_idle
     assert m[ABORTED] - before.get(ABORTED, 0) == 40 * 6
@@ -189,7 +192,7 @@ def test_dropped_streams_leave_no_trace(server_process):
         return sum(await asyncio.gather(*(_drop_streams(url, seed, 100) for seed in range(8))))
 
     choices = asyncio.run(main())
-    m = _idle(url, 0.0)
+    m = _idle(url, 0.0, aborted=choices)
     assert m['lmdeploy:num_requests_running'] == 0 and m['lmdeploy:num_requests_waiting'] == 0
     assert m['lmdeploy:kv_cache_usage_perc'] == 0
     assert m[ABORTED] == choices
