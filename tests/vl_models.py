@@ -1,19 +1,27 @@
-"""Tiny random vision-language models (Qwen2-VL, Qwen2.5-VL, LLaVA) saved with transformers, and
-transformers' greedy output on them as the reference."""
+"""Tiny random vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA, InternVL 3) saved with
+transformers, and transformers' greedy output on them as the reference."""
 from __future__ import annotations
+
+import json
+import os
 
 import numpy as np
 import torch
 from conftest import VOCAB_SIZE, build_tokenizer
 from PIL import Image
-from transformers import (AutoModelForImageTextToText, CLIPVisionConfig, LlamaConfig, LlavaConfig, Qwen2_5_VLConfig,
-                          Qwen2VLConfig)
+from transformers import (AutoModelForImageTextToText, CLIPVisionConfig, InternVLConfig, LlamaConfig, LlavaConfig,
+                          Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig)
 from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 QWEN_IMAGE = '<|vision_start|><|image_pad|><|vision_end|>'
 LLAVA_IMAGE = '<image>\n'
+INTERNVL_IMAGE = '<IMG_CONTEXT>\n'  # InternVL's processor wraps each image's span in <img> ... </img>
 SPECIAL_TOKENS = ['<|vision_start|>', '<|vision_end|>', '<|image_pad|>', '<|video_pad|>', '<image>']
+# InternVL's tokenizer names its image tokens; its processor reads them by these names
+INTERNVL_TOKENS = {'start_image_token': '<img>', 'end_image_token': '</img>', 'context_image_token': '<IMG_CONTEXT>',
+                   'video_token': '<video>'}
 
 
 def _template(image: str) -> str:
@@ -30,12 +38,25 @@ QWEN_VISION = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio
                    spatial_merge_size=2, temporal_patch_size=2)
 QWEN25_VISION = dict(depth=2, hidden_size=32, out_hidden_size=64, intermediate_size=64, num_heads=2, patch_size=14,
                      spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1])
+# a 4 x 4 grid of learned positions; features of both blocks go into the first two text layers (deepstack)
+QWEN3_VISION = dict(depth=2, hidden_size=32, out_hidden_size=64, intermediate_size=64, num_heads=2, patch_size=16,
+                    spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
+                    deepstack_visual_indexes=[0, 1])
+# 56 px tiles of 14 px patches: 16 patches, 4 tokens after the pixel shuffle
+INTERNVL_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                       image_size=56, patch_size=14)
 
 
 def _config(kind: str, ids: dict[str, int]):
+    if kind == 'internvl':
+        return InternVLConfig(text_config={**TEXT, 'model_type': 'qwen2'}, vision_config=INTERNVL_VISION,
+                              image_token_id=ids['<IMG_CONTEXT>'], image_seq_length=4)
     qwen_ids = dict(image_token_id=ids['<|image_pad|>'], video_token_id=ids['<|video_pad|>'],
                     vision_start_token_id=ids['<|vision_start|>'], vision_end_token_id=ids['<|vision_end|>'])
     mrope = {'rope_type': 'default', 'rope_theta': 10000.0, 'mrope_section': [2, 3, 3]}
+    if kind == 'qwen3_vl':
+        text = {**TEXT, 'head_dim': 16, 'rope_parameters': {**mrope, 'mrope_section': [4, 2, 2]}}
+        return Qwen3VLConfig(text_config=text, vision_config=QWEN3_VISION, **qwen_ids)
     if kind == 'qwen2_vl':
         return Qwen2VLConfig(text_config={**TEXT, 'rope_parameters': mrope}, vision_config=QWEN_VISION, **qwen_ids)
     if kind == 'qwen2_5_vl':
@@ -47,15 +68,17 @@ def _config(kind: str, ids: dict[str, int]):
 
 
 VL_KINDS = ('llava', 'qwen2_5_vl', 'qwen2_vl')
+IMAGE_TEMPLATES = {'llava': LLAVA_IMAGE, 'internvl': INTERNVL_IMAGE}
 
 
 def save_tiny_vl_model(kind: str, path: str) -> str:
     """Saves model, tokenizer (with an image-aware chat template) and image processor into ``path``."""
     torch.manual_seed(0)
     tokenizer = build_tokenizer()
-    tokenizer.add_special_tokens({'additional_special_tokens': SPECIAL_TOKENS})
-    tokenizer.chat_template = _template(LLAVA_IMAGE if kind == 'llava' else QWEN_IMAGE)
-    config = _config(kind, {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS})
+    special = list(INTERNVL_TOKENS.values()) if kind == 'internvl' else SPECIAL_TOKENS
+    tokenizer.add_special_tokens({'additional_special_tokens': special})
+    tokenizer.chat_template = _template(IMAGE_TEMPLATES.get(kind, QWEN_IMAGE))
+    config = _config(kind, {t: tokenizer.convert_tokens_to_ids(t) for t in special})
     config.get_text_config().eos_token_id = config.eos_token_id = tokenizer.eos_token_id
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
     with torch.no_grad():
@@ -63,7 +86,12 @@ def save_tiny_vl_model(kind: str, path: str) -> str:
             param.normal_(0, 0.5)  # wide enough that greedy outputs vary and depend on the image
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    if kind == 'llava':
+    if kind == 'internvl':
+        _name_image_tokens(path)
+        processor = GotOcr2ImageProcessorPil(size={'height': 56, 'width': 56}, max_patches=4)
+    elif kind == 'qwen3_vl':
+        processor = Qwen2VLImageProcessorPil(patch_size=16, size={'shortest_edge': 32 * 32, 'longest_edge': 32 * 32 * 9})
+    elif kind == 'llava':
         processor = CLIPImageProcessorPil(size={'shortest_edge': 56}, crop_size={'height': 56, 'width': 56})
     else:
         processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=28 * 28 * 16)
@@ -71,19 +99,34 @@ def save_tiny_vl_model(kind: str, path: str) -> str:
     return path
 
 
+def _name_image_tokens(path: str) -> None:
+    """Records InternVL's image tokens by name in the saved tokenizer config, as its checkpoints do."""
+    config_path = os.path.join(path, 'tokenizer_config.json')
+    with open(config_path) as f:
+        config = json.load(f)
+    config['extra_special_tokens'] = INTERNVL_TOKENS
+    with open(config_path, 'w') as f:
+        json.dump(config, f)
+
+
 def random_image(seed: int, size=(90, 60)) -> Image.Image:
     pixels = np.random.RandomState(seed).randint(0, 256, (size[1], size[0], 3), dtype=np.uint8)
     return Image.fromarray(pixels)
+
+
+def hf_vl_inputs(model, input_ids: list[int], images: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """transformers' inputs for a prompt whose images the engine's processor preprocessed."""
+    ids = torch.tensor([input_ids])
+    kwargs = {key: torch.cat([image[key] for image in images]) for key in images[0]} if images else {}
+    if 'image_grid_thw' in kwargs or 'Qwen' in type(model).__name__:
+        kwargs['mm_token_type_ids'] = (ids == model.config.image_token_id).int()
+    return dict(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs)
 
 
 def hf_vl_greedy(path: str, input_ids: list[int], images: list[dict[str, torch.Tensor]], n: int = 16) -> list[int]:
     """transformers' greedy continuation of ``input_ids`` with the images' processed tensors."""
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
     model.generation_config.eos_token_id = None
-    ids = torch.tensor([input_ids])
-    kwargs = {key: torch.cat([image[key] for image in images]) for key in images[0]}
-    if 'image_grid_thw' in kwargs:
-        kwargs['mm_token_type_ids'] = (ids == model.config.image_token_id).int()
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, top_k=None,
-                         top_p=None, temperature=None, **kwargs)
+    out = model.generate(**hf_vl_inputs(model, input_ids, images), max_new_tokens=n, do_sample=False, top_k=None,
+                         top_p=None, temperature=None)
     return out[0, len(input_ids):].tolist()

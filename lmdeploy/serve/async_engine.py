@@ -62,7 +62,8 @@ class AsyncEngine:
         self.model_name = model_name(model_path)
         template = chat_template_config.chat_template if chat_template_config else None
         mm_config = self.engine.model_config.mm_config
-        image_inputs = ImageInputs.for_model(self.model_dir, mm_config) if mm_config is not None else None
+        image_inputs = (ImageInputs.for_model(self.model_dir, mm_config, self.tokenizer.hf) if mm_config is not None
+                        else None)
         self.processor = MultiModalProcessor(self.tokenizer, template, image_inputs, media_policy or MediaPolicy())
         self.inst_manager = InferInstManager(self.engine_loop, self.backend_config.max_batch_size)
         self.grammars = self.engine.grammars

@@ -8,31 +8,39 @@ from __future__ import annotations
 
 import torch
 from PIL import Image
-from transformers import PretrainedConfig
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 
 class ImageInputs:
-    """Turns one image into ``(number of placeholder tokens, tensors for the vision encoder)``."""
+    """Turns one image into ``(number of placeholder tokens, tensors for the vision encoder)``.
 
-    def __init__(self, model_dir: str, config: PretrainedConfig):
+    ``span_ids`` are the tokens the prompt holds before and after each image's run of placeholders
+    (InternVL's ``<img>`` and ``</img>``); most families put them in the chat template instead.
+    """
+
+    span_ids: tuple[list[int], list[int]] = ([], [])
+
+    def __init__(self, model_dir: str, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase):
         from transformers import AutoImageProcessor  # heavy: only vision-language models need it
         self.config = config
         self.image_token_id: int = config.image_token_id
         self.image_processor = AutoImageProcessor.from_pretrained(model_dir, backend='pil')
 
     @classmethod
-    def for_model(cls, model_dir: str, config: PretrainedConfig) -> ImageInputs | None:
+    def for_model(cls, model_dir: str, config: PretrainedConfig,
+                  tokenizer: PreTrainedTokenizerBase) -> ImageInputs | None:
         """The preprocessing of a vision-language model's family; None for text-only models."""
-        family = {'qwen2_vl': QwenVLImageInputs, 'qwen2_5_vl': QwenVLImageInputs, 'llava': LlavaImageInputs}
+        family = {'qwen2_vl': QwenVLImageInputs, 'qwen2_5_vl': QwenVLImageInputs, 'qwen3_vl': QwenVLImageInputs,
+                  'qwen3_vl_moe': QwenVLImageInputs, 'llava': LlavaImageInputs, 'internvl': InternVLImageInputs}
         kind = family.get(config.model_type)
-        return kind(model_dir, config) if kind else None
+        return kind(model_dir, config, tokenizer) if kind else None
 
     def __call__(self, image: Image.Image) -> tuple[int, dict[str, torch.Tensor]]:
         raise NotImplementedError
 
 
 class QwenVLImageInputs(ImageInputs):
-    """Qwen2-VL / Qwen2.5-VL: dynamic resolution; one token per merged ``merge x merge`` patch group."""
+    """Qwen2-VL, Qwen2.5-VL and Qwen3-VL: dynamic resolution; one token per merged ``merge x merge`` patch group."""
 
     def __call__(self, image: Image.Image) -> tuple[int, dict[str, torch.Tensor]]:
         out = self.image_processor(images=[image], return_tensors='np')
@@ -50,3 +58,21 @@ class LlavaImageInputs(ImageInputs):
         num_patches = (pixels.shape[-2] // patch) * (pixels.shape[-1] // patch)
         cls_token = int(self.config.vision_feature_select_strategy == 'full')
         return num_patches + cls_token, {'pixel_values': pixels}
+
+
+class InternVLImageInputs(ImageInputs):
+    """InternVL: the image cut into up to ``max_patches`` tiles of the tower's size plus a thumbnail of it
+    (the image processor's ``crop_to_patches``, which InternVL's processor turns on); each tile gives
+    ``(size / patch)**2 * downsample_ratio**2`` tokens, and the run of them sits between ``<img>`` and
+    ``</img>``."""
+
+    def __init__(self, model_dir: str, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase):
+        super().__init__(model_dir, config, tokenizer)
+        vision = config.vision_config
+        patches = (vision.image_size[0] // vision.patch_size[0]) * (vision.image_size[1] // vision.patch_size[1])
+        self.tokens_per_tile = int(patches * config.downsample_ratio**2)
+        self.span_ids = ([tokenizer.start_image_token_id], [tokenizer.end_image_token_id])
+
+    def __call__(self, image: Image.Image) -> tuple[int, dict[str, torch.Tensor]]:
+        pixels = self.image_processor(images=[image], crop_to_patches=True, return_tensors='np')['pixel_values']
+        return len(pixels) * self.tokens_per_tile, {'pixel_values': torch.from_numpy(pixels)}

@@ -144,7 +144,8 @@ class MultiModalProcessor:
         return expanded
 
     def _expand(self, input_ids: list[int], images: list) -> ProcessedPrompt:
-        """Repeats each image's placeholder token once per feature the vision encoder gives it."""
+        """Repeats each image's placeholder token once per feature the vision encoder gives it (between the
+        family's ``span_ids``)."""
         placeholder = self.image_inputs.image_token_id
         where = [i for i, token in enumerate(input_ids) if token == placeholder]
         if len(where) != len(images):
@@ -152,11 +153,12 @@ class MultiModalProcessor:
         expanded: list[int] = []
         multimodal = []
         start = 0
+        before, after = self.image_inputs.span_ids
         for position, image in zip(where, images):
             length, data = self.image_inputs(image)
-            expanded += input_ids[start:position]
+            expanded += input_ids[start:position] + before
             multimodal.append(MultiModalInput(len(expanded), length, image_hash(image), data))
-            expanded += [placeholder] * length
+            expanded += [placeholder] * length + after
             start = position + 1
         return ProcessedPrompt(expanded + input_ids[start:], multimodal)
 

@@ -22,6 +22,7 @@ from lmdeploy.pytorch.weights.safetensors_loader import TensorPart, WeightSource
 
 KVCache = tuple[torch.Tensor, ...]  # see PagedAttention
 QKV_BIAS_MODEL_TYPES = ('qwen2', 'qwen2_vl_text', 'qwen2_5_vl_text')
+QK_NORM_MODEL_TYPES = ('qwen3', 'qwen3_moe', 'qwen3_vl_text')
 DECODE_INT4_LAYERS = ('qkv_proj', 'o_proj', 'gate_up_proj', 'down_proj')
 # a merged layer -> the projections it stacks, in order; checkpoints may hold it fused (Phi-3, GLM)
 FUSED_PROJECTIONS = {'qkv_proj': ('q_proj', 'k_proj', 'v_proj'), 'gate_up_proj': ('gate_proj', 'up_proj')}
@@ -49,7 +50,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = QKVLinear(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, self.head_dim, bias=qkv_bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowLinear.over_heads(self.qkv_proj, cfg.hidden_size, bias=o_bias)
-        self.qk_norm = hf.model_type in ('qwen3', 'qwen3_moe')
+        self.qk_norm = hf.model_type in QK_NORM_MODEL_TYPES
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, hf.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, hf.rms_norm_eps)

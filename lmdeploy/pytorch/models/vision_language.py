@@ -1,25 +1,32 @@
 """Vision-language models: a Llama-family language model whose image placeholder tokens take the
-features of a vision encoder (Qwen2-VL, Qwen2.5-VL, LLaVA).
+features of a vision encoder (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA, InternVL 3).
 
 The vision towers are transformers' own modules: they hold no KV cache, so the paged engine has
 nothing to add to them, and reusing them keeps the image features exactly those of transformers.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from transformers import AutoModel
+from transformers.modeling_outputs import BaseModelOutputWithPooling
+from transformers.models.internvl.modeling_internvl import InternVLMultiModalProjector
 from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
 from lmdeploy.pytorch.config import ModelConfig
-from lmdeploy.pytorch.models.llama import LlamaForCausalLM, WeightTarget
+from lmdeploy.pytorch.models.llama import KVCache, LlamaForCausalLM, WeightTarget
 from lmdeploy.pytorch.multimodal import MultiModalInput
 from lmdeploy.pytorch.step_context import StepContext
 
 # Checkpoint prefixes of the language model, in the hub layout and in transformers 5's own.
 LANGUAGE_PREFIXES = ('language_model.model.', 'language_model.')
 VISION_PREFIXES = ('visual.', 'vision_tower.', 'multi_modal_projector.')
+QWEN_VISION_TOWERS = {'qwen2_vl': Qwen2VisionTransformerPretrainedModel,
+                      'qwen2_5_vl': Qwen2_5_VisionTransformerPretrainedModel, 'qwen3_vl': Qwen3VLVisionModel}
 
 
 class VisionLanguageModel(LlamaForCausalLM):
@@ -67,15 +74,17 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         mm = cfg.mm_config
-        tower = (Qwen2_5_VisionTransformerPretrainedModel if mm.model_type == 'qwen2_5_vl'
-                 else Qwen2VisionTransformerPretrainedModel)
-        self.visual = tower._from_config(mm.vision_config)
+        self.visual = QWEN_VISION_TOWERS[mm.model_type]._from_config(mm.vision_config)
         self.merge_size = mm.vision_config.spatial_merge_size
         self.requires_grad_(False)
 
-    def encode_images(self, inputs: list[MultiModalInput]) -> torch.Tensor:
+    def run_vision(self, inputs: list[MultiModalInput]) -> BaseModelOutputWithPooling:
+        """The vision tower's output for the images; ``pooler_output`` holds their merged features."""
         grid = torch.cat([m.data['image_grid_thw'] for m in inputs]).to(self.embed_tokens.weight.device)
-        return self.visual(self._pixels(inputs), grid_thw=grid).pooler_output
+        return self.visual(self._pixels(inputs), grid_thw=grid)
+
+    def encode_images(self, inputs: list[MultiModalInput]) -> torch.Tensor:
+        return self.run_vision(inputs).pooler_output
 
     def prompt_positions(self, num_tokens: int,
                          multimodal: list[MultiModalInput]) -> tuple[torch.Tensor | None, int]:
@@ -113,4 +122,59 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
     def encode_images(self, inputs: list[MultiModalInput]) -> torch.Tensor:
         hidden = self.vision_tower(self._pixels(inputs), output_hidden_states=True).hidden_states
         features = torch.cat([hidden[layer][:, int(self.drop_cls):] for layer in self.feature_layers], dim=-1)
+        return self.multi_modal_projector(features).flatten(0, 1)
+
+
+class Qwen3VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
+    """Qwen3-VL: a Qwen3 language model (q/k norms) with interleaved M-RoPE, whose first layers also take
+    features of the vision tower's intermediate blocks (deepstack): after text layer ``i`` the image
+    tokens' hidden states gain the ``i``-th of them."""
+
+    def forward(self, input_ids: torch.Tensor, kv_caches: list[KVCache], ctx: StepContext) -> torch.Tensor:
+        batch = ctx.multimodal
+        if batch is None:
+            return super().forward(input_ids, kv_caches, ctx)
+        ctx.cos, ctx.sin = self.rotary(ctx, self.cfg.dtype)
+        vision = self.run_vision(batch.inputs)
+        x = self.embed_tokens(input_ids)
+        x[batch.token_rows] = vision.pooler_output[batch.feature_rows].to(x.dtype)
+        deepstack = vision.deepstack_features
+        residual = None
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            x, residual = layer(x, residual, kv_cache, ctx)
+            if index < len(deepstack):  # x + residual is the layer's output: adding to x adds to it
+                x[batch.token_rows] += deepstack[index][batch.feature_rows].to(x.dtype)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+def pixel_shuffle(features: torch.Tensor, ratio: float) -> torch.Tensor:
+    """InternVL's downsampling of ``[tiles, side * side, C]`` patch features to ``[tiles, (side * ratio)**2,
+    C / ratio**2]``: each ``1/ratio x 1/ratio`` block of neighbouring patches becomes one token."""
+    tiles, tokens, channels = features.shape
+    side = math.isqrt(tokens)
+    kept = int(side * ratio)
+    x = features.reshape(tiles, side, kept, int(channels / ratio))
+    x = x.transpose(1, 2).reshape(tiles, kept, kept, int(channels / ratio**2))
+    return x.transpose(1, 2).reshape(tiles, kept * kept, -1)
+
+
+class InternVLForConditionalGeneration(VisionLanguageModel):
+    """InternVL 3: each tile of an image through the InternViT tower, pixel-shuffled and projected by an MLP
+    into a Qwen2 or Llama language model; an image's features are those of its tiles in order."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        mm = cfg.mm_config
+        self.vision_tower = AutoModel.from_config(mm.vision_config)
+        self.multi_modal_projector = InternVLMultiModalProjector(mm)
+        self.feature_layer = mm.vision_feature_layer
+        self.drop_cls = mm.vision_feature_select_strategy == 'default'
+        self.downsample_ratio = mm.downsample_ratio
+        self.requires_grad_(False)
+
+    def encode_images(self, inputs: list[MultiModalInput]) -> torch.Tensor:
+        out = self.vision_tower(self._pixels(inputs), output_hidden_states=self.feature_layer != -1)
+        features = out.last_hidden_state if self.feature_layer == -1 else out.hidden_states[self.feature_layer]
+        features = pixel_shuffle(features[:, int(self.drop_cls):], self.downsample_ratio)
         return self.multi_modal_projector(features).flatten(0, 1)

@@ -9,6 +9,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from lmdeploy.pytorch.kernels import apply_rotary
 from lmdeploy.pytorch.step_context import StepContext
 
+INTERLEAVED_MROPE_MODEL_TYPES = ('qwen3_vl_text', 'qwen3_vl_moe_text')
+
 
 def rotary_dim(hf_config: PretrainedConfig, head_dim: int) -> int:
     """How many leading features of each head rotate (``partial_rotary_factor`` of them)."""
@@ -41,11 +43,23 @@ def step_seq_lens(ctx: StepContext) -> torch.Tensor:
     return lens[0] if len(lens) == 1 else torch.cat(lens)
 
 
+def mrope_axes(sections: list[int], num_freqs: int, interleaved: bool) -> torch.Tensor:
+    """Which position axis (0 temporal, 1 height, 2 width) turns each rotary frequency: consecutive bands
+    of ``sections`` frequencies (Qwen2-VL), or, ``interleaved`` (Qwen3-VL), height and width every third
+    frequency from the second and third on (``sections[1]`` and ``sections[2]`` of them), the rest temporal."""
+    if not interleaved:
+        return torch.cat([torch.full((size,), index % 3) for index, size in enumerate(sections)])
+    axes = torch.zeros(num_freqs, dtype=torch.long)
+    axes[1:3 * sections[1]:3] = 1
+    axes[2:3 * sections[2]:3] = 2
+    return axes
+
+
 class RotaryEmbedding(nn.Module):
     """Computes per-token ``cos, sin [T, rotary_dim]`` for the model's rope type.
 
     With ``mrope_section`` (Qwen-VL) positions are ``[3, T]`` (temporal, height, width) and each
-    band of frequencies turns with one of the three. LongRoPE (Phi-3) turns the tokens of a sequence
+    frequency turns with one of the three (see :func:`mrope_axes`). LongRoPE (Phi-3) turns the tokens of a sequence
     longer than ``original_max_position_embeddings`` by its long factors (every prefill chunk of a long
     prompt), the others by its short factors. When decoding crosses that length the keys cached before
     keep their short turn (transformers' ``generate`` computes them again).
@@ -72,8 +86,8 @@ class RotaryEmbedding(nn.Module):
         # A plain attribute, not a buffer: casting the model to bf16 must not round the frequencies.
         self.inv_freq = inv_freq
         sections = params.get('mrope_section')
-        self.mrope_select = None if sections is None else torch.cat(
-            [torch.full((size,), index % 3) for index, size in enumerate(sections)])
+        self.mrope_select = None if sections is None else mrope_axes(
+            sections, len(inv_freq), hf_config.model_type in INTERLEAVED_MROPE_MODEL_TYPES)
 
     def forward(self, ctx: StepContext, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         positions = ctx.positions if ctx.rope_positions is None else ctx.rope_positions

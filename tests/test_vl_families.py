@@ -1,0 +1,103 @@
+"""InternVL 3 and Qwen3-VL against transformers on tiny random models saved by transformers: 32 greedy tokens
+and first-step logits in fp32 on a text prompt and on one- and two-image prompts (images of different sizes),
+InternVL's image spans, batching, chunked prefill through images and prefix-cache hits. test_vl.py runs its
+pipeline checks (OpenAI messages with data URLs, bad images, preemption) on these families too."""
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import GREEDY_32, make_engine
+from transformers import AutoConfig, AutoModelForImageTextToText
+from vl_models import INTERNVL_TOKENS, hf_vl_inputs, random_image, save_tiny_vl_model
+
+from lmdeploy.pytorch.engine.engine import Engine
+from lmdeploy.tokenizer import Tokenizer
+from lmdeploy.vl.image_inputs import ImageInputs
+from lmdeploy.vl.processor import MultiModalProcessor, ProcessedPrompt
+
+IMAGES = [random_image(1), random_image(2, (60, 60)), random_image(3, (150, 100))]
+PROMPTS = ['plain text', ('describe', IMAGES[0]), ('compare', [IMAGES[1], IMAGES[2]])]
+
+
+@pytest.fixture(scope='module', params=['internvl', 'qwen3_vl'])
+def vl_family(request, tmp_path_factory) -> str:
+    return save_tiny_vl_model(request.param, str(tmp_path_factory.mktemp(request.param)))
+
+
+def make_processor(path: str) -> MultiModalProcessor:
+    tokenizer = Tokenizer(path)
+    return MultiModalProcessor(tokenizer, image_inputs=ImageInputs.for_model(path, AutoConfig.from_pretrained(path),
+                                                                             tokenizer.hf))
+
+
+@pytest.fixture(scope='module')
+def prompts(vl_family) -> list[ProcessedPrompt]:
+    return [make_processor(vl_family).process(prompt) for prompt in PROMPTS]
+
+
+@pytest.fixture(scope='module')
+def hf_model(vl_family):
+    model = AutoModelForImageTextToText.from_pretrained(vl_family, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def hf_inputs(model, prompt: ProcessedPrompt) -> dict[str, torch.Tensor]:
+    return hf_vl_inputs(model, prompt.input_ids, [image.data for image in prompt.multimodal])
+
+
+def run_vl(engine: Engine, prompts: list[ProcessedPrompt]) -> list[list[int]]:
+    index = {engine.add_request(p.input_ids, GREEDY_32, p.multimodal): i for i, p in enumerate(prompts)}
+    outs = [[] for _ in prompts]
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs[index[out.seq_id]].extend(out.token_ids)
+    return outs
+
+
+def test_greedy_and_first_logits_match_transformers(vl_family, prompts, hf_model):
+    outs = run_vl(make_engine(vl_family), prompts)
+    for prompt, out in zip(prompts, outs):
+        expected = hf_model.generate(**hf_inputs(hf_model, prompt), max_new_tokens=32, do_sample=False, top_k=None,
+                                     top_p=None, temperature=None)
+        assert out == expected[0, len(prompt.input_ids):].tolist()
+    assert outs[1] != outs[2], 'the images must change the answer'
+    engine = make_engine(vl_family)
+    for prompt in prompts:
+        engine.add_request(prompt.input_ids, GREEDY_32, prompt.multimodal)
+    logits = engine.runner.forward(engine.scheduler.schedule())
+    for row, prompt in enumerate(prompts):
+        with torch.no_grad():
+            ref = hf_model(**hf_inputs(hf_model, prompt)).logits[0, -1]
+        assert (logits[row].cpu() - ref).abs().max().item() < 1e-3
+
+
+def test_batched_chunked_and_cached_equal_solo(vl_family, prompts):
+    solo = [run_vl(make_engine(vl_family, enable_prefix_caching=False), [p])[0] for p in prompts]
+    assert run_vl(make_engine(vl_family, enable_prefix_caching=False), prompts) == solo
+    # chunks of 5 tokens cut through every image (and through InternVL's tiles)
+    assert run_vl(make_engine(vl_family, block_size=4, max_prefill_token_num=5), prompts) == solo
+    cached = make_engine(vl_family, block_size=4)
+    run_vl(cached, prompts[1:])
+    assert run_vl(cached, prompts) == solo
+    assert cached.block_manager.num_hits > 0
+
+
+def test_internvl_image_spans_follow_its_processor(tmp_path):
+    """Each image's run of context tokens, between <img> and </img>, has 4 tokens (a 56 px tile of 14 px
+    patches, pixel-shuffled) per tile: those of the image processor's crop_to_patches plus a thumbnail."""
+    path = save_tiny_vl_model('internvl', str(tmp_path / 'internvl'))
+    processor = make_processor(path)
+    image_processor = processor.image_inputs.image_processor
+    images = PROMPTS[2][1]
+    start, context, end = (INTERNVL_TOKENS[name] for name in ('start_image_token', 'context_image_token',
+                                                             'end_image_token'))
+    tiles = [image_processor.get_number_of_image_patches(image.height, image.width, {'crop_to_patches': True})
+             for image in images]
+    parts = processor.render(PROMPTS[2], images=[]).split(context)
+    text = parts[0] + ''.join(start + context * 4 * n + end + part for n, part in zip(tiles, parts[1:]))
+    expected = processor.tokenizer.encode(text, add_special_tokens=False)
+    processed = processor.process(PROMPTS[2])
+    assert processed.input_ids == expected
+    assert tiles == [1, 5]  # 60 x 60 fits one tile; 150 x 100 takes 2 x 2 and a thumbnail
+    assert [len(image.data['pixel_values']) for image in processed.multimodal] == tiles
