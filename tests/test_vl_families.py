@@ -1,12 +1,17 @@
 """InternVL 3 and Qwen3-VL against transformers on tiny random models saved by transformers: 32 greedy tokens
 and first-step logits in fp32 on a text prompt and on one- and two-image prompts (images of different sizes),
 InternVL's image spans, batching, chunked prefill through images and prefix-cache hits. test_vl.py runs its
-pipeline checks (OpenAI messages with data URLs, bad images, preemption) on these families too."""
+pipeline checks (OpenAI messages with data URLs, bad images, preemption) on these families too; here the
+server answers a chat whose image is a data URL."""
 from __future__ import annotations
 
+import openai
 import pytest
 import torch
 from helpers import GREEDY_32, make_engine
+from server_helpers import serve, tiny_engine
+from test_vl import data_url
+from test_vl_server import chat, image_message
 from transformers import AutoConfig, AutoModelForImageTextToText
 from vl_models import INTERNVL_TOKENS, hf_vl_inputs, random_image, save_tiny_vl_model
 
@@ -81,6 +86,22 @@ def test_batched_chunked_and_cached_equal_solo(vl_family, prompts):
     run_vl(cached, prompts[1:])
     assert run_vl(cached, prompts) == solo
     assert cached.block_manager.num_hits > 0
+
+
+@pytest.fixture
+def vl_server(vl_family):
+    yield from serve(tiny_engine(vl_family), model_name='tiny-vl')
+
+
+def test_server_chat_with_a_data_url_image_matches_transformers(vl_server, hf_model):
+    messages = image_message(data_url(IMAGES[2]))
+    prompt = vl_server.engine.processor.process(messages)
+    expected = hf_model.generate(**hf_inputs(hf_model, prompt), max_new_tokens=10, do_sample=False, top_k=None,
+                                 top_p=None, temperature=None)[0, len(prompt.input_ids):]
+    client = openai.OpenAI(base_url=f'{vl_server.url}/v1', api_key='none', max_retries=0)
+    reply = chat(client, messages)
+    assert reply.choices[0].message.content == vl_server.engine.tokenizer.decode(expected.tolist())
+    assert reply.usage.prompt_tokens == len(prompt.input_ids)
 
 
 def test_internvl_image_spans_follow_its_processor(tmp_path):

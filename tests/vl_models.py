@@ -67,7 +67,7 @@ def _config(kind: str, ids: dict[str, int]):
     return LlavaConfig(vision_config=vision, text_config=LlamaConfig(**TEXT), image_token_id=ids['<image>'])
 
 
-VL_KINDS = ('llava', 'qwen2_5_vl', 'qwen2_vl')
+VL_KINDS = ('internvl', 'llava', 'qwen2_5_vl', 'qwen2_vl', 'qwen3_vl')
 IMAGE_TEMPLATES = {'llava': LLAVA_IMAGE, 'internvl': INTERNVL_IMAGE}
 
 
@@ -90,7 +90,8 @@ def save_tiny_vl_model(kind: str, path: str) -> str:
         _name_image_tokens(path)
         processor = GotOcr2ImageProcessorPil(size={'height': 56, 'width': 56}, max_patches=4)
     elif kind == 'qwen3_vl':
-        processor = Qwen2VLImageProcessorPil(patch_size=16, size={'shortest_edge': 32 * 32, 'longest_edge': 32 * 32 * 9})
+        processor = Qwen2VLImageProcessorPil(patch_size=16, size={'shortest_edge': 32 * 32,
+                                                                  'longest_edge': 32 * 32 * 9})
     elif kind == 'llava':
         processor = CLIPImageProcessorPil(size={'shortest_edge': 56}, crop_size={'height': 56, 'width': 56})
     else:
