@@ -71,7 +71,9 @@ class InternVLImageInputs(ImageInputs):
         vision = config.vision_config
         patches = (vision.image_size[0] // vision.patch_size[0]) * (vision.image_size[1] // vision.patch_size[1])
         self.tokens_per_tile = int(patches * config.downsample_ratio**2)
-        self.span_ids = ([tokenizer.start_image_token_id], [tokenizer.end_image_token_id])
+        # named in InternVL's tokenizer config (extra_special_tokens); these are the names it gives them
+        self.span_ids = ([tokenizer.convert_tokens_to_ids(getattr(tokenizer, 'start_image_token', '<img>'))],
+                         [tokenizer.convert_tokens_to_ids(getattr(tokenizer, 'end_image_token', '</img>'))])
 
     def __call__(self, image: Image.Image) -> tuple[int, dict[str, torch.Tensor]]:
         pixels = self.image_processor(images=[image], crop_to_patches=True, return_tensors='np')['pixel_values']
