@@ -29,6 +29,7 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'Qwen2_5_VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
     'LlavaForConditionalGeneration': ('vlm', f'{_VL}:LlavaForConditionalGeneration'),
     'Qwen3VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen3VLForConditionalGeneration'),
+    'Qwen3VLMoeForConditionalGeneration': ('vlm', f'{_VL}:Qwen3VLMoeForConditionalGeneration'),
     'InternVLForConditionalGeneration': ('vlm', f'{_VL}:InternVLForConditionalGeneration'),
 }
 

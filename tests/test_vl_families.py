@@ -1,13 +1,16 @@
-"""InternVL 3 and Qwen3-VL against transformers on tiny random models saved by transformers: 32 greedy tokens
+"""InternVL 3, Qwen3-VL and Qwen3-VL-MoE against transformers on tiny random models saved by transformers: 32 greedy tokens
 and first-step logits in fp32 on a text prompt and on one- and two-image prompts (images of different sizes),
-InternVL's image spans, batching, chunked prefill through images and prefix-cache hits. test_vl.py runs its
-pipeline checks (OpenAI messages with data URLs, bad images, preemption) on these families too; here the
-server answers a chat whose image is a data URL."""
+InternVL's image spans, batching, chunked prefill through images and prefix-cache hits, and the server
+answering a chat whose image is a data URL. test_vl.py runs its pipeline checks (OpenAI messages with data
+URLs, bad images, preemption) on InternVL and Qwen3-VL too."""
 from __future__ import annotations
+
+import shutil
 
 import openai
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from helpers import GREEDY_32, make_engine
 from server_helpers import serve, tiny_engine
 from test_vl import data_url
@@ -24,7 +27,7 @@ IMAGES = [random_image(1), random_image(2, (60, 60)), random_image(3, (150, 100)
 PROMPTS = ['plain text', ('describe', IMAGES[0]), ('compare', [IMAGES[1], IMAGES[2]])]
 
 
-@pytest.fixture(scope='module', params=['internvl', 'qwen3_vl'])
+@pytest.fixture(scope='module', params=['internvl', 'qwen3_vl', 'qwen3_vl_moe'])
 def vl_family(request, tmp_path_factory) -> str:
     return save_tiny_vl_model(request.param, str(tmp_path_factory.mktemp(request.param)))
 
@@ -122,3 +125,18 @@ def test_internvl_image_spans_follow_its_processor(tmp_path):
     assert processed.input_ids == expected
     assert tiles == [1, 5]  # 60 x 60 fits one tile; 150 x 100 takes 2 x 2 and a thumbnail
     assert [len(image.data['pixel_values']) for image in processed.multimodal] == tiles
+
+
+def test_qwen3_vl_moe_loads_the_hubs_stacked_expert_layout(tmp_path):
+    """transformers 5 saves stacked experts as gate_up_proj [E, 2I, H] and down_proj [E, H, I]; the hub's
+    checkpoints hold them transposed. Both load to the same model."""
+    path = save_tiny_vl_model('qwen3_vl_moe', str(tmp_path / 'saved'))
+    hub = shutil.copytree(path, tmp_path / 'hub')
+    for file in hub.glob('*.safetensors'):
+        tensors = load_file(file)
+        stacked = [name for name in tensors if name.endswith(('experts.gate_up_proj', 'experts.down_proj'))]
+        assert stacked
+        save_file({name: t.transpose(1, 2).contiguous() if name in stacked else t for name, t in tensors.items()},
+                  file, metadata={'format': 'pt'})
+    prompts = [make_processor(path).process(PROMPTS[1])]
+    assert run_vl(make_engine(str(hub)), prompts) == run_vl(make_engine(path), prompts)

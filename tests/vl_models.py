@@ -10,7 +10,7 @@ import torch
 from conftest import VOCAB_SIZE, build_tokenizer
 from PIL import Image
 from transformers import (AutoModelForImageTextToText, CLIPVisionConfig, InternVLConfig, LlamaConfig, LlavaConfig,
-                          Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig)
+                          Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig, Qwen3VLMoeConfig)
 from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -57,6 +57,10 @@ def _config(kind: str, ids: dict[str, int]):
     if kind == 'qwen3_vl':
         text = {**TEXT, 'head_dim': 16, 'rope_parameters': {**mrope, 'mrope_section': [4, 2, 2]}}
         return Qwen3VLConfig(text_config=text, vision_config=QWEN3_VISION, **qwen_ids)
+    if kind == 'qwen3_vl_moe':  # a dense first layer, then top-2 of 4 experts
+        text = {**TEXT, 'head_dim': 16, 'rope_parameters': {**mrope, 'mrope_section': [4, 2, 2]}, 'num_experts': 4,
+                'num_experts_per_tok': 2, 'moe_intermediate_size': 48, 'mlp_only_layers': [0]}
+        return Qwen3VLMoeConfig(text_config=text, vision_config=QWEN3_VISION, **qwen_ids)
     if kind == 'qwen2_vl':
         return Qwen2VLConfig(text_config={**TEXT, 'rope_parameters': mrope}, vision_config=QWEN_VISION, **qwen_ids)
     if kind == 'qwen2_5_vl':
@@ -89,7 +93,7 @@ def save_tiny_vl_model(kind: str, path: str) -> str:
     if kind == 'internvl':
         _name_image_tokens(path)
         processor = GotOcr2ImageProcessorPil(size={'height': 56, 'width': 56}, max_patches=4)
-    elif kind == 'qwen3_vl':
+    elif kind.startswith('qwen3_vl'):
         processor = Qwen2VLImageProcessorPil(patch_size=16, size={'shortest_edge': 32 * 32,
                                                                   'longest_edge': 32 * 32 * 9})
     elif kind == 'llava':

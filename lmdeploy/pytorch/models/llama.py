@@ -22,7 +22,7 @@ from lmdeploy.pytorch.weights.safetensors_loader import TensorPart, WeightSource
 
 KVCache = tuple[torch.Tensor, ...]  # see PagedAttention
 QKV_BIAS_MODEL_TYPES = ('qwen2', 'qwen2_vl_text', 'qwen2_5_vl_text')
-QK_NORM_MODEL_TYPES = ('qwen3', 'qwen3_moe', 'qwen3_vl_text')
+QK_NORM_MODEL_TYPES = ('qwen3', 'qwen3_moe', 'qwen3_vl_text', 'qwen3_vl_moe_text')
 DECODE_INT4_LAYERS = ('qkv_proj', 'o_proj', 'gate_up_proj', 'down_proj')
 # a merged layer -> the projections it stacks, in order; checkpoints may hold it fused (Phi-3, GLM)
 FUSED_PROJECTIONS = {'qkv_proj': ('q_proj', 'k_proj', 'v_proj'), 'gate_up_proj': ('gate_proj', 'up_proj')}
