@@ -1,8 +1,9 @@
-"""InternVL 3, Qwen3-VL and Qwen3-VL-MoE against transformers on tiny random models saved by transformers: 32 greedy tokens
-and first-step logits in fp32 on a text prompt and on one- and two-image prompts (images of different sizes),
-InternVL's image spans, batching, chunked prefill through images and prefix-cache hits, and the server
-answering a chat whose image is a data URL. test_vl.py runs its pipeline checks (OpenAI messages with data
-URLs, bad images, preemption) on InternVL and Qwen3-VL too."""
+"""InternVL 3, Qwen3-VL and Qwen3-VL-MoE against transformers on tiny random models saved by transformers:
+32 greedy tokens and first-step logits in fp32 on a text prompt and on one- and two-image prompts (images of
+different sizes), InternVL's image spans, batching, chunked prefill through images, prefix-cache hits, the
+server answering a chat whose image is a data URL, and Qwen3-VL-MoE's two layouts of stacked experts.
+test_vl.py runs its pipeline checks (OpenAI messages with data URLs, bad images, preemption) on InternVL and
+Qwen3-VL too."""
 from __future__ import annotations
 
 import shutil

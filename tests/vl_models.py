@@ -1,5 +1,5 @@
-"""Tiny random vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA, InternVL 3) saved with
-transformers, and transformers' greedy output on them as the reference."""
+"""Tiny random vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, LLaVA, InternVL 3)
+saved with transformers, and transformers' greedy output on them as the reference."""
 from __future__ import annotations
 
 import json
@@ -123,7 +123,7 @@ def hf_vl_inputs(model, input_ids: list[int], images: list[dict[str, torch.Tenso
     """transformers' inputs for a prompt whose images the engine's processor preprocessed."""
     ids = torch.tensor([input_ids])
     kwargs = {key: torch.cat([image[key] for image in images]) for key in images[0]} if images else {}
-    if 'image_grid_thw' in kwargs or 'Qwen' in type(model).__name__:
+    if 'image_grid_thw' in kwargs:
         kwargs['mm_token_type_ids'] = (ids == model.config.image_token_id).int()
     return dict(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs)
 

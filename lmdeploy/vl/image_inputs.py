@@ -40,7 +40,8 @@ class ImageInputs:
 
 
 class QwenVLImageInputs(ImageInputs):
-    """Qwen2-VL, Qwen2.5-VL and Qwen3-VL: dynamic resolution; one token per merged ``merge x merge`` patch group."""
+    """Qwen2-VL, Qwen2.5-VL and Qwen3-VL: dynamic resolution; one token per merged ``merge x merge``
+    patch group."""
 
     def __call__(self, image: Image.Image) -> tuple[int, dict[str, torch.Tensor]]:
         out = self.image_processor(images=[image], return_tensors='np')

@@ -1,5 +1,5 @@
 """Vision-language models: a Llama-family language model whose image placeholder tokens take the
-features of a vision encoder (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA, InternVL 3).
+features of a vision encoder (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, LLaVA, InternVL 3).
 
 The vision towers are transformers' own modules: they hold no KV cache, so the paged engine has
 nothing to add to them, and reusing them keeps the image features exactly those of transformers.
