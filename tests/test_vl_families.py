@@ -1,7 +1,8 @@
 """InternVL 3, Qwen3-VL and Qwen3-VL-MoE against transformers on tiny random models saved by transformers:
 32 greedy tokens and first-step logits in fp32 on a text prompt and on one- and two-image prompts (images of
 different sizes), InternVL's image spans, batching, chunked prefill through images, prefix-cache hits, the
-server answering a chat whose image is a data URL, and Qwen3-VL-MoE's two layouts of stacked experts.
+server answering a chat whose image is a data URL, Qwen3-VL-MoE's two layouts of stacked experts, and
+InternVL's language model in the native decoder stack.
 test_vl.py runs its pipeline checks (OpenAI messages with data URLs, bad images, preemption) on InternVL and
 Qwen3-VL too."""
 from __future__ import annotations
@@ -19,7 +20,9 @@ from test_vl_server import chat, image_message
 from transformers import AutoConfig, AutoModelForImageTextToText
 from vl_models import INTERNVL_TOKENS, hf_vl_inputs, random_image, save_tiny_vl_model
 
+from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
+from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.tokenizer import Tokenizer
 from lmdeploy.vl.image_inputs import ImageInputs
 from lmdeploy.vl.processor import MultiModalProcessor, ProcessedPrompt
@@ -141,3 +144,21 @@ def test_qwen3_vl_moe_loads_the_hubs_stacked_expert_layout(tmp_path):
                   file, metadata={'format': 'pt'})
     prompts = [make_processor(path).process(PROMPTS[1])]
     assert run_vl(make_engine(str(hub)), prompts) == run_vl(make_engine(path), prompts)
+
+
+def test_internvl_language_model_runs_in_the_native_decoder_stack(tmp_path):
+    """bf16 on packed weights: InternVL's Qwen2 layers run in the native decoder stack, as their own forward
+    does; Qwen3-VL's (q/k norms) do not."""
+    if cpu.bf16_gemm() is None:
+        pytest.skip('the native bf16 GEMM needs AVX512-BF16 and no AMX')
+    config = PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=64, block_size=16)
+    qwen3_vl = save_tiny_vl_model('qwen3_vl', str(tmp_path / 'qwen3_vl'))
+    assert Engine(qwen3_vl, config, show_progress=False).runner.model.native_stack is None
+    path = save_tiny_vl_model('internvl', str(tmp_path / 'internvl'))
+    engine = Engine(path, config, show_progress=False)
+    model = engine.runner.model
+    assert model.native_stack is not None
+    prompts = [make_processor(path).process(prompt) for prompt in PROMPTS]
+    outs = run_vl(engine, prompts)
+    model.native_stack = None
+    assert run_vl(engine, prompts) == outs
