@@ -71,7 +71,7 @@ def _config(kind: str, ids: dict[str, int]):
     return LlavaConfig(vision_config=vision, text_config=LlamaConfig(**TEXT), image_token_id=ids['<image>'])
 
 
-VL_KINDS = ('internvl', 'llava', 'qwen2_5_vl', 'qwen2_vl', 'qwen3_vl')
+VL_KINDS = ('llava', 'qwen2_5_vl', 'qwen2_vl', 'internvl', 'qwen3_vl')
 IMAGE_TEMPLATES = {'llava': LLAVA_IMAGE, 'internvl': INTERNVL_IMAGE}
 
 
