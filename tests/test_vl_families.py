@@ -1,8 +1,8 @@
-"""InternVL 3, Qwen3-VL and Qwen3-VL-MoE against transformers on tiny random models saved by transformers:
-32 greedy tokens and first-step logits in fp32 on a text prompt and on one- and two-image prompts (images of
-different sizes), InternVL's image spans, batching, chunked prefill through images, prefix-cache hits, the
-server answering a chat whose image is a data URL, Qwen3-VL-MoE's two layouts of stacked experts, and
-InternVL's language model in the native decoder stack.
+"""InternVL 3 (with a Qwen2 and with a Llama language model), Qwen3-VL and Qwen3-VL-MoE against transformers
+on tiny random models saved by transformers: 32 greedy tokens and first-step logits in fp32 on a text prompt
+and on one- and two-image prompts (images of different sizes), InternVL's image spans, batching, chunked
+prefill through images, prefix-cache hits, the server answering a chat whose image is a data URL,
+Qwen3-VL-MoE's two layouts of stacked experts, and InternVL's language model in the native decoder stack.
 test_vl.py runs its pipeline checks (OpenAI messages with data URLs, bad images, preemption) on InternVL and
 Qwen3-VL too."""
 from __future__ import annotations
@@ -31,7 +31,7 @@ IMAGES = [random_image(1), random_image(2, (60, 60)), random_image(3, (150, 100)
 PROMPTS = ['plain text', ('describe', IMAGES[0]), ('compare', [IMAGES[1], IMAGES[2]])]
 
 
-@pytest.fixture(scope='module', params=['internvl', 'qwen3_vl', 'qwen3_vl_moe'])
+@pytest.fixture(scope='module', params=['internvl', 'internvl_llama', 'qwen3_vl', 'qwen3_vl_moe'])
 def vl_family(request, tmp_path_factory) -> str:
     return save_tiny_vl_model(request.param, str(tmp_path_factory.mktemp(request.param)))
 

@@ -51,6 +51,9 @@ def _config(kind: str, ids: dict[str, int]):
     if kind == 'internvl':
         return InternVLConfig(text_config={**TEXT, 'model_type': 'qwen2'}, vision_config=INTERNVL_VISION,
                               image_token_id=ids['<IMG_CONTEXT>'], image_seq_length=4)
+    if kind == 'internvl_llama':  # a Llama language model fed by the tower's last but one layer
+        return InternVLConfig(text_config={**TEXT, 'model_type': 'llama'}, vision_config=INTERNVL_VISION,
+                              image_token_id=ids['<IMG_CONTEXT>'], image_seq_length=4, vision_feature_layer=-2)
     qwen_ids = dict(image_token_id=ids['<|image_pad|>'], video_token_id=ids['<|video_pad|>'],
                     vision_start_token_id=ids['<|vision_start|>'], vision_end_token_id=ids['<|vision_end|>'])
     mrope = {'rope_type': 'default', 'rope_theta': 10000.0, 'mrope_section': [2, 3, 3]}
@@ -72,16 +75,17 @@ def _config(kind: str, ids: dict[str, int]):
 
 
 VL_KINDS = ('llava', 'qwen2_5_vl', 'qwen2_vl', 'internvl', 'qwen3_vl')
-IMAGE_TEMPLATES = {'llava': LLAVA_IMAGE, 'internvl': INTERNVL_IMAGE}
+IMAGE_TEMPLATES = {'llava': LLAVA_IMAGE}
 
 
 def save_tiny_vl_model(kind: str, path: str) -> str:
     """Saves model, tokenizer (with an image-aware chat template) and image processor into ``path``."""
     torch.manual_seed(0)
     tokenizer = build_tokenizer()
-    special = list(INTERNVL_TOKENS.values()) if kind == 'internvl' else SPECIAL_TOKENS
+    internvl = kind.startswith('internvl')
+    special = list(INTERNVL_TOKENS.values()) if internvl else SPECIAL_TOKENS
     tokenizer.add_special_tokens({'additional_special_tokens': special})
-    tokenizer.chat_template = _template(IMAGE_TEMPLATES.get(kind, QWEN_IMAGE))
+    tokenizer.chat_template = _template(INTERNVL_IMAGE if internvl else IMAGE_TEMPLATES.get(kind, QWEN_IMAGE))
     config = _config(kind, {t: tokenizer.convert_tokens_to_ids(t) for t in special})
     config.get_text_config().eos_token_id = config.eos_token_id = tokenizer.eos_token_id
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
@@ -90,7 +94,7 @@ def save_tiny_vl_model(kind: str, path: str) -> str:
             param.normal_(0, 0.5)  # wide enough that greedy outputs vary and depend on the image
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    if kind == 'internvl':
+    if internvl:
         _name_image_tokens(path)
         processor = GotOcr2ImageProcessorPil(size={'height': 56, 'width': 56}, max_patches=4)
     elif kind.startswith('qwen3_vl'):
