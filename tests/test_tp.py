@@ -54,9 +54,11 @@ def test_tp2_matches_tp1(kind, tmp_path):
     assert_gone(pids)
 
 
-def test_vl_pipeline_tp2_matches_tp1_and_close_leaves_no_process(tmp_path):
-    """The vision tower runs replicated on both ranks; the images reach rank 1 with the step's inputs."""
-    path = save_tiny_vl_model('qwen2_vl', str(tmp_path))
+@pytest.mark.parametrize('kind', ['qwen2_vl', 'qwen3_vl_moe', 'internvl'])
+def test_vl_pipeline_tp2_matches_tp1_and_close_leaves_no_process(tmp_path, kind):
+    """The vision tower runs replicated on both ranks; the images reach rank 1 with the step's inputs.
+    Qwen3-VL-MoE: deepstack features, and each rank's share of the stacked experts."""
+    path = save_tiny_vl_model(kind, str(tmp_path))
     prompts = [('describe', random_image(1)), ('describe', [random_image(2, (60, 60)), random_image(3)]), 'text']
     config = dict(dtype='float32', num_gpu_blocks=64, block_size=16)
     with pipeline(path, PytorchEngineConfig(**config), show_progress=False) as pipe:
