@@ -8,6 +8,7 @@ Qwen3-VL too."""
 from __future__ import annotations
 
 import shutil
+from types import SimpleNamespace
 
 import openai
 import pytest
@@ -17,12 +18,14 @@ from helpers import GREEDY_32, make_engine
 from server_helpers import serve, tiny_engine
 from test_vl import data_url
 from test_vl_server import chat, image_message
-from transformers import AutoConfig, AutoModelForImageTextToText
+from transformers import AutoConfig, AutoModelForImageTextToText, Qwen3VLTextConfig
+from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
 from vl_models import INTERNVL_TOKENS, hf_vl_inputs, random_image, save_tiny_vl_model
 
 from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.kernels import cpu
+from lmdeploy.pytorch.nn.rotary import RotaryEmbedding
 from lmdeploy.tokenizer import Tokenizer
 from lmdeploy.vl.image_inputs import ImageInputs
 from lmdeploy.vl.processor import MultiModalProcessor, ProcessedPrompt
@@ -162,3 +165,15 @@ def test_internvl_language_model_runs_in_the_native_decoder_stack(tmp_path):
     outs = run_vl(engine, prompts)
     model.native_stack = None
     assert run_vl(engine, prompts) == outs
+
+
+def test_interleaved_mrope_matches_transformers_at_qwen3_vl_size():
+    """Qwen3-VL's own sections ([24, 20, 20] of 64 frequencies), where the tiny models use [4, 2, 2] of 8."""
+    config = Qwen3VLTextConfig(head_dim=128, rope_parameters={'rope_type': 'default', 'rope_theta': 5e6,
+                                                              'mrope_section': [24, 20, 20]})
+    positions = torch.randint(0, 4000, (3, 9))
+    cos, sin = RotaryEmbedding(config, 128)(SimpleNamespace(positions=positions[0], rope_positions=positions),
+                                            torch.float32)
+    ref_cos, ref_sin = Qwen3VLTextRotaryEmbedding(config)(torch.zeros(1), positions[:, None])
+    torch.testing.assert_close(cos, ref_cos[0])
+    torch.testing.assert_close(sin, ref_sin[0])
