@@ -1,5 +1,5 @@
 """Multi-head latent attention kernels: the torch twin against attention over per-head K/V expanded from the
-latents, and the Triton kernels (interpreter on CPU) against the twin."""
+latents, the native CPU kernels and the Triton kernels (interpreter on CPU) against the twin."""
 from __future__ import annotations
 
 import pytest
@@ -80,6 +80,30 @@ def test_fill_latent_cache_writes_each_token_to_its_slot():
     mla.fill_latent_cache(latent, cache, torch.tensor([2, 0, 2]), torch.tensor([5, 0, 15]))
     assert torch.equal(cache[2, 5], latent[0]) and torch.equal(cache[0, 0], latent[1])
     assert torch.equal(cache[2, 15], latent[2]) and cache.abs().sum() == latent.abs().sum()
+
+
+NATIVE_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize('dtype', sorted(NATIVE_TOL, key=str))
+def test_native_decode_and_prefill_match_twin(native, dtype):
+    lengths, num_heads = [1, 37, 16, 90], 12  # two head groups, the second partial
+    cache, table = latent_cache(lengths, dtype, seed=9)
+    q = rand(len(lengths), num_heads, LATENT + ROPE, seed=10, dtype=dtype)
+    kv_lens = torch.tensor(lengths)
+    out = native.mla_decode_attention(q, cache, table, kv_lens, 0.2, LATENT)
+    ref = mla.mla_decode_attention(q.float(), cache.float(), table, kv_lens, 0.2, LATENT)
+    torch.testing.assert_close(out.float(), ref, atol=NATIVE_TOL[dtype], rtol=NATIVE_TOL[dtype])
+    chunks = [(5, 5), (20, 45), (1, 17), (16, 32)]
+    q_lens, ctx_lens = [n for n, _ in chunks], [c for _, c in chunks]
+    args = [torch.tensor(x) for x in ([sum(q_lens[:i]) for i in range(len(chunks))], q_lens, ctx_lens)]
+    cache, table = latent_cache(ctx_lens, dtype, seed=11)
+    latent = torch.cat([context(cache, table, row, c)[c - n:] for row, (n, c) in enumerate(chunks)])
+    q = rand(sum(q_lens), num_heads, LATENT + ROPE, seed=12, dtype=dtype)
+    out = native.mla_prefill_attention(q, latent, cache, table, *args, max(q_lens), 0.3, LATENT)
+    ref = mla.mla_prefill_attention(q.float(), latent.float(), cache.float(), table, *args, max(q_lens), 0.3,
+                                    LATENT)
+    torch.testing.assert_close(out.float(), ref, atol=NATIVE_TOL[dtype], rtol=NATIVE_TOL[dtype])
 
 
 @pytest.mark.triton

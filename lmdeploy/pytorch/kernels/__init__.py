@@ -43,8 +43,8 @@ rms_norm = dispatch(norm.rms_norm, native_cpu='rms_norm')
 silu_and_mul = dispatch(activation.silu_and_mul, native_cpu='silu_and_mul')
 w8a8_linear = dispatch(w8a8.w8a8_linear)
 fill_latent_cache = dispatch(mla.fill_latent_cache)
-mla_decode_attention = dispatch(mla.mla_decode_attention)
-mla_prefill_attention = dispatch(mla.mla_prefill_attention)
+mla_decode_attention = dispatch(mla.mla_decode_attention, native_cpu='mla_decode_attention')
+mla_prefill_attention = dispatch(mla.mla_prefill_attention, native_cpu='mla_prefill_attention')
 grouped_topk = moe.grouped_topk  # torch's own kernels, on every device
 
 __all__ = ['apply_rotary', 'argmax', 'decode_attention', 'dispatch', 'fill_kv_cache', 'fused_moe', 'moe_routing',

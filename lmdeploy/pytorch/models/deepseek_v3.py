@@ -35,7 +35,8 @@ class DeepseekV3Attention(nn.Module):
         self.interleaved_rope = bool(getattr(hf, 'rope_interleave', False))
         qk_head_dim = self.nope_dim + self.rope_dim
         bias = bool(getattr(hf, 'attention_bias', False))
-        if hf.q_lora_rank is None:
+        self.q_lora = hf.q_lora_rank is not None
+        if not self.q_lora:
             self.q_proj = Linear(cfg.hidden_size, self.num_heads * qk_head_dim)
         else:
             self.q_a_proj = Linear(cfg.hidden_size, hf.q_lora_rank, bias=bias)
@@ -49,10 +50,7 @@ class DeepseekV3Attention(nn.Module):
         self.attn = LatentAttention(self.num_heads, self.kv_lora_rank, self.nope_dim, self.v_head_dim, scale)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache, ctx: StepContext) -> torch.Tensor:
-        if hasattr(self, 'q_proj'):
-            q = self.q_proj(x)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
         q_nope, q_rope = q.view(-1, self.num_heads, self.nope_dim + self.rope_dim).split(
             [self.nope_dim, self.rope_dim], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
