@@ -16,6 +16,8 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkR
 from conftest import VOCAB_SIZE, build_tokenizer
 from helpers import GREEDY_32, hf_greedy, make_engine, random_prompts, run
 
+from lmdeploy.messages import PytorchEngineConfig
+from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.kernels import grouped_topk
 from lmdeploy.pytorch.nn.quant.fp8 import dequantize_fp8
 
@@ -73,6 +75,23 @@ def test_greedy_and_first_logits_match_transformers(deepseek):
         with torch.no_grad():
             ref = hf_model(torch.tensor([prompt])).logits[0, -1]
         assert (logits[row].cpu() - ref).abs().max().item() < 1e-3
+
+
+def test_bf16_first_logits_near_transformers(deepseek):
+    """bf16 on the CPU: packed projections (``kv_b_proj`` left dense) and the native latent-attention kernels
+    where they build; the logits stay within bf16's error of transformers in fp32."""
+    hf_model = AutoModelForCausalLM.from_pretrained(deepseek, dtype=torch.float32).eval()
+    engine = Engine(deepseek, PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=64, block_size=16),
+                    show_progress=False)
+    assert engine.runner.kv_caches[0][0].dtype == torch.bfloat16
+    prompts = random_prompts([7, 31, 60], seed=2)
+    for prompt in prompts:
+        engine.add_request(prompt, GREEDY_32)
+    logits = engine.runner.forward(engine.scheduler.schedule())
+    for row, prompt in enumerate(prompts):
+        with torch.no_grad():
+            ref = hf_model(torch.tensor([prompt])).logits[0, -1]
+        assert (logits[row].float().cpu() - ref).abs().max().item() < 0.05 * ref.abs().max().item()
 
 
 def test_batched_chunked_and_cached_equal_solo(deepseek):
