@@ -10,7 +10,8 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, DeepseekV3Config
+from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config
+from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
 from conftest import VOCAB_SIZE, build_tokenizer
@@ -18,29 +19,34 @@ from helpers import GREEDY_32, hf_greedy, make_engine, random_prompts, run
 
 from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
-from lmdeploy.pytorch.kernels import grouped_topk
+from lmdeploy.pytorch.kernels import group_limited_topk, grouped_topk, moe_routing
 from lmdeploy.pytorch.nn.quant.fp8 import dequantize_fp8
 
 KV_LORA_RANK, ROPE_DIM = 32, 8
 YARN = {'rope_type': 'yarn', 'rope_theta': 10000.0, 'factor': 4.0, 'original_max_position_embeddings': 64,
         'beta_fast': 32.0, 'beta_slow': 1.0, 'mscale': 1.0, 'mscale_all_dim': 1.0}
-VARIANTS = {'q_lora': 48, 'no_q_lora': None}
+# name -> (model type, q_lora_rank); V2 routes by group-limited softmax top-k and turns complex rotary pairs
+VARIANTS = {'v3_q_lora': ('v3', 48), 'v3_no_q_lora': ('v3', None), 'v2_group_limited': ('v2', 48)}
 FP8_BLOCK = [16, 16]  # several blocks per tiny weight, ragged at the edges of the 40-row kv_a projection
 
 
-def ds_config(q_lora_rank: int | None) -> DeepseekV3Config:
-    return DeepseekV3Config(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
-                            num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
-                            num_experts_per_tok=2, n_group=2, topk_group=1, kv_lora_rank=KV_LORA_RANK,
-                            q_lora_rank=q_lora_rank, qk_rope_head_dim=ROPE_DIM, qk_nope_head_dim=16, v_head_dim=16,
-                            first_k_dense_replace=1, vocab_size=VOCAB_SIZE, max_position_embeddings=1024,
-                            tie_word_embeddings=False, pad_token_id=None, rope_parameters=YARN)
+def ds_config(q_lora_rank: int | None, kind: str = 'v3') -> DeepseekV3Config | DeepseekV2Config:
+    shape = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+                 num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+                 num_experts_per_tok=2, n_group=2, topk_group=1, kv_lora_rank=KV_LORA_RANK, q_lora_rank=q_lora_rank,
+                 qk_rope_head_dim=ROPE_DIM, qk_nope_head_dim=16, v_head_dim=16, first_k_dense_replace=1,
+                 vocab_size=VOCAB_SIZE, max_position_embeddings=1024, tie_word_embeddings=False, pad_token_id=None,
+                 rope_parameters=YARN)
+    if kind == 'v2':
+        return DeepseekV2Config(**shape, topk_method='group_limited_greedy', routed_scaling_factor=2.0)
+    return DeepseekV3Config(**shape)
 
 
-def save_deepseek(path: str, q_lora_rank: int | None = 48) -> str:
-    """A tiny random DeepSeek-V3 saved with transformers; the routers' correction biases are random too."""
+def save_deepseek(path: str, q_lora_rank: int | None = 48, kind: str = 'v3') -> str:
+    """A tiny random DeepSeek-V3 (or V2) saved with transformers; V3's routers' correction biases are random
+    too."""
     torch.manual_seed(0)
-    config = ds_config(q_lora_rank)
+    config = ds_config(q_lora_rank, kind)
     tokenizer = build_tokenizer()
     config.eos_token_id, config.bos_token_id = tokenizer.eos_token_id, tokenizer.bos_token_id
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -57,7 +63,8 @@ def save_deepseek(path: str, q_lora_rank: int | None = 48) -> str:
 
 @pytest.fixture(scope='module', params=sorted(VARIANTS))
 def deepseek(request, tmp_path_factory) -> str:
-    return save_deepseek(str(tmp_path_factory.mktemp(request.param)), VARIANTS[request.param])
+    kind, q_lora_rank = VARIANTS[request.param]
+    return save_deepseek(str(tmp_path_factory.mktemp(request.param)), q_lora_rank, kind)
 
 
 def test_greedy_and_first_logits_match_transformers(deepseek):
@@ -140,6 +147,26 @@ def test_grouped_topk_matches_transformers_router():
         ref_order, order = ref_ids.argsort(-1), ids.argsort(-1)
         assert torch.equal(ids.gather(1, order), ref_ids.gather(1, ref_order))
         torch.testing.assert_close(weights.gather(1, order), ref_weights.gather(1, ref_order))
+
+
+@pytest.mark.parametrize('method', ['greedy', 'group_limited_greedy'])
+def test_v2_routing_matches_transformers_router(method):
+    config = ds_config(48, 'v2')
+    config.n_routed_experts, config.n_group, config.topk_group, config.num_experts_per_tok = 16, 4, 2, 3
+    config.topk_method = method
+    router = DeepseekV2TopkRouter(config)
+    torch.manual_seed(2)
+    with torch.no_grad():
+        router.weight.normal_(0, 1)
+    logits, ref_weights, ref_ids = router(torch.randn(50, config.hidden_size))
+    if method == 'greedy':
+        weights, ids = moe_routing(logits, 3, False)
+    else:
+        weights, ids = group_limited_topk(logits, 3, 4, 2)
+    ref_order, order = ref_ids.argsort(-1), ids.argsort(-1)
+    assert torch.equal(ids.gather(1, order), ref_ids.gather(1, ref_order))
+    torch.testing.assert_close(weights.gather(1, order) * config.routed_scaling_factor,
+                               ref_weights.gather(1, ref_order))
 
 
 def quantize_blockwise(weight: torch.Tensor, block: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -59,3 +59,16 @@ def grouped_topk(router_logits: torch.Tensor, correction_bias: torch.Tensor, top
     if renormalize:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
     return weights * scaling, ids
+
+
+def group_limited_topk(router_logits: torch.Tensor, top_k: int, num_groups: int,
+                       topk_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V2's ``group_limited_greedy`` routing: ``(topk_weights [T, k] fp32, topk_ids [T, k])``, the
+    top-k softmax scores among the experts of the ``topk_groups`` of ``num_groups`` groups whose best score is
+    highest; not renormalized."""
+    scores = router_logits.float().softmax(-1)
+    grouped = scores.view(scores.shape[0], num_groups, -1)
+    best_groups = grouped.max(-1).values.topk(topk_groups, dim=-1, sorted=False)[1]
+    keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best_groups, True)
+    scores = scores.masked_fill(~keep.repeat_interleave(grouped.shape[-1], dim=1), 0.0)
+    return torch.topk(scores, top_k, dim=-1, sorted=False)

@@ -1,5 +1,6 @@
-"""DeepSeek-V3: multi-head latent attention over a latent KV cache, YaRN with DeepSeek's softmax mscale,
-grouped top-k routing with a score correction bias, shared experts and dense first layers."""
+"""DeepSeek-V3 (and V2): multi-head latent attention over a latent KV cache, YaRN with DeepSeek's softmax
+mscale, grouped top-k routing (V3: sigmoid scores with a correction bias; V2: softmax, greedy or
+group-limited), shared experts and dense first layers."""
 from __future__ import annotations
 
 import torch
@@ -8,7 +9,7 @@ from torch import nn
 from transformers.modeling_rope_utils import yarn_apply_mscale
 
 from lmdeploy.pytorch.config import ModelConfig
-from lmdeploy.pytorch.kernels import grouped_topk
+from lmdeploy.pytorch.kernels import group_limited_topk, grouped_topk, moe_routing
 from lmdeploy.pytorch.models.llama import DECODE_INT4_LAYERS, KVCache, LlamaDecoderLayer, LlamaMLP
 from lmdeploy.pytorch.models.moe import MoEForCausalLM
 from lmdeploy.pytorch.nn.linear import Linear, RowLinear
@@ -32,7 +33,8 @@ class DeepseekV3Attention(nn.Module):
         hf = cfg.hf_config
         self.num_heads, self.kv_lora_rank = hf.num_attention_heads, hf.kv_lora_rank
         self.nope_dim, self.rope_dim, self.v_head_dim = hf.qk_nope_head_dim, hf.qk_rope_head_dim, hf.v_head_dim
-        self.interleaved_rope = bool(getattr(hf, 'rope_interleave', False))
+        # V2 turns neighbouring pairs (complex rotary); V3 too unless ``rope_interleave`` is off
+        self.interleaved_rope = bool(getattr(hf, 'rope_interleave', True))
         qk_head_dim = self.nope_dim + self.rope_dim
         bias = bool(getattr(hf, 'attention_bias', False))
         self.q_lora = hf.q_lora_rank is not None
@@ -61,38 +63,55 @@ class DeepseekV3Attention(nn.Module):
 
 
 class TopKRouter(nn.Module):
-    """The router's weights, kept in fp32 as the checkpoint holds them: ``weight [E, hidden]`` and
-    ``e_score_correction_bias [E]``."""
+    """The router's weights, kept in fp32 as the checkpoint holds them: ``weight [E, hidden]`` and, with
+    V3's routing, ``e_score_correction_bias [E]``."""
 
-    def __init__(self, hidden_size: int, num_experts: int):
+    def __init__(self, hidden_size: int, num_experts: int, correction_bias: bool):
         super().__init__()
         self.weight = new_parameter((num_experts, hidden_size), Layout(None, None), torch.float32)
-        self.e_score_correction_bias = new_parameter((num_experts,), Layout(None, None), torch.float32)
+        if correction_bias:
+            self.e_score_correction_bias = new_parameter((num_experts,), Layout(None, None), torch.float32)
+
+
+ROUTINGS = ('noaux_tc', 'greedy', 'group_limited_greedy')
 
 
 class DeepseekV3MoE(nn.Module):
-    """Routed experts chosen by :func:`grouped_topk`, plus shared experts every token runs."""
+    """Routed experts plus shared experts every token runs. V3 routes by :func:`grouped_topk` (``noaux_tc``);
+    V2 by its ``topk_method``: softmax top-k (``greedy``) or :func:`group_limited_topk`, never renormalized."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         hf = cfg.hf_config
+        self.routing = 'noaux_tc' if hf.model_type == 'deepseek_v3' else hf.topk_method
+        if self.routing not in ROUTINGS:
+            raise ValueError(f'topk_method {self.routing!r} is not supported; supported: {ROUTINGS}')
         self.top_k, self.num_groups, self.topk_groups = hf.num_experts_per_tok, hf.n_group, hf.topk_group
         self.renormalize, self.scaling = bool(hf.norm_topk_prob), hf.routed_scaling_factor
-        self.gate = TopKRouter(cfg.hidden_size, hf.n_routed_experts)
+        self.gate = TopKRouter(cfg.hidden_size, hf.n_routed_experts, self.routing == 'noaux_tc')
         self.experts = FusedExperts(cfg.hidden_size, hf.moe_intermediate_size, hf.n_routed_experts)
         self.shared_experts = (LlamaMLP(cfg, hf.moe_intermediate_size * hf.n_shared_experts)
                                if hf.n_shared_experts else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(x.float(), self.gate.weight)
-        weights, ids = grouped_topk(logits, self.gate.e_score_correction_bias, self.top_k, self.num_groups,
-                                    self.topk_groups, self.renormalize, self.scaling)
+        weights, ids = self.route(F.linear(x.float(), self.gate.weight))
         out = self.experts(x, weights, ids)
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(topk_weights [T, k] fp32, topk_ids [T, k])`` of the fp32 router logits."""
+        if self.routing == 'noaux_tc':
+            return grouped_topk(logits, self.gate.e_score_correction_bias, self.top_k, self.num_groups,
+                                self.topk_groups, self.renormalize, self.scaling)
+        if self.routing == 'greedy':
+            weights, ids = moe_routing(logits, self.top_k, False)
+        else:
+            weights, ids = group_limited_topk(logits, self.top_k, self.num_groups, self.topk_groups)
+        return weights * self.scaling, ids
+
 
 class DeepseekV3ForCausalLM(MoEForCausalLM):
-    """DeepSeek-V3: the first ``first_k_dense_replace`` layers dense, the others mixtures of experts; every
+    """DeepSeek-V3 and V2: the first ``first_k_dense_replace`` layers dense, the others mixtures of experts; every
     layer's attention is :class:`DeepseekV3Attention` over its latent cache (``ModelConfig.kv_latent_dim``)."""
 
     # only the MLPs' projections are stacked (``q_proj`` is a plain projection here)
