@@ -20,6 +20,7 @@ from helpers import GREEDY_32, hf_greedy, make_engine, random_prompts, run
 from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.kernels import group_limited_topk, grouped_topk, moe_routing
+from lmdeploy.pytorch.nn.quant import weight_format_for
 from lmdeploy.pytorch.nn.quant.fp8 import dequantize_fp8
 
 KV_LORA_RANK, ROPE_DIM = 32, 8
@@ -192,8 +193,9 @@ def dequantize_blockwise(codes: torch.Tensor, scales: torch.Tensor, block: list[
 
 
 def test_fp8_block_scaled_checkpoint_is_dequantized_at_load(tmp_path):
-    """Every decoder projection and expert quantized to fp8 with block scales; the engine equals transformers
-    on the same weights dequantized independently here."""
+    """Every decoder projection and expert quantized to fp8 with block scales, the scales in a shard of their
+    own (read after their weights); the engine equals transformers on the same weights dequantized
+    independently here."""
     source = save_deepseek(str(tmp_path / 'source'))
     tensors = load_file(os.path.join(source, 'model.safetensors'))
     quantized, dequantized = {}, {}
@@ -214,7 +216,12 @@ def test_fp8_block_scaled_checkpoint_is_dequantized_at_load(tmp_path):
             if file != 'model.safetensors':
                 with open(os.path.join(source, file), 'rb') as src, open(folder / file, 'wb') as dst:
                     dst.write(src.read())
-        save_file(weights, str(folder / 'model.safetensors'), metadata={'format': 'pt'})
+        scales = {name: t for name, t in weights.items() if name.endswith('_scale_inv')}
+        files = {'model.safetensors': weights} if not scales else {
+            'model-00001-of-00002.safetensors': {name: t for name, t in weights.items() if name not in scales},
+            'model-00002-of-00002.safetensors': scales}
+        for file, part in files.items():
+            save_file(part, str(folder / file), metadata={'format': 'pt'})
     config = json.loads((fp8_dir / 'config.json').read_text())
     config['quantization_config'] = {'quant_method': 'fp8', 'fmt': 'e4m3', 'activation_scheme': 'dynamic',
                                      'weight_block_size': FP8_BLOCK}
@@ -227,3 +234,15 @@ def test_fp8_block_scaled_checkpoint_is_dequantized_at_load(tmp_path):
     prompts = random_prompts([5, 40], seed=11)
     for prompt, out in zip(prompts, run(engine, prompts)):
         assert out == hf_greedy(hf_model, prompt)
+
+
+def test_fp8_scales_pair_with_their_weights_in_any_order():
+    fp8 = weight_format_for({'quant_method': 'fp8', 'fmt': 'e4m3', 'weight_block_size': FP8_BLOCK})
+    weight, norm = torch.randn(40, 24), torch.randn(24)
+    codes, scales = quantize_blockwise(weight, FP8_BLOCK)
+    out = dict(fp8.checkpoint_tensors(iter([('a.weight_scale_inv', scales), ('n.weight', norm), ('a.weight', codes)])))
+    assert out['n.weight'] is norm and torch.equal(out['a.weight'], dequantize_blockwise(codes, scales, FP8_BLOCK))
+    with pytest.raises(ValueError, match='without scales'):
+        list(fp8.checkpoint_tensors(iter([('a.weight', codes)])))
+    with pytest.raises(ValueError, match='weight_block_size'):
+        weight_format_for({'quant_method': 'fp8'})
