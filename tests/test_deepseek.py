@@ -114,6 +114,18 @@ def test_batched_chunked_and_cached_equal_solo(deepseek):
     assert cached.block_manager.num_hits > 0
 
 
+def test_tp2_splits_heads_and_experts(tmp_path):
+    """Each rank computes its own heads over the whole latent cache and its share of every expert."""
+    path = save_deepseek(str(tmp_path / 'v3'))
+    prompts = random_prompts([5, 40], seed=8)
+    expected = run(make_engine(path), prompts)
+    engine = make_engine(path, tp=2)
+    try:
+        assert run(engine, prompts) == expected
+    finally:
+        engine.close()
+
+
 def test_cache_holds_the_latent_per_token(deepseek, caplog):
     """Each layer caches ``kv_lora_rank + qk_rope_head_dim`` values per token, not per-head K/V, and the
     engine reports the bytes per token at start-up."""

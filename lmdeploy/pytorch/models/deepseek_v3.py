@@ -13,7 +13,7 @@ from lmdeploy.pytorch.kernels import group_limited_topk, grouped_topk, moe_routi
 from lmdeploy.pytorch.models.llama import DECODE_INT4_LAYERS, KVCache, LlamaDecoderLayer, LlamaMLP
 from lmdeploy.pytorch.models.moe import MoEForCausalLM
 from lmdeploy.pytorch.nn.linear import Linear, RowLinear
-from lmdeploy.pytorch.nn.mla import LatentAttention
+from lmdeploy.pytorch.nn.mla import HeadsLinear, LatentAttention
 from lmdeploy.pytorch.nn.moe import FusedExperts
 from lmdeploy.pytorch.nn.norm import RMSNorm
 from lmdeploy.pytorch.nn.quant import Layout, LinearOptions, new_parameter
@@ -31,7 +31,7 @@ class DeepseekV3Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         hf = cfg.hf_config
-        self.num_heads, self.kv_lora_rank = hf.num_attention_heads, hf.kv_lora_rank
+        num_heads, self.kv_lora_rank = hf.num_attention_heads, hf.kv_lora_rank
         self.nope_dim, self.rope_dim, self.v_head_dim = hf.qk_nope_head_dim, hf.qk_rope_head_dim, hf.v_head_dim
         # V2 turns neighbouring pairs (complex rotary); V3 too unless ``rope_interleave`` is off
         self.interleaved_rope = bool(getattr(hf, 'rope_interleave', True))
@@ -39,15 +39,18 @@ class DeepseekV3Attention(nn.Module):
         bias = bool(getattr(hf, 'attention_bias', False))
         self.q_lora = hf.q_lora_rank is not None
         if not self.q_lora:
-            self.q_proj = Linear(cfg.hidden_size, self.num_heads * qk_head_dim)
+            self.q_proj = HeadsLinear(cfg.hidden_size, num_heads, qk_head_dim)
         else:
             self.q_a_proj = Linear(cfg.hidden_size, hf.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(hf.q_lora_rank, LORA_NORM_EPS)
-            self.q_b_proj = Linear(hf.q_lora_rank, self.num_heads * qk_head_dim)
+            self.q_b_proj = HeadsLinear(hf.q_lora_rank, num_heads, qk_head_dim)
         self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, self.kv_lora_rank + self.rope_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LORA_NORM_EPS)
-        self.kv_b_proj = Linear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_head_dim))
-        self.o_proj = RowLinear(self.num_heads * self.v_head_dim, cfg.hidden_size, bias=bias)
+        self.kv_b_proj = HeadsLinear(self.kv_lora_rank, num_heads, self.nope_dim + self.v_head_dim)
+        self.num_heads = self.kv_b_proj.num_heads  # this rank's
+        first, last = self.kv_b_proj.heads
+        self.o_proj = RowLinear(num_heads * self.v_head_dim, cfg.hidden_size, bias=bias,
+                                in_range=(first * self.v_head_dim, last * self.v_head_dim))
         scale = yarn_apply_mscale(getattr(hf, 'rope_parameters', None) or {}, qk_head_dim**-0.5)
         self.attn = LatentAttention(self.num_heads, self.kv_lora_rank, self.nope_dim, self.v_head_dim, scale)
 

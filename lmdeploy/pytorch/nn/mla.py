@@ -1,17 +1,44 @@
 """Multi-head latent attention (DeepSeek-V2/V3) over the paged latent cache: each token caches its
-compressed latent and its rotary key, not per-head K/V; queries are absorbed into that space."""
+compressed latent and its rotary key, not per-head K/V; queries are absorbed into that space.
+
+Under tensor parallelism each rank computes its own heads (:class:`HeadsLinear`) over the whole latent
+cache, which every rank holds (the latent is shared by all heads).
+"""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from lmdeploy.pytorch.distributed.parallel_state import current_group
+from lmdeploy.pytorch.distributed.parallel_state import Shard, current_group, split_range
 from lmdeploy.pytorch.kernels import fill_latent_cache, mla_decode_attention, mla_prefill_attention
+from lmdeploy.pytorch.nn.linear import Linear
+from lmdeploy.pytorch.nn.quant import layout_of
 from lmdeploy.pytorch.step_context import StepContext
 
 
+class HeadsLinear(Linear):
+    """A projection to ``num_heads`` heads of ``head_dim`` features, column-parallel by heads: each rank holds
+    the output rows of its heads ``heads`` (a ``[start, stop)`` range); ``num_heads`` is this rank's."""
+
+    def __init__(self, in_features: int, num_heads: int, head_dim: int):
+        self.tp = current_group()
+        self.heads = split_range(num_heads, self.tp.rank, self.tp.world_size)
+        self.num_heads = self.heads[1] - self.heads[0]
+        super().__init__(in_features, self.num_heads * head_dim)
+        self.head_dim = head_dim
+
+    def checkpoint_part(self, kind: str, part: int | None = None) -> tuple[torch.Tensor, Shard | None]:
+        param = getattr(self, kind)
+        layout = layout_of(param)
+        if layout.output_dim is None or self.tp.world_size == 1:
+            return param, None
+        start, stop = (head * self.head_dim // layout.outputs_per_index for head in self.heads)
+        return param, Shard(layout.output_dim, start, stop)
+
+
 class LatentAttention(nn.Module):
-    """Stores this step's latents in the cache, then attends each token over its context.
+    """Stores this step's latents in the cache, then attends each of this rank's ``num_heads`` heads of each
+    token over its context.
 
     A layer's cache is ``(latent_cache,)``, ``[num_blocks, block_size, kv_lora_rank + rope_dim]``
     (``kernels/mla.py``). ``kv_b_weight`` is the up-projection ``[H * (nope_dim + v_head_dim), kv_lora_rank]``
@@ -20,8 +47,6 @@ class LatentAttention(nn.Module):
 
     def __init__(self, num_heads: int, kv_lora_rank: int, nope_dim: int, v_head_dim: int, scale: float):
         super().__init__()
-        if current_group().world_size > 1:
-            raise ValueError('multi-head latent attention does not run under tensor parallelism yet')
         self.num_heads, self.kv_lora_rank = num_heads, kv_lora_rank
         self.nope_dim, self.v_head_dim = nope_dim, v_head_dim
         self.scale = scale
