@@ -221,6 +221,12 @@ def test_fp8_block_scaled_checkpoint_is_dequantized_at_load(tmp_path):
         else:
             quantized[name] = dequantized[name] = tensor
     assert len(quantized) > len(tensors) + 40
+    # V3's multi-token-prediction layer follows the last one; the engine does not use it
+    extra = {'model.layers.3.mlp.experts.0.gate_proj.weight': torch.randn(32, 64),
+             'model.layers.3.eh_proj.weight': torch.randn(64, 128)}
+    for name, tensor in extra.items():
+        quantized[name], quantized[f'{name}_scale_inv'] = quantize_blockwise(tensor, FP8_BLOCK)
+    quantized['model.layers.3.enorm.weight'] = torch.ones(64)
     fp8_dir, dense_dir = tmp_path / 'fp8', tmp_path / 'dense'
     for folder, weights in ((fp8_dir, quantized), (dense_dir, dequantized)):
         os.makedirs(folder)

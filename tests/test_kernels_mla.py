@@ -53,7 +53,8 @@ def test_absorbed_twin_equals_expanded_attention():
         causal = torch.arange(length) <= torch.arange(length - n, length).unsqueeze(1)
         expected.append((scores.masked_fill(~causal, float('-inf')).softmax(-1) @ values).transpose(0, 1))
     args = [torch.tensor(x) for x in ([0, chunk[0]], chunk, lengths)]
-    prefill = mla.mla_prefill_attention(q, None, cache, table, *args, max(chunk), 0.3, LATENT)
+    latent = torch.cat([context(cache, table, row, c)[c - n:] for row, (n, c) in enumerate(zip(chunk, lengths))])
+    prefill = mla.mla_prefill_attention(q, latent, cache, table, *args, max(chunk), 0.3, LATENT)
     torch.testing.assert_close(torch.einsum('thl,hvl->thv', prefill, w_kv[:, NOPE:]), torch.cat(expected))
     last = [sum(chunk[:i + 1]) - 1 for i in range(len(chunk))]
     decode = mla.mla_decode_attention(q[last], cache, table, torch.tensor(lengths), 0.3, LATENT)

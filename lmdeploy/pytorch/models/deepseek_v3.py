@@ -3,6 +3,8 @@ mscale, grouped top-k routing (V3: sigmoid scores with a correction bias; V2: so
 group-limited), shared experts and dense first layers."""
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -10,7 +12,7 @@ from transformers.modeling_rope_utils import yarn_apply_mscale
 
 from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.kernels import group_limited_topk, grouped_topk, moe_routing
-from lmdeploy.pytorch.models.llama import DECODE_INT4_LAYERS, KVCache, LlamaDecoderLayer, LlamaMLP
+from lmdeploy.pytorch.models.llama import DECODE_INT4_LAYERS, KVCache, LlamaDecoderLayer, LlamaMLP, WeightTarget
 from lmdeploy.pytorch.models.moe import MoEForCausalLM
 from lmdeploy.pytorch.nn.linear import Linear, RowLinear
 from lmdeploy.pytorch.nn.mla import HeadsLinear, LatentAttention
@@ -21,6 +23,7 @@ from lmdeploy.pytorch.nn.rotary import apply_rope
 from lmdeploy.pytorch.step_context import StepContext
 
 LORA_NORM_EPS = 1e-6  # the q_a/kv_a norms keep RMSNorm's default, whatever rms_norm_eps says
+LAYER_INDEX = re.compile(r'layers\.(\d+)\.')
 
 
 class DeepseekV3Attention(nn.Module):
@@ -126,6 +129,14 @@ class DeepseekV3ForCausalLM(MoEForCausalLM):
     def make_mlp(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
         hf = cfg.hf_config
         return LlamaMLP(cfg) if layer_index < hf.first_k_dense_replace else DeepseekV3MoE(cfg)
+
+    def weight_target(self, name: str) -> WeightTarget | None:
+        """As :meth:`MoEForCausalLM.weight_target`; the checkpoint's layers past ``num_hidden_layers`` (V3's
+        multi-token-prediction layer) are not used."""
+        layer = LAYER_INDEX.match(name)
+        if layer is not None and int(layer.group(1)) >= len(self.layers):
+            return None
+        return super().weight_target(name)
 
     def finalize_weights(self, pack_cpu: bool, small_step_int4: bool) -> None:
         """As :meth:`LlamaForCausalLM.finalize_weights`, except that ``kv_b_proj`` stays dense (attention reads
