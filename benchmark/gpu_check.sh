@@ -48,7 +48,8 @@ model_flag=$(PIP_RETRIES=0 PIP_TIMEOUT=5 timeout 20 $PY -c \
     "from lmdeploy.model_source import resolve_model_path; resolve_model_path(None)" >/dev/null 2>&1 || echo --random-weights)
 part "kernel tests (CUDA)" 90 "$SCALE_SLOT" $PY -m pytest tests -q -m triton -p no:cacheprovider
 part "engine vs transformers (CUDA)" 75 "$SCALE_SLOT" env LMDEPLOY_TEST_DEVICE=cuda $PY -m pytest -q \
-    -p no:cacheprovider tests/test_engine_correctness.py tests/test_bad_input.py
+    -p no:cacheprovider tests/test_engine_correctness.py tests/test_bad_input.py \
+    'tests/test_deepseek.py::test_greedy_and_first_logits_match_transformers[v3_q_lora]'
 part "kernel throughput" 30 "$SCALE_SLOT" $PY benchmark/kernel_bench.py --device cuda
 part "offline throughput (default model, CUDA)" 60 "$SCALE_SLOT" $PY benchmark/throughput.py --device cuda \
     --num-prompts 32 --decode-tokens 64 $model_flag

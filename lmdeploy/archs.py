@@ -25,6 +25,8 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'MixtralForCausalLM': ('llm', 'lmdeploy.pytorch.models.moe:MoEForCausalLM'),
     'Qwen2MoeForCausalLM': ('llm', 'lmdeploy.pytorch.models.moe:MoEForCausalLM'),
     'Qwen3MoeForCausalLM': ('llm', 'lmdeploy.pytorch.models.moe:MoEForCausalLM'),
+    'DeepseekV2ForCausalLM': ('llm', 'lmdeploy.pytorch.models.deepseek_v3:DeepseekV3ForCausalLM'),
+    'DeepseekV3ForCausalLM': ('llm', 'lmdeploy.pytorch.models.deepseek_v3:DeepseekV3ForCausalLM'),
     'Qwen2VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
     'Qwen2_5_VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
     'LlavaForConditionalGeneration': ('vlm', f'{_VL}:LlavaForConditionalGeneration'),

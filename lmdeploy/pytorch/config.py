@@ -28,12 +28,20 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     mm_config: PretrainedConfig | None = None
     quant_policy: int = 0  # KV cache: 0 in ``dtype``, 8 int8, 4 int4 (see PytorchEngineConfig)
+    # Multi-head latent attention (DeepSeek-V2/V3): each token caches one vector of this width, its latent
+    # (``kv_lora_rank``) then its rotary key (``qk_rope_head_dim``), shared by every head; 0: per-head K/V.
+    kv_latent_dim: int = 0
 
     @classmethod
     def from_hf(cls, config: PretrainedConfig, dtype: torch.dtype, quant_policy: int = 0) -> ModelConfig:
         hf_config = config.get_text_config()
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, 'head_dim', None) or hf_config.hidden_size // num_heads
+        kv_lora_rank = getattr(hf_config, 'kv_lora_rank', None)
+        kv_latent_dim = kv_lora_rank + hf_config.qk_rope_head_dim if kv_lora_rank else 0
+        if kv_latent_dim and quant_policy:
+            raise ValueError('the latent KV cache of multi-head latent attention is not quantized; '
+                             f'use quant_policy 0 (it is {quant_policy})')
         return cls(hf_config=hf_config,
                    architecture=config.architectures[0],
                    hidden_size=hf_config.hidden_size,
@@ -46,11 +54,15 @@ class ModelConfig:
                    dtype=dtype,
                    tie_word_embeddings=bool(getattr(config, 'tie_word_embeddings', False)),
                    mm_config=None if hf_config is config else config,
-                   quant_policy=quant_policy)
+                   quant_policy=quant_policy,
+                   kv_latent_dim=kv_latent_dim)
 
     def kv_cache_shapes(self, num_blocks: int, block_size: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """Shape and dtype of each tensor of one layer's cache: K and V, then with ``quant_policy`` their
-        scales and zero points (``kernels/kv_quant.py`` describes the layout)."""
+        scales and zero points (``kernels/kv_quant.py`` describes the layout); with ``kv_latent_dim`` one
+        tensor ``[num_blocks, block_size, kv_latent_dim]`` (``kernels/mla.py``)."""
+        if self.kv_latent_dim:
+            return [((num_blocks, block_size, self.kv_latent_dim), self.dtype)]
         rows = (num_blocks, self.num_kv_heads, block_size)
         if not self.quant_policy:
             return [((*rows, self.head_dim), self.dtype)] * 2

@@ -80,9 +80,11 @@ class Engine:
         use_graphs = self.device.type == 'cuda' and not config.eager_mode and config.tp == 1
         capacity = num_blocks * config.block_size
         kv_kind = {0: str(cfg.dtype).removeprefix('torch.'), 8: 'int8', 4: 'int4'}[config.quant_policy]
-        logger.info('KV cache: %d tokens (%d blocks of %d), %s (quant_policy %d), %.1f MiB per rank', capacity,
-                    num_blocks, config.block_size, kv_kind, config.quant_policy,
-                    capacity * self.runner.cfg.kv_bytes_per_token() / 2**20)
+        kv_kind += ' latent (MLA)' if cfg.kv_latent_dim else ''
+        token_bytes = self.runner.cfg.kv_bytes_per_token()
+        logger.info('KV cache: %d tokens (%d blocks of %d), %s (quant_policy %d), %d bytes per token, %.1f MiB per '
+                    'rank', capacity, num_blocks, config.block_size, kv_kind, config.quant_policy, token_bytes,
+                    capacity * token_bytes / 2**20)
         self.session_len = min(config.session_len or cfg.max_position_embeddings, capacity)
         if use_graphs:
             self.runner.capture_graphs(config.max_batch_size, -(-self.session_len // config.block_size))

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from lmdeploy.pytorch.kernels import activation, attention, cpu, moe, norm, rotary, sampling, w8a8
+from lmdeploy.pytorch.kernels import activation, attention, cpu, mla, moe, norm, rotary, sampling, w8a8
 
 
 def dispatch(torch_fn: Callable, native_cpu: str | None = None) -> Callable:
@@ -42,6 +42,12 @@ prefill_attention = dispatch(attention.prefill_attention, native_cpu='paged_pref
 rms_norm = dispatch(norm.rms_norm, native_cpu='rms_norm')
 silu_and_mul = dispatch(activation.silu_and_mul, native_cpu='silu_and_mul')
 w8a8_linear = dispatch(w8a8.w8a8_linear)
+fill_latent_cache = dispatch(mla.fill_latent_cache)
+mla_decode_attention = dispatch(mla.mla_decode_attention, native_cpu='mla_decode_attention')
+mla_prefill_attention = dispatch(mla.mla_prefill_attention, native_cpu='mla_prefill_attention')
+grouped_topk = moe.grouped_topk  # torch's own kernels, on every device
+group_limited_topk = moe.group_limited_topk
 
 __all__ = ['apply_rotary', 'argmax', 'decode_attention', 'dispatch', 'fill_kv_cache', 'fused_moe', 'moe_routing',
-           'prefill_attention', 'rms_norm', 'silu_and_mul', 'w8a8_linear']
+           'prefill_attention', 'rms_norm', 'silu_and_mul', 'w8a8_linear', 'fill_latent_cache',
+           'mla_decode_attention', 'mla_prefill_attention', 'grouped_topk', 'group_limited_topk']

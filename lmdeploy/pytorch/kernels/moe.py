@@ -38,3 +38,37 @@ def fused_moe(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, t
         out.index_add_(0, rows, y * weights[start:start + count, None])
         start += count
     return out
+
+
+def grouped_topk(router_logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int, num_groups: int,
+                 topk_groups: int, renormalize: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's routing (``noaux_tc``): ``(topk_weights [T, k] fp32, topk_ids [T, k])``.
+
+    Experts score ``sigmoid(logits)``; they are chosen by score plus ``correction_bias``, among the
+    ``topk_groups`` of ``num_groups`` equal groups whose two best biased scores sum highest. The weights are
+    the chosen experts' unbiased scores, renormalized to sum to one when asked, times ``scaling``.
+    """
+    scores = router_logits.float().sigmoid()
+    biased = scores + correction_bias.float()
+    grouped = biased.view(scores.shape[0], num_groups, -1)
+    best_groups = grouped.topk(2, dim=-1)[0].sum(-1).topk(topk_groups, dim=-1, sorted=False)[1]
+    keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best_groups, True)
+    biased = biased.masked_fill(~keep.repeat_interleave(grouped.shape[-1], dim=1), float('-inf'))
+    ids = biased.topk(top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
+
+
+def group_limited_topk(router_logits: torch.Tensor, top_k: int, num_groups: int,
+                       topk_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V2's ``group_limited_greedy`` routing: ``(topk_weights [T, k] fp32, topk_ids [T, k])``, the
+    top-k softmax scores among the experts of the ``topk_groups`` of ``num_groups`` groups whose best score is
+    highest; not renormalized."""
+    scores = router_logits.float().softmax(-1)
+    grouped = scores.view(scores.shape[0], num_groups, -1)
+    best_groups = grouped.max(-1).values.topk(topk_groups, dim=-1, sorted=False)[1]
+    keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best_groups, True)
+    scores = scores.masked_fill(~keep.repeat_interleave(grouped.shape[-1], dim=1), 0.0)
+    return torch.topk(scores, top_k, dim=-1, sorted=False)

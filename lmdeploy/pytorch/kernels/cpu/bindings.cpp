@@ -44,4 +44,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<const std::vector<std::vector<c10::optional<torch::Tensor>>>&, int64_t, int64_t, int64_t,
                           double, double, int64_t>())
       .def("forward", &DecoderStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("mla_decode_attention", &mla_decode_attention, "multi-head latent attention of one token per sequence");
+  m.def("mla_prefill_attention", &mla_prefill_attention, "causal multi-head latent attention of prefill chunks");
 }

@@ -208,3 +208,11 @@ class DecoderStack {
   int64_t num_heads_, num_kv_heads_, head_dim_, quant_policy_;
   double eps_, scale_;
 };
+
+// Multi-head latent attention over the paged latent cache [num_blocks, block_size, D] (mla.cpp): absorbed
+// queries [rows, H, D] -> [rows, H, v_dim], the score-weighted sums of the cached latents [:v_dim].
+torch::Tensor mla_decode_attention(torch::Tensor q, torch::Tensor cache, torch::Tensor block_table,
+                                   torch::Tensor kv_lens, double scale, int64_t v_dim);
+torch::Tensor mla_prefill_attention(torch::Tensor q, const torch::Tensor& latent, torch::Tensor cache,
+                                    torch::Tensor block_table, torch::Tensor q_start, torch::Tensor q_len,
+                                    torch::Tensor ctx_len, int64_t max_q_len, double scale, int64_t v_dim);

@@ -6,7 +6,7 @@ import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -84,6 +84,11 @@ class WeightFormat(ABC):
     def make_kernel(self, layer: Linear, options: LinearOptions) -> LinearKernel:
         """The kernel for ``layer``'s parameters, which it reads as they are then (loaded or not). A kernel
         that keeps its own copy of the weight sets the layer's parameters to None."""
+
+    def checkpoint_tensors(self, weights: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """The checkpoint's ``(name, tensor)`` pairs as the model loads them; formats that convert weights
+        as they are read (:mod:`fp8`) override it."""
+        return weights
 
 
 _FORMATS: dict[str, type[WeightFormat]] = {}

@@ -1,0 +1,162 @@
+"""Multi-head latent attention over the paged latent cache in Triton (``kernels/mla.py`` is the reference).
+
+Queries come absorbed into the latent space, so attention is multi-query: every head reads the same
+cached rows, the latent ``[:v_dim]`` and the rotary key ``[v_dim:]``, and sums latents as values. Decode
+programs take a group of heads of one sequence over one split of its pages (each row read once for the
+group), then the split partials are merged by the paged decode attention's reduce kernel. Prefill programs
+take ``BLOCK_M`` queries of one head of one sequence and read its context, the chunk included, from the cache.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lmdeploy.pytorch.kernels.cuda.decode_attention import _REDUCE_SPLITS, _decode_reduce_kernel
+from lmdeploy.pytorch.kernels.cuda.utils import dot_precision
+from lmdeploy.pytorch.kernels.mla import fill_latent_cache
+
+__all__ = ['fill_latent_cache', 'mla_decode_attention', 'mla_prefill_attention']
+
+_TARGET_PROGRAMS = 528  # decode: about four programs per SM of a 132-SM GPU
+_MAX_SPLITS = 64
+
+
+@triton.jit
+def _load_rows(cache_ptr, rows, valid, lat, rope, v_dim, rope_dim):
+    """The latents ``[N, BLOCK_L]`` and rotary keys ``[N, BLOCK_R]`` of cache ``rows`` (zero where invalid)."""
+    kv_lat = tl.load(cache_ptr + rows[:, None] + lat[None, :], mask=valid[:, None] & (lat < v_dim)[None, :],
+                     other=0.0)
+    kv_rope = tl.load(cache_ptr + rows[:, None] + v_dim + rope[None, :],
+                      mask=valid[:, None] & (rope < rope_dim)[None, :], other=0.0)
+    return kv_lat, kv_rope
+
+
+@triton.jit(do_not_specialize=['num_splits', 'stride_tb'])
+def _mla_decode_split_kernel(q_ptr, cache_ptr, table_ptr, lens_ptr, part_out_ptr, part_lse_ptr, scale, num_heads,
+                             num_splits, v_dim, rope_dim, stride_qb, stride_qh, stride_cb, stride_cs, stride_tb,
+                             BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr,
+                             BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)
+    hmask = heads < num_heads
+    kv_len = tl.load(lens_ptr + b)
+    num_pages = tl.cdiv(kv_len, BLOCK_SIZE)
+    per_split = tl.cdiv(num_pages, num_splits)
+    first = split * per_split
+    last = tl.minimum(first + per_split, num_pages)
+    lat = tl.arange(0, BLOCK_L)
+    rope = tl.arange(0, BLOCK_R)
+    q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh
+    q_lat = tl.load(q_rows + lat[None, :], mask=hmask[:, None] & (lat < v_dim)[None, :], other=0.0)
+    q_rope = tl.load(q_rows + v_dim + rope[None, :], mask=hmask[:, None] & (rope < rope_dim)[None, :], other=0.0)
+    t = tl.arange(0, BLOCK_SIZE)
+    m = tl.full([BLOCK_H], float('-inf'), tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
+    for page in range(first, last):
+        block = tl.load(table_ptr + b * stride_tb + page).to(tl.int64)
+        valid = page * BLOCK_SIZE + t < kv_len
+        kv_lat, kv_rope = _load_rows(cache_ptr, block * stride_cb + t * stride_cs, valid, lat, rope, v_dim, rope_dim)
+        s = tl.dot(q_lat, tl.trans(kv_lat), input_precision=PRECISION)
+        s = (s + tl.dot(q_rope, tl.trans(kv_rope), input_precision=PRECISION)) * scale
+        s = tl.where(valid[None, :], s, float('-inf'))
+        m_new = tl.maximum(m, tl.max(s, axis=1))  # the page's first token is always valid
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        acc = acc * alpha[:, None] + tl.dot(p.to(kv_lat.dtype), kv_lat, input_precision=PRECISION)
+        l = l * alpha + tl.sum(p, axis=1)
+        m = m_new
+    has = l > 0
+    l_safe = tl.where(has, l, 1.0)
+    row = (b * num_heads + heads) * num_splits + split
+    tl.store(part_out_ptr + row[:, None] * BLOCK_L + lat[None, :], acc / l_safe[:, None], mask=hmask[:, None])
+    tl.store(part_lse_ptr + row, tl.where(has, m + tl.log(l_safe), float('-inf')), mask=hmask)
+
+
+def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, kv_lens: torch.Tensor,
+                         scale: float, v_dim: int) -> torch.Tensor:
+    """One new token per sequence: ``q [B, H, D]`` over ``kv_lens [B]`` tokens in ``block_table [B, N]``;
+    returns ``[B, H, v_dim]``. The launch depends on shapes only (CUDA graphs)."""
+    batch, num_heads, dim = q.shape
+    block_size = cache.shape[1]
+    block_h = max(16, min(64, triton.next_power_of_2(num_heads)))
+    head_groups = triton.cdiv(num_heads, block_h)
+    splits = max(1, min(triton.cdiv(_TARGET_PROGRAMS, batch * head_groups), _MAX_SPLITS, block_table.shape[1]))
+    block_l = max(16, triton.next_power_of_2(v_dim))
+    part_out = torch.empty(batch, num_heads, splits, block_l, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
+    _mla_decode_split_kernel[(batch, head_groups, splits)](
+        q, cache, block_table, kv_lens, part_out, part_lse, scale, num_heads, splits, v_dim, dim - v_dim,
+        q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), block_table.stride(0), BLOCK_SIZE=block_size,
+        BLOCK_H=block_h, BLOCK_L=block_l, BLOCK_R=max(16, triton.next_power_of_2(dim - v_dim)),
+        PRECISION=dot_precision(q.dtype))
+    out = torch.empty(batch, num_heads, v_dim, dtype=q.dtype, device=q.device)
+    _decode_reduce_kernel[(batch, num_heads)](part_out, part_lse, out, splits, out.stride(0), out.stride(1),
+                                              HEAD_DIM=v_dim, BLOCK_S=_REDUCE_SPLITS, BLOCK_D=block_l)
+    return out
+
+
+@triton.jit
+def _mla_prefill_kernel(q_ptr, cache_ptr, out_ptr, table_ptr, q_start_ptr, q_len_ptr, ctx_len_ptr, scale, v_dim,
+                        rope_dim, stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_tb,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                        BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
+    mblock = tl.program_id(0)
+    seq = tl.program_id(1).to(tl.int64)
+    head = tl.program_id(2)
+    q_len = tl.load(q_len_ptr + seq)
+    if mblock * BLOCK_M >= q_len:
+        return
+    q_start = tl.load(q_start_ptr + seq).to(tl.int64)
+    prefix = tl.load(ctx_len_ptr + seq) - q_len
+    rows = mblock * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < q_len
+    lat = tl.arange(0, BLOCK_L)
+    rope = tl.arange(0, BLOCK_R)
+    q_rows = q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh
+    q_lat = tl.load(q_rows + lat[None, :], mask=rmask[:, None] & (lat < v_dim)[None, :], other=0.0)
+    q_rope = tl.load(q_rows + v_dim + rope[None, :], mask=rmask[:, None] & (rope < rope_dim)[None, :], other=0.0)
+    m = tl.full([BLOCK_M], float('-inf'), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_L], tl.float32)
+    n = tl.arange(0, BLOCK_N)
+    # this program's last query sees the context up to its own position
+    seen = prefix + tl.minimum(q_len, (mblock + 1) * BLOCK_M)
+    for start in range(0, seen, BLOCK_N):
+        pos = start + n
+        valid = pos < seen
+        block = tl.load(table_ptr + seq * stride_tb + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        kv_lat, kv_rope = _load_rows(cache_ptr, block * stride_cb + (pos % BLOCK_SIZE) * stride_cs, valid, lat, rope,
+                                     v_dim, rope_dim)
+        s = tl.dot(q_lat, tl.trans(kv_lat), input_precision=PRECISION)
+        s = (s + tl.dot(q_rope, tl.trans(kv_rope), input_precision=PRECISION)) * scale
+        s = tl.where(valid[None, :] & (pos[None, :] <= (prefix + rows)[:, None]), s, float('-inf'))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float('-inf'), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m - m_safe)
+        acc = acc * alpha[:, None] + tl.dot(p.to(kv_lat.dtype), kv_lat, input_precision=PRECISION)
+        l = l * alpha + tl.sum(p, axis=1)
+        m = m_new
+    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + lat[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & (lat < v_dim)[None, :])
+
+
+def mla_prefill_attention(q: torch.Tensor, latent: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
+                          q_start: torch.Tensor, q_len: torch.Tensor, ctx_len: torch.Tensor, max_q_len: int,
+                          scale: float, v_dim: int) -> torch.Tensor:
+    """Causal attention of the packed chunks ``q [T, H, D]`` over their contexts in the cache (which already
+    holds each chunk, so ``latent`` is not read); returns ``[T, H, v_dim]``."""
+    num_tokens, num_heads, dim = q.shape
+    out = torch.empty(num_tokens, num_heads, v_dim, dtype=q.dtype, device=q.device)
+    block_m = 32 if q.dtype == torch.float32 else 64
+    grid = (triton.cdiv(max_q_len, block_m), q_len.shape[0], num_heads)
+    _mla_prefill_kernel[grid](
+        q, cache, out, block_table, q_start, q_len, ctx_len, scale, v_dim, dim - v_dim, q.stride(0), q.stride(1),
+        out.stride(0), out.stride(1), cache.stride(0), cache.stride(1), block_table.stride(0), BLOCK_M=block_m,
+        BLOCK_N=32, BLOCK_SIZE=cache.shape[1], BLOCK_L=max(16, triton.next_power_of_2(v_dim)),
+        BLOCK_R=max(16, triton.next_power_of_2(dim - v_dim)), PRECISION=dot_precision(q.dtype))
+    return out

@@ -1,0 +1,152 @@
+"""DeepSeek-V3 (and V2): multi-head latent attention over a latent KV cache, YaRN with DeepSeek's softmax
+mscale, grouped top-k routing (V3: sigmoid scores with a correction bias; V2: softmax, greedy or
+group-limited), shared experts and dense first layers."""
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.modeling_rope_utils import yarn_apply_mscale
+
+from lmdeploy.pytorch.config import ModelConfig
+from lmdeploy.pytorch.kernels import group_limited_topk, grouped_topk, moe_routing
+from lmdeploy.pytorch.models.llama import DECODE_INT4_LAYERS, KVCache, LlamaDecoderLayer, LlamaMLP, WeightTarget
+from lmdeploy.pytorch.models.moe import MoEForCausalLM
+from lmdeploy.pytorch.nn.linear import Linear, RowLinear
+from lmdeploy.pytorch.nn.mla import HeadsLinear, LatentAttention
+from lmdeploy.pytorch.nn.moe import FusedExperts
+from lmdeploy.pytorch.nn.norm import RMSNorm
+from lmdeploy.pytorch.nn.quant import Layout, LinearOptions, new_parameter
+from lmdeploy.pytorch.nn.rotary import apply_rope
+from lmdeploy.pytorch.step_context import StepContext
+
+LORA_NORM_EPS = 1e-6  # the q_a/kv_a norms keep RMSNorm's default, whatever rms_norm_eps says
+LAYER_INDEX = re.compile(r'layers\.(\d+)\.')
+
+
+class DeepseekV3Attention(nn.Module):
+    """Multi-head latent attention: queries from a low-rank projection (or a plain one without
+    ``q_lora_rank``), keys and values from the cached latent, each head's rotary part from the shared
+    rotary key."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        hf = cfg.hf_config
+        num_heads, self.kv_lora_rank = hf.num_attention_heads, hf.kv_lora_rank
+        self.nope_dim, self.rope_dim, self.v_head_dim = hf.qk_nope_head_dim, hf.qk_rope_head_dim, hf.v_head_dim
+        # V2 turns neighbouring pairs (complex rotary); V3 too unless ``rope_interleave`` is off
+        self.interleaved_rope = bool(getattr(hf, 'rope_interleave', True))
+        qk_head_dim = self.nope_dim + self.rope_dim
+        bias = bool(getattr(hf, 'attention_bias', False))
+        self.q_lora = hf.q_lora_rank is not None
+        if not self.q_lora:
+            self.q_proj = HeadsLinear(cfg.hidden_size, num_heads, qk_head_dim)
+        else:
+            self.q_a_proj = Linear(cfg.hidden_size, hf.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(hf.q_lora_rank, LORA_NORM_EPS)
+            self.q_b_proj = HeadsLinear(hf.q_lora_rank, num_heads, qk_head_dim)
+        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, self.kv_lora_rank + self.rope_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LORA_NORM_EPS)
+        self.kv_b_proj = HeadsLinear(self.kv_lora_rank, num_heads, self.nope_dim + self.v_head_dim)
+        self.num_heads = self.kv_b_proj.num_heads  # this rank's
+        first, last = self.kv_b_proj.heads
+        self.o_proj = RowLinear(num_heads * self.v_head_dim, cfg.hidden_size, bias=bias,
+                                in_range=(first * self.v_head_dim, last * self.v_head_dim))
+        scale = yarn_apply_mscale(getattr(hf, 'rope_parameters', None) or {}, qk_head_dim**-0.5)
+        self.attn = LatentAttention(self.num_heads, self.kv_lora_rank, self.nope_dim, self.v_head_dim, scale)
+
+    def forward(self, x: torch.Tensor, kv_cache: KVCache, ctx: StepContext) -> torch.Tensor:
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
+        q_nope, q_rope = q.view(-1, self.num_heads, self.nope_dim + self.rope_dim).split(
+            [self.nope_dim, self.rope_dim], dim=-1)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        q_rope = apply_rope(q_rope.contiguous(), ctx.cos, ctx.sin, self.interleaved_rope)
+        k_rope = apply_rope(k_rope.unsqueeze(1).contiguous(), ctx.cos, ctx.sin, self.interleaved_rope).squeeze(1)
+        latent = torch.cat((self.kv_a_layernorm(latent.contiguous()), k_rope), dim=-1)
+        return self.o_proj(self.attn(q_nope, q_rope, latent, self.kv_b_proj.weight, kv_cache, ctx))
+
+
+class TopKRouter(nn.Module):
+    """The router's weights, kept in fp32 as the checkpoint holds them: ``weight [E, hidden]`` and, with
+    V3's routing, ``e_score_correction_bias [E]``."""
+
+    def __init__(self, hidden_size: int, num_experts: int, correction_bias: bool):
+        super().__init__()
+        self.weight = new_parameter((num_experts, hidden_size), Layout(None, None), torch.float32)
+        if correction_bias:
+            self.e_score_correction_bias = new_parameter((num_experts,), Layout(None, None), torch.float32)
+
+
+ROUTINGS = ('noaux_tc', 'greedy', 'group_limited_greedy')
+
+
+class DeepseekV3MoE(nn.Module):
+    """Routed experts plus shared experts every token runs. V3 routes by :func:`grouped_topk` (``noaux_tc``);
+    V2 by its ``topk_method``: softmax top-k (``greedy``) or :func:`group_limited_topk`, never renormalized."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        hf = cfg.hf_config
+        self.routing = 'noaux_tc' if hf.model_type == 'deepseek_v3' else hf.topk_method
+        if self.routing not in ROUTINGS:
+            raise ValueError(f'topk_method {self.routing!r} is not supported; supported: {ROUTINGS}')
+        self.top_k, self.num_groups, self.topk_groups = hf.num_experts_per_tok, hf.n_group, hf.topk_group
+        self.renormalize, self.scaling = bool(hf.norm_topk_prob), hf.routed_scaling_factor
+        self.gate = TopKRouter(cfg.hidden_size, hf.n_routed_experts, self.routing == 'noaux_tc')
+        self.experts = FusedExperts(cfg.hidden_size, hf.moe_intermediate_size, hf.n_routed_experts)
+        self.shared_experts = (LlamaMLP(cfg, hf.moe_intermediate_size * hf.n_shared_experts)
+                               if hf.n_shared_experts else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(F.linear(x.float(), self.gate.weight))
+        out = self.experts(x, weights, ids)
+        return out if self.shared_experts is None else out + self.shared_experts(x)
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(topk_weights [T, k] fp32, topk_ids [T, k])`` of the fp32 router logits."""
+        if self.routing == 'noaux_tc':
+            return grouped_topk(logits, self.gate.e_score_correction_bias, self.top_k, self.num_groups,
+                                self.topk_groups, self.renormalize, self.scaling)
+        if self.routing == 'greedy':
+            weights, ids = moe_routing(logits, self.top_k, False)
+        else:
+            weights, ids = group_limited_topk(logits, self.top_k, self.num_groups, self.topk_groups)
+        return weights * self.scaling, ids
+
+
+class DeepseekV3ForCausalLM(MoEForCausalLM):
+    """DeepSeek-V3 and V2: the first ``first_k_dense_replace`` layers dense, the others mixtures of experts; every
+    layer's attention is :class:`DeepseekV3Attention` over its latent cache (``ModelConfig.kv_latent_dim``)."""
+
+    # only the MLPs' projections are stacked (``q_proj`` is a plain projection here)
+    stacked_params = {'gate_proj': ('gate_up_proj', 0), 'up_proj': ('gate_up_proj', 1)}
+
+    def make_layer(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
+        return LlamaDecoderLayer(cfg, self.make_mlp(cfg, layer_index), DeepseekV3Attention(cfg))
+
+    def make_mlp(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
+        hf = cfg.hf_config
+        return LlamaMLP(cfg) if layer_index < hf.first_k_dense_replace else DeepseekV3MoE(cfg)
+
+    def weight_target(self, name: str) -> WeightTarget | None:
+        """As :meth:`MoEForCausalLM.weight_target`; the checkpoint's layers past ``num_hidden_layers`` (V3's
+        multi-token-prediction layer) are not used."""
+        layer = LAYER_INDEX.match(name)
+        if layer is not None and int(layer.group(1)) >= len(self.layers):
+            return None
+        return super().weight_target(name)
+
+    def finalize_weights(self, pack_cpu: bool, small_step_int4: bool) -> None:
+        """As :meth:`LlamaForCausalLM.finalize_weights`, except that ``kv_b_proj`` stays dense (attention reads
+        its rows, see :class:`LatentAttention`) and the layers never run as the native decoder stack."""
+        for name, module in self.layers.named_modules():
+            if isinstance(module, Linear):
+                dense = name.endswith('kv_b_proj')
+                module.finalize(LinearOptions(pack_cpu and not dense, small_step_int4 and not dense
+                                              and name.endswith(DECODE_INT4_LAYERS), self.cfg.dtype))
+        if small_step_int4:
+            self.lm_head.enable_fp16()
+        if pack_cpu:
+            self.lm_head.pack_for_cpu()

@@ -1,0 +1,73 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) over the paged latent cache: each token caches its
+compressed latent and its rotary key, not per-head K/V; queries are absorbed into that space.
+
+Under tensor parallelism each rank computes its own heads (:class:`HeadsLinear`) over the whole latent
+cache, which every rank holds (the latent is shared by all heads).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lmdeploy.pytorch.distributed.parallel_state import Shard, current_group, split_range
+from lmdeploy.pytorch.kernels import fill_latent_cache, mla_decode_attention, mla_prefill_attention
+from lmdeploy.pytorch.nn.linear import Linear
+from lmdeploy.pytorch.nn.quant import layout_of
+from lmdeploy.pytorch.step_context import StepContext
+
+
+class HeadsLinear(Linear):
+    """A projection to ``num_heads`` heads of ``head_dim`` features, column-parallel by heads: each rank holds
+    the output rows of its heads ``heads`` (a ``[start, stop)`` range); ``num_heads`` is this rank's."""
+
+    def __init__(self, in_features: int, num_heads: int, head_dim: int):
+        self.tp = current_group()
+        self.heads = split_range(num_heads, self.tp.rank, self.tp.world_size)
+        self.num_heads = self.heads[1] - self.heads[0]
+        super().__init__(in_features, self.num_heads * head_dim)
+        self.head_dim = head_dim
+
+    def checkpoint_part(self, kind: str, part: int | None = None) -> tuple[torch.Tensor, Shard | None]:
+        param = getattr(self, kind)
+        layout = layout_of(param)
+        if layout.output_dim is None or self.tp.world_size == 1:
+            return param, None
+        start, stop = (head * self.head_dim // layout.outputs_per_index for head in self.heads)
+        return param, Shard(layout.output_dim, start, stop)
+
+
+class LatentAttention(nn.Module):
+    """Stores this step's latents in the cache, then attends each of this rank's ``num_heads`` heads of each
+    token over its context.
+
+    A layer's cache is ``(latent_cache,)``, ``[num_blocks, block_size, kv_lora_rank + rope_dim]``
+    (``kernels/mla.py``). ``kv_b_weight`` is the up-projection ``[H * (nope_dim + v_head_dim), kv_lora_rank]``
+    (``kv_b_proj``'s weight), from which each head's key (``W_UK``) and value (``W_UV``) rows are read.
+    """
+
+    def __init__(self, num_heads: int, kv_lora_rank: int, nope_dim: int, v_head_dim: int, scale: float):
+        super().__init__()
+        self.num_heads, self.kv_lora_rank = num_heads, kv_lora_rank
+        self.nope_dim, self.v_head_dim = nope_dim, v_head_dim
+        self.scale = scale
+
+    def forward(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, kv_b_weight: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, ...], ctx: StepContext) -> torch.Tensor:
+        """``q_nope [T, H, nope_dim]``, ``q_rope [T, H, rope_dim]`` (turned), ``latent [T, kv_lora_rank +
+        rope_dim]`` (normed latent, then turned rotary key) -> ``[T, H * v_head_dim]``."""
+        cache = kv_cache[0]
+        fill_latent_cache(latent, cache, ctx.kv_blocks, ctx.kv_offsets)
+        w_kv = kv_b_weight.view(self.num_heads, self.nope_dim + self.v_head_dim, self.kv_lora_rank)
+        q_latent = torch.einsum('thn,hnl->thl', q_nope, w_kv[:, :self.nope_dim])
+        q = torch.cat((q_latent, q_rope), dim=-1)
+        num_prefill = ctx.num_prefill_tokens
+        parts = []
+        if ctx.prefill_q_len is not None:
+            parts.append(mla_prefill_attention(q[:num_prefill], latent[:num_prefill], cache, ctx.prefill_block_table,
+                                               ctx.prefill_q_start, ctx.prefill_q_len, ctx.prefill_ctx_len,
+                                               ctx.prefill_max_q_len, self.scale, self.kv_lora_rank))
+        if ctx.decode_blocks is not None:
+            parts.append(mla_decode_attention(q[num_prefill:], cache, ctx.decode_blocks, ctx.decode_kv_lens,
+                                              self.scale, self.kv_lora_rank))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return torch.einsum('thl,hvl->thv', out, w_kv[:, self.nope_dim:]).flatten(1)
