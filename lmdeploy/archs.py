@@ -25,6 +25,7 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'MixtralForCausalLM': ('llm', 'lmdeploy.pytorch.models.moe:MoEForCausalLM'),
     'Qwen2MoeForCausalLM': ('llm', 'lmdeploy.pytorch.models.moe:MoEForCausalLM'),
     'Qwen3MoeForCausalLM': ('llm', 'lmdeploy.pytorch.models.moe:MoEForCausalLM'),
+    'GptOssForCausalLM': ('llm', 'lmdeploy.pytorch.models.gpt_oss:GptOssForCausalLM'),
     'Qwen2VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
     'Qwen2_5_VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
     'LlavaForConditionalGeneration': ('vlm', f'{_VL}:LlavaForConditionalGeneration'),
