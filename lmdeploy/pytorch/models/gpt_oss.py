@@ -35,8 +35,7 @@ class GptOssAttention(LlamaAttention):
     def sinks_part(self) -> tuple[torch.Tensor, Shard | None]:
         """The sinks of this rank's heads and the part of the checkpoint's ``sinks`` they hold."""
         start, stop = (bound // self.head_dim for bound in self.qkv_proj.ranges[0])
-        sharded = self.qkv_proj.tp.world_size > 1
-        return self.attn.sinks, Shard(0, start, stop) if sharded else None
+        return self.attn.sinks, Shard(0, start, stop) if self.qkv_proj.sharded else None
 
 
 class GptOssForCausalLM(MoEForCausalLM):
