@@ -1,4 +1,5 @@
-"""Gated activations of MLPs: SiLU-and-mul (Llama-style) and the clamped SwiGLU of gpt-oss experts."""
+"""The gated activations of MLPs: SiLU-and-mul (Llama), GeLU(tanh)-and-mul (Gemma) and the clamped SwiGLU of
+gpt-oss experts."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -17,6 +18,12 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` where ``gate_up`` is ``[..., 2 * I]`` holding gate then up."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(gate) * up`` where ``gate_up`` is ``[..., 2 * I]`` holding gate then up."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate='tanh') * up
 
 
 def clamped_swiglu(gate_up: torch.Tensor, act: ClampedSwiGLU) -> torch.Tensor:
