@@ -132,3 +132,15 @@ def test_mxfp4_checkpoint_matches_transformers(model_path, tmp_path):
                                               quantization_config=Mxfp4Config(dequantize=True)).eval()
     prompts = random_prompts([5, 45], seed=5)
     assert run(make_engine(path), prompts) == [hf_greedy(hf, prompt) for prompt in prompts]
+
+
+def test_tp2_equals_tp1(model_path):
+    """Each rank holds its heads' sinks and its share of every expert's features and gate/up biases; the
+    down bias is added once."""
+    prompts = random_prompts([5, 30], seed=6)
+    expected = run(make_engine(model_path), prompts)
+    engine = make_engine(model_path, tp=2)
+    try:
+        assert run(engine, prompts) == expected
+    finally:
+        engine.close()

@@ -11,7 +11,7 @@ from torch import nn
 from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.distributed.parallel_state import Shard
 from lmdeploy.pytorch.kernels.activation import ClampedSwiGLU
-from lmdeploy.pytorch.models.llama import LlamaAttention, LlamaDecoderLayer, WeightTarget
+from lmdeploy.pytorch.models.llama import LlamaAttention, LlamaDecoderLayer, WeightTarget, layer_window
 from lmdeploy.pytorch.models.moe import MoEForCausalLM, SparseMoeBlock
 from lmdeploy.pytorch.nn.attention import PagedAttention
 from lmdeploy.pytorch.weights.safetensors_loader import WeightSource, read_shard
@@ -26,9 +26,8 @@ class GptOssAttention(LlamaAttention):
     layers ``layer_types`` marks ``sliding_attention``."""
 
     def __init__(self, cfg: ModelConfig, layer_index: int):
-        super().__init__(cfg)
-        hf = cfg.hf_config
-        window = hf.sliding_window if hf.layer_types[layer_index] == 'sliding_attention' else None
+        window = layer_window(cfg.hf_config, layer_index)
+        super().__init__(cfg, sliding_window=window)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5,
                                    cfg.quant_policy, sliding_window=window, with_sinks=True)
 
