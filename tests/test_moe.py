@@ -14,13 +14,13 @@ def dense_reference(hidden, gate_up, down, weights, ids, gate_up_bias=None, down
     clamped SwiGLU's ``(alpha, limit)`` instead of SiLU-and-mul."""
     out = torch.zeros_like(hidden)
     for expert in range(gate_up.shape[0]):
-        gate, up = F.linear(hidden, gate_up[expert], None if gate_up_bias is None else gate_up_bias[expert]).chunk(2, -1)
+        bias = None if gate_up_bias is None else gate_up_bias[expert]
+        gate, up = F.linear(hidden, gate_up[expert], bias).chunk(2, dim=-1)
         if swiglu is None:
             act = F.silu(gate) * up
         else:
             alpha, limit = swiglu
-            gate, up = torch.minimum(gate, torch.tensor(limit)), torch.maximum(torch.minimum(up, torch.tensor(limit)),
-                                                                               torch.tensor(-limit))
+            gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
             act = (up + 1) * gate * torch.sigmoid(alpha * gate)
         y = F.linear(act, down[expert], None if down_bias is None else down_bias[expert])
         w = (weights * (ids == expert)).sum(-1, keepdim=True).to(hidden.dtype)
@@ -62,7 +62,8 @@ def test_fused_moe_with_biases_and_clamped_swiglu():
     hidden = torch.randn(tokens, hidden_size, generator=g) * 3
     gate_up = torch.randn(experts, 2 * inter, hidden_size, generator=g)
     down = torch.randn(experts, hidden_size, inter, generator=g) * 0.2
-    gate_up_bias, down_bias = torch.randn(experts, 2 * inter, generator=g), torch.randn(experts, hidden_size, generator=g)
+    gate_up_bias = torch.randn(experts, 2 * inter, generator=g)
+    down_bias = torch.randn(experts, hidden_size, generator=g)
     weights, ids = moe_routing(torch.randn(tokens, experts, generator=g), 2, True)
     act = ClampedSwiGLU(alpha=1.702, limit=7.0)
     pre = torch.einsum('th,eih->tei', hidden, gate_up) + gate_up_bias

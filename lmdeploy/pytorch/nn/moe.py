@@ -54,7 +54,8 @@ class FusedExperts(nn.Module):
             return self.down[expert], 'down', label, Shard(1, *self.range) if sharded else None
         rows = slice(0, size) if part == 'gate' else slice(size, 2 * size)
         param = self.gate_up_bias if bias else self.gate_up
-        return param[expert, rows], 'gate_up_bias' if bias else 'gate_up', label, Shard(0, *self.range) if sharded else None
+        shard = Shard(0, *self.range) if sharded else None
+        return param[expert, rows], 'gate_up_bias' if bias else 'gate_up', label, shard
 
     def weight_shards(self) -> dict[str, list[str]]:
         """Each parameter's shards that the checkpoint must fill: every expert's gate, up and down (and

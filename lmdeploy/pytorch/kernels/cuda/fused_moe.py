@@ -124,8 +124,8 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
 @triton.jit(do_not_specialize=['num_slots', 'num_mblocks'])
 def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, slots_ptr, block_expert_ptr, topk_w_ptr, bias_ptr, num_slots,
                          num_mblocks, n, k, num_experts, a_row_div, stride_am, stride_we, stride_wn, stride_cm,
-                         stride_be, MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+                         stride_be, MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
                          PRECISION: tl.constexpr):
     pid = tl.program_id(0)
     per_group = GROUP_M * tl.cdiv(n, BLOCK_N)
