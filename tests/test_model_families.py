@@ -145,6 +145,14 @@ def test_longrope_decode_crossing_keeps_what_is_cached(tmp_path):
     assert run(make_engine(path), [prompt], GenerationConfig(max_new_tokens=16, ignore_eos=True)) == [tokens]
 
 
+def test_phi3_sliding_window(tmp_path):
+    """A Phi-3 config with a sliding window (Phi-3-mini's is 2047) attends over it in every layer."""
+    path = save_family('phi3', str(tmp_path / 'phi3'), sliding_window=16)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = random_prompts([40, 70], seed=7)
+    assert run(make_engine(path), prompts) == [hf_greedy(hf, prompt) for prompt in prompts]
+
+
 @pytest.mark.parametrize('kind', ['phi3', 'glm4'])
 def test_tp2_splits_fused_checkpoints(kind, tmp_path):
     """Each rank reads its own heads of a fused ``qkv_proj`` and its share of a fused ``gate_up_proj``."""

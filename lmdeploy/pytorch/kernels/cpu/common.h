@@ -146,11 +146,12 @@ AttnFeatures attn_features(const c10::optional<int64_t>& sliding_window, const c
 // row stride and `seqs`, which may be undefined.
 bool attention_rows_avx512(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                            const torch::Tensor& table, const torch::Tensor& seqs, const torch::Tensor& lengths,
-                           double scale, torch::Tensor& out);
+                           double scale, const AttnFeatures& features, torch::Tensor& out);
 // The same for int8 and int4 caches (paged_attention_quant_avx512.cpp).
 bool attention_rows_quant_avx512(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                  const KVQuant& quant, const torch::Tensor& table, const torch::Tensor& seqs,
-                                 const torch::Tensor& lengths, double scale, torch::Tensor& out);
+                                 const torch::Tensor& lengths, double scale, const AttnFeatures& features,
+                                 torch::Tensor& out);
 // Fills `out` and returns true where the AVX512-BF16 prefill path applies (bf16, head_dim 64 or 128);
 // the arguments are paged_prefill_attention's, int64 and contiguous but for q's token stride.
 bool prefill_attention_avx512(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,

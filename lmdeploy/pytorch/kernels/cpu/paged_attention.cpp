@@ -99,7 +99,6 @@ void generic_rows(const T* q, const Rows& k_rows, const Rows& v_rows, const int6
 // Query row i attends over the first lengths[i] cached tokens of sequence seqs[i] (its row of
 // `table`; sequence i when `seqs` is undefined); tasks are (row, KV head) pairs, handed out
 // dynamically since their lengths differ. q may be a view with a row stride (q heads of a qkv output).
-// With a feature on, the generic path runs (the AVX-512 ones have none).
 torch::Tensor attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, const KVQuant& quant,
                              const torch::Tensor& table, const torch::Tensor& seqs, const torch::Tensor& lengths,
                              double scale, const AttnFeatures& features) {
@@ -115,9 +114,8 @@ torch::Tensor attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tens
   TORCH_CHECK(num_heads % num_kv_heads == 0 && (quant.bits || k_cache.size(3) == head_dim), "bad head layout");
   const int64_t width = table.size(1);
   auto out = torch::empty({rows, num_heads, head_dim}, q.options());
-  if (!features.on() && (quant.bits ? attention_rows_quant_avx512(q, k_cache, v_cache, quant, table, seqs, lengths,
-                                                                  scale, out)
-                                    : attention_rows_avx512(q, k_cache, v_cache, table, seqs, lengths, scale, out)))
+  if (quant.bits ? attention_rows_quant_avx512(q, k_cache, v_cache, quant, table, seqs, lengths, scale, features, out)
+                 : attention_rows_avx512(q, k_cache, v_cache, table, seqs, lengths, scale, features, out))
     return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     const auto run = [&](const auto& k_rows, const auto& v_rows) {
