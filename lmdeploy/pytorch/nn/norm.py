@@ -28,5 +28,5 @@ class GemmaRMSNorm(RMSNorm):
         self.weight.data.zero_()
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        out, summed = rms_norm(x, self.weight.float() + 1.0, self.eps, residual)
+        out, summed = rms_norm(x, (self.weight.float() + 1.0).to(x.dtype), self.eps, residual)
         return out if residual is None else (out, summed)

@@ -157,7 +157,7 @@ bool attention_rows_quant_avx512(const torch::Tensor& q, const torch::Tensor& k_
 bool prefill_attention_avx512(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                               const KVQuant& quant, const torch::Tensor& table, const torch::Tensor& starts,
                               const torch::Tensor& counts, const torch::Tensor& contexts, double scale,
-                              torch::Tensor& out);
+                              const AttnFeatures& features, torch::Tensor& out);
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_table, torch::Tensor kv_lens, double scale,
                                      c10::optional<torch::Tensor> k_scales_zeros,

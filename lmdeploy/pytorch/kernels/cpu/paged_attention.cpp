@@ -188,10 +188,11 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor, torch::Ten
     TORCH_CHECK(start_ptr[s] >= 0 && start_ptr[s] + count_ptr[s] <= q.size(0) && count_ptr[s] <= context_ptr[s],
                 "prefill rows out of range");
   if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();
-  if (!features.on() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+  if (k_cache.is_contiguous() && v_cache.is_contiguous() &&
       (quant.bits || k_cache.scalar_type() == q.scalar_type())) {
     auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
-    if (prefill_attention_avx512(q, k_cache, v_cache, quant, table, starts, counts, contexts, scale, out)) return out;
+    if (prefill_attention_avx512(q, k_cache, v_cache, quant, table, starts, counts, contexts, scale, features, out))
+      return out;
   }
   auto seqs = torch::empty({q.size(0)}, torch::kInt64), lengths = torch::empty({q.size(0)}, torch::kInt64);
   int64_t* seq_ptr = seqs.data_ptr<int64_t>();

@@ -161,8 +161,8 @@ def decode_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     part_lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(batch, num_kv_heads, splits)](
         q, k_cache, v_cache, k_scales_zeros, v_scales_zeros, block_table, kv_lens, part_out, part_lse, scale,
-        sliding_window or 0, logit_softcap or 0.0, num_heads, num_heads // num_kv_heads, splits, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2), block_table.stride(0), HEAD_DIM=head_dim, BLOCK_SIZE=block_size, PAGES=config.pages,
+        sliding_window or 0, logit_softcap or 0.0, num_heads, num_heads // num_kv_heads, splits, q.stride(0),
+        q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0), HEAD_DIM=head_dim, BLOCK_SIZE=block_size, PAGES=config.pages,
         BLOCK_H=max(16, triton.next_power_of_2(num_heads // num_kv_heads)), BLOCK_D=block_d,
         NUM_STAGES=config.num_stages, PRECISION=dot_precision(q.dtype), BITS=quant_policy,
         WINDOW=bool(sliding_window), SOFTCAP=bool(logit_softcap), num_warps=config.num_warps)

@@ -127,8 +127,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     grid = (triton.cdiv(max_q_len, block_m), q_len.shape[0], num_heads)
     _prefill_kernel[grid](q, k, v, k_cache, v_cache, k_scales_zeros, v_scales_zeros, out, block_table, q_start,
                           q_len, ctx_len, None if sinks is None else sinks.float().contiguous(), scale,
-                          sliding_window or 0, logit_softcap or 0.0, num_heads // num_kv_heads, head_dim, q.stride(0), q.stride(1),
-                          k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+                          sliding_window or 0, logit_softcap or 0.0, num_heads // num_kv_heads, head_dim, q.stride(0),
+                          q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
                           k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
                           BLOCK_M=block_m, BLOCK_N=block_m, BLOCK_SIZE=block_size,
                           BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=dot_precision(q.dtype),
