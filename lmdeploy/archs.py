@@ -19,6 +19,8 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'Qwen3ForCausalLM': ('llm', 'lmdeploy.pytorch.models.llama:LlamaForCausalLM'),
     'MistralForCausalLM': ('llm', 'lmdeploy.pytorch.models.llama:LlamaForCausalLM'),
     'Phi3ForCausalLM': ('llm', 'lmdeploy.pytorch.models.llama:LlamaForCausalLM'),
+    'Gemma2ForCausalLM': ('llm', 'lmdeploy.pytorch.models.gemma:GemmaForCausalLM'),
+    'Gemma3ForCausalLM': ('llm', 'lmdeploy.pytorch.models.gemma:GemmaForCausalLM'),
     'GlmForCausalLM': ('llm', 'lmdeploy.pytorch.models.glm:GlmForCausalLM'),
     'Glm4ForCausalLM': ('llm', 'lmdeploy.pytorch.models.glm:GlmForCausalLM'),
     'SmolLM3ForCausalLM': ('llm', 'lmdeploy.pytorch.models.smollm3:SmolLM3ForCausalLM'),
@@ -27,6 +29,7 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'Qwen3MoeForCausalLM': ('llm', 'lmdeploy.pytorch.models.moe:MoEForCausalLM'),
     'DeepseekV2ForCausalLM': ('llm', 'lmdeploy.pytorch.models.deepseek_v3:DeepseekV3ForCausalLM'),
     'DeepseekV3ForCausalLM': ('llm', 'lmdeploy.pytorch.models.deepseek_v3:DeepseekV3ForCausalLM'),
+    'GptOssForCausalLM': ('llm', 'lmdeploy.pytorch.models.gpt_oss:GptOssForCausalLM'),
     'Qwen2VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
     'Qwen2_5_VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
     'LlavaForConditionalGeneration': ('vlm', f'{_VL}:LlavaForConditionalGeneration'),
@@ -45,16 +48,6 @@ def load_hf_config(model_dir: str) -> PretrainedConfig:
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(f'architecture {arch!r} is not supported; supported: {", ".join(SUPPORTED_ARCHS)}')
     return config
-
-
-def check_attention(hf_config: PretrainedConfig, session_len: int) -> None:
-    """Raises when the model's attention needs a feature the kernels lack within ``session_len`` tokens:
-    a sliding window (Mistral, Phi-3) narrower than the context. Within the window attention is full."""
-    window = getattr(hf_config, 'sliding_window', None)
-    if window and getattr(hf_config, 'use_sliding_window', True) and window < session_len:
-        raise ValueError(f'{hf_config.model_type} attends over a sliding window of {window} tokens, and '
-                         f'sliding-window attention is not supported yet; set session_len <= {window} '
-                         f'(it is {session_len}) to serve it with full attention')
 
 
 def get_task(architecture: str) -> Task:

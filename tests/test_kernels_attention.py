@@ -91,13 +91,10 @@ def test_decode_config_depends_on_shapes_only():
     assert decode_config(64, 8, 64).splits == 2 and decode_config(128, 8, 32).splits == 1
 
 
-@pytest.mark.parametrize('dtype', DTYPES)
-@pytest.mark.parametrize('chunks', [
-    [(5, 5), (20, 45), (1, 17), (16, 32)],  # (q_len, ctx_len): fresh, unaligned prefix, one token, aligned prefix
-    [(70, 70), (3, 100)],  # a chunk longer than BLOCK_M
-])
-def test_prefill_attention(dtype, chunks):
-    num_heads, num_kv_heads, head_dim = 4, 2, 24
+def prefill_case(chunks: list[tuple[int, int]], dtype: torch.dtype, num_heads: int = 4, head_dim: int = 24):
+    """``(q, k, v, k_cache, v_cache, table, q_start, q_len, ctx_len, max_q_len)`` for chunks ``(q_len, ctx_len)``;
+    the fresh ``k, v`` are the chunks' rows of the caches."""
+    num_kv_heads = 2
     ctx_lens = [c for _, c in chunks]
     k_cache, v_cache, table = paged_cache(ctx_lens, num_kv_heads, head_dim, dtype, seed=2)
     q_lens = [n for n, _ in chunks]
@@ -110,10 +107,55 @@ def test_prefill_attention(dtype, chunks):
         v[start:start + n] = attention._gather_context(v_cache[blocks], c)[:, c - n:].transpose(0, 1)
     q = rand(sum(q_lens), num_heads, head_dim, dtype=dtype, seed=3)
     args = [torch.tensor(x, device=DEVICE) for x in (q_start, q_lens, ctx_lens)]
-    out = triton_kernels.prefill_attention(q, k, v, k_cache, v_cache, table, *args, max(q_lens), 0.3)
-    ref = attention.prefill_attention(q.float(), k.float(), v.float(), k_cache.float(), v_cache.float(), table,
-                                      *args, max(q_lens), 0.3)
-    assert_close(out, ref, dtype)
+    return q, k, v, k_cache, v_cache, table, *args, max(q_lens)
+
+
+def as_float(args) -> list:
+    return [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+
+
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('chunks', [
+    [(5, 5), (20, 45), (1, 17), (16, 32)],  # (q_len, ctx_len): fresh, unaligned prefix, one token, aligned prefix
+    [(70, 70), (3, 100)],  # a chunk longer than BLOCK_M
+])
+def test_prefill_attention(dtype, chunks):
+    case = prefill_case(chunks, dtype)
+    out = triton_kernels.prefill_attention(*case, 0.3)
+    assert_close(out, attention.prefill_attention(*as_float(case), 0.3), dtype)
+
+
+# (sliding_window, logit_softcap, with sinks); windows narrower than a page, a BLOCK_M and the contexts
+FEATURES = [(5, None, False), (40, None, False), (None, 2.5, False), (None, None, True), (20, 3.0, True)]
+
+
+def features(window, softcap, with_sinks, num_heads) -> dict:
+    sinks = rand(num_heads, dtype=torch.float32, seed=9) * 2 if with_sinks else None
+    return dict(sliding_window=window, logit_softcap=softcap, sinks=sinks)
+
+
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('window,softcap,with_sinks', FEATURES)
+def test_decode_attention_features(dtype, window, softcap, with_sinks):
+    """The default launch and one with several pages per step and split (the window starts mid-split)."""
+    case = paged_case([1, 37, 16, 90, 300], 6, 2, dtype, 24)
+    f = features(window, softcap, with_sinks, 6)
+    ref = attention.decode_attention(*as_float(case), 0.2, **f)
+    assert_close(triton_kernels.decode_attention(*case, 0.2, **f), ref, dtype)
+    assert_close(decode_attention_with(*case, 0.2, DecodeConfig(3, 2, 4, 1), **f), ref, dtype)
+
+
+@pytest.mark.parametrize('bits', [0, 8])
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('window,softcap,with_sinks', FEATURES)
+def test_prefill_attention_features(dtype, window, softcap, with_sinks, bits):
+    """Chunks over cached prefixes and whole prompts, plain and int8 caches."""
+    q, k, v, k_cache, v_cache, table, *rest = prefill_case([(5, 5), (20, 45), (1, 17), (70, 70), (3, 100)], dtype)
+    quant = quantize_case(k_cache, v_cache, bits) if bits else (k_cache, v_cache)
+    case = (q, k, v, *quant[:2], table, *rest, 0.3, *quant[2:], *((bits,) if bits else ()))
+    f = features(window, softcap, with_sinks, 4)
+    assert_close(triton_kernels.prefill_attention(*case, **f), attention.prefill_attention(*as_float(case), **f),
+                 dtype)
 
 
 def quantize_case(k_cache, v_cache, bits):

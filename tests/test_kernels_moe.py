@@ -6,6 +6,7 @@ import torch
 from kernel_env import DEVICE, DTYPES
 
 from lmdeploy.pytorch.kernels import moe
+from lmdeploy.pytorch.kernels.activation import ClampedSwiGLU
 from lmdeploy.pytorch.kernels import cuda as triton_kernels
 from lmdeploy.pytorch.kernels.cuda.fused_moe import MOE_CONFIGS, align_by_expert, fused_moe_with, moe_config
 
@@ -66,3 +67,22 @@ def test_fused_moe_config_classes(dtype, row):
     out = fused_moe_with(hidden, gate_up, down, weights, ids, config)
     ref = moe.fused_moe(hidden.float(), gate_up.float(), down.float(), weights, ids)
     torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('num_tokens', [1, 70])
+def test_fused_moe_biases_and_clamped_swiglu(dtype, num_tokens):
+    """gpt-oss experts: both GEMMs biased, the clamped SwiGLU (its clamps bite at this scale); the smallest
+    tile row and the default."""
+    num_experts, hidden_size, inter = 4, 64, 32
+    hidden = rand(num_tokens, hidden_size, dtype=dtype, seed=1, std=4.0)
+    gate_up, down = expert_weights(num_experts, hidden_size, inter, dtype)
+    gate_up_bias = rand(num_experts, 2 * inter, dtype=dtype, seed=6)
+    down_bias = rand(num_experts, hidden_size, dtype=dtype, seed=7)
+    weights, ids = moe.moe_routing(rand(num_tokens, num_experts, dtype=torch.float32, seed=8), 2, True)
+    act = ClampedSwiGLU(1.702, 7.0)
+    ref = moe.fused_moe(hidden.float(), gate_up.float(), down.float(), weights, ids, gate_up_bias.float(),
+                        down_bias.float(), act)
+    for out in (triton_kernels.fused_moe(hidden, gate_up, down, weights, ids, gate_up_bias, down_bias, act),
+                fused_moe_with(hidden, gate_up, down, weights, ids, MOE_CONFIGS[0][1], gate_up_bias, down_bias, act)):
+        torch.testing.assert_close(out.float(), ref, atol=4 * TOL[dtype], rtol=TOL[dtype])

@@ -1,11 +1,12 @@
-"""Phi-3, GLM, GLM-4, SmolLM3 and Mistral against transformers on tiny random models saved by transformers:
-greedy tokens and first-step logits in fp32, batching, chunked prefill and prefix-cache hits."""
+"""Phi-3, GLM, GLM-4, SmolLM3, Mistral, Gemma 2 and Gemma 3 against transformers on tiny random models
+saved by transformers: greedy tokens and first-step logits in fp32, batching, chunked prefill and
+prefix-cache hits. Sliding windows (16 tokens) are narrower than most prompts."""
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, Glm4Config, GlmConfig, MistralConfig, Phi3Config,
-                          SmolLM3Config)
+from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, Glm4Config, GlmConfig, MistralConfig,
+                          Phi3Config, SmolLM3Config)
 
 from conftest import VOCAB_SIZE, build_tokenizer
 from helpers import GREEDY_32, hf_greedy, make_engine, random_prompts, run
@@ -27,6 +28,19 @@ FAMILIES = {
     'glm4': lambda: Glm4Config(**SHAPE, head_dim=16),
     'smollm3': lambda: SmolLM3Config(**{**SHAPE, 'num_hidden_layers': 4}, no_rope_layer_interval=4),
     'mistral': lambda: MistralConfig(**SHAPE, head_dim=16, sliding_window=None),
+    'mistral_sliding': lambda: MistralConfig(**SHAPE, head_dim=16, sliding_window=16),
+    # local and global layers; scores and logits soft-capped where random weights reach the cap
+    'gemma2': lambda: Gemma2Config(**{**SHAPE, 'num_hidden_layers': 3}, head_dim=16, sliding_window=16,
+                                   query_pre_attn_scalar=24, attn_logit_softcapping=4.0,
+                                   final_logit_softcapping=6.0),
+    # local layers turn by their own rope base; tied embeddings
+    'gemma3': lambda: Gemma3TextConfig(**{**SHAPE, 'num_hidden_layers': 3, 'tie_word_embeddings': True}, head_dim=16,
+                                       sliding_window=16, query_pre_attn_scalar=24,
+                                       layer_types=['sliding_attention', 'full_attention', 'sliding_attention'],
+                                       rope_parameters={'sliding_attention': {'rope_type': 'default',
+                                                                              'rope_theta': 100.0},
+                                                        'full_attention': {'rope_type': 'default',
+                                                                           'rope_theta': 10000.0}}),
 }
 # families the native decoder stack runs on the CPU (plain Llama layers)
 NATIVE_STACK = {'phi3', 'mistral'}
@@ -131,13 +145,12 @@ def test_longrope_decode_crossing_keeps_what_is_cached(tmp_path):
     assert run(make_engine(path), [prompt], GenerationConfig(max_new_tokens=16, ignore_eos=True)) == [tokens]
 
 
-def test_sliding_window_narrower_than_the_context_is_refused(tmp_path):
-    path = save_family('mistral', str(tmp_path / 'mistral'), sliding_window=64)
-    with pytest.raises(ValueError, match='sliding-window attention is not supported'):
-        make_engine(path)
+def test_phi3_sliding_window(tmp_path):
+    """A Phi-3 config with a sliding window (Phi-3-mini's is 2047) attends over it in every layer."""
+    path = save_family('phi3', str(tmp_path / 'phi3'), sliding_window=16)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    prompt = random_prompts([30], seed=7)[0]
-    assert run(make_engine(path, session_len=64), [prompt]) == [hf_greedy(hf, prompt)]
+    prompts = random_prompts([40, 70], seed=7)
+    assert run(make_engine(path), prompts) == [hf_greedy(hf, prompt) for prompt in prompts]
 
 
 @pytest.mark.parametrize('kind', ['phi3', 'glm4'])

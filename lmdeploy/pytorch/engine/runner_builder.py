@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from lmdeploy.archs import check_attention, load_hf_config
+from lmdeploy.archs import load_hf_config
 from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.distributed.channel import StepChannel
@@ -80,7 +80,6 @@ def build_runner(model_dir: str, config: PytorchEngineConfig, device: torch.devi
     returns the Hugging Face config, the whole model's config and the runner."""
     hf_config = load_hf_config(model_dir)
     cfg = ModelConfig.from_hf(hf_config, resolve_dtype(config.dtype, config.device), config.quant_policy)
-    check_attention(cfg.hf_config, config.session_len or cfg.max_position_embeddings)
     with use_group(group):
         model = build_model(cfg, model_dir, device, config.load_format, show_progress)
         model.finalize_weights(device.type == 'cpu', uses_decode_int4(config, cfg, hf_config, device))

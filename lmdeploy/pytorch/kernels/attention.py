@@ -5,6 +5,12 @@ A layer's cache is a pair of tensors ``[num_blocks, num_kv_heads, block_size, he
 points (``kv_quant.py``). Attention over a quantized cache dequantizes what it reads to ``q``'s dtype
 and always reads the cache, the chunk's own K/V included, so that a prompt attends over the same values
 whether its prefix came from the prefix cache, an earlier chunk or this one.
+
+Three optional features, off by default (None), take the same names in every kernel set:
+``sliding_window`` W: a token attends to the last W positions, itself included (transformers' masking);
+``logit_softcap`` c: scores become ``c * tanh(scores / c)`` before the softmax (Gemma 2);
+``sinks [H]`` fp32: a learned logit per query head that joins the softmax denominator and adds no value
+(gpt-oss).
 """
 from __future__ import annotations
 
@@ -40,23 +46,48 @@ def _gather_context(blocks: torch.Tensor, length: int) -> torch.Tensor:
     return blocks.transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :length]
 
 
+def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dimension of fp32 ``scores``; ``sinks``, shaped as ``scores[..., 0]`` or to
+    broadcast to it, join the denominator."""
+    if sinks is None:
+        return scores.softmax(-1)
+    sink = sinks.float().unsqueeze(-1).expand(*scores.shape[:-1], 1)
+    return torch.cat((scores, sink), -1).softmax(-1)[..., :-1]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
+            logit_softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """``q [H, L, D]`` over ``k, v [H_kv, C, D]`` where ``allowed [L, C]``, scores in fp32 -> ``[H, L, D]``."""
+    group = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    if logit_softcap:
+        scores = torch.tanh(scores / logit_softcap) * logit_softcap
+    scores = scores.masked_fill(~allowed, float('-inf'))
+    return torch.matmul(_softmax(scores, None if sinks is None else sinks.view(-1, 1)).to(q.dtype), v)
+
+
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, block_table: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor,
                       ctx_len: torch.Tensor, max_q_len: int, scale: float, k_scales_zeros: torch.Tensor | None = None,
-                      v_scales_zeros: torch.Tensor | None = None, quant_policy: int = 0) -> torch.Tensor:
+                      v_scales_zeros: torch.Tensor | None = None, quant_policy: int = 0,
+                      sliding_window: int | None = None, logit_softcap: float | None = None,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of the packed chunks ``q [T, H, D]`` over their contexts; returns ``[T, H, D]``.
 
     Sequence ``s`` owns rows ``q_start[s]:q_start[s] + q_len[s]`` of ``q`` and of the fresh
     ``k, v [T, H_kv, D]``; its context is ``ctx_len[s]`` tokens in the blocks of ``block_table[s]``
     (already holding this chunk). A chunk that is its whole context uses the fresh K/V directly,
     unless the cache is quantized.
-    ``max_q_len`` sizes the GPU launch; here each sequence is one SDPA call.
+    ``max_q_len`` sizes the GPU launch; here each sequence is one SDPA call, or, with soft-capping or
+    sinks, plain matmuls and softmax.
     """
     out = torch.empty_like(q)
     block_size = k_cache.shape[2]
+    features = bool(sliding_window or logit_softcap or sinks is not None)
     for row, (start, length, context_len) in enumerate(zip(q_start.tolist(), q_len.tolist(), ctx_len.tolist())):
         qt = q[start:start + length].transpose(0, 1).unsqueeze(0)
-        if context_len == length and not quant_policy:
+        if context_len == length and not quant_policy and not features:
             kt = k[start:start + length].transpose(0, 1).unsqueeze(0)
             vt = v[start:start + length].transpose(0, 1).unsqueeze(0)
             chunk = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
@@ -66,15 +97,23 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
             vt = _gather_context(_blocks(v_cache, v_scales_zeros, blocks, quant_policy, q.dtype), context_len)
             kt, vt = kt.unsqueeze(0), vt.unsqueeze(0)
             q_pos = torch.arange(context_len - length, context_len, device=q.device).unsqueeze(1)
-            mask = torch.arange(context_len, device=q.device).unsqueeze(0) <= q_pos
-            chunk = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
+            kv_pos = torch.arange(context_len, device=q.device).unsqueeze(0)
+            mask = kv_pos <= q_pos
+            if sliding_window:
+                mask &= kv_pos > q_pos - sliding_window
+            if logit_softcap or sinks is not None:
+                chunk = _attend(qt[0], kt[0], vt[0], mask, scale, logit_softcap, sinks).unsqueeze(0)
+            else:
+                chunk = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
         out[start:start + length] = chunk.squeeze(0).transpose(0, 1)
     return out
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                      kv_lens: torch.Tensor, scale: float, k_scales_zeros: torch.Tensor | None = None,
-                     v_scales_zeros: torch.Tensor | None = None, quant_policy: int = 0) -> torch.Tensor:
+                     v_scales_zeros: torch.Tensor | None = None, quant_policy: int = 0,
+                     sliding_window: int | None = None, logit_softcap: float | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One new token per sequence: ``q [B, H, D]`` over ``kv_lens [B]`` tokens in ``block_table [B, N]``.
 
     Scores are computed block by block on the gathered blocks, so K/V are never copied into a
@@ -91,8 +130,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     qg = q.view(batch, 1, num_kv_heads, group, head_dim)
     scores = torch.matmul(qg, k.transpose(-1, -2))
     scores = scores.permute(0, 2, 3, 1, 4).reshape(batch, num_kv_heads, group, -1).float() * scale
-    padding = torch.arange(num_blocks * block_size, device=q.device) >= kv_lens.unsqueeze(1)
+    if logit_softcap:
+        scores = torch.tanh(scores / logit_softcap) * logit_softcap
+    kv_pos = torch.arange(num_blocks * block_size, device=q.device)
+    padding = kv_pos >= kv_lens.unsqueeze(1)
+    if sliding_window:
+        padding |= kv_pos <= kv_lens.unsqueeze(1) - 1 - sliding_window
     scores.masked_fill_(padding[:, None, None, :], float('-inf'))
-    probs = scores.softmax(-1).to(q.dtype).view(batch, num_kv_heads, group, num_blocks, block_size)
+    sinks = None if sinks is None else sinks.view(num_kv_heads, group)
+    probs = _softmax(scores, sinks).to(q.dtype).view(batch, num_kv_heads, group, num_blocks, block_size)
     out = torch.matmul(probs.permute(0, 3, 1, 2, 4), v).sum(1)
     return out.reshape(batch, num_heads, head_dim)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lmdeploy.pytorch.kernels.activation import silu_and_mul
+from lmdeploy.pytorch.kernels.activation import ClampedSwiGLU, clamped_swiglu, silu_and_mul
 
 
 def moe_routing(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -16,11 +16,14 @@ def moe_routing(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> t
 
 
 def fused_moe(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
-    """``sum_k w[t, k] * down_e(silu(gate_e(x)) * up_e(x))`` with ``e = topk_ids[t, k]``.
+              topk_ids: torch.Tensor, gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+              activation: ClampedSwiGLU | None = None) -> torch.Tensor:
+    """``sum_k w[t, k] * down_e(act(gate_up_e(x)))`` with ``e = topk_ids[t, k]``.
 
-    ``gate_up [E, 2I, H]`` holds each expert's gate rows then up rows, ``down [E, H, I]``. Only
-    experts that received tokens run; results are combined in expert order with ``index_add_``.
+    ``gate_up [E, 2I, H]`` holds each expert's gate rows then up rows, ``down [E, H, I]``; the optional
+    biases ``gate_up_bias [E, 2I]`` and ``down_bias [E, H]`` are added before the activation and before
+    the routing weight. ``act`` is SiLU-and-mul, or ``activation`` when given. Only experts that
+    received tokens run; results are combined in expert order with ``index_add_``.
     """
     top_k = topk_ids.shape[1]
     flat_ids = topk_ids.flatten()
@@ -34,7 +37,9 @@ def fused_moe(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, t
         if count == 0:
             continue
         rows = tokens[start:start + count]
-        y = F.linear(silu_and_mul(F.linear(hidden[rows], gate_up[expert])), down[expert])
+        x = F.linear(hidden[rows], gate_up[expert], None if gate_up_bias is None else gate_up_bias[expert])
+        x = silu_and_mul(x) if activation is None else clamped_swiglu(x, activation)
+        y = F.linear(x, down[expert], None if down_bias is None else down_bias[expert])
         out.index_add_(0, rows, y * weights[start:start + count, None])
         start += count
     return out

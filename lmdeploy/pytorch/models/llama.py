@@ -7,6 +7,7 @@ from typing import Union
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 
 from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.distributed.parallel_state import Shard
@@ -32,13 +33,28 @@ WeightKey = Union[str, tuple[str, str]]
 WeightTarget = tuple[torch.Tensor, WeightKey, Union[Shard, None]]
 
 
+def layer_window(hf_config: PretrainedConfig, layer_index: int) -> int | None:
+    """The sliding window of layer ``layer_index``, None for full attention: the layers that
+    ``layer_types`` marks ``sliding_attention``, or without ``layer_types`` every layer when the config
+    has a ``sliding_window`` (and ``use_sliding_window`` is not False)."""
+    window = getattr(hf_config, 'sliding_window', None)
+    if not window:
+        return None
+    layer_types = getattr(hf_config, 'layer_types', None)
+    if layer_types is not None:
+        return window if layer_types[layer_index] == 'sliding_attention' else None
+    return window if getattr(hf_config, 'use_sliding_window', True) else None
+
+
 class LlamaAttention(nn.Module):
     """Self-attention with rotary queries and keys: all of each head's features, the first
     ``partial_rotary_factor`` of them, or none (``use_rope=False``); ``interleaved_rope`` turns
-    neighbouring pairs (GLM) instead of halves."""
+    neighbouring pairs (GLM) instead of halves. ``scale`` defaults to ``head_dim ** -0.5``;
+    ``sliding_window`` and ``logit_softcap`` go to :class:`PagedAttention`."""
 
     def __init__(self, cfg: ModelConfig, use_rope: bool = True, interleaved_rope: bool = False,
-                 o_bias: bool | None = None):
+                 o_bias: bool | None = None, scale: float | None = None, sliding_window: int | None = None,
+                 logit_softcap: float | None = None):
         super().__init__()
         hf = cfg.hf_config
         self.head_dim = cfg.head_dim
@@ -54,8 +70,9 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, hf.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, hf.rms_norm_eps)
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5,
-                                   cfg.quant_policy)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim,
+                                   self.head_dim**-0.5 if scale is None else scale, cfg.quant_policy,
+                                   sliding_window=sliding_window, logit_softcap=logit_softcap)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache, ctx: StepContext) -> torch.Tensor:
         heads = self.num_heads + 2 * self.num_kv_heads
@@ -76,12 +93,12 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
 
-    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None):
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None, activation: str = 'silu'):
         super().__init__()
         hf = cfg.hf_config
         bias = bool(getattr(hf, 'mlp_bias', False))
         intermediate_size = intermediate_size or hf.intermediate_size
-        self.gate_up_proj = GateUpLinear(cfg.hidden_size, intermediate_size, bias=bias)
+        self.gate_up_proj = GateUpLinear(cfg.hidden_size, intermediate_size, bias=bias, activation=activation)
         self.down_proj = RowLinear(intermediate_size, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -111,9 +128,10 @@ class LlamaDecoderLayer(nn.Module):
     def native_weights(self) -> LayerWeights | None:
         """This layer's weights for :class:`NativeDecoderStack`; None unless every projection holds
         native GEMM panels and the layer has no parts the stack lacks (q/k norms, a MoE block, partial or
-        no rotary, another family's extra norms)."""
+        no rotary, another family's extra norms, a sliding window)."""
         attn, mlp = self.self_attn, self.mlp
-        if type(self) is not LlamaDecoderLayer or attn.qk_norm or not attn.plain_rope or not isinstance(mlp, LlamaMLP):
+        if (type(self) is not LlamaDecoderLayer or attn.qk_norm or not attn.plain_rope or not attn.attn.plain
+                or not isinstance(mlp, LlamaMLP) or not mlp.gate_up_proj.gate_up_panels):
             return None
         projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         panels = [proj.kernel.native_panels() for proj in projections]
@@ -148,7 +166,8 @@ class LlamaForCausalLM(nn.Module):
 
     def make_layer(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
         """One decoder layer; families with other layers override it."""
-        return LlamaDecoderLayer(cfg, self.make_mlp(cfg, layer_index))
+        attn = LlamaAttention(cfg, sliding_window=layer_window(cfg.hf_config, layer_index))
+        return LlamaDecoderLayer(cfg, self.make_mlp(cfg, layer_index), attn)
 
     def make_mlp(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
         """The feed-forward block of one decoder layer; MoE models override it."""

@@ -1,4 +1,5 @@
-"""Mixture-of-experts decoders: Mixtral, Qwen2-MoE (with a shared expert) and Qwen3-MoE."""
+"""Mixture-of-experts decoders: Mixtral, Qwen2-MoE (with a shared expert) and Qwen3-MoE; the MoE block of
+gpt-oss."""
 from __future__ import annotations
 
 import re
@@ -8,27 +9,29 @@ from torch import nn
 
 from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.kernels import moe_routing
+from lmdeploy.pytorch.kernels.activation import ClampedSwiGLU
 from lmdeploy.pytorch.models.llama import LlamaForCausalLM, LlamaMLP, WeightTarget
 from lmdeploy.pytorch.nn.linear import Linear
 from lmdeploy.pytorch.nn.moe import FusedExperts
 
 # HF expert projection name -> FusedExperts part
 EXPERT_PARTS = {'w1': 'gate', 'w3': 'up', 'w2': 'down', 'gate_proj': 'gate', 'up_proj': 'up', 'down_proj': 'down'}
-EXPERT_NAME = re.compile(r'(layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.weight')
+EXPERT_NAME = re.compile(r'(layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.(weight|bias)')
 
 
 class SparseMoeBlock(nn.Module):
-    """Routes each token to its top-k experts; Qwen2-MoE adds a sigmoid-gated shared expert."""
+    """Routes each token to its top-k experts; Qwen2-MoE adds a sigmoid-gated shared expert. ``bias`` gives
+    the router and the experts biases and ``activation`` replaces the experts' SiLU-and-mul (gpt-oss)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, bias: bool = False, activation: ClampedSwiGLU | None = None):
         super().__init__()
         hf = cfg.hf_config
         num_experts = getattr(hf, 'num_local_experts', None) or hf.num_experts
         intermediate = getattr(hf, 'moe_intermediate_size', None) or hf.intermediate_size
         self.top_k = hf.num_experts_per_tok
         self.renormalize = getattr(hf, 'norm_topk_prob', True)
-        self.gate = Linear(cfg.hidden_size, num_experts)
-        self.experts = FusedExperts(cfg.hidden_size, intermediate, num_experts)
+        self.gate = Linear(cfg.hidden_size, num_experts, bias=bias)
+        self.experts = FusedExperts(cfg.hidden_size, intermediate, num_experts, bias, activation)
         self.shared_expert = None
         if getattr(hf, 'shared_expert_intermediate_size', None):
             self.shared_expert = LlamaMLP(cfg, hf.shared_expert_intermediate_size)
@@ -56,6 +59,7 @@ class MoEForCausalLM(LlamaForCausalLM):
         match = EXPERT_NAME.fullmatch(name)
         if match is None:
             return super().weight_target(name)
-        experts_name, expert, proj = match.groups()
-        weight, param, label, shard = self.get_submodule(experts_name).expert_weight(int(expert), EXPERT_PARTS[proj])
+        experts_name, expert, proj, kind = match.groups()
+        experts = self.get_submodule(experts_name)
+        weight, param, label, shard = experts.expert_weight(int(expert), EXPERT_PARTS[proj], kind)
         return weight, (f'{experts_name}.{param}', label), shard

@@ -12,30 +12,51 @@ class PagedAttention(nn.Module):
     """Stores this step's K/V in the cache, then attends each token over its context.
 
     A layer's cache is ``(k_cache, v_cache)``, or with ``quant_policy`` 8 or 4
-    ``(k_codes, v_codes, k_scales_zeros, v_scales_zeros)`` (see ``kernels/kv_quant.py``)."""
+    ``(k_codes, v_codes, k_scales_zeros, v_scales_zeros)`` (see ``kernels/kv_quant.py``).
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, quant_policy: int = 0):
+    ``sliding_window``, ``logit_softcap`` and ``sinks`` (None: off) are the attention features of
+    ``kernels/attention.py``; ``sinks [num_heads]`` is a parameter filled from the checkpoint when
+    ``with_sinks`` is set (this rank's heads under tensor parallelism)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, quant_policy: int = 0,
+                 sliding_window: int | None = None, logit_softcap: float | None = None, with_sinks: bool = False):
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
         self.quant_policy = quant_policy
+        self.sliding_window = sliding_window or None
+        self.logit_softcap = logit_softcap or None
+        self.sinks = nn.Parameter(torch.zeros(num_heads), requires_grad=False) if with_sinks else None
+
+    @property
+    def plain(self) -> bool:
+        """Whether the attention is plain causal softmax attention (no feature on)."""
+        return self.sliding_window is None and self.logit_softcap is None and self.sinks is None
+
+    def features(self) -> dict:
+        """The feature keywords of the attention kernels, only those that are on."""
+        named = {'sliding_window': self.sliding_window, 'logit_softcap': self.logit_softcap,
+                 'sinks': None if self.sinks is None else self.sinks.float()}
+        return {name: value for name, value in named.items() if value is not None}
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, ...], ctx: StepContext) -> torch.Tensor:
         """``q [T, H, D]``, ``k, v [T, H_kv, D]`` -> ``[T, H * D]``."""
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         quant = (*kv_cache[2:], self.quant_policy) if self.quant_policy else ()
+        features = self.features()
         fill_kv_cache(k, v, k_cache, v_cache, ctx.kv_blocks, ctx.kv_offsets, *quant)
         num_prefill = ctx.num_prefill_tokens
         parts = []
         if ctx.prefill_q_len is not None:
             parts.append(prefill_attention(q[:num_prefill], k[:num_prefill], v[:num_prefill], k_cache, v_cache,
                                            ctx.prefill_block_table, ctx.prefill_q_start, ctx.prefill_q_len,
-                                           ctx.prefill_ctx_len, ctx.prefill_max_q_len, self.scale, *quant))
+                                           ctx.prefill_ctx_len, ctx.prefill_max_q_len, self.scale, *quant,
+                                           **features))
         if ctx.decode_blocks is not None:
             parts.append(decode_attention(q[num_prefill:], k_cache, v_cache, ctx.decode_blocks, ctx.decode_kv_lens,
-                                          self.scale, *quant))
+                                          self.scale, *quant, **features))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return out.flatten(1)

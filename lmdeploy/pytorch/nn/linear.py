@@ -19,6 +19,7 @@ from torch import nn
 
 from lmdeploy.pytorch.distributed.parallel_state import Shard, current_group, head_ranges, split_range
 from lmdeploy.pytorch.kernels import silu_and_mul
+from lmdeploy.pytorch.kernels.activation import gelu_tanh_and_mul
 from lmdeploy.pytorch.nn.quant import Layout, LinearKernel, LinearOptions, current_weight_format, layout_of, new_parameter
 
 
@@ -122,17 +123,21 @@ class QKVLinear(MergedLinear):
 
 
 class GateUpLinear(MergedLinear):
-    """The gate and up projections of a gated MLP, stacked; ``forward`` returns ``silu(gate) * up``.
+    """The gate and up projections of a gated MLP, stacked; ``forward`` returns ``silu(gate) * up``, or
+    with ``activation='gelu_tanh'`` (Gemma) ``gelu_tanh(gate) * up``.
 
-    With the native GEMM the activation runs on the GEMM's registers (gate and up panels alternate in
-    the packed weight), so the ``[T, 2 * I]`` product is never written out nor read back.
+    With the native GEMM SiLU runs on the GEMM's registers (gate and up panels alternate in the packed
+    weight), so the ``[T, 2 * I]`` product is never written out nor read back.
     """
 
-    gate_up_panels = True
-
-    def __init__(self, in_features: int, intermediate_size: int, bias: bool = False):
+    def __init__(self, in_features: int, intermediate_size: int, bias: bool = False, activation: str = 'silu'):
+        if activation not in ('silu', 'gelu_tanh'):
+            raise ValueError(f'activation {activation!r} is not supported')
+        self.gate_up_panels = activation == 'silu'
         super().__init__(in_features, [intermediate_size] * 2, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.gate_up_panels:
+            return gelu_tanh_and_mul(self.kernel(x, self.bias))
         fused = self.kernel.gate_up_silu(x, self.bias)
         return fused if fused is not None else silu_and_mul(self.kernel(x, self.bias))

@@ -18,3 +18,15 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         out, summed = rms_norm(x, self.weight, self.eps, residual)
         return out if residual is None else (out, summed)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the checkpoint's weight ``w`` scales by ``1 + w`` (it starts at zeros)."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__(size, eps)
+        self.weight.data.zero_()
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        out, summed = rms_norm(x, (self.weight.float() + 1.0).to(x.dtype), self.eps, residual)
+        return out if residual is None else (out, summed)

@@ -65,9 +65,12 @@ class RotaryEmbedding(nn.Module):
     keep their short turn (transformers' ``generate`` computes them again).
     """
 
-    def __init__(self, hf_config: PretrainedConfig, head_dim: int):
+    def __init__(self, hf_config: PretrainedConfig, head_dim: int, layer_type: str | None = None):
         super().__init__()
         params = getattr(hf_config, 'rope_parameters', None) or {}
+        if layer_type is not None:  # one rope per layer type (Gemma 3: local and global bases)
+            params = params[layer_type]
+        per_type = {} if layer_type is None else {'layer_type': layer_type}
         rope_type = params.get('rope_type', 'default')
         self.long_inv_freq: torch.Tensor | None = None
         if rope_type == 'default':
@@ -76,11 +79,11 @@ class RotaryEmbedding(nn.Module):
             inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
             self.scaling = 1.0
         elif rope_type in ROPE_INIT_FUNCTIONS and rope_type != 'dynamic':
-            inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device('cpu'))
+            inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device('cpu'), **per_type)
             if rope_type == 'longrope':
                 self.original_max = params['original_max_position_embeddings']
                 self.long_inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device('cpu'),
-                                                                       seq_len=self.original_max + 1)
+                                                                       seq_len=self.original_max + 1, **per_type)
         else:
             raise ValueError(f'rope type {rope_type!r} is not supported')
         # A plain attribute, not a buffer: casting the model to bf16 must not round the frequencies.

@@ -55,5 +55,5 @@ def build_model(cfg: ModelConfig, model_dir: str, device: torch.device, load_for
         return model.eval()
     with use_weight_format(weight_format):
         model = cast_model(model_class(cfg), cfg.dtype)
-    model.load_weights(weight_format.checkpoint_tensors(iterate_weights(model_dir, show_progress)))
+    model.load_weights(weight_format.convert_checkpoint(iterate_weights(model_dir, show_progress)))
     return model.to(device).eval()

@@ -78,6 +78,40 @@ inline void online_softmax(float* scores, int64_t count, float& peak, float& tot
   peak = new_peak;
 }
 
+// One task's share of the attention features (AttnFeatures): the first cached token it attends to,
+// soft-capping, and the sinks of its query heads (KV head k's G heads from sinks + k * sink_stride).
+struct TaskFeatures {
+  int64_t first = 0;
+  float softcap = 0.f;
+  const float* sinks = nullptr;
+  int64_t sink_stride = 0;
+
+  TaskFeatures(const AttnFeatures& features, int64_t length, int64_t first_query_head, int64_t group)
+      : first(features.first(length)), softcap(features.logit_softcap),
+        sinks(features.sinks.defined() ? features.sinks.data_ptr<float>() + first_query_head : nullptr),
+        sink_stride(group) {}
+
+  // The online softmax of `heads` KV heads' G query heads before any key: no peak and nothing summed,
+  // or a head's sink as its peak with weight 1 (its exp(sink - peak) then rescales with the keys').
+  void start(int64_t heads, int G, float* peak, float* total) const {
+    for (int64_t k = 0; k < heads; ++k)
+      for (int h = 0; h < G; ++h) {
+        peak[k * G + h] = sinks ? sinks[k * sink_stride + h] : std::numeric_limits<float>::lowest();
+        total[k * G + h] = sinks ? 1.f : 0.f;
+      }
+  }
+
+  // softcap * tanh(score / softcap) for G heads' `count` scores (rows of `block_size`).
+  void cap(float* scores, int G, int64_t block_size, int64_t count) const {
+    if (softcap <= 0.f) return;
+    for (int h = 0; h < G; ++h)
+      for (int64_t t = 0; t < count; ++t) {
+        float& score = scores[h * block_size + t];
+        score = softcap * std::tanh(score / softcap);
+      }
+  }
+};
+
 // Adds one block's weighted values to the running sums of G query heads in `stored` ([G, D] fp32), after
 // rescaling them as the online softmax says; `value_row(t, value)` loads token t's value row as fp32.
 template <int G, int NV, class ValueRow>

@@ -66,11 +66,11 @@ inline __m512 exp_ps(__m512 x) {
 }
 #endif
 
-// x[0:n] = softmax(x[0:n]), in fp32.
-inline void softmax(float* x, int64_t n) {
-  float peak = x[0];
-  for (int64_t t = 1; t < n; ++t) peak = std::max(peak, x[t]);
-  float total = 0.f;
+// x[0:n] = softmax(x[0:n]), in fp32; a `sink` logit, when given, joins the denominator.
+inline void softmax(float* x, int64_t n, const float* sink = nullptr) {
+  float peak = sink ? *sink : x[0];
+  for (int64_t t = 0; t < n; ++t) peak = std::max(peak, x[t]);
+  float total = sink ? std::exp(*sink - peak) : 0.f;
 #pragma omp simd reduction(+ : total)
   for (int64_t t = 0; t < n; ++t) {
     x[t] = std::exp(x[t] - peak);
@@ -126,31 +126,53 @@ KVQuant kv_quant(const torch::Tensor& k_cache, const torch::Tensor& v_cache, int
                  const c10::optional<torch::Tensor>& k_scales_zeros, const c10::optional<torch::Tensor>& v_scales_zeros,
                  int64_t quant_policy);
 
+// The optional attention features (kernels/attention.py): off when 0 / null. `sinks` holds one fp32
+// logit per query head.
+struct AttnFeatures {
+  int64_t sliding_window = 0;
+  float logit_softcap = 0.f;
+  torch::Tensor sinks;
+  bool on() const { return sliding_window > 0 || logit_softcap > 0.f || sinks.defined(); }
+  // The first of `length` context tokens that the last of them attends to.
+  int64_t first(int64_t length) const {
+    return sliding_window > 0 ? std::max<int64_t>(0, length - sliding_window) : 0;
+  }
+};
+AttnFeatures attn_features(const c10::optional<int64_t>& sliding_window, const c10::optional<double>& logit_softcap,
+                           const c10::optional<torch::Tensor>& sinks, int64_t num_heads);
+
 // Fills `out` and returns true where the AVX-512 path applies (bf16, head_dim 64 or 128); the
 // arguments are those of attention_rows in paged_attention.cpp: int64 and contiguous, but for q's
 // row stride and `seqs`, which may be undefined.
 bool attention_rows_avx512(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                            const torch::Tensor& table, const torch::Tensor& seqs, const torch::Tensor& lengths,
-                           double scale, torch::Tensor& out);
+                           double scale, const AttnFeatures& features, torch::Tensor& out);
 // The same for int8 and int4 caches (paged_attention_quant_avx512.cpp).
 bool attention_rows_quant_avx512(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                  const KVQuant& quant, const torch::Tensor& table, const torch::Tensor& seqs,
-                                 const torch::Tensor& lengths, double scale, torch::Tensor& out);
+                                 const torch::Tensor& lengths, double scale, const AttnFeatures& features,
+                                 torch::Tensor& out);
 // Fills `out` and returns true where the AVX512-BF16 prefill path applies (bf16, head_dim 64 or 128);
 // the arguments are paged_prefill_attention's, int64 and contiguous but for q's token stride.
 bool prefill_attention_avx512(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                               const KVQuant& quant, const torch::Tensor& table, const torch::Tensor& starts,
                               const torch::Tensor& counts, const torch::Tensor& contexts, double scale,
-                              torch::Tensor& out);
+                              const AttnFeatures& features, torch::Tensor& out);
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_table, torch::Tensor kv_lens, double scale,
                                      c10::optional<torch::Tensor> k_scales_zeros,
-                                     c10::optional<torch::Tensor> v_scales_zeros, int64_t quant_policy);
+                                     c10::optional<torch::Tensor> v_scales_zeros, int64_t quant_policy,
+                                     c10::optional<int64_t> sliding_window = c10::nullopt,
+                                     c10::optional<double> logit_softcap = c10::nullopt,
+                                     c10::optional<torch::Tensor> sinks = c10::nullopt);
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
                                       torch::Tensor v_cache, torch::Tensor block_table, torch::Tensor q_start,
                                       torch::Tensor q_len, torch::Tensor ctx_len, int64_t max_q_len, double scale,
                                       c10::optional<torch::Tensor> k_scales_zeros,
-                                      c10::optional<torch::Tensor> v_scales_zeros, int64_t quant_policy);
+                                      c10::optional<torch::Tensor> v_scales_zeros, int64_t quant_policy,
+                                      c10::optional<int64_t> sliding_window = c10::nullopt,
+                                      c10::optional<double> logit_softcap = c10::nullopt,
+                                      c10::optional<torch::Tensor> sinks = c10::nullopt);
 std::tuple<torch::Tensor, torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
                                                   c10::optional<torch::Tensor> residual);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);

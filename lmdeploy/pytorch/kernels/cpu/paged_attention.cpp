@@ -28,17 +28,17 @@ inline void dots(const float* query, const float* key, int64_t group, int64_t he
   }
 }
 
-// Calls fn(t, row) for the cached tokens t < length of one KV head (its rows from `head_slot` in each
-// block of `slots_per_block` rows), each row read as fp32 by `rows`.
+// Calls fn(t - from, row) for the cached tokens from <= t < length of one KV head (its rows from
+// `head_slot` in each block of `slots_per_block` rows), each row read as fp32 by `rows`.
 template <typename Rows, typename Fn>
-void for_each_cached_row(const Rows& rows, const int64_t* blocks, int64_t length, int64_t block_size,
+void for_each_cached_row(const Rows& rows, const int64_t* blocks, int64_t from, int64_t length, int64_t block_size,
                          int64_t slots_per_block, int64_t head_slot, float* row, Fn fn) {
-  for (int64_t start = 0; start < length; start += block_size) {
+  for (int64_t start = from - from % block_size; start < length; start += block_size) {
     const int64_t first = blocks[start / block_size] * slots_per_block + head_slot;
     const int64_t count = std::min(block_size, length - start);
-    for (int64_t t = 0; t < count; ++t) {
+    for (int64_t t = std::max<int64_t>(0, from - start); t < count; ++t) {
       rows(first + t, row);
-      fn(start + t, row);
+      fn(start + t - from, row);
     }
   }
 }
@@ -46,18 +46,23 @@ void for_each_cached_row(const Rows& rows, const int64_t* blocks, int64_t length
 template <typename T, typename Rows>
 void decode_task(const T* q, const Rows& k_rows, const Rows& v_rows, const int64_t* blocks, int64_t length,
                  int64_t group, int64_t head_dim, int64_t block_size, int64_t slots_per_block, int64_t head_slot,
-                 float scale, T* out, std::vector<float>& scores, std::vector<float>& acc) {
-  // q, out: the group's `group` query heads, each `head_dim` long.
+                 float scale, const AttnFeatures& features, const float* sinks, T* out, std::vector<float>& scores,
+                 std::vector<float>& acc) {
+  // q, out: the group's `group` query heads, each `head_dim` long; sinks: theirs, or null.
+  const int64_t from = features.first(length);
+  length -= from;
   scores.assign(group * length, 0.f);
   acc.assign(group * head_dim, 0.f);
   std::vector<float> query(group * head_dim), buffer(head_dim);
   for (int64_t i = 0; i < group * head_dim; ++i) query[i] = to_float(q[i]) * scale;
-  for_each_cached_row(k_rows, blocks, length, block_size, slots_per_block, head_slot, buffer.data(),
+  for_each_cached_row(k_rows, blocks, from, from + length, block_size, slots_per_block, head_slot, buffer.data(),
                       [&](int64_t t, const float* key) {
                         dots(query.data(), key, group, head_dim, scores.data() + t, length);
                       });
-  for (int64_t h = 0; h < group; ++h) softmax(scores.data() + h * length, length);
-  for_each_cached_row(v_rows, blocks, length, block_size, slots_per_block, head_slot, buffer.data(),
+  if (const float cap = features.logit_softcap; cap > 0.f)
+    for (int64_t i = 0; i < group * length; ++i) scores[i] = cap * std::tanh(scores[i] / cap);
+  for (int64_t h = 0; h < group; ++h) softmax(scores.data() + h * length, length, sinks ? sinks + h : nullptr);
+  for_each_cached_row(v_rows, blocks, from, from + length, block_size, slots_per_block, head_slot, buffer.data(),
                       [&](int64_t t, const float* value) {
                         for (int64_t h = 0; h < group; ++h) {
                           const float p = scores[h * length + t];
@@ -72,8 +77,10 @@ void decode_task(const T* q, const Rows& k_rows, const Rows& v_rows, const int64
 template <typename T, typename Rows>
 void generic_rows(const T* q, const Rows& k_rows, const Rows& v_rows, const int64_t* table, int64_t width,
                   const int64_t* seqs, const int64_t* lengths, int64_t rows, int64_t q_stride, int64_t num_heads,
-                  int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, T* out) {
+                  int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                  const AttnFeatures& features, T* out) {
   const int64_t group = num_heads / num_kv_heads, slots_per_block = num_kv_heads * block_size;
+  const float* sinks = features.sinks.defined() ? features.sinks.data_ptr<float>() : nullptr;
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     std::vector<float> scores, acc;
@@ -83,8 +90,8 @@ void generic_rows(const T* q, const Rows& k_rows, const Rows& v_rows, const int6
       const int64_t head_offset = kv_head * group * head_dim, out_offset = row * num_heads * head_dim + head_offset;
       const int64_t seq = seqs ? seqs[row] : row;
       decode_task<T>(q + row * q_stride + head_offset, k_rows, v_rows, table + seq * width, lengths[row], group,
-                     head_dim, block_size, slots_per_block, kv_head * block_size, scale, out + out_offset, scores,
-                     acc);
+                     head_dim, block_size, slots_per_block, kv_head * block_size, scale, features,
+                     sinks ? sinks + kv_head * group : nullptr, out + out_offset, scores, acc);
     }
   }
 }
@@ -94,7 +101,7 @@ void generic_rows(const T* q, const Rows& k_rows, const Rows& v_rows, const int6
 // dynamically since their lengths differ. q may be a view with a row stride (q heads of a qkv output).
 torch::Tensor attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, const KVQuant& quant,
                              const torch::Tensor& table, const torch::Tensor& seqs, const torch::Tensor& lengths,
-                             double scale) {
+                             double scale, const AttnFeatures& features) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "bad shapes");
   TORCH_CHECK(quant.bits ||
                   (q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type()),
@@ -107,15 +114,15 @@ torch::Tensor attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tens
   TORCH_CHECK(num_heads % num_kv_heads == 0 && (quant.bits || k_cache.size(3) == head_dim), "bad head layout");
   const int64_t width = table.size(1);
   auto out = torch::empty({rows, num_heads, head_dim}, q.options());
-  if (quant.bits ? attention_rows_quant_avx512(q, k_cache, v_cache, quant, table, seqs, lengths, scale, out)
-                 : attention_rows_avx512(q, k_cache, v_cache, table, seqs, lengths, scale, out))
+  if (quant.bits ? attention_rows_quant_avx512(q, k_cache, v_cache, quant, table, seqs, lengths, scale, features, out)
+                 : attention_rows_avx512(q, k_cache, v_cache, table, seqs, lengths, scale, features, out))
     return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     const auto run = [&](const auto& k_rows, const auto& v_rows) {
       generic_rows<scalar_t>(q.data_ptr<scalar_t>(), k_rows, v_rows, table.data_ptr<int64_t>(), width,
                              seqs.defined() ? seqs.data_ptr<int64_t>() : nullptr, lengths.data_ptr<int64_t>(), rows,
                              q.stride(0), num_heads, num_kv_heads, head_dim, block_size, static_cast<float>(scale),
-                             out.data_ptr<scalar_t>());
+                             features, out.data_ptr<scalar_t>());
     };
     if (quant.bits == 8) {
       run(QuantRows<8>{k_cache.data_ptr<uint8_t>(), quant.k_scales_zeros.data_ptr<float>(), head_dim},
@@ -133,15 +140,30 @@ torch::Tensor attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tens
 
 }  // namespace
 
+AttnFeatures attn_features(const c10::optional<int64_t>& sliding_window, const c10::optional<double>& logit_softcap,
+                           const c10::optional<torch::Tensor>& sinks, int64_t num_heads) {
+  AttnFeatures features;
+  features.sliding_window = sliding_window.value_or(0);
+  features.logit_softcap = static_cast<float>(logit_softcap.value_or(0.));
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->numel() == num_heads, "sinks must hold one logit per query head");
+    features.sinks = contiguous_as(*sinks, torch::kFloat32);
+  }
+  return features;
+}
+
 // q [B, H, D]; k_cache, v_cache [num_blocks, H_kv, block_size, D] (or quantized, see fill_kv_cache.cpp);
 // block_table [B, W]; kv_lens [B].
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_table, torch::Tensor kv_lens, double scale,
                                      c10::optional<torch::Tensor> k_scales_zeros,
-                                     c10::optional<torch::Tensor> v_scales_zeros, int64_t quant_policy) {
+                                     c10::optional<torch::Tensor> v_scales_zeros, int64_t quant_policy,
+                                     c10::optional<int64_t> sliding_window, c10::optional<double> logit_softcap,
+                                     c10::optional<torch::Tensor> sinks) {
   const KVQuant quant = kv_quant(k_cache, v_cache, q.size(2), k_scales_zeros, v_scales_zeros, quant_policy);
   return attention_rows(q, k_cache, v_cache, quant, contiguous_as(block_table, torch::kInt64), torch::Tensor(),
-                        contiguous_as(kv_lens, torch::kInt64), scale);
+                        contiguous_as(kv_lens, torch::kInt64), scale,
+                        attn_features(sliding_window, logit_softcap, sinks, q.size(1)));
 }
 
 // Causal attention of packed prefill chunks q [T, H, D]: sequence s owns rows q_start[s] to
@@ -152,7 +174,10 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor, torch::Ten
                                       torch::Tensor v_cache, torch::Tensor block_table, torch::Tensor q_start,
                                       torch::Tensor q_len, torch::Tensor ctx_len, int64_t, double scale,
                                       c10::optional<torch::Tensor> k_scales_zeros,
-                                      c10::optional<torch::Tensor> v_scales_zeros, int64_t quant_policy) {
+                                      c10::optional<torch::Tensor> v_scales_zeros, int64_t quant_policy,
+                                      c10::optional<int64_t> sliding_window, c10::optional<double> logit_softcap,
+                                      c10::optional<torch::Tensor> sinks) {
+  const AttnFeatures features = attn_features(sliding_window, logit_softcap, sinks, q.size(1));
   const KVQuant quant = kv_quant(k_cache, v_cache, q.size(2), k_scales_zeros, v_scales_zeros, quant_policy);
   auto starts = contiguous_as(q_start, torch::kInt64), counts = contiguous_as(q_len, torch::kInt64);
   auto contexts = contiguous_as(ctx_len, torch::kInt64), table = contiguous_as(block_table, torch::kInt64);
@@ -163,9 +188,11 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor, torch::Ten
     TORCH_CHECK(start_ptr[s] >= 0 && start_ptr[s] + count_ptr[s] <= q.size(0) && count_ptr[s] <= context_ptr[s],
                 "prefill rows out of range");
   if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();
-  if (k_cache.is_contiguous() && v_cache.is_contiguous() && (quant.bits || k_cache.scalar_type() == q.scalar_type())) {
+  if (k_cache.is_contiguous() && v_cache.is_contiguous() &&
+      (quant.bits || k_cache.scalar_type() == q.scalar_type())) {
     auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
-    if (prefill_attention_avx512(q, k_cache, v_cache, quant, table, starts, counts, contexts, scale, out)) return out;
+    if (prefill_attention_avx512(q, k_cache, v_cache, quant, table, starts, counts, contexts, scale, features, out))
+      return out;
   }
   auto seqs = torch::empty({q.size(0)}, torch::kInt64), lengths = torch::empty({q.size(0)}, torch::kInt64);
   int64_t* seq_ptr = seqs.data_ptr<int64_t>();
@@ -175,5 +202,5 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor, torch::Ten
       seq_ptr[start_ptr[s] + r] = s;
       len_ptr[start_ptr[s] + r] = context_ptr[s] - count_ptr[s] + r + 1;
     }
-  return attention_rows(q, k_cache, v_cache, quant, table, seqs, lengths, scale);
+  return attention_rows(q, k_cache, v_cache, quant, table, seqs, lengths, scale, features);
 }

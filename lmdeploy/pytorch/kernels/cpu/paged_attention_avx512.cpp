@@ -75,8 +75,8 @@ void block_scores(const bf16* q, const bf16* rows, int64_t count, float scale, c
 // A task's rows stream block by block, each KV head's K rows then its V rows, so that memory never
 // idles between a scores pass and a values pass: flash-decoding's online softmax in one thread.
 template <int G, int NV>
-void run_task(const Task& task, const bf16* k_cache, const bf16* v_cache, int64_t block_size, int64_t block_stride,
-              float scale, std::vector<float>& scratch) {
+void run_task(const Task& task, const TaskFeatures& features, const bf16* k_cache, const bf16* v_cache,
+              int64_t block_size, int64_t block_stride, float scale, std::vector<float>& scratch) {
   constexpr int D = 16 * NV;
   const int64_t rows = task.heads * G;
   scratch.resize(G * block_size + rows * (D + 2));
@@ -85,17 +85,18 @@ void run_task(const Task& task, const bf16* k_cache, const bf16* v_cache, int64_
   float* peak = acc_store + rows * D;
   float* total = peak + rows;
   std::fill(acc_store, acc_store + rows * D, 0.f);
-  std::fill(peak, peak + rows, std::numeric_limits<float>::lowest());
-  std::fill(total, total + rows, 0.f);
-  for (int64_t start = 0; start < task.length; start += block_size) {
-    const int64_t index = start / block_size, in_block = std::min(block_size, task.length - start);
-    const int64_t offset = task.blocks[index] * block_stride + task.cache_offset;
+  features.start(task.heads, G, peak, total);
+  for (int64_t start = features.first - features.first % block_size; start < task.length; start += block_size) {
+    const int64_t index = start / block_size, skip = std::max<int64_t>(0, features.first - start);
+    const int64_t in_block = std::min(block_size, task.length - start) - skip;
+    const int64_t offset = task.blocks[index] * block_stride + task.cache_offset + skip * D;
     const bool last = start + block_size >= task.length;
     const int64_t next_offset = last ? 0 : task.blocks[index + 1] * block_stride + task.cache_offset;
     for (int64_t k = 0; k < task.heads; ++k) {
       const bf16* keys = k_cache + offset + k * block_size * D;
       const bf16* values = v_cache + offset + k * block_size * D;
       block_scores<G, NV>(task.q + k * task.head_stride, keys, in_block, scale, values, scores, block_size);
+      features.cap(scores, G, block_size, in_block);
       float rescale[G];
       for (int h = 0; h < G; ++h)
         online_softmax(scores + h * block_size, in_block, peak[k * G + h], total[k * G + h], rescale[h]);
@@ -112,7 +113,8 @@ void run_task(const Task& task, const bf16* k_cache, const bf16* v_cache, int64_
   store_normalized<G, NV>(acc_store, total, task.heads, task.out, task.head_stride);
 }
 
-using TaskFn = void (*)(const Task&, const bf16*, const bf16*, int64_t, int64_t, float, std::vector<float>&);
+using TaskFn = void (*)(const Task&, const TaskFeatures&, const bf16*, const bf16*, int64_t, int64_t, float,
+                        std::vector<float>&);
 
 template <int NV>
 TaskFn task_for(int64_t heads) {
@@ -128,7 +130,7 @@ TaskFn task_for(int64_t heads) {
 
 bool attention_rows_avx512(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                            const torch::Tensor& table, const torch::Tensor& seqs, const torch::Tensor& lengths,
-                           double scale, torch::Tensor& out) {
+                           double scale, const AttnFeatures& features, torch::Tensor& out) {
   const int64_t head_dim = q.size(2);
   if (q.scalar_type() != at::kBFloat16 || (head_dim != 64 && head_dim != 128)) return false;
   const int64_t rows = q.size(0), num_heads = q.size(1), num_kv_heads = k_cache.size(1);
@@ -158,7 +160,8 @@ bool attention_rows_avx512(const torch::Tensor& q, const torch::Tensor& k_cache,
                         first_head * block_size * head_dim};
         const int64_t heads = std::min<int64_t>(4, group - h);
         const TaskFn fn = head_dim == 64 ? task_for<4>(heads) : task_for<8>(heads);
-        fn(task, k_ptr, v_ptr, block_size, block_stride, static_cast<float>(scale), scratch);
+        fn(task, TaskFeatures(features, len_ptr[row], first_head * group + h, group), k_ptr, v_ptr, block_size,
+           block_stride, static_cast<float>(scale), scratch);
       }
     }
   }
@@ -168,7 +171,7 @@ bool attention_rows_avx512(const torch::Tensor& q, const torch::Tensor& k_cache,
 #else
 
 bool attention_rows_avx512(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
-                           const torch::Tensor&, const torch::Tensor&, double, torch::Tensor&) {
+                           const torch::Tensor&, const torch::Tensor&, double, const AttnFeatures&, torch::Tensor&) {
   return false;
 }
 

@@ -155,7 +155,8 @@ void block_scores(const QuantQuery<NV>* query, const uint8_t* rows, const float*
 }
 
 template <int G, int NV, int BITS>
-void run_task(const QuantTask& task, const QuantCache& cache, float scale, std::vector<float>& scratch) {
+void run_task(const QuantTask& task, const TaskFeatures& features, const QuantCache& cache, float scale,
+              std::vector<float>& scratch) {
   constexpr int D = 16 * NV;
   constexpr int64_t row_bytes = D * BITS / 8;
   const int64_t rows = task.heads * G, block_size = cache.block_size;
@@ -165,29 +166,30 @@ void run_task(const QuantTask& task, const QuantCache& cache, float scale, std::
   float* peak = acc_store + rows * D;
   float* total = peak + rows;
   std::fill(acc_store, acc_store + rows * D, 0.f);
-  std::fill(peak, peak + rows, std::numeric_limits<float>::lowest());
-  std::fill(total, total + rows, 0.f);
+  features.start(task.heads, G, peak, total);
   std::vector<QuantQuery<NV>> queries;
   for (int64_t k = 0; k < task.heads; ++k)
     for (int h = 0; h < G; ++h) queries.emplace_back(task.q + k * task.head_stride + h * D);
   const auto slot_of = [&](int64_t index, int64_t k) {
     return (task.blocks[index] * cache.num_kv_heads + task.first_head + k) * block_size;
   };
-  for (int64_t start = 0; start < task.length; start += block_size) {
-    const int64_t index = start / block_size, in_block = std::min(block_size, task.length - start);
+  for (int64_t start = features.first - features.first % block_size; start < task.length; start += block_size) {
+    const int64_t index = start / block_size, skip = std::max<int64_t>(0, features.first - start);
+    const int64_t in_block = std::min(block_size, task.length - start) - skip;
     const bool last = start + block_size >= task.length;
     for (int64_t k = 0; k < task.heads; ++k) {
-      const int64_t first_slot = slot_of(index, k);
+      const int64_t first_slot = slot_of(index, k) + skip;
       const uint8_t* keys = cache.k + first_slot * row_bytes;
       const uint8_t* values = cache.v + first_slot * row_bytes;
       const float* v_sz = cache.v_sz + 2 * first_slot;
       prefetch_l2(v_sz, in_block * 8);
       block_scores<G, NV, BITS>(queries.data() + k * G, keys, cache.k_sz + 2 * first_slot, in_block, scale, values,
                                 scores, block_size);
+      features.cap(scores, G, block_size, in_block);
       float rescale[G];
       for (int h = 0; h < G; ++h)
         online_softmax(scores + h * block_size, in_block, peak[k * G + h], total[k * G + h], rescale[h]);
-      const int64_t next_slot = k + 1 < task.heads ? first_slot + block_size : last ? -1 : slot_of(index + 1, 0);
+      const int64_t next_slot = k + 1 < task.heads ? slot_of(index, k + 1) : last ? -1 : slot_of(index + 1, 0);
       if (next_slot >= 0) prefetch_l2(cache.k_sz + 2 * next_slot, block_size * 8);
       const uint8_t* pull = next_slot >= 0 ? cache.k + next_slot * row_bytes : nullptr;
       accumulate_values<G, NV>(acc_store + k * G * D, rescale, scores, block_size, in_block,
@@ -201,7 +203,7 @@ void run_task(const QuantTask& task, const QuantCache& cache, float scale, std::
   store_normalized<G, NV>(acc_store, total, task.heads, task.out, task.head_stride);
 }
 
-using TaskFn = void (*)(const QuantTask&, const QuantCache&, float, std::vector<float>&);
+using TaskFn = void (*)(const QuantTask&, const TaskFeatures&, const QuantCache&, float, std::vector<float>&);
 
 template <int NV, int BITS>
 TaskFn task_for(int64_t heads) {
@@ -217,7 +219,8 @@ TaskFn task_for(int64_t heads) {
 
 bool attention_rows_quant_avx512(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                  const KVQuant& quant, const torch::Tensor& table, const torch::Tensor& seqs,
-                                 const torch::Tensor& lengths, double scale, torch::Tensor& out) {
+                                 const torch::Tensor& lengths, double scale, const AttnFeatures& features,
+                                 torch::Tensor& out) {
   const int64_t head_dim = q.size(2);
   if (q.scalar_type() != at::kBFloat16 || (head_dim != 64 && head_dim != 128)) return false;
   const int64_t rows = q.size(0), num_heads = q.size(1), num_kv_heads = k_cache.size(1);
@@ -245,7 +248,8 @@ bool attention_rows_quant_avx512(const torch::Tensor& q, const torch::Tensor& k_
                              len_ptr[row], heads_per_task, group * head_dim, first_head};
         const TaskFn fn = head_dim == 64 ? (quant.bits == 8 ? task_for<4, 8>(heads) : task_for<4, 4>(heads))
                                          : (quant.bits == 8 ? task_for<8, 8>(heads) : task_for<8, 4>(heads));
-        fn(task, cache, static_cast<float>(scale), scratch);
+        fn(task, TaskFeatures(features, len_ptr[row], first_head * group + h, group), cache,
+           static_cast<float>(scale), scratch);
       }
     }
   }
@@ -256,7 +260,7 @@ bool attention_rows_quant_avx512(const torch::Tensor& q, const torch::Tensor& k_
 
 bool attention_rows_quant_avx512(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const KVQuant&,
                                  const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, double,
-                                 torch::Tensor&) {
+                                 const AttnFeatures&, torch::Tensor&) {
   return false;
 }
 

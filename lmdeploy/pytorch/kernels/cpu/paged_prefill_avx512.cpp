@@ -5,7 +5,9 @@
 // linear layers' (linear_bf16.cpp). Each task first copies its keys and values out of the paged cache
 // into those tiles' panel layouts; a tile of up to 6 query vectors then walks the keys 64 at a time
 // up to its last token's position, with an online softmax (bf16 probabilities, as torch's CPU flash
-// attention uses for bf16) and the causal mask applied per query vector.
+// attention uses for bf16) and the causal mask applied per query vector. A sliding window starts the
+// walk at the tile's first key and masks per query vector; soft-capping applies to each score, and a
+// query head's sink starts its softmax as its peak with weight 1.
 #include <limits>
 
 #include "common.h"
@@ -26,6 +28,9 @@ struct PrefillTask {
   int64_t first_pos;             // position of the first query token (its context is first_pos + 1 keys)
   int64_t group, head_dim;
   float scale;
+  int64_t window;      // 0: none
+  float softcap;       // 0: none
+  const float* sinks;  // this KV head's query heads' sinks, or null
 };
 
 // One bf16 row of a cache: in place, or dequantized into `buffer` (fp32 math, one rounding to bf16, as the
@@ -80,8 +85,9 @@ inline void accumulate(__m512 (&acc)[R][4], const int32_t* const (&a)[R], const 
   }
 }
 
-// Scores of R query vectors against keys [64 g, 64 g + 64): scale * q . k, or lowest() past a query's
-// position; only the first C panels of 16 keys hold any key up to the last query's position.
+// Scores of R query vectors against keys [64 g, 64 g + 64): scale * q . k (soft-capped), or lowest() past
+// a query's position or before its window; only the first C panels of 16 keys hold any key up to the
+// last query's position.
 template <int R, int C>
 void tile_scores(const PrefillTask& task, int64_t row, int64_t g, const int32_t* keys, float* scores) {
   const int64_t D = task.head_dim, pairs = D / 2;
@@ -100,10 +106,18 @@ void tile_scores(const PrefillTask& task, int64_t row, int64_t g, const int32_t*
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 4; ++c) {
       const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(g * kKeys + c * kPanel)));
-      const __mmask16 valid = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(pos[r])));
+      __mmask16 valid = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(pos[r])));
+      if (task.window)
+        valid &= _mm512_cmpgt_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(pos[r] - task.window)));
+      __m512 s = _mm512_mul_ps(acc[r][c], _mm512_set1_ps(task.scale));
+      if (task.softcap > 0.f) {  // cap * tanh(s / cap), tanh(x) = 1 - 2 / (e^2x + 1)
+        const __m512 e = exp_ps(_mm512_mul_ps(s, _mm512_set1_ps(2.f / task.softcap)));
+        const __m512 tanh = _mm512_sub_ps(_mm512_set1_ps(1.f),
+                                          _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(e, _mm512_set1_ps(1.f))));
+        s = _mm512_mul_ps(tanh, _mm512_set1_ps(task.softcap));
+      }
       _mm512_storeu_ps(scores + r * kKeys + c * kPanel,
-                       _mm512_mask_mul_ps(_mm512_set1_ps(std::numeric_limits<float>::lowest()), valid, acc[r][c],
-                                          _mm512_set1_ps(task.scale)));
+                       _mm512_mask_mov_ps(_mm512_set1_ps(std::numeric_limits<float>::lowest()), valid, s));
     }
 }
 
@@ -127,10 +141,15 @@ void tile_values(int64_t g, int64_t p, int64_t pairs, const int32_t* probs, cons
 template <int R>
 void tile_rows(const PrefillTask& task, int64_t row, const int32_t* keys, const int32_t* values, int64_t ctx_pairs) {
   const int64_t D = task.head_dim;
-  alignas(64) float scores[R * kKeys], out[R * 128] = {}, rescale[R], peak[R], total[R] = {};
+  alignas(64) float scores[R * kKeys], out[R * 128] = {}, rescale[R], peak[R], total[R];
   alignas(64) int32_t probs[R * kKeys / 2];
+  for (int r = 0; r < R; ++r) {
+    peak[r] = task.sinks ? task.sinks[(row + r) % task.group] : std::numeric_limits<float>::lowest();
+    total[r] = task.sinks ? 1.f : 0.f;
+  }
   const int64_t last = task.first_pos + (row + R - 1) / task.group;
-  for (int64_t g = 0; g * kKeys <= last; ++g) {
+  const int64_t first = task.window ? std::max<int64_t>(0, task.first_pos + row / task.group - task.window + 1) : 0;
+  for (int64_t g = first / kKeys; g * kKeys <= last; ++g) {
     const int64_t panels = std::min<int64_t>(4, (last - g * kKeys) / kPanel + 1);
     switch (panels) {
       case 1: tile_scores<R, 1>(task, row, g, keys, scores); break;
@@ -143,8 +162,8 @@ void tile_rows(const PrefillTask& task, int64_t row, const int32_t* keys, const 
       for (int c = 0; c < 4; ++c) s[c] = _mm512_loadu_ps(scores + r * kKeys + c * kPanel);
       const __m512 peaks = _mm512_max_ps(_mm512_max_ps(s[0], s[1]), _mm512_max_ps(s[2], s[3]));
       const float block_peak = _mm512_reduce_max_ps(peaks);
-      const float new_peak = g == 0 ? block_peak : std::max(peak[r], block_peak);
-      rescale[r] = g == 0 ? 0.f : std::exp(peak[r] - new_peak);
+      const float new_peak = std::max(peak[r], block_peak);
+      rescale[r] = total[r] == 0.f ? 0.f : std::exp(peak[r] - new_peak);
       __m512 sum = _mm512_setzero_ps();
       for (int c = 0; c < 4; ++c) {
         // Masked scores are lowest(): exp_ps clamps them to e^-88, and the mask zeroes them.
@@ -189,7 +208,7 @@ void run_task(const PrefillTask& task, const int32_t* keys, const int32_t* value
 bool prefill_attention_avx512(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                               const KVQuant& quant, const torch::Tensor& table, const torch::Tensor& starts,
                               const torch::Tensor& counts, const torch::Tensor& contexts, double scale,
-                              torch::Tensor& out) {
+                              const AttnFeatures& features, torch::Tensor& out) {
   const int64_t D = q.size(2);
   if (q.scalar_type() != at::kBFloat16 || (D != 64 && D != 128)) return false;
   const int64_t num_heads = q.size(1), num_kv_heads = k_cache.size(1), group = num_heads / num_kv_heads;
@@ -214,7 +233,9 @@ bool prefill_attention_avx512(const torch::Tensor& q, const torch::Tensor& k_cac
       const int64_t head = kv_head * group * D;
       const PrefillTask task{q.data_ptr<bf16>() + start_ptr[s] * q_stride + head,
                              out.data_ptr<bf16>() + start_ptr[s] * num_heads * D + head, q_stride, num_heads * D,
-                             count_ptr[s], ctx - count_ptr[s], group, D, static_cast<float>(scale)};
+                             count_ptr[s], ctx - count_ptr[s], group, D, static_cast<float>(scale),
+                             features.sliding_window, features.logit_softcap,
+                             features.sinks.defined() ? features.sinks.data_ptr<float>() + kv_head * group : nullptr};
       run_task(task, keys.data(), values.data(), ctx_pad / 2);
     }
   }
@@ -225,7 +246,7 @@ bool prefill_attention_avx512(const torch::Tensor& q, const torch::Tensor& k_cac
 
 bool prefill_attention_avx512(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const KVQuant&,
                               const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
-                              double, torch::Tensor&) {
+                              double, const AttnFeatures&, torch::Tensor&) {
   return false;
 }
 

@@ -5,6 +5,8 @@ sequence's pages, ``PAGES`` pages per loop step. The launch grid depends only on
 heads, block-table width), so decode steps can be captured in CUDA graphs: each program derives its
 split's pages from its own sequence's ``kv_len``, so a short sequence in a wide block table still
 spreads over every split, and a split left without pages writes an empty partial (lse ``-inf``).
+With a sliding window the splits cover only the window's pages; soft-capping applies to each score, and
+the sinks join the denominator in the reduce.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import triton
 import triton.language as tl
 
 from lmdeploy.pytorch.kernels.cuda.kv_quant import load_dequantized
-from lmdeploy.pytorch.kernels.cuda.utils import dot_precision
+from lmdeploy.pytorch.kernels.cuda.utils import dot_precision, soft_cap
 
 
 class DecodeConfig(NamedTuple):
@@ -39,18 +41,22 @@ _REDUCE_SPLITS = 64  # splits the reduce kernel merges per step
 
 @triton.jit(do_not_specialize=['num_splits', 'stride_tb'])
 def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, table_ptr, lens_ptr, part_out_ptr, part_lse_ptr,
-                         scale, num_heads, group, num_splits,
+                         scale, window, softcap, num_heads, group, num_splits,
                          stride_qb, stride_qh, stride_cb, stride_ch, stride_cs, stride_tb,
                          HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGES: tl.constexpr,
                          BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, NUM_STAGES: tl.constexpr,
-                         PRECISION: tl.constexpr, BITS: tl.constexpr):
+                         PRECISION: tl.constexpr, BITS: tl.constexpr, WINDOW: tl.constexpr,
+                         SOFTCAP: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     kv_len = tl.load(lens_ptr + b)
     num_pages = tl.cdiv(kv_len, BLOCK_SIZE)
-    per_split = tl.cdiv(num_pages, num_splits)
-    first = split * per_split
+    lo = 0  # the first position attended
+    if WINDOW:
+        lo = tl.maximum(kv_len - window, 0)
+    per_split = tl.cdiv(num_pages - lo // BLOCK_SIZE, num_splits)
+    first = lo // BLOCK_SIZE + split * per_split
     last = tl.minimum(first + per_split, num_pages)
     g = tl.arange(0, BLOCK_H)
     heads = kvh * group + g
@@ -65,8 +71,9 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, table_ptr, len
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     for i in tl.range(first, last, PAGES, num_stages=NUM_STAGES):
         page = i + t // BLOCK_SIZE
-        # The step's first page is always below `last`, so every row of `s` keeps a finite score.
-        valid = (page < last) & (i * BLOCK_SIZE + t < kv_len)
+        # The step's first page is always below `last` and holds a position from `lo` on, so every row of
+        # `s` keeps a finite score.
+        valid = (page < last) & (i * BLOCK_SIZE + t < kv_len) & (i * BLOCK_SIZE + t >= lo)
         block = tl.load(table_ptr + b * stride_tb + page, mask=page < last, other=0).to(tl.int64)
         rows = block * stride_cb + kvh * stride_ch + (t % BLOCK_SIZE) * stride_cs
         if BITS == 0:
@@ -80,6 +87,8 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, table_ptr, len
             v = load_dequantized(vc_ptr, vsz_ptr, rows[:, None], slots, valid[:, None], d[None, :], dmask[None, :],
                                  HEAD_DIM, BITS).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        if SOFTCAP:
+            s = soft_cap(s, softcap)
         s = tl.where(valid[None, :], s, float('-inf'))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         p = tl.exp(s - m_new[:, None])
@@ -95,8 +104,9 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, table_ptr, len
 
 
 @triton.jit(do_not_specialize=['num_splits'])
-def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits, stride_ob, stride_oh,
-                          HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, num_splits, stride_ob, stride_oh,
+                          HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                          SINKS: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     first_row = (b * tl.num_programs(1) + h) * num_splits
@@ -118,6 +128,12 @@ def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits, strid
         acc = acc * alpha + tl.sum(parts * w[:, None], axis=0)
         l = l * alpha + tl.sum(w, axis=0)
         m = m_new
+    if SINKS:
+        sink = tl.load(sinks_ptr + h)
+        m_new = tl.maximum(m, sink)
+        alpha = tl.exp(m - m_new)
+        acc = acc * alpha
+        l = l * alpha + tl.exp(sink - m_new)
     out = acc / tl.where(l > 0, l, 1.0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
@@ -134,7 +150,8 @@ def decode_config(batch: int, num_kv_heads: int, table_width: int) -> DecodeConf
 def decode_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                           kv_lens: torch.Tensor, scale: float, config: DecodeConfig,
                           k_scales_zeros: torch.Tensor | None = None, v_scales_zeros: torch.Tensor | None = None,
-                          quant_policy: int = 0) -> torch.Tensor:
+                          quant_policy: int = 0, sliding_window: int | None = None,
+                          logit_softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """``decode_attention`` with an explicit launch config (benchmarks and tests)."""
     batch, num_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
@@ -144,22 +161,27 @@ def decode_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     part_lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(batch, num_kv_heads, splits)](
         q, k_cache, v_cache, k_scales_zeros, v_scales_zeros, block_table, kv_lens, part_out, part_lse, scale,
-        num_heads, num_heads // num_kv_heads, splits, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2), block_table.stride(0), HEAD_DIM=head_dim, BLOCK_SIZE=block_size, PAGES=config.pages,
+        sliding_window or 0, logit_softcap or 0.0, num_heads, num_heads // num_kv_heads, splits, q.stride(0),
+        q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0), HEAD_DIM=head_dim, BLOCK_SIZE=block_size, PAGES=config.pages,
         BLOCK_H=max(16, triton.next_power_of_2(num_heads // num_kv_heads)), BLOCK_D=block_d,
         NUM_STAGES=config.num_stages, PRECISION=dot_precision(q.dtype), BITS=quant_policy,
-        num_warps=config.num_warps)
+        WINDOW=bool(sliding_window), SOFTCAP=bool(logit_softcap), num_warps=config.num_warps)
     out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
-    _decode_reduce_kernel[(batch, num_heads)](part_out, part_lse, out, splits, out.stride(0), out.stride(1),
-                                              HEAD_DIM=head_dim, BLOCK_S=_REDUCE_SPLITS, BLOCK_D=block_d)
+    sinks = None if sinks is None else sinks.float().contiguous()
+    _decode_reduce_kernel[(batch, num_heads)](part_out, part_lse, sinks, out, splits, out.stride(0), out.stride(1),
+                                              HEAD_DIM=head_dim, BLOCK_S=_REDUCE_SPLITS, BLOCK_D=block_d,
+                                              SINKS=sinks is not None)
     return out
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                      kv_lens: torch.Tensor, scale: float, k_scales_zeros: torch.Tensor | None = None,
-                     v_scales_zeros: torch.Tensor | None = None, quant_policy: int = 0) -> torch.Tensor:
+                     v_scales_zeros: torch.Tensor | None = None, quant_policy: int = 0,
+                     sliding_window: int | None = None, logit_softcap: float | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One new token per sequence: ``q [B, H, D]`` over ``kv_lens [B]`` tokens in ``block_table [B, N]``;
-    an int8/int4 cache's rows are dequantized to ``q``'s dtype as they are loaded."""
+    an int8/int4 cache's rows are dequantized to ``q``'s dtype as they are loaded. The features are the
+    torch twin's (``kernels/attention.py``)."""
     config = decode_config(q.shape[0], k_cache.shape[1], block_table.shape[1])
     return decode_attention_with(q, k_cache, v_cache, block_table, kv_lens, scale, config, k_scales_zeros,
-                                 v_scales_zeros, quant_policy)
+                                 v_scales_zeros, quant_policy, sliding_window, logit_softcap, sinks)

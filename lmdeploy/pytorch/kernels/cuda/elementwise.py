@@ -1,9 +1,12 @@
-"""Triton kernels for the row-wise ops: RMSNorm (+ residual), rotary embedding, SiLU-and-mul."""
+"""Triton kernels for the row-wise ops: RMSNorm (+ residual), rotary embedding, SiLU-and-mul and the
+clamped SwiGLU."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from lmdeploy.pytorch.kernels.activation import ClampedSwiGLU
 
 
 @triton.jit
@@ -71,18 +74,22 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, BLOCK: tl.constexpr):
+def _gated_act_kernel(x_ptr, out_ptr, inter, stride_x, alpha, limit, CLAMPED: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    out = gate / (1.0 + tl.exp(-gate)) * up
+    if CLAMPED:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        out = gate / (1.0 + tl.exp(-alpha * gate)) * (up + 1.0)
+    else:
+        out = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(out_ptr + row * inter + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``silu(gate) * up`` of ``gate_up [..., 2 * I]`` (gate then up); writes ``out`` when given."""
+def _gated_act(gate_up: torch.Tensor, out: torch.Tensor | None, act: ClampedSwiGLU | None) -> torch.Tensor:
     inter = gate_up.shape[-1] // 2
     x2 = gate_up.reshape(-1, 2 * inter)
     if x2.stride(-1) != 1:
@@ -90,5 +97,17 @@ def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torc
     if out is None:
         out = torch.empty(*gate_up.shape[:-1], inter, dtype=gate_up.dtype, device=gate_up.device)
     block = min(triton.next_power_of_2(inter), 1024)
-    _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](x2, out, inter, x2.stride(0), BLOCK=block)
+    alpha, limit = act if act is not None else (1.0, 0.0)
+    _gated_act_kernel[(x2.shape[0], triton.cdiv(inter, block))](x2, out, inter, x2.stride(0), alpha, limit,
+                                                                CLAMPED=act is not None, BLOCK=block)
     return out
+
+
+def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gate_up [..., 2 * I]`` (gate then up); writes ``out`` when given."""
+    return _gated_act(gate_up, out, None)
+
+
+def clamped_swiglu(gate_up: torch.Tensor, act: ClampedSwiGLU, out: torch.Tensor | None = None) -> torch.Tensor:
+    """:class:`ClampedSwiGLU` of ``gate_up [..., 2 * I]`` (gate then up); writes ``out`` when given."""
+    return _gated_act(gate_up, out, act)

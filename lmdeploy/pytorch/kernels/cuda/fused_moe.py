@@ -13,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from lmdeploy.pytorch.kernels.cuda.elementwise import silu_and_mul
+from lmdeploy.pytorch.kernels.activation import ClampedSwiGLU
+from lmdeploy.pytorch.kernels.cuda.elementwise import clamped_swiglu, silu_and_mul
 from lmdeploy.pytorch.kernels.cuda.utils import dot_precision
 
 
@@ -121,10 +122,10 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
 
 
 @triton.jit(do_not_specialize=['num_slots', 'num_mblocks'])
-def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, slots_ptr, block_expert_ptr, topk_w_ptr, num_slots, num_mblocks, n, k,
-                         num_experts, a_row_div, stride_am, stride_we, stride_wn, stride_cm,
-                         MUL_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, slots_ptr, block_expert_ptr, topk_w_ptr, bias_ptr, num_slots,
+                         num_mblocks, n, k, num_experts, a_row_div, stride_am, stride_we, stride_wn, stride_cm,
+                         stride_be, MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
                          PRECISION: tl.constexpr):
     pid = tl.program_id(0)
     per_group = GROUP_M * tl.cdiv(n, BLOCK_N)
@@ -152,6 +153,8 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, slots_ptr, block_expert_ptr, topk_
             a = tl.load(a_rows + k0, mask=smask[:, None] & kmask[None, :], other=0.0)
             w = tl.load(w_cols + k0, mask=kmask[:, None] & cmask[None, :], other=0.0)
         acc += tl.dot(a, w, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + expert * stride_be + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
     if MUL_WEIGHT:
         acc *= tl.load(topk_w_ptr + slots, mask=smask, other=0.0)[:, None]
     tl.store(c_ptr + slots[:, None] * stride_cm + cols[None, :], acc.to(c_ptr.dtype.element_ty),
@@ -159,17 +162,19 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, slots_ptr, block_expert_ptr, topk_
 
 
 def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, sorted_slots: torch.Tensor,
-                  block_expert: torch.Tensor, topk_weights: torch.Tensor | None, a_row_div: int,
-                  config: MoEConfig) -> None:
-    """``c[slot] = a[slot // a_row_div] @ w[expert(slot)].T``, times the slot's weight when given."""
+                  block_expert: torch.Tensor, topk_weights: torch.Tensor | None, bias: torch.Tensor | None,
+                  a_row_div: int, config: MoEConfig) -> None:
+    """``c[slot] = a[slot // a_row_div] @ w[expert(slot)].T`` plus the expert's ``bias [E, N]`` when given,
+    times the slot's weight when given."""
     num_experts, n, k = w.shape
     block_n = min(config.block_n, max(16, triton.next_power_of_2(n)))
     block_k = min(config.block_k, max(16, triton.next_power_of_2(k)))
     num_mblocks = block_expert.shape[0]
     grid = (num_mblocks * triton.cdiv(n, block_n),)
-    _grouped_gemm_kernel[grid](a, w, c, sorted_slots, block_expert, topk_weights, c.shape[0], num_mblocks, n, k,
-                               num_experts, a_row_div, a.stride(0), w.stride(0), w.stride(1), c.stride(0),
-                               MUL_WEIGHT=topk_weights is not None, BLOCK_M=config.block_m, BLOCK_N=block_n,
+    _grouped_gemm_kernel[grid](a, w, c, sorted_slots, block_expert, topk_weights, bias, c.shape[0], num_mblocks, n,
+                               k, num_experts, a_row_div, a.stride(0), w.stride(0), w.stride(1), c.stride(0),
+                               0 if bias is None else bias.stride(0), MUL_WEIGHT=topk_weights is not None,
+                               HAS_BIAS=bias is not None, BLOCK_M=config.block_m, BLOCK_N=block_n,
                                BLOCK_K=block_k, GROUP_M=config.group_m, EVEN_K=k % block_k == 0,
                                PRECISION=dot_precision(a.dtype), num_warps=config.num_warps,
                                num_stages=config.num_stages)
@@ -181,7 +186,8 @@ def moe_config(num_slots: int, num_experts: int) -> MoEConfig:
 
 
 def fused_moe_with(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
-                   topk_ids: torch.Tensor, config: MoEConfig) -> torch.Tensor:
+                   topk_ids: torch.Tensor, config: MoEConfig, gate_up_bias: torch.Tensor | None = None,
+                   down_bias: torch.Tensor | None = None, activation: ClampedSwiGLU | None = None) -> torch.Tensor:
     """``fused_moe`` with explicit tiles (benchmarks and tests)."""
     num_tokens, hidden_size = hidden.shape
     num_experts, two_inter, _ = gate_up.shape
@@ -191,19 +197,22 @@ def fused_moe_with(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tens
     # One buffer serves the gate_up output, then (after SiLU-and-mul read it) the down output.
     buf = torch.empty(num_slots * max(two_inter, hidden_size), dtype=hidden.dtype, device=hidden.device)
     gate_up_out = buf[:num_slots * two_inter].view(num_slots, two_inter)
-    _grouped_gemm(hidden, gate_up, gate_up_out, sorted_slots, block_expert, None, top_k, config)
-    act = silu_and_mul(gate_up_out)
+    _grouped_gemm(hidden, gate_up, gate_up_out, sorted_slots, block_expert, None, gate_up_bias, top_k, config)
+    act = silu_and_mul(gate_up_out) if activation is None else clamped_swiglu(gate_up_out, activation)
     down_out = buf[:num_slots * hidden_size].view(num_slots, hidden_size)
-    _grouped_gemm(act, down, down_out, sorted_slots, block_expert, topk_weights.flatten().float(), 1, config)
+    _grouped_gemm(act, down, down_out, sorted_slots, block_expert, topk_weights.flatten().float(), down_bias, 1,
+                  config)
     return down_out.view(num_tokens, top_k, hidden_size).sum(1)
 
 
 def fused_moe(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
-    """``sum_j w[t, j] * down[e] @ silu_and_mul(gate_up[e] @ hidden[t])`` with ``e = ids[t, j]``; ``[T, H]``.
+              topk_ids: torch.Tensor, gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+              activation: ClampedSwiGLU | None = None) -> torch.Tensor:
+    """``sum_j w[t, j] * down[e] @ act(gate_up[e] @ hidden[t])`` with ``e = ids[t, j]``; ``[T, H]``.
 
     ``gate_up [E, 2I, H]`` holds gate rows then up rows, ``down [E, H, I]``; weights are row-major
-    in their last dimension.
+    in their last dimension. The optional biases ``[E, 2I]`` and ``[E, H]`` are added to each GEMM's
+    output (before the routing weight); ``act`` is SiLU-and-mul, or ``activation`` when given.
     """
     config = moe_config(topk_ids.numel(), gate_up.shape[0])
-    return fused_moe_with(hidden, gate_up, down, topk_weights, topk_ids, config)
+    return fused_moe_with(hidden, gate_up, down, topk_weights, topk_ids, config, gate_up_bias, down_bias, activation)

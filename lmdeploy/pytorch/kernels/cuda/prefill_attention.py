@@ -4,7 +4,9 @@ A program handles ``BLOCK_M`` queries of one sequence and one head. It first att
 sequence's cached prefix (read page by page through its block-table row), then causally over the
 chunk's fresh K/V, so chunked prefill and prefix-cache hits need no gather. With an int8/int4 cache
 the chunk is read back from the cache too (dequantized, causally masked), so that a prompt attends
-over the same values however its prefix was computed.
+over the same values however its prefix was computed. With a sliding window a program starts at the
+first key its first query row sees; soft-capping applies to each score, and the sinks join the
+denominator at the end.
 """
 from __future__ import annotations
 
@@ -13,12 +15,16 @@ import triton
 import triton.language as tl
 
 from lmdeploy.pytorch.kernels.cuda.kv_quant import load_dequantized
-from lmdeploy.pytorch.kernels.cuda.utils import dot_precision
+from lmdeploy.pytorch.kernels.cuda.utils import dot_precision, soft_cap
 
 
 @triton.jit
-def _online_softmax_step(q, k, v, s_mask, m, l, acc, scale, PRECISION: tl.constexpr):
-    s = tl.where(s_mask, tl.dot(q, k, input_precision=PRECISION) * scale, float('-inf'))
+def _online_softmax_step(q, k, v, s_mask, m, l, acc, scale, softcap, PRECISION: tl.constexpr,
+                         SOFTCAP: tl.constexpr):
+    s = tl.dot(q, k, input_precision=PRECISION) * scale
+    if SOFTCAP:
+        s = soft_cap(s, softcap)
+    s = tl.where(s_mask, s, float('-inf'))
     m_new = tl.maximum(m, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float('-inf'), 0.0, m_new)
     p = tl.exp(s - m_safe[:, None])
@@ -29,11 +35,12 @@ def _online_softmax_step(q, k, v, s_mask, m, l, acc, scale, PRECISION: tl.conste
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, out_ptr, table_ptr, q_start_ptr,
-                    q_len_ptr, ctx_len_ptr, scale, group, head_dim,
+                    q_len_ptr, ctx_len_ptr, sinks_ptr, scale, window, softcap, group, head_dim,
                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                     stride_cb, stride_ch, stride_cs, stride_tb,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
-                    PRECISION: tl.constexpr, BITS: tl.constexpr):
+                    PRECISION: tl.constexpr, BITS: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+                    SINKS: tl.constexpr):
     mblock = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
     head = tl.program_id(2)
@@ -55,7 +62,10 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, out_p
     t = tl.arange(0, BLOCK_SIZE)
     # the cached keys this program reads: the prefix, and with a quantized cache its chunk's keys up to its last row
     cached = prefix if BITS == 0 else prefix + tl.minimum(q_len, (mblock + 1) * BLOCK_M)
-    for i in range(0, tl.cdiv(cached, BLOCK_SIZE)):
+    lo = 0  # the first position the program's first row sees
+    if WINDOW:
+        lo = tl.maximum(prefix + mblock * BLOCK_M - window + 1, 0)
+    for i in range(lo // BLOCK_SIZE, tl.cdiv(cached, BLOCK_SIZE)):
         block = tl.load(table_ptr + seq * stride_tb + i).to(tl.int64)
         base = block * stride_cb + kvh * stride_ch
         pos = i * BLOCK_SIZE + t
@@ -70,9 +80,12 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, out_p
             v = load_dequantized(vc_ptr, vsz_ptr, kv_rows[:, None], slots[:, None], (pos < cached)[:, None], d[None, :],
                                  dmask[None, :], head_dim, BITS).to(q.dtype)
         s_mask = rmask[:, None] & (pos < cached)[None, :] & (pos[None, :] <= prefix + rows[:, None])
-        m, l, acc = _online_softmax_step(q, k, v, s_mask, m, l, acc, scale, PRECISION)
+        if WINDOW:
+            s_mask &= pos[None, :] > prefix + rows[:, None] - window
+        m, l, acc = _online_softmax_step(q, k, v, s_mask, m, l, acc, scale, softcap, PRECISION, SOFTCAP)
     n = tl.arange(0, BLOCK_N)
-    for j in range(0, tl.minimum(q_len, (mblock + 1) * BLOCK_M) if BITS == 0 else 0, BLOCK_N):
+    first_col = tl.maximum(lo - prefix, 0) // BLOCK_N * BLOCK_N
+    for j in range(first_col, tl.minimum(q_len, (mblock + 1) * BLOCK_M) if BITS == 0 else 0, BLOCK_N):
         cols = j + n
         cmask = cols < q_len
         k = tl.load(k_ptr + (q_start + cols)[None, :] * stride_kt + kvh * stride_kh + d[:, None],
@@ -80,7 +93,15 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, out_p
         v = tl.load(v_ptr + (q_start + cols)[:, None] * stride_vt + kvh * stride_vh + d[None, :],
                     mask=cmask[:, None] & dmask[None, :], other=0.0)
         s_mask = rmask[:, None] & cmask[None, :] & (cols[None, :] <= rows[:, None])
-        m, l, acc = _online_softmax_step(q, k, v, s_mask, m, l, acc, scale, PRECISION)
+        if WINDOW:
+            s_mask &= cols[None, :] > rows[:, None] - window
+        m, l, acc = _online_softmax_step(q, k, v, s_mask, m, l, acc, scale, softcap, PRECISION, SOFTCAP)
+    if SINKS:
+        sink = tl.load(sinks_ptr + head)
+        m_new = tl.maximum(m, sink)
+        alpha = tl.exp(m - m_new)
+        acc = acc * alpha[:, None]
+        l = l * alpha + tl.exp(sink - m_new)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
@@ -89,12 +110,15 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, out_p
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, block_table: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor,
                       ctx_len: torch.Tensor, max_q_len: int, scale: float, k_scales_zeros: torch.Tensor | None = None,
-                      v_scales_zeros: torch.Tensor | None = None, quant_policy: int = 0) -> torch.Tensor:
+                      v_scales_zeros: torch.Tensor | None = None, quant_policy: int = 0,
+                      sliding_window: int | None = None, logit_softcap: float | None = None,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of the packed chunks ``q [T, H, D]`` over their contexts; returns ``[T, H, D]``.
 
     Sequence ``s`` owns rows ``q_start[s]:q_start[s] + q_len[s]`` of ``q`` and of the fresh ``k, v``;
     its first ``ctx_len[s] - q_len[s]`` context tokens are cached in the blocks of ``block_table[s]``
     (all ``ctx_len[s]`` of them with an int8/int4 cache, which is read dequantized to ``q``'s dtype).
+    The features are the torch twin's (``kernels/attention.py``).
     """
     num_tokens, num_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
@@ -102,10 +126,12 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     block_m = 64 if max_q_len > 32 else 16
     grid = (triton.cdiv(max_q_len, block_m), q_len.shape[0], num_heads)
     _prefill_kernel[grid](q, k, v, k_cache, v_cache, k_scales_zeros, v_scales_zeros, out, block_table, q_start,
-                          q_len, ctx_len, scale, num_heads // num_kv_heads, head_dim, q.stride(0), q.stride(1),
-                          k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+                          q_len, ctx_len, None if sinks is None else sinks.float().contiguous(), scale,
+                          sliding_window or 0, logit_softcap or 0.0, num_heads // num_kv_heads, head_dim, q.stride(0),
+                          q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
                           k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
                           BLOCK_M=block_m, BLOCK_N=block_m, BLOCK_SIZE=block_size,
                           BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=dot_precision(q.dtype),
-                          BITS=quant_policy)
+                          BITS=quant_policy, WINDOW=bool(sliding_window), SOFTCAP=bool(logit_softcap),
+                          SINKS=sinks is not None)
     return out

@@ -5,7 +5,7 @@ module here that registers itself with :func:`register_format`."""
 from lmdeploy.pytorch.nn.quant.base import (Layout, LinearKernel, LinearOptions, WeightFormat, cast_model,
                                             current_weight_format, layout_of, new_parameter, register_format,
                                             use_weight_format, weight_format_for)
-from lmdeploy.pytorch.nn.quant import awq, fp8, gguf, gptq, w8a8  # noqa: F401  (register their formats)
+from lmdeploy.pytorch.nn.quant import awq, fp8, gguf, gptq, mxfp4, w8a8  # noqa: F401  (register their formats)
 
 __all__ = ['Layout', 'LinearKernel', 'LinearOptions', 'W8A8Format', 'WeightFormat', 'cast_model',
            'current_weight_format', 'layout_of', 'new_parameter', 'register_format', 'use_weight_format',

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 if TYPE_CHECKING:
     from lmdeploy.pytorch.nn.linear import Linear
+    from lmdeploy.pytorch.weights.safetensors_loader import WeightSource
 
 
 @dataclass(frozen=True)
@@ -85,10 +86,10 @@ class WeightFormat(ABC):
         """The kernel for ``layer``'s parameters, which it reads as they are then (loaded or not). A kernel
         that keeps its own copy of the weight sets the layer's parameters to None."""
 
-    def checkpoint_tensors(self, weights: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-        """The checkpoint's ``(name, tensor)`` pairs as the model loads them; formats that convert weights
-        as they are read (:mod:`fp8`) override it."""
-        return weights
+    def convert_checkpoint(self, weights: Iterable[tuple[str, WeightSource]]) -> Iterator[tuple[str, WeightSource]]:
+        """The checkpoint's ``(name, tensor)`` pairs as the model loads them: a format that stores some
+        tensors in another form converts them here (MXFP4 experts); the others pass them through."""
+        return iter(weights)
 
 
 _FORMATS: dict[str, type[WeightFormat]] = {}

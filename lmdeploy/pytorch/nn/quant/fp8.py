@@ -4,7 +4,7 @@ of ``weight_block_size [bn, bk]``, the weight being each code times its block's 
 dequantized to the model's dtype as they are read, so layers (and experts) hold dense weights."""
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -31,7 +31,7 @@ def _is_fp8(source: WeightSource) -> bool:
 
 @register_format('fp8')
 class Fp8BlockFormat(DenseFormat):
-    """Block-scaled FP8 weights, dequantized at load (:meth:`checkpoint_tensors`)."""
+    """Block-scaled FP8 weights, dequantized at load (:meth:`convert_checkpoint`)."""
 
     def __init__(self, block: tuple[int, int]):
         self.block = block
@@ -44,7 +44,7 @@ class Fp8BlockFormat(DenseFormat):
                              f'supported, not {config}')
         return cls((int(block[0]), int(block[1])))
 
-    def checkpoint_tensors(self, weights: Iterator[tuple[str, WeightSource]]) -> Iterator[tuple[str, WeightSource]]:
+    def convert_checkpoint(self, weights: Iterable[tuple[str, WeightSource]]) -> Iterator[tuple[str, WeightSource]]:
         """Each fp8 weight dequantized once its scale was read too (in either order); other tensors as
         they come. Raises naming an fp8 weight without a scale, or a scale without its weight."""
         codes: dict[str, torch.Tensor] = {}

@@ -1,0 +1,146 @@
+"""gpt-oss against transformers on tiny random models saved by transformers: sinks, alternating sliding-window
+(window 8, prompts far longer) and full layers, YaRN, the biased MoE with the clamped SwiGLU; greedy tokens
+and first-step logits in fp32, batching, chunked prefill, prefix-cache hits; MXFP4 expert checkpoints."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, GptOssConfig, Mxfp4Config
+from transformers.integrations.mxfp4 import FP4_VALUES, convert_moe_packed_tensors
+
+from conftest import VOCAB_SIZE, build_tokenizer
+from helpers import GREEDY_32, hf_greedy, make_engine, random_prompts, run
+
+from lmdeploy.pytorch.nn.quant.mxfp4 import dequantize_mxfp4
+
+WINDOW = 8
+CONFIG = dict(hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, vocab_size=VOCAB_SIZE, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
+              max_position_embeddings=1024, tie_word_embeddings=False,
+              rope_parameters={'rope_type': 'yarn', 'rope_theta': 150000.0, 'factor': 32.0, 'beta_fast': 32.0,
+                               'beta_slow': 1.0, 'truncate': False, 'original_max_position_embeddings': 32})
+EXPERT_TENSORS = ('gate_up_proj', 'down_proj')
+
+
+def save_gpt_oss(path: str) -> str:
+    """A tiny random gpt-oss saved with transformers; the experts' gate_up weights large enough that the
+    SwiGLU's clamps bite (on 10-25% of the features)."""
+    torch.manual_seed(0)
+    tokenizer = build_tokenizer()
+    config = GptOssConfig(**CONFIG, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    assert config.layer_types == ['sliding_attention', 'full_attention'] * 2
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(0, 4.0 if name.endswith('gate_up_proj') else 0.2)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[..., N]`` -> blocks ``[..., N / 32, 16]`` and scales ``[..., N / 32]``: per block of 32 the
+    smallest power of two that brings its largest magnitude within 6, then the nearest e2m1 value."""
+    blocks = weight.float().unflatten(-1, (-1, 32))
+    exponent = torch.ceil(torch.log2(blocks.abs().amax(-1).clamp(min=2.0**-100) / 6)).clamp(-127, 127)
+    values = torch.tensor(FP4_VALUES)
+    codes = (blocks / torch.exp2(exponent)[..., None]).unsqueeze(-1).sub(values).abs().argmin(-1).to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), (exponent + 127).to(torch.uint8)
+
+
+def save_mxfp4(dense: str, path: str) -> str:
+    """``dense``'s checkpoint with its experts' weights in MXFP4, as OpenAI's gpt-oss checkpoints hold them."""
+    os.makedirs(path)
+    tensors = {}
+    for name, tensor in load_file(os.path.join(dense, 'model.safetensors')).items():
+        if name.endswith(EXPERT_TENSORS):
+            tensors[f'{name}_blocks'], tensors[f'{name}_scales'] = quantize_mxfp4(tensor.transpose(1, 2))
+        else:
+            tensors[name] = tensor
+    save_file(tensors, os.path.join(path, 'model.safetensors'), metadata={'format': 'pt'})
+    for name in os.listdir(dense):
+        if not name.endswith('.safetensors'):
+            with open(os.path.join(dense, name), 'rb') as src, open(os.path.join(path, name), 'wb') as dst:
+                dst.write(src.read())
+    with open(os.path.join(path, 'config.json')) as f:
+        config = json.load(f)
+    config['quantization_config'] = {'quant_method': 'mxfp4', 'modules_to_not_convert': [
+        'model.layers.*.self_attn', 'model.layers.*.mlp.router', 'model.embed_tokens', 'lm_head']}
+    with open(os.path.join(path, 'config.json'), 'w') as f:
+        json.dump(config, f)
+    return path
+
+
+@pytest.fixture(scope='module')
+def model_path(tmp_path_factory) -> str:
+    return save_gpt_oss(str(tmp_path_factory.mktemp('gpt_oss')))
+
+
+@pytest.fixture(scope='module')
+def hf_model(model_path):
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+
+
+def test_greedy_and_first_logits_match_transformers(model_path, hf_model):
+    engine = make_engine(model_path)
+    prompts = random_prompts([3, 17, 40, 75], seed=1)
+    assert run(engine, prompts) == [hf_greedy(hf_model, prompt) for prompt in prompts]
+    engine = make_engine(model_path)
+    prompts = random_prompts([7, 31, 60], seed=2)
+    for prompt in prompts:
+        engine.add_request(prompt, GREEDY_32)
+    logits = engine.runner.forward(engine.scheduler.schedule())
+    for row, prompt in enumerate(prompts):
+        with torch.no_grad():
+            ref = hf_model(torch.tensor([prompt])).logits[0, -1]
+        assert (logits[row].cpu() - ref).abs().max().item() < 1e-3
+
+
+def test_batched_chunked_and_cached_equal_solo(model_path):
+    prompts = random_prompts([50, 70], seed=3)
+    prompts += [prompts[0][:32] + p for p in random_prompts([12, 21], seed=4)]
+    plain = run(make_engine(model_path, enable_prefix_caching=False), prompts)
+    assert [run(make_engine(model_path, enable_prefix_caching=False), [p])[0] for p in prompts] == plain
+    assert run(make_engine(model_path, max_prefill_token_num=8, block_size=8), prompts) == plain
+    cached = make_engine(model_path)
+    run(cached, prompts[:1])
+    assert run(cached, prompts) == plain
+    assert cached.block_manager.num_hits > 0
+
+
+def test_mxfp4_dequantization_matches_transformers():
+    """Every code and a spread of exponents, against transformers' own dequantization."""
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 40, 4, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(100, 150, (3, 40, 4), generator=g, dtype=torch.uint8)
+    ours = dequantize_mxfp4(blocks, scales, torch.float32)
+    assert ours.shape == (3, 40, 128)
+    assert torch.equal(ours.transpose(1, 2), convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+    weight = torch.randn(2, 8, 64, generator=g)
+    roundtrip = dequantize_mxfp4(*quantize_mxfp4(weight), torch.float32)
+    assert (roundtrip - weight).abs().max() < 0.25 * weight.abs().max()
+
+
+def test_mxfp4_checkpoint_matches_transformers(model_path, tmp_path):
+    """An MXFP4 checkpoint loads with its experts dequantized: the tokens of transformers' dequantizing load."""
+    path = save_mxfp4(model_path, str(tmp_path / 'mxfp4'))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                              quantization_config=Mxfp4Config(dequantize=True)).eval()
+    prompts = random_prompts([5, 45], seed=5)
+    assert run(make_engine(path), prompts) == [hf_greedy(hf, prompt) for prompt in prompts]
+
+
+def test_tp2_equals_tp1(model_path):
+    """Each rank holds its heads' sinks and its share of every expert's features and gate/up biases; the
+    down bias is added once."""
+    prompts = random_prompts([5, 30], seed=6)
+    expected = run(make_engine(model_path), prompts)
+    engine = make_engine(model_path, tp=2)
+    try:
+        assert run(engine, prompts) == expected
+    finally:
+        engine.close()
