@@ -11,7 +11,7 @@ from lmdeploy.serve.proxy.routing import LeastRequests, PrefixAffinity, affinity
 
 
 def nodes(*outstanding: int) -> list[Node]:
-    return [Node(f'http://10.0.0.{i}:23333', transport=None, client=None, healthy=True, outstanding=count)
+    return [Node(f'http://10.0.0.{i}:23333', pool=None, client=None, healthy=True, outstanding=count)
             for i, count in enumerate(outstanding)]
 
 
