@@ -10,6 +10,7 @@ import httpcore
 # what a forwarded request may raise once it left the pool (all but PoolTimeout and ConnectError say that
 # the node may have seen it)
 NODE_ERRORS = (httpcore.TimeoutException, httpcore.NetworkError, httpcore.ProtocolError)
+KEEPALIVE_EXPIRY = 4.0
 
 
 class FlushOnReadStream(httpcore.AsyncNetworkStream):
@@ -66,6 +67,8 @@ class FlushOnReadBackend(httpcore.AsyncNetworkBackend):
 
 
 def node_pool(max_connections: int) -> httpcore.AsyncConnectionPool:
-    """A pool of at most ``max_connections`` keep-alive HTTP/1.1 connections to one node."""
+    """A pool of at most ``max_connections`` keep-alive HTTP/1.1 connections to one node. An idle connection
+    is dropped after :data:`KEEPALIVE_EXPIRY` seconds, before the node's uvicorn closes it (after 5 s), so
+    that a request never goes out on a connection the node is closing."""
     return httpcore.AsyncConnectionPool(max_connections=max_connections, max_keepalive_connections=max_connections,
-                                        network_backend=FlushOnReadBackend())
+                                        keepalive_expiry=KEEPALIVE_EXPIRY, network_backend=FlushOnReadBackend())
