@@ -58,6 +58,7 @@ def test_gguf_family_matches_transformers(kind: str, tied: bool, tmp_path: Path,
     src = tmp_path / f'{kind}.gguf'
     writer = gguf.GGUFWriter(str(src), gguf.MODEL_ARCH_NAMES[ARCHS[kind]])
     vocab = _add_tokenizer(writer)
+    writer.add_eot_token_id(vocab - 3)  # a second end token, as GLM-4's files name <|user|>
     folder = save_family(kind, str(tmp_path / 'hf'), vocab_size=vocab, tie_word_embeddings=tied)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     write_gguf(hf, src, writer)
@@ -65,6 +66,7 @@ def test_gguf_family_matches_transformers(kind: str, tied: bool, tmp_path: Path,
     convert_gguf(str(src), str(tmp_path / 'converted'))
     converted = AutoModelForCausalLM.from_pretrained(str(tmp_path / 'converted'), dtype=torch.float32)
     assert converted.config.architectures == hf.config.architectures
+    assert converted.config.eos_token_id == [vocab - 1, vocab - 3]
     if kind == 'smollm3':
         assert converted.config.no_rope_layers == hf.config.no_rope_layers == [1, 1, 1, 0]
     else:

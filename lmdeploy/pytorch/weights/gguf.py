@@ -59,7 +59,7 @@ _LAYER_RE = re.compile(r'blk\.(\d+)\.(\w+)')
 _PROJECTIONS = {'attn_q', 'attn_k', 'attn_v', 'attn_output', 'ffn_gate', 'ffn_up', 'ffn_down'}
 # Projection types kept as llama.cpp's blocks and served as they are (``nn/quant/gguf.py``).
 RAW_TYPES = {'Q4_K', 'Q8_0'}
-_CACHE_FORMAT = 3  # bump when the converted output changes, so stale cache entries are not reused
+_CACHE_FORMAT = 4  # bump when the converted output changes, so stale cache entries are not reused
 
 
 def cache_dir() -> Path:
@@ -136,7 +136,7 @@ def gguf_config(reader: GGUFReader, source: str) -> dict[str, Any]:
         'attention_bias': 'blk.0.attn_q.bias' in tensors,
         'tie_word_embeddings': 'output.weight' not in tensors,
         'bos_token_id': _meta(reader, 'tokenizer.ggml.bos_token_id'),
-        'eos_token_id': _meta(reader, 'tokenizer.ggml.eos_token_id'),
+        'eos_token_id': _end_ids(reader),
         'pad_token_id': _meta(reader, 'tokenizer.ggml.padding_token_id'),
         'dtype': 'float32',
         'gguf_weight_type': linear.tensor_type.name if linear is not None else None,
@@ -152,6 +152,14 @@ def gguf_config(reader: GGUFReader, source: str) -> dict[str, Any]:
     elif arch == 'smollm3':
         config['no_rope_layer_interval'] = SMOLLM3_NO_ROPE_INTERVAL
     return config
+
+
+def _end_ids(reader: GGUFReader) -> int | list[int] | None:
+    """The tokens that end a reply: the end of text and, where the file names another, the end of a turn
+    (GLM-4's ``<|user|>``, Llama 3's ``<|eot_id|>``), as llama.cpp stops at either."""
+    ids = [_meta(reader, f'tokenizer.ggml.{name}_token_id') for name in ('eos', 'eot')]
+    ids = list(dict.fromkeys(i for i in ids if i is not None))
+    return ids if len(ids) > 1 else (ids or [None])[0]
 
 
 def _is_projection(gguf_name: str) -> bool:
