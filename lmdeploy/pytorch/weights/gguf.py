@@ -146,9 +146,10 @@ def gguf_config(reader: GGUFReader, source: str) -> dict[str, Any]:
         config['quantization_config'] = {'quant_method': 'gguf', 'ggml_type': raw_type}
     if arch == 'phi3':
         config.update(_phi3_rope(reader, tensors, config['head_dim'], source))
-    elif arch == 'glm4':
+    elif arch == 'glm4':  # rotary over half of each head unless the file says otherwise
+        rotary = key('rope.dimension_count') or config['head_dim'] // 2
         config['rope_parameters'] = {'rope_type': 'default', 'rope_theta': config['rope_theta'],
-                                     'partial_rotary_factor': key('rope.dimension_count') / config['head_dim']}
+                                     'partial_rotary_factor': rotary / config['head_dim']}
     elif arch == 'smollm3':
         config['no_rope_layer_interval'] = SMOLLM3_NO_ROPE_INTERVAL
     return config
