@@ -91,6 +91,9 @@ def test_dp_refuses_taken_replica_ports(tiny_llama, tmp_path):
         taken.listen()
         proc = lmdeploy(['serve', 'api_server', tiny_llama, '--server-port', str(port), '--dp', '2'],
                         tmp_path / 'dp.log')
-        assert proc.wait(timeout=60) != 0
+        try:
+            assert proc.wait(timeout=60) != 0
+        finally:
+            proc.kill()
     log = (tmp_path / 'dp.log').read_text()
     assert f'ports {port + 1} to {port + 2}' in log and f'taken: {port + 2}' in log
