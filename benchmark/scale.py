@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -96,19 +95,8 @@ def two_nodes_behind_proxy(servers: Servers, cores: list[int]) -> str:
 
 
 def data_parallel(servers: Servers, cores: list[int]) -> str:
-    port = free_port()
-    while not all(_free(port + i) for i in (1, 2)):  # the replicas listen on the next two ports
-        port = free_port()
+    port = free_port(3)  # the replicas listen on the next two ports
     return servers.api_server(set(cores[:2]), '--dp', '2', port=port)
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(('127.0.0.1', port))
-        except OSError:
-            return False
-    return True
 
 
 CONFIGS: dict[str, Callable[[Servers, list[int]], str]] = {

@@ -7,22 +7,17 @@ import ctypes
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
 
+from lmdeploy.serve.ports import free_port
+
 MODEL_NAME = 'bench'
 PR_SET_PDEATHSIG = 1
 _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: the forked child must not take the loader's lock
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(('127.0.0.1', 0))
-        return sock.getsockname()[1]
 
 
 def _die_with_parent() -> None:

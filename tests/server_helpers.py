@@ -1,7 +1,6 @@
 """Run an API server app with uvicorn on a free port in a background thread."""
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -11,12 +10,7 @@ import uvicorn
 
 from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.serve.async_engine import AsyncEngine
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(('127.0.0.1', 0))
-        return sock.getsockname()[1]
+from lmdeploy.serve.ports import free_port
 
 
 def tiny_engine(path: str, media_policy=None, **kwargs) -> AsyncEngine:

@@ -15,23 +15,6 @@ from proxy_helpers import NODE_FLAGS, healthy_nodes, lmdeploy, per_node, stream_
 from server_helpers import free_port, metrics, wait_healthy
 
 
-def _free_port_run(count: int) -> int:
-    """A port p with p .. p + count - 1 free."""
-    while True:
-        port = free_port()
-        if port + count < 65536 and all(_is_free(port + i) for i in range(1, count)):
-            return port
-
-
-def _is_free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(('127.0.0.1', port))
-        except OSError:
-            return False
-    return True
-
-
 def _listening_on(processes: list[psutil.Process], port: int) -> psutil.Process:
     return next(proc for proc in processes if any(
         conn.laddr.port == port and conn.status == psutil.CONN_LISTEN for conn in proc.net_connections('tcp')))
@@ -40,7 +23,7 @@ def _listening_on(processes: list[psutil.Process], port: int) -> psutil.Process:
 def _start_dp(model: str, tmp_path) -> tuple[int, subprocess.Popen]:
     """``api_server --dp 2`` on a free run of three ports (logging to ``tmp_path / 'dp.log'``): its port and
     process."""
-    port = _free_port_run(3)
+    port = free_port(3)
     flags = [flag for flag in NODE_FLAGS if flag not in ('--num-threads', '1')]
     return port, lmdeploy(['serve', 'api_server', model, '--server-port', str(port), '--dp', '2', *flags],
                           tmp_path / 'dp.log')
@@ -99,3 +82,18 @@ def test_a_dp_replica_that_dies_is_started_again(tiny_llama, tmp_path):
     finally:
         parent.terminate()
         parent.wait(timeout=90)
+
+
+def test_dp_refuses_taken_replica_ports(tiny_llama, tmp_path):
+    port = free_port(3)
+    with socket.socket() as taken:
+        taken.bind(('127.0.0.1', port + 2))
+        taken.listen()
+        proc = lmdeploy(['serve', 'api_server', tiny_llama, '--server-port', str(port), '--dp', '2'],
+                        tmp_path / 'dp.log')
+        try:
+            assert proc.wait(timeout=60) != 0
+        finally:
+            proc.kill()
+    log = (tmp_path / 'dp.log').read_text()
+    assert f'ports {port + 1} to {port + 2}' in log and f'taken: {port + 2}' in log

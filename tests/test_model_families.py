@@ -75,8 +75,6 @@ def hf_model(family):
 
 def test_greedy_and_first_logits_match_transformers(family, hf_model):
     engine = make_engine(family[1])
-    # LongRoPE: transformers' generate turns a sequence again when decoding crosses the switch; the engine
-    # keeps what it cached, so no output here crosses it (prompts of 3 + 32 and 17 + 32 tokens stay short)
     prompts = random_prompts([3, 17, 52, 64, 90])
     for prompt, out in zip(prompts, run(engine, prompts)):
         assert out == hf_greedy(hf_model, prompt)
@@ -129,20 +127,24 @@ def test_native_decoder_stack_only_for_plain_llama_layers(family):
     assert run(engine, prompts) == outs
 
 
-def test_longrope_decode_crossing_keeps_what_is_cached(tmp_path):
-    """A sequence whose decoding crosses the switch turns its new tokens by the long factors and keeps the
-    keys cached before it: transformers' forward over its own cache, one token at a time."""
+@pytest.mark.parametrize('overlap', [False, True], ids=['plain', 'overlap'])
+def test_longrope_decode_crossing_recomputes_like_transformers(tmp_path, overlap):
+    """Sequences that grow past ``original_max_position_embeddings`` (48) while decoding, at different steps
+    of one batch, are computed again with the long factors, as transformers' ``generate`` does; a long
+    prompt does not reuse the blocks that a short one cached with the short factors."""
     path = save_family('phi3_longrope', str(tmp_path / 'phi3'))
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    prompt = random_prompts([40], seed=9)[0]
-    tokens = []
-    with torch.no_grad():
-        out = hf(torch.tensor([prompt]), use_cache=True)
-        for _ in range(16):
-            tokens.append(out.logits[0, -1].argmax().item())
-            out = hf(torch.tensor([tokens[-1:]]), cache=out.past_key_values, use_cache=True,
-                     position_ids=torch.tensor([[len(prompt) + len(tokens) - 1]]))
-    assert run(make_engine(path), [prompt], GenerationConfig(max_new_tokens=16, ignore_eos=True)) == [tokens]
+    prompts = random_prompts([20, 40, 47, 48], seed=9)
+    engine = make_engine(path, overlap_schedule=overlap)
+    assert run(engine, prompts) == [hf_greedy(hf, p) for p in prompts]
+    assert engine.scheduler.num_preemptions == 0 and engine.block_manager.num_free_blocks == 128
+
+    short = random_prompts([40], seed=10)[0]
+    long = short[:32] + random_prompts([30], seed=11)[0]
+    engine = make_engine(path, overlap_schedule=overlap)
+    run(engine, [short], GenerationConfig(max_new_tokens=4, ignore_eos=True))
+    assert run(engine, [long]) == [hf_greedy(hf, long)]
+    assert engine.block_manager.num_hits == 0
 
 
 def test_phi3_sliding_window(tmp_path):

@@ -1,17 +1,21 @@
 """The parts of the proxy that need no server: routing (on stand-in nodes), node URLs, the cores of
-``--dp`` replicas, the URL a node registers."""
+``--dp`` replicas, the URL a node registers, the writes of a forwarded request."""
 from __future__ import annotations
 
+import asyncio
+
+import httpcore
 import pytest
 
 from lmdeploy.serve.proxy.dp import cpu_shares
 from lmdeploy.serve.proxy.nodes import Node, normalize_url
 from lmdeploy.serve.proxy.registration import advertised_url
 from lmdeploy.serve.proxy.routing import LeastRequests, PrefixAffinity, affinity_key, make_strategy
+from lmdeploy.serve.proxy.transport import FlushOnReadStream
 
 
 def nodes(*outstanding: int) -> list[Node]:
-    return [Node(f'http://10.0.0.{i}:23333', transport=None, client=None, healthy=True, outstanding=count)
+    return [Node(f'http://10.0.0.{i}:23333', pool=None, client=None, healthy=True, outstanding=count)
             for i, count in enumerate(outstanding)]
 
 
@@ -98,3 +102,31 @@ def test_a_node_on_a_wildcard_address_registers_its_route_to_the_proxy():
     assert advertised_url('10.1.2.3', 23333, 'http://127.0.0.1:8000') == 'http://10.1.2.3:23333'
     assert advertised_url('::1', 5, 'http://[::1]:8000') == 'http://[::1]:5'
 
+
+
+class RecordingStream(httpcore.AsyncMockStream):
+    """httpcore's stand-in network stream, keeping what is written."""
+
+    def __init__(self, buffer: list[bytes]):
+        super().__init__(buffer)
+        self.writes: list[bytes] = []
+
+    async def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self.writes.append(buffer)
+
+
+def test_a_forwarded_request_leaves_in_one_write():
+    """httpcore writes a request's head and body apart; the node's connection sends them together."""
+    network = RecordingStream([b'HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok'])
+    connection = httpcore.AsyncHTTP11Connection(httpcore.Origin(b'http', b'node', 80), FlushOnReadStream(network))
+    request = httpcore.Request('POST', 'http://node/v1/completions', content=b'{"prompt": "hi"}',
+                               headers=[(b'host', b'node'), (b'content-length', b'16')])
+
+    async def forward() -> bytes:
+        response = await connection.handle_async_request(request)
+        return await response.aread()
+
+    assert asyncio.run(forward()) == b'ok'
+    assert len(network.writes) == 1
+    head, _, body = network.writes[0].partition(b'\r\n\r\n')
+    assert head.startswith(b'POST /v1/completions HTTP/1.1\r\n') and body == b'{"prompt": "hi"}'

@@ -22,6 +22,7 @@ from lmdeploy.pytorch.engine.sampler import PendingSample, depends_on_outputs, l
 from lmdeploy.pytorch.engine.sequence import Sequence
 from lmdeploy.pytorch.kernels import cpu as cpu_kernels
 from lmdeploy.pytorch.multimodal import MultiModalInput
+from lmdeploy.pytorch.nn.rotary import long_rope_after
 from lmdeploy.pytorch.paging.block_manager import BlockManager
 from lmdeploy.pytorch.paging.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from lmdeploy.tokenizer import Tokenizer
@@ -75,8 +76,9 @@ class Engine:
             raise
         num_blocks = self.runner.scratch_block
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_batch_size, config.max_prefill_token_num)
         cfg = self.model_config
+        self.scheduler = Scheduler(self.block_manager, config.max_batch_size, config.max_prefill_token_num,
+                                   long_rope_after(cfg.hf_config))
         use_graphs = self.device.type == 'cuda' and not config.eager_mode and config.tp == 1
         capacity = num_blocks * config.block_size
         kv_kind = {0: str(cfg.dtype).removeprefix('torch.'), 8: 'int8', 4: 'int4'}[config.quant_policy]

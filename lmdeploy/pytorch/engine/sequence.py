@@ -31,6 +31,8 @@ class Sequence:
     ``awaiting_final_token`` is set when the token in flight is the last one the request may get.
     ``grammar`` constrains the tokens it may sample (``GenerationConfig.response_format``).
     ``prompt_logprobs[j]`` is the logprob entry of prompt token ``j + 1``, from the logits at position ``j``.
+    ``num_preemptions`` counts the times its cache was dropped to be computed again; ``long_rope`` says
+    that its cache is turned by LongRoPE's long factors (see :class:`Scheduler`).
     """
 
     seq_id: int
@@ -46,6 +48,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None
     num_preemptions: int = 0
+    long_rope: bool = False
     multimodal: list[MultiModalInput] = field(default_factory=list)
     rope_positions: torch.Tensor | None = None
     rope_delta: int = 0
@@ -113,8 +116,10 @@ class Sequence:
 
     def block_key(self, start: int, size: int) -> tuple:
         """What identifies the tokens ``[start, start + size)`` in the prefix cache: their ids and, when
-        images overlap them, each image's hash and offset, so the same text with another image differs."""
+        images overlap them, each image's hash and offset, so the same text with another image differs;
+        and whether LongRoPE's long factors turn them."""
         tokens = tuple(self.token_ids[start:start + size])
         images = tuple((m.content_hash, m.offset - start) for m in self.multimodal
                        if m.offset < start + size and m.end > start)
-        return (tokens, images) if images else tokens
+        key = (tokens, images) if images else tokens
+        return (key, 'long rope') if self.long_rope else key

@@ -22,11 +22,7 @@ class Glm4DecoderLayer(LlamaDecoderLayer):
         self.post_mlp_layernorm = RMSNorm(cfg.hidden_size, eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, kv_cache: KVCache, ctx: StepContext):
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
+        x, residual = self.norm_input(x, residual)
         x = self.post_self_attn_layernorm(self.self_attn(x, kv_cache, ctx))
         x, residual = self.post_attention_layernorm(x, residual)
         return self.post_mlp_layernorm(self.mlp(x)), residual

@@ -116,14 +116,17 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, kv_cache: KVCache, ctx: StepContext):
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
+        x, residual = self.norm_input(x, residual)
         x = self.self_attn(x, kv_cache, ctx)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
+
+    def norm_input(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's normalized input and the residual stream with ``x`` added (``x`` itself in the first
+        layer, where ``residual`` is None)."""
+        if residual is None:
+            return self.input_layernorm(x), x
+        return self.input_layernorm(x, residual)
 
     def native_weights(self) -> LayerWeights | None:
         """This layer's weights for :class:`NativeDecoderStack`; None unless every projection holds

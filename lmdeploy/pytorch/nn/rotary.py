@@ -55,14 +55,21 @@ def mrope_axes(sections: list[int], num_freqs: int, interleaved: bool) -> torch.
     return axes
 
 
+def long_rope_after(hf_config: PretrainedConfig) -> int | None:
+    """LongRoPE's ``original_max_position_embeddings``: sequences longer than it take the long factors
+    (None for other rope types)."""
+    params = getattr(hf_config, 'rope_parameters', None) or {}
+    return params['original_max_position_embeddings'] if params.get('rope_type') == 'longrope' else None
+
+
 class RotaryEmbedding(nn.Module):
     """Computes per-token ``cos, sin [T, rotary_dim]`` for the model's rope type.
 
     With ``mrope_section`` (Qwen-VL) positions are ``[3, T]`` (temporal, height, width) and each
     frequency turns with one of the three (see :func:`mrope_axes`). LongRoPE (Phi-3) turns the tokens of a sequence
     longer than ``original_max_position_embeddings`` by its long factors (every prefill chunk of a long
-    prompt), the others by its short factors. When decoding crosses that length the keys cached before
-    keep their short turn (transformers' ``generate`` computes them again).
+    prompt), the others by its short factors. A sequence that grows past that length while decoding is
+    computed again, as transformers' ``generate`` does (see ``paging.scheduler.Scheduler``).
     """
 
     def __init__(self, hf_config: PretrainedConfig, head_dim: int, layer_type: str | None = None):
@@ -81,7 +88,7 @@ class RotaryEmbedding(nn.Module):
         elif rope_type in ROPE_INIT_FUNCTIONS and rope_type != 'dynamic':
             inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device('cpu'), **per_type)
             if rope_type == 'longrope':
-                self.original_max = params['original_max_position_embeddings']
+                self.original_max = long_rope_after(hf_config)
                 self.long_inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device('cpu'),
                                                                        seq_len=self.original_max + 1, **per_type)
         else:

@@ -39,12 +39,18 @@ class Scheduler:
     waiting ones in arrival order. When blocks run out, the most recently admitted sequence is
     preempted: its blocks are freed and it is recomputed later from its tokens so far. With
     overlapped steps, a sequence whose last token in flight is its final one is not scheduled again.
+
+    With LongRoPE (``long_rope_after``: the model's ``original_max_position_embeddings``) a sequence of
+    more tokens than that is turned by the long factors throughout, as in transformers: one that grows past
+    it while decoding is recomputed the same way, its cache computed again with the long factors.
     """
 
-    def __init__(self, block_manager: BlockManager, max_batch_size: int, max_prefill_token_num: int):
+    def __init__(self, block_manager: BlockManager, max_batch_size: int, max_prefill_token_num: int,
+                 long_rope_after: int | None = None):
         self.block_manager = block_manager
         self.max_batch_size = max_batch_size
         self.max_prefill_token_num = max_prefill_token_num
+        self.long_rope_after = long_rope_after
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -62,8 +68,11 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            if seq.awaiting_final_token:
+            if seq.awaiting_final_token or (self._outgrew_short_rope(seq) and seq.num_inflight):
                 index += 1
+                continue
+            if self._outgrew_short_rope(seq):
+                self._requeue(self.running.pop(index))
                 continue
             num_tokens = min(seq.num_pending, budget)
             needed = bm.blocks_needed(seq.num_computed + num_tokens) - len(seq.block_ids)
@@ -76,6 +85,7 @@ class Scheduler:
             index += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
+            seq.long_rope = self._long_rope(seq)
             revived = bm.match_prefix(seq)
             num_cached = len(revived) * bm.block_size
             num_tokens = min(seq.num_tokens - num_cached, budget)
@@ -119,9 +129,20 @@ class Scheduler:
         return False
 
     def _preempt(self, seq: Sequence) -> None:
+        self._requeue(seq)
+        self.num_preemptions += 1
+
+    def _requeue(self, seq: Sequence) -> None:
+        """Frees the blocks of ``seq`` and puts it first in line, to be computed again from its tokens."""
         self.block_manager.free_blocks(seq)
         seq.num_computed = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
-        self.num_preemptions += 1
+
+    def _long_rope(self, seq: Sequence) -> bool:
+        return self.long_rope_after is not None and seq.num_tokens > self.long_rope_after
+
+    def _outgrew_short_rope(self, seq: Sequence) -> bool:
+        """Whether ``seq`` has cached tokens turned by LongRoPE's short factors but now needs the long ones."""
+        return seq.num_computed > 0 and not seq.long_rope and self._long_rope(seq)

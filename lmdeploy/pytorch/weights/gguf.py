@@ -24,6 +24,8 @@ SUPPORTED_ARCHS: dict[str, str] = {
     'qwen2': 'Qwen2ForCausalLM',
     'qwen3': 'Qwen3ForCausalLM',
     'phi3': 'Phi3ForCausalLM',
+    'glm4': 'Glm4ForCausalLM',
+    'smollm3': 'SmolLM3ForCausalLM',
 }
 
 _GLOBAL_NAMES = {'token_embd': 'model.embed_tokens', 'output_norm': 'model.norm', 'output': 'lm_head'}
@@ -40,15 +42,24 @@ _LAYER_NAMES = {
     'attn_norm': 'input_layernorm',
     'ffn_norm': 'post_attention_layernorm',
 }
-# Phi-3 keeps q/k/v and gate/up fused, as its Hugging Face checkpoints do
-_FUSED_LAYER_NAMES = {'attn_qkv': 'self_attn.qkv_proj', 'ffn_up': 'mlp.gate_up_proj'}
+# names that differ by architecture: Phi-3 keeps q/k/v and gate/up fused, GLM-4 gate/up, as their Hugging
+# Face checkpoints do; GLM-4 also normalizes the outputs of attention and of the MLP
+_ARCH_LAYER_NAMES = {
+    'phi3': {'attn_qkv': 'self_attn.qkv_proj', 'ffn_up': 'mlp.gate_up_proj'},
+    'glm4': {'ffn_up': 'mlp.gate_up_proj', 'post_attention_norm': 'post_self_attn_layernorm',
+             'post_ffw_norm': 'post_mlp_layernorm'},
+}
+# llama.cpp's converter reorders the q/k rows of Llama-derived models for its rotary (undone at load)
+_PERMUTED_ARCHS = ('llama', 'smollm3')
+# llama.cpp runs SmolLM3 without rotary in every fourth layer; its GGUF files carry no key for it
+SMOLLM3_NO_ROPE_INTERVAL = 4
 # tensors that llama.cpp stores and transformers keeps in the config (Phi-3's LongRoPE factors)
 _ROPE_FACTORS = ('rope_factors_long.weight', 'rope_factors_short.weight')
 _LAYER_RE = re.compile(r'blk\.(\d+)\.(\w+)')
 _PROJECTIONS = {'attn_q', 'attn_k', 'attn_v', 'attn_output', 'ffn_gate', 'ffn_up', 'ffn_down'}
 # Projection types kept as llama.cpp's blocks and served as they are (``nn/quant/gguf.py``).
 RAW_TYPES = {'Q4_K', 'Q8_0'}
-_CACHE_FORMAT = 3  # bump when the converted output changes, so stale cache entries are not reused
+_CACHE_FORMAT = 4  # bump when the converted output changes, so stale cache entries are not reused
 
 
 def cache_dir() -> Path:
@@ -64,7 +75,7 @@ def hf_tensor_name(gguf_name: str, arch: str = 'llama') -> str | None:
     if base in _GLOBAL_NAMES:
         return f'{_GLOBAL_NAMES[base]}.{kind}'
     match = _LAYER_RE.fullmatch(base)
-    names = _LAYER_NAMES | _FUSED_LAYER_NAMES if arch == 'phi3' else _LAYER_NAMES
+    names = _LAYER_NAMES | _ARCH_LAYER_NAMES.get(arch, {})
     if match and match[2] in names:
         return f'model.layers.{match[1]}.{names[match[2]]}.{kind}'
     return None
@@ -108,7 +119,7 @@ def gguf_config(reader: GGUFReader, source: str) -> dict[str, Any]:
         raise ValueError(f'{source}: missing GGUF metadata: {", ".join(missing)}')
     hidden, heads = key('embedding_length'), key('attention.head_count')
     linear = tensors.get('blk.0.attn_q.weight', tensors.get('blk.0.attn_qkv.weight'))  # the linear layers' type
-    head_dim = key('attention.key_length') or (key('rope.dimension_count') if arch == 'llama' else None)
+    head_dim = key('attention.key_length') or (key('rope.dimension_count') if arch in _PERMUTED_ARCHS else None)
     config = {
         'model_type': arch,
         'architectures': [SUPPORTED_ARCHS[arch]],
@@ -125,28 +136,42 @@ def gguf_config(reader: GGUFReader, source: str) -> dict[str, Any]:
         'attention_bias': 'blk.0.attn_q.bias' in tensors,
         'tie_word_embeddings': 'output.weight' not in tensors,
         'bos_token_id': _meta(reader, 'tokenizer.ggml.bos_token_id'),
-        'eos_token_id': _meta(reader, 'tokenizer.ggml.eos_token_id'),
+        'eos_token_id': _end_ids(reader),
         'pad_token_id': _meta(reader, 'tokenizer.ggml.padding_token_id'),
         'dtype': 'float32',
         'gguf_weight_type': linear.tensor_type.name if linear is not None else None,
     }
-    raw_type = raw_linear_type(reader)
+    raw_type = raw_linear_type(reader, arch)
     if raw_type is not None:
         config['quantization_config'] = {'quant_method': 'gguf', 'ggml_type': raw_type}
     if arch == 'phi3':
         config.update(_phi3_rope(reader, tensors, config['head_dim'], source))
+    elif arch == 'glm4':  # rotary over half of each head unless the file says otherwise
+        rotary = key('rope.dimension_count') or config['head_dim'] // 2
+        config['rope_parameters'] = {'rope_type': 'default', 'rope_theta': config['rope_theta'],
+                                     'partial_rotary_factor': rotary / config['head_dim']}
+    elif arch == 'smollm3':
+        config['no_rope_layer_interval'] = SMOLLM3_NO_ROPE_INTERVAL
     return config
+
+
+def _end_ids(reader: GGUFReader) -> int | list[int] | None:
+    """The tokens that end a reply: the end of text and, where the file names another, the end of a turn
+    (GLM-4's ``<|user|>``, Llama 3's ``<|eot_id|>``), as llama.cpp stops at either."""
+    ids = [_meta(reader, f'tokenizer.ggml.{name}_token_id') for name in ('eos', 'eot')]
+    ids = list(dict.fromkeys(i for i in ids if i is not None))
+    return ids if len(ids) > 1 else (ids or [None])[0]
 
 
 def _is_projection(gguf_name: str) -> bool:
     return gguf_name.endswith('.weight') and gguf_name.split('.')[-2] in _PROJECTIONS
 
 
-def raw_linear_type(reader: GGUFReader) -> str | None:
-    """The type of the decoder's projections when they all have one that is served as it is, else None."""
-    if any(tensor.name.endswith(tuple(f'{name}.weight' for name in _FUSED_LAYER_NAMES if name != 'ffn_up'))
-           for tensor in reader.tensors):
-        return None  # fused projections (Phi-3) are dequantized
+def raw_linear_type(reader: GGUFReader, arch: str) -> str | None:
+    """The type of the decoder's projections when they all have one that is served as it is, else None
+    (always for architectures with fused projections, which are dequantized)."""
+    if 'mlp.gate_up_proj' in _ARCH_LAYER_NAMES.get(arch, {}).values():
+        return None
     types = {tensor.tensor_type.name for tensor in reader.tensors if _is_projection(tensor.name)}
     return next(iter(types)) if len(types) == 1 and types <= RAW_TYPES else None
 
@@ -197,15 +222,19 @@ def gguf_state_dict(reader: GGUFReader, config: dict[str, Any], source: str) -> 
             raise ValueError(f'{source}: cannot dequantize tensor {tensor.name} '
                              f'({tensor.tensor_type.name}): {err}') from err
         module = tensor.name.split('.')[-2]
-        if arch == 'llama' and module in heads:
+        if arch in _PERMUTED_ARCHS and module in heads:
             weight = unpermute_rotary(weight, heads[module])
         state_dict[name] = torch.from_numpy(np.ascontiguousarray(weight))
     return state_dict
 
 
-def _save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
-    from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+def _save_tokenizer(gguf_path: Path, out_dir: Path, arch: str) -> None:
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    # AutoTokenizer reads a GGUF tokenizer only where transformers reads the model too (not GLM-4, SmolLM3)
+    reader = AutoTokenizer if arch in GGUF_SUPPORTED_ARCHITECTURES else PreTrainedTokenizerFast
+    tokenizer = reader.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tokenizer.save_pretrained(str(out_dir))
 
 
@@ -230,7 +259,7 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
         (tmp / 'model.safetensors').chmod(0o644)
         del state_dict
         AutoConfig.for_model(**config).save_pretrained(str(tmp))
-        _save_tokenizer(src, tmp)
+        _save_tokenizer(src, tmp, config['model_type'])
         try:
             tmp.rename(out)
         except OSError as err:

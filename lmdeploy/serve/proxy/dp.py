@@ -22,6 +22,8 @@ from collections.abc import Callable
 
 import httpx
 
+from lmdeploy.serve.ports import is_free
+
 logger = logging.getLogger('lmdeploy')
 PR_SET_PDEATHSIG = 1
 STOP_GRACE = 15.0
@@ -150,6 +152,10 @@ def run_data_parallel(args: argparse.Namespace, run: Callable[[argparse.Namespac
     """Serves ``args`` with ``args.dp`` replicas, each run by ``run`` (the single-replica api_server)."""
     from lmdeploy.serve.proxy.app import create_proxy_app, quiet_signal, run_proxy
     n = args.dp
+    taken = [port for port in range(args.server_port + 1, args.server_port + 1 + n) if not is_free(port)]
+    if taken:
+        raise SystemExit(f'--dp {n} serves its replicas on 127.0.0.1, ports {args.server_port + 1} to '
+                         f'{args.server_port + n} (after --server-port); taken: {", ".join(map(str, taken))}')
     on_cuda = args.device.startswith('cuda')
     shares = [None] * n if on_cuda else cpu_shares(n)
     devices = cuda_devices(n) if on_cuda else [None] * n

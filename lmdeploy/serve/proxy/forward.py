@@ -6,12 +6,13 @@ import asyncio
 import json
 import logging
 
-import httpx
+import httpcore
 from fastapi.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from lmdeploy.serve.proxy.nodes import Node, NodeRegistry
 from lmdeploy.serve.proxy.routing import LeastRequests
+from lmdeploy.serve.proxy.transport import NODE_ERRORS
 
 logger = logging.getLogger('lmdeploy')
 HOP_BY_HOP = frozenset({'connection', 'keep-alive', 'proxy-authenticate', 'proxy-authorization', 'te', 'trailer',
@@ -112,18 +113,20 @@ class Forward(Response):
 
     async def _try(self, node: Node, send: Send) -> bool:
         """Forwards to ``node``; False when it refused the connection (and nothing was sent)."""
-        request = httpx.Request(self.method, node.url + self.target, headers=self.request_headers, content=self.body,
-                                extensions={'timeout': self.timeout})
+        headers = [(b'host', node.url.partition('://')[2].encode()),
+                   (b'content-length', str(len(self.body)).encode()), *self.request_headers]
+        request = httpcore.Request(self.method, node.url + self.target, headers=headers, content=self.body,
+                                   extensions={'timeout': self.timeout})
         try:
-            upstream = await node.transport.handle_async_request(request)
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            upstream = await node.pool.handle_async_request(request)
+        except (httpcore.ConnectError, httpcore.ConnectTimeout) as exc:
             self.registry.mark_down(node, f'connection failed: {exc!r}')
             return False
-        except httpx.PoolTimeout:
+        except httpcore.PoolTimeout:
             await send_error(send, 503, f'node {node.url} had no free connection within '
                              f'{self.registry.request_timeout} s', 'node_busy')
             return True
-        except httpx.HTTPError as exc:
+        except NODE_ERRORS as exc:
             self._failed(node, exc)
             await send_error(send, 502, f'node {node.url} failed before answering: {exc!r}', 'node_failed')
             return True
@@ -133,18 +136,19 @@ class Forward(Response):
             await upstream.aclose()
         return True
 
-    async def _relay(self, node: Node, upstream: httpx.Response, send: Send) -> None:
+    async def _relay(self, node: Node, upstream: httpcore.Response, send: Send) -> None:
         # The head goes out with the first chunk of the body: one wake-up of the client, not two.
-        start = {'type': 'http.response.start', 'status': upstream.status_code,
-                 'headers': forwarded_headers(upstream.headers.raw, RESPONSE_DROP)}
-        stream = upstream.headers.get('content-type', '').startswith('text/event-stream')
+        start = {'type': 'http.response.start', 'status': upstream.status,
+                 'headers': forwarded_headers(upstream.headers, RESPONSE_DROP)}
+        stream = any(key.lower() == b'content-type' and value.startswith(b'text/event-stream')
+                     for key, value in upstream.headers)
         try:
-            async for chunk in upstream.aiter_raw():
+            async for chunk in upstream.aiter_stream():
                 if start is not None:
                     await send(start)
                     start = None
                 await send({'type': 'http.response.body', 'body': chunk, 'more_body': True})
-        except httpx.HTTPError as exc:
+        except NODE_ERRORS as exc:
             self._failed(node, exc)
             if start is not None:
                 await send_error(send, 502, f'node {node.url} failed before answering: {exc!r}', 'node_failed')
@@ -158,7 +162,7 @@ class Forward(Response):
             await send(start)
         await send({'type': 'http.response.body', 'body': b'', 'more_body': False})
 
-    def _failed(self, node: Node, exc: httpx.HTTPError) -> None:
+    def _failed(self, node: Node, exc: Exception) -> None:
         logger.warning('proxy: %s %s on node %s failed: %r', self.method, self.target, node.url, exc)
-        if not isinstance(exc, httpx.TimeoutException):
+        if not isinstance(exc, httpcore.TimeoutException):
             self.registry.mark_down(node, f'{type(exc).__name__}: {exc}')

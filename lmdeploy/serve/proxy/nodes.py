@@ -6,7 +6,10 @@ import logging
 import time
 from dataclasses import dataclass
 
+import httpcore
 import httpx
+
+from lmdeploy.serve.proxy.transport import node_pool
 
 logger = logging.getLogger('lmdeploy')
 CONNECT_TIMEOUT = 5.0
@@ -25,12 +28,12 @@ def normalize_url(url: str) -> str:
 
 @dataclass(eq=False)
 class Node:
-    """One api_server. ``transport`` holds its bounded connection pool, which forwarded requests use as
-    it is (no cookies kept between clients, no redirects followed); ``client`` sends the proxy's own
-    requests over it. ``models`` are the ids its ``/v1/models`` lists (None while unknown: it may serve any)."""
+    """One api_server. ``pool`` holds the bounded connection pool of forwarded requests (no cookies kept
+    between clients, no redirects followed); ``client`` sends the proxy's own requests. ``models`` are the
+    ids its ``/v1/models`` lists (None while unknown: it may serve any)."""
 
     url: str
-    transport: httpx.AsyncHTTPTransport
+    pool: httpcore.AsyncConnectionPool
     client: httpx.AsyncClient
     models: list[str] | None = None
     healthy: bool = False
@@ -47,6 +50,10 @@ class Node:
 
     def serves(self, model: str | None) -> bool:
         return model is None or self.models is None or model in self.models
+
+    async def aclose(self) -> None:
+        await self.pool.aclose()
+        await self.client.aclose()
 
 
 class NodeRegistry:
@@ -75,10 +82,8 @@ class NodeRegistry:
         url = normalize_url(url)
         node = self.nodes.get(url)
         if node is None:
-            transport = httpx.AsyncHTTPTransport(limits=httpx.Limits(
-                max_connections=self.max_connections, max_keepalive_connections=self.max_connections))
-            client = httpx.AsyncClient(base_url=url, timeout=self.timeout, transport=transport)
-            node = self.nodes[url] = Node(url, transport, client)
+            client = httpx.AsyncClient(base_url=url, timeout=self.timeout)
+            node = self.nodes[url] = Node(url, node_pool(self.max_connections), client)
         if models:
             node.models = list(models)
         return node
@@ -102,7 +107,7 @@ class NodeRegistry:
             return False
         node.removed = True
         if not node.outstanding:
-            await node.client.aclose()
+            await node.aclose()
         return True
 
     def acquire(self, node: Node) -> None:
@@ -112,7 +117,7 @@ class NodeRegistry:
     async def release(self, node: Node) -> None:
         node.outstanding -= 1
         if node.removed and not node.outstanding:
-            await node.client.aclose()
+            await node.aclose()
 
     def mark_down(self, node: Node, reason: str) -> None:
         """Takes ``node`` out of routing until its next passed health check."""
@@ -156,5 +161,5 @@ class NodeRegistry:
         if self._task is not None:
             self._task.cancel()
         for node in self.nodes.values():
-            await node.client.aclose()
+            await node.aclose()
         await self.probe.aclose()

@@ -6,25 +6,19 @@ is that function's arguments.
 from __future__ import annotations
 
 from lmdeploy.serve.openai.tool_parsers.base import ParsedDelta, ToolCallDelta, ToolParser
-from lmdeploy.serve.openai.tool_parsers.json_calls import CallReader
+from lmdeploy.serve.openai.tool_parsers.json_calls import JsonCallsParser
 from lmdeploy.serve.openai.text_scan import skip_whitespace, strip_end
 
 
-class RequiredToolParser(ToolParser):
+class RequiredToolParser(JsonCallsParser):
     """``[{"name": ..., "parameters": {...}}, ...]``: each object a call."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.state = 'start'
-        self.reader: CallReader | None = None
 
     def _advance(self, final: bool) -> ParsedDelta:
         out = ParsedDelta()
         while True:
             start = skip_whitespace(self.text, self.pos)
             if self.state == 'call':
-                deltas, is_call = self.reader.advance(self, final)
-                out.tool_calls += deltas
+                is_call = self.read_call(out, final)
                 if is_call is None:
                     return out
                 self.pos, self.state = self.reader.end or len(self.text), 'items' if is_call else 'text'
@@ -40,13 +34,11 @@ class RequiredToolParser(ToolParser):
                 if self.text[start] == ',':
                     self.pos = start + 1
                 elif self.text[start] == '{':
-                    self.reader, self.state = CallReader(start), 'call'
+                    self.start_call(start)
                 else:
                     self.pos, self.state = len(self.text), 'done'
             elif self.state == 'text':
-                out.content += self.text[self.pos:]
-                self.pos = len(self.text)
-                return out
+                return self.rest_as_text(out)
             else:
                 self.pos = len(self.text)
                 return out

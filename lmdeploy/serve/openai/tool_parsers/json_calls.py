@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import re
 
-from lmdeploy.serve.openai.tool_parsers.base import ToolCallDelta, ToolParser
+from lmdeploy.serve.openai.tool_parsers.base import ParsedDelta, ToolCallDelta, ToolParser
 
 # The head of a call whose name comes first and whose arguments are an object: the name is then known
 # before the arguments are written, and they can stream.
@@ -119,3 +119,32 @@ class CallReader:
             return out, False
         out.append(parser.new_call(*call))
         return out, True
+
+
+class JsonCallsParser(ToolParser):
+    """A parser of replies that hold call objects: ``state`` says what it reads next (``'start'`` first,
+    ``'call'`` while ``reader`` reads a call object)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.state = 'start'
+        self.reader: CallReader | None = None
+
+    def start_call(self, start: int) -> None:
+        """Reads the object at ``start`` as a call from now on."""
+        self.reader, self.state = CallReader(start), 'call'
+
+    def read_call(self, out: ParsedDelta, final: bool) -> bool | None:
+        """Adds the call's new pieces to ``out``; whether the object is a call (None while that is open).
+        Once it is one, ``pos`` moves past it."""
+        deltas, is_call = self.reader.advance(self, final)
+        out.tool_calls += deltas
+        if is_call:
+            self.pos = self.reader.end or len(self.text)
+        return is_call
+
+    def rest_as_text(self, out: ParsedDelta) -> ParsedDelta:
+        """``out`` with the unread text added as content."""
+        out.content += self.text[self.pos:]
+        self.pos = len(self.text)
+        return out

@@ -6,22 +6,17 @@ Several calls are separated by ``;``.
 """
 from __future__ import annotations
 
-from lmdeploy.serve.openai.tool_parsers.base import ParsedDelta, ToolParser, register_tool_parser
-from lmdeploy.serve.openai.tool_parsers.json_calls import CallReader
+from lmdeploy.serve.openai.tool_parsers.base import ParsedDelta, register_tool_parser
+from lmdeploy.serve.openai.tool_parsers.json_calls import JsonCallsParser
 from lmdeploy.serve.openai.text_scan import skip_whitespace
 
 PYTHON_TAG = '<|python_tag|>'
 
 
 @register_tool_parser('llama3_json', 'llama3', 'llama4_json')
-class Llama3JsonToolParser(ToolParser):
+class Llama3JsonToolParser(JsonCallsParser):
     """A reply that starts with a JSON object (or ``<|python_tag|>``) is calls; any other is text. Text
     after the calls, or an object that is not a call, is given as text."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.state = 'start'
-        self.reader: CallReader | None = None
 
     def _advance(self, final: bool) -> ParsedDelta:
         out = ParsedDelta()
@@ -46,16 +41,11 @@ class Llama3JsonToolParser(ToolParser):
                 if self.text[start] != '{':
                     self.state = 'text'
                     continue
-                self.reader, self.state = CallReader(start), 'call'
+                self.start_call(start)
             elif self.state == 'call':
-                deltas, is_call = self.reader.advance(self, final)
-                out.tool_calls += deltas
+                is_call = self.read_call(out, final)
                 if is_call is None:
                     return out
                 self.state = 'calls' if is_call else 'text'
-                if is_call:
-                    self.pos = self.reader.end or len(self.text)
             else:
-                out.content += self.text[self.pos:]
-                self.pos = len(self.text)
-                return out
+                return self.rest_as_text(out)
