@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, Glm4Config, GlmConfig, MistralConfig,
-                          Phi3Config, SmolLM3Config)
+                          Phi3Config, Qwen2Config, SmolLM3Config)
 
 from conftest import VOCAB_SIZE, build_tokenizer
 from helpers import GREEDY_32, hf_greedy, make_engine, random_prompts, run
@@ -14,6 +14,7 @@ from helpers import GREEDY_32, hf_greedy, make_engine, random_prompts, run
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.kernels import cpu
+from lmdeploy.pytorch.models.llama import layer_window
 
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=VOCAB_SIZE, max_position_embeddings=1024, tie_word_embeddings=False, pad_token_id=None)
@@ -145,6 +146,15 @@ def test_longrope_decode_crossing_recomputes_like_transformers(tmp_path, overlap
     run(engine, [short], GenerationConfig(max_new_tokens=4, ignore_eos=True))
     assert run(engine, [long]) == [hf_greedy(hf, long)]
     assert engine.block_manager.num_hits == 0
+
+
+def test_layer_window_reads_layer_types_or_the_config():
+    qwen2 = Qwen2Config(num_hidden_layers=4, sliding_window=8, use_sliding_window=True, max_window_layers=2)
+    assert [layer_window(qwen2, i) for i in range(4)] == [None, None, 8, 8]
+    assert [layer_window(Qwen2Config(num_hidden_layers=2, sliding_window=8), i) for i in range(2)] == [None, None]
+    assert [layer_window(MistralConfig(num_hidden_layers=2, sliding_window=8), i) for i in range(2)] == [8, 8]
+    assert [layer_window(MistralConfig(num_hidden_layers=2, sliding_window=None), i) for i in range(2)] == [None] * 2
+    assert [layer_window(Gemma2Config(num_hidden_layers=3, sliding_window=8), i) for i in range(3)] == [8, None, 8]
 
 
 def test_phi3_sliding_window(tmp_path):

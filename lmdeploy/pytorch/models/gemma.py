@@ -70,8 +70,10 @@ class GemmaForCausalLM(LlamaForCausalLM):
     """Gemma 2 (``Gemma2ForCausalLM``) and Gemma 3 text (``Gemma3ForCausalLM``)."""
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg)
         hf = cfg.hf_config
+        if getattr(hf, 'use_bidirectional_attention', False):
+            raise ValueError('Gemma with bidirectional attention (an embedding model) is not supported')
+        super().__init__(cfg)
         self.norm = GemmaRMSNorm(cfg.hidden_size, hf.rms_norm_eps)
         per_type = set(LAYER_TYPES) <= set(hf.rope_parameters)
         self.ropes = {kind: RotaryEmbedding(hf, cfg.head_dim, kind) if per_type else self.rotary
