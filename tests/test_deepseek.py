@@ -258,9 +258,9 @@ def test_fp8_scales_pair_with_their_weights_in_any_order():
     fp8 = weight_format_for({'quant_method': 'fp8', 'fmt': 'e4m3', 'weight_block_size': FP8_BLOCK})
     weight, norm = torch.randn(40, 24), torch.randn(24)
     codes, scales = quantize_blockwise(weight, FP8_BLOCK)
-    out = dict(fp8.checkpoint_tensors(iter([('a.weight_scale_inv', scales), ('n.weight', norm), ('a.weight', codes)])))
+    out = dict(fp8.convert_checkpoint(iter([('a.weight_scale_inv', scales), ('n.weight', norm), ('a.weight', codes)])))
     assert out['n.weight'] is norm and torch.equal(out['a.weight'], dequantize_blockwise(codes, scales, FP8_BLOCK))
     with pytest.raises(ValueError, match='without scales'):
-        list(fp8.checkpoint_tensors(iter([('a.weight', codes)])))
+        list(fp8.convert_checkpoint(iter([('a.weight', codes)])))
     with pytest.raises(ValueError, match='weight_block_size'):
         weight_format_for({'quant_method': 'fp8'})
