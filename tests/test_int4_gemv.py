@@ -1,5 +1,5 @@
 """The native 4-bit GEMV of small steps (``kernels/cpu/linear_int4.cpp``) against torch, its grid against
-gguf's Q4_1 dequantization, and the layers that choose it."""
+gguf's Q4_1 dequantization, the layers that choose it, and the 8-bit GEMV of the LM head (``linear_q8.cpp``)."""
 from __future__ import annotations
 
 import os
@@ -12,11 +12,13 @@ import torch
 import torch.nn.functional as F
 
 from lmdeploy.pytorch.kernels import cpu
+from lmdeploy.pytorch.nn.embedding import LMHead
 from lmdeploy.pytorch.nn.linear import GateUpLinear, Linear
 from lmdeploy.pytorch.nn.quant import LinearOptions
 from lmdeploy.pytorch.nn.quant.dense import DenseKernel
 from lmdeploy.pytorch.nn.quant.int4_cpu import (INT4_GROUP, NativeInt4Kernel, SmallStepInt4Kernel, TorchInt4Kernel,
                                                 least_squares_grid, pack_int4)
+from lmdeploy.pytorch.nn.quant.q8_cpu import pack_q8, q8_grid
 
 
 @pytest.fixture(scope='module')
@@ -130,11 +132,47 @@ def test_without_the_native_gemv_small_steps_run_torch_int4(monkeypatch):
 
 @pytest.mark.slow
 def test_native_source_compiles_without_avx512():
-    """On a plain AVX2 CPU the file builds its stubs (``int4_gemv_available()`` is false, so torch's int4
-    kernel runs: see the fallback test above)."""
+    """On a plain AVX2 CPU the files build their stubs (``int4_gemv_available()`` and ``q8_gemv_available()``
+    are false, so torch's int4 kernel and the fp16 LM head run: see the fallback test above)."""
     from torch.utils.cpp_extension import include_paths
-    source = os.path.join(os.path.dirname(cpu.__file__), 'linear_int4.cpp')
     includes = [f'-I{path}' for path in include_paths()] + [f'-I{sysconfig.get_paths()["include"]}']
-    proc = subprocess.run([os.environ.get('CXX', 'c++'), '-std=c++17', '-fsyntax-only', '-march=x86-64-v3',
-                           '-fopenmp', *includes, source], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    for name in ('linear_int4.cpp', 'linear_q8.cpp'):
+        source = os.path.join(os.path.dirname(cpu.__file__), name)
+        proc = subprocess.run([os.environ.get('CXX', 'c++'), '-std=c++17', '-fsyntax-only', '-march=x86-64-v3',
+                               '-fopenmp', *includes, source], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize('rows', [1, 3])
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float32])
+def test_q8_linear_matches_fp32(rows, dtype):
+    """The LM head's 8-bit GEMV against the fp32 product with the dequantized weight."""
+    if cpu.q8_gemv() is None:
+        pytest.skip('the native 8-bit GEMV needs AVX-512')
+    torch.manual_seed(0)
+    weight = torch.randn(96, 128) * 0.05
+    codes, scale = q8_grid(weight)
+    x = torch.randn(rows, 128).to(dtype)
+    expected = F.linear(x.float(), codes.float() * scale.float().repeat_interleave(INT4_GROUP, 1))
+    out = cpu.q8_gemv().q8_linear(x, *pack_q8(codes, scale))
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_lm_head_takes_8_bits_only_for_a_q8_0_table():
+    """A table quantized to Q8_0 by gguf and loaded in bf16 gets the 8-bit copy, whose logits match the bf16
+    table's; a plain random bf16 table (which 8 bits would round) keeps the fp16 copy."""
+    gguf = pytest.importorskip('gguf')
+    if cpu.q8_gemv() is None:
+        pytest.skip('the native 8-bit GEMV needs AVX-512')
+    rng = np.random.default_rng(0)
+    source = (rng.standard_normal((256, 64)) * 0.05).astype(np.float32)
+    q8_0 = gguf.quants.quantize(source, gguf.GGMLQuantizationType.Q8_0)
+    table = torch.from_numpy(gguf.quants.dequantize(q8_0, gguf.GGMLQuantizationType.Q8_0).copy()).bfloat16()
+    hidden = torch.randn(1, 64).bfloat16()
+    for weight, eight_bits in ((table, True), (torch.from_numpy(source).bfloat16(), False)):
+        head = LMHead(64, 256)
+        head.weight.data = weight.clone()
+        head.enable_small_step_copy()
+        assert (head.q8 is not None) == eight_bits and (head.fp16 is None) == eight_bits
+        torch.testing.assert_close(head(hidden), F.linear(hidden.float(), weight.float()), atol=2e-3, rtol=1e-2)

@@ -40,6 +40,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("bias") = py::none());
   m.def("int4_gate_up_silu", &int4_gate_up_silu, "silu(x @ G.T) * (x @ U.T) on 4-bit gate and up tiles",
         py::arg("x"), py::arg("packed"), py::arg("scales"));
+  m.def("q8_gemv_available", &q8_gemv_available, "whether q8_linear was built (AVX-512)");
+  m.def("q8_linear", &q8_linear, "fp32 x @ W.T on 8-bit weight groups (linear_q8.cpp)", py::arg("x"),
+        py::arg("packed"), py::arg("scales"));
   pybind11::class_<StepTensors>(m, "StepTensors", "the step's tensors that every decoder layer reads")
       .def(pybind11::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t,
                           c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
