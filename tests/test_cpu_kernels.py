@@ -62,7 +62,9 @@ def test_int4_groups_reproduce_a_q4_1_grid():
     torch.testing.assert_close(effective.float().T, weight.bfloat16().float(), atol=0, rtol=0)
 
 
-def test_small_steps_use_int4_and_big_ones_bf16():
+def test_small_steps_use_int4_and_big_ones_bf16(monkeypatch):
+    """Without the native int4 GEMV (tests/test_int4_gemv.py), small steps run torch's int4 kernel."""
+    monkeypatch.setattr(cpu, 'int4_gemv', lambda: None)
     torch.manual_seed(0)
     layer = Linear(64, 32, bias=True).bfloat16()
     torch.nn.init.normal_(layer.weight)
@@ -70,7 +72,7 @@ def test_small_steps_use_int4_and_big_ones_bf16():
     weight = layer.weight.detach().clone()
     layer.finalize(LinearOptions(small_step_int4=True))
     assert isinstance(layer.kernel, SmallStepInt4Kernel) and isinstance(layer.kernel.large, DenseKernel)
-    packed, scales_and_zeros = layer.kernel.packed, layer.kernel.scales_and_zeros
+    packed, scales_and_zeros = layer.kernel.small.packed, layer.kernel.small.scales_and_zeros
     effective = torch.ops.aten._weight_int4pack_mm_for_cpu(torch.eye(64, dtype=torch.bfloat16), packed, INT4_GROUP,
                                                            scales_and_zeros).float().T
     half_step = scales_and_zeros[..., 0].float().repeat_interleave(INT4_GROUP, 0).T / 2

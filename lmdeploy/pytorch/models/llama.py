@@ -200,14 +200,14 @@ class LlamaForCausalLM(nn.Module):
     def finalize_weights(self, pack_cpu: bool, small_step_int4: bool) -> None:
         """Lays the loaded weights out for their kernels (see :class:`LinearOptions`): bf16 CPU weights
         packed for their GEMM (and a copy of the LM head's); with ``small_step_int4`` the decoder's
-        projections keep a 4-bit copy for small steps and one row's LM head runs in fp16 (a CPU GEMV
-        streams fp16 twice as fast as bf16 here; bf16 to fp16 is exact for all but tiny values). With
+        projections keep a 4-bit copy for small steps and one row's LM head runs on an 8-bit (a Q8_0 table)
+        or fp16 copy (see :meth:`LMHead.enable_small_step_copy`). With
         native GEMM weights throughout, the decoder layers then run as one :class:`NativeDecoderStack`."""
         projections = [(name, module) for name, module in self.layers.named_modules() if isinstance(module, Linear)]
         for name, module in projections:
             module.finalize(LinearOptions(pack_cpu, small_step_int4 and name.endswith(DECODE_INT4_LAYERS), self.cfg.dtype))
         if small_step_int4:
-            self.lm_head.enable_fp16()
+            self.lm_head.enable_small_step_copy()
         if not pack_cpu:
             return
         self.lm_head.pack_for_cpu()

@@ -29,7 +29,7 @@ import torch
 logger = logging.getLogger('lmdeploy')
 _SOURCES = ['bindings.cpp', 'paged_attention.cpp', 'paged_attention_avx512.cpp', 'paged_attention_quant_avx512.cpp',
             'paged_prefill_avx512.cpp', 'elementwise.cpp', 'fill_kv_cache.cpp', 'linear_bf16.cpp', 'linear_int8.cpp',
-            'threads.cpp', 'decoder_stack.cpp', 'mla.cpp']
+            'threads.cpp', 'decoder_stack.cpp', 'mla.cpp', 'linear_int4.cpp', 'linear_q8.cpp']
 _FLAGS = ['-O3', '-march=native', '-fopenmp', '-ffast-math']
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}
@@ -59,6 +59,18 @@ def int8_gemm() -> ModuleType | None:
     """The kernels when their ``int8_linear`` (AVX512-VNNI) was built for this CPU; else None."""
     module = native()
     return module if module is not None and module.int8_gemm_available() else None
+
+
+def int4_gemv() -> ModuleType | None:
+    """The kernels when their ``int4_linear`` (AVX512-BF16) was built for this CPU; else None."""
+    module = native()
+    return module if module is not None and module.int4_gemv_available() else None
+
+
+def q8_gemv() -> ModuleType | None:
+    """The kernels when their ``q8_linear`` (AVX-512) was built for this CPU; else None."""
+    module = native()
+    return module if module is not None and module.q8_gemv_available() else None
 
 
 def bind_worker_threads() -> None:

@@ -39,6 +39,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(qx @ W.T) * sx * scale (+ bias), x quantized per row, on a weight from pack_int8_weight",
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("compensation"), pybind11::arg("scale"),
         pybind11::arg("bias") = pybind11::none());
+  m.def("int4_gemv_available", &int4_gemv_available, "whether int4_linear was built (AVX512-BF16)");
+  m.def("int4_linear", &int4_linear, "x @ W.T (+ bias) on 4-bit weight groups (linear_int4.cpp), x in bf16",
+        py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("bias") = py::none());
+  m.def("int4_gate_up_silu", &int4_gate_up_silu, "silu(x @ G.T) * (x @ U.T) on 4-bit gate and up tiles",
+        py::arg("x"), py::arg("packed"), py::arg("scales"));
+  m.def("q8_gemv_available", &q8_gemv_available, "whether q8_linear was built (AVX-512)");
+  m.def("q8_linear", &q8_linear, "fp32 x @ W.T on 8-bit weight groups (linear_q8.cpp)", py::arg("x"),
+        py::arg("packed"), py::arg("scales"));
   pybind11::class_<StepTensors>(m, "StepTensors", "the step's tensors that every decoder layer reads")
       .def(pybind11::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t,
                           c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,

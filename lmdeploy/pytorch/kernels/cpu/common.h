@@ -192,6 +192,12 @@ bool int8_gemm_available();
 torch::Tensor pack_int8_weight(const torch::Tensor& weight);
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& compensation,
                           const torch::Tensor& scale, c10::optional<torch::Tensor> bias);
+bool int4_gemv_available();
+torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
+                          c10::optional<torch::Tensor> bias);
+torch::Tensor int4_gate_up_silu(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales);
+bool q8_gemv_available();
+torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales);
 
 // The tensors of one engine step that every decoder layer reads (see StepContext in step_context.py).
 struct StepTensors {

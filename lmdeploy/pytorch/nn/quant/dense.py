@@ -32,7 +32,7 @@ class DenseFormat(WeightFormat):
         layer.weight = new_parameter((layer.out_features, layer.in_features), Layout(0, 1))
 
     def make_kernel(self, layer: Linear, options: LinearOptions) -> LinearKernel:
-        small = SmallStepInt4Kernel.of(layer.weight) if options.small_step_int4 else None
+        small = SmallStepInt4Kernel.of(layer.weight, layer.gate_up_panels) if options.small_step_int4 else None
         kernel = packed_cpu_kernel(layer.weight, layer.gate_up_panels) if options.pack_cpu else None
         if kernel is None:
             kernel = DenseKernel(layer)

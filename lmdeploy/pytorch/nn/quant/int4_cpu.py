@@ -1,6 +1,8 @@
-"""torch's int4 CPU kernel (``_weight_int4pack_mm_for_cpu``) for steps too small to keep a bf16 GEMM
-busy: it reads a quarter of the bytes, which is what a batch-1 decode step is bound by. It runs on a 4-bit
-copy of a bf16 weight (``decode_int4``), and on the grid of a 4-bit checkpoint (AWQ, GPTQ) as it is."""
+"""4-bit weights for steps too small to keep a bf16 GEMM busy: they read a quarter of the bytes, which is what
+a batch-1 decode step is bound by. A 4-bit copy of a bf16 weight (``decode_int4``) runs on the native GEMV
+(``kernels/cpu/linear_int4.cpp``: fp16 scale and minimum per group of 32, as GGUF's Q4_1) where it was built,
+else on torch's int4 kernel (``_weight_int4pack_mm_for_cpu``), which also runs the grid of a 4-bit checkpoint
+(AWQ, GPTQ) as it is."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -14,6 +16,7 @@ if TYPE_CHECKING:
     from lmdeploy.pytorch.nn.quant.w4a16 import Int4Grid
 
 INT4_GROUP = 32
+INT4_TILE = 16  # rows per tile of the native GEMV
 # Steps of more tokens run faster on bf16 weights: with the native GEMM, or with oneDNN's.
 INT4_MAX_TOKENS_NATIVE_GEMM = 2
 INT4_MAX_TOKENS_ONEDNN = 8
@@ -44,24 +47,94 @@ def grid_packed(grid: Int4Grid, dtype: torch.dtype) -> tuple[torch.Tensor, torch
     return packed, scales_and_zeros.contiguous()
 
 
-class SmallStepInt4Kernel(LinearKernel):
-    """Steps of at most ``small_step_rows`` tokens on the int4 kernel, larger ones on ``large`` (all steps
-    without one). With ``order``, the weight's inputs are in that order (act-order checkpoints), and so
-    are ``x``'s first."""
+class TorchInt4Kernel(LinearKernel):
+    """torch's int4 kernel on its packed codes and ``scales_and_zeros``; with ``order``, the weight's inputs
+    are in that order (act-order checkpoints), and so are ``x``'s first."""
 
-    def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, small_step_rows: int,
-                 large: LinearKernel | None = None, group_size: int = INT4_GROUP, order: torch.Tensor | None = None):
-        self.packed, self.scales_and_zeros = packed, scales_and_zeros
-        self.small_step_rows = small_step_rows
-        self.large, self.group_size, self.order = large, group_size, order
+    def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int = INT4_GROUP,
+                 order: torch.Tensor | None = None):
+        self.packed, self.scales_and_zeros, self.group_size, self.order = packed, scales_and_zeros, group_size, order
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.order is not None:
+            x = x[:, self.order]
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
+        return out if bias is None else out + bias
+
+
+class NativeInt4Kernel(LinearKernel):
+    """The native AVX512-BF16 GEMV on 4-bit groups (``kernels/cpu/linear_int4.cpp``, from :func:`pack_int4`);
+    a gate-and-up layer's tiles alternate gate and up rows, so that SiLU-and-mul runs in its epilogue."""
+
+    def __init__(self, packed: torch.Tensor, scales: torch.Tensor, gate_up: bool):
+        self.packed, self.scales, self.gate_up = packed, scales, gate_up
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if not self.gate_up:
+            return cpu.native().int4_linear(x, self.packed, self.scales, bias)
+        tiles = cpu.native().int4_linear(x, self.packed, self.scales, None)  # gate and up tiles alternate
+        out = tiles.unflatten(-1, (-1, 2, INT4_TILE)).transpose(-3, -2).flatten(-3)
+        return out if bias is None else out + bias
+
+    def gate_up_silu(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        if not self.gate_up or bias is not None:
+            return None
+        return cpu.native().int4_gate_up_silu(x, self.packed, self.scales)
+
+
+def least_squares_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``weight [N, K]`` as codes ``[N, K]`` (0..15, each group of 32 inputs' min/max grid) and the fp16
+    ``scale``, ``minimum [N, K / 32]`` that fit the group best (least squares) for those codes: a GGUF Q4_1
+    group, loaded in bf16, comes back with its codes, and its scale and minimum within about an fp16 step of
+    the file's (closer to the file's weights than the bf16 copy)."""
+    out_features, in_features = weight.shape
+    groups = weight.float().view(out_features, in_features // INT4_GROUP, INT4_GROUP)
+    low, high = groups.amin(-1), groups.amax(-1)
+    step = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+    codes = ((groups - low[..., None]) / step[..., None]).round_().clamp_(0, 15)
+    n, sum_q, sum_w = INT4_GROUP, codes.sum(-1), groups.sum(-1)
+    spread = n * codes.square().sum(-1) - sum_q.square()
+    fitted = (n * (codes * groups).sum(-1) - sum_q * sum_w) / spread.clamp_min(1)
+    scale = torch.where(spread > 0, fitted, step)
+    minimum = torch.where(spread > 0, (sum_w - scale * sum_q) / n, low)
+    return codes.to(torch.uint8).view(out_features, in_features), scale.half(), minimum.half()
+
+
+def pack_int4(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+              gate_up: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes ``[N, K]`` (0..15) and fp16 ``scale``, ``minimum [N, K / 32]`` in the native GEMV's layout
+    (see ``linear_int4.cpp``): ``packed [N/16, K/32, 8, 32]`` uint8 and ``scales [N/16, K/32, 2, 16]``
+    fp16. With ``gate_up`` (gate then up rows) the 16-row tiles alternate gate and up."""
+    out_features, in_features = codes.shape
+    order = torch.arange(out_features).view(2, -1, INT4_TILE).transpose(0, 1).flatten() if gate_up else None
+    if order is not None:
+        codes, scale, minimum = codes[order], scale[order], minimum[order]
+    tiles, groups = out_features // INT4_TILE, in_features // INT4_GROUP
+    # input 16 h + 2 c + b of a group: chunk c, byte 2 * row + b, low nibble for h = 0, high for h = 1
+    nibbles = codes.view(tiles, INT4_TILE, groups, 2, 8, 2).permute(0, 2, 4, 1, 5, 3)
+    packed = (nibbles[..., 0] | (nibbles[..., 1] << 4)).reshape(tiles, groups, 8, 2 * INT4_TILE).contiguous()
+    scales = torch.stack((scale, minimum)).view(2, tiles, INT4_TILE, groups).permute(1, 3, 0, 2).contiguous()
+    return packed, scales
+
+
+class SmallStepInt4Kernel(LinearKernel):
+    """Steps of at most ``small_step_rows`` tokens on a 4-bit kernel (``small``), larger ones on ``large``
+    (all steps without one)."""
+
+    def __init__(self, small: LinearKernel, small_step_rows: int, large: LinearKernel | None = None):
+        self.small, self.small_step_rows, self.large = small, small_step_rows, large
 
     @classmethod
-    def of(cls, weight: torch.Tensor) -> SmallStepInt4Kernel | None:
-        """The 4-bit copy of a bf16 CPU weight (without its kernel for larger steps); None for others."""
+    def of(cls, weight: torch.Tensor, gate_up: bool = False) -> SmallStepInt4Kernel | None:
+        """The 4-bit copy of a bf16 CPU weight (without its kernel for larger steps), on the native GEMV
+        where it was built (``gate_up``: gate then up rows, for its SiLU-and-mul epilogue), else on torch's
+        int4 kernel; None for other weights."""
         if weight.dtype != torch.bfloat16 or weight.device.type != 'cpu' or weight.shape[1] % INT4_GROUP:
             return None
         rows = INT4_MAX_TOKENS_NATIVE_GEMM if cpu.bf16_gemm() else INT4_MAX_TOKENS_ONEDNN
-        return cls(*int4_groups(weight), rows)
+        if cpu.int4_gemv() is not None and weight.shape[0] % (2 * INT4_TILE if gate_up else INT4_TILE) == 0:
+            return cls(NativeInt4Kernel(*pack_int4(*least_squares_grid(weight), gate_up), gate_up), rows)
+        return cls(TorchInt4Kernel(*int4_groups(weight)), rows)
 
     @classmethod
     def of_grid(cls, grid: Int4Grid, dtype: torch.dtype) -> SmallStepInt4Kernel:
@@ -69,25 +142,21 @@ class SmallStepInt4Kernel(LinearKernel):
         dequantizing it on each call for a bf16 GEMM is slower at every size measured
         (``benchmark/w4_cpu.py``)."""
         grid, order = grid.in_group_order()
-        return cls(*grid_packed(grid, dtype), 0, None, grid.group_size, order)
+        return cls(TorchInt4Kernel(*grid_packed(grid, dtype), grid.group_size, order), 0)
 
     def over(self, large: LinearKernel) -> SmallStepInt4Kernel:
         """This copy for small steps with ``large`` for the others."""
-        return SmallStepInt4Kernel(self.packed, self.scales_and_zeros, self.small_step_rows, large,
-                                   self.group_size, self.order)
+        return SmallStepInt4Kernel(self.small, self.small_step_rows, large)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.order is not None:
-            x = x[:, self.order]
         if self.large is not None and x.shape[0] > self.small_step_rows:
             return self.large(x, bias)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
-        return out if bias is None else out + bias
+        return self.small(x, bias)
 
     def gate_up_silu(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-        if self.large is None or x.shape[0] <= self.small_step_rows:
-            return None
-        return self.large.gate_up_silu(x, bias)
+        if self.large is not None and x.shape[0] > self.small_step_rows:
+            return self.large.gate_up_silu(x, bias)
+        return self.small.gate_up_silu(x, bias)
 
     def native_panels(self) -> torch.Tensor | None:
         return None if self.large is None else self.large.native_panels()

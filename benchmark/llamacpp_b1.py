@@ -1,0 +1,128 @@
+"""Batch-1 decode tokens/s of llama.cpp (llama-cpp-python) and this engine on the same GGUF file, in one run.
+
+Both sides get the same prompt (token ids from the file's tokenizer), decode greedily, and are timed over
+the same number of generated tokens after the step that prefills and samples the first one; each side's
+token count is checked. llama.cpp runs with ``--threads`` threads for decode and batch, this engine with
+``num_threads`` the same. After a warm-up run of each, the rounds alternate which side goes
+first, and each round prints both figures and their ratio; the end prints the medians.
+
+Rows of this engine (dtype auto, bf16 on the CPU; prefix caching off):
+
+- ``lmdeploy 4-bit small steps``: ``decode_int4=True`` (its default for a Q4_1 file such as the default
+  model): batch-1 steps on 4-bit copies of the decoder's projections, bf16 activations (not quantized);
+- ``lmdeploy bf16`` (``--with-bf16``): ``decode_int4=False``.
+
+llama-cpp-python is a benchmark-only dependency (not in requirements); build it from source for this CPU in
+a venv of its own that still sees this environment's torch and lmdeploy::
+
+    python -m venv --system-site-packages /tmp/llamacpp_venv
+    CMAKE_ARGS="-DGGML_NATIVE=ON" /tmp/llamacpp_venv/bin/pip install --no-binary llama-cpp-python llama-cpp-python
+    PYTHONPATH=. /tmp/llamacpp_venv/bin/python benchmark/llamacpp_b1.py
+
+On a Xeon with AMX, ``-DGGML_NATIVE=ON`` turns on ggml's AMX matmul, which crashed there: build with
+``CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON
+-DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON"`` instead (ggml's ``GGML_AMX_TILE``/``INT8``/``BF16`` options
+default to off when ``GGML_NATIVE`` is off; they are the only way AMX gets in).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
+from lmdeploy.model_source import default_model_path, resolve_model_path
+from lmdeploy.pytorch.engine.engine import Engine
+
+PROMPT = ('The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined '
+          'movable metal type, oil-based ink and a wooden screw press into a system that could produce books '
+          'faster and more cheaply than ever before. Explain how this changed the spread of knowledge in Europe.')
+LABEL_WIDTH = 30
+
+
+def llamacpp_decode_rate(llm, prompt: list[int], n: int) -> tuple[float, list[int]]:
+    """Greedy decode tokens/s of llama.cpp: ``n`` tokens timed after the first (EOS does not stop it)."""
+    tokens = []
+    start = 0.0
+    for token in llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
+        tokens.append(token)
+        if len(tokens) == 1:
+            start = time.perf_counter()
+        if len(tokens) == n + 1:
+            break
+    elapsed = time.perf_counter() - start
+    assert len(tokens) == n + 1, f'llama.cpp produced {len(tokens)} tokens, asked {n + 1}'
+    return n / elapsed, tokens
+
+
+def engine_decode_rate(engine: Engine, prompt: list[int], n: int) -> tuple[float, list[int]]:
+    """Greedy decode tokens/s of this engine: ``n`` tokens timed after the step that prefills and samples
+    the first (``ignore_eos``)."""
+    engine.add_request(prompt, GenerationConfig(max_new_tokens=n + 1, ignore_eos=True, do_sample=False))
+    tokens: list[int] = []
+    while not tokens:
+        for out in engine.step():
+            tokens += out.token_ids
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += out.token_ids
+    elapsed = time.perf_counter() - start
+    assert len(tokens) == n + 1, f'the engine produced {len(tokens)} tokens, asked {n + 1}'
+    return n / elapsed, tokens
+
+
+def agreement(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two greedy continuations share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--model', default=None, help='a .gguf file (default: the bundled default model)')
+    parser.add_argument('--threads', type=int, default=2)
+    parser.add_argument('--decode-tokens', type=int, default=128)
+    parser.add_argument('--rounds', type=int, default=3)
+    parser.add_argument('--with-bf16', action='store_true', help='add the engine with decode_int4=False')
+    args = parser.parse_args()
+    from llama_cpp import Llama
+
+    path = args.model or default_model_path()
+    llm = Llama(model_path=path, n_threads=args.threads, n_threads_batch=args.threads, n_ctx=1024, n_batch=512,
+                verbose=False)
+    prompt = llm.tokenize(PROMPT.encode(), add_bos=True, special=False)
+    sides = {'llama.cpp': lambda: llamacpp_decode_rate(llm, prompt, args.decode_tokens)}
+    base = dict(enable_prefix_caching=False, num_threads=args.threads, num_gpu_blocks=32)
+    configs = {'lmdeploy 4-bit small steps': PytorchEngineConfig(**base, decode_int4=True)}
+    if args.with_bf16:
+        configs['lmdeploy bf16'] = PytorchEngineConfig(**base, decode_int4=False)
+    model_dir = resolve_model_path(path)
+    engines = {label: Engine(model_dir, config, show_progress=False) for label, config in configs.items()}
+    for label, engine in engines.items():
+        sides[label] = lambda engine=engine: engine_decode_rate(engine, prompt, args.decode_tokens)
+    try:
+        outputs = {label: run()[1] for label, run in sides.items()}  # warm-up
+        print(f'{len(prompt)} prompt tokens, {args.decode_tokens} timed decode tokens, {args.threads} threads')
+        for label, tokens in list(outputs.items())[1:]:
+            print(f'{label:<{LABEL_WIDTH}}: greedy output shares its first '
+                  f'{agreement(tokens, outputs["llama.cpp"])} tokens with llama.cpp\'s')
+        rates: dict[str, list[float]] = {label: [] for label in sides}
+        for index in range(args.rounds):
+            order = list(sides) if index % 2 == 0 else list(reversed(sides))
+            for label in order:
+                rates[label].append(sides[label]()[0])
+            line = '   '.join(f'{label} {rates[label][-1]:6.1f}' for label in sides)
+            ratios = '   '.join(f'{label} / llama.cpp {rates[label][-1] / rates["llama.cpp"][-1]:.2f}x'
+                               for label in engines)
+            print(f'round {index + 1} (tok/s): {line}   {ratios}', flush=True)
+        reference = statistics.median(rates['llama.cpp'])
+        for label, values in rates.items():
+            median = statistics.median(values)
+            print(f'{label:<{LABEL_WIDTH}}: median {median:6.1f} tok/s   ratio to llama.cpp {median / reference:.2f}x')
+    finally:
+        for engine in engines.values():
+            engine.close()
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,145 @@
+// y = x @ W.T (+ b) for steps of a few rows (batch-1 decode) on 4-bit weights, for CPUs with AVX512-BF16:
+// groups of 32 inputs with an fp16 scale and minimum each, w = q * scale + min with q in 0..15 (GGUF's
+// Q4_1), bf16 activations used as they are (not quantized).
+//
+// A 4-bit code q becomes the bf16 number 128 + q by OR-ing it into 0x4300 (bf16 steps by 1 in [128, 256)),
+// so one vdpbf16ps multiplies a broadcast pair of x with a pair of 16 rows' codes: the group's sum
+// D = sum x (128 + q) is exact products summed in fp32, and the row's share of y is
+// scale * (D - 128 X) + min * X with X = sum x over the group (once per row of x).
+//
+// Packed weight [N/16, K/32, 8, 32] bytes: a tile of 16 rows, one group, 8 chunks; byte j of chunk c
+// holds (row j/2, input 2c + j%2) in its low nibble and (row j/2, input 16 + 2c + j%2) in its high one,
+// so one 32-byte load widened to 16 bits gives the weights of input pairs c and c + 8. Scales and
+// minimums [N/16, K/32, 2, 16] fp16: one cache line per tile and group. With gate_up, tiles alternate
+// gate and up rows and the call returns silu(gate) * up.
+#include "common.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+
+namespace {
+
+constexpr int64_t kTile = 16, kGroup = 32, kGroupBytes = kTile * kGroup / 2;
+
+struct Gemv {
+  const c10::BFloat16* x;  // [M, K]
+  const float* xsum;       // [M, K / 32]
+  const uint8_t* w;
+  const uint16_t* scales;  // fp16 bits
+  c10::BFloat16* out;      // [M, N] (gate_up: [M, N / 2])
+  int64_t M, K, N;
+};
+
+// x @ W.T of one tile's 16 rows for row m of x, in fp32.
+inline __m512 tile_dot(const Gemv& g, int64_t tile, int64_t m) {
+  const int64_t groups = g.K / kGroup;
+  const uint8_t* w = g.w + tile * groups * kGroupBytes;
+  const uint16_t* sm = g.scales + tile * groups * 2 * kTile;
+  const int32_t* pairs = reinterpret_cast<const int32_t*>(g.x + m * g.K);
+  const float* xsum = g.xsum + m * groups;
+  const __m512i nibble = _mm512_set1_epi16(0x000F), offset = _mm512_set1_epi16(0x4300);
+  const __m512 minus128 = _mm512_set1_ps(-128.f);
+  __m512 acc = _mm512_setzero_ps(), acc_min = _mm512_setzero_ps();
+  for (int64_t group = 0; group < groups; ++group, w += kGroupBytes, sm += 2 * kTile, pairs += kGroup / 2) {
+    __m512 d[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+      const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * c)));
+      const __m512i low = _mm512_ternarylogic_epi32(bytes, nibble, offset, 0xEA);  // (bytes & 15) | 0x4300
+      const __m512i high = _mm512_or_si512(_mm512_srli_epi16(bytes, 4), offset);
+      d[c & 1] = _mm512_dpbf16_ps(d[c & 1], (__m512bh)low, (__m512bh)_mm512_set1_epi32(pairs[c]));
+      d[2 + (c & 1)] = _mm512_dpbf16_ps(d[2 + (c & 1)], (__m512bh)high, (__m512bh)_mm512_set1_epi32(pairs[c + 8]));
+    }
+    const __m512 sum = _mm512_add_ps(_mm512_add_ps(d[0], d[1]), _mm512_add_ps(d[2], d[3]));
+    const __m512 x_group = _mm512_set1_ps(xsum[group]);
+    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm)));
+    const __m512 minimum = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + kTile)));
+    acc = _mm512_fmadd_ps(scale, _mm512_fmadd_ps(minus128, x_group, sum), acc);
+    acc_min = _mm512_fmadd_ps(minimum, x_group, acc_min);
+  }
+  return _mm512_add_ps(acc, acc_min);
+}
+
+inline __m512 silu_mul(__m512 gate, __m512 up) {
+  const __m512 sigmoid = _mm512_rcp14_ps(_mm512_add_ps(_mm512_set1_ps(1.f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(),
+                                                                                               gate))));
+  return _mm512_mul_ps(_mm512_mul_ps(gate, sigmoid), up);
+}
+
+void run(const Gemv& g, const float* bias, bool gate_up) {
+  const int64_t tiles = g.N / kTile, units = gate_up ? tiles / 2 : tiles, width = gate_up ? g.N / 2 : g.N;
+#pragma omp parallel for schedule(static) num_threads(at::get_num_threads())
+  for (int64_t unit = 0; unit < units; ++unit) {
+    for (int64_t m = 0; m < g.M; ++m) {
+      __m512 y;
+      if (gate_up) {
+        y = silu_mul(tile_dot(g, 2 * unit, m), tile_dot(g, 2 * unit + 1, m));
+      } else {
+        y = tile_dot(g, unit, m);
+        if (bias) y = _mm512_add_ps(y, _mm512_loadu_ps(bias + unit * kTile));
+      }
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(g.out + m * width + unit * kTile), to_bf16(y));
+    }
+  }
+}
+
+torch::Tensor int4_call(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
+                        c10::optional<torch::Tensor> bias, bool gate_up) {
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kByte && packed.size(2) == 8 && packed.size(3) == 32,
+              "packed: uint8 [N/16, K/32, 8, 32] from pack_int4_weight");
+  const int64_t N = packed.size(0) * kTile, K = packed.size(1) * kGroup, groups = K / kGroup;
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.numel() == N / kTile * groups * 32,
+              "scales: fp16 [N/16, K/32, 2, 16]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.size(-1) == K, "x: bf16 [..., ", K, "]");
+  TORCH_CHECK(packed.is_contiguous(), "packed must be contiguous");
+  TORCH_CHECK(!gate_up || (N % (2 * kTile) == 0 && !bias.has_value()), "gate_up: pairs of tiles, no bias");
+  const auto rows = x.reshape({-1, K}).contiguous();
+  const int64_t M = rows.size(0), width = gate_up ? N / 2 : N;
+  torch::Tensor b;
+  if (bias.has_value()) {
+    b = contiguous_as(*bias, at::kFloat);
+    TORCH_CHECK(b.numel() == N, "bias must have ", N, " elements");
+  }
+  static thread_local std::vector<float> xsum;
+  xsum.resize(M * groups);
+  const c10::BFloat16* xp = rows.data_ptr<c10::BFloat16>();
+  for (int64_t i = 0; i < M * groups; ++i) {
+    float total = 0.f;
+    for (int64_t k = 0; k < kGroup; ++k) total += to_float(xp[i * kGroup + k]);
+    xsum[i] = total;
+  }
+  auto out = torch::empty({M, width}, x.options());
+  const Gemv g{xp, xsum.data(), packed.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr()),
+               out.data_ptr<c10::BFloat16>(), M, K, N};
+  run(g, b.defined() ? b.data_ptr<float>() : nullptr, gate_up);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = width;
+  return out.view(shape);
+}
+
+}  // namespace
+
+bool int4_gemv_available() { return true; }
+
+torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
+                          c10::optional<torch::Tensor> bias) {
+  return int4_call(x, packed, scales, bias, false);
+}
+
+torch::Tensor int4_gate_up_silu(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales) {
+  return int4_call(x, packed, scales, c10::nullopt, true);
+}
+
+#else
+
+bool int4_gemv_available() { return false; }
+
+torch::Tensor int4_linear(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                          c10::optional<torch::Tensor>) {
+  TORCH_CHECK(false, "built without AVX512-BF16");
+}
+
+torch::Tensor int4_gate_up_silu(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&) {
+  TORCH_CHECK(false, "built without AVX512-BF16");
+}
+
+#endif
