@@ -33,6 +33,7 @@ def assert_first_logits_close(engine: Engine, prompts, refs: list[torch.Tensor],
 
 
 def hf_last_logits(hf_model, prompt: list[int]) -> torch.Tensor:
+    """transformers' logits at the last position of ``prompt``."""
     with torch.no_grad():
         return hf_model(torch.tensor([prompt])).logits[0, -1]
 
