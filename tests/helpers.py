@@ -42,8 +42,8 @@ def make_engine(path, **kwargs) -> Engine:
 
 def add_requests(engine: Engine, prompts, gen_config=GREEDY_32) -> list[int]:
     """Queues ``prompts``: token lists, or processed prompts (``input_ids`` and ``multimodal``) with images."""
-    return [engine.add_request(p, gen_config) if isinstance(p, list) else
-            engine.add_request(p.input_ids, gen_config, p.multimodal) for p in prompts]
+    return [engine.add_request(p.input_ids, gen_config, p.multimodal) if hasattr(p, 'input_ids') else
+            engine.add_request(p, gen_config) for p in prompts]
 
 
 def run(engine: Engine, prompts, gen_config=GREEDY_32) -> list[list[int]]:
