@@ -74,22 +74,34 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
                                    chat_template=CHAT_TEMPLATE)
 
 
+def save_random_model(config, path: str, max_shard_size: str = '50GB', std: dict[str, float] | None = None) -> str:
+    """A causal LM of ``config`` with random weights, saved with the tokenizer (sharded below ``max_shard_size``).
+
+    Parameters draw from N(0, 0.2); ``std`` maps name suffixes to other deviations, for parameters and for
+    buffers (buffers it does not name keep their values)."""
+    std = std or {}
+    torch.manual_seed(0)
+    tokenizer = build_tokenizer()
+    config.eos_token_id, config.bos_token_id = tokenizer.eos_token_id, tokenizer.bos_token_id
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(0, next((v for k, v in std.items() if name.endswith(k)), 0.2))
+        for name, buffer in model.named_buffers():
+            for suffix, value in std.items():
+                if name.endswith(suffix):
+                    buffer.normal_(0, value)
+    model.save_pretrained(path, max_shard_size=max_shard_size)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 def save_tiny_model(kind: str, path: str, **overrides) -> str:
     """A tiny random model of ``kind`` (its config changed by ``overrides``) saved with its tokenizer."""
-    torch.manual_seed(0)
     config = TINY_CONFIGS[kind]()
     for name, value in overrides.items():
         setattr(config, name, value)
-    tokenizer = build_tokenizer()
-    config.eos_token_id = tokenizer.eos_token_id
-    config.bos_token_id = tokenizer.bos_token_id
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0, 0.2)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_random_model(config, path)
 
 
 @pytest.fixture(scope='session', params=sorted(TINY_CONFIGS))

@@ -18,6 +18,19 @@ def random_prompts(lengths, seed=0, vocab=300):
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
+def scattered_block_table(lengths: list[int], block_size: int, g: torch.Generator) -> tuple[torch.Tensor, int]:
+    """A block table giving each sequence distinct blocks in random order (drawn with ``g``) for its ``lengths``
+    tokens, padded with block 0, and the number of blocks it draws from (three spare)."""
+    widths = [-(-n // block_size) for n in lengths]
+    num_blocks = sum(widths) + 3
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    table, used = [], 0
+    for w in widths:
+        table.append(perm[used:used + w] + [0] * (max(widths) - w))
+        used += w
+    return torch.tensor(table), num_blocks
+
+
 def make_engine(path, **kwargs) -> Engine:
     kwargs.setdefault('num_gpu_blocks', 128)
     kwargs.setdefault('block_size', 16)
@@ -27,8 +40,14 @@ def make_engine(path, **kwargs) -> Engine:
     return Engine(path, PytorchEngineConfig(dtype='float32', **kwargs), show_progress=False)
 
 
+def add_requests(engine: Engine, prompts, gen_config=GREEDY_32) -> list[int]:
+    """Queues ``prompts``: token lists, or processed prompts (``input_ids`` and ``multimodal``) with images."""
+    return [engine.add_request(p.input_ids, gen_config, p.multimodal) if hasattr(p, 'input_ids') else
+            engine.add_request(p, gen_config) for p in prompts]
+
+
 def run(engine: Engine, prompts, gen_config=GREEDY_32) -> list[list[int]]:
-    index = {engine.add_request(p, gen_config): i for i, p in enumerate(prompts)}
+    index = {seq_id: i for i, seq_id in enumerate(add_requests(engine, prompts, gen_config))}
     outs = [[] for _ in prompts]
     while engine.has_unfinished():
         for out in engine.step():

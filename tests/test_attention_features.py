@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from helpers import scattered_block_table
 
 from lmdeploy.pytorch.kernels import attention
 from lmdeploy.pytorch.kernels.kv_quant import dequantize_kv
@@ -44,12 +45,7 @@ def paged(contexts: list[int], num_kv_heads: int, head_dim: int, dtype: torch.dt
     """Each sequence's K/V ``[C, H_kv, D]`` written to shuffled blocks of a cache (quantized with
     ``quant_policy``): ``(ks, vs, cache_args, table)``, ``ks, vs`` as the cache holds them."""
     g = torch.Generator().manual_seed(seed)
-    widths = [-(-c // BLOCK) for c in contexts]
-    num_blocks = sum(widths) + 2
-    order = torch.randperm(num_blocks, generator=g).tolist()
-    table = torch.zeros(len(contexts), max(widths), dtype=torch.long)
-    for row, width in enumerate(widths):
-        table[row, :width] = torch.tensor([order.pop() for _ in range(width)])
+    table, num_blocks = scattered_block_table(contexts, BLOCK, g)
     if quant_policy:
         codes = (num_blocks, num_kv_heads, BLOCK, head_dim * quant_policy // 8)
         cache = [torch.zeros(codes, dtype=torch.uint8), torch.zeros(codes, dtype=torch.uint8),

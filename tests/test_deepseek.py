@@ -10,12 +10,15 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config
+from transformers import DeepseekV2Config, DeepseekV3Config
 from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
-from conftest import VOCAB_SIZE, build_tokenizer
-from helpers import GREEDY_32, hf_greedy, make_engine, random_prompts, run
+from conftest import VOCAB_SIZE, save_random_model
+from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_first_logits_close,
+                           assert_matches_transformers, assert_tp2_equals_tp1, hf_causal_lm, hf_last_logits,
+                           prefix_sharing_prompts)
+from helpers import hf_greedy, make_engine, random_prompts, run
 
 from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
@@ -46,20 +49,7 @@ def ds_config(q_lora_rank: int | None, kind: str = 'v3') -> DeepseekV3Config | D
 def save_deepseek(path: str, q_lora_rank: int | None = 48, kind: str = 'v3') -> str:
     """A tiny random DeepSeek-V3 (or V2) saved with transformers; V3's routers' correction biases are random
     too."""
-    torch.manual_seed(0)
-    config = ds_config(q_lora_rank, kind)
-    tokenizer = build_tokenizer()
-    config.eos_token_id, config.bos_token_id = tokenizer.eos_token_id, tokenizer.bos_token_id
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0, 0.2)
-        for name, buffer in model.named_buffers():
-            if name.endswith('e_score_correction_bias'):
-                buffer.normal_(0, 0.1)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_random_model(ds_config(q_lora_rank, kind), path, std={'e_score_correction_bias': 0.1})
 
 
 @pytest.fixture(scope='module', params=sorted(VARIANTS))
@@ -69,61 +59,30 @@ def deepseek(request, tmp_path_factory) -> str:
 
 
 def test_greedy_and_first_logits_match_transformers(deepseek):
-    hf_model = AutoModelForCausalLM.from_pretrained(deepseek, dtype=torch.float32).eval()
     # 90 + 32 tokens pass YaRN's original 64 positions
-    prompts = random_prompts([3, 17, 52, 90])
-    for prompt, out in zip(prompts, run(make_engine(deepseek), prompts)):
-        assert out == hf_greedy(hf_model, prompt)
-    engine = make_engine(deepseek)
-    prompts = random_prompts([7, 31, 60])
-    for prompt in prompts:
-        engine.add_request(prompt, GREEDY_32)
-    logits = engine.runner.forward(engine.scheduler.schedule())
-    for row, prompt in enumerate(prompts):
-        with torch.no_grad():
-            ref = hf_model(torch.tensor([prompt])).logits[0, -1]
-        assert (logits[row].cpu() - ref).abs().max().item() < 1e-3
+    assert_matches_transformers(deepseek, hf_causal_lm(deepseek), random_prompts([3, 17, 52, 90]),
+                                random_prompts([7, 31, 60]))
 
 
 def test_bf16_first_logits_near_transformers(deepseek):
     """bf16 on the CPU: packed projections (``kv_b_proj`` left dense) and the native latent-attention kernels
     where they build; the logits stay within bf16's error of transformers in fp32."""
-    hf_model = AutoModelForCausalLM.from_pretrained(deepseek, dtype=torch.float32).eval()
+    hf_model = hf_causal_lm(deepseek)
     engine = Engine(deepseek, PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=64, block_size=16),
                     show_progress=False)
     assert engine.runner.kv_caches[0][0].dtype == torch.bfloat16
     prompts = random_prompts([7, 31, 60], seed=2)
-    for prompt in prompts:
-        engine.add_request(prompt, GREEDY_32)
-    logits = engine.runner.forward(engine.scheduler.schedule())
-    for row, prompt in enumerate(prompts):
-        with torch.no_grad():
-            ref = hf_model(torch.tensor([prompt])).logits[0, -1]
-        assert (logits[row].float().cpu() - ref).abs().max().item() < 0.05 * ref.abs().max().item()
+    assert_first_logits_close(engine, prompts, [hf_last_logits(hf_model, p) for p in prompts], tol=0.05,
+                              relative=True)
 
 
 def test_batched_chunked_and_cached_equal_solo(deepseek):
-    prompts = random_prompts([100, 130], seed=3)
-    prompts += [prompts[0][:64] + p for p in random_prompts([20, 30], seed=4)]
-    plain = run(make_engine(deepseek, enable_prefix_caching=False), prompts)
-    assert [run(make_engine(deepseek, enable_prefix_caching=False), [p])[0] for p in prompts] == plain
-    assert run(make_engine(deepseek, max_prefill_token_num=16), prompts) == plain
-    cached = make_engine(deepseek)
-    run(cached, prompts[:1])
-    assert run(cached, prompts) == plain
-    assert cached.block_manager.num_hits > 0
+    assert_batched_chunked_and_cached_equal_solo(deepseek, prefix_sharing_prompts())
 
 
 def test_tp2_splits_heads_and_experts(tmp_path):
     """Each rank computes its own heads over the whole latent cache and its share of every expert."""
-    path = save_deepseek(str(tmp_path / 'v3'))
-    prompts = random_prompts([5, 40], seed=8)
-    expected = run(make_engine(path), prompts)
-    engine = make_engine(path, tp=2)
-    try:
-        assert run(engine, prompts) == expected
-    finally:
-        engine.close()
+    assert_tp2_equals_tp1(save_deepseek(str(tmp_path / 'v3')), random_prompts([5, 40], seed=8))
 
 
 def test_cache_holds_the_latent_per_token(deepseek, caplog):
@@ -248,7 +207,7 @@ def test_fp8_block_scaled_checkpoint_is_dequantized_at_load(tmp_path):
     engine = make_engine(str(fp8_dir))
     experts = engine.runner.model.layers[1].mlp.experts
     assert torch.equal(experts.down[3], dequantized['model.layers.1.mlp.experts.3.down_proj.weight'])
-    hf_model = AutoModelForCausalLM.from_pretrained(str(dense_dir), dtype=torch.float32).eval()
+    hf_model = hf_causal_lm(str(dense_dir))
     prompts = random_prompts([5, 40], seed=11)
     for prompt, out in zip(prompts, run(engine, prompts)):
         assert out == hf_greedy(hf_model, prompt)

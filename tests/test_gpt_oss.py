@@ -9,11 +9,13 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, GptOssConfig, Mxfp4Config
+from transformers import GptOssConfig, Mxfp4Config
 from transformers.integrations.mxfp4 import FP4_VALUES, convert_moe_packed_tensors
 
-from conftest import VOCAB_SIZE, build_tokenizer
-from helpers import GREEDY_32, hf_greedy, make_engine, random_prompts, run
+from conftest import VOCAB_SIZE, save_random_model
+from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_matches_transformers,
+                           assert_tp2_equals_tp1, hf_causal_lm, prefix_sharing_prompts)
+from helpers import hf_greedy, make_engine, random_prompts, run
 
 from lmdeploy.pytorch.nn.quant.mxfp4 import dequantize_mxfp4
 
@@ -29,17 +31,9 @@ EXPERT_TENSORS = ('gate_up_proj', 'down_proj')
 def save_gpt_oss(path: str) -> str:
     """A tiny random gpt-oss saved with transformers; the experts' gate_up weights large enough that the
     SwiGLU's clamps bite (on 10-25% of the features)."""
-    torch.manual_seed(0)
-    tokenizer = build_tokenizer()
-    config = GptOssConfig(**CONFIG, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    config = GptOssConfig(**CONFIG)
     assert config.layer_types == ['sliding_attention', 'full_attention'] * 2
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.normal_(0, 4.0 if name.endswith('gate_up_proj') else 0.2)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_random_model(config, path, std={'gate_up_proj': 4.0})
 
 
 def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,34 +76,17 @@ def model_path(tmp_path_factory) -> str:
 
 @pytest.fixture(scope='module')
 def hf_model(model_path):
-    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    return hf_causal_lm(model_path)
 
 
 def test_greedy_and_first_logits_match_transformers(model_path, hf_model):
-    engine = make_engine(model_path)
-    prompts = random_prompts([3, 17, 40, 75], seed=1)
-    assert run(engine, prompts) == [hf_greedy(hf_model, prompt) for prompt in prompts]
-    engine = make_engine(model_path)
-    prompts = random_prompts([7, 31, 60], seed=2)
-    for prompt in prompts:
-        engine.add_request(prompt, GREEDY_32)
-    logits = engine.runner.forward(engine.scheduler.schedule())
-    for row, prompt in enumerate(prompts):
-        with torch.no_grad():
-            ref = hf_model(torch.tensor([prompt])).logits[0, -1]
-        assert (logits[row].cpu() - ref).abs().max().item() < 1e-3
+    assert_matches_transformers(model_path, hf_model, random_prompts([3, 17, 40, 75], seed=1),
+                                random_prompts([7, 31, 60], seed=2))
 
 
 def test_batched_chunked_and_cached_equal_solo(model_path):
-    prompts = random_prompts([50, 70], seed=3)
-    prompts += [prompts[0][:32] + p for p in random_prompts([12, 21], seed=4)]
-    plain = run(make_engine(model_path, enable_prefix_caching=False), prompts)
-    assert [run(make_engine(model_path, enable_prefix_caching=False), [p])[0] for p in prompts] == plain
-    assert run(make_engine(model_path, max_prefill_token_num=8, block_size=8), prompts) == plain
-    cached = make_engine(model_path)
-    run(cached, prompts[:1])
-    assert run(cached, prompts) == plain
-    assert cached.block_manager.num_hits > 0
+    assert_batched_chunked_and_cached_equal_solo(model_path, prefix_sharing_prompts((50, 70), 32, (12, 21)),
+                                                 chunked={'max_prefill_token_num': 8, 'block_size': 8})
 
 
 def test_mxfp4_dequantization_matches_transformers():
@@ -128,8 +105,7 @@ def test_mxfp4_dequantization_matches_transformers():
 def test_mxfp4_checkpoint_matches_transformers(model_path, tmp_path):
     """An MXFP4 checkpoint loads with its experts dequantized: the tokens of transformers' dequantizing load."""
     path = save_mxfp4(model_path, str(tmp_path / 'mxfp4'))
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                              quantization_config=Mxfp4Config(dequantize=True)).eval()
+    hf = hf_causal_lm(path, quantization_config=Mxfp4Config(dequantize=True))
     prompts = random_prompts([5, 45], seed=5)
     assert run(make_engine(path), prompts) == [hf_greedy(hf, prompt) for prompt in prompts]
 
@@ -137,10 +113,4 @@ def test_mxfp4_checkpoint_matches_transformers(model_path, tmp_path):
 def test_tp2_equals_tp1(model_path):
     """Each rank holds its heads' sinks and its share of every expert's features and gate/up biases; the
     down bias is added once."""
-    prompts = random_prompts([5, 30], seed=6)
-    expected = run(make_engine(model_path), prompts)
-    engine = make_engine(model_path, tp=2)
-    try:
-        assert run(engine, prompts) == expected
-    finally:
-        engine.close()
+    assert_tp2_equals_tp1(model_path, random_prompts([5, 30], seed=6))

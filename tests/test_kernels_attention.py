@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import scattered_block_table
 from kernel_env import DEVICE, DTYPES
 
 from lmdeploy.pytorch.kernels import attention
@@ -18,16 +19,10 @@ BLOCK_SIZE = 16
 def paged_cache(lengths: list[int], num_kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int = 0):
     """Random K/V caches and a block table giving each sequence scattered blocks for ``lengths`` tokens."""
     g = torch.Generator().manual_seed(seed)
-    widths = [-(-n // BLOCK_SIZE) for n in lengths]
-    num_blocks = sum(widths) + 3
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    table, used = [], 0
-    for w in widths:
-        table.append(perm[used:used + w] + [0] * (max(widths) - w))
-        used += w
+    table, num_blocks = scattered_block_table(lengths, BLOCK_SIZE, g)
     shape = (num_blocks, num_kv_heads, BLOCK_SIZE, head_dim)
     k_cache, v_cache = (torch.randn(shape, generator=g).to(DEVICE, dtype) for _ in range(2))
-    return k_cache, v_cache, torch.tensor(table, device=DEVICE)
+    return k_cache, v_cache, table.to(DEVICE)
 
 
 def rand(*shape, dtype, seed=1):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import scattered_block_table
 
 from lmdeploy.pytorch.kernels import mla
 
@@ -18,15 +19,9 @@ def rand(*shape, seed, dtype=torch.float32, device='cpu'):
 def latent_cache(lengths: list[int], dtype=torch.float32, device='cpu', seed=0):
     """A random latent cache and a block table giving each sequence scattered blocks for ``lengths`` tokens."""
     g = torch.Generator().manual_seed(seed)
-    widths = [-(-n // BLOCK_SIZE) for n in lengths]
-    num_blocks = sum(widths) + 3
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    table, used = [], 0
-    for w in widths:
-        table.append(perm[used:used + w] + [0] * (max(widths) - w))
-        used += w
+    table, num_blocks = scattered_block_table(lengths, BLOCK_SIZE, g)
     cache = torch.randn(num_blocks, BLOCK_SIZE, LATENT + ROPE, generator=g).to(device, dtype)
-    return cache, torch.tensor(table, device=device)
+    return cache, table.to(device)
 
 
 def context(cache, table, row, length):

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 import torch
-from helpers import make_engine, random_prompts, run
+from helpers import make_engine, random_prompts, run, scattered_block_table
 
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
@@ -20,12 +20,7 @@ def quantized_case(lengths: list[int], num_kv_heads: int, block_size: int, head_
                    seed: int = 0):
     """Random caches quantized with the twin: ``(k_codes, v_codes, k_sz, v_sz, block_table)``."""
     g = torch.Generator().manual_seed(seed)
-    widths = [-(-n // block_size) for n in lengths]
-    num_blocks = sum(widths) + 3
-    order = torch.randperm(num_blocks, generator=g).tolist()
-    table = torch.zeros(len(lengths), max(widths), dtype=torch.long)
-    for row, width in enumerate(widths):
-        table[row, :width] = torch.tensor([order.pop() for _ in range(width)])
+    table, num_blocks = scattered_block_table(lengths, block_size, g)
     shape = (num_blocks, num_kv_heads, block_size, head_dim)
     (k, k_sz), (v, v_sz) = (quantize_kv(torch.randn(shape, generator=g) * 2 + 0.5, bits) for _ in range(2))
     return k, v, k_sz, v_sz, table

@@ -4,12 +4,13 @@ prefix-cache hits. Sliding windows (16 tokens) are narrower than most prompts.""
 from __future__ import annotations
 
 import pytest
-import torch
-from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, Glm4Config, GlmConfig, MistralConfig,
+from transformers import (Gemma2Config, Gemma3TextConfig, Glm4Config, GlmConfig, MistralConfig,
                           Phi3Config, Qwen2Config, SmolLM3Config)
 
-from conftest import VOCAB_SIZE, build_tokenizer
-from helpers import GREEDY_32, hf_greedy, make_engine, random_prompts, run
+from conftest import VOCAB_SIZE, save_random_model
+from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_matches_transformers,
+                           assert_tp2_equals_tp1, hf_causal_lm, prefix_sharing_prompts)
+from helpers import hf_greedy, make_engine, random_prompts, run
 
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
@@ -49,19 +50,10 @@ NATIVE_STACK = {'phi3', 'mistral'}
 
 def save_family(kind: str, path: str, max_shard_size: str = '50GB', **overrides) -> str:
     """A tiny random model of ``kind`` saved with transformers (sharded below ``max_shard_size``)."""
-    torch.manual_seed(0)
     config = FAMILIES[kind]()
     for name, value in overrides.items():
         setattr(config, name, value)
-    tokenizer = build_tokenizer()
-    config.eos_token_id, config.bos_token_id = tokenizer.eos_token_id, tokenizer.bos_token_id
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0, 0.2)
-    model.save_pretrained(path, max_shard_size=max_shard_size)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_random_model(config, path, max_shard_size)
 
 
 @pytest.fixture(scope='module', params=sorted(FAMILIES))
@@ -71,36 +63,15 @@ def family(request, tmp_path_factory) -> tuple[str, str]:
 
 @pytest.fixture(scope='module')
 def hf_model(family):
-    return AutoModelForCausalLM.from_pretrained(family[1], dtype=torch.float32).eval()
+    return hf_causal_lm(family[1])
 
 
 def test_greedy_and_first_logits_match_transformers(family, hf_model):
-    engine = make_engine(family[1])
-    prompts = random_prompts([3, 17, 52, 64, 90])
-    for prompt, out in zip(prompts, run(engine, prompts)):
-        assert out == hf_greedy(hf_model, prompt)
-    engine = make_engine(family[1])
-    prompts = random_prompts([7, 31, 60])
-    for prompt in prompts:
-        engine.add_request(prompt, GREEDY_32)
-    logits = engine.runner.forward(engine.scheduler.schedule())
-    for row, prompt in enumerate(prompts):
-        with torch.no_grad():
-            ref = hf_model(torch.tensor([prompt])).logits[0, -1]
-        assert (logits[row].cpu() - ref).abs().max().item() < 1e-3
+    assert_matches_transformers(family[1], hf_model, random_prompts([3, 17, 52, 64, 90]), random_prompts([7, 31, 60]))
 
 
 def test_batched_chunked_and_cached_equal_solo(family):
-    path = family[1]
-    prompts = random_prompts([100, 130], seed=3)
-    prompts += [prompts[0][:64] + p for p in random_prompts([20, 30], seed=4)]
-    plain = run(make_engine(path, enable_prefix_caching=False), prompts)
-    assert [run(make_engine(path, enable_prefix_caching=False), [p])[0] for p in prompts] == plain
-    assert run(make_engine(path, max_prefill_token_num=16), prompts) == plain
-    cached = make_engine(path)
-    run(cached, prompts[:1])
-    assert run(cached, prompts) == plain
-    assert cached.block_manager.num_hits > 0
+    assert_batched_chunked_and_cached_equal_solo(family[1], prefix_sharing_prompts())
 
 
 def test_sharded_fused_checkpoint_loads(tmp_path):
@@ -134,7 +105,7 @@ def test_longrope_decode_crossing_recomputes_like_transformers(tmp_path, overlap
     of one batch, are computed again with the long factors, as transformers' ``generate`` does; a long
     prompt does not reuse the blocks that a short one cached with the short factors."""
     path = save_family('phi3_longrope', str(tmp_path / 'phi3'))
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf = hf_causal_lm(path)
     prompts = random_prompts([20, 40, 47, 48], seed=9)
     engine = make_engine(path, overlap_schedule=overlap)
     assert run(engine, prompts) == [hf_greedy(hf, p) for p in prompts]
@@ -160,7 +131,7 @@ def test_layer_window_reads_layer_types_or_the_config():
 def test_phi3_sliding_window(tmp_path):
     """A Phi-3 config with a sliding window (Phi-3-mini's is 2047) attends over it in every layer."""
     path = save_family('phi3', str(tmp_path / 'phi3'), sliding_window=16)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf = hf_causal_lm(path)
     prompts = random_prompts([40, 70], seed=7)
     assert run(make_engine(path), prompts) == [hf_greedy(hf, prompt) for prompt in prompts]
 
@@ -168,11 +139,4 @@ def test_phi3_sliding_window(tmp_path):
 @pytest.mark.parametrize('kind', ['phi3', 'glm4'])
 def test_tp2_splits_fused_checkpoints(kind, tmp_path):
     """Each rank reads its own heads of a fused ``qkv_proj`` and its share of a fused ``gate_up_proj``."""
-    path = save_family(kind, str(tmp_path / kind))
-    prompts = random_prompts([5, 40], seed=8)
-    expected = run(make_engine(path), prompts)
-    engine = make_engine(path, tp=2)
-    try:
-        assert run(engine, prompts) == expected
-    finally:
-        engine.close()
+    assert_tp2_equals_tp1(save_family(kind, str(tmp_path / kind)), random_prompts([5, 40], seed=8))

@@ -14,7 +14,8 @@ import openai
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from helpers import GREEDY_32, make_engine
+from family_checks import assert_batched_chunked_and_cached_equal_solo, assert_first_logits_close
+from helpers import make_engine, run
 from server_helpers import serve, tiny_engine
 from test_vl import data_url
 from test_vl_server import chat, image_message
@@ -61,41 +62,23 @@ def hf_inputs(model, prompt: ProcessedPrompt) -> dict[str, torch.Tensor]:
     return hf_vl_inputs(model, prompt.input_ids, [image.data for image in prompt.multimodal])
 
 
-def run_vl(engine: Engine, prompts: list[ProcessedPrompt]) -> list[list[int]]:
-    index = {engine.add_request(p.input_ids, GREEDY_32, p.multimodal): i for i, p in enumerate(prompts)}
-    outs = [[] for _ in prompts]
-    while engine.has_unfinished():
-        for out in engine.step():
-            outs[index[out.seq_id]].extend(out.token_ids)
-    return outs
-
-
 def test_greedy_and_first_logits_match_transformers(vl_family, prompts, hf_model):
-    outs = run_vl(make_engine(vl_family), prompts)
+    outs = run(make_engine(vl_family), prompts)
     for prompt, out in zip(prompts, outs):
         expected = hf_model.generate(**hf_inputs(hf_model, prompt), max_new_tokens=32, do_sample=False, top_k=None,
                                      top_p=None, temperature=None)
         assert out == expected[0, len(prompt.input_ids):].tolist()
     assert outs[1] != outs[2], 'the images must change the answer'
-    engine = make_engine(vl_family)
-    for prompt in prompts:
-        engine.add_request(prompt.input_ids, GREEDY_32, prompt.multimodal)
-    logits = engine.runner.forward(engine.scheduler.schedule())
-    for row, prompt in enumerate(prompts):
-        with torch.no_grad():
-            ref = hf_model(**hf_inputs(hf_model, prompt)).logits[0, -1]
-        assert (logits[row].cpu() - ref).abs().max().item() < 1e-3
+    with torch.no_grad():
+        refs = [hf_model(**hf_inputs(hf_model, prompt)).logits[0, -1] for prompt in prompts]
+    assert_first_logits_close(make_engine(vl_family), prompts, refs)
 
 
 def test_batched_chunked_and_cached_equal_solo(vl_family, prompts):
-    solo = [run_vl(make_engine(vl_family, enable_prefix_caching=False), [p])[0] for p in prompts]
-    assert run_vl(make_engine(vl_family, enable_prefix_caching=False), prompts) == solo
-    # chunks of 5 tokens cut through every image (and through InternVL's tiles)
-    assert run_vl(make_engine(vl_family, block_size=4, max_prefill_token_num=5), prompts) == solo
-    cached = make_engine(vl_family, block_size=4)
-    run_vl(cached, prompts[1:])
-    assert run_vl(cached, prompts) == solo
-    assert cached.block_manager.num_hits > 0
+    # chunks of 5 tokens cut through every image (and through InternVL's tiles); the image prompts are cached
+    assert_batched_chunked_and_cached_equal_solo(
+        vl_family, prompts, chunked={'block_size': 4, 'max_prefill_token_num': 5}, cached={'block_size': 4},
+        warm=slice(1, None))
 
 
 @pytest.fixture
@@ -146,7 +129,7 @@ def test_qwen3_vl_moe_loads_the_hubs_stacked_expert_layout(tmp_path):
         save_file({name: t.transpose(1, 2).contiguous() if name in stacked else t for name, t in tensors.items()},
                   file, metadata={'format': 'pt'})
     prompts = [make_processor(path).process(PROMPTS[1])]
-    assert run_vl(make_engine(str(hub)), prompts) == run_vl(make_engine(path), prompts)
+    assert run(make_engine(str(hub)), prompts) == run(make_engine(path), prompts)
 
 
 def test_internvl_language_model_runs_in_the_native_decoder_stack(tmp_path):
@@ -162,9 +145,9 @@ def test_internvl_language_model_runs_in_the_native_decoder_stack(tmp_path):
     model = engine.runner.model
     assert model.native_stack is not None
     prompts = [make_processor(path).process(prompt) for prompt in PROMPTS]
-    outs = run_vl(engine, prompts)
+    outs = run(engine, prompts)
     model.native_stack = None
-    assert run_vl(engine, prompts) == outs
+    assert run(engine, prompts) == outs
 
 
 def test_interleaved_mrope_matches_transformers_at_qwen3_vl_size():

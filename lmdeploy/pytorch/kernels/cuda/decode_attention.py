@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from lmdeploy.pytorch.kernels.cuda.kv_quant import load_dequantized
-from lmdeploy.pytorch.kernels.cuda.utils import dot_precision, soft_cap
+from lmdeploy.pytorch.kernels.cuda.utils import dot_precision, online_softmax_update, soft_cap
 
 
 class DecodeConfig(NamedTuple):
@@ -37,6 +37,16 @@ _DECODE_TABLE = (
     (1 << 62, 528, 64, 1, 4, 3),
 )
 _REDUCE_SPLITS = 64  # splits the reduce kernel merges per step
+
+
+@triton.jit
+def store_split_partial(part_out_ptr, part_lse_ptr, row, hmask, d, m, l, acc, BLOCK_D: tl.constexpr):
+    """Writes the ``row``s of a split's partial output (``acc / l``) and log-sum-exp, as the reduce reads them;
+    a row without scores gets lse ``-inf``."""
+    has = l > 0
+    l_safe = tl.where(has, l, 1.0)
+    tl.store(part_out_ptr + row[:, None] * BLOCK_D + d[None, :], acc / l_safe[:, None], mask=hmask[:, None])
+    tl.store(part_lse_ptr + row, tl.where(has, m + tl.log(l_safe), float('-inf')), mask=hmask)
 
 
 @triton.jit(do_not_specialize=['num_splits', 'stride_tb'])
@@ -89,18 +99,9 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, table_ptr, len
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         if SOFTCAP:
             s = soft_cap(s, softcap)
-        s = tl.where(valid[None, :], s, float('-inf'))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        l = l * alpha + tl.sum(p, axis=1)
-        m = m_new
-    has = l > 0
-    l_safe = tl.where(has, l, 1.0)
-    row = (b * num_heads + heads) * num_splits + split
-    tl.store(part_out_ptr + row[:, None] * BLOCK_D + d[None, :], acc / l_safe[:, None], mask=hmask[:, None])
-    tl.store(part_lse_ptr + row, tl.where(has, m + tl.log(l_safe), float('-inf')), mask=hmask)
+        m, l, acc = online_softmax_update(tl.where(valid[None, :], s, float('-inf')), v, m, l, acc, PRECISION)
+    store_split_partial(part_out_ptr, part_lse_ptr, (b * num_heads + heads) * num_splits + split, hmask, d, m, l, acc,
+                        BLOCK_D)
 
 
 @triton.jit(do_not_specialize=['num_splits'])
@@ -138,6 +139,24 @@ def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, num_sp
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
+def split_partials(batch: int, num_heads: int, splits: int, block_d: int,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty fp32 partial outputs ``[B, H, splits, block_d]`` and log-sum-exps ``[B, H, splits]``."""
+    return (torch.empty(batch, num_heads, splits, block_d, dtype=torch.float32, device=device),
+            torch.empty(batch, num_heads, splits, dtype=torch.float32, device=device))
+
+
+def reduce_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Merges the split partials into ``out [B, H, D]`` (the ``sinks [H]`` joining each denominator)."""
+    batch, num_heads, splits, block_d = part_out.shape
+    sinks = None if sinks is None else sinks.float().contiguous()
+    _decode_reduce_kernel[(batch, num_heads)](part_out, part_lse, sinks, out, splits, out.stride(0), out.stride(1),
+                                              HEAD_DIM=out.shape[2], BLOCK_S=_REDUCE_SPLITS, BLOCK_D=block_d,
+                                              SINKS=sinks is not None)
+    return out
+
+
 def decode_config(batch: int, num_kv_heads: int, table_width: int) -> DecodeConfig:
     """The table's row for ``batch * num_kv_heads``: enough splits for the target program count,
     at most the row's cap and never more than the block table is wide."""
@@ -157,21 +176,17 @@ def decode_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     _, num_kv_heads, block_size, _ = k_cache.shape
     splits = config.splits
     block_d = triton.next_power_of_2(head_dim)
-    part_out = torch.empty(batch, num_heads, splits, block_d, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
+    part_out, part_lse = split_partials(batch, num_heads, splits, block_d, q.device)
     _decode_split_kernel[(batch, num_kv_heads, splits)](
         q, k_cache, v_cache, k_scales_zeros, v_scales_zeros, block_table, kv_lens, part_out, part_lse, scale,
         sliding_window or 0, logit_softcap or 0.0, num_heads, num_heads // num_kv_heads, splits, q.stride(0),
-        q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0), HEAD_DIM=head_dim, BLOCK_SIZE=block_size, PAGES=config.pages,
+        q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0), HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, PAGES=config.pages,
         BLOCK_H=max(16, triton.next_power_of_2(num_heads // num_kv_heads)), BLOCK_D=block_d,
         NUM_STAGES=config.num_stages, PRECISION=dot_precision(q.dtype), BITS=quant_policy,
         WINDOW=bool(sliding_window), SOFTCAP=bool(logit_softcap), num_warps=config.num_warps)
     out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
-    sinks = None if sinks is None else sinks.float().contiguous()
-    _decode_reduce_kernel[(batch, num_heads)](part_out, part_lse, sinks, out, splits, out.stride(0), out.stride(1),
-                                              HEAD_DIM=head_dim, BLOCK_S=_REDUCE_SPLITS, BLOCK_D=block_d,
-                                              SINKS=sinks is not None)
-    return out
+    return reduce_splits(part_out, part_lse, out, sinks)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,

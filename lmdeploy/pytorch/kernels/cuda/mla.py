@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from lmdeploy.pytorch.kernels.cuda.decode_attention import _REDUCE_SPLITS, _decode_reduce_kernel
-from lmdeploy.pytorch.kernels.cuda.utils import dot_precision
+from lmdeploy.pytorch.kernels.cuda.decode_attention import reduce_splits, split_partials, store_split_partial
+from lmdeploy.pytorch.kernels.cuda.utils import dot_precision, online_softmax_update
 from lmdeploy.pytorch.kernels.mla import fill_latent_cache
 
 __all__ = ['fill_latent_cache', 'mla_decode_attention', 'mla_prefill_attention']
@@ -62,17 +62,9 @@ def _mla_decode_split_kernel(q_ptr, cache_ptr, table_ptr, lens_ptr, part_out_ptr
         s = tl.dot(q_lat, tl.trans(kv_lat), input_precision=PRECISION)
         s = (s + tl.dot(q_rope, tl.trans(kv_rope), input_precision=PRECISION)) * scale
         s = tl.where(valid[None, :], s, float('-inf'))
-        m_new = tl.maximum(m, tl.max(s, axis=1))  # the page's first token is always valid
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        acc = acc * alpha[:, None] + tl.dot(p.to(kv_lat.dtype), kv_lat, input_precision=PRECISION)
-        l = l * alpha + tl.sum(p, axis=1)
-        m = m_new
-    has = l > 0
-    l_safe = tl.where(has, l, 1.0)
-    row = (b * num_heads + heads) * num_splits + split
-    tl.store(part_out_ptr + row[:, None] * BLOCK_L + lat[None, :], acc / l_safe[:, None], mask=hmask[:, None])
-    tl.store(part_lse_ptr + row, tl.where(has, m + tl.log(l_safe), float('-inf')), mask=hmask)
+        m, l, acc = online_softmax_update(s, kv_lat, m, l, acc, PRECISION)
+    store_split_partial(part_out_ptr, part_lse_ptr, (b * num_heads + heads) * num_splits + split, hmask, lat, m, l,
+                        acc, BLOCK_L)
 
 
 def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, kv_lens: torch.Tensor,
@@ -85,17 +77,13 @@ def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torc
     head_groups = triton.cdiv(num_heads, block_h)
     splits = max(1, min(triton.cdiv(_TARGET_PROGRAMS, batch * head_groups), _MAX_SPLITS, block_table.shape[1]))
     block_l = max(16, triton.next_power_of_2(v_dim))
-    part_out = torch.empty(batch, num_heads, splits, block_l, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
+    part_out, part_lse = split_partials(batch, num_heads, splits, block_l, q.device)
     _mla_decode_split_kernel[(batch, head_groups, splits)](
         q, cache, block_table, kv_lens, part_out, part_lse, scale, num_heads, splits, v_dim, dim - v_dim,
         q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), block_table.stride(0), BLOCK_SIZE=block_size,
         BLOCK_H=block_h, BLOCK_L=block_l, BLOCK_R=max(16, triton.next_power_of_2(dim - v_dim)),
         PRECISION=dot_precision(q.dtype))
-    out = torch.empty(batch, num_heads, v_dim, dtype=q.dtype, device=q.device)
-    _decode_reduce_kernel[(batch, num_heads)](part_out, part_lse, out, splits, out.stride(0), out.stride(1),
-                                              HEAD_DIM=v_dim, BLOCK_S=_REDUCE_SPLITS, BLOCK_D=block_l)
-    return out
+    return reduce_splits(part_out, part_lse, torch.empty(batch, num_heads, v_dim, dtype=q.dtype, device=q.device))
 
 
 @triton.jit
@@ -133,13 +121,7 @@ def _mla_prefill_kernel(q_ptr, cache_ptr, out_ptr, table_ptr, q_start_ptr, q_len
         s = tl.dot(q_lat, tl.trans(kv_lat), input_precision=PRECISION)
         s = (s + tl.dot(q_rope, tl.trans(kv_rope), input_precision=PRECISION)) * scale
         s = tl.where(valid[None, :] & (pos[None, :] <= (prefix + rows)[:, None]), s, float('-inf'))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float('-inf'), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m - m_safe)
-        acc = acc * alpha[:, None] + tl.dot(p.to(kv_lat.dtype), kv_lat, input_precision=PRECISION)
-        l = l * alpha + tl.sum(p, axis=1)
-        m = m_new
+        m, l, acc = online_softmax_update(s, kv_lat, m, l, acc, PRECISION)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + lat[None, :],
              out.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & (lat < v_dim)[None, :])

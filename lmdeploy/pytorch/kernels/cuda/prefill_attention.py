@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from lmdeploy.pytorch.kernels.cuda.kv_quant import load_dequantized
-from lmdeploy.pytorch.kernels.cuda.utils import dot_precision, soft_cap
+from lmdeploy.pytorch.kernels.cuda.utils import dot_precision, online_softmax_update, soft_cap
 
 
 @triton.jit
@@ -24,13 +24,7 @@ def _online_softmax_step(q, k, v, s_mask, m, l, acc, scale, softcap, PRECISION: 
     s = tl.dot(q, k, input_precision=PRECISION) * scale
     if SOFTCAP:
         s = soft_cap(s, softcap)
-    s = tl.where(s_mask, s, float('-inf'))
-    m_new = tl.maximum(m, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float('-inf'), 0.0, m_new)
-    p = tl.exp(s - m_safe[:, None])
-    alpha = tl.exp(m - m_safe)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-    return m_new, l * alpha + tl.sum(p, axis=1), acc
+    return online_softmax_update(tl.where(s_mask, s, float('-inf')), v, m, l, acc, PRECISION)
 
 
 @triton.jit

@@ -1,0 +1,77 @@
+"""The checks each model family's tests make on a tiny random model: greedy tokens and first-step logits
+against transformers in fp32, batching, chunked prefill and prefix-cache hits equal to solo runs, and
+tensor parallelism equal to one rank."""
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from helpers import add_requests, hf_greedy, make_engine, random_prompts, run
+
+from lmdeploy.pytorch.engine.engine import Engine
+
+
+def hf_causal_lm(path: str, **kwargs):
+    """transformers' model of ``path`` in fp32, for evaluation."""
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).eval()
+
+
+def first_step_logits(engine: Engine, prompts) -> torch.Tensor:
+    """The last-position logits ``[len(prompts), V]`` (fp32, on the CPU) of one prefill step of ``prompts``."""
+    add_requests(engine, prompts)
+    return engine.runner.forward(engine.scheduler.schedule()).float().cpu()
+
+
+def assert_first_logits_close(engine: Engine, prompts, refs: list[torch.Tensor], tol: float = 1e-3,
+                              relative: bool = False) -> None:
+    """The first step's logits differ from ``refs`` by less than ``tol`` (times each ref's largest magnitude
+    where ``relative``)."""
+    logits = first_step_logits(engine, prompts)
+    for row, ref in enumerate(refs):
+        bound = tol * ref.abs().max().item() if relative else tol
+        assert (logits[row] - ref).abs().max().item() < bound
+
+
+def hf_last_logits(hf_model, prompt: list[int]) -> torch.Tensor:
+    """transformers' logits at the last position of ``prompt``."""
+    with torch.no_grad():
+        return hf_model(torch.tensor([prompt])).logits[0, -1]
+
+
+def assert_matches_transformers(path: str, hf_model, greedy_prompts: list[list[int]],
+                                logits_prompts: list[list[int]]) -> None:
+    """32 greedy tokens of each of ``greedy_prompts`` (in one batch), and the first-step logits of
+    ``logits_prompts`` within 1e-3, equal transformers'."""
+    assert run(make_engine(path), greedy_prompts) == [hf_greedy(hf_model, p) for p in greedy_prompts]
+    assert_first_logits_close(make_engine(path), logits_prompts, [hf_last_logits(hf_model, p) for p in logits_prompts])
+
+
+def prefix_sharing_prompts(lengths: tuple[int, int] = (100, 130), prefix: int = 64,
+                           tails: tuple[int, int] = (20, 30)) -> list[list[int]]:
+    """Two random prompts of ``lengths``, then two that share the first's ``prefix`` tokens."""
+    prompts = random_prompts(lengths, seed=3)
+    return prompts + [prompts[0][:prefix] + p for p in random_prompts(tails, seed=4)]
+
+
+def assert_batched_chunked_and_cached_equal_solo(path: str, prompts, chunked: dict | None = None,
+                                                 cached: dict | None = None, warm: slice = slice(1)) -> None:
+    """``prompts`` give the same tokens batched as one by one, in prefill chunks (engine options ``chunked``,
+    by default chunks of 16 tokens), and on an engine (options ``cached``) that cached ``prompts[warm]`` first
+    and hits that cache."""
+    plain = run(make_engine(path, enable_prefix_caching=False), prompts)
+    assert [run(make_engine(path, enable_prefix_caching=False), [p])[0] for p in prompts] == plain
+    assert run(make_engine(path, **(chunked or {'max_prefill_token_num': 16})), prompts) == plain
+    engine = make_engine(path, **(cached or {}))
+    run(engine, prompts[warm])
+    assert run(engine, prompts) == plain
+    assert engine.block_manager.num_hits > 0
+
+
+def assert_tp2_equals_tp1(path: str, prompts: list[list[int]]) -> None:
+    """Two ranks (gloo on the CPU) give one rank's greedy tokens."""
+    expected = run(make_engine(path), prompts)
+    engine = make_engine(path, tp=2)
+    try:
+        assert run(engine, prompts) == expected
+    finally:
+        engine.close()
