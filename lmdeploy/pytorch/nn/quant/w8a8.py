@@ -41,6 +41,10 @@ class NativeW8A8Kernel(LinearKernel):
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return cpu.native().int8_linear(x, self.packed, self.compensation, self.scale, bias)
 
+    def native_projection(self, bias: torch.Tensor | None) -> object | None:
+        return cpu.native().Projection(kind='w8a8', weight=self.packed, compensation=self.compensation,
+                                       scale=self.scale, bias=bias)
+
 
 @register_format('smooth_quant')
 class W8A8Format(WeightFormat):
