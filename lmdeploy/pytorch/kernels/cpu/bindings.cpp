@@ -35,6 +35,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(qx @ W.T) * sx * scale (+ bias), x quantized per row, on a weight from pack_int8_weight",
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("compensation"), pybind11::arg("scale"),
         pybind11::arg("bias") = pybind11::none());
+  m.def("pack_int8_gate_up", &pack_int8_gate_up, "a [gate; up] int8 weight packed for int8_gate_up_silu");
+  m.def("int8_gate_up_silu", &int8_gate_up_silu, "silu(x @ G.T) * (x @ U.T), W8A8, on a weight from pack_int8_gate_up",
+        py::arg("x"), py::arg("packed"), py::arg("compensation"), py::arg("scale"), py::arg("bias") = py::none());
   // By keyword only, so that a field given under a wrong name or left out raises instead of shifting the others.
   using Optional = c10::optional<torch::Tensor>;
   py::class_<StepTensors>(m, "StepTensors", "the step's tensors that every decoder layer reads")

@@ -171,6 +171,9 @@ bool int8_gemm_available();
 torch::Tensor pack_int8_weight(const torch::Tensor& weight);
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& compensation,
                           const torch::Tensor& scale, c10::optional<torch::Tensor> bias);
+torch::Tensor pack_int8_gate_up(const torch::Tensor& weight);
+torch::Tensor int8_gate_up_silu(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& compensation,
+                                const torch::Tensor& scale, c10::optional<torch::Tensor> bias);
 
 // The tensors of one engine step that every decoder layer reads (see StepContext in step_context.py).
 struct StepTensors {
@@ -182,8 +185,9 @@ struct StepTensors {
 };
 
 // One projection of a decoder layer, x @ W.T (+ bias), on its weight as its kernel takes it. `kind` "bf16":
-// `weight` holds bf16_linear's panels (a gate-and-up projection's from pack_bf16_gate_up); "w8a8": an int8
-// weight from pack_int8_weight with its `compensation` and `scale` (int8_linear's).
+// `weight` holds bf16_linear's panels; "w8a8": an int8 weight from pack_int8_weight with its `compensation`
+// and `scale` (int8_linear's). A gate-and-up projection's weight is packed for the kernel's fused SiLU
+// (pack_bf16_gate_up, pack_int8_gate_up).
 struct Projection {
   enum class Kind { kBf16, kW8A8 };
   Projection(const std::string& kind, torch::Tensor weight, c10::optional<torch::Tensor> compensation,

@@ -26,7 +26,8 @@ torch::Tensor Projection::operator()(const torch::Tensor& x) const {
 }
 
 torch::Tensor Projection::gate_up_silu(const torch::Tensor& x) const {
-  return kind == Kind::kBf16 ? bf16_gate_up_silu(x, weight, bias) : silu_and_mul((*this)(x));
+  return kind == Kind::kBf16 ? bf16_gate_up_silu(x, weight, bias)
+                              : int8_gate_up_silu(x, weight, *compensation, *scale, bias);
 }
 
 DecoderStack::DecoderStack(std::vector<LayerWeights> layers, int64_t num_heads, int64_t num_kv_heads,
