@@ -27,6 +27,18 @@ def native():
     return module
 
 
+@pytest.fixture
+def native_gemms(native, monkeypatch):
+    """The native kernels, with the native bf16 GEMM running the CPU's bf16 linear layers, so that bf16 and
+    W8A8 models run in the native decoder stack; on AMX CPUs the engine itself prefers oneDNN's bf16 GEMM.
+    Skips where the CPU lacks the instructions: AVX512-BF16 (bf16 GEMM) or AVX512-VNNI (int8 GEMM)."""
+    from lmdeploy.pytorch.kernels import cpu
+    if not native.bf16_gemm_available() or not native.int8_gemm_available():
+        pytest.skip('the native GEMMs need AVX512-BF16 and AVX512-VNNI')
+    monkeypatch.setattr(cpu, 'bf16_gemm', lambda: native)
+    return native
+
+
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 CORPUS = ['Hello world! The quick brown fox jumps over the lazy dog.', 'héllo 世界 🙂 naïve café',

@@ -13,7 +13,6 @@ from helpers import GREEDY_32, hf_greedy, make_engine, random_prompts, run
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.kernels import cpu
-from lmdeploy.pytorch.nn.decoder_stack import NativeDecoderStack
 from lmdeploy.pytorch.nn.quant.dense import DenseKernel
 
 
@@ -54,40 +53,6 @@ def test_bf16_on_packed_weights_stays_close(tiny_model, hf_model):
         ref = hf_model(torch.tensor([prompt])).logits[0, -1]
     assert ((ours - ref).norm() / ref.norm()).item() < 0.03
     assert ours.argmax() == ref.argmax()
-
-
-def test_native_decoder_stack_gives_the_layers_own_tokens(tiny_model, monkeypatch):
-    """bf16 on native GEMM weights: Llama and Qwen2 run all decoder layers in one native call per step,
-    with exactly the tokens of the layers' own forward over chunked prefills, mixed and decode steps;
-    steps small enough for 4-bit weights keep the layers, as do models with q/k norms or MoE blocks."""
-    if cpu.bf16_gemm() is None:
-        pytest.skip('the native bf16 GEMM needs AVX512-BF16 and no AMX')
-    steps = []
-    stack_call = NativeDecoderStack.__call__
-
-    def counted(self, x, kv_caches, ctx):
-        steps.append((ctx.num_prefill_tokens, x.shape[0]))
-        return stack_call(self, x, kv_caches, ctx)
-
-    monkeypatch.setattr(NativeDecoderStack, '__call__', counted)
-    config = dict(dtype='bfloat16', num_gpu_blocks=64, block_size=16, enable_prefix_caching=False)
-    engine = Engine(tiny_model, PytorchEngineConfig(max_prefill_token_num=48, **config), show_progress=False)
-    model = engine.runner.model
-    assert (model.native_stack is not None) == (engine.model_config.hf_config.model_type in ('llama', 'qwen2'))
-    if model.native_stack is None:
-        return
-    prompts = random_prompts([20, 70, 9, 33], seed=8)
-    gen = GenerationConfig(max_new_tokens=12, ignore_eos=True)
-    stacked = run(engine, prompts, gen)
-    assert any(0 < prefill < rows for prefill, rows in steps) and any(prefill == 0 for prefill, _ in steps)
-    model.native_stack = None
-    assert run(engine, prompts, gen) == stacked
-
-    steps.clear()
-    int4 = Engine(tiny_model, PytorchEngineConfig(decode_int4=True, **config), show_progress=False)
-    run(int4, prompts[:1], gen)
-    run(int4, prompts[:3], gen)
-    assert all(rows > 2 for _, rows in steps) and (0, 3) in steps
 
 
 def test_batch_does_not_change_outputs(tiny_llama):

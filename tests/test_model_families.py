@@ -14,7 +14,6 @@ from helpers import hf_greedy, make_engine, random_prompts, run
 
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
-from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.models.llama import layer_window
 
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -84,11 +83,10 @@ def test_sharded_fused_checkpoint_loads(tmp_path):
         assert run(make_engine(sharded), prompts) == run(make_engine(whole), prompts)
 
 
-def test_native_decoder_stack_only_for_plain_llama_layers(family):
-    """bf16 on packed weights: only families of plain Llama layers run in the native decoder stack;
-    the others fall back to their layers' forward (``native_weights()`` is None)."""
-    if cpu.bf16_gemm() is None:
-        pytest.skip('the native bf16 GEMM needs AVX512-BF16 and no AMX')
+def test_native_decoder_stack_only_for_plain_llama_layers(family, native_gemms):
+    """bf16 on native GEMM weights: only families of plain Llama layers run in the native decoder stack
+    (``tests/test_decoder_stack.py`` checks it step by step); the others fall back to their layers' forward
+    (``native_weights()`` is None)."""
     kind, path = family
     engine = Engine(path, PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=32, block_size=16), show_progress=False)
     model = engine.runner.model

@@ -16,7 +16,7 @@ from lmdeploy import PytorchEngineConfig
 from lmdeploy.cli.main import main
 from lmdeploy.lite.smooth_quant import collect_act_scales, smooth
 from lmdeploy.pytorch.engine.engine import Engine
-from lmdeploy.pytorch.kernels import cpu
+from lmdeploy.pytorch.kernels import cpu, silu_and_mul
 from lmdeploy.pytorch.kernels.w8a8 import quantize_weight, w8a8_linear
 from lmdeploy.pytorch.nn.quant import w8a8 as w8a8_format
 
@@ -50,10 +50,10 @@ def _case(M: int, K: int, N: int, dtype: torch.dtype, bias: bool, seed: int = 0)
 
 @pytest.mark.skipif(cpu.int8_gemm() is None, reason='the native int8 GEMM needs AVX512-VNNI')
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize('M', [1, 2, 3, 4, 7, 64, 67, 130])
+@pytest.mark.parametrize('M', [1, 2, 3, 4, 5, 6, 7, 13, 64, 67, 130])
 def test_native_int8_gemm_matches_reference(dtype, M):
-    """Tiles of 4 rows and their remainders, row blocks of 64, column groups of 4 panels and a remainder,
-    K not a multiple of 16 (masked tails), an all-zero row."""
+    """Tiles of 6 rows (a lone row block) or 4 and their remainders, row blocks of 64, column groups of 4
+    panels and a remainder, K not a multiple of 16 (masked tails), an all-zero row."""
     for K, N, bias in [(576, 80, True), (20, 48, False), (1536, 64, False)]:
         x, weight, scale, b = _case(M, K, N, dtype, bias)
         x[0] = 0
@@ -64,6 +64,22 @@ def test_native_int8_gemm_matches_reference(dtype, M):
         tol = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
         torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol)
         assert torch.equal(got[0], expected[0])
+
+
+@pytest.mark.skipif(cpu.int8_gemm() is None, reason='the native int8 GEMM needs AVX512-VNNI')
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize('M', [1, 5, 6, 64, 67])
+def test_native_int8_gate_up_silu_is_silu_and_mul_of_the_gemm(dtype, M):
+    """SiLU-and-mul in the epilogue of the GEMM over panels alternating gate and up (5 pairs: groups of 4
+    panels and a remainder): silu_and_mul of the plain GEMM's output, within one step of the dtype."""
+    x, weight, scale, b = _case(M, 576, 160, dtype, True)
+    fused = w8a8_format.NativeW8A8Kernel(weight, scale, gate_up=True)
+    got, expected = fused.gate_up_silu(x, b), silu_and_mul(w8a8_format.NativeW8A8Kernel(weight, scale)(x, b))
+    assert got.dtype == dtype and got.shape == (M, 80)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
+    torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match='only as gate_up_silu'):
+        fused(x, b)
 
 
 def test_reference_is_close_to_fp32_matmul():

@@ -12,7 +12,7 @@ from transformers import PretrainedConfig
 from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.distributed.parallel_state import Shard
 from lmdeploy.pytorch.nn.attention import PagedAttention
-from lmdeploy.pytorch.nn.decoder_stack import LayerWeights, NativeDecoderStack
+from lmdeploy.pytorch.nn.decoder_stack import LayerWeights, NativeDecoderStack, layer_weights
 from lmdeploy.pytorch.nn.embedding import LMHead, VocabParallelEmbedding
 from lmdeploy.pytorch.nn.linear import GateUpLinear, Linear, MergedLinear, QKVLinear, RowLinear
 from lmdeploy.pytorch.nn.quant import LinearOptions, layout_of
@@ -129,21 +129,17 @@ class LlamaDecoderLayer(nn.Module):
         return self.input_layernorm(x, residual)
 
     def native_weights(self) -> LayerWeights | None:
-        """This layer's weights for :class:`NativeDecoderStack`; None unless every projection holds
-        native GEMM panels and the layer has no parts the stack lacks (q/k norms, a MoE block, partial or
-        no rotary, another family's extra norms, a sliding window)."""
+        """This layer's weights for :class:`NativeDecoderStack`; None unless every projection runs on a
+        native GEMM and the layer has no parts the stack lacks (a MoE block, partial or no rotary,
+        another family's extra norms, a GeLU MLP, a sliding window, sinks or soft-capping)."""
         attn, mlp = self.self_attn, self.mlp
-        if (type(self) is not LlamaDecoderLayer or attn.qk_norm or not attn.plain_rope or not attn.attn.plain
+        if (type(self) is not LlamaDecoderLayer or not attn.plain_rope or not attn.attn.plain
                 or not isinstance(mlp, LlamaMLP) or not mlp.gate_up_proj.gate_up_panels):
             return None
-        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        panels = [proj.kernel.native_panels() for proj in projections]
-        if any(panel is None for panel in panels):
-            return None
-        weights = [self.input_layernorm.weight, self.post_attention_layernorm.weight]
-        for proj, panel in zip(projections, panels):
-            weights += [panel, proj.bias]
-        return weights
+        norms = dict(q_norm=attn.q_norm.weight, k_norm=attn.k_norm.weight) if attn.qk_norm else {}
+        return layer_weights(self.input_layernorm.weight, self.post_attention_layernorm.weight,
+                             dict(qkv=attn.qkv_proj, o=attn.o_proj, gate_up=mlp.gate_up_proj, down=mlp.down_proj),
+                             **norms)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -47,15 +47,33 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_gemv_available", &q8_gemv_available, "whether q8_linear was built (AVX-512)");
   m.def("q8_linear", &q8_linear, "fp32 x @ W.T on 8-bit weight groups (linear_q8.cpp)", py::arg("x"),
         py::arg("packed"), py::arg("scales"));
-  pybind11::class_<StepTensors>(m, "StepTensors", "the step's tensors that every decoder layer reads")
-      .def(pybind11::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t,
-                          c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
-                          c10::optional<torch::Tensor>, int64_t, c10::optional<torch::Tensor>,
-                          c10::optional<torch::Tensor>>());
-  pybind11::class_<DecoderStack>(m, "DecoderStack", "Llama-style decoder layers in one call per step")
-      .def(pybind11::init<const std::vector<std::vector<c10::optional<torch::Tensor>>>&, int64_t, int64_t, int64_t,
-                          double, double, int64_t>())
-      .def("forward", &DecoderStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("mla_decode_attention", &mla_decode_attention, "multi-head latent attention of one token per sequence");
   m.def("mla_prefill_attention", &mla_prefill_attention, "causal multi-head latent attention of prefill chunks");
+  m.def("pack_int8_gate_up", &pack_int8_gate_up, "a [gate; up] int8 weight packed for int8_gate_up_silu");
+  m.def("int8_gate_up_silu", &int8_gate_up_silu, "silu(x @ G.T) * (x @ U.T), W8A8, on a weight from pack_int8_gate_up",
+        py::arg("x"), py::arg("packed"), py::arg("compensation"), py::arg("scale"), py::arg("bias") = py::none());
+  // By keyword only, so that a field given under a wrong name or left out raises instead of shifting the others.
+  using Optional = c10::optional<torch::Tensor>;
+  py::class_<StepTensors>(m, "StepTensors", "the step's tensors that every decoder layer reads")
+      .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, Optional, Optional, Optional,
+                    Optional, int64_t, Optional, Optional>(),
+           py::kw_only(), py::arg("cos"), py::arg("sin"), py::arg("kv_blocks"), py::arg("kv_offsets"),
+           py::arg("num_prefill_tokens"), py::arg("prefill_block_table"), py::arg("prefill_q_start"),
+           py::arg("prefill_q_len"), py::arg("prefill_ctx_len"), py::arg("prefill_max_q_len"),
+           py::arg("decode_blocks"), py::arg("decode_kv_lens"));
+  py::class_<Projection>(m, "Projection", "a decoder layer's projection on its native GEMM's weight")
+      .def(py::init<const std::string&, torch::Tensor, Optional, Optional, Optional>(), py::kw_only(),
+           py::arg("kind"), py::arg("weight"), py::arg("compensation") = py::none(), py::arg("scale") = py::none(),
+           py::arg("bias") = py::none());
+  py::class_<LayerWeights>(m, "LayerWeights", "a Llama-style decoder layer's weights")
+      .def(py::init<torch::Tensor, torch::Tensor, Projection, Projection, Projection, Projection, Optional,
+                    Optional>(),
+           py::kw_only(), py::arg("input_norm"), py::arg("post_norm"), py::arg("qkv"), py::arg("o"),
+           py::arg("gate_up"), py::arg("down"), py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none());
+  py::class_<DecoderStack>(m, "DecoderStack", "Llama-style decoder layers in one call per step")
+      .def(py::init<std::vector<LayerWeights>, int64_t, int64_t, int64_t, double, double, int64_t>(), py::kw_only(),
+           py::arg("layers"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"),
+           py::arg("scale"), py::arg("quant_policy"))
+      .def("forward", &DecoderStack::forward, py::call_guard<py::gil_scoped_release>(), py::arg("x"),
+           py::arg("kv_caches"), py::arg("step"));
 }

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -198,6 +199,9 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, c
 torch::Tensor int4_gate_up_silu(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales);
 bool q8_gemv_available();
 torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales);
+torch::Tensor pack_int8_gate_up(const torch::Tensor& weight);
+torch::Tensor int8_gate_up_silu(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& compensation,
+                                const torch::Tensor& scale, c10::optional<torch::Tensor> bias);
 
 // The tensors of one engine step that every decoder layer reads (see StepContext in step_context.py).
 struct StepTensors {
@@ -208,11 +212,36 @@ struct StepTensors {
   c10::optional<torch::Tensor> decode_blocks, decode_kv_lens;
 };
 
-// Llama-style decoder layers (decoder_stack.cpp) on weights packed for bf16_linear and bf16_gate_up_silu.
+// One projection of a decoder layer, x @ W.T (+ bias), on its weight as its kernel takes it. `kind` "bf16":
+// `weight` holds bf16_linear's panels; "w8a8": an int8 weight from pack_int8_weight with its `compensation`
+// and `scale` (int8_linear's). A gate-and-up projection's weight is packed for the kernel's fused SiLU
+// (pack_bf16_gate_up, pack_int8_gate_up).
+struct Projection {
+  enum class Kind { kBf16, kW8A8 };
+  Projection(const std::string& kind, torch::Tensor weight, c10::optional<torch::Tensor> compensation,
+             c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias);
+  torch::Tensor operator()(const torch::Tensor& x) const;
+  // silu(gate) * up of a gate-and-up projection (gate rows, then up rows).
+  torch::Tensor gate_up_silu(const torch::Tensor& x) const;
+
+  Kind kind;
+  torch::Tensor weight;
+  c10::optional<torch::Tensor> compensation, scale, bias;
+};
+
+// A Llama-style decoder layer's weights; q_norm and k_norm (per head, before the rotary embedding) where the
+// family has them (Qwen3).
+struct LayerWeights {
+  torch::Tensor input_norm, post_norm;
+  Projection qkv, o, gate_up, down;
+  c10::optional<torch::Tensor> q_norm, k_norm;
+};
+
+// Llama-style decoder layers (decoder_stack.cpp): the kernels of LlamaDecoderLayer's forward, in its order.
 class DecoderStack {
  public:
-  DecoderStack(const std::vector<std::vector<c10::optional<torch::Tensor>>>& layers, int64_t num_heads,
-               int64_t num_kv_heads, int64_t head_dim, double eps, double scale, int64_t quant_policy);
+  DecoderStack(std::vector<LayerWeights> layers, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+               double eps, double scale, int64_t quant_policy);
   // The embeddings x through every layer: (hidden states, residual), as the layers' forward leaves them.
   // A layer's cache is (k, v), or (k codes, v codes, k scales and zeros, v scales and zeros).
   std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor x,
@@ -220,19 +249,9 @@ class DecoderStack {
                                                    const StepTensors& step) const;
 
  private:
-  struct Layer {
-    torch::Tensor input_norm, post_norm, qkv;
-    c10::optional<torch::Tensor> qkv_bias;
-    torch::Tensor o;
-    c10::optional<torch::Tensor> o_bias;
-    torch::Tensor gate_up;
-    c10::optional<torch::Tensor> gate_up_bias;
-    torch::Tensor down;
-    c10::optional<torch::Tensor> down_bias;
-  };
-  torch::Tensor attention(const torch::Tensor& qkv, const std::vector<torch::Tensor>& cache,
+  torch::Tensor attention(const LayerWeights& w, const torch::Tensor& qkv, const std::vector<torch::Tensor>& cache,
                           const StepTensors& step) const;
-  std::vector<Layer> layers_;
+  std::vector<LayerWeights> layers_;
   int64_t num_heads_, num_kv_heads_, head_dim_, quant_policy_;
   double eps_, scale_;
 };

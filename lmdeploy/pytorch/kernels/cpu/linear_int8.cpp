@@ -4,17 +4,23 @@
 // same. vpdpbusd multiplies unsigned by signed bytes, so the rows are stored as qx + 128 and
 // 128 * sum_k W[n, k] (`compensation`, computed once at load) is taken off each column's sum.
 // The weight is packed once into 16-column panels of K/4 groups of 4 bytes ([N/16, K/4, 16, 4]): one
-// vpdpbusd adds four products to each of 16 columns' int32 accumulators. Tiles of 4 rows x 4 panels
-// keep their accumulators in registers over all of K, and each thread takes whole column groups, as
-// in linear_bf16.cpp (without its prefetching); the scales and the bias are applied in fp32 in the
-// epilogue.
+// vpdpbusd adds four products to each of 16 columns' int32 accumulators. Tiles of 4 (or 6) rows x 4 (or
+// 3) panels keep their accumulators in registers over all of K, and each thread takes whole column
+// groups; a lone row block (decode steps) takes 6-row tiles and, from 8 rows on, prefetches a column
+// group ahead, as in linear_bf16.cpp. The scales and the bias are applied in fp32 in the epilogue. The gate and up
+// projections of an MLP can apply SiLU-and-mul there too (int8_gate_up_silu, panels alternating gate
+// and up), with silu_and_mul's roundings of the GEMM's output.
 #include "common.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 
 namespace {
 
-constexpr int kPanel = 16, kPanels = 4, kRows = 4, kRowBlock = 64;
+constexpr int kPanel = 16, kPanels = 4, kRowBlock = 64;
+// How many column groups ahead a lone row block prefetches (linear_bf16.cpp's choice).
+constexpr int kAhead = 2;
+// Steps of fewer rows do not prefetch: 1-2 rows measured about 10% slower with it.
+constexpr int kPrefetchRows = 8;
 
 template <typename T>
 struct Gemm {
@@ -24,8 +30,9 @@ struct Gemm {
   const int32_t* comp;   // [N]
   const float* w_scale;  // [N]
   const float* bias;     // [N] or nullptr
-  T* out;                // [M, N]
+  T* out;                // [M, N], or [M, N / 2] with silu
   int64_t M, K, N;
+  bool silu;  // panels alternate gate and up (pack_int8_gate_up): out = silu(gate) * up
 };
 
 template <typename T>
@@ -92,16 +99,50 @@ void quantize_row(const T* x, int64_t K, uint8_t* q, float* scale) {
   }
 }
 
-// Rows [row, row + R) by panels [panel, panel + C).
-template <int R, int C, typename T>
-void tile(const Gemm<T>& g, int64_t row, int64_t panel) {
+// x rounded to T and back, as a GEMM output written in T is.
+template <typename T>
+inline __m512 round_to(__m512 x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(x)), 16));
+  } else {
+    return _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+  }
+}
+
+// silu(gate) * up with silu_and_mul's roundings, gate and up first rounded as GEMM outputs in T.
+template <typename T>
+inline __m512 silu_times(__m512 gate, __m512 up) {
+  const __m512 g = round_to<T>(gate);
+  const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g));
+  const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+  return _mm512_mul_ps(round_to<T>(silu), round_to<T>(up));
+}
+
+// Where the weights of a column group ahead are prefetched to: nowhere, L2, or L1.
+enum class Pull { kNone, kL2, kL1 };
+
+// That group's cache lines still to prefetch, `rate` of them per k step in 1/65536ths.
+struct NextGroup {
+  const char* line;
+  uint32_t rate;
+};
+
+// Rows [row, row + R) by panels [panel, panel + C); with silu the fp32 results go to `stage`.
+template <int R, int C, Pull P, typename T>
+void tile(const Gemm<T>& g, int64_t row, int64_t panel, NextGroup& next, float* stage) {
   const int64_t quads = g.K / 4, panel_stride = g.K * kPanel;
   const int32_t* x = reinterpret_cast<const int32_t*>(g.x + row * g.K);
   const int8_t* w = g.w + panel * panel_stride;
   __m512i acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_si512();
+  uint32_t due = 0;
   for (int64_t k = 0; k < quads; ++k) {
+    if constexpr (P != Pull::kNone)
+      for (due += next.rate; due >= 65536; due -= 65536, next.line += 64)
+        _mm_prefetch(next.line, P == Pull::kL1 ? _MM_HINT_T0 : _MM_HINT_T1);
     __m512i cols[C];
     for (int c = 0; c < C; ++c) cols[c] = _mm512_loadu_si512(w + c * panel_stride + k * 4 * kPanel);
     for (int r = 0; r < R; ++r) {
@@ -110,42 +151,74 @@ void tile(const Gemm<T>& g, int64_t row, int64_t panel) {
     }
   }
   for (int c = 0; c < C; ++c) {
-    const int64_t col = (panel + c) * kPanel;
+    // With silu the panels alternate gate and up, while compensation, scales and bias keep gate then up.
+    const int64_t p = panel + c, col = g.silu ? (p % 2) * (g.N / 2) + p / 2 * kPanel : p * kPanel;
     const __m512i comp = _mm512_loadu_si512(g.comp + col);
     const __m512 w_scale = _mm512_loadu_ps(g.w_scale + col);
     const __m512 bias = g.bias ? _mm512_loadu_ps(g.bias + col) : _mm512_setzero_ps();
     for (int r = 0; r < R; ++r) {
       const __m512 sum = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][c], comp));
       const __m512 scaled = _mm512_mul_ps(_mm512_mul_ps(sum, _mm512_set1_ps(g.x_scale[row + r])), w_scale);
-      store16(g.out + (row + r) * g.N + col, _mm512_add_ps(scaled, bias));
+      const __m512 y = _mm512_add_ps(scaled, bias);
+      if (g.silu)
+        _mm512_storeu_ps(stage + (r * C + c) * kPanel, y);
+      else
+        store16(g.out + (row + r) * g.N + col, y);
     }
   }
 }
 
-template <int C, typename T>
-void row_block(const Gemm<T>& g, int64_t first, int64_t count, int64_t panel) {
+template <int C, Pull P, typename T>
+void row_block(const Gemm<T>& g, int64_t first, int64_t count, int64_t panel, int64_t width) {
+  constexpr int R = P == Pull::kNone ? 4 : 6;
+  NextGroup next{reinterpret_cast<const char*>(g.w + (panel + kAhead * C) * g.K * kPanel), 0};
+  if constexpr (P != Pull::kNone) {
+    const int64_t next_panels = std::max<int64_t>(0, std::min<int64_t>(width, g.N / kPanel - panel - kAhead * C));
+    const int64_t tiles = (count + R - 1) / R;
+    next.rate = static_cast<uint32_t>((next_panels * g.K * kPanel / 64 << 16) / (tiles * (g.K / 4)));
+  }
+  alignas(64) float stage[kRowBlock * kPanels * kPanel];
   int64_t row = first;
-  for (; row + kRows <= first + count; row += kRows) tile<kRows, C>(g, row, panel);
+  for (; row + R <= first + count; row += R) tile<R, C, P>(g, row, panel, next, stage + (row - first) * C * kPanel);
+  float* rest = stage + (row - first) * C * kPanel;
   switch (first + count - row) {
-    case 1: tile<1, C>(g, row, panel); break;
-    case 2: tile<2, C>(g, row, panel); break;
-    case 3: tile<3, C>(g, row, panel); break;
+    case 1: tile<1, C, P>(g, row, panel, next, rest); break;
+    case 2: tile<2, C, P>(g, row, panel, next, rest); break;
+    case 3: tile<3, C, P>(g, row, panel, next, rest); break;
+    case 4: tile<4, C, P>(g, row, panel, next, rest); break;
+    case 5: tile<5, C, P>(g, row, panel, next, rest); break;
     default: break;
+  }
+  if (!g.silu) return;
+  for (int64_t r = 0; r < count; ++r)
+    for (int c = 0; c + 1 < C; c += 2)
+      store16(g.out + (first + r) * (g.N / 2) + (panel + c) / 2 * kPanel,
+              silu_times<T>(_mm512_loadu_ps(stage + (r * C + c) * kPanel),
+                            _mm512_loadu_ps(stage + (r * C + c + 1) * kPanel)));
+}
+
+template <int C, typename T>
+void row_block(const Gemm<T>& g, int64_t first, int64_t count, int64_t panel, int64_t width, Pull pull) {
+  switch (pull) {
+    case Pull::kNone: return row_block<C, Pull::kNone>(g, first, count, panel, width);
+    case Pull::kL2: return row_block<C, Pull::kL2>(g, first, count, panel, width);
+    case Pull::kL1: return row_block<C, Pull::kL1>(g, first, count, panel, width);
   }
 }
 
 // Panels per column group: 4, or 3 where a lone row block's groups of 4 would leave one thread a group
-// more than the others (as in linear_bf16.cpp).
-int64_t group_width(int64_t panels, int64_t row_blocks, int64_t threads) {
+// more than the others (as in linear_bf16.cpp); with silu an even number, so that gate and up pair up.
+int64_t group_width(int64_t panels, int64_t row_blocks, int64_t threads, bool silu) {
   const auto uneven = [&](int64_t width) { return (panels + width - 1) / width % threads != 0; };
-  return row_blocks == 1 && uneven(kPanels) && !uneven(3) ? 3 : kPanels;
+  return row_blocks == 1 && !silu && uneven(kPanels) && !uneven(3) ? 3 : kPanels;
 }
 
 template <typename T>
 void run(const Gemm<T>& g, const T* x, uint8_t* q, float* x_scale) {
   const int64_t threads = at::get_num_threads(), row_blocks = (g.M + kRowBlock - 1) / kRowBlock;
-  const int64_t panels = g.N / kPanel, width = group_width(panels, row_blocks, threads);
+  const int64_t panels = g.N / kPanel, width = group_width(panels, row_blocks, threads, g.silu);
   const int64_t groups = (panels + width - 1) / width;
+  const Pull pull = row_blocks > 1 || g.M < kPrefetchRows ? Pull::kNone : g.M > 20 ? Pull::kL1 : Pull::kL2;
 #pragma omp parallel num_threads(threads)
   {
 #pragma omp for schedule(static)
@@ -156,10 +229,10 @@ void run(const Gemm<T>& g, const T* x, uint8_t* q, float* x_scale) {
         const int64_t panel = group * width, first = block * kRowBlock;
         const int64_t count = std::min<int64_t>(kRowBlock, g.M - first);
         switch (std::min<int64_t>(width, panels - panel)) {
-          case 1: row_block<1>(g, first, count, panel); break;
-          case 2: row_block<2>(g, first, count, panel); break;
-          case 3: row_block<3>(g, first, count, panel); break;
-          default: row_block<4>(g, first, count, panel); break;
+          case 1: row_block<1>(g, first, count, panel, width, pull); break;
+          case 2: row_block<2>(g, first, count, panel, width, pull); break;
+          case 3: row_block<3>(g, first, count, panel, width, pull); break;
+          default: row_block<4>(g, first, count, panel, width, pull); break;
         }
       }
   }
@@ -176,8 +249,17 @@ torch::Tensor pack_int8_weight(const torch::Tensor& weight) {
   return weight.reshape({N / kPanel, kPanel, K / 4, 4}).permute({0, 2, 1, 3}).contiguous();
 }
 
-torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& compensation,
-                          const torch::Tensor& scale, c10::optional<torch::Tensor> bias) {
+torch::Tensor pack_int8_gate_up(const torch::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) % (2 * kPanel) == 0,
+              "expected gate and up of a multiple of 16 rows each");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  return pack_int8_weight(weight.reshape({2, N / 2 / kPanel, kPanel, K}).transpose(0, 1).reshape({N, K}));
+}
+
+namespace {
+
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& compensation,
+                     const torch::Tensor& scale, const c10::optional<torch::Tensor>& bias, bool silu) {
   const int64_t K = packed.size(1) * 4, N = packed.size(0) * kPanel;
   TORCH_CHECK(x.size(-1) == K, "x must have ", K, " features");
   TORCH_CHECK(compensation.scalar_type() == at::kInt && compensation.numel() == N, "compensation: int32 [N]");
@@ -196,20 +278,32 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, c
   scratch.resize(scales + (M * K + 3) / 4);
   float* x_scale = scratch.data();
   uint8_t* q = reinterpret_cast<uint8_t*>(scratch.data() + scales);
-  auto out = torch::empty({M, N}, x.options());
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = N;
+  shape.back() = silu ? N / 2 : N;
+  auto out = torch::empty({M, shape.back()}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int8_linear", [&] {
     if constexpr (std::is_same_v<scalar_t, double>) {
       TORCH_CHECK(false, "int8_linear takes fp32, bf16 or fp16 activations");
     } else {
       const Gemm<scalar_t> g{q, x_scale, packed.data_ptr<int8_t>(),
                              compensation.data_ptr<int32_t>(), w_scale.data_ptr<float>(),
-                             b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr<scalar_t>(), M, K, N};
+                             b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr<scalar_t>(), M, K, N, silu};
       run(g, rows.data_ptr<scalar_t>(), q, x_scale);
     }
   });
   return out.view(shape);
+}
+
+}  // namespace
+
+torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& compensation,
+                          const torch::Tensor& scale, c10::optional<torch::Tensor> bias) {
+  return linear(x, packed, compensation, scale, bias, false);
+}
+
+torch::Tensor int8_gate_up_silu(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& compensation,
+                                const torch::Tensor& scale, c10::optional<torch::Tensor> bias) {
+  return linear(x, packed, compensation, scale, bias, true);
 }
 
 #else
@@ -218,8 +312,15 @@ bool int8_gemm_available() { return false; }
 
 torch::Tensor pack_int8_weight(const torch::Tensor&) { TORCH_CHECK(false, "built without AVX512-VNNI"); }
 
+torch::Tensor pack_int8_gate_up(const torch::Tensor&) { TORCH_CHECK(false, "built without AVX512-VNNI"); }
+
 torch::Tensor int8_linear(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
                           c10::optional<torch::Tensor>) {
+  TORCH_CHECK(false, "built without AVX512-VNNI");
+}
+
+torch::Tensor int8_gate_up_silu(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                                const torch::Tensor&, c10::optional<torch::Tensor>) {
   TORCH_CHECK(false, "built without AVX512-VNNI");
 }
 

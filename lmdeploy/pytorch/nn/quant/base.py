@@ -68,8 +68,9 @@ class LinearKernel(ABC):
         epilogue (the layer then applies it)."""
         return None
 
-    def native_panels(self) -> torch.Tensor | None:
-        """The weight as the native bf16 GEMM's panels (what the native decoder stack runs on), or None."""
+    def native_projection(self, bias: torch.Tensor | None) -> object | None:
+        """The layer as a ``Projection`` of the native decoder stack (its weight as a native GEMM takes it,
+        named), or None when no native GEMM runs this kernel."""
         return None
 
 

@@ -22,8 +22,8 @@ class NativeBf16Kernel(LinearKernel):
     def gate_up_silu(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         return cpu.native().bf16_gate_up_silu(x, self.panels, bias) if self.gate_up else None
 
-    def native_panels(self) -> torch.Tensor | None:
-        return self.panels
+    def native_projection(self, bias: torch.Tensor | None) -> object | None:
+        return cpu.native().Projection(kind='bf16', weight=self.panels, bias=bias)
 
 
 class OneDnnKernel(LinearKernel):

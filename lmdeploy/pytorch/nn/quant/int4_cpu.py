@@ -158,5 +158,5 @@ class SmallStepInt4Kernel(LinearKernel):
             return self.large.gate_up_silu(x, bias)
         return self.small.gate_up_silu(x, bias)
 
-    def native_panels(self) -> torch.Tensor | None:
-        return None if self.large is None else self.large.native_panels()
+    def native_projection(self, bias: torch.Tensor | None) -> object | None:
+        return None if self.large is None else self.large.native_projection(bias)

@@ -30,16 +30,29 @@ class W8A8Kernel(LinearKernel):
 
 class NativeW8A8Kernel(LinearKernel):
     """The native AVX512-VNNI GEMM on its packed weight; ``compensation`` is ``128 * sum_k W[n, k]`` (the
-    kernel multiplies activations offset by 128 into unsigned bytes)."""
+    kernel multiplies activations offset by 128 into unsigned bytes). With ``gate_up`` (gate then up rows)
+    the panels alternate gate and up, so that SiLU-and-mul runs in the GEMM's epilogue."""
 
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, gate_up: bool = False):
         gemm = cpu.int8_gemm()
-        self.packed = gemm.pack_int8_weight(weight)
+        self.packed = (gemm.pack_int8_gate_up if gate_up else gemm.pack_int8_weight)(weight)
         self.compensation = 128 * weight.sum(1, dtype=torch.int32)
         self.scale = scale.reshape(-1).float().contiguous()
+        self.gate_up = gate_up
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.gate_up:
+            raise ValueError('a gate-and-up weight runs only as gate_up_silu')
         return cpu.native().int8_linear(x, self.packed, self.compensation, self.scale, bias)
+
+    def gate_up_silu(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        if not self.gate_up:
+            return None
+        return cpu.native().int8_gate_up_silu(x, self.packed, self.compensation, self.scale, bias)
+
+    def native_projection(self, bias: torch.Tensor | None) -> object | None:
+        return cpu.native().Projection(kind='w8a8', weight=self.packed, compensation=self.compensation,
+                                       scale=self.scale, bias=bias)
 
 
 @register_format('smooth_quant')
@@ -60,9 +73,9 @@ class W8A8Format(WeightFormat):
     def make_kernel(self, layer: Linear, options: LinearOptions) -> LinearKernel:
         weight = layer.weight
         native = (options.pack_cpu and weight.device.type == 'cpu' and cpu.int8_gemm() is not None
-                  and weight.shape[0] % 16 == 0 and weight.shape[1] % 4 == 0)
+                  and weight.shape[0] % (32 if layer.gate_up_panels else 16) == 0 and weight.shape[1] % 4 == 0)
         if not native:
             return W8A8Kernel(layer)
-        kernel = NativeW8A8Kernel(weight, layer.scale)
+        kernel = NativeW8A8Kernel(weight, layer.scale, layer.gate_up_panels)
         layer.weight = layer.scale = None
         return kernel

@@ -1,0 +1,146 @@
+"""The native decoder stack (``nn/decoder_stack.py``) against the layers' own forward, for every family that
+runs through it, on bf16 and W8A8 projections, over KV caches in the model dtype, int8 and int4: each step's
+hidden states are equal, over chunked prefills, mixed and decode steps."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from conftest import save_tiny_model
+from helpers import random_prompts, run
+from safetensors.torch import load_file, save_file
+from test_model_families import save_family
+
+from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
+from lmdeploy.pytorch.engine.engine import Engine
+from lmdeploy.pytorch.kernels.w8a8 import quantize_weight
+
+# the families whose layers run in the stack, and how to save a tiny random model of each
+STACK_FAMILIES = {'llama': save_tiny_model, 'qwen2': save_tiny_model, 'qwen3': save_tiny_model,
+                  'mistral': save_family, 'phi3': save_family}
+CASES = [(kind, 'bf16', 0) for kind in STACK_FAMILIES] + [(kind, 'w8a8', 8) for kind in STACK_FAMILIES]
+CASES += [('llama', 'bf16', 8), ('llama', 'bf16', 4), ('llama', 'w8a8', 0), ('qwen3', 'w8a8', 4)]
+ENGINE = dict(dtype='bfloat16', num_gpu_blocks=64, block_size=16, enable_prefix_caching=False)
+
+
+def save_w8a8(source: str, out: str) -> str:
+    """``source`` with each decoder projection (fused ones too) quantized to int8 with per-row scales, as a
+    ``smooth_quant`` checkpoint (without smoothing, which changes nothing the engine does)."""
+    state = {}
+    for name in os.listdir(source):
+        if name.endswith('.safetensors'):
+            state.update(load_file(os.path.join(source, name)))
+    quantized = {}
+    for name, tensor in state.items():
+        if name.startswith('model.layers.') and name.endswith('_proj.weight'):
+            quantized[name], quantized[name.removesuffix('weight') + 'scale'] = quantize_weight(tensor.float())
+        else:
+            quantized[name] = tensor
+    os.makedirs(out, exist_ok=True)
+    for name in os.listdir(source):
+        if not name.endswith(('.safetensors', '.safetensors.index.json')):
+            with open(os.path.join(source, name), 'rb') as src, open(os.path.join(out, name), 'wb') as dst:
+                dst.write(src.read())
+    save_file({k: v.contiguous() for k, v in quantized.items()}, os.path.join(out, 'model.safetensors'))
+    with open(os.path.join(out, 'config.json')) as f:
+        config = json.load(f)
+    config['quantization_config'] = {'quant_method': 'smooth_quant', 'quant_dtype': 'int8'}
+    with open(os.path.join(out, 'config.json'), 'w') as f:
+        json.dump(config, f)
+    return out
+
+
+@pytest.fixture(scope='module')
+def saved(tmp_path_factory):
+    """A tiny random model of a family, and its W8A8 copy, saved once per family and weight kind."""
+    paths = {}
+
+    def get(kind: str, weights: str) -> str:
+        if (kind, 'bf16') not in paths:
+            paths[kind, 'bf16'] = STACK_FAMILIES[kind](kind, str(tmp_path_factory.mktemp(kind)))
+        if (kind, weights) not in paths:
+            paths[kind, weights] = save_w8a8(paths[kind, 'bf16'], str(tmp_path_factory.mktemp(f'{kind}_w8a8')))
+        return paths[kind, weights]
+
+    return get
+
+
+def check_every_step(engine: Engine, monkeypatch) -> list[tuple[int, int]]:
+    """Makes each of ``engine``'s steps run through the stack and then through the layers, asserting equal
+    hidden states (the cache rows the second run writes are the first's); returns the (prefill tokens, rows)
+    of the steps that ran in the stack."""
+    model = engine.runner.model
+    stack, forward, steps = model.native_stack, model.forward, []
+
+    def both(input_ids, kv_caches, ctx):
+        stacked = forward(input_ids, kv_caches, ctx)
+        if stack.runs(input_ids.shape[0]):
+            steps.append((ctx.num_prefill_tokens, input_ids.shape[0]))
+        model.native_stack = None
+        try:
+            layered = forward(input_ids, kv_caches, ctx)
+        finally:
+            model.native_stack = stack
+        assert torch.equal(stacked, layered)
+        return stacked
+
+    monkeypatch.setattr(model, 'forward', both)
+    return steps
+
+
+@pytest.mark.parametrize('kind,weights,quant_policy', CASES)
+def test_stack_equals_the_layers(kind, weights, quant_policy, saved, native_gemms, monkeypatch):
+    engine = Engine(saved(kind, weights), PytorchEngineConfig(max_prefill_token_num=48, quant_policy=quant_policy,
+                                                              **ENGINE), show_progress=False)
+    assert engine.runner.model.native_stack is not None
+    steps = check_every_step(engine, monkeypatch)
+    outs = run(engine, random_prompts([20, 70, 9, 33], seed=8), GenerationConfig(max_new_tokens=12, ignore_eos=True))
+    assert [len(out) for out in outs] == [12] * 4
+    assert any(0 < prefill < rows for prefill, rows in steps) and any(prefill == 0 for prefill, _ in steps)
+
+
+@pytest.mark.parametrize('kind', ['mixtral', 'qwen2_moe', 'qwen3_moe'])
+def test_moe_layers_keep_their_forward(kind, tmp_path, native_gemms):
+    engine = Engine(save_tiny_model(kind, str(tmp_path)), PytorchEngineConfig(**ENGINE), show_progress=False)
+    assert engine.runner.model.native_stack is None
+
+
+def test_small_steps_on_4bit_weights_keep_the_layers(saved, native_gemms, monkeypatch):
+    """With ``decode_int4`` the steps of at most two tokens run their layers' forward on 4-bit weights,
+    bigger ones the stack."""
+    engine = Engine(saved('llama', 'bf16'), PytorchEngineConfig(decode_int4=True, **ENGINE), show_progress=False)
+    steps = check_every_step(engine, monkeypatch)
+    prompts = random_prompts([20, 70, 9], seed=8)
+    gen = GenerationConfig(max_new_tokens=6, ignore_eos=True)
+    run(engine, prompts[:1], gen)
+    run(engine, prompts, gen)
+    assert all(rows > 2 for _, rows in steps) and (0, 3) in steps
+
+
+def test_fields_are_named(native_gemms):
+    """The stack's weights and step tensors go by name: a name left out, misspelt or of the wrong kind raises."""
+    weight = torch.zeros(32, 16, dtype=torch.bfloat16)
+    bf16 = native_gemms.Projection(kind='bf16', weight=native_gemms.pack_bf16_weight(weight))
+    norm = torch.ones(16, dtype=torch.bfloat16)
+    layer = dict(input_norm=norm, post_norm=norm, qkv=bf16, o=bf16, gate_up=bf16, down=bf16)
+    native_gemms.LayerWeights(**layer)
+    with pytest.raises(TypeError):
+        native_gemms.LayerWeights(**{k: v for k, v in layer.items() if k != 'o'})
+    with pytest.raises(TypeError):
+        native_gemms.LayerWeights(**layer, v_norm=norm)
+    with pytest.raises(TypeError):
+        native_gemms.LayerWeights(*layer.values())
+    with pytest.raises(RuntimeError, match="'bf16' or 'w8a8'"):
+        native_gemms.Projection(kind='int4', weight=weight)
+    with pytest.raises(RuntimeError, match='without compensation or scale'):
+        native_gemms.Projection(kind='bf16', weight=weight, scale=torch.ones(32))
+    with pytest.raises(RuntimeError, match='compensation and scale'):
+        native_gemms.Projection(kind='w8a8', weight=weight.to(torch.int8))
+    step = dict(cos=weight, sin=weight, kv_blocks=weight, kv_offsets=weight, num_prefill_tokens=0,
+                prefill_block_table=None, prefill_q_start=None, prefill_q_len=None, prefill_ctx_len=None,
+                prefill_max_q_len=0, decode_blocks=None, decode_kv_lens=None)
+    native_gemms.StepTensors(**step)
+    with pytest.raises(TypeError):
+        native_gemms.StepTensors(**{**step, 'decode_kv_len': step.pop('decode_kv_lens')})
