@@ -4,7 +4,8 @@
 # the time later parts are owed:
 #   bash benchmark/gpu_check.sh      # gpu_scale.py's table also goes to $OUT/gpu_scale.txt (./gpu_scale.txt without OUT)
 # 1. every Triton kernel test natively on CUDA (fp32, fp16, bf16)
-# 2. the engine end to end on tiny models on CUDA (dense and MoE), greedy-compared with transformers
+# 2. the engine end to end on tiny models on CUDA (dense, MoE, MLA, sinks, sliding window, soft-capping),
+#    greedy-compared with transformers
 # 3. kernel throughput: decode attention GB/s, fused MoE TFLOP/s vs the unfused torch twin
 # 4. offline throughput of the default model on CUDA, against transformers on CUDA
 # 5. gpu_scale.py: Llama-3-8B and Qwen3-30B-A3B shapes (decode step vs roofline, ShareGPT-like offline
@@ -47,9 +48,12 @@ $PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(
 model_flag=$(PIP_RETRIES=0 PIP_TIMEOUT=5 timeout 20 $PY -c \
     "from lmdeploy.model_source import resolve_model_path; resolve_model_path(None)" >/dev/null 2>&1 || echo --random-weights)
 part "kernel tests (CUDA)" 90 "$SCALE_SLOT" $PY -m pytest tests -q -m triton -p no:cacheprovider
-part "engine vs transformers (CUDA)" 75 "$SCALE_SLOT" env LMDEPLOY_TEST_DEVICE=cuda $PY -m pytest -q \
+part "engine vs transformers (CUDA)" 100 "$SCALE_SLOT" env LMDEPLOY_TEST_DEVICE=cuda $PY -m pytest -q \
     -p no:cacheprovider tests/test_engine_correctness.py tests/test_bad_input.py \
-    'tests/test_deepseek.py::test_greedy_and_first_logits_match_transformers[v3_q_lora]'
+    'tests/test_deepseek.py::test_greedy_and_first_logits_match_transformers[v3_q_lora]' \
+    tests/test_gpt_oss.py::test_greedy_and_first_logits_match_transformers \
+    'tests/test_model_families.py::test_greedy_and_first_logits_match_transformers[mistral_sliding]' \
+    'tests/test_model_families.py::test_greedy_and_first_logits_match_transformers[gemma2]'
 part "kernel throughput" 30 "$SCALE_SLOT" $PY benchmark/kernel_bench.py --device cuda
 part "offline throughput (default model, CUDA)" 60 "$SCALE_SLOT" $PY benchmark/throughput.py --device cuda \
     --num-prompts 32 --decode-tokens 64 $model_flag
