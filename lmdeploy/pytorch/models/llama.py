@@ -130,8 +130,9 @@ class LlamaDecoderLayer(nn.Module):
 
     def native_weights(self, small_step: bool = False) -> LayerWeights | None:
         """This layer's weights for :class:`NativeDecoderStack` (``small_step``: those of steps of at most
-        ``small_step_rows`` tokens); None unless every projection runs on a native GEMM and the layer has no parts the stack lacks (a MoE block, partial or no rotary,
-        another family's extra norms, a GeLU MLP, a sliding window, sinks or soft-capping)."""
+        ``small_step_rows`` tokens); None unless every projection runs on a native GEMM and the layer has
+        no parts the stack lacks (a MoE block, partial or no rotary, another family's extra norms, a GeLU
+        MLP, a sliding window, sinks or soft-capping)."""
         attn, mlp = self.self_attn, self.mlp
         if (type(self) is not LlamaDecoderLayer or not attn.plain_rope or not attn.attn.plain
                 or not isinstance(mlp, LlamaMLP) or not mlp.gate_up_proj.gate_up_panels):
