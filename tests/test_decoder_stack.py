@@ -1,6 +1,7 @@
 """The native decoder stack (``nn/decoder_stack.py``) against the layers' own forward, for every family that
-runs through it, on bf16 and W8A8 projections, over KV caches in the model dtype, int8 and int4: each step's
-hidden states are equal, over chunked prefills, mixed and decode steps."""
+runs through it, on bf16 and W8A8 projections (and for small steps the 4-bit ones of ``decode_int4``), over
+KV caches in the model dtype, int8 and int4: each step's hidden states are equal, over chunked prefills,
+mixed and decode steps."""
 from __future__ import annotations
 
 import json
@@ -15,6 +16,7 @@ from test_model_families import save_family
 
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
+from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.kernels.w8a8 import quantize_weight
 
 # the families whose layers run in the stack, and how to save a tiny random model of each
@@ -107,16 +109,49 @@ def test_moe_layers_keep_their_forward(kind, tmp_path, native_gemms):
     assert engine.runner.model.native_stack is None
 
 
-def test_small_steps_on_4bit_weights_keep_the_layers(saved, native_gemms, monkeypatch):
-    """With ``decode_int4`` the steps of at most two tokens run their layers' forward on 4-bit weights,
-    bigger ones the stack."""
-    engine = Engine(saved('llama', 'bf16'), PytorchEngineConfig(decode_int4=True, **ENGINE), show_progress=False)
+def small_int4_steps(engine: Engine, monkeypatch) -> list[tuple[int, int]]:
+    """Runs one prompt, then three, through ``engine`` (``decode_int4`` on), every step checked by
+    :func:`check_every_step`; returns the (prefill tokens, rows) of the steps that ran in the stack."""
     steps = check_every_step(engine, monkeypatch)
     prompts = random_prompts([20, 70, 9], seed=8)
     gen = GenerationConfig(max_new_tokens=6, ignore_eos=True)
     run(engine, prompts[:1], gen)
     run(engine, prompts, gen)
+    return steps
+
+
+@pytest.mark.parametrize('kind', ['llama', 'qwen2', 'qwen3'])
+def test_small_int4_steps_run_in_the_stack(kind, saved, native_gemms, monkeypatch):
+    """With ``decode_int4`` and the native int4 GEMV, steps of at most two tokens run in the stack on the
+    4-bit weights (qwen2: with the qkv bias; qwen3: q and k norms), equal to the layers' forward on them."""
+    if cpu.int4_gemv() is None:
+        pytest.skip('the native int4 GEMV needs AVX512-BF16')
+    engine = Engine(saved(kind, 'bf16'), PytorchEngineConfig(decode_int4=True, **ENGINE), show_progress=False)
+    stack = engine.runner.model.native_stack
+    assert stack.small is not None and stack.small_step_rows == 2
+    steps = small_int4_steps(engine, monkeypatch)
+    assert (0, 1) in steps and (0, 3) in steps
+
+
+def test_small_steps_without_int4_gemv_keep_the_layers(saved, native_gemms, monkeypatch):
+    """Without the native int4 GEMV (AVX2) the 4-bit copies run on torch's kernel: small steps keep their
+    layers' forward, bigger ones the stack."""
+    monkeypatch.setattr(cpu, 'int4_gemv', lambda: None)
+    engine = Engine(saved('llama', 'bf16'), PytorchEngineConfig(decode_int4=True, **ENGINE), show_progress=False)
+    assert engine.runner.model.native_stack.small is None
+    steps = small_int4_steps(engine, monkeypatch)
     assert all(rows > 2 for _, rows in steps) and (0, 3) in steps
+
+
+def test_int4_gate_up_with_bias_keeps_the_layers(tmp_path, native_gemms, monkeypatch):
+    """A gate-and-up bias has no place in the int4 GEMV's SiLU epilogue: small steps keep the layers."""
+    if cpu.int4_gemv() is None:
+        pytest.skip('the native int4 GEMV needs AVX512-BF16')
+    path = save_tiny_model('llama', str(tmp_path), mlp_bias=True)
+    engine = Engine(path, PytorchEngineConfig(decode_int4=True, **ENGINE), show_progress=False)
+    assert engine.runner.model.native_stack.small is None
+    steps = small_int4_steps(engine, monkeypatch)
+    assert all(rows > 2 for _, rows in steps)
 
 
 def test_fields_are_named(native_gemms):
@@ -132,8 +167,10 @@ def test_fields_are_named(native_gemms):
         native_gemms.LayerWeights(**layer, v_norm=norm)
     with pytest.raises(TypeError):
         native_gemms.LayerWeights(*layer.values())
-    with pytest.raises(RuntimeError, match="'bf16' or 'w8a8'"):
-        native_gemms.Projection(kind='int4', weight=weight)
+    with pytest.raises(RuntimeError, match="'bf16', 'w8a8' or 'int4'"):
+        native_gemms.Projection(kind='int2', weight=weight)
+    with pytest.raises(RuntimeError, match='fp16 scales'):
+        native_gemms.Projection(kind='int4', weight=weight.to(torch.uint8), scale=torch.ones(32))
     with pytest.raises(RuntimeError, match='without compensation or scale'):
         native_gemms.Projection(kind='bf16', weight=weight, scale=torch.ones(32))
     with pytest.raises(RuntimeError, match='compensation and scale'):

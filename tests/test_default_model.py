@@ -115,7 +115,7 @@ def test_bf16_steps_release_the_gil_in_the_native_decoder_stack(monkeypatch):
             stamps.append(time.perf_counter())
             time.sleep(0.0002)
 
-    monkeypatch.setattr(model.native_stack, 'stack', TimedStack(model.native_stack.stack))
+    monkeypatch.setattr(model.native_stack, 'large', TimedStack(model.native_stack.large))
     switch_interval = sys.getswitchinterval()
     sys.setswitchinterval(0.0005)  # a GIL holder hands over within 0.5 ms of a call's edges
     thread = threading.Thread(target=stamp)

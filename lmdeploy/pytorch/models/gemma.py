@@ -61,7 +61,7 @@ class GemmaDecoderLayer(nn.Module):
         x, residual = self.pre_feedforward_layernorm(x, residual)
         return self.post_feedforward_layernorm(self.mlp(x)), residual
 
-    def native_weights(self) -> None:
+    def native_weights(self, small_step: bool = False) -> None:
         """The native decoder stack has no Gemma layers."""
         return None
 

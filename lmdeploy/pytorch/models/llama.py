@@ -128,10 +128,11 @@ class LlamaDecoderLayer(nn.Module):
             return self.input_layernorm(x), x
         return self.input_layernorm(x, residual)
 
-    def native_weights(self) -> LayerWeights | None:
-        """This layer's weights for :class:`NativeDecoderStack`; None unless every projection runs on a
-        native GEMM and the layer has no parts the stack lacks (a MoE block, partial or no rotary,
-        another family's extra norms, a GeLU MLP, a sliding window, sinks or soft-capping)."""
+    def native_weights(self, small_step: bool = False) -> LayerWeights | None:
+        """This layer's weights for :class:`NativeDecoderStack` (``small_step``: those of steps of at most
+        ``small_step_rows`` tokens); None unless every projection runs on a native GEMM and the layer has
+        no parts the stack lacks (a MoE block, partial or no rotary, another family's extra norms, a GeLU
+        MLP, a sliding window, sinks or soft-capping)."""
         attn, mlp = self.self_attn, self.mlp
         if (type(self) is not LlamaDecoderLayer or not attn.plain_rope or not attn.attn.plain
                 or not isinstance(mlp, LlamaMLP) or not mlp.gate_up_proj.gate_up_panels):
@@ -139,7 +140,7 @@ class LlamaDecoderLayer(nn.Module):
         norms = dict(q_norm=attn.q_norm.weight, k_norm=attn.k_norm.weight) if attn.qk_norm else {}
         return layer_weights(self.input_layernorm.weight, self.post_attention_layernorm.weight,
                              dict(qkv=attn.qkv_proj, o=attn.o_proj, gate_up=mlp.gate_up_proj, down=mlp.down_proj),
-                             **norms)
+                             small_step, **norms)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -208,10 +209,11 @@ class LlamaForCausalLM(nn.Module):
             return
         self.lm_head.pack_for_cpu()
         attn = self.layers[0].self_attn
+        small_step_rows = max(module.kernel.small_step_rows for _, module in projections)
+        small = [layer.native_weights(small_step=True) for layer in self.layers] if small_step_rows else None
         self.native_stack = NativeDecoderStack.build(
-            [layer.native_weights() for layer in self.layers], attn.num_heads, attn.num_kv_heads, attn.head_dim,
-            self.layers[0].input_layernorm.eps, attn.attn.scale,
-            max(module.kernel.small_step_rows for _, module in projections), self.cfg.quant_policy)
+            [layer.native_weights() for layer in self.layers], small, attn.num_heads, attn.num_kv_heads,
+            attn.head_dim, self.layers[0].input_layernorm.eps, attn.attn.scale, small_step_rows, self.cfg.quant_policy)
 
     def weight_target(self, name: str) -> WeightTarget | None:
         """Where a Hugging Face tensor (name without ``model.``) goes: the tensor or slice to fill, what it

@@ -16,18 +16,32 @@ Projection::Projection(const std::string& kind_name, torch::Tensor weight, c10::
     kind = Kind::kW8A8;
     TORCH_CHECK(this->weight.scalar_type() == at::kChar && this->compensation && this->scale,
                 "a w8a8 projection is its packed int8 weight, compensation and scale (and bias)");
+  } else if (kind_name == "int4") {
+    kind = Kind::kInt4;
+    TORCH_CHECK(this->weight.scalar_type() == at::kByte && !this->compensation && this->scale &&
+                    this->scale->scalar_type() == at::kHalf,
+                "an int4 projection is its packed 4-bit weight and fp16 scales (and bias), without compensation");
   } else {
-    TORCH_CHECK(false, "a projection's kind is 'bf16' or 'w8a8', not '", kind_name, "'");
+    TORCH_CHECK(false, "a projection's kind is 'bf16', 'w8a8' or 'int4', not '", kind_name, "'");
   }
 }
 
 torch::Tensor Projection::operator()(const torch::Tensor& x) const {
-  return kind == Kind::kBf16 ? bf16_linear(x, weight, bias) : int8_linear(x, weight, *compensation, *scale, bias);
+  switch (kind) {
+    case Kind::kBf16: return bf16_linear(x, weight, bias);
+    case Kind::kW8A8: return int8_linear(x, weight, *compensation, *scale, bias);
+    default: return int4_linear(x, weight, *scale, bias);
+  }
 }
 
 torch::Tensor Projection::gate_up_silu(const torch::Tensor& x) const {
-  return kind == Kind::kBf16 ? bf16_gate_up_silu(x, weight, bias)
-                              : int8_gate_up_silu(x, weight, *compensation, *scale, bias);
+  switch (kind) {
+    case Kind::kBf16: return bf16_gate_up_silu(x, weight, bias);
+    case Kind::kW8A8: return int8_gate_up_silu(x, weight, *compensation, *scale, bias);
+    default:
+      TORCH_CHECK(!bias, "an int4 gate-and-up projection has no bias");
+      return int4_gate_up_silu(x, weight, *scale);
+  }
 }
 
 DecoderStack::DecoderStack(std::vector<LayerWeights> layers, int64_t num_heads, int64_t num_kv_heads,

@@ -73,6 +73,11 @@ class LinearKernel(ABC):
         named), or None when no native GEMM runs this kernel."""
         return None
 
+    def small_step_projection(self, bias: torch.Tensor | None) -> object | None:
+        """The layer as a ``Projection`` for steps of at most ``small_step_rows`` tokens: the
+        :meth:`native_projection` of a kernel that runs every step on one copy of its weight."""
+        return self.native_projection(bias)
+
 
 class WeightFormat(ABC):
     """How a checkpoint stores linear weights: the parameters it fills and the kernel run on them."""

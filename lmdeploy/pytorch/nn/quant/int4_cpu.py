@@ -81,6 +81,11 @@ class NativeInt4Kernel(LinearKernel):
             return None
         return cpu.native().int4_gate_up_silu(x, self.packed, self.scales)
 
+    def native_projection(self, bias: torch.Tensor | None) -> object | None:
+        if self.gate_up and bias is not None:  # the stack's gate-and-up runs only int4_gate_up_silu
+            return None
+        return cpu.native().Projection(kind='int4', weight=self.packed, scale=self.scales, bias=bias)
+
 
 def least_squares_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``weight [N, K]`` as codes ``[N, K]`` (0..15, each group of 32 inputs' min/max grid) and the fp16
@@ -160,3 +165,6 @@ class SmallStepInt4Kernel(LinearKernel):
 
     def native_projection(self, bias: torch.Tensor | None) -> object | None:
         return None if self.large is None else self.large.native_projection(bias)
+
+    def small_step_projection(self, bias: torch.Tensor | None) -> object | None:
+        return self.small.native_projection(bias)
