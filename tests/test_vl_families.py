@@ -132,15 +132,15 @@ def test_qwen3_vl_moe_loads_the_hubs_stacked_expert_layout(tmp_path):
     assert run(make_engine(str(hub)), prompts) == run(make_engine(path), prompts)
 
 
-def test_internvl_language_model_runs_in_the_native_decoder_stack(tmp_path):
-    """bf16 on packed weights: InternVL's Qwen2 layers run in the native decoder stack, as their own forward
-    does; Qwen3-VL's (q/k norms) do not."""
+@pytest.mark.parametrize('kind', ['internvl', 'qwen3_vl'])
+def test_language_model_runs_in_the_native_decoder_stack(kind, tmp_path):
+    """bf16 on packed weights: InternVL's Qwen2 layers and Qwen3-VL's (q/k norms; its image steps add the
+    deepstack features in the layers' own forward) run in the native decoder stack, as their own forward
+    does."""
     if cpu.bf16_gemm() is None:
         pytest.skip('the native bf16 GEMM needs AVX512-BF16 and no AMX')
     config = PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=64, block_size=16)
-    qwen3_vl = save_tiny_vl_model('qwen3_vl', str(tmp_path / 'qwen3_vl'))
-    assert Engine(qwen3_vl, config, show_progress=False).runner.model.native_stack is None
-    path = save_tiny_vl_model('internvl', str(tmp_path / 'internvl'))
+    path = save_tiny_vl_model(kind, str(tmp_path / kind))
     engine = Engine(path, config, show_progress=False)
     model = engine.runner.model
     assert model.native_stack is not None
