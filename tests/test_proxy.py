@@ -152,7 +152,8 @@ def test_proxy_keys_guard_it_and_only_admin_keys_manage_nodes(cluster):
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f'{proxy.url}/v1', api_key='wrong', max_retries=0).models.list()
         client = openai.OpenAI(base_url=f'{proxy.url}/v1', api_key='user-key', max_retries=0)
-        assert client.completions.create(model='tiny', prompt='Hi', max_tokens=2).choices[0].finish_reason == 'length'
+        completion = client.completions.create(model='tiny', prompt='Hi', max_tokens=2, extra_body={'ignore_eos': True})
+        assert completion.choices[0].finish_reason == 'length'
         add = {'url': cluster.added}
         user, admin = {'Authorization': 'Bearer user-key'}, {'Authorization': 'Bearer admin-key'}
         assert httpx.post(f'{proxy.url}/nodes/add', json=add, headers=user).status_code == 403
@@ -179,7 +180,8 @@ def test_the_clients_key_goes_on_to_the_node(keyed_node):
     proxy = ServerThread(create_proxy_app([keyed_node.url]))
     try:
         client = openai.OpenAI(base_url=f'{proxy.url}/v1', api_key='node-key', max_retries=0)
-        assert client.completions.create(model='tiny', prompt='Hi', max_tokens=2).choices[0].finish_reason == 'length'
+        completion = client.completions.create(model='tiny', prompt='Hi', max_tokens=2, extra_body={'ignore_eos': True})
+        assert completion.choices[0].finish_reason == 'length'
         assert [model.id for model in client.models.list().data] == ['tiny']
         body, wrong = {'model': 'tiny', 'prompt': 'Hi', 'max_tokens': 2}, {'Authorization': 'Bearer wrong'}
         direct = httpx.post(f'{keyed_node.url}/v1/completions', json=body, headers=wrong)
@@ -259,7 +261,8 @@ def test_a_killed_node_fails_only_its_requests_and_the_survivor_takes_the_rest(c
     before = served(cluster.url)
     client = openai.OpenAI(base_url=f'{cluster.url}/v1', api_key='none', max_retries=0)
     for _ in range(4):
-        assert client.completions.create(model='tiny', prompt='Hi', max_tokens=2).choices[0].finish_reason == 'length'
+        completion = client.completions.create(model='tiny', prompt='Hi', max_tokens=2, extra_body={'ignore_eos': True})
+        assert completion.choices[0].finish_reason == 'length'
     after = served(cluster.url)
     assert after[survivor] - before[survivor] == 4 and after[victim] == before[victim]
     assert healthy_nodes(cluster.url) == [survivor]
