@@ -18,6 +18,36 @@ inline torch::Tensor contiguous_as(const torch::Tensor& t, at::ScalarType dtype)
   return t.scalar_type() == dtype && t.is_contiguous() ? t : t.to(dtype).contiguous();
 }
 
+// A [gate; up] weight with its gate and up panels of `panel` rows alternating, as the fused gate/up GEMMs
+// (bf16 and int8) read it.
+inline torch::Tensor interleave_gate_up(const torch::Tensor& weight, int64_t panel) {
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) % (2 * panel) == 0, "expected gate and up of a multiple of ",
+              panel, " rows each");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  return weight.reshape({2, N / 2 / panel, panel, K}).transpose(0, 1).reshape({N, K});
+}
+
+// Hands out a GEMM's tiles one at a time (in the engine the main thread's share of a static split kept
+// finishing last): groups of `width` panels times blocks of `row_block` of the M rows. Runs
+// tile(std::integral_constant<int, C>, first row, rows, first panel), C the group's panels (1-4). Call it
+// inside an OpenMP parallel region.
+template <typename Tile>
+void for_each_tile(int64_t M, int64_t panels, int64_t width, int64_t row_block, const Tile& tile) {
+  const int64_t groups = (panels + width - 1) / width, row_blocks = (M + row_block - 1) / row_block;
+#pragma omp for collapse(2) schedule(dynamic, 1)
+  for (int64_t group = 0; group < groups; ++group)
+    for (int64_t block = 0; block < row_blocks; ++block) {
+      const int64_t panel = group * width, first = block * row_block;
+      const int64_t count = std::min<int64_t>(row_block, M - first);
+      switch (std::min<int64_t>(width, panels - panel)) {
+        case 1: tile(std::integral_constant<int, 1>{}, first, count, panel); break;
+        case 2: tile(std::integral_constant<int, 2>{}, first, count, panel); break;
+        case 3: tile(std::integral_constant<int, 3>{}, first, count, panel); break;
+        default: tile(std::integral_constant<int, 4>{}, first, count, panel); break;
+      }
+    }
+}
+
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) {
   // bf16 is the top half of an fp32; a shift the compiler can vectorize.

@@ -145,22 +145,12 @@ int64_t group_width(const Gemm& g, int64_t row_blocks, int64_t threads) {
 void run(const Gemm& g) {
   const int64_t threads = at::get_num_threads(), row_blocks = (g.M + kRowBlock - 1) / kRowBlock;
   const int64_t panels = g.N / kPanel, width = group_width(g, row_blocks, threads);
-  const int64_t groups = (panels + width - 1) / width;
   const Pull pull = row_blocks > 1 ? Pull::kNone : g.M > 20 ? Pull::kL1 : Pull::kL2;
-  // Handed out one at a time: in the engine the main thread's share of a static split kept finishing
-  // last (1-3% slower over a run).
-#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(threads)
-  for (int64_t group = 0; group < groups; ++group)
-    for (int64_t block = 0; block < row_blocks; ++block) {
-      const int64_t panel = group * width, first = block * kRowBlock;
-      const int64_t count = std::min<int64_t>(kRowBlock, g.M - first);
-      switch (std::min<int64_t>(width, panels - panel)) {
-        case 1: row_block<1>(g, first, count, panel, width, pull); break;
-        case 2: row_block<2>(g, first, count, panel, width, pull); break;
-        case 3: row_block<3>(g, first, count, panel, width, pull); break;
-        default: row_block<4>(g, first, count, panel, width, pull); break;
-      }
-    }
+#pragma omp parallel num_threads(threads)
+  for_each_tile(g.M, panels, width, kRowBlock, [&](auto panels_in_group, int64_t first, int64_t count,
+                                                   int64_t panel) {
+    row_block<decltype(panels_in_group)::value>(g, first, count, panel, width, pull);
+  });
 }
 
 }  // namespace
@@ -175,10 +165,7 @@ torch::Tensor pack_bf16_weight(const torch::Tensor& weight) {
 }
 
 torch::Tensor pack_bf16_gate_up(const torch::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.size(0) % (2 * kPanel) == 0,
-              "expected gate and up of a multiple of 16 rows each");
-  const int64_t N = weight.size(0), K = weight.size(1);
-  return pack_bf16_weight(weight.reshape({2, N / 2 / kPanel, kPanel, K}).transpose(0, 1).reshape({N, K}));
+  return pack_bf16_weight(interleave_gate_up(weight, kPanel));
 }
 
 namespace {
