@@ -30,6 +30,9 @@ class GenerationConfig:
     ``{'type': 'grammar', 'grammar': '<EBNF>'}``; ``{'type': 'text'}`` is the same as None. With
     ``response_format_after`` (a reasoning model's ``'</think>'``), the grammar applies only to the output
     after that marker.
+
+    ``keep_special_tokens`` are special tokens that stay in the text although ``skip_special_tokens``
+    drops the others (the server's harmony parsers read gpt-oss's channel markers this way).
     """
 
     max_new_tokens: int = 512
@@ -48,6 +51,7 @@ class GenerationConfig:
     ignore_eos: bool = False
     min_new_tokens: int = 0
     skip_special_tokens: bool = True
+    keep_special_tokens: list[str] | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     n: int = 1
@@ -84,6 +88,8 @@ class GenerationConfig:
         _check(isinstance(self.n, int) and 1 <= self.n <= 128, f'n must be an int in [1, 128], got {self.n!r}')
         _check(self.stop_words is None or all(isinstance(w, str) and w for w in self.stop_words),
                'stop_words must be a list of non-empty strings')
+        _check(self.keep_special_tokens is None or all(isinstance(t, str) and t for t in self.keep_special_tokens),
+               'keep_special_tokens must be a list of non-empty strings')
         _check(self.stop_token_ids is None or all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                'stop_token_ids must be a list of non-negative ints')
 

@@ -1,6 +1,7 @@
 """Tokenizer wrapper, incremental (streaming) detokenization and stop-word handling."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Iterable
@@ -56,6 +57,12 @@ class Tokenizer:
         """Token ids of ``text``."""
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
+    @functools.cached_property
+    def special_token_ids(self) -> dict[int, str]:
+        """The special tokens (those ``skip_special_tokens`` drops) by id."""
+        tokens = {i: t.content for i, t in self.hf.added_tokens_decoder.items() if t.special}
+        return tokens | {i: self.hf.convert_ids_to_tokens(i) for i in self.hf.all_special_ids if i not in tokens}
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``, without the legacy clean-up of spaces (which breaks streaming)."""
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
@@ -83,18 +90,27 @@ class IncrementalDetokenizer:
     U+FFFD, also bytes that were valid and already streamed; only garbage output is affected.)
     ``prompt_ids`` is accepted for interface symmetry only: the text is decoded from the output tokens
     alone (with the prompt as context, a SentencePiece leading space would appear that
-    ``decode(output_ids)`` strips).
+    ``decode(output_ids)`` strips). With ``skip_special_tokens``, the special tokens named in ``keep``
+    stay in the text.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True,
+                 keep: list[str] | None = None):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.dropped: frozenset[int] | None = None  # with ``keep``: the special ids decoding leaves out
+        if skip_special_tokens and keep:
+            self.skip_special_tokens = False
+            self.dropped = frozenset(i for i, t in tokenizer.special_token_ids.items() if t not in keep)
         self.output_ids: list[int] = []
         self._prefix = 0  # start of the decode window
         self._read = 0  # tokens up to here have been turned into text
 
     def _decode(self, start: int, end: int) -> str:
-        return self.tokenizer.decode(self.output_ids[start:end], self.skip_special_tokens)
+        ids = self.output_ids[start:end]
+        if self.dropped is not None:
+            ids = [i for i in ids if i not in self.dropped]
+        return self.tokenizer.decode(ids, self.skip_special_tokens)
 
     def _advance(self, force: bool) -> str:
         prefix_text = self._decode(self._prefix, self._read)

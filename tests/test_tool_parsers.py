@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
+from parser_checks import split
 
 from lmdeploy.serve.openai.chat_output import ChoiceParser
 from lmdeploy.serve.openai.reasoning_parsers import REASONING_PARSERS, get_reasoning_parser
@@ -14,45 +14,6 @@ from lmdeploy.serve.openai.tool_parsers import (TOOL_PARSERS, NamedToolParser, R
 HERMES = get_tool_parser('hermes')
 LLAMA3 = get_tool_parser('llama3_json')
 THINK = get_reasoning_parser('qwen3')
-
-
-def chunkings(text: str, seed: int = 0, count: int = 30):
-    """The whole text, one character at a time, and ``count`` random chunkings."""
-    yield [text]
-    yield list(text)
-    rng = random.Random(seed)
-    for _ in range(count):
-        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 12)))) if len(text) > 1 else []
-        yield [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
-
-
-def streamed(make, pieces: list[str]) -> dict:
-    """What a client that accumulates OpenAI stream deltas ends with."""
-    parser = make()
-    message = {'reasoning': '', 'content': '', 'calls': {}}
-    for i, piece in enumerate(pieces + ['']):
-        delta = parser.feed(piece, final=i == len(pieces))
-        message['reasoning'] += delta.reasoning
-        message['content'] += delta.content
-        for entry in parser.delta_body(delta).get('tool_calls', []):
-            call = message['calls'].setdefault(entry['index'], {'name': '', 'arguments': '', 'ids': 0})
-            call['ids'] += 'id' in entry
-            call['name'] += entry['function'].get('name', '')
-            call['arguments'] += entry['function']['arguments']
-    return message
-
-
-def split(make, text: str) -> dict:
-    """The message of ``text`` (checked to be the same for every chunking); calls as (name, arguments)."""
-    results = [streamed(make, pieces) for pieces in chunkings(text)]
-    assert all(r == results[0] for r in results)
-    message = make().message(text)
-    first = results[0]
-    assert all(c['ids'] == 1 for c in first['calls'].values())
-    calls = [(c['name'], c['arguments']) for _, c in sorted(first['calls'].items())]
-    assert [(c.function.name, c.function.arguments) for c in message.tool_calls or []] == calls
-    assert (message.content or '') == first['content'] and (message.reasoning_content or '') == first['reasoning']
-    return {'reasoning': first['reasoning'], 'content': first['content'], 'calls': calls}
 
 
 def hermes(max_calls=None):

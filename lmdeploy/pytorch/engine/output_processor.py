@@ -24,7 +24,7 @@ class OutputProcessor:
     def add(self, seq: Sequence) -> None:
         cfg = seq.gen_config
         self.states[seq.seq_id] = _TextState(
-            IncrementalDetokenizer(self.tokenizer, seq.prompt_ids, cfg.skip_special_tokens),
+            IncrementalDetokenizer(self.tokenizer, seq.prompt_ids, cfg.skip_special_tokens, cfg.keep_special_tokens),
             StopChecker(cfg.stop_words))
 
     def append_token(self, seq: Sequence, token_id: int, logprobs: dict[int, float] | None,

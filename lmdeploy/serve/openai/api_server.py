@@ -30,12 +30,12 @@ from lmdeploy.serve.openai.metrics import Metrics
 from lmdeploy.serve.openai.protocol import (AbortRequest, ChatCompletionRequest, ChatCompletionResponse,
                                             CompletionRequest, CompletionResponse, EncodeRequest, GenerateRequest,
                                             ModelCard, ModelList)
-from lmdeploy.serve.openai.reasoning_parsers import get_reasoning_parser
+from lmdeploy.serve.openai.reasoning_parsers import ReasoningParser, get_reasoning_parser
 from lmdeploy.serve.openai.serving_chat import create_chat_completion
 from lmdeploy.serve.openai.serving_common import ServerState, sampling_defaults
 from lmdeploy.serve.openai.serving_completion import create_completion
 from lmdeploy.serve.openai.serving_native import abort_request, encode_text, generate
-from lmdeploy.serve.openai.tool_parsers import get_tool_parser
+from lmdeploy.serve.openai.tool_parsers import ToolParser, get_tool_parser
 from lmdeploy.serve.openai.web_ui import mount_web_ui
 
 logger = logging.getLogger('lmdeploy')
@@ -102,6 +102,27 @@ def streamed(model: type[BaseModel] | None = None) -> dict:
             'content': {'text/event-stream': {'schema': {'type': 'string'}}}}
 
 
+# Model types whose chat replies need parsers, and the (tool, reasoning) parsers they get unless named.
+MODEL_PARSERS = {'gpt_oss': ('harmony', 'harmony')}
+
+
+def _parsers(engine: AsyncEngine, tool_name: str | None, reasoning_name: str | None
+             ) -> tuple[type[ToolParser] | None, type[ReasoningParser] | None]:
+    """The tool and reasoning parser classes the server uses (see :func:`create_app`)."""
+    if tool_name is None and reasoning_name is None:
+        tool_name, reasoning_name = MODEL_PARSERS.get(engine.engine.model_config.hf_config.model_type, (None, None))
+    tools = get_tool_parser(tool_name) if tool_name else None
+    reasoning = get_reasoning_parser(reasoning_name) if reasoning_name else None
+    needed = tools.reasoning_parser if tools else None
+    if needed is not None:
+        if reasoning is None:
+            reasoning = get_reasoning_parser(needed)
+        elif reasoning is not get_reasoning_parser(needed):
+            raise ValueError(f'the tool call parser {tool_name!r} reads the content of the reasoning parser '
+                             f'{needed!r}, not of {reasoning_name!r}')
+    return tools, reasoning
+
+
 def create_app(engine: AsyncEngine, model_name: str | None = None, api_keys: list[str] | None = None,
                allow_origins: list[str] | None = None, allow_credentials: bool = False,
                allow_methods: list[str] | None = None, allow_headers: list[str] | None = None,
@@ -124,13 +145,13 @@ def create_app(engine: AsyncEngine, model_name: str | None = None, api_keys: lis
 
     ``tool_call_parser`` and ``reasoning_parser`` name the parsers (see ``TOOL_PARSERS`` and
     ``REASONING_PARSERS``) that read tool calls and reasoning out of chat replies; an unknown name raises
-    ``ValueError``.
+    ``ValueError``. Without either, a model type of :data:`MODEL_PARSERS` gets its parsers; a tool parser
+    that reads a reasoning parser's content brings that one along.
 
     ``model_name`` defaults to the model's own name (``engine.model_name``). With ``generation_config``
     'auto', the sampling fields a chat or completion request leaves out come from the model's
     ``generation_config.json`` ('none': the OpenAI defaults). ``web_ui`` serves the chat page at ``/``."""
-    tools = get_tool_parser(tool_call_parser) if tool_call_parser else None
-    reasoning = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
+    tools, reasoning = _parsers(engine, tool_call_parser, reasoning_parser)
     limits = limits or RequestLimits()
     admission = Admission(max_concurrent_requests, max_queue_size)
     executor = ThreadPoolExecutor(preprocess_workers, thread_name_prefix='lmdeploy-preprocess')

@@ -1,6 +1,7 @@
 """``POST /v1/chat/completions``."""
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import time
 from collections.abc import Callable, Iterable
@@ -53,6 +54,9 @@ async def _jobs(state: ServerState, req: ChatCompletionRequest, plan: ToolPlan) 
                            req.chat_template_kwargs)
     config = gen_config(state, req, len(prompt.input_ids), (req.top_logprobs or 0) if req.logprobs else None, None)
     reasoning = state.reasoning_parser
+    keep = sorted({*(reasoning.special_tokens if reasoning else ()), *plan.special_tokens})
+    if keep and config.skip_special_tokens:
+        config = dataclasses.replace(config, keep_special_tokens=keep)
 
     def make_parser() -> ChoiceParser:
         return ChoiceParser(reasoning(prompt.text) if reasoning else None,

@@ -21,12 +21,14 @@ EMPTY_PARAMETERS = {'type': 'object', 'properties': {}}
 class ToolPlan:
     """``template_tools`` go to the chat template; ``response_format`` (if any) forces the reply to be
     calls; ``make_parser`` gives each choice its parser (None: the reply is plain content);
-    ``max_calls`` keeps the calls after the first out without ``parallel_tool_calls``."""
+    ``max_calls`` keeps the calls after the first out without ``parallel_tool_calls``;
+    ``special_tokens`` are those the parser reads."""
 
     template_tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
     make_parser: Callable[[], ToolParser] | None = None
     max_calls: int | None = None
+    special_tokens: tuple[str, ...] = ()
 
 
 def _check_tools(tools: list[ChatTool]) -> None:
@@ -94,7 +96,7 @@ def plan_tools(req: ChatCompletionRequest, parser: type[ToolParser] | None) -> T
             raise APIError(400, "tool_choice 'auto' needs a tool call parser: start the server with "
                            "--tool-call-parser (or send tool_choice 'required', 'none' or a named function)",
                            'tool_choice')
-        return ToolPlan(template_tools, None, parser, max_calls)
+        return ToolPlan(template_tools, None, parser, max_calls, parser.special_tokens)
     if choice == 'required':
         schema = required_schema(tools, req.parallel_tool_calls)
         return ToolPlan(template_tools, _json_schema('tool_calls', schema), RequiredToolParser, max_calls)

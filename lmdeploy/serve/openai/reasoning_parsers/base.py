@@ -24,10 +24,12 @@ class ReasoningParser(ABC):
     """Splits one choice's reply into reasoning and content, fed piecewise.
 
     ``end_marker`` is the text after which the reply's content starts: a grammar for the content applies
-    from there (see :meth:`grammar_after`).
+    from there (see :meth:`grammar_after`). ``special_tokens`` are the special tokens the parser reads,
+    which the detokenizer then keeps in the reply's text.
     """
 
     end_marker: str
+    special_tokens: tuple[str, ...] = ()
 
     def __init__(self, prompt: str) -> None:
         self.prompt = prompt

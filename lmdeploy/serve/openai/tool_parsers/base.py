@@ -49,8 +49,13 @@ class ToolParser(ABC):
     """Splits one choice's content into text and tool calls, fed piecewise.
 
     Subclasses keep the whole content in ``self.text`` and a read position ``self.pos``; :meth:`_advance`
-    consumes what can be decided (with ``final``: everything).
+    consumes what can be decided (with ``final``: everything). ``special_tokens`` are the special tokens
+    the parser reads, which the detokenizer then keeps in the reply's text; ``reasoning_parser`` names the
+    reasoning parser whose content the parser reads, when it needs one.
     """
+
+    special_tokens: tuple[str, ...] = ()
+    reasoning_parser: str | None = None
 
     def __init__(self) -> None:
         self.text = ''
