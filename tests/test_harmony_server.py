@@ -55,6 +55,17 @@ def test_server_picks_the_harmony_parsers(server):
     assert state.tool_parser is get_tool_parser('harmony') and state.reasoning_parser is get_reasoning_parser('harmony')
 
 
+def test_parser_flags(server):
+    """Named parsers replace the model type's; the harmony tool parser brings its reasoning parser along."""
+    from lmdeploy.serve.openai.api_server import create_app
+    harmony = create_app(server.engine, tool_call_parser='harmony').state.server
+    assert harmony.reasoning_parser is get_reasoning_parser('harmony')
+    think = create_app(server.engine, reasoning_parser='qwen3').state.server
+    assert think.tool_parser is None and think.reasoning_parser is get_reasoning_parser('qwen3')
+    with pytest.raises(ValueError, match="reads the content of the reasoning parser 'harmony', not of 'qwen3'"):
+        create_app(server.engine, tool_call_parser='harmony', reasoning_parser='qwen3')
+
+
 def gathered(client, **kwargs) -> dict:
     """What a client gathers from a stream: reasoning, content, the calls and the finish reason."""
     out = {'reasoning': '', 'content': '', 'calls': {}, 'finish': None}
