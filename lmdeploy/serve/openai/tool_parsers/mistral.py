@@ -1,0 +1,91 @@
+"""Mistral tool calls, after the ``[TOOL_CALLS]`` token: a JSON list of calls (Mistral 7B v0.3, Nemo,
+Small 3.1) or, from tokenizer v11 on (Small 3.2, Magistral, Devstral), each call as its name and its
+arguments::
+
+    [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]
+    [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]now[ARGS]{}
+"""
+from __future__ import annotations
+
+import re
+
+from lmdeploy.serve.openai.text_scan import held_back, skip_whitespace, strip_end
+from lmdeploy.serve.openai.tool_parsers.base import ParsedDelta, ToolCallDelta, register_tool_parser
+from lmdeploy.serve.openai.tool_parsers.json_calls import JsonCallsParser, JsonScanner
+
+TOOL_CALLS, ARGS, CALL_ID = '[TOOL_CALLS]', '[ARGS]', '[CALL_ID]'
+_NAME = re.compile(r'\s*([^\s\[]+)\s*(?:' + re.escape(CALL_ID) + r'.*)?', re.DOTALL)
+
+
+@register_tool_parser('mistral')
+class MistralToolParser(JsonCallsParser):
+    """Text up to ``[TOOL_CALLS]`` is content (without the whitespace before it); then a list of call
+    objects, or calls ``NAME[ARGS]{...}``; a ``[TOOL_CALLS]`` followed by neither gives what follows it as
+    content. Text after the calls is content too."""
+
+    special_tokens = (TOOL_CALLS, ARGS, CALL_ID)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.state = 'text'
+        self.args: JsonScanner | None = None
+        self.sent = 0
+
+    def _advance(self, final: bool) -> ParsedDelta:
+        out = ParsedDelta()
+        while True:
+            if self.state == 'text':
+                found = self.text.find(TOOL_CALLS, self.pos)
+                if found < 0:
+                    end = len(self.text) if final else strip_end(self.text, self.pos,
+                                                                  held_back(self.text, self.pos, TOOL_CALLS))
+                    out.content += self.text[self.pos:end]
+                    self.pos = max(self.pos, end)
+                    return out
+                out.content += self.text[self.pos:strip_end(self.text, self.pos, found)]
+                self.pos, self.state = found + len(TOOL_CALLS), 'calls'
+            elif self.state == 'calls':
+                start = skip_whitespace(self.text, self.pos)
+                if start == len(self.text):
+                    return out
+                if self.text[start] == '[':
+                    self.pos, self.state = start + 1, 'items'
+                    continue
+                found = self.text.find(ARGS, self.pos)
+                if found < 0 and not final:
+                    return out
+                name = _NAME.fullmatch(self.text, self.pos, found) if found >= 0 else None
+                if name is None:  # not a call: text
+                    self.state = 'text'
+                    continue
+                out.tool_calls.append(self.new_call(name.group(1)))
+                self.pos = self.sent = found + len(ARGS)
+                self.args, self.state = JsonScanner(self.pos), 'args'
+            elif self.state == 'args':
+                end = self.args.advance(self.text)
+                upto = self.args.pos if end is None else end
+                if upto > self.sent:
+                    out.tool_calls.append(ToolCallDelta(self.num_calls - 1, arguments=self.text[self.sent:upto]))
+                    self.sent = upto
+                if end is None:
+                    return out
+                self.pos, self.state = end, 'text'
+            elif self.state == 'items':
+                start = skip_whitespace(self.text, self.pos)
+                if start == len(self.text):
+                    return out
+                c = self.text[start]
+                if c == ',':
+                    self.pos = start + 1
+                elif c == '{':
+                    self.start_call(start)
+                else:
+                    self.pos, self.state = start + (c == ']'), 'text'
+            else:
+                is_call = self.read_call(out, final)
+                if is_call is None:
+                    return out
+                if not is_call:  # an object that is no call: text
+                    self.pos, self.state = self.reader.start, 'text'
+                    continue
+                self.state = 'items'
