@@ -8,6 +8,7 @@ import pytest
 from conftest import build_tokenizer
 from parser_checks import split
 
+from lmdeploy.messages import GenerationConfig
 from lmdeploy.serve.openai.chat_output import ChoiceParser
 from lmdeploy.serve.openai.harmony import SPECIAL_TOKENS, Header, open_header
 from lmdeploy.serve.openai.reasoning_parsers import get_reasoning_parser
@@ -99,10 +100,6 @@ def test_header():
     assert Header.parse('assistant<|channel|>final').function is None
 
 
-def test_grammar_marker():
-    assert REASONING(PROMPT).grammar_after() == '<|channel|>final<|message|>'
-
-
 @pytest.fixture(scope='module')
 def tokenizer(tmp_path_factory) -> Tokenizer:
     path = str(tmp_path_factory.mktemp('harmony_tokenizer'))
@@ -124,6 +121,14 @@ def test_detokenizer_keeps_only_the_markers_asked_for(tokenizer):
         assert ''.join(deltas) == expected
     detok = IncrementalDetokenizer(tokenizer, [], False, ['<|call|>'])
     assert ''.join([detok.step([i]) for i in ids] + [detok.finish()]) == full
+    with pytest.raises(ValueError, match='keep_special_tokens'):
+        GenerationConfig(keep_special_tokens=[''])
+
+
+def test_grammar_marker_is_the_special_tokens(tokenizer):
+    """A grammar after the final channel's marker waits for the marker's special tokens."""
+    marker = tokenizer.encode(REASONING(PROMPT).grammar_after(), add_special_tokens=False)
+    assert [marker[0], marker[-1]] == tokenizer.hf.convert_tokens_to_ids(['<|channel|>', '<|message|>'])
 
 
 def test_token_stream_through_the_parsers(tokenizer):
