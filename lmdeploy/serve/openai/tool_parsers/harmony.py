@@ -1,6 +1,6 @@
 """gpt-oss's harmony tool calls: a message to ``functions.NAME`` whose body is the arguments::
 
-    <|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>
+    <|start|>assistant<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"city": "Paris"}<|call|>
 
 It reads the content the harmony reasoning parser leaves (which it always comes with): text, with the
 function calls still harmony messages.
