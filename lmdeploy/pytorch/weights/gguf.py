@@ -17,7 +17,7 @@ from gguf.quants import dequantize
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from .gguf_archs import ARCHITECTURES, CONFIG_BUILDERS, LAYER_NAMES, finish_state_dict
+from .gguf_archs import ARCHITECTURES, CONFIG_BUILDERS, LAYER_NAMES, RAW_SERVED_ARCHS, finish_state_dict
 
 logger = logging.getLogger(__name__)
 
@@ -161,6 +161,8 @@ def gguf_config(reader: GGUFReader, source: str) -> dict[str, Any]:
     elif arch in CONFIG_BUILDERS:
         meta = lambda template, default=None: _meta(reader, template.format(arch=arch), default)  # noqa: E731
         config.update(CONFIG_BUILDERS[arch](meta, tensors, config))
+        if arch not in RAW_SERVED_ARCHS:  # linear layers beyond the projections (MLA's, routers) have no raw form
+            config.pop('quantization_config', None)
     return config
 
 

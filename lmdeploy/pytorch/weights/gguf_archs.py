@@ -22,6 +22,9 @@ ARCHITECTURES = {
     'deepseek2': 'DeepseekV3ForCausalLM',  # DeepseekV2ForCausalLM where the router is a softmax
 }
 
+# architectures whose every linear layer is a projection that may be served as llama.cpp's blocks
+RAW_SERVED_ARCHS = ('gemma2', 'gemma3')
+
 _GEMMA_NAMES = {'ffn_norm': 'pre_feedforward_layernorm', 'post_attention_norm': 'post_attention_layernorm',
                 'post_ffw_norm': 'post_feedforward_layernorm'}
 # layer tensor names by ``module`` (the kind, weight or bias, appended) or by ``module.kind`` (as written);
@@ -44,7 +47,7 @@ LAYER_NAMES: dict[str, dict[str, str]] = {
         'attn_v_b.weight': 'self_attn.v_b_proj',
         'ffn_gate_inp': 'mlp.gate', 'exp_probs_b.bias': 'mlp.gate.e_score_correction_bias',
         'ffn_gate_exps.weight': 'mlp.experts.gate', 'ffn_up_exps.weight': 'mlp.experts.up',
-        'ffn_down_exps.weight': 'mlp.experts.down_proj',
+        'ffn_down_exps.weight': 'mlp.experts.down',
         'ffn_gate_shexp': 'mlp.shared_experts.gate_proj', 'ffn_up_shexp': 'mlp.shared_experts.up_proj',
         'ffn_down_shexp': 'mlp.shared_experts.down_proj',
     },
@@ -183,13 +186,15 @@ def _gpt_oss_experts(state_dict: dict[str, torch.Tensor], config: dict[str, Any]
 
 def _deepseek2_merge(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
     """``k_b [H, kv_lora, nope]`` (transposed by the converter) and ``v_b [H, v, kv_lora]`` back into
-    ``kv_b_proj [H * (nope + v), kv_lora]``; gate and up experts into ``gate_up_proj [E, 2I, H]``."""
+    ``kv_b_proj [H * (nope + v), kv_lora]``; the stacked experts back into one tensor per expert and
+    projection, as DeepSeek's checkpoints hold them."""
     for prefix in _layer_prefixes(state_dict, 'self_attn.k_b_proj'):
         k_b, v_b = state_dict.pop(prefix + 'self_attn.k_b_proj'), state_dict.pop(prefix + 'self_attn.v_b_proj')
         state_dict[prefix + 'self_attn.kv_b_proj.weight'] = torch.cat((k_b.transpose(1, 2), v_b), 1).flatten(0, 1)
     for prefix in _layer_prefixes(state_dict, 'experts.gate'):
-        gate, up = state_dict.pop(prefix + 'experts.gate'), state_dict.pop(prefix + 'experts.up')
-        state_dict[prefix + 'experts.gate_up_proj'] = torch.cat((gate, up), 1)
+        for projection in ('gate', 'up', 'down'):
+            for expert, weight in enumerate(state_dict.pop(f'{prefix}experts.{projection}')):
+                state_dict[f'{prefix}experts.{expert}.{projection}_proj.weight'] = weight.clone()
 
 
 _FINISHERS = {'gemma2': _gemma_norms, 'gemma3': _gemma_norms, 'gpt-oss': _gpt_oss_experts,
