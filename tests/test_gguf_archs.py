@@ -25,6 +25,7 @@ from lmdeploy.pytorch.weights.gguf import convert_gguf
 
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
              max_position_embeddings=1024, sliding_window=16, pad_token_id=None)
+PROJECTIONS = tuple(f'{name}_proj.weight' for name in ('q', 'k', 'v', 'o', 'gate', 'up', 'down'))
 ARCHS = {'gemma2': gguf.MODEL_ARCH.GEMMA2, 'gemma3': gguf.MODEL_ARCH.GEMMA3, 'gpt_oss': gguf.MODEL_ARCH.GPT_OSS,
          'deepseek_v3': gguf.MODEL_ARCH.DEEPSEEK2, 'deepseek_v2': gguf.MODEL_ARCH.DEEPSEEK2}
 
@@ -126,14 +127,27 @@ def mxfp4_round_trip(hf: torch.nn.Module) -> dict[str, np.ndarray]:
                 param.copy_(torch.from_numpy(gguf.quants.dequantize(data, Q.MXFP4)).transpose(1, 2))
                 if name.endswith('down_proj'):
                     blocks[name] = data
-                else:
-                    blocks[name.replace('gate_up', 'gate')], blocks[name.replace('gate_up', 'up')] = data[:, ::2], data[:, 1::2]
+                else:  # rows alternate gate and up
+                    blocks[name.replace('gate_up', 'gate')] = data[:, ::2]
+                    blocks[name.replace('gate_up', 'up')] = data[:, 1::2]
     return blocks
 
 
-def converter_tensors(hf: torch.nn.Module, kind: str) -> dict[str, np.ndarray]:
-    """``hf``'s tensors under their Hugging Face names, as the converter reshapes them before naming them."""
-    config, out, quantized = hf.config, {}, ()
+def q8_0_round_trip(hf: torch.nn.Module) -> dict[str, np.ndarray]:
+    """``hf``'s decoder projections in Q8_0, and ``hf``'s projections set to what those blocks hold."""
+    blocks = {}
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if name.endswith(PROJECTIONS):
+                blocks[name] = gguf.quants.quantize(param.numpy(), Q.Q8_0)
+                param.copy_(torch.from_numpy(gguf.quants.dequantize(blocks[name], Q.Q8_0)))
+    return blocks
+
+
+def converter_tensors(hf: torch.nn.Module, kind: str, blocks: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``hf``'s tensors under their Hugging Face names, as the converter reshapes them before naming them
+    (``blocks``: quantized ones, as they are)."""
+    config, out, quantized = hf.config, dict(blocks), tuple(blocks)
     if kind == 'gpt_oss':
         out = {f'{name}.weight': data for name, data in mxfp4_round_trip(hf).items()}
         quantized = ('experts.gate_up_proj', 'experts.down_proj')
@@ -166,11 +180,11 @@ def converter_tensors(hf: torch.nn.Module, kind: str) -> dict[str, np.ndarray]:
     return out
 
 
-def write_gguf(hf: torch.nn.Module, kind: str, writer: gguf.GGUFWriter) -> None:
+def write_gguf(hf: torch.nn.Module, kind: str, writer: gguf.GGUFWriter, blocks: dict[str, np.ndarray]) -> None:
     write_metadata(hf.config, writer)
     names = gguf.get_tensor_name_map(ARCHS[kind], hf.config.num_hidden_layers)
-    for name, data in converter_tensors(hf, kind).items():
-        qtype = Q.MXFP4 if data.dtype == np.uint8 else None
+    for name, data in converter_tensors(hf, kind, blocks).items():
+        qtype = (Q.Q8_0 if name in blocks else Q.MXFP4) if data.dtype == np.uint8 else None
         writer.add_tensor(names.get_name(name, try_suffixes=('.weight', '.bias')), np.ascontiguousarray(data),
                           raw_dtype=qtype)
     finish(writer)
@@ -184,7 +198,7 @@ def test_gguf_arch_matches_transformers(kind: str, tmp_path: Path, monkeypatch: 
     vocab = _add_tokenizer(writer)
     std = {'gate_up_proj': 4.0} if kind == 'gpt_oss' else {'e_score_correction_bias': 0.1}
     hf = hf_causal_lm(save_random_model(hf_config(kind, vocab), str(tmp_path / 'hf'), std=std))
-    write_gguf(hf, kind, writer)
+    write_gguf(hf, kind, writer, {})
 
     convert_gguf(str(src), str(tmp_path / 'converted'))
     converted = AutoModelForCausalLM.from_pretrained(str(tmp_path / 'converted'), dtype=torch.float32)
@@ -201,3 +215,19 @@ def test_gguf_arch_matches_transformers(kind: str, tmp_path: Path, monkeypatch: 
 
     prompts = random_prompts([5, 23, 41], vocab=vocab)
     assert run(make_engine(str(src)), prompts) == [hf_greedy(hf, p) for p in prompts]
+
+
+def test_gemma_q8_0_projections_kept_as_blocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gemma 3's projections all Q8_0: served as llama.cpp's blocks, token for token like transformers on the
+    weights those blocks hold."""
+    monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(tmp_path / 'cache'))
+    src = tmp_path / 'gemma3.gguf'
+    writer = gguf.GGUFWriter(str(src), 'gemma3')
+    vocab = _add_tokenizer(writer)
+    hf = hf_causal_lm(save_random_model(hf_config('gemma3', vocab), str(tmp_path / 'hf')))
+    write_gguf(hf, 'gemma3', writer, q8_0_round_trip(hf))
+
+    engine = make_engine(str(src))
+    assert engine.model_config.hf_config.quantization_config == {'quant_method': 'gguf', 'ggml_type': 'Q8_0'}
+    prompts = random_prompts([5, 41], vocab=vocab)
+    assert run(engine, prompts) == [hf_greedy(hf, p) for p in prompts]
