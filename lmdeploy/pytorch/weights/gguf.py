@@ -17,6 +17,8 @@ from gguf.quants import dequantize
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from .gguf_archs import ARCHITECTURES, CONFIG_BUILDERS, LAYER_NAMES, RAW_SERVED_ARCHS, finish_state_dict
+
 logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHS: dict[str, str] = {
@@ -26,6 +28,7 @@ SUPPORTED_ARCHS: dict[str, str] = {
     'phi3': 'Phi3ForCausalLM',
     'glm4': 'Glm4ForCausalLM',
     'smollm3': 'SmolLM3ForCausalLM',
+    **ARCHITECTURES,
 }
 
 _GLOBAL_NAMES = {'token_embd': 'model.embed_tokens', 'output_norm': 'model.norm', 'output': 'lm_head'}
@@ -48,6 +51,7 @@ _ARCH_LAYER_NAMES = {
     'phi3': {'attn_qkv': 'self_attn.qkv_proj', 'ffn_up': 'mlp.gate_up_proj'},
     'glm4': {'ffn_up': 'mlp.gate_up_proj', 'post_attention_norm': 'post_self_attn_layernorm',
              'post_ffw_norm': 'post_mlp_layernorm'},
+    **LAYER_NAMES,
 }
 # llama.cpp's converter reorders the q/k rows of Llama-derived models for its rotary (undone at load)
 _PERMUTED_ARCHS = ('llama', 'smollm3')
@@ -76,6 +80,8 @@ def hf_tensor_name(gguf_name: str, arch: str = 'llama') -> str | None:
         return f'{_GLOBAL_NAMES[base]}.{kind}'
     match = _LAYER_RE.fullmatch(base)
     names = _LAYER_NAMES | _ARCH_LAYER_NAMES.get(arch, {})
+    if match and f'{match[2]}.{kind}' in names:
+        return f'model.layers.{match[1]}.{names[match[2] + "." + kind]}'
     if match and match[2] in names:
         return f'model.layers.{match[1]}.{names[match[2]]}.{kind}'
     return None
@@ -152,6 +158,11 @@ def gguf_config(reader: GGUFReader, source: str) -> dict[str, Any]:
                                      'partial_rotary_factor': rotary / config['head_dim']}
     elif arch == 'smollm3':
         config['no_rope_layer_interval'] = SMOLLM3_NO_ROPE_INTERVAL
+    elif arch in CONFIG_BUILDERS:
+        meta = lambda template, default=None: _meta(reader, template.format(arch=arch), default)  # noqa: E731
+        config.update(CONFIG_BUILDERS[arch](meta, tensors, config))
+        if arch not in RAW_SERVED_ARCHS:  # linear layers beyond the projections (MLA's, routers) have no raw form
+            config.pop('quantization_config', None)
     return config
 
 
@@ -199,7 +210,7 @@ def _phi3_rope(reader: GGUFReader, tensors: dict[str, Any], head_dim: int, sourc
 def gguf_state_dict(reader: GGUFReader, config: dict[str, Any], source: str) -> dict[str, torch.Tensor]:
     """Every tensor under its transformers name: dequantized to float32, except the projections of
     ``config['quantization_config']``'s type, kept as their blocks (``qweight uint8 [rows, blocks, bytes]``)."""
-    arch = config['model_type']
+    arch = _meta(reader, 'general.architecture')
     heads = {'attn_q': config['num_attention_heads'], 'attn_k': config['num_key_value_heads']}
     raw_type = config.get('quantization_config', {}).get('ggml_type')
     state_dict = {}
@@ -225,6 +236,7 @@ def gguf_state_dict(reader: GGUFReader, config: dict[str, Any], source: str) -> 
         if arch in _PERMUTED_ARCHS and module in heads:
             weight = unpermute_rotary(weight, heads[module])
         state_dict[name] = torch.from_numpy(np.ascontiguousarray(weight))
+    finish_state_dict(arch, state_dict, config)
     return state_dict
 
 
@@ -259,7 +271,7 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
         (tmp / 'model.safetensors').chmod(0o644)
         del state_dict
         AutoConfig.for_model(**config).save_pretrained(str(tmp))
-        _save_tokenizer(src, tmp, config['model_type'])
+        _save_tokenizer(src, tmp, _meta(reader, 'general.architecture'))
         try:
             tmp.rename(out)
         except OSError as err:

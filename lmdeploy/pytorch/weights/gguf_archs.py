@@ -1,0 +1,209 @@
+"""GGUF architectures whose llama.cpp files differ from their transformers checkpoints by more than tensor
+names: Gemma 2 and 3 (``gemma2``, ``gemma3``), gpt-oss (``gpt-oss``) and DeepSeek-V2/V3 (``deepseek2``).
+
+Each has a config builder (the transformers config fields that llama.cpp keeps in metadata under gguf-py's
+``Keys``, or fixes in its loader) and a state-dict step that undoes what convert_hf_to_gguf.py did to the
+tensors (Gemma's ``1 + weight`` norms, gpt-oss's split and transposed experts, DeepSeek's split ``kv_b``
+and per-projection experts).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from gguf import ExpertGatingFuncType, Keys
+
+Meta = Callable[..., Any]  # (a gguf-py ``Keys`` template, default) -> that key of the file's architecture
+
+ARCHITECTURES = {
+    'gemma2': 'Gemma2ForCausalLM',
+    'gemma3': 'Gemma3ForCausalLM',
+    'gpt-oss': 'GptOssForCausalLM',
+    'deepseek2': 'DeepseekV3ForCausalLM',  # DeepseekV2ForCausalLM where the router is a softmax
+}
+
+# architectures whose every linear layer is a projection that may be served as llama.cpp's blocks
+RAW_SERVED_ARCHS = ('gemma2', 'gemma3')
+
+_GEMMA_NAMES = {'ffn_norm': 'pre_feedforward_layernorm', 'post_attention_norm': 'post_attention_layernorm',
+                'post_ffw_norm': 'post_feedforward_layernorm'}
+# layer tensor names by ``module`` (the kind, weight or bias, appended) or by ``module.kind`` (as written);
+# ``mlp.experts.{gate,up}`` and ``self_attn.{k,v}_b_proj`` are merged by ``finish_state_dict``
+LAYER_NAMES: dict[str, dict[str, str]] = {
+    'gemma2': _GEMMA_NAMES,
+    'gemma3': _GEMMA_NAMES,
+    'gpt-oss': {
+        'post_attention_norm': 'post_attention_layernorm',
+        'attn_sinks.weight': 'self_attn.sinks',
+        'ffn_gate_inp': 'mlp.router',
+        'ffn_gate_exps.weight': 'mlp.experts.gate', 'ffn_gate_exps.bias': 'mlp.experts.gate_bias',
+        'ffn_up_exps.weight': 'mlp.experts.up', 'ffn_up_exps.bias': 'mlp.experts.up_bias',
+        'ffn_down_exps.weight': 'mlp.experts.down', 'ffn_down_exps.bias': 'mlp.experts.down_proj_bias',
+    },
+    'deepseek2': {
+        'attn_q_a': 'self_attn.q_a_proj', 'attn_q_a_norm': 'self_attn.q_a_layernorm', 'attn_q_b': 'self_attn.q_b_proj',
+        'attn_kv_a_mqa': 'self_attn.kv_a_proj_with_mqa', 'attn_kv_a_norm': 'self_attn.kv_a_layernorm',
+        'attn_kv_b': 'self_attn.kv_b_proj', 'attn_k_b.weight': 'self_attn.k_b_proj',
+        'attn_v_b.weight': 'self_attn.v_b_proj',
+        'ffn_gate_inp': 'mlp.gate', 'exp_probs_b.bias': 'mlp.gate.e_score_correction_bias',
+        'ffn_gate_exps.weight': 'mlp.experts.gate', 'ffn_up_exps.weight': 'mlp.experts.up',
+        'ffn_down_exps.weight': 'mlp.experts.down',
+        'ffn_gate_shexp': 'mlp.shared_experts.gate_proj', 'ffn_up_shexp': 'mlp.shared_experts.up_proj',
+        'ffn_down_shexp': 'mlp.shared_experts.down_proj',
+    },
+}
+
+
+def _layer_types(meta: Meta, layers: int, pattern: int) -> list[str]:
+    """llama.cpp's sliding-window layers: the file's ``sliding_window_pattern`` (a step n, where the last
+    layer of every n is global, or a flag per layer), else the architecture's fixed step."""
+    value = meta(Keys.Attention.SLIDING_WINDOW_PATTERN, pattern)
+    sliding = [bool(v) for v in value] if isinstance(value, list) else [i % value < value - 1 for i in range(layers)]
+    return ['sliding_attention' if s else 'full_attention' for s in sliding]
+
+
+def _gemma_query_scalar(config: dict[str, Any], layers_of_27b: int) -> int:
+    """llama.cpp scales Gemma's queries by 1/sqrt(head_dim), and the 27B models' by 1/sqrt(hidden/heads)
+    (it knows them by their layer count; the files carry no key for it)."""
+    if config['num_hidden_layers'] == layers_of_27b:
+        return config['hidden_size'] // config['num_attention_heads']
+    return config['head_dim']
+
+
+def _yarn(meta: Meta, theta: float) -> dict[str, Any]:
+    params = {'rope_type': 'yarn', 'rope_theta': theta, 'factor': meta(Keys.Rope.SCALING_FACTOR),
+              'original_max_position_embeddings': meta(Keys.Rope.SCALING_ORIG_CTX_LEN),
+              'beta_fast': meta(Keys.Rope.SCALING_YARN_BETA_FAST, 32.0),
+              'beta_slow': meta(Keys.Rope.SCALING_YARN_BETA_SLOW, 1.0)}
+    if meta(Keys.Rope.SCALING_YARN_ATTN_FACTOR) is not None:
+        params['attention_factor'] = meta(Keys.Rope.SCALING_YARN_ATTN_FACTOR)
+    return params
+
+
+def _rope(meta: Meta, theta: float) -> dict[str, Any]:
+    """The rotary of the file's ``rope.scaling.type``: none, linear or YaRN."""
+    kind = meta(Keys.Rope.SCALING_TYPE, 'none')
+    if kind == 'yarn':
+        return _yarn(meta, theta)
+    if kind == 'linear':
+        return {'rope_type': 'linear', 'rope_theta': theta, 'factor': meta(Keys.Rope.SCALING_FACTOR)}
+    if kind != 'none':
+        raise ValueError(f'unsupported GGUF rope scaling type {kind!r}')
+    return {'rope_type': 'default', 'rope_theta': theta}
+
+
+def _gemma2(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    # llama.cpp's defaults where the file has no key (Gemma 2's own values)
+    return {'model_type': 'gemma2', 'query_pre_attn_scalar': _gemma_query_scalar(config, 46),
+            'sliding_window': meta(Keys.Attention.SLIDING_WINDOW, 4096),
+            'layer_types': _layer_types(meta, config['num_hidden_layers'], 2),
+            'attn_logit_softcapping': meta(Keys.LLM.ATTN_LOGIT_SOFTCAPPING, 50.0),
+            'final_logit_softcapping': meta(Keys.LLM.FINAL_LOGIT_SOFTCAPPING, 30.0),
+            'rope_parameters': {'rope_type': 'default', 'rope_theta': config['rope_theta']}}
+
+
+def _gemma3(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """Local layers turn by ``rope.freq_base_swa`` (llama.cpp's fixed 10000 where absent) without scaling,
+    global ones by ``rope.freq_base`` with the file's scaling."""
+    window, layers = meta(Keys.Attention.SLIDING_WINDOW), config['num_hidden_layers']
+    local = {'rope_type': 'default', 'rope_theta': meta(Keys.Rope.FREQ_BASE_SWA, 10000.0)}
+    return {'model_type': 'gemma3_text', 'query_pre_attn_scalar': _gemma_query_scalar(config, 62),
+            'sliding_window': window,
+            'layer_types': _layer_types(meta, layers, 6) if window else ['full_attention'] * layers,
+            'final_logit_softcapping': meta(Keys.LLM.FINAL_LOGIT_SOFTCAPPING),
+            'rope_parameters': {'full_attention': _rope(meta, config['rope_theta']), 'sliding_attention': local}}
+
+
+def _gpt_oss(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    rope = _rope(meta, config['rope_theta'])
+    if rope['rope_type'] == 'yarn':
+        rope['truncate'] = False  # gpt-oss's YaRN keeps its correction range unrounded
+    return {'model_type': 'gpt_oss', 'intermediate_size': meta(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH),
+            'num_local_experts': meta(Keys.LLM.EXPERT_COUNT), 'num_experts_per_tok': meta(Keys.LLM.EXPERT_USED_COUNT),
+            'sliding_window': meta(Keys.Attention.SLIDING_WINDOW),
+            'layer_types': _layer_types(meta, config['num_hidden_layers'], 2), 'rope_parameters': rope}
+
+
+def _deepseek2(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp runs MLA as multi-query attention over the latent: ``key_length``/``value_length`` are the
+    latent's, the per-head sizes are ``*_length_mla`` (older files: the plain keys, with an unsplit kv_b)."""
+    rope_dim = meta(Keys.Rope.DIMENSION_COUNT)
+    if meta(Keys.Attention.KEY_LENGTH_MLA) is not None:
+        key_dim, value_dim = meta(Keys.Attention.KEY_LENGTH_MLA), meta(Keys.Attention.VALUE_LENGTH_MLA)
+    else:
+        key_dim, value_dim = meta(Keys.Attention.KEY_LENGTH), meta(Keys.Attention.VALUE_LENGTH)
+    rope = _rope(meta, config['rope_theta'])
+    if rope['rope_type'] == 'yarn' and meta(Keys.Rope.SCALING_YARN_LOG_MUL) is not None:
+        # the converter writes 0.1 * mscale_all_dim (in float32); llama.cpp's rotary assumes mscale equal to it
+        rope['mscale'] = rope['mscale_all_dim'] = round(meta(Keys.Rope.SCALING_YARN_LOG_MUL) / 0.1, 6)
+    sigmoid = meta(Keys.LLM.EXPERT_GATING_FUNC) == ExpertGatingFuncType.SIGMOID
+    groups = meta(Keys.LLM.EXPERT_GROUP_COUNT, 1)
+    fields = {
+        'model_type': 'deepseek_v3' if sigmoid else 'deepseek_v2',
+        'architectures': ['DeepseekV3ForCausalLM' if sigmoid else 'DeepseekV2ForCausalLM'],
+        'num_key_value_heads': config['num_attention_heads'], 'head_dim': rope_dim,
+        'q_lora_rank': meta(Keys.Attention.Q_LORA_RANK) if 'blk.0.attn_q_a.weight' in tensors else None,
+        'kv_lora_rank': meta(Keys.Attention.KV_LORA_RANK), 'qk_rope_head_dim': rope_dim,
+        'qk_nope_head_dim': key_dim - rope_dim, 'v_head_dim': value_dim,
+        'first_k_dense_replace': meta(Keys.LLM.LEADING_DENSE_BLOCK_COUNT, 0),
+        'moe_intermediate_size': meta(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH),
+        'n_routed_experts': meta(Keys.LLM.EXPERT_COUNT), 'n_shared_experts': meta(Keys.LLM.EXPERT_SHARED_COUNT, 0),
+        'num_experts_per_tok': meta(Keys.LLM.EXPERT_USED_COUNT), 'n_group': groups,
+        'topk_group': meta(Keys.LLM.EXPERT_GROUP_USED_COUNT, 1),
+        'routed_scaling_factor': meta(Keys.LLM.EXPERT_WEIGHTS_SCALE, 1.0),
+        'norm_topk_prob': bool(meta(Keys.LLM.EXPERT_WEIGHTS_NORM, False)), 'rope_parameters': rope,
+    }
+    if not sigmoid:
+        fields['topk_method'] = 'group_limited_greedy' if groups > 1 else 'greedy'
+    return fields
+
+
+CONFIG_BUILDERS: dict[str, Callable[[Meta, dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
+    'gemma2': _gemma2, 'gemma3': _gemma3, 'gpt-oss': _gpt_oss, 'deepseek2': _deepseek2}
+
+
+def _layer_prefixes(state_dict: dict[str, torch.Tensor], suffix: str) -> list[str]:
+    return [name.removesuffix(suffix) for name in state_dict if name.endswith(suffix)]
+
+
+def _gemma_norms(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    """llama.cpp stores Gemma's norms as ``1 + weight``; in fp32 ``1 + (stored - 1)`` is ``stored`` again."""
+    for name, value in state_dict.items():
+        if name.endswith('norm.weight'):
+            state_dict[name] = value - 1
+
+
+def _gpt_oss_experts(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    """Gate and up ``[E, I, H]`` back into transformers' ``gate_up_proj [E, H, 2I]`` (gate and up columns
+    alternating), down ``[E, H, I]`` into ``down_proj [E, I, H]``."""
+    for prefix in _layer_prefixes(state_dict, 'experts.gate'):
+        gate, up = state_dict.pop(prefix + 'experts.gate'), state_dict.pop(prefix + 'experts.up')
+        state_dict[prefix + 'experts.gate_up_proj'] = torch.stack((gate, up), 2).flatten(1, 2).transpose(1, 2)
+        gate, up = state_dict.pop(prefix + 'experts.gate_bias'), state_dict.pop(prefix + 'experts.up_bias')
+        state_dict[prefix + 'experts.gate_up_proj_bias'] = torch.stack((gate, up), 2).flatten(1)
+        state_dict[prefix + 'experts.down_proj'] = state_dict.pop(prefix + 'experts.down').transpose(1, 2)
+
+
+def _deepseek2_merge(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    """``k_b [H, kv_lora, nope]`` (transposed by the converter) and ``v_b [H, v, kv_lora]`` back into
+    ``kv_b_proj [H * (nope + v), kv_lora]``; the stacked experts back into one tensor per expert and
+    projection, as DeepSeek's checkpoints hold them."""
+    for prefix in _layer_prefixes(state_dict, 'self_attn.k_b_proj'):
+        k_b, v_b = state_dict.pop(prefix + 'self_attn.k_b_proj'), state_dict.pop(prefix + 'self_attn.v_b_proj')
+        state_dict[prefix + 'self_attn.kv_b_proj.weight'] = torch.cat((k_b.transpose(1, 2), v_b), 1).flatten(0, 1)
+    for prefix in _layer_prefixes(state_dict, 'experts.gate'):
+        for projection in ('gate', 'up', 'down'):
+            for expert, weight in enumerate(state_dict.pop(f'{prefix}experts.{projection}')):
+                state_dict[f'{prefix}experts.{expert}.{projection}_proj.weight'] = weight.clone()
+
+
+_FINISHERS = {'gemma2': _gemma_norms, 'gemma3': _gemma_norms, 'gpt-oss': _gpt_oss_experts,
+              'deepseek2': _deepseek2_merge}
+
+
+def finish_state_dict(arch: str, state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    """Undo, in place, what llama.cpp's converter did to ``arch``'s tensors beyond renaming them."""
+    if arch in _FINISHERS:
+        _FINISHERS[arch](state_dict, config)
+    for name, value in state_dict.items():
+        state_dict[name] = value.contiguous()
