@@ -1,5 +1,6 @@
-"""GGUF Q4_K and Q8_0 projections served as their blocks: unpacked against the ``gguf`` package's own
-dequantization, and the engine against transformers loading the same GGUF file."""
+"""GGUF Q4_K and Q8_0 projections served as their blocks (files of one type; mixed files in
+``test_gguf_mixed.py``): unpacked against the ``gguf`` package's own dequantization, and the engine against
+transformers loading the same GGUF file."""
 from __future__ import annotations
 
 import json
@@ -17,8 +18,8 @@ from transformers import AutoModelForCausalLM
 from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.nn.linear import Linear
-from lmdeploy.pytorch.nn.quant import LinearOptions, use_weight_format, weight_format_for
-from lmdeploy.pytorch.nn.quant.gguf import Q8Kernel
+from lmdeploy.pytorch.nn.quant import LinearOptions, use_weight_format
+from lmdeploy.pytorch.nn.quant.gguf import GgufFormat, Q8Kernel
 from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
 from lmdeploy.pytorch.nn.quant.w4a16 import ReferenceKernel
 from lmdeploy.pytorch.weights.gguf import convert_gguf
@@ -29,7 +30,7 @@ def gguf_layer(qtype: Q, out_features: int = 48, in_features: int = 512, seed: i
     rng = np.random.default_rng(seed)
     weight = rng.standard_normal((out_features, in_features)).astype(np.float32) * 0.1
     data = _encode(weight, qtype, rng)
-    with use_weight_format(weight_format_for({'quant_method': 'gguf', 'ggml_type': qtype.name})):
+    with use_weight_format(GgufFormat(qtype.name)):
         layer = Linear(in_features, out_features)
     layer.qweight.copy_(torch.from_numpy(data).view(layer.qweight.shape))
     return layer, torch.from_numpy(gguf.quants.dequantize(data, qtype).astype(np.float32))
@@ -67,7 +68,9 @@ def test_engine_matches_transformers_on_the_gguf_file(tmp_path: Path, qtype):
     out = tmp_path / 'hf'
     convert_gguf(str(src), str(out))
     config = json.loads((out / 'config.json').read_text())
-    assert config['quantization_config'] == {'quant_method': 'gguf', 'ggml_type': qtype.name}
+    layers = [f'layers.{i}.{name}' for i in range(2) for name in ('self_attn.qkv_proj', 'self_attn.o_proj',
+                                                                   'mlp.gate_up_proj', 'mlp.down_proj')]
+    assert config['quantization_config'] == {'quant_method': 'gguf', 'ggml_types': dict.fromkeys(layers, qtype.name)}
     reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=src.name, dtype=torch.float32).eval()
     prompts = random_prompts([6, 19], seed=4, vocab=200)
     engine = make_engine(str(out))
@@ -77,13 +80,6 @@ def test_engine_matches_transformers_on_the_gguf_file(tmp_path: Path, qtype):
         engine.close()
     for prompt, tokens in zip(prompts, outs):
         assert tokens == hf_greedy(reference, prompt)
-
-
-def test_mixed_projection_types_are_dequantized(tmp_path: Path):
-    src = tmp_path / 'tiny.gguf'
-    make_gguf(src)
-    convert_gguf(str(src), str(tmp_path / 'hf'))
-    assert 'quantization_config' not in json.loads((tmp_path / 'hf' / 'config.json').read_text())
 
 
 def test_bf16_engine_runs_q4_k_on_the_int4_kernel(tmp_path: Path):

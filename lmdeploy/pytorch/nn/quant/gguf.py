@@ -1,5 +1,6 @@
 """GGUF Q4_K and Q8_0 linear weights as llama.cpp stores them (``quant_method: gguf``, written by
-``weights/gguf.py``): ``qweight uint8 [N, K / B, block bytes]``, each row's blocks of ``B`` inputs.
+``weights/gguf.py``): ``qweight uint8 [N, K / B, block bytes]``, each row's blocks of ``B`` inputs. A file's
+``ggml_types`` names each layer kept so and its type; its other layers were dequantized at conversion.
 
 - Q8_0 (``B = 32``, 34 bytes): an fp16 scale ``d`` and 32 int8 codes, ``W = d * q``. Held as int8 codes
   and fp32 scales, dequantized on each call (in fp32, then to the activations' dtype) for ``F.linear``.
@@ -14,7 +15,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from lmdeploy.pytorch.nn.quant.base import Layout, LinearKernel, LinearOptions, new_parameter, register_format
+from lmdeploy.pytorch.nn.quant.base import (Layout, LinearKernel, LinearOptions, WeightFormat, new_parameter,
+                                            register_format)
+from lmdeploy.pytorch.nn.quant.dense import DenseFormat
 from lmdeploy.pytorch.nn.quant.w4a16 import Int4GroupFormat, Int4Grid, ReferenceKernel
 
 if TYPE_CHECKING:
@@ -65,21 +68,15 @@ class Q8Kernel(LinearKernel):
         return F.linear(x, q8_0_weight(self.codes, self.scales).to(x.dtype), bias)
 
 
-@register_format('gguf')
 class GgufFormat(Int4GroupFormat):
-    """The linear weights of a GGUF file whose projections are all of one type, Q4_K or Q8_0."""
+    """A GGUF linear weight of one type, Q4_K or Q8_0, as its blocks."""
 
     def __init__(self, ggml_type: str):
+        if ggml_type not in BLOCKS:
+            raise ValueError(f'GGUF linear weights of types {sorted(BLOCKS)} are served as blocks, not {ggml_type}')
         super().__init__(32)
         self.ggml_type = ggml_type
         self.block_inputs, self.block_bytes = BLOCKS[ggml_type]
-
-    @classmethod
-    def from_config(cls, config: dict) -> GgufFormat:
-        ggml_type = config.get('ggml_type')
-        if ggml_type not in BLOCKS:
-            raise ValueError(f'GGUF linear weights of types {sorted(BLOCKS)} are supported, not {ggml_type}')
-        return cls(ggml_type)
 
     def params(self) -> tuple[str, ...]:
         return ('qweight',)
@@ -107,3 +104,23 @@ class GgufFormat(Int4GroupFormat):
         kernel = Q8Kernel(*q8_0_unpack(layer.qweight))
         layer.qweight = None
         return kernel
+
+
+@register_format('gguf')
+class GgufFileFormat(DenseFormat):
+    """A converted GGUF file's linear layers: those of ``ggml_types`` (``{name in the model: type}``) as their
+    blocks, each in its type's :class:`GgufFormat`; the others dense (dequantized at conversion)."""
+
+    def __init__(self, ggml_types: dict[str, str]):
+        formats = {ggml_type: GgufFormat(ggml_type) for ggml_type in set(ggml_types.values())}
+        self.layer_formats = {name: formats[ggml_type] for name, ggml_type in ggml_types.items()}
+
+    @classmethod
+    def from_config(cls, config: dict) -> GgufFileFormat:
+        if 'ggml_types' not in config:
+            raise ValueError('this GGUF folder was converted by an older lmdeploy (one ggml_type for every layer); '
+                             'convert the .gguf file again')
+        return cls(config['ggml_types'])
+
+    def layer_format(self, name: str) -> WeightFormat:
+        return self.layer_formats.get(name, self)
