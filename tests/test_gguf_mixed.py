@@ -18,6 +18,7 @@ from conftest import save_tiny_model
 from helpers import hf_greedy, make_engine, random_prompts, run
 from test_gguf import _add_tokenizer, finish, llama_permute, make_gguf
 
+from lmdeploy.lite.smooth_quant import smooth_quant
 from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.nn.linear import Linear
@@ -198,3 +199,17 @@ def test_fused_file_projections_are_served_raw(tmp_path: Path):
         finally:
             engine.close()
     assert outs[0] == outs[1]
+
+
+def test_smooth_quant_calibrates_on_the_file_dequantized(mixed_file, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """``lmdeploy lite smooth_quant`` reads a mixed file through transformers: from its dequantized copy."""
+    kind, tmp = mixed_file
+    monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(tmp_path / 'cache'))
+    smooth_quant(str(tmp / 'model.gguf'), str(tmp_path / 'w8a8'), calib_tokens=64, seq_len=32)
+    config = json.loads((tmp_path / 'w8a8' / 'config.json').read_text())
+    assert config['quantization_config']['quant_method'] == 'smooth_quant'
+    engine = make_engine(str(tmp_path / 'w8a8'))
+    try:
+        assert len(run(engine, random_prompts([5], vocab=250))[0]) == 32
+    finally:
+        engine.close()

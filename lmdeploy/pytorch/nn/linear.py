@@ -20,8 +20,8 @@ from torch import nn
 from lmdeploy.pytorch.distributed.parallel_state import Shard, current_group, head_ranges, split_range
 from lmdeploy.pytorch.kernels import silu_and_mul
 from lmdeploy.pytorch.kernels.activation import gelu_tanh_and_mul
-from lmdeploy.pytorch.nn.quant import (Layout, LinearKernel, LinearOptions, WeightFormat, current_weight_format, layout_of,
-                                       new_parameter)
+from lmdeploy.pytorch.nn.quant import (Layout, LinearKernel, LinearOptions, WeightFormat, current_weight_format,
+                                       layout_of, new_parameter)
 
 
 class Linear(nn.Module):
