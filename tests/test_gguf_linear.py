@@ -19,7 +19,8 @@ from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.nn.linear import Linear
 from lmdeploy.pytorch.nn.quant import LinearOptions, use_weight_format
-from lmdeploy.pytorch.nn.quant.gguf import GgufFormat, Q8Kernel
+from lmdeploy.pytorch.kernels import cpu
+from lmdeploy.pytorch.nn.quant.gguf import Q8_NATIVE_MAX_ROWS, GgufFormat, NativeQ8Kernel, Q8Kernel
 from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
 from lmdeploy.pytorch.nn.quant.w4a16 import ReferenceKernel
 from lmdeploy.pytorch.weights.gguf import convert_gguf
@@ -57,6 +58,24 @@ def test_loaded_kernels(qtype, kernel, dtype, tolerance):
         reference = x.float() @ expected.T
         error = (layer(x).float() - reference).norm() / reference.norm()
         assert error < tolerance, (rows, error)
+
+
+def test_q8_0_native_kernel_on_both_paths():
+    """bf16 on the CPU: Q8_0 on the native 8-bit GEMV up to ``Q8_NATIVE_MAX_ROWS`` tokens, dequantized from the
+    same copy for ``F.linear`` above; both against gguf's dequantization."""
+    if cpu.q8_gemv() is None:
+        pytest.skip('the native 8-bit GEMV was not built for this CPU')
+    layer, expected = gguf_layer(Q.Q8_0, seed=5)
+    layer.finalize(LinearOptions(pack_cpu=True, dtype=torch.bfloat16))
+    assert isinstance(layer.kernel, NativeQ8Kernel) and layer.qweight is None
+    bias = torch.randn(48).bfloat16()
+    for rows in (1, 5, Q8_NATIVE_MAX_ROWS + 1):
+        x = torch.randn(rows, 512).bfloat16()
+        reference = x.float() @ expected.T + bias.float()
+        out = layer.kernel(x, bias)
+        assert out.dtype == torch.bfloat16
+        error = (out.float() - reference).norm() / reference.norm()
+        assert error < 1e-2, (rows, error)
 
 
 @pytest.mark.parametrize('qtype', [Q.Q8_0, Q.Q4_K])

@@ -23,7 +23,8 @@ from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.nn.linear import Linear
 from lmdeploy.pytorch.nn.quant.dense import DenseFormat
-from lmdeploy.pytorch.nn.quant.gguf import GgufFormat, Q8Kernel
+from lmdeploy.pytorch.kernels import cpu
+from lmdeploy.pytorch.nn.quant.gguf import GgufFormat, NativeQ8Kernel, Q8Kernel
 from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
 from lmdeploy.pytorch.weights.gguf import convert_gguf
 from lmdeploy.pytorch.weights.gguf_types import served_types
@@ -154,7 +155,7 @@ def test_mixed_file_matches_dequantized_and_transformers(mixed_file):
 
 
 def test_bf16_mixed_file_runs_each_layer_on_its_kernel(mixed_file):
-    """bf16 on the CPU: Q4_K layers on the int4 kernel, Q8_0 on the Q8_0 kernel, the others on bf16 GEMMs;
+    """bf16 on the CPU: Q4_K layers on the int4 kernel, Q8_0 on the native 8-bit GEMV, the others on bf16 GEMMs;
     the logits stay within 5% of fp32's."""
     kind, tmp = mixed_file
     if os.environ.get('LMDEPLOY_TEST_DEVICE', 'cpu') != 'cpu':
@@ -169,7 +170,8 @@ def test_bf16_mixed_file_runs_each_layer_on_its_kernel(mixed_file):
                 model = engine.runner.model
                 for name, layer_type in FILES[kind][1].items():
                     kernel = model.get_submodule(name).kernel
-                    assert isinstance(kernel, SmallStepInt4Kernel if layer_type == 'Q4_K' else Q8Kernel), name
+                    q8_kernel = Q8Kernel if cpu.q8_gemv() is None else NativeQ8Kernel
+                    assert isinstance(kernel, SmallStepInt4Kernel if layer_type == 'Q4_K' else q8_kernel), name
             logits[dtype] = engine.get_logits(prompt).float()
         finally:
             engine.close()
