@@ -215,3 +215,17 @@ def test_smooth_quant_calibrates_on_the_file_dequantized(mixed_file, tmp_path: P
         assert len(run(engine, random_prompts([5], vocab=250))[0]) == 32
     finally:
         engine.close()
+
+
+def test_tp2_matches_tp1(mixed_file):
+    """Each rank builds its layers in their own formats and slices their blocks as tp=1 holds them whole."""
+    _, tmp = mixed_file
+    prompts = random_prompts([5, 17], seed=3, vocab=250)
+    outs = {}
+    for tp in (1, 2):
+        engine = make_engine(str(tmp / 'served'), tp=tp)
+        try:
+            outs[tp] = run(engine, prompts)
+        finally:
+            engine.close()
+    assert outs[1] == outs[2]
