@@ -21,9 +21,9 @@ from test_gguf import _add_tokenizer, finish, llama_permute, make_gguf
 from lmdeploy.lite.smooth_quant import smooth_quant
 from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
+from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.linear import Linear
 from lmdeploy.pytorch.nn.quant.dense import DenseFormat
-from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.quant.gguf import GgufFormat, NativeQ8Kernel, Q8Kernel
 from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
 from lmdeploy.pytorch.weights.gguf import convert_gguf
@@ -48,6 +48,7 @@ FILES = {'llama': (Q4_K_M, Q4_K_M_LAYERS), 'qwen2': (Q8_0_F16, Q8_0_F16_LAYERS)}
 
 
 def encode(weight: np.ndarray, qtype: Q, rng: np.random.Generator) -> np.ndarray:
+    """``weight`` quantized by gguf-py, or for a K-quant random blocks in its place."""
     if qtype not in K_QUANTS:
         return gguf.quants.quantize(weight, qtype)
     block_bytes, scales = K_QUANTS[qtype]
