@@ -29,9 +29,10 @@ if TYPE_CHECKING:
 
 # inputs and bytes per block
 BLOCKS = {'Q8_0': (32, 34), 'Q4_K': (256, 144)}
-# Larger steps run faster dequantized for one bf16 GEMM (2048 x 2048 on the shared 2-core EPYC, loaded: the
-# GEMV takes 20-45 ms at 64-256 rows and 99 ms at 512; dequantizing and F.linear about 85 ms at any size).
-Q8_NATIVE_MAX_ROWS = 256
+# Larger steps run faster dequantized for one bf16 GEMM. 2048 x 2048 on the shared 2-core EPYC (best of 40,
+# load 8), GEMV against dequantizing and F.linear: 0.06 / 0.76 ms at 1 row, 0.56 / 0.76 at 16, 1.10 / 0.89
+# at 32, 2.3 / 1.2 at 64.
+Q8_NATIVE_MAX_ROWS = 16
 
 
 def fp16_at(blocks: torch.Tensor, start: int) -> torch.Tensor:
@@ -48,7 +49,7 @@ def q8_0_unpack(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def q8_0_weight(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``W [N, K]`` in fp32 (exact) from Q8_0 codes and scales."""
     n = codes.shape[0]
-    return (codes.view(n, -1, 32) * scales[..., None]).view(n, -1)
+    return codes.view(n, -1, 32).float().mul_(scales[..., None]).view(n, -1)
 
 
 def q4_k_grid(blocks: torch.Tensor) -> Int4Grid:
