@@ -45,7 +45,7 @@ def _new_model(cfg: ModelConfig, weight_format: WeightFormat) -> nn.Module:
         model = get_model_class(cfg.architecture)(cfg)
     for name, module in model.named_modules():
         if isinstance(module, Linear) and module.weight_format is weight_format:
-            layer_format = weight_format.layer_format(name)
+            layer_format = weight_format.layer_format(name, module)
             if layer_format is not weight_format:
                 module.set_weight_format(layer_format)
     return model

@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,6 +24,8 @@ from lmdeploy.pytorch.nn.quant.base import (Layout, LinearKernel, LinearOptions,
 from lmdeploy.pytorch.nn.quant.dense import DenseFormat
 from lmdeploy.pytorch.nn.quant.q8_cpu import Q8_GROUP, Q8_TILE, pack_q8
 from lmdeploy.pytorch.nn.quant.w4a16 import Int4GroupFormat, Int4Grid, ReferenceKernel
+from lmdeploy.pytorch.weights.gguf_types import engine_layer
+from lmdeploy.pytorch.weights.safetensors_loader import WeightSource, read_shard
 
 if TYPE_CHECKING:
     from lmdeploy.pytorch.nn.linear import Linear
@@ -64,6 +67,13 @@ def q4_k_grid(blocks: torch.Tensor) -> Int4Grid:
     codes = torch.cat((qs & 15, qs >> 4), dim=3).reshape(n, -1)
     scales, offsets = (d * sc).view(n, -1), (dmin * m).view(n, -1)
     return Int4Grid(codes, scales.T.contiguous(), offsets.T.contiguous(), 32)
+
+
+def dequantize_blocks(blocks: torch.Tensor, ggml_type: str) -> torch.Tensor:
+    """``W [N, K]`` in fp32 (exact) from ``[N, K / B, bytes]`` blocks of ``ggml_type``."""
+    if ggml_type == 'Q8_0':
+        return q8_0_weight(*q8_0_unpack(blocks))
+    return q4_k_grid(blocks).dequantize(torch.float32)
 
 
 class Q8Kernel(LinearKernel):
@@ -124,9 +134,7 @@ class GgufFormat(Int4GroupFormat):
         return q4_k_grid(layer.qweight)
 
     def dequantize(self, layer: Linear) -> torch.Tensor:
-        if self.ggml_type == 'Q4_K':
-            return super().dequantize(layer)
-        return q8_0_weight(*q8_0_unpack(layer.qweight))
+        return dequantize_blocks(layer.qweight, self.ggml_type)
 
     def make_kernel(self, layer: Linear, options: LinearOptions) -> LinearKernel:
         if self.ggml_type == 'Q4_K':
@@ -143,11 +151,14 @@ class GgufFormat(Int4GroupFormat):
 @register_format('gguf')
 class GgufFileFormat(DenseFormat):
     """A converted GGUF file's linear layers: those of ``ggml_types`` (``{name in the model: type}``) as their
-    blocks, each in its type's :class:`GgufFormat`; the others dense (dequantized at conversion)."""
+    blocks, each in its type's :class:`GgufFormat`; the others dense (dequantized at conversion). A
+    row-parallel layer whose share of the inputs splits blocks (tensor parallelism) is dense too: its blocks
+    are dequantized as they load (:meth:`convert_checkpoint`)."""
 
     def __init__(self, ggml_types: dict[str, str]):
         formats = {ggml_type: GgufFormat(ggml_type) for ggml_type in set(ggml_types.values())}
         self.layer_formats = {name: formats[ggml_type] for name, ggml_type in ggml_types.items()}
+        self.dequantized: dict[str, str] = {}  # layer -> type, of layers that hold their blocks dequantized
 
     @classmethod
     def from_config(cls, config: dict) -> GgufFileFormat:
@@ -156,5 +167,20 @@ class GgufFileFormat(DenseFormat):
                              'convert the .gguf file again')
         return cls(config['ggml_types'])
 
-    def layer_format(self, name: str) -> WeightFormat:
-        return self.layer_formats.get(name, self)
+    def layer_format(self, name: str, layer: Linear) -> WeightFormat:
+        layer_format = self.layer_formats.get(name)
+        if layer_format is None:
+            return self
+        if layer.in_features % layer_format.block_inputs:
+            self.dequantized[name] = layer_format.ggml_type
+            return self
+        return layer_format
+
+    def convert_checkpoint(self, weights: Iterable[tuple[str, WeightSource]]) -> Iterator[tuple[str, WeightSource]]:
+        for name, tensor in weights:
+            base = name.removesuffix('.qweight')
+            layer = engine_layer(base + '.weight') if base != name else None
+            if layer in self.dequantized:
+                yield base + '.weight', dequantize_blocks(read_shard(tensor, None), self.dequantized[layer])
+            else:
+                yield name, tensor
