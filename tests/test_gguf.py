@@ -162,7 +162,7 @@ def test_convert_against_independent_dequant(tmp_path: Path, arch: str, head_dim
     src = tmp_path / 'tiny.gguf'
     stored = make_gguf(src, arch, head_dim, tied=arch == 'qwen2')
     out = tmp_path / 'hf'
-    convert_gguf(str(src), str(out))
+    convert_gguf(str(src), str(out), raw_types=())  # every tensor dequantized, as transformers reads it
     model = AutoModelForCausalLM.from_pretrained(str(out))  # shapes must agree with config.json
     assert model.config.architectures == [gguf_weights.SUPPORTED_ARCHS[arch]]
     assert model.config.head_dim == head_dim and model.config.tie_word_embeddings == (arch == 'qwen2')
@@ -183,7 +183,7 @@ def test_convert_matches_transformers(tmp_path: Path, arch: str, tied: bool) -> 
     src = tmp_path / 'tiny.gguf'
     make_gguf(src, arch, head_dim=128 if arch == 'qwen3' else 16, tied=tied)  # transformers assumes 128 for qwen3
     out = tmp_path / 'hf'
-    convert_gguf(str(src), str(out))
+    convert_gguf(str(src), str(out), raw_types=())
     ours = AutoModelForCausalLM.from_pretrained(str(out))
     reference = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name)
     assert_same_state_dict(ours.state_dict(), reference.state_dict())
@@ -204,7 +204,7 @@ def test_phi3_longrope_from_the_file(tmp_path: Path) -> None:
     long_factor, short_factor = [1.0, 2.0, 3.0, 5.0], [1.0, 1.25, 1.5, 1.75]
     make_gguf(src, 'phi3', head_dim=16, rope={'rope_factors_long.weight': long_factor,
                                               'rope_factors_short.weight': short_factor})
-    convert_gguf(str(src), str(tmp_path / 'hf'))
+    convert_gguf(str(src), str(tmp_path / 'hf'), raw_types=())
     config = AutoModelForCausalLM.from_pretrained(str(tmp_path / 'hf')).config
     assert config.rope_parameters == {'rope_type': 'longrope', 'rope_theta': 10000.0, 'partial_rotary_factor': 0.5,
                                       'long_factor': long_factor, 'short_factor': short_factor,

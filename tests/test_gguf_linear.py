@@ -1,5 +1,6 @@
-"""GGUF Q4_K and Q8_0 projections served as their blocks: unpacked against the ``gguf`` package's own
-dequantization, and the engine against transformers loading the same GGUF file."""
+"""GGUF Q4_K and Q8_0 projections served as their blocks (files of one type; mixed files in
+``test_gguf_mixed.py``): unpacked against the ``gguf`` package's own dequantization, and the engine against
+transformers loading the same GGUF file."""
 from __future__ import annotations
 
 import json
@@ -17,8 +18,9 @@ from transformers import AutoModelForCausalLM
 from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.nn.linear import Linear
-from lmdeploy.pytorch.nn.quant import LinearOptions, use_weight_format, weight_format_for
-from lmdeploy.pytorch.nn.quant.gguf import Q8Kernel
+from lmdeploy.pytorch.nn.quant import LinearOptions, use_weight_format
+from lmdeploy.pytorch.kernels import cpu
+from lmdeploy.pytorch.nn.quant.gguf import Q8_NATIVE_MAX_ROWS, GgufFormat, NativeQ8Kernel, Q8Kernel
 from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
 from lmdeploy.pytorch.nn.quant.w4a16 import ReferenceKernel
 from lmdeploy.pytorch.weights.gguf import convert_gguf
@@ -29,7 +31,7 @@ def gguf_layer(qtype: Q, out_features: int = 48, in_features: int = 512, seed: i
     rng = np.random.default_rng(seed)
     weight = rng.standard_normal((out_features, in_features)).astype(np.float32) * 0.1
     data = _encode(weight, qtype, rng)
-    with use_weight_format(weight_format_for({'quant_method': 'gguf', 'ggml_type': qtype.name})):
+    with use_weight_format(GgufFormat(qtype.name)):
         layer = Linear(in_features, out_features)
     layer.qweight.copy_(torch.from_numpy(data).view(layer.qweight.shape))
     return layer, torch.from_numpy(gguf.quants.dequantize(data, qtype).astype(np.float32))
@@ -58,6 +60,24 @@ def test_loaded_kernels(qtype, kernel, dtype, tolerance):
         assert error < tolerance, (rows, error)
 
 
+def test_q8_0_native_kernel_on_both_paths():
+    """bf16 on the CPU: Q8_0 on the native 8-bit GEMV up to ``Q8_NATIVE_MAX_ROWS`` tokens, dequantized from the
+    same copy for ``F.linear`` above; both against gguf's dequantization."""
+    if cpu.q8_gemv() is None:
+        pytest.skip('the native 8-bit GEMV was not built for this CPU')
+    layer, expected = gguf_layer(Q.Q8_0, seed=5)
+    layer.finalize(LinearOptions(pack_cpu=True, dtype=torch.bfloat16))
+    assert isinstance(layer.kernel, NativeQ8Kernel) and layer.qweight is None
+    bias = torch.randn(48).bfloat16()
+    for rows in (1, 5, Q8_NATIVE_MAX_ROWS + 1):
+        x = torch.randn(rows, 512).bfloat16()
+        reference = x.float() @ expected.T + bias.float()
+        out = layer.kernel(x, bias)
+        assert out.dtype == torch.bfloat16
+        error = (out.float() - reference).norm() / reference.norm()
+        assert error < 1e-2, (rows, error)
+
+
 @pytest.mark.parametrize('qtype', [Q.Q8_0, Q.Q4_K])
 def test_engine_matches_transformers_on_the_gguf_file(tmp_path: Path, qtype):
     """A llama whose projections are all ``qtype`` (q/k rows permuted by llama.cpp): the converted folder
@@ -67,7 +87,9 @@ def test_engine_matches_transformers_on_the_gguf_file(tmp_path: Path, qtype):
     out = tmp_path / 'hf'
     convert_gguf(str(src), str(out))
     config = json.loads((out / 'config.json').read_text())
-    assert config['quantization_config'] == {'quant_method': 'gguf', 'ggml_type': qtype.name}
+    layers = [f'layers.{i}.{name}' for i in range(2) for name in ('self_attn.qkv_proj', 'self_attn.o_proj',
+                                                                   'mlp.gate_up_proj', 'mlp.down_proj')]
+    assert config['quantization_config'] == {'quant_method': 'gguf', 'ggml_types': dict.fromkeys(layers, qtype.name)}
     reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=src.name, dtype=torch.float32).eval()
     prompts = random_prompts([6, 19], seed=4, vocab=200)
     engine = make_engine(str(out))
@@ -77,13 +99,6 @@ def test_engine_matches_transformers_on_the_gguf_file(tmp_path: Path, qtype):
         engine.close()
     for prompt, tokens in zip(prompts, outs):
         assert tokens == hf_greedy(reference, prompt)
-
-
-def test_mixed_projection_types_are_dequantized(tmp_path: Path):
-    src = tmp_path / 'tiny.gguf'
-    make_gguf(src)
-    convert_gguf(str(src), str(tmp_path / 'hf'))
-    assert 'quantization_config' not in json.loads((tmp_path / 'hf' / 'config.json').read_text())
 
 
 def test_bf16_engine_runs_q4_k_on_the_int4_kernel(tmp_path: Path):

@@ -122,9 +122,13 @@ def smooth_quant(model_path: str, out_dir: str, alpha: float = 0.5, calib_tokens
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from lmdeploy.model_source import resolve_model_path
+    from lmdeploy.pytorch.weights.gguf import resolve_gguf
     from lmdeploy.pytorch.weights.safetensors_loader import safetensors_files
 
-    source = Path(resolve_model_path(model_path))
+    gguf_file = model_path is not None and Path(model_path).suffix == '.gguf'
+    # a GGUF file's copy with every tensor dequantized, none kept as llama.cpp's blocks
+    source = Path(resolve_gguf(str(Path(model_path).expanduser()), raw_types=()) if gguf_file else
+                  resolve_model_path(model_path))
     config = json.loads((source / 'config.json').read_text())
     architecture = (config.get('architectures') or [None])[0]
     if architecture not in SUPPORTED_ARCHITECTURES:

@@ -20,7 +20,8 @@ from torch import nn
 from lmdeploy.pytorch.distributed.parallel_state import Shard, current_group, head_ranges, split_range
 from lmdeploy.pytorch.kernels import silu_and_mul
 from lmdeploy.pytorch.kernels.activation import gelu_tanh_and_mul
-from lmdeploy.pytorch.nn.quant import Layout, LinearKernel, LinearOptions, current_weight_format, layout_of, new_parameter
+from lmdeploy.pytorch.nn.quant import (Layout, LinearKernel, LinearOptions, WeightFormat, current_weight_format,
+                                       layout_of, new_parameter)
 
 
 class Linear(nn.Module):
@@ -35,6 +36,15 @@ class Linear(nn.Module):
         self.weight_format.create_weights(self)
         self.bias = new_parameter((out_features,), Layout(0, None)) if bias else None
         self.kernel: LinearKernel = self.weight_format.make_kernel(self, LinearOptions())
+
+    def set_weight_format(self, weight_format: WeightFormat) -> None:
+        """Holds the weight in ``weight_format`` instead of the one current at construction (a layer of a
+        checkpoint whose layers differ in format, chosen by its name once the model is built); before loading."""
+        for name in [name for name in self._parameters if name != 'bias']:
+            delattr(self, name)
+        self.weight_format = weight_format
+        weight_format.create_weights(self)
+        self.kernel = weight_format.make_kernel(self, LinearOptions())
 
     def finalize(self, options: LinearOptions) -> None:
         """Lays the loaded weight out for its kernel (see :class:`LinearOptions`); once."""

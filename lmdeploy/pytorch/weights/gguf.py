@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from .gguf_archs import ARCHITECTURES, CONFIG_BUILDERS, LAYER_NAMES, RAW_SERVED_ARCHS, finish_state_dict
+from .gguf_types import RAW_TYPES, engine_layer, served_types
 
 logger = logging.getLogger(__name__)
 
@@ -60,10 +62,7 @@ SMOLLM3_NO_ROPE_INTERVAL = 4
 # tensors that llama.cpp stores and transformers keeps in the config (Phi-3's LongRoPE factors)
 _ROPE_FACTORS = ('rope_factors_long.weight', 'rope_factors_short.weight')
 _LAYER_RE = re.compile(r'blk\.(\d+)\.(\w+)')
-_PROJECTIONS = {'attn_q', 'attn_k', 'attn_v', 'attn_output', 'ffn_gate', 'ffn_up', 'ffn_down'}
-# Projection types kept as llama.cpp's blocks and served as they are (``nn/quant/gguf.py``).
-RAW_TYPES = {'Q4_K', 'Q8_0'}
-_CACHE_FORMAT = 4  # bump when the converted output changes, so stale cache entries are not reused
+_CACHE_FORMAT = 5  # bump when the converted output changes, so stale cache entries are not reused
 
 
 def cache_dir() -> Path:
@@ -109,8 +108,9 @@ def _meta(reader: GGUFReader, key: str, default: Any = None) -> Any:
     return default if field is None else field.contents()
 
 
-def gguf_config(reader: GGUFReader, source: str) -> dict[str, Any]:
-    """A transformers config dict built from the GGUF metadata of ``source``."""
+def gguf_config(reader: GGUFReader, source: str, raw_types: Iterable[str] = RAW_TYPES) -> dict[str, Any]:
+    """A transformers config dict built from the GGUF metadata of ``source``; the decoder's linear layers
+    whose projections are all of one type of ``raw_types`` are listed in its ``quantization_config``."""
     arch = _meta(reader, 'general.architecture')
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(f'{source}: unsupported GGUF architecture {arch!r}; '
@@ -139,7 +139,8 @@ def gguf_config(reader: GGUFReader, source: str) -> dict[str, Any]:
         'rms_norm_eps': key('attention.layer_norm_rms_epsilon', 1e-6),
         'rope_theta': key('rope.freq_base', 10000.0),
         'vocab_size': int(tensors['token_embd.weight'].shape[-1]),  # ggml order: (hidden, vocab)
-        'attention_bias': 'blk.0.attn_q.bias' in tensors,
+        # Qwen2 has q/k/v biases by its type and none on o_proj, which attention_bias would add
+        'attention_bias': 'blk.0.attn_q.bias' in tensors and arch != 'qwen2',
         'tie_word_embeddings': 'output.weight' not in tensors,
         'bos_token_id': _meta(reader, 'tokenizer.ggml.bos_token_id'),
         'eos_token_id': _end_ids(reader),
@@ -147,9 +148,9 @@ def gguf_config(reader: GGUFReader, source: str) -> dict[str, Any]:
         'dtype': 'float32',
         'gguf_weight_type': linear.tensor_type.name if linear is not None else None,
     }
-    raw_type = raw_linear_type(reader, arch)
-    if raw_type is not None:
-        config['quantization_config'] = {'quant_method': 'gguf', 'ggml_type': raw_type}
+    layer_types = served_types(((hf_tensor_name(t.name, arch), t.tensor_type.name) for t in reader.tensors), raw_types)
+    if layer_types:
+        config['quantization_config'] = {'quant_method': 'gguf', 'ggml_types': layer_types}
     if arch == 'phi3':
         config.update(_phi3_rope(reader, tensors, config['head_dim'], source))
     elif arch == 'glm4':  # rotary over half of each head unless the file says otherwise
@@ -174,19 +175,6 @@ def _end_ids(reader: GGUFReader) -> int | list[int] | None:
     return ids if len(ids) > 1 else (ids or [None])[0]
 
 
-def _is_projection(gguf_name: str) -> bool:
-    return gguf_name.endswith('.weight') and gguf_name.split('.')[-2] in _PROJECTIONS
-
-
-def raw_linear_type(reader: GGUFReader, arch: str) -> str | None:
-    """The type of the decoder's projections when they all have one that is served as it is, else None
-    (always for architectures with fused projections, which are dequantized)."""
-    if 'mlp.gate_up_proj' in _ARCH_LAYER_NAMES.get(arch, {}).values():
-        return None
-    types = {tensor.tensor_type.name for tensor in reader.tensors if _is_projection(tensor.name)}
-    return next(iter(types)) if len(types) == 1 and types <= RAW_TYPES else None
-
-
 def _phi3_rope(reader: GGUFReader, tensors: dict[str, Any], head_dim: int, source: str) -> dict[str, Any]:
     """Phi-3's config fields that llama.cpp keeps elsewhere: the rotating share of each head, the
     sliding window and the LongRoPE factors (tensors in the file)."""
@@ -208,11 +196,11 @@ def _phi3_rope(reader: GGUFReader, tensors: dict[str, Any], head_dim: int, sourc
 
 
 def gguf_state_dict(reader: GGUFReader, config: dict[str, Any], source: str) -> dict[str, torch.Tensor]:
-    """Every tensor under its transformers name: dequantized to float32, except the projections of
-    ``config['quantization_config']``'s type, kept as their blocks (``qweight uint8 [rows, blocks, bytes]``)."""
+    """Every tensor under its transformers name: dequantized to float32, except the projections of the
+    layers in ``config['quantization_config']``, kept as their blocks (``qweight uint8 [rows, blocks, bytes]``)."""
     arch = _meta(reader, 'general.architecture')
     heads = {'attn_q': config['num_attention_heads'], 'attn_k': config['num_key_value_heads']}
-    raw_type = config.get('quantization_config', {}).get('ggml_type')
+    layer_types = config.get('quantization_config', {}).get('ggml_types', {})
     state_dict = {}
     for tensor in tqdm(reader.tensors, desc=f'Converting {Path(source).name}', unit='tensor'):
         if tensor.name in _ROPE_FACTORS:
@@ -221,9 +209,8 @@ def gguf_state_dict(reader: GGUFReader, config: dict[str, Any], source: str) -> 
         if name is None:
             logger.warning('Skipping GGUF tensor %s: no transformers counterpart', tensor.name)
             continue
-        raw = raw_type is not None and _is_projection(tensor.name)
         try:
-            if raw:
+            if engine_layer(name) in layer_types:
                 block_bytes = GGML_QUANT_SIZES[tensor.tensor_type][1]
                 weight = np.array(tensor.data, dtype=np.uint8).reshape(int(tensor.shape[-1]), -1, block_bytes)
                 name = name.removesuffix('.weight') + '.qweight'
@@ -250,9 +237,10 @@ def _save_tokenizer(gguf_path: Path, out_dir: Path, arch: str) -> None:
     tokenizer.save_pretrained(str(out_dir))
 
 
-def convert_gguf(gguf_path: str, out_dir: str) -> None:
-    """Write ``model.safetensors`` (float32, Q4_K or Q8_0 projections as they are), ``config.json`` and
-    tokenizer files for a GGUF file.
+def convert_gguf(gguf_path: str, out_dir: str, raw_types: Iterable[str] = RAW_TYPES) -> None:
+    """Write ``model.safetensors`` (float32, but the projections of layers served as their blocks: of
+    ``raw_types``, see :func:`served_types`), ``config.json`` and tokenizer files for a GGUF file; with no
+    ``raw_types``, every tensor in float32, a folder that transformers loads.
 
     The folder is built next to ``out_dir`` and renamed into place, so it is either complete or absent.
     """
@@ -261,7 +249,7 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
     if out.exists():
         raise FileExistsError(f'output folder {out} already exists')
     reader = open_gguf(src)
-    config = gguf_config(reader, str(src))
+    config = gguf_config(reader, str(src), raw_types)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f'.{out.name}.tmp-', dir=out.parent))
     try:
@@ -282,21 +270,22 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def resolve_gguf(gguf_path: str) -> str:
-    """The cached HF folder for a GGUF file, converting it on first use.
+def resolve_gguf(gguf_path: str, raw_types: Iterable[str] = RAW_TYPES) -> str:
+    """The cached HF folder for a GGUF file (see :func:`convert_gguf`), converting it on first use.
 
-    Keyed by the file's absolute path, size and mtime (and the converter format), so an edited file is
-    converted again.
+    Keyed by the file's absolute path, size and mtime (and the converter format and ``raw_types``), so an
+    edited file is converted again.
     """
     src = Path(gguf_path).absolute()
     if not src.is_file():
         raise FileNotFoundError(f'GGUF file {gguf_path} does not exist')
     stat = src.stat()
-    key = hashlib.sha256(f'{_CACHE_FORMAT}\0{src}\0{stat.st_size}\0{stat.st_mtime_ns}'.encode()).hexdigest()[:16]
+    raw = ','.join(sorted(raw_types))
+    key = hashlib.sha256(f'{_CACHE_FORMAT}\0{src}\0{stat.st_size}\0{stat.st_mtime_ns}\0{raw}'.encode()).hexdigest()[:16]
     out = cache_dir() / 'gguf' / f'{src.stem}-{key}'
     if not (out / 'config.json').is_file():
         try:
-            convert_gguf(str(src), str(out))
+            convert_gguf(str(src), str(out), raw_types)
         except FileExistsError:
             if not (out / 'config.json').is_file():
                 raise

@@ -9,7 +9,8 @@ from torch import nn
 
 from lmdeploy.archs import get_model_class
 from lmdeploy.pytorch.config import ModelConfig
-from lmdeploy.pytorch.nn.quant import cast_model, use_weight_format, weight_format_for
+from lmdeploy.pytorch.nn.linear import Linear
+from lmdeploy.pytorch.nn.quant import WeightFormat, cast_model, use_weight_format, weight_format_for
 from lmdeploy.pytorch.weights.safetensors_loader import iterate_weights
 
 DUMMY_STD = 0.02
@@ -38,22 +39,33 @@ def fill_dummy_weights(model: nn.Module, seed: int = 0) -> None:
             param.fill_(1.0)
 
 
+def _new_model(cfg: ModelConfig, weight_format: WeightFormat) -> nn.Module:
+    """The model of ``cfg``, each linear layer in its format of ``weight_format``."""
+    with use_weight_format(weight_format):
+        model = get_model_class(cfg.architecture)(cfg)
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and module.weight_format is weight_format:
+            layer_format = weight_format.layer_format(name, module)
+            if layer_format is not weight_format:
+                module.set_weight_format(layer_format)
+    return model
+
+
 def build_model(cfg: ModelConfig, model_dir: str, device: torch.device, load_format: str = 'auto',
                 show_progress: bool = True) -> nn.Module:
     """The model for ``cfg`` on ``device`` in ``cfg.dtype``, in eval mode.
 
-    Linear layers take the weight format of the checkpoint's ``quantization_config``. ``auto`` reads
+    Linear layers take the weight format of the checkpoint's ``quantization_config`` (each its own, for
+    checkpoints whose layers differ). ``auto`` reads
     the folder's weight files; ``dummy`` allocates the model on the device directly and
     fills it with :func:`fill_dummy_weights` (no host copy: an 8B model takes seconds).
     """
-    model_class = get_model_class(cfg.architecture)
     weight_format = weight_format_for(getattr(cfg.hf_config, 'quantization_config', None))
     if load_format == 'dummy':
-        with torch.no_grad(), _default_dtype(cfg.dtype), device, use_weight_format(weight_format):
-            model = model_class(cfg)
+        with torch.no_grad(), _default_dtype(cfg.dtype), device:
+            model = _new_model(cfg, weight_format)
             fill_dummy_weights(model)
         return model.eval()
-    with use_weight_format(weight_format):
-        model = cast_model(model_class(cfg), cfg.dtype)
+    model = cast_model(_new_model(cfg, weight_format), cfg.dtype)
     model.load_weights(weight_format.convert_checkpoint(iterate_weights(model_dir, show_progress)))
     return model.to(device).eval()

@@ -92,6 +92,11 @@ class WeightFormat(ABC):
         """The kernel for ``layer``'s parameters, which it reads as they are then (loaded or not). A kernel
         that keeps its own copy of the weight sets the layer's parameters to None."""
 
+    def layer_format(self, name: str, layer: Linear) -> WeightFormat:
+        """The format of the linear layer ``name`` (its name in the model, as built in this one): this one,
+        unless the checkpoint holds its layers in different formats (a GGUF file of mixed types)."""
+        return self
+
     def convert_checkpoint(self, weights: Iterable[tuple[str, WeightSource]]) -> Iterator[tuple[str, WeightSource]]:
         """The checkpoint's ``(name, tensor)`` pairs as the model loads them: a format that stores some
         tensors in another form converts them here (MXFP4 experts); the others pass them through."""

@@ -1,0 +1,254 @@
+"""GGUF files of mixed types, as llama.cpp's Q4_K_M and Q8_0 files are: each linear layer in its own format
+(Q4_K and Q8_0 as their blocks; other types, and stacked layers whose parts differ, dequantized), giving in
+fp32 the greedy tokens of the same file dequantized and of transformers reading the file."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from transformers import AutoModelForCausalLM
+
+from conftest import save_tiny_model
+from helpers import hf_greedy, make_engine, random_prompts, run
+from test_gguf import _add_tokenizer, finish, llama_permute, make_gguf
+
+from lmdeploy.lite.smooth_quant import smooth_quant
+from lmdeploy.messages import PytorchEngineConfig
+from lmdeploy.pytorch.engine.engine import Engine
+from lmdeploy.pytorch.kernels import cpu
+from lmdeploy.pytorch.nn.linear import Linear
+from lmdeploy.pytorch.nn.quant.dense import DenseFormat
+from lmdeploy.pytorch.nn.quant.gguf import GgufFormat, NativeQ8Kernel, Q8Kernel
+from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
+from lmdeploy.pytorch.weights.gguf import convert_gguf
+from lmdeploy.pytorch.weights.gguf_types import served_types
+
+HIDDEN, FFN, HEAD_DIM = 256, 512, 64  # K-quant blocks span 256 inputs
+# random K-quant blocks (gguf-py cannot quantize them) with small fp16 d and dmin: block bytes, scale bytes
+K_QUANTS = {Q.Q4_K: (144, slice(0, 4)), Q.Q5_K: (176, slice(0, 4)), Q.Q6_K: (210, slice(208, 210))}
+# A Q4_K_M-like Llama: Q6_K in layer 0's attn_v and ffn_down, the output Q5_K, one attn_output Q8_0, one
+# Q4_0; layer 1's gate and up of different types.
+Q4_K_M = {'token_embd': Q.Q4_K, 'output': Q.Q5_K,
+          'blk.0.attn_v': Q.Q6_K, 'blk.0.attn_output': Q.Q8_0, 'blk.0.ffn_down': Q.Q6_K,
+          'blk.1.attn_output': Q.Q4_0, 'blk.1.ffn_up': Q.Q8_0, 'default': Q.Q4_K}
+Q4_K_M_LAYERS = {'layers.0.self_attn.o_proj': 'Q8_0', 'layers.0.mlp.gate_up_proj': 'Q4_K',
+                 'layers.1.self_attn.qkv_proj': 'Q4_K', 'layers.1.mlp.down_proj': 'Q4_K'}
+# A Q8_0 Qwen2 (q/k/v biases) keeping an F16 attn_k, an F32 ffn_down and an F16 output.
+Q8_0_F16 = {'output': Q.F16, 'blk.0.attn_k': Q.F16, 'blk.1.ffn_down': Q.F32, 'default': Q.Q8_0}
+Q8_0_F16_LAYERS = {'layers.0.self_attn.o_proj': 'Q8_0', 'layers.0.mlp.gate_up_proj': 'Q8_0',
+                   'layers.0.mlp.down_proj': 'Q8_0', 'layers.1.self_attn.qkv_proj': 'Q8_0',
+                   'layers.1.self_attn.o_proj': 'Q8_0', 'layers.1.mlp.gate_up_proj': 'Q8_0'}
+FILES = {'llama': (Q4_K_M, Q4_K_M_LAYERS), 'qwen2': (Q8_0_F16, Q8_0_F16_LAYERS)}
+
+
+def encode(weight: np.ndarray, qtype: Q, rng: np.random.Generator) -> np.ndarray:
+    """``weight`` quantized by gguf-py, or for a K-quant random blocks in its place."""
+    if qtype not in K_QUANTS:
+        return gguf.quants.quantize(weight, qtype)
+    block_bytes, scales = K_QUANTS[qtype]
+    blocks = rng.integers(0, 256, (weight.shape[0], weight.shape[1] // 256, block_bytes), dtype=np.uint8)
+    n_scales = (scales.stop - scales.start) // 2
+    blocks[..., scales] = rng.uniform(1e-4, 1e-3, blocks.shape[:2] + (n_scales,)).astype(np.float16).view(np.uint8)
+    return blocks.reshape(weight.shape[0], -1)
+
+
+def write_mixed_gguf(kind: str, folder: Path, path: Path, types: dict[str, Q]) -> None:
+    """A tiny random ``kind`` (llama or qwen2) saved by transformers, written as llama.cpp writes it with each
+    matrix of the type ``types`` gives its GGUF name (``blk.0.attn_v``; else ``default``), 1-D tensors F32."""
+    writer = gguf.GGUFWriter(str(path), kind)
+    vocab = _add_tokenizer(writer)
+    save_tiny_model(kind, str(folder), hidden_size=HIDDEN, intermediate_size=FFN, head_dim=HEAD_DIM,
+                    vocab_size=vocab, tie_word_embeddings=False, rope_parameters={'rope_type': 'default',
+                                                                                  'rope_theta': 10000.0})
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    config = model.config
+    for add, value in [(writer.add_block_count, config.num_hidden_layers), (writer.add_context_length, 1024),
+                       (writer.add_embedding_length, HIDDEN), (writer.add_feed_forward_length, FFN),
+                       (writer.add_head_count, config.num_attention_heads),
+                       (writer.add_head_count_kv, config.num_key_value_heads),
+                       (writer.add_rope_dimension_count, HEAD_DIM), (writer.add_rope_freq_base, 10000.0),
+                       (writer.add_layer_norm_rms_eps, config.rms_norm_eps)]:
+        add(value)
+    arch = {'llama': gguf.MODEL_ARCH.LLAMA, 'qwen2': gguf.MODEL_ARCH.QWEN2}[kind]
+    names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    rng = np.random.default_rng(0)
+    for name, tensor in model.state_dict().items():
+        data = tensor.numpy()
+        if kind == 'llama' and name.endswith(('q_proj.weight', 'k_proj.weight')):
+            data = llama_permute(data, config.num_attention_heads if 'q_proj' in name else config.num_key_value_heads)
+        gguf_name = names.get_name(name, try_suffixes=('.weight', '.bias'))
+        qtype = types.get(gguf_name.rpartition('.')[0], types['default']) if data.ndim == 2 else Q.F32
+        stored = encode(np.ascontiguousarray(data), qtype, rng)
+        writer.add_tensor(gguf_name, stored, raw_dtype=qtype if stored.dtype == np.uint8 else None)
+    finish(writer)
+
+
+@pytest.fixture(scope='module', params=sorted(FILES))
+def mixed_file(request, tmp_path_factory) -> tuple[str, Path]:
+    kind = request.param
+    tmp = tmp_path_factory.mktemp(f'mixed_{kind}')
+    write_mixed_gguf(kind, tmp / 'hf', tmp / 'model.gguf', FILES[kind][0])
+    convert_gguf(str(tmp / 'model.gguf'), str(tmp / 'served'))
+    convert_gguf(str(tmp / 'model.gguf'), str(tmp / 'dequantized'), raw_types=())
+    return kind, tmp
+
+
+def linear_formats(engine: Engine) -> dict[str, str]:
+    """Each linear layer's format: its GGML type where served as blocks, else ``dense``."""
+    formats = {}
+    for name, module in engine.runner.model.named_modules():
+        if isinstance(module, Linear):
+            layer_format = module.weight_format
+            assert isinstance(layer_format, (GgufFormat, DenseFormat)), name
+            formats[name] = layer_format.ggml_type if isinstance(layer_format, GgufFormat) else 'dense'
+    return formats
+
+
+def test_served_types_by_engine_layer():
+    """Stacked layers take their parts' one type; a fused tensor (Phi-3's qkv_proj) is all the parts; layers
+    the engine may not stack so are dequantized."""
+    tensors = [('model.layers.0.self_attn.q_proj.weight', 'Q4_K'), ('model.layers.0.self_attn.k_proj.weight', 'Q4_K'),
+               ('model.layers.0.self_attn.v_proj.weight', 'Q6_K'), ('model.layers.0.self_attn.q_proj.bias', 'F32'),
+               ('model.layers.0.mlp.gate_proj.weight', 'Q8_0'), ('model.layers.0.mlp.up_proj.weight', 'Q8_0'),
+               ('model.layers.0.mlp.down_proj.weight', 'Q4_0'), ('model.layers.1.self_attn.qkv_proj.weight', 'Q4_K'),
+               ('model.layers.1.mlp.gate_up_proj.weight', 'Q8_0'), ('lm_head.weight', 'Q8_0'),
+               ('model.embed_tokens.weight', 'Q4_K'), (None, 'Q4_K'),
+               ('model.layers.2.self_attn.q_proj.weight', 'Q8_0'),  # no k_proj or v_proj: another attention
+               ('model.layers.2.mlp.shared_experts.down_proj.weight', 'Q8_0')]
+    assert served_types(tensors) == {'layers.0.mlp.gate_up_proj': 'Q8_0', 'layers.1.self_attn.qkv_proj': 'Q4_K',
+                                     'layers.1.mlp.gate_up_proj': 'Q8_0'}
+    assert served_types(tensors, raw_types=()) == {}
+
+
+def test_mixed_file_matches_dequantized_and_transformers(mixed_file):
+    """Raw layers where expected; fp32 greedy tokens equal the engine's on the dequantized file and
+    transformers' reading the GGUF; a prompt's tokens are the same batched and alone."""
+    kind, tmp = mixed_file
+    layers = FILES[kind][1]
+    config = json.loads((tmp / 'served' / 'config.json').read_text())
+    assert config['quantization_config'] == {'quant_method': 'gguf', 'ggml_types': layers}
+    assert 'quantization_config' not in json.loads((tmp / 'dequantized' / 'config.json').read_text())
+    prompts = random_prompts([6, 19, 40], seed=4, vocab=250)
+    engine = make_engine(str(tmp / 'served'))
+    try:
+        formats = linear_formats(engine)
+        assert {name: kind for name, kind in formats.items() if kind != 'dense'} == layers
+        assert len(formats) == 8
+        batched = run(engine, prompts)
+        solo = [run(engine, [prompt])[0] for prompt in prompts]
+    finally:
+        engine.close()
+    assert batched == solo
+    engine = make_engine(str(tmp / 'dequantized'))
+    try:
+        assert set(linear_formats(engine).values()) == {'dense'}
+        assert run(engine, prompts) == batched
+    finally:
+        engine.close()
+    reference = AutoModelForCausalLM.from_pretrained(str(tmp), gguf_file='model.gguf', dtype=torch.float32).eval()
+    assert batched == [hf_greedy(reference, prompt) for prompt in prompts]
+
+
+def test_bf16_mixed_file_runs_each_layer_on_its_kernel(mixed_file):
+    """bf16 on the CPU: Q4_K layers on the int4 kernel, Q8_0 on the native 8-bit GEMV, the others on bf16 GEMMs;
+    the logits stay within 5% of fp32's."""
+    kind, tmp = mixed_file
+    if os.environ.get('LMDEPLOY_TEST_DEVICE', 'cpu') != 'cpu':
+        pytest.skip('CPU kernels')
+    prompt = random_prompts([13], seed=2, vocab=250)[0]
+    logits = {}
+    for dtype in ('float32', 'bfloat16'):
+        engine = Engine(str(tmp / 'served'), PytorchEngineConfig(dtype=dtype, num_gpu_blocks=64, block_size=16),
+                        show_progress=False)
+        try:
+            if dtype == 'bfloat16':
+                model = engine.runner.model
+                for name, layer_type in FILES[kind][1].items():
+                    kernel = model.get_submodule(name).kernel
+                    q8_kernel = Q8Kernel if cpu.q8_gemv() is None else NativeQ8Kernel
+                    assert isinstance(kernel, SmallStepInt4Kernel if layer_type == 'Q4_K' else q8_kernel), name
+            logits[dtype] = engine.get_logits(prompt).float()
+        finally:
+            engine.close()
+    error = (logits['bfloat16'] - logits['float32']).norm() / logits['float32'].norm()
+    assert error < 0.05, error
+
+
+def test_fused_file_projections_are_served_raw(tmp_path: Path):
+    """Phi-3 stores q/k/v and gate/up fused: each fused Q4_K tensor fills one engine layer as its blocks, and
+    the tokens equal those of the file dequantized."""
+    src = tmp_path / 'phi3.gguf'
+    stored = make_gguf(src, 'phi3', head_dim=HEAD_DIM, hidden=HIDDEN, projections=Q.Q4_K)
+    convert_gguf(str(src), str(tmp_path / 'served'))
+    convert_gguf(str(src), str(tmp_path / 'dequantized'), raw_types=())
+    layers = json.loads((tmp_path / 'served' / 'config.json').read_text())['quantization_config']['ggml_types']
+    qkv = {f'layers.{i}.self_attn.qkv_proj': stored[f'blk.{i}.attn_qkv.weight'][1].name for i in range(2)}
+    expected = {f'layers.{i}.{name}': 'Q4_K' for i in range(2) for name in ('self_attn.o_proj', 'mlp.gate_up_proj',
+                                                                           'mlp.down_proj')}
+    expected |= {name: qtype for name, qtype in qkv.items() if qtype in ('Q4_K', 'Q8_0')}  # make_gguf's cycle
+    assert layers == expected and 'layers.0.mlp.gate_up_proj' in layers
+    prompts = random_prompts([7, 21], seed=1, vocab=250)
+    outs = []
+    for folder in ('served', 'dequantized'):
+        engine = make_engine(str(tmp_path / folder))
+        try:
+            outs.append(run(engine, prompts))
+        finally:
+            engine.close()
+    assert outs[0] == outs[1]
+
+
+def test_smooth_quant_calibrates_on_the_file_dequantized(mixed_file, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """``lmdeploy lite smooth_quant`` reads a mixed file through transformers: from its dequantized copy."""
+    kind, tmp = mixed_file
+    monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(tmp_path / 'cache'))
+    smooth_quant(str(tmp / 'model.gguf'), str(tmp_path / 'w8a8'), calib_tokens=64, seq_len=32)
+    config = json.loads((tmp_path / 'w8a8' / 'config.json').read_text())
+    assert config['quantization_config']['quant_method'] == 'smooth_quant'
+    engine = make_engine(str(tmp_path / 'w8a8'))
+    try:
+        assert len(run(engine, random_prompts([5], vocab=250))[0]) == 32
+    finally:
+        engine.close()
+
+
+def test_tp2_matches_tp1(mixed_file):
+    """Each rank builds its layers in their own formats and slices their blocks as tp=1 holds them whole."""
+    _, tmp = mixed_file
+    prompts = random_prompts([5, 17], seed=3, vocab=250)
+    outs = {}
+    for tp in (1, 2):
+        engine = make_engine(str(tmp / 'served'), tp=tp)
+        try:
+            outs[tp] = run(engine, prompts)
+        finally:
+            engine.close()
+    assert outs[1] == outs[2]
+
+
+def test_tp2_dequantizes_a_share_that_splits_blocks(tmp_path: Path):
+    """At tp=2 a down_proj of 768 inputs (three Q4_K blocks) gives each rank 384, an o_proj of 256 inputs
+    128: those layers' blocks are dequantized as they load, the stacked layers keep theirs (their rows
+    split), and the tokens are tp=1's."""
+    src = tmp_path / 'tiny.gguf'
+    make_gguf(src, 'llama', head_dim=HEAD_DIM, hidden=HIDDEN, ffn=768, projections=Q.Q4_K)
+    convert_gguf(str(src), str(tmp_path / 'served'))
+    prompts = random_prompts([5, 17], seed=3, vocab=250)
+    outs = {}
+    for tp in (1, 2):
+        engine = make_engine(str(tmp_path / 'served'), tp=tp)
+        try:
+            formats = linear_formats(engine)
+            split = 'Q4_K' if tp == 1 else 'dense'
+            assert formats['layers.0.mlp.down_proj'] == formats['layers.0.self_attn.o_proj'] == split
+            assert formats['layers.0.mlp.gate_up_proj'] == formats['layers.0.self_attn.qkv_proj'] == 'Q4_K'
+            outs[tp] = run(engine, prompts)
+        finally:
+            engine.close()
+    assert outs[1] == outs[2]
