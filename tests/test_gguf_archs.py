@@ -228,6 +228,7 @@ def test_gemma_q8_0_projections_kept_as_blocks(tmp_path: Path, monkeypatch: pyte
     write_gguf(hf, 'gemma3', writer, q8_0_round_trip(hf))
 
     engine = make_engine(str(src))
-    assert engine.model_config.hf_config.quantization_config == {'quant_method': 'gguf', 'ggml_type': 'Q8_0'}
+    layer_types = engine.model_config.hf_config.quantization_config['ggml_types']
+    assert len(layer_types) == 2 * hf.config.num_hidden_layers * 2 and set(layer_types.values()) == {'Q8_0'}
     prompts = random_prompts([5, 41], vocab=vocab)
     assert run(engine, prompts) == [hf_greedy(hf, p) for p in prompts]
