@@ -25,6 +25,7 @@ from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
 from lmdeploy.pytorch.nn.quant.w4a16 import PerExpertKernel
 
 GREEDY_8 = GenerationConfig(max_new_tokens=8, ignore_eos=True)
+GREEDY_16 = GenerationConfig(max_new_tokens=16, ignore_eos=True)
 # sizes in groups of 128 (64 for act-order), so that every projection has several groups
 MOE_SIZES = {
     'qwen3_moe': dict(hidden_size=256, head_dim=64, intermediate_size=256, moe_intermediate_size=256, num_experts=8),
@@ -75,13 +76,29 @@ def test_engine_matches_transformers_on_the_dequantized_experts(tmp_path, kind, 
             assert (getattr(experts, 'gate_up_g_idx', None) is not None) == desc_act
         mlps = [layer.mlp for layer in engine.runner.model.layers if hasattr(layer.mlp, 'experts')]
         assert all(isinstance(mlp.gate.kernel, DenseKernel) and mlp.gate.weight.dtype == torch.float32 for mlp in mlps)
-        batched = run(engine, prompts)
-        solo = run(engine, prompts[1:2])
+        batched = run(engine, prompts, GREEDY_16)
+        solo = run(engine, prompts[1:2], GREEDY_16)
     finally:
         engine.close()
     assert solo[0] == batched[1]
     for prompt, out in zip(prompts, batched):
-        assert out == hf_greedy(hf, prompt)
+        assert out == hf_greedy(hf, prompt, 16)
+
+
+@pytest.mark.parametrize('method', ['awq', 'gptq'])
+def test_tp2_matches_tp1(tmp_path, method):
+    """Each rank holds every expert's share of the packed gate/up outputs and of the down inputs (whole
+    groups)."""
+    path, _ = quantized_moe(str(tmp_path), 'qwen3_moe', method, 128, False)
+    prompts = random_prompts([5, 17], seed=3)
+    outs = {}
+    for tp in (1, 2):
+        engine = make_engine(path, tp=tp)
+        try:
+            outs[tp] = run(engine, prompts, GREEDY_8)
+        finally:
+            engine.close()
+    assert outs[1] == outs[2]
 
 
 def test_bf16_experts_run_on_the_int4_cpu_kernel(tmp_path):
