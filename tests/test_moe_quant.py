@@ -133,8 +133,9 @@ def random_experts(config: dict, num_experts: int, hidden: int, inter: int) -> F
     g = torch.Generator().manual_seed(0)
     for name, param in experts.named_parameters():
         if name.endswith('g_idx'):
-            groups = param.shape[-1] // config['group_size']
-            param.copy_(torch.stack([torch.randperm(param.shape[-1], generator=g) % groups for _ in range(num_experts)]))
+            inputs = param.shape[-1]
+            param.copy_(torch.stack([torch.randperm(inputs, generator=g) % (inputs // config['group_size'])
+                                     for _ in range(num_experts)]))
         elif name.endswith('qzeros'):
             param.copy_(torch.randint(0, 2**31 - 1, param.shape, generator=g) & 0x77777777)  # fields 0-7: zeros 1-8
         elif param.dtype == torch.int32:

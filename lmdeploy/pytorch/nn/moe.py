@@ -13,8 +13,6 @@ from lmdeploy.pytorch.distributed.parallel_state import Shard, TPGroup, current_
 from lmdeploy.pytorch.kernels.activation import ClampedSwiGLU
 from lmdeploy.pytorch.nn.quant import Layout, LinearOptions, current_weight_format, layout_of, new_parameter
 
-PROJECTIONS = ('gate_up', 'down')
-
 
 class ExpertProjection(nn.Module):
     """One projection of one expert, ``in_features`` to ``out_features``, as a weight format's
@@ -47,13 +45,13 @@ class FusedExperts(nn.Module):
         self.intermediate_size = size = self.range[1] - self.range[0]
         self.hidden_size, self.num_experts, self.activation = hidden_size, num_experts, activation
         self.weight_format = current_weight_format()
-        self.params: dict[str, tuple[str, ...]] = {}
+        self.kinds: dict[str, tuple[str, ...]] = {}
         for proj, template in (('gate_up', ExpertProjection(hidden_size, 2 * size)),
                                ('down', ExpertProjection(size, hidden_size, self.tp))):
             self.weight_format.create_weights(template)
             if bias:
                 template.bias = new_parameter((template.out_features,), Layout(0, None))
-            self.params[proj] = tuple(kind for kind, _ in template.named_parameters())
+            self.kinds[proj] = tuple(kind for kind, _ in template.named_parameters())
             for kind, param in template.named_parameters():
                 stacked = new_parameter((num_experts, *param.shape), layout_of(param),
                                         param.dtype if param.keep_dtype else None)
@@ -80,7 +78,7 @@ class FusedExperts(nn.Module):
         they are now), as the weight format's ``unpack`` takes them."""
         size = self.intermediate_size
         layer = ExpertProjection(*((self.hidden_size, 2 * size) if proj == 'gate_up' else (size, self.hidden_size)))
-        for kind in self.params[proj]:
+        for kind in self.kinds[proj]:
             if kind != 'bias':
                 setattr(layer, kind, getattr(self, self.param_name(proj, kind))[expert])
         return layer
@@ -88,7 +86,7 @@ class FusedExperts(nn.Module):
     def release(self) -> None:
         """Drops the stacked parameters of the weight format (not the biases): for a kernel that holds its own
         copy of them."""
-        for proj, kinds in self.params.items():
+        for proj, kinds in self.kinds.items():
             for kind in kinds:
                 if kind != 'bias':
                     setattr(self, self.param_name(proj, kind), None)
@@ -99,7 +97,7 @@ class FusedExperts(nn.Module):
         format's ``qweight``...) fills, its parameter's name, the shard's label (see :meth:`weight_shards`)
         and the part of the checkpoint tensor that fills it; None for a tensor the format does not use."""
         proj = 'down' if part == 'down' else 'gate_up'
-        if kind not in self.params[proj]:
+        if kind not in self.kinds[proj]:
             return None
         name = self.param_name(proj, kind)
         param = getattr(self, name)
@@ -122,4 +120,4 @@ class FusedExperts(nn.Module):
         experts = range(self.num_experts)
         parts = {'gate_up': ('gate', 'up'), 'down': ('down',)}
         return {self.param_name(proj, kind): [f'expert {e} {part}' for e in experts for part in parts[proj]]
-                for proj, kinds in self.params.items() for kind in kinds}
+                for proj, kinds in self.kinds.items() for kind in kinds}

@@ -227,8 +227,9 @@ def moe_config(num_slots: int, num_experts: int) -> MoEConfig:
 
 
 def fused_moe_with(hidden: torch.Tensor, gate_up: torch.Tensor | Int4Experts, down: torch.Tensor | Int4Experts,
-                   topk_weights: torch.Tensor, topk_ids: torch.Tensor, config: MoEConfig, gate_up_bias: torch.Tensor | None = None,
-                   down_bias: torch.Tensor | None = None, activation: ClampedSwiGLU | None = None) -> torch.Tensor:
+                   topk_weights: torch.Tensor, topk_ids: torch.Tensor, config: MoEConfig,
+                   gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+                   activation: ClampedSwiGLU | None = None) -> torch.Tensor:
     """``fused_moe`` with explicit tiles (benchmarks and tests)."""
     num_tokens, hidden_size = hidden.shape
     num_experts, two_inter, _ = gate_up.shape
