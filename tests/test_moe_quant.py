@@ -17,11 +17,11 @@ from transformers import AutoModelForCausalLM
 
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
-from lmdeploy.pytorch.kernels import moe
+from lmdeploy.pytorch.kernels import cpu, moe
 from lmdeploy.pytorch.nn.moe import FusedExperts
-from lmdeploy.pytorch.nn.quant import use_weight_format, weight_format_for
+from lmdeploy.pytorch.nn.quant import LinearOptions, use_weight_format, weight_format_for
 from lmdeploy.pytorch.nn.quant.dense import DenseKernel
-from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
+from lmdeploy.pytorch.nn.quant.int4_cpu import NativeInt4Kernel, SmallStepInt4Kernel
 from lmdeploy.pytorch.nn.quant.w4a16 import PerExpertKernel
 
 GREEDY_8 = GenerationConfig(max_new_tokens=8, ignore_eos=True)
@@ -114,7 +114,7 @@ def test_bf16_experts_run_on_the_int4_cpu_kernel(tmp_path):
         try:
             for experts in experts_of(engine) if model == path else ():
                 assert isinstance(experts.kernel, PerExpertKernel)
-                assert all(isinstance(experts.kernel.kernel(proj, e), SmallStepInt4Kernel)
+                assert all(isinstance(experts.kernel.kernel(proj, e), (NativeInt4Kernel, SmallStepInt4Kernel))
                            for proj in ('gate_up', 'down') for e in range(experts.num_experts))
                 assert experts.gate_up_qweight is None and not any(True for _ in experts.parameters())
             outs = run(engine, [prompt, prompt[:7]], GREEDY_8)
@@ -188,3 +188,22 @@ def test_triton_fused_moe_on_int4_experts(dtype, config, num_tokens):
     expected = moe.fused_moe(hidden, gate_up, down, weights, ids)
     tolerance = 1e-2 if dtype != torch.float32 else 2e-3 if DEVICE == 'cuda' else 1e-4
     torch.testing.assert_close(out.float().cpu(), expected, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize('config', FORMATS, ids=['awq', 'gptq-act-order'])
+def test_bf16_cpu_expert_kernels_match_the_unpacked_weights(config):
+    """bf16 experts on the CPU (the native int4 GEMV where built, gate-and-up with its SiLU epilogue; torch's int4
+    kernel otherwise) give the fused MoE on the unpacked weights, up to bf16 rounding."""
+    experts = random_experts(config, 4, 64, 32)
+    gate_up, down = dense_weights(experts)
+    experts.finalize(LinearOptions(pack_cpu=True, dtype=torch.bfloat16))
+    kernels = [experts.kernel.kernel(proj, e) for proj in ('gate_up', 'down') for e in range(4)]
+    expected_kind = NativeInt4Kernel if cpu.int4_gemv() is not None else SmallStepInt4Kernel
+    assert all(isinstance(kernel, expected_kind) for kernel in kernels)
+    g = torch.Generator().manual_seed(3)
+    for tokens in (1, 3, 40):
+        hidden = torch.randn(tokens, 64, generator=g)
+        weights, ids = moe.moe_routing(torch.randn(tokens, 4, generator=g), 2, True)
+        expected = moe.fused_moe(hidden, gate_up, down, weights, ids)
+        out = experts(hidden.bfloat16(), weights, ids).float()
+        assert (out - expected).norm() / expected.norm() < 1e-2

@@ -26,7 +26,7 @@ from lmdeploy.pytorch.kernels import silu_and_mul
 from lmdeploy.pytorch.kernels.activation import ClampedSwiGLU, clamped_swiglu
 from lmdeploy.pytorch.kernels.moe import run_experts
 from lmdeploy.pytorch.nn.quant.base import ExpertKernel, LinearKernel, LinearOptions, WeightFormat
-from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
+from lmdeploy.pytorch.nn.quant.int4_cpu import NativeInt4Kernel, SmallStepInt4Kernel
 
 if TYPE_CHECKING:
     from lmdeploy.pytorch.nn.linear import Linear
@@ -153,14 +153,22 @@ class Int4GroupFormat(WeightFormat):
             setattr(layer, name, None)
         return kernel
 
+    @staticmethod
+    def cpu_expert_kernel(grid: Int4Grid, gate_up: bool, dtype: torch.dtype) -> LinearKernel:
+        """One expert's projection for bf16 activations: the native int4 GEMV (a gate-and-up one with its
+        SiLU-and-mul epilogue) where it is built, faster than torch's int4 kernel at every expert step
+        measured (``benchmark/moe_w4_cpu.py``), else torch's."""
+        return NativeInt4Kernel.of_grid(grid, gate_up) or SmallStepInt4Kernel.of_grid(grid, dtype)
+
     def make_expert_kernel(self, experts: FusedExperts, options: LinearOptions) -> ExpertKernel:
         device = experts.projection('down', 0).qweight.device.type
         if options.dtype is not None and device == 'cuda':
             from lmdeploy.pytorch.nn.quant.w4a16_cuda import TritonInt4ExpertKernel
             kernel = TritonInt4ExpertKernel.of(self, experts)
         elif options.dtype == torch.bfloat16 and device == 'cpu':
-            kernels = {proj: [SmallStepInt4Kernel.of_grid(self.unpack(experts.projection(proj, e)), options.dtype)
-                              for e in range(experts.num_experts)] for proj in ('gate_up', 'down')}
+            kernels = {proj: [self.cpu_expert_kernel(self.unpack(experts.projection(proj, e)), proj == 'gate_up',
+                                                     options.dtype) for e in range(experts.num_experts)]
+                       for proj in ('gate_up', 'down')}
             kernel = PerExpertKernel(experts.num_experts, lambda proj, expert: kernels[proj][expert])
         else:
             return PerExpertKernel(experts.num_experts,
