@@ -2,6 +2,7 @@
 the experts' for the Triton fused MoE (``kernels/cuda/fused_moe.py``)."""
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -43,12 +44,12 @@ class TritonW4A16Kernel(LinearKernel):
         return out if bias is None else out + bias
 
 
-def stacked_experts(grids: list[Int4Grid]) -> Int4Experts:
-    """Every expert's grid of one projection, its codes packed along the inputs."""
-    g_idx = None if grids[0].g_idx is None else torch.stack([grid.g_idx.to(torch.int32) for grid in grids])
-    return Int4Experts(torch.stack([pack_inputs(grid.codes) for grid in grids]),
-                       torch.stack([grid.scales for grid in grids]),
-                       torch.stack([grid.offsets for grid in grids]).contiguous(), grids[0].group_size, g_idx)
+def stacked_experts(grids: Iterable[Int4Grid]) -> Int4Experts:
+    """Every expert's grid of one projection (each unpacked in turn), its codes packed along the inputs."""
+    parts = [(pack_inputs(grid.codes), grid.scales, grid.offsets, grid.g_idx, grid.group_size) for grid in grids]
+    qweight, scales, offsets, g_idx, group_sizes = zip(*parts)
+    return Int4Experts(torch.stack(qweight), torch.stack(scales), torch.stack(offsets).contiguous(), group_sizes[0],
+                       None if g_idx[0] is None else torch.stack(g_idx).to(torch.int32))
 
 
 class TritonInt4ExpertKernel(ExpertKernel):
@@ -59,8 +60,8 @@ class TritonInt4ExpertKernel(ExpertKernel):
 
     @classmethod
     def of(cls, weight_format: Int4GroupFormat, experts: FusedExperts) -> TritonInt4ExpertKernel:
-        return cls(*(stacked_experts([weight_format.unpack(experts.projection(proj, e))
-                                      for e in range(experts.num_experts)]) for proj in ('gate_up', 'down')))
+        return cls(*(stacked_experts(weight_format.unpack(experts.projection(proj, e))
+                                     for e in range(experts.num_experts)) for proj in ('gate_up', 'down')))
 
     def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                  gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
