@@ -207,3 +207,21 @@ def test_bf16_cpu_expert_kernels_match_the_unpacked_weights(config):
         expected = moe.fused_moe(hidden, gate_up, down, weights, ids)
         out = experts(hidden.bfloat16(), weights, ids).float()
         assert (out - expected).norm() / expected.norm() < 1e-2
+
+
+def test_a_missing_expert_tensor_fails_the_load(tmp_path):
+    """Each expert's packed tensors are required: one expert's ``qzeros`` dropped is named at load."""
+    path, _ = quantized_moe(str(tmp_path), 'qwen3_moe', 'awq', 128, False)
+    tensors = load_file(f'{path}/model.safetensors')
+    del tensors['model.layers.1.mlp.experts.5.up_proj.qzeros']
+    save_file(tensors, f'{path}/model.safetensors', metadata={'format': 'pt'})
+    with pytest.raises(ValueError, match='weights are missing') as info:
+        make_engine(path)
+    assert 'layers.1.mlp.experts.gate_up_qzeros (expert 5 up)' in str(info.value)
+    assert '(1 in all)' in str(info.value)
+
+
+def test_formats_without_expert_kernels_refuse_moe_layers():
+    with use_weight_format(weight_format_for({'quant_method': 'smooth_quant'})):
+        with pytest.raises(ValueError, match='mixture-of-experts layers of W8A8Format'):
+            FusedExperts(64, 32, 4)
