@@ -107,13 +107,13 @@ def quantize_grid(weight: torch.Tensor, group_size: int, g_idx: torch.Tensor | N
     return codes, zeros, scales
 
 
-PROJECTIONS = ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj')
+PROJECTIONS = ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj', 'w1', 'w2', 'w3')
 
 
 def quantize_checkpoint(src: str, dst: str, method: str, group_size: int, desc_act: bool = False) -> str:
-    """``src`` (an fp32 transformers folder) with every decoder projection quantized in the ``method``
-    (``awq`` or ``gptq``) checkpoint layout into ``dst``; returns ``dst``. A ``dequantized.safetensors``
-    beside it holds those weights as the independent unpacker reads them back."""
+    """``src`` (an fp32 transformers folder) with every decoder projection (the experts' too, not the routers)
+    quantized in the ``method`` (``awq`` or ``gptq``) checkpoint layout into ``dst``; returns ``dst``. A
+    ``dequantized.safetensors`` beside it holds those weights as the independent unpacker reads them back."""
     state = load_file(os.path.join(src, 'model.safetensors'))
     out, dequantized = {}, {}
     for name, tensor in state.items():
@@ -123,7 +123,8 @@ def quantize_checkpoint(src: str, dst: str, method: str, group_size: int, desc_a
             continue
         # GPTQ orders a layer's inputs by its Hessian, the same for projections of the same input
         parent, _, proj = module.rpartition('.')
-        shared = {'q_proj': 'qkv', 'k_proj': 'qkv', 'v_proj': 'qkv', 'gate_proj': 'gate_up', 'up_proj': 'gate_up'}
+        shared = {'q_proj': 'qkv', 'k_proj': 'qkv', 'v_proj': 'qkv', 'gate_proj': 'gate_up', 'up_proj': 'gate_up',
+                  'w1': 'gate_up', 'w3': 'gate_up'}
         g = torch.Generator().manual_seed(zlib.crc32(f'{parent}.{shared.get(proj, proj)}'.encode()))
         g_idx = torch.randperm(tensor.shape[1], generator=g) // group_size if desc_act else None
         codes, zeros, scales = quantize_grid(tensor, group_size, g_idx)

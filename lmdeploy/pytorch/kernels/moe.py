@@ -1,6 +1,8 @@
 """Mixture-of-experts routing and expert compute in torch: the CPU path and the reference."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -23,12 +25,25 @@ def fused_moe(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, t
     ``gate_up [E, 2I, H]`` holds each expert's gate rows then up rows, ``down [E, H, I]``; the optional
     biases ``gate_up_bias [E, 2I]`` and ``down_bias [E, H]`` are added before the activation and before
     the routing weight. ``act`` is SiLU-and-mul, or ``activation`` when given. Only experts that
-    received tokens run; results are combined in expert order with ``index_add_``.
+    received tokens run (see :func:`run_experts`).
     """
+
+    def mlp(expert: int, x: torch.Tensor) -> torch.Tensor:
+        x = F.linear(x, gate_up[expert], None if gate_up_bias is None else gate_up_bias[expert])
+        x = silu_and_mul(x) if activation is None else clamped_swiglu(x, activation)
+        return F.linear(x, down[expert], None if down_bias is None else down_bias[expert])
+
+    return run_experts(hidden, topk_weights, topk_ids, gate_up.shape[0], mlp)
+
+
+def run_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
+                mlp: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``sum_k w[t, k] * mlp(e, x[t])`` with ``e = topk_ids[t, k]``: each expert that received tokens runs
+    ``mlp`` once on all of its rows; results are combined in expert order with ``index_add_``."""
     top_k = topk_ids.shape[1]
     flat_ids = topk_ids.flatten()
     order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
     tokens = order // top_k
     weights = topk_weights.flatten()[order].to(hidden.dtype)
     out = torch.zeros_like(hidden)
@@ -37,10 +52,7 @@ def fused_moe(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, t
         if count == 0:
             continue
         rows = tokens[start:start + count]
-        x = F.linear(hidden[rows], gate_up[expert], None if gate_up_bias is None else gate_up_bias[expert])
-        x = silu_and_mul(x) if activation is None else clamped_swiglu(x, activation)
-        y = F.linear(x, down[expert], None if down_bias is None else down_bias[expert])
-        out.index_add_(0, rows, y * weights[start:start + count, None])
+        out.index_add_(0, rows, mlp(expert, hidden[rows]) * weights[start:start + count, None])
         start += count
     return out
 

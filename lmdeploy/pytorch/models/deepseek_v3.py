@@ -146,6 +146,8 @@ class DeepseekV3ForCausalLM(MoEForCausalLM):
                 dense = name.endswith('kv_b_proj')
                 module.finalize(LinearOptions(pack_cpu and not dense, small_step_int4 and not dense
                                               and name.endswith(DECODE_INT4_LAYERS), self.cfg.dtype))
+            elif isinstance(module, FusedExperts):
+                module.finalize(LinearOptions(pack_cpu, dtype=self.cfg.dtype))
         if small_step_int4:
             self.lm_head.enable_fp16()
         if pack_cpu:

@@ -15,6 +15,7 @@ from lmdeploy.pytorch.nn.attention import PagedAttention
 from lmdeploy.pytorch.nn.decoder_stack import LayerWeights, NativeDecoderStack, layer_weights
 from lmdeploy.pytorch.nn.embedding import LMHead, VocabParallelEmbedding
 from lmdeploy.pytorch.nn.linear import GateUpLinear, Linear, MergedLinear, QKVLinear, RowLinear
+from lmdeploy.pytorch.nn.moe import FusedExperts
 from lmdeploy.pytorch.nn.quant import LinearOptions, layout_of
 from lmdeploy.pytorch.nn.norm import RMSNorm
 from lmdeploy.pytorch.nn.rotary import RotaryEmbedding, apply_rope, rotary_dim
@@ -203,6 +204,9 @@ class LlamaForCausalLM(nn.Module):
         projections = [(name, module) for name, module in self.layers.named_modules() if isinstance(module, Linear)]
         for name, module in projections:
             module.finalize(LinearOptions(pack_cpu, small_step_int4 and name.endswith(DECODE_INT4_LAYERS), self.cfg.dtype))
+        for module in self.layers.modules():
+            if isinstance(module, FusedExperts):
+                module.finalize(LinearOptions(pack_cpu, dtype=self.cfg.dtype))
         if small_step_int4:
             self.lm_head.enable_small_step_copy()
         if not pack_cpu:

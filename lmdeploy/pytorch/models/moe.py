@@ -13,10 +13,11 @@ from lmdeploy.pytorch.kernels.activation import ClampedSwiGLU
 from lmdeploy.pytorch.models.llama import LlamaForCausalLM, LlamaMLP, WeightTarget
 from lmdeploy.pytorch.nn.linear import Linear
 from lmdeploy.pytorch.nn.moe import FusedExperts
+from lmdeploy.pytorch.nn.quant import use_weight_format, weight_format_for
 
 # HF expert projection name -> FusedExperts part
 EXPERT_PARTS = {'w1': 'gate', 'w3': 'up', 'w2': 'down', 'gate_proj': 'gate', 'up_proj': 'up', 'down_proj': 'down'}
-EXPERT_NAME = re.compile(r'(layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.(weight|bias)')
+EXPERT_NAME = re.compile(r'(layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.(\w+)')
 
 
 class SparseMoeBlock(nn.Module):
@@ -30,12 +31,12 @@ class SparseMoeBlock(nn.Module):
         intermediate = getattr(hf, 'moe_intermediate_size', None) or hf.intermediate_size
         self.top_k = hf.num_experts_per_tok
         self.renormalize = getattr(hf, 'norm_topk_prob', True)
-        self.gate = Linear(cfg.hidden_size, num_experts, bias=bias)
+        shared = getattr(hf, 'shared_expert_intermediate_size', None)
+        with use_weight_format(weight_format_for(None)):  # quantized checkpoints keep the routers dense
+            self.gate = Linear(cfg.hidden_size, num_experts, bias=bias)
+            self.shared_expert_gate = Linear(cfg.hidden_size, 1) if shared else None
         self.experts = FusedExperts(cfg.hidden_size, intermediate, num_experts, bias, activation)
-        self.shared_expert = None
-        if getattr(hf, 'shared_expert_intermediate_size', None):
-            self.shared_expert = LlamaMLP(cfg, hf.shared_expert_intermediate_size)
-            self.shared_expert_gate = Linear(cfg.hidden_size, 1)
+        self.shared_expert = LlamaMLP(cfg, shared) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = moe_routing(self.gate(x), self.top_k, self.renormalize)
@@ -61,5 +62,8 @@ class MoEForCausalLM(LlamaForCausalLM):
             return super().weight_target(name)
         experts_name, expert, proj, kind = match.groups()
         experts = self.get_submodule(experts_name)
-        weight, param, label, shard = experts.expert_weight(int(expert), EXPERT_PARTS[proj], kind)
+        target = experts.expert_weight(int(expert), EXPERT_PARTS[proj], kind)
+        if target is None:  # a tensor its weight format does not use
+            return None
+        weight, param, label, shard = target
         return weight, (f'{experts_name}.{param}', label), shard

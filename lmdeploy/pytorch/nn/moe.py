@@ -1,4 +1,5 @@
-"""Experts of a mixture-of-experts layer, stacked as 3-D weights and run by the fused-MoE kernel.
+"""Experts of a mixture-of-experts layer: each projection's parameters stacked over the experts, in the weight
+format of the checkpoint, and run by that format's expert kernel (the fused-MoE kernel for dense weights).
 
 Under tensor parallelism each rank holds every expert's share of the intermediate features (gate and
 up rows, down columns) and the ranks' partial outputs are summed.
@@ -8,14 +9,28 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lmdeploy.pytorch.distributed.parallel_state import Shard, current_group, split_range
-from lmdeploy.pytorch.kernels import fused_moe
+from lmdeploy.pytorch.distributed.parallel_state import Shard, TPGroup, current_group, split_range
 from lmdeploy.pytorch.kernels.activation import ClampedSwiGLU
+from lmdeploy.pytorch.nn.quant import Layout, LinearOptions, current_weight_format, layout_of, new_parameter
+
+
+class ExpertProjection(nn.Module):
+    """One projection of one expert, ``in_features`` to ``out_features``, as a weight format's
+    ``create_weights`` and ``unpack`` take a linear layer: the template of the stacked parameters, or one
+    expert's slices of them (:meth:`FusedExperts.projection`)."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TPGroup | None = None):
+        super().__init__()
+        self.in_features, self.out_features, self.tp = in_features, out_features, tp
 
 
 class FusedExperts(nn.Module):
-    """Every expert's MLP: ``gate_up [E, 2I, H]`` (gate rows, then up rows) and ``down [E, H, I]``, with
-    ``I`` this rank's share of the intermediate size.
+    """Every expert's MLP: the gate-and-up projection ``[2I, H]`` (gate rows, then up rows) and the down
+    projection ``[H, I]``, with ``I`` this rank's share of the intermediate size, each in the weight format
+    current at construction. A format parameter ``kind`` of a projection is stacked over the experts as
+    ``{projection}`` for ``weight`` (dense: ``gate_up [E, 2I, H]``, ``down [E, H, I]``) and
+    ``{projection}_{kind}`` for the others (AWQ: ``gate_up_qweight [E, H, 2I / 8]``...); its layout is one
+    expert's.
 
     With ``bias`` (gpt-oss) the experts also hold ``gate_up_bias [E, 2I]`` and ``down_bias [E, H]``; the
     down bias is added on the first rank only, before the ranks' outputs are summed. The activation is
@@ -28,42 +43,81 @@ class FusedExperts(nn.Module):
         self.tp = current_group()
         self.range = split_range(intermediate_size, self.tp.rank, self.tp.world_size)
         self.intermediate_size = size = self.range[1] - self.range[0]
-        self.activation = activation
-        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * size, hidden_size), requires_grad=False)
-        self.down = nn.Parameter(torch.empty(num_experts, hidden_size, size), requires_grad=False)
-        self.gate_up_bias = nn.Parameter(torch.empty(num_experts, 2 * size), requires_grad=False) if bias else None
-        self.down_bias = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False) if bias else None
+        self.hidden_size, self.num_experts, self.activation = hidden_size, num_experts, activation
+        self.weight_format = current_weight_format()
+        self.kinds: dict[str, tuple[str, ...]] = {}
+        for proj, template in (('gate_up', ExpertProjection(hidden_size, 2 * size)),
+                               ('down', ExpertProjection(size, hidden_size, self.tp))):
+            self.weight_format.create_weights(template)
+            if bias:
+                template.bias = new_parameter((template.out_features,), Layout(0, None))
+            self.kinds[proj] = tuple(kind for kind, _ in template.named_parameters())
+            for kind, param in template.named_parameters():
+                stacked = new_parameter((num_experts, *param.shape), layout_of(param),
+                                        param.dtype if param.keep_dtype else None)
+                setattr(self, self.param_name(proj, kind), stacked)
+        self.gate_up_bias = getattr(self, 'gate_up_bias', None)
+        self.down_bias = getattr(self, 'down_bias', None)
+        self.kernel = self.weight_format.make_expert_kernel(self, LinearOptions())
+
+    @staticmethod
+    def param_name(proj: str, kind: str) -> str:
+        return proj if kind == 'weight' else f'{proj}_{kind}'
+
+    def finalize(self, options: LinearOptions) -> None:
+        """Lays the loaded weights out for their kernel (see :class:`LinearOptions`); once."""
+        self.kernel = self.weight_format.make_expert_kernel(self, options)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         down_bias = self.down_bias if self.tp.rank == 0 else None
-        return self.tp.all_reduce(fused_moe(x, self.gate_up, self.down, topk_weights, topk_ids, self.gate_up_bias,
-                                            down_bias, self.activation))
+        return self.tp.all_reduce(self.kernel(x, topk_weights, topk_ids, self.gate_up_bias, down_bias,
+                                              self.activation))
+
+    def projection(self, proj: str, expert: int) -> ExpertProjection:
+        """Expert ``expert``'s ``gate_up`` or ``down`` projection: its slices of the stacked parameters (as
+        they are now), as the weight format's ``unpack`` takes them."""
+        size = self.intermediate_size
+        layer = ExpertProjection(*((self.hidden_size, 2 * size) if proj == 'gate_up' else (size, self.hidden_size)))
+        for kind in self.kinds[proj]:
+            if kind != 'bias':
+                setattr(layer, kind, getattr(self, self.param_name(proj, kind))[expert])
+        return layer
+
+    def release(self) -> None:
+        """Drops the stacked parameters of the weight format (not the biases): for a kernel that holds its own
+        copy of them."""
+        for proj, kinds in self.kinds.items():
+            for kind in kinds:
+                if kind != 'bias':
+                    setattr(self, self.param_name(proj, kind), None)
 
     def expert_weight(self, expert: int, part: str,
-                      kind: str = 'weight') -> tuple[torch.Tensor, str, str, Shard | None]:
-        """The slice holding one expert's ``gate``, ``up`` or ``down`` weight (or bias, ``kind='bias'``), its
-        parameter's name, the shard's label (see :meth:`weight_shards`) and the part of the checkpoint
-        tensor that fills it."""
-        size = self.intermediate_size
-        bias = kind == 'bias'
-        label = f'expert {expert} {part}' + (' bias' if bias else '')
-        sharded = self.tp.world_size > 1
-        if part == 'down':
-            if bias:
-                return self.down_bias[expert], 'down_bias', label, None
-            return self.down[expert], 'down', label, Shard(1, *self.range) if sharded else None
-        rows = slice(0, size) if part == 'gate' else slice(size, 2 * size)
-        param = self.gate_up_bias if bias else self.gate_up
-        shard = Shard(0, *self.range) if sharded else None
-        return param[expert, rows], 'gate_up_bias' if bias else 'gate_up', label, shard
+                      kind: str = 'weight') -> tuple[torch.Tensor, str, str, Shard | None] | None:
+        """The slice that one expert's ``gate``, ``up`` or ``down`` tensor ``kind`` (``weight``, ``bias``, a
+        format's ``qweight``...) fills, its parameter's name, the shard's label (see :meth:`weight_shards`)
+        and the part of the checkpoint tensor that fills it; None for a tensor the format does not use."""
+        proj = 'down' if part == 'down' else 'gate_up'
+        if kind not in self.kinds[proj]:
+            return None
+        name = self.param_name(proj, kind)
+        param = getattr(self, name)
+        layout, label, sharded = layout_of(param), f'expert {expert} {part}', self.tp.world_size > 1
+        if proj == 'down':
+            if layout.input_dim is None or not sharded:
+                return param[expert], name, label, None
+            start, stop = (bound // layout.inputs_per_index for bound in self.range)
+            return param[expert], name, label, Shard(layout.input_dim, start, stop)
+        if layout.output_dim is None:  # gate and up share it (GPTQ's g_idx: the same inputs)
+            return param[expert], name, label, None
+        per = layout.outputs_per_index
+        size = self.intermediate_size // per
+        rows = param[expert].narrow(layout.output_dim, 0 if part == 'gate' else size, size)
+        start, stop = (bound // per for bound in self.range)
+        return rows, name, label, Shard(layout.output_dim, start, stop) if sharded else None
 
     def weight_shards(self) -> dict[str, list[str]]:
-        """Each parameter's shards that the checkpoint must fill: every expert's gate, up and down (and
-        their biases)."""
-        experts = range(self.gate_up.shape[0])
-        shards = {'gate_up': [f'expert {e} {part}' for e in experts for part in ('gate', 'up')],
-                  'down': [f'expert {e} down' for e in experts]}
-        if self.gate_up_bias is not None:
-            shards.update({f'{name}_bias': [f'{label} bias' for label in labels] for name, labels in shards.items()})
-        return shards
-
+        """Each parameter's shards that the checkpoint must fill: every expert's gate, up and down."""
+        experts = range(self.num_experts)
+        parts = {'gate_up': ('gate', 'up'), 'down': ('down',)}
+        return {self.param_name(proj, kind): [f'expert {e} {part}' for e in experts for part in parts[proj]]
+                for proj, kinds in self.kinds.items() for kind in kinds}

@@ -121,18 +121,38 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
     return sorted_slots, block_expert
 
 
+class Int4Experts(NamedTuple):
+    """Experts' 4-bit weights ``W[e, n, k] = q[e, n, k] * scales[e, g, n] - offsets[e, g, n]`` with the group
+    ``g = k // group_size``, or ``g_idx[e, k]`` (int32 ``[E, K]``; act-order GPTQ): the codes packed eight
+    inputs per int32 (lowest field first) in ``qweight [E, K / 8, N]``, ``scales`` (a float dtype) and fp32
+    ``offsets`` ``[E, K / G, N]``. The GEMM dequantizes each weight tile in registers."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor
+    group_size: int
+    g_idx: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """``(E, N, K)``, as a dense ``[E, N, K]`` weight's."""
+        num_experts, packed_k, n = self.qweight.shape
+        return num_experts, n, packed_k * 8
+
+
 @triton.jit(do_not_specialize=['num_slots', 'num_mblocks'])
-def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, slots_ptr, block_expert_ptr, topk_w_ptr, bias_ptr, num_slots,
-                         num_mblocks, n, k, num_experts, a_row_div, stride_am, stride_we, stride_wn, stride_cm,
-                         stride_be, MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, slots_ptr, block_expert_ptr, topk_w_ptr, bias_ptr, scales_ptr,
+                         offsets_ptr, gidx_ptr, num_slots, num_mblocks, n, k, num_experts, a_row_div, group_size,
+                         stride_am, stride_we, stride_wn, stride_cm, stride_be, stride_se, MUL_WEIGHT: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, INT4: tl.constexpr, HAS_GIDX: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
                          PRECISION: tl.constexpr):
     pid = tl.program_id(0)
     per_group = GROUP_M * tl.cdiv(n, BLOCK_N)
     first_m = pid // per_group * GROUP_M
-    group_size = tl.minimum(num_mblocks - first_m, GROUP_M)
-    mblock = first_m + pid % per_group % group_size
-    nblock = pid % per_group // group_size
+    group_size_m = tl.minimum(num_mblocks - first_m, GROUP_M)
+    mblock = first_m + pid % per_group % group_size_m
+    nblock = pid % per_group // group_size_m
     expert = tl.load(block_expert_ptr + mblock).to(tl.int64)
     if expert >= num_experts:
         return
@@ -145,12 +165,28 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, slots_ptr, block_expert_ptr, topk_
     w_cols = w_ptr + expert * stride_we + cols[None, :] * stride_wn + kk[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, k, BLOCK_K):
+        kmask = (k0 + kk) < k
         if EVEN_K:
             a = tl.load(a_rows + k0, mask=smask[:, None], other=0.0)
+        else:
+            a = tl.load(a_rows + k0, mask=smask[:, None] & kmask[None, :], other=0.0)
+        if INT4:
+            ks = k0 + kk
+            wmask = kmask[:, None] & cmask[None, :]
+            packed = tl.load(w_ptr + expert * stride_we + (ks[:, None] // 8) * n + cols[None, :], mask=wmask,
+                             other=0)
+            codes = (packed >> ((ks[:, None] % 8) * 4)) & 0xF
+            if HAS_GIDX:
+                groups = tl.load(gidx_ptr + expert * k + ks, mask=kmask, other=0)
+            else:
+                groups = ks // group_size
+            group_index = expert * stride_se + groups[:, None] * n + cols[None, :]
+            scale = tl.load(scales_ptr + group_index, mask=wmask, other=0.0).to(tl.float32)
+            offset = tl.load(offsets_ptr + group_index, mask=wmask, other=0.0)
+            w = (codes.to(tl.float32) * scale - offset).to(a.dtype)
+        elif EVEN_K:
             w = tl.load(w_cols + k0, mask=cmask[None, :], other=0.0)
         else:
-            kmask = (k0 + kk) < k
-            a = tl.load(a_rows + k0, mask=smask[:, None] & kmask[None, :], other=0.0)
             w = tl.load(w_cols + k0, mask=kmask[:, None] & cmask[None, :], other=0.0)
         acc += tl.dot(a, w, input_precision=PRECISION)
     if HAS_BIAS:
@@ -161,7 +197,7 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, slots_ptr, block_expert_ptr, topk_
              mask=smask[:, None] & cmask[None, :])
 
 
-def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, sorted_slots: torch.Tensor,
+def _grouped_gemm(a: torch.Tensor, w: torch.Tensor | Int4Experts, c: torch.Tensor, sorted_slots: torch.Tensor,
                   block_expert: torch.Tensor, topk_weights: torch.Tensor | None, bias: torch.Tensor | None,
                   a_row_div: int, config: MoEConfig) -> None:
     """``c[slot] = a[slot // a_row_div] @ w[expert(slot)].T`` plus the expert's ``bias [E, N]`` when given,
@@ -171,10 +207,15 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, sorted_slot
     block_k = min(config.block_k, max(16, triton.next_power_of_2(k)))
     num_mblocks = block_expert.shape[0]
     grid = (num_mblocks * triton.cdiv(n, block_n),)
-    _grouped_gemm_kernel[grid](a, w, c, sorted_slots, block_expert, topk_weights, bias, c.shape[0], num_mblocks, n,
-                               k, num_experts, a_row_div, a.stride(0), w.stride(0), w.stride(1), c.stride(0),
-                               0 if bias is None else bias.stride(0), MUL_WEIGHT=topk_weights is not None,
-                               HAS_BIAS=bias is not None, BLOCK_M=config.block_m, BLOCK_N=block_n,
+    int4 = isinstance(w, Int4Experts)
+    weight = w.qweight if int4 else w
+    scales, offsets, g_idx = (w.scales, w.offsets, w.g_idx) if int4 else (None, None, None)
+    _grouped_gemm_kernel[grid](a, weight, c, sorted_slots, block_expert, topk_weights, bias, scales, offsets, g_idx,
+                               c.shape[0], num_mblocks, n, k, num_experts, a_row_div, w.group_size if int4 else 0,
+                               a.stride(0), weight.stride(0), weight.stride(1), c.stride(0),
+                               0 if bias is None else bias.stride(0), scales.stride(0) if int4 else 0,
+                               MUL_WEIGHT=topk_weights is not None, HAS_BIAS=bias is not None, INT4=int4,
+                               HAS_GIDX=g_idx is not None, BLOCK_M=config.block_m, BLOCK_N=block_n,
                                BLOCK_K=block_k, GROUP_M=config.group_m, EVEN_K=k % block_k == 0,
                                PRECISION=dot_precision(a.dtype), num_warps=config.num_warps,
                                num_stages=config.num_stages)
@@ -185,9 +226,10 @@ def moe_config(num_slots: int, num_experts: int) -> MoEConfig:
     return next(config for limit, config in MOE_CONFIGS if num_slots / num_experts <= limit)
 
 
-def fused_moe_with(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
-                   topk_ids: torch.Tensor, config: MoEConfig, gate_up_bias: torch.Tensor | None = None,
-                   down_bias: torch.Tensor | None = None, activation: ClampedSwiGLU | None = None) -> torch.Tensor:
+def fused_moe_with(hidden: torch.Tensor, gate_up: torch.Tensor | Int4Experts, down: torch.Tensor | Int4Experts,
+                   topk_weights: torch.Tensor, topk_ids: torch.Tensor, config: MoEConfig,
+                   gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+                   activation: ClampedSwiGLU | None = None) -> torch.Tensor:
     """``fused_moe`` with explicit tiles (benchmarks and tests)."""
     num_tokens, hidden_size = hidden.shape
     num_experts, two_inter, _ = gate_up.shape
@@ -205,14 +247,15 @@ def fused_moe_with(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tens
     return down_out.view(num_tokens, top_k, hidden_size).sum(1)
 
 
-def fused_moe(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
-              activation: ClampedSwiGLU | None = None) -> torch.Tensor:
+def fused_moe(hidden: torch.Tensor, gate_up: torch.Tensor | Int4Experts, down: torch.Tensor | Int4Experts,
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
+              down_bias: torch.Tensor | None = None, activation: ClampedSwiGLU | None = None) -> torch.Tensor:
     """``sum_j w[t, j] * down[e] @ act(gate_up[e] @ hidden[t])`` with ``e = ids[t, j]``; ``[T, H]``.
 
     ``gate_up [E, 2I, H]`` holds gate rows then up rows, ``down [E, H, I]``; weights are row-major
-    in their last dimension. The optional biases ``[E, 2I]`` and ``[E, H]`` are added to each GEMM's
-    output (before the routing weight); ``act`` is SiLU-and-mul, or ``activation`` when given.
+    in their last dimension, or :class:`Int4Experts` of those shapes. The optional biases ``[E, 2I]`` and
+    ``[E, H]`` are added to each GEMM's output (before the routing weight); ``act`` is SiLU-and-mul, or
+    ``activation`` when given.
     """
     config = moe_config(topk_ids.numel(), gate_up.shape[0])
     return fused_moe_with(hidden, gate_up, down, topk_weights, topk_ids, config, gate_up_bias, down_bias, activation)

@@ -12,7 +12,9 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from lmdeploy.pytorch.kernels.activation import ClampedSwiGLU
     from lmdeploy.pytorch.nn.linear import Linear
+    from lmdeploy.pytorch.nn.moe import FusedExperts
     from lmdeploy.pytorch.weights.safetensors_loader import WeightSource
 
 
@@ -79,8 +81,20 @@ class LinearKernel(ABC):
         return self.native_projection(bias)
 
 
+class ExpertKernel(ABC):
+    """The loaded weights of a mixture-of-experts layer's experts, in the layout of the kernel that runs them."""
+
+    @abstractmethod
+    def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                 gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
+                 activation: ClampedSwiGLU | None) -> torch.Tensor:
+        """``sum_j w[t, j] * down_e(act(gate_up_e(x[t])))`` with ``e = topk_ids[t, j]`` (see ``fused_moe``)."""
+
+
 class WeightFormat(ABC):
-    """How a checkpoint stores linear weights: the parameters it fills and the kernel run on them."""
+    """How a checkpoint stores linear weights: the parameters it fills and the kernel run on them. The
+    experts of a mixture-of-experts layer hold each projection's parameters stacked over the experts
+    (see :class:`~lmdeploy.pytorch.nn.moe.FusedExperts`) and run on :meth:`make_expert_kernel`'s kernel."""
 
     @abstractmethod
     def create_weights(self, layer: Linear) -> None:
@@ -96,6 +110,10 @@ class WeightFormat(ABC):
         """The format of the linear layer ``name`` (its name in the model, as built in this one): this one,
         unless the checkpoint holds its layers in different formats (a GGUF file of mixed types)."""
         return self
+
+    def make_expert_kernel(self, experts: FusedExperts, options: LinearOptions) -> ExpertKernel:
+        """The kernel for ``experts``' parameters, which it reads as they are then (like :meth:`make_kernel`)."""
+        raise ValueError(f'mixture-of-experts layers of {type(self).__name__} checkpoints are not supported')
 
     def convert_checkpoint(self, weights: Iterable[tuple[str, WeightSource]]) -> Iterator[tuple[str, WeightSource]]:
         """The checkpoint's ``(name, tensor)`` pairs as the model loads them: a format that stores some

@@ -7,12 +7,16 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from lmdeploy.pytorch.nn.quant.base import Layout, LinearKernel, LinearOptions, WeightFormat, new_parameter
+from lmdeploy.pytorch.kernels import fused_moe
+from lmdeploy.pytorch.kernels.activation import ClampedSwiGLU
+from lmdeploy.pytorch.nn.quant.base import (ExpertKernel, Layout, LinearKernel, LinearOptions, WeightFormat,
+                                            new_parameter)
 from lmdeploy.pytorch.nn.quant.cpu_bf16 import packed_cpu_kernel
 from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
 
 if TYPE_CHECKING:
     from lmdeploy.pytorch.nn.linear import Linear
+    from lmdeploy.pytorch.nn.moe import FusedExperts
 
 
 class DenseKernel(LinearKernel):
@@ -23,6 +27,19 @@ class DenseKernel(LinearKernel):
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, self.layer.weight, bias)
+
+
+class DenseExpertKernel(ExpertKernel):
+    """The fused-MoE kernel on the experts' ``gate_up`` and ``down`` parameters as they are at each call."""
+
+    def __init__(self, experts: FusedExperts):
+        self.experts = experts
+
+    def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                 gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
+                 activation: ClampedSwiGLU | None) -> torch.Tensor:
+        return fused_moe(x, self.experts.gate_up, self.experts.down, topk_weights, topk_ids, gate_up_bias, down_bias,
+                         activation)
 
 
 class DenseFormat(WeightFormat):
@@ -39,3 +56,6 @@ class DenseFormat(WeightFormat):
         else:
             layer.weight = None
         return kernel if small is None else small.over(kernel)
+
+    def make_expert_kernel(self, experts: FusedExperts, options: LinearOptions) -> ExpertKernel:
+        return DenseExpertKernel(experts)

@@ -64,12 +64,29 @@ class TorchInt4Kernel(LinearKernel):
 
 class NativeInt4Kernel(LinearKernel):
     """The native AVX512-BF16 GEMV on 4-bit groups (``kernels/cpu/linear_int4.cpp``, from :func:`pack_int4`);
-    a gate-and-up layer's tiles alternate gate and up rows, so that SiLU-and-mul runs in its epilogue."""
+    a gate-and-up layer's tiles alternate gate and up rows, so that SiLU-and-mul runs in its epilogue. With
+    ``order``, the weight's inputs are in that order (act-order checkpoints), and so are ``x``'s first."""
 
-    def __init__(self, packed: torch.Tensor, scales: torch.Tensor, gate_up: bool):
-        self.packed, self.scales, self.gate_up = packed, scales, gate_up
+    def __init__(self, packed: torch.Tensor, scales: torch.Tensor, gate_up: bool, order: torch.Tensor | None = None):
+        self.packed, self.scales, self.gate_up, self.order = packed, scales, gate_up, order
+
+    @classmethod
+    def of_grid(cls, grid: Int4Grid, gate_up: bool = False) -> NativeInt4Kernel | None:
+        """A checkpoint's grid as it is, in groups of a multiple of 32 inputs: its scales, and its offsets
+        negated, in fp16 (an fp16 or bf16 scale exactly, an offset within half an fp16 step); None where the
+        GEMV is not built or the shape does not fit its tiles."""
+        rows = 2 * INT4_TILE if gate_up else INT4_TILE
+        if cpu.int4_gemv() is None or grid.group_size % INT4_GROUP or grid.codes.shape[0] % rows:
+            return None
+        grid, order = grid.in_group_order()
+        repeat = grid.group_size // INT4_GROUP
+        scale = grid.scales.T.float().repeat_interleave(repeat, dim=1).half()
+        minimum = (-grid.offsets.T).repeat_interleave(repeat, dim=1).half()
+        return cls(*pack_int4(grid.codes.to(torch.uint8), scale, minimum, gate_up), gate_up, order)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.order is not None:
+            x = x[:, self.order]
         if not self.gate_up:
             return cpu.native().int4_linear(x, self.packed, self.scales, bias)
         tiles = cpu.native().int4_linear(x, self.packed, self.scales, None)  # gate and up tiles alternate
@@ -79,10 +96,11 @@ class NativeInt4Kernel(LinearKernel):
     def gate_up_silu(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         if not self.gate_up or bias is not None:
             return None
-        return cpu.native().int4_gate_up_silu(x, self.packed, self.scales)
+        return cpu.native().int4_gate_up_silu(x if self.order is None else x[:, self.order], self.packed,
+                                              self.scales)
 
     def native_projection(self, bias: torch.Tensor | None) -> object | None:
-        if self.gate_up and bias is not None:  # the stack's gate-and-up runs only int4_gate_up_silu
+        if (self.gate_up and bias is not None) or self.order is not None:  # the stack runs neither
             return None
         return cpu.native().Projection(kind='int4', weight=self.packed, scale=self.scales, bias=bias)
 

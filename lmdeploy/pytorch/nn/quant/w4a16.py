@@ -7,21 +7,31 @@ read the unpacked grid, served as it is:
 - CPU, bf16 models: torch's int4 CPU kernel (``_weight_int4pack_mm_for_cpu``) on the same grid;
 - CUDA: the Triton W4A16 GEMM (``kernels/cuda/w4a16.py``) on the codes repacked along the inputs;
 - otherwise (fp32 models, the reference): unpack and ``F.linear`` on every call.
+
+The experts of a mixture-of-experts layer stay in 4 bits the same way: on the CPU each routed expert's
+projections run on the native int4 GEMV (``kernels/cpu/linear_int4.cpp``; torch's int4 kernel where it is not
+built), on CUDA the Triton fused MoE dequantizes its weight tiles in registers, and the reference unpacks each
+routed expert on every call.
 """
 from __future__ import annotations
 
 from abc import abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from lmdeploy.pytorch.nn.quant.base import LinearKernel, LinearOptions, WeightFormat
-from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
+from lmdeploy.pytorch.kernels import silu_and_mul
+from lmdeploy.pytorch.kernels.activation import ClampedSwiGLU, clamped_swiglu
+from lmdeploy.pytorch.kernels.moe import run_experts
+from lmdeploy.pytorch.nn.quant.base import ExpertKernel, LinearKernel, LinearOptions, WeightFormat
+from lmdeploy.pytorch.nn.quant.int4_cpu import NativeInt4Kernel, SmallStepInt4Kernel
 
 if TYPE_CHECKING:
     from lmdeploy.pytorch.nn.linear import Linear
+    from lmdeploy.pytorch.nn.moe import FusedExperts
 
 SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 
@@ -85,6 +95,30 @@ class ReferenceKernel(LinearKernel):
         return F.linear(x, self.weight_format.dequantize(self.layer).to(x.dtype), bias)
 
 
+class PerExpertKernel(ExpertKernel):
+    """Each routed expert's projections on linear kernels: ``kernel(projection, expert)`` for ``gate_up`` and
+    ``down``."""
+
+    def __init__(self, num_experts: int, kernel: Callable[[str, int], LinearKernel]):
+        self.num_experts, self.kernel = num_experts, kernel
+
+    def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                 gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
+                 activation: ClampedSwiGLU | None) -> torch.Tensor:
+
+        def mlp(expert: int, rows: torch.Tensor) -> torch.Tensor:
+            gate_up = self.kernel('gate_up', expert)
+            bias = None if gate_up_bias is None else gate_up_bias[expert]
+            if activation is not None:
+                hidden = clamped_swiglu(gate_up(rows, bias), activation)
+            else:
+                hidden = gate_up.gate_up_silu(rows, bias)
+                hidden = silu_and_mul(gate_up(rows, bias)) if hidden is None else hidden
+            return self.kernel('down', expert)(hidden, None if down_bias is None else down_bias[expert])
+
+        return run_experts(x, topk_weights, topk_ids, self.num_experts, mlp)
+
+
 class Int4GroupFormat(WeightFormat):
     """A checkpoint format of 4-bit grouped weights: subclasses register its parameters and unpack them."""
 
@@ -118,4 +152,27 @@ class Int4GroupFormat(WeightFormat):
             return ReferenceKernel(self, layer)
         for name in self.params():
             setattr(layer, name, None)
+        return kernel
+
+    @staticmethod
+    def cpu_expert_kernel(grid: Int4Grid, gate_up: bool, dtype: torch.dtype) -> LinearKernel:
+        """One expert's projection for bf16 activations: the native int4 GEMV (a gate-and-up one with its
+        SiLU-and-mul epilogue) where it is built, else torch's int4 kernel: the GEMV is ahead at one token
+        and at 256, level between (``benchmark/moe_w4_cpu.py``)."""
+        return NativeInt4Kernel.of_grid(grid, gate_up) or SmallStepInt4Kernel.of_grid(grid, dtype)
+
+    def make_expert_kernel(self, experts: FusedExperts, options: LinearOptions) -> ExpertKernel:
+        device = experts.projection('down', 0).qweight.device.type
+        if options.dtype is not None and device == 'cuda':
+            from lmdeploy.pytorch.nn.quant.w4a16_cuda import TritonInt4ExpertKernel
+            kernel = TritonInt4ExpertKernel.of(self, experts)
+        elif options.dtype == torch.bfloat16 and device == 'cpu':
+            kernels = {proj: [self.cpu_expert_kernel(self.unpack(experts.projection(proj, e)), proj == 'gate_up',
+                                                     options.dtype) for e in range(experts.num_experts)]
+                       for proj in ('gate_up', 'down')}
+            kernel = PerExpertKernel(experts.num_experts, lambda proj, expert: kernels[proj][expert])
+        else:
+            return PerExpertKernel(experts.num_experts,
+                                   lambda proj, expert: ReferenceKernel(self, experts.projection(proj, expert)))
+        experts.release()
         return kernel
