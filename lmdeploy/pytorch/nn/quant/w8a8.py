@@ -74,8 +74,8 @@ class NativeW8A8Kernel(LinearKernel):
 
 
 class FloatLogitsKernel(LinearKernel):
-    """An LM head's W8A8 kernel, its activations widened to fp32 first (the same codes: a bf16 number is an
-    fp32 one) so that the logits come out in fp32."""
+    """An LM head's W8A8 kernel, its activations widened to fp32 first (exact from bf16 or fp16, so the same
+    codes) so that the logits come out in fp32."""
 
     def __init__(self, kernel: LinearKernel):
         self.kernel = kernel
