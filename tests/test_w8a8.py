@@ -101,6 +101,31 @@ def test_triton_int8_gemm_matches_reference(dtype):
         torch.testing.assert_close(got.cpu().float(), w8a8_linear(x, weight, scale, b).float(), rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize('native', [True, False])
+def test_int8_lm_head_gives_fp32_logits_of_the_reference(dtype, native, monkeypatch):
+    """A W8A8 model's LM head: the table quantized per vocabulary row (a slice at a time), the hidden states
+    per token, fp32 logits; the native GEMM over 3,000 panels and the torch version as on a CPU without VNNI."""
+    if native and cpu.int8_gemm() is None:
+        pytest.skip('the native int8 GEMM needs AVX512-VNNI')
+    if not native:
+        monkeypatch.setattr(cpu, 'int8_gemm', lambda: None)
+    g = torch.Generator().manual_seed(3)
+    table = (torch.randn(49152, 64, generator=g) * 0.05).to(dtype)
+    kernel = w8a8_format.W8A8Format().lm_head_kernel(table)
+    assert isinstance(kernel.kernel, w8a8_format.NativeW8A8Kernel if native else w8a8_format.W8A8Kernel)
+    weight, scale = quantize_weight(table)
+    assert torch.equal(w8a8_format.Int8Rows.of(table, rows_at_once=1000).weight, weight)
+    for rows in (1, 7, 64):
+        hidden = (torch.randn(rows, 64, generator=g) * torch.rand(64, generator=g) * 4).to(dtype)
+        got = kernel(hidden, None)
+        expected = w8a8_linear(hidden.float(), weight, scale)
+        assert got.dtype == torch.float32 and got.shape == (rows, 49152)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        exact = hidden.float() @ table.float().T
+        assert ((got - exact).norm() / exact.norm()).item() < 0.02
+
+
 @pytest.fixture(scope='module')
 def tiny_w8a8(tmp_path_factory) -> tuple[str, str]:
     """A tiny random Llama (GQA) and its ``lmdeploy lite smooth_quant`` copy, made through the CLI."""
@@ -133,23 +158,32 @@ def test_w8a8_checkpoint_loads_without_a_flag_and_generates_mostly_the_same_toke
     source, out = tiny_w8a8
     engine = make_engine(source)
     try:
-        expected = run(engine, PROMPTS)
+        expected, expected_logits = run(engine, PROMPTS), engine.get_logits(PROMPTS[2])
     finally:
         engine.close()
     engine = make_engine(out)
     try:
+        logits = engine.get_logits(PROMPTS[2])
         proj = engine.runner.model.layers[0].mlp.down_proj
         assert isinstance(proj.weight_format, w8a8_format.W8A8Format)
         native = cpu.int8_gemm() is not None
         assert isinstance(proj.kernel, w8a8_format.NativeW8A8Kernel if native else w8a8_format.W8A8Kernel)
+        head, embedding = engine.runner.model.lm_head, engine.runner.model.embed_tokens
+        assert isinstance(head.packed, w8a8_format.FloatLogitsKernel)  # int8 rows of its table
+        assert embedding.weight.dtype == torch.float32
         got = run(engine, PROMPTS)
     finally:
         engine.close()
-    assert _agreement(expected, got) >= 0.75  # measured 0.80 (128 tokens)
+    # measured: logits 2.0% apart, 52% of the tokens before the first difference (1.7% and 80% with the LM head
+    # in fp32: a tiny random model's greedy tokens part at its many near ties; the default model's perplexity
+    # is the measure of the int8 LM head, see docs/engine.md)
+    assert ((logits - expected_logits).norm() / expected_logits.norm()).item() < 0.03
+    assert _agreement(expected, got) >= 0.5
     monkeypatch.setattr(cpu, 'int8_gemm', lambda: None)  # as on a CPU without AVX512-VNNI
     engine = make_engine(out)
     try:
         assert isinstance(engine.runner.model.layers[0].mlp.down_proj.kernel, w8a8_format.W8A8Kernel)
+        assert isinstance(engine.runner.model.lm_head.packed.kernel, w8a8_format.W8A8Kernel)
         assert run(engine, PROMPTS) == got
     finally:
         engine.close()

@@ -191,8 +191,8 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens(input_ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """``[T, vocab]`` logits in the model's dtype (fp32 for the fp16 LM head of one-row steps); None
-        on the tensor-parallel ranks that do not sample."""
+        """``[T, vocab]`` logits in the model's dtype (fp32 for the fp16 LM head of one-row steps and for a W8A8
+        model's int8 LM head on the CPU); None on the tensor-parallel ranks that do not sample."""
         return self.lm_head(hidden)
 
     def finalize_weights(self, pack_cpu: bool, small_step_int4: bool) -> None:

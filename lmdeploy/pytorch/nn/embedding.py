@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmdeploy.pytorch.distributed.parallel_state import Shard, TPGroup, current_group
-from lmdeploy.pytorch.nn.quant import LinearKernel
+from lmdeploy.pytorch.nn.quant import LinearKernel, current_weight_format
 from lmdeploy.pytorch.nn.quant.cpu_bf16 import packed_cpu_kernel
 from lmdeploy.pytorch.nn.quant.q8_cpu import Q8Gemv
 
@@ -58,14 +58,15 @@ class VocabParallelEmbedding(VocabTable):
 class LMHead(VocabTable):
     """Logits ``[T, vocab]`` of hidden states, on rank 0 (None on the other ranks).
 
-    ``tied`` shares the embedding's table instead of holding a weight. On the CPU a bf16 table is
-    also kept packed for its GEMM (:meth:`pack_for_cpu`), and one-row steps may run on an 8-bit or fp16
-    copy (:meth:`enable_small_step_copy`).
+    ``tied`` shares the embedding's table instead of holding a weight. On the CPU the table also runs on
+    its weight format's LM-head kernel (W8A8: int8 rows) or, in bf16, is kept packed for its GEMM
+    (:meth:`pack_for_cpu`), and one-row steps may run on an 8-bit or fp16 copy (:meth:`enable_small_step_copy`).
     """
 
     def __init__(self, hidden_size: int, vocab_size: int, tied: VocabParallelEmbedding | None = None):
         super().__init__(vocab_size, hidden_size, own_weight=tied is None)
         self._tied = [tied] if tied is not None else []  # a list: the embedding is not a submodule here
+        self.weight_format = current_weight_format()
         self.fp16: torch.Tensor | None = None
         self.q8: Q8Gemv | None = None
         self.packed: LinearKernel | None = None
@@ -75,7 +76,9 @@ class LMHead(VocabTable):
         return self._tied[0].weight if self._tied else self.weight
 
     def pack_for_cpu(self) -> None:
-        self.packed = packed_cpu_kernel(self.table_weight)
+        """Lays the loaded table out for the CPU: the weight format's LM-head kernel (see
+        :meth:`WeightFormat.lm_head_kernel`), else the bf16 GEMM's packing of a bf16 table."""
+        self.packed = self.weight_format.lm_head_kernel(self.table_weight) or packed_cpu_kernel(self.table_weight)
 
     def enable_small_step_copy(self) -> None:
         """One-row steps use an 8-bit copy where it gives the table back to bf16's precision (a Q8_0 table,

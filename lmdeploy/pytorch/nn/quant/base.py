@@ -115,6 +115,11 @@ class WeightFormat(ABC):
         """The kernel for ``experts``' parameters, which it reads as they are then (like :meth:`make_kernel`)."""
         raise ValueError(f'mixture-of-experts layers of {type(self).__name__} checkpoints are not supported')
 
+    def lm_head_kernel(self, table: torch.Tensor) -> LinearKernel | None:
+        """The kernel of a CPU LM head over ``table [vocab, hidden]`` (the model's dtype; the embedding's when
+        tied, which keeps it) in a model of this format, giving fp32 logits; None: the table's own bf16 GEMM."""
+        return None
+
     def convert_checkpoint(self, weights: Iterable[tuple[str, WeightSource]]) -> Iterator[tuple[str, WeightSource]]:
         """The checkpoint's ``(name, tensor)`` pairs as the model loads them: a format that stores some
         tensors in another form converts them here (MXFP4 experts); the others pass them through."""

@@ -2,14 +2,17 @@
 linear layer's ``weight`` in int8 with one fp32 ``scale [out, 1]`` per output channel, symmetric;
 activations are quantized per token when they arrive. On the CPU the weight is packed for the native
 AVX512-VNNI GEMM, which quantizes the activations in the same call; elsewhere (CUDA: Triton; CPUs without
-VNNI: torch) the kernel reads the parameters as they are."""
+VNNI: torch) the kernel reads the parameters as they are. On the CPU the LM head of such a model runs on int8
+rows of its table too (quantized at load, as the projections are; the embedding keeps its own table)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from lmdeploy.pytorch.kernels import cpu, w8a8_linear
+from lmdeploy.pytorch.kernels.w8a8 import quantize_weight
 from lmdeploy.pytorch.nn.quant.base import (Layout, LinearKernel, LinearOptions, WeightFormat, new_parameter,
                                             register_format)
 
@@ -17,11 +20,26 @@ if TYPE_CHECKING:
     from lmdeploy.pytorch.nn.linear import Linear
 
 
+@dataclass
+class Int8Rows:
+    """int8 ``weight [N, K]`` and fp32 ``scale [N, 1]`` held outside a linear layer (an LM head's table)."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+
+    @classmethod
+    def of(cls, table: torch.Tensor, rows_at_once: int = 4096) -> Int8Rows:
+        """``table`` quantized as a checkpoint's projections are (:func:`quantize_weight`), a slice at a time:
+        an fp32 copy of a whole vocabulary would be large."""
+        parts = [quantize_weight(rows) for rows in table.split(rows_at_once)]
+        return cls(torch.cat([w for w, _ in parts]), torch.cat([s for _, s in parts]))
+
+
 class W8A8Kernel(LinearKernel):
     """:func:`~lmdeploy.pytorch.kernels.w8a8_linear` on the layer's ``weight`` and ``scale`` as they are
     at each call."""
 
-    def __init__(self, layer: Linear):
+    def __init__(self, layer: Linear | Int8Rows):
         self.layer = layer
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -55,6 +73,22 @@ class NativeW8A8Kernel(LinearKernel):
                                        scale=self.scale, bias=bias)
 
 
+class FloatLogitsKernel(LinearKernel):
+    """An LM head's W8A8 kernel, its activations widened to fp32 first (exact from bf16 or fp16, so the same
+    codes) so that the logits come out in fp32."""
+
+    def __init__(self, kernel: LinearKernel):
+        self.kernel = kernel
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.kernel(x.float(), bias)
+
+
+def _runs_native(weight: torch.Tensor, gate_up: bool = False) -> bool:
+    return (weight.device.type == 'cpu' and cpu.int8_gemm() is not None
+            and weight.shape[0] % (32 if gate_up else 16) == 0 and weight.shape[1] % 4 == 0)
+
+
 @register_format('smooth_quant')
 class W8A8Format(WeightFormat):
     """int8 ``weight [out, in]`` and fp32 ``scale [out, 1]``: ``W = weight * scale``."""
@@ -71,11 +105,16 @@ class W8A8Format(WeightFormat):
         layer.scale = new_parameter((layer.out_features, 1), Layout(0, None), dtype=torch.float32)
 
     def make_kernel(self, layer: Linear, options: LinearOptions) -> LinearKernel:
-        weight = layer.weight
-        native = (options.pack_cpu and weight.device.type == 'cpu' and cpu.int8_gemm() is not None
-                  and weight.shape[0] % (32 if layer.gate_up_panels else 16) == 0 and weight.shape[1] % 4 == 0)
-        if not native:
+        if not (options.pack_cpu and _runs_native(layer.weight, layer.gate_up_panels)):
             return W8A8Kernel(layer)
-        kernel = NativeW8A8Kernel(weight, layer.scale, layer.gate_up_panels)
+        kernel = NativeW8A8Kernel(layer.weight, layer.scale, layer.gate_up_panels)
         layer.weight = layer.scale = None
         return kernel
+
+    def lm_head_kernel(self, table: torch.Tensor) -> LinearKernel:
+        """Per-vocabulary-row int8 weights and per-token int8 activations, as in the projections: the LM head
+        reads half the bytes of bf16 and runs on the int8 GEMM (native where it runs the projections, else
+        the torch version, so that a CPU without VNNI gives the same tokens)."""
+        rows = Int8Rows.of(table)
+        kernel = NativeW8A8Kernel(rows.weight, rows.scale) if _runs_native(rows.weight) else W8A8Kernel(rows)
+        return FloatLogitsKernel(kernel)
