@@ -181,8 +181,8 @@ struct HeadRows {
 // heads to scores[h * block_size + t], its value(t, value) loads row t's value as NV fp32 vectors. Kept out
 // of for_each_task's loop: inlined there, the bf16 path with G = 4 and head_dim 128 ran 12% slower.
 template <int G, int NV, class HeadAt>
-[[gnu::noinline]] void attend(const Task& task, const TaskFeatures& features, int64_t num_kv_heads, int64_t block_size,
-            std::vector<float>& scratch, HeadAt head_at) {
+[[gnu::noinline]] void attend(const Task& task, const TaskFeatures& features, int64_t num_kv_heads,
+                              int64_t block_size, std::vector<float>& scratch, HeadAt head_at) {
   constexpr int D = 16 * NV;
   const int64_t rows = task.heads * G;
   scratch.resize(G * block_size + rows * (D + 2));
