@@ -46,13 +46,18 @@ def add_requests(engine: Engine, prompts, gen_config=GREEDY_32) -> list[int]:
             engine.add_request(p, gen_config) for p in prompts]
 
 
-def run(engine: Engine, prompts, gen_config=GREEDY_32) -> list[list[int]]:
-    index = {seq_id: i for i, seq_id in enumerate(add_requests(engine, prompts, gen_config))}
-    outs = [[] for _ in prompts]
+def collect(engine: Engine, seq_ids: list[int]) -> list[list[int]]:
+    """Steps ``engine`` until nothing is left to do; the tokens of each of ``seq_ids``, in that order."""
+    index = {seq_id: i for i, seq_id in enumerate(seq_ids)}
+    outs = [[] for _ in seq_ids]
     while engine.has_unfinished():
         for out in engine.step():
             outs[index[out.seq_id]].extend(out.token_ids)
     return outs
+
+
+def run(engine: Engine, prompts, gen_config=GREEDY_32) -> list[list[int]]:
+    return collect(engine, add_requests(engine, prompts, gen_config))
 
 
 def hf_greedy(model, prompt, n=32) -> list[int]:

@@ -1,4 +1,4 @@
-"""Fixtures of the security tests: an image server on 127.0.0.1, fake DNS answers, a record of the
+"""Fixtures of the security and VL server tests: an image server on 127.0.0.1, fake DNS answers, a record of the
 addresses connected to, and a tiny Qwen2-VL."""
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_engine, random_prompts
+from helpers import collect, make_engine, random_prompts, run
 from vl_models import random_image, save_tiny_vl_model
 
 from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
@@ -36,12 +36,7 @@ def with_recorded_graphs(engine: Engine) -> Engine:
 
 
 def generate(engine: Engine, requests: list[tuple[list[int], GenerationConfig]]) -> list[list[int]]:
-    index = {engine.add_request(prompt, gen): i for i, (prompt, gen) in enumerate(requests)}
-    outs = [[] for _ in requests]
-    while engine.has_unfinished():
-        for out in engine.step():
-            outs[index[out.seq_id]].extend(out.token_ids)
-    return outs
+    return collect(engine, [engine.add_request(prompt, gen) for prompt, gen in requests])
 
 
 def ragged_requests(seed: int = 0) -> list[tuple[list[int], GenerationConfig]]:
@@ -89,12 +84,12 @@ def test_static_buffers_are_reused(tiny_llama):
     logits = []
     original_run = graphs.run
 
-    def run(decode, inflight=None):
+    def recording_run(decode, inflight=None):
         out = original_run(decode, inflight)
         logits.append((len(decode), out.data_ptr()))
         return out
 
-    graphs.run = run
+    graphs.run = recording_run
     generate(engine, ragged_requests()[:3])
     assert graphs.inputs.data_ptr() == inputs_ptr
     assert logits and all(ptr == graphs.outputs[4 if n > 2 else n].data_ptr() for n, ptr in logits)
@@ -115,17 +110,9 @@ def test_vision_language_positions_through_graphs(tmp_path):
                   show_progress=False) as pipe:
         processed = [pipe.async_engine.processor.process(p) for p in (('describe', random_image(1)), 'plain text')]
     gen = GenerationConfig(max_new_tokens=8, ignore_eos=True)
-
-    def run(engine: Engine) -> list[list[int]]:
-        ids = {engine.add_request(p.input_ids, gen, p.multimodal): i for i, p in enumerate(processed)}
-        outs = [[] for _ in processed]
-        while engine.has_unfinished():
-            for out in engine.step():
-                outs[ids[out.seq_id]].extend(out.token_ids)
-        return outs
-
-    eager = run(make_engine(path, max_batch_size=MAX_BATCH, num_gpu_blocks=64))
-    assert run(with_recorded_graphs(make_engine(path, max_batch_size=MAX_BATCH, num_gpu_blocks=64))) == eager
+    eager = run(make_engine(path, max_batch_size=MAX_BATCH, num_gpu_blocks=64), processed, gen)
+    graphs = with_recorded_graphs(make_engine(path, max_batch_size=MAX_BATCH, num_gpu_blocks=64))
+    assert run(graphs, processed, gen) == eager
 
 
 def test_eager_mode_and_load_format_flags():

@@ -17,6 +17,7 @@ from lmdeploy.serve.openai.admission import Admission
 from lmdeploy.serve.openai.api_server import create_app
 from lmdeploy.serve.openai.errors import APIError
 from lmdeploy.serve.openai.limits import RequestLimits
+from lmdeploy.serve.openai.serving_common import ServerState, admitted
 from lmdeploy.serve.session_manager import Request
 
 LIMITS = RequestLimits(max_request_body_bytes=4096, max_messages=3, max_prompt_chars=200, max_stop_sequences=2,
@@ -245,6 +246,30 @@ def test_admission_counts_slots_fifo():
         blocked.release()
     asyncio.run(main())
     assert admission.running == 0
+
+
+def test_admitted_gives_the_slots_back_when_preparing_fails():
+    """Slots taken for a request that fails (or is cancelled) before start_run go back; a block that gets
+    through leaves them with the ticket, for the run."""
+    state = ServerState(engine=None, model_name='tiny', admission=Admission(max_running=2, max_waiting=0),
+                        metrics=None)
+
+    async def preparing(error: BaseException):
+        async with admitted(state, 2):
+            raise error
+
+    async def main():
+        with pytest.raises(APIError):
+            await preparing(APIError(400, 'the prompt is too long'))
+        with pytest.raises(asyncio.CancelledError):
+            await preparing(asyncio.CancelledError())
+        assert state.admission.running == 0
+        async with admitted(state, 2) as ticket:
+            pass
+        assert state.admission.running == 2 and not ticket.released
+        ticket.release()
+    asyncio.run(main())
+    assert state.admission.running == 0
 
 
 def test_instance_waiters_are_bounded():

@@ -2,30 +2,19 @@
 from __future__ import annotations
 
 import asyncio
-import http.server
 import os
 import subprocess
 import sys
-import threading
 
 import httpx
 import openai
 import pytest
+from security_fixtures import image_host, image_message, qwen_vl  # noqa: F401 (fixtures)
 from server_helpers import serve, free_port, tiny_engine, wait_healthy
 from test_vl import IMAGES, data_url, png_bytes
-from vl_models import hf_vl_greedy, save_tiny_vl_model
+from vl_models import hf_vl_greedy
 
 from lmdeploy.vl.media import MediaPolicy
-
-
-def image_message(url: str, text: str = 'describe') -> list[dict]:
-    return [{'role': 'user', 'content': [{'type': 'text', 'text': text},
-                                         {'type': 'image_url', 'image_url': {'url': url}}]}]
-
-
-@pytest.fixture(scope='module')
-def qwen_vl(tmp_path_factory) -> str:
-    return save_tiny_vl_model('qwen2_vl', str(tmp_path_factory.mktemp('qwen2_vl')))
 
 
 @pytest.fixture(scope='module')
@@ -37,27 +26,6 @@ def vl_server(qwen_vl):
 @pytest.fixture
 def client(vl_server):
     return openai.OpenAI(base_url=f'{vl_server.url}/v1', api_key='none', max_retries=0)
-
-
-@pytest.fixture(scope='module')
-def image_host():
-    """An HTTP server on 127.0.0.1 serving IMAGES[0] at /cat.png."""
-    body = png_bytes(IMAGES[0])
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(200 if self.path == '/cat.png' else 404)
-            self.send_header('Content-Length', str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f'http://127.0.0.1:{server.server_address[1]}'
-    server.shutdown()
 
 
 def chat(client, messages, **kwargs):
@@ -78,16 +46,17 @@ def test_chat_with_image_matches_transformers_and_streams(vl_server, client, qwe
 
 
 def test_remote_images_only_from_allowed_domains(vl_server, client, image_host):
+    host = f'http://127.0.0.1:{image_host[0]}'
     with pytest.raises(openai.BadRequestError, match='allowed-media-domains'):
-        chat(client, image_message(f'{image_host}/cat.png'))
+        chat(client, image_message(f'{host}/cat.png'))
     # the image host is on loopback: it takes allow_private_hosts too (see test_security.py)
     vl_server.engine.processor.media_policy = MediaPolicy(allowed_domains=('127.0.0.1',), allowed_local_path=None,
                                                           allow_private_hosts=True)
     try:
-        fetched = chat(client, image_message(f'{image_host}/cat.png')).choices[0].message.content
+        fetched = chat(client, image_message(f'{host}/cat.png')).choices[0].message.content
         assert fetched == chat(client, image_message(data_url(IMAGES[0]))).choices[0].message.content
         with pytest.raises(openai.BadRequestError, match='did not answer with an image') as error:
-            chat(client, image_message(f'{image_host}/missing.png'))
+            chat(client, image_message(f'{host}/missing.png'))
         assert '404' not in str(error.value)  # the upstream status is not echoed
     finally:
         vl_server.engine.processor.media_policy = MediaPolicy(allowed_domains=(), allowed_local_path=None)
@@ -144,7 +113,7 @@ def test_cli_media_flags(qwen_vl, tmp_path, image_host):
     allowed = tmp_path / 'media'
     allowed.mkdir()
     (allowed / 'cat.png').write_bytes(png_bytes(IMAGES[0]))
-    port = free_port()
+    port, host = free_port(), f'http://127.0.0.1:{image_host[0]}'
     proc = subprocess.Popen([sys.executable, '-m', 'lmdeploy.cli.main', 'serve', 'api_server', qwen_vl,
                              '--server-port', str(port), '--dtype', 'float32', '--num-gpu-blocks', '64',
                              '--model-name', 'tiny-vl', '--allowed-local-media-path', str(allowed)],
@@ -155,7 +124,7 @@ def test_cli_media_flags(qwen_vl, tmp_path, image_host):
         request = {'model': 'tiny-vl', 'messages': image_message(str(allowed / 'cat.png')), 'max_tokens': 4}
         accepted = httpx.post(f'{url}/v1/chat/completions', json=request, timeout=60)
         assert accepted.status_code == 200, accepted.text
-        request['messages'] = image_message(f'{image_host}/cat.png')
+        request['messages'] = image_message(f'{host}/cat.png')
         refused = httpx.post(f'{url}/v1/chat/completions', json=request, timeout=60)
         assert refused.status_code == 400 and 'not allowed' in refused.json()['error']['message']
     finally:

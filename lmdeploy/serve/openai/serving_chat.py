@@ -15,8 +15,8 @@ from lmdeploy.serve.openai.errors import APIError
 from lmdeploy.serve.openai.limits import check_fanout, check_messages, check_stop
 from lmdeploy.serve.openai.logprobs import chat_logprobs
 from lmdeploy.serve.openai.protocol import ChatChoice, ChatCompletionRequest, ChatCompletionResponse, random_id
-from lmdeploy.serve.openai.serving_common import (ChoiceRun, Job, ServerState, admit, check_model, check_session,
-                                                  choice_config, gen_config, process, raise_for_error, start_run, usage)
+from lmdeploy.serve.openai.serving_common import (ChoiceRun, Job, ServerState, admitted, check_model, check_session,
+                                                  choice_config, gen_config, process, start_run, usage)
 from lmdeploy.serve.openai.streaming import collect_or_abort, sse, sse_chunk, sse_stream
 from lmdeploy.serve.openai.structured import compile_format, requested_format, with_format
 from lmdeploy.serve.openai.tool_choice import ToolPlan, plan_tools, template_messages
@@ -73,13 +73,9 @@ async def _jobs(state: ServerState, req: ChatCompletionRequest, plan: ToolPlan) 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request):
     """Answers a chat request, streamed as server-sent events when ``req.stream``."""
     plan = _check(state, req)
-    ticket = await admit(state, req.n)
-    try:
+    async with admitted(state, req.n) as ticket:
         jobs, make_parser = await _jobs(state, req, plan)
         run = start_run(state, ticket, jobs)
-    except BaseException:
-        ticket.release()
-        raise
     request_id, top = random_id('chatcmpl'), req.top_logprobs or 0
     tokenizer = state.engine.tokenizer
     if req.stream:
@@ -87,7 +83,6 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     responses = await collect_or_abort(raw, run)
     if responses is None:
         return None
-    raise_for_error(run, responses)
     choices = []
     for r in responses:
         parser = make_parser()

@@ -3,6 +3,7 @@ running the choices of one request, and usage (streaming them is in :mod:`.strea
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import json
@@ -286,6 +287,18 @@ async def admit(state: ServerState, slots: int) -> Ticket:
     and 400 when it could never hold them. Cheap checks go before, heavy work (tokenization, images)
     after it."""
     return await state.admission.acquire(slots)
+
+
+@contextlib.asynccontextmanager
+async def admitted(state: ServerState, slots: int) -> AsyncIterator[Ticket]:
+    """:func:`admit` for a block that prepares a request and ends in :func:`start_run`, which takes the
+    ticket over; the slots go back if the block raises first."""
+    ticket = await admit(state, slots)
+    try:
+        yield ticket
+    except BaseException:
+        ticket.release()
+        raise
 
 
 def start_run(state: ServerState, ticket: Ticket, jobs: list[Job]) -> ChoiceRun:

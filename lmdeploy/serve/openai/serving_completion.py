@@ -12,9 +12,9 @@ from lmdeploy.serve.openai.errors import APIError
 from lmdeploy.serve.openai.limits import check_fanout, check_prompt_chars, check_stop
 from lmdeploy.serve.openai.logprobs import completion_logprobs, join_logprobs
 from lmdeploy.serve.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse, random_id
-from lmdeploy.serve.openai.serving_common import (ChoiceRun, Job, ServerState, admit, check_model, check_prompt_ids,
+from lmdeploy.serve.openai.serving_common import (ChoiceRun, Job, ServerState, admitted, check_model, check_prompt_ids,
                                                   check_session, check_token_ids, choice_config, encode, gen_config,
-                                                  raise_for_error, run_blocking, start_run, usage)
+                                                  run_blocking, start_run, usage)
 from lmdeploy.serve.openai.streaming import collect_or_abort, sse, sse_chunk, sse_stream
 from lmdeploy.serve.openai.structured import compile_format, requested_format, with_format
 
@@ -82,20 +82,15 @@ def _echo_logprobs(state: ServerState, req: CompletionRequest, prompt_ids: list[
 async def create_completion(state: ServerState, req: CompletionRequest, raw: Request):
     """Completes each prompt ``n`` times; choice ``i * n + j`` is prompt ``i``'s ``j``-th."""
     raw_prompts = _check(state, req)
-    ticket = await admit(state, req.n * len(raw_prompts))
-    try:
+    async with admitted(state, req.n * len(raw_prompts)) as ticket:
         jobs, prompts, echoes = await _jobs(state, req, raw_prompts)
         run = start_run(state, ticket, jobs)
-    except BaseException:
-        ticket.release()
-        raise
     request_id = random_id('cmpl')
     if req.stream:
         return _stream(state, req, run, request_id, prompts, echoes)
     responses = await collect_or_abort(raw, run)
     if responses is None:
         return None
-    raise_for_error(run, responses)
     top, tokenizer = req.logprobs or 0, state.engine.tokenizer
     choices = []
     for r in responses:

@@ -9,8 +9,8 @@ from lmdeploy.messages import Response
 from lmdeploy.serve.openai.errors import APIError
 from lmdeploy.serve.openai.limits import check_fanout, check_messages, check_prompt_chars, check_stop
 from lmdeploy.serve.openai.protocol import AbortRequest, EncodeRequest, GenerateRequest
-from lmdeploy.serve.openai.serving_common import (Job, ServerState, admit, check_model, check_prompt_ids, check_session,
-                                                  check_token_ids, encode, gen_config, raise_for_error, run_blocking,
+from lmdeploy.serve.openai.serving_common import (Job, ServerState, admit, admitted, check_model, check_prompt_ids,
+                                                  check_session, check_token_ids, encode, gen_config, run_blocking,
                                                   start_run)
 from lmdeploy.serve.openai.streaming import collect_or_abort, sse, sse_stream
 
@@ -38,16 +38,12 @@ async def generate(state: ServerState, req: GenerateRequest, raw: Request):
         check_prompt_chars(state.limits, len(req.prompt))
     else:
         check_messages(state.limits, req.prompt, 'prompt')
-    ticket = await admit(state, 1)
-    try:
+    async with admitted(state, 1) as ticket:
         input_ids = req.input_ids
         if input_ids is None:
             input_ids = await encode(state, req.prompt, req.do_preprocess, 'prompt')
         config = gen_config(state, req, len(input_ids), req.logprobs, None, model_defaults=False)
         run = start_run(state, ticket, [Job(0, input_ids, config, req.session_id)])
-    except BaseException:
-        ticket.release()
-        raise
     if req.stream:
         def render(r: Response) -> Iterable[str]:
             yield sse(_body(r, req.session_id))
@@ -56,7 +52,6 @@ async def generate(state: ServerState, req: GenerateRequest, raw: Request):
     responses = await collect_or_abort(raw, run)
     if responses is None:
         return None
-    raise_for_error(run, responses)
     return _body(responses[0], req.session_id)
 
 

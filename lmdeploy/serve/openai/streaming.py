@@ -15,7 +15,7 @@ from starlette.types import Receive, Scope, Send
 
 from lmdeploy.messages import Response
 from lmdeploy.serve.openai.errors import error_body
-from lmdeploy.serve.openai.serving_common import ChoiceRun
+from lmdeploy.serve.openai.serving_common import ChoiceRun, raise_for_error
 
 logger = logging.getLogger('lmdeploy')
 
@@ -27,13 +27,16 @@ async def wait_disconnect(receive: Receive) -> None:
 
 
 async def collect_or_abort(request: Request, run: ChoiceRun) -> list[Response] | None:
-    """Collects a non-streaming run; returns None (after aborting it) if the client goes away first."""
+    """Collects a non-streaming run, raising its first failed choice's error; returns None (after aborting
+    the run) if the client goes away first."""
     collect = asyncio.create_task(run.collect())
     watch = asyncio.create_task(wait_disconnect(request.receive))
     try:
         await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
         if collect.done():
-            return collect.result()
+            responses = collect.result()
+            raise_for_error(run, responses)
+            return responses
         watch.result()  # a watch that failed is a server error, not a client that went away
         return None
     finally:

@@ -1,5 +1,7 @@
-// AVX-512 pieces shared by the paged attention paths of paged_attention_avx512.cpp (bf16 caches) and
-// paged_attention_quant_avx512.cpp (int8 and int4 caches).
+// The AVX-512 paged attention shared by paged_attention_avx512.cpp (bf16 caches) and
+// paged_attention_quant_avx512.cpp (int8 and int4 caches): the tasks and their threads, the online softmax
+// loop over a task's blocks, and its vector pieces. Each file supplies how a KV head's rows of a block are
+// scored and read as values.
 #pragma once
 
 #include <limits>
@@ -147,6 +149,116 @@ inline void store_normalized(const float* acc_store, const float* total, int64_t
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k * head_stride + h * D + 16 * i),
                             to_bf16(_mm512_mul_ps(_mm512_loadu_ps(acc_store + (k * G + h) * D + 16 * i), inv)));
     }
+}
+
+// Whether the AVX-512 paths take these queries: bf16, head_dim 64 or 128.
+inline bool takes_queries(const torch::Tensor& q) {
+  return q.scalar_type() == at::kBFloat16 && (q.size(2) == 64 || q.size(2) == 128);
+}
+
+// A task is one query row over `heads` consecutive KV heads from `first_head` and `group` (1 to 4) query
+// heads of each (q and out hold KV head k's from q + k * head_stride). Blocks are the outer loop, so a
+// task reads each block's rows of its KV heads in order.
+struct Task {
+  const bf16* q;
+  bf16* out;
+  const int64_t* blocks;  // the row's block-table row
+  int64_t length;         // cached tokens
+  int64_t heads, first_head;
+  int64_t head_stride;  // elements of q and out between consecutive KV heads
+  int64_t group;
+};
+
+// What one pass of a task reads: a KV head's rows [slot, slot + count) of a block, cache rows counted as
+// (block * H_kv + head) * block_size + token; `next` is the first row the next pass reads (-1: none).
+struct HeadRows {
+  int64_t slot, count, next;
+};
+
+// A task's flash-decoding in one thread: block by block, for each KV head its scores, soft-capping, online
+// softmax and weighted values, so that memory never idles between a scores pass and a values pass.
+// head_at(rows, k) reads KV head k's HeadRows: its scores(float* scores) writes scale * q . k of the G query
+// heads to scores[h * block_size + t], its value(t, value) loads row t's value as NV fp32 vectors. Kept out
+// of for_each_task's loop: inlined there, the bf16 path with G = 4 and head_dim 128 ran 12% slower.
+template <int G, int NV, class HeadAt>
+[[gnu::noinline]] void attend(const Task& task, const TaskFeatures& features, int64_t num_kv_heads,
+                              int64_t block_size, std::vector<float>& scratch, HeadAt head_at) {
+  constexpr int D = 16 * NV;
+  const int64_t rows = task.heads * G;
+  scratch.resize(G * block_size + rows * (D + 2));
+  float* scores = scratch.data();
+  float* acc_store = scores + G * block_size;
+  float* peak = acc_store + rows * D;
+  float* total = peak + rows;
+  std::fill(acc_store, acc_store + rows * D, 0.f);
+  features.start(task.heads, G, peak, total);
+  const auto slot_of = [&](int64_t index, int64_t k) {
+    return (task.blocks[index] * num_kv_heads + task.first_head + k) * block_size;
+  };
+  for (int64_t start = features.first - features.first % block_size; start < task.length; start += block_size) {
+    const int64_t index = start / block_size, skip = std::max<int64_t>(0, features.first - start);
+    const int64_t count = std::min(block_size, task.length - start) - skip;
+    const bool last = start + block_size >= task.length;
+    for (int64_t k = 0; k < task.heads; ++k) {
+      const int64_t next = k + 1 < task.heads ? slot_of(index, k + 1) + skip : last ? -1 : slot_of(index + 1, 0);
+      const auto head = head_at(HeadRows{slot_of(index, k) + skip, count, next}, k);
+      head.scores(scores);
+      features.cap(scores, G, block_size, count);
+      float rescale[G];
+      for (int h = 0; h < G; ++h)
+        online_softmax(scores + h * block_size, count, peak[k * G + h], total[k * G + h], rescale[h]);
+      accumulate_values<G, NV>(acc_store + k * G * D, rescale, scores, block_size, count,
+                               [&](int64_t t, auto& value) { head.value(t, value); });
+    }
+  }
+  store_normalized<G, NV>(acc_store, total, task.heads, task.out, task.head_stride);
+}
+
+// Shares a batch's query rows out over the threads as Tasks (the arguments are attention_rows_avx512's)
+// and calls run(std::integral_constant<int, G>, std::integral_constant<int, NV>, task, its TaskFeatures,
+// the thread's scratch) for each, G its query heads per KV head and NV = head_dim / 16. Rows go whole,
+// which reads the longest contiguous runs, but are split by KV head when too few to share out; a task takes
+// at most 4 query heads of each KV head.
+template <class Run>
+void for_each_task(const torch::Tensor& q, int64_t num_kv_heads, const torch::Tensor& table,
+                   const torch::Tensor& seqs, const torch::Tensor& lengths, const AttnFeatures& features,
+                   torch::Tensor& out, Run run) {
+  const int64_t rows = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t group = num_heads / num_kv_heads, width = table.size(1), threads = at::get_num_threads();
+  const int64_t splits = rows >= 4 * threads ? 1 : num_kv_heads, heads_per_task = num_kv_heads / splits;
+  const bf16* q_ptr = q.data_ptr<bf16>();
+  const int64_t* table_ptr = table.data_ptr<int64_t>();
+  const int64_t* seq_ptr = seqs.defined() ? seqs.data_ptr<int64_t>() : nullptr;
+  const int64_t* len_ptr = lengths.data_ptr<int64_t>();
+  const int64_t q_stride = q.stride(0);
+  bf16* out_ptr = out.data_ptr<bf16>();
+  const auto with_nv = [&](auto nv, const Task& task, const TaskFeatures& task_features, std::vector<float>& scratch) {
+    switch (task.group) {
+      case 1: return run(std::integral_constant<int, 1>{}, nv, task, task_features, scratch);
+      case 2: return run(std::integral_constant<int, 2>{}, nv, task, task_features, scratch);
+      case 3: return run(std::integral_constant<int, 3>{}, nv, task, task_features, scratch);
+      default: return run(std::integral_constant<int, 4>{}, nv, task, task_features, scratch);
+    }
+  };
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t index = 0; index < rows * splits; ++index) {
+      const int64_t row = index / splits, first_head = (index % splits) * heads_per_task;
+      const int64_t* blocks = table_ptr + (seq_ptr ? seq_ptr[row] : row) * width;
+      for (int64_t h = 0; h < group; h += 4) {
+        const int64_t offset = (first_head * group + h) * head_dim;
+        const Task task{q_ptr + row * q_stride + offset, out_ptr + row * num_heads * head_dim + offset, blocks,
+                        len_ptr[row], heads_per_task, first_head, group * head_dim, std::min<int64_t>(4, group - h)};
+        const TaskFeatures task_features(features, len_ptr[row], first_head * group + h, group);
+        if (head_dim == 64)
+          with_nv(std::integral_constant<int, 4>{}, task, task_features, scratch);
+        else
+          with_nv(std::integral_constant<int, 8>{}, task, task_features, scratch);
+      }
+    }
+  }
 }
 
 }  // namespace attention_avx512

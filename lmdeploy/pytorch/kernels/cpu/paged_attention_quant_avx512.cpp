@@ -1,6 +1,6 @@
 // The AVX-512 path of paged attention over int8 and int4 caches (bf16 queries, head_dim 64 or 128); the
 // codes are read as they are, half or a quarter of a bf16 cache's bytes, and never written back out
-// dequantized. Same task layout and online softmax as paged_attention_avx512.cpp.
+// dequantized. The tasks and their online softmax are attention_avx512.h's, as for bf16 caches.
 // Scores: a key row is scale * codes + zero, so q . k = scale * (q . codes) + zero * sum(q). Each task
 // rounds its query heads once to int16 (q ~ step * q16, 1/65534 of the largest |q| at worst) and q16 .
 // codes is an exact integer dot product (vpdpwssd, 32 codes a step, the same count as the bf16 path's
@@ -103,18 +103,11 @@ inline void dequantize(const uint8_t* row, __m512 scale, __m512 zero, __m512 (&o
   }
 }
 
-// As Task in paged_attention_avx512.cpp; cache rows are addressed by slot, (block * H_kv + head) * block_size + t.
-struct QuantTask {
-  const bf16* q;
-  bf16* out;
-  const int64_t* blocks;
-  int64_t length, heads, head_stride, first_head;
-};
-
-struct QuantCache {
+struct Cache {
   const uint8_t *k, *v;
-  const float *k_sz, *v_sz;  // (scale, zero) per slot
+  const float *k_sz, *v_sz;  // (scale, zero) per row
   int64_t num_kv_heads, block_size;
+  float scale;
 };
 
 // Rows [first, first + count) of one KV head's K block against G query heads into
@@ -154,65 +147,39 @@ void block_scores(const QuantQuery<NV>* query, const uint8_t* rows, const float*
   }
 }
 
+// KV head k's rows of a block in a quantized cache, which holds cache row r's codes from r * row_bytes and its
+// (scale, zero) at 2 * r.
 template <int G, int NV, int BITS>
-void run_task(const QuantTask& task, const TaskFeatures& features, const QuantCache& cache, float scale,
-              std::vector<float>& scratch) {
+struct Head {
+  static constexpr int64_t row_bytes = 16 * NV * BITS / 8;
+  const QuantQuery<NV>* queries;  // the KV head's G query heads
+  const Cache& cache;
+  HeadRows rows;
+  const uint8_t* values = cache.v + rows.slot * row_bytes;
+  const float* v_sz = cache.v_sz + 2 * rows.slot;
+  const uint8_t* pull = rows.next < 0 ? nullptr : cache.k + rows.next * row_bytes;  // read while the values are
+
+  void scores(float* scores) const {
+    prefetch_l2(v_sz, rows.count * 8);
+    block_scores<G, NV, BITS>(queries, cache.k + rows.slot * row_bytes, cache.k_sz + 2 * rows.slot, rows.count,
+                              cache.scale, values, scores, cache.block_size);
+    if (pull) prefetch_l2(cache.k_sz + 2 * rows.next, cache.block_size * 8);
+  }
+  void value(int64_t t, __m512 (&value)[NV]) const {
+    if (pull) prefetch_l2(pull + t * row_bytes, row_bytes);
+    dequantize<NV, BITS>(values + t * row_bytes, _mm512_set1_ps(v_sz[2 * t]), _mm512_set1_ps(v_sz[2 * t + 1]), value);
+  }
+};
+
+template <int G, int NV, int BITS>
+void run_task(const Task& task, const TaskFeatures& features, const Cache& cache, std::vector<float>& scratch) {
   constexpr int D = 16 * NV;
-  constexpr int64_t row_bytes = D * BITS / 8;
-  const int64_t rows = task.heads * G, block_size = cache.block_size;
-  scratch.resize(G * block_size + rows * (D + 2));
-  float* scores = scratch.data();
-  float* acc_store = scores + G * block_size;
-  float* peak = acc_store + rows * D;
-  float* total = peak + rows;
-  std::fill(acc_store, acc_store + rows * D, 0.f);
-  features.start(task.heads, G, peak, total);
   std::vector<QuantQuery<NV>> queries;
   for (int64_t k = 0; k < task.heads; ++k)
     for (int h = 0; h < G; ++h) queries.emplace_back(task.q + k * task.head_stride + h * D);
-  const auto slot_of = [&](int64_t index, int64_t k) {
-    return (task.blocks[index] * cache.num_kv_heads + task.first_head + k) * block_size;
-  };
-  for (int64_t start = features.first - features.first % block_size; start < task.length; start += block_size) {
-    const int64_t index = start / block_size, skip = std::max<int64_t>(0, features.first - start);
-    const int64_t in_block = std::min(block_size, task.length - start) - skip;
-    const bool last = start + block_size >= task.length;
-    for (int64_t k = 0; k < task.heads; ++k) {
-      const int64_t first_slot = slot_of(index, k) + skip;
-      const uint8_t* keys = cache.k + first_slot * row_bytes;
-      const uint8_t* values = cache.v + first_slot * row_bytes;
-      const float* v_sz = cache.v_sz + 2 * first_slot;
-      prefetch_l2(v_sz, in_block * 8);
-      block_scores<G, NV, BITS>(queries.data() + k * G, keys, cache.k_sz + 2 * first_slot, in_block, scale, values,
-                                scores, block_size);
-      features.cap(scores, G, block_size, in_block);
-      float rescale[G];
-      for (int h = 0; h < G; ++h)
-        online_softmax(scores + h * block_size, in_block, peak[k * G + h], total[k * G + h], rescale[h]);
-      const int64_t next_slot = k + 1 < task.heads ? slot_of(index, k + 1) : last ? -1 : slot_of(index + 1, 0);
-      if (next_slot >= 0) prefetch_l2(cache.k_sz + 2 * next_slot, block_size * 8);
-      const uint8_t* pull = next_slot >= 0 ? cache.k + next_slot * row_bytes : nullptr;
-      accumulate_values<G, NV>(acc_store + k * G * D, rescale, scores, block_size, in_block,
-                               [&](int64_t t, auto& value) {
-                                 if (pull) prefetch_l2(pull + t * row_bytes, row_bytes);
-                                 dequantize<NV, BITS>(values + t * row_bytes, _mm512_set1_ps(v_sz[2 * t]),
-                                                      _mm512_set1_ps(v_sz[2 * t + 1]), value);
-                               });
-    }
-  }
-  store_normalized<G, NV>(acc_store, total, task.heads, task.out, task.head_stride);
-}
-
-using TaskFn = void (*)(const QuantTask&, const TaskFeatures&, const QuantCache&, float, std::vector<float>&);
-
-template <int NV, int BITS>
-TaskFn task_for(int64_t heads) {
-  switch (heads) {
-    case 1: return &run_task<1, NV, BITS>;
-    case 2: return &run_task<2, NV, BITS>;
-    case 3: return &run_task<3, NV, BITS>;
-    default: return &run_task<4, NV, BITS>;
-  }
+  attend<G, NV>(task, features, cache.num_kv_heads, cache.block_size, scratch, [&](const HeadRows& rows, int64_t k) {
+    return Head<G, NV, BITS>{queries.data() + k * G, cache, rows};
+  });
 }
 
 }  // namespace
@@ -221,38 +188,17 @@ bool attention_rows_quant_avx512(const torch::Tensor& q, const torch::Tensor& k_
                                  const KVQuant& quant, const torch::Tensor& table, const torch::Tensor& seqs,
                                  const torch::Tensor& lengths, double scale, const AttnFeatures& features,
                                  torch::Tensor& out) {
-  const int64_t head_dim = q.size(2);
-  if (q.scalar_type() != at::kBFloat16 || (head_dim != 64 && head_dim != 128)) return false;
-  const int64_t rows = q.size(0), num_heads = q.size(1), num_kv_heads = k_cache.size(1);
-  const int64_t group = num_heads / num_kv_heads, width = table.size(1), threads = at::get_num_threads();
-  const int64_t splits = rows >= 4 * threads ? 1 : num_kv_heads, heads_per_task = num_kv_heads / splits;
-  const QuantCache cache{k_cache.data_ptr<uint8_t>(), v_cache.data_ptr<uint8_t>(),
-                         quant.k_scales_zeros.data_ptr<float>(), quant.v_scales_zeros.data_ptr<float>(), num_kv_heads,
-                         k_cache.size(2)};
-  const bf16* q_ptr = q.data_ptr<bf16>();
-  const int64_t* table_ptr = table.data_ptr<int64_t>();
-  const int64_t* seq_ptr = seqs.defined() ? seqs.data_ptr<int64_t>() : nullptr;
-  const int64_t* len_ptr = lengths.data_ptr<int64_t>();
-  const int64_t q_stride = q.stride(0);
-  bf16* out_ptr = out.data_ptr<bf16>();
-#pragma omp parallel num_threads(threads)
-  {
-    std::vector<float> scratch;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t index = 0; index < rows * splits; ++index) {
-      const int64_t row = index / splits, first_head = (index % splits) * heads_per_task;
-      const int64_t* blocks = table_ptr + (seq_ptr ? seq_ptr[row] : row) * width;
-      for (int64_t h = 0; h < group; h += 4) {
-        const int64_t offset = (first_head * group + h) * head_dim, heads = std::min<int64_t>(4, group - h);
-        const QuantTask task{q_ptr + row * q_stride + offset, out_ptr + row * num_heads * head_dim + offset, blocks,
-                             len_ptr[row], heads_per_task, group * head_dim, first_head};
-        const TaskFn fn = head_dim == 64 ? (quant.bits == 8 ? task_for<4, 8>(heads) : task_for<4, 4>(heads))
-                                         : (quant.bits == 8 ? task_for<8, 8>(heads) : task_for<8, 4>(heads));
-        fn(task, TaskFeatures(features, len_ptr[row], first_head * group + h, group), cache,
-           static_cast<float>(scale), scratch);
-      }
-    }
-  }
+  if (!takes_queries(q)) return false;
+  const Cache cache{k_cache.data_ptr<uint8_t>(), v_cache.data_ptr<uint8_t>(), quant.k_scales_zeros.data_ptr<float>(),
+                    quant.v_scales_zeros.data_ptr<float>(), k_cache.size(1), k_cache.size(2),
+                    static_cast<float>(scale)};
+  for_each_task(q, cache.num_kv_heads, table, seqs, lengths, features, out,
+                [&](auto G, auto NV, const Task& task, const TaskFeatures& task_features, std::vector<float>& scratch) {
+                  if (quant.bits == 8)
+                    run_task<decltype(G)::value, decltype(NV)::value, 8>(task, task_features, cache, scratch);
+                  else
+                    run_task<decltype(G)::value, decltype(NV)::value, 4>(task, task_features, cache, scratch);
+                });
   return true;
 }
 

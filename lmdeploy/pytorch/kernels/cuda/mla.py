@@ -13,7 +13,8 @@ import triton
 import triton.language as tl
 
 from lmdeploy.pytorch.kernels.cuda.decode_attention import reduce_splits, split_partials, store_split_partial
-from lmdeploy.pytorch.kernels.cuda.utils import dot_precision, online_softmax_update
+from lmdeploy.pytorch.kernels.cuda.utils import (dot_precision, online_softmax_update, prefill_rows,
+                                                 store_normalized_rows)
 from lmdeploy.pytorch.kernels.mla import fill_latent_cache
 
 __all__ = ['fill_latent_cache', 'mla_decode_attention', 'mla_prefill_attention']
@@ -91,15 +92,10 @@ def _mla_prefill_kernel(q_ptr, cache_ptr, out_ptr, table_ptr, q_start_ptr, q_len
                         rope_dim, stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_tb,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                         BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
-    mblock = tl.program_id(0)
-    seq = tl.program_id(1).to(tl.int64)
-    head = tl.program_id(2)
-    q_len = tl.load(q_len_ptr + seq)
-    if mblock * BLOCK_M >= q_len:
+    seq, q_start, q_len, prefix, rows, seen = prefill_rows(q_start_ptr, q_len_ptr, ctx_len_ptr, BLOCK_M)
+    if tl.program_id(0) * BLOCK_M >= q_len:
         return
-    q_start = tl.load(q_start_ptr + seq).to(tl.int64)
-    prefix = tl.load(ctx_len_ptr + seq) - q_len
-    rows = mblock * BLOCK_M + tl.arange(0, BLOCK_M)
+    head = tl.program_id(2)
     rmask = rows < q_len
     lat = tl.arange(0, BLOCK_L)
     rope = tl.arange(0, BLOCK_R)
@@ -110,11 +106,10 @@ def _mla_prefill_kernel(q_ptr, cache_ptr, out_ptr, table_ptr, q_start_ptr, q_len
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_L], tl.float32)
     n = tl.arange(0, BLOCK_N)
-    # this program's last query sees the context up to its own position
-    seen = prefix + tl.minimum(q_len, (mblock + 1) * BLOCK_M)
-    for start in range(0, seen, BLOCK_N):
+    context = prefix + seen  # what the program's last query sees
+    for start in range(0, context, BLOCK_N):
         pos = start + n
-        valid = pos < seen
+        valid = pos < context
         block = tl.load(table_ptr + seq * stride_tb + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         kv_lat, kv_rope = _load_rows(cache_ptr, block * stride_cb + (pos % BLOCK_SIZE) * stride_cs, valid, lat, rope,
                                      v_dim, rope_dim)
@@ -122,9 +117,7 @@ def _mla_prefill_kernel(q_ptr, cache_ptr, out_ptr, table_ptr, q_start_ptr, q_len
         s = (s + tl.dot(q_rope, tl.trans(kv_rope), input_precision=PRECISION)) * scale
         s = tl.where(valid[None, :] & (pos[None, :] <= (prefix + rows)[:, None]), s, float('-inf'))
         m, l, acc = online_softmax_update(s, kv_lat, m, l, acc, PRECISION)
-    out = acc / tl.where(l > 0, l, 1.0)[:, None]
-    tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + lat[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & (lat < v_dim)[None, :])
+    store_normalized_rows(out_ptr + (q_start + rows) * stride_ot + head * stride_oh, rmask, lat, lat < v_dim, acc, l)
 
 
 def mla_prefill_attention(q: torch.Tensor, latent: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,

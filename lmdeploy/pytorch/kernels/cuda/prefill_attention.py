@@ -15,7 +15,8 @@ import triton
 import triton.language as tl
 
 from lmdeploy.pytorch.kernels.cuda.kv_quant import load_dequantized
-from lmdeploy.pytorch.kernels.cuda.utils import dot_precision, online_softmax_update, soft_cap
+from lmdeploy.pytorch.kernels.cuda.utils import (dot_precision, online_softmax_update, prefill_rows, soft_cap,
+                                                 store_normalized_rows)
 
 
 @triton.jit
@@ -35,16 +36,11 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, out_p
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
                     PRECISION: tl.constexpr, BITS: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
                     SINKS: tl.constexpr):
-    mblock = tl.program_id(0)
-    seq = tl.program_id(1).to(tl.int64)
+    seq, q_start, q_len, prefix, rows, seen = prefill_rows(q_start_ptr, q_len_ptr, ctx_len_ptr, BLOCK_M)
+    if tl.program_id(0) * BLOCK_M >= q_len:
+        return
     head = tl.program_id(2)
     kvh = head // group
-    q_len = tl.load(q_len_ptr + seq)
-    if mblock * BLOCK_M >= q_len:
-        return
-    q_start = tl.load(q_start_ptr + seq).to(tl.int64)
-    prefix = tl.load(ctx_len_ptr + seq) - q_len
-    rows = mblock * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < q_len
     d = tl.arange(0, BLOCK_D)
     dmask = d < head_dim
@@ -55,10 +51,10 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, out_p
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     t = tl.arange(0, BLOCK_SIZE)
     # the cached keys this program reads: the prefix, and with a quantized cache its chunk's keys up to its last row
-    cached = prefix if BITS == 0 else prefix + tl.minimum(q_len, (mblock + 1) * BLOCK_M)
+    cached = prefix if BITS == 0 else prefix + seen
     lo = 0  # the first position the program's first row sees
     if WINDOW:
-        lo = tl.maximum(prefix + mblock * BLOCK_M - window + 1, 0)
+        lo = tl.maximum(prefix + tl.program_id(0) * BLOCK_M - window + 1, 0)
     for i in range(lo // BLOCK_SIZE, tl.cdiv(cached, BLOCK_SIZE)):
         block = tl.load(table_ptr + seq * stride_tb + i).to(tl.int64)
         base = block * stride_cb + kvh * stride_ch
@@ -79,7 +75,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, out_p
         m, l, acc = _online_softmax_step(q, k, v, s_mask, m, l, acc, scale, softcap, PRECISION, SOFTCAP)
     n = tl.arange(0, BLOCK_N)
     first_col = tl.maximum(lo - prefix, 0) // BLOCK_N * BLOCK_N
-    for j in range(first_col, tl.minimum(q_len, (mblock + 1) * BLOCK_M) if BITS == 0 else 0, BLOCK_N):
+    for j in range(first_col, seen if BITS == 0 else 0, BLOCK_N):
         cols = j + n
         cmask = cols < q_len
         k = tl.load(k_ptr + (q_start + cols)[None, :] * stride_kt + kvh * stride_kh + d[:, None],
@@ -96,9 +92,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, out_p
         alpha = tl.exp(m - m_new)
         acc = acc * alpha[:, None]
         l = l * alpha + tl.exp(sink - m_new)
-    out = acc / tl.where(l > 0, l, 1.0)[:, None]
-    tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
+    store_normalized_rows(out_ptr + (q_start + rows) * stride_ot + head * stride_oh, rmask, d, dmask, acc, l)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

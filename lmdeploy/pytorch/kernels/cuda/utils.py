@@ -25,3 +25,26 @@ def online_softmax_update(s, v, m, l, acc, PRECISION: tl.constexpr):
     alpha = tl.exp(m - m_safe)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l * alpha + tl.sum(p, axis=1), acc
+
+
+@triton.jit
+def prefill_rows(q_start_ptr, q_len_ptr, ctx_len_ptr, BLOCK_M: tl.constexpr):
+    """A prefill program's place: program ``(m, seq, head)`` takes rows ``m * BLOCK_M + [0, BLOCK_M)`` of sequence
+    ``seq``'s chunk of ``q_len`` rows, packed from row ``q_start`` after ``prefix`` cached tokens. Returns ``seq``,
+    ``q_start``, ``q_len``, ``prefix``, the rows and, as ``seen``, the chunk rows up to the program's last one."""
+    mblock = tl.program_id(0)
+    seq = tl.program_id(1).to(tl.int64)
+    q_len = tl.load(q_len_ptr + seq)
+    q_start = tl.load(q_start_ptr + seq).to(tl.int64)
+    prefix = tl.load(ctx_len_ptr + seq) - q_len
+    rows = mblock * BLOCK_M + tl.arange(0, BLOCK_M)
+    return seq, q_start, q_len, prefix, rows, tl.minimum(q_len, (mblock + 1) * BLOCK_M)
+
+
+@triton.jit
+def store_normalized_rows(row_ptrs, rmask, cols, cmask, acc, l):
+    """``acc / l`` (zero rows where nothing was summed) into ``row_ptrs[:, None] + cols[None, :]``, where both
+    masks allow."""
+    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    tl.store(row_ptrs[:, None] + cols[None, :], out.to(row_ptrs.dtype.element_ty),
+             mask=rmask[:, None] & cmask[None, :])
