@@ -149,6 +149,6 @@ class DeepseekV3ForCausalLM(MoEForCausalLM):
             elif isinstance(module, FusedExperts):
                 module.finalize(LinearOptions(pack_cpu, dtype=self.cfg.dtype))
         if small_step_int4:
-            self.lm_head.enable_fp16()
+            self.lm_head.enable_small_step_copy()
         if pack_cpu:
             self.lm_head.pack_for_cpu()
