@@ -76,6 +76,16 @@ def test_bf16_first_logits_near_transformers(deepseek):
                               relative=True)
 
 
+def test_bf16_small_step_copies_decode(deepseek):
+    """``decode_int4`` in bf16 (the default for a Q4_1 GGUF file): the projections' 4-bit copies and the LM
+    head's small-step copy serve batch-1 decode, 32 tokens for each prompt."""
+    engine = Engine(deepseek, PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=64, block_size=16,
+                                                  decode_int4=True), show_progress=False)
+    lm_head = engine.runner.model.lm_head
+    assert lm_head.q8 is not None or lm_head.fp16 is not None
+    assert [len(tokens) for tokens in run(engine, random_prompts([7, 20], seed=3))] == [32, 32]
+
+
 def test_batched_chunked_and_cached_equal_solo(deepseek):
     assert_batched_chunked_and_cached_equal_solo(deepseek, prefix_sharing_prompts())
 
