@@ -65,10 +65,10 @@ def awq_tensors(weight: torch.Tensor, group_size: int) -> dict[str, torch.Tensor
     return {'qweight': pack_awq(codes.T), 'qzeros': pack_awq(zeros.T), 'scales': scales.T.contiguous()}
 
 
-def _search(block, linears: list[nn.Linear], x: torch.Tensor, x_mean: torch.Tensor, expand, group_size: int,
-            n_grid: int) -> torch.Tensor:
+def _search(block, linears: list[nn.Linear], x: torch.Tensor, x_mean: torch.Tensor, group_size: int, n_grid: int,
+            expand=None) -> torch.Tensor:
     """The ``s`` (shaped as ``x_mean``) whose quantized ``linears`` make ``block(x)`` closest to its output with
-    the original weights; ``expand`` maps ``s`` to the linears' input channels."""
+    the original weights; ``expand`` maps ``s`` to the linears' input channels (None: they are the same)."""
     expected = block(x)
     originals = [linear.weight.data for linear in linears]
     best, best_error = None, float('inf')
@@ -76,7 +76,7 @@ def _search(block, linears: list[nn.Linear], x: torch.Tensor, x_mean: torch.Tens
         for step in range(n_grid + 1):
             s = x_mean.pow(step / n_grid).clamp_min(MIN_SCALE)
             s = s / (s.max() * s.min()).sqrt()
-            full = expand(s)
+            full = expand(s) if expand else s
             for linear, weight in zip(linears, originals):
                 linear.weight.data = fake_quantize(weight * full, group_size) / full
             error = (block(x) - expected).pow(2).mean().item()
@@ -152,9 +152,6 @@ def search_scales(model: nn.Module, input_ids: torch.Tensor, config: dict, group
         def mean(name: str) -> torch.Tensor:
             return inputs[name].abs().reshape(-1, inputs[name].shape[-1]).mean(0)
 
-        def same(s: torch.Tensor) -> torch.Tensor:
-            return s
-
         def attention(x: torch.Tensor) -> torch.Tensor:
             return attn(hidden_states=x, **attn_kwargs)[0]
 
@@ -163,15 +160,14 @@ def search_scales(model: nn.Module, input_ids: torch.Tensor, config: dict, group
 
         scales[f'{prefix}.input_layernorm'] = _search(
             attention, [attn.q_proj, attn.k_proj, attn.v_proj], inputs['self_attn.q_proj'],
-            mean('self_attn.q_proj'), same, group_size, n_grid)
+            mean('self_attn.q_proj'), group_size, n_grid)
         scales[f'{prefix}.self_attn.v_proj'] = _search(
             attn.o_proj, [attn.o_proj], inputs['self_attn.o_proj'],
-            kv_shared(mean('self_attn.o_proj'), group, head_dim, 'mean'), expand_kv, group_size, n_grid)
+            kv_shared(mean('self_attn.o_proj'), group, head_dim, 'mean'), group_size, n_grid, expand_kv)
         scales[f'{prefix}.post_attention_layernorm'] = _search(
-            mlp, [mlp.gate_proj, mlp.up_proj], inputs['mlp.gate_proj'], mean('mlp.gate_proj'), same, group_size,
-            n_grid)
+            mlp, [mlp.gate_proj, mlp.up_proj], inputs['mlp.gate_proj'], mean('mlp.gate_proj'), group_size, n_grid)
         scales[f'{prefix}.mlp.up_proj'] = _search(
-            mlp.down_proj, [mlp.down_proj], inputs['mlp.down_proj'], mean('mlp.down_proj'), same, group_size, n_grid)
+            mlp.down_proj, [mlp.down_proj], inputs['mlp.down_proj'], mean('mlp.down_proj'), group_size, n_grid)
         hidden = next_hidden
     return scales
 
