@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from family_checks import assert_tp2_equals_tp1
 from helpers import hf_greedy, make_engine, random_prompts, run
 from test_gguf import _encode, make_gguf
 from transformers import AutoModelForCausalLM
@@ -127,11 +128,4 @@ def test_tp2_matches_tp1(tmp_path: Path, qtype):
     make_gguf(src, 'llama', head_dim=128, hidden=512, ffn=512, projections=qtype)
     convert_gguf(str(src), str(tmp_path / 'hf'))
     prompts = random_prompts([5, 17], seed=3, vocab=200)
-    outs = {}
-    for tp in (1, 2):
-        engine = make_engine(str(tmp_path / 'hf'), tp=tp)
-        try:
-            outs[tp] = run(engine, prompts)
-        finally:
-            engine.close()
-    assert outs[1] == outs[2]
+    assert_tp2_equals_tp1(str(tmp_path / 'hf'), prompts)

@@ -15,6 +15,7 @@ from gguf import GGMLQuantizationType as Q
 from transformers import AutoModelForCausalLM
 
 from conftest import save_tiny_model
+from family_checks import assert_tp2_equals_tp1
 from helpers import hf_greedy, make_engine, random_prompts, run
 from test_gguf import _add_tokenizer, finish, llama_permute, make_gguf
 
@@ -222,14 +223,7 @@ def test_tp2_matches_tp1(mixed_file):
     """Each rank builds its layers in their own formats and slices their blocks as tp=1 holds them whole."""
     _, tmp = mixed_file
     prompts = random_prompts([5, 17], seed=3, vocab=250)
-    outs = {}
-    for tp in (1, 2):
-        engine = make_engine(str(tmp / 'served'), tp=tp)
-        try:
-            outs[tp] = run(engine, prompts)
-        finally:
-            engine.close()
-    assert outs[1] == outs[2]
+    assert_tp2_equals_tp1(str(tmp / 'served'), prompts)
 
 
 def test_tp2_dequantizes_a_share_that_splits_blocks(tmp_path: Path):

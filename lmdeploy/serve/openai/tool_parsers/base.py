@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 from lmdeploy.serve.openai.registry import Registry
+from lmdeploy.serve.openai.text_scan import held_back, strip_end
 
 
 def tool_call_id() -> str:
@@ -79,6 +80,19 @@ class ToolParser(ABC):
         """The first piece of the next tool call."""
         self.num_calls += 1
         return ToolCallDelta(self.num_calls - 1, tool_call_id(), name, arguments)
+
+    def _content_until(self, marker: str, final: bool, out: ParsedDelta) -> bool:
+        """Moves the text from ``pos`` up to ``marker`` into ``out.content`` (without the whitespace before
+        it) and ``pos`` past it: True. Without the marker: the text that cannot be its start, False."""
+        found = self.text.find(marker, self.pos)
+        if found < 0:
+            end = len(self.text) if final else strip_end(self.text, self.pos, held_back(self.text, self.pos, marker))
+            out.content += self.text[self.pos:end]
+            self.pos = max(self.pos, end)
+            return False
+        out.content += self.text[self.pos:strip_end(self.text, self.pos, found)]
+        self.pos = found + len(marker)
+        return True
 
     @abstractmethod
     def _advance(self, final: bool) -> ParsedDelta:

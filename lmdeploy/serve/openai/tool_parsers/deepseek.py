@@ -9,7 +9,7 @@ a JSON code block, V3.1 the name and the arguments alone::
 """
 from __future__ import annotations
 
-from lmdeploy.serve.openai.text_scan import held_back, skip_whitespace, strip_end
+from lmdeploy.serve.openai.text_scan import held_back, skip_whitespace
 from lmdeploy.serve.openai.tool_parsers.base import ParsedDelta, ToolCallDelta, ToolParser, register_tool_parser
 
 CALLS_BEGIN, CALLS_END = '<｜tool▁calls▁begin｜>', '<｜tool▁calls▁end｜>'
@@ -33,15 +33,9 @@ class DeepSeekV3ToolParser(ToolParser):
         out = ParsedDelta()
         while True:
             if self.state == 'text':
-                found = self.text.find(CALLS_BEGIN, self.pos)
-                if found < 0:
-                    end = len(self.text) if final else strip_end(self.text, self.pos,
-                                                                  held_back(self.text, self.pos, CALLS_BEGIN))
-                    out.content += self.text[self.pos:end]
-                    self.pos = max(self.pos, end)
+                if not self._content_until(CALLS_BEGIN, final, out):
                     return out
-                out.content += self.text[self.pos:strip_end(self.text, self.pos, found)]
-                self.pos, self.state = found + len(CALLS_BEGIN), 'calls'
+                self.state = 'calls'
             elif self.state == 'calls':
                 start = skip_whitespace(self.text, self.pos)
                 rest = self.text[start:start + len(CALL_BEGIN)]

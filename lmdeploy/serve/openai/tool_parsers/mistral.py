@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from lmdeploy.serve.openai.text_scan import held_back, skip_whitespace, strip_end
+from lmdeploy.serve.openai.text_scan import skip_whitespace
 from lmdeploy.serve.openai.tool_parsers.base import ParsedDelta, ToolCallDelta, register_tool_parser
 from lmdeploy.serve.openai.tool_parsers.json_calls import JsonCallsParser, JsonScanner
 
@@ -35,15 +35,9 @@ class MistralToolParser(JsonCallsParser):
         out = ParsedDelta()
         while True:
             if self.state == 'text':
-                found = self.text.find(TOOL_CALLS, self.pos)
-                if found < 0:
-                    end = len(self.text) if final else strip_end(self.text, self.pos,
-                                                                  held_back(self.text, self.pos, TOOL_CALLS))
-                    out.content += self.text[self.pos:end]
-                    self.pos = max(self.pos, end)
+                if not self._content_until(TOOL_CALLS, final, out):
                     return out
-                out.content += self.text[self.pos:strip_end(self.text, self.pos, found)]
-                self.pos, self.state = found + len(TOOL_CALLS), 'calls'
+                self.state = 'calls'
             elif self.state == 'calls':
                 start = skip_whitespace(self.text, self.pos)
                 if start == len(self.text):
