@@ -71,13 +71,15 @@ def test_twin_attends_over_the_dequantized_cache(bits, dtype):
 
 
 @pytest.mark.parametrize('bits', [8, 4])
-@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float16])
-def test_native_fill_matches_twin(native, bits, dtype):
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize('dim', [64, 40])
+def test_native_fill_matches_twin(native, bits, dtype, dim):
+    """The AVX-512 quantizer takes 16 values a step; 40 leaves a partial last step."""
     torch.manual_seed(0)
-    k, v = (torch.randn(40, 3, 64 + 2).to(dtype)[..., :64] for _ in range(2))  # strided rows
+    k, v = (torch.randn(40, 3, dim + 2).to(dtype)[..., :dim] for _ in range(2))  # strided rows
     slots = torch.randperm(96)[:40]
     blocks, offsets = slots // 16, slots % 16
-    caches = [[torch.zeros(6, 3, 16, 64 * bits // 8, dtype=torch.uint8) for _ in range(2)]
+    caches = [[torch.zeros(6, 3, 16, dim * bits // 8, dtype=torch.uint8) for _ in range(2)]
               + [torch.zeros(6, 3, 16, 2) for _ in range(2)] for _ in range(2)]
     native.fill_kv_cache(k, v, caches[0][0], caches[0][1], blocks, offsets, caches[0][2], caches[0][3], bits)
     attention.fill_kv_cache(k, v, caches[1][0], caches[1][1], blocks, offsets, caches[1][2], caches[1][3], bits)
