@@ -1,15 +1,17 @@
 // The AVX-512 path of paged attention over int8 and int4 caches (bf16 queries, head_dim 64 or 128); the
 // codes are read as they are, half or a quarter of a bf16 cache's bytes, and never written back out
 // dequantized. The tasks and their online softmax are attention_avx512.h's, as for bf16 caches; the
-// arithmetic is integer (AVX512-VNNI, or the same sums from 16-bit products without it).
-// Scores: a key row is scale * codes + zero. Each task rounds its query heads once to int8 (q ~ step * q8,
-// half a step = 1/254 of the largest |q| at worst), and q . k = scale * (q . codes) + zero * sum(q) with
-// q . codes ~ step * (q8 . (codes - middle)) + middle * sum(q) (middle 128 or 8): the codes are centred so that the query's rounding
-// error multiplies key values measured from the middle of their row's range, not from its minimum. q8 . codes
-// is vpdpbusd on four keys at once (their rows' 16-byte blocks transposed into one vector), 64 codes an
-// instruction. Values: out = sum_t p_t * (scale_t * codes_t + zero_t) = sum_t (p_t * scale_t) * codes_t +
-// sum_t p_t * zero_t; the weights p_t * scale_t are rounded to int16 per 64 keys (1/65534 of their largest at
-// worst) and summed with vpdpwssd over pairs of keys' codes, the zero term is one number per head.
+// arithmetic is integer (AVX512-VNNI's vpdpwssd, or vpmaddwd and an add without it).
+// Scores: a key row is scale * codes + zero. Each task rounds its query heads once to int16 (q ~ step * q16,
+// half a step = 1/65534 of the largest |q| at worst), and q . k = scale * (q . codes) + zero * sum(q) with
+// q . codes ~ step * (q16 . (codes - middle)) + middle * sum(q) (middle 128 or 8): centred codes, so that the
+// query's rounding error multiplies key values measured from the middle of their row's range, not from its
+// minimum. q16 . codes is vpdpwssd on four keys at once (their rows' 16-byte blocks transposed into one vector,
+// even and odd bytes as int16). int8 queries (vpdpbusd) were about 7% faster in one thread but put errors of
+// up to 0.1 on the tests' outputs. Values: out = sum_t p_t * (scale_t * codes_t + zero_t) =
+// sum_t (p_t * scale_t) * codes_t + sum_t p_t * zero_t; the weights p_t * scale_t are rounded to int16 per 64
+// keys (1/65534 of their largest at worst) and summed with vpdpwssd over pairs of keys' codes, the zero term
+// is one number per head.
 #include "attention_avx512.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -17,18 +19,6 @@
 namespace {
 
 using namespace attention_avx512;
-
-// acc + the sums of each 32-bit lane's four products of u's unsigned and s's signed bytes.
-inline __m512i dot_u8s8(__m512i acc, __m512i u, __m512i s) {
-#if defined(__AVX512VNNI__)
-  return _mm512_dpbusd_epi32(acc, u, s);
-#else
-  const __m512i even = _mm512_madd_epi16(_mm512_and_si512(u, _mm512_set1_epi16(0xFF)),
-                                         _mm512_srai_epi16(_mm512_slli_epi16(s, 8), 8));
-  const __m512i odd = _mm512_madd_epi16(_mm512_srli_epi16(u, 8), _mm512_srai_epi16(s, 8));
-  return _mm512_add_epi32(acc, _mm512_add_epi32(even, odd));
-#endif
-}
 
 // acc + the sums of each 32-bit lane's two products of int16s.
 inline __m512i dot_i16(__m512i acc, __m512i a, __m512i b) {
@@ -78,7 +68,7 @@ inline void scales_zeros(const float* sz, int n, __m512& scales, __m512& zeros) 
 // A query head of D = 16 * NV values as int16, q ~ step * q16.
 template <int NV>
 struct QuantQuery {
-  __m512i even[NV], odd[NV];  // [j]: q16 of dimensions 16j, 16j + 2, ... (16j + 1, 16j + 3, ...) in each 128-bit block
+  __m512i even[NV], odd[NV];  // [j]: dimensions 16j, 16j + 2, ... (16j + 1, 16j + 3, ...) in each 128-bit block
   float step, sum;  // sum of the query's values
   int32_t code_sum;  // sum of q16
   explicit QuantQuery(const bf16* query) {
@@ -129,7 +119,8 @@ void block_scores(const QuantQuery<NV>* query, const uint8_t* rows, const float*
         __m512i blocks[4] = {key[0][c], key[1][c], key[2][c], key[3][c]};
         transpose_blocks(blocks);
         for (int j = 0; j < 4; ++j) {
-          const __m512i even = _mm512_and_si512(blocks[j], _mm512_set1_epi16(0xFF)), odd = _mm512_srli_epi16(blocks[j], 8);
+          const __m512i even = _mm512_and_si512(blocks[j], _mm512_set1_epi16(0xFF));
+          const __m512i odd = _mm512_srli_epi16(blocks[j], 8);
           for (int h = 0; h < G; ++h)
             dots[h][i] = dot_i16(dot_i16(dots[h][i], even, query[h].even[4 * c + j]), odd, query[h].odd[4 * c + j]);
         }
@@ -216,7 +207,8 @@ void block_values(const uint8_t* rows, const float* sz, float* stored, const flo
       for (int c = 0; c < P; ++c) transpose_blocks(acc[h] + 4 * c);
       for (int i = 0; i < NV; ++i) {
         float* sum = stored + h * D + 16 * i;
-        _mm512_storeu_ps(sum, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[h][i]), w, _mm512_add_ps(_mm512_loadu_ps(sum), z)));
+        const __m512 before = _mm512_add_ps(_mm512_loadu_ps(sum), z);
+        _mm512_storeu_ps(sum, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[h][i]), w, before));
       }
     }
   }
