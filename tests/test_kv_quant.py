@@ -95,11 +95,11 @@ def test_native_fill_matches_twin(native, bits, dtype, dim):
 @pytest.mark.parametrize('bits', [8, 4])
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize('num_heads,num_kv_heads,head_dim', [(9, 3, 64), (4, 2, 32), (16, 2, 128), (6, 1, 64)])
-@pytest.mark.parametrize('block_size,copies', [(16, 1), (24, 6)])
+@pytest.mark.parametrize('block_size,copies', [(16, 1), (24, 6), (128, 1)])
 def test_native_decode_matches_twin(native, bits, dtype, num_heads, num_kv_heads, head_dim, block_size, copies):
     """bf16 with head_dim 64/128 takes the AVX-512 path (int16 query . codes, int16 weights . codes for the
-    values: the twin's tolerance holds); the rest the generic loop. Many rows: a task per row; few: a task
-    per KV head."""
+    values, 64 keys at a time: blocks of 128 take two); the rest the generic loop. Many rows: a task per
+    row; few: a task per KV head."""
     torch.manual_seed(0)
     lengths = [1, 16, 17, 100, 64, 3, 47] * copies
     case = quantized_case(lengths, num_kv_heads, block_size, head_dim, bits)
