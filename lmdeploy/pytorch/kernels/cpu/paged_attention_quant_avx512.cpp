@@ -39,20 +39,19 @@ inline void transpose_blocks(__m512i* v) {
   v[3] = _mm512_shuffle_i32x4(t1, t3, 0xDD);
 }
 
-// A row's D = 16 * NV codes as bytes, 64 dimensions a vector in order: int8 as stored, int4 (dimension j in
-// byte j's low nibble and j + D / 2 in its high one) unpacked.
+// Dimensions 64c to 64c + 63 of a row of D = 16 * NV codes as bytes, in order: int8 as stored, int4 (dimension
+// j in byte j's low nibble and j + D / 2 in its high one) unpacked.
 template <int NV, int BITS>
-inline void row_codes(const uint8_t* row, __m512i (&out)[NV / 4]) {
+inline __m512i row_piece(const uint8_t* row, int c) {
   const __m512i nibble = _mm512_set1_epi8(15);
   if constexpr (BITS == 8) {
-    for (int c = 0; c < NV / 4; ++c) out[c] = _mm512_loadu_si512(row + 64 * c);
+    return _mm512_loadu_si512(row + 64 * c);
   } else if constexpr (NV == 4) {
     const __m512i x = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)));
-    out[0] = _mm512_and_si512(_mm512_mask_srli_epi16(x, 0xFFFF0000u, x, 4), nibble);
+    return _mm512_and_si512(_mm512_mask_srli_epi16(x, 0xFFFF0000u, x, 4), nibble);
   } else {
     const __m512i x = _mm512_loadu_si512(row);
-    out[0] = _mm512_and_si512(x, nibble);
-    out[1] = _mm512_and_si512(_mm512_srli_epi16(x, 4), nibble);
+    return _mm512_and_si512(c == 0 ? x : _mm512_srli_epi16(x, 4), nibble);
   }
 }
 
@@ -99,7 +98,7 @@ struct QuantQuery {
 };
 
 // Rows [0, count) of one KV head's K block against G query heads into scores[h * block_size + t], 16 keys at
-// a time, prefetching `pull` (the rows of the next pass) meanwhile. Four keys go in one vector, key
+// a time, prefetching `pull` (the V rows of the pass) meanwhile. Four keys go in one vector, key
 // i + 4L in block L of dots[h][i], so that the final reduction leaves key t's score in lane t.
 template <int G, int NV, int BITS>
 void block_scores(const QuantQuery<NV>* query, const uint8_t* rows, const float* sz, int64_t count, float scale,
@@ -112,11 +111,12 @@ void block_scores(const QuantQuery<NV>* query, const uint8_t* rows, const float*
     if (pull) prefetch_l2(pull + first * row_bytes, std::min<int64_t>(kChunk, block_size - first) * row_bytes);
     __m512i dots[G][4];
     for (int i = 0; i < 4; ++i) {
-      __m512i key[4][P];  // keys past n read row n - 1 again: their scores are not stored
-      for (int L = 0; L < 4; ++L) row_codes<NV, BITS>(rows + (first + std::min(i + 4 * L, n - 1)) * row_bytes, key[L]);
+      const uint8_t* key[4];  // keys past n read row n - 1 again: their scores are not stored
+      for (int L = 0; L < 4; ++L) key[L] = rows + (first + std::min(i + 4 * L, n - 1)) * row_bytes;
       for (int h = 0; h < G; ++h) dots[h][i] = _mm512_setzero_si512();
       for (int c = 0; c < P; ++c) {
-        __m512i blocks[4] = {key[0][c], key[1][c], key[2][c], key[3][c]};
+        __m512i blocks[4];
+        for (int L = 0; L < 4; ++L) blocks[L] = row_piece<NV, BITS>(key[L], c);
         transpose_blocks(blocks);
         for (int j = 0; j < 4; ++j) {
           const __m512i even = _mm512_and_si512(blocks[j], _mm512_set1_epi16(0xFF));
@@ -146,9 +146,10 @@ void block_scores(const QuantQuery<NV>* query, const uint8_t* rows, const float*
 constexpr int kValueChunk = 64;  // keys per integer sum: 64 * 255 * 32767 < 2^31
 
 // Adds the weights[h * block_size + t]-weighted V rows [0, count) of a block to G heads' sums in stored
-// ([G, D] fp32, first multiplied by rescale[h]), prefetching `pull` (the rows of the next pass) meanwhile. Keys
+// ([G, D] fp32, first multiplied by rescale[h]), prefetching `pull` (the next pass's K rows) meanwhile. Keys
 // go in pairs: their codes interleaved as int16 (key t's in each 32-bit lane's low half) against their two
-// int16 weights; 32-bit lane e of block L of acc[h][4c + m] then sums dimension 64c + 16L + 4m + e.
+// int16 weights; for the row's piece c, 32-bit lane e of block L of acc[h][m] then sums dimension
+// 64c + 16L + 4m + e.
 template <int G, int NV, int BITS>
 void block_values(const uint8_t* rows, const float* sz, float* stored, const float* rescale, const float* weights,
                   int64_t block_size, int64_t count, const uint8_t* pull) {
@@ -181,16 +182,16 @@ void block_values(const uint8_t* rows, const float* sz, float* stored, const flo
         _mm256_store_si256(reinterpret_cast<__m256i*>(w16[h] + 16 * m),
                            _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(w[m], inv))));
     }
-    __m512i acc[G][NV];
-    for (int h = 0; h < G; ++h)
-      for (int i = 0; i < NV; ++i) acc[h][i] = _mm512_setzero_si512();
-    for (int t = 0; t < n; t += 2) {
-      if (pull) prefetch_l2(pull + (first + t) * row_bytes, 2 * row_bytes);
-      __m512i r0[P], r1[P];  // an odd count's last key pairs with itself at weight 0
-      row_codes<NV, BITS>(rows + (first + t) * row_bytes, r0);
-      row_codes<NV, BITS>(rows + (first + std::min(t + 1, n - 1)) * row_bytes, r1);
-      for (int c = 0; c < P; ++c) {
-        const __m512i low = _mm512_unpacklo_epi8(r0[c], r1[c]), high = _mm512_unpackhi_epi8(r0[c], r1[c]);
+    for (int c = 0; c < P; ++c) {  // a piece at a time: G * 4 accumulators stay in registers
+      __m512i acc[G][4];
+      for (int h = 0; h < G; ++h)
+        for (int m = 0; m < 4; ++m) acc[h][m] = _mm512_setzero_si512();
+      for (int t = 0; t < n; t += 2) {
+        if (pull && c == 0) prefetch_l2(pull + (first + t) * row_bytes, 2 * row_bytes);
+        // an odd count's last key pairs with itself at weight 0
+        const __m512i r0 = row_piece<NV, BITS>(rows + (first + t) * row_bytes, c);
+        const __m512i r1 = row_piece<NV, BITS>(rows + (first + std::min(t + 1, n - 1)) * row_bytes, c);
+        const __m512i low = _mm512_unpacklo_epi8(r0, r1), high = _mm512_unpackhi_epi8(r0, r1);
         const __m512i zero = _mm512_setzero_si512();
         const __m512i x[4] = {_mm512_unpacklo_epi8(low, zero), _mm512_unpackhi_epi8(low, zero),
                               _mm512_unpacklo_epi8(high, zero), _mm512_unpackhi_epi8(high, zero)};
@@ -198,17 +199,17 @@ void block_values(const uint8_t* rows, const float* sz, float* stored, const flo
           int32_t pair;
           std::memcpy(&pair, w16[h] + t, sizeof(pair));
           const __m512i w = _mm512_set1_epi32(pair);
-          for (int m = 0; m < 4; ++m) acc[h][4 * c + m] = dot_i16(acc[h][4 * c + m], x[m], w);
+          for (int m = 0; m < 4; ++m) acc[h][m] = dot_i16(acc[h][m], x[m], w);
         }
       }
-    }
-    for (int h = 0; h < G; ++h) {
-      const __m512 w = _mm512_set1_ps(step[h]), z = _mm512_set1_ps(zero_sum[h]);
-      for (int c = 0; c < P; ++c) transpose_blocks(acc[h] + 4 * c);
-      for (int i = 0; i < NV; ++i) {
-        float* sum = stored + h * D + 16 * i;
-        const __m512 before = _mm512_add_ps(_mm512_loadu_ps(sum), z);
-        _mm512_storeu_ps(sum, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[h][i]), w, before));
+      for (int h = 0; h < G; ++h) {
+        const __m512 w = _mm512_set1_ps(step[h]), z = _mm512_set1_ps(zero_sum[h]);
+        transpose_blocks(acc[h]);
+        for (int m = 0; m < 4; ++m) {
+          float* sum = stored + h * D + 64 * c + 16 * m;
+          const __m512 before = _mm512_add_ps(_mm512_loadu_ps(sum), z);
+          _mm512_storeu_ps(sum, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[h][m]), w, before));
+        }
       }
     }
   }
@@ -222,9 +223,9 @@ struct Cache {
 };
 
 // KV head k's rows of a block in a quantized cache, which holds cache row r's codes from r * row_bytes and its
-// (scale, zero) at 2 * r. Each pass prefetches its kind of rows of the next head or block (K while scoring, V
-// while summing values): twice as far ahead as prefetching the other kind (V while scoring, the next K while
-// summing values, as the bf16 kernel does), which measured 4-7% slower here in one thread.
+// (scale, zero) at 2 * r. As in the bf16 kernel, scoring prefetches the pass's V rows and summing values the
+// next pass's K rows (prefetching each kind's own next rows instead was 4-7% faster at SmolLM2's heads in one
+// thread, but 35% slower at Llama-8B's).
 template <int G, int NV, int BITS>
 struct Head {
   static constexpr int64_t row_bytes = 16 * NV * BITS / 8;
@@ -233,15 +234,14 @@ struct Head {
   HeadRows rows;
 
   void scores(float* scores) const {
-    if (rows.next >= 0) prefetch_l2(cache.k_sz + 2 * rows.next, cache.block_size * 8);
+    prefetch_l2(cache.v_sz + 2 * rows.slot, rows.count * 8);
     block_scores<G, NV, BITS>(queries, cache.k + rows.slot * row_bytes, cache.k_sz + 2 * rows.slot, rows.count,
-                              cache.scale, rows.next < 0 ? nullptr : cache.k + rows.next * row_bytes, scores,
-                              cache.block_size);
+                              cache.scale, cache.v + rows.slot * row_bytes, scores, cache.block_size);
+    if (rows.next >= 0) prefetch_l2(cache.k_sz + 2 * rows.next, cache.block_size * 8);
   }
   void accumulate(float* stored, const float* rescale, const float* weights, int64_t count) const {
-    if (rows.next >= 0) prefetch_l2(cache.v_sz + 2 * rows.next, cache.block_size * 8);
     block_values<G, NV, BITS>(cache.v + rows.slot * row_bytes, cache.v_sz + 2 * rows.slot, stored, rescale, weights,
-                              cache.block_size, count, rows.next < 0 ? nullptr : cache.v + rows.next * row_bytes);
+                              cache.block_size, count, rows.next < 0 ? nullptr : cache.k + rows.next * row_bytes);
   }
 };
 
