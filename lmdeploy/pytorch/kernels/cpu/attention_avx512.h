@@ -1,7 +1,7 @@
 // The AVX-512 paged attention shared by paged_attention_avx512.cpp (bf16 caches) and
 // paged_attention_quant_avx512.cpp (int8 and int4 caches): the tasks and their threads, the online softmax
 // loop over a task's blocks, and its vector pieces. Each file supplies how a KV head's rows of a block are
-// scored and read as values.
+// scored and how their values are summed.
 #pragma once
 
 #include <limits>
