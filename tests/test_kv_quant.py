@@ -71,13 +71,15 @@ def test_twin_attends_over_the_dequantized_cache(bits, dtype):
 
 
 @pytest.mark.parametrize('bits', [8, 4])
-@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float16])
-def test_native_fill_matches_twin(native, bits, dtype):
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize('dim', [64, 40])
+def test_native_fill_matches_twin(native, bits, dtype, dim):
+    """The AVX-512 quantizer takes 16 values a step; 40 leaves a partial last step."""
     torch.manual_seed(0)
-    k, v = (torch.randn(40, 3, 64 + 2).to(dtype)[..., :64] for _ in range(2))  # strided rows
+    k, v = (torch.randn(40, 3, dim + 2).to(dtype)[..., :dim] for _ in range(2))  # strided rows
     slots = torch.randperm(96)[:40]
     blocks, offsets = slots // 16, slots % 16
-    caches = [[torch.zeros(6, 3, 16, 64 * bits // 8, dtype=torch.uint8) for _ in range(2)]
+    caches = [[torch.zeros(6, 3, 16, dim * bits // 8, dtype=torch.uint8) for _ in range(2)]
               + [torch.zeros(6, 3, 16, 2) for _ in range(2)] for _ in range(2)]
     native.fill_kv_cache(k, v, caches[0][0], caches[0][1], blocks, offsets, caches[0][2], caches[0][3], bits)
     attention.fill_kv_cache(k, v, caches[1][0], caches[1][1], blocks, offsets, caches[1][2], caches[1][3], bits)
@@ -93,10 +95,11 @@ def test_native_fill_matches_twin(native, bits, dtype):
 @pytest.mark.parametrize('bits', [8, 4])
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize('num_heads,num_kv_heads,head_dim', [(9, 3, 64), (4, 2, 32), (16, 2, 128), (6, 1, 64)])
-@pytest.mark.parametrize('block_size,copies', [(16, 1), (24, 6)])
+@pytest.mark.parametrize('block_size,copies', [(16, 1), (24, 6), (128, 1)])
 def test_native_decode_matches_twin(native, bits, dtype, num_heads, num_kv_heads, head_dim, block_size, copies):
-    """bf16 with head_dim 64/128 takes the AVX-512 path (int16 query . codes, values dequantized in
-    registers); the rest the generic loop. Many rows: a task per row; few: a task per KV head."""
+    """bf16 with head_dim 64/128 takes the AVX-512 path (int16 query . codes, int16 weights . codes for the
+    values, 64 keys at a time: blocks of 128 take two); the rest the generic loop. Many rows: a task per
+    row; few: a task per KV head."""
     torch.manual_seed(0)
     lengths = [1, 16, 17, 100, 64, 3, 47] * copies
     case = quantized_case(lengths, num_kv_heads, block_size, head_dim, bits)

@@ -1,7 +1,7 @@
 // The AVX-512 paged attention shared by paged_attention_avx512.cpp (bf16 caches) and
 // paged_attention_quant_avx512.cpp (int8 and int4 caches): the tasks and their threads, the online softmax
 // loop over a task's blocks, and its vector pieces. Each file supplies how a KV head's rows of a block are
-// scored and read as values.
+// scored and how their values are summed.
 #pragma once
 
 #include <limits>
@@ -178,7 +178,8 @@ struct HeadRows {
 // A task's flash-decoding in one thread: block by block, for each KV head its scores, soft-capping, online
 // softmax and weighted values, so that memory never idles between a scores pass and a values pass.
 // head_at(rows, k) reads KV head k's HeadRows: its scores(float* scores) writes scale * q . k of the G query
-// heads to scores[h * block_size + t], its value(t, value) loads row t's value as NV fp32 vectors. Kept out
+// heads to scores[h * block_size + t], its accumulate(stored, rescale, weights, count) adds the rows' values
+// weighted by weights[h * block_size + t] to the heads' sums ([G, D] fp32) after rescaling them. Kept out
 // of for_each_task's loop: inlined there, the bf16 path with G = 4 and head_dim 128 ran 12% slower.
 template <int G, int NV, class HeadAt>
 [[gnu::noinline]] void attend(const Task& task, const TaskFeatures& features, int64_t num_kv_heads,
@@ -207,8 +208,7 @@ template <int G, int NV, class HeadAt>
       float rescale[G];
       for (int h = 0; h < G; ++h)
         online_softmax(scores + h * block_size, count, peak[k * G + h], total[k * G + h], rescale[h]);
-      accumulate_values<G, NV>(acc_store + k * G * D, rescale, scores, block_size, count,
-                               [&](int64_t t, auto& value) { head.value(t, value); });
+      head.accumulate(acc_store + k * G * D, rescale, scores, count);
     }
   }
   store_normalized<G, NV>(acc_store, total, task.heads, task.out, task.head_stride);

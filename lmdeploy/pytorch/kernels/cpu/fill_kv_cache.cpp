@@ -19,6 +19,66 @@ void copy_rows(const torch::Tensor& src, torch::Tensor& cache, const int64_t* bl
   });
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+
+inline __m512 load_values(const float* p, __mmask16 lanes) { return _mm512_maskz_loadu_ps(lanes, p); }
+inline __m512 load_values(const double* p, __mmask16 lanes) {
+  const __m256 low = _mm512_cvtpd_ps(_mm512_maskz_loadu_pd(static_cast<__mmask8>(lanes), p));
+  const __m256 high = _mm512_cvtpd_ps(_mm512_maskz_loadu_pd(static_cast<__mmask8>(lanes >> 8), p + 8));
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(low)), _mm256_castps_pd(high), 1));
+}
+inline __m512 load_values(const c10::BFloat16* p, __mmask16 lanes) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, p)), 16));
+}
+inline __m512 load_values(const c10::Half* p, __mmask16 lanes) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, p));
+}
+
+// A row of `dim` values as codes 0..top into q, with its scale and minimum (kv_quant.py's quantize_kv), 16
+// values a step.
+template <typename T>
+void quantize_row(const T* values, int64_t dim, float top, uint8_t* q, float& scale, float& low) {
+  const auto lanes = [&](int64_t d) {
+    return dim - d >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (dim - d)) - 1);
+  };
+  __m512 least = _mm512_set1_ps(std::numeric_limits<float>::max());
+  __m512 most = _mm512_set1_ps(std::numeric_limits<float>::lowest());
+  for (int64_t d = 0; d < dim; d += 16) {
+    const __mmask16 mask = lanes(d);
+    const __m512 x = load_values(values + d, mask);
+    least = _mm512_mask_min_ps(least, mask, least, x);
+    most = _mm512_mask_max_ps(most, mask, most, x);
+  }
+  low = _mm512_reduce_min_ps(least);
+  scale = std::max((_mm512_reduce_max_ps(most) - low) / top, 1e-8f);
+  const __m512 inv = _mm512_set1_ps(1.f / scale), shift = _mm512_set1_ps(low), half = _mm512_set1_ps(.5f);
+  for (int64_t d = 0; d < dim; d += 16) {
+    const __mmask16 mask = lanes(d);
+    const __m512 x = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(load_values(values + d, mask), shift), inv), half);
+    const __m512 code = _mm512_min_ps(_mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC),
+                                      _mm512_set1_ps(top));
+    _mm_mask_storeu_epi8(q + d, mask, _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(code)));
+  }
+}
+
+#else
+
+template <typename T>
+void quantize_row(const T* values, int64_t dim, float top, uint8_t* q, float& scale, float& low) {
+  low = to_float(values[0]);
+  float high = low;
+  for (int64_t d = 0; d < dim; ++d) {
+    low = std::min(low, to_float(values[d]));
+    high = std::max(high, to_float(values[d]));
+  }
+  scale = std::max((high - low) / top, 1e-8f);
+  const float inv = 1.f / scale;
+  for (int64_t d = 0; d < dim; ++d)
+    q[d] = static_cast<uint8_t>(std::min(std::floor((to_float(values[d]) - low) * inv + .5f), top));
+}
+
+#endif
+
 template <typename T>
 void quantize_rows(const torch::Tensor& src, torch::Tensor& codes, torch::Tensor& scales_zeros, int64_t bits,
                    const int64_t* blocks, const int64_t* offsets) {
@@ -29,29 +89,15 @@ void quantize_rows(const torch::Tensor& src, torch::Tensor& codes, torch::Tensor
   uint8_t* to = codes.data_ptr<uint8_t>();
   float* scales = scales_zeros.data_ptr<float>();
   at::parallel_for(0, tokens * heads, 64, [&](int64_t begin, int64_t end) {
-    std::vector<float> x(dim);
-    std::vector<uint8_t> q(dim);
+    std::vector<uint8_t> q(bits == 8 ? 0 : dim);
     for (int64_t row = begin; row < end; ++row) {
       const int64_t t = row / heads, h = row % heads;
       const int64_t slot = (blocks[t] * heads + h) * block_size + offsets[t];
-      const T* values = from + t * src_stride + h * dim;
-      float low = to_float(values[0]), high = low;
-      for (int64_t d = 0; d < dim; ++d) {
-        x[d] = to_float(values[d]);
-        low = std::min(low, x[d]);
-        high = std::max(high, x[d]);
-      }
-      const float scale = std::max((high - low) / top, 1e-8f), inv = 1.f / scale;
-      for (int64_t d = 0; d < dim; ++d)
-        q[d] = static_cast<uint8_t>(std::min(std::floor((x[d] - low) * inv + .5f), top));
       uint8_t* out = to + slot * row_bytes;
-      if (bits == 8) {
-        std::memcpy(out, q.data(), dim);
-      } else {
+      quantize_row(from + t * src_stride + h * dim, dim, top, bits == 8 ? out : q.data(), scales[2 * slot],
+                   scales[2 * slot + 1]);
+      if (bits == 4)
         for (int64_t j = 0; j < dim / 2; ++j) out[j] = static_cast<uint8_t>(q[j] | (q[j + dim / 2] << 4));
-      }
-      scales[2 * slot] = scale;
-      scales[2 * slot + 1] = low;
     }
   });
 }

@@ -69,9 +69,11 @@ struct Head {
   float scale;
 
   void scores(float* scores) const { block_scores<G, NV>(q, keys, count, scale, values, scores, block_size); }
-  void value(int64_t t, __m512 (&value)[NV]) const {
-    if (pull) prefetch_l2(pull + t * D, D * 2);
-    for (int i = 0; i < NV; ++i) value[i] = load_bf16(values + t * D + 16 * i);
+  void accumulate(float* stored, const float* rescale, const float* weights, int64_t in_block) const {
+    accumulate_values<G, NV>(stored, rescale, weights, block_size, in_block, [&](int64_t t, __m512(&value)[NV]) {
+      if (pull) prefetch_l2(pull + t * D, D * 2);
+      for (int i = 0; i < NV; ++i) value[i] = load_bf16(values + t * D + 16 * i);
+    });
   }
 };
 
