@@ -28,7 +28,6 @@ SUPPORTED_ARCHS: dict[str, str] = {
     'qwen2': 'Qwen2ForCausalLM',
     'qwen3': 'Qwen3ForCausalLM',
     'phi3': 'Phi3ForCausalLM',
-    'glm4': 'Glm4ForCausalLM',
     'smollm3': 'SmolLM3ForCausalLM',
     **ARCHITECTURES,
 }
@@ -47,12 +46,9 @@ _LAYER_NAMES = {
     'attn_norm': 'input_layernorm',
     'ffn_norm': 'post_attention_layernorm',
 }
-# names that differ by architecture: Phi-3 keeps q/k/v and gate/up fused, GLM-4 gate/up, as their Hugging
-# Face checkpoints do; GLM-4 also normalizes the outputs of attention and of the MLP
+# names that differ by architecture: Phi-3 keeps q/k/v and gate/up fused, as its Hugging Face checkpoints do
 _ARCH_LAYER_NAMES = {
     'phi3': {'attn_qkv': 'self_attn.qkv_proj', 'ffn_up': 'mlp.gate_up_proj'},
-    'glm4': {'ffn_up': 'mlp.gate_up_proj', 'post_attention_norm': 'post_self_attn_layernorm',
-             'post_ffw_norm': 'post_mlp_layernorm'},
     **LAYER_NAMES,
 }
 # llama.cpp's converter reorders the q/k rows of Llama-derived models for its rotary (undone at load)
@@ -62,7 +58,10 @@ SMOLLM3_NO_ROPE_INTERVAL = 4
 # tensors that llama.cpp stores and transformers keeps in the config (Phi-3's LongRoPE factors)
 _ROPE_FACTORS = ('rope_factors_long.weight', 'rope_factors_short.weight')
 _LAYER_RE = re.compile(r'blk\.(\d+)\.(\w+)')
-_CACHE_FORMAT = 5  # bump when the converted output changes, so stale cache entries are not reused
+# llama.cpp pre-tokenizers that transformers' GGUF reader does not know, by the one of its splits they use
+# (GLM-4's is Llama 3's); without one it would split text as GPT-2 does
+_PRE_TOKENIZER_SPLITS = {'chatglm-bpe': 'llama-bpe', 'glm4': 'llama-bpe'}
+_CACHE_FORMAT = 6  # bump when the converted output changes, so stale cache entries are not reused
 
 
 def cache_dir() -> Path:
@@ -153,15 +152,14 @@ def gguf_config(reader: GGUFReader, source: str, raw_types: Iterable[str] = RAW_
         config['quantization_config'] = {'quant_method': 'gguf', 'ggml_types': layer_types}
     if arch == 'phi3':
         config.update(_phi3_rope(reader, tensors, config['head_dim'], source))
-    elif arch == 'glm4':  # rotary over half of each head unless the file says otherwise
-        rotary = key('rope.dimension_count') or config['head_dim'] // 2
-        config['rope_parameters'] = {'rope_type': 'default', 'rope_theta': config['rope_theta'],
-                                     'partial_rotary_factor': rotary / config['head_dim']}
     elif arch == 'smollm3':
         config['no_rope_layer_interval'] = SMOLLM3_NO_ROPE_INTERVAL
     elif arch in CONFIG_BUILDERS:
         meta = lambda template, default=None: _meta(reader, template.format(arch=arch), default)  # noqa: E731
-        config.update(CONFIG_BUILDERS[arch](meta, tensors, config))
+        try:
+            config.update(CONFIG_BUILDERS[arch](meta, tensors, config))
+        except ValueError as err:
+            raise ValueError(f'{source}: {err}') from err
         if arch not in RAW_SERVED_ARCHS:  # linear layers beyond the projections (MLA's, routers) have no raw form
             config.pop('quantization_config', None)
     return config
@@ -227,13 +225,18 @@ def gguf_state_dict(reader: GGUFReader, config: dict[str, Any], source: str) -> 
     return state_dict
 
 
-def _save_tokenizer(gguf_path: Path, out_dir: Path, arch: str) -> None:
+def _save_tokenizer(gguf_path: Path, out_dir: Path, reader: GGUFReader) -> None:
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import set_split_regex
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
-    # AutoTokenizer reads a GGUF tokenizer only where transformers reads the model too (not GLM-4, SmolLM3)
-    reader = AutoTokenizer if arch in GGUF_SUPPORTED_ARCHITECTURES else PreTrainedTokenizerFast
-    tokenizer = reader.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    # AutoTokenizer reads a GGUF tokenizer only where transformers reads the model too (not GLM, SmolLM3)
+    arch = _meta(reader, 'general.architecture')
+    loader = AutoTokenizer if arch in GGUF_SUPPORTED_ARCHITECTURES else PreTrainedTokenizerFast
+    tokenizer = loader.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    split = _PRE_TOKENIZER_SPLITS.get(_meta(reader, 'tokenizer.ggml.pre'))
+    if split is not None:
+        set_split_regex(tokenizer, {'pre_tokenizer_type': split})
     tokenizer.save_pretrained(str(out_dir))
 
 
@@ -259,7 +262,7 @@ def convert_gguf(gguf_path: str, out_dir: str, raw_types: Iterable[str] = RAW_TY
         (tmp / 'model.safetensors').chmod(0o644)
         del state_dict
         AutoConfig.for_model(**config).save_pretrained(str(tmp))
-        _save_tokenizer(src, tmp, _meta(reader, 'general.architecture'))
+        _save_tokenizer(src, tmp, reader)
         try:
             tmp.rename(out)
         except OSError as err:

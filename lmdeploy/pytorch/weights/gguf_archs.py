@@ -1,10 +1,11 @@
 """GGUF architectures whose llama.cpp files differ from their transformers checkpoints by more than tensor
-names: Gemma 2 and 3 (``gemma2``, ``gemma3``), gpt-oss (``gpt-oss``) and DeepSeek-V2/V3 (``deepseek2``).
+names: GLM (``chatglm``, ``glm4``), Gemma 2 and 3 (``gemma2``, ``gemma3``), gpt-oss (``gpt-oss``) and
+DeepSeek-V2/V3 (``deepseek2``).
 
 Each has a config builder (the transformers config fields that llama.cpp keeps in metadata under gguf-py's
-``Keys``, or fixes in its loader) and a state-dict step that undoes what convert_hf_to_gguf.py did to the
-tensors (Gemma's ``1 + weight`` norms, gpt-oss's split and transposed experts, DeepSeek's split ``kv_b``
-and per-projection experts).
+``Keys``, or fixes in its loader) and, where needed, a state-dict step that undoes what convert_hf_to_gguf.py
+did to the tensors (GLM-4's fused ``attn_qkv``, Gemma's ``1 + weight`` norms, gpt-oss's split and transposed
+experts, DeepSeek's split ``kv_b`` and per-projection experts).
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from gguf import ExpertGatingFuncType, Keys
 Meta = Callable[..., Any]  # (a gguf-py ``Keys`` template, default) -> that key of the file's architecture
 
 ARCHITECTURES = {
+    'chatglm': 'GlmForCausalLM',  # GLM-4-9B-chat; ChatGLM2/3 files of this architecture are refused
+    'glm4': 'Glm4ForCausalLM',
     'gemma2': 'Gemma2ForCausalLM',
     'gemma3': 'Gemma3ForCausalLM',
     'gpt-oss': 'GptOssForCausalLM',
@@ -23,13 +26,17 @@ ARCHITECTURES = {
 }
 
 # architectures whose every linear layer is a projection that may be served as llama.cpp's blocks
-RAW_SERVED_ARCHS = ('gemma2', 'gemma3')
+RAW_SERVED_ARCHS = ('chatglm', 'glm4', 'gemma2', 'gemma3')
 
 _GEMMA_NAMES = {'ffn_norm': 'pre_feedforward_layernorm', 'post_attention_norm': 'post_attention_layernorm',
                 'post_ffw_norm': 'post_feedforward_layernorm'}
 # layer tensor names by ``module`` (the kind, weight or bias, appended) or by ``module.kind`` (as written);
-# ``mlp.experts.{gate,up}`` and ``self_attn.{k,v}_b_proj`` are merged by ``finish_state_dict``
+# ``self_attn.qkv_proj`` (GLM) is split, ``mlp.experts.{gate,up}`` and ``self_attn.{k,v}_b_proj`` are merged by
+# ``finish_state_dict``; GLM keeps gate and up fused, as its Hugging Face checkpoints do (gate rows first)
 LAYER_NAMES: dict[str, dict[str, str]] = {
+    'chatglm': {'attn_qkv': 'self_attn.qkv_proj', 'ffn_up': 'mlp.gate_up_proj'},
+    'glm4': {'ffn_up': 'mlp.gate_up_proj', 'post_attention_norm': 'post_self_attn_layernorm',
+             'post_ffw_norm': 'post_mlp_layernorm'},
     'gemma2': _GEMMA_NAMES,
     'gemma3': _GEMMA_NAMES,
     'gpt-oss': {
@@ -90,6 +97,28 @@ def _rope(meta: Meta, theta: float) -> dict[str, Any]:
     if kind != 'none':
         raise ValueError(f'unsupported GGUF rope scaling type {kind!r}')
     return {'rope_type': 'default', 'rope_theta': theta}
+
+
+def _glm_rope(meta: Meta, config: dict[str, Any]) -> dict[str, Any]:
+    """GLM's rotary over the first ``rope.dimension_count`` features of each head (half where absent)."""
+    rotary = meta(Keys.Rope.DIMENSION_COUNT) or config['head_dim'] // 2
+    return {'rope_type': 'default', 'rope_theta': config['rope_theta'],
+            'partial_rotary_factor': rotary / config['head_dim']}
+
+
+def _glm4(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    return {'rope_parameters': _glm_rope(meta, config)}
+
+
+def _chatglm(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """ChatGLMModel's files: q/k/v fused (GLM-4-9B-chat's own checkpoints) or apart (``GlmForCausalLM``
+    ones), with biases, never permuted; llama.cpp turns neighbouring pairs, as GLM does. ChatGLM2/3 files
+    (a SentencePiece vocabulary) are refused: their tokenizer is not verified here."""
+    if meta(Keys.Tokenizer.MODEL) != 'gpt2':
+        raise ValueError(f'a chatglm file with a {meta(Keys.Tokenizer.MODEL)!r} tokenizer (ChatGLM2/3) is not '
+                         f'supported, only GLM-4 (gpt2)')
+    return {'model_type': 'glm', 'rope_parameters': _glm_rope(meta, config),
+            'attention_bias': 'blk.0.attn_qkv.bias' in tensors or 'blk.0.attn_q.bias' in tensors}
 
 
 def _gemma2(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
@@ -159,11 +188,23 @@ def _deepseek2(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> d
 
 
 CONFIG_BUILDERS: dict[str, Callable[[Meta, dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
-    'gemma2': _gemma2, 'gemma3': _gemma3, 'gpt-oss': _gpt_oss, 'deepseek2': _deepseek2}
+    'chatglm': _chatglm, 'glm4': _glm4, 'gemma2': _gemma2, 'gemma3': _gemma3, 'gpt-oss': _gpt_oss,
+    'deepseek2': _deepseek2}
 
 
 def _layer_prefixes(state_dict: dict[str, torch.Tensor], suffix: str) -> list[str]:
     return [name.removesuffix(suffix) for name in state_dict if name.endswith(suffix)]
+
+
+def _split_qkv(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    """A fused ``qkv_proj`` (q, k and v rows stacked: weight, bias, or the rows of a kept ``qweight``) back
+    into ``q_proj``, ``k_proj`` and ``v_proj``, as ``GlmForCausalLM`` holds them."""
+    rows = [heads * config['head_dim'] for heads in
+            (config['num_attention_heads'], config['num_key_value_heads'], config['num_key_value_heads'])]
+    for name in [name for name in state_dict if '.self_attn.qkv_proj.' in name]:
+        prefix, _, kind = name.rpartition('.qkv_proj.')
+        for proj, part in zip('qkv', state_dict.pop(name).split(rows)):
+            state_dict[f'{prefix}.{proj}_proj.{kind}'] = part
 
 
 def _gemma_norms(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
@@ -197,7 +238,7 @@ def _deepseek2_merge(state_dict: dict[str, torch.Tensor], config: dict[str, Any]
                 state_dict[f'{prefix}experts.{expert}.{projection}_proj.weight'] = weight.clone()
 
 
-_FINISHERS = {'gemma2': _gemma_norms, 'gemma3': _gemma_norms, 'gpt-oss': _gpt_oss_experts,
+_FINISHERS = {'chatglm': _split_qkv, 'gemma2': _gemma_norms, 'gemma3': _gemma_norms, 'gpt-oss': _gpt_oss_experts,
               'deepseek2': _deepseek2_merge}
 
 
