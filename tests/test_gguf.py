@@ -262,7 +262,7 @@ def test_errors(tmp_path: Path, tmp_cache: Path) -> None:
             resolve_gguf(str(bad))
     assert not (tmp_cache / 'gguf').exists() or os.listdir(tmp_cache / 'gguf') == []
 
-    for arch, error in (('chatglm', r"'chatglm'.*llama, qwen2, qwen3, phi3"), ('llama', 'missing GGUF metadata: llama.embedding')):
+    for arch, error in (('bloom', r"'bloom'.*llama, qwen2, qwen3, phi3"), ('llama', 'missing GGUF metadata: llama.embedding')):
         finish(gguf.GGUFWriter(str(tmp_path / f'{arch}.gguf'), arch))
         with pytest.raises(ValueError, match=f'{arch}.gguf.*{error}'):
             convert_gguf(str(tmp_path / f'{arch}.gguf'), str(tmp_path / arch))
