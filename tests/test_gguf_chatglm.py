@@ -21,17 +21,20 @@ from test_gguf import finish
 from lmdeploy.pytorch.weights.gguf import convert_gguf
 
 # GLM-4's tokenizer: Llama 3's split (digits in threes), byte-level BPE, its special tokens after the vocabulary
-SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+         r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 SPECIAL = ['<|endoftext|>', '[MASK]', '[gMASK]', '[sMASK]', '<sop>', '<eop>', '<|system|>', '<|user|>',
            '<|assistant|>', '<|observation|>']
 CHAT_TEMPLATE = ("[gMASK]<sop>{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-CORPUS = ["In 2024 we counted 1234567 birds, 365 days, 345 and 3456 hours.", "I'm sure it's THEIR'S, isn't it? We'll see.",
-          "def f(x):\n    return x * 42\n\n\nprint(f(10))", 'héllo 世界 naïve café', 'well, well, well... hello world!']
+CORPUS = ["In 2024 we counted 1234567 birds, 365 days, 345 and 3456 hours.",
+          "I'm sure it's THEIR'S, isn't it? We'll see.", "def f(x):\n    return x * 42\n\n\nprint(f(10))",
+          'héllo 世界 naïve café', 'well, well, well... hello world!']
 TEXTS = ['12345678 and 2024-12-05', "HELLO'S they'RE here\n\n   indented\tx", 'héllo 世界 café!!!',
          '[gMASK]<sop><|user|>\nwhat is 1+1?<|assistant|>\n2<|endoftext|>', ' leading  and trailing  ']
 # llama.cpp's heads are hidden_size / heads wide (the files state no key_length)
-SHAPES = {'small': dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+SHAPES = {'small': dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16),
           'q4_k': dict(hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
                        head_dim=64)}
 PROJECTIONS = tuple(f'{name}_proj.weight' for name in ('q', 'k', 'v', 'o', 'gate_up', 'down'))
@@ -55,8 +58,8 @@ def save_glm(path: Path, own_layout: bool, shape: str) -> str:
     ``GlmForCausalLM``, so the model has those."""
     tokenizer = glm4_tokenizer()
     ids = tokenizer.convert_tokens_to_ids(['<|endoftext|>', '<|user|>', '<|observation|>'])
-    config = GlmConfig(**SHAPES[shape], num_hidden_layers=2, vocab_size=len(tokenizer) + 6, max_position_embeddings=1024,
-                       eos_token_id=ids, pad_token_id=ids[0], bos_token_id=None,
+    config = GlmConfig(**SHAPES[shape], num_hidden_layers=2, vocab_size=len(tokenizer) + 6,
+                       max_position_embeddings=1024, eos_token_id=ids, pad_token_id=ids[0], bos_token_id=None,
                        rms_norm_eps=1.5625e-07 if own_layout else 1e-5,
                        rope_parameters={'rope_type': 'default', 'rope_theta': 5e6 if own_layout else 1e4,
                                         'partial_rotary_factor': 0.5})
@@ -176,7 +179,8 @@ def test_chatglm_gguf_tokenizer_encodes_as_original(tmp_path: Path) -> None:
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     write_chatglm(hf, folder, tmp_path / 'glm4.gguf', True, Q.F32)
     convert_gguf(str(tmp_path / 'glm4.gguf'), str(tmp_path / 'converted'))
-    original, converted = AutoTokenizer.from_pretrained(folder), AutoTokenizer.from_pretrained(tmp_path / 'converted')
+    original = AutoTokenizer.from_pretrained(folder)
+    converted = AutoTokenizer.from_pretrained(tmp_path / 'converted')
     for text in TEXTS:
         ids = converted(text)['input_ids']
         assert ids == original(text)['input_ids'], text
