@@ -53,9 +53,9 @@ def glm4_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def save_glm(path: Path, own_layout: bool, shape: str) -> str:
-    """A random ``GlmForCausalLM`` with GLM-4's tokenizer and end tokens and a padded vocabulary. ChatGLMModel
-    reads GLM-4-9B-chat's own ``layernorm_epsilon`` and ``rope_ratio`` but writes 1e-5 and 10000 for a
-    ``GlmForCausalLM``, so the model has those."""
+    """A random ``GlmForCausalLM`` with GLM-4's tokenizer and end tokens and a padded vocabulary. Its eps and rope
+    base are what the file will state: GLM-4-9B-chat's own (``own_layout``: ChatGLMModel reads its
+    ``layernorm_epsilon`` and ``rope_ratio``), else the 1e-5 and 10000 that it writes for a ``GlmForCausalLM``."""
     tokenizer = glm4_tokenizer()
     ids = tokenizer.convert_tokens_to_ids(['<|endoftext|>', '<|user|>', '<|observation|>'])
     config = GlmConfig(**SHAPES[shape], num_hidden_layers=2, vocab_size=len(tokenizer) + 6,
@@ -143,7 +143,8 @@ def write_chatglm(hf: torch.nn.Module, folder: str, src: Path, own_layout: bool,
     finish(writer)
 
 
-@pytest.mark.parametrize('own_layout,qtype', [(False, Q.F32), (True, Q.F16), (True, Q.Q8_0), (False, Q.Q4_K)])
+@pytest.mark.parametrize('own_layout,qtype', [(False, Q.F32), (True, Q.F16), (True, Q.Q8_0), (False, Q.Q4_K)],
+                         ids=['hf-F32', 'own-F16', 'own-Q8_0', 'hf-Q4_K'])
 def test_chatglm_gguf_matches_transformers(own_layout: bool, qtype: Q, tmp_path: Path,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(tmp_path / 'cache'))
