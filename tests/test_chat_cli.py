@@ -174,8 +174,8 @@ def test_an_interrupted_reply_stays_in_the_conversation(monkeypatch, capsys):
                 if len(self.prompts) == 1 and i == 3:
                     os.kill(os.getpid(), signal.SIGINT)
                 await asyncio.sleep(0.01)
-                yield SimpleNamespace(text='word ', reasoning_content=None, finish_reason='length' if i == 199 else None,
-                                      error=None)
+                yield SimpleNamespace(text='word ', reasoning_content=None,
+                                      finish_reason='length' if i == 199 else None, error=None)
                 if len(self.prompts) > 1:
                     yield SimpleNamespace(text='', reasoning_content=None, finish_reason='stop', error=None)
                     return
