@@ -14,7 +14,8 @@ def pipeline(model_path: str | None = None, backend_config: PytorchEngineConfig 
              **kwargs) -> Pipeline:
     """Creates a :class:`Pipeline` for a local HF folder or ``.gguf`` file; no path means the default model.
 
-    ``kwargs`` go to :class:`Pipeline` (e.g. ``show_progress=False``).
+    ``kwargs`` go to :class:`Pipeline` (e.g. ``show_progress=False``, or ``reasoning_parser``: 'auto', the
+    model's own, by default; a parser's name such as 'qwen3'; None for none).
     """
     logging.getLogger('lmdeploy').setLevel(log_level)
     return Pipeline(model_path, backend_config=backend_config, chat_template_config=chat_template_config, **kwargs)

@@ -227,6 +227,10 @@ class Response:
     ``prompt_logprobs`` (with ``GenerationConfig.prompt_logprobs``, in the first chunk) has one entry per
     prompt token: None for the first, which nothing predicts, then ``{token_id: logprob}`` of the token
     and the top tokens at its position.
+
+    With a reasoning parser (``pipeline(reasoning_parser=...)``, by default the model's own: harmony for
+    gpt-oss), ``text`` is the answer and ``reasoning_content`` the reasoning before it ('' when there was
+    none; a streamed chunk's are its shares of both); without one, ``reasoning_content`` is None.
     """
 
     text: str
@@ -239,10 +243,14 @@ class Response:
     cached_tokens: int = 0
     error: str | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    reasoning_content: str | None = None
 
     def extend(self, chunk: Response) -> None:
-        """Adds a streamed chunk of the same prompt: text and tokens grow, counts and finish_reason follow it."""
+        """Adds a streamed chunk of the same prompt: text, reasoning and tokens grow, counts and finish_reason
+        follow it."""
         self.text += chunk.text
+        if chunk.reasoning_content is not None:
+            self.reasoning_content = (self.reasoning_content or '') + chunk.reasoning_content
         self.token_ids.extend(chunk.token_ids)
         if chunk.logprobs is not None:
             self.logprobs = (self.logprobs or []) + chunk.logprobs

@@ -14,6 +14,7 @@ from tqdm import tqdm
 from lmdeploy.messages import ChatTemplateConfig, GenerationConfig, PytorchEngineConfig, Response
 from lmdeploy.serve.async_engine import AsyncEngine
 from lmdeploy.serve.exceptions import SafeRunException
+from lmdeploy.serve.reasoning import AUTO, check_reasoning_parser, pick_reasoning_parser
 from lmdeploy.serve.session_manager import Session
 from lmdeploy.vl.media import MediaPolicy
 from lmdeploy.vl.processor import Prompt
@@ -54,13 +55,21 @@ class Pipeline:
     Images load under ``media_policy``; the default, ``MediaPolicy.for_local_caller()``, takes local
     files and public http(s) hosts, since the pipeline's caller is local. Pass a stricter one (e.g.
     ``MediaPolicy()``) when the prompts come from someone else.
+
+    ``reasoning_parser`` splits each reply into ``Response.reasoning_content`` and ``Response.text`` (the
+    answer), streamed or not: 'auto' (the default) uses the model's own parser, as the server does
+    (harmony for gpt-oss; none for other models), a name picks one of the server's ``--reasoning-parser``
+    choices (e.g. 'qwen3' for ``<think>`` blocks), None turns parsing off.
     """
 
     def __init__(self, model_path: str | None = None, backend_config: PytorchEngineConfig | None = None,
                  chat_template_config: ChatTemplateConfig | None = None, show_progress: bool = True,
-                 media_policy: MediaPolicy | None = None):
+                 media_policy: MediaPolicy | None = None, reasoning_parser: str | None = AUTO):
+        check_reasoning_parser(reasoning_parser)
         self.async_engine = AsyncEngine(model_path, backend_config, chat_template_config, show_progress,
                                         media_policy or MediaPolicy.for_local_caller())
+        self.reasoning_parser = pick_reasoning_parser(reasoning_parser,
+                                                      self.async_engine.engine.model_config.hf_config.model_type)
         self.tokenizer = self.async_engine.tokenizer
         self._loop = asyncio.new_event_loop()
         self._thread: threading.Thread | None = threading.Thread(target=self._loop.run_forever,
@@ -92,7 +101,8 @@ class Pipeline:
     async def _one(self, index: int, prompt: Prompt, gen_config: GenerationConfig | None,
                    do_preprocess: bool) -> Response:
         try:
-            generate = self.async_engine.generate(prompt, gen_config=gen_config, do_preprocess=do_preprocess)
+            generate = self.async_engine.generate(prompt, gen_config=gen_config, do_preprocess=do_preprocess,
+                                                  reasoning_parser=self.reasoning_parser)
             return await self.async_engine.collect(generate, index)
         except SafeRunException as exc:
             return Response('', 0, 0, 'error', index=index, error=exc.message)
@@ -121,7 +131,8 @@ class Pipeline:
         async def one(index: int) -> None:
             try:
                 generate = self.async_engine.generate(batch[index], gen_config=configs[index],
-                                                      do_preprocess=do_preprocess)
+                                                      do_preprocess=do_preprocess,
+                                                      reasoning_parser=self.reasoning_parser)
                 async with aclosing(generate) as chunks:
                     async for chunk in chunks:
                         chunk.index = index
@@ -135,7 +146,9 @@ class Pipeline:
 
     def stream_infer(self, prompts: Prompts, gen_config: GenConfigs = None,
                      do_preprocess: bool = True) -> Iterator[Response]:
-        """Yields incremental ``Response`` chunks; ``chunk.index`` says which prompt each belongs to.
+        """Yields incremental ``Response`` chunks; ``chunk.index`` says which prompt each belongs to. With a
+        reasoning parser, a chunk's ``reasoning_content`` and ``text`` are its shares of the reasoning and
+        of the answer: each adds up to the non-streamed ``Response``'s.
 
         Closing the iterator early aborts the prompts still running.
         """
@@ -157,19 +170,20 @@ class Pipeline:
     def chat(self, prompt: Prompt, session: Session | None = None, gen_config: GenerationConfig | None = None,
              do_preprocess: bool = True) -> Session:
         """One chat turn in ``session``; returns the session, whose ``response`` holds the reply and
-        ``history`` the conversation. Bad input raises :class:`SafeRunException`.
+        ``history`` the conversation (a reply's answer as its content, its reasoning where the model's
+        chat template takes it back). Bad input raises :class:`SafeRunException`.
 
         Without a session (or with one this pipeline does not hold, such as one this method returned
         or one already ended), the turn runs in a temporary session that is ended right after it, so
         nothing is left behind: the Session returned carries the reply and the history, and passing
         it back continues the conversation the same way."""
         if session is not None and self.async_engine.session_manager.get(session.session_id) is session:
-            self._run(self.async_engine.chat(prompt, session, gen_config, do_preprocess))
+            self._run(self.async_engine.chat(prompt, session, gen_config, do_preprocess, self.reasoning_parser))
             return session
         temporary = self.session(gen_config=session.gen_config if session is not None else None)
         temporary.history = list(session.history) if session is not None else []
         try:
-            self._run(self.async_engine.chat(prompt, temporary, gen_config, do_preprocess))
+            self._run(self.async_engine.chat(prompt, temporary, gen_config, do_preprocess, self.reasoning_parser))
             history, response = list(temporary.history), temporary.response
         finally:
             self._run(self.async_engine.end_session(temporary.session_id))

@@ -168,15 +168,16 @@ def test_an_interrupted_reply_stays_in_the_conversation(monkeypatch, capsys):
         async def end_session(self, session_id: int) -> None:
             pass
 
-        async def generate(self, messages, session_id, gen_config):
+        async def generate(self, messages, session_id, gen_config, reasoning_parser=None):
             self.prompts.append([dict(m) for m in messages])
             for i in range(200):
                 if len(self.prompts) == 1 and i == 3:
                     os.kill(os.getpid(), signal.SIGINT)
                 await asyncio.sleep(0.01)
-                yield SimpleNamespace(text='word ', finish_reason='length' if i == 199 else None, error=None)
+                yield SimpleNamespace(text='word ', reasoning_content=None,
+                                      finish_reason='length' if i == 199 else None, error=None)
                 if len(self.prompts) > 1:
-                    yield SimpleNamespace(text='', finish_reason='stop', error=None)
+                    yield SimpleNamespace(text='', reasoning_content=None, finish_reason='stop', error=None)
                     return
 
     engine = Engine()

@@ -9,6 +9,11 @@ far stays in the conversation); Ctrl-D or ``exit`` quits, ``reset`` starts a new
 A message that cannot be sent (a bad image, a message longer than ``session_len`` on its own)
 prints an error and leaves the conversation as it was. When the conversation outgrows
 ``session_len``, its oldest turns are left out until the new message fits, and the chat says so.
+
+A reasoning model's reply (read by ``--reasoning-parser``, by default the model's own: harmony for
+gpt-oss) shows its reasoning between a ``Thinking...`` and a ``...done thinking.`` line, dimmed on a
+terminal, then the answer; ``--hide-reasoning`` shows the answer only. The conversation goes on with
+the answer as the reply and the reasoning where the model's chat template takes it back.
 """
 from __future__ import annotations
 
@@ -24,6 +29,8 @@ from lmdeploy.cli.args import (HelpFormatter, add_engine_args, add_generation_ar
                                setup_logging)
 from lmdeploy.messages import GenerationConfig
 from lmdeploy.serve.exceptions import ErrorCode, SafeRunException
+from lmdeploy.serve.openai.reasoning_parsers import REASONING_PARSERS, ReasoningParser
+from lmdeploy.serve.reasoning import AUTO, assistant_message, pick_reasoning_parser
 from lmdeploy.serve.session_manager import Session
 
 if TYPE_CHECKING:
@@ -31,6 +38,9 @@ if TYPE_CHECKING:
 
 PROMPT = '>>> '
 CONTINUATION = '... '
+THINKING, DONE_THINKING = 'Thinking...', '...done thinking.'
+DIM, RESET = '\033[2m', '\033[0m'
+NO_PARSER = 'none'
 
 
 def add_chat_parser(commands) -> None:
@@ -38,6 +48,10 @@ def add_chat_parser(commands) -> None:
     parser = commands.add_parser('chat', help='chat with a model in the terminal', formatter_class=HelpFormatter)
     add_engine_args(parser)
     add_generation_args(parser)
+    parser.add_argument('--reasoning-parser', default=AUTO, choices=[AUTO, NO_PARSER, *sorted(REASONING_PARSERS)],
+                        help="splits replies into reasoning and answer: 'auto' uses the model's own (harmony for "
+                             "gpt-oss, none for most models), 'none' shows replies as they are")
+    parser.add_argument('--hide-reasoning', action='store_true', help="show a reply's answer only, not its reasoning")
     parser.set_defaults(run=run_chat)
 
 
@@ -103,32 +117,76 @@ def _key_bindings():
     return bindings
 
 
+class ReplyPrinter:
+    """Prints a reply as it streams: its reasoning (unless hidden) between a :data:`THINKING` and a
+    :data:`DONE_THINKING` line, dimmed when ``dim``, and its answer as it is."""
+
+    def __init__(self, show_reasoning: bool = True, dim: bool = False):
+        self.show_reasoning = show_reasoning
+        self.dim = dim
+        self.thinking = False
+
+    def start(self) -> None:
+        """A new reply begins."""
+        self.thinking = False
+
+    def write(self, reasoning: str, answer: str) -> None:
+        """Prints the reply's next pieces."""
+        if reasoning and self.show_reasoning:
+            if not self.thinking:
+                self._faint(THINKING + '\n')
+                self.thinking = True
+            self._faint(reasoning)
+        if answer:
+            if self.thinking:
+                self._faint(f'\n{DONE_THINKING}\n\n')
+                self.thinking = False
+            print(answer, end='', flush=True)
+
+    def _faint(self, text: str) -> None:
+        print(f'{DIM}{text}{RESET}' if self.dim else text, end='', flush=True)
+
+
+@dataclass
+class Replying:
+    """How the chat replies: the generation config, the reasoning parser (if any) and the printer."""
+
+    gen: GenerationConfig
+    reasoning_parser: type[ReasoningParser] | None
+    printer: ReplyPrinter
+
+
 @dataclass
 class Reply:
-    """The reply being streamed: its text so far, and how many history messages were left out for it."""
+    """The reply being streamed: its answer and reasoning so far, and how many history messages were left
+    out for it."""
 
     text: str = ''
+    reasoning: str = ''
     dropped: int = 0
     failed: bool = False
 
 
-async def _reply(engine: AsyncEngine, session: Session, turn: list[dict], gen: GenerationConfig,
+async def _reply(engine: AsyncEngine, session: Session, turn: list[dict], how: Replying,
                  history: list[dict], reply: Reply) -> None:
     """Streams the reply to ``history + turn`` into ``reply``; a failure mid-reply is printed and marks it failed.
 
     Raises :class:`SafeRunException` before printing anything when the prompt is rejected.
     """
-    reply.text = ''
-    async for chunk in engine.generate(history + turn, session.session_id, gen):
-        print(chunk.text, end='', flush=True)
+    reply.text = reply.reasoning = ''
+    how.printer.start()
+    async for chunk in engine.generate(history + turn, session.session_id, how.gen,
+                                       reasoning_parser=how.reasoning_parser):
+        how.printer.write(chunk.reasoning_content or '', chunk.text)
         reply.text += chunk.text
+        reply.reasoning += chunk.reasoning_content or ''
         if chunk.finish_reason == 'error':
             print(f'\n[error: {chunk.error}]', end='')
             reply.failed = True
             return
 
 
-async def _reply_fitting(engine: AsyncEngine, session: Session, turn: list[dict], gen: GenerationConfig,
+async def _reply_fitting(engine: AsyncEngine, session: Session, turn: list[dict], how: Replying,
                          reply: Reply) -> None:
     """Replies to ``turn`` after as much of the history as fits in ``session_len``.
 
@@ -140,7 +198,7 @@ async def _reply_fitting(engine: AsyncEngine, session: Session, turn: list[dict]
     history = session.history
     while True:
         try:
-            return await _reply(engine, session, turn, gen, history[reply.dropped:], reply)
+            return await _reply(engine, session, turn, how, history[reply.dropped:], reply)
         except SafeRunException as exc:
             if exc.code is not ErrorCode.INPUT_LENGTH_ERROR or reply.dropped >= len(history):
                 raise
@@ -174,9 +232,12 @@ def _user_turn(prompt: str, images: list[str]) -> list[dict]:
     return [{'role': 'user', 'content': parts + [{'type': 'text', 'text': prompt}]}]
 
 
-async def chat(engine: AsyncEngine, gen: GenerationConfig) -> None:
-    """The read-reply loop; Ctrl-C (SIGINT) during a reply aborts just that reply."""
+async def chat(engine: AsyncEngine, gen: GenerationConfig, reasoning_parser: type[ReasoningParser] | None = None,
+               show_reasoning: bool = True) -> None:
+    """The read-reply loop; Ctrl-C (SIGINT) during a reply aborts just that reply. ``reasoning_parser`` (if
+    any) splits replies into reasoning, shown unless ``show_reasoning`` is False, and answer."""
     loop = asyncio.get_running_loop()
+    how = Replying(gen, reasoning_parser, ReplyPrinter(show_reasoning, dim=sys.stdout.isatty()))
     reader = LineReader()
     session = engine.session()
     images: list[str] = []
@@ -206,7 +267,7 @@ async def chat(engine: AsyncEngine, gen: GenerationConfig) -> None:
         turn = _user_turn(prompt, images)
         images = []
         reply = Reply()
-        task = asyncio.create_task(_reply_fitting(engine, session, turn, gen, reply))
+        task = asyncio.create_task(_reply_fitting(engine, session, turn, how, reply))
         loop.add_signal_handler(signal.SIGINT, task.cancel)
         interrupted = False
         try:
@@ -227,7 +288,7 @@ async def chat(engine: AsyncEngine, gen: GenerationConfig) -> None:
                   f'left out the oldest {turns} turn{"s" if turns != 1 else ""}]')
             del session.history[:reply.dropped]
         if not reply.failed and (reply.text or not interrupted):
-            session.history += turn + [{'role': 'assistant', 'content': reply.text}]
+            session.history += turn + [assistant_message(reply.text, reply.reasoning, reasoning_parser)]
     await engine.end_session(session.session_id)
 
 
@@ -241,6 +302,8 @@ def run_chat(args: argparse.Namespace) -> None:
     engine = AsyncEngine(args.model_path, engine_config(args), show_progress=False,
                          media_policy=MediaPolicy.for_local_caller())  # /image PATH: the user's own files
     try:
-        asyncio.run(chat(engine, gen))
+        parser = pick_reasoning_parser(None if args.reasoning_parser == NO_PARSER else args.reasoning_parser,
+                                       engine.engine.model_config.hf_config.model_type)
+        asyncio.run(chat(engine, gen, parser, show_reasoning=not args.hide_reasoning))
     finally:
         engine.close()

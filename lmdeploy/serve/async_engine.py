@@ -16,6 +16,8 @@ from lmdeploy.pytorch.engine.guided import Grammar
 from lmdeploy.serve.engine_loop import EngineLoop
 from lmdeploy.serve.exceptions import ErrorCode, SafeRunException
 from lmdeploy.serve.inst_manager import InferInstManager
+from lmdeploy.serve.openai.reasoning_parsers import ReasoningParser
+from lmdeploy.serve.reasoning import ReasoningSplitter, assistant_message, for_parser
 from lmdeploy.serve.session_manager import Session, SessionManager
 from lmdeploy.pytorch.multimodal import MultiModalInput
 from lmdeploy.vl.image_inputs import ImageInputs
@@ -100,13 +102,17 @@ class AsyncEngine:
     async def generate(self, messages: Prompt | None = None, session_id: int | None = None,
                        gen_config: GenerationConfig | None = None, do_preprocess: bool = True,
                        input_ids: list[int] | None = None,
-                       multimodal: list[MultiModalInput] | None = None) -> AsyncIterator[Response]:
+                       multimodal: list[MultiModalInput] | None = None,
+                       reasoning_parser: type[ReasoningParser] | None = None) -> AsyncIterator[Response]:
         """Streams incremental :class:`Response` chunks for one prompt (or ``input_ids`` with the
         ``multimodal`` inputs that :meth:`process` made for them).
 
         Each chunk carries the new text and token ids (and logprobs if asked); the counts are totals
         so far; the last chunk has a ``finish_reason``: 'stop', 'length', 'abort', or 'error' when
-        the engine failed while the request ran (``error`` says why).
+        the engine failed while the request ran (``error`` says why). With a ``reasoning_parser``, the
+        reply is read by it (the special tokens it reads kept; a ``response_format`` without
+        ``response_format_after`` applies after the reasoning): each chunk's ``text`` is its share of the
+        answer, ``reasoning_content`` its share of the reasoning.
 
         Bad input (malformed prompt, empty or longer than ``session_len``, bad token ids, a
         ``response_format`` that does not compile) and a session that already has a request running raise :class:`SafeRunException` before anything
@@ -125,6 +131,11 @@ class AsyncEngine:
             prompt = ProcessedPrompt(self._input_ids(input_ids), multimodal or [])
         else:
             prompt = await self.process(messages, do_preprocess)
+        parser = None
+        if reasoning_parser is not None:
+            parser = reasoning_parser(prompt.text or self.tokenizer.decode(prompt.input_ids, skip_special_tokens=False))
+            gen_config = for_parser(gen_config, parser)
+        split = ReasoningSplitter(parser)
         grammar = await self.compile_grammar(gen_config)
         one_shot = session is None
         session = session or self.session_manager.create(session_id)
@@ -135,7 +146,7 @@ class AsyncEngine:
         try:
             async with self.inst_manager.instance(request) as inst:
                 if inst is None or request.aborted or request.epoch != self.session_manager.epoch:
-                    yield Response('', 0, len(prompt.input_ids), 'abort')
+                    yield split(Response('', 0, len(prompt.input_ids), 'abort'))
                     return
                 stream = inst.start(request, prompt, gen_config, grammar)
                 try:
@@ -143,7 +154,7 @@ class AsyncEngine:
                         out = await stream.queue.get()
                         if out.finish_reason == 'error' and stream.error_code is not ErrorCode.ENGINE_ERROR:
                             raise SafeRunException(stream.error_code, out.error)
-                        yield _to_response(out)
+                        yield split(_to_response(out))
                         if out.finish_reason is not None:
                             break
                 finally:
@@ -166,15 +177,17 @@ class AsyncEngine:
         return self.session_manager.create(session_id, gen_config)
 
     async def chat(self, prompt: Prompt, session: Session, gen_config: GenerationConfig | None = None,
-                   do_preprocess: bool = True) -> Response:
-        """One chat turn: answers ``prompt`` after the session's history, then records both in it.
+                   do_preprocess: bool = True, reasoning_parser: type[ReasoningParser] | None = None) -> Response:
+        """One chat turn: answers ``prompt`` after the session's history, then records both in it (with a
+        ``reasoning_parser``, the answer as the reply's content and the reasoning where the model's template
+        takes it, see :func:`~lmdeploy.serve.reasoning.assistant_message`).
 
         The earlier turns' KV blocks are found again by the prefix cache (``Response.cached_tokens``).
         """
         turn = [{'role': 'user', 'content': prompt}] if isinstance(prompt, str) else list(prompt)
         response = await self.collect(self.generate(session.history + turn, session.session_id, gen_config,
-                                                    do_preprocess))
-        session.history += turn + [{'role': 'assistant', 'content': response.text}]
+                                                    do_preprocess, reasoning_parser=reasoning_parser))
+        session.history += turn + [assistant_message(response.text, response.reasoning_content, reasoning_parser)]
         session.response = response
         return response
 

@@ -37,6 +37,7 @@ from lmdeploy.serve.openai.serving_completion import create_completion
 from lmdeploy.serve.openai.serving_native import abort_request, encode_text, generate
 from lmdeploy.serve.openai.tool_parsers import ToolParser, get_tool_parser
 from lmdeploy.serve.openai.web_ui import mount_web_ui
+from lmdeploy.serve.reasoning import MODEL_PARSERS
 
 logger = logging.getLogger('lmdeploy')
 AUTH_EXEMPT = frozenset({'/health'})
@@ -102,10 +103,6 @@ def streamed(model: type[BaseModel] | None = None) -> dict:
             'content': {'text/event-stream': {'schema': {'type': 'string'}}}}
 
 
-# Model types whose chat replies need parsers, and the (tool, reasoning) parsers they get unless named.
-MODEL_PARSERS = {'gpt_oss': ('harmony', 'harmony')}
-
-
 def _parsers(engine: AsyncEngine, tool_name: str | None, reasoning_name: str | None
              ) -> tuple[type[ToolParser] | None, type[ReasoningParser] | None]:
     """The tool and reasoning parser classes the server uses (see :func:`create_app`)."""
@@ -145,7 +142,7 @@ def create_app(engine: AsyncEngine, model_name: str | None = None, api_keys: lis
 
     ``tool_call_parser`` and ``reasoning_parser`` name the parsers (see ``TOOL_PARSERS`` and
     ``REASONING_PARSERS``) that read tool calls and reasoning out of chat replies; an unknown name raises
-    ``ValueError``. Without either, a model type of :data:`MODEL_PARSERS` gets its parsers; a tool parser
+    ``ValueError``. Without either, a model type of ``lmdeploy.serve.reasoning.MODEL_PARSERS`` gets its parsers; a tool parser
     that reads a reasoning parser's content brings that one along.
 
     ``model_name`` defaults to the model's own name (``engine.model_name``). With ``generation_config``

@@ -1,7 +1,6 @@
 """``POST /v1/chat/completions``."""
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import time
 from collections.abc import Callable, Iterable
@@ -10,6 +9,7 @@ from fastapi import Request
 from transformers import PreTrainedTokenizerBase
 
 from lmdeploy.messages import Response
+from lmdeploy.serve.reasoning import keep_special_tokens
 from lmdeploy.serve.openai.chat_output import ChoiceParser
 from lmdeploy.serve.openai.errors import APIError
 from lmdeploy.serve.openai.limits import check_fanout, check_messages, check_stop
@@ -54,9 +54,7 @@ async def _jobs(state: ServerState, req: ChatCompletionRequest, plan: ToolPlan) 
                            req.chat_template_kwargs)
     config = gen_config(state, req, len(prompt.input_ids), (req.top_logprobs or 0) if req.logprobs else None, None)
     reasoning = state.reasoning_parser
-    keep = sorted({*(reasoning.special_tokens if reasoning else ()), *plan.special_tokens})
-    if keep and config.skip_special_tokens:
-        config = dataclasses.replace(config, keep_special_tokens=keep)
+    config = keep_special_tokens(config, [*(reasoning.special_tokens if reasoning else ()), *plan.special_tokens])
 
     def make_parser() -> ChoiceParser:
         return ChoiceParser(reasoning(prompt.text) if reasoning else None,

@@ -18,6 +18,7 @@ class HarmonyReasoningParser(ReasoningParser):
 
     end_marker = f'{CHANNEL}final{MESSAGE}'
     special_tokens = SPECIAL_TOKENS
+    history_field = 'thinking'  # gpt-oss's template renders it only for a trailing assistant turn
 
     def __init__(self, prompt: str) -> None:
         super().__init__(prompt)

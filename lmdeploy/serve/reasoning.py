@@ -1,0 +1,77 @@
+"""Reasoning replies outside the HTTP layer: which parsers a model gets by default (the server uses the same
+table), and a reply's streamed chunks split into reasoning and answer for ``pipeline()`` and ``lmdeploy chat``.
+
+The parsers themselves are the server's (``lmdeploy/serve/openai/reasoning_parsers``, plain Python).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+from lmdeploy.messages import GenerationConfig, Response
+from lmdeploy.serve.openai.reasoning_parsers import ReasoningParser, get_reasoning_parser
+
+# Model types whose chat replies need parsers, and the (tool, reasoning) parsers they get unless named.
+MODEL_PARSERS = {'gpt_oss': ('harmony', 'harmony')}
+AUTO = 'auto'
+
+
+def check_reasoning_parser(name: str | None) -> None:
+    """Raises ``ValueError`` (naming the known parsers) unless ``name`` is 'auto', None or a parser's name."""
+    if name not in (AUTO, None):
+        get_reasoning_parser(name)
+
+
+def pick_reasoning_parser(name: str | None, model_type: str) -> type[ReasoningParser] | None:
+    """The parser ``name`` asks for: 'auto' the one of :data:`MODEL_PARSERS` for ``model_type`` (None when it
+    has none), None no parser, else the parser registered under ``name``."""
+    check_reasoning_parser(name)
+    if name == AUTO:
+        name = MODEL_PARSERS.get(model_type, (None, None))[1]
+    return get_reasoning_parser(name) if name else None
+
+
+def keep_special_tokens(config: GenerationConfig, tokens: Iterable[str]) -> GenerationConfig:
+    """``config`` keeping ``tokens`` in the text as well, when it skips special tokens."""
+    kept, tokens = set(config.keep_special_tokens or ()), set(tokens)
+    if not config.skip_special_tokens or kept >= tokens:
+        return config
+    return dataclasses.replace(config, keep_special_tokens=sorted(kept | tokens))
+
+
+def for_parser(config: GenerationConfig, parser: ReasoningParser) -> GenerationConfig:
+    """``config`` for a reply that ``parser`` reads: the markers it reads kept, and a response format that
+    does not say where it starts applied to the answer, after the reasoning."""
+    config = keep_special_tokens(config, parser.special_tokens)
+    if config.response_format is not None and config.response_format_after is None:
+        config = dataclasses.replace(config, response_format_after=parser.grammar_after())
+    return config
+
+
+class ReasoningSplitter:
+    """Splits one reply's chunks as they stream: a chunk's ``text`` becomes its share of the answer and its
+    ``reasoning_content`` its share of the reasoning (both possibly ''); the last chunk (the one with a
+    ``finish_reason``) carries what the parser held back. Without a parser, chunks pass unchanged."""
+
+    def __init__(self, parser: ReasoningParser | None):
+        self.parser = parser
+
+    def __call__(self, chunk: Response) -> Response:
+        if self.parser is None:
+            return chunk
+        split = self.parser.feed(chunk.text)
+        if chunk.finish_reason is not None:
+            rest = self.parser.finish()
+            split.reasoning += rest.reasoning
+            split.content += rest.content
+        chunk.text, chunk.reasoning_content = split.content, split.reasoning
+        return chunk
+
+
+def assistant_message(content: str, reasoning: str | None, parser: type[ReasoningParser] | None) -> dict:
+    """A reply as the history's assistant message: the answer as its content and the reasoning, if any, in
+    the field where the parser's chat templates take it (which decide whether to render it again)."""
+    message = {'role': 'assistant', 'content': content}
+    if parser is not None and reasoning:
+        message[parser.history_field] = reasoning
+    return message
