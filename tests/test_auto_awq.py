@@ -135,7 +135,7 @@ def test_loads_without_a_flag_and_matches_transformers_on_the_unpacked_weights(a
     reference = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     with torch.no_grad():
         expected = reference(torch.tensor([prompts[1]])).logits[0]
-    # measured 0.28 (llama), 0.14 (qwen2), 0.16 (qwen3): 4-bit codes of N(0, 0.2) random weights are each
+    # measured 0.26 (llama), 0.09 (qwen2), 0.17 (qwen3): 4-bit codes of N(0, 0.2) random weights are each
     # about 10% off, and these models amplify it; wrong scales or a misplaced nibble give errors near 1
     assert ((logits.float() - expected).norm() / expected.norm()).item() < 0.4
 
@@ -173,7 +173,7 @@ def test_search_beats_round_to_nearest_on_outlier_channels(tmp_path):
     from transformers import AutoTokenizer
     ids = torch.tensor([AutoTokenizer.from_pretrained(source)(calibration_text())['input_ids'][-256:]])
     awq, rtn = _logits_error(source, str(tmp_path / 'awq'), ids), _logits_error(source, str(tmp_path / 'rtn'), ids)
-    assert awq < 0.8 * rtn, (awq, rtn)  # measured 0.36 against 0.61
+    assert awq < 0.8 * rtn, (awq, rtn)  # measured 0.37 against 0.61 (0.36 unclipped)
 
 
 def _outlier_layer(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
