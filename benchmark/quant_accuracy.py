@@ -1,7 +1,7 @@
 """Accuracy of the quantized paths on the default model: perplexity on the held-out end of the shipped
 public-domain text (``lmdeploy/lite/opticks.txt``, which calibration never reads) and greedy agreement
 with the bf16 engine over 32 tokens, for bf16, KV int8, KV int4, W8A8, W8A8 + KV int8, and 4-bit weights
-by AWQ and by plain round to nearest (RTN; the same layout and group size, no scale search).
+by AWQ and by plain round to nearest (RTN; the same layout and group size, no scale or clipping search).
 
     python benchmark/quant_accuracy.py          # makes the W8A8, AWQ and RTN copies with lmdeploy lite first
     python benchmark/quant_accuracy.py --w8a8 /path/to/w8a8_model --awq /path/to/awq --rtn /path/to/rtn
@@ -53,7 +53,8 @@ def main() -> None:
     parser.add_argument('--model', default=None, help='default: the bundled default model')
     parser.add_argument('--w8a8', default=None, help='its W8A8 copy (default: made now with lmdeploy lite)')
     parser.add_argument('--awq', default=None, help='its AWQ copy (default: made now with lmdeploy lite auto_awq)')
-    parser.add_argument('--rtn', default=None, help='its 4-bit round-to-nearest copy (auto_awq --no-search-scale)')
+    parser.add_argument('--rtn', default=None,
+                        help='its 4-bit round-to-nearest copy (auto_awq --no-search-scale --no-apply-clip)')
     parser.add_argument('--eval-tokens', type=int, default=2048)
     parser.add_argument('--window', type=int, default=1024)
     args = parser.parse_args()
@@ -68,7 +69,7 @@ def main() -> None:
         four_bit[name] = getattr(args, name) or os.path.join(tempfile.mkdtemp(prefix=f'{name}_'), 'model')
         if getattr(args, name) is None:
             from lmdeploy.lite.auto_awq import auto_awq
-            auto_awq(source, four_bit[name], w_group_size=AWQ_GROUP_SIZE, search_scale=search)
+            auto_awq(source, four_bit[name], w_group_size=AWQ_GROUP_SIZE, search_scale=search, apply_clip=search)
     from transformers import AutoTokenizer
     ids = AutoTokenizer.from_pretrained(source)(calibration_text())['input_ids'][-args.eval_tokens:]
     windows = [ids[i:i + args.window] for i in range(0, len(ids) - args.window + 1, args.window)]

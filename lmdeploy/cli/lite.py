@@ -33,7 +33,10 @@ def add_lite_parser(commands) -> None:
     parser.add_argument('--calib-samples', type=int, default=8, help='calibration slices of the shipped text')
     parser.add_argument('--calib-seqlen', type=int, default=512, help='tokens per calibration slice')
     parser.add_argument('--search-scale', action=argparse.BooleanOptionalAction, default=True,
-                        help='search the activation-aware scales (--no-search-scale: plain round to nearest)')
+                        help='search the activation-aware scales')
+    parser.add_argument('--apply-clip', action=argparse.BooleanOptionalAction, default=True,
+                        help='search each weight group\'s clipping range (with --no-search-scale: plain round '
+                             'to nearest)')
     parser.set_defaults(run=run_auto_awq)
 
 
@@ -46,5 +49,6 @@ def run_smooth_quant(args: argparse.Namespace) -> None:
 def run_auto_awq(args: argparse.Namespace) -> None:
     from lmdeploy.lite.auto_awq import auto_awq
     auto_awq(args.model, args.out, w_bits=args.w_bits, w_group_size=args.w_group_size,
-             calib_samples=args.calib_samples, calib_seqlen=args.calib_seqlen, search_scale=args.search_scale)
+             calib_samples=args.calib_samples, calib_seqlen=args.calib_seqlen, search_scale=args.search_scale,
+             apply_clip=args.apply_clip)
     print(f'wrote the AWQ model to {args.out}')

@@ -7,20 +7,34 @@ and keeps the ``s`` whose block (attention, MLP, or the projection itself) gives
 unquantized one on the calibration activations (mean squared error); ``alpha = 0`` is plain round to
 nearest, so the search never does worse than it on the calibration data. Salient input channels (large
 activations) get finer steps in ``W * s``; ``X / s`` is folded into the layer before
-(:mod:`lmdeploy.lite.calibration`). Every layer's inputs come from the unquantized model, as AutoAWQ does.
+(:mod:`lmdeploy.lite.calibration`). Then the clipping search (:func:`clip_weight`) narrows the range of
+each group of each projection but q and k where that brings the group's part of the output closer on
+``X / s``. Every layer's inputs come from the unquantized model, as AutoAWQ does.
 Then each weight is quantized asymmetrically in groups of ``group_size`` inputs:
 ``W = (q - zero) * scale`` with 4-bit ``q`` and ``zero``, fp16 ``scale``.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
-from lmdeploy.lite.calibration import (attention_shape, calibration_ids, fold_norm, fold_pair, is_projection,
-                                       kv_shared, load_float_model, load_float_state, load_source, write_checkpoint)
+from lmdeploy.lite.calibration import (attention_shape, calibration_ids, expand_kv, fold_norm, fold_pair,
+                                       is_projection, kv_shared, load_float_model, load_float_state, load_source,
+                                       write_checkpoint)
 from lmdeploy.pytorch.nn.quant.awq import AWQ_FIELD
 
 MIN_SCALE = 1e-4
+CLIP_TOKENS = 1024  # calibration tokens (evenly spaced) the clipping search weighs the output error on
+CLIP_CHUNK = 1 << 22  # weights per chunk of output channels in the clipping search
+# the projections clipped (all but q and k, whose errors reach the output through the softmax, as AutoAWQ
+# leaves them), each with the projection whose recorded input it reads and the key of the factors it is divided by
+CLIPPED = {'self_attn.v_proj': ('self_attn.q_proj', 'input_layernorm'),
+           'self_attn.o_proj': ('self_attn.o_proj', 'self_attn.v_proj'),
+           'mlp.gate_proj': ('mlp.gate_proj', 'post_attention_layernorm'),
+           'mlp.up_proj': ('mlp.gate_proj', 'post_attention_layernorm'),
+           'mlp.down_proj': ('mlp.down_proj', 'mlp.up_proj')}
 
 
 def _grid(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -63,6 +77,66 @@ def awq_tensors(weight: torch.Tensor, group_size: int) -> dict[str, torch.Tensor
     """``qweight``, ``qzeros`` and ``scales`` of ``weight [N, K]`` in AutoAWQ's GEMM layout."""
     codes, zeros, scales = quantize_groups(weight, group_size)
     return {'qweight': pack_awq(codes.T), 'qzeros': pack_awq(zeros.T), 'scales': scales.T.contiguous()}
+
+
+def _output_error(delta: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Per row of ``delta [N, K]`` (a weight error), the mean squared output error it makes on ``x [T, K]``."""
+    return (x @ delta.T).pow(2).mean(0)
+
+
+@torch.no_grad()
+def clip_weight(weight: torch.Tensor, x: torch.Tensor, group_size: int, n_grid: int = 20, max_shrink: float = 0.5,
+                max_tokens: int = CLIP_TOKENS) -> torch.Tensor:
+    """AWQ's weight clipping: ``weight [N, K]`` with each group of ``group_size`` inputs of each output clamped to
+    ``[-r * max|w|, r * max|w|]`` for the ``r`` in ``1, 1 - 1 / n_grid, ...`` (``max_shrink * n_grid`` ratios, as
+    AutoAWQ) whose 4-bit grid (:func:`fake_quantize`) gives the least mean squared error in the group's part
+    of the output on the inputs ``x [..., K]`` (at most ``max_tokens`` of them, evenly spaced). An output whose
+    error over all its groups the clipping would raise keeps its weights, so no output's error on those
+    tokens grows."""
+    out_features, in_features = weight.shape
+    groups = in_features // group_size
+    x = x.reshape(-1, in_features).float()
+    x = x[::-(-x.shape[0] // max_tokens)]
+    # a group's output error is d^T H d for its weight error d: H is the group's block of x^T x / T
+    by_group = x.view(-1, groups, group_size).transpose(0, 1)
+    blocks = by_group.transpose(1, 2) @ by_group / x.shape[0]
+    ratios = 1 - torch.arange(int(max_shrink * n_grid)) / n_grid
+    rows = max(1, CLIP_CHUNK // in_features)
+    out = torch.empty_like(weight)
+    for start in range(0, out_features, rows):
+        w = weight[start:start + rows].float()
+        grouped = w.view(-1, groups, group_size)
+        amax = grouped.abs().amax(-1, keepdim=True)
+        best_error = torch.full(grouped.shape[:2], float('inf'))
+        best_bound = amax
+        for ratio in ratios:
+            bound = amax * ratio
+            delta = (fake_quantize(grouped.clamp(-bound, bound).view_as(w), group_size) - w).view_as(grouped)
+            delta = delta.transpose(0, 1)
+            error = ((delta @ blocks) * delta).sum(-1).T
+            better = error < best_error
+            best_error = torch.where(better, error, best_error)
+            best_bound = torch.where(better[..., None], bound, best_bound)
+        clipped = grouped.clamp(-best_bound, best_bound).view_as(w)
+        keep = (_output_error(fake_quantize(clipped, group_size) - w, x)
+                <= _output_error(fake_quantize(w, group_size) - w, x))
+        out[start:start + rows] = torch.where(keep[:, None], clipped, w)
+    return out
+
+
+def clip_layer(state: dict[str, torch.Tensor], layer: str, inputs: dict[str, torch.Tensor],
+               scales: dict[str, torch.Tensor] | None, config: dict, group_size: int) -> None:
+    """Clips (:func:`clip_weight`) the :data:`CLIPPED` projections of decoder layer ``layer``
+    (``model.layers.<i>``) in ``state`` in place, each on its recorded calibration input (:func:`_layer_inputs`)
+    divided by the :func:`search_scales` factors folded into the layer before (None: none were)."""
+    group, head_dim = attention_shape(config)
+    for projection, (reads, key) in CLIPPED.items():
+        x = inputs[reads]
+        if scales is not None:
+            s = scales[key]
+            x = x / (expand_kv(s, group, head_dim) if key == 'self_attn.v_proj' else s)
+        name = f'{layer}.{projection}.weight'
+        state[name] = clip_weight(state[name], x, group_size)
 
 
 def _search(block, linears: list[nn.Linear], x: torch.Tensor, x_mean: torch.Tensor, group_size: int, n_grid: int,
@@ -136,55 +210,57 @@ def _first_layer_inputs(model: nn.Module, input_ids: torch.Tensor) -> tuple[torc
 
 
 @torch.no_grad()
-def search_scales(model: nn.Module, input_ids: torch.Tensor, config: dict, group_size: int = 128,
-                  n_grid: int = 20) -> dict[str, torch.Tensor]:
-    """AWQ's per-input-channel factors of every layer of a transformers causal LM on the calibration batch
-    ``input_ids [samples, seqlen]``, keyed by the module they are folded into: ``<layer>.input_layernorm``,
-    ``<layer>.post_attention_layernorm`` (the hidden size), ``<layer>.self_attn.v_proj`` (one per KV-head
-    channel) and ``<layer>.mlp.up_proj`` (the intermediate size)."""
-    group, head_dim = attention_shape(config)
+def _calibration_layers(model: nn.Module, input_ids: torch.Tensor) -> Iterator[tuple[nn.Module, dict, dict]]:
+    """Each decoder layer of ``model`` on the calibration batch, with the inputs of its q, o, gate and down
+    projections and its attention's keyword arguments (:func:`_layer_inputs`); every layer reads the
+    unquantized output of the one before."""
     hidden, kwargs = _first_layer_inputs(model, input_ids)
-    scales = {}
-    for i, layer in enumerate(model.model.layers):
-        inputs, attn_kwargs, next_hidden = _layer_inputs(layer, hidden, kwargs)
-        attn, mlp, prefix = layer.self_attn, layer.mlp, f'model.layers.{i}'
-
-        def mean(name: str) -> torch.Tensor:
-            return inputs[name].abs().reshape(-1, inputs[name].shape[-1]).mean(0)
-
-        def attention(x: torch.Tensor) -> torch.Tensor:
-            return attn(hidden_states=x, **attn_kwargs)[0]
-
-        def expand_kv(s: torch.Tensor) -> torch.Tensor:
-            return s.view(-1, 1, head_dim).expand(-1, group, -1).reshape(-1)
-
-        scales[f'{prefix}.input_layernorm'] = _search(
-            attention, [attn.q_proj, attn.k_proj, attn.v_proj], inputs['self_attn.q_proj'],
-            mean('self_attn.q_proj'), group_size, n_grid)
-        scales[f'{prefix}.self_attn.v_proj'] = _search(
-            attn.o_proj, [attn.o_proj], inputs['self_attn.o_proj'],
-            kv_shared(mean('self_attn.o_proj'), group, head_dim, 'mean'), group_size, n_grid, expand_kv)
-        scales[f'{prefix}.post_attention_layernorm'] = _search(
-            mlp, [mlp.gate_proj, mlp.up_proj], inputs['mlp.gate_proj'], mean('mlp.gate_proj'), group_size, n_grid)
-        scales[f'{prefix}.mlp.up_proj'] = _search(
-            mlp.down_proj, [mlp.down_proj], inputs['mlp.down_proj'], mean('mlp.down_proj'), group_size, n_grid)
-        hidden = next_hidden
-    return scales
+    for layer in model.model.layers:
+        inputs, attn_kwargs, hidden = _layer_inputs(layer, hidden, kwargs)
+        yield layer, inputs, attn_kwargs
 
 
-def fold_scales(state: dict[str, torch.Tensor], scales: dict[str, torch.Tensor], config: dict) -> None:
-    """Folds :func:`search_scales`' factors into the fp32 Hugging Face ``state`` in place."""
+@torch.no_grad()
+def search_scales(layer: nn.Module, inputs: dict[str, torch.Tensor], attn_kwargs: dict, config: dict,
+                  group_size: int = 128, n_grid: int = 20) -> dict[str, torch.Tensor]:
+    """AWQ's per-input-channel factors of one decoder layer (a transformers Llama/Qwen layer) from its
+    calibration ``inputs`` and ``attn_kwargs`` (:func:`_calibration_layers`), keyed by the module they are
+    folded into: ``input_layernorm``, ``post_attention_layernorm`` (the hidden size), ``self_attn.v_proj``
+    (one per KV-head channel) and ``mlp.up_proj`` (the intermediate size)."""
     group, head_dim = attention_shape(config)
-    for i in range(config['num_hidden_layers']):
-        layer = f'model.layers.{i}'
-        attn, mlp = f'{layer}.self_attn', f'{layer}.mlp'
-        fold_norm(state, f'{layer}.input_layernorm', [f'{attn}.q_proj', f'{attn}.k_proj', f'{attn}.v_proj'],
-                  scales[f'{layer}.input_layernorm'])
-        fold_norm(state, f'{layer}.post_attention_layernorm', [f'{mlp}.gate_proj', f'{mlp}.up_proj'],
-                  scales[f'{layer}.post_attention_layernorm'])
-        fold_pair(state, f'{attn}.v_proj', f'{attn}.o_proj', scales[f'{attn}.v_proj'], group, head_dim)
-        up = scales[f'{mlp}.up_proj']
-        fold_pair(state, f'{mlp}.up_proj', f'{mlp}.down_proj', up, 1, up.numel())
+    attn, mlp = layer.self_attn, layer.mlp
+
+    def mean(name: str) -> torch.Tensor:
+        return inputs[name].abs().reshape(-1, inputs[name].shape[-1]).mean(0)
+
+    def attention(x: torch.Tensor) -> torch.Tensor:
+        return attn(hidden_states=x, **attn_kwargs)[0]
+
+    return {
+        'input_layernorm': _search(attention, [attn.q_proj, attn.k_proj, attn.v_proj], inputs['self_attn.q_proj'],
+                                   mean('self_attn.q_proj'), group_size, n_grid),
+        'self_attn.v_proj': _search(attn.o_proj, [attn.o_proj], inputs['self_attn.o_proj'],
+                                    kv_shared(mean('self_attn.o_proj'), group, head_dim, 'mean'), group_size,
+                                    n_grid, lambda s: expand_kv(s, group, head_dim)),
+        'post_attention_layernorm': _search(mlp, [mlp.gate_proj, mlp.up_proj], inputs['mlp.gate_proj'],
+                                            mean('mlp.gate_proj'), group_size, n_grid),
+        'mlp.up_proj': _search(mlp.down_proj, [mlp.down_proj], inputs['mlp.down_proj'], mean('mlp.down_proj'),
+                               group_size, n_grid),
+    }
+
+
+def fold_scales(state: dict[str, torch.Tensor], layer: str, scales: dict[str, torch.Tensor], config: dict) -> None:
+    """Folds :func:`search_scales`' factors of decoder layer ``layer`` (``model.layers.<i>``) into the fp32
+    Hugging Face ``state`` in place."""
+    group, head_dim = attention_shape(config)
+    attn, mlp = f'{layer}.self_attn', f'{layer}.mlp'
+    fold_norm(state, f'{layer}.input_layernorm', [f'{attn}.q_proj', f'{attn}.k_proj', f'{attn}.v_proj'],
+              scales['input_layernorm'])
+    fold_norm(state, f'{layer}.post_attention_layernorm', [f'{mlp}.gate_proj', f'{mlp}.up_proj'],
+              scales['post_attention_layernorm'])
+    fold_pair(state, f'{attn}.v_proj', f'{attn}.o_proj', scales['self_attn.v_proj'], group, head_dim)
+    up = scales['mlp.up_proj']
+    fold_pair(state, f'{mlp}.up_proj', f'{mlp}.down_proj', up, 1, up.numel())
 
 
 def quantize(state: dict[str, torch.Tensor], group_size: int) -> dict[str, torch.Tensor]:
@@ -200,11 +276,12 @@ def quantize(state: dict[str, torch.Tensor], group_size: int) -> dict[str, torch
 
 
 def auto_awq(model_path: str, out_dir: str, w_bits: int = 4, w_group_size: int = 128, calib_samples: int = 8,
-             calib_seqlen: int = 512, search_scale: bool = True) -> None:
+             calib_seqlen: int = 512, search_scale: bool = True, apply_clip: bool = True) -> None:
     """Writes a 4-bit AWQ copy of ``model_path`` (a Hugging Face folder or a .gguf file) to ``out_dir``,
     calibrated on ``calib_samples`` slices of ``calib_seqlen`` tokens from the start of the shipped text
     (:func:`lmdeploy.lite.calibration_text`) in fp32 with transformers on the CPU. ``search_scale=False``
-    skips the search: plain round to nearest in the same layout."""
+    skips the scale search, ``apply_clip=False`` the weight clipping; with neither, plain round to nearest in
+    the same layout."""
     if w_bits != 4:
         raise ValueError(f'auto_awq writes 4-bit weights (the AWQ format the engine serves), not {w_bits}')
     source, config = load_source(model_path, 'auto_awq')
@@ -216,8 +293,14 @@ def auto_awq(model_path: str, out_dir: str, w_bits: int = 4, w_group_size: int =
                          f'(--w-group-size): {bad[0]}')
     quantization_config = {'quant_method': 'awq', 'bits': w_bits, 'group_size': w_group_size, 'zero_point': True,
                            'version': 'gemm'}
-    if search_scale:
+    if search_scale or apply_clip:
         input_ids = calibration_ids(source, calib_samples * calib_seqlen).view(calib_samples, calib_seqlen)
-        fold_scales(state, search_scales(load_float_model(source), input_ids, config, w_group_size), config)
+        layers = _calibration_layers(load_float_model(source), input_ids)
+        for i, (layer, inputs, attn_kwargs) in enumerate(layers):
+            scales = search_scales(layer, inputs, attn_kwargs, config, w_group_size) if search_scale else None
+            if scales is not None:
+                fold_scales(state, f'model.layers.{i}', scales, config)
+            if apply_clip:
+                clip_layer(state, f'model.layers.{i}', inputs, scales, config, w_group_size)
         quantization_config['calibration_tokens'] = int(input_ids.numel())
     write_checkpoint(source, out_dir, quantize(state, w_group_size), config, quantization_config)

@@ -95,8 +95,13 @@ def fold_pair(state: dict[str, torch.Tensor], first: str, second: str, s: torch.
     state[f'{first}.weight'] = state[f'{first}.weight'] / s[:, None]
     if f'{first}.bias' in state:
         state[f'{first}.bias'] = state[f'{first}.bias'] / s
-    expanded = s.view(-1, 1, head_dim).expand(-1, group, -1).reshape(-1)
-    state[f'{second}.weight'] = state[f'{second}.weight'] * expanded
+    state[f'{second}.weight'] = state[f'{second}.weight'] * expand_kv(s, group, head_dim)
+
+
+def expand_kv(s: torch.Tensor, group: int, head_dim: int) -> torch.Tensor:
+    """Per-KV-head-channel ``s`` (``[kv_heads * head_dim]``) repeated for the ``group`` query heads that
+    read each KV head: per input channel of o_proj (``[heads * head_dim]``)."""
+    return s.view(-1, 1, head_dim).expand(-1, group, -1).reshape(-1)
 
 
 def attention_shape(config: dict) -> tuple[int, int]:
