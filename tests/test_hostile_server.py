@@ -9,6 +9,8 @@ import httpx
 import pytest
 from server_helpers import serve, slow_down, tiny_engine
 
+from lmdeploy.serve.openai.limits import RequestLimits
+
 CHAT = {'model': 'tiny', 'messages': [{'role': 'user', 'content': 'hi'}], 'max_tokens': 4}
 
 
@@ -16,7 +18,7 @@ CHAT = {'model': 'tiny', 'messages': [{'role': 'user', 'content': 'hi'}], 'max_t
 def server(tiny_llama):
     engine = tiny_engine(tiny_llama, session_len=256)
     slow_down(engine, 0.01)
-    yield from serve(engine, model_name='tiny')
+    yield from serve(engine, model_name='tiny', limits=RequestLimits(max_grammar_compile_seconds=1))
 
 
 @pytest.fixture
@@ -128,3 +130,23 @@ def test_token_limits_name_the_field(url):
     for field in ('max_tokens', 'max_completion_tokens'):
         message = _error(httpx.post(f'{url}/v1/chat/completions', json={**CHAT, field: 2 ** 64}), field)
         assert '1048576' in message
+
+
+def test_a_format_slow_to_compile_is_400_and_others_go_on(url):
+    """A small schema can take long to compile (a string's maxLength becomes a bounded regex repetition, whose
+    compile time grows with the square of the bound): the request waited for it, on a thread of the event loop's
+    default executor. The compile goes on in the background (xgrammar cannot stop it)."""
+    slow = {'type': 'json_schema', 'json_schema': {'name': 'x', 'schema': {'type': 'string', 'maxLength': 3000}}}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            start = time.monotonic()
+            compiling = asyncio.create_task(http.post('/v1/chat/completions', json={**CHAT, 'response_format': slow}))
+            await asyncio.sleep(0.2)
+            other = await http.post('/v1/chat/completions', json={**CHAT, 'response_format': {'type': 'json_object'}})
+            return await compiling, time.monotonic() - start, other
+
+    refused, seconds, other = asyncio.run(main())
+    assert 'did not compile within 1 s' in _error(refused, 'response_format') and seconds < 4
+    assert refused.json()['error']['code'] == 'max_grammar_compile_seconds_exceeded'
+    assert other.status_code == 200, other.text

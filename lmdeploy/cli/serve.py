@@ -60,6 +60,8 @@ LIMIT_HELP = {
     'max_stop_length': 'characters per stop string; over: 400',
     'max_stop_token_ids': 'stop_token_ids per request; over: 400',
     'max_fanout': 'generations one request fans out to (n x prompts); over: 400',
+    'max_grammar_compile_seconds': 'seconds a response format (JSON schema, regex, grammar) may take to compile; '
+                                   'over: 400',
 }
 
 

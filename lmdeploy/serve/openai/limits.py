@@ -25,6 +25,7 @@ class RequestLimits:
     max_stop_length: int | None = 256
     max_stop_token_ids: int | None = 64
     max_fanout: int | None = 128
+    max_grammar_compile_seconds: int | None = 30
 
     def __post_init__(self):
         for f in fields(self):

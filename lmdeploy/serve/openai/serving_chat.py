@@ -64,7 +64,7 @@ async def _jobs(state: ServerState, req: ChatCompletionRequest, plan: ToolPlan) 
 
     fmt, param = (plan.response_format, 'tools') if plan.response_format else requested_format(req)
     config = with_format(config, fmt, reasoning(prompt.text).grammar_after() if reasoning else None, param)
-    await compile_format(state.engine, config, param)
+    await compile_format(state.engine, config, param, state.limits)
     jobs = [Job(i, prompt.input_ids, choice_config(config, i), req.session_id, prompt.multimodal)
             for i in range(req.n)]
     return jobs, make_parser
