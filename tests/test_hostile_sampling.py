@@ -1,5 +1,6 @@
-"""Extreme but accepted sampling values: the sampler never makes a NaN weight or an out-of-range token, which
-would fail the whole engine step and so every request batched with the hostile one."""
+"""Hostile input through the Python API: extreme but accepted sampling values (the sampler never makes a NaN
+weight or an out-of-range token, which would fail the whole engine step and so every request batched with the
+hostile one), out-of-range seeds and text that is not valid Unicode."""
 from __future__ import annotations
 
 import itertools
@@ -65,3 +66,12 @@ def test_random_seed_range():
     for seed in (-2 ** 63 - 1, 2 ** 64, 10 ** 100):
         with pytest.raises(ValueError, match='random_seed'):
             GenerationConfig(random_seed=seed)
+
+
+def test_a_lone_surrogate_fails_only_its_own_prompt(tiny_llama):
+    """A prompt the tokenizer cannot take (a TypeError before) gets its own error response; the batch goes on."""
+    from test_pipeline import make_pipe
+    with make_pipe(tiny_llama) as pipe:
+        bad, good = pipe(['a \ud800 b', 'hello'], GenerationConfig(max_new_tokens=3, ignore_eos=True))
+        assert bad.finish_reason == 'error' and 'lone UTF-16 surrogate' in bad.error
+        assert good.finish_reason == 'length' and good.generate_token_len == 3
