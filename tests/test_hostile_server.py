@@ -150,3 +150,20 @@ def test_a_format_slow_to_compile_is_400_and_others_go_on(url):
     assert 'did not compile within 1 s' in _error(refused, 'response_format') and seconds < 4
     assert refused.json()['error']['code'] == 'max_grammar_compile_seconds_exceeded'
     assert other.status_code == 200, other.text
+
+
+@pytest.mark.parametrize('field', ['tools', 'tool_calls', 'chat_template_kwargs'])
+def test_what_the_chat_template_renders_counts_against_max_prompt_chars(url, field):
+    """Tool definitions, tool-call arguments and template variables go into the prompt too: 10 MB of a tool's
+    description took 42 s of a preprocessing thread to tokenize (here with a Hermes template), past
+    --max-prompt-chars."""
+    text = 'word ' * 200_001
+    body = {**CHAT, 'tools': [{'type': 'function', 'function': {'name': 'f', 'description': text}}],
+            'tool_choice': 'none'}
+    if field == 'tool_calls':
+        call = {'id': 'c', 'type': 'function', 'function': {'name': 'f', 'arguments': text}}
+        body = {**CHAT, 'messages': [{'role': 'assistant', 'content': '', 'tool_calls': [call]}]}
+    elif field == 'chat_template_kwargs':
+        body = {**CHAT, 'chat_template_kwargs': {'notes': text}}
+    response = httpx.post(f'{url}/v1/chat/completions', json=body)
+    assert response.status_code == 400 and response.json()['error']['code'] == 'max_prompt_chars_exceeded'
