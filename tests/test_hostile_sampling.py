@@ -4,6 +4,7 @@ hostile one), out-of-range seeds and text that is not valid Unicode."""
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 import torch
@@ -68,10 +69,14 @@ def test_random_seed_range():
             GenerationConfig(random_seed=seed)
 
 
-def test_a_lone_surrogate_fails_only_its_own_prompt(tiny_llama):
-    """A prompt the tokenizer cannot take (a TypeError before) gets its own error response; the batch goes on."""
+def test_a_bad_prompt_fails_only_itself(tiny_llama):
+    """A prompt the tokenizer (a TypeError) or the chat template (a RecursionError) could not take raised out of
+    ``pipe([...])`` before, losing the other answers; now it gets its own error response."""
     from test_pipeline import make_pipe
+    deep = [{'role': 'user', 'content': 'hi', 'x': json.loads('[' * 900 + ']' * 900)}]
     with make_pipe(tiny_llama) as pipe:
-        bad, good = pipe(['a \ud800 b', 'hello'], GenerationConfig(max_new_tokens=3, ignore_eos=True))
-        assert bad.finish_reason == 'error' and 'lone UTF-16 surrogate' in bad.error
+        config = GenerationConfig(max_new_tokens=3, ignore_eos=True)
+        surrogate, nested, good = pipe(['a \ud800 b', deep, 'hello'], config)
+        assert surrogate.finish_reason == 'error' and 'lone UTF-16 surrogate' in surrogate.error
+        assert nested.finish_reason == 'error' and 'nest too deeply' in nested.error
         assert good.finish_reason == 'length' and good.generate_token_len == 3
