@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 MAX_NEW_TOKENS_LIMIT = 1 << 20
+# Sampling at a lower temperature is greedy (as in vLLM): 1 / temperature would overflow the logits.
+MIN_SAMPLING_TEMPERATURE = 1e-5
 
 
 def _check(ok: bool, message: str) -> None:
@@ -18,7 +20,9 @@ def _check(ok: bool, message: str) -> None:
 class GenerationConfig:
     """Per-request generation parameters (names follow LMDeploy).
 
-    Greedy decoding is used when ``do_sample`` is False or ``top_k == 1``.
+    Greedy decoding is used when ``do_sample`` is False, ``top_k == 1`` or ``temperature`` is below
+    :data:`MIN_SAMPLING_TEMPERATURE` (1e-5). ``random_seed`` is an int in [-2**63, 2**64) (torch takes it
+    modulo 2**64).
 
     ``prompt_logprobs=N`` also returns, in the first output, the logprob of each prompt token after the
     first (plus the top N tokens at its position), computed in the request's own prefill, which then
@@ -92,10 +96,13 @@ class GenerationConfig:
                'keep_special_tokens must be a list of non-empty strings')
         _check(self.stop_token_ids is None or all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                'stop_token_ids must be a list of non-negative ints')
+        _check(self.random_seed is None or (isinstance(self.random_seed, int)
+                                             and -2 ** 63 <= self.random_seed < 2 ** 64),
+               f'random_seed must be None or an int in [-2**63, 2**64), got {self.random_seed!r}')
 
     @property
     def is_greedy(self) -> bool:
-        return not self.do_sample or self.top_k == 1 or self.temperature == 0.0
+        return not self.do_sample or self.top_k == 1 or self.temperature < MIN_SAMPLING_TEMPERATURE
 
 
 _FORMAT_FIELDS = {'json_object': None, 'json_schema': dict, 'regex': str, 'choice': list, 'grammar': str}

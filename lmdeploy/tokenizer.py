@@ -4,11 +4,13 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 from collections.abc import Iterable
 
 from transformers import AutoTokenizer
 
 _REPLACEMENT_CHAR = '\ufffd'
+_SURROGATE = re.compile('[\ud800-\udfff]')
 
 
 def _as_ids(value: int | Iterable[int] | None) -> set[int]:
@@ -54,8 +56,14 @@ class Tokenizer:
         return len(self.hf)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``."""
-        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+        """Token ids of ``text``; text that is not valid Unicode (a lone UTF-16 surrogate) raises ``ValueError``."""
+        try:
+            return self.hf.encode(text, add_special_tokens=add_special_tokens)
+        except TypeError:
+            if isinstance(text, str) and _SURROGATE.search(text):
+                raise ValueError(f'the text holds a lone UTF-16 surrogate ({_SURROGATE.search(text).group()!a}), '
+                                 'which no encoding can carry; pass valid Unicode text') from None
+            raise
 
     @functools.cached_property
     def special_token_ids(self) -> dict[int, str]:

@@ -55,11 +55,13 @@ def add_serve_parser(commands) -> None:
 LIMIT_HELP = {
     'max_request_body_bytes': 'request body size in bytes (Content-Length or bytes read, chunked too); over: 413',
     'max_messages': 'chat messages per request; over: 400',
-    'max_prompt_chars': 'characters of prompt text per request (all messages, all prompts); over: 400',
+    'max_prompt_chars': 'characters of prompt text per request (messages, tools, template variables, prompts); over: 400',
     'max_stop_sequences': 'stop strings per request; over: 400',
     'max_stop_length': 'characters per stop string; over: 400',
     'max_stop_token_ids': 'stop_token_ids per request; over: 400',
     'max_fanout': 'generations one request fans out to (n x prompts); over: 400',
+    'max_grammar_compile_seconds': 'seconds a response format (JSON schema, regex, grammar) may take to compile; '
+                                   'over: 400',
 }
 
 

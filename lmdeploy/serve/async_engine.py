@@ -5,6 +5,7 @@ import asyncio
 import contextvars
 import hmac
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import torch
@@ -30,6 +31,9 @@ T = TypeVar('T')
 # a request remembers its owner, and :meth:`AsyncEngine.abort_session` with an ``owner`` aborts only
 # that owner's requests. None: no owner (the Python API, a server without keys).
 request_owner: contextvars.ContextVar[str | None] = contextvars.ContextVar('lmdeploy_request_owner', default=None)
+# Grammars compile on threads of their own (at most this many at once), so that formats slow to compile never
+# hold the threads of the event loop's default executor.
+GRAMMAR_COMPILE_THREADS = 2
 
 
 def _to_response(out: EngineOutput) -> Response:
@@ -69,6 +73,7 @@ class AsyncEngine:
         self.processor = MultiModalProcessor(self.tokenizer, template, image_inputs, media_policy or MediaPolicy())
         self.inst_manager = InferInstManager(self.engine_loop, self.backend_config.max_batch_size)
         self.grammars = self.engine.grammars
+        self._grammar_pool = ThreadPoolExecutor(GRAMMAR_COMPILE_THREADS, thread_name_prefix='lmdeploy-grammar')
         self._owners: dict[int, tuple[object, str]] = {}  # session id -> (its active request, that one's owner)
 
     def encode(self, prompt: Prompt, do_preprocess: bool = True) -> list[int]:
@@ -88,14 +93,17 @@ class AsyncEngine:
         except ValueError as exc:
             raise SafeRunException(ErrorCode.INVALID_ARGUMENT, str(exc)) from exc
 
-    async def compile_grammar(self, gen_config: GenerationConfig) -> Grammar | None:
-        """``gen_config.response_format`` compiled on a worker thread (compiled grammars are cached by their
+    async def compile_grammar(self, gen_config: GenerationConfig, timeout: float | None = None) -> Grammar | None:
+        """``gen_config.response_format`` compiled on a grammar thread (compiled grammars are cached by their
         source), None without one; raises :class:`SafeRunException` (INVALID_ARGUMENT) with xgrammar's
-        reason for a schema, regex or grammar it cannot compile."""
+        reason for a schema, regex or grammar it cannot compile, and ``TimeoutError`` when it has not compiled
+        after ``timeout`` seconds (waiting for a grammar thread included). xgrammar cannot stop a compile: one
+        that started runs on to its end, and the same format then comes from the cache."""
         if gen_config.response_format is None:
             return None
+        compiled = asyncio.get_running_loop().run_in_executor(self._grammar_pool, self.grammars.compile, gen_config)
         try:
-            return await asyncio.to_thread(self.grammars.compile, gen_config)
+            return await asyncio.wait_for(compiled, timeout)
         except ValueError as exc:
             raise SafeRunException(ErrorCode.INVALID_ARGUMENT, str(exc)) from exc
 
@@ -255,5 +263,6 @@ class AsyncEngine:
         """Ends every request (in flight or waiting) as 'abort', stops the engine-loop thread and drops
         the engine."""
         self.session_manager.abort_all_nowait()
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
         self.engine_loop.stop()
         self.engine_loop.engine = self.engine = None

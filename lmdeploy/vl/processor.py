@@ -120,6 +120,8 @@ class MultiModalProcessor:
                                                           **(template_kwargs or {}))
             except jinja2.TemplateError as exc:
                 raise ValueError(f'the chat template rejected the messages: {exc}') from exc
+            except RecursionError:
+                raise ValueError('the messages nest too deeply for the chat template') from None
         return '\n'.join(m['content'] if isinstance(m['content'], str) else
                          ''.join(p.get('text', '') for p in m['content']) for m in messages)
 

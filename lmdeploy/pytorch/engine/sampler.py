@@ -96,7 +96,9 @@ def _apply_repetition_penalty(x: Tensor, seqs: list[Sequence]) -> None:
     if len(rows):
         p = _row_values(x, pens, rows)
         v = x[rows, cols]
-        x[rows, cols] = torch.where(v > 0, v / p, v * p)
+        # a tiny penalty must not push a logit to inf (inf - inf is nan in the sampling arithmetic)
+        big = torch.finfo(x.dtype).max
+        x[rows, cols] = torch.where(v > 0, v / p, v * p).clamp_(-big, big)
 
 
 def _apply_presence_frequency(x: Tensor, seqs: list[Sequence]) -> None:
@@ -124,8 +126,8 @@ def _apply_min_new_tokens(x: Tensor, seqs: list[Sequence]) -> None:
 
 def _draw_plain(x: Tensor, cfgs: list[GenerationConfig], inv_t: Tensor, u: Tensor) -> Tensor:
     """Rows without top-k/top-p: inverse-CDF draw over the whole (unsorted) row, after min-p."""
-    w = x * inv_t
-    w.sub_(w.amax(-1, keepdim=True)).exp_()  # probabilities relative to the most likely token
+    w = x - x.amax(-1, keepdim=True)  # scaled after the shift, so that a low temperature cannot overflow it
+    w.mul_(inv_t).exp_()  # probabilities relative to the most likely token
     if any(g.min_p > 0.0 for g in cfgs):
         w.masked_fill_(w < _values([g.min_p for g in cfgs], torch.float32, x.device)[:, None], 0.0)
     cdf = w.cumsum_(-1)
@@ -150,7 +152,7 @@ def _draw_ranked(x: Tensor, cfgs: list[GenerationConfig], inv_t: Tensor, u: Tens
     w.masked_fill_(torch.arange(width, device=dev) >= top_k, 0.0)
     no_k = _long([i for i, g in enumerate(cfgs) if not g.top_k], dev)
     if len(no_k):  # top-p over the whole row needs the row's full probability mass
-        w[no_k] = torch.softmax(_pick(x, no_k) * inv_t[no_k], dim=-1).gather(1, ids[no_k])
+        w[no_k] = torch.softmax((_pick(x, no_k) - vals[no_k, :1]) * inv_t[no_k], dim=-1).gather(1, ids[no_k])
     cdf = w.cumsum(-1)
     n = (w > 0).sum(-1, keepdim=True)
     covered = torch.ones(len(cfgs), dtype=torch.bool, device=dev)
@@ -197,7 +199,7 @@ def _sample_rows(x: Tensor, seqs: list[Sequence]) -> Tensor:
     first = max([g.top_k for g in ranked_cfgs] + [_TOP_P_SLICES[0] if any(not g.top_k for g in ranked_cfgs) else 0])
     widths = sorted({min(w, V) for w in (first, *_TOP_P_SLICES[1:], V) if w >= first})
     if _one_pass(x):
-        widths = [first] if all(g.top_k for g in ranked_cfgs) else [V]
+        widths = [min(first, V)] if all(g.top_k for g in ranked_cfgs) else [V]
     rows, row_list = _long(ranked, dev), ranked
     for width in widths[:-1]:  # top-p rows whose nucleus is wider than the slice go on to a wider one
         if not row_list:

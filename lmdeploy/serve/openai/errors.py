@@ -75,7 +75,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return 'the request body must be a JSON object', None
     if first.get('type') == 'json_invalid':
         return f'malformed JSON body: {first.get("ctx", {}).get("error", first.get("msg"))}', None
-    param = '.'.join(loc) or None
+    param = '.'.join(loc) or first.get('ctx', {}).get('param')
     return f'{param + ": " if param else ""}{first.get("msg")}' + (
         f' (and {len(errors) - 1} more errors)' if len(errors) > 1 else ''), param
 

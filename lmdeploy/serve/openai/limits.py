@@ -25,6 +25,7 @@ class RequestLimits:
     max_stop_length: int | None = 256
     max_stop_token_ids: int | None = 64
     max_fanout: int | None = 128
+    max_grammar_compile_seconds: int | None = 30
 
     def __post_init__(self):
         for f in fields(self):
@@ -49,22 +50,44 @@ def _check(limits: RequestLimits, name: str, what: str, value: int, param: str |
         raise limit_error(name, what, value, limit, param)
 
 
+def text_chars(value: object) -> int:
+    """Characters of every string (keys too) in a JSON value."""
+    total, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            total += sum(len(k) for k in item if isinstance(k, str))
+            stack += item.values()
+        elif isinstance(item, list):
+            stack += item
+    return total
+
+
 def message_chars(messages: Iterable[object]) -> int:
-    """Characters of the text of chat messages: string contents and the ``text`` of content parts."""
+    """Characters of the text of chat messages that a chat template may render: string contents, the ``text`` of
+    content parts and every string of the other fields (``tool_calls``, ``name``, ...); not images."""
     total = 0
     for message in messages:
-        content = message.get('content') if isinstance(message, dict) else None
+        if not isinstance(message, dict):
+            continue
+        content = message.get('content')
         if isinstance(content, str):
             total += len(content)
         elif isinstance(content, list):
             total += sum(len(part['text']) for part in content
                          if isinstance(part, dict) and isinstance(part.get('text'), str))
+        total += text_chars({k: v for k, v in message.items() if k != 'content'})
     return total
 
 
-def check_messages(limits: RequestLimits, messages: list, param: str = 'messages') -> None:
+def check_messages(limits: RequestLimits, messages: list, param: str = 'messages', extra_chars: int = 0) -> None:
+    """Bounds the number of messages, and their characters (see :func:`message_chars`) plus ``extra_chars``
+    (what else the chat template renders: tools, template variables)."""
     _check(limits, 'max_messages', 'the number of messages', len(messages), param)
-    _check(limits, 'max_prompt_chars', 'the number of prompt characters', message_chars(messages), param)
+    _check(limits, 'max_prompt_chars', 'the number of prompt characters', message_chars(messages) + extra_chars,
+           param)
 
 
 def check_prompt_chars(limits: RequestLimits, chars: int, param: str = 'prompt') -> None:

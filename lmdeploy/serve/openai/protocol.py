@@ -5,15 +5,76 @@ rejected with a 400.
 """
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, model_validator
+from pydantic_core import PydanticCustomError
+
+from lmdeploy.messages import MAX_NEW_TOKENS_LIMIT
+
+# How deep a request body's JSON may nest (the body itself is level 1): the chat template, JSON-schema checks
+# and grammar compilation recurse over nested values and would run out of stack on deeper ones.
+MAX_JSON_DEPTH = 64
+_SURROGATE = re.compile('[\ud800-\udfff]')
 
 
 def random_id(prefix: str) -> str:
     return f'{prefix}-{uuid.uuid4().hex[:24]}'
+
+
+class MalformedJSON(ValueError):
+    """A request body :func:`check_json` refuses; ``field`` is the top-level field that holds the fault."""
+
+    def __init__(self, message: str, field: str | None):
+        super().__init__(f'{field}: {message}' if field else message)
+        self.field = field
+
+
+def check_json(body: Any) -> None:
+    """Raises :class:`MalformedJSON` for a body nested deeper than :data:`MAX_JSON_DEPTH`, or holding a string
+    (or key) with a lone UTF-16 surrogate: JSON may escape one (``"\\ud800"``), but no text holds it, so
+    nothing downstream (tokenizer, chat template, grammar) could take it."""
+    stack = [(body, 1, None)]
+    while stack:
+        value, depth, field = stack.pop()
+        if isinstance(value, str):
+            _check_text(value, field)
+            continue
+        if not isinstance(value, (dict, list)):  # the body itself may be anything
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise MalformedJSON(f'the request nests JSON deeper than {MAX_JSON_DEPTH} levels', field)
+        if isinstance(value, list):
+            stack += [(item, depth + 1, field) for item in value if isinstance(item, (str, dict, list))]
+            continue
+        for key, item in value.items():
+            _check_text(key, field)
+            if isinstance(item, (str, dict, list)):
+                stack.append((item, depth + 1, field or key))
+
+
+def _check_text(text: str, field: str | None) -> None:
+    found = _SURROGATE.search(text)
+    if found:
+        raise MalformedJSON(f'a string holds a lone UTF-16 surrogate ({found.group()!a}); send valid Unicode text',
+                            field)
+
+
+class RequestBody(BaseModel):
+    """A request body: well-formed (see :func:`check_json`) before its fields are validated."""
+
+    @model_validator(mode='before')
+    @classmethod
+    def _well_formed(cls, data: Any) -> Any:
+        try:
+            check_json(data)
+        except MalformedJSON as exc:
+            raise PydanticCustomError('malformed_json', '{message}',
+                                      {'message': str(exc), 'param': exc.field}) from None
+        return data
 
 
 class StreamOptions(BaseModel):
@@ -77,12 +138,12 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(RequestBody):
     """Fields shared by chat and completion requests."""
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS_LIMIT)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS_LIMIT)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1)
@@ -90,7 +151,7 @@ class SamplingFields(BaseModel):
     n: int = Field(1, ge=1, le=128)
     stop: str | list[str] | None = None
     stop_token_ids: list[NonNegativeInt] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-2 ** 63, lt=2 ** 64)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
@@ -119,7 +180,7 @@ class CompletionRequest(SamplingFields, StructuredFields):
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=1, le=MAX_NEW_TOKENS_LIMIT)
 
 
 class GenerateRequest(SamplingFields):
@@ -133,13 +194,13 @@ class GenerateRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=20)
 
 
-class EncodeRequest(BaseModel):
+class EncodeRequest(RequestBody):
     input: str | list[str]
     do_preprocess: bool = False
     add_bos: bool = True
 
 
-class AbortRequest(BaseModel):
+class AbortRequest(RequestBody):
     session_id: int | None = Field(None, ge=0)
     abort_all: bool = False
 

@@ -12,7 +12,7 @@ from lmdeploy.messages import Response
 from lmdeploy.serve.reasoning import keep_special_tokens
 from lmdeploy.serve.openai.chat_output import ChoiceParser
 from lmdeploy.serve.openai.errors import APIError
-from lmdeploy.serve.openai.limits import check_fanout, check_messages, check_stop
+from lmdeploy.serve.openai.limits import check_fanout, check_messages, check_stop, text_chars
 from lmdeploy.serve.openai.logprobs import chat_logprobs
 from lmdeploy.serve.openai.protocol import ChatChoice, ChatCompletionRequest, ChatCompletionResponse, random_id
 from lmdeploy.serve.openai.serving_common import (ChoiceRun, Job, ServerState, admitted, check_model, check_session,
@@ -41,7 +41,8 @@ def _check(state: ServerState, req: ChatCompletionRequest) -> ToolPlan:
         raise APIError(400, "tool_choice 'required' or a named function cannot be combined with response_format "
                        'or structured_outputs', 'tool_choice')
     check_session(state, req.session_id, req.n)
-    check_messages(state.limits, req.messages)
+    template_extras = [[t.model_dump(exclude_none=True) for t in req.tools or ()], req.chat_template_kwargs]
+    check_messages(state.limits, req.messages, extra_chars=text_chars(template_extras))
     check_stop(state.limits, req.stop, req.stop_token_ids)
     check_fanout(state.limits, req.n, 1)
     return plan
@@ -62,7 +63,7 @@ async def _jobs(state: ServerState, req: ChatCompletionRequest, plan: ToolPlan) 
 
     fmt, param = (plan.response_format, 'tools') if plan.response_format else requested_format(req)
     config = with_format(config, fmt, reasoning(prompt.text).grammar_after() if reasoning else None, param)
-    await compile_format(state.engine, config, param)
+    await compile_format(state.engine, config, param, state.limits)
     jobs = [Job(i, prompt.input_ids, choice_config(config, i), req.session_id, prompt.multimodal)
             for i in range(req.n)]
     return jobs, make_parser

@@ -149,10 +149,9 @@ def gen_config(state: ServerState, req: SamplingFields, num_prompt_tokens: int, 
     max_tokens = max_tokens or max(1, min(state.engine.session_len - num_prompt_tokens, MAX_NEW_TOKENS_LIMIT))
     bias = None
     if req.logit_bias:
-        try:
-            bias = {int(k): float(v) for k, v in req.logit_bias.items()}
-        except ValueError as exc:
-            raise APIError(400, 'logit_bias keys must be token ids', 'logit_bias') from exc
+        if not all(k.isascii() and k.isdigit() for k in req.logit_bias):
+            raise APIError(400, 'logit_bias keys must be token ids (decimal digits)', 'logit_bias')
+        bias = {int(k): float(v) for k, v in req.logit_bias.items()}
         check_token_ids(state, list(bias), 'logit_bias', 'the keys of logit_bias')
         if not all(-100 <= v <= 100 for v in bias.values()):
             raise APIError(400, 'logit_bias values must be in [-100, 100]', 'logit_bias')
@@ -173,10 +172,11 @@ def gen_config(state: ServerState, req: SamplingFields, num_prompt_tokens: int, 
 
 
 def choice_config(config: GenerationConfig, choice: int) -> GenerationConfig:
-    """The config of the ``choice``-th of n samples: its own seed, so that seeded choices differ."""
+    """The config of the ``choice``-th of n samples: its own seed, so that seeded choices differ (seeds are
+    taken modulo 2**64, as torch takes them)."""
     if config.random_seed is None or choice == 0:
         return config
-    return GenerationConfig(**{**config.__dict__, 'random_seed': config.random_seed + choice})
+    return GenerationConfig(**{**config.__dict__, 'random_seed': (config.random_seed + choice) % 2 ** 64})
 
 
 class ChoiceRun:

@@ -63,7 +63,7 @@ async def _jobs(state: ServerState, req: CompletionRequest,
         config = with_format(gen_config(state, req, len(ids), req.logprobs, req.max_tokens), fmt, None, param)
         if req.echo and req.logprobs is not None:  # the prompt's logprobs come from the request's own prefill
             config = dataclasses.replace(config, prompt_logprobs=req.logprobs)
-        await compile_format(state.engine, config, param)
+        await compile_format(state.engine, config, param, state.limits)
         jobs += [Job(p * req.n + i, ids, choice_config(config, i), req.session_id) for i in range(req.n)]
     tokenizer = state.engine.tokenizer
     echoes = [await run_blocking(state, tokenizer.decode, ids, req.skip_special_tokens) if req.echo else ''

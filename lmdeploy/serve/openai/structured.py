@@ -9,6 +9,7 @@ from typing import Any
 from lmdeploy.messages import GenerationConfig
 from lmdeploy.serve.exceptions import SafeRunException
 from lmdeploy.serve.openai.errors import APIError
+from lmdeploy.serve.openai.limits import RequestLimits, flag
 from lmdeploy.serve.openai.protocol import StructuredFields, StructuredOutputs
 
 Format = dict[str, Any]
@@ -66,11 +67,18 @@ def with_format(config: GenerationConfig, fmt: Format | None, after: str | None,
         raise APIError(400, str(exc), param) from exc
 
 
-async def compile_format(engine: Any, config: GenerationConfig, param: str | None) -> None:
-    """Compiles ``config``'s grammar (cached by the engine); one that cannot compile is a 400 with the reason."""
+async def compile_format(engine: Any, config: GenerationConfig, param: str | None, limits: RequestLimits) -> None:
+    """Compiles ``config``'s grammar (cached by the engine); one that cannot compile, or not within
+    ``--max-grammar-compile-seconds``, is a 400 with the reason."""
     if config.response_format is None:
         return
+    seconds = limits.max_grammar_compile_seconds
     try:
-        await engine.compile_grammar(config)
+        await engine.compile_grammar(config, seconds)
     except SafeRunException as exc:
         raise APIError(exc.code.http_status, exc.message, param, exc.code.value[0]) from exc
+    except TimeoutError:
+        raise APIError(400, f'the response format did not compile within {seconds} s (the server\'s '
+                       f'{flag("max_grammar_compile_seconds")} is {seconds}); simplify it: fewer enum values, choices '
+                       'or properties, lower maxLength, maxItems and regex repetition bounds', param,
+                       'max_grammar_compile_seconds_exceeded') from None
