@@ -39,6 +39,7 @@ from triton_aot_cases import CASES, Case
 
 SHARED_LIMIT = 232448  # bytes per block, opt-in maximum of sm_90 (H100, H200)
 _PERF_NOTE = re.compile(r'Potential Performance Loss: (.*)')
+_STATS: dict[int, dict] = {}  # by id of a compiled kernel: Triton's in-memory cache returns it without ptxas' log
 
 
 @dataclass
@@ -89,7 +90,6 @@ def compile_only(capability: int = 90) -> Iterator[list[tuple[str, dict | Except
     """Within it, a kernel launch compiles for ``capability`` (into a fresh cache, so ptxas runs and reports)
     and returns without running; yields the list of ``(kernel name, stats or the exception)`` launches append to."""
     launches: list[tuple[str, dict | Exception]] = []
-    stats_of: dict[int, dict] = {}  # a kernel Triton took from its in-memory cache was reported at its compile
     original_run, original_driver = JITFunction.run, driver._active
 
     def run(self, *args, grid, warmup, **kwargs):
@@ -100,7 +100,7 @@ def compile_only(capability: int = 90) -> Iterator[list[tuple[str, dict | Except
         except Exception as error:
             launches.append((self.fn.__name__, error))
             raise
-        stats = stats_of.setdefault(id(kernel), _stats(kernel, log.getvalue()))
+        stats = _STATS.setdefault(id(kernel), _stats(kernel, log.getvalue()))
         launches.append((self.fn.__name__, stats))
         return kernel
 

@@ -112,6 +112,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     _, num_kv_heads, block_size, _ = k_cache.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     block_m = 64 if max_q_len > 32 else 16
+    wide = head_dim > 128  # Gemma's 256: 3 stages would need 224 KB of shared memory, 4 warps spill
     grid = (triton.cdiv(max_q_len, block_m), q_len.shape[0], num_heads)
     _prefill_kernel[grid](q, k, v, k_cache, v_cache, k_scales_zeros, v_scales_zeros, out, block_table, q_start,
                           q_len, ctx_len, None if sinks is None else sinks.float().contiguous(), scale,
@@ -121,5 +122,5 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
                           BLOCK_M=block_m, BLOCK_N=block_m, BLOCK_SIZE=block_size,
                           BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=dot_precision(q.dtype),
                           BITS=quant_policy, WINDOW=bool(sliding_window), SOFTCAP=bool(logit_softcap),
-                          SINKS=sinks is not None)
+                          SINKS=sinks is not None, num_warps=8 if wide else 4, num_stages=2 if wide else 3)
     return out
