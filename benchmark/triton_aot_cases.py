@@ -1,6 +1,6 @@
 """The cases ``triton_aot.py`` compiles: each calls Triton kernel wrappers of ``kernels/cuda`` on meta tensors of a
-production model's shapes, in a given activation dtype. ``quick`` marks the subset that reaches every kernel once
-(``tests/test_triton_aot.py``)."""
+production model's shapes, in a given activation dtype: ``CASES`` the full sweep, ``QUICK_CASES`` a subset reaching
+every kernel (``tests/test_triton_aot.py``)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -27,10 +27,9 @@ FLOAT = torch.float32
 
 @dataclass(frozen=True)
 class Case:
-    """A named call of kernel wrappers in an activation dtype; ``quick`` cases reach every kernel once."""
+    """A named call of kernel wrappers in an activation dtype."""
     name: str
     run: Callable[[torch.dtype], object]
-    quick: bool = False
 
 
 def meta(*shape: int, dtype: torch.dtype) -> torch.Tensor:
@@ -118,16 +117,20 @@ def mla(heads: int, tokens: int, dtype: torch.dtype) -> None:
                                  0.1, 512)
 
 
-def rows(dtype: torch.dtype) -> None:
-    """RMSNorm at the models' hidden sizes (with and without the residual), Qwen3's per-head and MLA's latent
-    norms; rotary at head dims 64-256 and MLA's rope; SiLU-and-mul and gpt-oss' clamped SwiGLU."""
-    for hidden in (4096, 2880, 2048, 3584, 7168):
+NORM_SIZES = (4096, 2880, 2048, 3584, 7168)  # hidden sizes of Llama-3-8B, gpt-oss-20b, Qwen3-30B-A3B, Gemma-2-9B, V3
+ROTARY_SHAPES = ((32, 128), (8, 128), (16, 256), (64, 64), (128, 64), (1, 64))  # (heads, rotary dim)
+
+
+def rows(norm_sizes: tuple[int, ...], rotary_shapes: tuple[tuple[int, int], ...], dtype: torch.dtype) -> None:
+    """RMSNorm at hidden sizes (with and without the residual) and the per-head sizes (Qwen3's 128, MLA's latent
+    512 and query 1536), rotary at (heads, dim), SiLU-and-mul and gpt-oss' clamped SwiGLU."""
+    for hidden in norm_sizes:
         x = meta(PREFILL_TOKENS, hidden, dtype=dtype)
         elementwise.rms_norm(x, meta(hidden, dtype=dtype), 1e-6)
         elementwise.rms_norm(x, meta(hidden, dtype=dtype), 1e-6, residual=x)
-    for dim in (128, 512, 1536):
+    for dim in (128, 512, 1536) if len(norm_sizes) > 1 else ():
         elementwise.rms_norm(meta(PREFILL_TOKENS, 4, dim, dtype=dtype), meta(dim, dtype=dtype), 1e-6)
-    for heads, dim in ((32, 128), (8, 128), (16, 256), (64, 64), (128, 64), (1, 64)):
+    for heads, dim in rotary_shapes:
         table = meta(PREFILL_TOKENS, dim, dtype=dtype)
         elementwise.apply_rotary(meta(PREFILL_TOKENS, heads, dim, dtype=dtype), table, table)
     elementwise.silu_and_mul(meta(PREFILL_TOKENS, 2 * 14336, dtype=dtype))
@@ -169,14 +172,14 @@ EXPERTS = (
 MOE_TOKENS = {'qwen3-30b-a3b': (1, 64, 512, 4096), 'gpt-oss-20b': (1, 4096), 'deepseek-v3': (1, 4096)}
 
 
-def moe(shape: ExpertShape, weights: str, dtype: torch.dtype) -> None:
+def moe(shape: ExpertShape, weights: str, token_counts: tuple[int, ...], dtype: torch.dtype) -> None:
     """Routing (the model's router) and the fused MoE over ``weights``: 'dense', 'int4' or 'int4 act-order'."""
     gate_up, down = shape.dense(dtype) if weights == 'dense' else shape.int4(dtype, weights == 'int4 act-order')
     extra = {}
     if shape.gpt_oss:
         extra = dict(gate_up_bias=meta(shape.experts, 2 * shape.inter, dtype=dtype),
                      down_bias=meta(shape.experts, shape.hidden, dtype=dtype), activation=ClampedSwiGLU(1.702, 7.0))
-    for tokens in MOE_TOKENS[shape.name]:
+    for tokens in token_counts:
         if shape.torch_routing:
             topk_weights, topk_ids = meta(tokens, shape.top_k, dtype=FLOAT), ids(tokens, shape.top_k)
         else:
@@ -188,47 +191,56 @@ LINEAR = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))  # Llama-3-8
 LINEAR_TOKENS = (1, 64, PREFILL_TOKENS)
 
 
-def int8_linear(bias: bool, dtype: torch.dtype) -> None:
+def int8_linear(bias: bool, shapes: tuple[tuple[int, int], ...], token_counts: tuple[int, ...],
+                dtype: torch.dtype) -> None:
     """W8A8: per-token activation quantization, then the int8 GEMM."""
-    for n, k in LINEAR:
-        for tokens in LINEAR_TOKENS:
+    for n, k in shapes:
+        for tokens in token_counts:
             w8a8.w8a8_linear(meta(tokens, k, dtype=dtype), meta(n, k, dtype=torch.int8), meta(n, 1, dtype=FLOAT),
                              meta(n, dtype=dtype) if bias else None)
 
 
-def int4_linear(act_order: bool, dtype: torch.dtype, group: int = 128) -> None:
+def int4_linear(act_order: bool, shapes: tuple[tuple[int, int], ...], token_counts: tuple[int, ...],
+                dtype: torch.dtype, group: int = 128) -> None:
     """W4A16 (AWQ/GPTQ, group 128): act-order permutes the activations (``TritonW4A16Kernel``)."""
-    for n, k in LINEAR:
+    for n, k in shapes:
         kernel = TritonW4A16Kernel(meta(k // 8, n, dtype=torch.int32), meta(k // group, n, dtype=dtype),
                                    meta(k // group, n, dtype=FLOAT), group, ids(k) if act_order else None)
-        for tokens in LINEAR_TOKENS:
+        for tokens in token_counts:
             kernel(meta(tokens, k, dtype=dtype), None)
 
 
 def _cases() -> list[Case]:
-    cases = [Case('rows: norm, rotary, gated act', rows, quick=True)]
+    cases = [Case('rows: norm, rotary, gated act', partial(rows, NORM_SIZES, ROTARY_SHAPES))]
     for shape in ATTENTION:
-        quick = shape.name == 'gemma2-9b sliding'
         for policy in (0, 8, 4):
             kv = f'kv{policy or 16}'
-            cases += [Case(f'{shape.name} fill {kv}', partial(fill, shape, policy), quick and policy == 8),
-                      Case(f'{shape.name} prefill {kv}', partial(prefill, shape, policy, PREFILL_TOKENS), quick),
+            cases += [Case(f'{shape.name} fill {kv}', partial(fill, shape, policy)),
+                      Case(f'{shape.name} prefill {kv}', partial(prefill, shape, policy, PREFILL_TOKENS)),
                       Case(f'{shape.name} prefill 16 {kv}', partial(prefill, shape, policy, 16)),
-                      Case(f'{shape.name} decode {kv}', partial(decode, shape, policy), quick)]
+                      Case(f'{shape.name} decode {kv}', partial(decode, shape, policy))]
     for heads in (128, 16):  # one GPU; a tensor-parallel rank of 8
-        cases += [Case(f'deepseek-v3 mla {heads}h prefill', partial(mla, heads, PREFILL_TOKENS), heads == 128),
+        cases += [Case(f'deepseek-v3 mla {heads}h prefill', partial(mla, heads, PREFILL_TOKENS)),
                   Case(f'deepseek-v3 mla {heads}h prefill 16', partial(mla, heads, 16)),
-                  Case(f'deepseek-v3 mla {heads}h decode', partial(mla, heads, 0), heads == 128)]
+                  Case(f'deepseek-v3 mla {heads}h decode', partial(mla, heads, 0))]
     for shape in EXPERTS:
         for weights in ('dense', 'int4', 'int4 act-order'):
             if weights == 'dense' or shape.name == 'qwen3-30b-a3b':
-                cases.append(Case(f'{shape.name} moe {weights}', partial(moe, shape, weights),
-                                  shape.name == 'gpt-oss-20b' or weights == 'int4 act-order'))
-    cases += [Case('llama3-8b w8a8', partial(int8_linear, False), True),
-              Case('qwen2-style w8a8 + bias', partial(int8_linear, True)),
-              Case('llama3-8b w4a16 g128', partial(int4_linear, False), True),
-              Case('llama3-8b w4a16 g128 act-order', partial(int4_linear, True))]
-    return cases
+                cases.append(Case(f'{shape.name} moe {weights}', partial(moe, shape, weights, MOE_TOKENS[shape.name])))
+    return cases + [Case('llama3-8b w8a8', partial(int8_linear, False, LINEAR, LINEAR_TOKENS)),
+                    Case('qwen2-style w8a8 + bias', partial(int8_linear, True, LINEAR, LINEAR_TOKENS)),
+                    Case('llama3-8b w4a16 g128', partial(int4_linear, False, LINEAR, LINEAR_TOKENS)),
+                    Case('llama3-8b w4a16 g128 act-order', partial(int4_linear, True, LINEAR, LINEAR_TOKENS))]
 
 
 CASES = _cases()
+_BY_NAME = {case.name: case for case in CASES}
+# One compile per kernel where it can, at the shapes the sweep found hardest: Gemma's head dim 256 with every
+# feature, int4 decode with sinks, MLA, the int4 MoE's widest tile (it was over the shared-memory limit).
+QUICK_CASES = [Case('rows (one size each)', partial(rows, (4096,), ((32, 128),))),
+               _BY_NAME['gemma2-9b sliding fill kv8'], _BY_NAME['gemma2-9b sliding prefill kv16'],
+               _BY_NAME['gpt-oss-20b sliding decode kv4'], _BY_NAME['deepseek-v3 mla 128h prefill'],
+               _BY_NAME['deepseek-v3 mla 128h decode'],
+               Case('qwen3-30b-a3b moe int4, 4096 tokens', partial(moe, EXPERTS[0], 'int4', (4096,))),
+               Case('llama3-8b w8a8 gate_up, 64 tokens', partial(int8_linear, False, LINEAR[2:3], (64,))),
+               Case('llama3-8b w4a16 g128 down, 64 tokens', partial(int4_linear, False, LINEAR[3:], (64,)))]
