@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import multiprocessing
 import os
 import pkgutil
 import re
@@ -24,8 +25,10 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 os.environ.pop('TRITON_INTERPRET', None)  # before triton is imported: compile, not interpret
 
@@ -150,6 +153,12 @@ def compile_case(case: Case, dtype: torch.dtype, launches: list) -> list[Compile
     return rows
 
 
+def compile_task(task: tuple[Case, torch.dtype], capability: int = 90) -> list[Compiled]:
+    """:func:`compile_case` in a :func:`compile_only` of its own (a process pool's unit of work)."""
+    with compile_only(capability) as launches:
+        return compile_case(*task, launches)
+
+
 def entry_kernels() -> set[str]:
     """The names of the package's kernels (``@triton.jit`` functions named ``*_kernel``)."""
     import lmdeploy.pytorch.kernels.cuda as package
@@ -176,22 +185,23 @@ def main() -> int:
     parser.add_argument('--quick', action='store_true', help='one config per kernel, bf16 only')
     parser.add_argument('-k', default='', help='only the cases whose name contains this')
     parser.add_argument('--capability', type=int, default=90, help='compute capability to compile for')
+    parser.add_argument('--jobs', type=int, default=1, help='compiling processes')
     args = parser.parse_args()
     cases = [case for case in (QUICK_CASES if args.quick else CASES) if args.k in case.name]
     dtypes = (torch.bfloat16,) if args.quick else (torch.bfloat16, torch.float16)
+    tasks = [(case, dtype) for case in cases for dtype in dtypes]
     start = time.perf_counter()
     rows: list[Compiled] = []
     print_rows([], header=True)
-    with compile_only(args.capability) as launches:
-        for case in cases:
-            for dtype in dtypes:
-                case_rows = compile_case(case, dtype, launches)
-                print_rows(case_rows)
-                rows += case_rows
+    with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context('fork')) if args.jobs > 1 \
+            else contextlib.nullcontext() as pool:
+        for case_rows in (pool.map if pool else map)(partial(compile_task, capability=args.capability), tasks):
+            print_rows(case_rows)
+            rows += case_rows
     compiled = [row for row in rows if row.error is None]
     failed = [row for row in rows if not row.ok]
     missing = entry_kernels() - {row.kernel for row in compiled} if not args.k else set()
-    print(f'\n{len(rows)} compiles of {len({row.kernel for row in rows})} kernels in {len(cases) * len(dtypes)} '
+    print(f'\n{len(rows)} compiles of {len({row.kernel for row in rows})} kernels in {len(tasks)} '
           f'case x dtype runs, sm_{args.capability}, {time.perf_counter() - start:.0f} s: {len(rows) - len(failed)} '
           f'ok, {len(failed)} failed')
     if compiled:

@@ -10,7 +10,7 @@ from functools import partial
 import torch
 
 from lmdeploy.pytorch.kernels.activation import ClampedSwiGLU
-from lmdeploy.pytorch.kernels.cuda import elementwise, w4a16, w8a8
+from lmdeploy.pytorch.kernels.cuda import elementwise, w8a8
 from lmdeploy.pytorch.kernels.cuda.decode_attention import decode_attention
 from lmdeploy.pytorch.kernels.cuda.fill_kv_cache import fill_kv_cache
 from lmdeploy.pytorch.kernels.cuda.fused_moe import Int4Experts, fused_moe, moe_routing

@@ -168,7 +168,8 @@ def test_per_expert_reference_matches_dense_fused_moe(config):
 
 @pytest.mark.triton
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float16])
-@pytest.mark.parametrize('config', FORMATS + [{**FORMATS[0], 'group_size': 64}], ids=['awq', 'gptq-act-order', 'awq-g64'])
+@pytest.mark.parametrize('config', FORMATS + [{**FORMATS[0], 'group_size': 64}],
+                         ids=['awq', 'gptq-act-order', 'awq-g64'])
 @pytest.mark.parametrize('num_tokens', [1, 21])
 def test_triton_fused_moe_on_int4_experts(dtype, config, num_tokens):
     """The Triton fused MoE dequantizing the 4-bit tiles in registers against the torch fused MoE on the
