@@ -134,8 +134,8 @@ def _describe(error: Exception) -> str:
 
 
 def compile_case(case: Case, dtype: torch.dtype, launches: list) -> list[Compiled]:
-    """Runs ``case`` under :func:`compile_only`; one :class:`Compiled` per kernel it launched (a failing launch
-    ends the case)."""
+    """Runs ``case`` within :func:`compile_only`; one :class:`Compiled` per distinct kernel it compiled (a failing
+    launch ends the case)."""
     label = f'{case.name} {str(dtype).removeprefix("torch.")}'
     start = len(launches)
     try:
@@ -143,12 +143,12 @@ def compile_case(case: Case, dtype: torch.dtype, launches: list) -> list[Compile
     except Exception as error:  # noqa: BLE001 - reported in the table; a wrapper's own error too
         if len(launches) == start or not isinstance(launches[-1][1], Exception):
             launches.append(('(wrapper)', error))
-    rows = []
+    rows, seen = [], []  # a kernel compiled once is launched again with the same stats object
     for kernel, result in launches[start:]:
         if isinstance(result, Exception):
             rows.append(Compiled(label, kernel, error=_describe(result)))
-        elif not any(row.kernel == kernel and row.shared == result['shared'] and row.registers == result['registers']
-                     for row in rows):
+        elif not any(result is other for other in seen):
+            seen.append(result)
             rows.append(Compiled(label, kernel, **result))
     return rows
 

@@ -84,6 +84,8 @@ def test_decode_config_depends_on_shapes_only():
     assert decode_config(1, 8, 3).splits == 3  # never more splits than pages in the table
     assert decode_config(8, 8, 128).splits == 17  # 64 rows: 8 programs per SM of an H200
     assert decode_config(64, 8, 64).splits == 2 and decode_config(128, 8, 32).splits == 1
+    # head dim 256 (Gemma): twice the warps, the same splits (4 warps spilled registers at sm_90)
+    assert decode_config(1, 8, 512, 256) == decode_config(1, 8, 512)._replace(num_warps=8)
 
 
 def prefill_case(chunks: list[tuple[int, int]], dtype: torch.dtype, num_heads: int = 4, head_dim: int = 24):
