@@ -148,9 +148,8 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, slots_ptr, block_expert_ptr, topk_
                          offsets_ptr, gidx_ptr, num_slots, num_mblocks, n, k, num_experts, a_row_div, group_size,
                          stride_am, stride_we, stride_wn, stride_cm, stride_be, stride_se, MUL_WEIGHT: tl.constexpr,
                          HAS_BIAS: tl.constexpr, INT4: tl.constexpr, HAS_GIDX: tl.constexpr, ONE_GROUP: tl.constexpr,
-                         BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
-                         PRECISION: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                         EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
     pid = tl.program_id(0)
     per_group = GROUP_M * tl.cdiv(n, BLOCK_N)
     first_m = pid // per_group * GROUP_M
@@ -226,8 +225,8 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor | Int4Experts, c: torch.Tenso
                                MUL_WEIGHT=topk_weights is not None, HAS_BIAS=bias is not None, INT4=int4,
                                HAS_GIDX=g_idx is not None,
                                ONE_GROUP=int4 and g_idx is None and w.group_size % block_k == 0,
-                               BLOCK_M=config.block_m, BLOCK_N=block_n,
-                               BLOCK_K=block_k, GROUP_M=config.group_m, EVEN_K=k % block_k == 0,
+                               BLOCK_M=config.block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=config.group_m,
+                               EVEN_K=k % block_k == 0,
                                PRECISION=dot_precision(a.dtype), num_warps=config.num_warps,
                                num_stages=config.num_stages)
 

@@ -21,8 +21,8 @@ __all__ = ['fill_latent_cache', 'mla_decode_attention', 'mla_prefill_attention']
 
 _TARGET_PROGRAMS = 528  # decode: about four programs per SM of a 132-SM GPU
 _MAX_SPLITS = 64
-# decode: heads per program, cached rows per step, warps, stages. The [heads, 512] fp32 accumulators and a
-# step's [rows, 576] cache tile bound both: 64 heads spilled registers, 64-row steps in 3 stages filled shared memory.
+# decode: heads per program, cached rows per step, warps, stages. The [heads, 512] fp32 accumulators and a step's
+# [rows, 576] cache tiles bound them: 64 heads spilled registers, 64-row steps in 3 stages filled shared memory.
 _DECODE_LAUNCH = (16, 32, 4, 2)
 
 

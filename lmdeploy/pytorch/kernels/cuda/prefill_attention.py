@@ -2,8 +2,8 @@
 
 A program handles ``BLOCK_M`` queries of one sequence and one head. It first attends over the
 sequence's cached prefix (``BLOCK_N`` keys of a page at a time, through its block-table row), then
-causally over the chunk's fresh K/V, so chunked prefill and prefix-cache hits need no gather. With an int8/int4 cache
-the chunk is read back from the cache too (dequantized, causally masked), so that a prompt attends
+causally over the chunk's fresh K/V, so chunked prefill and prefix-cache hits need no gather. With an
+int8/int4 cache the chunk is read back from the cache too (dequantized, causally masked), so that a prompt attends
 over the same values however its prefix was computed. With a sliding window a program starts at the
 first key its first query row sees; soft-capping applies to each score, and the sinks join the
 denominator at the end.
