@@ -16,11 +16,12 @@ TOL = {torch.float32: 2e-3 if DEVICE == 'cuda' else 1e-4, torch.float16: 3e-3, t
 BLOCK_SIZE = 16
 
 
-def paged_cache(lengths: list[int], num_kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int = 0):
+def paged_cache(lengths: list[int], num_kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int = 0,
+                block_size: int = BLOCK_SIZE):
     """Random K/V caches and a block table giving each sequence scattered blocks for ``lengths`` tokens."""
     g = torch.Generator().manual_seed(seed)
-    table, num_blocks = scattered_block_table(lengths, BLOCK_SIZE, g)
-    shape = (num_blocks, num_kv_heads, BLOCK_SIZE, head_dim)
+    table, num_blocks = scattered_block_table(lengths, block_size, g)
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
     k_cache, v_cache = (torch.randn(shape, generator=g).to(DEVICE, dtype) for _ in range(2))
     return k_cache, v_cache, table.to(DEVICE)
 
@@ -84,20 +85,23 @@ def test_decode_config_depends_on_shapes_only():
     assert decode_config(1, 8, 3).splits == 3  # never more splits than pages in the table
     assert decode_config(8, 8, 128).splits == 17  # 64 rows: 8 programs per SM of an H200
     assert decode_config(64, 8, 64).splits == 2 and decode_config(128, 8, 32).splits == 1
+    # head dim 256 (Gemma): twice the warps, the same splits (4 warps spilled registers at sm_90)
+    assert decode_config(1, 8, 512, 256) == decode_config(1, 8, 512)._replace(num_warps=8)
 
 
-def prefill_case(chunks: list[tuple[int, int]], dtype: torch.dtype, num_heads: int = 4, head_dim: int = 24):
+def prefill_case(chunks: list[tuple[int, int]], dtype: torch.dtype, num_heads: int = 4, head_dim: int = 24,
+                 block_size: int = BLOCK_SIZE):
     """``(q, k, v, k_cache, v_cache, table, q_start, q_len, ctx_len, max_q_len)`` for chunks ``(q_len, ctx_len)``;
     the fresh ``k, v`` are the chunks' rows of the caches."""
     num_kv_heads = 2
     ctx_lens = [c for _, c in chunks]
-    k_cache, v_cache, table = paged_cache(ctx_lens, num_kv_heads, head_dim, dtype, seed=2)
+    k_cache, v_cache, table = paged_cache(ctx_lens, num_kv_heads, head_dim, dtype, seed=2, block_size=block_size)
     q_lens = [n for n, _ in chunks]
     q_start = [sum(q_lens[:i]) for i in range(len(q_lens))]
     k = torch.empty(sum(q_lens), num_kv_heads, head_dim, dtype=dtype, device=DEVICE)
     v = torch.empty_like(k)
     for row, (start, n, c) in enumerate(zip(q_start, q_lens, ctx_lens)):
-        blocks = table[row, :-(-c // BLOCK_SIZE)]
+        blocks = table[row, :-(-c // block_size)]
         k[start:start + n] = attention._gather_context(k_cache[blocks], c)[:, c - n:].transpose(0, 1)
         v[start:start + n] = attention._gather_context(v_cache[blocks], c)[:, c - n:].transpose(0, 1)
     q = rand(sum(q_lens), num_heads, head_dim, dtype=dtype, seed=3)
@@ -151,6 +155,19 @@ def test_prefill_attention_features(dtype, window, softcap, with_sinks, bits):
     f = features(window, softcap, with_sinks, 4)
     assert_close(triton_kernels.prefill_attention(*case, **f), attention.prefill_attention(*as_float(case), **f),
                  dtype)
+
+
+@pytest.mark.parametrize('bits', [0, 8])
+@pytest.mark.parametrize('window', [None, 40])
+def test_prefill_attention_reads_pages_in_steps(window, bits):
+    """Pages of 128 keys, read 64 at a time (the kernel's step; Gemma's 256-wide heads take 32 of a 64-key page):
+    prefixes ending mid-page and mid-step, a window starting in a page's second step."""
+    dtype = DTYPES[-1]
+    q, k, v, k_cache, v_cache, table, *rest = prefill_case([(20, 150), (70, 70), (3, 200)], dtype, block_size=128)
+    quant = quantize_case(k_cache, v_cache, bits) if bits else (k_cache, v_cache)
+    case = (q, k, v, *quant[:2], table, *rest, 0.3, *quant[2:], *((bits,) if bits else ()))
+    assert_close(triton_kernels.prefill_attention(*case, sliding_window=window),
+                 attention.prefill_attention(*as_float(case), sliding_window=window), dtype)
 
 
 def quantize_case(k_cache, v_cache, bits):

@@ -16,11 +16,11 @@ def rand(*shape, seed, dtype=torch.float32, device='cpu'):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device, dtype)
 
 
-def latent_cache(lengths: list[int], dtype=torch.float32, device='cpu', seed=0):
+def latent_cache(lengths: list[int], dtype=torch.float32, device='cpu', seed=0, block_size=BLOCK_SIZE):
     """A random latent cache and a block table giving each sequence scattered blocks for ``lengths`` tokens."""
     g = torch.Generator().manual_seed(seed)
-    table, num_blocks = scattered_block_table(lengths, BLOCK_SIZE, g)
-    cache = torch.randn(num_blocks, BLOCK_SIZE, LATENT + ROPE, generator=g).to(device, dtype)
+    table, num_blocks = scattered_block_table(lengths, block_size, g)
+    cache = torch.randn(num_blocks, block_size, LATENT + ROPE, generator=g).to(device, dtype)
     return cache, table.to(device)
 
 
@@ -116,10 +116,13 @@ class TestTriton:
         return {torch.float32: 2e-3 if self.device == 'cuda' else 1e-4, torch.float16: 3e-3,
                 torch.bfloat16: 2e-2}[dtype]
 
-    @pytest.mark.parametrize('lengths,num_heads,width', [([1, 37, 16, 90], 6, 0), ([40, 7], 20, 64)])
-    def test_decode(self, lengths, num_heads, width):
+    # the last: pages of 64 rows, read in steps of fewer rows (partial last pages)
+    @pytest.mark.parametrize('lengths,num_heads,width,block_size', [([1, 37, 16, 90], 6, 0, BLOCK_SIZE),
+                                                                    ([40, 7], 20, 64, BLOCK_SIZE),
+                                                                    ([1, 100, 64, 300], 20, 0, 64)])
+    def test_decode(self, lengths, num_heads, width, block_size):
         for dtype in self.dtypes:
-            cache, table = latent_cache(lengths, dtype, self.device)
+            cache, table = latent_cache(lengths, dtype, self.device, block_size=block_size)
             if width > table.shape[1]:
                 table = torch.cat([table, table.new_zeros(len(lengths), width - table.shape[1])], dim=1)
             q = rand(len(lengths), num_heads, LATENT + ROPE, seed=6, dtype=dtype, device=self.device)

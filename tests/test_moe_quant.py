@@ -168,21 +168,23 @@ def test_per_expert_reference_matches_dense_fused_moe(config):
 
 @pytest.mark.triton
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float16])
-@pytest.mark.parametrize('config', FORMATS, ids=['awq', 'gptq-act-order'])
+@pytest.mark.parametrize('config', FORMATS + [{**FORMATS[0], 'group_size': 64}],
+                         ids=['awq', 'gptq-act-order', 'awq-g64'])
 @pytest.mark.parametrize('num_tokens', [1, 21])
 def test_triton_fused_moe_on_int4_experts(dtype, config, num_tokens):
     """The Triton fused MoE dequantizing the 4-bit tiles in registers against the torch fused MoE on the
-    unpacked weights."""
+    unpacked weights; hidden size twice the group (at 21 tokens, group 64: K tiles of 64, one group each)."""
     from kernel_env import DEVICE
 
     from lmdeploy.pytorch.nn.quant.w4a16_cuda import TritonInt4ExpertKernel
-    experts = random_experts(config, 4, 64, 32)
+    hidden_size = 2 * config['group_size']
+    experts = random_experts(config, 4, hidden_size, hidden_size // 2)
     gate_up, down = dense_weights(experts)
     kernel = TritonInt4ExpertKernel.of(experts.weight_format, experts)
     kernel.gate_up, kernel.down = (type(w)(*(t.to(DEVICE) if isinstance(t, torch.Tensor) else t for t in w))
                                    for w in (kernel.gate_up, kernel.down))
     g = torch.Generator().manual_seed(num_tokens)
-    hidden = torch.randn(num_tokens, 64, generator=g)
+    hidden = torch.randn(num_tokens, hidden_size, generator=g)
     weights, ids = moe.moe_routing(torch.randn(num_tokens, 4, generator=g), 2, True)
     out = kernel(hidden.to(DEVICE, dtype), weights.to(DEVICE), ids.to(DEVICE), None, None, None)
     expected = moe.fused_moe(hidden, gate_up, down, weights, ids)

@@ -36,7 +36,7 @@ _DECODE_TABLE = (
     (64, 1056, 128, 1, 4, 3),
     (1 << 62, 528, 64, 1, 4, 3),
 )
-_REDUCE_SPLITS = 64  # splits the reduce kernel merges per step
+_REDUCE_SPLITS = 64  # splits the reduce kernel merges per step at head dims up to 128, fewer at wider ones
 
 
 @triton.jit
@@ -151,19 +151,21 @@ def reduce_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Ten
     """Merges the split partials into ``out [B, H, D]`` (the ``sinks [H]`` joining each denominator)."""
     batch, num_heads, splits, block_d = part_out.shape
     sinks = None if sinks is None else sinks.float().contiguous()
+    block_s = _REDUCE_SPLITS * 128 // max(block_d, 128)  # a step's [splits, block_d] fp32 partials: 64 registers
     _decode_reduce_kernel[(batch, num_heads)](part_out, part_lse, sinks, out, splits, out.stride(0), out.stride(1),
-                                              HEAD_DIM=out.shape[2], BLOCK_S=_REDUCE_SPLITS, BLOCK_D=block_d,
+                                              HEAD_DIM=out.shape[2], BLOCK_S=block_s, BLOCK_D=block_d,
                                               SINKS=sinks is not None)
     return out
 
 
-def decode_config(batch: int, num_kv_heads: int, table_width: int) -> DecodeConfig:
+def decode_config(batch: int, num_kv_heads: int, table_width: int, head_dim: int = 128) -> DecodeConfig:
     """The table's row for ``batch * num_kv_heads``: enough splits for the target program count,
-    at most the row's cap and never more than the block table is wide."""
+    at most the row's cap and never more than the block table is wide. Head dims over 128 take twice the
+    warps (at 256 a page's K/V tiles, dequantized from int8, spilled registers with 4)."""
     rows = batch * num_kv_heads
     _, target, cap, pages, num_warps, num_stages = next(r for r in _DECODE_TABLE if rows <= r[0])
     splits = max(1, min(triton.cdiv(target, rows), cap, table_width))
-    return DecodeConfig(splits, pages, num_warps, num_stages)
+    return DecodeConfig(splits, pages, num_warps * 2 if head_dim > 128 else num_warps, num_stages)
 
 
 def decode_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
@@ -197,6 +199,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """One new token per sequence: ``q [B, H, D]`` over ``kv_lens [B]`` tokens in ``block_table [B, N]``;
     an int8/int4 cache's rows are dequantized to ``q``'s dtype as they are loaded. The features are the
     torch twin's (``kernels/attention.py``)."""
-    config = decode_config(q.shape[0], k_cache.shape[1], block_table.shape[1])
+    config = decode_config(q.shape[0], k_cache.shape[1], block_table.shape[1], q.shape[2])
     return decode_attention_with(q, k_cache, v_cache, block_table, kv_lens, scale, config, k_scales_zeros,
                                  v_scales_zeros, quant_policy, sliding_window, logit_softcap, sinks)

@@ -8,6 +8,8 @@ import triton.language as tl
 
 from lmdeploy.pytorch.kernels.kv_quant import MIN_SCALE
 
+_MIN_SCALE = tl.constexpr(MIN_SCALE)  # compiled kernels read only constexpr globals
+
 
 @triton.jit
 def _quantize_store(x_ptr, cache_ptr, sz_ptr, d, dst, sz_dst, hvalid, head_dim, BITS: tl.constexpr):
@@ -20,7 +22,7 @@ def _quantize_store(x_ptr, cache_ptr, sz_ptr, d, dst, sz_dst, hvalid, head_dim, 
     low = tl.min(tl.where(dmask, x, float('inf')), axis=1)
     high = tl.max(tl.where(dmask, x, float('-inf')), axis=1)
     top = (1 << BITS) - 1
-    scale = tl.maximum((high - low) / top, MIN_SCALE)
+    scale = tl.maximum((high - low) / top, _MIN_SCALE)
     inv = 1.0 / scale
     if BITS == 8:
         codes = tl.minimum(tl.floor((x - low[:, None]) * inv[:, None] + 0.5), top)

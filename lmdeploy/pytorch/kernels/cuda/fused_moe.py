@@ -39,6 +39,9 @@ MOE_CONFIGS = (
     (float('inf'), MoEConfig(128, 256, 64, 16, 8, 4)),
 )
 _SLOTS_PER_PROGRAM = 1024
+# 4-bit weights stage int32 codes per weight (and fp32 offsets) in shared memory: the last row's 256 columns
+# needed 291 KB at 4 stages (the sm_90 limit is 227 KB), 128 columns need 178 KB and spill no registers.
+_INT4_MAX_BLOCK_N = 128
 
 
 @triton.jit
@@ -144,9 +147,9 @@ class Int4Experts(NamedTuple):
 def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, slots_ptr, block_expert_ptr, topk_w_ptr, bias_ptr, scales_ptr,
                          offsets_ptr, gidx_ptr, num_slots, num_mblocks, n, k, num_experts, a_row_div, group_size,
                          stride_am, stride_we, stride_wn, stride_cm, stride_be, stride_se, MUL_WEIGHT: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, INT4: tl.constexpr, HAS_GIDX: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
-                         PRECISION: tl.constexpr):
+                         HAS_BIAS: tl.constexpr, INT4: tl.constexpr, HAS_GIDX: tl.constexpr, ONE_GROUP: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                         EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
     pid = tl.program_id(0)
     per_group = GROUP_M * tl.cdiv(n, BLOCK_N)
     first_m = pid // per_group * GROUP_M
@@ -176,13 +179,18 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, slots_ptr, block_expert_ptr, topk_
             packed = tl.load(w_ptr + expert * stride_we + (ks[:, None] // 8) * n + cols[None, :], mask=wmask,
                              other=0)
             codes = (packed >> ((ks[:, None] % 8) * 4)) & 0xF
-            if HAS_GIDX:
-                groups = tl.load(gidx_ptr + expert * k + ks, mask=kmask, other=0)
+            if ONE_GROUP:  # the tile's inputs share one group: a row of scales and offsets
+                group_index = expert * stride_se + k0 // group_size * n + cols[None, :]
+                gmask = cmask[None, :]
             else:
-                groups = ks // group_size
-            group_index = expert * stride_se + groups[:, None] * n + cols[None, :]
-            scale = tl.load(scales_ptr + group_index, mask=wmask, other=0.0).to(tl.float32)
-            offset = tl.load(offsets_ptr + group_index, mask=wmask, other=0.0)
+                if HAS_GIDX:
+                    groups = tl.load(gidx_ptr + expert * k + ks, mask=kmask, other=0)
+                else:
+                    groups = ks // group_size
+                group_index = expert * stride_se + groups[:, None] * n + cols[None, :]
+                gmask = wmask
+            scale = tl.load(scales_ptr + group_index, mask=gmask, other=0.0).to(tl.float32)
+            offset = tl.load(offsets_ptr + group_index, mask=gmask, other=0.0)
             w = (codes.to(tl.float32) * scale - offset).to(a.dtype)
         elif EVEN_K:
             w = tl.load(w_cols + k0, mask=cmask[None, :], other=0.0)
@@ -203,11 +211,11 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor | Int4Experts, c: torch.Tenso
     """``c[slot] = a[slot // a_row_div] @ w[expert(slot)].T`` plus the expert's ``bias [E, N]`` when given,
     times the slot's weight when given."""
     num_experts, n, k = w.shape
-    block_n = min(config.block_n, max(16, triton.next_power_of_2(n)))
+    int4 = isinstance(w, Int4Experts)
+    block_n = min(config.block_n, _INT4_MAX_BLOCK_N if int4 else config.block_n, max(16, triton.next_power_of_2(n)))
     block_k = min(config.block_k, max(16, triton.next_power_of_2(k)))
     num_mblocks = block_expert.shape[0]
     grid = (num_mblocks * triton.cdiv(n, block_n),)
-    int4 = isinstance(w, Int4Experts)
     weight = w.qweight if int4 else w
     scales, offsets, g_idx = (w.scales, w.offsets, w.g_idx) if int4 else (None, None, None)
     _grouped_gemm_kernel[grid](a, weight, c, sorted_slots, block_expert, topk_weights, bias, scales, offsets, g_idx,
@@ -215,8 +223,10 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor | Int4Experts, c: torch.Tenso
                                a.stride(0), weight.stride(0), weight.stride(1), c.stride(0),
                                0 if bias is None else bias.stride(0), scales.stride(0) if int4 else 0,
                                MUL_WEIGHT=topk_weights is not None, HAS_BIAS=bias is not None, INT4=int4,
-                               HAS_GIDX=g_idx is not None, BLOCK_M=config.block_m, BLOCK_N=block_n,
-                               BLOCK_K=block_k, GROUP_M=config.group_m, EVEN_K=k % block_k == 0,
+                               HAS_GIDX=g_idx is not None,
+                               ONE_GROUP=int4 and g_idx is None and w.group_size % block_k == 0,
+                               BLOCK_M=config.block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=config.group_m,
+                               EVEN_K=k % block_k == 0,
                                PRECISION=dot_precision(a.dtype), num_warps=config.num_warps,
                                num_stages=config.num_stages)
 

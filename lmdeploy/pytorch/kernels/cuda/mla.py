@@ -21,6 +21,9 @@ __all__ = ['fill_latent_cache', 'mla_decode_attention', 'mla_prefill_attention']
 
 _TARGET_PROGRAMS = 528  # decode: about four programs per SM of a 132-SM GPU
 _MAX_SPLITS = 64
+# decode: heads per program, cached rows per step, warps, stages. The [heads, 512] fp32 accumulators and a step's
+# [rows, 576] cache tiles bound them: 64 heads spilled registers, 64-row steps in 3 stages filled shared memory.
+_DECODE_LAUNCH = (16, 32, 4, 2)
 
 
 @triton.jit
@@ -36,8 +39,8 @@ def _load_rows(cache_ptr, rows, valid, lat, rope, v_dim, rope_dim):
 @triton.jit(do_not_specialize=['num_splits', 'stride_tb'])
 def _mla_decode_split_kernel(q_ptr, cache_ptr, table_ptr, lens_ptr, part_out_ptr, part_lse_ptr, scale, num_heads,
                              num_splits, v_dim, rope_dim, stride_qb, stride_qh, stride_cb, stride_cs, stride_tb,
-                             BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr,
-                             BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
+                             BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+                             BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -52,14 +55,17 @@ def _mla_decode_split_kernel(q_ptr, cache_ptr, table_ptr, lens_ptr, part_out_ptr
     q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh
     q_lat = tl.load(q_rows + lat[None, :], mask=hmask[:, None] & (lat < v_dim)[None, :], other=0.0)
     q_rope = tl.load(q_rows + v_dim + rope[None, :], mask=hmask[:, None] & (rope < rope_dim)[None, :], other=0.0)
-    t = tl.arange(0, BLOCK_SIZE)
+    n = tl.arange(0, BLOCK_N)
     m = tl.full([BLOCK_H], float('-inf'), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
-    for page in range(first, last):
-        block = tl.load(table_ptr + b * stride_tb + page).to(tl.int64)
-        valid = page * BLOCK_SIZE + t < kv_len
-        kv_lat, kv_rope = _load_rows(cache_ptr, block * stride_cb + t * stride_cs, valid, lat, rope, v_dim, rope_dim)
+    end = tl.minimum(last * BLOCK_SIZE, kv_len)
+    for start in range(first * BLOCK_SIZE, end, BLOCK_N):  # BLOCK_N divides BLOCK_SIZE: a step stays in a page
+        pos = start + n
+        valid = pos < end
+        block = tl.load(table_ptr + b * stride_tb + start // BLOCK_SIZE).to(tl.int64)
+        kv_lat, kv_rope = _load_rows(cache_ptr, block * stride_cb + (pos % BLOCK_SIZE) * stride_cs, valid, lat, rope,
+                                     v_dim, rope_dim)
         s = tl.dot(q_lat, tl.trans(kv_lat), input_precision=PRECISION)
         s = (s + tl.dot(q_rope, tl.trans(kv_rope), input_precision=PRECISION)) * scale
         s = tl.where(valid[None, :], s, float('-inf'))
@@ -74,7 +80,7 @@ def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torc
     returns ``[B, H, v_dim]``. The launch depends on shapes only (CUDA graphs)."""
     batch, num_heads, dim = q.shape
     block_size = cache.shape[1]
-    block_h = max(16, min(64, triton.next_power_of_2(num_heads)))
+    block_h, block_n, num_warps, num_stages = _DECODE_LAUNCH
     head_groups = triton.cdiv(num_heads, block_h)
     splits = max(1, min(triton.cdiv(_TARGET_PROGRAMS, batch * head_groups), _MAX_SPLITS, block_table.shape[1]))
     block_l = max(16, triton.next_power_of_2(v_dim))
@@ -82,8 +88,9 @@ def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torc
     _mla_decode_split_kernel[(batch, head_groups, splits)](
         q, cache, block_table, kv_lens, part_out, part_lse, scale, num_heads, splits, v_dim, dim - v_dim,
         q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), block_table.stride(0), BLOCK_SIZE=block_size,
-        BLOCK_H=block_h, BLOCK_L=block_l, BLOCK_R=max(16, triton.next_power_of_2(dim - v_dim)),
-        PRECISION=dot_precision(q.dtype))
+        BLOCK_N=min(block_n, block_size), BLOCK_H=block_h, BLOCK_L=block_l,
+        BLOCK_R=max(16, triton.next_power_of_2(dim - v_dim)), PRECISION=dot_precision(q.dtype), num_warps=num_warps,
+        num_stages=num_stages)
     return reduce_splits(part_out, part_lse, torch.empty(batch, num_heads, v_dim, dtype=q.dtype, device=q.device))
 
 
@@ -127,11 +134,12 @@ def mla_prefill_attention(q: torch.Tensor, latent: torch.Tensor, cache: torch.Te
     holds each chunk, so ``latent`` is not read); returns ``[T, H, v_dim]``."""
     num_tokens, num_heads, dim = q.shape
     out = torch.empty(num_tokens, num_heads, v_dim, dtype=q.dtype, device=q.device)
-    block_m = 32 if q.dtype == torch.float32 else 64
+    block_m = 32  # the [32, 512] fp32 accumulators over 8 warps: 64 rows spilled registers
     grid = (triton.cdiv(max_q_len, block_m), q_len.shape[0], num_heads)
     _mla_prefill_kernel[grid](
         q, cache, out, block_table, q_start, q_len, ctx_len, scale, v_dim, dim - v_dim, q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), cache.stride(0), cache.stride(1), block_table.stride(0), BLOCK_M=block_m,
         BLOCK_N=32, BLOCK_SIZE=cache.shape[1], BLOCK_L=max(16, triton.next_power_of_2(v_dim)),
-        BLOCK_R=max(16, triton.next_power_of_2(dim - v_dim)), PRECISION=dot_precision(q.dtype))
+        BLOCK_R=max(16, triton.next_power_of_2(dim - v_dim)), PRECISION=dot_precision(q.dtype), num_warps=8,
+        num_stages=2)
     return out

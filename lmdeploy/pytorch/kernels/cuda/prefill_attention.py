@@ -1,9 +1,9 @@
 """Varlen causal prefill attention in Triton: one launch for every prefill chunk of a step.
 
 A program handles ``BLOCK_M`` queries of one sequence and one head. It first attends over the
-sequence's cached prefix (read page by page through its block-table row), then causally over the
-chunk's fresh K/V, so chunked prefill and prefix-cache hits need no gather. With an int8/int4 cache
-the chunk is read back from the cache too (dequantized, causally masked), so that a prompt attends
+sequence's cached prefix (``BLOCK_N`` keys of a page at a time, through its block-table row), then
+causally over the chunk's fresh K/V, so chunked prefill and prefix-cache hits need no gather. With an
+int8/int4 cache the chunk is read back from the cache too (dequantized, causally masked), so that a prompt attends
 over the same values however its prefix was computed. With a sliding window a program starts at the
 first key its first query row sees; soft-capping applies to each score, and the sinks join the
 denominator at the end.
@@ -49,16 +49,17 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, out_p
     m = tl.full([BLOCK_M], float('-inf'), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    t = tl.arange(0, BLOCK_SIZE)
+    n = tl.arange(0, BLOCK_N)
     # the cached keys this program reads: the prefix, and with a quantized cache its chunk's keys up to its last row
     cached = prefix if BITS == 0 else prefix + seen
     lo = 0  # the first position the program's first row sees
     if WINDOW:
         lo = tl.maximum(prefix + tl.program_id(0) * BLOCK_M - window + 1, 0)
-    for i in range(lo // BLOCK_SIZE, tl.cdiv(cached, BLOCK_SIZE)):
-        block = tl.load(table_ptr + seq * stride_tb + i).to(tl.int64)
+    for i in range(lo // BLOCK_N, tl.cdiv(cached, BLOCK_N)):  # BLOCK_N divides BLOCK_SIZE: a step stays in a page
+        block = tl.load(table_ptr + seq * stride_tb + i * BLOCK_N // BLOCK_SIZE).to(tl.int64)
         base = block * stride_cb + kvh * stride_ch
-        pos = i * BLOCK_SIZE + t
+        t = i * BLOCK_N % BLOCK_SIZE + n  # the step's slots in its page
+        pos = i * BLOCK_N + n
         if BITS == 0:
             k = tl.load(kc_ptr + base + t[None, :] * stride_cs + d[:, None], mask=dmask[:, None], other=0.0)
             v = tl.load(vc_ptr + base + t[:, None] * stride_cs + d[None, :], mask=dmask[None, :], other=0.0)
@@ -73,7 +74,6 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, out_p
         if WINDOW:
             s_mask &= pos[None, :] > prefix + rows[:, None] - window
         m, l, acc = _online_softmax_step(q, k, v, s_mask, m, l, acc, scale, softcap, PRECISION, SOFTCAP)
-    n = tl.arange(0, BLOCK_N)
     first_col = tl.maximum(lo - prefix, 0) // BLOCK_N * BLOCK_N
     for j in range(first_col, seen if BITS == 0 else 0, BLOCK_N):
         cols = j + n
@@ -112,14 +112,18 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     _, num_kv_heads, block_size, _ = k_cache.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     block_m = 64 if max_q_len > 32 else 16
+    # Gemma's 256: steps of 32 keys, 8 warps and 2 stages (64 keys in 3 stages took 224 KB of shared memory
+    # and spilled registers at sm_90)
+    wide = head_dim > 128
+    block_n = min(32 if wide else 64, block_size)
     grid = (triton.cdiv(max_q_len, block_m), q_len.shape[0], num_heads)
     _prefill_kernel[grid](q, k, v, k_cache, v_cache, k_scales_zeros, v_scales_zeros, out, block_table, q_start,
                           q_len, ctx_len, None if sinks is None else sinks.float().contiguous(), scale,
                           sliding_window or 0, logit_softcap or 0.0, num_heads // num_kv_heads, head_dim, q.stride(0),
                           q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
                           k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
-                          BLOCK_M=block_m, BLOCK_N=block_m, BLOCK_SIZE=block_size,
+                          BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=block_size,
                           BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=dot_precision(q.dtype),
                           BITS=quant_policy, WINDOW=bool(sliding_window), SOFTCAP=bool(logit_softcap),
-                          SINKS=sinks is not None)
+                          SINKS=sinks is not None, num_warps=8 if wide else 4, num_stages=2 if wide else 3)
     return out

@@ -34,9 +34,9 @@ def prefill_rows(q_start_ptr, q_len_ptr, ctx_len_ptr, BLOCK_M: tl.constexpr):
     ``q_start``, ``q_len``, ``prefix``, the rows and, as ``seen``, the chunk rows up to the program's last one."""
     mblock = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
-    q_len = tl.load(q_len_ptr + seq)
+    q_len = tl.load(q_len_ptr + seq).to(tl.int32)  # int32 positions: int64 score masks would cost registers
     q_start = tl.load(q_start_ptr + seq).to(tl.int64)
-    prefix = tl.load(ctx_len_ptr + seq) - q_len
+    prefix = tl.load(ctx_len_ptr + seq).to(tl.int32) - q_len
     rows = mblock * BLOCK_M + tl.arange(0, BLOCK_M)
     return seq, q_start, q_len, prefix, rows, tl.minimum(q_len, (mblock + 1) * BLOCK_M)
 
