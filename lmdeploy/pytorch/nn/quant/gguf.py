@@ -1,4 +1,4 @@
-"""GGUF Q4_K and Q8_0 linear weights as llama.cpp stores them (``quant_method: gguf``, written by
+"""GGUF Q4_K, Q6_K and Q8_0 linear weights as llama.cpp stores them (``quant_method: gguf``, written by
 ``weights/gguf.py``): ``qweight uint8 [N, K / B, block bytes]``, each row's blocks of ``B`` inputs. A file's
 ``ggml_types`` names each layer kept so and its type; its other layers were dequantized at conversion.
 
@@ -8,7 +8,14 @@
   (``kernels/cpu/linear_q8.cpp``: the same blocks, the activations in fp32).
 - Q4_K (``B = 256``, 144 bytes): fp16 ``d`` and ``dmin``, eight 6-bit scales ``sc`` and mins ``m``, 256
   4-bit codes; ``W = q * (d * sc) - dmin * m`` per 32 inputs: a 4-bit grid of groups of 32 (exact in
-  fp32), served by the 4-bit kernels (:mod:`lmdeploy.pytorch.nn.quant.w4a16`).
+  fp32), served by the 4-bit kernels (:mod:`lmdeploy.pytorch.nn.quant.w4a16`); in bf16 on the CPU by the
+  native int4 GEMV at every step size (``kernels/cpu/linear_int4.cpp``: the codes as they are, each group's
+  scale and offset rounded to fp16), so that such layers run in the native decoder stack.
+- Q6_K (``B = 256``, 210 bytes): 6-bit codes ``q`` (``-32..31``), an int8 scale ``sc`` per 16 inputs and an
+  fp16 ``d``; ``W = q * (d * sc)``: int8 codes and fp32 scales per 16 inputs, exact. In bf16 on the CPU,
+  steps of up to ``Q8_NATIVE_MAX_ROWS`` tokens run on the native 8-bit GEMV on exactly these (the file's
+  weights, no rounding), larger ones on the bf16 GEMM over a dequantized copy (rounded to bf16). A file's
+  Q6_K output layer (Q4_K_M's) runs its one-row to ``Q8_NATIVE_MAX_ROWS``-row steps on the GEMV the same way.
 """
 from __future__ import annotations
 
@@ -21,8 +28,10 @@ import torch.nn.functional as F
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.quant.base import (Layout, LinearKernel, LinearOptions, WeightFormat, new_parameter,
                                             register_format)
+from lmdeploy.pytorch.nn.quant.cpu_bf16 import packed_cpu_kernel
 from lmdeploy.pytorch.nn.quant.dense import DenseFormat
-from lmdeploy.pytorch.nn.quant.q8_cpu import Q8_GROUP, Q8_TILE, pack_q8
+from lmdeploy.pytorch.nn.quant.int4_cpu import NativeInt4Kernel, SmallStepInt4Kernel
+from lmdeploy.pytorch.nn.quant.q8_cpu import Q8_GROUP, Q8_TILE, Q8Gemv, Q8GemvKernel, pack_q8
 from lmdeploy.pytorch.nn.quant.w4a16 import Int4GroupFormat, Int4Grid, ReferenceKernel
 from lmdeploy.pytorch.weights.gguf_types import engine_layer
 from lmdeploy.pytorch.weights.safetensors_loader import WeightSource, read_shard
@@ -31,7 +40,7 @@ if TYPE_CHECKING:
     from lmdeploy.pytorch.nn.linear import Linear
 
 # inputs and bytes per block
-BLOCKS = {'Q8_0': (32, 34), 'Q4_K': (256, 144)}
+BLOCKS = {'Q8_0': (32, 34), 'Q4_K': (256, 144), 'Q6_K': (256, 210)}
 # Larger steps run faster dequantized for one bf16 GEMM. 2048 x 2048 on the shared 2-core EPYC (best of 40,
 # load 8), GEMV against dequantizing and F.linear: 0.06 / 0.76 ms at 1 row, 0.56 / 0.76 at 16, 1.10 / 0.89
 # at 32, 2.3 / 1.2 at 64.
@@ -49,10 +58,23 @@ def q8_0_unpack(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.reshape(blocks.shape[0], -1), fp16_at(blocks, 0)
 
 
+def q6_k_unpack(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[N, K / 256, 210]`` Q6_K blocks as int8 codes ``[N, K]`` (-32..31) and fp32 scales ``d * sc``
+    ``[N, K / 16]`` (exact: an fp16 times an int8)."""
+    n, num_blocks = blocks.shape[:2]
+    low = blocks[..., :128].view(n, num_blocks, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)
+    high = blocks[..., 128:192].view(n, num_blocks, 2, 1, 32) >> torch.tensor([0, 2, 4, 6],
+                                                                               dtype=torch.uint8).view(4, 1)
+    codes = ((low & 15).view(n, num_blocks, 8, 32) | ((high & 3).view(n, num_blocks, 8, 32) << 4)).to(torch.int8) - 32
+    sc = blocks[..., 192:208].contiguous().view(torch.int8).float()
+    return codes.view(n, -1), (fp16_at(blocks, 208)[..., None] * sc).view(n, -1)
+
+
 def q8_0_weight(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``W [N, K]`` in fp32 (exact) from Q8_0 codes and scales."""
+    """``W [N, K]`` in fp32 (exact) from 8-bit codes ``[N, K]`` and their groups' scales ``[N, K / G]``
+    (Q8_0's, Q6_K's)."""
     n = codes.shape[0]
-    return codes.view(n, -1, 32).float().mul_(scales[..., None]).view(n, -1)
+    return codes.view(n, scales.shape[1], -1).float().mul_(scales[..., None]).view(n, -1)
 
 
 def q4_k_grid(blocks: torch.Tensor) -> Int4Grid:
@@ -71,9 +93,14 @@ def q4_k_grid(blocks: torch.Tensor) -> Int4Grid:
 
 def dequantize_blocks(blocks: torch.Tensor, ggml_type: str) -> torch.Tensor:
     """``W [N, K]`` in fp32 (exact) from ``[N, K / B, bytes]`` blocks of ``ggml_type``."""
-    if ggml_type == 'Q8_0':
-        return q8_0_weight(*q8_0_unpack(blocks))
-    return q4_k_grid(blocks).dequantize(torch.float32)
+    if ggml_type == 'Q4_K':
+        return q4_k_grid(blocks).dequantize(torch.float32)
+    return q8_0_weight(*int8_unpack(blocks, ggml_type))
+
+
+def int8_unpack(blocks: torch.Tensor, ggml_type: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 or Q6_K blocks as int8 codes ``[N, K]`` and fp32 scales per group (32 inputs, 16)."""
+    return q8_0_unpack(blocks) if ggml_type == 'Q8_0' else q6_k_unpack(blocks)
 
 
 class Q8Kernel(LinearKernel):
@@ -110,8 +137,30 @@ class NativeQ8Kernel(LinearKernel):
         return out if bias is None else out + bias
 
 
+class Q8HeadKernel(LinearKernel):
+    """An LM head's 8-bit codes on the native GEMV (fp32 logits; rows padded to its tiles give extra logits)
+    for steps of up to ``Q8_NATIVE_MAX_ROWS`` rows, ``large`` for the others."""
+
+    def __init__(self, gemv: Q8Gemv, large: LinearKernel):
+        self.gemv, self.large = gemv, large
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.gemv(x) if x.shape[0] <= Q8_NATIVE_MAX_ROWS else self.large(x, bias)
+
+
+def q6_k_cpu_kernel(codes: torch.Tensor, scales: torch.Tensor, gate_up: bool,
+                    options: LinearOptions) -> LinearKernel | None:
+    """A Q6_K layer in bf16 on the CPU: steps of up to ``Q8_NATIVE_MAX_ROWS`` tokens on the 8-bit GEMV (the
+    file's weights exactly), larger ones on the bf16 GEMM of its dequantized copy; None where the GEMV or
+    the GEMM is not built or the rows do not fill the GEMV's tiles."""
+    if cpu.q8_gemv() is None or codes.shape[0] % Q8_TILE or not options.pack_cpu:
+        return None
+    large = packed_cpu_kernel(q8_0_weight(codes, scales).to(torch.bfloat16), gate_up)
+    return None if large is None else SmallStepInt4Kernel(Q8GemvKernel(codes, scales), Q8_NATIVE_MAX_ROWS, large)
+
+
 class GgufFormat(Int4GroupFormat):
-    """A GGUF linear weight of one type, Q4_K or Q8_0, as its blocks."""
+    """A GGUF linear weight of one type, Q4_K, Q6_K or Q8_0, as its blocks."""
 
     def __init__(self, ggml_type: str):
         if ggml_type not in BLOCKS:
@@ -137,12 +186,20 @@ class GgufFormat(Int4GroupFormat):
         return dequantize_blocks(layer.qweight, self.ggml_type)
 
     def make_kernel(self, layer: Linear, options: LinearOptions) -> LinearKernel:
+        cpu_bf16 = options.dtype == torch.bfloat16 and layer.qweight.device.type == 'cpu'
         if self.ggml_type == 'Q4_K':
-            return super().make_kernel(layer, options)
+            native = NativeInt4Kernel.of_grid(self.unpack(layer), layer.gate_up_panels) if cpu_bf16 else None
+            if native is None:
+                return super().make_kernel(layer, options)
+            layer.qweight = None
+            return native
         if options.dtype is None:
             return ReferenceKernel(self, layer)
-        codes, scales = q8_0_unpack(layer.qweight)
-        native = NativeQ8Kernel.of(codes, scales) if options.dtype == torch.bfloat16 else None
+        codes, scales = int8_unpack(layer.qweight, self.ggml_type)
+        if self.ggml_type == 'Q6_K':
+            native = q6_k_cpu_kernel(codes, scales, layer.gate_up_panels, options) if cpu_bf16 else None
+        else:
+            native = NativeQ8Kernel.of(codes, scales) if cpu_bf16 else None
         kernel = native if native is not None else Q8Kernel(codes, scales)
         layer.qweight = None
         return kernel
@@ -153,19 +210,34 @@ class GgufFileFormat(DenseFormat):
     """A converted GGUF file's linear layers: those of ``ggml_types`` (``{name in the model: type}``) as their
     blocks, each in its type's :class:`GgufFormat`; the others dense (dequantized at conversion). A
     row-parallel layer whose share of the inputs splits blocks (tensor parallelism) is dense too: its blocks
-    are dequantized as they load (:meth:`convert_checkpoint`)."""
+    are dequantized as they load (:meth:`convert_checkpoint`). An output layer of type ``lm_head`` (Q6_K) comes as
+    ``lm_head.qweight`` blocks: it loads dequantized, and its CPU LM head runs small steps on the blocks."""
 
-    def __init__(self, ggml_types: dict[str, str]):
+    def __init__(self, ggml_types: dict[str, str], lm_head: str | None = None):
         formats = {ggml_type: GgufFormat(ggml_type) for ggml_type in set(ggml_types.values())}
         self.layer_formats = {name: formats[ggml_type] for name, ggml_type in ggml_types.items()}
         self.dequantized: dict[str, str] = {}  # layer -> type, of layers that hold their blocks dequantized
+        self.lm_head_type = lm_head
+        self.lm_head_blocks: torch.Tensor | None = None
 
     @classmethod
     def from_config(cls, config: dict) -> GgufFileFormat:
         if 'ggml_types' not in config:
             raise ValueError('this GGUF folder was converted by an older lmdeploy (one ggml_type for every layer); '
                              'convert the .gguf file again')
-        return cls(config['ggml_types'])
+        return cls(config['ggml_types'], config.get('lm_head'))
+
+    def lm_head_kernel(self, table: torch.Tensor) -> LinearKernel | None:
+        blocks, self.lm_head_blocks = self.lm_head_blocks, None
+        if (blocks is None or table.dtype != torch.bfloat16 or table.device.type != 'cpu' or cpu.q8_gemv() is None
+                or table.shape[0] != blocks.shape[0]):  # a vocab-parallel share
+            return None
+        large = packed_cpu_kernel(table)
+        if large is None:
+            return None
+        codes, scales = int8_unpack(blocks, self.lm_head_type)
+        pad = -codes.shape[0] % Q8_TILE  # zero rows to fill the GEMV's last tile; the LM head drops their logits
+        return Q8HeadKernel(Q8Gemv(*pack_q8(F.pad(codes, (0, 0, 0, pad)), F.pad(scales, (0, 0, 0, pad)))), large)
 
     def layer_format(self, name: str, layer: Linear) -> WeightFormat:
         layer_format = self.layer_formats.get(name)
@@ -178,6 +250,10 @@ class GgufFileFormat(DenseFormat):
 
     def convert_checkpoint(self, weights: Iterable[tuple[str, WeightSource]]) -> Iterator[tuple[str, WeightSource]]:
         for name, tensor in weights:
+            if name == 'lm_head.qweight':
+                self.lm_head_blocks = read_shard(tensor, None)
+                yield 'lm_head.weight', dequantize_blocks(self.lm_head_blocks, self.lm_head_type)
+                continue
             base = name.removesuffix('.qweight')
             layer = engine_layer(base + '.weight') if base != name else None
             if layer in self.dequantized:
