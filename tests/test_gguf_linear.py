@@ -54,7 +54,7 @@ def test_unpacking_matches_gguf(qtype):
 @pytest.mark.parametrize('qtype,kernel,dtype,tolerance', [(Q.Q8_0, Q8Kernel, torch.float32, 1e-6),
                                                           (Q.Q4_K, q4_k_cpu_kernel, torch.bfloat16, 1e-2),
                                                           (Q.Q4_K, ReferenceKernel, torch.float32, 1e-6),
-                                                          (Q.Q6_K, ReferenceKernel, torch.float32, 1e-6)])
+                                                          (Q.Q6_K, Q8Kernel, torch.float32, 1e-6)])
 def test_loaded_kernels(qtype, kernel, dtype, tolerance):
     """Q4_K on the int4 CPU kernels is exact up to the rounding of ``d * sc`` and ``dmin * m`` (fp16 on the
     native GEMV, bf16 on torch's kernel)."""

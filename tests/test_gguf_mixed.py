@@ -158,8 +158,8 @@ def test_mixed_file_matches_dequantized_and_transformers(mixed_file):
 
 
 def test_bf16_mixed_file_runs_each_layer_on_its_kernel(mixed_file):
-    """bf16 on the CPU: Q4_K layers on the int4 GEMV, Q8_0 on the native 8-bit GEMV, Q6_K on it for small steps
-    (bf16 GEMM above), the others on bf16 GEMMs; the logits stay within 5% of fp32's."""
+    """bf16 on the CPU: Q4_K layers on the int4 GEMV, Q8_0 on the native 8-bit GEMV, Q6_K on the Q6_K GEMV for
+    small steps (bf16 GEMM above), the others on bf16 GEMMs; the logits stay within 5% of fp32's."""
     kind, tmp = mixed_file
     if os.environ.get('LMDEPLOY_TEST_DEVICE', 'cpu') != 'cpu':
         pytest.skip('CPU kernels')
@@ -174,10 +174,9 @@ def test_bf16_mixed_file_runs_each_layer_on_its_kernel(mixed_file):
                 for name, layer_type in FILES[kind][1].items():
                     kernel = model.get_submodule(name).kernel
                     expected = {'Q4_K': SmallStepInt4Kernel if cpu.int4_gemv() is None else NativeInt4Kernel,
-                                'Q6_K': SmallStepInt4Kernel if cpu.q8_gemv() else None,
+                                'Q6_K': Q8Kernel if cpu.q6k_gemv() is None else SmallStepInt4Kernel,
                                 'Q8_0': Q8Kernel if cpu.q8_gemv() is None else NativeQ8Kernel}[layer_type]
-                    if expected is not None:
-                        assert isinstance(kernel, expected), name
+                    assert isinstance(kernel, expected), name
             logits[dtype] = engine.get_logits(prompt).float()
         finally:
             engine.close()

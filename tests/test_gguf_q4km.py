@@ -1,5 +1,5 @@
 """A Q4_K_M file as llama.cpp writes it (Q4_K, with Q6_K in some ``attn_v`` and ``ffn_down`` and the output)
-served in bf16 on the CPU: Q6_K on the native 8-bit GEMV exactly (against the ``gguf`` package's own
+served in bf16 on the CPU: Q6_K on the native Q6_K GEMV exactly (against the ``gguf`` package's own
 dequantization), Q4_K on the native int4 GEMV, and every layer in the native decoder stack, equal to the
 layers' own forward at every step."""
 from __future__ import annotations
@@ -16,10 +16,9 @@ from test_gguf_mixed import encode, write_mixed_gguf
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.kernels import cpu
-from lmdeploy.pytorch.nn.quant.gguf import (Q8_NATIVE_MAX_ROWS, GgufFileFormat, Q8HeadKernel, int8_unpack,
-                                            q4_k_grid)
-from lmdeploy.pytorch.nn.quant.int4_cpu import NativeInt4Kernel
-from lmdeploy.pytorch.nn.quant.q8_cpu import Q8GemvKernel
+from lmdeploy.pytorch.nn.quant.gguf import Q6K_NATIVE_MAX_ROWS, GgufFileFormat, int8_unpack, q4_k_grid, q6_k_parts
+from lmdeploy.pytorch.nn.quant.int4_cpu import NativeInt4Kernel, SmallStepInt4Kernel
+from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6KGemv
 from lmdeploy.pytorch.weights.gguf import convert_gguf
 
 # llama.cpp's Q4_K_M on a 2-layer model: Q6_K in layer 0's attn_v and ffn_down (so its q/k/v are dequantized:
@@ -42,20 +41,21 @@ def test_q6_k_codes_and_scales_are_the_file_weights():
     assert torch.equal(codes.view(48, 32, 16).float() * scales[..., None], expected.view(48, 32, 16))
 
 
-@pytest.mark.parametrize('rows', [1, 3, Q8_NATIVE_MAX_ROWS])
+@pytest.mark.parametrize('rows', [1, 3, 4, 7, Q6K_NATIVE_MAX_ROWS])
 def test_q6_k_gemv_is_the_file_weights(rows):
-    """The 8-bit GEMV on Q6_K's codes and fp32 scales (groups of 16) gives ``x @ W.T`` of gguf's weights up to
-    fp32 summation order, with bf16 activations (their values, not quantized)."""
-    if cpu.q8_gemv() is None:
-        pytest.skip('the native 8-bit GEMV was not built for this CPU')
+    """The Q6_K GEMV on the file's codes and scales gives ``x @ W.T`` of gguf's weights up to fp32 summation
+    order, with bf16 activations (their values, not quantized); rows of x in blocks of 4 and alone alike."""
+    if cpu.q6k_gemv() is None:
+        pytest.skip('the native Q6_K GEMV needs AVX512-BF16')
     blocks, expected = random_blocks(Q.Q6_K, 64, 768, seed=rows)
-    kernel = Q8GemvKernel(*int8_unpack(blocks, 'Q6_K'))
+    kernel = Q6KGemv.of(*q6_k_parts(blocks), fp32_out=True)
     x = torch.randn(rows, 768).bfloat16()
     reference = x.float() @ expected.T
-    out = cpu.native().q8_linear(x, kernel.packed, kernel.scales)
+    out = kernel(x, None)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
-    torch.testing.assert_close(kernel(x, None), reference.bfloat16())
+    assert torch.equal(out[-1:], kernel(x[-1:], None))
+    assert Q6KGemv.of(*q6_k_parts(blocks))(x, None).dtype == torch.bfloat16
 
 
 def test_q4_k_on_the_int4_gemv_within_fp16_scales():
@@ -73,20 +73,20 @@ def test_q4_k_on_the_int4_gemv_within_fp16_scales():
 
 def test_q6_k_lm_head_runs_small_steps_on_the_file_blocks():
     """An output layer kept as Q6_K blocks loads dequantized (gguf's weights) and runs steps of up to
-    ``Q8_NATIVE_MAX_ROWS`` rows on the 8-bit GEMV over the blocks (fp32 logits), larger ones on the table."""
-    if cpu.q8_gemv() is None:
-        pytest.skip('the native 8-bit GEMV was not built for this CPU')
+    ``Q6K_NATIVE_MAX_ROWS`` rows on the Q6_K GEMV over the blocks (fp32 logits), larger ones on the table."""
+    if cpu.q6k_gemv() is None:
+        pytest.skip('the native Q6_K GEMV needs AVX512-BF16')
     blocks, expected = random_blocks(Q.Q6_K, 90, 256, seed=7)  # rows padded to the GEMV's tiles of 16
     weight_format = GgufFileFormat({}, lm_head='Q6_K')
     (name, table), = weight_format.convert_checkpoint([('lm_head.qweight', blocks)])
     assert name == 'lm_head.weight' and torch.equal(table, expected)
     head = weight_format.lm_head_kernel(table.bfloat16())
-    assert isinstance(head, Q8HeadKernel) and weight_format.lm_head_blocks is None
+    assert isinstance(head, SmallStepInt4Kernel) and weight_format.lm_head_blocks is None
     x = torch.randn(1, 256).bfloat16()
     logits = head(x, None)
     assert logits.shape == (1, 96) and not logits[:, 90:].any()
     torch.testing.assert_close(logits[:, :90], x.float() @ expected.T, rtol=1e-5, atol=1e-5)
-    big = torch.randn(Q8_NATIVE_MAX_ROWS + 1, 256).bfloat16()
+    big = torch.randn(Q6K_NATIVE_MAX_ROWS + 1, 256).bfloat16()
     reference = big.float() @ expected.T
     assert (head(big, None).float() - reference).norm() / reference.norm() < 1e-2
 
@@ -100,20 +100,20 @@ def q4_k_m(tmp_path_factory) -> str:
 
 
 def test_q4_k_m_runs_in_the_stack(q4_k_m, native_gemms, monkeypatch):
-    """Q4_K layers (int4 GEMV), Q6_K ones (8-bit GEMV for small steps, bf16 GEMM above) and the dequantized
+    """Q4_K layers (int4 GEMV), Q6_K ones (Q6_K GEMV for small steps, bf16 GEMM above) and the dequantized
     q/k/v (bf16 GEMM) all run in the native decoder stack, every step equal to the layers' forward."""
-    if cpu.int4_gemv() is None:
-        pytest.skip('the native int4 GEMV needs AVX512-BF16')
+    if cpu.int4_gemv() is None or cpu.q6k_gemv() is None:
+        pytest.skip('the native int4 and Q6_K GEMVs need AVX512-BF16')
     engine = Engine(q4_k_m, PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=64, block_size=16,
                                                 enable_prefix_caching=False, max_prefill_token_num=48),
                     show_progress=False)
     model = engine.runner.model
     stack = model.native_stack
-    assert stack is not None and stack.small is not None and stack.small_step_rows == Q8_NATIVE_MAX_ROWS
-    assert isinstance(model.lm_head.packed, Q8HeadKernel)
+    assert stack is not None and stack.small is not None and stack.small_step_rows == Q6K_NATIVE_MAX_ROWS
+    assert isinstance(model.lm_head.packed, SmallStepInt4Kernel)
     steps = check_every_step(engine, monkeypatch)
     outs = run(engine, random_prompts([20, 70, 9], seed=8, vocab=250),
                GenerationConfig(max_new_tokens=6, ignore_eos=True))
     assert [len(out) for out in outs] == [6] * 3
-    small = [rows for _, rows in steps if rows <= Q8_NATIVE_MAX_ROWS]
-    assert small and any(rows > Q8_NATIVE_MAX_ROWS for _, rows in steps)
+    small = [rows for _, rows in steps if rows <= Q6K_NATIVE_MAX_ROWS]
+    assert small and any(rows > Q6K_NATIVE_MAX_ROWS for _, rows in steps)

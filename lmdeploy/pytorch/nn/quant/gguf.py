@@ -11,11 +11,12 @@
   fp32), served by the 4-bit kernels (:mod:`lmdeploy.pytorch.nn.quant.w4a16`); in bf16 on the CPU by the
   native int4 GEMV at every step size (``kernels/cpu/linear_int4.cpp``: the codes as they are, each group's
   scale and offset rounded to fp16), so that such layers run in the native decoder stack.
-- Q6_K (``B = 256``, 210 bytes): 6-bit codes ``q`` (``-32..31``), an int8 scale ``sc`` per 16 inputs and an
-  fp16 ``d``; ``W = q * (d * sc)``: int8 codes and fp32 scales per 16 inputs, exact. In bf16 on the CPU,
-  steps of up to ``Q8_NATIVE_MAX_ROWS`` tokens run on the native 8-bit GEMV on exactly these (the file's
-  weights, no rounding), larger ones on the bf16 GEMM over a dequantized copy (rounded to bf16). A file's
-  Q6_K output layer (Q4_K_M's) runs its one-row to ``Q8_NATIVE_MAX_ROWS``-row steps on the GEMV the same way.
+- Q6_K (``B = 256``, 210 bytes): 6-bit codes ``u``, an int8 scale ``sc`` per 16 inputs and an fp16 ``d``;
+  ``W = (u - 32) * (d * sc)``. In bf16 on the CPU, steps of up to ``Q6K_NATIVE_MAX_ROWS`` tokens run on the
+  native Q6_K GEMV (``kernels/cpu/linear_q6k.cpp``: the file's codes and scales retiled, its weights exactly),
+  larger ones on the bf16 GEMM over a copy dequantized at load (rounded to bf16); otherwise int8 codes and
+  fp32 scales dequantized on each call. A file's Q6_K output layer (Q4_K_M's) runs its small steps on the
+  GEMV the same way.
 """
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ from lmdeploy.pytorch.nn.quant.base import (Layout, LinearKernel, LinearOptions,
 from lmdeploy.pytorch.nn.quant.cpu_bf16 import packed_cpu_kernel
 from lmdeploy.pytorch.nn.quant.dense import DenseFormat
 from lmdeploy.pytorch.nn.quant.int4_cpu import NativeInt4Kernel, SmallStepInt4Kernel
-from lmdeploy.pytorch.nn.quant.q8_cpu import Q8_GROUP, Q8_TILE, Q8Gemv, Q8GemvKernel, pack_q8
+from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6K_TILE, Q6KGemv
+from lmdeploy.pytorch.nn.quant.q8_cpu import Q8_GROUP, Q8_TILE, pack_q8
 from lmdeploy.pytorch.nn.quant.w4a16 import Int4GroupFormat, Int4Grid, ReferenceKernel
 from lmdeploy.pytorch.weights.gguf_types import engine_layer
 from lmdeploy.pytorch.weights.safetensors_loader import WeightSource, read_shard
@@ -45,6 +47,8 @@ BLOCKS = {'Q8_0': (32, 34), 'Q4_K': (256, 144), 'Q6_K': (256, 210)}
 # load 8), GEMV against dequantizing and F.linear: 0.06 / 0.76 ms at 1 row, 0.56 / 0.76 at 16, 1.10 / 0.89
 # at 32, 2.3 / 1.2 at 64.
 Q8_NATIVE_MAX_ROWS = 16
+# Likewise for Q6_K (whose larger steps run on a bf16 copy instead).
+Q6K_NATIVE_MAX_ROWS = 16
 
 
 def fp16_at(blocks: torch.Tensor, start: int) -> torch.Tensor:
@@ -58,16 +62,25 @@ def q8_0_unpack(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.reshape(blocks.shape[0], -1), fp16_at(blocks, 0)
 
 
-def q6_k_unpack(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[N, K / 256, 210]`` Q6_K blocks as int8 codes ``[N, K]`` (-32..31) and fp32 scales ``d * sc``
-    ``[N, K / 16]`` (exact: an fp16 times an int8)."""
+def q6_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[N, K / 256, 210]`` Q6_K blocks as codes ``u [N, K]`` (uint8, 0..63), ``sc [N, K / 16]`` (int8) and
+    ``d [N, K / 256]`` (fp16): ``W = (u - 32) * d * sc``."""
     n, num_blocks = blocks.shape[:2]
     low = blocks[..., :128].view(n, num_blocks, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)
     high = blocks[..., 128:192].view(n, num_blocks, 2, 1, 32) >> torch.tensor([0, 2, 4, 6],
                                                                                dtype=torch.uint8).view(4, 1)
-    codes = ((low & 15).view(n, num_blocks, 8, 32) | ((high & 3).view(n, num_blocks, 8, 32) << 4)).to(torch.int8) - 32
-    sc = blocks[..., 192:208].contiguous().view(torch.int8).float()
-    return codes.view(n, -1), (fp16_at(blocks, 208)[..., None] * sc).view(n, -1)
+    codes = (low & 15).view(n, num_blocks, 8, 32) | ((high & 3).view(n, num_blocks, 8, 32) << 4)
+    sc = blocks[..., 192:208].contiguous().view(torch.int8)
+    d = blocks[..., 208:210].contiguous().view(torch.float16)[..., 0]
+    return codes.view(n, -1), sc.reshape(n, -1), d
+
+
+def q6_k_unpack(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[N, K / 256, 210]`` Q6_K blocks as int8 codes ``[N, K]`` (-32..31) and fp32 scales ``d * sc``
+    ``[N, K / 16]`` (exact: an fp16 times an int8)."""
+    codes, sc, d = q6_k_parts(blocks)
+    scales = d.float().repeat_interleave(16, dim=1) * sc.float()
+    return (codes.to(torch.int8) - 32), scales
 
 
 def q8_0_weight(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -137,26 +150,19 @@ class NativeQ8Kernel(LinearKernel):
         return out if bias is None else out + bias
 
 
-class Q8HeadKernel(LinearKernel):
-    """An LM head's 8-bit codes on the native GEMV (fp32 logits; rows padded to its tiles give extra logits)
-    for steps of up to ``Q8_NATIVE_MAX_ROWS`` rows, ``large`` for the others."""
-
-    def __init__(self, gemv: Q8Gemv, large: LinearKernel):
-        self.gemv, self.large = gemv, large
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return self.gemv(x) if x.shape[0] <= Q8_NATIVE_MAX_ROWS else self.large(x, bias)
-
-
-def q6_k_cpu_kernel(codes: torch.Tensor, scales: torch.Tensor, gate_up: bool,
-                    options: LinearOptions) -> LinearKernel | None:
-    """A Q6_K layer in bf16 on the CPU: steps of up to ``Q8_NATIVE_MAX_ROWS`` tokens on the 8-bit GEMV (the
-    file's weights exactly), larger ones on the bf16 GEMM of its dequantized copy; None where the GEMV or
-    the GEMM is not built or the rows do not fill the GEMV's tiles."""
-    if cpu.q8_gemv() is None or codes.shape[0] % Q8_TILE or not options.pack_cpu:
+def q6_k_cpu_kernel(blocks: torch.Tensor, weight: torch.Tensor, gate_up: bool,
+                    fp32_out: bool = False) -> SmallStepInt4Kernel | None:
+    """Q6_K blocks in bf16 on the CPU: steps of up to ``Q6K_NATIVE_MAX_ROWS`` tokens on the Q6_K GEMV (the
+    file's weights exactly; ``fp32_out``: fp32 results, an LM head's), larger ones on the bf16 GEMM of
+    ``weight``, the blocks dequantized in bf16; None where either is not built. An LM head's rows beyond a
+    multiple of the GEMV's tiles are padded with zero weights (it drops their logits)."""
+    large = packed_cpu_kernel(weight, gate_up)
+    pad = -blocks.shape[0] % Q6K_TILE
+    if pad and not fp32_out:
         return None
-    large = packed_cpu_kernel(q8_0_weight(codes, scales).to(torch.bfloat16), gate_up)
-    return None if large is None else SmallStepInt4Kernel(Q8GemvKernel(codes, scales), Q8_NATIVE_MAX_ROWS, large)
+    parts = [F.pad(part, (0, 0, 0, pad)) for part in q6_k_parts(blocks)]
+    small = Q6KGemv.of(*parts, fp32_out=fp32_out)
+    return None if large is None or small is None else SmallStepInt4Kernel(small, Q6K_NATIVE_MAX_ROWS, large)
 
 
 class GgufFormat(Int4GroupFormat):
@@ -195,11 +201,13 @@ class GgufFormat(Int4GroupFormat):
             return native
         if options.dtype is None:
             return ReferenceKernel(self, layer)
+        native = None
+        if cpu_bf16 and self.ggml_type == 'Q6_K' and options.pack_cpu:
+            weight = dequantize_blocks(layer.qweight, 'Q6_K').to(torch.bfloat16)
+            native = q6_k_cpu_kernel(layer.qweight, weight, layer.gate_up_panels)
         codes, scales = int8_unpack(layer.qweight, self.ggml_type)
-        if self.ggml_type == 'Q6_K':
-            native = q6_k_cpu_kernel(codes, scales, layer.gate_up_panels, options) if cpu_bf16 else None
-        else:
-            native = NativeQ8Kernel.of(codes, scales) if cpu_bf16 else None
+        if cpu_bf16 and self.ggml_type == 'Q8_0':
+            native = NativeQ8Kernel.of(codes, scales)
         kernel = native if native is not None else Q8Kernel(codes, scales)
         layer.qweight = None
         return kernel
@@ -229,15 +237,10 @@ class GgufFileFormat(DenseFormat):
 
     def lm_head_kernel(self, table: torch.Tensor) -> LinearKernel | None:
         blocks, self.lm_head_blocks = self.lm_head_blocks, None
-        if (blocks is None or table.dtype != torch.bfloat16 or table.device.type != 'cpu' or cpu.q8_gemv() is None
+        if (blocks is None or table.dtype != torch.bfloat16 or table.device.type != 'cpu'
                 or table.shape[0] != blocks.shape[0]):  # a vocab-parallel share
             return None
-        large = packed_cpu_kernel(table)
-        if large is None:
-            return None
-        codes, scales = int8_unpack(blocks, self.lm_head_type)
-        pad = -codes.shape[0] % Q8_TILE  # zero rows to fill the GEMV's last tile; the LM head drops their logits
-        return Q8HeadKernel(Q8Gemv(*pack_q8(F.pad(codes, (0, 0, 0, pad)), F.pad(scales, (0, 0, 0, pad)))), large)
+        return q6_k_cpu_kernel(blocks, table, gate_up=False, fp32_out=True)
 
     def layer_format(self, name: str, layer: Linear) -> WeightFormat:
         layer_format = self.layer_formats.get(name)

@@ -1,15 +1,12 @@
-"""8-bit weights on the native GEMV (``kernels/cpu/linear_q8.cpp``): groups of 32 inputs with an fp16 scale
-each, as GGUF's Q8_0, or of 16 with an fp32 scale each, which holds GGUF's Q6_K exactly.
-
-An 8-bit copy of a one-row step's LM head reads half the bytes of an fp16 copy. It is taken only where it
-gives the weights back to within bf16's precision: a table loaded from a Q8_0 file (the default model's),
-not one that 8 bits would round."""
+"""An 8-bit copy of a one-row step's LM head (``kernels/cpu/linear_q8.cpp``): groups of 32 inputs with an
+fp16 scale each, as GGUF's Q8_0, so it reads half the bytes of an fp16 copy. Taken only where it gives the
+weights back to within bf16's precision: a table loaded from a Q8_0 file (the default model's), not one
+that 8 bits would round."""
 from __future__ import annotations
 
 import torch
 
 from lmdeploy.pytorch.kernels import cpu
-from lmdeploy.pytorch.nn.quant.base import LinearKernel
 
 Q8_GROUP, Q8_TILE = 32, 16
 
@@ -26,11 +23,10 @@ def q8_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def pack_q8(codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes ``[N, K]`` and scales ``[N, K / G]`` in ``q8_linear``'s layout: ``[N/16, K/G, G, 16]`` int8,
-    ``[N/16, K/G, 16]`` (fp16 for groups of 32, fp32 for groups of 16)."""
+    """Codes and scales in ``q8_linear``'s layout: ``[N/16, K/32, 32, 16]`` int8, ``[N/16, K/32, 16]`` fp16."""
     out_features, in_features = codes.shape
-    tiles, groups = out_features // Q8_TILE, scale.shape[1]
-    packed = codes.view(tiles, Q8_TILE, groups, in_features // groups).permute(0, 2, 3, 1).contiguous()
+    tiles, groups = out_features // Q8_TILE, in_features // Q8_GROUP
+    packed = codes.view(tiles, Q8_TILE, groups, Q8_GROUP).permute(0, 2, 3, 1).contiguous()
     return packed, scale.view(tiles, Q8_TILE, groups).transpose(1, 2).contiguous()
 
 
@@ -60,18 +56,3 @@ class Q8Gemv:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return cpu.native().q8_linear(x, self.packed, self.scales)
-
-
-class Q8GemvKernel(LinearKernel):
-    """A linear layer's 8-bit codes and scales (:func:`pack_q8`) on the native GEMV for every step, its fp32
-    result rounded to the activations' dtype; a ``q8`` projection of the native decoder stack."""
-
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor):
-        self.packed, self.scales = pack_q8(codes, scales)
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        out = cpu.native().q8_linear(x, self.packed, self.scales).to(x.dtype)
-        return out if bias is None else out + bias
-
-    def native_projection(self, bias: torch.Tensor | None) -> object | None:
-        return cpu.native().Projection(kind='q8', weight=self.packed, scale=self.scales, bias=bias)
