@@ -165,8 +165,8 @@ def gguf_config(reader: GGUFReader, source: str, raw_types: Iterable[str] = RAW_
         if arch not in RAW_SERVED_ARCHS:  # linear layers beyond the projections (MLA's, routers) have no raw form
             config.pop('quantization_config', None)
     output = tensors.get('output.weight')
-    if 'quantization_config' in config and output is not None and output.tensor_type.name in LM_HEAD_RAW_TYPES & set(
-            raw_types):
+    head_types = LM_HEAD_RAW_TYPES & set(raw_types)
+    if 'quantization_config' in config and output is not None and output.tensor_type.name in head_types:
         config['quantization_config']['lm_head'] = output.tensor_type.name
     return config
 

@@ -156,10 +156,10 @@ def q6_k_cpu_kernel(blocks: torch.Tensor, weight: torch.Tensor, gate_up: bool,
     file's weights exactly; ``fp32_out``: fp32 results, an LM head's), larger ones on the bf16 GEMM of
     ``weight``, the blocks dequantized in bf16; None where either is not built. An LM head's rows beyond a
     multiple of the GEMV's tiles are padded with zero weights (it drops their logits)."""
-    large = packed_cpu_kernel(weight, gate_up)
     pad = -blocks.shape[0] % Q6K_TILE
     if pad and not fp32_out:
         return None
+    large = packed_cpu_kernel(weight, gate_up)
     parts = [F.pad(part, (0, 0, 0, pad)) for part in q6_k_parts(blocks)]
     small = Q6KGemv.of(*parts, fp32_out=fp32_out)
     return None if large is None or small is None else SmallStepInt4Kernel(small, Q6K_NATIVE_MAX_ROWS, large)
@@ -201,13 +201,14 @@ class GgufFormat(Int4GroupFormat):
             return native
         if options.dtype is None:
             return ReferenceKernel(self, layer)
-        native = None
         if cpu_bf16 and self.ggml_type == 'Q6_K' and options.pack_cpu:
             weight = dequantize_blocks(layer.qweight, 'Q6_K').to(torch.bfloat16)
             native = q6_k_cpu_kernel(layer.qweight, weight, layer.gate_up_panels)
+            if native is not None:
+                layer.qweight = None
+                return native
         codes, scales = int8_unpack(layer.qweight, self.ggml_type)
-        if cpu_bf16 and self.ggml_type == 'Q8_0':
-            native = NativeQ8Kernel.of(codes, scales)
+        native = NativeQ8Kernel.of(codes, scales) if cpu_bf16 and self.ggml_type == 'Q8_0' else None
         kernel = native if native is not None else Q8Kernel(codes, scales)
         layer.qweight = None
         return kernel
@@ -218,8 +219,8 @@ class GgufFileFormat(DenseFormat):
     """A converted GGUF file's linear layers: those of ``ggml_types`` (``{name in the model: type}``) as their
     blocks, each in its type's :class:`GgufFormat`; the others dense (dequantized at conversion). A
     row-parallel layer whose share of the inputs splits blocks (tensor parallelism) is dense too: its blocks
-    are dequantized as they load (:meth:`convert_checkpoint`). An output layer of type ``lm_head`` (Q6_K) comes as
-    ``lm_head.qweight`` blocks: it loads dequantized, and its CPU LM head runs small steps on the blocks."""
+    are dequantized as they load (:meth:`convert_checkpoint`). An output layer of type ``lm_head`` (Q6_K) comes
+    as ``lm_head.qweight`` blocks: it loads dequantized, and its CPU LM head runs small steps on the blocks."""
 
     def __init__(self, ggml_types: dict[str, str], lm_head: str | None = None):
         formats = {ggml_type: GgufFormat(ggml_type) for ggml_type in set(ggml_types.values())}
