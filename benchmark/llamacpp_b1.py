@@ -1,15 +1,18 @@
-"""Batch-1 decode tokens/s of llama.cpp (llama-cpp-python) and this engine on the same GGUF file, in one run.
+"""Batch-1 decode and prefill tokens/s of llama.cpp (llama-cpp-python) and this engine on the same GGUF file,
+in one run.
 
 Both sides get the same prompt (token ids from the file's tokenizer), decode greedily, and are timed over
 the same number of generated tokens after the step that prefills and samples the first one; each side's
-token count is checked. llama.cpp runs with ``--threads`` threads for decode and batch, this engine with
-``num_threads`` the same. After a warm-up run of each, the rounds alternate which side goes
+token count is checked. With ``--prefill-tokens N`` each round also times a prefill of an N-token prompt
+(the prompt's tokens repeated) up to its first token (llama.cpp: ``eval`` of the prompt, its logits).
+llama.cpp runs with ``--threads`` threads for decode and batch, this engine with ``num_threads`` the same. After a warm-up run of each, the rounds alternate which side goes
 first, and each round prints both figures and their ratio; the end prints the medians.
 
-Rows of this engine (dtype auto, bf16 on the CPU; prefix caching off):
+Rows of this engine (dtype auto, bf16 on the CPU; prefix caching off; activations never quantized):
 
-- ``lmdeploy 4-bit small steps``: ``decode_int4=True`` (its default for a Q4_1 file such as the default
-  model): batch-1 steps on 4-bit copies of the decoder's projections, bf16 activations (not quantized);
+- ``lmdeploy``: its defaults (``decode_int4`` on for a Q4_1 file such as the default model: batch-1 steps
+  on 4-bit copies of the decoder's projections; a file's Q4_K and Q6_K layers as their blocks, e.g. a
+  Q4_K_M file from ``benchmark/make_q4km.py``);
 - ``lmdeploy bf16`` (``--with-bf16``): ``decode_int4=False``.
 
 llama-cpp-python is a benchmark-only dependency (not in requirements); build it from source for this CPU in
@@ -67,9 +70,28 @@ def engine_decode_rate(engine: Engine, prompt: list[int], n: int) -> tuple[float
     while engine.has_unfinished():
         for out in engine.step():
             tokens += out.token_ids
-    elapsed = time.perf_counter() - start
+    elapsed = max(time.perf_counter() - start, 1e-9)
     assert len(tokens) == n + 1, f'the engine produced {len(tokens)} tokens, asked {n + 1}'
     return n / elapsed, tokens
+
+
+def llamacpp_prefill_rate(llm, prompt: list[int]) -> float:
+    """Prefill tokens/s of llama.cpp: ``eval`` of the whole prompt from an empty context."""
+    llm.reset()
+    start = time.perf_counter()
+    llm.eval(prompt)
+    elapsed = time.perf_counter() - start
+    assert llm.n_tokens == len(prompt), f'llama.cpp evaluated {llm.n_tokens} tokens, given {len(prompt)}'
+    return len(prompt) / elapsed
+
+
+def engine_prefill_rate(engine: Engine, prompt: list[int]) -> float:
+    """Prefill tokens/s of this engine: the steps from the request to its first token."""
+    start = time.perf_counter()
+    _, tokens = engine_decode_rate(engine, prompt, 0)
+    elapsed = time.perf_counter() - start
+    assert len(tokens) == 1
+    return len(prompt) / elapsed
 
 
 def agreement(a: list[int], b: list[int]) -> int:
@@ -77,48 +99,66 @@ def agreement(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def report(title: str, rates: dict[str, float]) -> None:
+    """One line of tokens/s per side and each engine's ratio to llama.cpp."""
+    line = '   '.join(f'{label} {rate:6.1f}' for label, rate in rates.items())
+    ratios = '   '.join(f'{label} / llama.cpp {rate / rates["llama.cpp"]:.2f}x'
+                       for label, rate in rates.items() if label != 'llama.cpp')
+    print(f'{title} (tok/s): {line}   {ratios}', flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--model', default=None, help='a .gguf file (default: the bundled default model)')
     parser.add_argument('--threads', type=int, default=2)
     parser.add_argument('--decode-tokens', type=int, default=128)
+    parser.add_argument('--prefill-tokens', type=int, default=0, help='also time a prefill of this many tokens')
     parser.add_argument('--rounds', type=int, default=3)
     parser.add_argument('--with-bf16', action='store_true', help='add the engine with decode_int4=False')
     args = parser.parse_args()
     from llama_cpp import Llama
 
     path = args.model or default_model_path()
-    llm = Llama(model_path=path, n_threads=args.threads, n_threads_batch=args.threads, n_ctx=1024, n_batch=512,
-                verbose=False)
+    context = max(1024, args.prefill_tokens + 64)
+    llm = Llama(model_path=path, n_threads=args.threads, n_threads_batch=args.threads, n_ctx=context,
+                n_batch=max(512, args.prefill_tokens), verbose=False)
     prompt = llm.tokenize(PROMPT.encode(), add_bos=True, special=False)
+    long_prompt = (prompt * (args.prefill_tokens // len(prompt) + 1))[:args.prefill_tokens]
     sides = {'llama.cpp': lambda: llamacpp_decode_rate(llm, prompt, args.decode_tokens)}
-    base = dict(enable_prefix_caching=False, num_threads=args.threads, num_gpu_blocks=32)
-    configs = {'lmdeploy 4-bit small steps': PytorchEngineConfig(**base, decode_int4=True)}
+    prefills = {'llama.cpp': lambda: llamacpp_prefill_rate(llm, long_prompt)}
+    base = dict(enable_prefix_caching=False, num_threads=args.threads, num_gpu_blocks=context // 64 + 4)
+    configs = {'lmdeploy': PytorchEngineConfig(**base)}
     if args.with_bf16:
         configs['lmdeploy bf16'] = PytorchEngineConfig(**base, decode_int4=False)
     model_dir = resolve_model_path(path)
     engines = {label: Engine(model_dir, config, show_progress=False) for label, config in configs.items()}
     for label, engine in engines.items():
         sides[label] = lambda engine=engine: engine_decode_rate(engine, prompt, args.decode_tokens)
+        prefills[label] = lambda engine=engine: engine_prefill_rate(engine, long_prompt)
     try:
         outputs = {label: run()[1] for label, run in sides.items()}  # warm-up
         print(f'{len(prompt)} prompt tokens, {args.decode_tokens} timed decode tokens, {args.threads} threads')
         for label, tokens in list(outputs.items())[1:]:
             print(f'{label:<{LABEL_WIDTH}}: greedy output shares its first '
                   f'{agreement(tokens, outputs["llama.cpp"])} tokens with llama.cpp\'s')
+        if args.prefill_tokens:
+            for run in prefills.values():  # warm-up
+                run()
         rates: dict[str, list[float]] = {label: [] for label in sides}
+        prefill_rates: dict[str, list[float]] = {label: [] for label in sides}
         for index in range(args.rounds):
             order = list(sides) if index % 2 == 0 else list(reversed(sides))
             for label in order:
                 rates[label].append(sides[label]()[0])
-            line = '   '.join(f'{label} {rates[label][-1]:6.1f}' for label in sides)
-            ratios = '   '.join(f'{label} / llama.cpp {rates[label][-1] / rates["llama.cpp"][-1]:.2f}x'
-                               for label in engines)
-            print(f'round {index + 1} (tok/s): {line}   {ratios}', flush=True)
-        reference = statistics.median(rates['llama.cpp'])
-        for label, values in rates.items():
-            median = statistics.median(values)
-            print(f'{label:<{LABEL_WIDTH}}: median {median:6.1f} tok/s   ratio to llama.cpp {median / reference:.2f}x')
+                if args.prefill_tokens:
+                    prefill_rates[label].append(prefills[label]())
+            report(f'round {index + 1} decode', {label: values[-1] for label, values in rates.items()})
+            if args.prefill_tokens:
+                report(f'round {index + 1} prefill {args.prefill_tokens}',
+                       {label: values[-1] for label, values in prefill_rates.items()})
+        for name, table in (('decode', rates), (f'prefill {args.prefill_tokens}', prefill_rates)):
+            if any(table.values()):
+                report(f'median {name}', {label: statistics.median(values) for label, values in table.items()})
     finally:
         for engine in engines.values():
             engine.close()

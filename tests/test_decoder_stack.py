@@ -167,8 +167,10 @@ def test_fields_are_named(native_gemms):
         native_gemms.LayerWeights(**layer, v_norm=norm)
     with pytest.raises(TypeError):
         native_gemms.LayerWeights(*layer.values())
-    with pytest.raises(RuntimeError, match="'bf16', 'w8a8' or 'int4'"):
+    with pytest.raises(RuntimeError, match="'bf16', 'w8a8', 'int4' or 'q6k'"):
         native_gemms.Projection(kind='int2', weight=weight)
+    with pytest.raises(RuntimeError, match='codes and scales'):
+        native_gemms.Projection(kind='q6k', weight=weight.to(torch.uint8))
     with pytest.raises(RuntimeError, match='fp16 scales'):
         native_gemms.Projection(kind='int4', weight=weight.to(torch.uint8), scale=torch.ones(32))
     with pytest.raises(RuntimeError, match='without compensation or scale'):

@@ -26,26 +26,27 @@ from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.linear import Linear
 from lmdeploy.pytorch.nn.quant.dense import DenseFormat
 from lmdeploy.pytorch.nn.quant.gguf import GgufFormat, NativeQ8Kernel, Q8Kernel
-from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
+from lmdeploy.pytorch.nn.quant.int4_cpu import NativeInt4Kernel, SmallStepInt4Kernel
 from lmdeploy.pytorch.weights.gguf import convert_gguf
 from lmdeploy.pytorch.weights.gguf_types import served_types
 
 HIDDEN, FFN, HEAD_DIM = 256, 512, 64  # K-quant blocks span 256 inputs
 # random K-quant blocks (gguf-py cannot quantize them) with small fp16 d and dmin: block bytes, scale bytes
 K_QUANTS = {Q.Q4_K: (144, slice(0, 4)), Q.Q5_K: (176, slice(0, 4)), Q.Q6_K: (210, slice(208, 210))}
-# A Q4_K_M-like Llama: Q6_K in layer 0's attn_v and ffn_down, the output Q5_K, one attn_output Q8_0, one
-# Q4_0; layer 1's gate and up of different types.
-Q4_K_M = {'token_embd': Q.Q4_K, 'output': Q.Q5_K,
+# A Q4_K_M-like Llama: Q6_K in layer 0's attn_v and ffn_down and the output, one attn_output Q8_0, one
+# Q4_0, one ffn_down Q5_K; layer 1's gate and up of different types.
+Q4_K_M = {'token_embd': Q.Q4_K, 'output': Q.Q6_K,
           'blk.0.attn_v': Q.Q6_K, 'blk.0.attn_output': Q.Q8_0, 'blk.0.ffn_down': Q.Q6_K,
-          'blk.1.attn_output': Q.Q4_0, 'blk.1.ffn_up': Q.Q8_0, 'default': Q.Q4_K}
+          'blk.1.attn_output': Q.Q4_0, 'blk.1.ffn_up': Q.Q8_0, 'blk.1.ffn_down': Q.Q5_K, 'default': Q.Q4_K}
 Q4_K_M_LAYERS = {'layers.0.self_attn.o_proj': 'Q8_0', 'layers.0.mlp.gate_up_proj': 'Q4_K',
-                 'layers.1.self_attn.qkv_proj': 'Q4_K', 'layers.1.mlp.down_proj': 'Q4_K'}
+                 'layers.0.mlp.down_proj': 'Q6_K', 'layers.1.self_attn.qkv_proj': 'Q4_K'}
 # A Q8_0 Qwen2 (q/k/v biases) keeping an F16 attn_k, an F32 ffn_down and an F16 output.
 Q8_0_F16 = {'output': Q.F16, 'blk.0.attn_k': Q.F16, 'blk.1.ffn_down': Q.F32, 'default': Q.Q8_0}
 Q8_0_F16_LAYERS = {'layers.0.self_attn.o_proj': 'Q8_0', 'layers.0.mlp.gate_up_proj': 'Q8_0',
                    'layers.0.mlp.down_proj': 'Q8_0', 'layers.1.self_attn.qkv_proj': 'Q8_0',
                    'layers.1.self_attn.o_proj': 'Q8_0', 'layers.1.mlp.gate_up_proj': 'Q8_0'}
 FILES = {'llama': (Q4_K_M, Q4_K_M_LAYERS), 'qwen2': (Q8_0_F16, Q8_0_F16_LAYERS)}
+LM_HEAD = {'llama': {'lm_head': 'Q6_K'}, 'qwen2': {}}  # the output layer's type where kept as its blocks too
 
 
 def encode(weight: np.ndarray, qtype: Q, rng: np.random.Generator) -> np.ndarray:
@@ -133,7 +134,7 @@ def test_mixed_file_matches_dequantized_and_transformers(mixed_file):
     kind, tmp = mixed_file
     layers = FILES[kind][1]
     config = json.loads((tmp / 'served' / 'config.json').read_text())
-    assert config['quantization_config'] == {'quant_method': 'gguf', 'ggml_types': layers}
+    assert config['quantization_config'] == {'quant_method': 'gguf', 'ggml_types': layers} | LM_HEAD[kind]
     assert 'quantization_config' not in json.loads((tmp / 'dequantized' / 'config.json').read_text())
     prompts = random_prompts([6, 19, 40], seed=4, vocab=250)
     engine = make_engine(str(tmp / 'served'))
@@ -157,8 +158,8 @@ def test_mixed_file_matches_dequantized_and_transformers(mixed_file):
 
 
 def test_bf16_mixed_file_runs_each_layer_on_its_kernel(mixed_file):
-    """bf16 on the CPU: Q4_K layers on the int4 kernel, Q8_0 on the native 8-bit GEMV, the others on bf16 GEMMs;
-    the logits stay within 5% of fp32's."""
+    """bf16 on the CPU: Q4_K layers on the int4 GEMV, Q8_0 on the native 8-bit GEMV, Q6_K on the Q6_K GEMV for
+    small steps (bf16 GEMM above), the others on bf16 GEMMs; the logits stay within 5% of fp32's."""
     kind, tmp = mixed_file
     if os.environ.get('LMDEPLOY_TEST_DEVICE', 'cpu') != 'cpu':
         pytest.skip('CPU kernels')
@@ -172,8 +173,10 @@ def test_bf16_mixed_file_runs_each_layer_on_its_kernel(mixed_file):
                 model = engine.runner.model
                 for name, layer_type in FILES[kind][1].items():
                     kernel = model.get_submodule(name).kernel
-                    q8_kernel = Q8Kernel if cpu.q8_gemv() is None else NativeQ8Kernel
-                    assert isinstance(kernel, SmallStepInt4Kernel if layer_type == 'Q4_K' else q8_kernel), name
+                    expected = {'Q4_K': SmallStepInt4Kernel if cpu.int4_gemv() is None else NativeInt4Kernel,
+                                'Q6_K': Q8Kernel if cpu.q6k_gemv() is None else SmallStepInt4Kernel,
+                                'Q8_0': Q8Kernel if cpu.q8_gemv() is None else NativeQ8Kernel}[layer_type]
+                    assert isinstance(kernel, expected), name
             logits[dtype] = engine.get_logits(prompt).float()
         finally:
             engine.close()

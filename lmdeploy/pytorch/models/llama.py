@@ -213,8 +213,10 @@ class LlamaForCausalLM(nn.Module):
             return
         self.lm_head.pack_for_cpu()
         attn = self.layers[0].self_attn
-        small_step_rows = max(module.kernel.small_step_rows for _, module in projections)
-        small = [layer.native_weights(small_step=True) for layer in self.layers] if small_step_rows else None
+        rows = {module.kernel.small_step_rows for _, module in projections} - {0}
+        small_step_rows = max(rows, default=0)
+        # one bound for every layer's small steps (4-bit copies: 2 tokens, GGUF Q6_K: 16), or the layers run them
+        small = [layer.native_weights(small_step=True) for layer in self.layers] if len(rows) == 1 else None
         self.native_stack = NativeDecoderStack.build(
             [layer.native_weights() for layer in self.layers], small, attn.num_heads, attn.num_kv_heads,
             attn.head_dim, self.layers[0].input_layernorm.eps, attn.attn.scale, small_step_rows, self.cfg.quant_policy)

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from .gguf_archs import ARCHITECTURES, CONFIG_BUILDERS, LAYER_NAMES, RAW_SERVED_ARCHS, finish_state_dict
-from .gguf_types import RAW_TYPES, engine_layer, served_types
+from .gguf_types import LM_HEAD_RAW_TYPES, RAW_TYPES, engine_layer, served_types
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ _LAYER_RE = re.compile(r'blk\.(\d+)\.(\w+)')
 # llama.cpp pre-tokenizers that transformers' GGUF reader does not know, by the one of its splits they use
 # (GLM-4's is Llama 3's); without one it would split text as GPT-2 does
 _PRE_TOKENIZER_SPLITS = {'chatglm-bpe': 'llama-bpe', 'glm4': 'llama-bpe'}
-_CACHE_FORMAT = 6  # bump when the converted output changes, so stale cache entries are not reused
+_CACHE_FORMAT = 7  # bump when the converted output changes, so stale cache entries are not reused
 
 
 def cache_dir() -> Path:
@@ -162,6 +162,10 @@ def gguf_config(reader: GGUFReader, source: str, raw_types: Iterable[str] = RAW_
             raise ValueError(f'{source}: {err}') from err
         if arch not in RAW_SERVED_ARCHS:  # linear layers beyond the projections (MLA's, routers) have no raw form
             config.pop('quantization_config', None)
+    output = tensors.get('output.weight')
+    head_types = LM_HEAD_RAW_TYPES & set(raw_types)
+    if 'quantization_config' in config and output is not None and output.tensor_type.name in head_types:
+        config['quantization_config']['lm_head'] = output.tensor_type.name
     return config
 
 
@@ -195,10 +199,12 @@ def _phi3_rope(reader: GGUFReader, tensors: dict[str, Any], head_dim: int, sourc
 
 def gguf_state_dict(reader: GGUFReader, config: dict[str, Any], source: str) -> dict[str, torch.Tensor]:
     """Every tensor under its transformers name: dequantized to float32, except the projections of the
-    layers in ``config['quantization_config']``, kept as their blocks (``qweight uint8 [rows, blocks, bytes]``)."""
+    layers in ``config['quantization_config']``, kept as their blocks (``qweight uint8 [rows, blocks, bytes]``),
+    and the output layer where it names its type (``lm_head``: ``lm_head.qweight``)."""
     arch = _meta(reader, 'general.architecture')
     heads = {'attn_q': config['num_attention_heads'], 'attn_k': config['num_key_value_heads']}
-    layer_types = config.get('quantization_config', {}).get('ggml_types', {})
+    quantization = config.get('quantization_config', {})
+    layer_types = quantization.get('ggml_types', {})
     state_dict = {}
     for tensor in tqdm(reader.tensors, desc=f'Converting {Path(source).name}', unit='tensor'):
         if tensor.name in _ROPE_FACTORS:
@@ -208,7 +214,7 @@ def gguf_state_dict(reader: GGUFReader, config: dict[str, Any], source: str) -> 
             logger.warning('Skipping GGUF tensor %s: no transformers counterpart', tensor.name)
             continue
         try:
-            if engine_layer(name) in layer_types:
+            if engine_layer(name) in layer_types or (name == 'lm_head.weight' and 'lm_head' in quantization):
                 block_bytes = GGML_QUANT_SIZES[tensor.tensor_type][1]
                 weight = np.array(tensor.data, dtype=np.uint8).reshape(int(tensor.shape[-1]), -1, block_bytes)
                 name = name.removesuffix('.weight') + '.qweight'

@@ -47,6 +47,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_gemv_available", &q8_gemv_available, "whether q8_linear was built (AVX-512)");
   m.def("q8_linear", &q8_linear, "fp32 x @ W.T on 8-bit weight groups (linear_q8.cpp)", py::arg("x"),
         py::arg("packed"), py::arg("scales"));
+  m.def("q6k_gemv_available", &q6k_gemv_available, "whether q6k_linear was built (AVX512-BF16)");
+  m.def("q6k_linear", &q6k_linear, "fp32 x @ W.T on GGUF Q6_K codes and scales (linear_q6k.cpp), x in bf16",
+        py::arg("x"), py::arg("codes"), py::arg("scales"));
   m.def("mla_decode_attention", &mla_decode_attention, "multi-head latent attention of one token per sequence");
   m.def("mla_prefill_attention", &mla_prefill_attention, "causal multi-head latent attention of prefill chunks");
   m.def("pack_int8_gate_up", &pack_int8_gate_up, "a [gate; up] int8 weight packed for int8_gate_up_silu");

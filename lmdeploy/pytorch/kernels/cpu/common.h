@@ -229,6 +229,8 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, c
 torch::Tensor int4_gate_up_silu(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales);
 bool q8_gemv_available();
 torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales);
+bool q6k_gemv_available();
+torch::Tensor q6k_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales);
 torch::Tensor pack_int8_gate_up(const torch::Tensor& weight);
 torch::Tensor int8_gate_up_silu(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& compensation,
                                 const torch::Tensor& scale, c10::optional<torch::Tensor> bias);
@@ -244,11 +246,12 @@ struct StepTensors {
 
 // One projection of a decoder layer, x @ W.T (+ bias), on its weight as its kernel takes it. `kind` "bf16":
 // `weight` holds bf16_linear's panels; "w8a8": an int8 weight from pack_int8_weight with its `compensation`
-// and `scale` (int8_linear's); "int4": int4_linear's packed 4-bit weight with its fp16 `scale`s. A
+// and `scale` (int8_linear's); "int4": int4_linear's packed 4-bit weight with its fp16 `scale`s; "q6k":
+// q6k_linear's codes and `scale`s (its fp32 result rounded to x's dtype, then the bias added). A
 // gate-and-up projection's weight is packed for the kernel's fused SiLU (pack_bf16_gate_up,
 // pack_int8_gate_up; int4: gate and up tiles alternate, no bias).
 struct Projection {
-  enum class Kind { kBf16, kW8A8, kInt4 };
+  enum class Kind { kBf16, kW8A8, kInt4, kQ6K };
   Projection(const std::string& kind, torch::Tensor weight, c10::optional<torch::Tensor> compensation,
              c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias);
   torch::Tensor operator()(const torch::Tensor& x) const;

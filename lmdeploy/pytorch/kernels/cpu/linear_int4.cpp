@@ -29,34 +29,47 @@ struct Gemv {
   int64_t M, K, N;
 };
 
-// x @ W.T of one tile's 16 rows for row m of x, in fp32.
-inline __m512 tile_dot(const Gemv& g, int64_t tile, int64_t m) {
+// x @ W.T of one tile's 16 rows for the R rows of x from m, in fp32: each 32-byte chunk of codes is widened
+// once for all R rows (prefill steps), and every row's sums run in the same order whatever R is.
+template <int R>
+inline void tile_dot(const Gemv& g, int64_t tile, int64_t m, __m512* y) {
   const int64_t groups = g.K / kGroup;
   const uint8_t* w = g.w + tile * groups * kGroupBytes;
   const uint16_t* sm = g.scales + tile * groups * 2 * kTile;
-  const int32_t* pairs = reinterpret_cast<const int32_t*>(g.x + m * g.K);
-  const float* xsum = g.xsum + m * groups;
+  const int32_t* pairs[R];
+  const float* xsum[R];
+  for (int r = 0; r < R; ++r) {
+    pairs[r] = reinterpret_cast<const int32_t*>(g.x + (m + r) * g.K);
+    xsum[r] = g.xsum + (m + r) * groups;
+  }
   const __m512i nibble = _mm512_set1_epi16(0x000F), offset = _mm512_set1_epi16(0x4300);
   const __m512 minus128 = _mm512_set1_ps(-128.f);
-  __m512 acc = _mm512_setzero_ps(), acc_min = _mm512_setzero_ps();
-  for (int64_t group = 0; group < groups; ++group, w += kGroupBytes, sm += 2 * kTile, pairs += kGroup / 2) {
-    __m512 d[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  __m512 acc[R], acc_min[R];
+  for (int r = 0; r < R; ++r) acc[r] = acc_min[r] = _mm512_setzero_ps();
+  for (int64_t group = 0; group < groups; ++group, w += kGroupBytes, sm += 2 * kTile) {
+    __m512 d[R][4];
+    for (int r = 0; r < R; ++r) d[r][0] = d[r][1] = d[r][2] = d[r][3] = _mm512_setzero_ps();
 #pragma GCC unroll 8
     for (int c = 0; c < 8; ++c) {
       const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * c)));
       const __m512i low = _mm512_ternarylogic_epi32(bytes, nibble, offset, 0xEA);  // (bytes & 15) | 0x4300
       const __m512i high = _mm512_or_si512(_mm512_srli_epi16(bytes, 4), offset);
-      d[c & 1] = _mm512_dpbf16_ps(d[c & 1], (__m512bh)low, (__m512bh)_mm512_set1_epi32(pairs[c]));
-      d[2 + (c & 1)] = _mm512_dpbf16_ps(d[2 + (c & 1)], (__m512bh)high, (__m512bh)_mm512_set1_epi32(pairs[c + 8]));
+      for (int r = 0; r < R; ++r) {
+        const int32_t* p = pairs[r] + group * (kGroup / 2);
+        d[r][c & 1] = _mm512_dpbf16_ps(d[r][c & 1], (__m512bh)low, (__m512bh)_mm512_set1_epi32(p[c]));
+        d[r][2 + (c & 1)] = _mm512_dpbf16_ps(d[r][2 + (c & 1)], (__m512bh)high, (__m512bh)_mm512_set1_epi32(p[c + 8]));
+      }
     }
-    const __m512 sum = _mm512_add_ps(_mm512_add_ps(d[0], d[1]), _mm512_add_ps(d[2], d[3]));
-    const __m512 x_group = _mm512_set1_ps(xsum[group]);
     const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm)));
     const __m512 minimum = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + kTile)));
-    acc = _mm512_fmadd_ps(scale, _mm512_fmadd_ps(minus128, x_group, sum), acc);
-    acc_min = _mm512_fmadd_ps(minimum, x_group, acc_min);
+    for (int r = 0; r < R; ++r) {
+      const __m512 sum = _mm512_add_ps(_mm512_add_ps(d[r][0], d[r][1]), _mm512_add_ps(d[r][2], d[r][3]));
+      const __m512 x_group = _mm512_set1_ps(xsum[r][group]);
+      acc[r] = _mm512_fmadd_ps(scale, _mm512_fmadd_ps(minus128, x_group, sum), acc[r]);
+      acc_min[r] = _mm512_fmadd_ps(minimum, x_group, acc_min[r]);
+    }
   }
-  return _mm512_add_ps(acc, acc_min);
+  for (int r = 0; r < R; ++r) y[r] = _mm512_add_ps(acc[r], acc_min[r]);
 }
 
 inline __m512 silu_mul(__m512 gate, __m512 up) {
@@ -65,20 +78,32 @@ inline __m512 silu_mul(__m512 gate, __m512 up) {
   return _mm512_mul_ps(_mm512_mul_ps(gate, sigmoid), up);
 }
 
+// The rows of x from m, R of them, through one unit (a tile; gate_up: a gate tile and its up tile).
+template <int R>
+void unit_rows(const Gemv& g, const float* bias, bool gate_up, int64_t unit, int64_t m, int64_t width) {
+  __m512 y[R];
+  if (gate_up) {
+    __m512 up[R];
+    tile_dot<R>(g, 2 * unit, m, y);
+    tile_dot<R>(g, 2 * unit + 1, m, up);
+    for (int r = 0; r < R; ++r) y[r] = silu_mul(y[r], up[r]);
+  } else {
+    tile_dot<R>(g, unit, m, y);
+    if (bias)
+      for (int r = 0; r < R; ++r) y[r] = _mm512_add_ps(y[r], _mm512_loadu_ps(bias + unit * kTile));
+  }
+  for (int r = 0; r < R; ++r)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(g.out + (m + r) * width + unit * kTile), to_bf16(y[r]));
+}
+
 void run(const Gemv& g, const float* bias, bool gate_up) {
+  constexpr int64_t kRows = 4;  // rows of x sharing each widened chunk of codes
   const int64_t tiles = g.N / kTile, units = gate_up ? tiles / 2 : tiles, width = gate_up ? g.N / 2 : g.N;
 #pragma omp parallel for schedule(static) num_threads(at::get_num_threads())
   for (int64_t unit = 0; unit < units; ++unit) {
-    for (int64_t m = 0; m < g.M; ++m) {
-      __m512 y;
-      if (gate_up) {
-        y = silu_mul(tile_dot(g, 2 * unit, m), tile_dot(g, 2 * unit + 1, m));
-      } else {
-        y = tile_dot(g, unit, m);
-        if (bias) y = _mm512_add_ps(y, _mm512_loadu_ps(bias + unit * kTile));
-      }
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(g.out + m * width + unit * kTile), to_bf16(y));
-    }
+    int64_t m = 0;
+    for (; m + kRows <= g.M; m += kRows) unit_rows<kRows>(g, bias, gate_up, unit, m, width);
+    for (; m < g.M; ++m) unit_rows<1>(g, bias, gate_up, unit, m, width);
   }
 }
 

@@ -1,4 +1,4 @@
-"""GGUF Q4_K and Q8_0 linear weights as llama.cpp stores them (``quant_method: gguf``, written by
+"""GGUF Q4_K, Q6_K and Q8_0 linear weights as llama.cpp stores them (``quant_method: gguf``, written by
 ``weights/gguf.py``): ``qweight uint8 [N, K / B, block bytes]``, each row's blocks of ``B`` inputs. A file's
 ``ggml_types`` names each layer kept so and its type; its other layers were dequantized at conversion.
 
@@ -8,7 +8,15 @@
   (``kernels/cpu/linear_q8.cpp``: the same blocks, the activations in fp32).
 - Q4_K (``B = 256``, 144 bytes): fp16 ``d`` and ``dmin``, eight 6-bit scales ``sc`` and mins ``m``, 256
   4-bit codes; ``W = q * (d * sc) - dmin * m`` per 32 inputs: a 4-bit grid of groups of 32 (exact in
-  fp32), served by the 4-bit kernels (:mod:`lmdeploy.pytorch.nn.quant.w4a16`).
+  fp32), served by the 4-bit kernels (:mod:`lmdeploy.pytorch.nn.quant.w4a16`); in bf16 on the CPU by the
+  native int4 GEMV at every step size (``kernels/cpu/linear_int4.cpp``: the codes as they are, each group's
+  scale and offset rounded to fp16), so that such layers run in the native decoder stack.
+- Q6_K (``B = 256``, 210 bytes): 6-bit codes ``u``, an int8 scale ``sc`` per 16 inputs and an fp16 ``d``;
+  ``W = (u - 32) * (d * sc)``. In bf16 on the CPU, steps of up to ``Q6K_NATIVE_MAX_ROWS`` tokens run on the
+  native Q6_K GEMV (``kernels/cpu/linear_q6k.cpp``: the file's codes and scales retiled, its weights exactly),
+  larger ones on the bf16 GEMM over a copy dequantized at load (rounded to bf16); otherwise int8 codes and
+  fp32 scales dequantized on each call. A file's Q6_K output layer (Q4_K_M's) runs its small steps on the
+  GEMV the same way.
 """
 from __future__ import annotations
 
@@ -21,7 +29,10 @@ import torch.nn.functional as F
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.quant.base import (Layout, LinearKernel, LinearOptions, WeightFormat, new_parameter,
                                             register_format)
+from lmdeploy.pytorch.nn.quant.cpu_bf16 import packed_cpu_kernel
 from lmdeploy.pytorch.nn.quant.dense import DenseFormat
+from lmdeploy.pytorch.nn.quant.int4_cpu import NativeInt4Kernel, SmallStepInt4Kernel
+from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6K_TILE, Q6KGemv
 from lmdeploy.pytorch.nn.quant.q8_cpu import Q8_GROUP, Q8_TILE, pack_q8
 from lmdeploy.pytorch.nn.quant.w4a16 import Int4GroupFormat, Int4Grid, ReferenceKernel
 from lmdeploy.pytorch.weights.gguf_types import engine_layer
@@ -31,11 +42,13 @@ if TYPE_CHECKING:
     from lmdeploy.pytorch.nn.linear import Linear
 
 # inputs and bytes per block
-BLOCKS = {'Q8_0': (32, 34), 'Q4_K': (256, 144)}
+BLOCKS = {'Q8_0': (32, 34), 'Q4_K': (256, 144), 'Q6_K': (256, 210)}
 # Larger steps run faster dequantized for one bf16 GEMM. 2048 x 2048 on the shared 2-core EPYC (best of 40,
 # load 8), GEMV against dequantizing and F.linear: 0.06 / 0.76 ms at 1 row, 0.56 / 0.76 at 16, 1.10 / 0.89
 # at 32, 2.3 / 1.2 at 64.
 Q8_NATIVE_MAX_ROWS = 16
+# Likewise for Q6_K (whose larger steps run on a bf16 copy instead).
+Q6K_NATIVE_MAX_ROWS = 16
 
 
 def fp16_at(blocks: torch.Tensor, start: int) -> torch.Tensor:
@@ -49,10 +62,32 @@ def q8_0_unpack(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.reshape(blocks.shape[0], -1), fp16_at(blocks, 0)
 
 
+def q6_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[N, K / 256, 210]`` Q6_K blocks as codes ``u [N, K]`` (uint8, 0..63), ``sc [N, K / 16]`` (int8) and
+    ``d [N, K / 256]`` (fp16): ``W = (u - 32) * d * sc``."""
+    n, num_blocks = blocks.shape[:2]
+    low = blocks[..., :128].view(n, num_blocks, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)
+    high = blocks[..., 128:192].view(n, num_blocks, 2, 1, 32) >> torch.tensor([0, 2, 4, 6],
+                                                                               dtype=torch.uint8).view(4, 1)
+    codes = (low & 15).view(n, num_blocks, 8, 32) | ((high & 3).view(n, num_blocks, 8, 32) << 4)
+    sc = blocks[..., 192:208].contiguous().view(torch.int8)
+    d = blocks[..., 208:210].contiguous().view(torch.float16)[..., 0]
+    return codes.view(n, -1), sc.reshape(n, -1), d
+
+
+def q6_k_unpack(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[N, K / 256, 210]`` Q6_K blocks as int8 codes ``[N, K]`` (-32..31) and fp32 scales ``d * sc``
+    ``[N, K / 16]`` (exact: an fp16 times an int8)."""
+    codes, sc, d = q6_k_parts(blocks)
+    scales = d.float().repeat_interleave(16, dim=1) * sc.float()
+    return (codes.to(torch.int8) - 32), scales
+
+
 def q8_0_weight(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``W [N, K]`` in fp32 (exact) from Q8_0 codes and scales."""
+    """``W [N, K]`` in fp32 (exact) from 8-bit codes ``[N, K]`` and their groups' scales ``[N, K / G]``
+    (Q8_0's, Q6_K's)."""
     n = codes.shape[0]
-    return codes.view(n, -1, 32).float().mul_(scales[..., None]).view(n, -1)
+    return codes.view(n, scales.shape[1], -1).float().mul_(scales[..., None]).view(n, -1)
 
 
 def q4_k_grid(blocks: torch.Tensor) -> Int4Grid:
@@ -71,9 +106,14 @@ def q4_k_grid(blocks: torch.Tensor) -> Int4Grid:
 
 def dequantize_blocks(blocks: torch.Tensor, ggml_type: str) -> torch.Tensor:
     """``W [N, K]`` in fp32 (exact) from ``[N, K / B, bytes]`` blocks of ``ggml_type``."""
-    if ggml_type == 'Q8_0':
-        return q8_0_weight(*q8_0_unpack(blocks))
-    return q4_k_grid(blocks).dequantize(torch.float32)
+    if ggml_type == 'Q4_K':
+        return q4_k_grid(blocks).dequantize(torch.float32)
+    return q8_0_weight(*int8_unpack(blocks, ggml_type))
+
+
+def int8_unpack(blocks: torch.Tensor, ggml_type: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 or Q6_K blocks as int8 codes ``[N, K]`` and fp32 scales per group (32 inputs, 16)."""
+    return q8_0_unpack(blocks) if ggml_type == 'Q8_0' else q6_k_unpack(blocks)
 
 
 class Q8Kernel(LinearKernel):
@@ -110,8 +150,23 @@ class NativeQ8Kernel(LinearKernel):
         return out if bias is None else out + bias
 
 
+def q6_k_cpu_kernel(blocks: torch.Tensor, weight: torch.Tensor, gate_up: bool,
+                    fp32_out: bool = False) -> SmallStepInt4Kernel | None:
+    """Q6_K blocks in bf16 on the CPU: steps of up to ``Q6K_NATIVE_MAX_ROWS`` tokens on the Q6_K GEMV (the
+    file's weights exactly; ``fp32_out``: fp32 results, an LM head's), larger ones on the bf16 GEMM of
+    ``weight``, the blocks dequantized in bf16; None where either is not built. An LM head's rows beyond a
+    multiple of the GEMV's tiles are padded with zero weights (it drops their logits)."""
+    pad = -blocks.shape[0] % Q6K_TILE
+    if pad and not fp32_out:
+        return None
+    large = packed_cpu_kernel(weight, gate_up)
+    parts = [F.pad(part, (0, 0, 0, pad)) for part in q6_k_parts(blocks)]
+    small = Q6KGemv.of(*parts, fp32_out=fp32_out)
+    return None if large is None or small is None else SmallStepInt4Kernel(small, Q6K_NATIVE_MAX_ROWS, large)
+
+
 class GgufFormat(Int4GroupFormat):
-    """A GGUF linear weight of one type, Q4_K or Q8_0, as its blocks."""
+    """A GGUF linear weight of one type, Q4_K, Q6_K or Q8_0, as its blocks."""
 
     def __init__(self, ggml_type: str):
         if ggml_type not in BLOCKS:
@@ -137,12 +192,23 @@ class GgufFormat(Int4GroupFormat):
         return dequantize_blocks(layer.qweight, self.ggml_type)
 
     def make_kernel(self, layer: Linear, options: LinearOptions) -> LinearKernel:
+        cpu_bf16 = options.dtype == torch.bfloat16 and layer.qweight.device.type == 'cpu'
         if self.ggml_type == 'Q4_K':
-            return super().make_kernel(layer, options)
+            native = NativeInt4Kernel.of_grid(self.unpack(layer), layer.gate_up_panels) if cpu_bf16 else None
+            if native is None:
+                return super().make_kernel(layer, options)
+            layer.qweight = None
+            return native
         if options.dtype is None:
             return ReferenceKernel(self, layer)
-        codes, scales = q8_0_unpack(layer.qweight)
-        native = NativeQ8Kernel.of(codes, scales) if options.dtype == torch.bfloat16 else None
+        if cpu_bf16 and self.ggml_type == 'Q6_K' and options.pack_cpu:
+            weight = dequantize_blocks(layer.qweight, 'Q6_K').to(torch.bfloat16)
+            native = q6_k_cpu_kernel(layer.qweight, weight, layer.gate_up_panels)
+            if native is not None:
+                layer.qweight = None
+                return native
+        codes, scales = int8_unpack(layer.qweight, self.ggml_type)
+        native = NativeQ8Kernel.of(codes, scales) if cpu_bf16 and self.ggml_type == 'Q8_0' else None
         kernel = native if native is not None else Q8Kernel(codes, scales)
         layer.qweight = None
         return kernel
@@ -153,19 +219,29 @@ class GgufFileFormat(DenseFormat):
     """A converted GGUF file's linear layers: those of ``ggml_types`` (``{name in the model: type}``) as their
     blocks, each in its type's :class:`GgufFormat`; the others dense (dequantized at conversion). A
     row-parallel layer whose share of the inputs splits blocks (tensor parallelism) is dense too: its blocks
-    are dequantized as they load (:meth:`convert_checkpoint`)."""
+    are dequantized as they load (:meth:`convert_checkpoint`). An output layer of type ``lm_head`` (Q6_K) comes
+    as ``lm_head.qweight`` blocks: it loads dequantized, and its CPU LM head runs small steps on the blocks."""
 
-    def __init__(self, ggml_types: dict[str, str]):
+    def __init__(self, ggml_types: dict[str, str], lm_head: str | None = None):
         formats = {ggml_type: GgufFormat(ggml_type) for ggml_type in set(ggml_types.values())}
         self.layer_formats = {name: formats[ggml_type] for name, ggml_type in ggml_types.items()}
         self.dequantized: dict[str, str] = {}  # layer -> type, of layers that hold their blocks dequantized
+        self.lm_head_type = lm_head
+        self.lm_head_blocks: torch.Tensor | None = None
 
     @classmethod
     def from_config(cls, config: dict) -> GgufFileFormat:
         if 'ggml_types' not in config:
             raise ValueError('this GGUF folder was converted by an older lmdeploy (one ggml_type for every layer); '
                              'convert the .gguf file again')
-        return cls(config['ggml_types'])
+        return cls(config['ggml_types'], config.get('lm_head'))
+
+    def lm_head_kernel(self, table: torch.Tensor) -> LinearKernel | None:
+        blocks, self.lm_head_blocks = self.lm_head_blocks, None
+        if (blocks is None or table.dtype != torch.bfloat16 or table.device.type != 'cpu'
+                or table.shape[0] != blocks.shape[0]):  # a vocab-parallel share
+            return None
+        return q6_k_cpu_kernel(blocks, table, gate_up=False, fp32_out=True)
 
     def layer_format(self, name: str, layer: Linear) -> WeightFormat:
         layer_format = self.layer_formats.get(name)
@@ -178,6 +254,10 @@ class GgufFileFormat(DenseFormat):
 
     def convert_checkpoint(self, weights: Iterable[tuple[str, WeightSource]]) -> Iterator[tuple[str, WeightSource]]:
         for name, tensor in weights:
+            if name == 'lm_head.qweight':
+                self.lm_head_blocks = read_shard(tensor, None)
+                yield 'lm_head.weight', dequantize_blocks(self.lm_head_blocks, self.lm_head_type)
+                continue
             base = name.removesuffix('.qweight')
             layer = engine_layer(base + '.weight') if base != name else None
             if layer in self.dequantized:

@@ -141,8 +141,8 @@ def pack_int4(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
 
 
 class SmallStepInt4Kernel(LinearKernel):
-    """Steps of at most ``small_step_rows`` tokens on a 4-bit kernel (``small``), larger ones on ``large``
-    (all steps without one)."""
+    """Steps of at most ``small_step_rows`` tokens on a kernel for few rows (``small``: a 4-bit copy, or GGUF
+    Q6_K's GEMV), larger ones on ``large`` (all steps without one)."""
 
     def __init__(self, small: LinearKernel, small_step_rows: int, large: LinearKernel | None = None):
         self.small, self.small_step_rows, self.large = small, small_step_rows, large

@@ -1,0 +1,134 @@
+// y = x @ W.T (fp32) on GGUF Q6_K weights as the file holds them, for CPUs with AVX512-BF16: 6-bit codes
+// u (0..63), an int8 scale sc per 16 inputs and an fp16 d per 256, w = d * sc * (u - 32); bf16 activations
+// used as they are (not quantized). The Q6_K layers and output layer of a Q4_K_M file: 0.82 bytes a weight,
+// as in the file, against 2 for a bf16 copy.
+//
+// As in linear_int4.cpp, a code u becomes the bf16 number 128 + u (exact: bf16 steps by 1 in [128, 256)) by
+// OR-ing it into 0x4300, so one vdpbf16ps multiplies a broadcast pair of x with a pair of 16 rows' codes, the
+// sums D = sum x (128 + u) are exact products summed in fp32, and a group of 16 inputs adds
+// d * sc * (D - 160 X) with X = sum x over the group; d * sc is exact in fp32 (11 by 8 significant bits).
+//
+// Codes [N/16, K/16, 192] bytes, a tile of 16 rows and a group of 16 inputs (8 input pairs p): chunks
+// c = 0..3 (32 bytes each) hold in byte j the low 4 bits of (row j/2, input 2c + j%2) in the low nibble and
+// of (row j/2, input 8 + 2c + j%2) in the high one; chunks 4 and 5 hold in byte j, bits 2k and 2k + 1, the
+// top 2 bits of (row j/2, pair 4h + k, input j%2), h = chunk - 4. Scales [N/16, K/256, 288] bytes: per tile
+// and block of 256 inputs, the int8 sc of its 16 groups (16 rows each, group-major), then 16 fp16 d.
+#include "common.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+
+namespace {
+
+constexpr int64_t kTile = 16, kGroup = 16, kBlock = 256, kCodeBytes = 192, kScaleBytes = 288;
+
+struct Q6Gemv {
+  const c10::BFloat16* x;  // [M, K]
+  const float* xsum;       // [M, K / 16]
+  const uint8_t* codes;
+  const uint8_t* scales;
+  int64_t M, K, N;
+};
+
+// The top 2 bits of pair 4h + k (bits 2k of `hi`, 16-bit lanes) at bits 4-5, ORed into `low` (0x4300 | low 4).
+inline __m512i with_top(__m512i low, __m512i hi, int k) {
+  const __m512i top = k < 2 ? _mm512_slli_epi16(hi, 4 - 2 * k) : _mm512_srli_epi16(hi, 2 * k - 4);
+  return _mm512_ternarylogic_epi32(low, top, _mm512_set1_epi16(0x0030), 0xF8);  // low | (top & 0x30)
+}
+
+// x @ W.T of one tile's 16 rows for the R rows of x from m, in fp32; every row's sums run in the same order
+// whatever R is.
+template <int R>
+inline void tile_dot(const Q6Gemv& g, int64_t tile, int64_t m, __m512* y) {
+  const int64_t groups = g.K / kGroup, blocks = g.K / kBlock;
+  const uint8_t* w = g.codes + tile * groups * kCodeBytes;
+  const uint8_t* s = g.scales + tile * blocks * kScaleBytes;
+  const __m512i nibble = _mm512_set1_epi16(0x000F), offset = _mm512_set1_epi16(0x4300);
+  const __m512 minus160 = _mm512_set1_ps(-160.f);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t block = 0; block < blocks; ++block, s += kScaleBytes) {
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + kBlock)));
+    for (int64_t i = 0; i < kBlock / kGroup; ++i, w += kCodeBytes) {
+      const int64_t group = block * (kBlock / kGroup) + i;
+      const __m512i hi0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 128)));
+      const __m512i hi1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 160)));
+      __m512 dot[R][2];
+      for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) {
+        const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * c)));
+        const __m512i low = with_top(_mm512_ternarylogic_epi32(bytes, nibble, offset, 0xEA), hi0, c);
+        const __m512i high = with_top(_mm512_or_si512(_mm512_srli_epi16(bytes, 4), offset), hi1, c);
+        for (int r = 0; r < R; ++r) {
+          const int32_t* pairs = reinterpret_cast<const int32_t*>(g.x + (m + r) * g.K + group * kGroup);
+          dot[r][0] = _mm512_dpbf16_ps(dot[r][0], (__m512bh)low, (__m512bh)_mm512_set1_epi32(pairs[c]));
+          dot[r][1] = _mm512_dpbf16_ps(dot[r][1], (__m512bh)high, (__m512bh)_mm512_set1_epi32(pairs[c + 4]));
+        }
+      }
+      const __m512 sc = _mm512_cvtepi32_ps(
+          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i * kTile))));
+      const __m512 scale = _mm512_mul_ps(d, sc);
+      for (int r = 0; r < R; ++r) {
+        const __m512 x_group = _mm512_set1_ps(g.xsum[(m + r) * groups + group]);
+        acc[r] = _mm512_fmadd_ps(scale, _mm512_fmadd_ps(minus160, x_group, _mm512_add_ps(dot[r][0], dot[r][1])),
+                                 acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) y[r] = acc[r];
+}
+
+template <int R>
+void tile_rows(const Q6Gemv& g, float* out, int64_t tile, int64_t m) {
+  __m512 y[R];
+  tile_dot<R>(g, tile, m, y);
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (m + r) * g.N + tile * kTile, y[r]);
+}
+
+}  // namespace
+
+bool q6k_gemv_available() { return true; }
+
+torch::Tensor q6k_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales) {
+  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.size(2) == kCodeBytes &&
+                  codes.is_contiguous(),
+              "codes: uint8 [N/16, K/16, 192]");
+  const int64_t N = codes.size(0) * kTile, K = codes.size(1) * kGroup, groups = K / kGroup;
+  TORCH_CHECK(K % kBlock == 0 && scales.scalar_type() == at::kByte && scales.is_contiguous() &&
+                  scales.numel() == N / kTile * (K / kBlock) * kScaleBytes,
+              "scales: uint8 [N/16, K/256, 288]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.size(-1) == K, "x: bf16 [..., ", K, "]");
+  const auto rows = x.reshape({-1, K}).contiguous();
+  const int64_t M = rows.size(0);
+  static thread_local std::vector<float> xsum;
+  xsum.resize(M * groups);
+  const c10::BFloat16* xp = rows.data_ptr<c10::BFloat16>();
+  for (int64_t i = 0; i < M * groups; ++i) {
+    float total = 0.f;
+    for (int64_t k = 0; k < kGroup; ++k) total += to_float(xp[i * kGroup + k]);
+    xsum[i] = total;
+  }
+  auto out = torch::empty({M, N}, x.options().dtype(at::kFloat));
+  const Q6Gemv g{xp, xsum.data(), codes.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), M, K, N};
+  float* o = out.data_ptr<float>();
+  constexpr int64_t kRows = 4;  // rows of x sharing each widened chunk of codes
+#pragma omp parallel for schedule(static) num_threads(at::get_num_threads())
+  for (int64_t tile = 0; tile < N / kTile; ++tile) {
+    int64_t m = 0;
+    for (; m + kRows <= M; m += kRows) tile_rows<kRows>(g, o, tile, m);
+    for (; m < M; ++m) tile_rows<1>(g, o, tile, m);
+  }
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  return out.view(shape);
+}
+
+#else
+
+bool q6k_gemv_available() { return false; }
+
+torch::Tensor q6k_linear(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&) {
+  TORCH_CHECK(false, "built without AVX512-BF16");
+}
+
+#endif

@@ -1,0 +1,52 @@
+"""GGUF Q6_K weights on the native GEMV (``kernels/cpu/linear_q6k.cpp``) as the file holds them: 6-bit codes, an
+int8 scale per 16 inputs and an fp16 ``d`` per 256, ``W = d * sc * (u - 32)``, 0.82 bytes a weight. The Q6_K
+layers and output layer of a Q4_K_M file run their small steps on it, the file's weights exactly."""
+from __future__ import annotations
+
+import torch
+
+from lmdeploy.pytorch.kernels import cpu
+from lmdeploy.pytorch.nn.quant.base import LinearKernel
+
+Q6K_TILE, Q6K_GROUP, Q6K_BLOCK = 16, 16, 256
+
+
+def pack_q6k(codes: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes ``u [N, K]`` (0..63), int8 ``sc [N, K / 16]`` and fp16 ``d [N, K / 256]`` in ``q6k_linear``'s layout
+    (see ``linear_q6k.cpp``): codes ``[N/16, K/16, 192]`` and scales ``[N/16, K/256, 288]``, both uint8."""
+    out_features, in_features = codes.shape
+    tiles, groups, blocks = out_features // Q6K_TILE, in_features // Q6K_GROUP, in_features // Q6K_BLOCK
+    # [tile, group, pair, 2 * row + input of the pair]
+    pairs = codes.view(tiles, Q6K_TILE, groups, 8, 2).permute(0, 2, 3, 1, 4).reshape(tiles, groups, 8, 32)
+    low, top = pairs & 15, pairs >> 4
+    nibbles = low[:, :, :4] | (low[:, :, 4:] << 4)
+    shifts = torch.arange(0, 8, 2, dtype=torch.uint8).view(1, 1, 1, 4, 1)
+    tops = (top.view(tiles, groups, 2, 4, 32) << shifts).sum(3, dtype=torch.uint8)
+    packed = torch.cat((nibbles, tops), dim=2).reshape(tiles, groups, 192).contiguous()
+    sc = sc.view(tiles, Q6K_TILE, blocks, 16).permute(0, 2, 3, 1).contiguous().view(torch.uint8)
+    d = d.view(tiles, Q6K_TILE, blocks).transpose(1, 2).contiguous().view(torch.uint8)
+    scales = torch.cat((sc.reshape(tiles, blocks, 256), d.reshape(tiles, blocks, 32)), dim=-1).contiguous()
+    return packed, scales
+
+
+class Q6KGemv(LinearKernel):
+    """``x @ W.T`` on packed Q6_K weights (:func:`pack_q6k`): fp32 with ``fp32_out`` (an LM head's logits),
+    else rounded to the activations' dtype, as the native decoder stack's ``q6k`` projection gives it."""
+
+    def __init__(self, packed: torch.Tensor, scales: torch.Tensor, fp32_out: bool = False):
+        self.packed, self.scales, self.fp32_out = packed, scales, fp32_out
+
+    @classmethod
+    def of(cls, codes: torch.Tensor, sc: torch.Tensor, d: torch.Tensor, fp32_out: bool = False) -> Q6KGemv | None:
+        """The kernel for CPU weights where the GEMV was built and the rows fill its tiles; else None."""
+        if codes.device.type != 'cpu' or cpu.q6k_gemv() is None or codes.shape[0] % Q6K_TILE:
+            return None
+        return cls(*pack_q6k(codes, sc, d), fp32_out)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        out = cpu.native().q6k_linear(x, self.packed, self.scales)
+        out = out if self.fp32_out else out.to(x.dtype)
+        return out if bias is None else out + bias
+
+    def native_projection(self, bias: torch.Tensor | None) -> object | None:
+        return cpu.native().Projection(kind='q6k', weight=self.packed, scale=self.scales, bias=bias)

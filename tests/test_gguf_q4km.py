@@ -1,0 +1,119 @@
+"""A Q4_K_M file as llama.cpp writes it (Q4_K, with Q6_K in some ``attn_v`` and ``ffn_down`` and the output)
+served in bf16 on the CPU: Q6_K on the native Q6_K GEMV exactly (against the ``gguf`` package's own
+dequantization), Q4_K on the native int4 GEMV, and every layer in the native decoder stack, equal to the
+layers' own forward at every step."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
+from helpers import random_prompts, run
+from test_decoder_stack import check_every_step
+from test_gguf_mixed import encode, write_mixed_gguf
+
+from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
+from lmdeploy.pytorch.engine.engine import Engine
+from lmdeploy.pytorch.kernels import cpu
+from lmdeploy.pytorch.nn.quant.gguf import Q6K_NATIVE_MAX_ROWS, GgufFileFormat, int8_unpack, q4_k_grid, q6_k_parts
+from lmdeploy.pytorch.nn.quant.int4_cpu import NativeInt4Kernel, SmallStepInt4Kernel
+from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6KGemv
+from lmdeploy.pytorch.weights.gguf import convert_gguf
+
+# llama.cpp's Q4_K_M on a 2-layer model: Q6_K in layer 0's attn_v and ffn_down (so its q/k/v are dequantized:
+# their parts differ) and the output
+Q4_K_M = {'output': Q.Q6_K, 'blk.0.attn_v': Q.Q6_K, 'blk.0.ffn_down': Q.Q6_K, 'default': Q.Q4_K}
+
+
+def random_blocks(qtype: Q, rows: int, inputs: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random ``qtype`` blocks ``[rows, inputs / 256, bytes]`` and gguf's dequantization of them (fp32)."""
+    data = encode(np.zeros((rows, inputs), dtype=np.float32), qtype, np.random.default_rng(seed))
+    expected = torch.from_numpy(dequantize(data, qtype).astype(np.float32))
+    return torch.from_numpy(data).view(rows, inputs // 256, -1), expected
+
+
+def test_q6_k_codes_and_scales_are_the_file_weights():
+    blocks, expected = random_blocks(Q.Q6_K, 48, 512)
+    codes, scales = int8_unpack(blocks, 'Q6_K')
+    assert codes.dtype == torch.int8 and int(codes.min()) >= -32 and int(codes.max()) <= 31
+    assert scales.shape == (48, 512 // 16)
+    assert torch.equal(codes.view(48, 32, 16).float() * scales[..., None], expected.view(48, 32, 16))
+
+
+@pytest.mark.parametrize('rows', [1, 3, 4, 7, Q6K_NATIVE_MAX_ROWS])
+def test_q6_k_gemv_is_the_file_weights(rows):
+    """The Q6_K GEMV on the file's codes and scales gives ``x @ W.T`` of gguf's weights up to fp32 summation
+    order, with bf16 activations (their values, not quantized); rows of x in blocks of 4 and alone alike."""
+    if cpu.q6k_gemv() is None:
+        pytest.skip('the native Q6_K GEMV needs AVX512-BF16')
+    blocks, expected = random_blocks(Q.Q6_K, 64, 768, seed=rows)
+    kernel = Q6KGemv.of(*q6_k_parts(blocks), fp32_out=True)
+    x = torch.randn(rows, 768).bfloat16()
+    reference = x.float() @ expected.T
+    out = kernel(x, None)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
+    assert torch.equal(out[-1:], kernel(x[-1:], None))
+    assert Q6KGemv.of(*q6_k_parts(blocks))(x, None).dtype == torch.bfloat16
+
+
+def test_q4_k_on_the_int4_gemv_within_fp16_scales():
+    """Q4_K's codes as they are on the int4 GEMV; ``d * sc`` and ``dmin * m`` rounded to fp16 (2^-11 at worst)."""
+    if cpu.int4_gemv() is None:
+        pytest.skip('the native int4 GEMV needs AVX512-BF16')
+    blocks, expected = random_blocks(Q.Q4_K, 64, 512, seed=4)
+    kernel = NativeInt4Kernel.of_grid(q4_k_grid(blocks))
+    for rows in (1, 5, 40):
+        x = torch.randn(rows, 512).bfloat16()
+        reference = x.float() @ expected.T
+        error = (kernel(x, None).float() - reference).norm() / reference.norm()
+        assert error < 4e-3, (rows, error)
+
+
+def test_q6_k_lm_head_runs_small_steps_on_the_file_blocks():
+    """An output layer kept as Q6_K blocks loads dequantized (gguf's weights) and runs steps of up to
+    ``Q6K_NATIVE_MAX_ROWS`` rows on the Q6_K GEMV over the blocks (fp32 logits), larger ones on the table."""
+    if cpu.q6k_gemv() is None:
+        pytest.skip('the native Q6_K GEMV needs AVX512-BF16')
+    blocks, expected = random_blocks(Q.Q6_K, 90, 256, seed=7)  # rows padded to the GEMV's tiles of 16
+    weight_format = GgufFileFormat({}, lm_head='Q6_K')
+    (name, table), = weight_format.convert_checkpoint([('lm_head.qweight', blocks)])
+    assert name == 'lm_head.weight' and torch.equal(table, expected)
+    head = weight_format.lm_head_kernel(table.bfloat16())
+    assert isinstance(head, SmallStepInt4Kernel) and weight_format.lm_head_blocks is None
+    x = torch.randn(1, 256).bfloat16()
+    logits = head(x, None)
+    assert logits.shape == (1, 96) and not logits[:, 90:].any()
+    torch.testing.assert_close(logits[:, :90], x.float() @ expected.T, rtol=1e-5, atol=1e-5)
+    big = torch.randn(Q6K_NATIVE_MAX_ROWS + 1, 256).bfloat16()
+    reference = big.float() @ expected.T
+    assert (head(big, None).float() - reference).norm() / reference.norm() < 1e-2
+
+
+@pytest.fixture(scope='module')
+def q4_k_m(tmp_path_factory) -> str:
+    tmp = tmp_path_factory.mktemp('q4km')
+    write_mixed_gguf('llama', tmp / 'hf', tmp / 'model.gguf', Q4_K_M)
+    convert_gguf(str(tmp / 'model.gguf'), str(tmp / 'served'))
+    return str(tmp / 'served')
+
+
+def test_q4_k_m_runs_in_the_stack(q4_k_m, native_gemms, monkeypatch):
+    """Q4_K layers (int4 GEMV), Q6_K ones (Q6_K GEMV for small steps, bf16 GEMM above) and the dequantized
+    q/k/v (bf16 GEMM) all run in the native decoder stack, every step equal to the layers' forward."""
+    if cpu.int4_gemv() is None or cpu.q6k_gemv() is None:
+        pytest.skip('the native int4 and Q6_K GEMVs need AVX512-BF16')
+    engine = Engine(q4_k_m, PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=64, block_size=16,
+                                                enable_prefix_caching=False, max_prefill_token_num=48),
+                    show_progress=False)
+    model = engine.runner.model
+    stack = model.native_stack
+    assert stack is not None and stack.small is not None and stack.small_step_rows == Q6K_NATIVE_MAX_ROWS
+    assert isinstance(model.lm_head.packed, SmallStepInt4Kernel)
+    steps = check_every_step(engine, monkeypatch)
+    outs = run(engine, random_prompts([20, 70, 9], seed=8, vocab=250),
+               GenerationConfig(max_new_tokens=6, ignore_eos=True))
+    assert [len(out) for out in outs] == [6] * 3
+    small = [rows for _, rows in steps if rows <= Q6K_NATIVE_MAX_ROWS]
+    assert small and any(rows > Q6K_NATIVE_MAX_ROWS for _, rows in steps)
