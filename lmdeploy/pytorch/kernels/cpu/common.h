@@ -58,6 +58,19 @@ inline float to_float(c10::BFloat16 x) {
 }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
 
+// The sums of each run of `group` values of `x` (`count` runs), in fp32: a GEMV over grouped codes with minima
+// takes each group's minimum times its inputs' sum. Held per thread between calls.
+inline const float* group_sums(const c10::BFloat16* x, int64_t count, int64_t group) {
+  static thread_local std::vector<float> sums;
+  sums.resize(count);
+  for (int64_t i = 0; i < count; ++i) {
+    float total = 0.f;
+    for (int64_t k = 0; k < group; ++k) total += to_float(x[i * group + k]);
+    sums[i] = total;
+  }
+  return sums.data();
+}
+
 // fp32 to T with round-to-nearest-even, written so that loops over it vectorize (no NaN branch).
 template <typename T>
 inline T from_float(float x) { return static_cast<T>(x); }

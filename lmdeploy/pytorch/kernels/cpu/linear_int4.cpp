@@ -124,16 +124,10 @@ torch::Tensor int4_call(const torch::Tensor& x, const torch::Tensor& packed, con
     b = contiguous_as(*bias, at::kFloat);
     TORCH_CHECK(b.numel() == N, "bias must have ", N, " elements");
   }
-  static thread_local std::vector<float> xsum;
-  xsum.resize(M * groups);
   const c10::BFloat16* xp = rows.data_ptr<c10::BFloat16>();
-  for (int64_t i = 0; i < M * groups; ++i) {
-    float total = 0.f;
-    for (int64_t k = 0; k < kGroup; ++k) total += to_float(xp[i * kGroup + k]);
-    xsum[i] = total;
-  }
+  const float* xsum = group_sums(xp, M * groups, kGroup);
   auto out = torch::empty({M, width}, x.options());
-  const Gemv g{xp, xsum.data(), packed.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr()),
+  const Gemv g{xp, xsum, packed.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr()),
                out.data_ptr<c10::BFloat16>(), M, K, N};
   run(g, b.defined() ? b.data_ptr<float>() : nullptr, gate_up);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());

@@ -100,16 +100,10 @@ torch::Tensor q6k_linear(const torch::Tensor& x, const torch::Tensor& codes, con
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.size(-1) == K, "x: bf16 [..., ", K, "]");
   const auto rows = x.reshape({-1, K}).contiguous();
   const int64_t M = rows.size(0);
-  static thread_local std::vector<float> xsum;
-  xsum.resize(M * groups);
   const c10::BFloat16* xp = rows.data_ptr<c10::BFloat16>();
-  for (int64_t i = 0; i < M * groups; ++i) {
-    float total = 0.f;
-    for (int64_t k = 0; k < kGroup; ++k) total += to_float(xp[i * kGroup + k]);
-    xsum[i] = total;
-  }
+  const float* xsum = group_sums(xp, M * groups, kGroup);
   auto out = torch::empty({M, N}, x.options().dtype(at::kFloat));
-  const Q6Gemv g{xp, xsum.data(), codes.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), M, K, N};
+  const Q6Gemv g{xp, xsum, codes.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), M, K, N};
   float* o = out.data_ptr<float>();
   constexpr int64_t kRows = 4;  // rows of x sharing each widened chunk of codes
 #pragma omp parallel for schedule(static) num_threads(at::get_num_threads())
