@@ -19,9 +19,11 @@ from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.kernels.w8a8 import quantize_weight
 
-# the families whose layers run in the stack, and how to save a tiny random model of each
+# the families whose layers run in the stack, and how to save a tiny random model of each: SmolLM3 with a
+# layer without rotary, Phi-4-mini's partial rotary (phi3_longrope), Mistral with a 16-token sliding window
 STACK_FAMILIES = {'llama': save_tiny_model, 'qwen2': save_tiny_model, 'qwen3': save_tiny_model,
-                  'mistral': save_family, 'phi3': save_family}
+                  'mistral': save_family, 'phi3': save_family, 'smollm3': save_family, 'phi3_longrope': save_family,
+                  'mistral_sliding': save_family}
 CASES = [(kind, 'bf16', 0) for kind in STACK_FAMILIES] + [(kind, 'w8a8', 8) for kind in STACK_FAMILIES]
 CASES += [('llama', 'bf16', 8), ('llama', 'bf16', 4), ('llama', 'w8a8', 0), ('qwen3', 'w8a8', 4)]
 ENGINE = dict(dtype='bfloat16', num_gpu_blocks=64, block_size=16, enable_prefix_caching=False)
@@ -159,7 +161,7 @@ def test_fields_are_named(native_gemms):
     weight = torch.zeros(32, 16, dtype=torch.bfloat16)
     bf16 = native_gemms.Projection(kind='bf16', weight=native_gemms.pack_bf16_weight(weight))
     norm = torch.ones(16, dtype=torch.bfloat16)
-    layer = dict(input_norm=norm, post_norm=norm, qkv=bf16, o=bf16, gate_up=bf16, down=bf16)
+    layer = dict(input_norm=norm, post_norm=norm, qkv=bf16, o=bf16, gate_up=bf16, down=bf16, rotary_dim=16)
     native_gemms.LayerWeights(**layer)
     with pytest.raises(TypeError):
         native_gemms.LayerWeights(**{k: v for k, v in layer.items() if k != 'o'})
@@ -167,6 +169,12 @@ def test_fields_are_named(native_gemms):
         native_gemms.LayerWeights(**layer, v_norm=norm)
     with pytest.raises(TypeError):
         native_gemms.LayerWeights(*layer.values())
+    stack = dict(num_heads=1, num_kv_heads=1, head_dim=16, eps=1e-6, scale=0.25, quant_policy=0)
+    native_gemms.DecoderStack(layers=[native_gemms.LayerWeights(**layer, sliding_window=8)], **stack)
+    for options, match in [(dict(rotary_dim=18), 'from 0 to head_dim'), (dict(rotary_dim=7), 'even'),
+                           (dict(sliding_window=0), 'window is positive')]:
+        with pytest.raises(RuntimeError, match=match):
+            native_gemms.DecoderStack(layers=[native_gemms.LayerWeights(**{**layer, **options})], **stack)
     with pytest.raises(RuntimeError, match="'bf16', 'w8a8' or 'int4'"):
         native_gemms.Projection(kind='int2', weight=weight)
     with pytest.raises(RuntimeError, match='fp16 scales'):

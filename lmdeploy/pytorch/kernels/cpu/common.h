@@ -261,11 +261,15 @@ struct Projection {
 };
 
 // A Llama-style decoder layer's weights; q_norm and k_norm (per head, before the rotary embedding) where the
-// family has them (Qwen3).
+// family has them (Qwen3). Its options: the rotary embedding turns the first `rotary_dim` features of each
+// query and key head (rotate-half layout; all of them, a part (Phi-4-mini) or none (SmolLM3's NoPE layers));
+// `sliding_window` limits its attention to the last that many tokens.
 struct LayerWeights {
   torch::Tensor input_norm, post_norm;
   Projection qkv, o, gate_up, down;
   c10::optional<torch::Tensor> q_norm, k_norm;
+  int64_t rotary_dim;
+  c10::optional<int64_t> sliding_window;
 };
 
 // Llama-style decoder layers (decoder_stack.cpp): the kernels of LlamaDecoderLayer's forward, in its order.
@@ -282,6 +286,8 @@ class DecoderStack {
  private:
   torch::Tensor attention(const LayerWeights& w, const torch::Tensor& qkv, const std::vector<torch::Tensor>& cache,
                           const StepTensors& step) const;
+  // The layer's rotary embedding of the query and key heads qk [T, H + H_kv, head_dim].
+  torch::Tensor rotate(const LayerWeights& w, const torch::Tensor& qk, const StepTensors& step) const;
   std::vector<LayerWeights> layers_;
   int64_t num_heads_, num_kv_heads_, head_dim_, quant_policy_;
   double eps_, scale_;

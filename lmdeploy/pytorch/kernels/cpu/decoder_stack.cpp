@@ -48,8 +48,20 @@ DecoderStack::DecoderStack(std::vector<LayerWeights> layers, int64_t num_heads, 
                            int64_t head_dim, double eps, double scale, int64_t quant_policy)
     : layers_(std::move(layers)), num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim),
       quant_policy_(quant_policy), eps_(eps), scale_(scale) {
-  for (const auto& w : layers_)
+  for (const auto& w : layers_) {
     TORCH_CHECK(w.q_norm.has_value() == w.k_norm.has_value(), "a layer has both q and k norms or neither");
+    TORCH_CHECK(w.rotary_dim >= 0 && w.rotary_dim <= head_dim_ && w.rotary_dim % 2 == 0,
+                "a layer's rotary_dim is even, from 0 to head_dim");
+    TORCH_CHECK(!w.sliding_window || *w.sliding_window > 0, "a layer's sliding window is positive");
+  }
+}
+
+torch::Tensor DecoderStack::rotate(const LayerWeights& w, const torch::Tensor& qk, const StepTensors& step) const {
+  if (w.rotary_dim == head_dim_) return apply_rotary(qk, step.cos, step.sin);
+  if (w.rotary_dim == 0) return qk;
+  return torch::cat({apply_rotary(qk.narrow(2, 0, w.rotary_dim), step.cos, step.sin),
+                     qk.narrow(2, w.rotary_dim, head_dim_ - w.rotary_dim)},
+                    2);
 }
 
 torch::Tensor DecoderStack::attention(const LayerWeights& w, const torch::Tensor& qkv,
@@ -64,7 +76,7 @@ torch::Tensor DecoderStack::attention(const LayerWeights& w, const torch::Tensor
     qk = torch::cat({std::get<0>(rms_norm(qk.narrow(1, 0, num_heads_), *w.q_norm, eps_, c10::nullopt)),
                      std::get<0>(rms_norm(qk.narrow(1, num_heads_, num_kv_heads_), *w.k_norm, eps_, c10::nullopt))},
                     1);
-  qk = apply_rotary(qk, step.cos, step.sin);
+  qk = rotate(w, qk, step);
   const auto q = qk.narrow(1, 0, num_heads_), k = qk.narrow(1, num_heads_, num_kv_heads_);
   const auto v = heads.narrow(1, num_heads_ + num_kv_heads_, num_kv_heads_);
   fill_kv_cache(k, v, k_cache, v_cache, step.kv_blocks, step.kv_offsets, k_sz, v_sz, quant_policy_);
@@ -74,11 +86,12 @@ torch::Tensor DecoderStack::attention(const LayerWeights& w, const torch::Tensor
     parts.push_back(paged_prefill_attention(q.narrow(0, 0, prefill), k.narrow(0, 0, prefill),
                                             v.narrow(0, 0, prefill), k_cache, v_cache, *step.prefill_block_table,
                                             *step.prefill_q_start, *step.prefill_q_len, *step.prefill_ctx_len,
-                                            step.prefill_max_q_len, scale_, k_sz, v_sz, quant_policy_));
+                                            step.prefill_max_q_len, scale_, k_sz, v_sz, quant_policy_,
+                                            w.sliding_window));
   if (step.decode_blocks)
     parts.push_back(paged_decode_attention(q.narrow(0, prefill, rows - prefill), k_cache, v_cache,
                                            *step.decode_blocks, *step.decode_kv_lens, scale_, k_sz, v_sz,
-                                           quant_policy_));
+                                           quant_policy_, w.sliding_window));
   TORCH_CHECK(!parts.empty(), "a step has prefill or decode rows");
   return (parts.size() == 1 ? parts[0] : torch::cat(parts)).flatten(1);
 }
