@@ -19,11 +19,19 @@ from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.kernels.w8a8 import quantize_weight
 
+
+def save_qwen2_windowed(kind: str, path: str) -> str:
+    """A tiny Qwen2 whose second layer attends over a 16-token sliding window, its first over everything."""
+    return save_tiny_model('qwen2', path, sliding_window=16, use_sliding_window=True,
+                           layer_types=['full_attention', 'sliding_attention'])
+
+
 # the families whose layers run in the stack, and how to save a tiny random model of each: SmolLM3 with a
 # layer without rotary, Phi-4-mini's partial rotary (phi3_longrope), Mistral with a 16-token sliding window
+# in every layer, Qwen2 with one in one layer
 STACK_FAMILIES = {'llama': save_tiny_model, 'qwen2': save_tiny_model, 'qwen3': save_tiny_model,
                   'mistral': save_family, 'phi3': save_family, 'smollm3': save_family, 'phi3_longrope': save_family,
-                  'mistral_sliding': save_family}
+                  'mistral_sliding': save_family, 'qwen2_windowed': save_qwen2_windowed}
 CASES = [(kind, 'bf16', 0) for kind in STACK_FAMILIES] + [(kind, 'w8a8', 8) for kind in STACK_FAMILIES]
 CASES += [('llama', 'bf16', 8), ('llama', 'bf16', 4), ('llama', 'w8a8', 0), ('qwen3', 'w8a8', 4)]
 ENGINE = dict(dtype='bfloat16', num_gpu_blocks=64, block_size=16, enable_prefix_caching=False)
@@ -122,10 +130,11 @@ def small_int4_steps(engine: Engine, monkeypatch) -> list[tuple[int, int]]:
     return steps
 
 
-@pytest.mark.parametrize('kind', ['llama', 'qwen2', 'qwen3'])
+@pytest.mark.parametrize('kind', ['llama', 'qwen2', 'qwen3', 'smollm3', 'mistral_sliding'])
 def test_small_int4_steps_run_in_the_stack(kind, saved, native_gemms, monkeypatch):
     """With ``decode_int4`` and the native int4 GEMV, steps of at most two tokens run in the stack on the
-    4-bit weights (qwen2: with the qkv bias; qwen3: q and k norms), equal to the layers' forward on them."""
+    4-bit weights (qwen2: with the qkv bias; qwen3: q and k norms; smollm3: a layer without rotary;
+    mistral_sliding: a sliding window), equal to the layers' forward on them."""
     if cpu.int4_gemv() is None:
         pytest.skip('the native int4 GEMV needs AVX512-BF16')
     engine = Engine(saved(kind, 'bf16'), PytorchEngineConfig(decode_int4=True, **ENGINE), show_progress=False)
