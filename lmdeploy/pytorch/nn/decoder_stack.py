@@ -22,20 +22,18 @@ from lmdeploy.pytorch.step_context import StepContext
 LayerWeights = Any
 
 
-def layer_weights(input_norm: torch.Tensor, post_norm: torch.Tensor, projections: dict[str, Linear], *,
-                  rotary_dim: int, sliding_window: int | None = None, small_step: bool = False,
-                  q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None) -> LayerWeights | None:
-    """A Llama-style layer's weights for the stack: its norms' weights (``q_norm`` and ``k_norm`` per head,
-    where it has them) and its ``qkv``, ``o``, ``gate_up`` and ``down`` projections, each as its kernel's
-    native projection (``small_step``: the one for steps of at most ``small_step_rows`` tokens), with its
-    options: how many leading features of each query and key head rotate (``rotary_dim``, 0 for none) and
-    its attention's ``sliding_window``; None when a projection runs on no native GEMM."""
+def layer_weights(input_norm: torch.Tensor, post_norm: torch.Tensor, projections: dict[str, Linear],
+                  small_step: bool = False, **options: Any) -> LayerWeights | None:
+    """A Llama-style layer's weights for the stack: its norms' weights and its ``qkv``, ``o``, ``gate_up``
+    and ``down`` projections, each as its kernel's native projection (``small_step``: the one for steps of
+    at most ``small_step_rows`` tokens); ``options`` are the other fields of ``LayerWeights`` by name (its
+    other norms, ``rotary_dim``, ``interleaved_rope``, ``sliding_window``; see ``kernels/cpu/common.h``).
+    None when a projection runs on no native GEMM."""
     native = {name: (proj.kernel.small_step_projection if small_step else proj.kernel.native_projection)(proj.bias)
               for name, proj in projections.items()}
     if any(projection is None for projection in native.values()):
         return None
-    return cpu.native().LayerWeights(input_norm=input_norm, post_norm=post_norm, q_norm=q_norm, k_norm=k_norm,
-                                     rotary_dim=rotary_dim, sliding_window=sliding_window, **native)
+    return cpu.native().LayerWeights(input_norm=input_norm, post_norm=post_norm, **native, **options)
 
 
 class NativeDecoderStack:

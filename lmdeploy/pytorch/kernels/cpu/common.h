@@ -261,14 +261,18 @@ struct Projection {
 };
 
 // A Llama-style decoder layer's weights; q_norm and k_norm (per head, before the rotary embedding) where the
-// family has them (Qwen3). Its options: the rotary embedding turns the first `rotary_dim` features of each
-// query and key head (rotate-half layout; all of them, a part (Phi-4-mini) or none (SmolLM3's NoPE layers));
-// `sliding_window` limits its attention to the last that many tokens.
+// family has them (Qwen3); attn_out_norm and mlp_out_norm, on the outputs of attention and of the MLP before
+// the residual adds them, where it has those (GLM-4). Its options: the rotary embedding turns the first
+// `rotary_dim` features of each query and key head (all of them, a part (Phi-4-mini, GLM) or none (SmolLM3's
+// NoPE layers)), in halves or, `interleaved_rope`, in neighbouring pairs (GLM: the pairs are regrouped into
+// halves first, as apply_rope in nn/rotary.py does); `sliding_window` limits its attention to the last that
+// many tokens.
 struct LayerWeights {
   torch::Tensor input_norm, post_norm;
   Projection qkv, o, gate_up, down;
-  c10::optional<torch::Tensor> q_norm, k_norm;
+  c10::optional<torch::Tensor> q_norm, k_norm, attn_out_norm, mlp_out_norm;
   int64_t rotary_dim;
+  bool interleaved_rope;
   c10::optional<int64_t> sliding_window;
 };
 

@@ -57,11 +57,12 @@ DecoderStack::DecoderStack(std::vector<LayerWeights> layers, int64_t num_heads, 
 }
 
 torch::Tensor DecoderStack::rotate(const LayerWeights& w, const torch::Tensor& qk, const StepTensors& step) const {
-  if (w.rotary_dim == head_dim_) return apply_rotary(qk, step.cos, step.sin);
   if (w.rotary_dim == 0) return qk;
-  return torch::cat({apply_rotary(qk.narrow(2, 0, w.rotary_dim), step.cos, step.sin),
-                     qk.narrow(2, w.rotary_dim, head_dim_ - w.rotary_dim)},
-                    2);
+  auto rot = qk.narrow(2, 0, w.rotary_dim);
+  if (w.interleaved_rope) rot = rot.unflatten(2, {w.rotary_dim / 2, 2}).transpose(-1, -2).flatten(-2);
+  rot = apply_rotary(rot, step.cos, step.sin);
+  if (w.rotary_dim == head_dim_) return rot;
+  return torch::cat({rot, qk.narrow(2, w.rotary_dim, head_dim_ - w.rotary_dim)}, 2);
 }
 
 torch::Tensor DecoderStack::attention(const LayerWeights& w, const torch::Tensor& qkv,
@@ -105,9 +106,11 @@ std::tuple<torch::Tensor, torch::Tensor> DecoderStack::forward(
     torch::Tensor h;
     std::tie(h, sum) = rms_norm(x, w.input_norm, eps_, sum.defined() ? c10::optional<torch::Tensor>(sum)
                                                                       : c10::nullopt);
-    const auto attended = attention(w, w.qkv(h), kv_caches[i], step);
-    std::tie(h, sum) = rms_norm(w.o(attended), w.post_norm, eps_, sum);
+    auto attended = w.o(attention(w, w.qkv(h), kv_caches[i], step));
+    if (w.attn_out_norm) attended = std::get<0>(rms_norm(attended, *w.attn_out_norm, eps_, c10::nullopt));
+    std::tie(h, sum) = rms_norm(attended, w.post_norm, eps_, sum);
     x = w.down(w.gate_up.gate_up_silu(h));
+    if (w.mlp_out_norm) x = std::get<0>(rms_norm(x, *w.mlp_out_norm, eps_, c10::nullopt));
   }
   return {x, sum};
 }
