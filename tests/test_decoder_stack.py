@@ -28,12 +28,13 @@ def save_qwen2_windowed(kind: str, path: str) -> str:
 
 # the families whose layers run in the stack, and how to save a tiny random model of each: SmolLM3 with a
 # layer without rotary, Phi-4-mini's partial rotary (phi3_longrope), Mistral with a 16-token sliding window
-# in every layer, Qwen2 with one in one layer, GLM's rotary over interleaved pairs of half of each head, and
-# GLM-4's norms on the outputs of attention and the MLP
+# in every layer, Qwen2 with one in one layer, GLM's rotary over interleaved pairs of half of each head,
+# GLM-4's norms on the outputs of attention and the MLP, and Gemma 2 (Gemma's sandwich norms, GeLU MLP, query
+# scale, soft-capped scores, local and global layers)
 STACK_FAMILIES = {'llama': save_tiny_model, 'qwen2': save_tiny_model, 'qwen3': save_tiny_model,
                   'mistral': save_family, 'phi3': save_family, 'smollm3': save_family, 'phi3_longrope': save_family,
                   'mistral_sliding': save_family, 'qwen2_windowed': save_qwen2_windowed, 'glm': save_family,
-                  'glm4': save_family}
+                  'glm4': save_family, 'gemma2': save_family}
 CASES = [(kind, 'bf16', 0) for kind in STACK_FAMILIES] + [(kind, 'w8a8', 8) for kind in STACK_FAMILIES]
 CASES += [('llama', 'bf16', 8), ('llama', 'bf16', 4), ('llama', 'w8a8', 0), ('qwen3', 'w8a8', 4)]
 ENGINE = dict(dtype='bfloat16', num_gpu_blocks=64, block_size=16, enable_prefix_caching=False)

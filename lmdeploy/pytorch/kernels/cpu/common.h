@@ -266,7 +266,8 @@ struct Projection {
 // `rotary_dim` features of each query and key head (all of them, a part (Phi-4-mini, GLM) or none (SmolLM3's
 // NoPE layers)), in halves or, `interleaved_rope`, in neighbouring pairs (GLM: the pairs are regrouped into
 // halves first, as apply_rope in nn/rotary.py does); `sliding_window` limits its attention to the last that
-// many tokens.
+// many tokens, `logit_softcap` soft-caps its scores (Gemma 2); `gelu_tanh_mlp`: the MLP is
+// gelu_tanh(gate) * up on a plain gate-and-up projection (Gemma) instead of the fused SiLU one.
 struct LayerWeights {
   torch::Tensor input_norm, post_norm;
   Projection qkv, o, gate_up, down;
@@ -274,6 +275,8 @@ struct LayerWeights {
   int64_t rotary_dim;
   bool interleaved_rope;
   c10::optional<int64_t> sliding_window;
+  c10::optional<double> logit_softcap;
+  bool gelu_tanh_mlp;
 };
 
 // Llama-style decoder layers (decoder_stack.cpp): the kernels of LlamaDecoderLayer's forward, in its order.
