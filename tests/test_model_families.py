@@ -44,8 +44,8 @@ FAMILIES = {
                                                                            'rope_theta': 10000.0}}),
 }
 # families the native decoder stack runs on the CPU (Llama layers: full, partial or no rotary, sliding windows;
-# GLM's interleaved rotary and GLM-4's output norms; Gemma 2, not Gemma 3 with its two rotary tables)
-NATIVE_STACK = {'phi3', 'phi3_longrope', 'smollm3', 'mistral', 'mistral_sliding', 'glm', 'glm4', 'gemma2'}
+# GLM's interleaved rotary and GLM-4's output norms; Gemma 2 and 3)
+NATIVE_STACK = {'phi3', 'phi3_longrope', 'smollm3', 'mistral', 'mistral_sliding', 'glm', 'glm4', 'gemma2', 'gemma3'}
 
 
 def save_family(kind: str, path: str, max_shard_size: str = '50GB', **overrides) -> str:

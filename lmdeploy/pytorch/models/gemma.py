@@ -3,7 +3,7 @@ layers (``layer_types``), the Gemma norm (``1 + weight``) before and after atten
 scaled by ``sqrt(hidden_size)`` in the model dtype, a GeLU(tanh) MLP and queries scaled by
 ``query_pre_attn_scalar ** -0.5``. Gemma 2 soft-caps attention scores and final logits; Gemma 3 norms
 queries and keys and turns the local layers by their own rope base (``rope_parameters`` per layer type).
-The native decoder stack runs Gemma 2's layers, not Gemma 3's (its two rotary tables)."""
+The native decoder stack runs their layers (Gemma 3's local ones on its local rotary table)."""
 from __future__ import annotations
 
 import torch
@@ -73,9 +73,9 @@ class GemmaDecoderLayer(nn.Module):
         """This layer's weights for the native decoder stack (see ``LlamaDecoderLayer.native_weights``): its
         post-attention and post-feed-forward norms as the stack's norms of the attention and MLP outputs, its
         pre-feed-forward norm as the stack's post-attention norm, each Gemma norm as the plain weight
-        ``1 + w`` it computes; None for Gemma 3's rotary tables per layer type and for steps on the 4-bit
-        copies of ``decode_int4``."""
-        if small_step or self.own_rope:
+        ``1 + w`` it computes, Gemma 3's local layers turning by the step's local rotary table; None for
+        steps on the 4-bit copies of ``decode_int4``."""
+        if small_step:
             return None
         attn, mlp = self.self_attn, self.mlp
         norms = dict(q_norm=attn.q_norm.scale(self.dtype), k_norm=attn.k_norm.scale(self.dtype)) if attn.qk_norm else {}
@@ -84,7 +84,8 @@ class GemmaDecoderLayer(nn.Module):
                              attn_out_norm=self.post_attention_layernorm.scale(self.dtype),
                              mlp_out_norm=self.post_feedforward_layernorm.scale(self.dtype), rotary_dim=attn.rotary_dim,
                              sliding_window=attn.attn.sliding_window, logit_softcap=attn.attn.logit_softcap,
-                             gelu_tanh_mlp=True, **norms)
+                             gelu_tanh_mlp=True, local_rope=self.own_rope and self.layer_type == 'sliding_attention',
+                             **norms)
 
 
 class GemmaForCausalLM(LlamaForCausalLM):
@@ -109,9 +110,9 @@ class GemmaForCausalLM(LlamaForCausalLM):
     def forward(self, input_ids: torch.Tensor, kv_caches: list[KVCache], ctx: StepContext) -> torch.Tensor:
         tables = {kind: rope(ctx, self.cfg.dtype) for kind, rope in self.ropes.items()}
         x = self.embed(input_ids, ctx)
-        if self.native_stack is not None and self.native_stack.runs(x.shape[0]):  # one rotary table (Gemma 2)
+        if self.native_stack is not None and self.native_stack.runs(x.shape[0]):
             ctx.cos, ctx.sin = tables['full_attention']
-            x, residual = self.native_stack(x, kv_caches, ctx)
+            x, residual = self.native_stack(x, kv_caches, ctx, local_rope=tables['sliding_attention'])
         else:
             residual = None
             for layer, kv_cache in zip(self.layers, kv_caches):

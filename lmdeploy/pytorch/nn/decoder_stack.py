@@ -72,15 +72,17 @@ class NativeDecoderStack:
         """Whether a step of ``num_tokens`` tokens runs in the stack."""
         return self.small is not None or num_tokens > self.small_step_rows
 
-    def __call__(self, x: torch.Tensor, kv_caches: list[tuple[torch.Tensor, ...]],
-                 ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, x: torch.Tensor, kv_caches: list[tuple[torch.Tensor, ...]], ctx: StepContext,
+                 local_rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The embeddings ``x`` through every layer: ``(hidden states, residual)``; each layer's cache as
-        :class:`~lmdeploy.pytorch.nn.attention.PagedAttention` takes it."""
+        :class:`~lmdeploy.pytorch.nn.attention.PagedAttention` takes it. ``local_rope``: the ``(cos, sin)``
+        of the layers with ``local_rope`` (Gemma 3's local layers), the others turn by ``ctx``'s."""
+        local_cos, local_sin = local_rope or (None, None)
         step = self.native.StepTensors(
             cos=ctx.cos, sin=ctx.sin, kv_blocks=ctx.kv_blocks, kv_offsets=ctx.kv_offsets,
             num_prefill_tokens=ctx.num_prefill_tokens, prefill_block_table=ctx.prefill_block_table,
             prefill_q_start=ctx.prefill_q_start, prefill_q_len=ctx.prefill_q_len, prefill_ctx_len=ctx.prefill_ctx_len,
             prefill_max_q_len=ctx.prefill_max_q_len, decode_blocks=ctx.decode_blocks,
-            decode_kv_lens=ctx.decode_kv_lens)
+            decode_kv_lens=ctx.decode_kv_lens, local_cos=local_cos, local_sin=local_sin)
         stack = self.large if x.shape[0] > self.small_step_rows else self.small
         return stack.forward(x, kv_caches, step)

@@ -233,13 +233,14 @@ torch::Tensor pack_int8_gate_up(const torch::Tensor& weight);
 torch::Tensor int8_gate_up_silu(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& compensation,
                                 const torch::Tensor& scale, c10::optional<torch::Tensor> bias);
 
-// The tensors of one engine step that every decoder layer reads (see StepContext in step_context.py).
+// The tensors of one engine step that every decoder layer reads (see StepContext in step_context.py);
+// local_cos and local_sin: the rotary tables of the layers with `local_rope` (Gemma 3's local layers).
 struct StepTensors {
   torch::Tensor cos, sin, kv_blocks, kv_offsets;
   int64_t num_prefill_tokens;
   c10::optional<torch::Tensor> prefill_block_table, prefill_q_start, prefill_q_len, prefill_ctx_len;
   int64_t prefill_max_q_len;
-  c10::optional<torch::Tensor> decode_blocks, decode_kv_lens;
+  c10::optional<torch::Tensor> decode_blocks, decode_kv_lens, local_cos, local_sin;
 };
 
 // One projection of a decoder layer, x @ W.T (+ bias), on its weight as its kernel takes it. `kind` "bf16":
@@ -265,7 +266,8 @@ struct Projection {
 // the residual adds them, where it has those (GLM-4). Its options: the rotary embedding turns the first
 // `rotary_dim` features of each query and key head (all of them, a part (Phi-4-mini, GLM) or none (SmolLM3's
 // NoPE layers)), in halves or, `interleaved_rope`, in neighbouring pairs (GLM: the pairs are regrouped into
-// halves first, as apply_rope in nn/rotary.py does); `sliding_window` limits its attention to the last that
+// halves first, as apply_rope in nn/rotary.py does), by the step's local tables where `local_rope` is set
+// (Gemma 3's local layers; the others by its cos and sin); `sliding_window` limits its attention to the last that
 // many tokens, `logit_softcap` soft-caps its scores (Gemma 2); `gelu_tanh_mlp`: the MLP is
 // gelu_tanh(gate) * up on a plain gate-and-up projection (Gemma) instead of the fused SiLU one.
 struct LayerWeights {
@@ -273,7 +275,7 @@ struct LayerWeights {
   Projection qkv, o, gate_up, down;
   c10::optional<torch::Tensor> q_norm, k_norm, attn_out_norm, mlp_out_norm;
   int64_t rotary_dim;
-  bool interleaved_rope;
+  bool interleaved_rope, local_rope;
   c10::optional<int64_t> sliding_window;
   c10::optional<double> logit_softcap;
   bool gelu_tanh_mlp;
