@@ -134,12 +134,12 @@ def small_int4_steps(engine: Engine, monkeypatch) -> list[tuple[int, int]]:
     return steps
 
 
-@pytest.mark.parametrize('kind', ['llama', 'qwen2', 'qwen3', 'smollm3', 'mistral_sliding', 'glm4'])
+@pytest.mark.parametrize('kind', ['llama', 'qwen2', 'qwen3', 'smollm3', 'mistral_sliding', 'glm4', 'gemma3'])
 def test_small_int4_steps_run_in_the_stack(kind, saved, native_gemms, monkeypatch):
     """With ``decode_int4`` and the native int4 GEMV, steps of at most two tokens run in the stack on the
     4-bit weights (qwen2: with the qkv bias; qwen3: q and k norms; smollm3: a layer without rotary;
-    mistral_sliding: a sliding window; glm4: interleaved partial rotary, output norms), equal to the layers'
-    forward on them."""
+    mistral_sliding: a sliding window; glm4: interleaved partial rotary, output norms; gemma3: the GeLU MLP on
+    plain 4-bit gate and up rows, local rotary), equal to the layers' forward on them."""
     if cpu.int4_gemv() is None:
         pytest.skip('the native int4 GEMV needs AVX512-BF16')
     engine = Engine(saved(kind, 'bf16'), PytorchEngineConfig(decode_int4=True, **ENGINE), show_progress=False)

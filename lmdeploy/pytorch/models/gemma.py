@@ -73,10 +73,7 @@ class GemmaDecoderLayer(nn.Module):
         """This layer's weights for the native decoder stack (see ``LlamaDecoderLayer.native_weights``): its
         post-attention and post-feed-forward norms as the stack's norms of the attention and MLP outputs, its
         pre-feed-forward norm as the stack's post-attention norm, each Gemma norm as the plain weight
-        ``1 + w`` it computes, Gemma 3's local layers turning by the step's local rotary table; None for
-        steps on the 4-bit copies of ``decode_int4``."""
-        if small_step:
-            return None
+        ``1 + w`` it computes, Gemma 3's local layers turning by the step's local rotary table."""
         attn, mlp = self.self_attn, self.mlp
         norms = dict(q_norm=attn.q_norm.scale(self.dtype), k_norm=attn.k_norm.scale(self.dtype)) if attn.qk_norm else {}
         return layer_weights(self.input_layernorm.scale(self.dtype), self.pre_feedforward_layernorm.scale(self.dtype),
@@ -85,7 +82,7 @@ class GemmaDecoderLayer(nn.Module):
                              mlp_out_norm=self.post_feedforward_layernorm.scale(self.dtype), rotary_dim=attn.rotary_dim,
                              sliding_window=attn.attn.sliding_window, logit_softcap=attn.attn.logit_softcap,
                              gelu_tanh_mlp=True, local_rope=self.own_rope and self.layer_type == 'sliding_attention',
-                             **norms)
+                             small_step=small_step, **norms)
 
 
 class GemmaForCausalLM(LlamaForCausalLM):

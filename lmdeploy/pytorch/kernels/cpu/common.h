@@ -269,7 +269,8 @@ struct Projection {
 // halves first, as apply_rope in nn/rotary.py does), by the step's local tables where `local_rope` is set
 // (Gemma 3's local layers; the others by its cos and sin); `sliding_window` limits its attention to the last that
 // many tokens, `logit_softcap` soft-caps its scores (Gemma 2); `gelu_tanh_mlp`: the MLP is
-// gelu_tanh(gate) * up on a plain gate-and-up projection (Gemma) instead of the fused SiLU one.
+// gelu_tanh(gate) * up on a plain gate-and-up projection, gate rows then up rows (Gemma), instead of the
+// fused SiLU one.
 struct LayerWeights {
   torch::Tensor input_norm, post_norm;
   Projection qkv, o, gate_up, down;

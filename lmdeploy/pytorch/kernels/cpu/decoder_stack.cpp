@@ -56,8 +56,6 @@ DecoderStack::DecoderStack(std::vector<LayerWeights> layers, int64_t num_heads, 
     TORCH_CHECK(w.rotary_dim >= 0 && w.rotary_dim <= head_dim_ && w.rotary_dim % 2 == 0,
                 "a layer's rotary_dim is even, from 0 to head_dim");
     TORCH_CHECK(!w.sliding_window || *w.sliding_window > 0, "a layer's sliding window is positive");
-    TORCH_CHECK(!w.gelu_tanh_mlp || w.gate_up.kind != Projection::Kind::kInt4,
-                "a GeLU MLP's gate-and-up projection is plain, not int4's alternating tiles");
   }
 }
 
