@@ -19,9 +19,23 @@ from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.kernels.w8a8 import quantize_weight
 
-# the families whose layers run in the stack, and how to save a tiny random model of each
+
+def save_qwen2_windowed(kind: str, path: str) -> str:
+    """A tiny Qwen2 whose second layer attends over a 16-token sliding window, its first over everything."""
+    return save_tiny_model('qwen2', path, sliding_window=16, use_sliding_window=True,
+                           layer_types=['full_attention', 'sliding_attention'])
+
+
+# the families whose layers run in the stack, and how to save a tiny random model of each: SmolLM3 with a
+# layer without rotary, Phi-4-mini's partial rotary (phi3_longrope), Mistral with a 16-token sliding window
+# in every layer, Qwen2 with one in one layer, GLM's rotary over interleaved pairs of half of each head,
+# GLM-4's norms on the outputs of attention and the MLP, and Gemma 2 (Gemma's sandwich norms, GeLU MLP, query
+# scale, soft-capped scores, local and global layers) and Gemma 3 (q/k Gemma norms, local layers on their own
+# rotary table)
 STACK_FAMILIES = {'llama': save_tiny_model, 'qwen2': save_tiny_model, 'qwen3': save_tiny_model,
-                  'mistral': save_family, 'phi3': save_family}
+                  'mistral': save_family, 'phi3': save_family, 'smollm3': save_family, 'phi3_longrope': save_family,
+                  'mistral_sliding': save_family, 'qwen2_windowed': save_qwen2_windowed, 'glm': save_family,
+                  'glm4': save_family, 'gemma2': save_family, 'gemma3': save_family}
 CASES = [(kind, 'bf16', 0) for kind in STACK_FAMILIES] + [(kind, 'w8a8', 8) for kind in STACK_FAMILIES]
 CASES += [('llama', 'bf16', 8), ('llama', 'bf16', 4), ('llama', 'w8a8', 0), ('qwen3', 'w8a8', 4)]
 ENGINE = dict(dtype='bfloat16', num_gpu_blocks=64, block_size=16, enable_prefix_caching=False)
@@ -120,10 +134,12 @@ def small_int4_steps(engine: Engine, monkeypatch) -> list[tuple[int, int]]:
     return steps
 
 
-@pytest.mark.parametrize('kind', ['llama', 'qwen2', 'qwen3'])
+@pytest.mark.parametrize('kind', ['llama', 'qwen2', 'qwen3', 'smollm3', 'mistral_sliding', 'glm4', 'gemma3'])
 def test_small_int4_steps_run_in_the_stack(kind, saved, native_gemms, monkeypatch):
     """With ``decode_int4`` and the native int4 GEMV, steps of at most two tokens run in the stack on the
-    4-bit weights (qwen2: with the qkv bias; qwen3: q and k norms), equal to the layers' forward on them."""
+    4-bit weights (qwen2: with the qkv bias; qwen3: q and k norms; smollm3: a layer without rotary;
+    mistral_sliding: a sliding window; glm4: interleaved partial rotary, output norms; gemma3: the GeLU MLP on
+    plain 4-bit gate and up rows, local rotary), equal to the layers' forward on them."""
     if cpu.int4_gemv() is None:
         pytest.skip('the native int4 GEMV needs AVX512-BF16')
     engine = Engine(saved(kind, 'bf16'), PytorchEngineConfig(decode_int4=True, **ENGINE), show_progress=False)
@@ -159,7 +175,7 @@ def test_fields_are_named(native_gemms):
     weight = torch.zeros(32, 16, dtype=torch.bfloat16)
     bf16 = native_gemms.Projection(kind='bf16', weight=native_gemms.pack_bf16_weight(weight))
     norm = torch.ones(16, dtype=torch.bfloat16)
-    layer = dict(input_norm=norm, post_norm=norm, qkv=bf16, o=bf16, gate_up=bf16, down=bf16)
+    layer = dict(input_norm=norm, post_norm=norm, qkv=bf16, o=bf16, gate_up=bf16, down=bf16, rotary_dim=16)
     native_gemms.LayerWeights(**layer)
     with pytest.raises(TypeError):
         native_gemms.LayerWeights(**{k: v for k, v in layer.items() if k != 'o'})
@@ -167,6 +183,12 @@ def test_fields_are_named(native_gemms):
         native_gemms.LayerWeights(**layer, v_norm=norm)
     with pytest.raises(TypeError):
         native_gemms.LayerWeights(*layer.values())
+    stack = dict(num_heads=1, num_kv_heads=1, head_dim=16, eps=1e-6, scale=0.25, quant_policy=0)
+    native_gemms.DecoderStack(layers=[native_gemms.LayerWeights(**layer, sliding_window=8)], **stack)
+    for options, match in [(dict(rotary_dim=18), 'from 0 to head_dim'), (dict(rotary_dim=7), 'even'),
+                           (dict(sliding_window=0), 'window is positive')]:
+        with pytest.raises(RuntimeError, match=match):
+            native_gemms.DecoderStack(layers=[native_gemms.LayerWeights(**{**layer, **options})], **stack)
     with pytest.raises(RuntimeError, match="'bf16', 'w8a8', 'int4' or 'q6k'"):
         native_gemms.Projection(kind='int2', weight=weight)
     with pytest.raises(RuntimeError, match='codes and scales'):
@@ -179,7 +201,7 @@ def test_fields_are_named(native_gemms):
         native_gemms.Projection(kind='w8a8', weight=weight.to(torch.int8))
     step = dict(cos=weight, sin=weight, kv_blocks=weight, kv_offsets=weight, num_prefill_tokens=0,
                 prefill_block_table=None, prefill_q_start=None, prefill_q_len=None, prefill_ctx_len=None,
-                prefill_max_q_len=0, decode_blocks=None, decode_kv_lens=None)
+                prefill_max_q_len=0, decode_blocks=None, decode_kv_lens=None, local_cos=None, local_sin=None)
     native_gemms.StepTensors(**step)
     with pytest.raises(TypeError):
         native_gemms.StepTensors(**{**step, 'decode_kv_len': step.pop('decode_kv_lens')})

@@ -43,8 +43,9 @@ FAMILIES = {
                                                         'full_attention': {'rope_type': 'default',
                                                                            'rope_theta': 10000.0}}),
 }
-# families the native decoder stack runs on the CPU (plain Llama layers)
-NATIVE_STACK = {'phi3', 'mistral'}
+# families the native decoder stack runs on the CPU (Llama layers: full, partial or no rotary, sliding windows;
+# GLM's interleaved rotary and GLM-4's output norms; Gemma 2 and 3)
+NATIVE_STACK = {'phi3', 'phi3_longrope', 'smollm3', 'mistral', 'mistral_sliding', 'glm', 'glm4', 'gemma2', 'gemma3'}
 
 
 def save_family(kind: str, path: str, max_shard_size: str = '50GB', **overrides) -> str:
@@ -83,8 +84,8 @@ def test_sharded_fused_checkpoint_loads(tmp_path):
         assert run(make_engine(sharded), prompts) == run(make_engine(whole), prompts)
 
 
-def test_native_decoder_stack_only_for_plain_llama_layers(family, native_gemms):
-    """bf16 on native GEMM weights: only families of plain Llama layers run in the native decoder stack
+def test_native_decoder_stack_only_for_llama_layers(family, native_gemms):
+    """bf16 on native GEMM weights: only families of Llama layers run in the native decoder stack
     (``tests/test_decoder_stack.py`` checks it step by step); the others fall back to their layers' forward
     (``native_weights()`` is None)."""
     kind, path = family

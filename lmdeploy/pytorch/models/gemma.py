@@ -3,7 +3,7 @@ layers (``layer_types``), the Gemma norm (``1 + weight``) before and after atten
 scaled by ``sqrt(hidden_size)`` in the model dtype, a GeLU(tanh) MLP and queries scaled by
 ``query_pre_attn_scalar ** -0.5``. Gemma 2 soft-caps attention scores and final logits; Gemma 3 norms
 queries and keys and turns the local layers by their own rope base (``rope_parameters`` per layer type).
-The native decoder stack does not run them (their norms and attention features)."""
+The native decoder stack runs their layers (Gemma 3's local ones on its local rotary table)."""
 from __future__ import annotations
 
 import torch
@@ -11,11 +11,17 @@ from torch import nn
 
 from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.models.llama import KVCache, LlamaAttention, LlamaForCausalLM, LlamaMLP, layer_window
+from lmdeploy.pytorch.nn.decoder_stack import LayerWeights, layer_weights
 from lmdeploy.pytorch.nn.norm import GemmaRMSNorm
 from lmdeploy.pytorch.nn.rotary import RotaryEmbedding
 from lmdeploy.pytorch.step_context import StepContext
 
 LAYER_TYPES = ('full_attention', 'sliding_attention')
+
+
+def rope_per_layer_type(hf_config) -> bool:
+    """Whether local and global layers turn by rope tables of their own (Gemma 3)."""
+    return set(LAYER_TYPES) <= set(hf_config.rope_parameters)
 
 
 class GemmaAttention(LlamaAttention):
@@ -43,6 +49,8 @@ class GemmaDecoderLayer(nn.Module):
         if activation != 'gelu_pytorch_tanh':
             raise ValueError(f'Gemma with activation {activation!r} is not supported')
         self.layer_type = hf.layer_types[layer_index]
+        self.own_rope = rope_per_layer_type(hf)
+        self.dtype = cfg.dtype
         self.self_attn = GemmaAttention(cfg, layer_index)
         self.mlp = LlamaMLP(cfg, activation='gelu_tanh')
         eps = hf.rms_norm_eps
@@ -61,9 +69,20 @@ class GemmaDecoderLayer(nn.Module):
         x, residual = self.pre_feedforward_layernorm(x, residual)
         return self.post_feedforward_layernorm(self.mlp(x)), residual
 
-    def native_weights(self, small_step: bool = False) -> None:
-        """The native decoder stack has no Gemma layers."""
-        return None
+    def native_weights(self, small_step: bool = False) -> LayerWeights | None:
+        """This layer's weights for the native decoder stack (see ``LlamaDecoderLayer.native_weights``): its
+        post-attention and post-feed-forward norms as the stack's norms of the attention and MLP outputs, its
+        pre-feed-forward norm as the stack's post-attention norm, each Gemma norm as the plain weight
+        ``1 + w`` it computes, Gemma 3's local layers turning by the step's local rotary table."""
+        attn, mlp = self.self_attn, self.mlp
+        norms = dict(q_norm=attn.q_norm.scale(self.dtype), k_norm=attn.k_norm.scale(self.dtype)) if attn.qk_norm else {}
+        return layer_weights(self.input_layernorm.scale(self.dtype), self.pre_feedforward_layernorm.scale(self.dtype),
+                             dict(qkv=attn.qkv_proj, o=attn.o_proj, gate_up=mlp.gate_up_proj, down=mlp.down_proj),
+                             attn_out_norm=self.post_attention_layernorm.scale(self.dtype),
+                             mlp_out_norm=self.post_feedforward_layernorm.scale(self.dtype), rotary_dim=attn.rotary_dim,
+                             sliding_window=attn.attn.sliding_window, logit_softcap=attn.attn.logit_softcap,
+                             gelu_tanh_mlp=True, local_rope=self.own_rope and self.layer_type == 'sliding_attention',
+                             small_step=small_step, **norms)
 
 
 class GemmaForCausalLM(LlamaForCausalLM):
@@ -75,7 +94,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
             raise ValueError('Gemma with bidirectional attention (an embedding model) is not supported')
         super().__init__(cfg)
         self.norm = GemmaRMSNorm(cfg.hidden_size, hf.rms_norm_eps)
-        per_type = set(LAYER_TYPES) <= set(hf.rope_parameters)
+        per_type = rope_per_layer_type(hf)
         self.ropes = {kind: RotaryEmbedding(hf, cfg.head_dim, kind) if per_type else self.rotary
                       for kind in LAYER_TYPES}
         self.rotary = self.ropes['full_attention']
@@ -88,10 +107,14 @@ class GemmaForCausalLM(LlamaForCausalLM):
     def forward(self, input_ids: torch.Tensor, kv_caches: list[KVCache], ctx: StepContext) -> torch.Tensor:
         tables = {kind: rope(ctx, self.cfg.dtype) for kind, rope in self.ropes.items()}
         x = self.embed(input_ids, ctx)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            ctx.cos, ctx.sin = tables[layer.layer_type]
-            x, residual = layer(x, residual, kv_cache, ctx)
+        if self.native_stack is not None and self.native_stack.runs(x.shape[0]):
+            ctx.cos, ctx.sin = tables['full_attention']
+            x, residual = self.native_stack(x, kv_caches, ctx, local_rope=tables['sliding_attention'])
+        else:
+            residual = None
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                ctx.cos, ctx.sin = tables[layer.layer_type]
+                x, residual = layer(x, residual, kv_cache, ctx)
         x, _ = self.norm(x, residual)
         return x
 

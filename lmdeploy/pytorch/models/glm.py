@@ -8,6 +8,7 @@ from torch import nn
 
 from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.models.llama import KVCache, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+from lmdeploy.pytorch.nn.decoder_stack import LayerWeights
 from lmdeploy.pytorch.nn.norm import RMSNorm
 from lmdeploy.pytorch.step_context import StepContext
 
@@ -27,9 +28,14 @@ class Glm4DecoderLayer(LlamaDecoderLayer):
         x, residual = self.post_attention_layernorm(x, residual)
         return self.post_mlp_layernorm(self.mlp(x)), residual
 
+    def native_weights(self, small_step: bool = False) -> LayerWeights | None:
+        """See :meth:`LlamaDecoderLayer.native_weights`; the stack norms the two outputs too."""
+        return self.stack_weights(small_step, attn_out_norm=self.post_self_attn_layernorm.weight,
+                                  mlp_out_norm=self.post_mlp_layernorm.weight)
+
 
 class GlmForCausalLM(LlamaForCausalLM):
-    """GLM and GLM-4; the native decoder stack does not run them (interleaved partial rotary)."""
+    """GLM and GLM-4."""
 
     def make_layer(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
         attn = LlamaAttention(cfg, interleaved_rope=True, o_bias=False)

@@ -86,11 +86,6 @@ class LlamaAttention(nn.Module):
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         return self.o_proj(self.attn(q, k, v, kv_cache, ctx))
 
-    @property
-    def plain_rope(self) -> bool:
-        """Whether every feature of each head rotates, in halves."""
-        return self.use_rope and not self.interleaved_rope and self.rotary_dim == self.head_dim
-
 
 class LlamaMLP(nn.Module):
 
@@ -132,16 +127,23 @@ class LlamaDecoderLayer(nn.Module):
     def native_weights(self, small_step: bool = False) -> LayerWeights | None:
         """This layer's weights for :class:`NativeDecoderStack` (``small_step``: those of steps of at most
         ``small_step_rows`` tokens); None unless every projection runs on a native GEMM and the layer has
-        no parts the stack lacks (a MoE block, partial or no rotary, another family's extra norms, a GeLU
-        MLP, a sliding window, sinks or soft-capping)."""
+        no parts the stack lacks (a MoE block, another family's layer, a GeLU MLP or sinks)."""
+        return self.stack_weights(small_step) if type(self) is LlamaDecoderLayer else None
+
+    def stack_weights(self, small_step: bool, **norms: torch.Tensor) -> LayerWeights | None:
+        """:meth:`native_weights` of a layer with this layer's forward, and ``norms`` (see ``layer_weights``)
+        where a family's layer adds them."""
         attn, mlp = self.self_attn, self.mlp
-        if (type(self) is not LlamaDecoderLayer or not attn.plain_rope or not attn.attn.plain
-                or not isinstance(mlp, LlamaMLP) or not mlp.gate_up_proj.gate_up_panels):
+        if (not isinstance(attn, LlamaAttention) or attn.attn.sinks is not None or not isinstance(mlp, LlamaMLP)
+                or not mlp.gate_up_proj.gate_up_panels):
             return None
-        norms = dict(q_norm=attn.q_norm.weight, k_norm=attn.k_norm.weight) if attn.qk_norm else {}
+        if attn.qk_norm:
+            norms.update(q_norm=attn.q_norm.weight, k_norm=attn.k_norm.weight)
         return layer_weights(self.input_layernorm.weight, self.post_attention_layernorm.weight,
                              dict(qkv=attn.qkv_proj, o=attn.o_proj, gate_up=mlp.gate_up_proj, down=mlp.down_proj),
-                             small_step, **norms)
+                             small_step, rotary_dim=attn.rotary_dim if attn.use_rope else 0,
+                             interleaved_rope=attn.interleaved_rope, sliding_window=attn.attn.sliding_window,
+                             logit_softcap=attn.attn.logit_softcap, **norms)
 
 
 class LlamaForCausalLM(nn.Module):

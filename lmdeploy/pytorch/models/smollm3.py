@@ -8,8 +8,8 @@ from lmdeploy.pytorch.models.llama import LlamaAttention, LlamaDecoderLayer, Lla
 
 
 class SmolLM3ForCausalLM(LlamaForCausalLM):
-    """Layer ``i`` rotates queries and keys only where ``no_rope_layers[i]`` is 1; the native decoder
-    stack does not run it (its NoPE layers)."""
+    """Layer ``i`` rotates queries and keys only where ``no_rope_layers[i]`` is 1 (the native decoder
+    stack follows each layer's ``use_rope``)."""
 
     def make_layer(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
         attn = LlamaAttention(cfg, use_rope=bool(cfg.hf_config.no_rope_layers[layer_index]))

@@ -30,11 +30,6 @@ class PagedAttention(nn.Module):
         self.logit_softcap = logit_softcap or None
         self.sinks = nn.Parameter(torch.zeros(num_heads), requires_grad=False) if with_sinks else None
 
-    @property
-    def plain(self) -> bool:
-        """Whether the attention is plain causal softmax attention (no feature on)."""
-        return self.sliding_window is None and self.logit_softcap is None and self.sinks is None
-
     def features(self) -> dict:
         """The feature keywords of the attention kernels, only those that are on."""
         named = {'sliding_window': self.sliding_window, 'logit_softcap': self.logit_softcap,

@@ -23,18 +23,17 @@ LayerWeights = Any
 
 
 def layer_weights(input_norm: torch.Tensor, post_norm: torch.Tensor, projections: dict[str, Linear],
-                  small_step: bool = False, q_norm: torch.Tensor | None = None,
-                  k_norm: torch.Tensor | None = None) -> LayerWeights | None:
-    """A Llama-style layer's weights for the stack: its norms' weights (``q_norm`` and ``k_norm`` per head,
-    where it has them) and its ``qkv``, ``o``, ``gate_up`` and ``down`` projections, each as its kernel's
-    native projection (``small_step``: the one for steps of at most ``small_step_rows`` tokens); None when
-    a projection runs on no native GEMM."""
+                  small_step: bool = False, **options: Any) -> LayerWeights | None:
+    """A Llama-style layer's weights for the stack: its norms' weights and its ``qkv``, ``o``, ``gate_up``
+    and ``down`` projections, each as its kernel's native projection (``small_step``: the one for steps of
+    at most ``small_step_rows`` tokens); ``options`` are the other fields of ``LayerWeights`` by name (its
+    other norms, ``rotary_dim``, ``interleaved_rope``, ``sliding_window``; see ``kernels/cpu/common.h``).
+    None when a projection runs on no native GEMM."""
     native = {name: (proj.kernel.small_step_projection if small_step else proj.kernel.native_projection)(proj.bias)
               for name, proj in projections.items()}
     if any(projection is None for projection in native.values()):
         return None
-    return cpu.native().LayerWeights(input_norm=input_norm, post_norm=post_norm, q_norm=q_norm, k_norm=k_norm,
-                                     **native)
+    return cpu.native().LayerWeights(input_norm=input_norm, post_norm=post_norm, **native, **options)
 
 
 class NativeDecoderStack:
@@ -73,15 +72,17 @@ class NativeDecoderStack:
         """Whether a step of ``num_tokens`` tokens runs in the stack."""
         return self.small is not None or num_tokens > self.small_step_rows
 
-    def __call__(self, x: torch.Tensor, kv_caches: list[tuple[torch.Tensor, ...]],
-                 ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, x: torch.Tensor, kv_caches: list[tuple[torch.Tensor, ...]], ctx: StepContext,
+                 local_rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The embeddings ``x`` through every layer: ``(hidden states, residual)``; each layer's cache as
-        :class:`~lmdeploy.pytorch.nn.attention.PagedAttention` takes it."""
+        :class:`~lmdeploy.pytorch.nn.attention.PagedAttention` takes it. ``local_rope``: the ``(cos, sin)``
+        of the layers with ``local_rope`` (Gemma 3's local layers), the others turn by ``ctx``'s."""
+        local_cos, local_sin = local_rope or (None, None)
         step = self.native.StepTensors(
             cos=ctx.cos, sin=ctx.sin, kv_blocks=ctx.kv_blocks, kv_offsets=ctx.kv_offsets,
             num_prefill_tokens=ctx.num_prefill_tokens, prefill_block_table=ctx.prefill_block_table,
             prefill_q_start=ctx.prefill_q_start, prefill_q_len=ctx.prefill_q_len, prefill_ctx_len=ctx.prefill_ctx_len,
             prefill_max_q_len=ctx.prefill_max_q_len, decode_blocks=ctx.decode_blocks,
-            decode_kv_lens=ctx.decode_kv_lens)
+            decode_kv_lens=ctx.decode_kv_lens, local_cos=local_cos, local_sin=local_sin)
         stack = self.large if x.shape[0] > self.small_step_rows else self.small
         return stack.forward(x, kv_caches, step)

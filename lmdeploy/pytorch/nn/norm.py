@@ -28,5 +28,9 @@ class GemmaRMSNorm(RMSNorm):
         self.weight.data.zero_()
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        out, summed = rms_norm(x, (self.weight.float() + 1.0).to(x.dtype), self.eps, residual)
+        out, summed = rms_norm(x, self.scale(x.dtype), self.eps, residual)
         return out if residual is None else (out, summed)
+
+    def scale(self, dtype: torch.dtype) -> torch.Tensor:
+        """``1 + weight`` in ``dtype``: the weight of a plain RMSNorm that gives the same result."""
+        return (self.weight.float() + 1.0).to(dtype)

@@ -248,13 +248,14 @@ torch::Tensor pack_int8_gate_up(const torch::Tensor& weight);
 torch::Tensor int8_gate_up_silu(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& compensation,
                                 const torch::Tensor& scale, c10::optional<torch::Tensor> bias);
 
-// The tensors of one engine step that every decoder layer reads (see StepContext in step_context.py).
+// The tensors of one engine step that every decoder layer reads (see StepContext in step_context.py);
+// local_cos and local_sin: the rotary tables of the layers with `local_rope` (Gemma 3's local layers).
 struct StepTensors {
   torch::Tensor cos, sin, kv_blocks, kv_offsets;
   int64_t num_prefill_tokens;
   c10::optional<torch::Tensor> prefill_block_table, prefill_q_start, prefill_q_len, prefill_ctx_len;
   int64_t prefill_max_q_len;
-  c10::optional<torch::Tensor> decode_blocks, decode_kv_lens;
+  c10::optional<torch::Tensor> decode_blocks, decode_kv_lens, local_cos, local_sin;
 };
 
 // One projection of a decoder layer, x @ W.T (+ bias), on its weight as its kernel takes it. `kind` "bf16":
@@ -277,11 +278,24 @@ struct Projection {
 };
 
 // A Llama-style decoder layer's weights; q_norm and k_norm (per head, before the rotary embedding) where the
-// family has them (Qwen3).
+// family has them (Qwen3); attn_out_norm and mlp_out_norm, on the outputs of attention and of the MLP before
+// the residual adds them, where it has those (GLM-4). Its options: the rotary embedding turns the first
+// `rotary_dim` features of each query and key head (all of them, a part (Phi-4-mini, GLM) or none (SmolLM3's
+// NoPE layers)), in halves or, `interleaved_rope`, in neighbouring pairs (GLM: the pairs are regrouped into
+// halves first, as apply_rope in nn/rotary.py does), by the step's local tables where `local_rope` is set
+// (Gemma 3's local layers; the others by its cos and sin); `sliding_window` limits its attention to the last that
+// many tokens, `logit_softcap` soft-caps its scores (Gemma 2); `gelu_tanh_mlp`: the MLP is
+// gelu_tanh(gate) * up on a plain gate-and-up projection, gate rows then up rows (Gemma), instead of the
+// fused SiLU one.
 struct LayerWeights {
   torch::Tensor input_norm, post_norm;
   Projection qkv, o, gate_up, down;
-  c10::optional<torch::Tensor> q_norm, k_norm;
+  c10::optional<torch::Tensor> q_norm, k_norm, attn_out_norm, mlp_out_norm;
+  int64_t rotary_dim;
+  bool interleaved_rope, local_rope;
+  c10::optional<int64_t> sliding_window;
+  c10::optional<double> logit_softcap;
+  bool gelu_tanh_mlp;
 };
 
 // Llama-style decoder layers (decoder_stack.cpp): the kernels of LlamaDecoderLayer's forward, in its order.
@@ -298,6 +312,8 @@ class DecoderStack {
  private:
   torch::Tensor attention(const LayerWeights& w, const torch::Tensor& qkv, const std::vector<torch::Tensor>& cache,
                           const StepTensors& step) const;
+  // The layer's rotary embedding of the query and key heads qk [T, H + H_kv, head_dim].
+  torch::Tensor rotate(const LayerWeights& w, const torch::Tensor& qk, const StepTensors& step) const;
   std::vector<LayerWeights> layers_;
   int64_t num_heads_, num_kv_heads_, head_dim_, quant_policy_;
   double eps_, scale_;

@@ -1,7 +1,10 @@
 // A Llama-style decoder stack on the CPU in one call per step: the kernels and order of
-// LlamaDecoderLayer (lmdeploy/pytorch/models/llama.py) on native GEMM weights, without the
-// Python between them. In a 64-row decode step that Python took about 5 ms of 70: it runs three
-// times slower than on its own, on caches the kernels have just flushed.
+// LlamaDecoderLayer (lmdeploy/pytorch/models/llama.py, and of the GLM-4 and Gemma layers whose parts
+// LayerWeights names) on native GEMM weights, without the Python between them. In a 64-row decode step
+// that Python took about 5 ms of 70: it runs three times slower than on its own, on caches the kernels
+// have just flushed.
+#include <ATen/ops/gelu.h>
+
 #include "common.h"
 
 Projection::Projection(const std::string& kind_name, torch::Tensor weight, c10::optional<torch::Tensor> compensation,
@@ -58,8 +61,32 @@ DecoderStack::DecoderStack(std::vector<LayerWeights> layers, int64_t num_heads, 
                            int64_t head_dim, double eps, double scale, int64_t quant_policy)
     : layers_(std::move(layers)), num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim),
       quant_policy_(quant_policy), eps_(eps), scale_(scale) {
-  for (const auto& w : layers_)
+  for (const auto& w : layers_) {
     TORCH_CHECK(w.q_norm.has_value() == w.k_norm.has_value(), "a layer has both q and k norms or neither");
+    TORCH_CHECK(w.rotary_dim >= 0 && w.rotary_dim <= head_dim_ && w.rotary_dim % 2 == 0,
+                "a layer's rotary_dim is even, from 0 to head_dim");
+    TORCH_CHECK(!w.sliding_window || *w.sliding_window > 0, "a layer's sliding window is positive");
+  }
+}
+
+namespace {
+
+// gelu_tanh(gate) * up of gate_up [T, 2I] holding gate then up: gelu_tanh_and_mul of kernels/activation.py.
+torch::Tensor gelu_tanh_and_mul(const torch::Tensor& gate_up) {
+  const auto parts = gate_up.chunk(2, -1);
+  return at::gelu(parts[0], "tanh").mul(parts[1]);
+}
+
+}  // namespace
+
+torch::Tensor DecoderStack::rotate(const LayerWeights& w, const torch::Tensor& qk, const StepTensors& step) const {
+  if (w.rotary_dim == 0) return qk;
+  auto rot = qk.narrow(2, 0, w.rotary_dim);
+  if (w.interleaved_rope) rot = rot.unflatten(2, {w.rotary_dim / 2, 2}).transpose(-1, -2).flatten(-2);
+  TORCH_CHECK(!w.local_rope || (step.local_cos && step.local_sin), "a layer with local_rope needs local tables");
+  rot = w.local_rope ? apply_rotary(rot, *step.local_cos, *step.local_sin) : apply_rotary(rot, step.cos, step.sin);
+  if (w.rotary_dim == head_dim_) return rot;
+  return torch::cat({rot, qk.narrow(2, w.rotary_dim, head_dim_ - w.rotary_dim)}, 2);
 }
 
 torch::Tensor DecoderStack::attention(const LayerWeights& w, const torch::Tensor& qkv,
@@ -74,7 +101,7 @@ torch::Tensor DecoderStack::attention(const LayerWeights& w, const torch::Tensor
     qk = torch::cat({std::get<0>(rms_norm(qk.narrow(1, 0, num_heads_), *w.q_norm, eps_, c10::nullopt)),
                      std::get<0>(rms_norm(qk.narrow(1, num_heads_, num_kv_heads_), *w.k_norm, eps_, c10::nullopt))},
                     1);
-  qk = apply_rotary(qk, step.cos, step.sin);
+  qk = rotate(w, qk, step);
   const auto q = qk.narrow(1, 0, num_heads_), k = qk.narrow(1, num_heads_, num_kv_heads_);
   const auto v = heads.narrow(1, num_heads_ + num_kv_heads_, num_kv_heads_);
   fill_kv_cache(k, v, k_cache, v_cache, step.kv_blocks, step.kv_offsets, k_sz, v_sz, quant_policy_);
@@ -84,11 +111,12 @@ torch::Tensor DecoderStack::attention(const LayerWeights& w, const torch::Tensor
     parts.push_back(paged_prefill_attention(q.narrow(0, 0, prefill), k.narrow(0, 0, prefill),
                                             v.narrow(0, 0, prefill), k_cache, v_cache, *step.prefill_block_table,
                                             *step.prefill_q_start, *step.prefill_q_len, *step.prefill_ctx_len,
-                                            step.prefill_max_q_len, scale_, k_sz, v_sz, quant_policy_));
+                                            step.prefill_max_q_len, scale_, k_sz, v_sz, quant_policy_,
+                                            w.sliding_window, w.logit_softcap));
   if (step.decode_blocks)
     parts.push_back(paged_decode_attention(q.narrow(0, prefill, rows - prefill), k_cache, v_cache,
                                            *step.decode_blocks, *step.decode_kv_lens, scale_, k_sz, v_sz,
-                                           quant_policy_));
+                                           quant_policy_, w.sliding_window, w.logit_softcap));
   TORCH_CHECK(!parts.empty(), "a step has prefill or decode rows");
   return (parts.size() == 1 ? parts[0] : torch::cat(parts)).flatten(1);
 }
@@ -102,9 +130,11 @@ std::tuple<torch::Tensor, torch::Tensor> DecoderStack::forward(
     torch::Tensor h;
     std::tie(h, sum) = rms_norm(x, w.input_norm, eps_, sum.defined() ? c10::optional<torch::Tensor>(sum)
                                                                       : c10::nullopt);
-    const auto attended = attention(w, w.qkv(h), kv_caches[i], step);
-    std::tie(h, sum) = rms_norm(w.o(attended), w.post_norm, eps_, sum);
-    x = w.down(w.gate_up.gate_up_silu(h));
+    auto attended = w.o(attention(w, w.qkv(h), kv_caches[i], step));
+    if (w.attn_out_norm) attended = std::get<0>(rms_norm(attended, *w.attn_out_norm, eps_, c10::nullopt));
+    std::tie(h, sum) = rms_norm(attended, w.post_norm, eps_, sum);
+    x = w.down(w.gelu_tanh_mlp ? gelu_tanh_and_mul(w.gate_up(h)) : w.gate_up.gate_up_silu(h));
+    if (w.mlp_out_norm) x = std::get<0>(rms_norm(x, *w.mlp_out_norm, eps_, c10::nullopt));
   }
   return {x, sum};
 }
