@@ -121,10 +121,10 @@ def test_chat_cli_keeps_or_trims_the_history(tiny_llama, monkeypatch, capsys):
     calls = []
     generate = engine.generate
 
-    async def recording_generate(messages, session_id, gen):
+    async def recording_generate(messages, session_id, gen, **options):
         call = {'messages': messages, 'reply': '', 'ok': False}
         calls.append(call)
-        async for chunk in generate(messages, session_id, gen):
+        async for chunk in generate(messages, session_id, gen, **options):
             call['reply'] += chunk.text
             yield chunk
         call['ok'] = True
