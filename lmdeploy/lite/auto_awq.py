@@ -5,8 +5,11 @@ Per group of projections that read the same input ``X`` (q/k/v, gate/up, o_proj,
 tries ``s = mean|X|^alpha`` per input channel for ``alpha`` on a grid over [0, 1], quantizes ``W * s``,
 and keeps the ``s`` whose block (attention, MLP, or the projection itself) gives the output closest to the
 unquantized one on the calibration activations (mean squared error); ``alpha = 0`` is plain round to
-nearest, so the search never does worse than it on the calibration data. Salient input channels (large
-activations) get finer steps in ``W * s``; ``X / s`` is folded into the layer before
+nearest, so the search never does worse than it on the calibration data. The error comes from the weight
+change ``D = Q(W * s) / s - W`` alone: the projections' unquantized outputs, recorded once, plus ``X @ D.T``
+(bf16 products summed in fp32) through the attention's softmax or the MLP's activation, and o_proj's or
+down_proj's product with the change of its input, so no unquantized projection runs again. Salient input
+channels (large activations) get finer steps in ``W * s``; ``X / s`` is folded into the layer before
 (:mod:`lmdeploy.lite.calibration`). Then the clipping search (:func:`clip_weight`) narrows the range of
 each group of each projection but q and k where that brings the group's part of the output closer on
 ``X / s``. Every layer's inputs come from the unquantized model, as AutoAWQ does.
