@@ -1,8 +1,8 @@
 """``lmdeploy lite auto_awq``: the packing read back by a plain numpy unpacker written from AutoAWQ's
 documented order (and by AutoAWQ's own code when installed), checkpoints that transformers' ``AwqConfig``
 reads and the engine loads with no flag, generating transformers' tokens on the unpacked weights, the
-activation-aware search beating plain round to nearest on a model with outlier channels, and the clipping
-search never raising a layer's output error."""
+activation-aware search beating plain round to nearest on a model with outlier channels and choosing the
+scales a plain evaluation of every ratio chooses, and the clipping search never raising a layer's output error."""
 from __future__ import annotations
 
 import json
@@ -19,7 +19,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AwqConfig
 from lmdeploy.cli.main import main
 from lmdeploy.lite import calibration_text
 from lmdeploy.lite import auto_awq as auto_awq_module
-from lmdeploy.lite.auto_awq import auto_awq, awq_tensors, clip_weight, fake_quantize
+from lmdeploy.lite.auto_awq import auto_awq, awq_tensors, clip_weight, fake_quantize, search_scales
+from lmdeploy.lite.calibration import (attention_shape, calibration_ids, expand_kv, kv_shared, load_float_model,
+                                       load_source)
 from lmdeploy.pytorch.nn.quant.awq import AwqFormat
 
 # AutoAWQ's WQLinear_GEMM.from_linear packs the int weight [K, N] eight columns per int32: field i (bits
@@ -174,6 +176,67 @@ def test_search_beats_round_to_nearest_on_outlier_channels(tmp_path):
     ids = torch.tensor([AutoTokenizer.from_pretrained(source)(calibration_text())['input_ids'][-256:]])
     awq, rtn = _logits_error(source, str(tmp_path / 'awq'), ids), _logits_error(source, str(tmp_path / 'rtn'), ids)
     assert awq < 0.8 * rtn, (awq, rtn)  # measured 0.37 against 0.61 (0.36 unclipped)
+
+
+def _reference_scales(layer: torch.nn.Module, inputs: dict, attn_kwargs: dict, config: dict,
+                      group_size: int) -> dict[str, torch.Tensor]:
+    """The scale search written plainly: for each ratio the group's linears hold ``Q(W * s) / s`` and the
+    whole block (attention, o_proj, MLP, down_proj) runs again; the least mean squared error against the
+    block's unquantized output wins."""
+    group, head_dim = attention_shape(config)
+    attn, mlp = layer.self_attn, layer.mlp
+
+    def per_kv_head(s: torch.Tensor) -> torch.Tensor:
+        return expand_kv(s, group, head_dim)
+
+    searches = {'input_layernorm': (lambda x: attn(hidden_states=x, **attn_kwargs)[0],
+                                    [attn.q_proj, attn.k_proj, attn.v_proj], 'self_attn.q_proj', None),
+                'self_attn.v_proj': (attn.o_proj, [attn.o_proj], 'self_attn.o_proj', per_kv_head),
+                'post_attention_layernorm': (mlp, [mlp.gate_proj, mlp.up_proj], 'mlp.gate_proj', None),
+                'mlp.up_proj': (mlp.down_proj, [mlp.down_proj], 'mlp.down_proj', None)}
+    chosen = {}
+    for key, (block, linears, name, expand) in searches.items():
+        x = inputs[name]
+        x_mean = x.abs().reshape(-1, x.shape[-1]).mean(0)
+        x_mean = kv_shared(x_mean, group, head_dim, 'mean') if expand else x_mean
+        expected, originals, tried = block(x), [linear.weight.data for linear in linears], []
+        for step in range(21):
+            s = x_mean.pow(step / 20).clamp_min(1e-4)
+            s = s / (s.max() * s.min()).sqrt()
+            full = expand(s) if expand else s
+            for linear, weight in zip(linears, originals):
+                linear.weight.data = fake_quantize(weight * full, group_size) / full
+            tried.append(((block(x) - expected).pow(2).mean().item(), step, s))
+        for linear, weight in zip(linears, originals):
+            linear.weight.data = weight
+        chosen[key] = min(tried, key=lambda t: t[0])
+    return chosen
+
+
+@pytest.mark.parametrize('kind', ['llama', 'qwen2', 'qwen3'])
+@torch.no_grad()
+def test_search_chooses_the_scales_of_a_plain_evaluation(kind, tmp_path):
+    """On every layer of models with outlier channels (Llama with GQA, Qwen2 with q/k/v biases, Qwen3 with
+    q/k norms) the search's error on the linears' outputs (q/k/v through the attention; bf16 products)
+    picks the ratio that running the quantized blocks picks, and not only ratio 0 (plain rounding)."""
+    source = save_tiny_model(kind, str(tmp_path / 'src'), **(QUANT_LLAMA if kind == 'llama' else {}))
+    state = load_file(f'{source}/model.safetensors')
+    hidden = state['model.norm.weight'].numel()
+    outliers = torch.randperm(hidden, generator=torch.Generator().manual_seed(0))[:hidden // 40]
+    for name in state:
+        if name.endswith('layernorm.weight'):
+            state[name][outliers] *= 20
+    save_file(state, f'{source}/model.safetensors', metadata={'format': 'pt'})
+    path, config = load_source(source, 'auto_awq')
+    group_size = 128 if kind == 'llama' else 32
+    layers = auto_awq_module._calibration_layers(load_float_model(path), calibration_ids(path, 512).view(4, 128))
+    steps = []
+    for layer, inputs, attn_kwargs in layers:
+        fast = search_scales(layer, inputs, attn_kwargs, config, group_size)
+        for key, (_, step, s) in _reference_scales(layer, inputs, attn_kwargs, config, group_size).items():
+            assert torch.equal(fast[key], s), (key, step)
+            steps.append(step)
+    assert any(steps), steps
 
 
 def _outlier_layer(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

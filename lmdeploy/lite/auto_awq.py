@@ -5,8 +5,11 @@ Per group of projections that read the same input ``X`` (q/k/v, gate/up, o_proj,
 tries ``s = mean|X|^alpha`` per input channel for ``alpha`` on a grid over [0, 1], quantizes ``W * s``,
 and keeps the ``s`` whose block (attention, MLP, or the projection itself) gives the output closest to the
 unquantized one on the calibration activations (mean squared error); ``alpha = 0`` is plain round to
-nearest, so the search never does worse than it on the calibration data. Salient input channels (large
-activations) get finer steps in ``W * s``; ``X / s`` is folded into the layer before
+nearest, so the search never does worse than it on the calibration data. The error comes from the weight
+change ``D = Q(W * s) / s - W`` alone: the projections' unquantized outputs, recorded once, plus ``X @ D.T``
+(bf16 products summed in fp32) through the attention's softmax or the MLP's activation, and o_proj's or
+down_proj's product with the change of its input, so no unquantized projection runs again. Salient input
+channels (large activations) get finer steps in ``W * s``; ``X / s`` is folded into the layer before
 (:mod:`lmdeploy.lite.calibration`). Then the clipping search (:func:`clip_weight`) narrows the range of
 each group of each projection but q and k where that brings the group's part of the output closer on
 ``X / s``. Every layer's inputs come from the unquantized model, as AutoAWQ does.
@@ -15,7 +18,7 @@ Then each weight is quantized asymmetrically in groups of ``group_size`` inputs:
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -37,31 +40,31 @@ CLIPPED = {'self_attn.v_proj': ('self_attn.q_proj', 'input_layernorm'),
            'mlp.down_proj': ('mlp.down_proj', 'mlp.up_proj')}
 
 
-def _grid(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Codes ``[N, K / G, G]`` and zero points ``[N, K / G]`` (integer-valued fp32), fp16 scales ``[N, K / G]``."""
+def _steps(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``weight [N, K]`` as ``[N, K / G, G]`` in fp32, and per group its step (an fp16 value, in fp32) and zero
+    point (integer-valued fp32), ``[N, K / G, 1]`` each."""
     out_features, in_features = weight.shape
     if in_features % group_size:
         raise ValueError(f'{in_features} inputs do not split into groups of {group_size} (--w-group-size)')
     grouped = weight.float().reshape(out_features, -1, group_size)
-    low, high = grouped.amin(-1), grouped.amax(-1)
-    scales = ((high - low).clamp_min(1e-5) / 15).half()
-    step = scales.float()
-    zeros = (-(low / step).round()).clamp(0, 15)
-    codes = ((grouped / step[..., None]).round() + zeros[..., None]).clamp(0, 15)
-    return codes, zeros, scales
+    low, high = grouped.amin(-1, keepdim=True), grouped.amax(-1, keepdim=True)
+    step = ((high - low).clamp_min(1e-5) / 15).half().float()
+    return grouped, step, (-(low / step).round()).clamp(0, 15)
 
 
 def quantize_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric 4-bit round to nearest of ``weight [N, K]`` in groups of ``group_size`` inputs: codes
     ``[N, K]`` and zero points ``[N, K / G]`` (int32 in 0-15), fp16 scales ``[N, K / G]``."""
-    codes, zeros, scales = _grid(weight, group_size)
-    return codes.reshape(weight.shape).to(torch.int32), zeros.to(torch.int32), scales
+    grouped, step, zeros = _steps(weight, group_size)
+    codes = ((grouped / step).round() + zeros).clamp(0, 15)
+    return codes.reshape(weight.shape).to(torch.int32), zeros[..., 0].to(torch.int32), step[..., 0].half()
 
 
 def fake_quantize(weight: torch.Tensor, group_size: int) -> torch.Tensor:
-    """``weight`` as its 4-bit grid (:func:`quantize_groups`) reads back, in fp32."""
-    codes, zeros, scales = _grid(weight, group_size)
-    return ((codes - zeros[..., None]) * scales.float()[..., None]).reshape(weight.shape)
+    """``weight`` as its 4-bit grid (:func:`quantize_groups`) reads back, in fp32: ``(q - zero) * scale``,
+    which is ``clamp(round(w / scale), -zero, 15 - zero) * scale`` (small integers, exact in fp32)."""
+    grouped, step, zeros = _steps(weight, group_size)
+    return (grouped / step).round_().clamp_(-zeros, 15 - zeros).mul_(step).reshape(weight.shape)
 
 
 def pack_awq(codes: torch.Tensor) -> torch.Tensor:
@@ -139,27 +142,74 @@ def clip_layer(state: dict[str, torch.Tensor], layer: str, inputs: dict[str, tor
         state[name] = clip_weight(state[name], x, group_size)
 
 
-def _search(block, linears: list[nn.Linear], x: torch.Tensor, x_mean: torch.Tensor, group_size: int, n_grid: int,
-            expand=None) -> torch.Tensor:
-    """The ``s`` (shaped as ``x_mean``) whose quantized ``linears`` make ``block(x)`` closest to its output with
-    the original weights; ``expand`` maps ``s`` to the linears' input channels (None: they are the same)."""
-    expected = block(x)
-    originals = [linear.weight.data for linear in linears]
+class _Fixed(nn.Module):
+    """Stands in for a projection during the scale search: returns ``out`` whatever its input."""
+
+    def __init__(self, out: torch.Tensor):
+        super().__init__()
+        self.out = out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out
+
+
+def _mean_square(x: torch.Tensor, weight: torch.Tensor) -> float:
+    """``mean((x @ weight.T)^2)`` with ``x`` and ``weight`` in bf16 (products summed in fp32)."""
+    out = x @ weight.T
+    return torch.linalg.vector_norm(out, dtype=torch.float32).item() ** 2 / out.numel()
+
+
+def _search(error: Callable[[torch.Tensor], float], weight: torch.Tensor, x_mean: torch.Tensor, group_size: int,
+            n_grid: int, expand: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """The ``s`` (shaped as ``x_mean``) whose 4-bit ``Q(weight * s) / s`` gives the least ``error``, which
+    gets the weight's change ``Q(weight * s) / s - weight`` in bf16; ``weight`` holds the rows of every
+    linear of the group, ``expand`` maps ``s`` to its input channels (None: they are the same)."""
     best, best_error = None, float('inf')
-    try:
-        for step in range(n_grid + 1):
-            s = x_mean.pow(step / n_grid).clamp_min(MIN_SCALE)
-            s = s / (s.max() * s.min()).sqrt()
-            full = expand(s) if expand else s
-            for linear, weight in zip(linears, originals):
-                linear.weight.data = fake_quantize(weight * full, group_size) / full
-            error = (block(x) - expected).pow(2).mean().item()
-            if error < best_error:
-                best, best_error = s, error
-    finally:
-        for linear, weight in zip(linears, originals):
-            linear.weight.data = weight
+    for step in range(n_grid + 1):
+        s = x_mean.pow(step / n_grid).clamp_min(MIN_SCALE)
+        s = s / (s.max() * s.min()).sqrt()
+        full = expand(s) if expand else s
+        e = error(fake_quantize(weight * full, group_size).div_(full).sub_(weight).bfloat16())
+        if e < best_error:
+            best, best_error = s, e
     return best
+
+
+def _attention_error(attn: nn.Module, x: torch.Tensor, o_input: torch.Tensor,
+                     attn_kwargs: dict) -> Callable[[torch.Tensor], float]:
+    """The error of attention ``attn`` on ``x`` for a change of its stacked q/k/v rows: q/k/v are their
+    unquantized outputs plus ``x @ change.T``, and the error is that of o_proj's output, for the change
+    of its input from ``o_input`` (the unquantized one)."""
+    names = ('q_proj', 'k_proj', 'v_proj')
+    base = [getattr(attn, name)(x) for name in names]
+    sizes = [b.shape[-1] for b in base]
+    xb, o_weight = x.bfloat16(), attn.o_proj.weight.bfloat16()
+
+    def error(change: torch.Tensor) -> float:
+        stand_ins = {name: _Fixed(b + d) for name, b, d in zip(names, base, (xb @ change.T).float().split(sizes, -1))}
+        originals = {name: getattr(attn, name) for name in (*names, 'o_proj')}
+        try:
+            for name, module in {**stand_ins, 'o_proj': nn.Identity()}.items():
+                setattr(attn, name, module)
+            out = attn(hidden_states=x, **attn_kwargs)[0]
+        finally:
+            for name, module in originals.items():
+                setattr(attn, name, module)
+        return _mean_square((out - o_input).bfloat16(), o_weight)
+    return error
+
+
+def _mlp_error(mlp: nn.Module, x: torch.Tensor) -> Callable[[torch.Tensor], float]:
+    """The error of MLP ``mlp``'s output on ``x`` for a change of its stacked gate/up rows."""
+    gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+    hidden = mlp.act_fn(gate) * up
+    xb, down = x.bfloat16(), mlp.down_proj.weight.bfloat16()
+
+    def error(change: torch.Tensor) -> float:
+        d_gate, d_up = (xb @ change.T).float().chunk(2, -1)
+        changed = mlp.act_fn(d_gate.add_(gate)).mul_(d_up.add_(up)).sub_(hidden)
+        return _mean_square(changed.bfloat16(), down)
+    return error
 
 
 def _layer_inputs(layer: nn.Module, hidden: torch.Tensor, kwargs: dict) -> tuple[dict, dict, torch.Tensor]:
@@ -233,18 +283,24 @@ def search_scales(layer: nn.Module, inputs: dict[str, torch.Tensor], attn_kwargs
     def mean(name: str) -> torch.Tensor:
         return inputs[name].abs().reshape(-1, inputs[name].shape[-1]).mean(0)
 
-    def attention(x: torch.Tensor) -> torch.Tensor:
-        return attn(hidden_states=x, **attn_kwargs)[0]
+    def linear(x: torch.Tensor) -> Callable[[torch.Tensor], float]:
+        xb = x.bfloat16()
+        return lambda change: _mean_square(xb, change)
 
+    def rows(*linears: nn.Linear) -> torch.Tensor:
+        return torch.cat([linear.weight for linear in linears])
+
+    o_input = inputs['self_attn.o_proj']
     return {
-        'input_layernorm': _search(attention, [attn.q_proj, attn.k_proj, attn.v_proj], inputs['self_attn.q_proj'],
-                                   mean('self_attn.q_proj'), group_size, n_grid),
-        'self_attn.v_proj': _search(attn.o_proj, [attn.o_proj], inputs['self_attn.o_proj'],
+        'input_layernorm': _search(_attention_error(attn, inputs['self_attn.q_proj'], o_input, attn_kwargs),
+                                   rows(attn.q_proj, attn.k_proj, attn.v_proj), mean('self_attn.q_proj'),
+                                   group_size, n_grid),
+        'self_attn.v_proj': _search(linear(o_input), attn.o_proj.weight,
                                     kv_shared(mean('self_attn.o_proj'), group, head_dim, 'mean'), group_size,
                                     n_grid, lambda s: expand_kv(s, group, head_dim)),
-        'post_attention_layernorm': _search(mlp, [mlp.gate_proj, mlp.up_proj], inputs['mlp.gate_proj'],
+        'post_attention_layernorm': _search(_mlp_error(mlp, inputs['mlp.gate_proj']), rows(mlp.gate_proj, mlp.up_proj),
                                             mean('mlp.gate_proj'), group_size, n_grid),
-        'mlp.up_proj': _search(mlp.down_proj, [mlp.down_proj], inputs['mlp.down_proj'], mean('mlp.down_proj'),
+        'mlp.up_proj': _search(linear(inputs['mlp.down_proj']), mlp.down_proj.weight, mean('mlp.down_proj'),
                                group_size, n_grid),
     }
 
