@@ -1,0 +1,365 @@
+"""The docs say what the code does: every CLI flag is documented with its default, every config field with its
+default, and no documented flag, field, link, path, module or environment variable is stale or missing.
+
+Fast and model-free: the parsers are built as ``lmdeploy`` builds them, nothing runs. Each test collects every
+miss before it fails, so one run lists all there is to fix.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import re
+from pathlib import Path
+
+import pytest
+
+from lmdeploy.cli.main import build_parser
+from lmdeploy.messages import ChatTemplateConfig, GenerationConfig, PytorchEngineConfig, Response
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ['README.md', *sorted(str(p.relative_to(ROOT)) for p in (ROOT / 'docs').glob('*.md'))]
+
+# Where each command documents its flags, as (doc, heading anchor): the first of its sections that names a flag
+# must give that flag's default (in the table row's second column, or as ``--flag VALUE``).
+FLAG_HOMES = {
+    'lmdeploy': [('README.md', 'command-line')],
+    'lmdeploy chat': [('docs/api_server.md', 'lmdeploy-chat'), ('docs/api_server.md', 'starting-the-server')],
+    'lmdeploy serve api_server': [('docs/api_server.md', 'starting-the-server')],
+    'lmdeploy serve proxy': [('docs/scale_out.md', 'lmdeploy-serve-proxy')],
+    'lmdeploy lite smooth_quant': [('docs/engine.md', 'w8a8-lmdeploy-lite-smooth_quant')],
+    'lmdeploy lite auto_awq': [('docs/engine.md', 'awq-4-bit-lmdeploy-lite-auto_awq')],
+}
+# Where each public dataclass documents its fields (a table row per field gives the default).
+FIELD_HOMES = {
+    PytorchEngineConfig: ('docs/engine.md', 'configuration-pytorchengineconfig'),
+    GenerationConfig: ('docs/serving.md', 'the-pipeline'),
+    ChatTemplateConfig: ('docs/serving.md', 'the-pipeline'),
+    Response: ('docs/serving.md', 'the-pipeline'),
+}
+# Environment variables read by the code (not by its tests) that a user may set, besides the LMDEPLOY_* ones.
+THIRD_PARTY_ENV = ['TORCH_EXTENSIONS_DIR', 'CXX', 'RAY_ADDRESS']
+FENCE = re.compile(r'^ {0,3}(```|~~~).*?^ {0,3}\1[^\n]*$', re.S | re.M)
+HEADING = re.compile(r'^(#{1,6})\s+(.*?)\s*#*\s*$', re.M)
+
+
+# ---- Markdown ----
+
+@functools.cache
+def read(doc: str) -> str:
+    return (ROOT / doc).read_text(encoding='utf-8')
+
+
+def prose(text: str) -> str:
+    """The text with its fenced code blocks blanked (offsets kept)."""
+    return FENCE.sub(lambda m: re.sub(r'[^\n]', ' ', m.group(0)), text)
+
+
+def slug(title: str) -> str:
+    """GitHub's anchor of a heading: the rendered text, lower case, punctuation dropped, spaces as hyphens."""
+    text = re.sub(r'\[([^\]]*)\]\([^)]*\)', r'\1', title).replace('`', '').replace('*', '').lower()
+    return re.sub(r'[^\w\- ]', '', text).replace(' ', '-')
+
+
+@functools.cache
+def anchors(doc: str) -> dict[str, tuple[int, int]]:
+    """Each heading's anchor (GitHub numbers repeats: x, x-1, x-2) -> (its level, its offset in the text)."""
+    found: dict[str, tuple[int, int]] = {}
+    for m in HEADING.finditer(prose(read(doc))):
+        base = slug(m.group(2))
+        name, n = base, 0
+        while name in found:
+            n += 1
+            name = f'{base}-{n}'
+        found[name] = (len(m.group(1)), m.start())
+    return found
+
+
+def section(doc: str, anchor: str) -> str:
+    """A heading's section: up to the next heading of the same or a higher level."""
+    level, start = anchors(doc)[anchor]
+    text = read(doc)
+    end = next((m.start() for m in HEADING.finditer(prose(text), start + 1) if len(m.group(1)) <= level), len(text))
+    return text[start:end]
+
+
+def code(text: str) -> list[str]:
+    """The lines of fenced code blocks and the inline code spans of the text."""
+    blocks = [line for m in FENCE.finditer(text) for line in m.group(0).splitlines()[1:-1]]
+    return blocks + re.findall(r'`([^`\n]+)`', prose(text))
+
+
+def table_rows(text: str) -> list[list[str]]:
+    rows = [[c.strip() for c in line.strip().strip('|').split('|')]
+            for line in prose(text).splitlines() if line.lstrip().startswith('|')]
+    return [row for row in rows if not all(re.fullmatch(r':?-*:?', c) for c in row)]
+
+
+def shows(cell: str, value) -> bool:
+    """Whether a table cell (or the text after a flag) shows ``value``."""
+    tokens = {t.strip(".'\"") for t in re.findall(r"[\w.:'\"-]+", cell)}
+    shown = {str(value)}
+    if isinstance(value, float) and value.is_integer():
+        shown.add(str(int(value)))
+    if isinstance(value, int) and not isinstance(value, bool):
+        shown.add(f'{value:,}')
+    return bool(shown & tokens)
+
+
+def default_in_row(row: list[str], name: str, value) -> bool:
+    """The row names ``name`` in its first column and shows ``value`` in its second (the matching one of a list of
+    names and values)."""
+    names = re.findall(r'`([^`]+)`', row[0])
+    names = [n.split()[0].split('=')[0] for n in names]
+    if len(row) < 2 or name not in names:
+        return False
+    values = [v for v in re.split(r',\s+(?![^()]*\))', row[1])]
+    return shows(values[names.index(name)] if len(values) == len(names) else row[1], value)
+
+
+# ---- the command line ----
+
+def commands(parser: argparse.ArgumentParser = None, name: str = 'lmdeploy'):
+    """(command name, its parser) for ``lmdeploy`` and every subcommand."""
+    parser = parser or build_parser()
+    yield name, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub, subparser in action.choices.items():
+                yield from commands(subparser, f'{name} {sub}')
+
+
+def options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    return [a for a in parser._actions if a.option_strings and not isinstance(a, argparse._HelpAction)]
+
+
+def flag_names(action: argparse.Action) -> list[str]:
+    return [s for s in action.option_strings if s.startswith('--')]
+
+
+def has_default(action: argparse.Action) -> bool:
+    """Whether the flag takes a value and has a default to show (as ``lmdeploy --help`` decides)."""
+    return action.nargs != 0 and action.default not in (None, (), [], argparse.SUPPRESS)
+
+
+def mentions(text: str, flag: str) -> bool:
+    return re.search(re.escape(flag) + r'(?![\w-])', text) is not None
+
+
+def default_documented(text: str, action: argparse.Action) -> bool:
+    for flag in flag_names(action):
+        if any(default_in_row(row, flag, action.default) for row in table_rows(text)):
+            return True
+        for m in re.finditer(re.escape(flag) + r'[ =]([^\s\]`|,;)]+)', text):
+            if shows(m.group(1), action.default):
+                return True
+    return False
+
+
+def test_every_flag_is_documented_with_its_default():
+    misses = []
+    for name, parser in commands():
+        homes = FLAG_HOMES.get(name)
+        if homes is None and options(parser):
+            misses.append(f'{name}: no doc section for its flags (add it to FLAG_HOMES)')
+        if homes is None:
+            continue
+        for action in options(parser):
+            where = next((f'{doc}#{anchor}' for doc, anchor in homes
+                          if any(mentions(section(doc, anchor), f) for f in flag_names(action))), None)
+            if where is None:
+                misses.append(f'{name} {"/".join(action.option_strings)} is in none of {homes}')
+            elif has_default(action) and not default_documented(section(*where.split('#')), action):
+                misses.append(f'{name} {action.option_strings[0]}: {where} does not give its default '
+                              f'{action.default!r} (table row or `--flag VALUE`)')
+    assert not misses, 'undocumented flags:\n' + '\n'.join(misses)
+
+
+def command_lines(text: str):
+    """The ``lmdeploy ...`` and ``python benchmark/X.py ...`` commands in the text's code, comments dropped."""
+    joined = [line for block in re.split(r'\\\n', '\n'.join(code(text))) for line in block.splitlines()]
+    for line in joined:
+        for part in re.split(r'\s*(?:;|&&|\|\|?)\s*', line.split(' #')[0]):
+            words = part.split()
+            while words and re.match(r'^\w+=', words[0]):  # VAR=value before the command
+                words = words[1:]
+            if words:
+                yield words
+
+
+def script_flags(script: Path) -> str:
+    """The source text of a benchmark script and the sibling modules it imports (where its flags live)."""
+    text = script.read_text()
+    for module in re.findall(r'^(?:from|import) (\w+)', text, re.M):
+        sibling = script.parent / f'{module}.py'
+        if sibling.exists():
+            text += sibling.read_text()
+    return text
+
+
+def test_no_stale_flags():
+    """Flags in documented commands (``lmdeploy ...``, ``python benchmark/X.py ...``) and in the flag tables of
+    each command's section exist."""
+    parsers = dict(commands())
+    misses = []
+    for doc in DOCS:
+        for words in command_lines(read(doc)):
+            flags = [w.split('=')[0] for w in words if re.match(r'^--[\w-]+', w)]
+            if words[0] == 'lmdeploy':
+                name = 'lmdeploy'
+                for word in words[1:]:
+                    if f'{name} {word}' not in parsers:
+                        break
+                    name = f'{name} {word}'
+                known = {s for a in options(parsers[name]) for s in a.option_strings} | {'--help'}
+                misses += [f'{doc}: `{" ".join(words)}`: {name} has no {f}' for f in flags if f not in known]
+            elif len(words) > 1 and words[0].startswith('python') and words[1].startswith('benchmark/'):
+                script = ROOT / words[1]
+                if script.exists():
+                    source = script_flags(script)
+                    misses += [f'{doc}: `{" ".join(words)}`: {words[1]} has no {f}' for f in flags
+                               if f"'{f}'" not in source and f"'--{f[5:]}'" not in source]
+    for name, homes in FLAG_HOMES.items():
+        doc, anchor = homes[0]
+        known = {s for a in options(parsers[name]) for s in a.option_strings}
+        for row in table_rows(section(doc, anchor)):
+            misses += [f'{doc}#{anchor}: {name} has no {f}' for f in re.findall(r'(--[\w-]+)', row[0])
+                       if f not in known]
+    assert not misses, 'stale flags:\n' + '\n'.join(misses)
+
+
+# ---- config fields ----
+
+def test_every_config_field_is_documented_with_its_default():
+    misses = []
+    for cls, (doc, anchor) in FIELD_HOMES.items():
+        text = section(doc, anchor)
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else None
+            rows = [row for row in table_rows(text) if f'`{f.name}`' in row[0]]
+            if rows:
+                if default not in (None, False) and not any(default_in_row(r, f.name, default) for r in rows):
+                    misses.append(f'{cls.__name__}.{f.name}: its row in {doc}#{anchor} does not show {default!r}')
+            elif f'`{f.name}`' not in text and f'{f.name}=' not in text:
+                misses.append(f'{cls.__name__}.{f.name} is not named in {doc}#{anchor}')
+    assert not misses, 'undocumented fields:\n' + '\n'.join(misses)
+
+
+def test_no_stale_fields():
+    """``Class(name=...)`` and ``Class.name`` in the docs' code name real fields (or methods)."""
+    classes = {cls.__name__: cls for cls in FIELD_HOMES}
+    misses = []
+    for doc in DOCS:
+        text = '\n'.join(code(read(doc)))
+        for cls_name, cls in classes.items():
+            names = {f.name for f in dataclasses.fields(cls)} | set(dir(cls))
+            for call in re.finditer(re.escape(cls_name) + r'\(', text):
+                depth, i = 1, call.end()
+                while depth and i < len(text):
+                    depth += {'(': 1, ')': -1}.get(text[i], 0) if text[i] in '()' else 0
+                    i += 1
+                args = re.sub(r'\([^()]*\)|\{[^{}]*\}|\[[^\[\]]*\]', '', text[call.end():i])
+                misses += [f'{doc}: {cls_name}({k}=...)' for k in re.findall(r'(\w+)\s*=(?!=)', args)
+                           if k not in names]
+            misses += [f'{doc}: {cls_name}.{k}' for k in re.findall(re.escape(cls_name) + r'\.(\w+)', text)
+                       if k not in names]
+    assert not misses, 'stale fields:\n' + '\n'.join(sorted(set(misses)))
+
+
+# ---- links, paths, modules, environment variables ----
+
+LINK = re.compile(r'!?\[[^\]]*\]\(([^)\s]+)(?:\s+"[^"]*")?\)')
+ROOTED_PATH = re.compile(r'(?<![\w/.~-])((?:benchmark|tests|lmdeploy|docs|\.ci)/[\w./*-]*[\w*/])')
+SOURCE_PATH = re.compile(r'(?<![\w/.~-])((?:\w+/)+[\w-]+\.(?:py|cpp|h|js|css|html))\b')
+MODULE = re.compile(r'(?<![\w./-])(lmdeploy(?:\.\w+)+)')
+FILE_SUFFIXES = {'lock', 'txt', 'json', 'gguf', 'log'}
+
+
+def defines(source: Path, name: str) -> bool:
+    return re.search(rf'\b{re.escape(name)}\b', source.read_text()) is not None
+
+
+def test_links_resolve():
+    """Relative links in README.md and docs/*.md point at files that exist and at headings they have."""
+    misses = []
+    for doc in DOCS:
+        text = re.sub(r'`[^`\n]+`', '', prose(read(doc)))
+        for target in LINK.findall(text):
+            if re.match(r'^[a-z]+:', target):
+                continue
+            path, _, anchor = target.partition('#')
+            resolved = (ROOT / doc).parent / path if path else ROOT / doc
+            rel = resolved.resolve().relative_to(ROOT) if resolved.resolve().is_relative_to(ROOT) else resolved
+            if not resolved.exists():
+                misses.append(f'{doc}: ({target}): no file {rel}')
+            elif anchor and anchor not in anchors(str(rel)):
+                misses.append(f'{doc}: ({target}): {rel} has no heading with anchor #{anchor}')
+    assert not misses, 'broken links:\n' + '\n'.join(misses)
+
+
+def rooted_path_exists(path: str) -> bool:
+    """``benchmark/x.py``, ``tests/test_kernels_*.py``, ``lmdeploy/serve/``, or ``tests/helpers.make_engine``."""
+    if '*' in path:
+        return any(ROOT.glob(path))
+    if (ROOT / path).exists():
+        return True
+    folder, _, name = path.rpartition('/')
+    parts = name.split('.')
+    return any((ROOT / folder / f'{".".join(parts[:i])}.py').exists()
+               and defines(ROOT / folder / f'{".".join(parts[:i])}.py', parts[i]) for i in range(1, len(parts)))
+
+
+def module_exists(dotted: str) -> bool:
+    """``lmdeploy.a.b`` is a module or package, or ``lmdeploy.a.name`` a name its module defines."""
+    parts = dotted.split('.')
+    if parts[-1] in FILE_SUFFIXES:
+        return True
+    for i in range(len(parts), 0, -1):
+        path = ROOT.joinpath(*parts[:i])
+        source = path.with_suffix('.py') if path.with_suffix('.py').exists() else path / '__init__.py'
+        if source.exists():
+            return i == len(parts) or defines(source, parts[i])
+    return False
+
+
+def test_named_paths_and_modules_exist():
+    """Every repository path (``benchmark/x.py``, ``tests/test_x.py``, ``lmdeploy/...``, ``nn/linear.py`` under
+    lmdeploy/) and every ``lmdeploy.x.y`` module or name that the docs give exists."""
+    package_dirs = {p.name for p in (ROOT / 'lmdeploy').rglob('*') if p.is_dir() and p.name != '__pycache__'}
+    package_files = [str(p.relative_to(ROOT)) for p in (ROOT / 'lmdeploy').rglob('*') if p.is_file()]
+    misses = []
+    for doc in DOCS:
+        text = read(doc)
+        misses += [f'{doc}: {p}' for p in sorted(set(ROOTED_PATH.findall(text))) if not rooted_path_exists(p)]
+        for path in sorted(set(SOURCE_PATH.findall(text))):
+            first = path.split('/')[0]
+            if first in package_dirs and first not in {'lmdeploy', 'tests', 'benchmark', 'docs'} and not any(
+                    f.endswith('/' + path) for f in package_files):
+                misses.append(f'{doc}: {path} (no such file under lmdeploy/)')
+        misses += [f'{doc}: {m}' for m in sorted(set(MODULE.findall(text))) if not module_exists(m)]
+    assert not misses, 'paths or modules named in the docs that do not exist:\n' + '\n'.join(misses)
+
+
+def test_environment_variables_are_documented():
+    """Every LMDEPLOY_* variable that lmdeploy/ reads, and the other tools' ones it honours, is named in the docs;
+    every LMDEPLOY_* variable the docs name is read somewhere (lmdeploy/, tests/ or benchmark/)."""
+    def named(folders):
+        return {v for folder in folders for f in (ROOT / folder).rglob('*.py')
+                for v in re.findall(r'\b(LMDEPLOY_[A-Z0-9_]+)\b', f.read_text())}
+    docs = '\n'.join(read(doc) for doc in DOCS)
+    misses = [f'{v} is read by lmdeploy/ but named in no doc' for v in sorted(named(['lmdeploy']) | set(THIRD_PARTY_ENV))
+              if not re.search(rf'\b{v}\b', docs)]
+    in_code = named(['lmdeploy', 'tests', 'benchmark']) | {
+        v for f in (ROOT / 'benchmark').glob('*.sh') for v in re.findall(r'\b(LMDEPLOY_[A-Z0-9_]+)\b', f.read_text())}
+    misses += [f'the docs name {v}, which nothing reads' for v in sorted(set(re.findall(r'\b(LMDEPLOY_[A-Z0-9_]+)\b', docs)))
+               if v not in in_code]
+    assert not misses, 'environment variables:\n' + '\n'.join(misses)
+
+
+@pytest.mark.parametrize('title, anchor', [('## `lmdeploy chat`', 'lmdeploy-chat'), ('### gpt-oss (harmony)', 'gpt-oss-harmony'),
+                                           ('## W8A8 (`lmdeploy lite smooth_quant`)', 'w8a8-lmdeploy-lite-smooth_quant'),
+                                           ('### Figures (like with like)', 'figures-like-with-like'),
+                                           ('## Structured output, tool calls and reasoning',
+                                            'structured-output-tool-calls-and-reasoning')])
+def test_slug_follows_github(title, anchor):
+    assert slug(HEADING.match(title).group(2)) == anchor
