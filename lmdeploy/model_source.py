@@ -98,7 +98,7 @@ def check_model_path(model_path: str | None) -> None:
         name = model_path.split('/')[1]
         raise ModelNotFoundError(
             f'{model_path} looks like a Hugging Face hub name: lmdeploy loads local folders and .gguf files and '
-            f'downloads nothing. Get the model first, e.g. `huggingface-cli download {model_path} --local-dir '
+            f'downloads nothing. Get the model first, e.g. `hf download {model_path} --local-dir '
             f'{name}`, then give that folder')
     if path.is_dir():
         raise ModelNotFoundError(f'{model_path} has no config.json; give a Hugging Face model folder or a .gguf file')

@@ -98,7 +98,7 @@ def test_check_model_path(tmp_path: Path):
     check_model_path(None)
     (tmp_path / 'config.json').write_text('{}')
     check_model_path(str(tmp_path))
-    with pytest.raises(ModelNotFoundError, match='huggingface-cli download Qwen/Qwen2-0.5B-Instruct'):
+    with pytest.raises(ModelNotFoundError, match='hf download Qwen/Qwen2-0.5B-Instruct'):
         check_model_path('Qwen/Qwen2-0.5B-Instruct')
     with pytest.raises(ModelNotFoundError, match='no config.json'):
         check_model_path(str(tmp_path.parent))
