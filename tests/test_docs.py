@@ -363,3 +363,30 @@ def test_environment_variables_are_documented():
                                             'structured-output-tool-calls-and-reasoning')])
 def test_slug_follows_github(title, anchor):
     assert slug(HEADING.match(title).group(2)) == anchor
+
+
+# ---- the server's surface ----
+
+ROUTE_HOMES = {'lmdeploy/serve/openai/api_server.py': ('docs/api_server.md', 'endpoints'),
+               'lmdeploy/serve/proxy/app.py': ('docs/scale_out.md', 'lmdeploy-serve-proxy')}
+
+
+def test_endpoints_metrics_and_parsers_are_documented():
+    """Every route of the server and of the proxy is in its endpoint table, with its method; every metric and
+    every tool or reasoning parser name is named in the docs, and every metric the docs name exists."""
+    from lmdeploy.serve.openai.reasoning_parsers import REASONING_PARSERS
+    from lmdeploy.serve.openai.tool_parsers import TOOL_PARSERS
+    misses = []
+    for source, (doc, anchor) in ROUTE_HOMES.items():
+        endpoints = ' '.join(row[0] for row in table_rows(section(doc, anchor)))
+        misses += [f'{source}: {method.upper()} {path} is not in {doc}#{anchor}'
+                   for method, path in re.findall(r"@app\.(get|post)\('([^']+)'", (ROOT / source).read_text())
+                   if not re.search(rf'{method.upper()} {re.escape(path)}(?![\w/])', endpoints)]
+    metric = r'lmdeploy(?:_proxy)?:\w+'
+    in_code = {m for f in (ROOT / 'lmdeploy').rglob('*.py') for m in re.findall(rf"'({metric})'", f.read_text())}
+    in_docs = {m for doc in DOCS for m in re.findall(metric, read(doc))}
+    misses += [f'metric {m} is named in no doc' for m in sorted(in_code - in_docs)]
+    misses += [f'the docs name metric {m}, which nothing exports' for m in sorted(in_docs - in_code)]
+    misses += [f'parser {name!r} is not named in docs/api_server.md' for name in sorted({*TOOL_PARSERS, *REASONING_PARSERS})
+               if f'`{name}`' not in read('docs/api_server.md')]
+    assert not misses, 'server surface:\n' + '\n'.join(misses)
