@@ -84,9 +84,11 @@ def section(doc: str, anchor: str) -> str:
 
 
 def code(text: str) -> list[str]:
-    """The lines of fenced code blocks and the inline code spans of the text."""
+    """The lines of fenced and indented code blocks and the inline code spans of the text."""
     blocks = [line for m in FENCE.finditer(text) for line in m.group(0).splitlines()[1:-1]]
-    return blocks + re.findall(r'`([^`\n]+)`', prose(text))
+    indented = re.findall(r'(?<=\n\n)((?: {4}.*\n?)+)', prose(text))
+    return blocks + [line[4:] for block in indented for line in block.splitlines()] + re.findall(
+        r'`([^`\n]+)`', prose(text))
 
 
 def table_rows(text: str) -> list[list[str]]:
@@ -204,7 +206,7 @@ def test_no_stale_flags():
     misses = []
     for doc in DOCS:
         for words in command_lines(read(doc)):
-            flags = [w.split('=')[0] for w in words if re.match(r'^--[\w-]+', w)]
+            flags = re.findall(r'(?<![\w-])(--[a-zA-Z][\w-]*)', ' '.join(words))
             if words[0] == 'lmdeploy':
                 name = 'lmdeploy'
                 for word in words[1:]:
