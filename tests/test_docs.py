@@ -83,6 +83,14 @@ def section(doc: str, anchor: str) -> str:
     return text[start:end]
 
 
+@pytest.mark.parametrize('title, anchor', [
+    ('## `lmdeploy chat`', 'lmdeploy-chat'), ('### gpt-oss (harmony)', 'gpt-oss-harmony'),
+    ('## W8A8 (`lmdeploy lite smooth_quant`)', 'w8a8-lmdeploy-lite-smooth_quant'),
+    ('## Structured output, tool calls and reasoning', 'structured-output-tool-calls-and-reasoning')])
+def test_slug_follows_github(title, anchor):
+    assert slug(HEADING.match(title).group(2)) == anchor
+
+
 def code(text: str) -> list[str]:
     """The lines of fenced and indented code blocks and the inline code spans of the text."""
     blocks = [line for m in FENCE.finditer(text) for line in m.group(0).splitlines()[1:-1]]
@@ -258,7 +266,7 @@ def test_no_stale_fields():
             for call in re.finditer(re.escape(cls_name) + r'\(', text):
                 depth, i = 1, call.end()
                 while depth and i < len(text):
-                    depth += {'(': 1, ')': -1}.get(text[i], 0) if text[i] in '()' else 0
+                    depth += {'(': 1, ')': -1}.get(text[i], 0)
                     i += 1
                 args = re.sub(r'\([^()]*\)|\{[^{}]*\}|\[[^\[\]]*\]', '', text[call.end():i])
                 misses += [f'{doc}: {cls_name}({k}=...)' for k in re.findall(r'(\w+)\s*=(?!=)', args)
@@ -342,29 +350,22 @@ def test_named_paths_and_modules_exist():
     assert not misses, 'paths or modules named in the docs that do not exist:\n' + '\n'.join(misses)
 
 
+def env_vars(files) -> set[str]:
+    return {v for f in files for v in re.findall(r'\b(LMDEPLOY_[A-Z0-9_]+)\b', f.read_text())}
+
+
 def test_environment_variables_are_documented():
     """Every LMDEPLOY_* variable that lmdeploy/ reads, and the other tools' ones it honours, is named in the docs;
     every LMDEPLOY_* variable the docs name is read somewhere (lmdeploy/, tests/ or benchmark/)."""
-    def named(folders):
-        return {v for folder in folders for f in (ROOT / folder).rglob('*.py')
-                for v in re.findall(r'\b(LMDEPLOY_[A-Z0-9_]+)\b', f.read_text())}
     docs = '\n'.join(read(doc) for doc in DOCS)
-    misses = [f'{v} is read by lmdeploy/ but named in no doc' for v in sorted(named(['lmdeploy']) | set(THIRD_PARTY_ENV))
+    misses = [f'{v} is read by lmdeploy/ but named in no doc'
+              for v in sorted(env_vars((ROOT / 'lmdeploy').rglob('*.py')) | set(THIRD_PARTY_ENV))
               if not re.search(rf'\b{v}\b', docs)]
-    in_code = named(['lmdeploy', 'tests', 'benchmark']) | {
-        v for f in (ROOT / 'benchmark').glob('*.sh') for v in re.findall(r'\b(LMDEPLOY_[A-Z0-9_]+)\b', f.read_text())}
-    misses += [f'the docs name {v}, which nothing reads' for v in sorted(set(re.findall(r'\b(LMDEPLOY_[A-Z0-9_]+)\b', docs)))
-               if v not in in_code]
+    in_code = env_vars([*(ROOT / 'lmdeploy').rglob('*.py'), *(ROOT / 'tests').glob('*.py'),
+                        *(ROOT / 'benchmark').glob('*.py'), *(ROOT / 'benchmark').glob('*.sh')])
+    misses += [f'the docs name {v}, which nothing reads'
+               for v in sorted(set(re.findall(r'\bLMDEPLOY_[A-Z0-9_]+', docs))) if v not in in_code]
     assert not misses, 'environment variables:\n' + '\n'.join(misses)
-
-
-@pytest.mark.parametrize('title, anchor', [('## `lmdeploy chat`', 'lmdeploy-chat'), ('### gpt-oss (harmony)', 'gpt-oss-harmony'),
-                                           ('## W8A8 (`lmdeploy lite smooth_quant`)', 'w8a8-lmdeploy-lite-smooth_quant'),
-                                           ('### Figures (like with like)', 'figures-like-with-like'),
-                                           ('## Structured output, tool calls and reasoning',
-                                            'structured-output-tool-calls-and-reasoning')])
-def test_slug_follows_github(title, anchor):
-    assert slug(HEADING.match(title).group(2)) == anchor
 
 
 # ---- the server's surface ----
@@ -389,6 +390,15 @@ def test_endpoints_metrics_and_parsers_are_documented():
     in_docs = {m for doc in DOCS for m in re.findall(metric, read(doc))}
     misses += [f'metric {m} is named in no doc' for m in sorted(in_code - in_docs)]
     misses += [f'the docs name metric {m}, which nothing exports' for m in sorted(in_docs - in_code)]
-    misses += [f'parser {name!r} is not named in docs/api_server.md' for name in sorted({*TOOL_PARSERS, *REASONING_PARSERS})
-               if f'`{name}`' not in read('docs/api_server.md')]
+    misses += [f'parser {name!r} is not named in docs/api_server.md'
+               for name in sorted({*TOOL_PARSERS, *REASONING_PARSERS}) if f'`{name}`' not in read('docs/api_server.md')]
     assert not misses, 'server surface:\n' + '\n'.join(misses)
+
+
+def test_every_architecture_is_in_the_models_table():
+    from lmdeploy.archs import SUPPORTED_ARCHS
+    listed = {name for row in table_rows(section('docs/engine.md', 'models-and-weights'))
+              for name in re.findall(r'`(\w+For(?:CausalLM|ConditionalGeneration))`', row[0])}
+    supported = set(SUPPORTED_ARCHS)
+    assert listed == supported, (f'docs/engine.md#models-and-weights lacks {sorted(supported - listed)} '
+                                 f'and lists unsupported {sorted(listed - supported)}')
