@@ -402,3 +402,15 @@ def test_every_architecture_is_in_the_models_table():
     supported = set(SUPPORTED_ARCHS)
     assert listed == supported, (f'docs/engine.md#models-and-weights lacks {sorted(supported - listed)} '
                                  f'and lists unsupported {sorted(listed - supported)}')
+
+
+def test_pipeline_arguments_are_documented():
+    """Every argument of ``pipeline()`` and of ``Pipeline`` is named (``name=``) where the pipeline is documented."""
+    import inspect
+
+    from lmdeploy import pipeline
+    from lmdeploy.pipeline import Pipeline
+    text = section('docs/serving.md', 'the-pipeline')
+    names = {*inspect.signature(pipeline).parameters, *inspect.signature(Pipeline).parameters} - {'kwargs'}
+    missing = sorted(n for n in names if f'{n}=' not in text)
+    assert not missing, f'docs/serving.md#the-pipeline does not name these arguments of pipeline(): {missing}'
