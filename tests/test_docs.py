@@ -375,8 +375,10 @@ ROUTE_HOMES = {'lmdeploy/serve/openai/api_server.py': ('docs/api_server.md', 'en
 
 
 def test_endpoints_metrics_and_parsers_are_documented():
-    """Every route of the server and of the proxy is in its endpoint table, with its method; every metric and
-    every tool or reasoning parser name is named in the docs, and every metric the docs name exists."""
+    """Every route of the server and of the proxy is in its endpoint table, with its method; every metric, every
+    tool or reasoning parser name and every request field is named in the docs; every metric the docs name
+    exists."""
+    from lmdeploy.serve.openai import protocol
     from lmdeploy.serve.openai.reasoning_parsers import REASONING_PARSERS
     from lmdeploy.serve.openai.tool_parsers import TOOL_PARSERS
     misses = []
@@ -390,8 +392,13 @@ def test_endpoints_metrics_and_parsers_are_documented():
     in_docs = {m for doc in DOCS for m in re.findall(metric, read(doc))}
     misses += [f'metric {m} is named in no doc' for m in sorted(in_code - in_docs)]
     misses += [f'the docs name metric {m}, which nothing exports' for m in sorted(in_docs - in_code)]
+    api_doc = read('docs/api_server.md')
     misses += [f'parser {name!r} is not named in docs/api_server.md'
-               for name in sorted({*TOOL_PARSERS, *REASONING_PARSERS}) if f'`{name}`' not in read('docs/api_server.md')]
+               for name in sorted({*TOOL_PARSERS, *REASONING_PARSERS}) if f'`{name}`' not in api_doc]
+    for model in (protocol.ChatCompletionRequest, protocol.CompletionRequest, protocol.GenerateRequest,
+                  protocol.EncodeRequest, protocol.AbortRequest):
+        misses += [f'request field {model.__name__}.{name} is not named in docs/api_server.md'
+                   for name in model.model_fields if f'`{name}' not in api_doc and f'"{name}"' not in api_doc]
     assert not misses, 'server surface:\n' + '\n'.join(misses)
 
 
