@@ -44,7 +44,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--session-len', type=int, default=None, help='context length (default: the model\'s)')
     parser.add_argument('--max-batch-size', type=int, default=64)
     parser.add_argument('--cache-max-entry-count', type=float, default=0.5,
-                        help='fraction of free memory the KV cache may take')
+                        help='fraction of free GPU memory, or of available RAM (at most 4 GiB) on the CPU, '
+                             'the KV cache may take')
     parser.add_argument('--num-gpu-blocks', type=int, default=0,
                         help='number of KV-cache blocks (0: size the cache from --cache-max-entry-count)')
     parser.add_argument('--block-size', type=int, default=64)
