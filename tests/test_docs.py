@@ -409,13 +409,19 @@ def test_every_architecture_is_in_the_models_table():
                                  f'and lists unsupported {sorted(listed - supported)}')
 
 
-def test_pipeline_arguments_are_documented():
-    """Every argument of ``pipeline()`` and of ``Pipeline`` is named (``name=``) where the pipeline is documented."""
+def test_pipeline_api_is_documented():
+    """Every argument of ``pipeline()`` and ``Pipeline`` is named (``name=``) where the pipeline is documented, and
+    every public method as ``pipe.name`` in docs/serving.md; every ``pipe.name`` in the docs exists."""
     import inspect
 
     from lmdeploy import pipeline
     from lmdeploy.pipeline import Pipeline
     text = section('docs/serving.md', 'the-pipeline')
     names = {*inspect.signature(pipeline).parameters, *inspect.signature(Pipeline).parameters} - {'kwargs'}
-    missing = sorted(n for n in names if f'{n}=' not in text)
-    assert not missing, f'docs/serving.md#the-pipeline does not name these arguments of pipeline(): {missing}'
+    misses = [f'argument {n}=' for n in sorted(names) if f'{n}=' not in text]
+    misses += [f'method pipe.{m}' for m in dir(Pipeline) if not m.startswith('_')
+               and f'pipe.{m}' not in read('docs/serving.md')]
+    attributes = set(dir(Pipeline)) | set(re.findall(r'self\.(\w+) *[:=]', (ROOT / 'lmdeploy/pipeline.py').read_text()))
+    misses += [f'{doc} names pipe.{m}, which does not exist' for doc in DOCS
+               for m in sorted(set(re.findall(r'\bpipe\.(\w+)', read(doc)))) if m not in attributes]
+    assert not misses, 'docs/serving.md#the-pipeline and Pipeline disagree:\n' + '\n'.join(misses)
