@@ -37,6 +37,8 @@ FIELD_HOMES = {
     ChatTemplateConfig: ('docs/serving.md', 'the-pipeline'),
     Response: ('docs/serving.md', 'the-pipeline'),
 }
+# Flags of other tools that the docs give (pip's, hf's); every other flag is lmdeploy's or a benchmark's.
+EXTERNAL_FLAGS = {'--help', '--extra-index-url', '--no-deps', '--local-dir'}
 # Environment variables read by the code (not by its tests) that a user may set, besides the LMDEPLOY_* ones.
 THIRD_PARTY_ENV = ['TORCH_EXTENSIONS_DIR', 'CXX', 'RAY_ADDRESS']
 FENCE = re.compile(r'^ {0,3}(```|~~~).*?^ {0,3}\1[^\n]*$', re.S | re.M)
@@ -205,8 +207,8 @@ def script_has_flag(script: Path, flag: str) -> bool:
 
 
 def test_no_stale_flags():
-    """Flags in documented commands (``lmdeploy ...``, ``python benchmark/X.py ...``) and in the flag tables of
-    each command's section exist."""
+    """Flags in documented commands (``lmdeploy ...``, ``python benchmark/X.py ...``) belong to that command, any
+    other flag in the docs' code to some command or benchmark, and those in a command's flag table to it."""
     parsers = dict(commands())
     misses = []
     for doc in DOCS:
@@ -227,6 +229,12 @@ def test_no_stale_flags():
             elif len(words) > 1 and words[0].startswith('python') and (ROOT / words[1]).is_file():
                 misses += [f'{doc}: `{" ".join(words)}`: {words[1]} has no {f}' for f in flags
                            if words[1].startswith('benchmark/') and not script_has_flag(ROOT / words[1], f)]
+    known = {s for _, parser in commands() for a in options(parser) for s in a.option_strings} | EXTERNAL_FLAGS | {
+        f for script in (ROOT / 'benchmark').glob('*.py') for f in re.findall(r"'(--[\w-]+)'", script.read_text())}
+    for doc in DOCS:
+        misses += [f'{doc}: `{line}`: no command or benchmark has {f}' for line in code(read(doc))
+                   for f in re.findall(r'(?<![\w-])(--[a-zA-Z][\w-]*)', line)
+                   if f not in known and not (f.startswith('--no-') and f'--{f[5:]}' in known)]
     for name, homes in FLAG_HOMES.items():
         doc, anchor = homes[0]
         known = {s for a in options(parsers[name]) for s in a.option_strings}
