@@ -196,6 +196,7 @@ def test_too_long_prompt_fails_alone(engine):
      ErrorCode.INVALID_ARGUMENT, 'does not accept images'),
     ({'messages': [{'content': 'no role'}]}, ErrorCode.INVALID_ARGUMENT, 'role'),
     ({'messages': 'hi', 'session_id': -3}, ErrorCode.INVALID_ARGUMENT, 'non-negative'),
+    ({'messages': 'hi', 'gen_config': GenerationConfig(n=2)}, ErrorCode.INVALID_ARGUMENT, 'n must be 1'),
 ])
 def test_bad_input_raises_before_yielding(engine, kwargs, code, match):
     with pytest.raises(SafeRunException, match=match) as info:

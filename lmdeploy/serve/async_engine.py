@@ -132,6 +132,10 @@ class AsyncEngine:
         gen_config = gen_config or (session and session.gen_config) or GenerationConfig()
         if not isinstance(gen_config, GenerationConfig):
             raise SafeRunException(ErrorCode.INVALID_ARGUMENT, 'gen_config must be a GenerationConfig')
+        if gen_config.n != 1:
+            raise SafeRunException(ErrorCode.INVALID_ARGUMENT, f'one request gives one reply: GenerationConfig.n must '
+                                   f'be 1 here (got {gen_config.n}); pass the prompt n times, each with its own '
+                                   'random_seed, or use the server, whose n does that')
         if input_ids is not None:
             if multimodal is not None and not (isinstance(multimodal, list)
                                                and all(isinstance(m, MultiModalInput) for m in multimodal)):
