@@ -36,6 +36,14 @@ def quantized(cache: torch.Tensor, policy: int) -> tuple[torch.Tensor, torch.Ten
     return mla.quantize_latent(cache, LATENT, policy)
 
 
+def unpacked(codes: torch.Tensor, policy: int) -> torch.Tensor:
+    """One int code per feature: int4 bytes unpacked part by part."""
+    if policy == 8:
+        return codes.int()
+    parts = codes.split([LATENT // 2, ROPE // 2], dim=-1)
+    return torch.cat([torch.cat((part & 15, part >> 4), -1) for part in parts], -1).int()
+
+
 def dequantized(codes: torch.Tensor, scales_zeros: torch.Tensor, policy: int) -> torch.Tensor:
     return mla.dequantize_latent(codes, scales_zeros, LATENT, policy, torch.float32)
 
@@ -167,6 +175,11 @@ def test_native_decode_and_prefill_match_twin(native, dtype, policy):
     torch.testing.assert_close(out.float(), ref, atol=NATIVE_TOL[dtype], rtol=NATIVE_TOL[dtype])
 
 
+def as_read(cache: torch.Tensor, quant: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """The fp32 cache the Triton kernels attend over: a quantized one dequantized to ``dtype`` first."""
+    return (mla.dequantize_latent(cache, quant[0], LATENT, quant[1], dtype) if quant else cache).float()
+
+
 @pytest.mark.triton
 class TestTriton:
     """The Triton kernels against the twin (fp32 and fp16; bf16 on CUDA only, see kernel_env)."""
@@ -182,30 +195,53 @@ class TestTriton:
                 torch.bfloat16: 2e-2}[dtype]
 
     # the last: pages of 64 rows, read in steps of fewer rows (partial last pages)
+    # the last: pages of 64 rows, read in steps of fewer rows (partial last pages)
+    @pytest.mark.parametrize('policy', [0, 8, 4])
     @pytest.mark.parametrize('lengths,num_heads,width,block_size', [([1, 37, 16, 90], 6, 0, BLOCK_SIZE),
                                                                     ([40, 7], 20, 64, BLOCK_SIZE),
                                                                     ([1, 100, 64, 300], 20, 0, 64)])
-    def test_decode(self, lengths, num_heads, width, block_size):
+    def test_decode(self, lengths, num_heads, width, block_size, policy):
         for dtype in self.dtypes:
-            cache, table = latent_cache(lengths, dtype, self.device, block_size=block_size)
+            dense, table = latent_cache(lengths, dtype, self.device, block_size=block_size)
+            cache, quant = cache_for(dense, policy)
             if width > table.shape[1]:
                 table = torch.cat([table, table.new_zeros(len(lengths), width - table.shape[1])], dim=1)
             q = rand(len(lengths), num_heads, LATENT + ROPE, seed=6, dtype=dtype, device=self.device)
             kv_lens = torch.tensor(lengths, device=self.device)
-            out = self.triton.mla_decode_attention(q, cache, table, kv_lens, 0.2, LATENT)
-            ref = mla.mla_decode_attention(q.float(), cache.float(), table, kv_lens, 0.2, LATENT)
+            out = self.triton.mla_decode_attention(q, cache, table, kv_lens, 0.2, LATENT, *quant)
+            ref = mla.mla_decode_attention(q.float(), as_read(cache, quant, dtype), table, kv_lens, 0.2, LATENT)
             torch.testing.assert_close(out.float(), ref, atol=self.tol(dtype), rtol=self.tol(dtype))
 
+    @pytest.mark.parametrize('policy', [0, 8, 4])
     @pytest.mark.parametrize('chunks', [[(5, 5), (20, 45), (1, 17), (16, 32)], [(70, 70), (3, 100)]])
-    def test_prefill(self, chunks):
+    def test_prefill(self, chunks, policy):
         q_lens, ctx_lens = [n for n, _ in chunks], [c for _, c in chunks]
         args = [torch.tensor(x, device=self.device) for x in ([sum(q_lens[:i]) for i in range(len(chunks))],
                                                               q_lens, ctx_lens)]
         for dtype in self.dtypes:
-            cache, table = latent_cache(ctx_lens, dtype, self.device, seed=7)
-            latent = torch.cat([context(cache, table, row, c)[c - n:] for row, (n, c) in enumerate(chunks)])
+            dense, table = latent_cache(ctx_lens, dtype, self.device, seed=7)
+            cache, quant = cache_for(dense, policy)
+            latent = torch.cat([context(dense, table, row, c)[c - n:] for row, (n, c) in enumerate(chunks)])
             q = rand(sum(q_lens), 4, LATENT + ROPE, seed=8, dtype=dtype, device=self.device)
-            out = self.triton.mla_prefill_attention(q, latent, cache, table, *args, max(q_lens), 0.3, LATENT)
-            ref = mla.mla_prefill_attention(q.float(), latent.float(), cache.float(), table, *args, max(q_lens),
-                                            0.3, LATENT)
+            out = self.triton.mla_prefill_attention(q, latent, cache, table, *args, max(q_lens), 0.3, LATENT, *quant)
+            read = as_read(cache, quant, dtype)
+            latent = torch.cat([context(read, table, row, c)[c - n:] for row, (n, c) in enumerate(chunks)])
+            ref = mla.mla_prefill_attention(q.float(), latent, read, table, *args, max(q_lens), 0.3, LATENT)
             torch.testing.assert_close(out.float(), ref, atol=self.tol(dtype), rtol=self.tol(dtype))
+
+    @pytest.mark.parametrize('policy', [8, 4])
+    def test_fill_quantized(self, policy):
+        """The fill writes the codes and (scale, zero) of each part that the twin writes (a code may be off by
+        one where the GPU fuses a multiply-add)."""
+        blocks = torch.tensor([4, 4, 1, 0, 0, 2], device=self.device)
+        offsets = torch.tensor([0, 3, 7, 1, 2, 5], device=self.device)
+        for dtype in self.dtypes:
+            latent = rand(6, LATENT + ROPE, seed=16, dtype=dtype, device=self.device)
+            latent[:, LATENT:] *= 8
+            caches = [(torch.zeros(5, 8, (LATENT + ROPE) * policy // 8, dtype=torch.uint8, device=self.device),
+                       torch.zeros(5, 8, 2, 2, device=self.device)) for _ in range(2)]
+            self.triton.fill_latent_cache(latent, caches[0][0], blocks, offsets, caches[0][1], policy, LATENT)
+            mla.fill_latent_cache(latent, caches[1][0], blocks, offsets, caches[1][1], policy, LATENT)
+            torch.testing.assert_close(caches[0][1], caches[1][1], atol=0, rtol=1e-6)
+            mine, ref = (unpacked(codes, policy) for codes, _ in caches)
+            assert (mine - ref).abs().max() <= 1
