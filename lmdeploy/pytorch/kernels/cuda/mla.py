@@ -28,6 +28,13 @@ _MAX_SPLITS = 64
 # decode: heads per program, cached rows per step, warps, stages. The [heads, 512] fp32 accumulators and a step's
 # [rows, 576] cache tiles bound them: 64 heads spilled registers, 64-row steps in 3 stages filled shared memory.
 _DECODE_LAUNCH = (16, 32, 4, 2)
+# prefill: queries per program (BLOCK_M), cached rows per step, warps, stages; the [32, 512] fp32 accumulators
+# over 8 warps: 64 rows spilled registers.
+_PREFILL_LAUNCH = (32, 32, 8, 2)
+# An int8/int4 cache's rows are dequantized in registers: 4 warps for decode used all 255 registers, and 32
+# queries per prefill program spilled 584-632 bytes (sm_90, benchmark/triton_aot.py).
+_DECODE_LAUNCH_QUANT = (16, 32, 8, 2)
+_PREFILL_LAUNCH_QUANT = (16, 32, 8, 2)
 
 
 @triton.jit
@@ -79,9 +86,9 @@ def _load_rows(cache_ptr, sz_ptr, rows, slots, valid, lat, rope, v_dim, rope_dim
 
 
 @triton.jit(do_not_specialize=['num_splits', 'stride_tb'])
-def _mla_decode_split_kernel(q_ptr, cache_ptr, sz_ptr, table_ptr, lens_ptr, part_out_ptr, part_lse_ptr, scale, num_heads,
-                             num_splits, v_dim, rope_dim, stride_qb, stride_qh, stride_cb, stride_cs, stride_tb,
-                             BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+def _mla_decode_split_kernel(q_ptr, cache_ptr, sz_ptr, table_ptr, lens_ptr, part_out_ptr, part_lse_ptr, scale,
+                             num_heads, num_splits, v_dim, rope_dim, stride_qb, stride_qh, stride_cb, stride_cs,
+                             stride_tb, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
                              BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
                              BITS: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
@@ -125,7 +132,7 @@ def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torc
     returns ``[B, H, v_dim]``. The launch depends on shapes only (CUDA graphs)."""
     batch, num_heads, dim = q.shape
     block_size = cache.shape[1]
-    block_h, block_n, num_warps, num_stages = _DECODE_LAUNCH
+    block_h, block_n, num_warps, num_stages = _DECODE_LAUNCH_QUANT if quant_policy else _DECODE_LAUNCH
     head_groups = triton.cdiv(num_heads, block_h)
     splits = max(1, min(triton.cdiv(_TARGET_PROGRAMS, batch * head_groups), _MAX_SPLITS, block_table.shape[1]))
     block_l = max(16, triton.next_power_of_2(v_dim))
@@ -181,12 +188,12 @@ def mla_prefill_attention(q: torch.Tensor, latent: torch.Tensor, cache: torch.Te
     holds each chunk, so ``latent`` is not read); returns ``[T, H, v_dim]``."""
     num_tokens, num_heads, dim = q.shape
     out = torch.empty(num_tokens, num_heads, v_dim, dtype=q.dtype, device=q.device)
-    block_m = 32  # the [32, 512] fp32 accumulators over 8 warps: 64 rows spilled registers
+    block_m, block_n, num_warps, num_stages = _PREFILL_LAUNCH_QUANT if quant_policy else _PREFILL_LAUNCH
     grid = (triton.cdiv(max_q_len, block_m), q_len.shape[0], num_heads)
     _mla_prefill_kernel[grid](
-        q, cache, scales_zeros, out, block_table, q_start, q_len, ctx_len, scale, v_dim, dim - v_dim, q.stride(0), q.stride(1),
-        out.stride(0), out.stride(1), cache.stride(0), cache.stride(1), block_table.stride(0), BLOCK_M=block_m,
-        BLOCK_N=32, BLOCK_SIZE=cache.shape[1], BLOCK_L=max(16, triton.next_power_of_2(v_dim)),
+        q, cache, scales_zeros, out, block_table, q_start, q_len, ctx_len, scale, v_dim, dim - v_dim, q.stride(0),
+        q.stride(1), out.stride(0), out.stride(1), cache.stride(0), cache.stride(1), block_table.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=cache.shape[1], BLOCK_L=max(16, triton.next_power_of_2(v_dim)),
         BLOCK_R=max(16, triton.next_power_of_2(dim - v_dim)), PRECISION=dot_precision(q.dtype), BITS=quant_policy,
-        num_warps=8, num_stages=2)
+        num_warps=num_warps, num_stages=num_stages)
     return out
