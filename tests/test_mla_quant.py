@@ -75,3 +75,12 @@ def test_prefix_cache_and_chunked_prefill_change_nothing(deepseek_v3, outputs, p
                    [shared + t for t in tails])
     assert run(cached, [shared + t for t in tails]) == expected
     assert cached.block_manager.num_hits > 0
+
+
+def test_tp2_gives_one_ranks_tokens(deepseek_v3, outputs):
+    """Each rank quantizes and reads its own copy of the whole latent cache for its heads."""
+    engine = make_engine(deepseek_v3, quant_policy=8, tp=2)
+    try:
+        assert run(engine, random_prompts(PROMPTS)) == outputs[8]
+    finally:
+        engine.close()
