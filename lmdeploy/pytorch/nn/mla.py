@@ -41,8 +41,9 @@ class LatentAttention(nn.Module):
     token over its context.
 
     A layer's cache is ``(latent_cache,)``, ``[num_blocks, block_size, kv_lora_rank + rope_dim]``, or with
-    ``quant_policy`` 8 or 4 ``(codes, scales_zeros)`` (``kernels/mla.py``). ``kv_b_weight`` is the up-projection ``[H * (nope_dim + v_head_dim), kv_lora_rank]``
-    (``kv_b_proj``'s weight), from which each head's key (``W_UK``) and value (``W_UV``) rows are read.
+    ``quant_policy`` 8 or 4 ``(codes, scales_zeros)`` (``kernels/mla.py``). ``kv_b_weight`` is the
+    up-projection ``[H * (nope_dim + v_head_dim), kv_lora_rank]`` (``kv_b_proj``'s weight), from which each
+    head's key (``W_UK``) and value (``W_UV``) rows are read.
     """
 
     def __init__(self, num_heads: int, kv_lora_rank: int, nope_dim: int, v_head_dim: int, scale: float,
