@@ -14,7 +14,7 @@ from lmdeploy.pytorch.kernels.cuda import elementwise, w8a8
 from lmdeploy.pytorch.kernels.cuda.decode_attention import decode_attention
 from lmdeploy.pytorch.kernels.cuda.fill_kv_cache import fill_kv_cache
 from lmdeploy.pytorch.kernels.cuda.fused_moe import Int4Experts, fused_moe, moe_routing
-from lmdeploy.pytorch.kernels.cuda.mla import mla_decode_attention, mla_prefill_attention
+from lmdeploy.pytorch.kernels.cuda.mla import fill_latent_cache, mla_decode_attention, mla_prefill_attention
 from lmdeploy.pytorch.kernels.cuda.prefill_attention import prefill_attention
 from lmdeploy.pytorch.nn.quant.w4a16_cuda import TritonW4A16Kernel
 
@@ -104,17 +104,24 @@ def decode(shape: AttentionShape, policy: int, dtype: torch.dtype) -> None:
                          shape.head_dim ** -0.5, *shape.caches(policy, dtype)[2:], **shape.features())
 
 
-def mla(heads: int, tokens: int, dtype: torch.dtype) -> None:
-    """DeepSeek-V3's absorbed attention: kv_lora 512 + rope 64 per cached row; ``tokens`` 0 decodes."""
-    cache = meta(4096, BLOCK_SIZE, 576, dtype=dtype)
+def mla(heads: int, tokens: int, policy: int, dtype: torch.dtype) -> None:
+    """DeepSeek-V3's absorbed attention: kv_lora 512 + rope 64 per cached row; ``tokens`` 0 decodes. An int8/int4
+    cache (``policy`` 8/4) is filled first."""
+    if policy:
+        cache = meta(4096, BLOCK_SIZE, 576 * policy // 8, dtype=torch.uint8)
+        quant = (meta(4096, BLOCK_SIZE, 2, 2, dtype=FLOAT), policy)
+        fill_latent_cache(meta(PREFILL_TOKENS, 576, dtype=dtype), cache, ids(PREFILL_TOKENS), ids(PREFILL_TOKENS),
+                          *quant, v_dim=512)
+    else:
+        cache, quant = meta(4096, BLOCK_SIZE, 576, dtype=dtype), ()
     if tokens:
         seqs = max(1, PREFILL_TOKENS // tokens // 8)
         mla_prefill_attention(meta(seqs * tokens, heads, 576, dtype=dtype), meta(seqs * tokens, 576, dtype=dtype),
-                              cache, ids(seqs, TABLE_WIDTH), ids(seqs), ids(seqs), ids(seqs), tokens, 0.1, 512)
+                              cache, ids(seqs, TABLE_WIDTH), ids(seqs), ids(seqs), ids(seqs), tokens, 0.1, 512, *quant)
     else:
         for batch in DECODE_BATCHES:
             mla_decode_attention(meta(batch, heads, 576, dtype=dtype), cache, ids(batch, TABLE_WIDTH), ids(batch),
-                                 0.1, 512)
+                                 0.1, 512, *quant)
 
 
 NORM_SIZES = (4096, 2880, 2048, 3584, 7168)  # hidden sizes of Llama-3-8B, gpt-oss-20b, Qwen3-30B-A3B, Gemma-2-9B, V3
@@ -220,9 +227,11 @@ def _cases() -> list[Case]:
                       Case(f'{shape.name} prefill 16 {kv}', partial(prefill, shape, policy, 16)),
                       Case(f'{shape.name} decode {kv}', partial(decode, shape, policy))]
     for heads in (128, 16):  # one GPU; a tensor-parallel rank of 8
-        cases += [Case(f'deepseek-v3 mla {heads}h prefill', partial(mla, heads, PREFILL_TOKENS)),
-                  Case(f'deepseek-v3 mla {heads}h prefill 16', partial(mla, heads, 16)),
-                  Case(f'deepseek-v3 mla {heads}h decode', partial(mla, heads, 0))]
+        for policy in (0, 8, 4):
+            kv = f' kv{policy}' if policy else ''
+            cases += [Case(f'deepseek-v3 mla {heads}h prefill{kv}', partial(mla, heads, PREFILL_TOKENS, policy)),
+                      Case(f'deepseek-v3 mla {heads}h prefill 16{kv}', partial(mla, heads, 16, policy)),
+                      Case(f'deepseek-v3 mla {heads}h decode{kv}', partial(mla, heads, 0, policy))]
     for shape in EXPERTS:
         for weights in ('dense', 'int4', 'int4 act-order'):
             if weights == 'dense' or shape.name == 'qwen3-30b-a3b':
@@ -236,11 +245,13 @@ def _cases() -> list[Case]:
 CASES = _cases()
 _BY_NAME = {case.name: case for case in CASES}
 # One compile per kernel where it can, at the shapes the sweep found hardest: Gemma's head dim 256 with every
-# feature, int4 decode with sinks, MLA, the int4 MoE's widest tile (it was over the shared-memory limit).
+# feature, int4 decode with sinks, MLA (int4 prefill and int8 decode: the fills too), the int4 MoE's widest tile (it
+# was over the shared-memory limit).
 QUICK_CASES = [Case('rows (one size each)', partial(rows, (4096,), ((32, 128),))),
                _BY_NAME['gemma2-9b sliding fill kv8'], _BY_NAME['gemma2-9b sliding prefill kv16'],
                _BY_NAME['gpt-oss-20b sliding decode kv4'], _BY_NAME['deepseek-v3 mla 128h prefill'],
-               _BY_NAME['deepseek-v3 mla 128h decode'],
+               _BY_NAME['deepseek-v3 mla 128h decode'], _BY_NAME['deepseek-v3 mla 128h prefill kv4'],
+               _BY_NAME['deepseek-v3 mla 128h decode kv8'],
                Case('qwen3-30b-a3b moe int4, 4096 tokens', partial(moe, EXPERTS[0], 'int4', (4096,))),
                Case('llama3-8b w8a8 gate_up, 64 tokens', partial(int8_linear, False, LINEAR[2:3], (64,))),
                Case('llama3-8b w4a16 g128 down, 64 tokens', partial(int4_linear, False, LINEAR[3:], (64,)))]

@@ -39,9 +39,6 @@ class ModelConfig:
         head_dim = getattr(hf_config, 'head_dim', None) or hf_config.hidden_size // num_heads
         kv_lora_rank = getattr(hf_config, 'kv_lora_rank', None)
         kv_latent_dim = kv_lora_rank + hf_config.qk_rope_head_dim if kv_lora_rank else 0
-        if kv_latent_dim and quant_policy:
-            raise ValueError('the latent KV cache of multi-head latent attention is not quantized; '
-                             f'use quant_policy 0 (it is {quant_policy})')
         return cls(hf_config=hf_config,
                    architecture=config.architectures[0],
                    hidden_size=hf_config.hidden_size,
@@ -60,9 +57,13 @@ class ModelConfig:
     def kv_cache_shapes(self, num_blocks: int, block_size: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """Shape and dtype of each tensor of one layer's cache: K and V, then with ``quant_policy`` their
         scales and zero points (``kernels/kv_quant.py`` describes the layout); with ``kv_latent_dim`` one
-        tensor ``[num_blocks, block_size, kv_latent_dim]`` (``kernels/mla.py``)."""
+        tensor ``[num_blocks, block_size, kv_latent_dim]``, or with ``quant_policy`` its codes and the scales
+        and zero points of its two parts (``kernels/mla.py``)."""
         if self.kv_latent_dim:
-            return [((num_blocks, block_size, self.kv_latent_dim), self.dtype)]
+            if not self.quant_policy:
+                return [((num_blocks, block_size, self.kv_latent_dim), self.dtype)]
+            return [((num_blocks, block_size, self.kv_latent_dim * self.quant_policy // 8), torch.uint8),
+                    ((num_blocks, block_size, 2, 2), torch.float32)]
         rows = (num_blocks, self.num_kv_heads, block_size)
         if not self.quant_policy:
             return [((*rows, self.head_dim), self.dtype)] * 2

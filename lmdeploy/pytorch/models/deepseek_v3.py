@@ -55,7 +55,8 @@ class DeepseekV3Attention(nn.Module):
         self.o_proj = RowLinear(num_heads * self.v_head_dim, cfg.hidden_size, bias=bias,
                                 in_range=(first * self.v_head_dim, last * self.v_head_dim))
         scale = yarn_apply_mscale(getattr(hf, 'rope_parameters', None) or {}, qk_head_dim**-0.5)
-        self.attn = LatentAttention(self.num_heads, self.kv_lora_rank, self.nope_dim, self.v_head_dim, scale)
+        self.attn = LatentAttention(self.num_heads, self.kv_lora_rank, self.nope_dim, self.v_head_dim, scale,
+                                    cfg.quant_policy)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache, ctx: StepContext) -> torch.Tensor:
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)

@@ -40,23 +40,27 @@ class LatentAttention(nn.Module):
     """Stores this step's latents in the cache, then attends each of this rank's ``num_heads`` heads of each
     token over its context.
 
-    A layer's cache is ``(latent_cache,)``, ``[num_blocks, block_size, kv_lora_rank + rope_dim]``
-    (``kernels/mla.py``). ``kv_b_weight`` is the up-projection ``[H * (nope_dim + v_head_dim), kv_lora_rank]``
-    (``kv_b_proj``'s weight), from which each head's key (``W_UK``) and value (``W_UV``) rows are read.
+    A layer's cache is ``(latent_cache,)``, ``[num_blocks, block_size, kv_lora_rank + rope_dim]``, or with
+    ``quant_policy`` 8 or 4 ``(codes, scales_zeros)`` (``kernels/mla.py``). ``kv_b_weight`` is the
+    up-projection ``[H * (nope_dim + v_head_dim), kv_lora_rank]`` (``kv_b_proj``'s weight), from which each
+    head's key (``W_UK``) and value (``W_UV``) rows are read.
     """
 
-    def __init__(self, num_heads: int, kv_lora_rank: int, nope_dim: int, v_head_dim: int, scale: float):
+    def __init__(self, num_heads: int, kv_lora_rank: int, nope_dim: int, v_head_dim: int, scale: float,
+                 quant_policy: int = 0):
         super().__init__()
         self.num_heads, self.kv_lora_rank = num_heads, kv_lora_rank
         self.nope_dim, self.v_head_dim = nope_dim, v_head_dim
         self.scale = scale
+        self.quant_policy = quant_policy
 
     def forward(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, kv_b_weight: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, ...], ctx: StepContext) -> torch.Tensor:
         """``q_nope [T, H, nope_dim]``, ``q_rope [T, H, rope_dim]`` (turned), ``latent [T, kv_lora_rank +
         rope_dim]`` (normed latent, then turned rotary key) -> ``[T, H * v_head_dim]``."""
         cache = kv_cache[0]
-        fill_latent_cache(latent, cache, ctx.kv_blocks, ctx.kv_offsets)
+        quant = (kv_cache[1], self.quant_policy) if self.quant_policy else ()
+        fill_latent_cache(latent, cache, ctx.kv_blocks, ctx.kv_offsets, *quant, v_dim=self.kv_lora_rank)
         w_kv = kv_b_weight.view(self.num_heads, self.nope_dim + self.v_head_dim, self.kv_lora_rank)
         q_latent = torch.einsum('thn,hnl->thl', q_nope, w_kv[:, :self.nope_dim])
         q = torch.cat((q_latent, q_rope), dim=-1)
@@ -65,9 +69,9 @@ class LatentAttention(nn.Module):
         if ctx.prefill_q_len is not None:
             parts.append(mla_prefill_attention(q[:num_prefill], latent[:num_prefill], cache, ctx.prefill_block_table,
                                                ctx.prefill_q_start, ctx.prefill_q_len, ctx.prefill_ctx_len,
-                                               ctx.prefill_max_q_len, self.scale, self.kv_lora_rank))
+                                               ctx.prefill_max_q_len, self.scale, self.kv_lora_rank, *quant))
         if ctx.decode_blocks is not None:
             parts.append(mla_decode_attention(q[num_prefill:], cache, ctx.decode_blocks, ctx.decode_kv_lens,
-                                              self.scale, self.kv_lora_rank))
+                                              self.scale, self.kv_lora_rank, *quant))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return torch.einsum('thl,hvl->thv', out, w_kv[:, self.nope_dim:]).flatten(1)

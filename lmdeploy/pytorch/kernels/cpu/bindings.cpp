@@ -50,8 +50,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q6k_gemv_available", &q6k_gemv_available, "whether q6k_linear was built (AVX512-BF16)");
   m.def("q6k_linear", &q6k_linear, "fp32 x @ W.T on GGUF Q6_K codes and scales (linear_q6k.cpp), x in bf16",
         py::arg("x"), py::arg("codes"), py::arg("scales"));
-  m.def("mla_decode_attention", &mla_decode_attention, "multi-head latent attention of one token per sequence");
-  m.def("mla_prefill_attention", &mla_prefill_attention, "causal multi-head latent attention of prefill chunks");
+  m.def("mla_decode_attention", &mla_decode_attention, "multi-head latent attention of one token per sequence",
+        py::arg("q"), py::arg("cache"), py::arg("block_table"), py::arg("kv_lens"), py::arg("scale"), py::arg("v_dim"),
+        py::arg("scales_zeros") = py::none(), py::arg("quant_policy") = 0);
+  m.def("mla_prefill_attention", &mla_prefill_attention, "causal multi-head latent attention of prefill chunks",
+        py::arg("q"), py::arg("latent"), py::arg("cache"), py::arg("block_table"), py::arg("q_start"),
+        py::arg("q_len"), py::arg("ctx_len"), py::arg("max_q_len"), py::arg("scale"), py::arg("v_dim"),
+        py::arg("scales_zeros") = py::none(), py::arg("quant_policy") = 0);
   m.def("pack_int8_gate_up", &pack_int8_gate_up, "a [gate; up] int8 weight packed for int8_gate_up_silu");
   m.def("int8_gate_up_silu", &int8_gate_up_silu, "silu(x @ G.T) * (x @ U.T), W8A8, on a weight from pack_int8_gate_up",
         py::arg("x"), py::arg("packed"), py::arg("compensation"), py::arg("scale"), py::arg("bias") = py::none());

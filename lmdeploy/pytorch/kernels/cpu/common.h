@@ -320,9 +320,12 @@ class DecoderStack {
 };
 
 // Multi-head latent attention over the paged latent cache [num_blocks, block_size, D] (mla.cpp): absorbed
-// queries [rows, H, D] -> [rows, H, v_dim], the score-weighted sums of the cached latents [:v_dim].
+// queries [rows, H, D] -> [rows, H, v_dim], the score-weighted sums of the cached latents [:v_dim]. With
+// quant_policy 8 or 4 the cache holds codes and scales_zeros [num_blocks, block_size, 2, 2] (kernels/mla.py).
 torch::Tensor mla_decode_attention(torch::Tensor q, torch::Tensor cache, torch::Tensor block_table,
-                                   torch::Tensor kv_lens, double scale, int64_t v_dim);
+                                   torch::Tensor kv_lens, double scale, int64_t v_dim,
+                                   const c10::optional<torch::Tensor>& scales_zeros, int64_t quant_policy);
 torch::Tensor mla_prefill_attention(torch::Tensor q, const torch::Tensor& latent, torch::Tensor cache,
                                     torch::Tensor block_table, torch::Tensor q_start, torch::Tensor q_len,
-                                    torch::Tensor ctx_len, int64_t max_q_len, double scale, int64_t v_dim);
+                                    torch::Tensor ctx_len, int64_t max_q_len, double scale, int64_t v_dim,
+                                    const c10::optional<torch::Tensor>& scales_zeros, int64_t quant_policy);

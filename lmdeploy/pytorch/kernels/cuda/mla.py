@@ -5,6 +5,9 @@ cached rows, the latent ``[:v_dim]`` and the rotary key ``[v_dim:]``, and sums l
 programs take a group of heads of one sequence over one split of its pages (each row read once for the
 group), then the split partials are merged by the paged decode attention's reduce kernel. Prefill programs
 take ``BLOCK_M`` queries of one head of one sequence and read its context, the chunk included, from the cache.
+An int8/int4 cache (``quant_policy`` 8/4) is filled by a kernel that quantizes each token's latent and rotary
+key on its own, and the attention kernels dequantize the rows as they load them (codes to fp32, one fma, then
+``q``'s dtype for ``tl.dot``).
 """
 from __future__ import annotations
 
@@ -13,9 +16,10 @@ import triton
 import triton.language as tl
 
 from lmdeploy.pytorch.kernels.cuda.decode_attention import reduce_splits, split_partials, store_split_partial
+from lmdeploy.pytorch.kernels.cuda.kv_quant import load_dequantized, quantize_store
 from lmdeploy.pytorch.kernels.cuda.utils import (dot_precision, online_softmax_update, prefill_rows,
                                                  store_normalized_rows)
-from lmdeploy.pytorch.kernels.mla import fill_latent_cache
+from lmdeploy.pytorch.kernels.mla import fill_latent_cache as _fill_latent_cache_torch
 
 __all__ = ['fill_latent_cache', 'mla_decode_attention', 'mla_prefill_attention']
 
@@ -24,23 +28,69 @@ _MAX_SPLITS = 64
 # decode: heads per program, cached rows per step, warps, stages. The [heads, 512] fp32 accumulators and a step's
 # [rows, 576] cache tiles bound them: 64 heads spilled registers, 64-row steps in 3 stages filled shared memory.
 _DECODE_LAUNCH = (16, 32, 4, 2)
+# prefill: queries per program (BLOCK_M), cached rows per step, warps, stages; the [32, 512] fp32 accumulators
+# over 8 warps: 64 rows spilled registers.
+_PREFILL_LAUNCH = (32, 32, 8, 2)
+# An int8/int4 cache's rows are dequantized in registers: 4 warps for decode used all 255 registers, and 32
+# queries per prefill program spilled 584-632 bytes (sm_90, benchmark/triton_aot.py).
+_DECODE_LAUNCH_QUANT = (16, 32, 8, 2)
+_PREFILL_LAUNCH_QUANT = (16, 32, 8, 2)
 
 
 @triton.jit
-def _load_rows(cache_ptr, rows, valid, lat, rope, v_dim, rope_dim):
-    """The latents ``[N, BLOCK_L]`` and rotary keys ``[N, BLOCK_R]`` of cache ``rows`` (zero where invalid)."""
-    kv_lat = tl.load(cache_ptr + rows[:, None] + lat[None, :], mask=valid[:, None] & (lat < v_dim)[None, :],
-                     other=0.0)
-    kv_rope = tl.load(cache_ptr + rows[:, None] + v_dim + rope[None, :],
-                      mask=valid[:, None] & (rope < rope_dim)[None, :], other=0.0)
+def _fill_latent_kernel(x_ptr, cache_ptr, sz_ptr, blocks_ptr, offsets_ptr, v_dim, rope_dim, block_size, stride_xt,
+                        stride_cb, stride_cs, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BITS: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    block = tl.load(blocks_ptr + tok).to(tl.int64)
+    offset = tl.load(offsets_ptr + tok).to(tl.int64)
+    row = tl.arange(0, 1)  # quantize_store's rows: this token's one
+    dst = (block * stride_cb + offset * stride_cs + row)[:, None]
+    sz_dst = (block * block_size + offset) * 4 + row  # scales and zeros: [num_blocks, block_size, 2, 2], contiguous
+    x = x_ptr + tok * stride_xt + row[:, None]
+    quantize_store(x, cache_ptr, sz_ptr, tl.arange(0, BLOCK_L)[None, :], dst, sz_dst, row < 1, v_dim, BITS)
+    quantize_store(x + v_dim, cache_ptr, sz_ptr, tl.arange(0, BLOCK_R)[None, :], dst + v_dim * BITS // 8, sz_dst + 2,
+                   row < 1, rope_dim, BITS)
+
+
+def fill_latent_cache(latent: torch.Tensor, cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor,
+                      scales_zeros: torch.Tensor | None = None, quant_policy: int = 0, v_dim: int = 0) -> None:
+    """Writes ``latent [T, D]`` (last dim contiguous); token ``i`` goes to ``(blocks[i], offsets[i])``: torch's own
+    indexed write, or with ``quant_policy`` 8/4 a kernel that quantizes the latent ``[:v_dim]`` and the rotary key."""
+    num_tokens, dim = latent.shape
+    if not quant_policy:
+        _fill_latent_cache_torch(latent, cache, blocks, offsets)
+    elif num_tokens:
+        _fill_latent_kernel[(num_tokens,)](latent, cache, scales_zeros, blocks, offsets, v_dim, dim - v_dim,
+                                           cache.shape[1], latent.stride(0), cache.stride(0), cache.stride(1),
+                                           BLOCK_L=triton.next_power_of_2(v_dim),
+                                           BLOCK_R=triton.next_power_of_2(dim - v_dim), BITS=quant_policy)
+
+
+@triton.jit
+def _load_rows(cache_ptr, sz_ptr, rows, slots, valid, lat, rope, v_dim, rope_dim, dtype: tl.constexpr,
+               BITS: tl.constexpr):
+    """The latents ``[N, BLOCK_L]`` and rotary keys ``[N, BLOCK_R]`` of cache ``rows`` (their element offsets;
+    ``slots`` their tokens' indices into the scales and zeros of a quantized cache), in ``dtype``, zero where
+    invalid."""
+    if BITS == 0:
+        kv_lat = tl.load(cache_ptr + rows[:, None] + lat[None, :], mask=valid[:, None] & (lat < v_dim)[None, :],
+                         other=0.0)
+        kv_rope = tl.load(cache_ptr + rows[:, None] + v_dim + rope[None, :],
+                          mask=valid[:, None] & (rope < rope_dim)[None, :], other=0.0)
+    else:
+        kv_lat = load_dequantized(cache_ptr, sz_ptr, rows[:, None], slots[:, None] * 2, valid[:, None], lat[None, :],
+                                  (lat < v_dim)[None, :], v_dim, BITS).to(dtype)
+        kv_rope = load_dequantized(cache_ptr, sz_ptr, rows[:, None] + v_dim * BITS // 8, slots[:, None] * 2 + 1,
+                                   valid[:, None], rope[None, :], (rope < rope_dim)[None, :], rope_dim, BITS).to(dtype)
     return kv_lat, kv_rope
 
 
 @triton.jit(do_not_specialize=['num_splits', 'stride_tb'])
-def _mla_decode_split_kernel(q_ptr, cache_ptr, table_ptr, lens_ptr, part_out_ptr, part_lse_ptr, scale, num_heads,
-                             num_splits, v_dim, rope_dim, stride_qb, stride_qh, stride_cb, stride_cs, stride_tb,
-                             BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
-                             BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
+def _mla_decode_split_kernel(q_ptr, cache_ptr, sz_ptr, table_ptr, lens_ptr, part_out_ptr, part_lse_ptr, scale,
+                             num_heads, num_splits, v_dim, rope_dim, stride_qb, stride_qh, stride_cb, stride_cs,
+                             stride_tb, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+                             BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
+                             BITS: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -64,8 +114,9 @@ def _mla_decode_split_kernel(q_ptr, cache_ptr, table_ptr, lens_ptr, part_out_ptr
         pos = start + n
         valid = pos < end
         block = tl.load(table_ptr + b * stride_tb + start // BLOCK_SIZE).to(tl.int64)
-        kv_lat, kv_rope = _load_rows(cache_ptr, block * stride_cb + (pos % BLOCK_SIZE) * stride_cs, valid, lat, rope,
-                                     v_dim, rope_dim)
+        kv_lat, kv_rope = _load_rows(cache_ptr, sz_ptr, block * stride_cb + (pos % BLOCK_SIZE) * stride_cs,
+                                     block * BLOCK_SIZE + pos % BLOCK_SIZE, valid, lat, rope, v_dim, rope_dim,
+                                     q_lat.dtype, BITS)
         s = tl.dot(q_lat, tl.trans(kv_lat), input_precision=PRECISION)
         s = (s + tl.dot(q_rope, tl.trans(kv_rope), input_precision=PRECISION)) * scale
         s = tl.where(valid[None, :], s, float('-inf'))
@@ -75,30 +126,31 @@ def _mla_decode_split_kernel(q_ptr, cache_ptr, table_ptr, lens_ptr, part_out_ptr
 
 
 def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, kv_lens: torch.Tensor,
-                         scale: float, v_dim: int) -> torch.Tensor:
+                         scale: float, v_dim: int, scales_zeros: torch.Tensor | None = None,
+                         quant_policy: int = 0) -> torch.Tensor:
     """One new token per sequence: ``q [B, H, D]`` over ``kv_lens [B]`` tokens in ``block_table [B, N]``;
     returns ``[B, H, v_dim]``. The launch depends on shapes only (CUDA graphs)."""
     batch, num_heads, dim = q.shape
     block_size = cache.shape[1]
-    block_h, block_n, num_warps, num_stages = _DECODE_LAUNCH
+    block_h, block_n, num_warps, num_stages = _DECODE_LAUNCH_QUANT if quant_policy else _DECODE_LAUNCH
     head_groups = triton.cdiv(num_heads, block_h)
     splits = max(1, min(triton.cdiv(_TARGET_PROGRAMS, batch * head_groups), _MAX_SPLITS, block_table.shape[1]))
     block_l = max(16, triton.next_power_of_2(v_dim))
     part_out, part_lse = split_partials(batch, num_heads, splits, block_l, q.device)
     _mla_decode_split_kernel[(batch, head_groups, splits)](
-        q, cache, block_table, kv_lens, part_out, part_lse, scale, num_heads, splits, v_dim, dim - v_dim,
+        q, cache, scales_zeros, block_table, kv_lens, part_out, part_lse, scale, num_heads, splits, v_dim, dim - v_dim,
         q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), block_table.stride(0), BLOCK_SIZE=block_size,
         BLOCK_N=min(block_n, block_size), BLOCK_H=block_h, BLOCK_L=block_l,
-        BLOCK_R=max(16, triton.next_power_of_2(dim - v_dim)), PRECISION=dot_precision(q.dtype), num_warps=num_warps,
-        num_stages=num_stages)
+        BLOCK_R=max(16, triton.next_power_of_2(dim - v_dim)), PRECISION=dot_precision(q.dtype), BITS=quant_policy,
+        num_warps=num_warps, num_stages=num_stages)
     return reduce_splits(part_out, part_lse, torch.empty(batch, num_heads, v_dim, dtype=q.dtype, device=q.device))
 
 
 @triton.jit
-def _mla_prefill_kernel(q_ptr, cache_ptr, out_ptr, table_ptr, q_start_ptr, q_len_ptr, ctx_len_ptr, scale, v_dim,
+def _mla_prefill_kernel(q_ptr, cache_ptr, sz_ptr, out_ptr, table_ptr, q_start_ptr, q_len_ptr, ctx_len_ptr, scale, v_dim,
                         rope_dim, stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_tb,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                        BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
+                        BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr, BITS: tl.constexpr):
     seq, q_start, q_len, prefix, rows, seen = prefill_rows(q_start_ptr, q_len_ptr, ctx_len_ptr, BLOCK_M)
     if tl.program_id(0) * BLOCK_M >= q_len:
         return
@@ -118,8 +170,9 @@ def _mla_prefill_kernel(q_ptr, cache_ptr, out_ptr, table_ptr, q_start_ptr, q_len
         pos = start + n
         valid = pos < context
         block = tl.load(table_ptr + seq * stride_tb + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        kv_lat, kv_rope = _load_rows(cache_ptr, block * stride_cb + (pos % BLOCK_SIZE) * stride_cs, valid, lat, rope,
-                                     v_dim, rope_dim)
+        kv_lat, kv_rope = _load_rows(cache_ptr, sz_ptr, block * stride_cb + (pos % BLOCK_SIZE) * stride_cs,
+                                     block * BLOCK_SIZE + pos % BLOCK_SIZE, valid, lat, rope, v_dim, rope_dim,
+                                     q_lat.dtype, BITS)
         s = tl.dot(q_lat, tl.trans(kv_lat), input_precision=PRECISION)
         s = (s + tl.dot(q_rope, tl.trans(kv_rope), input_precision=PRECISION)) * scale
         s = tl.where(valid[None, :] & (pos[None, :] <= (prefix + rows)[:, None]), s, float('-inf'))
@@ -129,17 +182,18 @@ def _mla_prefill_kernel(q_ptr, cache_ptr, out_ptr, table_ptr, q_start_ptr, q_len
 
 def mla_prefill_attention(q: torch.Tensor, latent: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
                           q_start: torch.Tensor, q_len: torch.Tensor, ctx_len: torch.Tensor, max_q_len: int,
-                          scale: float, v_dim: int) -> torch.Tensor:
+                          scale: float, v_dim: int, scales_zeros: torch.Tensor | None = None,
+                          quant_policy: int = 0) -> torch.Tensor:
     """Causal attention of the packed chunks ``q [T, H, D]`` over their contexts in the cache (which already
     holds each chunk, so ``latent`` is not read); returns ``[T, H, v_dim]``."""
     num_tokens, num_heads, dim = q.shape
     out = torch.empty(num_tokens, num_heads, v_dim, dtype=q.dtype, device=q.device)
-    block_m = 32  # the [32, 512] fp32 accumulators over 8 warps: 64 rows spilled registers
+    block_m, block_n, num_warps, num_stages = _PREFILL_LAUNCH_QUANT if quant_policy else _PREFILL_LAUNCH
     grid = (triton.cdiv(max_q_len, block_m), q_len.shape[0], num_heads)
     _mla_prefill_kernel[grid](
-        q, cache, out, block_table, q_start, q_len, ctx_len, scale, v_dim, dim - v_dim, q.stride(0), q.stride(1),
-        out.stride(0), out.stride(1), cache.stride(0), cache.stride(1), block_table.stride(0), BLOCK_M=block_m,
-        BLOCK_N=32, BLOCK_SIZE=cache.shape[1], BLOCK_L=max(16, triton.next_power_of_2(v_dim)),
-        BLOCK_R=max(16, triton.next_power_of_2(dim - v_dim)), PRECISION=dot_precision(q.dtype), num_warps=8,
-        num_stages=2)
+        q, cache, scales_zeros, out, block_table, q_start, q_len, ctx_len, scale, v_dim, dim - v_dim, q.stride(0),
+        q.stride(1), out.stride(0), out.stride(1), cache.stride(0), cache.stride(1), block_table.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=cache.shape[1], BLOCK_L=max(16, triton.next_power_of_2(v_dim)),
+        BLOCK_R=max(16, triton.next_power_of_2(dim - v_dim)), PRECISION=dot_precision(q.dtype), BITS=quant_policy,
+        num_warps=num_warps, num_stages=num_stages)
     return out
