@@ -3,6 +3,7 @@ JSON valid under the schema (no control characters or surrogates in bounded stri
 repetitions would take long to compile are a 400 before any compile."""
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -14,6 +15,7 @@ from helpers import make_engine, random_prompts
 
 from lmdeploy import GenerationConfig
 from lmdeploy.pytorch.engine.guided import GrammarCompiler, GrammarState, pattern_repetition, regex_repetition
+from lmdeploy.serve.async_engine import AsyncEngine
 
 HUGE = {'type': 'object', 'additionalProperties': False, 'required': ['s', 'n'],
         'properties': {'s': {'type': 'string', 'minLength': 2, 'maxLength': 100_000},
@@ -125,3 +127,38 @@ def test_huge_bounds_are_served(api_server, byte_tokens):
     choice = response.json()['choices'][0]
     assert choice['finish_reason'] == 'stop', choice
     jsonschema.validate(json.loads(choice['message']['content']), HUGE)
+
+
+def test_waiting_requests_share_a_compile_and_give_up_a_queued_one(tiny_llama):
+    """Requests for a format that is compiling wait for that compile on no thread of their own, so another
+    format still gets a thread; a compile not started when all who wait for it gave up never starts."""
+    slow = [GenerationConfig(response_format=json_schema({'enum': [f'{tag} {i}' for i in range(10_000)]}))
+            for tag in ('first', 'second')]
+    quick = [GenerationConfig(response_format={'type': 'regex', 'regex': r'\d+'}),
+             GenerationConfig(response_format={'type': 'choice', 'choice': ['yes', 'no']})]
+
+    async def main():
+        engine = AsyncEngine(tiny_llama)
+        started = []
+        compile_one = engine.grammars.compile
+
+        def recording(config: GenerationConfig):
+            started.append(config)
+            return compile_one(config)
+
+        engine.grammars.compile = recording
+        try:
+            sharing = [asyncio.create_task(engine.compile_grammar(slow[0])) for _ in range(3)]
+            await asyncio.sleep(0.05)
+            assert await engine.compile_grammar(quick[0], 30) is not None
+            assert not any(t.done() for t in sharing), 'the quick format waited for no slow compile'
+            other = asyncio.create_task(engine.compile_grammar(slow[1]))
+            await asyncio.sleep(0.05)
+            with pytest.raises(TimeoutError):  # both threads busy: it waits in the queue, then gives up
+                await engine.compile_grammar(quick[1], 0.1)
+            grammars = await asyncio.gather(*sharing, other)
+            assert grammars[0] is grammars[1] is grammars[2] and started == [slow[0], quick[0], slow[1]]
+            assert not engine._compiling
+        finally:
+            engine.close()
+    asyncio.run(main())
