@@ -2,9 +2,9 @@
 array ``maxItems`` / ``minItems``, counted repetitions in a schema's ``pattern`` and in a regex format.
 
 Each case compiles with the engine's handling (``GrammarCompiler._compile``: what a request gets) and with
-xgrammar's own (``compile_json_schema`` / ``compile_regex`` on the untouched format), in a child process per
-case kind that compiles its bounds in increasing order; a compile over ``--timeout`` seconds is killed and
-the larger bounds of its kind are not tried. Memory is the child's resident set growth during the compile,
+xgrammar's own (``compile_json_schema`` / ``compile_regex`` on the untouched format), in a child process
+that compiles each case's bounds in increasing order; a compile over ``--timeout`` seconds is killed, the
+larger bounds of its case are not tried, and a new child goes on with the next case. Memory is the child's resident set growth during the compile,
 sampled every 10 ms. xgrammar's cache is off, so every compile is a real one.
 
     python benchmark/grammar_compile.py [--model PATH] [--timeout 20] [--bounds 10,100,1000,3000,10000,100000]
