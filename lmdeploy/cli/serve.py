@@ -62,6 +62,8 @@ LIMIT_HELP = {
     'max_fanout': 'generations one request fans out to (n x prompts); over: 400',
     'max_grammar_compile_seconds': 'seconds a response format (JSON schema, regex, grammar) may take to compile; '
                                    'over: 400',
+    'max_grammar_repetition': 'counted repetition ({m,n} bounds, nested ones multiplied, all added) of the regex '
+                              "patterns of a JSON schema response format or tool's parameters; over: 400",
 }
 
 

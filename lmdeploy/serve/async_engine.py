@@ -4,8 +4,10 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import hmac
+import json
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
@@ -34,6 +36,14 @@ request_owner: contextvars.ContextVar[str | None] = contextvars.ContextVar('lmde
 # Grammars compile on threads of their own (at most this many at once), so that formats slow to compile never
 # hold the threads of the event loop's default executor.
 GRAMMAR_COMPILE_THREADS = 2
+
+
+@dataclass
+class _Compile:
+    """A grammar compile and the number of requests waiting for it."""
+
+    future: Future
+    waiters: int = 0
 
 
 def _to_response(out: EngineOutput) -> Response:
@@ -74,6 +84,7 @@ class AsyncEngine:
         self.inst_manager = InferInstManager(self.engine_loop, self.backend_config.max_batch_size)
         self.grammars = self.engine.grammars
         self._grammar_pool = ThreadPoolExecutor(GRAMMAR_COMPILE_THREADS, thread_name_prefix='lmdeploy-grammar')
+        self._compiling: dict[str, _Compile] = {}  # a format (with its marker) -> its compile, until it ends
         self._owners: dict[int, tuple[object, str]] = {}  # session id -> (its active request, that one's owner)
 
     def encode(self, prompt: Prompt, do_preprocess: bool = True) -> list[int]:
@@ -97,15 +108,32 @@ class AsyncEngine:
         """``gen_config.response_format`` compiled on a grammar thread (compiled grammars are cached by their
         source), None without one; raises :class:`SafeRunException` (INVALID_ARGUMENT) with xgrammar's
         reason for a schema, regex or grammar it cannot compile, and ``TimeoutError`` when it has not compiled
-        after ``timeout`` seconds (waiting for a grammar thread included). xgrammar cannot stop a compile: one
-        that started runs on to its end, and the same format then comes from the cache."""
+        after ``timeout`` seconds (waiting for a grammar thread included). Requests for a format that is
+        compiling wait for that compile, on no thread of their own. xgrammar cannot stop a compile: one
+        that started runs on to its end (the same format then comes from the cache); one that has not
+        started when all who wait for it gave up never starts."""
         if gen_config.response_format is None:
             return None
-        compiled = asyncio.get_running_loop().run_in_executor(self._grammar_pool, self.grammars.compile, gen_config)
+        key = json.dumps([gen_config.response_format, gen_config.response_format_after], sort_keys=True,
+                         default=repr)
+        compile = self._compiling.get(key)
+        if compile is None:
+            compile = self._compiling[key] = _Compile(self._grammar_pool.submit(self.grammars.compile, gen_config))
+            loop = asyncio.get_running_loop()
+            compile.future.add_done_callback(lambda _: loop.call_soon_threadsafe(self._forget, key, compile))
+        compile.waiters += 1
         try:
-            return await asyncio.wait_for(compiled, timeout)
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(compile.future)), timeout)
         except ValueError as exc:
             raise SafeRunException(ErrorCode.INVALID_ARGUMENT, str(exc)) from exc
+        finally:
+            compile.waiters -= 1
+            if not compile.waiters and compile.future.cancel():
+                self._forget(key, compile)
+
+    def _forget(self, key: str, compile: _Compile) -> None:
+        if self._compiling.get(key) is compile:
+            del self._compiling[key]
 
     async def generate(self, messages: Prompt | None = None, session_id: int | None = None,
                        gen_config: GenerationConfig | None = None, do_preprocess: bool = True,

@@ -26,6 +26,7 @@ class RequestLimits:
     max_stop_token_ids: int | None = 64
     max_fanout: int | None = 128
     max_grammar_compile_seconds: int | None = 30
+    max_grammar_repetition: int | None = 1000
 
     def __post_init__(self):
         for f in fields(self):
@@ -106,6 +107,11 @@ def check_stop(limits: RequestLimits, stop: str | list[str] | None, stop_token_i
 
 def check_fanout(limits: RequestLimits, n: int, num_prompts: int, param: str = 'n') -> None:
     _check(limits, 'max_fanout', f'the fan-out n x prompts ({n} x {num_prompts})', n * num_prompts, param)
+
+
+def check_grammar_repetition(limits: RequestLimits, count: int, param: str | None) -> None:
+    _check(limits, 'max_grammar_repetition', "the counted repetition of the schema's regex patterns ({m,n} bounds, "
+           'nested ones multiplied, all added)', count, param)
 
 
 class BodyLimitMiddleware:

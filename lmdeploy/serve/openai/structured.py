@@ -7,9 +7,10 @@ import json
 from typing import Any
 
 from lmdeploy.messages import GenerationConfig
+from lmdeploy.pytorch.engine.guided import pattern_repetition
 from lmdeploy.serve.exceptions import SafeRunException
 from lmdeploy.serve.openai.errors import APIError
-from lmdeploy.serve.openai.limits import RequestLimits, flag
+from lmdeploy.serve.openai.limits import RequestLimits, check_grammar_repetition, flag
 from lmdeploy.serve.openai.protocol import StructuredFields, StructuredOutputs
 
 Format = dict[str, Any]
@@ -68,10 +69,13 @@ def with_format(config: GenerationConfig, fmt: Format | None, after: str | None,
 
 
 async def compile_format(engine: Any, config: GenerationConfig, param: str | None, limits: RequestLimits) -> None:
-    """Compiles ``config``'s grammar (cached by the engine); one that cannot compile, or not within
-    ``--max-grammar-compile-seconds``, is a 400 with the reason."""
-    if config.response_format is None:
+    """Compiles ``config``'s grammar (cached by the engine); one over ``--max-grammar-repetition`` (at once), one
+    that cannot compile, or not within ``--max-grammar-compile-seconds``, is a 400 with the reason."""
+    fmt = config.response_format
+    if fmt is None:
         return
+    if fmt['type'] == 'json_schema':
+        check_grammar_repetition(limits, pattern_repetition(fmt['json_schema']['schema']), param)
     seconds = limits.max_grammar_compile_seconds
     try:
         await engine.compile_grammar(config, seconds)
@@ -80,5 +84,5 @@ async def compile_format(engine: Any, config: GenerationConfig, param: str | Non
     except TimeoutError:
         raise APIError(400, f'the response format did not compile within {seconds} s (the server\'s '
                        f'{flag("max_grammar_compile_seconds")} is {seconds}); simplify it: fewer enum values, choices '
-                       'or properties, lower maxLength, maxItems and regex repetition bounds', param,
+                       'or properties, lower regex repetition bounds', param,
                        'max_grammar_compile_seconds_exceeded') from None

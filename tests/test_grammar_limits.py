@@ -1,0 +1,164 @@
+"""Response formats whose bounds a client sets: huge string lengths and array sizes compile at once and still give
+JSON valid under the schema (no control characters or surrogates in bounded strings); regex patterns whose counted
+repetitions would take long to compile are a 400 before any compile."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import jsonschema
+import pytest
+import xgrammar as xgr
+from helpers import make_engine, random_prompts
+
+from lmdeploy import GenerationConfig
+from lmdeploy.pytorch.engine.guided import GrammarCompiler, GrammarState, pattern_repetition, regex_repetition
+from lmdeploy.serve.async_engine import AsyncEngine
+
+HUGE = {'type': 'object', 'additionalProperties': False, 'required': ['s', 'n'],
+        'properties': {'s': {'type': 'string', 'minLength': 2, 'maxLength': 100_000},
+                       'n': {'type': 'array', 'items': {'type': 'integer', 'minimum': 0, 'maximum': 9},
+                             'minItems': 2, 'maxItems': 100_000}}}
+LONG_MIN = {'type': 'string', 'minLength': 100_000}
+
+
+def json_schema(schema: dict) -> dict:
+    return {'type': 'json_schema', 'json_schema': {'name': 'x', 'schema': schema}}
+
+
+@pytest.fixture(scope='module')
+def engine(tiny_llama):
+    return make_engine(tiny_llama)
+
+
+@pytest.fixture(scope='module')
+def byte_tokens(engine) -> dict[bytes, int]:
+    """The tiny vocabulary's token of each single byte."""
+    info = xgr.TokenizerInfo.from_huggingface(engine.tokenizer.hf, vocab_size=engine.model_config.vocab_size)
+    return {b: i for i, b in enumerate(info.decoded_vocab) if len(b) == 1}
+
+
+def test_huge_bounds_compile_at_once(engine):
+    compiler = GrammarCompiler(engine.tokenizer, engine.model_config.vocab_size)
+    compiler.compile(GenerationConfig(response_format=json_schema({'type': 'string', 'maxLength': 5})))  # warm-up
+    for schema in (HUGE, LONG_MIN, {'type': 'string', 'maxLength': 10 ** 18},
+                   {'type': 'array', 'items': {'type': 'string', 'maxLength': 50_000}, 'minItems': 100_000}):
+        start = time.perf_counter()
+        compiler.compile(GenerationConfig(response_format=json_schema(schema)))
+        assert time.perf_counter() - start < 2, schema  # the exact pattern they once became: minutes to hours
+
+
+@pytest.mark.parametrize('bound', [8, 100_000])
+def test_bounded_strings_hold_json_string_characters_only(engine, byte_tokens, bound):
+    """xgrammar's own bounded strings let in raw control characters and the UTF-8 bytes of a surrogate (each
+    decoded as three characters): whatever the bound, neither gets past the first character, nor does a quote
+    before ``minLength`` characters."""
+    schema = {'type': 'string', 'minLength': 2, 'maxLength': bound}
+    grammar = GrammarCompiler(engine.tokenizer, engine.model_config.vocab_size).compile(
+        GenerationConfig(response_format=json_schema(schema)))
+    for bad in (b'\t', b'\x01', b'\x1f', b'\xed\xa0', b'"', b'\\'):  # \xed\xa0: U+D800's first bytes
+        state = GrammarState(grammar)
+        for byte in b'"a' + bad[:-1]:
+            assert not state.accept(byte_tokens[bytes([byte])], [])
+        assert state.accept(byte_tokens[bad[-1:]], []), f'{bad!r} is let in'
+    state = GrammarState(grammar)
+    for token in (b'"', 'é'.encode()[:1], 'é'.encode()[1:], b'a', b'"'):
+        assert not state.matcher.is_terminated() and state.matcher.accept_token(byte_tokens[token])
+
+
+def test_outputs_of_huge_bounds_validate(engine, byte_tokens):
+    """Pushed towards control characters and surrogate bytes (whitespace is JSON outside strings: not pushed),
+    greedy and sampled replies still validate."""
+    push = {byte_tokens[b]: 30.0 for b in (b'\x01', b'\x1f', b'\xed', b'\xa0', b'\\')}
+    push[byte_tokens[b'"']] = 40.0  # ends the string where the grammar lets it
+    prompts = random_prompts([9, 12, 7], seed=21)
+    requests = [(p, GenerationConfig(max_new_tokens=300, response_format=json_schema(HUGE), logit_bias=push,
+                                     do_sample=sampled, temperature=1.0, random_seed=seed))
+                for p in prompts for sampled, seed in ((False, 0), (True, 1))]
+    ids = {engine.add_request(p, g): i for i, (p, g) in enumerate(requests)}
+    texts, finish = [''] * len(requests), [None] * len(requests)
+    while engine.has_unfinished():
+        for out in engine.step():
+            texts[ids[out.seq_id]] += out.text
+            finish[ids[out.seq_id]] = out.finish_reason or finish[ids[out.seq_id]]
+    for text, reason in zip(texts, finish):
+        assert reason == 'stop', (reason, text)
+        jsonschema.validate(json.loads(text), HUGE)
+
+
+def test_regex_repetition_counts_bounds():
+    assert regex_repetition(r'^[a-c]{2,4}-\d{3}$') == 7
+    assert regex_repetition('^[a-z]{0,50000}$') == 50_000
+    assert regex_repetition('(ab{0,10}){0,100}x{5,}') == 1005
+    assert regex_repetition(r'[{0,99999}]\{0,99999\}\p{L}{2}') == 2  # literal braces, a property class
+    schema = {'type': 'object', 'patternProperties': {'^k{3}$': {'type': 'string', 'pattern': '^a{0,10}$'}},
+              'properties': {'pattern': {'type': 'string', 'pattern': 'b{20}'}}, 'default': {'pattern': 'c{999}'}}
+    assert pattern_repetition(schema) == 33
+
+
+SLOW = {'type': 'object', 'properties': {'s': {'type': 'string', 'pattern': '^[a-z]{0,50000}$'}}}
+CHAT = {'model': 'tiny', 'messages': [{'role': 'user', 'content': 'hi'}], 'max_tokens': 8}
+
+
+@pytest.mark.parametrize('field', ['response_format', 'structured_outputs', 'tools'])
+def test_a_pattern_over_the_repetition_limit_is_400_at_once(api_server, field):
+    body = {**CHAT, 'response_format': json_schema(SLOW)}
+    if field == 'structured_outputs':
+        body = {**CHAT, 'structured_outputs': {'json': SLOW}}
+    elif field == 'tools':
+        body = {**CHAT, 'tools': [{'type': 'function', 'function': {'name': 'f', 'parameters': SLOW}}],
+                'tool_choice': 'required'}
+    start = time.monotonic()
+    response = httpx.post(f'{api_server.url}/v1/chat/completions', json=body, timeout=60)
+    assert time.monotonic() - start < 1 and response.status_code == 400, response.text
+    error = response.json()['error']
+    assert error['code'] == 'max_grammar_repetition_exceeded' and error['param'] == field
+    assert '50000' in error['message'] and '--max-grammar-repetition is 1000' in error['message']
+
+
+def test_huge_bounds_are_served(api_server, byte_tokens):
+    push = {str(byte_tokens[b]): 30.0 for b in (b'\x01', b'\xed', b'\xa0')}
+    push[str(byte_tokens[b'"'])] = 40.0
+    body = {**CHAT, 'max_tokens': 300, 'response_format': json_schema(HUGE), 'logit_bias': push}
+    response = httpx.post(f'{api_server.url}/v1/chat/completions', json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    choice = response.json()['choices'][0]
+    assert choice['finish_reason'] == 'stop', choice
+    jsonschema.validate(json.loads(choice['message']['content']), HUGE)
+
+
+def test_waiting_requests_share_a_compile_and_give_up_a_queued_one(tiny_llama):
+    """Requests for a format that is compiling wait for that compile on no thread of their own, so another
+    format still gets a thread; a compile not started when all who wait for it gave up never starts."""
+    slow = [GenerationConfig(response_format=json_schema({'enum': [f'{tag} {i}' for i in range(10_000)]}))
+            for tag in ('first', 'second')]
+    quick = [GenerationConfig(response_format={'type': 'regex', 'regex': r'\d+'}),
+             GenerationConfig(response_format={'type': 'choice', 'choice': ['yes', 'no']})]
+
+    async def main():
+        engine = AsyncEngine(tiny_llama)
+        started = []
+        compile_one = engine.grammars.compile
+
+        def recording(config: GenerationConfig):
+            started.append(config)
+            return compile_one(config)
+
+        engine.grammars.compile = recording
+        try:
+            sharing = [asyncio.create_task(engine.compile_grammar(slow[0])) for _ in range(3)]
+            await asyncio.sleep(0.05)
+            assert await engine.compile_grammar(quick[0], 30) is not None
+            assert not any(t.done() for t in sharing), 'the quick format waited for no slow compile'
+            other = asyncio.create_task(engine.compile_grammar(slow[1]))
+            await asyncio.sleep(0.05)
+            with pytest.raises(TimeoutError):  # both threads busy: it waits in the queue, then gives up
+                await engine.compile_grammar(quick[1], 0.1)
+            grammars = await asyncio.gather(*sharing, other)
+            assert grammars[0] is grammars[1] is grammars[2] and started == [slow[0], quick[0], slow[1]]
+            assert not engine._compiling
+        finally:
+            engine.close()
+    asyncio.run(main())
