@@ -107,9 +107,10 @@ class RayExecutor(Executor):
         self.group_placement = placement_group(bundles, strategy=strategy)
         ready, _ = ray.wait([self.group_placement.ready()], timeout=placement_timeout())
         if not ready:
+            nodes = sum(node['Alive'] for node in ray.nodes())
             raise RuntimeError(f'the Ray cluster found no room within {placement_timeout():g} s for {self.world_size} '
                                f'ranks of {bundles[1]} each ({strategy}; rank 0 on this machine, {host}); it has '
-                               f'{ray.available_resources()} free on {len(ray.nodes())} nodes')
+                               f'{ray.available_resources()} free on {nodes} nodes')
 
     def _launch(self, store_host: str, store_port: int) -> None:
         self._place(store_host)
