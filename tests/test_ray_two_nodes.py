@@ -1,7 +1,8 @@
 """Two Ray nodes on this machine stand in for two machines: machine A (127.0.0.2, this process, rank 0) and
-machine B (127.0.0.3, a ``ray start --address`` node). Nothing listens on 127.0.0.1, so an address
-hard-coded to loopback breaks the group. Where ``unshare`` may make a mount namespace, node B runs in its
-own, with an empty folder mounted over ``hidden/``: a model there exists on A only.
+machine B (127.0.0.3, a ``ray start --address`` node), neither on the usual loopback address 127.0.0.1,
+so the ranks' rendezvous and gloo addresses must be the nodes' own. Where ``unshare`` may make a mount
+namespace, node B runs in its own, with an empty folder mounted over ``hidden/``: a model there exists
+on A only.
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -21,8 +23,10 @@ from lmdeploy.pytorch.distributed.parallel_state import WorkerError
 
 HOST_A, HOST_B = '127.0.0.2', '127.0.0.3'
 NODE_CPUS = 2
-# A cluster that only this machine reaches: loopback addresses, no usage reports, no token auth.
-RAY_ENV = {'RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER': '0', 'RAY_USAGE_STATS_ENABLED': '0', 'RAY_AUTH_MODE': 'disabled'}
+# A cluster that only this machine reaches: loopback addresses, no usage reports, no token auth; and an
+# interface that does not exist for gloo, which the engine must not need (it binds the nodes' addresses).
+RAY_ENV = {'RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER': '0', 'RAY_USAGE_STATS_ENABLED': '0', 'RAY_AUTH_MODE': 'disabled',
+           'GLOO_SOCKET_IFNAME': 'nosuchif0'}
 PROMPTS = random_prompts([5, 17, 40, 9], seed=3)
 GREEDY = GenerationConfig(max_new_tokens=24, ignore_eos=True)
 
@@ -45,37 +49,46 @@ def _can_unshare() -> bool:
 @pytest.fixture(scope='module')
 def two_nodes(tmp_path_factory):
     """A two-node cluster this process is connected to: ``(model, model on A only or None, ray)``."""
-    ray = pytest.importorskip('ray')
+    # Imported before Ray, as in any session: it sets up the environment Ray reads once, at its own import.
+    pytest.importorskip('lmdeploy.pytorch.distributed.ray_executor', reason='needs Ray')
+    import ray
     from ray.cluster_utils import Cluster
     root = tmp_path_factory.mktemp('two_nodes')
     model = save_tiny_model('llama', str(root / 'shared'))
     hidden = root / 'hidden'
     model_on_a = save_tiny_model('llama', str(hidden / 'model'))
     temp_dir = tempfile.mkdtemp(prefix='ray', dir='/tmp')  # short: Ray's socket paths live under it
+    log_b = os.path.join(temp_dir, 'node_b.log')
+    cluster = node_b = None
     with pytest.MonkeyPatch.context() as mp:
         for key, value in {**RAY_ENV, 'RAY_TMPDIR': temp_dir}.items():
             mp.setenv(key, value)
-        cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=NODE_CPUS, node_ip_address=HOST_A,
-                                                                    include_dashboard=False))
-        isolated = _can_unshare()
-        start_b = f'ray start --address {cluster.address} --node-ip-address {HOST_B} --num-cpus {NODE_CPUS} --block'
-        command = (['unshare', '-m', '--propagation', 'private', 'sh', '-c', f'mount -t tmpfs tmpfs {hidden} && '
-                    f'exec {start_b}'] if isolated else start_b.split())
-        # `ray start --address` joins only where Ray clusters are enabled
-        node_b = subprocess.Popen(command, env={**os.environ, 'RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER': '1'},
-                                  start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
+            cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=NODE_CPUS, node_ip_address=HOST_A,
+                                                                        include_dashboard=False))
+            isolated = _can_unshare()
+            ray_cli = shutil.which('ray', path=os.path.dirname(sys.executable)) or 'ray'  # this Python's Ray
+            start_b = f'{ray_cli} start --address {cluster.address} --node-ip-address {HOST_B} --num-cpus {NODE_CPUS}'
+            command = (['unshare', '-m', '--propagation', 'private', 'sh', '-c',
+                        f'mount -t tmpfs tmpfs {hidden} && exec {start_b} --block'] if isolated
+                       else [*start_b.split(), '--block'])
+            # `ray start --address` joins only where Ray clusters are enabled
+            with open(log_b, 'w') as log:
+                node_b = subprocess.Popen(command, env={**os.environ, 'RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER': '1'},
+                                          start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
             ray.init(address=cluster.address, _node_ip_address=HOST_A)
             deadline = time.monotonic() + 120
             while len([node for node in ray.nodes() if node['Alive']]) < 2:
-                assert node_b.poll() is None and time.monotonic() < deadline, node_b.stderr.read().decode()
+                assert node_b.poll() is None and time.monotonic() < deadline, open(log_b).read()
                 time.sleep(0.2)
             yield model, model_on_a if isolated else None, ray
         finally:
             ray.shutdown()
-            os.killpg(node_b.pid, signal.SIGTERM)
-            node_b.wait(60)
-            cluster.shutdown()
+            if node_b is not None:
+                os.killpg(node_b.pid, signal.SIGTERM)
+                node_b.wait(60)
+            if cluster is not None:
+                cluster.shutdown()
             shutil.rmtree(temp_dir, ignore_errors=True)
 
 
