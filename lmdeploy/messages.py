@@ -170,8 +170,9 @@ class PytorchEngineConfig:
     ``tp`` splits the model over that many tensor-parallel ranks (see docs/scale_out.md): this process
     is rank 0 and ``distributed_executor_backend`` runs the others, ``'mp'`` as processes on this
     machine, ``'ray'`` as Ray actors (``pip install 'lmdeploy[ray]'``), on this machine or across a
-    Ray cluster. On the CPU each rank on a machine computes on its own share of the cores
-    (``num_threads`` threads each, default one per core of its share).
+    Ray cluster, where ``ray_placement_strategy`` places the ranks: ``'PACK'`` fills this machine first,
+    ``'SPREAD'`` puts them on as many machines as it can. On the CPU each rank on a machine computes on
+    its own share of the cores (``num_threads`` threads each, default one per core of its share).
     """
 
     dtype: Literal['auto', 'float32', 'bfloat16', 'float16'] = 'auto'
@@ -185,6 +186,7 @@ class PytorchEngineConfig:
     enable_prefix_caching: bool = True
     tp: int = 1
     distributed_executor_backend: Literal['mp', 'ray'] = 'mp'
+    ray_placement_strategy: Literal['PACK', 'SPREAD'] = 'PACK'
     device: str = 'cpu'
     num_threads: int | None = None
     decode_int4: bool | None = None
@@ -206,6 +208,8 @@ class PytorchEngineConfig:
         _check(isinstance(self.tp, int) and self.tp >= 1, f'tp must be a positive integer, got {self.tp!r}')
         _check(self.distributed_executor_backend in ('mp', 'ray'),
                f"distributed_executor_backend must be 'mp' or 'ray', got {self.distributed_executor_backend!r}")
+        _check(self.ray_placement_strategy in ('PACK', 'SPREAD'),
+               f"ray_placement_strategy must be 'PACK' or 'SPREAD', got {self.ray_placement_strategy!r}")
         _check(self.load_format in ('auto', 'dummy'), f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         _check(self.quant_policy in (0, 4, 8) and not isinstance(self.quant_policy, bool),
                f'quant_policy must be 0 (off), 4 (int4 KV cache) or 8 (int8 KV cache), got {self.quant_policy!r}')

@@ -57,6 +57,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--distributed-executor-backend', default='mp', choices=['mp', 'ray'],
                         help="how the ranks besides this process run with --tp > 1: 'mp' (processes on this "
                              "machine) or 'ray' (Ray actors; joins $RAY_ADDRESS or starts a local cluster)")
+    parser.add_argument('--ray-placement-strategy', default='PACK', choices=['PACK', 'SPREAD'],
+                        help="with 'ray': PACK fills this machine first, SPREAD puts the ranks on as many machines "
+                             'as it can')
     parser.add_argument('--device', default='cpu', help="'cpu' or 'cuda' (or 'cuda:N')")
     parser.add_argument('--num-threads', type=int, default=None,
                         help="torch's CPU threads (default: torch's choice)")
@@ -80,6 +83,7 @@ def engine_config(args: argparse.Namespace) -> PytorchEngineConfig:
                                cache_max_entry_count=args.cache_max_entry_count, num_gpu_blocks=args.num_gpu_blocks,
                                block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
                                tp=args.tp, distributed_executor_backend=args.distributed_executor_backend,
+                               ray_placement_strategy=args.ray_placement_strategy,
                                device=args.device, num_threads=args.num_threads, eager_mode=args.eager_mode,
                                load_format=args.load_format, quant_policy=args.quant_policy)
 

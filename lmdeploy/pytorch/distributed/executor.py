@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -27,8 +28,8 @@ class Executor(ABC):
     """Starts the workers (:meth:`start`), notices when one fails (:meth:`check`), stops them all
     (:meth:`shutdown`, also when the engine is dropped without it)."""
 
-    def __init__(self, model_dir: str, config: PytorchEngineConfig):
-        self.model_dir = model_dir
+    def __init__(self, model_path: str | None, config: PytorchEngineConfig):
+        self.model_path = os.path.abspath(os.path.expanduser(model_path)) if model_path is not None else None
         self.config = config
         self.world_size = config.tp
         self.device = torch.device(config.device)
@@ -57,7 +58,8 @@ class Executor(ABC):
             if self._closing or self.failure is not None:
                 return
             errors = reported_errors(self.store, self.world_size) if self.store is not None else {}
-            details = ''.join(f'; rank {rank}: {text}' for rank, text in sorted(errors.items()))
+            details = ''.join(f'; rank {rank}: {text}' for rank, text in sorted(errors.items())
+                              if text.split(': ', 1)[-1] not in reason)  # not what the reason already says
             self.failure = f'{reason}{details}'
         logger.error('tensor-parallel engine failed: %s', self.failure)
 
@@ -110,11 +112,12 @@ class Executor(ABC):
         self.store = None
 
 
-def create_executor(model_dir: str, config: PytorchEngineConfig) -> Executor:
+def create_executor(model_path: str | None, config: PytorchEngineConfig) -> Executor:
     """The executor of ``config.distributed_executor_backend``: ``mp`` (processes on this machine) or
-    ``ray`` (Ray actors, on one machine or several)."""
+    ``ray`` (Ray actors, on one machine or several). Each worker resolves ``model_path`` (the path the
+    engine was given; None: the default model) on its own machine."""
     if config.distributed_executor_backend == 'ray':
         from lmdeploy.pytorch.distributed.ray_executor import RayExecutor
-        return RayExecutor(model_dir, config)
+        return RayExecutor(model_path, config)
     from lmdeploy.pytorch.distributed.mp_executor import MPExecutor
-    return MPExecutor(model_dir, config)
+    return MPExecutor(model_path, config)

@@ -66,7 +66,7 @@ class MPExecutor(Executor):
         self.processes = []
         for rank in range(1, self.world_size):
             spec = WorkerSpec(rank, self.world_size, store_host, store_port, LOOPBACK, rank, self.world_size,
-                              self.rank_device(rank), self.model_dir, self.config)
+                              self.rank_device(rank), self.model_path, self.config)
             process = context.Process(target=_worker_main, args=(spec, os.getpid()), daemon=True,
                                       name=f'lmdeploy-tp-rank{rank}')
             with _main_module_hidden():

@@ -7,7 +7,9 @@ Ray reads whether it may bind the loopback interface when it is imported: when n
 joined, this module sets that up (and turns off usage reports and token auth, which a cluster that
 only this machine reaches does not need) before it imports Ray.
 Bundle 0 of the placement group holds rank 0's share on this machine (the engine's thread uses it; no
-actor runs there), so that no worker lands on the cores or the GPU rank 0 computes on.
+actor runs there), so that no worker lands on the cores or the GPU rank 0 computes on. The group's
+strategy is ``config.ray_placement_strategy``: ``PACK`` fills this machine first and goes on to others
+only when it has no room; ``SPREAD`` puts the ranks on as many machines as it can.
 """
 from __future__ import annotations
 
@@ -45,7 +47,12 @@ except ImportError as exc:
     raise ImportError("distributed_executor_backend='ray' needs Ray: pip install 'lmdeploy[ray]'") from exc
 
 logger = logging.getLogger('lmdeploy')
-PLACEMENT_TIMEOUT = 120.0  # seconds for the cluster to find room for every rank
+PLACEMENT_TIMEOUT_ENV = 'LMDEPLOY_RAY_PLACEMENT_TIMEOUT'
+
+
+def placement_timeout() -> float:
+    """Seconds the cluster gets to find room for every rank (``$LMDEPLOY_RAY_PLACEMENT_TIMEOUT``, default 120)."""
+    return float(os.environ.get(PLACEMENT_TIMEOUT_ENV, 120))
 
 
 @ray.remote
@@ -75,15 +82,16 @@ def connect_cluster() -> bool:
 
 
 class RayExecutor(Executor):
-    """Ranks 1..N-1 as Ray actors in one placement group (``PACK``: this machine first)."""
+    """Ranks 1..N-1 as Ray actors in one placement group."""
 
-    def __init__(self, model_dir: str, config: PytorchEngineConfig):
-        super().__init__(model_dir, config)
+    def __init__(self, model_path: str | None, config: PytorchEngineConfig):
+        super().__init__(model_path, config)
         self.started_cluster = connect_cluster()
         self.actors: list = []
         self.runs: list = []
         self.group_placement = None
         self.pids: list[int] = []  # the workers' process ids, on their machines
+        self.hosts: list[str] = []  # each rank's machine, by its address in the cluster
 
     def _rank0_host(self) -> str:
         return ray.util.get_node_ip_address()
@@ -95,11 +103,14 @@ class RayExecutor(Executor):
 
     def _place(self, host: str) -> None:
         bundles = [{**self._bundle(), f'node:{host}': 0.001}] + [self._bundle()] * (self.world_size - 1)
-        self.group_placement = placement_group(bundles, strategy='PACK')
-        ready, _ = ray.wait([self.group_placement.ready()], timeout=PLACEMENT_TIMEOUT)
+        strategy = self.config.ray_placement_strategy
+        self.group_placement = placement_group(bundles, strategy=strategy)
+        ready, _ = ray.wait([self.group_placement.ready()], timeout=placement_timeout())
         if not ready:
-            raise RuntimeError(f'the Ray cluster has no room for {self.world_size} ranks of {bundles[1]} each '
-                               f'(rank 0 on this machine, {host}); it has {ray.available_resources()}')
+            nodes = sum(node['Alive'] for node in ray.nodes())
+            raise RuntimeError(f'the Ray cluster found no room within {placement_timeout():g} s for {self.world_size} '
+                               f'ranks of {bundles[1]} each ({strategy}; rank 0 on this machine, {host}); it has '
+                               f'{ray.available_resources()} free on {nodes} nodes')
 
     def _launch(self, store_host: str, store_port: int) -> None:
         self._place(store_host)
@@ -110,14 +121,15 @@ class RayExecutor(Executor):
                                                  scheduling_strategy=strategy).remote())
         places = ray.get([actor.where.remote() for actor in self.actors])
         self.pids = [pid for _, pid in places]
-        hosts = [store_host] + [host for host, _ in places]
+        self.hosts = hosts = [store_host] + [host for host, _ in places]
+        logger.info('tensor-parallel ranks 0..%d on %s', self.world_size - 1, ', '.join(hosts))
         per_host = Counter(hosts)
         self.local_world_size = per_host[store_host]
         device = 'cuda:0' if self.device.type == 'cuda' else 'cpu'  # Ray shows each GPU actor its own GPU
         for rank, actor in enumerate(self.actors, start=1):
             local_rank = hosts[:rank].count(hosts[rank])
             spec = WorkerSpec(rank, self.world_size, store_host, store_port, hosts[rank], local_rank,
-                              per_host[hosts[rank]], device, self.model_dir, self.config)
+                              per_host[hosts[rank]], device, self.model_path, self.config)
             self.runs.append(actor.run.remote(spec))
         threading.Thread(target=self._watch, name='lmdeploy-tp-watchdog', daemon=True).start()
 

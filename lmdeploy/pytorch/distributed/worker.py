@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from lmdeploy.messages import PytorchEngineConfig
+from lmdeploy.model_source import ModelNotFoundError, resolve_model_path
 from lmdeploy.pytorch.distributed.cpu_affinity import bind_rank, rank_cpus
 from lmdeploy.pytorch.distributed.rendezvous import connect, join_store, report_error
 from lmdeploy.pytorch.engine.runner_builder import build_runner
@@ -23,8 +24,8 @@ PR_SET_PDEATHSIG = 1
 @dataclass
 class WorkerSpec:
     """What a worker needs to know: its rank, where rank 0's store is, the address other ranks reach it
-    at, its rank among the ranks on its machine (whose CPUs they share), its device, the model and the
-    engine's settings."""
+    at, its rank among the ranks on its machine (whose CPUs they share), its device, the model (the path
+    rank 0 was given, absolute; None: the default model) and the engine's settings."""
 
     rank: int
     world_size: int
@@ -34,7 +35,7 @@ class WorkerSpec:
     local_rank: int
     local_world_size: int
     device: str
-    model_dir: str
+    model_path: str | None
     config: PytorchEngineConfig
 
 
@@ -49,6 +50,17 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
+def local_model_dir(spec: WorkerSpec) -> str:
+    """The model's folder on this worker's machine: the path rank 0 was given, resolved here (a .gguf
+    file is converted into this machine's cache on first use); raises :class:`ModelNotFoundError` naming
+    the path and this machine when it is not there."""
+    try:
+        return resolve_model_path(spec.model_path)
+    except FileNotFoundError as exc:
+        raise ModelNotFoundError(f'rank {spec.rank} on {spec.host}: {exc} (every machine needs the model at the '
+                                 'same path)') from exc
+
+
 def run_worker(spec: WorkerSpec) -> None:
     """Serves as rank ``spec.rank`` until rank 0 stops the group; raises what failed, after leaving it in
     the store for rank 0."""
@@ -61,8 +73,9 @@ def run_worker(spec: WorkerSpec) -> None:
     store = join_store(spec.store_host, spec.store_port, spec.world_size)
     group = None
     try:
+        model_dir = local_model_dir(spec)
         group = connect(store, spec.rank, spec.world_size, spec.host, device)
-        _, _, runner = build_runner(spec.model_dir, spec.config, device, group, show_progress=False)
+        _, _, runner = build_runner(model_dir, spec.config, device, group, show_progress=False)
         runner.serve()
     except BaseException as exc:
         report_error(store, spec.rank, exc)

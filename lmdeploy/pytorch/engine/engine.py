@@ -63,7 +63,7 @@ class Engine:
             cpu_kernels.native()  # built once, before workers load it
         self.model_dir = resolve_model_path(model_path)
         self.tokenizer = Tokenizer(self.model_dir)
-        self.executor: Executor | None = create_executor(self.model_dir, config) if config.tp > 1 else None
+        self.executor: Executor | None = create_executor(model_path, config) if config.tp > 1 else None
         self._unbind_cpus: Callable[[], None] | None = None
         weakref.finalize(self, _shutdown, self.executor)
         try:
