@@ -37,8 +37,11 @@ FIELD_HOMES = {
     ChatTemplateConfig: ('docs/serving.md', 'the-pipeline'),
     Response: ('docs/serving.md', 'the-pipeline'),
 }
-# Flags of other tools that the docs give (pip's, hf's); every other flag is lmdeploy's or a benchmark's.
-EXTERNAL_FLAGS = {'--help', '--extra-index-url', '--no-deps', '--local-dir'}
+# Flags of other tools that the docs give (pip's, hf's, `ray start`'s); every other flag is lmdeploy's or a
+# benchmark's.
+EXTERNAL_FLAGS = {'--help', '--extra-index-url', '--no-deps', '--local-dir', '--head', '--address', '--port',
+                  '--node-ip-address', '--node-manager-port', '--object-manager-port', '--min-worker-port',
+                  '--max-worker-port'}
 # Environment variables read by the code (not by its tests) that a user may set, besides the LMDEPLOY_* ones.
 THIRD_PARTY_ENV = ['TORCH_EXTENSIONS_DIR', 'CXX', 'RAY_ADDRESS']
 FENCE = re.compile(r'^ {0,3}(```|~~~).*?^ {0,3}\1[^\n]*$', re.S | re.M)
