@@ -1,6 +1,7 @@
 """GGUF architectures whose llama.cpp files differ from their transformers checkpoints by more than tensor
-names: GLM (``chatglm``, ``glm4``), Gemma 2 and 3 (``gemma2``, ``gemma3``), gpt-oss (``gpt-oss``) and
-DeepSeek-V2/V3 (``deepseek2``).
+names: GLM (``chatglm``, ``glm4``), Gemma 2 and 3 (``gemma2``, ``gemma3``), gpt-oss (``gpt-oss``),
+DeepSeek-V2/V3 (``deepseek2``), and the MoE files of Qwen3-MoE (``qwen3moe``) and Mixtral (``llama`` with
+experts), whose stacked experts (``ffn_{gate,up,down}_exps``) are stored back one tensor per expert.
 
 Each has a config builder (the transformers config fields that llama.cpp keeps in metadata under gguf-py's
 ``Keys``, or fixes in its loader) and, where needed, a state-dict step that undoes what convert_hf_to_gguf.py
@@ -9,6 +10,7 @@ experts, DeepSeek's split ``kv_b`` and per-projection experts).
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Callable
 
 import torch
@@ -23,10 +25,11 @@ ARCHITECTURES = {
     'gemma3': 'Gemma3ForCausalLM',
     'gpt-oss': 'GptOssForCausalLM',
     'deepseek2': 'DeepseekV3ForCausalLM',  # DeepseekV2ForCausalLM where the router is a softmax
+    'qwen3moe': 'Qwen3MoeForCausalLM',
 }
 
-# architectures whose every linear layer is a projection that may be served as llama.cpp's blocks
-RAW_SERVED_ARCHS = ('chatglm', 'glm4', 'gemma2', 'gemma3')
+# architectures whose every linear layer is a projection (or experts) that may be served as llama.cpp's blocks
+RAW_SERVED_ARCHS = ('llama', 'chatglm', 'glm4', 'gemma2', 'gemma3', 'qwen3moe')
 
 _GEMMA_NAMES = {'ffn_norm': 'pre_feedforward_layernorm', 'post_attention_norm': 'post_attention_layernorm',
                 'post_ffw_norm': 'post_feedforward_layernorm'}
@@ -187,9 +190,34 @@ def _deepseek2(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> d
     return fields
 
 
+def _experts(meta: Meta, config: dict[str, Any]) -> dict[str, Any]:
+    """The routing of a MoE file (llama.cpp renormalizes the top-k weights of both Qwen3-MoE and Mixtral)."""
+    return {'num_experts_per_tok': meta(Keys.LLM.EXPERT_USED_COUNT),
+            'moe_intermediate_size': meta(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, config['intermediate_size']),
+            'norm_topk_prob': bool(meta(Keys.LLM.EXPERT_WEIGHTS_NORM, True))}
+
+
+def _qwen3moe(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    return {'model_type': 'qwen3_moe', 'num_experts': meta(Keys.LLM.EXPERT_COUNT), **_experts(meta, config)}
+
+
+def _llama(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """A ``llama`` file with experts is a Mixtral (their stacked ``ffn_*_exps``; older files' tensors per
+    expert are not read)."""
+    if not meta(Keys.LLM.EXPERT_COUNT):
+        return {}
+    if 'blk.0.ffn_gate_exps.weight' not in tensors:
+        raise ValueError('a llama file with experts needs them stacked (ffn_gate_exps): convert it again with a '
+                         'current llama.cpp')
+    fields = _experts(meta, config)
+    return {'model_type': 'mixtral', 'architectures': ['MixtralForCausalLM'],
+            'num_local_experts': meta(Keys.LLM.EXPERT_COUNT), 'intermediate_size': fields.pop('moe_intermediate_size'),
+            **fields}
+
+
 CONFIG_BUILDERS: dict[str, Callable[[Meta, dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
-    'chatglm': _chatglm, 'glm4': _glm4, 'gemma2': _gemma2, 'gemma3': _gemma3, 'gpt-oss': _gpt_oss,
-    'deepseek2': _deepseek2}
+    'llama': _llama, 'chatglm': _chatglm, 'glm4': _glm4, 'gemma2': _gemma2, 'gemma3': _gemma3, 'gpt-oss': _gpt_oss,
+    'deepseek2': _deepseek2, 'qwen3moe': _qwen3moe}
 
 
 def _layer_prefixes(state_dict: dict[str, torch.Tensor], suffix: str) -> list[str]:
@@ -238,8 +266,20 @@ def _deepseek2_merge(state_dict: dict[str, torch.Tensor], config: dict[str, Any]
                 state_dict[f'{prefix}experts.{expert}.{projection}_proj.weight'] = weight.clone()
 
 
-_FINISHERS = {'chatglm': _split_qkv, 'gemma2': _gemma_norms, 'gemma3': _gemma_norms, 'gpt-oss': _gpt_oss_experts,
-              'deepseek2': _deepseek2_merge}
+_STACKED_EXPERTS = re.compile(r'model\.layers\.\d+\.mlp\.experts\.(gate|up|down)_proj\.q?weight')
+
+
+def _split_experts(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    """The stacked experts (``mlp.experts.gate_proj.weight [E, I, H]``, or its blocks ``qweight [E, I, blocks,
+    bytes]``) back into one tensor per expert, as Hugging Face checkpoints of Qwen3-MoE and Mixtral hold them."""
+    for name in [name for name in state_dict if _STACKED_EXPERTS.fullmatch(name)]:
+        prefix, _, tail = name.rpartition('.experts.')
+        for expert, part in enumerate(state_dict.pop(name)):
+            state_dict[f'{prefix}.experts.{expert}.{tail}'] = part.clone()
+
+
+_FINISHERS = {'llama': _split_experts, 'qwen3moe': _split_experts, 'chatglm': _split_qkv, 'gemma2': _gemma_norms,
+              'gemma3': _gemma_norms, 'gpt-oss': _gpt_oss_experts, 'deepseek2': _deepseek2_merge}
 
 
 def finish_state_dict(arch: str, state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
