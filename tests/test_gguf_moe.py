@@ -15,6 +15,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader
 from gguf.quants import dequantize, quantize
+from family_checks import assert_tp2_equals_tp1
 from helpers import hf_greedy, make_engine, random_prompts, run
 from safetensors import safe_open
 from test_gguf_mixed import ARCHS, write_mixed_gguf
@@ -279,3 +280,11 @@ def test_a_share_that_splits_blocks_is_dequantized():
     blocks = torch.zeros(256, 3, 144, dtype=torch.uint8)  # the file's 768 inputs, of which a rank takes 384
     (name, weight), = weight_format.convert_checkpoint([('model.layers.0.mlp.experts.3.down_proj.qweight', blocks)])
     assert name == 'model.layers.0.mlp.experts.3.down_proj.weight' and weight.shape == (256, 768)
+
+
+def test_tp2_matches_tp1(moe_file):
+    """At tp=2 each rank holds its share of every expert: gate and up rows in whole blocks, down's inputs in
+    whole blocks (Q8_0's 32 of the 128 a rank takes) or, where they split blocks (Q4_K's and Q6_K's 256),
+    dequantized as they load; the tokens are tp=1's."""
+    _, tmp = moe_file
+    assert_tp2_equals_tp1(str(tmp / 'served'), random_prompts([5, 17], seed=3, vocab=250))
