@@ -51,6 +51,8 @@ LM_HEAD = {'llama': {'lm_head': 'Q6_K'}, 'qwen2': {}}  # the output layer's type
 
 # MoE kinds: their GGUF architecture, and the tiny model's expert sizes (K-quant blocks span 256 inputs)
 MOE = {'qwen3_moe': (gguf.MODEL_ARCH.QWEN3MOE, dict(moe_intermediate_size=256, num_experts=4)),
+       'qwen2_moe': (gguf.MODEL_ARCH.QWEN2MOE, dict(moe_intermediate_size=256, num_experts=4, mlp_only_layers=[],
+                                                    shared_expert_intermediate_size=256)),
        'mixtral': (gguf.MODEL_ARCH.LLAMA, dict(intermediate_size=256, num_local_experts=4))}
 ARCHS = {'llama': gguf.MODEL_ARCH.LLAMA, 'qwen2': gguf.MODEL_ARCH.QWEN2} | {kind: arch for kind, (arch, _) in MOE.items()}
 
@@ -94,7 +96,8 @@ def file_tensors(kind: str, model: torch.nn.Module) -> dict[str, np.ndarray]:
 def write_mixed_gguf(kind: str, folder: Path, path: Path, types: dict[str, Q]) -> None:
     """A tiny random ``kind`` (llama, qwen2, or the MoE kinds of ``MOE``) saved by transformers, written as
     llama.cpp writes it with each matrix (a stack of experts) of the type ``types`` gives its GGUF name
-    (``blk.0.attn_v``, ``blk.1.ffn_down_exps``; else ``default``), 1-D tensors and routers F32."""
+    (``blk.0.attn_v``, ``blk.1.ffn_down_exps``; else ``default``), 1-D tensors (and one-row ones: Qwen2-MoE's
+    shared expert gate) and routers F32."""
     arch = ARCHS[kind]
     writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
     vocab = _add_tokenizer(writer)
@@ -117,9 +120,11 @@ def write_mixed_gguf(kind: str, folder: Path, path: Path, types: dict[str, Q]) -
         writer.add_expert_count(len(model.model.layers[0].mlp.experts.gate_up_proj))
         writer.add_expert_used_count(config.num_experts_per_tok)
         writer.add_expert_feed_forward_length(model.model.layers[0].mlp.experts.down_proj.shape[-1])
+        if 'shared_expert_intermediate_size' in experts:
+            writer.add_expert_shared_feed_forward_length(experts['shared_expert_intermediate_size'])
     rng = np.random.default_rng(0)
     for gguf_name, data in file_tensors(kind, model).items():
-        matrix = data.ndim > 1 and not gguf_name.endswith('ffn_gate_inp.weight')
+        matrix = data.ndim > 1 and data.shape[0] > 1 and not gguf_name.endswith('ffn_gate_inp.weight')
         qtype = types.get(gguf_name.rpartition('.')[0], types['default']) if matrix else Q.F32
         stored = encode(data, qtype, rng)
         writer.add_tensor(gguf_name, stored, raw_dtype=qtype if stored.dtype == np.uint8 else None)

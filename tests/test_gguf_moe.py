@@ -34,12 +34,16 @@ from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6KGemv
 from lmdeploy.pytorch.weights.gguf import convert_gguf
 
 # Qwen3-MoE as Q4_K_M: Q6_K in layer 0's attn_v (its q/k/v dequantized) and ffn_down_exps, a Q8_0 ffn_down_exps
-# in layer 1 and a Q6_K output. Mixtral: layer 0's ffn_down_exps Q5_K (dequantized, its gate and up kept),
+# in layer 1 and a Q6_K output. Qwen2-MoE (a shared expert, kept as blocks too): a Q6_K ffn_down_exps in layer 1
+# and a Q6_K shared down in layer 2. Mixtral: layer 0's ffn_down_exps Q5_K (dequantized, its gate and up kept),
 # layer 1's ffn_up_exps Q8_0 beside a Q4_K gate (gate and up dequantized, its down kept).
 FILES = {
     'qwen3_moe': ({'output': Q.Q6_K, 'blk.0.attn_v': Q.Q6_K, 'blk.0.ffn_down_exps': Q.Q6_K,
                    'blk.1.ffn_down_exps': Q.Q8_0, 'default': Q.Q4_K},
                   {0: {'gate_up': 'Q4_K', 'down': 'Q6_K'}, 1: {'gate_up': 'Q4_K', 'down': 'Q8_0'}}),
+    'qwen2_moe': ({'blk.1.ffn_down_exps': Q.Q6_K, 'blk.2.ffn_down_shexp': Q.Q6_K, 'default': Q.Q4_K},
+                  {0: {'gate_up': 'Q4_K', 'down': 'Q4_K'}, 1: {'gate_up': 'Q4_K', 'down': 'Q6_K'},
+                   2: {'gate_up': 'Q4_K', 'down': 'Q4_K'}}),
     'mixtral': ({'blk.0.ffn_down_exps': Q.Q5_K, 'blk.1.ffn_up_exps': Q.Q8_0, 'default': Q.Q4_K},
                 {0: {'gate_up': 'Q4_K', 'down': 'dense'}, 1: {'gate_up': 'dense', 'down': 'Q4_K'}}),
 }
@@ -105,8 +109,11 @@ def test_experts_are_kept_as_blocks_per_expert(moe_file):
     expected = {f'layers.{i}.mlp.experts.{proj}_proj': kind_ for i, layer in FILES[kind][1].items()
                 for proj, kind_ in layer.items() if kind_ != 'dense'}
     assert {name: t for name, t in ggml_types.items() if '.experts.' in name} == expected
+    if kind == 'qwen2_moe':
+        assert ggml_types['layers.0.mlp.shared_expert.gate_up_proj'] == 'Q4_K'
+        assert ggml_types['layers.2.mlp.shared_expert.down_proj'] == 'Q6_K'
     index = json.loads((served / 'model.safetensors.index.json').read_text())['weight_map']
-    assert len(set(index.values())) == 3  # layer 0, layer 1, the rest
+    assert len(set(index.values())) == len(FILES[kind][1]) + 1  # one file per layer, one for the rest
     dtypes = {}
     for shard in set(index.values()):
         with safe_open(str(served / shard), framework='pt') as f:

@@ -147,7 +147,7 @@ def gguf_config(reader: GGUFReader, source: str, raw_types: Iterable[str] = RAW_
         'rope_theta': key('rope.freq_base', 10000.0),
         'vocab_size': int(tensors['token_embd.weight'].shape[-1]),  # ggml order: (hidden, vocab)
         # Qwen2 has q/k/v biases by its type and none on o_proj, which attention_bias would add
-        'attention_bias': 'blk.0.attn_q.bias' in tensors and arch != 'qwen2',
+        'attention_bias': 'blk.0.attn_q.bias' in tensors and arch not in ('qwen2', 'qwen2moe'),
         'tie_word_embeddings': 'output.weight' not in tensors,
         'bos_token_id': _meta(reader, 'tokenizer.ggml.bos_token_id'),
         'eos_token_id': _end_ids(reader),

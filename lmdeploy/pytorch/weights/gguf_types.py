@@ -19,8 +19,8 @@ _ENGINE_LAYERS = {'q_proj': 'qkv_proj', 'k_proj': 'qkv_proj', 'v_proj': 'qkv_pro
                   'gate_up_proj': 'gate_up_proj', 'down_proj': 'down_proj'}
 _WHOLE = ({'q_proj', 'k_proj', 'v_proj'}, {'qkv_proj'}, {'o_proj'}, {'gate_proj', 'up_proj'}, {'gate_up_proj'},
           {'down_proj'})
-# a layer's attention and MLP, and its experts: stacked over the experts (a MoE file's ``ffn_*_exps``) or one's
-_OWNER = re.compile(r'(layers\.\d+\.(?:self_attn|mlp))|(layers\.\d+\.mlp\.experts)(?:\.\d+)?')
+# a layer's attention and MLP (or shared expert), and its experts: stacked (a MoE file's ``ffn_*_exps``) or one's
+_OWNER = re.compile(r'(layers\.\d+\.(?:self_attn|mlp|mlp\.shared_expert))|(layers\.\d+\.mlp\.experts)(?:\.\d+)?')
 
 
 def engine_layer(hf_name: str | None) -> str | None:
