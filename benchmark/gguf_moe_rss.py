@@ -52,7 +52,8 @@ def write_file(path: Path, args: argparse.Namespace) -> None:
     for i in range(args.layers):
         matrices = {'attn_q': (heads * head_dim, hidden), 'attn_k': (4 * head_dim, hidden),
                     'attn_v': (4 * head_dim, hidden), 'attn_output': (hidden, heads * head_dim),
-                    'ffn_gate_exps': (args.experts, args.inter, hidden), 'ffn_up_exps': (args.experts, args.inter, hidden),
+                    'ffn_gate_exps': (args.experts, args.inter, hidden),
+                    'ffn_up_exps': (args.experts, args.inter, hidden),
                     'ffn_down_exps': (args.experts, hidden, args.inter)}
         for name, shape in matrices.items():
             qtype = Q.Q6_K if (i, name) == (0, 'ffn_down_exps') else Q.Q4_K

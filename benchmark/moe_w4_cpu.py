@@ -80,7 +80,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.gguf:
         layers = {'Q4_K': gguf_experts({'gate_up': 'Q4_K', 'down': 'Q4_K'}, args),
-                  'Q4_K+Q6_K down': gguf_experts({'gate_up': 'Q4_K', 'down': 'Q6_K'}, args), 'bf16': experts(None, args)}
+                  'Q4_K+Q6_K down': gguf_experts({'gate_up': 'Q4_K', 'down': 'Q6_K'}, args),
+                  'bf16': experts(None, args)}
         steps = GGUF_STEPS
     else:
         gptq = {'quant_method': 'gptq', 'bits': 4, 'group_size': args.group, 'desc_act': False}

@@ -54,7 +54,8 @@ MOE = {'qwen3_moe': (gguf.MODEL_ARCH.QWEN3MOE, dict(moe_intermediate_size=256, n
        'qwen2_moe': (gguf.MODEL_ARCH.QWEN2MOE, dict(moe_intermediate_size=256, num_experts=4, mlp_only_layers=[],
                                                     shared_expert_intermediate_size=256)),
        'mixtral': (gguf.MODEL_ARCH.LLAMA, dict(intermediate_size=256, num_local_experts=4))}
-ARCHS = {'llama': gguf.MODEL_ARCH.LLAMA, 'qwen2': gguf.MODEL_ARCH.QWEN2} | {kind: arch for kind, (arch, _) in MOE.items()}
+ARCHS = {'llama': gguf.MODEL_ARCH.LLAMA, 'qwen2': gguf.MODEL_ARCH.QWEN2,
+         **{kind: arch for kind, (arch, _) in MOE.items()}}
 
 
 def encode(weight: np.ndarray, qtype: Q, rng: np.random.Generator) -> np.ndarray:

@@ -82,7 +82,8 @@ def gguf_reference(kind: str, tmp: Path) -> torch.nn.Module:
         suffix = '' if name.endswith(('.weight', '.bias')) else '.weight'
         weight = stored[names.get_name(name + suffix, try_suffixes=('.weight', '.bias'))]
         if kind == 'mixtral' and name.endswith(('q_proj.weight', 'k_proj.weight')):
-            weight = llama_unpermute(weight, config.num_attention_heads if 'q_proj' in name else config.num_key_value_heads)
+            heads = config.num_attention_heads if 'q_proj' in name else config.num_key_value_heads
+            weight = llama_unpermute(weight, heads)
         state[name] = weight.view(value.shape)
     model.load_state_dict(state)
     return model
@@ -223,7 +224,8 @@ def test_fp32_experts_dequantize_each_routed_expert():
     hidden = torch.randn(9, 256, generator=g)
     weights, ids = moe.moe_routing(torch.randn(9, 4, generator=g), 2, True)
     expected = moe.fused_moe(hidden, gate_up, down, weights, ids)
-    torch.testing.assert_close(experts(hidden, weights, ids), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    torch.testing.assert_close(experts(hidden, weights, ids), expected, rtol=1e-5,
+                               atol=1e-5 * expected.abs().max().item())
 
 
 @pytest.mark.parametrize('types', [{'gate_up': 'Q4_K', 'down': 'Q4_K'}, {'gate_up': 'Q4_K', 'down': 'Q6_K'},
@@ -270,7 +272,8 @@ def test_triton_fused_moe_on_q4_k_experts(dtype, num_tokens):
     out = kernel(hidden.to(DEVICE, dtype), weights.to(DEVICE), ids.to(DEVICE), None, None, None)
     expected = moe.fused_moe(hidden, gate_up, down, weights, ids)
     tolerance = 1e-2 if dtype != torch.float32 else 2e-3 if DEVICE == 'cuda' else 1e-4
-    torch.testing.assert_close(out.float().cpu(), expected, rtol=tolerance, atol=tolerance * expected.abs().max().item())
+    torch.testing.assert_close(out.float().cpu(), expected, rtol=tolerance,
+                               atol=tolerance * expected.abs().max().item())
 
 
 def test_a_share_that_splits_blocks_is_dequantized():

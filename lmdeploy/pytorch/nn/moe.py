@@ -43,8 +43,8 @@ class FusedExperts(nn.Module):
         super().__init__()
         self.tp = current_group()
         self.range = split_range(intermediate_size, self.tp.rank, self.tp.world_size)
-        self.intermediate_size = size = self.range[1] - self.range[0]
-        self.hidden_size, self.num_experts, self.activation, self.bias = hidden_size, num_experts, activation, bias
+        self.intermediate_size = self.range[1] - self.range[0]
+        self.hidden_size, self.num_experts, self.activation, self.has_bias = hidden_size, num_experts, activation, bias
         self.kinds: dict[str, tuple[str, ...]] = {}
         self.set_weight_format(current_weight_format())
 
@@ -60,7 +60,7 @@ class FusedExperts(nn.Module):
         for proj, template in (('gate_up', ExpertProjection(hidden_size, 2 * size)),
                                ('down', ExpertProjection(size, hidden_size, self.tp))):
             weight_format.expert_format(proj).create_weights(template)
-            if self.bias:
+            if self.has_bias:
                 template.bias = new_parameter((template.out_features,), Layout(0, None))
             self.kinds[proj] = tuple(kind for kind, _ in template.named_parameters())
             for kind, param in template.named_parameters():

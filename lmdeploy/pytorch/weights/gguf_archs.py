@@ -295,7 +295,8 @@ def _split_experts(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) 
 
 
 _FINISHERS = {'llama': _split_experts, 'qwen3moe': _split_experts, 'qwen2moe': _split_experts, 'chatglm': _split_qkv,
-              'gemma2': _gemma_norms, 'gemma3': _gemma_norms, 'gpt-oss': _gpt_oss_experts, 'deepseek2': _deepseek2_merge}
+              'gemma2': _gemma_norms, 'gemma3': _gemma_norms, 'gpt-oss': _gpt_oss_experts,
+              'deepseek2': _deepseek2_merge}
 
 
 def finish_state_dict(arch: str, state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
