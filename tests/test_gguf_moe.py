@@ -298,3 +298,43 @@ def test_tp2_matches_tp1(moe_file):
     dequantized as they load; the tokens are tp=1's."""
     _, tmp = moe_file
     assert_tp2_equals_tp1(str(tmp / 'served'), random_prompts([5, 17], seed=3, vocab=250))
+
+
+def test_deepseek_q8_0_experts_kept_as_blocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A ``deepseek2`` file's Q8_0 experts are served as their blocks (its MLA projections, routers, shared
+    experts and dense layers stay dequantized), token for token like transformers on the weights they hold."""
+    import gguf
+    from conftest import save_random_model
+    from family_checks import hf_causal_lm
+    from test_gguf import _add_tokenizer, finish
+    from test_gguf_archs import converter_tensors, hf_config, write_metadata
+
+    monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(tmp_path / 'cache'))
+    src = tmp_path / 'deepseek.gguf'
+    writer = gguf.GGUFWriter(str(src), 'deepseek2')
+    vocab = _add_tokenizer(writer)
+    hf = hf_causal_lm(save_random_model(hf_config('deepseek_v3', vocab), str(tmp_path / 'hf'),
+                                        std={'e_score_correction_bias': 0.1}))
+    with torch.no_grad():  # the experts as the Q8_0 blocks hold them (quantizing them again gives the same blocks)
+        for name, param in hf.named_parameters():
+            if name.endswith(('experts.gate_up_proj', 'experts.down_proj')):
+                param.copy_(torch.from_numpy(dequantize(quantize(param.numpy(), Q.Q8_0), Q.Q8_0)))
+    write_metadata(hf.config, writer)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.DEEPSEEK2, hf.config.num_hidden_layers)
+    for name, data in converter_tensors(hf, 'deepseek_v3', {}).items():
+        expert = '.experts.' in name and data.ndim == 3
+        writer.add_tensor(names.get_name(name, try_suffixes=('.weight', '.bias')),
+                          quantize(np.ascontiguousarray(data), Q.Q8_0) if expert else np.ascontiguousarray(data),
+                          raw_dtype=Q.Q8_0 if expert else None)
+    finish(writer)
+
+    engine = make_engine(str(src))
+    try:
+        sparse = range(hf.config.first_k_dense_replace, hf.config.num_hidden_layers)
+        assert expert_formats(engine) == {i: {'gate_up': 'Q8_0', 'down': 'Q8_0'} for i in sparse}
+        ggml_types = engine.model_config.hf_config.quantization_config['ggml_types']
+        assert all('.mlp.experts.' in name for name in ggml_types)
+        prompts = random_prompts([5, 23], vocab=vocab)
+        assert run(engine, prompts) == [hf_greedy(hf, p) for p in prompts]
+    finally:
+        engine.close()

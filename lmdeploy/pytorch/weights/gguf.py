@@ -169,7 +169,10 @@ def gguf_config(reader: GGUFReader, source: str, raw_types: Iterable[str] = RAW_
         except ValueError as err:
             raise ValueError(f'{source}: {err}') from err
         if arch not in RAW_SERVED_ARCHS:  # linear layers beyond the projections (MLA's, routers) have no raw form
+            experts = {name: t for name, t in layer_types.items() if '.mlp.experts.' in name}  # DeepSeek's experts
             config.pop('quantization_config', None)
+            if experts:
+                config['quantization_config'] = {'quant_method': 'gguf', 'ggml_types': experts}
     output = tensors.get('output.weight')
     head_types = LM_HEAD_RAW_TYPES & set(raw_types)
     if 'quantization_config' in config and output is not None and output.tensor_type.name in head_types:

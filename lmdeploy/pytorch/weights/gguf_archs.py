@@ -60,8 +60,6 @@ LAYER_NAMES: dict[str, dict[str, str]] = {
         'attn_kv_b': 'self_attn.kv_b_proj', 'attn_k_b.weight': 'self_attn.k_b_proj',
         'attn_v_b.weight': 'self_attn.v_b_proj',
         'ffn_gate_inp': 'mlp.gate', 'exp_probs_b.bias': 'mlp.gate.e_score_correction_bias',
-        'ffn_gate_exps.weight': 'mlp.experts.gate', 'ffn_up_exps.weight': 'mlp.experts.up',
-        'ffn_down_exps.weight': 'mlp.experts.down',
         'ffn_gate_shexp': 'mlp.shared_experts.gate_proj', 'ffn_up_shexp': 'mlp.shared_experts.up_proj',
         'ffn_down_shexp': 'mlp.shared_experts.down_proj',
     },
@@ -266,19 +264,6 @@ def _gpt_oss_experts(state_dict: dict[str, torch.Tensor], config: dict[str, Any]
         state_dict[prefix + 'experts.down_proj'] = state_dict.pop(prefix + 'experts.down').transpose(1, 2)
 
 
-def _deepseek2_merge(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
-    """``k_b [H, kv_lora, nope]`` (transposed by the converter) and ``v_b [H, v, kv_lora]`` back into
-    ``kv_b_proj [H * (nope + v), kv_lora]``; the stacked experts back into one tensor per expert and
-    projection, as DeepSeek's checkpoints hold them."""
-    for prefix in _layer_prefixes(state_dict, 'self_attn.k_b_proj'):
-        k_b, v_b = state_dict.pop(prefix + 'self_attn.k_b_proj'), state_dict.pop(prefix + 'self_attn.v_b_proj')
-        state_dict[prefix + 'self_attn.kv_b_proj.weight'] = torch.cat((k_b.transpose(1, 2), v_b), 1).flatten(0, 1)
-    for prefix in _layer_prefixes(state_dict, 'experts.gate'):
-        for projection in ('gate', 'up', 'down'):
-            for expert, weight in enumerate(state_dict.pop(f'{prefix}experts.{projection}')):
-                state_dict[f'{prefix}experts.{expert}.{projection}_proj.weight'] = weight.clone()
-
-
 _STACKED_EXPERTS = re.compile(r'model\.layers\.\d+\.mlp\.experts\.(gate|up|down)_proj\.q?weight')
 
 
@@ -292,6 +277,16 @@ def _split_experts(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) 
             state_dict[f'{prefix}.experts.{expert}.{tail}'] = part.clone()
     for name in [name for name in state_dict if name.endswith('shared_expert_gate.weight')]:
         state_dict[name] = state_dict[name].reshape(1, -1)
+
+
+def _deepseek2_merge(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    """``k_b [H, kv_lora, nope]`` (transposed by the converter) and ``v_b [H, v, kv_lora]`` back into
+    ``kv_b_proj [H * (nope + v), kv_lora]``; the stacked experts back into one tensor per expert and
+    projection, as DeepSeek's checkpoints hold them."""
+    for prefix in _layer_prefixes(state_dict, 'self_attn.k_b_proj'):
+        k_b, v_b = state_dict.pop(prefix + 'self_attn.k_b_proj'), state_dict.pop(prefix + 'self_attn.v_b_proj')
+        state_dict[prefix + 'self_attn.kv_b_proj.weight'] = torch.cat((k_b.transpose(1, 2), v_b), 1).flatten(0, 1)
+    _split_experts(state_dict, config)
 
 
 _FINISHERS = {'llama': _split_experts, 'qwen3moe': _split_experts, 'qwen2moe': _split_experts, 'chatglm': _split_qkv,
