@@ -219,7 +219,7 @@ def test_resolve_gguf_caches(tmp_path: Path, tmp_cache: Path) -> None:
     src = tmp_path / 'tiny.gguf'
     make_gguf(src)
     folder = resolve_gguf(str(src))
-    assert Path(folder).parent.parent == tmp_cache and (Path(folder) / 'model.safetensors').is_file()
+    assert Path(folder).parent.parent == tmp_cache and (Path(folder) / 'model.safetensors.index.json').is_file()
     start = time.perf_counter()
     assert resolve_gguf(str(src)) == folder
     assert time.perf_counter() - start < 1

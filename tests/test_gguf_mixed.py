@@ -49,8 +49,20 @@ FILES = {'llama': (Q4_K_M, Q4_K_M_LAYERS), 'qwen2': (Q8_0_F16, Q8_0_F16_LAYERS)}
 LM_HEAD = {'llama': {'lm_head': 'Q6_K'}, 'qwen2': {}}  # the output layer's type where kept as its blocks too
 
 
+# MoE kinds: their GGUF architecture, and the tiny model's expert sizes (K-quant blocks span 256 inputs)
+MOE = {'qwen3_moe': (gguf.MODEL_ARCH.QWEN3MOE, dict(moe_intermediate_size=256, num_experts=4)),
+       'qwen2_moe': (gguf.MODEL_ARCH.QWEN2MOE, dict(moe_intermediate_size=256, num_experts=4, mlp_only_layers=[],
+                                                    shared_expert_intermediate_size=256)),
+       'mixtral': (gguf.MODEL_ARCH.LLAMA, dict(intermediate_size=256, num_local_experts=4))}
+ARCHS = {'llama': gguf.MODEL_ARCH.LLAMA, 'qwen2': gguf.MODEL_ARCH.QWEN2,
+         **{kind: arch for kind, (arch, _) in MOE.items()}}
+
+
 def encode(weight: np.ndarray, qtype: Q, rng: np.random.Generator) -> np.ndarray:
-    """``weight`` quantized by gguf-py, or for a K-quant random blocks in its place."""
+    """``weight`` quantized by gguf-py, or for a K-quant random blocks in its place; a stack of matrices
+    (experts) matrix by matrix."""
+    if weight.ndim == 3:
+        return encode(weight.reshape(-1, weight.shape[-1]), qtype, rng).reshape(*weight.shape[:2], -1)
     if qtype not in K_QUANTS:
         return gguf.quants.quantize(weight, qtype)
     block_bytes, scales = K_QUANTS[qtype]
@@ -60,14 +72,41 @@ def encode(weight: np.ndarray, qtype: Q, rng: np.random.Generator) -> np.ndarray
     return blocks.reshape(weight.shape[0], -1)
 
 
+def file_tensors(kind: str, model: torch.nn.Module) -> dict[str, np.ndarray]:
+    """``model``'s tensors under their GGUF names as llama.cpp's converter writes them: llama's q/k rows
+    permuted, stacked experts split into gate and up (``ffn_{gate,up,down}_exps``)."""
+    config = model.config
+    names = gguf.get_tensor_name_map(ARCHS[kind], config.num_hidden_layers)
+    tensors = {}
+    for name, tensor in model.state_dict().items():
+        data = tensor.numpy()
+        if kind in ('llama', 'mixtral') and name.endswith(('q_proj.weight', 'k_proj.weight')):
+            data = llama_permute(data, config.num_attention_heads if 'q_proj' in name else config.num_key_value_heads)
+        parts = {name: data}
+        if name.endswith('experts.gate_up_proj'):  # [E, 2I, H]: gate rows, then up rows
+            gate, up = np.split(data, 2, axis=1)
+            parts = {name.replace('gate_up_proj', 'gate_proj.weight'): gate,
+                     name.replace('gate_up_proj', 'up_proj.weight'): up}
+        elif name.endswith('experts.down_proj'):
+            parts = {name + '.weight': data}
+        for part, value in parts.items():
+            tensors[names.get_name(part, try_suffixes=('.weight', '.bias'))] = np.ascontiguousarray(value)
+    return tensors
+
+
 def write_mixed_gguf(kind: str, folder: Path, path: Path, types: dict[str, Q]) -> None:
-    """A tiny random ``kind`` (llama or qwen2) saved by transformers, written as llama.cpp writes it with each
-    matrix of the type ``types`` gives its GGUF name (``blk.0.attn_v``; else ``default``), 1-D tensors F32."""
-    writer = gguf.GGUFWriter(str(path), kind)
+    """A tiny random ``kind`` (llama, qwen2, or the MoE kinds of ``MOE``) saved by transformers, written as
+    llama.cpp writes it with each matrix (a stack of experts) of the type ``types`` gives its GGUF name
+    (``blk.0.attn_v``, ``blk.1.ffn_down_exps``; else ``default``), 1-D tensors (and one-row ones: Qwen2-MoE's
+    shared expert gate) and routers F32."""
+    arch = ARCHS[kind]
+    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
     vocab = _add_tokenizer(writer)
-    save_tiny_model(kind, str(folder), hidden_size=HIDDEN, intermediate_size=FFN, head_dim=HEAD_DIM,
-                    vocab_size=vocab, tie_word_embeddings=False, rope_parameters={'rope_type': 'default',
-                                                                                  'rope_theta': 10000.0})
+    experts = MOE[kind][1] if kind in MOE else {}
+    save_tiny_model(kind, str(folder), **{'hidden_size': HIDDEN, 'intermediate_size': FFN, 'head_dim': HEAD_DIM,
+                                          'vocab_size': vocab, 'tie_word_embeddings': False,
+                                          'rope_parameters': {'rope_type': 'default', 'rope_theta': 10000.0},
+                                          **experts})
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     config = model.config
     for add, value in [(writer.add_block_count, config.num_hidden_layers), (writer.add_context_length, 1024),
@@ -77,16 +116,18 @@ def write_mixed_gguf(kind: str, folder: Path, path: Path, types: dict[str, Q]) -
                        (writer.add_rope_dimension_count, HEAD_DIM), (writer.add_rope_freq_base, 10000.0),
                        (writer.add_layer_norm_rms_eps, config.rms_norm_eps)]:
         add(value)
-    arch = {'llama': gguf.MODEL_ARCH.LLAMA, 'qwen2': gguf.MODEL_ARCH.QWEN2}[kind]
-    names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    if experts:
+        writer.add_key_length(HEAD_DIM)
+        writer.add_expert_count(len(model.model.layers[0].mlp.experts.gate_up_proj))
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(model.model.layers[0].mlp.experts.down_proj.shape[-1])
+        if 'shared_expert_intermediate_size' in experts:
+            writer.add_expert_shared_feed_forward_length(experts['shared_expert_intermediate_size'])
     rng = np.random.default_rng(0)
-    for name, tensor in model.state_dict().items():
-        data = tensor.numpy()
-        if kind == 'llama' and name.endswith(('q_proj.weight', 'k_proj.weight')):
-            data = llama_permute(data, config.num_attention_heads if 'q_proj' in name else config.num_key_value_heads)
-        gguf_name = names.get_name(name, try_suffixes=('.weight', '.bias'))
-        qtype = types.get(gguf_name.rpartition('.')[0], types['default']) if data.ndim == 2 else Q.F32
-        stored = encode(np.ascontiguousarray(data), qtype, rng)
+    for gguf_name, data in file_tensors(kind, model).items():
+        matrix = data.ndim > 1 and data.shape[0] > 1 and not gguf_name.endswith('ffn_gate_inp.weight')
+        qtype = types.get(gguf_name.rpartition('.')[0], types['default']) if matrix else Q.F32
+        stored = encode(data, qtype, rng)
         writer.add_tensor(gguf_name, stored, raw_dtype=qtype if stored.dtype == np.uint8 else None)
     finish(writer)
 

@@ -11,7 +11,8 @@ from torch import nn
 
 from lmdeploy.pytorch.distributed.parallel_state import Shard, TPGroup, current_group, split_range
 from lmdeploy.pytorch.kernels.activation import ClampedSwiGLU
-from lmdeploy.pytorch.nn.quant import Layout, LinearOptions, current_weight_format, layout_of, new_parameter
+from lmdeploy.pytorch.nn.quant import (Layout, LinearOptions, WeightFormat, current_weight_format, layout_of,
+                                       new_parameter)
 
 
 class ExpertProjection(nn.Module):
@@ -42,23 +43,33 @@ class FusedExperts(nn.Module):
         super().__init__()
         self.tp = current_group()
         self.range = split_range(intermediate_size, self.tp.rank, self.tp.world_size)
-        self.intermediate_size = size = self.range[1] - self.range[0]
-        self.hidden_size, self.num_experts, self.activation = hidden_size, num_experts, activation
-        self.weight_format = current_weight_format()
+        self.intermediate_size = self.range[1] - self.range[0]
+        self.hidden_size, self.num_experts, self.activation, self.has_bias = hidden_size, num_experts, activation, bias
         self.kinds: dict[str, tuple[str, ...]] = {}
+        self.set_weight_format(current_weight_format())
+
+    def set_weight_format(self, weight_format: WeightFormat) -> None:
+        """(Re)creates the stacked parameters in ``weight_format`` (each projection in its
+        ``expert_format``), uninitialized: a checkpoint whose MoE layers differ in format (a GGUF file of mixed
+        types) sets each layer's once the model is built, by its name."""
+        for proj, kinds in self.kinds.items():
+            for kind in kinds:
+                delattr(self, self.param_name(proj, kind))
+        self.weight_format = weight_format
+        size, hidden_size = self.intermediate_size, self.hidden_size
         for proj, template in (('gate_up', ExpertProjection(hidden_size, 2 * size)),
                                ('down', ExpertProjection(size, hidden_size, self.tp))):
-            self.weight_format.create_weights(template)
-            if bias:
+            weight_format.expert_format(proj).create_weights(template)
+            if self.has_bias:
                 template.bias = new_parameter((template.out_features,), Layout(0, None))
             self.kinds[proj] = tuple(kind for kind, _ in template.named_parameters())
             for kind, param in template.named_parameters():
-                stacked = new_parameter((num_experts, *param.shape), layout_of(param),
+                stacked = new_parameter((self.num_experts, *param.shape), layout_of(param),
                                         param.dtype if param.keep_dtype else None)
                 setattr(self, self.param_name(proj, kind), stacked)
         self.gate_up_bias = getattr(self, 'gate_up_bias', None)
         self.down_bias = getattr(self, 'down_bias', None)
-        self.kernel = self.weight_format.make_expert_kernel(self, LinearOptions())
+        self.kernel = weight_format.make_expert_kernel(self, LinearOptions())
 
     @staticmethod
     def param_name(proj: str, kind: str) -> str:

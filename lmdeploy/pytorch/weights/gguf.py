@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import re
 import shutil
 import tempfile
+from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -45,6 +47,11 @@ _LAYER_NAMES = {
     'ffn_down': 'mlp.down_proj',
     'attn_norm': 'input_layernorm',
     'ffn_norm': 'post_attention_layernorm',
+    # a MoE layer's router and its experts, stacked (split per expert by ``finish_state_dict``)
+    'ffn_gate_inp': 'mlp.gate',
+    'ffn_gate_exps': 'mlp.experts.gate_proj',
+    'ffn_up_exps': 'mlp.experts.up_proj',
+    'ffn_down_exps': 'mlp.experts.down_proj',
 }
 # names that differ by architecture: Phi-3 keeps q/k/v and gate/up fused, as its Hugging Face checkpoints do
 _ARCH_LAYER_NAMES = {
@@ -58,10 +65,11 @@ SMOLLM3_NO_ROPE_INTERVAL = 4
 # tensors that llama.cpp stores and transformers keeps in the config (Phi-3's LongRoPE factors)
 _ROPE_FACTORS = ('rope_factors_long.weight', 'rope_factors_short.weight')
 _LAYER_RE = re.compile(r'blk\.(\d+)\.(\w+)')
+_LAYER_INDEX = re.compile(r'blk\.(\d+)\.')
 # llama.cpp pre-tokenizers that transformers' GGUF reader does not know, by the one of its splits they use
 # (GLM-4's is Llama 3's); without one it would split text as GPT-2 does
 _PRE_TOKENIZER_SPLITS = {'chatglm-bpe': 'llama-bpe', 'glm4': 'llama-bpe'}
-_CACHE_FORMAT = 7  # bump when the converted output changes, so stale cache entries are not reused
+_CACHE_FORMAT = 8  # bump when the converted output changes, so stale cache entries are not reused
 
 
 def cache_dir() -> Path:
@@ -139,7 +147,7 @@ def gguf_config(reader: GGUFReader, source: str, raw_types: Iterable[str] = RAW_
         'rope_theta': key('rope.freq_base', 10000.0),
         'vocab_size': int(tensors['token_embd.weight'].shape[-1]),  # ggml order: (hidden, vocab)
         # Qwen2 has q/k/v biases by its type and none on o_proj, which attention_bias would add
-        'attention_bias': 'blk.0.attn_q.bias' in tensors and arch != 'qwen2',
+        'attention_bias': 'blk.0.attn_q.bias' in tensors and arch not in ('qwen2', 'qwen2moe'),
         'tie_word_embeddings': 'output.weight' not in tensors,
         'bos_token_id': _meta(reader, 'tokenizer.ggml.bos_token_id'),
         'eos_token_id': _end_ids(reader),
@@ -161,7 +169,10 @@ def gguf_config(reader: GGUFReader, source: str, raw_types: Iterable[str] = RAW_
         except ValueError as err:
             raise ValueError(f'{source}: {err}') from err
         if arch not in RAW_SERVED_ARCHS:  # linear layers beyond the projections (MLA's, routers) have no raw form
+            experts = {name: t for name, t in layer_types.items() if '.mlp.experts.' in name}  # DeepSeek's experts
             config.pop('quantization_config', None)
+            if experts:
+                config['quantization_config'] = {'quant_method': 'gguf', 'ggml_types': experts}
     output = tensors.get('output.weight')
     head_types = LM_HEAD_RAW_TYPES & set(raw_types)
     if 'quantization_config' in config and output is not None and output.tensor_type.name in head_types:
@@ -197,16 +208,29 @@ def _phi3_rope(reader: GGUFReader, tensors: dict[str, Any], head_dim: int, sourc
     return config
 
 
-def gguf_state_dict(reader: GGUFReader, config: dict[str, Any], source: str) -> dict[str, torch.Tensor]:
-    """Every tensor under its transformers name: dequantized to float32, except the projections of the
-    layers in ``config['quantization_config']``, kept as their blocks (``qweight uint8 [rows, blocks, bytes]``),
-    and the output layer where it names its type (``lm_head``: ``lm_head.qweight``)."""
+def layer_groups(reader: GGUFReader) -> list[list[Any]]:
+    """The file's tensors by decoder layer, in layer order, then the others (embeddings, output): each group
+    is converted and written on its own, so that conversion holds one layer at a time."""
+    groups: dict[int, list[Any]] = defaultdict(list)
+    for tensor in reader.tensors:
+        match = _LAYER_INDEX.match(tensor.name)
+        groups[int(match[1]) if match else -1].append(tensor)
+    return [groups[index] for index in sorted(groups, key=lambda index: (index < 0, index))]
+
+
+def gguf_state_dict(reader: GGUFReader, tensors: Iterable[Any], config: dict[str, Any],
+                    source: str) -> dict[str, torch.Tensor]:
+    """``tensors`` (one of :func:`layer_groups`) under their transformers names: dequantized to float32,
+    except the projections of the layers in ``config['quantization_config']``, kept as their blocks
+    (``qweight uint8 [rows, blocks, bytes]``; a MoE layer's experts ``[experts, rows, blocks, bytes]``, one
+    tensor per expert once finished), and the output layer where it names its type (``lm_head``:
+    ``lm_head.qweight``)."""
     arch = _meta(reader, 'general.architecture')
     heads = {'attn_q': config['num_attention_heads'], 'attn_k': config['num_key_value_heads']}
     quantization = config.get('quantization_config', {})
     layer_types = quantization.get('ggml_types', {})
     state_dict = {}
-    for tensor in tqdm(reader.tensors, desc=f'Converting {Path(source).name}', unit='tensor'):
+    for tensor in tensors:
         if tensor.name in _ROPE_FACTORS:
             continue
         name = hf_tensor_name(tensor.name, arch)
@@ -216,7 +240,8 @@ def gguf_state_dict(reader: GGUFReader, config: dict[str, Any], source: str) -> 
         try:
             if engine_layer(name) in layer_types or (name == 'lm_head.weight' and 'lm_head' in quantization):
                 block_bytes = GGML_QUANT_SIZES[tensor.tensor_type][1]
-                weight = np.array(tensor.data, dtype=np.uint8).reshape(int(tensor.shape[-1]), -1, block_bytes)
+                data = np.asarray(tensor.data, dtype=np.uint8)
+                weight = data.reshape(*data.shape[:-1], -1, block_bytes).copy()
                 name = name.removesuffix('.weight') + '.qweight'
             else:
                 weight = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
@@ -247,9 +272,10 @@ def _save_tokenizer(gguf_path: Path, out_dir: Path, reader: GGUFReader) -> None:
 
 
 def convert_gguf(gguf_path: str, out_dir: str, raw_types: Iterable[str] = RAW_TYPES) -> None:
-    """Write ``model.safetensors`` (float32, but the projections of layers served as their blocks: of
-    ``raw_types``, see :func:`served_types`), ``config.json`` and tokenizer files for a GGUF file; with no
-    ``raw_types``, every tensor in float32, a folder that transformers loads.
+    """Write the weights (float32, but the projections of layers served as their blocks: of ``raw_types``, see
+    :func:`served_types`), one safetensors file per decoder layer and one for the rest with their index,
+    ``config.json`` and tokenizer files for a GGUF file; with no ``raw_types``, every tensor in float32, a
+    folder that transformers loads. One layer is in memory at a time, besides the file's mapping.
 
     The folder is built next to ``out_dir`` and renamed into place, so it is either complete or absent.
     """
@@ -263,10 +289,16 @@ def convert_gguf(gguf_path: str, out_dir: str, raw_types: Iterable[str] = RAW_TY
     tmp = Path(tempfile.mkdtemp(prefix=f'.{out.name}.tmp-', dir=out.parent))
     try:
         tmp.chmod(0o755)
-        state_dict = gguf_state_dict(reader, config, str(src))
-        save_file(state_dict, str(tmp / 'model.safetensors'), metadata={'format': 'pt'})
-        (tmp / 'model.safetensors').chmod(0o644)
-        del state_dict
+        groups = layer_groups(reader)
+        weight_map = {}
+        for index, tensors in enumerate(tqdm(groups, desc=f'Converting {src.name}', unit='layer')):
+            state_dict = gguf_state_dict(reader, tensors, config, str(src))
+            shard = f'model-{index + 1:05d}-of-{len(groups):05d}.safetensors'
+            save_file(state_dict, str(tmp / shard), metadata={'format': 'pt'})
+            (tmp / shard).chmod(0o644)
+            weight_map |= dict.fromkeys(state_dict, shard)
+            del state_dict
+        (tmp / 'model.safetensors.index.json').write_text(json.dumps({'metadata': {}, 'weight_map': weight_map}))
         AutoConfig.for_model(**config).save_pretrained(str(tmp))
         _save_tokenizer(src, tmp, reader)
         try:

@@ -1,6 +1,8 @@
 """GGUF architectures whose llama.cpp files differ from their transformers checkpoints by more than tensor
-names: GLM (``chatglm``, ``glm4``), Gemma 2 and 3 (``gemma2``, ``gemma3``), gpt-oss (``gpt-oss``) and
-DeepSeek-V2/V3 (``deepseek2``).
+names: GLM (``chatglm``, ``glm4``), Gemma 2 and 3 (``gemma2``, ``gemma3``), gpt-oss (``gpt-oss``),
+DeepSeek-V2/V3 (``deepseek2``), and the MoE files of Qwen3-MoE (``qwen3moe``), Qwen2-MoE (``qwen2moe``, with a
+shared expert) and Mixtral (``llama`` with experts), whose stacked experts (``ffn_{gate,up,down}_exps``) are
+stored back one tensor per expert.
 
 Each has a config builder (the transformers config fields that llama.cpp keeps in metadata under gguf-py's
 ``Keys``, or fixes in its loader) and, where needed, a state-dict step that undoes what convert_hf_to_gguf.py
@@ -9,6 +11,7 @@ experts, DeepSeek's split ``kv_b`` and per-projection experts).
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Callable
 
 import torch
@@ -23,10 +26,12 @@ ARCHITECTURES = {
     'gemma3': 'Gemma3ForCausalLM',
     'gpt-oss': 'GptOssForCausalLM',
     'deepseek2': 'DeepseekV3ForCausalLM',  # DeepseekV2ForCausalLM where the router is a softmax
+    'qwen3moe': 'Qwen3MoeForCausalLM',
+    'qwen2moe': 'Qwen2MoeForCausalLM',
 }
 
-# architectures whose every linear layer is a projection that may be served as llama.cpp's blocks
-RAW_SERVED_ARCHS = ('chatglm', 'glm4', 'gemma2', 'gemma3')
+# architectures whose every linear layer is a projection (or experts) that may be served as llama.cpp's blocks
+RAW_SERVED_ARCHS = ('llama', 'chatglm', 'glm4', 'gemma2', 'gemma3', 'qwen3moe', 'qwen2moe')
 
 _GEMMA_NAMES = {'ffn_norm': 'pre_feedforward_layernorm', 'post_attention_norm': 'post_attention_layernorm',
                 'post_ffw_norm': 'post_feedforward_layernorm'}
@@ -47,14 +52,14 @@ LAYER_NAMES: dict[str, dict[str, str]] = {
         'ffn_up_exps.weight': 'mlp.experts.up', 'ffn_up_exps.bias': 'mlp.experts.up_bias',
         'ffn_down_exps.weight': 'mlp.experts.down', 'ffn_down_exps.bias': 'mlp.experts.down_proj_bias',
     },
+    'qwen2moe': {'ffn_gate_inp_shexp': 'mlp.shared_expert_gate', 'ffn_gate_shexp': 'mlp.shared_expert.gate_proj',
+                 'ffn_up_shexp': 'mlp.shared_expert.up_proj', 'ffn_down_shexp': 'mlp.shared_expert.down_proj'},
     'deepseek2': {
         'attn_q_a': 'self_attn.q_a_proj', 'attn_q_a_norm': 'self_attn.q_a_layernorm', 'attn_q_b': 'self_attn.q_b_proj',
         'attn_kv_a_mqa': 'self_attn.kv_a_proj_with_mqa', 'attn_kv_a_norm': 'self_attn.kv_a_layernorm',
         'attn_kv_b': 'self_attn.kv_b_proj', 'attn_k_b.weight': 'self_attn.k_b_proj',
         'attn_v_b.weight': 'self_attn.v_b_proj',
         'ffn_gate_inp': 'mlp.gate', 'exp_probs_b.bias': 'mlp.gate.e_score_correction_bias',
-        'ffn_gate_exps.weight': 'mlp.experts.gate', 'ffn_up_exps.weight': 'mlp.experts.up',
-        'ffn_down_exps.weight': 'mlp.experts.down',
         'ffn_gate_shexp': 'mlp.shared_experts.gate_proj', 'ffn_up_shexp': 'mlp.shared_experts.up_proj',
         'ffn_down_shexp': 'mlp.shared_experts.down_proj',
     },
@@ -187,9 +192,43 @@ def _deepseek2(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> d
     return fields
 
 
+def _experts(meta: Meta, config: dict[str, Any], renormalize: bool = True) -> dict[str, Any]:
+    """The routing of a MoE file: llama.cpp renormalizes the top-k weights of Qwen3-MoE and Mixtral, not
+    Qwen2-MoE's, unless the file says (``expert_weights_norm``)."""
+    return {'num_experts_per_tok': meta(Keys.LLM.EXPERT_USED_COUNT),
+            'moe_intermediate_size': meta(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, config['intermediate_size']),
+            'norm_topk_prob': bool(meta(Keys.LLM.EXPERT_WEIGHTS_NORM, renormalize))}
+
+
+def _qwen3moe(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    return {'model_type': 'qwen3_moe', 'num_experts': meta(Keys.LLM.EXPERT_COUNT), **_experts(meta, config)}
+
+
+def _qwen2moe(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """Every layer sparse, with a shared expert where the file has one (llama.cpp's fixed layout)."""
+    shared = meta(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH) if 'blk.0.ffn_gate_shexp.weight' in tensors else None
+    return {'model_type': 'qwen2_moe', 'num_experts': meta(Keys.LLM.EXPERT_COUNT), 'decoder_sparse_step': 1,
+            'mlp_only_layers': [], 'shared_expert_intermediate_size': shared,
+            **_experts(meta, config, renormalize=False)}
+
+
+def _llama(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """A ``llama`` file with experts is a Mixtral (their stacked ``ffn_*_exps``; older files' tensors per
+    expert are not read)."""
+    if not meta(Keys.LLM.EXPERT_COUNT):
+        return {}
+    if 'blk.0.ffn_gate_exps.weight' not in tensors:
+        raise ValueError('a llama file with experts needs them stacked (ffn_gate_exps): convert it again with a '
+                         'current llama.cpp')
+    fields = _experts(meta, config)
+    return {'model_type': 'mixtral', 'architectures': ['MixtralForCausalLM'],
+            'num_local_experts': meta(Keys.LLM.EXPERT_COUNT), 'intermediate_size': fields.pop('moe_intermediate_size'),
+            **fields}
+
+
 CONFIG_BUILDERS: dict[str, Callable[[Meta, dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
-    'chatglm': _chatglm, 'glm4': _glm4, 'gemma2': _gemma2, 'gemma3': _gemma3, 'gpt-oss': _gpt_oss,
-    'deepseek2': _deepseek2}
+    'llama': _llama, 'chatglm': _chatglm, 'glm4': _glm4, 'gemma2': _gemma2, 'gemma3': _gemma3, 'gpt-oss': _gpt_oss,
+    'deepseek2': _deepseek2, 'qwen3moe': _qwen3moe, 'qwen2moe': _qwen2moe}
 
 
 def _layer_prefixes(state_dict: dict[str, torch.Tensor], suffix: str) -> list[str]:
@@ -225,6 +264,21 @@ def _gpt_oss_experts(state_dict: dict[str, torch.Tensor], config: dict[str, Any]
         state_dict[prefix + 'experts.down_proj'] = state_dict.pop(prefix + 'experts.down').transpose(1, 2)
 
 
+_STACKED_EXPERTS = re.compile(r'model\.layers\.\d+\.mlp\.experts\.(gate|up|down)_proj\.q?weight')
+
+
+def _split_experts(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    """The stacked experts (``mlp.experts.gate_proj.weight [E, I, H]``, or its blocks ``qweight [E, I, blocks,
+    bytes]``) back into one tensor per expert, as Hugging Face checkpoints of Qwen-MoE and Mixtral hold them;
+    a shared expert's gate (``[H]`` in some files) as its one row."""
+    for name in [name for name in state_dict if _STACKED_EXPERTS.fullmatch(name)]:
+        prefix, _, tail = name.rpartition('.experts.')
+        for expert, part in enumerate(state_dict.pop(name)):
+            state_dict[f'{prefix}.experts.{expert}.{tail}'] = part.clone()
+    for name in [name for name in state_dict if name.endswith('shared_expert_gate.weight')]:
+        state_dict[name] = state_dict[name].reshape(1, -1)
+
+
 def _deepseek2_merge(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
     """``k_b [H, kv_lora, nope]`` (transposed by the converter) and ``v_b [H, v, kv_lora]`` back into
     ``kv_b_proj [H * (nope + v), kv_lora]``; the stacked experts back into one tensor per expert and
@@ -232,13 +286,11 @@ def _deepseek2_merge(state_dict: dict[str, torch.Tensor], config: dict[str, Any]
     for prefix in _layer_prefixes(state_dict, 'self_attn.k_b_proj'):
         k_b, v_b = state_dict.pop(prefix + 'self_attn.k_b_proj'), state_dict.pop(prefix + 'self_attn.v_b_proj')
         state_dict[prefix + 'self_attn.kv_b_proj.weight'] = torch.cat((k_b.transpose(1, 2), v_b), 1).flatten(0, 1)
-    for prefix in _layer_prefixes(state_dict, 'experts.gate'):
-        for projection in ('gate', 'up', 'down'):
-            for expert, weight in enumerate(state_dict.pop(f'{prefix}experts.{projection}')):
-                state_dict[f'{prefix}experts.{expert}.{projection}_proj.weight'] = weight.clone()
+    _split_experts(state_dict, config)
 
 
-_FINISHERS = {'chatglm': _split_qkv, 'gemma2': _gemma_norms, 'gemma3': _gemma_norms, 'gpt-oss': _gpt_oss_experts,
+_FINISHERS = {'llama': _split_experts, 'qwen3moe': _split_experts, 'qwen2moe': _split_experts, 'chatglm': _split_qkv,
+              'gemma2': _gemma_norms, 'gemma3': _gemma_norms, 'gpt-oss': _gpt_oss_experts,
               'deepseek2': _deepseek2_merge}
 
 

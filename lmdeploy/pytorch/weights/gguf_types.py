@@ -19,19 +19,22 @@ _ENGINE_LAYERS = {'q_proj': 'qkv_proj', 'k_proj': 'qkv_proj', 'v_proj': 'qkv_pro
                   'gate_up_proj': 'gate_up_proj', 'down_proj': 'down_proj'}
 _WHOLE = ({'q_proj', 'k_proj', 'v_proj'}, {'qkv_proj'}, {'o_proj'}, {'gate_proj', 'up_proj'}, {'gate_up_proj'},
           {'down_proj'})
-_OWNER = re.compile(r'layers\.\d+\.(self_attn|mlp)')
+# a layer's attention and MLP (or shared expert), and its experts: stacked (a MoE file's ``ffn_*_exps``) or one's
+_OWNER = re.compile(r'(layers\.\d+\.(?:self_attn|mlp|mlp\.shared_expert))|(layers\.\d+\.mlp\.experts)(?:\.\d+)?')
 
 
 def engine_layer(hf_name: str | None) -> str | None:
     """The name in the engine's model of the linear layer whose weight the Hugging Face tensor ``hf_name``
-    fills (``model.layers.3.self_attn.k_proj.weight`` -> ``layers.3.self_attn.qkv_proj``); None for other
-    tensors."""
+    fills (``model.layers.3.self_attn.k_proj.weight`` -> ``layers.3.self_attn.qkv_proj``), or for the experts
+    of a MoE layer the projection of its ``FusedExperts`` (``model.layers.3.mlp.experts[.5].up_proj.weight`` ->
+    ``layers.3.mlp.experts.gate_up_proj``); None for other tensors."""
     if hf_name is None or not hf_name.endswith('.weight'):
         return None
     owner, _, proj = hf_name.removesuffix('.weight').removeprefix('model.').rpartition('.')
-    if proj not in _ENGINE_LAYERS or not _OWNER.fullmatch(owner):
+    match = _OWNER.fullmatch(owner)
+    if proj not in _ENGINE_LAYERS or match is None:
         return None
-    return f'{owner}.{_ENGINE_LAYERS[proj]}'
+    return f'{match[1] or match[2]}.{_ENGINE_LAYERS[proj]}'
 
 
 def served_types(tensors: Iterable[tuple[str | None, str]], raw_types: Iterable[str] = RAW_TYPES) -> dict[str, str]:

@@ -10,6 +10,7 @@ from torch import nn
 from lmdeploy.archs import get_model_class
 from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.nn.linear import Linear
+from lmdeploy.pytorch.nn.moe import FusedExperts
 from lmdeploy.pytorch.nn.quant import WeightFormat, cast_model, use_weight_format, weight_format_for
 from lmdeploy.pytorch.weights.safetensors_loader import iterate_weights
 
@@ -40,11 +41,11 @@ def fill_dummy_weights(model: nn.Module, seed: int = 0) -> None:
 
 
 def _new_model(cfg: ModelConfig, weight_format: WeightFormat) -> nn.Module:
-    """The model of ``cfg``, each linear layer in its format of ``weight_format``."""
+    """The model of ``cfg``, each linear layer and MoE layer's experts in its format of ``weight_format``."""
     with use_weight_format(weight_format):
         model = get_model_class(cfg.architecture)(cfg)
     for name, module in model.named_modules():
-        if isinstance(module, Linear) and module.weight_format is weight_format:
+        if isinstance(module, (Linear, FusedExperts)) and module.weight_format is weight_format:
             layer_format = weight_format.layer_format(name, module)
             if layer_format is not weight_format:
                 module.set_weight_format(layer_format)

@@ -106,9 +106,16 @@ class WeightFormat(ABC):
         """The kernel for ``layer``'s parameters, which it reads as they are then (loaded or not). A kernel
         that keeps its own copy of the weight sets the layer's parameters to None."""
 
-    def layer_format(self, name: str, layer: Linear) -> WeightFormat:
-        """The format of the linear layer ``name`` (its name in the model, as built in this one): this one,
-        unless the checkpoint holds its layers in different formats (a GGUF file of mixed types)."""
+    def layer_format(self, name: str, layer: Linear | FusedExperts) -> WeightFormat:
+        """The format of the linear layer or the experts ``name`` (its name in the model, as built in this
+        one): this one, unless the checkpoint holds its layers in different formats (a GGUF file of mixed
+        types)."""
+        return self
+
+    def expert_format(self, proj: str) -> WeightFormat:
+        """The format whose ``create_weights`` gives the parameters of one expert's ``gate_up`` or ``down``
+        projection: this one, unless the experts' projections differ (a GGUF layer's Q4_K gate and up beside a
+        Q6_K down)."""
         return self
 
     def make_expert_kernel(self, experts: FusedExperts, options: LinearOptions) -> ExpertKernel:

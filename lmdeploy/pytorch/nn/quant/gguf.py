@@ -17,6 +17,12 @@
   larger ones on the bf16 GEMM over a copy dequantized at load (rounded to bf16); otherwise int8 codes and
   fp32 scales dequantized on each call. A file's Q6_K output layer (Q4_K_M's) runs its small steps on the
   GEMV the same way.
+
+A MoE layer's experts (``ffn_{gate,up,down}_exps``, one ``qweight`` per expert and projection) keep their blocks
+the same way, each projection in its own type (:class:`GgufExpertsFormat`): in bf16 on the CPU each routed
+expert runs Q4_K on the native int4 GEMV (gate and up with its SiLU epilogue), Q6_K on the Q6_K GEMV at every
+step size and Q8_0 on the 8-bit GEMV; on CUDA the Triton fused MoE on Q4_K's grids (others dequantized at load);
+otherwise each routed expert is dequantized on its call.
 """
 from __future__ import annotations
 
@@ -27,19 +33,20 @@ import torch
 import torch.nn.functional as F
 
 from lmdeploy.pytorch.kernels import cpu
-from lmdeploy.pytorch.nn.quant.base import (Layout, LinearKernel, LinearOptions, WeightFormat, new_parameter,
-                                            register_format)
+from lmdeploy.pytorch.nn.quant.base import (ExpertKernel, Layout, LinearKernel, LinearOptions, WeightFormat,
+                                            new_parameter, register_format)
 from lmdeploy.pytorch.nn.quant.cpu_bf16 import packed_cpu_kernel
-from lmdeploy.pytorch.nn.quant.dense import DenseFormat
+from lmdeploy.pytorch.nn.quant.dense import DenseFormat, DenseKernel
 from lmdeploy.pytorch.nn.quant.int4_cpu import NativeInt4Kernel, SmallStepInt4Kernel
 from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6K_TILE, Q6KGemv
 from lmdeploy.pytorch.nn.quant.q8_cpu import Q8_GROUP, Q8_TILE, pack_q8
-from lmdeploy.pytorch.nn.quant.w4a16 import Int4GroupFormat, Int4Grid, ReferenceKernel
+from lmdeploy.pytorch.nn.quant.w4a16 import Int4GroupFormat, Int4Grid, PerExpertKernel, ReferenceKernel
 from lmdeploy.pytorch.weights.gguf_types import engine_layer
 from lmdeploy.pytorch.weights.safetensors_loader import WeightSource, read_shard
 
 if TYPE_CHECKING:
     from lmdeploy.pytorch.nn.linear import Linear
+    from lmdeploy.pytorch.nn.moe import ExpertProjection, FusedExperts
 
 # inputs and bytes per block
 BLOCKS = {'Q8_0': (32, 34), 'Q4_K': (256, 144), 'Q6_K': (256, 210)}
@@ -214,6 +221,75 @@ class GgufFormat(Int4GroupFormat):
         return kernel
 
 
+class GgufExpertsFormat(WeightFormat):
+    """A MoE layer's experts from a GGUF file: each projection (``gate_up``, ``down``) in its type's
+    :class:`GgufFormat`, or dense where the file's type is not served as blocks (or gate and up differ)."""
+
+    def __init__(self, formats: dict[str, WeightFormat]):
+        self.formats = formats
+
+    def expert_format(self, proj: str) -> WeightFormat:
+        return self.formats[proj]
+
+    def create_weights(self, layer: Linear) -> None:
+        raise TypeError('GgufExpertsFormat holds the experts of a MoE layer, not a linear layer')
+
+    def make_kernel(self, layer: Linear, options: LinearOptions) -> LinearKernel:
+        raise TypeError('GgufExpertsFormat holds the experts of a MoE layer, not a linear layer')
+
+    def make_expert_kernel(self, experts: FusedExperts, options: LinearOptions) -> ExpertKernel:
+        device = getattr(experts, experts.param_name('down', experts.kinds['down'][0])).device.type
+        if options.dtype is not None and device == 'cuda':
+            kernel = self.triton_kernel(experts, options.dtype)
+        elif options.dtype == torch.bfloat16 and device == 'cpu':
+            kernels = {proj: [self.cpu_kernel(proj, experts.projection(proj, e)) for e in range(experts.num_experts)]
+                       for proj in self.formats}
+            kernel = PerExpertKernel(experts.num_experts, lambda proj, expert: kernels[proj][expert])
+        else:
+            return PerExpertKernel(experts.num_experts,
+                                   lambda proj, expert: self.reference_kernel(proj, experts.projection(proj, expert)))
+        experts.release()
+        return kernel
+
+    def triton_kernel(self, experts: FusedExperts, dtype: torch.dtype) -> ExpertKernel:
+        """The Triton fused MoE on the Q4_K projections' grids (``Int4Experts``), the other kept types
+        dequantized to ``dtype`` once, dense ones as they are."""
+        from lmdeploy.pytorch.nn.quant.w4a16_cuda import TritonInt4ExpertKernel, stacked_experts
+        stacked = {}
+        for proj, projection_format in self.formats.items():
+            projections = [experts.projection(proj, e) for e in range(experts.num_experts)]
+            if not isinstance(projection_format, GgufFormat):
+                stacked[proj] = getattr(experts, proj)
+            elif projection_format.ggml_type == 'Q4_K':
+                stacked[proj] = stacked_experts(q4_k_grid(layer.qweight) for layer in projections)
+            else:
+                stacked[proj] = torch.stack([projection_format.dequantize(layer).to(dtype) for layer in projections])
+        return TritonInt4ExpertKernel(stacked['gate_up'], stacked['down'])
+
+    def reference_kernel(self, proj: str, layer: ExpertProjection) -> LinearKernel:
+        """One expert's projection dequantized (or dense) on each call."""
+        projection_format = self.formats[proj]
+        return ReferenceKernel(projection_format, layer) if isinstance(projection_format, GgufFormat) else (
+            DenseKernel(layer))
+
+    def cpu_kernel(self, proj: str, layer: ExpertProjection) -> LinearKernel:
+        """One expert's projection for bf16 activations on the CPU: its blocks on their native GEMV where built
+        (Q6_K at every step size: an expert's share of a step is a few rows), else dequantized on each call;
+        a dense one on ``F.linear``."""
+        projection_format = self.formats[proj]
+        if not isinstance(projection_format, GgufFormat):
+            return DenseKernel(layer)
+        ggml_type = projection_format.ggml_type
+        if ggml_type == 'Q4_K':
+            return Int4GroupFormat.cpu_expert_kernel(q4_k_grid(layer.qweight), proj == 'gate_up', torch.bfloat16)
+        native = Q6KGemv.of(*q6_k_parts(layer.qweight)) if ggml_type == 'Q6_K' else None
+        if native is not None:
+            return native
+        codes, scales = int8_unpack(layer.qweight, ggml_type)
+        native = NativeQ8Kernel.of(codes, scales) if ggml_type == 'Q8_0' else None
+        return native if native is not None else Q8Kernel(codes, scales)
+
+
 @register_format('gguf')
 class GgufFileFormat(DenseFormat):
     """A converted GGUF file's linear layers: those of ``ggml_types`` (``{name in the model: type}``) as their
@@ -243,11 +319,21 @@ class GgufFileFormat(DenseFormat):
             return None
         return q6_k_cpu_kernel(blocks, table, gate_up=False, fp32_out=True)
 
-    def layer_format(self, name: str, layer: Linear) -> WeightFormat:
+    def layer_format(self, name: str, layer: Linear | FusedExperts) -> WeightFormat:
+        projections = {'gate_up': f'{name}.gate_up_proj', 'down': f'{name}.down_proj'}
+        if any(projection in self.layer_formats for projection in projections.values()):  # experts
+            inputs = {'gate_up': layer.hidden_size, 'down': layer.intermediate_size}
+            formats = {proj: self.block_format(projection, inputs[proj]) for proj, projection in projections.items()}
+            return GgufExpertsFormat({proj: DenseFormat() if fmt is self else fmt for proj, fmt in formats.items()})
+        return self.block_format(name, layer.in_features)
+
+    def block_format(self, name: str, in_features: int) -> WeightFormat:
+        """The format of the layer (or experts' projection) ``name`` of ``in_features`` inputs: its blocks',
+        or this (dense) one where the file's type is not kept or its share of the inputs splits blocks."""
         layer_format = self.layer_formats.get(name)
         if layer_format is None:
             return self
-        if layer.in_features % layer_format.block_inputs:
+        if in_features % layer_format.block_inputs:
             self.dequantized[name] = layer_format.ggml_type
             return self
         return layer_format

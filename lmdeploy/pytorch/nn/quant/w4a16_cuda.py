@@ -53,9 +53,10 @@ def stacked_experts(grids: Iterable[Int4Grid]) -> Int4Experts:
 
 
 class TritonInt4ExpertKernel(ExpertKernel):
-    """The Triton fused MoE on the experts' 4-bit grids, dequantizing each weight tile in registers."""
+    """The Triton fused MoE on the experts' 4-bit grids, dequantizing each weight tile in registers (either
+    projection may instead be dense, ``[E, N, K]`` in the model's dtype: a GGUF layer's Q6_K ``down``)."""
 
-    def __init__(self, gate_up: Int4Experts, down: Int4Experts):
+    def __init__(self, gate_up: Int4Experts | torch.Tensor, down: Int4Experts | torch.Tensor):
         self.gate_up, self.down = gate_up, down
 
     @classmethod

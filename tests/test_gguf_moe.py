@@ -1,0 +1,340 @@
+"""MoE GGUF files (Qwen3-MoE's ``qwen3moe``, Mixtral's ``llama`` with experts) whose experts stay as llama.cpp's
+blocks, Q4_K_M-like: Q4_K experts with a Q6_K or Q8_0 ``ffn_down_exps`` in some layers, and types that are not
+kept (a Q5_K down, gate and up of different types) dequantized per projection. In fp32 the greedy tokens equal
+transformers' on the weights the ``gguf`` package dequantizes from the file; in bf16 on the CPU each expert runs
+on its type's native kernel."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFReader
+from gguf.quants import dequantize, quantize
+from family_checks import assert_tp2_equals_tp1
+from helpers import hf_greedy, make_engine, random_prompts, run
+from safetensors import safe_open
+from test_gguf_mixed import ARCHS, write_mixed_gguf
+from transformers import AutoModelForCausalLM
+
+from lmdeploy.messages import PytorchEngineConfig
+from lmdeploy.pytorch.engine.engine import Engine
+from lmdeploy.pytorch.kernels import cpu, moe
+from lmdeploy.pytorch.nn.moe import FusedExperts
+from lmdeploy.pytorch.nn.quant import LinearOptions, use_weight_format
+from lmdeploy.pytorch.nn.quant.dense import DenseFormat, DenseKernel
+from lmdeploy.pytorch.nn.quant.gguf import (GgufExpertsFormat, GgufFormat, NativeQ8Kernel, Q8Kernel,
+                                            dequantize_blocks)
+from lmdeploy.pytorch.nn.quant.int4_cpu import NativeInt4Kernel, SmallStepInt4Kernel
+from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6KGemv
+from lmdeploy.pytorch.weights.gguf import convert_gguf
+
+# Qwen3-MoE as Q4_K_M: Q6_K in layer 0's attn_v (its q/k/v dequantized) and ffn_down_exps, a Q8_0 ffn_down_exps
+# in layer 1 and a Q6_K output. Qwen2-MoE (a shared expert, kept as blocks too): a Q6_K ffn_down_exps in layer 1
+# and a Q6_K shared down in layer 2. Mixtral: layer 0's ffn_down_exps Q5_K (dequantized, its gate and up kept),
+# layer 1's ffn_up_exps Q8_0 beside a Q4_K gate (gate and up dequantized, its down kept).
+FILES = {
+    'qwen3_moe': ({'output': Q.Q6_K, 'blk.0.attn_v': Q.Q6_K, 'blk.0.ffn_down_exps': Q.Q6_K,
+                   'blk.1.ffn_down_exps': Q.Q8_0, 'default': Q.Q4_K},
+                  {0: {'gate_up': 'Q4_K', 'down': 'Q6_K'}, 1: {'gate_up': 'Q4_K', 'down': 'Q8_0'}}),
+    'qwen2_moe': ({'blk.1.ffn_down_exps': Q.Q6_K, 'blk.2.ffn_down_shexp': Q.Q6_K, 'default': Q.Q4_K},
+                  {0: {'gate_up': 'Q4_K', 'down': 'Q4_K'}, 1: {'gate_up': 'Q4_K', 'down': 'Q6_K'},
+                   2: {'gate_up': 'Q4_K', 'down': 'Q4_K'}}),
+    'mixtral': ({'blk.0.ffn_down_exps': Q.Q5_K, 'blk.1.ffn_up_exps': Q.Q8_0, 'default': Q.Q4_K},
+                {0: {'gate_up': 'Q4_K', 'down': 'dense'}, 1: {'gate_up': 'dense', 'down': 'Q4_K'}}),
+}
+
+
+@pytest.fixture(scope='module', params=sorted(FILES))
+def moe_file(request, tmp_path_factory) -> tuple[str, Path]:
+    kind = request.param
+    tmp = tmp_path_factory.mktemp(f'moe_{kind}')
+    write_mixed_gguf(kind, tmp / 'hf', tmp / 'model.gguf', FILES[kind][0])
+    convert_gguf(str(tmp / 'model.gguf'), str(tmp / 'served'))
+    return kind, tmp
+
+
+def llama_unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """The inverse of llama.cpp's converter's q/k row permutation."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def gguf_reference(kind: str, tmp: Path) -> torch.nn.Module:
+    """transformers' model of the tiny checkpoint with every weight replaced by the ``gguf`` package's
+    dequantization of the file's tensor: the experts' gate and up stacked back, llama's q/k rows un-permuted."""
+    import gguf
+    model = AutoModelForCausalLM.from_pretrained(str(tmp / 'hf'), dtype=torch.float32).eval()
+    config = model.config
+    stored = {t.name: torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
+              for t in GGUFReader(str(tmp / 'model.gguf')).tensors}
+    names = gguf.get_tensor_name_map(ARCHS[kind], config.num_hidden_layers)
+    state = {}
+    for name, value in model.state_dict().items():
+        if name.endswith('experts.gate_up_proj'):
+            parts = [stored[names.get_name(name.replace('gate_up_proj', f'{p}_proj.weight'), try_suffixes=('.weight',))]
+                     for p in ('gate', 'up')]
+            state[name] = torch.cat(parts, dim=1)
+            continue
+        suffix = '' if name.endswith(('.weight', '.bias')) else '.weight'
+        weight = stored[names.get_name(name + suffix, try_suffixes=('.weight', '.bias'))]
+        if kind == 'mixtral' and name.endswith(('q_proj.weight', 'k_proj.weight')):
+            heads = config.num_attention_heads if 'q_proj' in name else config.num_key_value_heads
+            weight = llama_unpermute(weight, heads)
+        state[name] = weight.view(value.shape)
+    model.load_state_dict(state)
+    return model
+
+
+def expert_formats(engine: Engine) -> dict[int, dict[str, str]]:
+    """Each MoE layer's experts' projections: the GGML type of those kept as blocks, else ``dense``."""
+    formats = {}
+    for name, module in engine.runner.model.named_modules():
+        if isinstance(module, FusedExperts):
+            assert isinstance(module.weight_format, GgufExpertsFormat), name
+            formats[int(name.split('.')[1])] = {
+                proj: fmt.ggml_type if isinstance(fmt, GgufFormat) else 'dense'
+                for proj, fmt in module.weight_format.formats.items()}
+    return formats
+
+
+def test_experts_are_kept_as_blocks_per_expert(moe_file):
+    """The converted folder holds each expert's projections of a kept type as its blocks (``uint8``, no float
+    copy), one file per layer, and ``ggml_types`` names them by the engine's ``FusedExperts`` projections."""
+    kind, tmp = moe_file
+    served = tmp / 'served'
+    ggml_types = json.loads((served / 'config.json').read_text())['quantization_config']['ggml_types']
+    expected = {f'layers.{i}.mlp.experts.{proj}_proj': kind_ for i, layer in FILES[kind][1].items()
+                for proj, kind_ in layer.items() if kind_ != 'dense'}
+    assert {name: t for name, t in ggml_types.items() if '.experts.' in name} == expected
+    if kind == 'qwen2_moe':
+        assert ggml_types['layers.0.mlp.shared_expert.gate_up_proj'] == 'Q4_K'
+        assert ggml_types['layers.2.mlp.shared_expert.down_proj'] == 'Q6_K'
+    index = json.loads((served / 'model.safetensors.index.json').read_text())['weight_map']
+    assert len(set(index.values())) == len(FILES[kind][1]) + 1  # one file per layer, one for the rest
+    dtypes = {}
+    for shard in set(index.values()):
+        with safe_open(str(served / shard), framework='pt') as f:
+            dtypes |= {name: f.get_slice(name).get_dtype() for name in f.keys() if '.experts.' in name}
+    for layer, projections in FILES[kind][1].items():
+        for expert in range(4):
+            for part in ('gate', 'up', 'down'):
+                kept = projections['down' if part == 'down' else 'gate_up'] != 'dense'
+                name = f'model.layers.{layer}.mlp.experts.{expert}.{part}_proj.{"qweight" if kept else "weight"}'
+                assert dtypes.pop(name) == ('U8' if kept else 'F32'), name
+    assert not dtypes
+
+
+def test_fp32_tokens_match_transformers_on_the_file_weights(moe_file):
+    """Each layer's experts in their types' formats; fp32 greedy tokens equal transformers' on the weights gguf
+    dequantizes from the file, batched equal to solo."""
+    kind, tmp = moe_file
+    prompts = random_prompts([6, 19, 33], seed=4, vocab=250)
+    engine = make_engine(str(tmp / 'served'))
+    try:
+        assert expert_formats(engine) == FILES[kind][1]
+        batched = run(engine, prompts)
+        solo = [run(engine, [prompt])[0] for prompt in prompts]
+    finally:
+        engine.close()
+    assert batched == solo
+    reference = gguf_reference(kind, tmp)
+    assert batched == [hf_greedy(reference, prompt) for prompt in prompts]
+
+
+def count_calls(monkeypatch: pytest.MonkeyPatch, classes: list[type]) -> dict[str, int]:
+    """Counts the calls of each class's ``__call__`` and ``gate_up_silu`` (by class name)."""
+    calls = dict.fromkeys((cls.__name__ for cls in classes), 0)
+    for cls in classes:
+        for method in ('__call__', 'gate_up_silu'):
+            original = getattr(cls, method)
+
+            def counted(self, *args, _original=original, _name=cls.__name__, **kwargs):
+                calls[_name] += 1
+                return _original(self, *args, **kwargs)
+
+            monkeypatch.setattr(cls, method, counted)
+    return calls
+
+
+def test_bf16_experts_run_on_their_native_kernels(moe_file, monkeypatch):
+    """bf16 on the CPU: Q4_K experts on the int4 GEMV (gate and up with its SiLU epilogue), Q6_K on the Q6_K
+    GEMV, Q8_0 on the 8-bit GEMV, dequantized projections on ``F.linear``, and each is called; the logits stay
+    within 5% of fp32's."""
+    kind, tmp = moe_file
+    if os.environ.get('LMDEPLOY_TEST_DEVICE', 'cpu') != 'cpu':
+        pytest.skip('CPU kernels')
+    if cpu.int4_gemv() is None or cpu.q6k_gemv() is None or cpu.q8_gemv() is None:
+        pytest.skip('the native GEMVs need AVX512-BF16')
+    kernels = {'Q4_K': NativeInt4Kernel, 'Q6_K': Q6KGemv, 'Q8_0': NativeQ8Kernel, 'dense': DenseKernel}
+    prompt = random_prompts([13], seed=2, vocab=250)[0]
+    logits = {}
+    for dtype in ('float32', 'bfloat16'):
+        engine = Engine(str(tmp / 'served'), PytorchEngineConfig(dtype=dtype, num_gpu_blocks=64, block_size=16),
+                        show_progress=False)
+        try:
+            if dtype == 'bfloat16':
+                used = {kernels[t] for layer in FILES[kind][1].values() for t in layer.values()}
+                calls = count_calls(monkeypatch, sorted(used, key=lambda cls: cls.__name__))
+                for name, module in engine.runner.model.named_modules():
+                    if isinstance(module, FusedExperts):
+                        assert not list(module.parameters())  # the kernels hold the experts now
+                        for proj, t in FILES[kind][1][int(name.split('.')[1])].items():
+                            assert all(isinstance(module.kernel.kernel(proj, e), kernels[t]) for e in range(4))
+            logits[dtype] = engine.get_logits(prompt).float()
+        finally:
+            engine.close()
+    assert all(calls.values()), calls
+    error = (logits['bfloat16'] - logits['float32']).norm() / logits['float32'].norm()
+    assert error < 0.05, error
+
+
+def random_gguf_experts(types: dict[str, str], hidden: int = 256, inter: int = 256) -> FusedExperts:
+    """Experts of 4 with random blocks of ``types`` per projection (``gate_up``, ``down``)."""
+    from test_gguf_q4km import random_blocks
+    experts_format = GgufExpertsFormat({proj: GgufFormat(t) for proj, t in types.items()})
+    with use_weight_format(experts_format):
+        experts = FusedExperts(hidden, inter, 4)
+    for seed, (proj, rows, inputs) in enumerate((('gate_up', 2 * inter, hidden), ('down', hidden, inter))):
+        for e in range(4):
+            if types[proj] == 'Q8_0':  # quantized by gguf-py
+                weight = np.random.default_rng(10 * seed + e).standard_normal((rows, inputs), dtype=np.float32)
+                blocks = torch.from_numpy(quantize(weight, Q.Q8_0)).view(rows, inputs // 32, 34)
+            else:
+                blocks, _ = random_blocks(getattr(Q, types[proj]), rows, inputs, seed=10 * seed + e)
+            getattr(experts, f'{proj}_qweight')[e].copy_(blocks)
+    return experts
+
+
+def dense_weights(experts: FusedExperts) -> tuple[torch.Tensor, torch.Tensor]:
+    """The experts' gate-and-up and down weights dequantized (fp32, exact)."""
+    return tuple(torch.stack([dequantize_blocks(experts.projection(proj, e).qweight, fmt.ggml_type)
+                              for e in range(experts.num_experts)])
+                 for proj, fmt in experts.weight_format.formats.items())
+
+
+def test_fp32_experts_dequantize_each_routed_expert():
+    """The reference path (fp32) equals the fused MoE on the dequantized weights."""
+    experts = random_gguf_experts({'gate_up': 'Q4_K', 'down': 'Q6_K'})
+    gate_up, down = dense_weights(experts)
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(9, 256, generator=g)
+    weights, ids = moe.moe_routing(torch.randn(9, 4, generator=g), 2, True)
+    expected = moe.fused_moe(hidden, gate_up, down, weights, ids)
+    torch.testing.assert_close(experts(hidden, weights, ids), expected, rtol=1e-5,
+                               atol=1e-5 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize('types', [{'gate_up': 'Q4_K', 'down': 'Q4_K'}, {'gate_up': 'Q4_K', 'down': 'Q6_K'},
+                                   {'gate_up': 'Q8_0', 'down': 'Q8_0'}], ids=['q4k', 'q4k-q6k', 'q8_0'])
+def test_bf16_cpu_expert_kernels_match_the_file_weights(types):
+    """bf16 experts on the CPU give the fused MoE on gguf's weights up to bf16 rounding, at 1 to 40 tokens."""
+    experts = random_gguf_experts(types)
+    gate_up, down = dense_weights(experts)
+    experts.finalize(LinearOptions(pack_cpu=True, dtype=torch.bfloat16))
+    fallback = {'Q4_K': SmallStepInt4Kernel, 'Q6_K': Q8Kernel, 'Q8_0': Q8Kernel}
+    native = {'Q4_K': (NativeInt4Kernel, cpu.int4_gemv()), 'Q6_K': (Q6KGemv, cpu.q6k_gemv()),
+              'Q8_0': (NativeQ8Kernel, cpu.q8_gemv())}
+    for proj, t in types.items():
+        kind, built = native[t]
+        expected = kind if built is not None else fallback[t]
+        assert all(isinstance(experts.kernel.kernel(proj, e), expected) for e in range(4)), (proj, t)
+    g = torch.Generator().manual_seed(3)
+    for tokens in (1, 3, 40):
+        hidden = torch.randn(tokens, 256, generator=g)
+        weights, ids = moe.moe_routing(torch.randn(tokens, 4, generator=g), 2, True)
+        expected = moe.fused_moe(hidden, gate_up, down, weights, ids)
+        out = experts(hidden.bfloat16(), weights, ids).float()
+        assert (out - expected).norm() / expected.norm() < 1e-2, tokens
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float16])
+@pytest.mark.parametrize('num_tokens', [1, 21])
+def test_triton_fused_moe_on_q4_k_experts(dtype, num_tokens):
+    """The Triton fused MoE on Q4_K gate-and-up grids (dequantized in registers) beside a Q6_K down dequantized at
+    load, against the torch fused MoE on gguf's weights."""
+    from kernel_env import DEVICE
+
+    experts = random_gguf_experts({'gate_up': 'Q4_K', 'down': 'Q6_K'})
+    gate_up, down = dense_weights(experts)
+    kernel = experts.weight_format.triton_kernel(experts, dtype)
+    kernel.gate_up = type(kernel.gate_up)(*(t.to(DEVICE) if isinstance(t, torch.Tensor) else t
+                                            for t in kernel.gate_up))
+    kernel.down = kernel.down.to(DEVICE)
+    assert kernel.down.dtype == dtype
+    g = torch.Generator().manual_seed(num_tokens)
+    hidden = torch.randn(num_tokens, 256, generator=g)
+    weights, ids = moe.moe_routing(torch.randn(num_tokens, 4, generator=g), 2, True)
+    out = kernel(hidden.to(DEVICE, dtype), weights.to(DEVICE), ids.to(DEVICE), None, None, None)
+    expected = moe.fused_moe(hidden, gate_up, down, weights, ids)
+    tolerance = 1e-2 if dtype != torch.float32 else 2e-3 if DEVICE == 'cuda' else 1e-4
+    torch.testing.assert_close(out.float().cpu(), expected, rtol=tolerance,
+                               atol=tolerance * expected.abs().max().item())
+
+
+def test_a_share_that_splits_blocks_is_dequantized():
+    """Experts whose down projection's inputs (a tensor-parallel share) split Q4_K blocks hold it dense, its
+    blocks dequantized as they load; gate and up keep theirs."""
+    from lmdeploy.pytorch.nn.quant.gguf import GgufFileFormat
+    weight_format = GgufFileFormat({'layers.0.mlp.experts.gate_up_proj': 'Q4_K',
+                                    'layers.0.mlp.experts.down_proj': 'Q4_K'})
+    with use_weight_format(weight_format):
+        experts = FusedExperts(256, 384, 4)
+    layer_format = weight_format.layer_format('layers.0.mlp.experts', experts)
+    assert isinstance(layer_format.formats['gate_up'], GgufFormat)
+    assert isinstance(layer_format.formats['down'], DenseFormat)
+    blocks = torch.zeros(256, 3, 144, dtype=torch.uint8)  # the file's 768 inputs, of which a rank takes 384
+    (name, weight), = weight_format.convert_checkpoint([('model.layers.0.mlp.experts.3.down_proj.qweight', blocks)])
+    assert name == 'model.layers.0.mlp.experts.3.down_proj.weight' and weight.shape == (256, 768)
+
+
+def test_tp2_matches_tp1(moe_file):
+    """At tp=2 each rank holds its share of every expert: gate and up rows in whole blocks, down's inputs in
+    whole blocks (Q8_0's 32 of the 128 a rank takes) or, where they split blocks (Q4_K's and Q6_K's 256),
+    dequantized as they load; the tokens are tp=1's."""
+    _, tmp = moe_file
+    assert_tp2_equals_tp1(str(tmp / 'served'), random_prompts([5, 17], seed=3, vocab=250))
+
+
+def test_deepseek_q8_0_experts_kept_as_blocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A ``deepseek2`` file's Q8_0 experts are served as their blocks (its MLA projections, routers, shared
+    experts and dense layers stay dequantized), token for token like transformers on the weights they hold."""
+    import gguf
+    from conftest import save_random_model
+    from family_checks import hf_causal_lm
+    from test_gguf import _add_tokenizer, finish
+    from test_gguf_archs import converter_tensors, hf_config, write_metadata
+
+    monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(tmp_path / 'cache'))
+    src = tmp_path / 'deepseek.gguf'
+    writer = gguf.GGUFWriter(str(src), 'deepseek2')
+    vocab = _add_tokenizer(writer)
+    hf = hf_causal_lm(save_random_model(hf_config('deepseek_v3', vocab), str(tmp_path / 'hf'),
+                                        std={'e_score_correction_bias': 0.1}))
+    with torch.no_grad():  # the experts as the Q8_0 blocks hold them (quantizing them again gives the same blocks)
+        for name, param in hf.named_parameters():
+            if name.endswith(('experts.gate_up_proj', 'experts.down_proj')):
+                param.copy_(torch.from_numpy(dequantize(quantize(param.numpy(), Q.Q8_0), Q.Q8_0)))
+    write_metadata(hf.config, writer)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.DEEPSEEK2, hf.config.num_hidden_layers)
+    for name, data in converter_tensors(hf, 'deepseek_v3', {}).items():
+        expert = '.experts.' in name and data.ndim == 3
+        writer.add_tensor(names.get_name(name, try_suffixes=('.weight', '.bias')),
+                          quantize(np.ascontiguousarray(data), Q.Q8_0) if expert else np.ascontiguousarray(data),
+                          raw_dtype=Q.Q8_0 if expert else None)
+    finish(writer)
+
+    engine = make_engine(str(src))
+    try:
+        sparse = range(hf.config.first_k_dense_replace, hf.config.num_hidden_layers)
+        assert expert_formats(engine) == {i: {'gate_up': 'Q8_0', 'down': 'Q8_0'} for i in sparse}
+        ggml_types = engine.model_config.hf_config.quantization_config['ggml_types']
+        assert all('.mlp.experts.' in name for name in ggml_types)
+        prompts = random_prompts([5, 23], vocab=vocab)
+        assert run(engine, prompts) == [hf_greedy(hf, p) for p in prompts]
+    finally:
+        engine.close()
