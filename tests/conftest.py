@@ -133,6 +133,15 @@ def default_model_gguf() -> str:
     return default_model_path()
 
 
+@pytest.fixture(scope='session')
+def default_model_reference(default_model_gguf):
+    """transformers' own reading of the default model's GGUF file, in fp32: it takes a while, so the tests
+    that compare against it share one."""
+    return AutoModelForCausalLM.from_pretrained(os.path.dirname(default_model_gguf),
+                                                gguf_file=os.path.basename(default_model_gguf),
+                                                dtype=torch.float32).eval()
+
+
 @pytest.fixture(autouse=True, scope='session')
 def _threads():
     torch.set_num_threads(min(2, os.cpu_count() or 1))

@@ -45,13 +45,18 @@ def chat(tiny_llama, tmp_path):
     return spawn
 
 
-def test_reply_multiline_history_reset_exit(chat, tmp_path):
+def test_reply_multiline_history_reset_image_refused_exit(chat, tmp_path):
+    """One chat on a text model (a chat's start is the slow part): a multi-line message, ``reset``, and an
+    ``/image`` it refuses."""
     child = chat('--max-new-tokens', '8', '--ignore-eos')
     child.send('Hello\\\r')
     child.send('world\r')
     child.expect_exact(PROMPT)
     child.send('reset\r')
     child.expect_exact('[new conversation]')
+    child.expect_exact(PROMPT)
+    child.send('/image /tmp/cat.png\r')
+    child.expect_exact('[error: this model does not accept images]')
     child.expect_exact(PROMPT)
     quit_cleanly(child)
     history = (tmp_path / 'chat_history').read_text()
@@ -69,7 +74,9 @@ def test_ctrl_c_stops_the_reply_only(chat, long_llama):
     quit_cleanly(child)
 
 
-def test_image_command(chat, tmp_path):
+def test_image_command_and_an_image_failing_at_send_time(chat, tmp_path):
+    """``/image`` attaches an image to the next message; a missing one is refused at once, and one gone
+    by the time the message is sent fails that message only: the next one works."""
     from test_vl import IMAGES, png_bytes
     from vl_models import save_tiny_vl_model
 
@@ -90,13 +97,18 @@ def test_image_command(chat, tmp_path):
     child.send('describe\r')
     child.expect_exact(PROMPT)
     assert child.before.replace('\r\n', '\n').strip().endswith(expected.text.strip())
-    quit_cleanly(child)
-
-
-def test_image_command_on_a_text_model(chat):
-    child = chat()
-    child.send('/image /tmp/cat.png\r')
-    child.expect_exact('[error: this model does not accept images]')
+    gone = tmp_path / 'gone.png'
+    gone.write_bytes(png_bytes(IMAGES[0]))
+    child.send(f'/image {gone}\r')
+    child.expect_exact(f'[image 1 attached: {gone}]')
+    child.expect_exact(PROMPT)
+    gone.unlink()  # gone before the message is sent
+    child.send('describe\r')
+    child.expect_exact('[error:')
+    child.expect_exact(PROMPT)
+    child.send('hello\r')  # the failed message is not in the history: this one works
+    child.expect_exact(PROMPT)
+    assert '[error' not in child.before and 'Traceback' not in child.before
     quit_cleanly(child)
 
 
@@ -119,26 +131,6 @@ def test_conversation_outgrowing_session_len_drops_oldest_turns(chat):
     child.send('Hello\r')
     child.expect_exact(PROMPT)
     assert '[error' not in child.before
-    quit_cleanly(child)
-
-
-def test_image_failing_at_send_time(chat, tmp_path):
-    from test_vl import IMAGES, png_bytes
-    from vl_models import save_tiny_vl_model
-    model = save_tiny_vl_model('qwen2_vl', str(tmp_path / 'qwen2_vl'))
-    image = tmp_path / 'cat.png'
-    image.write_bytes(png_bytes(IMAGES[0]))
-    child = chat('--max-new-tokens', '4', '--ignore-eos', model=model)
-    child.send(f'/image {image}\r')
-    child.expect_exact(f'[image 1 attached: {image}]')
-    child.expect_exact(PROMPT)
-    image.unlink()  # gone before the message is sent
-    child.send('describe\r')
-    child.expect_exact('[error:')
-    child.expect_exact(PROMPT)
-    child.send('hello\r')  # the failed message is not in the history: this one works
-    child.expect_exact(PROMPT)
-    assert '[error' not in child.before and 'Traceback' not in child.before
     quit_cleanly(child)
 
 

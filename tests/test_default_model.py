@@ -1,16 +1,13 @@
 """End to end on the bundled default model (SmolLM2-135M-Instruct, Q4_1 GGUF)."""
 from __future__ import annotations
 
-import os
 import threading
 
 import pytest
 import torch
 from helpers import hf_greedy
-from transformers import AutoModelForCausalLM
 
 from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
-from lmdeploy.model_source import DEFAULT_GGUF
 
 pytestmark = pytest.mark.slow
 
@@ -20,13 +17,12 @@ QUESTIONS = ['What is the capital of France?', 'Write a haiku about the sea.',
 
 @pytest.fixture(scope='module')
 def pipe():
-    with pipeline(backend_config=PytorchEngineConfig(dtype='float32', max_batch_size=8)) as p:
+    with pipeline(backend_config=PytorchEngineConfig(dtype='float32', max_batch_size=8, num_gpu_blocks=64)) as p:
         yield p
 
 
-def test_greedy_matches_transformers_gguf(pipe, default_model_gguf):
-    ref = AutoModelForCausalLM.from_pretrained(os.path.dirname(default_model_gguf), gguf_file=DEFAULT_GGUF,
-                                               dtype=torch.float32).eval()
+def test_greedy_matches_transformers_gguf(pipe, default_model_reference):
+    ref = default_model_reference
     gen = GenerationConfig(max_new_tokens=32, ignore_eos=True)
     responses = pipe(QUESTIONS, gen_config=gen)
     for question, response in zip(QUESTIONS, responses):

@@ -314,7 +314,7 @@ def default_model() -> tuple[Path, str]:
 
 
 @pytest.mark.slow
-def test_default_model_weights(default_model: tuple[Path, str]) -> None:
+def test_default_model_weights(default_model: tuple[Path, str], default_model_reference) -> None:
     path, folder = default_model
     start = time.perf_counter()
     assert resolve_gguf(str(path)) == folder
@@ -322,8 +322,7 @@ def test_default_model_weights(default_model: tuple[Path, str]) -> None:
     assert resolve_model_path(None) == folder
     ours = AutoModelForCausalLM.from_pretrained(folder)
     assert ours.config.tie_word_embeddings and ours.config.num_hidden_layers == 30
-    reference = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name)
-    assert_same_state_dict(ours.state_dict(), reference.state_dict())
+    assert_same_state_dict(ours.state_dict(), default_model_reference.state_dict())
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 from helpers import make_engine, random_prompts
 
-from lmdeploy import GenerationConfig
+from lmdeploy import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.guided import GrammarCompiler, GrammarState
 from lmdeploy.serve.async_engine import AsyncEngine
 from lmdeploy.serve.exceptions import SafeRunException
@@ -155,7 +155,7 @@ def test_bad_formats_are_rejected(tiny_llama, engine):
     assert not engine.sequences
 
     async def main():
-        async_engine = AsyncEngine(tiny_llama)
+        async_engine = AsyncEngine(tiny_llama, PytorchEngineConfig(num_gpu_blocks=64))  # not the default 4 GiB cache
         try:
             bad = GenerationConfig(response_format={'type': 'json_schema', 'json_schema': {'schema': {'type': 'x'}}})
             with pytest.raises(SafeRunException, match='Unsupported type'):
