@@ -122,7 +122,7 @@ def test_killed_worker_fails_the_engine_fast(tiny_llama):
 
 
 def test_hung_worker_fails_the_step_after_the_timeout(tiny_llama, monkeypatch):
-    monkeypatch.setenv('LMDEPLOY_TP_TIMEOUT', '2')
+    monkeypatch.setenv('LMDEPLOY_TP_TIMEOUT', '4')
     engine = make_engine(tiny_llama, tp=2)
     try:
         pid = engine.executor.pids[0]
@@ -133,7 +133,7 @@ def test_hung_worker_fails_the_step_after_the_timeout(tiny_llama, monkeypatch):
         with pytest.raises(WorkerError, match='Timed out'):
             while True:
                 engine.step()
-        assert time.monotonic() - start < 8
+        assert time.monotonic() - start < 12
     finally:
         engine.close()
     assert_gone([pid])
