@@ -9,13 +9,16 @@ import time
 
 import httpx
 import jsonschema
+import psutil
 import pytest
+import torch
 import xgrammar as xgr
 from helpers import make_engine, random_prompts
 
 from lmdeploy import GenerationConfig
 from lmdeploy.pytorch.engine.guided import GrammarCompiler, GrammarState, pattern_repetition, regex_repetition
 from lmdeploy.serve.async_engine import AsyncEngine
+from lmdeploy.serve.exceptions import ErrorCode, SafeRunException
 
 HUGE = {'type': 'object', 'additionalProperties': False, 'required': ['s', 'n'],
         'properties': {'s': {'type': 'string', 'minLength': 2, 'maxLength': 100_000},
@@ -129,32 +132,30 @@ def test_huge_bounds_are_served(api_server, byte_tokens):
     jsonschema.validate(json.loads(choice['message']['content']), HUGE)
 
 
+def enum_format(size: int, tag: str = '') -> dict:
+    return json_schema({'enum': [f'{tag}{i}' for i in range(size)]})
+
+
 def test_waiting_requests_share_a_compile_and_give_up_a_queued_one(tiny_llama):
-    """Requests for a format that is compiling wait for that compile on no thread of their own, so another
-    format still gets a thread; a compile not started when all who wait for it gave up never starts."""
-    slow = [GenerationConfig(response_format=json_schema({'enum': [f'{tag} {i}' for i in range(10_000)]}))
-            for tag in ('first', 'second')]
+    """Requests for a format that is compiling wait for that compile on no worker of their own, so another
+    format still gets a worker; a compile not started when all who wait for it gave up never starts."""
+    slow = [GenerationConfig(response_format=enum_format(10_000, tag)) for tag in ('first ', 'second ')]
     quick = [GenerationConfig(response_format={'type': 'regex', 'regex': r'\d+'}),
              GenerationConfig(response_format={'type': 'choice', 'choice': ['yes', 'no']})]
 
     async def main():
         engine = AsyncEngine(tiny_llama)
-        started = []
-        compile_one = engine.grammars.compile
-
-        def recording(config: GenerationConfig):
-            started.append(config)
-            return compile_one(config)
-
-        engine.grammars.compile = recording
+        pool, started = engine._grammar_pool, []
+        run = pool._run
+        pool._run = lambda job, config: started.append(config) or run(job, config)
         try:
             sharing = [asyncio.create_task(engine.compile_grammar(slow[0])) for _ in range(3)]
             await asyncio.sleep(0.05)
-            assert await engine.compile_grammar(quick[0], 30) is not None
+            assert await engine.compile_grammar(quick[0], 60) is not None
             assert not any(t.done() for t in sharing), 'the quick format waited for no slow compile'
             other = asyncio.create_task(engine.compile_grammar(slow[1]))
             await asyncio.sleep(0.05)
-            with pytest.raises(TimeoutError):  # both threads busy: it waits in the queue, then gives up
+            with pytest.raises(TimeoutError):  # both workers busy: it waits in the queue, then gives up
                 await engine.compile_grammar(quick[1], 0.1)
             grammars = await asyncio.gather(*sharing, other)
             assert grammars[0] is grammars[1] is grammars[2] and started == [slow[0], quick[0], slow[1]]
@@ -162,3 +163,72 @@ def test_waiting_requests_share_a_compile_and_give_up_a_queued_one(tiny_llama):
         finally:
             engine.close()
     asyncio.run(main())
+
+
+def worker_processes() -> list[psutil.Process]:
+    """This process's grammar workers (multiprocessing's resource tracker, also a child, is left out)."""
+    return [p for p in psutil.Process().children() if 'spawn_main' in ' '.join(p.cmdline())]
+
+
+def test_a_compile_over_its_limit_is_killed_and_masks_match_in_process(tiny_llama):
+    """A compile every waiter gave up is killed with its process; the next format compiles in a new one, its
+    masks those of an in-process compile; nothing is left once the engine closes; a worker the system kills
+    is a 503-class error and is replaced."""
+    formats = [enum_format(40, 'v'), {'type': 'regex', 'regex': r'[a-c]{2,4}-\d{3}'},
+               json_schema({'type': 'object', 'required': ['a'], 'properties': {
+                   'a': {'type': 'array', 'items': {'type': 'integer'}, 'maxItems': 3}, 'b': {'enum': ['x', 'y']}}})]
+
+    async def main():
+        engine = AsyncEngine(tiny_llama)
+        pool = engine._grammar_pool
+        try:
+            start = time.monotonic()
+            await engine.compile_grammar(GenerationConfig(response_format=formats[0]))
+            first = time.monotonic() - start
+            slow = asyncio.create_task(engine.compile_grammar(GenerationConfig(response_format=enum_format(20_000)),
+                                                              0.5))
+            await asyncio.sleep(0.1)
+            busy = [set(pool.worker_pids())]
+            with pytest.raises(TimeoutError):
+                await slow
+            await asyncio.sleep(0.2)
+            killed = busy[0] - set(pool.worker_pids())
+            assert len(killed) == 1 and not psutil.pid_exists(killed.pop()) and not engine._compiling
+            start = time.monotonic()
+            grammars = [await engine.compile_grammar(GenerationConfig(response_format=f), 60) for f in formats]
+            print(f'first compile {first:.2f} s, the next three {time.monotonic() - start:.2f} s')
+            local = GrammarCompiler(engine.tokenizer, engine.vocab_size)
+            for fmt, grammar in zip(formats, grammars):
+                assert_same_masks(grammar, local.compile(GenerationConfig(response_format=fmt)), engine.vocab_size)
+            victim = psutil.Process(pool.worker_pids()[0])
+            task = asyncio.create_task(engine.compile_grammar(GenerationConfig(response_format=enum_format(20_000,
+                                                                                                           'w'))))
+            await asyncio.sleep(0.2)
+            for pid in pool.worker_pids():
+                psutil.Process(pid).kill()
+            with pytest.raises(SafeRunException) as error:
+                await task
+            assert error.value.code is ErrorCode.ABORTED and 'killed' in error.value.message, error.value
+            assert not victim.is_running()
+            assert await engine.compile_grammar(GenerationConfig(response_format=formats[1]), 60) is not None
+            assert worker_processes()
+        finally:
+            engine.close()
+        assert not worker_processes()
+    asyncio.run(main())
+
+
+def assert_same_masks(got, want, vocab_size: int) -> None:
+    """The two grammars allow the same tokens at each step of a walk that takes the middle allowed token."""
+    states = [GrammarState(got), GrammarState(want)]
+    masks = [xgr.allocate_token_bitmask(1, vocab_size) for _ in states]
+    for _ in range(16):
+        if states[0].matcher.is_terminated():
+            return
+        for state, mask in zip(states, masks):
+            state.matcher.fill_next_token_bitmask(mask)
+        assert torch.equal(masks[0], masks[1])
+        bits = (masks[0][0, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
+        allowed = torch.nonzero(bits.flatten()[:vocab_size]).flatten().tolist()
+        token = allowed[len(allowed) // 2]
+        assert [s.matcher.accept_token(token) for s in states] == [True, True]

@@ -1,0 +1,189 @@
+"""Grammar compiles in worker processes, so that one running too long can be stopped.
+
+xgrammar cannot stop a compile once started; a process can be killed. Each of the pool's threads owns one
+worker process, started when that thread first compiles (an engine that never sees a grammar starts none):
+the thread sends the format down a pipe and waits for the compiled grammar, serialized by xgrammar, to come
+back. A compile that every waiting request gave up is killed with its process, and the thread starts a new
+one for its next compile.
+
+Workers are started with the 'spawn' context: the engine process runs threads and torch, which a forked child
+would inherit half-done (locks held by other threads), and a spawned child's parent is the engine itself, so
+it can ask the kernel to kill it when the engine dies ('forkserver' would make the server its parent and add
+a process shared by all of the engine's multiprocessing users).
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from multiprocessing import get_context
+from multiprocessing.connection import Connection
+
+import xgrammar as xgr
+
+from lmdeploy.messages import GenerationConfig
+from lmdeploy.pytorch.engine.guided import Grammar, GrammarCompiler, compile_format
+
+_SPAWN = get_context('spawn')
+_PR_SET_PDEATHSIG = 1
+# Compiled grammars kept for reuse, the least recently used dropped first past this many bytes.
+CACHE_BYTES = 512 << 20
+
+
+class GrammarWorkerDied(RuntimeError):
+    """A worker process ended in the middle of a compile that nobody cancelled (the OS killed it)."""
+
+
+def _serve(conn: Connection, tokenizer_info: str, parent: int) -> None:
+    """A worker's life: compile each format received, answer ``(True, serialized grammar)`` or
+    ``(False, reason)``; ends with its parent (the kernel kills it) or when the pipe closes."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before the request to the kernel
+        return
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(tokenizer_info), cache_enabled=False)
+    while True:
+        try:
+            fmt = conn.recv()
+        except EOFError:
+            return
+        try:
+            conn.send((True, compile_format(compiler, fmt).serialize_json()))
+        except ValueError as exc:
+            conn.send((False, str(exc)))
+
+
+class _Worker:
+    """One worker process and its end of the pipe."""
+
+    def __init__(self, tokenizer_info: str):
+        self.conn, child = _SPAWN.Pipe()
+        self.process = _SPAWN.Process(target=_serve, args=(child, tokenizer_info, os.getpid()), daemon=True,
+                                      name='lmdeploy-grammar')
+        self.process.start()
+        child.close()
+
+    def compile(self, fmt: dict) -> tuple[bool, str]:
+        self.conn.send(fmt)
+        return self.conn.recv()
+
+    def close(self) -> None:
+        self.process.kill()
+        self.process.join()
+        self.conn.close()
+
+
+@dataclass(eq=False)
+class GrammarJob:
+    """One compile: ``future`` gives its :class:`Grammar` (None when cancelled); ``cancel`` stops it."""
+
+    fmt: dict
+    future: Future = field(default_factory=Future)
+    worker: _Worker | None = None
+    cancelled: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def cancel(self) -> None:
+        """Drops the compile if queued, kills its worker process if running."""
+        with self.lock:
+            self.cancelled = True
+            if not self.future.cancel() and self.worker is not None:
+                self.worker.process.kill()
+
+
+class GrammarProcessPool:
+    """Compiles response formats in ``size`` worker processes (one per thread of its own), keeping the
+    compiled grammars (by format, least recently used dropped past :data:`CACHE_BYTES`)."""
+
+    def __init__(self, compiler: GrammarCompiler, size: int):
+        self.compiler = compiler
+        self._threads = ThreadPoolExecutor(size, thread_name_prefix='lmdeploy-grammar')
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._workers: set[_Worker] = set()
+        self._info: str | None = None
+        self._cache: OrderedDict[str, xgr.CompiledGrammar] = OrderedDict()
+        self._cache_bytes = 0
+        self._closed = False
+
+    def submit(self, gen_config: GenerationConfig) -> GrammarJob:
+        """Starts compiling ``gen_config.response_format`` (which must be set); a cached one is done at once."""
+        job = GrammarJob(gen_config.response_format)
+        with self._lock:
+            compiled = self._cache.get(self._key(job.fmt))
+            if compiled is not None:
+                self._cache.move_to_end(self._key(job.fmt))
+        if compiled is not None:
+            job.future.set_result(self.compiler.grammar(compiled, gen_config))
+        else:
+            job.future = self._threads.submit(self._run, job, gen_config)
+        return job
+
+    def worker_pids(self) -> list[int]:
+        """The ids of the worker processes alive now."""
+        with self._lock:
+            return [w.process.pid for w in self._workers if w.process.is_alive()]
+
+    def close(self) -> None:
+        """Drops the queued compiles and kills every worker process."""
+        self._threads.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            self._closed = True
+            workers, self._workers = list(self._workers), set()
+        for worker in workers:
+            worker.close()
+
+    @staticmethod
+    def _key(fmt: dict) -> str:
+        return json.dumps(fmt, sort_keys=True)
+
+    def _run(self, job: GrammarJob, gen_config: GenerationConfig) -> Grammar | None:
+        worker = self._worker()
+        with job.lock:
+            if job.cancelled or worker is None:
+                return None
+            job.worker = worker
+        try:
+            ok, text = worker.compile(job.fmt)
+        except (EOFError, OSError):
+            self._local.worker = None
+            with self._lock:
+                self._workers.discard(worker)
+            worker.close()
+            if job.cancelled or self._closed:
+                return None
+            raise GrammarWorkerDied(f'the grammar compile process died (exit code {worker.process.exitcode}: '
+                                    'killed by the system, out of memory?); retry, or simplify the format') from None
+        if not ok:
+            raise ValueError(text)
+        compiled = xgr.CompiledGrammar.deserialize_json(text, self.compiler.tokenizer_info())
+        self._remember(self._key(job.fmt), compiled)
+        return self.compiler.grammar(compiled, gen_config)
+
+    def _worker(self) -> _Worker | None:
+        """This thread's worker process, started if it has none (None once the pool is closed)."""
+        worker = getattr(self._local, 'worker', None)
+        if worker is None:
+            if self._info is None:
+                self._info = self.compiler.tokenizer_info().serialize_json()
+            worker = self._local.worker = _Worker(self._info)
+            with self._lock:
+                if self._closed:
+                    worker.close()
+                    return None
+                self._workers.add(worker)
+        return worker
+
+    def _remember(self, key: str, compiled: xgr.CompiledGrammar) -> None:
+        with self._lock:
+            if key in self._cache:
+                return
+            self._cache[key] = compiled
+            self._cache_bytes += compiled.memory_size_bytes
+            while self._cache_bytes > CACHE_BYTES and len(self._cache) > 1:
+                self._cache_bytes -= self._cache.popitem(last=False)[1].memory_size_bytes
+
