@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import subprocess
+import sys
 import time
 
 import httpx
@@ -210,8 +213,9 @@ def test_a_compile_over_its_limit_is_killed_and_masks_match_in_process(tiny_llam
                 await task
             assert error.value.code is ErrorCode.ABORTED and 'killed' in error.value.message, error.value
             assert not victim.is_running()
-            assert await engine.compile_grammar(GenerationConfig(response_format=formats[1]), 60) is not None
-            assert worker_processes()
+            fresh = GenerationConfig(response_format={'type': 'regex', 'regex': 'x+'})  # not cached: a new worker
+            assert await engine.compile_grammar(fresh, 60) is not None
+            assert [p.pid for p in worker_processes()] == pool.worker_pids() != []
         finally:
             engine.close()
         assert not worker_processes()
@@ -232,3 +236,35 @@ def assert_same_masks(got, want, vocab_size: int) -> None:
         allowed = torch.nonzero(bits.flatten()[:vocab_size]).flatten().tolist()
         token = allowed[len(allowed) // 2]
         assert [s.matcher.accept_token(token) for s in states] == [True, True]
+
+
+PARENT = '''
+import sys
+from lmdeploy import GenerationConfig
+from lmdeploy.pytorch.engine.grammar_worker import GrammarProcessPool
+from lmdeploy.pytorch.engine.guided import GrammarCompiler
+from lmdeploy.tokenizer import Tokenizer
+
+tokenizer = Tokenizer(sys.argv[1])
+pool = GrammarProcessPool(GrammarCompiler(tokenizer, len(tokenizer.hf)), 1)
+pool.submit(GenerationConfig(response_format={'type': 'regex', 'regex': 'a+'})).future.result()
+pool.submit(GenerationConfig(response_format={'type': 'json_schema', 'json_schema': {'name': 'x', 'schema': {
+    'enum': [str(i) for i in range(200_000)]}}}))
+print(*pool.worker_pids(), flush=True)
+sys.stdin.read()
+'''
+
+
+@pytest.mark.parametrize('how', ['SIGTERM', 'SIGKILL'])
+def test_no_worker_outlives_its_parent(tiny_llama, how):
+    """Whether the engine's process is terminated or killed, idle or in a compile, its workers end with it."""
+    parent = subprocess.Popen([sys.executable, '-c', PARENT, tiny_llama], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        worker = psutil.Process(int(parent.stdout.readline()))
+        assert worker.ppid() == parent.pid
+        parent.send_signal(getattr(signal, how))
+        parent.wait(30)
+        worker.wait(10)
+    finally:
+        parent.kill()
