@@ -109,13 +109,14 @@ class AsyncEngine:
         by their source), None without one; raises :class:`SafeRunException` (INVALID_ARGUMENT) with
         xgrammar's reason for a schema, regex or grammar it cannot compile, (ABORTED) when the system killed
         the worker process, and ``TimeoutError`` when it has not compiled after ``timeout`` seconds (waiting
-        for a worker included). Requests for a format that is compiling wait for that compile, on no thread
+        for a worker included, the first start of the workers not). Requests for a format that is compiling wait for that compile, on no thread
         of their own. A compile that every request waiting for it gave up is stopped: never started if
         queued, its worker process killed if running."""
         if gen_config.response_format is None:
             return None
         key = json.dumps([gen_config.response_format, gen_config.response_format_after], sort_keys=True,
                          default=repr)
+        await asyncio.wrap_future(self._grammar_pool.start())  # the processes' start-up is not the format's
         compile = self._compiling.get(key)
         if compile is None:
             compile = self._compiling[key] = _Compile(self._grammar_pool.submit(gen_config))

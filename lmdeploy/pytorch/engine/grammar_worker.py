@@ -1,10 +1,10 @@
 """Grammar compiles in worker processes, so that one running too long can be stopped.
 
-xgrammar cannot stop a compile once started; a process can be killed. Each of the pool's threads owns one
-worker process, started when that thread first compiles (an engine that never sees a grammar starts none):
-the thread sends the format down a pipe and waits for the compiled grammar, serialized by xgrammar, to come
-back. A compile that every waiting request gave up is killed with its process, and the thread starts a new
-one for its next compile.
+xgrammar cannot stop a compile once started; a process can be killed. The pool's worker processes start
+together on its first use (an engine that never sees a grammar starts none); a compile takes an idle one on a
+thread of the pool, sends the format down its pipe and waits for the compiled grammar, serialized by
+xgrammar, to come back. A compile that every waiting request gave up is killed with its process, and a new
+process starts at once in its place (its start-up overlaps whatever comes next).
 
 Workers are started with the 'spawn' context: the engine process runs threads and torch, which a forked child
 would inherit half-done (locks held by other threads), and a spawned child's parent is the engine itself, so
@@ -17,6 +17,7 @@ import ctypes
 import json
 import os
 import signal
+import queue
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -40,12 +41,13 @@ class GrammarWorkerDied(RuntimeError):
 
 
 def _serve(conn: Connection, tokenizer_info: str, parent: int) -> None:
-    """A worker's life: compile each format received, answer ``(True, serialized grammar)`` or
+    """A worker's life: say 'ready', then compile each format received, answer ``(True, serialized grammar)`` or
     ``(False, reason)``; ends with its parent (the kernel kills it) or when the pipe closes."""
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # the parent died before the request to the kernel
         return
     compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(tokenizer_info), cache_enabled=False)
+    conn.send('ready')
     while True:
         try:
             fmt = conn.recv()
@@ -66,8 +68,15 @@ class _Worker:
                                       name='lmdeploy-grammar')
         self.process.start()
         child.close()
+        self.ready = False
+
+    def wait_ready(self) -> None:
+        """Waits for the process's start-up; raises ``EOFError`` if it died."""
+        if not self.ready:
+            self.ready = self.conn.recv() == 'ready'
 
     def compile(self, fmt: dict) -> tuple[bool, str]:
+        self.wait_ready()
         self.conn.send(fmt)
         return self.conn.recv()
 
@@ -96,19 +105,32 @@ class GrammarJob:
 
 
 class GrammarProcessPool:
-    """Compiles response formats in ``size`` worker processes (one per thread of its own), keeping the
-    compiled grammars (by format, least recently used dropped past :data:`CACHE_BYTES`)."""
+    """Compiles response formats in ``size`` worker processes (each compile on a thread of the pool's own),
+    keeping the compiled grammars (by format, least recently used dropped past :data:`CACHE_BYTES`).
+
+    Workers are started from the pool's threads, which live as long as the pool: a process asks the kernel to
+    kill it when the thread that started it ends.
+    """
 
     def __init__(self, compiler: GrammarCompiler, size: int):
         self.compiler = compiler
+        self.size = size
         self._threads = ThreadPoolExecutor(size, thread_name_prefix='lmdeploy-grammar')
-        self._local = threading.local()
         self._lock = threading.Lock()
         self._workers: set[_Worker] = set()
+        self._idle: queue.SimpleQueue[_Worker | None] = queue.SimpleQueue()
+        self._started: Future | None = None
         self._info: str | None = None
         self._cache: OrderedDict[str, xgr.CompiledGrammar] = OrderedDict()
         self._cache_bytes = 0
         self._closed = False
+
+    def start(self) -> Future:
+        """Starts the worker processes (once); the future is done when they are ready to compile."""
+        with self._lock:
+            if self._started is None:
+                self._started = self._threads.submit(self._start)
+            return self._started
 
     def submit(self, gen_config: GenerationConfig) -> GrammarJob:
         """Starts compiling ``gen_config.response_format`` (which must be set); a cached one is done at once."""
@@ -120,6 +142,7 @@ class GrammarProcessPool:
         if compiled is not None:
             job.future.set_result(self.compiler.grammar(compiled, gen_config))
         else:
+            self.start()
             job.future = self._threads.submit(self._run, job, gen_config)
         return job
 
@@ -136,47 +159,71 @@ class GrammarProcessPool:
             workers, self._workers = list(self._workers), set()
         for worker in workers:
             worker.close()
+        for _ in range(self.size):
+            self._idle.put(None)
 
     @staticmethod
     def _key(fmt: dict) -> str:
         return json.dumps(fmt, sort_keys=True)
 
+    def _start(self) -> None:
+        try:
+            self._info = self.compiler.tokenizer_info().serialize_json()
+            workers = [self._new_worker() for _ in range(self.size)]
+        except BaseException:
+            for _ in range(self.size):
+                self._idle.put(None)
+            raise
+        for worker in workers:
+            try:
+                worker.wait_ready()
+            except (EOFError, OSError):
+                pass  # found dead by the compile that takes it
+            self._idle.put(worker)
+
+    def _new_worker(self) -> _Worker:
+        worker = _Worker(self._info)
+        with self._lock:
+            if self._closed:
+                worker.close()
+            else:
+                self._workers.add(worker)
+        return worker
+
+    def _replace(self, worker: _Worker) -> _Worker:
+        with self._lock:
+            self._workers.discard(worker)
+        worker.close()
+        return self._new_worker()
+
     def _run(self, job: GrammarJob, gen_config: GenerationConfig) -> Grammar | None:
-        worker = self._worker()
+        worker = self._idle.get()
+        if worker is not None and not worker.process.is_alive():
+            worker = self._replace(worker)
+        if worker is None:
+            self._idle.put(None)
+            if self._closed:
+                return None
+            raise GrammarWorkerDied('the grammar compile processes could not start')
         with job.lock:
-            if job.cancelled or worker is None:
+            if job.cancelled or self._closed:
+                self._idle.put(worker)
                 return None
             job.worker = worker
         try:
             ok, text = worker.compile(job.fmt)
         except (EOFError, OSError):
-            self._local.worker = None
-            with self._lock:
-                self._workers.discard(worker)
-            worker.close()
+            self._idle.put(self._replace(worker))
             if job.cancelled or self._closed:
                 return None
             raise GrammarWorkerDied(f'the grammar compile process died (exit code {worker.process.exitcode}: '
                                     'killed by the system, out of memory?); retry, or simplify the format') from None
+        self._idle.put(worker)
         if not ok:
             raise ValueError(text)
         compiled = xgr.CompiledGrammar.deserialize_json(text, self.compiler.tokenizer_info())
         self._remember(self._key(job.fmt), compiled)
         return self.compiler.grammar(compiled, gen_config)
-
-    def _worker(self) -> _Worker | None:
-        """This thread's worker process, started if it has none (None once the pool is closed)."""
-        worker = getattr(self._local, 'worker', None)
-        if worker is None:
-            if self._info is None:
-                self._info = self.compiler.tokenizer_info().serialize_json()
-            worker = self._local.worker = _Worker(self._info)
-            with self._lock:
-                if self._closed:
-                    worker.close()
-                    return None
-                self._workers.add(worker)
-        return worker
 
     def _remember(self, key: str, compiled: xgr.CompiledGrammar) -> None:
         with self._lock:
