@@ -40,13 +40,18 @@ class GrammarWorkerDied(RuntimeError):
     """A worker process ended in the middle of a compile that nobody cancelled (the OS killed it)."""
 
 
-def _serve(conn: Connection, tokenizer_info: str, parent: int) -> None:
-    """A worker's life: say 'ready', then compile each format received, answer ``(True, serialized grammar)`` or
-    ``(False, reason)``; ends with its parent (the kernel kills it) or when the pipe closes."""
+def _serve(conn: Connection, parent: int) -> None:
+    """A worker's life: receive the tokenizer info and say 'ready', then compile each format received, answer
+    ``(True, serialized grammar)`` or ``(False, reason)``; ends with its parent (the kernel kills it) or when
+    the pipe closes."""
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # the parent died before the request to the kernel
         return
-    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(tokenizer_info), cache_enabled=False)
+    try:
+        info = conn.recv()
+    except EOFError:
+        return
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(info), cache_enabled=False)
     conn.send('ready')
     while True:
         try:
@@ -60,20 +65,24 @@ def _serve(conn: Connection, tokenizer_info: str, parent: int) -> None:
 
 
 class _Worker:
-    """One worker process and its end of the pipe."""
+    """One worker process and its end of the pipe; starting one returns at once, its start-up (imports)
+    goes on while :meth:`wait_ready` is not called."""
 
     def __init__(self, tokenizer_info: str):
         self.conn, child = _SPAWN.Pipe()
-        self.process = _SPAWN.Process(target=_serve, args=(child, tokenizer_info, os.getpid()), daemon=True,
+        self.process = _SPAWN.Process(target=_serve, args=(child, os.getpid()), daemon=True,
                                       name='lmdeploy-grammar')
         self.process.start()
         child.close()
-        self.ready = False
+        self.tokenizer_info: str | None = tokenizer_info
 
     def wait_ready(self) -> None:
-        """Waits for the process's start-up; raises ``EOFError`` if it died."""
-        if not self.ready:
-            self.ready = self.conn.recv() == 'ready'
+        """Sends the tokenizer info (once) and waits for the process's start-up; raises ``EOFError`` or
+        ``OSError`` if it died."""
+        if self.tokenizer_info is not None:
+            self.conn.send(self.tokenizer_info)
+            if self.conn.recv() == 'ready':
+                self.tokenizer_info = None
 
     def compile(self, fmt: dict) -> tuple[bool, str]:
         self.wait_ready()
@@ -176,21 +185,24 @@ class GrammarProcessPool:
             raise
         for worker in workers:
             try:
-                worker.wait_ready()
+                if worker is not None:
+                    worker.wait_ready()
             except (EOFError, OSError):
                 pass  # found dead by the compile that takes it
             self._idle.put(worker)
 
-    def _new_worker(self) -> _Worker:
-        worker = _Worker(self._info)
+    def _new_worker(self) -> _Worker | None:
+        """A new worker process (None once the pool is closed)."""
+        worker = None if self._closed else _Worker(self._info)
         with self._lock:
-            if self._closed:
+            if self._closed and worker is not None:
                 worker.close()
-            else:
+                return None
+            if worker is not None:
                 self._workers.add(worker)
         return worker
 
-    def _replace(self, worker: _Worker) -> _Worker:
+    def _replace(self, worker: _Worker) -> _Worker | None:
         with self._lock:
             self._workers.discard(worker)
         worker.close()
@@ -198,7 +210,7 @@ class GrammarProcessPool:
 
     def _run(self, job: GrammarJob, gen_config: GenerationConfig) -> Grammar | None:
         worker = self._idle.get()
-        if worker is not None and not worker.process.is_alive():
+        if worker is not None and worker.process.exitcode is not None:
             worker = self._replace(worker)
         if worker is None:
             self._idle.put(None)
@@ -213,11 +225,15 @@ class GrammarProcessPool:
         try:
             ok, text = worker.compile(job.fmt)
         except (EOFError, OSError):
+            ok = text = None
+        with job.lock:
+            job.worker = None
+        if text is None or job.cancelled:  # a cancel may have killed it after its answer
             self._idle.put(self._replace(worker))
             if job.cancelled or self._closed:
                 return None
             raise GrammarWorkerDied(f'the grammar compile process died (exit code {worker.process.exitcode}: '
-                                    'killed by the system, out of memory?); retry, or simplify the format') from None
+                                    'killed by the system, out of memory?); retry, or simplify the format')
         self._idle.put(worker)
         if not ok:
             raise ValueError(text)
