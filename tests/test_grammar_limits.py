@@ -1,6 +1,7 @@
 """Response formats whose bounds a client sets: huge string lengths and array sizes compile at once and still give
 JSON valid under the schema (no control characters or surrogates in bounded strings); regex patterns whose counted
-repetitions would take long to compile are a 400 before any compile."""
+repetitions would take long to compile are a 400 before any compile; a compile every waiting request gave up is
+killed with its worker process, and no worker outlives its engine."""
 from __future__ import annotations
 
 import asyncio

@@ -109,9 +109,9 @@ class AsyncEngine:
         by their source), None without one; raises :class:`SafeRunException` (INVALID_ARGUMENT) with
         xgrammar's reason for a schema, regex or grammar it cannot compile, (ABORTED) when the system killed
         the worker process, and ``TimeoutError`` when it has not compiled after ``timeout`` seconds (waiting
-        for a worker included, the first start of the workers not). Requests for a format that is compiling wait for that compile, on no thread
-        of their own. A compile that every request waiting for it gave up is stopped: never started if
-        queued, its worker process killed if running."""
+        for a worker included, the workers' first start not). Requests for a format that is compiling wait
+        for that compile, on no thread of their own. A compile that every request waiting for it gave up is
+        stopped: never started if queued, its worker process killed if running."""
         if gen_config.response_format is None:
             return None
         key = json.dumps([gen_config.response_format, gen_config.response_format_after], sort_keys=True,

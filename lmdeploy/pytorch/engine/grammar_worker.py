@@ -16,8 +16,8 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import signal
 import queue
+import signal
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
