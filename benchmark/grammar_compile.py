@@ -1,7 +1,7 @@
 """Grammar compile time and peak memory against the bounds a request sets: string ``maxLength`` / ``minLength``,
 array ``maxItems`` / ``minItems``, counted repetitions in a schema's ``pattern`` and in a regex format.
 
-Each case compiles with the engine's handling (``GrammarCompiler._compile``: what a request gets) and with
+Each case compiles with the engine's handling (``compile_format``: what a request gets) and with
 xgrammar's own (``compile_json_schema`` / ``compile_regex`` on the untouched format), in a child process
 that compiles each case's bounds in increasing order; a compile over ``--timeout`` seconds is killed, the
 larger bounds of its case are not tried, and a new child goes on with the next case. Memory is the child's resident set growth during the compile,
@@ -54,7 +54,7 @@ def child(model: str | None, mode: str, todo: list[tuple[str, int]]) -> None:
     import xgrammar as xgr
 
     from lmdeploy.model_source import resolve_model_path
-    from lmdeploy.pytorch.engine.guided import GrammarCompiler
+    from lmdeploy.pytorch.engine.guided import compile_format
     from lmdeploy.tokenizer import Tokenizer
     tokenizer = Tokenizer(resolve_model_path(model))
     vocab = len(tokenizer.hf)
@@ -70,7 +70,7 @@ def child(model: str | None, mode: str, todo: list[tuple[str, int]]) -> None:
         if mode == 'engine':
             fmt = ({'type': 'json_schema', 'json_schema': {'name': 'x', 'schema': value}} if kind == 'json_schema'
                    else {'type': 'regex', 'regex': value})
-            GrammarCompiler._compile(compiler, fmt)
+            compile_format(compiler, fmt)
         elif kind == 'json_schema':
             compiler.compile_json_schema(json.dumps(value), any_whitespace=True, max_whitespace_cnt=16)
         else:

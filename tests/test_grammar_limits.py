@@ -1,21 +1,28 @@
 """Response formats whose bounds a client sets: huge string lengths and array sizes compile at once and still give
 JSON valid under the schema (no control characters or surrogates in bounded strings); regex patterns whose counted
-repetitions would take long to compile are a 400 before any compile."""
+repetitions would take long to compile are a 400 before any compile; a compile every waiting request gave up is
+killed with its worker process, and no worker outlives its engine."""
 from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import subprocess
+import sys
 import time
 
 import httpx
 import jsonschema
+import psutil
 import pytest
+import torch
 import xgrammar as xgr
 from helpers import make_engine, random_prompts
 
 from lmdeploy import GenerationConfig
 from lmdeploy.pytorch.engine.guided import GrammarCompiler, GrammarState, pattern_repetition, regex_repetition
 from lmdeploy.serve.async_engine import AsyncEngine
+from lmdeploy.serve.exceptions import ErrorCode, SafeRunException
 
 HUGE = {'type': 'object', 'additionalProperties': False, 'required': ['s', 'n'],
         'properties': {'s': {'type': 'string', 'minLength': 2, 'maxLength': 100_000},
@@ -129,32 +136,30 @@ def test_huge_bounds_are_served(api_server, byte_tokens):
     jsonschema.validate(json.loads(choice['message']['content']), HUGE)
 
 
+def enum_format(size: int, tag: str = '') -> dict:
+    return json_schema({'enum': [f'{tag}{i}' for i in range(size)]})
+
+
 def test_waiting_requests_share_a_compile_and_give_up_a_queued_one(tiny_llama):
-    """Requests for a format that is compiling wait for that compile on no thread of their own, so another
-    format still gets a thread; a compile not started when all who wait for it gave up never starts."""
-    slow = [GenerationConfig(response_format=json_schema({'enum': [f'{tag} {i}' for i in range(10_000)]}))
-            for tag in ('first', 'second')]
+    """Requests for a format that is compiling wait for that compile on no worker of their own, so another
+    format still gets a worker; a compile not started when all who wait for it gave up never starts."""
+    slow = [GenerationConfig(response_format=enum_format(10_000, tag)) for tag in ('first ', 'second ')]
     quick = [GenerationConfig(response_format={'type': 'regex', 'regex': r'\d+'}),
              GenerationConfig(response_format={'type': 'choice', 'choice': ['yes', 'no']})]
 
     async def main():
         engine = AsyncEngine(tiny_llama)
-        started = []
-        compile_one = engine.grammars.compile
-
-        def recording(config: GenerationConfig):
-            started.append(config)
-            return compile_one(config)
-
-        engine.grammars.compile = recording
+        pool, started = engine._grammar_pool, []
+        run = pool._run
+        pool._run = lambda job, config: started.append(config) or run(job, config)
         try:
             sharing = [asyncio.create_task(engine.compile_grammar(slow[0])) for _ in range(3)]
             await asyncio.sleep(0.05)
-            assert await engine.compile_grammar(quick[0], 30) is not None
+            assert await engine.compile_grammar(quick[0], 60) is not None
             assert not any(t.done() for t in sharing), 'the quick format waited for no slow compile'
             other = asyncio.create_task(engine.compile_grammar(slow[1]))
             await asyncio.sleep(0.05)
-            with pytest.raises(TimeoutError):  # both threads busy: it waits in the queue, then gives up
+            with pytest.raises(TimeoutError):  # both workers busy: it waits in the queue, then gives up
                 await engine.compile_grammar(quick[1], 0.1)
             grammars = await asyncio.gather(*sharing, other)
             assert grammars[0] is grammars[1] is grammars[2] and started == [slow[0], quick[0], slow[1]]
@@ -162,3 +167,105 @@ def test_waiting_requests_share_a_compile_and_give_up_a_queued_one(tiny_llama):
         finally:
             engine.close()
     asyncio.run(main())
+
+
+def test_a_compile_over_its_limit_is_killed_and_masks_match_in_process(tiny_llama):
+    """A compile every waiter gave up is killed with its process; the next format compiles in a new one, its
+    masks those of an in-process compile; nothing is left once the engine closes; a worker the system kills
+    is a 503-class error and is replaced."""
+    formats = [enum_format(40, 'v'), {'type': 'regex', 'regex': r'[a-c]{2,4}-\d{3}'},
+               json_schema({'type': 'object', 'required': ['a'], 'properties': {
+                   'a': {'type': 'array', 'items': {'type': 'integer'}, 'maxItems': 3}, 'b': {'enum': ['x', 'y']}}})]
+
+    async def main():
+        engine = AsyncEngine(tiny_llama)
+        pool = engine._grammar_pool
+        try:
+            start = time.monotonic()
+            await engine.compile_grammar(GenerationConfig(response_format={'type': 'regex', 'regex': 'a+'}))
+            first = time.monotonic() - start
+            slow = asyncio.create_task(engine.compile_grammar(GenerationConfig(response_format=enum_format(20_000)),
+                                                              0.5))
+            await asyncio.sleep(0.1)
+            before = set(pool.worker_pids())
+            with pytest.raises(TimeoutError):
+                await slow
+            await asyncio.sleep(0.2)
+            killed = before - set(pool.worker_pids())
+            assert len(killed) == 1 and not psutil.pid_exists(killed.pop()) and not engine._compiling
+            start = time.monotonic()
+            grammars = [await engine.compile_grammar(GenerationConfig(response_format=formats[0]), 60)]
+            next_one = time.monotonic() - start
+            assert next_one < 5, 'the next compile waited for the killed worker\'s replacement'
+            grammars += [await engine.compile_grammar(GenerationConfig(response_format=f), 60) for f in formats[1:]]
+            print(f'first compile {first:.2f} s (the workers\' start included), the next {next_one:.2f} s')
+            local = GrammarCompiler(engine.tokenizer, engine.vocab_size)
+            for fmt, grammar in zip(formats, grammars):
+                assert_same_masks(grammar, local.compile(GenerationConfig(response_format=fmt)), engine.vocab_size)
+            victim = psutil.Process(pool.worker_pids()[0])
+            task = asyncio.create_task(engine.compile_grammar(GenerationConfig(response_format=enum_format(20_000,
+                                                                                                           'w'))))
+            await asyncio.sleep(0.2)
+            for pid in pool.worker_pids():
+                psutil.Process(pid).kill()
+            with pytest.raises(SafeRunException) as error:
+                await task
+            assert error.value.code is ErrorCode.ABORTED and 'killed' in error.value.message, error.value
+            assert not victim.is_running()
+            fresh = GenerationConfig(response_format={'type': 'regex', 'regex': 'x+'})  # not cached: a new worker
+            assert await engine.compile_grammar(fresh, 60) is not None
+            pids = pool.worker_pids()
+            assert len(pids) == 2 and victim.pid not in pids
+            assert set(pids) <= {child.pid for child in psutil.Process().children()}
+        finally:
+            engine.close()
+        assert not any(psutil.pid_exists(pid) for pid in pids)
+    asyncio.run(main())
+
+
+def assert_same_masks(got, want, vocab_size: int) -> None:
+    """The two grammars allow the same tokens at each step of a walk that takes the middle allowed token."""
+    states = [GrammarState(got), GrammarState(want)]
+    masks = [xgr.allocate_token_bitmask(1, vocab_size) for _ in states]
+    for _ in range(16):
+        if states[0].matcher.is_terminated():
+            return
+        for state, mask in zip(states, masks):
+            state.matcher.fill_next_token_bitmask(mask)
+        assert torch.equal(masks[0], masks[1])
+        bits = (masks[0][0, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
+        allowed = torch.nonzero(bits.flatten()[:vocab_size]).flatten().tolist()
+        token = allowed[len(allowed) // 2]
+        assert [s.matcher.accept_token(token) for s in states] == [True, True]
+
+
+PARENT = '''
+import sys
+from lmdeploy import GenerationConfig
+from lmdeploy.pytorch.engine.grammar_worker import GrammarProcessPool
+from lmdeploy.pytorch.engine.guided import GrammarCompiler
+from lmdeploy.tokenizer import Tokenizer
+
+tokenizer = Tokenizer(sys.argv[1])
+pool = GrammarProcessPool(GrammarCompiler(tokenizer, len(tokenizer.hf)), 1)
+pool.submit(GenerationConfig(response_format={'type': 'regex', 'regex': 'a+'})).future.result()
+pool.submit(GenerationConfig(response_format={'type': 'json_schema', 'json_schema': {'name': 'x', 'schema': {
+    'enum': [str(i) for i in range(200_000)]}}}))
+print(*pool.worker_pids(), flush=True)
+sys.stdin.read()
+'''
+
+
+@pytest.mark.parametrize('how', ['SIGTERM', 'SIGKILL'])
+def test_no_worker_outlives_its_parent(tiny_llama, how):
+    """Whether the engine's process is terminated or killed, idle or in a compile, its workers end with it."""
+    parent = subprocess.Popen([sys.executable, '-c', PARENT, tiny_llama], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        worker = psutil.Process(int(parent.stdout.readline()))
+        assert worker.ppid() == parent.pid
+        parent.send_signal(getattr(signal, how))
+        parent.wait(30)
+        worker.wait(10)
+    finally:
+        parent.kill()

@@ -6,7 +6,6 @@ import contextvars
 import hmac
 import json
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -15,6 +14,7 @@ import torch
 from lmdeploy.model_source import model_name
 from lmdeploy.messages import ChatTemplateConfig, EngineOutput, GenerationConfig, PytorchEngineConfig, Response
 from lmdeploy.pytorch.engine.engine import Engine
+from lmdeploy.pytorch.engine.grammar_worker import GrammarJob, GrammarProcessPool, GrammarWorkerDied
 from lmdeploy.pytorch.engine.guided import Grammar
 from lmdeploy.serve.engine_loop import EngineLoop
 from lmdeploy.serve.exceptions import ErrorCode, SafeRunException
@@ -33,8 +33,8 @@ T = TypeVar('T')
 # a request remembers its owner, and :meth:`AsyncEngine.abort_session` with an ``owner`` aborts only
 # that owner's requests. None: no owner (the Python API, a server without keys).
 request_owner: contextvars.ContextVar[str | None] = contextvars.ContextVar('lmdeploy_request_owner', default=None)
-# Grammars compile on threads of their own (at most this many at once), so that formats slow to compile never
-# hold the threads of the event loop's default executor.
+# Grammars compile in worker processes (at most this many at once), each driven by a thread of its own, so that
+# formats slow to compile never hold the threads of the event loop's default executor, and can be stopped.
 GRAMMAR_COMPILE_THREADS = 2
 
 
@@ -42,7 +42,7 @@ GRAMMAR_COMPILE_THREADS = 2
 class _Compile:
     """A grammar compile and the number of requests waiting for it."""
 
-    future: Future
+    job: GrammarJob
     waiters: int = 0
 
 
@@ -83,7 +83,7 @@ class AsyncEngine:
         self.processor = MultiModalProcessor(self.tokenizer, template, image_inputs, media_policy or MediaPolicy())
         self.inst_manager = InferInstManager(self.engine_loop, self.backend_config.max_batch_size)
         self.grammars = self.engine.grammars
-        self._grammar_pool = ThreadPoolExecutor(GRAMMAR_COMPILE_THREADS, thread_name_prefix='lmdeploy-grammar')
+        self._grammar_pool = GrammarProcessPool(self.grammars, GRAMMAR_COMPILE_THREADS)
         self._compiling: dict[str, _Compile] = {}  # a format (with its marker) -> its compile, until it ends
         self._owners: dict[int, tuple[object, str]] = {}  # session id -> (its active request, that one's owner)
 
@@ -105,30 +105,34 @@ class AsyncEngine:
             raise SafeRunException(ErrorCode.INVALID_ARGUMENT, str(exc)) from exc
 
     async def compile_grammar(self, gen_config: GenerationConfig, timeout: float | None = None) -> Grammar | None:
-        """``gen_config.response_format`` compiled on a grammar thread (compiled grammars are cached by their
-        source), None without one; raises :class:`SafeRunException` (INVALID_ARGUMENT) with xgrammar's
-        reason for a schema, regex or grammar it cannot compile, and ``TimeoutError`` when it has not compiled
-        after ``timeout`` seconds (waiting for a grammar thread included). Requests for a format that is
-        compiling wait for that compile, on no thread of their own. xgrammar cannot stop a compile: one
-        that started runs on to its end (the same format then comes from the cache); one that has not
-        started when all who wait for it gave up never starts."""
+        """``gen_config.response_format`` compiled in a grammar worker process (compiled grammars are cached
+        by their source), None without one; raises :class:`SafeRunException` (INVALID_ARGUMENT) with
+        xgrammar's reason for a schema, regex or grammar it cannot compile, (ABORTED) when the system killed
+        the worker process, and ``TimeoutError`` when it has not compiled after ``timeout`` seconds (waiting
+        for a worker included, the workers' first start not). Requests for a format that is compiling wait
+        for that compile, on no thread of their own. A compile that every request waiting for it gave up is
+        stopped: never started if queued, its worker process killed if running."""
         if gen_config.response_format is None:
             return None
         key = json.dumps([gen_config.response_format, gen_config.response_format_after], sort_keys=True,
                          default=repr)
+        await asyncio.wrap_future(self._grammar_pool.start())  # the processes' start-up is not the format's
         compile = self._compiling.get(key)
         if compile is None:
-            compile = self._compiling[key] = _Compile(self._grammar_pool.submit(self.grammars.compile, gen_config))
+            compile = self._compiling[key] = _Compile(self._grammar_pool.submit(gen_config))
             loop = asyncio.get_running_loop()
-            compile.future.add_done_callback(lambda _: loop.call_soon_threadsafe(self._forget, key, compile))
+            compile.job.future.add_done_callback(lambda _: loop.call_soon_threadsafe(self._forget, key, compile))
         compile.waiters += 1
         try:
-            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(compile.future)), timeout)
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(compile.job.future)), timeout)
         except ValueError as exc:
             raise SafeRunException(ErrorCode.INVALID_ARGUMENT, str(exc)) from exc
+        except GrammarWorkerDied as exc:
+            raise SafeRunException(ErrorCode.ABORTED, str(exc)) from exc
         finally:
             compile.waiters -= 1
-            if not compile.waiters and compile.future.cancel():
+            if not compile.waiters and not compile.job.future.done():
+                compile.job.cancel()
                 self._forget(key, compile)
 
     def _forget(self, key: str, compile: _Compile) -> None:
@@ -295,6 +299,6 @@ class AsyncEngine:
         """Ends every request (in flight or waiting) as 'abort', stops the engine-loop thread and drops
         the engine."""
         self.session_manager.abort_all_nowait()
-        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
+        self._grammar_pool.close()
         self.engine_loop.stop()
         self.engine_loop.engine = self.engine = None

@@ -39,47 +39,63 @@ class GrammarCompiler:
     """Compiles ``GenerationConfig.response_format`` for one tokenizer; safe to call from any thread.
 
     The vocabulary is read on first use, so an engine that never sees a grammar never pays for it.
+    :class:`~lmdeploy.pytorch.engine.grammar_worker.GrammarProcessPool` compiles in processes that can be
+    killed, for the same result.
     """
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self._info: xgr.TokenizerInfo | None = None
         self._compiler: xgr.GrammarCompiler | None = None
         self._lock = threading.Lock()
 
-    def _get(self) -> xgr.GrammarCompiler:
+    def tokenizer_info(self) -> xgr.TokenizerInfo:
+        """xgrammar's view of the vocabulary (read once)."""
         with self._lock:
-            if self._compiler is None:
-                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer.hf, vocab_size=self.vocab_size,
-                                                          stop_token_ids=sorted(self.tokenizer.eos_token_ids))
-                self._compiler = xgr.GrammarCompiler(info)
-            return self._compiler
+            if self._info is None:
+                self._info = xgr.TokenizerInfo.from_huggingface(self.tokenizer.hf, vocab_size=self.vocab_size,
+                                                                stop_token_ids=sorted(self.tokenizer.eos_token_ids))
+            return self._info
 
     def compile(self, gen_config: GenerationConfig) -> Grammar | None:
-        """The grammar of ``gen_config.response_format`` (None without one); a format xgrammar cannot
-        compile raises ``ValueError`` with its reason."""
+        """The grammar of ``gen_config.response_format``, compiled in this process (None without one); a
+        format xgrammar cannot compile raises ``ValueError`` with its reason."""
         fmt = gen_config.response_format
         if fmt is None:
             return None
-        try:
-            compiled = self._compile(self._get(), fmt)
-        except (RuntimeError, ValueError, TypeError) as exc:
-            reason = _LOG_PREFIX.sub('', str(exc).strip())
-            raise ValueError(f"response_format {fmt['type']!r} could not be compiled: {reason}") from None
+        info = self.tokenizer_info()
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = xgr.GrammarCompiler(info)
+        return self.grammar(compile_format(self._compiler, fmt), gen_config)
+
+    def grammar(self, compiled: xgr.CompiledGrammar, gen_config: GenerationConfig) -> Grammar:
+        """``compiled`` (the grammar of ``gen_config.response_format``) with the tokens it applies after."""
         after = gen_config.response_format_after
         return Grammar(compiled, tuple(self.tokenizer.encode(after, add_special_tokens=False)) if after else ())
 
-    @staticmethod
-    def _compile(compiler: xgr.GrammarCompiler, fmt: dict[str, Any]) -> xgr.CompiledGrammar:
-        kind = fmt['type']
-        if kind in ('json_object', 'json_schema'):
-            schema = fmt['json_schema']['schema'] if kind == 'json_schema' else {'type': 'object'}
-            return compiler.compile_grammar(json_schema_grammar(schema))
-        if kind == 'regex':
-            return compiler.compile_regex(fmt['regex'])
-        if kind == 'choice':
-            return compiler.compile_grammar('root ::= ' + ' | '.join(json.dumps(c) for c in fmt['choice']))
-        return compiler.compile_grammar(fmt['grammar'])
+
+def compile_format(compiler: xgr.GrammarCompiler, fmt: dict[str, Any]) -> xgr.CompiledGrammar:
+    """``fmt`` (a ``response_format``) compiled by ``compiler``; one xgrammar cannot compile raises
+    ``ValueError`` with its reason."""
+    try:
+        return _compile(compiler, fmt)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        reason = _LOG_PREFIX.sub('', str(exc).strip())
+        raise ValueError(f"response_format {fmt['type']!r} could not be compiled: {reason}") from None
+
+
+def _compile(compiler: xgr.GrammarCompiler, fmt: dict[str, Any]) -> xgr.CompiledGrammar:
+    kind = fmt['type']
+    if kind in ('json_object', 'json_schema'):
+        schema = fmt['json_schema']['schema'] if kind == 'json_schema' else {'type': 'object'}
+        return compiler.compile_grammar(json_schema_grammar(schema))
+    if kind == 'regex':
+        return compiler.compile_regex(fmt['regex'])
+    if kind == 'choice':
+        return compiler.compile_grammar('root ::= ' + ' | '.join(json.dumps(c) for c in fmt['choice']))
+    return compiler.compile_grammar(fmt['grammar'])
 
 
 def json_schema_grammar(schema: Any) -> xgr.Grammar:
