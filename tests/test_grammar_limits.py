@@ -269,3 +269,23 @@ def test_no_worker_outlives_its_parent(tiny_llama, how):
         worker.wait(10)
     finally:
         parent.kill()
+
+
+SCRIPT_WITHOUT_MAIN_GUARD = '''
+import sys
+from lmdeploy import GenerationConfig, pipeline
+print('top level')
+with pipeline(sys.argv[1]) as pipe:
+    fmt = {'type': 'json_schema', 'json_schema': {'name': 'n', 'schema': {'type': 'integer'}}}
+    print(pipe('hi', gen_config=GenerationConfig(max_new_tokens=4, response_format=fmt)).text)
+'''
+
+
+def test_a_script_without_a_main_guard_runs_once(tiny_llama, tmp_path):
+    """Spawned grammar workers start from lmdeploy's code alone: a user's script is not run again in them."""
+    script = tmp_path / 'script.py'
+    script.write_text(SCRIPT_WITHOUT_MAIN_GUARD)
+    run = subprocess.run([sys.executable, str(script), tiny_llama], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = run.stdout.splitlines()
+    assert lines.count('top level') == 1 and lines[-1].strip().lstrip('-').isdigit(), run.stdout

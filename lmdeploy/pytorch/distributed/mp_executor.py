@@ -2,19 +2,17 @@
 bound to its share of the CPUs (or to its GPU), all ended with the engine."""
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
-import sys
 import threading
 import time
-from collections.abc import Iterator
 from multiprocessing.connection import wait
 
 import torch.multiprocessing as mp
 
+from lmdeploy.pytorch.child_process import die_with_parent, main_module_hidden
 from lmdeploy.pytorch.distributed.executor import Executor
-from lmdeploy.pytorch.distributed.worker import WorkerSpec, die_with_parent, run_worker
+from lmdeploy.pytorch.distributed.worker import WorkerSpec, run_worker
 
 LOOPBACK = '127.0.0.1'
 
@@ -30,22 +28,6 @@ def _ending(exitcode: int | None) -> str:
     if exitcode < 0:
         return f'was killed by {signal.Signals(-exitcode).name}'
     return f'exited with code {exitcode}'
-
-
-@contextlib.contextmanager
-def _main_module_hidden() -> Iterator[None]:
-    """Spawned workers start from lmdeploy's code alone: 'spawn' would otherwise run the caller's
-    script again in each worker, and a script without an ``if __name__ == '__main__':`` guard would
-    start another engine there."""
-    main = sys.modules['__main__']
-    saved = {name: main.__dict__[name] for name in ('__file__', '__spec__') if name in main.__dict__}
-    for name in saved:
-        setattr(main, name, None)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(main, name, value)
 
 
 class MPExecutor(Executor):
@@ -69,7 +51,7 @@ class MPExecutor(Executor):
                               self.rank_device(rank), self.model_path, self.config)
             process = context.Process(target=_worker_main, args=(spec, os.getpid()), daemon=True,
                                       name=f'lmdeploy-tp-rank{rank}')
-            with _main_module_hidden():
+            with main_module_hidden():
                 process.start()
             self.processes.append(process)
         threading.Thread(target=self._watch, name='lmdeploy-tp-watchdog', daemon=True).start()

@@ -2,10 +2,7 @@
 each step rank 0 sends until it says stop, or until its connection to rank 0 breaks."""
 from __future__ import annotations
 
-import ctypes
 import logging
-import os
-import signal
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +15,6 @@ from lmdeploy.pytorch.engine.runner_builder import build_runner
 from lmdeploy.pytorch.kernels import cpu as cpu_kernels
 
 logger = logging.getLogger('lmdeploy')
-PR_SET_PDEATHSIG = 1
 
 
 @dataclass
@@ -37,17 +33,6 @@ class WorkerSpec:
     device: str
     model_path: str | None
     config: PytorchEngineConfig
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """Has the kernel kill this process when the thread that started it ends (Linux); exits at once when
-    that already happened."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent_pid:
-        os._exit(1)
 
 
 def local_model_dir(spec: WorkerSpec) -> str:

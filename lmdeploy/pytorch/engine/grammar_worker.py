@@ -13,11 +13,9 @@ a process shared by all of the engine's multiprocessing users).
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import queue
-import signal
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,10 +26,10 @@ from multiprocessing.connection import Connection
 import xgrammar as xgr
 
 from lmdeploy.messages import GenerationConfig
+from lmdeploy.pytorch.child_process import die_with_parent, main_module_hidden
 from lmdeploy.pytorch.engine.guided import Grammar, GrammarCompiler, compile_format
 
 _SPAWN = get_context('spawn')
-_PR_SET_PDEATHSIG = 1
 # Compiled grammars kept for reuse, the least recently used dropped first past this many bytes.
 CACHE_BYTES = 512 << 20
 
@@ -44,9 +42,7 @@ def _serve(conn: Connection, parent: int) -> None:
     """A worker's life: receive the tokenizer info and say 'ready', then compile each format received, answer
     ``(True, serialized grammar)`` or ``(False, reason)``; ends with its parent (the kernel kills it) or when
     the pipe closes."""
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # the parent died before the request to the kernel
-        return
+    die_with_parent(parent)
     try:
         info = conn.recv()
     except EOFError:
@@ -72,7 +68,8 @@ class _Worker:
         self.conn, child = _SPAWN.Pipe()
         self.process = _SPAWN.Process(target=_serve, args=(child, os.getpid()), daemon=True,
                                       name='lmdeploy-grammar')
-        self.process.start()
+        with main_module_hidden():
+            self.process.start()
         child.close()
         self.tokenizer_info: str | None = tokenizer_info
 

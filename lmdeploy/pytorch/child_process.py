@@ -1,0 +1,38 @@
+"""Helper processes started with 'spawn' (tensor-parallel workers, grammar compilers): they start from
+lmdeploy's code alone and end with the process that started them."""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+from collections.abc import Iterator
+
+PR_SET_PDEATHSIG = 1
+
+
+@contextlib.contextmanager
+def main_module_hidden() -> Iterator[None]:
+    """Around ``Process.start()``: 'spawn' would otherwise run the caller's script again in the child, and a
+    script without an ``if __name__ == '__main__':`` guard would start another engine there."""
+    main = sys.modules['__main__']
+    saved = {name: main.__dict__[name] for name in ('__file__', '__spec__') if name in main.__dict__}
+    for name in saved:
+        setattr(main, name, None)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(main, name, value)
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Has the kernel kill this process when the thread that started it ends (Linux); exits at once when
+    that already happened."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:
+        os._exit(1)
