@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,10 +33,12 @@ from lmdeploy.pytorch.nn.quant.base import (Layout, LinearKernel, LinearOptions,
 from lmdeploy.pytorch.nn.quant.cpu_bf16 import packed_cpu_kernel
 from lmdeploy.pytorch.nn.quant.dense import DenseFormat
 from lmdeploy.pytorch.nn.quant.int4_cpu import NativeInt4Kernel, SmallStepInt4Kernel
+from lmdeploy.pytorch.nn.quant.parts import PartsKernel
+from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KGemv
 from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6K_TILE, Q6KGemv
 from lmdeploy.pytorch.nn.quant.q8_cpu import Q8_GROUP, Q8_TILE, pack_q8
 from lmdeploy.pytorch.nn.quant.w4a16 import Int4GroupFormat, Int4Grid, ReferenceKernel
-from lmdeploy.pytorch.weights.gguf_types import engine_layer
+from lmdeploy.pytorch.weights.gguf_types import engine_layer, part_index
 from lmdeploy.pytorch.weights.safetensors_loader import WeightSource, read_shard
 
 if TYPE_CHECKING:
@@ -194,7 +197,7 @@ class GgufFormat(Int4GroupFormat):
     def make_kernel(self, layer: Linear, options: LinearOptions) -> LinearKernel:
         cpu_bf16 = options.dtype == torch.bfloat16 and layer.qweight.device.type == 'cpu'
         if self.ggml_type == 'Q4_K':
-            native = NativeInt4Kernel.of_grid(self.unpack(layer), layer.gate_up_panels) if cpu_bf16 else None
+            native = Q4KGemv.of_blocks(layer.qweight, self.unpack(layer).codes, layer.gate_up_panels) if cpu_bf16 else None
             if native is None:
                 return super().make_kernel(layer, options)
             layer.qweight = None
@@ -214,6 +217,61 @@ class GgufFormat(Int4GroupFormat):
         return kernel
 
 
+@dataclass
+class BlockRows:
+    """One part's rows of a stacked layer's blocks, as :meth:`GgufFormat.make_kernel` reads a layer."""
+
+    qweight: torch.Tensor | None
+    gate_up_panels: bool = False
+
+
+class GgufPartsFormat(WeightFormat):
+    """A stacked layer whose parts differ in type (``parts[i]`` the format of part ``i``), each part kept as its
+    blocks and run on its type's kernel (:class:`PartsKernel`). Its ``qweight uint8 [N, bytes]`` holds each row's
+    blocks flat, a part's rows padded to the widest part's (:meth:`GgufFileFormat.convert_checkpoint` pads them)."""
+
+    def __init__(self, parts: list[GgufFormat]):
+        self.parts = parts
+
+    def row_bytes(self, part: int, in_features: int) -> int:
+        return in_features // self.parts[part].block_inputs * self.parts[part].block_bytes
+
+    def width(self, in_features: int) -> int:
+        """The bytes of a ``qweight`` row: the widest part's."""
+        return max(self.row_bytes(i, in_features) for i in range(len(self.parts)))
+
+    def padded(self, blocks: torch.Tensor, part: int) -> torch.Tensor:
+        """Part ``part``'s ``[rows, K / B, bytes]`` blocks from the checkpoint as rows of ``qweight``."""
+        in_features = blocks.shape[1] * self.parts[part].block_inputs
+        rows = blocks.reshape(blocks.shape[0], -1)
+        return F.pad(rows, (0, self.width(in_features) - rows.shape[1]))
+
+    def create_weights(self, layer: Linear) -> None:
+        for part in self.parts:
+            if layer.in_features % part.block_inputs:
+                raise ValueError(f'a {part.ggml_type} layer needs inputs in blocks of {part.block_inputs}, '
+                                 f'not {layer.in_features}')
+        layer.qweight = new_parameter((layer.out_features, self.width(layer.in_features)), Layout(0, None),
+                                      torch.uint8)
+
+    def blocks(self, layer: Linear, part: int) -> torch.Tensor:
+        """Part ``part``'s rows of ``layer`` as ``[rows, K / B, bytes]`` blocks of its type."""
+        start, stop = layer.offsets[part], layer.offsets[part + 1]
+        rows = layer.qweight[start:stop, :self.row_bytes(part, layer.in_features)]
+        return rows.reshape(stop - start, -1, self.parts[part].block_bytes).contiguous()
+
+    def dequantize(self, layer: Linear) -> torch.Tensor:
+        return torch.cat([dequantize_blocks(self.blocks(layer, i), part.ggml_type) for i, part in enumerate(self.parts)])
+
+    def make_kernel(self, layer: Linear, options: LinearOptions) -> LinearKernel:
+        if options.dtype is None:
+            return ReferenceKernel(self, layer)
+        parts = [part.make_kernel(BlockRows(self.blocks(layer, i)), options) for i, part in enumerate(self.parts)]
+        sizes = [stop - start for start, stop in zip(layer.offsets, layer.offsets[1:])]
+        layer.qweight = None
+        return PartsKernel(parts, sizes)
+
+
 @register_format('gguf')
 class GgufFileFormat(DenseFormat):
     """A converted GGUF file's linear layers: those of ``ggml_types`` (``{name in the model: type}``) as their
@@ -222,9 +280,15 @@ class GgufFileFormat(DenseFormat):
     are dequantized as they load (:meth:`convert_checkpoint`). An output layer of type ``lm_head`` (Q6_K) comes
     as ``lm_head.qweight`` blocks: it loads dequantized, and its CPU LM head runs small steps on the blocks."""
 
-    def __init__(self, ggml_types: dict[str, str], lm_head: str | None = None):
-        formats = {ggml_type: GgufFormat(ggml_type) for ggml_type in set(ggml_types.values())}
-        self.layer_formats = {name: formats[ggml_type] for name, ggml_type in ggml_types.items()}
+    def __init__(self, ggml_types: dict[str, str | list[str]], lm_head: str | None = None):
+        formats: dict[str, GgufFormat] = {}
+
+        def layer_format(types: str | list[str]) -> WeightFormat:
+            parts = [formats.setdefault(ggml_type, GgufFormat(ggml_type)) for ggml_type in
+                     ([types] if isinstance(types, str) else types)]
+            return parts[0] if isinstance(types, str) else GgufPartsFormat(parts)
+
+        self.layer_formats = {name: layer_format(types) for name, types in ggml_types.items()}
         self.dequantized: dict[str, str] = {}  # layer -> type, of layers that hold their blocks dequantized
         self.lm_head_type = lm_head
         self.lm_head_blocks: torch.Tensor | None = None
@@ -247,7 +311,7 @@ class GgufFileFormat(DenseFormat):
         layer_format = self.layer_formats.get(name)
         if layer_format is None:
             return self
-        if layer.in_features % layer_format.block_inputs:
+        if isinstance(layer_format, GgufFormat) and layer.in_features % layer_format.block_inputs:
             self.dequantized[name] = layer_format.ggml_type
             return self
         return layer_format
@@ -260,7 +324,10 @@ class GgufFileFormat(DenseFormat):
                 continue
             base = name.removesuffix('.qweight')
             layer = engine_layer(base + '.weight') if base != name else None
+            parts = self.layer_formats.get(layer)
             if layer in self.dequantized:
                 yield base + '.weight', dequantize_blocks(read_shard(tensor, None), self.dequantized[layer])
+            elif isinstance(parts, GgufPartsFormat):
+                yield name, parts.padded(read_shard(tensor, None), part_index(base + '.weight'))
             else:
                 yield name, tensor
