@@ -17,7 +17,7 @@
 // 32, 6-bit sc and m, w = q * d * sc - dmin * m. Its scales [N/16, K/256, 256] bytes per tile and block: the 16
 // rows' d (fp16), their dmin, then the 12 bytes that pack sc and m (as the file holds them) byte by byte, 16 rows
 // each: 0.0625 bytes a weight, as in the file (against 0.125 for an fp16 scale and minimum per group). A group
-// adds sc * (D - 128 X) and m * X to the block's two sums, which d and dmin scale once per block.
+// takes d * sc and dmin * m (exact in fp32) for its scale and minus its minimum.
 
 #include "common.h"
 
@@ -56,13 +56,39 @@ inline void group_dot(const uint8_t* w, const int32_t* const* pairs, int64_t gro
   }
 }
 
+// Byte b of the 16 rows' packed 6-bit Q4_K scales and mins, one row a lane.
+inline __m512i scale_bytes(const uint8_t* s, int64_t b) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 2 * 2 * kTile + kTile * b)));
+}
+
+// The 16 rows' d * sc and dmin * m of group j of a Q4_K block (scale bytes s), as llama.cpp's get_scale_min_k4
+// reads sc and m; exact in fp32 (an fp16 times a 6-bit integer).
+inline void q4k_scales(const uint8_t* s, int64_t j, __m512& scale, __m512& minimum) {
+  const __m512i low6 = _mm512_set1_epi32(63), low4 = _mm512_set1_epi32(15), top2 = _mm512_set1_epi32(0xC0);
+  __m512i sc, mn;
+  if (j < 4) {
+    sc = _mm512_and_si512(scale_bytes(s, j), low6);
+    mn = _mm512_and_si512(scale_bytes(s, j + 4), low6);
+  } else {
+    const __m512i extra = scale_bytes(s, j + 4);
+    sc = _mm512_or_si512(_mm512_and_si512(extra, low4),
+                         _mm512_srli_epi32(_mm512_and_si512(scale_bytes(s, j - 4), top2), 2));
+    mn = _mm512_or_si512(_mm512_srli_epi32(extra, 4), _mm512_srli_epi32(_mm512_and_si512(scale_bytes(s, j), top2), 2));
+  }
+  scale = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s))), _mm512_cvtepi32_ps(sc));
+  minimum = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 2 * kTile))),
+                          _mm512_cvtepi32_ps(mn));
+}
+
 // x @ W.T of one tile's 16 rows for the R rows of x from m, in fp32: each 32-byte chunk of codes is widened
-// once for all R rows (prefill steps), and every row's sums run in the same order whatever R is.
-template <int R>
+// once for all R rows (prefill steps), and every row's sums run in the same order whatever R is. With kQ4K
+// each group's scale and minimum (negated) come from its Q4_K block's scale bytes.
+template <int R, bool kQ4K>
 inline void tile_dot(const Gemv& g, int64_t tile, int64_t m, __m512* y) {
   const int64_t groups = g.K / kGroup;
   const uint8_t* w = g.w + tile * groups * kGroupBytes;
   const uint16_t* sm = g.scales + tile * groups * 2 * kTile;
+  const uint8_t* s = reinterpret_cast<const uint8_t*>(g.scales) + tile * (g.K / kBlock) * kBlockScaleBytes;
   const int32_t* pairs[R];
   const float* xsum[R];
   for (int r = 0; r < R; ++r) {
@@ -75,8 +101,13 @@ inline void tile_dot(const Gemv& g, int64_t tile, int64_t m, __m512* y) {
   for (int64_t group = 0; group < groups; ++group, w += kGroupBytes, sm += 2 * kTile) {
     __m512 d[R][4];
     group_dot<R>(w, pairs, group, d);
-    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm)));
-    const __m512 minimum = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + kTile)));
+    __m512 scale, minimum;
+    if constexpr (kQ4K) {
+      q4k_scales(s + group / 8 * kBlockScaleBytes, group % 8, scale, minimum);
+    } else {
+      scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm)));
+      minimum = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + kTile)));
+    }
     for (int r = 0; r < R; ++r) {
       const __m512 sum = _mm512_add_ps(_mm512_add_ps(d[r][0], d[r][1]), _mm512_add_ps(d[r][2], d[r][3]));
       const __m512 x_group = _mm512_set1_ps(xsum[r][group]);
@@ -84,70 +115,7 @@ inline void tile_dot(const Gemv& g, int64_t tile, int64_t m, __m512* y) {
       acc_min[r] = _mm512_fmadd_ps(minimum, x_group, acc_min[r]);
     }
   }
-  for (int r = 0; r < R; ++r) y[r] = _mm512_add_ps(acc[r], acc_min[r]);
-}
-
-// Byte b of the 16 rows' packed 6-bit scales and mins, one row a lane.
-inline __m512i scale_bytes(const uint8_t* s, int b) {
-  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 2 * 2 * kTile + kTile * b)));
-}
-
-// As tile_dot, on Q4_K's scales: group j of a block has sc_j and m_j as llama.cpp's get_scale_min_k4 reads them.
-template <int R>
-inline void tile_dot_q4k(const Gemv& g, int64_t tile, int64_t m, __m512* y) {
-  const int64_t groups = g.K / kGroup, blocks = g.K / kBlock;
-  const uint8_t* w = g.w + tile * groups * kGroupBytes;
-  const uint8_t* s = reinterpret_cast<const uint8_t*>(g.scales) + tile * blocks * kBlockScaleBytes;
-  const int32_t* pairs[R];
-  const float* xsum[R];
-  for (int r = 0; r < R; ++r) {
-    pairs[r] = reinterpret_cast<const int32_t*>(g.x + (m + r) * g.K);
-    xsum[r] = g.xsum + (m + r) * groups;
-  }
-  const __m512 minus128 = _mm512_set1_ps(-128.f);
-  const __m512i low6 = _mm512_set1_epi32(63), low4 = _mm512_set1_epi32(15), top2 = _mm512_set1_epi32(0xC0);
-  __m512 acc[R], acc_min[R];
-  for (int r = 0; r < R; ++r) acc[r] = acc_min[r] = _mm512_setzero_ps();
-  for (int64_t block = 0; block < blocks; ++block, s += kBlockScaleBytes) {
-    __m512 block_acc[R], block_min[R];
-    for (int r = 0; r < R; ++r) block_acc[r] = block_min[r] = _mm512_setzero_ps();
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j, w += kGroupBytes) {
-      const int64_t group = block * 8 + j;
-      __m512 d[R][4];
-      group_dot<R>(w, pairs, group, d);
-      __m512i sc, mn;
-      if (j < 4) {
-        sc = _mm512_and_si512(scale_bytes(s, j), low6);
-        mn = _mm512_and_si512(scale_bytes(s, j + 4), low6);
-      } else {
-        const __m512i extra = scale_bytes(s, j + 4);
-        sc = _mm512_or_si512(_mm512_and_si512(extra, low4),
-                             _mm512_srli_epi32(_mm512_and_si512(scale_bytes(s, j - 4), top2), 2));
-        mn = _mm512_or_si512(_mm512_srli_epi32(extra, 4), _mm512_srli_epi32(_mm512_and_si512(scale_bytes(s, j), top2), 2));
-      }
-      const __m512 scale = _mm512_cvtepi32_ps(sc), minimum = _mm512_cvtepi32_ps(mn);
-      for (int r = 0; r < R; ++r) {
-        const __m512 sum = _mm512_add_ps(_mm512_add_ps(d[r][0], d[r][1]), _mm512_add_ps(d[r][2], d[r][3]));
-        const __m512 x_group = _mm512_set1_ps(xsum[r][group]);
-        block_acc[r] = _mm512_fmadd_ps(scale, _mm512_fmadd_ps(minus128, x_group, sum), block_acc[r]);
-        block_min[r] = _mm512_fmadd_ps(minimum, x_group, block_min[r]);
-      }
-    }
-    const __m512 dd = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
-    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 2 * kTile)));
-    for (int r = 0; r < R; ++r) {
-      acc[r] = _mm512_fmadd_ps(dd, block_acc[r], acc[r]);
-      acc_min[r] = _mm512_fmadd_ps(dmin, block_min[r], acc_min[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) y[r] = _mm512_sub_ps(acc[r], acc_min[r]);
-}
-
-template <int R, bool kQ4K>
-inline void dot(const Gemv& g, int64_t tile, int64_t m, __m512* y) {
-  if constexpr (kQ4K) tile_dot_q4k<R>(g, tile, m, y);
-  else tile_dot<R>(g, tile, m, y);
+  for (int r = 0; r < R; ++r) y[r] = kQ4K ? _mm512_sub_ps(acc[r], acc_min[r]) : _mm512_add_ps(acc[r], acc_min[r]);
 }
 
 inline __m512 silu_mul(__m512 gate, __m512 up) {
@@ -162,11 +130,11 @@ void unit_rows(const Gemv& g, const float* bias, bool gate_up, int64_t unit, int
   __m512 y[R];
   if (gate_up) {
     __m512 up[R];
-    dot<R, kQ4K>(g, 2 * unit, m, y);
-    dot<R, kQ4K>(g, 2 * unit + 1, m, up);
+    tile_dot<R, kQ4K>(g, 2 * unit, m, y);
+    tile_dot<R, kQ4K>(g, 2 * unit + 1, m, up);
     for (int r = 0; r < R; ++r) y[r] = silu_mul(y[r], up[r]);
   } else {
-    dot<R, kQ4K>(g, unit, m, y);
+    tile_dot<R, kQ4K>(g, unit, m, y);
     if (bias)
       for (int r = 0; r < R; ++r) y[r] = _mm512_add_ps(y[r], _mm512_loadu_ps(bias + unit * kTile));
   }
