@@ -75,7 +75,8 @@ inline void q4k_scales(const uint8_t* s, int64_t j, __m512& scale, __m512& minim
                          _mm512_srli_epi32(_mm512_and_si512(scale_bytes(s, j - 4), top2), 2));
     mn = _mm512_or_si512(_mm512_srli_epi32(extra, 4), _mm512_srli_epi32(_mm512_and_si512(scale_bytes(s, j), top2), 2));
   }
-  scale = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s))), _mm512_cvtepi32_ps(sc));
+  scale = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s))),
+                        _mm512_cvtepi32_ps(sc));
   minimum = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 2 * kTile))),
                           _mm512_cvtepi32_ps(mn));
 }
@@ -164,7 +165,8 @@ torch::Tensor int4_call(const torch::Tensor& x, const torch::Tensor& packed, con
                     scales.numel() == N / kTile * (K / kBlock) * kBlockScaleBytes,
                 "scales: uint8 [N/16, K/256, 256]");
   } else {
-    TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.numel() == N / kTile * groups * 32,
+    TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
+                    scales.numel() == N / kTile * groups * 32,
                 "scales: fp16 [N/16, K/32, 2, 16]");
   }
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.size(-1) == K, "x: bf16 [..., ", K, "]");

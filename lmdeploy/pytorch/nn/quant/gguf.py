@@ -9,14 +9,17 @@
 - Q4_K (``B = 256``, 144 bytes): fp16 ``d`` and ``dmin``, eight 6-bit scales ``sc`` and mins ``m``, 256
   4-bit codes; ``W = q * (d * sc) - dmin * m`` per 32 inputs: a 4-bit grid of groups of 32 (exact in
   fp32), served by the 4-bit kernels (:mod:`lmdeploy.pytorch.nn.quant.w4a16`); in bf16 on the CPU by the
-  native int4 GEMV at every step size (``kernels/cpu/linear_int4.cpp``: the codes as they are, each group's
-  scale and offset rounded to fp16), so that such layers run in the native decoder stack.
+  native Q4_K GEMV at every step size (:mod:`lmdeploy.pytorch.nn.quant.q4k_cpu`: the codes and the file's
+  scales as they are, exactly its weights), so that such layers run in the native decoder stack.
 - Q6_K (``B = 256``, 210 bytes): 6-bit codes ``u``, an int8 scale ``sc`` per 16 inputs and an fp16 ``d``;
   ``W = (u - 32) * (d * sc)``. In bf16 on the CPU, steps of up to ``Q6K_NATIVE_MAX_ROWS`` tokens run on the
   native Q6_K GEMV (``kernels/cpu/linear_q6k.cpp``: the file's codes and scales retiled, its weights exactly),
   larger ones on the bf16 GEMM over a copy dequantized at load (rounded to bf16); otherwise int8 codes and
   fp32 scales dequantized on each call. A file's Q6_K output layer (Q4_K_M's) runs its small steps on the
   GEMV the same way.
+
+A stacked layer (q/k/v, gate/up) whose parts differ in type (Q4_K_M's Q6_K ``attn_v`` beside Q4_K ``attn_q`` and
+``attn_k``) keeps each part as its blocks on its type's kernel (:class:`GgufPartsFormat`).
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ from lmdeploy.pytorch.nn.quant.base import (Layout, LinearKernel, LinearOptions,
                                             register_format)
 from lmdeploy.pytorch.nn.quant.cpu_bf16 import packed_cpu_kernel
 from lmdeploy.pytorch.nn.quant.dense import DenseFormat
-from lmdeploy.pytorch.nn.quant.int4_cpu import NativeInt4Kernel, SmallStepInt4Kernel
+from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
 from lmdeploy.pytorch.nn.quant.parts import PartsKernel
 from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KGemv
 from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6K_TILE, Q6KGemv
@@ -197,7 +200,9 @@ class GgufFormat(Int4GroupFormat):
     def make_kernel(self, layer: Linear, options: LinearOptions) -> LinearKernel:
         cpu_bf16 = options.dtype == torch.bfloat16 and layer.qweight.device.type == 'cpu'
         if self.ggml_type == 'Q4_K':
-            native = Q4KGemv.of_blocks(layer.qweight, self.unpack(layer).codes, layer.gate_up_panels) if cpu_bf16 else None
+            native = None
+            if cpu_bf16:
+                native = Q4KGemv.of_blocks(layer.qweight, self.unpack(layer).codes, layer.gate_up_panels)
             if native is None:
                 return super().make_kernel(layer, options)
             layer.qweight = None
@@ -261,7 +266,8 @@ class GgufPartsFormat(WeightFormat):
         return rows.reshape(stop - start, -1, self.parts[part].block_bytes).contiguous()
 
     def dequantize(self, layer: Linear) -> torch.Tensor:
-        return torch.cat([dequantize_blocks(self.blocks(layer, i), part.ggml_type) for i, part in enumerate(self.parts)])
+        return torch.cat([dequantize_blocks(self.blocks(layer, i), part.ggml_type)
+                          for i, part in enumerate(self.parts)])
 
     def make_kernel(self, layer: Linear, options: LinearOptions) -> LinearKernel:
         if options.dtype is None:
