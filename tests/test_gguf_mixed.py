@@ -28,7 +28,6 @@ from lmdeploy.pytorch.nn.quant.dense import DenseFormat
 from lmdeploy.pytorch.nn.quant.gguf import GgufFormat, GgufPartsFormat, NativeQ8Kernel, Q8Kernel
 from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
 from lmdeploy.pytorch.nn.quant.parts import PartsKernel
-from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KGemv
 from lmdeploy.pytorch.weights.gguf import convert_gguf
 from lmdeploy.pytorch.weights.gguf_types import served_types
 
@@ -165,9 +164,9 @@ def test_mixed_file_matches_dequantized_and_transformers(mixed_file):
 
 
 def test_bf16_mixed_file_runs_each_layer_on_its_kernel(mixed_file):
-    """bf16 on the CPU: Q4_K layers on the Q4_K GEMV, Q8_0 on the native 8-bit GEMV, Q6_K on the Q6_K GEMV for
-    small steps (bf16 GEMM above), a layer whose parts differ each part so, the others on bf16 GEMMs; the logits
-    stay within 5% of fp32's."""
+    """bf16 on the CPU: Q4_K layers on the Q4_K GEMV for small steps (int4 GEMV above), Q8_0 on the native 8-bit
+    GEMV, Q6_K on the Q6_K GEMV for small steps (bf16 GEMM above), a layer whose parts differ each part so, the
+    others on bf16 GEMMs; the logits stay within 5% of fp32's."""
     kind, tmp = mixed_file
     if os.environ.get('LMDEPLOY_TEST_DEVICE', 'cpu') != 'cpu':
         pytest.skip('CPU kernels')
@@ -179,7 +178,7 @@ def test_bf16_mixed_file_runs_each_layer_on_its_kernel(mixed_file):
         try:
             if dtype == 'bfloat16':
                 model = engine.runner.model
-                expected = {'Q4_K': SmallStepInt4Kernel if cpu.int4_gemv() is None else Q4KGemv,
+                expected = {'Q4_K': SmallStepInt4Kernel,
                             'Q6_K': Q8Kernel if cpu.q6k_gemv() is None else SmallStepInt4Kernel,
                             'Q8_0': Q8Kernel if cpu.q8_gemv() is None else NativeQ8Kernel}
                 for name, layer_type in FILES[kind][1].items():

@@ -141,8 +141,9 @@ def test_mixed_qkv_part_by_part_gives_transformers_tokens(q4_k_m):
 
 
 def test_q4_k_m_runs_in_the_stack(q4_k_m, native_gemms, monkeypatch):
-    """Q4_K layers (Q4_K GEMV), Q6_K ones (Q6_K GEMV for small steps, bf16 GEMM above) and the q/k/v of both
-    part by part all run in the native decoder stack, every step equal to the layers' forward."""
+    """Q4_K layers (Q4_K GEMV for small steps, int4 GEMV above), Q6_K ones (Q6_K GEMV for small steps, bf16 GEMM
+    above) and the q/k/v of both part by part all run in the native decoder stack, every step equal to the layers'
+    forward."""
     if cpu.int4_gemv() is None or cpu.q6k_gemv() is None:
         pytest.skip('the native int4 and Q6_K GEMVs need AVX512-BF16')
     engine = Engine(q4_k_m, PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=64, block_size=16,
@@ -152,10 +153,10 @@ def test_q4_k_m_runs_in_the_stack(q4_k_m, native_gemms, monkeypatch):
     stack = model.native_stack
     assert stack is not None and stack.small is not None and stack.small_step_rows == Q6K_NATIVE_MAX_ROWS
     assert isinstance(model.lm_head.packed, SmallStepInt4Kernel)
-    qkv = model.get_submodule('layers.0.self_attn.qkv_proj').kernel
-    assert isinstance(qkv, PartsKernel) and [type(part) for part in qkv.parts] == [Q4KGemv, Q4KGemv,
-                                                                                    SmallStepInt4Kernel]
-    assert isinstance(model.get_submodule('layers.1.self_attn.qkv_proj').kernel, Q4KGemv)
+    qkv = model.get_submodule('layers.0.self_attn.qkv_proj').kernel  # Q4_K: Q4_K GEMV, int4 GEMV above 16 rows
+    assert isinstance(qkv, PartsKernel) and [type(part.small) for part in qkv.parts] == [Q4KGemv, Q4KGemv, Q6KGemv]
+    assert [type(part.large) for part in qkv.parts[:2]] == [NativeInt4Kernel] * 2
+    assert isinstance(model.get_submodule('layers.1.self_attn.qkv_proj').kernel.small, Q4KGemv)
     steps = check_every_step(engine, monkeypatch)
     outs = run(engine, random_prompts([20, 70, 9], seed=8, vocab=250),
                GenerationConfig(max_new_tokens=6, ignore_eos=True))
