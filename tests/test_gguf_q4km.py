@@ -156,6 +156,7 @@ def test_q4_k_m_runs_in_the_stack(q4_k_m, native_gemms, monkeypatch):
     qkv = model.get_submodule('layers.0.self_attn.qkv_proj').kernel  # Q4_K: Q4_K GEMV, int4 GEMV above 16 rows
     assert isinstance(qkv, PartsKernel) and [type(part.small) for part in qkv.parts] == [Q4KGemv, Q4KGemv, Q6KGemv]
     assert [type(part.large) for part in qkv.parts[:2]] == [NativeInt4Kernel] * 2
+    assert qkv.parts[0].small.packed is qkv.parts[0].large.packed  # one copy of the codes
     assert isinstance(model.get_submodule('layers.1.self_attn.qkv_proj').kernel.small, Q4KGemv)
     steps = check_every_step(engine, monkeypatch)
     outs = run(engine, random_prompts([20, 70, 9], seed=8, vocab=250),

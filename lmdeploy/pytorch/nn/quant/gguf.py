@@ -178,11 +178,13 @@ def q6_k_cpu_kernel(blocks: torch.Tensor, weight: torch.Tensor, gate_up: bool,
 
 def q4_k_cpu_kernel(blocks: torch.Tensor, grid: Int4Grid, gate_up: bool) -> SmallStepInt4Kernel | None:
     """Q4_K blocks in bf16 on the CPU: steps of up to ``Q4K_NATIVE_MAX_ROWS`` tokens on the Q4_K GEMV (the file's
-    scales), larger ones on the int4 GEMV (an fp16 scale and minimum per group, 5-10% faster there); None where
-    they are not built."""
+    scales), larger ones on the int4 GEMV (an fp16 scale and minimum per group, 5-10% faster there), both on one
+    copy of the codes (the GEMVs read them alike); None where they are not built."""
     small = Q4KGemv.of_blocks(blocks, grid.codes, gate_up)
     large = NativeInt4Kernel.of_grid(grid, gate_up)
-    return None if small is None or large is None else SmallStepInt4Kernel(small, Q4K_NATIVE_MAX_ROWS, large)
+    if small is None or large is None:
+        return None
+    return SmallStepInt4Kernel(small, Q4K_NATIVE_MAX_ROWS, NativeInt4Kernel(small.packed, large.scales, gate_up))
 
 
 class GgufFormat(Int4GroupFormat):
