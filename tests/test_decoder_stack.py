@@ -189,8 +189,12 @@ def test_fields_are_named(native_gemms):
                            (dict(sliding_window=0), 'window is positive')]:
         with pytest.raises(RuntimeError, match=match):
             native_gemms.DecoderStack(layers=[native_gemms.LayerWeights(**{**layer, **options})], **stack)
-    with pytest.raises(RuntimeError, match="'bf16', 'w8a8', 'int4' or 'q6k'"):
+    with pytest.raises(RuntimeError, match="'bf16', 'w8a8', 'int4', 'q4k' or 'q6k'"):
         native_gemms.Projection(kind='int2', weight=weight)
+    with pytest.raises(RuntimeError, match='scale bytes'):
+        native_gemms.Projection(kind='q4k', weight=weight.to(torch.uint8), scale=torch.ones(32).half())
+    with pytest.raises(RuntimeError, match='two or more'):
+        native_gemms.Projection(parts=[native_gemms.Projection(kind='bf16', weight=weight)])
     with pytest.raises(RuntimeError, match='codes and scales'):
         native_gemms.Projection(kind='q6k', weight=weight.to(torch.uint8))
     with pytest.raises(RuntimeError, match='fp16 scales'):

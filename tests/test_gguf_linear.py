@@ -22,7 +22,7 @@ from lmdeploy.pytorch.nn.linear import Linear
 from lmdeploy.pytorch.nn.quant import LinearOptions, use_weight_format
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.quant.gguf import Q8_NATIVE_MAX_ROWS, GgufFormat, NativeQ8Kernel, Q8Kernel
-from lmdeploy.pytorch.nn.quant.int4_cpu import NativeInt4Kernel, SmallStepInt4Kernel
+from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
 from lmdeploy.pytorch.nn.quant.w4a16 import ReferenceKernel
 from lmdeploy.pytorch.weights.gguf import convert_gguf
 
@@ -39,8 +39,9 @@ def gguf_layer(qtype: Q, out_features: int = 48, in_features: int = 512, seed: i
 
 
 def q4_k_cpu_kernel() -> type:
-    """What runs a Q4_K layer in bf16 on this CPU: the native int4 GEMV where it is built."""
-    return SmallStepInt4Kernel if cpu.int4_gemv() is None else NativeInt4Kernel
+    """What runs a Q4_K layer in bf16 on this CPU: small steps on the native Q4_K GEMV and larger ones on the int4
+    GEMV where they are built, else torch's int4 kernel."""
+    return SmallStepInt4Kernel
 
 
 @pytest.mark.parametrize('qtype', [Q.Q8_0, Q.Q4_K, Q.Q6_K])
@@ -56,8 +57,9 @@ def test_unpacking_matches_gguf(qtype):
                                                           (Q.Q4_K, ReferenceKernel, torch.float32, 1e-6),
                                                           (Q.Q6_K, Q8Kernel, torch.float32, 1e-6)])
 def test_loaded_kernels(qtype, kernel, dtype, tolerance):
-    """Q4_K on the int4 CPU kernels is exact up to the rounding of ``d * sc`` and ``dmin * m`` (fp16 on the
-    native GEMV, bf16 on torch's kernel)."""
+    """Q4_K on the native Q4_K GEMV is the file's weights (its bf16 results rounded); on the int4 kernels (the
+    native GEMV above 16 rows, torch's where it is not built) exact up to the rounding of ``d * sc`` and
+    ``dmin * m`` (fp16, bf16)."""
     layer, expected = gguf_layer(qtype, seed=3)
     kernel = kernel() if kernel is q4_k_cpu_kernel else kernel
     layer.finalize(LinearOptions(pack_cpu=True, dtype=dtype))

@@ -1,6 +1,6 @@
 """GGUF files of mixed types, as llama.cpp's Q4_K_M and Q8_0 files are: each linear layer in its own format
-(Q4_K and Q8_0 as their blocks; other types, and stacked layers whose parts differ, dequantized), giving in
-fp32 the greedy tokens of the same file dequantized and of transformers reading the file."""
+(Q4_K, Q6_K and Q8_0 as their blocks, a stacked layer whose parts differ part by part; other types dequantized),
+giving in fp32 the greedy tokens of the same file dequantized and of transformers reading the file."""
 from __future__ import annotations
 
 import json
@@ -25,8 +25,9 @@ from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.linear import Linear
 from lmdeploy.pytorch.nn.quant.dense import DenseFormat
-from lmdeploy.pytorch.nn.quant.gguf import GgufFormat, NativeQ8Kernel, Q8Kernel
-from lmdeploy.pytorch.nn.quant.int4_cpu import NativeInt4Kernel, SmallStepInt4Kernel
+from lmdeploy.pytorch.nn.quant.gguf import GgufFormat, GgufPartsFormat, NativeQ8Kernel, Q8Kernel
+from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
+from lmdeploy.pytorch.nn.quant.parts import PartsKernel
 from lmdeploy.pytorch.weights.gguf import convert_gguf
 from lmdeploy.pytorch.weights.gguf_types import served_types
 
@@ -34,12 +35,13 @@ HIDDEN, FFN, HEAD_DIM = 256, 512, 64  # K-quant blocks span 256 inputs
 # random K-quant blocks (gguf-py cannot quantize them) with small fp16 d and dmin: block bytes, scale bytes
 K_QUANTS = {Q.Q4_K: (144, slice(0, 4)), Q.Q5_K: (176, slice(0, 4)), Q.Q6_K: (210, slice(208, 210))}
 # A Q4_K_M-like Llama: Q6_K in layer 0's attn_v and ffn_down and the output, one attn_output Q8_0, one
-# Q4_0, one ffn_down Q5_K; layer 1's gate and up of different types.
+# Q4_0, one ffn_down Q5_K; layer 1's gate and up of different types (layer 0's q/k/v too: kept part by part).
 Q4_K_M = {'token_embd': Q.Q4_K, 'output': Q.Q6_K,
           'blk.0.attn_v': Q.Q6_K, 'blk.0.attn_output': Q.Q8_0, 'blk.0.ffn_down': Q.Q6_K,
           'blk.1.attn_output': Q.Q4_0, 'blk.1.ffn_up': Q.Q8_0, 'blk.1.ffn_down': Q.Q5_K, 'default': Q.Q4_K}
-Q4_K_M_LAYERS = {'layers.0.self_attn.o_proj': 'Q8_0', 'layers.0.mlp.gate_up_proj': 'Q4_K',
-                 'layers.0.mlp.down_proj': 'Q6_K', 'layers.1.self_attn.qkv_proj': 'Q4_K'}
+Q4_K_M_LAYERS = {'layers.0.self_attn.qkv_proj': ['Q4_K', 'Q4_K', 'Q6_K'], 'layers.0.self_attn.o_proj': 'Q8_0',
+                 'layers.0.mlp.gate_up_proj': 'Q4_K', 'layers.0.mlp.down_proj': 'Q6_K',
+                 'layers.1.self_attn.qkv_proj': 'Q4_K', 'layers.1.mlp.gate_up_proj': ['Q4_K', 'Q8_0']}
 # A Q8_0 Qwen2 (q/k/v biases) keeping an F16 attn_k, an F32 ffn_down and an F16 output.
 Q8_0_F16 = {'output': Q.F16, 'blk.0.attn_k': Q.F16, 'blk.1.ffn_down': Q.F32, 'default': Q.Q8_0}
 Q8_0_F16_LAYERS = {'layers.0.self_attn.o_proj': 'Q8_0', 'layers.0.mlp.gate_up_proj': 'Q8_0',
@@ -142,20 +144,23 @@ def mixed_file(request, tmp_path_factory) -> tuple[str, Path]:
     return kind, tmp
 
 
-def linear_formats(engine: Engine) -> dict[str, str]:
-    """Each linear layer's format: its GGML type where served as blocks, else ``dense``."""
+def linear_formats(engine: Engine) -> dict[str, str | list[str]]:
+    """Each linear layer's format: its GGML type where served as blocks (its parts' where they differ), else
+    ``dense``."""
     formats = {}
     for name, module in engine.runner.model.named_modules():
         if isinstance(module, Linear):
             layer_format = module.weight_format
-            assert isinstance(layer_format, (GgufFormat, DenseFormat)), name
-            formats[name] = layer_format.ggml_type if isinstance(layer_format, GgufFormat) else 'dense'
+            assert isinstance(layer_format, (GgufFormat, GgufPartsFormat, DenseFormat)), name
+            formats[name] = (layer_format.ggml_type if isinstance(layer_format, GgufFormat) else
+                             [part.ggml_type for part in layer_format.parts]
+                             if isinstance(layer_format, GgufPartsFormat) else 'dense')
     return formats
 
 
 def test_served_types_by_engine_layer():
-    """Stacked layers take their parts' one type; a fused tensor (Phi-3's qkv_proj) is all the parts; layers
-    the engine may not stack so are dequantized."""
+    """Stacked layers take their parts' one type, or the list of their parts' types where they differ; a fused
+    tensor (Phi-3's qkv_proj) is all the parts; layers the engine may not stack so are dequantized."""
     tensors = [('model.layers.0.self_attn.q_proj.weight', 'Q4_K'), ('model.layers.0.self_attn.k_proj.weight', 'Q4_K'),
                ('model.layers.0.self_attn.v_proj.weight', 'Q6_K'), ('model.layers.0.self_attn.q_proj.bias', 'F32'),
                ('model.layers.0.mlp.gate_proj.weight', 'Q8_0'), ('model.layers.0.mlp.up_proj.weight', 'Q8_0'),
@@ -164,7 +169,8 @@ def test_served_types_by_engine_layer():
                ('model.embed_tokens.weight', 'Q4_K'), (None, 'Q4_K'),
                ('model.layers.2.self_attn.q_proj.weight', 'Q8_0'),  # no k_proj or v_proj: another attention
                ('model.layers.2.mlp.shared_experts.down_proj.weight', 'Q8_0')]
-    assert served_types(tensors) == {'layers.0.mlp.gate_up_proj': 'Q8_0', 'layers.1.self_attn.qkv_proj': 'Q4_K',
+    assert served_types(tensors) == {'layers.0.self_attn.qkv_proj': ['Q4_K', 'Q4_K', 'Q6_K'],
+                                     'layers.0.mlp.gate_up_proj': 'Q8_0', 'layers.1.self_attn.qkv_proj': 'Q4_K',
                                      'layers.1.mlp.gate_up_proj': 'Q8_0'}
     assert served_types(tensors, raw_types=()) == {}
 
@@ -199,8 +205,9 @@ def test_mixed_file_matches_dequantized_and_transformers(mixed_file):
 
 
 def test_bf16_mixed_file_runs_each_layer_on_its_kernel(mixed_file):
-    """bf16 on the CPU: Q4_K layers on the int4 GEMV, Q8_0 on the native 8-bit GEMV, Q6_K on the Q6_K GEMV for
-    small steps (bf16 GEMM above), the others on bf16 GEMMs; the logits stay within 5% of fp32's."""
+    """bf16 on the CPU: Q4_K layers on the Q4_K GEMV for small steps (int4 GEMV above), Q8_0 on the native 8-bit
+    GEMV, Q6_K on the Q6_K GEMV for small steps (bf16 GEMM above), a layer whose parts differ each part so, the
+    others on bf16 GEMMs; the logits stay within 5% of fp32's."""
     kind, tmp = mixed_file
     if os.environ.get('LMDEPLOY_TEST_DEVICE', 'cpu') != 'cpu':
         pytest.skip('CPU kernels')
@@ -212,12 +219,16 @@ def test_bf16_mixed_file_runs_each_layer_on_its_kernel(mixed_file):
         try:
             if dtype == 'bfloat16':
                 model = engine.runner.model
+                expected = {'Q4_K': SmallStepInt4Kernel,
+                            'Q6_K': Q8Kernel if cpu.q6k_gemv() is None else SmallStepInt4Kernel,
+                            'Q8_0': Q8Kernel if cpu.q8_gemv() is None else NativeQ8Kernel}
                 for name, layer_type in FILES[kind][1].items():
                     kernel = model.get_submodule(name).kernel
-                    expected = {'Q4_K': SmallStepInt4Kernel if cpu.int4_gemv() is None else NativeInt4Kernel,
-                                'Q6_K': Q8Kernel if cpu.q6k_gemv() is None else SmallStepInt4Kernel,
-                                'Q8_0': Q8Kernel if cpu.q8_gemv() is None else NativeQ8Kernel}[layer_type]
-                    assert isinstance(kernel, expected), name
+                    if isinstance(layer_type, list):
+                        assert isinstance(kernel, PartsKernel), name
+                        assert [type(part) for part in kernel.parts] == [expected[t] for t in layer_type], name
+                    else:
+                        assert isinstance(kernel, expected[layer_type]), name
             logits[dtype] = engine.get_logits(prompt).float()
         finally:
             engine.close()

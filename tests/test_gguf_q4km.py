@@ -1,7 +1,8 @@
 """A Q4_K_M file as llama.cpp writes it (Q4_K, with Q6_K in some ``attn_v`` and ``ffn_down`` and the output)
-served in bf16 on the CPU: Q6_K on the native Q6_K GEMV exactly (against the ``gguf`` package's own
-dequantization), Q4_K on the native int4 GEMV, and every layer in the native decoder stack, equal to the
-layers' own forward at every step."""
+served in bf16 on the CPU: Q6_K on the native Q6_K GEMV and Q4_K on the Q4_K GEMV, both exactly the file's
+weights (against the ``gguf`` package's own dequantization), a q/k/v layer of Q4_K q and k and Q6_K v part by
+part, and every layer in the native decoder stack, equal to the layers' own forward at every step; in fp32 the
+greedy tokens of transformers reading the file."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,7 +10,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
-from helpers import random_prompts, run
+from transformers import AutoModelForCausalLM
+from helpers import hf_greedy, make_engine, random_prompts, run
 from test_decoder_stack import check_every_step
 from test_gguf_mixed import encode, write_mixed_gguf
 
@@ -18,11 +20,13 @@ from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.quant.gguf import Q6K_NATIVE_MAX_ROWS, GgufFileFormat, int8_unpack, q4_k_grid, q6_k_parts
 from lmdeploy.pytorch.nn.quant.int4_cpu import NativeInt4Kernel, SmallStepInt4Kernel
+from lmdeploy.pytorch.nn.quant.parts import PartsKernel
+from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KGemv
 from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6KGemv
 from lmdeploy.pytorch.weights.gguf import convert_gguf
 
-# llama.cpp's Q4_K_M on a 2-layer model: Q6_K in layer 0's attn_v and ffn_down (so its q/k/v are dequantized:
-# their parts differ) and the output
+# llama.cpp's Q4_K_M on a 2-layer model: Q6_K in layer 0's attn_v and ffn_down (so its q/k/v run part by part)
+# and the output
 Q4_K_M = {'output': Q.Q6_K, 'blk.0.attn_v': Q.Q6_K, 'blk.0.ffn_down': Q.Q6_K, 'default': Q.Q4_K}
 
 
@@ -56,6 +60,27 @@ def test_q6_k_gemv_is_the_file_weights(rows):
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
     assert torch.equal(out[-1:], kernel(x[-1:], None))
     assert Q6KGemv.of(*q6_k_parts(blocks))(x, None).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize('rows', [1, 3, 4, 7, 40])
+def test_q4_k_gemv_is_the_file_weights(rows):
+    """The Q4_K GEMV on the file's codes and 6-bit scales gives ``x @ W.T`` of gguf's weights up to fp32 summation
+    order and the bf16 result (bf16 activations as they are); rows of x in blocks of 4 and alone alike; a gate-and-up
+    layer's ``silu(gate) * up`` likewise."""
+    if cpu.int4_gemv() is None:
+        pytest.skip('the native Q4_K GEMV needs AVX512-BF16')
+    blocks, expected = random_blocks(Q.Q4_K, 64, 768, seed=rows)
+    x = torch.randn(rows, 768).bfloat16()
+    reference = x.float() @ expected.T
+    out = Q4KGemv.of_blocks(blocks, q4_k_grid(blocks).codes)(x, None)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), reference, rtol=2**-8, atol=1e-5 * reference.abs().max().item())
+    assert (out != reference.bfloat16()).float().mean() < 0.02  # off by a bf16 step where the sums' order tips it
+    gate_up = Q4KGemv.of_blocks(blocks, q4_k_grid(blocks).codes, gate_up=True)
+    silu = torch.nn.functional.silu(reference[:, :32]) * reference[:, 32:]
+    torch.testing.assert_close(gate_up.gate_up_silu(x, None).float(), silu, rtol=2**-7,
+                               atol=1e-4 * silu.abs().max().item())
+    assert torch.equal(out[-1:], Q4KGemv.of_blocks(blocks, q4_k_grid(blocks).codes)(x[-1:], None))
 
 
 def test_q4_k_on_the_int4_gemv_within_fp16_scales():
@@ -99,9 +124,26 @@ def q4_k_m(tmp_path_factory) -> str:
     return str(tmp / 'served')
 
 
+def test_mixed_qkv_part_by_part_gives_transformers_tokens(q4_k_m):
+    """Layer 0's q/k/v (Q4_K, Q4_K, Q6_K) is kept part by part; in fp32 the greedy tokens are transformers'
+    reading the .gguf (which dequantizes every tensor)."""
+    engine = make_engine(q4_k_m)
+    try:
+        qkv = engine.runner.model.get_submodule('layers.0.self_attn.qkv_proj')
+        assert qkv.weight_format.parts[2].ggml_type == 'Q6_K' and isinstance(qkv.kernel, PartsKernel)
+        prompts = random_prompts([9, 30], seed=5, vocab=250)
+        outs = run(engine, prompts)
+    finally:
+        engine.close()
+    folder = q4_k_m.rpartition('/')[0]
+    reference = AutoModelForCausalLM.from_pretrained(folder, gguf_file='model.gguf', dtype=torch.float32).eval()
+    assert outs == [hf_greedy(reference, prompt) for prompt in prompts]
+
+
 def test_q4_k_m_runs_in_the_stack(q4_k_m, native_gemms, monkeypatch):
-    """Q4_K layers (int4 GEMV), Q6_K ones (Q6_K GEMV for small steps, bf16 GEMM above) and the dequantized
-    q/k/v (bf16 GEMM) all run in the native decoder stack, every step equal to the layers' forward."""
+    """Q4_K layers (Q4_K GEMV for small steps, int4 GEMV above), Q6_K ones (Q6_K GEMV for small steps, bf16 GEMM
+    above) and the q/k/v of both part by part all run in the native decoder stack, every step equal to the layers'
+    forward."""
     if cpu.int4_gemv() is None or cpu.q6k_gemv() is None:
         pytest.skip('the native int4 and Q6_K GEMVs need AVX512-BF16')
     engine = Engine(q4_k_m, PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=64, block_size=16,
@@ -111,6 +153,11 @@ def test_q4_k_m_runs_in_the_stack(q4_k_m, native_gemms, monkeypatch):
     stack = model.native_stack
     assert stack is not None and stack.small is not None and stack.small_step_rows == Q6K_NATIVE_MAX_ROWS
     assert isinstance(model.lm_head.packed, SmallStepInt4Kernel)
+    qkv = model.get_submodule('layers.0.self_attn.qkv_proj').kernel  # Q4_K: Q4_K GEMV, int4 GEMV above 16 rows
+    assert isinstance(qkv, PartsKernel) and [type(part.small) for part in qkv.parts] == [Q4KGemv, Q4KGemv, Q6KGemv]
+    assert [type(part.large) for part in qkv.parts[:2]] == [NativeInt4Kernel] * 2
+    assert qkv.parts[0].small.packed is qkv.parts[0].large.packed  # one copy of the codes
+    assert isinstance(model.get_submodule('layers.1.self_attn.qkv_proj').kernel.small, Q4KGemv)
     steps = check_every_step(engine, monkeypatch)
     outs = run(engine, random_prompts([20, 70, 9], seed=8, vocab=250),
                GenerationConfig(max_new_tokens=6, ignore_eos=True))

@@ -1,6 +1,7 @@
 """Llama-style decoder layers in one native call per step on the CPU (``kernels/cpu/decoder_stack.cpp``),
-on projections in bf16 or W8A8 (each its own kernel's weight, see ``LinearKernel.native_projection``);
-steps of a few tokens on the 4-bit copies of ``decode_int4`` where they run on the native GEMV.
+on projections in bf16 or W8A8 (each its own kernel's weight, see ``LinearKernel.native_projection``), a GGUF
+file's Q4_K and Q6_K blocks, or a stacked layer's parts each on its own (``nn/quant/parts.py``); steps of a few
+tokens on the 4-bit copies of ``decode_int4`` where they run on the native GEMV.
 
 The call runs the kernels of the layers' own forward, in the same order, so its results are
 identical; it only drops the Python between them, which in a 64-row decode step cost about 5 ms of

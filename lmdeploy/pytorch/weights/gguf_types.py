@@ -19,6 +19,8 @@ _ENGINE_LAYERS = {'q_proj': 'qkv_proj', 'k_proj': 'qkv_proj', 'v_proj': 'qkv_pro
                   'gate_up_proj': 'gate_up_proj', 'down_proj': 'down_proj'}
 _WHOLE = ({'q_proj', 'k_proj', 'v_proj'}, {'qkv_proj'}, {'o_proj'}, {'gate_proj', 'up_proj'}, {'gate_up_proj'},
           {'down_proj'})
+# the projections a stacked layer holds, in its order (its parts)
+_PARTS = {'qkv_proj': ('q_proj', 'k_proj', 'v_proj'), 'gate_up_proj': ('gate_proj', 'up_proj')}
 # a layer's attention and MLP (or shared expert), and its experts: stacked (a MoE file's ``ffn_*_exps``) or one's
 _OWNER = re.compile(r'(layers\.\d+\.(?:self_attn|mlp|mlp\.shared_expert))|(layers\.\d+\.mlp\.experts)(?:\.\d+)?')
 
@@ -37,18 +39,35 @@ def engine_layer(hf_name: str | None) -> str | None:
     return f'{match[1] or match[2]}.{_ENGINE_LAYERS[proj]}'
 
 
-def served_types(tensors: Iterable[tuple[str | None, str]], raw_types: Iterable[str] = RAW_TYPES) -> dict[str, str]:
+def part_index(hf_name: str) -> int | None:
+    """Which part of its stacked engine layer the Hugging Face tensor ``hf_name`` fills (``v_proj``: 2 of
+    ``qkv_proj``); None for a tensor that fills a whole layer."""
+    layer = engine_layer(hf_name)
+    proj = hf_name.removesuffix('.weight').rpartition('.')[2]
+    parts = _PARTS.get(layer.rpartition('.')[2], ()) if layer is not None else ()
+    return parts.index(proj) if proj in parts else None
+
+
+def served_types(tensors: Iterable[tuple[str | None, str]],
+                 raw_types: Iterable[str] = RAW_TYPES) -> dict[str, str | list[str]]:
     """``{engine layer: GGML type}`` of the layers served as their blocks, from the file's ``(Hugging Face
     name, GGML type name)`` pairs: a layer whose projections are all there (q, k and v; gate and up) and all
-    of one type of ``raw_types``. A stacked layer whose parts differ (a Q6_K ``v_proj`` beside Q4_K ``q_proj``
-    and ``k_proj``) is dequantized whole, as are layers of other attention designs (no ``k_proj``)."""
-    types: dict[str, set[str]] = defaultdict(set)
-    parts: dict[str, set[str]] = defaultdict(set)
+    of ``raw_types``. A stacked layer whose parts differ in type (a Q6_K ``v_proj`` beside Q4_K ``q_proj`` and
+    ``k_proj``) gets the list of its parts' types, in its order; experts whose gate and up differ in type, and
+    layers of other attention designs (no ``k_proj``), are dequantized."""
+    types: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
     for name, ggml_type in tensors:
         layer = engine_layer(name)
         if layer is not None:
-            types[layer].add(ggml_type)
-            parts[layer].add(name.removesuffix('.weight').rpartition('.')[2])
+            types[layer][name.removesuffix('.weight').rpartition('.')[2]].add(ggml_type)
     raw = set(raw_types)
-    return {layer: next(iter(kinds)) for layer, kinds in sorted(types.items())
-            if len(kinds) == 1 and kinds <= raw and parts[layer] in _WHOLE}
+    served: dict[str, str | list[str]] = {}
+    for layer, by_part in sorted(types.items()):
+        kinds = set().union(*by_part.values())
+        if not kinds <= raw or set(by_part) not in _WHOLE or any(len(k) > 1 for k in by_part.values()):
+            continue
+        if len(kinds) == 1:
+            served[layer] = kinds.pop()
+        elif '.experts.' not in layer:
+            served[layer] = [next(iter(by_part[part])) for part in _PARTS[layer.rpartition('.')[2]]]
+    return served

@@ -44,6 +44,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("bias") = py::none());
   m.def("int4_gate_up_silu", &int4_gate_up_silu, "silu(x @ G.T) * (x @ U.T) on 4-bit gate and up tiles",
         py::arg("x"), py::arg("packed"), py::arg("scales"));
+  m.def("q4k_linear", &q4k_linear, "x @ W.T (+ bias) on GGUF Q4_K codes and scales (linear_int4.cpp), x in bf16",
+        py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("bias") = py::none());
+  m.def("q4k_gate_up_silu", &q4k_gate_up_silu, "silu(x @ G.T) * (x @ U.T) on GGUF Q4_K gate and up tiles",
+        py::arg("x"), py::arg("packed"), py::arg("scales"));
   m.def("q8_gemv_available", &q8_gemv_available, "whether q8_linear was built (AVX-512)");
   m.def("q8_linear", &q8_linear, "fp32 x @ W.T on 8-bit weight groups (linear_q8.cpp)", py::arg("x"),
         py::arg("packed"), py::arg("scales"));
@@ -72,7 +76,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Projection>(m, "Projection", "a decoder layer's projection on its native GEMM's weight")
       .def(py::init<const std::string&, torch::Tensor, Optional, Optional, Optional>(), py::kw_only(),
            py::arg("kind"), py::arg("weight"), py::arg("compensation") = py::none(), py::arg("scale") = py::none(),
-           py::arg("bias") = py::none());
+           py::arg("bias") = py::none())
+      .def(py::init<std::vector<Projection>>(), py::kw_only(), py::arg("parts"));
   py::class_<LayerWeights>(m, "LayerWeights", "a Llama-style decoder layer's weights")
       .def(py::init<torch::Tensor, torch::Tensor, Projection, Projection, Projection, Projection, Optional,
                     Optional, Optional, Optional, int64_t, bool, bool, c10::optional<int64_t>,

@@ -240,6 +240,10 @@ bool int4_gemv_available();
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
                           c10::optional<torch::Tensor> bias);
 torch::Tensor int4_gate_up_silu(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales);
+// GGUF Q4_K on int4_linear's codes with the file's scales (linear_int4.cpp); built where int4_linear is.
+torch::Tensor q4k_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
+                         c10::optional<torch::Tensor> bias);
+torch::Tensor q4k_gate_up_silu(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales);
 bool q8_gemv_available();
 torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales);
 bool q6k_gemv_available();
@@ -260,14 +264,17 @@ struct StepTensors {
 
 // One projection of a decoder layer, x @ W.T (+ bias), on its weight as its kernel takes it. `kind` "bf16":
 // `weight` holds bf16_linear's panels; "w8a8": an int8 weight from pack_int8_weight with its `compensation`
-// and `scale` (int8_linear's); "int4": int4_linear's packed 4-bit weight with its fp16 `scale`s; "q6k":
+// and `scale` (int8_linear's); "int4": int4_linear's packed 4-bit weight with its fp16 `scale`s; "q4k": the same
+// codes with q4k_linear's `scale` bytes; "q6k":
 // q6k_linear's codes and `scale`s (its fp32 result rounded to x's dtype, then the bias added). A
 // gate-and-up projection's weight is packed for the kernel's fused SiLU (pack_bf16_gate_up,
-// pack_int8_gate_up; int4: gate and up tiles alternate, no bias).
+// pack_int8_gate_up; int4: gate and up tiles alternate, no bias). "parts": a stacked projection whose parts
+// run each on its own projection (each with its share of the bias), their outputs side by side.
 struct Projection {
-  enum class Kind { kBf16, kW8A8, kInt4, kQ6K };
+  enum class Kind { kBf16, kW8A8, kInt4, kQ4K, kQ6K, kParts };
   Projection(const std::string& kind, torch::Tensor weight, c10::optional<torch::Tensor> compensation,
              c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias);
+  explicit Projection(std::vector<Projection> parts);
   torch::Tensor operator()(const torch::Tensor& x) const;
   // silu(gate) * up of a gate-and-up projection (gate rows, then up rows).
   torch::Tensor gate_up_silu(const torch::Tensor& x) const;
@@ -275,6 +282,7 @@ struct Projection {
   Kind kind;
   torch::Tensor weight;
   c10::optional<torch::Tensor> compensation, scale, bias;
+  std::vector<Projection> parts;
 };
 
 // A Llama-style decoder layer's weights; q_norm and k_norm (per head, before the rotary embedding) where the

@@ -24,20 +24,35 @@ Projection::Projection(const std::string& kind_name, torch::Tensor weight, c10::
     TORCH_CHECK(this->weight.scalar_type() == at::kByte && !this->compensation && this->scale &&
                     this->scale->scalar_type() == at::kHalf,
                 "an int4 projection is its packed 4-bit weight and fp16 scales (and bias), without compensation");
+  } else if (kind_name == "q4k") {
+    kind = Kind::kQ4K;
+    TORCH_CHECK(this->weight.scalar_type() == at::kByte && !this->compensation && this->scale &&
+                    this->scale->scalar_type() == at::kByte,
+                "a q4k projection is its packed 4-bit weight and scale bytes (and bias), without compensation");
   } else if (kind_name == "q6k") {
     kind = Kind::kQ6K;
     TORCH_CHECK(this->weight.scalar_type() == at::kByte && !this->compensation && this->scale &&
                     this->scale->scalar_type() == at::kByte,
                 "a q6k projection is its packed codes and scales (and bias), without compensation");
   } else {
-    TORCH_CHECK(false, "a projection's kind is 'bf16', 'w8a8', 'int4' or 'q6k', not '", kind_name, "'");
+    TORCH_CHECK(false, "a projection's kind is 'bf16', 'w8a8', 'int4', 'q4k' or 'q6k', not '", kind_name, "'");
   }
+}
+
+Projection::Projection(std::vector<Projection> parts) : kind(Kind::kParts), parts(std::move(parts)) {
+  TORCH_CHECK(this->parts.size() >= 2, "a stacked projection of parts has two or more");
 }
 
 torch::Tensor Projection::operator()(const torch::Tensor& x) const {
   switch (kind) {
+    case Kind::kParts: {
+      std::vector<torch::Tensor> outs;
+      for (const auto& part : parts) outs.push_back(part(x));
+      return torch::cat(outs, -1);
+    }
     case Kind::kBf16: return bf16_linear(x, weight, bias);
     case Kind::kW8A8: return int8_linear(x, weight, *compensation, *scale, bias);
+    case Kind::kQ4K: return q4k_linear(x, weight, *scale, bias);
     case Kind::kQ6K: {
       const auto out = q6k_linear(x, weight, *scale).to(x.scalar_type());
       return bias ? out.add(*bias) : out;
@@ -50,7 +65,11 @@ torch::Tensor Projection::gate_up_silu(const torch::Tensor& x) const {
   switch (kind) {
     case Kind::kBf16: return bf16_gate_up_silu(x, weight, bias);
     case Kind::kW8A8: return int8_gate_up_silu(x, weight, *compensation, *scale, bias);
-    case Kind::kQ6K: return silu_and_mul((*this)(x));
+    case Kind::kQ4K:
+      TORCH_CHECK(!bias, "a q4k gate-and-up projection has no bias");
+      return q4k_gate_up_silu(x, weight, *scale);
+    case Kind::kQ6K:
+    case Kind::kParts: return silu_and_mul((*this)(x));
     default:
       TORCH_CHECK(!bias, "an int4 gate-and-up projection has no bias");
       return int4_gate_up_silu(x, weight, *scale);

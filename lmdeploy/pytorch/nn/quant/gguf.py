@@ -8,9 +8,11 @@
   (``kernels/cpu/linear_q8.cpp``: the same blocks, the activations in fp32).
 - Q4_K (``B = 256``, 144 bytes): fp16 ``d`` and ``dmin``, eight 6-bit scales ``sc`` and mins ``m``, 256
   4-bit codes; ``W = q * (d * sc) - dmin * m`` per 32 inputs: a 4-bit grid of groups of 32 (exact in
-  fp32), served by the 4-bit kernels (:mod:`lmdeploy.pytorch.nn.quant.w4a16`); in bf16 on the CPU by the
-  native int4 GEMV at every step size (``kernels/cpu/linear_int4.cpp``: the codes as they are, each group's
-  scale and offset rounded to fp16), so that such layers run in the native decoder stack.
+  fp32), served by the 4-bit kernels (:mod:`lmdeploy.pytorch.nn.quant.w4a16`); in bf16 on the CPU steps of up
+  to ``Q4K_NATIVE_MAX_ROWS`` tokens on the native Q4_K GEMV (:mod:`lmdeploy.pytorch.nn.quant.q4k_cpu`: the codes
+  and the file's scales as they are, exactly its weights), larger ones on the native int4 GEMV
+  (``kernels/cpu/linear_int4.cpp``: each group's scale and offset rounded to fp16), so that such layers run in
+  the native decoder stack.
 - Q6_K (``B = 256``, 210 bytes): 6-bit codes ``u``, an int8 scale ``sc`` per 16 inputs and an fp16 ``d``;
   ``W = (u - 32) * (d * sc)``. In bf16 on the CPU, steps of up to ``Q6K_NATIVE_MAX_ROWS`` tokens run on the
   native Q6_K GEMV (``kernels/cpu/linear_q6k.cpp``: the file's codes and scales retiled, its weights exactly),
@@ -23,10 +25,14 @@ the same way, each projection in its own type (:class:`GgufExpertsFormat`): in b
 expert runs Q4_K on the native int4 GEMV (gate and up with its SiLU epilogue), Q6_K on the Q6_K GEMV at every
 step size and Q8_0 on the 8-bit GEMV; on CUDA the Triton fused MoE on Q4_K's grids (others dequantized at load);
 otherwise each routed expert is dequantized on its call.
+
+A stacked layer (q/k/v, gate/up) whose parts differ in type (Q4_K_M's Q6_K ``attn_v`` beside Q4_K ``attn_q`` and
+``attn_k``) keeps each part as its blocks on its type's kernel (:class:`GgufPartsFormat`).
 """
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,10 +44,12 @@ from lmdeploy.pytorch.nn.quant.base import (ExpertKernel, Layout, LinearKernel, 
 from lmdeploy.pytorch.nn.quant.cpu_bf16 import packed_cpu_kernel
 from lmdeploy.pytorch.nn.quant.dense import DenseFormat, DenseKernel
 from lmdeploy.pytorch.nn.quant.int4_cpu import NativeInt4Kernel, SmallStepInt4Kernel
+from lmdeploy.pytorch.nn.quant.parts import PartsKernel
+from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KGemv
 from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6K_TILE, Q6KGemv
 from lmdeploy.pytorch.nn.quant.q8_cpu import Q8_GROUP, Q8_TILE, pack_q8
 from lmdeploy.pytorch.nn.quant.w4a16 import Int4GroupFormat, Int4Grid, PerExpertKernel, ReferenceKernel
-from lmdeploy.pytorch.weights.gguf_types import engine_layer
+from lmdeploy.pytorch.weights.gguf_types import engine_layer, part_index
 from lmdeploy.pytorch.weights.safetensors_loader import WeightSource, read_shard
 
 if TYPE_CHECKING:
@@ -56,6 +64,9 @@ BLOCKS = {'Q8_0': (32, 34), 'Q4_K': (256, 144), 'Q6_K': (256, 210)}
 Q8_NATIVE_MAX_ROWS = 16
 # Likewise for Q6_K (whose larger steps run on a bf16 copy instead).
 Q6K_NATIVE_MAX_ROWS = 16
+# Q4_K's larger steps run on the int4 GEMV (``benchmark/q4k_cpu.py``: 5-10% faster from 4 rows on); one bound
+# with Q6_K's, so that a Q4_K_M file's small steps run in one native decoder stack.
+Q4K_NATIVE_MAX_ROWS = Q6K_NATIVE_MAX_ROWS
 
 
 def fp16_at(blocks: torch.Tensor, start: int) -> torch.Tensor:
@@ -172,6 +183,17 @@ def q6_k_cpu_kernel(blocks: torch.Tensor, weight: torch.Tensor, gate_up: bool,
     return None if large is None or small is None else SmallStepInt4Kernel(small, Q6K_NATIVE_MAX_ROWS, large)
 
 
+def q4_k_cpu_kernel(blocks: torch.Tensor, grid: Int4Grid, gate_up: bool) -> SmallStepInt4Kernel | None:
+    """Q4_K blocks in bf16 on the CPU: steps of up to ``Q4K_NATIVE_MAX_ROWS`` tokens on the Q4_K GEMV (the file's
+    scales), larger ones on the int4 GEMV (an fp16 scale and minimum per group, 5-10% faster there), both on one
+    copy of the codes (the GEMVs read them alike); None where they are not built."""
+    small = Q4KGemv.of_blocks(blocks, grid.codes, gate_up)
+    large = NativeInt4Kernel.of_grid(grid, gate_up)
+    if small is None or large is None:
+        return None
+    return SmallStepInt4Kernel(small, Q4K_NATIVE_MAX_ROWS, NativeInt4Kernel(small.packed, large.scales, gate_up))
+
+
 class GgufFormat(Int4GroupFormat):
     """A GGUF linear weight of one type, Q4_K, Q6_K or Q8_0, as its blocks."""
 
@@ -201,7 +223,7 @@ class GgufFormat(Int4GroupFormat):
     def make_kernel(self, layer: Linear, options: LinearOptions) -> LinearKernel:
         cpu_bf16 = options.dtype == torch.bfloat16 and layer.qweight.device.type == 'cpu'
         if self.ggml_type == 'Q4_K':
-            native = NativeInt4Kernel.of_grid(self.unpack(layer), layer.gate_up_panels) if cpu_bf16 else None
+            native = q4_k_cpu_kernel(layer.qweight, self.unpack(layer), layer.gate_up_panels) if cpu_bf16 else None
             if native is None:
                 return super().make_kernel(layer, options)
             layer.qweight = None
@@ -290,6 +312,62 @@ class GgufExpertsFormat(WeightFormat):
         return native if native is not None else Q8Kernel(codes, scales)
 
 
+@dataclass
+class BlockRows:
+    """One part's rows of a stacked layer's blocks, as :meth:`GgufFormat.make_kernel` reads a layer."""
+
+    qweight: torch.Tensor | None
+    gate_up_panels: bool = False
+
+
+class GgufPartsFormat(WeightFormat):
+    """A stacked layer whose parts differ in type (``parts[i]`` the format of part ``i``), each part kept as its
+    blocks and run on its type's kernel (:class:`PartsKernel`). Its ``qweight uint8 [N, bytes]`` holds each row's
+    blocks flat, a part's rows padded to the widest part's (:meth:`GgufFileFormat.convert_checkpoint` pads them)."""
+
+    def __init__(self, parts: list[GgufFormat]):
+        self.parts = parts
+
+    def row_bytes(self, part: int, in_features: int) -> int:
+        return in_features // self.parts[part].block_inputs * self.parts[part].block_bytes
+
+    def width(self, in_features: int) -> int:
+        """The bytes of a ``qweight`` row: the widest part's."""
+        return max(self.row_bytes(i, in_features) for i in range(len(self.parts)))
+
+    def padded(self, blocks: torch.Tensor, part: int) -> torch.Tensor:
+        """Part ``part``'s ``[rows, K / B, bytes]`` blocks from the checkpoint as rows of ``qweight``."""
+        in_features = blocks.shape[1] * self.parts[part].block_inputs
+        rows = blocks.reshape(blocks.shape[0], -1)
+        return F.pad(rows, (0, self.width(in_features) - rows.shape[1]))
+
+    def create_weights(self, layer: Linear) -> None:
+        for part in self.parts:
+            if layer.in_features % part.block_inputs:
+                raise ValueError(f'a {part.ggml_type} layer needs inputs in blocks of {part.block_inputs}, '
+                                 f'not {layer.in_features}')
+        layer.qweight = new_parameter((layer.out_features, self.width(layer.in_features)), Layout(0, None),
+                                      torch.uint8)
+
+    def blocks(self, layer: Linear, part: int) -> torch.Tensor:
+        """Part ``part``'s rows of ``layer`` as ``[rows, K / B, bytes]`` blocks of its type."""
+        start, stop = layer.offsets[part], layer.offsets[part + 1]
+        rows = layer.qweight[start:stop, :self.row_bytes(part, layer.in_features)]
+        return rows.reshape(stop - start, -1, self.parts[part].block_bytes).contiguous()
+
+    def dequantize(self, layer: Linear) -> torch.Tensor:
+        return torch.cat([dequantize_blocks(self.blocks(layer, i), part.ggml_type)
+                          for i, part in enumerate(self.parts)])
+
+    def make_kernel(self, layer: Linear, options: LinearOptions) -> LinearKernel:
+        if options.dtype is None:
+            return ReferenceKernel(self, layer)
+        parts = [part.make_kernel(BlockRows(self.blocks(layer, i)), options) for i, part in enumerate(self.parts)]
+        sizes = [stop - start for start, stop in zip(layer.offsets, layer.offsets[1:])]
+        layer.qweight = None
+        return PartsKernel(parts, sizes)
+
+
 @register_format('gguf')
 class GgufFileFormat(DenseFormat):
     """A converted GGUF file's linear layers: those of ``ggml_types`` (``{name in the model: type}``) as their
@@ -298,9 +376,15 @@ class GgufFileFormat(DenseFormat):
     are dequantized as they load (:meth:`convert_checkpoint`). An output layer of type ``lm_head`` (Q6_K) comes
     as ``lm_head.qweight`` blocks: it loads dequantized, and its CPU LM head runs small steps on the blocks."""
 
-    def __init__(self, ggml_types: dict[str, str], lm_head: str | None = None):
-        formats = {ggml_type: GgufFormat(ggml_type) for ggml_type in set(ggml_types.values())}
-        self.layer_formats = {name: formats[ggml_type] for name, ggml_type in ggml_types.items()}
+    def __init__(self, ggml_types: dict[str, str | list[str]], lm_head: str | None = None):
+        formats: dict[str, GgufFormat] = {}
+
+        def layer_format(types: str | list[str]) -> WeightFormat:
+            parts = [formats.setdefault(ggml_type, GgufFormat(ggml_type)) for ggml_type in
+                     ([types] if isinstance(types, str) else types)]
+            return parts[0] if isinstance(types, str) else GgufPartsFormat(parts)
+
+        self.layer_formats = {name: layer_format(types) for name, types in ggml_types.items()}
         self.dequantized: dict[str, str] = {}  # layer -> type, of layers that hold their blocks dequantized
         self.lm_head_type = lm_head
         self.lm_head_blocks: torch.Tensor | None = None
@@ -333,7 +417,7 @@ class GgufFileFormat(DenseFormat):
         layer_format = self.layer_formats.get(name)
         if layer_format is None:
             return self
-        if in_features % layer_format.block_inputs:
+        if isinstance(layer_format, GgufFormat) and in_features % layer_format.block_inputs:
             self.dequantized[name] = layer_format.ggml_type
             return self
         return layer_format
@@ -346,7 +430,10 @@ class GgufFileFormat(DenseFormat):
                 continue
             base = name.removesuffix('.qweight')
             layer = engine_layer(base + '.weight') if base != name else None
+            parts = self.layer_formats.get(layer)
             if layer in self.dequantized:
                 yield base + '.weight', dequantize_blocks(read_shard(tensor, None), self.dequantized[layer])
+            elif isinstance(parts, GgufPartsFormat):
+                yield name, parts.padded(read_shard(tensor, None), part_index(base + '.weight'))
             else:
                 yield name, tensor

@@ -67,6 +67,8 @@ class NativeInt4Kernel(LinearKernel):
     a gate-and-up layer's tiles alternate gate and up rows, so that SiLU-and-mul runs in its epilogue. With
     ``order``, the weight's inputs are in that order (act-order checkpoints), and so are ``x``'s first."""
 
+    kind = 'int4'  # the native kernels' ``{kind}_linear`` and ``{kind}_gate_up_silu``, the stack's projection kind
+
     def __init__(self, packed: torch.Tensor, scales: torch.Tensor, gate_up: bool, order: torch.Tensor | None = None):
         self.packed, self.scales, self.gate_up, self.order = packed, scales, gate_up, order
 
@@ -87,22 +89,23 @@ class NativeInt4Kernel(LinearKernel):
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.order is not None:
             x = x[:, self.order]
+        linear = getattr(cpu.native(), f'{self.kind}_linear')
         if not self.gate_up:
-            return cpu.native().int4_linear(x, self.packed, self.scales, bias)
-        tiles = cpu.native().int4_linear(x, self.packed, self.scales, None)  # gate and up tiles alternate
+            return linear(x, self.packed, self.scales, bias)
+        tiles = linear(x, self.packed, self.scales, None)  # gate and up tiles alternate
         out = tiles.unflatten(-1, (-1, 2, INT4_TILE)).transpose(-3, -2).flatten(-3)
         return out if bias is None else out + bias
 
     def gate_up_silu(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         if not self.gate_up or bias is not None:
             return None
-        return cpu.native().int4_gate_up_silu(x if self.order is None else x[:, self.order], self.packed,
-                                              self.scales)
+        return getattr(cpu.native(), f'{self.kind}_gate_up_silu')(x if self.order is None else x[:, self.order],
+                                                                  self.packed, self.scales)
 
     def native_projection(self, bias: torch.Tensor | None) -> object | None:
         if (self.gate_up and bias is not None) or self.order is not None:  # the stack runs neither
             return None
-        return cpu.native().Projection(kind='int4', weight=self.packed, scale=self.scales, bias=bias)
+        return cpu.native().Projection(kind=self.kind, weight=self.packed, scale=self.scales, bias=bias)
 
 
 def least_squares_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -129,15 +132,28 @@ def pack_int4(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
     (see ``linear_int4.cpp``): ``packed [N/16, K/32, 8, 32]`` uint8 and ``scales [N/16, K/32, 2, 16]``
     fp16. With ``gate_up`` (gate then up rows) the 16-row tiles alternate gate and up."""
     out_features, in_features = codes.shape
-    order = torch.arange(out_features).view(2, -1, INT4_TILE).transpose(0, 1).flatten() if gate_up else None
-    if order is not None:
-        codes, scale, minimum = codes[order], scale[order], minimum[order]
+    if gate_up:
+        order = gate_up_order(out_features)
+        scale, minimum = scale[order], minimum[order]
+    tiles, groups = out_features // INT4_TILE, in_features // INT4_GROUP
+    scales = torch.stack((scale, minimum)).view(2, tiles, INT4_TILE, groups).permute(1, 3, 0, 2).contiguous()
+    return pack_int4_codes(codes, gate_up), scales
+
+
+def gate_up_order(rows: int) -> torch.Tensor:
+    """The rows of a [gate; up] weight with its 16-row tiles alternating gate and up."""
+    return torch.arange(rows).view(2, -1, INT4_TILE).transpose(0, 1).flatten()
+
+
+def pack_int4_codes(codes: torch.Tensor, gate_up: bool = False) -> torch.Tensor:
+    """Codes ``[N, K]`` (0..15) as the native GEMV's ``packed [N/16, K/32, 8, 32]`` uint8 (see :func:`pack_int4`)."""
+    out_features, in_features = codes.shape
+    if gate_up:
+        codes = codes[gate_up_order(out_features)]
     tiles, groups = out_features // INT4_TILE, in_features // INT4_GROUP
     # input 16 h + 2 c + b of a group: chunk c, byte 2 * row + b, low nibble for h = 0, high for h = 1
     nibbles = codes.view(tiles, INT4_TILE, groups, 2, 8, 2).permute(0, 2, 4, 1, 5, 3)
-    packed = (nibbles[..., 0] | (nibbles[..., 1] << 4)).reshape(tiles, groups, 8, 2 * INT4_TILE).contiguous()
-    scales = torch.stack((scale, minimum)).view(2, tiles, INT4_TILE, groups).permute(1, 3, 0, 2).contiguous()
-    return packed, scales
+    return (nibbles[..., 0] | (nibbles[..., 1] << 4)).reshape(tiles, groups, 8, 2 * INT4_TILE).contiguous()
 
 
 class SmallStepInt4Kernel(LinearKernel):

@@ -1,0 +1,42 @@
+"""GGUF Q4_K weights on the native int4 GEMV's codes with the file's own scales (``q4k_linear`` in
+``kernels/cpu/linear_int4.cpp``): per block of 256 inputs an fp16 ``d`` and ``dmin`` and the 12 bytes packing
+eight 6-bit ``sc`` and ``m``, ``W = q * d * sc - dmin * m`` per group of 32 inputs, exactly the file's weights
+at 0.5625 bytes a weight, as in the file (the int4 GEMV's fp16 scale and minimum per group: 0.625)."""
+from __future__ import annotations
+
+import torch
+
+from lmdeploy.pytorch.kernels import cpu
+from lmdeploy.pytorch.nn.quant.int4_cpu import INT4_TILE, NativeInt4Kernel, gate_up_order, pack_int4_codes
+
+Q4K_BLOCK, Q4K_BLOCK_BYTES = 256, 144
+
+
+def pack_q4k(blocks: torch.Tensor, codes: torch.Tensor, gate_up: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K ``blocks [N, K / 256, 144]`` and their codes ``[N, K]`` (0..15) in ``q4k_linear``'s layout: the int4
+    GEMV's ``packed [N/16, K/32, 8, 32]`` codes and ``scales [N/16, K/256, 256]`` uint8, per tile of 16 rows and
+    block: their 16 ``d`` (fp16), 16 ``dmin``, then the block's scale bytes 4..15, byte by byte, 16 rows each.
+    With ``gate_up`` (gate then up rows) the tiles alternate gate and up."""
+    rows, num_blocks = blocks.shape[:2]
+    if gate_up:
+        blocks = blocks[gate_up_order(rows)]
+    tiles = blocks.view(rows // INT4_TILE, INT4_TILE, num_blocks, Q4K_BLOCK_BYTES).transpose(1, 2)
+    d, dmin = (tiles[..., start:start + 2].flatten(-2) for start in (0, 2))
+    packed_scales = tiles[..., 4:16].transpose(-1, -2).flatten(-2)
+    scales = torch.cat((d, dmin, packed_scales), dim=-1).contiguous()
+    return pack_int4_codes(codes.to(torch.uint8), gate_up), scales
+
+
+class Q4KGemv(NativeInt4Kernel):
+    """The native GEMV on a Q4_K layer's codes and the file's scales (:func:`pack_q4k`); a gate-and-up layer's
+    tiles alternate gate and up rows, so that SiLU-and-mul runs in its epilogue."""
+
+    kind = 'q4k'
+
+    @classmethod
+    def of_blocks(cls, blocks: torch.Tensor, codes: torch.Tensor, gate_up: bool = False) -> Q4KGemv | None:
+        """The kernel for CPU blocks where the GEMV was built and the rows fill its tiles; else None."""
+        rows = 2 * INT4_TILE if gate_up else INT4_TILE
+        if blocks.device.type != 'cpu' or cpu.int4_gemv() is None or blocks.shape[0] % rows:
+            return None
+        return cls(*pack_q4k(blocks, codes, gate_up), gate_up)
