@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from lmdeploy.pytorch.kernels import cpu
-from lmdeploy.pytorch.nn.quant.gguf import q4_k_grid
+from lmdeploy.pytorch.nn.quant.gguf_blocks import q4_k_grid
 from lmdeploy.pytorch.nn.quant.int4_cpu import NativeInt4Kernel
 from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KGemv
 

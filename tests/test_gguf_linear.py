@@ -21,7 +21,8 @@ from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.nn.linear import Linear
 from lmdeploy.pytorch.nn.quant import LinearOptions, use_weight_format
 from lmdeploy.pytorch.kernels import cpu
-from lmdeploy.pytorch.nn.quant.gguf import Q8_NATIVE_MAX_ROWS, GgufFormat, NativeQ8Kernel, Q8Kernel
+from lmdeploy.pytorch.nn.quant.gguf import GgufFormat
+from lmdeploy.pytorch.nn.quant.gguf_blocks import Q8_NATIVE_MAX_ROWS, NativeQ8Kernel, Q8Kernel
 from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
 from lmdeploy.pytorch.nn.quant.w4a16 import ReferenceKernel
 from lmdeploy.pytorch.weights.gguf import convert_gguf

@@ -25,7 +25,8 @@ from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.linear import Linear
 from lmdeploy.pytorch.nn.quant.dense import DenseFormat
-from lmdeploy.pytorch.nn.quant.gguf import GgufFormat, GgufPartsFormat, NativeQ8Kernel, Q8Kernel
+from lmdeploy.pytorch.nn.quant.gguf import GgufFormat, GgufPartsFormat
+from lmdeploy.pytorch.nn.quant.gguf_blocks import NativeQ8Kernel, Q8Kernel
 from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
 from lmdeploy.pytorch.nn.quant.parts import PartsKernel
 from lmdeploy.pytorch.weights.gguf import convert_gguf

@@ -27,8 +27,8 @@ from lmdeploy.pytorch.kernels import cpu, moe
 from lmdeploy.pytorch.nn.moe import FusedExperts
 from lmdeploy.pytorch.nn.quant import LinearOptions, use_weight_format
 from lmdeploy.pytorch.nn.quant.dense import DenseFormat, DenseKernel
-from lmdeploy.pytorch.nn.quant.gguf import (GgufExpertsFormat, GgufFormat, NativeQ8Kernel, Q8Kernel,
-                                            dequantize_blocks)
+from lmdeploy.pytorch.nn.quant.gguf import GgufExpertsFormat, GgufFormat
+from lmdeploy.pytorch.nn.quant.gguf_blocks import NativeQ8Kernel, Q8Kernel, dequantize_blocks
 from lmdeploy.pytorch.nn.quant.int4_cpu import NativeInt4Kernel, SmallStepInt4Kernel
 from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6KGemv
 from lmdeploy.pytorch.weights.gguf import convert_gguf

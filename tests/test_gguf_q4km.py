@@ -18,7 +18,8 @@ from test_gguf_mixed import encode, write_mixed_gguf
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.kernels import cpu
-from lmdeploy.pytorch.nn.quant.gguf import Q6K_NATIVE_MAX_ROWS, GgufFileFormat, int8_unpack, q4_k_grid, q6_k_parts
+from lmdeploy.pytorch.nn.quant.gguf import GgufFileFormat
+from lmdeploy.pytorch.nn.quant.gguf_blocks import Q6K_NATIVE_MAX_ROWS, int8_unpack, q4_k_grid, q6_k_parts
 from lmdeploy.pytorch.nn.quant.int4_cpu import NativeInt4Kernel, SmallStepInt4Kernel
 from lmdeploy.pytorch.nn.quant.parts import PartsKernel
 from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KGemv

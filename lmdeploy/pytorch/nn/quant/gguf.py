@@ -38,16 +38,13 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.quant.base import (ExpertKernel, Layout, LinearKernel, LinearOptions, WeightFormat,
                                             new_parameter, register_format)
-from lmdeploy.pytorch.nn.quant.cpu_bf16 import packed_cpu_kernel
 from lmdeploy.pytorch.nn.quant.dense import DenseFormat, DenseKernel
-from lmdeploy.pytorch.nn.quant.int4_cpu import NativeInt4Kernel, SmallStepInt4Kernel
+from lmdeploy.pytorch.nn.quant.gguf_blocks import (BLOCKS, NativeQ8Kernel, Q8Kernel, dequantize_blocks, int8_unpack,
+                                                   q4_k_cpu_kernel, q4_k_grid, q6_k_cpu_kernel, q6_k_parts)
 from lmdeploy.pytorch.nn.quant.parts import PartsKernel
-from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KGemv
-from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6K_TILE, Q6KGemv
-from lmdeploy.pytorch.nn.quant.q8_cpu import Q8_GROUP, Q8_TILE, pack_q8
+from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6KGemv
 from lmdeploy.pytorch.nn.quant.w4a16 import Int4GroupFormat, Int4Grid, PerExpertKernel, ReferenceKernel
 from lmdeploy.pytorch.weights.gguf_types import engine_layer, part_index
 from lmdeploy.pytorch.weights.safetensors_loader import WeightSource, read_shard
@@ -55,144 +52,6 @@ from lmdeploy.pytorch.weights.safetensors_loader import WeightSource, read_shard
 if TYPE_CHECKING:
     from lmdeploy.pytorch.nn.linear import Linear
     from lmdeploy.pytorch.nn.moe import ExpertProjection, FusedExperts
-
-# inputs and bytes per block
-BLOCKS = {'Q8_0': (32, 34), 'Q4_K': (256, 144), 'Q6_K': (256, 210)}
-# Larger steps run faster dequantized for one bf16 GEMM. 2048 x 2048 on the shared 2-core EPYC (best of 40,
-# load 8), GEMV against dequantizing and F.linear: 0.06 / 0.76 ms at 1 row, 0.56 / 0.76 at 16, 1.10 / 0.89
-# at 32, 2.3 / 1.2 at 64.
-Q8_NATIVE_MAX_ROWS = 16
-# Likewise for Q6_K (whose larger steps run on a bf16 copy instead).
-Q6K_NATIVE_MAX_ROWS = 16
-# Q4_K's larger steps run on the int4 GEMV (``benchmark/q4k_cpu.py``: 5-10% faster from 4 rows on); one bound
-# with Q6_K's, so that a Q4_K_M file's small steps run in one native decoder stack.
-Q4K_NATIVE_MAX_ROWS = Q6K_NATIVE_MAX_ROWS
-
-
-def fp16_at(blocks: torch.Tensor, start: int) -> torch.Tensor:
-    """The fp16 at byte ``start`` of each block, as fp32."""
-    return blocks[..., start:start + 2].contiguous().view(torch.float16)[..., 0].float()
-
-
-def q8_0_unpack(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[N, K / 32, 34]`` Q8_0 blocks as int8 codes ``[N, K]`` and fp32 scales ``[N, K / 32]``."""
-    codes = blocks[..., 2:].contiguous().view(torch.int8)
-    return codes.reshape(blocks.shape[0], -1), fp16_at(blocks, 0)
-
-
-def q6_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``[N, K / 256, 210]`` Q6_K blocks as codes ``u [N, K]`` (uint8, 0..63), ``sc [N, K / 16]`` (int8) and
-    ``d [N, K / 256]`` (fp16): ``W = (u - 32) * d * sc``."""
-    n, num_blocks = blocks.shape[:2]
-    low = blocks[..., :128].view(n, num_blocks, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)
-    high = blocks[..., 128:192].view(n, num_blocks, 2, 1, 32) >> torch.tensor([0, 2, 4, 6],
-                                                                               dtype=torch.uint8).view(4, 1)
-    codes = (low & 15).view(n, num_blocks, 8, 32) | ((high & 3).view(n, num_blocks, 8, 32) << 4)
-    sc = blocks[..., 192:208].contiguous().view(torch.int8)
-    d = blocks[..., 208:210].contiguous().view(torch.float16)[..., 0]
-    return codes.view(n, -1), sc.reshape(n, -1), d
-
-
-def q6_k_unpack(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[N, K / 256, 210]`` Q6_K blocks as int8 codes ``[N, K]`` (-32..31) and fp32 scales ``d * sc``
-    ``[N, K / 16]`` (exact: an fp16 times an int8)."""
-    codes, sc, d = q6_k_parts(blocks)
-    scales = d.float().repeat_interleave(16, dim=1) * sc.float()
-    return (codes.to(torch.int8) - 32), scales
-
-
-def q8_0_weight(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``W [N, K]`` in fp32 (exact) from 8-bit codes ``[N, K]`` and their groups' scales ``[N, K / G]``
-    (Q8_0's, Q6_K's)."""
-    n = codes.shape[0]
-    return codes.view(n, scales.shape[1], -1).float().mul_(scales[..., None]).view(n, -1)
-
-
-def q4_k_grid(blocks: torch.Tensor) -> Int4Grid:
-    """``[N, K / 256, 144]`` Q4_K blocks as a 4-bit grid of groups of 32 inputs."""
-    n, num_blocks = blocks.shape[:2]
-    d, dmin = fp16_at(blocks, 0)[..., None], fp16_at(blocks, 2)[..., None]
-    packed = blocks[..., 4:16].long()
-    low, high, extra = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
-    sc = torch.cat((low & 63, (extra & 15) | ((low >> 2) & 48)), dim=-1)
-    m = torch.cat((high & 63, (extra >> 4) | ((high >> 2) & 48)), dim=-1)
-    qs = blocks[..., 16:].view(n, num_blocks, 4, 1, 32)
-    codes = torch.cat((qs & 15, qs >> 4), dim=3).reshape(n, -1)
-    scales, offsets = (d * sc).view(n, -1), (dmin * m).view(n, -1)
-    return Int4Grid(codes, scales.T.contiguous(), offsets.T.contiguous(), 32)
-
-
-def dequantize_blocks(blocks: torch.Tensor, ggml_type: str) -> torch.Tensor:
-    """``W [N, K]`` in fp32 (exact) from ``[N, K / B, bytes]`` blocks of ``ggml_type``."""
-    if ggml_type == 'Q4_K':
-        return q4_k_grid(blocks).dequantize(torch.float32)
-    return q8_0_weight(*int8_unpack(blocks, ggml_type))
-
-
-def int8_unpack(blocks: torch.Tensor, ggml_type: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q8_0 or Q6_K blocks as int8 codes ``[N, K]`` and fp32 scales per group (32 inputs, 16)."""
-    return q8_0_unpack(blocks) if ggml_type == 'Q8_0' else q6_k_unpack(blocks)
-
-
-class Q8Kernel(LinearKernel):
-    """Q8_0 codes dequantized on each call to the activations' dtype for ``F.linear``."""
-
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor):
-        self.codes, self.scales = codes, scales
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, q8_0_weight(self.codes, self.scales).to(x.dtype), bias)
-
-
-class NativeQ8Kernel(LinearKernel):
-    """Q8_0 blocks in the native 8-bit GEMV's layout (:func:`pack_q8`): steps of up to ``Q8_NATIVE_MAX_ROWS``
-    tokens on the GEMV, larger ones dequantized from the same copy for ``F.linear``."""
-
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor):
-        self.packed, self.scales = pack_q8(codes, scales.half())
-
-    @classmethod
-    def of(cls, codes: torch.Tensor, scales: torch.Tensor) -> NativeQ8Kernel | None:
-        """The kernel for CPU codes and scales where the GEMV was built and the rows fill its tiles; else None."""
-        if codes.device.type != 'cpu' or cpu.q8_gemv() is None or codes.shape[0] % Q8_TILE:
-            return None
-        return cls(codes, scales)
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.shape[0] > Q8_NATIVE_MAX_ROWS:
-            tiles, groups = self.scales.shape[:2]
-            codes = self.packed.permute(0, 3, 1, 2).reshape(tiles * Q8_TILE, groups * Q8_GROUP)
-            scales = self.scales.transpose(1, 2).reshape(tiles * Q8_TILE, groups).float()
-            return F.linear(x, q8_0_weight(codes, scales).to(x.dtype), bias)
-        out = cpu.native().q8_linear(x, self.packed, self.scales).to(x.dtype)
-        return out if bias is None else out + bias
-
-
-def q6_k_cpu_kernel(blocks: torch.Tensor, weight: torch.Tensor, gate_up: bool,
-                    fp32_out: bool = False) -> SmallStepInt4Kernel | None:
-    """Q6_K blocks in bf16 on the CPU: steps of up to ``Q6K_NATIVE_MAX_ROWS`` tokens on the Q6_K GEMV (the
-    file's weights exactly; ``fp32_out``: fp32 results, an LM head's), larger ones on the bf16 GEMM of
-    ``weight``, the blocks dequantized in bf16; None where either is not built. An LM head's rows beyond a
-    multiple of the GEMV's tiles are padded with zero weights (it drops their logits)."""
-    pad = -blocks.shape[0] % Q6K_TILE
-    if pad and not fp32_out:
-        return None
-    large = packed_cpu_kernel(weight, gate_up)
-    parts = [F.pad(part, (0, 0, 0, pad)) for part in q6_k_parts(blocks)]
-    small = Q6KGemv.of(*parts, fp32_out=fp32_out)
-    return None if large is None or small is None else SmallStepInt4Kernel(small, Q6K_NATIVE_MAX_ROWS, large)
-
-
-def q4_k_cpu_kernel(blocks: torch.Tensor, grid: Int4Grid, gate_up: bool) -> SmallStepInt4Kernel | None:
-    """Q4_K blocks in bf16 on the CPU: steps of up to ``Q4K_NATIVE_MAX_ROWS`` tokens on the Q4_K GEMV (the file's
-    scales), larger ones on the int4 GEMV (an fp16 scale and minimum per group, 5-10% faster there), both on one
-    copy of the codes (the GEMVs read them alike); None where they are not built."""
-    small = Q4KGemv.of_blocks(blocks, grid.codes, gate_up)
-    large = NativeInt4Kernel.of_grid(grid, gate_up)
-    if small is None or large is None:
-        return None
-    return SmallStepInt4Kernel(small, Q4K_NATIVE_MAX_ROWS, NativeInt4Kernel(small.packed, large.scales, gate_up))
-
 
 class GgufFormat(Int4GroupFormat):
     """A GGUF linear weight of one type, Q4_K, Q6_K or Q8_0, as its blocks."""
