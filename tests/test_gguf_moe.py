@@ -29,7 +29,8 @@ from lmdeploy.pytorch.nn.quant import LinearOptions, use_weight_format
 from lmdeploy.pytorch.nn.quant.dense import DenseFormat, DenseKernel
 from lmdeploy.pytorch.nn.quant.gguf import GgufExpertsFormat, GgufFormat
 from lmdeploy.pytorch.nn.quant.gguf_blocks import NativeQ8Kernel, Q8Kernel, dequantize_blocks
-from lmdeploy.pytorch.nn.quant.int4_cpu import NativeInt4Kernel, SmallStepInt4Kernel
+from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
+from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KGemv
 from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6KGemv
 from lmdeploy.pytorch.weights.gguf import convert_gguf
 
@@ -161,7 +162,8 @@ def count_calls(monkeypatch: pytest.MonkeyPatch, classes: list[type]) -> dict[st
 
 
 def test_bf16_experts_run_on_their_native_kernels(moe_file, monkeypatch):
-    """bf16 on the CPU: Q4_K experts on the int4 GEMV (gate and up with its SiLU epilogue), Q6_K on the Q6_K
+    """bf16 on the CPU: Q4_K experts on the Q4_K GEMV up to 16 rows and the int4 GEMV above (gate and up with
+    their SiLU epilogue), Q6_K on the Q6_K
     GEMV, Q8_0 on the 8-bit GEMV, dequantized projections on ``F.linear``, and each is called; the logits stay
     within 15% of fp32's: each kernel is within 1% of fp32 on its own (the expert tests above), but in this tiny
     random model a bf16 rounding can flip a token's choice of experts, which moves the logits by about 10%."""
@@ -170,7 +172,7 @@ def test_bf16_experts_run_on_their_native_kernels(moe_file, monkeypatch):
         pytest.skip('CPU kernels')
     if cpu.int4_gemv() is None or cpu.q6k_gemv() is None or cpu.q8_gemv() is None:
         pytest.skip('the native GEMVs need AVX512-BF16')
-    kernels = {'Q4_K': NativeInt4Kernel, 'Q6_K': Q6KGemv, 'Q8_0': NativeQ8Kernel, 'dense': DenseKernel}
+    kernels = {'Q4_K': SmallStepInt4Kernel, 'Q6_K': Q6KGemv, 'Q8_0': NativeQ8Kernel, 'dense': DenseKernel}
     prompt = random_prompts([13], seed=2, vocab=250)[0]
     logits = {}
     for dtype in ('float32', 'bfloat16'):
@@ -185,6 +187,8 @@ def test_bf16_experts_run_on_their_native_kernels(moe_file, monkeypatch):
                         assert not list(module.parameters())  # the kernels hold the experts now
                         for proj, t in FILES[kind][1][int(name.split('.')[1])].items():
                             assert all(isinstance(module.kernel.kernel(proj, e), kernels[t]) for e in range(4))
+                            if t == 'Q4_K':
+                                assert all(isinstance(module.kernel.kernel(proj, e).small, Q4KGemv) for e in range(4))
             logits[dtype] = engine.get_logits(prompt).float()
         finally:
             engine.close()
@@ -237,7 +241,7 @@ def test_bf16_cpu_expert_kernels_match_the_file_weights(types):
     gate_up, down = dense_weights(experts)
     experts.finalize(LinearOptions(pack_cpu=True, dtype=torch.bfloat16))
     fallback = {'Q4_K': SmallStepInt4Kernel, 'Q6_K': Q8Kernel, 'Q8_0': Q8Kernel}
-    native = {'Q4_K': (NativeInt4Kernel, cpu.int4_gemv()), 'Q6_K': (Q6KGemv, cpu.q6k_gemv()),
+    native = {'Q4_K': (SmallStepInt4Kernel, cpu.int4_gemv()), 'Q6_K': (Q6KGemv, cpu.q6k_gemv()),
               'Q8_0': (NativeQ8Kernel, cpu.q8_gemv())}
     for proj, t in types.items():
         kind, built = native[t]

@@ -22,8 +22,8 @@
 
 A MoE layer's experts (``ffn_{gate,up,down}_exps``, one ``qweight`` per expert and projection) keep their blocks
 the same way, each projection in its own type (:class:`GgufExpertsFormat`): in bf16 on the CPU each routed
-expert runs Q4_K on the native int4 GEMV (gate and up with its SiLU epilogue), Q6_K on the Q6_K GEMV at every
-step size and Q8_0 on the 8-bit GEMV; on CUDA the Triton fused MoE on Q4_K's grids (others dequantized at load);
+expert runs Q4_K as dense Q4_K layers do (the Q4_K GEMV up to 16 rows, the int4 GEMV above; gate and up with
+their SiLU epilogue), Q6_K on the Q6_K GEMV at every step size and Q8_0 on the 8-bit GEMV; on CUDA the Triton fused MoE on Q4_K's grids (others dequantized at load);
 otherwise each routed expert is dequantized on its call.
 
 A stacked layer (q/k/v, gate/up) whose parts differ in type (Q4_K_M's Q6_K ``attn_v`` beside Q4_K ``attn_q`` and
@@ -155,14 +155,16 @@ class GgufExpertsFormat(WeightFormat):
 
     def cpu_kernel(self, proj: str, layer: ExpertProjection) -> LinearKernel:
         """One expert's projection for bf16 activations on the CPU: its blocks on their native GEMV where built
-        (Q6_K at every step size: an expert's share of a step is a few rows), else dequantized on each call;
-        a dense one on ``F.linear``."""
+        (Q4_K as a dense layer; Q6_K at every step size: an expert's share of a step is a few rows), else
+        dequantized on each call; a dense one on ``F.linear``."""
         projection_format = self.formats[proj]
         if not isinstance(projection_format, GgufFormat):
             return DenseKernel(layer)
         ggml_type = projection_format.ggml_type
         if ggml_type == 'Q4_K':
-            return Int4GroupFormat.cpu_expert_kernel(q4_k_grid(layer.qweight), proj == 'gate_up', torch.bfloat16)
+            grid = q4_k_grid(layer.qweight)
+            return (q4_k_cpu_kernel(layer.qweight, grid, proj == 'gate_up')
+                    or Int4GroupFormat.cpu_expert_kernel(grid, proj == 'gate_up', torch.bfloat16))
         native = Q6KGemv.of(*q6_k_parts(layer.qweight)) if ggml_type == 'Q6_K' else None
         if native is not None:
             return native
