@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -212,29 +213,38 @@ def test_bf16_mixed_file_runs_each_layer_on_its_kernel(mixed_file):
     kind, tmp = mixed_file
     if os.environ.get('LMDEPLOY_TEST_DEVICE', 'cpu') != 'cpu':
         pytest.skip('CPU kernels')
+
+    def check_kernels(engine: Engine) -> None:
+        expected = {'Q4_K': SmallStepInt4Kernel,
+                    'Q6_K': Q8Kernel if cpu.q6k_gemv() is None else SmallStepInt4Kernel,
+                    'Q8_0': Q8Kernel if cpu.q8_gemv() is None else NativeQ8Kernel}
+        for name, layer_type in FILES[kind][1].items():
+            kernel = engine.runner.model.get_submodule(name).kernel
+            if isinstance(layer_type, list):
+                assert isinstance(kernel, PartsKernel), name
+                assert [type(part) for part in kernel.parts] == [expected[t] for t in layer_type], name
+            else:
+                assert isinstance(kernel, expected[layer_type]), name
+
+    error = bf16_logit_error(tmp / 'served', check_kernels)
+    assert error < 0.05, error
+
+
+def bf16_logit_error(served: Path, check_bf16: Callable[[Engine], None]) -> float:
+    """How far the bf16 engine's first-step logits on one prompt lie from the fp32 engine's (relative norm), the
+    bf16 engine first handed to ``check_bf16``."""
     prompt = random_prompts([13], seed=2, vocab=250)[0]
     logits = {}
     for dtype in ('float32', 'bfloat16'):
-        engine = Engine(str(tmp / 'served'), PytorchEngineConfig(dtype=dtype, num_gpu_blocks=64, block_size=16),
+        engine = Engine(str(served), PytorchEngineConfig(dtype=dtype, num_gpu_blocks=64, block_size=16),
                         show_progress=False)
         try:
             if dtype == 'bfloat16':
-                model = engine.runner.model
-                expected = {'Q4_K': SmallStepInt4Kernel,
-                            'Q6_K': Q8Kernel if cpu.q6k_gemv() is None else SmallStepInt4Kernel,
-                            'Q8_0': Q8Kernel if cpu.q8_gemv() is None else NativeQ8Kernel}
-                for name, layer_type in FILES[kind][1].items():
-                    kernel = model.get_submodule(name).kernel
-                    if isinstance(layer_type, list):
-                        assert isinstance(kernel, PartsKernel), name
-                        assert [type(part) for part in kernel.parts] == [expected[t] for t in layer_type], name
-                    else:
-                        assert isinstance(kernel, expected[layer_type]), name
+                check_bf16(engine)
             logits[dtype] = engine.get_logits(prompt).float()
         finally:
             engine.close()
-    error = (logits['bfloat16'] - logits['float32']).norm() / logits['float32'].norm()
-    assert error < 0.05, error
+    return float((logits['bfloat16'] - logits['float32']).norm() / logits['float32'].norm())
 
 
 def test_fused_file_projections_are_served_raw(tmp_path: Path):

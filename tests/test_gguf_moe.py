@@ -18,10 +18,9 @@ from gguf.quants import dequantize, quantize
 from family_checks import assert_tp2_equals_tp1
 from helpers import hf_greedy, make_engine, random_prompts, run
 from safetensors import safe_open
-from test_gguf_mixed import ARCHS, write_mixed_gguf
+from test_gguf_mixed import ARCHS, bf16_logit_error, write_mixed_gguf
 from transformers import AutoModelForCausalLM
 
-from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.kernels import cpu, moe
 from lmdeploy.pytorch.nn.moe import FusedExperts
@@ -173,27 +172,21 @@ def test_bf16_experts_run_on_their_native_kernels(moe_file, monkeypatch):
     if cpu.int4_gemv() is None or cpu.q6k_gemv() is None or cpu.q8_gemv() is None:
         pytest.skip('the native GEMVs need AVX512-BF16')
     kernels = {'Q4_K': SmallStepInt4Kernel, 'Q6_K': Q6KGemv, 'Q8_0': NativeQ8Kernel, 'dense': DenseKernel}
-    prompt = random_prompts([13], seed=2, vocab=250)[0]
-    logits = {}
-    for dtype in ('float32', 'bfloat16'):
-        engine = Engine(str(tmp / 'served'), PytorchEngineConfig(dtype=dtype, num_gpu_blocks=64, block_size=16),
-                        show_progress=False)
-        try:
-            if dtype == 'bfloat16':
-                used = {kernels[t] for layer in FILES[kind][1].values() for t in layer.values()}
-                calls = count_calls(monkeypatch, sorted(used, key=lambda cls: cls.__name__))
-                for name, module in engine.runner.model.named_modules():
-                    if isinstance(module, FusedExperts):
-                        assert not list(module.parameters())  # the kernels hold the experts now
-                        for proj, t in FILES[kind][1][int(name.split('.')[1])].items():
-                            assert all(isinstance(module.kernel.kernel(proj, e), kernels[t]) for e in range(4))
-                            if t == 'Q4_K':
-                                assert all(isinstance(module.kernel.kernel(proj, e).small, Q4KGemv) for e in range(4))
-            logits[dtype] = engine.get_logits(prompt).float()
-        finally:
-            engine.close()
+    used = {kernels[t] for layer in FILES[kind][1].values() for t in layer.values()}
+    calls = count_calls(monkeypatch, sorted(used, key=lambda cls: cls.__name__))
+
+    def check_kernels(engine: Engine) -> None:
+        calls.update(dict.fromkeys(calls, 0))  # the bf16 engine's calls only
+        for name, module in engine.runner.model.named_modules():
+            if isinstance(module, FusedExperts):
+                assert not list(module.parameters())  # the kernels hold the experts now
+                for proj, t in FILES[kind][1][int(name.split('.')[1])].items():
+                    assert all(isinstance(module.kernel.kernel(proj, e), kernels[t]) for e in range(4))
+                    if t == 'Q4_K':
+                        assert all(isinstance(module.kernel.kernel(proj, e).small, Q4KGemv) for e in range(4))
+
+    error = bf16_logit_error(tmp / 'served', check_kernels)
     assert all(calls.values()), calls
-    error = (logits['bfloat16'] - logits['float32']).norm() / logits['float32'].norm()
     assert error < 0.15, error
 
 
