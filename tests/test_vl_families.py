@@ -132,11 +132,11 @@ def test_qwen3_vl_moe_loads_the_hubs_stacked_expert_layout(tmp_path):
     assert run(make_engine(str(hub)), prompts) == run(make_engine(path), prompts)
 
 
-@pytest.mark.parametrize('kind', ['internvl', 'qwen3_vl'])
+@pytest.mark.parametrize('kind', ['internvl', 'qwen3_vl', 'qwen3_vl_moe'])
 def test_language_model_runs_in_the_native_decoder_stack(kind, tmp_path):
     """bf16 on packed weights: InternVL's Qwen2 layers and Qwen3-VL's (q/k norms; its image steps add the
-    deepstack features in the layers' own forward) run in the native decoder stack, as their own forward
-    does."""
+    deepstack features in the layers' own forward; Qwen3-VL-MoE's sparse layers as MoE blocks) run in the native
+    decoder stack, as their own forward does."""
     if cpu.bf16_gemm() is None:
         pytest.skip('the native bf16 GEMM needs AVX512-BF16 and no AMX')
     config = PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=64, block_size=16)

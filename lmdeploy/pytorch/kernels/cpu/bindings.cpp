@@ -77,13 +77,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<const std::string&, torch::Tensor, Optional, Optional, Optional>(), py::kw_only(),
            py::arg("kind"), py::arg("weight"), py::arg("compensation") = py::none(), py::arg("scale") = py::none(),
            py::arg("bias") = py::none())
-      .def(py::init<std::vector<Projection>>(), py::kw_only(), py::arg("parts"));
+      .def(py::init<std::vector<Projection>>(), py::kw_only(), py::arg("parts"))
+      .def(py::init<Projection, Projection, int64_t>(), py::kw_only(), py::arg("small"), py::arg("large"),
+           py::arg("small_step_rows"));
+  py::class_<MoEBlock>(m, "MoEBlock", "a decoder layer's mixture-of-experts MLP")
+      .def(py::init<Projection, int64_t, bool, Optional, Optional, std::vector<Projection>, std::vector<Projection>,
+                    c10::optional<Projection>, c10::optional<Projection>, c10::optional<Projection>>(),
+           py::kw_only(), py::arg("router"), py::arg("top_k"), py::arg("renormalize"), py::arg("gate_up") = py::none(),
+           py::arg("down") = py::none(), py::arg("expert_gate_up") = std::vector<Projection>(),
+           py::arg("expert_down") = std::vector<Projection>(), py::arg("shared_gate_up") = py::none(),
+           py::arg("shared_down") = py::none(), py::arg("shared_gate") = py::none())
+      .def("__call__", &MoEBlock::operator(), py::call_guard<py::gil_scoped_release>(), py::arg("x"));
   py::class_<LayerWeights>(m, "LayerWeights", "a Llama-style decoder layer's weights")
-      .def(py::init<torch::Tensor, torch::Tensor, Projection, Projection, Projection, Projection, Optional,
-                    Optional, Optional, Optional, int64_t, bool, bool, c10::optional<int64_t>,
-                    c10::optional<double>, bool>(),
+      .def(py::init<torch::Tensor, torch::Tensor, Projection, Projection, c10::optional<Projection>,
+                    c10::optional<Projection>, c10::optional<MoEBlock>, Optional, Optional, Optional, Optional, int64_t,
+                    bool, bool, c10::optional<int64_t>, c10::optional<double>, bool>(),
            py::kw_only(), py::arg("input_norm"), py::arg("post_norm"), py::arg("qkv"), py::arg("o"),
-           py::arg("gate_up"), py::arg("down"), py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(),
+           py::arg("gate_up") = py::none(), py::arg("down") = py::none(), py::arg("moe") = py::none(),
+           py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(),
            py::arg("attn_out_norm") = py::none(), py::arg("mlp_out_norm") = py::none(), py::arg("rotary_dim"),
            py::arg("interleaved_rope") = false, py::arg("local_rope") = false, py::arg("sliding_window") = py::none(),
            py::arg("logit_softcap") = py::none(), py::arg("gelu_tanh_mlp") = false);
