@@ -19,9 +19,12 @@ from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.models.moe import SparseMoeBlock
+from lmdeploy.pytorch.nn.quant.cpu_bf16 import NativeBf16Kernel, OneDnnKernel
 from lmdeploy.pytorch.weights.gguf import convert_gguf
 
-MOE_FAMILIES = ['mixtral', 'qwen2_moe', 'qwen3_moe']
+# a tiny model of each family, and Qwen3-MoE with 16 experts, whose router runs on the native GEMM's 16-row panels
+MOE_MODELS = {'mixtral': ('mixtral', {}), 'qwen2_moe': ('qwen2_moe', {}), 'qwen3_moe': ('qwen3_moe', {}),
+              'qwen3_moe_16': ('qwen3_moe', dict(num_experts=16))}
 # GGUF files whose experts all run on native GEMVs: Q4_K (the Q4_K GEMV up to 16 rows, the int4 GEMV above) and a
 # Q6_K down in one layer (Qwen2-MoE: its shared expert's down too)
 NATIVE_FILES = {'qwen3_moe': {'blk.0.ffn_down_exps': Q.Q6_K, 'default': Q.Q4_K},
@@ -48,14 +51,19 @@ def run_checked(engine: Engine, monkeypatch, batched_equals_solo: bool = True) -
     return steps
 
 
-@pytest.mark.parametrize('kind', MOE_FAMILIES)
-def test_bf16_moe_stack_equals_the_layers(kind, tmp_path, native_gemms, monkeypatch):
-    """Dense bf16 experts (``fused_moe``), the router and Qwen2-MoE's shared-expert gate on oneDNN (outputs the
-    native GEMM's panels do not fit), Qwen2-MoE's dense layer beside its MoE layers."""
-    engine = Engine(save_tiny_model(kind, str(tmp_path)), PytorchEngineConfig(max_prefill_token_num=48, **ENGINE),
-                    show_progress=False)
+@pytest.mark.parametrize('model', sorted(MOE_MODELS))
+def test_bf16_moe_stack_equals_the_layers(model, tmp_path, native_gemms, monkeypatch):
+    """Dense bf16 experts (``fused_moe``), the router on oneDNN where the native GEMM's panels do not fit its
+    outputs (4 experts) and on the native GEMM where they do (16), Qwen2-MoE's shared-expert gate (one output) on
+    oneDNN, Qwen2-MoE's dense layer beside its MoE layers."""
+    kind, overrides = MOE_MODELS[model]
+    engine = Engine(save_tiny_model(kind, str(tmp_path), **overrides),
+                    PytorchEngineConfig(max_prefill_token_num=48, **ENGINE), show_progress=False)
     assert engine.runner.model.native_stack is not None
-    assert all(block.native_moe() is not None for block in moe_blocks(engine))
+    blocks = moe_blocks(engine)
+    assert all(block.native_moe() is not None for block in blocks)
+    router = NativeBf16Kernel if overrides else OneDnnKernel
+    assert all(isinstance(block.gate.kernel, router) for block in blocks)
     steps = run_checked(engine, monkeypatch)
     assert any(0 < prefill < rows for prefill, rows in steps) and any(prefill == 0 for prefill, _ in steps)
     assert any(prefill == rows == 48 for prefill, rows in steps) and (0, 1) in steps
