@@ -146,6 +146,15 @@ def test_fp32_keeps_the_layers(tmp_path):
     assert all(block.native_moe() is None for block in moe_blocks(engine))
 
 
+def test_without_native_kernels_keeps_the_layers(tmp_path, monkeypatch):
+    """Without the native kernels (no compiler, ``LMDEPLOY_CPU_KERNELS=0``) a bf16 MoE model runs its layers."""
+    monkeypatch.setattr(cpu, 'native', lambda: None)
+    engine = Engine(save_tiny_model('qwen2_moe', str(tmp_path)), PytorchEngineConfig(**ENGINE), show_progress=False)
+    assert engine.runner.model.native_stack is None
+    outs = run(engine, random_prompts([9], seed=3), GenerationConfig(max_new_tokens=3, ignore_eos=True))
+    assert [len(out) for out in outs] == [3]
+
+
 def test_bad_blocks_are_refused(native_gemms):
     """A MoE block's experts are dense or per expert, never both nor neither; top_k fits the experts; a shared
     expert has all its parts; a layer has a MoE block or gate_up and down."""

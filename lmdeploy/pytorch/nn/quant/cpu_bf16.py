@@ -36,7 +36,8 @@ class OneDnnKernel(LinearKernel):
         return torch.ops.mkldnn._linear_pointwise(x, self.blocked, bias, 'none', [], '')
 
     def router_projection(self, bias: torch.Tensor | None) -> object | None:
-        return cpu.native().Projection(kind='onednn', weight=self.blocked, bias=bias)
+        native = cpu.native()
+        return None if native is None else native.Projection(kind='onednn', weight=self.blocked, bias=bias)
 
 
 def packed_cpu_kernel(weight: torch.Tensor, gate_up: bool = False) -> LinearKernel | None:
