@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 from test_cuda_graph import RecordedGraph
 from transformers import Gemma3TextConfig, GptOssConfig, MistralConfig
 
@@ -172,6 +173,19 @@ def test_native_stack_and_layers_agree(gemma3, native_gemms):
     outs = run(engine, prompts, LONG)
     engine.runner.model.native_stack = None
     assert run(engine, prompts, LONG) == outs
+
+
+def test_logits_of_a_prompt_longer_than_the_sliding_pool(gemma3):
+    """``get_logits`` prefills in chunks that give back the sliding pool's blocks between them: a prompt of
+    more tokens than that pool holds gets transformers' logits at every position."""
+    prompt = random_prompts([200], seed=10)[0]
+    engine = make_engine(gemma3, max_batch_size=4, max_prefill_token_num=32)
+    assert engine.block_manager.pools[1].num_blocks * BLOCK < len(prompt)
+    logits = engine.get_logits(prompt)
+    with torch.no_grad():
+        expected = hf_causal_lm(gemma3)(torch.tensor([prompt])).logits[0]
+    assert logits.shape == expected.shape and (logits - expected).abs().max().item() < 1e-3
+    assert all_free(engine)
 
 
 def test_tp2_equals_tp1(gemma3):

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import nn
 
+from lmdeploy.pytorch.paging.block_manager import given_back_as_zero
 from lmdeploy.pytorch.paging.scheduler import ScheduledSeq
 
 if TYPE_CHECKING:
@@ -144,14 +145,14 @@ class DecodeGraphRunner:
     def _write_row(self, row: int, item: ScheduledSeq) -> None:
         seq = item.seq
         last = seq.num_tokens - 1
-        blocks = [0 if b is None else b for b in seq.block_ids]
+        blocks = given_back_as_zero(seq.block_ids)
         values = self.staging_rows[row]
         values[:KV_LEN + 1] = (seq.last_token, last, blocks[last // self.block_size], last + 1)
         if self.uses_mrope:
             values[KV_LEN + 1:self.first_block_column] = seq.rope_positions_of(last, last + 1)[:, 0].numpy()
         values[self.first_block_column:self.first_block_column + len(blocks)] = blocks
         if self.window_column is not None:
-            window_blocks = [0 if b is None else b for b in seq.window_block_ids]
+            window_blocks = given_back_as_zero(seq.window_block_ids)
             values[self.window_column] = window_blocks[last // self.block_size]
             values[self.window_column + 1:self.window_column + 1 + len(window_blocks)] = window_blocks
 

@@ -1,6 +1,7 @@
 """The PyTorch engine: add requests, step the batch, collect outputs."""
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import sys
@@ -204,19 +205,28 @@ class Engine:
 
     @torch.inference_mode()
     def get_logits(self, prompt_ids: list[int]) -> torch.Tensor:
-        """fp32 logits ``[len(prompt_ids), vocab]`` of every position, from a fresh prefill of the prompt
-        in borrowed free blocks (no prefix-cache reuse); runs between steps, on the engine's thread."""
+        """fp32 logits ``[len(prompt_ids), vocab]`` of every position, from a fresh prefill of the prompt in
+        chunks of ``max_prefill_token_num`` tokens, in borrowed free blocks (no prefix-cache reuse; sliding-window
+        layers give back their blocks between chunks); runs between steps, on the engine's thread."""
         self._check_prompt(prompt_ids)
+        bm = self.block_manager
         seq = Sequence(-1, list(prompt_ids), GenerationConfig(max_new_tokens=1))
-        if not self.block_manager.can_allocate(self.block_manager.blocks_needed(seq, len(prompt_ids))):
-            raise ValueError('not enough free KV-cache blocks for this prompt right now; retry when the engine is idle')
-        self.block_manager.allocate(seq, len(prompt_ids))
+        logits = []
         try:
-            input_ids, ctx, _ = self.runner.build_inputs(SchedulerOutput(prefill=[ScheduledSeq(seq, len(prompt_ids))]))
-            rows = list(range(len(prompt_ids)))
-            return self._on_all_ranks(lambda: self.runner.execute(input_ids, ctx, rows)).float().cpu()
+            while seq.num_computed < len(prompt_ids):
+                num_tokens = min(self.config.max_prefill_token_num, len(prompt_ids) - seq.num_computed)
+                bm.release_out_of_window(seq)
+                if not bm.can_allocate(bm.blocks_needed(seq, seq.num_computed + num_tokens)):
+                    raise ValueError('not enough free KV-cache blocks for this prompt right now; retry when the '
+                                     'engine is idle')
+                bm.allocate(seq, seq.num_computed + num_tokens)
+                input_ids, ctx, _ = self.runner.build_inputs(SchedulerOutput(prefill=[ScheduledSeq(seq, num_tokens)]))
+                forward = functools.partial(self.runner.execute, input_ids, ctx, list(range(num_tokens)))
+                logits.append(self._on_all_ranks(forward).float().cpu())
+                seq.num_computed += num_tokens
+            return torch.cat(logits)
         finally:
-            self.block_manager.free_blocks(seq)
+            bm.free_blocks(seq)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._launched is not None

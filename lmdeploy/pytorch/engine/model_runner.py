@@ -14,6 +14,7 @@ from lmdeploy.pytorch.engine.cuda_graph import DecodeGraphRunner
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.multimodal import MultiModalBatch, MultiModalInput
 from lmdeploy.pytorch.nn.attention import PagedAttention
+from lmdeploy.pytorch.paging.block_manager import given_back_as_zero
 from lmdeploy.pytorch.paging.scheduler import ScheduledSeq, SchedulerOutput
 from lmdeploy.pytorch.step_context import StepContext
 
@@ -97,7 +98,7 @@ class ModelRunner:
         width = -(-max(lengths) // self.block_size)
         tables = []
         for name in self.tables:
-            rows = [[0 if b is None else b for b in getattr(item.seq, name)[:width]] for item in items]
+            rows = [given_back_as_zero(getattr(item.seq, name)[:width]) for item in items]
             tables.append(self._tensor([row + [0] * (width - len(row)) for row in rows]))
         return tables
 

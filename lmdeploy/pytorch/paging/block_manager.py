@@ -16,6 +16,13 @@ def chain_hash(prev_hash: int | None, key: tuple) -> int:
     return hash((prev_hash, key))
 
 
+def given_back_as_zero(table: list[int | None]) -> list[int]:
+    """A block table whose given-back entries (a prefix of None) read block 0, for the kernels."""
+    if not table or table[0] is not None:
+        return table
+    return [0 if b is None else b for b in table]
+
+
 @dataclass
 class PrefixMatch:
     """A cached prefix of ``num_blocks`` full blocks: its block hashes and, per pool, the blocks to revive
@@ -152,7 +159,8 @@ class BlockManager:
 
     def release_out_of_window(self, seq: Sequence) -> None:
         """Gives back the blocks of ``seq`` that its sliding pools' window no longer reaches from its next
-        token (``seq.num_computed``); idempotent."""
+        token (``seq.num_computed``); idempotent. A step still in flight may read them: it runs before the
+        next step, queued after it on the same stream, can write them."""
         for pool, table in self._tables(seq):
             index = min(pool.first_kept_block(seq.num_computed, self.block_size), len(table)) - 1
             while index >= 0 and table[index] is not None:
