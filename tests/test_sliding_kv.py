@@ -101,6 +101,15 @@ def test_tokens_match_transformers_beyond_the_window_with_bounded_sliding_blocks
     assert all_free(engine) and not engine.sequences
 
 
+def test_overlapped_steps_give_the_same_tokens(gemma3):
+    """Overlapped, a sequence gives back blocks that the step still in flight reads: they are written only by
+    later steps."""
+    prompts = random_prompts([70, 40, 55], seed=11)
+    plain = run(make_engine(gemma3, max_batch_size=4, max_prefill_token_num=32), prompts, LONG)
+    engine = make_engine(gemma3, max_batch_size=4, max_prefill_token_num=32, overlap_schedule=True)
+    assert run(engine, prompts, LONG) == plain and all_free(engine)
+
+
 def test_abort_mid_decode_gives_back_both_pools(gemma3):
     engine = make_engine(gemma3, max_batch_size=4)
     seq_ids = add_requests(engine, random_prompts([70, 90], seed=2), LONG)
