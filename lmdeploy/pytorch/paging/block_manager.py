@@ -134,8 +134,8 @@ class BlockManager:
                    for n, pool, ids in zip(needed, self.pools, revived))
 
     def allocate(self, seq: Sequence, num_tokens: int, match: PrefixMatch | None = None) -> None:
-        """Gives ``seq`` the ``match``ed prefix blocks, then fresh ones until ``num_tokens`` fit; first gives
-        back what a sliding pool no longer needs (see :meth:`release_out_of_window`).
+        """Gives ``seq`` the ``match``ed prefix blocks, then fresh ones until ``num_tokens`` fit (a running
+        sequence gives back what its sliding pool no longer needs first: :meth:`release_out_of_window`).
 
         Admitting a sequence right after its :meth:`match_prefix` counts that lookup in the hit rate,
         the first time the sequence is admitted only."""
@@ -151,7 +151,6 @@ class BlockManager:
                         pool.ref(block_id)
                     table.append(block_id)
             seq.block_hashes.extend(match.hashes)
-        self.release_out_of_window(seq)
         total = -(-num_tokens // self.block_size)
         for pool, table in self._tables(seq):
             while len(table) < total:
