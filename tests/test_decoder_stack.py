@@ -199,7 +199,8 @@ def test_fields_are_named(native_gemms):
         native_gemms.Projection(kind='w8a8', weight=weight.to(torch.int8))
     step = dict(cos=weight, sin=weight, kv_blocks=weight, kv_offsets=weight, num_prefill_tokens=0,
                 prefill_block_table=None, prefill_q_start=None, prefill_q_len=None, prefill_ctx_len=None,
-                prefill_max_q_len=0, decode_blocks=None, decode_kv_lens=None, local_cos=None, local_sin=None)
+                prefill_max_q_len=0, decode_blocks=None, decode_kv_lens=None, local_cos=None, local_sin=None,
+                window_kv_blocks=None, window_prefill_block_table=None, window_decode_blocks=None)
     native_gemms.StepTensors(**step)
     with pytest.raises(TypeError):
         native_gemms.StepTensors(**{**step, 'decode_kv_len': step.pop('decode_kv_lens')})

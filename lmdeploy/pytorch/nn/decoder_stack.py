@@ -87,6 +87,8 @@ class NativeDecoderStack:
             num_prefill_tokens=ctx.num_prefill_tokens, prefill_block_table=ctx.prefill_block_table,
             prefill_q_start=ctx.prefill_q_start, prefill_q_len=ctx.prefill_q_len, prefill_ctx_len=ctx.prefill_ctx_len,
             prefill_max_q_len=ctx.prefill_max_q_len, decode_blocks=ctx.decode_blocks,
-            decode_kv_lens=ctx.decode_kv_lens, local_cos=local_cos, local_sin=local_sin)
+            decode_kv_lens=ctx.decode_kv_lens, local_cos=local_cos, local_sin=local_sin,
+            window_kv_blocks=ctx.window_kv_blocks, window_prefill_block_table=ctx.window_prefill_block_table,
+            window_decode_blocks=ctx.window_decode_blocks)
         stack = self.large if x.shape[0] > self.small_step_rows else self.small
         return stack.forward(x, kv_caches, step)

@@ -260,6 +260,9 @@ struct StepTensors {
   c10::optional<torch::Tensor> prefill_block_table, prefill_q_start, prefill_q_len, prefill_ctx_len;
   int64_t prefill_max_q_len;
   c10::optional<torch::Tensor> decode_blocks, decode_kv_lens, local_cos, local_sin;
+  // The sliding-window layers' own pool (StepContext.tables): these replace kv_blocks, prefill_block_table and
+  // decode_blocks for a layer with a sliding window when window_kv_blocks is given.
+  c10::optional<torch::Tensor> window_kv_blocks, window_prefill_block_table, window_decode_blocks;
 };
 
 // One projection of a decoder layer, x @ W.T (+ bias), on its weight as its kernel takes it. `kind` "bf16":

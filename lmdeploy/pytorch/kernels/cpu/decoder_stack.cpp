@@ -153,18 +153,22 @@ torch::Tensor DecoderStack::attention(const LayerWeights& w, const torch::Tensor
   qk = rotate(w, qk, step);
   const auto q = qk.narrow(1, 0, num_heads_), k = qk.narrow(1, num_heads_, num_kv_heads_);
   const auto v = heads.narrow(1, num_heads_ + num_kv_heads_, num_kv_heads_);
-  fill_kv_cache(k, v, k_cache, v_cache, step.kv_blocks, step.kv_offsets, k_sz, v_sz, quant_policy_);
+  const bool own_pool = w.sliding_window && step.window_kv_blocks;
+  const auto& kv_blocks = own_pool ? *step.window_kv_blocks : step.kv_blocks;
+  const auto& prefill_block_table = own_pool ? step.window_prefill_block_table : step.prefill_block_table;
+  const auto& decode_blocks = own_pool ? step.window_decode_blocks : step.decode_blocks;
+  fill_kv_cache(k, v, k_cache, v_cache, kv_blocks, step.kv_offsets, k_sz, v_sz, quant_policy_);
   const int64_t prefill = step.num_prefill_tokens, rows = qkv.size(0);
   std::vector<torch::Tensor> parts;
   if (step.prefill_q_len)
     parts.push_back(paged_prefill_attention(q.narrow(0, 0, prefill), k.narrow(0, 0, prefill),
-                                            v.narrow(0, 0, prefill), k_cache, v_cache, *step.prefill_block_table,
+                                            v.narrow(0, 0, prefill), k_cache, v_cache, *prefill_block_table,
                                             *step.prefill_q_start, *step.prefill_q_len, *step.prefill_ctx_len,
                                             step.prefill_max_q_len, scale_, k_sz, v_sz, quant_policy_,
                                             w.sliding_window, w.logit_softcap));
   if (step.decode_blocks)
     parts.push_back(paged_decode_attention(q.narrow(0, prefill, rows - prefill), k_cache, v_cache,
-                                           *step.decode_blocks, *step.decode_kv_lens, scale_, k_sz, v_sz,
+                                           *decode_blocks, *step.decode_kv_lens, scale_, k_sz, v_sz,
                                            quant_policy_, w.sliding_window, w.logit_softcap));
   TORCH_CHECK(!parts.empty(), "a step has prefill or decode rows");
   return (parts.size() == 1 ? parts[0] : torch::cat(parts)).flatten(1);
