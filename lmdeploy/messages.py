@@ -11,9 +11,13 @@ MAX_NEW_TOKENS_LIMIT = 1 << 20
 MIN_SAMPLING_TEMPERATURE = 1e-5
 
 
+class ConfigError(ValueError):
+    """A config field out of its range; the message names the field and the value."""
+
+
 def _check(ok: bool, message: str) -> None:
     if not ok:
-        raise ValueError(message)
+        raise ConfigError(message)
 
 
 @dataclass
