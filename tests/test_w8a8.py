@@ -89,6 +89,7 @@ def test_reference_is_close_to_fp32_matmul():
     assert ((got - exact).norm() / exact.norm()).item() < 0.01
 
 
+@pytest.mark.triton
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float16])
 def test_triton_int8_gemm_matches_reference(dtype):
     pytest.importorskip('triton')
