@@ -2,6 +2,7 @@
 or hangs fails the engine fast, and no worker outlives its engine."""
 from __future__ import annotations
 
+import operator
 import os
 import signal
 import subprocess
@@ -148,6 +149,29 @@ def test_ranks_bind_their_own_cpus_and_a_killed_worker_ends_every_request_with_e
     finally:
         pipe.close()
     assert_gone(pids)
+
+
+class RaisesWhereUnpickled:
+    """A step message that raises ``ZeroDivisionError`` in the worker that unpickles it."""
+
+    def __reduce__(self):
+        return operator.truediv, (1, 0)
+
+
+def test_worker_that_raises_fails_the_engine_fast_with_its_error(tiny_llama):
+    engine = make_engine(tiny_llama, tp=2)
+    try:
+        pid = engine.executor.pids[0]
+        engine.runner.channel.send(RaisesWhereUnpickled())
+        engine.add_request(PROMPTS[0], GREEDY)
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match='rank 1.*ZeroDivisionError: division by zero'):
+            while True:
+                engine.step()
+        assert time.monotonic() - start < 5
+    finally:
+        engine.close()
+    assert_gone([pid])
 
 
 def test_hung_worker_fails_the_step_after_the_timeout(tiny_llama, monkeypatch):
