@@ -12,7 +12,8 @@ MIN_SAMPLING_TEMPERATURE = 1e-5
 
 
 class ConfigError(ValueError):
-    """A config field out of its range; the message names the field and the value."""
+    """A config field or a tool's argument out of its range, or a model a tool does not take; the message
+    says which (the command line prints it as one line)."""
 
 
 def _check(ok: bool, message: str) -> None:
