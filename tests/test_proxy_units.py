@@ -84,7 +84,8 @@ def test_unknown_strategy_and_bad_node_urls_are_refused():
     with pytest.raises(ValueError, match='least_requests'):
         make_strategy('random')
     assert normalize_url('http://127.0.0.1:8000/') == 'http://127.0.0.1:8000'
-    for bad in ('127.0.0.1:8000', 'ftp://host:1', 'http://host:1/v1', 'http://'):
+    assert normalize_url('http://[::1]:8000') == 'http://[::1]:8000'
+    for bad in ('127.0.0.1:8000', 'ftp://host:1', 'http://host:1/v1', 'http://', 'http://host:99999', 'http://host:0', 'http://a b:1'):
         with pytest.raises(ValueError):
             normalize_url(bad)
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from dataclasses import dataclass
 
@@ -13,6 +14,7 @@ from lmdeploy.serve.proxy.transport import node_pool
 
 logger = logging.getLogger('lmdeploy')
 CONNECT_TIMEOUT = 5.0
+HOST = re.compile(r'[A-Za-z0-9._:-]+')  # a host name, an IPv4 address or an IPv6 one (without its brackets)
 
 
 def normalize_url(url: str) -> str:
@@ -21,7 +23,8 @@ def normalize_url(url: str) -> str:
         parsed = httpx.URL(url.strip())
     except (httpx.InvalidURL, TypeError) as exc:
         raise ValueError(f'not a node URL: {url!r}') from exc
-    if parsed.scheme not in ('http', 'https') or not parsed.host or parsed.query or parsed.path not in ('', '/'):
+    if (parsed.scheme not in ('http', 'https') or not HOST.fullmatch(parsed.host) or parsed.query
+            or parsed.path not in ('', '/') or not 0 < (80 if parsed.port is None else parsed.port) < 65536):
         raise ValueError(f'a node URL is http(s)://host[:port], got {url!r}')
     return str(parsed.copy_with(path='/')).rstrip('/')
 
