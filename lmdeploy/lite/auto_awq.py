@@ -348,7 +348,7 @@ def auto_awq(model_path: str, out_dir: str, w_bits: int = 4, w_group_size: int =
            if is_projection(name) and (t.shape[1] % w_group_size or t.shape[0] % 8)]
     if bad:
         raise ConfigError(f'AWQ needs outputs in multiples of 8 and inputs in groups of {w_group_size} '
-                         f'(--w-group-size): {bad[0]}')
+                          f'(--w-group-size): {bad[0]}')
     quantization_config = {'quant_method': 'awq', 'bits': w_bits, 'group_size': w_group_size, 'zero_point': True,
                            'version': 'gemm'}
     if search_scale or apply_clip:
