@@ -11,9 +11,14 @@ MAX_NEW_TOKENS_LIMIT = 1 << 20
 MIN_SAMPLING_TEMPERATURE = 1e-5
 
 
+class ConfigError(ValueError):
+    """A config field or a tool's argument out of its range, or a model a tool does not take; the message
+    says which (the command line prints it as one line)."""
+
+
 def _check(ok: bool, message: str) -> None:
     if not ok:
-        raise ValueError(message)
+        raise ConfigError(message)
 
 
 @dataclass
