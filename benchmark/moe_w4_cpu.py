@@ -128,7 +128,8 @@ def mxfp4_main(args: argparse.Namespace) -> None:
     print(f'gpt-oss-20b weights: {shape["layers"]} layers of experts and {dense / 1e9:.2f} B other parameters in bf16')
     for name, size in experts_bytes.items():
         total = shape['layers'] * size + 2 * dense
-        print(f'  experts in {name}: {shape["layers"] * size / 2**30:.2f} GiB of experts, {total / 2**30:.2f} GiB in all')
+        print(f'  experts in {name}: {shape["layers"] * size / 2**30:.2f} GiB of experts, '
+              f'{total / 2**30:.2f} GiB in all')
 
 
 def main() -> None:

@@ -141,7 +141,7 @@ def test_triton_fused_moe_on_mxfp4_experts(dtype, num_tokens):
     from lmdeploy.pytorch.kernels.activation import ClampedSwiGLU
     from lmdeploy.pytorch.kernels.cuda.fused_moe import Mxfp4Experts, fused_moe
     experts = random_experts(4, 96, 64)
-    stacked = [Mxfp4Experts(getattr(experts, f'{proj}_blocks').to(DEVICE), getattr(experts, f'{proj}_scales').to(DEVICE))
+    stacked = [Mxfp4Experts(*(getattr(experts, f'{proj}_{kind}').to(DEVICE) for kind in ('blocks', 'scales')))
                for proj in ('gate_up', 'down')]
     g = torch.Generator().manual_seed(num_tokens)
     hidden = torch.randn(num_tokens, 96, generator=g)
