@@ -171,7 +171,8 @@ def _e2m1_value(codes):
 def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, slots_ptr, block_expert_ptr, topk_w_ptr, bias_ptr, scales_ptr,
                          offsets_ptr, gidx_ptr, num_slots, num_mblocks, n, k, num_experts, a_row_div, group_size,
                          stride_am, stride_we, stride_wn, stride_cm, stride_be, stride_se, MUL_WEIGHT: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, INT4: tl.constexpr, MXFP4: tl.constexpr, HAS_GIDX: tl.constexpr, ONE_GROUP: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, INT4: tl.constexpr, MXFP4: tl.constexpr, HAS_GIDX: tl.constexpr,
+                         ONE_GROUP: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                          EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
     pid = tl.program_id(0)
