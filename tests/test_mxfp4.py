@@ -193,6 +193,15 @@ def test_mxfp4_checkpoint_kept_as_mxfp4_matches_transformers(mxfp4_path):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks and not engine.sequences
 
 
+def test_dummy_weights_of_an_mxfp4_checkpoint(mxfp4_path):
+    """``load_format='dummy'`` builds the experts as MXFP4 (codes and scales zero) and serves from them."""
+    engine = make_engine(mxfp4_path, load_format='dummy')
+    assert_experts_hold_mxfp4(engine, CONFIG['num_hidden_layers'])
+    experts = next(m for m in engine.runner.model.modules() if isinstance(m, FusedExperts))
+    assert not experts.gate_up_blocks.any() and not experts.down_scales.any()
+    assert [len(tokens) for tokens in run(engine, random_prompts([5, 9], seed=7))] == [32, 32]
+
+
 def test_gguf_mxfp4_experts_kept_as_mxfp4_match_transformers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """A gpt-oss GGUF file with MXFP4 experts loads as an MXFP4 checkpoint: fp32 greedy tokens equal transformers'
     on the weights the file's blocks hold, and the experts hold its bytes."""
