@@ -6,7 +6,8 @@ experts as their blocks instead (``nn/quant/gguf.py``, ``GgufExpertsFormat``): a
 down projection (the layers of a Q4_K_M file that llama.cpp gives more bits), against bf16 experts. With
 ``--mxfp4``, gpt-oss-20b's experts (32, top-4, 2880 -> 2880, biased, clamped SwiGLU) kept as MXFP4
 (``nn/quant/mxfp4.py``) against the same experts in bf16, timed in the thread's CPU time (rounds alternating
-between the two), and the resident weight bytes of a gpt-oss-20b-shaped model either way.
+between the two), one MXFP4 gate-and-up projection by rows (the GEMV against dequantizing for ``F.linear``) and the
+resident weight bytes of a gpt-oss-20b-shaped model either way.
 
     python benchmark/moe_w4_cpu.py [--experts 128] [--top-k 8] [--hidden 2048] [--inter 768] [--group 128]
                                    [--gguf | --mxfp4] [--threads 1]
@@ -14,16 +15,20 @@ between the two), and the resident weight bytes of a gpt-oss-20b-shaped model ei
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 
 import torch
+import torch.nn.functional as F
 from w4_cpu import best_ms
 
+from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.kernels.activation import ClampedSwiGLU
 from lmdeploy.pytorch.nn.moe import FusedExperts
 from lmdeploy.pytorch.nn.quant import LinearOptions, use_weight_format, weight_format_for
 from lmdeploy.pytorch.nn.quant.gguf import GgufExpertsFormat, GgufFormat
 from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
+from lmdeploy.pytorch.nn.quant.mxfp4 import Mxfp4Kernel
 from lmdeploy.pytorch.nn.quant.w4a16 import PerExpertKernel
 
 STEPS = [1, 4, 16, 64, 256]
@@ -104,6 +109,26 @@ def cpu_ms(fn, rounds: int) -> float:
     return (time.thread_time() - start) / rounds * 1e3
 
 
+def projection_rows(layer: FusedExperts) -> None:
+    """One MXFP4 gate-and-up projection by rows: the GEMV against dequantizing for ``F.linear`` (what
+    ``MXFP4_NATIVE_MAX_ROWS`` chooses between), each expert in turn (weights not in the cache)."""
+    kernels = [Mxfp4Kernel(layer.gate_up_blocks[e], layer.gate_up_scales[e]) for e in range(layer.num_experts)]
+    native = cpu.mxfp4_gemv()
+    print('one gate-and-up projection, CPU ms: rows, GEMV, dequantize + F.linear')
+    experts = itertools.cycle(kernels)
+
+    def gemv() -> None:
+        kernel = next(experts)
+        native.mxfp4_linear(x, kernel.blocks, kernel.scales)
+
+    def dequantized() -> None:
+        F.linear(x, next(experts).dequantize(torch.bfloat16))
+
+    for rows in (1, 4, 16, 32, 64):
+        x = torch.randn(rows, layer.hidden_size).bfloat16()
+        print(f'{rows:>6}{cpu_ms(gemv, 8):>10.2f}{cpu_ms(dequantized, 8):>10.2f}')
+
+
 def mxfp4_main(args: argparse.Namespace) -> None:
     shape = GPT_OSS_20B
     layers = {'MXFP4': gpt_oss_experts(True, shape), 'bf16': gpt_oss_experts(False, shape)}
@@ -121,6 +146,7 @@ def mxfp4_main(args: argparse.Namespace) -> None:
                 layer(x, weights, ids)
                 best[name] = min(best[name], cpu_ms(lambda layer=layer: layer(x, weights, ids), 3))
         print(f'{tokens:>6}' + ''.join(f'{t:>10.2f}' for t in best.values()) + f'{best["bf16"] / best["MXFP4"]:>14.2f}')
+    projection_rows(layers['MXFP4'])
     experts_bytes = {name: sum(p.numel() * p.element_size() for n, p in layer.named_parameters() if 'bias' not in n)
                      for name, layer in layers.items()}
     attention = shape['hidden'] * (2 * shape['heads'] + 2 * shape['kv_heads']) * shape['head_dim']

@@ -49,7 +49,14 @@ inline void rows_dot(const Mxfp4Gemv& g, int64_t n, int64_t m, float* out) {
   __m512 acc[C][R][2];
   for (int c = 0; c < C; ++c)
     for (int r = 0; r < R; ++r) acc[c][r][0] = acc[c][r][1] = _mm512_setzero_ps();
+  // Prefetching the rows after the next ones halved a cold expert's time (1.9 to 1.05 ms for gpt-oss-20b's
+  // gate-and-up, one thread, the time it takes from the cache): the decoding keeps too few loads in flight.
+  const uint8_t* ahead = g.blocks + (n + 2 * C) * blocks * kBlockBytes;
+  const bool prefetch = n + 3 * C <= g.N;
   for (int64_t b = 0; b < blocks; ++b) {
+    if (prefetch && b % 2 == 0)
+      for (int c = 0; c < C; ++c)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + (c * blocks + b) * kBlockBytes), _MM_HINT_T0);
     for (int c = 0; c < C; ++c) {
       __m512 even, odd;
       block_weights(g.blocks + ((n + c) * blocks + b) * kBlockBytes, g.scales[(n + c) * blocks + b], lut, &even,
