@@ -34,7 +34,8 @@ if TYPE_CHECKING:
 # the values of the 16 e2m1 codes: sign bit, two exponent bits, one mantissa bit
 FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 MXFP4_BLOCK = 32
-# An expert's share of a step up to this many rows runs on the GEMV, a larger one dequantized for F.linear
+# An expert's share of a step up to this many rows runs on the GEMV, a larger one dequantized for F.linear:
+# gpt-oss-20b's gate-and-up, 1 thread, 8.6 against 12.5 ms at 16 rows, 17.0 against 12.9 at 32
 # (``benchmark/moe_w4_cpu.py --mxfp4``).
 MXFP4_NATIVE_MAX_ROWS = 16
 
