@@ -159,8 +159,8 @@ class PytorchEngineConfig:
     On CUDA, decode steps replay CUDA graphs captured per padded batch size (1, 2, 4, 8, 16, 24, 32,
     then steps of 16, up to ``max_batch_size``); ``eager_mode=True`` runs every step eagerly instead.
     ``load_format='dummy'`` fills the weights with random values on the device instead of reading
-    weight files (the folder needs only its config and tokenizer): for measuring speed at a model's
-    shape without its checkpoint.
+    weight files (the folder needs only its config and tokenizer; a quantized checkpoint's integer codes
+    and scales with zeros): for measuring speed at a model's shape without its checkpoint.
 
     ``overlap_schedule`` queues each step on the device before the previous step's tokens reach the
     host, so that scheduling and input building overlap the device's work (None: on for CUDA, where

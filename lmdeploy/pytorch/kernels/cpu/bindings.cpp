@@ -54,6 +54,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q6k_gemv_available", &q6k_gemv_available, "whether q6k_linear was built (AVX512-BF16)");
   m.def("q6k_linear", &q6k_linear, "fp32 x @ W.T on GGUF Q6_K codes and scales (linear_q6k.cpp), x in bf16",
         py::arg("x"), py::arg("codes"), py::arg("scales"));
+  m.def("mxfp4_gemv_available", &mxfp4_gemv_available, "whether mxfp4_linear was built (AVX-512)");
+  m.def("mxfp4_linear", &mxfp4_linear, "fp32 x @ W.T on MXFP4 blocks and scales (linear_mxfp4.cpp), x in fp32 or bf16",
+        py::arg("x"), py::arg("blocks"), py::arg("scales"));
+  m.def("mxfp4_dequantize", &mxfp4_dequantize, "MXFP4 blocks and scales as a [N, K] fp32 or bf16 weight",
+        py::arg("blocks"), py::arg("scales"), py::arg("dtype"));
   m.def("mla_decode_attention", &mla_decode_attention, "multi-head latent attention of one token per sequence",
         py::arg("q"), py::arg("cache"), py::arg("block_table"), py::arg("kv_lens"), py::arg("scale"), py::arg("v_dim"),
         py::arg("scales_zeros") = py::none(), py::arg("quant_policy") = 0);

@@ -248,6 +248,10 @@ bool q8_gemv_available();
 torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales);
 bool q6k_gemv_available();
 torch::Tensor q6k_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales);
+// MXFP4 (gpt-oss's experts) as the checkpoint holds it (linear_mxfp4.cpp); x in fp32 or bf16.
+bool mxfp4_gemv_available();
+torch::Tensor mxfp4_linear(const torch::Tensor& x, const torch::Tensor& blocks, const torch::Tensor& scales);
+torch::Tensor mxfp4_dequantize(const torch::Tensor& blocks, const torch::Tensor& scales, at::ScalarType dtype);
 torch::Tensor pack_int8_gate_up(const torch::Tensor& weight);
 torch::Tensor int8_gate_up_silu(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& compensation,
                                 const torch::Tensor& scale, c10::optional<torch::Tensor> bias);
