@@ -7,8 +7,8 @@ that compiles each case's bounds in increasing order; a compile over ``--timeout
 larger bounds of its case are not tried, and a new child goes on with the next case. Memory is the child's resident set growth during the compile,
 sampled every 10 ms. xgrammar's cache is off, so every compile is a real one.
 
-Further cases grow what the server's ``--max-grammar-size``, ``--max-grammar-depth``, ``--max-grammar-repetition``
-and ``--max-grammar-optionals`` bound (enum values, properties, alternatives, nesting, character classes, optional
+Further cases grow what the server's ``--max-grammar-size``, ``--max-grammar-repetition``, ``--max-grammar-optionals``
+and its JSON nesting limit bound (enum values, properties, alternatives, nesting, character classes, optional
 items); the table gives each format's measures next to its compile time.
 
     python benchmark/grammar_compile.py [--model PATH] [--timeout 20] [--cases enum,depth-array] [--modes engine]
@@ -193,19 +193,20 @@ def main():
     if args.child:
         child(args.model, args.child, [tuple(t) for t in json.loads(args.todo)])
         return
-    from lmdeploy.pytorch.engine.grammar_cost import format_cost, format_size
+    from lmdeploy.pytorch.engine.grammar_cost import format_cost, format_size, json_depth
     todo = [(case, int(bound)) for case in args.cases.split(',')
             for bound in (args.bounds or (CASES[case][2:] or [BOUNDS])[0]).split(',')]
     modes = args.modes.split(',')
     measured = {mode: measure(args, mode, list(todo)) for mode in modes}
     print(f'vocabulary: {measured[modes[0]][0]} tokens; seconds and peak MiB (resident set growth) of one compile; '
-          'bytes, depth, repetition and optional items: what the server\'s --max-grammar-* limits bound')
+          'bytes, depth, repetition and optional items: what the server bounds')
     print('| case | bytes | depth | repetition | optionals | ' + ' | '.join(f'{m} s | {m} MiB' for m in modes) + ' |')
     print('| --- | ' + '---: | ' * (4 + 2 * len(modes)) + '')
     for case, bound in todo:
         fmt = as_format(*CASES[case][1](bound))
         cost = format_cost(fmt)
-        cells = [str(format_size(fmt)), str(cost.depth), str(cost.repetition), str(cost.optionals)]
+        depth = json_depth(fmt['json_schema']['schema']) if fmt['type'] == 'json_schema' else 0
+        cells = [str(format_size(fmt)), str(depth), str(cost.repetition), str(cost.optionals)]
         for mode in modes:
             seconds, mib = measured[mode][1].get((case, bound), (False, 0.0))
             cells += (['not run', ''] if seconds is False else

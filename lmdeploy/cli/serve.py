@@ -63,7 +63,6 @@ LIMIT_HELP = {
     'max_grammar_compile_seconds': 'seconds a response format (JSON schema, regex, grammar) may take to compile; '
                                    'over: 400',
     'max_grammar_size': 'bytes of a response format (JSON schema as compact JSON, regex, grammar, choices); over: 400',
-    'max_grammar_depth': "nesting depth of a JSON schema response format or forced tool call's parameters; over: 400",
     'max_grammar_repetition': 'character classes the regexes of a response format spell out (a JSON schema '
                               "pattern's {m,n} bounds multiplied out, nested ones multiplied, 20 per string format, "
                               'all added); over: 400',

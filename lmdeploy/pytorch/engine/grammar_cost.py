@@ -4,7 +4,8 @@ xgrammar computes, for every position of the grammar, the vocabulary's tokens al
 (``benchmark/grammar_compile.py`` measures it): its cost grows with
 
 - the size of the format (enum values, choices, properties, alternatives: about linearly);
-- the nesting depth of a JSON schema (faster than quadratically: each level rewrites the ones inside);
+- the nesting depth of a JSON schema (faster than quadratically: each level rewrites the ones inside; the
+  server bounds it with the nesting of a request's JSON, a schema sent as text included);
 - the character classes (``[a-z]``, ``.``, ``\\d``) a regex spells out, a schema ``pattern``'s counted
   repetitions ``{m,n}`` multiplied out (xgrammar expands them; a ``regex`` or ``grammar`` format keeps them lazy);
 - the optional items (``x?``, ``x{0,1}``, empty alternatives) of one regex or grammar: about cubically, since
@@ -34,7 +35,6 @@ Item = tuple
 class FormatCost:
     """What drives a response format's compile time (see the module's docstring)."""
 
-    depth: int  # how deep a JSON schema nests (:func:`json_depth`); 0 for the other formats
     repetition: int  # character classes it spells out (:func:`regex_repetition`, all its regexes added)
     optionals: int  # optional items of its regex or grammar (:func:`regex_optionals`; a schema: its most in one)
 
@@ -45,14 +45,12 @@ def format_cost(fmt: dict[str, Any]) -> FormatCost:
     if kind == 'json_schema':
         schema = fmt['json_schema']['schema']
         patterns = [p for p in schema_patterns(schema) if p is not None]
-        return FormatCost(json_depth(schema), pattern_repetition(schema),
-                          max(map(regex_optionals, patterns), default=0))
+        return FormatCost(pattern_repetition(schema), max(map(regex_optionals, patterns), default=0))
     if kind == 'regex':
-        return FormatCost(0, regex_repetition(fmt['regex'], expand=False),
-                          regex_optionals(fmt['regex'], expand=False))
+        return FormatCost(regex_repetition(fmt['regex'], expand=False), regex_optionals(fmt['regex'], expand=False))
     if kind == 'grammar':
-        return FormatCost(0, grammar_repetition(fmt['grammar']), grammar_optionals(fmt['grammar']))
-    return FormatCost(0, 0, 0)
+        return FormatCost(grammar_repetition(fmt['grammar']), grammar_optionals(fmt['grammar']))
+    return FormatCost(0, 0)
 
 
 def format_size(fmt: dict[str, Any]) -> int:

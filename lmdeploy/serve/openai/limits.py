@@ -27,8 +27,7 @@ class RequestLimits:
     max_stop_token_ids: int | None = 64
     max_fanout: int | None = 128
     max_grammar_compile_seconds: int | None = 30
-    max_grammar_size: int | None = 128 * 1024
-    max_grammar_depth: int | None = 64
+    max_grammar_size: int | None = 64 * 1024
     max_grammar_repetition: int | None = 1000
     max_grammar_optionals: int | None = 24
 
@@ -122,8 +121,6 @@ def check_grammar_cost(limits: RequestLimits, fmt: dict | None, param: str | Non
     _check(limits, 'max_grammar_size', "the size of the response format's text in bytes (a JSON schema's as compact "
            'JSON)', format_size(fmt), param)
     cost = format_cost(fmt)
-    _check(limits, 'max_grammar_depth', 'the nesting depth of the JSON schema (its objects and arrays)', cost.depth,
-           param)
     _check(limits, 'max_grammar_repetition', "the repetition of the format's regexes (character classes spelled "
            "out, a schema pattern's {m,n} multiplied out, 20 per string format, all added)", cost.repetition, param)
     _check(limits, 'max_grammar_optionals', 'the number of optional items (x?, x{0,1}, empty alternatives) of one '

@@ -10,7 +10,7 @@ from lmdeploy.messages import GenerationConfig
 from lmdeploy.serve.exceptions import SafeRunException
 from lmdeploy.serve.openai.errors import APIError
 from lmdeploy.serve.openai.limits import RequestLimits, flag
-from lmdeploy.serve.openai.protocol import StructuredFields, StructuredOutputs
+from lmdeploy.serve.openai.protocol import StructuredFields, StructuredOutputs, check_json
 
 Format = dict[str, Any]
 
@@ -47,7 +47,8 @@ def _structured_outputs(outputs: StructuredOutputs) -> Format:
         if isinstance(value, str):
             try:
                 value = json.loads(value)
-            except ValueError as exc:
+                check_json(value)
+            except (ValueError, RecursionError) as exc:  # MalformedJSON too: nested deeper than a body may be
                 raise APIError(400, f'structured_outputs.json is not valid JSON: {exc}',
                                'structured_outputs.json') from exc
         return {'type': 'json_schema', 'json_schema': {'name': 'structured_outputs', 'schema': value}}
