@@ -46,6 +46,7 @@ def test_regex_repetition_counts_classes_and_bounds():
     assert regex_repetition(r'[{0,99999}]\{0,99999\}\p{L}{2}') == 3  # a class of braces, literal braces, \p{L}
     assert regex_repetition('[a-z]' * 700 + '.' * 300 + 'literal') == 1000
     assert regex_repetition('[a-z]{0,100000}', expand=False) == 1  # a regex format keeps them lazy
+    assert regex_repetition('.?' * 12 + '[a-z]' * 300) == 78 + 300 * 13  # each class after 12 optional items: 13
     schema = {'type': 'object', 'patternProperties': {'^k{3}$': {'type': 'string', 'pattern': '^a{0,10}$'}},
               'properties': {'pattern': {'type': 'string', 'pattern': 'b{20}'},
                              'mail': {'type': 'string', 'format': 'email'}}, 'default': {'pattern': 'c{999}'}}
@@ -60,7 +61,7 @@ def test_optional_items_and_grammars():
     assert regex_optionals(r'^\+?1?\d{9,15}$') == 2 and regex_optionals('(?:a|b)?c??d*?') == 2
     assert regex_optionals('(a?){0,50}') == 50 and regex_optionals('(a?){0,50}', expand=False) == 1
     grammar = 'root ::= a b # c? [x]\na ::= "x" | \nb ::= [0-9]+ ("." [0-9]{1,3})? ""\n'
-    assert (grammar_repetition(grammar), grammar_optionals(grammar)) == (2, 3)
+    assert (grammar_repetition(grammar), grammar_optionals(grammar)) == (4, 3)  # [0-9] after the empty "x" | 
     assert grammar_repetition('root ::= [a-z]{0,100000} "[a-z]"') == 1
 
 
@@ -127,6 +128,7 @@ OVER = [  # (limit, what a request sends, the value the error names)
     ('max_grammar_size', {'response_format': BIG_ENUM}, str(format_size(BIG_ENUM))),
     ('max_grammar_repetition', {'structured_outputs': {'regex': '[a-z]' * 1500}}, '1500'),
     ('max_grammar_repetition', {'structured_outputs': {'grammar': 'root ::= ' + '[0-9] ' * 1200}}, '1200'),
+    ('max_grammar_repetition', {'structured_outputs': {'regex': '.?' * 12 + '[a-z]' * 300}}, '3978'),
     ('max_grammar_repetition', {'response_format': json_schema({'type': 'object', 'properties': {
         'r': {'type': 'string', 'pattern': '^[a-z]{0,990}$'}, 'since': {'type': 'string', 'format': 'date-time'},
         'until': {'type': 'string', 'format': 'date-time', 'description': 'the same: counted once'}}})}, '1010'),

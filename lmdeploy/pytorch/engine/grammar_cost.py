@@ -7,7 +7,9 @@ xgrammar computes, for every position of the grammar, the vocabulary's tokens al
 - the nesting depth of a JSON schema (faster than quadratically: each level rewrites the ones inside; the
   server bounds it with the nesting of a request's JSON, a schema sent as text included);
 - the character classes (``[a-z]``, ``.``, ``\\d``) a regex spells out, a schema ``pattern``'s counted
-  repetitions ``{m,n}`` multiplied out (xgrammar expands them; a ``regex`` or ``grammar`` format keeps them lazy);
+  repetitions ``{m,n}`` multiplied out (xgrammar expands them; a ``regex`` or ``grammar`` format keeps them lazy),
+  each the dearer the more optional items come before it (``.?`` 12 times, then ``[a-z]`` 300 times: 4.6 s,
+  the classes alone 0.6 s);
 - the optional items (``x?``, ``x{0,1}``, empty alternatives) of one regex or grammar: about cubically, since
   a token may skip any of them.
 """
@@ -163,9 +165,9 @@ def _regex_string_key(item: dict) -> str | None:
 
 
 def regex_repetition(regex: str, expand: bool = True) -> int:
-    """The character classes ``regex`` spells out (``[...]``, ``.``, ``\\d``, ``\\p{L}``...: 1 each), a counted
-    repetition ``{m,n}`` counting its bound (``{n}``, ``{m,}``: m) times what it repeats (a literal: 1) when
-    ``expand`` (nested ones multiplied), else once; all added."""
+    """The character classes ``regex`` spells out (``[...]``, ``.``, ``\\d``, ``\\p{L}``...: 1 each, plus 1 for each
+    optional item before it), a counted repetition ``{m,n}`` counting its bound (``{n}``, ``{m,}``: m) times what
+    it repeats (a literal: 1) when ``expand`` (nested ones multiplied), else once; all added."""
     return _weigh(_regex_items(regex), expand)[0]
 
 
@@ -186,30 +188,34 @@ def grammar_optionals(ebnf: str) -> int:
 
 
 def _weigh(items: Iterator[Item], expand: bool) -> tuple[int, int]:
-    """(classes, optional items) of a stream of items, counted repetitions multiplied out when ``expand``."""
+    """(classes, optional items) of a stream of items, counted repetitions multiplied out when ``expand``; a class
+    counts once more for each optional item before it (a token reaches it from as many places)."""
     groups = [_Group()]
     last = _Group()  # what a quantifier applies to: the item just before it
+    seen = 0  # optional items so far
     for item in items:
         kind, group = item[0], groups[-1]
         if kind == 'open':
             groups.append(_Group())
         elif kind == 'alt':
-            group.alternative_ends()
+            seen += group.alternative_ends()
         elif kind == 'count':
             lo, hi = item[1], item[2]
             if (lo, hi) == (0, 1):
                 group.optionals += 1
+                seen += 1
             elif expand:
                 factor = max(lo, hi or 0)
                 group.classes += (factor - 1) * last.classes if last.classes else factor
                 group.optionals += (factor - 1) * last.optionals
+                seen += (factor - 1) * last.optionals
         else:
             if kind == 'close' and len(groups) > 1:
                 last = groups.pop()
-                last.alternative_ends(last=True)
+                seen += last.alternative_ends(last=True)
                 group = groups[-1]
             else:
-                last = _Group(item[1] if kind == 'atom' else 0)
+                last = _Group(item[1] * (1 + seen) if kind == 'atom' else 0)
             group.classes += last.classes
             group.optionals += last.optionals
             group.items += 1
@@ -226,10 +232,12 @@ class _Group:
     def __init__(self, classes: int = 0):
         self.classes, self.optionals, self.items, self.alternatives = classes, 0, 0, 0
 
-    def alternative_ends(self, last: bool = False) -> None:
-        if not self.items and (self.alternatives or not last):
-            self.optionals += 1
+    def alternative_ends(self, last: bool = False) -> int:
+        """Ends an alternative; returns the optional items that adds (1 if it was empty, else 0)."""
+        empty = not self.items and (self.alternatives or not last)
+        self.optionals += empty
         self.items, self.alternatives = 0, self.alternatives + 1
+        return int(empty)
 
 
 def _regex_items(regex: str) -> Iterator[Item]:

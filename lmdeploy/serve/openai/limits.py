@@ -122,7 +122,8 @@ def check_grammar_cost(limits: RequestLimits, fmt: dict | None, param: str | Non
            'JSON)', format_size(fmt), param)
     cost = format_cost(fmt)
     _check(limits, 'max_grammar_repetition', "the repetition of the format's regexes (character classes spelled "
-           "out, a schema pattern's {m,n} multiplied out, 20 per string format, all added)", cost.repetition, param)
+           "out, each once more per optional item before it, a schema pattern's {m,n} multiplied out, 20 per string "
+           'format, all added)', cost.repetition, param)
     _check(limits, 'max_grammar_optionals', 'the number of optional items (x?, x{0,1}, empty alternatives) of one '
            "of the format's regexes or its grammar", cost.optionals, param)
 
