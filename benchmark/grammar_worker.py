@@ -1,5 +1,5 @@
 """What compiling in worker processes costs: the first structured request's extra latency (a worker's start)
-and the per-compile overhead of shipping the grammar back, against in-process compiles of the same formats.
+and the per-compile overhead of compiling in a worker first, against in-process compiles of the same formats.
 
     python benchmark/grammar_worker.py [--model PATH] [--repeat 5]
 """

@@ -20,7 +20,7 @@ import xgrammar as xgr
 from helpers import make_engine, random_prompts
 
 from lmdeploy import GenerationConfig
-from lmdeploy.pytorch.engine.guided import GrammarCompiler, GrammarState, pattern_repetition, regex_repetition
+from lmdeploy.pytorch.engine.guided import GrammarCompiler, GrammarState
 from lmdeploy.serve.async_engine import AsyncEngine
 from lmdeploy.serve.exceptions import ErrorCode, SafeRunException
 
@@ -93,16 +93,6 @@ def test_outputs_of_huge_bounds_validate(engine, byte_tokens):
     for text, reason in zip(texts, finish):
         assert reason == 'stop', (reason, text)
         jsonschema.validate(json.loads(text), HUGE)
-
-
-def test_regex_repetition_counts_bounds():
-    assert regex_repetition(r'^[a-c]{2,4}-\d{3}$') == 7
-    assert regex_repetition('^[a-z]{0,50000}$') == 50_000
-    assert regex_repetition('(ab{0,10}){0,100}x{5,}') == 1005
-    assert regex_repetition(r'[{0,99999}]\{0,99999\}\p{L}{2}') == 2  # literal braces, a property class
-    schema = {'type': 'object', 'patternProperties': {'^k{3}$': {'type': 'string', 'pattern': '^a{0,10}$'}},
-              'properties': {'pattern': {'type': 'string', 'pattern': 'b{20}'}}, 'default': {'pattern': 'c{999}'}}
-    assert pattern_repetition(schema) == 33
 
 
 SLOW = {'type': 'object', 'properties': {'s': {'type': 'string', 'pattern': '^[a-z]{0,50000}$'}}}

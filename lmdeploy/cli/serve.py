@@ -62,8 +62,12 @@ LIMIT_HELP = {
     'max_fanout': 'generations one request fans out to (n x prompts); over: 400',
     'max_grammar_compile_seconds': 'seconds a response format (JSON schema, regex, grammar) may take to compile; '
                                    'over: 400',
-    'max_grammar_repetition': 'counted repetition ({m,n} bounds, nested ones multiplied, all added) of the regex '
-                              "patterns of a JSON schema response format or tool's parameters; over: 400",
+    'max_grammar_size': 'bytes of a response format (JSON schema as compact JSON, regex, grammar, choices); over: 400',
+    'max_grammar_repetition': 'character classes the regexes of a response format spell out, each counted once '
+                              "more per optional item before it (a JSON schema pattern's {m,n} bounds multiplied "
+                              'out, nested ones multiplied, 20 per string format, all added); over: 400',
+    'max_grammar_optionals': 'optional items (x?, x{0,1}, empty alternatives) of one regex or grammar of a response '
+                             'format; over: 400',
 }
 
 

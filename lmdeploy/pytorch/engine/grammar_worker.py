@@ -2,9 +2,12 @@
 
 xgrammar cannot stop a compile once started; a process can be killed. The pool's worker processes start
 together on its first use (an engine that never sees a grammar starts none); a compile takes an idle one on a
-thread of the pool, sends the format down its pipe and waits for the compiled grammar, serialized by
-xgrammar, to come back. A compile that every waiting request gave up is killed with its process, and a new
-process starts at once in its place (its start-up overlaps whatever comes next).
+thread of the pool, sends the format down its pipe and waits for the word that it compiled. A compile that
+every waiting request gave up is killed with its process, and a new process starts at once in its place (its
+start-up overlaps whatever comes next). A format that compiled in a worker then compiles again in this process,
+on the pool's thread (xgrammar lets go of the GIL): xgrammar serializes a compiled grammar as JSON, each state's
+token mask a list of numbers, hundreds of MB for a tool set (a 31-tool set on SmolLM2's vocabulary: 194 MB,
+26 s to serialize and 13 s to read back, for a 1.6 s compile).
 
 Workers are started with the 'spawn' context: the engine process runs threads and torch, which a forked child
 would inherit half-done (locks held by other threads), and a spawned child's parent is the engine itself, so
@@ -40,8 +43,7 @@ class GrammarWorkerDied(RuntimeError):
 
 def _serve(conn: Connection, parent: int) -> None:
     """A worker's life: receive the tokenizer info and say 'ready', then compile each format received, answer
-    ``(True, serialized grammar)`` or ``(False, reason)``; ends with its parent (the kernel kills it) or when
-    the pipe closes."""
+    ``(True, '')`` or ``(False, reason)``; ends with its parent (the kernel kills it) or when the pipe closes."""
     die_with_parent(parent)
     try:
         info = conn.recv()
@@ -55,7 +57,8 @@ def _serve(conn: Connection, parent: int) -> None:
         except EOFError:
             return
         try:
-            conn.send((True, compile_format(compiler, fmt).serialize_json()))
+            compile_format(compiler, fmt)
+            conn.send((True, ''))
         except ValueError as exc:
             conn.send((False, str(exc)))
 
@@ -111,8 +114,9 @@ class GrammarJob:
 
 
 class GrammarProcessPool:
-    """Compiles response formats in ``size`` worker processes (each compile on a thread of the pool's own),
-    keeping the compiled grammars (by format, least recently used dropped past :data:`CACHE_BYTES`).
+    """Compiles response formats in ``size`` worker processes (each compile on a thread of the pool's own), then
+    in this process once one did, keeping the compiled grammars (by format, least recently used dropped past
+    :data:`CACHE_BYTES`).
 
     Workers are started from the pool's threads, which live as long as the pool: a process asks the kernel to
     kill it when the thread that started it ends.
@@ -130,6 +134,7 @@ class GrammarProcessPool:
         self._cache: OrderedDict[str, xgr.CompiledGrammar] = OrderedDict()
         self._cache_bytes = 0
         self._closed = False
+        self._local = threading.local()  # each thread of the pool its own compiler (the pool keeps the cache)
 
     def start(self) -> Future:
         """Starts the worker processes (once); the future is done when they are ready to compile."""
@@ -234,7 +239,9 @@ class GrammarProcessPool:
         self._idle.put(worker)
         if not ok:
             raise ValueError(text)
-        compiled = xgr.CompiledGrammar.deserialize_json(text, self.compiler.tokenizer_info())
+        if not hasattr(self._local, 'compiler'):
+            self._local.compiler = xgr.GrammarCompiler(self.compiler.tokenizer_info(), cache_enabled=False)
+        compiled = compile_format(self._local.compiler, job.fmt)
         self._remember(self._key(job.fmt), compiled)
         return self.compiler.grammar(compiled, gen_config)
 

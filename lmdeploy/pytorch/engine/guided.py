@@ -17,6 +17,7 @@ import xgrammar as xgr
 from torch import Tensor
 
 from lmdeploy.messages import GenerationConfig
+from lmdeploy.pytorch.engine.grammar_cost import share_regex_strings
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.tokenizer import Tokenizer
 
@@ -104,63 +105,16 @@ def json_schema_grammar(schema: Any) -> xgr.Grammar:
     xgrammar (0.2) writes a ``minLength``/``maxLength`` string as a counted repetition of one character rule,
     which compiles lazily whatever its bounds but lets in control characters (JSON forbids them unescaped)
     and UTF-8-encoded surrogates (invalid UTF-8, three characters once decoded): that rule is narrowed here.
+    Repeated pattern and format strings are defined once (:func:`share_regex_strings`).
     """
-    grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=True, max_whitespace_cnt=_MAX_WHITESPACE)
+    grammar = xgr.Grammar.from_json_schema(json.dumps(share_regex_strings(schema)), any_whitespace=True,
+                                           max_whitespace_cnt=_MAX_WHITESPACE)
     text, count = _BOUNDED_STRING_CHAR.subn(lambda m: f'{m[1]} ::= (({_JSON_STRING_CHAR}))', str(grammar))
     return xgr.Grammar.from_ebnf(text) if count else grammar
 
 
 _BOUNDED_STRING_CHAR = re.compile(r'^(\w+) ::= \(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.MULTILINE)
 _JSON_STRING_CHAR = r'[^\0-\x1f\"\\\ud800-\udfff]'
-_COUNT = re.compile(r'\{(\d+)(?:,(\d*))?\}')
-_DATA_KEYWORDS = ('const', 'enum', 'default', 'examples')  # their values are data, not schemas
-
-
-def pattern_repetition(schema: Any) -> int:
-    """How many copies of their parts the regexes of ``schema`` (``pattern``, ``patternProperties``) spell out:
-    the bounds of counted repetitions ``{m,n}``, nested ones multiplied, all added. xgrammar expands such a
-    regex into states whose token masks it computes one by one, so its compile time grows faster than this."""
-    total, stack = 0, [schema]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, list):
-            stack += item
-        elif isinstance(item, dict):
-            if isinstance(item.get('pattern'), str):
-                total += regex_repetition(item['pattern'])
-            if isinstance(item.get('patternProperties'), dict):
-                total += sum(regex_repetition(k) for k in item['patternProperties'])
-            stack += [v for k, v in item.items() if k not in _DATA_KEYWORDS]
-    return total
-
-
-def regex_repetition(regex: str) -> int:
-    """The bounds of the counted repetitions of ``regex`` (``{n}``, ``{m,}``: m, ``{m,n}``: n), nested ones
-    multiplied, all added."""
-    groups, i = [0], 0  # the repetition so far inside each open group
-    while i < len(regex):
-        c, i, weight = regex[i], i + 1, 0
-        if c == '(':
-            groups.append(0)
-            continue
-        if c == ')' and len(groups) > 1:
-            weight = groups.pop()
-        elif c == '\\':
-            i += 1
-            if regex[i - 1:i] in ('p', 'P', 'u', 'x') and regex.startswith('{', i):  # \p{L}, \u{1F600}
-                i = regex.find('}', i) + 1 or len(regex)
-        elif c == '[':
-            i += regex.startswith('^', i)
-            i += regex.startswith(']', i)
-            while i < len(regex) and regex[i] != ']':
-                i += 2 if regex[i] == '\\' else 1
-            i += 1
-        count = _COUNT.match(regex, i)
-        if count:
-            i = count.end()
-            weight = max(weight, 1) * int(count[2] or count[1])
-        groups[-1] += weight
-    return sum(groups)
 
 
 class GrammarState:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from lmdeploy.pytorch.engine.grammar_cost import format_cost, format_size
 from lmdeploy.serve.openai.errors import APIError, error_response
 
 
@@ -26,7 +27,9 @@ class RequestLimits:
     max_stop_token_ids: int | None = 64
     max_fanout: int | None = 128
     max_grammar_compile_seconds: int | None = 30
+    max_grammar_size: int | None = 64 * 1024
     max_grammar_repetition: int | None = 1000
+    max_grammar_optionals: int | None = 24
 
     def __post_init__(self):
         for f in fields(self):
@@ -109,9 +112,20 @@ def check_fanout(limits: RequestLimits, n: int, num_prompts: int, param: str = '
     _check(limits, 'max_fanout', f'the fan-out n x prompts ({n} x {num_prompts})', n * num_prompts, param)
 
 
-def check_grammar_repetition(limits: RequestLimits, count: int, param: str | None) -> None:
-    _check(limits, 'max_grammar_repetition', "the counted repetition of the schema's regex patterns ({m,n} bounds, "
-           'nested ones multiplied, all added)', count, param)
+def check_grammar_cost(limits: RequestLimits, fmt: dict | None, param: str | None) -> None:
+    """Bounds what drives the compile time of a ``response_format`` (see
+    :mod:`lmdeploy.pytorch.engine.grammar_cost`), before it compiles: its size first, which bounds the time the
+    others take to count."""
+    if fmt is None:
+        return
+    _check(limits, 'max_grammar_size', "the size of the response format's text in bytes (a JSON schema's as compact "
+           'JSON)', format_size(fmt), param)
+    cost = format_cost(fmt)
+    _check(limits, 'max_grammar_repetition', "the repetition of the format's regexes (character classes spelled "
+           "out, each once more per optional item before it, a schema pattern's {m,n} multiplied out, 20 per string "
+           'format, all added)', cost.repetition, param)
+    _check(limits, 'max_grammar_optionals', 'the number of optional items (x?, x{0,1}, empty alternatives) of one '
+           "of the format's regexes or its grammar", cost.optionals, param)
 
 
 class BodyLimitMiddleware:

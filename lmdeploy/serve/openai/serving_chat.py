@@ -12,7 +12,7 @@ from lmdeploy.messages import Response
 from lmdeploy.serve.reasoning import keep_special_tokens
 from lmdeploy.serve.openai.chat_output import ChoiceParser
 from lmdeploy.serve.openai.errors import APIError
-from lmdeploy.serve.openai.limits import check_fanout, check_messages, check_stop, text_chars
+from lmdeploy.serve.openai.limits import check_fanout, check_grammar_cost, check_messages, check_stop, text_chars
 from lmdeploy.serve.openai.logprobs import chat_logprobs
 from lmdeploy.serve.openai.protocol import ChatChoice, ChatCompletionRequest, ChatCompletionResponse, random_id
 from lmdeploy.serve.openai.serving_common import (ChoiceRun, Job, ServerState, admitted, check_model, check_session,
@@ -40,12 +40,18 @@ def _check(state: ServerState, req: ChatCompletionRequest) -> ToolPlan:
     if plan.response_format is not None and requested_format(req)[0] is not None:
         raise APIError(400, "tool_choice 'required' or a named function cannot be combined with response_format "
                        'or structured_outputs', 'tool_choice')
+    check_grammar_cost(state.limits, *_format(req, plan))
     check_session(state, req.session_id, req.n)
     template_extras = [[t.model_dump(exclude_none=True) for t in req.tools or ()], req.chat_template_kwargs]
     check_messages(state.limits, req.messages, extra_chars=text_chars(template_extras))
     check_stop(state.limits, req.stop, req.stop_token_ids)
     check_fanout(state.limits, req.n, 1)
     return plan
+
+
+def _format(req: ChatCompletionRequest, plan: ToolPlan) -> tuple[dict | None, str | None]:
+    """The response format of the reply (None: free text) and the request field that asks for it."""
+    return (plan.response_format, 'tools') if plan.response_format else requested_format(req)
 
 
 async def _jobs(state: ServerState, req: ChatCompletionRequest, plan: ToolPlan) -> tuple[list[Job], ParserFactory]:
@@ -61,7 +67,7 @@ async def _jobs(state: ServerState, req: ChatCompletionRequest, plan: ToolPlan) 
         return ChoiceParser(reasoning(prompt.text) if reasoning else None,
                             plan.make_parser() if plan.make_parser else None, plan.max_calls)
 
-    fmt, param = (plan.response_format, 'tools') if plan.response_format else requested_format(req)
+    fmt, param = _format(req, plan)
     config = with_format(config, fmt, reasoning(prompt.text).grammar_after() if reasoning else None, param)
     await compile_format(state.engine, config, param, state.limits)
     jobs = [Job(i, prompt.input_ids, choice_config(config, i), req.session_id, prompt.multimodal)

@@ -9,7 +9,7 @@ from fastapi import Request
 
 from lmdeploy.messages import Response
 from lmdeploy.serve.openai.errors import APIError
-from lmdeploy.serve.openai.limits import check_fanout, check_prompt_chars, check_stop
+from lmdeploy.serve.openai.limits import check_fanout, check_grammar_cost, check_prompt_chars, check_stop
 from lmdeploy.serve.openai.logprobs import completion_logprobs, join_logprobs
 from lmdeploy.serve.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse, random_id
 from lmdeploy.serve.openai.serving_common import (ChoiceRun, Job, ServerState, admitted, check_model, check_prompt_ids,
@@ -39,7 +39,7 @@ def _split_prompts(state: ServerState, prompt: object) -> list[str | list[int]]:
 def _check(state: ServerState, req: CompletionRequest) -> list[str | list[int]]:
     """The cheap checks, before admission; returns the prompts."""
     check_model(state, req.model)
-    requested_format(req)
+    check_grammar_cost(state.limits, *requested_format(req))
     if req.suffix:
         raise APIError(400, 'suffix is not supported by this server', 'suffix', 'unsupported_value')
     check_stop(state.limits, req.stop, req.stop_token_ids)

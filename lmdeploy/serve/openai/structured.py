@@ -7,11 +7,10 @@ import json
 from typing import Any
 
 from lmdeploy.messages import GenerationConfig
-from lmdeploy.pytorch.engine.guided import pattern_repetition
 from lmdeploy.serve.exceptions import SafeRunException
 from lmdeploy.serve.openai.errors import APIError
-from lmdeploy.serve.openai.limits import RequestLimits, check_grammar_repetition, flag
-from lmdeploy.serve.openai.protocol import StructuredFields, StructuredOutputs
+from lmdeploy.serve.openai.limits import RequestLimits, flag
+from lmdeploy.serve.openai.protocol import StructuredFields, StructuredOutputs, check_json
 
 Format = dict[str, Any]
 
@@ -48,7 +47,8 @@ def _structured_outputs(outputs: StructuredOutputs) -> Format:
         if isinstance(value, str):
             try:
                 value = json.loads(value)
-            except ValueError as exc:
+                check_json(value)
+            except (ValueError, RecursionError) as exc:  # MalformedJSON too: nested deeper than a body may be
                 raise APIError(400, f'structured_outputs.json is not valid JSON: {exc}',
                                'structured_outputs.json') from exc
         return {'type': 'json_schema', 'json_schema': {'name': 'structured_outputs', 'schema': value}}
@@ -69,13 +69,11 @@ def with_format(config: GenerationConfig, fmt: Format | None, after: str | None,
 
 
 async def compile_format(engine: Any, config: GenerationConfig, param: str | None, limits: RequestLimits) -> None:
-    """Compiles ``config``'s grammar (cached by the engine); one over ``--max-grammar-repetition`` (at once), one
-    that cannot compile, or not within ``--max-grammar-compile-seconds``, is a 400 with the reason."""
-    fmt = config.response_format
-    if fmt is None:
+    """Compiles ``config``'s grammar (cached by the engine); one that cannot compile, or not within
+    ``--max-grammar-compile-seconds``, is a 400 with the reason. (``check_grammar_cost`` bounds the compile time
+    before admission.)"""
+    if config.response_format is None:
         return
-    if fmt['type'] == 'json_schema':
-        check_grammar_repetition(limits, pattern_repetition(fmt['json_schema']['schema']), param)
     seconds = limits.max_grammar_compile_seconds
     try:
         await engine.compile_grammar(config, seconds)
