@@ -257,7 +257,7 @@ def test_dead_engine_loop_fails_everything_fast(tiny_llama):
         assert raised
         for chunks in a, b:
             assert chunks[-1].finish_reason == 'error' and 'LoopKilled: injected loop death' in chunks[-1].error
-        assert refused.code is ErrorCode.ENGINE_ERROR and 'LoopKilled' in refused.message
+        assert refused.code is ErrorCode.ENGINE_UNAVAILABLE and 'LoopKilled' in refused.message
         assert not engine.engine_loop.is_alive
     finally:
         engine.close()
@@ -366,7 +366,7 @@ def test_server_dead_engine_loop_fails_fast_and_health_is_503(tiny_llama):
         assert short.status_code == 500 and 'LoopKilled' in short.json()['error']['message']
         assert 'LoopKilled' in stream_events[-2] and stream_events[-1] == 'data: [DONE]'
         new = httpx.post(f'{server.url}/v1/chat/completions', json=chat(3), timeout=5)
-        assert new.status_code == 500 and 'not running' in new.json()['error']['message']
+        assert new.status_code == 503 and 'not running' in new.json()['error']['message']
         health = httpx.get(f'{server.url}/health')
         assert health.status_code == 503 and 'LoopKilled' in health.json()['error']['message']
     finally:

@@ -152,7 +152,7 @@ class EngineLoop:
     def submit(self, stream: RequestStream) -> None:
         """Queues a request; raises :class:`SafeRunException` once the loop has stopped."""
         if not self._put(('add', stream)):
-            code = ErrorCode.ENGINE_ERROR if self.error else ErrorCode.ABORTED
+            code = ErrorCode.ENGINE_UNAVAILABLE if self.error else ErrorCode.ABORTED
             raise SafeRunException(code, f'the engine is not running: {self.error or "it was closed"}')
 
     def abort(self, stream: RequestStream) -> None:

@@ -13,6 +13,7 @@ class ErrorCode(enum.Enum):
     SESSION_OCCUPIED = ('session_occupied', HTTPStatus.BAD_REQUEST)
     ABORTED = ('aborted', HTTPStatus.SERVICE_UNAVAILABLE)
     ENGINE_ERROR = ('engine_error', HTTPStatus.INTERNAL_SERVER_ERROR)
+    ENGINE_UNAVAILABLE = ('engine_unavailable', HTTPStatus.SERVICE_UNAVAILABLE)
 
     @property
     def http_status(self) -> int:
