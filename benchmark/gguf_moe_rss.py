@@ -35,7 +35,7 @@ def child(mode: str, gguf_path: str, folder: str, args: argparse.Namespace) -> N
     if mode == 'convert':
         from lmdeploy.pytorch.weights.gguf import convert_gguf
         convert_gguf(gguf_path, folder)
-        print(f'converted in {time.perf_counter() - start:.0f} s; peak RSS {peak_rss_gib():.2f} GiB')
+        print(f'converted in {time.perf_counter() - start:.0f} s; peak RSS {peak_rss_gib():.2f} GiB', flush=True)
         return
     from llamacpp_b1 import engine_decode_rate
 
@@ -44,14 +44,15 @@ def child(mode: str, gguf_path: str, folder: str, args: argparse.Namespace) -> N
     config = PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=args.cache_blocks, block_size=16,
                                  num_threads=args.threads, enable_prefix_caching=False)
     engine = Engine(folder, config, show_progress=False)
-    print(f'loaded in {time.perf_counter() - start:.0f} s; peak RSS {peak_rss_gib():.2f} GiB')
+    print(f'loaded in {time.perf_counter() - start:.0f} s; peak RSS {peak_rss_gib():.2f} GiB', flush=True)
     try:
         prompt = engine.tokenizer.encode(PROMPT)
         engine_decode_rate(engine, prompt, 4)  # warm-up
         for _ in range(args.rounds):
             rate, _ = engine_decode_rate(engine, prompt, args.decode_tokens)
-            print(f'decode {args.decode_tokens} tokens at batch 1, {args.threads} threads: {rate:.2f} tok/s')
-        print(f'serving peak RSS {peak_rss_gib():.2f} GiB')
+            print(f'decode {args.decode_tokens} tokens at batch 1, {args.threads} threads: {rate:.2f} tok/s',
+                  flush=True)
+        print(f'serving peak RSS {peak_rss_gib():.2f} GiB', flush=True)
     finally:
         engine.close()
 
@@ -75,7 +76,7 @@ def main() -> None:
     if not args.gguf:
         write_file(gguf_path, args)
     served = folder / 'served'
-    print(f'file {gguf_path.stat().st_size / 2**30:.2f} GiB')
+    print(f'file {gguf_path.stat().st_size / 2**30:.2f} GiB', flush=True)
     forwarded = [f'--{name}={value}' for name, value in
                  (('decode-tokens', args.decode_tokens), ('rounds', args.rounds), ('threads', args.threads),
                   ('cache-blocks', args.cache_blocks))]
