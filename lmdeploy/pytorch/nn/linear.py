@@ -37,8 +37,8 @@ class Linear(nn.Module):
 
     def set_weight_format(self, weight_format: WeightFormat) -> None:
         """(Re)creates the weight's parameters in ``weight_format``, uninitialized (on the meta device while a
-        model is built, see :func:`~lmdeploy.pytorch.nn.quant.defer_weights`): once the model is built each layer takes the format its name
-        picks (a checkpoint whose layers differ in format); before loading."""
+        model is built, see :func:`~lmdeploy.pytorch.nn.quant.defer_weights`): once the model is built each
+        layer takes the format its name picks (a checkpoint whose layers differ in format); before loading."""
         for name in [name for name in self._parameters if name != 'bias']:
             delattr(self, name)
         self.weight_format = weight_format

@@ -65,13 +65,13 @@ class FusedExperts(nn.Module):
                 weight_format.expert_format(proj).create_weights(template)
                 if self.has_bias:
                     template.bias = new_parameter((template.out_features,), Layout(0, None))
-        for proj, template in templates.items():
-            self.kinds[proj] = tuple(kind for kind, _ in template.named_parameters())
-            for kind, param in template.named_parameters():
-                with weights_device():
+        with weights_device():
+            for proj, template in templates.items():
+                self.kinds[proj] = tuple(kind for kind, _ in template.named_parameters())
+                for kind, param in template.named_parameters():
                     stacked = new_parameter((self.num_experts, *param.shape), layout_of(param),
                                             param.dtype if param.keep_dtype else None)
-                setattr(self, self.param_name(proj, kind), stacked)
+                    setattr(self, self.param_name(proj, kind), stacked)
         self.gate_up_bias = getattr(self, 'gate_up_bias', None)
         self.down_bias = getattr(self, 'down_bias', None)
         self.kernel = weight_format.make_expert_kernel(self, LinearOptions())
