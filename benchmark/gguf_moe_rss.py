@@ -1,9 +1,11 @@
-"""Peak memory (RSS) of converting a MoE GGUF file and of loading it in bf16 on the CPU, each in a fresh process:
-a ``qwen3moe`` file of random Q4_K blocks (layer 0's ``ffn_down_exps`` Q6_K, as Q4_K_M gives some layers) at
-Qwen3-30B-A3B's expert shape, fewer layers. The experts stay as their blocks, so both peaks should stay near the
-file's size plus one layer, far under the experts' size in bf16.
+"""Conversion time and peak memory (RSS) of a MoE GGUF file, and of serving it in bf16 on the CPU with batch-1
+decode tokens/s, each in a fresh process: a ``qwen3moe`` file of random Q4_K_M-like blocks at Qwen3-30B-A3B's
+shape (``benchmark/make_big_moe_gguf.py``; fewer layers by default), or the file given with ``--gguf``. The
+experts stay as their blocks, so both peaks should stay near the file's size plus one layer, far under the
+experts' size in bf16. The KV cache is capped at ``--cache-blocks`` blocks of 16 tokens.
 
-    python benchmark/gguf_moe_rss.py [--layers 4] [--experts 128] [--hidden 2048] [--inter 768] [--dir /tmp/x]
+    python benchmark/gguf_moe_rss.py [--layers 4] [--dir /tmp/x] [--decode-tokens 32] [--threads 2]
+    python benchmark/gguf_moe_rss.py --gguf /tmp/big_moe/qwen3-30b-a3b-random-q4km.gguf --dir /tmp/big_moe
 """
 from __future__ import annotations
 
@@ -13,94 +15,75 @@ import resource
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
-import gguf
-import numpy as np
-from gguf import GGMLQuantizationType as Q
+sys.path.insert(0, str(Path(__file__).parent))
+from make_big_moe_gguf import add_shape_arguments, write_file  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).parents[1] / 'tests'))
-from test_gguf import _add_tokenizer, finish  # noqa: E402
-
-# bytes per block, and where its fp16 scales lie
-BLOCK = {Q.Q4_K: (144, slice(0, 4)), Q.Q6_K: (210, slice(208, 210))}
+PROMPT = 'The printing press changed how books were made in Europe because'
 
 
-def random_blocks(shape: tuple[int, ...], qtype: Q, rng: np.random.Generator) -> np.ndarray:
-    """Random ``qtype`` blocks for a float tensor of ``shape`` (rows of 256-input blocks), small fp16 scales."""
-    block_bytes, scales = BLOCK[qtype]
-    blocks = rng.integers(0, 256, (*shape[:-1], shape[-1] // 256, block_bytes), dtype=np.uint8)
-    values = rng.uniform(1e-4, 1e-3, blocks.shape[:-1] + ((scales.stop - scales.start) // 2,)).astype(np.float16)
-    blocks[..., scales] = values.view(np.uint8)
-    return blocks.reshape(*shape[:-1], -1)
+def peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def write_file(path: Path, args: argparse.Namespace) -> None:
-    writer = gguf.GGUFWriter(str(path), 'qwen3moe')
-    vocab = _add_tokenizer(writer)
-    heads, head_dim, hidden = 32, 128, args.hidden
-    for add, value in [(writer.add_block_count, args.layers), (writer.add_context_length, 4096),
-                       (writer.add_embedding_length, hidden), (writer.add_feed_forward_length, 6144),
-                       (writer.add_head_count, heads), (writer.add_head_count_kv, 4), (writer.add_key_length, head_dim),
-                       (writer.add_rope_freq_base, 1e6), (writer.add_layer_norm_rms_eps, 1e-6),
-                       (writer.add_expert_count, args.experts), (writer.add_expert_used_count, 8),
-                       (writer.add_expert_feed_forward_length, args.inter)]:
-        add(value)
-    rng = np.random.default_rng(0)
-    ones = lambda n: np.ones(n, dtype=np.float32)  # noqa: E731
-    writer.add_tensor('token_embd.weight', random_blocks((vocab, hidden), Q.Q4_K, rng), raw_dtype=Q.Q4_K)
-    for i in range(args.layers):
-        matrices = {'attn_q': (heads * head_dim, hidden), 'attn_k': (4 * head_dim, hidden),
-                    'attn_v': (4 * head_dim, hidden), 'attn_output': (hidden, heads * head_dim),
-                    'ffn_gate_exps': (args.experts, args.inter, hidden),
-                    'ffn_up_exps': (args.experts, args.inter, hidden),
-                    'ffn_down_exps': (args.experts, hidden, args.inter)}
-        for name, shape in matrices.items():
-            qtype = Q.Q6_K if (i, name) == (0, 'ffn_down_exps') else Q.Q4_K
-            writer.add_tensor(f'blk.{i}.{name}.weight', random_blocks(shape, qtype, rng), raw_dtype=qtype)
-        writer.add_tensor(f'blk.{i}.ffn_gate_inp.weight', rng.standard_normal((args.experts, hidden), np.float32) * .02)
-        for name, size in (('attn_norm', hidden), ('ffn_norm', hidden), ('attn_q_norm', head_dim),
-                           ('attn_k_norm', head_dim)):
-            writer.add_tensor(f'blk.{i}.{name}.weight', ones(size))
-    writer.add_tensor('output_norm.weight', ones(hidden))
-    finish(writer)
-
-
-def child(mode: str, path: str) -> None:
-    """Converts (``convert``) or loads in bf16 (``load``), then prints the peak RSS in GiB."""
+def child(mode: str, gguf_path: str, folder: str, args: argparse.Namespace) -> None:
+    """Converts the file into ``folder`` (``convert``), or serves that folder (``serve``: loads it in bf16 and
+    decodes ``--decode-tokens`` tokens at batch 1 after a warm-up), printing times, rates and peak RSS."""
+    start = time.perf_counter()
     if mode == 'convert':
         from lmdeploy.pytorch.weights.gguf import convert_gguf
-        convert_gguf(path + '.gguf', path)
-    else:
-        from lmdeploy.messages import PytorchEngineConfig
-        from lmdeploy.pytorch.engine.engine import Engine
-        Engine(path, PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=16, block_size=16),
-               show_progress=False).close()
-    print(f'{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f}')
+        convert_gguf(gguf_path, folder)
+        print(f'converted in {time.perf_counter() - start:.0f} s; peak RSS {peak_rss_gib():.2f} GiB', flush=True)
+        return
+    from llamacpp_b1 import engine_decode_rate
+
+    from lmdeploy.messages import PytorchEngineConfig
+    from lmdeploy.pytorch.engine.engine import Engine
+    config = PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=args.cache_blocks, block_size=16,
+                                 num_threads=args.threads, enable_prefix_caching=False)
+    engine = Engine(folder, config, show_progress=False)
+    print(f'loaded in {time.perf_counter() - start:.0f} s; peak RSS {peak_rss_gib():.2f} GiB', flush=True)
+    try:
+        prompt = engine.tokenizer.encode(PROMPT)
+        engine_decode_rate(engine, prompt, 4)  # warm-up
+        for _ in range(args.rounds):
+            rate, _ = engine_decode_rate(engine, prompt, args.decode_tokens)
+            print(f'decode {args.decode_tokens} tokens at batch 1, {args.threads} threads: {rate:.2f} tok/s',
+                  flush=True)
+        print(f'serving peak RSS {peak_rss_gib():.2f} GiB', flush=True)
+    finally:
+        engine.close()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument('--layers', type=int, default=4)
-    parser.add_argument('--experts', type=int, default=128)
-    parser.add_argument('--hidden', type=int, default=2048)
-    parser.add_argument('--inter', type=int, default=768)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_shape_arguments(parser, layers=4)
+    parser.add_argument('--gguf', default=None, help='an existing MoE GGUF file (default: write one)')
     parser.add_argument('--dir', default=None)
-    parser.add_argument('--child', nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument('--decode-tokens', type=int, default=32)
+    parser.add_argument('--rounds', type=int, default=2)
+    parser.add_argument('--threads', type=int, default=2)
+    parser.add_argument('--cache-blocks', type=int, default=16)
+    parser.add_argument('--child', nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        return child(*args.child)
+        return child(*args.child, args)
     folder = Path(args.dir or tempfile.mkdtemp(prefix='gguf_moe_rss'))
-    path = folder / 'model'
-    write_file(path.with_suffix('.gguf'), args)
-    size = path.with_suffix('.gguf').stat().st_size / 2**30
-    bf16 = 3 * args.layers * args.experts * args.hidden * args.inter * 2 / 2**30
-    print(f'file {size:.2f} GiB; its experts in bf16 would take {bf16:.2f} GiB; '
-          f'one layer\'s experts {size / args.layers:.2f} GiB as blocks')
-    for mode in ('convert', 'load'):
-        out = subprocess.run([sys.executable, __file__, '--child', mode, str(path)], check=True, capture_output=True,
-                             text=True, env=os.environ)
-        print(f'peak RSS of {mode}: {out.stdout.split()[-1]} GiB')
+    folder.mkdir(parents=True, exist_ok=True)
+    gguf_path = Path(args.gguf) if args.gguf else folder / 'model.gguf'
+    if not args.gguf:
+        write_file(gguf_path, args)
+    served = folder / 'served'
+    print(f'file {gguf_path.stat().st_size / 2**30:.2f} GiB', flush=True)
+    forwarded = [f'--{name}={value}' for name, value in
+                 (('decode-tokens', args.decode_tokens), ('rounds', args.rounds), ('threads', args.threads),
+                  ('cache-blocks', args.cache_blocks))]
+    for mode in ('convert', 'serve'):
+        out = subprocess.run([sys.executable, __file__, *forwarded, '--child', mode, str(gguf_path), str(served)],
+                             check=True, stdout=subprocess.PIPE, text=True, env=os.environ)
+        print(out.stdout.strip())
 
 
 if __name__ == '__main__':

@@ -21,7 +21,7 @@ from lmdeploy.pytorch.distributed.parallel_state import Shard, current_group, he
 from lmdeploy.pytorch.kernels import silu_and_mul
 from lmdeploy.pytorch.kernels.activation import gelu_tanh_and_mul
 from lmdeploy.pytorch.nn.quant import (Layout, LinearKernel, LinearOptions, WeightFormat, current_weight_format,
-                                       layout_of, new_parameter)
+                                       layout_of, new_parameter, weights_device)
 
 
 class Linear(nn.Module):
@@ -32,19 +32,19 @@ class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight_format = current_weight_format()
-        self.weight_format.create_weights(self)
         self.bias = new_parameter((out_features,), Layout(0, None)) if bias else None
-        self.kernel: LinearKernel = self.weight_format.make_kernel(self, LinearOptions())
+        self.set_weight_format(current_weight_format())
 
     def set_weight_format(self, weight_format: WeightFormat) -> None:
-        """Holds the weight in ``weight_format`` instead of the one current at construction (a layer of a
-        checkpoint whose layers differ in format, chosen by its name once the model is built); before loading."""
+        """(Re)creates the weight's parameters in ``weight_format``, uninitialized (on the meta device while a
+        model is built, see :func:`~lmdeploy.pytorch.nn.quant.defer_weights`): once the model is built each
+        layer takes the format its name picks (a checkpoint whose layers differ in format); before loading."""
         for name in [name for name in self._parameters if name != 'bias']:
             delattr(self, name)
         self.weight_format = weight_format
-        weight_format.create_weights(self)
-        self.kernel = weight_format.make_kernel(self, LinearOptions())
+        with weights_device():
+            weight_format.create_weights(self)
+        self.kernel: LinearKernel = weight_format.make_kernel(self, LinearOptions())
 
     def finalize(self, options: LinearOptions) -> None:
         """Lays the loaded weight out for its kernel (see :class:`LinearOptions`); once."""

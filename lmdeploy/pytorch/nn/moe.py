@@ -12,7 +12,7 @@ from torch import nn
 from lmdeploy.pytorch.distributed.parallel_state import Shard, TPGroup, current_group, split_range
 from lmdeploy.pytorch.kernels.activation import ClampedSwiGLU
 from lmdeploy.pytorch.nn.quant import (Layout, LinearOptions, WeightFormat, current_weight_format, layout_of,
-                                       new_parameter)
+                                       new_parameter, weights_device)
 
 
 class ExpertProjection(nn.Module):
@@ -50,23 +50,28 @@ class FusedExperts(nn.Module):
 
     def set_weight_format(self, weight_format: WeightFormat) -> None:
         """(Re)creates the stacked parameters in ``weight_format`` (each projection in its
-        ``expert_format``), uninitialized: a checkpoint whose MoE layers differ in format (a GGUF file of mixed
-        types) sets each layer's once the model is built, by its name."""
+        ``expert_format``), uninitialized (on the meta device while a model is built, see
+        :func:`~lmdeploy.pytorch.nn.quant.defer_weights`): once the model is built each MoE layer takes the format
+        its name picks (a GGUF file of mixed types); before loading."""
         for proj, kinds in self.kinds.items():
             for kind in kinds:
                 delattr(self, self.param_name(proj, kind))
         self.weight_format = weight_format
         size, hidden_size = self.intermediate_size, self.hidden_size
-        for proj, template in (('gate_up', ExpertProjection(hidden_size, 2 * size)),
-                               ('down', ExpertProjection(size, hidden_size, self.tp))):
-            weight_format.expert_format(proj).create_weights(template)
-            if self.has_bias:
-                template.bias = new_parameter((template.out_features,), Layout(0, None))
-            self.kinds[proj] = tuple(kind for kind, _ in template.named_parameters())
-            for kind, param in template.named_parameters():
-                stacked = new_parameter((self.num_experts, *param.shape), layout_of(param),
-                                        param.dtype if param.keep_dtype else None)
-                setattr(self, self.param_name(proj, kind), stacked)
+        with torch.device('meta'):  # one expert's parameters: only their shapes, dtypes and layouts are read
+            templates = {'gate_up': ExpertProjection(hidden_size, 2 * size),
+                         'down': ExpertProjection(size, hidden_size, self.tp)}
+            for proj, template in templates.items():
+                weight_format.expert_format(proj).create_weights(template)
+                if self.has_bias:
+                    template.bias = new_parameter((template.out_features,), Layout(0, None))
+        with weights_device():
+            for proj, template in templates.items():
+                self.kinds[proj] = tuple(kind for kind, _ in template.named_parameters())
+                for kind, param in template.named_parameters():
+                    stacked = new_parameter((self.num_experts, *param.shape), layout_of(param),
+                                            param.dtype if param.keep_dtype else None)
+                    setattr(self, self.param_name(proj, kind), stacked)
         self.gate_up_bias = getattr(self, 'gate_up_bias', None)
         self.down_bias = getattr(self, 'down_bias', None)
         self.kernel = weight_format.make_expert_kernel(self, LinearOptions())

@@ -11,7 +11,7 @@ from lmdeploy.archs import get_model_class
 from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.nn.linear import Linear
 from lmdeploy.pytorch.nn.moe import FusedExperts
-from lmdeploy.pytorch.nn.quant import WeightFormat, cast_model, use_weight_format, weight_format_for
+from lmdeploy.pytorch.nn.quant import WeightFormat, cast_model, defer_weights, use_weight_format, weight_format_for
 from lmdeploy.pytorch.weights.safetensors_loader import iterate_weights
 
 DUMMY_STD = 0.02
@@ -44,14 +44,18 @@ def fill_dummy_weights(model: nn.Module, seed: int = 0) -> None:
 
 
 def _new_model(cfg: ModelConfig, weight_format: WeightFormat) -> nn.Module:
-    """The model of ``cfg``, each linear layer and MoE layer's experts in its format of ``weight_format``."""
-    with use_weight_format(weight_format):
+    """The model of ``cfg``, each linear layer and MoE layer's experts in its format of ``weight_format``
+    (built with their parameters deferred, then created in the format their name picks: a dense copy of
+    experts kept as blocks is never reserved)."""
+    with use_weight_format(weight_format), defer_weights():
         model = get_model_class(cfg.architecture)(cfg)
     for name, module in model.named_modules():
-        if isinstance(module, (Linear, FusedExperts)) and module.weight_format is weight_format:
-            layer_format = weight_format.layer_format(name, module)
-            if layer_format is not weight_format:
-                module.set_weight_format(layer_format)
+        if isinstance(module, (Linear, FusedExperts)):
+            built = module.weight_format
+            module.set_weight_format(weight_format.layer_format(name, module) if built is weight_format else built)
+    deferred = [name for name, param in model.named_parameters() if param.is_meta]
+    if deferred:
+        raise RuntimeError(f'parameters left on the meta device after building the model: {deferred[:5]}')
     return model
 
 

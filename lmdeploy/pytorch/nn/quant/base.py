@@ -193,6 +193,28 @@ def use_weight_format(weight_format: WeightFormat) -> Iterator[WeightFormat]:
         _current = previous
 
 
+_deferred = False
+
+
+@contextlib.contextmanager
+def defer_weights() -> Iterator[None]:
+    """While a model is built: linear layers and MoE experts hold their format's parameters on the meta device
+    (no memory, no address space) until ``set_weight_format`` gives each the format its name picks (a GGUF
+    file's layers differ in type), so that no layer reserves parameters of a format it will not hold."""
+    global _deferred
+    previous, _deferred = _deferred, True
+    try:
+        yield
+    finally:
+        _deferred = previous
+
+
+def weights_device() -> contextlib.AbstractContextManager:
+    """Where a layer's ``set_weight_format`` creates its format's parameters: on the meta device within
+    :func:`defer_weights`, else on the default device."""
+    return torch.device('meta') if _deferred else contextlib.nullcontext()
+
+
 def cast_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """``model.to(dtype)`` for its floating-point tensors, except parameters that keep their dtype
     (:func:`new_parameter`)."""
