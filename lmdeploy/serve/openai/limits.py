@@ -11,7 +11,6 @@ from dataclasses import dataclass, fields
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from lmdeploy.pytorch.engine.grammar_cost import format_cost, format_size
 from lmdeploy.serve.openai.errors import APIError, error_response
 
 
@@ -118,6 +117,7 @@ def check_grammar_cost(limits: RequestLimits, fmt: dict | None, param: str | Non
     others take to count."""
     if fmt is None:
         return
+    from lmdeploy.pytorch.engine.grammar_cost import format_cost, format_size  # the CLI parses without the engine
     _check(limits, 'max_grammar_size', "the size of the response format's text in bytes (a JSON schema's as compact "
            'JSON)', format_size(fmt), param)
     cost = format_cost(fmt)
