@@ -3,6 +3,8 @@ hit-rate metric, the CPU-kernel cache key, the default model's checksum and ``lm
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
 
 import pytest
 import torch
@@ -204,6 +206,14 @@ def test_cpu_kernel_build_name_follows_the_cpu_flags_and_version(monkeypatch, tm
     # the lmdeploy version names the build too: two installs never share (or wait on) one build folder
     monkeypatch.setattr(lmdeploy, '__version__', '0.0.0-other')
     assert cpu.build_name(flags) != names[0][0]
+    # nor do two checkouts of the same sources (torch's build.ninja holds the sources' absolute paths)
+    here_dir = os.path.dirname(cpu.__file__)
+    copy = tmp_path / 'other_checkout'
+    copy.mkdir()
+    for name in os.listdir(here_dir):
+        if name.endswith(('.cpp', '.h')):
+            shutil.copy(os.path.join(here_dir, name), copy / name)
+    assert cpu.build_name(flags, str(copy)) != cpu.build_name(flags)
 
 
 def test_the_engine_loop_publishes_a_snapshot_of_the_engine(pipe):

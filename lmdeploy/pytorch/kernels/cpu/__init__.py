@@ -4,7 +4,7 @@ Without a C++ compiler, or with ``LMDEPLOY_CPU_KERNELS=0``, the torch versions r
 
 The build targets the CPU it runs on (``-march=native``), so the cached build is named after what it is
 built from (``lmdeploy_cpu_kernels_<hash>``, see :func:`build_name`): the lmdeploy and torch versions, the
-sources and the CPU flags ``-march=native`` stands for. Two checkouts or venvs never overwrite or wait on
+sources and their folder, and the CPU flags ``-march=native`` stands for. Two checkouts or venvs never overwrite or wait on
 each other's build, and a cache shared by machines with different CPUs (a network home, a container
 image) holds one build per CPU kind instead of handing one machine's instructions to another (SIGILL).
 
@@ -158,15 +158,16 @@ def cpu_flags() -> list[str]:
     return flags or [platform.machine(), platform.processor()]
 
 
-def build_name(flags: Iterable[str]) -> str:
+def build_name(flags: Iterable[str], source_dir: str = os.path.dirname(os.path.abspath(__file__))) -> str:
     """The build's name: ``lmdeploy_cpu_kernels_`` and a hash of the lmdeploy and torch versions, the sources
-    (every file of this folder but Python's) and the CPU ``flags`` (see :func:`cache_key`)."""
+    (every file of ``source_dir`` but Python's), where they are (torch's ``build.ninja`` names them by absolute
+    path, so two checkouts sharing one folder would rebuild it in turn) and the CPU ``flags`` (see
+    :func:`cache_key`)."""
     from lmdeploy import __version__
-    digest = hashlib.sha256(f'{__version__}\0{torch.__version__}\0{cache_key(flags)}'.encode())
-    here = os.path.dirname(__file__)
-    for name in sorted(os.listdir(here)):
+    digest = hashlib.sha256(f'{__version__}\0{torch.__version__}\0{cache_key(flags)}\0{source_dir}'.encode())
+    for name in sorted(os.listdir(source_dir)):
         if name.endswith(('.cpp', '.h')):
-            with open(os.path.join(here, name), 'rb') as f:
+            with open(os.path.join(source_dir, name), 'rb') as f:
                 digest.update(name.encode() + b'\0' + f.read())
     return f'lmdeploy_cpu_kernels_{digest.hexdigest()[:16]}'
 
