@@ -10,7 +10,7 @@ from functools import partial
 import torch
 
 from lmdeploy.pytorch.kernels.activation import ClampedSwiGLU
-from lmdeploy.pytorch.kernels.cuda import elementwise, w8a8
+from lmdeploy.pytorch.kernels.cuda import elementwise, gguf_linear, w8a8
 from lmdeploy.pytorch.kernels.cuda.decode_attention import decode_attention
 from lmdeploy.pytorch.kernels.cuda.fill_kv_cache import fill_kv_cache
 from lmdeploy.pytorch.kernels.cuda.fused_moe import Int4Experts, fused_moe, moe_routing
@@ -217,6 +217,25 @@ def int4_linear(act_order: bool, shapes: tuple[tuple[int, int], ...], token_coun
             kernel(meta(tokens, k, dtype=dtype), None)
 
 
+# (N, K) of the GGUF layers a Q4_K_M file keeps Q6_K (v_proj, down_proj) in Llama-3-8B and TinyLlama-1.1B; a Q8_0
+# file's every projection of Llama-3-8B
+Q6K_LINEAR = ((1024, 4096), (4096, 14336), (256, 2048), (2048, 5632))
+GGUF_TOKENS = (1, 16, 64, 512, PREFILL_TOKENS)
+
+
+def gguf_blocks_linear(ggml_type: str, shapes: tuple[tuple[int, int], ...], token_counts: tuple[int, ...],
+                       dtype: torch.dtype) -> None:
+    """The Triton GEMMs on GGUF Q6_K and Q8_0 weights as ``nn/quant/gguf_cuda.py`` retiles them."""
+    for n, k in shapes:
+        for tokens in token_counts:
+            x = meta(tokens, k, dtype=dtype)
+            if ggml_type == 'Q6_K':
+                gguf_linear.q6k_linear(x, meta(n, k // 8, dtype=torch.int32), meta(n, k // 16, dtype=torch.int32),
+                                       meta(n, k // 16, dtype=torch.int8), meta(n, k // 256, dtype=torch.float16))
+            else:
+                gguf_linear.q8_0_linear(x, meta(n, k, dtype=torch.int8), meta(n, k // 32, dtype=torch.float16))
+
+
 def _cases() -> list[Case]:
     cases = [Case('rows: norm, rotary, gated act', partial(rows, NORM_SIZES, ROTARY_SHAPES))]
     for shape in ATTENTION:
@@ -239,7 +258,9 @@ def _cases() -> list[Case]:
     return cases + [Case('llama3-8b w8a8', partial(int8_linear, False, LINEAR, LINEAR_TOKENS)),
                     Case('qwen2-style w8a8 + bias', partial(int8_linear, True, LINEAR, LINEAR_TOKENS)),
                     Case('llama3-8b w4a16 g128', partial(int4_linear, False, LINEAR, LINEAR_TOKENS)),
-                    Case('llama3-8b w4a16 g128 act-order', partial(int4_linear, True, LINEAR, LINEAR_TOKENS))]
+                    Case('llama3-8b w4a16 g128 act-order', partial(int4_linear, True, LINEAR, LINEAR_TOKENS)),
+                    Case('llama3-8b, tinyllama gguf q6_k', partial(gguf_blocks_linear, 'Q6_K', Q6K_LINEAR, GGUF_TOKENS)),
+                    Case('llama3-8b gguf q8_0', partial(gguf_blocks_linear, 'Q8_0', LINEAR, GGUF_TOKENS))]
 
 
 CASES = _cases()
@@ -254,4 +275,8 @@ QUICK_CASES = [Case('rows (one size each)', partial(rows, (4096,), ((32, 128),))
                _BY_NAME['deepseek-v3 mla 128h decode kv8'],
                Case('qwen3-30b-a3b moe int4, 4096 tokens', partial(moe, EXPERTS[0], 'int4', (4096,))),
                Case('llama3-8b w8a8 gate_up, 64 tokens', partial(int8_linear, False, LINEAR[2:3], (64,))),
-               Case('llama3-8b w4a16 g128 down, 64 tokens', partial(int4_linear, False, LINEAR[3:], (64,)))]
+               Case('llama3-8b w4a16 g128 down, 64 tokens', partial(int4_linear, False, LINEAR[3:], (64,))),
+               Case('llama3-8b gguf q6_k down, 2048 tokens', partial(gguf_blocks_linear, 'Q6_K', Q6K_LINEAR[1:2],
+                                                                     (PREFILL_TOKENS,))),
+               Case('llama3-8b gguf q8_0 down, 2048 tokens', partial(gguf_blocks_linear, 'Q8_0', LINEAR[3:],
+                                                                     (PREFILL_TOKENS,)))]

@@ -89,6 +89,11 @@ class GgufFormat(Int4GroupFormat):
             return native
         if options.dtype is None:
             return ReferenceKernel(self, layer)
+        if layer.qweight.device.type == 'cuda':
+            from lmdeploy.pytorch.nn.quant.gguf_cuda import TRITON_KERNELS
+            kernel = TRITON_KERNELS[self.ggml_type](layer.qweight)
+            layer.qweight = None
+            return kernel
         if cpu_bf16 and self.ggml_type == 'Q6_K' and options.pack_cpu:
             weight = dequantize_blocks(layer.qweight, 'Q6_K').to(torch.bfloat16)
             native = q6_k_cpu_kernel(layer.qweight, weight, layer.gate_up_panels)
