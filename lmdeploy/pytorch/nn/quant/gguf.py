@@ -5,7 +5,8 @@
 - Q8_0 (``B = 32``, 34 bytes): an fp16 scale ``d`` and 32 int8 codes, ``W = d * q``. Held as int8 codes
   and fp32 scales, dequantized on each call (in fp32, then to the activations' dtype) for ``F.linear``; in
   bf16 on the CPU, steps of up to ``Q8_NATIVE_MAX_ROWS`` tokens run on the native 8-bit GEMV instead
-  (``kernels/cpu/linear_q8.cpp``: the same blocks, the activations in fp32).
+  (``kernels/cpu/linear_q8.cpp``: the same blocks, the activations in fp32); on CUDA every step on the Triton
+  Q8_0 GEMM (:mod:`lmdeploy.pytorch.nn.quant.gguf_cuda`: the codes and the file's fp16 scales).
 - Q4_K (``B = 256``, 144 bytes): fp16 ``d`` and ``dmin``, eight 6-bit scales ``sc`` and mins ``m``, 256
   4-bit codes; ``W = q * (d * sc) - dmin * m`` per 32 inputs: a 4-bit grid of groups of 32 (exact in
   fp32), served by the 4-bit kernels (:mod:`lmdeploy.pytorch.nn.quant.w4a16`); in bf16 on the CPU steps of up
@@ -16,8 +17,9 @@
 - Q6_K (``B = 256``, 210 bytes): 6-bit codes ``u``, an int8 scale ``sc`` per 16 inputs and an fp16 ``d``;
   ``W = (u - 32) * (d * sc)``. In bf16 on the CPU, steps of up to ``Q6K_NATIVE_MAX_ROWS`` tokens run on the
   native Q6_K GEMV (``kernels/cpu/linear_q6k.cpp``: the file's codes and scales retiled, its weights exactly),
-  larger ones on the bf16 GEMM over a copy dequantized at load (rounded to bf16); otherwise int8 codes and
-  fp32 scales dequantized on each call. A file's Q6_K output layer (Q4_K_M's) runs its small steps on the
+  larger ones on the bf16 GEMM over a copy dequantized at load (rounded to bf16); on CUDA every step on the
+  Triton Q6_K GEMM (the file's bits retiled, 0.82 bytes a weight); otherwise int8 codes and fp32 scales
+  dequantized on each call. A file's Q6_K output layer (Q4_K_M's) runs its small steps on the
   GEMV the same way.
 
 A MoE layer's experts (``ffn_{gate,up,down}_exps``, one ``qweight`` per expert and projection) keep their blocks
