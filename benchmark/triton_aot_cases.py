@@ -14,6 +14,7 @@ from lmdeploy.pytorch.kernels.cuda import elementwise, gguf_linear, w8a8
 from lmdeploy.pytorch.kernels.cuda.decode_attention import decode_attention
 from lmdeploy.pytorch.kernels.cuda.fill_kv_cache import fill_kv_cache
 from lmdeploy.pytorch.kernels.cuda.fused_moe import Int4Experts, fused_moe, moe_routing
+from lmdeploy.pytorch.kernels.cuda.gguf_linear import Q6KExperts, Q8Experts
 from lmdeploy.pytorch.kernels.cuda.mla import fill_latent_cache, mla_decode_attention, mla_prefill_attention
 from lmdeploy.pytorch.kernels.cuda.prefill_attention import prefill_attention
 from lmdeploy.pytorch.nn.quant.w4a16_cuda import TritonW4A16Kernel
@@ -179,9 +180,25 @@ EXPERTS = (
 MOE_TOKENS = {'qwen3-30b-a3b': (1, 64, 512, 4096), 'gpt-oss-20b': (1, 4096), 'deepseek-v3': (1, 4096)}
 
 
+def gguf_experts(ggml_type: str, num_experts: int, n: int, k: int) -> Q6KExperts | Q8Experts:
+    """Experts' Q6_K or Q8_0 blocks retiled as ``nn/quant/gguf_cuda.py`` retiles them."""
+    if ggml_type == 'Q6_K':
+        return Q6KExperts(*(meta(num_experts, n, k // per, dtype=dtype) for per, dtype in
+                            ((8, torch.int32), (16, torch.int32), (16, torch.int8), (256, torch.float16))))
+    return Q8Experts(meta(num_experts, n, k, dtype=torch.int8), meta(num_experts, n, k // 32, dtype=torch.float16))
+
+
 def moe(shape: ExpertShape, weights: str, token_counts: tuple[int, ...], dtype: torch.dtype) -> None:
-    """Routing (the model's router) and the fused MoE over ``weights``: 'dense', 'int4' or 'int4 act-order'."""
-    gate_up, down = shape.dense(dtype) if weights == 'dense' else shape.int4(dtype, weights == 'int4 act-order')
+    """Routing (the model's router) and the fused MoE over ``weights``: 'dense', 'int4', 'int4 act-order', 'gguf
+    q4_k_m' (a GGUF Q4_K_M layer's Q4_K gate-and-up grids, Q6_K down) or 'gguf q8_0'."""
+    if weights == 'gguf q4_k_m':
+        gate_up, down = shape.int4(dtype, False, group=32)[0], gguf_experts('Q6_K', shape.experts, shape.hidden,
+                                                                             shape.inter)
+    elif weights == 'gguf q8_0':
+        gate_up = gguf_experts('Q8_0', shape.experts, 2 * shape.inter, shape.hidden)
+        down = gguf_experts('Q8_0', shape.experts, shape.hidden, shape.inter)
+    else:
+        gate_up, down = shape.dense(dtype) if weights == 'dense' else shape.int4(dtype, weights == 'int4 act-order')
     extra = {}
     if shape.gpt_oss:
         extra = dict(gate_up_bias=meta(shape.experts, 2 * shape.inter, dtype=dtype),
@@ -252,14 +269,15 @@ def _cases() -> list[Case]:
                       Case(f'deepseek-v3 mla {heads}h prefill 16{kv}', partial(mla, heads, 16, policy)),
                       Case(f'deepseek-v3 mla {heads}h decode{kv}', partial(mla, heads, 0, policy))]
     for shape in EXPERTS:
-        for weights in ('dense', 'int4', 'int4 act-order'):
+        for weights in ('dense', 'int4', 'int4 act-order', 'gguf q4_k_m', 'gguf q8_0'):
             if weights == 'dense' or shape.name == 'qwen3-30b-a3b':
                 cases.append(Case(f'{shape.name} moe {weights}', partial(moe, shape, weights, MOE_TOKENS[shape.name])))
     return cases + [Case('llama3-8b w8a8', partial(int8_linear, False, LINEAR, LINEAR_TOKENS)),
                     Case('qwen2-style w8a8 + bias', partial(int8_linear, True, LINEAR, LINEAR_TOKENS)),
                     Case('llama3-8b w4a16 g128', partial(int4_linear, False, LINEAR, LINEAR_TOKENS)),
                     Case('llama3-8b w4a16 g128 act-order', partial(int4_linear, True, LINEAR, LINEAR_TOKENS)),
-                    Case('llama3-8b, tinyllama gguf q6_k', partial(gguf_blocks_linear, 'Q6_K', Q6K_LINEAR, GGUF_TOKENS)),
+                    Case('llama3-8b, tinyllama gguf q6_k',
+                         partial(gguf_blocks_linear, 'Q6_K', Q6K_LINEAR, GGUF_TOKENS)),
                     Case('llama3-8b gguf q8_0', partial(gguf_blocks_linear, 'Q8_0', LINEAR, GGUF_TOKENS))]
 
 

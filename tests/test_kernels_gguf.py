@@ -11,8 +11,11 @@ gguf = pytest.importorskip('gguf')
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 from test_gguf import _encode  # noqa: E402
 
-from lmdeploy.pytorch.kernels.cuda.gguf_linear import (GgufLaunch, gguf_launch, q6k_linear,  # noqa: E402
-                                                       q8_0_block_k, q8_0_linear)
+from lmdeploy.pytorch.kernels import moe  # noqa: E402
+from lmdeploy.pytorch.kernels.cuda.fused_moe import MOE_CONFIGS, fused_moe_with  # noqa: E402
+from lmdeploy.pytorch.kernels.cuda.gguf_linear import (GgufLaunch, Q6KExperts, Q8Experts, gguf_launch,  # noqa: E402
+                                                       q6k_linear, q8_0_block_k, q8_0_linear)
+from lmdeploy.pytorch.nn.quant import gguf_cuda  # noqa: E402
 from lmdeploy.pytorch.nn.quant.gguf_cuda import TritonQ6KKernel, TritonQ8Kernel, pack_q6k, pack_q8_0  # noqa: E402
 
 pytestmark = pytest.mark.triton
@@ -86,8 +89,10 @@ def test_layer_kernels_add_the_bias_and_refuse_other_widths(kernel, qtype):
         layer(torch.randn(2, 224).to(DEVICE), None)
 
 
-def test_q6k_retiling_keeps_the_file_bits():
-    """Each field of the retiled words is the file's code: rebuilt in torch, the weights are gguf's."""
+def test_q6k_retiling_keeps_the_file_bits(monkeypatch):
+    """Each field of the retiled words is the file's code: rebuilt in torch, the weights are gguf's (retiled three
+    rows at a time)."""
+    monkeypatch.setattr(gguf_cuda, 'PACK_ROWS', 3)
     blocks, weight = gguf_weight(Q.Q6_K, 8, 512)
     ql, qh, sc, d = pack_q6k(blocks)
     words = torch.arange(8, dtype=torch.int32)
@@ -115,3 +120,41 @@ def test_gguf_layers_take_the_triton_kernels_on_cuda(qtype, kernel):
     assert isinstance(layer.kernel, kernel) and layer.qweight is None
     x = torch.randn(4, 512, device=DEVICE, dtype=torch.bfloat16)
     assert_matches(layer(x), x, weight, torch.bfloat16)
+
+
+@pytest.mark.skipif(DEVICE != 'cuda', reason='the CUDA path of a GGUF output layer')
+def test_q6k_output_layer_runs_on_its_blocks_on_cuda():
+    """A Q6_K output layer's blocks run every step of the LM head on CUDA; a vocab-parallel share keeps its table."""
+    from lmdeploy.pytorch.nn.quant.gguf import GgufFileFormat
+    blocks, weight = gguf_weight(Q.Q6_K, 90, 256)
+    weight_format = GgufFileFormat({}, lm_head='Q6_K')
+    (_, table), = weight_format.convert_checkpoint([('lm_head.qweight', blocks)])
+    head = weight_format.lm_head_kernel(table.to(DEVICE, torch.bfloat16))
+    assert isinstance(head, TritonQ6KKernel) and weight_format.lm_head_blocks is None
+    for rows in (1, 40):
+        x = torch.randn(rows, 256, device=DEVICE, dtype=torch.bfloat16)
+        assert_matches(head(x, None), x, weight, torch.bfloat16)
+    list(weight_format.convert_checkpoint([('lm_head.qweight', blocks)]))
+    assert weight_format.lm_head_kernel(table[:45].to(DEVICE)) is None and weight_format.lm_head_blocks is None
+
+
+@pytest.mark.parametrize('row', range(len(MOE_CONFIGS)))
+def test_fused_moe_on_gguf_experts_at_every_tile_row(row):
+    """The fused MoE's grouped GEMMs on Q6_K gate-and-up and Q8_0 down experts, both biased, at every row of the
+    tile table (M-blocks of 16 to 128 slots, unused tail blocks), against the torch twin on gguf's weights."""
+    dtype = DTYPES[-1]
+    num_experts, hidden_size, inter = 4, 256, 128
+    parts = [gguf_weight(Q.Q6_K, 2 * inter, hidden_size, seed=e) for e in range(num_experts)]
+    gate_up = Q6KExperts(*(torch.stack(p).to(DEVICE) for p in zip(*(pack_q6k(b) for b, _ in parts))))
+    downs = [gguf_weight(Q.Q8_0, hidden_size, inter, seed=10 + e) for e in range(num_experts)]
+    down = Q8Experts(*(torch.stack(p).to(DEVICE) for p in zip(*(pack_q8_0(b) for b, _ in downs))))
+    assert gate_up.shape == (num_experts, 2 * inter, hidden_size) and down.shape == (num_experts, hidden_size, inter)
+    g = torch.Generator().manual_seed(row)
+    hidden = torch.randn(45, hidden_size, generator=g) * 0.1
+    biases = torch.randn(num_experts, 2 * inter, generator=g), torch.randn(num_experts, hidden_size, generator=g)
+    weights, ids = moe.moe_routing(torch.randn(45, num_experts, generator=g), 3, True)
+    out = fused_moe_with(hidden.to(DEVICE, dtype), gate_up, down, weights.to(DEVICE), ids.to(DEVICE),
+                         MOE_CONFIGS[row][1], *(b.to(DEVICE, dtype) for b in biases))
+    expected = moe.fused_moe(hidden, torch.stack([w for _, w in parts]), torch.stack([w for _, w in downs]), weights,
+                             ids, *biases)
+    torch.testing.assert_close(out.float().cpu(), expected, rtol=TOL[dtype], atol=TOL[dtype] * expected.abs().max())

@@ -25,7 +25,8 @@
 A MoE layer's experts (``ffn_{gate,up,down}_exps``, one ``qweight`` per expert and projection) keep their blocks
 the same way, each projection in its own type (:class:`GgufExpertsFormat`): in bf16 on the CPU each routed
 expert runs Q4_K as dense Q4_K layers do (the Q4_K GEMV up to 16 rows, the int4 GEMV above; gate and up with
-their SiLU epilogue), Q6_K on the Q6_K GEMV at every step size and Q8_0 on the 8-bit GEMV; on CUDA the Triton fused MoE on Q4_K's grids (others dequantized at load);
+their SiLU epilogue), Q6_K on the Q6_K GEMV at every step size and Q8_0 on the 8-bit GEMV; on CUDA the Triton fused MoE
+on every projection's blocks (Q4_K's grids, Q6_K's and Q8_0's retiled as for the dense GEMMs);
 otherwise each routed expert is dequantized on its call.
 
 A stacked layer (q/k/v, gate/up) whose parts differ in type (Q4_K_M's Q6_K ``attn_v`` beside Q4_K ``attn_q`` and
@@ -128,7 +129,7 @@ class GgufExpertsFormat(WeightFormat):
     def make_expert_kernel(self, experts: FusedExperts, options: LinearOptions) -> ExpertKernel:
         device = getattr(experts, experts.param_name('down', experts.kinds['down'][0])).device.type
         if options.dtype is not None and device == 'cuda':
-            kernel = self.triton_kernel(experts, options.dtype)
+            kernel = self.triton_kernel(experts)
         elif options.dtype == torch.bfloat16 and device == 'cpu':
             kernels = {proj: [self.cpu_kernel(proj, experts.projection(proj, e)) for e in range(experts.num_experts)]
                        for proj in self.formats}
@@ -139,9 +140,10 @@ class GgufExpertsFormat(WeightFormat):
         experts.release()
         return kernel
 
-    def triton_kernel(self, experts: FusedExperts, dtype: torch.dtype) -> ExpertKernel:
-        """The Triton fused MoE on the Q4_K projections' grids (``Int4Experts``), the other kept types
-        dequantized to ``dtype`` once, dense ones as they are."""
+    def triton_kernel(self, experts: FusedExperts) -> ExpertKernel:
+        """The Triton fused MoE on each projection's blocks: Q4_K's grids (``Int4Experts``), Q6_K's and Q8_0's
+        retiled for their GEMMs (``Q6KExperts``, ``Q8Experts``); dense ones as they are."""
+        from lmdeploy.pytorch.nn.quant.gguf_cuda import stacked_block_experts
         from lmdeploy.pytorch.nn.quant.w4a16_cuda import TritonInt4ExpertKernel, stacked_experts
         stacked = {}
         for proj, projection_format in self.formats.items():
@@ -151,7 +153,7 @@ class GgufExpertsFormat(WeightFormat):
             elif projection_format.ggml_type == 'Q4_K':
                 stacked[proj] = stacked_experts(q4_k_grid(layer.qweight) for layer in projections)
             else:
-                stacked[proj] = torch.stack([projection_format.dequantize(layer).to(dtype) for layer in projections])
+                stacked[proj] = stacked_block_experts(projection_format.ggml_type, [p.qweight for p in projections])
         return TritonInt4ExpertKernel(stacked['gate_up'], stacked['down'])
 
     def reference_kernel(self, proj: str, layer: ExpertProjection) -> LinearKernel:
@@ -265,9 +267,15 @@ class GgufFileFormat(DenseFormat):
         return cls(config['ggml_types'], config.get('lm_head'))
 
     def lm_head_kernel(self, table: torch.Tensor) -> LinearKernel | None:
+        """The output layer's blocks: on CUDA its type's Triton GEMM at every step; in bf16 on the CPU the Q6_K GEMV
+        for small steps (fp32 logits), the table's GEMM above; else (and for a vocab-parallel share) None."""
         blocks, self.lm_head_blocks = self.lm_head_blocks, None
-        if (blocks is None or table.dtype != torch.bfloat16 or table.device.type != 'cpu'
-                or table.shape[0] != blocks.shape[0]):  # a vocab-parallel share
+        if blocks is None or table.shape[0] != blocks.shape[0]:  # a vocab-parallel share
+            return None
+        if table.device.type == 'cuda':
+            from lmdeploy.pytorch.nn.quant.gguf_cuda import TRITON_KERNELS
+            return TRITON_KERNELS[self.lm_head_type](blocks.to(table.device))
+        if table.dtype != torch.bfloat16 or table.device.type != 'cpu':
             return None
         return q6_k_cpu_kernel(blocks, table, gate_up=False, fp32_out=True)
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from lmdeploy.pytorch.kernels.cuda.gguf_linear import q6k_linear, q8_0_linear
+from lmdeploy.pytorch.kernels.cuda.gguf_linear import Q6KExperts, Q8Experts, q6k_linear, q8_0_linear
 from lmdeploy.pytorch.nn.quant.base import LinearKernel
 from lmdeploy.pytorch.nn.quant.gguf_blocks import q6_k_parts
+
+PACK_ROWS = 4096  # rows retiled at a time: the intermediate codes take 4 bytes a weight
 
 
 def pack_fields(fields: torch.Tensor, bits: int) -> torch.Tensor:
@@ -21,6 +23,11 @@ def pack_q6k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     """``[N, K / 256, 210]`` Q6_K blocks as ``q6k_linear`` reads them: ``ql int32 [N, K / 8]`` (per block, word
     ``j`` field ``i`` the low nibble of input ``32 i + j``), ``qh int32 [N, K / 16]`` (word ``j`` field ``r`` the
     top two bits of input ``16 r + j``), ``sc int8 [N, K / 16]`` and ``d fp16 [N, K / 256]``: the file's bits."""
+    parts = [_pack_q6k_rows(rows) for rows in blocks.split(PACK_ROWS)]
+    return tuple(torch.cat(part) for part in zip(*parts))
+
+
+def _pack_q6k_rows(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     codes, sc, d = q6_k_parts(blocks)
     n, num_blocks = d.shape
     per_block = codes.view(n, num_blocks, 256)
@@ -58,3 +65,10 @@ class TritonQ8Kernel(LinearKernel):
 
 
 TRITON_KERNELS = {'Q6_K': TritonQ6KKernel, 'Q8_0': TritonQ8Kernel}
+
+
+def stacked_block_experts(ggml_type: str, blocks: list[torch.Tensor]) -> Q6KExperts | Q8Experts:
+    """Every expert's Q6_K or Q8_0 blocks of one projection, retiled (one expert at a time) and stacked."""
+    if ggml_type == 'Q6_K':
+        return Q6KExperts(*(torch.stack(part) for part in zip(*(pack_q6k(b) for b in blocks))))
+    return Q8Experts(*(torch.stack(part) for part in zip(*(pack_q8_0(b) for b in blocks))))
