@@ -9,7 +9,8 @@ The weights are the file's bits, retiled once at load (``nn/quant/gguf_cuda.py``
 - Q8_0, 1.06 bytes a weight: the int8 codes ``[N, K]`` and an fp16 ``d`` per 32 inputs; ``W = q * d``.
 
 Steps of a few rows (decode) split the inputs over programs (``SPLIT_K``) so that a layer of few outputs
-still fills the GPU; their fp32 partial sums are added by torch.
+still fills the GPU; their fp32 partial sums are added by torch. With ``GROUPED`` the same kernels are the fused
+MoE's grouped GEMM over experts' weights stacked ``[E, N, ...]`` (:func:`gguf_grouped_gemm`).
 """
 from __future__ import annotations
 
