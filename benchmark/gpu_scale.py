@@ -158,7 +158,7 @@ def abort_all(engine: Engine) -> None:
 def decode_step_ms(engine: Engine, batch: int, ctx: int, warmup: int, steps: int) -> float | None:
     """Mean ms of a decode step of ``batch`` sequences at context ``ctx``; None when their KV does not fit."""
     bm = engine.block_manager
-    if batch * bm.blocks_needed(ctx + warmup + steps) > bm.num_free_blocks:
+    if any(batch * -(-(ctx + warmup + steps) // bm.block_size) > pool.num_free_blocks for pool in bm.pools):
         return None
     inject(engine, batch, ctx, warmup + steps + 1)
     try:

@@ -13,7 +13,7 @@ from lmdeploy.pytorch.kernels.activation import ClampedSwiGLU
 from lmdeploy.pytorch.kernels.cuda import elementwise, gguf_linear, w8a8
 from lmdeploy.pytorch.kernels.cuda.decode_attention import decode_attention
 from lmdeploy.pytorch.kernels.cuda.fill_kv_cache import fill_kv_cache
-from lmdeploy.pytorch.kernels.cuda.fused_moe import Int4Experts, fused_moe, moe_routing
+from lmdeploy.pytorch.kernels.cuda.fused_moe import Int4Experts, Mxfp4Experts, fused_moe, moe_routing
 from lmdeploy.pytorch.kernels.cuda.gguf_linear import Q6KExperts, Q8Experts
 from lmdeploy.pytorch.kernels.cuda.mla import fill_latent_cache, mla_decode_attention, mla_prefill_attention
 from lmdeploy.pytorch.kernels.cuda.prefill_attention import prefill_attention
@@ -169,6 +169,12 @@ class ExpertShape:
                                meta(self.experts, k, dtype=torch.int32) if act_order else None)
         return experts(2 * self.inter, self.hidden), experts(self.hidden, self.inter)
 
+    def mxfp4(self) -> tuple[Mxfp4Experts, Mxfp4Experts]:
+        def experts(n: int, k: int) -> Mxfp4Experts:
+            return Mxfp4Experts(meta(self.experts, n, k // 32, 16, dtype=torch.uint8),
+                                meta(self.experts, n, k // 32, dtype=torch.uint8))
+        return experts(2 * self.inter, self.hidden), experts(self.hidden, self.inter)
+
 
 EXPERTS = (
     ExpertShape('qwen3-30b-a3b', 128, 8, 2048, 768),
@@ -178,6 +184,8 @@ EXPERTS = (
 # Qwen3-30B-A3B: 1, 64, 512 and 4,096 tokens land in the four rows of MOE_CONFIGS (slots per expert <= 1, 8,
 # 48, more); the other shapes take the first and last rows.
 MOE_TOKENS = {'qwen3-30b-a3b': (1, 64, 512, 4096), 'gpt-oss-20b': (1, 4096), 'deepseek-v3': (1, 4096)}
+# the quantized experts swept besides dense ones: AWQ/GPTQ's on Qwen3-30B-A3B, OpenAI's MXFP4 on gpt-oss-20b
+QUANTIZED_EXPERTS = {'qwen3-30b-a3b': ('int4', 'int4 act-order', 'gguf q4_k_m', 'gguf q8_0'), 'gpt-oss-20b': ('mxfp4',)}
 
 
 def gguf_experts(ggml_type: str, num_experts: int, n: int, k: int) -> Q6KExperts | Q8Experts:
@@ -189,9 +197,11 @@ def gguf_experts(ggml_type: str, num_experts: int, n: int, k: int) -> Q6KExperts
 
 
 def moe(shape: ExpertShape, weights: str, token_counts: tuple[int, ...], dtype: torch.dtype) -> None:
-    """Routing (the model's router) and the fused MoE over ``weights``: 'dense', 'int4', 'int4 act-order', 'gguf
-    q4_k_m' (a GGUF Q4_K_M layer's Q4_K gate-and-up grids, Q6_K down) or 'gguf q8_0'."""
-    if weights == 'gguf q4_k_m':
+    """Routing (the model's router) and the fused MoE over ``weights``: 'dense', 'int4', 'int4 act-order', 'mxfp4',
+    'gguf q4_k_m' (a GGUF Q4_K_M layer's Q4_K gate-and-up grids, Q6_K down) or 'gguf q8_0'."""
+    if weights == 'mxfp4':
+        gate_up, down = shape.mxfp4()
+    elif weights == 'gguf q4_k_m':
         gate_up, down = shape.int4(dtype, False, group=32)[0], gguf_experts('Q6_K', shape.experts, shape.hidden,
                                                                              shape.inter)
     elif weights == 'gguf q8_0':
@@ -269,9 +279,8 @@ def _cases() -> list[Case]:
                       Case(f'deepseek-v3 mla {heads}h prefill 16{kv}', partial(mla, heads, 16, policy)),
                       Case(f'deepseek-v3 mla {heads}h decode{kv}', partial(mla, heads, 0, policy))]
     for shape in EXPERTS:
-        for weights in ('dense', 'int4', 'int4 act-order', 'gguf q4_k_m', 'gguf q8_0'):
-            if weights == 'dense' or shape.name == 'qwen3-30b-a3b':
-                cases.append(Case(f'{shape.name} moe {weights}', partial(moe, shape, weights, MOE_TOKENS[shape.name])))
+        for weights in ('dense', *QUANTIZED_EXPERTS.get(shape.name, ())):
+            cases.append(Case(f'{shape.name} moe {weights}', partial(moe, shape, weights, MOE_TOKENS[shape.name])))
     return cases + [Case('llama3-8b w8a8', partial(int8_linear, False, LINEAR, LINEAR_TOKENS)),
                     Case('qwen2-style w8a8 + bias', partial(int8_linear, True, LINEAR, LINEAR_TOKENS)),
                     Case('llama3-8b w4a16 g128', partial(int4_linear, False, LINEAR, LINEAR_TOKENS)),
@@ -285,13 +294,14 @@ CASES = _cases()
 _BY_NAME = {case.name: case for case in CASES}
 # One compile per kernel where it can, at the shapes the sweep found hardest: Gemma's head dim 256 with every
 # feature, int4 decode with sinks, MLA (int4 prefill and int8 decode: the fills too), the int4 MoE's widest tile (it
-# was over the shared-memory limit).
+# was over the shared-memory limit) and the MXFP4 MoE's.
 QUICK_CASES = [Case('rows (one size each)', partial(rows, (4096,), ((32, 128),))),
                _BY_NAME['gemma2-9b sliding fill kv8'], _BY_NAME['gemma2-9b sliding prefill kv16'],
                _BY_NAME['gpt-oss-20b sliding decode kv4'], _BY_NAME['deepseek-v3 mla 128h prefill'],
                _BY_NAME['deepseek-v3 mla 128h decode'], _BY_NAME['deepseek-v3 mla 128h prefill kv4'],
                _BY_NAME['deepseek-v3 mla 128h decode kv8'],
                Case('qwen3-30b-a3b moe int4, 4096 tokens', partial(moe, EXPERTS[0], 'int4', (4096,))),
+               Case('gpt-oss-20b moe mxfp4, 4096 tokens', partial(moe, EXPERTS[1], 'mxfp4', (4096,))),
                Case('llama3-8b w8a8 gate_up, 64 tokens', partial(int8_linear, False, LINEAR[2:3], (64,))),
                Case('llama3-8b w4a16 g128 down, 64 tokens', partial(int4_linear, False, LINEAR[3:], (64,))),
                Case('llama3-8b gguf q6_k down, 2048 tokens', partial(gguf_blocks_linear, 'Q6_K', Q6K_LINEAR[1:2],

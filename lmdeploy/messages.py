@@ -11,9 +11,14 @@ MAX_NEW_TOKENS_LIMIT = 1 << 20
 MIN_SAMPLING_TEMPERATURE = 1e-5
 
 
+class ConfigError(ValueError):
+    """A config field or a tool's argument out of its range, or a model a tool does not take; the message
+    says which (the command line prints it as one line)."""
+
+
 def _check(ok: bool, message: str) -> None:
     if not ok:
-        raise ValueError(message)
+        raise ConfigError(message)
 
 
 @dataclass
@@ -154,8 +159,8 @@ class PytorchEngineConfig:
     On CUDA, decode steps replay CUDA graphs captured per padded batch size (1, 2, 4, 8, 16, 24, 32,
     then steps of 16, up to ``max_batch_size``); ``eager_mode=True`` runs every step eagerly instead.
     ``load_format='dummy'`` fills the weights with random values on the device instead of reading
-    weight files (the folder needs only its config and tokenizer): for measuring speed at a model's
-    shape without its checkpoint.
+    weight files (the folder needs only its config and tokenizer; a quantized checkpoint's integer codes
+    and scales with zeros): for measuring speed at a model's shape without its checkpoint.
 
     ``overlap_schedule`` queues each step on the device before the previous step's tokens reach the
     host, so that scheduling and input building overlap the device's work (None: on for CUDA, where

@@ -152,6 +152,14 @@ def test_wrong_group_size_and_bits_are_refused(tmp_path):
         main(['lite', 'auto_awq', source, str(tmp_path / 'out'), '--w-bits', '8'])
 
 
+@pytest.mark.parametrize('flags, message', [(['--w-group-size', '0'], 'w_group_size must be at least 1, got 0'),
+                                           (['--calib-samples', '0'], 'calib_samples must be at least 1, got 0')])
+def test_cli_refuses_bad_arguments_in_one_line_before_any_work(flags, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(['lite', 'auto_awq', str(tmp_path / 'no-model-read'), str(tmp_path / 'out'), *flags])
+    assert exited.value.code == 2 and capsys.readouterr().err.strip() == f'lmdeploy: error: {message}'
+
+
 def _logits_error(source: str, path: str, ids: torch.Tensor) -> float:
     with torch.no_grad():
         expected = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()(ids).logits

@@ -94,6 +94,26 @@ def test_a_wrong_model_path_is_one_line(argv, message):
     assert len(lines) == 1 and lines[0].startswith('lmdeploy: error: ') and message in lines[0], out.stderr
 
 
+@pytest.mark.parametrize('command', [['chat'], ['serve', 'api_server']])
+@pytest.mark.parametrize('flags, message', [
+    (['--max-batch-size', '0'], 'max_batch_size must be positive'),
+    (['--cache-max-entry-count', '3'], 'cache_max_entry_count'),
+])
+def test_an_engine_flag_out_of_range_is_one_line(command, flags, message, tmp_path: Path):
+    (tmp_path / 'config.json').write_text('{}')
+    out = lmdeploy(*command, str(tmp_path), *flags)
+    assert out.returncode == 2, out
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith('lmdeploy: error: ') and message in lines[0], out.stderr
+
+
+@pytest.mark.parametrize('flag', ['--tp', '--dp'])
+def test_zero_ranks_or_replicas_are_refused_by_the_parser(flag):
+    out = lmdeploy('serve', 'api_server', '/tmp/no-such-model.gguf', flag, '0')
+    assert out.returncode == 2, out
+    assert out.stderr.strip().splitlines()[-1].endswith(f'argument {flag}: must be at least 1, got 0'), out.stderr
+
+
 def test_check_model_path(tmp_path: Path):
     check_model_path(None)
     (tmp_path / 'config.json').write_text('{}')

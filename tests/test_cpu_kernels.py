@@ -177,15 +177,15 @@ def test_fill_kv_cache_from_strided_views(native, dtype):
 
 @pytest.mark.parametrize('gemm', ['native', 'onednn'])
 @pytest.mark.parametrize('out_features', [48, 80, 176])
-def test_packed_bf16_linear_rounds_the_exact_product(monkeypatch, gemm, out_features):
+def test_packed_bf16_linear_rounds_the_exact_product(monkeypatch, request, gemm, out_features):
     """Packed layers give the fp32 product of the bf16 inputs, rounded once to bf16, for every row count
     (the native GEMM's 6-row tiles up to 64 rows, 4-row ones above, their remainders, and the prefetch
     of the next column group; 48 and 80 columns leave partial panel groups, and 176 on 2 threads takes
     groups of 3 panels, the last one partial)."""
     if gemm == 'onednn':
         monkeypatch.setattr(cpu, 'bf16_gemm', lambda: None)
-    elif cpu.bf16_gemm() is None:
-        pytest.skip('the native bf16 GEMM needs AVX512-BF16 and no AMX')
+    else:
+        request.getfixturevalue('native_gemms')  # also on AMX CPUs, where the engine prefers oneDNN
     torch.manual_seed(0)
     layer = Linear(64, out_features, bias=True).bfloat16()
     torch.nn.init.normal_(layer.weight)
@@ -206,25 +206,23 @@ def test_packed_bf16_linear_rounds_the_exact_product(monkeypatch, gemm, out_feat
 
 
 @pytest.mark.parametrize('intermediate_size', [48, 64])
-def test_gate_up_silu_in_the_gemm_epilogue(native, intermediate_size):
+def test_gate_up_silu_in_the_gemm_epilogue(native_gemms, intermediate_size):
     """The fused layer equals the native GEMM followed by the native SiLU-and-mul up to one bf16 step
     of silu(gate) where their exps round differently (which the product then carries), and the torch
     twins up to bf16 rounding (48 leaves a group of two panels)."""
-    if cpu.bf16_gemm() is None:
-        pytest.skip('the native bf16 GEMM needs AVX512-BF16 and no AMX')
     torch.manual_seed(0)
     layer = GateUpLinear(64, intermediate_size, bias=True).bfloat16()
     torch.nn.init.normal_(layer.weight, std=0.3)
     torch.nn.init.normal_(layer.bias)
     weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
-    plain = native.pack_bf16_weight(weight)
+    plain = native_gemms.pack_bf16_weight(weight)
     layer.finalize(LinearOptions(pack_cpu=True))
     assert layer.kernel.gate_up and layer.weight is None
     for shape in ((1, 64), (5, 64), (23, 64), (64, 64), (67, 64), (2, 7, 64)):
         x = torch.randn(shape).bfloat16()
         out = layer(x)
         assert out.shape == (*shape[:-1], intermediate_size)
-        unfused = native.silu_and_mul(native.bf16_linear(x, plain, bias)).float()
+        unfused = native_gemms.silu_and_mul(native_gemms.bf16_linear(x, plain, bias)).float()
         assert ((out.float() - unfused).abs() <= unfused.abs() * 2**-6).all()
         assert (out.float() == unfused).float().mean() > 0.98
         expected = activation.silu_and_mul(torch.nn.functional.linear(x.float(), weight.float(), bias.float()))

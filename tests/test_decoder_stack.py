@@ -1,7 +1,7 @@
 """The native decoder stack (``nn/decoder_stack.py``) against the layers' own forward, for every family that
 runs through it, on bf16 and W8A8 projections (and for small steps the 4-bit ones of ``decode_int4``), over
 KV caches in the model dtype, int8 and int4: each step's hidden states are equal, over chunked prefills,
-mixed and decode steps."""
+mixed and decode steps (MoE families: test_decoder_stack_moe.py)."""
 from __future__ import annotations
 
 import json
@@ -117,12 +117,6 @@ def test_stack_equals_the_layers(kind, weights, quant_policy, saved, native_gemm
     assert any(0 < prefill < rows for prefill, rows in steps) and any(prefill == 0 for prefill, _ in steps)
 
 
-@pytest.mark.parametrize('kind', ['mixtral', 'qwen2_moe', 'qwen3_moe'])
-def test_moe_layers_keep_their_forward(kind, tmp_path, native_gemms):
-    engine = Engine(save_tiny_model(kind, str(tmp_path)), PytorchEngineConfig(**ENGINE), show_progress=False)
-    assert engine.runner.model.native_stack is None
-
-
 def small_int4_steps(engine: Engine, monkeypatch) -> list[tuple[int, int]]:
     """Runs one prompt, then three, through ``engine`` (``decode_int4`` on), every step checked by
     :func:`check_every_step`; returns the (prefill tokens, rows) of the steps that ran in the stack."""
@@ -189,7 +183,7 @@ def test_fields_are_named(native_gemms):
                            (dict(sliding_window=0), 'window is positive')]:
         with pytest.raises(RuntimeError, match=match):
             native_gemms.DecoderStack(layers=[native_gemms.LayerWeights(**{**layer, **options})], **stack)
-    with pytest.raises(RuntimeError, match="'bf16', 'w8a8', 'int4', 'q4k' or 'q6k'"):
+    with pytest.raises(RuntimeError, match="'bf16', 'w8a8', 'int4', 'q4k', 'q6k' or 'onednn'"):
         native_gemms.Projection(kind='int2', weight=weight)
     with pytest.raises(RuntimeError, match='scale bytes'):
         native_gemms.Projection(kind='q4k', weight=weight.to(torch.uint8), scale=torch.ones(32).half())
@@ -205,7 +199,8 @@ def test_fields_are_named(native_gemms):
         native_gemms.Projection(kind='w8a8', weight=weight.to(torch.int8))
     step = dict(cos=weight, sin=weight, kv_blocks=weight, kv_offsets=weight, num_prefill_tokens=0,
                 prefill_block_table=None, prefill_q_start=None, prefill_q_len=None, prefill_ctx_len=None,
-                prefill_max_q_len=0, decode_blocks=None, decode_kv_lens=None, local_cos=None, local_sin=None)
+                prefill_max_q_len=0, decode_blocks=None, decode_kv_lens=None, local_cos=None, local_sin=None,
+                window_kv_blocks=None, window_prefill_block_table=None, window_decode_blocks=None)
     native_gemms.StepTensors(**step)
     with pytest.raises(TypeError):
         native_gemms.StepTensors(**{**step, 'decode_kv_len': step.pop('decode_kv_lens')})

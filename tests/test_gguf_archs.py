@@ -200,7 +200,7 @@ def test_gguf_arch_matches_transformers(kind: str, tmp_path: Path, monkeypatch: 
     hf = hf_causal_lm(save_random_model(hf_config(kind, vocab), str(tmp_path / 'hf'), std=std))
     write_gguf(hf, kind, writer, {})
 
-    convert_gguf(str(src), str(tmp_path / 'converted'))
+    convert_gguf(str(src), str(tmp_path / 'converted'), raw_types=())  # all dequantized: transformers loads it
     converted = AutoModelForCausalLM.from_pretrained(str(tmp_path / 'converted'), dtype=torch.float32)
     assert converted.config.architectures == hf.config.architectures
     for field in ('layer_types', 'sliding_window', 'query_pre_attn_scalar', 'rope_parameters', 'q_lora_rank',

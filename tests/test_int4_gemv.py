@@ -132,14 +132,16 @@ def test_without_the_native_gemv_small_steps_run_torch_int4(monkeypatch):
 
 @pytest.mark.slow
 def test_native_source_compiles_without_avx512():
-    """On a plain AVX2 CPU the files build their stubs (``int4_gemv_available()`` and ``q8_gemv_available()``
-    are false, so torch's int4 kernel and the fp16 LM head run: see the fallback test above)."""
+    """On a plain AVX2 CPU the files build their stubs (``int4_gemv_available()``, ``q8_gemv_available()`` and
+    ``mxfp4_gemv_available()`` are false, so torch's int4 kernel, the fp16 LM head and MXFP4's torch dequantization
+    run: see the fallback tests)."""
     from torch.utils.cpp_extension import include_paths
     includes = [f'-I{path}' for path in include_paths()] + [f'-I{sysconfig.get_paths()["include"]}']
+    # side by side: each parses torch's headers
     procs = [subprocess.Popen([os.environ.get('CXX', 'c++'), '-std=c++17', '-fsyntax-only', '-march=x86-64-v3',
                                '-fopenmp', *includes, os.path.join(os.path.dirname(cpu.__file__), name)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for name in ('linear_int4.cpp', 'linear_q8.cpp')]  # side by side: each parses torch's headers
+             for name in ('linear_int4.cpp', 'linear_q8.cpp', 'linear_mxfp4.cpp')]
     for proc in procs:
         _, stderr = proc.communicate()
         assert proc.returncode == 0, stderr[-2000:]

@@ -10,7 +10,7 @@ from helpers import make_engine, random_prompts, run, scattered_block_table
 
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
-from lmdeploy.pytorch.kernels import attention, cpu
+from lmdeploy.pytorch.kernels import attention
 from lmdeploy.pytorch.kernels.kv_quant import dequantize_kv, quantize_kv
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
@@ -228,11 +228,9 @@ def llama_head_dim_64(tmp_path_factory) -> str:
 
 
 @pytest.mark.parametrize('policy', [8, 4])
-def test_native_decoder_stack_reads_the_quantized_cache(llama_head_dim_64, policy):
+def test_native_decoder_stack_reads_the_quantized_cache(llama_head_dim_64, policy, native_gemms):
     """bf16: the native decoder stack gives the layers' own tokens over a quantized cache (the same
     native kernels in the same order), through chunked prefills, mixed and decode steps."""
-    if cpu.bf16_gemm() is None:
-        pytest.skip('the native decoder stack needs AVX512-BF16 and no AMX')
     config = PytorchEngineConfig(dtype='bfloat16', quant_policy=policy, num_gpu_blocks=64, block_size=16,
                                  enable_prefix_caching=False, max_prefill_token_num=48)
     engine = Engine(llama_head_dim_64, config, show_progress=False)

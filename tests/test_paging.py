@@ -23,7 +23,7 @@ def test_allocate_and_free_refcounts():
     seq = make_seq(0, 10)
     bm.allocate(seq, 10)
     assert len(seq.block_ids) == 3 and bm.num_free_blocks == 5
-    assert all(bm.blocks[b].ref_count == 1 for b in seq.block_ids)
+    assert all(bm.pools[0].blocks[b].ref_count == 1 for b in seq.block_ids)
     bm.free_blocks(seq)
     assert bm.num_free_blocks == 8 and seq.block_ids == []
 
@@ -34,20 +34,20 @@ def test_prefix_match_shares_blocks_and_leaves_one_token():
     compute_all(bm, first)
     same = make_seq(1, 12)
     matched = bm.match_prefix(same)
-    assert matched == first.block_ids[:2], 'the last full block is recomputed so one token is left'
+    assert matched.block_ids == first.block_ids[:2], 'the last full block is recomputed so one token is left'
     longer = make_seq(2, 14)
-    assert bm.match_prefix(longer) == first.block_ids
+    assert bm.match_prefix(longer).block_ids == first.block_ids
     bm.allocate(longer, 14, bm.match_prefix(longer))
-    assert all(bm.blocks[b].ref_count == 2 for b in first.block_ids)
+    assert all(bm.pools[0].blocks[b].ref_count == 2 for b in first.block_ids)
 
 
 def test_hash_hit_checks_tokens():
     bm = BlockManager(16, 4)
     first = make_seq(0, 9)
     compute_all(bm, first)
-    block = bm.blocks[first.block_ids[0]]
+    block = bm.pools[0].blocks[first.block_ids[0]]
     block.key = (99, 99, 99, 99)  # a hash collision in disguise
-    assert bm.match_prefix(make_seq(1, 9)) == []
+    assert bm.match_prefix(make_seq(1, 9)).block_ids == []
 
 
 def test_cached_blocks_survive_free_and_are_evicted_lru():
@@ -57,11 +57,11 @@ def test_cached_blocks_survive_free_and_are_evicted_lru():
     block_ids = list(first.block_ids)
     bm.free_blocks(first)
     assert bm.num_free_blocks == 4 and bm.num_cached_free_blocks == 2
-    assert bm.match_prefix(make_seq(1, 9)) == block_ids[:2]
+    assert bm.match_prefix(make_seq(1, 9)).block_ids == block_ids[:2]
     hog = make_seq(2, 16, first=1000)
     bm.allocate(hog, 16)
-    assert bm.num_cached_free_blocks == 0 and bm.hash_to_block == {}
-    assert bm.match_prefix(make_seq(3, 9)) == []
+    assert bm.num_cached_free_blocks == 0 and bm.pools[0].hash_to_block == {}
+    assert bm.match_prefix(make_seq(3, 9)).block_ids == []
 
 
 def test_scheduler_chunks_prefill_within_budget():

@@ -1,5 +1,5 @@
-"""The parts of the proxy that need no server: routing (on stand-in nodes), node URLs, the cores of
-``--dp`` replicas, the URL a node registers, the writes of a forwarded request."""
+"""The parts of the proxy that need no server: routing (on stand-in nodes), node URLs and settings, the cores
+of ``--dp`` replicas, the URL a node registers, the writes of a forwarded request."""
 from __future__ import annotations
 
 import asyncio
@@ -7,6 +7,7 @@ import asyncio
 import httpcore
 import pytest
 
+from lmdeploy.cli.main import main
 from lmdeploy.serve.proxy.dp import cpu_shares
 from lmdeploy.serve.proxy.nodes import Node, normalize_url
 from lmdeploy.serve.proxy.registration import advertised_url
@@ -84,9 +85,24 @@ def test_unknown_strategy_and_bad_node_urls_are_refused():
     with pytest.raises(ValueError, match='least_requests'):
         make_strategy('random')
     assert normalize_url('http://127.0.0.1:8000/') == 'http://127.0.0.1:8000'
-    for bad in ('127.0.0.1:8000', 'ftp://host:1', 'http://host:1/v1', 'http://'):
+    assert normalize_url('http://[::1]:8000') == 'http://[::1]:8000'
+    for bad in ('127.0.0.1:8000', 'ftp://host:1', 'http://host:1/v1', 'http://', 'http://host:99999', 'http://host:0', 'http://a b:1'):
         with pytest.raises(ValueError):
             normalize_url(bad)
+
+
+@pytest.mark.parametrize('flags, message', [
+    (['--health-interval', '0'], 'health_interval must be positive, got 0.0'),
+    (['--request-timeout', '-1'], 'request_timeout must be positive, got -1.0'),
+    (['--max-connections-per-node', '0'], 'max_connections_per_node must be positive, got 0'),
+    (['--routing-strategy', 'prefix_affinity', '--affinity-prefix-chars', '0'],
+     'affinity_prefix_chars must be at least 1, got 0'),
+    (['--nodes', 'http://host:99999'], "a node URL is http(s)://host[:port], got 'http://host:99999'"),
+])
+def test_proxy_settings_out_of_range_are_one_line_errors(flags, message, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(['serve', 'proxy', *flags])
+    assert exited.value.code == 2 and capsys.readouterr().err.strip() == f'lmdeploy: error: {message}'
 
 
 def test_dp_replicas_get_equal_shares_of_the_cores(monkeypatch):

@@ -2,6 +2,7 @@
 or hangs fails the engine fast, and no worker outlives its engine."""
 from __future__ import annotations
 
+import operator
 import os
 import signal
 import subprocess
@@ -116,6 +117,58 @@ def test_killed_worker_fails_the_engine_fast(tiny_llama):
         assert time.monotonic() - start < 5
         with pytest.raises(WorkerError):
             engine.check_alive()
+    finally:
+        engine.close()
+    assert_gone([pid])
+
+
+def test_ranks_bind_their_own_cpus_and_a_killed_worker_ends_every_request_with_error(tiny_llama):
+    """Rank 0 (the pipeline's engine thread) and rank 1 each compute on their own half of the CPUs. A worker
+    killed mid-run ends the running request and the queued one with ``finish_reason: 'error'``, and a
+    request sent afterwards too; ``close()`` leaves no process."""
+    allowed = os.sched_getaffinity(0)
+    config = PytorchEngineConfig(tp=2, dtype='float32', num_gpu_blocks=64, block_size=16, max_batch_size=1)
+    pipe = pipeline(tiny_llama, config, show_progress=False)
+    pids = pipe.async_engine.engine.executor.pids
+    try:
+        worker_cpus = set(psutil.Process(pids[0]).cpu_affinity())
+        rank0_cpus = pipe.async_engine.engine_loop.call(lambda _: os.sched_getaffinity(0)).result(10)
+        assert rank0_cpus | worker_cpus == allowed
+        if len(allowed) >= 2:
+            assert rank0_cpus.isdisjoint(worker_cpus) and len(rank0_cpus) == len(worker_cpus)
+        final = {}
+        long_run = GenerationConfig(max_new_tokens=900, ignore_eos=True)
+        for chunk in pipe.stream_infer(['a long story', 'another one'], gen_config=long_run):
+            if chunk.index == 0 and chunk.generate_token_len and psutil.pid_exists(pids[0]):
+                os.kill(pids[0], signal.SIGKILL)
+            if chunk.finish_reason is not None:
+                final[chunk.index] = chunk
+        assert sorted(final) == [0, 1]
+        for chunk in [*final.values(), pipe('later', gen_config=GREEDY)]:
+            assert chunk.finish_reason == 'error' and 'was killed by SIGKILL' in chunk.error
+    finally:
+        pipe.close()
+    assert_gone(pids)
+
+
+class RaisesWhereUnpickled:
+    """A step message that raises ``ZeroDivisionError`` in the worker that unpickles it."""
+
+    def __reduce__(self):
+        return operator.truediv, (1, 0)
+
+
+def test_worker_that_raises_fails_the_engine_fast_with_its_error(tiny_llama):
+    engine = make_engine(tiny_llama, tp=2)
+    try:
+        pid = engine.executor.pids[0]
+        engine.runner.channel.send(RaisesWhereUnpickled())
+        engine.add_request(PROMPTS[0], GREEDY)
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match='rank 1.*ZeroDivisionError: division by zero'):
+            while True:
+                engine.step()
+        assert time.monotonic() - start < 5
     finally:
         engine.close()
     assert_gone([pid])

@@ -25,7 +25,6 @@ from vl_models import INTERNVL_TOKENS, hf_vl_inputs, random_image, save_tiny_vl_
 
 from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
-from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.rotary import RotaryEmbedding
 from lmdeploy.tokenizer import Tokenizer
 from lmdeploy.vl.image_inputs import ImageInputs
@@ -132,13 +131,11 @@ def test_qwen3_vl_moe_loads_the_hubs_stacked_expert_layout(tmp_path):
     assert run(make_engine(str(hub)), prompts) == run(make_engine(path), prompts)
 
 
-@pytest.mark.parametrize('kind', ['internvl', 'qwen3_vl'])
-def test_language_model_runs_in_the_native_decoder_stack(kind, tmp_path):
+@pytest.mark.parametrize('kind', ['internvl', 'qwen3_vl', 'qwen3_vl_moe'])
+def test_language_model_runs_in_the_native_decoder_stack(kind, tmp_path, native_gemms):
     """bf16 on packed weights: InternVL's Qwen2 layers and Qwen3-VL's (q/k norms; its image steps add the
-    deepstack features in the layers' own forward) run in the native decoder stack, as their own forward
-    does."""
-    if cpu.bf16_gemm() is None:
-        pytest.skip('the native bf16 GEMM needs AVX512-BF16 and no AMX')
+    deepstack features in the layers' own forward; Qwen3-VL-MoE's sparse layers as MoE blocks) run in the native
+    decoder stack, as their own forward does."""
     config = PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=64, block_size=16)
     path = save_tiny_vl_model(kind, str(tmp_path / kind))
     engine = Engine(path, config, show_progress=False)

@@ -89,6 +89,7 @@ def test_reference_is_close_to_fp32_matmul():
     assert ((got - exact).norm() / exact.norm()).item() < 0.01
 
 
+@pytest.mark.triton
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float16])
 def test_triton_int8_gemm_matches_reference(dtype):
     pytest.importorskip('triton')
@@ -141,6 +142,23 @@ def _agreement(expected: list[list[int]], got: list[list[int]]) -> float:
     for e, g in zip(expected, got):
         same += next((i for i, (a, b) in enumerate(zip(e, g)) if a != b), len(e))
     return same / sum(len(e) for e in expected)
+
+
+@pytest.mark.parametrize('flags, message', [
+    (['--alpha', '2'], 'alpha must be in [0, 1], got 2.0'),
+    (['--calib-tokens', '0'], 'calib_tokens must be at least 1, got 0'),
+    (['--calib-seqlen', '0'], 'seq_len must be at least 1, got 0'),
+    ([], 'exists and is not a folder'),
+])
+def test_cli_refuses_bad_arguments_in_one_line_before_any_work(flags, message, tmp_path, capsys):
+    out = tmp_path / 'out'
+    if not flags:
+        out.write_text('a file')
+    with pytest.raises(SystemExit) as exited:
+        main(['lite', 'smooth_quant', str(tmp_path / 'no-model-read'), str(out), *flags])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith('lmdeploy: error: ') and message in err and '\n' not in err
 
 
 def test_cli_writes_an_int8_checkpoint(tiny_w8a8):

@@ -30,6 +30,14 @@ def _has_default(action: argparse.Action) -> bool:
             and action.default is not argparse.SUPPRESS and action.default not in ((), []))
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f'must be at least 1, got {value}')
+    return value
+
+
 def add_list_arg(parser: argparse.ArgumentParser, flag: str, help: str, **kwargs) -> None:
     """A flag that takes one value and may be repeated (``--api-keys k1 --api-keys k2``): a flag taking
     several values would swallow the MODEL argument after it."""
@@ -52,7 +60,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--enable-prefix-caching', dest='enable_prefix_caching', action='store_true', default=True,
                         help='reuse the KV cache of prompt prefixes seen before (default: on)')
     parser.add_argument('--disable-prefix-caching', dest='enable_prefix_caching', action='store_false')
-    parser.add_argument('--tp', type=int, default=1,
+    parser.add_argument('--tp', type=positive_int, default=1,
                         help='tensor parallelism: split the model over this many ranks (processes or Ray actors)')
     parser.add_argument('--distributed-executor-backend', default='mp', choices=['mp', 'ray'],
                         help="how the ranks besides this process run with --tp > 1: 'mp' (processes on this "

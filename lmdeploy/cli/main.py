@@ -6,6 +6,7 @@ import os
 import sys
 
 from lmdeploy import __version__
+from lmdeploy.messages import ConfigError
 from lmdeploy.model_source import ModelNotFoundError
 
 
@@ -37,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         print('\nlmdeploy: interrupted', file=sys.stderr, flush=True)
         os._exit(130)  # the engine thread may still be building: do not wait for it
-    except ModelNotFoundError as exc:  # the message says what to give instead: no traceback
+    except (ModelNotFoundError, ConfigError) as exc:  # the message says what to give instead: no traceback
         print(f'lmdeploy: error: {exc}', file=sys.stderr, flush=True)
         raise SystemExit(2) from None
 

@@ -43,7 +43,8 @@ def add_proxy_parser(servers) -> None:
 
 def add_scale_out_args(parser: argparse.ArgumentParser) -> None:
     """``api_server``'s ``--dp``, ``--proxy-url`` and ``--proxy-api-key``."""
-    parser.add_argument('--dp', type=int, default=1,
+    from lmdeploy.cli.args import positive_int
+    parser.add_argument('--dp', type=positive_int, default=1,
                         help='engine replicas, each a process on --server-port + 1.. behind a proxy on --server-port '
                              '(on the CPU each gets its share of the cores; on CUDA one device each)')
     _add_routing_arg(parser, ' (with --dp)')

@@ -23,9 +23,10 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from lmdeploy.lite.calibration import (attention_shape, calibration_ids, expand_kv, fold_norm, fold_pair,
-                                       is_projection, kv_shared, load_float_model, load_float_state, load_source,
-                                       write_checkpoint)
+from lmdeploy.lite.calibration import (attention_shape, calibration_ids, check_arguments, expand_kv, fold_norm,
+                                       fold_pair, is_projection, kv_shared, load_float_model, load_float_state,
+                                       load_source, write_checkpoint)
+from lmdeploy.messages import ConfigError
 from lmdeploy.pytorch.nn.quant.awq import AWQ_FIELD
 
 MIN_SCALE = 1e-4
@@ -339,14 +340,15 @@ def auto_awq(model_path: str, out_dir: str, w_bits: int = 4, w_group_size: int =
     skips the scale search, ``apply_clip=False`` the weight clipping; with neither, plain round to nearest in
     the same layout."""
     if w_bits != 4:
-        raise ValueError(f'auto_awq writes 4-bit weights (the AWQ format the engine serves), not {w_bits}')
+        raise ConfigError(f'auto_awq writes 4-bit weights (the AWQ format the engine serves), not {w_bits}')
+    check_arguments(out_dir, w_group_size=w_group_size, calib_samples=calib_samples, calib_seqlen=calib_seqlen)
     source, config = load_source(model_path, 'auto_awq')
     state = load_float_state(source)
     bad = [f'{name} {tuple(t.shape)}' for name, t in state.items()
            if is_projection(name) and (t.shape[1] % w_group_size or t.shape[0] % 8)]
     if bad:
-        raise ValueError(f'AWQ needs outputs in multiples of 8 and inputs in groups of {w_group_size} '
-                         f'(--w-group-size): {bad[0]}')
+        raise ConfigError(f'AWQ needs outputs in multiples of 8 and inputs in groups of {w_group_size} '
+                          f'(--w-group-size): {bad[0]}')
     quantization_config = {'quant_method': 'awq', 'bits': w_bits, 'group_size': w_group_size, 'zero_point': True,
                            'version': 'gemm'}
     if search_scale or apply_clip:

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lmdeploy.lite import calibration_text
+from lmdeploy.messages import ConfigError
 
 SUPPORTED_ARCHITECTURES = ('LlamaForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM')
 PROJECTIONS = ('self_attn.q_proj', 'self_attn.k_proj', 'self_attn.v_proj', 'self_attn.o_proj', 'mlp.gate_proj',
@@ -27,9 +28,19 @@ def is_projection(name: str) -> bool:
     return name.endswith('.weight') and name.removesuffix('.weight').endswith(PROJECTIONS)
 
 
+def check_arguments(out_dir: str, **counts: int) -> None:
+    """Raises :class:`ConfigError` before any slow work when ``out_dir`` exists but is not a folder, or one
+    of ``counts`` (by name) is below 1."""
+    if Path(out_dir).exists() and not Path(out_dir).is_dir():
+        raise ConfigError(f'{out_dir} exists and is not a folder')
+    for name, value in counts.items():
+        if value < 1:
+            raise ConfigError(f'{name} must be at least 1, got {value}')
+
+
 def load_source(model_path: str, tool: str) -> tuple[Path, dict]:
     """The Hugging Face folder of ``model_path`` (a folder, or a .gguf file converted with every tensor
-    dequantized, none kept as llama.cpp's blocks) and its ``config.json``; raises ``ValueError`` for
+    dequantized, none kept as llama.cpp's blocks) and its ``config.json``; raises :class:`ConfigError` for
     architectures ``tool`` does not support and quantized models."""
     from lmdeploy.model_source import resolve_model_path
     from lmdeploy.pytorch.weights.gguf import resolve_gguf
@@ -40,9 +51,9 @@ def load_source(model_path: str, tool: str) -> tuple[Path, dict]:
     config = json.loads((source / 'config.json').read_text())
     architecture = (config.get('architectures') or [None])[0]
     if architecture not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f'{tool} supports {SUPPORTED_ARCHITECTURES}, not {architecture}')
+        raise ConfigError(f'{tool} supports {SUPPORTED_ARCHITECTURES}, not {architecture}')
     if config.get('quantization_config'):
-        raise ValueError(f'{model_path} is already quantized ({config["quantization_config"].get("quant_method")})')
+        raise ConfigError(f'{model_path} is already quantized ({config["quantization_config"].get("quant_method")})')
     return source, config
 
 
@@ -52,7 +63,7 @@ def calibration_ids(source: Path, tokens: int) -> torch.Tensor:
 
     ids = AutoTokenizer.from_pretrained(source)(calibration_text())['input_ids'][:tokens]
     if len(ids) < tokens:
-        raise ValueError(f'the calibration text has {len(ids)} tokens for this tokenizer, fewer than {tokens}')
+        raise ConfigError(f'the calibration text has {len(ids)} tokens for this tokenizer, fewer than {tokens}')
     return torch.tensor(ids)
 
 

@@ -11,9 +11,10 @@ import torch
 from torch import nn
 
 from lmdeploy.lite import CALIBRATION_TOKENS
-from lmdeploy.lite.calibration import (PROJECTIONS, attention_shape, calibration_ids, fold_norm, fold_pair,
-                                       is_projection, kv_shared, load_float_model, load_float_state, load_source,
-                                       write_checkpoint)
+from lmdeploy.lite.calibration import (PROJECTIONS, attention_shape, calibration_ids, check_arguments, fold_norm,
+                                       fold_pair, is_projection, kv_shared, load_float_model, load_float_state,
+                                       load_source, write_checkpoint)
+from lmdeploy.messages import ConfigError
 from lmdeploy.pytorch.kernels.w8a8 import quantize_weight
 
 QUANTIZATION_CONFIG = {'quant_method': 'smooth_quant', 'quant_dtype': 'int8'}
@@ -83,7 +84,10 @@ def smooth_quant(model_path: str, out_dir: str, alpha: float = 0.5, calib_tokens
                  seq_len: int = 512) -> None:
     """Writes a W8A8 copy of ``model_path`` (a Hugging Face folder or a .gguf file) to ``out_dir``, calibrated
     on the first ``calib_tokens`` tokens of the shipped text (:func:`lmdeploy.lite.calibration_text`) in fp32
-    with transformers on the CPU."""
+    with transformers on the CPU. ``alpha`` is in [0, 1]."""
+    if not 0 <= alpha <= 1:
+        raise ConfigError(f'alpha must be in [0, 1], got {alpha}')
+    check_arguments(out_dir, calib_tokens=calib_tokens, seq_len=seq_len)
     source, config = load_source(model_path, 'smooth_quant')
     input_ids = calibration_ids(source, calib_tokens)
     act_scales = collect_act_scales(load_float_model(source), input_ids, seq_len)

@@ -20,6 +20,11 @@ class StepContext:
     without prefill chunks, the decode fields without decode tokens. ``rope_positions [3, T]`` replaces
     ``positions`` in the rotary embedding of models with 3-D positions; ``multimodal`` holds the images
     whose placeholder tokens this step feeds.
+
+    A model whose sliding-window layers have a KV pool of their own (see :class:`BlockManager`) gives those
+    layers ``window_kv_blocks``, ``window_prefill_block_table`` and ``window_decode_blocks`` in that pool, in
+    place of ``kv_blocks``, ``prefill_block_table`` and ``decode_blocks`` (:meth:`tables`); the entries of the
+    blocks a sliding pool gave back read block 0, which the window masks.
     """
 
     positions: torch.Tensor
@@ -38,3 +43,12 @@ class StepContext:
     multimodal: MultiModalBatch | None = None
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
+    window_kv_blocks: torch.Tensor | None = None
+    window_prefill_block_table: torch.Tensor | None = None
+    window_decode_blocks: torch.Tensor | None = None
+
+    def tables(self, sliding: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """``(kv_blocks, prefill_block_table, decode_blocks)`` of a layer, a sliding-window one if ``sliding``."""
+        if sliding and self.window_kv_blocks is not None:
+            return self.window_kv_blocks, self.window_prefill_block_table, self.window_decode_blocks
+        return self.kv_blocks, self.prefill_block_table, self.decode_blocks

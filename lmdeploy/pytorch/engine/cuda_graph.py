@@ -4,7 +4,9 @@ A decode step's kernels launch grids that depend only on the batch size and the 
 so a graph captured once per padded batch size replays any decode step of that size. Each step's
 inputs are written into one pinned host tensor and copied into the graphs' static input buffer with
 one asynchronous copy; rows past the real batch are padding that reads and writes only a scratch
-KV block that no sequence owns. Prefill and mixed steps run eagerly.
+KV block that no sequence owns. Prefill and mixed steps run eagerly. A model whose sliding-window layers
+have a KV pool of their own has a second KV-block column and block table, in that pool, after the first
+table (the blocks the pool gave back read block 0, as in eager steps).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import nn
 
+from lmdeploy.pytorch.paging.block_manager import given_back_as_zero
 from lmdeploy.pytorch.paging.scheduler import ScheduledSeq
 
 if TYPE_CHECKING:
@@ -62,13 +65,14 @@ class DecodeGraphRunner:
     """Runs decode-only steps of up to ``max_batch_size`` sequences as graph replays.
 
     ``max_blocks`` is the block table's width (the most blocks a sequence can hold); ``scratch_block``
-    is a KV block outside the block manager's pool that padding rows use. ``make_graph`` builds the
-    graphs (tests pass a recorder that re-runs the function on replay).
+    is a KV block outside the block manager's pool that padding rows use, ``window_scratch_block`` the
+    sliding-window pool's (None: the model has no such pool). ``make_graph`` builds the graphs (tests pass
+    a recorder that re-runs the function on replay).
     """
 
     def __init__(self, model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], max_batch_size: int,
                  max_blocks: int, block_size: int, scratch_block: int,
-                 make_graph: Callable[[], Graph] | None = None):
+                 make_graph: Callable[[], Graph] | None = None, window_scratch_block: int | None = None):
         device = kv_caches[0][0].device
         self.model = model
         self.kv_caches = kv_caches
@@ -78,7 +82,11 @@ class DecodeGraphRunner:
         self.uses_mrope = getattr(model, 'uses_mrope', False)
         self.first_block_column = KV_LEN + 1 + (3 if self.uses_mrope else 0)
         self.max_blocks = max_blocks
-        shape = (self.sizes[-1], self.first_block_column + max_blocks)
+        self.window_scratch_block = window_scratch_block
+        # the sliding-window pool's KV-block column, then its block table
+        self.window_column = None if window_scratch_block is None else self.first_block_column + max_blocks
+        width = self.first_block_column + max_blocks + (0 if window_scratch_block is None else 1 + max_blocks)
+        shape = (self.sizes[-1], width)
         self.staging = torch.zeros(shape, dtype=torch.long, pin_memory=device.type == 'cuda')
         self.staging_rows = self.staging.numpy()
         self.inputs = torch.zeros(shape, dtype=torch.long, device=device)
@@ -98,17 +106,24 @@ class DecodeGraphRunner:
         rows[:, :KV_LEN + 1] = (0, 0, self.scratch_block, 1)
         rows[:, KV_LEN + 1:self.first_block_column] = 0
         rows[:, self.first_block_column] = self.scratch_block
+        if self.window_column is not None:
+            rows[:, self.window_column:self.window_column + 2] = self.window_scratch_block
 
     def forward(self, size: int) -> torch.Tensor:
         """Logits ``[size, vocab]`` of the first ``size`` rows of the static inputs (what a graph captures)."""
         rows = self.inputs[:size]
         positions = rows[:, POSITION].contiguous()
         rope_positions = rows[:, KV_LEN + 1:self.first_block_column].T.contiguous() if self.uses_mrope else None
+        window = {}
+        if self.window_column is not None:
+            window = dict(window_kv_blocks=rows[:, self.window_column].contiguous(),
+                          window_decode_blocks=rows[:, self.window_column + 1:].contiguous())
         ctx = StepContext(positions=positions, kv_blocks=rows[:, KV_BLOCK].contiguous(),
                           kv_offsets=positions % self.block_size, num_prefill_tokens=0, prefill_block_table=None,
                           prefill_q_start=None, prefill_q_len=None, prefill_ctx_len=None, prefill_max_q_len=0,
-                          decode_blocks=rows[:, self.first_block_column:].contiguous(),
-                          decode_kv_lens=rows[:, KV_LEN].contiguous(), rope_positions=rope_positions)
+                          decode_blocks=rows[:, self.first_block_column:self.first_block_column + self.max_blocks]
+                          .contiguous(), decode_kv_lens=rows[:, KV_LEN].contiguous(), rope_positions=rope_positions,
+                          **window)
         hidden = self.model(rows[:, TOKEN].contiguous(), self.kv_caches, ctx)
         return self.model.logits(hidden)
 
@@ -130,12 +145,16 @@ class DecodeGraphRunner:
     def _write_row(self, row: int, item: ScheduledSeq) -> None:
         seq = item.seq
         last = seq.num_tokens - 1
-        blocks = seq.block_ids
+        blocks = given_back_as_zero(seq.block_ids)
         values = self.staging_rows[row]
         values[:KV_LEN + 1] = (seq.last_token, last, blocks[last // self.block_size], last + 1)
         if self.uses_mrope:
             values[KV_LEN + 1:self.first_block_column] = seq.rope_positions_of(last, last + 1)[:, 0].numpy()
         values[self.first_block_column:self.first_block_column + len(blocks)] = blocks
+        if self.window_column is not None:
+            window_blocks = given_back_as_zero(seq.window_block_ids)
+            values[self.window_column] = window_blocks[last // self.block_size]
+            values[self.window_column + 1:self.window_column + 1 + len(window_blocks)] = window_blocks
 
     @torch.inference_mode()
     def run(self, decode: list[ScheduledSeq], inflight: InflightTokens | None = None) -> torch.Tensor:

@@ -1,8 +1,10 @@
 """The PyTorch engine: add requests, step the batch, collect outputs."""
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
+import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -74,20 +76,17 @@ class Engine:
             if isinstance(exc, WorkerError):
                 raise self.executor.explain(exc) from exc
             raise
-        num_blocks = self.runner.scratch_block
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        runner = self.runner
+        num_blocks = runner.scratch_block
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, runner.window,
+                                          runner.num_window_blocks)
         cfg = self.model_config
         self.scheduler = Scheduler(self.block_manager, config.max_batch_size, config.max_prefill_token_num,
                                    long_rope_after(cfg.hf_config))
         use_graphs = self.device.type == 'cuda' and not config.eager_mode and config.tp == 1
-        capacity = num_blocks * config.block_size
-        kv_kind = {0: str(cfg.dtype).removeprefix('torch.'), 8: 'int8', 4: 'int4'}[config.quant_policy]
-        kv_kind += ' latent (MLA)' if cfg.kv_latent_dim else ''
-        token_bytes = self.runner.cfg.kv_bytes_per_token()
-        logger.info('KV cache: %d tokens (%d blocks of %d), %s (quant_policy %d), %d bytes per token, %.1f MiB per '
-                    'rank', capacity, num_blocks, config.block_size, kv_kind, config.quant_policy, token_bytes,
-                    capacity * token_bytes / 2**20)
-        self.session_len = min(config.session_len or cfg.max_position_embeddings, capacity)
+        capacity = self.block_manager.token_capacity(config.max_prefill_token_num)
+        self._log_cache(num_blocks * config.block_size)
+        self.session_len = min(config.session_len or cfg.max_position_embeddings, capacity or sys.maxsize)
         if use_graphs:
             self.runner.capture_graphs(config.max_batch_size, -(-self.session_len // config.block_size))
         self.outputs = OutputProcessor(self.tokenizer)
@@ -101,6 +100,22 @@ class Engine:
         # fault_hook('output', seqs) once a step's sampled tokens became outputs (finished sequences are
         # already released then); what it raises is what step() raises.
         self.fault_hook: Callable[[str, list[Sequence]], None] | None = None
+
+    def _log_cache(self, tokens: int) -> None:
+        """Logs the KV cache's size: the ``tokens`` its first pool holds, and the sliding-window pool."""
+        config, cfg, runner = self.config, self.model_config, self.runner
+        kv_kind = {0: str(cfg.dtype).removeprefix('torch.'), 8: 'int8', 4: 'int4'}[config.quant_policy]
+        kv_kind += ' latent (MLA)' if cfg.kv_latent_dim else ''
+        cache_bytes = sum(t.numel() * t.element_size() for layer in runner.kv_caches for t in layer)
+        pools = f'{tokens // config.block_size} blocks of {config.block_size}'
+        if runner.num_window_blocks is not None:
+            pools += (f' for the full-attention layers, and {runner.num_window_blocks} blocks for the sliding-window '
+                      f'layers (window {runner.window}), which give back the blocks out of their window')
+        elif runner.window is not None:
+            pools += f', sliding window {runner.window}: blocks out of the window are given back'
+        logger.info('KV cache: %d tokens (%s), %s (quant_policy %d), %d bytes per token of every layer, %.1f MiB '
+                    'per rank', tokens, pools, kv_kind, config.quant_policy, runner.cfg.kv_bytes_per_token(),
+                    cache_bytes / 2**20)
 
     def _start_ranks(self) -> TPGroup:
         """This thread's group: rank 0 of ``tp`` ranks, bound to its share of the CPUs, once the
@@ -190,19 +205,28 @@ class Engine:
 
     @torch.inference_mode()
     def get_logits(self, prompt_ids: list[int]) -> torch.Tensor:
-        """fp32 logits ``[len(prompt_ids), vocab]`` of every position, from a fresh prefill of the prompt
-        in borrowed free blocks (no prefix-cache reuse); runs between steps, on the engine's thread."""
+        """fp32 logits ``[len(prompt_ids), vocab]`` of every position, from a fresh prefill of the prompt in
+        chunks of ``max_prefill_token_num`` tokens, in borrowed free blocks (no prefix-cache reuse; sliding-window
+        layers give back their blocks between chunks); runs between steps, on the engine's thread."""
         self._check_prompt(prompt_ids)
+        bm = self.block_manager
         seq = Sequence(-1, list(prompt_ids), GenerationConfig(max_new_tokens=1))
-        if not self.block_manager.can_allocate(self.block_manager.blocks_needed(len(prompt_ids))):
-            raise ValueError('not enough free KV-cache blocks for this prompt right now; retry when the engine is idle')
-        self.block_manager.allocate(seq, len(prompt_ids))
+        logits = []
         try:
-            input_ids, ctx, _ = self.runner.build_inputs(SchedulerOutput(prefill=[ScheduledSeq(seq, len(prompt_ids))]))
-            rows = list(range(len(prompt_ids)))
-            return self._on_all_ranks(lambda: self.runner.execute(input_ids, ctx, rows)).float().cpu()
+            while seq.num_computed < len(prompt_ids):
+                num_tokens = min(self.config.max_prefill_token_num, len(prompt_ids) - seq.num_computed)
+                bm.release_out_of_window(seq)
+                if not bm.can_allocate(bm.blocks_needed(seq, seq.num_computed + num_tokens)):
+                    raise ValueError('not enough free KV-cache blocks for this prompt right now; retry when the '
+                                     'engine is idle')
+                bm.allocate(seq, seq.num_computed + num_tokens)
+                input_ids, ctx, _ = self.runner.build_inputs(SchedulerOutput(prefill=[ScheduledSeq(seq, num_tokens)]))
+                forward = functools.partial(self.runner.execute, input_ids, ctx, list(range(num_tokens)))
+                logits.append(self._on_all_ranks(forward).float().cpu())
+                seq.num_computed += num_tokens
+            return torch.cat(logits)
         finally:
-            self.block_manager.free_blocks(seq)
+            bm.free_blocks(seq)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._launched is not None

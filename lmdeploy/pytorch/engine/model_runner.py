@@ -13,8 +13,17 @@ from lmdeploy.pytorch.distributed.channel import StepChannel
 from lmdeploy.pytorch.engine.cuda_graph import DecodeGraphRunner
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.multimodal import MultiModalBatch, MultiModalInput
+from lmdeploy.pytorch.nn.attention import PagedAttention
+from lmdeploy.pytorch.paging.block_manager import given_back_as_zero
 from lmdeploy.pytorch.paging.scheduler import ScheduledSeq, SchedulerOutput
 from lmdeploy.pytorch.step_context import StepContext
+
+
+def layer_windows(model: nn.Module, num_layers: int) -> list[int | None]:
+    """Each decoder layer's sliding window, None for full attention (every layer of a model whose layers are
+    not all :class:`PagedAttention`, as multi-head latent attention)."""
+    windows = [m.sliding_window for m in model.modules() if isinstance(m, PagedAttention)]
+    return windows if len(windows) == num_layers else [None] * num_layers
 
 
 @dataclass
@@ -40,39 +49,58 @@ class ModelRunner:
     The cache holds one block more than the block manager hands out: the scratch block that the
     padding rows of graph-replayed decode steps write to.
 
+    With ``num_window_blocks`` the sliding-window layers keep their K/V in a pool of that many blocks (plus
+    their scratch block, ``window_scratch_block``), read through ``Sequence.window_block_ids``; the other
+    layers in the ``num_blocks`` of ``Sequence.block_ids`` (see :class:`BlockManager`). ``window`` is the
+    widest sliding window of the model's layers, None without any.
+
     Under tensor parallelism every rank has a runner over its shard of the model (``cfg`` gives this
     rank's KV heads): rank 0 builds each step's inputs and sends them down ``channel`` before it runs
     them; the other ranks run what arrives (:meth:`serve`).
     """
 
     def __init__(self, model: nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int,
-                 device: torch.device | str = 'cpu', channel: StepChannel | None = None):
+                 device: torch.device | str = 'cpu', channel: StepChannel | None = None,
+                 num_window_blocks: int | None = None):
         self.model = model
         self.cfg = cfg
         self.channel = channel
         self.block_size = block_size
         self.device = torch.device(device)
         self.scratch_block = num_blocks
+        windows = layer_windows(model, cfg.num_layers)
+        self.window = max((w for w in windows if w), default=None)
+        if num_window_blocks is not None and (self.window is None or all(windows)):
+            raise ValueError('a sliding-window pool needs a model with both sliding-window and full layers')
+        self.num_window_blocks = num_window_blocks
+        self.window_scratch_block = num_window_blocks
+        self.tables = ('block_ids',) if num_window_blocks is None else ('block_ids', 'window_block_ids')
+        pool_sizes = [num_window_blocks if window and num_window_blocks is not None else num_blocks
+                      for window in windows]
         # Zeroed so that the padding read by batched decode never holds NaNs.
         self.kv_caches = [tuple(torch.zeros(shape, dtype=dtype, device=self.device)
-                                for shape, dtype in cfg.kv_cache_shapes(num_blocks + 1, block_size))
-                          for _ in range(cfg.num_layers)]
+                                for shape, dtype in cfg.kv_cache_shapes(size + 1, block_size))
+                          for size in pool_sizes]
         self.graphs: DecodeGraphRunner | None = None
 
     def capture_graphs(self, max_batch_size: int, max_blocks: int, make_graph=None) -> None:
         """Captures decode graphs for up to ``max_batch_size`` sequences of up to ``max_blocks`` blocks."""
         self.graphs = DecodeGraphRunner(self.model, self.kv_caches, max_batch_size, max_blocks, self.block_size,
-                                        self.scratch_block, make_graph)
+                                        self.scratch_block, make_graph, self.window_scratch_block)
         self.graphs.capture()
 
     def _tensor(self, values: list) -> torch.Tensor:
         return to_device(torch.tensor(values), self.device)
 
-    def _block_table(self, items: list[ScheduledSeq], lengths: list[int]) -> torch.Tensor:
-        """``[len(items), max blocks]``: each sequence's blocks covering its first ``lengths`` tokens."""
+    def _block_tables(self, items: list[ScheduledSeq], lengths: list[int]) -> list[torch.Tensor]:
+        """Per pool ``[len(items), max blocks]``: each sequence's blocks covering its first ``lengths`` tokens,
+        block 0 for those a sliding pool gave back and for the padding."""
         width = -(-max(lengths) // self.block_size)
-        return self._tensor([item.seq.block_ids[:width] + [0] * (width - len(item.seq.block_ids[:width]))
-                             for item in items])
+        tables = []
+        for name in self.tables:
+            rows = [given_back_as_zero(getattr(item.seq, name)[:width]) for item in items]
+            tables.append(self._tensor([row + [0] * (width - len(row)) for row in rows]))
+        return tables
 
     def _multimodal_batch(self, plan: SchedulerOutput, q_start: list[int]) -> MultiModalBatch | None:
         """The images whose placeholder tokens the prefill chunks feed; a whole image is encoded even
@@ -103,7 +131,7 @@ class ModelRunner:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
-        kv_blocks: list[int] = []
+        kv_blocks: list[list[int]] = [[] for _ in self.tables]  # per pool
         q_start: list[int] = []
         ctx_len: list[int] = []
         sample_rows: list[int] = []
@@ -121,15 +149,21 @@ class ModelRunner:
             input_ids.extend(seq.token_ids[start:end])
             chunk_positions = range(start, end)
             positions.extend(chunk_positions)
-            kv_blocks.extend(seq.block_ids[p // bs] for p in chunk_positions)
+            for blocks, name in zip(kv_blocks, self.tables):
+                table = getattr(seq, name)
+                blocks.extend(table[p // bs] for p in chunk_positions)
             if item.samples:
                 sample_rows.append(len(input_ids) - 1)
         num_prefill = len(input_ids)
         prefill = dict(prefill_block_table=None, prefill_q_start=None, prefill_q_len=None, prefill_ctx_len=None,
                        prefill_max_q_len=0)
+        window_tables = {}
         if plan.prefill:
             q_len = [item.num_tokens for item in plan.prefill]
-            prefill = dict(prefill_block_table=self._block_table(plan.prefill, ctx_len),
+            prefill_tables = self._block_tables(plan.prefill, ctx_len)
+            if len(prefill_tables) > 1:
+                window_tables['window_prefill_block_table'] = prefill_tables[1]
+            prefill = dict(prefill_block_table=prefill_tables[0],
                            prefill_q_start=self._tensor(q_start), prefill_q_len=self._tensor(q_len),
                            prefill_ctx_len=self._tensor(ctx_len), prefill_max_q_len=max(q_len),
                            prefill_seq_len=self._tensor([item.seq.num_tokens for item in plan.prefill]))
@@ -139,19 +173,25 @@ class ModelRunner:
                 seq = item.seq
                 input_ids.append(seq.last_token)
                 positions.append(seq.num_tokens - 1)
-                kv_blocks.append(seq.block_ids[(seq.num_tokens - 1) // bs])
+                for blocks, name in zip(kv_blocks, self.tables):
+                    blocks.append(getattr(seq, name)[(seq.num_tokens - 1) // bs])
                 if uses_mrope:
                     rope_positions.append(seq.rope_positions_of(seq.num_tokens - 1, seq.num_tokens))
             lengths = [item.seq.num_tokens for item in plan.decode]
-            decode_blocks, decode_kv_lens = self._block_table(plan.decode, lengths), self._tensor(lengths)
+            decode_tables = self._block_tables(plan.decode, lengths)
+            decode_blocks, decode_kv_lens = decode_tables[0], self._tensor(lengths)
+            if len(decode_tables) > 1:
+                window_tables['window_decode_blocks'] = decode_tables[1]
             sample_rows.extend(range(num_prefill, len(input_ids)))
         position_tensor = self._tensor(positions)
-        ctx = StepContext(positions=position_tensor, kv_blocks=self._tensor(kv_blocks),
+        if len(kv_blocks) > 1:
+            window_tables['window_kv_blocks'] = self._tensor(kv_blocks[1])
+        ctx = StepContext(positions=position_tensor, kv_blocks=self._tensor(kv_blocks[0]),
                           kv_offsets=position_tensor % bs, num_prefill_tokens=num_prefill,
                           decode_blocks=decode_blocks, decode_kv_lens=decode_kv_lens,
                           rope_positions=to_device(torch.cat(rope_positions, dim=1), self.device) if uses_mrope
                           else None,
-                          multimodal=self._multimodal_batch(plan, q_start), **prefill)
+                          multimodal=self._multimodal_batch(plan, q_start), **prefill, **window_tables)
         return self._tensor(input_ids), ctx, sample_rows + prompt_rows
 
     @torch.inference_mode()

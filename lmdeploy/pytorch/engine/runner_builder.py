@@ -15,7 +15,7 @@ from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.distributed.channel import StepChannel
 from lmdeploy.pytorch.distributed.parallel_state import TPGroup, head_ranges, use_group
 from lmdeploy.pytorch.engine.cuda_graph import DecodeGraphRunner
-from lmdeploy.pytorch.engine.model_runner import ModelRunner
+from lmdeploy.pytorch.engine.model_runner import ModelRunner, layer_windows
 from lmdeploy.pytorch.weights.loader import build_model
 
 DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
@@ -74,6 +74,30 @@ def blocks_from_memory(cfg: ModelConfig, config: PytorchEngineConfig, device: to
     return num_blocks
 
 
+def window_pool_target(window: int, config: PytorchEngineConfig) -> int:
+    """Blocks a sliding-window pool is given: room for each sequence of a full batch to hold the last
+    ``window`` tokens while decoding, and for one prefill chunk."""
+    bs = config.block_size
+    return config.max_batch_size * (-(-(window - 1) // bs) + 1) + -(-config.max_prefill_token_num // bs)
+
+
+def kv_pool_sizes(windows: list[int | None], num_blocks: int, config: PytorchEngineConfig) -> tuple[int, int | None]:
+    """The blocks of the full-attention layers' pool and of the sliding-window layers' pool (None: one pool
+    serves every layer) in the memory of ``num_blocks`` blocks of every layer, for layers of sliding
+    ``windows`` (None: full attention). A model with both kinds gives its sliding pool
+    :func:`window_pool_target` blocks, never more than the full pool (a sequence never holds more blocks
+    there), and the rest of the memory to the full pool; ``config.num_gpu_blocks`` sets the full pool's
+    blocks instead."""
+    sliding = [w for w in windows if w]
+    if not sliding or len(sliding) == len(windows):
+        return num_blocks, None
+    window_blocks = window_pool_target(max(sliding), config)
+    if config.num_gpu_blocks or window_blocks >= num_blocks:
+        return num_blocks, min(window_blocks, num_blocks)
+    num_full_layers = len(windows) - len(sliding)
+    return (num_blocks * len(windows) - window_blocks * len(sliding)) // num_full_layers, window_blocks
+
+
 def build_runner(model_dir: str, config: PytorchEngineConfig, device: torch.device, group: TPGroup,
                  show_progress: bool = True) -> tuple[PretrainedConfig, ModelConfig, ModelRunner]:
     """This rank's shard of the model and its runner, with as many KV blocks as every rank can hold;
@@ -89,5 +113,7 @@ def build_runner(model_dir: str, config: PytorchEngineConfig, device: torch.devi
     graph_model = model if device.type == 'cuda' and not config.eager_mode and group.world_size == 1 else None
     num_blocks = config.num_gpu_blocks or group.min(
         blocks_from_memory(rank_cfg, config, device, graph_model, group.world_size), timeout=group.connect_timeout)
+    num_blocks, num_window_blocks = kv_pool_sizes(layer_windows(model, cfg.num_layers), num_blocks, config)
     channel = StepChannel(group) if group.world_size > 1 else None
-    return hf_config, cfg, ModelRunner(model, rank_cfg, num_blocks, config.block_size, device, channel)
+    return hf_config, cfg, ModelRunner(model, rank_cfg, num_blocks, config.block_size, device, channel,
+                                       num_window_blocks)

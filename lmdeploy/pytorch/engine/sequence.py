@@ -26,6 +26,9 @@ class Sequence:
     prompt's images; models with 3-D rotary positions (Qwen-VL) give the prompt's positions in
     ``rope_positions [3, len(prompt_ids)]``, and later tokens sit at their index plus ``rope_delta``.
 
+    ``block_ids`` is its block table in the KV cache's first pool, ``window_block_ids`` in the sliding-window
+    layers' pool of a model that also has full-attention layers; a sliding pool's table holds None for the
+    blocks it gave back (see :class:`BlockManager`).
     ``num_inflight`` counts tokens already sampled on the device whose ids have not reached the host
     yet (overlapped scheduling): they count in ``num_tokens`` but are not in ``output_ids``.
     ``awaiting_final_token`` is set when the token in flight is the last one the request may get.
@@ -40,7 +43,8 @@ class Sequence:
     gen_config: GenerationConfig
     eos_token_ids: frozenset[int] = frozenset()
     output_ids: list[int] = field(default_factory=list)
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[int | None] = field(default_factory=list)
+    window_block_ids: list[int | None] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
     num_computed: int = 0
     num_cached: int = 0

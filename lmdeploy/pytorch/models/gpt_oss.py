@@ -1,5 +1,5 @@
 """gpt-oss: attention with sinks, alternating sliding-window and full layers, and a MoE of biased experts
-with a clamped SwiGLU (their MXFP4 weights are dequantized at load, see ``nn/quant/mxfp4.py``)."""
+with a clamped SwiGLU (MXFP4 checkpoints' experts are kept so, see ``nn/quant/mxfp4.py``)."""
 from __future__ import annotations
 
 import re
@@ -17,8 +17,9 @@ from lmdeploy.pytorch.nn.attention import PagedAttention
 from lmdeploy.pytorch.weights.safetensors_loader import WeightSource, read_shard
 
 # all experts of a layer in one tensor: gate_up_proj [E, H, 2I] (gate and up columns alternate),
-# down_proj [E, I, H], and their biases [E, 2I] and [E, H]
-FUSED_EXPERTS = re.compile(r'(.*layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias)?')
+# down_proj [E, I, H], and their biases [E, 2I] and [E, H]; in MXFP4 checkpoints the weights as ``_blocks``
+# [E, out, in / 32, 16] and ``_scales`` [E, out, in / 32] instead
+FUSED_EXPERTS = re.compile(r'(.*layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?')
 
 
 class GptOssAttention(LlamaAttention):
@@ -56,16 +57,17 @@ class GptOssForCausalLM(MoEForCausalLM):
 
     def split_fused(self, weights: Iterable[tuple[str, WeightSource]]) -> Iterator[tuple[str, WeightSource]]:
         """Also splits each layer's fused expert tensors into every expert's ``gate_proj``, ``up_proj`` and
-        ``down_proj`` (weight ``[out, in]`` and bias), the names of per-expert checkpoints."""
+        ``down_proj`` (weight ``[out, in]`` or MXFP4 ``blocks`` and ``scales``, and bias), the names of per-expert
+        checkpoints."""
         for name, tensor in super().split_fused(weights):
             match = FUSED_EXPERTS.fullmatch(name)
             if match is None:
                 yield name, tensor
                 continue
-            prefix, proj, bias = match.groups()
-            kind = 'bias' if bias else 'weight'
+            prefix, proj, suffix = match.groups()
+            kind = suffix[1:] if suffix else 'weight'
             full = read_shard(tensor, None)
-            if not bias:
+            if kind == 'weight':
                 full = full.transpose(1, 2)  # [E, out, in]
             for expert in range(full.shape[0]):
                 if proj == 'down_proj':

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from lmdeploy.pytorch.config import ModelConfig
-from lmdeploy.pytorch.kernels import moe_routing
+from lmdeploy.pytorch.kernels import cpu, moe_routing
 from lmdeploy.pytorch.kernels.activation import ClampedSwiGLU
 from lmdeploy.pytorch.models.llama import LlamaForCausalLM, LlamaMLP, WeightTarget
 from lmdeploy.pytorch.nn.linear import Linear
@@ -37,6 +37,27 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = Linear(cfg.hidden_size, 1) if shared else None
         self.experts = FusedExperts(cfg.hidden_size, intermediate, num_experts, bias, activation)
         self.shared_expert = LlamaMLP(cfg, shared) if shared else None
+
+    def native_moe(self, small_step: bool = False) -> object | None:
+        """This block as a ``MoEBlock`` of :class:`~lmdeploy.pytorch.nn.decoder_stack.NativeDecoderStack`
+        (``small_step``: for steps of at most ``small_step_rows`` tokens, which only the shared expert's
+        projections tell apart); None where a part runs on no native kernel, or with biases or another
+        activation (gpt-oss)."""
+        experts = self.experts
+        native = experts.kernel.native_experts() if not experts.has_bias and experts.activation is None else None
+        router = self.gate.kernel.router_projection(self.gate.bias)
+        if native is None or router is None:
+            return None
+        if self.shared_expert is not None:
+            mlp, gate = self.shared_expert, self.shared_expert_gate
+            shared = {f'shared_{name}': (proj.kernel.small_step_projection if small_step else
+                                         proj.kernel.native_projection)(proj.bias)
+                      for name, proj in (('gate_up', mlp.gate_up_proj), ('down', mlp.down_proj))}
+            shared['shared_gate'] = gate.kernel.router_projection(gate.bias)
+            if any(projection is None for projection in shared.values()):
+                return None
+            native.update(shared)
+        return cpu.native().MoEBlock(router=router, top_k=self.top_k, renormalize=self.renormalize, **native)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = moe_routing(self.gate(x), self.top_k, self.renormalize)

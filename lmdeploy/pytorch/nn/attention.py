@@ -16,7 +16,8 @@ class PagedAttention(nn.Module):
 
     ``sliding_window``, ``logit_softcap`` and ``sinks`` (None: off) are the attention features of
     ``kernels/attention.py``; ``sinks [num_heads]`` is a parameter filled from the checkpoint when
-    ``with_sinks`` is set (this rank's heads under tensor parallelism)."""
+    ``with_sinks`` is set (this rank's heads under tensor parallelism). A layer with a sliding window reads
+    the step's sliding-window block tables (``StepContext.tables``)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, quant_policy: int = 0,
                  sliding_window: int | None = None, logit_softcap: float | None = None, with_sinks: bool = False):
@@ -42,16 +43,17 @@ class PagedAttention(nn.Module):
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         quant = (*kv_cache[2:], self.quant_policy) if self.quant_policy else ()
         features = self.features()
-        fill_kv_cache(k, v, k_cache, v_cache, ctx.kv_blocks, ctx.kv_offsets, *quant)
+        kv_blocks, prefill_block_table, decode_blocks = ctx.tables(self.sliding_window is not None)
+        fill_kv_cache(k, v, k_cache, v_cache, kv_blocks, ctx.kv_offsets, *quant)
         num_prefill = ctx.num_prefill_tokens
         parts = []
         if ctx.prefill_q_len is not None:
             parts.append(prefill_attention(q[:num_prefill], k[:num_prefill], v[:num_prefill], k_cache, v_cache,
-                                           ctx.prefill_block_table, ctx.prefill_q_start, ctx.prefill_q_len,
+                                           prefill_block_table, ctx.prefill_q_start, ctx.prefill_q_len,
                                            ctx.prefill_ctx_len, ctx.prefill_max_q_len, self.scale, *quant,
                                            **features))
-        if ctx.decode_blocks is not None:
-            parts.append(decode_attention(q[num_prefill:], k_cache, v_cache, ctx.decode_blocks, ctx.decode_kv_lens,
+        if decode_blocks is not None:
+            parts.append(decode_attention(q[num_prefill:], k_cache, v_cache, decode_blocks, ctx.decode_kv_lens,
                                           self.scale, *quant, **features))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return out.flatten(1)

@@ -1,7 +1,9 @@
 """Llama-style decoder layers in one native call per step on the CPU (``kernels/cpu/decoder_stack.cpp``),
 on projections in bf16 or W8A8 (each its own kernel's weight, see ``LinearKernel.native_projection``), a GGUF
 file's Q4_K and Q6_K blocks, or a stacked layer's parts each on its own (``nn/quant/parts.py``); steps of a few
-tokens on the 4-bit copies of ``decode_int4`` where they run on the native GEMV.
+tokens on the 4-bit copies of ``decode_int4`` where they run on the native GEMV. A MoE family's sparse MLP
+runs as a ``MoEBlock`` (``kernels/cpu/moe_block.cpp``, see ``SparseMoeBlock.native_moe``): its router, the
+routing and each routed expert on the kernel its Python path calls.
 
 The call runs the kernels of the layers' own forward, in the same order, so its results are
 identical; it only drops the Python between them, which in a 64-row decode step cost about 5 ms of
@@ -26,10 +28,11 @@ LayerWeights = Any
 def layer_weights(input_norm: torch.Tensor, post_norm: torch.Tensor, projections: dict[str, Linear],
                   small_step: bool = False, **options: Any) -> LayerWeights | None:
     """A Llama-style layer's weights for the stack: its norms' weights and its ``qkv``, ``o``, ``gate_up``
-    and ``down`` projections, each as its kernel's native projection (``small_step``: the one for steps of
-    at most ``small_step_rows`` tokens); ``options`` are the other fields of ``LayerWeights`` by name (its
-    other norms, ``rotary_dim``, ``interleaved_rope``, ``sliding_window``; see ``kernels/cpu/common.h``).
-    None when a projection runs on no native GEMM."""
+    and ``down`` projections (without the last two where ``options`` holds its ``moe`` block), each as its
+    kernel's native projection (``small_step``: the one for steps of at most ``small_step_rows`` tokens);
+    ``options`` are the other fields of ``LayerWeights`` by name (its other norms, ``rotary_dim``,
+    ``interleaved_rope``, ``sliding_window``, ``moe``; see ``kernels/cpu/common.h``). None when a projection
+    runs on no native GEMM."""
     native = {name: (proj.kernel.small_step_projection if small_step else proj.kernel.native_projection)(proj.bias)
               for name, proj in projections.items()}
     if any(projection is None for projection in native.values()):
@@ -84,6 +87,8 @@ class NativeDecoderStack:
             num_prefill_tokens=ctx.num_prefill_tokens, prefill_block_table=ctx.prefill_block_table,
             prefill_q_start=ctx.prefill_q_start, prefill_q_len=ctx.prefill_q_len, prefill_ctx_len=ctx.prefill_ctx_len,
             prefill_max_q_len=ctx.prefill_max_q_len, decode_blocks=ctx.decode_blocks,
-            decode_kv_lens=ctx.decode_kv_lens, local_cos=local_cos, local_sin=local_sin)
+            decode_kv_lens=ctx.decode_kv_lens, local_cos=local_cos, local_sin=local_sin,
+            window_kv_blocks=ctx.window_kv_blocks, window_prefill_block_table=ctx.window_prefill_block_table,
+            window_decode_blocks=ctx.window_decode_blocks)
         stack = self.large if x.shape[0] > self.small_step_rows else self.small
         return stack.forward(x, kv_caches, step)

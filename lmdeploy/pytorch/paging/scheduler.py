@@ -39,6 +39,7 @@ class Scheduler:
     waiting ones in arrival order. When blocks run out, the most recently admitted sequence is
     preempted: its blocks are freed and it is recomputed later from its tokens so far. With
     overlapped steps, a sequence whose last token in flight is its final one is not scheduled again.
+    Before a running sequence is scheduled, its blocks out of the sliding window go back to their pool.
 
     With LongRoPE (``long_rope_after``: the model's ``original_max_position_embeddings``) a sequence of
     more tokens than that is turned by the long factors throughout, as in transformers: one that grows past
@@ -75,7 +76,8 @@ class Scheduler:
                 self._requeue(self.running.pop(index))
                 continue
             num_tokens = min(seq.num_pending, budget)
-            needed = bm.blocks_needed(seq.num_computed + num_tokens) - len(seq.block_ids)
+            bm.release_out_of_window(seq)
+            needed = bm.blocks_needed(seq, seq.num_computed + num_tokens)
             if not self._make_room(index, needed):
                 break
             bm.allocate(seq, seq.num_computed + num_tokens)
@@ -86,14 +88,14 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
             seq.long_rope = self._long_rope(seq)
-            revived = bm.match_prefix(seq)
-            num_cached = len(revived) * bm.block_size
+            match = bm.match_prefix(seq)
+            num_cached = match.num_blocks * bm.block_size
             num_tokens = min(seq.num_tokens - num_cached, budget)
-            needed = bm.blocks_needed(num_cached + num_tokens) - len(revived)
-            if not bm.can_allocate(needed, revived):
+            needed = bm.blocks_needed(seq, num_cached + num_tokens, match)
+            if not bm.can_allocate(needed, match):
                 break
             self.waiting.popleft()
-            bm.allocate(seq, num_cached + num_tokens, revived)
+            bm.allocate(seq, num_cached + num_tokens, match)
             seq.num_computed = num_cached
             if seq.num_preemptions == 0:
                 seq.num_cached = num_cached
@@ -112,9 +114,9 @@ class Scheduler:
         self.block_manager.free_blocks(seq)
         seq.status = SequenceStatus.FINISHED
 
-    def _make_room(self, index: int, needed: int) -> bool:
-        """Preempts running sequences after ``index``, latest admitted first, until ``needed`` blocks are
-        free; if they still are not, preempts the sequence at ``index`` too and returns False. A sequence
+    def _make_room(self, index: int, needed: list[int]) -> bool:
+        """Preempts running sequences after ``index``, latest admitted first, until the ``needed`` blocks of
+        every pool are free; if they still are not, preempts the sequence at ``index`` too and returns False. A sequence
         with tokens in flight cannot be recomputed yet, so it is never preempted."""
         bm = self.block_manager
         victim = len(self.running) - 1

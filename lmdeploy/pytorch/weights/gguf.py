@@ -15,13 +15,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from .gguf_archs import ARCHITECTURES, CONFIG_BUILDERS, LAYER_NAMES, RAW_SERVED_ARCHS, finish_state_dict
-from .gguf_types import LM_HEAD_RAW_TYPES, RAW_TYPES, engine_layer, served_types
+from .gguf_archs import (ARCHITECTURES, CONFIG_BUILDERS, LAYER_NAMES, RAW_SERVED_ARCHS, finish_state_dict,
+                         mxfp4_from_ggml)
+from .gguf_types import LM_HEAD_RAW_TYPES, MXFP4, RAW_TYPES, engine_layer, served_types
 
 logger = logging.getLogger(__name__)
 
@@ -66,10 +67,11 @@ SMOLLM3_NO_ROPE_INTERVAL = 4
 _ROPE_FACTORS = ('rope_factors_long.weight', 'rope_factors_short.weight')
 _LAYER_RE = re.compile(r'blk\.(\d+)\.(\w+)')
 _LAYER_INDEX = re.compile(r'blk\.(\d+)\.')
+_EXPERTS = re.compile(r'blk\.\d+\.ffn_(gate|up|down)_exps\.weight')
 # llama.cpp pre-tokenizers that transformers' GGUF reader does not know, by the one of its splits they use
 # (GLM-4's is Llama 3's); without one it would split text as GPT-2 does
 _PRE_TOKENIZER_SPLITS = {'chatglm-bpe': 'llama-bpe', 'glm4': 'llama-bpe'}
-_CACHE_FORMAT = 9  # bump when the converted output changes, so stale cache entries are not reused
+_CACHE_FORMAT = 10  # bump when the converted output changes, so stale cache entries are not reused
 
 
 def cache_dir() -> Path:
@@ -117,7 +119,9 @@ def _meta(reader: GGUFReader, key: str, default: Any = None) -> Any:
 
 def gguf_config(reader: GGUFReader, source: str, raw_types: Iterable[str] = RAW_TYPES) -> dict[str, Any]:
     """A transformers config dict built from the GGUF metadata of ``source``; the decoder's linear layers
-    whose projections are all of one type of ``raw_types`` are listed in its ``quantization_config``."""
+    whose projections are all of one type of ``raw_types`` are listed in its ``quantization_config``; a gpt-oss
+    file whose experts are all MXFP4 (with MXFP4 in ``raw_types``) is an MXFP4 checkpoint (``quant_method:
+    mxfp4``)."""
     arch = _meta(reader, 'general.architecture')
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(f'{source}: unsupported GGUF architecture {arch!r}; '
@@ -155,7 +159,8 @@ def gguf_config(reader: GGUFReader, source: str, raw_types: Iterable[str] = RAW_
         'dtype': 'float32',
         'gguf_weight_type': linear.tensor_type.name if linear is not None else None,
     }
-    layer_types = served_types(((hf_tensor_name(t.name, arch), t.tensor_type.name) for t in reader.tensors), raw_types)
+    layer_types = served_types(((hf_tensor_name(t.name, arch), t.tensor_type.name) for t in reader.tensors),
+                               set(raw_types) - {MXFP4})
     if layer_types:
         config['quantization_config'] = {'quant_method': 'gguf', 'ggml_types': layer_types}
     if arch == 'phi3':
@@ -173,9 +178,13 @@ def gguf_config(reader: GGUFReader, source: str, raw_types: Iterable[str] = RAW_
             config.pop('quantization_config', None)
             if experts:
                 config['quantization_config'] = {'quant_method': 'gguf', 'ggml_types': experts}
+    expert_types = {t.tensor_type.name for name, t in tensors.items() if _EXPERTS.fullmatch(name)}
+    if arch == 'gpt-oss' and MXFP4 in raw_types and expert_types == {MXFP4}:
+        config['quantization_config'] = {'quant_method': 'mxfp4'}
     output = tensors.get('output.weight')
     head_types = LM_HEAD_RAW_TYPES & set(raw_types)
-    if 'quantization_config' in config and output is not None and output.tensor_type.name in head_types:
+    gguf_blocks = config.get('quantization_config', {}).get('quant_method') == 'gguf'
+    if gguf_blocks and output is not None and output.tensor_type.name in head_types:
         config['quantization_config']['lm_head'] = output.tensor_type.name
     return config
 
@@ -223,12 +232,13 @@ def gguf_state_dict(reader: GGUFReader, tensors: Iterable[Any], config: dict[str
     """``tensors`` (one of :func:`layer_groups`) under their transformers names: dequantized to float32,
     except the projections of the layers in ``config['quantization_config']``, kept as their blocks
     (``qweight uint8 [rows, blocks, bytes]``; a MoE layer's experts ``[experts, rows, blocks, bytes]``, one
-    tensor per expert once finished), and the output layer where it names its type (``lm_head``:
-    ``lm_head.qweight``)."""
+    tensor per expert once finished), the output layer where it names its type (``lm_head``:
+    ``lm_head.qweight``), and an MXFP4 checkpoint's experts as its ``_blocks`` and ``_scales``."""
     arch = _meta(reader, 'general.architecture')
     heads = {'attn_q': config['num_attention_heads'], 'attn_k': config['num_key_value_heads']}
     quantization = config.get('quantization_config', {})
     layer_types = quantization.get('ggml_types', {})
+    mxfp4 = quantization.get('quant_method') == 'mxfp4'
     state_dict = {}
     for tensor in tensors:
         if tensor.name in _ROPE_FACTORS:
@@ -236,6 +246,9 @@ def gguf_state_dict(reader: GGUFReader, tensors: Iterable[Any], config: dict[str
         name = hf_tensor_name(tensor.name, arch)
         if name is None:
             logger.warning('Skipping GGUF tensor %s: no transformers counterpart', tensor.name)
+            continue
+        if mxfp4 and tensor.tensor_type == GGMLQuantizationType.MXFP4:
+            state_dict[f'{name}_blocks'], state_dict[f'{name}_scales'] = mxfp4_from_ggml(tensor.data)
             continue
         try:
             if engine_layer(name) in layer_types or (name == 'lm_head.weight' and 'lm_head' in quantization):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from typing import Any, Callable
 
+import numpy as np
 import torch
 from gguf import ExpertGatingFuncType, Keys
 
@@ -253,15 +254,35 @@ def _gemma_norms(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) ->
             state_dict[name] = value - 1
 
 
+def mxfp4_from_ggml(data: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp's MXFP4 blocks ``uint8 [..., K / 32 * 17]`` (an e8m0 scale byte, then 16 bytes whose low nibbles
+    hold the e2m1 codes of inputs 0-15 and high nibbles those of 16-31) as an MXFP4 checkpoint's ``blocks [...,
+    K / 32, 16]`` (inputs ``2j`` and ``2j + 1`` in byte ``j``, low nibble first) and ``scales [..., K / 32]``: the
+    same codes and scales (llama.cpp doubles its table and halves its scales: the same values)."""
+    raw = torch.from_numpy(np.array(data, dtype=np.uint8))
+    raw = raw.view(*raw.shape[:-1], -1, 17)
+    packed = raw[..., 1:]
+    codes = torch.cat((packed & 15, packed >> 4), dim=-1)
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous(), raw[..., 0].contiguous()
+
+
 def _gpt_oss_experts(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
     """Gate and up ``[E, I, H]`` back into transformers' ``gate_up_proj [E, H, 2I]`` (gate and up columns
-    alternating), down ``[E, H, I]`` into ``down_proj [E, I, H]``."""
+    alternating), down ``[E, H, I]`` into ``down_proj [E, I, H]``; MXFP4 ones (``_blocks [E, out, in / 32, 16]``
+    and ``_scales``) into ``gate_up_proj_blocks [E, 2I, ...]`` (gate and up rows alternating) and
+    ``down_proj_blocks``, as OpenAI's checkpoints hold them."""
+    for prefix in _layer_prefixes(state_dict, 'experts.gate_bias'):
+        gate, up = state_dict.pop(prefix + 'experts.gate_bias'), state_dict.pop(prefix + 'experts.up_bias')
+        state_dict[prefix + 'experts.gate_up_proj_bias'] = torch.stack((gate, up), 2).flatten(1)
     for prefix in _layer_prefixes(state_dict, 'experts.gate'):
         gate, up = state_dict.pop(prefix + 'experts.gate'), state_dict.pop(prefix + 'experts.up')
         state_dict[prefix + 'experts.gate_up_proj'] = torch.stack((gate, up), 2).flatten(1, 2).transpose(1, 2)
-        gate, up = state_dict.pop(prefix + 'experts.gate_bias'), state_dict.pop(prefix + 'experts.up_bias')
-        state_dict[prefix + 'experts.gate_up_proj_bias'] = torch.stack((gate, up), 2).flatten(1)
         state_dict[prefix + 'experts.down_proj'] = state_dict.pop(prefix + 'experts.down').transpose(1, 2)
+    for prefix in _layer_prefixes(state_dict, 'experts.gate_blocks'):
+        for kind in ('blocks', 'scales'):
+            gate, up = state_dict.pop(f'{prefix}experts.gate_{kind}'), state_dict.pop(f'{prefix}experts.up_{kind}')
+            state_dict[f'{prefix}experts.gate_up_proj_{kind}'] = torch.stack((gate, up), 2).flatten(1, 2)
+            state_dict[f'{prefix}experts.down_proj_{kind}'] = state_dict.pop(f'{prefix}experts.down_{kind}')
 
 
 _STACKED_EXPERTS = re.compile(r'model\.layers\.\d+\.mlp\.experts\.(gate|up|down)_proj\.q?weight')

@@ -28,11 +28,14 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def fill_dummy_weights(model: nn.Module, seed: int = 0) -> None:
-    """Random weights of a trained model's scale: matrices ``N(0, 0.02)``, biases 0, norm weights 1."""
+    """Random weights of a trained model's scale: matrices ``N(0, 0.02)``, biases 0, norm weights 1; a quantized
+    format's integer codes and scales 0 (an MXFP4 weight of 0: the kernels run as on real weights)."""
     device = next(model.parameters()).device
     generator = torch.Generator(device).manual_seed(seed)
     for name, param in model.named_parameters():
-        if param.dim() >= 2:
+        if not param.is_floating_point():
+            param.zero_()
+        elif param.dim() >= 2:
             param.normal_(0.0, DUMMY_STD, generator=generator)
         elif name.endswith('bias'):
             param.zero_()

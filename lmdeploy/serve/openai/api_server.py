@@ -252,7 +252,7 @@ def _ignore_signal(signum: int, _frame: object) -> None:
 def describe(state: ServerState) -> str:
     """What the server runs, for its start-up log: model folder, dtype, device, KV cache size, kernels."""
     engine = state.engine.engine
-    blocks = engine.block_manager.num_blocks
+    blocks = engine.block_manager.pools[0].num_blocks  # the full-attention layers' pool where there are two
     if engine.device.type == 'cuda':
         kernels = 'Triton kernels'
     else:

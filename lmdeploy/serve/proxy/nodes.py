@@ -3,26 +3,31 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from dataclasses import dataclass
 
 import httpcore
 import httpx
 
+from lmdeploy.messages import ConfigError
 from lmdeploy.serve.proxy.transport import node_pool
 
 logger = logging.getLogger('lmdeploy')
 CONNECT_TIMEOUT = 5.0
+HOST = re.compile(r'[A-Za-z0-9._:-]+')  # a host name, an IPv4 address or an IPv6 one (without its brackets)
 
 
 def normalize_url(url: str) -> str:
-    """``url`` as the registry keys it (``http://host:port``, no trailing slash); ValueError if it is not one."""
+    """``url`` as the registry keys it (``http://host:port``, no trailing slash); :class:`ConfigError` (a
+    ``ValueError``) if it is not one."""
     try:
         parsed = httpx.URL(url.strip())
     except (httpx.InvalidURL, TypeError) as exc:
-        raise ValueError(f'not a node URL: {url!r}') from exc
-    if parsed.scheme not in ('http', 'https') or not parsed.host or parsed.query or parsed.path not in ('', '/'):
-        raise ValueError(f'a node URL is http(s)://host[:port], got {url!r}')
+        raise ConfigError(f'not a node URL: {url!r}') from exc
+    if (parsed.scheme not in ('http', 'https') or not HOST.fullmatch(parsed.host) or parsed.query
+            or parsed.path not in ('', '/') or not 0 < (80 if parsed.port is None else parsed.port) < 65536):
+        raise ConfigError(f'a node URL is http(s)://host[:port], got {url!r}')
     return str(parsed.copy_with(path='/')).rstrip('/')
 
 
@@ -67,6 +72,10 @@ class NodeRegistry:
 
     def __init__(self, urls: list[str] = (), health_interval: float = 5.0, request_timeout: float = 600.0,
                  max_connections: int = 1024):
+        for name, value in (('health_interval', health_interval), ('request_timeout', request_timeout),
+                            ('max_connections_per_node', max_connections)):
+            if not value > 0:
+                raise ConfigError(f'{name} must be positive, got {value}')
         self.health_interval = health_interval
         self.request_timeout = request_timeout
         self.timeout = httpx.Timeout(request_timeout, connect=CONNECT_TIMEOUT)

@@ -5,6 +5,7 @@ import hashlib
 import itertools
 import json
 
+from lmdeploy.messages import ConfigError
 from lmdeploy.serve.proxy.nodes import Node
 
 PROMPT_FIELDS = ('messages', 'prompt', 'input_ids', 'input')
@@ -30,6 +31,8 @@ class PrefixAffinity(LeastRequests):
     least busy one, or the request has no prompt, :class:`LeastRequests` decides."""
 
     def __init__(self, prefix_chars: int = 512, max_imbalance: int = 8):
+        if prefix_chars < 1:
+            raise ConfigError(f'affinity_prefix_chars must be at least 1, got {prefix_chars}')
         super().__init__()
         self.prefix_chars = prefix_chars
         self.max_imbalance = max_imbalance
@@ -69,5 +72,5 @@ ROUTING_STRATEGIES = {'least_requests': LeastRequests, 'prefix_affinity': Prefix
 def make_strategy(name: str, prefix_chars: int = 512) -> LeastRequests:
     """The strategy called ``name`` (a key of :data:`ROUTING_STRATEGIES`)."""
     if name not in ROUTING_STRATEGIES:
-        raise ValueError(f'unknown routing strategy {name!r}; choose one of {sorted(ROUTING_STRATEGIES)}')
+        raise ConfigError(f'unknown routing strategy {name!r}; choose one of {sorted(ROUTING_STRATEGIES)}')
     return PrefixAffinity(prefix_chars) if name == 'prefix_affinity' else LeastRequests()

@@ -54,6 +54,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q6k_gemv_available", &q6k_gemv_available, "whether q6k_linear was built (AVX512-BF16)");
   m.def("q6k_linear", &q6k_linear, "fp32 x @ W.T on GGUF Q6_K codes and scales (linear_q6k.cpp), x in bf16",
         py::arg("x"), py::arg("codes"), py::arg("scales"));
+  m.def("mxfp4_gemv_available", &mxfp4_gemv_available, "whether mxfp4_linear was built (AVX-512)");
+  m.def("mxfp4_linear", &mxfp4_linear, "fp32 x @ W.T on MXFP4 blocks and scales (linear_mxfp4.cpp), x in fp32 or bf16",
+        py::arg("x"), py::arg("blocks"), py::arg("scales"));
+  m.def("mxfp4_dequantize", &mxfp4_dequantize, "MXFP4 blocks and scales as a [N, K] fp32 or bf16 weight",
+        py::arg("blocks"), py::arg("scales"), py::arg("dtype"));
   m.def("mla_decode_attention", &mla_decode_attention, "multi-head latent attention of one token per sequence",
         py::arg("q"), py::arg("cache"), py::arg("block_table"), py::arg("kv_lens"), py::arg("scale"), py::arg("v_dim"),
         py::arg("scales_zeros") = py::none(), py::arg("quant_policy") = 0);
@@ -68,22 +73,34 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using Optional = c10::optional<torch::Tensor>;
   py::class_<StepTensors>(m, "StepTensors", "the step's tensors that every decoder layer reads")
       .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, Optional, Optional, Optional,
-                    Optional, int64_t, Optional, Optional, Optional, Optional>(),
+                    Optional, int64_t, Optional, Optional, Optional, Optional, Optional, Optional, Optional>(),
            py::kw_only(), py::arg("cos"), py::arg("sin"), py::arg("kv_blocks"), py::arg("kv_offsets"),
            py::arg("num_prefill_tokens"), py::arg("prefill_block_table"), py::arg("prefill_q_start"),
            py::arg("prefill_q_len"), py::arg("prefill_ctx_len"), py::arg("prefill_max_q_len"),
-           py::arg("decode_blocks"), py::arg("decode_kv_lens"), py::arg("local_cos"), py::arg("local_sin"));
+           py::arg("decode_blocks"), py::arg("decode_kv_lens"), py::arg("local_cos"), py::arg("local_sin"),
+           py::arg("window_kv_blocks"), py::arg("window_prefill_block_table"), py::arg("window_decode_blocks"));
   py::class_<Projection>(m, "Projection", "a decoder layer's projection on its native GEMM's weight")
       .def(py::init<const std::string&, torch::Tensor, Optional, Optional, Optional>(), py::kw_only(),
            py::arg("kind"), py::arg("weight"), py::arg("compensation") = py::none(), py::arg("scale") = py::none(),
            py::arg("bias") = py::none())
-      .def(py::init<std::vector<Projection>>(), py::kw_only(), py::arg("parts"));
+      .def(py::init<std::vector<Projection>>(), py::kw_only(), py::arg("parts"))
+      .def(py::init<Projection, Projection, int64_t>(), py::kw_only(), py::arg("small"), py::arg("large"),
+           py::arg("small_step_rows"));
+  py::class_<MoEBlock>(m, "MoEBlock", "a decoder layer's mixture-of-experts MLP")
+      .def(py::init<Projection, int64_t, bool, Optional, Optional, std::vector<Projection>, std::vector<Projection>,
+                    c10::optional<Projection>, c10::optional<Projection>, c10::optional<Projection>>(),
+           py::kw_only(), py::arg("router"), py::arg("top_k"), py::arg("renormalize"), py::arg("gate_up") = py::none(),
+           py::arg("down") = py::none(), py::arg("expert_gate_up") = std::vector<Projection>(),
+           py::arg("expert_down") = std::vector<Projection>(), py::arg("shared_gate_up") = py::none(),
+           py::arg("shared_down") = py::none(), py::arg("shared_gate") = py::none())
+      .def("__call__", &MoEBlock::operator(), py::call_guard<py::gil_scoped_release>(), py::arg("x"));
   py::class_<LayerWeights>(m, "LayerWeights", "a Llama-style decoder layer's weights")
-      .def(py::init<torch::Tensor, torch::Tensor, Projection, Projection, Projection, Projection, Optional,
-                    Optional, Optional, Optional, int64_t, bool, bool, c10::optional<int64_t>,
-                    c10::optional<double>, bool>(),
+      .def(py::init<torch::Tensor, torch::Tensor, Projection, Projection, c10::optional<Projection>,
+                    c10::optional<Projection>, c10::optional<MoEBlock>, Optional, Optional, Optional, Optional, int64_t,
+                    bool, bool, c10::optional<int64_t>, c10::optional<double>, bool>(),
            py::kw_only(), py::arg("input_norm"), py::arg("post_norm"), py::arg("qkv"), py::arg("o"),
-           py::arg("gate_up"), py::arg("down"), py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(),
+           py::arg("gate_up") = py::none(), py::arg("down") = py::none(), py::arg("moe") = py::none(),
+           py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(),
            py::arg("attn_out_norm") = py::none(), py::arg("mlp_out_norm") = py::none(), py::arg("rotary_dim"),
            py::arg("interleaved_rope") = false, py::arg("local_rope") = false, py::arg("sliding_window") = py::none(),
            py::arg("logit_softcap") = py::none(), py::arg("gelu_tanh_mlp") = false);

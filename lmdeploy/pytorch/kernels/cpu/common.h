@@ -248,6 +248,10 @@ bool q8_gemv_available();
 torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales);
 bool q6k_gemv_available();
 torch::Tensor q6k_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales);
+// MXFP4 (gpt-oss's experts) as the checkpoint holds it (linear_mxfp4.cpp); x in fp32 or bf16.
+bool mxfp4_gemv_available();
+torch::Tensor mxfp4_linear(const torch::Tensor& x, const torch::Tensor& blocks, const torch::Tensor& scales);
+torch::Tensor mxfp4_dequantize(const torch::Tensor& blocks, const torch::Tensor& scales, at::ScalarType dtype);
 torch::Tensor pack_int8_gate_up(const torch::Tensor& weight);
 torch::Tensor int8_gate_up_silu(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& compensation,
                                 const torch::Tensor& scale, c10::optional<torch::Tensor> bias);
@@ -260,6 +264,9 @@ struct StepTensors {
   c10::optional<torch::Tensor> prefill_block_table, prefill_q_start, prefill_q_len, prefill_ctx_len;
   int64_t prefill_max_q_len;
   c10::optional<torch::Tensor> decode_blocks, decode_kv_lens, local_cos, local_sin;
+  // The sliding-window layers' own pool (StepContext.tables): these replace kv_blocks, prefill_block_table and
+  // decode_blocks for a layer with a sliding window when window_kv_blocks is given.
+  c10::optional<torch::Tensor> window_kv_blocks, window_prefill_block_table, window_decode_blocks;
 };
 
 // One projection of a decoder layer, x @ W.T (+ bias), on its weight as its kernel takes it. `kind` "bf16":
@@ -268,13 +275,17 @@ struct StepTensors {
 // codes with q4k_linear's `scale` bytes; "q6k":
 // q6k_linear's codes and `scale`s (its fp32 result rounded to x's dtype, then the bias added). A
 // gate-and-up projection's weight is packed for the kernel's fused SiLU (pack_bf16_gate_up,
-// pack_int8_gate_up; int4: gate and up tiles alternate, no bias). "parts": a stacked projection whose parts
-// run each on its own projection (each with its share of the bias), their outputs side by side.
+// pack_int8_gate_up; int4: gate and up tiles alternate, no bias). "onednn": oneDNN's GEMM
+// (mkldnn::_linear_pointwise) on its blocked weight, for a MoE block's router and shared-expert gate. "parts": a
+// stacked projection whose parts run each on its own projection (each with its share of the bias), their outputs
+// side by side. "steps": inputs of at most `small_step_rows` rows on `parts[0]`, more on `parts[1]` (an expert's
+// share of a step, whatever its size).
 struct Projection {
-  enum class Kind { kBf16, kW8A8, kInt4, kQ4K, kQ6K, kParts };
+  enum class Kind { kBf16, kW8A8, kInt4, kQ4K, kQ6K, kOneDnn, kParts, kSteps };
   Projection(const std::string& kind, torch::Tensor weight, c10::optional<torch::Tensor> compensation,
              c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias);
   explicit Projection(std::vector<Projection> parts);
+  Projection(Projection small, Projection large, int64_t small_step_rows);
   torch::Tensor operator()(const torch::Tensor& x) const;
   // silu(gate) * up of a gate-and-up projection (gate rows, then up rows).
   torch::Tensor gate_up_silu(const torch::Tensor& x) const;
@@ -283,6 +294,33 @@ struct Projection {
   torch::Tensor weight;
   c10::optional<torch::Tensor> compensation, scale, bias;
   std::vector<Projection> parts;
+  int64_t small_step_rows = 0;
+};
+
+// A mixture-of-experts MLP (moe_block.cpp), the kernels and order of SparseMoeBlock's forward
+// (lmdeploy/pytorch/models/moe.py): the router's logits, softmax and top-k in fp32 (renormalized when
+// `renormalize`: Qwen's norm_topk_prob, Mixtral's top-k then softmax), each routed expert on its rows (the
+// experts in order, as run_experts in kernels/moe.py), and Qwen2-MoE's shared expert times the sigmoid of its
+// gate. The experts are either dense, `gate_up [E, 2I, H]` and `down [E, H, I]` in the model's dtype as fused_moe
+// takes them (F.linear, torch's SiLU-and-mul), or each expert's `expert_gate_up` and `expert_down` projections
+// (gate_up_silu), as the per-expert kernels of the quantized formats run them.
+struct MoEBlock {
+  MoEBlock(Projection router, int64_t top_k, bool renormalize, c10::optional<torch::Tensor> gate_up,
+           c10::optional<torch::Tensor> down, std::vector<Projection> expert_gate_up,
+           std::vector<Projection> expert_down, c10::optional<Projection> shared_gate_up,
+           c10::optional<Projection> shared_down, c10::optional<Projection> shared_gate);
+  torch::Tensor operator()(const torch::Tensor& x) const;
+
+  Projection router;
+  int64_t top_k, num_experts;
+  bool renormalize;
+  c10::optional<torch::Tensor> gate_up, down;
+  std::vector<Projection> expert_gate_up, expert_down;
+  c10::optional<Projection> shared_gate_up, shared_down, shared_gate;
+
+ private:
+  // down_e(act(gate_up_e(rows))) of expert e.
+  torch::Tensor expert(int64_t e, const torch::Tensor& rows) const;
 };
 
 // A Llama-style decoder layer's weights; q_norm and k_norm (per head, before the rotary embedding) where the
@@ -294,10 +332,12 @@ struct Projection {
 // (Gemma 3's local layers; the others by its cos and sin); `sliding_window` limits its attention to the last that
 // many tokens, `logit_softcap` soft-caps its scores (Gemma 2); `gelu_tanh_mlp`: the MLP is
 // gelu_tanh(gate) * up on a plain gate-and-up projection, gate rows then up rows (Gemma), instead of the
-// fused SiLU one.
+// fused SiLU one. A layer's MLP is its gate_up and down projections, or its `moe` block.
 struct LayerWeights {
   torch::Tensor input_norm, post_norm;
-  Projection qkv, o, gate_up, down;
+  Projection qkv, o;
+  c10::optional<Projection> gate_up, down;
+  c10::optional<MoEBlock> moe;
   c10::optional<torch::Tensor> q_norm, k_norm, attn_out_norm, mlp_out_norm;
   int64_t rotary_dim;
   bool interleaved_rope, local_rope;

@@ -1,8 +1,9 @@
 // A Llama-style decoder stack on the CPU in one call per step: the kernels and order of
 // LlamaDecoderLayer (lmdeploy/pytorch/models/llama.py, and of the GLM-4 and Gemma layers whose parts
-// LayerWeights names) on native GEMM weights, without the Python between them. In a 64-row decode step
-// that Python took about 5 ms of 70: it runs three times slower than on its own, on caches the kernels
-// have just flushed.
+// LayerWeights names; a MoE family's MLP is moe_block.cpp's) on native GEMM weights, without the Python
+// between them. In a 64-row decode step that Python took about 5 ms of 70: it runs three times slower than
+// on its own, on caches the kernels have just flushed.
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/gelu.h>
 
 #include "common.h"
@@ -34,14 +35,37 @@ Projection::Projection(const std::string& kind_name, torch::Tensor weight, c10::
     TORCH_CHECK(this->weight.scalar_type() == at::kByte && !this->compensation && this->scale &&
                     this->scale->scalar_type() == at::kByte,
                 "a q6k projection is its packed codes and scales (and bias), without compensation");
+  } else if (kind_name == "onednn") {
+    kind = Kind::kOneDnn;
+    TORCH_CHECK(this->weight.is_mkldnn() && !this->compensation && !this->scale,
+                "a onednn projection is its blocked oneDNN weight (and bias), without compensation or scale");
   } else {
-    TORCH_CHECK(false, "a projection's kind is 'bf16', 'w8a8', 'int4', 'q4k' or 'q6k', not '", kind_name, "'");
+    TORCH_CHECK(false, "a projection's kind is 'bf16', 'w8a8', 'int4', 'q4k', 'q6k' or 'onednn', not '", kind_name,
+                "'");
   }
 }
 
 Projection::Projection(std::vector<Projection> parts) : kind(Kind::kParts), parts(std::move(parts)) {
   TORCH_CHECK(this->parts.size() >= 2, "a stacked projection of parts has two or more");
 }
+
+Projection::Projection(Projection small, Projection large, int64_t small_step_rows)
+    : kind(Kind::kSteps), parts{std::move(small), std::move(large)}, small_step_rows(small_step_rows) {
+  TORCH_CHECK(small_step_rows > 0, "a projection by step size takes its small steps up to a positive row count");
+}
+
+namespace {
+
+// x @ W.T (+ bias) on oneDNN's blocked weight: OneDnnKernel's torch.ops.mkldnn._linear_pointwise.
+torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& blocked, const c10::optional<torch::Tensor>& bias) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  std::vector<c10::IValue> stack{x, blocked, bias, std::string("none"), c10::List<c10::optional<c10::Scalar>>(),
+                                  c10::IValue()};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+}  // namespace
 
 torch::Tensor Projection::operator()(const torch::Tensor& x) const {
   switch (kind) {
@@ -57,6 +81,8 @@ torch::Tensor Projection::operator()(const torch::Tensor& x) const {
       const auto out = q6k_linear(x, weight, *scale).to(x.scalar_type());
       return bias ? out.add(*bias) : out;
     }
+    case Kind::kOneDnn: return onednn_linear(x, weight, bias);
+    case Kind::kSteps: return parts[x.size(0) > small_step_rows ? 1 : 0](x);
     default: return int4_linear(x, weight, *scale, bias);
   }
 }
@@ -68,7 +94,9 @@ torch::Tensor Projection::gate_up_silu(const torch::Tensor& x) const {
     case Kind::kQ4K:
       TORCH_CHECK(!bias, "a q4k gate-and-up projection has no bias");
       return q4k_gate_up_silu(x, weight, *scale);
+    case Kind::kSteps: return parts[x.size(0) > small_step_rows ? 1 : 0].gate_up_silu(x);
     case Kind::kQ6K:
+    case Kind::kOneDnn:
     case Kind::kParts: return silu_and_mul((*this)(x));
     default:
       TORCH_CHECK(!bias, "an int4 gate-and-up projection has no bias");
@@ -85,6 +113,8 @@ DecoderStack::DecoderStack(std::vector<LayerWeights> layers, int64_t num_heads, 
     TORCH_CHECK(w.rotary_dim >= 0 && w.rotary_dim <= head_dim_ && w.rotary_dim % 2 == 0,
                 "a layer's rotary_dim is even, from 0 to head_dim");
     TORCH_CHECK(!w.sliding_window || *w.sliding_window > 0, "a layer's sliding window is positive");
+    TORCH_CHECK(w.gate_up.has_value() == w.down.has_value() && w.gate_up.has_value() != w.moe.has_value(),
+                "a layer's MLP is its gate_up and down projections or its moe block");
   }
 }
 
@@ -123,18 +153,22 @@ torch::Tensor DecoderStack::attention(const LayerWeights& w, const torch::Tensor
   qk = rotate(w, qk, step);
   const auto q = qk.narrow(1, 0, num_heads_), k = qk.narrow(1, num_heads_, num_kv_heads_);
   const auto v = heads.narrow(1, num_heads_ + num_kv_heads_, num_kv_heads_);
-  fill_kv_cache(k, v, k_cache, v_cache, step.kv_blocks, step.kv_offsets, k_sz, v_sz, quant_policy_);
+  const bool own_pool = w.sliding_window && step.window_kv_blocks;
+  const auto& kv_blocks = own_pool ? *step.window_kv_blocks : step.kv_blocks;
+  const auto& prefill_block_table = own_pool ? step.window_prefill_block_table : step.prefill_block_table;
+  const auto& decode_blocks = own_pool ? step.window_decode_blocks : step.decode_blocks;
+  fill_kv_cache(k, v, k_cache, v_cache, kv_blocks, step.kv_offsets, k_sz, v_sz, quant_policy_);
   const int64_t prefill = step.num_prefill_tokens, rows = qkv.size(0);
   std::vector<torch::Tensor> parts;
   if (step.prefill_q_len)
     parts.push_back(paged_prefill_attention(q.narrow(0, 0, prefill), k.narrow(0, 0, prefill),
-                                            v.narrow(0, 0, prefill), k_cache, v_cache, *step.prefill_block_table,
+                                            v.narrow(0, 0, prefill), k_cache, v_cache, *prefill_block_table,
                                             *step.prefill_q_start, *step.prefill_q_len, *step.prefill_ctx_len,
                                             step.prefill_max_q_len, scale_, k_sz, v_sz, quant_policy_,
                                             w.sliding_window, w.logit_softcap));
   if (step.decode_blocks)
     parts.push_back(paged_decode_attention(q.narrow(0, prefill, rows - prefill), k_cache, v_cache,
-                                           *step.decode_blocks, *step.decode_kv_lens, scale_, k_sz, v_sz,
+                                           *decode_blocks, *step.decode_kv_lens, scale_, k_sz, v_sz,
                                            quant_policy_, w.sliding_window, w.logit_softcap));
   TORCH_CHECK(!parts.empty(), "a step has prefill or decode rows");
   return (parts.size() == 1 ? parts[0] : torch::cat(parts)).flatten(1);
@@ -152,7 +186,10 @@ std::tuple<torch::Tensor, torch::Tensor> DecoderStack::forward(
     auto attended = w.o(attention(w, w.qkv(h), kv_caches[i], step));
     if (w.attn_out_norm) attended = std::get<0>(rms_norm(attended, *w.attn_out_norm, eps_, c10::nullopt));
     std::tie(h, sum) = rms_norm(attended, w.post_norm, eps_, sum);
-    x = w.down(w.gelu_tanh_mlp ? gelu_tanh_and_mul(w.gate_up(h)) : w.gate_up.gate_up_silu(h));
+    if (w.moe)
+      x = (*w.moe)(h);
+    else
+      x = (*w.down)(w.gelu_tanh_mlp ? gelu_tanh_and_mul((*w.gate_up)(h)) : w.gate_up->gate_up_silu(h));
     if (w.mlp_out_norm) x = std::get<0>(rms_norm(x, *w.mlp_out_norm, eps_, c10::nullopt));
   }
   return {x, sum};

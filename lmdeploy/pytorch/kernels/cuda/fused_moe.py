@@ -144,11 +144,36 @@ class Int4Experts(NamedTuple):
         return num_experts, n, packed_k * 8
 
 
+class Mxfp4Experts(NamedTuple):
+    """Experts' MXFP4 weights: ``blocks [E, N, K / 32, 16]`` uint8 (byte ``j`` of a block holds the e2m1 codes of
+    inputs ``2j``, low nibble, and ``2j + 1``) and ``scales [E, N, K / 32]`` uint8 (e8m0: ``2 ** (s - 127)``).
+    The GEMM dequantizes each weight tile in registers."""
+
+    blocks: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """``(E, N, K)``, as a dense ``[E, N, K]`` weight's."""
+        num_experts, n, groups, _ = self.blocks.shape
+        return num_experts, n, groups * 32
+
+
+@triton.jit
+def _e2m1_value(codes):
+    """The FP4 e2m1 value of each code (0-15): sign, two exponent bits, one mantissa bit."""
+    exponent = (codes >> 1) & 3
+    mantissa = (codes & 1).to(tl.float32)
+    magnitude = tl.where(exponent == 0, 0.5 * mantissa, (1.0 + 0.5 * mantissa) * tl.exp2((exponent - 1).to(tl.float32)))
+    return tl.where((codes & 8) != 0, -magnitude, magnitude)
+
+
 @triton.jit(do_not_specialize=['num_slots', 'num_mblocks'])
 def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, slots_ptr, block_expert_ptr, topk_w_ptr, bias_ptr, scales_ptr,
                          offsets_ptr, gidx_ptr, num_slots, num_mblocks, n, k, num_experts, a_row_div, group_size,
                          stride_am, stride_we, stride_wn, stride_cm, stride_be, stride_se, MUL_WEIGHT: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, INT4: tl.constexpr, HAS_GIDX: tl.constexpr, ONE_GROUP: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, INT4: tl.constexpr, MXFP4: tl.constexpr, HAS_GIDX: tl.constexpr,
+                         ONE_GROUP: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                          EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
     pid = tl.program_id(0)
@@ -193,6 +218,15 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, slots_ptr, block_expert_ptr, topk_
             scale = tl.load(scales_ptr + group_index, mask=gmask, other=0.0).to(tl.float32)
             offset = tl.load(offsets_ptr + group_index, mask=gmask, other=0.0)
             w = (codes.to(tl.float32) * scale - offset).to(a.dtype)
+        elif MXFP4:
+            ks = k0 + kk
+            wmask = kmask[:, None] & cmask[None, :]
+            packed = tl.load(w_ptr + expert * stride_we + cols[None, :] * stride_wn + ks[:, None] // 2, mask=wmask,
+                             other=0)
+            codes = (packed >> ((ks[:, None] % 2) * 4)) & 0xF
+            exponent = tl.load(scales_ptr + expert * stride_se + cols[None, :] * (k // 32) + ks[:, None] // 32,
+                               mask=wmask, other=127)
+            w = (_e2m1_value(codes) * tl.exp2(exponent.to(tl.float32) - 127.0)).to(a.dtype)
         elif EVEN_K:
             w = tl.load(w_cols + k0, mask=cmask[None, :], other=0.0)
         else:
@@ -206,7 +240,8 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, slots_ptr, block_expert_ptr, topk_
              mask=smask[:, None] & cmask[None, :])
 
 
-def _grouped_gemm(a: torch.Tensor, w: torch.Tensor | Int4Experts | Q6KExperts | Q8Experts, c: torch.Tensor,
+def _grouped_gemm(a: torch.Tensor, w: torch.Tensor | Int4Experts | Mxfp4Experts | Q6KExperts | Q8Experts,
+                  c: torch.Tensor,
                   sorted_slots: torch.Tensor, block_expert: torch.Tensor, topk_weights: torch.Tensor | None,
                   bias: torch.Tensor | None, a_row_div: int, config: MoEConfig) -> None:
     """``c[slot] = a[slot // a_row_div] @ w[expert(slot)].T`` plus the expert's ``bias [E, N]`` when given,
@@ -215,20 +250,22 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor | Int4Experts | Q6KExperts | 
         return gguf_grouped_gemm(a, w, c, sorted_slots, block_expert, topk_weights, bias, a_row_div, config.block_m,
                                  config.num_warps)
     num_experts, n, k = w.shape
-    int4 = isinstance(w, Int4Experts)
-    block_n = min(config.block_n, _INT4_MAX_BLOCK_N if int4 else config.block_n, max(16, triton.next_power_of_2(n)))
+    int4, mxfp4 = isinstance(w, Int4Experts), isinstance(w, Mxfp4Experts)
+    block_n = min(config.block_n, _INT4_MAX_BLOCK_N if int4 or mxfp4 else config.block_n,
+                  max(16, triton.next_power_of_2(n)))
     block_k = min(config.block_k, max(16, triton.next_power_of_2(k)))
     if int4 and w.g_idx is None and w.group_size < block_k:  # tiles of one group (GGUF Q4_K's 32): per-weight
         block_k = w.group_size  # scales and offsets in shared memory took up to 327,680 B
     num_mblocks = block_expert.shape[0]
     grid = (num_mblocks * triton.cdiv(n, block_n),)
-    weight = w.qweight if int4 else w
-    scales, offsets, g_idx = (w.scales, w.offsets, w.g_idx) if int4 else (None, None, None)
+    weight = w.qweight if int4 else w.blocks if mxfp4 else w
+    scales, offsets, g_idx = (w.scales, w.offsets, w.g_idx) if int4 else (w.scales, None, None) if mxfp4 else (
+        None, None, None)
     _grouped_gemm_kernel[grid](a, weight, c, sorted_slots, block_expert, topk_weights, bias, scales, offsets, g_idx,
                                c.shape[0], num_mblocks, n, k, num_experts, a_row_div, w.group_size if int4 else 0,
                                a.stride(0), weight.stride(0), weight.stride(1), c.stride(0),
-                               0 if bias is None else bias.stride(0), scales.stride(0) if int4 else 0,
-                               MUL_WEIGHT=topk_weights is not None, HAS_BIAS=bias is not None, INT4=int4,
+                               0 if bias is None else bias.stride(0), 0 if scales is None else scales.stride(0),
+                               MUL_WEIGHT=topk_weights is not None, HAS_BIAS=bias is not None, INT4=int4, MXFP4=mxfp4,
                                HAS_GIDX=g_idx is not None,
                                ONE_GROUP=int4 and g_idx is None and w.group_size % block_k == 0,
                                BLOCK_M=config.block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=config.group_m,
@@ -242,7 +279,8 @@ def moe_config(num_slots: int, num_experts: int) -> MoEConfig:
     return next(config for limit, config in MOE_CONFIGS if num_slots / num_experts <= limit)
 
 
-def fused_moe_with(hidden: torch.Tensor, gate_up: torch.Tensor | Int4Experts, down: torch.Tensor | Int4Experts,
+def fused_moe_with(hidden: torch.Tensor, gate_up: torch.Tensor | Int4Experts | Mxfp4Experts,
+                   down: torch.Tensor | Int4Experts | Mxfp4Experts,
                    topk_weights: torch.Tensor, topk_ids: torch.Tensor, config: MoEConfig,
                    gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
                    activation: ClampedSwiGLU | None = None) -> torch.Tensor:
@@ -263,15 +301,16 @@ def fused_moe_with(hidden: torch.Tensor, gate_up: torch.Tensor | Int4Experts, do
     return down_out.view(num_tokens, top_k, hidden_size).sum(1)
 
 
-def fused_moe(hidden: torch.Tensor, gate_up: torch.Tensor | Int4Experts, down: torch.Tensor | Int4Experts,
+def fused_moe(hidden: torch.Tensor, gate_up: torch.Tensor | Int4Experts | Mxfp4Experts,
+              down: torch.Tensor | Int4Experts | Mxfp4Experts,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
               down_bias: torch.Tensor | None = None, activation: ClampedSwiGLU | None = None) -> torch.Tensor:
     """``sum_j w[t, j] * down[e] @ act(gate_up[e] @ hidden[t])`` with ``e = ids[t, j]``; ``[T, H]``.
 
     ``gate_up [E, 2I, H]`` holds gate rows then up rows, ``down [E, H, I]``; weights are row-major
-    in their last dimension, or :class:`Int4Experts` (GGUF blocks: ``Q6KExperts``, ``Q8Experts``) of those shapes.
-    The optional biases ``[E, 2I]`` and ``[E, H]`` are added to each GEMM's output (before the routing weight);
-    ``act`` is SiLU-and-mul, or ``activation`` when given.
+    in their last dimension, or :class:`Int4Experts`, :class:`Mxfp4Experts` (GGUF blocks: ``Q6KExperts``,
+    ``Q8Experts``) of those shapes. The optional biases ``[E, 2I]`` and ``[E, H]`` are added to each GEMM's output
+    (before the routing weight); ``act`` is SiLU-and-mul, or ``activation`` when given.
     """
     config = moe_config(topk_ids.numel(), gate_up.shape[0])
     return fused_moe_with(hidden, gate_up, down, topk_weights, topk_ids, config, gate_up_bias, down_bias, activation)

@@ -80,6 +80,16 @@ class LinearKernel(ABC):
         :meth:`native_projection` of a kernel that runs every step on one copy of its weight."""
         return self.native_projection(bias)
 
+    def expert_projection(self, bias: torch.Tensor | None) -> object | None:
+        """One expert's projection as a ``Projection`` of a MoE block in the native stack, for its share of a
+        step, whatever its size: the :meth:`native_projection` of a kernel that runs every size on one copy."""
+        return self.native_projection(bias)
+
+    def router_projection(self, bias: torch.Tensor | None) -> object | None:
+        """A MoE block's router or shared-expert gate (a few outputs, which the native GEMM's panels may not
+        fit) as a ``Projection`` of the native stack: its :meth:`native_projection`, or its oneDNN GEMM's."""
+        return self.native_projection(bias)
+
 
 class ExpertKernel(ABC):
     """The loaded weights of a mixture-of-experts layer's experts, in the layout of the kernel that runs them."""
@@ -89,6 +99,11 @@ class ExpertKernel(ABC):
                  gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
                  activation: ClampedSwiGLU | None) -> torch.Tensor:
         """``sum_j w[t, j] * down_e(act(gate_up_e(x[t])))`` with ``e = topk_ids[t, j]`` (see ``fused_moe``)."""
+
+    def native_experts(self) -> dict[str, object] | None:
+        """The experts as a ``MoEBlock`` of the native stack takes them (its ``gate_up`` and ``down`` or its
+        ``expert_gate_up`` and ``expert_down``, by name), or None when no native kernel runs them."""
+        return None
 
 
 class WeightFormat(ABC):

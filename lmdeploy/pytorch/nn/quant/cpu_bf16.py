@@ -35,6 +35,10 @@ class OneDnnKernel(LinearKernel):
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.blocked, bias, 'none', [], '')
 
+    def router_projection(self, bias: torch.Tensor | None) -> object | None:
+        native = cpu.native()
+        return None if native is None else native.Projection(kind='onednn', weight=self.blocked, bias=bias)
+
 
 def packed_cpu_kernel(weight: torch.Tensor, gate_up: bool = False) -> LinearKernel | None:
     """``weight [N, K]`` packed for this CPU's fastest bf16 GEMM; None unless it is a bf16 CPU weight.

@@ -41,6 +41,9 @@ class DenseExpertKernel(ExpertKernel):
         return fused_moe(x, self.experts.gate_up, self.experts.down, topk_weights, topk_ids, gate_up_bias, down_bias,
                          activation)
 
+    def native_experts(self) -> dict[str, object] | None:
+        return dict(gate_up=self.experts.gate_up, down=self.experts.down)
+
 
 class DenseFormat(WeightFormat):
     """``weight [out_features, in_features]`` in the model's dtype."""

@@ -118,6 +118,11 @@ class PerExpertKernel(ExpertKernel):
 
         return run_experts(x, topk_weights, topk_ids, self.num_experts, mlp)
 
+    def native_experts(self) -> dict[str, object] | None:
+        experts = {f'expert_{proj}': [self.kernel(proj, e).expert_projection(None) for e in range(self.num_experts)]
+                   for proj in ('gate_up', 'down')}
+        return None if any(p is None for projections in experts.values() for p in projections) else experts
+
 
 class Int4GroupFormat(WeightFormat):
     """A checkpoint format of 4-bit grouped weights: subclasses register its parameters and unpack them."""

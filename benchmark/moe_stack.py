@@ -1,0 +1,116 @@
+"""Decode step time of a Qwen3-MoE model on the CPU with its decoder layers in the native stack (``MoEBlock``s,
+``kernels/cpu/moe_block.cpp``) against their Python forward, in the same run: a few layers at Qwen3-30B-A3B's
+shape (hidden 2048, 32 query and 4 KV heads of 128, 128 experts of 768 of which 8 per token), random bf16 weights,
+one thread. The step time is the calling thread's CPU time of the model's forward (``time.thread_time``: other
+jobs on a shared machine take time slices but not figures), the best and the median over rounds in which the two
+paths alternate. On a CPU with AMX, whose bf16 layers run on oneDNN (where the stack does not run), the layers
+run on the native bf16 GEMM here, as the tests of the stack run them.
+
+    python benchmark/moe_stack.py [--layers 2] [--experts 128] [--batches 1,16] [--steps 8] [--rounds 4]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+from safetensors.torch import save_file
+from transformers import Qwen3MoeConfig
+
+from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
+from lmdeploy.pytorch.engine.engine import Engine
+from lmdeploy.pytorch.kernels import cpu
+
+VOCAB = 1024
+
+
+def save_model(path: str, args: argparse.Namespace) -> None:
+    """A Qwen3-MoE checkpoint of ``args.layers`` layers at Qwen3-30B-A3B's shape, random bf16 weights."""
+    config = Qwen3MoeConfig(hidden_size=2048, num_hidden_layers=args.layers, num_attention_heads=32,
+                            num_key_value_heads=4, head_dim=128, num_experts=args.experts, num_experts_per_tok=8,
+                            moe_intermediate_size=768, norm_topk_prob=True, vocab_size=VOCAB,
+                            max_position_embeddings=4096, tie_word_embeddings=False,
+                            architectures=['Qwen3MoeForCausalLM'])
+    config.save_pretrained(path)
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int, std: float = 0.02) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * std).bfloat16()
+
+    hidden, heads = config.hidden_size, config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    state = {'model.embed_tokens.weight': rand(VOCAB, hidden, std=1.0), 'model.norm.weight': rand(hidden, std=0) + 1,
+             'lm_head.weight': rand(VOCAB, hidden)}
+    for i in range(args.layers):
+        prefix = f'model.layers.{i}.'
+        state |= {prefix + 'input_layernorm.weight': rand(hidden, std=0) + 1,
+                  prefix + 'post_attention_layernorm.weight': rand(hidden, std=0) + 1,
+                  prefix + 'self_attn.q_proj.weight': rand(heads, hidden), prefix + 'self_attn.k_proj.weight': rand(kv, hidden),
+                  prefix + 'self_attn.v_proj.weight': rand(kv, hidden), prefix + 'self_attn.o_proj.weight': rand(hidden, heads),
+                  prefix + 'self_attn.q_norm.weight': rand(config.head_dim, std=0) + 1,
+                  prefix + 'self_attn.k_norm.weight': rand(config.head_dim, std=0) + 1,
+                  prefix + 'mlp.gate.weight': rand(args.experts, hidden)}
+        for e in range(args.experts):
+            state |= {f'{prefix}mlp.experts.{e}.{name}_proj.weight': rand(*shape)
+                      for name, shape in (('gate', (768, hidden)), ('up', (768, hidden)), ('down', (hidden, 768)))}
+    save_file(state, os.path.join(path, 'model.safetensors'))
+    with open(os.path.join(path, 'generation_config.json'), 'w') as f:
+        json.dump({}, f)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('--layers', type=int, default=2)
+    parser.add_argument('--experts', type=int, default=128)
+    parser.add_argument('--batches', default='1,16')
+    parser.add_argument('--steps', type=int, default=8, help='decode steps per round')
+    parser.add_argument('--rounds', type=int, default=4)
+    args = parser.parse_args()
+    if cpu.bf16_gemm() is None and cpu.native() is not None and cpu.native().bf16_gemm_available():
+        cpu.bf16_gemm = cpu.native  # AMX CPUs prefer oneDNN: use the native GEMM, on which the stack runs
+    with tempfile.TemporaryDirectory() as path:
+        save_model(path, args)
+        engine = Engine(path, PytorchEngineConfig(dtype='bfloat16', num_threads=1, num_gpu_blocks=256, block_size=16,
+                                                  max_batch_size=16, enable_prefix_caching=False), show_progress=False)
+    model = engine.runner.model
+    stack, forward = model.native_stack, model.forward
+    if stack is None:
+        raise SystemExit('the model does not run in the native stack on this CPU (it needs AVX512-BF16)')
+    times: dict[str, list[float]] = {}
+
+    def timed(input_ids, kv_caches, ctx):
+        start = time.thread_time()
+        out = forward(input_ids, kv_caches, ctx)
+        if ctx.num_prefill_tokens == 0:
+            times.setdefault(mode, []).append((time.thread_time() - start) * 1e3)
+        return out
+
+    model.forward = timed
+    gen = GenerationConfig(max_new_tokens=args.steps + 1, ignore_eos=True)
+    print(f'Qwen3-MoE, {args.layers} layers, {args.experts} experts of 2048 -> 768, top-8, 1 thread; ms per decode '
+          'step (thread CPU time of the forward)')
+    print('| batch | stack best | stack median | layers best | layers median | layers / stack (best) |')
+    print('| --- | --- | --- | --- | --- | --- |')
+    g = torch.Generator().manual_seed(1)
+    for batch in map(int, args.batches.split(',')):
+        times.clear()
+        prompts = [torch.randint(3, VOCAB, (16,), generator=g).tolist() for _ in range(batch)]
+        for _ in range(args.rounds):
+            for mode in ('stack', 'layers'):
+                model.native_stack = stack if mode == 'stack' else None
+                for prompt in prompts:
+                    engine.add_request(prompt, gen)
+                while engine.has_unfinished():
+                    engine.step()
+        best = {m: min(t) for m, t in times.items()}
+        median = {m: statistics.median(t) for m, t in times.items()}
+        print(f'| {batch} | {best["stack"]:.1f} | {median["stack"]:.1f} | {best["layers"]:.1f} | '
+              f'{median["layers"]:.1f} | {best["layers"] / best["stack"]:.3f} |', flush=True)
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,182 @@
+"""MoE families (Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE) in the native decoder stack: the stack's
+``MoEBlock`` (``kernels/cpu/moe_block.cpp``) against ``SparseMoeBlock``'s forward, on dense bf16 experts and on a
+GGUF file's Q4_K and Q6_K experts: every step's hidden states are equal, over chunked prefills, mixed and decode
+steps; where an expert kind has no native kernel (Q8_0) the layers keep their forward."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import save_tiny_model
+from gguf import GGMLQuantizationType as Q
+from helpers import random_prompts, run
+from test_decoder_stack import ENGINE, check_every_step
+from test_gguf_mixed import write_mixed_gguf
+from test_gguf_moe import FILES
+
+from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
+from lmdeploy.pytorch.engine.engine import Engine
+from lmdeploy.pytorch.kernels import cpu
+from lmdeploy.pytorch.models.moe import SparseMoeBlock
+from lmdeploy.pytorch.nn.quant.cpu_bf16 import NativeBf16Kernel, OneDnnKernel
+from lmdeploy.pytorch.weights.gguf import convert_gguf
+
+# a tiny model of each family, and Qwen3-MoE with 16 experts, whose router runs on the native GEMM's 16-row panels
+MOE_MODELS = {'mixtral': ('mixtral', {}), 'qwen2_moe': ('qwen2_moe', {}), 'qwen3_moe': ('qwen3_moe', {}),
+              'qwen3_moe_16': ('qwen3_moe', dict(num_experts=16))}
+# GGUF files whose experts all run on native GEMVs: Q4_K (the Q4_K GEMV up to 16 rows, the int4 GEMV above) and a
+# Q6_K down in one layer (Qwen2-MoE: its shared expert's down too)
+NATIVE_FILES = {'qwen3_moe': {'blk.0.ffn_down_exps': Q.Q6_K, 'default': Q.Q4_K},
+                'qwen2_moe': FILES['qwen2_moe'][0], 'mixtral': {'default': Q.Q4_K}}
+
+
+def moe_blocks(engine: Engine) -> list[SparseMoeBlock]:
+    return [m for m in engine.runner.model.modules() if isinstance(m, SparseMoeBlock)]
+
+
+def run_checked(engine: Engine, monkeypatch, batched_equals_solo: bool = True) -> list[tuple[int, int]]:
+    """Four prompts through ``engine`` together, then each alone, each step through the stack and the layers
+    with equal hidden states (see :func:`check_every_step`); with ``batched_equals_solo``, the same tokens both
+    ways (not where a step's size picks the weights: ``decode_int4``'s 4-bit copies, or GGUF Q4_K's kernels by an
+    expert's share of it). Returns the (prefill tokens, rows) of the steps that ran in the stack."""
+    steps = check_every_step(engine, monkeypatch)
+    prompts = random_prompts([20, 70, 9, 33], seed=8, vocab=250)
+    gen = GenerationConfig(max_new_tokens=10, ignore_eos=True)
+    batched = run(engine, prompts, gen)
+    solo = [run(engine, [prompt], gen)[0] for prompt in prompts]
+    assert [len(out) for out in batched] == [10] * 4
+    if batched_equals_solo:
+        assert batched == solo
+    return steps
+
+
+@pytest.mark.parametrize('model', sorted(MOE_MODELS))
+def test_bf16_moe_stack_equals_the_layers(model, tmp_path, native_gemms, monkeypatch):
+    """Dense bf16 experts (``fused_moe``), the router on oneDNN where the native GEMM's panels do not fit its
+    outputs (4 experts) and on the native GEMM where they do (16), Qwen2-MoE's shared-expert gate (one output) on
+    oneDNN, Qwen2-MoE's dense layer beside its MoE layers."""
+    kind, overrides = MOE_MODELS[model]
+    engine = Engine(save_tiny_model(kind, str(tmp_path), **overrides),
+                    PytorchEngineConfig(max_prefill_token_num=48, **ENGINE), show_progress=False)
+    assert engine.runner.model.native_stack is not None
+    blocks = moe_blocks(engine)
+    assert all(block.native_moe() is not None for block in blocks)
+    router = NativeBf16Kernel if overrides else OneDnnKernel
+    assert all(isinstance(block.gate.kernel, router) for block in blocks)
+    steps = run_checked(engine, monkeypatch)
+    assert any(0 < prefill < rows for prefill, rows in steps) and any(prefill == 0 for prefill, _ in steps)
+    assert any(prefill == rows == 48 for prefill, rows in steps) and (0, 1) in steps
+
+
+def test_shared_expert_small_steps_on_int4_copies(tmp_path, native_gemms, monkeypatch):
+    """With ``decode_int4`` Qwen2-MoE's shared expert keeps 4-bit copies for steps of up to two tokens: those
+    steps run in the stack's small-step layers, on the copies, equal to the layers' forward."""
+    if cpu.int4_gemv() is None:
+        pytest.skip('the native int4 GEMV needs AVX512-BF16')
+    engine = Engine(save_tiny_model('qwen2_moe', str(tmp_path)), PytorchEngineConfig(decode_int4=True, **ENGINE),
+                    show_progress=False)
+    stack = engine.runner.model.native_stack
+    assert stack.small is not None and stack.small_step_rows == 2
+    steps = run_checked(engine, monkeypatch, batched_equals_solo=False)
+    assert (0, 1) in steps and (0, 4) in steps
+
+
+@pytest.fixture(scope='module')
+def gguf_moe(tmp_path_factory):
+    """A MoE GGUF file of a family and experts' types, converted for serving once."""
+    paths = {}
+
+    def get(kind: str, types: dict[str, Q]) -> Path:
+        key = (kind, tuple(sorted((name, int(t)) for name, t in types.items())))
+        if key not in paths:
+            tmp = tmp_path_factory.mktemp(f'gguf_{kind}')
+            write_mixed_gguf(kind, tmp / 'hf', tmp / 'model.gguf', types)
+            convert_gguf(str(tmp / 'model.gguf'), str(tmp / 'served'))
+            paths[key] = tmp / 'served'
+        return paths[key]
+
+    return get
+
+
+@pytest.mark.parametrize('kind', sorted(NATIVE_FILES))
+def test_gguf_experts_stack_equals_the_layers(kind, gguf_moe, native_gemms, monkeypatch):
+    """bf16 on a GGUF file: Q4_K experts on the Q4_K GEMV for an expert's share of up to 16 rows and on the int4
+    GEMV above, Q6_K experts on the Q6_K GEMV, in steps of both sizes; equal to the layers' forward (Qwen2-MoE's
+    Q6_K shared down runs its large steps on the bf16 GEMM, hence the native one here)."""
+    if cpu.int4_gemv() is None or cpu.q6k_gemv() is None:
+        pytest.skip('the native GEMVs need AVX512-BF16')
+    engine = Engine(str(gguf_moe(kind, NATIVE_FILES[kind])),
+                    PytorchEngineConfig(max_prefill_token_num=96, **ENGINE), show_progress=False)
+    stack = engine.runner.model.native_stack
+    assert stack is not None and stack.small is not None and stack.small_step_rows == 16
+    steps = run_checked(engine, monkeypatch, batched_equals_solo=False)
+    assert any(rows > 64 for _, rows in steps)  # some expert's share above 16 rows
+    assert (0, 1) in steps and (0, 4) in steps
+
+
+def test_experts_without_native_kernel_keep_the_layers(gguf_moe):
+    """A Q8_0 ``ffn_down_exps`` (its large steps dequantized on each call, no native kernel): the model keeps
+    its layers' forward."""
+    if cpu.int4_gemv() is None or cpu.q6k_gemv() is None:
+        pytest.skip('the native GEMVs need AVX512-BF16')
+    engine = Engine(str(gguf_moe('qwen3_moe', FILES['qwen3_moe'][0])), PytorchEngineConfig(**ENGINE),
+                    show_progress=False)
+    blocks = moe_blocks(engine)
+    assert blocks[0].native_moe() is not None and blocks[1].native_moe() is None
+    assert engine.runner.model.native_stack is None
+
+
+@pytest.mark.parametrize('tokens', [1, 5, 40])
+def test_block_equals_the_python_forward(tokens, tmp_path, native_gemms):
+    """The ``MoEBlock`` alone gives ``SparseMoeBlock.forward``'s output bit for bit (Qwen2-MoE: routed and
+    shared experts), at decode and prefill sizes."""
+    engine = Engine(save_tiny_model('qwen2_moe', str(tmp_path)), PytorchEngineConfig(**ENGINE), show_progress=False)
+    g = torch.Generator().manual_seed(tokens)
+    for block in moe_blocks(engine):
+        x = torch.randn(tokens, 64, generator=g).bfloat16()
+        assert torch.equal(block.native_moe()(x=x), block(x))
+
+
+def test_fp32_keeps_the_layers(tmp_path):
+    """In fp32 the projections run on no native GEMM, so MoE models keep their layers as dense ones do."""
+    engine = Engine(save_tiny_model('qwen3_moe', str(tmp_path)), PytorchEngineConfig(**{**ENGINE, 'dtype': 'float32'}),
+                    show_progress=False)
+    assert engine.runner.model.native_stack is None
+    assert all(block.native_moe() is None for block in moe_blocks(engine))
+
+
+def test_without_native_kernels_keeps_the_layers(tmp_path, monkeypatch):
+    """Without the native kernels (no compiler, ``LMDEPLOY_CPU_KERNELS=0``) a bf16 MoE model runs its layers."""
+    monkeypatch.setattr(cpu, 'native', lambda: None)
+    engine = Engine(save_tiny_model('qwen2_moe', str(tmp_path)), PytorchEngineConfig(**ENGINE), show_progress=False)
+    assert engine.runner.model.native_stack is None
+    outs = run(engine, random_prompts([9], seed=3), GenerationConfig(max_new_tokens=3, ignore_eos=True))
+    assert [len(out) for out in outs] == [3]
+
+
+def test_bad_blocks_are_refused(native_gemms):
+    """A MoE block's experts are dense or per expert, never both nor neither; top_k fits the experts; a shared
+    expert has all its parts; a layer has a MoE block or gate_up and down."""
+    weight = torch.zeros(32, 16, dtype=torch.bfloat16)
+    proj = native_gemms.Projection(kind='bf16', weight=native_gemms.pack_bf16_weight(weight))
+    dense = dict(gate_up=torch.zeros(4, 32, 16, dtype=torch.bfloat16), down=torch.zeros(4, 16, 16, dtype=torch.bfloat16))
+    native_gemms.MoEBlock(router=proj, top_k=2, renormalize=True, **dense)
+    for options, match in [({}, 'dense gate_up and down, or each'),
+                           (dict(**dense, expert_gate_up=[proj], expert_down=[proj]), 'dense gate_up and down, or each'),
+                           (dict(expert_gate_up=[proj, proj], expert_down=[proj]), 'as many of each'),
+                           (dict(gate_up=dense['gate_up'], down=torch.zeros(3, 16, 16)), r'\[E, 2I, H\]'),
+                           (dict(**dense, top_k=5), '1 to num_experts'),
+                           (dict(**dense, shared_gate_up=proj, shared_down=proj), 'gate_up, down and gate')]:
+        with pytest.raises(RuntimeError, match=match):
+            native_gemms.MoEBlock(**{'router': proj, 'top_k': 2, 'renormalize': False, **options})
+    with pytest.raises(RuntimeError, match='positive row count'):
+        native_gemms.Projection(small=proj, large=proj, small_step_rows=0)
+    moe = native_gemms.MoEBlock(router=proj, top_k=2, renormalize=True, **dense)
+    norm = torch.ones(16, dtype=torch.bfloat16)
+    stack = dict(num_heads=1, num_kv_heads=1, head_dim=16, eps=1e-6, scale=0.25, quant_policy=0)
+    layer = dict(input_norm=norm, post_norm=norm, qkv=proj, o=proj, rotary_dim=16)
+    native_gemms.DecoderStack(layers=[native_gemms.LayerWeights(**layer, moe=moe)], **stack)
+    for mlp in [{}, dict(moe=moe, gate_up=proj, down=proj), dict(gate_up=proj)]:
+        with pytest.raises(RuntimeError, match='gate_up and down projections or its moe block'):
+            native_gemms.DecoderStack(layers=[native_gemms.LayerWeights(**layer, **mlp)], **stack)
