@@ -6,9 +6,10 @@
 # 0. triton_aot.py --quick: every Triton kernel compiled for sm_90 at production shapes with this machine's Triton
 #    (CPU only; the full sweep runs on any CPU: python benchmark/triton_aot.py)
 # 1. every Triton kernel test natively on CUDA (fp32, fp16, bf16)
-# 2. the engine end to end on tiny models on CUDA (dense, MoE, MLA, sinks, sliding window, soft-capping),
-#    greedy-compared with transformers
-# 3. kernel throughput: decode attention GB/s, fused MoE TFLOP/s vs the unfused torch twin
+# 2. the engine end to end on tiny models on CUDA (dense, MoE, MLA, sinks, sliding window, soft-capping, a GGUF
+#    Q4_K_M file), greedy-compared with transformers
+# 3. kernel throughput: decode attention GB/s, fused MoE TFLOP/s vs the unfused torch twin; then the GEMMs on GGUF
+#    Q6_K/Q8_0 blocks vs dequantizing them on each call (Llama-3-8B's down_proj and v_proj, 1 and 512 rows)
 # 4. offline throughput of the default model on CUDA, against transformers on CUDA
 # 5. gpu_scale.py: Llama-3-8B and Qwen3-30B-A3B shapes (decode step vs roofline, ShareGPT-like offline
 #    throughput vs transformers, api_server TTFT/TPOT) and CUDA graphs on vs off
@@ -57,8 +58,10 @@ part "engine vs transformers (CUDA)" 100 "$SCALE_SLOT" env LMDEPLOY_TEST_DEVICE=
     'tests/test_deepseek.py::test_greedy_and_first_logits_match_transformers[v3_q_lora]' \
     tests/test_gpt_oss.py::test_greedy_and_first_logits_match_transformers \
     'tests/test_model_families.py::test_greedy_and_first_logits_match_transformers[mistral_sliding]' \
-    'tests/test_model_families.py::test_greedy_and_first_logits_match_transformers[gemma2]'
+    'tests/test_model_families.py::test_greedy_and_first_logits_match_transformers[gemma2]' \
+    tests/test_gguf_q4km.py::test_mixed_qkv_part_by_part_gives_transformers_tokens
 part "kernel throughput" 30 "$SCALE_SLOT" $PY benchmark/kernel_bench.py --device cuda
+part "GGUF Q6_K/Q8_0 GEMMs" 30 "$SCALE_SLOT" $PY benchmark/kernel_bench.py --device cuda --gguf --budget 25
 part "offline throughput (default model, CUDA)" 60 "$SCALE_SLOT" $PY benchmark/throughput.py --device cuda \
     --num-prompts 32 --decode-tokens 64 $model_flag
 part "gpu_scale (8B / 30B-A3B shapes)" $((SCALE_SLOT + 40)) 0 $PY benchmark/gpu_scale.py \

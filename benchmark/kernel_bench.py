@@ -1,9 +1,11 @@
 """Throughput of the Triton kernels on one GPU: paged decode attention (GB/s against HBM; also over int8
 and int4 KV caches, against bf16), fused MoE
-(TFLOP/s against bf16 dense peak, next to the unfused torch twin) and causal prefill attention.
+(TFLOP/s against bf16 dense peak, next to the unfused torch twin) and causal prefill attention; with ``--gguf``
+the GEMMs on GGUF Q6_K and Q8_0 blocks against dequantizing them on each call.
 
     python benchmark/kernel_bench.py --device cuda           # the figures
     python benchmark/kernel_bench.py --device cuda --sweep   # candidate launch configs, to pick the tables
+    python benchmark/kernel_bench.py --device cuda --gguf    # only the GGUF GEMMs
     python benchmark/kernel_bench.py --device cpu            # smoke test: tiny shapes, Triton interpreter
 
 On CUDA each kernel call is captured once in a CUDA graph and replayed, timed with CUDA events, so
@@ -34,6 +36,9 @@ KV_QUANT_CASES = [(64, 1024, 0), (64, 4096, 0)]  # int8/int4 caches against bf16
 MOE_TOKENS = [1, 64, 1024, 2048, 4096, 8192]
 TWIN_TOKENS = {1, 64, 1024}
 PREFILL_TOKENS = [4096, 16384]
+# Llama-3-8B's down_proj and v_proj (Q6_K in a Q4_K_M file) and a Q8_0 file's down_proj: (type, N, K)
+GGUF_SHAPES = [('Q6_K', 4096, 14336), ('Q6_K', 1024, 4096), ('Q8_0', 4096, 14336)]
+GGUF_ROWS = [1, 512]
 DEADLINE = [float('inf')]  # perf_counter() past which measurements are skipped
 
 
@@ -197,6 +202,45 @@ def prefill_attention(device: str, dtype: torch.dtype, token_counts: list[int], 
               f'of {BF16_TFLOPS:.0f}', flush=True)
 
 
+def random_blocks(ggml_type: str, n: int, k: int, device: str) -> torch.Tensor:
+    """``[N, K / B, bytes]`` blocks of random bytes, each fp16 ``d`` set to 0.01."""
+    from lmdeploy.pytorch.nn.quant.gguf_blocks import BLOCKS
+    block_inputs, block_bytes = BLOCKS[ggml_type]
+    blocks = torch.randint(0, 256, (n, k // block_inputs, block_bytes), dtype=torch.uint8, device=device)
+    d_at = 208 if ggml_type == 'Q6_K' else 0
+    blocks[..., d_at:d_at + 2] = torch.full(blocks.shape[:2], 0.01, dtype=torch.float16, device=device)[
+        ..., None].view(torch.uint8)
+    return blocks
+
+
+def gguf_linear(device: str, dtype: torch.dtype, shapes: list[tuple[str, int, int]], row_counts: list[int]) -> None:
+    """A GGUF layer's ``x @ W.T`` on its blocks (the Triton GEMM, ``nn/quant/gguf_cuda.py``) against dequantizing
+    them on each call for ``F.linear`` (``Q8Kernel``: what CUDA ran before) and ``F.linear`` on a copy dequantized
+    once (2 bytes a weight); GB/s of the blocks' bytes."""
+    from lmdeploy.pytorch.nn.quant.gguf_blocks import Q8Kernel, dequantize_blocks, int8_unpack
+    from lmdeploy.pytorch.nn.quant.gguf_cuda import TRITON_KERNELS
+    for ggml_type, n, k in shapes:
+        blocks = random_blocks(ggml_type, n, k, device)
+        copies = [blocks] + [random_blocks(ggml_type, n, k, device)
+                             for _ in range(copies_beyond_l2(blocks.numel(), device) - 1)]
+        on_blocks = [TRITON_KERNELS[ggml_type](b) for b in copies]
+        per_call = [Q8Kernel(*int8_unpack(b, ggml_type)) for b in copies]
+        dense = [dequantize_blocks(b, ggml_type).to(dtype) for b in copies]
+        del copies
+        for rows in row_counts:
+            label = f'gguf {ggml_type} {n:5d} x {k:5d}  {rows:4d} rows'
+            if out_of_time(label):
+                continue
+            x = torch.randn(rows, k, device=device, dtype=dtype)
+            sec = graph_seconds([partial(kernel, x, None) for kernel in on_blocks], device)
+            ref = graph_seconds([partial(kernel, x, None) for kernel in per_call], device)
+            floor = graph_seconds([partial(torch.nn.functional.linear, x, w) for w in dense], device)
+            print(f'{label}: triton {sec * 1e6:8.1f} us {blocks.numel() / sec / 1e9:7.1f} GB/s   dequantize + '
+                  f'matmul {ref * 1e6:8.1f} us {ref / sec:6.1f}x   dense {str(dtype).removeprefix("torch.")} '
+                  f'{floor * 1e6:8.1f} us {floor / sec:5.2f}x', flush=True)
+        del on_blocks, per_call, dense
+
+
 def sweep(device: str, dtype: torch.dtype) -> None:
     """Candidate launch configs at the shapes that set the tables: decode at batch 1 (few rows) and 16
     (many rows) at 32k context; fused MoE at 1 and 64 tokens (narrow tiles), 1,024 and 4,096 tokens."""
@@ -222,6 +266,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--device', choices=['cuda', 'cpu'], default='cuda')
     parser.add_argument('--sweep', action='store_true', help='time candidate launch configs instead')
+    parser.add_argument('--gguf', action='store_true', help='time only the GEMMs on GGUF Q6_K and Q8_0 blocks')
     parser.add_argument('--budget', type=float, default=80.0, help='seconds after which measurements are skipped')
     args = parser.parse_args()
     start = time.perf_counter()
@@ -231,6 +276,9 @@ def main() -> None:
     dtype = torch.float32 if args.device == 'cpu' else torch.bfloat16
     if args.sweep:
         sweep(args.device, dtype)
+    elif args.gguf:
+        shapes = GGUF_SHAPES if args.device == 'cuda' else [('Q6_K', 64, 512), ('Q8_0', 64, 256)]
+        gguf_linear(args.device, dtype, shapes, GGUF_ROWS if args.device == 'cuda' else [1, 20])
     elif args.device == 'cpu':
         decode_attention('cpu', dtype, [(2, 256, 0), (1, 128, 16)])
         decode_attention_quantized('cpu', dtype, [(2, 256, 0)])

@@ -10,10 +10,11 @@ from functools import partial
 import torch
 
 from lmdeploy.pytorch.kernels.activation import ClampedSwiGLU
-from lmdeploy.pytorch.kernels.cuda import elementwise, w8a8
+from lmdeploy.pytorch.kernels.cuda import elementwise, gguf_linear, w8a8
 from lmdeploy.pytorch.kernels.cuda.decode_attention import decode_attention
 from lmdeploy.pytorch.kernels.cuda.fill_kv_cache import fill_kv_cache
 from lmdeploy.pytorch.kernels.cuda.fused_moe import Int4Experts, Mxfp4Experts, fused_moe, moe_routing
+from lmdeploy.pytorch.kernels.cuda.gguf_linear import Q6KExperts, Q8Experts
 from lmdeploy.pytorch.kernels.cuda.mla import fill_latent_cache, mla_decode_attention, mla_prefill_attention
 from lmdeploy.pytorch.kernels.cuda.prefill_attention import prefill_attention
 from lmdeploy.pytorch.nn.quant.w4a16_cuda import TritonW4A16Kernel
@@ -184,14 +185,28 @@ EXPERTS = (
 # 48, more); the other shapes take the first and last rows.
 MOE_TOKENS = {'qwen3-30b-a3b': (1, 64, 512, 4096), 'gpt-oss-20b': (1, 4096), 'deepseek-v3': (1, 4096)}
 # the quantized experts swept besides dense ones: AWQ/GPTQ's on Qwen3-30B-A3B, OpenAI's MXFP4 on gpt-oss-20b
-QUANTIZED_EXPERTS = {'qwen3-30b-a3b': ('int4', 'int4 act-order'), 'gpt-oss-20b': ('mxfp4',)}
+QUANTIZED_EXPERTS = {'qwen3-30b-a3b': ('int4', 'int4 act-order', 'gguf q4_k_m', 'gguf q8_0'), 'gpt-oss-20b': ('mxfp4',)}
+
+
+def gguf_experts(ggml_type: str, num_experts: int, n: int, k: int) -> Q6KExperts | Q8Experts:
+    """Experts' Q6_K or Q8_0 blocks retiled as ``nn/quant/gguf_cuda.py`` retiles them."""
+    if ggml_type == 'Q6_K':
+        return Q6KExperts(*(meta(num_experts, n, k // per, dtype=dtype) for per, dtype in
+                            ((8, torch.int32), (16, torch.int32), (16, torch.int8), (256, torch.float16))))
+    return Q8Experts(meta(num_experts, n, k, dtype=torch.int8), meta(num_experts, n, k // 32, dtype=torch.float16))
 
 
 def moe(shape: ExpertShape, weights: str, token_counts: tuple[int, ...], dtype: torch.dtype) -> None:
-    """Routing (the model's router) and the fused MoE over ``weights``: 'dense', 'int4', 'int4 act-order' or
-    'mxfp4'."""
+    """Routing (the model's router) and the fused MoE over ``weights``: 'dense', 'int4', 'int4 act-order', 'mxfp4',
+    'gguf q4_k_m' (a GGUF Q4_K_M layer's Q4_K gate-and-up grids, Q6_K down) or 'gguf q8_0'."""
     if weights == 'mxfp4':
         gate_up, down = shape.mxfp4()
+    elif weights == 'gguf q4_k_m':
+        gate_up, down = shape.int4(dtype, False, group=32)[0], gguf_experts('Q6_K', shape.experts, shape.hidden,
+                                                                             shape.inter)
+    elif weights == 'gguf q8_0':
+        gate_up = gguf_experts('Q8_0', shape.experts, 2 * shape.inter, shape.hidden)
+        down = gguf_experts('Q8_0', shape.experts, shape.hidden, shape.inter)
     else:
         gate_up, down = shape.dense(dtype) if weights == 'dense' else shape.int4(dtype, weights == 'int4 act-order')
     extra = {}
@@ -229,6 +244,25 @@ def int4_linear(act_order: bool, shapes: tuple[tuple[int, int], ...], token_coun
             kernel(meta(tokens, k, dtype=dtype), None)
 
 
+# (N, K) of the GGUF layers a Q4_K_M file keeps Q6_K (v_proj, down_proj) in Llama-3-8B and TinyLlama-1.1B; a Q8_0
+# file's every projection of Llama-3-8B
+Q6K_LINEAR = ((1024, 4096), (4096, 14336), (256, 2048), (2048, 5632))
+GGUF_TOKENS = (1, 16, 64, 512, PREFILL_TOKENS)
+
+
+def gguf_blocks_linear(ggml_type: str, shapes: tuple[tuple[int, int], ...], token_counts: tuple[int, ...],
+                       dtype: torch.dtype) -> None:
+    """The Triton GEMMs on GGUF Q6_K and Q8_0 weights as ``nn/quant/gguf_cuda.py`` retiles them."""
+    for n, k in shapes:
+        for tokens in token_counts:
+            x = meta(tokens, k, dtype=dtype)
+            if ggml_type == 'Q6_K':
+                gguf_linear.q6k_linear(x, meta(n, k // 8, dtype=torch.int32), meta(n, k // 16, dtype=torch.int32),
+                                       meta(n, k // 16, dtype=torch.int8), meta(n, k // 256, dtype=torch.float16))
+            else:
+                gguf_linear.q8_0_linear(x, meta(n, k, dtype=torch.int8), meta(n, k // 32, dtype=torch.float16))
+
+
 def _cases() -> list[Case]:
     cases = [Case('rows: norm, rotary, gated act', partial(rows, NORM_SIZES, ROTARY_SHAPES))]
     for shape in ATTENTION:
@@ -250,7 +284,10 @@ def _cases() -> list[Case]:
     return cases + [Case('llama3-8b w8a8', partial(int8_linear, False, LINEAR, LINEAR_TOKENS)),
                     Case('qwen2-style w8a8 + bias', partial(int8_linear, True, LINEAR, LINEAR_TOKENS)),
                     Case('llama3-8b w4a16 g128', partial(int4_linear, False, LINEAR, LINEAR_TOKENS)),
-                    Case('llama3-8b w4a16 g128 act-order', partial(int4_linear, True, LINEAR, LINEAR_TOKENS))]
+                    Case('llama3-8b w4a16 g128 act-order', partial(int4_linear, True, LINEAR, LINEAR_TOKENS)),
+                    Case('llama3-8b, tinyllama gguf q6_k',
+                         partial(gguf_blocks_linear, 'Q6_K', Q6K_LINEAR, GGUF_TOKENS)),
+                    Case('llama3-8b gguf q8_0', partial(gguf_blocks_linear, 'Q8_0', LINEAR, GGUF_TOKENS))]
 
 
 CASES = _cases()
@@ -266,4 +303,8 @@ QUICK_CASES = [Case('rows (one size each)', partial(rows, (4096,), ((32, 128),))
                Case('qwen3-30b-a3b moe int4, 4096 tokens', partial(moe, EXPERTS[0], 'int4', (4096,))),
                Case('gpt-oss-20b moe mxfp4, 4096 tokens', partial(moe, EXPERTS[1], 'mxfp4', (4096,))),
                Case('llama3-8b w8a8 gate_up, 64 tokens', partial(int8_linear, False, LINEAR[2:3], (64,))),
-               Case('llama3-8b w4a16 g128 down, 64 tokens', partial(int4_linear, False, LINEAR[3:], (64,)))]
+               Case('llama3-8b w4a16 g128 down, 64 tokens', partial(int4_linear, False, LINEAR[3:], (64,))),
+               Case('llama3-8b gguf q6_k down, 2048 tokens', partial(gguf_blocks_linear, 'Q6_K', Q6K_LINEAR[1:2],
+                                                                     (PREFILL_TOKENS,))),
+               Case('llama3-8b gguf q8_0 down, 2048 tokens', partial(gguf_blocks_linear, 'Q8_0', LINEAR[3:],
+                                                                     (PREFILL_TOKENS,)))]

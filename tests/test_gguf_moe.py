@@ -253,18 +253,20 @@ def test_bf16_cpu_expert_kernels_match_the_file_weights(types):
 @pytest.mark.triton
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float16])
 @pytest.mark.parametrize('num_tokens', [1, 21])
-def test_triton_fused_moe_on_q4_k_experts(dtype, num_tokens):
-    """The Triton fused MoE on Q4_K gate-and-up grids (dequantized in registers) beside a Q6_K down dequantized at
-    load, against the torch fused MoE on gguf's weights."""
+@pytest.mark.parametrize('types', [{'gate_up': 'Q4_K', 'down': 'Q6_K'}, {'gate_up': 'Q8_0', 'down': 'Q8_0'}],
+                         ids=['q4k-q6k', 'q8_0'])
+def test_triton_fused_moe_on_gguf_experts(dtype, num_tokens, types):
+    """The Triton fused MoE on the experts' blocks, each weight tile dequantized in registers: Q4_K gate-and-up
+    grids beside a Q6_K down (Q4_K_M's), and Q8_0 both; against the torch fused MoE on gguf's weights."""
     from kernel_env import DEVICE
 
-    experts = random_gguf_experts({'gate_up': 'Q4_K', 'down': 'Q6_K'})
+    from lmdeploy.pytorch.kernels.cuda.gguf_linear import Q6KExperts, Q8Experts
+    experts = random_gguf_experts(types)
     gate_up, down = dense_weights(experts)
-    kernel = experts.weight_format.triton_kernel(experts, dtype)
-    kernel.gate_up = type(kernel.gate_up)(*(t.to(DEVICE) if isinstance(t, torch.Tensor) else t
-                                            for t in kernel.gate_up))
-    kernel.down = kernel.down.to(DEVICE)
-    assert kernel.down.dtype == dtype
+    kernel = experts.weight_format.triton_kernel(experts)
+    kernel.gate_up, kernel.down = (type(w)(*(t.to(DEVICE) if isinstance(t, torch.Tensor) else t for t in w))
+                                   for w in (kernel.gate_up, kernel.down))
+    assert isinstance(kernel.down, Q6KExperts if types['down'] == 'Q6_K' else Q8Experts)
     g = torch.Generator().manual_seed(num_tokens)
     hidden = torch.randn(num_tokens, 256, generator=g)
     weights, ids = moe.moe_routing(torch.randn(num_tokens, 4, generator=g), 2, True)

@@ -127,11 +127,18 @@ def q4_k_m(tmp_path_factory) -> str:
 
 def test_mixed_qkv_part_by_part_gives_transformers_tokens(q4_k_m):
     """Layer 0's q/k/v (Q4_K, Q4_K, Q6_K) is kept part by part; in fp32 the greedy tokens are transformers'
-    reading the .gguf (which dequantizes every tensor)."""
+    reading the .gguf (which dequantizes every tensor). On CUDA the Q6_K part, ``down_proj`` and output layer run
+    on the Triton Q6_K GEMM, the output layer's dequantized table released."""
     engine = make_engine(q4_k_m)
     try:
-        qkv = engine.runner.model.get_submodule('layers.0.self_attn.qkv_proj')
+        model = engine.runner.model
+        qkv = model.get_submodule('layers.0.self_attn.qkv_proj')
         assert qkv.weight_format.parts[2].ggml_type == 'Q6_K' and isinstance(qkv.kernel, PartsKernel)
+        if model.layers[0].input_layernorm.weight.is_cuda:
+            from lmdeploy.pytorch.nn.quant.gguf_cuda import TritonQ6KKernel
+            down = model.get_submodule('layers.0.mlp.down_proj')
+            assert isinstance(qkv.kernel.parts[2], TritonQ6KKernel) and isinstance(down.kernel, TritonQ6KKernel)
+            assert isinstance(model.lm_head.packed, TritonQ6KKernel) and model.lm_head.weight is None
         prompts = random_prompts([9, 30], seed=5, vocab=250)
         outs = run(engine, prompts)
     finally:

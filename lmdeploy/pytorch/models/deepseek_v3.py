@@ -151,5 +151,4 @@ class DeepseekV3ForCausalLM(MoEForCausalLM):
                 module.finalize(LinearOptions(pack_cpu, dtype=self.cfg.dtype))
         if small_step_int4:
             self.lm_head.enable_small_step_copy()
-        if pack_cpu:
-            self.lm_head.pack_for_cpu()
+        self.lm_head.finalize(pack_cpu)

@@ -218,9 +218,9 @@ class LlamaForCausalLM(nn.Module):
                 module.finalize(LinearOptions(pack_cpu, dtype=self.cfg.dtype))
         if small_step_int4:
             self.lm_head.enable_small_step_copy()
+        self.lm_head.finalize(pack_cpu)
         if not pack_cpu:
             return
-        self.lm_head.pack_for_cpu()
         attn = self.layers[0].self_attn
         rows = {module.kernel.small_step_rows for _, module in projections} - {0}
         small_step_rows = max(rows, default=0)

@@ -58,9 +58,10 @@ class VocabParallelEmbedding(VocabTable):
 class LMHead(VocabTable):
     """Logits ``[T, vocab]`` of hidden states, on rank 0 (None on the other ranks).
 
-    ``tied`` shares the embedding's table instead of holding a weight. On the CPU the table also runs on
-    its weight format's LM-head kernel (W8A8: int8 rows) or, in bf16, is kept packed for its GEMM
-    (:meth:`pack_for_cpu`), and one-row steps may run on an 8-bit or fp16 copy (:meth:`enable_small_step_copy`).
+    ``tied`` shares the embedding's table instead of holding a weight. The table may run on its weight format's
+    LM-head kernel (W8A8: int8 rows on the CPU; a GGUF file's Q6_K output layer on its blocks) or, in bf16 on the
+    CPU, be kept packed for its GEMM (:meth:`finalize`), and one-row steps may run on an 8-bit or fp16 copy
+    (:meth:`enable_small_step_copy`).
     """
 
     def __init__(self, hidden_size: int, vocab_size: int, tied: VocabParallelEmbedding | None = None):
@@ -75,10 +76,15 @@ class LMHead(VocabTable):
     def table_weight(self) -> torch.Tensor:
         return self._tied[0].weight if self._tied else self.weight
 
-    def pack_for_cpu(self) -> None:
-        """Lays the loaded table out for the CPU: the weight format's LM-head kernel (see
-        :meth:`WeightFormat.lm_head_kernel`), else the bf16 GEMM's packing of a bf16 table."""
-        self.packed = self.weight_format.lm_head_kernel(self.table_weight) or packed_cpu_kernel(self.table_weight)
+    def finalize(self, pack_cpu: bool) -> None:
+        """Lays the loaded table out for its kernel: the weight format's LM-head kernel (see
+        :meth:`WeightFormat.lm_head_kernel`), else with ``pack_cpu`` the bf16 GEMM's packing of a bf16 table.
+        Off the CPU the format's kernel runs every step, so an untied table it replaces is released."""
+        self.packed = self.weight_format.lm_head_kernel(self.table_weight)
+        if pack_cpu:
+            self.packed = self.packed or packed_cpu_kernel(self.table_weight)
+        elif self.packed is not None and not self._tied:
+            self.weight = None
 
     def enable_small_step_copy(self) -> None:
         """One-row steps use an 8-bit copy where it gives the table back to bf16's precision (a Q8_0 table,

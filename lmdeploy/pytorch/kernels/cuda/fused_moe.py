@@ -15,6 +15,7 @@ import triton.language as tl
 
 from lmdeploy.pytorch.kernels.activation import ClampedSwiGLU
 from lmdeploy.pytorch.kernels.cuda.elementwise import clamped_swiglu, silu_and_mul
+from lmdeploy.pytorch.kernels.cuda.gguf_linear import Q6KExperts, Q8Experts, gguf_grouped_gemm
 from lmdeploy.pytorch.kernels.cuda.utils import dot_precision
 
 
@@ -239,16 +240,22 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, slots_ptr, block_expert_ptr, topk_
              mask=smask[:, None] & cmask[None, :])
 
 
-def _grouped_gemm(a: torch.Tensor, w: torch.Tensor | Int4Experts | Mxfp4Experts, c: torch.Tensor,
+def _grouped_gemm(a: torch.Tensor, w: torch.Tensor | Int4Experts | Mxfp4Experts | Q6KExperts | Q8Experts,
+                  c: torch.Tensor,
                   sorted_slots: torch.Tensor, block_expert: torch.Tensor, topk_weights: torch.Tensor | None,
                   bias: torch.Tensor | None, a_row_div: int, config: MoEConfig) -> None:
     """``c[slot] = a[slot // a_row_div] @ w[expert(slot)].T`` plus the expert's ``bias [E, N]`` when given,
-    times the slot's weight when given."""
+    times the slot's weight when given (GGUF experts on their own kernels, ``kernels/cuda/gguf_linear.py``)."""
+    if isinstance(w, (Q6KExperts, Q8Experts)):
+        return gguf_grouped_gemm(a, w, c, sorted_slots, block_expert, topk_weights, bias, a_row_div, config.block_m,
+                                 config.num_warps)
     num_experts, n, k = w.shape
     int4, mxfp4 = isinstance(w, Int4Experts), isinstance(w, Mxfp4Experts)
     block_n = min(config.block_n, _INT4_MAX_BLOCK_N if int4 or mxfp4 else config.block_n,
                   max(16, triton.next_power_of_2(n)))
     block_k = min(config.block_k, max(16, triton.next_power_of_2(k)))
+    if int4 and w.g_idx is None and w.group_size < block_k:  # tiles of one group (GGUF Q4_K's 32): per-weight
+        block_k = w.group_size  # scales and offsets in shared memory took up to 327,680 B
     num_mblocks = block_expert.shape[0]
     grid = (num_mblocks * triton.cdiv(n, block_n),)
     weight = w.qweight if int4 else w.blocks if mxfp4 else w
@@ -301,9 +308,9 @@ def fused_moe(hidden: torch.Tensor, gate_up: torch.Tensor | Int4Experts | Mxfp4E
     """``sum_j w[t, j] * down[e] @ act(gate_up[e] @ hidden[t])`` with ``e = ids[t, j]``; ``[T, H]``.
 
     ``gate_up [E, 2I, H]`` holds gate rows then up rows, ``down [E, H, I]``; weights are row-major
-    in their last dimension, or :class:`Int4Experts` or :class:`Mxfp4Experts` of those shapes. The optional
-    biases ``[E, 2I]`` and ``[E, H]`` are added to each GEMM's output (before the routing weight); ``act`` is
-    SiLU-and-mul, or ``activation`` when given.
+    in their last dimension, or :class:`Int4Experts`, :class:`Mxfp4Experts` (GGUF blocks: ``Q6KExperts``,
+    ``Q8Experts``) of those shapes. The optional biases ``[E, 2I]`` and ``[E, H]`` are added to each GEMM's output
+    (before the routing weight); ``act`` is SiLU-and-mul, or ``activation`` when given.
     """
     config = moe_config(topk_ids.numel(), gate_up.shape[0])
     return fused_moe_with(hidden, gate_up, down, topk_weights, topk_ids, config, gate_up_bias, down_bias, activation)

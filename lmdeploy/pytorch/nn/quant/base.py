@@ -138,8 +138,9 @@ class WeightFormat(ABC):
         raise ValueError(f'mixture-of-experts layers of {type(self).__name__} checkpoints are not supported')
 
     def lm_head_kernel(self, table: torch.Tensor) -> LinearKernel | None:
-        """The kernel of a CPU LM head over ``table [vocab, hidden]`` (the model's dtype; the embedding's when
-        tied, which keeps it) in a model of this format, giving fp32 logits; None: the table's own bf16 GEMM."""
+        """The kernel of an LM head over ``table [vocab, hidden]`` (the model's dtype, on the model's device; the
+        embedding's when tied, which keeps it) in a model of this format, for every step size (fp32 logits on the
+        CPU); None: the table's own GEMM."""
         return None
 
     def convert_checkpoint(self, weights: Iterable[tuple[str, WeightSource]]) -> Iterator[tuple[str, WeightSource]]:

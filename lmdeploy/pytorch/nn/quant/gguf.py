@@ -5,7 +5,8 @@
 - Q8_0 (``B = 32``, 34 bytes): an fp16 scale ``d`` and 32 int8 codes, ``W = d * q``. Held as int8 codes
   and fp32 scales, dequantized on each call (in fp32, then to the activations' dtype) for ``F.linear``; in
   bf16 on the CPU, steps of up to ``Q8_NATIVE_MAX_ROWS`` tokens run on the native 8-bit GEMV instead
-  (``kernels/cpu/linear_q8.cpp``: the same blocks, the activations in fp32).
+  (``kernels/cpu/linear_q8.cpp``: the same blocks, the activations in fp32); on CUDA every step on the Triton
+  Q8_0 GEMM (:mod:`lmdeploy.pytorch.nn.quant.gguf_cuda`: the codes and the file's fp16 scales).
 - Q4_K (``B = 256``, 144 bytes): fp16 ``d`` and ``dmin``, eight 6-bit scales ``sc`` and mins ``m``, 256
   4-bit codes; ``W = q * (d * sc) - dmin * m`` per 32 inputs: a 4-bit grid of groups of 32 (exact in
   fp32), served by the 4-bit kernels (:mod:`lmdeploy.pytorch.nn.quant.w4a16`); in bf16 on the CPU steps of up
@@ -16,14 +17,16 @@
 - Q6_K (``B = 256``, 210 bytes): 6-bit codes ``u``, an int8 scale ``sc`` per 16 inputs and an fp16 ``d``;
   ``W = (u - 32) * (d * sc)``. In bf16 on the CPU, steps of up to ``Q6K_NATIVE_MAX_ROWS`` tokens run on the
   native Q6_K GEMV (``kernels/cpu/linear_q6k.cpp``: the file's codes and scales retiled, its weights exactly),
-  larger ones on the bf16 GEMM over a copy dequantized at load (rounded to bf16); otherwise int8 codes and
-  fp32 scales dequantized on each call. A file's Q6_K output layer (Q4_K_M's) runs its small steps on the
+  larger ones on the bf16 GEMM over a copy dequantized at load (rounded to bf16); on CUDA every step on the
+  Triton Q6_K GEMM (the file's bits retiled, 0.82 bytes a weight); otherwise int8 codes and fp32 scales
+  dequantized on each call. A file's Q6_K output layer (Q4_K_M's) runs its small steps on the
   GEMV the same way.
 
 A MoE layer's experts (``ffn_{gate,up,down}_exps``, one ``qweight`` per expert and projection) keep their blocks
 the same way, each projection in its own type (:class:`GgufExpertsFormat`): in bf16 on the CPU each routed
 expert runs Q4_K as dense Q4_K layers do (the Q4_K GEMV up to 16 rows, the int4 GEMV above; gate and up with
-their SiLU epilogue), Q6_K on the Q6_K GEMV at every step size and Q8_0 on the 8-bit GEMV; on CUDA the Triton fused MoE on Q4_K's grids (others dequantized at load);
+their SiLU epilogue), Q6_K on the Q6_K GEMV at every step size and Q8_0 on the 8-bit GEMV; on CUDA the Triton fused MoE
+on every projection's blocks (Q4_K's grids, Q6_K's and Q8_0's retiled as for the dense GEMMs);
 otherwise each routed expert is dequantized on its call.
 
 A stacked layer (q/k/v, gate/up) whose parts differ in type (Q4_K_M's Q6_K ``attn_v`` beside Q4_K ``attn_q`` and
@@ -89,6 +92,11 @@ class GgufFormat(Int4GroupFormat):
             return native
         if options.dtype is None:
             return ReferenceKernel(self, layer)
+        if layer.qweight.device.type == 'cuda':
+            from lmdeploy.pytorch.nn.quant.gguf_cuda import TRITON_KERNELS
+            kernel = TRITON_KERNELS[self.ggml_type](layer.qweight)
+            layer.qweight = None
+            return kernel
         if cpu_bf16 and self.ggml_type == 'Q6_K' and options.pack_cpu:
             weight = dequantize_blocks(layer.qweight, 'Q6_K').to(torch.bfloat16)
             native = q6_k_cpu_kernel(layer.qweight, weight, layer.gate_up_panels)
@@ -121,7 +129,7 @@ class GgufExpertsFormat(WeightFormat):
     def make_expert_kernel(self, experts: FusedExperts, options: LinearOptions) -> ExpertKernel:
         device = getattr(experts, experts.param_name('down', experts.kinds['down'][0])).device.type
         if options.dtype is not None and device == 'cuda':
-            kernel = self.triton_kernel(experts, options.dtype)
+            kernel = self.triton_kernel(experts)
         elif options.dtype == torch.bfloat16 and device == 'cpu':
             kernels = {proj: [self.cpu_kernel(proj, experts.projection(proj, e)) for e in range(experts.num_experts)]
                        for proj in self.formats}
@@ -132,9 +140,10 @@ class GgufExpertsFormat(WeightFormat):
         experts.release()
         return kernel
 
-    def triton_kernel(self, experts: FusedExperts, dtype: torch.dtype) -> ExpertKernel:
-        """The Triton fused MoE on the Q4_K projections' grids (``Int4Experts``), the other kept types
-        dequantized to ``dtype`` once, dense ones as they are."""
+    def triton_kernel(self, experts: FusedExperts) -> ExpertKernel:
+        """The Triton fused MoE on each projection's blocks: Q4_K's grids (``Int4Experts``), Q6_K's and Q8_0's
+        retiled for their GEMMs (``Q6KExperts``, ``Q8Experts``); dense ones as they are."""
+        from lmdeploy.pytorch.nn.quant.gguf_cuda import stacked_block_experts
         from lmdeploy.pytorch.nn.quant.w4a16_cuda import TritonInt4ExpertKernel, stacked_experts
         stacked = {}
         for proj, projection_format in self.formats.items():
@@ -144,7 +153,7 @@ class GgufExpertsFormat(WeightFormat):
             elif projection_format.ggml_type == 'Q4_K':
                 stacked[proj] = stacked_experts(q4_k_grid(layer.qweight) for layer in projections)
             else:
-                stacked[proj] = torch.stack([projection_format.dequantize(layer).to(dtype) for layer in projections])
+                stacked[proj] = stacked_block_experts(projection_format.ggml_type, [p.qweight for p in projections])
         return TritonInt4ExpertKernel(stacked['gate_up'], stacked['down'])
 
     def reference_kernel(self, proj: str, layer: ExpertProjection) -> LinearKernel:
@@ -258,9 +267,15 @@ class GgufFileFormat(DenseFormat):
         return cls(config['ggml_types'], config.get('lm_head'))
 
     def lm_head_kernel(self, table: torch.Tensor) -> LinearKernel | None:
+        """The output layer's blocks: on CUDA its type's Triton GEMM at every step; in bf16 on the CPU the Q6_K GEMV
+        for small steps (fp32 logits), the table's GEMM above; else (and for a vocab-parallel share) None."""
         blocks, self.lm_head_blocks = self.lm_head_blocks, None
-        if (blocks is None or table.dtype != torch.bfloat16 or table.device.type != 'cpu'
-                or table.shape[0] != blocks.shape[0]):  # a vocab-parallel share
+        if blocks is None or table.shape[0] != blocks.shape[0]:  # a vocab-parallel share
+            return None
+        if table.device.type == 'cuda':
+            from lmdeploy.pytorch.nn.quant.gguf_cuda import TRITON_KERNELS
+            return TRITON_KERNELS[self.lm_head_type](blocks.to(table.device))
+        if table.dtype != torch.bfloat16 or table.device.type != 'cpu':
             return None
         return q6_k_cpu_kernel(blocks, table, gate_up=False, fp32_out=True)
 

@@ -43,9 +43,9 @@ def q6_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     """``[N, K / 256, 210]`` Q6_K blocks as codes ``u [N, K]`` (uint8, 0..63), ``sc [N, K / 16]`` (int8) and
     ``d [N, K / 256]`` (fp16): ``W = (u - 32) * d * sc``."""
     n, num_blocks = blocks.shape[:2]
-    low = blocks[..., :128].view(n, num_blocks, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)
-    high = blocks[..., 128:192].view(n, num_blocks, 2, 1, 32) >> torch.tensor([0, 2, 4, 6],
-                                                                               dtype=torch.uint8).view(4, 1)
+    shifts = torch.arange(0, 8, 2, dtype=torch.uint8, device=blocks.device)
+    low = blocks[..., :128].view(n, num_blocks, 2, 1, 64) >> shifts[::2].view(2, 1)
+    high = blocks[..., 128:192].view(n, num_blocks, 2, 1, 32) >> shifts.view(4, 1)
     codes = (low & 15).view(n, num_blocks, 8, 32) | ((high & 3).view(n, num_blocks, 8, 32) << 4)
     sc = blocks[..., 192:208].contiguous().view(torch.int8)
     d = blocks[..., 208:210].contiguous().view(torch.float16)[..., 0]

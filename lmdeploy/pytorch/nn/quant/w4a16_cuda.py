@@ -9,6 +9,7 @@ import torch
 
 from lmdeploy.pytorch.kernels.activation import ClampedSwiGLU
 from lmdeploy.pytorch.kernels.cuda.fused_moe import Int4Experts, fused_moe
+from lmdeploy.pytorch.kernels.cuda.gguf_linear import Q6KExperts, Q8Experts
 from lmdeploy.pytorch.nn.quant.base import ExpertKernel, LinearKernel
 
 if TYPE_CHECKING:
@@ -54,9 +55,10 @@ def stacked_experts(grids: Iterable[Int4Grid]) -> Int4Experts:
 
 class TritonInt4ExpertKernel(ExpertKernel):
     """The Triton fused MoE on the experts' 4-bit grids, dequantizing each weight tile in registers (either
-    projection may instead be dense, ``[E, N, K]`` in the model's dtype: a GGUF layer's Q6_K ``down``)."""
+    projection may instead be a GGUF layer's Q6_K or Q8_0 blocks, or dense, ``[E, N, K]`` in the model's dtype)."""
 
-    def __init__(self, gate_up: Int4Experts | torch.Tensor, down: Int4Experts | torch.Tensor):
+    def __init__(self, gate_up: Int4Experts | Q6KExperts | Q8Experts | torch.Tensor,
+                 down: Int4Experts | Q6KExperts | Q8Experts | torch.Tensor):
         self.gate_up, self.down = gate_up, down
 
     @classmethod

@@ -111,10 +111,12 @@ class W8A8Format(WeightFormat):
         layer.weight = layer.scale = None
         return kernel
 
-    def lm_head_kernel(self, table: torch.Tensor) -> LinearKernel:
-        """Per-vocabulary-row int8 weights and per-token int8 activations, as in the projections: the LM head
-        reads half the bytes of bf16 and runs on the int8 GEMM (native where it runs the projections, else
-        the torch version, so that a CPU without VNNI gives the same tokens)."""
+    def lm_head_kernel(self, table: torch.Tensor) -> LinearKernel | None:
+        """On the CPU per-vocabulary-row int8 weights and per-token int8 activations, as in the projections: the
+        LM head reads half the bytes of bf16 and runs on the int8 GEMM (native where it runs the projections,
+        else the torch version, so that a CPU without VNNI gives the same tokens); elsewhere None."""
+        if table.device.type != 'cpu':
+            return None
         rows = Int8Rows.of(table)
         kernel = NativeW8A8Kernel(rows.weight, rows.scale) if _runs_native(rows.weight) else W8A8Kernel(rows)
         return FloatLogitsKernel(kernel)
