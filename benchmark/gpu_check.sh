@@ -7,7 +7,8 @@
 #    (CPU only; the full sweep runs on any CPU: python benchmark/triton_aot.py)
 # 1. every Triton kernel test natively on CUDA (fp32, fp16, bf16)
 # 2. the engine end to end on tiny models on CUDA (dense, MoE, MLA, sinks, sliding window, soft-capping, a GGUF
-#    Q4_K_M file), greedy-compared with transformers
+#    Q4_K_M file, an int8 KV cache, AWQ and GPTQ checkpoints, MXFP4 experts, sliding-window KV pools),
+#    greedy-compared with transformers (the later ones are the first cut when time runs short)
 # 3. kernel throughput: decode attention GB/s, fused MoE TFLOP/s vs the unfused torch twin; then the GEMMs on GGUF
 #    Q6_K/Q8_0 blocks vs dequantizing them on each call (Llama-3-8B's down_proj and v_proj, 1 and 512 rows)
 # 4. offline throughput of the default model on CUDA, against transformers on CUDA
@@ -53,13 +54,18 @@ $PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(
 model_flag=$(PIP_RETRIES=0 PIP_TIMEOUT=5 timeout 20 $PY -c \
     "from lmdeploy.model_source import resolve_model_path; resolve_model_path(None)" >/dev/null 2>&1 || echo --random-weights)
 part "kernel tests (CUDA)" 90 "$SCALE_SLOT" $PY -m pytest tests -q -m triton -p no:cacheprovider
-part "engine vs transformers (CUDA)" 100 "$SCALE_SLOT" env LMDEPLOY_TEST_DEVICE=cuda $PY -m pytest -q \
+part "engine vs transformers (CUDA)" 120 "$SCALE_SLOT" env LMDEPLOY_TEST_DEVICE=cuda $PY -m pytest -q \
     -p no:cacheprovider tests/test_engine_correctness.py tests/test_bad_input.py \
     'tests/test_deepseek.py::test_greedy_and_first_logits_match_transformers[v3_q_lora]' \
     tests/test_gpt_oss.py::test_greedy_and_first_logits_match_transformers \
     'tests/test_model_families.py::test_greedy_and_first_logits_match_transformers[mistral_sliding]' \
     'tests/test_model_families.py::test_greedy_and_first_logits_match_transformers[gemma2]' \
-    tests/test_gguf_q4km.py::test_mixed_qkv_part_by_part_gives_transformers_tokens
+    tests/test_gguf_q4km.py::test_mixed_qkv_part_by_part_gives_transformers_tokens \
+    tests/test_kv_quant.py::test_int8_gives_the_unquantized_tokens \
+    'tests/test_quant_checkpoints.py::test_engine_matches_transformers_on_the_dequantized_weights[awq-False]' \
+    'tests/test_quant_checkpoints.py::test_engine_matches_transformers_on_the_dequantized_weights[gptq-True]' \
+    tests/test_mxfp4.py::test_mxfp4_checkpoint_kept_as_mxfp4_matches_transformers \
+    tests/test_sliding_kv.py::test_tokens_match_transformers_beyond_the_window_with_bounded_sliding_blocks
 part "kernel throughput" 30 "$SCALE_SLOT" $PY benchmark/kernel_bench.py --device cuda
 part "GGUF Q6_K/Q8_0 GEMMs" 30 "$SCALE_SLOT" $PY benchmark/kernel_bench.py --device cuda --gguf --budget 25
 part "offline throughput (default model, CUDA)" 60 "$SCALE_SLOT" $PY benchmark/throughput.py --device cuda \
