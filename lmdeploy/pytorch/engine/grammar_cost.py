@@ -86,22 +86,29 @@ def schema_patterns(schema: Any) -> Iterator[str | None]:
     """The regexes of a JSON schema as xgrammar compiles them: the ``pattern`` of each distinct string schema (one
     used twice compiles once: see :func:`share_regex_strings`), the keys of ``patternProperties``, and None for
     each distinct string schema with a ``format``."""
-    seen, stack = set(), [schema]
+    seen = set()
+    for item in _schema_objects(schema):
+        key = _regex_string_key(item)
+        if key is None or key not in seen:
+            if key is not None:
+                seen.add(key)
+            if isinstance(item.get('pattern'), str):
+                yield item['pattern']
+            elif isinstance(item.get('format'), str):
+                yield None
+        if isinstance(item.get('patternProperties'), dict):
+            yield from item['patternProperties']
+
+
+def _schema_objects(schema: Any) -> Iterator[dict]:
+    """Every object of a JSON schema, the values of data keywords (``enum``, ``const``...) left out."""
+    stack = [schema]
     while stack:
         item = stack.pop()
         if isinstance(item, list):
             stack += item
         elif isinstance(item, dict):
-            key = _regex_string_key(item)
-            if key is None or key not in seen:
-                if key is not None:
-                    seen.add(key)
-                if isinstance(item.get('pattern'), str):
-                    yield item['pattern']
-                elif isinstance(item.get('format'), str):
-                    yield None
-            if isinstance(item.get('patternProperties'), dict):
-                yield from item['patternProperties']
+            yield item
             stack += [v for k, v in item.items() if k not in _DATA_KEYWORDS]
 
 
@@ -119,16 +126,10 @@ def share_regex_strings(schema: Any) -> Any:
     if not isinstance(schema, dict):
         return schema
     counts: dict[str, int] = {}
-    stack = [schema]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, list):
-            stack += item
-        elif isinstance(item, dict):
-            key = _regex_string_key(item)
-            if key is not None:
-                counts[key] = counts.get(key, 0) + 1
-            stack += [v for k, v in item.items() if k not in _DATA_KEYWORDS]
+    for item in _schema_objects(schema):
+        key = _regex_string_key(item)
+        if key is not None:
+            counts[key] = counts.get(key, 0) + 1
     names = {key: f'lmdeploy_shared_{i}' for i, key in enumerate(k for k, n in counts.items() if n > 1)}
     if not names:
         return schema
