@@ -7,7 +7,7 @@
 #    (CPU only; the full sweep runs on any CPU: python benchmark/triton_aot.py)
 # 1. every Triton kernel test natively on CUDA (fp32, fp16, bf16)
 # 2. the engine end to end on tiny models on CUDA (dense, MoE, MLA, sinks, sliding window, soft-capping, a GGUF
-#    Q4_K_M file, an int8 KV cache, AWQ and GPTQ checkpoints, MXFP4 experts, sliding-window KV pools),
+#    Q4_K_M file, an int8 KV cache, W8A8, AWQ and GPTQ checkpoints, MXFP4 experts, sliding-window KV pools),
 #    greedy-compared with transformers (the later ones are the first cut when time runs short)
 # 3. kernel throughput: decode attention GB/s, fused MoE TFLOP/s vs the unfused torch twin; then the GEMMs on GGUF
 #    Q6_K/Q8_0 blocks vs dequantizing them on each call (Llama-3-8B's down_proj and v_proj, 1 and 512 rows)
@@ -62,6 +62,7 @@ part "engine vs transformers (CUDA)" 120 "$SCALE_SLOT" env LMDEPLOY_TEST_DEVICE=
     'tests/test_model_families.py::test_greedy_and_first_logits_match_transformers[gemma2]' \
     tests/test_gguf_q4km.py::test_mixed_qkv_part_by_part_gives_transformers_tokens \
     tests/test_kv_quant.py::test_int8_gives_the_unquantized_tokens \
+    tests/test_w8a8.py::test_w8a8_checkpoint_loads_without_a_flag_and_generates_mostly_the_same_tokens \
     'tests/test_quant_checkpoints.py::test_engine_matches_transformers_on_the_dequantized_weights[awq-False]' \
     'tests/test_quant_checkpoints.py::test_engine_matches_transformers_on_the_dequantized_weights[gptq-True]' \
     tests/test_mxfp4.py::test_mxfp4_checkpoint_kept_as_mxfp4_matches_transformers \
