@@ -229,3 +229,35 @@ def test_server_tp2_streams_and_a_killed_worker_makes_health_503(tiny_llama):
         proc.kill()
         proc.wait()
     assert_gone([child.pid for child in children])
+
+
+def test_each_rank_reads_only_its_slice_of_the_weight_files(tiny_llama, monkeypatch):
+    """Rank 1 of 2 reads half of every sharded tensor from the files (q/k/v, o, gate/up, down, the embedding
+    and LM head) and all of the replicated ones (norms), nothing more."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    from lmdeploy.pytorch.config import ModelConfig
+    from lmdeploy.pytorch.distributed.parallel_state import TPGroup, use_group
+    from lmdeploy.pytorch.weights import safetensors_loader
+    from lmdeploy.pytorch.weights.loader import build_model
+
+    read: dict[str, int] = {}
+    file_read = safetensors_loader.FileTensor.read
+
+    def counted(self, index):
+        tensor = file_read(self, index)
+        read[self.name] = read.get(self.name, 0) + tensor.numel()
+        return tensor
+
+    monkeypatch.setattr(safetensors_loader.FileTensor, 'read', counted)
+    cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(tiny_llama), torch.float32, 0)
+    with use_group(TPGroup(rank=1, world_size=2)):
+        build_model(cfg, tiny_llama, torch.device('cpu'), show_progress=False)
+    with safe_open(f'{tiny_llama}/model.safetensors', framework='pt') as f:
+        sizes = {name: f.get_slice(name).get_shape() for name in f.keys()}
+    sharded = ('_proj.weight', 'embed_tokens.weight', 'lm_head.weight')
+    assert set(read) == set(sizes)
+    for name, shape in sizes.items():
+        numel = int(torch.tensor(shape).prod())
+        assert read[name] == (numel // 2 if name.endswith(sharded) else numel), name
