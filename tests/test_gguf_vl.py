@@ -1,7 +1,8 @@
-"""Qwen2-VL from llama.cpp's two GGUF files: a tiny random transformers model written as convert_hf_to_gguf.py
-writes it (the language model as arch ``qwen2vl``; with ``--mmproj``, the tower as arch ``clip``: gguf-py's
-tensor name maps, q/k/v split, the Conv3d patch embedding split into two Conv2d halves) served token for token
-like the safetensors original on image prompts, and the errors for a missing, doubled or mismatched mmproj."""
+"""Qwen2-VL and Qwen2.5-VL from llama.cpp's two GGUF files: a tiny random transformers model of each written as
+convert_hf_to_gguf.py writes it (the language model as arch ``qwen2vl``; with ``--mmproj``, the tower as arch
+``clip``: gguf-py's tensor name maps, q/k/v split, the Conv3d patch embedding split into two Conv2d halves) served
+token for token like the safetensors original on image prompts, and the errors for a missing, doubled or
+mismatched mmproj."""
 from __future__ import annotations
 
 import json
@@ -9,7 +10,6 @@ import shutil
 from pathlib import Path
 
 import gguf
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -17,7 +17,7 @@ from helpers import make_engine, run
 from test_gguf import finish
 from test_vl_families import make_processor
 from transformers import AutoConfig, AutoTokenizer
-from vl_models import QWEN_VISION, random_image, save_tiny_vl_model
+from vl_models import QWEN25_VISION, QWEN_VISION, random_image, save_tiny_vl_model
 
 from lmdeploy.pytorch.weights.gguf import resolve_gguf
 
@@ -69,20 +69,26 @@ def write_mmproj(model_dir: str, out: Path) -> None:
     """The vision tower as convert_hf_to_gguf.py ``--mmproj`` (Qwen2VLVisionModel) writes it (float32)."""
     config = AutoConfig.from_pretrained(model_dir)
     vision = config.vision_config
+    qwen25 = config.model_type == 'qwen2_5_vl'
     writer = gguf.GGUFWriter(str(out), 'clip')
     writer.add_type(gguf.GGUFType.MMPROJ)
     writer.add_bool(gguf.Keys.Clip.HAS_VISION_ENCODER, True)
-    writer.add_vision_projection_dim(vision.hidden_size)
+    writer.add_vision_projection_dim(vision.out_hidden_size if qwen25 else vision.hidden_size)
     writer.add_vision_image_size(560)
     writer.add_vision_patch_size(vision.patch_size)
-    writer.add_vision_embedding_length(vision.embed_dim)
-    writer.add_vision_feed_forward_length(vision.embed_dim * vision.mlp_ratio)
+    writer.add_vision_embedding_length(vision.hidden_size if qwen25 else vision.embed_dim)
+    writer.add_vision_feed_forward_length(vision.intermediate_size if qwen25 else vision.embed_dim * vision.mlp_ratio)
     writer.add_vision_block_count(vision.depth)
     writer.add_vision_head_count(vision.num_heads)
     processor = json.loads(Path(model_dir, 'preprocessor_config.json').read_text())
     writer.add_vision_image_mean(processor['image_mean'])
     writer.add_vision_image_std(processor['image_std'])
-    writer.add_clip_projector_type(gguf.VisionProjectorType.QWEN2VL)
+    if qwen25:
+        writer.add_clip_projector_type(gguf.VisionProjectorType.QWEN25VL)
+        writer.add_vision_use_silu(True)
+        writer.add_vision_n_wa_pattern(vision.fullatt_block_indexes[0] + 1)
+    else:
+        writer.add_clip_projector_type(gguf.VisionProjectorType.QWEN2VL)
     writer.add_vision_attention_layernorm_eps(1e-6)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, vision.depth)
     for name, value in load_file(f'{model_dir}/model.safetensors').items():
@@ -100,12 +106,15 @@ def write_mmproj(model_dir: str, out: Path) -> None:
     finish(writer)
 
 
-@pytest.fixture(scope='module')
-def qwen2_vl(tmp_path_factory) -> str:
-    # llama.cpp's map names the merger's layers as blocks of the tower: its mlp.2 needs a depth of 3 or more
+@pytest.fixture(scope='module', params=['qwen2_vl', 'qwen2_5_vl'])
+def qwen2_vl(request, tmp_path_factory) -> str:
+    # llama.cpp's map names the merger's layers as blocks of the tower: its mlp.2 needs a depth of 3 or more;
+    # its Qwen2.5-VL windows are 112 px, as the hub's models have them
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(QWEN_VISION, 'depth', 3)
-        return save_tiny_vl_model('qwen2_vl', str(tmp_path_factory.mktemp('qwen2_vl')))
+        patch.setitem(QWEN25_VISION, 'depth', 3)
+        patch.setitem(QWEN25_VISION, 'window_size', 112)
+        return save_tiny_vl_model(request.param, str(tmp_path_factory.mktemp(request.param)))
 
 
 @pytest.fixture(scope='module')
@@ -153,7 +162,7 @@ def test_mmproj_missing_doubled_or_mismatched(gguf_pair, tmp_path):
     (tmp_path / 'mmproj-b.gguf').unlink()
     reader = gguf.GGUFReader(str(tmp_path / 'mmproj-a.gguf'), 'r+')
     projector = reader.fields['clip.projector_type']
-    projector.parts[projector.data[0]][:] = np.frombuffer(b'qwen3vl_merger', dtype=np.uint8)  # same length
+    projector.parts[projector.data[0]][:] = ord('x')  # a name of the same length
     del reader
-    with pytest.raises(ValueError, match='does not pair with a qwen2vl language model'):
+    with pytest.raises(ValueError, match="projector 'x+' does not pair with a qwen2vl language model"):
         resolve_gguf(str(model))
