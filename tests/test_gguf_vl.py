@@ -2,7 +2,7 @@
 convert_hf_to_gguf.py writes it (the language model as arch ``qwen2vl``; with ``--mmproj``, the tower as arch
 ``clip``: gguf-py's tensor name maps, q/k/v split, the Conv3d patch embedding split into two Conv2d halves) served
 token for token like the safetensors original on image prompts, and the errors for a missing, doubled or
-mismatched mmproj."""
+mismatched mmproj and one without the tower's shape."""
 from __future__ import annotations
 
 import json
@@ -150,7 +150,7 @@ def test_gguf_pair_serves_image_prompts_like_the_original(qwen2_vl, gguf_pair):
     assert expected[1] != expected[2], 'the images must change the answer'
 
 
-def test_mmproj_missing_doubled_or_mismatched(gguf_pair, tmp_path):
+def test_mmproj_missing_doubled_mismatched_or_incomplete(gguf_pair, tmp_path):
     model = tmp_path / 'model.gguf'
     shutil.copy(gguf_pair / 'Qwen2-VL-tiny-F32.gguf', model)
     with pytest.raises(ValueError, match=r'exactly one mmproj\*\.gguf .* found none'):
@@ -165,4 +165,9 @@ def test_mmproj_missing_doubled_or_mismatched(gguf_pair, tmp_path):
     projector.parts[projector.data[0]][:] = ord('x')  # a name of the same length
     del reader
     with pytest.raises(ValueError, match="projector 'x+' does not pair with a qwen2vl language model"):
+        resolve_gguf(str(model))
+    writer = gguf.GGUFWriter(str(tmp_path / 'mmproj-a.gguf'), 'clip')
+    writer.add_clip_projector_type(gguf.VisionProjectorType.QWEN2VL)
+    finish(writer)
+    with pytest.raises(ValueError, match='missing GGUF metadata: clip.vision.embedding_length'):
         resolve_gguf(str(model))

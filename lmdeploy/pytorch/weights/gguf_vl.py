@@ -52,6 +52,11 @@ def vl_config(text: dict[str, Any], reader: GGUFReader, mmproj: GGUFReader, toke
         raise ValueError(f'{source}: mmproj projector {projector!r} does not pair with a qwen2vl language model '
                          f'(expected one of {", ".join(VL_ARCHS["qwen2vl"])})')
     key = lambda name: _meta(mmproj, f'clip.vision.{name}')  # noqa: E731
+    required = ('embedding_length', 'feed_forward_length', 'block_count', 'attention.head_count', 'projection_dim',
+                'patch_size') + (('n_wa_pattern', ) if projector == 'qwen2.5vl_merger' else ())
+    missing = [f'clip.vision.{name}' for name in required if key(name) is None]
+    if missing:
+        raise ValueError(f'{source}: missing GGUF metadata: {", ".join(missing)}')
     width, depth, pattern = key('embedding_length'), key('block_count'), key('n_wa_pattern')
     vision = {'depth': depth, 'num_heads': key('attention.head_count'), 'patch_size': key('patch_size'),
               'spatial_merge_size': 2, 'temporal_patch_size': 2, 'in_channels': 3}
@@ -63,10 +68,7 @@ def vl_config(text: dict[str, Any], reader: GGUFReader, mmproj: GGUFReader, toke
         model_type, architecture = 'qwen2_5_vl', 'Qwen2_5_VLForConditionalGeneration'
         vision |= {'hidden_size': width, 'intermediate_size': key('feed_forward_length'),
                    'out_hidden_size': key('projection_dim'), 'hidden_act': 'silu', 'window_size': QWEN25_WINDOW,
-                   'fullatt_block_indexes': pattern and list(range(pattern - 1, depth, pattern))}
-    missing = [k for k, v in vision.items() if v is None]
-    if missing:
-        raise ValueError(f'{source}: mmproj lacks the vision metadata for {", ".join(missing)}')
+                   'fullatt_block_indexes': list(range(pattern - 1, depth, pattern))}
     sections = _meta(reader, 'qwen2vl.rope.dimension_sections')
     if sections is None:
         raise ValueError(f'{source}: missing GGUF metadata: qwen2vl.rope.dimension_sections')
