@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from .gguf_archs import (ARCHITECTURES, CONFIG_BUILDERS, LAYER_NAMES, RAW_SERVED_ARCHS, finish_state_dict,
                          mxfp4_from_ggml)
 from .gguf_types import LM_HEAD_RAW_TYPES, MXFP4, RAW_TYPES, engine_layer, served_types
+from .gguf_vl import VL_ARCHS, find_mmproj, image_processor_config, vision_state_dict, vl_config
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ SUPPORTED_ARCHS: dict[str, str] = {
     'phi3': 'Phi3ForCausalLM',
     'smollm3': 'SmolLM3ForCausalLM',
     **ARCHITECTURES,
+    'qwen2vl': 'Qwen2VLForConditionalGeneration',  # with its mmproj file (gguf_vl.py)
 }
 
 _GLOBAL_NAMES = {'token_embd': 'model.embed_tokens', 'output_norm': 'model.norm', 'output': 'lm_head'}
@@ -151,7 +153,7 @@ def gguf_config(reader: GGUFReader, source: str, raw_types: Iterable[str] = RAW_
         'rope_theta': key('rope.freq_base', 10000.0),
         'vocab_size': int(tensors['token_embd.weight'].shape[-1]),  # ggml order: (hidden, vocab)
         # Qwen2 has q/k/v biases by its type and none on o_proj, which attention_bias would add
-        'attention_bias': 'blk.0.attn_q.bias' in tensors and arch not in ('qwen2', 'qwen2moe'),
+        'attention_bias': 'blk.0.attn_q.bias' in tensors and arch not in ('qwen2', 'qwen2moe', 'qwen2vl'),
         'tie_word_embeddings': 'output.weight' not in tensors,
         'bos_token_id': _meta(reader, 'tokenizer.ggml.bos_token_id'),
         'eos_token_id': _end_ids(reader),
@@ -284,11 +286,15 @@ def _save_tokenizer(gguf_path: Path, out_dir: Path, reader: GGUFReader) -> None:
     tokenizer.save_pretrained(str(out_dir))
 
 
-def convert_gguf(gguf_path: str, out_dir: str, raw_types: Iterable[str] = RAW_TYPES) -> None:
+def convert_gguf(gguf_path: str, out_dir: str, raw_types: Iterable[str] = RAW_TYPES,
+                 mmproj_path: str | None = None) -> None:
     """Write the weights (float32, but the projections of layers served as their blocks: of ``raw_types``, see
     :func:`served_types`), one safetensors file per decoder layer and one for the rest with their index,
     ``config.json`` and tokenizer files for a GGUF file; with no ``raw_types``, every tensor in float32, a
-    folder that transformers loads. One layer is in memory at a time, besides the file's mapping.
+    folder that transformers loads. One layer is in memory at a time, besides the file's mapping. A
+    vision-language model's language model (``VL_ARCHS``) takes its ``mmproj_path`` (by default the one beside
+    it, :func:`find_mmproj`): everything in float32, the tower in one more shard, with its image processor's
+    config.
 
     The folder is built next to ``out_dir`` and renamed into place, so it is either complete or absent.
     """
@@ -297,22 +303,31 @@ def convert_gguf(gguf_path: str, out_dir: str, raw_types: Iterable[str] = RAW_TY
     if out.exists():
         raise FileExistsError(f'output folder {out} already exists')
     reader = open_gguf(src)
-    config = gguf_config(reader, str(src), raw_types)
+    vl = _meta(reader, 'general.architecture') in VL_ARCHS
+    if vl and mmproj_path is None:
+        mmproj_path = str(find_mmproj(src))
+    config = gguf_config(reader, str(src), () if vl else raw_types)
+    mmproj = open_gguf(mmproj_path) if vl else None
+    model_config = vl_config(config, reader, mmproj, list(_meta(reader, 'tokenizer.ggml.tokens', [])),
+                             str(mmproj_path)) if vl else config
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f'.{out.name}.tmp-', dir=out.parent))
     try:
         tmp.chmod(0o755)
-        groups = layer_groups(reader)
+        groups = layer_groups(reader) + ([mmproj] if vl else [])
         weight_map = {}
         for index, tensors in enumerate(tqdm(groups, desc=f'Converting {src.name}', unit='layer')):
-            state_dict = gguf_state_dict(reader, tensors, config, str(src))
+            state_dict = (vision_state_dict(tensors) if tensors is mmproj else
+                          gguf_state_dict(reader, tensors, config, str(src)))
             shard = f'model-{index + 1:05d}-of-{len(groups):05d}.safetensors'
             save_file(state_dict, str(tmp / shard), metadata={'format': 'pt'})
             (tmp / shard).chmod(0o644)
             weight_map |= dict.fromkeys(state_dict, shard)
             del state_dict
         (tmp / 'model.safetensors.index.json').write_text(json.dumps({'metadata': {}, 'weight_map': weight_map}))
-        AutoConfig.for_model(**config).save_pretrained(str(tmp))
+        AutoConfig.for_model(**model_config).save_pretrained(str(tmp))
+        if vl:
+            (tmp / 'preprocessor_config.json').write_text(json.dumps(image_processor_config(mmproj)))
         _save_tokenizer(src, tmp, reader)
         try:
             tmp.rename(out)
@@ -325,21 +340,25 @@ def convert_gguf(gguf_path: str, out_dir: str, raw_types: Iterable[str] = RAW_TY
 
 
 def resolve_gguf(gguf_path: str, raw_types: Iterable[str] = RAW_TYPES) -> str:
-    """The cached HF folder for a GGUF file (see :func:`convert_gguf`), converting it on first use.
+    """The cached HF folder for a GGUF file (see :func:`convert_gguf`), converting it on first use; a
+    vision-language model's language model takes the ``mmproj*.gguf`` file beside it (:func:`find_mmproj`).
 
-    Keyed by the file's absolute path, size and mtime (and the converter format and ``raw_types``), so an
+    Keyed by the files' absolute paths, sizes and mtimes (and the converter format and ``raw_types``), so an
     edited file is converted again.
     """
     src = Path(gguf_path).absolute()
     if not src.is_file():
         raise FileNotFoundError(f'GGUF file {gguf_path} does not exist')
-    stat = src.stat()
+    # only a folder holding an mmproj file costs a look at the architecture
+    vl = any(src.parent.glob('mmproj*.gguf')) and _meta(open_gguf(src), 'general.architecture') in VL_ARCHS
+    mmproj = find_mmproj(src) if vl else None
+    files = ''.join(f'\0{p}\0{p.stat().st_size}\0{p.stat().st_mtime_ns}' for p in (src, mmproj) if p is not None)
     raw = ','.join(sorted(raw_types))
-    key = hashlib.sha256(f'{_CACHE_FORMAT}\0{src}\0{stat.st_size}\0{stat.st_mtime_ns}\0{raw}'.encode()).hexdigest()[:16]
+    key = hashlib.sha256(f'{_CACHE_FORMAT}{files}\0{raw}'.encode()).hexdigest()[:16]
     out = cache_dir() / 'gguf' / f'{src.stem}-{key}'
     if not (out / 'config.json').is_file():
         try:
-            convert_gguf(str(src), str(out), raw_types)
+            convert_gguf(str(src), str(out), raw_types, None if mmproj is None else str(mmproj))
         except FileExistsError:
             if not (out / 'config.json').is_file():
                 raise

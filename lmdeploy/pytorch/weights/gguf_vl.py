@@ -1,0 +1,120 @@
+"""Vision-language models from llama.cpp's two files: the language model's GGUF and the ``mmproj`` GGUF
+(architecture ``clip``) that convert_hf_to_gguf.py ``--mmproj`` writes for the vision tower and projector.
+Qwen2-VL and Qwen2.5-VL: what their mmproj files leave out (merge 2, temporal patch 2, Qwen2.5-VL's 112 px
+attention windows) is taken as llama.cpp takes it."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+# text architectures that need an mmproj file, with the mmproj projector types they pair with
+VL_ARCHS = {'qwen2vl': ('qwen2vl_merger', 'qwen2.5vl_merger')}
+QWEN25_WINDOW = 112  # llama.cpp's window when the file states none (as the converter writes them)
+QWEN_IMAGE_TOKENS = {'image_token_id': '<|image_pad|>', 'video_token_id': '<|video_pad|>',
+                     'vision_start_token_id': '<|vision_start|>', 'vision_end_token_id': '<|vision_end|>'}
+_BLOCK_NAMES = {'attn_out': 'attn.proj', 'ln1': 'norm1', 'ln2': 'norm2'}
+_MLP_NAMES = {'qwen2vl_merger': {'ffn_up': 'mlp.fc1', 'ffn_down': 'mlp.fc2'},
+              'qwen2.5vl_merger': {'ffn_up': 'mlp.up_proj', 'ffn_down': 'mlp.down_proj', 'ffn_gate': 'mlp.gate_proj'}}
+_MERGER_NAMES = {'v.post_ln': 'merger.ln_q', 'mm.0': 'merger.mlp.0', 'mm.2': 'merger.mlp.2'}
+_BLOCK = re.compile(r'v\.blk\.(\d+)\.(\w+)\.(weight|bias)')
+_QKV = ('attn_q', 'attn_k', 'attn_v')
+_PATCH = ('v.patch_embd.weight', 'v.patch_embd.weight.1')
+
+
+def _meta(reader: GGUFReader, key: str) -> Any:
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
+def find_mmproj(gguf_path: Path) -> Path:
+    """The one ``mmproj*.gguf`` file beside ``gguf_path`` (where llama.cpp users keep it)."""
+    found = sorted(p for p in gguf_path.parent.glob('mmproj*.gguf') if p != gguf_path)
+    if len(found) != 1:
+        what = 'none' if not found else ', '.join(p.name for p in found)
+        raise ValueError(f'{gguf_path} is the language model of a vision-language model: it needs exactly one '
+                         f'mmproj*.gguf file (llama.cpp\'s vision tower) in the same folder; found {what}')
+    return found[0]
+
+
+def vl_config(text: dict[str, Any], reader: GGUFReader, mmproj: GGUFReader, tokens: list[str],
+              source: str) -> dict[str, Any]:
+    """A ``Qwen2VLConfig`` or ``Qwen2_5_VLConfig`` dict (by the mmproj's projector): ``text`` (the language
+    model's config from its GGUF) with the M-RoPE sections of its file, the tower's shape from the mmproj
+    metadata and the image tokens' ids."""
+    projector = _meta(mmproj, 'clip.projector_type')
+    if projector not in VL_ARCHS['qwen2vl']:
+        raise ValueError(f'{source}: mmproj projector {projector!r} does not pair with a qwen2vl language model '
+                         f'(expected one of {", ".join(VL_ARCHS["qwen2vl"])})')
+    key = lambda name: _meta(mmproj, f'clip.vision.{name}')  # noqa: E731
+    required = ('embedding_length', 'feed_forward_length', 'block_count', 'attention.head_count', 'projection_dim',
+                'patch_size') + (('n_wa_pattern', ) if projector == 'qwen2.5vl_merger' else ())
+    missing = [f'clip.vision.{name}' for name in required if key(name) is None]
+    if missing:
+        raise ValueError(f'{source}: missing GGUF metadata: {", ".join(missing)}')
+    width, depth, pattern = key('embedding_length'), key('block_count'), key('n_wa_pattern')
+    vision = {'depth': depth, 'num_heads': key('attention.head_count'), 'patch_size': key('patch_size'),
+              'spatial_merge_size': 2, 'temporal_patch_size': 2, 'in_channels': 3}
+    if projector == 'qwen2vl_merger':
+        model_type, architecture = 'qwen2_vl', 'Qwen2VLForConditionalGeneration'
+        vision |= {'embed_dim': width, 'mlp_ratio': key('feed_forward_length') // width,
+                   'hidden_size': key('projection_dim'), 'hidden_act': 'quick_gelu'}
+    else:  # full attention in every ``pattern``-th block, windows in the others
+        model_type, architecture = 'qwen2_5_vl', 'Qwen2_5_VLForConditionalGeneration'
+        vision |= {'hidden_size': width, 'intermediate_size': key('feed_forward_length'),
+                   'out_hidden_size': key('projection_dim'), 'hidden_act': 'silu', 'window_size': QWEN25_WINDOW,
+                   'fullatt_block_indexes': list(range(pattern - 1, depth, pattern))}
+    sections = _meta(reader, 'qwen2vl.rope.dimension_sections')
+    if sections is None:
+        raise ValueError(f'{source}: missing GGUF metadata: qwen2vl.rope.dimension_sections')
+    ids = {name: tokens.index(token) for name, token in QWEN_IMAGE_TOKENS.items() if token in tokens}
+    if 'image_token_id' not in ids:
+        raise ValueError(f'{source}: the tokenizer has no {QWEN_IMAGE_TOKENS["image_token_id"]} token')
+    rope = {'rope_type': 'default', 'rope_theta': text['rope_theta'], 'mrope_section': list(sections[:3])}
+    text_config = {k: v for k, v in text.items() if k not in ('architectures', 'model_type')}
+    text_config |= {'model_type': f'{model_type}_text', 'rope_parameters': rope}
+    return {'model_type': model_type, 'architectures': [architecture],
+            'text_config': text_config, 'vision_config': vision, 'tie_word_embeddings': text['tie_word_embeddings'],
+            'bos_token_id': text['bos_token_id'], 'eos_token_id': text['eos_token_id'], 'dtype': 'float32', **ids}
+
+
+def vision_state_dict(mmproj: GGUFReader) -> dict[str, torch.Tensor]:
+    """The tower's and projector's float32 tensors under the ``visual.*`` names of Qwen2-VL's (Qwen2.5-VL's)
+    checkpoints: q/k/v joined back into ``qkv`` and the two Conv2d halves stacked back into the Conv3d patch
+    embedding."""
+    block_names = _BLOCK_NAMES | _MLP_NAMES[_meta(mmproj, 'clip.projector_type')]
+    raw = {t.name: torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
+           for t in mmproj.tensors}
+    state_dict, qkv = {}, {}
+    for name, value in raw.items():
+        if name in _PATCH:
+            continue
+        block = _BLOCK.fullmatch(name)
+        stem, _, kind = name.rpartition('.')
+        if block and block[2] in _QKV:
+            qkv.setdefault(f'visual.blocks.{block[1]}.attn.qkv.{block[3]}', {})[block[2]] = value
+        elif block and block[2] in block_names:
+            state_dict[f'visual.blocks.{block[1]}.{block_names[block[2]]}.{block[3]}'] = value
+        elif stem in _MERGER_NAMES:
+            state_dict[f'visual.{_MERGER_NAMES[stem]}.{kind}'] = value
+        else:
+            raise ValueError(f'mmproj tensor {name} has no transformers counterpart')
+    for name, parts in qkv.items():
+        state_dict[name] = torch.cat([parts[part] for part in _QKV])
+    if any(name not in raw for name in _PATCH):
+        raise ValueError(f'mmproj lacks the patch embedding ({", ".join(_PATCH)})')
+    state_dict['visual.patch_embed.proj.weight'] = torch.stack([raw[name] for name in _PATCH], dim=2)
+    return state_dict
+
+
+def image_processor_config(mmproj: GGUFReader) -> dict[str, Any]:
+    """Qwen2-VL's image processor (Qwen2.5-VL's too) with the mmproj's normalization and patch size (the rest
+    its defaults)."""
+    return {'image_processor_type': 'Qwen2VLImageProcessor', 'patch_size': _meta(mmproj, 'clip.vision.patch_size'),
+            'merge_size': 2, 'temporal_patch_size': 2, 'image_mean': _meta(mmproj, 'clip.vision.image_mean'),
+            'image_std': _meta(mmproj, 'clip.vision.image_std')}
