@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from .gguf_archs import (ARCHITECTURES, CONFIG_BUILDERS, LAYER_NAMES, RAW_SERVED_ARCHS, finish_state_dict,
                          mxfp4_from_ggml)
 from .gguf_types import LM_HEAD_RAW_TYPES, MXFP4, RAW_TYPES, engine_layer, served_types
-from .gguf_vl import VL_ARCHS, find_mmproj, image_processor_config, vision_state_dict, vl_config
+from .gguf_vl import pair_mmproj, vision_family
 
 logger = logging.getLogger(__name__)
 
@@ -292,9 +292,9 @@ def convert_gguf(gguf_path: str, out_dir: str, raw_types: Iterable[str] = RAW_TY
     :func:`served_types`), one safetensors file per decoder layer and one for the rest with their index,
     ``config.json`` and tokenizer files for a GGUF file; with no ``raw_types``, every tensor in float32, a
     folder that transformers loads. One layer is in memory at a time, besides the file's mapping. A
-    vision-language model's language model (``VL_ARCHS``) takes its ``mmproj_path`` (by default the one beside
-    it, :func:`find_mmproj`): everything in float32, the tower in one more shard, with its image processor's
-    config.
+    vision-language model's language model takes its ``mmproj_path`` (by default the one
+    :func:`~.gguf_vl.pair_mmproj` finds beside it): everything in float32, the tower in one more shard, with its
+    image processor's config.
 
     The folder is built next to ``out_dir`` and renamed into place, so it is either complete or absent.
     """
@@ -303,13 +303,15 @@ def convert_gguf(gguf_path: str, out_dir: str, raw_types: Iterable[str] = RAW_TY
     if out.exists():
         raise FileExistsError(f'output folder {out} already exists')
     reader = open_gguf(src)
-    vl = _meta(reader, 'general.architecture') in VL_ARCHS
-    if vl and mmproj_path is None:
-        mmproj_path = str(find_mmproj(src))
+    arch = _meta(reader, 'general.architecture')
+    if mmproj_path is None:
+        mmproj_path = pair_mmproj(src, arch)
+    vl = mmproj_path is not None
     config = gguf_config(reader, str(src), () if vl else raw_types)
     mmproj = open_gguf(mmproj_path) if vl else None
-    model_config = vl_config(config, reader, mmproj, list(_meta(reader, 'tokenizer.ggml.tokens', [])),
-                             str(mmproj_path)) if vl else config
+    family = vision_family(mmproj, arch, str(mmproj_path)) if vl else None
+    model_config = family.config(config, reader, mmproj, list(_meta(reader, 'tokenizer.ggml.tokens', [])),
+                                 str(mmproj_path)) if vl else config
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f'.{out.name}.tmp-', dir=out.parent))
     try:
@@ -317,7 +319,7 @@ def convert_gguf(gguf_path: str, out_dir: str, raw_types: Iterable[str] = RAW_TY
         groups = layer_groups(reader) + ([mmproj] if vl else [])
         weight_map = {}
         for index, tensors in enumerate(tqdm(groups, desc=f'Converting {src.name}', unit='layer')):
-            state_dict = (vision_state_dict(tensors) if tensors is mmproj else
+            state_dict = (family.state_dict(tensors) if tensors is mmproj else
                           gguf_state_dict(reader, tensors, config, str(src)))
             shard = f'model-{index + 1:05d}-of-{len(groups):05d}.safetensors'
             save_file(state_dict, str(tmp / shard), metadata={'format': 'pt'})
@@ -327,7 +329,7 @@ def convert_gguf(gguf_path: str, out_dir: str, raw_types: Iterable[str] = RAW_TY
         (tmp / 'model.safetensors.index.json').write_text(json.dumps({'metadata': {}, 'weight_map': weight_map}))
         AutoConfig.for_model(**model_config).save_pretrained(str(tmp))
         if vl:
-            (tmp / 'preprocessor_config.json').write_text(json.dumps(image_processor_config(mmproj)))
+            (tmp / 'preprocessor_config.json').write_text(json.dumps(family.image_processor(mmproj)))
         _save_tokenizer(src, tmp, reader)
         try:
             tmp.rename(out)
@@ -341,7 +343,8 @@ def convert_gguf(gguf_path: str, out_dir: str, raw_types: Iterable[str] = RAW_TY
 
 def resolve_gguf(gguf_path: str, raw_types: Iterable[str] = RAW_TYPES) -> str:
     """The cached HF folder for a GGUF file (see :func:`convert_gguf`), converting it on first use; a
-    vision-language model's language model takes the ``mmproj*.gguf`` file beside it (:func:`find_mmproj`).
+    vision-language model's language model takes the ``mmproj*.gguf`` file beside it
+    (:func:`~.gguf_vl.pair_mmproj`).
 
     Keyed by the files' absolute paths, sizes and mtimes (and the converter format and ``raw_types``), so an
     edited file is converted again.
@@ -350,8 +353,8 @@ def resolve_gguf(gguf_path: str, raw_types: Iterable[str] = RAW_TYPES) -> str:
     if not src.is_file():
         raise FileNotFoundError(f'GGUF file {gguf_path} does not exist')
     # only a folder holding an mmproj file costs a look at the architecture
-    vl = any(src.parent.glob('mmproj*.gguf')) and _meta(open_gguf(src), 'general.architecture') in VL_ARCHS
-    mmproj = find_mmproj(src) if vl else None
+    mmproj = pair_mmproj(src, _meta(open_gguf(src), 'general.architecture')) if any(
+        src.parent.glob('mmproj*.gguf')) else None
     files = ''.join(f'\0{p}\0{p.stat().st_size}\0{p.stat().st_mtime_ns}' for p in (src, mmproj) if p is not None)
     raw = ','.join(sorted(raw_types))
     key = hashlib.sha256(f'{_CACHE_FORMAT}{files}\0{raw}'.encode()).hexdigest()[:16]

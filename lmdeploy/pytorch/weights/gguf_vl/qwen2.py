@@ -1,20 +1,16 @@
-"""Vision-language models from llama.cpp's two files: the language model's GGUF and the ``mmproj`` GGUF
-(architecture ``clip``) that convert_hf_to_gguf.py ``--mmproj`` writes for the vision tower and projector.
-Qwen2-VL and Qwen2.5-VL: what their mmproj files leave out (merge 2, temporal patch 2, Qwen2.5-VL's 112 px
-attention windows) is taken as llama.cpp takes it."""
+"""Qwen2-VL and Qwen2.5-VL from llama.cpp's files: a ``qwen2vl`` language model and an mmproj of projector
+``qwen2vl_merger`` or ``qwen2.5vl_merger`` (which decides the model). What their mmproj files leave out (merge
+2, temporal patch 2, Qwen2.5-VL's 112 px attention windows) is taken as llama.cpp takes it."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from gguf import GGUFReader
-from gguf.quants import dequantize
 
-# text architectures that need an mmproj file, with the mmproj projector types they pair with
-VL_ARCHS = {'qwen2vl': ('qwen2vl_merger', 'qwen2.5vl_merger')}
+from .common import VisionFamily, float32_tensors, meta, require_vision_keys
+
 QWEN25_WINDOW = 112  # llama.cpp's window when the file states none (as the converter writes them)
 QWEN_IMAGE_TOKENS = {'image_token_id': '<|image_pad|>', 'video_token_id': '<|video_pad|>',
                      'vision_start_token_id': '<|vision_start|>', 'vision_end_token_id': '<|vision_end|>'}
@@ -27,36 +23,16 @@ _QKV = ('attn_q', 'attn_k', 'attn_v')
 _PATCH = ('v.patch_embd.weight', 'v.patch_embd.weight.1')
 
 
-def _meta(reader: GGUFReader, key: str) -> Any:
-    field = reader.fields.get(key)
-    return None if field is None else field.contents()
-
-
-def find_mmproj(gguf_path: Path) -> Path:
-    """The one ``mmproj*.gguf`` file beside ``gguf_path`` (where llama.cpp users keep it)."""
-    found = sorted(p for p in gguf_path.parent.glob('mmproj*.gguf') if p != gguf_path)
-    if len(found) != 1:
-        what = 'none' if not found else ', '.join(p.name for p in found)
-        raise ValueError(f'{gguf_path} is the language model of a vision-language model: it needs exactly one '
-                         f'mmproj*.gguf file (llama.cpp\'s vision tower) in the same folder; found {what}')
-    return found[0]
-
-
-def vl_config(text: dict[str, Any], reader: GGUFReader, mmproj: GGUFReader, tokens: list[str],
-              source: str) -> dict[str, Any]:
+def _config(text: dict[str, Any], reader: GGUFReader, mmproj: GGUFReader, tokens: list[str],
+            source: str) -> dict[str, Any]:
     """A ``Qwen2VLConfig`` or ``Qwen2_5_VLConfig`` dict (by the mmproj's projector): ``text`` (the language
     model's config from its GGUF) with the M-RoPE sections of its file, the tower's shape from the mmproj
     metadata and the image tokens' ids."""
-    projector = _meta(mmproj, 'clip.projector_type')
-    if projector not in VL_ARCHS['qwen2vl']:
-        raise ValueError(f'{source}: mmproj projector {projector!r} does not pair with a qwen2vl language model '
-                         f'(expected one of {", ".join(VL_ARCHS["qwen2vl"])})')
-    key = lambda name: _meta(mmproj, f'clip.vision.{name}')  # noqa: E731
-    required = ('embedding_length', 'feed_forward_length', 'block_count', 'attention.head_count', 'projection_dim',
-                'patch_size') + (('n_wa_pattern', ) if projector == 'qwen2.5vl_merger' else ())
-    missing = [f'clip.vision.{name}' for name in required if key(name) is None]
-    if missing:
-        raise ValueError(f'{source}: missing GGUF metadata: {", ".join(missing)}')
+    projector = meta(mmproj, 'clip.projector_type')
+    key = lambda name: meta(mmproj, f'clip.vision.{name}')  # noqa: E731
+    require_vision_keys(mmproj, ('embedding_length', 'feed_forward_length', 'block_count', 'attention.head_count',
+                                 'projection_dim', 'patch_size') +
+                        (('n_wa_pattern', ) if projector == 'qwen2.5vl_merger' else ()), source)
     width, depth, pattern = key('embedding_length'), key('block_count'), key('n_wa_pattern')
     vision = {'depth': depth, 'num_heads': key('attention.head_count'), 'patch_size': key('patch_size'),
               'spatial_merge_size': 2, 'temporal_patch_size': 2, 'in_channels': 3}
@@ -69,7 +45,7 @@ def vl_config(text: dict[str, Any], reader: GGUFReader, mmproj: GGUFReader, toke
         vision |= {'hidden_size': width, 'intermediate_size': key('feed_forward_length'),
                    'out_hidden_size': key('projection_dim'), 'hidden_act': 'silu', 'window_size': QWEN25_WINDOW,
                    'fullatt_block_indexes': list(range(pattern - 1, depth, pattern))}
-    sections = _meta(reader, 'qwen2vl.rope.dimension_sections')
+    sections = meta(reader, 'qwen2vl.rope.dimension_sections')
     if sections is None:
         raise ValueError(f'{source}: missing GGUF metadata: qwen2vl.rope.dimension_sections')
     ids = {name: tokens.index(token) for name, token in QWEN_IMAGE_TOKENS.items() if token in tokens}
@@ -83,13 +59,12 @@ def vl_config(text: dict[str, Any], reader: GGUFReader, mmproj: GGUFReader, toke
             'bos_token_id': text['bos_token_id'], 'eos_token_id': text['eos_token_id'], 'dtype': 'float32', **ids}
 
 
-def vision_state_dict(mmproj: GGUFReader) -> dict[str, torch.Tensor]:
+def _state_dict(mmproj: GGUFReader) -> dict[str, torch.Tensor]:
     """The tower's and projector's float32 tensors under the ``visual.*`` names of Qwen2-VL's (Qwen2.5-VL's)
     checkpoints: q/k/v joined back into ``qkv`` and the two Conv2d halves stacked back into the Conv3d patch
     embedding."""
-    block_names = _BLOCK_NAMES | _MLP_NAMES[_meta(mmproj, 'clip.projector_type')]
-    raw = {t.name: torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
-           for t in mmproj.tensors}
+    block_names = _BLOCK_NAMES | _MLP_NAMES[meta(mmproj, 'clip.projector_type')]
+    raw = float32_tensors(mmproj)
     state_dict, qkv = {}, {}
     for name, value in raw.items():
         if name in _PATCH:
@@ -112,9 +87,12 @@ def vision_state_dict(mmproj: GGUFReader) -> dict[str, torch.Tensor]:
     return state_dict
 
 
-def image_processor_config(mmproj: GGUFReader) -> dict[str, Any]:
+def _image_processor(mmproj: GGUFReader) -> dict[str, Any]:
     """Qwen2-VL's image processor (Qwen2.5-VL's too) with the mmproj's normalization and patch size (the rest
     its defaults)."""
-    return {'image_processor_type': 'Qwen2VLImageProcessor', 'patch_size': _meta(mmproj, 'clip.vision.patch_size'),
-            'merge_size': 2, 'temporal_patch_size': 2, 'image_mean': _meta(mmproj, 'clip.vision.image_mean'),
-            'image_std': _meta(mmproj, 'clip.vision.image_std')}
+    return {'image_processor_type': 'Qwen2VLImageProcessor', 'patch_size': meta(mmproj, 'clip.vision.patch_size'),
+            'merge_size': 2, 'temporal_patch_size': 2, 'image_mean': meta(mmproj, 'clip.vision.image_mean'),
+            'image_std': meta(mmproj, 'clip.vision.image_std')}
+
+
+QWEN2_VL = VisionFamily(('qwen2vl', ), _config, _state_dict, _image_processor)

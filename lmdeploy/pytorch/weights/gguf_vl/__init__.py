@@ -1,0 +1,43 @@
+"""Vision-language models from llama.cpp's two files: the language model's GGUF and the ``mmproj`` GGUF
+(architecture ``clip``) that convert_hf_to_gguf.py ``--mmproj`` writes for the vision tower and projector.
+Each projector type (``clip.projector_type``) has its :class:`VisionFamily`, one module per family."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from gguf import GGUFReader
+
+from .common import VisionFamily, find_mmproj, meta, mmproj_files
+from .qwen2 import QWEN2_VL
+
+FAMILIES: dict[str, VisionFamily] = {'qwen2vl_merger': QWEN2_VL, 'qwen2.5vl_merger': QWEN2_VL}
+# language-model architectures that only ever come with an mmproj file
+VL_ONLY_ARCHS = frozenset({'qwen2vl'})
+
+
+def pair_mmproj(gguf_path: Path, arch: str) -> Path | None:
+    """The mmproj file a language model's GGUF (of architecture ``arch``) is served with, or None for a text
+    model: a :data:`VL_ONLY_ARCHS` file needs exactly one ``mmproj*.gguf`` beside it; another takes the single
+    one beside it whose projector pairs with ``arch`` (so a plain ``qwen2`` or ``llama`` file beside another
+    model's mmproj stays a text model)."""
+    if arch in VL_ONLY_ARCHS:
+        return find_mmproj(gguf_path)
+    found = mmproj_files(gguf_path)
+    if len(found) != 1:
+        return None
+    family = FAMILIES.get(meta(GGUFReader(found[0]), 'clip.projector_type'))
+    return found[0] if family is not None and arch in family.text_archs else None
+
+
+def vision_family(mmproj: GGUFReader, arch: str, source: str) -> VisionFamily:
+    """The family of an mmproj file paired with a language model of architecture ``arch``."""
+    projector = meta(mmproj, 'clip.projector_type')
+    family = FAMILIES.get(projector)
+    if family is None or arch not in family.text_archs:
+        pairs = ', '.join(p for p, f in FAMILIES.items() if arch in f.text_archs) or 'none'
+        raise ValueError(f'{source}: mmproj projector {projector!r} does not pair with a {arch} language model '
+                         f'(expected one of: {pairs})')
+    return family
+
+
+__all__ = ['FAMILIES', 'VL_ONLY_ARCHS', 'VisionFamily', 'pair_mmproj', 'vision_family']
