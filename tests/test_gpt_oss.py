@@ -28,10 +28,10 @@ CONFIG = dict(hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_att
 EXPERT_TENSORS = ('gate_up_proj', 'down_proj')
 
 
-def save_gpt_oss(path: str) -> str:
-    """A tiny random gpt-oss saved with transformers; the experts' gate_up weights large enough that the
-    SwiGLU's clamps bite (on 10-25% of the features)."""
-    config = GptOssConfig(**CONFIG)
+def save_gpt_oss(path: str, **overrides) -> str:
+    """A tiny random gpt-oss (``CONFIG`` with ``overrides``) saved with transformers; the experts' gate_up
+    weights large enough that the SwiGLU's clamps bite (on 10-25% of the features)."""
+    config = GptOssConfig(**CONFIG | overrides)
     assert config.layer_types == ['sliding_attention', 'full_attention'] * 2
     return save_random_model(config, path, std={'gate_up_proj': 4.0})
 

@@ -18,7 +18,7 @@ from transformers import Mxfp4Config
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from conftest import save_random_model
-from family_checks import hf_causal_lm
+from family_checks import assert_tp2_equals_tp1, hf_causal_lm
 from helpers import hf_greedy, make_engine, random_prompts, run
 from test_gguf import _add_tokenizer
 from test_gguf_archs import hf_config, write_gguf
@@ -245,6 +245,19 @@ def test_gguf_mxfp4_experts_kept_as_mxfp4_match_transformers(tmp_path: Path, mon
     assert_experts_hold_mxfp4(engine, CONFIG['num_hidden_layers'])
     prompts = random_prompts([5, 41], vocab=vocab)
     assert run(engine, prompts) == [hf_greedy(hf, p) for p in prompts]
+
+
+def test_tp2_equals_tp1(tmp_path):
+    """Two ranks, holding 64 and 32 of every expert's 96 features as MXFP4 blocks and scales (shares dealt out
+    in whole blocks, as gpt-oss-120b's 90 blocks over 4 ranks), give one rank's tokens."""
+    dense = save_gpt_oss(str(tmp_path / 'dense'), intermediate_size=96)
+    assert_tp2_equals_tp1(save_mxfp4(dense, str(tmp_path / 'mxfp4')), random_prompts([5, 30], seed=6))
+
+
+def test_tp2_refuses_a_share_that_splits_blocks(mxfp4_path):
+    """32 features, one block, over two ranks would cut it in two: a clear error at load."""
+    with pytest.raises(ValueError, match='blocks of 32'):
+        make_engine(mxfp4_path, tp=2)
 
 
 def test_mxfp4_refuses_inputs_that_split_blocks():

@@ -83,6 +83,8 @@ class Mxfp4Weights(WeightFormat):
     """One projection's weight as MXFP4 ``blocks`` and ``scales`` (the experts' projections of an MXFP4
     checkpoint)."""
 
+    split_granule = MXFP4_BLOCK
+
     def create_weights(self, layer: Linear | ExpertProjection) -> None:
         if layer.in_features % MXFP4_BLOCK:
             raise ValueError(f'MXFP4 weights need inputs in blocks of {MXFP4_BLOCK}, not {layer.in_features} '
