@@ -293,6 +293,23 @@ def test_a_share_that_splits_blocks_is_dequantized():
     assert name == 'model.layers.0.mlp.experts.3.down_proj.weight' and weight.shape == (256, 768)
 
 
+@pytest.mark.parametrize('rank, share', [(0, (0, 512)), (1, (512, 768))])
+def test_tp_shares_are_whole_blocks_of_the_down_type(rank, share):
+    """Under tensor parallelism the experts' features are dealt out in whole blocks of the down projection's
+    type: Qwen3-30B-A3B's 768 over 2 ranks as 512 and 256, so Q4_K experts keep their blocks on both ranks."""
+    from lmdeploy.pytorch.distributed.parallel_state import TPGroup, use_group
+    from lmdeploy.pytorch.nn.quant.gguf import GgufFileFormat
+    weight_format = GgufFileFormat({'layers.0.mlp.experts.gate_up_proj': 'Q4_K',
+                                    'layers.0.mlp.experts.down_proj': 'Q4_K'})
+    with use_group(TPGroup(rank, 2)), use_weight_format(weight_format):
+        experts = FusedExperts(256, 768, 4)
+        experts.set_weight_format(weight_format.layer_format('layers.0.mlp.experts', experts))
+    assert all(isinstance(fmt, GgufFormat) for fmt in experts.weight_format.formats.values())
+    assert experts.range == share and not weight_format.dequantized
+    assert experts.down_qweight.shape == (4, 256, (share[1] - share[0]) // 256, 144)
+    assert experts.gate_up_qweight.shape == (4, 2 * (share[1] - share[0]), 1, 144)
+
+
 def test_tp2_matches_tp1(moe_file):
     """At tp=2 each rank holds its share of every expert: gate and up rows in whole blocks, down's inputs in
     whole blocks (Q8_0's 32 of the 128 a rank takes) or, where they split blocks (Q4_K's and Q6_K's 256),

@@ -65,6 +65,7 @@ class GgufFormat(Int4GroupFormat):
         super().__init__(32)
         self.ggml_type = ggml_type
         self.block_inputs, self.block_bytes = BLOCKS[ggml_type]
+        self.split_granule = self.block_inputs
 
     def params(self) -> tuple[str, ...]:
         return ('qweight',)
@@ -282,7 +283,9 @@ class GgufFileFormat(DenseFormat):
     def layer_format(self, name: str, layer: Linear | FusedExperts) -> WeightFormat:
         projections = {'gate_up': f'{name}.gate_up_proj', 'down': f'{name}.down_proj'}
         if any(projection in self.layer_formats for projection in projections.values()):  # experts
-            inputs = {'gate_up': layer.hidden_size, 'down': layer.intermediate_size}
+            down = self.layer_formats.get(projections['down'])
+            start, stop = layer.share(down.block_inputs if isinstance(down, GgufFormat) else 1)
+            inputs = {'gate_up': layer.hidden_size, 'down': stop - start}
             formats = {proj: self.block_format(projection, inputs[proj]) for proj, projection in projections.items()}
             return GgufExpertsFormat({proj: DenseFormat() if fmt is self else fmt for proj, fmt in formats.items()})
         return self.block_format(name, layer.in_features)
