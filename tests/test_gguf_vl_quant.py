@@ -23,6 +23,7 @@ from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.linear import Linear
+from lmdeploy.pytorch.nn.quant.gguf_blocks import Q6K_NATIVE_MAX_ROWS, NativeQ8Kernel
 from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
 from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KGemv
 from lmdeploy.pytorch.weights.gguf import convert_gguf, resolve_gguf
@@ -131,23 +132,29 @@ def test_pair_keeps_the_language_model_blocks(quantized_pair, capsys):
     assert outs[1] != outs[2], 'the images must change the answer'
 
 
-def test_bf16_pair_runs_its_blocks_in_the_native_stack(quantized_pair, native_gemms, monkeypatch):
-    """bf16 on the CPU: the kept Q4_K layers on the Q4_K GEMV for small steps, the Q6_K output layer's small steps
-    on its blocks and every layer in the native decoder stack, image prompts included, each step equal to the
-    layers' own forward (a Q8_0 file's layers take the stack for no step, as a text file's)."""
+def test_bf16_pair_runs_its_blocks_as_a_text_file_does(quantized_pair, native_gemms, monkeypatch):
+    """bf16 on the CPU, image prompts included: the Q4_K_M pair's Q4_K layers on the Q4_K GEMV for small steps, its
+    Q6_K output layer's small steps on its blocks and every layer in the native decoder stack, each step equal to
+    the layers' own forward; the Q8_0 pair's layers on the native 8-bit GEMV, outside the stack (as a text file's:
+    their large steps dequantize)."""
     name, served, _ = quantized_pair
-    if name != 'Q4_K_M' or cpu.int4_gemv() is None or cpu.q6k_gemv() is None:
-        pytest.skip('the Q4_K_M pair on the native Q4_K and Q6_K GEMVs (AVX512-BF16)')
+    if cpu.int4_gemv() is None or cpu.q6k_gemv() is None or cpu.q8_gemv() is None:
+        pytest.skip('the native Q4_K, Q6_K and 8-bit GEMVs need AVX512-BF16')
     engine = Engine(str(served), PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=64, block_size=16),
                     show_progress=False)
     try:
         model = engine.runner.model
-        assert model.native_stack is not None and model.native_stack.small is not None
-        assert isinstance(model.get_submodule('layers.1.self_attn.qkv_proj').kernel.small, Q4KGemv)
-        assert isinstance(model.lm_head.packed, SmallStepInt4Kernel)
-        steps = check_every_step(engine, monkeypatch)
+        qkv = model.get_submodule('layers.1.self_attn.qkv_proj').kernel
+        if name == 'Q8_0':
+            assert model.native_stack is None and isinstance(qkv, NativeQ8Kernel)
+        else:
+            assert model.native_stack is not None and model.native_stack.small is not None
+            assert isinstance(qkv.small, Q4KGemv) and isinstance(model.lm_head.packed, SmallStepInt4Kernel)
+        steps = check_every_step(engine, monkeypatch) if model.native_stack is not None else None
         prompts = [make_processor(str(served)).process(prompt) for prompt in [('describe', IMAGES[0]), 'plain text']]
         outs = run(engine, prompts, GenerationConfig(max_new_tokens=6, ignore_eos=True))
-        assert [len(out) for out in outs] == [6, 6] and steps
+        assert [len(out) for out in outs] == [6, 6]
+        if steps is not None:  # steps of both stacks ran, each equal to the layers'
+            assert {rows <= Q6K_NATIVE_MAX_ROWS for _, rows in steps} == {True, False}
     finally:
         engine.close()
