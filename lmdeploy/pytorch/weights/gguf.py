@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from .gguf_archs import (ARCHITECTURES, CONFIG_BUILDERS, LAYER_NAMES, RAW_SERVED_ARCHS, finish_state_dict,
                          mxfp4_from_ggml)
 from .gguf_types import LM_HEAD_RAW_TYPES, MXFP4, RAW_TYPES, engine_layer, served_types
-from .gguf_vl import pair_mmproj, vision_family
+from .gguf_vl import VisionFamily, pair_mmproj, vision_family
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ _EXPERTS = re.compile(r'blk\.\d+\.ffn_(gate|up|down)_exps\.weight')
 # llama.cpp pre-tokenizers that transformers' GGUF reader does not know, by the one of its splits they use
 # (GLM-4's is Llama 3's); without one it would split text as GPT-2 does
 _PRE_TOKENIZER_SPLITS = {'chatglm-bpe': 'llama-bpe', 'glm4': 'llama-bpe'}
-_CACHE_FORMAT = 10  # bump when the converted output changes, so stale cache entries are not reused
+_CACHE_FORMAT = 11  # bump when the converted output changes, so stale cache entries are not reused
 
 
 def cache_dir() -> Path:
@@ -286,6 +286,17 @@ def _save_tokenizer(gguf_path: Path, out_dir: Path, reader: GGUFReader) -> None:
     tokenizer.save_pretrained(str(out_dir))
 
 
+def _vl_config(family: VisionFamily, text: dict[str, Any], reader: GGUFReader, mmproj: GGUFReader,
+               source: str) -> dict[str, Any]:
+    """The vision-language model's config: ``family``'s from the language model's ``text`` config, with the
+    language model's ``quantization_config`` at its top level (where the loader and transformers read it: the
+    tower stays dense)."""
+    quantization = text.get('quantization_config')
+    text = {key: value for key, value in text.items() if key != 'quantization_config'}
+    config = family.config(text, reader, mmproj, list(_meta(reader, 'tokenizer.ggml.tokens', [])), source)
+    return config if quantization is None else config | {'quantization_config': quantization}
+
+
 def convert_gguf(gguf_path: str, out_dir: str, raw_types: Iterable[str] = RAW_TYPES,
                  mmproj_path: str | None = None) -> None:
     """Write the weights (float32, but the projections of layers served as their blocks: of ``raw_types``, see
@@ -293,8 +304,8 @@ def convert_gguf(gguf_path: str, out_dir: str, raw_types: Iterable[str] = RAW_TY
     ``config.json`` and tokenizer files for a GGUF file; with no ``raw_types``, every tensor in float32, a
     folder that transformers loads. One layer is in memory at a time, besides the file's mapping. A
     vision-language model's language model takes its ``mmproj_path`` (by default the one
-    :func:`~.gguf_vl.pair_mmproj` finds beside it): everything in float32, the tower in one more shard, with its
-    image processor's config.
+    :func:`~.gguf_vl.pair_mmproj` finds beside it): its layers as a text model's, the tower and projector in
+    float32 in one more shard, with its image processor's config.
 
     The folder is built next to ``out_dir`` and renamed into place, so it is either complete or absent.
     """
@@ -307,11 +318,10 @@ def convert_gguf(gguf_path: str, out_dir: str, raw_types: Iterable[str] = RAW_TY
     if mmproj_path is None:
         mmproj_path = pair_mmproj(src, arch)
     vl = mmproj_path is not None
-    config = gguf_config(reader, str(src), () if vl else raw_types)
+    config = gguf_config(reader, str(src), raw_types)
     mmproj = open_gguf(mmproj_path) if vl else None
     family = vision_family(mmproj, arch, str(mmproj_path)) if vl else None
-    model_config = family.config(config, reader, mmproj, list(_meta(reader, 'tokenizer.ggml.tokens', [])),
-                                 str(mmproj_path)) if vl else config
+    model_config = _vl_config(family, config, reader, mmproj, str(mmproj_path)) if vl else config
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f'.{out.name}.tmp-', dir=out.parent))
     try:

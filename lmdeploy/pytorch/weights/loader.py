@@ -43,6 +43,13 @@ def fill_dummy_weights(model: nn.Module, seed: int = 0) -> None:
             param.fill_(1.0)
 
 
+def checkpoint_quantization(cfg: ModelConfig) -> dict | None:
+    """The checkpoint's ``quantization_config``: a vision-language model's at the top of its config (its
+    language model's layers; the tower's are plain ``nn.Linear``), else the language model's."""
+    return (getattr(cfg.mm_config, 'quantization_config', None) or
+            getattr(cfg.hf_config, 'quantization_config', None))
+
+
 def _new_model(cfg: ModelConfig, weight_format: WeightFormat) -> nn.Module:
     """The model of ``cfg``, each linear layer and MoE layer's experts in its format of ``weight_format``
     (built with their parameters deferred, then created in the format their name picks: a dense copy of
@@ -68,7 +75,7 @@ def build_model(cfg: ModelConfig, model_dir: str, device: torch.device, load_for
     the folder's weight files; ``dummy`` allocates the model on the device directly and
     fills it with :func:`fill_dummy_weights` (no host copy: an 8B model takes seconds).
     """
-    weight_format = weight_format_for(getattr(cfg.hf_config, 'quantization_config', None))
+    weight_format = weight_format_for(checkpoint_quantization(cfg))
     if load_format == 'dummy':
         with torch.no_grad(), _default_dtype(cfg.dtype), device:
             model = _new_model(cfg, weight_format)
