@@ -1,8 +1,9 @@
-"""Qwen3-VL from llama.cpp's two GGUF files: a tiny random transformers model written as convert_hf_to_gguf.py
-writes it (the language model as arch ``qwen3vl``; with ``--mmproj``, the tower as arch ``clip``: gguf-py's tensor
-name maps, q/k/v kept fused, the Conv3d patch embedding split into two Conv2d halves, each deepstack merger named by
-the tower layer it reads, here layers 0 and 2 of 3) served token for token, and with the same first-step logits,
-as the safetensors original on image prompts; and the errors for a missing or mismatched mmproj."""
+"""Qwen3-VL and Qwen3-VL-MoE from llama.cpp's two GGUF files: a tiny random transformers model of each written as
+convert_hf_to_gguf.py writes it (the language model as arch ``qwen3vl`` or ``qwen3vlmoe``, the MoE's stacked experts
+as gate, up and down stacks; with ``--mmproj``, the tower as arch ``clip``: gguf-py's tensor name maps, q/k/v kept
+fused, the Conv3d patch embedding split into two Conv2d halves, each deepstack merger named by the tower layer it
+reads, here layers 0 and 2 of 3) served token for token, and with the same first-step logits, as the safetensors
+original on image prompts; and the errors for a missing or mismatched mmproj."""
 from __future__ import annotations
 
 import json
@@ -20,7 +21,7 @@ from test_gguf_vl import PROMPTS, _tokenizer
 from test_vl_families import make_processor
 from transformers import AutoConfig
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-from vl_models import QWEN3_VISION, save_tiny_vl_model
+from vl_models import QWEN3_MOE_TEXT, QWEN3_VISION, save_tiny_vl_model
 
 from lmdeploy.pytorch.weights.gguf import resolve_gguf
 from lmdeploy.pytorch.weights.gguf_vl.qwen3 import QWEN3_PIXELS
@@ -29,17 +30,38 @@ MODEL, MMPROJ = 'Qwen3-VL-tiny-F32.gguf', 'mmproj-Qwen3-VL-tiny-F32.gguf'
 
 
 def _checkpoint(model_dir: str) -> dict[str, torch.Tensor]:
-    """The saved tensors under the names llama.cpp's converter maps (``model.*``, ``visual.*``)."""
-    tensors = load_file(f'{model_dir}/model.safetensors')
-    return {name.replace('model.language_model.', 'model.').replace('model.visual.', 'visual.'): value
-            for name, value in tensors.items()}
+    """The saved tensors under the names llama.cpp's converter maps (``model.*``, ``visual.*``), the stacked
+    experts (transformers 5's ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) as the converter writes them:
+    ``gate_proj``, ``up_proj`` and ``down_proj`` stacks of ``[E, out, in]``."""
+    tensors = {}
+    for name, value in load_file(f'{model_dir}/model.safetensors').items():
+        name = name.replace('model.language_model.', 'model.').replace('model.visual.', 'visual.')
+        if name.endswith('.experts.gate_up_proj'):
+            prefix = name.removesuffix('gate_up_proj')
+            tensors[f'{prefix}gate_proj.weight'], tensors[f'{prefix}up_proj.weight'] = value.chunk(2, dim=1)
+        elif name.endswith('.experts.down_proj'):
+            tensors[f'{name}.weight'] = value
+        else:
+            tensors[name] = value
+    return tensors
+
+
+def _per_expert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The expert stacks of :func:`_checkpoint` one tensor per expert, as the converted folder holds them."""
+    out = {}
+    for name, value in tensors.items():
+        prefix, stacked, tail = name.partition('.experts.')
+        out |= {f'{prefix}.experts.{e}.{tail}': part for e, part in enumerate(value)} if stacked else {name: value}
+    return out
 
 
 def write_qwen3vl_gguf(model_dir: str, out: Path) -> None:
-    """The language model as convert_hf_to_gguf.py's Qwen3VLTextModel writes it (float32)."""
+    """The language model as convert_hf_to_gguf.py's Qwen3VLTextModel (Qwen3VLMoeTextModel) writes it (float32)."""
     config = AutoConfig.from_pretrained(model_dir)
     text = config.text_config
-    writer = gguf.GGUFWriter(str(out), 'qwen3vl')
+    moe = config.model_type == 'qwen3_vl_moe'
+    arch = gguf.MODEL_ARCH.QWEN3VLMOE if moe else gguf.MODEL_ARCH.QWEN3VL
+    writer = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])
     writer.add_block_count(text.num_hidden_layers)
     writer.add_context_length(text.max_position_embeddings)
     writer.add_embedding_length(text.hidden_size)
@@ -49,11 +71,15 @@ def write_qwen3vl_gguf(model_dir: str, out: Path) -> None:
     writer.add_rope_dimension_sections([*text.rope_parameters['mrope_section'], 0])
     writer.add_rope_freq_base(text.rope_parameters['rope_theta'])
     writer.add_layer_norm_rms_eps(text.rms_norm_eps)
+    if moe:
+        writer.add_expert_count(text.num_experts)
+        writer.add_expert_used_count(text.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(text.moe_intermediate_size)
     writer.add_key_length(text.head_dim)
     writer.add_value_length(text.head_dim)
     writer.add_num_deepstack_layers(len(config.vision_config.deepstack_visual_indexes))
     _tokenizer(model_dir, writer)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3VL, text.num_hidden_layers)
+    names = gguf.get_tensor_name_map(arch, text.num_hidden_layers)
     for name, value in _checkpoint(model_dir).items():
         if not name.startswith('visual.'):
             writer.add_tensor(names.get_name(name, try_suffixes=('.weight', '.bias')), value.numpy())
@@ -109,14 +135,16 @@ def write_qwen3vl_mmproj(model_dir: str, out: Path) -> None:
     finish(writer)
 
 
-@pytest.fixture(scope='module')
-def qwen3_vl(tmp_path_factory) -> str:
+@pytest.fixture(scope='module', params=['qwen3_vl', 'qwen3_vl_moe'])
+def qwen3_vl(request, tmp_path_factory) -> str:
     # llama.cpp's map names the merger's layers as blocks of the tower: a depth of 3 or more; deepstack layers
-    # that are not 0..n-1 (the mmproj names their mergers by tower layer); the hub's image processor
+    # that are not 0..n-1 (the mmproj names their mergers by tower layer); every MoE layer sparse (llama.cpp's
+    # qwen3vlmoe has no dense ones); the hub's image processor
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(QWEN3_VISION, 'depth', 3)
         patch.setitem(QWEN3_VISION, 'deepstack_visual_indexes', [0, 2])
-        path = save_tiny_vl_model('qwen3_vl', str(tmp_path_factory.mktemp('qwen3_vl')))
+        patch.setitem(QWEN3_MOE_TEXT, 'mlp_only_layers', [])
+        path = save_tiny_vl_model(request.param, str(tmp_path_factory.mktemp(request.param)))
     Qwen2VLImageProcessorPil(patch_size=16, image_mean=[0.5] * 3, image_std=[0.5] * 3,
                              size=QWEN3_PIXELS).save_pretrained(path)
     return path
@@ -138,7 +166,7 @@ def tmp_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 def test_gguf_pair_serves_image_prompts_like_the_original(qwen3_vl, gguf_pair):
     model = str(gguf_pair / MODEL)
     folder = resolve_gguf(model)
-    original = _checkpoint(qwen3_vl)
+    original = _per_expert(_checkpoint(qwen3_vl))
     converted = {}
     for shard in Path(folder).glob('*.safetensors'):
         converted |= load_file(str(shard))
@@ -160,6 +188,7 @@ def test_gguf_pair_serves_image_prompts_like_the_original(qwen3_vl, gguf_pair):
 
 def test_mmproj_missing_or_of_another_model(gguf_pair, tmp_path):
     model = tmp_path / MODEL
+    arch = gguf.GGUFReader(str(gguf_pair / MODEL)).fields['general.architecture'].contents()
     shutil.copy(gguf_pair / MODEL, model)
     with pytest.raises(ValueError, match=r'exactly one mmproj\*\.gguf .* found none'):
         resolve_gguf(str(model))
@@ -171,7 +200,7 @@ def test_mmproj_missing_or_of_another_model(gguf_pair, tmp_path):
     flags = reader.fields['clip.vision.is_deepstack_layers']
     flags.parts[flags.data[2]][:] = 0  # deepstack layers 0 only
     del reader
-    with pytest.raises(ValueError, match="projector 'qwen2vl_merger' does not pair with a qwen3vl language model "
+    with pytest.raises(ValueError, match=f"projector 'qwen2vl_merger' does not pair with a {arch} language model "
                                          r'\(expected one of: qwen3vl_merger\)'):
         resolve_gguf(str(model))
     reader = gguf.GGUFReader(str(mmproj), 'r+')
