@@ -42,6 +42,8 @@ QWEN25_VISION = dict(depth=2, hidden_size=32, out_hidden_size=64, intermediate_s
 QWEN3_VISION = dict(depth=2, hidden_size=32, out_hidden_size=64, intermediate_size=64, num_heads=2, patch_size=16,
                     spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
                     deepstack_visual_indexes=[0, 1])
+# Qwen3-VL-MoE's language model: a dense first layer, then top-2 of 4 experts
+QWEN3_MOE_TEXT = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, mlp_only_layers=[0])
 # 56 px tiles of 14 px patches: 16 patches, 4 tokens after the pixel shuffle
 INTERNVL_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                        image_size=56, patch_size=14)
@@ -60,9 +62,8 @@ def _config(kind: str, ids: dict[str, int]):
     if kind == 'qwen3_vl':
         text = {**TEXT, 'head_dim': 16, 'rope_parameters': {**mrope, 'mrope_section': [4, 2, 2]}}
         return Qwen3VLConfig(text_config=text, vision_config=QWEN3_VISION, **qwen_ids)
-    if kind == 'qwen3_vl_moe':  # a dense first layer, then top-2 of 4 experts
-        text = {**TEXT, 'head_dim': 16, 'rope_parameters': {**mrope, 'mrope_section': [4, 2, 2]}, 'num_experts': 4,
-                'num_experts_per_tok': 2, 'moe_intermediate_size': 48, 'mlp_only_layers': [0]}
+    if kind == 'qwen3_vl_moe':
+        text = {**TEXT, 'head_dim': 16, 'rope_parameters': {**mrope, 'mrope_section': [4, 2, 2]}, **QWEN3_MOE_TEXT}
         return Qwen3VLMoeConfig(text_config=text, vision_config=QWEN3_VISION, **qwen_ids)
     if kind == 'qwen2_vl':
         return Qwen2VLConfig(text_config={**TEXT, 'rope_parameters': mrope}, vision_config=QWEN_VISION, **qwen_ids)

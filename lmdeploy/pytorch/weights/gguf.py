@@ -34,7 +34,9 @@ SUPPORTED_ARCHS: dict[str, str] = {
     'phi3': 'Phi3ForCausalLM',
     'smollm3': 'SmolLM3ForCausalLM',
     **ARCHITECTURES,
-    'qwen2vl': 'Qwen2VLForConditionalGeneration',  # with its mmproj file (gguf_vl.py)
+    'qwen2vl': 'Qwen2VLForConditionalGeneration',  # with its mmproj file (gguf_vl/)
+    'qwen3vl': 'Qwen3VLForConditionalGeneration',  # with its mmproj file
+    'qwen3vlmoe': 'Qwen3VLMoeForConditionalGeneration',  # with its mmproj file
 }
 
 _GLOBAL_NAMES = {'token_embd': 'model.embed_tokens', 'output_norm': 'model.norm', 'output': 'lm_head'}

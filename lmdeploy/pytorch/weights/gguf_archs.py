@@ -1,8 +1,8 @@
 """GGUF architectures whose llama.cpp files differ from their transformers checkpoints by more than tensor
 names: GLM (``chatglm``, ``glm4``), Gemma 2 and 3 (``gemma2``, ``gemma3``), gpt-oss (``gpt-oss``),
-DeepSeek-V2/V3 (``deepseek2``), and the MoE files of Qwen3-MoE (``qwen3moe``), Qwen2-MoE (``qwen2moe``, with a
-shared expert) and Mixtral (``llama`` with experts), whose stacked experts (``ffn_{gate,up,down}_exps``) are
-stored back one tensor per expert.
+DeepSeek-V2/V3 (``deepseek2``), and the MoE files of Qwen3-MoE (``qwen3moe``; Qwen3-VL-MoE's language model
+``qwen3vlmoe`` alike), Qwen2-MoE (``qwen2moe``, with a shared expert) and Mixtral (``llama`` with experts), whose
+stacked experts (``ffn_{gate,up,down}_exps``) are stored back one tensor per expert.
 
 Each has a config builder (the transformers config fields that llama.cpp keeps in metadata under gguf-py's
 ``Keys``, or fixes in its loader) and, where needed, a state-dict step that undoes what convert_hf_to_gguf.py
@@ -229,7 +229,7 @@ def _llama(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[
 
 CONFIG_BUILDERS: dict[str, Callable[[Meta, dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
     'llama': _llama, 'chatglm': _chatglm, 'glm4': _glm4, 'gemma2': _gemma2, 'gemma3': _gemma3, 'gpt-oss': _gpt_oss,
-    'deepseek2': _deepseek2, 'qwen3moe': _qwen3moe, 'qwen2moe': _qwen2moe}
+    'deepseek2': _deepseek2, 'qwen3moe': _qwen3moe, 'qwen3vlmoe': _qwen3moe, 'qwen2moe': _qwen2moe}
 
 
 def _layer_prefixes(state_dict: dict[str, torch.Tensor], suffix: str) -> list[str]:
@@ -310,7 +310,8 @@ def _deepseek2_merge(state_dict: dict[str, torch.Tensor], config: dict[str, Any]
     _split_experts(state_dict, config)
 
 
-_FINISHERS = {'llama': _split_experts, 'qwen3moe': _split_experts, 'qwen2moe': _split_experts, 'chatglm': _split_qkv,
+_FINISHERS = {'llama': _split_experts, 'qwen3moe': _split_experts, 'qwen3vlmoe': _split_experts,
+              'qwen2moe': _split_experts, 'chatglm': _split_qkv,
               'gemma2': _gemma_norms, 'gemma3': _gemma_norms, 'gpt-oss': _gpt_oss_experts,
               'deepseek2': _deepseek2_merge}
 

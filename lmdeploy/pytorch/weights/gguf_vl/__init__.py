@@ -9,10 +9,12 @@ from gguf import GGUFReader
 
 from .common import VisionFamily, find_mmproj, meta, mmproj_files
 from .qwen2 import QWEN2_VL
+from .qwen3 import QWEN3_VL
 
-FAMILIES: dict[str, VisionFamily] = {'qwen2vl_merger': QWEN2_VL, 'qwen2.5vl_merger': QWEN2_VL}
+FAMILIES: dict[str, VisionFamily] = {'qwen2vl_merger': QWEN2_VL, 'qwen2.5vl_merger': QWEN2_VL,
+                                     'qwen3vl_merger': QWEN3_VL}
 # language-model architectures that only ever come with an mmproj file
-VL_ONLY_ARCHS = frozenset({'qwen2vl'})
+VL_ONLY_ARCHS = frozenset({'qwen2vl', 'qwen3vl', 'qwen3vlmoe'})
 
 
 def pair_mmproj(gguf_path: Path, arch: str) -> Path | None:

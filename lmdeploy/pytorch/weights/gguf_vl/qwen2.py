@@ -20,14 +20,40 @@ _MLP_NAMES = {'qwen2vl_merger': {'ffn_up': 'mlp.fc1', 'ffn_down': 'mlp.fc2'},
 _MERGER_NAMES = {'v.post_ln': 'merger.ln_q', 'mm.0': 'merger.mlp.0', 'mm.2': 'merger.mlp.2'}
 _BLOCK = re.compile(r'v\.blk\.(\d+)\.(\w+)\.(weight|bias)')
 _QKV = ('attn_q', 'attn_k', 'attn_v')
-_PATCH = ('v.patch_embd.weight', 'v.patch_embd.weight.1')
+PATCH_HALVES = ('v.patch_embd.weight', 'v.patch_embd.weight.1')  # the Conv3d's two time steps
+
+
+def qwen_vl_config(text: dict[str, Any], reader: GGUFReader, tokens: list[str], source: str, model_type: str,
+                   architecture: str, vision: dict[str, Any]) -> dict[str, Any]:
+    """The config dict of a Qwen-VL model of ``model_type``: ``text`` (the language model's config from its
+    GGUF) with the M-RoPE sections of its file, the ``vision`` config and the image tokens' ids."""
+    sections_key = f'{meta(reader, "general.architecture")}.rope.dimension_sections'
+    sections = meta(reader, sections_key)
+    if sections is None:
+        raise ValueError(f'{source}: missing GGUF metadata: {sections_key}')
+    ids = {name: tokens.index(token) for name, token in QWEN_IMAGE_TOKENS.items() if token in tokens}
+    if 'image_token_id' not in ids:
+        raise ValueError(f'{source}: the tokenizer has no {QWEN_IMAGE_TOKENS["image_token_id"]} token')
+    rope = {'rope_type': 'default', 'rope_theta': text['rope_theta'], 'mrope_section': list(sections[:3])}
+    text_config = {k: v for k, v in text.items() if k not in ('architectures', 'model_type')}
+    text_config |= {'model_type': f'{model_type}_text', 'rope_parameters': rope}
+    return {'model_type': model_type, 'architectures': [architecture],
+            'text_config': text_config, 'vision_config': vision, 'tie_word_embeddings': text['tie_word_embeddings'],
+            'bos_token_id': text['bos_token_id'], 'eos_token_id': text['eos_token_id'], 'dtype': 'float32', **ids}
+
+
+def conv3d_patch_weight(raw: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The Conv3d patch embedding's weight, stacked back from the mmproj's two Conv2d halves (``raw``: the
+    mmproj's tensors by GGUF name)."""
+    if any(name not in raw for name in PATCH_HALVES):
+        raise ValueError(f'mmproj lacks the patch embedding ({", ".join(PATCH_HALVES)})')
+    return torch.stack([raw[name] for name in PATCH_HALVES], dim=2)
 
 
 def _config(text: dict[str, Any], reader: GGUFReader, mmproj: GGUFReader, tokens: list[str],
             source: str) -> dict[str, Any]:
-    """A ``Qwen2VLConfig`` or ``Qwen2_5_VLConfig`` dict (by the mmproj's projector): ``text`` (the language
-    model's config from its GGUF) with the M-RoPE sections of its file, the tower's shape from the mmproj
-    metadata and the image tokens' ids."""
+    """A ``Qwen2VLConfig`` or ``Qwen2_5_VLConfig`` dict (by the mmproj's projector), the tower's shape from the
+    mmproj metadata."""
     projector = meta(mmproj, 'clip.projector_type')
     key = lambda name: meta(mmproj, f'clip.vision.{name}')  # noqa: E731
     require_vision_keys(mmproj, ('embedding_length', 'feed_forward_length', 'block_count', 'attention.head_count',
@@ -45,18 +71,7 @@ def _config(text: dict[str, Any], reader: GGUFReader, mmproj: GGUFReader, tokens
         vision |= {'hidden_size': width, 'intermediate_size': key('feed_forward_length'),
                    'out_hidden_size': key('projection_dim'), 'hidden_act': 'silu', 'window_size': QWEN25_WINDOW,
                    'fullatt_block_indexes': list(range(pattern - 1, depth, pattern))}
-    sections = meta(reader, 'qwen2vl.rope.dimension_sections')
-    if sections is None:
-        raise ValueError(f'{source}: missing GGUF metadata: qwen2vl.rope.dimension_sections')
-    ids = {name: tokens.index(token) for name, token in QWEN_IMAGE_TOKENS.items() if token in tokens}
-    if 'image_token_id' not in ids:
-        raise ValueError(f'{source}: the tokenizer has no {QWEN_IMAGE_TOKENS["image_token_id"]} token')
-    rope = {'rope_type': 'default', 'rope_theta': text['rope_theta'], 'mrope_section': list(sections[:3])}
-    text_config = {k: v for k, v in text.items() if k not in ('architectures', 'model_type')}
-    text_config |= {'model_type': f'{model_type}_text', 'rope_parameters': rope}
-    return {'model_type': model_type, 'architectures': [architecture],
-            'text_config': text_config, 'vision_config': vision, 'tie_word_embeddings': text['tie_word_embeddings'],
-            'bos_token_id': text['bos_token_id'], 'eos_token_id': text['eos_token_id'], 'dtype': 'float32', **ids}
+    return qwen_vl_config(text, reader, tokens, source, model_type, architecture, vision)
 
 
 def _state_dict(mmproj: GGUFReader) -> dict[str, torch.Tensor]:
@@ -67,7 +82,7 @@ def _state_dict(mmproj: GGUFReader) -> dict[str, torch.Tensor]:
     raw = float32_tensors(mmproj)
     state_dict, qkv = {}, {}
     for name, value in raw.items():
-        if name in _PATCH:
+        if name in PATCH_HALVES:
             continue
         block = _BLOCK.fullmatch(name)
         stem, _, kind = name.rpartition('.')
@@ -81,9 +96,7 @@ def _state_dict(mmproj: GGUFReader) -> dict[str, torch.Tensor]:
             raise ValueError(f'mmproj tensor {name} has no transformers counterpart')
     for name, parts in qkv.items():
         state_dict[name] = torch.cat([parts[part] for part in _QKV])
-    if any(name not in raw for name in _PATCH):
-        raise ValueError(f'mmproj lacks the patch embedding ({", ".join(_PATCH)})')
-    state_dict['visual.patch_embed.proj.weight'] = torch.stack([raw[name] for name in _PATCH], dim=2)
+    state_dict['visual.patch_embed.proj.weight'] = conv3d_patch_weight(raw)
     return state_dict
 
 
