@@ -8,9 +8,10 @@ from pathlib import Path
 from gguf import GGUFReader
 
 from .common import VisionFamily, find_mmproj, meta, mmproj_files
+from .internvl import INTERNVL
 from .qwen2 import QWEN2_VL
 
-FAMILIES: dict[str, VisionFamily] = {'qwen2vl_merger': QWEN2_VL, 'qwen2.5vl_merger': QWEN2_VL}
+FAMILIES: dict[str, VisionFamily] = {'qwen2vl_merger': QWEN2_VL, 'qwen2.5vl_merger': QWEN2_VL, 'internvl': INTERNVL}
 # language-model architectures that only ever come with an mmproj file
 VL_ONLY_ARCHS = frozenset({'qwen2vl'})
 
