@@ -117,9 +117,11 @@ def write_mmproj(model_dir: str, out: Path) -> None:
 
 @pytest.fixture(scope='module', params=['internvl', 'internvl_llama'])
 def internvl(request, tmp_path_factory) -> str:
-    # llama.cpp's map names the projector's layers as blocks of the tower: its mlp1.3 needs a depth of 4 or more
+    # llama.cpp's map names the projector's layers as blocks of the tower: its mlp1.3 needs a depth of 4 or more;
+    # q/k/v with biases, as the hub's InternViT has them
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(INTERNVL_VISION, 'num_hidden_layers', 4)
+        patch.setitem(INTERNVL_VISION, 'attention_bias', True)
         path = save_tiny_vl_model(request.param, str(tmp_path_factory.mktemp(request.param)))
     # llama.cpp feeds the tower's last layer to the projector (its mmproj keeps no other), as the hub's models do
     config = json.loads(Path(path, 'config.json').read_text())
