@@ -115,14 +115,21 @@ def write_mmproj(model_dir: str, out: Path) -> None:
     finish(writer)
 
 
-@pytest.fixture(scope='module', params=['internvl', 'internvl_llama'])
+# the hub's InternViT-300M (q/k/v with biases, LayerNorms) with each language model, and an InternViT-6B-like tower
+# (RMS norms without biases, q/k norms)
+TOWERS = {'internvl': ('internvl', {'attention_bias': True}),
+          'internvl_llama': ('internvl_llama', {'attention_bias': True}),
+          'internvl_6b_tower': ('internvl', {'norm_type': 'rms_norm', 'use_qk_norm': True})}
+
+
+@pytest.fixture(scope='module', params=list(TOWERS))
 def internvl(request, tmp_path_factory) -> str:
-    # llama.cpp's map names the projector's layers as blocks of the tower: its mlp1.3 needs a depth of 4 or more;
-    # q/k/v with biases, as the hub's InternViT has them
+    kind, tower = TOWERS[request.param]
+    # llama.cpp's map names the projector's layers as blocks of the tower: its mlp1.3 needs a depth of 4 or more
     with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(INTERNVL_VISION, 'num_hidden_layers', 4)
-        patch.setitem(INTERNVL_VISION, 'attention_bias', True)
-        path = save_tiny_vl_model(request.param, str(tmp_path_factory.mktemp(request.param)))
+        for name, value in {'num_hidden_layers': 4, **tower}.items():
+            patch.setitem(INTERNVL_VISION, name, value)
+        path = save_tiny_vl_model(kind, str(tmp_path_factory.mktemp(request.param)))
     # llama.cpp feeds the tower's last layer to the projector (its mmproj keeps no other), as the hub's models do
     config = json.loads(Path(path, 'config.json').read_text())
     Path(path, 'config.json').write_text(json.dumps({**config, 'vision_feature_layer': -1}))
