@@ -19,6 +19,8 @@ class ImageInputs:
     """
 
     span_ids: tuple[list[int], list[int]] = ([], [])
+    # the text of an image for a chat template that takes only string contents; None: no such template
+    placeholder_text: str | None = None
 
     def __init__(self, model_dir: str, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase):
         from transformers import AutoImageProcessor  # heavy: only vision-language models need it
@@ -75,6 +77,8 @@ class InternVLImageInputs(ImageInputs):
         # named in InternVL's tokenizer config (extra_special_tokens); these are the names it gives them
         self.span_ids = ([tokenizer.convert_tokens_to_ids(getattr(tokenizer, 'start_image_token', '<img>'))],
                          [tokenizer.convert_tokens_to_ids(getattr(tokenizer, 'end_image_token', '</img>'))])
+        # the remote-code checkpoints' template (kept in llama.cpp's files) takes strings: an image is its line
+        self.placeholder_text = tokenizer.convert_ids_to_tokens(self.image_token_id) + '\n'
 
     def __call__(self, image: Image.Image) -> tuple[int, dict[str, torch.Tensor]]:
         pixels = self.image_processor(images=[image], crop_to_patches=True, return_tensors='np')['pixel_values']

@@ -74,6 +74,12 @@ def _as_messages(prompt: Prompt) -> Messages:
     return prompt
 
 
+def _image_parts_as_text(messages: Messages, placeholder: str) -> Messages:
+    """``messages`` with each list content joined into text, an image part as ``placeholder``."""
+    return [{**m, 'content': ''.join(placeholder if p['type'] == 'image' else p['text'] for p in m['content'])}
+            if isinstance(m['content'], list) else m for m in messages]
+
+
 class MultiModalProcessor:
     """Renders prompts with the chat template, loads and preprocesses their images and tokenizes them.
 
@@ -110,20 +116,30 @@ class MultiModalProcessor:
                tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
         """The prompt's text: chat-templated (with ``tools`` and ``template_kwargs``), or as given when
         ``do_preprocess`` is False (the texts of a message list are then joined by newlines). Image sources
-        are appended to ``images``; a template that rejects the messages raises ``ValueError``."""
+        are appended to ``images``; a template that rejects the messages raises ``ValueError``, one that takes
+        only string contents gets each image as the family's ``placeholder_text`` where it has one."""
         if isinstance(prompt, str) and not do_preprocess:
             return prompt
         messages = self.normalize(_as_messages(prompt), images)
         if do_preprocess:
             try:
-                return self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, tools=tools,
-                                                          **(template_kwargs or {}))
-            except jinja2.TemplateError as exc:
-                raise ValueError(f'the chat template rejected the messages: {exc}') from exc
-            except RecursionError:
-                raise ValueError('the messages nest too deeply for the chat template') from None
+                return self._apply_template(messages, tools, template_kwargs)
+            except TypeError as exc:  # a template that joins contents as strings (InternVL's remote-code one)
+                placeholder = self.image_inputs.placeholder_text if self.image_inputs else None
+                if placeholder is None or all(isinstance(m['content'], str) for m in messages):
+                    raise ValueError(f'the chat template rejected the messages: {exc}') from exc
+                return self._apply_template(_image_parts_as_text(messages, placeholder), tools, template_kwargs)
         return '\n'.join(m['content'] if isinstance(m['content'], str) else
                          ''.join(p.get('text', '') for p in m['content']) for m in messages)
+
+    def _apply_template(self, messages: Messages, tools: list[dict] | None, template_kwargs: dict | None) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, tools=tools,
+                                                      **(template_kwargs or {}))
+        except jinja2.TemplateError as exc:
+            raise ValueError(f'the chat template rejected the messages: {exc}') from exc
+        except RecursionError:
+            raise ValueError('the messages nest too deeply for the chat template') from None
 
     def process(self, prompt: Prompt, do_preprocess: bool = True, tools: list[dict] | None = None,
                 template_kwargs: dict | None = None) -> ProcessedPrompt:

@@ -8,11 +8,12 @@ from pathlib import Path
 from gguf import GGUFReader
 
 from .common import VisionFamily, find_mmproj, meta, mmproj_files
+from .internvl import INTERNVL
 from .qwen2 import QWEN2_VL
 from .qwen3 import QWEN3_VL
 
 FAMILIES: dict[str, VisionFamily] = {'qwen2vl_merger': QWEN2_VL, 'qwen2.5vl_merger': QWEN2_VL,
-                                     'qwen3vl_merger': QWEN3_VL}
+                                     'qwen3vl_merger': QWEN3_VL, 'internvl': INTERNVL}
 # language-model architectures that only ever come with an mmproj file
 VL_ONLY_ARCHS = frozenset({'qwen2vl', 'qwen3vl', 'qwen3vlmoe'})
 
