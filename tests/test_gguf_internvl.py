@@ -225,3 +225,17 @@ def test_errors_name_what_the_files_lack(internvl, gguf_pair, tmp_path):
     del reader
     with pytest.raises(ValueError, match='the tokenizer has no </img> token'):
         resolve_gguf(str(model))
+
+
+def test_a_text_file_beside_two_mmprojs_is_a_text_model_with_a_warning(gguf_pair, tmp_path, caplog):
+    """Which of two mmproj files goes with the model cannot be told: the file is served as the text model it is,
+    and a warning says why."""
+    model = tmp_path / 'model.gguf'
+    shutil.copy(gguf_pair / 'InternVL3-tiny-F32.gguf', model)
+    for name in ('mmproj-a.gguf', 'mmproj-b.gguf'):
+        shutil.copy(gguf_pair / 'mmproj-InternVL3-tiny-F32.gguf', tmp_path / name)
+    with caplog.at_level('WARNING'):
+        folder = resolve_gguf(str(model))
+    config = json.loads((Path(folder) / 'config.json').read_text())
+    assert config['architectures'] in (['Qwen2ForCausalLM'], ['LlamaForCausalLM'])
+    assert 'served as a text model' in caplog.text and '2 of them' in caplog.text

@@ -3,6 +3,7 @@
 Each projector type (``clip.projector_type``) has its :class:`VisionFamily`, one module per family."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from gguf import GGUFReader
@@ -17,19 +18,27 @@ FAMILIES: dict[str, VisionFamily] = {'qwen2vl_merger': QWEN2_VL, 'qwen2.5vl_merg
 # language-model architectures that only ever come with an mmproj file
 VL_ONLY_ARCHS = frozenset({'qwen2vl', 'qwen3vl', 'qwen3vlmoe'})
 
+logger = logging.getLogger(__name__)
+
 
 def pair_mmproj(gguf_path: Path, arch: str) -> Path | None:
     """The mmproj file a language model's GGUF (of architecture ``arch``) is served with, or None for a text
     model: a :data:`VL_ONLY_ARCHS` file needs exactly one ``mmproj*.gguf`` beside it; another takes the single
     one beside it whose projector pairs with ``arch`` (so a plain ``qwen2`` or ``llama`` file beside another
-    model's mmproj stays a text model)."""
+    model's mmproj stays a text model, with a warning)."""
     if arch in VL_ONLY_ARCHS:
         return find_mmproj(gguf_path)
     found = mmproj_files(gguf_path)
-    if len(found) != 1:
-        return None
-    family = FAMILIES.get(meta(GGUFReader(found[0]), 'clip.projector_type'))
-    return found[0] if family is not None and arch in family.text_archs else None
+    projector = meta(GGUFReader(found[0]), 'clip.projector_type') if len(found) == 1 else None
+    family = FAMILIES.get(projector)
+    if family is not None and arch in family.text_archs:
+        return found[0]
+    if found:
+        why = (f'{len(found)} of them' if len(found) > 1 else
+               f'its projector {projector!r} does not pair with a {arch} language model')
+        logger.warning('%s is served as a text model: it pairs with exactly one mmproj*.gguf file in its folder, '
+                       'and %s', gguf_path, why)
+    return None
 
 
 def vision_family(mmproj: GGUFReader, arch: str, source: str) -> VisionFamily:
