@@ -13,17 +13,21 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import quantize
 from safetensors.torch import load_file
 from family_checks import first_step_logits
 from helpers import make_engine, run
 from test_gguf import finish
+from test_gguf_mixed import linear_formats
 from test_gguf_vl import PROMPTS, _tokenizer
 from test_vl_families import make_processor
 from transformers import AutoConfig
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from vl_models import QWEN3_MOE_TEXT, QWEN3_VISION, save_tiny_vl_model
 
-from lmdeploy.pytorch.weights.gguf import resolve_gguf
+from lmdeploy.pytorch.nn.moe import FusedExperts
+from lmdeploy.pytorch.weights.gguf import convert_gguf, resolve_gguf
 from lmdeploy.pytorch.weights.gguf_vl.qwen3 import QWEN3_PIXELS
 
 MODEL, MMPROJ = 'Qwen3-VL-tiny-F32.gguf', 'mmproj-Qwen3-VL-tiny-F32.gguf'
@@ -216,3 +220,33 @@ def test_mmproj_missing_or_of_another_model(gguf_pair, tmp_path):
     with pytest.raises(ValueError, match='missing GGUF metadata: clip.vision.feed_forward_length, '
                                          'clip.vision.block_count, .*clip.vision.spatial_merge_size$'):
         resolve_gguf(str(model))
+
+
+def test_q8_0_pair_keeps_its_blocks(qwen3_vl, tmp_path):
+    """A Q8_0 language model (gguf-py's quantization of each layer's matrices whose inputs are whole blocks of 32;
+    the MoE's 48-input down stacks stay F32): the attention and MLP projections and the experts' gate and up stay
+    as their blocks, and the fp32 greedy tokens on text and image prompts equal those of the pair dequantized."""
+    add_tensor = gguf.GGUFWriter.add_tensor
+
+    def q8_0(writer, name, tensor, *args, **kwargs):
+        if name.startswith('blk.') and tensor.ndim >= 2 and tensor.shape[-1] % 32 == 0 and 'gate_inp' not in name:
+            return add_tensor(writer, name, quantize(tensor, Q.Q8_0), raw_dtype=Q.Q8_0)
+        return add_tensor(writer, name, tensor, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf.GGUFWriter, 'add_tensor', q8_0)
+        write_qwen3vl_gguf(qwen3_vl, tmp_path / MODEL)
+    write_qwen3vl_mmproj(qwen3_vl, tmp_path / MMPROJ)
+    dequantized = tmp_path / 'dequantized'
+    convert_gguf(str(tmp_path / MODEL), str(dequantized), raw_types=())
+    prompts = [make_processor(str(dequantized)).process(prompt) for prompt in PROMPTS]
+    engine = make_engine(str(tmp_path / MODEL))
+    try:
+        assert {kind for layer, kind in linear_formats(engine).items() if '.self_attn.' in layer} == {'Q8_0'}
+        experts = [m for m in engine.runner.model.modules() if isinstance(m, FusedExperts)]
+        assert all(hasattr(m, 'gate_up_qweight') and not hasattr(m, 'down_qweight') for m in experts)
+        assert bool(experts) == ('moe' in qwen3_vl)
+        outs = run(engine, prompts)
+    finally:
+        engine.close()
+    assert run(make_engine(str(dequantized)), prompts) == outs

@@ -32,7 +32,7 @@ ARCHITECTURES = {
 }
 
 # architectures whose every linear layer is a projection (or experts) that may be served as llama.cpp's blocks
-RAW_SERVED_ARCHS = ('llama', 'chatglm', 'glm4', 'gemma2', 'gemma3', 'qwen3moe', 'qwen2moe')
+RAW_SERVED_ARCHS = ('llama', 'chatglm', 'glm4', 'gemma2', 'gemma3', 'qwen3moe', 'qwen3vlmoe', 'qwen2moe')
 
 _GEMMA_NAMES = {'ffn_norm': 'pre_feedforward_layernorm', 'post_attention_norm': 'post_attention_layernorm',
                 'post_ffw_norm': 'post_feedforward_layernorm'}
