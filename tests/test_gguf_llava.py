@@ -191,6 +191,9 @@ def test_mmproj_of_llava_next_or_other_projectors_and_no_image_token(llava, gguf
     write_llava_mmproj(llava, mmproj, extra={'clip.vision.image_grid_pinpoints': [56, 112, 112, 56]})
     with pytest.raises(ValueError, match=r'LLaVA-NeXT .* only LLaVA 1.5-style models'):
         resolve_gguf(str(model))
+    write_llava_mmproj(llava, mmproj, extra={'clip.vision.feature_layer': [2]})
+    with pytest.raises(ValueError, match=r'feature_layer \[2\] lies beyond the tower\'s 1 layers'):
+        resolve_gguf(str(model))
     shutil.copy(gguf_pair / 'mmproj-model-f32.gguf', mmproj)
     _rename_token(model, '<image>', '<imagf>')
     with pytest.raises(ValueError, match="tokenizer has no <image> token"):
@@ -202,3 +205,21 @@ def test_mmproj_of_llava_next_or_other_projectors_and_no_image_token(llava, gguf
     finish(writer)
     with pytest.raises(ValueError, match='missing GGUF metadata: clip.vision.embedding_length'):
         resolve_gguf(str(model))
+
+
+@pytest.mark.parametrize('tensors,message', [
+    (('v.class_embd', 'mm.0.weight', 'mm.2.weight', 'mm.3.weight'), 'must be mm.0 and mm.2'),  # Yi-VL's
+    (('v.class_embd', 'mm.0.weight'), 'must be mm.0 and mm.2'),
+    (('mm.0.weight', 'mm.2.weight'), 'no v.class_embd: only CLIP towers'),  # SigLIP's
+    (('v.class_embd', 'mm.0.weight', 'mm.2.weight', 'v.post_ln.weight'), 'ends in v.post_ln'),
+    (('v.class_embd', 'mm.0.weight', 'mm.2.weight', 'model.image_newline'), 'LLaVA-NeXT'),
+])
+def test_mlp_mmproj_of_another_shape_is_refused(gguf_pair, tmp_path, tensors, message):
+    shutil.copy(gguf_pair / 'llava-tiny-F32.gguf', tmp_path / 'model.gguf')
+    writer = gguf.GGUFWriter(str(tmp_path / 'mmproj.gguf'), 'clip')
+    writer.add_string('clip.projector_type', 'mlp')
+    for name in tensors:
+        writer.add_tensor(name, np.zeros(4, dtype=np.float32))
+    finish(writer)
+    with pytest.raises(ValueError, match=message):
+        resolve_gguf(str(tmp_path / 'model.gguf'))
