@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from helpers import make_engine, run
-from test_gguf import finish, llama_permute
+from test_gguf import finish, llama_permute, make_gguf
 from test_gguf_vl import PROMPTS, _tokenizer
 from test_vl_families import make_processor
 from transformers import AutoConfig
@@ -195,6 +195,9 @@ def test_mmproj_of_llava_next_or_other_projectors_and_no_image_token(llava, gguf
     with pytest.raises(ValueError, match=r'feature_layer \[2\] lies beyond the tower\'s 1 layers'):
         resolve_gguf(str(model))
     shutil.copy(gguf_pair / 'mmproj-model-f32.gguf', mmproj)
+    make_gguf(tmp_path / 'wider.gguf', hidden=128)
+    with pytest.raises(ValueError, match='projector gives 64 features, the language model takes 128'):
+        resolve_gguf(str(tmp_path / 'wider.gguf'))
     _rename_token(model, '<image>', '<imagf>')
     with pytest.raises(ValueError, match="tokenizer has no <image> token"):
         resolve_gguf(str(model))

@@ -50,6 +50,10 @@ def _config(text: dict[str, Any], reader: GGUFReader, mmproj: GGUFReader, tokens
     require_vision_keys(mmproj, ('embedding_length', 'feed_forward_length', 'block_count', 'attention.head_count',
                                  'image_size', 'patch_size'), source)
     key = lambda name: meta(mmproj, f'clip.vision.{name}')  # noqa: E731
+    width = next(t.data.shape[0] for t in mmproj.tensors if t.name == 'mm.2.weight')
+    if width != text['hidden_size']:
+        raise ValueError(f'{source}: the projector gives {width} features, the language model takes '
+                         f'{text["hidden_size"]}: the mmproj is another model\'s')
     if IMAGE_TOKEN not in tokens:
         raise ValueError(f'{source}: the language model\'s tokenizer has no {IMAGE_TOKEN} token (a LLaVA checkpoint '
                          f'in transformers\' layout, llava-hf, has one); without the mmproj beside it, the file is '
