@@ -69,11 +69,12 @@ def _config(text: dict[str, Any], reader: GGUFReader, mmproj: GGUFReader, tokens
         raise ValueError(f'{source}: clip.vision.feature_layer {layers} lies beyond the tower\'s '
                          f'{vision["num_hidden_layers"]} layers')
     text_config = {k: v for k, v in text.items() if k != 'architectures'}
+    bias = any(t.name == 'mm.0.bias' for t in mmproj.tensors)
     return {'model_type': 'llava', 'architectures': ['LlavaForConditionalGeneration'], 'text_config': text_config,
             'vision_config': vision, 'vision_feature_layer': layers[0] if len(layers) == 1 else layers,
             'vision_feature_select_strategy': 'default', 'image_token_id': tokens.index(IMAGE_TOKEN),
             'image_seq_length': (vision['image_size'] // vision['patch_size'])**2, 'projector_hidden_act': 'gelu',
-            'multimodal_projector_bias': True, 'tie_word_embeddings': text['tie_word_embeddings'], 'dtype': 'float32'}
+            'multimodal_projector_bias': bias, 'tie_word_embeddings': text['tie_word_embeddings'], 'dtype': 'float32'}
 
 
 def _state_dict(mmproj: GGUFReader) -> dict[str, torch.Tensor]:
