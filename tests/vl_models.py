@@ -10,7 +10,8 @@ import torch
 from conftest import VOCAB_SIZE, build_tokenizer
 from PIL import Image
 from transformers import (AutoModelForImageTextToText, CLIPVisionConfig, InternVLConfig, LlamaConfig, LlavaConfig,
-                          Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig, Qwen3VLMoeConfig)
+                          Qwen2_5_VLConfig, Qwen2Config, Qwen2VLConfig, Qwen3Config, Qwen3VLConfig,
+                          Qwen3VLMoeConfig)
 from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -72,11 +73,12 @@ def _config(kind: str, ids: dict[str, int]):
                                 tie_word_embeddings=True, **qwen_ids)
     vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                               image_size=56, patch_size=14, projection_dim=32)
-    return LlavaConfig(vision_config=vision, text_config=LlamaConfig(**TEXT), image_token_id=ids['<image>'])
+    text = {'llava_qwen2': Qwen2Config, 'llava_qwen3': Qwen3Config}.get(kind, LlamaConfig)(**TEXT, head_dim=16)
+    return LlavaConfig(vision_config=vision, text_config=text, image_token_id=ids['<image>'])
 
 
 VL_KINDS = ('llava', 'qwen2_5_vl', 'qwen2_vl', 'internvl', 'qwen3_vl')
-IMAGE_TEMPLATES = {'llava': LLAVA_IMAGE}
+IMAGE_TEMPLATES = {'llava': LLAVA_IMAGE, 'llava_qwen2': LLAVA_IMAGE, 'llava_qwen3': LLAVA_IMAGE}
 
 
 def save_tiny_vl_model(kind: str, path: str) -> str:
@@ -101,7 +103,7 @@ def save_tiny_vl_model(kind: str, path: str) -> str:
     elif kind.startswith('qwen3_vl'):
         processor = Qwen2VLImageProcessorPil(patch_size=16, size={'shortest_edge': 32 * 32,
                                                                   'longest_edge': 32 * 32 * 9})
-    elif kind == 'llava':
+    elif kind.startswith('llava'):
         processor = CLIPImageProcessorPil(size={'shortest_edge': 56}, crop_size={'height': 56, 'width': 56})
     else:
         processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=28 * 28 * 16)
