@@ -1,4 +1,4 @@
-"""Tiny random vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, LLaVA, InternVL 3)
+"""Tiny random vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, LLaVA, InternVL 3, Mistral 3)
 saved with transformers, and transformers' greedy output on them as the reference."""
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ import torch
 from conftest import VOCAB_SIZE, build_tokenizer
 from PIL import Image
 from transformers import (AutoModelForImageTextToText, CLIPVisionConfig, InternVLConfig, LlamaConfig, LlavaConfig,
-                          Qwen2_5_VLConfig, Qwen2Config, Qwen2VLConfig, Qwen3Config, Qwen3VLConfig,
+                          Mistral3Config, Qwen2_5_VLConfig, Qwen2Config, Qwen2VLConfig, Qwen3Config, Qwen3VLConfig,
                           Qwen3VLMoeConfig)
 from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 QWEN_IMAGE = '<|vision_start|><|image_pad|><|vision_end|>'
@@ -23,6 +24,7 @@ SPECIAL_TOKENS = ['<|vision_start|>', '<|vision_end|>', '<|image_pad|>', '<|vide
 # InternVL's tokenizer names its image tokens; its processor reads them by these names
 INTERNVL_TOKENS = {'start_image_token': '<img>', 'end_image_token': '</img>', 'context_image_token': '<IMG_CONTEXT>',
                    'video_token': '<video>'}
+MISTRAL3_TOKENS = ['[IMG]', '[IMG_BREAK]', '[IMG_END]']
 
 
 def _template(image: str) -> str:
@@ -48,9 +50,18 @@ QWEN3_MOE_TEXT = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_siz
 # 56 px tiles of 14 px patches: 16 patches, 4 tokens after the pixel shuffle
 INTERNVL_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                        image_size=56, patch_size=14)
+# Pixtral: 16 px patches, 2-D rotary up to 128 px; the projector merges 2 x 2 patches, so images come in 32 px steps
+MISTRAL3_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, head_dim=16,
+                       image_size=128, patch_size=16)
+MISTRAL3_LONGEST_EDGE = 128
 
 
 def _config(kind: str, ids: dict[str, int]):
+    if kind.startswith('mistral3'):  # mistral3_layers: the features of both tower layers, concatenated
+        return Mistral3Config(text_config={**TEXT, 'model_type': 'mistral', 'head_dim': 16},
+                              vision_config={**MISTRAL3_VISION, 'model_type': 'pixtral'},
+                              image_token_id=ids['[IMG]'], tie_word_embeddings=False,
+                              vision_feature_layer=[-2, -1] if kind == 'mistral3_layers' else -1)
     if kind == 'internvl':
         return InternVLConfig(text_config={**TEXT, 'model_type': 'qwen2'}, vision_config=INTERNVL_VISION,
                               image_token_id=ids['<IMG_CONTEXT>'], image_seq_length=4)
@@ -85,10 +96,11 @@ def save_tiny_vl_model(kind: str, path: str) -> str:
     """Saves model, tokenizer (with an image-aware chat template) and image processor into ``path``."""
     torch.manual_seed(0)
     tokenizer = build_tokenizer()
-    internvl = kind.startswith('internvl')
-    special = list(INTERNVL_TOKENS.values()) if internvl else SPECIAL_TOKENS
+    internvl, mistral3 = kind.startswith('internvl'), kind.startswith('mistral3')
+    special = list(INTERNVL_TOKENS.values()) if internvl else MISTRAL3_TOKENS if mistral3 else SPECIAL_TOKENS
     tokenizer.add_special_tokens({'additional_special_tokens': special})
-    tokenizer.chat_template = _template(INTERNVL_IMAGE if internvl else IMAGE_TEMPLATES.get(kind, QWEN_IMAGE))
+    image = INTERNVL_IMAGE if internvl else MISTRAL3_TOKENS[0] if mistral3 else IMAGE_TEMPLATES.get(kind, QWEN_IMAGE)
+    tokenizer.chat_template = _template(image)
     config = _config(kind, {t: tokenizer.convert_tokens_to_ids(t) for t in special})
     config.get_text_config().eos_token_id = config.eos_token_id = tokenizer.eos_token_id
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
@@ -103,6 +115,8 @@ def save_tiny_vl_model(kind: str, path: str) -> str:
     elif kind.startswith('qwen3_vl'):
         processor = Qwen2VLImageProcessorPil(patch_size=16, size={'shortest_edge': 32 * 32,
                                                                   'longest_edge': 32 * 32 * 9})
+    elif mistral3:
+        processor = PixtralImageProcessorPil(size={'longest_edge': MISTRAL3_LONGEST_EDGE})
     elif kind.startswith('llava'):
         processor = CLIPImageProcessorPil(size={'shortest_edge': 56}, crop_size={'height': 56, 'width': 56})
     else:
