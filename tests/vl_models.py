@@ -57,11 +57,11 @@ MISTRAL3_LONGEST_EDGE = 128
 
 
 def _config(kind: str, ids: dict[str, int]):
-    if kind.startswith('mistral3'):  # mistral3_layers: the features of both tower layers, concatenated
+    if kind.startswith('mistral3'):  # mistral3_first_layer: the features of the tower's first layer
         return Mistral3Config(text_config={**TEXT, 'model_type': 'mistral', 'head_dim': 16},
                               vision_config={**MISTRAL3_VISION, 'model_type': 'pixtral'},
                               image_token_id=ids['[IMG]'], tie_word_embeddings=False,
-                              vision_feature_layer=[-2, -1] if kind == 'mistral3_layers' else -1)
+                              vision_feature_layer=-2 if kind == 'mistral3_first_layer' else -1)
     if kind == 'internvl':
         return InternVLConfig(text_config={**TEXT, 'model_type': 'qwen2'}, vision_config=INTERNVL_VISION,
                               image_token_id=ids['<IMG_CONTEXT>'], image_seq_length=4)

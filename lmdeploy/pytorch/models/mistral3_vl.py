@@ -28,11 +28,13 @@ class Mistral3ForConditionalGeneration(VisionLanguageModel):
         if mm.text_config.model_type not in TEXT_MODEL_TYPES:
             raise ValueError(f'Mistral 3 with a {mm.text_config.model_type!r} language model is not supported; '
                              f'supported: {", ".join(TEXT_MODEL_TYPES)}')
+        if not isinstance(mm.vision_feature_layer, int):
+            raise ValueError(f'Mistral 3 takes one vision_feature_layer (its projector normalizes one layer), '
+                             f'got {mm.vision_feature_layer!r}')
         super().__init__(cfg)
         self.vision_tower = AutoModel.from_config(mm.vision_config)
         self.multi_modal_projector = Mistral3MultiModalProjector(mm)
-        layer = mm.vision_feature_layer
-        self.feature_layers = [layer] if isinstance(layer, int) else list(layer)
+        self.feature_layer = mm.vision_feature_layer
         self.image_token_id = mm.image_token_id
         self.merged_patch = mm.vision_config.patch_size * mm.spatial_merge_size
         self.requires_grad_(False)
@@ -59,8 +61,7 @@ class Mistral3ForConditionalGeneration(VisionLanguageModel):
                             for m in inputs]).to(weight.device, weight.dtype)
         sizes = sizes.to(weight.device)
         hidden = self.vision_tower(pixels, image_sizes=sizes, output_hidden_states=True).hidden_states
-        selected = torch.cat([hidden[layer] for layer in self.feature_layers], dim=-1)
-        features = self.multi_modal_projector(selected.squeeze(0), sizes)
+        features = self.multi_modal_projector(hidden[self.feature_layer].squeeze(0), sizes)
         spans = []
         for image, image_features in zip(inputs, features.split([r * c for r, c in map(self._grid, inputs)])):
             rows, cols = self._grid(image)
