@@ -1,10 +1,10 @@
 """Mistral 3 (Mistral Small 3.1 / 3.2: Pixtral tower, patch-merging projector, Mistral language model) against
 transformers on tiny random models saved by transformers, fed by the tower's last layer and by its first
-(``vision_feature_layer`` -2): the prompt's tokens and pixels as transformers' processor makes them, 32 greedy tokens and
-first-step logits in fp32 on text, one-image and two-image prompts (images of different sizes), batching,
-chunked prefill through images, prefix-cache hits, a server chat whose image is a data URL, and clear errors for a
-span that is not the image's layout, for a language model other than Mistral's and for several feature layers
-(transformers' projector normalizes one layer's width)."""
+(``vision_feature_layer`` -2): the prompt's tokens and pixels as transformers' processor makes them, 32 greedy
+tokens and first-step logits in fp32 on text, one-image and two-image prompts (images of different sizes),
+batching, chunked prefill through images, prefix-cache hits, a server chat whose image is a data URL, transformers
+5's module names loading like the hub's, and clear errors for a span that is not the image's layout, for a language
+model other than Mistral's and for several feature layers (transformers' projector normalizes one layer's width)."""
 from __future__ import annotations
 
 import json
@@ -13,6 +13,7 @@ import shutil
 import openai
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from family_checks import assert_batched_chunked_and_cached_equal_solo, assert_first_logits_close
 from helpers import make_engine, run
 from server_helpers import serve, tiny_engine
@@ -151,3 +152,23 @@ def test_several_vision_feature_layers_are_refused(tmp_path):
     (tmp_path / 'saved' / 'config.json').write_text(json.dumps(config))
     with pytest.raises(ValueError, match='one vision_feature_layer'):
         make_engine(path)
+
+
+def transformers5_name(name: str) -> str:
+    """A checkpoint name (hub layout, as transformers also saves it) in transformers 5's module layout."""
+    if name == 'language_model.lm_head.weight':
+        return 'lm_head.weight'
+    if name.startswith('language_model.model.'):
+        return 'model.language_model.' + name.removeprefix('language_model.model.')
+    return 'model.' + name
+
+
+def test_transformers5_module_layout_loads_like_the_hubs(tmp_path):
+    path = save_tiny_vl_model('mistral3', str(tmp_path / 'hub'))
+    renamed = shutil.copytree(path, tmp_path / 'transformers5')
+    for file in renamed.glob('*.safetensors'):
+        tensors = load_file(file)
+        assert 'language_model.model.embed_tokens.weight' in tensors and 'vision_tower.ln_pre.weight' in tensors
+        save_file({transformers5_name(name): t for name, t in tensors.items()}, file, metadata={'format': 'pt'})
+    prompts = [make_processor(path).process(PROMPTS[2])]
+    assert run(make_engine(str(renamed)), prompts) == run(make_engine(path), prompts)
