@@ -3,8 +3,9 @@ transformers on tiny random models saved by transformers, fed by the tower's las
 (``vision_feature_layer`` -2): the prompt's tokens and pixels as transformers' processor makes them, 32 greedy
 tokens and first-step logits in fp32 on text, one-image and two-image prompts (images of different sizes),
 batching, chunked prefill through images, prefix-cache hits, a server chat whose image is a data URL, transformers
-5's module names loading like the hub's, and clear errors for a span that is not the image's layout, for a language
-model other than Mistral's and for several feature layers (transformers' projector normalizes one layer's width)."""
+5's module names loading like the hub's, the language model in the native decoder stack (bf16), and clear errors
+for a span that is not the image's layout, for a language model other than Mistral's and for several feature
+layers (transformers' projector normalizes one layer's width)."""
 from __future__ import annotations
 
 import json
@@ -23,6 +24,8 @@ from test_vl_server import chat, image_message
 from transformers import AutoModelForImageTextToText
 from vl_models import random_image, save_tiny_vl_model
 
+from lmdeploy.messages import PytorchEngineConfig
+from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.vl.processor import ProcessedPrompt
 
 # sized by the image processor to 64 x 96, 64 x 64 and 128 x 64 pixels: 2 x 3, 2 x 2 and 4 x 2 merged patches
@@ -172,3 +175,15 @@ def test_transformers5_module_layout_loads_like_the_hubs(tmp_path):
         save_file({transformers5_name(name): t for name, t in tensors.items()}, file, metadata={'format': 'pt'})
     prompts = [make_processor(path).process(PROMPTS[2])]
     assert run(make_engine(str(renamed)), prompts) == run(make_engine(path), prompts)
+
+
+def test_language_model_runs_in_the_native_decoder_stack(tmp_path, native_gemms):
+    """bf16 on packed weights: the Mistral layers run in the native decoder stack, as their own forward does."""
+    path = save_tiny_vl_model('mistral3', str(tmp_path / 'mistral3'))
+    engine = Engine(path, PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=64, block_size=16), show_progress=False)
+    model = engine.runner.model
+    assert model.native_stack is not None
+    prompts = [make_processor(path).process(prompt) for prompt in PROMPTS]
+    outs = run(engine, prompts)
+    model.native_stack = None
+    assert run(engine, prompts) == outs
