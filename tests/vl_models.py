@@ -7,6 +7,7 @@ import os
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from conftest import VOCAB_SIZE, build_tokenizer
 from PIL import Image
 from transformers import (AutoModelForImageTextToText, CLIPVisionConfig, InternVLConfig, LlamaConfig, LlavaConfig,
@@ -88,7 +89,7 @@ def _config(kind: str, ids: dict[str, int]):
     return LlavaConfig(vision_config=vision, text_config=text, image_token_id=ids['<image>'])
 
 
-VL_KINDS = ('llava', 'qwen2_5_vl', 'qwen2_vl', 'internvl', 'qwen3_vl')
+VL_KINDS = ('llava', 'qwen2_5_vl', 'qwen2_vl', 'internvl', 'qwen3_vl', 'mistral3')
 IMAGE_TEMPLATES = {'llava': LLAVA_IMAGE, 'llava_qwen2': LLAVA_IMAGE, 'llava_qwen3': LLAVA_IMAGE}
 
 
@@ -140,10 +141,19 @@ def random_image(seed: int, size=(90, 60)) -> Image.Image:
     return Image.fromarray(pixels)
 
 
+def _batch(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The images' tensors in one batch; pixels of different sizes (Pixtral's) zero-padded to the largest, as
+    Pixtral's image processor pads a batch."""
+    if tensors[0].dim() == 4:
+        height, width = (max(t.shape[dim] for t in tensors) for dim in (2, 3))
+        tensors = [F.pad(t, (0, width - t.shape[3], 0, height - t.shape[2])) for t in tensors]
+    return torch.cat(tensors)
+
+
 def hf_vl_inputs(model, input_ids: list[int], images: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """transformers' inputs for a prompt whose images the engine's processor preprocessed."""
     ids = torch.tensor([input_ids])
-    kwargs = {key: torch.cat([image[key] for image in images]) for key in images[0]} if images else {}
+    kwargs = {key: _batch([image[key] for image in images]) for key in images[0]} if images else {}
     if 'image_grid_thw' in kwargs:
         kwargs['mm_token_type_ids'] = (ids == model.config.image_token_id).int()
     return dict(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs)
