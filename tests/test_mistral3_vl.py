@@ -187,3 +187,21 @@ def test_language_model_runs_in_the_native_decoder_stack(tmp_path, native_gemms)
     outs = run(engine, prompts)
     model.native_stack = None
     assert run(engine, prompts) == outs
+
+
+def test_a_config_without_the_top_level_tie_flag_keeps_its_own_output_layer(tmp_path):
+    """The hub's Mistral Small 3.1 / 3.2 configs name ``tie_word_embeddings`` only in ``text_config`` (false), so
+    transformers 5 reads its ``Mistral3Config`` default (true), then unties: the checkpoint holds an output layer of
+    its own. The engine takes the text config's flag and gives transformers' tokens."""
+    path = save_tiny_vl_model('mistral3', str(tmp_path / 'mistral3'))
+    config = json.loads((tmp_path / 'mistral3' / 'config.json').read_text())
+    del config['tie_word_embeddings']
+    (tmp_path / 'mistral3' / 'config.json').write_text(json.dumps(config))
+    hf_model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    hf_model.generation_config.eos_token_id = None
+    assert hf_model.config.tie_word_embeddings and not torch.equal(hf_model.lm_head.weight,
+                                                                   hf_model.get_input_embeddings().weight)
+    prompt = make_processor(path).process(PROMPTS[1])
+    expected = hf_model.generate(**hf_inputs(path, prompt, PROMPT_IMAGES[1]), max_new_tokens=32, do_sample=False,
+                                 top_k=None, top_p=None, temperature=None)
+    assert run(make_engine(path), [prompt]) == [expected[0, len(prompt.input_ids):].tolist()]

@@ -7,6 +7,8 @@ An image's span in the prompt is a row of ``[IMG]`` tokens per row of merged pat
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from transformers import AutoModel
@@ -31,7 +33,9 @@ class Mistral3ForConditionalGeneration(VisionLanguageModel):
         if not isinstance(mm.vision_feature_layer, int):
             raise ValueError(f'Mistral 3 takes one vision_feature_layer (its projector normalizes one layer), '
                              f'got {mm.vision_feature_layer!r}')
-        super().__init__(cfg)
+        # the hub's configs set the flag only in text_config; transformers 5 defaults the top-level one to true and
+        # unties again when the checkpoint holds an output layer of its own
+        super().__init__(dataclasses.replace(cfg, tie_word_embeddings=bool(mm.text_config.tie_word_embeddings)))
         self.vision_tower = AutoModel.from_config(mm.vision_config)
         self.multi_modal_projector = Mistral3MultiModalProjector(mm)
         self.feature_layer = mm.vision_feature_layer
