@@ -5,7 +5,7 @@ tokens and first-step logits in fp32 on text, one-image and two-image prompts (i
 batching, chunked prefill through images, prefix-cache hits, a server chat whose image is a data URL, transformers
 5's module names loading like the hub's, the language model in the native decoder stack (bf16), and clear errors
 for a span that is not the image's layout, for a language model other than Mistral's and for several feature
-layers (transformers' projector normalizes one layer's width)."""
+layers (transformers' projector normalizes one layer's width); a hub-style config's output layer stays untied."""
 from __future__ import annotations
 
 import json
