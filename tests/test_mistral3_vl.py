@@ -136,6 +136,9 @@ def test_a_span_that_is_not_the_images_layout_is_refused(mistral3, prompts):
     shorter = type(image)(image.offset, image.length - 1, image.content_hash, image.data)
     with pytest.raises(ValueError, match='spans 8 tokens, not 7'):
         engine.add_request(prompt.input_ids, multimodal=[shorter])
+    unsized = type(image)(image.offset, image.length, image.content_hash, {'pixel_values': image.data['pixel_values']})
+    with pytest.raises(ValueError, match="needs its 'image_sizes'"):
+        engine.add_request(prompt.input_ids, multimodal=[unsized])
     assert run(engine, [prompt]) == run(make_engine(mistral3), [prompt]), 'the engine goes on'
 
 

@@ -45,7 +45,10 @@ class Mistral3ForConditionalGeneration(VisionLanguageModel):
 
     def _grid(self, image: MultiModalInput) -> tuple[int, int]:
         """Rows and columns of the image's merged patches."""
-        height, width = (int(side) for side in image.data['image_sizes'][0])
+        sizes = image.data.get('image_sizes')
+        if sizes is None or tuple(sizes.shape) != (1, 2):
+            raise ValueError(f"a Mistral 3 image needs its 'image_sizes' [[height, width]], got {sizes!r}")
+        height, width = (int(side) for side in sizes[0])
         return height // self.merged_patch, width // self.merged_patch
 
     def placeholder_mask(self, image: MultiModalInput) -> list[bool]:
