@@ -12,6 +12,7 @@ from lmdeploy.messages import PytorchEngineConfig
 Task = Literal['llm', 'vlm']
 
 _VL = 'lmdeploy.pytorch.models.vision_language'
+_MISTRAL3 = 'lmdeploy.pytorch.models.mistral3_vl'
 # architecture -> (task, 'module:class')
 SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'LlamaForCausalLM': ('llm', 'lmdeploy.pytorch.models.llama:LlamaForCausalLM'),
@@ -36,6 +37,7 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'Qwen3VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen3VLForConditionalGeneration'),
     'Qwen3VLMoeForConditionalGeneration': ('vlm', f'{_VL}:Qwen3VLMoeForConditionalGeneration'),
     'InternVLForConditionalGeneration': ('vlm', f'{_VL}:InternVLForConditionalGeneration'),
+    'Mistral3ForConditionalGeneration': ('vlm', f'{_MISTRAL3}:Mistral3ForConditionalGeneration'),
 }
 
 

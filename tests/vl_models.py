@@ -1,4 +1,4 @@
-"""Tiny random vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, LLaVA, InternVL 3)
+"""Tiny random vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, LLaVA, InternVL 3, Mistral 3)
 saved with transformers, and transformers' greedy output on them as the reference."""
 from __future__ import annotations
 
@@ -7,13 +7,15 @@ import os
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from conftest import VOCAB_SIZE, build_tokenizer
 from PIL import Image
 from transformers import (AutoModelForImageTextToText, CLIPVisionConfig, InternVLConfig, LlamaConfig, LlavaConfig,
-                          Qwen2_5_VLConfig, Qwen2Config, Qwen2VLConfig, Qwen3Config, Qwen3VLConfig,
+                          Mistral3Config, Qwen2_5_VLConfig, Qwen2Config, Qwen2VLConfig, Qwen3Config, Qwen3VLConfig,
                           Qwen3VLMoeConfig)
 from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 QWEN_IMAGE = '<|vision_start|><|image_pad|><|vision_end|>'
@@ -23,6 +25,7 @@ SPECIAL_TOKENS = ['<|vision_start|>', '<|vision_end|>', '<|image_pad|>', '<|vide
 # InternVL's tokenizer names its image tokens; its processor reads them by these names
 INTERNVL_TOKENS = {'start_image_token': '<img>', 'end_image_token': '</img>', 'context_image_token': '<IMG_CONTEXT>',
                    'video_token': '<video>'}
+MISTRAL3_TOKENS = ['[IMG]', '[IMG_BREAK]', '[IMG_END]']
 
 
 def _template(image: str) -> str:
@@ -48,9 +51,18 @@ QWEN3_MOE_TEXT = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_siz
 # 56 px tiles of 14 px patches: 16 patches, 4 tokens after the pixel shuffle
 INTERNVL_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                        image_size=56, patch_size=14)
+# Pixtral: 16 px patches, 2-D rotary up to 128 px; the projector merges 2 x 2 patches, so images come in 32 px steps
+MISTRAL3_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, head_dim=16,
+                       image_size=128, patch_size=16)
+MISTRAL3_LONGEST_EDGE = 128
 
 
 def _config(kind: str, ids: dict[str, int]):
+    if kind.startswith('mistral3'):  # mistral3_first_layer: the features of the tower's first layer
+        return Mistral3Config(text_config={**TEXT, 'model_type': 'mistral', 'head_dim': 16},
+                              vision_config={**MISTRAL3_VISION, 'model_type': 'pixtral'},
+                              image_token_id=ids['[IMG]'], tie_word_embeddings=False,
+                              vision_feature_layer=-2 if kind == 'mistral3_first_layer' else -1)
     if kind == 'internvl':
         return InternVLConfig(text_config={**TEXT, 'model_type': 'qwen2'}, vision_config=INTERNVL_VISION,
                               image_token_id=ids['<IMG_CONTEXT>'], image_seq_length=4)
@@ -77,7 +89,7 @@ def _config(kind: str, ids: dict[str, int]):
     return LlavaConfig(vision_config=vision, text_config=text, image_token_id=ids['<image>'])
 
 
-VL_KINDS = ('llava', 'qwen2_5_vl', 'qwen2_vl', 'internvl', 'qwen3_vl')
+VL_KINDS = ('llava', 'qwen2_5_vl', 'qwen2_vl', 'internvl', 'qwen3_vl', 'mistral3')
 IMAGE_TEMPLATES = {'llava': LLAVA_IMAGE, 'llava_qwen2': LLAVA_IMAGE, 'llava_qwen3': LLAVA_IMAGE}
 
 
@@ -85,10 +97,11 @@ def save_tiny_vl_model(kind: str, path: str) -> str:
     """Saves model, tokenizer (with an image-aware chat template) and image processor into ``path``."""
     torch.manual_seed(0)
     tokenizer = build_tokenizer()
-    internvl = kind.startswith('internvl')
-    special = list(INTERNVL_TOKENS.values()) if internvl else SPECIAL_TOKENS
+    internvl, mistral3 = kind.startswith('internvl'), kind.startswith('mistral3')
+    special = list(INTERNVL_TOKENS.values()) if internvl else MISTRAL3_TOKENS if mistral3 else SPECIAL_TOKENS
     tokenizer.add_special_tokens({'additional_special_tokens': special})
-    tokenizer.chat_template = _template(INTERNVL_IMAGE if internvl else IMAGE_TEMPLATES.get(kind, QWEN_IMAGE))
+    image = INTERNVL_IMAGE if internvl else MISTRAL3_TOKENS[0] if mistral3 else IMAGE_TEMPLATES.get(kind, QWEN_IMAGE)
+    tokenizer.chat_template = _template(image)
     config = _config(kind, {t: tokenizer.convert_tokens_to_ids(t) for t in special})
     config.get_text_config().eos_token_id = config.eos_token_id = tokenizer.eos_token_id
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
@@ -103,6 +116,8 @@ def save_tiny_vl_model(kind: str, path: str) -> str:
     elif kind.startswith('qwen3_vl'):
         processor = Qwen2VLImageProcessorPil(patch_size=16, size={'shortest_edge': 32 * 32,
                                                                   'longest_edge': 32 * 32 * 9})
+    elif mistral3:
+        processor = PixtralImageProcessorPil(size={'longest_edge': MISTRAL3_LONGEST_EDGE})
     elif kind.startswith('llava'):
         processor = CLIPImageProcessorPil(size={'shortest_edge': 56}, crop_size={'height': 56, 'width': 56})
     else:
@@ -126,10 +141,19 @@ def random_image(seed: int, size=(90, 60)) -> Image.Image:
     return Image.fromarray(pixels)
 
 
+def _batch(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The images' tensors in one batch; pixels of different sizes (Pixtral's) zero-padded to the largest, as
+    Pixtral's image processor pads a batch."""
+    if tensors[0].dim() == 4:
+        height, width = (max(t.shape[dim] for t in tensors) for dim in (2, 3))
+        tensors = [F.pad(t, (0, width - t.shape[3], 0, height - t.shape[2])) for t in tensors]
+    return torch.cat(tensors)
+
+
 def hf_vl_inputs(model, input_ids: list[int], images: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """transformers' inputs for a prompt whose images the engine's processor preprocessed."""
     ids = torch.tensor([input_ids])
-    kwargs = {key: torch.cat([image[key] for image in images]) for key in images[0]} if images else {}
+    kwargs = {key: _batch([image[key] for image in images]) for key in images[0]} if images else {}
     if 'image_grid_thw' in kwargs:
         kwargs['mm_token_type_ids'] = (ids == model.config.image_token_id).int()
     return dict(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs)

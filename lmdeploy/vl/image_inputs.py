@@ -33,12 +33,17 @@ class ImageInputs:
                   tokenizer: PreTrainedTokenizerBase) -> ImageInputs | None:
         """The preprocessing of a vision-language model's family; None for text-only models."""
         family = {'qwen2_vl': QwenVLImageInputs, 'qwen2_5_vl': QwenVLImageInputs, 'qwen3_vl': QwenVLImageInputs,
-                  'qwen3_vl_moe': QwenVLImageInputs, 'llava': LlavaImageInputs, 'internvl': InternVLImageInputs}
+                  'qwen3_vl_moe': QwenVLImageInputs, 'llava': LlavaImageInputs, 'internvl': InternVLImageInputs,
+                  'mistral3': Mistral3ImageInputs}
         kind = family.get(config.model_type)
         return kind(model_dir, config, tokenizer) if kind else None
 
     def __call__(self, image: Image.Image) -> tuple[int, dict[str, torch.Tensor]]:
         raise NotImplementedError
+
+    def placeholder_ids(self, length: int, data: dict[str, torch.Tensor]) -> list[int]:
+        """The ``length`` tokens of an image's span in the prompt: its placeholder each time."""
+        return [self.image_token_id] * length
 
 
 class QwenVLImageInputs(ImageInputs):
@@ -83,3 +88,28 @@ class InternVLImageInputs(ImageInputs):
     def __call__(self, image: Image.Image) -> tuple[int, dict[str, torch.Tensor]]:
         pixels = self.image_processor(images=[image], crop_to_patches=True, return_tensors='np')['pixel_values']
         return len(pixels) * self.tokens_per_tile, {'pixel_values': torch.from_numpy(pixels)}
+
+
+class Mistral3ImageInputs(ImageInputs):
+    """Mistral 3 (Pixtral's image processor): the image resized to fit ``longest_edge`` in whole merged patches
+    of ``patch_size * spatial_merge_size`` pixels; its span is a row of ``[IMG]`` per row of merged patches, each
+    row closed by ``[IMG_BREAK]`` and the last by ``[IMG_END]``, as transformers' ``PixtralProcessor`` lays it out.
+    """
+
+    def __init__(self, model_dir: str, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase):
+        super().__init__(model_dir, config, tokenizer)
+        self.merged_patch = config.vision_config.patch_size * config.spatial_merge_size
+        self.break_id, self.end_id = tokenizer.convert_tokens_to_ids(['[IMG_BREAK]', '[IMG_END]'])
+
+    def __call__(self, image: Image.Image) -> tuple[int, dict[str, torch.Tensor]]:
+        patch = {'height': self.merged_patch, 'width': self.merged_patch}
+        out = self.image_processor(images=[image], patch_size=patch, return_tensors='np')
+        rows, cols = (int(side) // self.merged_patch for side in out['image_sizes'][0])
+        return rows * (cols + 1), {'pixel_values': torch.from_numpy(out['pixel_values']),
+                                   'image_sizes': torch.from_numpy(out['image_sizes'])}
+
+    def placeholder_ids(self, length: int, data: dict[str, torch.Tensor]) -> list[int]:
+        rows, cols = (int(side) // self.merged_patch for side in data['image_sizes'][0])
+        ids = ([self.image_token_id] * cols + [self.break_id]) * rows
+        ids[-1] = self.end_id
+        return ids

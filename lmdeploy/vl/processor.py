@@ -162,8 +162,8 @@ class MultiModalProcessor:
         return expanded
 
     def _expand(self, input_ids: list[int], images: list) -> ProcessedPrompt:
-        """Repeats each image's placeholder token once per feature the vision encoder gives it (between the
-        family's ``span_ids``)."""
+        """Replaces each image's placeholder token by its span (the family's ``placeholder_ids``: most repeat
+        the placeholder once per feature the vision encoder gives it), between the family's ``span_ids``."""
         placeholder = self.image_inputs.image_token_id
         where = [i for i, token in enumerate(input_ids) if token == placeholder]
         if len(where) != len(images):
@@ -176,7 +176,7 @@ class MultiModalProcessor:
             length, data = self.image_inputs(image)
             expanded += input_ids[start:position] + before
             multimodal.append(MultiModalInput(len(expanded), length, image_hash(image), data))
-            expanded += [placeholder] * length + after
+            expanded += self.image_inputs.placeholder_ids(length, data) + after
             start = position + 1
         return ProcessedPrompt(expanded + input_ids[start:], multimodal)
 

@@ -167,7 +167,8 @@ class Engine:
         end = 0
         for image in multimodal:
             if image.offset < end or image.end > len(prompt_ids) or image.length < 1 or any(
-                    token != image_token_id for token in prompt_ids[image.offset:image.end]):
+                    (token == image_token_id) != is_placeholder for token, is_placeholder in
+                    zip(prompt_ids[image.offset:image.end], self.runner.model.placeholder_mask(image))):
                 raise ValueError('each image must cover its own span of image placeholder tokens of the prompt')
             end = image.end
 

@@ -50,6 +50,10 @@ class VisionLanguageModel(LlamaForCausalLM):
         """3-D rotary positions of a prompt and the offset of the tokens after it; None for 1-D models."""
         return None, 0
 
+    def placeholder_mask(self, image: MultiModalInput) -> list[bool]:
+        """Which tokens of an image's span are its placeholder (all of them; Mistral 3 breaks rows with others)."""
+        return [True] * image.length
+
     def embed(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         batch = ctx.multimodal
