@@ -36,6 +36,7 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'Qwen3VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen3VLForConditionalGeneration'),
     'Qwen3VLMoeForConditionalGeneration': ('vlm', f'{_VL}:Qwen3VLMoeForConditionalGeneration'),
     'InternVLForConditionalGeneration': ('vlm', f'{_VL}:InternVLForConditionalGeneration'),
+    'Gemma3ForConditionalGeneration': ('vlm', 'lmdeploy.pytorch.models.gemma3_vl:Gemma3ForConditionalGeneration'),
 }
 
 
