@@ -18,10 +18,11 @@ from transformers import AutoModelForCausalLM
 
 from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
-from lmdeploy.pytorch.nn.linear import Linear
+from lmdeploy.pytorch.distributed.parallel_state import TPGroup, use_group
+from lmdeploy.pytorch.nn.linear import GateUpLinear, Linear, RowLinear
 from lmdeploy.pytorch.nn.quant import LinearOptions, use_weight_format
 from lmdeploy.pytorch.kernels import cpu
-from lmdeploy.pytorch.nn.quant.gguf import GgufFormat
+from lmdeploy.pytorch.nn.quant.gguf import GgufFileFormat, GgufFormat
 from lmdeploy.pytorch.nn.quant.gguf_blocks import Q8_NATIVE_MAX_ROWS, NativeQ8Kernel, Q8Kernel
 from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
 from lmdeploy.pytorch.nn.quant.w4a16 import ReferenceKernel
@@ -134,11 +135,26 @@ def test_bf16_engine_runs_q4_k_on_the_int4_kernel(tmp_path: Path):
     assert error < 0.05, error
 
 
-@pytest.mark.parametrize('qtype', [Q.Q8_0, Q.Q4_K])
-def test_tp2_matches_tp1(tmp_path: Path, qtype):
-    """Row-parallel layers split their blocks along the inputs, merged ones their rows."""
+@pytest.mark.parametrize('qtype, ffn', [(Q.Q8_0, 512), (Q.Q4_K, 768)])
+def test_tp2_matches_tp1(tmp_path: Path, qtype, ffn):
+    """Row-parallel layers split their blocks along the inputs, merged ones their rows (Q4_K's 768 intermediate
+    features as 512 and 256: whole blocks)."""
     src = tmp_path / 'tiny.gguf'
-    make_gguf(src, 'llama', head_dim=128, hidden=512, ffn=512, projections=qtype)
+    make_gguf(src, 'llama', head_dim=128, hidden=512, ffn=ffn, projections=qtype)
     convert_gguf(str(src), str(tmp_path / 'hf'))
     prompts = random_prompts([5, 17], seed=3, vocab=200)
     assert_tp2_equals_tp1(str(tmp_path / 'hf'), prompts)
+
+
+@pytest.mark.parametrize('rank, share', [(0, (0, 512)), (1, (512, 768))])
+def test_mlp_shares_are_whole_blocks(rank, share):
+    """Under tensor parallelism an MLP deals out its intermediate features in whole blocks of the file's types
+    (768 over 2 ranks as 512 and 256; Llama-2-7B's 11,008 as 22 and 21 blocks of 256), so its down projection
+    keeps its Q4_K blocks on both ranks instead of holding them dequantized."""
+    weight_format = GgufFileFormat({'layers.0.mlp.gate_up_proj': 'Q4_K', 'layers.0.mlp.down_proj': 'Q4_K'})
+    with use_group(TPGroup(rank, 2)), use_weight_format(weight_format):
+        gate_up = GateUpLinear(256, 768)
+        down = RowLinear.after(gate_up, 256)
+    assert gate_up.ranges == [share, share] and down.in_range == share
+    assert isinstance(weight_format.layer_format('layers.0.mlp.down_proj', down), GgufFormat)
+    assert not weight_format.dequantized

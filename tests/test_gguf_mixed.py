@@ -292,10 +292,10 @@ def test_tp2_matches_tp1(mixed_file):
     assert_tp2_equals_tp1(str(tmp / 'served'), prompts)
 
 
-def test_tp2_dequantizes_a_share_that_splits_blocks(tmp_path: Path):
-    """At tp=2 a down_proj of 768 inputs (three Q4_K blocks) gives each rank 384, an o_proj of 256 inputs
-    128: those layers' blocks are dequantized as they load, the stacked layers keep theirs (their rows
-    split), and the tokens are tp=1's."""
+def test_tp2_keeps_whole_block_shares_and_dequantizes_a_share_that_splits_blocks(tmp_path: Path):
+    """At tp=2 a down_proj of 768 inputs (three Q4_K blocks) gives the ranks 512 and 256 (whole blocks, kept);
+    an o_proj of 256 inputs gives each rank its heads' 128: its blocks are dequantized as they load; the
+    stacked layers keep theirs (their rows split), and the tokens are tp=1's."""
     src = tmp_path / 'tiny.gguf'
     make_gguf(src, 'llama', head_dim=HEAD_DIM, hidden=HIDDEN, ffn=768, projections=Q.Q4_K)
     convert_gguf(str(src), str(tmp_path / 'served'))
@@ -305,9 +305,9 @@ def test_tp2_dequantizes_a_share_that_splits_blocks(tmp_path: Path):
         engine = make_engine(str(tmp_path / 'served'), tp=tp)
         try:
             formats = linear_formats(engine)
-            split = 'Q4_K' if tp == 1 else 'dense'
-            assert formats['layers.0.mlp.down_proj'] == formats['layers.0.self_attn.o_proj'] == split
-            assert formats['layers.0.mlp.gate_up_proj'] == formats['layers.0.self_attn.qkv_proj'] == 'Q4_K'
+            assert formats['layers.0.self_attn.o_proj'] == ('Q4_K' if tp == 1 else 'dense')
+            assert formats['layers.0.mlp.down_proj'] == formats['layers.0.mlp.gate_up_proj'] == 'Q4_K'
+            assert formats['layers.0.self_attn.qkv_proj'] == 'Q4_K'
             outs[tp] = run(engine, prompts)
         finally:
             engine.close()

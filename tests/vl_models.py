@@ -10,7 +10,8 @@ import torch
 from conftest import VOCAB_SIZE, build_tokenizer
 from PIL import Image
 from transformers import (AutoModelForImageTextToText, CLIPVisionConfig, Gemma3Config, InternVLConfig, LlamaConfig,
-                          LlavaConfig, Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig, Qwen3VLMoeConfig)
+                          LlavaConfig, Qwen2_5_VLConfig, Qwen2Config, Qwen2VLConfig, Qwen3Config, Qwen3VLConfig,
+                          Qwen3VLMoeConfig)
 from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
@@ -87,14 +88,16 @@ def _config(kind: str, ids: dict[str, int]):
                                 tie_word_embeddings=True, **qwen_ids)
     vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                               image_size=56, patch_size=14, projection_dim=32)
-    return LlavaConfig(vision_config=vision, text_config=LlamaConfig(**TEXT), image_token_id=ids['<image>'])
+    text = {'llava_qwen2': Qwen2Config, 'llava_qwen3': Qwen3Config}.get(kind, LlamaConfig)(**TEXT, head_dim=16)
+    return LlavaConfig(vision_config=vision, text_config=text, image_token_id=ids['<image>'])
 
 
 # parameter name part -> std of the random weights, where 0.5 does not make greedy outputs vary: Gemma 3's
 # embeddings, scaled by sqrt(hidden) and tied to the LM head, would make it repeat the last token
 INIT_STDS = {'gemma3': {'embed_tokens': 0.05, '': 1.0}}
 VL_KINDS = ('llava', 'qwen2_5_vl', 'qwen2_vl', 'internvl', 'qwen3_vl')
-IMAGE_TEMPLATES = {'llava': LLAVA_IMAGE, 'gemma3': GEMMA3_TOKENS['boi_token']}
+IMAGE_TEMPLATES = {'llava': LLAVA_IMAGE, 'llava_qwen2': LLAVA_IMAGE, 'llava_qwen3': LLAVA_IMAGE,
+                   'gemma3': GEMMA3_TOKENS['boi_token']}
 # the tokens a family's tokenizer names (written into its tokenizer config)
 NAMED_TOKENS = {'internvl': INTERNVL_TOKENS, 'internvl_llama': INTERNVL_TOKENS, 'gemma3': GEMMA3_TOKENS}
 
@@ -127,7 +130,7 @@ def save_tiny_vl_model(kind: str, path: str) -> str:
                                                                   'longest_edge': 32 * 32 * 9})
     elif kind == 'gemma3':
         processor = Gemma3ImageProcessorPil(size={'height': 56, 'width': 56})
-    elif kind == 'llava':
+    elif kind.startswith('llava'):
         processor = CLIPImageProcessorPil(size={'shortest_edge': 56}, crop_size={'height': 56, 'width': 56})
     else:
         processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=28 * 28 * 16)

@@ -95,7 +95,7 @@ class LlamaMLP(nn.Module):
         bias = bool(getattr(hf, 'mlp_bias', False))
         intermediate_size = intermediate_size or hf.intermediate_size
         self.gate_up_proj = GateUpLinear(cfg.hidden_size, intermediate_size, bias=bias, activation=activation)
-        self.down_proj = RowLinear(intermediate_size, cfg.hidden_size, bias=bias)
+        self.down_proj = RowLinear.after(self.gate_up_proj, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj(x))

@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lmdeploy.pytorch.distributed.parallel_state import Shard, current_group, head_ranges, split_range
+from lmdeploy.pytorch.distributed.parallel_state import (Shard, current_group, head_ranges, split_blocks,
+                                                         split_range)
 from lmdeploy.pytorch.kernels import silu_and_mul
 from lmdeploy.pytorch.kernels.activation import gelu_tanh_and_mul
 from lmdeploy.pytorch.nn.quant import (Layout, LinearKernel, LinearOptions, WeightFormat, current_weight_format,
@@ -75,6 +76,12 @@ class RowLinear(Linear):
         """The output projection of attention whose heads ``qkv`` computes: each rank holds the input
         features of its own heads."""
         return cls(qkv.num_heads_total * qkv.head_dim, out_features, bias, qkv.ranges[0])
+
+    @classmethod
+    def after(cls, gate_up: GateUpLinear, out_features: int, bias: bool = False) -> RowLinear:
+        """The down projection of the MLP whose gate and up ``gate_up`` computes: each rank holds the input
+        features of its own share of the intermediate ones."""
+        return cls(gate_up.out_sizes[0], out_features, bias, gate_up.ranges[0])
 
     def checkpoint_part(self, kind: str, part: int | None = None) -> tuple[torch.Tensor, Shard | None]:
         param = getattr(self, kind)
@@ -144,7 +151,10 @@ class GateUpLinear(MergedLinear):
         if activation not in ('silu', 'gelu_tanh'):
             raise ValueError(f'activation {activation!r} is not supported')
         self.gate_up_panels = activation == 'silu'
-        super().__init__(in_features, [intermediate_size] * 2, bias)
+        # a rank's share of the intermediate features in whole blocks of the format (its down projection's inputs)
+        tp = current_group()
+        share = split_blocks(intermediate_size, current_weight_format().split_granule, tp.rank, tp.world_size)
+        super().__init__(in_features, [intermediate_size] * 2, bias, [share, share])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.gate_up_panels:

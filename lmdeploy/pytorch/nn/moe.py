@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lmdeploy.pytorch.distributed.parallel_state import Shard, TPGroup, current_group, split_range
+from lmdeploy.pytorch.distributed.parallel_state import Shard, TPGroup, current_group, split_blocks
 from lmdeploy.pytorch.kernels.activation import ClampedSwiGLU
 from lmdeploy.pytorch.nn.quant import (Layout, LinearOptions, WeightFormat, current_weight_format, layout_of,
                                        new_parameter, weights_device)
@@ -78,13 +78,10 @@ class FusedExperts(nn.Module):
         self.kernel = weight_format.make_expert_kernel(self, LinearOptions())
 
     def share(self, granule: int) -> tuple[int, int]:
-        """This rank's ``[start, stop)`` of the intermediate features, dealt out in whole groups of ``granule``
-        (a block of the down projection's format) where the size allows (gpt-oss-120b's 2,880 MXFP4 features
-        over 4 ranks: 23, 23, 22 and 22 blocks of 32), else feature by feature."""
-        size = self.full_intermediate_size
-        granule = granule if size % granule == 0 and size // granule >= self.tp.world_size else 1
-        start, stop = split_range(size // granule, self.tp.rank, self.tp.world_size)
-        return start * granule, stop * granule
+        """This rank's ``[start, stop)`` of the intermediate features, in whole blocks of ``granule`` (of the down
+        projection's format) where the size allows (gpt-oss-120b's 2,880 MXFP4 features over 4 ranks: 23, 23, 22
+        and 22 blocks of 32; see :func:`split_blocks`)."""
+        return split_blocks(self.full_intermediate_size, granule, self.tp.rank, self.tp.world_size)
 
     @staticmethod
     def param_name(proj: str, kind: str) -> str:

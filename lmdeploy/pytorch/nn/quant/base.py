@@ -111,7 +111,7 @@ class WeightFormat(ABC):
     experts of a mixture-of-experts layer hold each projection's parameters stacked over the experts
     (see :class:`~lmdeploy.pytorch.nn.moe.FusedExperts`) and run on :meth:`make_expert_kernel`'s kernel."""
 
-    split_granule = 1  # inputs that a tensor-parallel share keeps together (the experts' down projection)
+    split_granule = 1  # inputs that a tensor-parallel share keeps together (an MLP's or the experts' down)
 
     @abstractmethod
     def create_weights(self, layer: Linear) -> None:

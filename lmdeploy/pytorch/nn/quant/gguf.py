@@ -242,9 +242,10 @@ class GgufPartsFormat(WeightFormat):
 @register_format('gguf')
 class GgufFileFormat(DenseFormat):
     """A converted GGUF file's linear layers: those of ``ggml_types`` (``{name in the model: type}``) as their
-    blocks, each in its type's :class:`GgufFormat`; the others dense (dequantized at conversion). A
-    row-parallel layer whose share of the inputs splits blocks (tensor parallelism) is dense too: its blocks
-    are dequantized as they load (:meth:`convert_checkpoint`). An output layer of type ``lm_head`` (Q6_K) comes
+    blocks, each in its type's :class:`GgufFormat`; the others dense (dequantized at conversion). Under tensor
+    parallelism MLPs deal out their intermediate features in whole blocks (:attr:`split_granule`); a row-parallel
+    layer whose share of the inputs still splits blocks is dense too: its blocks are dequantized as they load
+    (:meth:`convert_checkpoint`). An output layer of type ``lm_head`` (Q6_K) comes
     as ``lm_head.qweight`` blocks: it loads dequantized, and its CPU LM head runs small steps on the blocks."""
 
     def __init__(self, ggml_types: dict[str, str | list[str]], lm_head: str | None = None):
@@ -256,6 +257,8 @@ class GgufFileFormat(DenseFormat):
             return parts[0] if isinstance(types, str) else GgufPartsFormat(parts)
 
         self.layer_formats = {name: layer_format(types) for name, types in ggml_types.items()}
+        # the widest block of the kept types: MLP shares of whole blocks keep their blocks on every rank
+        self.split_granule = max((f.block_inputs for f in formats.values()), default=1)
         self.dequantized: dict[str, str] = {}  # layer -> type, of layers that hold their blocks dequantized
         self.lm_head_type = lm_head
         self.lm_head_blocks: torch.Tensor | None = None

@@ -1,5 +1,6 @@
 """Vision-language models from llama.cpp's two files: the language model's GGUF and the ``mmproj`` GGUF
-(architecture ``clip``) that convert_hf_to_gguf.py ``--mmproj`` writes for the vision tower and projector.
+(architecture ``clip``) that convert_hf_to_gguf.py ``--mmproj`` (LLaVA: the legacy convert_image_encoder_to_gguf.py)
+writes for the vision tower and projector.
 Each projector type (``clip.projector_type``) has its :class:`VisionFamily`, one module per family."""
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ from gguf import GGUFReader
 
 from .common import VisionFamily, find_mmproj, meta, mmproj_files
 from .internvl import INTERNVL
+from .llava import LLAVA
 from .qwen2 import QWEN2_VL
 from .qwen3 import QWEN3_VL
 
 FAMILIES: dict[str, VisionFamily] = {'qwen2vl_merger': QWEN2_VL, 'qwen2.5vl_merger': QWEN2_VL,
-                                     'qwen3vl_merger': QWEN3_VL, 'internvl': INTERNVL}
+                                     'qwen3vl_merger': QWEN3_VL, 'internvl': INTERNVL, 'mlp': LLAVA}
 # language-model architectures that only ever come with an mmproj file
 VL_ONLY_ARCHS = frozenset({'qwen2vl', 'qwen3vl', 'qwen3vlmoe'})
 
