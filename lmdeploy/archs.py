@@ -38,6 +38,7 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'Qwen3VLMoeForConditionalGeneration': ('vlm', f'{_VL}:Qwen3VLMoeForConditionalGeneration'),
     'InternVLForConditionalGeneration': ('vlm', f'{_VL}:InternVLForConditionalGeneration'),
     'Mistral3ForConditionalGeneration': ('vlm', f'{_MISTRAL3}:Mistral3ForConditionalGeneration'),
+    'Gemma3ForConditionalGeneration': ('vlm', 'lmdeploy.pytorch.models.gemma3_vl:Gemma3ForConditionalGeneration'),
 }
 
 

@@ -203,3 +203,24 @@ def test_prefill_attention_quantized(dtype, bits):
     ref = attention.prefill_attention(q.float(), fresh.float(), fresh.float(), k, v, table, *args, max(q_lens), 0.3,
                                       k_sz, v_sz, bits)
     assert_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize('bits', [0, 8])
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('window', [None, 5])
+def test_prefill_attention_key_limit(dtype, window, bits):
+    """Image spans whose tokens attend to each other (Gemma 3): spans inside a whole prompt, one crossing a
+    BLOCK_M boundary (its earlier program reads past its own rows), one in a chunk over a cached prefix."""
+    chunks = [(40, 40), (70, 70), (12, 45)]  # (q_len, ctx_len)
+    spans = [[(3, 9), (20, 31)], [(10, 20), (60, 68)], [(35, 41)]]
+    q, k, v, k_cache, v_cache, table, *rest = prefill_case(chunks, dtype)
+    limits = []
+    for (n, c), seq_spans in zip(chunks, spans):
+        positions = list(range(c - n, c))
+        limits += [next((e - 1 for s, e in seq_spans if s <= p < e), p) for p in positions]
+    quant = quantize_case(k_cache, v_cache, bits) if bits else (k_cache, v_cache)
+    case = (q, k, v, *quant[:2], table, *rest, 0.3, *quant[2:], *((bits,) if bits else ()))
+    f = dict(sliding_window=window, key_limit=torch.tensor(limits, device=DEVICE))
+    ref = attention.prefill_attention(*as_float(case), **f)
+    assert_close(triton_kernels.prefill_attention(*case, **f), ref, dtype)
+    assert (ref - attention.prefill_attention(*as_float(case), sliding_window=window)).abs().max() > 0.1

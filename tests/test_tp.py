@@ -55,11 +55,12 @@ def test_tp2_matches_tp1(kind, tmp_path):
     assert_gone(pids)
 
 
-@pytest.mark.parametrize('kind', ['qwen2_vl', 'qwen3_vl_moe', 'internvl', 'mistral3'])
+@pytest.mark.parametrize('kind', ['qwen2_vl', 'qwen3_vl_moe', 'internvl', 'mistral3', 'gemma3'])
 def test_vl_pipeline_tp2_matches_tp1_and_close_leaves_no_process(tmp_path, kind):
     """The vision tower runs replicated on both ranks; the images reach rank 1 with the step's inputs.
     Qwen3-VL-MoE: deepstack features, and each rank's share of the stacked experts; Mistral 3: rows of image
-    tokens broken by tokens that keep their embeddings."""
+    tokens broken by tokens that keep their embeddings; Gemma 3: the step's key limits (its image tokens attend
+    to each other) reach rank 1 too."""
     path = save_tiny_vl_model(kind, str(tmp_path))
     prompts = [('describe', random_image(1)), ('describe', [random_image(2, (60, 60)), random_image(3)]), 'text']
     config = dict(dtype='float32', num_gpu_blocks=64, block_size=16)

@@ -1,5 +1,5 @@
-"""Tiny random vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, LLaVA, InternVL 3, Mistral 3)
-saved with transformers, and transformers' greedy output on them as the reference."""
+"""Tiny random vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, LLaVA, InternVL 3, Mistral 3,
+Gemma 3) saved with transformers, and transformers' greedy output on them as the reference."""
 from __future__ import annotations
 
 import json
@@ -10,10 +10,11 @@ import torch
 import torch.nn.functional as F
 from conftest import VOCAB_SIZE, build_tokenizer
 from PIL import Image
-from transformers import (AutoModelForImageTextToText, CLIPVisionConfig, InternVLConfig, LlamaConfig, LlavaConfig,
-                          Mistral3Config, Qwen2_5_VLConfig, Qwen2Config, Qwen2VLConfig, Qwen3Config, Qwen3VLConfig,
-                          Qwen3VLMoeConfig)
+from transformers import (AutoModelForImageTextToText, CLIPVisionConfig, Gemma3Config, InternVLConfig, LlamaConfig,
+                          LlavaConfig, Mistral3Config, Qwen2_5_VLConfig, Qwen2Config, Qwen2VLConfig, Qwen3Config,
+                          Qwen3VLConfig, Qwen3VLMoeConfig)
 from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -26,6 +27,8 @@ SPECIAL_TOKENS = ['<|vision_start|>', '<|vision_end|>', '<|image_pad|>', '<|vide
 INTERNVL_TOKENS = {'start_image_token': '<img>', 'end_image_token': '</img>', 'context_image_token': '<IMG_CONTEXT>',
                    'video_token': '<video>'}
 MISTRAL3_TOKENS = ['[IMG]', '[IMG_BREAK]', '[IMG_END]']
+# Gemma 3's tokenizer names its image tokens too; its chat template writes <start_of_image> for an image
+GEMMA3_TOKENS = {'boi_token': '<start_of_image>', 'eoi_token': '<end_of_image>', 'image_token': '<image_soft_token>'}
 
 
 def _template(image: str) -> str:
@@ -55,6 +58,14 @@ INTERNVL_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2
 MISTRAL3_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, head_dim=16,
                        image_size=128, patch_size=16)
 MISTRAL3_LONGEST_EDGE = 128
+# Gemma 3: a SigLIP tower on 56 px images of 14 px patches (4 x 4), average-pooled to 2 x 2 = 4 tokens; a local
+# layer of window 8 (shorter than the prompts) between global ones, each kind on its own rope base
+GEMMA3_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=56,
+                     patch_size=14)
+GEMMA3_TEXT = dict(TEXT, num_hidden_layers=3, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+                   layer_types=['full_attention', 'sliding_attention', 'full_attention'],
+                   rope_parameters={'sliding_attention': {'rope_type': 'default', 'rope_theta': 100.0},
+                                    'full_attention': {'rope_type': 'default', 'rope_theta': 10000.0}})
 
 
 def _config(kind: str, ids: dict[str, int]):
@@ -63,6 +74,10 @@ def _config(kind: str, ids: dict[str, int]):
                               vision_config={**MISTRAL3_VISION, 'model_type': 'pixtral'},
                               image_token_id=ids['[IMG]'], tie_word_embeddings=False,
                               vision_feature_layer=-2 if kind == 'mistral3_first_layer' else -1)
+    if kind == 'gemma3':
+        return Gemma3Config(text_config={**GEMMA3_TEXT, 'model_type': 'gemma3_text'}, vision_config=GEMMA3_VISION,
+                            mm_tokens_per_image=4, image_token_index=ids['<image_soft_token>'],
+                            boi_token_index=ids['<start_of_image>'], eoi_token_index=ids['<end_of_image>'])
     if kind == 'internvl':
         return InternVLConfig(text_config={**TEXT, 'model_type': 'qwen2'}, vision_config=INTERNVL_VISION,
                               image_token_id=ids['<IMG_CONTEXT>'], image_seq_length=4)
@@ -89,8 +104,14 @@ def _config(kind: str, ids: dict[str, int]):
     return LlavaConfig(vision_config=vision, text_config=text, image_token_id=ids['<image>'])
 
 
+# parameter name part -> std of the random weights, where 0.5 does not make greedy outputs vary: Gemma 3's
+# embeddings, scaled by sqrt(hidden) and tied to the LM head, would make it repeat the last token
+INIT_STDS = {'gemma3': {'embed_tokens': 0.05, '': 1.0}}
 VL_KINDS = ('llava', 'qwen2_5_vl', 'qwen2_vl', 'internvl', 'qwen3_vl', 'mistral3')
-IMAGE_TEMPLATES = {'llava': LLAVA_IMAGE, 'llava_qwen2': LLAVA_IMAGE, 'llava_qwen3': LLAVA_IMAGE}
+IMAGE_TEMPLATES = {'llava': LLAVA_IMAGE, 'llava_qwen2': LLAVA_IMAGE, 'llava_qwen3': LLAVA_IMAGE,
+                   'gemma3': GEMMA3_TOKENS['boi_token']}
+# the tokens a family's tokenizer names (written into its tokenizer config)
+NAMED_TOKENS = {'internvl': INTERNVL_TOKENS, 'gemma3': GEMMA3_TOKENS}
 
 
 def save_tiny_vl_model(kind: str, path: str) -> str:
@@ -98,26 +119,32 @@ def save_tiny_vl_model(kind: str, path: str) -> str:
     torch.manual_seed(0)
     tokenizer = build_tokenizer()
     internvl, mistral3 = kind.startswith('internvl'), kind.startswith('mistral3')
-    special = list(INTERNVL_TOKENS.values()) if internvl else MISTRAL3_TOKENS if mistral3 else SPECIAL_TOKENS
+    named = NAMED_TOKENS.get('internvl' if internvl else kind)
+    special = list(named.values()) if named else MISTRAL3_TOKENS if mistral3 else SPECIAL_TOKENS
     tokenizer.add_special_tokens({'additional_special_tokens': special})
     image = INTERNVL_IMAGE if internvl else MISTRAL3_TOKENS[0] if mistral3 else IMAGE_TEMPLATES.get(kind, QWEN_IMAGE)
     tokenizer.chat_template = _template(image)
     config = _config(kind, {t: tokenizer.convert_tokens_to_ids(t) for t in special})
     config.get_text_config().eos_token_id = config.eos_token_id = tokenizer.eos_token_id
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    stds = INIT_STDS.get(kind, {})
     with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0, 0.5)  # wide enough that greedy outputs vary and depend on the image
+        for name, param in model.named_parameters():
+            # wide enough that greedy outputs vary and depend on the image
+            param.normal_(0, next((std for part, std in stds.items() if part in name), 0.5))
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    if named:
+        _name_image_tokens(path, named)
     if internvl:
-        _name_image_tokens(path)
         processor = GotOcr2ImageProcessorPil(size={'height': 56, 'width': 56}, max_patches=4)
     elif kind.startswith('qwen3_vl'):
         processor = Qwen2VLImageProcessorPil(patch_size=16, size={'shortest_edge': 32 * 32,
                                                                   'longest_edge': 32 * 32 * 9})
     elif mistral3:
         processor = PixtralImageProcessorPil(size={'longest_edge': MISTRAL3_LONGEST_EDGE})
+    elif kind == 'gemma3':
+        processor = Gemma3ImageProcessorPil(size={'height': 56, 'width': 56})
     elif kind.startswith('llava'):
         processor = CLIPImageProcessorPil(size={'shortest_edge': 56}, crop_size={'height': 56, 'width': 56})
     else:
@@ -126,12 +153,12 @@ def save_tiny_vl_model(kind: str, path: str) -> str:
     return path
 
 
-def _name_image_tokens(path: str) -> None:
-    """Records InternVL's image tokens by name in the saved tokenizer config, as its checkpoints do."""
+def _name_image_tokens(path: str, named: dict[str, str]) -> None:
+    """Records the image tokens by name in the saved tokenizer config, as InternVL's and Gemma 3's checkpoints do."""
     config_path = os.path.join(path, 'tokenizer_config.json')
     with open(config_path) as f:
         config = json.load(f)
-    config['extra_special_tokens'] = INTERNVL_TOKENS
+    config['extra_special_tokens'] = named
     with open(config_path, 'w') as f:
         json.dump(config, f)
 
@@ -156,6 +183,8 @@ def hf_vl_inputs(model, input_ids: list[int], images: list[dict[str, torch.Tenso
     kwargs = {key: _batch([image[key] for image in images]) for key in images[0]} if images else {}
     if 'image_grid_thw' in kwargs:
         kwargs['mm_token_type_ids'] = (ids == model.config.image_token_id).int()
+    if model.config.model_type == 'gemma3':  # its image tokens attend to each other both ways
+        kwargs['token_type_ids'] = (ids == model.config.image_token_id).int()
     return dict(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs)
 
 

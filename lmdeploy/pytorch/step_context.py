@@ -19,7 +19,9 @@ class StepContext:
     ``decode_kv_lens[b]`` tokens in the blocks of ``decode_blocks[b]``. The prefill fields are None
     without prefill chunks, the decode fields without decode tokens. ``rope_positions [3, T]`` replaces
     ``positions`` in the rotary embedding of models with 3-D positions; ``multimodal`` holds the images
-    whose placeholder tokens this step feeds.
+    whose placeholder tokens this step feeds. ``prefill_key_limit [num_prefill_tokens]`` (None: causal
+    throughout) is the last key position each prefill row attends: its own, or the last of its image's where
+    the image's tokens attend to each other both ways (Gemma 3; see ``kernels/attention.py``).
 
     A model whose sliding-window layers have a KV pool of their own (see :class:`BlockManager`) gives those
     layers ``window_kv_blocks``, ``window_prefill_block_table`` and ``window_decode_blocks`` in that pool, in
@@ -41,6 +43,7 @@ class StepContext:
     prefill_seq_len: torch.Tensor | None = None
     rope_positions: torch.Tensor | None = None
     multimodal: MultiModalBatch | None = None
+    prefill_key_limit: torch.Tensor | None = None
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
     window_kv_blocks: torch.Tensor | None = None

@@ -34,7 +34,7 @@ class ImageInputs:
         """The preprocessing of a vision-language model's family; None for text-only models."""
         family = {'qwen2_vl': QwenVLImageInputs, 'qwen2_5_vl': QwenVLImageInputs, 'qwen3_vl': QwenVLImageInputs,
                   'qwen3_vl_moe': QwenVLImageInputs, 'llava': LlavaImageInputs, 'internvl': InternVLImageInputs,
-                  'mistral3': Mistral3ImageInputs}
+                  'mistral3': Mistral3ImageInputs, 'gemma3': Gemma3ImageInputs}
         kind = family.get(config.model_type)
         return kind(model_dir, config, tokenizer) if kind else None
 
@@ -44,6 +44,10 @@ class ImageInputs:
     def placeholder_ids(self, length: int, data: dict[str, torch.Tensor]) -> list[int]:
         """The ``length`` tokens of an image's span in the prompt: its placeholder each time."""
         return [self.image_token_id] * length
+
+    def expand_text(self, text: str) -> str:
+        """The rendered prompt as the family's processor rewrites it before tokenizing: unchanged for most."""
+        return text
 
 
 class QwenVLImageInputs(ImageInputs):
@@ -113,3 +117,22 @@ class Mistral3ImageInputs(ImageInputs):
         ids = ([self.image_token_id] * cols + [self.break_id]) * rows
         ids[-1] = self.end_id
         return ids
+
+class Gemma3ImageInputs(ImageInputs):
+    """Gemma 3: one image of the tower's size (pan-and-scan off, as transformers' processor defaults), pooled to
+    ``mm_tokens_per_image`` tokens. Like transformers' processor, each ``<start_of_image>`` that the chat template
+    writes becomes ``\\n\\n<start_of_image>``, the image's tokens, then ``<end_of_image>\\n\\n``."""
+
+    def __init__(self, model_dir: str, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase):
+        super().__init__(model_dir, config, tokenizer)
+        boi, image, eoi = tokenizer.convert_ids_to_tokens([config.boi_token_id, self.image_token_id,
+                                                           config.eoi_token_id])
+        self.image_marker = boi
+        self.expanded_marker = f'\n\n{boi}{image}{eoi}\n\n'
+
+    def expand_text(self, text: str) -> str:
+        return text.replace(self.image_marker, self.expanded_marker)
+
+    def __call__(self, image: Image.Image) -> tuple[int, dict[str, torch.Tensor]]:
+        pixels = self.image_processor(images=[image], do_pan_and_scan=False, return_tensors='np')['pixel_values']
+        return self.config.mm_tokens_per_image, {'pixel_values': torch.from_numpy(pixels)}

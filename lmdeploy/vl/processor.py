@@ -152,7 +152,8 @@ class MultiModalProcessor:
         if isinstance(prompt, tuple) and sources is None:
             raise ValueError('this model does not accept images')
         text = self.render(prompt, do_preprocess, sources, tools, template_kwargs)
-        input_ids = self.tokenizer.encode(text, add_special_tokens=not do_preprocess)
+        tokenized = self.image_inputs.expand_text(text) if sources else text
+        input_ids = self.tokenizer.encode(tokenized, add_special_tokens=not do_preprocess)
         if not sources:
             return ProcessedPrompt(input_ids, text=text)
         if len(sources) > self.max_images:

@@ -77,6 +77,8 @@ class Engine:
                 raise self.executor.explain(exc) from exc
             raise
         runner = self.runner
+        # each image's tokens attend to each other both ways (Gemma 3): see Sequence.bidirectional_spans
+        self.bidirectional_images = getattr(runner.model, 'bidirectional_image_attention', False)
         num_blocks = runner.scratch_block
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, runner.window,
                                           runner.num_window_blocks)
@@ -171,6 +173,10 @@ class Engine:
                     zip(prompt_ids[image.offset:image.end], self.runner.model.placeholder_mask(image))):
                 raise ValueError('each image must cover its own span of image placeholder tokens of the prompt')
             end = image.end
+            if self.bidirectional_images and image.length > self.config.max_prefill_token_num:
+                raise ValueError(f'an image of {image.length} tokens does not fit one prefill step of '
+                                 f'max_prefill_token_num={self.config.max_prefill_token_num} tokens; this model '
+                                 "computes each image's tokens in one step (they attend to each other): raise it")
 
     def add_request(self, prompt_ids: list[int], gen_config: GenerationConfig | None = None,
                     multimodal: list[MultiModalInput] | None = None, grammar: Grammar | None = None) -> int:
@@ -189,6 +195,8 @@ class Engine:
         if multimodal:
             self._check_multimodal(prompt_ids, multimodal)
             seq.multimodal = list(multimodal)
+            if self.bidirectional_images:
+                seq.bidirectional_spans = [(image.offset, image.end) for image in multimodal]
             seq.rope_positions, seq.rope_delta = self.runner.model.prompt_positions(len(prompt_ids), multimodal)
         self.sequences[seq.seq_id] = seq
         self.outputs.add(seq)

@@ -137,6 +137,7 @@ class ModelRunner:
         sample_rows: list[int] = []
         prompt_rows: list[int] = []
         rope_positions: list[torch.Tensor] = []
+        key_limits: list[int] = []
         uses_mrope = getattr(self.model, 'uses_mrope', False)
         for item in plan.prefill:
             seq, start = item.seq, item.seq.num_computed
@@ -147,6 +148,7 @@ class ModelRunner:
             prompt_rows.extend(len(input_ids) + p - start for p in seq.prompt_logprob_positions(start, end))
             ctx_len.append(end)
             input_ids.extend(seq.token_ids[start:end])
+            key_limits.extend(seq.key_limits(start, end))
             chunk_positions = range(start, end)
             positions.extend(chunk_positions)
             for blocks, name in zip(kv_blocks, self.tables):
@@ -167,6 +169,8 @@ class ModelRunner:
                            prefill_q_start=self._tensor(q_start), prefill_q_len=self._tensor(q_len),
                            prefill_ctx_len=self._tensor(ctx_len), prefill_max_q_len=max(q_len),
                            prefill_seq_len=self._tensor([item.seq.num_tokens for item in plan.prefill]))
+            if key_limits != positions:
+                prefill['prefill_key_limit'] = self._tensor(key_limits)
         decode_blocks = decode_kv_lens = None
         if plan.decode:
             for item in plan.decode:

@@ -34,6 +34,8 @@ class Sequence:
     ``awaiting_final_token`` is set when the token in flight is the last one the request may get.
     ``grammar`` constrains the tokens it may sample (``GenerationConfig.response_format``).
     ``prompt_logprobs[j]`` is the logprob entry of prompt token ``j + 1``, from the logits at position ``j``.
+    ``bidirectional_spans`` are the ``[start, end)`` token spans whose tokens attend to each other both ways
+    (Gemma 3's images): one step computes each whole, so no prefill chunk or prefix-cache hit ends inside one.
     ``num_preemptions`` counts the times its cache was dropped to be computed again; ``long_rope`` says
     that its cache is turned by LongRoPE's long factors (see :class:`Scheduler`).
     """
@@ -54,6 +56,7 @@ class Sequence:
     num_preemptions: int = 0
     long_rope: bool = False
     multimodal: list[MultiModalInput] = field(default_factory=list)
+    bidirectional_spans: list[tuple[int, int]] = field(default_factory=list)
     rope_positions: torch.Tensor | None = None
     rope_delta: int = 0
     num_inflight: int = 0
@@ -109,6 +112,23 @@ class Sequence:
         if self.gen_config.prompt_logprobs is None:
             return range(0)
         return range(max(start, len(self.prompt_logprobs)), min(end, len(self.prompt_ids) - 1))
+
+    def span_start_before(self, position: int) -> int:
+        """``position``, or the first token of the bidirectional span it falls inside (past that first token):
+        where a chunk or a cached prefix that would end at ``position`` ends instead."""
+        for start, end in self.bidirectional_spans:
+            if start < position < end:
+                return start
+        return position
+
+    def key_limits(self, start: int, end: int) -> list[int]:
+        """The last key position each of tokens ``start:end`` attends: its own, or the last of its bidirectional
+        span's (see ``StepContext.prefill_key_limit``)."""
+        limits = list(range(start, end))
+        for span_start, span_end in self.bidirectional_spans:
+            for position in range(max(start, span_start), min(end, span_end)):
+                limits[position - start] = span_end - 1
+        return limits
 
     def rope_positions_of(self, start: int, end: int) -> torch.Tensor:
         """``[3, end - start]`` 3-D rotary positions of tokens ``start:end``."""

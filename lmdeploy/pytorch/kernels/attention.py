@@ -7,10 +7,14 @@ and always reads the cache, the chunk's own K/V included, so that a prompt atten
 whether its prefix came from the prefix cache, an earlier chunk or this one.
 
 Three optional features, off by default (None), take the same names in every kernel set:
-``sliding_window`` W: a token attends to the last W positions, itself included (transformers' masking);
+``sliding_window`` W: a token attends to the last W positions, itself included (transformers' masking),
+and in prefill those after it up to its key limit (below);
 ``logit_softcap`` c: scores become ``c * tanh(scores / c)`` before the softmax (Gemma 2);
 ``sinks [H]`` fp32: a learned logit per query head that joins the softmax denominator and adds no value
 (gpt-oss).
+Prefill also takes ``key_limit [T]`` int: the last key position each query row may attend, at or past its own
+(None: its own, causal attention). Gemma 3's image tokens attend to every token of their image, the later ones
+included (transformers: the causal mask OR "same image block"): each one's limit is its image's last position.
 """
 from __future__ import annotations
 
@@ -72,7 +76,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
                       ctx_len: torch.Tensor, max_q_len: int, scale: float, k_scales_zeros: torch.Tensor | None = None,
                       v_scales_zeros: torch.Tensor | None = None, quant_policy: int = 0,
                       sliding_window: int | None = None, logit_softcap: float | None = None,
-                      sinks: torch.Tensor | None = None) -> torch.Tensor:
+                      sinks: torch.Tensor | None = None, key_limit: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of the packed chunks ``q [T, H, D]`` over their contexts; returns ``[T, H, D]``.
 
     Sequence ``s`` owns rows ``q_start[s]:q_start[s] + q_len[s]`` of ``q`` and of the fresh
@@ -84,7 +88,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     """
     out = torch.empty_like(q)
     block_size = k_cache.shape[2]
-    features = bool(sliding_window or logit_softcap or sinks is not None)
+    features = bool(sliding_window or logit_softcap or sinks is not None or key_limit is not None)
     for row, (start, length, context_len) in enumerate(zip(q_start.tolist(), q_len.tolist(), ctx_len.tolist())):
         qt = q[start:start + length].transpose(0, 1).unsqueeze(0)
         if context_len == length and not quant_policy and not features:
@@ -98,7 +102,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
             kt, vt = kt.unsqueeze(0), vt.unsqueeze(0)
             q_pos = torch.arange(context_len - length, context_len, device=q.device).unsqueeze(1)
             kv_pos = torch.arange(context_len, device=q.device).unsqueeze(0)
-            mask = kv_pos <= q_pos
+            last = q_pos if key_limit is None else key_limit[start:start + length].unsqueeze(1)
+            mask = kv_pos <= last
             if sliding_window:
                 mask &= kv_pos > q_pos - sliding_window
             if logit_softcap or sinks is not None:

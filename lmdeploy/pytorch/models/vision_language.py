@@ -55,7 +55,8 @@ class VisionLanguageModel(LlamaForCausalLM):
         return [True] * image.length
 
     def embed(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        """The language model's embeddings (scaled where it scales them), image rows replaced by features."""
+        x = super().embed(input_ids, ctx)
         batch = ctx.multimodal
         if batch is not None:
             features = self.encode_images(batch.inputs)

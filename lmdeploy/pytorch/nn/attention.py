@@ -17,7 +17,8 @@ class PagedAttention(nn.Module):
     ``sliding_window``, ``logit_softcap`` and ``sinks`` (None: off) are the attention features of
     ``kernels/attention.py``; ``sinks [num_heads]`` is a parameter filled from the checkpoint when
     ``with_sinks`` is set (this rank's heads under tensor parallelism). A layer with a sliding window reads
-    the step's sliding-window block tables (``StepContext.tables``)."""
+    the step's sliding-window block tables (``StepContext.tables``); prefill rows attend up to the step's
+``prefill_key_limit`` where it has one."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, quant_policy: int = 0,
                  sliding_window: int | None = None, logit_softcap: float | None = None, with_sinks: bool = False):
@@ -48,10 +49,11 @@ class PagedAttention(nn.Module):
         num_prefill = ctx.num_prefill_tokens
         parts = []
         if ctx.prefill_q_len is not None:
+            key_limit = {} if ctx.prefill_key_limit is None else {'key_limit': ctx.prefill_key_limit}
             parts.append(prefill_attention(q[:num_prefill], k[:num_prefill], v[:num_prefill], k_cache, v_cache,
                                            prefill_block_table, ctx.prefill_q_start, ctx.prefill_q_len,
                                            ctx.prefill_ctx_len, ctx.prefill_max_q_len, self.scale, *quant,
-                                           **features))
+                                           **features, **key_limit))
         if decode_blocks is not None:
             parts.append(decode_attention(q[num_prefill:], k_cache, v_cache, decode_blocks, ctx.decode_kv_lens,
                                           self.scale, *quant, **features))

@@ -89,6 +89,6 @@ class NativeDecoderStack:
             prefill_max_q_len=ctx.prefill_max_q_len, decode_blocks=ctx.decode_blocks,
             decode_kv_lens=ctx.decode_kv_lens, local_cos=local_cos, local_sin=local_sin,
             window_kv_blocks=ctx.window_kv_blocks, window_prefill_block_table=ctx.window_prefill_block_table,
-            window_decode_blocks=ctx.window_decode_blocks)
+            window_decode_blocks=ctx.window_decode_blocks, prefill_key_limit=ctx.prefill_key_limit)
         stack = self.large if x.shape[0] > self.small_step_rows else self.small
         return stack.forward(x, kv_caches, step)

@@ -92,8 +92,9 @@ class BlockManager:
         return [(pool, getattr(seq, name)) for pool, name in zip(self.pools, TABLES)]
 
     def match_prefix(self, seq: Sequence) -> PrefixMatch:
-        """Cached blocks holding a prefix of ``seq``; at least one token is always left to compute. A
-        sequence that asks for prompt logprobs computes its whole prompt."""
+        """Cached blocks holding a prefix of ``seq``; at least one token is always left to compute, and the
+        prefix never ends inside one of its bidirectional spans. A sequence that asks for prompt logprobs
+        computes its whole prompt."""
         bs = self.block_size
         hashes: list[int] = []
         found: list[list[int | None]] = [[] for _ in self.pools]
@@ -109,9 +110,10 @@ class BlockManager:
                 for column, block_id in zip(found, ids):
                     column.append(block_id)
         num_blocks = len(hashes)
-        for pool, ids in zip(self.pools, found):
-            while any(ids[i] is None for i in range(pool.first_kept_block(num_blocks * bs, bs), num_blocks)):
-                num_blocks -= 1
+        while num_blocks and (seq.span_start_before(num_blocks * bs) < num_blocks * bs or any(
+                ids[i] is None for pool, ids in zip(self.pools, found)
+                for i in range(pool.first_kept_block(num_blocks * bs, bs), num_blocks))):
+            num_blocks -= 1
         tables = []
         for pool, ids in zip(self.pools, found):
             first = pool.first_kept_block(num_blocks * bs, bs)

@@ -40,6 +40,8 @@ class Scheduler:
     preempted: its blocks are freed and it is recomputed later from its tokens so far. With
     overlapped steps, a sequence whose last token in flight is its final one is not scheduled again.
     Before a running sequence is scheduled, its blocks out of the sliding window go back to their pool.
+    A chunk never ends inside a bidirectional span (``Sequence.bidirectional_spans``): it ends before the span,
+    or waits for a step whose budget holds the whole span.
 
     With LongRoPE (``long_rope_after``: the model's ``original_max_position_embeddings``) a sequence of
     more tokens than that is turned by the long factors throughout, as in transformers: one that grows past
@@ -75,7 +77,10 @@ class Scheduler:
             if self._outgrew_short_rope(seq):
                 self._requeue(self.running.pop(index))
                 continue
-            num_tokens = min(seq.num_pending, budget)
+            num_tokens = seq.span_start_before(seq.num_computed + min(seq.num_pending, budget)) - seq.num_computed
+            if num_tokens == 0:  # a bidirectional span that needs more than what is left of the budget
+                index += 1
+                continue
             bm.release_out_of_window(seq)
             needed = bm.blocks_needed(seq, seq.num_computed + num_tokens)
             if not self._make_room(index, needed):
@@ -90,7 +95,9 @@ class Scheduler:
             seq.long_rope = self._long_rope(seq)
             match = bm.match_prefix(seq)
             num_cached = match.num_blocks * bm.block_size
-            num_tokens = min(seq.num_tokens - num_cached, budget)
+            num_tokens = seq.span_start_before(num_cached + min(seq.num_tokens - num_cached, budget)) - num_cached
+            if num_tokens == 0:
+                break
             needed = bm.blocks_needed(seq, num_cached + num_tokens, match)
             if not bm.can_allocate(needed, match):
                 break

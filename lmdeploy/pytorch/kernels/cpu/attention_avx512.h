@@ -88,8 +88,8 @@ struct TaskFeatures {
   const float* sinks = nullptr;
   int64_t sink_stride = 0;
 
-  TaskFeatures(const AttnFeatures& features, int64_t length, int64_t first_query_head, int64_t group)
-      : first(features.first(length)), softcap(features.logit_softcap),
+  TaskFeatures(const AttnFeatures& features, int64_t row, int64_t length, int64_t first_query_head, int64_t group)
+      : first(features.first(length, row)), softcap(features.logit_softcap),
         sinks(features.sinks.defined() ? features.sinks.data_ptr<float>() + first_query_head : nullptr),
         sink_stride(group) {}
 
@@ -251,7 +251,7 @@ void for_each_task(const torch::Tensor& q, int64_t num_kv_heads, const torch::Te
         const int64_t offset = (first_head * group + h) * head_dim;
         const Task task{q_ptr + row * q_stride + offset, out_ptr + row * num_heads * head_dim + offset, blocks,
                         len_ptr[row], heads_per_task, first_head, group * head_dim, std::min<int64_t>(4, group - h)};
-        const TaskFeatures task_features(features, len_ptr[row], first_head * group + h, group);
+        const TaskFeatures task_features(features, row, len_ptr[row], first_head * group + h, group);
         if (head_dim == 64)
           with_nv(std::integral_constant<int, 4>{}, task, task_features, scratch);
         else

@@ -15,7 +15,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q_start"), py::arg("q_len"), py::arg("ctx_len"), py::arg("max_q_len"), py::arg("scale"),
         py::arg("k_scales_zeros") = py::none(), py::arg("v_scales_zeros") = py::none(), py::arg("quant_policy") = 0,
         py::arg("sliding_window") = py::none(), py::arg("logit_softcap") = py::none(),
-        py::arg("sinks") = py::none());
+        py::arg("sinks") = py::none(), py::arg("key_limit") = py::none());
   m.def("rms_norm", &rms_norm, "RMSNorm with an optional fused residual add", pybind11::arg("x"),
         pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("residual") = pybind11::none());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
@@ -73,12 +73,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using Optional = c10::optional<torch::Tensor>;
   py::class_<StepTensors>(m, "StepTensors", "the step's tensors that every decoder layer reads")
       .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, Optional, Optional, Optional,
-                    Optional, int64_t, Optional, Optional, Optional, Optional, Optional, Optional, Optional>(),
+                    Optional, int64_t, Optional, Optional, Optional, Optional, Optional, Optional, Optional, Optional>(),
            py::kw_only(), py::arg("cos"), py::arg("sin"), py::arg("kv_blocks"), py::arg("kv_offsets"),
            py::arg("num_prefill_tokens"), py::arg("prefill_block_table"), py::arg("prefill_q_start"),
            py::arg("prefill_q_len"), py::arg("prefill_ctx_len"), py::arg("prefill_max_q_len"),
            py::arg("decode_blocks"), py::arg("decode_kv_lens"), py::arg("local_cos"), py::arg("local_sin"),
-           py::arg("window_kv_blocks"), py::arg("window_prefill_block_table"), py::arg("window_decode_blocks"));
+           py::arg("window_kv_blocks"), py::arg("window_prefill_block_table"), py::arg("window_decode_blocks"),
+           py::arg("prefill_key_limit") = py::none());
   py::class_<Projection>(m, "Projection", "a decoder layer's projection on its native GEMM's weight")
       .def(py::init<const std::string&, torch::Tensor, Optional, Optional, Optional>(), py::kw_only(),
            py::arg("kind"), py::arg("weight"), py::arg("compensation") = py::none(), py::arg("scale") = py::none(),

@@ -176,10 +176,14 @@ struct AttnFeatures {
   int64_t sliding_window = 0;
   float logit_softcap = 0.f;
   torch::Tensor sinks;
+  // Prefill rows whose keys reach past their own position (paged_prefill_attention's key_limit): each row's
+  // position + 1, from which its window reaches back; null where each row's keys end at its own position.
+  const int64_t* query_ends = nullptr;
   bool on() const { return sliding_window > 0 || logit_softcap > 0.f || sinks.defined(); }
-  // The first of `length` context tokens that the last of them attends to.
-  int64_t first(int64_t length) const {
-    return sliding_window > 0 ? std::max<int64_t>(0, length - sliding_window) : 0;
+  // The first of `length` context tokens that query row `row` attends to (the last of them, without query_ends).
+  int64_t first(int64_t length, int64_t row) const {
+    const int64_t end = query_ends ? query_ends[row] : length;
+    return sliding_window > 0 ? std::max<int64_t>(0, end - sliding_window) : 0;
   }
 };
 AttnFeatures attn_features(const c10::optional<int64_t>& sliding_window, const c10::optional<double>& logit_softcap,
@@ -201,7 +205,7 @@ bool attention_rows_quant_avx512(const torch::Tensor& q, const torch::Tensor& k_
 bool prefill_attention_avx512(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                               const KVQuant& quant, const torch::Tensor& table, const torch::Tensor& starts,
                               const torch::Tensor& counts, const torch::Tensor& contexts, double scale,
-                              const AttnFeatures& features, torch::Tensor& out);
+                              const AttnFeatures& features, const int64_t* key_limits, torch::Tensor& out);
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_table, torch::Tensor kv_lens, double scale,
                                      c10::optional<torch::Tensor> k_scales_zeros,
@@ -216,7 +220,8 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k, torch::T
                                       c10::optional<torch::Tensor> v_scales_zeros, int64_t quant_policy,
                                       c10::optional<int64_t> sliding_window = c10::nullopt,
                                       c10::optional<double> logit_softcap = c10::nullopt,
-                                      c10::optional<torch::Tensor> sinks = c10::nullopt);
+                                      c10::optional<torch::Tensor> sinks = c10::nullopt,
+                                      c10::optional<torch::Tensor> key_limit = c10::nullopt);
 std::tuple<torch::Tensor, torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
                                                   c10::optional<torch::Tensor> residual);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
@@ -267,6 +272,7 @@ struct StepTensors {
   // The sliding-window layers' own pool (StepContext.tables): these replace kv_blocks, prefill_block_table and
   // decode_blocks for a layer with a sliding window when window_kv_blocks is given.
   c10::optional<torch::Tensor> window_kv_blocks, window_prefill_block_table, window_decode_blocks;
+  c10::optional<torch::Tensor> prefill_key_limit;  // StepContext.prefill_key_limit
 };
 
 // One projection of a decoder layer, x @ W.T (+ bias), on its weight as its kernel takes it. `kind` "bf16":

@@ -165,7 +165,7 @@ torch::Tensor DecoderStack::attention(const LayerWeights& w, const torch::Tensor
                                             v.narrow(0, 0, prefill), k_cache, v_cache, *prefill_block_table,
                                             *step.prefill_q_start, *step.prefill_q_len, *step.prefill_ctx_len,
                                             step.prefill_max_q_len, scale_, k_sz, v_sz, quant_policy_,
-                                            w.sliding_window, w.logit_softcap));
+                                            w.sliding_window, w.logit_softcap, c10::nullopt, step.prefill_key_limit));
   if (step.decode_blocks)
     parts.push_back(paged_decode_attention(q.narrow(0, prefill, rows - prefill), k_cache, v_cache,
                                            *decode_blocks, *step.decode_kv_lens, scale_, k_sz, v_sz,

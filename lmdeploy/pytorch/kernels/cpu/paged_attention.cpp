@@ -44,12 +44,11 @@ void for_each_cached_row(const Rows& rows, const int64_t* blocks, int64_t from, 
 }
 
 template <typename T, typename Rows>
-void decode_task(const T* q, const Rows& k_rows, const Rows& v_rows, const int64_t* blocks, int64_t length,
-                 int64_t group, int64_t head_dim, int64_t block_size, int64_t slots_per_block, int64_t head_slot,
-                 float scale, const AttnFeatures& features, const float* sinks, T* out, std::vector<float>& scores,
-                 std::vector<float>& acc) {
-  // q, out: the group's `group` query heads, each `head_dim` long; sinks: theirs, or null.
-  const int64_t from = features.first(length);
+void decode_task(const T* q, const Rows& k_rows, const Rows& v_rows, const int64_t* blocks, int64_t from,
+                 int64_t length, int64_t group, int64_t head_dim, int64_t block_size, int64_t slots_per_block,
+                 int64_t head_slot, float scale, const AttnFeatures& features, const float* sinks, T* out,
+                 std::vector<float>& scores, std::vector<float>& acc) {
+  // q, out: the group's `group` query heads, each `head_dim` long; sinks: theirs, or null. Keys [from, length).
   length -= from;
   scores.assign(group * length, 0.f);
   acc.assign(group * head_dim, 0.f);
@@ -89,8 +88,9 @@ void generic_rows(const T* q, const Rows& k_rows, const Rows& v_rows, const int6
       const int64_t row = task / num_kv_heads, kv_head = task % num_kv_heads;
       const int64_t head_offset = kv_head * group * head_dim, out_offset = row * num_heads * head_dim + head_offset;
       const int64_t seq = seqs ? seqs[row] : row;
-      decode_task<T>(q + row * q_stride + head_offset, k_rows, v_rows, table + seq * width, lengths[row], group,
-                     head_dim, block_size, slots_per_block, kv_head * block_size, scale, features,
+      decode_task<T>(q + row * q_stride + head_offset, k_rows, v_rows, table + seq * width,
+                     features.first(lengths[row], row), lengths[row], group, head_dim, block_size, slots_per_block,
+                     kv_head * block_size, scale, features,
                      sinks ? sinks + kv_head * group : nullptr, out + out_offset, scores, acc);
     }
   }
@@ -176,8 +176,8 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor, torch::Ten
                                       c10::optional<torch::Tensor> k_scales_zeros,
                                       c10::optional<torch::Tensor> v_scales_zeros, int64_t quant_policy,
                                       c10::optional<int64_t> sliding_window, c10::optional<double> logit_softcap,
-                                      c10::optional<torch::Tensor> sinks) {
-  const AttnFeatures features = attn_features(sliding_window, logit_softcap, sinks, q.size(1));
+                                      c10::optional<torch::Tensor> sinks, c10::optional<torch::Tensor> key_limit) {
+  AttnFeatures features = attn_features(sliding_window, logit_softcap, sinks, q.size(1));
   const KVQuant quant = kv_quant(k_cache, v_cache, q.size(2), k_scales_zeros, v_scales_zeros, quant_policy);
   auto starts = contiguous_as(q_start, torch::kInt64), counts = contiguous_as(q_len, torch::kInt64);
   auto contexts = contiguous_as(ctx_len, torch::kInt64), table = contiguous_as(block_table, torch::kInt64);
@@ -187,20 +187,39 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor, torch::Ten
   for (int64_t s = 0; s < starts.size(0); ++s)
     TORCH_CHECK(start_ptr[s] >= 0 && start_ptr[s] + count_ptr[s] <= q.size(0) && count_ptr[s] <= context_ptr[s],
                 "prefill rows out of range");
+  torch::Tensor limits;
+  const int64_t* limit_ptr = nullptr;
+  if (key_limit.has_value()) {
+    limits = contiguous_as(*key_limit, torch::kInt64);
+    TORCH_CHECK(limits.numel() >= q.size(0), "key_limit needs one entry per prefill row");
+    limit_ptr = limits.data_ptr<int64_t>();
+    for (int64_t s = 0; s < starts.size(0); ++s)
+      for (int64_t r = 0; r < count_ptr[s]; ++r) {
+        const int64_t limit = limit_ptr[start_ptr[s] + r];
+        TORCH_CHECK(limit >= context_ptr[s] - count_ptr[s] + r && limit < context_ptr[s],
+                    "a key limit must lie between its row's position and its sequence's last token");
+      }
+  }
   if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();
   if (k_cache.is_contiguous() && v_cache.is_contiguous() &&
       (quant.bits || k_cache.scalar_type() == q.scalar_type())) {
     auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
-    if (prefill_attention_avx512(q, k_cache, v_cache, quant, table, starts, counts, contexts, scale, features, out))
+    if (prefill_attention_avx512(q, k_cache, v_cache, quant, table, starts, counts, contexts, scale, features,
+                                 limit_ptr, out))
       return out;
   }
   auto seqs = torch::empty({q.size(0)}, torch::kInt64), lengths = torch::empty({q.size(0)}, torch::kInt64);
+  auto ends = torch::empty({limit_ptr ? q.size(0) : 0}, torch::kInt64);
   int64_t* seq_ptr = seqs.data_ptr<int64_t>();
   int64_t* len_ptr = lengths.data_ptr<int64_t>();
+  int64_t* end_ptr = ends.data_ptr<int64_t>();
   for (int64_t s = 0; s < starts.size(0); ++s)
     for (int64_t r = 0; r < count_ptr[s]; ++r) {
-      seq_ptr[start_ptr[s] + r] = s;
-      len_ptr[start_ptr[s] + r] = context_ptr[s] - count_ptr[s] + r + 1;
+      const int64_t row = start_ptr[s] + r, end = context_ptr[s] - count_ptr[s] + r + 1;
+      seq_ptr[row] = s;
+      len_ptr[row] = limit_ptr ? limit_ptr[row] + 1 : end;
+      if (limit_ptr) end_ptr[row] = end;
     }
+  if (limit_ptr) features.query_ends = end_ptr;
   return attention_rows(q, k_cache, v_cache, quant, table, seqs, lengths, scale, features);
 }

@@ -7,7 +7,8 @@
 // up to its last token's position, with an online softmax (bf16 probabilities, as torch's CPU flash
 // attention uses for bf16) and the causal mask applied per query vector. A sliding window starts the
 // walk at the tile's first key and masks per query vector; soft-capping applies to each score, and a
-// query head's sink starts its softmax as its peak with weight 1.
+// query head's sink starts its softmax as its peak with weight 1. With key limits a query vector's keys end
+// at its token's limit instead of its position, and the tile walks up to its last limit.
 #include <limits>
 
 #include "common.h"
@@ -31,6 +32,9 @@ struct PrefillTask {
   int64_t window;      // 0: none
   float softcap;       // 0: none
   const float* sinks;  // this KV head's query heads' sinks, or null
+  const int64_t* key_limits;  // the chunk's first token's last key position, then the others'; null: causal
+  // the last key position query token `token` attends to
+  int64_t limit(int64_t token) const { return key_limits ? key_limits[token] : first_pos + token; }
 };
 
 // One bf16 row of a cache: in place, or dequantized into `buffer` (fp32 math, one rounding to bf16, as the
@@ -86,17 +90,18 @@ inline void accumulate(__m512 (&acc)[R][4], const int32_t* const (&a)[R], const 
 }
 
 // Scores of R query vectors against keys [64 g, 64 g + 64): scale * q . k (soft-capped), or lowest() past
-// a query's position or before its window; only the first C panels of 16 keys hold any key up to the
-// last query's position.
+// a query's key limit or before its window; only the first C panels of 16 keys hold any key up to the
+// tile's last key limit.
 template <int R, int C>
 void tile_scores(const PrefillTask& task, int64_t row, int64_t g, const int32_t* keys, float* scores) {
   const int64_t D = task.head_dim, pairs = D / 2;
   const int32_t* q[R];
-  int64_t pos[R];
+  int64_t pos[R], limit[R];
   for (int r = 0; r < R; ++r) {
     const int64_t token = (row + r) / task.group, head = (row + r) % task.group;
     q[r] = reinterpret_cast<const int32_t*>(task.q + token * task.q_stride + head * D);
     pos[r] = task.first_pos + token;
+    limit[r] = task.limit(token);
   }
   __m512 acc[R][4];
   for (int r = 0; r < R; ++r)
@@ -106,7 +111,7 @@ void tile_scores(const PrefillTask& task, int64_t row, int64_t g, const int32_t*
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 4; ++c) {
       const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(g * kKeys + c * kPanel)));
-      __mmask16 valid = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(pos[r])));
+      __mmask16 valid = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(limit[r])));
       if (task.window)
         valid &= _mm512_cmpgt_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(pos[r] - task.window)));
       __m512 s = _mm512_mul_ps(acc[r][c], _mm512_set1_ps(task.scale));
@@ -147,7 +152,8 @@ void tile_rows(const PrefillTask& task, int64_t row, const int32_t* keys, const 
     peak[r] = task.sinks ? task.sinks[(row + r) % task.group] : std::numeric_limits<float>::lowest();
     total[r] = task.sinks ? 1.f : 0.f;
   }
-  const int64_t last = task.first_pos + (row + R - 1) / task.group;
+  int64_t last = 0;
+  for (int r = 0; r < R; ++r) last = std::max(last, task.limit((row + r) / task.group));
   const int64_t first = task.window ? std::max<int64_t>(0, task.first_pos + row / task.group - task.window + 1) : 0;
   for (int64_t g = first / kKeys; g * kKeys <= last; ++g) {
     const int64_t panels = std::min<int64_t>(4, (last - g * kKeys) / kPanel + 1);
@@ -208,7 +214,7 @@ void run_task(const PrefillTask& task, const int32_t* keys, const int32_t* value
 bool prefill_attention_avx512(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                               const KVQuant& quant, const torch::Tensor& table, const torch::Tensor& starts,
                               const torch::Tensor& counts, const torch::Tensor& contexts, double scale,
-                              const AttnFeatures& features, torch::Tensor& out) {
+                              const AttnFeatures& features, const int64_t* key_limits, torch::Tensor& out) {
   const int64_t D = q.size(2);
   if (q.scalar_type() != at::kBFloat16 || (D != 64 && D != 128)) return false;
   const int64_t num_heads = q.size(1), num_kv_heads = k_cache.size(1), group = num_heads / num_kv_heads;
@@ -235,7 +241,8 @@ bool prefill_attention_avx512(const torch::Tensor& q, const torch::Tensor& k_cac
                              out.data_ptr<bf16>() + start_ptr[s] * num_heads * D + head, q_stride, num_heads * D,
                              count_ptr[s], ctx - count_ptr[s], group, D, static_cast<float>(scale),
                              features.sliding_window, features.logit_softcap,
-                             features.sinks.defined() ? features.sinks.data_ptr<float>() + kv_head * group : nullptr};
+                             features.sinks.defined() ? features.sinks.data_ptr<float>() + kv_head * group : nullptr,
+                             key_limits ? key_limits + start_ptr[s] : nullptr};
       run_task(task, keys.data(), values.data(), ctx_pad / 2);
     }
   }
@@ -246,7 +253,7 @@ bool prefill_attention_avx512(const torch::Tensor& q, const torch::Tensor& k_cac
 
 bool prefill_attention_avx512(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const KVQuant&,
                               const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
-                              double, const AttnFeatures&, torch::Tensor&) {
+                              double, const AttnFeatures&, const int64_t*, torch::Tensor&) {
   return false;
 }
 

@@ -6,7 +6,8 @@ causally over the chunk's fresh K/V, so chunked prefill and prefix-cache hits ne
 int8/int4 cache the chunk is read back from the cache too (dequantized, causally masked), so that a prompt attends
 over the same values however its prefix was computed. With a sliding window a program starts at the
 first key its first query row sees; soft-capping applies to each score, and the sinks join the
-denominator at the end.
+denominator at the end. With key limits each row's keys end at its limit instead of its position, and a
+program reads the chunk up to its rows' last limit.
 """
 from __future__ import annotations
 
@@ -30,18 +31,22 @@ def _online_softmax_step(q, k, v, s_mask, m, l, acc, scale, softcap, PRECISION: 
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, out_ptr, table_ptr, q_start_ptr,
-                    q_len_ptr, ctx_len_ptr, sinks_ptr, scale, window, softcap, group, head_dim,
+                    q_len_ptr, ctx_len_ptr, sinks_ptr, key_limit_ptr, scale, window, softcap, group, head_dim,
                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                     stride_cb, stride_ch, stride_cs, stride_tb,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
                     PRECISION: tl.constexpr, BITS: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-                    SINKS: tl.constexpr):
+                    SINKS: tl.constexpr, KEY_LIMIT: tl.constexpr):
     seq, q_start, q_len, prefix, rows, seen = prefill_rows(q_start_ptr, q_len_ptr, ctx_len_ptr, BLOCK_M)
     if tl.program_id(0) * BLOCK_M >= q_len:
         return
     head = tl.program_id(2)
     kvh = head // group
     rmask = rows < q_len
+    last = rows  # each row's last key, as a chunk row
+    if KEY_LIMIT:
+        last = tl.load(key_limit_ptr + q_start + rows, mask=rmask, other=0).to(tl.int32) - prefix
+        seen = tl.maximum(seen, tl.max(tl.where(rmask, last + 1, 0), axis=0))
     d = tl.arange(0, BLOCK_D)
     dmask = d < head_dim
     q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + d[None, :],
@@ -70,7 +75,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, out_p
                                  dmask[:, None], head_dim, BITS).to(q.dtype)
             v = load_dequantized(vc_ptr, vsz_ptr, kv_rows[:, None], slots[:, None], (pos < cached)[:, None], d[None, :],
                                  dmask[None, :], head_dim, BITS).to(q.dtype)
-        s_mask = rmask[:, None] & (pos < cached)[None, :] & (pos[None, :] <= prefix + rows[:, None])
+        s_mask = rmask[:, None] & (pos < cached)[None, :] & (pos[None, :] <= prefix + last[:, None])
         if WINDOW:
             s_mask &= pos[None, :] > prefix + rows[:, None] - window
         m, l, acc = _online_softmax_step(q, k, v, s_mask, m, l, acc, scale, softcap, PRECISION, SOFTCAP)
@@ -82,7 +87,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, out_p
                     mask=cmask[None, :] & dmask[:, None], other=0.0)
         v = tl.load(v_ptr + (q_start + cols)[:, None] * stride_vt + kvh * stride_vh + d[None, :],
                     mask=cmask[:, None] & dmask[None, :], other=0.0)
-        s_mask = rmask[:, None] & cmask[None, :] & (cols[None, :] <= rows[:, None])
+        s_mask = rmask[:, None] & cmask[None, :] & (cols[None, :] <= last[:, None])
         if WINDOW:
             s_mask &= cols[None, :] > rows[:, None] - window
         m, l, acc = _online_softmax_step(q, k, v, s_mask, m, l, acc, scale, softcap, PRECISION, SOFTCAP)
@@ -100,7 +105,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
                       ctx_len: torch.Tensor, max_q_len: int, scale: float, k_scales_zeros: torch.Tensor | None = None,
                       v_scales_zeros: torch.Tensor | None = None, quant_policy: int = 0,
                       sliding_window: int | None = None, logit_softcap: float | None = None,
-                      sinks: torch.Tensor | None = None) -> torch.Tensor:
+                      sinks: torch.Tensor | None = None, key_limit: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of the packed chunks ``q [T, H, D]`` over their contexts; returns ``[T, H, D]``.
 
     Sequence ``s`` owns rows ``q_start[s]:q_start[s] + q_len[s]`` of ``q`` and of the fresh ``k, v``;
@@ -118,12 +123,13 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     block_n = min(32 if wide else 64, block_size)
     grid = (triton.cdiv(max_q_len, block_m), q_len.shape[0], num_heads)
     _prefill_kernel[grid](q, k, v, k_cache, v_cache, k_scales_zeros, v_scales_zeros, out, block_table, q_start,
-                          q_len, ctx_len, None if sinks is None else sinks.float().contiguous(), scale,
+                          q_len, ctx_len, None if sinks is None else sinks.float().contiguous(),
+                          None if key_limit is None else key_limit.contiguous(), scale,
                           sliding_window or 0, logit_softcap or 0.0, num_heads // num_kv_heads, head_dim, q.stride(0),
                           q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
                           k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
                           BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=block_size,
                           BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=dot_precision(q.dtype),
                           BITS=quant_policy, WINDOW=bool(sliding_window), SOFTCAP=bool(logit_softcap),
-                          SINKS=sinks is not None, num_warps=8 if wide else 4, num_stages=2 if wide else 3)
+                          SINKS=sinks is not None, KEY_LIMIT=key_limit is not None, num_warps=8 if wide else 4, num_stages=2 if wide else 3)
     return out
