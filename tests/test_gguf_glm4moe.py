@@ -4,6 +4,7 @@ next-token-prediction layer appended past the decoder's with its ``nextn.*`` ten
 token for token like transformers; in F32, and with every projection and expert in Q8_0 kept as its blocks."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import gguf
@@ -112,6 +113,8 @@ def test_gguf_glm4moe_matches_transformers(tmp_path: Path, monkeypatch: pytest.M
     hf = random_glm4_moe(tmp_path, quantize=False)
 
     convert_gguf(str(src), str(tmp_path / 'converted'), raw_types=())  # all dequantized: transformers loads it
+    index = json.loads((tmp_path / 'converted' / 'model.safetensors.index.json').read_text())
+    assert not [name for name in index['weight_map'] if name.startswith('model.layers.3.')]  # the MTP layer
     converted = AutoModelForCausalLM.from_pretrained(str(tmp_path / 'converted'), dtype=torch.float32)
     for field in ('architectures', 'num_hidden_layers', 'rope_parameters', 'use_qk_norm', 'attention_bias',
                   'n_group', 'topk_group', 'norm_topk_prob', 'routed_scaling_factor', 'first_k_dense_replace',
