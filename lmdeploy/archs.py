@@ -30,6 +30,7 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'Qwen3MoeForCausalLM': ('llm', 'lmdeploy.pytorch.models.moe:MoEForCausalLM'),
     'DeepseekV2ForCausalLM': ('llm', 'lmdeploy.pytorch.models.deepseek_v3:DeepseekV3ForCausalLM'),
     'DeepseekV3ForCausalLM': ('llm', 'lmdeploy.pytorch.models.deepseek_v3:DeepseekV3ForCausalLM'),
+    'Glm4MoeForCausalLM': ('llm', 'lmdeploy.pytorch.models.glm4_moe:Glm4MoeForCausalLM'),
     'GptOssForCausalLM': ('llm', 'lmdeploy.pytorch.models.gpt_oss:GptOssForCausalLM'),
     'Qwen2VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
     'Qwen2_5_VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),

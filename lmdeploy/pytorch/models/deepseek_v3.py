@@ -81,16 +81,18 @@ class TopKRouter(nn.Module):
 
 
 ROUTINGS = ('noaux_tc', 'greedy', 'group_limited_greedy')
+NOAUX_TC_MODEL_TYPES = ('deepseek_v3', 'glm4_moe')  # the model types that route by grouped_topk, whatever topk_method
 
 
 class DeepseekV3MoE(nn.Module):
-    """Routed experts plus shared experts every token runs. V3 routes by :func:`grouped_topk` (``noaux_tc``);
-    V2 by its ``topk_method``: softmax top-k (``greedy``) or :func:`group_limited_topk`, never renormalized."""
+    """Routed experts plus shared experts every token runs. V3 (and GLM-4.5) route by :func:`grouped_topk`
+    (``noaux_tc``); V2 by its ``topk_method``: softmax top-k (``greedy``) or :func:`group_limited_topk`, never
+    renormalized."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         hf = cfg.hf_config
-        self.routing = 'noaux_tc' if hf.model_type == 'deepseek_v3' else hf.topk_method
+        self.routing = 'noaux_tc' if hf.model_type in NOAUX_TC_MODEL_TYPES else hf.topk_method
         if self.routing not in ROUTINGS:
             raise ValueError(f'topk_method {self.routing!r} is not supported; supported: {ROUTINGS}')
         self.top_k, self.num_groups, self.topk_groups = hf.num_experts_per_tok, hf.n_group, hf.topk_group

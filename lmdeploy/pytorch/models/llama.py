@@ -67,7 +67,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = QKVLinear(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, self.head_dim, bias=qkv_bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowLinear.over_heads(self.qkv_proj, cfg.hidden_size, bias=o_bias)
-        self.qk_norm = hf.model_type in QK_NORM_MODEL_TYPES
+        self.qk_norm = hf.model_type in QK_NORM_MODEL_TYPES or bool(getattr(hf, 'use_qk_norm', False))
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, hf.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, hf.rms_norm_eps)

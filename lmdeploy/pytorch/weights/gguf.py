@@ -221,14 +221,16 @@ def _phi3_rope(reader: GGUFReader, tensors: dict[str, Any], head_dim: int, sourc
     return config
 
 
-def layer_groups(reader: GGUFReader) -> list[list[Any]]:
+def layer_groups(reader: GGUFReader, num_layers: int) -> list[list[Any]]:
     """The file's tensors by decoder layer, in layer order, then the others (embeddings, output): each group
-    is converted and written on its own, so that conversion holds one layer at a time."""
+    is converted and written on its own, so that conversion holds one layer at a time. Blocks past the
+    decoder's ``num_layers`` (GLM-4.5's next-token-prediction layers) are left out."""
     groups: dict[int, list[Any]] = defaultdict(list)
     for tensor in reader.tensors:
         match = _LAYER_INDEX.match(tensor.name)
         groups[int(match[1]) if match else -1].append(tensor)
-    return [groups[index] for index in sorted(groups, key=lambda index: (index < 0, index))]
+    kept = [index for index in groups if index < num_layers]
+    return [groups[index] for index in sorted(kept, key=lambda index: (index < 0, index))]
 
 
 def gguf_state_dict(reader: GGUFReader, tensors: Iterable[Any], config: dict[str, Any],
@@ -328,7 +330,7 @@ def convert_gguf(gguf_path: str, out_dir: str, raw_types: Iterable[str] = RAW_TY
     tmp = Path(tempfile.mkdtemp(prefix=f'.{out.name}.tmp-', dir=out.parent))
     try:
         tmp.chmod(0o755)
-        groups = layer_groups(reader) + ([mmproj] if vl else [])
+        groups = layer_groups(reader, config['num_hidden_layers']) + ([mmproj] if vl else [])
         weight_map = {}
         for index, tensors in enumerate(tqdm(groups, desc=f'Converting {src.name}', unit='layer')):
             state_dict = (family.state_dict(tensors) if tensors is mmproj else

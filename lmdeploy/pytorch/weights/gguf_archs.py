@@ -1,6 +1,6 @@
 """GGUF architectures whose llama.cpp files differ from their transformers checkpoints by more than tensor
 names: GLM (``chatglm``, ``glm4``), Gemma 2 and 3 (``gemma2``, ``gemma3``), gpt-oss (``gpt-oss``),
-DeepSeek-V2/V3 (``deepseek2``), and the MoE files of Qwen3-MoE (``qwen3moe``; Qwen3-VL-MoE's language model
+DeepSeek-V2/V3 (``deepseek2``), GLM-4.5 (``glm4moe``), and the MoE files of Qwen3-MoE (``qwen3moe``; Qwen3-VL-MoE's language model
 ``qwen3vlmoe`` alike), Qwen2-MoE (``qwen2moe``, with a shared expert) and Mixtral (``llama`` with experts), whose
 stacked experts (``ffn_{gate,up,down}_exps``) are stored back one tensor per expert.
 
@@ -27,13 +27,19 @@ ARCHITECTURES = {
     'gemma3': 'Gemma3ForCausalLM',
     'gpt-oss': 'GptOssForCausalLM',
     'deepseek2': 'DeepseekV3ForCausalLM',  # DeepseekV2ForCausalLM where the router is a softmax
+    'glm4moe': 'Glm4MoeForCausalLM',
     'qwen3moe': 'Qwen3MoeForCausalLM',
     'qwen2moe': 'Qwen2MoeForCausalLM',
 }
 
 # architectures whose every linear layer is a projection (or experts) that may be served as llama.cpp's blocks
-RAW_SERVED_ARCHS = ('llama', 'chatglm', 'glm4', 'gemma2', 'gemma3', 'qwen3moe', 'qwen3vlmoe', 'qwen2moe')
+# (llama.cpp never quantizes a router: ``ffn_gate_inp`` stays F32)
+RAW_SERVED_ARCHS = ('llama', 'chatglm', 'glm4', 'glm4moe', 'gemma2', 'gemma3', 'qwen3moe', 'qwen3vlmoe',
+                    'qwen2moe')
 
+_ROUTER_BIAS = {'exp_probs_b.bias': 'mlp.gate.e_score_correction_bias'}
+_SHARED_EXPERTS = {'ffn_gate_shexp': 'mlp.shared_experts.gate_proj', 'ffn_up_shexp': 'mlp.shared_experts.up_proj',
+                   'ffn_down_shexp': 'mlp.shared_experts.down_proj'}
 _GEMMA_NAMES = {'ffn_norm': 'pre_feedforward_layernorm', 'post_attention_norm': 'post_attention_layernorm',
                 'post_ffw_norm': 'post_feedforward_layernorm'}
 # layer tensor names by ``module`` (the kind, weight or bias, appended) or by ``module.kind`` (as written);
@@ -60,10 +66,10 @@ LAYER_NAMES: dict[str, dict[str, str]] = {
         'attn_kv_a_mqa': 'self_attn.kv_a_proj_with_mqa', 'attn_kv_a_norm': 'self_attn.kv_a_layernorm',
         'attn_kv_b': 'self_attn.kv_b_proj', 'attn_k_b.weight': 'self_attn.k_b_proj',
         'attn_v_b.weight': 'self_attn.v_b_proj',
-        'ffn_gate_inp': 'mlp.gate', 'exp_probs_b.bias': 'mlp.gate.e_score_correction_bias',
-        'ffn_gate_shexp': 'mlp.shared_experts.gate_proj', 'ffn_up_shexp': 'mlp.shared_experts.up_proj',
-        'ffn_down_shexp': 'mlp.shared_experts.down_proj',
+        'ffn_gate_inp': 'mlp.gate', **_ROUTER_BIAS, **_SHARED_EXPERTS,
     },
+    # the layers' own tensors; the next-token-prediction layers' ``nextn.*`` ones have no counterpart
+    'glm4moe': {'post_attention_norm': 'post_attention_layernorm', **_ROUTER_BIAS, **_SHARED_EXPERTS},
 }
 
 
@@ -193,6 +199,21 @@ def _deepseek2(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> d
     return fields
 
 
+def _glm4moe(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V3's routing keys, GLM's partial rotary (in halves: the converter leaves q/k unpermuted); the
+    ``nextn_predict_layers`` layers that the converter appends past the decoder's are not the decoder's."""
+    return {'model_type': 'glm4_moe', 'rope_parameters': _glm_rope(meta, config),
+            'num_hidden_layers': config['num_hidden_layers'] - meta(Keys.LLM.NEXTN_PREDICT_LAYERS, 0),
+            'use_qk_norm': 'blk.0.attn_q_norm.weight' in tensors,
+            'first_k_dense_replace': meta(Keys.LLM.LEADING_DENSE_BLOCK_COUNT, 0),
+            'moe_intermediate_size': meta(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH),
+            'n_routed_experts': meta(Keys.LLM.EXPERT_COUNT), 'n_shared_experts': meta(Keys.LLM.EXPERT_SHARED_COUNT, 0),
+            'num_experts_per_tok': meta(Keys.LLM.EXPERT_USED_COUNT), 'n_group': meta(Keys.LLM.EXPERT_GROUP_COUNT, 1),
+            'topk_group': meta(Keys.LLM.EXPERT_GROUP_USED_COUNT, 1),
+            'routed_scaling_factor': meta(Keys.LLM.EXPERT_WEIGHTS_SCALE, 1.0),
+            'norm_topk_prob': bool(meta(Keys.LLM.EXPERT_WEIGHTS_NORM, False))}
+
+
 def _experts(meta: Meta, config: dict[str, Any], renormalize: bool = True) -> dict[str, Any]:
     """The routing of a MoE file: llama.cpp renormalizes the top-k weights of Qwen3-MoE and Mixtral, not
     Qwen2-MoE's, unless the file says (``expert_weights_norm``)."""
@@ -229,7 +250,7 @@ def _llama(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[
 
 CONFIG_BUILDERS: dict[str, Callable[[Meta, dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
     'llama': _llama, 'chatglm': _chatglm, 'glm4': _glm4, 'gemma2': _gemma2, 'gemma3': _gemma3, 'gpt-oss': _gpt_oss,
-    'deepseek2': _deepseek2, 'qwen3moe': _qwen3moe, 'qwen3vlmoe': _qwen3moe, 'qwen2moe': _qwen2moe}
+    'deepseek2': _deepseek2, 'glm4moe': _glm4moe, 'qwen3moe': _qwen3moe, 'qwen3vlmoe': _qwen3moe, 'qwen2moe': _qwen2moe}
 
 
 def _layer_prefixes(state_dict: dict[str, torch.Tensor], suffix: str) -> list[str]:
@@ -311,7 +332,7 @@ def _deepseek2_merge(state_dict: dict[str, torch.Tensor], config: dict[str, Any]
 
 
 _FINISHERS = {'llama': _split_experts, 'qwen3moe': _split_experts, 'qwen3vlmoe': _split_experts,
-              'qwen2moe': _split_experts, 'chatglm': _split_qkv,
+              'qwen2moe': _split_experts, 'glm4moe': _split_experts, 'chatglm': _split_qkv,
               'gemma2': _gemma_norms, 'gemma3': _gemma_norms, 'gpt-oss': _gpt_oss_experts,
               'deepseek2': _deepseek2_merge}
 

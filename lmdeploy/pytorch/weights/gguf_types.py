@@ -24,7 +24,7 @@ _WHOLE = ({'q_proj', 'k_proj', 'v_proj'}, {'qkv_proj'}, {'o_proj'}, {'gate_proj'
 # the projections a stacked layer holds, in its order (its parts)
 _PARTS = {'qkv_proj': ('q_proj', 'k_proj', 'v_proj'), 'gate_up_proj': ('gate_proj', 'up_proj')}
 # a layer's attention and MLP (or shared expert), and its experts: stacked (a MoE file's ``ffn_*_exps``) or one's
-_OWNER = re.compile(r'(layers\.\d+\.(?:self_attn|mlp|mlp\.shared_expert))|(layers\.\d+\.mlp\.experts)(?:\.\d+)?')
+_OWNER = re.compile(r'(layers\.\d+\.(?:self_attn|mlp|mlp\.shared_experts?))|(layers\.\d+\.mlp\.experts)(?:\.\d+)?')
 
 
 def engine_layer(hf_name: str | None) -> str | None:

@@ -1,4 +1,4 @@
-"""``<think>...</think>`` reasoning, as Qwen3, QwQ and DeepSeek-R1 write it.
+"""``<think>...</think>`` reasoning, as Qwen3, QwQ, DeepSeek-R1 and GLM-4.5 write it.
 
 Qwen3 opens the block in its reply (or, with ``enable_thinking=False``, its template closes an empty
 block in the prompt); DeepSeek-R1's template opens it in the prompt, so the reply starts inside it.
@@ -63,3 +63,11 @@ class ThinkReasoningParser(ReasoningParser):
                 out.content += self.text[self.pos:]
                 self.pos = len(self.text)
                 return out
+
+
+@register_reasoning_parser('glm45', 'glm4_moe')
+class Glm45ReasoningParser(ThinkReasoningParser):
+    """GLM-4.5's and GLM-4.6's ``<think>`` reasoning (``enable_thinking=False`` closes an empty block in the
+    prompt), keeping the tags in the text should a tokenizer mark them special."""
+
+    special_tokens = (START, END)

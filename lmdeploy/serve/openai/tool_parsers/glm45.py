@@ -1,0 +1,87 @@
+"""GLM-4.5 and GLM-4.6 tool calls: the function's name, then each argument as a key and a value (strings as
+they are, other values in JSON), with or without newlines between the tags::
+
+    Let me check.<tool_call>get_weather
+    <arg_key>city</arg_key>
+    <arg_value>Paris</arg_value>
+    <arg_key>days</arg_key>
+    <arg_value>3</arg_value>
+    </tool_call>
+
+The parser does not know the tools' schemas: a value that reads as JSON (``3``, ``true``, ``[1, 2]``) is that
+JSON value, any other is a string. Each call is given out whole once its ``</tool_call>`` is seen. GLM-4.5
+reasons in ``<think>`` blocks first (the ``glm45`` reasoning parser).
+"""
+from __future__ import annotations
+
+import json
+import re
+
+from lmdeploy.serve.openai.text_scan import WHITESPACE, skip_whitespace
+from lmdeploy.serve.openai.tool_parsers.base import ParsedDelta, ToolParser, register_tool_parser
+
+OPEN, CLOSE = '<tool_call>', '</tool_call>'
+KEY_OPEN, KEY_CLOSE, VALUE_OPEN, VALUE_CLOSE = '<arg_key>', '</arg_key>', '<arg_value>', '</arg_value>'
+ARGUMENT = re.compile(r'<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>\s*', re.DOTALL)
+NAME = re.compile(r'[^\s<>]+')
+
+
+def _value(text: str) -> object:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def parse_call(body: str) -> tuple[str, str] | None:
+    """``(name, arguments JSON)`` of the text between ``<tool_call>`` and ``</tool_call>``; None unless it is
+    a name followed by nothing but key-value pairs."""
+    name, key_open, rest = body.partition(KEY_OPEN)
+    name = name.strip(WHITESPACE)
+    if not NAME.fullmatch(name):
+        return None
+    rest, arguments, pos = key_open + rest, {}, 0
+    while pos < len(rest):
+        match = ARGUMENT.match(rest, pos)
+        if match is None:
+            return None
+        arguments[match[1].strip(WHITESPACE)] = _value(match[2])
+        pos = match.end()
+    return name, json.dumps(arguments, ensure_ascii=False)
+
+
+@register_tool_parser('glm45', 'glm4_moe')
+class Glm45ToolParser(ToolParser):
+    """``<tool_call>`` blocks among plain text; whitespace next to a block is dropped, and a block that holds
+    no call goes back into the text as it was."""
+
+    special_tokens = (OPEN, CLOSE, KEY_OPEN, KEY_CLOSE, VALUE_OPEN, VALUE_CLOSE)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_call = False
+        self.strip = False  # drop the whitespace that follows a block
+
+    def _advance(self, final: bool) -> ParsedDelta:
+        out = ParsedDelta()
+        while True:
+            if not self.in_call:
+                if self.strip:
+                    self.pos = skip_whitespace(self.text, self.pos)
+                    self.strip = self.pos == len(self.text)
+                if not self._content_until(OPEN, final, out):
+                    return out
+                self.in_call = True
+                continue
+            found = self.text.find(CLOSE, self.pos)
+            if found < 0 and not final:
+                return out
+            end = len(self.text) if found < 0 else found
+            call = parse_call(self.text[self.pos:end])
+            if call is None:
+                out.content += OPEN + self.text[self.pos:end + (len(CLOSE) if found >= 0 else 0)]
+            else:
+                out.tool_calls.append(self.new_call(*call))
+            self.pos = end + (len(CLOSE) if found >= 0 else 0)
+            self.in_call, self.strip = False, call is not None
+
