@@ -160,7 +160,7 @@ BAD_FILES: dict[str, BadFile] = {
                                   (SECOND_SHARD, 'truncated', *REREAD)),
     'hf_config_not_json': BadFile(_config_not_json,
                                   ConfigError, ('config.json', 'not valid JSON')),
-    'hf_config_is_a_directory': BadFile(_config_dir, ConfigError, ('config.json', 'not a file')),
+    'hf_config_is_a_directory': BadFile(_config_dir, ModelNotFoundError, ('config.json', 'not a file')),
     'hf_unknown_arch': BadFile(lambda d, g: _edited_config(d, g, architectures=['GPTNeoXForCausalLM'],
                                                            model_type='gpt_neox'),
                                ConfigError, ('GPTNeoXForCausalLM', 'supported', 'LlamaForCausalLM')),

@@ -43,10 +43,10 @@ def open_gguf(path: str | os.PathLike) -> GGUFReader:
         raise ConfigError(f'{path} is not a valid GGUF file ({type(err).__name__}: {reason}); {REDOWNLOAD}') from err
 
 
-def check_gguf(reader: GGUFReader, config: dict[str, Any], source: str) -> None:
-    """Raises ``ConfigError`` where a GGUF file's metadata disagrees with its tensors (``config``: the config
-    built from that metadata) or it lacks its tokenizer, before anything is converted."""
-    arch = config['model_type']
+def check_gguf(reader: GGUFReader, arch: str, config: dict[str, Any], source: str) -> None:
+    """Raises ``ConfigError`` where a GGUF file of architecture ``arch`` has metadata that disagrees with its
+    tensors (``config``: the config built from that metadata) or lacks its tokenizer, before anything is
+    converted."""
     if 'tokenizer.ggml.tokens' not in reader.fields:
         raise ConfigError(f'{source} has no tokenizer (no tokenizer.ggml.tokens metadata): lmdeploy takes the '
                           'tokenizer from the GGUF file; use a file converted with its tokenizer, as llama.cpp '

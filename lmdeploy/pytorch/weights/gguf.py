@@ -183,7 +183,7 @@ def gguf_config(reader: GGUFReader, source: str, raw_types: Iterable[str] = RAW_
     gguf_blocks = config.get('quantization_config', {}).get('quant_method') == 'gguf'
     if gguf_blocks and output is not None and output.tensor_type.name in head_types:
         config['quantization_config']['lm_head'] = output.tensor_type.name
-    check_gguf(reader, config, source)
+    check_gguf(reader, arch, config, source)
     return config
 
 
