@@ -53,7 +53,8 @@ def load_hf_config(model_dir: str) -> PretrainedConfig:
     try:
         return AutoConfig.from_pretrained(model_dir)
     except (ValueError, KeyError, TypeError, OSError) as err:
-        raise ConfigError(f'{path}: transformers cannot read it ({type(err).__name__}: {err})') from err
+        reason = ' '.join(str(err).split())
+        raise ConfigError(f'{path}: transformers cannot read it ({type(err).__name__}: {reason})') from err
 
 
 def get_task(architecture: str) -> Task:

@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -194,16 +195,20 @@ def save_good_models(folder: Path) -> dict[str, Path]:
     return {'hf': hf, 'gguf': folder / 'tiny.gguf'}
 
 
-def _build_engine(path: str) -> None:
+ENGINE_CONFIG = {'dtype': 'float32', 'num_gpu_blocks': 16, 'block_size': 16,
+                 'device': os.environ.get('LMDEPLOY_TEST_DEVICE', 'cpu')}
+
+
+def build_engine(path: str) -> None:
     from lmdeploy.messages import PytorchEngineConfig
     from lmdeploy.pytorch.engine.engine import Engine
-    Engine(path, PytorchEngineConfig(dtype='float32', num_gpu_blocks=16, block_size=16), show_progress=False)
+    Engine(path, PytorchEngineConfig(**ENGINE_CONFIG), show_progress=False).close()
 
 
-def _build_pipeline(path: str) -> None:
+def build_pipeline(path: str) -> None:
     from lmdeploy import pipeline
     from lmdeploy.messages import PytorchEngineConfig
-    pipeline(path, PytorchEngineConfig(dtype='float32', num_gpu_blocks=16, block_size=16), show_progress=False).close()
+    pipeline(path, PytorchEngineConfig(**ENGINE_CONFIG), show_progress=False).close()
 
 
 def record_python(entry: Callable[[str], None], path: Path) -> dict:
@@ -221,7 +226,8 @@ def record_python(entry: Callable[[str], None], path: Path) -> dict:
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """``lmdeploy ARGS`` in a subprocess (on this checkout's package)."""
-    env = os.environ | {'PYTHONPATH': os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get('PYTHONPATH', '')])}
+    checkout = str(Path(__file__).parents[1])
+    env = os.environ | {'PYTHONPATH': os.pathsep.join([checkout, os.environ.get('PYTHONPATH', '')])}
     return subprocess.run([sys.executable, '-m', 'lmdeploy.cli.main', *args], capture_output=True, text=True,
                           timeout=timeout, env=env, stdin=subprocess.DEVNULL)
 
@@ -229,7 +235,7 @@ def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 def record_cli(command: list[str], path: Path) -> dict:
     start = time.monotonic()
     try:
-        out = run_cli(*command, str(path), '--dtype', 'float32', timeout=120)
+        out = run_cli(*command, str(path), '--dtype', 'float32', '--log-level', 'WARNING', timeout=120)
     except subprocess.TimeoutExpired:
         return {'exit': 'timeout (hang)', 'seconds': 120}
     lines = out.stderr.strip().splitlines()
@@ -238,8 +244,6 @@ def record_cli(command: list[str], path: Path) -> dict:
 
 
 def main() -> None:
-    import tempfile
-    sys.path.insert(0, str(Path(__file__).parent))
     cli = '--cli' in sys.argv
     names = [a for a in sys.argv[1:] if not a.startswith('--')] or list(BAD_FILES)
     with tempfile.TemporaryDirectory() as tmp:
@@ -250,7 +254,7 @@ def main() -> None:
             folder = root / name
             folder.mkdir()
             path = BAD_FILES[name].build(folder, good)
-            report = {'engine': record_python(_build_engine, path), 'pipeline': record_python(_build_pipeline, path)}
+            report = {'engine': record_python(build_engine, path), 'pipeline': record_python(build_pipeline, path)}
             if cli:
                 report |= {'serve': record_cli(['serve', 'api_server', '--server-port', '0'], path),
                            'chat': record_cli(['chat'], path)}

@@ -8,22 +8,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from bad_model_files import BAD_FILES, NEEDS_PERMISSIONS, run_cli, save_good_models
-
-from lmdeploy import pipeline
-from lmdeploy.messages import PytorchEngineConfig
-from lmdeploy.pytorch.engine.engine import Engine
-
-CONFIG = {'dtype': 'float32', 'num_gpu_blocks': 16, 'block_size': 16,
-          'device': os.environ.get('LMDEPLOY_TEST_DEVICE', 'cpu')}
-
-
-def build_engine(path: str) -> None:
-    Engine(path, PytorchEngineConfig(**CONFIG), show_progress=False).close()
-
-
-def build_pipeline(path: str) -> None:
-    pipeline(path, PytorchEngineConfig(**CONFIG), show_progress=False).close()
+from bad_model_files import BAD_FILES, NEEDS_PERMISSIONS, build_engine, build_pipeline, run_cli, save_good_models
 
 
 @pytest.fixture(scope='module')
