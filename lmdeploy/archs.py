@@ -7,7 +7,7 @@ from typing import Literal
 
 from transformers import AutoConfig, PretrainedConfig
 
-from lmdeploy.messages import PytorchEngineConfig
+from lmdeploy.messages import ConfigError, PytorchEngineConfig
 
 Task = Literal['llm', 'vlm']
 
@@ -44,14 +44,21 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
 
 
 def load_hf_config(model_dir: str) -> PretrainedConfig:
-    """Reads ``config.json`` and checks the architecture is supported."""
-    if not os.path.isfile(os.path.join(model_dir, 'config.json')):
-        raise FileNotFoundError(f'{model_dir} has no config.json')
-    config = AutoConfig.from_pretrained(model_dir)
-    arch = (getattr(config, 'architectures', None) or ['<none>'])[0]
+    """Reads ``config.json`` and checks the architecture is supported; a config.json that is not JSON, names
+    an architecture not served or that transformers cannot read raises :class:`ConfigError`."""
+    from lmdeploy.pytorch.weights.file_checks import read_config_json
+    path = os.path.join(model_dir, 'config.json')
+    arch = (read_config_json(model_dir).get('architectures') or [None])[0]
+    if arch is None:
+        raise ConfigError(f'{path} names no architecture (its "architectures" list is missing or empty); '
+                          f'lmdeploy serves: {", ".join(SUPPORTED_ARCHS)}')
     if arch not in SUPPORTED_ARCHS:
-        raise ValueError(f'architecture {arch!r} is not supported; supported: {", ".join(SUPPORTED_ARCHS)}')
-    return config
+        raise ConfigError(f'{path}: architecture {arch!r} is not supported; supported: {", ".join(SUPPORTED_ARCHS)}')
+    try:
+        return AutoConfig.from_pretrained(model_dir)
+    except (ValueError, KeyError, TypeError, OSError) as err:
+        reason = ' '.join(str(err).split())
+        raise ConfigError(f'{path}: transformers cannot read it ({type(err).__name__}: {reason})') from err
 
 
 def get_task(architecture: str) -> Task:

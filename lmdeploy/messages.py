@@ -12,8 +12,9 @@ MIN_SAMPLING_TEMPERATURE = 1e-5
 
 
 class ConfigError(ValueError):
-    """A config field or a tool's argument out of its range, or a model a tool does not take; the message
-    says which (the command line prints it as one line)."""
+    """A config field or a tool's argument out of its range, a model a tool does not take, or model files that
+    cannot be served (truncated, corrupt, incomplete); the message says which (the command line prints it as one
+    line)."""
 
 
 def _check(ok: bool, message: str) -> None:

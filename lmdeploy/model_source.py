@@ -100,12 +100,30 @@ def check_model_path(model_path: str | None) -> None:
             f'{model_path} looks like a Hugging Face hub name: lmdeploy loads local folders and .gguf files and '
             f'downloads nothing. Get the model first, e.g. `hf download {model_path} --local-dir '
             f'{name}`, then give that folder')
+    if path.is_dir() and (path / 'adapter_config.json').is_file():
+        base = _adapter_base(path / 'adapter_config.json')
+        raise ModelNotFoundError(f'{model_path} is a LoRA/PEFT adapter (adapter_config.json), not a model; lmdeploy '
+                                 f'does not apply adapters: give the base model{base} (or one with the adapter '
+                                 'merged into it)')
+    if path.is_dir() and path.suffix == '.gguf':
+        raise ModelNotFoundError(f'{model_path} is a folder, not a .gguf file; give the .gguf file itself')
+    if path.is_dir() and (path / 'config.json').exists():
+        raise ModelNotFoundError(f'{model_path}/config.json is not a file; give a Hugging Face model folder')
     if path.is_dir():
         raise ModelNotFoundError(f'{model_path} has no config.json; give a Hugging Face model folder or a .gguf file')
     if path.is_file():
         raise ModelNotFoundError(f'{model_path} is not a .gguf file; give a Hugging Face model folder or a .gguf file')
     raise ModelNotFoundError(f'model path {model_path} does not exist; give a local Hugging Face folder or a .gguf '
                              'file (or no path for the default model)')
+
+
+def _adapter_base(adapter_config: Path) -> str:
+    """`` (NAME)``, the base model an adapter's config names, else ''."""
+    try:
+        base = json.loads(adapter_config.read_text()).get('base_model_name_or_path')
+    except (OSError, ValueError, AttributeError):
+        return ''
+    return f' ({base})' if isinstance(base, str) and base else ''
 
 
 def model_name(model_path: str | None) -> str:

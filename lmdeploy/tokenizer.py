@@ -9,6 +9,8 @@ from collections.abc import Iterable
 
 from transformers import AutoTokenizer
 
+from lmdeploy.messages import ConfigError
+
 _REPLACEMENT_CHAR = '\ufffd'
 _SURROGATE = re.compile('[\ud800-\udfff]')
 
@@ -39,7 +41,13 @@ class Tokenizer:
 
     def __init__(self, model_dir: str):
         self.model_dir = model_dir
-        self.hf = AutoTokenizer.from_pretrained(model_dir)
+        try:
+            self.hf = AutoTokenizer.from_pretrained(model_dir)
+        except (ValueError, OSError) as err:
+            reason = ' '.join(str(err).split())
+            raise ConfigError(f'cannot load the tokenizer of {model_dir} ({type(err).__name__}: {reason}); the '
+                              'folder needs the tokenizer files its model was published with (tokenizer.json, '
+                              'tokenizer_config.json)') from err
         eos = _as_ids(self.hf.eos_token_id)
         for name in ('generation_config.json', 'config.json'):
             path = os.path.join(model_dir, name)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lmdeploy.archs import load_hf_config
 from lmdeploy.messages import EngineOutput, GenerationConfig, PytorchEngineConfig
 from lmdeploy.model_source import resolve_model_path
 from lmdeploy.pytorch.distributed.cpu_affinity import bind_rank, rank_cpus
@@ -64,6 +65,7 @@ class Engine:
         if self.device.type == 'cpu':
             cpu_kernels.native()  # built once, before workers load it
         self.model_dir = resolve_model_path(model_path)
+        load_hf_config(self.model_dir)  # a bad config.json is named as such, before the tokenizer reads it
         self.tokenizer = Tokenizer(self.model_dir)
         self.executor: Executor | None = create_executor(model_path, config) if config.tp > 1 else None
         self._unbind_cpus: Callable[[], None] | None = None

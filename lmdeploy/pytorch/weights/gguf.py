@@ -20,6 +20,10 @@ from gguf.quants import dequantize
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from lmdeploy.messages import ConfigError
+from lmdeploy.model_source import ModelNotFoundError
+
+from .file_checks import check_gguf, open_gguf
 from .gguf_archs import (ARCHITECTURES, CONFIG_BUILDERS, LAYER_NAMES, RAW_SERVED_ARCHS, finish_state_dict,
                          mxfp4_from_ggml)
 from .gguf_types import LM_HEAD_RAW_TYPES, MXFP4, RAW_TYPES, engine_layer, served_types
@@ -105,17 +109,6 @@ def unpermute_rotary(weight: np.ndarray, n_head: int) -> np.ndarray:
     return weight.reshape(n_head, dim, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def open_gguf(gguf_path: str | os.PathLike) -> GGUFReader:
-    """Open a GGUF file, turning low-level parse errors (truncated/corrupt file) into a ValueError."""
-    if not os.path.isfile(gguf_path):
-        raise FileNotFoundError(f'GGUF file {gguf_path} does not exist')
-    try:
-        return GGUFReader(gguf_path)
-    except Exception as err:  # the reader fails with numpy/struct/index errors on bad or missing bytes
-        raise ValueError(f'{gguf_path} is not a valid GGUF file, it may be truncated or corrupt '
-                         f'({type(err).__name__}: {err})') from err
-
-
 def _meta(reader: GGUFReader, key: str, default: Any = None) -> Any:
     field = reader.fields.get(key)
     return default if field is None else field.contents()
@@ -128,8 +121,8 @@ def gguf_config(reader: GGUFReader, source: str, raw_types: Iterable[str] = RAW_
     mxfp4``)."""
     arch = _meta(reader, 'general.architecture')
     if arch not in SUPPORTED_ARCHS:
-        raise ValueError(f'{source}: unsupported GGUF architecture {arch!r}; '
-                         f'supported: {", ".join(SUPPORTED_ARCHS)}')
+        raise ConfigError(f'{source}: unsupported GGUF architecture {arch!r}; lmdeploy serves: '
+                          f'{", ".join(SUPPORTED_ARCHS)}')
     key = lambda name, default=None: _meta(reader, f'{arch}.{name}', default)  # noqa: E731
     tensors = {t.name: t for t in reader.tensors}
     required = ('embedding_length', 'feed_forward_length', 'block_count', 'attention.head_count')
@@ -137,7 +130,7 @@ def gguf_config(reader: GGUFReader, source: str, raw_types: Iterable[str] = RAW_
     if 'token_embd.weight' not in tensors:
         missing.append('tensor token_embd.weight')
     if missing:
-        raise ValueError(f'{source}: missing GGUF metadata: {", ".join(missing)}')
+        raise ConfigError(f'{source}: missing GGUF metadata: {", ".join(missing)}')
     hidden, heads = key('embedding_length'), key('attention.head_count')
     linear = tensors.get('blk.0.attn_q.weight', tensors.get('blk.0.attn_qkv.weight'))  # the linear layers' type
     head_dim = key('attention.key_length') or (key('rope.dimension_count') if arch in _PERMUTED_ARCHS else None)
@@ -176,7 +169,7 @@ def gguf_config(reader: GGUFReader, source: str, raw_types: Iterable[str] = RAW_
         try:
             config.update(CONFIG_BUILDERS[arch](meta, tensors, config))
         except ValueError as err:
-            raise ValueError(f'{source}: {err}') from err
+            raise ConfigError(f'{source}: {err}') from err
         if arch not in RAW_SERVED_ARCHS:  # linear layers beyond the projections (MLA's, routers) have no raw form
             experts = {name: t for name, t in layer_types.items() if '.mlp.experts.' in name}  # DeepSeek's experts
             config.pop('quantization_config', None)
@@ -190,6 +183,7 @@ def gguf_config(reader: GGUFReader, source: str, raw_types: Iterable[str] = RAW_
     gguf_blocks = config.get('quantization_config', {}).get('quant_method') == 'gguf'
     if gguf_blocks and output is not None and output.tensor_type.name in head_types:
         config['quantization_config']['lm_head'] = output.tensor_type.name
+    check_gguf(reader, arch, config, source)
     return config
 
 
@@ -211,7 +205,7 @@ def _phi3_rope(reader: GGUFReader, tensors: dict[str, Any], head_dim: int, sourc
     if _ROPE_FACTORS[0] in tensors:
         original = key('rope.scaling.original_context_length')
         if original is None:
-            raise ValueError(f'{source}: missing GGUF metadata: phi3.rope.scaling.original_context_length')
+            raise ConfigError(f'{source}: missing GGUF metadata: phi3.rope.scaling.original_context_length')
         factors = [np.asarray(tensors[name].data, dtype=np.float32).tolist() for name in _ROPE_FACTORS]
         params |= {'rope_type': 'longrope', 'long_factor': factors[0], 'short_factor': factors[1],
                    'original_max_position_embeddings': original}
@@ -265,7 +259,7 @@ def gguf_state_dict(reader: GGUFReader, tensors: Iterable[Any], config: dict[str
             else:
                 weight = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         except Exception as err:
-            raise ValueError(f'{source}: cannot dequantize tensor {tensor.name} '
+            raise ConfigError(f'{source}: cannot dequantize tensor {tensor.name} '
                              f'({tensor.tensor_type.name}): {err}') from err
         module = tensor.name.split('.')[-2]
         if arch in _PERMUTED_ARCHS and module in heads:
@@ -361,11 +355,21 @@ def resolve_gguf(gguf_path: str, raw_types: Iterable[str] = RAW_TYPES) -> str:
     (:func:`~.gguf_vl.pair_mmproj`).
 
     Keyed by the files' absolute paths, sizes and mtimes (and the converter format and ``raw_types``), so an
-    edited file is converted again.
+    edited file is converted again. Files that cannot be served (truncated, corrupt, metadata that disagrees with
+    the tensors, an architecture not served) raise :class:`~lmdeploy.messages.ConfigError` and leave no folder.
     """
     src = Path(gguf_path).absolute()
     if not src.is_file():
-        raise FileNotFoundError(f'GGUF file {gguf_path} does not exist')
+        raise ModelNotFoundError(f'GGUF file {gguf_path} does not exist')
+    try:
+        return _converted(src, raw_types)
+    except ConfigError:
+        raise
+    except ValueError as err:  # the converters' checks of what the files hold
+        raise ConfigError(str(err)) from err
+
+
+def _converted(src: Path, raw_types: Iterable[str]) -> str:
     # only a folder holding an mmproj file costs a look at the architecture
     mmproj = pair_mmproj(src, _meta(open_gguf(src), 'general.architecture')) if any(
         src.parent.glob('mmproj*.gguf')) else None

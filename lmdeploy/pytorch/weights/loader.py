@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from lmdeploy.archs import get_model_class
+from lmdeploy.messages import ConfigError
 from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.nn.linear import Linear
 from lmdeploy.pytorch.nn.moe import FusedExperts
@@ -75,7 +76,10 @@ def build_model(cfg: ModelConfig, model_dir: str, device: torch.device, load_for
     the folder's weight files; ``dummy`` allocates the model on the device directly and
     fills it with :func:`fill_dummy_weights` (no host copy: an 8B model takes seconds).
     """
-    weight_format = weight_format_for(checkpoint_quantization(cfg))
+    try:
+        weight_format = weight_format_for(checkpoint_quantization(cfg))
+    except ValueError as err:
+        raise ConfigError(f'{model_dir}/config.json: its quantization_config is not served: {err}') from err
     if load_format == 'dummy':
         with torch.no_grad(), _default_dtype(cfg.dtype), device:
             model = _new_model(cfg, weight_format)

@@ -14,7 +14,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
+from lmdeploy.model_source import ModelNotFoundError
 from lmdeploy.pytorch.distributed.parallel_state import Shard
+from lmdeploy.pytorch.weights.file_checks import check_weight_index, unreadable
 
 
 class FileTensor:
@@ -28,7 +30,7 @@ class FileTensor:
             part = self.handle.get_slice(self.name)
             return part[index] if part.get_shape() else self.handle.get_tensor(self.name)
         except (SafetensorError, OSError) as err:
-            raise ValueError(f'cannot read weight file {self.path}: {err}') from err
+            raise unreadable(self.path, err) from err
 
 
 class TensorPart:
@@ -51,15 +53,18 @@ WeightSource = Union[torch.Tensor, FileTensor, TensorPart]
 
 
 def safetensors_files(model_dir: str) -> list[str]:
+    """The folder's weight files; raises ``ModelNotFoundError`` for none, ``ConfigError`` where its index lists
+    files it lacks."""
     files = sorted(glob.glob(os.path.join(model_dir, '*.safetensors')))
     if not files:
-        raise FileNotFoundError(f'no *.safetensors weight files in {model_dir}')
+        raise ModelNotFoundError(f'no *.safetensors weight files in {model_dir}; give a folder with its weights')
+    check_weight_index(model_dir)
     return files
 
 
 def iterate_weights(model_dir: str, show_progress: bool = True) -> Iterator[tuple[str, WeightSource]]:
     """Yields ``(name, FileTensor)`` for every tensor, each readable until the next one is yielded; a
-    corrupt file raises ``ValueError`` naming it."""
+    truncated, corrupt or unreadable file raises ``ConfigError`` naming it."""
     files = safetensors_files(model_dir)
     for path in tqdm(files, desc='Loading weights', unit='file') if show_progress else files:
         try:
@@ -67,7 +72,7 @@ def iterate_weights(model_dir: str, show_progress: bool = True) -> Iterator[tupl
                 for name in f.keys():
                     yield name, FileTensor(path, f, name)
         except (SafetensorError, OSError) as err:
-            raise ValueError(f'cannot read weight file {path}: {err}') from err
+            raise unreadable(path, err) from err
 
 
 def read_shard(source: WeightSource, shard: Shard | None) -> torch.Tensor:

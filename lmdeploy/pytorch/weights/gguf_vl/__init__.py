@@ -9,6 +9,7 @@ from pathlib import Path
 
 from gguf import GGUFReader
 
+from ..file_checks import open_gguf
 from .common import VisionFamily, find_mmproj, meta, mmproj_files
 from .internvl import INTERNVL
 from .llava import LLAVA
@@ -31,7 +32,7 @@ def pair_mmproj(gguf_path: Path, arch: str) -> Path | None:
     if arch in VL_ONLY_ARCHS:
         return find_mmproj(gguf_path)
     found = mmproj_files(gguf_path)
-    projector = meta(GGUFReader(found[0]), 'clip.projector_type') if len(found) == 1 else None
+    projector = meta(open_gguf(found[0]), 'clip.projector_type') if len(found) == 1 else None
     family = FAMILIES.get(projector)
     if family is not None and arch in family.text_archs:
         return found[0]
