@@ -99,13 +99,13 @@ def run_api_server(args: argparse.Namespace) -> None:
     from lmdeploy.model_source import check_model_path
     check_model_path(args.model_path)
     setup_logging(args.log_level)
-    from lmdeploy.serve.async_engine import AsyncEngine
-    from lmdeploy.serve.openai.api_server import create_app, run_server
-    from lmdeploy.vl.media import MediaPolicy
-    if args.dp > 1:
+    if args.dp > 1:  # the parent only proxies: torch loads in the replicas alone
         from lmdeploy.serve.proxy.dp import run_data_parallel
         run_data_parallel(args, run_api_server)
         return
+    from lmdeploy.serve.async_engine import AsyncEngine
+    from lmdeploy.serve.openai.api_server import create_app, run_server
+    from lmdeploy.vl.media import MediaPolicy
     media = MediaPolicy(allowed_domains=tuple(args.allowed_media_domains or ()),
                         allowed_local_path=args.allowed_local_media_path,
                         allow_private_hosts=args.allow_private_media_hosts)
