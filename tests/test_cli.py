@@ -15,9 +15,9 @@ from lmdeploy.cli.main import build_parser
 from lmdeploy.model_source import DEFAULT_MODEL, ModelNotFoundError, check_model_path, model_name
 
 
-def lmdeploy(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def lmdeploy(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, '-m', 'lmdeploy.cli.main', *args], capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env=env)
 
 
 def test_bare_commands_print_help_and_version():
@@ -100,8 +100,12 @@ def test_a_wrong_model_path_is_one_line(argv, message):
     (['--cache-max-entry-count', '3'], 'cache_max_entry_count'),
 ])
 def test_an_engine_flag_out_of_range_is_one_line(command, flags, message, tmp_path: Path):
+    """Refused before any work: torch, which cannot load here, is never imported."""
     (tmp_path / 'config.json').write_text('{}')
-    out = lmdeploy(*command, str(tmp_path), *flags)
+    (tmp_path / 'no_torch' / 'torch').mkdir(parents=True)
+    (tmp_path / 'no_torch' / 'torch' / '__init__.py').write_text("raise ImportError('torch was imported')")
+    path = os.pathsep.join([str(tmp_path / 'no_torch'), os.environ.get('PYTHONPATH', '')])
+    out = lmdeploy(*command, str(tmp_path), *flags, env={**os.environ, 'PYTHONPATH': path})
     assert out.returncode == 2, out
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith('lmdeploy: error: ') and message in lines[0], out.stderr

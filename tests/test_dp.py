@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import psutil
 from proxy_helpers import NODE_FLAGS, healthy_nodes, lmdeploy, per_node, stream_texts
@@ -60,6 +61,7 @@ def test_dp_replicas_share_the_port_and_the_cores_and_die_with_the_parent_on_sig
     url = f'http://127.0.0.1:{port}'
     try:
         wait_healthy(url, parent, timeout=300)
+        assert 'libtorch_cpu' not in Path(f'/proc/{parent.pid}/maps').read_text(), 'the proxy loaded torch'
         _serves_on_both_replicas(url, port, parent)
         _dies_with_its_replicas(parent, signal.SIGINT)
     finally:

@@ -19,7 +19,7 @@ import torch
 import xgrammar as xgr
 from helpers import assert_gone, make_engine, random_prompts
 
-from lmdeploy import GenerationConfig
+from lmdeploy import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.guided import GrammarCompiler, GrammarState
 from lmdeploy.serve.async_engine import AsyncEngine
 from lmdeploy.serve.exceptions import ErrorCode, SafeRunException
@@ -29,6 +29,7 @@ HUGE = {'type': 'object', 'additionalProperties': False, 'required': ['s', 'n'],
                        'n': {'type': 'array', 'items': {'type': 'integer', 'minimum': 0, 'maximum': 9},
                              'minItems': 2, 'maxItems': 100_000}}}
 LONG_MIN = {'type': 'string', 'minLength': 100_000}
+SMALL_CACHE = PytorchEngineConfig(num_gpu_blocks=64)  # not the default 4 GiB: zeroing that takes seconds
 
 
 def json_schema(schema: dict) -> dict:
@@ -144,7 +145,7 @@ def test_waiting_requests_share_a_compile_and_give_up_a_queued_one(tiny_llama):
              GenerationConfig(response_format={'type': 'choice', 'choice': ['yes', 'no']})]
 
     async def main():
-        engine = AsyncEngine(tiny_llama)
+        engine = AsyncEngine(tiny_llama, SMALL_CACHE)
         pool, started = engine._grammar_pool, []
         run = pool._run
         pool._run = lambda job, config: started.append(config) or run(job, config)
@@ -174,7 +175,7 @@ def test_a_compile_over_its_limit_is_killed_and_masks_match_in_process(tiny_llam
                    'a': {'type': 'array', 'items': {'type': 'integer'}, 'maxItems': 3}, 'b': {'enum': ['x', 'y']}}})]
 
     async def main():
-        engine = AsyncEngine(tiny_llama)
+        engine = AsyncEngine(tiny_llama, SMALL_CACHE)
         pool = engine._grammar_pool
         try:
             start = time.monotonic()
@@ -267,9 +268,9 @@ def test_no_worker_outlives_its_parent(tiny_llama, how):
 
 SCRIPT_WITHOUT_MAIN_GUARD = '''
 import sys
-from lmdeploy import GenerationConfig, pipeline
+from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
 print('top level')
-with pipeline(sys.argv[1]) as pipe:
+with pipeline(sys.argv[1], PytorchEngineConfig(num_gpu_blocks=64)) as pipe:
     fmt = {'type': 'json_schema', 'json_schema': {'name': 'n', 'schema': {'type': 'integer'}}}
     print(pipe('hi', gen_config=GenerationConfig(max_new_tokens=4, response_format=fmt)).text)
 '''

@@ -296,10 +296,10 @@ def run_chat(args: argparse.Namespace) -> None:
     from lmdeploy.model_source import check_model_path
     check_model_path(args.model_path)
     setup_logging(args.log_level)
+    gen, config = generation_config(args), engine_config(args)  # a bad flag is refused before torch loads
     from lmdeploy.serve.async_engine import AsyncEngine
     from lmdeploy.vl.media import MediaPolicy
-    gen = generation_config(args)
-    engine = AsyncEngine(args.model_path, engine_config(args), show_progress=False,
+    engine = AsyncEngine(args.model_path, config, show_progress=False,
                          media_policy=MediaPolicy.for_local_caller())  # /image PATH: the user's own files
     try:
         parser = pick_reasoning_parser(None if args.reasoning_parser == NO_PARSER else args.reasoning_parser,

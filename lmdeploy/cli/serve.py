@@ -99,17 +99,18 @@ def run_api_server(args: argparse.Namespace) -> None:
     from lmdeploy.model_source import check_model_path
     check_model_path(args.model_path)
     setup_logging(args.log_level)
-    from lmdeploy.serve.async_engine import AsyncEngine
-    from lmdeploy.serve.openai.api_server import create_app, run_server
-    from lmdeploy.vl.media import MediaPolicy
-    if args.dp > 1:
+    config = engine_config(args)  # a bad flag is refused before torch loads
+    if args.dp > 1:  # the parent only proxies: torch loads in the replicas alone
         from lmdeploy.serve.proxy.dp import run_data_parallel
         run_data_parallel(args, run_api_server)
         return
+    from lmdeploy.serve.async_engine import AsyncEngine
+    from lmdeploy.serve.openai.api_server import create_app, run_server
+    from lmdeploy.vl.media import MediaPolicy
     media = MediaPolicy(allowed_domains=tuple(args.allowed_media_domains or ()),
                         allowed_local_path=args.allowed_local_media_path,
                         allow_private_hosts=args.allow_private_media_hosts)
-    engine = AsyncEngine(args.model_path, engine_config(args), show_progress=False, media_policy=media)
+    engine = AsyncEngine(args.model_path, config, show_progress=False, media_policy=media)
     try:
         app = create_app(engine, args.model_name, args.api_keys, args.allow_origins, args.allow_credentials,
                          args.allow_methods, args.allow_headers, args.max_concurrent_requests, args.max_queue_size,
