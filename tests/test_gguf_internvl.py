@@ -15,9 +15,8 @@ import gguf
 import pytest
 import torch
 from safetensors.torch import load_file
-from helpers import make_engine, run
 from test_gguf import finish, llama_permute
-from test_gguf_vl import IMAGES, _tokenizer
+from test_gguf_vl import IMAGES, _tokenizer, assert_serves_like_the_original, converted_tensors
 from test_vl_families import make_processor
 from transformers import AutoConfig
 from vl_models import INTERNVL_VISION, save_tiny_vl_model
@@ -154,21 +153,11 @@ def test_gguf_pair_serves_image_prompts_like_the_original(internvl, gguf_pair):
     folder = resolve_gguf(model)
     original = {re.sub(r'^language_model\.', '', name): value
                 for name, value in load_file(f'{internvl}/model.safetensors').items()}
-    converted = {}
-    for shard in Path(folder).glob('*.safetensors'):
-        converted |= load_file(str(shard))
+    converted = converted_tensors(folder)
     assert converted.keys() == original.keys()
     assert all(torch.equal(converted[name], value) for name, value in original.items())
-    prompts = [make_processor(internvl).process(prompt) for prompt in PROMPTS]
-    from_gguf = [make_processor(folder).process(prompt) for prompt in PROMPTS]
-    assert [p.input_ids for p in from_gguf] == [p.input_ids for p in prompts]
+    _, from_gguf = assert_serves_like_the_original(internvl, model, folder)
     assert [len(image.data['pixel_values']) for image in from_gguf[2].multimodal] == [1, 5]
-    for ours, theirs in zip(from_gguf, prompts):
-        for image, reference in zip(ours.multimodal, theirs.multimodal):
-            assert all(torch.equal(image.data[key], reference.data[key]) for key in reference.data)
-    expected = run(make_engine(internvl), prompts)
-    assert run(make_engine(model), from_gguf) == expected
-    assert expected[1] != expected[2], 'the images must change the answer'
 
 
 # the remote-code checkpoints' kind of chat template (kept in llama.cpp's text file): contents joined as strings

@@ -15,10 +15,8 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from helpers import make_engine, run
 from test_gguf import finish, llama_permute, make_gguf
-from test_gguf_vl import PROMPTS, _tokenizer
-from test_vl_families import make_processor
+from test_gguf_vl import _tokenizer, assert_serves_like_the_original, converted_tensors
 from transformers import AutoConfig
 from vl_models import save_tiny_vl_model
 
@@ -157,22 +155,12 @@ def test_gguf_pair_serves_image_prompts_like_the_original(llava, gguf_pair):
     config = AutoConfig.from_pretrained(folder)
     assert config.model_type == 'llava' and config.vision_config.num_hidden_layers == 1
     original = load_file(f'{llava}/model.safetensors')
-    converted = {}
-    for shard in Path(folder).glob('*.safetensors'):
-        converted |= load_file(str(shard))
+    converted = converted_tensors(folder)
     kept = {text_name(name) or name: value for name, value in original.items()
             if 'layers.1.' not in name or not name.startswith('vision_tower.')}
     assert converted.keys() == kept.keys()
     assert all(torch.equal(converted[name], value) for name, value in kept.items() if 'post_layernorm' not in name)
-    prompts = [make_processor(llava).process(prompt) for prompt in PROMPTS]
-    from_gguf = [make_processor(folder).process(prompt) for prompt in PROMPTS]
-    assert [p.input_ids for p in from_gguf] == [p.input_ids for p in prompts]
-    for ours, theirs in zip(from_gguf, prompts):
-        for image, reference in zip(ours.multimodal, theirs.multimodal):
-            assert torch.equal(image.data['pixel_values'], reference.data['pixel_values'])
-    expected = run(make_engine(llava), prompts)
-    assert run(make_engine(model), from_gguf) == expected
-    assert expected[1] != expected[2], 'the images must change the answer'
+    assert_serves_like_the_original(llava, model, folder)
 
 
 def _rename_token(path: Path, old: str, new: str) -> None:

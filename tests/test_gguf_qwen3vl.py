@@ -20,7 +20,7 @@ from family_checks import first_step_logits
 from helpers import make_engine, run
 from test_gguf import finish
 from test_gguf_mixed import linear_formats
-from test_gguf_vl import PROMPTS, _tokenizer
+from test_gguf_vl import PROMPTS, _tokenizer, assert_serves_like_the_original, converted_tensors
 from test_vl_families import make_processor
 from transformers import AutoConfig
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -170,22 +170,11 @@ def tmp_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 def test_gguf_pair_serves_image_prompts_like_the_original(qwen3_vl, gguf_pair):
     model = str(gguf_pair / MODEL)
     folder = resolve_gguf(model)
-    original = _per_expert(_checkpoint(qwen3_vl))
-    converted = {}
-    for shard in Path(folder).glob('*.safetensors'):
-        converted |= load_file(str(shard))
+    original, converted = _per_expert(_checkpoint(qwen3_vl)), converted_tensors(folder)
     assert converted.keys() == original.keys()
     assert all(torch.equal(converted[name], value) for name, value in original.items())
     assert AutoConfig.from_pretrained(folder).vision_config.deepstack_visual_indexes == [0, 2]
-    prompts = [make_processor(qwen3_vl).process(prompt) for prompt in PROMPTS]
-    from_gguf = [make_processor(folder).process(prompt) for prompt in PROMPTS]
-    assert [p.input_ids for p in from_gguf] == [p.input_ids for p in prompts]
-    for ours, theirs in zip(from_gguf, prompts):
-        for image, reference in zip(ours.multimodal, theirs.multimodal):
-            assert all(torch.equal(image.data[key], reference.data[key]) for key in reference.data)
-    expected = run(make_engine(qwen3_vl), prompts)
-    assert run(make_engine(model), from_gguf) == expected
-    assert expected[1] != expected[2], 'the images must change the answer'
+    prompts, from_gguf = assert_serves_like_the_original(qwen3_vl, model, folder)
     assert torch.equal(first_step_logits(make_engine(model), from_gguf),
                        first_step_logits(make_engine(qwen3_vl), prompts))
 

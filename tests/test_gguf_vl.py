@@ -130,24 +130,37 @@ def tmp_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(tmp_path / 'cache'))
 
 
-def test_gguf_pair_serves_image_prompts_like_the_original(qwen2_vl, gguf_pair):
-    model = str(gguf_pair / 'Qwen2-VL-tiny-F32.gguf')
-    folder = resolve_gguf(model)
-    original = load_file(f'{qwen2_vl}/model.safetensors')
-    converted = {}
+def converted_tensors(folder: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a converted folder's shards."""
+    tensors = {}
     for shard in Path(folder).glob('*.safetensors'):
-        converted |= load_file(str(shard))
-    assert converted.keys() == original.keys()
-    assert all(torch.equal(converted[name], value) for name, value in original.items())
-    prompts = [make_processor(qwen2_vl).process(prompt) for prompt in PROMPTS]
+        tensors |= load_file(str(shard))
+    return tensors
+
+
+def assert_serves_like_the_original(original: str, model: str, folder: str) -> tuple[list, list]:
+    """The converted pair's processor (``folder``) gives the original's input ids and image tensors on ``PROMPTS``,
+    and the engine on the GGUF file ``model`` the original's greedy tokens, which the images change; returns both
+    sides' processed prompts."""
+    prompts = [make_processor(original).process(prompt) for prompt in PROMPTS]
     from_gguf = [make_processor(folder).process(prompt) for prompt in PROMPTS]
     assert [p.input_ids for p in from_gguf] == [p.input_ids for p in prompts]
     for ours, theirs in zip(from_gguf, prompts):
         for image, reference in zip(ours.multimodal, theirs.multimodal):
             assert all(torch.equal(image.data[key], reference.data[key]) for key in reference.data)
-    expected = run(make_engine(qwen2_vl), prompts)
+    expected = run(make_engine(original), prompts)
     assert run(make_engine(model), from_gguf) == expected
     assert expected[1] != expected[2], 'the images must change the answer'
+    return prompts, from_gguf
+
+
+def test_gguf_pair_serves_image_prompts_like_the_original(qwen2_vl, gguf_pair):
+    model = str(gguf_pair / 'Qwen2-VL-tiny-F32.gguf')
+    folder = resolve_gguf(model)
+    original, converted = load_file(f'{qwen2_vl}/model.safetensors'), converted_tensors(folder)
+    assert converted.keys() == original.keys()
+    assert all(torch.equal(converted[name], value) for name, value in original.items())
+    assert_serves_like_the_original(qwen2_vl, model, folder)
 
 
 def test_mmproj_missing_doubled_mismatched_or_incomplete(gguf_pair, tmp_path):
