@@ -32,6 +32,20 @@ def assert_first_logits_close(engine: Engine, prompts, refs: list[torch.Tensor],
         assert (logits[row] - ref).abs().max().item() < bound
 
 
+def assert_vl_matches_transformers(path: str, hf_model, prompts, inputs: list[dict]) -> list[list[int]]:
+    """A vision-language model's 32 greedy tokens of ``prompts`` in one batch equal transformers' ``generate`` on
+    ``inputs`` (its inputs of each prompt), and the first step's logits are within 1e-3; returns the tokens."""
+    outs = run(make_engine(path), prompts)
+    for prompt, out, hf_input in zip(prompts, outs, inputs):
+        expected = hf_model.generate(**hf_input, max_new_tokens=32, do_sample=False, top_k=None, top_p=None,
+                                     temperature=None)
+        assert out == expected[0, len(prompt.input_ids):].tolist()
+    with torch.no_grad():
+        refs = [hf_model(**hf_input).logits[0, -1] for hf_input in inputs]
+    assert_first_logits_close(make_engine(path), prompts, refs)
+    return outs
+
+
 def hf_last_logits(hf_model, prompt: list[int]) -> torch.Tensor:
     """transformers' logits at the last position of ``prompt``."""
     with torch.no_grad():

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from family_checks import assert_batched_chunked_and_cached_equal_solo, assert_first_logits_close
+from family_checks import assert_batched_chunked_and_cached_equal_solo, assert_vl_matches_transformers
 from helpers import add_requests, collect, make_engine, run
 from safetensors.torch import load_file, save_file
 from test_vl_families import make_processor
@@ -42,17 +42,7 @@ def hf_inputs(model, prompt: ProcessedPrompt) -> dict[str, torch.Tensor]:
 
 
 def assert_matches_transformers(path: str, hf_model, prompts: list[ProcessedPrompt]) -> list[list[int]]:
-    """32 greedy tokens of ``prompts`` in one batch and their first-step logits (within 1e-3) equal
-    transformers'; returns the tokens."""
-    outs = run(make_engine(path), prompts)
-    for prompt, out in zip(prompts, outs):
-        expected = hf_model.generate(**hf_inputs(hf_model, prompt), max_new_tokens=32, do_sample=False, top_k=None,
-                                     top_p=None, temperature=None)
-        assert out == expected[0, len(prompt.input_ids):].tolist()
-    with torch.no_grad():
-        refs = [hf_model(**hf_inputs(hf_model, prompt)).logits[0, -1] for prompt in prompts]
-    assert_first_logits_close(make_engine(path), prompts, refs)
-    return outs
+    return assert_vl_matches_transformers(path, hf_model, prompts, [hf_inputs(hf_model, p) for p in prompts])
 
 
 def test_text_prompts_match_transformers(gemma3, hf_model):
