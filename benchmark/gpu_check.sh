@@ -66,7 +66,9 @@ part "engine vs transformers (CUDA)" 120 "$SCALE_SLOT" env LMDEPLOY_TEST_DEVICE=
     'tests/test_quant_checkpoints.py::test_engine_matches_transformers_on_the_dequantized_weights[awq-False]' \
     'tests/test_quant_checkpoints.py::test_engine_matches_transformers_on_the_dequantized_weights[gptq-True]' \
     tests/test_mxfp4.py::test_mxfp4_checkpoint_kept_as_mxfp4_matches_transformers \
-    tests/test_sliding_kv.py::test_tokens_match_transformers_beyond_the_window_with_bounded_sliding_blocks
+    tests/test_sliding_kv.py::test_tokens_match_transformers_beyond_the_window_with_bounded_sliding_blocks \
+    tests/test_gemma3_vl.py::test_image_prompts_match_transformers \
+    'tests/test_glm4_moe.py::test_greedy_and_first_logits_match_transformers[glm45]'
 part "kernel throughput" 30 "$SCALE_SLOT" $PY benchmark/kernel_bench.py --device cuda
 part "GGUF Q6_K/Q8_0 GEMMs" 30 "$SCALE_SLOT" $PY benchmark/kernel_bench.py --device cuda --gguf --budget 25
 part "offline throughput (default model, CUDA)" 60 "$SCALE_SLOT" $PY benchmark/throughput.py --device cuda \
