@@ -162,7 +162,9 @@ def linear_formats(engine: Engine) -> dict[str, str | list[str]]:
 
 def test_served_types_by_engine_layer():
     """Stacked layers take their parts' one type, or the list of their parts' types where they differ; a fused
-    tensor (Phi-3's qkv_proj) is all the parts; layers the engine may not stack so are dequantized."""
+    tensor (Phi-3's qkv_proj) is all the parts; layers the engine may not stack so are dequantized. A shared
+    expert's projections (GLM-4.5's and DeepSeek's ``shared_experts``) are listed like an MLP's (DeepSeek's files
+    keep only their routed experts, ``gguf_config``)."""
     tensors = [('model.layers.0.self_attn.q_proj.weight', 'Q4_K'), ('model.layers.0.self_attn.k_proj.weight', 'Q4_K'),
                ('model.layers.0.self_attn.v_proj.weight', 'Q6_K'), ('model.layers.0.self_attn.q_proj.bias', 'F32'),
                ('model.layers.0.mlp.gate_proj.weight', 'Q8_0'), ('model.layers.0.mlp.up_proj.weight', 'Q8_0'),
@@ -173,7 +175,8 @@ def test_served_types_by_engine_layer():
                ('model.layers.2.mlp.shared_experts.down_proj.weight', 'Q8_0')]
     assert served_types(tensors) == {'layers.0.self_attn.qkv_proj': ['Q4_K', 'Q4_K', 'Q6_K'],
                                      'layers.0.mlp.gate_up_proj': 'Q8_0', 'layers.1.self_attn.qkv_proj': 'Q4_K',
-                                     'layers.1.mlp.gate_up_proj': 'Q8_0'}
+                                     'layers.1.mlp.gate_up_proj': 'Q8_0',
+                                     'layers.2.mlp.shared_experts.down_proj': 'Q8_0'}
     assert served_types(tensors, raw_types=()) == {}
 
 
