@@ -274,9 +274,12 @@ def _save_tokenizer(gguf_path: Path, out_dir: Path, reader: GGUFReader) -> None:
     from transformers.integrations.gguf.gguf_tokenizer_mapping import set_split_regex
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
-    # AutoTokenizer reads a GGUF tokenizer only where transformers reads the model too (not GLM, SmolLM3)
+    # AutoTokenizer reads a GGUF tokenizer only where transformers reads the model too (not GLM, SmolLM3), and
+    # would save a byte-level vocabulary of a Gemma file as GemmaTokenizer, which rebuilds it as SentencePiece's
     arch = _meta(reader, 'general.architecture')
-    loader = AutoTokenizer if arch in GGUF_SUPPORTED_ARCHITECTURES else PreTrainedTokenizerFast
+    byte_level_gemma = arch.startswith('gemma') and _meta(reader, 'tokenizer.ggml.model') == 'gpt2'
+    supported = arch in GGUF_SUPPORTED_ARCHITECTURES and not byte_level_gemma
+    loader = AutoTokenizer if supported else PreTrainedTokenizerFast
     tokenizer = loader.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     split = _PRE_TOKENIZER_SPLITS.get(_meta(reader, 'tokenizer.ggml.pre'))
     if split is not None:
