@@ -6,6 +6,7 @@ whose language model is written as convert_hf_to_gguf.py's Gemma3Model writes it
 safetensors original on text, one-image and two-image prompts; and the errors for an incomplete mmproj."""
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -42,6 +43,7 @@ def write_gemma3_gguf(model_dir: str, out: Path) -> None:
     writer.add_key_length(text.head_dim)
     writer.add_value_length(text.head_dim)
     writer.add_rope_freq_base(text.rope_parameters['full_attention']['rope_theta'])
+    writer.add_rope_freq_base_swa(text.rope_parameters['sliding_attention']['rope_theta'])
     writer.add_sliding_window(text.sliding_window)
     writer.add_head_count_kv(text.num_key_value_heads)
     _tokenizer(model_dir, writer)
@@ -80,7 +82,10 @@ def write_gemma3_mmproj(model_dir: str, out: Path, skip_key: str | None = None) 
     writer.add_clip_projector_type(gguf.VisionProjectorType.GEMMA3)
     writer.add_vision_attention_layernorm_eps(vision.layer_norm_eps)
     writer.add_vision_use_gelu(True)
-    writer.add_vision_projector_scale_factor(side // int(config.mm_tokens_per_image**0.5))  # not llama.cpp's 4
+    image_seq_length = json.loads(Path(model_dir, 'preprocessor_config.json').read_text())['image_seq_length']
+    scale_factor = side // int(image_seq_length**0.5)
+    if scale_factor not in (0, 4):  # the converter writes only a scale other than llama.cpp's
+        writer.add_vision_projector_scale_factor(scale_factor)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, vision.num_hidden_layers)
     for name, value in load_file(f'{model_dir}/model.safetensors').items():
         if name.startswith('vision_tower.head.') or name.startswith('language_model.'):
@@ -98,11 +103,13 @@ def write_gemma3_mmproj(model_dir: str, out: Path, skip_key: str | None = None) 
 @pytest.fixture(scope='module')
 def gemma3(tmp_path_factory) -> str:
     """A tiny Gemma 3 that llama.cpp represents, its input projection holding float16 values (which the file keeps
-    exactly)."""
+    exactly), its ``image_seq_length`` in the image processor's config, where the converter reads it."""
     with pytest.MonkeyPatch.context() as patch:
         for key, value in LLAMA_CPP_TEXT.items():
             patch.setitem(GEMMA3_TEXT, key, value)
         path = save_tiny_vl_model('gemma3', str(tmp_path_factory.mktemp('gemma3')))
+    processor = Path(path, 'preprocessor_config.json')  # the hub's Gemma 3 files name the tokens per image there
+    processor.write_text(json.dumps(json.loads(processor.read_text()) | {'image_seq_length': 4}))
     state = load_file(f'{path}/model.safetensors')
     state[INPUT_PROJECTION] = state[INPUT_PROJECTION].half().float()
     save_file(state, f'{path}/model.safetensors', metadata={'format': 'pt'})
