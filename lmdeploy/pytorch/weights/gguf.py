@@ -79,7 +79,7 @@ _EXPERTS = re.compile(r'blk\.\d+\.ffn_(gate|up|down)_exps\.weight')
 # llama.cpp pre-tokenizers that transformers' GGUF reader does not know, by the one of its splits they use
 # (GLM-4's is Llama 3's); without one it would split text as GPT-2 does
 _PRE_TOKENIZER_SPLITS = {'chatglm-bpe': 'llama-bpe', 'glm4': 'llama-bpe'}
-_CACHE_FORMAT = 12  # bump when the converted output changes, so stale cache entries are not reused
+_CACHE_FORMAT = 13  # bump when the converted output changes, so stale cache entries are not reused
 
 
 def cache_dir() -> Path:
