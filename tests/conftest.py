@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -153,3 +154,10 @@ def api_server(tiny_llama):
     from server_helpers import serve, tiny_engine
 
     yield from serve(tiny_engine(tiny_llama), model_name='tiny')
+
+
+@pytest.fixture
+def tmp_gguf_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A test's own cache folder (``LMDEPLOY_CACHE_DIR``): GGUF files convert afresh into it."""
+    monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(tmp_path / 'cache'))
+    return tmp_path / 'cache'

@@ -22,6 +22,8 @@ from vl_models import GEMMA3_TEXT, save_tiny_vl_model
 
 from lmdeploy.pytorch.weights.gguf import resolve_gguf
 
+pytestmark = pytest.mark.usefixtures('tmp_gguf_cache')
+
 INPUT_PROJECTION = 'multi_modal_projector.mm_input_projection_weight'
 # what llama.cpp can represent: queries scaled by 1/sqrt(head_dim), local layers on rope base 10000, every layer
 # local (its fixed step of six for Gemma 3), no padding rows in the embedding (the converter cuts them)
@@ -122,11 +124,6 @@ def gguf_pair(gemma3, tmp_path_factory) -> Path:
     write_gemma3_gguf(gemma3, folder / 'gemma-3-tiny-F32.gguf')
     write_gemma3_mmproj(gemma3, folder / 'mmproj-gemma-3-tiny-F32.gguf')
     return folder
-
-
-@pytest.fixture(autouse=True)
-def tmp_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(tmp_path / 'cache'))
 
 
 def test_gguf_pair_serves_image_prompts_like_the_original(gemma3, gguf_pair):

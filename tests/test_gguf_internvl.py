@@ -23,6 +23,8 @@ from vl_models import INTERNVL_VISION, save_tiny_vl_model
 
 from lmdeploy.pytorch.weights.gguf import resolve_gguf
 
+pytestmark = pytest.mark.usefixtures('tmp_gguf_cache')
+
 # a 150 x 100 image takes 2 x 2 tiles and a thumbnail
 PROMPTS = ['plain text', ('describe', IMAGES[0]), ('compare', [IMAGES[1], IMAGES[2]])]
 # transformers' InternVL names -> the remote-code checkpoints' (transformers' convert_internvl_weights_to_hf.py
@@ -141,11 +143,6 @@ def gguf_pair(internvl, tmp_path_factory) -> Path:
     write_text_gguf(internvl, folder / 'InternVL3-tiny-F32.gguf')
     write_mmproj(internvl, folder / 'mmproj-InternVL3-tiny-F32.gguf')
     return folder
-
-
-@pytest.fixture(autouse=True)
-def tmp_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(tmp_path / 'cache'))
 
 
 def test_gguf_pair_serves_image_prompts_like_the_original(internvl, gguf_pair):

@@ -22,6 +22,8 @@ from vl_models import save_tiny_vl_model
 
 from lmdeploy.pytorch.weights.gguf import resolve_gguf
 
+pytestmark = pytest.mark.usefixtures('tmp_gguf_cache')
+
 TEXT_ARCHS = {'llama': gguf.MODEL_ARCH.LLAMA, 'qwen2': gguf.MODEL_ARCH.QWEN2, 'qwen3': gguf.MODEL_ARCH.QWEN3}
 # the legacy script's names for a CLIP tower's tensors (its string replacements, applied to ``vision_model.*``)
 LEGACY_NAMES = {'embeddings.class_embedding': 'v.class_embd',
@@ -142,11 +144,6 @@ def gguf_pair(llava, tmp_path_factory) -> Path:
     qwen2 = AutoConfig.from_pretrained(llava).text_config.model_type == 'qwen2'
     write_llava_mmproj(llava, folder / 'mmproj-model-f32.gguf', feature_layer=qwen2)
     return folder
-
-
-@pytest.fixture(autouse=True)
-def tmp_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(tmp_path / 'cache'))
 
 
 def test_gguf_pair_serves_image_prompts_like_the_original(llava, gguf_pair):

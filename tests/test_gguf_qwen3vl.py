@@ -20,7 +20,8 @@ from family_checks import first_step_logits
 from helpers import make_engine, run
 from test_gguf import finish
 from test_gguf_mixed import linear_formats
-from test_gguf_vl import PROMPTS, _tokenizer, assert_serves_like_the_original, converted_tensors
+from test_gguf_vl import (PROMPTS, _tokenizer, add_qwen_vl_text_metadata, assert_serves_like_the_original,
+                         converted_tensors)
 from test_vl_families import make_processor
 from transformers import AutoConfig
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -29,6 +30,8 @@ from vl_models import QWEN3_MOE_TEXT, QWEN3_VISION, save_tiny_vl_model
 from lmdeploy.pytorch.nn.moe import FusedExperts
 from lmdeploy.pytorch.weights.gguf import convert_gguf, resolve_gguf
 from lmdeploy.pytorch.weights.gguf_vl.qwen3 import QWEN3_PIXELS
+
+pytestmark = pytest.mark.usefixtures('tmp_gguf_cache')
 
 MODEL, MMPROJ = 'Qwen3-VL-tiny-F32.gguf', 'mmproj-Qwen3-VL-tiny-F32.gguf'
 
@@ -66,15 +69,7 @@ def write_qwen3vl_gguf(model_dir: str, out: Path) -> None:
     moe = config.model_type == 'qwen3_vl_moe'
     arch = gguf.MODEL_ARCH.QWEN3VLMOE if moe else gguf.MODEL_ARCH.QWEN3VL
     writer = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])
-    writer.add_block_count(text.num_hidden_layers)
-    writer.add_context_length(text.max_position_embeddings)
-    writer.add_embedding_length(text.hidden_size)
-    writer.add_feed_forward_length(text.intermediate_size)
-    writer.add_head_count(text.num_attention_heads)
-    writer.add_head_count_kv(text.num_key_value_heads)
-    writer.add_rope_dimension_sections([*text.rope_parameters['mrope_section'], 0])
-    writer.add_rope_freq_base(text.rope_parameters['rope_theta'])
-    writer.add_layer_norm_rms_eps(text.rms_norm_eps)
+    add_qwen_vl_text_metadata(writer, text)
     if moe:
         writer.add_expert_count(text.num_experts)
         writer.add_expert_used_count(text.num_experts_per_tok)
@@ -160,11 +155,6 @@ def gguf_pair(qwen3_vl, tmp_path_factory) -> Path:
     write_qwen3vl_gguf(qwen3_vl, folder / MODEL)
     write_qwen3vl_mmproj(qwen3_vl, folder / MMPROJ)
     return folder
-
-
-@pytest.fixture(autouse=True)
-def tmp_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(tmp_path / 'cache'))
 
 
 def test_gguf_pair_serves_image_prompts_like_the_original(qwen3_vl, gguf_pair):

@@ -21,6 +21,8 @@ from vl_models import QWEN25_VISION, QWEN_VISION, random_image, save_tiny_vl_mod
 
 from lmdeploy.pytorch.weights.gguf import resolve_gguf
 
+pytestmark = pytest.mark.usefixtures('tmp_gguf_cache')
+
 # sizes whose Qwen2-VL grids lie within both the tiny model's pixel limits and the image processor's defaults
 IMAGES = [random_image(1), random_image(2, (60, 60)), random_image(3, (100, 80))]
 PROMPTS = ['plain text', ('describe', IMAGES[0]), ('compare', [IMAGES[1], IMAGES[2]])]
@@ -44,19 +46,24 @@ def _tokenizer(model_dir: str, writer: gguf.GGUFWriter) -> None:
     writer.add_chat_template(tokenizer.chat_template)
 
 
+def add_qwen_vl_text_metadata(writer: gguf.GGUFWriter, text) -> None:
+    """A Qwen-VL language model's shape, M-RoPE sections and norm epsilon, as the converter writes them."""
+    writer.add_block_count(text.num_hidden_layers)
+    writer.add_context_length(text.max_position_embeddings)
+    writer.add_embedding_length(text.hidden_size)
+    writer.add_feed_forward_length(text.intermediate_size)
+    writer.add_head_count(text.num_attention_heads)
+    writer.add_head_count_kv(text.num_key_value_heads)
+    writer.add_rope_dimension_sections([*text.rope_parameters['mrope_section'], 0])
+    writer.add_rope_freq_base(text.rope_parameters['rope_theta'])
+    writer.add_layer_norm_rms_eps(text.rms_norm_eps)
+
+
 def write_qwen2vl_gguf(model_dir: str, out: Path) -> None:
     """The language model as convert_hf_to_gguf.py's Qwen2VLModel writes it (float32)."""
     config = AutoConfig.from_pretrained(model_dir).text_config
     writer = gguf.GGUFWriter(str(out), 'qwen2vl')
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_dimension_sections([*config.rope_parameters['mrope_section'], 0])
-    writer.add_rope_freq_base(config.rope_parameters['rope_theta'])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    add_qwen_vl_text_metadata(writer, config)
     _tokenizer(model_dir, writer)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2VL, config.num_hidden_layers)
     for name, value in load_file(f'{model_dir}/model.safetensors').items():
@@ -123,11 +130,6 @@ def gguf_pair(qwen2_vl, tmp_path_factory) -> Path:
     write_qwen2vl_gguf(qwen2_vl, folder / 'Qwen2-VL-tiny-F32.gguf')
     write_mmproj(qwen2_vl, folder / 'mmproj-Qwen2-VL-tiny-F32.gguf')
     return folder
-
-
-@pytest.fixture(autouse=True)
-def tmp_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(tmp_path / 'cache'))
 
 
 def converted_tensors(folder: str) -> dict[str, torch.Tensor]:
