@@ -183,7 +183,7 @@ def test_fields_are_named(native_gemms):
                            (dict(sliding_window=0), 'window is positive')]:
         with pytest.raises(RuntimeError, match=match):
             native_gemms.DecoderStack(layers=[native_gemms.LayerWeights(**{**layer, **options})], **stack)
-    with pytest.raises(RuntimeError, match="'bf16', 'w8a8', 'int4', 'q4k', 'q6k' or 'onednn'"):
+    with pytest.raises(RuntimeError, match="'bf16', 'w8a8', 'int4', 'q4k', 'q6k', 'onednn' or 'fp32'"):
         native_gemms.Projection(kind='int2', weight=weight)
     with pytest.raises(RuntimeError, match='scale bytes'):
         native_gemms.Projection(kind='q4k', weight=weight.to(torch.uint8), scale=torch.ones(32).half())

@@ -1,7 +1,8 @@
-"""MoE families (Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE) in the native decoder stack: the stack's
-``MoEBlock`` (``kernels/cpu/moe_block.cpp``) against ``SparseMoeBlock``'s forward, on dense bf16 experts and on a
-GGUF file's Q4_K and Q6_K experts: every step's hidden states are equal, over chunked prefills, mixed and decode
-steps; where an expert kind has no native kernel (Q8_0) the layers keep their forward."""
+"""MoE families (Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE, GLM-4.5 with DeepSeek-V3's grouped routing)
+in the native decoder stack: the stack's ``MoEBlock`` (``kernels/cpu/moe_block.cpp``) against ``SparseMoeBlock``'s
+and ``DeepseekV3MoE``'s forward, on dense bf16 experts and on a GGUF file's Q4_K and Q6_K experts: every step's
+hidden states are equal, over chunked prefills, mixed and decode steps; where an expert kind has no native kernel
+(Q8_0) the layers keep their forward."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,12 +13,15 @@ from conftest import save_tiny_model
 from gguf import GGMLQuantizationType as Q
 from helpers import random_prompts, run
 from test_decoder_stack import ENGINE, check_every_step
+from test_glm4_moe import VARIANTS, save_glm4_moe
+from test_gguf_glm4moe import write_k_quant_glm4_moe
 from test_gguf_mixed import write_mixed_gguf
 from test_gguf_moe import FILES
 
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.kernels import cpu
+from lmdeploy.pytorch.models.deepseek_v3 import DeepseekV3MoE
 from lmdeploy.pytorch.models.moe import SparseMoeBlock
 from lmdeploy.pytorch.nn.quant.cpu_bf16 import NativeBf16Kernel, OneDnnKernel
 from lmdeploy.pytorch.weights.gguf import convert_gguf
@@ -28,11 +32,18 @@ MOE_MODELS = {'mixtral': ('mixtral', {}), 'qwen2_moe': ('qwen2_moe', {}), 'qwen3
 # GGUF files whose experts all run on native GEMVs: Q4_K (the Q4_K GEMV up to 16 rows, the int4 GEMV above) and a
 # Q6_K down in one layer (Qwen2-MoE: its shared expert's down too)
 NATIVE_FILES = {'qwen3_moe': {'blk.0.ffn_down_exps': Q.Q6_K, 'default': Q.Q4_K},
-                'qwen2_moe': FILES['qwen2_moe'][0], 'mixtral': {'default': Q.Q4_K}}
+                'qwen2_moe': FILES['qwen2_moe'][0], 'mixtral': {'default': Q.Q4_K},
+                'glm4_moe': {'blk.1.ffn_down_exps': Q.Q6_K, 'blk.2.ffn_down_shexp': Q.Q6_K, 'default': Q.Q4_K}}
 
 
-def moe_blocks(engine: Engine) -> list[SparseMoeBlock]:
-    return [m for m in engine.runner.model.modules() if isinstance(m, SparseMoeBlock)]
+def moe_blocks(engine: Engine) -> list[SparseMoeBlock | DeepseekV3MoE]:
+    return [m for m in engine.runner.model.modules() if isinstance(m, (SparseMoeBlock, DeepseekV3MoE))]
+
+
+def save_moe(kind: str, path: str) -> str:
+    """A tiny random model of ``kind``: a MoE family of ``conftest``'s, or GLM-4.5 (``glm4_moe``: two groups of
+    experts of which one is chosen, a correction bias, a routed scaling of 2.5, attention biases)."""
+    return save_glm4_moe(path, **VARIANTS['glm45']) if kind == 'glm4_moe' else save_tiny_model(kind, path)
 
 
 def run_checked(engine: Engine, monkeypatch, batched_equals_solo: bool = True) -> list[tuple[int, int]]:
@@ -69,12 +80,66 @@ def test_bf16_moe_stack_equals_the_layers(model, tmp_path, native_gemms, monkeyp
     assert any(prefill == rows == 48 for prefill, rows in steps) and (0, 1) in steps
 
 
-def test_shared_expert_small_steps_on_int4_copies(tmp_path, native_gemms, monkeypatch):
-    """With ``decode_int4`` Qwen2-MoE's shared expert keeps 4-bit copies for steps of up to two tokens: those
-    steps run in the stack's small-step layers, on the copies, equal to the layers' forward."""
+@pytest.mark.parametrize('variant', sorted(VARIANTS))
+def test_glm45_stack_equals_the_layers(variant, tmp_path, native_gemms, monkeypatch):
+    """GLM-4.5 (``glm45``: q/k/v biases, two groups of four experts of which one is chosen, a routed scaling of 2.5;
+    ``glm45_air_qk_norm``: q/k norms, one group), its dense first layer and partial rotary: every layer in the
+    stack, the MoE layers as ``MoEBlock``s routed ``noaux_tc`` (fp32 router, ungated shared expert), equal to the
+    layers' forward at every step."""
+    engine = Engine(save_glm4_moe(str(tmp_path), **VARIANTS[variant]),
+                    PytorchEngineConfig(max_prefill_token_num=48, **ENGINE), show_progress=False)
+    assert engine.runner.model.native_stack is not None
+    blocks = moe_blocks(engine)
+    assert len(blocks) == 2 and all(block.native_moe() is not None for block in blocks)
+    steps = run_checked(engine, monkeypatch)
+    assert any(0 < prefill < rows for prefill, rows in steps) and any(prefill == 0 for prefill, _ in steps)
+    assert any(prefill == rows == 48 for prefill, rows in steps) and (0, 1) in steps
+
+
+def glm45_blocks(path: str) -> list[DeepseekV3MoE]:
+    """The MoE blocks of a bf16 engine on GLM-4.5 at ``path``, on the native GEMMs."""
+    return moe_blocks(Engine(path, PytorchEngineConfig(**ENGINE), show_progress=False))
+
+
+@pytest.mark.parametrize('tokens', [1, 5, 40])
+def test_glm45_block_equals_the_python_forward(tokens, tmp_path, native_gemms):
+    """GLM-4.5's ``MoEBlock`` alone gives ``DeepseekV3MoE.forward``'s output bit for bit."""
+    g = torch.Generator().manual_seed(tokens)
+    for block in glm45_blocks(save_moe('glm4_moe', str(tmp_path))):
+        x = torch.randn(tokens, 48, generator=g).bfloat16()
+        assert torch.equal(block.native_moe()(x=x), block(x))
+
+
+def test_glm45_routing_options_change_the_block(tmp_path, native_gemms, monkeypatch):
+    """Each part of the grouped routing counts, in the stack's block as in the Python forward: on 40 tokens, no
+    correction bias, all groups allowed, a scaling of 1 or no renormalization each change the output (the bias and
+    the groups by choosing other experts), and the block follows the forward in each."""
+    block = glm45_blocks(save_moe('glm4_moe', str(tmp_path)))[0]
+    assert (block.num_groups, block.topk_groups, block.scaling) == (2, 1, 2.5)
+    x = torch.randn(40, 48, generator=torch.Generator().manual_seed(0)).bfloat16()
+    logits = torch.nn.functional.linear(x.float(), block.gate.weight)
+    expected, (_, ids) = block(x), block.route(logits)
+    no_bias = torch.nn.Parameter(torch.zeros_like(block.gate.e_score_correction_bias), requires_grad=False)
+    for owner, name, value, reroutes in [(block.gate, 'e_score_correction_bias', no_bias, True),
+                                         (block, 'topk_groups', 2, True), (block, 'scaling', 1.0, False),
+                                         (block, 'renormalize', False, False)]:
+        with monkeypatch.context() as patch:
+            patch.setattr(owner, name, value)
+            changed = block(x)
+            assert torch.equal(block.native_moe()(x=x), changed), name
+            assert not torch.equal(changed, expected), name
+            other_ids = block.route(logits)[1]
+            assert (not torch.equal(other_ids.sort(-1)[0], ids.sort(-1)[0])) == reroutes, name
+
+
+@pytest.mark.parametrize('kind', ['qwen2_moe', 'glm4_moe'])
+def test_shared_expert_small_steps_on_int4_copies(kind, tmp_path, native_gemms, monkeypatch):
+    """With ``decode_int4`` the shared expert (Qwen2-MoE's gated one, GLM-4.5's ungated one) keeps 4-bit copies for
+    steps of up to two tokens: those steps run in the stack's small-step layers, on the copies, equal to the layers'
+    forward."""
     if cpu.int4_gemv() is None:
         pytest.skip('the native int4 GEMV needs AVX512-BF16')
-    engine = Engine(save_tiny_model('qwen2_moe', str(tmp_path)), PytorchEngineConfig(decode_int4=True, **ENGINE),
+    engine = Engine(save_moe(kind, str(tmp_path)), PytorchEngineConfig(decode_int4=True, **ENGINE),
                     show_progress=False)
     stack = engine.runner.model.native_stack
     assert stack.small is not None and stack.small_step_rows == 2
@@ -91,7 +156,10 @@ def gguf_moe(tmp_path_factory):
         key = (kind, tuple(sorted((name, int(t)) for name, t in types.items())))
         if key not in paths:
             tmp = tmp_path_factory.mktemp(f'gguf_{kind}')
-            write_mixed_gguf(kind, tmp / 'hf', tmp / 'model.gguf', types)
+            if kind == 'glm4_moe':
+                write_k_quant_glm4_moe(tmp / 'hf', tmp / 'model.gguf', types)
+            else:
+                write_mixed_gguf(kind, tmp / 'hf', tmp / 'model.gguf', types)
             convert_gguf(str(tmp / 'model.gguf'), str(tmp / 'served'))
             paths[key] = tmp / 'served'
         return paths[key]
@@ -103,7 +171,7 @@ def gguf_moe(tmp_path_factory):
 def test_gguf_experts_stack_equals_the_layers(kind, gguf_moe, native_gemms, monkeypatch):
     """bf16 on a GGUF file: Q4_K experts on the Q4_K GEMV for an expert's share of up to 16 rows and on the int4
     GEMV above, Q6_K experts on the Q6_K GEMV, in steps of both sizes; equal to the layers' forward (Qwen2-MoE's
-    Q6_K shared down runs its large steps on the bf16 GEMM, hence the native one here)."""
+    and GLM-4.5's Q6_K shared down runs its large steps on the bf16 GEMM, hence the native one here)."""
     if cpu.int4_gemv() is None or cpu.q6k_gemv() is None:
         pytest.skip('the native GEMVs need AVX512-BF16')
     engine = Engine(str(gguf_moe(kind, NATIVE_FILES[kind])),
@@ -146,11 +214,13 @@ def test_fp32_keeps_the_layers(tmp_path):
     assert all(block.native_moe() is None for block in moe_blocks(engine))
 
 
-def test_without_native_kernels_keeps_the_layers(tmp_path, monkeypatch):
+@pytest.mark.parametrize('kind', ['qwen2_moe', 'glm4_moe'])
+def test_without_native_kernels_keeps_the_layers(kind, tmp_path, monkeypatch):
     """Without the native kernels (no compiler, ``LMDEPLOY_CPU_KERNELS=0``) a bf16 MoE model runs its layers."""
     monkeypatch.setattr(cpu, 'native', lambda: None)
-    engine = Engine(save_tiny_model('qwen2_moe', str(tmp_path)), PytorchEngineConfig(**ENGINE), show_progress=False)
+    engine = Engine(save_moe(kind, str(tmp_path)), PytorchEngineConfig(**ENGINE), show_progress=False)
     assert engine.runner.model.native_stack is None
+    assert all(block.native_moe() is None for block in moe_blocks(engine))
     outs = run(engine, random_prompts([9], seed=3), GenerationConfig(max_new_tokens=3, ignore_eos=True))
     assert [len(out) for out in outs] == [3]
 
@@ -161,18 +231,39 @@ def test_bad_blocks_are_refused(native_gemms):
     weight = torch.zeros(32, 16, dtype=torch.bfloat16)
     proj = native_gemms.Projection(kind='bf16', weight=native_gemms.pack_bf16_weight(weight))
     dense = dict(gate_up=torch.zeros(4, 32, 16, dtype=torch.bfloat16), down=torch.zeros(4, 16, 16, dtype=torch.bfloat16))
-    native_gemms.MoEBlock(router=proj, top_k=2, renormalize=True, **dense)
+    native_gemms.MoEBlock(router=proj, top_k=2, renormalize=True, routing='softmax', **dense)
     for options, match in [({}, 'dense gate_up and down, or each'),
                            (dict(**dense, expert_gate_up=[proj], expert_down=[proj]), 'dense gate_up and down, or each'),
                            (dict(expert_gate_up=[proj, proj], expert_down=[proj]), 'as many of each'),
                            (dict(gate_up=dense['gate_up'], down=torch.zeros(3, 16, 16)), r'\[E, 2I, H\]'),
                            (dict(**dense, top_k=5), '1 to num_experts'),
-                           (dict(**dense, shared_gate_up=proj, shared_down=proj), 'gate_up, down and gate')]:
+                           (dict(**dense, shared_gate_up=proj), 'gate_up and down projections'),
+                           (dict(**dense, shared_gate=proj), 'gate_up and down projections')]:
         with pytest.raises(RuntimeError, match=match):
-            native_gemms.MoEBlock(**{'router': proj, 'top_k': 2, 'renormalize': False, **options})
+            native_gemms.MoEBlock(**{'router': proj, 'top_k': 2, 'renormalize': False, 'routing': 'softmax',
+                                     **options})
+    with pytest.raises(TypeError):  # the routing is named, never left out
+        native_gemms.MoEBlock(router=proj, top_k=2, renormalize=True, **dense)
+    with pytest.raises(RuntimeError, match="'softmax' or 'noaux_tc', not 'sigmoid'"):
+        native_gemms.MoEBlock(router=proj, top_k=2, renormalize=True, routing='sigmoid', **dense)
+    grouped = dict(correction_bias=torch.zeros(4), num_groups=2, topk_groups=1, scaling=2.5)
+    native_gemms.MoEBlock(router=proj, top_k=2, renormalize=True, routing='noaux_tc', **grouped, **dense)
+    for options, match in [(dict(routing='softmax', **grouped), "belong to routing 'noaux_tc'"),
+                           (dict(routing='softmax', scaling=2.0), "belong to routing 'noaux_tc'"),
+                           (dict(routing='noaux_tc', correction_bias=torch.zeros(4)), 'takes correction_bias'),
+                           (dict(routing='noaux_tc', **{**grouped, 'correction_bias': torch.zeros(3)}), 'one value per'),
+                           (dict(routing='noaux_tc', **{**grouped, 'num_groups': 3}), 'equal groups of two'),
+                           (dict(routing='noaux_tc', **{**grouped, 'num_groups': 4}), 'equal groups of two'),
+                           (dict(routing='noaux_tc', **{**grouped, 'topk_groups': 3}), 'topk_groups is 1 to'),
+                           (dict(routing='noaux_tc', **{**grouped, 'topk_groups': 0}), 'topk_groups is 1 to'),
+                           (dict(routing='noaux_tc', **grouped, top_k=3), 'their experts hold top_k')]:
+        with pytest.raises(RuntimeError, match=match):
+            native_gemms.MoEBlock(**{'router': proj, 'top_k': 2, 'renormalize': True, **options, **dense})
     with pytest.raises(RuntimeError, match='positive row count'):
         native_gemms.Projection(small=proj, large=proj, small_step_rows=0)
-    moe = native_gemms.MoEBlock(router=proj, top_k=2, renormalize=True, **dense)
+    with pytest.raises(RuntimeError, match='its fp32 weight'):
+        native_gemms.Projection(kind='fp32', weight=weight)
+    moe = native_gemms.MoEBlock(router=proj, top_k=2, renormalize=True, routing='softmax', **dense)
     norm = torch.ones(16, dtype=torch.bfloat16)
     stack = dict(num_heads=1, num_kv_heads=1, head_dim=16, eps=1e-6, scale=0.25, quant_policy=0)
     layer = dict(input_norm=norm, post_norm=norm, qkv=proj, o=proj, rotary_dim=16)

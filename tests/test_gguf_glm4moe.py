@@ -79,8 +79,9 @@ def converter_tensors(hf: torch.nn.Module, quantize: bool) -> dict[str, np.ndarr
     for name, data in list(out.items()):
         if name.startswith(f'model.layers.{last}.'):
             out[name.replace(f'layers.{last}.', f'layers.{mtp}.')] = data.copy()
+    hidden = hf.config.hidden_size
     for name in NEXTN_TENSORS:
-        shape = (HIDDEN, 2 * HIDDEN) if name == 'eh_proj.weight' else (HIDDEN,)
+        shape = (hidden, 2 * hidden) if name == 'eh_proj.weight' else (hidden,)
         out[f'model.layers.{mtp}.{name}'] = rng.standard_normal(shape, dtype=np.float32)
     return out
 
@@ -105,6 +106,31 @@ def random_glm4_moe(path: Path, quantize: bool) -> torch.nn.Module:
     hf = hf_causal_lm(save_random_model(config, str(path / 'hf'), std={'e_score_correction_bias': 0.1}))
     write_gguf(hf, writer, quantize)
     return hf
+
+
+def write_k_quant_glm4_moe(folder: Path, path: Path, types: dict[str, Q]) -> None:
+    """A tiny random GLM-4.5 at K-quant sizes (hidden size, heads, dense and expert widths in whole blocks of 256
+    inputs; GLM-4.5's grouped routing and attention biases) written to ``path`` as the converter writes it, each
+    matrix (a stack of experts) random blocks of the type ``types`` gives its GGUF name (``blk.1.ffn_down_exps``;
+    else ``default``, see :func:`test_gguf_mixed.encode`); routers and 1-D tensors F32."""
+    from test_gguf_mixed import encode
+    writer = gguf.GGUFWriter(str(path), 'glm4moe')
+    vocab = _add_tokenizer(writer)
+    config = glm4_moe_config(use_qk_norm=False, attention_bias=True, n_group=2, topk_group=1,
+                             routed_scaling_factor=2.5)
+    config.hidden_size, config.head_dim, config.intermediate_size, config.moe_intermediate_size = 256, 64, 512, 256
+    config.vocab_size = vocab
+    hf = hf_causal_lm(save_random_model(config, str(folder), std={'e_score_correction_bias': 0.1}))
+    write_metadata(hf.config, writer)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GLM4_MOE, hf.config.num_hidden_layers + 1)
+    rng = np.random.default_rng(0)
+    for name, data in converter_tensors(hf, quantize=False).items():
+        gguf_name = names.get_name(name, try_suffixes=('.weight', '.bias'))
+        matrix = data.ndim > 1 and data.shape[0] > 1 and not gguf_name.endswith('ffn_gate_inp.weight')
+        qtype = types.get(gguf_name.rpartition('.')[0], types['default']) if matrix else Q.F32
+        stored = encode(np.ascontiguousarray(data), qtype, rng)
+        writer.add_tensor(gguf_name, stored, raw_dtype=qtype if stored.dtype == np.uint8 else None)
+    finish(writer)
 
 
 def test_gguf_glm4moe_matches_transformers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,6 +1,6 @@
 """GLM-4.5 (``Glm4MoeForCausalLM``) against transformers on tiny random models saved by transformers: greedy
 tokens and first-step logits in fp32, batching, chunked prefill and prefix-cache hits, tensor parallelism,
-the next-token-prediction layer left unused, and bf16 on the CPU (whose layers run their own forward)."""
+the next-token-prediction layer left unused, and bf16 on the CPU (in the native decoder stack on its GEMMs)."""
 from __future__ import annotations
 
 import os
@@ -63,16 +63,29 @@ def test_batched_chunked_and_cached_equal_solo(glm4_moe):
     assert_batched_chunked_and_cached_equal_solo(glm4_moe, prefix_sharing_prompts())
 
 
-def test_bf16_layers_run_their_own_forward(glm4_moe):
-    """bf16 on the CPU: packed projections; the MoE layers have no native-stack block, so there is no native
-    stack, and the logits stay within bf16's error of transformers in fp32."""
+def test_bf16_close_to_transformers(glm4_moe):
+    """bf16 on the CPU's default GEMMs (oneDNN on AMX CPUs, where the layers run their own forward): the logits stay
+    within bf16's error of transformers in fp32."""
     engine = Engine(glm4_moe, PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=64, block_size=16),
                     show_progress=False)
-    assert engine.runner.model.native_stack is None
     hf_model = hf_causal_lm(glm4_moe)
     prompts = random_prompts([7, 31, 60], seed=2)
     assert_first_logits_close(engine, prompts, [hf_last_logits(hf_model, p) for p in prompts], tol=0.05,
                               relative=True)
+
+
+def test_bf16_native_stack_gives_the_layers_tokens(glm4_moe, native_gemms):
+    """bf16 on the native GEMMs: every layer runs in the native decoder stack (its MoE layers as ``MoEBlock``s with
+    DeepSeek-V3's routing; ``tests/test_decoder_stack_moe.py`` compares every step), with the tokens of the layers'
+    own forward."""
+    engine = Engine(glm4_moe, PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=64, block_size=16),
+                    show_progress=False)
+    model = engine.runner.model
+    assert model.native_stack is not None
+    prompts = random_prompts([40, 9, 23], seed=6)
+    outs = run(engine, prompts)
+    model.native_stack = None
+    assert run(engine, prompts) == outs
 
 
 def test_next_token_prediction_layer_is_not_loaded(tmp_path):

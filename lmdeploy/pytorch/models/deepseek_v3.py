@@ -11,9 +11,9 @@ from torch import nn
 from transformers.modeling_rope_utils import yarn_apply_mscale
 
 from lmdeploy.pytorch.config import ModelConfig
-from lmdeploy.pytorch.kernels import group_limited_topk, grouped_topk, moe_routing
+from lmdeploy.pytorch.kernels import cpu, group_limited_topk, grouped_topk, moe_routing
 from lmdeploy.pytorch.models.llama import DECODE_INT4_LAYERS, KVCache, LlamaDecoderLayer, LlamaMLP, WeightTarget
-from lmdeploy.pytorch.models.moe import MoEForCausalLM
+from lmdeploy.pytorch.models.moe import MoEForCausalLM, shared_expert_projections
 from lmdeploy.pytorch.nn.linear import Linear, RowLinear
 from lmdeploy.pytorch.nn.mla import HeadsLinear, LatentAttention
 from lmdeploy.pytorch.nn.moe import FusedExperts
@@ -101,6 +101,25 @@ class DeepseekV3MoE(nn.Module):
         self.experts = FusedExperts(cfg.hidden_size, hf.moe_intermediate_size, hf.n_routed_experts)
         self.shared_experts = (LlamaMLP(cfg, hf.moe_intermediate_size * hf.n_shared_experts)
                                if hf.n_shared_experts else None)
+
+    def native_moe(self, small_step: bool = False) -> object | None:
+        """This block as a ``MoEBlock`` of :class:`~lmdeploy.pytorch.nn.decoder_stack.NativeDecoderStack` with
+        routing ``noaux_tc`` (its fp32 router an ``fp32`` projection, its shared experts ungated; ``small_step``:
+        for steps of at most ``small_step_rows`` tokens, which only the shared experts' projections tell apart);
+        None for V2's routings or where a part runs on no native kernel."""
+        kernels = cpu.native()
+        native = self.experts.kernel.native_experts() if self.routing == 'noaux_tc' and kernels is not None else None
+        if native is None:
+            return None
+        if self.shared_experts is not None:
+            shared = shared_expert_projections(self.shared_experts, small_step)
+            if shared is None:
+                return None
+            native.update(shared)
+        return kernels.MoEBlock(router=kernels.Projection(kind='fp32', weight=self.gate.weight), top_k=self.top_k,
+                                renormalize=self.renormalize, routing='noaux_tc',
+                                correction_bias=self.gate.e_score_correction_bias, num_groups=self.num_groups,
+                                topk_groups=self.topk_groups, scaling=float(self.scaling), **native)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(F.linear(x.float(), self.gate.weight))

@@ -14,8 +14,8 @@ from lmdeploy.pytorch.models.llama import LlamaAttention, LlamaDecoderLayer, Lla
 
 class Glm4MoeForCausalLM(DeepseekV3ForCausalLM):
     """GLM-4.5's decoder: DeepSeek-V3's layers (:meth:`make_mlp`, the unused prediction layers) with
-    :class:`LlamaAttention`; its mixture-of-experts layers have no native-stack block (sigmoid grouped routing),
-    so the layers run their own forward."""
+    :class:`LlamaAttention`; with native GEMM weights its layers run in the native decoder stack, the mixture-of-
+    experts layers as ``MoEBlock``s with DeepSeek-V3's routing (``DeepseekV3MoE.native_moe``)."""
 
     stacked_params = LlamaForCausalLM.stacked_params
     finalize_weights = LlamaForCausalLM.finalize_weights

@@ -49,15 +49,14 @@ class SparseMoeBlock(nn.Module):
         if native is None or router is None:
             return None
         if self.shared_expert is not None:
-            mlp, gate = self.shared_expert, self.shared_expert_gate
-            shared = {f'shared_{name}': (proj.kernel.small_step_projection if small_step else
-                                         proj.kernel.native_projection)(proj.bias)
-                      for name, proj in (('gate_up', mlp.gate_up_proj), ('down', mlp.down_proj))}
-            shared['shared_gate'] = gate.kernel.router_projection(gate.bias)
-            if any(projection is None for projection in shared.values()):
+            shared = shared_expert_projections(self.shared_expert, small_step)
+            gate = self.shared_expert_gate
+            shared_gate = gate.kernel.router_projection(gate.bias)
+            if shared is None or shared_gate is None:
                 return None
-            native.update(shared)
-        return cpu.native().MoEBlock(router=router, top_k=self.top_k, renormalize=self.renormalize, **native)
+            native.update(shared, shared_gate=shared_gate)
+        return cpu.native().MoEBlock(router=router, top_k=self.top_k, renormalize=self.renormalize,
+                                     routing='softmax', **native)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = moe_routing(self.gate(x), self.top_k, self.renormalize)
@@ -65,6 +64,16 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
+
+
+def shared_expert_projections(mlp: LlamaMLP, small_step: bool) -> dict[str, object] | None:
+    """A MoE block's shared expert as the ``MoEBlock`` takes it (``shared_gate_up``, ``shared_down``), each its
+    kernel's native projection (``small_step``: for steps of at most ``small_step_rows`` tokens); None where one
+    runs on no native kernel."""
+    shared = {f'shared_{name}': (proj.kernel.small_step_projection if small_step else
+                                 proj.kernel.native_projection)(proj.bias)
+              for name, proj in (('gate_up', mlp.gate_up_proj), ('down', mlp.down_proj))}
+    return None if any(projection is None for projection in shared.values()) else shared
 
 
 class MoEForCausalLM(LlamaForCausalLM):

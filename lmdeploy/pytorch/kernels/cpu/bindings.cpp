@@ -88,9 +88,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<Projection, Projection, int64_t>(), py::kw_only(), py::arg("small"), py::arg("large"),
            py::arg("small_step_rows"));
   py::class_<MoEBlock>(m, "MoEBlock", "a decoder layer's mixture-of-experts MLP")
-      .def(py::init<Projection, int64_t, bool, Optional, Optional, std::vector<Projection>, std::vector<Projection>,
-                    c10::optional<Projection>, c10::optional<Projection>, c10::optional<Projection>>(),
-           py::kw_only(), py::arg("router"), py::arg("top_k"), py::arg("renormalize"), py::arg("gate_up") = py::none(),
+      .def(py::init<Projection, int64_t, bool, const std::string&, Optional, c10::optional<int64_t>,
+                    c10::optional<int64_t>, c10::optional<double>, Optional, Optional, std::vector<Projection>,
+                    std::vector<Projection>, c10::optional<Projection>, c10::optional<Projection>,
+                    c10::optional<Projection>>(),
+           py::kw_only(), py::arg("router"), py::arg("top_k"), py::arg("renormalize"), py::arg("routing"),
+           py::arg("correction_bias") = py::none(), py::arg("num_groups") = py::none(),
+           py::arg("topk_groups") = py::none(), py::arg("scaling") = py::none(), py::arg("gate_up") = py::none(),
            py::arg("down") = py::none(), py::arg("expert_gate_up") = std::vector<Projection>(),
            py::arg("expert_down") = std::vector<Projection>(), py::arg("shared_gate_up") = py::none(),
            py::arg("shared_down") = py::none(), py::arg("shared_gate") = py::none())

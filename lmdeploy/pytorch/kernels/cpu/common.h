@@ -282,12 +282,13 @@ struct StepTensors {
 // q6k_linear's codes and `scale`s (its fp32 result rounded to x's dtype, then the bias added). A
 // gate-and-up projection's weight is packed for the kernel's fused SiLU (pack_bf16_gate_up,
 // pack_int8_gate_up; int4: gate and up tiles alternate, no bias). "onednn": oneDNN's GEMM
-// (mkldnn::_linear_pointwise) on its blocked weight, for a MoE block's router and shared-expert gate. "parts": a
+// (mkldnn::_linear_pointwise) on its blocked weight, for a MoE block's router and shared-expert gate; "fp32": x in
+// fp32 times an fp32 weight (torch's linear), DeepSeek-V3's and GLM-4.5's fp32 router. "parts": a
 // stacked projection whose parts run each on its own projection (each with its share of the bias), their outputs
 // side by side. "steps": inputs of at most `small_step_rows` rows on `parts[0]`, more on `parts[1]` (an expert's
 // share of a step, whatever its size).
 struct Projection {
-  enum class Kind { kBf16, kW8A8, kInt4, kQ4K, kQ6K, kOneDnn, kParts, kSteps };
+  enum class Kind { kBf16, kW8A8, kInt4, kQ4K, kQ6K, kOneDnn, kFp32, kParts, kSteps };
   Projection(const std::string& kind, torch::Tensor weight, c10::optional<torch::Tensor> compensation,
              c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias);
   explicit Projection(std::vector<Projection> parts);
@@ -303,15 +304,24 @@ struct Projection {
   int64_t small_step_rows = 0;
 };
 
-// A mixture-of-experts MLP (moe_block.cpp), the kernels and order of SparseMoeBlock's forward
-// (lmdeploy/pytorch/models/moe.py): the router's logits, softmax and top-k in fp32 (renormalized when
-// `renormalize`: Qwen's norm_topk_prob, Mixtral's top-k then softmax), each routed expert on its rows (the
-// experts in order, as run_experts in kernels/moe.py), and Qwen2-MoE's shared expert times the sigmoid of its
-// gate. The experts are either dense, `gate_up [E, 2I, H]` and `down [E, H, I]` in the model's dtype as fused_moe
-// takes them (F.linear, torch's SiLU-and-mul), or each expert's `expert_gate_up` and `expert_down` projections
-// (gate_up_silu), as the per-expert kernels of the quantized formats run them.
+// A mixture-of-experts MLP (moe_block.cpp), the kernels and order of its layer's Python forward: the router's
+// logits and the `routing` the block was built with, then each routed expert on its rows (the experts in order, as
+// run_experts in kernels/moe.py), then the shared expert. Routings (by name):
+//  - "softmax": SparseMoeBlock's (lmdeploy/pytorch/models/moe.py): softmax and top-k in fp32, renormalized when
+//    `renormalize` (Qwen's norm_topk_prob, Mixtral's top-k then softmax);
+//  - "noaux_tc": DeepseekV3MoE's (models/deepseek_v3.py, GLM-4.5's too): grouped_topk of kernels/moe.py, sigmoid
+//    scores, chosen with `correction_bias` added among the `topk_groups` best of `num_groups` groups, weighted
+//    by the unbiased scores (renormalized when `renormalize`) times `scaling`.
+// The experts are either dense, `gate_up [E, 2I, H]` and `down [E, H, I]` in the model's dtype as fused_moe takes
+// them (F.linear, torch's SiLU-and-mul), or each expert's `expert_gate_up` and `expert_down` projections
+// (gate_up_silu), as the per-expert kernels of the quantized formats run them. The shared expert (`shared_gate_up`,
+// `shared_down`) is added times the sigmoid of `shared_gate` where it has one (Qwen2-MoE), as it is without
+// (DeepSeek-V3, GLM-4.5).
 struct MoEBlock {
-  MoEBlock(Projection router, int64_t top_k, bool renormalize, c10::optional<torch::Tensor> gate_up,
+  enum class Routing { kSoftmax, kNoauxTc };
+  MoEBlock(Projection router, int64_t top_k, bool renormalize, const std::string& routing,
+           c10::optional<torch::Tensor> correction_bias, c10::optional<int64_t> num_groups,
+           c10::optional<int64_t> topk_groups, c10::optional<double> scaling, c10::optional<torch::Tensor> gate_up,
            c10::optional<torch::Tensor> down, std::vector<Projection> expert_gate_up,
            std::vector<Projection> expert_down, c10::optional<Projection> shared_gate_up,
            c10::optional<Projection> shared_down, c10::optional<Projection> shared_gate);
@@ -320,25 +330,21 @@ struct MoEBlock {
   Projection router;
   int64_t top_k, num_experts;
   bool renormalize;
+  Routing routing;
+  c10::optional<torch::Tensor> correction_bias;
+  int64_t num_groups = 1, topk_groups = 1;
+  double scaling = 1.0;
   c10::optional<torch::Tensor> gate_up, down;
   std::vector<Projection> expert_gate_up, expert_down;
   c10::optional<Projection> shared_gate_up, shared_down, shared_gate;
 
  private:
+  // (topk_weights [T, k] fp32, topk_ids [T, k]) of the tokens x, by the block's routing.
+  std::tuple<torch::Tensor, torch::Tensor> route(const torch::Tensor& x) const;
   // down_e(act(gate_up_e(rows))) of expert e.
   torch::Tensor expert(int64_t e, const torch::Tensor& rows) const;
 };
 
-// A Llama-style decoder layer's weights; q_norm and k_norm (per head, before the rotary embedding) where the
-// family has them (Qwen3); attn_out_norm and mlp_out_norm, on the outputs of attention and of the MLP before
-// the residual adds them, where it has those (GLM-4). Its options: the rotary embedding turns the first
-// `rotary_dim` features of each query and key head (all of them, a part (Phi-4-mini, GLM) or none (SmolLM3's
-// NoPE layers)), in halves or, `interleaved_rope`, in neighbouring pairs (GLM: the pairs are regrouped into
-// halves first, as apply_rope in nn/rotary.py does), by the step's local tables where `local_rope` is set
-// (Gemma 3's local layers; the others by its cos and sin); `sliding_window` limits its attention to the last that
-// many tokens, `logit_softcap` soft-caps its scores (Gemma 2); `gelu_tanh_mlp`: the MLP is
-// gelu_tanh(gate) * up on a plain gate-and-up projection, gate rows then up rows (Gemma), instead of the
-// fused SiLU one. A layer's MLP is its gate_up and down projections, or its `moe` block.
 struct LayerWeights {
   torch::Tensor input_norm, post_norm;
   Projection qkv, o;

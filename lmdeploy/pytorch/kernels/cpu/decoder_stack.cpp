@@ -5,6 +5,7 @@
 // on its own, on caches the kernels have just flushed.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/gelu.h>
+#include <ATen/ops/linear.h>
 
 #include "common.h"
 
@@ -39,9 +40,13 @@ Projection::Projection(const std::string& kind_name, torch::Tensor weight, c10::
     kind = Kind::kOneDnn;
     TORCH_CHECK(this->weight.is_mkldnn() && !this->compensation && !this->scale,
                 "a onednn projection is its blocked oneDNN weight (and bias), without compensation or scale");
+  } else if (kind_name == "fp32") {
+    kind = Kind::kFp32;
+    TORCH_CHECK(this->weight.scalar_type() == at::kFloat && !this->compensation && !this->scale,
+                "an fp32 projection is its fp32 weight (and bias), without compensation or scale");
   } else {
-    TORCH_CHECK(false, "a projection's kind is 'bf16', 'w8a8', 'int4', 'q4k', 'q6k' or 'onednn', not '", kind_name,
-                "'");
+    TORCH_CHECK(false, "a projection's kind is 'bf16', 'w8a8', 'int4', 'q4k', 'q6k', 'onednn' or 'fp32', not '",
+                kind_name, "'");
   }
 }
 
@@ -82,6 +87,7 @@ torch::Tensor Projection::operator()(const torch::Tensor& x) const {
       return bias ? out.add(*bias) : out;
     }
     case Kind::kOneDnn: return onednn_linear(x, weight, bias);
+    case Kind::kFp32: return at::linear(x.to(at::kFloat), weight, bias);
     case Kind::kSteps: return parts[x.size(0) > small_step_rows ? 1 : 0](x);
     default: return int4_linear(x, weight, *scale, bias);
   }
@@ -97,6 +103,7 @@ torch::Tensor Projection::gate_up_silu(const torch::Tensor& x) const {
     case Kind::kSteps: return parts[x.size(0) > small_step_rows ? 1 : 0].gate_up_silu(x);
     case Kind::kQ6K:
     case Kind::kOneDnn:
+    case Kind::kFp32:
     case Kind::kParts: return silu_and_mul((*this)(x));
     default:
       TORCH_CHECK(!bias, "an int4 gate-and-up projection has no bias");

@@ -1,17 +1,31 @@
-// The MoE block of the native decoder stack: SparseMoeBlock's forward (lmdeploy/pytorch/models/moe.py) with
-// the kernels its Python path calls (moe_routing and run_experts of kernels/moe.py, the experts' kernels), in
-// the same order, so that its results are the same.
+// The MoE block of the native decoder stack: the forward of SparseMoeBlock (lmdeploy/pytorch/models/moe.py) or of
+// DeepseekV3MoE (models/deepseek_v3.py) with the kernels their Python paths call (moe_routing or grouped_topk and
+// run_experts of kernels/moe.py, the experts' kernels), in the same order, so that its results are the same.
 #include <ATen/ops/linear.h>
 #include <ATen/ops/silu.h>
 
 #include "common.h"
 
-MoEBlock::MoEBlock(Projection router, int64_t top_k, bool renormalize, c10::optional<torch::Tensor> gate_up,
-                   c10::optional<torch::Tensor> down, std::vector<Projection> expert_gate_up,
-                   std::vector<Projection> expert_down, c10::optional<Projection> shared_gate_up,
-                   c10::optional<Projection> shared_down, c10::optional<Projection> shared_gate)
-    : router(std::move(router)), top_k(top_k), renormalize(renormalize), gate_up(std::move(gate_up)),
-      down(std::move(down)), expert_gate_up(std::move(expert_gate_up)), expert_down(std::move(expert_down)),
+namespace {
+
+MoEBlock::Routing routing_named(const std::string& name) {
+  if (name == "softmax") return MoEBlock::Routing::kSoftmax;
+  TORCH_CHECK(name == "noaux_tc", "a MoE block's routing is 'softmax' or 'noaux_tc', not '", name, "'");
+  return MoEBlock::Routing::kNoauxTc;
+}
+
+}  // namespace
+
+MoEBlock::MoEBlock(Projection router, int64_t top_k, bool renormalize, const std::string& routing,
+                   c10::optional<torch::Tensor> correction_bias, c10::optional<int64_t> num_groups,
+                   c10::optional<int64_t> topk_groups, c10::optional<double> scaling,
+                   c10::optional<torch::Tensor> gate_up, c10::optional<torch::Tensor> down,
+                   std::vector<Projection> expert_gate_up, std::vector<Projection> expert_down,
+                   c10::optional<Projection> shared_gate_up, c10::optional<Projection> shared_down,
+                   c10::optional<Projection> shared_gate)
+    : router(std::move(router)), top_k(top_k), renormalize(renormalize), routing(routing_named(routing)),
+      correction_bias(std::move(correction_bias)), gate_up(std::move(gate_up)), down(std::move(down)),
+      expert_gate_up(std::move(expert_gate_up)), expert_down(std::move(expert_down)),
       shared_gate_up(std::move(shared_gate_up)), shared_down(std::move(shared_down)),
       shared_gate(std::move(shared_gate)) {
   const bool dense = this->gate_up.has_value() && this->down.has_value();
@@ -24,8 +38,44 @@ MoEBlock::MoEBlock(Projection router, int64_t top_k, bool renormalize, c10::opti
   num_experts = dense ? this->gate_up->size(0) : static_cast<int64_t>(this->expert_gate_up.size());
   TORCH_CHECK(top_k >= 1 && top_k <= num_experts, "a MoE block routes each token to 1 to num_experts experts");
   TORCH_CHECK(this->shared_gate_up.has_value() == this->shared_down.has_value() &&
-                  this->shared_gate_up.has_value() == this->shared_gate.has_value(),
-              "a shared expert has its gate_up, down and gate projections");
+                  (this->shared_gate_up.has_value() || !this->shared_gate.has_value()),
+              "a shared expert has its gate_up and down projections (and a gate where it is gated)");
+  const bool grouped = this->correction_bias || num_groups || topk_groups || scaling;
+  if (this->routing == Routing::kSoftmax) {
+    TORCH_CHECK(!grouped, "correction_bias, num_groups, topk_groups and scaling belong to routing 'noaux_tc'");
+    return;
+  }
+  TORCH_CHECK(this->correction_bias && num_groups && topk_groups && scaling,
+              "routing 'noaux_tc' takes correction_bias, num_groups, topk_groups and scaling");
+  this->num_groups = *num_groups, this->topk_groups = *topk_groups, this->scaling = *scaling;
+  TORCH_CHECK(this->correction_bias->dim() == 1 && this->correction_bias->size(0) == num_experts,
+              "the correction bias holds one value per expert");
+  TORCH_CHECK(this->num_groups >= 1 && num_experts % this->num_groups == 0 && num_experts / this->num_groups >= 2,
+              "the experts split into num_groups equal groups of two or more");
+  TORCH_CHECK(this->topk_groups >= 1 && this->topk_groups <= this->num_groups &&
+                  top_k <= this->topk_groups * (num_experts / this->num_groups),
+              "topk_groups is 1 to num_groups, and their experts hold top_k");
+}
+
+std::tuple<torch::Tensor, torch::Tensor> MoEBlock::route(const torch::Tensor& x) const {
+  const auto logits = router(x).to(at::kFloat);
+  if (routing == Routing::kSoftmax) {
+    auto [weights, ids] = logits.softmax(-1).topk(top_k, -1);
+    if (renormalize) weights = weights.div(weights.sum(-1, true));
+    return {weights, ids};
+  }
+  const auto scores = logits.sigmoid();
+  auto biased = scores.add(correction_bias->to(at::kFloat));
+  const auto grouped = biased.view({scores.size(0), num_groups, -1});
+  const auto group_scores = std::get<0>(grouped.topk(2, -1)).sum(-1);
+  const auto best_groups = std::get<1>(group_scores.topk(topk_groups, -1, /*largest=*/true, /*sorted=*/false));
+  const auto keep = at::zeros_like(grouped.select(-1, 0), at::kBool).scatter_(1, best_groups, true);
+  biased = biased.masked_fill(keep.logical_not().repeat_interleave(grouped.size(-1), 1),
+                              -std::numeric_limits<double>::infinity());
+  const auto ids = std::get<1>(biased.topk(top_k, -1, /*largest=*/true, /*sorted=*/false));
+  auto weights = scores.gather(1, ids);
+  if (renormalize) weights = weights.div(weights.sum(-1, true).add(1e-20));
+  return {weights.mul(scaling), ids};
 }
 
 torch::Tensor MoEBlock::expert(int64_t e, const torch::Tensor& rows) const {
@@ -35,8 +85,7 @@ torch::Tensor MoEBlock::expert(int64_t e, const torch::Tensor& rows) const {
 }
 
 torch::Tensor MoEBlock::operator()(const torch::Tensor& x) const {
-  auto [topk_weights, topk_ids] = router(x).to(at::kFloat).softmax(-1).topk(top_k, -1);
-  if (renormalize) topk_weights = topk_weights.div(topk_weights.sum(-1, true));
+  auto [topk_weights, topk_ids] = route(x);
   const auto flat_ids = topk_ids.flatten();
   const auto order = flat_ids.argsort(/*stable=*/true);
   const auto counts = flat_ids.bincount({}, num_experts);
@@ -49,7 +98,7 @@ torch::Tensor MoEBlock::operator()(const torch::Tensor& x) const {
     const auto rows = tokens.narrow(0, start, count[e]);
     out.index_add_(0, rows, expert(e, x.index_select(0, rows)).mul(weights.narrow(0, start, count[e]).unsqueeze(1)));
   }
-  if (shared_gate_up)
-    out = out.add((*shared_gate)(x).sigmoid().mul((*shared_down)(shared_gate_up->gate_up_silu(x))));
-  return out;
+  if (!shared_gate_up) return out;
+  const auto shared = (*shared_down)(shared_gate_up->gate_up_silu(x));
+  return out.add(shared_gate ? (*shared_gate)(x).sigmoid().mul(shared) : shared);
 }
