@@ -1,12 +1,17 @@
-"""Decode step time of a Qwen3-MoE model on the CPU with its decoder layers in the native stack (``MoEBlock``s,
-``kernels/cpu/moe_block.cpp``) against their Python forward, in the same run: a few layers at Qwen3-30B-A3B's
-shape (hidden 2048, 32 query and 4 KV heads of 128, 128 experts of 768 of which 8 per token), random bf16 weights,
-one thread. The step time is the calling thread's CPU time of the model's forward (``time.thread_time``: other
-jobs on a shared machine take time slices but not figures), the best and the median over rounds in which the two
-paths alternate. On a CPU with AMX, whose bf16 layers run on oneDNN (where the stack does not run), the layers
-run on the native bf16 GEMM here, as the tests of the stack run them.
+"""Decode step time of a MoE model on the CPU with its decoder layers in the native stack (``MoEBlock``s,
+``kernels/cpu/moe_block.cpp``) against their Python forward, in the same run, random bf16 weights, one thread:
+``--family qwen3_moe``, a few layers at Qwen3-30B-A3B's shape (hidden 2048, 32 query and 4 KV heads of 128, 128
+experts of 768 of which 8 per token, softmax routing); ``--family glm4_moe``, GLM-4.5's layers at a smaller shape
+(hidden 2048, 16 query and 4 KV heads of 128 with q/k/v biases and half of each head rotating, a dense first layer
+of 5632, then MoE layers of 64 experts of 768 of which 8 per token and one shared expert; DeepSeek-V3's routing:
+sigmoid scores, a correction bias, 2 of 4 groups, scaling 2.5, an fp32 router). The step time is the calling
+thread's CPU time of the model's forward (``time.thread_time``: other jobs on a shared machine take time slices
+but not figures), the best and the median over rounds in which the two paths alternate. On a CPU with AMX, whose
+bf16 layers run on oneDNN (where the stack does not run), the layers run on the native bf16 GEMM here, as the
+tests of the stack run them.
 
-    python benchmark/moe_stack.py [--layers 2] [--experts 128] [--batches 1,16] [--steps 8] [--rounds 4]
+    python benchmark/moe_stack.py [--family qwen3_moe] [--layers 2] [--experts 128] [--batches 1,16] [--steps 8]
+                                  [--rounds 4]
 """
 from __future__ import annotations
 
@@ -19,28 +24,41 @@ import time
 
 import torch
 from safetensors.torch import save_file
-from transformers import Qwen3MoeConfig
+from transformers import Glm4MoeConfig, PretrainedConfig, Qwen3MoeConfig
+from workload import save_word_tokenizer
 
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.kernels import cpu
 
 VOCAB = 1024
+EXPERT_WIDTH = 768
+
+
+def model_config(args: argparse.Namespace) -> PretrainedConfig:
+    """The benchmarked family's config at its shape (see the module's docstring)."""
+    common = dict(hidden_size=2048, num_hidden_layers=args.layers, num_key_value_heads=4, head_dim=128,
+                  num_experts_per_tok=8, moe_intermediate_size=EXPERT_WIDTH, norm_topk_prob=True, vocab_size=VOCAB,
+                  max_position_embeddings=4096, tie_word_embeddings=False)
+    if args.family == 'qwen3_moe':
+        return Qwen3MoeConfig(num_attention_heads=32, num_experts=args.experts, architectures=['Qwen3MoeForCausalLM'],
+                              **common)
+    return Glm4MoeConfig(num_attention_heads=16, n_routed_experts=args.experts, n_shared_experts=1, n_group=4,
+                         topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1, intermediate_size=5632,
+                         attention_bias=True, use_qk_norm=False, architectures=['Glm4MoeForCausalLM'], **common)
 
 
 def save_model(path: str, args: argparse.Namespace) -> None:
-    """A Qwen3-MoE checkpoint of ``args.layers`` layers at Qwen3-30B-A3B's shape, random bf16 weights."""
-    config = Qwen3MoeConfig(hidden_size=2048, num_hidden_layers=args.layers, num_attention_heads=32,
-                            num_key_value_heads=4, head_dim=128, num_experts=args.experts, num_experts_per_tok=8,
-                            moe_intermediate_size=768, norm_topk_prob=True, vocab_size=VOCAB,
-                            max_position_embeddings=4096, tie_word_embeddings=False,
-                            architectures=['Qwen3MoeForCausalLM'])
+    """A checkpoint of ``args.layers`` layers of ``args.family`` at its shape, random bf16 weights (GLM-4.5's router
+    and correction bias in fp32, as its checkpoints hold them)."""
+    config = model_config(args)
     config.save_pretrained(path)
     g = torch.Generator().manual_seed(0)
 
     def rand(*shape: int, std: float = 0.02) -> torch.Tensor:
         return (torch.randn(*shape, generator=g) * std).bfloat16()
 
+    glm = args.family == 'glm4_moe'
     hidden, heads = config.hidden_size, config.num_attention_heads * config.head_dim
     kv = config.num_key_value_heads * config.head_dim
     state = {'model.embed_tokens.weight': rand(VOCAB, hidden, std=1.0), 'model.norm.weight': rand(hidden, std=0) + 1,
@@ -50,26 +68,40 @@ def save_model(path: str, args: argparse.Namespace) -> None:
         state |= {prefix + 'input_layernorm.weight': rand(hidden, std=0) + 1,
                   prefix + 'post_attention_layernorm.weight': rand(hidden, std=0) + 1,
                   prefix + 'self_attn.q_proj.weight': rand(heads, hidden), prefix + 'self_attn.k_proj.weight': rand(kv, hidden),
-                  prefix + 'self_attn.v_proj.weight': rand(kv, hidden), prefix + 'self_attn.o_proj.weight': rand(hidden, heads),
-                  prefix + 'self_attn.q_norm.weight': rand(config.head_dim, std=0) + 1,
-                  prefix + 'self_attn.k_norm.weight': rand(config.head_dim, std=0) + 1,
-                  prefix + 'mlp.gate.weight': rand(args.experts, hidden)}
+                  prefix + 'self_attn.v_proj.weight': rand(kv, hidden), prefix + 'self_attn.o_proj.weight': rand(hidden, heads)}
+        if glm:
+            state |= {prefix + f'self_attn.{name}_proj.bias': rand(size) for name, size in (('q', heads), ('k', kv),
+                                                                                              ('v', kv))}
+        else:
+            state |= {prefix + f'self_attn.{name}_norm.weight': rand(config.head_dim, std=0) + 1 for name in 'qk'}
+        if glm and i < config.first_k_dense_replace:
+            state |= {f'{prefix}mlp.{name}_proj.weight': rand(*shape) for name, shape in
+                      (('gate', (5632, hidden)), ('up', (5632, hidden)), ('down', (hidden, 5632)))}
+            continue
+        expert_shapes = (('gate', (EXPERT_WIDTH, hidden)), ('up', (EXPERT_WIDTH, hidden)),
+                         ('down', (hidden, EXPERT_WIDTH)))
+        state[prefix + 'mlp.gate.weight'] = rand(args.experts, hidden).float() if glm else rand(args.experts, hidden)
+        if glm:
+            state[prefix + 'mlp.gate.e_score_correction_bias'] = rand(args.experts, std=0.1).float()
+            state |= {f'{prefix}mlp.shared_experts.{name}_proj.weight': rand(*shape) for name, shape in expert_shapes}
         for e in range(args.experts):
-            state |= {f'{prefix}mlp.experts.{e}.{name}_proj.weight': rand(*shape)
-                      for name, shape in (('gate', (768, hidden)), ('up', (768, hidden)), ('down', (hidden, 768)))}
+            state |= {f'{prefix}mlp.experts.{e}.{name}_proj.weight': rand(*shape) for name, shape in expert_shapes}
     save_file(state, os.path.join(path, 'model.safetensors'))
+    save_word_tokenizer(path, VOCAB)
     with open(os.path.join(path, 'generation_config.json'), 'w') as f:
         json.dump({}, f)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument('--layers', type=int, default=2)
-    parser.add_argument('--experts', type=int, default=128)
+    parser.add_argument('--family', choices=('qwen3_moe', 'glm4_moe'), default='qwen3_moe')
+    parser.add_argument('--layers', type=int, default=2, help="decoder layers (GLM-4.5's first one dense)")
+    parser.add_argument('--experts', type=int, default=None, help='routed experts (default: 128, GLM-4.5: 64)')
     parser.add_argument('--batches', default='1,16')
     parser.add_argument('--steps', type=int, default=8, help='decode steps per round')
     parser.add_argument('--rounds', type=int, default=4)
     args = parser.parse_args()
+    args.experts = args.experts or (128 if args.family == 'qwen3_moe' else 64)
     if cpu.bf16_gemm() is None and cpu.native() is not None and cpu.native().bf16_gemm_available():
         cpu.bf16_gemm = cpu.native  # AMX CPUs prefer oneDNN: use the native GEMM, on which the stack runs
     with tempfile.TemporaryDirectory() as path:
@@ -91,8 +123,8 @@ def main() -> None:
 
     model.forward = timed
     gen = GenerationConfig(max_new_tokens=args.steps + 1, ignore_eos=True)
-    print(f'Qwen3-MoE, {args.layers} layers, {args.experts} experts of 2048 -> 768, top-8, 1 thread; ms per decode '
-          'step (thread CPU time of the forward)')
+    print(f'{args.family}, {args.layers} layers, {args.experts} experts of 2048 -> {EXPERT_WIDTH}, top-8, 1 thread; '
+          'ms per decode step (thread CPU time of the forward)')
     print('| batch | stack best | stack median | layers best | layers median | layers / stack (best) |')
     print('| --- | --- | --- | --- | --- | --- |')
     g = torch.Generator().manual_seed(1)
