@@ -206,9 +206,10 @@ def test_block_equals_the_python_forward(tokens, tmp_path, native_gemms):
         assert torch.equal(block.native_moe()(x=x), block(x))
 
 
-def test_fp32_keeps_the_layers(tmp_path):
+@pytest.mark.parametrize('kind', ['qwen3_moe', 'glm4_moe'])
+def test_fp32_keeps_the_layers(kind, tmp_path):
     """In fp32 the projections run on no native GEMM, so MoE models keep their layers as dense ones do."""
-    engine = Engine(save_tiny_model('qwen3_moe', str(tmp_path)), PytorchEngineConfig(**{**ENGINE, 'dtype': 'float32'}),
+    engine = Engine(save_moe(kind, str(tmp_path)), PytorchEngineConfig(**{**ENGINE, 'dtype': 'float32'}),
                     show_progress=False)
     assert engine.runner.model.native_stack is None
     assert all(block.native_moe() is None for block in moe_blocks(engine))

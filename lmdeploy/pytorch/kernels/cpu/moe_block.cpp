@@ -47,7 +47,9 @@ MoEBlock::MoEBlock(Projection router, int64_t top_k, bool renormalize, const std
   }
   TORCH_CHECK(this->correction_bias && num_groups && topk_groups && scaling,
               "routing 'noaux_tc' takes correction_bias, num_groups, topk_groups and scaling");
-  this->num_groups = *num_groups, this->topk_groups = *topk_groups, this->scaling = *scaling;
+  this->num_groups = *num_groups;
+  this->topk_groups = *topk_groups;
+  this->scaling = *scaling;
   TORCH_CHECK(this->correction_bias->dim() == 1 && this->correction_bias->size(0) == num_experts,
               "the correction bias holds one value per expert");
   TORCH_CHECK(this->num_groups >= 1 && num_experts % this->num_groups == 0 && num_experts / this->num_groups >= 2,
