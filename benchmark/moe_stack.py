@@ -67,8 +67,10 @@ def save_model(path: str, args: argparse.Namespace) -> None:
         prefix = f'model.layers.{i}.'
         state |= {prefix + 'input_layernorm.weight': rand(hidden, std=0) + 1,
                   prefix + 'post_attention_layernorm.weight': rand(hidden, std=0) + 1,
-                  prefix + 'self_attn.q_proj.weight': rand(heads, hidden), prefix + 'self_attn.k_proj.weight': rand(kv, hidden),
-                  prefix + 'self_attn.v_proj.weight': rand(kv, hidden), prefix + 'self_attn.o_proj.weight': rand(hidden, heads)}
+                  prefix + 'self_attn.q_proj.weight': rand(heads, hidden),
+                  prefix + 'self_attn.k_proj.weight': rand(kv, hidden),
+                  prefix + 'self_attn.v_proj.weight': rand(kv, hidden),
+                  prefix + 'self_attn.o_proj.weight': rand(hidden, heads)}
         if glm:
             state |= {prefix + f'self_attn.{name}_proj.bias': rand(size) for name, size in (('q', heads), ('k', kv),
                                                                                               ('v', kv))}

@@ -252,7 +252,7 @@ def test_bad_blocks_are_refused(native_gemms):
     for options, match in [(dict(routing='softmax', **grouped), "belong to routing 'noaux_tc'"),
                            (dict(routing='softmax', scaling=2.0), "belong to routing 'noaux_tc'"),
                            (dict(routing='noaux_tc', correction_bias=torch.zeros(4)), 'takes correction_bias'),
-                           (dict(routing='noaux_tc', **{**grouped, 'correction_bias': torch.zeros(3)}), 'one value per'),
+                           (dict(routing='noaux_tc', **{**grouped, 'correction_bias': torch.zeros(3)}), 'per expert'),
                            (dict(routing='noaux_tc', **{**grouped, 'num_groups': 3}), 'equal groups of two'),
                            (dict(routing='noaux_tc', **{**grouped, 'num_groups': 4}), 'equal groups of two'),
                            (dict(routing='noaux_tc', **{**grouped, 'topk_groups': 3}), 'topk_groups is 1 to'),
