@@ -25,6 +25,8 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'GlmForCausalLM': ('llm', 'lmdeploy.pytorch.models.glm:GlmForCausalLM'),
     'Glm4ForCausalLM': ('llm', 'lmdeploy.pytorch.models.glm:GlmForCausalLM'),
     'SmolLM3ForCausalLM': ('llm', 'lmdeploy.pytorch.models.smollm3:SmolLM3ForCausalLM'),
+    'SeedOssForCausalLM': ('llm', 'lmdeploy.pytorch.models.llama:LlamaForCausalLM'),
+    'Ernie4_5ForCausalLM': ('llm', 'lmdeploy.pytorch.models.ernie:Ernie4_5ForCausalLM'),
     'MixtralForCausalLM': ('llm', 'lmdeploy.pytorch.models.moe:MoEForCausalLM'),
     'Qwen2MoeForCausalLM': ('llm', 'lmdeploy.pytorch.models.moe:MoEForCausalLM'),
     'Qwen3MoeForCausalLM': ('llm', 'lmdeploy.pytorch.models.moe:MoEForCausalLM'),

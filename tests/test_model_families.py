@@ -1,11 +1,11 @@
-"""Phi-3, GLM, GLM-4, SmolLM3, Mistral, Gemma 2 and Gemma 3 against transformers on tiny random models
+"""Phi-3, GLM, GLM-4, SmolLM3, Mistral, Gemma 2, Gemma 3, Seed-OSS and ERNIE 4.5 against transformers on tiny random models
 saved by transformers: greedy tokens and first-step logits in fp32, batching, chunked prefill and
 prefix-cache hits. Sliding windows (16 tokens) are narrower than most prompts."""
 from __future__ import annotations
 
 import pytest
-from transformers import (Gemma2Config, Gemma3TextConfig, Glm4Config, GlmConfig, MistralConfig,
-                          Phi3Config, Qwen2Config, SmolLM3Config)
+from transformers import (Ernie4_5Config, Gemma2Config, Gemma3TextConfig, Glm4Config, GlmConfig,
+                          MistralConfig, Phi3Config, Qwen2Config, SeedOssConfig, SmolLM3Config)
 
 from conftest import VOCAB_SIZE, save_random_model
 from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_matches_transformers,
@@ -42,10 +42,15 @@ FAMILIES = {
                                                                               'rope_theta': 100.0},
                                                         'full_attention': {'rope_type': 'default',
                                                                            'rope_theta': 10000.0}}),
+    # q/k/v biases, none on o_proj
+    'seed_oss': lambda: SeedOssConfig(**SHAPE, head_dim=16, attention_bias=True, attention_out_bias=False),
+    # rotary over neighbouring pairs; biases on every projection
+    'ernie4_5': lambda: Ernie4_5Config(**SHAPE, head_dim=16, use_bias=True),
 }
 # families the native decoder stack runs on the CPU (Llama layers: full, partial or no rotary, sliding windows;
-# GLM's interleaved rotary and GLM-4's output norms; Gemma 2 and 3)
-NATIVE_STACK = {'phi3', 'phi3_longrope', 'smollm3', 'mistral', 'mistral_sliding', 'glm', 'glm4', 'gemma2', 'gemma3'}
+# GLM's and ERNIE 4.5's interleaved rotary and GLM-4's output norms; Gemma 2 and 3; Seed-OSS)
+NATIVE_STACK = {'phi3', 'phi3_longrope', 'smollm3', 'mistral', 'mistral_sliding', 'glm', 'glm4', 'gemma2', 'gemma3',
+                'seed_oss', 'ernie4_5'}
 
 
 def save_family(kind: str, path: str, max_shard_size: str = '50GB', **overrides) -> str:

@@ -51,19 +51,22 @@ class LlamaAttention(nn.Module):
     """Self-attention with rotary queries and keys: all of each head's features, the first
     ``partial_rotary_factor`` of them, or none (``use_rope=False``); ``interleaved_rope`` turns
     neighbouring pairs (GLM) instead of halves. ``scale`` defaults to ``head_dim ** -0.5``;
-    ``sliding_window`` and ``logit_softcap`` go to :class:`PagedAttention`."""
+    ``sliding_window`` and ``logit_softcap`` go to :class:`PagedAttention`. ``qkv_bias`` and ``o_bias``
+    default to the config's ``attention_bias`` (``attention_out_bias`` for ``o_proj`` where the config has
+    one: Seed-OSS)."""
 
     def __init__(self, cfg: ModelConfig, use_rope: bool = True, interleaved_rope: bool = False,
                  o_bias: bool | None = None, scale: float | None = None, sliding_window: int | None = None,
-                 logit_softcap: float | None = None):
+                 logit_softcap: float | None = None, qkv_bias: bool | None = None):
         super().__init__()
         hf = cfg.hf_config
         self.head_dim = cfg.head_dim
         self.use_rope, self.interleaved_rope = use_rope, interleaved_rope
         self.rotary_dim = rotary_dim(hf, self.head_dim)
         attention_bias = bool(getattr(hf, 'attention_bias', False))
-        o_bias = attention_bias if o_bias is None else o_bias
-        qkv_bias = attention_bias or bool(getattr(hf, 'qkv_bias', False)) or hf.model_type in QKV_BIAS_MODEL_TYPES
+        o_bias = bool(getattr(hf, 'attention_out_bias', attention_bias)) if o_bias is None else o_bias
+        if qkv_bias is None:
+            qkv_bias = attention_bias or bool(getattr(hf, 'qkv_bias', False)) or hf.model_type in QKV_BIAS_MODEL_TYPES
         self.qkv_proj = QKVLinear(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, self.head_dim, bias=qkv_bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowLinear.over_heads(self.qkv_proj, cfg.hidden_size, bias=o_bias)
@@ -89,10 +92,11 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
 
-    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None, activation: str = 'silu'):
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None, activation: str = 'silu',
+                 bias: bool | None = None):
         super().__init__()
         hf = cfg.hf_config
-        bias = bool(getattr(hf, 'mlp_bias', False))
+        bias = bool(getattr(hf, 'mlp_bias', False)) if bias is None else bias
         intermediate_size = intermediate_size or hf.intermediate_size
         self.gate_up_proj = GateUpLinear(cfg.hidden_size, intermediate_size, bias=bias, activation=activation)
         self.down_proj = RowLinear.after(self.gate_up_proj, cfg.hidden_size, bias=bias)
@@ -228,7 +232,7 @@ class LlamaForCausalLM(nn.Module):
         small = [layer.native_weights(small_step=True) for layer in self.layers] if len(rows) == 1 else None
         self.native_stack = NativeDecoderStack.build(
             [layer.native_weights() for layer in self.layers], small, attn.num_heads, attn.num_kv_heads,
-            attn.head_dim, self.layers[0].input_layernorm.eps, attn.attn.scale, small_step_rows, self.cfg.quant_policy)
+            attn.head_dim, self.norm.eps, attn.attn.scale, small_step_rows, self.cfg.quant_policy)
 
     def weight_target(self, name: str) -> WeightTarget | None:
         """Where a Hugging Face tensor (name without ``model.``) goes: the tensor or slice to fill, what it
