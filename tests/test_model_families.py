@@ -1,11 +1,12 @@
-"""Phi-3, GLM, GLM-4, SmolLM3, Mistral, Gemma 2, Gemma 3, Seed-OSS and ERNIE 4.5 against transformers on tiny random models
-saved by transformers: greedy tokens and first-step logits in fp32, batching, chunked prefill and
-prefix-cache hits. Sliding windows (16 tokens) are narrower than most prompts."""
+"""Phi-3, GLM, GLM-4, SmolLM3, Mistral, Gemma 2, Gemma 3, OLMo 2, OLMo 3, Granite, Seed-OSS and ERNIE 4.5 against
+transformers on tiny random models saved by transformers: greedy tokens and first-step logits in fp32, batching,
+chunked prefill and prefix-cache hits. Sliding windows (16 tokens) are narrower than most prompts."""
 from __future__ import annotations
 
 import pytest
-from transformers import (Ernie4_5Config, Gemma2Config, Gemma3TextConfig, Glm4Config, GlmConfig,
-                          MistralConfig, Phi3Config, Qwen2Config, SeedOssConfig, SmolLM3Config)
+from transformers import (Ernie4_5Config, Gemma2Config, Gemma3TextConfig, Glm4Config, GlmConfig, GraniteConfig,
+                          MistralConfig, Olmo2Config, Olmo3Config, Phi3Config, Qwen2Config, SeedOssConfig,
+                          SmolLM3Config)
 
 from conftest import VOCAB_SIZE, save_random_model
 from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_matches_transformers,
@@ -42,13 +43,25 @@ FAMILIES = {
                                                                               'rope_theta': 100.0},
                                                         'full_attention': {'rope_type': 'default',
                                                                            'rope_theta': 10000.0}}),
+    # post-norms, q/k norms over all heads
+    'olmo2': lambda: Olmo2Config(**SHAPE),
+    # three sliding-window layers, then a full one turning by YaRN (OLMo 3's rope on its global layers)
+    'olmo3': lambda: Olmo3Config(**{**SHAPE, 'num_hidden_layers': 4}, sliding_window=16,
+                                 rope_parameters={'full_attention': {'rope_type': 'yarn', 'rope_theta': 10000.0,
+                                                                     'factor': 4.0,
+                                                                     'original_max_position_embeddings': 256},
+                                                  'sliding_attention': {'rope_type': 'default',
+                                                                        'rope_theta': 10000.0}}),
+    'granite': lambda: GraniteConfig(**SHAPE, embedding_multiplier=3.0, attention_multiplier=0.1,
+                                     residual_multiplier=0.5, logits_scaling=2.0),
     # q/k/v biases, none on o_proj
     'seed_oss': lambda: SeedOssConfig(**SHAPE, head_dim=16, attention_bias=True, attention_out_bias=False),
     # rotary over neighbouring pairs; biases on every projection
     'ernie4_5': lambda: Ernie4_5Config(**SHAPE, head_dim=16, use_bias=True),
 }
 # families the native decoder stack runs on the CPU (Llama layers: full, partial or no rotary, sliding windows;
-# GLM's and ERNIE 4.5's interleaved rotary and GLM-4's output norms; Gemma 2 and 3; Seed-OSS)
+# GLM's and ERNIE 4.5's interleaved rotary and GLM-4's output norms; Gemma 2 and 3; Seed-OSS); not OLMo 2/3 (no
+# input norms, q/k norms over all heads) nor Granite (residual multiplier)
 NATIVE_STACK = {'phi3', 'phi3_longrope', 'smollm3', 'mistral', 'mistral_sliding', 'glm', 'glm4', 'gemma2', 'gemma3',
                 'seed_oss', 'ernie4_5'}
 
