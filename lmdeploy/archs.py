@@ -27,6 +27,7 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'SmolLM3ForCausalLM': ('llm', 'lmdeploy.pytorch.models.smollm3:SmolLM3ForCausalLM'),
     'SeedOssForCausalLM': ('llm', 'lmdeploy.pytorch.models.llama:LlamaForCausalLM'),
     'Ernie4_5ForCausalLM': ('llm', 'lmdeploy.pytorch.models.ernie:Ernie4_5ForCausalLM'),
+    'Ernie4_5_MoeForCausalLM': ('llm', 'lmdeploy.pytorch.models.ernie:Ernie4_5_MoeForCausalLM'),
     'GraniteForCausalLM': ('llm', 'lmdeploy.pytorch.models.granite:GraniteForCausalLM'),
     'Olmo2ForCausalLM': ('llm', 'lmdeploy.pytorch.models.olmo:OlmoForCausalLM'),
     'Olmo3ForCausalLM': ('llm', 'lmdeploy.pytorch.models.olmo:OlmoForCausalLM'),

@@ -1,12 +1,13 @@
-"""Phi-3, GLM, GLM-4, SmolLM3, Mistral, Gemma 2, Gemma 3, OLMo 2, OLMo 3, Granite, Seed-OSS and ERNIE 4.5 against
-transformers on tiny random models saved by transformers: greedy tokens and first-step logits in fp32, batching,
-chunked prefill and prefix-cache hits. Sliding windows (16 tokens) are narrower than most prompts."""
+"""Phi-3, GLM, GLM-4, SmolLM3, Mistral, Gemma 2, Gemma 3, OLMo 2, OLMo 3, Granite, Seed-OSS, ERNIE 4.5 and
+ERNIE 4.5 MoE against transformers on tiny random models saved by transformers: greedy tokens and first-step
+logits in fp32, batching, chunked prefill and prefix-cache hits. Sliding windows (16 tokens) are narrower than
+most prompts."""
 from __future__ import annotations
 
 import pytest
-from transformers import (Ernie4_5Config, Gemma2Config, Gemma3TextConfig, Glm4Config, GlmConfig, GraniteConfig,
-                          MistralConfig, Olmo2Config, Olmo3Config, Phi3Config, Qwen2Config, SeedOssConfig,
-                          SmolLM3Config)
+from transformers import (Ernie4_5_MoeConfig, Ernie4_5Config, Gemma2Config, Gemma3TextConfig, Glm4Config, GlmConfig,
+                          GraniteConfig, MistralConfig, Olmo2Config, Olmo3Config, Phi3Config, Qwen2Config,
+                          SeedOssConfig, SmolLM3Config)
 
 from conftest import VOCAB_SIZE, save_random_model
 from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_matches_transformers,
@@ -58,6 +59,10 @@ FAMILIES = {
     'seed_oss': lambda: SeedOssConfig(**SHAPE, head_dim=16, attention_bias=True, attention_out_bias=False),
     # rotary over neighbouring pairs; biases on every projection
     'ernie4_5': lambda: Ernie4_5Config(**SHAPE, head_dim=16, use_bias=True),
+    # a dense first layer, then experts chosen by softmax score plus a correction bias, and a shared expert
+    'ernie4_5_moe': lambda: Ernie4_5_MoeConfig(**{**SHAPE, 'num_hidden_layers': 3}, head_dim=16,
+                                               moe_intermediate_size=32, moe_num_experts=4, moe_k=2,
+                                               moe_num_shared_experts=1, moe_layer_start_index=1),
 }
 # families the native decoder stack runs on the CPU (Llama layers: full, partial or no rotary, sliding windows;
 # GLM's and ERNIE 4.5's interleaved rotary and GLM-4's output norms; Gemma 2 and 3; Seed-OSS); not OLMo 2/3 (no

@@ -47,7 +47,9 @@ mla_decode_attention = dispatch(mla.mla_decode_attention, native_cpu='mla_decode
 mla_prefill_attention = dispatch(mla.mla_prefill_attention, native_cpu='mla_prefill_attention')
 grouped_topk = moe.grouped_topk  # torch's own kernels, on every device
 group_limited_topk = moe.group_limited_topk
+biased_softmax_topk = moe.biased_softmax_topk
 
 __all__ = ['apply_rotary', 'argmax', 'decode_attention', 'dispatch', 'fill_kv_cache', 'fused_moe', 'moe_routing',
            'prefill_attention', 'rms_norm', 'silu_and_mul', 'w8a8_linear', 'fill_latent_cache',
-           'mla_decode_attention', 'mla_prefill_attention', 'grouped_topk', 'group_limited_topk']
+           'mla_decode_attention', 'mla_prefill_attention', 'grouped_topk', 'group_limited_topk',
+           'biased_softmax_topk']

@@ -89,3 +89,13 @@ def group_limited_topk(router_logits: torch.Tensor, top_k: int, num_groups: int,
     keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best_groups, True)
     scores = scores.masked_fill(~keep.repeat_interleave(grouped.shape[-1], dim=1), 0.0)
     return torch.topk(scores, top_k, dim=-1, sorted=False)
+
+
+def biased_softmax_topk(router_logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int,
+                        norm_min: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """ERNIE 4.5's routing: ``(topk_weights [T, k] fp32, topk_ids [T, k])``, the experts chosen by softmax score
+    plus ``correction_bias``, weighted by their unbiased scores divided by their sum (at least ``norm_min``)."""
+    scores = router_logits.float().softmax(-1)
+    ids = (scores + correction_bias.float().reshape(-1)).topk(top_k, dim=-1)[1]
+    weights = scores.gather(1, ids)
+    return weights / weights.sum(-1, keepdim=True).clamp(min=norm_min), ids
