@@ -68,7 +68,7 @@ _ARCH_LAYER_NAMES = {
     **LAYER_NAMES,
 }
 # llama.cpp's converter reorders the q/k rows of Llama-derived models for its rotary (undone at load)
-_PERMUTED_ARCHS = ('llama', 'smollm3')
+_PERMUTED_ARCHS = ('llama', 'smollm3', 'granite')
 # llama.cpp runs SmolLM3 without rotary in every fourth layer; its GGUF files carry no key for it
 SMOLLM3_NO_ROPE_INTERVAL = 4
 # tensors that llama.cpp stores and transformers keeps in the config (Phi-3's LongRoPE factors)

@@ -1,8 +1,10 @@
 """GGUF architectures whose llama.cpp files differ from their transformers checkpoints by more than tensor
 names: GLM (``chatglm``, ``glm4``), Gemma 2 and 3 (``gemma2``, ``gemma3``), gpt-oss (``gpt-oss``),
-DeepSeek-V2/V3 (``deepseek2``), GLM-4.5 (``glm4moe``), and the MoE files of Qwen3-MoE (``qwen3moe``; Qwen3-VL-MoE's language model
-``qwen3vlmoe`` alike), Qwen2-MoE (``qwen2moe``, with a shared expert) and Mixtral (``llama`` with experts), whose
-stacked experts (``ffn_{gate,up,down}_exps``) are stored back one tensor per expert.
+DeepSeek-V2/V3 (``deepseek2``), GLM-4.5 (``glm4moe``), OLMo 2/3 (``olmo2``), Granite 3 (``granite``), Seed-OSS
+(``seed_oss``), ERNIE 4.5 (``ernie4_5``, ``ernie4_5-moe``), and the MoE files of Qwen3-MoE (``qwen3moe``;
+Qwen3-VL-MoE's language model ``qwen3vlmoe`` alike), Qwen2-MoE (``qwen2moe``, with a shared expert) and Mixtral
+(``llama`` with experts), whose stacked experts (``ffn_{gate,up,down}_exps``) are stored back one tensor per
+expert.
 
 Each has a config builder (the transformers config fields that llama.cpp keeps in metadata under gguf-py's
 ``Keys``, or fixes in its loader) and, where needed, a state-dict step that undoes what convert_hf_to_gguf.py
@@ -30,12 +32,17 @@ ARCHITECTURES = {
     'glm4moe': 'Glm4MoeForCausalLM',
     'qwen3moe': 'Qwen3MoeForCausalLM',
     'qwen2moe': 'Qwen2MoeForCausalLM',
+    'olmo2': 'Olmo2ForCausalLM',  # Olmo3ForCausalLM where the file has a sliding window
+    'granite': 'GraniteForCausalLM',
+    'seed_oss': 'SeedOssForCausalLM',
+    'ernie4_5': 'Ernie4_5ForCausalLM',
+    'ernie4_5-moe': 'Ernie4_5_MoeForCausalLM',
 }
 
 # architectures whose every linear layer is a projection (or experts) that may be served as llama.cpp's blocks
 # (llama.cpp never quantizes a router: ``ffn_gate_inp`` stays F32)
 RAW_SERVED_ARCHS = ('llama', 'chatglm', 'glm4', 'glm4moe', 'gemma2', 'gemma3', 'qwen3moe', 'qwen3vlmoe',
-                    'qwen2moe')
+                    'qwen2moe', 'olmo2', 'granite', 'seed_oss', 'ernie4_5', 'ernie4_5-moe')
 
 _ROUTER_BIAS = {'exp_probs_b.bias': 'mlp.gate.e_score_correction_bias'}
 _SHARED_EXPERTS = {'ffn_gate_shexp': 'mlp.shared_experts.gate_proj', 'ffn_up_shexp': 'mlp.shared_experts.up_proj',
@@ -70,6 +77,9 @@ LAYER_NAMES: dict[str, dict[str, str]] = {
     },
     # the layers' own tensors; the next-token-prediction layers' ``nextn.*`` ones have no counterpart
     'glm4moe': {'post_attention_norm': 'post_attention_layernorm', **_ROUTER_BIAS, **_SHARED_EXPERTS},
+    'olmo2': {'post_attention_norm': 'post_attention_layernorm', 'post_ffw_norm': 'post_feedforward_layernorm'},
+    'seed_oss': {'post_attention_norm': 'post_attention_layernorm'},
+    'ernie4_5-moe': {'exp_probs_b.bias': 'mlp.moe_statics.e_score_correction_bias', **_SHARED_EXPERTS},
 }
 
 
@@ -248,9 +258,56 @@ def _llama(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[
             **fields}
 
 
+def _olmo2(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """OLMo 2, or OLMo 3 where the file has a sliding window: its local layers turn by the plain rope of
+    ``rope.freq_base_swa`` (the global base where absent), as llama.cpp turns them without the file's scaling."""
+    rope = _rope(meta, config['rope_theta'])
+    window = meta(Keys.Attention.SLIDING_WINDOW)
+    if not window:
+        return {'model_type': 'olmo2', 'rope_parameters': rope}
+    local = {'rope_type': 'default', 'rope_theta': meta(Keys.Rope.FREQ_BASE_SWA, config['rope_theta'])}
+    return {'model_type': 'olmo3', 'architectures': ['Olmo3ForCausalLM'], 'sliding_window': window,
+            'layer_types': _layer_types(meta, config['num_hidden_layers'], 4),
+            'rope_parameters': {'full_attention': rope, 'sliding_attention': local}}
+
+
+def _granite(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """The multipliers llama.cpp keeps as scales (its defaults where absent: no scaling, ``head_dim ** -0.5``)."""
+    return {'model_type': 'granite', 'rope_parameters': _rope(meta, config['rope_theta']),
+            'attention_multiplier': meta(Keys.Attention.SCALE) or config['head_dim']**-0.5,
+            'embedding_multiplier': meta(Keys.LLM.EMBEDDING_SCALE) or 1.0,
+            'residual_multiplier': meta(Keys.LLM.RESIDUAL_SCALE) or 1.0,
+            'logits_scaling': meta(Keys.LLM.LOGIT_SCALE) or 1.0, 'mlp_bias': 'blk.0.ffn_up.bias' in tensors}
+
+
+def _seed_oss(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    return {'model_type': 'seed_oss', 'rope_parameters': _rope(meta, config['rope_theta']),
+            'attention_out_bias': 'blk.0.attn_output.bias' in tensors, 'mlp_bias': 'blk.0.ffn_up.bias' in tensors}
+
+
+def _ernie4_5(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """ERNIE's one ``use_bias``; llama.cpp turns neighbouring pairs, as ERNIE does (the converter leaves q/k
+    unpermuted)."""
+    return {'model_type': 'ernie4_5', 'rope_parameters': _rope(meta, config['rope_theta']),
+            'use_bias': 'blk.0.attn_q.bias' in tensors}
+
+
+def _ernie4_5_moe(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """The sparse layers from ``leading_dense_block_count`` on, every ``interleave_moe_layer_step``-th."""
+    has_shared = any(name.endswith('ffn_gate_shexp.weight') for name in tensors)
+    shared = meta(Keys.LLM.EXPERT_SHARED_COUNT, 0) if has_shared else 0
+    return {**_ernie4_5(meta, tensors, config), 'model_type': 'ernie4_5_moe',
+            'moe_num_experts': meta(Keys.LLM.EXPERT_COUNT), 'moe_k': meta(Keys.LLM.EXPERT_USED_COUNT),
+            'moe_intermediate_size': meta(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH), 'moe_num_shared_experts': shared,
+            'moe_layer_start_index': meta(Keys.LLM.LEADING_DENSE_BLOCK_COUNT, 0),
+            'moe_layer_interval': meta(Keys.LLM.INTERLEAVE_MOE_LAYER_STEP, 1), 'moe_layer_end_index': -1}
+
+
 CONFIG_BUILDERS: dict[str, Callable[[Meta, dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
     'llama': _llama, 'chatglm': _chatglm, 'glm4': _glm4, 'gemma2': _gemma2, 'gemma3': _gemma3, 'gpt-oss': _gpt_oss,
-    'deepseek2': _deepseek2, 'glm4moe': _glm4moe, 'qwen3moe': _qwen3moe, 'qwen3vlmoe': _qwen3moe, 'qwen2moe': _qwen2moe}
+    'deepseek2': _deepseek2, 'glm4moe': _glm4moe, 'qwen3moe': _qwen3moe, 'qwen3vlmoe': _qwen3moe, 'qwen2moe': _qwen2moe,
+    'olmo2': _olmo2, 'granite': _granite, 'seed_oss': _seed_oss, 'ernie4_5': _ernie4_5,
+    'ernie4_5-moe': _ernie4_5_moe}
 
 
 def _layer_prefixes(state_dict: dict[str, torch.Tensor], suffix: str) -> list[str]:
@@ -331,10 +388,18 @@ def _deepseek2_merge(state_dict: dict[str, torch.Tensor], config: dict[str, Any]
     _split_experts(state_dict, config)
 
 
+def _ernie4_5_experts(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    """The stacked experts back into one tensor per expert; the router's correction bias as ``[1, E]``, as ERNIE's
+    checkpoints hold it."""
+    for name in [name for name in state_dict if name.endswith('e_score_correction_bias')]:
+        state_dict[name] = state_dict[name].reshape(1, -1)
+    _split_experts(state_dict, config)
+
+
 _FINISHERS = {'llama': _split_experts, 'qwen3moe': _split_experts, 'qwen3vlmoe': _split_experts,
               'qwen2moe': _split_experts, 'glm4moe': _split_experts, 'chatglm': _split_qkv,
               'gemma2': _gemma_norms, 'gemma3': _gemma_norms, 'gpt-oss': _gpt_oss_experts,
-              'deepseek2': _deepseek2_merge}
+              'deepseek2': _deepseek2_merge, 'ernie4_5-moe': _ernie4_5_experts}
 
 
 def finish_state_dict(arch: str, state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
