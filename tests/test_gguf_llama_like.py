@@ -10,8 +10,9 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from gguf import GGMLQuantizationType as Q
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from helpers import hf_greedy, make_engine, random_prompts, run
 from test_gguf import _add_tokenizer, finish, llama_permute
@@ -64,41 +65,58 @@ def add_metadata(writer: gguf.GGUFWriter, config) -> None:
         writer.add_expert_shared_feed_forward_length(config.intermediate_size // config.num_key_value_heads)
 
 
-def checkpoint_tensors(folder: str, config) -> dict[str, torch.Tensor]:
-    """The saved checkpoint's tensors as the converter hands them to gguf-py: each MoE layer's experts stacked
-    (``mlp.experts.{gate,up,down}_proj.weight [E, ...]``)."""
+def converter_arrays(folder: str, config, quantize: bool) -> dict[str, np.ndarray]:
+    """The saved checkpoint's tensors as the converter hands them to gguf-py: Granite's q/k rows permuted, each MoE
+    layer's experts stacked (``mlp.experts.{gate,up,down}_proj.weight [E, ...]``); with ``quantize`` every
+    projection's as Q8_0 blocks, and the checkpoint in ``folder`` rewritten with what those blocks hold."""
     state = load_file(str(Path(folder) / 'model.safetensors'))
+    arrays = {}
+    for name, tensor in state.items():
+        data = tensor.float().numpy()
+        if quantize and name.endswith('proj.weight'):  # row by row: the same blocks before or after a permutation
+            data = gguf.quants.quantize(data, Q.Q8_0)
+            state[name] = torch.from_numpy(gguf.quants.dequantize(data, Q.Q8_0))
+        if config.model_type == 'granite' and name.endswith(('q_proj.weight', 'k_proj.weight')):
+            data = llama_permute(data, config.num_attention_heads if 'q_proj' in name else config.num_key_value_heads)
+        arrays[name.replace('e_score_correction_bias', 'e_score_correction.bias')] = data  # the converter's rename
+    if quantize:
+        save_file(state, str(Path(folder) / 'model.safetensors'), metadata={'format': 'pt'})
     for layer in range(config.num_hidden_layers):
         prefix = f'model.layers.{layer}.mlp.experts'
         for proj in ('gate_proj', 'up_proj', 'down_proj'):
             names = [f'{prefix}.{expert}.{proj}.weight' for expert in range(getattr(config, 'moe_num_experts', 0))]
-            if names and names[0] in state:
-                state[f'{prefix}.{proj}.weight'] = torch.stack([state.pop(name) for name in names])
-    return state
+            if names and names[0] in arrays:
+                arrays[f'{prefix}.{proj}.weight'] = np.stack([arrays.pop(name) for name in names])
+    return arrays
 
 
-def write_gguf(folder: str, config, path: Path, writer: gguf.GGUFWriter) -> None:
+def write_gguf(folder: str, writer: gguf.GGUFWriter, quantize: bool) -> None:
+    """The model saved in ``folder`` written by ``writer`` (its tokenizer added) as the converter writes it."""
+    config = AutoConfig.from_pretrained(folder)
     add_metadata(writer, config)
     names = gguf.get_tensor_name_map(ARCHS[config.model_type], config.num_hidden_layers)
-    for name, tensor in checkpoint_tensors(folder, config).items():
-        data = tensor.float().numpy()
-        if config.model_type == 'granite' and name.endswith(('q_proj.weight', 'k_proj.weight')):
-            data = llama_permute(data, config.num_attention_heads if 'q_proj' in name
-                                 else config.num_key_value_heads)
-        name = name.replace('e_score_correction_bias', 'e_score_correction.bias')  # as the converter renames it
-        writer.add_tensor(names.get_name(name, try_suffixes=('.weight', '.bias')), np.ascontiguousarray(data))
+    for name, data in converter_arrays(folder, config, quantize).items():
+        writer.add_tensor(names.get_name(name, try_suffixes=('.weight', '.bias')), np.ascontiguousarray(data),
+                          raw_dtype=Q.Q8_0 if data.dtype == np.uint8 else None)
     finish(writer)
+
+
+def save_gguf(kind: str, path: Path, quantize: bool) -> tuple[Path, str, int]:
+    """A tiny random ``kind`` saved in ``path / 'hf'`` and written to ``path / 'model.gguf'``: the file, the
+    folder and the vocabulary size."""
+    src = path / 'model.gguf'
+    writer = gguf.GGUFWriter(str(src), gguf.MODEL_ARCH_NAMES[ARCHS[kind]])
+    vocab = _add_tokenizer(writer)
+    folder = save_family(kind, str(path / 'hf'), vocab_size=vocab)
+    write_gguf(folder, writer, quantize)
+    return src, folder, vocab
 
 
 @pytest.mark.parametrize('kind', sorted(ARCHS))
 def test_gguf_family_matches_transformers(kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(tmp_path / 'cache'))
-    src = tmp_path / f'{kind}.gguf'
-    writer = gguf.GGUFWriter(str(src), gguf.MODEL_ARCH_NAMES[ARCHS[kind]])
-    vocab = _add_tokenizer(writer)
-    folder = save_family(kind, str(tmp_path / 'hf'), vocab_size=vocab)
+    src, folder, vocab = save_gguf(kind, tmp_path, quantize=False)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    write_gguf(folder, hf.config, src, writer)
 
     convert_gguf(str(src), str(tmp_path / 'converted'))
     converted = AutoModelForCausalLM.from_pretrained(str(tmp_path / 'converted'), dtype=torch.float32)
@@ -115,3 +133,23 @@ def test_gguf_family_matches_transformers(kind: str, tmp_path: Path, monkeypatch
 
     prompts = random_prompts([5, 40], vocab=vocab)
     assert run(make_engine(str(src)), prompts) == [hf_greedy(hf, p) for p in prompts]
+
+
+@pytest.mark.parametrize('kind', ['olmo3', 'granite', 'ernie4_5_moe'])
+def test_gguf_family_q8_0_kept_as_blocks(kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every projection (experts and shared experts too) in Q8_0 is served as its blocks, token for token like
+    transformers on the weights those blocks hold."""
+    monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(tmp_path / 'cache'))
+    src, folder, vocab = save_gguf(kind, tmp_path, quantize=True)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+    engine = make_engine(str(src))
+    layer_types = engine.model_config.hf_config.quantization_config['ggml_types']
+    for layer in range(hf.config.num_hidden_layers):
+        for name in ('self_attn.qkv_proj', 'self_attn.o_proj'):
+            assert layer_types[f'layers.{layer}.{name}'] == 'Q8_0', (layer, name)
+    if kind == 'ernie4_5_moe':
+        assert layer_types['layers.0.mlp.gate_up_proj'] == layer_types['layers.1.mlp.experts.gate_up_proj'] == 'Q8_0'
+        assert layer_types['layers.1.mlp.shared_experts.down_proj'] == 'Q8_0'
+    prompts = random_prompts([5, 40], vocab=vocab)
+    assert run(engine, prompts) == [hf_greedy(hf, p) for p in prompts]
