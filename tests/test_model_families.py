@@ -162,3 +162,9 @@ def test_phi3_sliding_window(tmp_path):
 def test_tp2_splits_fused_checkpoints(kind, tmp_path):
     """Each rank reads its own heads of a fused ``qkv_proj`` and its share of a fused ``gate_up_proj``."""
     assert_tp2_equals_tp1(save_family(kind, str(tmp_path / kind)), random_prompts([5, 40], seed=8))
+
+
+def test_olmo_refuses_tensor_parallelism(tmp_path):
+    """OLMo's q/k norms span every head, which no rank holds alone: tp=2 is refused at load, saying why."""
+    with pytest.raises(ValueError, match='q/k norms span every head'):
+        make_engine(save_family('olmo2', str(tmp_path / 'olmo2')), tp=2)
