@@ -23,11 +23,12 @@ def key_bound(sliding_window: int | None, attention_chunk: int | None) -> tuple[
 @triton.jit
 def first_key(pos, bound, BOUND: tl.constexpr):
     """The first key position a query at ``pos`` attends to: with ``BOUND`` 1 the start of its sliding window of
-    ``bound`` keys (not below 0), with 2 the start of its attention chunk of ``bound`` positions."""
+    ``bound`` keys (not below 0), with 2 the start of its attention chunk of ``bound`` positions (0 for the
+    position -1 of an empty sequence)."""
     if BOUND == 1:
         lo = tl.maximum(pos - bound + 1, 0)
     else:
-        lo = pos // bound * bound
+        lo = tl.maximum(pos, 0) // bound * bound
     return lo
 
 
