@@ -11,6 +11,7 @@ import torch
 from test_attention_features import as_float, case
 
 from lmdeploy.pytorch.kernels import attention
+from lmdeploy.pytorch.nn.attention import PagedAttention
 
 CONTEXTS, CHUNKS = [23, 40, 9, 70], [23, 11, 1, 30]
 # chunks narrower than a cache block (8 slots), equal to it, across blocks, and one longer than every context
@@ -74,3 +75,8 @@ def test_native_rejects_a_window_with_a_chunk(native):
     args, _, _ = case(CONTEXTS, CHUNKS, 8, 2, 32, torch.float32)
     with pytest.raises(RuntimeError, match='not both'):
         native.paged_prefill_attention(*args, sliding_window=4, attention_chunk=8)
+
+
+def test_a_layer_with_a_window_and_a_chunk_is_refused():
+    with pytest.raises(ValueError, match='not both'):
+        PagedAttention(4, 2, 16, 0.25, sliding_window=4, attention_chunk=8)

@@ -21,8 +21,8 @@ CHUNK = 8
 # hidden 64 and experts of 48 features: gate_up_proj [E, 64, 96] cannot be mistaken for its transpose
 CONFIG = dict(hidden_size=64, intermediate_size=48, intermediate_size_mlp=80, num_hidden_layers=4,
               num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=VOCAB_SIZE, num_local_experts=4,
-              num_experts_per_tok=1, interleave_moe_layer_step=2, no_rope_layers=[1, 1, 0, 1], attention_chunk_size=CHUNK,
-              floor_scale=4, attn_scale=0.5, max_position_embeddings=1024, tie_word_embeddings=False,
+              num_experts_per_tok=1, interleave_moe_layer_step=2, no_rope_layers=[1, 1, 0, 1],
+              attention_chunk_size=CHUNK, floor_scale=4, attn_scale=0.5, max_position_embeddings=1024, tie_word_embeddings=False,
               rope_parameters={'rope_type': 'default', 'rope_theta': 10000.0})
 
 

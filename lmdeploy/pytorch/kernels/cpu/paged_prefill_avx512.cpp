@@ -5,9 +5,9 @@
 // linear layers' (linear_bf16.cpp). Each task first copies its keys and values out of the paged cache
 // into those tiles' panel layouts; a tile of up to 6 query vectors then walks the keys 64 at a time
 // up to its last token's position, with an online softmax (bf16 probabilities, as torch's CPU flash
-// attention uses for bf16) and the causal mask applied per query vector. A sliding window or an attention
-// chunk starts the walk at the tile's first key and masks per query vector; soft-capping applies to each score, and a
-// query head's sink starts its softmax as its peak with weight 1. With key limits a query vector's keys end
+// attention uses for bf16) and the causal mask applied per query vector. A sliding window or an
+// attention chunk starts the walk at the tile's first key and masks per query vector; soft-capping
+// applies to each score, and a query head's sink starts its softmax as its peak with weight 1. With key limits a query vector's keys end
 // at its token's limit instead of its position, and the tile walks up to its last limit.
 #include <limits>
 
@@ -90,8 +90,8 @@ inline void accumulate(__m512 (&acc)[R][4], const int32_t* const (&a)[R], const 
 }
 
 // Scores of R query vectors against keys [64 g, 64 g + 64): scale * q . k (soft-capped), or lowest() past
-// a query's key limit or before its first key (window or chunk); only the first C panels of 16 keys hold any key up to the
-// tile's last key limit.
+// a query's key limit or before its first key (window or chunk); only the first C panels of 16 keys hold
+// any key up to the tile's last key limit.
 template <int R, int C>
 void tile_scores(const PrefillTask& task, int64_t row, int64_t g, const int32_t* keys, float* scores) {
   const int64_t D = task.head_dim, pairs = D / 2;
@@ -112,8 +112,10 @@ void tile_scores(const PrefillTask& task, int64_t row, int64_t g, const int32_t*
     for (int c = 0; c < 4; ++c) {
       const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(g * kKeys + c * kPanel)));
       __mmask16 valid = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(limit[r])));
-      if (task.bounds->bounded())
-        valid &= _mm512_cmpge_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(task.bounds->first_key(pos[r]))));
+      if (task.bounds->bounded()) {
+        const int32_t first = static_cast<int32_t>(task.bounds->first_key(pos[r]));
+        valid &= _mm512_cmpge_epi32_mask(key, _mm512_set1_epi32(first));
+      }
       __m512 s = _mm512_mul_ps(acc[r][c], _mm512_set1_ps(task.scale));
       if (task.softcap > 0.f) {  // cap * tanh(s / cap), tanh(x) = 1 - 2 / (e^2x + 1)
         const __m512 e = exp_ps(_mm512_mul_ps(s, _mm512_set1_ps(2.f / task.softcap)));

@@ -5,8 +5,8 @@ sequence's pages, ``PAGES`` pages per loop step. The launch grid depends only on
 heads, block-table width), so decode steps can be captured in CUDA graphs: each program derives its
 split's pages from its own sequence's ``kv_len``, so a short sequence in a wide block table still
 spreads over every split, and a split left without pages writes an empty partial (lse ``-inf``).
-With a sliding window or an attention chunk the splits cover only the pages from the query's first key on; soft-capping applies to each score, and
-the sinks join the denominator in the reduce.
+With a sliding window or an attention chunk the splits cover only the pages from the query's first key on;
+soft-capping applies to each score, and the sinks join the denominator in the reduce.
 """
 from __future__ import annotations
 

@@ -5,8 +5,8 @@ sequence's cached prefix (``BLOCK_N`` keys of a page at a time, through its bloc
 causally over the chunk's fresh K/V, so chunked prefill and prefix-cache hits need no gather. With an
 int8/int4 cache the chunk is read back from the cache too (dequantized, causally masked), so that a prompt attends
 over the same values however its prefix was computed. With a sliding window or an attention chunk a program
-starts at the first key its first query row sees (``first_key``); soft-capping applies to each score, and the sinks join the
-denominator at the end. With key limits each row's keys end at its limit instead of its position, and a
+starts at the first key its first query row sees (``first_key``); soft-capping applies to each score, and the
+sinks join the denominator at the end. With key limits each row's keys end at its limit instead of its position, and a
 program reads the chunk up to its rows' last limit.
 """
 from __future__ import annotations
