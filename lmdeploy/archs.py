@@ -32,6 +32,7 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'DeepseekV3ForCausalLM': ('llm', 'lmdeploy.pytorch.models.deepseek_v3:DeepseekV3ForCausalLM'),
     'Glm4MoeForCausalLM': ('llm', 'lmdeploy.pytorch.models.glm4_moe:Glm4MoeForCausalLM'),
     'GptOssForCausalLM': ('llm', 'lmdeploy.pytorch.models.gpt_oss:GptOssForCausalLM'),
+    'Llama4ForCausalLM': ('llm', 'lmdeploy.pytorch.models.llama4:Llama4ForCausalLM'),
     'Qwen2VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
     'Qwen2_5_VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
     'LlavaForConditionalGeneration': ('vlm', f'{_VL}:LlavaForConditionalGeneration'),

@@ -51,11 +51,12 @@ class LlamaAttention(nn.Module):
     """Self-attention with rotary queries and keys: all of each head's features, the first
     ``partial_rotary_factor`` of them, or none (``use_rope=False``); ``interleaved_rope`` turns
     neighbouring pairs (GLM) instead of halves. ``scale`` defaults to ``head_dim ** -0.5``;
-    ``sliding_window`` and ``logit_softcap`` go to :class:`PagedAttention`."""
+    ``sliding_window`` and ``logit_softcap`` go to :class:`PagedAttention`. ``qk_norm`` (None: the config's
+    choice) gives queries and keys an RMSNorm with weights before the rotation."""
 
     def __init__(self, cfg: ModelConfig, use_rope: bool = True, interleaved_rope: bool = False,
                  o_bias: bool | None = None, scale: float | None = None, sliding_window: int | None = None,
-                 logit_softcap: float | None = None):
+                 logit_softcap: float | None = None, qk_norm: bool | None = None):
         super().__init__()
         hf = cfg.hf_config
         self.head_dim = cfg.head_dim
@@ -67,7 +68,9 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = QKVLinear(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, self.head_dim, bias=qkv_bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowLinear.over_heads(self.qkv_proj, cfg.hidden_size, bias=o_bias)
-        self.qk_norm = hf.model_type in QK_NORM_MODEL_TYPES or bool(getattr(hf, 'use_qk_norm', False))
+        if qk_norm is None:
+            qk_norm = hf.model_type in QK_NORM_MODEL_TYPES or bool(getattr(hf, 'use_qk_norm', False))
+        self.qk_norm = qk_norm
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, hf.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, hf.rms_norm_eps)

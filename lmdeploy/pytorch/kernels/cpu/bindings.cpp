@@ -9,13 +9,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("v_cache"), py::arg("block_table"), py::arg("kv_lens"), py::arg("scale"),
         py::arg("k_scales_zeros") = py::none(), py::arg("v_scales_zeros") = py::none(), py::arg("quant_policy") = 0,
         py::arg("sliding_window") = py::none(), py::arg("logit_softcap") = py::none(),
-        py::arg("sinks") = py::none());
+        py::arg("sinks") = py::none(), py::arg("attention_chunk") = py::none());
   m.def("paged_prefill_attention", &paged_prefill_attention, "causal attention of prefill chunks over the caches",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),
         py::arg("q_start"), py::arg("q_len"), py::arg("ctx_len"), py::arg("max_q_len"), py::arg("scale"),
         py::arg("k_scales_zeros") = py::none(), py::arg("v_scales_zeros") = py::none(), py::arg("quant_policy") = 0,
         py::arg("sliding_window") = py::none(), py::arg("logit_softcap") = py::none(),
-        py::arg("sinks") = py::none(), py::arg("key_limit") = py::none());
+        py::arg("sinks") = py::none(), py::arg("key_limit") = py::none(), py::arg("attention_chunk") = py::none());
   m.def("rms_norm", &rms_norm, "RMSNorm with an optional fused residual add", pybind11::arg("x"),
         pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("residual") = pybind11::none());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
