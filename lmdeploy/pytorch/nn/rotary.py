@@ -1,6 +1,9 @@
 """Rotary embedding tables; the scaling variants come from transformers' own init functions."""
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from transformers import PretrainedConfig
@@ -31,6 +34,30 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
         rot = rot.unflatten(-1, (dim // 2, 2)).transpose(-1, -2).flatten(-2)
     rot = apply_rotary(rot, cos, sin)
     return rot if dim == x.shape[-1] else torch.cat((rot, x[..., dim:]), dim=-1)
+
+
+def llama4_query_scale(positions: torch.Tensor, beta: float, original_max_positions: int) -> torch.Tensor:
+    """Ministral 3's factor on each token's query, ``1 + beta * log(1 + floor(position / original_max_positions))``
+    (transformers' ``get_llama_4_attn_scale``): 1 over the first ``original_max_positions`` positions, then
+    growing a step every ``original_max_positions``."""
+    return 1 + beta * torch.log(1 + torch.floor(positions / original_max_positions))
+
+
+def position_query_scale(hf_config: PretrainedConfig) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The factor by which a model scales each token's rotated query, as a function of the tokens' positions
+    ``[T] -> [T]`` (fp32); None for models whose queries keep their scale. Ministral 3's is
+    :func:`llama4_query_scale`, from its rope's ``llama_4_scaling_beta``."""
+    params = getattr(hf_config, 'rope_parameters', None) or {}
+    beta = params.get('llama_4_scaling_beta')
+    if not beta:
+        return None
+    return functools.partial(llama4_query_scale, beta=beta,
+                             original_max_positions=params['original_max_position_embeddings'])
+
+
+def scale_queries(q: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+    """Queries ``q [T, H, D]`` times their token's factor ``factors [T]`` (in ``q``'s dtype)."""
+    return q * factors[:, None, None]
 
 
 def step_seq_lens(ctx: StepContext) -> torch.Tensor:
