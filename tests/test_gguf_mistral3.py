@@ -19,20 +19,24 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file
 from helpers import make_engine, run
 from test_gguf import finish, llama_permute
-from test_gguf_vl import _tokenizer, assert_serves_like_the_original, converted_tensors
+from test_gguf_vl import PROMPTS, _tokenizer, assert_serves_like_the_original, converted_tensors
+from test_vl_families import make_processor
 from transformers import AutoConfig
 from vl_models import MISTRAL3_VISION, save_tiny_vl_model
 
-from lmdeploy.pytorch.weights.gguf import resolve_gguf
+from lmdeploy.pytorch.weights.gguf import convert_gguf, resolve_gguf
 
 pytestmark = pytest.mark.usefixtures('tmp_gguf_cache')
 
 LANGUAGE_MODEL = 'language_model.'
 VISION_PREFIXES = ('vision_tower.', 'multi_modal_projector.')
 ROTATED = ('q_proj.weight', 'k_proj.weight')
+PROJECTIONS = tuple(f'.{name}.weight' for name in ('attn_q', 'attn_k', 'attn_v', 'attn_output', 'ffn_gate', 'ffn_up',
+                                                   'ffn_down'))
 
 
 def write_mistral3_gguf(model_dir: str, out: Path, arch: str = 'mistral3') -> None:
@@ -169,6 +173,32 @@ def test_language_model_file_alone_serves_text(mistral3, gguf_pair, tmp_path):
                                      'mistral': 'MistralForCausalLM'}[text_model_type]]
     prompts = [list(range(3, 40)), list(range(100, 190, 3))]  # both past the query scale's first step of 16
     assert run(make_engine(str(model)), prompts) == run(make_engine(mistral3), prompts)
+
+
+def test_q8_0_language_model_keeps_its_blocks(mistral3, tmp_path, monkeypatch):
+    """A Q8_0 language model (gguf-py's quantization of its projections) keeps them as blocks, its q/k rows put back
+    in transformers' order, and gives the greedy tokens of the same pair dequantized, on text and image prompts."""
+    add_tensor = gguf.GGUFWriter.add_tensor
+
+    def quantized(writer, name, tensor, *args, **kwargs):
+        if name.startswith('blk.') and name.endswith(PROJECTIONS):
+            return add_tensor(writer, name, gguf.quants.quantize(tensor, Q.Q8_0), raw_dtype=Q.Q8_0)
+        return add_tensor(writer, name, tensor, *args, **kwargs)
+
+    model = tmp_path / 'Mistral3-tiny-Q8_0.gguf'
+    write_pixtral_mmproj(mistral3, tmp_path / 'mmproj-Mistral3-tiny-F32.gguf')
+    with monkeypatch.context() as patch:
+        patch.setattr(gguf.GGUFWriter, 'add_tensor', quantized)
+        write_mistral3_gguf(mistral3, model)
+    served = resolve_gguf(str(model))
+    layers = json.loads(Path(served, 'config.json').read_text())['quantization_config']['ggml_types']
+    assert layers == {f'layers.{i}.{name}': 'Q8_0' for i in range(2)
+                      for name in ('self_attn.qkv_proj', 'self_attn.o_proj', 'mlp.gate_up_proj', 'mlp.down_proj')}
+    convert_gguf(str(model), str(tmp_path / 'dequantized'), raw_types=())
+    prompts = [make_processor(served).process(prompt) for prompt in PROMPTS]
+    outs = run(make_engine(served), prompts)
+    assert run(make_engine(str(tmp_path / 'dequantized')), prompts) == outs
+    assert outs[1] != outs[2], 'the images must change the answer'
 
 
 def test_mistral_small_as_a_llama_file_pairs_too(tmp_path):
