@@ -174,9 +174,11 @@ def test_transformers5_module_layout_loads_like_the_hubs(tmp_path):
     assert run(make_engine(str(renamed)), prompts) == run(make_engine(path), prompts)
 
 
-def test_language_model_runs_in_the_native_decoder_stack(tmp_path, native_gemms):
-    """bf16 on packed weights: the Mistral layers run in the native decoder stack, as their own forward does."""
-    path = save_tiny_vl_model('mistral3', str(tmp_path / 'mistral3'))
+@pytest.mark.parametrize('kind', ['mistral3', 'mistral3_ministral3'])
+def test_language_model_runs_in_the_native_decoder_stack(kind, tmp_path, native_gemms):
+    """bf16 on packed weights: the Mistral (and Ministral 3) layers run in the native decoder stack, as their own
+    forward does."""
+    path = save_tiny_vl_model(kind, str(tmp_path / kind))
     engine = Engine(path, PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=64, block_size=16), show_progress=False)
     model = engine.runner.model
     assert model.native_stack is not None
