@@ -19,6 +19,7 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'Qwen2ForCausalLM': ('llm', 'lmdeploy.pytorch.models.llama:LlamaForCausalLM'),
     'Qwen3ForCausalLM': ('llm', 'lmdeploy.pytorch.models.llama:LlamaForCausalLM'),
     'MistralForCausalLM': ('llm', 'lmdeploy.pytorch.models.llama:LlamaForCausalLM'),
+    'Ministral3ForCausalLM': ('llm', 'lmdeploy.pytorch.models.llama:LlamaForCausalLM'),
     'Phi3ForCausalLM': ('llm', 'lmdeploy.pytorch.models.llama:LlamaForCausalLM'),
     'Gemma2ForCausalLM': ('llm', 'lmdeploy.pytorch.models.gemma:GemmaForCausalLM'),
     'Gemma3ForCausalLM': ('llm', 'lmdeploy.pytorch.models.gemma:GemmaForCausalLM'),

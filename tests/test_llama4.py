@@ -15,7 +15,7 @@ from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_
 from helpers import make_engine, random_prompts, run
 
 from lmdeploy.pytorch.models.llama4 import Llama4MoE
-from lmdeploy.pytorch.nn.attention import query_temperature
+from lmdeploy.pytorch.nn.rotary import query_temperature
 
 CHUNK = 8
 # hidden 64 and experts of 48 features: gate_up_proj [E, 64, 96] cannot be mistaken for its transpose

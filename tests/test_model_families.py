@@ -1,13 +1,13 @@
-"""Phi-3, GLM, GLM-4, SmolLM3, Mistral, Gemma 2 and Gemma 3 against transformers on tiny random models
+"""Phi-3, GLM, GLM-4, SmolLM3, Mistral, Ministral 3, Gemma 2 and Gemma 3 against transformers on tiny random models
 saved by transformers: greedy tokens and first-step logits in fp32, batching, chunked prefill and
 prefix-cache hits. Sliding windows (16 tokens) are narrower than most prompts."""
 from __future__ import annotations
 
 import pytest
-from transformers import (Gemma2Config, Gemma3TextConfig, Glm4Config, GlmConfig, MistralConfig,
+from transformers import (Gemma2Config, Gemma3TextConfig, Glm4Config, GlmConfig, Ministral3Config, MistralConfig,
                           Phi3Config, Qwen2Config, SmolLM3Config)
 
-from conftest import VOCAB_SIZE, save_random_model
+from conftest import MINISTRAL3_ROPE, VOCAB_SIZE, save_random_model
 from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_matches_transformers,
                            assert_tp2_equals_tp1, hf_causal_lm, prefix_sharing_prompts)
 from helpers import hf_greedy, make_engine, random_prompts, run
@@ -30,6 +30,7 @@ FAMILIES = {
     'smollm3': lambda: SmolLM3Config(**{**SHAPE, 'num_hidden_layers': 4}, no_rope_layer_interval=4),
     'mistral': lambda: MistralConfig(**SHAPE, head_dim=16, sliding_window=None),
     'mistral_sliding': lambda: MistralConfig(**SHAPE, head_dim=16, sliding_window=16),
+    'ministral3': lambda: Ministral3Config(**SHAPE, head_dim=16, rope_parameters=MINISTRAL3_ROPE),
     # local and global layers; scores and logits soft-capped where random weights reach the cap
     'gemma2': lambda: Gemma2Config(**{**SHAPE, 'num_hidden_layers': 3}, head_dim=16, sliding_window=16,
                                    query_pre_attn_scalar=24, attn_logit_softcapping=4.0,
@@ -44,8 +45,9 @@ FAMILIES = {
                                                                            'rope_theta': 10000.0}}),
 }
 # families the native decoder stack runs on the CPU (Llama layers: full, partial or no rotary, sliding windows;
-# GLM's interleaved rotary and GLM-4's output norms; Gemma 2 and 3)
-NATIVE_STACK = {'phi3', 'phi3_longrope', 'smollm3', 'mistral', 'mistral_sliding', 'glm', 'glm4', 'gemma2', 'gemma3'}
+# GLM's interleaved rotary and GLM-4's output norms; Ministral 3's query scale; Gemma 2 and 3)
+NATIVE_STACK = {'phi3', 'phi3_longrope', 'smollm3', 'mistral', 'mistral_sliding', 'ministral3', 'glm', 'glm4', 'gemma2',
+                'gemma3'}
 
 
 def save_family(kind: str, path: str, max_shard_size: str = '50GB', **overrides) -> str:

@@ -14,12 +14,12 @@ from torch import nn
 from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.models.llama import KVCache, LlamaAttention, LlamaDecoderLayer, LlamaMLP
 from lmdeploy.pytorch.models.moe import MoEForCausalLM, split_stacked_experts
-from lmdeploy.pytorch.nn.attention import PagedAttention, query_temperature
+from lmdeploy.pytorch.nn.attention import PagedAttention
 from lmdeploy.pytorch.nn.decoder_stack import LayerWeights
 from lmdeploy.pytorch.nn.linear import Linear
 from lmdeploy.pytorch.nn.moe import FusedExperts
 from lmdeploy.pytorch.nn.quant import use_weight_format, weight_format_for
-from lmdeploy.pytorch.nn.rotary import apply_rope
+from lmdeploy.pytorch.nn.rotary import apply_rope, query_temperature
 from lmdeploy.pytorch.step_context import StepContext
 from lmdeploy.pytorch.weights.safetensors_loader import WeightSource
 

@@ -8,12 +8,6 @@ from lmdeploy.pytorch.kernels import decode_attention, fill_kv_cache, prefill_at
 from lmdeploy.pytorch.step_context import StepContext
 
 
-def query_temperature(positions: torch.Tensor, period: int, strength: float, offset: int = 0) -> torch.Tensor:
-    """fp32 ``[T]`` factors that scale each token's queries by its position: ``1 + strength * log(1 + floor(
-    (position + offset) / period))`` (Llama 4's temperature tuning of its NoPE layers: offset 1)."""
-    return torch.log1p(torch.floor((positions.float() + offset) / period)) * strength + 1.0
-
-
 class PagedAttention(nn.Module):
     """Stores this step's K/V in the cache, then attends each token over its context.
 

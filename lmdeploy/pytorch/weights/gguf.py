@@ -25,7 +25,7 @@ from lmdeploy.model_source import ModelNotFoundError
 
 from .file_checks import check_gguf, open_gguf
 from .gguf_archs import (ARCHITECTURES, CONFIG_BUILDERS, LAYER_NAMES, RAW_SERVED_ARCHS, finish_state_dict,
-                         mxfp4_from_ggml)
+                         mxfp4_from_ggml, unpermute_rotary)
 from .gguf_rope import ROPE_FREQS, ROTARY_TENSORS, llama3_rope, phi3_rope
 from .gguf_types import LM_HEAD_RAW_TYPES, MXFP4, RAW_TYPES, engine_layer, served_types
 from .gguf_vl import VisionFamily, pair_mmproj, vision_family
@@ -69,7 +69,7 @@ _ARCH_LAYER_NAMES = {
     **LAYER_NAMES,
 }
 # llama.cpp's converter reorders the q/k rows of Llama-derived models for its rotary (undone at load)
-_PERMUTED_ARCHS = ('llama', 'smollm3')
+_PERMUTED_ARCHS = ('llama', 'smollm3', 'mistral3')
 # llama.cpp runs SmolLM3 without rotary in every fourth layer; its GGUF files carry no key for it
 SMOLLM3_NO_ROPE_INTERVAL = 4
 _LAYER_RE = re.compile(r'blk\.(\d+)\.(\w+)')
@@ -100,12 +100,6 @@ def hf_tensor_name(gguf_name: str, arch: str = 'llama') -> str | None:
     if match and match[2] in names:
         return f'model.layers.{match[1]}.{names[match[2]]}.{kind}'
     return None
-
-
-def unpermute_rotary(weight: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's q/k row permutation (interleaved rotary halves) for llama models."""
-    dim = weight.shape[0] // n_head // 2
-    return weight.reshape(n_head, dim, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
 def _meta(reader: GGUFReader, key: str, default: Any = None) -> Any:

@@ -1,8 +1,9 @@
 """GGUF architectures whose llama.cpp files differ from their transformers checkpoints by more than tensor
 names: GLM (``chatglm``, ``glm4``), Gemma 2 and 3 (``gemma2``, ``gemma3``), gpt-oss (``gpt-oss``),
-DeepSeek-V2/V3 (``deepseek2``), GLM-4.5 (``glm4moe``), and the MoE files of Qwen3-MoE (``qwen3moe``; Qwen3-VL-MoE's language model
-``qwen3vlmoe`` alike), Qwen2-MoE (``qwen2moe``, with a shared expert) and Mixtral (``llama`` with experts), whose
-stacked experts (``ffn_{gate,up,down}_exps``) are stored back one tensor per expert.
+DeepSeek-V2/V3 (``deepseek2``), GLM-4.5 (``glm4moe``), Mistral Small 3.x and Ministral 3 (``mistral3``), and the
+MoE files of Qwen3-MoE (``qwen3moe``; Qwen3-VL-MoE's language model ``qwen3vlmoe`` alike), Qwen2-MoE
+(``qwen2moe``, with a shared expert) and Mixtral (``llama`` with experts), whose stacked experts
+(``ffn_{gate,up,down}_exps``) are stored back one tensor per expert.
 
 Each has a config builder (the transformers config fields that llama.cpp keeps in metadata under gguf-py's
 ``Keys``, or fixes in its loader) and, where needed, a state-dict step that undoes what convert_hf_to_gguf.py
@@ -30,12 +31,13 @@ ARCHITECTURES = {
     'glm4moe': 'Glm4MoeForCausalLM',
     'qwen3moe': 'Qwen3MoeForCausalLM',
     'qwen2moe': 'Qwen2MoeForCausalLM',
+    'mistral3': 'MistralForCausalLM',  # Mistral Small 3.x's language model; Ministral3ForCausalLM with its query scale
 }
 
 # architectures whose every linear layer is a projection (or experts) that may be served as llama.cpp's blocks
 # (llama.cpp never quantizes a router: ``ffn_gate_inp`` stays F32)
 RAW_SERVED_ARCHS = ('llama', 'chatglm', 'glm4', 'glm4moe', 'gemma2', 'gemma3', 'qwen3moe', 'qwen3vlmoe',
-                    'qwen2moe')
+                    'qwen2moe', 'mistral3')
 
 _ROUTER_BIAS = {'exp_probs_b.bias': 'mlp.gate.e_score_correction_bias'}
 _SHARED_EXPERTS = {'ffn_gate_shexp': 'mlp.shared_experts.gate_proj', 'ffn_up_shexp': 'mlp.shared_experts.up_proj',
@@ -71,6 +73,12 @@ LAYER_NAMES: dict[str, dict[str, str]] = {
     # the layers' own tensors; the next-token-prediction layers' ``nextn.*`` ones have no counterpart
     'glm4moe': {'post_attention_norm': 'post_attention_layernorm', **_ROUTER_BIAS, **_SHARED_EXPERTS},
 }
+
+
+def unpermute_rotary(weight: np.ndarray | torch.Tensor, n_head: int) -> np.ndarray | torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (interleaved rotary halves) of Llama-derived models and towers."""
+    dim = weight.shape[0] // n_head // 2
+    return weight.reshape(n_head, dim, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
 def _layer_types(meta: Meta, layers: int, pattern: int) -> list[str]:
@@ -248,9 +256,29 @@ def _llama(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[
             **fields}
 
 
+def _mistral3(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp's ``mistral3``: Ministral 3 where the file scales queries by position (``attention.temperature_scale``,
+    its ``llama_4_scaling_beta``; the step is YaRN's original context), with its YaRN, whose ``mscale_all_dim`` the file
+    holds as ``rope.scaling.yarn_log_multiplier`` (``mscale`` 1, as llama.cpp takes it); else Mistral Small 3.x's
+    language model, Mistral's layers without a sliding window."""
+    rope = _rope(meta, config['rope_theta'])
+    beta = meta(Keys.Attention.TEMPERATURE_SCALE)
+    if not beta:
+        return {'model_type': 'mistral', 'rope_parameters': rope, 'sliding_window': None}
+    if rope['rope_type'] != 'yarn' or not rope['original_max_position_embeddings']:
+        raise ValueError('a mistral3 file whose queries are scaled by position (attention.temperature_scale) needs '
+                         'YaRN rope scaling with its original context length (rope.scaling.original_context_length)')
+    log_mul = meta(Keys.Rope.SCALING_YARN_LOG_MUL)
+    if log_mul:
+        rope |= {'mscale': 1.0, 'mscale_all_dim': log_mul}
+    return {'model_type': 'ministral3', 'architectures': ['Ministral3ForCausalLM'],
+            'rope_parameters': rope | {'llama_4_scaling_beta': beta}}
+
+
 CONFIG_BUILDERS: dict[str, Callable[[Meta, dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
     'llama': _llama, 'chatglm': _chatglm, 'glm4': _glm4, 'gemma2': _gemma2, 'gemma3': _gemma3, 'gpt-oss': _gpt_oss,
-    'deepseek2': _deepseek2, 'glm4moe': _glm4moe, 'qwen3moe': _qwen3moe, 'qwen3vlmoe': _qwen3moe, 'qwen2moe': _qwen2moe}
+    'deepseek2': _deepseek2, 'glm4moe': _glm4moe, 'qwen3moe': _qwen3moe, 'qwen3vlmoe': _qwen3moe, 'qwen2moe': _qwen2moe,
+    'mistral3': _mistral3}
 
 
 def _layer_prefixes(state_dict: dict[str, torch.Tensor], suffix: str) -> list[str]:

@@ -281,6 +281,7 @@ struct StepTensors {
   // decode_blocks for a layer with a sliding window when window_kv_blocks is given.
   c10::optional<torch::Tensor> window_kv_blocks, window_prefill_block_table, window_decode_blocks;
   c10::optional<torch::Tensor> prefill_key_limit;  // StepContext.prefill_key_limit
+  c10::optional<torch::Tensor> q_scale;            // StepContext.q_scale: the layers with scaled_queries need it
 };
 
 // One projection of a decoder layer, x @ W.T (+ bias), on its weight as its kernel takes it. `kind` "bf16":
@@ -353,6 +354,17 @@ struct MoEBlock {
   torch::Tensor expert(int64_t e, const torch::Tensor& rows) const;
 };
 
+// A Llama-style decoder layer's weights; q_norm and k_norm (per head, before the rotary embedding) where the
+// family has them (Qwen3); attn_out_norm and mlp_out_norm, on the outputs of attention and of the MLP before
+// the residual adds them, where it has those (GLM-4). Its options: the rotary embedding turns the first
+// `rotary_dim` features of each query and key head (all of them, a part (Phi-4-mini, GLM) or none (SmolLM3's
+// NoPE layers)), in halves or, `interleaved_rope`, in neighbouring pairs (GLM: the pairs are regrouped into
+// halves first, as apply_rope in nn/rotary.py does), by the step's local tables where `local_rope` is set
+// (Gemma 3's local layers; the others by its cos and sin); `sliding_window` limits its attention to the last that
+// many tokens, `logit_softcap` soft-caps its scores (Gemma 2); `gelu_tanh_mlp`: the MLP is
+// gelu_tanh(gate) * up on a plain gate-and-up projection, gate rows then up rows (Gemma), instead of the
+// fused SiLU one; `scaled_queries`: its rotated queries are multiplied by their token's factor in the step's
+// q_scale (Ministral 3). A layer's MLP is its gate_up and down projections, or its `moe` block.
 struct LayerWeights {
   torch::Tensor input_norm, post_norm;
   Projection qkv, o;
@@ -363,7 +375,7 @@ struct LayerWeights {
   bool interleaved_rope, local_rope;
   c10::optional<int64_t> sliding_window;
   c10::optional<double> logit_softcap;
-  bool gelu_tanh_mlp;
+  bool gelu_tanh_mlp, scaled_queries;
 };
 
 // Llama-style decoder layers (decoder_stack.cpp): the kernels of LlamaDecoderLayer's forward, in its order.
