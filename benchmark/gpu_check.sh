@@ -58,6 +58,7 @@ part "engine vs transformers (CUDA)" 120 "$SCALE_SLOT" env LMDEPLOY_TEST_DEVICE=
     -p no:cacheprovider tests/test_engine_correctness.py tests/test_bad_input.py \
     'tests/test_deepseek.py::test_greedy_and_first_logits_match_transformers[v3_q_lora]' \
     tests/test_gpt_oss.py::test_greedy_and_first_logits_match_transformers \
+    tests/test_llama4.py::test_greedy_and_first_logits_match_transformers \
     'tests/test_model_families.py::test_greedy_and_first_logits_match_transformers[mistral_sliding]' \
     'tests/test_model_families.py::test_greedy_and_first_logits_match_transformers[gemma2]' \
     tests/test_gguf_q4km.py::test_mixed_qkv_part_by_part_gives_transformers_tokens \

@@ -53,10 +53,11 @@ class AttentionShape:
     window: int | None = None
     softcap: float | None = None
     sinks: bool = False
+    chunk: int | None = None  # an attention chunk (Llama 4's chunked layers)
 
     def features(self) -> dict:
         sinks = meta(self.heads, dtype=FLOAT) if self.sinks else None
-        return dict(sliding_window=self.window, logit_softcap=self.softcap, sinks=sinks)
+        return dict(sliding_window=self.window, logit_softcap=self.softcap, sinks=sinks, attention_chunk=self.chunk)
 
     def caches(self, policy: int, dtype: torch.dtype) -> tuple:
         """``(k_cache, v_cache, *quant)``: the cache tensors then, for an int8/int4 cache, scales and policy."""
@@ -82,6 +83,7 @@ ATTENTION = (
     AttentionShape('gemma3-12b sliding', 16, 8, 256, window=1024),
     AttentionShape('gpt-oss-20b global', 64, 8, 64, sinks=True),
     AttentionShape('gpt-oss-20b sliding', 64, 8, 64, window=128, sinks=True),
+    AttentionShape('llama4-scout chunked', 40, 8, 128, chunk=8192),
 )
 
 

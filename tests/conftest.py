@@ -45,6 +45,11 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
 CORPUS = ['Hello world! The quick brown fox jumps over the lazy dog.', 'héllo 世界 🙂 naïve café',
           'Paged attention stores keys and values in blocks.', '0123456789 + - * / = ( ) [ ] { }']
 VOCAB_SIZE = 320
+# Ministral 3's YaRN (an attention factor of mscale / mscale_all_dim's) and query scale, growing every 16 positions,
+# for tiny models
+MINISTRAL3_ROPE = {'rope_type': 'yarn', 'rope_theta': 10000.0, 'factor': 64.0, 'original_max_position_embeddings': 16,
+                   'beta_fast': 32.0, 'beta_slow': 1.0, 'mscale': 1.0, 'mscale_all_dim': 0.5,
+                   'llama_4_scaling_beta': 0.5}
 
 TINY_CONFIGS = {
     'llama': lambda: LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,

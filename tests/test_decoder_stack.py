@@ -31,13 +31,13 @@ def save_qwen2_windowed(kind: str, path: str) -> str:
 # in every layer, Qwen2 with one in one layer, GLM's rotary over interleaved pairs of half of each head,
 # GLM-4's norms on the outputs of attention and the MLP, and Gemma 2 (Gemma's sandwich norms, GeLU MLP, query
 # scale, soft-capped scores, local and global layers), Gemma 3 (q/k Gemma norms, local layers on their own
-# rotary table), Seed-OSS (q/k/v biases without an o_proj one) and ERNIE 4.5 (rotary over interleaved pairs of
-# the whole head, biases on every projection)
+# rotary table), Ministral 3 (queries scaled by their position), Seed-OSS (q/k/v biases without an o_proj one) and
+# ERNIE 4.5 (rotary over interleaved pairs of the whole head, biases on every projection)
 STACK_FAMILIES = {'llama': save_tiny_model, 'qwen2': save_tiny_model, 'qwen3': save_tiny_model,
                   'mistral': save_family, 'phi3': save_family, 'smollm3': save_family, 'phi3_longrope': save_family,
                   'mistral_sliding': save_family, 'qwen2_windowed': save_qwen2_windowed, 'glm': save_family,
-                  'glm4': save_family, 'gemma2': save_family, 'gemma3': save_family, 'seed_oss': save_family,
-                  'ernie4_5': save_family}
+                  'glm4': save_family, 'gemma2': save_family, 'gemma3': save_family, 'ministral3': save_family,
+                  'seed_oss': save_family, 'ernie4_5': save_family}
 CASES = [(kind, 'bf16', 0) for kind in STACK_FAMILIES] + [(kind, 'w8a8', 8) for kind in STACK_FAMILIES]
 CASES += [('llama', 'bf16', 8), ('llama', 'bf16', 4), ('llama', 'w8a8', 0), ('qwen3', 'w8a8', 4)]
 ENGINE = dict(dtype='bfloat16', num_gpu_blocks=64, block_size=16, enable_prefix_caching=False)
@@ -130,12 +130,14 @@ def small_int4_steps(engine: Engine, monkeypatch) -> list[tuple[int, int]]:
     return steps
 
 
-@pytest.mark.parametrize('kind', ['llama', 'qwen2', 'qwen3', 'smollm3', 'mistral_sliding', 'glm4', 'gemma3'])
+@pytest.mark.parametrize('kind', ['llama', 'qwen2', 'qwen3', 'smollm3', 'mistral_sliding', 'glm4', 'gemma3',
+                                  'ministral3'])
 def test_small_int4_steps_run_in_the_stack(kind, saved, native_gemms, monkeypatch):
     """With ``decode_int4`` and the native int4 GEMV, steps of at most two tokens run in the stack on the
     4-bit weights (qwen2: with the qkv bias; qwen3: q and k norms; smollm3: a layer without rotary;
     mistral_sliding: a sliding window; glm4: interleaved partial rotary, output norms; gemma3: the GeLU MLP on
-    plain 4-bit gate and up rows, local rotary), equal to the layers' forward on them."""
+    plain 4-bit gate and up rows, local rotary; ministral3: queries scaled by their position), equal to the
+    layers' forward on them."""
     if cpu.int4_gemv() is None:
         pytest.skip('the native int4 GEMV needs AVX512-BF16')
     engine = Engine(saved(kind, 'bf16'), PytorchEngineConfig(decode_int4=True, **ENGINE), show_progress=False)

@@ -1,11 +1,12 @@
 """Mistral 3 (Mistral Small 3.1 / 3.2: Pixtral tower, patch-merging projector, Mistral language model) against
 transformers on tiny random models saved by transformers, fed by the tower's last layer and by its first
-(``vision_feature_layer`` -2): the prompt's tokens and pixels as transformers' processor makes them, 32 greedy
-tokens and first-step logits in fp32 on text, one-image and two-image prompts (images of different sizes),
-batching, chunked prefill through images, prefix-cache hits, a server chat whose image is a data URL, transformers
-5's module names loading like the hub's, the language model in the native decoder stack (bf16), and clear errors
-for a span that is not the image's layout, for a language model other than Mistral's and for several feature
-layers (transformers' projector normalizes one layer's width); a hub-style config's output layer stays untied."""
+(``vision_feature_layer`` -2), and with a Ministral 3 language model (YaRN, queries scaled by their position): the
+prompt's tokens and pixels as transformers' processor makes them, 32 greedy tokens and first-step logits in fp32 on
+text, one-image and two-image prompts (images of different sizes), batching, chunked prefill through images,
+prefix-cache hits, a server chat whose image is a data URL, transformers 5's module names loading like the hub's, the
+language model in the native decoder stack (bf16), and clear errors for a span that is not the image's layout, for a
+language model other than Mistral's or Ministral 3's and for several feature layers (transformers' projector
+normalizes one layer's width); a hub-style config's output layer stays untied."""
 from __future__ import annotations
 
 import json
@@ -35,7 +36,7 @@ PROMPT_IMAGES = [[], IMAGES[:1], IMAGES[1:]]
 MERGED_PATCH = 32
 
 
-@pytest.fixture(scope='module', params=['mistral3', 'mistral3_first_layer'])
+@pytest.fixture(scope='module', params=['mistral3', 'mistral3_first_layer', 'mistral3_ministral3'])
 def mistral3(request, tmp_path_factory) -> str:
     return save_tiny_vl_model(request.param, str(tmp_path_factory.mktemp(request.param)))
 
@@ -135,12 +136,12 @@ def test_a_span_that_is_not_the_images_layout_is_refused(mistral3, prompts):
     assert run(engine, [prompt]) == run(make_engine(mistral3), [prompt]), 'the engine goes on'
 
 
-def test_a_language_model_other_than_mistral_is_refused(tmp_path):
+def test_a_language_model_other_than_mistrals_is_refused(tmp_path):
     path = shutil.copytree(save_tiny_vl_model('mistral3', str(tmp_path / 'saved')), tmp_path / 'ministral')
     config = json.loads((path / 'config.json').read_text())
-    config['text_config']['model_type'] = 'ministral3'
+    config['text_config']['model_type'] = 'qwen2'
     (path / 'config.json').write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="'ministral3' language model is not supported"):
+    with pytest.raises(ValueError, match="'qwen2' language model is not supported"):
         make_engine(str(path))
 
 
@@ -173,9 +174,11 @@ def test_transformers5_module_layout_loads_like_the_hubs(tmp_path):
     assert run(make_engine(str(renamed)), prompts) == run(make_engine(path), prompts)
 
 
-def test_language_model_runs_in_the_native_decoder_stack(tmp_path, native_gemms):
-    """bf16 on packed weights: the Mistral layers run in the native decoder stack, as their own forward does."""
-    path = save_tiny_vl_model('mistral3', str(tmp_path / 'mistral3'))
+@pytest.mark.parametrize('kind', ['mistral3', 'mistral3_ministral3'])
+def test_language_model_runs_in_the_native_decoder_stack(kind, tmp_path, native_gemms):
+    """bf16 on packed weights: the Mistral (and Ministral 3) layers run in the native decoder stack, as their own
+    forward does."""
+    path = save_tiny_vl_model(kind, str(tmp_path / kind))
     engine = Engine(path, PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=64, block_size=16), show_progress=False)
     model = engine.runner.model
     assert model.native_stack is not None

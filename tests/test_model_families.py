@@ -1,15 +1,15 @@
-"""Phi-3, GLM, GLM-4, SmolLM3, Mistral, Gemma 2, Gemma 3, OLMo 2, OLMo 3, Granite, Seed-OSS, ERNIE 4.5 and
-ERNIE 4.5 MoE against transformers on tiny random models saved by transformers: greedy tokens and first-step
+"""Phi-3, GLM, GLM-4, SmolLM3, Mistral, Ministral 3, Gemma 2, Gemma 3, OLMo 2, OLMo 3, Granite, Seed-OSS, ERNIE 4.5
+and ERNIE 4.5 MoE against transformers on tiny random models saved by transformers: greedy tokens and first-step
 logits in fp32, batching, chunked prefill and prefix-cache hits. Sliding windows (16 tokens) are narrower than
 most prompts."""
 from __future__ import annotations
 
 import pytest
 from transformers import (Ernie4_5_MoeConfig, Ernie4_5Config, Gemma2Config, Gemma3TextConfig, Glm4Config, GlmConfig,
-                          GraniteConfig, MistralConfig, Olmo2Config, Olmo3Config, Phi3Config, Qwen2Config,
-                          SeedOssConfig, SmolLM3Config)
+                          GraniteConfig, Ministral3Config, MistralConfig, Olmo2Config, Olmo3Config, Phi3Config,
+                          Qwen2Config, SeedOssConfig, SmolLM3Config)
 
-from conftest import VOCAB_SIZE, save_random_model
+from conftest import MINISTRAL3_ROPE, VOCAB_SIZE, save_random_model
 from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_matches_transformers,
                            assert_tp2_equals_tp1, hf_causal_lm, prefix_sharing_prompts)
 from helpers import hf_greedy, make_engine, random_prompts, run
@@ -32,6 +32,7 @@ FAMILIES = {
     'smollm3': lambda: SmolLM3Config(**{**SHAPE, 'num_hidden_layers': 4}, no_rope_layer_interval=4),
     'mistral': lambda: MistralConfig(**SHAPE, head_dim=16, sliding_window=None),
     'mistral_sliding': lambda: MistralConfig(**SHAPE, head_dim=16, sliding_window=16),
+    'ministral3': lambda: Ministral3Config(**SHAPE, head_dim=16, rope_parameters=MINISTRAL3_ROPE),
     # local and global layers; scores and logits soft-capped where random weights reach the cap
     'gemma2': lambda: Gemma2Config(**{**SHAPE, 'num_hidden_layers': 3}, head_dim=16, sliding_window=16,
                                    query_pre_attn_scalar=24, attn_logit_softcapping=4.0,
@@ -65,10 +66,10 @@ FAMILIES = {
                                                moe_num_shared_experts=1, moe_layer_start_index=1),
 }
 # families the native decoder stack runs on the CPU (Llama layers: full, partial or no rotary, sliding windows;
-# GLM's and ERNIE 4.5's interleaved rotary and GLM-4's output norms; Gemma 2 and 3; Seed-OSS); not OLMo 2/3 (no
-# input norms, q/k norms over all heads) nor Granite (residual multiplier)
-NATIVE_STACK = {'phi3', 'phi3_longrope', 'smollm3', 'mistral', 'mistral_sliding', 'glm', 'glm4', 'gemma2', 'gemma3',
-                'seed_oss', 'ernie4_5'}
+# GLM's and ERNIE 4.5's interleaved rotary and GLM-4's output norms; Ministral 3's query scale; Gemma 2 and 3;
+# Seed-OSS); not OLMo 2/3 (no input norms, q/k norms over all heads) nor Granite (residual multiplier)
+NATIVE_STACK = {'phi3', 'phi3_longrope', 'smollm3', 'mistral', 'mistral_sliding', 'ministral3', 'glm', 'glm4', 'gemma2',
+                'gemma3', 'seed_oss', 'ernie4_5'}
 
 
 def save_family(kind: str, path: str, max_shard_size: str = '50GB', **overrides) -> str:

@@ -29,7 +29,7 @@ from lmdeploy.pytorch.kernels import cpu, moe
 from lmdeploy.pytorch.nn.moe import FusedExperts
 from lmdeploy.pytorch.nn.quant import use_weight_format
 from lmdeploy.pytorch.nn.quant.mxfp4 import MXFP4_NATIVE_MAX_ROWS, Mxfp4Format, Mxfp4Kernel, dequantize_mxfp4
-from lmdeploy.pytorch.weights.gguf_archs import mxfp4_from_ggml
+from lmdeploy.pytorch.weights.gguf_tensors import mxfp4_from_ggml
 
 
 def random_mxfp4(*rows: int, in_features: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,7 @@ import os
 import numpy as np
 import torch
 import torch.nn.functional as F
-from conftest import VOCAB_SIZE, build_tokenizer
+from conftest import MINISTRAL3_ROPE, VOCAB_SIZE, build_tokenizer
 from PIL import Image
 from transformers import (AutoModelForImageTextToText, CLIPVisionConfig, Gemma3Config, InternVLConfig, LlamaConfig,
                           LlavaConfig, Mistral3Config, Qwen2_5_VLConfig, Qwen2Config, Qwen2VLConfig, Qwen3Config,
@@ -70,7 +70,10 @@ GEMMA3_TEXT = dict(TEXT, num_hidden_layers=3, head_dim=16, sliding_window=8, que
 
 def _config(kind: str, ids: dict[str, int]):
     if kind.startswith('mistral3'):  # mistral3_first_layer: the features of the tower's first layer
-        return Mistral3Config(text_config={**TEXT, 'model_type': 'mistral', 'head_dim': 16},
+        text = {**TEXT, 'model_type': 'mistral', 'head_dim': 16}
+        if kind == 'mistral3_ministral3':  # a Ministral 3 language model
+            text.update(model_type='ministral3', rope_parameters=MINISTRAL3_ROPE)
+        return Mistral3Config(text_config=text,
                               vision_config={**MISTRAL3_VISION, 'model_type': 'pixtral'},
                               image_token_id=ids['[IMG]'], tie_word_embeddings=False,
                               vision_feature_layer=-2 if kind == 'mistral3_first_layer' else -1)

@@ -22,6 +22,8 @@ class StepContext:
     whose placeholder tokens this step feeds. ``prefill_key_limit [num_prefill_tokens]`` (None: causal
     throughout) is the last key position each prefill row attends: its own, or the last of its image's where
     the image's tokens attend to each other both ways (Gemma 3; see ``kernels/attention.py``).
+    ``q_scale [T]`` (None: none) is each token's factor on the rotated queries of the layers with
+    ``scaled_queries`` (Ministral 3's, see ``nn/rotary.position_query_scale``), set with ``cos`` and ``sin``.
 
     A model whose sliding-window layers have a KV pool of their own (see :class:`BlockManager`) gives those
     layers ``window_kv_blocks``, ``window_prefill_block_table`` and ``window_decode_blocks`` in that pool, in
@@ -46,6 +48,7 @@ class StepContext:
     prefill_key_limit: torch.Tensor | None = None
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
+    q_scale: torch.Tensor | None = None
     window_kv_blocks: torch.Tensor | None = None
     window_prefill_block_table: torch.Tensor | None = None
     window_decode_blocks: torch.Tensor | None = None

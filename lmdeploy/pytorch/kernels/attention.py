@@ -6,9 +6,12 @@ points (``kv_quant.py``). Attention over a quantized cache dequantizes what it r
 and always reads the cache, the chunk's own K/V included, so that a prompt attends over the same values
 whether its prefix came from the prefix cache, an earlier chunk or this one.
 
-Three optional features, off by default (None), take the same names in every kernel set:
+Four optional features, off by default (None), take the same names in every kernel set:
 ``sliding_window`` W: a token attends to the last W positions, itself included (transformers' masking),
 and in prefill those after it up to its key limit (below);
+``attention_chunk`` C: a token at position p attends only to keys in its own chunk of positions,
+``[floor(p / C) * C, p]`` (Llama 4's chunked layers); a layer has a window or a chunk, not both
+(:func:`first_key` is the lower key bound of either);
 ``logit_softcap`` c: scores become ``c * tanh(scores / c)`` before the softmax (Gemma 2);
 ``sinks [H]`` fp32: a learned logit per query head that joins the softmax denominator and adds no value
 (gpt-oss).
@@ -33,6 +36,16 @@ def fill_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
         v, v_scales_zeros[blocks, :, offsets] = quantize_kv(v, quant_policy)
     k_cache[blocks, :, offsets] = k
     v_cache[blocks, :, offsets] = v
+
+
+def first_key(q_pos: torch.Tensor, sliding_window: int | None, attention_chunk: int | None) -> torch.Tensor:
+    """The first key position a query at ``q_pos`` attends to: the start of its sliding window, of its attention
+    chunk, or 0 (it may be negative, which reads as 0)."""
+    if sliding_window:
+        return q_pos - sliding_window + 1
+    if attention_chunk:
+        return q_pos // attention_chunk * attention_chunk
+    return torch.zeros_like(q_pos)
 
 
 def _blocks(cache: torch.Tensor, scales_zeros: torch.Tensor | None, ids: torch.Tensor, quant_policy: int,
@@ -76,7 +89,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
                       ctx_len: torch.Tensor, max_q_len: int, scale: float, k_scales_zeros: torch.Tensor | None = None,
                       v_scales_zeros: torch.Tensor | None = None, quant_policy: int = 0,
                       sliding_window: int | None = None, logit_softcap: float | None = None,
-                      sinks: torch.Tensor | None = None, key_limit: torch.Tensor | None = None) -> torch.Tensor:
+                      sinks: torch.Tensor | None = None, key_limit: torch.Tensor | None = None,
+                      attention_chunk: int | None = None) -> torch.Tensor:
     """Causal attention of the packed chunks ``q [T, H, D]`` over their contexts; returns ``[T, H, D]``.
 
     Sequence ``s`` owns rows ``q_start[s]:q_start[s] + q_len[s]`` of ``q`` and of the fresh
@@ -88,7 +102,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     """
     out = torch.empty_like(q)
     block_size = k_cache.shape[2]
-    features = bool(sliding_window or logit_softcap or sinks is not None or key_limit is not None)
+    features = bool(sliding_window or attention_chunk or logit_softcap or sinks is not None or key_limit is not None)
     for row, (start, length, context_len) in enumerate(zip(q_start.tolist(), q_len.tolist(), ctx_len.tolist())):
         qt = q[start:start + length].transpose(0, 1).unsqueeze(0)
         if context_len == length and not quant_policy and not features:
@@ -103,9 +117,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
             q_pos = torch.arange(context_len - length, context_len, device=q.device).unsqueeze(1)
             kv_pos = torch.arange(context_len, device=q.device).unsqueeze(0)
             last = q_pos if key_limit is None else key_limit[start:start + length].unsqueeze(1)
-            mask = kv_pos <= last
-            if sliding_window:
-                mask &= kv_pos > q_pos - sliding_window
+            mask = (kv_pos <= last) & (kv_pos >= first_key(q_pos, sliding_window, attention_chunk))
             if logit_softcap or sinks is not None:
                 chunk = _attend(qt[0], kt[0], vt[0], mask, scale, logit_softcap, sinks).unsqueeze(0)
             else:
@@ -118,7 +130,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      kv_lens: torch.Tensor, scale: float, k_scales_zeros: torch.Tensor | None = None,
                      v_scales_zeros: torch.Tensor | None = None, quant_policy: int = 0,
                      sliding_window: int | None = None, logit_softcap: float | None = None,
-                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     sinks: torch.Tensor | None = None, attention_chunk: int | None = None) -> torch.Tensor:
     """One new token per sequence: ``q [B, H, D]`` over ``kv_lens [B]`` tokens in ``block_table [B, N]``.
 
     Scores are computed block by block on the gathered blocks, so K/V are never copied into a
@@ -138,9 +150,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if logit_softcap:
         scores = torch.tanh(scores / logit_softcap) * logit_softcap
     kv_pos = torch.arange(num_blocks * block_size, device=q.device)
-    padding = kv_pos >= kv_lens.unsqueeze(1)
-    if sliding_window:
-        padding |= kv_pos <= kv_lens.unsqueeze(1) - 1 - sliding_window
+    q_pos = kv_lens.unsqueeze(1) - 1
+    padding = (kv_pos > q_pos) | (kv_pos < first_key(q_pos, sliding_window, attention_chunk))
     scores.masked_fill_(padding[:, None, None, :], float('-inf'))
     sinks = None if sinks is None else sinks.view(num_kv_heads, group)
     probs = _softmax(scores, sinks).to(q.dtype).view(batch, num_kv_heads, group, num_blocks, block_size)

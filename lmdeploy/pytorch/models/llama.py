@@ -18,7 +18,7 @@ from lmdeploy.pytorch.nn.linear import GateUpLinear, Linear, MergedLinear, QKVLi
 from lmdeploy.pytorch.nn.moe import FusedExperts
 from lmdeploy.pytorch.nn.quant import LinearOptions, layout_of
 from lmdeploy.pytorch.nn.norm import RMSNorm
-from lmdeploy.pytorch.nn.rotary import RotaryEmbedding, apply_rope, rotary_dim
+from lmdeploy.pytorch.nn.rotary import RotaryEmbedding, apply_rope, position_query_scale, rotary_dim, scale_queries
 from lmdeploy.pytorch.step_context import StepContext
 from lmdeploy.pytorch.weights.safetensors_loader import TensorPart, WeightSource, read_shard
 
@@ -50,15 +50,19 @@ def layer_window(hf_config: PretrainedConfig, layer_index: int) -> int | None:
 class LlamaAttention(nn.Module):
     """Self-attention with rotary queries and keys: all of each head's features, the first
     ``partial_rotary_factor`` of them, or none (``use_rope=False``); ``interleaved_rope`` turns
-    neighbouring pairs (GLM) instead of halves. ``scale`` defaults to ``head_dim ** -0.5``;
-    ``sliding_window`` and ``logit_softcap`` go to :class:`PagedAttention`. ``qkv_bias`` and ``o_bias``
-    default to the config's ``attention_bias`` (``attention_out_bias`` for ``o_proj`` where the config has
-    one: Seed-OSS)."""
+    neighbouring pairs (GLM) instead of halves; with ``scaled_queries`` the rotated queries are multiplied by
+    their token's factor in ``ctx.q_scale`` (Ministral 3). ``scale`` defaults to ``head_dim ** -0.5``;
+    ``sliding_window`` and ``logit_softcap`` go to :class:`PagedAttention`. ``qk_norm`` (None: the config's
+    choice) gives queries and keys an RMSNorm with weights before the rotation. ``qkv_bias`` and ``o_bias``
+    default to the config's ``attention_bias`` (``attention_out_bias`` for ``o_proj`` where the config has one:
+    Seed-OSS)."""
 
     def __init__(self, cfg: ModelConfig, use_rope: bool = True, interleaved_rope: bool = False,
                  o_bias: bool | None = None, scale: float | None = None, sliding_window: int | None = None,
-                 logit_softcap: float | None = None, qkv_bias: bool | None = None):
+                 logit_softcap: float | None = None, qk_norm: bool | None = None, scaled_queries: bool = False,
+                 qkv_bias: bool | None = None):
         super().__init__()
+        self.scaled_queries = scaled_queries
         hf = cfg.hf_config
         self.head_dim = cfg.head_dim
         self.use_rope, self.interleaved_rope = use_rope, interleaved_rope
@@ -70,7 +74,9 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = QKVLinear(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, self.head_dim, bias=qkv_bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowLinear.over_heads(self.qkv_proj, cfg.hidden_size, bias=o_bias)
-        self.qk_norm = hf.model_type in QK_NORM_MODEL_TYPES or bool(getattr(hf, 'use_qk_norm', False))
+        if qk_norm is None:
+            qk_norm = hf.model_type in QK_NORM_MODEL_TYPES or bool(getattr(hf, 'use_qk_norm', False))
+        self.qk_norm = qk_norm
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, hf.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, hf.rms_norm_eps)
@@ -87,6 +93,8 @@ class LlamaAttention(nn.Module):
         if self.use_rope:
             qk = apply_rope(qk, ctx.cos, ctx.sin, self.interleaved_rope)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        if self.scaled_queries:
+            q = scale_queries(q, ctx.q_scale)
         return self.o_proj(self.attn(q, k, v, kv_cache, ctx))
 
 
@@ -154,7 +162,8 @@ class LlamaDecoderLayer(nn.Module):
         return layer_weights(self.input_layernorm.weight, self.post_attention_layernorm.weight, projections,
                              small_step, rotary_dim=attn.rotary_dim if attn.use_rope else 0,
                              interleaved_rope=attn.interleaved_rope, sliding_window=attn.attn.sliding_window,
-                             logit_softcap=attn.attn.logit_softcap, **moe, **norms)
+                             logit_softcap=attn.attn.logit_softcap, scaled_queries=attn.scaled_queries, **moe,
+                             **norms)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -170,6 +179,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         hf = cfg.hf_config
         self.cfg = cfg
+        self.query_scale = position_query_scale(hf)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(self.make_layer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, hf.rms_norm_eps)
@@ -180,7 +190,8 @@ class LlamaForCausalLM(nn.Module):
 
     def make_layer(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
         """One decoder layer; families with other layers override it."""
-        attn = LlamaAttention(cfg, sliding_window=layer_window(cfg.hf_config, layer_index))
+        attn = LlamaAttention(cfg, sliding_window=layer_window(cfg.hf_config, layer_index),
+                              scaled_queries=self.query_scale is not None)
         return LlamaDecoderLayer(cfg, self.make_mlp(cfg, layer_index), attn)
 
     def make_mlp(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
@@ -189,6 +200,8 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, kv_caches: list[KVCache], ctx: StepContext) -> torch.Tensor:
         ctx.cos, ctx.sin = self.rotary(ctx, self.cfg.dtype)
+        if self.query_scale is not None:
+            ctx.q_scale = self.query_scale(ctx.positions).to(self.cfg.dtype)
         x = self.embed(input_ids, ctx)
         if self.native_stack is not None and self.native_stack.runs(x.shape[0]):
             x, residual = self.native_stack(x, kv_caches, ctx)

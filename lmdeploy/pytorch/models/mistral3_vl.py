@@ -1,5 +1,5 @@
-"""Mistral Small 3.1 / 3.2 (``Mistral3ForConditionalGeneration``): a Mistral language model fed by transformers'
-Pixtral vision tower (2-D rotary positions, images of any size in whole patches) through its
+"""Mistral Small 3.1 / 3.2 and Ministral 3 (``Mistral3ForConditionalGeneration``): a Mistral or Ministral 3 language
+model fed by transformers' Pixtral vision tower (2-D rotary positions, images of any size in whole patches) through its
 ``Mistral3MultiModalProjector``, which merges each ``spatial_merge_size`` square of patches into one token.
 
 An image's span in the prompt is a row of ``[IMG]`` tokens per row of merged patches, each row closed by
@@ -19,11 +19,12 @@ from lmdeploy.pytorch.models.vision_language import VisionLanguageModel
 from lmdeploy.pytorch.multimodal import MultiModalInput
 from lmdeploy.pytorch.step_context import StepContext
 
-TEXT_MODEL_TYPES = ('mistral',)
+TEXT_MODEL_TYPES = ('mistral', 'ministral3')
 
 
 class Mistral3ForConditionalGeneration(VisionLanguageModel):
-    """The Mistral language model plus the Pixtral tower and Mistral 3's projector, both transformers' own."""
+    """The Mistral or Ministral 3 language model plus the Pixtral tower and Mistral 3's projector, both
+    transformers' own."""
 
     def __init__(self, cfg: ModelConfig):
         mm = cfg.mm_config

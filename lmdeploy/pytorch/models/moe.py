@@ -1,8 +1,9 @@
 """Mixture-of-experts decoders: Mixtral, Qwen2-MoE (with a shared expert) and Qwen3-MoE; the MoE block of
-gpt-oss."""
+gpt-oss; the split of stacked expert tensors (Qwen3-VL-MoE, Llama 4)."""
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -14,10 +15,36 @@ from lmdeploy.pytorch.models.llama import LlamaForCausalLM, LlamaMLP, WeightTarg
 from lmdeploy.pytorch.nn.linear import Linear
 from lmdeploy.pytorch.nn.moe import FusedExperts
 from lmdeploy.pytorch.nn.quant import use_weight_format, weight_format_for
+from lmdeploy.pytorch.weights.safetensors_loader import WeightSource, read_shard
 
 # HF expert projection name -> FusedExperts part
 EXPERT_PARTS = {'w1': 'gate', 'w3': 'up', 'w2': 'down', 'gate_proj': 'gate', 'up_proj': 'up', 'down_proj': 'down'}
 EXPERT_NAME = re.compile(r'(layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.(\w+)')
+STACKED_EXPERTS = re.compile(r'(.*layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)')
+
+
+def split_stacked_experts(weights: Iterable[tuple[str, WeightSource]],
+                          hidden_size: int) -> Iterator[tuple[str, WeightSource]]:
+    """``weights`` with each layer's stacked experts split into per-expert weights. The hub's checkpoints stack
+    them as ``gate_up_proj [E, H, 2I]`` (gate columns, then up) and ``down_proj [E, I, H]``, transformers 5 saves
+    some families' as ``[E, 2I, H]`` and ``[E, H, I]``; like transformers, a tensor whose shape already fits the
+    second layout is taken as it is. Each rank reads the whole stack and keeps its share."""
+    for name, tensor in weights:
+        match = STACKED_EXPERTS.fullmatch(name)
+        if match is None:
+            yield name, tensor
+            continue
+        prefix, kind = match.groups()
+        stacked = read_shard(tensor, None)
+        if kind == 'gate_up_proj':
+            stacked = stacked if stacked.shape[2] == hidden_size else stacked.transpose(1, 2)
+            for expert, (gate, up) in enumerate(zip(*stacked.chunk(2, dim=1))):
+                yield f'{prefix}.{expert}.gate_proj.weight', gate
+                yield f'{prefix}.{expert}.up_proj.weight', up
+        else:
+            stacked = stacked if stacked.shape[1] == hidden_size else stacked.transpose(1, 2)
+            for expert, down in enumerate(stacked):
+                yield f'{prefix}.{expert}.down_proj.weight', down
 
 
 class SparseMoeBlock(nn.Module):

@@ -7,7 +7,6 @@ nothing to add to them, and reusing them keeps the image features exactly those 
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -22,10 +21,10 @@ from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVis
 
 from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.models.llama import KVCache, LlamaForCausalLM, WeightTarget
-from lmdeploy.pytorch.models.moe import MoEForCausalLM
+from lmdeploy.pytorch.models.moe import MoEForCausalLM, split_stacked_experts
 from lmdeploy.pytorch.multimodal import MultiModalInput
 from lmdeploy.pytorch.step_context import StepContext
-from lmdeploy.pytorch.weights.safetensors_loader import WeightSource, read_shard
+from lmdeploy.pytorch.weights.safetensors_loader import WeightSource
 
 # Checkpoint prefixes of the language model, in the hub layout and in transformers 5's own.
 LANGUAGE_PREFIXES = ('language_model.model.', 'language_model.')
@@ -33,7 +32,6 @@ VISION_PREFIXES = ('visual.', 'vision_tower.', 'multi_modal_projector.')
 QWEN_VISION_TOWERS = {'qwen2_vl': Qwen2VisionTransformerPretrainedModel,
                       'qwen2_5_vl': Qwen2_5_VisionTransformerPretrainedModel, 'qwen3_vl': Qwen3VLVisionModel,
                       'qwen3_vl_moe': Qwen3VLMoeVisionModel}
-STACKED_EXPERTS = re.compile(r'(.*layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)')
 
 
 class VisionLanguageModel(LlamaForCausalLM):
@@ -164,27 +162,8 @@ class Qwen3VLMoeForConditionalGeneration(Qwen3VLForConditionalGeneration, MoEFor
     """Qwen3-VL-MoE: Qwen3-VL whose sparse layers are Qwen3-MoE blocks (softmax top-k, renormalized)."""
 
     def split_fused(self, weights: Iterable[tuple[str, WeightSource]]) -> Iterator[tuple[str, WeightSource]]:
-        """Also splits each layer's stacked experts into per-expert weights. The hub's checkpoints stack
-        them as ``gate_up_proj [E, H, 2I]`` and ``down_proj [E, I, H]``, transformers 5 saves them as
-        ``[E, 2I, H]`` and ``[E, H, I]``; like transformers, a tensor whose shape already fits the
-        second layout is taken as it is. Each rank reads the whole stack and keeps its share."""
-        hidden = self.cfg.hidden_size
-        for name, tensor in super().split_fused(weights):
-            match = STACKED_EXPERTS.fullmatch(name)
-            if match is None:
-                yield name, tensor
-                continue
-            prefix, kind = match.groups()
-            stacked = read_shard(tensor, None)
-            if kind == 'gate_up_proj':
-                stacked = stacked if stacked.shape[2] == hidden else stacked.transpose(1, 2)
-                for expert, (gate, up) in enumerate(zip(*stacked.chunk(2, dim=1))):
-                    yield f'{prefix}.{expert}.gate_proj.weight', gate
-                    yield f'{prefix}.{expert}.up_proj.weight', up
-            else:
-                stacked = stacked if stacked.shape[1] == hidden else stacked.transpose(1, 2)
-                for expert, down in enumerate(stacked):
-                    yield f'{prefix}.{expert}.down_proj.weight', down
+        """Also splits each layer's stacked experts into per-expert weights (:func:`split_stacked_experts`)."""
+        return split_stacked_experts(super().split_fused(weights), self.cfg.hidden_size)
 
 
 def pixel_shuffle(features: torch.Tensor, ratio: float) -> torch.Tensor:

@@ -14,27 +14,33 @@ class PagedAttention(nn.Module):
     A layer's cache is ``(k_cache, v_cache)``, or with ``quant_policy`` 8 or 4
     ``(k_codes, v_codes, k_scales_zeros, v_scales_zeros)`` (see ``kernels/kv_quant.py``).
 
-    ``sliding_window``, ``logit_softcap`` and ``sinks`` (None: off) are the attention features of
-    ``kernels/attention.py``; ``sinks [num_heads]`` is a parameter filled from the checkpoint when
+    ``sliding_window``, ``attention_chunk``, ``logit_softcap`` and ``sinks`` (None: off) are the attention
+    features of ``kernels/attention.py``; ``sinks [num_heads]`` is a parameter filled from the checkpoint when
     ``with_sinks`` is set (this rank's heads under tensor parallelism). A layer with a sliding window reads
-    the step's sliding-window block tables (``StepContext.tables``); prefill rows attend up to the step's
+    the step's sliding-window block tables (``StepContext.tables``); a chunked layer keeps every block of its
+    sequence, as a full-attention one does. Prefill rows attend up to the step's
 ``prefill_key_limit`` where it has one."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, quant_policy: int = 0,
-                 sliding_window: int | None = None, logit_softcap: float | None = None, with_sinks: bool = False):
+                 sliding_window: int | None = None, logit_softcap: float | None = None, with_sinks: bool = False,
+                 attention_chunk: int | None = None):
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
         self.quant_policy = quant_policy
+        if sliding_window and attention_chunk:
+            raise ValueError('an attention layer takes a sliding window or an attention chunk, not both')
         self.sliding_window = sliding_window or None
+        self.attention_chunk = attention_chunk or None
         self.logit_softcap = logit_softcap or None
         self.sinks = nn.Parameter(torch.zeros(num_heads), requires_grad=False) if with_sinks else None
 
     def features(self) -> dict:
         """The feature keywords of the attention kernels, only those that are on."""
-        named = {'sliding_window': self.sliding_window, 'logit_softcap': self.logit_softcap,
+        named = {'sliding_window': self.sliding_window, 'attention_chunk': self.attention_chunk,
+                 'logit_softcap': self.logit_softcap,
                  'sinks': None if self.sinks is None else self.sinks.float()}
         return {name: value for name, value in named.items() if value is not None}
 

@@ -32,8 +32,8 @@ def layer_weights(input_norm: torch.Tensor, post_norm: torch.Tensor, projections
     and ``down`` projections (without the last two where ``options`` holds its ``moe`` block), each as its
     kernel's native projection (``small_step``: the one for steps of at most ``small_step_rows`` tokens);
     ``options`` are the other fields of ``LayerWeights`` by name (its other norms, ``rotary_dim``,
-    ``interleaved_rope``, ``sliding_window``, ``moe``; see ``kernels/cpu/common.h``). None when a projection
-    runs on no native GEMM."""
+    ``interleaved_rope``, ``sliding_window``, ``scaled_queries``, ``moe``; see ``kernels/cpu/common.h``). None when
+    a projection runs on no native GEMM."""
     native = {name: (proj.kernel.small_step_projection if small_step else proj.kernel.native_projection)(proj.bias)
               for name, proj in projections.items()}
     if any(projection is None for projection in native.values()):
@@ -90,6 +90,7 @@ class NativeDecoderStack:
             prefill_max_q_len=ctx.prefill_max_q_len, decode_blocks=ctx.decode_blocks,
             decode_kv_lens=ctx.decode_kv_lens, local_cos=local_cos, local_sin=local_sin,
             window_kv_blocks=ctx.window_kv_blocks, window_prefill_block_table=ctx.window_prefill_block_table,
-            window_decode_blocks=ctx.window_decode_blocks, prefill_key_limit=ctx.prefill_key_limit)
+            window_decode_blocks=ctx.window_decode_blocks, prefill_key_limit=ctx.prefill_key_limit,
+            q_scale=ctx.q_scale)
         stack = self.large if x.shape[0] > self.small_step_rows else self.small
         return stack.forward(x, kv_caches, step)

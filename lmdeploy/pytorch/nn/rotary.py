@@ -1,6 +1,9 @@
 """Rotary embedding tables; the scaling variants come from transformers' own init functions."""
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from transformers import PretrainedConfig
@@ -31,6 +34,30 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
         rot = rot.unflatten(-1, (dim // 2, 2)).transpose(-1, -2).flatten(-2)
     rot = apply_rotary(rot, cos, sin)
     return rot if dim == x.shape[-1] else torch.cat((rot, x[..., dim:]), dim=-1)
+
+
+def query_temperature(positions: torch.Tensor, period: int, strength: float, offset: int = 0) -> torch.Tensor:
+    """fp32 ``[T]`` factors that scale each token's queries by its position, ``1 + strength * log(1 +
+    floor((position + offset) / period))``: 1 over the first positions, then a step more every ``period``.
+    Ministral 3's (transformers' ``get_llama_4_attn_scale``, offset 0) and Llama 4's temperature tuning of its
+    NoPE layers (offset 1)."""
+    return torch.log(torch.floor((positions.float() + offset) / period) + 1) * strength + 1.0
+
+
+def position_query_scale(hf_config: PretrainedConfig) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The factor by which a model scales each token's rotated query, as a function of the tokens' positions
+    ``[T] -> [T]`` (fp32); None for models whose queries keep their scale. Ministral 3's is
+    :func:`query_temperature`, from its rope's ``llama_4_scaling_beta``."""
+    params = getattr(hf_config, 'rope_parameters', None) or {}
+    beta = params.get('llama_4_scaling_beta')
+    if not beta:
+        return None
+    return functools.partial(query_temperature, period=params['original_max_position_embeddings'], strength=beta)
+
+
+def scale_queries(q: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+    """Queries ``q [T, H, D]`` times their token's factor ``factors [T]`` (in ``q``'s dtype)."""
+    return q * factors[:, None, None]
 
 
 def step_seq_lens(ctx: StepContext) -> torch.Tensor:

@@ -24,8 +24,9 @@ from lmdeploy.messages import ConfigError
 from lmdeploy.model_source import ModelNotFoundError
 
 from .file_checks import check_gguf, open_gguf
-from .gguf_archs import (ARCHITECTURES, CONFIG_BUILDERS, LAYER_NAMES, RAW_SERVED_ARCHS, finish_state_dict,
-                         mxfp4_from_ggml)
+from .gguf_archs import ARCHITECTURES, CONFIG_BUILDERS, LAYER_NAMES, RAW_SERVED_ARCHS, unpermute_rotary
+from .gguf_rope import ROPE_FREQS, ROTARY_TENSORS, llama3_rope, phi3_rope
+from .gguf_tensors import finish_state_dict, mxfp4_from_ggml
 from .gguf_types import LM_HEAD_RAW_TYPES, MXFP4, RAW_TYPES, engine_layer, served_types
 from .gguf_vl import VisionFamily, pair_mmproj, vision_family
 
@@ -68,18 +69,16 @@ _ARCH_LAYER_NAMES = {
     **LAYER_NAMES,
 }
 # llama.cpp's converter reorders the q/k rows of Llama-derived models for its rotary (undone at load)
-_PERMUTED_ARCHS = ('llama', 'smollm3', 'granite')
+_PERMUTED_ARCHS = ('llama', 'smollm3', 'mistral3', 'granite')
 # llama.cpp runs SmolLM3 without rotary in every fourth layer; its GGUF files carry no key for it
 SMOLLM3_NO_ROPE_INTERVAL = 4
-# tensors that llama.cpp stores and transformers keeps in the config (Phi-3's LongRoPE factors)
-_ROPE_FACTORS = ('rope_factors_long.weight', 'rope_factors_short.weight')
 _LAYER_RE = re.compile(r'blk\.(\d+)\.(\w+)')
 _LAYER_INDEX = re.compile(r'blk\.(\d+)\.')
 _EXPERTS = re.compile(r'blk\.\d+\.ffn_(gate|up|down)_exps\.weight')
 # llama.cpp pre-tokenizers that transformers' GGUF reader does not know, by the one of its splits they use
 # (GLM-4's is Llama 3's); without one it would split text as GPT-2 does
 _PRE_TOKENIZER_SPLITS = {'chatglm-bpe': 'llama-bpe', 'glm4': 'llama-bpe'}
-_CACHE_FORMAT = 13  # bump when the converted output changes, so stale cache entries are not reused
+_CACHE_FORMAT = 14  # bump when the converted output changes, so stale cache entries are not reused
 
 
 def cache_dir() -> Path:
@@ -101,12 +100,6 @@ def hf_tensor_name(gguf_name: str, arch: str = 'llama') -> str | None:
     if match and match[2] in names:
         return f'model.layers.{match[1]}.{names[match[2]]}.{kind}'
     return None
-
-
-def unpermute_rotary(weight: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's q/k row permutation (interleaved rotary halves) for llama models."""
-    dim = weight.shape[0] // n_head // 2
-    return weight.reshape(n_head, dim, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
 def _meta(reader: GGUFReader, key: str, default: Any = None) -> Any:
@@ -161,7 +154,7 @@ def gguf_config(reader: GGUFReader, source: str, raw_types: Iterable[str] = RAW_
     if layer_types:
         config['quantization_config'] = {'quant_method': 'gguf', 'ggml_types': layer_types}
     if arch == 'phi3':
-        config.update(_phi3_rope(reader, tensors, config['head_dim'], source))
+        config.update(phi3_rope(lambda name: _meta(reader, f'phi3.{name}'), tensors, config['head_dim'], source))
     elif arch == 'smollm3':
         config['no_rope_layer_interval'] = SMOLLM3_NO_ROPE_INTERVAL
     elif arch in CONFIG_BUILDERS:
@@ -175,6 +168,8 @@ def gguf_config(reader: GGUFReader, source: str, raw_types: Iterable[str] = RAW_
             config.pop('quantization_config', None)
             if experts:
                 config['quantization_config'] = {'quant_method': 'gguf', 'ggml_types': experts}
+    if ROPE_FREQS in tensors:
+        config['rope_parameters'] = _rope_from_freqs(tensors[ROPE_FREQS], config, source)
     expert_types = {t.tensor_type.name for name, t in tensors.items() if _EXPERTS.fullmatch(name)}
     if arch == 'gpt-oss' and MXFP4 in raw_types and expert_types == {MXFP4}:
         config['quantization_config'] = {'quant_method': 'mxfp4'}
@@ -195,24 +190,14 @@ def _end_ids(reader: GGUFReader) -> int | list[int] | None:
     return ids if len(ids) > 1 else (ids or [None])[0]
 
 
-def _phi3_rope(reader: GGUFReader, tensors: dict[str, Any], head_dim: int, source: str) -> dict[str, Any]:
-    """Phi-3's config fields that llama.cpp keeps elsewhere: the rotating share of each head, the
-    sliding window and the LongRoPE factors (tensors in the file)."""
-    key = lambda name: _meta(reader, f'phi3.{name}')  # noqa: E731
-    params = {'rope_theta': key('rope.freq_base') or 10000.0,
-              'partial_rotary_factor': (key('rope.dimension_count') or head_dim) / head_dim}
-    config = {'rope_parameters': params, 'sliding_window': key('attention.sliding_window')}
-    if _ROPE_FACTORS[0] in tensors:
-        original = key('rope.scaling.original_context_length')
-        if original is None:
-            raise ConfigError(f'{source}: missing GGUF metadata: phi3.rope.scaling.original_context_length')
-        factors = [np.asarray(tensors[name].data, dtype=np.float32).tolist() for name in _ROPE_FACTORS]
-        params |= {'rope_type': 'longrope', 'long_factor': factors[0], 'short_factor': factors[1],
-                   'original_max_position_embeddings': original}
-        if key('rope.scaling.attn_factor') is not None:
-            params['attention_factor'] = key('rope.scaling.attn_factor')
-        config['original_max_position_embeddings'] = original
-    return config
+def _rope_from_freqs(freqs: Any, config: dict[str, Any], source: str) -> dict[str, Any]:
+    """Llama 3.1+'s rotary scaling, which llama.cpp keeps only as the per-frequency divisors ``rope_freqs``."""
+    if 'rope_parameters' in config:
+        raise ConfigError(f'{source}: {ROPE_FREQS} beside the {config["model_type"]} rotary is not supported')
+    try:
+        return llama3_rope(np.asarray(freqs.data), config['rope_theta'], config['head_dim'], source)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
 
 
 def layer_groups(reader: GGUFReader, num_layers: int) -> list[list[Any]]:
@@ -241,7 +226,7 @@ def gguf_state_dict(reader: GGUFReader, tensors: Iterable[Any], config: dict[str
     mxfp4 = quantization.get('quant_method') == 'mxfp4'
     state_dict = {}
     for tensor in tensors:
-        if tensor.name in _ROPE_FACTORS:
+        if tensor.name in ROTARY_TENSORS:
             continue
         name = hf_tensor_name(tensor.name, arch)
         if name is None:

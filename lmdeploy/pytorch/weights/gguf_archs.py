@@ -1,19 +1,17 @@
 """GGUF architectures whose llama.cpp files differ from their transformers checkpoints by more than tensor
 names: GLM (``chatglm``, ``glm4``), Gemma 2 and 3 (``gemma2``, ``gemma3``), gpt-oss (``gpt-oss``),
-DeepSeek-V2/V3 (``deepseek2``), GLM-4.5 (``glm4moe``), OLMo 2/3 (``olmo2``), Granite 3 (``granite``), Seed-OSS
-(``seed_oss``), ERNIE 4.5 (``ernie4_5``, ``ernie4_5-moe``), and the MoE files of Qwen3-MoE (``qwen3moe``;
-Qwen3-VL-MoE's language model ``qwen3vlmoe`` alike), Qwen2-MoE (``qwen2moe``, with a shared expert) and Mixtral
-(``llama`` with experts), whose stacked experts (``ffn_{gate,up,down}_exps``) are stored back one tensor per
-expert.
+DeepSeek-V2/V3 (``deepseek2``), GLM-4.5 (``glm4moe``), Mistral Small 3.x and Ministral 3 (``mistral3``), OLMo 2/3
+(``olmo2``), Granite 3 (``granite``), Seed-OSS (``seed_oss``), ERNIE 4.5 (``ernie4_5``, ``ernie4_5-moe``), and the
+MoE files of Qwen3-MoE (``qwen3moe``; Qwen3-VL-MoE's language model ``qwen3vlmoe`` alike), Qwen2-MoE
+(``qwen2moe``, with a shared expert) and Mixtral (``llama`` with experts), whose stacked experts
+(``ffn_{gate,up,down}_exps``) are stored back one tensor per expert.
 
 Each has a config builder (the transformers config fields that llama.cpp keeps in metadata under gguf-py's
-``Keys``, or fixes in its loader) and, where needed, a state-dict step that undoes what convert_hf_to_gguf.py
-did to the tensors (GLM-4's fused ``attn_qkv``, Gemma's ``1 + weight`` norms, gpt-oss's split and transposed
-experts, DeepSeek's split ``kv_b`` and per-projection experts).
+``Keys``, or fixes in its loader) and, where needed, a state-dict step in ``gguf_tensors.py`` that undoes what
+convert_hf_to_gguf.py did to the tensors.
 """
 from __future__ import annotations
 
-import re
 from typing import Any, Callable
 
 import numpy as np
@@ -32,6 +30,7 @@ ARCHITECTURES = {
     'glm4moe': 'Glm4MoeForCausalLM',
     'qwen3moe': 'Qwen3MoeForCausalLM',
     'qwen2moe': 'Qwen2MoeForCausalLM',
+    'mistral3': 'MistralForCausalLM',  # Mistral Small 3.x's language model; Ministral3ForCausalLM with its query scale
     'olmo2': 'Olmo2ForCausalLM',  # Olmo3ForCausalLM where the file has a sliding window
     'granite': 'GraniteForCausalLM',
     'seed_oss': 'SeedOssForCausalLM',
@@ -42,7 +41,7 @@ ARCHITECTURES = {
 # architectures whose every linear layer is a projection (or experts) that may be served as llama.cpp's blocks
 # (llama.cpp never quantizes a router: ``ffn_gate_inp`` stays F32)
 RAW_SERVED_ARCHS = ('llama', 'chatglm', 'glm4', 'glm4moe', 'gemma2', 'gemma3', 'qwen3moe', 'qwen3vlmoe',
-                    'qwen2moe', 'olmo2', 'granite', 'seed_oss', 'ernie4_5', 'ernie4_5-moe')
+                    'qwen2moe', 'mistral3', 'olmo2', 'granite', 'seed_oss', 'ernie4_5', 'ernie4_5-moe')
 
 _ROUTER_BIAS = {'exp_probs_b.bias': 'mlp.gate.e_score_correction_bias'}
 _SHARED_EXPERTS = {'ffn_gate_shexp': 'mlp.shared_experts.gate_proj', 'ffn_up_shexp': 'mlp.shared_experts.up_proj',
@@ -81,6 +80,12 @@ LAYER_NAMES: dict[str, dict[str, str]] = {
     'seed_oss': {'post_attention_norm': 'post_attention_layernorm'},
     'ernie4_5-moe': {'exp_probs_b.bias': 'mlp.moe_statics.e_score_correction_bias', **_SHARED_EXPERTS},
 }
+
+
+def unpermute_rotary(weight: np.ndarray | torch.Tensor, n_head: int) -> np.ndarray | torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (interleaved rotary halves) of Llama-derived models and towers."""
+    dim = weight.shape[0] // n_head // 2
+    return weight.reshape(n_head, dim, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
 def _layer_types(meta: Meta, layers: int, pattern: int) -> list[str]:
@@ -258,6 +263,25 @@ def _llama(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[
             **fields}
 
 
+def _mistral3(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp's ``mistral3``: Ministral 3 where the file scales queries by position (``attention.temperature_scale``,
+    its ``llama_4_scaling_beta``; the step is YaRN's original context), with its YaRN, whose ``mscale_all_dim`` the file
+    holds as ``rope.scaling.yarn_log_multiplier`` (``mscale`` 1, as llama.cpp takes it); else Mistral Small 3.x's
+    language model, Mistral's layers without a sliding window."""
+    rope = _rope(meta, config['rope_theta'])
+    beta = meta(Keys.Attention.TEMPERATURE_SCALE)
+    if not beta:
+        return {'model_type': 'mistral', 'rope_parameters': rope, 'sliding_window': None}
+    if rope['rope_type'] != 'yarn' or not rope['original_max_position_embeddings']:
+        raise ValueError('a mistral3 file whose queries are scaled by position (attention.temperature_scale) needs '
+                         'YaRN rope scaling with its original context length (rope.scaling.original_context_length)')
+    log_mul = meta(Keys.Rope.SCALING_YARN_LOG_MUL)
+    if log_mul:
+        rope |= {'mscale': 1.0, 'mscale_all_dim': log_mul}
+    return {'model_type': 'ministral3', 'architectures': ['Ministral3ForCausalLM'],
+            'rope_parameters': rope | {'llama_4_scaling_beta': beta}}
+
+
 def _olmo2(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
     """OLMo 2, or OLMo 3 where the file has a sliding window: its local layers turn by the plain rope of
     ``rope.freq_base_swa`` (the global base where absent), as llama.cpp turns them without the file's scaling."""
@@ -306,105 +330,5 @@ def _ernie4_5_moe(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -
 CONFIG_BUILDERS: dict[str, Callable[[Meta, dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
     'llama': _llama, 'chatglm': _chatglm, 'glm4': _glm4, 'gemma2': _gemma2, 'gemma3': _gemma3, 'gpt-oss': _gpt_oss,
     'deepseek2': _deepseek2, 'glm4moe': _glm4moe, 'qwen3moe': _qwen3moe, 'qwen3vlmoe': _qwen3moe, 'qwen2moe': _qwen2moe,
-    'olmo2': _olmo2, 'granite': _granite, 'seed_oss': _seed_oss, 'ernie4_5': _ernie4_5,
+    'mistral3': _mistral3, 'olmo2': _olmo2, 'granite': _granite, 'seed_oss': _seed_oss, 'ernie4_5': _ernie4_5,
     'ernie4_5-moe': _ernie4_5_moe}
-
-
-def _layer_prefixes(state_dict: dict[str, torch.Tensor], suffix: str) -> list[str]:
-    return [name.removesuffix(suffix) for name in state_dict if name.endswith(suffix)]
-
-
-def _split_qkv(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
-    """A fused ``qkv_proj`` (q, k and v rows stacked: weight, bias, or the rows of a kept ``qweight``) back
-    into ``q_proj``, ``k_proj`` and ``v_proj``, as ``GlmForCausalLM`` holds them."""
-    rows = [heads * config['head_dim'] for heads in
-            (config['num_attention_heads'], config['num_key_value_heads'], config['num_key_value_heads'])]
-    for name in [name for name in state_dict if '.self_attn.qkv_proj.' in name]:
-        prefix, _, kind = name.rpartition('.qkv_proj.')
-        for proj, part in zip('qkv', state_dict.pop(name).split(rows)):
-            state_dict[f'{prefix}.{proj}_proj.{kind}'] = part
-
-
-def _gemma_norms(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
-    """llama.cpp stores Gemma's norms as ``1 + weight``; in fp32 ``1 + (stored - 1)`` is ``stored`` again."""
-    for name, value in state_dict.items():
-        if name.endswith('norm.weight'):
-            state_dict[name] = value - 1
-
-
-def mxfp4_from_ggml(data: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """llama.cpp's MXFP4 blocks ``uint8 [..., K / 32 * 17]`` (an e8m0 scale byte, then 16 bytes whose low nibbles
-    hold the e2m1 codes of inputs 0-15 and high nibbles those of 16-31) as an MXFP4 checkpoint's ``blocks [...,
-    K / 32, 16]`` (inputs ``2j`` and ``2j + 1`` in byte ``j``, low nibble first) and ``scales [..., K / 32]``: the
-    same codes and scales (llama.cpp doubles its table and halves its scales: the same values)."""
-    raw = torch.from_numpy(np.array(data, dtype=np.uint8))
-    raw = raw.view(*raw.shape[:-1], -1, 17)
-    packed = raw[..., 1:]
-    codes = torch.cat((packed & 15, packed >> 4), dim=-1)
-    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous(), raw[..., 0].contiguous()
-
-
-def _gpt_oss_experts(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
-    """Gate and up ``[E, I, H]`` back into transformers' ``gate_up_proj [E, H, 2I]`` (gate and up columns
-    alternating), down ``[E, H, I]`` into ``down_proj [E, I, H]``; MXFP4 ones (``_blocks [E, out, in / 32, 16]``
-    and ``_scales``) into ``gate_up_proj_blocks [E, 2I, ...]`` (gate and up rows alternating) and
-    ``down_proj_blocks``, as OpenAI's checkpoints hold them."""
-    for prefix in _layer_prefixes(state_dict, 'experts.gate_bias'):
-        gate, up = state_dict.pop(prefix + 'experts.gate_bias'), state_dict.pop(prefix + 'experts.up_bias')
-        state_dict[prefix + 'experts.gate_up_proj_bias'] = torch.stack((gate, up), 2).flatten(1)
-    for prefix in _layer_prefixes(state_dict, 'experts.gate'):
-        gate, up = state_dict.pop(prefix + 'experts.gate'), state_dict.pop(prefix + 'experts.up')
-        state_dict[prefix + 'experts.gate_up_proj'] = torch.stack((gate, up), 2).flatten(1, 2).transpose(1, 2)
-        state_dict[prefix + 'experts.down_proj'] = state_dict.pop(prefix + 'experts.down').transpose(1, 2)
-    for prefix in _layer_prefixes(state_dict, 'experts.gate_blocks'):
-        for kind in ('blocks', 'scales'):
-            gate, up = state_dict.pop(f'{prefix}experts.gate_{kind}'), state_dict.pop(f'{prefix}experts.up_{kind}')
-            state_dict[f'{prefix}experts.gate_up_proj_{kind}'] = torch.stack((gate, up), 2).flatten(1, 2)
-            state_dict[f'{prefix}experts.down_proj_{kind}'] = state_dict.pop(f'{prefix}experts.down_{kind}')
-
-
-_STACKED_EXPERTS = re.compile(r'model\.layers\.\d+\.mlp\.experts\.(gate|up|down)_proj\.q?weight')
-
-
-def _split_experts(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
-    """The stacked experts (``mlp.experts.gate_proj.weight [E, I, H]``, or its blocks ``qweight [E, I, blocks,
-    bytes]``) back into one tensor per expert, as Hugging Face checkpoints of Qwen-MoE and Mixtral hold them;
-    a shared expert's gate (``[H]`` in some files) as its one row."""
-    for name in [name for name in state_dict if _STACKED_EXPERTS.fullmatch(name)]:
-        prefix, _, tail = name.rpartition('.experts.')
-        for expert, part in enumerate(state_dict.pop(name)):
-            state_dict[f'{prefix}.experts.{expert}.{tail}'] = part.clone()
-    for name in [name for name in state_dict if name.endswith('shared_expert_gate.weight')]:
-        state_dict[name] = state_dict[name].reshape(1, -1)
-
-
-def _deepseek2_merge(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
-    """``k_b [H, kv_lora, nope]`` (transposed by the converter) and ``v_b [H, v, kv_lora]`` back into
-    ``kv_b_proj [H * (nope + v), kv_lora]``; the stacked experts back into one tensor per expert and
-    projection, as DeepSeek's checkpoints hold them."""
-    for prefix in _layer_prefixes(state_dict, 'self_attn.k_b_proj'):
-        k_b, v_b = state_dict.pop(prefix + 'self_attn.k_b_proj'), state_dict.pop(prefix + 'self_attn.v_b_proj')
-        state_dict[prefix + 'self_attn.kv_b_proj.weight'] = torch.cat((k_b.transpose(1, 2), v_b), 1).flatten(0, 1)
-    _split_experts(state_dict, config)
-
-
-def _ernie4_5_experts(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
-    """The stacked experts back into one tensor per expert; the router's correction bias as ``[1, E]``, as ERNIE's
-    checkpoints hold it."""
-    for name in [name for name in state_dict if name.endswith('e_score_correction_bias')]:
-        state_dict[name] = state_dict[name].reshape(1, -1)
-    _split_experts(state_dict, config)
-
-
-_FINISHERS = {'llama': _split_experts, 'qwen3moe': _split_experts, 'qwen3vlmoe': _split_experts,
-              'qwen2moe': _split_experts, 'glm4moe': _split_experts, 'chatglm': _split_qkv,
-              'gemma2': _gemma_norms, 'gemma3': _gemma_norms, 'gpt-oss': _gpt_oss_experts,
-              'deepseek2': _deepseek2_merge, 'ernie4_5-moe': _ernie4_5_experts}
-
-
-def finish_state_dict(arch: str, state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
-    """Undo, in place, what llama.cpp's converter did to ``arch``'s tensors beyond renaming them."""
-    if arch in _FINISHERS:
-        _FINISHERS[arch](state_dict, config)
-    for name, value in state_dict.items():
-        state_dict[name] = value.contiguous()

@@ -9,13 +9,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("v_cache"), py::arg("block_table"), py::arg("kv_lens"), py::arg("scale"),
         py::arg("k_scales_zeros") = py::none(), py::arg("v_scales_zeros") = py::none(), py::arg("quant_policy") = 0,
         py::arg("sliding_window") = py::none(), py::arg("logit_softcap") = py::none(),
-        py::arg("sinks") = py::none());
+        py::arg("sinks") = py::none(), py::arg("attention_chunk") = py::none());
   m.def("paged_prefill_attention", &paged_prefill_attention, "causal attention of prefill chunks over the caches",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),
         py::arg("q_start"), py::arg("q_len"), py::arg("ctx_len"), py::arg("max_q_len"), py::arg("scale"),
         py::arg("k_scales_zeros") = py::none(), py::arg("v_scales_zeros") = py::none(), py::arg("quant_policy") = 0,
         py::arg("sliding_window") = py::none(), py::arg("logit_softcap") = py::none(),
-        py::arg("sinks") = py::none(), py::arg("key_limit") = py::none());
+        py::arg("sinks") = py::none(), py::arg("key_limit") = py::none(), py::arg("attention_chunk") = py::none());
   m.def("rms_norm", &rms_norm, "RMSNorm with an optional fused residual add", pybind11::arg("x"),
         pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("residual") = pybind11::none());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
@@ -73,13 +73,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using Optional = c10::optional<torch::Tensor>;
   py::class_<StepTensors>(m, "StepTensors", "the step's tensors that every decoder layer reads")
       .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, Optional, Optional, Optional,
-                    Optional, int64_t, Optional, Optional, Optional, Optional, Optional, Optional, Optional, Optional>(),
+                    Optional, int64_t, Optional, Optional, Optional, Optional, Optional, Optional, Optional, Optional,
+                    Optional>(),
            py::kw_only(), py::arg("cos"), py::arg("sin"), py::arg("kv_blocks"), py::arg("kv_offsets"),
            py::arg("num_prefill_tokens"), py::arg("prefill_block_table"), py::arg("prefill_q_start"),
            py::arg("prefill_q_len"), py::arg("prefill_ctx_len"), py::arg("prefill_max_q_len"),
            py::arg("decode_blocks"), py::arg("decode_kv_lens"), py::arg("local_cos"), py::arg("local_sin"),
            py::arg("window_kv_blocks"), py::arg("window_prefill_block_table"), py::arg("window_decode_blocks"),
-           py::arg("prefill_key_limit") = py::none());
+           py::arg("prefill_key_limit") = py::none(), py::arg("q_scale") = py::none());
   py::class_<Projection>(m, "Projection", "a decoder layer's projection on its native GEMM's weight")
       .def(py::init<const std::string&, torch::Tensor, Optional, Optional, Optional>(), py::kw_only(),
            py::arg("kind"), py::arg("weight"), py::arg("compensation") = py::none(), py::arg("scale") = py::none(),
@@ -102,13 +103,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<LayerWeights>(m, "LayerWeights", "a Llama-style decoder layer's weights")
       .def(py::init<torch::Tensor, torch::Tensor, Projection, Projection, c10::optional<Projection>,
                     c10::optional<Projection>, c10::optional<MoEBlock>, Optional, Optional, Optional, Optional, int64_t,
-                    bool, bool, c10::optional<int64_t>, c10::optional<double>, bool>(),
+                    bool, bool, c10::optional<int64_t>, c10::optional<double>, bool, bool>(),
            py::kw_only(), py::arg("input_norm"), py::arg("post_norm"), py::arg("qkv"), py::arg("o"),
            py::arg("gate_up") = py::none(), py::arg("down") = py::none(), py::arg("moe") = py::none(),
            py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(),
            py::arg("attn_out_norm") = py::none(), py::arg("mlp_out_norm") = py::none(), py::arg("rotary_dim"),
            py::arg("interleaved_rope") = false, py::arg("local_rope") = false, py::arg("sliding_window") = py::none(),
-           py::arg("logit_softcap") = py::none(), py::arg("gelu_tanh_mlp") = false);
+           py::arg("logit_softcap") = py::none(), py::arg("gelu_tanh_mlp") = false,
+           py::arg("scaled_queries") = false);
   py::class_<DecoderStack>(m, "DecoderStack", "Llama-style decoder layers in one call per step")
       .def(py::init<std::vector<LayerWeights>, int64_t, int64_t, int64_t, double, double, int64_t>(), py::kw_only(),
            py::arg("layers"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"),

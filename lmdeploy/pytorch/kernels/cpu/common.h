@@ -174,20 +174,26 @@ KVQuant kv_quant(const torch::Tensor& k_cache, const torch::Tensor& v_cache, int
 // logit per query head.
 struct AttnFeatures {
   int64_t sliding_window = 0;
+  int64_t attention_chunk = 0;  // a layer has a sliding window or an attention chunk, not both
   float logit_softcap = 0.f;
   torch::Tensor sinks;
   // Prefill rows whose keys reach past their own position (paged_prefill_attention's key_limit): each row's
   // position + 1, from which its window reaches back; null where each row's keys end at its own position.
   const int64_t* query_ends = nullptr;
-  bool on() const { return sliding_window > 0 || logit_softcap > 0.f || sinks.defined(); }
-  // The first of `length` context tokens that query row `row` attends to (the last of them, without query_ends).
-  int64_t first(int64_t length, int64_t row) const {
-    const int64_t end = query_ends ? query_ends[row] : length;
-    return sliding_window > 0 ? std::max<int64_t>(0, end - sliding_window) : 0;
+  bool bounded() const { return sliding_window > 0 || attention_chunk > 0; }
+  bool on() const { return bounded() || logit_softcap > 0.f || sinks.defined(); }
+  // The first key position a query at `pos` attends to: the start of its window, of its chunk, or 0.
+  int64_t first_key(int64_t pos) const {
+    if (sliding_window > 0) return std::max<int64_t>(0, pos - sliding_window + 1);
+    if (attention_chunk > 0) return pos / attention_chunk * attention_chunk;
+    return 0;
   }
+  // The first of `length` context tokens that query row `row` attends to (the last of them, without query_ends).
+  int64_t first(int64_t length, int64_t row) const { return first_key((query_ends ? query_ends[row] : length) - 1); }
 };
 AttnFeatures attn_features(const c10::optional<int64_t>& sliding_window, const c10::optional<double>& logit_softcap,
-                           const c10::optional<torch::Tensor>& sinks, int64_t num_heads);
+                           const c10::optional<torch::Tensor>& sinks, int64_t num_heads,
+                           const c10::optional<int64_t>& attention_chunk);
 
 // Fills `out` and returns true where the AVX-512 path applies (bf16, head_dim 64 or 128); the
 // arguments are those of attention_rows in paged_attention.cpp: int64 and contiguous, but for q's
@@ -212,7 +218,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
                                      c10::optional<torch::Tensor> v_scales_zeros, int64_t quant_policy,
                                      c10::optional<int64_t> sliding_window = c10::nullopt,
                                      c10::optional<double> logit_softcap = c10::nullopt,
-                                     c10::optional<torch::Tensor> sinks = c10::nullopt);
+                                     c10::optional<torch::Tensor> sinks = c10::nullopt,
+                                     c10::optional<int64_t> attention_chunk = c10::nullopt);
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
                                       torch::Tensor v_cache, torch::Tensor block_table, torch::Tensor q_start,
                                       torch::Tensor q_len, torch::Tensor ctx_len, int64_t max_q_len, double scale,
@@ -221,7 +228,8 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k, torch::T
                                       c10::optional<int64_t> sliding_window = c10::nullopt,
                                       c10::optional<double> logit_softcap = c10::nullopt,
                                       c10::optional<torch::Tensor> sinks = c10::nullopt,
-                                      c10::optional<torch::Tensor> key_limit = c10::nullopt);
+                                      c10::optional<torch::Tensor> key_limit = c10::nullopt,
+                                      c10::optional<int64_t> attention_chunk = c10::nullopt);
 std::tuple<torch::Tensor, torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
                                                   c10::optional<torch::Tensor> residual);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
@@ -273,6 +281,7 @@ struct StepTensors {
   // decode_blocks for a layer with a sliding window when window_kv_blocks is given.
   c10::optional<torch::Tensor> window_kv_blocks, window_prefill_block_table, window_decode_blocks;
   c10::optional<torch::Tensor> prefill_key_limit;  // StepContext.prefill_key_limit
+  c10::optional<torch::Tensor> q_scale;            // StepContext.q_scale: the layers with scaled_queries need it
 };
 
 // One projection of a decoder layer, x @ W.T (+ bias), on its weight as its kernel takes it. `kind` "bf16":
@@ -345,6 +354,17 @@ struct MoEBlock {
   torch::Tensor expert(int64_t e, const torch::Tensor& rows) const;
 };
 
+// A Llama-style decoder layer's weights; q_norm and k_norm (per head, before the rotary embedding) where the
+// family has them (Qwen3); attn_out_norm and mlp_out_norm, on the outputs of attention and of the MLP before
+// the residual adds them, where it has those (GLM-4). Its options: the rotary embedding turns the first
+// `rotary_dim` features of each query and key head (all of them, a part (Phi-4-mini, GLM) or none (SmolLM3's
+// NoPE layers)), in halves or, `interleaved_rope`, in neighbouring pairs (GLM: the pairs are regrouped into
+// halves first, as apply_rope in nn/rotary.py does), by the step's local tables where `local_rope` is set
+// (Gemma 3's local layers; the others by its cos and sin); `sliding_window` limits its attention to the last that
+// many tokens, `logit_softcap` soft-caps its scores (Gemma 2); `gelu_tanh_mlp`: the MLP is
+// gelu_tanh(gate) * up on a plain gate-and-up projection, gate rows then up rows (Gemma), instead of the
+// fused SiLU one; `scaled_queries`: its rotated queries are multiplied by their token's factor in the step's
+// q_scale (Ministral 3). A layer's MLP is its gate_up and down projections, or its `moe` block.
 struct LayerWeights {
   torch::Tensor input_norm, post_norm;
   Projection qkv, o;
@@ -355,7 +375,7 @@ struct LayerWeights {
   bool interleaved_rope, local_rope;
   c10::optional<int64_t> sliding_window;
   c10::optional<double> logit_softcap;
-  bool gelu_tanh_mlp;
+  bool gelu_tanh_mlp, scaled_queries;
 };
 
 // Llama-style decoder layers (decoder_stack.cpp): the kernels of LlamaDecoderLayer's forward, in its order.

@@ -158,7 +158,12 @@ torch::Tensor DecoderStack::attention(const LayerWeights& w, const torch::Tensor
                      std::get<0>(rms_norm(qk.narrow(1, num_heads_, num_kv_heads_), *w.k_norm, eps_, c10::nullopt))},
                     1);
   qk = rotate(w, qk, step);
-  const auto q = qk.narrow(1, 0, num_heads_), k = qk.narrow(1, num_heads_, num_kv_heads_);
+  auto q = qk.narrow(1, 0, num_heads_);
+  const auto k = qk.narrow(1, num_heads_, num_kv_heads_);
+  if (w.scaled_queries) {
+    TORCH_CHECK(step.q_scale, "a layer with scaled_queries needs the step's q_scale");
+    q = q.mul(step.q_scale->view({-1, 1, 1}));  // scale_queries of nn/rotary.py
+  }
   const auto v = heads.narrow(1, num_heads_ + num_kv_heads_, num_kv_heads_);
   const bool own_pool = w.sliding_window && step.window_kv_blocks;
   const auto& kv_blocks = own_pool ? *step.window_kv_blocks : step.kv_blocks;

@@ -141,9 +141,14 @@ torch::Tensor attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tens
 }  // namespace
 
 AttnFeatures attn_features(const c10::optional<int64_t>& sliding_window, const c10::optional<double>& logit_softcap,
-                           const c10::optional<torch::Tensor>& sinks, int64_t num_heads) {
+                           const c10::optional<torch::Tensor>& sinks, int64_t num_heads,
+                           const c10::optional<int64_t>& attention_chunk) {
   AttnFeatures features;
   features.sliding_window = sliding_window.value_or(0);
+  features.attention_chunk = attention_chunk.value_or(0);
+  TORCH_CHECK(features.sliding_window >= 0 && features.attention_chunk >= 0, "a window or chunk is positive");
+  TORCH_CHECK(!features.sliding_window || !features.attention_chunk,
+              "attention takes a sliding window or an attention chunk, not both");
   features.logit_softcap = static_cast<float>(logit_softcap.value_or(0.));
   if (sinks.has_value()) {
     TORCH_CHECK(sinks->numel() == num_heads, "sinks must hold one logit per query head");
@@ -159,11 +164,11 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
                                      c10::optional<torch::Tensor> k_scales_zeros,
                                      c10::optional<torch::Tensor> v_scales_zeros, int64_t quant_policy,
                                      c10::optional<int64_t> sliding_window, c10::optional<double> logit_softcap,
-                                     c10::optional<torch::Tensor> sinks) {
+                                     c10::optional<torch::Tensor> sinks, c10::optional<int64_t> attention_chunk) {
   const KVQuant quant = kv_quant(k_cache, v_cache, q.size(2), k_scales_zeros, v_scales_zeros, quant_policy);
   return attention_rows(q, k_cache, v_cache, quant, contiguous_as(block_table, torch::kInt64), torch::Tensor(),
                         contiguous_as(kv_lens, torch::kInt64), scale,
-                        attn_features(sliding_window, logit_softcap, sinks, q.size(1)));
+                        attn_features(sliding_window, logit_softcap, sinks, q.size(1), attention_chunk));
 }
 
 // Causal attention of packed prefill chunks q [T, H, D]: sequence s owns rows q_start[s] to
@@ -176,8 +181,9 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor, torch::Ten
                                       c10::optional<torch::Tensor> k_scales_zeros,
                                       c10::optional<torch::Tensor> v_scales_zeros, int64_t quant_policy,
                                       c10::optional<int64_t> sliding_window, c10::optional<double> logit_softcap,
-                                      c10::optional<torch::Tensor> sinks, c10::optional<torch::Tensor> key_limit) {
-  AttnFeatures features = attn_features(sliding_window, logit_softcap, sinks, q.size(1));
+                                      c10::optional<torch::Tensor> sinks, c10::optional<torch::Tensor> key_limit,
+                                      c10::optional<int64_t> attention_chunk) {
+  AttnFeatures features = attn_features(sliding_window, logit_softcap, sinks, q.size(1), attention_chunk);
   const KVQuant quant = kv_quant(k_cache, v_cache, q.size(2), k_scales_zeros, v_scales_zeros, quant_policy);
   auto starts = contiguous_as(q_start, torch::kInt64), counts = contiguous_as(q_len, torch::kInt64);
   auto contexts = contiguous_as(ctx_len, torch::kInt64), table = contiguous_as(block_table, torch::kInt64);

@@ -5,9 +5,9 @@
 // linear layers' (linear_bf16.cpp). Each task first copies its keys and values out of the paged cache
 // into those tiles' panel layouts; a tile of up to 6 query vectors then walks the keys 64 at a time
 // up to its last token's position, with an online softmax (bf16 probabilities, as torch's CPU flash
-// attention uses for bf16) and the causal mask applied per query vector. A sliding window starts the
-// walk at the tile's first key and masks per query vector; soft-capping applies to each score, and a
-// query head's sink starts its softmax as its peak with weight 1. With key limits a query vector's keys end
+// attention uses for bf16) and the causal mask applied per query vector. A sliding window or an
+// attention chunk starts the walk at the tile's first key and masks per query vector; soft-capping
+// applies to each score, and a query head's sink starts its softmax as its peak with weight 1. With key limits a query vector's keys end
 // at its token's limit instead of its position, and the tile walks up to its last limit.
 #include <limits>
 
@@ -29,7 +29,7 @@ struct PrefillTask {
   int64_t first_pos;             // position of the first query token (its context is first_pos + 1 keys)
   int64_t group, head_dim;
   float scale;
-  int64_t window;      // 0: none
+  const AttnFeatures* bounds;  // the window or attention chunk, whose first_key starts each query's keys
   float softcap;       // 0: none
   const float* sinks;  // this KV head's query heads' sinks, or null
   const int64_t* key_limits;  // the chunk's first token's last key position, then the others'; null: causal
@@ -90,8 +90,8 @@ inline void accumulate(__m512 (&acc)[R][4], const int32_t* const (&a)[R], const 
 }
 
 // Scores of R query vectors against keys [64 g, 64 g + 64): scale * q . k (soft-capped), or lowest() past
-// a query's key limit or before its window; only the first C panels of 16 keys hold any key up to the
-// tile's last key limit.
+// a query's key limit or before its first key (window or chunk); only the first C panels of 16 keys hold
+// any key up to the tile's last key limit.
 template <int R, int C>
 void tile_scores(const PrefillTask& task, int64_t row, int64_t g, const int32_t* keys, float* scores) {
   const int64_t D = task.head_dim, pairs = D / 2;
@@ -112,8 +112,10 @@ void tile_scores(const PrefillTask& task, int64_t row, int64_t g, const int32_t*
     for (int c = 0; c < 4; ++c) {
       const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(g * kKeys + c * kPanel)));
       __mmask16 valid = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(limit[r])));
-      if (task.window)
-        valid &= _mm512_cmpgt_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(pos[r] - task.window)));
+      if (task.bounds->bounded()) {
+        const int32_t first = static_cast<int32_t>(task.bounds->first_key(pos[r]));
+        valid &= _mm512_cmpge_epi32_mask(key, _mm512_set1_epi32(first));
+      }
       __m512 s = _mm512_mul_ps(acc[r][c], _mm512_set1_ps(task.scale));
       if (task.softcap > 0.f) {  // cap * tanh(s / cap), tanh(x) = 1 - 2 / (e^2x + 1)
         const __m512 e = exp_ps(_mm512_mul_ps(s, _mm512_set1_ps(2.f / task.softcap)));
@@ -154,7 +156,7 @@ void tile_rows(const PrefillTask& task, int64_t row, const int32_t* keys, const 
   }
   int64_t last = 0;
   for (int r = 0; r < R; ++r) last = std::max(last, task.limit((row + r) / task.group));
-  const int64_t first = task.window ? std::max<int64_t>(0, task.first_pos + row / task.group - task.window + 1) : 0;
+  const int64_t first = task.bounds->first_key(task.first_pos + row / task.group);
   for (int64_t g = first / kKeys; g * kKeys <= last; ++g) {
     const int64_t panels = std::min<int64_t>(4, (last - g * kKeys) / kPanel + 1);
     switch (panels) {
@@ -240,7 +242,7 @@ bool prefill_attention_avx512(const torch::Tensor& q, const torch::Tensor& k_cac
       const PrefillTask task{q.data_ptr<bf16>() + start_ptr[s] * q_stride + head,
                              out.data_ptr<bf16>() + start_ptr[s] * num_heads * D + head, q_stride, num_heads * D,
                              count_ptr[s], ctx - count_ptr[s], group, D, static_cast<float>(scale),
-                             features.sliding_window, features.logit_softcap,
+                             &features, features.logit_softcap,
                              features.sinks.defined() ? features.sinks.data_ptr<float>() + kv_head * group : nullptr,
                              key_limits ? key_limits + start_ptr[s] : nullptr};
       run_task(task, keys.data(), values.data(), ctx_pad / 2);

@@ -5,8 +5,8 @@ sequence's pages, ``PAGES`` pages per loop step. The launch grid depends only on
 heads, block-table width), so decode steps can be captured in CUDA graphs: each program derives its
 split's pages from its own sequence's ``kv_len``, so a short sequence in a wide block table still
 spreads over every split, and a split left without pages writes an empty partial (lse ``-inf``).
-With a sliding window the splits cover only the window's pages; soft-capping applies to each score, and
-the sinks join the denominator in the reduce.
+With a sliding window or an attention chunk the splits cover only the pages from the query's first key on;
+soft-capping applies to each score, and the sinks join the denominator in the reduce.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from lmdeploy.pytorch.kernels.cuda.kv_quant import load_dequantized
-from lmdeploy.pytorch.kernels.cuda.utils import dot_precision, online_softmax_update, soft_cap
+from lmdeploy.pytorch.kernels.cuda.utils import dot_precision, first_key, key_bound, online_softmax_update, soft_cap
 
 
 class DecodeConfig(NamedTuple):
@@ -51,11 +51,11 @@ def store_split_partial(part_out_ptr, part_lse_ptr, row, hmask, d, m, l, acc, BL
 
 @triton.jit(do_not_specialize=['num_splits', 'stride_tb'])
 def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, table_ptr, lens_ptr, part_out_ptr, part_lse_ptr,
-                         scale, window, softcap, num_heads, group, num_splits,
+                         scale, bound, softcap, num_heads, group, num_splits,
                          stride_qb, stride_qh, stride_cb, stride_ch, stride_cs, stride_tb,
                          HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGES: tl.constexpr,
                          BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, NUM_STAGES: tl.constexpr,
-                         PRECISION: tl.constexpr, BITS: tl.constexpr, WINDOW: tl.constexpr,
+                         PRECISION: tl.constexpr, BITS: tl.constexpr, BOUND: tl.constexpr,
                          SOFTCAP: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -63,8 +63,8 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, table_ptr, len
     kv_len = tl.load(lens_ptr + b)
     num_pages = tl.cdiv(kv_len, BLOCK_SIZE)
     lo = 0  # the first position attended
-    if WINDOW:
-        lo = tl.maximum(kv_len - window, 0)
+    if BOUND:
+        lo = first_key(kv_len - 1, bound, BOUND)
     per_split = tl.cdiv(num_pages - lo // BLOCK_SIZE, num_splits)
     first = lo // BLOCK_SIZE + split * per_split
     last = tl.minimum(first + per_split, num_pages)
@@ -172,21 +172,23 @@ def decode_attention_with(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           kv_lens: torch.Tensor, scale: float, config: DecodeConfig,
                           k_scales_zeros: torch.Tensor | None = None, v_scales_zeros: torch.Tensor | None = None,
                           quant_policy: int = 0, sliding_window: int | None = None,
-                          logit_softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                          logit_softcap: float | None = None, sinks: torch.Tensor | None = None,
+                          attention_chunk: int | None = None) -> torch.Tensor:
     """``decode_attention`` with an explicit launch config (benchmarks and tests)."""
     batch, num_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
     splits = config.splits
     block_d = triton.next_power_of_2(head_dim)
     part_out, part_lse = split_partials(batch, num_heads, splits, block_d, q.device)
+    bound, bound_kind = key_bound(sliding_window, attention_chunk)
     _decode_split_kernel[(batch, num_kv_heads, splits)](
         q, k_cache, v_cache, k_scales_zeros, v_scales_zeros, block_table, kv_lens, part_out, part_lse, scale,
-        sliding_window or 0, logit_softcap or 0.0, num_heads, num_heads // num_kv_heads, splits, q.stride(0),
+        bound, logit_softcap or 0.0, num_heads, num_heads // num_kv_heads, splits, q.stride(0),
         q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, PAGES=config.pages,
         BLOCK_H=max(16, triton.next_power_of_2(num_heads // num_kv_heads)), BLOCK_D=block_d,
         NUM_STAGES=config.num_stages, PRECISION=dot_precision(q.dtype), BITS=quant_policy,
-        WINDOW=bool(sliding_window), SOFTCAP=bool(logit_softcap), num_warps=config.num_warps)
+        BOUND=bound_kind, SOFTCAP=bool(logit_softcap), num_warps=config.num_warps)
     out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
     return reduce_splits(part_out, part_lse, out, sinks)
 
@@ -195,10 +197,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      kv_lens: torch.Tensor, scale: float, k_scales_zeros: torch.Tensor | None = None,
                      v_scales_zeros: torch.Tensor | None = None, quant_policy: int = 0,
                      sliding_window: int | None = None, logit_softcap: float | None = None,
-                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     sinks: torch.Tensor | None = None, attention_chunk: int | None = None) -> torch.Tensor:
     """One new token per sequence: ``q [B, H, D]`` over ``kv_lens [B]`` tokens in ``block_table [B, N]``;
     an int8/int4 cache's rows are dequantized to ``q``'s dtype as they are loaded. The features are the
     torch twin's (``kernels/attention.py``)."""
     config = decode_config(q.shape[0], k_cache.shape[1], block_table.shape[1], q.shape[2])
     return decode_attention_with(q, k_cache, v_cache, block_table, kv_lens, scale, config, k_scales_zeros,
-                                 v_scales_zeros, quant_policy, sliding_window, logit_softcap, sinks)
+                                 v_scales_zeros, quant_policy, sliding_window, logit_softcap, sinks, attention_chunk)

@@ -1,4 +1,6 @@
 """Small helpers shared by the Triton kernels."""
+from __future__ import annotations
+
 import torch
 import triton
 import triton.language as tl
@@ -7,6 +9,27 @@ import triton.language as tl
 def dot_precision(dtype: torch.dtype) -> str:
     """``tl.dot`` input precision: full fp32 for fp32 models (Triton's default would be TF32)."""
     return 'ieee' if dtype == torch.float32 else 'tf32'
+
+
+def key_bound(sliding_window: int | None, attention_chunk: int | None) -> tuple[int, int]:
+    """The ``(bound, BOUND)`` arguments of :func:`first_key` for a layer's sliding window or attention chunk."""
+    if sliding_window and attention_chunk:
+        raise ValueError('attention takes a sliding window or an attention chunk, not both')
+    if sliding_window:
+        return sliding_window, 1
+    return (attention_chunk, 2) if attention_chunk else (0, 0)
+
+
+@triton.jit
+def first_key(pos, bound, BOUND: tl.constexpr):
+    """The first key position a query at ``pos`` attends to: with ``BOUND`` 1 the start of its sliding window of
+    ``bound`` keys (not below 0), with 2 the start of its attention chunk of ``bound`` positions (0 for the
+    position -1 of an empty sequence)."""
+    if BOUND == 1:
+        lo = tl.maximum(pos - bound + 1, 0)
+    else:
+        lo = tl.maximum(pos, 0) // bound * bound
+    return lo
 
 
 @triton.jit

@@ -1,0 +1,112 @@
+"""State-dict steps that undo, per GGUF architecture, what llama.cpp's convert_hf_to_gguf.py did to the tensors
+beyond renaming them (see ``gguf_archs.py``): GLM-4's fused ``attn_qkv``, Gemma's ``1 + weight`` norms, gpt-oss's
+split and transposed experts (and its MXFP4 blocks), DeepSeek's split ``kv_b``, and the stacked experts of the MoE
+files, stored back one tensor per expert.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def _layer_prefixes(state_dict: dict[str, torch.Tensor], suffix: str) -> list[str]:
+    return [name.removesuffix(suffix) for name in state_dict if name.endswith(suffix)]
+
+
+def _split_qkv(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    """A fused ``qkv_proj`` (q, k and v rows stacked: weight, bias, or the rows of a kept ``qweight``) back
+    into ``q_proj``, ``k_proj`` and ``v_proj``, as ``GlmForCausalLM`` holds them."""
+    rows = [heads * config['head_dim'] for heads in
+            (config['num_attention_heads'], config['num_key_value_heads'], config['num_key_value_heads'])]
+    for name in [name for name in state_dict if '.self_attn.qkv_proj.' in name]:
+        prefix, _, kind = name.rpartition('.qkv_proj.')
+        for proj, part in zip('qkv', state_dict.pop(name).split(rows)):
+            state_dict[f'{prefix}.{proj}_proj.{kind}'] = part
+
+
+def _gemma_norms(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    """llama.cpp stores Gemma's norms as ``1 + weight``; in fp32 ``1 + (stored - 1)`` is ``stored`` again."""
+    for name, value in state_dict.items():
+        if name.endswith('norm.weight'):
+            state_dict[name] = value - 1
+
+
+def mxfp4_from_ggml(data: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp's MXFP4 blocks ``uint8 [..., K / 32 * 17]`` (an e8m0 scale byte, then 16 bytes whose low nibbles
+    hold the e2m1 codes of inputs 0-15 and high nibbles those of 16-31) as an MXFP4 checkpoint's ``blocks [...,
+    K / 32, 16]`` (inputs ``2j`` and ``2j + 1`` in byte ``j``, low nibble first) and ``scales [..., K / 32]``: the
+    same codes and scales (llama.cpp doubles its table and halves its scales: the same values)."""
+    raw = torch.from_numpy(np.array(data, dtype=np.uint8))
+    raw = raw.view(*raw.shape[:-1], -1, 17)
+    packed = raw[..., 1:]
+    codes = torch.cat((packed & 15, packed >> 4), dim=-1)
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous(), raw[..., 0].contiguous()
+
+
+def _gpt_oss_experts(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    """Gate and up ``[E, I, H]`` back into transformers' ``gate_up_proj [E, H, 2I]`` (gate and up columns
+    alternating), down ``[E, H, I]`` into ``down_proj [E, I, H]``; MXFP4 ones (``_blocks [E, out, in / 32, 16]``
+    and ``_scales``) into ``gate_up_proj_blocks [E, 2I, ...]`` (gate and up rows alternating) and
+    ``down_proj_blocks``, as OpenAI's checkpoints hold them."""
+    for prefix in _layer_prefixes(state_dict, 'experts.gate_bias'):
+        gate, up = state_dict.pop(prefix + 'experts.gate_bias'), state_dict.pop(prefix + 'experts.up_bias')
+        state_dict[prefix + 'experts.gate_up_proj_bias'] = torch.stack((gate, up), 2).flatten(1)
+    for prefix in _layer_prefixes(state_dict, 'experts.gate'):
+        gate, up = state_dict.pop(prefix + 'experts.gate'), state_dict.pop(prefix + 'experts.up')
+        state_dict[prefix + 'experts.gate_up_proj'] = torch.stack((gate, up), 2).flatten(1, 2).transpose(1, 2)
+        state_dict[prefix + 'experts.down_proj'] = state_dict.pop(prefix + 'experts.down').transpose(1, 2)
+    for prefix in _layer_prefixes(state_dict, 'experts.gate_blocks'):
+        for kind in ('blocks', 'scales'):
+            gate, up = state_dict.pop(f'{prefix}experts.gate_{kind}'), state_dict.pop(f'{prefix}experts.up_{kind}')
+            state_dict[f'{prefix}experts.gate_up_proj_{kind}'] = torch.stack((gate, up), 2).flatten(1, 2)
+            state_dict[f'{prefix}experts.down_proj_{kind}'] = state_dict.pop(f'{prefix}experts.down_{kind}')
+
+
+_STACKED_EXPERTS = re.compile(r'model\.layers\.\d+\.mlp\.experts\.(gate|up|down)_proj\.q?weight')
+
+
+def _split_experts(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    """The stacked experts (``mlp.experts.gate_proj.weight [E, I, H]``, or its blocks ``qweight [E, I, blocks,
+    bytes]``) back into one tensor per expert, as Hugging Face checkpoints of Qwen-MoE and Mixtral hold them;
+    a shared expert's gate (``[H]`` in some files) as its one row."""
+    for name in [name for name in state_dict if _STACKED_EXPERTS.fullmatch(name)]:
+        prefix, _, tail = name.rpartition('.experts.')
+        for expert, part in enumerate(state_dict.pop(name)):
+            state_dict[f'{prefix}.experts.{expert}.{tail}'] = part.clone()
+    for name in [name for name in state_dict if name.endswith('shared_expert_gate.weight')]:
+        state_dict[name] = state_dict[name].reshape(1, -1)
+
+
+def _deepseek2_merge(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    """``k_b [H, kv_lora, nope]`` (transposed by the converter) and ``v_b [H, v, kv_lora]`` back into
+    ``kv_b_proj [H * (nope + v), kv_lora]``; the stacked experts back into one tensor per expert and
+    projection, as DeepSeek's checkpoints hold them."""
+    for prefix in _layer_prefixes(state_dict, 'self_attn.k_b_proj'):
+        k_b, v_b = state_dict.pop(prefix + 'self_attn.k_b_proj'), state_dict.pop(prefix + 'self_attn.v_b_proj')
+        state_dict[prefix + 'self_attn.kv_b_proj.weight'] = torch.cat((k_b.transpose(1, 2), v_b), 1).flatten(0, 1)
+    _split_experts(state_dict, config)
+
+
+def _ernie4_5_experts(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    """The stacked experts back into one tensor per expert; the router's correction bias as ``[1, E]``, as ERNIE's
+    checkpoints hold it."""
+    for name in [name for name in state_dict if name.endswith('e_score_correction_bias')]:
+        state_dict[name] = state_dict[name].reshape(1, -1)
+    _split_experts(state_dict, config)
+
+
+_FINISHERS = {'llama': _split_experts, 'qwen3moe': _split_experts, 'qwen3vlmoe': _split_experts,
+              'qwen2moe': _split_experts, 'glm4moe': _split_experts, 'chatglm': _split_qkv,
+              'gemma2': _gemma_norms, 'gemma3': _gemma_norms, 'gpt-oss': _gpt_oss_experts,
+              'deepseek2': _deepseek2_merge, 'ernie4_5-moe': _ernie4_5_experts}
+
+
+def finish_state_dict(arch: str, state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    """Undo, in place, what llama.cpp's converter did to ``arch``'s tensors beyond renaming them."""
+    if arch in _FINISHERS:
+        _FINISHERS[arch](state_dict, config)
+    for name, value in state_dict.items():
+        state_dict[name] = value.contiguous()
