@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3, Mistral, Seed-OSS) over the paged KV cache; the base
+"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3, Mistral, Seed-OSS) over the paged KV cache; the base of
 the other families."""
 from __future__ import annotations
 
