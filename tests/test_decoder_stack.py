@@ -31,13 +31,14 @@ def save_qwen2_windowed(kind: str, path: str) -> str:
 # in every layer, Qwen2 with one in one layer, GLM's rotary over interleaved pairs of half of each head,
 # GLM-4's norms on the outputs of attention and the MLP, and Gemma 2 (Gemma's sandwich norms, GeLU MLP, query
 # scale, soft-capped scores, local and global layers), Gemma 3 (q/k Gemma norms, local layers on their own
-# rotary table), Ministral 3 (queries scaled by their position), Seed-OSS (q/k/v biases without an o_proj one) and
-# ERNIE 4.5 (rotary over interleaved pairs of the whole head, biases on every projection)
+# rotary table), Ministral 3 (queries scaled by their position), Seed-OSS (q/k/v biases without an o_proj one),
+# ERNIE 4.5 (rotary over interleaved pairs of the whole head, biases on every projection) and Granite (outputs
+# scaled by its residual multiplier, its attention multiplier as the score scale)
 STACK_FAMILIES = {'llama': save_tiny_model, 'qwen2': save_tiny_model, 'qwen3': save_tiny_model,
                   'mistral': save_family, 'phi3': save_family, 'smollm3': save_family, 'phi3_longrope': save_family,
                   'mistral_sliding': save_family, 'qwen2_windowed': save_qwen2_windowed, 'glm': save_family,
                   'glm4': save_family, 'gemma2': save_family, 'gemma3': save_family, 'ministral3': save_family,
-                  'seed_oss': save_family, 'ernie4_5': save_family}
+                  'seed_oss': save_family, 'ernie4_5': save_family, 'granite': save_family}
 CASES = [(kind, 'bf16', 0) for kind in STACK_FAMILIES] + [(kind, 'w8a8', 8) for kind in STACK_FAMILIES]
 CASES += [('llama', 'bf16', 8), ('llama', 'bf16', 4), ('llama', 'w8a8', 0), ('qwen3', 'w8a8', 4)]
 ENGINE = dict(dtype='bfloat16', num_gpu_blocks=64, block_size=16, enable_prefix_caching=False)

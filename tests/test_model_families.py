@@ -67,9 +67,9 @@ FAMILIES = {
 }
 # families the native decoder stack runs on the CPU (Llama layers: full, partial or no rotary, sliding windows;
 # GLM's and ERNIE 4.5's interleaved rotary and GLM-4's output norms; Ministral 3's query scale; Gemma 2 and 3;
-# Seed-OSS); not OLMo 2/3 (no input norms, q/k norms over all heads) nor Granite (residual multiplier)
+# Seed-OSS; Granite's residual multiplier); not OLMo 2/3 (no input norms, q/k norms over all heads)
 NATIVE_STACK = {'phi3', 'phi3_longrope', 'smollm3', 'mistral', 'mistral_sliding', 'ministral3', 'glm', 'glm4', 'gemma2',
-                'gemma3', 'seed_oss', 'ernie4_5'}
+                'gemma3', 'seed_oss', 'ernie4_5', 'granite'}
 
 
 def save_family(kind: str, path: str, max_shard_size: str = '50GB', **overrides) -> str:

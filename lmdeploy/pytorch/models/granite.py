@@ -1,7 +1,7 @@
 """Granite 3.x (``GraniteForCausalLM``): Llama layers scaled by four config fields: embeddings times
 ``embedding_multiplier``, attention scores by ``attention_multiplier`` (in place of ``head_dim ** -0.5``), the
 attention and MLP outputs times ``residual_multiplier`` before the residual adds them, and logits divided by
-``logits_scaling``. The native decoder stack has no residual scale: Granite's layers run their own forward."""
+``logits_scaling``. Its layers run in the native decoder stack (``residual_scale``)."""
 from __future__ import annotations
 
 import torch
@@ -9,6 +9,7 @@ from torch import nn
 
 from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.models.llama import KVCache, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, layer_window
+from lmdeploy.pytorch.nn.decoder_stack import LayerWeights
 from lmdeploy.pytorch.step_context import StepContext
 
 
@@ -24,6 +25,10 @@ class GraniteDecoderLayer(LlamaDecoderLayer):
         x = self.self_attn(x, kv_cache, ctx) * self.residual_multiplier
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x) * self.residual_multiplier, residual
+
+    def native_weights(self, small_step: bool = False) -> LayerWeights | None:
+        """See :meth:`LlamaDecoderLayer.native_weights`; the stack scales the two outputs too."""
+        return self.stack_weights(small_step, residual_scale=float(self.residual_multiplier))
 
 
 class GraniteForCausalLM(LlamaForCausalLM):

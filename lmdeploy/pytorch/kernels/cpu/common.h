@@ -364,7 +364,9 @@ struct MoEBlock {
 // many tokens, `logit_softcap` soft-caps its scores (Gemma 2); `gelu_tanh_mlp`: the MLP is
 // gelu_tanh(gate) * up on a plain gate-and-up projection, gate rows then up rows (Gemma), instead of the
 // fused SiLU one; `scaled_queries`: its rotated queries are multiplied by their token's factor in the step's
-// q_scale (Ministral 3). A layer's MLP is its gate_up and down projections, or its `moe` block.
+// q_scale (Ministral 3); `residual_scale`: the outputs of attention and of the MLP are multiplied by it before the
+// residual adds them (Granite's residual_multiplier). A layer's MLP is its gate_up and down projections, or its
+// `moe` block.
 struct LayerWeights {
   torch::Tensor input_norm, post_norm;
   Projection qkv, o;
@@ -376,6 +378,7 @@ struct LayerWeights {
   c10::optional<int64_t> sliding_window;
   c10::optional<double> logit_softcap;
   bool gelu_tanh_mlp, scaled_queries;
+  double residual_scale;
 };
 
 // Llama-style decoder layers (decoder_stack.cpp): the kernels of LlamaDecoderLayer's forward, in its order.

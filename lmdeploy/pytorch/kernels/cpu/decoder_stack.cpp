@@ -197,12 +197,14 @@ std::tuple<torch::Tensor, torch::Tensor> DecoderStack::forward(
                                                                       : c10::nullopt);
     auto attended = w.o(attention(w, w.qkv(h), kv_caches[i], step));
     if (w.attn_out_norm) attended = std::get<0>(rms_norm(attended, *w.attn_out_norm, eps_, c10::nullopt));
+    if (w.residual_scale != 1.0) attended = attended.mul(w.residual_scale);
     std::tie(h, sum) = rms_norm(attended, w.post_norm, eps_, sum);
     if (w.moe)
       x = (*w.moe)(h);
     else
       x = (*w.down)(w.gelu_tanh_mlp ? gelu_tanh_and_mul((*w.gate_up)(h)) : w.gate_up->gate_up_silu(h));
     if (w.mlp_out_norm) x = std::get<0>(rms_norm(x, *w.mlp_out_norm, eps_, c10::nullopt));
+    if (w.residual_scale != 1.0) x = x.mul(w.residual_scale);
   }
   return {x, sum};
 }
