@@ -27,6 +27,9 @@ class StepContext:
     layers ``window_kv_blocks``, ``window_prefill_block_table`` and ``window_decode_blocks`` in that pool, in
     place of ``kv_blocks``, ``prefill_block_table`` and ``decode_blocks`` (:meth:`tables`); the entries of the
     blocks a sliding pool gave back read block 0, which the window masks.
+
+    ``state_slots`` (models with linear-attention layers) gives each sequence's recurrent-state slot, in the
+    order of the step: prefill chunks, then decoding sequences (see ``paging/state_pool.py``).
     """
 
     positions: torch.Tensor
@@ -49,6 +52,7 @@ class StepContext:
     window_kv_blocks: torch.Tensor | None = None
     window_prefill_block_table: torch.Tensor | None = None
     window_decode_blocks: torch.Tensor | None = None
+    state_slots: torch.Tensor | None = None
 
     def tables(self, sliding: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """``(kv_blocks, prefill_block_table, decode_blocks)`` of a layer, a sliding-window one if ``sliding``."""
