@@ -1,0 +1,147 @@
+"""Qwen3-Next (``Qwen3NextForCausalLM``), Qwen3.5 (``Qwen3_5ForCausalLM``) and Qwen3.5-MoE
+(``Qwen3_5MoeForCausalLM``) against transformers on tiny random models: greedy tokens and first-step logits in
+fp32, batching, chunked prefill and preemption equal to solo runs, the recurrent-state slots given back (an
+aborted stream included), prefix caching turned off, and bf16 on the CPU."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+import torch
+from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig
+
+from conftest import VOCAB_SIZE, save_random_model
+from family_checks import assert_matches_transformers, first_step_logits, hf_causal_lm, hf_last_logits
+from helpers import assert_all_released, make_engine, random_prompts, run
+
+from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
+from lmdeploy.pytorch.engine.engine import Engine
+from lmdeploy.serve.async_engine import AsyncEngine
+
+# three linear-attention layers, then a full-attention one (the checkpoints' pattern), twice; two key heads
+# serve four value heads; a quarter of each full-attention head's features rotate
+SHAPE = dict(hidden_size=48, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+             linear_conv_kernel_dim=4, vocab_size=VOCAB_SIZE, max_position_embeddings=1024, tie_word_embeddings=False,
+             pad_token_id=None)
+MOE = dict(moe_intermediate_size=32, shared_expert_intermediate_size=40, num_experts=4, num_experts_per_tok=2)
+VARIANTS = {
+    'qwen3_5': lambda: Qwen3_5TextConfig(intermediate_size=64, **SHAPE),
+    'qwen3_5_moe': lambda: Qwen3_5MoeTextConfig(**MOE, **SHAPE),
+    'qwen3_next': lambda: Qwen3NextConfig(intermediate_size=64, mlp_only_layers=[1], **MOE, **SHAPE),
+}
+GREEDY_PROMPTS = [3, 17, 70, 150]  # past the delta rule's 64-token chunks
+
+
+@pytest.fixture(scope='module', params=sorted(VARIANTS))
+def hybrid_model(request, tmp_path_factory) -> str:
+    return save_random_model(VARIANTS[request.param](), str(tmp_path_factory.mktemp(request.param)))
+
+
+@pytest.fixture(scope='module')
+def qwen3_5(tmp_path_factory) -> str:
+    return save_random_model(VARIANTS['qwen3_5'](), str(tmp_path_factory.mktemp('qwen3_5_dense')))
+
+
+def assert_slots_free(engine: Engine) -> None:
+    pool = engine.scheduler.state_pool
+    assert pool.num_free == pool.num_slots and not engine.sequences
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_configs_are_hybrid():
+    for make_config in VARIANTS.values():
+        config = make_config()
+        assert config.layer_types.count('linear_attention') == 6 and config.layer_types[3] == 'full_attention'
+        assert config.linear_num_value_heads != config.linear_num_key_heads
+
+
+def test_greedy_and_first_logits_match_transformers(hybrid_model):
+    assert_matches_transformers(hybrid_model, hf_causal_lm(hybrid_model), random_prompts(GREEDY_PROMPTS),
+                                random_prompts([5, 33, 100], seed=1))
+
+
+def test_batched_chunked_and_preempted_equal_solo(hybrid_model):
+    """The state carries over between prefill chunks (of 16 tokens, and of 7: chunks that end inside the conv
+    window) and a preempted sequence recomputes it from zero."""
+    prompts = random_prompts([100, 130, 20, 45], seed=3)
+    plain = run(make_engine(hybrid_model), prompts)
+    assert [run(make_engine(hybrid_model), [p])[0] for p in prompts] == plain
+    for chunk, block_size in ((16, 16), (7, 4)):
+        engine = make_engine(hybrid_model, max_prefill_token_num=chunk, block_size=block_size)
+        assert run(engine, prompts) == plain
+        assert_slots_free(engine)
+    tight = make_engine(hybrid_model, num_gpu_blocks=14)
+    assert run(tight, prompts) == plain
+    assert tight.scheduler.num_preemptions > 0
+    assert_slots_free(tight)
+
+
+def test_fewer_slots_than_requests_queue(qwen3_5):
+    """With two slots (``max_batch_size=2``) five requests wait their turn and get their solo tokens."""
+    prompts = random_prompts([9, 40, 3, 27, 60], seed=5)
+    engine = make_engine(qwen3_5, max_batch_size=2)
+    assert engine.scheduler.state_pool.num_slots == 2
+    assert run(engine, prompts) == [run(make_engine(qwen3_5), [p])[0] for p in prompts]
+    assert_slots_free(engine)
+
+
+def test_abort_gives_back_the_slot(qwen3_5):
+    engine = make_engine(qwen3_5)
+    ids = [engine.add_request(p, GenerationConfig(max_new_tokens=20)) for p in random_prompts([8, 30], seed=6)]
+    engine.step()
+    engine.step()
+    assert engine.scheduler.state_pool.num_free == engine.scheduler.state_pool.num_slots - 2
+    engine.abort(ids[0])
+    engine.abort(ids[0])
+    assert engine.scheduler.state_pool.num_free == engine.scheduler.state_pool.num_slots - 1
+    while engine.has_unfinished():
+        engine.step()
+    assert_slots_free(engine)
+
+
+def test_aborted_stream_leaks_nothing(qwen3_5):
+    engine = AsyncEngine(qwen3_5, PytorchEngineConfig(dtype='float32', num_gpu_blocks=64, block_size=16,
+                                                      max_batch_size=4, session_len=256), show_progress=False)
+    try:
+        async def main():
+            agen = engine.generate('Hello world', gen_config=GenerationConfig(max_new_tokens=200, ignore_eos=True))
+            async for _ in agen:
+                break
+            await agen.aclose()
+        asyncio.run(main())
+        assert_all_released(engine)
+        pool = engine.engine_loop.call(lambda e: e.scheduler.state_pool.num_free).result(10)
+        assert pool == 4
+    finally:
+        engine.close()
+
+
+def test_get_logits_and_prefix_caching_off(qwen3_5, caplog):
+    """Every position's logits equal transformers' (computed in chunks of 16, the state carried over); prefix caching,
+    asked for, is off and says why."""
+    with caplog.at_level(logging.INFO, logger='lmdeploy'):
+        engine = make_engine(qwen3_5, enable_prefix_caching=True, max_prefill_token_num=16)
+    assert not engine.block_manager.enable_prefix_caching
+    assert 'prefix caching is off' in caplog.text
+    prompt = random_prompts([50], seed=7)[0]
+    with torch.no_grad():
+        expected = hf_causal_lm(qwen3_5)(torch.tensor([prompt])).logits[0]
+    assert (engine.get_logits(prompt) - expected).abs().max().item() < 1e-3
+    assert_slots_free(engine)
+
+
+def test_bf16_close_to_transformers(hybrid_model):
+    """bf16 on the CPU (packed GEMM weights; the layers run their own forward, not the native decoder stack): the
+    last logits differ from transformers' in fp32 by at most twice what transformers' own bf16 model does."""
+    engine = Engine(hybrid_model, PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=64, block_size=16),
+                    show_progress=False)
+    assert engine.runner.model.native_stack is None
+    prompts = random_prompts([7, 31, 90], seed=2)
+    hf_model = hf_causal_lm(hybrid_model)
+    refs = [hf_last_logits(hf_model, p) for p in prompts]
+    hf_bf16 = [hf_last_logits(hf_model.to(torch.bfloat16), p).float() for p in prompts]
+    logits = first_step_logits(engine, prompts)
+    for row, (ref, hf_row) in enumerate(zip(refs, hf_bf16)):
+        assert (logits[row] - ref).abs().max() <= 2 * (hf_row - ref).abs().max()
