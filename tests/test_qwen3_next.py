@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig
+from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 
 from conftest import VOCAB_SIZE, save_random_model
 from family_checks import assert_matches_transformers, first_step_logits, hf_causal_lm, hf_last_logits
@@ -17,6 +20,7 @@ from helpers import assert_all_released, make_engine, random_prompts, run
 
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
+from lmdeploy.pytorch.kernels.gated_delta import chunk_gated_delta_rule, gated_delta_decode
 from lmdeploy.serve.async_engine import AsyncEngine
 
 # three linear-attention layers, then a full-attention one (the checkpoints' pattern), twice; two key heads
@@ -55,6 +59,28 @@ def test_configs_are_hybrid():
         config = make_config()
         assert config.layer_types.count('linear_attention') == 6 and config.layer_types[3] == 'full_attention'
         assert config.linear_num_value_heads != config.linear_num_key_heads
+
+
+def test_delta_rule_matches_transformers():
+    """The chunked rule over two chunks (the state carried over), then the one-token steps on a state pool's row,
+    give transformers' chunked rule over the whole sequence and its final state."""
+    g = torch.Generator().manual_seed(0)
+    length, split = 150, 70
+    q, k = (torch.randn(1, length, 2, 8, generator=g) for _ in range(2))
+    v = torch.randn(1, length, 4, 12, generator=g)
+    decay, beta = -torch.rand(1, length, 4, generator=g), torch.rand(1, length, 4, generator=g)
+    expected, expected_state = torch_chunk_gated_delta_rule(q, k, v, decay, beta, output_final_state=True,
+                                                            use_qk_l2norm_in_kernel=True)
+    head, state = chunk_gated_delta_rule(q[0, :40], k[0, :40], v[0, :40], decay[0, :40], beta[0, :40], None)
+    middle, state = chunk_gated_delta_rule(q[0, 40:split], k[0, 40:split], v[0, 40:split], decay[0, 40:split],
+                                           beta[0, 40:split], state)
+    pool, slot = torch.zeros(3, 4, 8, 12), torch.tensor([1])
+    pool[1] = state
+    tail = [gated_delta_decode(q[:, t], k[:, t], v[:, t], decay[:, t], beta[:, t], pool, slot)
+            for t in range(split, length)]
+    torch.testing.assert_close(torch.cat([head, middle, *tail]), expected[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pool[1], expected_state[0], atol=1e-5, rtol=1e-5)
+    assert not pool[0].any() and not pool[2].any()
 
 
 def test_greedy_and_first_logits_match_transformers(hybrid_model):
@@ -130,6 +156,35 @@ def test_get_logits_and_prefix_caching_off(qwen3_5, caplog):
         expected = hf_causal_lm(qwen3_5)(torch.tensor([prompt])).logits[0]
     assert (engine.get_logits(prompt) - expected).abs().max().item() < 1e-3
     assert_slots_free(engine)
+
+
+def test_next_token_prediction_weights_are_not_loaded(tmp_path):
+    """The checkpoints' ``mtp.*`` tensors (a next-token-prediction layer) are skipped: the tokens are those without."""
+    path = save_random_model(VARIANTS['qwen3_5'](), str(tmp_path / 'mtp'))
+    prompts = random_prompts([5, 40], seed=4)
+    expected = run(make_engine(path), prompts)
+    file = os.path.join(path, 'model.safetensors')
+    tensors = load_file(file)
+    mtp = {name.replace('model.layers.3.', 'mtp.layers.0.'): tensor.clone() for name, tensor in tensors.items()
+           if name.startswith('model.layers.3.')}
+    mtp.update({'mtp.fc.weight': torch.randn(48, 96), 'mtp.norm.weight': torch.ones(48)})
+    save_file({**tensors, **mtp}, file, metadata={'format': 'pt'})
+    assert run(make_engine(path), prompts) == expected
+
+
+def test_states_are_paid_from_the_cache_budget(qwen3_5):
+    """The slots come out of ``max_cache_bytes`` first; a budget they fill is refused, naming what to change."""
+    config = dict(dtype='float32', block_size=16, max_batch_size=64)
+    engine = Engine(qwen3_5, PytorchEngineConfig(max_cache_bytes=2**21, **config), show_progress=False)
+    runner = engine.runner
+    sizes = [(layer.is_linear, sum(t.numel() * t.element_size() for t in cache))
+             for layer, cache in zip(runner.model.layers, runner.kv_caches)]
+    state_bytes = sum(size for is_linear, size in sizes if is_linear)
+    kv_bytes = sum(size for is_linear, size in sizes if not is_linear)
+    assert state_bytes > 0 and runner.cfg.num_state_layers == 6
+    assert state_bytes + kv_bytes <= 2**21 + runner.cfg.kv_bytes_per_token() * 16  # the scratch block is extra
+    with pytest.raises(MemoryError, match='lower max_batch_size'):
+        Engine(qwen3_5, PytorchEngineConfig(max_cache_bytes=state_bytes, **config), show_progress=False)
 
 
 def test_bf16_close_to_transformers(hybrid_model):

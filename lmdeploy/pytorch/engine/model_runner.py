@@ -197,8 +197,12 @@ class ModelRunner:
                 window_tables['window_decode_blocks'] = decode_tables[1]
             sample_rows.extend(range(num_prefill, len(input_ids)))
         position_tensor = self._tensor(positions)
-        state_slots = (self._tensor([item.seq.state_slot for item in plan.prefill + plan.decode])
-                       if self.num_state_slots else None)
+        states = {}
+        if self.num_state_slots:
+            states['state_prefill'] = [(item.seq.state_slot, row, item.num_tokens, item.seq.num_computed == 0)
+                                       for item, row in zip(plan.prefill, q_start)]
+            if plan.decode:
+                states['state_decode_slots'] = self._tensor([item.seq.state_slot for item in plan.decode])
         if len(kv_blocks) > 1:
             window_tables['window_kv_blocks'] = self._tensor(kv_blocks[1])
         ctx = StepContext(positions=position_tensor, kv_blocks=self._tensor(kv_blocks[0]),
@@ -206,8 +210,8 @@ class ModelRunner:
                           decode_blocks=decode_blocks, decode_kv_lens=decode_kv_lens,
                           rope_positions=to_device(torch.cat(rope_positions, dim=1), self.device) if uses_mrope
                           else None,
-                          multimodal=self._multimodal_batch(plan, q_start), state_slots=state_slots, **prefill,
-                          **window_tables)
+                          multimodal=self._multimodal_batch(plan, q_start), **prefill, **window_tables,
+                          **states)
         return self._tensor(input_ids), ctx, sample_rows + prompt_rows
 
     @torch.inference_mode()

@@ -70,7 +70,12 @@ def blocks_from_memory(cfg: ModelConfig, config: PytorchEngineConfig, device: to
     else:
         available = psutil.virtual_memory().available
         budget = min(int(available * config.cache_max_entry_count), config.max_cache_bytes) // world_size
-    num_blocks = (budget - reserved) // (cfg.kv_bytes_per_token() * config.block_size)
+    block_bytes = cfg.kv_bytes_per_token() * config.block_size
+    if reserved and budget - reserved < block_bytes:
+        raise MemoryError(f'the recurrent states of max_batch_size={config.max_batch_size} sequences take '
+                          f'{reserved / 2**20:.1f} MiB of the {budget / 2**20:.1f} MiB cache budget, leaving no room '
+                          'for a KV-cache block; lower max_batch_size, or raise cache_max_entry_count or max_cache_bytes')
+    num_blocks = (budget - reserved) // block_bytes
     if num_blocks < 1:
         raise MemoryError('not enough memory for even one KV-cache block; lower block_size')
     return num_blocks

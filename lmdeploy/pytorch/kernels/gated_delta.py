@@ -1,7 +1,8 @@
 """Gated DeltaNet (Qwen3-Next, Qwen3.5 linear attention) in torch: the causal depthwise convolution over a
 carried state, the chunked gated delta rule for prefill and its token-by-token recurrence for decode. Both
-accumulate in fp32 and follow transformers' torch implementations; they run on every device (no Triton or
-native kernel yet)."""
+accumulate in fp32 and follow transformers' torch implementations. :func:`gated_delta_decode` (the recurrence on
+the rows of a state pool) has a Triton twin in ``kernels/cuda/gated_delta.py``; the rest is torch on
+every device."""
 from __future__ import annotations
 
 import torch
@@ -67,13 +68,17 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     return out, state
 
 
-def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                               beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token of each of ``B`` sequences: ``q, k [B, Hk, Dk]``, ``v [B, H, Dv]``, ``g, beta [B, H]``, from
-    ``state [B, H, Dk, Dv]``. Returns the fp32 output ``[B, H, Dv]`` and the fp32 new state."""
+def gated_delta_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       states: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """One token of each of ``B`` sequences: ``q, k [B, Hk, Dk]``, ``v [B, H, Dv]``, ``g, beta [B, H]``; sequence
+    ``b`` reads and updates row ``slots[b]`` of the fp32 state pool ``states [slots, H, Dk, Dv]``. Returns the fp32
+    output ``[B, H, Dv]``."""
     q, k = _prepare(q, k, v.shape[-2])
-    state = state.float() * g.float().exp()[..., None, None]
-    memory = (state * k.unsqueeze(-1)).sum(dim=-2)
+    state = states[slots]  # a copy: updated in place, then written back
+    state.mul_(g.float().exp()[..., None, None])
+    memory = (k.unsqueeze(-2) @ state).squeeze(-2)
     delta = (v.float() - memory) * beta.float().unsqueeze(-1)
-    state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
-    return (state * q.unsqueeze(-1)).sum(dim=-2), state
+    k_dim, v_dim = state.shape[-2:]
+    state.view(-1, k_dim, v_dim).baddbmm_(k.reshape(-1, k_dim, 1), delta.reshape(-1, 1, v_dim))
+    states[slots] = state
+    return (q.unsqueeze(-2) @ state).squeeze(-2)

@@ -11,18 +11,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmdeploy.pytorch.config import ModelConfig
-from lmdeploy.pytorch.kernels.gated_delta import causal_conv1d, chunk_gated_delta_rule, recurrent_gated_delta_rule
-from lmdeploy.pytorch.models.llama import KVCache, LlamaMLP
+from lmdeploy.pytorch.kernels import gated_delta_decode
+from lmdeploy.pytorch.kernels.gated_delta import causal_conv1d, chunk_gated_delta_rule
+from lmdeploy.pytorch.models.llama import KVCache, LlamaMLP, WeightTarget
 from lmdeploy.pytorch.models.moe import MoEForCausalLM
 from lmdeploy.pytorch.nn.attention import PagedAttention
 from lmdeploy.pytorch.nn.linear import Linear
 from lmdeploy.pytorch.nn.moe import FusedExperts
 from lmdeploy.pytorch.nn.norm import GemmaRMSNorm
 from lmdeploy.pytorch.nn.quant import LinearOptions
-from lmdeploy.pytorch.nn.rotary import apply_rope, rotary_dim
+from lmdeploy.pytorch.nn.rotary import apply_rope
 from lmdeploy.pytorch.step_context import StepContext
 
 LINEAR_ATTENTION = 'linear_attention'
+MTP_PREFIX = 'mtp.'  # the checkpoints' next-token-prediction layer, not used
 
 
 class GatedAttention(nn.Module):
@@ -39,7 +41,6 @@ class GatedAttention(nn.Module):
         self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
         self.q_norm = GemmaRMSNorm(self.head_dim, hf.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, hf.rms_norm_eps)
-        self.rotary_dim = rotary_dim(hf, self.head_dim)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5,
                                    cfg.quant_policy)
 
@@ -75,8 +76,8 @@ class CausalConv1d(nn.Module):
 
 class GatedDeltaNet(nn.Module):
     """Linear attention by the gated delta rule, over a recurrent state per sequence: ``(conv, delta)`` with
-    ``conv [slots, conv_dim, kernel - 1]`` and ``delta [slots, heads, k_dim, v_dim]`` (fp32), row
-    ``ctx.state_slots[s]`` for the step's sequence ``s``. Qwen3-Next projects q/k/v/z and b/a in two matrices
+    ``conv [slots, conv_dim, kernel - 1]`` and ``delta [slots, heads, k_dim, v_dim]`` (fp32), a row per sequence
+    (``ctx.state_prefill``, ``ctx.state_decode_slots``). Qwen3-Next projects q/k/v/z and b/a in two matrices
     grouped by key head (``in_proj_qkvz``, ``in_proj_ba``); Qwen3.5 in four (``in_proj_qkv``, ``_z``, ``_b``,
     ``_a``)."""
 
@@ -134,25 +135,19 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         weight = self.conv1d.weight.squeeze(1)
         out = torch.empty(x.shape[0], self.num_v_heads, self.v_dim, dtype=torch.float32, device=x.device)
-        slots = ctx.state_slots.tolist()
         num_prefill = ctx.num_prefill_tokens
-        if ctx.prefill_q_len is not None:
-            starts = ctx.prefill_q_start.tolist()
-            lengths = ctx.prefill_q_len.tolist()
-            first_positions = (ctx.prefill_ctx_len - ctx.prefill_q_len).tolist()
-            for slot, start, length, first in zip(slots, starts, lengths, first_positions):
-                rows = slice(start, start + length)
-                fresh = first == 0  # a new (or recomputed) sequence: the slot's old content is not read
-                conv_state = torch.zeros_like(conv_states[slot]) if fresh else conv_states[slot]
-                mixed, conv_states[slot] = (t[0] for t in causal_conv1d(qkv[rows].T[None], conv_state[None], weight))
-                seq_out, delta_states[slot] = chunk_gated_delta_rule(*self.split_heads(mixed.T), g[rows], beta[rows],
-                                                                     None if fresh else delta_states[slot])
-                out[rows] = seq_out
+        for slot, start, length, fresh in ctx.state_prefill:
+            rows = slice(start, start + length)
+            # a new (or recomputed) sequence starts from zeros: the slot's old content is not read
+            conv_state = torch.zeros_like(conv_states[slot]) if fresh else conv_states[slot]
+            mixed, conv_states[slot] = (t[0] for t in causal_conv1d(qkv[rows].T[None], conv_state[None], weight))
+            out[rows], delta_states[slot] = chunk_gated_delta_rule(*self.split_heads(mixed.T), g[rows], beta[rows],
+                                                                   None if fresh else delta_states[slot])
         if num_prefill < x.shape[0]:
-            decode = torch.tensor(slots[len(slots) - (x.shape[0] - num_prefill):], device=x.device)
+            decode = ctx.state_decode_slots
             mixed, conv_states[decode] = causal_conv1d(qkv[num_prefill:, :, None], conv_states[decode], weight)
-            out[num_prefill:], delta_states[decode] = recurrent_gated_delta_rule(
-                *self.split_heads(mixed.squeeze(-1)), g[num_prefill:], beta[num_prefill:], delta_states[decode])
+            out[num_prefill:] = gated_delta_decode(*self.split_heads(mixed.squeeze(-1)), g[num_prefill:],
+                                                   beta[num_prefill:], delta_states, decode)
         return self.out_proj(self.norm(out.to(self.dtype), z).flatten(1))
 
 
@@ -203,6 +198,9 @@ class Qwen3NextForCausalLM(MoEForCausalLM):
         if getattr(cfg.hf_config, 'num_experts', 0):
             return super().make_mlp(cfg, layer_index)
         return LlamaMLP(cfg)
+
+    def weight_target(self, name: str) -> WeightTarget | None:
+        return None if name.startswith(MTP_PREFIX) else super().weight_target(name)
 
     def finalize_weights(self, pack_cpu: bool, small_step_int4: bool) -> None:
         """Lays the loaded weights out for their kernels (bf16 CPU weights packed for their GEMM); no 4-bit
