@@ -1,7 +1,8 @@
 """Qwen3-Next (``Qwen3NextForCausalLM``), Qwen3.5 (``Qwen3_5ForCausalLM``) and Qwen3.5-MoE
 (``Qwen3_5MoeForCausalLM``) against transformers on tiny random models: greedy tokens and first-step logits in
-fp32, batching, chunked prefill and preemption equal to solo runs, the recurrent-state slots given back (an
-aborted stream included), prefix caching turned off, and bf16 on the CPU."""
+fp32, the delta rule against transformers', batching, chunked prefill and preemption equal to solo runs, the
+recurrent-state slots given back (abort, an aborted stream, a failed step) and paid from the cache budget, prefix
+caching turned off, the next-token-prediction weights skipped, and bf16 on the CPU."""
 from __future__ import annotations
 
 import asyncio
@@ -127,21 +128,59 @@ def test_abort_gives_back_the_slot(qwen3_5):
     assert_slots_free(engine)
 
 
-def test_aborted_stream_leaks_nothing(qwen3_5):
+@pytest.fixture(scope='module')
+def async_engine(qwen3_5):
     engine = AsyncEngine(qwen3_5, PytorchEngineConfig(dtype='float32', num_gpu_blocks=64, block_size=16,
                                                       max_batch_size=4, session_len=256), show_progress=False)
+    yield engine
+    engine.close()
+
+
+def assert_async_released(engine: AsyncEngine) -> None:
+    assert_all_released(engine)
+    assert engine.engine_loop.call(lambda e: e.scheduler.state_pool.num_free).result(10) == 4
+
+
+async def generate(engine: AsyncEngine, prompt: list[int], max_new_tokens: int = 8) -> list:
+    config = GenerationConfig(max_new_tokens=max_new_tokens, ignore_eos=True)
+    return [chunk async for chunk in engine.generate(input_ids=prompt, gen_config=config)]
+
+
+def test_aborted_stream_leaks_nothing(async_engine):
+    async def main():
+        agen = async_engine.generate('Hello world', gen_config=GenerationConfig(max_new_tokens=200, ignore_eos=True))
+        async for _ in agen:
+            break
+        await agen.aclose()
+    asyncio.run(main())
+    assert_async_released(async_engine)
+
+
+def test_failed_step_gives_back_the_slots(async_engine):
+    """The first forward pass holding both requests fails: both end as 'error', their slots come back, a later
+    request is served with the tokens it gets alone."""
+    prompts = random_prompts([12, 30, 9], seed=8)
+    expected = asyncio.run(generate(async_engine, prompts[2]))
+    failed = []
+
+    def fail_with_both(stage, seqs):
+        if stage == 'forward' and len(seqs) == 2 and not failed:
+            failed.append(True)
+            raise RuntimeError('injected forward failure')
+
+    async_engine.engine_loop.call(lambda e: setattr(e, 'fault_hook', fail_with_both)).result(10)
     try:
         async def main():
-            agen = engine.generate('Hello world', gen_config=GenerationConfig(max_new_tokens=200, ignore_eos=True))
-            async for _ in agen:
-                break
-            await agen.aclose()
-        asyncio.run(main())
-        assert_all_released(engine)
-        pool = engine.engine_loop.call(lambda e: e.scheduler.state_pool.num_free).result(10)
-        assert pool == 4
+            return await asyncio.gather(generate(async_engine, prompts[0]), generate(async_engine, prompts[1]))
+        for chunks in asyncio.run(main()):
+            assert chunks[-1].finish_reason == 'error' and 'injected forward failure' in chunks[-1].error
     finally:
-        engine.close()
+        async_engine.engine_loop.call(lambda e: setattr(e, 'fault_hook', None)).result(10)
+    assert failed
+    assert_async_released(async_engine)
+    later = asyncio.run(generate(async_engine, prompts[2]))
+    assert [c.token_ids for c in later] == [c.token_ids for c in expected]
+    assert_async_released(async_engine)
 
 
 def test_get_logits_and_prefix_caching_off(qwen3_5, caplog):
