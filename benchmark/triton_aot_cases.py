@@ -268,9 +268,9 @@ def delta_decode(dtype: torch.dtype) -> None:
     """Qwen3-Next-80B-A3B's linear attention (16 key and 32 value heads of 128): one decode token of each sequence
     against a state pool of as many slots, at the decode batches."""
     for batch in DECODE_BATCHES:
-        gated_delta_decode(meta(batch, 16, 128, dtype=dtype), meta(batch, 16, 128, dtype=dtype),
-                           meta(batch, 32, 128, dtype=dtype), meta(batch, 32, dtype=FLOAT), meta(batch, 32, dtype=dtype),
-                           meta(batch, 32, 128, 128, dtype=FLOAT), ids(batch))
+        q, k = meta(batch, 16, 128, dtype=dtype), meta(batch, 16, 128, dtype=dtype)
+        gated_delta_decode(q, k, meta(batch, 32, 128, dtype=dtype), meta(batch, 32, dtype=FLOAT),
+                           meta(batch, 32, dtype=dtype), meta(batch, 32, 128, 128, dtype=FLOAT), ids(batch))
 
 
 def _cases() -> list[Case]:

@@ -19,8 +19,11 @@ from conftest import VOCAB_SIZE, save_random_model
 from family_checks import assert_matches_transformers, first_step_logits, hf_causal_lm, hf_last_logits
 from helpers import assert_all_released, make_engine, random_prompts, run
 
+from lmdeploy.archs import load_hf_config
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
+from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.engine.engine import Engine
+from lmdeploy.pytorch.engine.runner_builder import blocks_from_memory
 from lmdeploy.pytorch.kernels.gated_delta import chunk_gated_delta_rule, gated_delta_decode
 from lmdeploy.serve.async_engine import AsyncEngine
 
@@ -224,6 +227,17 @@ def test_states_are_paid_from_the_cache_budget(qwen3_5):
     assert state_bytes + kv_bytes <= 2**21 + runner.cfg.kv_bytes_per_token() * 16  # the scratch block is extra
     with pytest.raises(MemoryError, match='lower max_batch_size'):
         Engine(qwen3_5, PytorchEngineConfig(max_cache_bytes=state_bytes, **config), show_progress=False)
+
+
+def test_states_are_paid_from_gpu_memory_too(qwen3_5, monkeypatch):
+    """On CUDA the slots come out of ``cache_max_entry_count`` of the free memory first (no GPU needed: the free
+    memory is given)."""
+    cfg = ModelConfig.from_hf(load_hf_config(qwen3_5), torch.float32)
+    monkeypatch.setattr(torch.cuda, 'mem_get_info', lambda device: (2**22, 2**30))
+    config = PytorchEngineConfig(cache_max_entry_count=0.5, block_size=16)
+    blocks = blocks_from_memory(cfg, config, torch.device('cuda'), None, 1, state_bytes=2**20)
+    assert blocks == (2**21 - 2**20) // (cfg.kv_bytes_per_token() * 16)
+    assert cfg.kv_bytes_per_token() == 2 * 2 * 2 * 16 * 4  # two full-attention layers: K and V of 2 heads of 16
 
 
 def test_bf16_close_to_transformers(hybrid_model):

@@ -59,9 +59,9 @@ def graph_memory(model: nn.Module, cfg: ModelConfig, config: PytorchEngineConfig
 
 
 def blocks_from_memory(cfg: ModelConfig, config: PytorchEngineConfig, device: torch.device,
-                       graph_model: nn.Module | None, world_size: int, reserved: int = 0) -> int:
+                       graph_model: nn.Module | None, world_size: int, state_bytes: int = 0) -> int:
     """KV blocks that fit in ``cache_max_entry_count`` of the free memory, after what decode graphs of
-    ``graph_model`` (when given) will take and the ``reserved`` bytes of recurrent states; on the CPU the
+    ``graph_model`` (when given) will take and the ``state_bytes`` of the recurrent-state slots; on the CPU the
     ``world_size`` ranks share the budget."""
     if device.type == 'cuda':
         reserved = graph_memory(graph_model, cfg, config, device) if graph_model is not None else 0
@@ -71,11 +71,12 @@ def blocks_from_memory(cfg: ModelConfig, config: PytorchEngineConfig, device: to
         available = psutil.virtual_memory().available
         budget = min(int(available * config.cache_max_entry_count), config.max_cache_bytes) // world_size
     block_bytes = cfg.kv_bytes_per_token() * config.block_size
-    if reserved and budget - reserved < block_bytes:
+    if state_bytes and budget - state_bytes < block_bytes:
         raise MemoryError(f'the recurrent states of max_batch_size={config.max_batch_size} sequences take '
-                          f'{reserved / 2**20:.1f} MiB of the {budget / 2**20:.1f} MiB cache budget, leaving no room '
-                          'for a KV-cache block; lower max_batch_size, or raise cache_max_entry_count or max_cache_bytes')
-    num_blocks = (budget - reserved) // block_bytes
+                          f'{state_bytes / 2**20:.1f} MiB of the {budget / 2**20:.1f} MiB cache budget, leaving no '
+                          'room for a KV-cache block; lower max_batch_size, or raise cache_max_entry_count or '
+                          'max_cache_bytes')
+    num_blocks = (budget - state_bytes) // block_bytes
     if num_blocks < 1:
         raise MemoryError('not enough memory for even one KV-cache block; lower block_size')
     return num_blocks
@@ -123,9 +124,9 @@ def build_runner(model_dir: str, config: PytorchEngineConfig, device: torch.devi
                          'for tensor parallelism; use tp=1')
     graph_model = (model if device.type == 'cuda' and not config.eager_mode and group.world_size == 1
                    and not any(layer_states) else None)
-    reserved = config.max_batch_size * state_bytes_per_slot(layer_states)
+    state_bytes = config.max_batch_size * state_bytes_per_slot(layer_states)
     num_blocks = config.num_gpu_blocks or group.min(
-        blocks_from_memory(rank_cfg, config, device, graph_model, group.world_size, reserved),
+        blocks_from_memory(rank_cfg, config, device, graph_model, group.world_size, state_bytes),
         timeout=group.connect_timeout)
     num_blocks, num_window_blocks = kv_pool_sizes(layer_windows(model, cfg.num_layers), num_blocks, config)
     channel = StepChannel(group) if group.world_size > 1 else None
