@@ -240,6 +240,11 @@ def test_states_are_paid_from_gpu_memory_too(qwen3_5, monkeypatch):
     assert cfg.kv_bytes_per_token() == 2 * 2 * 2 * 16 * 4  # two full-attention layers: K and V of 2 heads of 16
 
 
+def test_tensor_parallelism_is_refused(qwen3_5):
+    with pytest.raises(ValueError, match='linear-attention layers are not sharded'):
+        make_engine(qwen3_5, tp=2)
+
+
 def test_bf16_close_to_transformers(hybrid_model):
     """bf16 on the CPU (packed GEMM weights; the layers run their own forward, not the native decoder stack): the
     last logits differ from transformers' in fp32 by at most twice what transformers' own bf16 model does."""
