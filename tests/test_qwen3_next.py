@@ -25,6 +25,7 @@ from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.engine.runner_builder import blocks_from_memory
 from lmdeploy.pytorch.kernels.gated_delta import chunk_gated_delta_rule, gated_delta_decode
+from lmdeploy.pytorch.models.qwen3_next import GatedDeltaNet
 from lmdeploy.serve.async_engine import AsyncEngine
 
 # three linear-attention layers, then a full-attention one (the checkpoints' pattern), twice; two key heads
@@ -238,6 +239,13 @@ def test_states_are_paid_from_gpu_memory_too(qwen3_5, monkeypatch):
     blocks = blocks_from_memory(cfg, config, torch.device('cuda'), None, 1, state_bytes=2**20)
     assert blocks == (2**21 - 2**20) // (cfg.kv_bytes_per_token() * 16)
     assert cfg.kv_bytes_per_token() == 2 * 2 * 2 * 16 * 4  # two full-attention layers: K and V of 2 heads of 16
+
+
+def test_value_heads_must_group_by_key_head():
+    config = VARIANTS['qwen3_5']()
+    config.linear_num_value_heads, config.architectures = 3, ['Qwen3_5ForCausalLM']
+    with pytest.raises(ValueError, match='must be a multiple of linear_num_key_heads'):
+        GatedDeltaNet(ModelConfig.from_hf(config, torch.float32))
 
 
 def test_tensor_parallelism_is_refused(qwen3_5):

@@ -85,6 +85,9 @@ class GatedDeltaNet(nn.Module):
         super().__init__()
         hf = cfg.hf_config
         self.num_k_heads, self.num_v_heads = hf.linear_num_key_heads, hf.linear_num_value_heads
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError(f'linear_num_value_heads ({self.num_v_heads}) must be a multiple of '
+                             f'linear_num_key_heads ({self.num_k_heads}): each key head serves whole value heads')
         self.k_dim, self.v_dim = hf.linear_key_head_dim, hf.linear_value_head_dim
         self.key_size, self.value_size = self.num_k_heads * self.k_dim, self.num_v_heads * self.v_dim
         self.conv_dim = 2 * self.key_size + self.value_size
