@@ -110,12 +110,15 @@ def test_batched_chunked_and_preempted_equal_solo(hybrid_model):
 
 
 def test_fewer_slots_than_requests_queue(qwen3_5):
-    """With two slots (``max_batch_size=2``) five requests wait their turn and get their solo tokens."""
+    """With two slots (``max_batch_size=2``) five requests wait their turn and get their solo tokens, also with
+    overlapped steps (a decode step built while the one before, which updates the same states, is in flight)."""
     prompts = random_prompts([9, 40, 3, 27, 60], seed=5)
-    engine = make_engine(qwen3_5, max_batch_size=2)
-    assert engine.scheduler.state_pool.num_slots == 2
-    assert run(engine, prompts) == [run(make_engine(qwen3_5), [p])[0] for p in prompts]
-    assert_slots_free(engine)
+    solo = [run(make_engine(qwen3_5), [p])[0] for p in prompts]
+    for overlap in (False, True):
+        engine = make_engine(qwen3_5, max_batch_size=2, overlap_schedule=overlap)
+        assert engine.scheduler.state_pool.num_slots == 2
+        assert run(engine, prompts) == solo
+        assert_slots_free(engine)
 
 
 def test_abort_gives_back_the_slot(qwen3_5):
