@@ -14,6 +14,7 @@ from lmdeploy.pytorch.kernels.cuda import elementwise, gguf_linear, w8a8
 from lmdeploy.pytorch.kernels.cuda.decode_attention import decode_attention
 from lmdeploy.pytorch.kernels.cuda.fill_kv_cache import fill_kv_cache
 from lmdeploy.pytorch.kernels.cuda.fused_moe import Int4Experts, Mxfp4Experts, fused_moe, moe_routing
+from lmdeploy.pytorch.kernels.cuda.gated_delta import gated_delta_decode
 from lmdeploy.pytorch.kernels.cuda.gguf_linear import Q6KExperts, Q8Experts
 from lmdeploy.pytorch.kernels.cuda.mla import fill_latent_cache, mla_decode_attention, mla_prefill_attention
 from lmdeploy.pytorch.kernels.cuda.prefill_attention import prefill_attention
@@ -265,6 +266,15 @@ def gguf_blocks_linear(ggml_type: str, shapes: tuple[tuple[int, int], ...], toke
                 gguf_linear.q8_0_linear(x, meta(n, k, dtype=torch.int8), meta(n, k // 32, dtype=torch.float16))
 
 
+def delta_decode(dtype: torch.dtype) -> None:
+    """Qwen3-Next-80B-A3B's linear attention (16 key and 32 value heads of 128): one decode token of each sequence
+    against a state pool of as many slots, at the decode batches."""
+    for batch in DECODE_BATCHES:
+        q, k = meta(batch, 16, 128, dtype=dtype), meta(batch, 16, 128, dtype=dtype)
+        gated_delta_decode(q, k, meta(batch, 32, 128, dtype=dtype), meta(batch, 32, dtype=FLOAT),
+                           meta(batch, 32, dtype=dtype), meta(batch, 32, 128, 128, dtype=FLOAT), ids(batch))
+
+
 def _cases() -> list[Case]:
     cases = [Case('rows: norm, rotary, gated act', partial(rows, NORM_SIZES, ROTARY_SHAPES))]
     for shape in ATTENTION:
@@ -283,7 +293,8 @@ def _cases() -> list[Case]:
     for shape in EXPERTS:
         for weights in ('dense', *QUANTIZED_EXPERTS.get(shape.name, ())):
             cases.append(Case(f'{shape.name} moe {weights}', partial(moe, shape, weights, MOE_TOKENS[shape.name])))
-    return cases + [Case('llama3-8b w8a8', partial(int8_linear, False, LINEAR, LINEAR_TOKENS)),
+    return cases + [Case('qwen3-next gated delta decode', delta_decode),
+                    Case('llama3-8b w8a8', partial(int8_linear, False, LINEAR, LINEAR_TOKENS)),
                     Case('qwen2-style w8a8 + bias', partial(int8_linear, True, LINEAR, LINEAR_TOKENS)),
                     Case('llama3-8b w4a16 g128', partial(int4_linear, False, LINEAR, LINEAR_TOKENS)),
                     Case('llama3-8b w4a16 g128 act-order', partial(int4_linear, True, LINEAR, LINEAR_TOKENS)),
@@ -304,6 +315,7 @@ QUICK_CASES = [Case('rows (one size each)', partial(rows, (4096,), ((32, 128),))
                _BY_NAME['deepseek-v3 mla 128h decode kv8'],
                Case('qwen3-30b-a3b moe int4, 4096 tokens', partial(moe, EXPERTS[0], 'int4', (4096,))),
                Case('gpt-oss-20b moe mxfp4, 4096 tokens', partial(moe, EXPERTS[1], 'mxfp4', (4096,))),
+               _BY_NAME['qwen3-next gated delta decode'],
                Case('llama3-8b w8a8 gate_up, 64 tokens', partial(int8_linear, False, LINEAR[2:3], (64,))),
                Case('llama3-8b w4a16 g128 down, 64 tokens', partial(int4_linear, False, LINEAR[3:], (64,))),
                Case('llama3-8b gguf q6_k down, 2048 tokens', partial(gguf_blocks_linear, 'Q6_K', Q6K_LINEAR[1:2],

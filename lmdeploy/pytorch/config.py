@@ -31,6 +31,8 @@ class ModelConfig:
     # Multi-head latent attention (DeepSeek-V2/V3): each token caches one vector of this width, its latent
     # (``kv_lora_rank``) then its rotary key (``qk_rope_head_dim``), shared by every head; 0: per-head K/V.
     kv_latent_dim: int = 0
+    # layers with a recurrent state instead of a KV cache (``layer_types`` 'linear_attention': Qwen3-Next, Qwen3.5)
+    num_state_layers: int = 0
 
     @classmethod
     def from_hf(cls, config: PretrainedConfig, dtype: torch.dtype, quant_policy: int = 0) -> ModelConfig:
@@ -52,7 +54,8 @@ class ModelConfig:
                    tie_word_embeddings=bool(getattr(config, 'tie_word_embeddings', False)),
                    mm_config=None if hf_config is config else config,
                    quant_policy=quant_policy,
-                   kv_latent_dim=kv_latent_dim)
+                   kv_latent_dim=kv_latent_dim,
+                   num_state_layers=(getattr(hf_config, 'layer_types', None) or []).count('linear_attention'))
 
     def kv_cache_shapes(self, num_blocks: int, block_size: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """Shape and dtype of each tensor of one layer's cache: K and V, then with ``quant_policy`` their
@@ -71,7 +74,7 @@ class ModelConfig:
         return [codes, codes, ((*rows, 2), torch.float32), ((*rows, 2), torch.float32)]
 
     def kv_bytes_per_token(self) -> int:
-        """Bytes of KV cache one token takes across all layers, scales and zero points included."""
+        """Bytes of KV cache one token takes across all layers with one, scales and zero points included."""
         per_layer = sum(torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
                         for shape, dtype in self.kv_cache_shapes(1, 1))
-        return self.num_layers * per_layer
+        return (self.num_layers - self.num_state_layers) * per_layer

@@ -29,6 +29,10 @@ class StepContext:
     layers ``window_kv_blocks``, ``window_prefill_block_table`` and ``window_decode_blocks`` in that pool, in
     place of ``kv_blocks``, ``prefill_block_table`` and ``decode_blocks`` (:meth:`tables`); the entries of the
     blocks a sliding pool gave back read block 0, which the window masks.
+
+    Models with linear-attention layers (see ``paging/state_pool.py``) get, on the host, each prefill chunk's
+    ``state_prefill`` entry ``(slot, first row, rows, starts the sequence)`` and, on the device, the decoding
+    sequences' recurrent-state slots ``state_decode_slots [num_decode]``; both None for other models.
     """
 
     positions: torch.Tensor
@@ -52,6 +56,8 @@ class StepContext:
     window_kv_blocks: torch.Tensor | None = None
     window_prefill_block_table: torch.Tensor | None = None
     window_decode_blocks: torch.Tensor | None = None
+    state_prefill: list[tuple[int, int, int, bool]] | None = None
+    state_decode_slots: torch.Tensor | None = None
 
     def tables(self, sliding: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """``(kv_blocks, prefill_block_table, decode_blocks)`` of a layer, a sliding-window one if ``sliding``."""

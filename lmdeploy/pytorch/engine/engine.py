@@ -28,6 +28,7 @@ from lmdeploy.pytorch.multimodal import MultiModalInput
 from lmdeploy.pytorch.nn.rotary import long_rope_after
 from lmdeploy.pytorch.paging.block_manager import BlockManager
 from lmdeploy.pytorch.paging.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from lmdeploy.pytorch.paging.state_pool import StatePool
 from lmdeploy.tokenizer import Tokenizer
 
 logger = logging.getLogger('lmdeploy')
@@ -82,12 +83,19 @@ class Engine:
         # each image's tokens attend to each other both ways (Gemma 3): see Sequence.bidirectional_spans
         self.bidirectional_images = getattr(runner.model, 'bidirectional_image_attention', False)
         num_blocks = runner.scratch_block
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, runner.window,
-                                          runner.num_window_blocks)
         cfg = self.model_config
+        state_pool = StatePool(runner.num_state_slots) if runner.num_state_slots else None
+        prefix_caching = config.enable_prefix_caching and state_pool is None
+        if state_pool is not None:
+            logger.info('%s: %d recurrent-state slots for its linear-attention layers; prefix caching is off (cached '
+                        'KV blocks cannot restore a recurrent state) and decode steps run eagerly', cfg.architecture,
+                        state_pool.num_slots)
+        self.block_manager = BlockManager(num_blocks, config.block_size, prefix_caching, runner.window,
+                                          runner.num_window_blocks)
         self.scheduler = Scheduler(self.block_manager, config.max_batch_size, config.max_prefill_token_num,
-                                   long_rope_after(cfg.hf_config))
-        use_graphs = self.device.type == 'cuda' and not config.eager_mode and config.tp == 1
+                                   long_rope_after(cfg.hf_config), state_pool)
+        use_graphs = (self.device.type == 'cuda' and not config.eager_mode and config.tp == 1
+                      and state_pool is None)
         capacity = self.block_manager.token_capacity(config.max_prefill_token_num)
         self._log_cache(num_blocks * config.block_size)
         self.session_len = min(config.session_len or cfg.max_position_embeddings, capacity or sys.maxsize)
@@ -220,10 +228,15 @@ class Engine:
         chunks of ``max_prefill_token_num`` tokens, in borrowed free blocks (no prefix-cache reuse; sliding-window
         layers give back their blocks between chunks); runs between steps, on the engine's thread."""
         self._check_prompt(prompt_ids)
-        bm = self.block_manager
+        bm, state_pool = self.block_manager, self.scheduler.state_pool
         seq = Sequence(-1, list(prompt_ids), GenerationConfig(max_new_tokens=1))
         logits = []
         try:
+            if state_pool is not None:
+                if not state_pool.num_free:
+                    raise ValueError('no free recurrent-state slot for this prompt right now; retry when the engine '
+                                     'is idle')
+                state_pool.take(seq)
             while seq.num_computed < len(prompt_ids):
                 num_tokens = min(self.config.max_prefill_token_num, len(prompt_ids) - seq.num_computed)
                 bm.release_out_of_window(seq)
@@ -238,6 +251,8 @@ class Engine:
             return torch.cat(logits)
         finally:
             bm.free_blocks(seq)
+            if state_pool is not None:
+                state_pool.give_back(seq)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._launched is not None

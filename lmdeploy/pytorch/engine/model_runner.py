@@ -16,6 +16,7 @@ from lmdeploy.pytorch.multimodal import MultiModalBatch, MultiModalInput
 from lmdeploy.pytorch.nn.attention import PagedAttention
 from lmdeploy.pytorch.paging.block_manager import given_back_as_zero
 from lmdeploy.pytorch.paging.scheduler import ScheduledSeq, SchedulerOutput
+from lmdeploy.pytorch.paging.state_pool import allocate_states, recurrent_state_shapes
 from lmdeploy.pytorch.step_context import StepContext
 
 
@@ -54,6 +55,9 @@ class ModelRunner:
     layers in the ``num_blocks`` of ``Sequence.block_ids`` (see :class:`BlockManager`). ``window`` is the
     widest sliding window of the model's layers, None without any.
 
+    A model with linear-attention layers keeps, in those layers' place in ``kv_caches``, their recurrent states
+    of ``num_state_slots`` sequences (see ``paging/state_pool.py``); ``num_state_slots`` is 0 for other models.
+
     Under tensor parallelism every rank has a runner over its shard of the model (``cfg`` gives this
     rank's KV heads): rank 0 builds each step's inputs and sends them down ``channel`` before it runs
     them; the other ranks run what arrives (:meth:`serve`).
@@ -61,7 +65,7 @@ class ModelRunner:
 
     def __init__(self, model: nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int,
                  device: torch.device | str = 'cpu', channel: StepChannel | None = None,
-                 num_window_blocks: int | None = None):
+                 num_window_blocks: int | None = None, num_state_slots: int = 0):
         self.model = model
         self.cfg = cfg
         self.channel = channel
@@ -77,10 +81,15 @@ class ModelRunner:
         self.tables = ('block_ids',) if num_window_blocks is None else ('block_ids', 'window_block_ids')
         pool_sizes = [num_window_blocks if window and num_window_blocks is not None else num_blocks
                       for window in windows]
+        layer_states = recurrent_state_shapes(model, cfg.num_layers)
+        self.num_state_slots = num_state_slots if any(layer_states) else 0
+        if any(layer_states) and num_state_slots < 1:
+            raise ValueError('a model with linear-attention layers needs recurrent-state slots')
         # Zeroed so that the padding read by batched decode never holds NaNs.
-        self.kv_caches = [tuple(torch.zeros(shape, dtype=dtype, device=self.device)
+        self.kv_caches = [allocate_states(states, num_state_slots, self.device) if states else
+                          tuple(torch.zeros(shape, dtype=dtype, device=self.device)
                                 for shape, dtype in cfg.kv_cache_shapes(size + 1, block_size))
-                          for size in pool_sizes]
+                          for states, size in zip(layer_states, pool_sizes)]
         self.graphs: DecodeGraphRunner | None = None
 
     def capture_graphs(self, max_batch_size: int, max_blocks: int, make_graph=None) -> None:
@@ -188,6 +197,12 @@ class ModelRunner:
                 window_tables['window_decode_blocks'] = decode_tables[1]
             sample_rows.extend(range(num_prefill, len(input_ids)))
         position_tensor = self._tensor(positions)
+        states = {}
+        if self.num_state_slots:
+            states['state_prefill'] = [(item.seq.state_slot, row, item.num_tokens, item.seq.num_computed == 0)
+                                       for item, row in zip(plan.prefill, q_start)]
+            if plan.decode:
+                states['state_decode_slots'] = self._tensor([item.seq.state_slot for item in plan.decode])
         if len(kv_blocks) > 1:
             window_tables['window_kv_blocks'] = self._tensor(kv_blocks[1])
         ctx = StepContext(positions=position_tensor, kv_blocks=self._tensor(kv_blocks[0]),
@@ -195,7 +210,8 @@ class ModelRunner:
                           decode_blocks=decode_blocks, decode_kv_lens=decode_kv_lens,
                           rope_positions=to_device(torch.cat(rope_positions, dim=1), self.device) if uses_mrope
                           else None,
-                          multimodal=self._multimodal_batch(plan, q_start), **prefill, **window_tables)
+                          multimodal=self._multimodal_batch(plan, q_start), **prefill, **window_tables,
+                          **states)
         return self._tensor(input_ids), ctx, sample_rows + prompt_rows
 
     @torch.inference_mode()

@@ -16,6 +16,7 @@ from lmdeploy.pytorch.distributed.channel import StepChannel
 from lmdeploy.pytorch.distributed.parallel_state import TPGroup, head_ranges, use_group
 from lmdeploy.pytorch.engine.cuda_graph import DecodeGraphRunner
 from lmdeploy.pytorch.engine.model_runner import ModelRunner, layer_windows
+from lmdeploy.pytorch.paging.state_pool import recurrent_state_shapes, state_bytes_per_slot
 from lmdeploy.pytorch.weights.loader import build_model
 
 DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
@@ -58,9 +59,10 @@ def graph_memory(model: nn.Module, cfg: ModelConfig, config: PytorchEngineConfig
 
 
 def blocks_from_memory(cfg: ModelConfig, config: PytorchEngineConfig, device: torch.device,
-                       graph_model: nn.Module | None, world_size: int) -> int:
+                       graph_model: nn.Module | None, world_size: int, state_bytes: int = 0) -> int:
     """KV blocks that fit in ``cache_max_entry_count`` of the free memory, after what decode graphs of
-    ``graph_model`` (when given) will take; on the CPU the ``world_size`` ranks share the budget."""
+    ``graph_model`` (when given) will take and the ``state_bytes`` of the recurrent-state slots; on the CPU the
+    ``world_size`` ranks share the budget."""
     if device.type == 'cuda':
         reserved = graph_memory(graph_model, cfg, config, device) if graph_model is not None else 0
         free = torch.cuda.mem_get_info(device)[0] - reserved
@@ -68,7 +70,13 @@ def blocks_from_memory(cfg: ModelConfig, config: PytorchEngineConfig, device: to
     else:
         available = psutil.virtual_memory().available
         budget = min(int(available * config.cache_max_entry_count), config.max_cache_bytes) // world_size
-    num_blocks = budget // (cfg.kv_bytes_per_token() * config.block_size)
+    block_bytes = cfg.kv_bytes_per_token() * config.block_size
+    if state_bytes and budget - state_bytes < block_bytes:
+        raise MemoryError(f'the recurrent states of max_batch_size={config.max_batch_size} sequences take '
+                          f'{state_bytes / 2**20:.1f} MiB of the {budget / 2**20:.1f} MiB cache budget, leaving no '
+                          'room for a KV-cache block; lower max_batch_size, or raise cache_max_entry_count or '
+                          'max_cache_bytes')
+    num_blocks = (budget - state_bytes) // block_bytes
     if num_blocks < 1:
         raise MemoryError('not enough memory for even one KV-cache block; lower block_size')
     return num_blocks
@@ -110,10 +118,17 @@ def build_runner(model_dir: str, config: PytorchEngineConfig, device: torch.devi
     (q_start, q_stop), (kv_start, kv_stop) = head_ranges(cfg.num_heads, cfg.num_kv_heads, group.rank,
                                                          group.world_size)
     rank_cfg = dataclasses.replace(cfg, num_heads=q_stop - q_start, num_kv_heads=kv_stop - kv_start)
-    graph_model = model if device.type == 'cuda' and not config.eager_mode and group.world_size == 1 else None
+    layer_states = recurrent_state_shapes(model, cfg.num_layers)
+    if any(layer_states) and group.world_size > 1:
+        raise ValueError(f'{cfg.architecture} runs on one rank only: its linear-attention layers are not sharded '
+                         'for tensor parallelism; use tp=1')
+    graph_model = (model if device.type == 'cuda' and not config.eager_mode and group.world_size == 1
+                   and not any(layer_states) else None)
+    state_bytes = config.max_batch_size * state_bytes_per_slot(layer_states)
     num_blocks = config.num_gpu_blocks or group.min(
-        blocks_from_memory(rank_cfg, config, device, graph_model, group.world_size), timeout=group.connect_timeout)
+        blocks_from_memory(rank_cfg, config, device, graph_model, group.world_size, state_bytes),
+        timeout=group.connect_timeout)
     num_blocks, num_window_blocks = kv_pool_sizes(layer_windows(model, cfg.num_layers), num_blocks, config)
     channel = StepChannel(group) if group.world_size > 1 else None
     return hf_config, cfg, ModelRunner(model, rank_cfg, num_blocks, config.block_size, device, channel,
-                                       num_window_blocks)
+                                       num_window_blocks, config.max_batch_size)

@@ -36,6 +36,8 @@ class Sequence:
     ``prompt_logprobs[j]`` is the logprob entry of prompt token ``j + 1``, from the logits at position ``j``.
     ``bidirectional_spans`` are the ``[start, end)`` token spans whose tokens attend to each other both ways
     (Gemma 3's images): one step computes each whole, so no prefill chunk or prefix-cache hit ends inside one.
+    ``state_slot`` is its row in the recurrent-state pool of a model with linear-attention layers (see
+    ``paging/state_pool.py``), None while it holds none.
     ``num_preemptions`` counts the times its cache was dropped to be computed again; ``long_rope`` says
     that its cache is turned by LongRoPE's long factors (see :class:`Scheduler`).
     """
@@ -63,6 +65,7 @@ class Sequence:
     awaiting_final_token: bool = False
     grammar: GrammarState | None = None
     prompt_logprobs: list[dict[int, float]] = field(default_factory=list)
+    state_slot: int | None = None
 
     def __post_init__(self):
         if not self.gen_config.is_greedy:

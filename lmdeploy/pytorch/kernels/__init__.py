@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from lmdeploy.pytorch.kernels import activation, attention, cpu, mla, moe, norm, rotary, sampling, w8a8
+from lmdeploy.pytorch.kernels import activation, attention, cpu, gated_delta, mla, moe, norm, rotary, sampling, w8a8
 
 
 def dispatch(torch_fn: Callable, native_cpu: str | None = None) -> Callable:
@@ -37,6 +37,7 @@ argmax = dispatch(sampling.argmax, native_cpu='argmax')
 decode_attention = dispatch(attention.decode_attention, native_cpu='paged_decode_attention')
 fill_kv_cache = dispatch(attention.fill_kv_cache, native_cpu='fill_kv_cache')
 fused_moe = dispatch(moe.fused_moe)
+gated_delta_decode = dispatch(gated_delta.gated_delta_decode)
 moe_routing = dispatch(moe.moe_routing)
 prefill_attention = dispatch(attention.prefill_attention, native_cpu='paged_prefill_attention')
 rms_norm = dispatch(norm.rms_norm, native_cpu='rms_norm')
@@ -52,4 +53,4 @@ biased_softmax_topk = moe.biased_softmax_topk
 __all__ = ['apply_rotary', 'argmax', 'decode_attention', 'dispatch', 'fill_kv_cache', 'fused_moe', 'moe_routing',
            'prefill_attention', 'rms_norm', 'silu_and_mul', 'w8a8_linear', 'fill_latent_cache',
            'mla_decode_attention', 'mla_prefill_attention', 'grouped_topk', 'group_limited_topk',
-           'biased_softmax_topk']
+           'biased_softmax_topk', 'gated_delta_decode']

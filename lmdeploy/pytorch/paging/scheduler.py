@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from lmdeploy.pytorch.engine.sequence import Sequence, SequenceStatus
 from lmdeploy.pytorch.paging.block_manager import BlockManager
+from lmdeploy.pytorch.paging.state_pool import StatePool
 
 
 @dataclass
@@ -46,14 +47,18 @@ class Scheduler:
     With LongRoPE (``long_rope_after``: the model's ``original_max_position_embeddings``) a sequence of
     more tokens than that is turned by the long factors throughout, as in transformers: one that grows past
     it while decoding is recomputed the same way, its cache computed again with the long factors.
+
+    With a ``state_pool`` (models with linear-attention layers) a sequence also takes a recurrent-state slot when
+    it is admitted and gives it back with its blocks; a waiting sequence that finds no free slot waits.
     """
 
     def __init__(self, block_manager: BlockManager, max_batch_size: int, max_prefill_token_num: int,
-                 long_rope_after: int | None = None):
+                 long_rope_after: int | None = None, state_pool: StatePool | None = None):
         self.block_manager = block_manager
         self.max_batch_size = max_batch_size
         self.max_prefill_token_num = max_prefill_token_num
         self.long_rope_after = long_rope_after
+        self.state_pool = state_pool
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -99,10 +104,12 @@ class Scheduler:
             if num_tokens == 0:
                 break
             needed = bm.blocks_needed(seq, num_cached + num_tokens, match)
-            if not bm.can_allocate(needed, match):
+            if not bm.can_allocate(needed, match) or (self.state_pool is not None and not self.state_pool.num_free):
                 break
             self.waiting.popleft()
             bm.allocate(seq, num_cached + num_tokens, match)
+            if self.state_pool is not None:
+                self.state_pool.take(seq)
             seq.num_computed = num_cached
             if seq.num_preemptions == 0:
                 seq.num_cached = num_cached
@@ -113,12 +120,12 @@ class Scheduler:
         return out
 
     def finish(self, seq: Sequence) -> None:
-        """Removes a finished or aborted sequence and frees its blocks."""
+        """Removes a finished or aborted sequence and frees its blocks (and its state slot)."""
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status == SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
-        self.block_manager.free_blocks(seq)
+        self._release(seq)
         seq.status = SequenceStatus.FINISHED
 
     def _make_room(self, index: int, needed: list[int]) -> bool:
@@ -143,11 +150,17 @@ class Scheduler:
 
     def _requeue(self, seq: Sequence) -> None:
         """Frees the blocks of ``seq`` and puts it first in line, to be computed again from its tokens."""
-        self.block_manager.free_blocks(seq)
+        self._release(seq)
         seq.num_computed = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        """Gives back the blocks and the state slot of ``seq``."""
+        self.block_manager.free_blocks(seq)
+        if self.state_pool is not None:
+            self.state_pool.give_back(seq)
 
     def _long_rope(self, seq: Sequence) -> bool:
         return self.long_rope_after is not None and seq.num_tokens > self.long_rope_after

@@ -1,0 +1,80 @@
+"""CPU time of one Gated DeltaNet layer's delta rule (``kernels/gated_delta.py``) against transformers' torch
+implementation of the same math, at Qwen3-Next-80B-A3B's linear-attention shape (16 key heads and 32 value heads
+of 128 features): a prefill of ``--prefill`` tokens of one sequence (the chunked rule), and one decode token of
+each of ``--batches`` sequences (the recurrence; ours as the engine runs it, ``gated_delta_decode``, its states
+gathered from and written back to a pool of twice as many slots). One thread; the time is the calling thread's CPU time
+(``time.thread_time``), the best and the median over rounds in which the two alternate.
+
+    python benchmark/gated_delta.py [--prefill 1024] [--batches 1,16] [--rounds 5]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+from transformers.models.qwen3_next.modeling_qwen3_next import (torch_chunk_gated_delta_rule,
+                                                                torch_recurrent_gated_delta_rule)
+
+from lmdeploy.pytorch.kernels.gated_delta import chunk_gated_delta_rule, gated_delta_decode
+
+KEY_HEADS, VALUE_HEADS, DIM = 16, 32, 128
+
+
+def inputs(batch: int, length: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(batch, length, KEY_HEADS, DIM, generator=g) for _ in range(2))
+    v = torch.randn(batch, length, VALUE_HEADS, DIM, generator=g)
+    decay = -torch.rand(batch, length, VALUE_HEADS, generator=g)
+    beta = torch.rand(batch, length, VALUE_HEADS, generator=g)
+    state = torch.randn(batch, VALUE_HEADS, DIM, DIM, generator=g) * 0.01
+    return q, k, v, decay, beta, state
+
+
+def cases(args: argparse.Namespace) -> dict[str, tuple]:
+    """name -> (ours, transformers'), each a no-argument call."""
+    q, k, v, decay, beta, state = inputs(1, args.prefill)
+    found = {f'prefill {args.prefill}': (
+        lambda: chunk_gated_delta_rule(q[0], k[0], v[0], decay[0], beta[0], state[0]),
+        lambda: torch_chunk_gated_delta_rule(q, k, v, decay, beta, initial_state=state, output_final_state=True,
+                                             use_qk_l2norm_in_kernel=True))}
+    for batch in args.batches:
+        bq, bk, bv, bd, bb, bs = inputs(batch, 1)
+        pool, slots = torch.cat((bs, bs)), torch.arange(0, 2 * batch, 2)
+        found[f'decode batch {batch}'] = (
+            lambda bq=bq, bk=bk, bv=bv, bd=bd, bb=bb, pool=pool, slots=slots: gated_delta_decode(
+                bq[:, 0], bk[:, 0], bv[:, 0], bd[:, 0], bb[:, 0], pool, slots),
+            lambda bq=bq, bk=bk, bv=bv, bd=bd, bb=bb, bs=bs: torch_recurrent_gated_delta_rule(
+                bq, bk, bv, bd, bb, initial_state=bs, output_final_state=True, use_qk_l2norm_in_kernel=True))
+    return found
+
+
+def cpu_ms(call) -> float:
+    start = time.thread_time()
+    call()
+    return (time.thread_time() - start) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--prefill', type=int, default=1024)
+    parser.add_argument('--batches', type=lambda s: [int(b) for b in s.split(',')], default=[1, 16])
+    parser.add_argument('--rounds', type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    with torch.inference_mode():
+        for name, (ours, theirs) in cases(args).items():
+            ours(), theirs()  # warm-up
+            times: dict[str, list[float]] = {'lmdeploy': [], 'transformers': []}
+            for _ in range(args.rounds):
+                times['lmdeploy'].append(cpu_ms(ours))
+                times['transformers'].append(cpu_ms(theirs))
+            print(json.dumps({'case': name, **{who: {'best_ms': round(min(t), 2),
+                                                     'median_ms': round(statistics.median(t), 2)}
+                                               for who, t in times.items()}}))
+
+
+if __name__ == '__main__':
+    main()

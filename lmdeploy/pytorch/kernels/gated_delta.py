@@ -1,0 +1,84 @@
+"""Gated DeltaNet (Qwen3-Next, Qwen3.5 linear attention) in torch: the causal depthwise convolution over a
+carried state, the chunked gated delta rule for prefill and its token-by-token recurrence for decode. Both
+accumulate in fp32 and follow transformers' torch implementations. :func:`gated_delta_decode` (the recurrence on
+the rows of a state pool) has a Triton twin in ``kernels/cuda/gated_delta.py``; the rest is torch on
+every device."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+L2NORM_EPS = 1e-6
+
+
+def causal_conv1d(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """SiLU of the depthwise causal convolution of ``x [B, C, L]`` preceded by ``state [B, C, K - 1]`` (the
+    previous ``K - 1`` inputs, zeros at the start), by ``weight [C, K]``; returns ``[B, C, L]`` and the new state."""
+    full = torch.cat((state.to(x.dtype), x), dim=-1)
+    out = F.conv1d(full, weight.unsqueeze(1), groups=weight.shape[0])
+    return F.silu(out), full[..., full.shape[-1] - state.shape[-1]:]
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + L2NORM_EPS)
+
+
+def _prepare(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 queries and keys, L2-normed (queries also scaled by ``k_dim ** -0.5``), each key head repeated for
+    the value heads it serves; heads on dim -2."""
+    repeat = num_v_heads // q.shape[-2]
+    q, k = (_l2norm(t.float()).repeat_interleave(repeat, dim=-2) for t in (q, k))
+    return q * q.shape[-1]**-0.5, k
+
+
+def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                           state: torch.Tensor | None, chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's tokens: ``q, k [L, Hk, Dk]``, ``v [L, H, Dv]``, log decay ``g`` and ``beta [L, H]``, from
+    ``state [H, Dk, Dv]`` (None: zeros). Returns the fp32 output ``[L, H, Dv]`` and the fp32 state
+    after the last token; within a chunk of ``chunk_size`` tokens the updates are solved as one triangular
+    system (the UT transform), the chunks run in turn."""
+    length, num_heads, v_dim = v.shape
+    q, k = _prepare(q, k, num_heads)
+    q, k, v = (t.transpose(0, 1) for t in (q, k, v.float()))  # [H, L, D]
+    g, beta = g.float().T, beta.float().T  # [H, L]
+    pad = -length % chunk_size
+    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
+    k_beta, v_beta = k * beta.unsqueeze(-1), v * beta.unsqueeze(-1)
+    q, k, k_beta, v_beta = (t.unflatten(1, (-1, chunk_size)) for t in (q, k, k_beta, v_beta))  # [H, N, C, D]
+    cum = g.unflatten(1, (-1, chunk_size)).cumsum(-1)  # [H, N, C]
+    upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
+    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(upper, float('-inf')).exp()
+    system = (k_beta @ k.transpose(-1, -2)) * decay
+    intra = (q @ k.transpose(-1, -2)) * decay
+    new_values = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    k_cumdecay = torch.linalg.solve_triangular(system, k_beta * cum.exp().unsqueeze(-1), upper=False,
+                                               unitriangular=True)
+    q = q * cum.exp().unsqueeze(-1)
+    k = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
+    chunk_decay = cum[..., -1].exp()[..., None, None]
+    state = (torch.zeros(num_heads, k.shape[-1], v_dim, dtype=torch.float32, device=v.device) if state is None
+             else state.float())
+    out = torch.empty_like(new_values)
+    for i in range(new_values.shape[1]):
+        v_new = new_values[:, i] - k_cumdecay[:, i] @ state
+        out[:, i] = q[:, i] @ state + intra[:, i] @ v_new
+        state = state * chunk_decay[:, i] + k[:, i].transpose(-1, -2) @ v_new
+    out = out.flatten(1, 2)[:, :length].transpose(0, 1)
+    return out, state
+
+
+def gated_delta_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       states: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """One token of each of ``B`` sequences: ``q, k [B, Hk, Dk]``, ``v [B, H, Dv]``, ``g, beta [B, H]``; sequence
+    ``b`` reads and updates row ``slots[b]`` of the fp32 state pool ``states [slots, H, Dk, Dv]``. Returns the fp32
+    output ``[B, H, Dv]``."""
+    q, k = _prepare(q, k, v.shape[-2])
+    state = states[slots]  # a copy: updated in place, then written back
+    state.mul_(g.float().exp()[..., None, None])
+    memory = (k.unsqueeze(-2) @ state).squeeze(-2)
+    delta = (v.float() - memory) * beta.float().unsqueeze(-1)
+    k_dim, v_dim = state.shape[-2:]
+    state.view(-1, k_dim, v_dim).baddbmm_(k.reshape(-1, k_dim, 1), delta.reshape(-1, 1, v_dim))
+    states[slots] = state
+    return (q.unsqueeze(-2) @ state).squeeze(-2)
