@@ -13,17 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import tempfile
-import time
 
 import torch
 from transformers import AutoModelForCausalLM, Ernie4_5Config
+from stack_timing import print_stack_against_layers, stack_engine
 from workload import save_word_tokenizer
 
-from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
-from lmdeploy.pytorch.engine.engine import Engine
-from lmdeploy.pytorch.kernels import cpu
 
 VOCAB = 1024
 
@@ -47,46 +42,10 @@ def main() -> None:
     parser.add_argument('--steps', type=int, default=8, help='decode steps per round')
     parser.add_argument('--rounds', type=int, default=4)
     args = parser.parse_args()
-    if cpu.bf16_gemm() is None and cpu.native() is not None and cpu.native().bf16_gemm_available():
-        cpu.bf16_gemm = cpu.native  # AMX CPUs prefer oneDNN: use the native GEMM, on which the stack runs
-    with tempfile.TemporaryDirectory() as path:
-        save_model(path, args.layers)
-        engine = Engine(path, PytorchEngineConfig(dtype='bfloat16', num_threads=1, num_gpu_blocks=256, block_size=16,
-                                                  max_batch_size=16, enable_prefix_caching=False), show_progress=False)
-    model = engine.runner.model
-    stack, forward = model.native_stack, model.forward
-    if stack is None:
-        raise SystemExit('the model does not run in the native stack on this CPU (it needs AVX512-BF16)')
-    times: dict[str, list[float]] = {}
-
-    def timed(input_ids, kv_caches, ctx):
-        start = time.thread_time()
-        out = forward(input_ids, kv_caches, ctx)
-        if ctx.num_prefill_tokens == 0:
-            times.setdefault(mode, []).append((time.thread_time() - start) * 1e3)
-        return out
-
-    model.forward = timed
-    gen = GenerationConfig(max_new_tokens=args.steps + 1, ignore_eos=True)
+    engine = stack_engine(lambda path: save_model(path, args.layers))
     print(f'ERNIE 4.5 at 0.3B shape, {args.layers} layers, bf16, 1 thread; ms per decode step (thread CPU time of '
           'the forward)')
-    print('| batch | stack best | stack median | layers best | layers median | layers / stack (best) |')
-    print('| --- | --- | --- | --- | --- | --- |')
-    g = torch.Generator().manual_seed(1)
-    for batch in map(int, args.batches.split(',')):
-        times.clear()
-        prompts = [torch.randint(3, VOCAB, (16,), generator=g).tolist() for _ in range(batch)]
-        for _ in range(args.rounds):
-            for mode in ('stack', 'layers'):
-                model.native_stack = stack if mode == 'stack' else None
-                for prompt in prompts:
-                    engine.add_request(prompt, gen)
-                while engine.has_unfinished():
-                    engine.step()
-        best = {m: min(t) for m, t in times.items()}
-        median = {m: statistics.median(t) for m, t in times.items()}
-        print(f'| {batch} | {best["stack"]:.1f} | {median["stack"]:.1f} | {best["layers"]:.1f} | '
-              f'{median["layers"]:.1f} | {best["layers"] / best["stack"]:.3f} |', flush=True)
+    print_stack_against_layers(engine, VOCAB, args.batches, args.steps, args.rounds)
 
 
 if __name__ == '__main__':

@@ -14,17 +14,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import tempfile
 import time
 
 import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, models
+from stack_timing import DecodeStepTimer, run_requests, stack_engine
 from transformers import Ministral3Config, PreTrainedTokenizerFast
 
-from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
-from lmdeploy.pytorch.engine.engine import Engine
-from lmdeploy.pytorch.kernels import cpu
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP = 1024, 3072, 32, 8, 128, 9216
 
@@ -74,27 +71,9 @@ def main() -> None:
     parser.add_argument('--steps', type=int, default=16, help='decode steps per batch')
     args = parser.parse_args()
     torch.set_num_threads(1)
-    if cpu.bf16_gemm() is None and cpu.native() is not None and cpu.native().bf16_gemm_available():
-        cpu.bf16_gemm = cpu.native  # AMX CPUs prefer oneDNN: use the native GEMM, on which the stack runs
-    with tempfile.TemporaryDirectory() as path:
-        save_model(path, args.layers)
-        engine = Engine(path, PytorchEngineConfig(dtype='bfloat16', num_threads=1, num_gpu_blocks=256, block_size=16,
-                                                  max_batch_size=16, enable_prefix_caching=False), show_progress=False)
-    model = engine.runner.model
-    if model.native_stack is None:
-        raise SystemExit('the model does not run in the native stack on this CPU (it needs AVX512-BF16)')
-    steps: list[float] = []
-    forward = model.forward
-
-    def timed(input_ids, kv_caches, ctx):
-        start = time.thread_time()
-        out = forward(input_ids, kv_caches, ctx)
-        if ctx.num_prefill_tokens == 0:
-            steps.append((time.thread_time() - start) * 1e3)
-        return out
-
-    model.forward = timed
-    gen = GenerationConfig(max_new_tokens=args.steps + 1, ignore_eos=True)
+    engine = stack_engine(lambda path: save_model(path, args.layers))
+    timer = DecodeStepTimer(engine)
+    model = timer.model
     print(f'Ministral 3, {args.layers} layers of hidden {HIDDEN}, {HEADS}/{KV_HEADS} heads of {HEAD_DIM}, MLP {MLP}, '
           'bf16, native decoder stack, 1 thread (thread CPU time)')
     print('| batch | decode step best (ms) | median (ms) | factors per step (us) | multiply per layer (us) | '
@@ -102,11 +81,9 @@ def main() -> None:
     print('| --- | --- | --- | --- | --- | --- |')
     g = torch.Generator().manual_seed(1)
     for batch in map(int, args.batches.split(',')):
-        steps.clear()
-        for _ in range(batch):  # prompts past the factor's first step (256 positions)
-            engine.add_request(torch.randint(3, VOCAB, (300,), generator=g).tolist(), gen)
-        while engine.has_unfinished():
-            engine.step()
+        timer.times.clear()  # prompts past the factor's first step (256 positions):
+        run_requests(engine, [torch.randint(3, VOCAB, (300,), generator=g).tolist() for _ in range(batch)], args.steps)
+        steps = timer.times['']
         positions = torch.arange(300, 300 + batch)
         factors_us = op_us(lambda: model.query_scale(positions).to(torch.bfloat16))
         factors = model.query_scale(positions).to(torch.bfloat16).view(-1, 1, 1)
