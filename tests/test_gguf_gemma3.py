@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from test_gguf import finish
-from test_gguf_vl import _tokenizer, assert_serves_like_the_original, converted_tensors
+from test_gguf_vl import _tokenizer, assert_serves_like_the_original, converted_tensors, vision_tower_metadata
 from transformers import AutoConfig
 from vl_models import GEMMA3_TEXT, save_tiny_vl_model
 
@@ -69,15 +69,7 @@ def write_gemma3_mmproj(model_dir: str, out: Path, skip_key: str | None = None) 
     writer.add_type(gguf.GGUFType.MMPROJ)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     writer.add_clip_has_vision_encoder(True)
-    metadata = {'projection_dim': (writer.add_vision_projection_dim, config.text_config.hidden_size),
-                'image_size': (writer.add_vision_image_size, vision.image_size),
-                'patch_size': (writer.add_vision_patch_size, vision.patch_size),
-                'embedding_length': (writer.add_vision_embedding_length, vision.hidden_size),
-                'feed_forward_length': (writer.add_vision_feed_forward_length, vision.intermediate_size),
-                'block_count': (writer.add_vision_block_count, vision.num_hidden_layers),
-                'attention.head_count': (writer.add_vision_head_count, vision.num_attention_heads),
-                'image_mean': (writer.add_vision_image_mean, [0.5, 0.5, 0.5]),
-                'image_std': (writer.add_vision_image_std, [0.5, 0.5, 0.5])}
+    metadata = vision_tower_metadata(writer, vision, config.text_config.hidden_size, [0.5] * 3, [0.5] * 3)
     for key, (add, value) in metadata.items():
         if key != skip_key:
             add(value)

@@ -23,7 +23,8 @@ from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file
 from helpers import make_engine, run
 from test_gguf import finish, llama_permute
-from test_gguf_vl import PROMPTS, _tokenizer, assert_serves_like_the_original, converted_tensors
+from test_gguf_vl import (PROMPTS, _tokenizer, assert_serves_like_the_original, converted_tensors,
+                         vision_tower_metadata)
 from test_vl_families import make_processor
 from transformers import AutoConfig
 from vl_models import MISTRAL3_VISION, save_tiny_vl_model
@@ -94,16 +95,9 @@ def write_pixtral_mmproj(model_dir: str, out: Path, skip_key: str | None = None,
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     writer.add_clip_has_vision_encoder(True)
     processor = json.loads(Path(model_dir, 'preprocessor_config.json').read_text())
-    metadata = {'projection_dim': (writer.add_vision_projection_dim, config.text_config.hidden_size),
-                'image_size': (writer.add_vision_image_size, vision.image_size),
-                'patch_size': (writer.add_vision_patch_size, vision.patch_size),
-                'embedding_length': (writer.add_vision_embedding_length, vision.hidden_size),
-                'feed_forward_length': (writer.add_vision_feed_forward_length, vision.intermediate_size),
-                'block_count': (writer.add_vision_block_count, vision.num_hidden_layers),
-                'attention.head_count': (writer.add_vision_head_count, vision.num_attention_heads),
-                'image_mean': (writer.add_vision_image_mean, processor['image_mean']),
-                'image_std': (writer.add_vision_image_std, processor['image_std']),
-                'spatial_merge_size': (writer.add_vision_spatial_merge_size, config.spatial_merge_size)}
+    metadata = vision_tower_metadata(writer, vision, config.text_config.hidden_size, processor['image_mean'],
+                                     processor['image_std'])
+    metadata['spatial_merge_size'] = (writer.add_vision_spatial_merge_size, config.spatial_merge_size)
     writer.add_clip_projector_type(gguf.VisionProjectorType.PIXTRAL)
     writer.add_vision_attention_layernorm_eps(1e-5)  # transformers' Pixtral norms, not in its config
     if vision.hidden_act == 'silu':

@@ -59,6 +59,20 @@ def add_qwen_vl_text_metadata(writer: gguf.GGUFWriter, text) -> None:
     writer.add_layer_norm_rms_eps(text.rms_norm_eps)
 
 
+def vision_tower_metadata(writer: gguf.GGUFWriter, vision, projection_dim: int, image_mean: list[float],
+                          image_std: list[float]) -> dict[str, tuple]:
+    """The ``clip.vision.*`` keys every mmproj writer adds for a ViT tower, by name: ``(writer method, value)``."""
+    return {'projection_dim': (writer.add_vision_projection_dim, projection_dim),
+            'image_size': (writer.add_vision_image_size, vision.image_size),
+            'patch_size': (writer.add_vision_patch_size, vision.patch_size),
+            'embedding_length': (writer.add_vision_embedding_length, vision.hidden_size),
+            'feed_forward_length': (writer.add_vision_feed_forward_length, vision.intermediate_size),
+            'block_count': (writer.add_vision_block_count, vision.num_hidden_layers),
+            'attention.head_count': (writer.add_vision_head_count, vision.num_attention_heads),
+            'image_mean': (writer.add_vision_image_mean, image_mean),
+            'image_std': (writer.add_vision_image_std, image_std)}
+
+
 def write_qwen2vl_gguf(model_dir: str, out: Path) -> None:
     """The language model as convert_hf_to_gguf.py's Qwen2VLModel writes it (float32)."""
     config = AutoConfig.from_pretrained(model_dir).text_config
