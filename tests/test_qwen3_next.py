@@ -218,8 +218,10 @@ def test_next_token_prediction_weights_are_not_loaded(tmp_path):
     assert run(make_engine(path), prompts) == expected
 
 
-def test_states_are_paid_from_the_cache_budget(qwen3_5):
-    """The slots come out of ``max_cache_bytes`` first; a budget they fill is refused, naming what to change."""
+def test_states_are_paid_from_the_cache_budget(qwen3_5, caplog):
+    """The slots come out of ``max_cache_bytes`` first. Where a full batch's slots would take more than half of the
+    budget, there are as many as half of it holds, with a warning; a budget that one slot and one block overfill
+    is refused, naming what to change."""
     config = dict(dtype='float32', block_size=16, max_batch_size=64)
     engine = Engine(qwen3_5, PytorchEngineConfig(max_cache_bytes=2**21, **config), show_progress=False)
     runner = engine.runner
@@ -227,10 +229,15 @@ def test_states_are_paid_from_the_cache_budget(qwen3_5):
              for layer, cache in zip(runner.model.layers, runner.kv_caches)]
     state_bytes = sum(size for is_linear, size in sizes if is_linear)
     kv_bytes = sum(size for is_linear, size in sizes if not is_linear)
-    assert state_bytes > 0 and runner.cfg.num_state_layers == 6
+    assert state_bytes > 0 and runner.cfg.num_state_layers == 6 and runner.num_state_slots == 64
     assert state_bytes + kv_bytes <= 2**21 + runner.cfg.kv_bytes_per_token() * 16  # the scratch block is extra
-    with pytest.raises(MemoryError, match='lower max_batch_size'):
-        Engine(qwen3_5, PytorchEngineConfig(max_cache_bytes=state_bytes, **config), show_progress=False)
+    slot_bytes = state_bytes // 64
+    with caplog.at_level('WARNING', logger='lmdeploy'):
+        engine = Engine(qwen3_5, PytorchEngineConfig(max_cache_bytes=state_bytes, **config), show_progress=False)
+    assert engine.runner.num_state_slots == engine.scheduler.state_pool.num_slots == 32
+    assert 'at most 32 sequences run at once' in caplog.text
+    with pytest.raises(MemoryError, match='leaving no room for a KV-cache block; lower max_batch_size'):
+        Engine(qwen3_5, PytorchEngineConfig(max_cache_bytes=slot_bytes, **config), show_progress=False)
 
 
 def test_states_are_paid_from_gpu_memory_too(qwen3_5, monkeypatch):

@@ -3,6 +3,7 @@ tensor-parallel worker, so that their shards and KV caches match."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import psutil
 import torch
@@ -18,6 +19,8 @@ from lmdeploy.pytorch.engine.cuda_graph import DecodeGraphRunner
 from lmdeploy.pytorch.engine.model_runner import ModelRunner, layer_windows
 from lmdeploy.pytorch.paging.state_pool import recurrent_state_shapes, state_bytes_per_slot
 from lmdeploy.pytorch.weights.loader import build_model
+
+logger = logging.getLogger('lmdeploy')
 
 DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
 
@@ -58,24 +61,43 @@ def graph_memory(model: nn.Module, cfg: ModelConfig, config: PytorchEngineConfig
     return peak + smaller_logits
 
 
-def blocks_from_memory(cfg: ModelConfig, config: PytorchEngineConfig, device: torch.device,
-                       graph_model: nn.Module | None, world_size: int, state_bytes: int = 0) -> int:
-    """KV blocks that fit in ``cache_max_entry_count`` of the free memory, after what decode graphs of
-    ``graph_model`` (when given) will take and the ``state_bytes`` of the recurrent-state slots; on the CPU the
-    ``world_size`` ranks share the budget."""
+def cache_budget(cfg: ModelConfig, config: PytorchEngineConfig, device: torch.device,
+                 graph_model: nn.Module | None, world_size: int) -> int:
+    """The bytes this rank's KV cache and recurrent-state slots may take: ``cache_max_entry_count`` of the free
+    memory after what decode graphs of ``graph_model`` (when given) will take; on the CPU of the available RAM,
+    capped at ``max_cache_bytes``, which ``world_size`` ranks share."""
     if device.type == 'cuda':
         reserved = graph_memory(graph_model, cfg, config, device) if graph_model is not None else 0
         free = torch.cuda.mem_get_info(device)[0] - reserved
-        budget = int(max(free, 0) * config.cache_max_entry_count)
-    else:
-        available = psutil.virtual_memory().available
-        budget = min(int(available * config.cache_max_entry_count), config.max_cache_bytes) // world_size
+        return int(max(free, 0) * config.cache_max_entry_count)
+    available = psutil.virtual_memory().available
+    return min(int(available * config.cache_max_entry_count), config.max_cache_bytes) // world_size
+
+
+def fitting_state_slots(slot_bytes: int, budget: int, config: PytorchEngineConfig) -> int:
+    """Recurrent-state slots for a linear-attention model: one per sequence of a full batch
+    (``max_batch_size``), or as many as half of the cache ``budget`` holds, with a warning, leaving the other half
+    to the KV blocks of its full-attention layers (sequences past the slots wait for one)."""
+    fitting = budget // 2 // slot_bytes
+    if fitting >= config.max_batch_size:
+        return config.max_batch_size
+    slots = max(fitting, 1)
+    logger.warning('the recurrent states of max_batch_size=%d sequences take %.1f MiB, more than half of the '
+                   '%.1f MiB cache budget: %d slots, so at most %d sequences run at once (raise cache_max_entry_count '
+                   'or max_cache_bytes for more)', config.max_batch_size, config.max_batch_size * slot_bytes / 2**20,
+                   budget / 2**20, slots, slots)
+    return slots
+
+
+def blocks_from_memory(cfg: ModelConfig, config: PytorchEngineConfig, device: torch.device,
+                       graph_model: nn.Module | None, world_size: int, state_bytes: int = 0) -> int:
+    """KV blocks that fit in the :func:`cache_budget` after the ``state_bytes`` of the recurrent-state slots."""
+    budget = cache_budget(cfg, config, device, graph_model, world_size)
     block_bytes = cfg.kv_bytes_per_token() * config.block_size
     if state_bytes and budget - state_bytes < block_bytes:
-        raise MemoryError(f'the recurrent states of max_batch_size={config.max_batch_size} sequences take '
-                          f'{state_bytes / 2**20:.1f} MiB of the {budget / 2**20:.1f} MiB cache budget, leaving no '
-                          'room for a KV-cache block; lower max_batch_size, or raise cache_max_entry_count or '
-                          'max_cache_bytes')
+        raise MemoryError(f'the recurrent-state slots take {state_bytes / 2**20:.1f} MiB of the '
+                          f'{budget / 2**20:.1f} MiB cache budget, leaving no room for a KV-cache block; lower '
+                          'max_batch_size, or raise cache_max_entry_count or max_cache_bytes')
     num_blocks = (budget - state_bytes) // block_bytes
     if num_blocks < 1:
         raise MemoryError('not enough memory for even one KV-cache block; lower block_size')
@@ -124,11 +146,14 @@ def build_runner(model_dir: str, config: PytorchEngineConfig, device: torch.devi
                          'for tensor parallelism; use tp=1')
     graph_model = (model if device.type == 'cuda' and not config.eager_mode and group.world_size == 1
                    and not any(layer_states) else None)
-    state_bytes = config.max_batch_size * state_bytes_per_slot(layer_states)
+    slot_bytes, num_slots = state_bytes_per_slot(layer_states), config.max_batch_size
+    if slot_bytes and not config.num_gpu_blocks:
+        num_slots = fitting_state_slots(slot_bytes, cache_budget(rank_cfg, config, device, None, group.world_size),
+                                        config)
     num_blocks = config.num_gpu_blocks or group.min(
-        blocks_from_memory(rank_cfg, config, device, graph_model, group.world_size, state_bytes),
+        blocks_from_memory(rank_cfg, config, device, graph_model, group.world_size, num_slots * slot_bytes),
         timeout=group.connect_timeout)
     num_blocks, num_window_blocks = kv_pool_sizes(layer_windows(model, cfg.num_layers), num_blocks, config)
     channel = StepChannel(group) if group.world_size > 1 else None
     return hf_config, cfg, ModelRunner(model, rank_cfg, num_blocks, config.block_size, device, channel,
-                                       num_window_blocks, config.max_batch_size)
+                                       num_window_blocks, num_slots)
