@@ -18,5 +18,5 @@ setup(
                   'lmdeploy.pytorch.kernels.cpu': ['*.cpp', '*.h']},
     install_requires=read_requirements('requirements.txt'),
     extras_require={'test': read_requirements('requirements-test.txt'), 'ray': ['ray>=2.40']},
-    entry_points={'console_scripts': ['lmdeploy = lmdeploy.cli.main:main']},
+    entry_points={'console_scripts': ['lmdeploy = lmdeploy.cli.main:entry']},
 )

@@ -41,6 +41,32 @@ def test_help_shows_defaults():
     assert '--log-level {DEBUG,INFO,WARNING,ERROR} (default: INFO)' in flat
 
 
+ENTRY = """
+import atexit, sys, threading, time
+from lmdeploy.cli import main as cli
+command = cli.main
+def main():  # the command, and a thread of it still running when it returns
+    try:
+        command()
+    finally:
+        threading.Thread(target=lambda: time.sleep(0.3) or print('thread done')).start()
+cli.main = main
+atexit.register(print, 'exit handler ran')
+sys.argv = ['lmdeploy', *sys.argv[1:]]
+cli.entry()
+"""
+
+
+@pytest.mark.parametrize('args, status, printed', [([], 0, 'usage: lmdeploy'), (['--version'], 0, __version__),
+                                                    (['chat', 'm', '--tp', '0'], 2, '')])
+def test_the_command_ends_as_python_would(args, status, printed):
+    """The ``lmdeploy`` command skips the teardown of its modules at exit, nothing else: its exit status, its
+    other threads joined first, its exit handlers run, its buffered output written."""
+    out = subprocess.run([sys.executable, '-c', ENTRY, *args], capture_output=True, text=True, timeout=120)
+    assert out.returncode == status and printed in out.stdout, out
+    assert out.stdout.endswith('thread done\nexit handler ran\n'), out
+
+
 def test_parsing_imports_no_torch():
     """``--help`` stays fast: parsing every command loads neither torch nor the engine."""
     code = ('import sys\nfrom lmdeploy.cli.main import build_parser\n'

@@ -53,6 +53,7 @@ def test_tp2_matches_tp1(kind, tmp_path):
     finally:
         engine.close()
     assert_gone(pids)
+    assert [process.exitcode for process in engine.executor.processes] == [0]  # stopped, not killed
 
 
 @pytest.mark.parametrize('kind', ['qwen2_vl', 'qwen3_vl_moe', 'internvl', 'mistral3', 'gemma3'])

@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 from collections.abc import Iterator
+from typing import NoReturn
 
 PR_SET_PDEATHSIG = 1
 
@@ -36,3 +37,13 @@ def die_with_parent(parent_pid: int) -> None:
         return
     if os.getppid() != parent_pid:
         os._exit(1)
+
+
+def exit_now(code: int = 0) -> NoReturn:
+    """Ends this process with ``code`` once stdout and stderr are flushed, skipping the interpreter's teardown
+    of its modules: with torch and transformers loaded that took 0.5-1.5 s, which whoever waits for the
+    process (an engine closing its tensor-parallel workers) would wait too."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)

@@ -10,7 +10,7 @@ from multiprocessing.connection import wait
 
 import torch.multiprocessing as mp
 
-from lmdeploy.pytorch.child_process import die_with_parent, main_module_hidden
+from lmdeploy.pytorch.child_process import die_with_parent, exit_now, main_module_hidden
 from lmdeploy.pytorch.distributed.executor import Executor
 from lmdeploy.pytorch.distributed.worker import WorkerSpec, run_worker
 
@@ -20,6 +20,7 @@ LOOPBACK = '127.0.0.1'
 def _worker_main(spec: WorkerSpec, parent_pid: int) -> None:
     die_with_parent(parent_pid)
     run_worker(spec)
+    exit_now()  # a worker that failed raises instead, and exits the usual way with its traceback
 
 
 def _ending(exitcode: int | None) -> str:

@@ -70,6 +70,8 @@ def _replica_main(run: Callable[[argparse.Namespace], None], args: argparse.Name
     if device is not None:
         os.environ['CUDA_VISIBLE_DEVICES'] = device
     run(args)
+    from lmdeploy.pytorch.child_process import exit_now  # here: the parent imports nothing of lmdeploy.pytorch
+    exit_now()  # stopped: without the teardown of torch and the rest, a second the parent would wait
 
 
 class Replicas:
