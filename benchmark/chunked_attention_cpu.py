@@ -8,9 +8,8 @@ the decode of 4 such sequences (the AVX-512 row path); chunks of 256 and 1,024 p
 """
 from __future__ import annotations
 
-import time
-
 import torch
+from key_limit_cpu import cpu_ms
 
 from lmdeploy.pytorch.kernels import cpu
 
@@ -30,13 +29,6 @@ def case():
                TOKENS, HEAD_DIM**-0.5)
     decode = (q[:SEQS], *cache, table, torch.full((SEQS,), TOKENS), HEAD_DIM**-0.5)
     return prefill, decode
-
-
-def cpu_ms(call, repeats: int) -> float:
-    start = time.process_time()
-    for _ in range(repeats):
-        call()
-    return (time.process_time() - start) / repeats * 1e3
 
 
 def main() -> None:
