@@ -24,7 +24,7 @@ from lmdeploy.archs import load_hf_config
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.engine.engine import Engine
-from lmdeploy.pytorch.engine.runner_builder import blocks_from_memory
+from lmdeploy.pytorch.engine.runner_builder import blocks_from_memory, cache_budget
 from lmdeploy.pytorch.kernels.gated_delta import chunk_gated_delta_rule, gated_delta_decode
 from lmdeploy.pytorch.models.qwen3_next import GatedDeltaNet
 from lmdeploy.serve.async_engine import AsyncEngine
@@ -247,7 +247,8 @@ def test_states_are_paid_from_gpu_memory_too(qwen3_5, monkeypatch):
     cfg = ModelConfig.from_hf(load_hf_config(qwen3_5), torch.float32)
     monkeypatch.setattr(torch.cuda, 'mem_get_info', lambda device: (2**22, 2**30))
     config = PytorchEngineConfig(cache_max_entry_count=0.5, block_size=16)
-    blocks = blocks_from_memory(cfg, config, torch.device('cuda'), None, 1, state_bytes=2**20)
+    budget = cache_budget(cfg, config, torch.device('cuda'), None, 1)
+    blocks = blocks_from_memory(cfg, config, budget, state_bytes=2**20)
     assert blocks == (2**21 - 2**20) // (cfg.kv_bytes_per_token() * 16)
     assert cfg.kv_bytes_per_token() == 2 * 2 * 2 * 16 * 4  # two full-attention layers: K and V of 2 heads of 16
 

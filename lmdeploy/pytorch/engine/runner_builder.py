@@ -89,10 +89,8 @@ def fitting_state_slots(slot_bytes: int, budget: int, config: PytorchEngineConfi
     return slots
 
 
-def blocks_from_memory(cfg: ModelConfig, config: PytorchEngineConfig, device: torch.device,
-                       graph_model: nn.Module | None, world_size: int, state_bytes: int = 0) -> int:
-    """KV blocks that fit in the :func:`cache_budget` after the ``state_bytes`` of the recurrent-state slots."""
-    budget = cache_budget(cfg, config, device, graph_model, world_size)
+def blocks_from_memory(cfg: ModelConfig, config: PytorchEngineConfig, budget: int, state_bytes: int = 0) -> int:
+    """KV blocks that fit in a :func:`cache_budget` after the ``state_bytes`` of the recurrent-state slots."""
     block_bytes = cfg.kv_bytes_per_token() * config.block_size
     if state_bytes and budget - state_bytes < block_bytes:
         raise MemoryError(f'the recurrent-state slots take {state_bytes / 2**20:.1f} MiB of the '
@@ -146,13 +144,13 @@ def build_runner(model_dir: str, config: PytorchEngineConfig, device: torch.devi
                          'for tensor parallelism; use tp=1')
     graph_model = (model if device.type == 'cuda' and not config.eager_mode and group.world_size == 1
                    and not any(layer_states) else None)
-    slot_bytes, num_slots = state_bytes_per_slot(layer_states), config.max_batch_size
-    if slot_bytes and not config.num_gpu_blocks:
-        num_slots = fitting_state_slots(slot_bytes, cache_budget(rank_cfg, config, device, None, group.world_size),
-                                        config)
-    num_blocks = config.num_gpu_blocks or group.min(
-        blocks_from_memory(rank_cfg, config, device, graph_model, group.world_size, num_slots * slot_bytes),
-        timeout=group.connect_timeout)
+    slot_bytes, num_slots, num_blocks = state_bytes_per_slot(layer_states), config.max_batch_size, config.num_gpu_blocks
+    if not num_blocks:
+        budget = cache_budget(rank_cfg, config, device, graph_model, group.world_size)
+        if slot_bytes:
+            num_slots = fitting_state_slots(slot_bytes, budget, config)
+        num_blocks = group.min(blocks_from_memory(rank_cfg, config, budget, num_slots * slot_bytes),
+                               timeout=group.connect_timeout)
     num_blocks, num_window_blocks = kv_pool_sizes(layer_windows(model, cfg.num_layers), num_blocks, config)
     channel = StepChannel(group) if group.world_size > 1 else None
     return hf_config, cfg, ModelRunner(model, rank_cfg, num_blocks, config.block_size, device, channel,
