@@ -53,6 +53,7 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'InternVLForConditionalGeneration': ('vlm', f'{_VL}:InternVLForConditionalGeneration'),
     'Mistral3ForConditionalGeneration': ('vlm', f'{_MISTRAL3}:Mistral3ForConditionalGeneration'),
     'Gemma3ForConditionalGeneration': ('vlm', 'lmdeploy.pytorch.models.gemma3_vl:Gemma3ForConditionalGeneration'),
+    'Llama4ForConditionalGeneration': ('vlm', 'lmdeploy.pytorch.models.llama4_vl:Llama4ForConditionalGeneration'),
 }
 
 

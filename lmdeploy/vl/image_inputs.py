@@ -6,9 +6,13 @@ the preprocessing thread would start an OpenMP team there and slow the engine's 
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 from PIL import Image
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+
+LLAMA4_IMAGE_TOKENS = ['<|image|>', '<|image_start|>', '<|image_end|>', '<|tile_x_separator|>', '<|tile_y_separator|>']
 
 
 class ImageInputs:
@@ -34,7 +38,7 @@ class ImageInputs:
         """The preprocessing of a vision-language model's family; None for text-only models."""
         family = {'qwen2_vl': QwenVLImageInputs, 'qwen2_5_vl': QwenVLImageInputs, 'qwen3_vl': QwenVLImageInputs,
                   'qwen3_vl_moe': QwenVLImageInputs, 'llava': LlavaImageInputs, 'internvl': InternVLImageInputs,
-                  'mistral3': Mistral3ImageInputs, 'gemma3': Gemma3ImageInputs}
+                  'mistral3': Mistral3ImageInputs, 'gemma3': Gemma3ImageInputs, 'llama4': Llama4ImageInputs}
         kind = family.get(config.model_type)
         return kind(model_dir, config, tokenizer) if kind else None
 
@@ -118,6 +122,7 @@ class Mistral3ImageInputs(ImageInputs):
         ids[-1] = self.end_id
         return ids
 
+
 class Gemma3ImageInputs(ImageInputs):
     """Gemma 3: one image of the tower's size (pan-and-scan off, as transformers' processor defaults), pooled to
     ``mm_tokens_per_image`` tokens. Like transformers' processor, each ``<start_of_image>`` that the chat template
@@ -136,3 +141,63 @@ class Gemma3ImageInputs(ImageInputs):
     def __call__(self, image: Image.Image) -> tuple[int, dict[str, torch.Tensor]]:
         pixels = self.image_processor(images=[image], do_pan_and_scan=False, return_tensors='np')['pixel_values']
         return self.config.mm_tokens_per_image, {'pixel_values': torch.from_numpy(pixels)}
+
+
+class Llama4ImageInputs(ImageInputs):
+    """Llama 4: the image resized without distortion onto the canvas of up to ``max_patches`` tiles that scales it
+    least, padded and cut into tiles, plus (when there are several) a global tile of the whole image squeezed to one
+    tile; each tile gives ``(tile / patch)**2 * pixel_shuffle_ratio**2`` tokens. The chat template's ``<|image|>``
+    becomes the image's span as transformers' ``Llama4Processor`` writes it: ``<|image_start|>``, each tile's
+    ``<|patch|>`` tokens (``<|tile_x_separator|>`` between the tiles of a row, ``<|tile_y_separator|>`` after
+    each row), ``<|image|>``, the global tile's ``<|patch|>`` tokens, ``<|image_end|>``.
+
+    transformers' ``Llama4ImageProcessor`` needs torchvision; Mllama's PIL image processor computes the same
+    canvas, resize, padding and tiles (Meta's algorithm in both), and a plain PIL resize the global tile. The
+    pixels are fp32 where Llama 4's processor rounds them to bf16.
+    """
+
+    def __init__(self, model_dir: str, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase):
+        from transformers.image_processing_backends import PilBackend
+        from transformers.image_processing_utils import ImageProcessingMixin
+        from transformers.models.mllama.image_processing_pil_mllama import MllamaImageProcessorPil
+        self.config = config
+        settings, _ = ImageProcessingMixin.get_image_processor_dict(model_dir)
+        if settings.get('resize_to_max_canvas'):
+            raise ValueError(f'{model_dir}: Llama 4 images with resize_to_max_canvas are not supported')
+        size = settings.get('size', {'height': 336, 'width': 336})
+        common = {'size': size, 'resample': settings.get('resample', 2),
+                  'rescale_factor': settings.get('rescale_factor', 1 / 255),
+                  'image_mean': settings.get('image_mean', [0.5] * 3), 'image_std': settings.get('image_std', [0.5] * 3)}
+        self.max_tiles = settings.get('max_patches', 16)
+        self.image_processor = MllamaImageProcessorPil(max_image_tiles=self.max_tiles, **common)
+        self.global_tile_processor = PilBackend(do_resize=True, do_rescale=True, do_normalize=True,
+                                                do_convert_rgb=True, **common)
+        vision = config.vision_config
+        self.tokens_per_tile = int((size['height'] // vision.patch_size) * (size['width'] // vision.patch_size)
+                                   * vision.pixel_shuffle_ratio**2)
+        ids = dict(zip(LLAMA4_IMAGE_TOKENS, tokenizer.convert_tokens_to_ids(LLAMA4_IMAGE_TOKENS)))
+        self.image_token_id = ids['<|image|>']
+        self.start_id, self.end_id = ids['<|image_start|>'], ids['<|image_end|>']
+        self.tile_x_id, self.tile_y_id = ids['<|tile_x_separator|>'], ids['<|tile_y_separator|>']
+        self.patch_id = config.image_token_id
+
+    def __call__(self, image: Image.Image) -> tuple[int, dict[str, torch.Tensor]]:
+        from transformers.models.mllama.image_processing_pil_mllama import get_all_supported_aspect_ratios
+        out = self.image_processor(images=[image], return_tensors='np')
+        rows, cols = get_all_supported_aspect_ratios(self.max_tiles)[int(out['aspect_ratio_ids'][0, 0]) - 1]
+        pixels = out['pixel_values'][0, 0, :rows * cols]
+        if rows * cols > 1:
+            whole = self.global_tile_processor(images=[image], return_tensors='np')['pixel_values']
+            pixels = np.concatenate([pixels, whole])
+        aspect_ratio = torch.tensor([[rows, cols]])
+        return len(self.placeholder_ids(0, {'aspect_ratios': aspect_ratio})), {
+            'pixel_values': torch.from_numpy(pixels), 'aspect_ratios': aspect_ratio}
+
+    def placeholder_ids(self, length: int, data: dict[str, torch.Tensor]) -> list[int]:
+        rows, cols = (int(n) for n in data['aspect_ratios'][0])
+        tile = [self.patch_id] * self.tokens_per_tile
+        ids = [self.start_id]
+        if rows * cols > 1:
+            row = (tile + [self.tile_x_id]) * cols
+            ids += (row[:-1] + [self.tile_y_id]) * rows
+        return ids + [self.image_token_id] + tile + [self.end_id]

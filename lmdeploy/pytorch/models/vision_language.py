@@ -28,7 +28,7 @@ from lmdeploy.pytorch.weights.safetensors_loader import WeightSource
 
 # Checkpoint prefixes of the language model, in the hub layout and in transformers 5's own.
 LANGUAGE_PREFIXES = ('language_model.model.', 'language_model.')
-VISION_PREFIXES = ('visual.', 'vision_tower.', 'multi_modal_projector.')
+VISION_PREFIXES = ('visual.', 'vision_tower.', 'vision_model.', 'multi_modal_projector.')
 QWEN_VISION_TOWERS = {'qwen2_vl': Qwen2VisionTransformerPretrainedModel,
                       'qwen2_5_vl': Qwen2_5_VisionTransformerPretrainedModel, 'qwen3_vl': Qwen3VLVisionModel,
                       'qwen3_vl_moe': Qwen3VLMoeVisionModel}

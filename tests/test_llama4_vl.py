@@ -1,0 +1,187 @@
+"""Llama 4 with images (``Llama4ForConditionalGeneration``) against transformers on a tiny random model saved by
+transformers: a vision tower on 56 px tiles of 14 px patches (4 tokens a tile after the pixel shuffle), images cut
+into up to 4 tiles plus a global tile, a Llama 4 text model with chunked attention (chunk 8), a NoPE layer and MoE
+layers. Its prompts' spans as transformers' ``Llama4Processor`` writes them, 32 greedy tokens and first-step logits
+in fp32 on text, one-image and two-image prompts, batching, chunked prefill, prefix-cache hits, blocks given back,
+a server chat with a data-URL image, and clear errors for spans and pixels that do not fit the image's tiles."""
+from __future__ import annotations
+
+import json
+import os
+
+import openai
+import pytest
+import torch
+from conftest import build_tokenizer
+from family_checks import assert_batched_chunked_and_cached_equal_solo, assert_vl_matches_transformers
+from helpers import make_engine, run
+from server_helpers import serve, tiny_engine
+from test_llama4 import CONFIG as TEXT_CONFIG
+from test_vl import data_url
+from test_vl_families import make_processor
+from test_vl_server import chat, image_message
+from transformers import AutoModelForImageTextToText, Llama4Config
+from transformers.models.llama4.processing_llama4 import Llama4Processor, chat_template
+from vl_models import random_image
+
+from lmdeploy.pytorch.models.llama4_vl import Llama4ForConditionalGeneration
+from lmdeploy.vl.processor import ProcessedPrompt
+
+IMAGE_TOKENS = ['<|image|>', '<|image_start|>', '<|image_end|>', '<|patch|>', '<|tile_x_separator|>',
+                '<|tile_y_separator|>']
+TEMPLATE_TOKENS = ['<|header_start|>', '<|header_end|>', '<|eot|>']
+TILE = 56
+# hidden 32 pixel-shuffled (ratio 0.5) into 128 features, the adapter's width 48 = the projector's input
+VISION = dict(hidden_size=32, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, image_size=TILE,
+              patch_size=14, pixel_shuffle_ratio=0.5, projector_input_dim=48, projector_output_dim=48,
+              vision_output_dim=48, rope_parameters={'rope_type': 'default', 'rope_theta': 10000.0})
+PREPROCESSOR = {'image_processor_type': 'Llama4ImageProcessorFast', 'size': {'height': TILE, 'width': TILE},
+                'max_patches': 4, 'resample': 2, 'rescale_factor': 1 / 255, 'image_mean': [0.5] * 3,
+                'image_std': [0.5] * 3, 'do_resize': True, 'do_rescale': True, 'do_normalize': True,
+                'do_convert_rgb': True, 'resize_to_max_canvas': False}
+# tiles (rows x cols): 1 x 2 plus the global one, 1 x 1, 2 x 2 plus the global one
+IMAGES = [random_image(1, (100, 50)), random_image(2, (40, 40)), random_image(3, (100, 90))]
+TILES = [(1, 2), (1, 1), (2, 2)]
+PROMPTS = ['plain text', ('describe', IMAGES[0]), ('compare', [IMAGES[1], IMAGES[2]])]
+
+
+def save_tiny_llama4_vl(path: str) -> str:
+    """Model, tokenizer (the Llama 4 chat template, its special tokens) and image processor settings in ``path``."""
+    torch.manual_seed(0)
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({'additional_special_tokens': TEMPLATE_TOKENS + IMAGE_TOKENS})
+    tokenizer.chat_template = chat_template
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in IMAGE_TOKENS}
+    text = TEXT_CONFIG | {'vocab_size': 336, 'eos_token_id': tokenizer.eos_token_id, 'model_type': 'llama4_text'}
+    config = Llama4Config(text_config=text, vision_config=VISION, image_token_index=ids['<|patch|>'],
+                          boi_token_index=ids['<|image_start|>'], eoi_token_index=ids['<|image_end|>'])
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(0, 0.2 if name.startswith('language_model.') else 0.5)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    with open(os.path.join(path, 'preprocessor_config.json'), 'w') as f:
+        json.dump(PREPROCESSOR, f)
+    return path
+
+
+@pytest.fixture(scope='module')
+def llama4_vl(tmp_path_factory) -> str:
+    return save_tiny_llama4_vl(str(tmp_path_factory.mktemp('llama4_vl')))
+
+
+@pytest.fixture(scope='module')
+def prompts(llama4_vl) -> list[ProcessedPrompt]:
+    return [make_processor(llama4_vl).process(prompt) for prompt in PROMPTS]
+
+
+@pytest.fixture(scope='module')
+def hf_model(llama4_vl):
+    model = AutoModelForImageTextToText.from_pretrained(llama4_vl, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def hf_inputs(prompt: ProcessedPrompt) -> dict[str, torch.Tensor]:
+    """transformers' inputs: the prompt's ids and the tiles of all its images, in order."""
+    ids = torch.tensor([prompt.input_ids])
+    pixels = {'pixel_values': torch.cat([m.data['pixel_values'] for m in prompt.multimodal])} if prompt.multimodal \
+        else {}
+    return dict(input_ids=ids, attention_mask=torch.ones_like(ids), **pixels)
+
+
+def test_spans_are_those_of_transformers_processor(llama4_vl, prompts):
+    """Each ``<|image|>`` the chat template writes becomes ``Llama4Processor``'s text for the image's tiles; the
+    image's span runs from ``<|image_start|>`` to ``<|image_end|>``, with one tile of pixels per tile and the
+    global one."""
+    processor = make_processor(llama4_vl)
+    tokens_per_tile = (TILE // 14)**2 // 4
+    for prompt, processed, tiles in zip(PROMPTS[1:], prompts[1:], [TILES[:1], TILES[1:]]):
+        parts = processor.render(prompt, images=[]).split('<|image|>')
+        assert len(parts) == len(tiles) + 1
+        text = parts[0] + ''.join(Llama4Processor._prompt_split_image(None, ratio, tokens_per_tile) + part
+                                  for ratio, part in zip(tiles, parts[1:]))
+        assert processed.input_ids == processor.tokenizer.encode(text, add_special_tokens=False)
+        for image, (rows, cols) in zip(processed.multimodal, tiles):
+            assert image.data['aspect_ratios'].tolist() == [[rows, cols]]
+            assert image.data['pixel_values'].shape == (rows * cols + (rows * cols > 1), 3, TILE, TILE)
+            span = processor.tokenizer.decode(processed.input_ids[image.offset:image.end], skip_special_tokens=False)
+            assert span.startswith('<|image_start|>') and span.endswith('<|image_end|>')
+
+
+def test_greedy_and_first_logits_match_transformers(llama4_vl, prompts, hf_model):
+    outs = assert_vl_matches_transformers(llama4_vl, hf_model, prompts, [hf_inputs(p) for p in prompts])
+    assert len(set(outs[0])) > 2, 'the tiny model must not repeat one token'
+    assert outs[1] != outs[2], 'the images must change the answer'
+    assert len(prompts[2].input_ids) > 4 * TEXT_CONFIG['attention_chunk_size'], 'chunked attention must bite'
+
+
+def test_another_image_changes_the_answer(llama4_vl, prompts):
+    other = make_processor(llama4_vl).process(('describe', random_image(9, (100, 50))))
+    assert len(other.input_ids) == len(prompts[1].input_ids)
+    assert run(make_engine(llama4_vl), [other]) != run(make_engine(llama4_vl), [prompts[1]])
+
+
+def test_batched_chunked_and_cached_equal_solo(llama4_vl, prompts):
+    # chunks of 5 tokens cut through the images' tiles; blocks of 4 end cached prefixes inside images
+    assert_batched_chunked_and_cached_equal_solo(
+        llama4_vl, prompts, chunked={'block_size': 4, 'max_prefill_token_num': 5}, cached={'block_size': 4},
+        warm=slice(1, None))
+
+
+def test_image_requests_give_back_their_blocks(llama4_vl, prompts):
+    """Every block comes back after image requests, the second time with prefix-cache hits inside them."""
+    engine = make_engine(llama4_vl, block_size=4)
+    expected = run(engine, prompts)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert run(engine, prompts) == expected
+    assert engine.block_manager.num_hits > 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_a_span_or_pixels_that_do_not_fit_the_tiles_are_refused(llama4_vl, prompts):
+    engine = make_engine(llama4_vl)
+    prompt = prompts[1]
+    image = prompt.multimodal[0]
+    all_patches = list(prompt.input_ids)
+    all_patches[image.offset:image.end] = [engine.model_config.mm_config.image_token_id] * image.length
+    with pytest.raises(ValueError, match='span of image placeholder tokens'):
+        engine.add_request(all_patches, multimodal=[image])
+    shorter = type(image)(image.offset, image.length - 1, image.content_hash, image.data)
+    with pytest.raises(ValueError, match=f'spans {image.length} tokens, not {image.length - 1}'):
+        engine.add_request(prompt.input_ids, multimodal=[shorter])
+    one_tile = type(image)(image.offset, image.length, image.content_hash,
+                           {**image.data, 'pixel_values': image.data['pixel_values'][:1]})
+    with pytest.raises(ValueError, match='takes 3 tiles of pixels, got 1'):
+        engine.add_request(prompt.input_ids, multimodal=[one_tile])
+    unshaped = type(image)(image.offset, image.length, image.content_hash,
+                           {'pixel_values': image.data['pixel_values']})
+    with pytest.raises(ValueError, match="needs its 'pixel_values' and 'aspect_ratios'"):
+        engine.add_request(prompt.input_ids, multimodal=[unshaped])
+    assert not engine.sequences
+    assert run(engine, [prompt]) == run(make_engine(llama4_vl), [prompt]), 'the engine goes on'
+
+
+def test_model_is_built_as_the_config_says(llama4_vl):
+    model = make_engine(llama4_vl).runner.model
+    assert isinstance(model, Llama4ForConditionalGeneration)
+    assert model.tokens_per_tile == 4
+    assert [layer.self_attn.attn.attention_chunk for layer in model.layers] == [8, 8, None, 8]
+    assert len(model.vision_model.model.layers) == 2
+
+
+@pytest.fixture
+def llama4_vl_server(llama4_vl):
+    yield from serve(tiny_engine(llama4_vl), model_name='tiny-vl')
+
+
+def test_server_chat_with_a_data_url_image_matches_transformers(llama4_vl_server, hf_model):
+    messages = image_message(data_url(IMAGES[2]))
+    prompt = llama4_vl_server.engine.processor.process(messages)
+    expected = hf_model.generate(**hf_inputs(prompt), max_new_tokens=10, do_sample=False, top_k=None, top_p=None,
+                                 temperature=None)[0, len(prompt.input_ids):]
+    client = openai.OpenAI(base_url=f'{llama4_vl_server.url}/v1', api_key='none', max_retries=0)
+    reply = chat(client, messages)
+    assert reply.choices[0].message.content == llama4_vl_server.engine.tokenizer.decode(expected.tolist())
+    assert reply.usage.prompt_tokens == len(prompt.input_ids)
