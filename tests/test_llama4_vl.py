@@ -6,21 +6,30 @@ in fp32 on text, one-image and two-image prompts, batching, chunked prefill, pre
 a server chat with a data-URL image, and clear errors for spans and pixels that do not fit the image's tiles."""
 from __future__ import annotations
 
+import ast
 import json
+import math
 import os
+from collections import defaultdict
+from functools import lru_cache
 
 import openai
 import pytest
 import torch
 from conftest import build_tokenizer
-from family_checks import assert_batched_chunked_and_cached_equal_solo, assert_vl_matches_transformers
+from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_tp2_equals_tp1,
+                           assert_vl_matches_transformers)
 from helpers import make_engine, run
 from server_helpers import serve, tiny_engine
 from test_llama4 import CONFIG as TEXT_CONFIG
 from test_vl import data_url
 from test_vl_families import make_processor
 from test_vl_server import chat, image_message
+import transformers
 from transformers import AutoModelForImageTextToText, Llama4Config
+from transformers.image_utils import SizeDict
+from transformers.models.mllama.image_processing_pil_mllama import (get_image_size_fit_to_canvas,
+                                                                    get_optimal_tiled_canvas)
 from transformers.models.llama4.processing_llama4 import Llama4Processor, chat_template
 from vl_models import random_image
 
@@ -110,6 +119,36 @@ def test_spans_are_those_of_transformers_processor(llama4_vl, prompts):
             assert span.startswith('<|image_start|>') and span.endswith('<|image_end|>')
 
 
+def llama4_tiling_functions() -> dict:
+    """The canvas and resize functions of transformers' ``image_processing_llama4`` (a module that imports torchvision,
+    which this environment lacks), compiled from its source alone."""
+    path = os.path.join(os.path.dirname(transformers.__file__), 'models', 'llama4', 'image_processing_llama4.py')
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    names = {'get_factors', 'get_max_res_without_distortion', 'find_supported_resolutions', 'get_best_fit'}
+    module = ast.Module([node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name in names], [])
+    namespace = {'math': math, 'torch': torch, 'defaultdict': defaultdict, 'lru_cache': lru_cache,
+                 'SizeDict': SizeDict}
+    exec(compile(module, path, 'exec'), namespace)
+    return namespace
+
+
+@pytest.mark.parametrize('tile,max_tiles', [(336, 16), (56, 4)])
+def test_mllamas_tiling_is_llama4s(tile, max_tiles):
+    """Mllama's PIL image processor, which the engine runs, picks Llama 4's canvas and resizes to Llama 4's size
+    (``Llama4ImageProcessor._preprocess``: never upscaled past one tile), over images of up to 4 1/2 tiles a side."""
+    llama4 = llama4_tiling_functions()
+    resolutions = torch.tensor(llama4['find_supported_resolutions'](max_tiles, SizeDict(height=tile, width=tile)))
+    largest, step = (1500, 23) if tile == 336 else (400, 7)
+    for height in range(1, largest, step):
+        for width in range(1, largest, step + 6):
+            canvas = tuple(int(side) for side in llama4['get_best_fit']((height, width), resolutions))
+            limit = (min(max(height, tile), canvas[0]), min(max(width, tile), canvas[1]))
+            resized = tuple(max(side, 1) for side in llama4['get_max_res_without_distortion']((height, width), limit))
+            assert tuple(int(s) for s in get_optimal_tiled_canvas(height, width, max_tiles, tile)) == canvas
+            assert get_image_size_fit_to_canvas(height, width, *canvas, tile) == resized
+
+
 def test_greedy_and_first_logits_match_transformers(llama4_vl, prompts, hf_model):
     outs = assert_vl_matches_transformers(llama4_vl, hf_model, prompts, [hf_inputs(p) for p in prompts])
     assert len(set(outs[0])) > 2, 'the tiny model must not repeat one token'
@@ -153,7 +192,7 @@ def test_a_span_or_pixels_that_do_not_fit_the_tiles_are_refused(llama4_vl, promp
         engine.add_request(prompt.input_ids, multimodal=[shorter])
     one_tile = type(image)(image.offset, image.length, image.content_hash,
                            {**image.data, 'pixel_values': image.data['pixel_values'][:1]})
-    with pytest.raises(ValueError, match='takes 3 tiles of pixels, got 1'):
+    with pytest.raises(ValueError, match=r'takes pixels of \[3, 3, 56, 56\], got \[1, 3, 56, 56\]'):
         engine.add_request(prompt.input_ids, multimodal=[one_tile])
     unshaped = type(image)(image.offset, image.length, image.content_hash,
                            {'pixel_values': image.data['pixel_values']})
@@ -169,6 +208,11 @@ def test_model_is_built_as_the_config_says(llama4_vl):
     assert model.tokens_per_tile == 4
     assert [layer.self_attn.attn.attention_chunk for layer in model.layers] == [8, 8, None, 8]
     assert len(model.vision_model.model.layers) == 2
+
+
+def test_tp2_equals_tp1(llama4_vl, prompts):
+    """Two ranks (gloo on the CPU): the language model sharded, the vision tower whole on each."""
+    assert_tp2_equals_tp1(llama4_vl, prompts)
 
 
 @pytest.fixture

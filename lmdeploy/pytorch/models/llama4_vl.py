@@ -71,6 +71,7 @@ class Llama4VisionMLP(nn.Module):
 
 
 class Llama4VisionEncoderLayer(nn.Module):
+    """Pre-LayerNorm attention and MLP, each added to its input."""
 
     def __init__(self, vision: PretrainedConfig):
         super().__init__()
@@ -86,6 +87,7 @@ class Llama4VisionEncoderLayer(nn.Module):
 
 
 class Llama4VisionEncoder(nn.Module):
+    """The encoder layers (``vision_model.model.layers``); :class:`Llama4VisionModel` runs them."""
 
     def __init__(self, vision: PretrainedConfig):
         super().__init__()
@@ -105,6 +107,7 @@ class Llama4PatchEmbedding(nn.Module):
 
 
 class Llama4VisionAdapter(nn.Module):
+    """The pixel shuffle, then the adapter MLP (``fc1``, GELU, ``fc2``, GELU)."""
 
     def __init__(self, vision: PretrainedConfig):
         super().__init__()
@@ -149,6 +152,7 @@ class Llama4VisionModel(nn.Module):
 
 
 class Llama4MultiModalProjector(nn.Module):
+    """The adapter's features into the language model's width."""
 
     def __init__(self, config: PretrainedConfig):
         super().__init__()
@@ -168,6 +172,7 @@ class Llama4ForConditionalGeneration(VisionLanguageModel, Llama4ForCausalLM):
         self.multi_modal_projector = Llama4MultiModalProjector(mm)
         self.image_token_id = mm.image_token_id
         vision = mm.vision_config
+        self.tile_shape = (vision.num_channels, vision.image_size, vision.image_size)
         self.tokens_per_tile = int((vision.image_size // vision.patch_size)**2 * vision.pixel_shuffle_ratio**2)
         self.requires_grad_(False)
 
@@ -179,8 +184,9 @@ class Llama4ForConditionalGeneration(VisionLanguageModel, Llama4ForCausalLM):
                              f'got {sorted(image.data)}')
         rows, cols = (int(n) for n in ratio[0])
         tiles = rows * cols + (rows * cols > 1)
-        if pixels.shape[0] != tiles:
-            raise ValueError(f'an image of {rows} x {cols} tiles takes {tiles} tiles of pixels, got {pixels.shape[0]}')
+        if tuple(pixels.shape) != (tiles, *self.tile_shape):
+            raise ValueError(f'an image of {rows} x {cols} tiles takes pixels of {[tiles, *self.tile_shape]}, '
+                             f'got {list(pixels.shape)}')
         tile = [True] * self.tokens_per_tile
         mask = [False] + ((tile + [False]) * cols * rows if tiles > 1 else []) + [False] + tile + [False]
         if len(mask) != image.length:
@@ -193,10 +199,10 @@ class Llama4ForConditionalGeneration(VisionLanguageModel, Llama4ForCausalLM):
         spans = []
         start = 0
         for image in inputs:
-            mask = torch.tensor(self.placeholder_mask(image), device=features.device)
+            mask = self.placeholder_mask(image)
             span = features.new_zeros(image.length, features.shape[-1])
-            span[mask] = features[start:start + int(mask.sum())]
-            start += int(mask.sum())
+            span[torch.tensor(mask, device=features.device)] = features[start:start + sum(mask)]
+            start += sum(mask)
             spans.append(span)
         return torch.cat(spans)
 
