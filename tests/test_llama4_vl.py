@@ -10,6 +10,7 @@ import ast
 import json
 import math
 import os
+import shutil
 from collections import defaultdict
 from functools import lru_cache
 
@@ -17,6 +18,7 @@ import openai
 import pytest
 import torch
 from conftest import build_tokenizer
+from safetensors.torch import load_file, save_file
 from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_tp2_equals_tp1,
                            assert_vl_matches_transformers)
 from helpers import make_engine, run
@@ -26,14 +28,15 @@ from test_vl import data_url
 from test_vl_families import make_processor
 from test_vl_server import chat, image_message
 import transformers
-from transformers import AutoModelForImageTextToText, Llama4Config
+from transformers import AutoModelForImageTextToText, Llama4Config, Llama4VisionConfig
 from transformers.image_utils import SizeDict
+from transformers.models.llama4.modeling_llama4 import Llama4VisionRotaryEmbedding
+from transformers.models.llama4.processing_llama4 import Llama4Processor, chat_template
 from transformers.models.mllama.image_processing_pil_mllama import (get_image_size_fit_to_canvas,
                                                                     get_optimal_tiled_canvas)
-from transformers.models.llama4.processing_llama4 import Llama4Processor, chat_template
 from vl_models import random_image
 
-from lmdeploy.pytorch.models.llama4_vl import Llama4ForConditionalGeneration
+from lmdeploy.pytorch.models.llama4_vl import Llama4ForConditionalGeneration, patch_rotary_angles
 from lmdeploy.vl.processor import ProcessedPrompt
 
 IMAGE_TOKENS = ['<|image|>', '<|image_start|>', '<|image_end|>', '<|patch|>', '<|tile_x_separator|>',
@@ -200,6 +203,54 @@ def test_a_span_or_pixels_that_do_not_fit_the_tiles_are_refused(llama4_vl, promp
         engine.add_request(prompt.input_ids, multimodal=[unshaped])
     assert not engine.sequences
     assert run(engine, [prompt]) == run(make_engine(llama4_vl), [prompt]), 'the engine goes on'
+
+
+def test_a_checkpoint_of_the_language_model_alone_serves_text(llama4_vl, prompts, tmp_path):
+    """Without the vision tensors and the image processor's settings the same class loads, gives the full model's
+    tokens on text, and refuses images with a clear error."""
+    text_only = shutil.copytree(llama4_vl, tmp_path / 'text_only')
+    (text_only / 'preprocessor_config.json').unlink()
+    for file in text_only.glob('*.safetensors'):
+        tensors = load_file(file)
+        assert any(name.startswith('vision_model.') for name in tensors)
+        save_file({name: t for name, t in tensors.items()
+                   if not name.startswith(('vision_model.', 'multi_modal_projector.'))}, file,
+                  metadata={'format': 'pt'})
+    engine = make_engine(str(text_only))
+    assert engine.runner.model.vision_model is None
+    processor = make_processor(str(text_only))
+    assert run(engine, [processor.process(PROMPTS[0])]) == run(make_engine(llama4_vl), prompts[:1])
+    image_prompt = processor.process(PROMPTS[1])
+    with pytest.raises(ValueError, match='holds no vision tower'):
+        engine.add_request(image_prompt.input_ids, multimodal=image_prompt.multimodal)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_a_checkpoint_missing_part_of_the_tower_is_refused(llama4_vl, tmp_path):
+    broken = shutil.copytree(llama4_vl, tmp_path / 'broken')
+    for file in broken.glob('*.safetensors'):
+        tensors = load_file(file)
+        del tensors['vision_model.class_embedding']
+        save_file(tensors, file, metadata={'format': 'pt'})
+    with pytest.raises(ValueError, match='weights are missing for .*vision_model.class_embedding'):
+        make_engine(str(broken))
+
+
+def test_resize_to_max_canvas_is_refused(llama4_vl, tmp_path):
+    path = shutil.copytree(llama4_vl, tmp_path / 'max_canvas')
+    (path / 'preprocessor_config.json').write_text(json.dumps(PREPROCESSOR | {'resize_to_max_canvas': True}))
+    with pytest.raises(ValueError, match='resize_to_max_canvas are not supported'):
+        make_processor(str(path))
+
+
+def test_rotary_angles_are_transformers_at_scouts_size():
+    """Scout's tower: 24 x 24 patches and the class token, heads of 88 features (22 pairs turn by column, 22 by row)."""
+    vision = Llama4VisionConfig(hidden_size=1408, image_size=336, intermediate_size=5632, num_attention_heads=16,
+                                patch_size=14, rope_theta=10000)
+    angles = patch_rotary_angles(vision)
+    assert angles.shape == (577, 44)
+    expected = Llama4VisionRotaryEmbedding(vision).freqs_ci.squeeze(1)
+    torch.testing.assert_close(torch.polar(torch.ones_like(angles), angles), expected, rtol=0, atol=1e-6)
 
 
 def test_model_is_built_as_the_config_says(llama4_vl):

@@ -161,13 +161,17 @@ class Llama4ImageInputs(ImageInputs):
         from transformers.image_processing_utils import ImageProcessingMixin
         from transformers.models.mllama.image_processing_pil_mllama import MllamaImageProcessorPil
         self.config = config
-        settings, _ = ImageProcessingMixin.get_image_processor_dict(model_dir)
+        try:
+            settings, _ = ImageProcessingMixin.get_image_processor_dict(model_dir)
+        except OSError:  # a checkpoint of the language model alone: images are refused by the model
+            settings = {}
         if settings.get('resize_to_max_canvas'):
             raise ValueError(f'{model_dir}: Llama 4 images with resize_to_max_canvas are not supported')
         size = settings.get('size', {'height': 336, 'width': 336})
         common = {'size': size, 'resample': settings.get('resample', 2),
                   'rescale_factor': settings.get('rescale_factor', 1 / 255),
-                  'image_mean': settings.get('image_mean', [0.5] * 3), 'image_std': settings.get('image_std', [0.5] * 3)}
+                  'image_mean': settings.get('image_mean', [0.5] * 3),
+                  'image_std': settings.get('image_std', [0.5] * 3)}
         self.max_tiles = settings.get('max_patches', 16)
         self.image_processor = MllamaImageProcessorPil(max_image_tiles=self.max_tiles, **common)
         self.global_tile_processor = PilBackend(do_resize=True, do_rescale=True, do_normalize=True,

@@ -10,17 +10,23 @@ separators and ``<|image|>`` keep their own embeddings.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
 from lmdeploy.pytorch.config import ModelConfig
+from lmdeploy.pytorch.models.llama import WeightKey
 from lmdeploy.pytorch.models.llama4 import Llama4ForCausalLM
 from lmdeploy.pytorch.models.vision_language import VisionLanguageModel, pixel_shuffle
 from lmdeploy.pytorch.multimodal import MultiModalInput
 from lmdeploy.pytorch.nn.rotary import apply_rope
 from lmdeploy.pytorch.step_context import StepContext
+from lmdeploy.pytorch.weights.safetensors_loader import WeightSource
+
+VISION_WEIGHTS = ('vision_model.', 'multi_modal_projector.')
 
 
 def patch_rotary_angles(vision: PretrainedConfig) -> torch.Tensor:
@@ -163,7 +169,9 @@ class Llama4MultiModalProjector(nn.Module):
 
 
 class Llama4ForConditionalGeneration(VisionLanguageModel, Llama4ForCausalLM):
-    """Llama 4's text decoder with its vision tower; a prompt without images runs the text decoder alone."""
+    """Llama 4's text decoder with its vision tower; a prompt without images runs the text decoder alone. A
+    checkpoint without ``vision_model.*`` and ``multi_modal_projector.*`` tensors (the language model alone) loads
+    without the tower and refuses images."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -174,10 +182,33 @@ class Llama4ForConditionalGeneration(VisionLanguageModel, Llama4ForCausalLM):
         vision = mm.vision_config
         self.tile_shape = (vision.num_channels, vision.image_size, vision.image_size)
         self.tokens_per_tile = int((vision.image_size // vision.patch_size)**2 * vision.pixel_shuffle_ratio**2)
+        self.has_vision_weights = True
         self.requires_grad_(False)
+
+    def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> None:
+        """Loads the checkpoint; without vision tensors, drops the tower and the projector afterwards."""
+        self.has_vision_weights = False
+        super().load_weights(self._noting_vision_weights(weights))
+        if not self.has_vision_weights:
+            self.vision_model = self.multi_modal_projector = None
+
+    def _noting_vision_weights(self, weights: Iterable[tuple[str, WeightSource]]
+                               ) -> Iterator[tuple[str, WeightSource]]:
+        for name, tensor in weights:
+            self.has_vision_weights |= name.removeprefix('model.').startswith(VISION_WEIGHTS)
+            yield name, tensor
+
+    def required_weights(self) -> set[WeightKey]:
+        required = super().required_weights()
+        if self.has_vision_weights:
+            return required
+        return {key for key in required if not (key if isinstance(key, str) else key[0]).startswith(VISION_WEIGHTS)}
 
     def placeholder_mask(self, image: MultiModalInput) -> list[bool]:
         """The ``<|patch|>`` tokens of the image's span (the span checked against its tile layout)."""
+        if self.vision_model is None:
+            raise ValueError('this Llama 4 checkpoint holds no vision tower (no vision_model.* tensors): it takes '
+                             'text prompts only')
         pixels, ratio = image.data.get('pixel_values'), image.data.get('aspect_ratios')
         if pixels is None or ratio is None or tuple(ratio.shape) != (1, 2):
             raise ValueError(f"a Llama 4 image needs its 'pixel_values' and 'aspect_ratios' [[rows, cols]], "
