@@ -28,7 +28,7 @@ from test_vl import data_url
 from test_vl_families import make_processor
 from test_vl_server import chat, image_message
 import transformers
-from transformers import AutoModelForImageTextToText, Llama4Config, Llama4VisionConfig
+from transformers import AutoConfig, AutoModelForImageTextToText, Llama4Config, Llama4VisionConfig
 from transformers.image_utils import SizeDict
 from transformers.models.llama4.modeling_llama4 import Llama4VisionRotaryEmbedding
 from transformers.models.llama4.processing_llama4 import Llama4Processor, chat_template
@@ -37,6 +37,7 @@ from transformers.models.mllama.image_processing_pil_mllama import (get_image_si
 from vl_models import random_image
 
 from lmdeploy.pytorch.models.llama4_vl import Llama4ForConditionalGeneration, patch_rotary_angles
+from lmdeploy.vl.image_inputs import Llama4ImageInputs
 from lmdeploy.vl.processor import ProcessedPrompt
 
 IMAGE_TOKENS = ['<|image|>', '<|image_start|>', '<|image_end|>', '<|patch|>', '<|tile_x_separator|>',
@@ -241,6 +242,11 @@ def test_resize_to_max_canvas_is_refused(llama4_vl, tmp_path):
     (path / 'preprocessor_config.json').write_text(json.dumps(PREPROCESSOR | {'resize_to_max_canvas': True}))
     with pytest.raises(ValueError, match='resize_to_max_canvas are not supported'):
         make_processor(str(path))
+
+
+def test_a_tokenizer_without_the_image_tokens_is_refused(llama4_vl):
+    with pytest.raises(ValueError, match=r"lacks the Llama 4 image tokens \['<\|image\|>'"):
+        Llama4ImageInputs(llama4_vl, AutoConfig.from_pretrained(llama4_vl), build_tokenizer())
 
 
 def test_rotary_angles_are_transformers_at_scouts_size():

@@ -180,6 +180,9 @@ class Llama4ImageInputs(ImageInputs):
         self.tokens_per_tile = int((size['height'] // vision.patch_size) * (size['width'] // vision.patch_size)
                                    * vision.pixel_shuffle_ratio**2)
         ids = dict(zip(LLAMA4_IMAGE_TOKENS, tokenizer.convert_tokens_to_ids(LLAMA4_IMAGE_TOKENS)))
+        unknown = [token for token, id_ in ids.items() if id_ is None or id_ == tokenizer.unk_token_id]
+        if unknown:
+            raise ValueError(f'{model_dir}: the tokenizer lacks the Llama 4 image tokens {unknown}')
         self.image_token_id = ids['<|image|>']
         self.start_id, self.end_id = ids['<|image_start|>'], ids['<|image_end|>']
         self.tile_x_id, self.tile_y_id = ids['<|tile_x_separator|>'], ids['<|tile_y_separator|>']
