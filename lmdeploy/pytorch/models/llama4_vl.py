@@ -35,7 +35,7 @@ def patch_rotary_angles(vision: PretrainedConfig) -> torch.Tensor:
     quarter of the head; the class token (last) does not turn."""
     side = vision.image_size // vision.patch_size
     quarter = vision.hidden_size // vision.num_attention_heads // 4
-    freqs = 1.0 / (vision.rope_parameters['rope_theta'] ** (torch.arange(quarter).float() * 2 / (2 * quarter)))
+    freqs = 1.0 / (vision.rope_parameters['rope_theta'] ** (torch.arange(quarter).float() / quarter))
     index = torch.arange(side * side)
     cols, rows = (index % side + 1).float(), (index // side + 1).float()
     angles = torch.cat([cols[:, None] * freqs, rows[:, None] * freqs], dim=-1)
