@@ -216,4 +216,3 @@ class Qwen3NextForCausalLM(MoEForCausalLM):
     def recurrent_state_shapes(self) -> list[list[tuple[tuple[int, ...], torch.dtype]] | None]:
         """Per layer, one sequence's recurrent state (linear-attention layers) or None (KV-cache layers)."""
         return [layer.linear_attn.state_shapes() if layer.is_linear else None for layer in self.layers]
-
