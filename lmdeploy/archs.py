@@ -13,6 +13,7 @@ Task = Literal['llm', 'vlm']
 
 _VL = 'lmdeploy.pytorch.models.vision_language'
 _MISTRAL3 = 'lmdeploy.pytorch.models.mistral3_vl'
+_QWEN3_5_VL = 'lmdeploy.pytorch.models.qwen3_5_vl:Qwen3_5ForConditionalGeneration'
 # architecture -> (task, 'module:class')
 SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'LlamaForCausalLM': ('llm', 'lmdeploy.pytorch.models.llama:LlamaForCausalLM'),
@@ -43,13 +44,13 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'Qwen3NextForCausalLM': ('llm', 'lmdeploy.pytorch.models.qwen3_next:Qwen3NextForCausalLM'),
     'Qwen3_5ForCausalLM': ('llm', 'lmdeploy.pytorch.models.qwen3_next:Qwen3NextForCausalLM'),
     'Qwen3_5MoeForCausalLM': ('llm', 'lmdeploy.pytorch.models.qwen3_next:Qwen3NextForCausalLM'),
-    'Qwen3_5ForConditionalGeneration': ('llm', 'lmdeploy.pytorch.models.qwen3_next:Qwen3_5TextOfVisionModel'),
-    'Qwen3_5MoeForConditionalGeneration': ('llm', 'lmdeploy.pytorch.models.qwen3_next:Qwen3_5TextOfVisionModel'),
     'Qwen2VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
     'Qwen2_5_VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
     'LlavaForConditionalGeneration': ('vlm', f'{_VL}:LlavaForConditionalGeneration'),
     'Qwen3VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen3VLForConditionalGeneration'),
     'Qwen3VLMoeForConditionalGeneration': ('vlm', f'{_VL}:Qwen3VLMoeForConditionalGeneration'),
+    'Qwen3_5ForConditionalGeneration': ('vlm', _QWEN3_5_VL),
+    'Qwen3_5MoeForConditionalGeneration': ('vlm', _QWEN3_5_VL),
     'InternVLForConditionalGeneration': ('vlm', f'{_VL}:InternVLForConditionalGeneration'),
     'Mistral3ForConditionalGeneration': ('vlm', f'{_MISTRAL3}:Mistral3ForConditionalGeneration'),
     'Gemma3ForConditionalGeneration': ('vlm', 'lmdeploy.pytorch.models.gemma3_vl:Gemma3ForConditionalGeneration'),

@@ -1,5 +1,5 @@
-"""Tiny random vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, LLaVA, InternVL 3, Mistral 3,
-Gemma 3) saved with transformers, and transformers' greedy output on them as the reference."""
+"""Tiny random vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE, LLaVA,
+InternVL 3, Mistral 3, Gemma 3) saved with transformers, and transformers' greedy output on them as the reference."""
 from __future__ import annotations
 
 import json
@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from conftest import MINISTRAL3_ROPE, VOCAB_SIZE, build_tokenizer
 from PIL import Image
 from transformers import (AutoModelForImageTextToText, CLIPVisionConfig, Gemma3Config, InternVLConfig, LlamaConfig,
-                          LlavaConfig, Mistral3Config, Qwen2_5_VLConfig, Qwen2Config, Qwen2VLConfig, Qwen3Config,
-                          Qwen3VLConfig, Qwen3VLMoeConfig)
+                          LlavaConfig, Mistral3Config, Qwen2_5_VLConfig, Qwen2Config, Qwen2VLConfig, Qwen3_5Config,
+                          Qwen3_5MoeConfig, Qwen3Config, Qwen3VLConfig, Qwen3VLMoeConfig)
 from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
@@ -49,6 +49,18 @@ QWEN25_VISION = dict(depth=2, hidden_size=32, out_hidden_size=64, intermediate_s
 QWEN3_VISION = dict(depth=2, hidden_size=32, out_hidden_size=64, intermediate_size=64, num_heads=2, patch_size=16,
                     spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
                     deepstack_visual_indexes=[0, 1])
+# Qwen3.5: Qwen3-VL's tower without deepstack; a hybrid language model of three linear-attention layers then a
+# full-attention one whose heads rotate half their features, interleaved M-RoPE over those 8 frequencies
+QWEN3_5_VISION = {key: value for key, value in QWEN3_VISION.items() if key != 'deepstack_visual_indexes'}
+QWEN3_5_TEXT = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+                    linear_conv_kernel_dim=4, vocab_size=VOCAB_SIZE, max_position_embeddings=1024,
+                    rope_parameters={'rope_type': 'default', 'rope_theta': 10000.0, 'partial_rotary_factor': 0.5,
+                                     'mrope_section': [4, 2, 2], 'mrope_interleaved': True})
+QWEN3_5_CONFIGS = {
+    'qwen3_5': (Qwen3_5Config, dict(intermediate_size=128)),
+    'qwen3_5_moe': (Qwen3_5MoeConfig, dict(moe_intermediate_size=32, shared_expert_intermediate_size=40,
+                                           num_experts=4, num_experts_per_tok=2))}
 # Qwen3-VL-MoE's language model: a dense first layer, then top-2 of 4 experts
 QWEN3_MOE_TEXT = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, mlp_only_layers=[0])
 # 56 px tiles of 14 px patches: 16 patches, 4 tokens after the pixel shuffle
@@ -90,6 +102,10 @@ def _config(kind: str, ids: dict[str, int]):
     qwen_ids = dict(image_token_id=ids['<|image_pad|>'], video_token_id=ids['<|video_pad|>'],
                     vision_start_token_id=ids['<|vision_start|>'], vision_end_token_id=ids['<|vision_end|>'])
     mrope = {'rope_type': 'default', 'rope_theta': 10000.0, 'mrope_section': [2, 3, 3]}
+    if kind in QWEN3_5_CONFIGS:
+        config_class, mlp = QWEN3_5_CONFIGS[kind]
+        return config_class(text_config={**QWEN3_5_TEXT, **mlp}, vision_config=QWEN3_5_VISION,
+                            tie_word_embeddings=False, **qwen_ids)
     if kind == 'qwen3_vl':
         text = {**TEXT, 'head_dim': 16, 'rope_parameters': {**mrope, 'mrope_section': [4, 2, 2]}}
         return Qwen3VLConfig(text_config=text, vision_config=QWEN3_VISION, **qwen_ids)
@@ -108,8 +124,9 @@ def _config(kind: str, ids: dict[str, int]):
 
 
 # parameter name part -> std of the random weights, where 0.5 does not make greedy outputs vary: Gemma 3's
-# embeddings, scaled by sqrt(hidden) and tied to the LM head, would make it repeat the last token
-INIT_STDS = {'gemma3': {'embed_tokens': 0.05, '': 1.0}}
+# embeddings, scaled by sqrt(hidden) and tied to the LM head, would make it repeat the last token; Qwen3.5's gated
+# layers would give every prompt, images or not, the same answer
+INIT_STDS = {'gemma3': {'embed_tokens': 0.05, '': 1.0}, 'qwen3_5': {'': 0.2}, 'qwen3_5_moe': {'': 0.2}}
 VL_KINDS = ('llava', 'qwen2_5_vl', 'qwen2_vl', 'internvl', 'qwen3_vl', 'mistral3')
 IMAGE_TEMPLATES = {'llava': LLAVA_IMAGE, 'llava_qwen2': LLAVA_IMAGE, 'llava_qwen3': LLAVA_IMAGE,
                    'gemma3': GEMMA3_TOKENS['boi_token']}
@@ -141,7 +158,7 @@ def save_tiny_vl_model(kind: str, path: str) -> str:
         _name_image_tokens(path, named)
     if internvl:
         processor = GotOcr2ImageProcessorPil(size={'height': 56, 'width': 56}, max_patches=4)
-    elif kind.startswith('qwen3_vl'):
+    elif kind.startswith(('qwen3_vl', 'qwen3_5')):
         processor = Qwen2VLImageProcessorPil(patch_size=16, size={'shortest_edge': 32 * 32,
                                                                   'longest_edge': 32 * 32 * 9})
     elif mistral3:

@@ -37,8 +37,10 @@ class ImageInputs:
                   tokenizer: PreTrainedTokenizerBase) -> ImageInputs | None:
         """The preprocessing of a vision-language model's family; None for text-only models."""
         family = {'qwen2_vl': QwenVLImageInputs, 'qwen2_5_vl': QwenVLImageInputs, 'qwen3_vl': QwenVLImageInputs,
-                  'qwen3_vl_moe': QwenVLImageInputs, 'llava': LlavaImageInputs, 'internvl': InternVLImageInputs,
-                  'mistral3': Mistral3ImageInputs, 'gemma3': Gemma3ImageInputs, 'llama4': Llama4ImageInputs}
+                  'qwen3_vl_moe': QwenVLImageInputs, 'qwen3_5': QwenVLImageInputs, 'qwen3_5_moe': QwenVLImageInputs,
+                  'llava': LlavaImageInputs, 'internvl': InternVLImageInputs,
+                  'mistral3': Mistral3ImageInputs, 'gemma3': Gemma3ImageInputs,
+                  'llama4': Llama4ImageInputs}
         kind = family.get(config.model_type)
         return kind(model_dir, config, tokenizer) if kind else None
 
@@ -55,7 +57,7 @@ class ImageInputs:
 
 
 class QwenVLImageInputs(ImageInputs):
-    """Qwen2-VL, Qwen2.5-VL and Qwen3-VL: dynamic resolution; one token per merged ``merge x merge``
+    """Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5: dynamic resolution; one token per merged ``merge x merge``
     patch group."""
 
     def __call__(self, image: Image.Image) -> tuple[int, dict[str, torch.Tensor]]:

@@ -15,7 +15,6 @@ from lmdeploy.pytorch.kernels import gated_delta_decode
 from lmdeploy.pytorch.kernels.gated_delta import causal_conv1d, chunk_gated_delta_rule
 from lmdeploy.pytorch.models.llama import KVCache, LlamaMLP, WeightTarget
 from lmdeploy.pytorch.models.moe import MoEForCausalLM
-from lmdeploy.pytorch.models.vision_language import LANGUAGE_PREFIXES, VISION_PREFIXES
 from lmdeploy.pytorch.nn.attention import PagedAttention
 from lmdeploy.pytorch.nn.linear import Linear
 from lmdeploy.pytorch.nn.moe import FusedExperts
@@ -217,14 +216,3 @@ class Qwen3NextForCausalLM(MoEForCausalLM):
     def recurrent_state_shapes(self) -> list[list[tuple[tuple[int, ...], torch.dtype]] | None]:
         """Per layer, one sequence's recurrent state (linear-attention layers) or None (KV-cache layers)."""
         return [layer.linear_attn.state_shapes() if layer.is_linear else None for layer in self.layers]
-
-
-class Qwen3_5TextOfVisionModel(Qwen3NextForCausalLM):
-    """The hub's Qwen3.5 and Qwen3.5-MoE checkpoints (``Qwen3_5ForConditionalGeneration``,
-    ``Qwen3_5MoeForConditionalGeneration``) served for text: their language model under ``model.language_model.*``;
-    the vision tower's weights are not loaded, and prompts with images are refused as for any text model."""
-
-    def weight_target(self, name: str) -> WeightTarget | None:
-        for prefix in LANGUAGE_PREFIXES:
-            name = name.removeprefix(prefix)
-        return None if name.startswith(VISION_PREFIXES) else super().weight_target(name)

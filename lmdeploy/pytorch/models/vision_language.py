@@ -16,6 +16,8 @@ from transformers.models.internvl.modeling_internvl import InternVLMultiModalPro
 from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
+from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeVisionModel
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVisionModel
 
@@ -31,7 +33,8 @@ LANGUAGE_PREFIXES = ('language_model.model.', 'language_model.')
 VISION_PREFIXES = ('visual.', 'vision_tower.', 'vision_model.', 'multi_modal_projector.')
 QWEN_VISION_TOWERS = {'qwen2_vl': Qwen2VisionTransformerPretrainedModel,
                       'qwen2_5_vl': Qwen2_5_VisionTransformerPretrainedModel, 'qwen3_vl': Qwen3VLVisionModel,
-                      'qwen3_vl_moe': Qwen3VLMoeVisionModel}
+                      'qwen3_vl_moe': Qwen3VLMoeVisionModel, 'qwen3_5': Qwen3_5VisionModel,
+                      'qwen3_5_moe': Qwen3_5MoeVisionModel}
 
 
 class VisionLanguageModel(LlamaForCausalLM):

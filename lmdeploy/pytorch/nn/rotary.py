@@ -12,7 +12,9 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from lmdeploy.pytorch.kernels import apply_rotary
 from lmdeploy.pytorch.step_context import StepContext
 
-INTERLEAVED_MROPE_MODEL_TYPES = ('qwen3_vl_text', 'qwen3_vl_moe_text')
+# model type -> the ``mrope_section`` its transformers rotary takes where the config names none
+INTERLEAVED_MROPE_SECTIONS = {'qwen3_vl_text': [24, 20, 20], 'qwen3_vl_moe_text': [24, 20, 20],
+                              'qwen3_5_text': [11, 11, 10], 'qwen3_5_moe_text': [11, 11, 10]}
 
 
 def rotary_dim(hf_config: PretrainedConfig, head_dim: int) -> int:
@@ -72,7 +74,7 @@ def step_seq_lens(ctx: StepContext) -> torch.Tensor:
 
 def mrope_axes(sections: list[int], num_freqs: int, interleaved: bool) -> torch.Tensor:
     """Which position axis (0 temporal, 1 height, 2 width) turns each rotary frequency: consecutive bands
-    of ``sections`` frequencies (Qwen2-VL), or, ``interleaved`` (Qwen3-VL), height and width every third
+    of ``sections`` frequencies (Qwen2-VL), or, ``interleaved`` (Qwen3-VL, Qwen3.5), height and width every third
     frequency from the second and third on (``sections[1]`` and ``sections[2]`` of them), the rest temporal."""
     if not interleaved:
         return torch.cat([torch.full((size,), index % 3) for index, size in enumerate(sections)])
@@ -122,9 +124,9 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f'rope type {rope_type!r} is not supported')
         # A plain attribute, not a buffer: casting the model to bf16 must not round the frequencies.
         self.inv_freq = inv_freq
-        sections = params.get('mrope_section')
-        self.mrope_select = None if sections is None else mrope_axes(
-            sections, len(inv_freq), hf_config.model_type in INTERLEAVED_MROPE_MODEL_TYPES)
+        interleaved = hf_config.model_type in INTERLEAVED_MROPE_SECTIONS
+        sections = params.get('mrope_section', INTERLEAVED_MROPE_SECTIONS.get(hf_config.model_type))
+        self.mrope_select = None if sections is None else mrope_axes(sections, len(inv_freq), interleaved)
 
     def forward(self, ctx: StepContext, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         positions = ctx.positions if ctx.rope_positions is None else ctx.rope_positions
