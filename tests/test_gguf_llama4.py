@@ -155,8 +155,8 @@ def long_engine(src: Path, **kwargs):
 
 def test_f32_file_is_the_original_checkpoint_and_matches_transformers(tmp_path: Path, cache: Path) -> None:
     """Converted with every tensor dequantized, the folder is transformers' own checkpoint (config and weights,
-    bit for bit); the engine's greedy tokens equal transformers' on a short and a long prompt, as do its
-    first-step logits."""
+    bit for bit); the engine's greedy tokens equal transformers' on a short and a long prompt (prefilled in chunks
+    of 4096 tokens), as do its first-step logits (both prompts whole in one step)."""
     hf = random_llama4(tmp_path)
     src = tmp_path / 'model.gguf'
     convert_gguf(str(src), str(tmp_path / 'converted'), raw_types=())
@@ -164,8 +164,9 @@ def test_f32_file_is_the_original_checkpoint_and_matches_transformers(tmp_path: 
     for field in ('architectures', 'model_type', 'intermediate_size', 'intermediate_size_mlp', 'num_local_experts',
                   'num_experts_per_tok', 'moe_layers', 'no_rope_layers', 'layer_types', 'attention_chunk_size',
                   'use_qk_norm', 'attn_temperature_tuning', 'floor_scale', 'attn_scale', 'head_dim',
-                  'rope_parameters', 'rms_norm_eps', 'tie_word_embeddings'):
+                  'rope_parameters', 'tie_word_embeddings'):
         assert getattr(converted.config, field) == getattr(hf.config, field), field
+    assert converted.config.rms_norm_eps == pytest.approx(hf.config.rms_norm_eps)  # a float32 in the file
     assert converted.config.layer_types == ['chunked_attention'] * 3 + ['full_attention']
     assert converted.config.moe_layers == [1, 3]
     state = hf.state_dict()
@@ -180,7 +181,8 @@ def test_f32_file_is_the_original_checkpoint_and_matches_transformers(tmp_path: 
     prompts = random_prompts([7, LONG], seed=1, vocab=hf.config.vocab_size)
     assert run(engine, prompts) == [hf_greedy(hf, p) for p in prompts]
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    assert_first_logits_close(long_engine(src), prompts, [hf_last_logits(hf, p) for p in prompts])
+    one_step = long_engine(src, max_prefill_token_num=LONG + 64)  # both prompts whole in the first step
+    assert_first_logits_close(one_step, prompts, [hf_last_logits(hf, p) for p in prompts])
 
 
 @pytest.mark.parametrize('qtype', [Q.F16, Q.Q8_0])
