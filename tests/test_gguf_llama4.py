@@ -21,6 +21,7 @@ from family_checks import assert_first_logits_close, hf_causal_lm, hf_last_logit
 from helpers import hf_greedy, make_engine, random_prompts, run
 from test_gguf import _byte_tokens, finish
 
+from lmdeploy.messages import ConfigError
 from lmdeploy.pytorch.models.llama4 import Llama4MoE
 from lmdeploy.pytorch.weights.gguf import convert_gguf, resolve_gguf
 from lmdeploy.tokenizer import Tokenizer
@@ -58,7 +59,8 @@ def add_tokenizer(writer: gguf.GGUFWriter) -> int:
 
 def write_metadata(config: Llama4TextConfig, writer: gguf.GGUFWriter) -> None:
     """What Llama4Model writes: TextModel's keys with the dense MLP's width as ``feed_forward_length``, LlamaModel's
-    vocabulary size and rotary width, its own MoE step and expert width; the llama3 rotary as ``rope_freqs`` only."""
+    vocabulary size and rotary width, its own MoE step and expert width, a sliding window of 0 where no layer is
+    chunked; the llama3 rotary as ``rope_freqs`` only."""
     for add, value in [(writer.add_block_count, config.num_hidden_layers),
                        (writer.add_context_length, config.max_position_embeddings),
                        (writer.add_embedding_length, config.hidden_size),
@@ -75,6 +77,8 @@ def write_metadata(config: Llama4TextConfig, writer: gguf.GGUFWriter) -> None:
                        (writer.add_interleave_moe_layer_step, config.interleave_moe_layer_step),
                        (writer.add_expert_feed_forward_length, config.intermediate_size)]:
         add(value)
+    if all(kind == 'full_attention' for kind in config.layer_types):  # MobileLLM-R1: no chunks, no NoPE layer
+        writer.add_sliding_window(0)
 
 
 def rope_freqs(config: Llama4TextConfig) -> np.ndarray:
@@ -120,7 +124,8 @@ def random_llama4(path: Path, qtype: Q = Q.F32, **overrides) -> torch.nn.Module:
     config.architectures = ['Llama4ForCausalLM']
     hf = hf_causal_lm(save_random_model(config, str(path / 'hf')))
     write_metadata(hf.config, writer)
-    writer.add_tensor('rope_freqs.weight', rope_freqs(hf.config))
+    if hf.config.rope_parameters['rope_type'] == 'llama3':
+        writer.add_tensor('rope_freqs.weight', rope_freqs(hf.config))
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA4, hf.config.num_hidden_layers)
     held = {}
     for name, data in converter_tensors(hf).items():
@@ -226,3 +231,36 @@ def test_chat_template_and_tokenizer_come_from_the_file(tmp_path: Path, cache: P
     assert ids[0] == vocab - len(SPECIALS) + SPECIALS.index('<|begin_of_text|>')
     assert tokenizer.decode(ids, skip_special_tokens=False) == prompt
     assert tokenizer.eos_token_ids == {vocab - len(SPECIALS) + SPECIALS.index('<|eot|>')}
+
+
+PLAIN_ROPE = {'rope_type': 'default', 'rope_theta': 500000.0}
+
+
+@pytest.mark.parametrize('variant,overrides', [
+    ('maverick', dict(num_local_experts=128, use_qk_norm=False, rope_parameters=PLAIN_ROPE)),
+    ('mobilellm', dict(num_local_experts=0, moe_layers=[], no_rope_layers=[1, 1, 1, 1], attention_chunk_size=None,
+                       rope_parameters=PLAIN_ROPE))])
+def test_variants_llama_cpp_tells_apart(tmp_path: Path, cache: Path, variant: str, overrides: dict) -> None:
+    """What llama.cpp infers from the file: 128 experts are Maverick's, without the q/k norm; a sliding window of 0
+    is MobileLLM-R1's dense model, every layer rotating over all positions. Neither has llama3 scaling."""
+    hf = random_llama4(tmp_path, **overrides)
+    engine = make_engine(str(tmp_path / 'model.gguf'))
+    config = engine.model_config.hf_config
+    for field in ('use_qk_norm', 'moe_layers', 'no_rope_layers', 'layer_types', 'attention_chunk_size',
+                  'rope_parameters'):
+        assert getattr(config, field) == getattr(hf.config, field), field
+    assert config.use_qk_norm == (variant != 'maverick')
+    assert config.layer_types == (['full_attention'] * 4 if variant == 'mobilellm' else
+                                  ['chunked_attention'] * 3 + ['full_attention'])
+    prompts = random_prompts([6, 37], seed=3, vocab=hf.config.vocab_size)
+    assert run(engine, prompts) == [hf_greedy(hf, p) for p in prompts]
+
+
+def test_file_without_its_moe_step_is_refused(tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama.cpp requires ``llama4.interleave_moe_layer_step``; a file without it is refused, naming the key, and
+    leaves nothing in the cache."""
+    monkeypatch.setattr(gguf.GGUFWriter, 'add_interleave_moe_layer_step', lambda writer, step: None)
+    random_llama4(tmp_path)
+    with pytest.raises(ConfigError, match='llama4.interleave_moe_layer_step'):
+        resolve_gguf(str(tmp_path / 'model.gguf'))
+    assert not (cache / 'gguf').exists() or not list((cache / 'gguf').iterdir())
