@@ -190,26 +190,35 @@ def test_f32_file_is_the_original_checkpoint_and_matches_transformers(tmp_path: 
     assert_first_logits_close(one_step, prompts, [hf_last_logits(hf, p) for p in prompts])
 
 
-@pytest.mark.parametrize('qtype', [Q.F16, Q.Q8_0])
+def kept_layers(config: Llama4TextConfig) -> list[str]:
+    """The engine's linear layers a Q8_0 file keeps as blocks: every projection, shared expert and expert."""
+    names = []
+    for layer in range(config.num_hidden_layers):
+        mlps = ['mlp.shared_expert', 'mlp.experts'] if layer in config.moe_layers else ['mlp']
+        names += [f'layers.{layer}.self_attn.{proj}' for proj in ('qkv_proj', 'o_proj')]
+        names += [f'layers.{layer}.{mlp}.{proj}' for mlp in mlps for proj in ('gate_up_proj', 'down_proj')]
+    return names
+
+
+@pytest.mark.parametrize('qtype', [Q.F16, Q.Q8_0], ids=lambda qtype: qtype.name)
 def test_f16_and_q8_0_files_match_transformers(tmp_path: Path, cache: Path, qtype: Q) -> None:
-    """An F16 file is dequantized at conversion; a Q8_0 file keeps attention, the dense MLPs, the shared experts
-    and the routed experts as their blocks (the router stays F32). Either answers as transformers does on the
-    weights the file holds."""
+    """An F16 file is dequantized at conversion, its experts back in Meta's stacked layout; a Q8_0 file keeps
+    attention, the dense MLPs, the shared experts and the routed experts (one tensor per expert) as their blocks,
+    the router dense. Either answers as transformers does on the weights the file holds."""
     hf = random_llama4(tmp_path, qtype)
-    engine = make_engine(str(tmp_path / 'model.gguf'))
-    layer_types = engine.model_config.hf_config.quantization_config['ggml_types'] if qtype == Q.Q8_0 else {}
-    for layer in range(hf.config.num_hidden_layers) if qtype == Q.Q8_0 else ():
-        mlps = ['mlp.shared_expert', 'mlp.experts'] if layer in hf.config.moe_layers else ['mlp']
-        for name in ['self_attn.qkv_proj', 'self_attn.o_proj'] + [f'{mlp}.gate_up_proj' for mlp in mlps] + [
-                f'{mlp}.down_proj' for mlp in mlps]:
-            assert layer_types[f'layers.{layer}.{name}'] == 'Q8_0', (layer, name)
-    assert not [name for name in layer_types if 'router' in name]
-    index = json.loads((Path(resolve_gguf(str(tmp_path / 'model.gguf'))) / 'model.safetensors.index.json').read_text())
-    experts = [name for name in index['weight_map'] if name.startswith('model.layers.1.feed_forward.experts.')]
-    assert sorted(experts) == (sorted(f'model.layers.1.feed_forward.experts.{e}.{proj}_proj.qweight'
-                                      for e in range(4) for proj in ('gate', 'up', 'down')) if qtype == Q.Q8_0 else
-                               ['model.layers.1.feed_forward.experts.down_proj',
-                                'model.layers.1.feed_forward.experts.gate_up_proj'])
+    src = str(tmp_path / 'model.gguf')
+    engine = make_engine(src)
+    index = json.loads((Path(resolve_gguf(src)) / 'model.safetensors.index.json').read_text())
+    experts = sorted(name for name in index['weight_map'] if name.startswith('model.layers.1.feed_forward.experts.'))
+    if qtype == Q.Q8_0:
+        assert engine.model_config.hf_config.quantization_config['ggml_types'] == dict.fromkeys(
+            kept_layers(hf.config), 'Q8_0')
+        assert experts == sorted(f'model.layers.1.feed_forward.experts.{expert}.{proj}_proj.qweight'
+                                 for expert in range(4) for proj in ('gate', 'up', 'down'))
+    else:
+        assert not hasattr(engine.model_config.hf_config, 'quantization_config')
+        assert experts == ['model.layers.1.feed_forward.experts.down_proj',
+                           'model.layers.1.feed_forward.experts.gate_up_proj']
     prompts = random_prompts([5, 41], seed=2, vocab=hf.config.vocab_size)
     assert run(engine, prompts) == [hf_greedy(hf, p) for p in prompts]
 
@@ -239,7 +248,7 @@ PLAIN_ROPE = {'rope_type': 'default', 'rope_theta': 500000.0}
 @pytest.mark.parametrize('variant,overrides', [
     ('maverick', dict(num_local_experts=128, use_qk_norm=False, rope_parameters=PLAIN_ROPE)),
     ('mobilellm', dict(num_local_experts=0, moe_layers=[], no_rope_layers=[1, 1, 1, 1], attention_chunk_size=None,
-                       rope_parameters=PLAIN_ROPE))])
+                       rope_parameters=PLAIN_ROPE))], ids=['maverick', 'mobilellm'])
 def test_variants_llama_cpp_tells_apart(tmp_path: Path, cache: Path, variant: str, overrides: dict) -> None:
     """What llama.cpp infers from the file: 128 experts are Maverick's, without the q/k norm; a sliding window of 0
     is MobileLLM-R1's dense model, every layer rotating over all positions. Neither has llama3 scaling."""
