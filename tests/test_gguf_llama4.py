@@ -116,9 +116,10 @@ def stored(data: np.ndarray, gguf_name: str, qtype: Q) -> tuple[np.ndarray, Q]:
     return gguf.quants.quantize(np.ascontiguousarray(data), qtype), qtype
 
 
-def random_llama4(path: Path, qtype: Q = Q.F32, **overrides) -> torch.nn.Module:
+def random_llama4(path: Path, qtype: Q = Q.F32, down_experts: Q | None = None, **overrides) -> torch.nn.Module:
     """A tiny random Llama 4 (``CONFIG`` with ``overrides``) written to ``path / 'model.gguf'`` as the converter
-    writes it with ``--outtype`` ``qtype``; transformers' model of the weights the file holds."""
+    writes it with ``--outtype`` ``qtype`` (the experts' down projections in ``down_experts`` where given, as mixed
+    quantizations write them); transformers' model of the weights the file holds."""
     writer = gguf.GGUFWriter(str(path / 'model.gguf'), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA4])
     config = Llama4TextConfig(**CONFIG | overrides, vocab_size=add_tokenizer(writer))
     config.architectures = ['Llama4ForCausalLM']
@@ -130,7 +131,8 @@ def random_llama4(path: Path, qtype: Q = Q.F32, **overrides) -> torch.nn.Module:
     held = {}
     for name, data in converter_tensors(hf).items():
         gguf_name = names.get_name(name, try_suffixes=('.weight', '.bias'))
-        array, array_type = stored(data, gguf_name, qtype)
+        down = down_experts is not None and gguf_name.endswith('ffn_down_exps.weight')
+        array, array_type = stored(data, gguf_name, down_experts if down else qtype)
         writer.add_tensor(gguf_name, array, raw_dtype=array_type if array.dtype == np.uint8 else None)
         held[name] = torch.from_numpy(gguf.quants.dequantize(array, array_type).astype(np.float32).reshape(data.shape))
     finish(writer)
@@ -200,25 +202,28 @@ def kept_layers(config: Llama4TextConfig) -> list[str]:
     return names
 
 
-@pytest.mark.parametrize('qtype', [Q.F16, Q.Q8_0], ids=lambda qtype: qtype.name)
-def test_f16_and_q8_0_files_match_transformers(tmp_path: Path, cache: Path, qtype: Q) -> None:
+@pytest.mark.parametrize('qtype,down_experts', [(Q.F16, None), (Q.Q8_0, None), (Q.Q8_0, Q.F16)],
+                         ids=['F16', 'Q8_0', 'Q8_0-F16-down-experts'])
+def test_f16_and_q8_0_files_match_transformers(tmp_path: Path, cache: Path, qtype: Q, down_experts: Q | None) -> None:
     """An F16 file is dequantized at conversion, its experts back in Meta's stacked layout; a Q8_0 file keeps
     attention, the dense MLPs, the shared experts and the routed experts (one tensor per expert) as their blocks,
-    the router dense. Either answers as transformers does on the weights the file holds."""
-    hf = random_llama4(tmp_path, qtype)
+    the router dense; with F16 experts' down projections, those alone go back stacked and dense. Each answers as
+    transformers does on the weights the file holds."""
+    hf = random_llama4(tmp_path, qtype, down_experts)
     src = str(tmp_path / 'model.gguf')
     engine = make_engine(src)
     index = json.loads((Path(resolve_gguf(src)) / 'model.safetensors.index.json').read_text())
     experts = sorted(name for name in index['weight_map'] if name.startswith('model.layers.1.feed_forward.experts.'))
-    if qtype == Q.Q8_0:
-        assert engine.model_config.hf_config.quantization_config['ggml_types'] == dict.fromkeys(
-            kept_layers(hf.config), 'Q8_0')
-        assert experts == sorted(f'model.layers.1.feed_forward.experts.{expert}.{proj}_proj.qweight'
-                                 for expert in range(4) for proj in ('gate', 'up', 'down'))
-    else:
+    prefix = 'model.layers.1.feed_forward.experts'
+    if qtype == Q.F16:
         assert not hasattr(engine.model_config.hf_config, 'quantization_config')
-        assert experts == ['model.layers.1.feed_forward.experts.down_proj',
-                           'model.layers.1.feed_forward.experts.gate_up_proj']
+        assert experts == [f'{prefix}.down_proj', f'{prefix}.gate_up_proj']
+    else:
+        kept = [proj for proj in ('gate', 'up', 'down') if proj != 'down' or down_experts is None]
+        layers = [name for name in kept_layers(hf.config) if down_experts is None or 'experts.down' not in name]
+        assert engine.model_config.hf_config.quantization_config['ggml_types'] == dict.fromkeys(layers, 'Q8_0')
+        assert experts == sorted([f'{prefix}.{expert}.{proj}_proj.qweight' for expert in range(4) for proj in kept] +
+                                 ([f'{prefix}.down_proj'] if down_experts else []))
     prompts = random_prompts([5, 41], seed=2, vocab=hf.config.vocab_size)
     assert run(engine, prompts) == [hf_greedy(hf, p) for p in prompts]
 
