@@ -1,9 +1,9 @@
 """GGUF architectures whose llama.cpp files differ from their transformers checkpoints by more than tensor
 names: GLM (``chatglm``, ``glm4``), Gemma 2 and 3 (``gemma2``, ``gemma3``), gpt-oss (``gpt-oss``),
 DeepSeek-V2/V3 (``deepseek2``), GLM-4.5 (``glm4moe``), Mistral Small 3.x and Ministral 3 (``mistral3``), OLMo 2/3
-(``olmo2``), Granite 3 (``granite``), Seed-OSS (``seed_oss``), ERNIE 4.5 (``ernie4_5``, ``ernie4_5-moe``), and the
-MoE files of Qwen3-MoE (``qwen3moe``; Qwen3-VL-MoE's language model ``qwen3vlmoe`` alike), Qwen2-MoE
-(``qwen2moe``, with a shared expert) and Mixtral (``llama`` with experts), whose stacked experts
+(``olmo2``), Granite 3 (``granite``), Seed-OSS (``seed_oss``), ERNIE 4.5 (``ernie4_5``, ``ernie4_5-moe``), Llama 4's
+text model (``llama4``), and the MoE files of Qwen3-MoE (``qwen3moe``; Qwen3-VL-MoE's language model ``qwen3vlmoe``
+alike), Qwen2-MoE (``qwen2moe``, with a shared expert) and Mixtral (``llama`` with experts), whose stacked experts
 (``ffn_{gate,up,down}_exps``) are stored back one tensor per expert.
 
 Each has a config builder (the transformers config fields that llama.cpp keeps in metadata under gguf-py's
@@ -36,12 +36,13 @@ ARCHITECTURES = {
     'seed_oss': 'SeedOssForCausalLM',
     'ernie4_5': 'Ernie4_5ForCausalLM',
     'ernie4_5-moe': 'Ernie4_5_MoeForCausalLM',
+    'llama4': 'Llama4ForCausalLM',
 }
 
 # architectures whose every linear layer is a projection (or experts) that may be served as llama.cpp's blocks
 # (llama.cpp never quantizes a router: ``ffn_gate_inp`` stays F32)
 RAW_SERVED_ARCHS = ('llama', 'chatglm', 'glm4', 'glm4moe', 'gemma2', 'gemma3', 'qwen3moe', 'qwen3vlmoe',
-                    'qwen2moe', 'mistral3', 'olmo2', 'granite', 'seed_oss', 'ernie4_5', 'ernie4_5-moe')
+                    'qwen2moe', 'mistral3', 'olmo2', 'granite', 'seed_oss', 'ernie4_5', 'ernie4_5-moe', 'llama4')
 
 _ROUTER_BIAS = {'exp_probs_b.bias': 'mlp.gate.e_score_correction_bias'}
 _SHARED_EXPERTS = {'ffn_gate_shexp': 'mlp.shared_experts.gate_proj', 'ffn_up_shexp': 'mlp.shared_experts.up_proj',
@@ -79,6 +80,9 @@ LAYER_NAMES: dict[str, dict[str, str]] = {
     'olmo2': {'post_attention_norm': 'post_attention_layernorm', 'post_ffw_norm': 'post_feedforward_layernorm'},
     'seed_oss': {'post_attention_norm': 'post_attention_layernorm'},
     'ernie4_5-moe': {'exp_probs_b.bias': 'mlp.moe_statics.e_score_correction_bias', **_SHARED_EXPERTS},
+    # under the engine's ``mlp``; ``finish_state_dict`` names them ``feed_forward``, as Meta's checkpoints do
+    'llama4': {'ffn_gate_inp': 'mlp.router', 'ffn_gate_shexp': 'mlp.shared_expert.gate_proj',
+               'ffn_up_shexp': 'mlp.shared_expert.up_proj', 'ffn_down_shexp': 'mlp.shared_expert.down_proj'},
 }
 
 
@@ -327,8 +331,37 @@ def _ernie4_5_moe(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -
             'moe_layer_interval': meta(Keys.LLM.INTERLEAVE_MOE_LAYER_STEP, 1), 'moe_layer_end_index': -1}
 
 
+# What llama.cpp's loader fixes for ``llama4`` files with chunked attention (it reads no key for them): chunks of
+# 8192 positions on the rope layers, a NoPE layer every 4th, and those layers' query temperature (floor 8192, scale
+# 0.1): Scout's and Maverick's values, and transformers' ``Llama4TextConfig`` defaults. It leaves the q/k L2 norm
+# out of the 128-expert model (Maverick, whose config turns it off) only.
+LLAMA4_CHUNK, LLAMA4_NO_ROPE_STEP, LLAMA4_TEMPERATURE = 8192, 4, {'floor_scale': 8192, 'attn_scale': 0.1}
+LLAMA4_WITHOUT_QK_NORM_EXPERTS = 128
+
+
+def _llama4(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """Llama 4's text model: every ``interleave_moe_layer_step``-th layer MoE (none in a file without experts), the
+    dense layers' MLP of ``feed_forward_length``; chunked attention with NoPE layers unless the file's sliding
+    window is 0 (MobileLLM-R1's files: every layer rotates, none is chunked). Llama 4's llama3 rotary comes from
+    its ``rope_freqs`` divisors."""
+    step = meta(Keys.LLM.INTERLEAVE_MOE_LAYER_STEP)
+    if not step:
+        raise ValueError('missing GGUF metadata: llama4.interleave_moe_layer_step')
+    layers, experts = config['num_hidden_layers'], meta(Keys.LLM.EXPERT_COUNT, 0)
+    chunked = meta(Keys.Attention.SLIDING_WINDOW) != 0
+    rotates = [int(not chunked or (i + 1) % LLAMA4_NO_ROPE_STEP != 0) for i in range(layers)]
+    return {'model_type': 'llama4_text', 'intermediate_size_mlp': config['intermediate_size'],
+            'intermediate_size': meta(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, config['intermediate_size']),
+            'num_local_experts': experts, 'num_experts_per_tok': meta(Keys.LLM.EXPERT_USED_COUNT, 1),
+            'interleave_moe_layer_step': step, 'moe_layers': list(range(step - 1, layers, step)) if experts else [],
+            'use_qk_norm': experts != LLAMA4_WITHOUT_QK_NORM_EXPERTS, 'no_rope_layers': rotates,
+            'attention_chunk_size': LLAMA4_CHUNK if chunked else None,
+            'layer_types': ['chunked_attention' if chunked and rope else 'full_attention' for rope in rotates],
+            'attn_temperature_tuning': chunked, **LLAMA4_TEMPERATURE}
+
+
 CONFIG_BUILDERS: dict[str, Callable[[Meta, dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
     'llama': _llama, 'chatglm': _chatglm, 'glm4': _glm4, 'gemma2': _gemma2, 'gemma3': _gemma3, 'gpt-oss': _gpt_oss,
     'deepseek2': _deepseek2, 'glm4moe': _glm4moe, 'qwen3moe': _qwen3moe, 'qwen3vlmoe': _qwen3moe, 'qwen2moe': _qwen2moe,
     'mistral3': _mistral3, 'olmo2': _olmo2, 'granite': _granite, 'seed_oss': _seed_oss, 'ernie4_5': _ernie4_5,
-    'ernie4_5-moe': _ernie4_5_moe}
+    'ernie4_5-moe': _ernie4_5_moe, 'llama4': _llama4}

@@ -66,8 +66,9 @@ def llama3_rope(factors: np.ndarray, theta: float, head_dim: int, source: str) -
 
 
 def _candidates(factors: np.ndarray, factor: float, wavelengths: np.ndarray) -> list[tuple[float, float, int]]:
-    """Parameter sets to try: Llama 3's own low/high factors (1, 4) with the context the divisors imply, then
-    a straight-line fit of the smoothed divisors (only the wavelength thresholds matter, not the context)."""
+    """Parameter sets to try: Llama 3's own low/high factors (1, 4) with the context the divisors imply, Llama 4's
+    (1, 1) where they step from 1 to ``factor`` at once, then a straight-line fit of the smoothed divisors (only
+    the wavelength thresholds matter, not the context)."""
     smooth = (1 / factors - 1 / factor) / (1 - 1 / factor)
     between = (factors > 1 + 1e-6) & (factors < factor - 1e-6)
     if between.any():
@@ -80,6 +81,10 @@ def _candidates(factors: np.ndarray, factor: float, wavelengths: np.ndarray) -> 
         bottom = unscaled.max() * _LLAMA3_HIGH if len(unscaled) else top / 2
         context = (bottom + top) / 2
     candidates = [(_LLAMA3_LOW, _LLAMA3_HIGH, round(context))]
+    if not between.any() and (factors <= 1 + 1e-6).any():
+        # a step at one wavelength (Llama 4: low and high factor 1): the first power of two past the unscaled ones
+        unscaled = wavelengths[factors <= 1 + 1e-6].max()
+        candidates.append((_LLAMA3_LOW, _LLAMA3_LOW, 2**math.ceil(math.log2(unscaled))))
     if between.sum() >= 2:
         slope, intercept = np.polyfit(_LLAMA3_CONTEXT / wavelengths[between], smooth[between], 1)
         low = -intercept / slope  # rounded: the fit's last digits are float32 noise

@@ -1,7 +1,7 @@
 """State-dict steps that undo, per GGUF architecture, what llama.cpp's convert_hf_to_gguf.py did to the tensors
 beyond renaming them (see ``gguf_archs.py``): GLM-4's fused ``attn_qkv``, Gemma's ``1 + weight`` norms, gpt-oss's
-split and transposed experts (and its MXFP4 blocks), DeepSeek's split ``kv_b``, and the stacked experts of the MoE
-files, stored back one tensor per expert.
+split and transposed experts (and its MXFP4 blocks), DeepSeek's split ``kv_b``, Llama 4's split and transposed
+experts, and the stacked experts of the MoE files, stored back one tensor per expert.
 """
 from __future__ import annotations
 
@@ -98,10 +98,25 @@ def _ernie4_5_experts(state_dict: dict[str, torch.Tensor], config: dict[str, Any
     _split_experts(state_dict, config)
 
 
+def _llama4_checkpoint(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    """Meta's checkpoint of Llama 4: gate and up ``[E, I, H]`` back into ``gate_up_proj [E, H, 2I]`` (gate columns,
+    then up), down ``[E, H, I]`` into ``down_proj [E, I, H]``; experts kept as blocks one tensor per expert; each
+    layer's ``mlp`` named ``feed_forward``."""
+    for prefix in _layer_prefixes(state_dict, 'mlp.experts.gate_proj.weight'):
+        gate, up = (state_dict.pop(f'{prefix}mlp.experts.{proj}_proj.weight') for proj in ('gate', 'up'))
+        state_dict[prefix + 'mlp.experts.gate_up_proj'] = torch.cat((gate, up), 1).transpose(1, 2)
+    for prefix in _layer_prefixes(state_dict, 'mlp.experts.down_proj.weight'):
+        down = state_dict.pop(prefix + 'mlp.experts.down_proj.weight')
+        state_dict[prefix + 'mlp.experts.down_proj'] = down.transpose(1, 2)
+    _split_experts(state_dict, config)
+    for name in [name for name in state_dict if '.mlp.' in name]:
+        state_dict[name.replace('.mlp.', '.feed_forward.')] = state_dict.pop(name)
+
+
 _FINISHERS = {'llama': _split_experts, 'qwen3moe': _split_experts, 'qwen3vlmoe': _split_experts,
               'qwen2moe': _split_experts, 'glm4moe': _split_experts, 'chatglm': _split_qkv,
               'gemma2': _gemma_norms, 'gemma3': _gemma_norms, 'gpt-oss': _gpt_oss_experts,
-              'deepseek2': _deepseek2_merge, 'ernie4_5-moe': _ernie4_5_experts}
+              'deepseek2': _deepseek2_merge, 'ernie4_5-moe': _ernie4_5_experts, 'llama4': _llama4_checkpoint}
 
 
 def finish_state_dict(arch: str, state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
