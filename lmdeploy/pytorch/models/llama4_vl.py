@@ -23,7 +23,6 @@ from lmdeploy.pytorch.models.llama4 import Llama4ForCausalLM
 from lmdeploy.pytorch.models.vision_language import VisionLanguageModel, pixel_shuffle
 from lmdeploy.pytorch.multimodal import MultiModalInput
 from lmdeploy.pytorch.nn.rotary import apply_rope
-from lmdeploy.pytorch.step_context import StepContext
 from lmdeploy.pytorch.weights.safetensors_loader import WeightSource
 
 VISION_WEIGHTS = ('vision_model.', 'multi_modal_projector.')
@@ -236,12 +235,3 @@ class Llama4ForConditionalGeneration(VisionLanguageModel, Llama4ForCausalLM):
             start += sum(mask)
             spans.append(span)
         return torch.cat(spans)
-
-    def embed(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        batch = ctx.multimodal
-        if batch is not None:
-            features = self.encode_images(batch.inputs)
-            placeholder = input_ids[batch.token_rows] == self.image_token_id
-            x[batch.token_rows[placeholder]] = features[batch.feature_rows[placeholder]].to(x.dtype)
-        return x

@@ -17,7 +17,6 @@ from transformers.models.mistral3.modeling_mistral3 import Mistral3MultiModalPro
 from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.models.vision_language import VisionLanguageModel
 from lmdeploy.pytorch.multimodal import MultiModalInput
-from lmdeploy.pytorch.step_context import StepContext
 
 TEXT_MODEL_TYPES = ('mistral', 'ministral3')
 
@@ -77,12 +76,3 @@ class Mistral3ForConditionalGeneration(VisionLanguageModel):
             span[:, :cols] = image_features.view(rows, cols, -1)
             spans.append(span.flatten(0, 1))
         return torch.cat(spans)
-
-    def embed(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        batch = ctx.multimodal
-        if batch is not None:
-            features = self.encode_images(batch.inputs)
-            placeholder = input_ids[batch.token_rows] == self.image_token_id
-            x[batch.token_rows[placeholder]] = features[batch.feature_rows[placeholder]].to(x.dtype)
-        return x

@@ -41,6 +41,9 @@ class VisionLanguageModel(LlamaForCausalLM):
     """The language model plus ``encode_images``; the images of a step are encoded in one batch."""
 
     uses_mrope = False
+    # Set where an image's span also holds tokens of its own (row breaks, tile separators): only the rows
+    # holding this id take features.
+    image_token_id: int | None = None
 
     def encode_images(self, inputs: list[MultiModalInput]) -> torch.Tensor:
         """Features ``[sum of lengths, hidden]`` of the images, in order."""
@@ -61,7 +64,11 @@ class VisionLanguageModel(LlamaForCausalLM):
         batch = ctx.multimodal
         if batch is not None:
             features = self.encode_images(batch.inputs)
-            x[batch.token_rows] = features[batch.feature_rows].to(x.dtype)
+            rows, feature_rows = batch.token_rows, batch.feature_rows
+            if self.image_token_id is not None:
+                placeholder = input_ids[rows] == self.image_token_id
+                rows, feature_rows = rows[placeholder], feature_rows[placeholder]
+            x[rows] = features[feature_rows].to(x.dtype)
         return x
 
     def _pixels(self, inputs: list[MultiModalInput]) -> torch.Tensor:
