@@ -65,6 +65,11 @@ def gemma3(tmp_path_factory) -> str:
     return save_random_model(FAMILIES['gemma3'][0](), str(tmp_path_factory.mktemp('gemma3')))
 
 
+@pytest.fixture(scope='module')
+def llama4(tmp_path_factory) -> str:
+    return save_random_model(FAMILIES['llama4'][0](), str(tmp_path_factory.mktemp('llama4')))
+
+
 def sliding_table(engine, seq: Sequence) -> list[int | None]:
     """The block table of ``seq`` in the engine's sliding pool."""
     return seq.window_block_ids if len(engine.block_manager.pools) == 2 else seq.block_ids
@@ -171,10 +176,14 @@ def test_quantized_caches_give_the_tokens_of_a_cache_that_keeps_every_block(gemm
     assert run(kept, prompts, LONG) == released
 
 
-def test_decode_graphs_read_the_sliding_pool(gemma3):
+@pytest.mark.parametrize('kind', ['gemma3', 'llama4'])
+def test_decode_graphs_read_the_sliding_pool(kind, request):
+    """Gemma 3's sliding layers and Llama 4's chunked layers (window 16 both) read the second pool's column and
+    table of the graphs' input buffer."""
+    path = request.getfixturevalue(kind)
     prompts = random_prompts([40, 70, 25], seed=7)
-    eager = run(make_engine(gemma3, max_batch_size=4), prompts, LONG)
-    engine = make_engine(gemma3, max_batch_size=4, num_gpu_blocks=64, max_prefill_token_num=32)
+    eager = run(make_engine(path, max_batch_size=4), prompts, LONG)
+    engine = make_engine(path, max_batch_size=4, num_gpu_blocks=64, max_prefill_token_num=32)
     assert engine.runner.num_window_blocks == 10
     engine.runner.capture_graphs(4, -(-engine.session_len // BLOCK), RecordedGraph)
     assert collect(engine, add_requests(engine, prompts, LONG)) == eager
