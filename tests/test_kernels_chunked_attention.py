@@ -1,6 +1,6 @@
 """Triton paged decode and prefill attention with an attention chunk (Llama 4) against the torch twin (interpreter
 on the CPU): chunks narrower than a page, across pages and a BLOCK_M, over cached prefixes and whole prompts; the
-pages a chunked layer's sliding pool gives back read a junk page and change nothing."""
+pages a chunked layer's sliding pool gives back are never read (NaN there changes nothing)."""
 from __future__ import annotations
 
 import functools
@@ -46,7 +46,7 @@ def test_prefill_attention_chunk(dtype, chunk, bits):
 @pytest.mark.parametrize('chunk', [8, 24])
 def test_given_back_pages_change_nothing(chunk):
     """Decode (the default launch and one of several pages per split) and prefill chunks over tables whose
-    given-back entries read a junk page: the same outputs, to the bit."""
+    given-back entries read a page of NaN: the same outputs, to the bit."""
     q, k_cache, v_cache, table, kv_lens = paged_case([1, 37, 16, 90, 300], 6, 2, torch.float32, 24)
     junk_caches, junk_table, count = give_back((k_cache, v_cache), table, (kv_lens - 1).tolist(), chunk, BLOCK_SIZE)
     assert count > 0
