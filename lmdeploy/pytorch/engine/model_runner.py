@@ -79,7 +79,8 @@ class ModelRunner:
         chunked = any(isinstance(m, PagedAttention) and m.attention_chunk for m in model.modules())
         self.window_layer_kind = 'chunked-attention' if chunked else 'sliding-window'
         if num_window_blocks is not None and (self.window is None or all(windows)):
-            raise ValueError('a sliding-window pool needs a model with both windowed (sliding or chunked) and full layers')
+            raise ValueError('a sliding-window pool needs a model with both windowed (sliding or chunked) and '
+                             'full layers')
         self.num_window_blocks = num_window_blocks
         self.window_scratch_block = num_window_blocks
         self.tables = ('block_ids',) if num_window_blocks is None else ('block_ids', 'window_block_ids')
