@@ -1,11 +1,15 @@
 """Triton paged decode and prefill attention with an attention chunk (Llama 4) against the torch twin (interpreter
-on the CPU): chunks narrower than a page, across pages and a BLOCK_M, over cached prefixes and whole prompts."""
+on the CPU): chunks narrower than a page, across pages and a BLOCK_M, over cached prefixes and whole prompts; the
+pages a chunked layer's sliding pool gives back are never read (NaN there changes nothing)."""
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
 from kernel_env import DTYPES
-from test_kernels_attention import as_float, assert_close, paged_case, prefill_case, quantize_case
+from test_chunked_attention import give_back
+from test_kernels_attention import BLOCK_SIZE, as_float, assert_close, paged_case, prefill_case, quantize_case
 
 from lmdeploy.pytorch.kernels import attention
 from lmdeploy.pytorch.kernels import cuda as triton_kernels
@@ -37,6 +41,28 @@ def test_prefill_attention_chunk(dtype, chunk, bits):
     ref = attention.prefill_attention(*as_float(case), attention_chunk=chunk)
     assert_close(triton_kernels.prefill_attention(*case, attention_chunk=chunk), ref, dtype)
     assert (ref - attention.prefill_attention(*as_float(case))).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize('chunk', [8, 24])
+def test_given_back_pages_change_nothing(chunk):
+    """Decode (the default launch and one of several pages per split) and prefill chunks over tables whose
+    given-back entries read a page of NaN: the same outputs, to the bit."""
+    q, k_cache, v_cache, table, kv_lens = paged_case([1, 37, 16, 90, 300], 6, 2, torch.float32, 24)
+    junk_caches, junk_table, count = give_back((k_cache, v_cache), table, (kv_lens - 1).tolist(), chunk, BLOCK_SIZE)
+    assert count > 0
+    for launch in (triton_kernels.decode_attention,
+                   functools.partial(decode_attention_with, config=DecodeConfig(3, 2, 4, 1))):
+        expected = launch(q, k_cache, v_cache, table, kv_lens, 0.2, attention_chunk=chunk)
+        assert torch.equal(launch(q, *junk_caches, junk_table, kv_lens, 0.2, attention_chunk=chunk), expected)
+    q, k, v, k_cache, v_cache, table, q_start, q_len, ctx_len, max_q_len = prefill_case(
+        [(5, 5), (20, 45), (1, 17), (70, 70), (3, 100)], torch.float32)
+    junk_caches, junk_table, count = give_back((k_cache, v_cache), table, (ctx_len - q_len).tolist(), chunk,
+                                               BLOCK_SIZE)
+    assert count > 0
+    rest = (q_start, q_len, ctx_len, max_q_len, 0.3)
+    expected = triton_kernels.prefill_attention(q, k, v, k_cache, v_cache, table, *rest, attention_chunk=chunk)
+    out = triton_kernels.prefill_attention(q, k, v, *junk_caches, junk_table, *rest, attention_chunk=chunk)
+    assert torch.equal(out, expected)
 
 
 def test_decode_empty_sequence_gives_zeros():

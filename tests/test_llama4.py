@@ -2,19 +2,27 @@
 layers (chunk 8, prompts far longer) with the L2 q/k norm, NoPE layers whose queries the temperature tuning scales
 (floor_scale 4, so that it bites within the prompts), interleaved MoE layers (top-1 and top-2 sigmoid routers
 scaling the experts' inputs, a shared expert) and dense layers; greedy tokens and first-step logits in fp32,
-batching, chunked prefill, prefix-cache hits, sharded checkpoints and tensor parallelism."""
+batching, chunked prefill, prefix-cache hits, sharded checkpoints and tensor parallelism. The chunked layers keep
+their K/V in the sliding pool (window: the chunk), giving back the blocks before their chunks: at contexts of many
+chunks the tokens of transformers and of the single pool that kept every block, with at most the rule's blocks."""
 from __future__ import annotations
+
+import logging
 
 import pytest
 import torch
+from test_sliding_kv import all_free, held, run_watching_blocks
 from transformers import Llama4TextConfig
 
 from conftest import VOCAB_SIZE, save_random_model
 from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_matches_transformers,
                            assert_tp2_equals_tp1, hf_causal_lm, prefix_sharing_prompts)
-from helpers import make_engine, random_prompts, run
+from helpers import add_requests, hf_greedy, make_engine, random_prompts, run
+
+from lmdeploy.messages import GenerationConfig
 
 from lmdeploy.pytorch.models.llama4 import Llama4MoE
+from lmdeploy.pytorch.nn.attention import PagedAttention
 from lmdeploy.pytorch.nn.rotary import query_temperature
 
 CHUNK = 8
@@ -93,3 +101,54 @@ def test_layers_are_built_as_the_config_says(model_path):
 
 def test_tp2_equals_tp1(model_path):
     assert_tp2_equals_tp1(model_path, random_prompts([5, 30], seed=6))
+
+
+# blocks of 4 (half a chunk) and prefill chunks of 16: contexts of up to 14 attention chunks
+POOLED = dict(block_size=4, max_prefill_token_num=16, max_batch_size=4)
+LONG = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+
+
+def test_chunked_layers_keep_their_blocks_in_the_sliding_pool(model_path, caplog):
+    with caplog.at_level(logging.INFO, logger='lmdeploy'):
+        engine = make_engine(model_path, num_gpu_blocks=64, **POOLED)
+    full, sliding = engine.block_manager.pools
+    assert (full.window, sliding.window) == (None, CHUNK)
+    assert (full.num_blocks, sliding.num_blocks) == (64, 4 * (2 + 1) + 4)
+    caches = [layer[0].shape[0] for layer in engine.runner.kv_caches]
+    assert caches == [sliding.num_blocks + 1, sliding.num_blocks + 1, 65, sliding.num_blocks + 1]
+    assert f'{sliding.num_blocks} blocks for the chunked-attention layers (window {CHUNK})' in caplog.text
+
+
+def test_long_contexts_match_transformers_and_the_pool_that_kept_every_block(model_path, hf_model, monkeypatch):
+    """Batched, in chunks of 16 over blocks of 4: transformers' tokens, each prompt's tokens alone, and those of
+    the engine before (one pool for every layer, no block given back); a sequence holds at most the rule's blocks
+    of the sliding pool, ``ceil((C - 1 + 16) / 4) + 1``, while the full pool's grow with the context."""
+    prompts = random_prompts([50, 75, 113], seed=11)
+    outs, most_sliding, most_full = run_watching_blocks(make_engine(model_path, **POOLED), prompts, LONG)
+    assert outs == [hf_greedy(hf_model, p, 40) for p in prompts]
+    assert [run(make_engine(model_path, **POOLED), [p], LONG)[0] for p in prompts] == outs
+    assert most_sliding <= -(-(CHUNK - 1 + 16) // 4) + 1 and most_full >= (113 + 39) // 4
+    monkeypatch.setattr(PagedAttention, 'kv_window', property(lambda self: self.sliding_window))
+    kept = make_engine(model_path, **POOLED)
+    assert len(kept.block_manager.pools) == 1
+    assert run(kept, prompts, LONG) == outs
+
+
+def test_preempted_and_aborted_sequences_give_back_both_pools(model_path):
+    """A cache of 40 blocks for the full layers preempts; recomputed, the tokens are those of a roomy cache; an
+    abort mid-decode, after the sliding pool gave blocks back, leaves every block of both pools free."""
+    prompts = random_prompts([60, 45, 70, 30], seed=12)
+    roomy = run(make_engine(model_path, enable_prefix_caching=False, **POOLED), prompts, LONG)
+    engine = make_engine(model_path, num_gpu_blocks=40, **POOLED)
+    assert run(engine, prompts, LONG) == roomy
+    assert engine.scheduler.num_preemptions > 0 and all_free(engine)
+    seq_ids = add_requests(engine, prompts[:2], LONG)
+    for _ in range(12):
+        engine.step()
+    seq = engine.sequences[seq_ids[0]]
+    assert seq.window_block_ids[0] is None and held(seq.window_block_ids) < held(seq.block_ids)
+    for seq_id in seq_ids:
+        engine.abort(seq_id)
+    while engine.has_unfinished():
+        engine.step()
+    assert all_free(engine) and not engine.sequences

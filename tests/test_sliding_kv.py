@@ -1,6 +1,7 @@
 """Sliding-window layers give back the KV blocks that fell out of their window: tiny Mistral (every layer
-slides), Gemma 3 (five local layers per global one) and gpt-oss (alternating) against transformers at contexts
-several times the window, with the sliding pool's blocks per sequence bounded while the full pool's grow;
+slides), Gemma 3 (five local layers per global one), gpt-oss (alternating) and Llama 4 (chunked-attention layers,
+in the sliding pool with their chunk as the window, beside a NoPE full-attention one) against transformers at
+contexts several times the window, with the sliding pool's blocks per sequence bounded while the full pool's grow;
 every block back after finish and abort; prefix-cache hits; preemption; quantized caches; decode graphs;
 and the block manager and the pools' sizes on their own."""
 from __future__ import annotations
@@ -10,7 +11,7 @@ import logging
 import pytest
 import torch
 from test_cuda_graph import RecordedGraph
-from transformers import Gemma3TextConfig, GptOssConfig, MistralConfig
+from transformers import Gemma3TextConfig, GptOssConfig, Llama4TextConfig, MistralConfig
 
 from conftest import VOCAB_SIZE, save_random_model
 from family_checks import assert_tp2_equals_tp1, hf_causal_lm
@@ -27,6 +28,17 @@ BLOCK = 16
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
              vocab_size=VOCAB_SIZE, max_position_embeddings=1024, tie_word_embeddings=False, pad_token_id=None)
 GEMMA3_LAYERS = ['sliding_attention'] * 5 + ['full_attention']
+
+
+def llama4_config(chunk: int) -> Llama4TextConfig:
+    """Three chunked-attention layers of ``chunk`` positions and a NoPE full-attention one; MoE every other layer."""
+    config = Llama4TextConfig(**{**SHAPE, 'intermediate_size': 48}, intermediate_size_mlp=80, num_hidden_layers=4,
+                              num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2,
+                              no_rope_layers=[1, 1, 0, 1], attention_chunk_size=chunk, floor_scale=4, attn_scale=0.5)
+    config.architectures = ['Llama4ForCausalLM']
+    return config
+
+
 FAMILIES = {  # kind -> (config, window)
     'mistral': (lambda: MistralConfig(**SHAPE, num_hidden_layers=2, sliding_window=24), 24),
     'gemma3': (lambda: Gemma3TextConfig(**SHAPE, num_hidden_layers=6, sliding_window=16, query_pre_attn_scalar=24,
@@ -37,6 +49,7 @@ FAMILIES = {  # kind -> (config, window)
                                                                             'rope_theta': 10000.0}}), 16),
     'gpt_oss': (lambda: GptOssConfig(**{**SHAPE, 'intermediate_size': 32}, num_hidden_layers=2, num_local_experts=4,
                                      num_experts_per_tok=2, sliding_window=32), 32),
+    'llama4': (lambda: llama4_config(16), 16),
 }
 LONG = GenerationConfig(max_new_tokens=48, ignore_eos=True)
 
@@ -50,6 +63,11 @@ def family(request, tmp_path_factory) -> tuple[str, str]:
 @pytest.fixture(scope='module')
 def gemma3(tmp_path_factory) -> str:
     return save_random_model(FAMILIES['gemma3'][0](), str(tmp_path_factory.mktemp('gemma3')))
+
+
+@pytest.fixture(scope='module')
+def llama4(tmp_path_factory) -> str:
+    return save_random_model(FAMILIES['llama4'][0](), str(tmp_path_factory.mktemp('llama4')))
 
 
 def sliding_table(engine, seq: Sequence) -> list[int | None]:
@@ -158,10 +176,14 @@ def test_quantized_caches_give_the_tokens_of_a_cache_that_keeps_every_block(gemm
     assert run(kept, prompts, LONG) == released
 
 
-def test_decode_graphs_read_the_sliding_pool(gemma3):
+@pytest.mark.parametrize('kind', ['gemma3', 'llama4'])
+def test_decode_graphs_read_the_sliding_pool(kind, request):
+    """Gemma 3's sliding layers and Llama 4's chunked layers (window 16 both) read the second pool's column and
+    table of the graphs' input buffer."""
+    path = request.getfixturevalue(kind)
     prompts = random_prompts([40, 70, 25], seed=7)
-    eager = run(make_engine(gemma3, max_batch_size=4), prompts, LONG)
-    engine = make_engine(gemma3, max_batch_size=4, num_gpu_blocks=64, max_prefill_token_num=32)
+    eager = run(make_engine(path, max_batch_size=4), prompts, LONG)
+    engine = make_engine(path, max_batch_size=4, num_gpu_blocks=64, max_prefill_token_num=32)
     assert engine.runner.num_window_blocks == 10
     engine.runner.capture_graphs(4, -(-engine.session_len // BLOCK), RecordedGraph)
     assert collect(engine, add_requests(engine, prompts, LONG)) == eager

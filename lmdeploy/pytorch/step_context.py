@@ -25,10 +25,11 @@ class StepContext:
     ``q_scale [T]`` (None: none) is each token's factor on the rotated queries of the layers with
     ``scaled_queries`` (Ministral 3's, see ``nn/rotary.position_query_scale``), set with ``cos`` and ``sin``.
 
-    A model whose sliding-window layers have a KV pool of their own (see :class:`BlockManager`) gives those
-    layers ``window_kv_blocks``, ``window_prefill_block_table`` and ``window_decode_blocks`` in that pool, in
-    place of ``kv_blocks``, ``prefill_block_table`` and ``decode_blocks`` (:meth:`tables`); the entries of the
-    blocks a sliding pool gave back read block 0, which the window masks.
+    A model whose sliding-window (or chunked-attention) layers have a KV pool of their own (see
+    :class:`BlockManager`, ``PagedAttention.kv_window``) gives those layers ``window_kv_blocks``,
+    ``window_prefill_block_table`` and ``window_decode_blocks`` in that pool, in place of ``kv_blocks``,
+    ``prefill_block_table`` and ``decode_blocks`` (:meth:`tables`); the entries of the blocks a sliding pool
+    gave back read block 0, which the window (or chunk) masks.
 
     Models with linear-attention layers (see ``paging/state_pool.py``) get, on the host, each prefill chunk's
     ``state_prefill`` entry ``(slot, first row, rows, starts the sequence)`` and, on the device, the decoding
@@ -60,7 +61,8 @@ class StepContext:
     state_decode_slots: torch.Tensor | None = None
 
     def tables(self, sliding: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """``(kv_blocks, prefill_block_table, decode_blocks)`` of a layer, a sliding-window one if ``sliding``."""
+        """``(kv_blocks, prefill_block_table, decode_blocks)`` of a layer, one with a window of keys (sliding or
+        chunked) if ``sliding``."""
         if sliding and self.window_kv_blocks is not None:
             return self.window_kv_blocks, self.window_prefill_block_table, self.window_decode_blocks
         return self.kv_blocks, self.prefill_block_table, self.decode_blocks

@@ -114,15 +114,17 @@ class Engine:
         self.fault_hook: Callable[[str, list[Sequence]], None] | None = None
 
     def _log_cache(self, tokens: int) -> None:
-        """Logs the KV cache's size: the ``tokens`` its first pool holds, and the sliding-window pool."""
+        """Logs the KV cache's size: the ``tokens`` its first pool holds, and the sliding-window pool (of the
+        sliding-window or chunked-attention layers)."""
         config, cfg, runner = self.config, self.model_config, self.runner
         kv_kind = {0: str(cfg.dtype).removeprefix('torch.'), 8: 'int8', 4: 'int4'}[config.quant_policy]
         kv_kind += ' latent (MLA)' if cfg.kv_latent_dim else ''
         cache_bytes = sum(t.numel() * t.element_size() for layer in runner.kv_caches for t in layer)
         pools = f'{tokens // config.block_size} blocks of {config.block_size}'
         if runner.num_window_blocks is not None:
-            pools += (f' for the full-attention layers, and {runner.num_window_blocks} blocks for the sliding-window '
-                      f'layers (window {runner.window}), which give back the blocks out of their window')
+            pools += (f' for the full-attention layers, and {runner.num_window_blocks} blocks for the '
+                      f'{runner.window_layer_kind} layers (window {runner.window}), which give back the blocks out '
+                      'of their window')
         elif runner.window is not None:
             pools += f', sliding window {runner.window}: blocks out of the window are given back'
         logger.info('KV cache: %d tokens (%s), %s (quant_policy %d), %d bytes per token of every layer, %.1f MiB '

@@ -21,9 +21,10 @@ from lmdeploy.pytorch.step_context import StepContext
 
 
 def layer_windows(model: nn.Module, num_layers: int) -> list[int | None]:
-    """Each decoder layer's sliding window, None for full attention (every layer of a model whose layers are
-    not all :class:`PagedAttention`, as multi-head latent attention)."""
-    windows = [m.sliding_window for m in model.modules() if isinstance(m, PagedAttention)]
+    """Each decoder layer's window of keys (``PagedAttention.kv_window``: its sliding window or attention chunk),
+    None for full attention (every layer of a model whose layers are not all :class:`PagedAttention`, as
+    multi-head latent attention)."""
+    windows = [m.kv_window for m in model.modules() if isinstance(m, PagedAttention)]
     return windows if len(windows) == num_layers else [None] * num_layers
 
 
@@ -50,10 +51,11 @@ class ModelRunner:
     The cache holds one block more than the block manager hands out: the scratch block that the
     padding rows of graph-replayed decode steps write to.
 
-    With ``num_window_blocks`` the sliding-window layers keep their K/V in a pool of that many blocks (plus
-    their scratch block, ``window_scratch_block``), read through ``Sequence.window_block_ids``; the other
-    layers in the ``num_blocks`` of ``Sequence.block_ids`` (see :class:`BlockManager`). ``window`` is the
-    widest sliding window of the model's layers, None without any.
+    With ``num_window_blocks`` the layers with a window of keys (a sliding window, or an attention chunk: see
+    :func:`layer_windows`) keep their K/V in a pool of that many blocks (plus their scratch block,
+    ``window_scratch_block``), read through ``Sequence.window_block_ids``; the other layers in the ``num_blocks``
+    of ``Sequence.block_ids`` (see :class:`BlockManager`). ``window`` is the widest window of the model's layers,
+    None without any; ``window_layer_kind`` names those layers (``sliding-window`` or ``chunked-attention``).
 
     A model with linear-attention layers keeps, in those layers' place in ``kv_caches``, their recurrent states
     of ``num_state_slots`` sequences (see ``paging/state_pool.py``); ``num_state_slots`` is 0 for other models.
@@ -74,8 +76,11 @@ class ModelRunner:
         self.scratch_block = num_blocks
         windows = layer_windows(model, cfg.num_layers)
         self.window = max((w for w in windows if w), default=None)
+        chunked = any(isinstance(m, PagedAttention) and m.attention_chunk for m in model.modules())
+        self.window_layer_kind = 'chunked-attention' if chunked else 'sliding-window'
         if num_window_blocks is not None and (self.window is None or all(windows)):
-            raise ValueError('a sliding-window pool needs a model with both sliding-window and full layers')
+            raise ValueError('a sliding-window pool needs a model with both windowed (sliding or chunked) and '
+                             'full layers')
         self.num_window_blocks = num_window_blocks
         self.window_scratch_block = num_window_blocks
         self.tables = ('block_ids',) if num_window_blocks is None else ('block_ids', 'window_block_ids')

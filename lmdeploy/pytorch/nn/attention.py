@@ -16,10 +16,9 @@ class PagedAttention(nn.Module):
 
     ``sliding_window``, ``attention_chunk``, ``logit_softcap`` and ``sinks`` (None: off) are the attention
     features of ``kernels/attention.py``; ``sinks [num_heads]`` is a parameter filled from the checkpoint when
-    ``with_sinks`` is set (this rank's heads under tensor parallelism). A layer with a sliding window reads
-    the step's sliding-window block tables (``StepContext.tables``); a chunked layer keeps every block of its
-    sequence, as a full-attention one does. Prefill rows attend up to the step's
-``prefill_key_limit`` where it has one."""
+    ``with_sinks`` is set (this rank's heads under tensor parallelism). A layer with a sliding window or an
+    attention chunk (a :attr:`kv_window`) reads the step's sliding-window block tables (``StepContext.tables``).
+    Prefill rows attend up to the step's ``prefill_key_limit`` where it has one."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, quant_policy: int = 0,
                  sliding_window: int | None = None, logit_softcap: float | None = None, with_sinks: bool = False,
@@ -37,6 +36,13 @@ class PagedAttention(nn.Module):
         self.logit_softcap = logit_softcap or None
         self.sinks = nn.Parameter(torch.zeros(num_heads), requires_grad=False) if with_sinks else None
 
+    @property
+    def kv_window(self) -> int | None:
+        """The most positions a query attends, itself included: its sliding window, or its attention chunk (a query
+        at p sees from ``floor(p / C) * C``, at most C - 1 before it); None: every position. A layer with one keeps
+        its K/V in the sliding-window pool, which gives back the blocks out of the window."""
+        return self.sliding_window or self.attention_chunk
+
     def features(self) -> dict:
         """The feature keywords of the attention kernels, only those that are on."""
         named = {'sliding_window': self.sliding_window, 'attention_chunk': self.attention_chunk,
@@ -50,7 +56,7 @@ class PagedAttention(nn.Module):
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         quant = (*kv_cache[2:], self.quant_policy) if self.quant_policy else ()
         features = self.features()
-        kv_blocks, prefill_block_table, decode_blocks = ctx.tables(self.sliding_window is not None)
+        kv_blocks, prefill_block_table, decode_blocks = ctx.tables(self.kv_window is not None)
         fill_kv_cache(k, v, k_cache, v_cache, kv_blocks, ctx.kv_offsets, *quant)
         num_prefill = ctx.num_prefill_tokens
         parts = []

@@ -42,7 +42,7 @@ class BlockManager:
     """Hands out KV blocks to sequences, from one pool per kind of layer.
 
     Without ``window`` one pool serves every layer. With it, the layers attend over a sliding window of
-    ``window`` tokens: with ``num_window_blocks`` as well, the sliding layers have a pool of their own
+    ``window`` tokens (or within attention chunks of ``window`` tokens, which never reach further back): with ``num_window_blocks`` as well, the sliding layers have a pool of their own
     (``Sequence.window_block_ids``) beside the full layers' pool of ``num_blocks`` (``Sequence.block_ids``);
     without it every layer slides and the one pool is the sliding one. A sliding pool gives back a
     sequence's blocks that fell out of its window: their place in the sequence's table becomes None.

@@ -16,9 +16,9 @@ class Block:
 class BlockPool:
     """The blocks of the layers that share one block table per sequence.
 
-    ``window`` (None: the layers attend over every token) is the sliding window of the pool's layers: a
-    sequence needs only the blocks that hold one of the last ``window - 1`` tokens before the next one it
-    computes, and gives the others back. Free blocks wait in LRU order; a free block that still holds a
+    ``window`` (None: the layers attend over every token) is the sliding window (or attention chunk) of the
+    pool's layers: a sequence needs only the blocks that hold one of the last ``window - 1`` tokens before the
+    next one it computes, and gives the others back. Free blocks wait in LRU order; a free block that still holds a
     full, hashed block of tokens can be revived by a later request with the same prefix until it is evicted
     for reuse.
     """

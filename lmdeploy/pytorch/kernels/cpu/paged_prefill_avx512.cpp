@@ -56,16 +56,18 @@ struct CacheRows {
 };
 
 // keys: [ceil(ctx / 16) panels][D / 2 pairs][16 keys] of int32 (bf16 pairs); values: [D / 16 panels]
-// [ctx_pad / 2 key pairs][16 dims] of int32 (the pair's two keys); rows past ctx are zero.
+// [ctx_pad / 2 key pairs][16 dims] of int32 (the pair's two keys); rows past ctx are zero, and so are those before
+// `first`, the first key the chunk's first query attends (its window's or attention chunk's): no query attends them,
+// and a sliding pool may have given their blocks back.
 void pack_context(const CacheRows& cache_k, const CacheRows& cache_v, const int64_t* blocks, int64_t block_size,
-                  int64_t slots_per_block, int64_t head_slot, int64_t ctx, int64_t ctx_pad, int64_t D,
+                  int64_t slots_per_block, int64_t head_slot, int64_t first, int64_t ctx, int64_t ctx_pad, int64_t D,
                   std::vector<int32_t>& keys, std::vector<int32_t>& values) {
   keys.assign(ctx_pad * D / 2, 0);
   values.assign(ctx_pad * D / 2, 0);
   uint16_t* value_halves = reinterpret_cast<uint16_t*>(values.data());
   alignas(64) float scratch[128];
   alignas(64) bf16 key_row[128], value_row[128];
-  for (int64_t t = 0; t < ctx; ++t) {
+  for (int64_t t = first; t < ctx; ++t) {
     const int64_t slot = blocks[t / block_size] * slots_per_block + head_slot + t % block_size;
     const int32_t* key = reinterpret_cast<const int32_t*>(cache_k.row(slot, scratch, key_row));
     const uint16_t* value = reinterpret_cast<const uint16_t*>(cache_v.row(slot, scratch, value_row));
@@ -237,7 +239,7 @@ bool prefill_attention_avx512(const torch::Tensor& q, const torch::Tensor& k_cac
       const int64_t s = index / num_kv_heads, kv_head = index % num_kv_heads;
       const int64_t ctx = context_ptr[s], ctx_pad = (ctx + kKeys - 1) / kKeys * kKeys;
       pack_context(cache_k, cache_v, table.data_ptr<int64_t>() + s * width, block_size, slots_per_block,
-                   kv_head * block_size, ctx, ctx_pad, D, keys, values);
+                   kv_head * block_size, features.first_key(ctx - count_ptr[s]), ctx, ctx_pad, D, keys, values);
       const int64_t head = kv_head * group * D;
       const PrefillTask task{q.data_ptr<bf16>() + start_ptr[s] * q_stride + head,
                              out.data_ptr<bf16>() + start_ptr[s] * num_heads * D + head, q_stride, num_heads * D,
