@@ -63,10 +63,11 @@ def test_greedy_and_first_logits_match_transformers(model_path, hf_model):
 def test_top2_router_and_sharded_checkpoint_match_transformers(tmp_path):
     """Two experts per token, each seeing the token scaled by its own score, the sum of their outputs; every layer
     a MoE one, without the q/k norm (as Maverick), llama3 rope scaling (as both); a checkpoint in many shards; the
-    chunk (16) equal to the cache block."""
+    chunk (16) equal to the cache block; experts of 32 features, so that ``gate_up_proj [E, 64, 64]`` is square
+    (its layout cannot be told from its shape)."""
     rope = {'rope_type': 'llama3', 'rope_theta': 10000.0, 'factor': 8.0, 'low_freq_factor': 1.0,
             'high_freq_factor': 4.0, 'original_max_position_embeddings': 32}
-    path = save_llama4(str(tmp_path / 'top2'), num_experts_per_tok=2, attention_chunk_size=16,
+    path = save_llama4(str(tmp_path / 'top2'), num_experts_per_tok=2, attention_chunk_size=16, intermediate_size=32,
                        interleave_moe_layer_step=1, use_qk_norm=False, rope_parameters=rope, max_shard_size='100KB')
     assert len([p for p in (tmp_path / 'top2').iterdir() if p.suffix == '.safetensors']) > 1
     hf = hf_causal_lm(path)

@@ -104,4 +104,4 @@ class Llama4ForCausalLM(MoEForCausalLM):
         """Also renames ``feed_forward`` to ``mlp`` and splits the stacked experts ``gate_up_proj [E, H, 2I]``
         and ``down_proj [E, I, H]`` (:func:`split_stacked_experts`)."""
         renamed = ((name.replace('.feed_forward.', '.mlp.'), tensor) for name, tensor in weights)
-        return split_stacked_experts(super().split_fused(renamed), self.cfg.hidden_size)
+        return split_stacked_experts(super().split_fused(renamed), self.cfg.hidden_size, hub_layout_only=True)

@@ -23,12 +23,13 @@ EXPERT_NAME = re.compile(r'(layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.(\w+)')
 STACKED_EXPERTS = re.compile(r'(.*layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)')
 
 
-def split_stacked_experts(weights: Iterable[tuple[str, WeightSource]],
-                          hidden_size: int) -> Iterator[tuple[str, WeightSource]]:
+def split_stacked_experts(weights: Iterable[tuple[str, WeightSource]], hidden_size: int,
+                          hub_layout_only: bool = False) -> Iterator[tuple[str, WeightSource]]:
     """``weights`` with each layer's stacked experts split into per-expert weights. The hub's checkpoints stack
     them as ``gate_up_proj [E, H, 2I]`` (gate columns, then up) and ``down_proj [E, I, H]``, transformers 5 saves
-    some families' as ``[E, 2I, H]`` and ``[E, H, I]``; like transformers, a tensor whose shape already fits the
-    second layout is taken as it is. Each rank reads the whole stack and keeps its share."""
+    some families' (Qwen3-VL-MoE) as ``[E, 2I, H]`` and ``[E, H, I]``; like transformers, a tensor whose shape
+    already fits the second layout is taken as it is, unless ``hub_layout_only`` (Llama 4, whose files have one
+    layout: a square ``gate_up_proj`` fits both). Each rank reads the whole stack and keeps its share."""
     for name, tensor in weights:
         match = STACKED_EXPERTS.fullmatch(name)
         if match is None:
@@ -37,12 +38,14 @@ def split_stacked_experts(weights: Iterable[tuple[str, WeightSource]],
         prefix, kind = match.groups()
         stacked = read_shard(tensor, None)
         if kind == 'gate_up_proj':
-            stacked = stacked if stacked.shape[2] == hidden_size else stacked.transpose(1, 2)
+            in_hub_layout = hub_layout_only or stacked.shape[2] != hidden_size
+            stacked = stacked.transpose(1, 2) if in_hub_layout else stacked
             for expert, (gate, up) in enumerate(zip(*stacked.chunk(2, dim=1))):
                 yield f'{prefix}.{expert}.gate_proj.weight', gate
                 yield f'{prefix}.{expert}.up_proj.weight', up
         else:
-            stacked = stacked if stacked.shape[1] == hidden_size else stacked.transpose(1, 2)
+            in_hub_layout = hub_layout_only or stacked.shape[1] != hidden_size
+            stacked = stacked.transpose(1, 2) if in_hub_layout else stacked
             for expert, down in enumerate(stacked):
                 yield f'{prefix}.{expert}.down_proj.weight', down
 
