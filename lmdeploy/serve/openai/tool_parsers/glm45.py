@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from lmdeploy.serve.openai.text_scan import WHITESPACE, skip_whitespace
 from lmdeploy.serve.openai.tool_parsers.base import ParsedDelta, ToolParser, register_tool_parser
@@ -57,8 +59,8 @@ class Glm45ToolParser(ToolParser):
 
     special_tokens = (OPEN, CLOSE, KEY_OPEN, KEY_CLOSE, VALUE_OPEN, VALUE_CLOSE)
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, tools: Sequence[Mapping[str, Any]] = ()) -> None:
+        super().__init__(tools)
         self.in_call = False
         self.strip = False  # drop the whitespace that follows a block
 
