@@ -54,6 +54,7 @@ class XmlCallsParser(ToolParser):
         self.key = ''
         self.prefix = ''  # what goes before the current value in the arguments: a separator, the key
         self.value_start = 0
+        self.searched = 0  # the current value holds no closing tag before this
         self.streaming = False  # the current value streams as a string
 
     def _advance(self, final: bool) -> ParsedDelta:
@@ -147,7 +148,8 @@ class XmlCallsParser(ToolParser):
         self.prefix = f'{", " if self.num_arguments else ""}{key}: '
         self.num_arguments += 1
         self.streaming = is_string(self.schemas.get(self.key))
-        self.value_start, self.state = self.pos, 'value'
+        self.value_start = self.searched = self.pos
+        self.state = 'value'
         if self.streaming:
             self._arguments(out, self.prefix + '"')
         return True
@@ -155,8 +157,10 @@ class XmlCallsParser(ToolParser):
     def _value(self, out: ParsedDelta, final: bool) -> bool:
         """The value up to ``</parameter>`` (or a tag that shows it was left open)."""
         tags = (PARAMETER_END, PARAMETER, FUNCTION_END, self.close_tag)
-        ends = [(found, tag) for tag in tags if (found := self.text.find(tag, self.pos)) >= 0]
+        start = max(self.pos, self.searched)
+        ends = [(found, tag) for tag in tags if (found := self.text.find(tag, start)) >= 0]
         if not ends and not final:
+            self.searched = max(start, len(self.text) - max(map(len, tags)))
             if self.streaming:
                 end = min(held_back(self.text, self.pos, tag) for tag in tags)
                 end -= end > self.pos and self.text[end - 1] == '\n'
