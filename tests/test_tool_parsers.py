@@ -209,8 +209,13 @@ def test_seed_oss_and_qwen3_5_reasoning_then_calls():
     assert seed.special_tokens == ('<seed:think>', '</seed:think>') and SEED_OSS.special_tokens[0] == '<seed:tool_call>'
     qwen35 = '<|im_start|>assistant\n<think>\n'  # Qwen3.5's template opens the block in the prompt
     reply = f'Call it.\n</think>\n\n{xml_call("now", {}, QWEN3_CODER)}'
-    assert split(with_tools(QWEN3_CODER, THINK, qwen35), reply) == {'reasoning': 'Call it.\n', 'content': '',
-                                                                    'calls': [('now', '{}')]}
+    qwen35_reasoning = get_reasoning_parser('qwen3_5')
+    assert split(with_tools(QWEN3_CODER, qwen35_reasoning, qwen35), reply) == {
+        'reasoning': 'Call it.\n', 'content': '', 'calls': [('now', '{}')]}
+    unclosed = f'Call it.\n\n{xml_call("now", {}, QWEN3_CODER)}'  # Qwen3.5 may call without closing the block
+    assert split(with_tools(QWEN3_CODER, qwen35_reasoning, qwen35), unclosed) == {
+        'reasoning': 'Call it.\n\n', 'content': '', 'calls': [('now', '{}')]}
+    assert split(with_tools(QWEN3_CODER, THINK, qwen35), unclosed)['calls'] == []  # qwen3's blocks end at </think>
 
 
 @pytest.mark.parametrize('text, content, calls', [
@@ -266,6 +271,6 @@ def test_auto_detected_parsers_are_registered():
     for tool, reasoning in MODEL_PARSERS.values():
         assert get_tool_parser(tool) and get_reasoning_parser(reasoning)
     assert MODEL_PARSERS['seed_oss'] == ('seed_oss', 'seed_oss')
-    assert MODEL_PARSERS['qwen3_5_moe_text'] == ('qwen3_coder', 'qwen3')
+    assert MODEL_PARSERS['qwen3_5_moe_text'] == ('qwen3_coder', 'qwen3_5')
     assert pick_reasoning_parser('auto', 'seed_oss') is get_reasoning_parser('seed_oss')
     assert 'qwen3_moe' not in MODEL_PARSERS and 'granite' not in MODEL_PARSERS  # their formats vary by checkpoint

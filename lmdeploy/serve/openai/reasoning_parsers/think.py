@@ -27,10 +27,12 @@ def _prompt_state(prompt: str, start: str, end: str) -> str:
 class ThinkReasoningParser(ReasoningParser):
     """The reply is reasoning up to ``</think>`` when the prompt opened the block or the reply starts
     with ``<think>``; otherwise all of it is content. Whitespace right after ``</think>`` is dropped.
-    ``start_marker`` and ``end_marker`` are the block's tags."""
+    ``start_marker`` and ``end_marker`` are the block's tags; an ``implicit_ends`` tag in the reasoning ends it
+    too, and starts the content."""
 
     start_marker = START
     end_marker = END
+    implicit_ends: tuple[str, ...] = ()
 
     def __init__(self, prompt: str) -> None:
         super().__init__(prompt)
@@ -56,14 +58,17 @@ class ThinkReasoningParser(ReasoningParser):
                 else:
                     return out
             elif self.state == 'reasoning':
-                found = self.text.find(self.end_marker, self.pos)
-                if found < 0:
-                    end = len(self.text) if final else held_back(self.text, self.pos, self.end_marker)
+                ends = (self.end_marker, *self.implicit_ends)
+                found = [(i, tag) for tag in ends if (i := self.text.find(tag, self.pos)) >= 0]
+                if not found:
+                    end = len(self.text) if final else min(held_back(self.text, self.pos, tag) for tag in ends)
                     out.reasoning += self.text[self.pos:end]
                     self.pos = max(self.pos, end)
                     return out
-                out.reasoning += self.text[self.pos:found]
-                self.pos, self.state, self.strip = found + len(self.end_marker), 'content', True
+                at, tag = min(found)
+                out.reasoning += self.text[self.pos:at]
+                self.state, self.strip = 'content', tag == self.end_marker
+                self.pos = at + len(tag) if self.strip else at
             else:
                 if self.strip:
                     self.pos = skip_whitespace(self.text, self.pos)
@@ -71,6 +76,14 @@ class ThinkReasoningParser(ReasoningParser):
                 out.content += self.text[self.pos:]
                 self.pos = len(self.text)
                 return out
+
+
+@register_reasoning_parser('qwen3_5')
+class Qwen35ReasoningParser(ThinkReasoningParser):
+    """Qwen3.5's ``<think>`` reasoning (its template opens the block in the prompt), which may go straight into a
+    ``<tool_call>`` without closing the block: the call ends the reasoning."""
+
+    implicit_ends = ('<tool_call>',)
 
 
 @register_reasoning_parser('glm45', 'glm4_moe')
