@@ -66,7 +66,8 @@ def _json_type(value: Any) -> str | None:
 
 
 def literal(text: str, python: bool = True) -> Any:
-    """The JSON value ``text`` writes (with ``python``, else the Python literal), or ``_NOT_A_VALUE``."""
+    """The JSON value ``text`` writes (failing that, with ``python``, the Python literal it writes, as JSON
+    would read it back), or a marker that :func:`is_value` tells apart."""
     try:
         value = json.loads(text)
     except ValueError:
