@@ -60,3 +60,13 @@ def test_edges(text, content, calls):
     """Text that only looks like tags, blocks that hold no call (back into the text as they were), a call the
     reply left open, and text after a call."""
     assert split(glm45(), text) == {'reasoning': '', 'content': content, 'calls': calls}
+
+
+def test_values_typed_by_the_schema():
+    """A string parameter's value stays its text (``3`` included), however it reads; others are JSON."""
+    tools = [{'type': 'function', 'function': {'name': 'f', 'parameters': {'type': 'object', 'properties': {
+        'code': {'type': 'string'}, 'n': {'type': 'integer'}}}}}]
+    text = '<tool_call>f<arg_key>code</arg_key><arg_value>3</arg_value><arg_key>n</arg_key><arg_value>3</arg_value>' \
+           '<arg_key>x</arg_key><arg_value>NaN</arg_value></tool_call>'
+    calls = split(lambda: ChoiceParser(None, GLM45(tools)), text)['calls']
+    assert calls == [('f', '{"code": "3", "n": 3, "x": "NaN"}')]  # NaN is no JSON value

@@ -47,11 +47,12 @@ Call a tool with <tool_call>
 ADDED_TOKENS = ['<think>', '</think>', '<tool_call>', '</tool_call>']
 
 
-def save_tool_model(path: str) -> str:
-    """A tiny random Qwen2 at ``path`` with :data:`TOOL_TEMPLATE` and the :data:`ADDED_TOKENS`."""
+def save_tool_model(path: str, template: str = TOOL_TEMPLATE) -> str:
+    """A tiny random Qwen2 at ``path`` with ``template`` (by default :data:`TOOL_TEMPLATE`) and the
+    :data:`ADDED_TOKENS`."""
     save_tiny_model('qwen2', path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.add_tokens(ADDED_TOKENS)
-    tokenizer.chat_template = TOOL_TEMPLATE
+    tokenizer.chat_template = template
     tokenizer.save_pretrained(path)
     return path

@@ -12,7 +12,11 @@ from lmdeploy.messages import GenerationConfig, Response
 from lmdeploy.serve.openai.reasoning_parsers import ReasoningParser, get_reasoning_parser
 
 # Model types whose chat replies need parsers, and the (tool, reasoning) parsers they get unless named.
-MODEL_PARSERS = {'gpt_oss': ('harmony', 'harmony')}
+# Only model types whose replies are in one format whatever the checkpoint: Qwen3-Coder (``qwen3_moe``),
+# Qwen3-Coder-Next (``qwen3_next``), Granite (3.x and 4.x share ``granite``) and Llama 4 (its format follows
+# the chat template) share theirs with models that write calls otherwise.
+MODEL_PARSERS = {'gpt_oss': ('harmony', 'harmony'), 'seed_oss': ('seed_oss', 'seed_oss'),
+                 'qwen3_5_text': ('qwen3_coder', 'qwen3_5'), 'qwen3_5_moe_text': ('qwen3_coder', 'qwen3_5')}
 AUTO = 'auto'
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import jsonschema
@@ -79,7 +80,8 @@ def _tool_choice(value: str | dict[str, Any] | None, tools: list[ChatTool]) -> s
 def plan_tools(req: ChatCompletionRequest, parser: type[ToolParser] | None) -> ToolPlan:
     """Checks ``tools`` and ``tool_choice`` (bad ones are a 400) and says how the request uses them.
 
-    ``parser`` is the server's ``--tool-call-parser`` (None: none configured)."""
+    ``parser`` is the server's ``--tool-call-parser`` (None: none configured); it gets the tools, whose
+    schemas type the arguments of the formats that write them as text."""
     tools = req.tools or []
     choice = _tool_choice(req.tool_choice, tools)
     if not tools:
@@ -96,7 +98,7 @@ def plan_tools(req: ChatCompletionRequest, parser: type[ToolParser] | None) -> T
             raise APIError(400, "tool_choice 'auto' needs a tool call parser: start the server with "
                            "--tool-call-parser (or send tool_choice 'required', 'none' or a named function)",
                            'tool_choice')
-        return ToolPlan(template_tools, None, parser, max_calls, parser.special_tokens)
+        return ToolPlan(template_tools, None, partial(parser, template_tools), max_calls, parser.special_tokens)
     if choice == 'required':
         schema = required_schema(tools, req.parallel_tool_calls)
         return ToolPlan(template_tools, _json_schema('tool_calls', schema), RequiredToolParser, max_calls)

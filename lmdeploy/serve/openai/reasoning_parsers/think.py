@@ -1,7 +1,9 @@
-"""``<think>...</think>`` reasoning, as Qwen3, QwQ, DeepSeek-R1 and GLM-4.5 write it.
+"""``<think>...</think>`` reasoning, as Qwen3, QwQ, DeepSeek-R1 and GLM-4.5 write it, and Seed-OSS's
+``<seed:think>...</seed:think>``.
 
 Qwen3 opens the block in its reply (or, with ``enable_thinking=False``, its template closes an empty
-block in the prompt); DeepSeek-R1's template opens it in the prompt, so the reply starts inside it.
+block in the prompt); DeepSeek-R1's and Qwen3.5's templates open it in the prompt, so the reply starts inside
+it, as Seed-OSS's does with a thinking budget of 0.
 """
 from __future__ import annotations
 
@@ -12,50 +14,61 @@ from lmdeploy.serve.openai.text_scan import WHITESPACE, held_back, skip_whitespa
 START, END = '<think>', '</think>'
 
 
-def _prompt_state(prompt: str) -> str:
-    """'open' when the prompt ends inside a think block, 'closed' when it ends with one, else 'none'."""
+def _prompt_state(prompt: str, start: str, end: str) -> str:
+    """'open' when the prompt ends inside a block from ``start`` to ``end``, 'closed' when it ends with one,
+    else 'none'."""
     tail = prompt.rstrip(WHITESPACE)
-    if tail.rfind(START) > tail.rfind(END):
+    if tail.rfind(start) > tail.rfind(end):
         return 'open'
-    return 'closed' if tail.endswith(END) else 'none'
+    return 'closed' if tail.endswith(end) else 'none'
 
 
 @register_reasoning_parser('qwen3', 'deepseek_r1', 'deepseek-r1', 'think')
 class ThinkReasoningParser(ReasoningParser):
     """The reply is reasoning up to ``</think>`` when the prompt opened the block or the reply starts
-    with ``<think>``; otherwise all of it is content. Whitespace right after ``</think>`` is dropped."""
+    with ``<think>``; otherwise all of it is content. Whitespace right after ``</think>`` is dropped.
+    ``start_marker`` and ``end_marker`` are the block's tags; an ``implicit_ends`` tag in the reasoning ends it
+    too, and starts the content."""
 
+    start_marker = START
     end_marker = END
+    implicit_ends: tuple[str, ...] = ()
 
     def __init__(self, prompt: str) -> None:
         super().__init__(prompt)
-        self.state = {'open': 'reasoning', 'closed': 'content', 'none': 'start'}[_prompt_state(prompt)]
+        self.state = {'open': 'reasoning', 'closed': 'content', 'none': 'start'}[self._prompt_state()]
         self.strip = False
 
+    def _prompt_state(self) -> str:
+        return _prompt_state(self.prompt, self.start_marker, self.end_marker)
+
     def reasoning_enabled(self) -> bool:
-        return _prompt_state(self.prompt) != 'closed'
+        return self._prompt_state() != 'closed'
 
     def _advance(self, final: bool) -> ReasoningDelta:
         out = ReasoningDelta()
         while True:
             if self.state == 'start':
                 start = skip_whitespace(self.text, self.pos)
-                rest = self.text[start:start + len(START)]
-                if rest == START:
-                    self.pos, self.state = start + len(START), 'reasoning'
-                elif final or (rest and not START.startswith(rest)):
+                rest = self.text[start:start + len(self.start_marker)]
+                if rest == self.start_marker:
+                    self.pos, self.state = start + len(self.start_marker), 'reasoning'
+                elif final or (rest and not self.start_marker.startswith(rest)):
                     self.state = 'content'
                 else:
                     return out
             elif self.state == 'reasoning':
-                found = self.text.find(END, self.pos)
-                if found < 0:
-                    end = len(self.text) if final else held_back(self.text, self.pos, END)
+                ends = (self.end_marker, *self.implicit_ends)
+                found = [(i, tag) for tag in ends if (i := self.text.find(tag, self.pos)) >= 0]
+                if not found:
+                    end = len(self.text) if final else min(held_back(self.text, self.pos, tag) for tag in ends)
                     out.reasoning += self.text[self.pos:end]
                     self.pos = max(self.pos, end)
                     return out
-                out.reasoning += self.text[self.pos:found]
-                self.pos, self.state, self.strip = found + len(END), 'content', True
+                at, tag = min(found)
+                out.reasoning += self.text[self.pos:at]
+                self.state, self.strip = 'content', tag == self.end_marker
+                self.pos = at + len(tag) if self.strip else at
             else:
                 if self.strip:
                     self.pos = skip_whitespace(self.text, self.pos)
@@ -65,9 +78,26 @@ class ThinkReasoningParser(ReasoningParser):
                 return out
 
 
+@register_reasoning_parser('qwen3_5')
+class Qwen35ReasoningParser(ThinkReasoningParser):
+    """Qwen3.5's ``<think>`` reasoning (its template opens the block in the prompt), which may go straight into a
+    ``<tool_call>`` without closing the block: the call ends the reasoning."""
+
+    implicit_ends = ('<tool_call>',)
+
+
 @register_reasoning_parser('glm45', 'glm4_moe')
 class Glm45ReasoningParser(ThinkReasoningParser):
     """GLM-4.5's and GLM-4.6's ``<think>`` reasoning (``enable_thinking=False`` closes an empty block in the
     prompt), keeping the tags in the text should a tokenizer mark them special."""
 
     special_tokens = (START, END)
+
+
+@register_reasoning_parser('seed_oss')
+class SeedOssReasoningParser(ThinkReasoningParser):
+    """Seed-OSS's ``<seed:think>`` reasoning (a thinking budget of 0 opens the block in the prompt, and the
+    reply closes it at once); the tags are special tokens, kept in the text."""
+
+    start_marker, end_marker = '<seed:think>', '</seed:think>'
+    special_tokens = (start_marker, end_marker)

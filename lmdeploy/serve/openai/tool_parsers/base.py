@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from lmdeploy.serve.openai.registry import Registry
 from lmdeploy.serve.openai.text_scan import held_back, strip_end
+from lmdeploy.serve.openai.tool_parsers.arguments import parameter_schemas
 
 
 def tool_call_id() -> str:
@@ -49,8 +52,10 @@ class ParsedDelta:
 class ToolParser(ABC):
     """Splits one choice's content into text and tool calls, fed piecewise.
 
-    Subclasses keep the whole content in ``self.text`` and a read position ``self.pos``; :meth:`_advance`
-    consumes what can be decided (with ``final``: everything). ``special_tokens`` are the special tokens
+    ``tools`` are the request's OpenAI ``tools``: ``self.parameters`` holds each function's parameters'
+    schemas, for the parsers of formats that write arguments as untyped text. Subclasses keep the whole
+    content in ``self.text`` and a read position ``self.pos``; :meth:`_advance` consumes what can be decided
+    (with ``final``: everything). ``special_tokens`` are the special tokens
     the parser reads, which the detokenizer then keeps in the reply's text; ``reasoning_parser`` names the
     reasoning parser whose content the parser reads, when it needs one.
     """
@@ -58,7 +63,8 @@ class ToolParser(ABC):
     special_tokens: tuple[str, ...] = ()
     reasoning_parser: str | None = None
 
-    def __init__(self) -> None:
+    def __init__(self, tools: Sequence[Mapping[str, Any]] = ()) -> None:
+        self.parameters = parameter_schemas(tools)
         self.text = ''
         self.pos = 0
         self.num_calls = 0

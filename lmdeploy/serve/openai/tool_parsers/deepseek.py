@@ -9,6 +9,9 @@ a JSON code block, V3.1 the name and the arguments alone::
 """
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import Any
+
 from lmdeploy.serve.openai.text_scan import held_back, skip_whitespace
 from lmdeploy.serve.openai.tool_parsers.base import ParsedDelta, ToolCallDelta, ToolParser, register_tool_parser
 
@@ -24,8 +27,8 @@ class DeepSeekV3ToolParser(ToolParser):
 
     special_tokens = (CALLS_BEGIN, CALLS_END, CALL_BEGIN, SEP, CALL_END)
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, tools: Sequence[Mapping[str, Any]] = ()) -> None:
+        super().__init__(tools)
         self.state = 'text'
         self.args_end = (CALL_END,)  # what ends the current call's arguments
 

@@ -8,16 +8,20 @@ they are, other values in JSON), with or without newlines between the tags::
     <arg_value>3</arg_value>
     </tool_call>
 
-The parser does not know the tools' schemas: a value that reads as JSON (``3``, ``true``, ``[1, 2]``) is that
-JSON value, any other is a string. Each call is given out whole once its ``</tool_call>`` is seen. GLM-4.5
+The values are typed by the tools' schemas (see ``arguments.py``): a string parameter's value is its text, and
+a value for a parameter the schema does not type is JSON if it reads as JSON (``3``, ``true``, ``[1, 2]``),
+else a string. Each call is given out whole once its ``</tool_call>`` is seen. GLM-4.5
 reasons in ``<think>`` blocks first (the ``glm45`` reasoning parser).
 """
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from lmdeploy.serve.openai.text_scan import WHITESPACE, skip_whitespace
+from lmdeploy.serve.openai.tool_parsers.arguments import typed_value
 from lmdeploy.serve.openai.tool_parsers.base import ParsedDelta, ToolParser, register_tool_parser
 
 OPEN, CLOSE = '<tool_call>', '</tool_call>'
@@ -26,26 +30,21 @@ ARGUMENT = re.compile(r'<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>\
 NAME = re.compile(r'[^\s<>]+')
 
 
-def _value(text: str) -> object:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
-
-
-def parse_call(body: str) -> tuple[str, str] | None:
-    """``(name, arguments JSON)`` of the text between ``<tool_call>`` and ``</tool_call>``; None unless it is
-    a name followed by nothing but key-value pairs."""
+def parse_call(body: str, parameters: Mapping[str, Mapping[str, Any]]) -> tuple[str, str] | None:
+    """``(name, arguments JSON)`` of the text between ``<tool_call>`` and ``</tool_call>``, its values typed by
+    ``parameters`` (see :attr:`ToolParser.parameters`); None unless it is a name followed by nothing but
+    key-value pairs."""
     name, key_open, rest = body.partition(KEY_OPEN)
     name = name.strip(WHITESPACE)
     if not NAME.fullmatch(name):
         return None
-    rest, arguments, pos = key_open + rest, {}, 0
+    rest, arguments, pos, schemas = key_open + rest, {}, 0, parameters.get(name, {})
     while pos < len(rest):
         match = ARGUMENT.match(rest, pos)
         if match is None:
             return None
-        arguments[match[1].strip(WHITESPACE)] = _value(match[2])
+        key = match[1].strip(WHITESPACE)
+        arguments[key] = typed_value(match[2], schemas.get(key))
         pos = match.end()
     return name, json.dumps(arguments, ensure_ascii=False)
 
@@ -57,8 +56,8 @@ class Glm45ToolParser(ToolParser):
 
     special_tokens = (OPEN, CLOSE, KEY_OPEN, KEY_CLOSE, VALUE_OPEN, VALUE_CLOSE)
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, tools: Sequence[Mapping[str, Any]] = ()) -> None:
+        super().__init__(tools)
         self.in_call = False
         self.strip = False  # drop the whitespace that follows a block
 
@@ -77,7 +76,7 @@ class Glm45ToolParser(ToolParser):
             if found < 0 and not final:
                 return out
             end = len(self.text) if found < 0 else found
-            call = parse_call(self.text[self.pos:end])
+            call = parse_call(self.text[self.pos:end], self.parameters)
             if call is None:
                 out.content += OPEN + self.text[self.pos:end + (len(CLOSE) if found >= 0 else 0)]
             else:

@@ -7,6 +7,9 @@ function calls still harmony messages.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import Any
+
 from lmdeploy.serve.openai.harmony import SPECIAL_TOKENS, HarmonyReader
 from lmdeploy.serve.openai.tool_parsers.base import ParsedDelta, ToolCallDelta, ToolParser, register_tool_parser
 
@@ -19,8 +22,8 @@ class HarmonyToolParser(ToolParser):
     special_tokens = SPECIAL_TOKENS
     reasoning_parser = 'harmony'
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, tools: Sequence[Mapping[str, Any]] = ()) -> None:
+        super().__init__(tools)
         self.reader = HarmonyReader()
         self.calling = False
 

@@ -6,6 +6,9 @@
 """
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import Any
+
 from lmdeploy.serve.openai.tool_parsers.base import ParsedDelta, ToolParser, register_tool_parser
 from lmdeploy.serve.openai.tool_parsers.json_calls import CallReader
 from lmdeploy.serve.openai.text_scan import held_back, skip_whitespace, strip_end
@@ -20,8 +23,8 @@ class HermesToolParser(ToolParser):
     Whitespace next to a block is dropped; a block that holds no call goes back into the text as it was.
     """
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, tools: Sequence[Mapping[str, Any]] = ()) -> None:
+        super().__init__(tools)
         self.state = 'text'
         self.strip = False  # drop the whitespace that follows a block
         self.block_start = 0

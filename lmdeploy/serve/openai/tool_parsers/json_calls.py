@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from lmdeploy.serve.openai.tool_parsers.base import ParsedDelta, ToolCallDelta, ToolParser
 
@@ -125,8 +127,8 @@ class JsonCallsParser(ToolParser):
     """A parser of replies that hold call objects: ``state`` says what it reads next (``'start'`` first,
     ``'call'`` while ``reader`` reads a call object)."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, tools: Sequence[Mapping[str, Any]] = ()) -> None:
+        super().__init__(tools)
         self.state = 'start'
         self.reader: CallReader | None = None
 

@@ -8,6 +8,8 @@ arguments::
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from lmdeploy.serve.openai.text_scan import skip_whitespace
 from lmdeploy.serve.openai.tool_parsers.base import ParsedDelta, ToolCallDelta, register_tool_parser
@@ -25,8 +27,8 @@ class MistralToolParser(JsonCallsParser):
 
     special_tokens = (TOOL_CALLS, ARGS, CALL_ID)
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, tools: Sequence[Mapping[str, Any]] = ()) -> None:
+        super().__init__(tools)
         self.state = 'text'
         self.args: JsonScanner | None = None
         self.sent = 0
