@@ -186,5 +186,5 @@ def test_auto_needs_a_parser(api_server):
     assert r.status_code == 400 and '--tool-call-parser' in r.json()['error']['message']
     forced = httpx.post(f'{api_server.url}/v1/chat/completions',
                         json={'model': 'tiny', 'messages': ASK, 'tools': TOOLS, 'tool_choice': 'required',
-                              'max_tokens': 500, 'parallel_tool_calls': False, 'temperature': 0})
+                              'max_tokens': 500, 'parallel_tool_calls': False, 'temperature': 0}, timeout=120)
     assert forced.status_code == 200 and forced.json()['choices'][0]['message']['tool_calls']
