@@ -1,6 +1,7 @@
-// The MoE block of the native decoder stack: the forward of SparseMoeBlock (lmdeploy/pytorch/models/moe.py) or of
-// DeepseekV3MoE (models/deepseek_v3.py) with the kernels their Python paths call (moe_routing or grouped_topk and
-// run_experts of kernels/moe.py, the experts' kernels), in the same order, so that its results are the same.
+// The MoE block of the native decoder stack: the forward of SparseMoeBlock (lmdeploy/pytorch/models/moe.py), of
+// DeepseekV3MoE (models/deepseek_v3.py) or of Ernie4_5MoE (models/ernie.py) with the kernels their Python paths call
+// (moe_routing, grouped_topk or biased_softmax_topk and run_experts of kernels/moe.py, the experts' kernels), in the
+// same order, so that its results are the same.
 #include <ATen/ops/linear.h>
 #include <ATen/ops/silu.h>
 
@@ -10,7 +11,9 @@ namespace {
 
 MoEBlock::Routing routing_named(const std::string& name) {
   if (name == "softmax") return MoEBlock::Routing::kSoftmax;
-  TORCH_CHECK(name == "noaux_tc", "a MoE block's routing is 'softmax' or 'noaux_tc', not '", name, "'");
+  if (name == "biased_softmax") return MoEBlock::Routing::kBiasedSoftmax;
+  TORCH_CHECK(name == "noaux_tc", "a MoE block's routing is 'softmax', 'biased_softmax' or 'noaux_tc', not '", name,
+              "'");
   return MoEBlock::Routing::kNoauxTc;
 }
 
@@ -18,7 +21,7 @@ MoEBlock::Routing routing_named(const std::string& name) {
 
 MoEBlock::MoEBlock(Projection router, int64_t top_k, bool renormalize, const std::string& routing,
                    c10::optional<torch::Tensor> correction_bias, c10::optional<int64_t> num_groups,
-                   c10::optional<int64_t> topk_groups, c10::optional<double> scaling,
+                   c10::optional<int64_t> topk_groups, c10::optional<double> scaling, c10::optional<double> norm_min,
                    c10::optional<torch::Tensor> gate_up, c10::optional<torch::Tensor> down,
                    std::vector<Projection> expert_gate_up, std::vector<Projection> expert_down,
                    c10::optional<Projection> shared_gate_up, c10::optional<Projection> shared_down,
@@ -40,18 +43,27 @@ MoEBlock::MoEBlock(Projection router, int64_t top_k, bool renormalize, const std
   TORCH_CHECK(this->shared_gate_up.has_value() == this->shared_down.has_value() &&
                   (this->shared_gate_up.has_value() || !this->shared_gate.has_value()),
               "a shared expert has its gate_up and down projections (and a gate where it is gated)");
-  const bool grouped = this->correction_bias || num_groups || topk_groups || scaling;
+  const bool grouped = num_groups || topk_groups || scaling;
   if (this->routing == Routing::kSoftmax) {
-    TORCH_CHECK(!grouped, "correction_bias, num_groups, topk_groups and scaling belong to routing 'noaux_tc'");
+    TORCH_CHECK(!grouped && !this->correction_bias && !norm_min,
+                "correction_bias, num_groups, topk_groups, scaling and norm_min belong to other routings");
     return;
   }
-  TORCH_CHECK(this->correction_bias && num_groups && topk_groups && scaling,
-              "routing 'noaux_tc' takes correction_bias, num_groups, topk_groups and scaling");
+  if (this->correction_bias)
+    TORCH_CHECK(this->correction_bias->dim() == 1 && this->correction_bias->size(0) == num_experts,
+                "the correction bias holds one value per expert");
+  if (this->routing == Routing::kBiasedSoftmax) {
+    TORCH_CHECK(this->correction_bias && norm_min && !grouped && renormalize,
+                "routing 'biased_softmax' takes correction_bias and norm_min (not num_groups, topk_groups nor "
+                "scaling) and renormalizes");
+    this->norm_min = *norm_min;
+    return;
+  }
+  TORCH_CHECK(this->correction_bias && num_groups && topk_groups && scaling && !norm_min,
+              "routing 'noaux_tc' takes correction_bias, num_groups, topk_groups and scaling (not norm_min)");
   this->num_groups = *num_groups;
   this->topk_groups = *topk_groups;
   this->scaling = *scaling;
-  TORCH_CHECK(this->correction_bias->dim() == 1 && this->correction_bias->size(0) == num_experts,
-              "the correction bias holds one value per expert");
   TORCH_CHECK(this->num_groups >= 1 && num_experts % this->num_groups == 0 && num_experts / this->num_groups >= 2,
               "the experts split into num_groups equal groups of two or more");
   TORCH_CHECK(this->topk_groups >= 1 && this->topk_groups <= this->num_groups &&
@@ -65,6 +77,12 @@ std::tuple<torch::Tensor, torch::Tensor> MoEBlock::route(const torch::Tensor& x)
     auto [weights, ids] = logits.softmax(-1).topk(top_k, -1);
     if (renormalize) weights = weights.div(weights.sum(-1, true));
     return {weights, ids};
+  }
+  if (routing == Routing::kBiasedSoftmax) {  // biased_softmax_topk
+    const auto scores = logits.softmax(-1);
+    const auto ids = std::get<1>(scores.add(correction_bias->to(at::kFloat)).topk(top_k, -1));
+    const auto weights = scores.gather(1, ids);
+    return {weights.div(weights.sum(-1, true).clamp_min(norm_min)), ids};
   }
   const auto scores = logits.sigmoid();
   auto biased = scores.add(correction_bias->to(at::kFloat));
