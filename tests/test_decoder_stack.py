@@ -174,7 +174,8 @@ def test_int4_gate_up_with_bias_keeps_the_layers(tmp_path, native_gemms, monkeyp
 
 
 def test_fields_are_named(native_gemms):
-    """The stack's weights and step tensors go by name: a name left out, misspelt or of the wrong kind raises."""
+    """The stack's weights and step tensors go by name: a name left out, misspelt or of the wrong kind raises, and so
+    do a layer's options that do not fit together."""
     weight = torch.zeros(32, 16, dtype=torch.bfloat16)
     bf16 = native_gemms.Projection(kind='bf16', weight=native_gemms.pack_bf16_weight(weight))
     norm = torch.ones(16, dtype=torch.bfloat16)
@@ -188,8 +189,25 @@ def test_fields_are_named(native_gemms):
         native_gemms.LayerWeights(*layer.values())
     stack = dict(num_heads=1, num_kv_heads=1, head_dim=16, eps=1e-6, scale=0.25, quant_policy=0)
     native_gemms.DecoderStack(layers=[native_gemms.LayerWeights(**layer, sliding_window=8)], **stack)
+    across = dict(q_norm=norm, k_norm=norm, qk_norm_across_heads=True)
+    native_gemms.DecoderStack(layers=[native_gemms.LayerWeights(**layer, **across)], **stack)
+    post_only = {**layer, 'input_norm': None, 'post_norm': None, 'post_norms_only': True}
+    native_gemms.DecoderStack(layers=[native_gemms.LayerWeights(**post_only, attn_out_norm=norm, mlp_out_norm=norm)],
+                              **stack)
+    native_gemms.DecoderStack(layers=[native_gemms.LayerWeights(**layer, attention_chunk=8, qk_l2_norm_eps=1e-5)],
+                              **stack)
     for options, match in [(dict(rotary_dim=18), 'from 0 to head_dim'), (dict(rotary_dim=7), 'even'),
-                           (dict(sliding_window=0), 'window is positive')]:
+                           (dict(sliding_window=0), 'window is positive'),
+                           (dict(q_norm=norm[:8], k_norm=norm[:8]), 'span a head, or all heads'),
+                           (dict(qk_norm_across_heads=True), 'needs the q and k norms'),
+                           (dict(post_norm=None), 'its input_norm and post_norm'),
+                           (dict(post_norms_only=True, attn_out_norm=norm, mlp_out_norm=norm), 'no input_norm'),
+                           ({**post_only, 'attn_out_norm': norm}, 'has attn_out_norm and mlp_out_norm'),
+                           ({**post_only, 'attn_out_norm': norm, 'mlp_out_norm': norm, 'residual_scale': 0.5},
+                            'nor residual_scale'),
+                           (dict(attention_chunk=0), 'attention chunk is positive'),
+                           (dict(attention_chunk=8, sliding_window=8), 'no sliding window with it'),
+                           (dict(qk_l2_norm_eps=1e-5, q_norm=norm, k_norm=norm), 'no q and k norms with it')]:
         with pytest.raises(RuntimeError, match=match):
             native_gemms.DecoderStack(layers=[native_gemms.LayerWeights(**{**layer, **options})], **stack)
     with pytest.raises(RuntimeError, match="'bf16', 'w8a8', 'int4', 'q4k', 'q6k', 'onednn' or 'fp32'"):

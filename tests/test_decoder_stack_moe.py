@@ -302,7 +302,8 @@ def test_bad_blocks_are_refused(native_gemms):
                                      **options})
     with pytest.raises(TypeError):  # the routing is named, never left out
         native_gemms.MoEBlock(router=proj, top_k=2, renormalize=True, **dense)
-    with pytest.raises(RuntimeError, match="'softmax', 'biased_softmax' or 'noaux_tc', not 'sigmoid'"):
+    with pytest.raises(RuntimeError, match="'softmax', 'biased_softmax', 'sigmoid_scaled_input' or 'noaux_tc', not "
+                                           "'sigmoid'"):
         native_gemms.MoEBlock(router=proj, top_k=2, renormalize=True, routing='sigmoid', **dense)
     grouped = dict(correction_bias=torch.zeros(4), num_groups=2, topk_groups=1, scaling=2.5)
     native_gemms.MoEBlock(router=proj, top_k=2, renormalize=True, routing='noaux_tc', **grouped, **dense)
@@ -318,6 +319,9 @@ def test_bad_blocks_are_refused(native_gemms):
                            (dict(routing='biased_softmax', **biased, renormalize=False), 'and renormalizes'),
                            (dict(routing='biased_softmax', **{**biased, 'correction_bias': torch.zeros(3)}),
                             'per expert'),
+                           (dict(routing='sigmoid_scaled_input'), 'does not renormalize'),
+                           (dict(routing='sigmoid_scaled_input', renormalize=False, scaling=2.0),
+                            'belong to other routings'),
                            (dict(routing='noaux_tc', **{**grouped, 'correction_bias': torch.zeros(3)}), 'per expert'),
                            (dict(routing='noaux_tc', **{**grouped, 'num_groups': 3}), 'equal groups of two'),
                            (dict(routing='noaux_tc', **{**grouped, 'num_groups': 4}), 'equal groups of two'),

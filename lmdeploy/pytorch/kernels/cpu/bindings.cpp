@@ -104,7 +104,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<LayerWeights>(m, "LayerWeights", "a Llama-style decoder layer's weights")
       .def(py::init<Optional, Optional, Projection, Projection, c10::optional<Projection>, c10::optional<Projection>,
                     c10::optional<MoEBlock>, Optional, Optional, Optional, Optional, int64_t, bool, bool,
-                    c10::optional<int64_t>, c10::optional<double>, bool, bool, double, bool, bool>(),
+                    c10::optional<int64_t>, c10::optional<double>, bool, bool, double, bool, bool,
+                    c10::optional<int64_t>, c10::optional<double>>(),
            py::kw_only(), py::arg("input_norm") = py::none(), py::arg("post_norm") = py::none(), py::arg("qkv"),
            py::arg("o"),
            py::arg("gate_up") = py::none(), py::arg("down") = py::none(), py::arg("moe") = py::none(),
@@ -113,7 +114,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("interleaved_rope") = false, py::arg("local_rope") = false, py::arg("sliding_window") = py::none(),
            py::arg("logit_softcap") = py::none(), py::arg("gelu_tanh_mlp") = false,
            py::arg("scaled_queries") = false, py::arg("residual_scale") = 1.0,
-           py::arg("qk_norm_across_heads") = false, py::arg("post_norms_only") = false);
+           py::arg("qk_norm_across_heads") = false, py::arg("post_norms_only") = false,
+           py::arg("attention_chunk") = py::none(), py::arg("qk_l2_norm_eps") = py::none());
   py::class_<DecoderStack>(m, "DecoderStack", "Llama-style decoder layers in one call per step")
       .def(py::init<std::vector<LayerWeights>, int64_t, int64_t, int64_t, double, double, int64_t>(), py::kw_only(),
            py::arg("layers"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"),

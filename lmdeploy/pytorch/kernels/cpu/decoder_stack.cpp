@@ -136,6 +136,10 @@ DecoderStack::DecoderStack(std::vector<LayerWeights> layers, int64_t num_heads, 
     TORCH_CHECK(w.rotary_dim >= 0 && w.rotary_dim <= head_dim_ && w.rotary_dim % 2 == 0,
                 "a layer's rotary_dim is even, from 0 to head_dim");
     TORCH_CHECK(!w.sliding_window || *w.sliding_window > 0, "a layer's sliding window is positive");
+    TORCH_CHECK(!w.attention_chunk || (*w.attention_chunk > 0 && !w.sliding_window),
+                "a layer's attention chunk is positive, and it has no sliding window with it");
+    TORCH_CHECK(!w.qk_l2_norm_eps || (*w.qk_l2_norm_eps > 0 && !w.q_norm),
+                "a layer's qk_l2_norm_eps is positive, and it has no q and k norms with it");
     TORCH_CHECK(w.gate_up.has_value() == w.down.has_value() && w.gate_up.has_value() != w.moe.has_value(),
                 "a layer's MLP is its gate_up and down projections or its moe block");
   }
@@ -187,12 +191,16 @@ torch::Tensor DecoderStack::attention(const LayerWeights& w, const torch::Tensor
   const c10::optional<torch::Tensor> k_sz = quant_policy_ ? c10::optional<torch::Tensor>(cache[2]) : c10::nullopt;
   const c10::optional<torch::Tensor> v_sz = quant_policy_ ? c10::optional<torch::Tensor>(cache[3]) : c10::nullopt;
   const auto heads = qkv.view({qkv.size(0), num_heads_ + 2 * num_kv_heads_, head_dim_});
-  const auto qk = rotate(w, normed_qk(w, qkv), step);
+  auto qk = rotate(w, normed_qk(w, qkv), step);
+  if (w.qk_l2_norm_eps) {  // l2_norm of models/llama4.py
+    const auto x32 = qk.to(at::kFloat);
+    qk = x32.mul(x32.pow(2).mean(-1, true).add(*w.qk_l2_norm_eps).rsqrt()).to(qk.scalar_type());
+  }
   auto q = qk.narrow(1, 0, num_heads_);
   const auto k = qk.narrow(1, num_heads_, num_kv_heads_);
   if (w.scaled_queries) {
     TORCH_CHECK(step.q_scale, "a layer with scaled_queries needs the step's q_scale");
-    q = q.mul(step.q_scale->view({-1, 1, 1}));  // scale_queries of nn/rotary.py
+    q = q.mul(step.q_scale->view({-1, 1, 1})).to(qk.scalar_type());  // scale_queries of nn/rotary.py
   }
   const auto v = heads.narrow(1, num_heads_ + num_kv_heads_, num_kv_heads_);
   const bool own_pool = w.sliding_window && step.window_kv_blocks;
@@ -207,11 +215,13 @@ torch::Tensor DecoderStack::attention(const LayerWeights& w, const torch::Tensor
                                             v.narrow(0, 0, prefill), k_cache, v_cache, *prefill_block_table,
                                             *step.prefill_q_start, *step.prefill_q_len, *step.prefill_ctx_len,
                                             step.prefill_max_q_len, scale_, k_sz, v_sz, quant_policy_,
-                                            w.sliding_window, w.logit_softcap, c10::nullopt, step.prefill_key_limit));
+                                            w.sliding_window, w.logit_softcap, c10::nullopt, step.prefill_key_limit,
+                                            w.attention_chunk));
   if (step.decode_blocks)
     parts.push_back(paged_decode_attention(q.narrow(0, prefill, rows - prefill), k_cache, v_cache,
                                            *decode_blocks, *step.decode_kv_lens, scale_, k_sz, v_sz,
-                                           quant_policy_, w.sliding_window, w.logit_softcap));
+                                           quant_policy_, w.sliding_window, w.logit_softcap, c10::nullopt,
+                                           w.attention_chunk));
   TORCH_CHECK(!parts.empty(), "a step has prefill or decode rows");
   return (parts.size() == 1 ? parts[0] : torch::cat(parts)).flatten(1);
 }

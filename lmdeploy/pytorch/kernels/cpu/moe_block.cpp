@@ -1,8 +1,9 @@
 // The MoE block of the native decoder stack: the forward of SparseMoeBlock (lmdeploy/pytorch/models/moe.py), of
-// DeepseekV3MoE (models/deepseek_v3.py) or of Ernie4_5MoE (models/ernie.py) with the kernels their Python paths call
-// (moe_routing, grouped_topk or biased_softmax_topk and run_experts of kernels/moe.py, the experts' kernels), in the
-// same order, so that its results are the same.
+// DeepseekV3MoE (models/deepseek_v3.py), of Ernie4_5MoE (models/ernie.py) or of Llama4MoE (models/llama4.py) with the
+// kernels their Python paths call (moe_routing, grouped_topk or biased_softmax_topk, or the top-k logits' sigmoid, and
+// run_experts of kernels/moe.py, the experts' kernels), in the same order, so that its results are the same.
 #include <ATen/ops/linear.h>
+#include <ATen/ops/ones.h>
 #include <ATen/ops/silu.h>
 
 #include "common.h"
@@ -12,7 +13,9 @@ namespace {
 MoEBlock::Routing routing_named(const std::string& name) {
   if (name == "softmax") return MoEBlock::Routing::kSoftmax;
   if (name == "biased_softmax") return MoEBlock::Routing::kBiasedSoftmax;
-  TORCH_CHECK(name == "noaux_tc", "a MoE block's routing is 'softmax', 'biased_softmax' or 'noaux_tc', not '", name,
+  if (name == "sigmoid_scaled_input") return MoEBlock::Routing::kSigmoidScaledInput;
+  TORCH_CHECK(name == "noaux_tc",
+              "a MoE block's routing is 'softmax', 'biased_softmax', 'sigmoid_scaled_input' or 'noaux_tc', not '", name,
               "'");
   return MoEBlock::Routing::kNoauxTc;
 }
@@ -44,9 +47,11 @@ MoEBlock::MoEBlock(Projection router, int64_t top_k, bool renormalize, const std
                   (this->shared_gate_up.has_value() || !this->shared_gate.has_value()),
               "a shared expert has its gate_up and down projections (and a gate where it is gated)");
   const bool grouped = num_groups || topk_groups || scaling;
-  if (this->routing == Routing::kSoftmax) {
+  if (this->routing == Routing::kSoftmax || this->routing == Routing::kSigmoidScaledInput) {
     TORCH_CHECK(!grouped && !this->correction_bias && !norm_min,
                 "correction_bias, num_groups, topk_groups, scaling and norm_min belong to other routings");
+    TORCH_CHECK(this->routing == Routing::kSoftmax || !renormalize,
+                "routing 'sigmoid_scaled_input' does not renormalize");
     return;
   }
   if (this->correction_bias)
@@ -72,6 +77,10 @@ MoEBlock::MoEBlock(Projection router, int64_t top_k, bool renormalize, const std
 }
 
 std::tuple<torch::Tensor, torch::Tensor> MoEBlock::route(const torch::Tensor& x) const {
+  if (routing == Routing::kSigmoidScaledInput) {  // Llama4MoE.forward: the scores in x's dtype
+    const auto [top_logits, ids] = router(x).topk(top_k, -1);
+    return {top_logits.to(at::kFloat).sigmoid().to(x.scalar_type()), ids};
+  }
   const auto logits = router(x).to(at::kFloat);
   if (routing == Routing::kSoftmax) {
     auto [weights, ids] = logits.softmax(-1).topk(top_k, -1);
@@ -104,19 +113,32 @@ torch::Tensor MoEBlock::expert(int64_t e, const torch::Tensor& rows) const {
   return at::linear(at::silu(halves[0]).mul(halves[1]), down->select(0, e));
 }
 
-torch::Tensor MoEBlock::operator()(const torch::Tensor& x) const {
-  auto [topk_weights, topk_ids] = route(x);
+torch::Tensor MoEBlock::run_experts(const torch::Tensor& x, const torch::Tensor& topk_weights,
+                                    const torch::Tensor& topk_ids) const {
   const auto flat_ids = topk_ids.flatten();
   const auto order = flat_ids.argsort(/*stable=*/true);
   const auto counts = flat_ids.bincount({}, num_experts);
   const auto* count = counts.data_ptr<int64_t>();
-  const auto tokens = order.floor_divide(top_k);
+  const auto tokens = order.floor_divide(topk_ids.size(1));
   const auto weights = topk_weights.flatten().index_select(0, order).to(x.scalar_type());
   auto out = torch::zeros_like(x);
   for (int64_t e = 0, start = 0; e < num_experts; start += count[e], ++e) {
     if (count[e] == 0) continue;
     const auto rows = tokens.narrow(0, start, count[e]);
     out.index_add_(0, rows, expert(e, x.index_select(0, rows)).mul(weights.narrow(0, start, count[e]).unsqueeze(1)));
+  }
+  return out;
+}
+
+torch::Tensor MoEBlock::operator()(const torch::Tensor& x) const {
+  const auto [topk_weights, topk_ids] = route(x);
+  torch::Tensor out;
+  if (routing == Routing::kSigmoidScaledInput) {  // each token's k copies scaled by their scores, weights of one
+    const auto copies = x.unsqueeze(1).mul(topk_weights.unsqueeze(-1)).flatten(0, 1);
+    const auto ones = at::ones({copies.size(0), 1}, x.options().dtype(at::kFloat));
+    out = run_experts(copies, ones, topk_ids.reshape({-1, 1})).view({x.size(0), top_k, -1}).sum(1);
+  } else {
+    out = run_experts(x, topk_weights, topk_ids);
   }
   if (!shared_gate_up) return out;
   const auto shared = (*shared_down)(shared_gate_up->gate_up_silu(x));
