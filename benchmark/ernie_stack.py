@@ -2,11 +2,11 @@
 of 128, MLP 3072, rotary over neighbouring pairs; a 1024-word vocabulary) on the CPU with its layers in the native
 decoder stack against their Python forward, in the same run, random bf16 weights, one thread; ``--family olmo2`` or
 ``olmo3``: OLMo 2's layers (post-norms only, q/k norms over all heads) or OLMo 3's (three sliding-window layers of
-four, window 4096) at the same shape but for heads of 64 (OLMo's configs derive it from the hidden size). The step time is the
-calling thread's CPU time of the model's forward (``time.thread_time``: other jobs on a shared machine take time
-slices but not figures), the best and the median over rounds in which the two paths alternate. On a CPU with AMX,
-whose bf16 layers run on oneDNN (where the stack does not run), the layers run on the native bf16 GEMM here, as the
-tests of the stack run them.
+four, window 4096) at the same shape but for heads of 64 (OLMo's configs derive it from the hidden size). The step
+time is the calling thread's CPU time of the model's forward (``time.thread_time``: other jobs on a shared machine
+take time slices but not figures), the best and the median over rounds in which the two paths alternate. On a CPU
+with AMX, whose bf16 layers run on oneDNN (where the stack does not run), the layers run on the native bf16 GEMM
+here, as the tests of the stack run them.
 
     python benchmark/ernie_stack.py [--family ernie4_5] [--layers 18] [--batches 1,16] [--steps 8] [--rounds 4]
 """

@@ -11,10 +11,10 @@ softmax scores, a correction bias choosing, the unbiased scores over their sum, 
 Llama 4's layers at that shape (``--layers 4``: three rope layers attending within chunks of 8192 with the L2 q/k
 norm, then a NoPE layer whose queries the temperature scales; every second layer MoE, 16 experts of 768 of which one
 per token, its sigmoid score scaling the expert's input, and a shared expert of 768; the others dense of 5632). The
-step time is the calling thread's CPU time of the model's forward (``time.thread_time``: other jobs on a shared machine take time slices
-but not figures), the best and the median over rounds in which the two paths alternate. On a CPU with AMX, whose
-bf16 layers run on oneDNN (where the stack does not run), the layers run on the native bf16 GEMM here, as the
-tests of the stack run them.
+step time is the calling thread's CPU time of the model's forward (``time.thread_time``: other jobs on a shared
+machine take time slices but not figures), the best and the median over rounds in which the two paths alternate. On
+a CPU with AMX, whose bf16 layers run on oneDNN (where the stack does not run), the layers run on the native bf16
+GEMM here, as the tests of the stack run them.
 
     python benchmark/moe_stack.py [--family qwen3_moe] [--layers 2] [--experts 128] [--batches 1,16] [--steps 8]
                                   [--rounds 4]
@@ -62,8 +62,8 @@ def model_config(args: argparse.Namespace) -> PretrainedConfig:
 
 
 def save_model(path: str, args: argparse.Namespace) -> None:
-    """A checkpoint of ``args.layers`` layers of ``args.family`` at its shape, random bf16 weights (GLM-4.5's and ERNIE's
-    routers and correction biases in fp32, as their checkpoints hold them)."""
+    """A checkpoint of ``args.layers`` layers of ``args.family`` at its shape, random bf16 weights (GLM-4.5's and
+    ERNIE's routers and correction biases in fp32, as their checkpoints hold them)."""
     config = model_config(args)
     config.save_pretrained(path)
     g = torch.Generator().manual_seed(0)

@@ -1,8 +1,9 @@
 """MoE families (Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE, GLM-4.5 with DeepSeek-V3's grouped routing,
 ERNIE 4.5 MoE with its biased softmax routing) in the native decoder stack: the stack's ``MoEBlock``
-(``kernels/cpu/moe_block.cpp``) against ``SparseMoeBlock``'s, ``DeepseekV3MoE``'s and ``Ernie4_5MoE``'s forward, on dense bf16 experts and on a GGUF file's Q4_K and Q6_K experts: every step's
-hidden states are equal, over chunked prefills, mixed and decode steps; where an expert kind has no native kernel
-(Q8_0) the layers keep their forward."""
+(``kernels/cpu/moe_block.cpp``) against ``SparseMoeBlock``'s, ``DeepseekV3MoE``'s and ``Ernie4_5MoE``'s forward, on
+dense bf16 experts and on a GGUF file's Q4_K and Q6_K experts: every step's hidden states are equal, over chunked
+prefills, mixed and decode steps; where an expert kind has no native kernel (Q8_0) the layers keep their forward
+(Llama 4: test_decoder_stack_llama4.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -191,9 +192,9 @@ def test_ernie45_routing_options_change_the_block(tmp_path, native_gemms, monkey
 
 @pytest.mark.parametrize('kind', ['qwen2_moe', 'glm4_moe', 'ernie4_5_moe'])
 def test_shared_expert_small_steps_on_int4_copies(kind, tmp_path, native_gemms, monkeypatch):
-    """With ``decode_int4`` the shared expert (Qwen2-MoE's gated one, GLM-4.5's and ERNIE 4.5's ungated ones) keeps 4-bit copies for
-    steps of up to two tokens: those steps run in the stack's small-step layers, on the copies, equal to the layers'
-    forward."""
+    """With ``decode_int4`` the shared expert (Qwen2-MoE's gated one, GLM-4.5's and ERNIE 4.5's ungated ones) keeps
+    4-bit copies for steps of up to two tokens: those steps run in the stack's small-step layers, on the copies, equal
+    to the layers' forward."""
     if cpu.int4_gemv() is None:
         pytest.skip('the native int4 GEMV needs AVX512-BF16')
     engine = Engine(save_moe(kind, str(tmp_path)), PytorchEngineConfig(decode_int4=True, **ENGINE),
@@ -314,7 +315,8 @@ def test_bad_blocks_are_refused(native_gemms):
                            (dict(routing='softmax', norm_min=1e-12), 'belong to other routings'),
                            (dict(routing='noaux_tc', correction_bias=torch.zeros(4)), 'takes correction_bias'),
                            (dict(routing='noaux_tc', **grouped, norm_min=1e-12), 'not norm_min'),
-                           (dict(routing='biased_softmax', correction_bias=torch.zeros(4)), 'takes correction_bias and'),
+                           (dict(routing='biased_softmax', correction_bias=torch.zeros(4)),
+                            'takes correction_bias and'),
                            (dict(routing='biased_softmax', **biased, scaling=2.0), 'takes correction_bias and'),
                            (dict(routing='biased_softmax', **biased, renormalize=False), 'and renormalizes'),
                            (dict(routing='biased_softmax', **{**biased, 'correction_bias': torch.zeros(3)}),
