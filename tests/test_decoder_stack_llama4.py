@@ -13,6 +13,7 @@ from test_llama4 import save_llama4
 
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
+from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.models import llama
 from lmdeploy.pytorch.models.llama4 import Llama4MoE
 from lmdeploy.pytorch.nn.decoder_stack import NativeDecoderStack, layer_weights
@@ -96,3 +97,15 @@ def test_llama4_options_matter(option, tmp_path, native_gemms, monkeypatch):
     run(engine, prompts, gen)
     print(f'Llama 4 without {option}: hidden states differ by up to {max(differences):.3g}')
     assert max(differences) > 0.01
+
+
+def test_llama4_small_int4_steps_run_in_the_stack(tmp_path, native_gemms, monkeypatch):
+    """With ``decode_int4`` steps of up to two tokens run in the stack's small-step layers (attention, dense MLPs and
+    the shared expert on their 4-bit copies), equal to the layers' forward on them."""
+    if cpu.int4_gemv() is None:
+        pytest.skip('the native int4 GEMV needs AVX512-BF16')
+    engine = llama4_engine(save_llama4(str(tmp_path)), decode_int4=True)
+    stack = engine.runner.model.native_stack
+    assert stack.small is not None and stack.small_step_rows == 2
+    steps = run_checked(engine, monkeypatch, batched_equals_solo=False)
+    assert (0, 1) in steps and (0, 4) in steps
