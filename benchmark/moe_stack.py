@@ -4,11 +4,17 @@
 experts of 768 of which 8 per token, softmax routing); ``--family glm4_moe``, GLM-4.5's layers at a smaller shape
 (hidden 2048, 16 query and 4 KV heads of 128 with q/k/v biases and half of each head rotating, a dense first layer
 of 5632, then MoE layers of 64 experts of 768 of which 8 per token and one shared expert; DeepSeek-V3's routing:
-sigmoid scores, a correction bias, 2 of 4 groups, scaling 2.5, an fp32 router). The step time is the calling
-thread's CPU time of the model's forward (``time.thread_time``: other jobs on a shared machine take time slices
-but not figures), the best and the median over rounds in which the two paths alternate. On a CPU with AMX, whose
-bf16 layers run on oneDNN (where the stack does not run), the layers run on the native bf16 GEMM here, as the
-tests of the stack run them.
+sigmoid scores, a correction bias, 2 of 4 groups, scaling 2.5, an fp32 router); ``--family ernie4_5_moe``, ERNIE 4.5
+MoE's layers at the same smaller shape (16 query and 4 KV heads of 128 rotating in neighbouring pairs, a dense first
+layer of 5632, then MoE layers of 64 experts of 768 of which 6 per token and two shared experts; ERNIE's routing:
+softmax scores, a correction bias choosing, the unbiased scores over their sum, an fp32 router); ``--family llama4``,
+Llama 4's layers at that shape (``--layers 4``: three rope layers attending within chunks of 8192 with the L2 q/k
+norm, then a NoPE layer whose queries the temperature scales; every second layer MoE, 16 experts of 768 of which one
+per token, its sigmoid score scaling the expert's input, and a shared expert of 768; the others dense of 5632). The
+step time is the calling thread's CPU time of the model's forward (``time.thread_time``: other jobs on a shared
+machine take time slices but not figures), the best and the median over rounds in which the two paths alternate. On
+a CPU with AMX, whose bf16 layers run on oneDNN (where the stack does not run), the layers run on the native bf16
+GEMM here, as the tests of the stack run them.
 
     python benchmark/moe_stack.py [--family qwen3_moe] [--layers 2] [--experts 128] [--batches 1,16] [--steps 8]
                                   [--rounds 4]
@@ -21,7 +27,7 @@ import os
 
 import torch
 from safetensors.torch import save_file
-from transformers import Glm4MoeConfig, PretrainedConfig, Qwen3MoeConfig
+from transformers import Ernie4_5_MoeConfig, Glm4MoeConfig, Llama4TextConfig, PretrainedConfig, Qwen3MoeConfig
 from stack_timing import print_stack_against_layers, stack_engine
 from workload import save_word_tokenizer
 
@@ -38,14 +44,26 @@ def model_config(args: argparse.Namespace) -> PretrainedConfig:
     if args.family == 'qwen3_moe':
         return Qwen3MoeConfig(num_attention_heads=32, num_experts=args.experts, architectures=['Qwen3MoeForCausalLM'],
                               **common)
+    if args.family == 'llama4':
+        return Llama4TextConfig(hidden_size=2048, num_hidden_layers=args.layers, num_attention_heads=16,
+                                num_key_value_heads=4, head_dim=128, num_local_experts=args.experts,
+                                num_experts_per_tok=1, intermediate_size=EXPERT_WIDTH, intermediate_size_mlp=5632,
+                                interleave_moe_layer_step=2, attention_chunk_size=8192, vocab_size=VOCAB,
+                                max_position_embeddings=16384, tie_word_embeddings=False,
+                                architectures=['Llama4ForCausalLM'])
+    if args.family == 'ernie4_5_moe':
+        common = {**common, 'num_experts_per_tok': 6}
+        return Ernie4_5_MoeConfig(num_attention_heads=16, moe_num_experts=args.experts, moe_num_shared_experts=2,
+                                  moe_layer_start_index=1, intermediate_size=5632, use_bias=False,
+                                  architectures=['Ernie4_5_MoeForCausalLM'], **common)
     return Glm4MoeConfig(num_attention_heads=16, n_routed_experts=args.experts, n_shared_experts=1, n_group=4,
                          topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1, intermediate_size=5632,
                          attention_bias=True, use_qk_norm=False, architectures=['Glm4MoeForCausalLM'], **common)
 
 
 def save_model(path: str, args: argparse.Namespace) -> None:
-    """A checkpoint of ``args.layers`` layers of ``args.family`` at its shape, random bf16 weights (GLM-4.5's router
-    and correction bias in fp32, as its checkpoints hold them)."""
+    """A checkpoint of ``args.layers`` layers of ``args.family`` at its shape, random bf16 weights (GLM-4.5's and
+    ERNIE's routers and correction biases in fp32, as their checkpoints hold them)."""
     config = model_config(args)
     config.save_pretrained(path)
     g = torch.Generator().manual_seed(0)
@@ -53,7 +71,7 @@ def save_model(path: str, args: argparse.Namespace) -> None:
     def rand(*shape: int, std: float = 0.02) -> torch.Tensor:
         return (torch.randn(*shape, generator=g) * std).bfloat16()
 
-    glm = args.family == 'glm4_moe'
+    glm, ernie, llama4 = (args.family == name for name in ('glm4_moe', 'ernie4_5_moe', 'llama4'))
     hidden, heads = config.hidden_size, config.num_attention_heads * config.head_dim
     kv = config.num_key_value_heads * config.head_dim
     state = {'model.embed_tokens.weight': rand(VOCAB, hidden, std=1.0), 'model.norm.weight': rand(hidden, std=0) + 1,
@@ -69,18 +87,27 @@ def save_model(path: str, args: argparse.Namespace) -> None:
         if glm:
             state |= {prefix + f'self_attn.{name}_proj.bias': rand(size) for name, size in (('q', heads), ('k', kv),
                                                                                               ('v', kv))}
-        else:
+        elif not (ernie or llama4):
             state |= {prefix + f'self_attn.{name}_norm.weight': rand(config.head_dim, std=0) + 1 for name in 'qk'}
-        if glm and i < config.first_k_dense_replace:
+        if ((glm and i < config.first_k_dense_replace) or (ernie and i < config.moe_layer_start_index)
+                or (llama4 and i not in config.moe_layers)):
             state |= {f'{prefix}mlp.{name}_proj.weight': rand(*shape) for name, shape in
                       (('gate', (5632, hidden)), ('up', (5632, hidden)), ('down', (hidden, 5632)))}
             continue
         expert_shapes = (('gate', (EXPERT_WIDTH, hidden)), ('up', (EXPERT_WIDTH, hidden)),
                          ('down', (hidden, EXPERT_WIDTH)))
-        state[prefix + 'mlp.gate.weight'] = rand(args.experts, hidden).float() if glm else rand(args.experts, hidden)
+        router = rand(args.experts, hidden).float() if glm or ernie else rand(args.experts, hidden)
+        state[prefix + ('mlp.router.weight' if llama4 else 'mlp.gate.weight')] = router
+        if llama4:
+            state |= {f'{prefix}mlp.shared_expert.{name}_proj.weight': rand(*shape) for name, shape in expert_shapes}
         if glm:
             state[prefix + 'mlp.gate.e_score_correction_bias'] = rand(args.experts, std=0.1).float()
             state |= {f'{prefix}mlp.shared_experts.{name}_proj.weight': rand(*shape) for name, shape in expert_shapes}
+        if ernie:
+            state[prefix + 'mlp.moe_statics.e_score_correction_bias'] = rand(1, args.experts, std=0.01).float()
+            state |= {f'{prefix}mlp.shared_experts.{name}_proj.weight': rand(*shape) for name, shape in
+                      (('gate', (2 * EXPERT_WIDTH, hidden)), ('up', (2 * EXPERT_WIDTH, hidden)),
+                       ('down', (hidden, 2 * EXPERT_WIDTH)))}
         for e in range(args.experts):
             state |= {f'{prefix}mlp.experts.{e}.{name}_proj.weight': rand(*shape) for name, shape in expert_shapes}
     save_file(state, os.path.join(path, 'model.safetensors'))
@@ -91,17 +118,20 @@ def save_model(path: str, args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument('--family', choices=('qwen3_moe', 'glm4_moe'), default='qwen3_moe')
-    parser.add_argument('--layers', type=int, default=2, help="decoder layers (GLM-4.5's first one dense)")
-    parser.add_argument('--experts', type=int, default=None, help='routed experts (default: 128, GLM-4.5: 64)')
+    parser.add_argument('--family', choices=('qwen3_moe', 'glm4_moe', 'ernie4_5_moe', 'llama4'), default='qwen3_moe')
+    parser.add_argument('--layers', type=int, default=2,
+                        help="decoder layers (GLM-4.5's and ERNIE's first one dense, Llama 4's every second one)")
+    parser.add_argument('--experts', type=int, default=None,
+                        help='routed experts (default: 128, GLM-4.5, ERNIE: 64, Llama 4: 16)')
     parser.add_argument('--batches', default='1,16')
     parser.add_argument('--steps', type=int, default=8, help='decode steps per round')
     parser.add_argument('--rounds', type=int, default=4)
     args = parser.parse_args()
-    args.experts = args.experts or (128 if args.family == 'qwen3_moe' else 64)
+    args.experts = args.experts or {'qwen3_moe': 128, 'llama4': 16}.get(args.family, 64)
     engine = stack_engine(lambda path: save_model(path, args))
-    print(f'{args.family}, {args.layers} layers, {args.experts} experts of 2048 -> {EXPERT_WIDTH}, top-8, 1 thread; '
-          'ms per decode step (thread CPU time of the forward)')
+    top_k = model_config(args).num_experts_per_tok
+    print(f'{args.family}, {args.layers} layers, {args.experts} experts of 2048 -> {EXPERT_WIDTH}, top-{top_k}, '
+          '1 thread; ms per decode step (thread CPU time of the forward)')
     print_stack_against_layers(engine, VOCAB, args.batches, args.steps, args.rounds)
 
 

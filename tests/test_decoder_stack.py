@@ -18,6 +18,8 @@ from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.kernels.w8a8 import quantize_weight
+from lmdeploy.pytorch.models import olmo
+from lmdeploy.pytorch.nn.decoder_stack import NativeDecoderStack, layer_weights
 
 
 def save_qwen2_windowed(kind: str, path: str) -> str:
@@ -32,13 +34,15 @@ def save_qwen2_windowed(kind: str, path: str) -> str:
 # GLM-4's norms on the outputs of attention and the MLP, and Gemma 2 (Gemma's sandwich norms, GeLU MLP, query
 # scale, soft-capped scores, local and global layers), Gemma 3 (q/k Gemma norms, local layers on their own
 # rotary table), Ministral 3 (queries scaled by their position), Seed-OSS (q/k/v biases without an o_proj one),
-# ERNIE 4.5 (rotary over interleaved pairs of the whole head, biases on every projection) and Granite (outputs
-# scaled by its residual multiplier, its attention multiplier as the score scale)
+# ERNIE 4.5 (rotary over interleaved pairs of the whole head, biases on every projection), Granite (outputs
+# scaled by its residual multiplier, its attention multiplier as the score scale), OLMo 2 (post-norms only, q/k
+# norms over all heads) and OLMo 3 (with sliding layers on their own rotary table and a YaRN global layer)
 STACK_FAMILIES = {'llama': save_tiny_model, 'qwen2': save_tiny_model, 'qwen3': save_tiny_model,
                   'mistral': save_family, 'phi3': save_family, 'smollm3': save_family, 'phi3_longrope': save_family,
                   'mistral_sliding': save_family, 'qwen2_windowed': save_qwen2_windowed, 'glm': save_family,
                   'glm4': save_family, 'gemma2': save_family, 'gemma3': save_family, 'ministral3': save_family,
-                  'seed_oss': save_family, 'ernie4_5': save_family, 'granite': save_family}
+                  'seed_oss': save_family, 'ernie4_5': save_family, 'granite': save_family, 'olmo2': save_family,
+                  'olmo3': save_family}
 CASES = [(kind, 'bf16', 0) for kind in STACK_FAMILIES] + [(kind, 'w8a8', 8) for kind in STACK_FAMILIES]
 CASES += [('llama', 'bf16', 8), ('llama', 'bf16', 4), ('llama', 'w8a8', 0), ('qwen3', 'w8a8', 4)]
 ENGINE = dict(dtype='bfloat16', num_gpu_blocks=64, block_size=16, enable_prefix_caching=False)
@@ -132,13 +136,13 @@ def small_int4_steps(engine: Engine, monkeypatch) -> list[tuple[int, int]]:
 
 
 @pytest.mark.parametrize('kind', ['llama', 'qwen2', 'qwen3', 'smollm3', 'mistral_sliding', 'glm4', 'gemma3',
-                                  'ministral3'])
+                                  'ministral3', 'olmo3'])
 def test_small_int4_steps_run_in_the_stack(kind, saved, native_gemms, monkeypatch):
     """With ``decode_int4`` and the native int4 GEMV, steps of at most two tokens run in the stack on the
     4-bit weights (qwen2: with the qkv bias; qwen3: q and k norms; smollm3: a layer without rotary;
     mistral_sliding: a sliding window; glm4: interleaved partial rotary, output norms; gemma3: the GeLU MLP on
-    plain 4-bit gate and up rows, local rotary; ministral3: queries scaled by their position), equal to the
-    layers' forward on them."""
+    plain 4-bit gate and up rows, local rotary; ministral3: queries scaled by their position; olmo3: post-norms
+    only, q/k norms over all heads, sliding layers on their own rotary), equal to the layers' forward on them."""
     if cpu.int4_gemv() is None:
         pytest.skip('the native int4 GEMV needs AVX512-BF16')
     engine = Engine(saved(kind, 'bf16'), PytorchEngineConfig(decode_int4=True, **ENGINE), show_progress=False)
@@ -170,7 +174,8 @@ def test_int4_gate_up_with_bias_keeps_the_layers(tmp_path, native_gemms, monkeyp
 
 
 def test_fields_are_named(native_gemms):
-    """The stack's weights and step tensors go by name: a name left out, misspelt or of the wrong kind raises."""
+    """The stack's weights and step tensors go by name: a name left out, misspelt or of the wrong kind raises, and so
+    do a layer's options that do not fit together."""
     weight = torch.zeros(32, 16, dtype=torch.bfloat16)
     bf16 = native_gemms.Projection(kind='bf16', weight=native_gemms.pack_bf16_weight(weight))
     norm = torch.ones(16, dtype=torch.bfloat16)
@@ -184,8 +189,25 @@ def test_fields_are_named(native_gemms):
         native_gemms.LayerWeights(*layer.values())
     stack = dict(num_heads=1, num_kv_heads=1, head_dim=16, eps=1e-6, scale=0.25, quant_policy=0)
     native_gemms.DecoderStack(layers=[native_gemms.LayerWeights(**layer, sliding_window=8)], **stack)
+    across = dict(q_norm=norm, k_norm=norm, qk_norm_across_heads=True)
+    native_gemms.DecoderStack(layers=[native_gemms.LayerWeights(**layer, **across)], **stack)
+    post_only = {**layer, 'input_norm': None, 'post_norm': None, 'post_norms_only': True}
+    native_gemms.DecoderStack(layers=[native_gemms.LayerWeights(**post_only, attn_out_norm=norm, mlp_out_norm=norm)],
+                              **stack)
+    native_gemms.DecoderStack(layers=[native_gemms.LayerWeights(**layer, attention_chunk=8, qk_l2_norm_eps=1e-5)],
+                              **stack)
     for options, match in [(dict(rotary_dim=18), 'from 0 to head_dim'), (dict(rotary_dim=7), 'even'),
-                           (dict(sliding_window=0), 'window is positive')]:
+                           (dict(sliding_window=0), 'window is positive'),
+                           (dict(q_norm=norm[:8], k_norm=norm[:8]), 'span a head, or all heads'),
+                           (dict(qk_norm_across_heads=True), 'needs the q and k norms'),
+                           (dict(post_norm=None), 'its input_norm and post_norm'),
+                           (dict(post_norms_only=True, attn_out_norm=norm, mlp_out_norm=norm), 'no input_norm'),
+                           ({**post_only, 'attn_out_norm': norm}, 'has attn_out_norm and mlp_out_norm'),
+                           ({**post_only, 'attn_out_norm': norm, 'mlp_out_norm': norm, 'residual_scale': 0.5},
+                            'nor residual_scale'),
+                           (dict(attention_chunk=0), 'attention chunk is positive'),
+                           (dict(attention_chunk=8, sliding_window=8), 'no sliding window with it'),
+                           (dict(qk_l2_norm_eps=1e-5, q_norm=norm, k_norm=norm), 'no q and k norms with it')]:
         with pytest.raises(RuntimeError, match=match):
             native_gemms.DecoderStack(layers=[native_gemms.LayerWeights(**{**layer, **options})], **stack)
     with pytest.raises(RuntimeError, match="'bf16', 'w8a8', 'int4', 'q4k', 'q6k', 'onednn' or 'fp32'"):
@@ -209,3 +231,56 @@ def test_fields_are_named(native_gemms):
     native_gemms.StepTensors(**step)
     with pytest.raises(TypeError):
         native_gemms.StepTensors(**{**step, 'decode_kv_len': step.pop('decode_kv_lens')})
+
+
+def stack_differences(engine: Engine, monkeypatch) -> list[float]:
+    """Makes each of ``engine``'s steps run through the stack and then through the layers, going on with the
+    layers' hidden states (and the cache rows they write); returns the largest difference of each step's."""
+    model = engine.runner.model
+    stack, forward, differences = model.native_stack, model.forward, []
+
+    def both(input_ids, kv_caches, ctx):
+        stacked = forward(input_ids, kv_caches, ctx)
+        model.native_stack = None
+        try:
+            layered = forward(input_ids, kv_caches, ctx)
+        finally:
+            model.native_stack = stack
+        differences.append((stacked.float() - layered.float()).abs().max().item())
+        return layered
+
+    monkeypatch.setattr(model, 'forward', both)
+    return differences
+
+
+@pytest.mark.parametrize('kind', ['olmo2', 'olmo3'])
+@pytest.mark.parametrize('option', ['qk_norm_across_heads', 'post_norms_only'])
+def test_olmo_options_matter(kind, option, saved, native_gemms, monkeypatch):
+    """Each of OLMo's options counts: a stack built without it (``qk_norm_across_heads``: without the q/k norms;
+    ``post_norms_only``: the pre-norm arrangement with unit input and post-attention norms, the output norms kept)
+    gives other hidden states than the layers at every step, where the stack built with it gives theirs."""
+    engine = Engine(saved(kind, 'bf16'), PytorchEngineConfig(**ENGINE), show_progress=False)
+    model = engine.runner.model
+    prompts, gen = random_prompts([20, 9], seed=4), GenerationConfig(max_new_tokens=4, ignore_eos=True)
+    with monkeypatch.context() as patch:
+        differences = stack_differences(engine, patch)
+        run(engine, prompts, gen)
+    assert max(differences) == 0.0
+
+    def without_option(input_norm, post_norm, projections, small_step=False, **options):
+        options[option] = False
+        if option == 'qk_norm_across_heads':
+            del options['q_norm'], options['k_norm']
+        else:
+            input_norm = post_norm = torch.ones_like(options['attn_out_norm'])
+        return layer_weights(input_norm, post_norm, projections, small_step, **options)
+
+    monkeypatch.setattr(olmo, 'layer_weights', without_option)
+    attn = model.layers[0].self_attn
+    model.native_stack = NativeDecoderStack.build([layer.native_weights() for layer in model.layers], None,
+                                                  attn.num_heads, attn.num_kv_heads, attn.head_dim, model.norm.eps,
+                                                  attn.attn.scale, 0)
+    differences = stack_differences(engine, monkeypatch)
+    run(engine, prompts, gen)
+    print(f'{kind} without {option}: hidden states differ by {min(differences):.3g} to {max(differences):.3g}')
+    assert min(differences) > 0.01

@@ -1,8 +1,9 @@
-"""MoE families (Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE, GLM-4.5 with DeepSeek-V3's grouped routing)
-in the native decoder stack: the stack's ``MoEBlock`` (``kernels/cpu/moe_block.cpp``) against ``SparseMoeBlock``'s
-and ``DeepseekV3MoE``'s forward, on dense bf16 experts and on a GGUF file's Q4_K and Q6_K experts: every step's
-hidden states are equal, over chunked prefills, mixed and decode steps; where an expert kind has no native kernel
-(Q8_0) the layers keep their forward."""
+"""MoE families (Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE, GLM-4.5 with DeepSeek-V3's grouped routing,
+ERNIE 4.5 MoE with its biased softmax routing) in the native decoder stack: the stack's ``MoEBlock``
+(``kernels/cpu/moe_block.cpp``) against ``SparseMoeBlock``'s, ``DeepseekV3MoE``'s and ``Ernie4_5MoE``'s forward, on
+dense bf16 experts and on a GGUF file's Q4_K and Q6_K experts: every step's hidden states are equal, over chunked
+prefills, mixed and decode steps; where an expert kind has no native kernel (Q8_0) the layers keep their forward
+(Llama 4: test_decoder_stack_llama4.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,11 +18,13 @@ from test_glm4_moe import VARIANTS, save_glm4_moe
 from test_gguf_glm4moe import write_k_quant_glm4_moe
 from test_gguf_mixed import write_mixed_gguf
 from test_gguf_moe import FILES
+from test_model_families import save_family
 
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.models.deepseek_v3 import DeepseekV3MoE
+from lmdeploy.pytorch.models.ernie import Ernie4_5MoE
 from lmdeploy.pytorch.models.moe import SparseMoeBlock
 from lmdeploy.pytorch.nn.quant.cpu_bf16 import NativeBf16Kernel, OneDnnKernel
 from lmdeploy.pytorch.weights.gguf import convert_gguf
@@ -36,14 +39,17 @@ NATIVE_FILES = {'qwen3_moe': {'blk.0.ffn_down_exps': Q.Q6_K, 'default': Q.Q4_K},
                 'glm4_moe': {'blk.1.ffn_down_exps': Q.Q6_K, 'blk.2.ffn_down_shexp': Q.Q6_K, 'default': Q.Q4_K}}
 
 
-def moe_blocks(engine: Engine) -> list[SparseMoeBlock | DeepseekV3MoE]:
-    return [m for m in engine.runner.model.modules() if isinstance(m, (SparseMoeBlock, DeepseekV3MoE))]
+def moe_blocks(engine: Engine) -> list[SparseMoeBlock | DeepseekV3MoE | Ernie4_5MoE]:
+    return [m for m in engine.runner.model.modules() if isinstance(m, (SparseMoeBlock, DeepseekV3MoE, Ernie4_5MoE))]
 
 
 def save_moe(kind: str, path: str) -> str:
     """A tiny random model of ``kind``: a MoE family of ``conftest``'s, or GLM-4.5 (``glm4_moe``: two groups of
-    experts of which one is chosen, a correction bias, a routed scaling of 2.5, attention biases)."""
-    return save_glm4_moe(path, **VARIANTS['glm45']) if kind == 'glm4_moe' else save_tiny_model(kind, path)
+    experts of which one is chosen, a correction bias, a routed scaling of 2.5, attention biases), or ERNIE 4.5 MoE
+    (``ernie4_5_moe``: a dense first layer, then two MoE layers of four experts, two per token, and a shared one)."""
+    if kind == 'glm4_moe':
+        return save_glm4_moe(path, **VARIANTS['glm45'])
+    return save_family(kind, path) if kind == 'ernie4_5_moe' else save_tiny_model(kind, path)
 
 
 def run_checked(engine: Engine, monkeypatch, batched_equals_solo: bool = True) -> list[tuple[int, int]]:
@@ -132,11 +138,63 @@ def test_glm45_routing_options_change_the_block(tmp_path, native_gemms, monkeypa
             assert (not torch.equal(other_ids.sort(-1)[0], ids.sort(-1)[0])) == reroutes, name
 
 
-@pytest.mark.parametrize('kind', ['qwen2_moe', 'glm4_moe'])
+def test_ernie45_stack_equals_the_layers(tmp_path, native_gemms, monkeypatch):
+    """ERNIE 4.5 MoE: its dense first layer and interleaved rotary, every layer in the stack, the MoE layers as
+    ``MoEBlock``s routed ``biased_softmax`` (fp32 router, ungated shared expert), equal to the layers' forward at
+    every step."""
+    engine = Engine(save_moe('ernie4_5_moe', str(tmp_path)), PytorchEngineConfig(max_prefill_token_num=48, **ENGINE),
+                    show_progress=False)
+    assert engine.runner.model.native_stack is not None
+    blocks = moe_blocks(engine)
+    assert len(blocks) == 2 and all(block.native_moe() is not None for block in blocks)
+    steps = run_checked(engine, monkeypatch)
+    assert any(0 < prefill < rows for prefill, rows in steps) and any(prefill == 0 for prefill, _ in steps)
+    assert any(prefill == rows == 48 for prefill, rows in steps) and (0, 1) in steps
+
+
+@pytest.mark.parametrize('tokens', [1, 5, 40])
+def test_ernie45_block_equals_the_python_forward(tokens, tmp_path, native_gemms):
+    """ERNIE 4.5 MoE's ``MoEBlock`` alone gives ``Ernie4_5MoE.forward``'s output bit for bit."""
+    g = torch.Generator().manual_seed(tokens)
+    blocks = moe_blocks(Engine(save_moe('ernie4_5_moe', str(tmp_path)), PytorchEngineConfig(**ENGINE),
+                               show_progress=False))
+    for block in blocks:
+        x = torch.randn(tokens, 64, generator=g).bfloat16()
+        assert torch.equal(block.native_moe()(x=x), block(x))
+
+
+def test_ernie45_routing_options_change_the_block(tmp_path, native_gemms, monkeypatch):
+    """Each part of the biased softmax routing counts, in the stack's block as in the Python forward: on 40 tokens,
+    no correction bias (other experts chosen) or a norm_min above the chosen scores' sum change the output, and the
+    block follows the forward in each; the block routed plain ``softmax`` instead differs from the forward."""
+    block = moe_blocks(Engine(save_moe('ernie4_5_moe', str(tmp_path)), PytorchEngineConfig(**ENGINE),
+                              show_progress=False))[0]
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
+    expected = block(x)
+    statics = block.moe_statics
+    no_bias = torch.nn.Parameter(torch.zeros_like(statics.e_score_correction_bias), requires_grad=False)
+    for owner, name, value in [(statics, 'e_score_correction_bias', no_bias), (block, 'norm_min', 2.0)]:
+        with monkeypatch.context() as patch:
+            patch.setattr(owner, name, value)
+            changed = block(x)
+            assert torch.equal(block.native_moe()(x=x), changed), name
+            difference = (changed.float() - expected.float()).abs().max().item()
+            print(f'ERNIE 4.5 MoE block with {name}={value if name == "norm_min" else 0}: differs by {difference:.3g}')
+            assert difference > 0.01, name
+    softmax = native_gemms.MoEBlock(router=native_gemms.Projection(kind='fp32', weight=block.gate.weight),
+                                    top_k=block.top_k, renormalize=True, routing='softmax',
+                                    **block.experts.kernel.native_experts())
+    plain = softmax(x=x) + block.shared_experts(x)
+    difference = (plain.float() - expected.float()).abs().max().item()
+    print(f"ERNIE 4.5 MoE block routed 'softmax': differs by {difference:.3g}")
+    assert difference > 0.01
+
+
+@pytest.mark.parametrize('kind', ['qwen2_moe', 'glm4_moe', 'ernie4_5_moe'])
 def test_shared_expert_small_steps_on_int4_copies(kind, tmp_path, native_gemms, monkeypatch):
-    """With ``decode_int4`` the shared expert (Qwen2-MoE's gated one, GLM-4.5's ungated one) keeps 4-bit copies for
-    steps of up to two tokens: those steps run in the stack's small-step layers, on the copies, equal to the layers'
-    forward."""
+    """With ``decode_int4`` the shared expert (Qwen2-MoE's gated one, GLM-4.5's and ERNIE 4.5's ungated ones) keeps
+    4-bit copies for steps of up to two tokens: those steps run in the stack's small-step layers, on the copies, equal
+    to the layers' forward."""
     if cpu.int4_gemv() is None:
         pytest.skip('the native int4 GEMV needs AVX512-BF16')
     engine = Engine(save_moe(kind, str(tmp_path)), PytorchEngineConfig(decode_int4=True, **ENGINE),
@@ -206,7 +264,7 @@ def test_block_equals_the_python_forward(tokens, tmp_path, native_gemms):
         assert torch.equal(block.native_moe()(x=x), block(x))
 
 
-@pytest.mark.parametrize('kind', ['qwen3_moe', 'glm4_moe'])
+@pytest.mark.parametrize('kind', ['qwen3_moe', 'glm4_moe', 'ernie4_5_moe'])
 def test_fp32_keeps_the_layers(kind, tmp_path):
     """In fp32 the projections run on no native GEMM, so MoE models keep their layers as dense ones do."""
     engine = Engine(save_moe(kind, str(tmp_path)), PytorchEngineConfig(**{**ENGINE, 'dtype': 'float32'}),
@@ -215,7 +273,7 @@ def test_fp32_keeps_the_layers(kind, tmp_path):
     assert all(block.native_moe() is None for block in moe_blocks(engine))
 
 
-@pytest.mark.parametrize('kind', ['qwen2_moe', 'glm4_moe'])
+@pytest.mark.parametrize('kind', ['qwen2_moe', 'glm4_moe', 'ernie4_5_moe'])
 def test_without_native_kernels_keeps_the_layers(kind, tmp_path, monkeypatch):
     """Without the native kernels (no compiler, ``LMDEPLOY_CPU_KERNELS=0``) a bf16 MoE model runs its layers."""
     monkeypatch.setattr(cpu, 'native', lambda: None)
@@ -245,13 +303,27 @@ def test_bad_blocks_are_refused(native_gemms):
                                      **options})
     with pytest.raises(TypeError):  # the routing is named, never left out
         native_gemms.MoEBlock(router=proj, top_k=2, renormalize=True, **dense)
-    with pytest.raises(RuntimeError, match="'softmax' or 'noaux_tc', not 'sigmoid'"):
+    with pytest.raises(RuntimeError, match="'softmax', 'biased_softmax', 'sigmoid_scaled_input' or 'noaux_tc', not "
+                                           "'sigmoid'"):
         native_gemms.MoEBlock(router=proj, top_k=2, renormalize=True, routing='sigmoid', **dense)
     grouped = dict(correction_bias=torch.zeros(4), num_groups=2, topk_groups=1, scaling=2.5)
     native_gemms.MoEBlock(router=proj, top_k=2, renormalize=True, routing='noaux_tc', **grouped, **dense)
-    for options, match in [(dict(routing='softmax', **grouped), "belong to routing 'noaux_tc'"),
-                           (dict(routing='softmax', scaling=2.0), "belong to routing 'noaux_tc'"),
+    biased = dict(correction_bias=torch.zeros(4), norm_min=1e-12)
+    native_gemms.MoEBlock(router=proj, top_k=2, renormalize=True, routing='biased_softmax', **biased, **dense)
+    for options, match in [(dict(routing='softmax', **grouped), 'belong to other routings'),
+                           (dict(routing='softmax', scaling=2.0), 'belong to other routings'),
+                           (dict(routing='softmax', norm_min=1e-12), 'belong to other routings'),
                            (dict(routing='noaux_tc', correction_bias=torch.zeros(4)), 'takes correction_bias'),
+                           (dict(routing='noaux_tc', **grouped, norm_min=1e-12), 'not norm_min'),
+                           (dict(routing='biased_softmax', correction_bias=torch.zeros(4)),
+                            'takes correction_bias and'),
+                           (dict(routing='biased_softmax', **biased, scaling=2.0), 'takes correction_bias and'),
+                           (dict(routing='biased_softmax', **biased, renormalize=False), 'and renormalizes'),
+                           (dict(routing='biased_softmax', **{**biased, 'correction_bias': torch.zeros(3)}),
+                            'per expert'),
+                           (dict(routing='sigmoid_scaled_input'), 'does not renormalize'),
+                           (dict(routing='sigmoid_scaled_input', renormalize=False, scaling=2.0),
+                            'belong to other routings'),
                            (dict(routing='noaux_tc', **{**grouped, 'correction_bias': torch.zeros(3)}), 'per expert'),
                            (dict(routing='noaux_tc', **{**grouped, 'num_groups': 3}), 'equal groups of two'),
                            (dict(routing='noaux_tc', **{**grouped, 'num_groups': 4}), 'equal groups of two'),

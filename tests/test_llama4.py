@@ -97,7 +97,7 @@ def test_layers_are_built_as_the_config_says(model_path):
     layers = engine.runner.model.layers
     assert [layer.self_attn.attn.attention_chunk for layer in layers] == [CHUNK, CHUNK, None, CHUNK]
     assert [isinstance(layer.mlp, Llama4MoE) for layer in layers] == [False, True, False, True]
-    assert [layer.self_attn.temperature is not None for layer in layers] == [False, False, True, False]
+    assert [layer.self_attn.scaled_queries for layer in layers] == [False, False, True, False]
 
 
 def test_tp2_equals_tp1(model_path):

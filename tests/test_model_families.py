@@ -67,9 +67,10 @@ FAMILIES = {
 }
 # families the native decoder stack runs on the CPU (Llama layers: full, partial or no rotary, sliding windows;
 # GLM's and ERNIE 4.5's interleaved rotary and GLM-4's output norms; Ministral 3's query scale; Gemma 2 and 3;
-# Seed-OSS; Granite's residual multiplier); not OLMo 2/3 (no input norms, q/k norms over all heads)
+# Seed-OSS; Granite's residual multiplier; OLMo 2/3's post-norms and q/k norms over all heads; ERNIE 4.5 MoE's
+# biased softmax routing): all of them
 NATIVE_STACK = {'phi3', 'phi3_longrope', 'smollm3', 'mistral', 'mistral_sliding', 'ministral3', 'glm', 'glm4', 'gemma2',
-                'gemma3', 'seed_oss', 'ernie4_5', 'granite'}
+                'gemma3', 'olmo2', 'olmo3', 'seed_oss', 'ernie4_5', 'ernie4_5_moe', 'granite'}
 
 
 def save_family(kind: str, path: str, max_shard_size: str = '50GB', **overrides) -> str:
@@ -108,10 +109,10 @@ def test_sharded_fused_checkpoint_loads(tmp_path):
         assert run(make_engine(sharded), prompts) == run(make_engine(whole), prompts)
 
 
-def test_native_decoder_stack_only_for_llama_layers(family, native_gemms):
-    """bf16 on native GEMM weights: only families of Llama layers run in the native decoder stack
-    (``tests/test_decoder_stack.py`` checks it step by step); the others fall back to their layers' forward
-    (``native_weights()`` is None)."""
+def test_native_decoder_stack_families(family, native_gemms):
+    """bf16 on native GEMM weights: the families of ``NATIVE_STACK`` run in the native decoder stack
+    (``tests/test_decoder_stack.py`` checks it step by step), with the tokens of their layers' forward; the others
+    would fall back to it (``native_weights()`` is None)."""
     kind, path = family
     engine = Engine(path, PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=32, block_size=16), show_progress=False)
     model = engine.runner.model

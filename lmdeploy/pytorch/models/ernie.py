@@ -2,7 +2,8 @@
 turns neighbouring pairs of each head's features (as GLM's does, over the whole head), with one ``use_bias``
 for every projection. The MoE model's sparse layers (``moe_layer_start_index`` to ``moe_layer_end_index``, every
 ``moe_layer_interval``-th) route by softmax with a correction bias (:func:`biased_softmax_topk`) and add ungated
-shared experts; its checkpoints' multi-token-prediction layers (``mtp_*``) are not used."""
+shared experts; its checkpoints' multi-token-prediction layers (``mtp_*``) are not used. The layers of both run in
+the native decoder stack (the MoE layers as ``MoEBlock``s routed ``biased_softmax``)."""
 from __future__ import annotations
 
 import torch
@@ -10,10 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmdeploy.pytorch.config import ModelConfig
-from lmdeploy.pytorch.kernels import biased_softmax_topk
+from lmdeploy.pytorch.kernels import biased_softmax_topk, cpu
 from lmdeploy.pytorch.models.deepseek_v3 import TopKRouter
 from lmdeploy.pytorch.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
-from lmdeploy.pytorch.models.moe import MoEForCausalLM
+from lmdeploy.pytorch.models.moe import MoEForCausalLM, shared_expert_projections
 from lmdeploy.pytorch.nn.moe import FusedExperts
 from lmdeploy.pytorch.nn.quant import Layout, new_parameter
 
@@ -55,6 +56,25 @@ class Ernie4_5MoE(nn.Module):
         shared = hf.moe_intermediate_size * hf.moe_num_shared_experts
         self.shared_experts = LlamaMLP(cfg, shared, bias=bool(hf.use_bias)) if shared else None
 
+    def native_moe(self, small_step: bool = False) -> object | None:
+        """This block as a ``MoEBlock`` of :class:`~lmdeploy.pytorch.nn.decoder_stack.NativeDecoderStack` with
+        routing ``biased_softmax`` (its fp32 router an ``fp32`` projection, its shared experts ungated;
+        ``small_step``: for steps of at most ``small_step_rows`` tokens, which only the shared experts' projections
+        tell apart); None where a part runs on no native kernel."""
+        kernels = cpu.native()
+        native = self.experts.kernel.native_experts() if kernels is not None else None
+        if native is None:
+            return None
+        if self.shared_experts is not None:
+            shared = shared_expert_projections(self.shared_experts, small_step)
+            if shared is None:
+                return None
+            native.update(shared)
+        return kernels.MoEBlock(router=kernels.Projection(kind='fp32', weight=self.gate.weight), top_k=self.top_k,
+                                renormalize=True, routing='biased_softmax',
+                                correction_bias=self.moe_statics.e_score_correction_bias.view(-1),
+                                norm_min=float(self.norm_min), **native)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = biased_softmax_topk(F.linear(x.float(), self.gate.weight),
                                            self.moe_statics.e_score_correction_bias, self.top_k, self.norm_min)
@@ -63,7 +83,7 @@ class Ernie4_5MoE(nn.Module):
 
 
 class Ernie4_5_MoeForCausalLM(MoEForCausalLM):
-    """ERNIE 4.5 MoE's decoder; its layers run their own forward (the native stack has no ERNIE routing)."""
+    """ERNIE 4.5 MoE's decoder; its layers run in the native decoder stack."""
 
     def make_layer(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
         return ernie_layer(cfg, self.make_mlp(cfg, layer_index))

@@ -2,8 +2,8 @@
 their inputs, each output normed before the residual adds it (``post_attention_layernorm``,
 ``post_feedforward_layernorm``), queries and keys RMS-normed over the whole projection (all heads together)
 before the rotary. OLMo 3 adds sliding-window layers (``layer_types``) with a rope of their own
-(``rope_parameters`` per layer type). The native decoder stack has no layer without input norm, nor q/k norms
-across heads: OLMo's layers run their own forward."""
+(``rope_parameters`` per layer type). Their layers run in the native decoder stack (``post_norms_only``,
+``qk_norm_across_heads``; OLMo 3's sliding layers on its local rotary table where they have their own rope)."""
 from __future__ import annotations
 
 import torch
@@ -12,11 +12,13 @@ from torch import nn
 from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.models.gemma import rope_per_layer_type
 from lmdeploy.pytorch.models.llama import KVCache, LlamaAttention, LlamaForCausalLM, LlamaMLP, layer_window
+from lmdeploy.pytorch.nn.decoder_stack import LayerWeights, layer_weights
 from lmdeploy.pytorch.nn.norm import RMSNorm
 from lmdeploy.pytorch.nn.rotary import RotaryEmbedding, apply_rope
 from lmdeploy.pytorch.step_context import StepContext
 
 FULL_ATTENTION = 'full_attention'
+SLIDING_ATTENTION = 'sliding_attention'
 
 
 class OlmoAttention(LlamaAttention):
@@ -47,6 +49,7 @@ class OlmoDecoderLayer(nn.Module):
         super().__init__()
         hf = cfg.hf_config
         self.layer_type = hf.layer_types[layer_index] if getattr(hf, 'layer_types', None) else FULL_ATTENTION
+        self.own_rope = rope_per_layer_type(hf)
         self.self_attn = OlmoAttention(cfg, layer_index)
         self.mlp = LlamaMLP(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, hf.rms_norm_eps)
@@ -57,9 +60,19 @@ class OlmoDecoderLayer(nn.Module):
         residual = residual + self.post_attention_layernorm(self.self_attn(residual, kv_cache, ctx))
         return self.post_feedforward_layernorm(self.mlp(residual)), residual
 
-    def native_weights(self, small_step: bool = False) -> None:
-        """None: the native decoder stack cannot run this layer (see the module docstring)."""
-        return None
+    def native_weights(self, small_step: bool = False) -> LayerWeights | None:
+        """This layer's weights for the native decoder stack (see ``LlamaDecoderLayer.native_weights``): no input
+        nor pre-MLP norm (``post_norms_only``), its two post-norms as the stack's norms of the attention and MLP
+        outputs, its q/k norms over all heads, OLMo 3's sliding layers turning by the step's local rotary table
+        where they have their own rope."""
+        attn, mlp = self.self_attn, self.mlp
+        return layer_weights(None, None, dict(qkv=attn.qkv_proj, o=attn.o_proj, gate_up=mlp.gate_up_proj,
+                                              down=mlp.down_proj),
+                             small_step, post_norms_only=True, attn_out_norm=self.post_attention_layernorm.weight,
+                             mlp_out_norm=self.post_feedforward_layernorm.weight, q_norm=attn.q_norm.weight,
+                             k_norm=attn.k_norm.weight, qk_norm_across_heads=True, rotary_dim=attn.rotary_dim,
+                             sliding_window=attn.attn.sliding_window,
+                             local_rope=self.own_rope and self.layer_type == SLIDING_ATTENTION)
 
 
 class OlmoForCausalLM(LlamaForCausalLM):
@@ -77,9 +90,14 @@ class OlmoForCausalLM(LlamaForCausalLM):
 
     def forward(self, input_ids: torch.Tensor, kv_caches: list[KVCache], ctx: StepContext) -> torch.Tensor:
         tables = {kind: rope(ctx, self.cfg.dtype) for kind, rope in self.ropes.items()}
-        x, residual = self.embed(input_ids, ctx), None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            ctx.cos, ctx.sin = tables[layer.layer_type]
-            x, residual = layer(x, residual, kv_cache, ctx)
+        x = self.embed(input_ids, ctx)
+        if self.native_stack is not None and self.native_stack.runs(x.shape[0]):
+            ctx.cos, ctx.sin = tables.get(FULL_ATTENTION) or tables[SLIDING_ATTENTION]
+            x, residual = self.native_stack(x, kv_caches, ctx, local_rope=tables.get(SLIDING_ATTENTION))
+        else:
+            residual = None
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                ctx.cos, ctx.sin = tables[layer.layer_type]
+                x, residual = layer(x, residual, kv_cache, ctx)
         x, _ = self.norm(x, residual)
         return x

@@ -320,17 +320,23 @@ struct Projection {
 //    `renormalize` (Qwen's norm_topk_prob, Mixtral's top-k then softmax);
 //  - "noaux_tc": DeepseekV3MoE's (models/deepseek_v3.py, GLM-4.5's too): grouped_topk of kernels/moe.py, sigmoid
 //    scores, chosen with `correction_bias` added among the `topk_groups` best of `num_groups` groups, weighted
-//    by the unbiased scores (renormalized when `renormalize`) times `scaling`.
+//    by the unbiased scores (renormalized when `renormalize`) times `scaling`;
+//  - "biased_softmax": Ernie4_5MoE's (models/ernie.py): biased_softmax_topk of kernels/moe.py, softmax scores in
+//    fp32, chosen with `correction_bias` added, weighted by the unbiased scores over their sum (at least
+//    `norm_min`; `renormalize` is set);
+//  - "sigmoid_scaled_input": Llama4MoE's (models/llama4.py): the top-k router logits, their sigmoid (in x's dtype)
+//    scaling each token's copy on its way into its expert, the experts' outputs summed over the k copies.
 // The experts are either dense, `gate_up [E, 2I, H]` and `down [E, H, I]` in the model's dtype as fused_moe takes
 // them (F.linear, torch's SiLU-and-mul), or each expert's `expert_gate_up` and `expert_down` projections
 // (gate_up_silu), as the per-expert kernels of the quantized formats run them. The shared expert (`shared_gate_up`,
 // `shared_down`) is added times the sigmoid of `shared_gate` where it has one (Qwen2-MoE), as it is without
-// (DeepSeek-V3, GLM-4.5).
+// (DeepSeek-V3, GLM-4.5, ERNIE 4.5).
 struct MoEBlock {
-  enum class Routing { kSoftmax, kNoauxTc };
+  enum class Routing { kSoftmax, kNoauxTc, kBiasedSoftmax, kSigmoidScaledInput };
   MoEBlock(Projection router, int64_t top_k, bool renormalize, const std::string& routing,
            c10::optional<torch::Tensor> correction_bias, c10::optional<int64_t> num_groups,
-           c10::optional<int64_t> topk_groups, c10::optional<double> scaling, c10::optional<torch::Tensor> gate_up,
+           c10::optional<int64_t> topk_groups, c10::optional<double> scaling, c10::optional<double> norm_min,
+           c10::optional<torch::Tensor> gate_up,
            c10::optional<torch::Tensor> down, std::vector<Projection> expert_gate_up,
            std::vector<Projection> expert_down, c10::optional<Projection> shared_gate_up,
            c10::optional<Projection> shared_down, c10::optional<Projection> shared_gate);
@@ -342,7 +348,7 @@ struct MoEBlock {
   Routing routing;
   c10::optional<torch::Tensor> correction_bias;
   int64_t num_groups = 1, topk_groups = 1;
-  double scaling = 1.0;
+  double scaling = 1.0, norm_min = 0.0;
   c10::optional<torch::Tensor> gate_up, down;
   std::vector<Projection> expert_gate_up, expert_down;
   c10::optional<Projection> shared_gate_up, shared_down, shared_gate;
@@ -352,23 +358,31 @@ struct MoEBlock {
   std::tuple<torch::Tensor, torch::Tensor> route(const torch::Tensor& x) const;
   // down_e(act(gate_up_e(rows))) of expert e.
   torch::Tensor expert(int64_t e, const torch::Tensor& rows) const;
+  // sum_k w[t, k] * expert_{ids[t, k]}(x[t]), the experts in order (run_experts of kernels/moe.py).
+  torch::Tensor run_experts(const torch::Tensor& x, const torch::Tensor& topk_weights,
+                            const torch::Tensor& topk_ids) const;
 };
 
 // A Llama-style decoder layer's weights; q_norm and k_norm (per head, before the rotary embedding) where the
-// family has them (Qwen3); attn_out_norm and mlp_out_norm, on the outputs of attention and of the MLP before
-// the residual adds them, where it has those (GLM-4). Its options: the rotary embedding turns the first
+// family has them (Qwen3), over the whole projected queries and keys with `qk_norm_across_heads` (OLMo 2/3);
+// attn_out_norm and mlp_out_norm, on the outputs of attention and of the MLP before the residual adds them, where
+// it has those (GLM-4). `post_norms_only` (OLMo 2/3): the layer has no input_norm nor post_norm, attention and the
+// MLP read the residual stream itself and their normed outputs are added to it. Its options: the rotary embedding
+// turns the first
 // `rotary_dim` features of each query and key head (all of them, a part (Phi-4-mini, GLM) or none (SmolLM3's
 // NoPE layers)), in halves or, `interleaved_rope`, in neighbouring pairs (GLM: the pairs are regrouped into
 // halves first, as apply_rope in nn/rotary.py does), by the step's local tables where `local_rope` is set
 // (Gemma 3's local layers; the others by its cos and sin); `sliding_window` limits its attention to the last that
-// many tokens, `logit_softcap` soft-caps its scores (Gemma 2); `gelu_tanh_mlp`: the MLP is
+// many tokens, `attention_chunk` to the keys of the query's own chunk of that many positions (Llama 4's chunked
+// layers), `logit_softcap` soft-caps its scores (Gemma 2); `qk_l2_norm_eps`: the rotated queries and keys are
+// RMS-normed without weight, in fp32, with that epsilon (Llama 4's use_qk_norm); `gelu_tanh_mlp`: the MLP is
 // gelu_tanh(gate) * up on a plain gate-and-up projection, gate rows then up rows (Gemma), instead of the
 // fused SiLU one; `scaled_queries`: its rotated queries are multiplied by their token's factor in the step's
 // q_scale (Ministral 3); `residual_scale`: the outputs of attention and of the MLP are multiplied by it before the
 // residual adds them (Granite's residual_multiplier). A layer's MLP is its gate_up and down projections, or its
 // `moe` block.
 struct LayerWeights {
-  torch::Tensor input_norm, post_norm;
+  c10::optional<torch::Tensor> input_norm, post_norm;
   Projection qkv, o;
   c10::optional<Projection> gate_up, down;
   c10::optional<MoEBlock> moe;
@@ -379,6 +393,9 @@ struct LayerWeights {
   c10::optional<double> logit_softcap;
   bool gelu_tanh_mlp, scaled_queries;
   double residual_scale;
+  bool qk_norm_across_heads, post_norms_only;
+  c10::optional<int64_t> attention_chunk;
+  c10::optional<double> qk_l2_norm_eps;
 };
 
 // Llama-style decoder layers (decoder_stack.cpp): the kernels of LlamaDecoderLayer's forward, in its order.
@@ -395,6 +412,10 @@ class DecoderStack {
  private:
   torch::Tensor attention(const LayerWeights& w, const torch::Tensor& qkv, const std::vector<torch::Tensor>& cache,
                           const StepTensors& step) const;
+  // The layer's queries and keys [T, H + H_kv, head_dim] of qkv, normed where it has q/k norms.
+  torch::Tensor normed_qk(const LayerWeights& w, const torch::Tensor& qkv) const;
+  // The layer's MLP (or MoE block) on h, its output norm applied.
+  torch::Tensor mlp(const LayerWeights& w, const torch::Tensor& h) const;
   // The layer's rotary embedding of the query and key heads qk [T, H + H_kv, head_dim].
   torch::Tensor rotate(const LayerWeights& w, const torch::Tensor& qk, const StepTensors& step) const;
   std::vector<LayerWeights> layers_;

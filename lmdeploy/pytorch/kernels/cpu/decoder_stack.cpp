@@ -117,9 +117,29 @@ DecoderStack::DecoderStack(std::vector<LayerWeights> layers, int64_t num_heads, 
       quant_policy_(quant_policy), eps_(eps), scale_(scale) {
   for (const auto& w : layers_) {
     TORCH_CHECK(w.q_norm.has_value() == w.k_norm.has_value(), "a layer has both q and k norms or neither");
+    if (w.q_norm) {
+      const int64_t q_size = w.qk_norm_across_heads ? num_heads_ * head_dim_ : head_dim_;
+      const int64_t k_size = w.qk_norm_across_heads ? num_kv_heads_ * head_dim_ : head_dim_;
+      TORCH_CHECK(w.q_norm->dim() == 1 && w.q_norm->size(0) == q_size && w.k_norm->dim() == 1 &&
+                      w.k_norm->size(0) == k_size,
+                  "a layer's q and k norms span a head, or all heads with qk_norm_across_heads");
+    } else {
+      TORCH_CHECK(!w.qk_norm_across_heads, "qk_norm_across_heads needs the q and k norms");
+    }
+    if (w.post_norms_only) {
+      TORCH_CHECK(!w.input_norm && !w.post_norm && w.attn_out_norm && w.mlp_out_norm && w.residual_scale == 1.0,
+                  "a post_norms_only layer has attn_out_norm and mlp_out_norm, no input_norm, post_norm nor "
+                  "residual_scale");
+    } else {
+      TORCH_CHECK(w.input_norm && w.post_norm, "a layer has its input_norm and post_norm (or is post_norms_only)");
+    }
     TORCH_CHECK(w.rotary_dim >= 0 && w.rotary_dim <= head_dim_ && w.rotary_dim % 2 == 0,
                 "a layer's rotary_dim is even, from 0 to head_dim");
     TORCH_CHECK(!w.sliding_window || *w.sliding_window > 0, "a layer's sliding window is positive");
+    TORCH_CHECK(!w.attention_chunk || (*w.attention_chunk > 0 && !w.sliding_window),
+                "a layer's attention chunk is positive, and it has no sliding window with it");
+    TORCH_CHECK(!w.qk_l2_norm_eps || (*w.qk_l2_norm_eps > 0 && !w.q_norm),
+                "a layer's qk_l2_norm_eps is positive, and it has no q and k norms with it");
     TORCH_CHECK(w.gate_up.has_value() == w.down.has_value() && w.gate_up.has_value() != w.moe.has_value(),
                 "a layer's MLP is its gate_up and down projections or its moe block");
   }
@@ -145,6 +165,25 @@ torch::Tensor DecoderStack::rotate(const LayerWeights& w, const torch::Tensor& q
   return torch::cat({rot, qk.narrow(2, w.rotary_dim, head_dim_ - w.rotary_dim)}, 2);
 }
 
+torch::Tensor DecoderStack::normed_qk(const LayerWeights& w, const torch::Tensor& qkv) const {
+  const int64_t rows = qkv.size(0), q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+  if (!w.q_norm)
+    return qkv.view({rows, num_heads_ + 2 * num_kv_heads_, head_dim_}).narrow(1, 0, num_heads_ + num_kv_heads_);
+  const auto norm = [&](int64_t start, int64_t size, const torch::Tensor& weight) {
+    if (w.qk_norm_across_heads)  // OlmoAttention's: the rows of all heads at once
+      return std::get<0>(rms_norm(qkv.narrow(1, start, size), weight, eps_, c10::nullopt)).view({rows, -1, head_dim_});
+    return std::get<0>(rms_norm(qkv.narrow(1, start, size).view({rows, -1, head_dim_}), weight, eps_, c10::nullopt));
+  };
+  return torch::cat({norm(0, q_size, *w.q_norm), norm(q_size, kv_size, *w.k_norm)}, 1);
+}
+
+torch::Tensor DecoderStack::mlp(const LayerWeights& w, const torch::Tensor& h) const {
+  auto out = w.moe ? (*w.moe)(h)
+                   : (*w.down)(w.gelu_tanh_mlp ? gelu_tanh_and_mul((*w.gate_up)(h)) : w.gate_up->gate_up_silu(h));
+  if (w.mlp_out_norm) out = std::get<0>(rms_norm(out, *w.mlp_out_norm, eps_, c10::nullopt));
+  return w.residual_scale == 1.0 ? out : out.mul(w.residual_scale);
+}
+
 torch::Tensor DecoderStack::attention(const LayerWeights& w, const torch::Tensor& qkv,
                                       const std::vector<torch::Tensor>& cache, const StepTensors& step) const {
   TORCH_CHECK(cache.size() == (quant_policy_ ? 4u : 2u), "a layer's cache is (k, v), quantized (k, v, k_sz, v_sz)");
@@ -152,20 +191,19 @@ torch::Tensor DecoderStack::attention(const LayerWeights& w, const torch::Tensor
   const c10::optional<torch::Tensor> k_sz = quant_policy_ ? c10::optional<torch::Tensor>(cache[2]) : c10::nullopt;
   const c10::optional<torch::Tensor> v_sz = quant_policy_ ? c10::optional<torch::Tensor>(cache[3]) : c10::nullopt;
   const auto heads = qkv.view({qkv.size(0), num_heads_ + 2 * num_kv_heads_, head_dim_});
-  auto qk = heads.narrow(1, 0, num_heads_ + num_kv_heads_);
-  if (w.q_norm)
-    qk = torch::cat({std::get<0>(rms_norm(qk.narrow(1, 0, num_heads_), *w.q_norm, eps_, c10::nullopt)),
-                     std::get<0>(rms_norm(qk.narrow(1, num_heads_, num_kv_heads_), *w.k_norm, eps_, c10::nullopt))},
-                    1);
-  qk = rotate(w, qk, step);
+  auto qk = rotate(w, normed_qk(w, qkv), step);
+  if (w.qk_l2_norm_eps) {  // l2_norm of models/llama4.py
+    const auto x32 = qk.to(at::kFloat);
+    qk = x32.mul(x32.pow(2).mean(-1, true).add(*w.qk_l2_norm_eps).rsqrt()).to(qk.scalar_type());
+  }
   auto q = qk.narrow(1, 0, num_heads_);
   const auto k = qk.narrow(1, num_heads_, num_kv_heads_);
   if (w.scaled_queries) {
     TORCH_CHECK(step.q_scale, "a layer with scaled_queries needs the step's q_scale");
-    q = q.mul(step.q_scale->view({-1, 1, 1}));  // scale_queries of nn/rotary.py
+    q = q.mul(step.q_scale->view({-1, 1, 1})).to(qk.scalar_type());  // scale_queries of nn/rotary.py
   }
   const auto v = heads.narrow(1, num_heads_ + num_kv_heads_, num_kv_heads_);
-  const bool own_pool = w.sliding_window && step.window_kv_blocks;
+  const bool own_pool = (w.sliding_window || w.attention_chunk) && step.window_kv_blocks;
   const auto& kv_blocks = own_pool ? *step.window_kv_blocks : step.kv_blocks;
   const auto& prefill_block_table = own_pool ? step.window_prefill_block_table : step.prefill_block_table;
   const auto& decode_blocks = own_pool ? step.window_decode_blocks : step.decode_blocks;
@@ -177,11 +215,13 @@ torch::Tensor DecoderStack::attention(const LayerWeights& w, const torch::Tensor
                                             v.narrow(0, 0, prefill), k_cache, v_cache, *prefill_block_table,
                                             *step.prefill_q_start, *step.prefill_q_len, *step.prefill_ctx_len,
                                             step.prefill_max_q_len, scale_, k_sz, v_sz, quant_policy_,
-                                            w.sliding_window, w.logit_softcap, c10::nullopt, step.prefill_key_limit));
+                                            w.sliding_window, w.logit_softcap, c10::nullopt, step.prefill_key_limit,
+                                            w.attention_chunk));
   if (step.decode_blocks)
     parts.push_back(paged_decode_attention(q.narrow(0, prefill, rows - prefill), k_cache, v_cache,
                                            *decode_blocks, *step.decode_kv_lens, scale_, k_sz, v_sz,
-                                           quant_policy_, w.sliding_window, w.logit_softcap));
+                                           quant_policy_, w.sliding_window, w.logit_softcap, c10::nullopt,
+                                           w.attention_chunk));
   TORCH_CHECK(!parts.empty(), "a step has prefill or decode rows");
   return (parts.size() == 1 ? parts[0] : torch::cat(parts)).flatten(1);
 }
@@ -192,19 +232,21 @@ std::tuple<torch::Tensor, torch::Tensor> DecoderStack::forward(
   torch::Tensor sum;
   for (size_t i = 0; i < layers_.size(); ++i) {
     const LayerWeights& w = layers_[i];
+    if (w.post_norms_only) {  // OlmoDecoderLayer's forward
+      sum = sum.defined() ? x.add(sum) : x;
+      const auto attended = w.o(attention(w, w.qkv(sum), kv_caches[i], step));
+      sum = sum.add(std::get<0>(rms_norm(attended, *w.attn_out_norm, eps_, c10::nullopt)));
+      x = mlp(w, sum);
+      continue;
+    }
     torch::Tensor h;
-    std::tie(h, sum) = rms_norm(x, w.input_norm, eps_, sum.defined() ? c10::optional<torch::Tensor>(sum)
-                                                                      : c10::nullopt);
+    std::tie(h, sum) = rms_norm(x, *w.input_norm, eps_, sum.defined() ? c10::optional<torch::Tensor>(sum)
+                                                                       : c10::nullopt);
     auto attended = w.o(attention(w, w.qkv(h), kv_caches[i], step));
     if (w.attn_out_norm) attended = std::get<0>(rms_norm(attended, *w.attn_out_norm, eps_, c10::nullopt));
     if (w.residual_scale != 1.0) attended = attended.mul(w.residual_scale);
-    std::tie(h, sum) = rms_norm(attended, w.post_norm, eps_, sum);
-    if (w.moe)
-      x = (*w.moe)(h);
-    else
-      x = (*w.down)(w.gelu_tanh_mlp ? gelu_tanh_and_mul((*w.gate_up)(h)) : w.gate_up->gate_up_silu(h));
-    if (w.mlp_out_norm) x = std::get<0>(rms_norm(x, *w.mlp_out_norm, eps_, c10::nullopt));
-    if (w.residual_scale != 1.0) x = x.mul(w.residual_scale);
+    std::tie(h, sum) = rms_norm(attended, *w.post_norm, eps_, sum);
+    x = mlp(w, h);
   }
   return {x, sum};
 }

@@ -1,7 +1,9 @@
-// The MoE block of the native decoder stack: the forward of SparseMoeBlock (lmdeploy/pytorch/models/moe.py) or of
-// DeepseekV3MoE (models/deepseek_v3.py) with the kernels their Python paths call (moe_routing or grouped_topk and
+// The MoE block of the native decoder stack: the forward of SparseMoeBlock (lmdeploy/pytorch/models/moe.py), of
+// DeepseekV3MoE (models/deepseek_v3.py), of Ernie4_5MoE (models/ernie.py) or of Llama4MoE (models/llama4.py) with the
+// kernels their Python paths call (moe_routing, grouped_topk or biased_softmax_topk, or the top-k logits' sigmoid, and
 // run_experts of kernels/moe.py, the experts' kernels), in the same order, so that its results are the same.
 #include <ATen/ops/linear.h>
+#include <ATen/ops/ones.h>
 #include <ATen/ops/silu.h>
 
 #include "common.h"
@@ -10,7 +12,11 @@ namespace {
 
 MoEBlock::Routing routing_named(const std::string& name) {
   if (name == "softmax") return MoEBlock::Routing::kSoftmax;
-  TORCH_CHECK(name == "noaux_tc", "a MoE block's routing is 'softmax' or 'noaux_tc', not '", name, "'");
+  if (name == "biased_softmax") return MoEBlock::Routing::kBiasedSoftmax;
+  if (name == "sigmoid_scaled_input") return MoEBlock::Routing::kSigmoidScaledInput;
+  TORCH_CHECK(name == "noaux_tc",
+              "a MoE block's routing is 'softmax', 'biased_softmax', 'sigmoid_scaled_input' or 'noaux_tc', not '", name,
+              "'");
   return MoEBlock::Routing::kNoauxTc;
 }
 
@@ -18,7 +24,7 @@ MoEBlock::Routing routing_named(const std::string& name) {
 
 MoEBlock::MoEBlock(Projection router, int64_t top_k, bool renormalize, const std::string& routing,
                    c10::optional<torch::Tensor> correction_bias, c10::optional<int64_t> num_groups,
-                   c10::optional<int64_t> topk_groups, c10::optional<double> scaling,
+                   c10::optional<int64_t> topk_groups, c10::optional<double> scaling, c10::optional<double> norm_min,
                    c10::optional<torch::Tensor> gate_up, c10::optional<torch::Tensor> down,
                    std::vector<Projection> expert_gate_up, std::vector<Projection> expert_down,
                    c10::optional<Projection> shared_gate_up, c10::optional<Projection> shared_down,
@@ -40,18 +46,29 @@ MoEBlock::MoEBlock(Projection router, int64_t top_k, bool renormalize, const std
   TORCH_CHECK(this->shared_gate_up.has_value() == this->shared_down.has_value() &&
                   (this->shared_gate_up.has_value() || !this->shared_gate.has_value()),
               "a shared expert has its gate_up and down projections (and a gate where it is gated)");
-  const bool grouped = this->correction_bias || num_groups || topk_groups || scaling;
-  if (this->routing == Routing::kSoftmax) {
-    TORCH_CHECK(!grouped, "correction_bias, num_groups, topk_groups and scaling belong to routing 'noaux_tc'");
+  const bool grouped = num_groups || topk_groups || scaling;
+  if (this->routing == Routing::kSoftmax || this->routing == Routing::kSigmoidScaledInput) {
+    TORCH_CHECK(!grouped && !this->correction_bias && !norm_min,
+                "correction_bias, num_groups, topk_groups, scaling and norm_min belong to other routings");
+    TORCH_CHECK(this->routing == Routing::kSoftmax || !renormalize,
+                "routing 'sigmoid_scaled_input' does not renormalize");
     return;
   }
-  TORCH_CHECK(this->correction_bias && num_groups && topk_groups && scaling,
-              "routing 'noaux_tc' takes correction_bias, num_groups, topk_groups and scaling");
+  if (this->correction_bias)
+    TORCH_CHECK(this->correction_bias->dim() == 1 && this->correction_bias->size(0) == num_experts,
+                "the correction bias holds one value per expert");
+  if (this->routing == Routing::kBiasedSoftmax) {
+    TORCH_CHECK(this->correction_bias && norm_min && !grouped && renormalize,
+                "routing 'biased_softmax' takes correction_bias and norm_min (not num_groups, topk_groups nor "
+                "scaling) and renormalizes");
+    this->norm_min = *norm_min;
+    return;
+  }
+  TORCH_CHECK(this->correction_bias && num_groups && topk_groups && scaling && !norm_min,
+              "routing 'noaux_tc' takes correction_bias, num_groups, topk_groups and scaling (not norm_min)");
   this->num_groups = *num_groups;
   this->topk_groups = *topk_groups;
   this->scaling = *scaling;
-  TORCH_CHECK(this->correction_bias->dim() == 1 && this->correction_bias->size(0) == num_experts,
-              "the correction bias holds one value per expert");
   TORCH_CHECK(this->num_groups >= 1 && num_experts % this->num_groups == 0 && num_experts / this->num_groups >= 2,
               "the experts split into num_groups equal groups of two or more");
   TORCH_CHECK(this->topk_groups >= 1 && this->topk_groups <= this->num_groups &&
@@ -60,11 +77,21 @@ MoEBlock::MoEBlock(Projection router, int64_t top_k, bool renormalize, const std
 }
 
 std::tuple<torch::Tensor, torch::Tensor> MoEBlock::route(const torch::Tensor& x) const {
+  if (routing == Routing::kSigmoidScaledInput) {  // Llama4MoE.forward: the scores in x's dtype
+    const auto [top_logits, ids] = router(x).topk(top_k, -1);
+    return {top_logits.to(at::kFloat).sigmoid().to(x.scalar_type()), ids};
+  }
   const auto logits = router(x).to(at::kFloat);
   if (routing == Routing::kSoftmax) {
     auto [weights, ids] = logits.softmax(-1).topk(top_k, -1);
     if (renormalize) weights = weights.div(weights.sum(-1, true));
     return {weights, ids};
+  }
+  if (routing == Routing::kBiasedSoftmax) {  // biased_softmax_topk
+    const auto scores = logits.softmax(-1);
+    const auto ids = std::get<1>(scores.add(correction_bias->to(at::kFloat)).topk(top_k, -1));
+    const auto weights = scores.gather(1, ids);
+    return {weights.div(weights.sum(-1, true).clamp_min(norm_min)), ids};
   }
   const auto scores = logits.sigmoid();
   auto biased = scores.add(correction_bias->to(at::kFloat));
@@ -86,19 +113,32 @@ torch::Tensor MoEBlock::expert(int64_t e, const torch::Tensor& rows) const {
   return at::linear(at::silu(halves[0]).mul(halves[1]), down->select(0, e));
 }
 
-torch::Tensor MoEBlock::operator()(const torch::Tensor& x) const {
-  auto [topk_weights, topk_ids] = route(x);
+torch::Tensor MoEBlock::run_experts(const torch::Tensor& x, const torch::Tensor& topk_weights,
+                                    const torch::Tensor& topk_ids) const {
   const auto flat_ids = topk_ids.flatten();
   const auto order = flat_ids.argsort(/*stable=*/true);
   const auto counts = flat_ids.bincount({}, num_experts);
   const auto* count = counts.data_ptr<int64_t>();
-  const auto tokens = order.floor_divide(top_k);
+  const auto tokens = order.floor_divide(topk_ids.size(1));
   const auto weights = topk_weights.flatten().index_select(0, order).to(x.scalar_type());
   auto out = torch::zeros_like(x);
   for (int64_t e = 0, start = 0; e < num_experts; start += count[e], ++e) {
     if (count[e] == 0) continue;
     const auto rows = tokens.narrow(0, start, count[e]);
     out.index_add_(0, rows, expert(e, x.index_select(0, rows)).mul(weights.narrow(0, start, count[e]).unsqueeze(1)));
+  }
+  return out;
+}
+
+torch::Tensor MoEBlock::operator()(const torch::Tensor& x) const {
+  const auto [topk_weights, topk_ids] = route(x);
+  torch::Tensor out;
+  if (routing == Routing::kSigmoidScaledInput) {  // each token's k copies scaled by their scores, weights of one
+    const auto copies = x.unsqueeze(1).mul(topk_weights.unsqueeze(-1)).flatten(0, 1);
+    const auto ones = at::ones({copies.size(0), 1}, x.options().dtype(at::kFloat));
+    out = run_experts(copies, ones, topk_ids.reshape({-1, 1})).view({x.size(0), top_k, -1}).sum(1);
+  } else {
+    out = run_experts(x, topk_weights, topk_ids);
   }
   if (!shared_gate_up) return out;
   const auto shared = (*shared_down)(shared_gate_up->gate_up_silu(x));
