@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from family_checks import assert_vl_matches_transformers
 from helpers import make_engine, run
 from test_gguf import finish
-from test_gguf_llama4 import CONFIG as LLAMA_CPP_TEXT, kept_layers, write_language_model
+from test_gguf_llama4 import CONFIG as LLAMA_CPP_TEXT, kept_layers, random_llama4, write_language_model
 from test_gguf_vl import _tokenizer, converted_tensors, vision_tower_metadata
 import test_llama4_vl
 from test_llama4_vl import PREPROCESSOR, PROMPTS, VISION, hf_inputs, save_tiny_llama4_vl
@@ -155,9 +155,10 @@ def test_q8_0_language_model_keeps_its_blocks(original, tmp_path):
 
 
 def test_mismatched_or_incomplete_mmproj_is_refused(original, tmp_path, tmp_gguf_cache, monkeypatch, caplog):
-    """A projector of another width than the language model's, an mmproj without the pixel shuffle's step, and
-    another family's mmproj given for the file are refused, saying which; another family's mmproj beside the file
-    leaves it a text model, with a warning. Nothing is left in the cache."""
+    """A projector of another width than the language model's, an mmproj without the pixel shuffle's step, a
+    language model whose vocabulary lacks the image tokens and another family's mmproj given for the file are
+    refused, saying which; another family's mmproj beside the file leaves it a text model, with a warning. Nothing
+    is left in the cache."""
     write_pair(original, tmp_path / 'pair')
     model = tmp_path / 'pair' / TEXT_FILE
     mmproj = tmp_path / 'pair' / MMPROJ_FILE
@@ -175,6 +176,13 @@ def test_mismatched_or_incomplete_mmproj_is_refused(original, tmp_path, tmp_gguf
     write_llama4_mmproj(original, mmproj, skip_key='projector.scale_factor')
     with pytest.raises(ValueError, match='missing GGUF metadata: clip.vision.projector.scale_factor'):
         resolve_gguf(str(model))
+    text_only = tmp_path / 'text_only'  # a Llama 4 text model of the same width, without the image tokens
+    text_only.mkdir()
+    random_llama4(text_only)
+    write_llama4_mmproj(original, text_only / MMPROJ_FILE)
+    with pytest.raises(ValueError, match=r"the tokenizer has no <\|patch\|>, <\|image_start\|>, .* token \(Llama 4's "
+                                         r"image tokens\)"):
+        resolve_gguf(str(text_only / 'model.gguf'))
     other = gguf.GGUFWriter(str(mmproj), 'clip')
     other.add_clip_projector_type(gguf.VisionProjectorType.GEMMA3)
     finish(other)
