@@ -139,7 +139,8 @@ def test_f32_pair_is_the_original_and_matches_transformers(original, tmp_path):
 
 def test_q8_0_language_model_keeps_its_blocks(original, tmp_path):
     """A Q8_0 language model keeps its projections and experts as blocks, the tower dense; with the post-attention
-    norms named ``ln2`` (older converters) it gives transformers' greedy tokens on the weights the files hold."""
+    norms named ``ln2`` (older converters) it gives transformers' greedy tokens on the weights the files hold, and
+    gives back every block."""
     hf = write_pair(original, tmp_path / 'pair', Q.Q8_0, post_norm='ln2')
     model = str(tmp_path / 'pair' / TEXT_FILE)
     folder = resolve_gguf(model)
@@ -151,7 +152,9 @@ def test_q8_0_language_model_keeps_its_blocks(original, tmp_path):
     prompts = [make_processor(folder).process(prompt) for prompt in PROMPTS[:2]]
     expected = [hf.generate(**hf_inputs(p), max_new_tokens=32, do_sample=False, top_k=None, top_p=None,
                             temperature=None)[0, len(p.input_ids):].tolist() for p in prompts]
-    assert run(make_engine(model), prompts) == expected
+    engine = make_engine(model)
+    assert run(engine, prompts) == expected
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
 def test_mismatched_or_incomplete_mmproj_is_refused(original, tmp_path, tmp_gguf_cache, monkeypatch, caplog):
