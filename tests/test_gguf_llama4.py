@@ -42,18 +42,19 @@ CONFIG = dict(hidden_size=64, intermediate_size=96, intermediate_size_mlp=128, n
               rope_parameters=ROPE)
 
 
-def add_tokenizer(writer: gguf.GGUFWriter) -> int:
+def add_tokenizer(writer: gguf.GGUFWriter, specials: list[str] = SPECIALS, chat_template: str = CHAT_TEMPLATE) -> int:
     """A byte-level vocabulary as the converter's ``_set_vocab_gpt2`` writes Llama 4's (pre-tokenizer ``llama4``),
-    with Llama 4's special tokens and a chat template of its form; the vocabulary's size."""
-    tokens = _byte_tokens() + [m.replace(' ', '') for m in MERGES] + SPECIALS
+    with Llama 4's special tokens (``specials``) and a chat template (by default of its form); the vocabulary's
+    size."""
+    tokens = _byte_tokens() + [m.replace(' ', '') for m in MERGES] + specials
     writer.add_tokenizer_model('gpt2')
     writer.add_tokenizer_pre('llama4')
     writer.add_token_list(tokens)
-    writer.add_token_types([1] * (len(tokens) - len(SPECIALS)) + [3] * len(SPECIALS))
+    writer.add_token_types([1] * (len(tokens) - len(specials)) + [3] * len(specials))
     writer.add_token_merges(MERGES)
     writer.add_bos_token_id(tokens.index('<|begin_of_text|>'))
     writer.add_eos_token_id(tokens.index('<|eot|>'))
-    writer.add_chat_template(CHAT_TEMPLATE)
+    writer.add_chat_template(chat_template)
     return len(tokens)
 
 
@@ -124,6 +125,15 @@ def random_llama4(path: Path, qtype: Q = Q.F32, down_experts: Q | None = None, *
     config = Llama4TextConfig(**CONFIG | overrides, vocab_size=add_tokenizer(writer))
     config.architectures = ['Llama4ForCausalLM']
     hf = hf_causal_lm(save_random_model(config, str(path / 'hf')))
+    write_language_model(hf, writer, qtype, down_experts)
+    return hf
+
+
+def write_language_model(hf: torch.nn.Module, writer: gguf.GGUFWriter, qtype: Q = Q.F32,
+                         down_experts: Q | None = None) -> None:
+    """transformers' ``Llama4ForCausalLM`` ``hf`` into ``writer`` (its vocabulary written already) as Llama4Model
+    writes it with ``--outtype`` ``qtype`` (see :func:`random_llama4`), and the file finished; ``hf`` takes the
+    weights the file holds."""
     write_metadata(hf.config, writer)
     if hf.config.rope_parameters['rope_type'] == 'llama3':
         writer.add_tensor('rope_freqs.weight', rope_freqs(hf.config))
@@ -146,7 +156,6 @@ def random_llama4(path: Path, qtype: Q = Q.F32, down_experts: Q | None = None, *
                 param.copy_(held[f'{name}.weight'].transpose(1, 2))
             else:
                 param.copy_(held[name])
-    return hf
 
 
 @pytest.fixture
