@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from gguf import ExpertGatingFuncType, Keys
 
+from . import gguf_qwen3_next
+
 Meta = Callable[..., Any]  # (a gguf-py ``Keys`` template, default) -> that key of the file's architecture
 
 ARCHITECTURES = {
@@ -37,6 +39,7 @@ ARCHITECTURES = {
     'ernie4_5': 'Ernie4_5ForCausalLM',
     'ernie4_5-moe': 'Ernie4_5_MoeForCausalLM',
     'llama4': 'Llama4ForCausalLM',
+    **gguf_qwen3_next.ARCHITECTURES,
 }
 
 # architectures whose every linear layer is a projection (or experts) that may be served as llama.cpp's blocks
@@ -83,6 +86,7 @@ LAYER_NAMES: dict[str, dict[str, str]] = {
     # under the engine's ``mlp``; ``finish_state_dict`` names them ``feed_forward``, as Meta's checkpoints do
     'llama4': {'ffn_gate_inp': 'mlp.router', 'ffn_gate_shexp': 'mlp.shared_expert.gate_proj',
                'ffn_up_shexp': 'mlp.shared_expert.up_proj', 'ffn_down_shexp': 'mlp.shared_expert.down_proj'},
+    **dict.fromkeys(gguf_qwen3_next.ARCHITECTURES, gguf_qwen3_next.LAYER_NAMES),
 }
 
 
@@ -364,4 +368,5 @@ CONFIG_BUILDERS: dict[str, Callable[[Meta, dict[str, Any], dict[str, Any]], dict
     'llama': _llama, 'chatglm': _chatglm, 'glm4': _glm4, 'gemma2': _gemma2, 'gemma3': _gemma3, 'gpt-oss': _gpt_oss,
     'deepseek2': _deepseek2, 'glm4moe': _glm4moe, 'qwen3moe': _qwen3moe, 'qwen3vlmoe': _qwen3moe, 'qwen2moe': _qwen2moe,
     'mistral3': _mistral3, 'olmo2': _olmo2, 'granite': _granite, 'seed_oss': _seed_oss, 'ernie4_5': _ernie4_5,
-    'ernie4_5-moe': _ernie4_5_moe, 'llama4': _llama4}
+    'ernie4_5-moe': _ernie4_5_moe, 'llama4': _llama4,
+    **gguf_qwen3_next.CONFIG_BUILDERS}

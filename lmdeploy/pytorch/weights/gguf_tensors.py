@@ -11,6 +11,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from .gguf_qwen3_next import ARCHITECTURES as HYBRID_ARCHS
+from .gguf_qwen3_next import finish_hybrid
+
 
 def _layer_prefixes(state_dict: dict[str, torch.Tensor], suffix: str) -> list[str]:
     return [name.removesuffix(suffix) for name in state_dict if name.endswith(suffix)]
@@ -113,10 +116,18 @@ def _llama4_checkpoint(state_dict: dict[str, torch.Tensor], config: dict[str, An
         state_dict[name.replace('.mlp.', '.feed_forward.')] = state_dict.pop(name)
 
 
+def _hybrid_checkpoint(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    """Qwen3-Next's and Qwen3.5's linear attention and norms as their checkpoints hold them (``gguf_qwen3_next.py``),
+    the stacked experts one tensor per expert."""
+    finish_hybrid(state_dict, config)
+    _split_experts(state_dict, config)
+
+
 _FINISHERS = {'llama': _split_experts, 'qwen3moe': _split_experts, 'qwen3vlmoe': _split_experts,
               'qwen2moe': _split_experts, 'glm4moe': _split_experts, 'chatglm': _split_qkv,
               'gemma2': _gemma_norms, 'gemma3': _gemma_norms, 'gpt-oss': _gpt_oss_experts,
-              'deepseek2': _deepseek2_merge, 'ernie4_5-moe': _ernie4_5_experts, 'llama4': _llama4_checkpoint}
+              'deepseek2': _deepseek2_merge, 'ernie4_5-moe': _ernie4_5_experts, 'llama4': _llama4_checkpoint,
+              **dict.fromkeys(HYBRID_ARCHS, _hybrid_checkpoint)}
 
 
 def finish_state_dict(arch: str, state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
