@@ -7,6 +7,7 @@ holds."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import gguf
@@ -96,11 +97,11 @@ def linear_attention(name: str, data: torch.Tensor, config) -> torch.Tensor:
     return data
 
 
-def converter_tensors(hf: torch.nn.Module, variant: str) -> dict[str, torch.Tensor]:
-    """``hf``'s tensors as the converter hands them to gguf-py's name map (or, Qwen3-Next's split ``in_proj_qkvz``,
-    by their GGUF names)."""
-    config, out = hf.config, {}
-    for name, data in hf.state_dict().items():
+def converter_tensors(state_dict: dict[str, torch.Tensor], config, variant: str) -> dict[str, torch.Tensor]:
+    """A text checkpoint's tensors (of ``config``) as the converter hands them to gguf-py's name map (or, Qwen3-Next's
+    split ``in_proj_qkvz``, by their GGUF names)."""
+    out = {}
+    for name, data in state_dict.items():
         if variant != 'qwen3next' and config.linear_num_key_heads != config.linear_num_value_heads:
             data = linear_attention(name, data, config)
         if name.endswith('.A_log'):
@@ -127,7 +128,19 @@ def converter_tensors(hf: torch.nn.Module, variant: str) -> dict[str, torch.Tens
             out[f'blk.{layer}.attn_gate.weight'] = z.flatten(0, 1)
         else:
             out[name] = data
-    return out
+    return _stacked_experts(out)
+
+
+def _stacked_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Experts saved one tensor per expert stacked as ``Qwen2MoeModel.modify_tensors`` stacks them."""
+    out, experts = {}, {}
+    for name, data in tensors.items():
+        match = re.fullmatch(r'(.*\.experts)\.(\d+)\.(\w+)\.weight', name)
+        if match:
+            experts.setdefault(f'{match[1]}.{match[3]}.weight', {})[int(match[2])] = data
+        else:
+            out[name] = data
+    return out | {name: torch.stack([parts[e] for e in sorted(parts)]) for name, parts in experts.items()}
 
 
 def stored(data: np.ndarray, gguf_name: str, qtype: Q) -> tuple[np.ndarray, Q]:
@@ -153,6 +166,21 @@ def held(name: str, value: torch.Tensor, qtype: Q) -> torch.Tensor:
     return torch.from_numpy(gguf.quants.dequantize(blocks, qtype).reshape(value.shape))
 
 
+def write_text_model(writer: gguf.GGUFWriter, state_dict: dict[str, torch.Tensor], config, variant: str,
+                     qtype: Q = Q.F32) -> None:
+    """A text checkpoint's metadata and tensors (and a next-token-prediction block past the decoder's) as the
+    converter writes them with ``--outtype`` ``qtype``, after the vocabulary already in ``writer``."""
+    write_metadata(config, writer, variant)
+    names = gguf.get_tensor_name_map(ARCHS[variant], config.num_hidden_layers + 1)
+    for name, data in converter_tensors(state_dict, config, variant).items():
+        gguf_name = name if name.startswith('blk.') else names.get_name(name, try_suffixes=('.weight', '.bias'))
+        array, array_type = stored(data.numpy(), gguf_name, qtype)
+        writer.add_tensor(gguf_name, array, raw_dtype=array_type if array.dtype == np.uint8 else None)
+    writer.add_tensor(f'blk.{config.num_hidden_layers}.nextn.enorm.weight',
+                      np.ones(config.hidden_size, dtype=np.float32))
+    finish(writer)
+
+
 def random_hybrid(path: Path, variant: str, qtype: Q = Q.F32) -> torch.nn.Module:
     """A tiny random model of ``variant`` written to ``path / 'model.gguf'`` as the converter writes it with
     ``--outtype`` ``qtype``; transformers' model of the weights the file holds."""
@@ -160,15 +188,7 @@ def random_hybrid(path: Path, variant: str, qtype: Q = Q.F32) -> torch.nn.Module
     vocab = _add_tokenizer(writer)
     writer.add_tokenizer_pre('qwen35' if variant != 'qwen3next' else 'qwen2')
     hf = hf_causal_lm(save_random_model(VARIANTS[variant](vocab), str(path / 'hf')))
-    write_metadata(hf.config, writer, variant)
-    names = gguf.get_tensor_name_map(ARCHS[variant], hf.config.num_hidden_layers + 1)
-    for name, data in converter_tensors(hf, variant).items():
-        gguf_name = name if name.startswith('blk.') else names.get_name(name, try_suffixes=('.weight', '.bias'))
-        array, array_type = stored(data.numpy(), gguf_name, qtype)
-        writer.add_tensor(gguf_name, array, raw_dtype=array_type if array.dtype == np.uint8 else None)
-    mtp = f'blk.{hf.config.num_hidden_layers}'  # the next-token-prediction block: not the decoder's
-    writer.add_tensor(f'{mtp}.nextn.enorm.weight', np.ones(hf.config.hidden_size, dtype=np.float32))
-    finish(writer)
+    write_text_model(writer, hf.state_dict(), hf.config, variant, qtype)
     with torch.no_grad():
         for name, param in hf.state_dict().items():
             param.copy_(held(name, param, qtype))
