@@ -44,7 +44,8 @@ _F32_TENSORS = ('_norm.weight', 'ffn_gate_inp.weight', 'ffn_gate_inp_shexp.weigh
 
 def write_metadata(config, writer: gguf.GGUFWriter, variant: str) -> None:
     """TextModel's keys, Qwen2MoeModel's expert widths, Qwen3NextModel's ``ssm.*``, layer kinds, full-attention
-    interval and rotary width, Qwen3.5's M-RoPE sections; one next-token-prediction layer (``block_count`` counts it)."""
+    interval and rotary width, Qwen3.5's M-RoPE sections; one next-token-prediction layer (counted in
+    ``block_count``)."""
     for add, value in [(writer.add_block_count, config.num_hidden_layers + 1),
                        (writer.add_nextn_predict_layers, 1),
                        (writer.add_context_length, config.max_position_embeddings),

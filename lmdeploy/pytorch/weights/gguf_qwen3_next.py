@@ -114,7 +114,8 @@ def finish_hybrid(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -
         elif name.endswith('linear_attn.conv1d.weight'):
             state_dict[name] = value.unsqueeze(1)
     if config['model_type'] == 'qwen3_next':
-        for prefix in [name.removesuffix('in_proj_z.weight') for name in state_dict if name.endswith('in_proj_z.weight')]:
+        gates = [name for name in state_dict if name.endswith('in_proj_z.weight')]
+        for prefix in [name.removesuffix('in_proj_z.weight') for name in gates]:
             qkv, z = state_dict.pop(prefix + 'in_proj_qkv.weight'), state_dict.pop(prefix + 'in_proj_z.weight')
             state_dict[prefix + 'in_proj_qkvz.weight'] = _grouped_qkvz(qkv, z, config)
     elif config['linear_num_key_heads'] != config['linear_num_value_heads']:

@@ -1,7 +1,8 @@
 """State-dict steps that undo, per GGUF architecture, what llama.cpp's convert_hf_to_gguf.py did to the tensors
 beyond renaming them (see ``gguf_archs.py``): GLM-4's fused ``attn_qkv``, Gemma's ``1 + weight`` norms, gpt-oss's
 split and transposed experts (and its MXFP4 blocks), DeepSeek's split ``kv_b``, Llama 4's split and transposed
-experts, and the stacked experts of the MoE files, stored back one tensor per expert.
+experts, the stacked experts of the MoE files, stored back one tensor per expert, and Qwen3-Next's and Qwen3.5's
+linear attention (``gguf_qwen3_next.py``).
 """
 from __future__ import annotations
 
