@@ -100,9 +100,11 @@ def _mmproj_name(name: str, names: gguf.TensorNameMap, deepstack: list[int]) -> 
 
 
 def write_qwen3vl_mmproj(model_dir: str, out: Path) -> None:
-    """The vision tower as convert_hf_to_gguf.py ``--mmproj`` (Qwen3VLVisionModel) writes it (float32)."""
+    """The vision tower as convert_hf_to_gguf.py ``--mmproj`` (Qwen3VLVisionModel) writes it (float32), Qwen3-VL's or
+    Qwen3.5's."""
     config = AutoConfig.from_pretrained(model_dir)
     vision = config.vision_config
+    deepstack = getattr(vision, 'deepstack_visual_indexes', [])  # Qwen3.5's tower has none
     writer = gguf.GGUFWriter(str(out), 'clip')
     writer.add_type(gguf.GGUFType.MMPROJ)
     writer.add_bool(gguf.Keys.Clip.HAS_VISION_ENCODER, True)
@@ -120,7 +122,7 @@ def write_qwen3vl_mmproj(model_dir: str, out: Path) -> None:
     writer.add_vision_use_gelu(True)
     writer.add_vision_spatial_merge_size(vision.spatial_merge_size)
     writer.add_vision_attention_layernorm_eps(config.text_config.rms_norm_eps)
-    writer.add_vision_is_deepstack_layers([i in vision.deepstack_visual_indexes for i in range(vision.depth)])
+    writer.add_vision_is_deepstack_layers([i in deepstack for i in range(vision.depth)])
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, vision.depth)
     for name, value in _checkpoint(model_dir).items():
         if not name.startswith('visual.'):
@@ -130,7 +132,7 @@ def write_qwen3vl_mmproj(model_dir: str, out: Path) -> None:
             writer.add_tensor(f'{patch}.weight', value[:, :, 0].contiguous().numpy())
             writer.add_tensor(f'{patch}.weight.1', value[:, :, 1].contiguous().numpy())
         else:
-            writer.add_tensor(_mmproj_name(name, names, vision.deepstack_visual_indexes), value.numpy())
+            writer.add_tensor(_mmproj_name(name, names, deepstack), value.numpy())
     finish(writer)
 
 

@@ -25,6 +25,8 @@ from lmdeploy.model_source import ModelNotFoundError
 
 from .file_checks import check_gguf, open_gguf
 from .gguf_archs import ARCHITECTURES, CONFIG_BUILDERS, LAYER_NAMES, RAW_SERVED_ARCHS, unpermute_rotary
+from .gguf_qwen3_next import ARCHITECTURES as HYBRID_ARCHS
+from .gguf_qwen3_next import UNSUFFIXED_NAMES
 from .gguf_rope import ROPE_FREQS, ROTARY_TENSORS, llama3_rope, phi3_rope
 from .gguf_tensors import finish_state_dict, mxfp4_from_ggml
 from .gguf_types import LM_HEAD_RAW_TYPES, MXFP4, RAW_TYPES, engine_layer, served_types
@@ -89,6 +91,9 @@ def cache_dir() -> Path:
 def hf_tensor_name(gguf_name: str, arch: str = 'llama') -> str | None:
     """The transformers parameter name of a llama.cpp tensor of ``arch``, or None if it has none."""
     base, _, kind = gguf_name.rpartition('.')
+    unsuffixed = _LAYER_RE.fullmatch(gguf_name)
+    if unsuffixed and arch in HYBRID_ARCHS and unsuffixed[2] in UNSUFFIXED_NAMES:
+        return f'model.layers.{unsuffixed[1]}.{UNSUFFIXED_NAMES[unsuffixed[2]]}'
     if kind not in ('weight', 'bias'):
         return None
     if base in _GLOBAL_NAMES:
@@ -118,7 +123,9 @@ def gguf_config(reader: GGUFReader, source: str, raw_types: Iterable[str] = RAW_
                           f'{", ".join(SUPPORTED_ARCHS)}')
     key = lambda name, default=None: _meta(reader, f'{arch}.{name}', default)  # noqa: E731
     tensors = {t.name: t for t in reader.tensors}
-    required = ('embedding_length', 'feed_forward_length', 'block_count', 'attention.head_count')
+    # Qwen3.5-MoE has no dense MLP (its files no feed_forward_length)
+    required = ('embedding_length', 'block_count', 'attention.head_count') + (
+        () if arch == 'qwen35moe' else ('feed_forward_length',))
     missing = [f'{arch}.{name}' for name in required if key(name) is None]
     if 'token_embd.weight' not in tensors:
         missing.append('tensor token_embd.weight')

@@ -1,7 +1,8 @@
 """State-dict steps that undo, per GGUF architecture, what llama.cpp's convert_hf_to_gguf.py did to the tensors
 beyond renaming them (see ``gguf_archs.py``): GLM-4's fused ``attn_qkv``, Gemma's ``1 + weight`` norms, gpt-oss's
 split and transposed experts (and its MXFP4 blocks), DeepSeek's split ``kv_b``, Llama 4's split and transposed
-experts, and the stacked experts of the MoE files, stored back one tensor per expert.
+experts, the stacked experts of the MoE files, stored back one tensor per expert, and Qwen3-Next's and Qwen3.5's
+linear attention (``gguf_qwen3_next.py``).
 """
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from .gguf_qwen3_next import ARCHITECTURES as HYBRID_ARCHS
+from .gguf_qwen3_next import finish_hybrid
 
 
 def _layer_prefixes(state_dict: dict[str, torch.Tensor], suffix: str) -> list[str]:
@@ -113,10 +117,18 @@ def _llama4_checkpoint(state_dict: dict[str, torch.Tensor], config: dict[str, An
         state_dict[name.replace('.mlp.', '.feed_forward.')] = state_dict.pop(name)
 
 
+def _hybrid_checkpoint(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    """Qwen3-Next's and Qwen3.5's linear attention and norms as their checkpoints hold them (``gguf_qwen3_next.py``),
+    the stacked experts one tensor per expert."""
+    finish_hybrid(state_dict, config)
+    _split_experts(state_dict, config)
+
+
 _FINISHERS = {'llama': _split_experts, 'qwen3moe': _split_experts, 'qwen3vlmoe': _split_experts,
               'qwen2moe': _split_experts, 'glm4moe': _split_experts, 'chatglm': _split_qkv,
               'gemma2': _gemma_norms, 'gemma3': _gemma_norms, 'gpt-oss': _gpt_oss_experts,
-              'deepseek2': _deepseek2_merge, 'ernie4_5-moe': _ernie4_5_experts, 'llama4': _llama4_checkpoint}
+              'deepseek2': _deepseek2_merge, 'ernie4_5-moe': _ernie4_5_experts, 'llama4': _llama4_checkpoint,
+              **dict.fromkeys(HYBRID_ARCHS, _hybrid_checkpoint)}
 
 
 def finish_state_dict(arch: str, state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:

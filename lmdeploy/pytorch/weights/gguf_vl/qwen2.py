@@ -34,7 +34,9 @@ def qwen_vl_config(text: dict[str, Any], reader: GGUFReader, tokens: list[str], 
     ids = {name: tokens.index(token) for name, token in QWEN_IMAGE_TOKENS.items() if token in tokens}
     if 'image_token_id' not in ids:
         raise ValueError(f'{source}: the tokenizer has no {QWEN_IMAGE_TOKENS["image_token_id"]} token')
-    rope = {'rope_type': 'default', 'rope_theta': text['rope_theta'], 'mrope_section': list(sections[:3])}
+    # the language model's rotary (Qwen3.5's: over part of each head, interleaved) with the file's sections
+    rope = text.get('rope_parameters', {'rope_type': 'default', 'rope_theta': text['rope_theta']})
+    rope = rope | {'mrope_section': list(sections[:3])}
     text_config = {k: v for k, v in text.items() if k not in ('architectures', 'model_type')}
     text_config |= {'model_type': f'{model_type}_text', 'rope_parameters': rope}
     return {'model_type': model_type, 'architectures': [architecture],

@@ -2,7 +2,9 @@
 decides the model) and an mmproj of projector ``qwen3vl_merger``. The mmproj names each deepstack merger by the
 tower layer it reads (``v.deepstack.<layer>``), flags those layers in ``clip.vision.is_deepstack_layers`` and
 keeps q/k/v fused, as the checkpoints do; its temporal patch (2) and activation (GELU, tanh approximation) are
-those of every Qwen3-VL model. The MoE language model's experts are those of a ``qwen3moe`` file (gguf_archs.py)."""
+those of every Qwen3-VL model. The MoE language model's experts are those of a ``qwen3moe`` file (gguf_archs.py).
+Qwen3.5 and Qwen3.5-MoE pair a ``qwen35`` or ``qwen35moe`` language model (gguf_qwen3_next.py) with the same
+projector, whose tower has no deepstack mergers."""
 from __future__ import annotations
 
 import re
@@ -17,7 +19,9 @@ from .qwen2 import PATCH_HALVES, conv3d_patch_weight, qwen_vl_config
 # the image processor's pixel limits of the hub's Qwen3-VL checkpoints (the mmproj carries none)
 QWEN3_PIXELS = {'shortest_edge': 65536, 'longest_edge': 16777216}
 _MODELS = {'qwen3vl': ('qwen3_vl', 'Qwen3VLForConditionalGeneration'),
-           'qwen3vlmoe': ('qwen3_vl_moe', 'Qwen3VLMoeForConditionalGeneration')}
+           'qwen3vlmoe': ('qwen3_vl_moe', 'Qwen3VLMoeForConditionalGeneration'),
+           'qwen35': ('qwen3_5', 'Qwen3_5ForConditionalGeneration'),
+           'qwen35moe': ('qwen3_5_moe', 'Qwen3_5MoeForConditionalGeneration')}
 _BLOCK_NAMES = {'attn_qkv': 'attn.qkv', 'attn_out': 'attn.proj', 'ffn_up': 'mlp.linear_fc1',
                 'ffn_down': 'mlp.linear_fc2', 'ln1': 'norm1', 'ln2': 'norm2'}
 _DEEPSTACK_NAMES = {'fc1': 'linear_fc1', 'fc2': 'linear_fc2', 'norm': 'norm'}
@@ -90,4 +94,4 @@ def _image_processor(mmproj: GGUFReader) -> dict[str, Any]:
             'size': QWEN3_PIXELS}
 
 
-QWEN3_VL = VisionFamily(('qwen3vl', 'qwen3vlmoe'), _config, _state_dict, _image_processor)
+QWEN3_VL = VisionFamily(tuple(_MODELS), _config, _state_dict, _image_processor)
