@@ -253,6 +253,26 @@ def stack_differences(engine: Engine, monkeypatch) -> list[float]:
     return differences
 
 
+def differences_without_an_option(engine: Engine, monkeypatch, module, weights_without,
+                                  prompts: list[list[int]]) -> list[float]:
+    """Each step's hidden-state differences from the layers with the stack rebuilt by ``weights_without`` in place
+    of ``module.layer_weights`` (after checking that the stack as built gives the layers' states exactly)."""
+    model = engine.runner.model
+    gen = GenerationConfig(max_new_tokens=4, ignore_eos=True)
+    with monkeypatch.context() as patch:
+        differences = stack_differences(engine, patch)
+        run(engine, prompts, gen)
+    assert max(differences) == 0.0
+    monkeypatch.setattr(module, 'layer_weights', weights_without)
+    attn = model.layers[0].self_attn
+    model.native_stack = NativeDecoderStack.build([layer.native_weights() for layer in model.layers], None,
+                                                  attn.num_heads, attn.num_kv_heads, attn.head_dim, model.norm.eps,
+                                                  attn.attn.scale, 0)
+    differences = stack_differences(engine, monkeypatch)
+    run(engine, prompts, gen)
+    return differences
+
+
 @pytest.mark.parametrize('kind', ['olmo2', 'olmo3'])
 @pytest.mark.parametrize('option', ['qk_norm_across_heads', 'post_norms_only'])
 def test_olmo_options_matter(kind, option, saved, native_gemms, monkeypatch):
@@ -260,12 +280,6 @@ def test_olmo_options_matter(kind, option, saved, native_gemms, monkeypatch):
     ``post_norms_only``: the pre-norm arrangement with unit input and post-attention norms, the output norms kept)
     gives other hidden states than the layers at every step, where the stack built with it gives theirs."""
     engine = Engine(saved(kind, 'bf16'), PytorchEngineConfig(**ENGINE), show_progress=False)
-    model = engine.runner.model
-    prompts, gen = random_prompts([20, 9], seed=4), GenerationConfig(max_new_tokens=4, ignore_eos=True)
-    with monkeypatch.context() as patch:
-        differences = stack_differences(engine, patch)
-        run(engine, prompts, gen)
-    assert max(differences) == 0.0
 
     def without_option(input_norm, post_norm, projections, small_step=False, **options):
         options[option] = False
@@ -275,12 +289,7 @@ def test_olmo_options_matter(kind, option, saved, native_gemms, monkeypatch):
             input_norm = post_norm = torch.ones_like(options['attn_out_norm'])
         return layer_weights(input_norm, post_norm, projections, small_step, **options)
 
-    monkeypatch.setattr(olmo, 'layer_weights', without_option)
-    attn = model.layers[0].self_attn
-    model.native_stack = NativeDecoderStack.build([layer.native_weights() for layer in model.layers], None,
-                                                  attn.num_heads, attn.num_kv_heads, attn.head_dim, model.norm.eps,
-                                                  attn.attn.scale, 0)
-    differences = stack_differences(engine, monkeypatch)
-    run(engine, prompts, gen)
+    differences = differences_without_an_option(engine, monkeypatch, olmo, without_option,
+                                                random_prompts([20, 9], seed=4))
     print(f'{kind} without {option}: hidden states differ by {min(differences):.3g} to {max(differences):.3g}')
     assert min(differences) > 0.01

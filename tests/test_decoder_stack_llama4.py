@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import random_prompts, run
-from test_decoder_stack import ENGINE, stack_differences
+from helpers import random_prompts
+from test_decoder_stack import ENGINE, differences_without_an_option
 from test_decoder_stack_moe import run_checked
 from test_llama4 import save_llama4
 
-from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
+from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.models import llama
 from lmdeploy.pytorch.models.llama4 import Llama4MoE
-from lmdeploy.pytorch.nn.decoder_stack import NativeDecoderStack, layer_weights
+from lmdeploy.pytorch.nn.decoder_stack import layer_weights
 
 # top1: the tests' Llama 4 (chunks of 8, the L2 q/k norm, a NoPE layer whose temperature bites within the prompts,
 # MoE layers 1 and 3 routing one expert a token); top2: two experts a token in every layer, without the q/k norm
@@ -77,24 +77,13 @@ def test_llama4_options_matter(option, tmp_path, native_gemms, monkeypatch):
     the stack built with it gives theirs (the prompts reach past the first chunk and the temperature's first
     step)."""
     engine = llama4_engine(save_llama4(str(tmp_path)))
-    model = engine.runner.model
-    prompts, gen = random_prompts([30, 20], seed=4), GenerationConfig(max_new_tokens=4, ignore_eos=True)
-    with monkeypatch.context() as patch:
-        differences = stack_differences(engine, patch)
-        run(engine, prompts, gen)
-    assert max(differences) == 0.0
 
     def without_option(input_norm, post_norm, projections, small_step=False, **options):
         options[option] = False if option == 'scaled_queries' else None
         return layer_weights(input_norm, post_norm, projections, small_step, **options)
 
-    monkeypatch.setattr(llama, 'layer_weights', without_option)
-    attn = model.layers[0].self_attn
-    model.native_stack = NativeDecoderStack.build([layer.native_weights() for layer in model.layers], None,
-                                                  attn.num_heads, attn.num_kv_heads, attn.head_dim, model.norm.eps,
-                                                  attn.attn.scale, 0)
-    differences = stack_differences(engine, monkeypatch)
-    run(engine, prompts, gen)
+    differences = differences_without_an_option(engine, monkeypatch, llama, without_option,
+                                                random_prompts([30, 20], seed=4))
     print(f'Llama 4 without {option}: hidden states differ by up to {max(differences):.3g}')
     assert max(differences) > 0.01
 

@@ -11,13 +11,13 @@ import logging
 
 import pytest
 import torch
-from test_sliding_kv import all_free, held, run_watching_blocks
+from test_sliding_kv import abort_mid_decode_frees_both_pools, all_free, run_watching_blocks
 from transformers import Llama4TextConfig
 
 from conftest import VOCAB_SIZE, save_random_model
 from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_matches_transformers,
                            assert_tp2_equals_tp1, hf_causal_lm, prefix_sharing_prompts)
-from helpers import add_requests, hf_greedy, make_engine, random_prompts, run
+from helpers import hf_greedy, make_engine, random_prompts, run
 
 from lmdeploy.messages import GenerationConfig
 
@@ -143,13 +143,4 @@ def test_preempted_and_aborted_sequences_give_back_both_pools(model_path):
     engine = make_engine(model_path, num_gpu_blocks=40, **POOLED)
     assert run(engine, prompts, LONG) == roomy
     assert engine.scheduler.num_preemptions > 0 and all_free(engine)
-    seq_ids = add_requests(engine, prompts[:2], LONG)
-    for _ in range(12):
-        engine.step()
-    seq = engine.sequences[seq_ids[0]]
-    assert seq.window_block_ids[0] is None and held(seq.window_block_ids) < held(seq.block_ids)
-    for seq_id in seq_ids:
-        engine.abort(seq_id)
-    while engine.has_unfinished():
-        engine.step()
-    assert all_free(engine) and not engine.sequences
+    abort_mid_decode_frees_both_pools(engine, prompts[:2], LONG, steps=12)

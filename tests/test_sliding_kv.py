@@ -128,10 +128,11 @@ def test_overlapped_steps_give_the_same_tokens(gemma3):
     assert run(engine, prompts, LONG) == plain and all_free(engine)
 
 
-def test_abort_mid_decode_gives_back_both_pools(gemma3):
-    engine = make_engine(gemma3, max_batch_size=4)
-    seq_ids = add_requests(engine, random_prompts([70, 90], seed=2), LONG)
-    for _ in range(20):
+def abort_mid_decode_frees_both_pools(engine, prompts: list[list[int]], gen: GenerationConfig, steps: int) -> None:
+    """Starts ``prompts`` and aborts them after ``steps`` steps, once the first has given sliding-pool blocks back;
+    every block of both pools comes back."""
+    seq_ids = add_requests(engine, prompts, gen)
+    for _ in range(steps):
         engine.step()
     seq = engine.sequences[seq_ids[0]]
     assert seq.window_block_ids[0] is None and held(seq.window_block_ids) < held(seq.block_ids)
@@ -139,7 +140,12 @@ def test_abort_mid_decode_gives_back_both_pools(gemma3):
         engine.abort(seq_id)
     while engine.has_unfinished():
         engine.step()
-    assert all_free(engine)
+    assert all_free(engine) and not engine.sequences
+
+
+def test_abort_mid_decode_gives_back_both_pools(gemma3):
+    abort_mid_decode_frees_both_pools(make_engine(gemma3, max_batch_size=4), random_prompts([70, 90], seed=2), LONG,
+                                      steps=20)
 
 
 def test_prefix_cache_hits_give_the_uncached_tokens(family):

@@ -13,7 +13,7 @@ from transformers.modeling_rope_utils import yarn_apply_mscale
 from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.kernels import cpu, group_limited_topk, grouped_topk, moe_routing
 from lmdeploy.pytorch.models.llama import DECODE_INT4_LAYERS, KVCache, LlamaDecoderLayer, LlamaMLP, WeightTarget
-from lmdeploy.pytorch.models.moe import MoEForCausalLM, shared_expert_projections
+from lmdeploy.pytorch.models.moe import MoEForCausalLM, native_experts_with_shared
 from lmdeploy.pytorch.nn.linear import Linear, RowLinear
 from lmdeploy.pytorch.nn.mla import HeadsLinear, LatentAttention
 from lmdeploy.pytorch.nn.moe import FusedExperts
@@ -108,14 +108,11 @@ class DeepseekV3MoE(nn.Module):
         for steps of at most ``small_step_rows`` tokens, which only the shared experts' projections tell apart);
         None for V2's routings or where a part runs on no native kernel."""
         kernels = cpu.native()
-        native = self.experts.kernel.native_experts() if self.routing == 'noaux_tc' and kernels is not None else None
+        if self.routing != 'noaux_tc' or kernels is None:
+            return None
+        native = native_experts_with_shared(self.experts, self.shared_experts, small_step)
         if native is None:
             return None
-        if self.shared_experts is not None:
-            shared = shared_expert_projections(self.shared_experts, small_step)
-            if shared is None:
-                return None
-            native.update(shared)
         return kernels.MoEBlock(router=kernels.Projection(kind='fp32', weight=self.gate.weight), top_k=self.top_k,
                                 renormalize=self.renormalize, routing='noaux_tc',
                                 correction_bias=self.gate.e_score_correction_bias, num_groups=self.num_groups,

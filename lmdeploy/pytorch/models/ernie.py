@@ -14,7 +14,7 @@ from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.kernels import biased_softmax_topk, cpu
 from lmdeploy.pytorch.models.deepseek_v3 import TopKRouter
 from lmdeploy.pytorch.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
-from lmdeploy.pytorch.models.moe import MoEForCausalLM, shared_expert_projections
+from lmdeploy.pytorch.models.moe import MoEForCausalLM, native_experts_with_shared
 from lmdeploy.pytorch.nn.moe import FusedExperts
 from lmdeploy.pytorch.nn.quant import Layout, new_parameter
 
@@ -62,14 +62,11 @@ class Ernie4_5MoE(nn.Module):
         ``small_step``: for steps of at most ``small_step_rows`` tokens, which only the shared experts' projections
         tell apart); None where a part runs on no native kernel."""
         kernels = cpu.native()
-        native = self.experts.kernel.native_experts() if kernels is not None else None
+        if kernels is None:
+            return None
+        native = native_experts_with_shared(self.experts, self.shared_experts, small_step)
         if native is None:
             return None
-        if self.shared_experts is not None:
-            shared = shared_expert_projections(self.shared_experts, small_step)
-            if shared is None:
-                return None
-            native.update(shared)
         return kernels.MoEBlock(router=kernels.Projection(kind='fp32', weight=self.gate.weight), top_k=self.top_k,
                                 renormalize=True, routing='biased_softmax',
                                 correction_bias=self.moe_statics.e_score_correction_bias.view(-1),

@@ -15,7 +15,7 @@ from torch import nn
 from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.models.llama import KVCache, LlamaAttention, LlamaDecoderLayer, LlamaMLP
-from lmdeploy.pytorch.models.moe import MoEForCausalLM, shared_expert_projections, split_stacked_experts
+from lmdeploy.pytorch.models.moe import MoEForCausalLM, native_experts_with_shared, split_stacked_experts
 from lmdeploy.pytorch.nn.attention import PagedAttention
 from lmdeploy.pytorch.nn.decoder_stack import LayerWeights
 from lmdeploy.pytorch.nn.linear import Linear
@@ -83,13 +83,12 @@ class Llama4MoE(nn.Module):
         kernels = cpu.native()
         if kernels is None:
             return None
-        native = self.experts.kernel.native_experts()
+        native = native_experts_with_shared(self.experts, self.shared_expert, small_step)
         router = self.router.kernel.router_projection(self.router.bias)
-        shared = shared_expert_projections(self.shared_expert, small_step)
-        if native is None or router is None or shared is None:
+        if native is None or router is None:
             return None
-        return kernels.MoEBlock(router=router, top_k=self.top_k, renormalize=False,
-                                     routing='sigmoid_scaled_input', **native, **shared)
+        return kernels.MoEBlock(router=router, top_k=self.top_k, renormalize=False, routing='sigmoid_scaled_input',
+                                **native)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits, ids = torch.topk(self.router(x), self.top_k, dim=-1)

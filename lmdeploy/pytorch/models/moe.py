@@ -106,6 +106,17 @@ def shared_expert_projections(mlp: LlamaMLP, small_step: bool) -> dict[str, obje
     return None if any(projection is None for projection in shared.values()) else shared
 
 
+def native_experts_with_shared(experts: nn.Module, shared_experts: LlamaMLP | None,
+                                small_step: bool) -> dict[str, object] | None:
+    """The routed experts' native weights plus, where the block has them, its ungated shared experts'
+    projections (:func:`shared_expert_projections`); None where a part runs on no native kernel."""
+    native = experts.kernel.native_experts()
+    if native is None or shared_experts is None:
+        return native
+    shared = shared_expert_projections(shared_experts, small_step)
+    return None if shared is None else native | shared
+
+
 class MoEForCausalLM(LlamaForCausalLM):
     """A Llama-style decoder whose sparse layers are :class:`SparseMoeBlock`s."""
 
