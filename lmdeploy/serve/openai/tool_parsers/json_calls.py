@@ -6,6 +6,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from lmdeploy.serve.openai.text_scan import skip_whitespace
 from lmdeploy.serve.openai.tool_parsers.base import ParsedDelta, ToolCallDelta, ToolParser
 
 # The head of a call whose name comes first and whose arguments are an object: the name is then known
@@ -135,6 +136,21 @@ class JsonCallsParser(ToolParser):
     def start_call(self, start: int) -> None:
         """Reads the object at ``start`` as a call from now on."""
         self.reader, self.state = CallReader(start), 'call'
+
+    def read_list_item(self) -> bool:
+        """In a list of calls: past a comma, into the next object, or, at the list's end or anything else, back to
+        ``'text'``; False where the text ends first."""
+        start = skip_whitespace(self.text, self.pos)
+        if start == len(self.text):
+            return False
+        c = self.text[start]
+        if c == ',':
+            self.pos = start + 1
+        elif c == '{':
+            self.start_call(start)
+        else:
+            self.pos, self.state = start + (c == ']'), 'text'
+        return True
 
     def read_call(self, out: ParsedDelta, final: bool) -> bool | None:
         """Adds the call's new pieces to ``out``; whether the object is a call (None while that is open).

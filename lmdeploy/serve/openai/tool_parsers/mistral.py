@@ -67,16 +67,8 @@ class MistralToolParser(JsonCallsParser):
                     return out
                 self.pos, self.state = end, 'text'
             elif self.state == 'items':
-                start = skip_whitespace(self.text, self.pos)
-                if start == len(self.text):
+                if not self.read_list_item():
                     return out
-                c = self.text[start]
-                if c == ',':
-                    self.pos = start + 1
-                elif c == '{':
-                    self.start_call(start)
-                else:
-                    self.pos, self.state = start + (c == ']'), 'text'
             else:
                 is_call = self.read_call(out, final)
                 if is_call is None:
