@@ -251,21 +251,19 @@ sys.stdin.read()
 '''
 
 
-def test_no_worker_outlives_its_parent(tiny_llama):
-    """Whether the engine's process is terminated or killed, idle or in a compile, its workers end with it.
-    (The two parents start side by side: their starts are most of the test's time.)"""
-    parents = {how: subprocess.Popen([sys.executable, '-c', PARENT, tiny_llama], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True) for how in (signal.SIGTERM, signal.SIGKILL)}
+@pytest.mark.parametrize('how', ['SIGTERM', 'SIGKILL'])
+def test_no_worker_outlives_its_parent(tiny_llama, how):
+    """Whether the engine's process is terminated or killed, idle or in a compile, its workers end with it."""
+    parent = subprocess.Popen([sys.executable, '-c', PARENT, tiny_llama], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
     try:
-        workers = {how: psutil.Process(int(parent.stdout.readline())) for how, parent in parents.items()}
-        for how, parent in parents.items():
-            assert workers[how].ppid() == parent.pid
-            parent.send_signal(how)
-            parent.wait(30)
-            workers[how].wait(10)
+        worker = psutil.Process(int(parent.stdout.readline()))
+        assert worker.ppid() == parent.pid
+        parent.send_signal(getattr(signal, how))
+        parent.wait(30)
+        worker.wait(10)
     finally:
-        for parent in parents.values():
-            parent.kill()
+        parent.kill()
 
 
 SCRIPT_WITHOUT_MAIN_GUARD = '''
