@@ -158,6 +158,24 @@ def _threads():
     torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+@pytest.fixture(autouse=True, scope='session')
+def _one_ssl_context():
+    """httpx makes an SSL context (about 20 ms of CPU) for each client, and each ``httpx.get``/``post`` is a client:
+    the tests make thousands, all for plain-HTTP servers. The default context is made once instead."""
+    from httpx._transports import default
+    make = default.create_ssl_context
+    shared = functools.cache(make)
+
+    def create_ssl_context(verify=True, cert=None, trust_env=True):
+        if verify is True and cert is None and trust_env:
+            return shared()
+        return make(verify=verify, cert=cert, trust_env=trust_env)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(default, 'create_ssl_context', create_ssl_context)
+        yield
+
+
 @pytest.fixture(scope='session')
 def api_server(tiny_llama):
     """A uvicorn server (background thread) for the tiny Llama, model name 'tiny'; yields its ServerThread."""

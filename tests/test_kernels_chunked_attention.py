@@ -7,9 +7,9 @@ import functools
 
 import pytest
 import torch
-from kernel_env import DTYPES
 from test_chunked_attention import give_back
-from test_kernels_attention import BLOCK_SIZE, as_float, assert_close, paged_case, prefill_case, quantize_case
+from test_kernels_attention import (BLOCK_SIZE, FEATURE_DTYPES, as_float, assert_close, paged_case, prefill_case,
+                                    quantize_case)
 
 from lmdeploy.pytorch.kernels import attention
 from lmdeploy.pytorch.kernels import cuda as triton_kernels
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.triton
 ATTENTION_CHUNKS = [8, 24, 70]
 
 
-@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('dtype', FEATURE_DTYPES)  # see test_kernels_attention.py
 @pytest.mark.parametrize('chunk', ATTENTION_CHUNKS)
 def test_decode_attention_chunk(dtype, chunk):
     """The default launch and one with several pages per step and split (the chunk starts mid-split)."""
@@ -31,7 +31,7 @@ def test_decode_attention_chunk(dtype, chunk):
 
 
 @pytest.mark.parametrize('bits', [0, 8])
-@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('dtype', FEATURE_DTYPES)  # see test_kernels_attention.py
 @pytest.mark.parametrize('chunk', ATTENTION_CHUNKS)
 def test_prefill_attention_chunk(dtype, chunk, bits):
     """Chunks over cached prefixes and whole prompts, plain and int8 caches."""

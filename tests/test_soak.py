@@ -1,5 +1,5 @@
 """A short soak of benchmark/soak.py (issue 18): mixed traffic against a real server process for
-``SOAK_SECONDS`` (60 s; the full run is ``python benchmark/soak.py``, 10 minutes), then zero 5xx, every
+``SOAK_SECONDS`` (30 s; the full run is ``python benchmark/soak.py``, 10 minutes), then zero 5xx, every
 valid request answered or dropped by its own client, KV usage 0 after the drain and RSS growth after the
 warm-up under 5%."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ from server_helpers import serve, slow_down, tiny_engine
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'benchmark'))
 import soak  # noqa: E402
 
-SOAK_SECONDS = float(os.environ.get('SOAK_SECONDS', '60'))
+SOAK_SECONDS = float(os.environ.get('SOAK_SECONDS', '30'))
 
 
 @pytest.fixture(scope='module')
