@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lmdeploy.archs import load_hf_config
+from lmdeploy.archs import get_model_class, load_hf_config
 from lmdeploy.messages import EngineOutput, GenerationConfig, PytorchEngineConfig
 from lmdeploy.model_source import resolve_model_path
 from lmdeploy.pytorch.distributed.cpu_affinity import bind_rank, rank_cpus
@@ -66,7 +66,10 @@ class Engine:
         if self.device.type == 'cpu':
             cpu_kernels.native()  # built once, before workers load it
         self.model_dir = resolve_model_path(model_path)
-        load_hf_config(self.model_dir)  # a bad config.json is named as such, before the tokenizer reads it
+        architecture = load_hf_config(self.model_dir).architectures[0]  # a bad config.json is named first
+        refusal = get_model_class(architecture).tensor_parallel_refusal
+        if config.tp > 1 and refusal:
+            raise ValueError(f'{architecture} runs on one rank only: {refusal}; use tp=1')
         self.tokenizer = Tokenizer(self.model_dir)
         self.executor: Executor | None = create_executor(model_path, config) if config.tp > 1 else None
         self._unbind_cpus: Callable[[], None] | None = None

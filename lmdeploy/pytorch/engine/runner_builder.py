@@ -139,9 +139,6 @@ def build_runner(model_dir: str, config: PytorchEngineConfig, device: torch.devi
                                                          group.world_size)
     rank_cfg = dataclasses.replace(cfg, num_heads=q_stop - q_start, num_kv_heads=kv_stop - kv_start)
     layer_states = recurrent_state_shapes(model, cfg.num_layers)
-    if any(layer_states) and group.world_size > 1:
-        raise ValueError(f'{cfg.architecture} runs on one rank only: its linear-attention layers are not sharded '
-                         'for tensor parallelism; use tp=1')
     graph_model = (model if device.type == 'cuda' and not config.eager_mode and group.world_size == 1
                    and not any(layer_states) else None)
     slot_bytes, num_slots, num_blocks = state_bytes_per_slot(layer_states), config.max_batch_size, config.num_gpu_blocks

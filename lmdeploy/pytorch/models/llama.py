@@ -174,6 +174,8 @@ class LlamaForCausalLM(nn.Module):
         'q_proj': ('qkv_proj', 0), 'k_proj': ('qkv_proj', 1), 'v_proj': ('qkv_proj', 2),
         'gate_proj': ('gate_up_proj', 0), 'up_proj': ('gate_up_proj', 1),
     }
+    # why the model cannot be split over tensor-parallel ranks; None where it can
+    tensor_parallel_refusal: str | None = None
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

@@ -27,8 +27,6 @@ class OlmoAttention(LlamaAttention):
     def __init__(self, cfg: ModelConfig, layer_index: int):
         hf = cfg.hf_config
         super().__init__(cfg, sliding_window=layer_window(hf, layer_index))
-        if self.num_heads != cfg.num_heads:
-            raise ValueError('OLMo 2/3 with tensor parallelism is not supported: its q/k norms span every head')
         self.q_norm = RMSNorm(self.num_heads * self.head_dim, hf.rms_norm_eps)
         self.k_norm = RMSNorm(self.num_kv_heads * self.head_dim, hf.rms_norm_eps)
 
@@ -77,6 +75,8 @@ class OlmoDecoderLayer(nn.Module):
 
 class OlmoForCausalLM(LlamaForCausalLM):
     """OLMo 2 and OLMo 3; OLMo 3's layers turn by their layer type's rope."""
+
+    tensor_parallel_refusal = 'its q/k norms span every head, which no rank holds alone'
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)

@@ -189,6 +189,7 @@ class Qwen3NextForCausalLM(MoEForCausalLM):
     """Qwen3-Next, Qwen3.5 and Qwen3.5-MoE text decoders (see the module's docstring)."""
 
     stacked_params = {'gate_proj': ('gate_up_proj', 0), 'up_proj': ('gate_up_proj', 1)}
+    tensor_parallel_refusal = 'its linear-attention layers are not sharded for tensor parallelism'
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
