@@ -16,7 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from test_gguf import finish
-from test_gguf_vl import _tokenizer, assert_serves_like_the_original, converted_tensors, vision_tower_metadata
+from test_gguf_vl import (_tokenizer, assert_serves_like_the_original, converted_tensors, f32_mmproj_writer,
+                         vision_tower_metadata)
 from transformers import AutoConfig
 from vl_models import GEMMA3_TEXT, save_tiny_vl_model
 
@@ -65,10 +66,7 @@ def write_gemma3_mmproj(model_dir: str, out: Path, skip_key: str | None = None) 
     config = AutoConfig.from_pretrained(model_dir)
     vision = config.vision_config
     side = vision.image_size // vision.patch_size
-    writer = gguf.GGUFWriter(str(out), 'clip')
-    writer.add_type(gguf.GGUFType.MMPROJ)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    writer.add_clip_has_vision_encoder(True)
+    writer = f32_mmproj_writer(out)
     metadata = vision_tower_metadata(writer, vision, config.text_config.hidden_size, [0.5] * 3, [0.5] * 3)
     for key, (add, value) in metadata.items():
         if key != skip_key:

@@ -22,7 +22,7 @@ from family_checks import assert_vl_matches_transformers
 from helpers import make_engine, run
 from test_gguf import finish
 from test_gguf_llama4 import CONFIG as LLAMA_CPP_TEXT, kept_layers, random_llama4, write_language_model
-from test_gguf_vl import _tokenizer, converted_tensors, vision_tower_metadata
+from test_gguf_vl import _tokenizer, converted_tensors, f32_mmproj_writer, vision_tower_metadata
 import test_llama4_vl
 from test_llama4_vl import PREPROCESSOR, PROMPTS, VISION, hf_inputs, save_tiny_llama4_vl
 from test_vl_families import make_processor
@@ -68,10 +68,7 @@ def write_llama4_mmproj(model_dir: str, out: Path, post_norm: str = 'attn_post_n
     gguf-py's map took Gemma 4's name for it); ``skip_key``: a metadata key left out."""
     config = AutoConfig.from_pretrained(model_dir)
     vision = config.vision_config
-    writer = gguf.GGUFWriter(str(out), 'clip')
-    writer.add_type(gguf.GGUFType.MMPROJ)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    writer.add_clip_has_vision_encoder(True)
+    writer = f32_mmproj_writer(out)
     processor = json.loads(Path(model_dir, 'preprocessor_config.json').read_text())
     metadata = vision_tower_metadata(writer, vision, config.text_config.hidden_size, processor['image_mean'],
                                      processor['image_std'])

@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file
 from helpers import make_engine, run
 from test_gguf import finish, llama_permute
-from test_gguf_vl import (PROMPTS, _tokenizer, assert_serves_like_the_original, converted_tensors,
+from test_gguf_vl import (PROMPTS, _tokenizer, assert_serves_like_the_original, converted_tensors, f32_mmproj_writer,
                          vision_tower_metadata)
 from test_vl_families import make_processor
 from transformers import AutoConfig
@@ -90,10 +90,7 @@ def write_pixtral_mmproj(model_dir: str, out: Path, skip_key: str | None = None,
     it from Mistral's own checkpoint format (from transformers' layout it does not)."""
     config = AutoConfig.from_pretrained(model_dir)
     vision = config.vision_config
-    writer = gguf.GGUFWriter(str(out), 'clip')
-    writer.add_type(gguf.GGUFType.MMPROJ)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    writer.add_clip_has_vision_encoder(True)
+    writer = f32_mmproj_writer(out)
     processor = json.loads(Path(model_dir, 'preprocessor_config.json').read_text())
     metadata = vision_tower_metadata(writer, vision, config.text_config.hidden_size, processor['image_mean'],
                                      processor['image_std'])

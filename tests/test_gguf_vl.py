@@ -59,6 +59,15 @@ def add_qwen_vl_text_metadata(writer: gguf.GGUFWriter, text) -> None:
     writer.add_layer_norm_rms_eps(text.rms_norm_eps)
 
 
+def f32_mmproj_writer(out: Path) -> gguf.GGUFWriter:
+    """A writer of an mmproj file with the header convert_hf_to_gguf.py ``--mmproj --outtype f32`` starts with."""
+    writer = gguf.GGUFWriter(str(out), 'clip')
+    writer.add_type(gguf.GGUFType.MMPROJ)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_clip_has_vision_encoder(True)
+    return writer
+
+
 def vision_tower_metadata(writer: gguf.GGUFWriter, vision, projection_dim: int, image_mean: list[float],
                           image_std: list[float]) -> dict[str, tuple]:
     """The ``clip.vision.*`` keys every mmproj writer adds for a ViT tower, by name: ``(writer method, value)``."""
