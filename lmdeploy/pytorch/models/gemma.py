@@ -16,7 +16,8 @@ from lmdeploy.pytorch.nn.norm import GemmaRMSNorm
 from lmdeploy.pytorch.nn.rotary import RotaryEmbedding
 from lmdeploy.pytorch.step_context import StepContext
 
-LAYER_TYPES = ('full_attention', 'sliding_attention')
+FULL_ATTENTION, SLIDING_ATTENTION = 'full_attention', 'sliding_attention'
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 
 
 def rope_per_layer_type(hf_config) -> bool:
@@ -85,7 +86,28 @@ class GemmaDecoderLayer(nn.Module):
                              small_step=small_step, **norms)
 
 
-class GemmaForCausalLM(LlamaForCausalLM):
+class LayerTypeRopeForCausalLM(LlamaForCausalLM):
+    """A decoder whose layers turn by their layer type's rotary table (``ropes``: layer type -> rotary embedding);
+    in the native decoder stack the full-attention table is the step's and the sliding one the local table."""
+
+    ropes: dict[str, RotaryEmbedding]
+
+    def forward(self, input_ids: torch.Tensor, kv_caches: list[KVCache], ctx: StepContext) -> torch.Tensor:
+        tables = {kind: rope(ctx, self.cfg.dtype) for kind, rope in self.ropes.items()}
+        x = self.embed(input_ids, ctx)
+        if self.native_stack is not None and self.native_stack.runs(x.shape[0]):
+            ctx.cos, ctx.sin = tables.get(FULL_ATTENTION) or tables[SLIDING_ATTENTION]
+            x, residual = self.native_stack(x, kv_caches, ctx, local_rope=tables.get(SLIDING_ATTENTION))
+        else:
+            residual = None
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                ctx.cos, ctx.sin = tables[layer.layer_type]
+                x, residual = layer(x, residual, kv_cache, ctx)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class GemmaForCausalLM(LayerTypeRopeForCausalLM):
     """Gemma 2 (``Gemma2ForCausalLM``) and Gemma 3 text (``Gemma3ForCausalLM``)."""
 
     def __init__(self, cfg: ModelConfig):
@@ -103,20 +125,6 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
     def make_layer(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
         return GemmaDecoderLayer(cfg, layer_index)
-
-    def forward(self, input_ids: torch.Tensor, kv_caches: list[KVCache], ctx: StepContext) -> torch.Tensor:
-        tables = {kind: rope(ctx, self.cfg.dtype) for kind, rope in self.ropes.items()}
-        x = self.embed(input_ids, ctx)
-        if self.native_stack is not None and self.native_stack.runs(x.shape[0]):
-            ctx.cos, ctx.sin = tables['full_attention']
-            x, residual = self.native_stack(x, kv_caches, ctx, local_rope=tables['sliding_attention'])
-        else:
-            residual = None
-            for layer, kv_cache in zip(self.layers, kv_caches):
-                ctx.cos, ctx.sin = tables[layer.layer_type]
-                x, residual = layer(x, residual, kv_cache, ctx)
-        x, _ = self.norm(x, residual)
-        return x
 
     def embed(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         return self.embed_tokens(input_ids) * self.embed_scale

@@ -10,15 +10,14 @@ import torch
 from torch import nn
 
 from lmdeploy.pytorch.config import ModelConfig
-from lmdeploy.pytorch.models.gemma import rope_per_layer_type
-from lmdeploy.pytorch.models.llama import KVCache, LlamaAttention, LlamaForCausalLM, LlamaMLP, layer_window
+from lmdeploy.pytorch.models.gemma import (FULL_ATTENTION, SLIDING_ATTENTION, LayerTypeRopeForCausalLM,
+                                          rope_per_layer_type)
+from lmdeploy.pytorch.models.llama import KVCache, LlamaAttention, LlamaMLP, layer_window
 from lmdeploy.pytorch.nn.decoder_stack import LayerWeights, layer_weights
 from lmdeploy.pytorch.nn.norm import RMSNorm
 from lmdeploy.pytorch.nn.rotary import RotaryEmbedding, apply_rope
 from lmdeploy.pytorch.step_context import StepContext
 
-FULL_ATTENTION = 'full_attention'
-SLIDING_ATTENTION = 'sliding_attention'
 
 
 class OlmoAttention(LlamaAttention):
@@ -73,7 +72,7 @@ class OlmoDecoderLayer(nn.Module):
                              local_rope=self.own_rope and self.layer_type == SLIDING_ATTENTION)
 
 
-class OlmoForCausalLM(LlamaForCausalLM):
+class OlmoForCausalLM(LayerTypeRopeForCausalLM):
     """OLMo 2 and OLMo 3; OLMo 3's layers turn by their layer type's rope."""
 
     tensor_parallel_refusal = 'its q/k norms span every head, which no rank holds alone'
@@ -87,17 +86,3 @@ class OlmoForCausalLM(LlamaForCausalLM):
 
     def make_layer(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
         return OlmoDecoderLayer(cfg, layer_index)
-
-    def forward(self, input_ids: torch.Tensor, kv_caches: list[KVCache], ctx: StepContext) -> torch.Tensor:
-        tables = {kind: rope(ctx, self.cfg.dtype) for kind, rope in self.ropes.items()}
-        x = self.embed(input_ids, ctx)
-        if self.native_stack is not None and self.native_stack.runs(x.shape[0]):
-            ctx.cos, ctx.sin = tables.get(FULL_ATTENTION) or tables[SLIDING_ATTENTION]
-            x, residual = self.native_stack(x, kv_caches, ctx, local_rope=tables.get(SLIDING_ATTENTION))
-        else:
-            residual = None
-            for layer, kv_cache in zip(self.layers, kv_caches):
-                ctx.cos, ctx.sin = tables[layer.layer_type]
-                x, residual = layer(x, residual, kv_cache, ctx)
-        x, _ = self.norm(x, residual)
-        return x
