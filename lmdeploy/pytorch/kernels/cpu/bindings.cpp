@@ -1,7 +1,7 @@
 // The Python module of the native CPU kernels; each has a torch twin in lmdeploy/pytorch/kernels.
 #include <torch/csrc/utils/pybind.h>
 
-#include "common.h"
+#include "decoder_stack.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;

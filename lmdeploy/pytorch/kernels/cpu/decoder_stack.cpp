@@ -7,7 +7,7 @@
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/linear.h>
 
-#include "common.h"
+#include "decoder_stack.h"
 
 Projection::Projection(const std::string& kind_name, torch::Tensor weight, c10::optional<torch::Tensor> compensation,
                        c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias)

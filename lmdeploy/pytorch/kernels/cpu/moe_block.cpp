@@ -6,7 +6,7 @@
 #include <ATen/ops/ones.h>
 #include <ATen/ops/silu.h>
 
-#include "common.h"
+#include "decoder_stack.h"
 
 namespace {
 
