@@ -34,7 +34,7 @@ def layer_weights(input_norm: torch.Tensor | None, post_norm: torch.Tensor | Non
     ``moe`` block), each as its kernel's native projection (``small_step``: the one for steps of at most
     ``small_step_rows`` tokens); ``options`` are the other fields of ``LayerWeights`` by name (its other norms,
     ``rotary_dim``, ``interleaved_rope``, ``sliding_window``, ``attention_chunk``, ``scaled_queries``,
-    ``qk_norm_across_heads``, ``qk_l2_norm_eps``, ``post_norms_only``, ``moe``; see ``kernels/cpu/common.h``). None
+    ``qk_norm_across_heads``, ``qk_l2_norm_eps``, ``post_norms_only``, ``moe``; see ``kernels/cpu/decoder_stack.h``). None
     when a projection runs on no native GEMM."""
     native = {name: (proj.kernel.small_step_projection if small_step else proj.kernel.native_projection)(proj.bias)
               for name, proj in projections.items()}
