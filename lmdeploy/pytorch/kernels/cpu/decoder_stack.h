@@ -30,9 +30,12 @@ struct StepTensors {
 // fp32 times an fp32 weight (torch's linear), DeepSeek-V3's and GLM-4.5's fp32 router. "parts": a
 // stacked projection whose parts run each on its own projection (each with its share of the bias), their outputs
 // side by side. "steps": inputs of at most `small_step_rows` rows on `parts[0]`, more on `parts[1]` (an expert's
-// share of a step, whatever its size).
+// share of a step, whatever its size). "mxfp4": an MXFP4 weight as the checkpoint holds it, `weight` its blocks
+// [N, K / 32, 16] and `scale` its e8m0 scales [N, K / 32] (both uint8), on mxfp4_linear (its fp32 sums rounded to
+// x's dtype, then the bias added); "mxfp4_dequantized": the same weight dequantized to x's dtype for each call
+// (mxfp4_dequantize) and torch's linear: Mxfp4Kernel's two paths (nn/quant/mxfp4.py), which "steps" chooses between.
 struct Projection {
-  enum class Kind { kBf16, kW8A8, kInt4, kQ4K, kQ6K, kOneDnn, kFp32, kParts, kSteps };
+  enum class Kind { kBf16, kW8A8, kInt4, kQ4K, kQ6K, kOneDnn, kFp32, kParts, kSteps, kMxfp4, kMxfp4Dequantized };
   Projection(const std::string& kind, torch::Tensor weight, c10::optional<torch::Tensor> compensation,
              c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias);
   explicit Projection(std::vector<Projection> parts);
@@ -62,19 +65,25 @@ struct Projection {
 //  - "sigmoid_scaled_input": Llama4MoE's (models/llama4.py): the top-k router logits, their sigmoid (in x's dtype)
 //    scaling each token's copy on its way into its expert, the experts' outputs summed over the k copies.
 // The experts are either dense, `gate_up [E, 2I, H]` and `down [E, H, I]` in the model's dtype as fused_moe takes
-// them (F.linear, torch's SiLU-and-mul), or each expert's `expert_gate_up` and `expert_down` projections
-// (gate_up_silu), as the per-expert kernels of the quantized formats run them. The shared expert (`shared_gate_up`,
+// them (F.linear, torch's SiLU-and-mul), with `gate_up_bias [E, 2I]` and `down_bias [E, H]` where they have biases,
+// or each expert's `expert_gate_up` and `expert_down` projections (gate_up_silu; each with its expert's biases), as
+// the per-expert kernels of the quantized formats run them. Their `activation` is "silu" (SiLU-and-mul) or
+// "clamped_swiglu" (gpt-oss's, clamped_swiglu of kernels/activation.py with `swiglu_alpha` and `swiglu_limit`:
+// (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)). The shared expert (`shared_gate_up`,
 // `shared_down`) is added times the sigmoid of `shared_gate` where it has one (Qwen2-MoE), as it is without
 // (DeepSeek-V3, GLM-4.5, ERNIE 4.5).
 struct MoEBlock {
   enum class Routing { kSoftmax, kNoauxTc, kBiasedSoftmax, kSigmoidScaledInput };
+  enum class Activation { kSilu, kClampedSwiGLU };
   MoEBlock(Projection router, int64_t top_k, bool renormalize, const std::string& routing,
            c10::optional<torch::Tensor> correction_bias, c10::optional<int64_t> num_groups,
            c10::optional<int64_t> topk_groups, c10::optional<double> scaling, c10::optional<double> norm_min,
-           c10::optional<torch::Tensor> gate_up,
-           c10::optional<torch::Tensor> down, std::vector<Projection> expert_gate_up,
-           std::vector<Projection> expert_down, c10::optional<Projection> shared_gate_up,
-           c10::optional<Projection> shared_down, c10::optional<Projection> shared_gate);
+           c10::optional<torch::Tensor> gate_up, c10::optional<torch::Tensor> down,
+           c10::optional<torch::Tensor> gate_up_bias, c10::optional<torch::Tensor> down_bias,
+           std::vector<Projection> expert_gate_up, std::vector<Projection> expert_down,
+           const std::string& activation, c10::optional<double> swiglu_alpha, c10::optional<double> swiglu_limit,
+           c10::optional<Projection> shared_gate_up, c10::optional<Projection> shared_down,
+           c10::optional<Projection> shared_gate);
   torch::Tensor operator()(const torch::Tensor& x) const;
 
   Projection router;
@@ -84,11 +93,15 @@ struct MoEBlock {
   c10::optional<torch::Tensor> correction_bias;
   int64_t num_groups = 1, topk_groups = 1;
   double scaling = 1.0, norm_min = 0.0;
-  c10::optional<torch::Tensor> gate_up, down;
+  c10::optional<torch::Tensor> gate_up, down, gate_up_bias, down_bias;
   std::vector<Projection> expert_gate_up, expert_down;
+  Activation activation;
+  double swiglu_alpha = 0.0, swiglu_limit = 0.0;
   c10::optional<Projection> shared_gate_up, shared_down, shared_gate;
 
  private:
+  // The experts' activation of gate_up [rows, 2I] (gate, then up).
+  torch::Tensor activate(const torch::Tensor& gate_up) const;
   // (topk_weights [T, k] fp32, topk_ids [T, k]) of the tokens x, by the block's routing.
   std::tuple<torch::Tensor, torch::Tensor> route(const torch::Tensor& x) const;
   // down_e(act(gate_up_e(rows))) of expert e.
@@ -114,8 +127,8 @@ struct MoEBlock {
 // gelu_tanh(gate) * up on a plain gate-and-up projection, gate rows then up rows (Gemma), instead of the
 // fused SiLU one; `scaled_queries`: its rotated queries are multiplied by their token's factor in the step's
 // q_scale (Ministral 3); `residual_scale`: the outputs of attention and of the MLP are multiplied by it before the
-// residual adds them (Granite's residual_multiplier). A layer's MLP is its gate_up and down projections, or its
-// `moe` block.
+// residual adds them (Granite's residual_multiplier); `sinks`: one fp32 logit per query head that joins the softmax
+// denominator (gpt-oss). A layer's MLP is its gate_up and down projections, or its `moe` block.
 struct LayerWeights {
   c10::optional<torch::Tensor> input_norm, post_norm;
   Projection qkv, o;
@@ -131,6 +144,7 @@ struct LayerWeights {
   bool qk_norm_across_heads, post_norms_only;
   c10::optional<int64_t> attention_chunk;
   c10::optional<double> qk_l2_norm_eps;
+  c10::optional<torch::Tensor> sinks;
 };
 
 // Llama-style decoder layers (decoder_stack.cpp): the kernels of LlamaDecoderLayer's forward, in its order.
