@@ -10,7 +10,10 @@ layer of 5632, then MoE layers of 64 experts of 768 of which 6 per token and two
 softmax scores, a correction bias choosing, the unbiased scores over their sum, an fp32 router); ``--family llama4``,
 Llama 4's layers at that shape (``--layers 4``: three rope layers attending within chunks of 8192 with the L2 q/k
 norm, then a NoPE layer whose queries the temperature scales; every second layer MoE, 16 experts of 768 of which one
-per token, its sigmoid score scaling the expert's input, and a shared expert of 768; the others dense of 5632). The
+per token, its sigmoid score scaling the expert's input, and a shared expert of 768; the others dense of 5632);
+``--family gpt_oss``, gpt-oss's layers at that shape (32 query and 8 KV heads of 64 with q/k/v/o biases and sinks, a
+sliding window of 128 in every other layer, YaRN; 32 experts of 768 of which 4 per token, a biased router, biased
+experts in MXFP4 as gpt-oss's checkpoints hold them, the clamped SwiGLU). The
 step time is the calling thread's CPU time of the model's forward (``time.thread_time``: other jobs on a shared
 machine take time slices but not figures), the best and the median over rounds in which the two paths alternate. On
 a CPU with AMX, whose bf16 layers run on oneDNN (where the stack does not run), the layers run on the native bf16
@@ -27,7 +30,8 @@ import os
 
 import torch
 from safetensors.torch import save_file
-from transformers import Ernie4_5_MoeConfig, Glm4MoeConfig, Llama4TextConfig, PretrainedConfig, Qwen3MoeConfig
+from transformers import (Ernie4_5_MoeConfig, Glm4MoeConfig, GptOssConfig, Llama4TextConfig, PretrainedConfig,
+                          Qwen3MoeConfig)
 from stack_timing import print_stack_against_layers, stack_engine
 from workload import save_word_tokenizer
 
@@ -51,6 +55,12 @@ def model_config(args: argparse.Namespace) -> PretrainedConfig:
                                 interleave_moe_layer_step=2, attention_chunk_size=8192, vocab_size=VOCAB,
                                 max_position_embeddings=16384, tie_word_embeddings=False,
                                 architectures=['Llama4ForCausalLM'])
+    if args.family == 'gpt_oss':
+        return GptOssConfig(hidden_size=2048, num_hidden_layers=args.layers, num_attention_heads=32,
+                            num_key_value_heads=8, head_dim=64, num_local_experts=args.experts, num_experts_per_tok=4,
+                            intermediate_size=EXPERT_WIDTH, sliding_window=128, vocab_size=VOCAB,
+                            max_position_embeddings=4096, tie_word_embeddings=False,
+                            architectures=['GptOssForCausalLM'], quantization_config={'quant_method': 'mxfp4'})
     if args.family == 'ernie4_5_moe':
         common = {**common, 'num_experts_per_tok': 6}
         return Ernie4_5_MoeConfig(num_attention_heads=16, moe_num_experts=args.experts, moe_num_shared_experts=2,
@@ -63,7 +73,7 @@ def model_config(args: argparse.Namespace) -> PretrainedConfig:
 
 def save_model(path: str, args: argparse.Namespace) -> None:
     """A checkpoint of ``args.layers`` layers of ``args.family`` at its shape, random bf16 weights (GLM-4.5's and
-    ERNIE's routers and correction biases in fp32, as their checkpoints hold them)."""
+    ERNIE's routers and correction biases in fp32, gpt-oss's experts in MXFP4, as their checkpoints hold them)."""
     config = model_config(args)
     config.save_pretrained(path)
     g = torch.Generator().manual_seed(0)
@@ -71,7 +81,7 @@ def save_model(path: str, args: argparse.Namespace) -> None:
     def rand(*shape: int, std: float = 0.02) -> torch.Tensor:
         return (torch.randn(*shape, generator=g) * std).bfloat16()
 
-    glm, ernie, llama4 = (args.family == name for name in ('glm4_moe', 'ernie4_5_moe', 'llama4'))
+    glm, ernie, llama4, gpt_oss = (args.family == name for name in ('glm4_moe', 'ernie4_5_moe', 'llama4', 'gpt_oss'))
     hidden, heads = config.hidden_size, config.num_attention_heads * config.head_dim
     kv = config.num_key_value_heads * config.head_dim
     state = {'model.embed_tokens.weight': rand(VOCAB, hidden, std=1.0), 'model.norm.weight': rand(hidden, std=0) + 1,
@@ -84,10 +94,17 @@ def save_model(path: str, args: argparse.Namespace) -> None:
                   prefix + 'self_attn.k_proj.weight': rand(kv, hidden),
                   prefix + 'self_attn.v_proj.weight': rand(kv, hidden),
                   prefix + 'self_attn.o_proj.weight': rand(hidden, heads)}
-        if glm:
+        if glm or gpt_oss:
             state |= {prefix + f'self_attn.{name}_proj.bias': rand(size) for name, size in (('q', heads), ('k', kv),
                                                                                               ('v', kv))}
-        elif not (ernie or llama4):
+        if gpt_oss:
+            state |= {prefix + 'self_attn.o_proj.bias': rand(hidden),
+                      prefix + 'self_attn.sinks': rand(config.num_attention_heads, std=1.0),
+                      prefix + 'mlp.router.weight': rand(args.experts, hidden),
+                      prefix + 'mlp.router.bias': rand(args.experts)}
+            state |= mxfp4_experts(prefix + 'mlp.experts.', args.experts, hidden, g)
+            continue
+        if not (glm or ernie or llama4):
             state |= {prefix + f'self_attn.{name}_norm.weight': rand(config.head_dim, std=0) + 1 for name in 'qk'}
         if ((glm and i < config.first_k_dense_replace) or (ernie and i < config.moe_layer_start_index)
                 or (llama4 and i not in config.moe_layers)):
@@ -116,18 +133,32 @@ def save_model(path: str, args: argparse.Namespace) -> None:
         json.dump({}, f)
 
 
+def mxfp4_experts(prefix: str, experts: int, hidden: int, g: torch.Generator) -> dict[str, torch.Tensor]:
+    """gpt-oss's experts as its checkpoints hold them: ``gate_up_proj`` (gate and up rows alternating) and
+    ``down_proj`` as random MXFP4 blocks and scales (weights up to 6 / 128), and their bf16 biases."""
+    state = {}
+    for name, rows, inputs in (('gate_up_proj', 2 * EXPERT_WIDTH, hidden), ('down_proj', hidden, EXPERT_WIDTH)):
+        state[f'{prefix}{name}_blocks'] = torch.randint(0, 256, (experts, rows, inputs // 32, 16), generator=g,
+                                                        dtype=torch.uint8)
+        state[f'{prefix}{name}_scales'] = torch.randint(118, 121, (experts, rows, inputs // 32), generator=g,
+                                                        dtype=torch.uint8)
+        state[f'{prefix}{name}_bias'] = (torch.randn(experts, rows, generator=g) * 0.02).bfloat16()
+    return state
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument('--family', choices=('qwen3_moe', 'glm4_moe', 'ernie4_5_moe', 'llama4'), default='qwen3_moe')
+    parser.add_argument('--family', choices=('qwen3_moe', 'glm4_moe', 'ernie4_5_moe', 'llama4', 'gpt_oss'),
+                        default='qwen3_moe')
     parser.add_argument('--layers', type=int, default=2,
                         help="decoder layers (GLM-4.5's and ERNIE's first one dense, Llama 4's every second one)")
     parser.add_argument('--experts', type=int, default=None,
-                        help='routed experts (default: 128, GLM-4.5, ERNIE: 64, Llama 4: 16)')
+                        help='routed experts (default: 128, GLM-4.5, ERNIE: 64, gpt-oss: 32, Llama 4: 16)')
     parser.add_argument('--batches', default='1,16')
     parser.add_argument('--steps', type=int, default=8, help='decode steps per round')
     parser.add_argument('--rounds', type=int, default=4)
     args = parser.parse_args()
-    args.experts = args.experts or {'qwen3_moe': 128, 'llama4': 16}.get(args.family, 64)
+    args.experts = args.experts or {'qwen3_moe': 128, 'llama4': 16, 'gpt_oss': 32}.get(args.family, 64)
     engine = stack_engine(lambda path: save_model(path, args))
     top_k = model_config(args).num_experts_per_tok
     print(f'{args.family}, {args.layers} layers, {args.experts} experts of 2048 -> {EXPERT_WIDTH}, top-{top_k}, '

@@ -139,14 +139,14 @@ class LlamaDecoderLayer(nn.Module):
     def native_weights(self, small_step: bool = False) -> LayerWeights | None:
         """This layer's weights for :class:`NativeDecoderStack` (``small_step``: those of steps of at most
         ``small_step_rows`` tokens); None unless every projection runs on a native GEMM and the layer has
-        no parts the stack lacks (another family's layer, a GeLU MLP or sinks)."""
+        no parts the stack lacks (another family's layer, a GeLU MLP)."""
         return self.stack_weights(small_step) if type(self) is LlamaDecoderLayer else None
 
     def stack_weights(self, small_step: bool, **norms: torch.Tensor) -> LayerWeights | None:
         """:meth:`native_weights` of a layer with this layer's forward, and ``norms`` (see ``layer_weights``)
         where a family's layer adds them."""
         attn, mlp = self.self_attn, self.mlp
-        if not isinstance(attn, LlamaAttention) or attn.attn.sinks is not None:
+        if not isinstance(attn, LlamaAttention):
             return None
         projections, moe = dict(qkv=attn.qkv_proj, o=attn.o_proj), {}
         if isinstance(mlp, LlamaMLP) and mlp.gate_up_proj.gate_up_panels:
@@ -162,8 +162,8 @@ class LlamaDecoderLayer(nn.Module):
         return layer_weights(self.input_layernorm.weight, self.post_attention_layernorm.weight, projections,
                              small_step, rotary_dim=attn.rotary_dim if attn.use_rope else 0,
                              interleaved_rope=attn.interleaved_rope, sliding_window=attn.attn.sliding_window,
-                             logit_softcap=attn.attn.logit_softcap, scaled_queries=attn.scaled_queries, **moe,
-                             **norms)
+                             logit_softcap=attn.attn.logit_softcap, scaled_queries=attn.scaled_queries,
+                             sinks=None if attn.attn.sinks is None else attn.attn.sinks.float(), **moe, **norms)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -71,10 +71,8 @@ class SparseMoeBlock(nn.Module):
     def native_moe(self, small_step: bool = False) -> object | None:
         """This block as a ``MoEBlock`` of :class:`~lmdeploy.pytorch.nn.decoder_stack.NativeDecoderStack`
         (``small_step``: for steps of at most ``small_step_rows`` tokens, which only the shared expert's
-        projections tell apart); None where a part runs on no native kernel, or with biases or another
-        activation (gpt-oss)."""
-        experts = self.experts
-        native = experts.kernel.native_experts() if not experts.has_bias and experts.activation is None else None
+        projections tell apart); None where a part runs on no native kernel."""
+        native = self.experts.native_experts()
         router = self.gate.kernel.router_projection(self.gate.bias)
         if native is None or router is None:
             return None
@@ -106,11 +104,11 @@ def shared_expert_projections(mlp: LlamaMLP, small_step: bool) -> dict[str, obje
     return None if any(projection is None for projection in shared.values()) else shared
 
 
-def native_experts_with_shared(experts: nn.Module, shared_experts: LlamaMLP | None,
+def native_experts_with_shared(experts: FusedExperts, shared_experts: LlamaMLP | None,
                                 small_step: bool) -> dict[str, object] | None:
     """The routed experts' native weights plus, where the block has them, its ungated shared experts'
     projections (:func:`shared_expert_projections`); None where a part runs on no native kernel."""
-    native = experts.kernel.native_experts()
+    native = experts.native_experts()
     if native is None or shared_experts is None:
         return native
     shared = shared_expert_projections(shared_experts, small_step)

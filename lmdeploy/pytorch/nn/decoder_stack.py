@@ -5,7 +5,8 @@ tokens on the 4-bit copies of ``decode_int4`` where they run on the native GEMV.
 runs as a ``MoEBlock`` (``kernels/cpu/moe_block.cpp``, see ``SparseMoeBlock.native_moe``, and for GLM-4.5's
 DeepSeek-V3 routing ``DeepseekV3MoE.native_moe``): its router, the routing and each routed expert on the kernel
 its Python path calls; ERNIE 4.5 MoE's (``Ernie4_5MoE.native_moe``) routes ``biased_softmax``, Llama 4's
-(``Llama4MoE.native_moe``) ``sigmoid_scaled_input``.
+(``Llama4MoE.native_moe``) ``sigmoid_scaled_input``; gpt-oss's (``SparseMoeBlock`` with biases) has a biased router,
+biased experts (bf16, or MXFP4 on ``Mxfp4Kernel``'s two paths) and the clamped SwiGLU, its attention ``sinks``.
 
 The call runs the kernels of the layers' own forward, in the same order, so its results are
 identical; it only drops the Python between them, which in a 64-row decode step cost about 5 ms of
@@ -34,8 +35,8 @@ def layer_weights(input_norm: torch.Tensor | None, post_norm: torch.Tensor | Non
     ``moe`` block), each as its kernel's native projection (``small_step``: the one for steps of at most
     ``small_step_rows`` tokens); ``options`` are the other fields of ``LayerWeights`` by name (its other norms,
     ``rotary_dim``, ``interleaved_rope``, ``sliding_window``, ``attention_chunk``, ``scaled_queries``,
-    ``qk_norm_across_heads``, ``qk_l2_norm_eps``, ``post_norms_only``, ``moe``; see ``kernels/cpu/common.h``). None
-    when a projection runs on no native GEMM."""
+    ``qk_norm_across_heads``, ``qk_l2_norm_eps``, ``post_norms_only``, ``sinks``, ``moe``; see
+    ``kernels/cpu/decoder_stack.h``). None when a projection runs on no native GEMM."""
     native = {name: (proj.kernel.small_step_projection if small_step else proj.kernel.native_projection)(proj.bias)
               for name, proj in projections.items()}
     if any(projection is None for projection in native.values()):

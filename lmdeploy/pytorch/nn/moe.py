@@ -96,6 +96,16 @@ class FusedExperts(nn.Module):
         return self.tp.all_reduce(self.kernel(x, topk_weights, topk_ids, self.gate_up_bias, down_bias,
                                               self.activation))
 
+    def native_experts(self) -> dict[str, object] | None:
+        """The experts as a ``MoEBlock`` of the native decoder stack takes them, by name: their kernel's native
+        weights with the biases, and the clamped SwiGLU (``activation``, ``swiglu_alpha``, ``swiglu_limit``) where
+        they have it; None when no native kernel runs them."""
+        native = self.kernel.native_experts(self.gate_up_bias, self.down_bias)
+        if native is None or self.activation is None:
+            return native
+        return native | dict(activation='clamped_swiglu', swiglu_alpha=self.activation.alpha,
+                             swiglu_limit=self.activation.limit)
+
     def projection(self, proj: str, expert: int) -> ExpertProjection:
         """Expert ``expert``'s ``gate_up`` or ``down`` projection: its slices of the stacked parameters (as
         they are now), as the weight format's ``unpack`` takes them."""

@@ -1,7 +1,7 @@
 // The Python module of the native CPU kernels; each has a torch twin in lmdeploy/pytorch/kernels.
 #include <torch/csrc/utils/pybind.h>
 
-#include "common.h"
+#include "decoder_stack.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
@@ -90,22 +90,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("small_step_rows"));
   py::class_<MoEBlock>(m, "MoEBlock", "a decoder layer's mixture-of-experts MLP")
       .def(py::init<Projection, int64_t, bool, const std::string&, Optional, c10::optional<int64_t>,
-                    c10::optional<int64_t>, c10::optional<double>, c10::optional<double>, Optional, Optional,
-                    std::vector<Projection>, std::vector<Projection>, c10::optional<Projection>,
+                    c10::optional<int64_t>, c10::optional<double>, c10::optional<double>, Optional, Optional, Optional,
+                    Optional, std::vector<Projection>, std::vector<Projection>, const std::string&,
+                    c10::optional<double>, c10::optional<double>, c10::optional<Projection>,
                     c10::optional<Projection>, c10::optional<Projection>>(),
            py::kw_only(), py::arg("router"), py::arg("top_k"), py::arg("renormalize"), py::arg("routing"),
            py::arg("correction_bias") = py::none(), py::arg("num_groups") = py::none(),
            py::arg("topk_groups") = py::none(), py::arg("scaling") = py::none(), py::arg("norm_min") = py::none(),
-           py::arg("gate_up") = py::none(), py::arg("down") = py::none(),
-           py::arg("expert_gate_up") = std::vector<Projection>(),
-           py::arg("expert_down") = std::vector<Projection>(), py::arg("shared_gate_up") = py::none(),
+           py::arg("gate_up") = py::none(), py::arg("down") = py::none(), py::arg("gate_up_bias") = py::none(),
+           py::arg("down_bias") = py::none(), py::arg("expert_gate_up") = std::vector<Projection>(),
+           py::arg("expert_down") = std::vector<Projection>(), py::arg("activation") = "silu",
+           py::arg("swiglu_alpha") = py::none(), py::arg("swiglu_limit") = py::none(),
+           py::arg("shared_gate_up") = py::none(),
            py::arg("shared_down") = py::none(), py::arg("shared_gate") = py::none())
       .def("__call__", &MoEBlock::operator(), py::call_guard<py::gil_scoped_release>(), py::arg("x"));
   py::class_<LayerWeights>(m, "LayerWeights", "a Llama-style decoder layer's weights")
       .def(py::init<Optional, Optional, Projection, Projection, c10::optional<Projection>, c10::optional<Projection>,
                     c10::optional<MoEBlock>, Optional, Optional, Optional, Optional, int64_t, bool, bool,
                     c10::optional<int64_t>, c10::optional<double>, bool, bool, double, bool, bool,
-                    c10::optional<int64_t>, c10::optional<double>>(),
+                    c10::optional<int64_t>, c10::optional<double>, Optional>(),
            py::kw_only(), py::arg("input_norm") = py::none(), py::arg("post_norm") = py::none(), py::arg("qkv"),
            py::arg("o"),
            py::arg("gate_up") = py::none(), py::arg("down") = py::none(), py::arg("moe") = py::none(),
@@ -115,7 +118,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("logit_softcap") = py::none(), py::arg("gelu_tanh_mlp") = false,
            py::arg("scaled_queries") = false, py::arg("residual_scale") = 1.0,
            py::arg("qk_norm_across_heads") = false, py::arg("post_norms_only") = false,
-           py::arg("attention_chunk") = py::none(), py::arg("qk_l2_norm_eps") = py::none());
+           py::arg("attention_chunk") = py::none(), py::arg("qk_l2_norm_eps") = py::none(),
+           py::arg("sinks") = py::none());
   py::class_<DecoderStack>(m, "DecoderStack", "Llama-style decoder layers in one call per step")
       .def(py::init<std::vector<LayerWeights>, int64_t, int64_t, int64_t, double, double, int64_t>(), py::kw_only(),
            py::arg("layers"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"),

@@ -7,7 +7,7 @@
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/linear.h>
 
-#include "common.h"
+#include "decoder_stack.h"
 
 Projection::Projection(const std::string& kind_name, torch::Tensor weight, c10::optional<torch::Tensor> compensation,
                        c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias)
@@ -44,9 +44,15 @@ Projection::Projection(const std::string& kind_name, torch::Tensor weight, c10::
     kind = Kind::kFp32;
     TORCH_CHECK(this->weight.scalar_type() == at::kFloat && !this->compensation && !this->scale,
                 "an fp32 projection is its fp32 weight (and bias), without compensation or scale");
+  } else if (kind_name == "mxfp4" || kind_name == "mxfp4_dequantized") {
+    kind = kind_name == "mxfp4" ? Kind::kMxfp4 : Kind::kMxfp4Dequantized;
+    TORCH_CHECK(this->weight.scalar_type() == at::kByte && this->weight.dim() == 3 && !this->compensation &&
+                    this->scale && this->scale->scalar_type() == at::kByte,
+                "an mxfp4 projection is its blocks [N, K / 32, 16] and scale bytes [N, K / 32] (and bias), without "
+                "compensation");
   } else {
-    TORCH_CHECK(false, "a projection's kind is 'bf16', 'w8a8', 'int4', 'q4k', 'q6k', 'onednn' or 'fp32', not '",
-                kind_name, "'");
+    TORCH_CHECK(false, "a projection's kind is 'bf16', 'w8a8', 'int4', 'q4k', 'q6k', 'onednn', 'fp32', 'mxfp4' or "
+                "'mxfp4_dequantized', not '", kind_name, "'");
   }
 }
 
@@ -89,6 +95,11 @@ torch::Tensor Projection::operator()(const torch::Tensor& x) const {
     case Kind::kOneDnn: return onednn_linear(x, weight, bias);
     case Kind::kFp32: return at::linear(x.to(at::kFloat), weight, bias);
     case Kind::kSteps: return parts[x.size(0) > small_step_rows ? 1 : 0](x);
+    case Kind::kMxfp4: {
+      const auto out = mxfp4_linear(x, weight, *scale).to(x.scalar_type());
+      return bias ? out.add(*bias) : out;
+    }
+    case Kind::kMxfp4Dequantized: return at::linear(x, mxfp4_dequantize(weight, *scale, x.scalar_type()), bias);
     default: return int4_linear(x, weight, *scale, bias);
   }
 }
@@ -104,7 +115,9 @@ torch::Tensor Projection::gate_up_silu(const torch::Tensor& x) const {
     case Kind::kQ6K:
     case Kind::kOneDnn:
     case Kind::kFp32:
-    case Kind::kParts: return silu_and_mul((*this)(x));
+    case Kind::kParts:
+    case Kind::kMxfp4:
+    case Kind::kMxfp4Dequantized: return silu_and_mul((*this)(x));
     default:
       TORCH_CHECK(!bias, "an int4 gate-and-up projection has no bias");
       return int4_gate_up_silu(x, weight, *scale);
@@ -142,6 +155,9 @@ DecoderStack::DecoderStack(std::vector<LayerWeights> layers, int64_t num_heads, 
                 "a layer's qk_l2_norm_eps is positive, and it has no q and k norms with it");
     TORCH_CHECK(w.gate_up.has_value() == w.down.has_value() && w.gate_up.has_value() != w.moe.has_value(),
                 "a layer's MLP is its gate_up and down projections or its moe block");
+    TORCH_CHECK(!w.sinks || (w.sinks->scalar_type() == at::kFloat && w.sinks->dim() == 1 &&
+                             w.sinks->size(0) == num_heads_ && w.sinks->is_contiguous()),
+                "a layer's sinks are one contiguous fp32 logit per query head");
   }
 }
 
@@ -215,12 +231,12 @@ torch::Tensor DecoderStack::attention(const LayerWeights& w, const torch::Tensor
                                             v.narrow(0, 0, prefill), k_cache, v_cache, *prefill_block_table,
                                             *step.prefill_q_start, *step.prefill_q_len, *step.prefill_ctx_len,
                                             step.prefill_max_q_len, scale_, k_sz, v_sz, quant_policy_,
-                                            w.sliding_window, w.logit_softcap, c10::nullopt, step.prefill_key_limit,
+                                            w.sliding_window, w.logit_softcap, w.sinks, step.prefill_key_limit,
                                             w.attention_chunk));
   if (step.decode_blocks)
     parts.push_back(paged_decode_attention(q.narrow(0, prefill, rows - prefill), k_cache, v_cache,
                                            *decode_blocks, *step.decode_kv_lens, scale_, k_sz, v_sz,
-                                           quant_policy_, w.sliding_window, w.logit_softcap, c10::nullopt,
+                                           quant_policy_, w.sliding_window, w.logit_softcap, w.sinks,
                                            w.attention_chunk));
   TORCH_CHECK(!parts.empty(), "a step has prefill or decode rows");
   return (parts.size() == 1 ? parts[0] : torch::cat(parts)).flatten(1);

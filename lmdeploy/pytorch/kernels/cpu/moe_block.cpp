@@ -1,12 +1,14 @@
-// The MoE block of the native decoder stack: the forward of SparseMoeBlock (lmdeploy/pytorch/models/moe.py), of
-// DeepseekV3MoE (models/deepseek_v3.py), of Ernie4_5MoE (models/ernie.py) or of Llama4MoE (models/llama4.py) with the
-// kernels their Python paths call (moe_routing, grouped_topk or biased_softmax_topk, or the top-k logits' sigmoid, and
-// run_experts of kernels/moe.py, the experts' kernels), in the same order, so that its results are the same.
+// The MoE block of the native decoder stack: the forward of SparseMoeBlock (lmdeploy/pytorch/models/moe.py; gpt-oss's
+// with the experts' biases and the clamped SwiGLU), of DeepseekV3MoE (models/deepseek_v3.py), of Ernie4_5MoE
+// (models/ernie.py) or of Llama4MoE (models/llama4.py) with the kernels their Python paths call (moe_routing,
+// grouped_topk or biased_softmax_topk, or the top-k logits' sigmoid, and run_experts of kernels/moe.py, the experts'
+// kernels), in the same order, so that its results are the same.
+#include <ATen/ops/clamp.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/silu.h>
 
-#include "common.h"
+#include "decoder_stack.h"
 
 namespace {
 
@@ -20,20 +22,29 @@ MoEBlock::Routing routing_named(const std::string& name) {
   return MoEBlock::Routing::kNoauxTc;
 }
 
+MoEBlock::Activation activation_named(const std::string& name) {
+  if (name == "clamped_swiglu") return MoEBlock::Activation::kClampedSwiGLU;
+  TORCH_CHECK(name == "silu", "a MoE block's activation is 'silu' or 'clamped_swiglu', not '", name, "'");
+  return MoEBlock::Activation::kSilu;
+}
+
 }  // namespace
 
 MoEBlock::MoEBlock(Projection router, int64_t top_k, bool renormalize, const std::string& routing,
                    c10::optional<torch::Tensor> correction_bias, c10::optional<int64_t> num_groups,
                    c10::optional<int64_t> topk_groups, c10::optional<double> scaling, c10::optional<double> norm_min,
                    c10::optional<torch::Tensor> gate_up, c10::optional<torch::Tensor> down,
+                   c10::optional<torch::Tensor> gate_up_bias, c10::optional<torch::Tensor> down_bias,
                    std::vector<Projection> expert_gate_up, std::vector<Projection> expert_down,
-                   c10::optional<Projection> shared_gate_up, c10::optional<Projection> shared_down,
-                   c10::optional<Projection> shared_gate)
+                   const std::string& activation, c10::optional<double> swiglu_alpha,
+                   c10::optional<double> swiglu_limit, c10::optional<Projection> shared_gate_up,
+                   c10::optional<Projection> shared_down, c10::optional<Projection> shared_gate)
     : router(std::move(router)), top_k(top_k), renormalize(renormalize), routing(routing_named(routing)),
       correction_bias(std::move(correction_bias)), gate_up(std::move(gate_up)), down(std::move(down)),
+      gate_up_bias(std::move(gate_up_bias)), down_bias(std::move(down_bias)),
       expert_gate_up(std::move(expert_gate_up)), expert_down(std::move(expert_down)),
-      shared_gate_up(std::move(shared_gate_up)), shared_down(std::move(shared_down)),
-      shared_gate(std::move(shared_gate)) {
+      activation(activation_named(activation)), shared_gate_up(std::move(shared_gate_up)),
+      shared_down(std::move(shared_down)), shared_gate(std::move(shared_gate)) {
   const bool dense = this->gate_up.has_value() && this->down.has_value();
   TORCH_CHECK(this->gate_up.has_value() == this->down.has_value() &&
                   dense == this->expert_gate_up.empty() && this->expert_gate_up.size() == this->expert_down.size(),
@@ -42,6 +53,24 @@ MoEBlock::MoEBlock(Projection router, int64_t top_k, bool renormalize, const std
     TORCH_CHECK(this->gate_up->dim() == 3 && this->down->dim() == 3 && this->gate_up->size(0) == this->down->size(0),
                 "dense experts are gate_up [E, 2I, H] and down [E, H, I]");
   num_experts = dense ? this->gate_up->size(0) : static_cast<int64_t>(this->expert_gate_up.size());
+  TORCH_CHECK(dense || (!this->gate_up_bias && !this->down_bias),
+              "per-expert projections hold their own biases (gate_up_bias and down_bias are the dense experts')");
+  if (this->gate_up_bias)
+    TORCH_CHECK(this->gate_up_bias->dim() == 2 && this->gate_up_bias->size(0) == num_experts &&
+                    this->gate_up_bias->size(1) == this->gate_up->size(1),
+                "gate_up_bias is [E, 2I]");
+  if (this->down_bias)
+    TORCH_CHECK(this->down_bias->dim() == 2 && this->down_bias->size(0) == num_experts &&
+                    this->down_bias->size(1) == this->down->size(1),
+                "down_bias is [E, H]");
+  TORCH_CHECK((this->activation == Activation::kClampedSwiGLU) == (swiglu_alpha && swiglu_limit) &&
+                  swiglu_alpha.has_value() == swiglu_limit.has_value(),
+              "activation 'clamped_swiglu' takes swiglu_alpha and swiglu_limit ('silu' neither)");
+  if (swiglu_limit) {
+    TORCH_CHECK(*swiglu_limit > 0, "swiglu_limit is positive");
+    this->swiglu_alpha = *swiglu_alpha;
+    this->swiglu_limit = *swiglu_limit;
+  }
   TORCH_CHECK(top_k >= 1 && top_k <= num_experts, "a MoE block routes each token to 1 to num_experts experts");
   TORCH_CHECK(this->shared_gate_up.has_value() == this->shared_down.has_value() &&
                   (this->shared_gate_up.has_value() || !this->shared_gate.has_value()),
@@ -107,10 +136,24 @@ std::tuple<torch::Tensor, torch::Tensor> MoEBlock::route(const torch::Tensor& x)
   return {weights.mul(scaling), ids};
 }
 
+torch::Tensor MoEBlock::activate(const torch::Tensor& gate_up) const {
+  const auto halves = gate_up.chunk(2, -1);
+  if (activation == Activation::kSilu) return at::silu(halves[0]).mul(halves[1]);  // fused_moe's, in torch
+  const auto gate = at::clamp(halves[0], c10::nullopt, swiglu_limit);
+  const auto up = halves[1].clamp(-swiglu_limit, swiglu_limit);
+  return up.add(1).mul(gate.mul(gate.mul(swiglu_alpha).sigmoid()));
+}
+
 torch::Tensor MoEBlock::expert(int64_t e, const torch::Tensor& rows) const {
-  if (!gate_up) return expert_down[e](expert_gate_up[e].gate_up_silu(rows));
-  const auto halves = at::linear(rows, gate_up->select(0, e)).chunk(2, -1);  // fused_moe's silu_and_mul in torch
-  return at::linear(at::silu(halves[0]).mul(halves[1]), down->select(0, e));
+  if (!gate_up) {
+    if (activation == Activation::kSilu) return expert_down[e](expert_gate_up[e].gate_up_silu(rows));
+    return expert_down[e](activate(expert_gate_up[e](rows)));
+  }
+  const auto bias = [](const c10::optional<torch::Tensor>& biases, int64_t e) {
+    return biases ? c10::optional<torch::Tensor>(biases->select(0, e)) : c10::nullopt;
+  };
+  const auto hidden = activate(at::linear(rows, gate_up->select(0, e), bias(gate_up_bias, e)));
+  return at::linear(hidden, down->select(0, e), bias(down_bias, e));
 }
 
 torch::Tensor MoEBlock::run_experts(const torch::Tensor& x, const torch::Tensor& topk_weights,

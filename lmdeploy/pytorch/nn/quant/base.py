@@ -100,9 +100,11 @@ class ExpertKernel(ABC):
                  activation: ClampedSwiGLU | None) -> torch.Tensor:
         """``sum_j w[t, j] * down_e(act(gate_up_e(x[t])))`` with ``e = topk_ids[t, j]`` (see ``fused_moe``)."""
 
-    def native_experts(self) -> dict[str, object] | None:
-        """The experts as a ``MoEBlock`` of the native stack takes them (its ``gate_up`` and ``down`` or its
-        ``expert_gate_up`` and ``expert_down``, by name), or None when no native kernel runs them."""
+    def native_experts(self, gate_up_bias: torch.Tensor | None = None,
+                       down_bias: torch.Tensor | None = None) -> dict[str, object] | None:
+        """The experts as a ``MoEBlock`` of the native stack takes them (its ``gate_up`` and ``down`` with their
+        ``gate_up_bias`` and ``down_bias``, or its ``expert_gate_up`` and ``expert_down`` each with its expert's
+        share of them; by name), or None when no native kernel runs them."""
         return None
 
 

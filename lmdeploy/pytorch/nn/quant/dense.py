@@ -41,8 +41,10 @@ class DenseExpertKernel(ExpertKernel):
         return fused_moe(x, self.experts.gate_up, self.experts.down, topk_weights, topk_ids, gate_up_bias, down_bias,
                          activation)
 
-    def native_experts(self) -> dict[str, object] | None:
-        return dict(gate_up=self.experts.gate_up, down=self.experts.down)
+    def native_experts(self, gate_up_bias: torch.Tensor | None = None,
+                       down_bias: torch.Tensor | None = None) -> dict[str, object] | None:
+        return dict(gate_up=self.experts.gate_up, down=self.experts.down, gate_up_bias=gate_up_bias,
+                    down_bias=down_bias)
 
 
 class DenseFormat(WeightFormat):

@@ -11,7 +11,8 @@ The experts hold each projection's blocks and scales stacked over the experts (`
 - on CUDA, the Triton fused MoE, which dequantizes each weight tile in registers (``kernels/cuda/fused_moe.py``);
 - elsewhere each routed expert in turn (:class:`Mxfp4Kernel`): steps of up to ``MXFP4_NATIVE_MAX_ROWS`` of its
   rows on the native GEMV (``kernels/cpu/linear_mxfp4.cpp``, fp32 or bf16 activations as they are), larger ones
-  on the projection dequantized for that call (natively where built) and ``F.linear``.
+  on the projection dequantized for that call (natively where built) and ``F.linear``; in the native decoder stack
+  the same two paths (``Mxfp4Kernel.expert_projection``).
 """
 from __future__ import annotations
 
@@ -77,6 +78,17 @@ class Mxfp4Kernel(LinearKernel):
             return F.linear(x, self.dequantize(x.dtype), bias)
         out = native.mxfp4_linear(x, self.blocks, self.scales).to(x.dtype)
         return out if bias is None else out + bias
+
+    def expert_projection(self, bias: torch.Tensor | None) -> object | None:
+        """Both paths of :meth:`__call__` as one ``Projection`` of the native stack (the GEMV up to
+        ``MXFP4_NATIVE_MAX_ROWS`` rows, the dequantized weight beyond); None where the native MXFP4 kernels are not
+        built."""
+        if cpu.mxfp4_gemv() is None or self.blocks.device.type != 'cpu':
+            return None
+        native = cpu.native()
+        small, large = (native.Projection(kind=kind, weight=self.blocks, scale=self.scales, bias=bias)
+                        for kind in ('mxfp4', 'mxfp4_dequantized'))
+        return native.Projection(small=small, large=large, small_step_rows=MXFP4_NATIVE_MAX_ROWS)
 
 
 class Mxfp4Weights(WeightFormat):

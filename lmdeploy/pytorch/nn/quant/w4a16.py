@@ -118,9 +118,11 @@ class PerExpertKernel(ExpertKernel):
 
         return run_experts(x, topk_weights, topk_ids, self.num_experts, mlp)
 
-    def native_experts(self) -> dict[str, object] | None:
-        experts = {f'expert_{proj}': [self.kernel(proj, e).expert_projection(None) for e in range(self.num_experts)]
-                   for proj in ('gate_up', 'down')}
+    def native_experts(self, gate_up_bias: torch.Tensor | None = None,
+                       down_bias: torch.Tensor | None = None) -> dict[str, object] | None:
+        biases = {'gate_up': gate_up_bias, 'down': down_bias}
+        experts = {f'expert_{proj}': [self.kernel(proj, e).expert_projection(None if bias is None else bias[e])
+                                      for e in range(self.num_experts)] for proj, bias in biases.items()}
         return None if any(p is None for projections in experts.values() for p in projections) else experts
 
 

@@ -1,0 +1,173 @@
+// The native CPU decoder stack (decoder_stack.cpp) and its MoE blocks (moe_block.cpp): the weights of its
+// layers and projections, the tensors of a step, and the stack itself.
+#pragma once
+
+#include "common.h"
+
+// The tensors of one engine step that every decoder layer reads (see StepContext in step_context.py);
+// local_cos and local_sin: the rotary tables of the layers with `local_rope` (Gemma 3's local layers).
+struct StepTensors {
+  torch::Tensor cos, sin, kv_blocks, kv_offsets;
+  int64_t num_prefill_tokens;
+  c10::optional<torch::Tensor> prefill_block_table, prefill_q_start, prefill_q_len, prefill_ctx_len;
+  int64_t prefill_max_q_len;
+  c10::optional<torch::Tensor> decode_blocks, decode_kv_lens, local_cos, local_sin;
+  // The sliding-window layers' own pool (StepContext.tables): these replace kv_blocks, prefill_block_table and
+  // decode_blocks for a layer with a sliding window when window_kv_blocks is given.
+  c10::optional<torch::Tensor> window_kv_blocks, window_prefill_block_table, window_decode_blocks;
+  c10::optional<torch::Tensor> prefill_key_limit;  // StepContext.prefill_key_limit
+  c10::optional<torch::Tensor> q_scale;            // StepContext.q_scale: the layers with scaled_queries need it
+};
+
+// One projection of a decoder layer, x @ W.T (+ bias), on its weight as its kernel takes it. `kind` "bf16":
+// `weight` holds bf16_linear's panels; "w8a8": an int8 weight from pack_int8_weight with its `compensation`
+// and `scale` (int8_linear's); "int4": int4_linear's packed 4-bit weight with its fp16 `scale`s; "q4k": the same
+// codes with q4k_linear's `scale` bytes; "q6k":
+// q6k_linear's codes and `scale`s (its fp32 result rounded to x's dtype, then the bias added). A
+// gate-and-up projection's weight is packed for the kernel's fused SiLU (pack_bf16_gate_up,
+// pack_int8_gate_up; int4: gate and up tiles alternate, no bias). "onednn": oneDNN's GEMM
+// (mkldnn::_linear_pointwise) on its blocked weight, for a MoE block's router and shared-expert gate; "fp32": x in
+// fp32 times an fp32 weight (torch's linear), DeepSeek-V3's and GLM-4.5's fp32 router. "parts": a
+// stacked projection whose parts run each on its own projection (each with its share of the bias), their outputs
+// side by side. "steps": inputs of at most `small_step_rows` rows on `parts[0]`, more on `parts[1]` (an expert's
+// share of a step, whatever its size). "mxfp4": an MXFP4 weight as the checkpoint holds it, `weight` its blocks
+// [N, K / 32, 16] and `scale` its e8m0 scales [N, K / 32] (both uint8), on mxfp4_linear (its fp32 sums rounded to
+// x's dtype, then the bias added); "mxfp4_dequantized": the same weight dequantized to x's dtype for each call
+// (mxfp4_dequantize) and torch's linear: Mxfp4Kernel's two paths (nn/quant/mxfp4.py), which "steps" chooses between.
+struct Projection {
+  enum class Kind { kBf16, kW8A8, kInt4, kQ4K, kQ6K, kOneDnn, kFp32, kParts, kSteps, kMxfp4, kMxfp4Dequantized };
+  Projection(const std::string& kind, torch::Tensor weight, c10::optional<torch::Tensor> compensation,
+             c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias);
+  explicit Projection(std::vector<Projection> parts);
+  Projection(Projection small, Projection large, int64_t small_step_rows);
+  torch::Tensor operator()(const torch::Tensor& x) const;
+  // silu(gate) * up of a gate-and-up projection (gate rows, then up rows).
+  torch::Tensor gate_up_silu(const torch::Tensor& x) const;
+
+  Kind kind;
+  torch::Tensor weight;
+  c10::optional<torch::Tensor> compensation, scale, bias;
+  std::vector<Projection> parts;
+  int64_t small_step_rows = 0;
+};
+
+// A mixture-of-experts MLP (moe_block.cpp), the kernels and order of its layer's Python forward: the router's
+// logits and the `routing` the block was built with, then each routed expert on its rows (the experts in order, as
+// run_experts in kernels/moe.py), then the shared expert. Routings (by name):
+//  - "softmax": SparseMoeBlock's (lmdeploy/pytorch/models/moe.py): softmax and top-k in fp32, renormalized when
+//    `renormalize` (Qwen's norm_topk_prob, Mixtral's top-k then softmax);
+//  - "noaux_tc": DeepseekV3MoE's (models/deepseek_v3.py, GLM-4.5's too): grouped_topk of kernels/moe.py, sigmoid
+//    scores, chosen with `correction_bias` added among the `topk_groups` best of `num_groups` groups, weighted
+//    by the unbiased scores (renormalized when `renormalize`) times `scaling`;
+//  - "biased_softmax": Ernie4_5MoE's (models/ernie.py): biased_softmax_topk of kernels/moe.py, softmax scores in
+//    fp32, chosen with `correction_bias` added, weighted by the unbiased scores over their sum (at least
+//    `norm_min`; `renormalize` is set);
+//  - "sigmoid_scaled_input": Llama4MoE's (models/llama4.py): the top-k router logits, their sigmoid (in x's dtype)
+//    scaling each token's copy on its way into its expert, the experts' outputs summed over the k copies.
+// The experts are either dense, `gate_up [E, 2I, H]` and `down [E, H, I]` in the model's dtype as fused_moe takes
+// them (F.linear, torch's SiLU-and-mul), with `gate_up_bias [E, 2I]` and `down_bias [E, H]` where they have biases,
+// or each expert's `expert_gate_up` and `expert_down` projections (gate_up_silu; each with its expert's biases), as
+// the per-expert kernels of the quantized formats run them. Their `activation` is "silu" (SiLU-and-mul) or
+// "clamped_swiglu" (gpt-oss's, clamped_swiglu of kernels/activation.py with `swiglu_alpha` and `swiglu_limit`:
+// (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)). The shared expert (`shared_gate_up`,
+// `shared_down`) is added times the sigmoid of `shared_gate` where it has one (Qwen2-MoE), as it is without
+// (DeepSeek-V3, GLM-4.5, ERNIE 4.5).
+struct MoEBlock {
+  enum class Routing { kSoftmax, kNoauxTc, kBiasedSoftmax, kSigmoidScaledInput };
+  enum class Activation { kSilu, kClampedSwiGLU };
+  MoEBlock(Projection router, int64_t top_k, bool renormalize, const std::string& routing,
+           c10::optional<torch::Tensor> correction_bias, c10::optional<int64_t> num_groups,
+           c10::optional<int64_t> topk_groups, c10::optional<double> scaling, c10::optional<double> norm_min,
+           c10::optional<torch::Tensor> gate_up, c10::optional<torch::Tensor> down,
+           c10::optional<torch::Tensor> gate_up_bias, c10::optional<torch::Tensor> down_bias,
+           std::vector<Projection> expert_gate_up, std::vector<Projection> expert_down,
+           const std::string& activation, c10::optional<double> swiglu_alpha, c10::optional<double> swiglu_limit,
+           c10::optional<Projection> shared_gate_up, c10::optional<Projection> shared_down,
+           c10::optional<Projection> shared_gate);
+  torch::Tensor operator()(const torch::Tensor& x) const;
+
+  Projection router;
+  int64_t top_k, num_experts;
+  bool renormalize;
+  Routing routing;
+  c10::optional<torch::Tensor> correction_bias;
+  int64_t num_groups = 1, topk_groups = 1;
+  double scaling = 1.0, norm_min = 0.0;
+  c10::optional<torch::Tensor> gate_up, down, gate_up_bias, down_bias;
+  std::vector<Projection> expert_gate_up, expert_down;
+  Activation activation;
+  double swiglu_alpha = 0.0, swiglu_limit = 0.0;
+  c10::optional<Projection> shared_gate_up, shared_down, shared_gate;
+
+ private:
+  // The experts' activation of gate_up [rows, 2I] (gate, then up).
+  torch::Tensor activate(const torch::Tensor& gate_up) const;
+  // (topk_weights [T, k] fp32, topk_ids [T, k]) of the tokens x, by the block's routing.
+  std::tuple<torch::Tensor, torch::Tensor> route(const torch::Tensor& x) const;
+  // down_e(act(gate_up_e(rows))) of expert e.
+  torch::Tensor expert(int64_t e, const torch::Tensor& rows) const;
+  // sum_k w[t, k] * expert_{ids[t, k]}(x[t]), the experts in order (run_experts of kernels/moe.py).
+  torch::Tensor run_experts(const torch::Tensor& x, const torch::Tensor& topk_weights,
+                            const torch::Tensor& topk_ids) const;
+};
+
+// A Llama-style decoder layer's weights; q_norm and k_norm (per head, before the rotary embedding) where the
+// family has them (Qwen3), over the whole projected queries and keys with `qk_norm_across_heads` (OLMo 2/3);
+// attn_out_norm and mlp_out_norm, on the outputs of attention and of the MLP before the residual adds them, where
+// it has those (GLM-4). `post_norms_only` (OLMo 2/3): the layer has no input_norm nor post_norm, attention and the
+// MLP read the residual stream itself and their normed outputs are added to it. Its options: the rotary embedding
+// turns the first
+// `rotary_dim` features of each query and key head (all of them, a part (Phi-4-mini, GLM) or none (SmolLM3's
+// NoPE layers)), in halves or, `interleaved_rope`, in neighbouring pairs (GLM: the pairs are regrouped into
+// halves first, as apply_rope in nn/rotary.py does), by the step's local tables where `local_rope` is set
+// (Gemma 3's local layers; the others by its cos and sin); `sliding_window` limits its attention to the last that
+// many tokens, `attention_chunk` to the keys of the query's own chunk of that many positions (Llama 4's chunked
+// layers), `logit_softcap` soft-caps its scores (Gemma 2); `qk_l2_norm_eps`: the rotated queries and keys are
+// RMS-normed without weight, in fp32, with that epsilon (Llama 4's use_qk_norm); `gelu_tanh_mlp`: the MLP is
+// gelu_tanh(gate) * up on a plain gate-and-up projection, gate rows then up rows (Gemma), instead of the
+// fused SiLU one; `scaled_queries`: its rotated queries are multiplied by their token's factor in the step's
+// q_scale (Ministral 3); `residual_scale`: the outputs of attention and of the MLP are multiplied by it before the
+// residual adds them (Granite's residual_multiplier); `sinks`: one fp32 logit per query head that joins the softmax
+// denominator (gpt-oss). A layer's MLP is its gate_up and down projections, or its `moe` block.
+struct LayerWeights {
+  c10::optional<torch::Tensor> input_norm, post_norm;
+  Projection qkv, o;
+  c10::optional<Projection> gate_up, down;
+  c10::optional<MoEBlock> moe;
+  c10::optional<torch::Tensor> q_norm, k_norm, attn_out_norm, mlp_out_norm;
+  int64_t rotary_dim;
+  bool interleaved_rope, local_rope;
+  c10::optional<int64_t> sliding_window;
+  c10::optional<double> logit_softcap;
+  bool gelu_tanh_mlp, scaled_queries;
+  double residual_scale;
+  bool qk_norm_across_heads, post_norms_only;
+  c10::optional<int64_t> attention_chunk;
+  c10::optional<double> qk_l2_norm_eps;
+  c10::optional<torch::Tensor> sinks;
+};
+
+// Llama-style decoder layers (decoder_stack.cpp): the kernels of LlamaDecoderLayer's forward, in its order.
+class DecoderStack {
+ public:
+  DecoderStack(std::vector<LayerWeights> layers, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+               double eps, double scale, int64_t quant_policy);
+  // The embeddings x through every layer: (hidden states, residual), as the layers' forward leaves them.
+  // A layer's cache is (k, v), or (k codes, v codes, k scales and zeros, v scales and zeros).
+  std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor x,
+                                                   const std::vector<std::vector<torch::Tensor>>& kv_caches,
+                                                   const StepTensors& step) const;
+
+ private:
+  torch::Tensor attention(const LayerWeights& w, const torch::Tensor& qkv, const std::vector<torch::Tensor>& cache,
+                          const StepTensors& step) const;
+  // The layer's queries and keys [T, H + H_kv, head_dim] of qkv, normed where it has q/k norms.
+  torch::Tensor normed_qk(const LayerWeights& w, const torch::Tensor& qkv) const;
+  // The layer's MLP (or MoE block) on h, its output norm applied.
+  torch::Tensor mlp(const LayerWeights& w, const torch::Tensor& h) const;
+  // The layer's rotary embedding of the query and key heads qk [T, H + H_kv, head_dim].
+  torch::Tensor rotate(const LayerWeights& w, const torch::Tensor& qk, const StepTensors& step) const;
+  std::vector<LayerWeights> layers_;
+  int64_t num_heads_, num_kv_heads_, head_dim_, quant_policy_;
+  double eps_, scale_;
+};
