@@ -28,6 +28,12 @@ def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def rss_gib() -> float:
+    """The resident set now (``VmRSS``)."""
+    status = Path('/proc/self/status').read_text()
+    return int(next(line for line in status.splitlines() if line.startswith('VmRSS:')).split()[1]) / 2**20
+
+
 def child(mode: str, gguf_path: str, folder: str, args: argparse.Namespace) -> None:
     """Converts the file into ``folder`` (``convert``), or serves that folder (``serve``: loads it in bf16 and
     decodes ``--decode-tokens`` tokens at batch 1 after a warm-up), printing times, rates and peak RSS."""
@@ -44,7 +50,8 @@ def child(mode: str, gguf_path: str, folder: str, args: argparse.Namespace) -> N
     config = PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=args.cache_blocks, block_size=16,
                                  num_threads=args.threads, enable_prefix_caching=False)
     engine = Engine(folder, config, show_progress=False)
-    print(f'loaded in {time.perf_counter() - start:.0f} s; peak RSS {peak_rss_gib():.2f} GiB', flush=True)
+    print(f'loaded in {time.perf_counter() - start:.0f} s; peak RSS {peak_rss_gib():.2f} GiB, '
+          f'RSS now {rss_gib():.2f} GiB', flush=True)
     try:
         prompt = engine.tokenizer.encode(PROMPT)
         engine_decode_rate(engine, prompt, 4)  # warm-up

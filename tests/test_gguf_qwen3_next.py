@@ -2,11 +2,10 @@
 hybrid models written as convert_hf_to_gguf.py's ``Qwen3NextModel``, ``Qwen3_5TextModel`` and ``Qwen3_5MoeTextModel``
 write them (norms as ``1 + weight``, ``A_log`` as ``-exp(A_log)``, the convolution squeezed, Qwen3-Next's
 ``in_proj_qkvz`` split into ``attn_qkv`` and ``attn_gate``, Qwen3.5's value heads tiled, a next-token-prediction
-block past the decoder's), in F32 and Q8_0, served token for token like transformers on the weights the file
-holds."""
+block past the decoder's), in F32 and Q4_K_M-like (Q4_K, Q6_K and Q8_0 projections, kept as their blocks), served
+token for token like transformers on the weights the file holds."""
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -21,25 +20,43 @@ from conftest import save_random_model
 from family_checks import assert_matches_transformers, hf_causal_lm
 from helpers import hf_greedy, make_engine, random_prompts, run
 from test_gguf import CHAT_TEMPLATE, _add_tokenizer, finish
+from test_gguf_mixed import encode
 
 from lmdeploy.messages import ConfigError
+from lmdeploy.pytorch.nn.linear import Linear
+from lmdeploy.pytorch.nn.moe import FusedExperts
+from lmdeploy.pytorch.nn.quant.gguf import GgufFormat, GgufPartsFormat
 from lmdeploy.pytorch.weights.gguf import convert_gguf, resolve_gguf
 from lmdeploy.tokenizer import Tokenizer
 
-# three linear-attention layers, then a full-attention one; two key heads serve four value heads; widths of whole
-# Q8_0 blocks (32 inputs), value heads of one block each (so that tiling the out_proj's columns moves whole blocks)
+# three linear-attention layers, then a full-attention one; two key heads serve four value heads
 SHAPE = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=32,
              linear_conv_kernel_dim=4, max_position_embeddings=1024, tie_word_embeddings=False, pad_token_id=None)
 MOE = dict(moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2)
+# every linear layer's inputs in whole K-quant blocks (256): a value head of 64 features, a quarter of a block
+WIDE = dict(hidden_size=256, head_dim=64, linear_value_head_dim=64)
+WIDE_MOE = dict(moe_intermediate_size=256, shared_expert_intermediate_size=256)
 VARIANTS = {
-    'qwen3next': lambda vocab: Qwen3NextConfig(intermediate_size=64, vocab_size=vocab, **MOE, **SHAPE),
-    'qwen35': lambda vocab: Qwen3_5TextConfig(intermediate_size=64, vocab_size=vocab, **SHAPE),
-    'qwen35moe': lambda vocab: Qwen3_5MoeTextConfig(vocab_size=vocab, **MOE, **SHAPE),
+    'qwen3next': lambda vocab, wide: Qwen3NextConfig(**(SHAPE | MOE | (WIDE | WIDE_MOE if wide else {})),
+                                                     intermediate_size=256 if wide else 64, vocab_size=vocab),
+    'qwen35': lambda vocab, wide: Qwen3_5TextConfig(**(SHAPE | (WIDE if wide else {})),
+                                                    intermediate_size=256 if wide else 64, vocab_size=vocab),
+    'qwen35moe': lambda vocab, wide: Qwen3_5MoeTextConfig(**(SHAPE | MOE | (WIDE | WIDE_MOE if wide else {})),
+                                                          vocab_size=vocab),
 }
 ARCHS = {'qwen3next': gguf.MODEL_ARCH.QWEN3NEXT, 'qwen35': gguf.MODEL_ARCH.QWEN35,
          'qwen35moe': gguf.MODEL_ARCH.QWEN35MOE}
 _F32_TENSORS = ('_norm.weight', 'ffn_gate_inp.weight', 'ffn_gate_inp_shexp.weight', 'ssm_conv1d.weight')
+# Q4_K_M-like (llama.cpp's Q4_K, with Q6_K in some attn_v and ffn_down and the output), Q8_0 and Q6_K besides: the
+# full-attention layer's q/k/v of Q4_K, Q4_K and Q6_K (kept part by part)
+MIXED = {'output': Q.Q6_K, 'blk.3.attn_v': Q.Q6_K, 'blk.3.attn_output': Q.Q8_0, 'blk.0.ffn_down': Q.Q6_K,
+         'blk.0.ffn_down_shexp': Q.Q6_K, 'blk.1.ffn_down_exps': Q.Q6_K, 'blk.1.attn_qkv': Q.Q8_0,
+         'blk.1.attn_gate': Q.Q6_K, 'blk.2.ssm_out': Q.Q8_0, 'default': Q.Q4_K}
+MIXED_LAYERS = {'layers.3.self_attn.qkv_proj': ['Q4_K', 'Q4_K', 'Q6_K'], 'layers.3.self_attn.o_proj': 'Q8_0',
+                'layers.0.mlp.down_proj': 'Q6_K', 'layers.0.mlp.shared_expert.down_proj': 'Q6_K',
+                'layers.1.mlp.experts.down': 'Q6_K', 'layers.1.linear_attn.in_proj_qkv': 'Q8_0',
+                'layers.1.linear_attn.in_proj_z': 'Q6_K', 'layers.2.linear_attn.out_proj': 'Q8_0'}
 
 
 def write_metadata(config, writer: gguf.GGUFWriter, variant: str) -> None:
@@ -144,55 +161,55 @@ def _stacked_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     return out | {name: torch.stack([parts[e] for e in sorted(parts)]) for name, parts in experts.items()}
 
 
-def stored(data: np.ndarray, gguf_name: str, qtype: Q) -> tuple[np.ndarray, Q]:
-    """The converter's choice for ``--outtype`` ``qtype``: 1-D tensors, norms, routers, the convolution and tensors
-    without a ``.weight`` kind (``ssm_a``) in F32, the rest in ``qtype``."""
+def stored(data: np.ndarray, gguf_name: str, types: dict[str, Q], rng: np.random.Generator) -> tuple[np.ndarray, Q]:
+    """The type of ``types`` for the tensor (by its name less ``.weight``, else ``default``): 1-D tensors, norms,
+    routers, the convolution and tensors without a ``.weight`` kind (``ssm_a``) in F32 as the converter keeps them;
+    K-quants random blocks (``test_gguf_mixed.encode``)."""
+    qtype = types.get(gguf_name.removesuffix('.weight'), types['default'])
     if qtype == Q.F32 or data.ndim <= 1 or gguf_name.endswith(_F32_TENSORS) or not gguf_name.endswith('.weight'):
         return np.ascontiguousarray(data, dtype=np.float32), Q.F32
-    return gguf.quants.quantize(np.ascontiguousarray(data), qtype), qtype
+    return encode(np.ascontiguousarray(data), qtype, rng), qtype
 
 
-def held(name: str, value: torch.Tensor, qtype: Q) -> torch.Tensor:
-    """What the engine reads back for ``hf``'s parameter ``name``: rounded through Q8_0 where the file quantizes it
-    (row blocks: the converter's row and whole-block column reorders leave them intact), the norms' ``1 + w`` and
-    ``A_log``'s ``-exp`` undone in float32."""
+def held(name: str, value: torch.Tensor) -> torch.Tensor:
+    """What an F32 file gives back for ``hf``'s parameter ``name``: the norms' ``1 + w`` and ``A_log``'s ``-exp``
+    undone in float32."""
     if name.endswith('.A_log'):
         return torch.log(torch.exp(value))
     if name.endswith('norm.weight') and not name.endswith('linear_attn.norm.weight'):
         return (value + 1) - 1
-    kept_f32 = name.endswith(('mlp.gate.weight', 'shared_expert_gate.weight')) or 'conv1d' in name
-    if qtype == Q.F32 or value.ndim <= 1 or kept_f32:
-        return value
-    blocks = gguf.quants.quantize(np.ascontiguousarray(value.numpy()), qtype)
-    return torch.from_numpy(gguf.quants.dequantize(blocks, qtype).reshape(value.shape))
+    return value
 
 
 def write_text_model(writer: gguf.GGUFWriter, state_dict: dict[str, torch.Tensor], config, variant: str,
-                     qtype: Q = Q.F32) -> None:
+                     types: dict[str, Q] | None = None) -> None:
     """A text checkpoint's metadata and tensors (and a next-token-prediction block past the decoder's) as the
-    converter writes them with ``--outtype`` ``qtype``, after the vocabulary already in ``writer``."""
+    converter writes them, of ``types`` (see :func:`stored`; all F32 by default), after the vocabulary already in
+    ``writer``."""
     write_metadata(config, writer, variant)
     names = gguf.get_tensor_name_map(ARCHS[variant], config.num_hidden_layers + 1)
+    rng = np.random.default_rng(0)
     for name, data in converter_tensors(state_dict, config, variant).items():
         gguf_name = name if name.startswith('blk.') else names.get_name(name, try_suffixes=('.weight', '.bias'))
-        array, array_type = stored(data.numpy(), gguf_name, qtype)
+        array, array_type = stored(data.numpy(), gguf_name, types or {'default': Q.F32}, rng)
         writer.add_tensor(gguf_name, array, raw_dtype=array_type if array.dtype == np.uint8 else None)
     writer.add_tensor(f'blk.{config.num_hidden_layers}.nextn.enorm.weight',
                       np.ones(config.hidden_size, dtype=np.float32))
     finish(writer)
 
 
-def random_hybrid(path: Path, variant: str, qtype: Q = Q.F32) -> torch.nn.Module:
-    """A tiny random model of ``variant`` written to ``path / 'model.gguf'`` as the converter writes it with
-    ``--outtype`` ``qtype``; transformers' model of the weights the file holds."""
+def random_hybrid(path: Path, variant: str, types: dict[str, Q] | None = None) -> torch.nn.Module:
+    """A tiny random model of ``variant`` written to ``path / 'model.gguf'`` as the converter writes it, in F32
+    (transformers' model of the weights the file holds returned) or of ``types`` (of K-quant widths; the random
+    model returned, not the file's weights)."""
     writer = gguf.GGUFWriter(str(path / 'model.gguf'), variant)
     vocab = _add_tokenizer(writer)
     writer.add_tokenizer_pre('qwen35' if variant != 'qwen3next' else 'qwen2')
-    hf = hf_causal_lm(save_random_model(VARIANTS[variant](vocab), str(path / 'hf')))
-    write_text_model(writer, hf.state_dict(), hf.config, variant, qtype)
+    hf = hf_causal_lm(save_random_model(VARIANTS[variant](vocab, types is not None), str(path / 'hf')))
+    write_text_model(writer, hf.state_dict(), hf.config, variant, types)
     with torch.no_grad():
         for name, param in hf.state_dict().items():
-            param.copy_(held(name, param, qtype))
+            param.copy_(held(name, param))
     return hf
 
 
@@ -228,24 +245,53 @@ def test_f32_file_is_the_checkpoint_and_matches_transformers(tmp_path: Path, cac
                                 random_prompts([5, 33], seed=2, vocab=hf.config.vocab_size))
 
 
+def layer_types(model: torch.nn.Module) -> dict[str, str | list[str]]:
+    """Each linear layer's GGUF type (a list, part by part, for a stacked layer of several), each MoE layer's
+    experts' by projection (``layers.1.mlp.experts.down``), ``dense`` for those held in the model's dtype."""
+    def name(weight_format) -> str:
+        return weight_format.ggml_type if isinstance(weight_format, GgufFormat) else 'dense'
+
+    types = {}
+    for module_name, module in model.named_modules():
+        if isinstance(module, FusedExperts):
+            for proj in ('gate_up', 'down'):
+                types[f'{module_name}.{proj}'] = name(module.weight_format.expert_format(proj))
+        elif isinstance(module, Linear):
+            layer_format = module.weight_format
+            types[module_name] = ([part.ggml_type for part in layer_format.parts]
+                                  if isinstance(layer_format, GgufPartsFormat) else name(layer_format))
+    return types
+
+
 @pytest.mark.parametrize('variant', sorted(VARIANTS))
-def test_q8_0_file_matches_transformers(tmp_path: Path, cache: Path, variant: str) -> None:
-    """A Q8_0 file: the routed experts kept as their blocks, one tensor per expert (the hybrid layers' other
-    projections are dequantized); greedy tokens equal transformers' on the weights the file holds."""
-    hf = random_hybrid(tmp_path, variant, Q.Q8_0)
+def test_quantized_projections_stay_blocks_and_match_transformers(tmp_path: Path, cache: Path, variant: str) -> None:
+    """A Q4_K_M-like file (:data:`MIXED`): every projection of the linear attention (but its one-row-per-head b and
+    a), of the gated full attention, of the MLP, shared expert and experts is held as the file's blocks, of the
+    file's type; only those b and a, the routers and the shared expert's gate are dense. In fp32 the greedy tokens
+    equal transformers' on the file's weights (the folder dequantized for transformers), batched as alone; every
+    KV block comes back."""
+    random_hybrid(tmp_path, variant, MIXED)
     src = str(tmp_path / 'model.gguf')
+    convert_gguf(src, str(tmp_path / 'dense'), raw_types=())
+    reference = AutoModelForCausalLM.from_pretrained(str(tmp_path / 'dense'), dtype=torch.float32).eval()
     engine = make_engine(src)
-    kept = getattr(engine.model_config.hf_config, 'quantization_config', {}).get('ggml_types', {})
-    if variant == 'qwen35':
-        assert kept == {}
-    else:
-        assert kept == {f'layers.{i}.mlp.experts.{proj}': 'Q8_0' for i in range(4)
-                        for proj in ('gate_up_proj', 'down_proj')}
-        index = json.loads((Path(resolve_gguf(src)) / 'model.safetensors.index.json').read_text())
-        assert 'model.layers.0.mlp.experts.3.down_proj.qweight' in index['weight_map']
-    prompts = random_prompts([6, 41], seed=3, vocab=hf.config.vocab_size)
-    assert run(engine, prompts) == [hf_greedy(hf, p) for p in prompts]
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    try:
+        types = layer_types(engine.runner.model)
+        dense = {name for name, kind in types.items() if kind == 'dense'}
+        routers = {f'layers.{i}.mlp.{gate}' for i in range(4) for gate in ('gate', 'shared_expert_gate')}
+        assert dense == {f'layers.{i}.linear_attn.in_proj_{p}' for i in range(3) for p in 'ab'} | (
+            routers if variant != 'qwen35' else set())
+        assert {name: kind for name, kind in types.items() if name in MIXED_LAYERS} == {
+            name: kind for name, kind in MIXED_LAYERS.items() if name in types}
+        assert {kind for name, kind in types.items() if name not in MIXED_LAYERS | dict.fromkeys(dense)} == {'Q4_K'}
+        assert engine.model_config.hf_config.quantization_config['lm_head'] == 'Q6_K'
+        prompts = random_prompts([6, 41], seed=3, vocab=reference.config.vocab_size)
+        batched = run(engine, prompts)
+        assert batched == [run(engine, [prompt])[0] for prompt in prompts]
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    finally:
+        engine.close()
+    assert batched == [hf_greedy(reference, prompt) for prompt in prompts]
 
 
 def test_chat_template_and_tokenizer_come_from_the_file(tmp_path: Path, cache: Path) -> None:

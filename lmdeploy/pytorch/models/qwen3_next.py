@@ -16,7 +16,7 @@ from lmdeploy.pytorch.kernels.gated_delta import causal_conv1d, chunk_gated_delt
 from lmdeploy.pytorch.models.llama import KVCache, LlamaMLP, WeightTarget
 from lmdeploy.pytorch.models.moe import MoEForCausalLM
 from lmdeploy.pytorch.nn.attention import PagedAttention
-from lmdeploy.pytorch.nn.linear import Linear
+from lmdeploy.pytorch.nn.linear import Linear, MergedLinear
 from lmdeploy.pytorch.nn.moe import FusedExperts
 from lmdeploy.pytorch.nn.norm import GemmaRMSNorm
 from lmdeploy.pytorch.nn.quant import LinearOptions
@@ -28,16 +28,16 @@ MTP_PREFIX = 'mtp.'  # the checkpoints' next-token-prediction layer, not used
 
 
 class GatedAttention(nn.Module):
-    """Full attention whose ``q_proj`` also yields, per head, a gate: the output is ``o_proj(attn * sigmoid(gate))``."""
+    """Full attention whose ``q_proj`` also yields, per head, a gate: the output is ``o_proj(attn * sigmoid(gate))``;
+    q (with its gate), k and v stacked in one ``qkv_proj``."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         hf = cfg.hf_config
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         bias = bool(getattr(hf, 'attention_bias', False))
-        self.q_proj = Linear(cfg.hidden_size, 2 * self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.qkv_sizes = [2 * self.num_heads * self.head_dim] + 2 * [self.num_kv_heads * self.head_dim]
+        self.qkv_proj = MergedLinear(cfg.hidden_size, self.qkv_sizes, bias=bias)
         self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
         self.q_norm = GemmaRMSNorm(self.head_dim, hf.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, hf.rms_norm_eps)
@@ -45,9 +45,9 @@ class GatedAttention(nn.Module):
                                    cfg.quant_policy)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache, ctx: StepContext) -> torch.Tensor:
-        q, gate = self.q_proj(x).view(-1, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        k = self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
+        q_gate, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        q, gate = q_gate.unflatten(-1, (self.num_heads, 2 * self.head_dim)).chunk(2, dim=-1)
+        k, v = k.unflatten(-1, (self.num_kv_heads, self.head_dim)), v.unflatten(-1, (self.num_kv_heads, self.head_dim))
         qk = apply_rope(torch.cat((self.q_norm(q), self.k_norm(k)), dim=1), ctx.cos, ctx.sin)
         out = self.attn(qk[:, :self.num_heads], qk[:, self.num_heads:], v, kv_cache, ctx)
         return self.o_proj(out * torch.sigmoid(gate.reshape(out.shape)))
@@ -79,7 +79,9 @@ class GatedDeltaNet(nn.Module):
     ``conv [slots, conv_dim, kernel - 1]`` and ``delta [slots, heads, k_dim, v_dim]`` (fp32), a row per sequence
     (``ctx.state_prefill``, ``ctx.state_decode_slots``). Qwen3-Next projects q/k/v/z and b/a in two matrices
     grouped by key head (``in_proj_qkvz``, ``in_proj_ba``); Qwen3.5 in four (``in_proj_qkv``, ``_z``, ``_b``,
-    ``_a``)."""
+    ``_a``), as do llama.cpp's files of both (the config's ``linear_projections_split``). Value head ``i`` reads key
+    head ``i // (H / Hk)``; with the config's ``linear_value_heads_tiled`` (Qwen3.5's files: llama.cpp's order) key
+    head ``i % Hk``."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -92,7 +94,8 @@ class GatedDeltaNet(nn.Module):
         self.key_size, self.value_size = self.num_k_heads * self.k_dim, self.num_v_heads * self.v_dim
         self.conv_dim = 2 * self.key_size + self.value_size
         self.kernel = hf.linear_conv_kernel_dim
-        self.grouped_projections = hf.model_type == 'qwen3_next'
+        self.grouped_projections = hf.model_type == 'qwen3_next' and not getattr(hf, 'linear_projections_split', False)
+        self.value_heads_tiled = bool(getattr(hf, 'linear_value_heads_tiled', False))
         if self.grouped_projections:
             self.in_proj_qkvz = Linear(cfg.hidden_size, self.conv_dim + self.value_size)
             self.in_proj_ba = Linear(cfg.hidden_size, 2 * self.num_v_heads)
@@ -128,8 +131,10 @@ class GatedDeltaNet(nn.Module):
 
     def split_heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = mixed.split([self.key_size, self.key_size, self.value_size], dim=-1)
-        return (q.unflatten(-1, (self.num_k_heads, self.k_dim)), k.unflatten(-1, (self.num_k_heads, self.k_dim)),
-                v.unflatten(-1, (self.num_v_heads, self.v_dim)))
+        q, k = q.unflatten(-1, (self.num_k_heads, self.k_dim)), k.unflatten(-1, (self.num_k_heads, self.k_dim))
+        if self.value_heads_tiled:
+            q, k = (t.repeat(1, self.num_v_heads // self.num_k_heads, 1) for t in (q, k))
+        return q, k, v.unflatten(-1, (self.num_v_heads, self.v_dim))
 
     def forward(self, x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor], ctx: StepContext) -> torch.Tensor:
         conv_states, delta_states = state
@@ -188,7 +193,6 @@ class HybridDecoderLayer(nn.Module):
 class Qwen3NextForCausalLM(MoEForCausalLM):
     """Qwen3-Next, Qwen3.5 and Qwen3.5-MoE text decoders (see the module's docstring)."""
 
-    stacked_params = {'gate_proj': ('gate_up_proj', 0), 'up_proj': ('gate_up_proj', 1)}
     tensor_parallel_refusal = 'its linear-attention layers are not sharded for tensor parallelism'
 
     def __init__(self, cfg: ModelConfig):

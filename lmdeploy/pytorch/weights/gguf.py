@@ -26,6 +26,7 @@ from lmdeploy.model_source import ModelNotFoundError
 from .file_checks import check_gguf, open_gguf
 from .gguf_archs import ARCHITECTURES, CONFIG_BUILDERS, LAYER_NAMES, RAW_SERVED_ARCHS, unpermute_rotary
 from .gguf_qwen3_next import ARCHITECTURES as HYBRID_ARCHS
+from .gguf_qwen3_next import FILE_LAYOUT as HYBRID_FILE_LAYOUT
 from .gguf_qwen3_next import UNSUFFIXED_NAMES
 from .gguf_rope import ROPE_FREQS, ROTARY_TENSORS, llama3_rope, phi3_rope
 from .gguf_tensors import finish_state_dict, mxfp4_from_ggml
@@ -80,7 +81,7 @@ _EXPERTS = re.compile(r'blk\.\d+\.ffn_(gate|up|down)_exps\.weight')
 # llama.cpp pre-tokenizers that transformers' GGUF reader does not know, by the one of its splits they use
 # (GLM-4's is Llama 3's); without one it would split text as GPT-2 does
 _PRE_TOKENIZER_SPLITS = {'chatglm-bpe': 'llama-bpe', 'glm4': 'llama-bpe'}
-_CACHE_FORMAT = 14  # bump when the converted output changes, so stale cache entries are not reused
+_CACHE_FORMAT = 15  # bump when the converted output changes, so stale cache entries are not reused
 
 
 def cache_dir() -> Path:
@@ -170,6 +171,8 @@ def gguf_config(reader: GGUFReader, source: str, raw_types: Iterable[str] = RAW_
             config.update(CONFIG_BUILDERS[arch](meta, tensors, config))
         except ValueError as err:
             raise ConfigError(f'{source}: {err}') from err
+        if arch in HYBRID_ARCHS and set(raw_types):  # for the engine: the linear attention as the file holds it
+            config.update(HYBRID_FILE_LAYOUT[arch])
         if arch not in RAW_SERVED_ARCHS:  # linear layers beyond the projections (MLA's, routers) have no raw form
             experts = {name: t for name, t in layer_types.items() if '.mlp.experts.' in name}  # DeepSeek's experts
             config.pop('quantization_config', None)

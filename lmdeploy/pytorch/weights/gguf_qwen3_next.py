@@ -10,6 +10,13 @@ of ``models/qwen3_next.py``. What convert_hf_to_gguf.py's ``Qwen3NextModel``, ``
 - Qwen3.5's value heads reordered from grouped by key head to tiled (``_LinearAttentionVReorderBase``) in the rows of
   ``in_proj_qkv`` (its v part), ``in_proj_z``, ``in_proj_a``/``_b``, in ``A_log``, ``dt_bias``, the convolution's v
   channels and the columns of ``out_proj``.
+
+The last two only for a folder that transformers loads (no projections kept as blocks). For the engine the
+projections stay as the file holds them (:data:`FILE_LAYOUT`): a column reorder of 128-feature value heads would cut
+through Q4_K's and Q6_K's 256-input blocks, so the model reads Qwen3.5's value heads in the file's tiled order (value
+head ``i`` on key head ``i % Hk``, as llama.cpp does), and Qwen3-Next's linear attention projects as Qwen3.5's does
+(q/k/v and z apart: the file's ``attn_qkv`` and ``attn_gate``, of their own types; ``ssm_ba``, dense, split into its
+b and a rows).
 """
 from __future__ import annotations
 
@@ -28,6 +35,9 @@ _MODEL_TYPES = {'qwen3next': 'qwen3_next', 'qwen35': 'qwen3_5_text', 'qwen35moe'
 RECURRENT_LAYERS = '{arch}.attention.recurrent_layers'
 # the converter's default where a checkpoint has no ``full_attention_interval``
 FULL_ATTENTION_INTERVAL = 4
+# the config fields that have the engine's model read the linear attention as the files hold it
+FILE_LAYOUT = {'qwen3next': {'linear_projections_split': True}, 'qwen35': {'linear_value_heads_tiled': True},
+               'qwen35moe': {'linear_value_heads_tiled': True}}
 
 LAYER_NAMES = {
     'attn_qkv': 'linear_attn.in_proj_qkv', 'attn_gate': 'linear_attn.in_proj_z', 'ssm_ba': 'linear_attn.in_proj_ba',
@@ -105,7 +115,8 @@ def _grouped_qkvz(qkv: torch.Tensor, z: torch.Tensor, config: dict[str, Any]) ->
 
 
 def finish_hybrid(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
-    """Undo the converter's steps (see the module's docstring) on one group of converted tensors."""
+    """Undo the converter's steps (see the module's docstring) on one group of converted tensors; with the
+    :data:`FILE_LAYOUT` fields in ``config``, only those on dense tensors."""
     for name, value in state_dict.items():
         if name.endswith('norm.weight') and not name.endswith('linear_attn.norm.weight'):
             state_dict[name] = value - 1
@@ -113,13 +124,25 @@ def finish_hybrid(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -
             state_dict[name] = torch.log(-value)
         elif name.endswith('linear_attn.conv1d.weight'):
             state_dict[name] = value.unsqueeze(1)
-    if config['model_type'] == 'qwen3_next':
+    if config.get('linear_projections_split'):
+        _split_ba(state_dict, config)
+    elif config['model_type'] == 'qwen3_next':
         gates = [name for name in state_dict if name.endswith('in_proj_z.weight')]
         for prefix in [name.removesuffix('in_proj_z.weight') for name in gates]:
             qkv, z = state_dict.pop(prefix + 'in_proj_qkv.weight'), state_dict.pop(prefix + 'in_proj_z.weight')
             state_dict[prefix + 'in_proj_qkvz.weight'] = _grouped_qkvz(qkv, z, config)
-    elif config['linear_num_key_heads'] != config['linear_num_value_heads']:
+    elif config['linear_num_key_heads'] != config['linear_num_value_heads'] and not config.get(
+            'linear_value_heads_tiled'):
         _grouped_value_heads(state_dict, config)
+
+
+def _split_ba(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    """Qwen3-Next's ``in_proj_ba`` (per key head its b rows, then its a rows) as ``in_proj_b`` and ``in_proj_a``."""
+    for prefix in [name.removesuffix('in_proj_ba.weight') for name in state_dict if name.endswith('in_proj_ba.weight')]:
+        ba = state_dict.pop(prefix + 'in_proj_ba.weight')
+        b, a = ba.view(config['linear_num_key_heads'], 2, -1, ba.shape[-1]).unbind(1)
+        state_dict[prefix + 'in_proj_b.weight'] = b.flatten(0, 1)
+        state_dict[prefix + 'in_proj_a.weight'] = a.flatten(0, 1)
 
 
 def _grouped_value_heads(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:

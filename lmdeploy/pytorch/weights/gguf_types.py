@@ -19,8 +19,12 @@ LM_HEAD_RAW_TYPES = frozenset({'Q6_K'})
 _ENGINE_LAYERS = {'q_proj': 'qkv_proj', 'k_proj': 'qkv_proj', 'v_proj': 'qkv_proj', 'qkv_proj': 'qkv_proj',
                   'o_proj': 'o_proj', 'gate_proj': 'gate_up_proj', 'up_proj': 'gate_up_proj',
                   'gate_up_proj': 'gate_up_proj', 'down_proj': 'down_proj'}
+# the hybrid decoders' linear attention (``models/qwen3_next.py``) as llama.cpp's files hold it: q/k/v, the output
+# gate z and the output projection each a layer of its own (their b and a projections, a row per value head, dense)
+_LINEAR_ATTENTION = re.compile(r'layers\.\d+\.linear_attn')
+_LINEAR_ATTENTION_LAYERS = ('in_proj_qkv', 'in_proj_z', 'out_proj')
 _WHOLE = ({'q_proj', 'k_proj', 'v_proj'}, {'qkv_proj'}, {'o_proj'}, {'gate_proj', 'up_proj'}, {'gate_up_proj'},
-          {'down_proj'})
+          {'down_proj'}, *({proj} for proj in _LINEAR_ATTENTION_LAYERS))
 # the projections a stacked layer holds, in its order (its parts)
 _PARTS = {'qkv_proj': ('q_proj', 'k_proj', 'v_proj'), 'gate_up_proj': ('gate_proj', 'up_proj')}
 # a layer's attention and MLP (or shared expert), and its experts: stacked (a MoE file's ``ffn_*_exps``) or one's
@@ -31,10 +35,13 @@ def engine_layer(hf_name: str | None) -> str | None:
     """The name in the engine's model of the linear layer whose weight the Hugging Face tensor ``hf_name``
     fills (``model.layers.3.self_attn.k_proj.weight`` -> ``layers.3.self_attn.qkv_proj``), or for the experts
     of a MoE layer the projection of its ``FusedExperts`` (``model.layers.3.mlp.experts[.5].up_proj.weight`` ->
-    ``layers.3.mlp.experts.gate_up_proj``); None for other tensors."""
+    ``layers.3.mlp.experts.gate_up_proj``), for a hybrid decoder's linear attention the projection itself
+    (``layers.0.linear_attn.out_proj``); None for other tensors."""
     if hf_name is None or not hf_name.endswith('.weight'):
         return None
     owner, _, proj = hf_name.removesuffix('.weight').removeprefix('model.').rpartition('.')
+    if _LINEAR_ATTENTION.fullmatch(owner):
+        return f'{owner}.{proj}' if proj in _LINEAR_ATTENTION_LAYERS else None
     match = _OWNER.fullmatch(owner)
     if proj not in _ENGINE_LAYERS or match is None:
         return None
