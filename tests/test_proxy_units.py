@@ -6,9 +6,10 @@ import asyncio
 
 import httpcore
 import pytest
+from server_helpers import free_port
 
 from lmdeploy.cli.main import main
-from lmdeploy.serve.proxy.dp import cpu_shares
+from lmdeploy.serve.proxy.dp import Replicas, cpu_shares
 from lmdeploy.serve.proxy.nodes import Node, normalize_url
 from lmdeploy.serve.proxy.registration import advertised_url
 from lmdeploy.serve.proxy.routing import LeastRequests, PrefixAffinity, affinity_key, make_strategy
@@ -103,6 +104,16 @@ def test_proxy_settings_out_of_range_are_one_line_errors(flags, message, capsys)
     with pytest.raises(SystemExit) as exited:
         main(['serve', 'proxy', *flags])
     assert exited.value.code == 2 and capsys.readouterr().err.strip() == f'lmdeploy: error: {message}'
+
+
+def test_dp_refuses_a_bad_health_interval_before_any_replica_starts(tiny_llama, monkeypatch, capsys):
+    started = []
+    monkeypatch.setattr(Replicas, 'start', lambda self: started.append(self))
+    port = free_port(3)
+    with pytest.raises(SystemExit) as exited:
+        main(['serve', 'api_server', tiny_llama, '--server-port', str(port), '--dp', '2', '--health-interval', '0'])
+    assert exited.value.code == 2 and not started
+    assert capsys.readouterr().err.strip().endswith('lmdeploy: error: health_interval must be positive, got 0.0')
 
 
 def test_dp_replicas_get_equal_shares_of_the_cores(monkeypatch):

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 
 import httpx
 import psutil
@@ -34,10 +35,13 @@ def tp1_reference(path: str) -> tuple[list[list[int]], torch.Tensor]:
         engine.close()
 
 
-@pytest.mark.parametrize('kind', ['llama_vocab321', 'qwen3', 'qwen2_moe'])
-def test_tp2_matches_tp1(kind, tmp_path):
+@pytest.mark.parametrize('kind, start_method', [('llama_vocab321', 'spawn'), ('qwen3', 'forkserver'),
+                                               ('qwen2_moe', 'forkserver')])
+def test_tp2_matches_tp1(kind, start_method, tmp_path, monkeypatch):
     """Dense with GQA (2 KV heads split) and a padded vocabulary share; one KV head replicated on both
-    ranks (Qwen3, q/k norms); MoE with a shared expert, dense layers and tied embeddings."""
+    ranks (Qwen3, q/k norms); MoE with a shared expert, dense layers and tied embeddings. The worker is
+    this process's child (spawn) or the forkserver's."""
+    monkeypatch.setenv('LMDEPLOY_TP_START_METHOD', start_method)
     # 321 vocabulary rows: the second rank's share of the vocabulary is padded.
     path = (save_tiny_model('llama', str(tmp_path), vocab_size=321) if kind == 'llama_vocab321'
             else save_tiny_model(kind, str(tmp_path)))
@@ -45,6 +49,7 @@ def test_tp2_matches_tp1(kind, tmp_path):
     engine = make_engine(path, tp=2)
     try:
         pids = engine.executor.pids
+        assert (psutil.Process(pids[0]).ppid() == os.getpid()) == (start_method == 'spawn')
         assert run(engine, PROMPTS, GREEDY) == expected_tokens
         logits = engine.get_logits(PROMPTS[2])
         assert logits.shape == expected_logits.shape
@@ -104,6 +109,36 @@ def test_default_model_tp2_matches_tp1(default_model_gguf):
         assert run(engine, prompts, config) == expected
     finally:
         engine.close()
+
+
+def test_forked_workers_start_with_the_engines_environment_and_cpus(tiny_llama, monkeypatch):
+    """A forkserver's child starts with the server's environment and CPUs; the worker takes the engine's as
+    they are when it starts: ``LMDEPLOY_CPU_BIND=0`` leaves it all the CPUs it starts with (else it binds to its
+    share), and a thread limited to one CPU starts a worker limited to it."""
+    monkeypatch.setenv('LMDEPLOY_TP_START_METHOD', 'forkserver')
+    make_engine(tiny_llama, tp=2).close()  # the forkserver runs, with this process's environment and CPUs
+    monkeypatch.setenv('LMDEPLOY_CPU_BIND', '0')
+    allowed = os.sched_getaffinity(0)
+    one = {min(allowed)}
+    for cpus in (allowed, one):
+        os.sched_setaffinity(0, cpus)
+        try:
+            engine = make_engine(tiny_llama, tp=2)
+        finally:
+            os.sched_setaffinity(0, allowed)
+        pids = engine.executor.pids
+        try:
+            assert set(psutil.Process(pids[0]).cpu_affinity()) == cpus
+            assert psutil.Process(pids[0]).ppid() != os.getpid()
+        finally:
+            engine.close()
+        assert_gone(pids)
+
+
+def test_an_unknown_start_method_is_refused_before_any_worker_starts(tiny_llama, monkeypatch):
+    monkeypatch.setenv('LMDEPLOY_TP_START_METHOD', 'fork')
+    with pytest.raises(ValueError, match="LMDEPLOY_TP_START_METHOD is 'spawn' or 'forkserver', got 'fork'"):
+        make_engine(tiny_llama, tp=2)
 
 
 def test_killed_worker_fails_the_engine_fast(tiny_llama):
@@ -178,27 +213,34 @@ def test_worker_that_raises_fails_the_engine_fast_with_its_error(tiny_llama):
 
 
 def test_hung_worker_fails_the_step_after_the_timeout(tiny_llama, monkeypatch):
+    """``$LMDEPLOY_TP_TIMEOUT`` bounds the collectives; once the first step is done, 1 s (set on the group) is
+    enough to wait for a stopped worker, and the engine gives up as soon as it passes."""
     monkeypatch.setenv('LMDEPLOY_TP_TIMEOUT', '4')
     engine = make_engine(tiny_llama, tp=2)
     try:
         pid = engine.executor.pids[0]
+        assert engine.executor.group.timeout == timedelta(seconds=4)
         engine.add_request(PROMPTS[0], GenerationConfig(max_new_tokens=500, ignore_eos=True))
         engine.step()
+        engine.executor.group.timeout = timedelta(seconds=1)
         os.kill(pid, signal.SIGSTOP)
         start = time.monotonic()
         with pytest.raises(WorkerError, match='Timed out'):
             while True:
                 engine.step()
-        assert time.monotonic() - start < 12
+        assert time.monotonic() - start < 6
     finally:
         engine.close()
     assert_gone([pid])
 
 
 def server_workers(proc: subprocess.Popen) -> list[psutil.Process]:
-    """The server's tensor-parallel worker processes."""
+    """The server's tensor-parallel worker processes: spawned by it, or forked by its forkserver."""
+    def started_by(process: psutil.Process, marker: str) -> bool:
+        return process is not None and marker in ' '.join(process.cmdline())
+
     return [child for child in psutil.Process(proc.pid).children(recursive=True)
-            if 'spawn_main' in ' '.join(child.cmdline())]
+            if started_by(child, 'spawn_main') or started_by(child.parent(), 'forkserver')]
 
 
 def test_server_tp2_streams_and_a_killed_worker_makes_health_503(tiny_llama):

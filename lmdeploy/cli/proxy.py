@@ -14,6 +14,11 @@ def _add_routing_arg(parser: argparse.ArgumentParser, note: str = '') -> None:
                              f'requests of one session or with one long prompt prefix go to one node{note}')
 
 
+def _add_health_interval_arg(parser: argparse.ArgumentParser, note: str = '') -> None:
+    parser.add_argument('--health-interval', type=float, default=5.0,
+                        help=f'seconds between health checks of each node{note}')
+
+
 def add_proxy_parser(servers) -> None:
     """Registers ``lmdeploy serve proxy``."""
     from lmdeploy.cli.args import HelpFormatter, add_list_arg
@@ -30,7 +35,7 @@ def add_proxy_parser(servers) -> None:
                  'as sent', metavar='KEY')
     add_list_arg(parser, '--admin-api-keys', 'a Bearer key that may add and remove nodes (with --api-keys and '
                  'without these, nodes come from --nodes only)', metavar='KEY')
-    parser.add_argument('--health-interval', type=float, default=5.0, help='seconds between health checks')
+    _add_health_interval_arg(parser)
     parser.add_argument('--request-timeout', type=float, default=600.0,
                         help='seconds to wait on a node: for its answer, its next streamed chunk, a free connection')
     parser.add_argument('--max-connections-per-node', type=int, default=1024,
@@ -48,6 +53,8 @@ def add_scale_out_args(parser: argparse.ArgumentParser) -> None:
                         help='engine replicas, each a process on --server-port + 1.. behind a proxy on --server-port '
                              '(on the CPU each gets its share of the cores; on CUDA one device each)')
     _add_routing_arg(parser, ' (with --dp)')
+    _add_health_interval_arg(parser, ' (with --dp: of each replica, which the proxy takes back after a restart once '
+                             'it passes one)')
     parser.add_argument('--proxy-url', default=None,
                         help='a proxy (lmdeploy serve proxy) to register at on startup and leave on shutdown')
     parser.add_argument('--proxy-api-key', default=None, help='the Bearer key to register at --proxy-url with')

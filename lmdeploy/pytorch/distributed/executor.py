@@ -22,6 +22,7 @@ logger = logging.getLogger('lmdeploy')
 STOP_TIMEOUT = timedelta(seconds=5)
 JOIN_TIMEOUT = 10.0  # seconds a worker gets to exit after the stop message
 FAILED_JOIN_TIMEOUT = 1.0  # after a failure: a worker still there is likely hung
+TIMED_OUT = 'Timed out'  # how gloo's error for a collective past its timeout begins
 
 
 class Executor(ABC):
@@ -85,7 +86,9 @@ class Executor(ABC):
 
     def explain(self, exc: BaseException) -> WorkerError:
         """The error to raise for a collective that failed: why the group broke, where the workers said."""
-        deadline = time.monotonic() + 2.0  # a dying worker's watchdog report may be on its way
+        # A worker that died broke its connections, and its watchdog report may be on its way; one that let the
+        # collective time out is alive (hung), and no report comes.
+        deadline = time.monotonic() + (0.0 if TIMED_OUT in str(exc) else 2.0)
         while self.failure is None and time.monotonic() < deadline:
             time.sleep(0.05)
         self._fail(str(exc))

@@ -1,24 +1,46 @@
-"""Tensor-parallel workers as processes on this machine (``torch.multiprocessing``, 'spawn'), each
-bound to its share of the CPUs (or to its GPU), all ended with the engine."""
+"""Tensor-parallel workers as processes on this machine (``torch.multiprocessing``, 'spawn' or 'forkserver'),
+each bound to its share of the CPUs (or to its GPU), all ended with the engine."""
 from __future__ import annotations
 
 import os
 import signal
 import threading
 import time
+from multiprocessing import forkserver
 from multiprocessing.connection import wait
 
 import torch.multiprocessing as mp
 
+from lmdeploy.messages import ConfigError, PytorchEngineConfig
 from lmdeploy.pytorch.child_process import die_with_parent, exit_now, main_module_hidden
 from lmdeploy.pytorch.distributed.executor import Executor
 from lmdeploy.pytorch.distributed.worker import WorkerSpec, run_worker
 
 LOOPBACK = '127.0.0.1'
+START_METHOD_ENV = 'LMDEPLOY_TP_START_METHOD'
+START_METHODS = ('spawn', 'forkserver')
+# What the forkserver imports once; each worker forked from it starts with them loaded (the model's config
+# class too: the GGUF reader imports Llama's, and with it most of what transformers' config classes need).
+FORKSERVER_PRELOAD = [__name__, 'lmdeploy.pytorch.weights.gguf']
 
 
-def _worker_main(spec: WorkerSpec, parent_pid: int) -> None:
+def start_method() -> str:
+    """How workers start (``$LMDEPLOY_TP_START_METHOD``): 'spawn' (default), a fresh interpreter that imports
+    torch and the engine each time, or 'forkserver', forked from a process that imported them once (the first
+    engine's workers start as slowly, later ones at once; the server stays, with its imports, until this
+    process ends)."""
+    method = os.environ.get(START_METHOD_ENV, 'spawn')
+    if method not in START_METHODS:
+        raise ConfigError(f"{START_METHOD_ENV} is 'spawn' or 'forkserver', got {method!r}")
+    return method
+
+
+def _worker_main(spec: WorkerSpec, parent_pid: int, environ: dict[str, str], cpus: set[int]) -> None:
     die_with_parent(parent_pid)
+    # A forkserver's child starts with the environment and CPUs the server had, not the engine's now.
+    os.environ.clear()
+    os.environ.update(environ)
+    os.sched_setaffinity(0, cpus)
     run_worker(spec)
     exit_now()  # a worker that failed raises instead, and exits the usual way with its traceback
 
@@ -32,9 +54,13 @@ def _ending(exitcode: int | None) -> str:
 
 
 class MPExecutor(Executor):
-    """Ranks 1..N-1 as spawned processes, connected over the loopback interface."""
+    """Ranks 1..N-1 as processes started the :func:`start_method` way, connected over the loopback interface."""
 
     processes: list[mp.Process]
+
+    def __init__(self, model_path: str | None, config: PytorchEngineConfig):
+        super().__init__(model_path, config)
+        self.start_method = start_method()  # a bad one is refused before anything starts
 
     def _rank0_host(self) -> str:
         return LOOPBACK
@@ -45,13 +71,18 @@ class MPExecutor(Executor):
         return f'cuda:{(self.device.index or 0) + rank}'
 
     def _launch(self, store_host: str, store_port: int) -> None:
-        context = mp.get_context('spawn')
+        context = mp.get_context(self.start_method)
+        parent = os.getpid()
+        if self.start_method == 'forkserver':
+            context.set_forkserver_preload(FORKSERVER_PRELOAD)  # used when the server starts, the first time
+            forkserver.ensure_running()
+            parent = forkserver._forkserver._forkserver_pid  # which exits when this process does
         self.processes = []
         for rank in range(1, self.world_size):
             spec = WorkerSpec(rank, self.world_size, store_host, store_port, LOOPBACK, rank, self.world_size,
                               self.rank_device(rank), self.model_path, self.config)
-            process = context.Process(target=_worker_main, args=(spec, os.getpid()), daemon=True,
-                                      name=f'lmdeploy-tp-rank{rank}')
+            args = (spec, parent, dict(os.environ), os.sched_getaffinity(0))
+            process = context.Process(target=_worker_main, args=args, daemon=True, name=f'lmdeploy-tp-rank{rank}')
             with main_module_hidden():
                 process.start()
             self.processes.append(process)

@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from lmdeploy.messages import FinishReason, GenerationConfig
-from lmdeploy.pytorch.engine.guided import GrammarState
 from lmdeploy.pytorch.multimodal import MultiModalInput
+
+if TYPE_CHECKING:  # xgrammar behind it takes ~0.5 s to import, which a tensor-parallel worker never needs
+    from lmdeploy.pytorch.engine.guided import GrammarState
 
 
 class SequenceStatus(enum.Enum):

@@ -173,11 +173,12 @@ def run_data_parallel(args: argparse.Namespace, run: Callable[[argparse.Namespac
             replica.cache_max_entry_count = args.cache_max_entry_count / n
         configs.append(replica)
     replicas = Replicas(run, configs, shares, devices)
+    app = create_proxy_app(replicas.urls, args.routing_strategy, args.api_keys, args.admin_api_keys,
+                           args.health_interval)  # before any replica starts: it checks the proxy's settings
     try:
         replicas.start()
         replicas.wait_ready()
         replicas.supervise()
-        app = create_proxy_app(replicas.urls, args.routing_strategy, args.api_keys, args.admin_api_keys)
         signal.signal(signal.SIGINT, quiet_signal)
         run_proxy(app, args.server_name, args.server_port, args.log_level, args.shutdown_timeout, args.proxy_url,
                   args.proxy_api_key)
