@@ -11,8 +11,6 @@
 
 namespace {
 
-constexpr float kL2NormEps = 1e-6f;  // kernels/gated_delta.py: L2NORM_EPS
-
 // slots as int64, after checking that each names its own row of a pool of `rows`.
 std::vector<int64_t> checked_slots(const torch::Tensor& slots, int64_t batch, int64_t rows) {
   TORCH_CHECK(slots.dim() == 1 && slots.size(0) == batch && at::isIntegralType(slots.scalar_type(), false),
@@ -42,6 +40,7 @@ void check_float(const torch::Tensor& t, const char* name) {
 namespace {
 
 constexpr int64_t kLanes = 16, kTileVectors = 8;
+constexpr float kL2NormEps = 1e-6f;  // kernels/gated_delta.py: L2NORM_EPS
 
 struct DecodeStep {
   const float *q, *k, *v, *g, *beta;  // contiguous
