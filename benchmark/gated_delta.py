@@ -1,9 +1,11 @@
 """CPU time of one Gated DeltaNet layer's delta rule (``kernels/gated_delta.py``) against transformers' torch
 implementation of the same math, at Qwen3-Next-80B-A3B's linear-attention shape (16 key heads and 32 value heads
 of 128 features): a prefill of ``--prefill`` tokens of one sequence (the chunked rule), and one decode token of
-each of ``--batches`` sequences (the recurrence; ours as the engine runs it, ``gated_delta_decode``, its states
-gathered from and written back to a pool of twice as many slots). One thread; the time is the calling thread's CPU time
-(``time.thread_time``), the best and the median over rounds in which the two alternate.
+each of ``--batches`` sequences (the recurrence as the engine runs it, ``gated_delta_decode`` on its rows of a
+pool of twice as many slots: the native kernel of ``kernels/cpu/gated_delta.cpp`` where it was built, and the torch
+twin), and the decode step's causal convolution (its 8192 channels, 4 taps; native and torch, bf16 as the
+checkpoints). One thread; the time is the calling thread's CPU time (``time.thread_time``), the best and the median
+over rounds in which the implementations alternate.
 
     python benchmark/gated_delta.py [--prefill 1024] [--batches 1,16] [--rounds 5]
 """
@@ -18,9 +20,11 @@ import torch
 from transformers.models.qwen3_next.modeling_qwen3_next import (torch_chunk_gated_delta_rule,
                                                                 torch_recurrent_gated_delta_rule)
 
-from lmdeploy.pytorch.kernels.gated_delta import chunk_gated_delta_rule, gated_delta_decode
+from lmdeploy.pytorch.kernels import cpu
+from lmdeploy.pytorch.kernels.gated_delta import causal_conv1d_decode, chunk_gated_delta_rule, gated_delta_decode
 
-KEY_HEADS, VALUE_HEADS, DIM = 16, 32, 128
+KEY_HEADS, VALUE_HEADS, DIM, TAPS = 16, 32, 128, 4
+CONV_CHANNELS = (2 * KEY_HEADS + VALUE_HEADS) * DIM
 
 
 def inputs(batch: int, length: int) -> tuple[torch.Tensor, ...]:
@@ -33,21 +37,31 @@ def inputs(batch: int, length: int) -> tuple[torch.Tensor, ...]:
     return q, k, v, decay, beta, state
 
 
-def cases(args: argparse.Namespace) -> dict[str, tuple]:
-    """name -> (ours, transformers'), each a no-argument call."""
+def cases(args: argparse.Namespace) -> dict[str, dict]:
+    """name -> {implementation: a no-argument call}."""
     q, k, v, decay, beta, state = inputs(1, args.prefill)
-    found = {f'prefill {args.prefill}': (
-        lambda: chunk_gated_delta_rule(q[0], k[0], v[0], decay[0], beta[0], state[0]),
-        lambda: torch_chunk_gated_delta_rule(q, k, v, decay, beta, initial_state=state, output_final_state=True,
-                                             use_qk_l2norm_in_kernel=True))}
+    found = {f'prefill {args.prefill}': {
+        'lmdeploy': lambda: chunk_gated_delta_rule(q[0], k[0], v[0], decay[0], beta[0], state[0]),
+        'transformers': lambda: torch_chunk_gated_delta_rule(q, k, v, decay, beta, initial_state=state,
+                                                             output_final_state=True, use_qk_l2norm_in_kernel=True)}}
+    native = cpu.gated_delta()
     for batch in args.batches:
         bq, bk, bv, bd, bb, bs = inputs(batch, 1)
         pool, slots = torch.cat((bs, bs)), torch.arange(0, 2 * batch, 2)
-        found[f'decode batch {batch}'] = (
-            lambda bq=bq, bk=bk, bv=bv, bd=bd, bb=bb, pool=pool, slots=slots: gated_delta_decode(
-                bq[:, 0], bk[:, 0], bv[:, 0], bd[:, 0], bb[:, 0], pool, slots),
-            lambda bq=bq, bk=bk, bv=bv, bd=bd, bb=bb, bs=bs: torch_recurrent_gated_delta_rule(
-                bq, bk, bv, bd, bb, initial_state=bs, output_final_state=True, use_qk_l2norm_in_kernel=True))
+        step = (bq[:, 0], bk[:, 0], bv[:, 0], bd[:, 0], bb[:, 0], pool, slots)
+        found[f'decode batch {batch}'] = {
+            **({'lmdeploy native': lambda step=step: native.gated_delta_decode(*step)} if native else {}),
+            'lmdeploy torch': lambda step=step: gated_delta_decode(*step),
+            'transformers': lambda t=(bq, bk, bv, bd, bb, bs): torch_recurrent_gated_delta_rule(
+                *t[:5], initial_state=t[5], output_final_state=True, use_qk_l2norm_in_kernel=True)}
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(batch, CONV_CHANNELS, generator=g).bfloat16()
+        weight = torch.randn(CONV_CHANNELS, TAPS, generator=g).bfloat16()
+        conv_pool = torch.randn(2 * batch, CONV_CHANNELS, TAPS - 1, generator=g).bfloat16()
+        conv = (x, conv_pool, slots, weight)
+        found[f'conv1d decode batch {batch}'] = {
+            **({'lmdeploy native': lambda conv=conv: cpu.native().causal_conv1d_decode(*conv)} if native else {}),
+            'lmdeploy torch': lambda conv=conv: causal_conv1d_decode(*conv)}
     return found
 
 
@@ -65,12 +79,13 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     with torch.inference_mode():
-        for name, (ours, theirs) in cases(args).items():
-            ours(), theirs()  # warm-up
-            times: dict[str, list[float]] = {'lmdeploy': [], 'transformers': []}
+        for name, calls in cases(args).items():
+            for call in calls.values():  # warm-up
+                call()
+            times: dict[str, list[float]] = {who: [] for who in calls}
             for _ in range(args.rounds):
-                times['lmdeploy'].append(cpu_ms(ours))
-                times['transformers'].append(cpu_ms(theirs))
+                for who, call in calls.items():
+                    times[who].append(cpu_ms(call))
             print(json.dumps({'case': name, **{who: {'best_ms': round(min(t), 2),
                                                      'median_ms': round(statistics.median(t), 2)}
                                                for who, t in times.items()}}))

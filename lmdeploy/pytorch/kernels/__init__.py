@@ -12,9 +12,11 @@ import torch
 from lmdeploy.pytorch.kernels import activation, attention, cpu, gated_delta, mla, moe, norm, rotary, sampling, w8a8
 
 
-def dispatch(torch_fn: Callable, native_cpu: str | None = None) -> Callable:
-    """Wraps ``torch_fn`` so that a CUDA first argument runs ``kernels.cuda.<same name>`` instead, and a
-    CPU one the native kernel ``native_cpu`` when given and built.
+def dispatch(torch_fn: Callable, native_cpu: str | None = None, built_for_cpu: str = 'native',
+             triton: bool = True) -> Callable:
+    """Wraps ``torch_fn`` so that a CUDA first argument runs ``kernels.cuda.<same name>`` instead (unless
+    ``triton`` is False), and a CPU one the native kernel ``native_cpu`` when given and built: when
+    ``kernels.cpu.<built_for_cpu>()`` returns the kernels (``gated_delta``: only where the AVX-512 path was built).
 
     The Triton module is imported on the first CUDA call, so CPU-only installs never need triton.
     """
@@ -22,9 +24,9 @@ def dispatch(torch_fn: Callable, native_cpu: str | None = None) -> Callable:
 
     @functools.wraps(torch_fn)
     def run(first: torch.Tensor, *args, **kwargs):
-        if first.is_cuda:
+        if first.is_cuda and triton:
             return getattr(importlib.import_module('lmdeploy.pytorch.kernels.cuda'), name)(first, *args, **kwargs)
-        module = cpu.native() if native_cpu and first.device.type == 'cpu' else None
+        module = getattr(cpu, built_for_cpu)() if native_cpu and first.device.type == 'cpu' else None
         if module is not None:
             return getattr(module, native_cpu)(first, *args, **kwargs)
         return torch_fn(first, *args, **kwargs)
@@ -37,7 +39,9 @@ argmax = dispatch(sampling.argmax, native_cpu='argmax')
 decode_attention = dispatch(attention.decode_attention, native_cpu='paged_decode_attention')
 fill_kv_cache = dispatch(attention.fill_kv_cache, native_cpu='fill_kv_cache')
 fused_moe = dispatch(moe.fused_moe)
-gated_delta_decode = dispatch(gated_delta.gated_delta_decode)
+causal_conv1d_decode = dispatch(gated_delta.causal_conv1d_decode, native_cpu='causal_conv1d_decode', triton=False)
+gated_delta_decode = dispatch(gated_delta.gated_delta_decode, native_cpu='gated_delta_decode',
+                              built_for_cpu='gated_delta')
 moe_routing = dispatch(moe.moe_routing)
 prefill_attention = dispatch(attention.prefill_attention, native_cpu='paged_prefill_attention')
 rms_norm = dispatch(norm.rms_norm, native_cpu='rms_norm')
@@ -53,4 +57,4 @@ biased_softmax_topk = moe.biased_softmax_topk
 __all__ = ['apply_rotary', 'argmax', 'decode_attention', 'dispatch', 'fill_kv_cache', 'fused_moe', 'moe_routing',
            'prefill_attention', 'rms_norm', 'silu_and_mul', 'w8a8_linear', 'fill_latent_cache',
            'mla_decode_attention', 'mla_prefill_attention', 'grouped_topk', 'group_limited_topk',
-           'biased_softmax_topk', 'gated_delta_decode']
+           'biased_softmax_topk', 'causal_conv1d_decode', 'gated_delta_decode']

@@ -1,8 +1,9 @@
 """Gated DeltaNet (Qwen3-Next, Qwen3.5 linear attention) in torch: the causal depthwise convolution over a
 carried state, the chunked gated delta rule for prefill and its token-by-token recurrence for decode. Both
 accumulate in fp32 and follow transformers' torch implementations. :func:`gated_delta_decode` (the recurrence on
-the rows of a state pool) has a Triton twin in ``kernels/cuda/gated_delta.py``; the rest is torch on
-every device."""
+the rows of a state pool) has a Triton twin in ``kernels/cuda/gated_delta.py`` and a native CPU one (AVX-512) in
+``kernels/cpu/gated_delta.cpp``, which also holds :func:`causal_conv1d_decode`'s; the rest is torch on every
+device."""
 from __future__ import annotations
 
 import torch
@@ -17,6 +18,14 @@ def causal_conv1d(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) ->
     full = torch.cat((state.to(x.dtype), x), dim=-1)
     out = F.conv1d(full, weight.unsqueeze(1), groups=weight.shape[0])
     return F.silu(out), full[..., full.shape[-1] - state.shape[-1]:]
+
+
+def causal_conv1d_decode(x: torch.Tensor, conv_states: torch.Tensor, slots: torch.Tensor,
+                         weight: torch.Tensor) -> torch.Tensor:
+    """:func:`causal_conv1d` of one new input ``x [B, C]`` of each sequence after row ``slots[b]`` of the pool
+    ``conv_states [slots, C, K - 1]``, which takes the new state in place; returns ``[B, C]``."""
+    out, conv_states[slots] = causal_conv1d(x[..., None], conv_states[slots], weight)
+    return out.squeeze(-1)
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:

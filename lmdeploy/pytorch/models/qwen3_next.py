@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmdeploy.pytorch.config import ModelConfig
-from lmdeploy.pytorch.kernels import gated_delta_decode
+from lmdeploy.pytorch.kernels import causal_conv1d_decode, gated_delta_decode
 from lmdeploy.pytorch.kernels.gated_delta import causal_conv1d, chunk_gated_delta_rule
 from lmdeploy.pytorch.models.llama import KVCache, LlamaMLP, WeightTarget
 from lmdeploy.pytorch.models.moe import MoEForCausalLM
@@ -153,8 +153,8 @@ class GatedDeltaNet(nn.Module):
                                                                    None if fresh else delta_states[slot])
         if num_prefill < x.shape[0]:
             decode = ctx.state_decode_slots
-            mixed, conv_states[decode] = causal_conv1d(qkv[num_prefill:, :, None], conv_states[decode], weight)
-            out[num_prefill:] = gated_delta_decode(*self.split_heads(mixed.squeeze(-1)), g[num_prefill:],
+            mixed = causal_conv1d_decode(qkv[num_prefill:], conv_states, decode, weight)
+            out[num_prefill:] = gated_delta_decode(*self.split_heads(mixed), g[num_prefill:],
                                                    beta[num_prefill:], delta_states, decode)
         return self.out_proj(self.norm(out.to(self.dtype), z).flatten(1))
 

@@ -30,7 +30,7 @@ logger = logging.getLogger('lmdeploy')
 _SOURCES = ['bindings.cpp', 'paged_attention.cpp', 'paged_attention_avx512.cpp', 'paged_attention_quant_avx512.cpp',
             'paged_prefill_avx512.cpp', 'elementwise.cpp', 'fill_kv_cache.cpp', 'linear_bf16.cpp', 'linear_int8.cpp',
             'threads.cpp', 'decoder_stack.cpp', 'mla.cpp', 'linear_int4.cpp', 'linear_q8.cpp',
-            'linear_q6k.cpp', 'moe_block.cpp', 'linear_mxfp4.cpp']
+            'linear_q6k.cpp', 'moe_block.cpp', 'linear_mxfp4.cpp', 'gated_delta.cpp']
 _FLAGS = ['-O3', '-march=native', '-fopenmp', '-ffast-math']
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}
@@ -84,6 +84,12 @@ def mxfp4_gemv() -> ModuleType | None:
     """The kernels when their ``mxfp4_linear`` and ``mxfp4_dequantize`` (AVX-512) were built for this CPU; else None."""
     module = native()
     return module if module is not None and module.mxfp4_gemv_available() else None
+
+
+def gated_delta() -> ModuleType | None:
+    """The kernels when their ``gated_delta_decode`` (AVX-512) was built for this CPU; else None."""
+    module = native()
+    return module if module is not None and module.gated_delta_available() else None
 
 
 def bind_worker_threads() -> None:

@@ -2,6 +2,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "decoder_stack.h"
+#include "gated_delta.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
@@ -59,6 +60,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("blocks"), py::arg("scales"));
   m.def("mxfp4_dequantize", &mxfp4_dequantize, "MXFP4 blocks and scales as a [N, K] fp32 or bf16 weight",
         py::arg("blocks"), py::arg("scales"), py::arg("dtype"));
+  m.def("gated_delta_available", &gated_delta_available, "whether gated_delta_decode was built (AVX-512)");
+  m.def("gated_delta_decode", &gated_delta_decode,
+        "one token of each sequence through the gated delta rule, on its row of the fp32 state pool (in place)",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("states"), py::arg("slots"));
+  m.def("causal_conv1d_decode", &causal_conv1d_decode,
+        "SiLU of the depthwise causal convolution of one input per sequence, shifting it into its row of the state pool",
+        py::arg("x"), py::arg("conv_states"), py::arg("slots"), py::arg("weight"));
   m.def("mla_decode_attention", &mla_decode_attention, "multi-head latent attention of one token per sequence",
         py::arg("q"), py::arg("cache"), py::arg("block_table"), py::arg("kv_lens"), py::arg("scale"), py::arg("v_dim"),
         py::arg("scales_zeros") = py::none(), py::arg("quant_policy") = 0);
