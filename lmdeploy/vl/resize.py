@@ -62,12 +62,15 @@ def _axis_weights(in_size: int, out_size: int, resample: PILImageResampling) -> 
 
 def _resample_axis(pixels: np.ndarray, size: int, axis: int, resample: PILImageResampling) -> np.ndarray:
     indices, weights, precision = _axis_weights(pixels.shape[axis], size, resample)
-    shape = [1] * pixels.ndim
-    shape[axis] = size
-    total = np.full(pixels.shape[:axis] + (size, ) + pixels.shape[axis + 1:], 1 << (precision - 1), np.int32)
+    used = weights.any(axis=0)  # the last taps are zero for every output where the support rounds down
+    indices, weights = indices[:, used], weights[:, used]
+    source = np.ascontiguousarray(np.moveaxis(pixels, axis, 0))  # gathering whole rows of the other axes
+    rest = (1, ) * (source.ndim - 1)
+    total = np.full((size, ) + source.shape[1:], 1 << (precision - 1), np.int32)
+    product = np.empty_like(total)
     for tap in range(indices.shape[1]):
-        total += np.take(pixels, indices[:, tap], axis=axis).astype(np.int32) * weights[:, tap].reshape(shape)
-    return np.clip(total >> precision, 0, 255).astype(np.uint8)
+        total += np.multiply(source[indices[:, tap]], weights[:, tap].reshape(-1, *rest), out=product)
+    return np.moveaxis(np.clip(total >> precision, 0, 255).astype(np.uint8), 0, axis)
 
 
 def resize_uint8(pixels: np.ndarray, height: int, width: int, resample: PILImageResampling,
