@@ -180,9 +180,12 @@ class Llama4ImageInputs(ImageInputs):
         self.resample = PILImageResampling(settings.get('resample', PILImageResampling.BILINEAR))
         if self.resample not in FILTERS:
             raise ValueError(f'{model_dir}: Llama 4 images resized with {self.resample.name} are not supported')
-        self.rescale_factor = np.float32(settings.get('rescale_factor', 1 / 255))
-        self.mean, self.std = (round_to_bfloat16(np.array(settings.get(key, [0.5] * 3), np.float32)[:, None, None])
-                               for key in ('image_mean', 'image_std'))
+        # the processor rescales and normalizes in bfloat16, rounding after each step: per channel, the value of
+        # each uint8 level (kept in float32)
+        mean, std = (round_to_bfloat16(np.array(settings.get(key, [0.5] * 3), np.float32)[:, None])
+                     for key in ('image_mean', 'image_std'))
+        levels = np.arange(256, dtype=np.float32)[None] * np.float32(settings.get('rescale_factor', 1 / 255))
+        self.level_values = round_to_bfloat16(round_to_bfloat16(round_to_bfloat16(levels) - mean) / std)
         vision = config.vision_config
         self.tokens_per_tile = int((self.tile // vision.patch_size)**2 * vision.pixel_shuffle_ratio**2)
         ids = dict(zip(LLAMA4_IMAGE_TOKENS, tokenizer.convert_tokens_to_ids(LLAMA4_IMAGE_TOKENS)))
@@ -213,14 +216,8 @@ class Llama4ImageInputs(ImageInputs):
             tiles = np.concatenate([tiles, whole[None]])
         aspect_ratio = torch.tensor([[rows, cols]])
         return len(self.placeholder_ids(0, {'aspect_ratios': aspect_ratio})), {
-            'pixel_values': torch.from_numpy(self._normalize(tiles)), 'aspect_ratios': aspect_ratio}
-
-    def _normalize(self, tiles: np.ndarray) -> np.ndarray:
-        """``(tiles * rescale_factor - mean) / std`` with each step rounded to bfloat16, as Llama 4's processor
-        computes it in bfloat16; the values are kept in float32."""
-        from lmdeploy.vl.resize import round_to_bfloat16
-        scaled = round_to_bfloat16(tiles.astype(np.float32) * self.rescale_factor)
-        return round_to_bfloat16(round_to_bfloat16(scaled - self.mean) / self.std)
+            'pixel_values': torch.from_numpy(self.level_values[np.arange(3)[:, None, None], tiles]),
+            'aspect_ratios': aspect_ratio}
 
     def placeholder_ids(self, length: int, data: dict[str, torch.Tensor]) -> list[int]:
         rows, cols = (int(n) for n in data['aspect_ratios'][0])
