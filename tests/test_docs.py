@@ -37,8 +37,8 @@ FIELD_HOMES = {
 }
 # Flags of other tools that the docs give (pip's, hf's, `ray start`'s); every other flag is lmdeploy's or a
 # benchmark's.
-EXTERNAL_FLAGS = {'--help', '--extra-index-url', '--no-deps', '--local-dir', '--head', '--address', '--port',
-                  '--node-ip-address', '--node-manager-port', '--object-manager-port', '--min-worker-port',
+EXTERNAL_FLAGS = {'--help', '--extra-index-url', '--no-deps', '--target', '--local-dir', '--head', '--address',
+                  '--port', '--node-ip-address', '--node-manager-port', '--object-manager-port', '--min-worker-port',
                   '--max-worker-port'}
 # Environment variables read by the code (not by its tests) that a user may set, besides the LMDEPLOY_* ones.
 THIRD_PARTY_ENV = ['TORCH_EXTENSIONS_DIR', 'CXX', 'RAY_ADDRESS']

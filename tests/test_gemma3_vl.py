@@ -18,6 +18,7 @@ from vl_models import hf_vl_inputs, random_image, save_tiny_vl_model
 from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.vl.processor import ProcessedPrompt
+from lmdeploy.vl.resize import with_torchvision_resize
 
 IMAGES = [random_image(1), random_image(2, (60, 60)), random_image(3, (150, 100))]
 TEXT_PROMPTS = ['plain text', 'a longer prompt about nothing in particular, past the local layers\' window']
@@ -116,10 +117,11 @@ def test_an_image_longer_than_a_prefill_step_is_refused(gemma3, image_prompts):
 
 def test_processor_expands_images_as_transformers_does(gemma3):
     """Each <start_of_image> of the chat template becomes \\n\\n<start_of_image>, 4 image tokens, <end_of_image>\\n\\n,
-    token for token as transformers' Gemma3Processor writes them, with its pixels."""
+    token for token as transformers' Gemma3Processor writes them, with its pixels (its PIL backend resizing as the
+    torchvision one does: test_vl_torchvision_reference.py holds those pixels to torchvision's)."""
     tokenizer = AutoTokenizer.from_pretrained(gemma3)
-    reference = Gemma3Processor(AutoImageProcessor.from_pretrained(gemma3, backend='pil'), tokenizer,
-                                image_seq_length=4)
+    image_processor = with_torchvision_resize(AutoImageProcessor.from_pretrained(gemma3, backend='pil'))
+    reference = Gemma3Processor(image_processor, tokenizer, image_seq_length=4)
     content = [{'type': 'text', 'text': 'first'}, {'type': 'image', 'image': IMAGES[0]},
                {'type': 'text', 'text': 'then\n'}, {'type': 'image', 'image': IMAGES[2]},
                {'type': 'text', 'text': ' compare'}]

@@ -139,7 +139,7 @@ def llama4_tiling_functions() -> dict:
 
 @pytest.mark.parametrize('tile,max_tiles', [(336, 16), (56, 4)])
 def test_mllamas_tiling_is_llama4s(tile, max_tiles):
-    """Mllama's PIL image processor, which the engine runs, picks Llama 4's canvas and resizes to Llama 4's size
+    """Mllama's canvas and size functions, which the engine runs, pick Llama 4's canvas and resize to Llama 4's size
     (``Llama4ImageProcessor._preprocess``: never upscaled past one tile), over images of up to 4 1/2 tiles a side."""
     llama4 = llama4_tiling_functions()
     resolutions = torch.tensor(llama4['find_supported_resolutions'](max_tiles, SizeDict(height=tile, width=tile)))

@@ -13,6 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from PIL import Image
+from transformers.image_transforms import convert_to_rgb
 
 from lmdeploy.vl.media import MediaPolicy, image_hash, load_image
 
@@ -55,6 +56,25 @@ def test_pil_input_is_converted_to_rgb_without_touching_the_original():
     image = load_image(original)
     assert image.mode == 'RGB' and original.mode == 'RGBA'
     assert image.tobytes() == original.convert('RGB').tobytes()
+
+
+@pytest.mark.parametrize('mode', ['RGBA', 'LA', 'P'])
+def test_transparent_pixels_go_onto_white(mode):
+    """As transformers' image processors put them (``convert_to_rgb``): an opaque pixel keeps its colour, a
+    transparent one turns white, a half-transparent one lies between."""
+    if mode == 'P':  # a palette whose second colour is transparent
+        image = Image.new('P', (3, 1))
+        image.putpalette([40, 80, 120, 200, 10, 10])
+        image.putpixel((1, 0), 1)
+        image.info['transparency'] = 1
+    else:
+        image = Image.new('RGB', (3, 1), (40, 80, 120)).convert(mode)
+        image.putalpha(Image.frombytes('L', (3, 1), bytes([255, 0, 128])))
+    decoded = Image.open(io.BytesIO(encode(image)))
+    loaded = load_image(decoded)
+    assert loaded.getpixel((1, 0)) == (255, 255, 255)
+    assert loaded.getpixel((0, 0)) == image.convert('RGB').getpixel((0, 0))
+    assert loaded.tobytes() == convert_to_rgb(decoded, return_numpy=True).tobytes()
 
 
 def test_bytes_input_png_and_jpeg():

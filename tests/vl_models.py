@@ -31,7 +31,7 @@ MISTRAL3_TOKENS = ['[IMG]', '[IMG_BREAK]', '[IMG_END]']
 GEMMA3_TOKENS = {'boi_token': '<start_of_image>', 'eoi_token': '<end_of_image>', 'image_token': '<image_soft_token>'}
 
 
-def _template(image: str) -> str:
+def image_chat_template(image: str) -> str:
     """ChatML whose message contents may be lists of text and image parts."""
     return ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
             "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}" + image +
@@ -143,7 +143,7 @@ def save_tiny_vl_model(kind: str, path: str) -> str:
     special = list(named.values()) if named else MISTRAL3_TOKENS if mistral3 else SPECIAL_TOKENS
     tokenizer.add_special_tokens({'additional_special_tokens': special})
     image = INTERNVL_IMAGE if internvl else MISTRAL3_TOKENS[0] if mistral3 else IMAGE_TEMPLATES.get(kind, QWEN_IMAGE)
-    tokenizer.chat_template = _template(image)
+    tokenizer.chat_template = image_chat_template(image)
     config = _config(kind, {t: tokenizer.convert_tokens_to_ids(t) for t in special})
     config.get_text_config().eos_token_id = config.eos_token_id = tokenizer.eos_token_id
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
@@ -155,7 +155,7 @@ def save_tiny_vl_model(kind: str, path: str) -> str:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     if named:
-        _name_image_tokens(path, named)
+        name_image_tokens(path, named)
     if internvl:
         processor = GotOcr2ImageProcessorPil(size={'height': 56, 'width': 56}, max_patches=4)
     elif kind.startswith(('qwen3_vl', 'qwen3_5')):
@@ -173,7 +173,7 @@ def save_tiny_vl_model(kind: str, path: str) -> str:
     return path
 
 
-def _name_image_tokens(path: str, named: dict[str, str]) -> None:
+def name_image_tokens(path: str, named: dict[str, str]) -> None:
     """Records the image tokens by name in the saved tokenizer config, as InternVL's and Gemma 3's checkpoints do."""
     config_path = os.path.join(path, 'tokenizer_config.json')
     with open(config_path) as f:
@@ -188,7 +188,7 @@ def random_image(seed: int, size=(90, 60)) -> Image.Image:
     return Image.fromarray(pixels)
 
 
-def _batch(tensors: list[torch.Tensor]) -> torch.Tensor:
+def batch_image_tensors(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The images' tensors in one batch; pixels of different sizes (Pixtral's) zero-padded to the largest, as
     Pixtral's image processor pads a batch."""
     if tensors[0].dim() == 4:
@@ -200,7 +200,7 @@ def _batch(tensors: list[torch.Tensor]) -> torch.Tensor:
 def hf_vl_inputs(model, input_ids: list[int], images: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """transformers' inputs for a prompt whose images the engine's processor preprocessed."""
     ids = torch.tensor([input_ids])
-    kwargs = {key: _batch([image[key] for image in images]) for key in images[0]} if images else {}
+    kwargs = {key: batch_image_tensors([image[key] for image in images]) for key in images[0]} if images else {}
     if 'image_grid_thw' in kwargs:
         kwargs['mm_token_type_ids'] = (ids == model.config.image_token_id).int()
     if model.config.model_type == 'gemma3':  # its image tokens attend to each other both ways

@@ -28,9 +28,12 @@ class ImageInputs:
 
     def __init__(self, model_dir: str, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase):
         from transformers import AutoImageProcessor  # heavy: only vision-language models need it
+
+        from lmdeploy.vl.resize import with_torchvision_resize
         self.config = config
         self.image_token_id: int = config.image_token_id
-        self.image_processor = AutoImageProcessor.from_pretrained(model_dir, backend='pil')
+        # the PIL backend, with the resize of the torchvision backend that transformers users mostly run
+        self.image_processor = with_torchvision_resize(AutoImageProcessor.from_pretrained(model_dir, backend='pil'))
 
     @classmethod
     def for_model(cls, model_dir: str, config: PretrainedConfig,
@@ -153,15 +156,16 @@ class Llama4ImageInputs(ImageInputs):
     ``<|patch|>`` tokens (``<|tile_x_separator|>`` between the tiles of a row, ``<|tile_y_separator|>`` after
     each row), ``<|image|>``, the global tile's ``<|patch|>`` tokens, ``<|image_end|>``.
 
-    transformers' ``Llama4ImageProcessor`` needs torchvision; Mllama's PIL image processor computes the same
-    canvas, resize, padding and tiles (Meta's algorithm in both), and a plain PIL resize the global tile. The
-    pixels are fp32 where Llama 4's processor rounds them to bf16.
+    transformers' ``Llama4ImageProcessor`` needs torchvision; this computes its pixels in numpy: Mllama's canvas
+    and size functions (Meta's algorithm in both), torchvision's uint8 resize (``resize_uint8``), and the rescale
+    and normalization rounded to bfloat16 after each step, as that processor computes them.
     """
 
     def __init__(self, model_dir: str, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase):
-        from transformers.image_processing_backends import PilBackend
         from transformers.image_processing_utils import ImageProcessingMixin
-        from transformers.models.mllama.image_processing_pil_mllama import MllamaImageProcessorPil
+        from transformers.image_utils import PILImageResampling
+
+        from lmdeploy.vl.resize import FILTERS, round_to_bfloat16
         self.config = config
         try:
             settings, _ = ImageProcessingMixin.get_image_processor_dict(model_dir)
@@ -170,17 +174,20 @@ class Llama4ImageInputs(ImageInputs):
         if settings.get('resize_to_max_canvas'):
             raise ValueError(f'{model_dir}: Llama 4 images with resize_to_max_canvas are not supported')
         size = settings.get('size', {'height': 336, 'width': 336})
-        common = {'size': size, 'resample': settings.get('resample', 2),
-                  'rescale_factor': settings.get('rescale_factor', 1 / 255),
-                  'image_mean': settings.get('image_mean', [0.5] * 3),
-                  'image_std': settings.get('image_std', [0.5] * 3)}
-        self.max_tiles = settings.get('max_patches', 16)
-        self.image_processor = MllamaImageProcessorPil(max_image_tiles=self.max_tiles, **common)
-        self.global_tile_processor = PilBackend(do_resize=True, do_rescale=True, do_normalize=True,
-                                                do_convert_rgb=True, **common)
+        if size['height'] != size['width']:
+            raise ValueError(f'{model_dir}: Llama 4 tiles must be square, got {size}')
+        self.tile, self.max_tiles = size['height'], settings.get('max_patches', 16)
+        self.resample = PILImageResampling(settings.get('resample', PILImageResampling.BILINEAR))
+        if self.resample not in FILTERS:
+            raise ValueError(f'{model_dir}: Llama 4 images resized with {self.resample.name} are not supported')
+        # the processor rescales and normalizes in bfloat16, rounding after each step: per channel, the value of
+        # each uint8 level (kept in float32)
+        mean, std = (round_to_bfloat16(np.array(settings.get(key, [0.5] * 3), np.float32)[:, None])
+                     for key in ('image_mean', 'image_std'))
+        levels = np.arange(256, dtype=np.float32)[None] * np.float32(settings.get('rescale_factor', 1 / 255))
+        self.level_values = round_to_bfloat16(round_to_bfloat16(round_to_bfloat16(levels) - mean) / std)
         vision = config.vision_config
-        self.tokens_per_tile = int((size['height'] // vision.patch_size) * (size['width'] // vision.patch_size)
-                                   * vision.pixel_shuffle_ratio**2)
+        self.tokens_per_tile = int((self.tile // vision.patch_size)**2 * vision.pixel_shuffle_ratio**2)
         ids = dict(zip(LLAMA4_IMAGE_TOKENS, tokenizer.convert_tokens_to_ids(LLAMA4_IMAGE_TOKENS)))
         unknown = [token for token, id_ in ids.items() if id_ is None or id_ == tokenizer.unk_token_id]
         if unknown:
@@ -191,16 +198,26 @@ class Llama4ImageInputs(ImageInputs):
         self.patch_id = config.image_token_id
 
     def __call__(self, image: Image.Image) -> tuple[int, dict[str, torch.Tensor]]:
-        from transformers.models.mllama.image_processing_pil_mllama import get_all_supported_aspect_ratios
-        out = self.image_processor(images=[image], return_tensors='np')
-        rows, cols = get_all_supported_aspect_ratios(self.max_tiles)[int(out['aspect_ratio_ids'][0, 0]) - 1]
-        pixels = out['pixel_values'][0, 0, :rows * cols]
+        from transformers.models.mllama.image_processing_pil_mllama import (get_image_size_fit_to_canvas,
+                                                                            get_optimal_tiled_canvas)
+
+        from lmdeploy.vl.resize import resize_uint8
+        pixels = np.asarray(image)
+        height, width = pixels.shape[:2]
+        canvas_height, canvas_width = get_optimal_tiled_canvas(height, width, self.max_tiles, self.tile)
+        new_height, new_width = get_image_size_fit_to_canvas(height, width, canvas_height, canvas_width, self.tile)
+        canvas = np.zeros((canvas_height, canvas_width, 3), np.uint8)
+        canvas[:new_height, :new_width] = resize_uint8(pixels, new_height, new_width, self.resample)
+        rows, cols = canvas_height // self.tile, canvas_width // self.tile
+        tiles = canvas.reshape(rows, self.tile, cols, self.tile, 3).transpose(0, 2, 4, 1, 3)
+        tiles = tiles.reshape(rows * cols, 3, self.tile, self.tile)
         if rows * cols > 1:
-            whole = self.global_tile_processor(images=[image], return_tensors='np')['pixel_values']
-            pixels = np.concatenate([pixels, whole])
+            whole = resize_uint8(pixels, self.tile, self.tile, self.resample).transpose(2, 0, 1)
+            tiles = np.concatenate([tiles, whole[None]])
         aspect_ratio = torch.tensor([[rows, cols]])
         return len(self.placeholder_ids(0, {'aspect_ratios': aspect_ratio})), {
-            'pixel_values': torch.from_numpy(pixels), 'aspect_ratios': aspect_ratio}
+            'pixel_values': torch.from_numpy(self.level_values[np.arange(3)[:, None, None], tiles]),
+            'aspect_ratios': aspect_ratio}
 
     def placeholder_ids(self, length: int, data: dict[str, torch.Tensor]) -> list[int]:
         rows, cols = (int(n) for n in data['aspect_ratios'][0])

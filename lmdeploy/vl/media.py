@@ -276,11 +276,15 @@ def _decode(data: bytes, policy: MediaPolicy) -> Image.Image:
 
 
 def _to_rgb(image: Image.Image, policy: MediaPolicy) -> Image.Image:
-    """Checks the pixel count, then decodes the pixels and converts them to RGB."""
+    """Checks the pixel count, then decodes the pixels and converts them to RGB; transparent pixels go onto white,
+    as transformers' image processors put them."""
     width, height = image.size
     if width * height > policy.max_image_pixels:
         raise ValueError(f'the image has {width}x{height} pixels, more than the limit of '
                          f'{policy.max_image_pixels}')
     with _decoding():
         image.load()
-        return image.convert('RGB')
+        if 'A' not in image.getbands() and image.info.get('transparency') is None:
+            return image.convert('RGB')
+        white = Image.new('RGBA', image.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, image.convert('RGBA')).convert('RGB')
