@@ -99,6 +99,22 @@ def check_finite(name: str, data: np.ndarray, qtype: Q) -> float:
     return float(rows.std())
 
 
+def write_header(writer: gguf.GGUFWriter, layout: list[tuple[str, tuple[int, ...], Q]],
+                 block_bytes: dict[Q, int]) -> None:
+    """The file's metadata and tensor infos (``layout``: name, shape, type; 256-weight blocks of ``block_bytes``),
+    written before the tensors are streamed one by one."""
+    for name, shape, qtype in layout:
+        if qtype == Q.F32:
+            writer.add_tensor_info(name, shape, np.dtype(np.float32), int(np.prod(shape)) * 4)
+        else:
+            row_bytes = shape[-1] // 256 * block_bytes[qtype]
+            writer.add_tensor_info(name, (*shape[:-1], row_bytes), np.dtype(np.uint8),
+                                   int(np.prod(shape[:-1])) * row_bytes, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+
+
 def write_file(path: Path, args: argparse.Namespace) -> None:
     writer = gguf.GGUFWriter(str(path), 'qwen3moe')
     for add, value in [(writer.add_block_count, args.layers), (writer.add_context_length, 40960),
@@ -111,16 +127,7 @@ def write_file(path: Path, args: argparse.Namespace) -> None:
         add(value)
     add_tokenizer(writer, args.vocab)
     layout = list(tensors(args))
-    for name, shape, qtype in layout:
-        if qtype == Q.F32:
-            writer.add_tensor_info(name, shape, np.dtype(np.float32), int(np.prod(shape)) * 4)
-        else:
-            row_bytes = shape[-1] // 256 * BLOCK_BYTES[qtype]
-            writer.add_tensor_info(name, (*shape[:-1], row_bytes), np.dtype(np.uint8),
-                                   int(np.prod(shape[:-1])) * row_bytes, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
+    write_header(writer, layout, BLOCK_BYTES)
     rng = np.random.default_rng(args.seed)
     checked: set[tuple[str, Q]] = set()
     for name, shape, qtype in layout:

@@ -19,7 +19,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
-from make_big_moe_gguf import BLOCK_BYTES, FP16_FIELDS, add_tokenizer, more_bits
+from make_big_moe_gguf import BLOCK_BYTES, FP16_FIELDS, add_tokenizer, more_bits, write_header
 
 # Q5_K: fp16 d and dmin first, as Q4_K's (w = d * sc * q - dmin * m, q 5-bit): dmin = 15.5 d centres it
 K_BLOCK_BYTES = BLOCK_BYTES | {Q.Q5_K: 176}
@@ -93,16 +93,7 @@ def write_file(path: Path, args: argparse.Namespace) -> None:
         add(value)
     add_tokenizer(writer, args.vocab)
     layout = list(tensors(args))
-    for name, shape, qtype in layout:
-        if qtype == Q.F32:
-            writer.add_tensor_info(name, shape, np.dtype(np.float32), int(np.prod(shape)) * 4)
-        else:
-            row_bytes = shape[-1] // 256 * K_BLOCK_BYTES[qtype]
-            writer.add_tensor_info(name, (*shape[:-1], row_bytes), np.dtype(np.uint8),
-                                   int(np.prod(shape[:-1])) * row_bytes, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
+    write_header(writer, layout, K_BLOCK_BYTES)
     rng = np.random.default_rng(args.seed)
     for name, shape, qtype in layout:
         writer.write_tensor_data(f32_data(name, shape, rng) if qtype == Q.F32 else blocks(shape, qtype, rng))
