@@ -68,7 +68,8 @@ def served(request, tmp_path_factory) -> tuple[str, str]:
 
 def file_table(folder: str) -> torch.Tensor:
     """gguf's dequantization of the file's ``token_embd`` (fp32, ``[vocab, hidden]``)."""
-    tensor = next(t for t in GGUFReader(str(Path(folder).parent / 'model.gguf')).tensors if t.name == 'token_embd.weight')
+    reader = GGUFReader(str(Path(folder).parent / 'model.gguf'))
+    tensor = next(t for t in reader.tensors if t.name == 'token_embd.weight')
     return torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32))
 
 

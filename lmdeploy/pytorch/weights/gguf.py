@@ -81,6 +81,8 @@ _EXPERTS = re.compile(r'blk\.\d+\.ffn_(gate|up|down)_exps\.weight')
 # llama.cpp pre-tokenizers that transformers' GGUF reader does not know, by the one of its splits they use
 # (GLM-4's is Llama 3's); without one it would split text as GPT-2 does
 _PRE_TOKENIZER_SPLITS = {'chatglm-bpe': 'llama-bpe', 'glm4': 'llama-bpe'}
+# the tables a ``quantization_config`` may keep as their blocks, by the key that names their type there
+_TABLES = {'lm_head.weight': 'lm_head', 'model.embed_tokens.weight': 'embed_tokens'}
 _CACHE_FORMAT = 16  # bump when the converted output changes, so stale cache entries are not reused
 
 
@@ -231,7 +233,8 @@ def gguf_state_dict(reader: GGUFReader, tensors: Iterable[Any], config: dict[str
     except the projections of the layers in ``config['quantization_config']``, kept as their blocks
     (``qweight uint8 [rows, blocks, bytes]``; a MoE layer's experts ``[experts, rows, blocks, bytes]``, one
     tensor per expert once finished), the output layer and the token embedding where it names their types
-    (``lm_head``: ``lm_head.qweight``; ``embed_tokens``: ``model.embed_tokens.qweight``), and an MXFP4 checkpoint's experts as its ``_blocks`` and ``_scales``."""
+    (``lm_head``: ``lm_head.qweight``; ``embed_tokens``: ``model.embed_tokens.qweight``), and an MXFP4
+    checkpoint's experts as its ``_blocks`` and ``_scales``."""
     arch = _meta(reader, 'general.architecture')
     heads = {'attn_q': config['num_attention_heads'], 'attn_k': config['num_key_value_heads']}
     quantization = config.get('quantization_config', {})
@@ -249,8 +252,7 @@ def gguf_state_dict(reader: GGUFReader, tensors: Iterable[Any], config: dict[str
             state_dict[f'{name}_blocks'], state_dict[f'{name}_scales'] = mxfp4_from_ggml(tensor.data)
             continue
         try:
-            table = {'lm_head.weight': 'lm_head', 'model.embed_tokens.weight': 'embed_tokens'}.get(name)
-            if engine_layer(name) in layer_types or table in quantization:
+            if engine_layer(name) in layer_types or _TABLES.get(name) in quantization:
                 block_bytes = GGML_QUANT_SIZES[tensor.tensor_type][1]
                 data = np.asarray(tensor.data, dtype=np.uint8)
                 weight = data.reshape(*data.shape[:-1], -1, block_bytes).copy()
