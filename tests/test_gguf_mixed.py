@@ -50,7 +50,8 @@ Q8_0_F16_LAYERS = {'layers.0.self_attn.o_proj': 'Q8_0', 'layers.0.mlp.gate_up_pr
                    'layers.0.mlp.down_proj': 'Q8_0', 'layers.1.self_attn.qkv_proj': 'Q8_0',
                    'layers.1.self_attn.o_proj': 'Q8_0', 'layers.1.mlp.gate_up_proj': 'Q8_0'}
 FILES = {'llama': (Q4_K_M, Q4_K_M_LAYERS), 'qwen2': (Q8_0_F16, Q8_0_F16_LAYERS)}
-LM_HEAD = {'llama': {'lm_head': 'Q6_K'}, 'qwen2': {}}  # the output layer's type where kept as its blocks too
+# the output layer's and the token embedding's types where kept as their blocks too (both files untied)
+TABLES = {'llama': {'lm_head': 'Q6_K', 'embed_tokens': 'Q4_K'}, 'qwen2': {'embed_tokens': 'Q8_0'}}
 
 
 # MoE kinds: their GGUF architecture, and the tiny model's expert sizes (K-quant blocks span 256 inputs)
@@ -186,7 +187,7 @@ def test_mixed_file_matches_dequantized_and_transformers(mixed_file):
     kind, tmp = mixed_file
     layers = FILES[kind][1]
     config = json.loads((tmp / 'served' / 'config.json').read_text())
-    assert config['quantization_config'] == {'quant_method': 'gguf', 'ggml_types': layers} | LM_HEAD[kind]
+    assert config['quantization_config'] == {'quant_method': 'gguf', 'ggml_types': layers} | TABLES[kind]
     assert 'quantization_config' not in json.loads((tmp / 'dequantized' / 'config.json').read_text())
     prompts = random_prompts([6, 19, 40], seed=4, vocab=250)
     engine = make_engine(str(tmp / 'served'))

@@ -3,6 +3,7 @@
 Each rank holds a contiguous share of the vocabulary's rows (the last share zero-padded when the
 vocabulary does not split evenly). The embedding looks up the tokens its rows hold and the ranks'
 results are summed; the LM head's logits of each share are gathered on rank 0, the rank that samples.
+A GGUF file's token embedding may stay as its blocks, a share of rows as any table's.
 """
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from torch import nn
 
 from lmdeploy.pytorch.distributed.parallel_state import Shard, TPGroup, current_group
 from lmdeploy.pytorch.nn.quant import LinearKernel, current_weight_format
+from lmdeploy.pytorch.nn.quant.base import Layout, new_parameter
 from lmdeploy.pytorch.nn.quant.cpu_bf16 import packed_cpu_kernel
+from lmdeploy.pytorch.nn.quant.gguf_blocks import BLOCKS, dequantize_blocks
 from lmdeploy.pytorch.nn.quant.q8_cpu import Q8Gemv
 
 
@@ -32,27 +35,58 @@ class VocabTable(nn.Module):
         super().__init__()
         self.tp = current_group()
         self.vocab_size = vocab_size
-        self.start, self.stop, rows = vocab_rows(vocab_size, self.tp)
+        self.start, self.stop, self.rows = vocab_rows(vocab_size, self.tp)
         if own_weight:
-            self.weight = nn.Parameter(torch.empty(rows, hidden_size), requires_grad=False)
+            self.weight = nn.Parameter(torch.empty(self.rows, hidden_size), requires_grad=False)
             self.weight[self.stop - self.start:].zero_()
 
     def checkpoint_part(self, kind: str, part: int | None = None) -> tuple[torch.Tensor, Shard | None]:
-        """The rows of the table this rank holds (see :meth:`Linear.checkpoint_part`)."""
+        """The rows of the table (``kind``: ``weight``, or a block table's ``qweight``) this rank holds (see
+        :meth:`Linear.checkpoint_part`)."""
+        table = getattr(self, kind)
         if self.tp.world_size == 1:
-            return self.weight, None
-        return self.weight[:self.stop - self.start], Shard(0, self.start, self.stop)
+            return table, None
+        return table[:self.stop - self.start], Shard(0, self.start, self.stop)
 
 
 class VocabParallelEmbedding(VocabTable):
-    """The token embedding."""
+    """The token embedding: ``weight`` in the model's dtype, or where the weight format keeps it as blocks
+    (:attr:`WeightFormat.embedding_block_type`: a GGUF file's Q4_K, Q6_K or Q8_0 ``token_embd``) ``qweight uint8
+    [rows, hidden / B, bytes]``, the looked-up rows' blocks dequantized on each call (in fp32, exactly the file's
+    weights, then cast to the model's dtype)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int):
+        block_type = current_weight_format().embedding_block_type
+        super().__init__(vocab_size, hidden_size, own_weight=block_type is None)
+        self.block_type = block_type
+        if self.block_type is None:
+            return
+        if self.block_type not in BLOCKS:
+            raise ValueError(f'token embeddings of types {sorted(BLOCKS)} are kept as blocks, not {self.block_type}')
+        block_inputs, block_bytes = BLOCKS[self.block_type]
+        if hidden_size % block_inputs:
+            raise ValueError(f'a {self.block_type} token embedding needs a hidden size in blocks of {block_inputs}, '
+                             f'not {hidden_size}')
+        self.qweight = new_parameter((self.rows, hidden_size // block_inputs, block_bytes), Layout(0, None),
+                                     torch.uint8)
+        self.qweight[self.stop - self.start:].zero_()
+        # empty, in the model's dtype (cast and moved with it): the dtype the dequantized rows are given in
+        self.register_buffer('model_dtype', torch.empty(0), persistent=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self.lookup(input_ids)
         outside = (input_ids < self.start) | (input_ids >= self.stop)
-        out = F.embedding((input_ids - self.start).masked_fill_(outside, 0), self.weight)
+        out = self.lookup((input_ids - self.start).masked_fill_(outside, 0))
         return self.tp.all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0))
+
+    def lookup(self, rows: torch.Tensor) -> torch.Tensor:
+        """The ``rows`` of this rank's table, ``[*rows.shape, hidden]`` in the model's dtype."""
+        if self.block_type is None:
+            return F.embedding(rows, self.weight)
+        blocks = self.qweight[rows.reshape(-1)]
+        weight = dequantize_blocks(blocks, self.block_type).to(self.model_dtype.dtype)
+        return weight.view(*rows.shape, -1)
 
 
 class LMHead(VocabTable):
@@ -66,6 +100,9 @@ class LMHead(VocabTable):
 
     def __init__(self, hidden_size: int, vocab_size: int, tied: VocabParallelEmbedding | None = None):
         super().__init__(vocab_size, hidden_size, own_weight=tied is None)
+        if tied is not None and tied.block_type is not None:
+            raise ValueError(f'an LM head tied to a token embedding kept as {tied.block_type} blocks is not served: '
+                             'it reads the whole table')
         self._tied = [tied] if tied is not None else []  # a list: the embedding is not a submodule here
         self.weight_format = current_weight_format()
         self.fp16: torch.Tensor | None = None

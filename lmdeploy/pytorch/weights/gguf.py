@@ -30,7 +30,7 @@ from .gguf_qwen3_next import FILE_LAYOUT as HYBRID_FILE_LAYOUT
 from .gguf_qwen3_next import UNSUFFIXED_NAMES
 from .gguf_rope import ROPE_FREQS, ROTARY_TENSORS, llama3_rope, phi3_rope
 from .gguf_tensors import finish_state_dict, mxfp4_from_ggml
-from .gguf_types import LM_HEAD_RAW_TYPES, MXFP4, RAW_TYPES, engine_layer, served_types
+from .gguf_types import EMBEDDING_RAW_TYPES, LM_HEAD_RAW_TYPES, MXFP4, RAW_TYPES, engine_layer, served_types
 from .gguf_vl import VisionFamily, pair_mmproj, vision_family
 
 logger = logging.getLogger(__name__)
@@ -81,7 +81,9 @@ _EXPERTS = re.compile(r'blk\.\d+\.ffn_(gate|up|down)_exps\.weight')
 # llama.cpp pre-tokenizers that transformers' GGUF reader does not know, by the one of its splits they use
 # (GLM-4's is Llama 3's); without one it would split text as GPT-2 does
 _PRE_TOKENIZER_SPLITS = {'chatglm-bpe': 'llama-bpe', 'glm4': 'llama-bpe'}
-_CACHE_FORMAT = 15  # bump when the converted output changes, so stale cache entries are not reused
+# the tables a ``quantization_config`` may keep as their blocks, by the key that names their type there
+_TABLES = {'lm_head.weight': 'lm_head', 'model.embed_tokens.weight': 'embed_tokens'}
+_CACHE_FORMAT = 16  # bump when the converted output changes, so stale cache entries are not reused
 
 
 def cache_dir() -> Path:
@@ -188,6 +190,9 @@ def gguf_config(reader: GGUFReader, source: str, raw_types: Iterable[str] = RAW_
     gguf_blocks = config.get('quantization_config', {}).get('quant_method') == 'gguf'
     if gguf_blocks and output is not None and output.tensor_type.name in head_types:
         config['quantization_config']['lm_head'] = output.tensor_type.name
+    embedding = tensors['token_embd.weight'].tensor_type.name
+    if gguf_blocks and output is not None and embedding in EMBEDDING_RAW_TYPES & set(raw_types):
+        config['quantization_config']['embed_tokens'] = embedding
     check_gguf(reader, arch, config, source)
     return config
 
@@ -227,8 +232,9 @@ def gguf_state_dict(reader: GGUFReader, tensors: Iterable[Any], config: dict[str
     """``tensors`` (one of :func:`layer_groups`) under their transformers names: dequantized to float32,
     except the projections of the layers in ``config['quantization_config']``, kept as their blocks
     (``qweight uint8 [rows, blocks, bytes]``; a MoE layer's experts ``[experts, rows, blocks, bytes]``, one
-    tensor per expert once finished), the output layer where it names its type (``lm_head``:
-    ``lm_head.qweight``), and an MXFP4 checkpoint's experts as its ``_blocks`` and ``_scales``."""
+    tensor per expert once finished), the output layer and the token embedding where it names their types
+    (``lm_head``: ``lm_head.qweight``; ``embed_tokens``: ``model.embed_tokens.qweight``), and an MXFP4
+    checkpoint's experts as its ``_blocks`` and ``_scales``."""
     arch = _meta(reader, 'general.architecture')
     heads = {'attn_q': config['num_attention_heads'], 'attn_k': config['num_key_value_heads']}
     quantization = config.get('quantization_config', {})
@@ -246,7 +252,7 @@ def gguf_state_dict(reader: GGUFReader, tensors: Iterable[Any], config: dict[str
             state_dict[f'{name}_blocks'], state_dict[f'{name}_scales'] = mxfp4_from_ggml(tensor.data)
             continue
         try:
-            if engine_layer(name) in layer_types or (name == 'lm_head.weight' and 'lm_head' in quantization):
+            if engine_layer(name) in layer_types or _TABLES.get(name) in quantization:
                 block_bytes = GGML_QUANT_SIZES[tensor.tensor_type][1]
                 data = np.asarray(tensor.data, dtype=np.uint8)
                 weight = data.reshape(*data.shape[:-1], -1, block_bytes).copy()
@@ -315,6 +321,8 @@ def convert_gguf(gguf_path: str, out_dir: str, raw_types: Iterable[str] = RAW_TY
         mmproj_path = pair_mmproj(src, arch)
     vl = mmproj_path is not None
     config = gguf_config(reader, str(src), raw_types)
+    if vl:  # the vision-language models read the embedding's table for its device and dtype
+        config.get('quantization_config', {}).pop('embed_tokens', None)
     mmproj = open_gguf(mmproj_path) if vl else None
     family = vision_family(mmproj, arch, str(mmproj_path)) if vl else None
     model_config = _vl_config(family, config, reader, mmproj, str(mmproj_path)) if vl else config

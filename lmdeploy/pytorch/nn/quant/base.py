@@ -114,6 +114,8 @@ class WeightFormat(ABC):
     (see :class:`~lmdeploy.pytorch.nn.moe.FusedExperts`) and run on :meth:`make_expert_kernel`'s kernel."""
 
     split_granule = 1  # inputs that a tensor-parallel share keeps together (an MLP's or the experts' down)
+    # the GGML block type the token embedding's table is held in (a GGUF file's); None: the model's dtype
+    embedding_block_type: str | None = None
 
     @abstractmethod
     def create_weights(self, layer: Linear) -> None:

@@ -246,9 +246,12 @@ class GgufFileFormat(DenseFormat):
     parallelism MLPs deal out their intermediate features in whole blocks (:attr:`split_granule`); a row-parallel
     layer whose share of the inputs still splits blocks is dense too: its blocks are dequantized as they load
     (:meth:`convert_checkpoint`). An output layer of type ``lm_head`` (Q6_K) comes
-    as ``lm_head.qweight`` blocks: it loads dequantized, and its CPU LM head runs small steps on the blocks."""
+    as ``lm_head.qweight`` blocks: it loads dequantized, and its CPU LM head runs small steps on the blocks. A token
+    embedding of type ``embed_tokens`` (Q4_K, Q6_K, Q8_0, untied) stays as its blocks
+    (:class:`~lmdeploy.pytorch.nn.embedding.VocabParallelEmbedding`)."""
 
-    def __init__(self, ggml_types: dict[str, str | list[str]], lm_head: str | None = None):
+    def __init__(self, ggml_types: dict[str, str | list[str]], lm_head: str | None = None,
+                 embed_tokens: str | None = None):
         formats: dict[str, GgufFormat] = {}
 
         def layer_format(types: str | list[str]) -> WeightFormat:
@@ -261,6 +264,7 @@ class GgufFileFormat(DenseFormat):
         self.split_granule = max((f.block_inputs for f in formats.values()), default=1)
         self.dequantized: dict[str, str] = {}  # layer -> type, of layers that hold their blocks dequantized
         self.lm_head_type = lm_head
+        self.embedding_block_type = embed_tokens
         self.lm_head_blocks: torch.Tensor | None = None
 
     @classmethod
@@ -268,7 +272,7 @@ class GgufFileFormat(DenseFormat):
         if 'ggml_types' not in config:
             raise ValueError('this GGUF folder was converted by an older lmdeploy (one ggml_type for every layer); '
                              'convert the .gguf file again')
-        return cls(config['ggml_types'], config.get('lm_head'))
+        return cls(config['ggml_types'], config.get('lm_head'), config.get('embed_tokens'))
 
     def lm_head_kernel(self, table: torch.Tensor) -> LinearKernel | None:
         """The output layer's blocks: on CUDA its type's Triton GEMM at every step; in bf16 on the CPU the Q6_K GEMV
