@@ -30,6 +30,8 @@ from lmdeploy.pytorch.nn.quant.gguf import GgufFormat, GgufPartsFormat
 from lmdeploy.pytorch.nn.quant.gguf_blocks import NativeQ8Kernel, Q8Kernel
 from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
 from lmdeploy.pytorch.nn.quant.parts import PartsKernel
+from lmdeploy.pytorch.nn.quant.q5k_cpu import Q5KKernel
+from lmdeploy.pytorch.nn.quant.w4a16 import ReferenceKernel
 from lmdeploy.pytorch.weights.gguf import convert_gguf
 from lmdeploy.pytorch.weights.gguf_types import served_types
 
@@ -43,7 +45,8 @@ Q4_K_M = {'token_embd': Q.Q4_K, 'output': Q.Q6_K,
           'blk.1.attn_output': Q.Q4_0, 'blk.1.ffn_up': Q.Q8_0, 'blk.1.ffn_down': Q.Q5_K, 'default': Q.Q4_K}
 Q4_K_M_LAYERS = {'layers.0.self_attn.qkv_proj': ['Q4_K', 'Q4_K', 'Q6_K'], 'layers.0.self_attn.o_proj': 'Q8_0',
                  'layers.0.mlp.gate_up_proj': 'Q4_K', 'layers.0.mlp.down_proj': 'Q6_K',
-                 'layers.1.self_attn.qkv_proj': 'Q4_K', 'layers.1.mlp.gate_up_proj': ['Q4_K', 'Q8_0']}
+                 'layers.1.self_attn.qkv_proj': 'Q4_K', 'layers.1.mlp.gate_up_proj': ['Q4_K', 'Q8_0'],
+                 'layers.1.mlp.down_proj': 'Q5_K'}
 # A Q8_0 Qwen2 (q/k/v biases) keeping an F16 attn_k, an F32 ffn_down and an F16 output.
 Q8_0_F16 = {'output': Q.F16, 'blk.0.attn_k': Q.F16, 'blk.1.ffn_down': Q.F32, 'default': Q.Q8_0}
 Q8_0_F16_LAYERS = {'layers.0.self_attn.o_proj': 'Q8_0', 'layers.0.mlp.gate_up_proj': 'Q8_0',
@@ -221,7 +224,8 @@ def test_bf16_mixed_file_runs_each_layer_on_its_kernel(mixed_file):
     def check_kernels(engine: Engine) -> None:
         expected = {'Q4_K': SmallStepInt4Kernel,
                     'Q6_K': Q8Kernel if cpu.q6k_gemv() is None else SmallStepInt4Kernel,
-                    'Q8_0': Q8Kernel if cpu.q8_gemv() is None else NativeQ8Kernel}
+                    'Q8_0': Q8Kernel if cpu.q8_gemv() is None else NativeQ8Kernel,
+                    'Q5_K': ReferenceKernel if cpu.q5k_gemv() is None else Q5KKernel}
         for name, layer_type in FILES[kind][1].items():
             kernel = engine.runner.model.get_submodule(name).kernel
             if isinstance(layer_type, list):

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 # is: in bf16 its small steps rebuild the same 4-bit grid (``decode_int4``) and larger ones run bf16 GEMMs.
 # MXFP4 only for gpt-oss's experts (``ffn_*_exps``), converted to an MXFP4 checkpoint's (``nn/quant/mxfp4.py``).
 MXFP4 = 'MXFP4'
-RAW_TYPES = frozenset({'Q4_K', 'Q6_K', 'Q8_0', MXFP4})
+RAW_TYPES = frozenset({'Q4_K', 'Q5_K', 'Q6_K', 'Q8_0', MXFP4})
 # Output layer types kept as their blocks too (besides the dequantized table) in a file with layers kept so.
 LM_HEAD_RAW_TYPES = frozenset({'Q6_K'})
 # Token embedding types kept as their blocks (each step dequantizes the rows it looks up) in such a file whose

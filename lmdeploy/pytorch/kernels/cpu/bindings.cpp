@@ -3,6 +3,7 @@
 
 #include "decoder_stack.h"
 #include "gated_delta.h"
+#include "linear_q5k.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
@@ -54,6 +55,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("packed"), py::arg("scales"));
   m.def("q6k_gemv_available", &q6k_gemv_available, "whether q6k_linear was built (AVX512-BF16)");
   m.def("q6k_linear", &q6k_linear, "fp32 x @ W.T on GGUF Q6_K codes and scales (linear_q6k.cpp), x in bf16",
+        py::arg("x"), py::arg("codes"), py::arg("scales"));
+  m.def("q5k_gemv_available", &q5k_gemv_available, "whether q5k_linear was built (AVX512-BF16)");
+  m.def("q5k_linear", &q5k_linear, "fp32 x @ W.T on GGUF Q5_K codes and scales (linear_q5k.cpp), x in bf16",
         py::arg("x"), py::arg("codes"), py::arg("scales"));
   m.def("mxfp4_gemv_available", &mxfp4_gemv_available, "whether mxfp4_linear was built (AVX-512)");
   m.def("mxfp4_linear", &mxfp4_linear, "fp32 x @ W.T on MXFP4 blocks and scales (linear_mxfp4.cpp), x in fp32 or bf16",

@@ -47,6 +47,7 @@ from lmdeploy.pytorch.nn.quant.dense import DenseFormat, DenseKernel
 from lmdeploy.pytorch.nn.quant.gguf_blocks import (BLOCKS, NativeQ8Kernel, Q8Kernel, dequantize_blocks, int8_unpack,
                                                    q4_k_cpu_kernel, q4_k_grid, q6_k_cpu_kernel, q6_k_parts)
 from lmdeploy.pytorch.nn.quant.parts import PartsKernel
+from lmdeploy.pytorch.nn.quant.q5k_cpu import Q5KKernel
 from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6KGemv
 from lmdeploy.pytorch.nn.quant.w4a16 import Int4GroupFormat, Int4Grid, PerExpertKernel, ReferenceKernel
 from lmdeploy.pytorch.weights.gguf_types import engine_layer, part_index
@@ -57,7 +58,7 @@ if TYPE_CHECKING:
     from lmdeploy.pytorch.nn.moe import ExpertProjection, FusedExperts
 
 class GgufFormat(Int4GroupFormat):
-    """A GGUF linear weight of one type, Q4_K, Q6_K or Q8_0, as its blocks."""
+    """A GGUF linear weight of one type, Q4_K, Q5_K, Q6_K or Q8_0, as its blocks."""
 
     def __init__(self, ggml_type: str):
         if ggml_type not in BLOCKS:
@@ -89,6 +90,12 @@ class GgufFormat(Int4GroupFormat):
             native = q4_k_cpu_kernel(layer.qweight, self.unpack(layer), layer.gate_up_panels) if cpu_bf16 else None
             if native is None:
                 return super().make_kernel(layer, options)
+            layer.qweight = None
+            return native
+        if self.ggml_type == 'Q5_K':  # dequantized on each call where the native GEMV does not run it
+            native = Q5KKernel.of(layer.qweight) if cpu_bf16 else None
+            if native is None:
+                return ReferenceKernel(self, layer)
             layer.qweight = None
             return native
         if options.dtype is None:
@@ -129,7 +136,8 @@ class GgufExpertsFormat(WeightFormat):
 
     def make_expert_kernel(self, experts: FusedExperts, options: LinearOptions) -> ExpertKernel:
         device = getattr(experts, experts.param_name('down', experts.kinds['down'][0])).device.type
-        if options.dtype is not None and device == 'cuda':
+        on_triton = not any(isinstance(f, GgufFormat) and f.ggml_type == 'Q5_K' for f in self.formats.values())
+        if options.dtype is not None and device == 'cuda' and on_triton:
             kernel = self.triton_kernel(experts)
         elif options.dtype == torch.bfloat16 and device == 'cpu':
             kernels = {proj: [self.cpu_kernel(proj, experts.projection(proj, e)) for e in range(experts.num_experts)]
@@ -165,7 +173,7 @@ class GgufExpertsFormat(WeightFormat):
 
     def cpu_kernel(self, proj: str, layer: ExpertProjection) -> LinearKernel:
         """One expert's projection for bf16 activations on the CPU: its blocks on their native GEMV where built
-        (Q4_K as a dense layer; Q6_K at every step size: an expert's share of a step is a few rows), else
+        (Q4_K and Q5_K as a dense layer; Q6_K at every step size: an expert's share of a step is a few rows), else
         dequantized on each call; a dense one on ``F.linear``."""
         projection_format = self.formats[proj]
         if not isinstance(projection_format, GgufFormat):
@@ -175,6 +183,8 @@ class GgufExpertsFormat(WeightFormat):
             grid = q4_k_grid(layer.qweight)
             return (q4_k_cpu_kernel(layer.qweight, grid, proj == 'gate_up')
                     or Int4GroupFormat.cpu_expert_kernel(grid, proj == 'gate_up', torch.bfloat16))
+        if ggml_type == 'Q5_K':
+            return Q5KKernel.of(layer.qweight) or ReferenceKernel(projection_format, BlockRows(layer.qweight))
         native = Q6KGemv.of(*q6_k_parts(layer.qweight)) if ggml_type == 'Q6_K' else None
         if native is not None:
             return native

@@ -1,4 +1,4 @@
-"""llama.cpp's block types as the engine reads them: Q8_0, Q4_K and Q6_K blocks (``uint8 [N, K / B, bytes]``)
+"""llama.cpp's block types as the engine reads them: Q8_0, Q4_K, Q5_K and Q6_K blocks (``uint8 [N, K / B, bytes]``)
 unpacked to codes and scales, dequantized, and the CPU kernels that run them as they are (see
 :mod:`lmdeploy.pytorch.nn.quant.gguf` for the formats that hold them)."""
 from __future__ import annotations
@@ -10,13 +10,14 @@ from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.quant.base import LinearKernel
 from lmdeploy.pytorch.nn.quant.cpu_bf16 import packed_cpu_kernel
 from lmdeploy.pytorch.nn.quant.int4_cpu import NativeInt4Kernel, SmallStepInt4Kernel
-from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KGemv
+from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KGemv, k_scale_mins
+from lmdeploy.pytorch.nn.quant.q5k_cpu import q5k_weight
 from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6K_TILE, Q6KGemv
 from lmdeploy.pytorch.nn.quant.q8_cpu import Q8_GROUP, Q8_TILE, pack_q8
 from lmdeploy.pytorch.nn.quant.w4a16 import Int4Grid
 
 # inputs and bytes per block
-BLOCKS = {'Q8_0': (32, 34), 'Q4_K': (256, 144), 'Q6_K': (256, 210)}
+BLOCKS = {'Q8_0': (32, 34), 'Q4_K': (256, 144), 'Q5_K': (256, 176), 'Q6_K': (256, 210)}
 # Larger steps run faster dequantized for one bf16 GEMM. 2048 x 2048 on the shared 2-core EPYC (best of 40,
 # load 8), GEMV against dequantizing and F.linear: 0.06 / 0.76 ms at 1 row, 0.56 / 0.76 at 16, 1.10 / 0.89
 # at 32, 2.3 / 1.2 at 64.
@@ -70,14 +71,10 @@ def q8_0_weight(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 def q4_k_grid(blocks: torch.Tensor) -> Int4Grid:
     """``[N, K / 256, 144]`` Q4_K blocks as a 4-bit grid of groups of 32 inputs."""
     n, num_blocks = blocks.shape[:2]
-    d, dmin = fp16_at(blocks, 0)[..., None], fp16_at(blocks, 2)[..., None]
-    packed = blocks[..., 4:16].long()
-    low, high, extra = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
-    sc = torch.cat((low & 63, (extra & 15) | ((low >> 2) & 48)), dim=-1)
-    m = torch.cat((high & 63, (extra >> 4) | ((high >> 2) & 48)), dim=-1)
+    scales, offsets = k_scale_mins(fp16_at(blocks, 0), fp16_at(blocks, 2), blocks[..., 4:16])
     qs = blocks[..., 16:].view(n, num_blocks, 4, 1, 32)
     codes = torch.cat((qs & 15, qs >> 4), dim=3).reshape(n, -1)
-    scales, offsets = (d * sc).view(n, -1), (dmin * m).view(n, -1)
+    scales, offsets = scales.view(n, -1), offsets.view(n, -1)
     return Int4Grid(codes, scales.T.contiguous(), offsets.T.contiguous(), 32)
 
 
@@ -85,6 +82,8 @@ def dequantize_blocks(blocks: torch.Tensor, ggml_type: str) -> torch.Tensor:
     """``W [N, K]`` in fp32 (exact) from ``[N, K / B, bytes]`` blocks of ``ggml_type``."""
     if ggml_type == 'Q4_K':
         return q4_k_grid(blocks).dequantize(torch.float32)
+    if ggml_type == 'Q5_K':
+        return q5k_weight(blocks)
     return q8_0_weight(*int8_unpack(blocks, ggml_type))
 
 

@@ -12,6 +12,16 @@ from lmdeploy.pytorch.nn.quant.int4_cpu import INT4_TILE, NativeInt4Kernel, gate
 Q4K_BLOCK, Q4K_BLOCK_BYTES = 256, 144
 
 
+def k_scale_mins(d: torch.Tensor, dmin: torch.Tensor, packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``d * sc`` and ``dmin * m`` ``[..., 8]`` of blocks from their fp16 ``d``, ``dmin`` ``[...]`` and the 12
+    bytes packing eight 6-bit ``sc`` and ``m`` ``[..., 12]`` (Q4_K's and Q5_K's, as llama.cpp's get_scale_min_k4)."""
+    packed = packed.long()
+    low, high, extra = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = torch.cat((low & 63, (extra & 15) | ((low >> 2) & 48)), dim=-1)
+    m = torch.cat((high & 63, (extra >> 4) | ((high >> 2) & 48)), dim=-1)
+    return d.float()[..., None] * sc, dmin.float()[..., None] * m
+
+
 def pack_q4k(blocks: torch.Tensor, codes: torch.Tensor, gate_up: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Q4_K ``blocks [N, K / 256, 144]`` and their codes ``[N, K]`` (0..15) in ``q4k_linear``'s layout: the int4
     GEMV's ``packed [N/16, K/32, 8, 32]`` codes and ``scales [N/16, K/256, 256]`` uint8, per tile of 16 rows and

@@ -1,0 +1,157 @@
+// y = x @ W.T (fp32) on GGUF Q5_K weights as the file holds them, for CPUs with AVX512-BF16: per block of 256
+// inputs an fp16 d and dmin and, per group of 32, 6-bit sc and m (as Q4_K), 5-bit codes u (0..31),
+// w = u * d * sc - dmin * m; bf16 activations used as they are (not quantized). Q5_K_M files and the attn_qkv
+// of Qwen3.5's Q4_K_M: 0.69 bytes a weight, as in the file, against 2 for a bf16 copy.
+//
+// As in linear_int4.cpp, a code u becomes the bf16 number 128 + u (exact: bf16 steps by 1 in [128, 256)) by
+// OR-ing it into 0x4300, so one vdpbf16ps multiplies a broadcast pair of x with a pair of 16 rows' codes; a
+// group of 32 inputs adds d * sc * (D - 128 X) - dmin * m * X with D = sum x (128 + u), X = sum x over the
+// group (d * sc and dmin * m are exact in fp32).
+//
+// Codes [N/16, K/32, 320] bytes, a tile of 16 rows and a group of 32 inputs: 8 chunks of 32 bytes as the int4
+// GEMV's (byte j of chunk c: the low 4 bits of (row j/2, input 2c + j%2) in its low nibble, of (row j/2,
+// input 16 + 2c + j%2) in its high one), then 32 uint16 whose lane j holds in bit c the fifth bit of the low
+// nibble's weight of chunk c and in bit 8 + c the high one's. Scales [N/16, K/256, 256] bytes as q4k_linear's:
+// per tile and block the 16 rows' d (fp16), their dmin, then the file's 12 bytes of sc and m, 16 rows a byte.
+#include "common.h"
+#include "linear_q5k.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+
+namespace {
+
+constexpr int64_t kTile = 16, kGroup = 32, kBlock = 256, kCodeBytes = 320, kScaleBytes = 256;
+
+struct Q5Gemv {
+  const c10::BFloat16* x;  // [M, K]
+  const float* xsum;       // [M, K / 32]
+  const uint8_t* codes;
+  const uint8_t* scales;
+  int64_t M, K, N;
+};
+
+// Byte b of the 16 rows' packed 6-bit scales and mins, one row a lane.
+inline __m512i scale_bytes(const uint8_t* s, int64_t b) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 4 * kTile + kTile * b)));
+}
+
+// The 16 rows' d * sc and dmin * m of group j of a block (scale bytes s), as llama.cpp's get_scale_min_k4.
+inline void block_scales(const uint8_t* s, int64_t j, __m512& scale, __m512& minimum) {
+  const __m512i low6 = _mm512_set1_epi32(63), low4 = _mm512_set1_epi32(15), top2 = _mm512_set1_epi32(0xC0);
+  __m512i sc, mn;
+  if (j < 4) {
+    sc = _mm512_and_si512(scale_bytes(s, j), low6);
+    mn = _mm512_and_si512(scale_bytes(s, j + 4), low6);
+  } else {
+    const __m512i extra = scale_bytes(s, j + 4);
+    sc = _mm512_or_si512(_mm512_and_si512(extra, low4),
+                         _mm512_srli_epi32(_mm512_and_si512(scale_bytes(s, j - 4), top2), 2));
+    mn = _mm512_or_si512(_mm512_srli_epi32(extra, 4), _mm512_srli_epi32(_mm512_and_si512(scale_bytes(s, j), top2), 2));
+  }
+  scale = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s))),
+                        _mm512_cvtepi32_ps(sc));
+  minimum = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 2 * kTile))),
+                          _mm512_cvtepi32_ps(mn));
+}
+
+// `low` (0x4300 | low 4 bits) with bit `bit` of `top` moved to bit 4.
+inline __m512i with_fifth(__m512i low, __m512i top, int bit) {
+  const __m512i moved = bit <= 4 ? _mm512_slli_epi16(top, 4 - bit) : _mm512_srli_epi16(top, bit - 4);
+  return _mm512_ternarylogic_epi32(low, moved, _mm512_set1_epi16(0x0010), 0xF8);  // low | (moved & 0x10)
+}
+
+// x @ W.T of one tile's 16 rows for the R rows of x from m, in fp32; every row's sums run in the same order
+// whatever R is.
+template <int R>
+inline void tile_dot(const Q5Gemv& g, int64_t tile, int64_t m, __m512* y) {
+  const int64_t groups = g.K / kGroup, blocks = g.K / kBlock;
+  const uint8_t* w = g.codes + tile * groups * kCodeBytes;
+  const uint8_t* s = g.scales + tile * blocks * kScaleBytes;
+  const __m512i nibble = _mm512_set1_epi16(0x000F), offset = _mm512_set1_epi16(0x4300);
+  const __m512 minus128 = _mm512_set1_ps(-128.f);
+  __m512 acc[R], acc_min[R];
+  for (int r = 0; r < R; ++r) acc[r] = acc_min[r] = _mm512_setzero_ps();
+  for (int64_t block = 0; block < blocks; ++block, s += kScaleBytes) {
+    alignas(64) float scales[8][2][kTile];  // decoded once per block, outside the loop over codes
+    for (int64_t j = 0; j < 8; ++j) {
+      __m512 scale, minimum;
+      block_scales(s, j, scale, minimum);
+      _mm512_store_ps(scales[j][0], scale);
+      _mm512_store_ps(scales[j][1], minimum);
+    }
+    for (int64_t j = 0; j < kBlock / kGroup; ++j, w += kCodeBytes) {
+      const int64_t group = block * (kBlock / kGroup) + j;
+      const __m512i top = _mm512_loadu_si512(w + 8 * 32);
+      __m512 dot[R][2];
+      for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+      for (int c = 0; c < 8; ++c) {
+        const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * c)));
+        const __m512i low = with_fifth(_mm512_ternarylogic_epi32(bytes, nibble, offset, 0xEA), top, c);
+        const __m512i high = with_fifth(_mm512_or_si512(_mm512_srli_epi16(bytes, 4), offset), top, 8 + c);
+        for (int r = 0; r < R; ++r) {
+          const int32_t* pairs = reinterpret_cast<const int32_t*>(g.x + (m + r) * g.K + group * kGroup);
+          dot[r][0] = _mm512_dpbf16_ps(dot[r][0], (__m512bh)low, (__m512bh)_mm512_set1_epi32(pairs[c]));
+          dot[r][1] = _mm512_dpbf16_ps(dot[r][1], (__m512bh)high, (__m512bh)_mm512_set1_epi32(pairs[c + 8]));
+        }
+      }
+      const __m512 scale = _mm512_load_ps(scales[j][0]), minimum = _mm512_load_ps(scales[j][1]);
+      for (int r = 0; r < R; ++r) {
+        const __m512 x_group = _mm512_set1_ps(g.xsum[(m + r) * groups + group]);
+        acc[r] = _mm512_fmadd_ps(scale, _mm512_fmadd_ps(minus128, x_group, _mm512_add_ps(dot[r][0], dot[r][1])),
+                                 acc[r]);
+        acc_min[r] = _mm512_fmadd_ps(minimum, x_group, acc_min[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) y[r] = _mm512_sub_ps(acc[r], acc_min[r]);
+}
+
+template <int R>
+void tile_rows(const Q5Gemv& g, float* out, int64_t tile, int64_t m) {
+  __m512 y[R];
+  tile_dot<R>(g, tile, m, y);
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (m + r) * g.N + tile * kTile, y[r]);
+}
+
+}  // namespace
+
+bool q5k_gemv_available() { return true; }
+
+torch::Tensor q5k_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales) {
+  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.size(2) == kCodeBytes &&
+                  codes.is_contiguous(),
+              "codes: uint8 [N/16, K/32, 320]");
+  const int64_t N = codes.size(0) * kTile, K = codes.size(1) * kGroup, groups = K / kGroup;
+  TORCH_CHECK(K % kBlock == 0 && scales.scalar_type() == at::kByte && scales.is_contiguous() &&
+                  scales.numel() == N / kTile * (K / kBlock) * kScaleBytes,
+              "scales: uint8 [N/16, K/256, 256]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.size(-1) == K, "x: bf16 [..., ", K, "]");
+  const auto rows = x.reshape({-1, K}).contiguous();
+  const int64_t M = rows.size(0);
+  const c10::BFloat16* xp = rows.data_ptr<c10::BFloat16>();
+  const float* xsum = group_sums(xp, M * groups, kGroup);
+  auto out = torch::empty({M, N}, x.options().dtype(at::kFloat));
+  const Q5Gemv g{xp, xsum, codes.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), M, K, N};
+  float* o = out.data_ptr<float>();
+  constexpr int64_t kRows = 4;  // rows of x sharing each widened chunk of codes
+#pragma omp parallel for schedule(static) num_threads(at::get_num_threads())
+  for (int64_t tile = 0; tile < N / kTile; ++tile) {
+    int64_t m = 0;
+    for (; m + kRows <= M; m += kRows) tile_rows<kRows>(g, o, tile, m);
+    for (; m < M; ++m) tile_rows<1>(g, o, tile, m);
+  }
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  return out.view(shape);
+}
+
+#else
+
+bool q5k_gemv_available() { return false; }
+
+torch::Tensor q5k_linear(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&) {
+  TORCH_CHECK(false, "built without AVX512-BF16");
+}
+
+#endif

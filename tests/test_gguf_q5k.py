@@ -1,0 +1,141 @@
+"""GGUF Q5_K projections kept as their blocks (Q5_K_M files; Qwen3.5's Q4_K_M ``attn_qkv``): unpacked and retiled
+exactly as the ``gguf`` package dequantizes them, the native Q5_K GEMV on them in bf16, and a tiny Q5_K_M-like
+Llama (Q5_K, some Q6_K) served from its blocks with transformers' fp32 greedy tokens."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sysconfig
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
+from transformers import AutoModelForCausalLM
+from helpers import hf_greedy, make_engine, random_prompts, run
+from test_gguf_mixed import encode, write_mixed_gguf
+
+from lmdeploy.messages import PytorchEngineConfig
+from lmdeploy.pytorch.engine.engine import Engine
+from lmdeploy.pytorch.kernels import cpu
+from lmdeploy.pytorch.nn.quant.base import LinearOptions
+from lmdeploy.pytorch.nn.quant.gguf import GgufFormat
+from lmdeploy.pytorch.nn.quant.gguf_blocks import dequantize_blocks
+from lmdeploy.pytorch.nn.quant.q5k_cpu import Q5K_NATIVE_MAX_ROWS, Q5KKernel, pack_q5k, unpack_q5k
+from lmdeploy.pytorch.nn.quant.w4a16 import ReferenceKernel
+from lmdeploy.pytorch.weights.gguf import convert_gguf
+
+# llama.cpp's Q5_K_M on a 2-layer model: Q6_K in layer 0's attn_v and ffn_down and the output, Q5_K elsewhere
+Q5_K_M = {'output': Q.Q6_K, 'blk.0.attn_v': Q.Q6_K, 'blk.0.ffn_down': Q.Q6_K, 'default': Q.Q5_K}
+
+
+def random_q5k(rows: int, inputs: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random Q5_K blocks ``[rows, inputs / 256, 176]`` and gguf's dequantization of them (fp32)."""
+    data = encode(np.zeros((rows, inputs), dtype=np.float32), Q.Q5_K, np.random.default_rng(seed))
+    expected = torch.from_numpy(dequantize(data, Q.Q5_K).astype(np.float32))
+    return torch.from_numpy(data).view(rows, inputs // 256, 176), expected
+
+
+def test_q5_k_blocks_and_their_retiling_are_the_file_weights():
+    """Both the blocks and the GEMV's retiled copy dequantize to gguf's weights exactly, at 0.69 bytes a weight."""
+    blocks, expected = random_q5k(48, 768)
+    assert torch.equal(dequantize_blocks(blocks, 'Q5_K'), expected)
+    codes, scales = pack_q5k(blocks)
+    assert codes.shape == (3, 24, 320) and scales.shape == (3, 3, 256)
+    assert codes.numel() + scales.numel() == blocks.numel()
+    assert torch.equal(unpack_q5k(codes, scales), expected)
+
+
+@pytest.mark.parametrize('rows', [1, 3, 4, 7, Q5K_NATIVE_MAX_ROWS, Q5K_NATIVE_MAX_ROWS + 5])
+def test_q5_k_kernel_is_the_file_weights(rows):
+    """bf16 activations (their values, not quantized): steps of up to ``Q5K_NATIVE_MAX_ROWS`` rows on the GEMV give
+    ``x @ W.T`` of gguf's weights up to fp32 summation order (rows of x in blocks of 4 and alone alike), larger
+    ones the bf16 GEMM of the weights dequantized for the call."""
+    if cpu.q5k_gemv() is None:
+        pytest.skip('the native Q5_K GEMV needs AVX512-BF16')
+    blocks, expected = random_q5k(80, 512, seed=rows)  # 5 tiles of 16 rows
+    kernel = Q5KKernel.of(blocks)
+    x = torch.randn(rows, 512).bfloat16()
+    bias = torch.randn(80).bfloat16()
+    if rows <= Q5K_NATIVE_MAX_ROWS:
+        reference = x.float() @ expected.T
+        out = cpu.native().q5k_linear(x, kernel.codes, kernel.scales)
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
+        assert torch.equal(out[-1:], cpu.native().q5k_linear(x[-1:], kernel.codes, kernel.scales))
+        assert torch.equal(kernel(x, bias), out.bfloat16() + bias)
+    else:
+        assert torch.equal(kernel(x, bias), torch.nn.functional.linear(x, expected.bfloat16(), bias))
+
+
+def test_q5_k_in_fp32_and_without_the_gemv_is_dequantized_per_call():
+    """fp32 (and rows that do not fill the GEMV's tiles) dequantize the blocks on each call: gguf's weights."""
+    blocks, expected = random_q5k(40, 256, seed=9)
+    layer = torch.nn.Module()
+    layer.qweight, layer.gate_up_panels = blocks, False
+    kernel = GgufFormat('Q5_K').make_kernel(layer, LinearOptions(False, dtype=torch.float32))
+    assert isinstance(kernel, ReferenceKernel) and layer.qweight is blocks
+    x = torch.randn(3, 256)
+    torch.testing.assert_close(kernel(x, None), x @ expected.T)
+    assert Q5KKernel.of(blocks) is None  # 40 rows: not whole tiles of 16
+
+
+@pytest.fixture(scope='module')
+def q5_k_m(tmp_path_factory) -> str:
+    tmp = tmp_path_factory.mktemp('q5km')
+    write_mixed_gguf('llama', tmp / 'hf', tmp / 'model.gguf', Q5_K_M)
+    convert_gguf(str(tmp / 'model.gguf'), str(tmp / 'served'))
+    return str(tmp / 'served')
+
+
+def test_q5_k_m_file_gives_transformers_tokens(q5_k_m):
+    """The Q5_K projections stay uint8 blocks of 176 bytes (a q/k/v of Q5_K q and k and Q6_K v part by part); in
+    fp32 the greedy tokens are transformers' reading the .gguf, batched equal to alone, every KV block given back."""
+    engine = make_engine(q5_k_m)
+    try:
+        model = engine.runner.model
+        down = model.get_submodule('layers.1.mlp.down_proj')
+        assert down.weight_format.ggml_type == 'Q5_K'
+        assert down.qweight.dtype == torch.uint8 and down.qweight.shape == (256, 512 // 256, 176)
+        qkv = model.get_submodule('layers.0.self_attn.qkv_proj')
+        assert [part.ggml_type for part in qkv.weight_format.parts] == ['Q5_K', 'Q5_K', 'Q6_K']
+        prompts = random_prompts([9, 30, 4], seed=5, vocab=250)
+        batched = run(engine, prompts)
+        solo = [run(engine, [prompt])[0] for prompt in prompts]
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    finally:
+        engine.close()
+    assert batched == solo
+    folder = q5_k_m.rpartition('/')[0]
+    reference = AutoModelForCausalLM.from_pretrained(folder, gguf_file='model.gguf', dtype=torch.float32).eval()
+    assert batched == [hf_greedy(reference, prompt) for prompt in prompts]
+
+
+def test_bf16_q5_k_m_file_runs_q5_k_on_the_gemv(q5_k_m):
+    """bf16 on the CPU: the Q5_K layers on their kernel (no bf16 copy), tokens for every prompt, blocks given back."""
+    if os.environ.get('LMDEPLOY_TEST_DEVICE', 'cpu') != 'cpu' or cpu.q5k_gemv() is None:
+        pytest.skip('the native Q5_K GEMV needs AVX512-BF16 on the CPU')
+    engine = Engine(q5_k_m, PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=64, block_size=16,
+                                                max_prefill_token_num=48), show_progress=False)
+    try:
+        down = engine.runner.model.get_submodule('layers.1.mlp.down_proj')
+        assert isinstance(down.kernel, Q5KKernel) and down.qweight is None
+        prompts = random_prompts([40, 7], seed=3, vocab=250)
+        outs = run(engine, prompts)
+        assert [len(out) for out in outs] == [32, 32]
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    finally:
+        engine.close()
+
+
+@pytest.mark.slow
+def test_native_source_compiles_without_avx512():
+    """On a plain AVX2 CPU linear_q5k.cpp builds its stub (``q5k_gemv_available()`` false: Q5_K dequantized per
+    call)."""
+    from torch.utils.cpp_extension import include_paths
+    includes = [f'-I{path}' for path in include_paths()] + [f'-I{sysconfig.get_paths()["include"]}']
+    proc = subprocess.run([os.environ.get('CXX', 'c++'), '-std=c++17', '-fsyntax-only', '-march=x86-64-v3',
+                           '-fopenmp', *includes, os.path.join(os.path.dirname(cpu.__file__), 'linear_q5k.cpp')],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
