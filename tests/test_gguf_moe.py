@@ -1,6 +1,6 @@
 """MoE GGUF files (Qwen3-MoE's ``qwen3moe``, Mixtral's ``llama`` with experts) whose experts stay as llama.cpp's
-blocks, Q4_K_M-like: Q4_K experts with a Q6_K or Q8_0 ``ffn_down_exps`` in some layers, and types that are not
-kept (a Q5_K down, gate and up of different types) dequantized per projection. In fp32 the greedy tokens equal
+blocks, Q4_K_M-like: Q4_K experts with a Q6_K, Q8_0 or Q5_K ``ffn_down_exps`` in some layers, and gate and up of
+different types (not kept) dequantized per projection. In fp32 the greedy tokens equal
 transformers' on the weights the ``gguf`` package dequantizes from the file; in bf16 on the CPU each expert runs
 on its type's native kernel."""
 from __future__ import annotations
@@ -30,12 +30,14 @@ from lmdeploy.pytorch.nn.quant.gguf import GgufExpertsFormat, GgufFormat
 from lmdeploy.pytorch.nn.quant.gguf_blocks import NativeQ8Kernel, Q8Kernel, dequantize_blocks
 from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
 from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KGemv
+from lmdeploy.pytorch.nn.quant.q5k_cpu import Q5KKernel
 from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6KGemv
+from lmdeploy.pytorch.nn.quant.w4a16 import ReferenceKernel
 from lmdeploy.pytorch.weights.gguf import convert_gguf
 
 # Qwen3-MoE as Q4_K_M: Q6_K in layer 0's attn_v (its q/k/v dequantized) and ffn_down_exps, a Q8_0 ffn_down_exps
 # in layer 1 and a Q6_K output. Qwen2-MoE (a shared expert, kept as blocks too): a Q6_K ffn_down_exps in layer 1
-# and a Q6_K shared down in layer 2. Mixtral: layer 0's ffn_down_exps Q5_K (dequantized, its gate and up kept),
+# and a Q6_K shared down in layer 2. Mixtral: layer 0's ffn_down_exps Q5_K (kept too),
 # layer 1's ffn_up_exps Q8_0 beside a Q4_K gate (gate and up dequantized, its down kept).
 FILES = {
     'qwen3_moe': ({'output': Q.Q6_K, 'blk.0.attn_v': Q.Q6_K, 'blk.0.ffn_down_exps': Q.Q6_K,
@@ -45,7 +47,7 @@ FILES = {
                   {0: {'gate_up': 'Q4_K', 'down': 'Q4_K'}, 1: {'gate_up': 'Q4_K', 'down': 'Q6_K'},
                    2: {'gate_up': 'Q4_K', 'down': 'Q4_K'}}),
     'mixtral': ({'blk.0.ffn_down_exps': Q.Q5_K, 'blk.1.ffn_up_exps': Q.Q8_0, 'default': Q.Q4_K},
-                {0: {'gate_up': 'Q4_K', 'down': 'dense'}, 1: {'gate_up': 'dense', 'down': 'Q4_K'}}),
+                {0: {'gate_up': 'Q4_K', 'down': 'Q5_K'}, 1: {'gate_up': 'dense', 'down': 'Q4_K'}}),
 }
 
 
@@ -163,15 +165,16 @@ def count_calls(monkeypatch: pytest.MonkeyPatch, classes: list[type]) -> dict[st
 def test_bf16_experts_run_on_their_native_kernels(moe_file, monkeypatch):
     """bf16 on the CPU: Q4_K experts on the Q4_K GEMV up to 16 rows and the int4 GEMV above (gate and up with
     their SiLU epilogue), Q6_K on the Q6_K
-    GEMV, Q8_0 on the 8-bit GEMV, dequantized projections on ``F.linear``, and each is called; the logits stay
+    GEMV, Q5_K on the Q5_K GEMV up to 16 rows, Q8_0 on the 8-bit GEMV, dequantized projections on ``F.linear``, and each is called; the logits stay
     within 15% of fp32's: each kernel is within 1% of fp32 on its own (the expert tests above), but in this tiny
     random model a bf16 rounding can flip a token's choice of experts, which moves the logits by about 10%."""
     kind, tmp = moe_file
     if os.environ.get('LMDEPLOY_TEST_DEVICE', 'cpu') != 'cpu':
         pytest.skip('CPU kernels')
-    if cpu.int4_gemv() is None or cpu.q6k_gemv() is None or cpu.q8_gemv() is None:
+    if cpu.int4_gemv() is None or cpu.q6k_gemv() is None or cpu.q8_gemv() is None or cpu.q5k_gemv() is None:
         pytest.skip('the native GEMVs need AVX512-BF16')
-    kernels = {'Q4_K': SmallStepInt4Kernel, 'Q6_K': Q6KGemv, 'Q8_0': NativeQ8Kernel, 'dense': DenseKernel}
+    kernels = {'Q4_K': SmallStepInt4Kernel, 'Q5_K': Q5KKernel, 'Q6_K': Q6KGemv, 'Q8_0': NativeQ8Kernel,
+               'dense': DenseKernel}
     used = {kernels[t] for layer in FILES[kind][1].values() for t in layer.values()}
     calls = count_calls(monkeypatch, sorted(used, key=lambda cls: cls.__name__))
 
@@ -228,14 +231,16 @@ def test_fp32_experts_dequantize_each_routed_expert():
 
 
 @pytest.mark.parametrize('types', [{'gate_up': 'Q4_K', 'down': 'Q4_K'}, {'gate_up': 'Q4_K', 'down': 'Q6_K'},
-                                   {'gate_up': 'Q8_0', 'down': 'Q8_0'}], ids=['q4k', 'q4k-q6k', 'q8_0'])
+                                   {'gate_up': 'Q4_K', 'down': 'Q5_K'}, {'gate_up': 'Q8_0', 'down': 'Q8_0'}],
+                         ids=['q4k', 'q4k-q6k', 'q4k-q5k', 'q8_0'])
 def test_bf16_cpu_expert_kernels_match_the_file_weights(types):
     """bf16 experts on the CPU give the fused MoE on gguf's weights up to bf16 rounding, at 1 to 40 tokens."""
     experts = random_gguf_experts(types)
     gate_up, down = dense_weights(experts)
     experts.finalize(LinearOptions(pack_cpu=True, dtype=torch.bfloat16))
-    fallback = {'Q4_K': SmallStepInt4Kernel, 'Q6_K': Q8Kernel, 'Q8_0': Q8Kernel}
-    native = {'Q4_K': (SmallStepInt4Kernel, cpu.int4_gemv()), 'Q6_K': (Q6KGemv, cpu.q6k_gemv()),
+    fallback = {'Q4_K': SmallStepInt4Kernel, 'Q5_K': ReferenceKernel, 'Q6_K': Q8Kernel, 'Q8_0': Q8Kernel}
+    native = {'Q4_K': (SmallStepInt4Kernel, cpu.int4_gemv()), 'Q5_K': (Q5KKernel, cpu.q5k_gemv()),
+              'Q6_K': (Q6KGemv, cpu.q6k_gemv()),
               'Q8_0': (NativeQ8Kernel, cpu.q8_gemv())}
     for proj, t in types.items():
         kind, built = native[t]

@@ -49,14 +49,16 @@ ARCHS = {'qwen3next': gguf.MODEL_ARCH.QWEN3NEXT, 'qwen35': gguf.MODEL_ARCH.QWEN3
          'qwen35moe': gguf.MODEL_ARCH.QWEN35MOE}
 _F32_TENSORS = ('_norm.weight', 'ffn_gate_inp.weight', 'ffn_gate_inp_shexp.weight', 'ssm_conv1d.weight')
 # Q4_K_M-like (llama.cpp's Q4_K, with Q6_K in some attn_v and ffn_down and the output), Q8_0 and Q6_K besides: the
-# full-attention layer's q/k/v of Q4_K, Q4_K and Q6_K (kept part by part)
+# full-attention layer's q/k/v of Q4_K, Q4_K and Q6_K (kept part by part); layer 0's attn_qkv Q5_K, as llama.cpp's
+# Q4_K_M writes Qwen3.5's
 MIXED = {'output': Q.Q6_K, 'blk.3.attn_v': Q.Q6_K, 'blk.3.attn_output': Q.Q8_0, 'blk.0.ffn_down': Q.Q6_K,
          'blk.0.ffn_down_shexp': Q.Q6_K, 'blk.1.ffn_down_exps': Q.Q6_K, 'blk.1.attn_qkv': Q.Q8_0,
-         'blk.1.attn_gate': Q.Q6_K, 'blk.2.ssm_out': Q.Q8_0, 'default': Q.Q4_K}
+         'blk.1.attn_gate': Q.Q6_K, 'blk.2.ssm_out': Q.Q8_0, 'blk.0.attn_qkv': Q.Q5_K, 'default': Q.Q4_K}
 MIXED_LAYERS = {'layers.3.self_attn.qkv_proj': ['Q4_K', 'Q4_K', 'Q6_K'], 'layers.3.self_attn.o_proj': 'Q8_0',
                 'layers.0.mlp.down_proj': 'Q6_K', 'layers.0.mlp.shared_expert.down_proj': 'Q6_K',
                 'layers.1.mlp.experts.down': 'Q6_K', 'layers.1.linear_attn.in_proj_qkv': 'Q8_0',
-                'layers.1.linear_attn.in_proj_z': 'Q6_K', 'layers.2.linear_attn.out_proj': 'Q8_0'}
+                'layers.1.linear_attn.in_proj_z': 'Q6_K', 'layers.2.linear_attn.out_proj': 'Q8_0',
+                'layers.0.linear_attn.in_proj_qkv': 'Q5_K'}
 
 
 def write_metadata(config, writer: gguf.GGUFWriter, variant: str) -> None:
