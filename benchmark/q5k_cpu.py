@@ -7,7 +7,7 @@ down 2048 x 5632), ``--layers`` of them so that a pass reads far more than the L
 timed by its CPU time (``time.thread_time``) so that other jobs on a shared machine take time slices but not figures;
 best of repeats, the kernels alternating::
 
-    PYTHONPATH=. python benchmark/q5k_cpu.py --rows 1,4,16 --prefill-rows 64,512
+    PYTHONPATH=. python benchmark/q5k_cpu.py --rows 1,4,8,16 --prefill-rows 8,16,64,512
 """
 from __future__ import annotations
 
@@ -45,8 +45,8 @@ def best_times(runs: dict[str, Callable[[], None]], repeats: int) -> dict[str, f
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('--rows', default='1,4,16', help='decode step sizes (rows of x) for the GEMV, comma-separated')
-    parser.add_argument('--prefill-rows', default='64,512', help='prefill step sizes, comma-separated')
+    parser.add_argument('--rows', default='1,4,8,16', help='decode step sizes (rows of x) for the GEMV, comma-separated')
+    parser.add_argument('--prefill-rows', default='8,16,64,512', help='step sizes for the dequantizing path')
     parser.add_argument('--layers', type=int, default=4)
     parser.add_argument('--repeats', type=int, default=10)
     args = parser.parse_args()
@@ -61,8 +61,9 @@ def main() -> None:
             xs = {inputs: torch.randn(rows, inputs).bfloat16() for inputs in (2048, 5632)}
             if label == 'GEMV':
                 step = lambda: [cpu.native().q5k_linear(xs[k.codes.shape[1] * 32], k.codes, k.scales) for k in kernels]
-            else:  # the engine's kernel: above Q5K_NATIVE_MAX_ROWS it dequantizes the layer for the call
-                step = lambda: [k(xs[k.codes.shape[1] * 32], None) for k in kernels]
+            else:  # the engine's path above Q5K_NATIVE_MAX_ROWS: the layer dequantized for the call
+                step = lambda: [F.linear(xs[k.codes.shape[1] * 32], cpu.native().q5k_dequantize(k.codes, k.scales))
+                                for k in kernels]
             best = best_times({'q5k': step,
                                'bf16': lambda: [F.linear(xs[w.shape[1]], w) for w in copies]}, args.repeats)
             name = 'Q5_K GEMV' if label == 'GEMV' else 'Q5_K dequantized per call'

@@ -45,6 +45,8 @@ def test_q5_k_blocks_and_their_retiling_are_the_file_weights():
     assert codes.shape == (3, 24, 320) and scales.shape == (3, 3, 256)
     assert codes.numel() + scales.numel() == blocks.numel()
     assert torch.equal(unpack_q5k(codes, scales), expected)
+    if cpu.q5k_gemv() is not None:  # larger steps' native dequantization
+        assert torch.equal(cpu.native().q5k_dequantize(codes, scales), expected.bfloat16())
 
 
 @pytest.mark.parametrize('rows', [1, 3, 4, 7, Q5K_NATIVE_MAX_ROWS, Q5K_NATIVE_MAX_ROWS + 5])

@@ -59,6 +59,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q5k_gemv_available", &q5k_gemv_available, "whether q5k_linear was built (AVX512-BF16)");
   m.def("q5k_linear", &q5k_linear, "fp32 x @ W.T on GGUF Q5_K codes and scales (linear_q5k.cpp), x in bf16",
         py::arg("x"), py::arg("codes"), py::arg("scales"));
+  m.def("q5k_dequantize", &q5k_dequantize, "bf16 W of q5k_linear's codes and scales", py::arg("codes"),
+        py::arg("scales"));
   m.def("mxfp4_gemv_available", &mxfp4_gemv_available, "whether mxfp4_linear was built (AVX-512)");
   m.def("mxfp4_linear", &mxfp4_linear, "fp32 x @ W.T on MXFP4 blocks and scales (linear_mxfp4.cpp), x in fp32 or bf16",
         py::arg("x"), py::arg("blocks"), py::arg("scales"));

@@ -13,6 +13,8 @@
 // input 16 + 2c + j%2) in its high one), then 32 uint16 whose lane j holds in bit c the fifth bit of the low
 // nibble's weight of chunk c and in bit 8 + c the high one's. Scales [N/16, K/256, 256] bytes as q4k_linear's:
 // per tile and block the 16 rows' d (fp16), their dmin, then the file's 12 bytes of sc and m, 16 rows a byte.
+//
+// q5k_dequantize writes the same weights as bf16 [N, K] for larger steps' GEMM (no bf16 copy is kept).
 #include "common.h"
 #include "linear_q5k.h"
 
@@ -146,9 +148,67 @@ torch::Tensor q5k_linear(const torch::Tensor& x, const torch::Tensor& codes, con
   return out.view(shape);
 }
 
+torch::Tensor q5k_dequantize(const torch::Tensor& codes, const torch::Tensor& scales) {
+  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.size(2) == kCodeBytes &&
+                  codes.is_contiguous(),
+              "codes: uint8 [N/16, K/32, 320]");
+  const int64_t tiles = codes.size(0), N = tiles * kTile, K = codes.size(1) * kGroup, blocks = K / kBlock;
+  TORCH_CHECK(K % kBlock == 0 && scales.scalar_type() == at::kByte && scales.is_contiguous() &&
+                  scales.numel() == tiles * blocks * kScaleBytes,
+              "scales: uint8 [N/16, K/256, 256]");
+  auto out = torch::empty({N, K}, codes.options().dtype(at::kBFloat16));
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const uint8_t* sp = scales.data_ptr<uint8_t>();
+  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
+  // lane j of a chunk holds row j / 2: each row's scale twice, rows 0-7 then 8-15
+  const __m512i rows_low = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i rows_high = _mm512_add_epi32(rows_low, _mm512_set1_epi32(8));
+#pragma omp parallel for schedule(static) num_threads(at::get_num_threads())
+  for (int64_t tile = 0; tile < tiles; ++tile) {
+    const uint8_t* w = cp + tile * (K / kGroup) * kCodeBytes;
+    for (int64_t block = 0; block < blocks; ++block) {
+      const uint8_t* s = sp + (tile * blocks + block) * kScaleBytes;
+      for (int64_t j = 0; j < kBlock / kGroup; ++j, w += kCodeBytes) {
+        __m512 scale, minimum;
+        block_scales(s, j, scale, minimum);
+        const __m512 scale_rows[2] = {_mm512_permutexvar_ps(rows_low, scale), _mm512_permutexvar_ps(rows_high, scale)};
+        const __m512 min_rows[2] = {_mm512_permutexvar_ps(rows_low, minimum),
+                                    _mm512_permutexvar_ps(rows_high, minimum)};
+        const __m512i top = _mm512_loadu_si512(w + 8 * 32);
+        alignas(64) uint32_t pairs[2][8][kTile];  // [half][chunk][row]: a row's bf16 inputs 16 h + 2 c, + 1
+        for (int c = 0; c < 8; ++c) {
+          const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * c)));
+          const __m512i codes_of[2] = {
+              with_fifth(_mm512_and_si512(bytes, _mm512_set1_epi16(15)), top, c),
+              with_fifth(_mm512_srli_epi16(bytes, 4), top, 8 + c)};
+          for (int h = 0; h < 2; ++h) {
+            __m512 weights[2];
+            for (int part = 0; part < 2; ++part) {
+              const __m512 u = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(codes_of[h], part)));
+              weights[part] = _mm512_fmsub_ps(u, scale_rows[part], min_rows[part]);  // u * scale is exact
+            }
+            _mm512_store_si512(pairs[h][c], (__m512i)_mm512_cvtne2ps_pbh(weights[1], weights[0]));
+          }
+        }
+        const int64_t group = block * (kBlock / kGroup) + j;
+        for (int64_t row = 0; row < kTile; ++row) {
+          uint32_t* o = reinterpret_cast<uint32_t*>(op + (tile * kTile + row) * K + group * kGroup);
+          for (int h = 0; h < 2; ++h)
+            for (int c = 0; c < 8; ++c) o[8 * h + c] = pairs[h][c][row];
+        }
+      }
+    }
+  }
+  return out;
+}
+
 #else
 
 bool q5k_gemv_available() { return false; }
+
+torch::Tensor q5k_dequantize(const torch::Tensor&, const torch::Tensor&) {
+  TORCH_CHECK(false, "built without AVX512-BF16");
+}
 
 torch::Tensor q5k_linear(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&) {
   TORCH_CHECK(false, "built without AVX512-BF16");
