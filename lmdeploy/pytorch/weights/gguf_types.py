@@ -9,6 +9,7 @@ from collections.abc import Iterable
 
 # Projection types kept as their blocks. Q4_0 and Q4_1 are dequantized, as the default model's Q4_1 file
 # is: in bf16 its small steps rebuild the same 4-bit grid (``decode_int4``) and larger ones run bf16 GEMMs.
+# Q5_K: Q5_K_M files, and Qwen3.5's ``attn_qkv`` in llama.cpp's Q4_K_M.
 # MXFP4 only for gpt-oss's experts (``ffn_*_exps``), converted to an MXFP4 checkpoint's (``nn/quant/mxfp4.py``).
 MXFP4 = 'MXFP4'
 RAW_TYPES = frozenset({'Q4_K', 'Q5_K', 'Q6_K', 'Q8_0', MXFP4})

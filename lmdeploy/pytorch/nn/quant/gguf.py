@@ -1,4 +1,4 @@
-"""GGUF Q4_K, Q6_K and Q8_0 linear weights as llama.cpp stores them (``quant_method: gguf``, written by
+"""GGUF Q4_K, Q5_K, Q6_K and Q8_0 linear weights as llama.cpp stores them (``quant_method: gguf``, written by
 ``weights/gguf.py``): ``qweight uint8 [N, K / B, block bytes]``, each row's blocks of ``B`` inputs. A file's
 ``ggml_types`` names each layer kept so and its type; its other layers were dequantized at conversion.
 
@@ -14,6 +14,11 @@
   and the file's scales as they are, exactly its weights), larger ones on the native int4 GEMV
   (``kernels/cpu/linear_int4.cpp``: each group's scale and offset rounded to fp16), so that such layers run in
   the native decoder stack.
+- Q5_K (``B = 256``, 176 bytes): Q4_K's ``d``, ``dmin``, ``sc`` and ``m`` and 5-bit codes (``qh`` the fifth bits);
+  ``W = u * (d * sc) - dmin * m`` per 32 inputs. In bf16 on the CPU steps of up to ``Q5K_NATIVE_MAX_ROWS`` tokens
+  on the native Q5_K GEMV (:mod:`lmdeploy.pytorch.nn.quant.q5k_cpu`: the file's bits retiled, its weights exactly),
+  larger ones dequantize that copy for the call (no bf16 copy kept); elsewhere (fp32, CUDA, no AVX512-BF16) the
+  blocks dequantized on each call; a MoE layer's Q5_K experts likewise, each routed expert as a dense layer.
 - Q6_K (``B = 256``, 210 bytes): 6-bit codes ``u``, an int8 scale ``sc`` per 16 inputs and an fp16 ``d``;
   ``W = (u - 32) * (d * sc)``. In bf16 on the CPU, steps of up to ``Q6K_NATIVE_MAX_ROWS`` tokens run on the
   native Q6_K GEMV (``kernels/cpu/linear_q6k.cpp``: the file's codes and scales retiled, its weights exactly),
