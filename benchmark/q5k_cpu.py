@@ -45,7 +45,7 @@ def best_times(runs: dict[str, Callable[[], None]], repeats: int) -> dict[str, f
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('--rows', default='1,4,8,16', help='decode step sizes (rows of x) for the GEMV, comma-separated')
+    parser.add_argument('--rows', default='1,4,8,16', help='step sizes (rows of x) for the GEMV, comma-separated')
     parser.add_argument('--prefill-rows', default='8,16,64,512', help='step sizes for the dequantizing path')
     parser.add_argument('--layers', type=int, default=4)
     parser.add_argument('--repeats', type=int, default=10)

@@ -15,10 +15,11 @@ from gguf.quants import dequantize
 from transformers import AutoModelForCausalLM
 from helpers import hf_greedy, make_engine, random_prompts, run
 from test_gguf_mixed import encode, write_mixed_gguf
+from test_gguf_moe import dense_weights, random_gguf_experts
 
 from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
-from lmdeploy.pytorch.kernels import cpu
+from lmdeploy.pytorch.kernels import cpu, moe
 from lmdeploy.pytorch.nn.quant.base import LinearOptions
 from lmdeploy.pytorch.nn.quant.gguf import GgufFormat
 from lmdeploy.pytorch.nn.quant.gguf_blocks import dequantize_blocks
@@ -141,3 +142,26 @@ def test_native_source_compiles_without_avx512():
                            '-fopenmp', *includes, os.path.join(os.path.dirname(cpu.__file__), 'linear_q5k.cpp')],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_without_the_gemv_bf16_layers_and_experts_dequantize_per_call(monkeypatch):
+    """Where the GEMV is not built (no AVX512-BF16) a bf16 Q5_K layer and a MoE layer's Q5_K experts keep their
+    blocks and dequantize them on each call: gguf's weights."""
+    monkeypatch.setattr(cpu, 'q5k_gemv', lambda: None)
+    blocks, expected = random_q5k(32, 256, seed=11)
+    layer = torch.nn.Module()
+    layer.qweight, layer.gate_up_panels = blocks, False
+    kernel = GgufFormat('Q5_K').make_kernel(layer, LinearOptions(True, dtype=torch.bfloat16))
+    assert isinstance(kernel, ReferenceKernel)
+    x = torch.randn(2, 256).bfloat16()
+    assert torch.equal(kernel(x, None), torch.nn.functional.linear(x, expected.bfloat16()))
+    experts = random_gguf_experts({'gate_up': 'Q4_K', 'down': 'Q5_K'})
+    gate_up, down = dense_weights(experts)
+    experts.finalize(LinearOptions(pack_cpu=True, dtype=torch.bfloat16))
+    assert all(isinstance(experts.kernel.kernel('down', e), ReferenceKernel) for e in range(4))
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(5, 256, generator=g).bfloat16()
+    weights, ids = moe.moe_routing(torch.randn(5, 4, generator=g), 2, True)
+    out = experts(hidden, weights, ids).float()
+    expected_out = moe.fused_moe(hidden.float(), gate_up, down, weights, ids)
+    assert (out - expected_out).norm() / expected_out.norm() < 1e-2

@@ -23,7 +23,7 @@ _NIBBLE_BYTES, _CODE_BYTES = 256, 320
 
 def q5k_codes(blocks: torch.Tensor) -> torch.Tensor:
     """``[N, K / 256, 176]`` Q5_K blocks' codes ``u [N, K]`` (uint8, 0..31): input ``32 g + l`` of a block has its
-    low 4 bits in ``qs`` (byte ``32 (g // 2) + l``, high nibble for odd ``g``) and its fifth in bit ``g`` of ``qh[l]``."""
+    low 4 bits in ``qs`` (byte ``32 (g // 2) + l``, high nibble for odd ``g``), its fifth in bit ``g`` of ``qh[l]``."""
     n, num_blocks = blocks.shape[:2]
     qs = blocks[..., 48:].view(n, num_blocks, 4, 1, 32)
     low = torch.cat((qs & 15, qs >> 4), dim=3).view(n, num_blocks, 8, 32)
