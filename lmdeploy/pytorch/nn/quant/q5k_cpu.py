@@ -14,8 +14,8 @@ from lmdeploy.pytorch.nn.quant.q4k_cpu import k_scale_mins
 
 Q5K_TILE, Q5K_GROUP, Q5K_BLOCK = 16, 32, 256
 # Larger steps dequantize the layer for one bf16 GEMM: the GEMV's cost grows with the rows, the dequantizing
-# does not. ``benchmark/q5k_cpu.py``, one thread, 4 TinyLlama-sized layers: GEMV 157 ms at 32 rows against 164 ms
-# dequantized and ``F.linear`` (83 / 161 at 16 rows, 187 dequantized at 64).
+# does not. ``benchmark/q5k_cpu.py``, one thread, 4 TinyLlama-sized layers: GEMV 157 ms at 32 rows against 160 ms
+# dequantized and ``F.linear`` (83 / 153 at 16 rows, 181 dequantized at 64).
 Q5K_NATIVE_MAX_ROWS = 32
 # per tile of 16 rows and group of 32 inputs: 8 chunks of 32 nibble bytes, then 32 uint16 of fifth bits
 _NIBBLE_BYTES, _CODE_BYTES = 256, 320
