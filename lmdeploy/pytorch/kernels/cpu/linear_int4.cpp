@@ -19,7 +19,7 @@
 // each: 0.0625 bytes a weight, as in the file (against 0.125 for an fp16 scale and minimum per group). A group
 // takes d * sc and dmin * m (exact in fp32) for its scale and minus its minimum.
 
-#include "common.h"
+#include "kquant_gemv.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 
@@ -56,31 +56,6 @@ inline void group_dot(const uint8_t* w, const int32_t* const* pairs, int64_t gro
   }
 }
 
-// Byte b of the 16 rows' packed 6-bit Q4_K scales and mins, one row a lane.
-inline __m512i scale_bytes(const uint8_t* s, int64_t b) {
-  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 2 * 2 * kTile + kTile * b)));
-}
-
-// The 16 rows' d * sc and dmin * m of group j of a Q4_K block (scale bytes s), as llama.cpp's get_scale_min_k4
-// reads sc and m; exact in fp32 (an fp16 times a 6-bit integer).
-inline void q4k_scales(const uint8_t* s, int64_t j, __m512& scale, __m512& minimum) {
-  const __m512i low6 = _mm512_set1_epi32(63), low4 = _mm512_set1_epi32(15), top2 = _mm512_set1_epi32(0xC0);
-  __m512i sc, mn;
-  if (j < 4) {
-    sc = _mm512_and_si512(scale_bytes(s, j), low6);
-    mn = _mm512_and_si512(scale_bytes(s, j + 4), low6);
-  } else {
-    const __m512i extra = scale_bytes(s, j + 4);
-    sc = _mm512_or_si512(_mm512_and_si512(extra, low4),
-                         _mm512_srli_epi32(_mm512_and_si512(scale_bytes(s, j - 4), top2), 2));
-    mn = _mm512_or_si512(_mm512_srli_epi32(extra, 4), _mm512_srli_epi32(_mm512_and_si512(scale_bytes(s, j), top2), 2));
-  }
-  scale = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s))),
-                        _mm512_cvtepi32_ps(sc));
-  minimum = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 2 * kTile))),
-                          _mm512_cvtepi32_ps(mn));
-}
-
 // x @ W.T of one tile's 16 rows for the R rows of x from m, in fp32: each 32-byte chunk of codes is widened
 // once for all R rows (prefill steps), and every row's sums run in the same order whatever R is. With kQ4K
 // each group's scale and minimum (negated) come from its Q4_K block's scale bytes.
@@ -105,7 +80,7 @@ inline void tile_dot(const Gemv& g, int64_t tile, int64_t m, __m512* y) {
       if (group % 8 == 0) {  // decoded once per block, outside the loop over codes: 25% faster at one row
         for (int64_t j = 0; j < 8; ++j) {
           __m512 scale, minimum;
-          q4k_scales(s + group / 8 * kBlockScaleBytes, j, scale, minimum);
+          kquant::scale_min(s + group / 8 * kBlockScaleBytes, j, scale, minimum);
           _mm512_store_ps(block_scales[j][0], scale);
           _mm512_store_ps(block_scales[j][1], minimum);
         }

@@ -15,7 +15,7 @@
 // per tile and block the 16 rows' d (fp16), their dmin, then the file's 12 bytes of sc and m, 16 rows a byte.
 //
 // q5k_dequantize writes the same weights as bf16 [N, K] for larger steps' GEMM (no bf16 copy is kept).
-#include "common.h"
+#include "kquant_gemv.h"
 #include "linear_q5k.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -23,38 +23,6 @@
 namespace {
 
 constexpr int64_t kTile = 16, kGroup = 32, kBlock = 256, kCodeBytes = 320, kScaleBytes = 256;
-
-struct Q5Gemv {
-  const c10::BFloat16* x;  // [M, K]
-  const float* xsum;       // [M, K / 32]
-  const uint8_t* codes;
-  const uint8_t* scales;
-  int64_t M, K, N;
-};
-
-// Byte b of the 16 rows' packed 6-bit scales and mins, one row a lane.
-inline __m512i scale_bytes(const uint8_t* s, int64_t b) {
-  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 4 * kTile + kTile * b)));
-}
-
-// The 16 rows' d * sc and dmin * m of group j of a block (scale bytes s), as llama.cpp's get_scale_min_k4.
-inline void block_scales(const uint8_t* s, int64_t j, __m512& scale, __m512& minimum) {
-  const __m512i low6 = _mm512_set1_epi32(63), low4 = _mm512_set1_epi32(15), top2 = _mm512_set1_epi32(0xC0);
-  __m512i sc, mn;
-  if (j < 4) {
-    sc = _mm512_and_si512(scale_bytes(s, j), low6);
-    mn = _mm512_and_si512(scale_bytes(s, j + 4), low6);
-  } else {
-    const __m512i extra = scale_bytes(s, j + 4);
-    sc = _mm512_or_si512(_mm512_and_si512(extra, low4),
-                         _mm512_srli_epi32(_mm512_and_si512(scale_bytes(s, j - 4), top2), 2));
-    mn = _mm512_or_si512(_mm512_srli_epi32(extra, 4), _mm512_srli_epi32(_mm512_and_si512(scale_bytes(s, j), top2), 2));
-  }
-  scale = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s))),
-                        _mm512_cvtepi32_ps(sc));
-  minimum = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 2 * kTile))),
-                          _mm512_cvtepi32_ps(mn));
-}
 
 // `low` (0x4300 | low 4 bits) with bit `bit` of `top` moved to bit 4.
 inline __m512i with_fifth(__m512i low, __m512i top, int bit) {
@@ -65,7 +33,7 @@ inline __m512i with_fifth(__m512i low, __m512i top, int bit) {
 // x @ W.T of one tile's 16 rows for the R rows of x from m, in fp32; every row's sums run in the same order
 // whatever R is.
 template <int R>
-inline void tile_dot(const Q5Gemv& g, int64_t tile, int64_t m, __m512* y) {
+inline void tile_dot(const kquant::Gemv& g, int64_t tile, int64_t m, __m512* y) {
   const int64_t groups = g.K / kGroup, blocks = g.K / kBlock;
   const uint8_t* w = g.codes + tile * groups * kCodeBytes;
   const uint8_t* s = g.scales + tile * blocks * kScaleBytes;
@@ -77,7 +45,7 @@ inline void tile_dot(const Q5Gemv& g, int64_t tile, int64_t m, __m512* y) {
     alignas(64) float scales[8][2][kTile];  // decoded once per block, outside the loop over codes
     for (int64_t j = 0; j < 8; ++j) {
       __m512 scale, minimum;
-      block_scales(s, j, scale, minimum);
+      kquant::scale_min(s, j, scale, minimum);
       _mm512_store_ps(scales[j][0], scale);
       _mm512_store_ps(scales[j][1], minimum);
     }
@@ -109,13 +77,6 @@ inline void tile_dot(const Q5Gemv& g, int64_t tile, int64_t m, __m512* y) {
   for (int r = 0; r < R; ++r) y[r] = _mm512_sub_ps(acc[r], acc_min[r]);
 }
 
-template <int R>
-void tile_rows(const Q5Gemv& g, float* out, int64_t tile, int64_t m) {
-  __m512 y[R];
-  tile_dot<R>(g, tile, m, y);
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (m + r) * g.N + tile * kTile, y[r]);
-}
-
 }  // namespace
 
 bool q5k_gemv_available() { return true; }
@@ -124,28 +85,15 @@ torch::Tensor q5k_linear(const torch::Tensor& x, const torch::Tensor& codes, con
   TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.size(2) == kCodeBytes &&
                   codes.is_contiguous(),
               "codes: uint8 [N/16, K/32, 320]");
-  const int64_t N = codes.size(0) * kTile, K = codes.size(1) * kGroup, groups = K / kGroup;
+  const int64_t N = codes.size(0) * kTile, K = codes.size(1) * kGroup;
   TORCH_CHECK(K % kBlock == 0 && scales.scalar_type() == at::kByte && scales.is_contiguous() &&
                   scales.numel() == N / kTile * (K / kBlock) * kScaleBytes,
               "scales: uint8 [N/16, K/256, 256]");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.size(-1) == K, "x: bf16 [..., ", K, "]");
-  const auto rows = x.reshape({-1, K}).contiguous();
-  const int64_t M = rows.size(0);
-  const c10::BFloat16* xp = rows.data_ptr<c10::BFloat16>();
-  const float* xsum = group_sums(xp, M * groups, kGroup);
-  auto out = torch::empty({M, N}, x.options().dtype(at::kFloat));
-  const Q5Gemv g{xp, xsum, codes.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), M, K, N};
-  float* o = out.data_ptr<float>();
-  constexpr int64_t kRows = 4;  // rows of x sharing each widened chunk of codes
-#pragma omp parallel for schedule(static) num_threads(at::get_num_threads())
-  for (int64_t tile = 0; tile < N / kTile; ++tile) {
-    int64_t m = 0;
-    for (; m + kRows <= M; m += kRows) tile_rows<kRows>(g, o, tile, m);
-    for (; m < M; ++m) tile_rows<1>(g, o, tile, m);
-  }
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = N;
-  return out.view(shape);
+  return kquant::tiled_gemv(x, codes, scales, N, kGroup,
+                            [](const kquant::Gemv& g, int64_t tile, int64_t m, auto rows, __m512* y) {
+                              tile_dot<decltype(rows)::value>(g, tile, m, y);
+                            });
 }
 
 namespace {
@@ -199,7 +147,7 @@ torch::Tensor q5k_dequantize(const torch::Tensor& codes, const torch::Tensor& sc
       const uint8_t* s = sp + (tile * blocks + block) * kScaleBytes;
       for (int64_t j = 0; j < kBlock / kGroup; ++j, w += kCodeBytes) {
         __m512 scale, minimum;
-        block_scales(s, j, scale, minimum);
+        kquant::scale_min(s, j, scale, minimum);
         const __m512 scale_rows[2] = {_mm512_permutexvar_ps(rows_low, scale), _mm512_permutexvar_ps(rows_high, scale)};
         const __m512 min_rows[2] = {_mm512_permutexvar_ps(rows_low, minimum),
                                     _mm512_permutexvar_ps(rows_high, minimum)};

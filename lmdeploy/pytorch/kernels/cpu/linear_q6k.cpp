@@ -13,21 +13,13 @@
 // of (row j/2, input 8 + 2c + j%2) in the high one; chunks 4 and 5 hold in byte j, bits 2k and 2k + 1, the
 // top 2 bits of (row j/2, pair 4h + k, input j%2), h = chunk - 4. Scales [N/16, K/256, 288] bytes: per tile
 // and block of 256 inputs, the int8 sc of its 16 groups (16 rows each, group-major), then 16 fp16 d.
-#include "common.h"
+#include "kquant_gemv.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 
 namespace {
 
 constexpr int64_t kTile = 16, kGroup = 16, kBlock = 256, kCodeBytes = 192, kScaleBytes = 288;
-
-struct Q6Gemv {
-  const c10::BFloat16* x;  // [M, K]
-  const float* xsum;       // [M, K / 16]
-  const uint8_t* codes;
-  const uint8_t* scales;
-  int64_t M, K, N;
-};
 
 // The top 2 bits of pair 4h + k (bits 2k of `hi`, 16-bit lanes) at bits 4-5, ORed into `low` (0x4300 | low 4).
 inline __m512i with_top(__m512i low, __m512i hi, int k) {
@@ -38,7 +30,7 @@ inline __m512i with_top(__m512i low, __m512i hi, int k) {
 // x @ W.T of one tile's 16 rows for the R rows of x from m, in fp32; every row's sums run in the same order
 // whatever R is.
 template <int R>
-inline void tile_dot(const Q6Gemv& g, int64_t tile, int64_t m, __m512* y) {
+inline void tile_dot(const kquant::Gemv& g, int64_t tile, int64_t m, __m512* y) {
   const int64_t groups = g.K / kGroup, blocks = g.K / kBlock;
   const uint8_t* w = g.codes + tile * groups * kCodeBytes;
   const uint8_t* s = g.scales + tile * blocks * kScaleBytes;
@@ -78,13 +70,6 @@ inline void tile_dot(const Q6Gemv& g, int64_t tile, int64_t m, __m512* y) {
   for (int r = 0; r < R; ++r) y[r] = acc[r];
 }
 
-template <int R>
-void tile_rows(const Q6Gemv& g, float* out, int64_t tile, int64_t m) {
-  __m512 y[R];
-  tile_dot<R>(g, tile, m, y);
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (m + r) * g.N + tile * kTile, y[r]);
-}
-
 }  // namespace
 
 bool q6k_gemv_available() { return true; }
@@ -93,28 +78,15 @@ torch::Tensor q6k_linear(const torch::Tensor& x, const torch::Tensor& codes, con
   TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.size(2) == kCodeBytes &&
                   codes.is_contiguous(),
               "codes: uint8 [N/16, K/16, 192]");
-  const int64_t N = codes.size(0) * kTile, K = codes.size(1) * kGroup, groups = K / kGroup;
+  const int64_t N = codes.size(0) * kTile, K = codes.size(1) * kGroup;
   TORCH_CHECK(K % kBlock == 0 && scales.scalar_type() == at::kByte && scales.is_contiguous() &&
                   scales.numel() == N / kTile * (K / kBlock) * kScaleBytes,
               "scales: uint8 [N/16, K/256, 288]");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.size(-1) == K, "x: bf16 [..., ", K, "]");
-  const auto rows = x.reshape({-1, K}).contiguous();
-  const int64_t M = rows.size(0);
-  const c10::BFloat16* xp = rows.data_ptr<c10::BFloat16>();
-  const float* xsum = group_sums(xp, M * groups, kGroup);
-  auto out = torch::empty({M, N}, x.options().dtype(at::kFloat));
-  const Q6Gemv g{xp, xsum, codes.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), M, K, N};
-  float* o = out.data_ptr<float>();
-  constexpr int64_t kRows = 4;  // rows of x sharing each widened chunk of codes
-#pragma omp parallel for schedule(static) num_threads(at::get_num_threads())
-  for (int64_t tile = 0; tile < N / kTile; ++tile) {
-    int64_t m = 0;
-    for (; m + kRows <= M; m += kRows) tile_rows<kRows>(g, o, tile, m);
-    for (; m < M; ++m) tile_rows<1>(g, o, tile, m);
-  }
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = N;
-  return out.view(shape);
+  return kquant::tiled_gemv(x, codes, scales, N, kGroup,
+                            [](const kquant::Gemv& g, int64_t tile, int64_t m, auto rows, __m512* y) {
+                              tile_dot<decltype(rows)::value>(g, tile, m, y);
+                            });
 }
 
 #else

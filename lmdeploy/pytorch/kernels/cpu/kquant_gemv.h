@@ -1,0 +1,81 @@
+// What the GGUF K-quant GEMVs share (Q4_K in linear_int4.cpp, Q5_K in linear_q5k.cpp, Q6_K in linear_q6k.cpp), for
+// CPUs with AVX512-BF16: tiles of 16 weight rows, the 6-bit scales and mins of Q4_K/Q5_K, and the loop that runs
+// a file's per-tile dot product over every tile and row of x.
+#pragma once
+#include "common.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <type_traits>
+
+namespace kquant {
+
+constexpr int64_t kTileRows = 16;
+
+// Byte b of the 16 rows' packed 6-bit Q4_K/Q5_K scales and mins (after the rows' fp16 d and dmin), a row a lane.
+inline __m512i scale_bytes(const uint8_t* s, int64_t b) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 4 * kTileRows + kTileRows * b)));
+}
+
+// The 16 rows' d * sc and dmin * m of group j of a Q4_K/Q5_K block (scale bytes s), as llama.cpp's
+// get_scale_min_k4 reads sc and m; exact in fp32 (an fp16 times a 6-bit integer).
+inline void scale_min(const uint8_t* s, int64_t j, __m512& scale, __m512& minimum) {
+  const __m512i low6 = _mm512_set1_epi32(63), low4 = _mm512_set1_epi32(15), top2 = _mm512_set1_epi32(0xC0);
+  __m512i sc, mn;
+  if (j < 4) {
+    sc = _mm512_and_si512(scale_bytes(s, j), low6);
+    mn = _mm512_and_si512(scale_bytes(s, j + 4), low6);
+  } else {
+    const __m512i extra = scale_bytes(s, j + 4);
+    sc = _mm512_or_si512(_mm512_and_si512(extra, low4),
+                         _mm512_srli_epi32(_mm512_and_si512(scale_bytes(s, j - 4), top2), 2));
+    mn = _mm512_or_si512(_mm512_srli_epi32(extra, 4), _mm512_srli_epi32(_mm512_and_si512(scale_bytes(s, j), top2), 2));
+  }
+  scale = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s))),
+                        _mm512_cvtepi32_ps(sc));
+  minimum = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 2 * kTileRows))),
+                          _mm512_cvtepi32_ps(mn));
+}
+
+struct Gemv {
+  const c10::BFloat16* x;  // [M, K]
+  const float* xsum;       // [M, K / group]
+  const uint8_t* codes;
+  const uint8_t* scales;
+  int64_t M, K, N;
+};
+
+// x @ W.T in fp32 ([..., N]) for bf16 x [..., K]: tile_dot(g, tile, m, rows, y) writes into y[0..R) the 16 outputs
+// of tile `tile` for the R = rows::value rows of x from m; four rows share each widened chunk of codes while they
+// last, then one at a time.
+template <typename TileDot>
+torch::Tensor tiled_gemv(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales, int64_t N,
+                         int64_t group, const TileDot& tile_dot) {
+  const int64_t K = x.size(-1);
+  const auto rows = x.reshape({-1, K}).contiguous();
+  const int64_t M = rows.size(0);
+  const c10::BFloat16* xp = rows.data_ptr<c10::BFloat16>();
+  const Gemv g{xp, group_sums(xp, M * (K / group), group), codes.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(),
+               M, K, N};
+  auto out = torch::empty({M, N}, x.options().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  const auto tile_rows = [&](int64_t tile, int64_t m, auto count) {
+    constexpr int R = decltype(count)::value;
+    __m512 y[R];
+    tile_dot(g, tile, m, count, y);
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(o + (m + r) * N + tile * kTileRows, y[r]);
+  };
+  constexpr int kRows = 4;
+#pragma omp parallel for schedule(static) num_threads(at::get_num_threads())
+  for (int64_t tile = 0; tile < N / kTileRows; ++tile) {
+    int64_t m = 0;
+    for (; m + kRows <= M; m += kRows) tile_rows(tile, m, std::integral_constant<int, kRows>{});
+    for (; m < M; ++m) tile_rows(tile, m, std::integral_constant<int, 1>{});
+  }
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  return out.view(shape);
+}
+
+}  // namespace kquant
+
+#endif
