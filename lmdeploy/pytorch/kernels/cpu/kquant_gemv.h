@@ -44,18 +44,30 @@ struct Gemv {
   int64_t M, K, N;
 };
 
+// How a file's codes and scales are tiled: codes [N/16, K/group, code_bytes], scales [N/16, K/256, scale_bytes].
+struct Tiling {
+  int64_t group, code_bytes, scale_bytes;
+};
+
 // x @ W.T in fp32 ([..., N]) for bf16 x [..., K]: tile_dot(g, tile, m, rows, y) writes into y[0..R) the 16 outputs
 // of tile `tile` for the R = rows::value rows of x from m; four rows share each widened chunk of codes while they
 // last, then one at a time.
 template <typename TileDot>
-torch::Tensor tiled_gemv(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales, int64_t N,
-                         int64_t group, const TileDot& tile_dot) {
-  const int64_t K = x.size(-1);
+torch::Tensor tiled_gemv(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
+                         const Tiling& tiling, const TileDot& tile_dot) {
+  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.size(2) == tiling.code_bytes &&
+                  codes.is_contiguous(),
+              "codes: uint8 [N/16, K/", tiling.group, ", ", tiling.code_bytes, "]");
+  const int64_t N = codes.size(0) * kTileRows, K = codes.size(1) * tiling.group;
+  TORCH_CHECK(K % 256 == 0 && scales.scalar_type() == at::kByte && scales.is_contiguous() &&
+                  scales.numel() == N / kTileRows * (K / 256) * tiling.scale_bytes,
+              "scales: uint8 [N/16, K/256, ", tiling.scale_bytes, "]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.size(-1) == K, "x: bf16 [..., ", K, "]");
   const auto rows = x.reshape({-1, K}).contiguous();
   const int64_t M = rows.size(0);
   const c10::BFloat16* xp = rows.data_ptr<c10::BFloat16>();
-  const Gemv g{xp, group_sums(xp, M * (K / group), group), codes.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(),
-               M, K, N};
+  const Gemv g{xp, group_sums(xp, M * (K / tiling.group), tiling.group), codes.data_ptr<uint8_t>(),
+               scales.data_ptr<uint8_t>(), M, K, N};
   auto out = torch::empty({M, N}, x.options().dtype(at::kFloat));
   float* o = out.data_ptr<float>();
   const auto tile_rows = [&](int64_t tile, int64_t m, auto count) {

@@ -75,15 +75,7 @@ inline void tile_dot(const kquant::Gemv& g, int64_t tile, int64_t m, __m512* y) 
 bool q6k_gemv_available() { return true; }
 
 torch::Tensor q6k_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales) {
-  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.size(2) == kCodeBytes &&
-                  codes.is_contiguous(),
-              "codes: uint8 [N/16, K/16, 192]");
-  const int64_t N = codes.size(0) * kTile, K = codes.size(1) * kGroup;
-  TORCH_CHECK(K % kBlock == 0 && scales.scalar_type() == at::kByte && scales.is_contiguous() &&
-                  scales.numel() == N / kTile * (K / kBlock) * kScaleBytes,
-              "scales: uint8 [N/16, K/256, 288]");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.size(-1) == K, "x: bf16 [..., ", K, "]");
-  return kquant::tiled_gemv(x, codes, scales, N, kGroup,
+  return kquant::tiled_gemv(x, codes, scales, {kGroup, kCodeBytes, kScaleBytes},
                             [](const kquant::Gemv& g, int64_t tile, int64_t m, auto rows, __m512* y) {
                               tile_dot<decltype(rows)::value>(g, tile, m, y);
                             });
