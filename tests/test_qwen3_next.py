@@ -2,12 +2,14 @@
 (``Qwen3_5MoeForCausalLM``) against transformers on tiny random models: greedy tokens and first-step logits in
 fp32, the delta rule against transformers', batching, chunked prefill and preemption equal to solo runs, the
 recurrent-state slots given back (abort, an aborted stream, a failed step) and paid from the cache budget, prefix
-caching turned off, the next-token-prediction weights skipped, and bf16 on the CPU."""
+caching turned off, the next-token-prediction weights skipped, the native decode kernels run by the engine, and bf16
+on the CPU."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
+from collections import Counter
 
 import pytest
 import torch
@@ -24,6 +26,7 @@ from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.engine.runner_builder import blocks_from_memory, cache_budget
+from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.kernels.gated_delta import chunk_gated_delta_rule, gated_delta_decode
 from lmdeploy.pytorch.models.qwen3_next import GatedDeltaNet
 from lmdeploy.serve.async_engine import AsyncEngine
@@ -91,6 +94,38 @@ def test_delta_rule_matches_transformers():
 def test_greedy_and_first_logits_match_transformers(hybrid_model):
     assert_matches_transformers(hybrid_model, hf_causal_lm(hybrid_model), random_prompts(GREEDY_PROMPTS),
                                 random_prompts([5, 33, 100], seed=1))
+
+
+def test_decode_runs_the_native_kernels(qwen3_5, monkeypatch):
+    """On a CPU with the native AVX-512 build the engine's decode steps run the native delta rule and conv1d update
+    (the greedy test above then checks their tokens); with the build switched off the torch twins give the same
+    tokens."""
+    native = cpu.gated_delta()
+    if native is None:
+        pytest.skip('the native gated delta kernel is built only with AVX-512')
+    calls = Counter()
+
+    class Counting:
+        """The native module, counting the calls of the two kernels."""
+        def __getattr__(self, name):
+            kernel = getattr(native, name)
+            if name not in ('gated_delta_decode', 'causal_conv1d_decode'):
+                return kernel
+
+            def call(*args):
+                calls[name] += 1
+                return kernel(*args)
+            return call
+
+    spy = Counting()
+    prompts = random_prompts([9, 40], seed=5)
+    monkeypatch.setattr(cpu, 'gated_delta', lambda: spy)
+    monkeypatch.setattr(cpu, 'native', lambda: spy)
+    with_native = run(make_engine(qwen3_5), prompts)
+    assert calls['gated_delta_decode'] > 0 and calls['causal_conv1d_decode'] > 0
+    monkeypatch.setattr(cpu, 'gated_delta', lambda: None)
+    monkeypatch.setattr(cpu, 'native', lambda: None)
+    assert run(make_engine(qwen3_5), prompts) == with_native
 
 
 def test_batched_chunked_and_preempted_equal_solo(hybrid_model):
