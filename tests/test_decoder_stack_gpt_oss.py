@@ -1,15 +1,20 @@
 """gpt-oss in the native decoder stack: attention with sinks and q/k/v/o biases, sliding-window layers (window 8,
 prompts far longer) alternating with full ones, YaRN, and its MoE layers as ``MoEBlock``s (the router's bias, the
 experts' biases, the clamped SwiGLU; bf16 experts, or an MXFP4 checkpoint's on the native GEMV and, for an expert's
-share of a step over 16 rows, dequantized) against the layers' own forward: every step's hidden states equal, and
-each option shown to count."""
+share of a step over 16 rows, dequantized; also from a ``gpt-oss`` GGUF file) against the layers' own forward: every
+step's hidden states equal, and each option shown to count."""
 from __future__ import annotations
 
+import gguf
 import pytest
 import torch
+from conftest import save_random_model
+from family_checks import hf_causal_lm
 from helpers import random_prompts, run
 from test_decoder_stack import ENGINE, differences_without_an_option
 from test_decoder_stack_moe import run_checked
+from test_gguf import _add_tokenizer
+from test_gguf_archs import hf_config, write_gguf
 from test_gpt_oss import save_gpt_oss, save_mxfp4
 
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
@@ -59,6 +64,29 @@ def test_gpt_oss_stack_equals_the_layers(experts, saved, native_gemms, mxfp4_ker
     assert any(0 < prefill < rows for prefill, rows in steps) and any(prefill == 0 for prefill, _ in steps)
     assert any(prefill == rows == 48 for prefill, rows in steps) and (0, 1) in steps
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks and not engine.sequences
+
+
+@pytest.fixture(scope='module')
+def gguf_file(tmp_path_factory) -> str:
+    """The tests' gpt-oss as llama.cpp's ``gpt-oss`` file: MXFP4 experts, the rest F32."""
+    root = tmp_path_factory.mktemp('gpt_oss_gguf')
+    writer = gguf.GGUFWriter(str(root / 'gpt_oss.gguf'), 'gpt-oss')
+    vocab = _add_tokenizer(writer)
+    hf = hf_causal_lm(save_random_model(hf_config('gpt_oss', vocab), str(root / 'hf'), std={'gate_up_proj': 4.0}))
+    write_gguf(hf, 'gpt_oss', writer, {})
+    return str(root / 'gpt_oss.gguf')
+
+
+def test_gguf_gpt_oss_stack_equals_the_layers(gguf_file, tmp_path, native_gemms, mxfp4_kernels, monkeypatch):
+    """A ``gpt-oss`` GGUF file (its MXFP4 experts kept as MXFP4) runs in the stack too, equal to the layers."""
+    monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(tmp_path / 'cache'))
+    engine = gpt_oss_engine(gguf_file, max_prefill_token_num=48)
+    assert engine.runner.model.native_stack is not None
+    blocks = moe_blocks(engine)
+    assert all(block.experts.gate_up_blocks.dtype == torch.uint8 for block in blocks)
+    assert all(block.native_moe() is not None for block in blocks)
+    steps = run_checked(engine, monkeypatch, batched_equals_solo=False)
+    assert any(prefill == 0 for prefill, _ in steps)
 
 
 @pytest.mark.parametrize('experts', EXPERTS)
