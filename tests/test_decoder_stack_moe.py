@@ -68,6 +68,18 @@ def run_checked(engine: Engine, monkeypatch, batched_equals_solo: bool = True) -
     return steps
 
 
+def assert_two_moe_layers_in_the_stack(path: str, monkeypatch) -> None:
+    """The model at ``path`` runs every layer in the stack, its two MoE layers as ``MoEBlock``s, equal to the layers'
+    forward at every step: chunked prefills of 48 tokens, mixed and decode steps."""
+    engine = Engine(path, PytorchEngineConfig(max_prefill_token_num=48, **ENGINE), show_progress=False)
+    assert engine.runner.model.native_stack is not None
+    blocks = moe_blocks(engine)
+    assert len(blocks) == 2 and all(block.native_moe() is not None for block in blocks)
+    steps = run_checked(engine, monkeypatch)
+    assert any(0 < prefill < rows for prefill, rows in steps) and any(prefill == 0 for prefill, _ in steps)
+    assert any(prefill == rows == 48 for prefill, rows in steps) and (0, 1) in steps
+
+
 @pytest.mark.parametrize('model', sorted(MOE_MODELS))
 def test_bf16_moe_stack_equals_the_layers(model, tmp_path, native_gemms, monkeypatch):
     """Dense bf16 experts (``fused_moe``), the router on oneDNN where the native GEMM's panels do not fit its
@@ -92,14 +104,7 @@ def test_glm45_stack_equals_the_layers(variant, tmp_path, native_gemms, monkeypa
     ``glm45_air_qk_norm``: q/k norms, one group), its dense first layer and partial rotary: every layer in the
     stack, the MoE layers as ``MoEBlock``s routed ``noaux_tc`` (fp32 router, ungated shared expert), equal to the
     layers' forward at every step."""
-    engine = Engine(save_glm4_moe(str(tmp_path), **VARIANTS[variant]),
-                    PytorchEngineConfig(max_prefill_token_num=48, **ENGINE), show_progress=False)
-    assert engine.runner.model.native_stack is not None
-    blocks = moe_blocks(engine)
-    assert len(blocks) == 2 and all(block.native_moe() is not None for block in blocks)
-    steps = run_checked(engine, monkeypatch)
-    assert any(0 < prefill < rows for prefill, rows in steps) and any(prefill == 0 for prefill, _ in steps)
-    assert any(prefill == rows == 48 for prefill, rows in steps) and (0, 1) in steps
+    assert_two_moe_layers_in_the_stack(save_glm4_moe(str(tmp_path), **VARIANTS[variant]), monkeypatch)
 
 
 def glm45_blocks(path: str) -> list[DeepseekV3MoE]:
@@ -142,14 +147,7 @@ def test_ernie45_stack_equals_the_layers(tmp_path, native_gemms, monkeypatch):
     """ERNIE 4.5 MoE: its dense first layer and interleaved rotary, every layer in the stack, the MoE layers as
     ``MoEBlock``s routed ``biased_softmax`` (fp32 router, ungated shared expert), equal to the layers' forward at
     every step."""
-    engine = Engine(save_moe('ernie4_5_moe', str(tmp_path)), PytorchEngineConfig(max_prefill_token_num=48, **ENGINE),
-                    show_progress=False)
-    assert engine.runner.model.native_stack is not None
-    blocks = moe_blocks(engine)
-    assert len(blocks) == 2 and all(block.native_moe() is not None for block in blocks)
-    steps = run_checked(engine, monkeypatch)
-    assert any(0 < prefill < rows for prefill, rows in steps) and any(prefill == 0 for prefill, _ in steps)
-    assert any(prefill == rows == 48 for prefill, rows in steps) and (0, 1) in steps
+    assert_two_moe_layers_in_the_stack(save_moe('ernie4_5_moe', str(tmp_path)), monkeypatch)
 
 
 @pytest.mark.parametrize('tokens', [1, 5, 40])
