@@ -14,6 +14,7 @@ from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.kernels import cpu, group_limited_topk, grouped_topk, moe_routing
 from lmdeploy.pytorch.models.llama import DECODE_INT4_LAYERS, KVCache, LlamaDecoderLayer, LlamaMLP, WeightTarget
 from lmdeploy.pytorch.models.moe import MoEForCausalLM, native_experts_with_shared
+from lmdeploy.pytorch.nn.decoder_stack import LayerWeights, NativeDecoderStack, latent_attention, layer_weights
 from lmdeploy.pytorch.nn.linear import Linear, RowLinear
 from lmdeploy.pytorch.nn.mla import HeadsLinear, LatentAttention
 from lmdeploy.pytorch.nn.moe import FusedExperts
@@ -57,6 +58,26 @@ class DeepseekV3Attention(nn.Module):
         scale = yarn_apply_mscale(getattr(hf, 'rope_parameters', None) or {}, qk_head_dim**-0.5)
         self.attn = LatentAttention(self.num_heads, self.kv_lora_rank, self.nope_dim, self.v_head_dim, scale,
                                     cfg.quant_policy)
+
+    def native_attention(self, small_step: bool = False) -> object | None:
+        """This attention up to its ``o_proj`` as the ``mla`` of a layer of
+        :class:`~lmdeploy.pytorch.nn.decoder_stack.NativeDecoderStack` (``small_step``: for steps of at most
+        ``small_step_rows`` tokens); None where a projection runs on no native GEMM. ``kv_a_proj_with_mqa``, whose
+        outputs the native GEMM's panels may not fit, may run on oneDNN (its ``router_projection``), as it does in the
+        layer."""
+        kv_a = self.kv_a_proj_with_mqa.kernel.router_projection(self.kv_a_proj_with_mqa.bias)
+        if kv_a is None:
+            return None
+        if self.q_lora:
+            queries = dict(q_a=self.q_a_proj, q=self.q_b_proj)
+            norm = dict(q_a_norm=self.q_a_layernorm.weight)
+        else:
+            queries, norm = dict(q=self.q_proj), {}
+        return latent_attention(queries, small_step, **norm, kv_a=kv_a, kv_a_norm=self.kv_a_layernorm.weight, kv_b=self.kv_b_proj.weight,
+                                num_heads=self.num_heads, kv_lora_rank=self.kv_lora_rank, nope_dim=self.nope_dim,
+                                rope_dim=self.rope_dim, v_head_dim=self.v_head_dim,
+                                interleaved_rope=self.interleaved_rope, scale=self.attn.scale,
+                                norm_eps=LORA_NORM_EPS)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache, ctx: StepContext) -> torch.Tensor:
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
@@ -135,6 +156,20 @@ class DeepseekV3MoE(nn.Module):
         return weights * self.scaling, ids
 
 
+class DeepseekV3DecoderLayer(LlamaDecoderLayer):
+    """A decoder layer of :class:`DeepseekV3Attention` and a dense MLP or :class:`DeepseekV3MoE`."""
+
+    def native_weights(self, small_step: bool = False) -> LayerWeights | None:
+        """As :meth:`LlamaDecoderLayer.native_weights`, its attention the stack's ``mla``; None for V2's routings
+        or where a part runs on no native kernel."""
+        mla, mlp = self.self_attn.native_attention(small_step), self.mlp_weights(small_step)
+        if mla is None or mlp is None:
+            return None
+        projections, moe = mlp
+        return layer_weights(self.input_layernorm.weight, self.post_attention_layernorm.weight,
+                             dict(**projections, o=self.self_attn.o_proj), small_step, rotary_dim=0, mla=mla, **moe)
+
+
 class DeepseekV3ForCausalLM(MoEForCausalLM):
     """DeepSeek-V3 and V2: the first ``first_k_dense_replace`` layers dense, the others mixtures of experts; every
     layer's attention is :class:`DeepseekV3Attention` over its latent cache (``ModelConfig.kv_latent_dim``)."""
@@ -143,7 +178,7 @@ class DeepseekV3ForCausalLM(MoEForCausalLM):
     stacked_params = {'gate_proj': ('gate_up_proj', 0), 'up_proj': ('gate_up_proj', 1)}
 
     def make_layer(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
-        return LlamaDecoderLayer(cfg, self.make_mlp(cfg, layer_index), DeepseekV3Attention(cfg))
+        return DeepseekV3DecoderLayer(cfg, self.make_mlp(cfg, layer_index), DeepseekV3Attention(cfg))
 
     def make_mlp(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
         hf = cfg.hf_config
@@ -159,14 +194,26 @@ class DeepseekV3ForCausalLM(MoEForCausalLM):
 
     def finalize_weights(self, pack_cpu: bool, small_step_int4: bool) -> None:
         """As :meth:`LlamaForCausalLM.finalize_weights`, except that ``kv_b_proj`` stays dense (attention reads
-        its rows, see :class:`LatentAttention`) and the layers never run as the native decoder stack."""
+        its rows, see :class:`LatentAttention`)."""
+        rows = set()
         for name, module in self.layers.named_modules():
             if isinstance(module, Linear):
                 dense = name.endswith('kv_b_proj')
                 module.finalize(LinearOptions(pack_cpu and not dense, small_step_int4 and not dense
                                               and name.endswith(DECODE_INT4_LAYERS), self.cfg.dtype))
+                rows.add(module.kernel.small_step_rows)
             elif isinstance(module, FusedExperts):
                 module.finalize(LinearOptions(pack_cpu, dtype=self.cfg.dtype))
         if small_step_int4:
             self.lm_head.enable_small_step_copy()
         self.lm_head.finalize(pack_cpu)
+        if not pack_cpu:
+            return
+        rows -= {0}
+        # one bound for every layer's small steps, or the layers run them; the stack's head sizes are the latent
+        # attention's own (its attention options are unset)
+        small = [layer.native_weights(small_step=True) for layer in self.layers] if len(rows) == 1 else None
+        attn = self.layers[0].self_attn
+        self.native_stack = NativeDecoderStack.build(
+            [layer.native_weights() for layer in self.layers], small, attn.num_heads, 1, attn.nope_dim + attn.rope_dim,
+            self.norm.eps, attn.attn.scale, max(rows, default=0), self.cfg.quant_policy)

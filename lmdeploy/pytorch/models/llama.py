@@ -145,18 +145,12 @@ class LlamaDecoderLayer(nn.Module):
     def stack_weights(self, small_step: bool, **norms: torch.Tensor) -> LayerWeights | None:
         """:meth:`native_weights` of a layer with this layer's forward, and ``norms`` (see ``layer_weights``)
         where a family's layer adds them."""
-        attn, mlp = self.self_attn, self.mlp
-        if not isinstance(attn, LlamaAttention):
+        attn = self.self_attn
+        mlp = self.mlp_weights(small_step)
+        if not isinstance(attn, LlamaAttention) or mlp is None:
             return None
-        projections, moe = dict(qkv=attn.qkv_proj, o=attn.o_proj), {}
-        if isinstance(mlp, LlamaMLP) and mlp.gate_up_proj.gate_up_panels:
-            projections.update(gate_up=mlp.gate_up_proj, down=mlp.down_proj)
-        elif hasattr(mlp, 'native_moe'):  # a MoE block (models/moe.py)
-            moe['moe'] = mlp.native_moe(small_step)
-            if moe['moe'] is None:
-                return None
-        else:
-            return None
+        projections, moe = mlp
+        projections.update(qkv=attn.qkv_proj, o=attn.o_proj)
         if attn.qk_norm:
             norms.update(q_norm=attn.q_norm.weight, k_norm=attn.k_norm.weight)
         return layer_weights(self.input_layernorm.weight, self.post_attention_layernorm.weight, projections,
@@ -164,6 +158,15 @@ class LlamaDecoderLayer(nn.Module):
                              interleaved_rope=attn.interleaved_rope, sliding_window=attn.attn.sliding_window,
                              logit_softcap=attn.attn.logit_softcap, scaled_queries=attn.scaled_queries,
                              sinks=None if attn.attn.sinks is None else attn.attn.sinks.float(), **moe, **norms)
+
+    def mlp_weights(self, small_step: bool) -> tuple[dict[str, Linear], dict[str, object]] | None:
+        """The MLP's part of :meth:`stack_weights`: ``(its gate_up and down projections, {})``, or for a MoE block
+        ``({}, {'moe': its native block})``; None where it cannot run in the stack."""
+        mlp = self.mlp
+        if isinstance(mlp, LlamaMLP) and mlp.gate_up_proj.gate_up_panels:
+            return dict(gate_up=mlp.gate_up_proj, down=mlp.down_proj), {}
+        moe = mlp.native_moe(small_step) if hasattr(mlp, 'native_moe') else None  # a MoE block (models/moe.py)
+        return None if moe is None else ({}, {'moe': moe})
 
 
 class LlamaForCausalLM(nn.Module):

@@ -7,6 +7,8 @@ DeepSeek-V3 routing ``DeepseekV3MoE.native_moe``): its router, the routing and e
 its Python path calls; ERNIE 4.5 MoE's (``Ernie4_5MoE.native_moe``) routes ``biased_softmax``, Llama 4's
 (``Llama4MoE.native_moe``) ``sigmoid_scaled_input``; gpt-oss's (``SparseMoeBlock`` with biases) has a biased router,
 biased experts (bf16, or MXFP4 on ``Mxfp4Kernel``'s two paths) and the clamped SwiGLU, its attention ``sinks``.
+DeepSeek-V3's layers attend by their ``mla`` (:func:`latent_attention`, ``kernels/cpu/mla_layer.cpp``) over the
+latent cache instead of a ``qkv`` projection.
 
 The call runs the kernels of the layers' own forward, in the same order, so its results are
 identical; it only drops the Python between them, which in a 64-row decode step cost about 5 ms of
@@ -28,6 +30,14 @@ from lmdeploy.pytorch.step_context import StepContext
 LayerWeights = Any
 
 
+def native_projections(projections: dict[str, Linear], small_step: bool) -> dict[str, Any] | None:
+    """Each of ``projections`` as its kernel's native projection (``small_step``: the one for steps of at most
+    ``small_step_rows`` tokens); None when one runs on no native GEMM."""
+    native = {name: (proj.kernel.small_step_projection if small_step else proj.kernel.native_projection)(proj.bias)
+              for name, proj in projections.items()}
+    return None if any(projection is None for projection in native.values()) else native
+
+
 def layer_weights(input_norm: torch.Tensor | None, post_norm: torch.Tensor | None, projections: dict[str, Linear],
                   small_step: bool = False, **options: Any) -> LayerWeights | None:
     """A Llama-style layer's weights for the stack: its norms' weights (None for a ``post_norms_only`` layer) and
@@ -37,11 +47,18 @@ def layer_weights(input_norm: torch.Tensor | None, post_norm: torch.Tensor | Non
     ``rotary_dim``, ``interleaved_rope``, ``sliding_window``, ``attention_chunk``, ``scaled_queries``,
     ``qk_norm_across_heads``, ``qk_l2_norm_eps``, ``post_norms_only``, ``sinks``, ``moe``; see
     ``kernels/cpu/decoder_stack.h``). None when a projection runs on no native GEMM."""
-    native = {name: (proj.kernel.small_step_projection if small_step else proj.kernel.native_projection)(proj.bias)
-              for name, proj in projections.items()}
-    if any(projection is None for projection in native.values()):
-        return None
-    return cpu.native().LayerWeights(input_norm=input_norm, post_norm=post_norm, **native, **options)
+    native = native_projections(projections, small_step)
+    return None if native is None else cpu.native().LayerWeights(input_norm=input_norm, post_norm=post_norm,
+                                                                  **native, **options)
+
+
+def latent_attention(projections: dict[str, Linear], small_step: bool = False, **options: Any) -> Any | None:
+    """DeepSeek's multi-head latent attention for a layer's ``mla`` (``native.LatentAttention``): its ``q`` and (with
+    q_lora_rank) ``q_a`` projections as :func:`layer_weights` takes them, ``options`` its other fields by name (the
+    native ``kv_a`` projection, ``q_a_norm``, ``kv_a_norm``, ``kv_b``, its sizes, ``interleaved_rope``, ``scale``,
+    ``norm_eps``; see ``kernels/cpu/decoder_stack.h``). None when a projection runs on no native GEMM."""
+    native = native_projections(projections, small_step)
+    return None if native is None else cpu.native().LatentAttention(**native, **options)
 
 
 class NativeDecoderStack:

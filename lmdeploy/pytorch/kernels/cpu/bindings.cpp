@@ -118,12 +118,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("shared_gate_up") = py::none(),
            py::arg("shared_down") = py::none(), py::arg("shared_gate") = py::none())
       .def("__call__", &MoEBlock::operator(), py::call_guard<py::gil_scoped_release>(), py::arg("x"));
+  py::class_<LatentAttention>(m, "LatentAttention", "a decoder layer's multi-head latent attention (DeepSeek)")
+      .def(py::init<c10::optional<Projection>, Optional, Projection, Projection, torch::Tensor, torch::Tensor, int64_t,
+                    int64_t, int64_t, int64_t, int64_t, bool, double, double>(),
+           py::kw_only(), py::arg("q_a") = py::none(), py::arg("q_a_norm") = py::none(), py::arg("q"),
+           py::arg("kv_a"), py::arg("kv_a_norm"), py::arg("kv_b"), py::arg("num_heads"), py::arg("kv_lora_rank"),
+           py::arg("nope_dim"), py::arg("rope_dim"), py::arg("v_head_dim"), py::arg("interleaved_rope"),
+           py::arg("scale"), py::arg("norm_eps"));
   py::class_<LayerWeights>(m, "LayerWeights", "a Llama-style decoder layer's weights")
-      .def(py::init<Optional, Optional, Projection, Projection, c10::optional<Projection>, c10::optional<Projection>,
+      .def(py::init<Optional, Optional, c10::optional<Projection>, Projection, c10::optional<Projection>,
+                    c10::optional<Projection>,
                     c10::optional<MoEBlock>, Optional, Optional, Optional, Optional, int64_t, bool, bool,
                     c10::optional<int64_t>, c10::optional<double>, bool, bool, double, bool, bool,
-                    c10::optional<int64_t>, c10::optional<double>, Optional>(),
-           py::kw_only(), py::arg("input_norm") = py::none(), py::arg("post_norm") = py::none(), py::arg("qkv"),
+                    c10::optional<int64_t>, c10::optional<double>, Optional, c10::optional<LatentAttention>>(),
+           py::kw_only(), py::arg("input_norm") = py::none(), py::arg("post_norm") = py::none(),
+           py::arg("qkv") = py::none(),
            py::arg("o"),
            py::arg("gate_up") = py::none(), py::arg("down") = py::none(), py::arg("moe") = py::none(),
            py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(),
@@ -133,7 +142,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("scaled_queries") = false, py::arg("residual_scale") = 1.0,
            py::arg("qk_norm_across_heads") = false, py::arg("post_norms_only") = false,
            py::arg("attention_chunk") = py::none(), py::arg("qk_l2_norm_eps") = py::none(),
-           py::arg("sinks") = py::none());
+           py::arg("sinks") = py::none(), py::arg("mla") = py::none());
   py::class_<DecoderStack>(m, "DecoderStack", "Llama-style decoder layers in one call per step")
       .def(py::init<std::vector<LayerWeights>, int64_t, int64_t, int64_t, double, double, int64_t>(), py::kw_only(),
            py::arg("layers"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"),

@@ -129,6 +129,10 @@ DecoderStack::DecoderStack(std::vector<LayerWeights> layers, int64_t num_heads, 
     : layers_(std::move(layers)), num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim),
       quant_policy_(quant_policy), eps_(eps), scale_(scale) {
   for (const auto& w : layers_) {
+    TORCH_CHECK(w.qkv.has_value() != w.mla.has_value(), "a layer's attention is its qkv projection or its mla block");
+    TORCH_CHECK(!w.mla || (!w.q_norm && !w.post_norms_only && w.rotary_dim == 0 && !w.sliding_window &&
+                           !w.attention_chunk && !w.sinks && !w.logit_softcap),
+                "an mla layer has none of the options of a qkv layer's attention (rotary_dim 0)");
     TORCH_CHECK(w.q_norm.has_value() == w.k_norm.has_value(), "a layer has both q and k norms or neither");
     if (w.q_norm) {
       const int64_t q_size = w.qk_norm_across_heads ? num_heads_ * head_dim_ : head_dim_;
@@ -250,7 +254,7 @@ std::tuple<torch::Tensor, torch::Tensor> DecoderStack::forward(
     const LayerWeights& w = layers_[i];
     if (w.post_norms_only) {  // OlmoDecoderLayer's forward
       sum = sum.defined() ? x.add(sum) : x;
-      const auto attended = w.o(attention(w, w.qkv(sum), kv_caches[i], step));
+      const auto attended = w.o(attention(w, (*w.qkv)(sum), kv_caches[i], step));
       sum = sum.add(std::get<0>(rms_norm(attended, *w.attn_out_norm, eps_, c10::nullopt)));
       x = mlp(w, sum);
       continue;
@@ -258,7 +262,8 @@ std::tuple<torch::Tensor, torch::Tensor> DecoderStack::forward(
     torch::Tensor h;
     std::tie(h, sum) = rms_norm(x, *w.input_norm, eps_, sum.defined() ? c10::optional<torch::Tensor>(sum)
                                                                        : c10::nullopt);
-    auto attended = w.o(attention(w, w.qkv(h), kv_caches[i], step));
+    auto attended = w.o(w.mla ? (*w.mla)(h, kv_caches[i], step, quant_policy_)
+                              : attention(w, (*w.qkv)(h), kv_caches[i], step));
     if (w.attn_out_norm) attended = std::get<0>(rms_norm(attended, *w.attn_out_norm, eps_, c10::nullopt));
     if (w.residual_scale != 1.0) attended = attended.mul(w.residual_scale);
     std::tie(h, sum) = rms_norm(attended, *w.post_norm, eps_, sum);

@@ -111,6 +111,32 @@ struct MoEBlock {
                             const torch::Tensor& topk_ids) const;
 };
 
+// DeepSeek's multi-head latent attention up to its o_proj (mla_layer.cpp): DeepseekV3Attention's forward
+// (models/deepseek_v3.py) and LatentAttention's (nn/mla.py), their kernels in their order. The queries: `q` on x,
+// or with `q_a` (q_lora_rank) `q` on q_a(x) RMS-normed by `q_a_norm`; each head's rotary part turned. kv_a on x:
+// the latent (RMS-normed by `kv_a_norm`) and the rotary key (turned), written to the layer's latent cache; the
+// queries absorbed through kv_b's key rows, attended over the cache by the mla kernels (`scale`: YaRN's softmax
+// mscale in it), the result taken through kv_b's value rows. `kv_b` is kv_b_proj's dense weight
+// [H * (nope_dim + v_head_dim), kv_lora_rank]; the rotary parts turn in neighbouring pairs with `interleaved_rope`
+// (apply_rope of nn/rotary.py); the two norms use `norm_eps`.
+struct LatentAttention {
+  LatentAttention(c10::optional<Projection> q_a, c10::optional<torch::Tensor> q_a_norm, Projection q, Projection kv_a,
+                  torch::Tensor kv_a_norm, torch::Tensor kv_b, int64_t num_heads, int64_t kv_lora_rank,
+                  int64_t nope_dim, int64_t rope_dim, int64_t v_head_dim, bool interleaved_rope, double scale,
+                  double norm_eps);
+  // x [T, hidden] -> [T, H * v_head_dim]; `cache` is (latent cache) or (codes, scales_zeros) (kernels/mla.py).
+  torch::Tensor operator()(const torch::Tensor& x, const std::vector<torch::Tensor>& cache, const StepTensors& step,
+                           int64_t quant_policy) const;
+
+  c10::optional<Projection> q_a;
+  c10::optional<torch::Tensor> q_a_norm;
+  Projection q, kv_a;
+  torch::Tensor kv_a_norm, kv_b;
+  int64_t num_heads, kv_lora_rank, nope_dim, rope_dim, v_head_dim;
+  bool interleaved_rope;
+  double scale, norm_eps;
+};
+
 // A Llama-style decoder layer's weights; q_norm and k_norm (per head, before the rotary embedding) where the
 // family has them (Qwen3), over the whole projected queries and keys with `qk_norm_across_heads` (OLMo 2/3);
 // attn_out_norm and mlp_out_norm, on the outputs of attention and of the MLP before the residual adds them, where
@@ -128,10 +154,12 @@ struct MoEBlock {
 // fused SiLU one; `scaled_queries`: its rotated queries are multiplied by their token's factor in the step's
 // q_scale (Ministral 3); `residual_scale`: the outputs of attention and of the MLP are multiplied by it before the
 // residual adds them (Granite's residual_multiplier); `sinks`: one fp32 logit per query head that joins the softmax
-// denominator (gpt-oss). A layer's MLP is its gate_up and down projections, or its `moe` block.
+// denominator (gpt-oss). A layer's attention is its qkv projection, or its `mla` block (DeepSeek; o applies to
+// its output and the options above are unset); its MLP is its gate_up and down projections, or its `moe` block.
 struct LayerWeights {
   c10::optional<torch::Tensor> input_norm, post_norm;
-  Projection qkv, o;
+  c10::optional<Projection> qkv;
+  Projection o;
   c10::optional<Projection> gate_up, down;
   c10::optional<MoEBlock> moe;
   c10::optional<torch::Tensor> q_norm, k_norm, attn_out_norm, mlp_out_norm;
@@ -145,6 +173,7 @@ struct LayerWeights {
   c10::optional<int64_t> attention_chunk;
   c10::optional<double> qk_l2_norm_eps;
   c10::optional<torch::Tensor> sinks;
+  c10::optional<LatentAttention> mla;
 };
 
 // Llama-style decoder layers (decoder_stack.cpp): the kernels of LlamaDecoderLayer's forward, in its order.
