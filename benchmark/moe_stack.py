@@ -13,7 +13,9 @@ norm, then a NoPE layer whose queries the temperature scales; every second layer
 per token, its sigmoid score scaling the expert's input, and a shared expert of 768; the others dense of 5632);
 ``--family gpt_oss``, gpt-oss's layers at that shape (32 query and 8 KV heads of 64 with q/k/v/o biases and sinks, a
 sliding window of 128 in every other layer, YaRN; 32 experts of 768 of which 4 per token, a biased router, biased
-experts in MXFP4 as gpt-oss's checkpoints hold them, the clamped SwiGLU). The
+experts in MXFP4 as gpt-oss's checkpoints hold them, the clamped SwiGLU); ``--family deepseek_v3``, DeepSeek-V3's
+layers at that shape (multi-head latent attention: 16 heads, q_lora_rank 768, kv_lora_rank 512, 128 + 64 rotary
+query/key features and 128 value features a head, YaRN; GLM-4.5's dense first layer and MoE layers). The
 step time is the calling thread's CPU time of the model's forward (``time.thread_time``: other jobs on a shared
 machine take time slices but not figures), the best and the median over rounds in which the two paths alternate. On
 a CPU with AMX, whose bf16 layers run on oneDNN (where the stack does not run), the layers run on the native bf16
@@ -27,17 +29,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Callable
 
 import torch
 from safetensors.torch import save_file
-from transformers import (Ernie4_5_MoeConfig, Glm4MoeConfig, GptOssConfig, Llama4TextConfig, PretrainedConfig,
-                          Qwen3MoeConfig)
+from transformers import (DeepseekV3Config, Ernie4_5_MoeConfig, Glm4MoeConfig, GptOssConfig, Llama4TextConfig,
+                          PretrainedConfig, Qwen3MoeConfig)
 from stack_timing import print_stack_against_layers, stack_engine
 from workload import save_word_tokenizer
 
 
 VOCAB = 1024
 EXPERT_WIDTH = 768
+YARN = {'rope_type': 'yarn', 'rope_theta': 10000.0, 'factor': 4.0, 'original_max_position_embeddings': 1024,
+        'beta_fast': 32.0, 'beta_slow': 1.0, 'mscale': 1.0, 'mscale_all_dim': 1.0}
 
 
 def model_config(args: argparse.Namespace) -> PretrainedConfig:
@@ -66,6 +71,13 @@ def model_config(args: argparse.Namespace) -> PretrainedConfig:
         return Ernie4_5_MoeConfig(num_attention_heads=16, moe_num_experts=args.experts, moe_num_shared_experts=2,
                                   moe_layer_start_index=1, intermediate_size=5632, use_bias=False,
                                   architectures=['Ernie4_5_MoeForCausalLM'], **common)
+    if args.family == 'deepseek_v3':  # its head_dim is its rotary part's
+        common.pop('head_dim')
+        return DeepseekV3Config(num_attention_heads=16, n_routed_experts=args.experts, n_shared_experts=1, n_group=4,
+                                topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1,
+                                intermediate_size=5632, q_lora_rank=768, kv_lora_rank=512, qk_nope_head_dim=128,
+                                qk_rope_head_dim=64, v_head_dim=128, rope_parameters=YARN,
+                                architectures=['DeepseekV3ForCausalLM'], **common)
     return Glm4MoeConfig(num_attention_heads=16, n_routed_experts=args.experts, n_shared_experts=1, n_group=4,
                          topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1, intermediate_size=5632,
                          attention_bias=True, use_qk_norm=False, architectures=['Glm4MoeForCausalLM'], **common)
@@ -81,7 +93,9 @@ def save_model(path: str, args: argparse.Namespace) -> None:
     def rand(*shape: int, std: float = 0.02) -> torch.Tensor:
         return (torch.randn(*shape, generator=g) * std).bfloat16()
 
-    glm, ernie, llama4, gpt_oss = (args.family == name for name in ('glm4_moe', 'ernie4_5_moe', 'llama4', 'gpt_oss'))
+    glm, ernie, llama4, gpt_oss, deepseek = (args.family == name for name in ('glm4_moe', 'ernie4_5_moe', 'llama4',
+                                                                               'gpt_oss', 'deepseek_v3'))
+    glm = glm or deepseek  # DeepSeek-V3's MLP layers are GLM-4.5's
     hidden, heads = config.hidden_size, config.num_attention_heads * config.head_dim
     kv = config.num_key_value_heads * config.head_dim
     state = {'model.embed_tokens.weight': rand(VOCAB, hidden, std=1.0), 'model.norm.weight': rand(hidden, std=0) + 1,
@@ -89,12 +103,15 @@ def save_model(path: str, args: argparse.Namespace) -> None:
     for i in range(args.layers):
         prefix = f'model.layers.{i}.'
         state |= {prefix + 'input_layernorm.weight': rand(hidden, std=0) + 1,
-                  prefix + 'post_attention_layernorm.weight': rand(hidden, std=0) + 1,
-                  prefix + 'self_attn.q_proj.weight': rand(heads, hidden),
-                  prefix + 'self_attn.k_proj.weight': rand(kv, hidden),
-                  prefix + 'self_attn.v_proj.weight': rand(kv, hidden),
-                  prefix + 'self_attn.o_proj.weight': rand(hidden, heads)}
-        if glm or gpt_oss:
+                  prefix + 'post_attention_layernorm.weight': rand(hidden, std=0) + 1}
+        if deepseek:
+            state |= latent_attention(prefix + 'self_attn.', config, rand)
+        else:
+            state |= {prefix + 'self_attn.q_proj.weight': rand(heads, hidden),
+                      prefix + 'self_attn.k_proj.weight': rand(kv, hidden),
+                      prefix + 'self_attn.v_proj.weight': rand(kv, hidden),
+                      prefix + 'self_attn.o_proj.weight': rand(hidden, heads)}
+        if (glm and not deepseek) or gpt_oss:
             state |= {prefix + f'self_attn.{name}_proj.bias': rand(size) for name, size in (('q', heads), ('k', kv),
                                                                                               ('v', kv))}
         if gpt_oss:
@@ -133,6 +150,21 @@ def save_model(path: str, args: argparse.Namespace) -> None:
         json.dump({}, f)
 
 
+def latent_attention(prefix: str, config: DeepseekV3Config,
+                     rand: Callable[..., torch.Tensor]) -> dict[str, torch.Tensor]:
+    """DeepSeek-V3's attention weights: its low-rank query projection, the latent's and rotary key's projection,
+    their norms, the latent's up-projection and the output projection."""
+    heads, hidden, latent = config.num_attention_heads, config.hidden_size, config.kv_lora_rank
+    qk_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+    return {prefix + 'q_a_proj.weight': rand(config.q_lora_rank, hidden),
+            prefix + 'q_a_layernorm.weight': rand(config.q_lora_rank, std=0) + 1,
+            prefix + 'q_b_proj.weight': rand(heads * qk_dim, config.q_lora_rank),
+            prefix + 'kv_a_proj_with_mqa.weight': rand(latent + config.qk_rope_head_dim, hidden),
+            prefix + 'kv_a_layernorm.weight': rand(latent, std=0) + 1,
+            prefix + 'kv_b_proj.weight': rand(heads * (config.qk_nope_head_dim + config.v_head_dim), latent),
+            prefix + 'o_proj.weight': rand(hidden, heads * config.v_head_dim)}
+
+
 def mxfp4_experts(prefix: str, experts: int, hidden: int, g: torch.Generator) -> dict[str, torch.Tensor]:
     """gpt-oss's experts as its checkpoints hold them: ``gate_up_proj`` (gate and up rows alternating) and
     ``down_proj`` as random MXFP4 blocks and scales (weights up to 6 / 128), and their bf16 biases."""
@@ -148,12 +180,14 @@ def mxfp4_experts(prefix: str, experts: int, hidden: int, g: torch.Generator) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument('--family', choices=('qwen3_moe', 'glm4_moe', 'ernie4_5_moe', 'llama4', 'gpt_oss'),
+    parser.add_argument('--family', choices=('qwen3_moe', 'glm4_moe', 'ernie4_5_moe', 'llama4', 'gpt_oss',
+                                             'deepseek_v3'),
                         default='qwen3_moe')
     parser.add_argument('--layers', type=int, default=2,
-                        help="decoder layers (GLM-4.5's and ERNIE's first one dense, Llama 4's every second one)")
+                        help="decoder layers (GLM-4.5's, DeepSeek-V3's and ERNIE's first one dense, Llama 4's every "
+                             "second one)")
     parser.add_argument('--experts', type=int, default=None,
-                        help='routed experts (default: 128, GLM-4.5, ERNIE: 64, gpt-oss: 32, Llama 4: 16)')
+                        help='routed experts (default: 128, GLM-4.5, DeepSeek-V3, ERNIE: 64, gpt-oss: 32, Llama 4: 16)')
     parser.add_argument('--batches', default='1,16')
     parser.add_argument('--steps', type=int, default=8, help='decode steps per round')
     parser.add_argument('--rounds', type=int, default=4)

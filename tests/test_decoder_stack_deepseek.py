@@ -99,7 +99,7 @@ def test_latent_attention_parts_matter(option, saved, native_gemms, monkeypatch)
     differences = stack_differences(engine, monkeypatch)
     run(engine, prompts, gen)
     print(f'deepseek without {option}: hidden states differ by {min(differences):.3g} to {max(differences):.3g}')
-    assert min(differences) > 0.01
+    assert min(differences) > 0.005  # the mscale's least: about 0.01 (a 1.3x softmax scale on a tiny model)
 
 
 def test_latent_attention_fields_are_checked(native_gemms):
