@@ -125,3 +125,13 @@ def test_latent_attention_fields_are_checked(native_gemms):
     for options in (dict(), dict(mla=mla, qkv=projection), dict(mla=mla, rotary_dim=4)):
         with pytest.raises(RuntimeError, match='qkv projection or its mla block|an mla layer has none'):
             native_gemms.DecoderStack(layers=[native_gemms.LayerWeights(**{**layer, **options})], **stack)
+
+
+def test_v2_routing_keeps_the_layers(tmp_path, native_gemms):
+    """DeepSeek-V2's group-limited softmax routing has no ``MoEBlock``: its layers keep their own forward, and
+    serve."""
+    engine = deepseek_engine(save_deepseek(str(tmp_path), 48, 'v2'))
+    model = engine.runner.model
+    assert model.native_stack is None and model.layers[1].self_attn.native_attention() is not None
+    outs = run(engine, random_prompts([20, 9], seed=3), GenerationConfig(max_new_tokens=6, ignore_eos=True))
+    assert [len(out) for out in outs] == [6, 6]
