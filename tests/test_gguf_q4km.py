@@ -1,8 +1,8 @@
 """A Q4_K_M file as llama.cpp writes it (Q4_K, with Q6_K in some ``attn_v`` and ``ffn_down`` and the output)
 served in bf16 on the CPU: Q6_K on the native Q6_K GEMV (larger steps dequantized natively per call, no bf16 copy)
-and Q4_K on the Q4_K GEMV, both exactly the file's weights (against the ``gguf`` package's own dequantization), a q/k/v layer of Q4_K q and k and Q6_K v part by
-part, and every layer in the native decoder stack, equal to the layers' own forward at every step; in fp32 the
-greedy tokens of transformers reading the file."""
+and Q4_K on the Q4_K GEMV, both exactly the file's weights (against the ``gguf`` package's own dequantization), a
+q/k/v layer of Q4_K q and k and Q6_K v part by part, and every layer in the native decoder stack, equal to the
+layers' own forward at every step; in fp32 the greedy tokens of transformers reading the file."""
 from __future__ import annotations
 
 import numpy as np

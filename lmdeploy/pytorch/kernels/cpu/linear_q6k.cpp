@@ -106,8 +106,8 @@ torch::Tensor q6k_dequantize(const torch::Tensor& codes, const torch::Tensor& sc
       for (int64_t i = 0; i < kBlock / kGroup; i += 2) {  // two groups of 16 inputs: a row's 32 weights
         __m512i pairs[16];  // [8 g + p]: dword r the bf16 weights of (row r, group i + g, inputs 2 p, + 1)
         for (int g = 0; g < 2; ++g, w += kCodeBytes) {
-          const __m512 scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                                   _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + (i + g) * kTile)))));
+          const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + (i + g) * kTile));
+          const __m512 scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
           const __m512 offset = _mm512_mul_ps(scale, _mm512_set1_ps(32.f));  // w = u * d * sc - 32 d * sc
           const __m512 scale_rows[2] = {kquant::pair_lanes(scale, 0), kquant::pair_lanes(scale, 1)};
           const __m512 offset_rows[2] = {kquant::pair_lanes(offset, 0), kquant::pair_lanes(offset, 1)};
