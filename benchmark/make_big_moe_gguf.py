@@ -25,9 +25,10 @@ from gguf import GGUFReader
 from lmdeploy.model_source import default_model_path
 
 # bytes per 256-weight block; the fp16 fields set to small values (offset, scale of weights ~N(0, 0.02)).
-# Q4_K: w = d * sc * q - dmin * m (sc, m 6-bit, q 4-bit): dmin = 7.5 d centres it; Q6_K: w = d * sc * (u - 32).
-BLOCK_BYTES = {Q.Q4_K: 144, Q.Q6_K: 210}
-FP16_FIELDS = {Q.Q4_K: ((0, 7.6e-5), (2, 5.7e-4)), Q.Q6_K: ((208, 1.5e-5),)}
+# Q4_K: w = d * sc * q - dmin * m (sc, m 6-bit, q 4-bit): dmin = 7.5 d centres it; Q5_K likewise with 5-bit codes
+# (dmin = 15.5 d); Q6_K: w = d * sc * (u - 32).
+BLOCK_BYTES = {Q.Q4_K: 144, Q.Q5_K: 176, Q.Q6_K: 210}
+FP16_FIELDS = {Q.Q4_K: ((0, 7.6e-5), (2, 5.7e-4)), Q.Q5_K: ((0, 3.7e-5), (2, 5.7e-4)), Q.Q6_K: ((208, 1.5e-5),)}
 
 
 def random_blocks(shape: tuple[int, ...], qtype: Q, rng: np.random.Generator) -> np.ndarray:

@@ -33,9 +33,10 @@ from lmdeploy.pytorch.weights.gguf import convert_gguf
 MOE_MODELS = {'mixtral': ('mixtral', {}), 'qwen2_moe': ('qwen2_moe', {}), 'qwen3_moe': ('qwen3_moe', {}),
               'qwen3_moe_16': ('qwen3_moe', dict(num_experts=16))}
 # GGUF files whose experts all run on native GEMVs: Q4_K (the Q4_K GEMV up to 16 rows, the int4 GEMV above) and a
-# Q6_K down in one layer (Qwen2-MoE: its shared expert's down too)
+# Q6_K down in one layer (Qwen2-MoE: its shared expert's down too), a Q5_K down (the Q5_K GEMV up to 32 rows,
+# dequantized per call above) in Mixtral's
 NATIVE_FILES = {'qwen3_moe': {'blk.0.ffn_down_exps': Q.Q6_K, 'default': Q.Q4_K},
-                'qwen2_moe': FILES['qwen2_moe'][0], 'mixtral': {'default': Q.Q4_K},
+                'qwen2_moe': FILES['qwen2_moe'][0], 'mixtral': {'blk.1.ffn_down_exps': Q.Q5_K, 'default': Q.Q4_K},
                 'glm4_moe': {'blk.1.ffn_down_exps': Q.Q6_K, 'blk.2.ffn_down_shexp': Q.Q6_K, 'default': Q.Q4_K}}
 
 
@@ -226,8 +227,9 @@ def gguf_moe(tmp_path_factory):
 @pytest.mark.parametrize('kind', sorted(NATIVE_FILES))
 def test_gguf_experts_stack_equals_the_layers(kind, gguf_moe, native_gemms, monkeypatch):
     """bf16 on a GGUF file: Q4_K experts on the Q4_K GEMV for an expert's share of up to 16 rows and on the int4
-    GEMV above, Q6_K experts on the Q6_K GEMV, in steps of both sizes; equal to the layers' forward (Qwen2-MoE's
-    and GLM-4.5's Q6_K shared down runs its large steps on the bf16 GEMM, hence the native one here)."""
+    GEMV above, Q6_K experts on the Q6_K GEMV, Mixtral's Q5_K down on the Q5_K GEMV up to 32 rows and dequantized
+    above, in steps of both sizes; equal to the layers' forward (Qwen2-MoE's and GLM-4.5's Q6_K shared down runs its
+    large steps dequantized per call)."""
     if cpu.int4_gemv() is None or cpu.q6k_gemv() is None:
         pytest.skip('the native GEMVs need AVX512-BF16')
     engine = Engine(str(gguf_moe(kind, NATIVE_FILES[kind])),

@@ -1,8 +1,8 @@
 """A Q4_K_M file as llama.cpp writes it (Q4_K, with Q6_K in some ``attn_v`` and ``ffn_down`` and the output)
-served in bf16 on the CPU: Q6_K on the native Q6_K GEMV and Q4_K on the Q4_K GEMV, both exactly the file's
-weights (against the ``gguf`` package's own dequantization), a q/k/v layer of Q4_K q and k and Q6_K v part by
-part, and every layer in the native decoder stack, equal to the layers' own forward at every step; in fp32 the
-greedy tokens of transformers reading the file."""
+served in bf16 on the CPU: Q6_K on the native Q6_K GEMV (larger steps dequantized natively per call, no bf16 copy)
+and Q4_K on the Q4_K GEMV, both exactly the file's weights (against the ``gguf`` package's own dequantization), a
+q/k/v layer of Q4_K q and k and Q6_K v part by part, and every layer in the native decoder stack, equal to the
+layers' own forward at every step; in fp32 the greedy tokens of transformers reading the file."""
 from __future__ import annotations
 
 import numpy as np
@@ -18,12 +18,13 @@ from test_gguf_mixed import encode, write_mixed_gguf
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.kernels import cpu
-from lmdeploy.pytorch.nn.quant.gguf import GgufFileFormat
+from lmdeploy.pytorch.nn.quant.base import LinearOptions
+from lmdeploy.pytorch.nn.quant.gguf import GgufFileFormat, GgufFormat
 from lmdeploy.pytorch.nn.quant.gguf_blocks import Q6K_NATIVE_MAX_ROWS, int8_unpack, q4_k_grid, q6_k_parts
 from lmdeploy.pytorch.nn.quant.int4_cpu import NativeInt4Kernel, SmallStepInt4Kernel
 from lmdeploy.pytorch.nn.quant.parts import PartsKernel
 from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KGemv
-from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6KGemv
+from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6KGemv, Q6KKernel
 from lmdeploy.pytorch.weights.gguf import convert_gguf
 
 # llama.cpp's Q4_K_M on a 2-layer model: Q6_K in layer 0's attn_v and ffn_down (so its q/k/v run part by part)
@@ -61,6 +62,28 @@ def test_q6_k_gemv_is_the_file_weights(rows):
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
     assert torch.equal(out[-1:], kernel(x[-1:], None))
     assert Q6KGemv.of(*q6_k_parts(blocks))(x, None).dtype == torch.bfloat16
+
+
+def test_q6_k_layer_holds_its_blocks_and_dequantizes_larger_steps():
+    """A bf16 Q6_K layer keeps only its retiled blocks (as many bytes as the file's, no bf16 copy): steps of up to
+    ``Q6K_NATIVE_MAX_ROWS`` rows on the GEMV, larger ones on ``F.linear`` of ``q6k_dequantize``, which gives gguf's
+    weights rounded to bf16 exactly."""
+    if cpu.q6k_gemv() is None:
+        pytest.skip('the native Q6_K GEMV needs AVX512-BF16')
+    blocks, expected = random_blocks(Q.Q6_K, 48, 768, seed=3)
+    layer = torch.nn.Module()
+    layer.qweight, layer.gate_up_panels = blocks, False
+    kernel = GgufFormat('Q6_K').make_kernel(layer, LinearOptions(True, dtype=torch.bfloat16))
+    assert isinstance(kernel, Q6KKernel) and layer.qweight is None
+    assert kernel.packed.dtype == kernel.scales.dtype == torch.uint8
+    assert kernel.packed.numel() + kernel.scales.numel() == blocks.numel()
+    assert torch.equal(cpu.native().q6k_dequantize(kernel.packed, kernel.scales), expected.bfloat16())
+    bias = torch.randn(48).bfloat16()
+    big = torch.randn(Q6K_NATIVE_MAX_ROWS + 1, 768).bfloat16()
+    assert torch.equal(kernel(big, bias), torch.nn.functional.linear(big, expected.bfloat16(), bias))
+    small = big[:Q6K_NATIVE_MAX_ROWS]
+    gemv = cpu.native().q6k_linear(small, kernel.packed, kernel.scales)
+    assert torch.equal(kernel(small, bias), gemv.bfloat16() + bias)
 
 
 @pytest.mark.parametrize('rows', [1, 3, 4, 7, 40])
@@ -149,9 +172,9 @@ def test_mixed_qkv_part_by_part_gives_transformers_tokens(q4_k_m):
 
 
 def test_q4_k_m_runs_in_the_stack(q4_k_m, native_gemms, monkeypatch):
-    """Q4_K layers (Q4_K GEMV for small steps, int4 GEMV above), Q6_K ones (Q6_K GEMV for small steps, bf16 GEMM
-    above) and the q/k/v of both part by part all run in the native decoder stack, every step equal to the layers'
-    forward."""
+    """Q4_K layers (Q4_K GEMV for small steps, int4 GEMV above), Q6_K ones (Q6_K GEMV for small steps, dequantized
+    per call above) and the q/k/v of both part by part all run in the native decoder stack, every step equal to the
+    layers' forward."""
     if cpu.int4_gemv() is None or cpu.q6k_gemv() is None:
         pytest.skip('the native int4 and Q6_K GEMVs need AVX512-BF16')
     engine = Engine(q4_k_m, PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=64, block_size=16,
@@ -162,8 +185,10 @@ def test_q4_k_m_runs_in_the_stack(q4_k_m, native_gemms, monkeypatch):
     assert stack is not None and stack.small is not None and stack.small_step_rows == Q6K_NATIVE_MAX_ROWS
     assert isinstance(model.lm_head.packed, SmallStepInt4Kernel)
     qkv = model.get_submodule('layers.0.self_attn.qkv_proj').kernel  # Q4_K: Q4_K GEMV, int4 GEMV above 16 rows
-    assert isinstance(qkv, PartsKernel) and [type(part.small) for part in qkv.parts] == [Q4KGemv, Q4KGemv, Q6KGemv]
+    assert isinstance(qkv, PartsKernel) and [type(part.small) for part in qkv.parts[:2]] == [Q4KGemv, Q4KGemv]
     assert [type(part.large) for part in qkv.parts[:2]] == [NativeInt4Kernel] * 2
+    assert isinstance(qkv.parts[2], Q6KKernel)  # Q6_K: its blocks alone, large steps dequantized per call
+    assert isinstance(model.get_submodule('layers.0.mlp.down_proj').kernel, Q6KKernel)
     assert qkv.parts[0].small.packed is qkv.parts[0].large.packed  # one copy of the codes
     assert isinstance(model.get_submodule('layers.1.self_attn.qkv_proj').kernel.small, Q4KGemv)
     steps = check_every_step(engine, monkeypatch)

@@ -1,6 +1,7 @@
 """GGUF Q5_K projections kept as their blocks (Q5_K_M files; Qwen3.5's Q4_K_M ``attn_qkv``): unpacked and retiled
 exactly as the ``gguf`` package dequantizes them, the native Q5_K GEMV on them in bf16, and a tiny Q5_K_M-like
-Llama (Q5_K, some Q6_K) served from its blocks with transformers' fp32 greedy tokens."""
+Llama (Q5_K, some Q6_K) served from its blocks with transformers' fp32 greedy tokens, and in bf16 in the native
+decoder stack, equal to its layers, holding only the file's blocks."""
 from __future__ import annotations
 
 import os
@@ -14,16 +15,20 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 from transformers import AutoModelForCausalLM
 from helpers import hf_greedy, make_engine, random_prompts, run
+from test_decoder_stack import check_every_step
 from test_gguf_mixed import encode, write_mixed_gguf
 from test_gguf_moe import dense_weights, random_gguf_experts
 
-from lmdeploy.messages import PytorchEngineConfig
+from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.kernels import cpu, moe
-from lmdeploy.pytorch.nn.quant.base import LinearOptions
+from lmdeploy.pytorch.nn.linear import Linear
+from lmdeploy.pytorch.nn.quant.base import LinearKernel, LinearOptions
 from lmdeploy.pytorch.nn.quant.gguf import GgufFormat
-from lmdeploy.pytorch.nn.quant.gguf_blocks import dequantize_blocks
+from lmdeploy.pytorch.nn.quant.gguf_blocks import BLOCKS, dequantize_blocks
+from lmdeploy.pytorch.nn.quant.parts import PartsKernel
 from lmdeploy.pytorch.nn.quant.q5k_cpu import Q5K_NATIVE_MAX_ROWS, Q5KKernel, pack_q5k, unpack_q5k
+from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6K_NATIVE_MAX_ROWS, Q6KKernel
 from lmdeploy.pytorch.nn.quant.w4a16 import ReferenceKernel
 from lmdeploy.pytorch.weights.gguf import convert_gguf
 
@@ -132,16 +137,65 @@ def test_bf16_q5_k_m_file_runs_q5_k_on_the_gemv(q5_k_m):
         engine.close()
 
 
+def held_tensors(kernel: LinearKernel) -> list[torch.Tensor]:
+    """The tensors a layer's kernel holds, its parts' too."""
+    held = []
+    for value in vars(kernel).values():
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, torch.Tensor):
+                held.append(item)
+            elif isinstance(item, LinearKernel):
+                held += held_tensors(item)
+    return held
+
+
+def test_q5_k_m_runs_in_the_stack(q5_k_m, native_gemms, monkeypatch):
+    """bf16 on the CPU: Q5_K layers (the GEMV up to 32 rows, dequantized per call above), Q6_K ones (the GEMV up to
+    16 rows, dequantized per call above) and layer 0's q/k/v of both part by part run in the native decoder stack,
+    every step's hidden states equal to the layers' forward; each projection holds only its retiled blocks, as many
+    bytes as the file's (no bf16 copy)."""
+    if cpu.q5k_gemv() is None or cpu.q6k_gemv() is None:
+        pytest.skip('the native Q5_K and Q6_K GEMVs need AVX512-BF16')
+    engine = Engine(q5_k_m, PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=64, block_size=16,
+                                                enable_prefix_caching=False, max_prefill_token_num=48),
+                    show_progress=False)
+    model = engine.runner.model
+    stack = model.native_stack
+    assert stack is not None and stack.small is None and stack.small_step_rows == 0  # every step in `large`
+    qkv = model.get_submodule('layers.0.self_attn.qkv_proj').kernel
+    assert isinstance(qkv, PartsKernel) and [type(part) for part in qkv.parts] == [Q5KKernel, Q5KKernel, Q6KKernel]
+    assert isinstance(model.get_submodule('layers.0.mlp.down_proj').kernel, Q6KKernel)
+    for name, layer in model.layers.named_modules():
+        if isinstance(layer, Linear):
+            types = layer.weight_format.parts if isinstance(layer.kernel, PartsKernel) else [layer.weight_format]
+            sizes = [stop - start for start, stop in zip(layer.offsets, layer.offsets[1:])] if len(types) > 1 else [
+                layer.out_features]
+            file_bytes = sum(rows * layer.in_features // 256 * BLOCKS[t.ggml_type][1] for rows, t in zip(sizes, types))
+            held = held_tensors(layer.kernel)
+            assert {t.dtype for t in held} == {torch.uint8}, name
+            assert sum(t.numel() for t in held) == file_bytes, name
+    steps = check_every_step(engine, monkeypatch)
+    outs = run(engine, random_prompts([20, 70, 9], seed=8, vocab=250),
+               GenerationConfig(max_new_tokens=6, ignore_eos=True))
+    assert [len(out) for out in outs] == [6] * 3
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert any(rows <= Q6K_NATIVE_MAX_ROWS for _, rows in steps)
+    assert any(rows > Q5K_NATIVE_MAX_ROWS for _, rows in steps)
+
+
 @pytest.mark.slow
 def test_native_source_compiles_without_avx512():
-    """On a plain AVX2 CPU linear_q5k.cpp builds its stub (``q5k_gemv_available()`` false: Q5_K dequantized per
-    call)."""
+    """On a plain AVX2 CPU linear_q5k.cpp and linear_q6k.cpp build their stubs (``q5k_gemv_available()`` and
+    ``q6k_gemv_available()`` false: Q5_K dequantized per call, Q6_K on its int8 codes)."""
     from torch.utils.cpp_extension import include_paths
     includes = [f'-I{path}' for path in include_paths()] + [f'-I{sysconfig.get_paths()["include"]}']
-    proc = subprocess.run([os.environ.get('CXX', 'c++'), '-std=c++17', '-fsyntax-only', '-march=x86-64-v3',
-                           '-fopenmp', *includes, os.path.join(os.path.dirname(cpu.__file__), 'linear_q5k.cpp')],
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    procs = [subprocess.Popen([os.environ.get('CXX', 'c++'), '-std=c++17', '-fsyntax-only', '-march=x86-64-v3',
+                               '-fopenmp', *includes, os.path.join(os.path.dirname(cpu.__file__), name)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name in ('linear_q5k.cpp', 'linear_q6k.cpp')]
+    for proc in procs:
+        _, stderr = proc.communicate()
+        assert proc.returncode == 0, stderr[-2000:]
 
 
 def test_without_the_gemv_bf16_layers_and_experts_dequantize_per_call(monkeypatch):

@@ -56,6 +56,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q6k_gemv_available", &q6k_gemv_available, "whether q6k_linear was built (AVX512-BF16)");
   m.def("q6k_linear", &q6k_linear, "fp32 x @ W.T on GGUF Q6_K codes and scales (linear_q6k.cpp), x in bf16",
         py::arg("x"), py::arg("codes"), py::arg("scales"));
+  m.def("q6k_dequantize", &q6k_dequantize, "bf16 W of q6k_linear's codes and scales", py::arg("codes"),
+        py::arg("scales"));
   m.def("q5k_gemv_available", &q5k_gemv_available, "whether q5k_linear was built (AVX512-BF16)");
   m.def("q5k_linear", &q5k_linear, "fp32 x @ W.T on GGUF Q5_K codes and scales (linear_q5k.cpp), x in bf16",
         py::arg("x"), py::arg("codes"), py::arg("scales"));

@@ -261,6 +261,8 @@ bool q8_gemv_available();
 torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales);
 bool q6k_gemv_available();
 torch::Tensor q6k_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales);
+// The weights of q6k_linear's codes and scales, bf16 [N, K] (rounded from the exact fp32).
+torch::Tensor q6k_dequantize(const torch::Tensor& codes, const torch::Tensor& scales);
 // MXFP4 (gpt-oss's experts) as the checkpoint holds it (linear_mxfp4.cpp); x in fp32 or bf16.
 bool mxfp4_gemv_available();
 torch::Tensor mxfp4_linear(const torch::Tensor& x, const torch::Tensor& blocks, const torch::Tensor& scales);

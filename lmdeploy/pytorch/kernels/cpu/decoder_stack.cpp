@@ -8,6 +8,7 @@
 #include <ATen/ops/linear.h>
 
 #include "decoder_stack.h"
+#include "linear_q5k.h"
 
 Projection::Projection(const std::string& kind_name, torch::Tensor weight, c10::optional<torch::Tensor> compensation,
                        c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias)
@@ -36,6 +37,12 @@ Projection::Projection(const std::string& kind_name, torch::Tensor weight, c10::
     TORCH_CHECK(this->weight.scalar_type() == at::kByte && !this->compensation && this->scale &&
                     this->scale->scalar_type() == at::kByte,
                 "a q6k projection is its packed codes and scales (and bias), without compensation");
+  } else if (kind_name == "q5k" || kind_name == "q5k_dequantized" || kind_name == "q6k_dequantized") {
+    kind = kind_name == "q5k" ? Kind::kQ5K : kind_name == "q5k_dequantized" ? Kind::kQ5KDequantized
+                                                                             : Kind::kQ6KDequantized;
+    TORCH_CHECK(this->weight.scalar_type() == at::kByte && this->weight.dim() == 3 && !this->compensation &&
+                    this->scale && this->scale->scalar_type() == at::kByte,
+                "a ", kind_name, " projection is its packed codes and scales (and bias), without compensation");
   } else if (kind_name == "onednn") {
     kind = Kind::kOneDnn;
     TORCH_CHECK(this->weight.is_mkldnn() && !this->compensation && !this->scale,
@@ -51,8 +58,8 @@ Projection::Projection(const std::string& kind_name, torch::Tensor weight, c10::
                 "an mxfp4 projection is its blocks [N, K / 32, 16] and scale bytes [N, K / 32] (and bias), without "
                 "compensation");
   } else {
-    TORCH_CHECK(false, "a projection's kind is 'bf16', 'w8a8', 'int4', 'q4k', 'q6k', 'onednn', 'fp32', 'mxfp4' or "
-                "'mxfp4_dequantized', not '", kind_name, "'");
+    TORCH_CHECK(false, "a projection's kind is 'bf16', 'w8a8', 'int4', 'q4k', 'q5k', 'q5k_dequantized', 'q6k', "
+                "'q6k_dequantized', 'onednn', 'fp32', 'mxfp4' or 'mxfp4_dequantized', not '", kind_name, "'");
   }
 }
 
@@ -92,6 +99,12 @@ torch::Tensor Projection::operator()(const torch::Tensor& x) const {
       const auto out = q6k_linear(x, weight, *scale).to(x.scalar_type());
       return bias ? out.add(*bias) : out;
     }
+    case Kind::kQ5K: {
+      const auto out = q5k_linear(x, weight, *scale).to(x.scalar_type());
+      return bias ? out.add(*bias) : out;
+    }
+    case Kind::kQ5KDequantized: return at::linear(x, q5k_dequantize(weight, *scale).to(x.scalar_type()), bias);
+    case Kind::kQ6KDequantized: return at::linear(x, q6k_dequantize(weight, *scale).to(x.scalar_type()), bias);
     case Kind::kOneDnn: return onednn_linear(x, weight, bias);
     case Kind::kFp32: return at::linear(x.to(at::kFloat), weight, bias);
     case Kind::kSteps: return parts[x.size(0) > small_step_rows ? 1 : 0](x);
@@ -113,6 +126,9 @@ torch::Tensor Projection::gate_up_silu(const torch::Tensor& x) const {
       return q4k_gate_up_silu(x, weight, *scale);
     case Kind::kSteps: return parts[x.size(0) > small_step_rows ? 1 : 0].gate_up_silu(x);
     case Kind::kQ6K:
+    case Kind::kQ5K:
+    case Kind::kQ5KDequantized:
+    case Kind::kQ6KDequantized:
     case Kind::kOneDnn:
     case Kind::kFp32:
     case Kind::kParts:

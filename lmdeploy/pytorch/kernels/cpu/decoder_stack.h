@@ -23,7 +23,9 @@ struct StepTensors {
 // `weight` holds bf16_linear's panels; "w8a8": an int8 weight from pack_int8_weight with its `compensation`
 // and `scale` (int8_linear's); "int4": int4_linear's packed 4-bit weight with its fp16 `scale`s; "q4k": the same
 // codes with q4k_linear's `scale` bytes; "q6k":
-// q6k_linear's codes and `scale`s (its fp32 result rounded to x's dtype, then the bias added). A
+// q6k_linear's codes and `scale`s (its fp32 result rounded to x's dtype, then the bias added); "q5k": q5k_linear's
+// codes and `scale`s, likewise; "q5k_dequantized", "q6k_dequantized": the same weights dequantized to bf16 for
+// each call (q5k_dequantize, q6k_dequantize) and torch's linear, a "steps" projection's large steps. A
 // gate-and-up projection's weight is packed for the kernel's fused SiLU (pack_bf16_gate_up,
 // pack_int8_gate_up; int4: gate and up tiles alternate, no bias). "onednn": oneDNN's GEMM
 // (mkldnn::_linear_pointwise) on its blocked weight, for a MoE block's router and shared-expert gate; "fp32": x in
@@ -35,7 +37,10 @@ struct StepTensors {
 // x's dtype, then the bias added); "mxfp4_dequantized": the same weight dequantized to x's dtype for each call
 // (mxfp4_dequantize) and torch's linear: Mxfp4Kernel's two paths (nn/quant/mxfp4.py), which "steps" chooses between.
 struct Projection {
-  enum class Kind { kBf16, kW8A8, kInt4, kQ4K, kQ6K, kOneDnn, kFp32, kParts, kSteps, kMxfp4, kMxfp4Dequantized };
+  enum class Kind {
+    kBf16, kW8A8, kInt4, kQ4K, kQ6K, kOneDnn, kFp32, kParts, kSteps, kMxfp4, kMxfp4Dequantized,
+    kQ5K, kQ5KDequantized, kQ6KDequantized
+  };
   Projection(const std::string& kind, torch::Tensor weight, c10::optional<torch::Tensor> compensation,
              c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias);
   explicit Projection(std::vector<Projection> parts);

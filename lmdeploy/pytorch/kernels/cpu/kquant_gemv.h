@@ -1,6 +1,7 @@
 // What the GGUF K-quant GEMVs share (Q4_K in linear_int4.cpp, Q5_K in linear_q5k.cpp, Q6_K in linear_q6k.cpp), for
-// CPUs with AVX512-BF16: tiles of 16 weight rows, the 6-bit scales and mins of Q4_K/Q5_K, and the loop that runs
-// a file's per-tile dot product over every tile and row of x.
+// CPUs with AVX512-BF16: tiles of 16 weight rows, the 6-bit scales and mins of Q4_K/Q5_K, the loop that runs
+// a file's per-tile dot product over every tile and row of x, and the writing of a tile's weights in bf16 for
+// larger steps' GEMM (q5k_dequantize, q6k_dequantize).
 #pragma once
 #include "common.h"
 
@@ -34,6 +35,57 @@ inline void scale_min(const uint8_t* s, int64_t j, __m512& scale, __m512& minimu
                         _mm512_cvtepi32_ps(sc));
   minimum = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 2 * kTileRows))),
                           _mm512_cvtepi32_ps(mn));
+}
+
+// v (one value per row of a tile) as a chunk's 16-bit code lanes hold the rows: lanes 2i and 2i + 1 the value of
+// row 8 half + i, for half 0 (rows 0-7) and 1 (rows 8-15).
+inline __m512 pair_lanes(__m512 v, int half) {
+  const __m512i rows = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  return _mm512_permutexvar_ps(_mm512_add_epi32(rows, _mm512_set1_epi32(8 * half)), v);
+}
+
+// The bf16 weights u * scale - offset of a chunk's 32 16-bit codes u (lane j: row j / 2, input j % 2 of an input
+// pair), dword r holding row r's pair; scale and offset per half as pair_lanes gives them. One rounding: the
+// fused multiply-subtract is exact where u * scale and the offset are, then rounded to bf16.
+inline __m512i weight_pairs(__m512i codes, const __m512 scale[2], const __m512 offset[2]) {
+  __m512 weights[2];
+  for (int half = 0; half < 2; ++half) {
+    const __m512 u = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(codes, half)));
+    weights[half] = _mm512_fmsub_ps(u, scale[half], offset[half]);
+  }
+  return (__m512i)_mm512_cvtne2ps_pbh(weights[1], weights[0]);
+}
+
+// The 16 x 16 dwords of v transposed in place: v[i] lane j becomes v[j] lane i.
+inline void transpose16(__m512i* v) {
+  __m512i t[16];
+  for (int k = 0; k < 8; ++k) {
+    t[2 * k] = _mm512_unpacklo_epi32(v[2 * k], v[2 * k + 1]);
+    t[2 * k + 1] = _mm512_unpackhi_epi32(v[2 * k], v[2 * k + 1]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    v[4 * k] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
+    v[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
+    v[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
+    v[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
+  }
+  for (int k = 0; k < 2; ++k) {
+    for (int i = 0; i < 4; ++i) {
+      t[8 * k + i] = _mm512_shuffle_i32x4(v[8 * k + i], v[8 * k + 4 + i], 0x88);
+      t[8 * k + 4 + i] = _mm512_shuffle_i32x4(v[8 * k + i], v[8 * k + 4 + i], 0xdd);
+    }
+  }
+  for (int i = 0; i < 8; ++i) {
+    v[i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0x88);
+    v[8 + i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0xdd);
+  }
+}
+
+// A tile's 16 rows of 32 consecutive bf16 weights from pairs[p] (dword r: row r's input pair p), row r at
+// out + r * K.
+inline void store_tile_rows(__m512i* pairs, c10::BFloat16* out, int64_t K) {
+  transpose16(pairs);
+  for (int64_t row = 0; row < kTileRows; ++row) _mm512_storeu_si512(out + row * K, pairs[row]);
 }
 
 struct Gemv {

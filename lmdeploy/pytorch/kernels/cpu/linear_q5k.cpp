@@ -88,35 +88,6 @@ torch::Tensor q5k_linear(const torch::Tensor& x, const torch::Tensor& codes, con
                             });
 }
 
-namespace {
-
-// The 16 x 16 dwords of v transposed in place: v[i] lane j becomes v[j] lane i.
-inline void transpose16(__m512i* v) {
-  __m512i t[16];
-  for (int k = 0; k < 8; ++k) {
-    t[2 * k] = _mm512_unpacklo_epi32(v[2 * k], v[2 * k + 1]);
-    t[2 * k + 1] = _mm512_unpackhi_epi32(v[2 * k], v[2 * k + 1]);
-  }
-  for (int k = 0; k < 4; ++k) {
-    v[4 * k] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
-    v[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
-    v[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
-    v[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
-  }
-  for (int k = 0; k < 2; ++k) {
-    for (int i = 0; i < 4; ++i) {
-      t[8 * k + i] = _mm512_shuffle_i32x4(v[8 * k + i], v[8 * k + 4 + i], 0x88);
-      t[8 * k + 4 + i] = _mm512_shuffle_i32x4(v[8 * k + i], v[8 * k + 4 + i], 0xdd);
-    }
-  }
-  for (int i = 0; i < 8; ++i) {
-    v[i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0x88);
-    v[8 + i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0xdd);
-  }
-}
-
-}  // namespace
-
 torch::Tensor q5k_dequantize(const torch::Tensor& codes, const torch::Tensor& scales) {
   TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.size(2) == kCodeBytes &&
                   codes.is_contiguous(),
@@ -129,9 +100,6 @@ torch::Tensor q5k_dequantize(const torch::Tensor& codes, const torch::Tensor& sc
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const uint8_t* sp = scales.data_ptr<uint8_t>();
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
-  // lane j of a chunk holds row j / 2: each row's scale twice, rows 0-7 then 8-15
-  const __m512i rows_low = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-  const __m512i rows_high = _mm512_add_epi32(rows_low, _mm512_set1_epi32(8));
 #pragma omp parallel for schedule(static) num_threads(at::get_num_threads())
   for (int64_t tile = 0; tile < tiles; ++tile) {
     const uint8_t* w = cp + tile * (K / kGroup) * kCodeBytes;
@@ -140,29 +108,19 @@ torch::Tensor q5k_dequantize(const torch::Tensor& codes, const torch::Tensor& sc
       for (int64_t j = 0; j < kBlock / kGroup; ++j, w += kCodeBytes) {
         __m512 scale, minimum;
         kquant::scale_min(s, j, scale, minimum);
-        const __m512 scale_rows[2] = {_mm512_permutexvar_ps(rows_low, scale), _mm512_permutexvar_ps(rows_high, scale)};
-        const __m512 min_rows[2] = {_mm512_permutexvar_ps(rows_low, minimum),
-                                    _mm512_permutexvar_ps(rows_high, minimum)};
+        const __m512 scale_rows[2] = {kquant::pair_lanes(scale, 0), kquant::pair_lanes(scale, 1)};
+        const __m512 min_rows[2] = {kquant::pair_lanes(minimum, 0), kquant::pair_lanes(minimum, 1)};
         const __m512i top = _mm512_loadu_si512(w + 8 * 32);
         __m512i pairs[16];  // [8 h + c]: dword r the bf16 weights of (row r, inputs 16 h + 2 c, + 1)
         for (int c = 0; c < 8; ++c) {
           const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * c)));
-          const __m512i codes_of[2] = {
-              with_fifth(_mm512_and_si512(bytes, _mm512_set1_epi16(15)), top, c),
-              with_fifth(_mm512_srli_epi16(bytes, 4), top, 8 + c)};
-          for (int h = 0; h < 2; ++h) {
-            __m512 weights[2];
-            for (int part = 0; part < 2; ++part) {
-              const __m512 u = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(codes_of[h], part)));
-              weights[part] = _mm512_fmsub_ps(u, scale_rows[part], min_rows[part]);  // u * scale is exact
-            }
-            pairs[8 * h + c] = (__m512i)_mm512_cvtne2ps_pbh(weights[1], weights[0]);
-          }
+          pairs[c] = kquant::weight_pairs(with_fifth(_mm512_and_si512(bytes, _mm512_set1_epi16(15)), top, c),
+                                          scale_rows, min_rows);
+          pairs[8 + c] = kquant::weight_pairs(with_fifth(_mm512_srli_epi16(bytes, 4), top, 8 + c), scale_rows,
+                                              min_rows);
         }
-        transpose16(pairs);  // now pairs[r]: row r's 32 weights of the group
         const int64_t group = block * (kBlock / kGroup) + j;
-        for (int64_t row = 0; row < kTile; ++row)
-          _mm512_storeu_si512(op + (tile * kTile + row) * K + group * kGroup, pairs[row]);
+        kquant::store_tile_rows(pairs, op + tile * kTile * K + group * kGroup, K);
       }
     }
   }

@@ -13,6 +13,8 @@
 // of (row j/2, input 8 + 2c + j%2) in the high one; chunks 4 and 5 hold in byte j, bits 2k and 2k + 1, the
 // top 2 bits of (row j/2, pair 4h + k, input j%2), h = chunk - 4. Scales [N/16, K/256, 288] bytes: per tile
 // and block of 256 inputs, the int8 sc of its 16 groups (16 rows each, group-major), then 16 fp16 d.
+//
+// q6k_dequantize writes the same weights as bf16 [N, K] for larger steps' GEMM (no bf16 copy is kept).
 #include "kquant_gemv.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -81,11 +83,61 @@ torch::Tensor q6k_linear(const torch::Tensor& x, const torch::Tensor& codes, con
                             });
 }
 
+
+torch::Tensor q6k_dequantize(const torch::Tensor& codes, const torch::Tensor& scales) {
+  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.size(2) == kCodeBytes &&
+                  codes.is_contiguous(),
+              "codes: uint8 [N/16, K/16, 192]");
+  const int64_t tiles = codes.size(0), N = tiles * kTile, K = codes.size(1) * kGroup, blocks = K / kBlock;
+  TORCH_CHECK(K % kBlock == 0 && scales.scalar_type() == at::kByte && scales.is_contiguous() &&
+                  scales.numel() == tiles * blocks * kScaleBytes,
+              "scales: uint8 [N/16, K/256, 288]");
+  auto out = torch::empty({N, K}, codes.options().dtype(at::kBFloat16));
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const uint8_t* sp = scales.data_ptr<uint8_t>();
+  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
+  const __m512i nibble = _mm512_set1_epi16(0x000F);
+#pragma omp parallel for schedule(static) num_threads(at::get_num_threads())
+  for (int64_t tile = 0; tile < tiles; ++tile) {
+    const uint8_t* w = cp + tile * (K / kGroup) * kCodeBytes;
+    for (int64_t block = 0; block < blocks; ++block) {
+      const uint8_t* s = sp + (tile * blocks + block) * kScaleBytes;
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + kBlock)));
+      for (int64_t i = 0; i < kBlock / kGroup; i += 2) {  // two groups of 16 inputs: a row's 32 weights
+        __m512i pairs[16];  // [8 g + p]: dword r the bf16 weights of (row r, group i + g, inputs 2 p, + 1)
+        for (int g = 0; g < 2; ++g, w += kCodeBytes) {
+          const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + (i + g) * kTile));
+          const __m512 scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+          const __m512 offset = _mm512_mul_ps(scale, _mm512_set1_ps(32.f));  // w = u * d * sc - 32 d * sc
+          const __m512 scale_rows[2] = {kquant::pair_lanes(scale, 0), kquant::pair_lanes(scale, 1)};
+          const __m512 offset_rows[2] = {kquant::pair_lanes(offset, 0), kquant::pair_lanes(offset, 1)};
+          const __m512i hi0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 128)));
+          const __m512i hi1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 160)));
+          for (int c = 0; c < 4; ++c) {
+            const __m512i bytes =
+                _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * c)));
+            pairs[8 * g + c] =
+                kquant::weight_pairs(with_top(_mm512_and_si512(bytes, nibble), hi0, c), scale_rows, offset_rows);
+            pairs[8 * g + 4 + c] =
+                kquant::weight_pairs(with_top(_mm512_srli_epi16(bytes, 4), hi1, c), scale_rows, offset_rows);
+          }
+        }
+        kquant::store_tile_rows(pairs, op + tile * kTile * K + block * kBlock + i * kGroup, K);
+      }
+    }
+  }
+  return out;
+}
+
 #else
 
 bool q6k_gemv_available() { return false; }
 
 torch::Tensor q6k_linear(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&) {
+  TORCH_CHECK(false, "built without AVX512-BF16");
+}
+
+torch::Tensor q6k_dequantize(const torch::Tensor&, const torch::Tensor&) {
   TORCH_CHECK(false, "built without AVX512-BF16");
 }
 

@@ -22,7 +22,7 @@
 - Q6_K (``B = 256``, 210 bytes): 6-bit codes ``u``, an int8 scale ``sc`` per 16 inputs and an fp16 ``d``;
   ``W = (u - 32) * (d * sc)``. In bf16 on the CPU, steps of up to ``Q6K_NATIVE_MAX_ROWS`` tokens run on the
   native Q6_K GEMV (``kernels/cpu/linear_q6k.cpp``: the file's codes and scales retiled, its weights exactly),
-  larger ones on the bf16 GEMM over a copy dequantized at load (rounded to bf16); on CUDA every step on the
+  larger ones dequantize that copy for the call (no bf16 copy kept), as Q5_K; on CUDA every step on the
   Triton Q6_K GEMM (the file's bits retiled, 0.82 bytes a weight); otherwise int8 codes and fp32 scales
   dequantized on each call. A file's Q6_K output layer (Q4_K_M's) runs its small steps on the
   GEMV the same way.
@@ -50,10 +50,10 @@ from lmdeploy.pytorch.nn.quant.base import (ExpertKernel, Layout, LinearKernel, 
                                             new_parameter, register_format)
 from lmdeploy.pytorch.nn.quant.dense import DenseFormat, DenseKernel
 from lmdeploy.pytorch.nn.quant.gguf_blocks import (BLOCKS, NativeQ8Kernel, Q8Kernel, dequantize_blocks, int8_unpack,
-                                                   q4_k_cpu_kernel, q4_k_grid, q6_k_cpu_kernel, q6_k_parts)
+                                                   q4_k_cpu_kernel, q4_k_grid, q6_k_lm_head_kernel, q6_k_parts)
 from lmdeploy.pytorch.nn.quant.parts import PartsKernel
 from lmdeploy.pytorch.nn.quant.q5k_cpu import Q5KKernel
-from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6KGemv
+from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6KGemv, Q6KKernel
 from lmdeploy.pytorch.nn.quant.w4a16 import Int4GroupFormat, Int4Grid, PerExpertKernel, ReferenceKernel
 from lmdeploy.pytorch.weights.gguf_types import engine_layer, part_index
 from lmdeploy.pytorch.weights.safetensors_loader import WeightSource, read_shard
@@ -103,6 +103,11 @@ class GgufFormat(Int4GroupFormat):
                 return ReferenceKernel(self, layer)
             layer.qweight = None
             return native
+        if cpu_bf16 and self.ggml_type == 'Q6_K':
+            native = Q6KKernel.of(*q6_k_parts(layer.qweight))
+            if native is not None:
+                layer.qweight = None
+                return native
         if options.dtype is None:
             return ReferenceKernel(self, layer)
         if layer.qweight.device.type == 'cuda':
@@ -110,12 +115,6 @@ class GgufFormat(Int4GroupFormat):
             kernel = TRITON_KERNELS[self.ggml_type](layer.qweight)
             layer.qweight = None
             return kernel
-        if cpu_bf16 and self.ggml_type == 'Q6_K' and options.pack_cpu:
-            weight = dequantize_blocks(layer.qweight, 'Q6_K').to(torch.bfloat16)
-            native = q6_k_cpu_kernel(layer.qweight, weight, layer.gate_up_panels)
-            if native is not None:
-                layer.qweight = None
-                return native
         codes, scales = int8_unpack(layer.qweight, self.ggml_type)
         native = NativeQ8Kernel.of(codes, scales) if cpu_bf16 and self.ggml_type == 'Q8_0' else None
         kernel = native if native is not None else Q8Kernel(codes, scales)
@@ -300,7 +299,7 @@ class GgufFileFormat(DenseFormat):
             return TRITON_KERNELS[self.lm_head_type](blocks.to(table.device))
         if table.dtype != torch.bfloat16 or table.device.type != 'cpu':
             return None
-        return q6_k_cpu_kernel(blocks, table, gate_up=False, fp32_out=True)
+        return q6_k_lm_head_kernel(blocks, table)
 
     def layer_format(self, name: str, layer: Linear | FusedExperts) -> WeightFormat:
         projections = {'gate_up': f'{name}.gate_up_proj', 'down': f'{name}.down_proj'}

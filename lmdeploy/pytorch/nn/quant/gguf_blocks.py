@@ -12,7 +12,7 @@ from lmdeploy.pytorch.nn.quant.cpu_bf16 import packed_cpu_kernel
 from lmdeploy.pytorch.nn.quant.int4_cpu import NativeInt4Kernel, SmallStepInt4Kernel
 from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KGemv, k_scale_mins
 from lmdeploy.pytorch.nn.quant.q5k_cpu import q5k_weight
-from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6K_TILE, Q6KGemv
+from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6K_NATIVE_MAX_ROWS, Q6K_TILE, Q6KGemv
 from lmdeploy.pytorch.nn.quant.q8_cpu import Q8_GROUP, Q8_TILE, pack_q8
 from lmdeploy.pytorch.nn.quant.w4a16 import Int4Grid
 
@@ -22,8 +22,6 @@ BLOCKS = {'Q8_0': (32, 34), 'Q4_K': (256, 144), 'Q5_K': (256, 176), 'Q6_K': (256
 # load 8), GEMV against dequantizing and F.linear: 0.06 / 0.76 ms at 1 row, 0.56 / 0.76 at 16, 1.10 / 0.89
 # at 32, 2.3 / 1.2 at 64.
 Q8_NATIVE_MAX_ROWS = 16
-# Likewise for Q6_K (whose larger steps run on a bf16 copy instead).
-Q6K_NATIVE_MAX_ROWS = 16
 # Q4_K's larger steps run on the int4 GEMV (``benchmark/q4k_cpu.py``: 5-10% faster from 4 rows on); one bound
 # with Q6_K's, so that a Q4_K_M file's small steps run in one native decoder stack.
 Q4K_NATIVE_MAX_ROWS = Q6K_NATIVE_MAX_ROWS
@@ -126,18 +124,14 @@ class NativeQ8Kernel(LinearKernel):
         return out if bias is None else out + bias
 
 
-def q6_k_cpu_kernel(blocks: torch.Tensor, weight: torch.Tensor, gate_up: bool,
-                    fp32_out: bool = False) -> SmallStepInt4Kernel | None:
-    """Q6_K blocks in bf16 on the CPU: steps of up to ``Q6K_NATIVE_MAX_ROWS`` tokens on the Q6_K GEMV (the
-    file's weights exactly; ``fp32_out``: fp32 results, an LM head's), larger ones on the bf16 GEMM of
-    ``weight``, the blocks dequantized in bf16; None where either is not built. An LM head's rows beyond a
-    multiple of the GEMV's tiles are padded with zero weights (it drops their logits)."""
+def q6_k_lm_head_kernel(blocks: torch.Tensor, table: torch.Tensor) -> SmallStepInt4Kernel | None:
+    """A Q6_K output layer in bf16 on the CPU: steps of up to ``Q6K_NATIVE_MAX_ROWS`` tokens on the Q6_K GEMV over
+    its blocks (the file's weights exactly, fp32 logits), larger ones on the bf16 GEMM of the LM head's ``table``;
+    None where either is not built. Rows beyond a multiple of the GEMV's tiles are padded with zero weights (the
+    LM head drops their logits)."""
     pad = -blocks.shape[0] % Q6K_TILE
-    if pad and not fp32_out:
-        return None
-    large = packed_cpu_kernel(weight, gate_up)
-    parts = [F.pad(part, (0, 0, 0, pad)) for part in q6_k_parts(blocks)]
-    small = Q6KGemv.of(*parts, fp32_out=fp32_out)
+    large = packed_cpu_kernel(table)
+    small = Q6KGemv.of(*[F.pad(part, (0, 0, 0, pad)) for part in q6_k_parts(blocks)], fp32_out=True)
     return None if large is None or small is None else SmallStepInt4Kernel(small, Q6K_NATIVE_MAX_ROWS, large)
 
 

@@ -2,7 +2,7 @@
 inputs an fp16 ``d`` and ``dmin``, eight 6-bit ``sc`` and ``m`` (as Q4_K's) and 5-bit codes ``u``,
 ``W = u * d * sc - dmin * m`` per group of 32 inputs, 0.69 bytes a weight. Q5_K_M files and Qwen3.5's Q4_K_M
 ``attn_qkv`` run their small steps on it, the file's weights exactly; larger steps dequantize the same copy for
-one bf16 GEMM (no bf16 copy is kept)."""
+one bf16 GEMM (no bf16 copy is kept), in the native decoder stack too."""
 from __future__ import annotations
 
 import torch
@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.quant.base import LinearKernel
 from lmdeploy.pytorch.nn.quant.q4k_cpu import k_scale_mins
+from lmdeploy.pytorch.nn.quant.q6k_cpu import gemv_or_dequantized
 
 Q5K_TILE, Q5K_GROUP, Q5K_BLOCK = 16, 32, 256
 # Larger steps dequantize the layer for one bf16 GEMM: the GEMV's cost grows with the rows, the dequantizing
@@ -97,3 +98,6 @@ class Q5KKernel(LinearKernel):
             return F.linear(x, cpu.native().q5k_dequantize(self.codes, self.scales).to(x.dtype), bias)
         out = cpu.native().q5k_linear(x, self.codes, self.scales).to(x.dtype)
         return out if bias is None else out + bias
+
+    def native_projection(self, bias: torch.Tensor | None) -> object | None:
+        return gemv_or_dequantized('q5k', self.codes, self.scales, bias, Q5K_NATIVE_MAX_ROWS)

@@ -1,14 +1,18 @@
 """GGUF Q6_K weights on the native GEMV (``kernels/cpu/linear_q6k.cpp``) as the file holds them: 6-bit codes, an
 int8 scale per 16 inputs and an fp16 ``d`` per 256, ``W = d * sc * (u - 32)``, 0.82 bytes a weight. The Q6_K
-layers and output layer of a Q4_K_M file run their small steps on it, the file's weights exactly."""
+layers and output layer of a Q4_K_M file run their small steps on it, the file's weights exactly; a layer's larger
+steps dequantize the same copy for one bf16 GEMM (no bf16 copy is kept)."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.quant.base import LinearKernel
 
 Q6K_TILE, Q6K_GROUP, Q6K_BLOCK = 16, 16, 256
+# Larger steps run faster dequantized for one bf16 GEMM (the GEMV's cost grows with the rows).
+Q6K_NATIVE_MAX_ROWS = 16
 
 
 def pack_q6k(codes: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,3 +54,26 @@ class Q6KGemv(LinearKernel):
 
     def native_projection(self, bias: torch.Tensor | None) -> object | None:
         return cpu.native().Projection(kind='q6k', weight=self.packed, scale=self.scales, bias=bias)
+
+
+class Q6KKernel(Q6KGemv):
+    """A Q6_K layer: steps of up to ``Q6K_NATIVE_MAX_ROWS`` tokens on the GEMV, larger ones dequantized from the
+    same copy for ``F.linear`` (``q6k_dequantize``), 0.82 bytes a weight held."""
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.reshape(-1, x.shape[-1]).shape[0] > Q6K_NATIVE_MAX_ROWS:
+            return F.linear(x, cpu.native().q6k_dequantize(self.packed, self.scales).to(x.dtype), bias)
+        return super().__call__(x, bias)
+
+    def native_projection(self, bias: torch.Tensor | None) -> object | None:
+        return gemv_or_dequantized('q6k', self.packed, self.scales, bias, Q6K_NATIVE_MAX_ROWS)
+
+
+def gemv_or_dequantized(kind: str, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                        max_rows: int) -> object:
+    """A K-quant layer as the native decoder stack's ``steps`` projection: up to ``max_rows`` rows on the ``kind``
+    GEMV (``q5k``, ``q6k``), more dequantized for the call (``{kind}_dequantized``), as its kernel runs them."""
+    native = cpu.native()
+    small = native.Projection(kind=kind, weight=codes, scale=scales, bias=bias)
+    large = native.Projection(kind=f'{kind}_dequantized', weight=codes, scale=scales, bias=bias)
+    return native.Projection(small=small, large=large, small_step_rows=max_rows)

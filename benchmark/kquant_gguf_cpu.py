@@ -1,0 +1,140 @@
+"""Memory and speed of a dense Llama GGUF file of K-quant blocks in bf16 on the CPU, one thread: RSS once loaded,
+the thread CPU time of a ``--prefill-tokens`` prefill (one step) and of batch-1 decode tokens, and peak RSS; each
+source tree of ``--trees`` in a fresh process, the trees' order alternating from round to round, so that a change
+is measured against the tree it replaces (a ``git archive`` of the commit before it, say).
+
+The file: TinyLlama-1.1B's widths (hidden 2048, intermediate 5632, 32 heads, 4 KV heads of 64), ``--layers`` of
+them, the default model's tokenizer (vocabulary 49152), random blocks (``make_big_moe_gguf.random_blocks``) laid
+out as llama.cpp's ``--mix`` lays out a Llama: ``q4km`` Q4_K, ``q5km`` Q5_K, with Q6_K ``attn_v`` and ``ffn_down``
+in the layers ``use_more_bits`` picks and a Q6_K output; the token embedding Q4_K (Q5_K in ``q5km``). Each line
+says whether the layers ran in the native decoder stack.
+
+    python benchmark/kquant_gguf_cpu.py --mix q4km --trees /tmp/before,. --dir /tmp/q4km_bench
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gguf_moe_rss import peak_rss_gib, rss_gib  # noqa: E402
+from make_big_moe_gguf import add_tokenizer, more_bits, random_blocks  # noqa: E402
+
+HIDDEN, FFN, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 2048, 5632, 32, 4, 64, 49152
+MIXES = {'q4km': Q.Q4_K, 'q5km': Q.Q5_K}
+
+
+def write_dense_gguf(path: Path, mix: str, layers: int, seed: int = 0) -> None:
+    """The Llama file of the module docstring, written tensor by tensor."""
+    base = MIXES[mix]
+    writer = gguf.GGUFWriter(str(path), 'llama')
+    for add, value in [(writer.add_block_count, layers), (writer.add_context_length, 2048),
+                       (writer.add_embedding_length, HIDDEN), (writer.add_feed_forward_length, FFN),
+                       (writer.add_head_count, HEADS), (writer.add_head_count_kv, KV_HEADS),
+                       (writer.add_rope_dimension_count, HEAD_DIM), (writer.add_rope_freq_base, 10000.0),
+                       (writer.add_layer_norm_rms_eps, 1e-5)]:
+        add(value)
+    add_tokenizer(writer, VOCAB)
+    rng = np.random.default_rng(seed)
+    writer.add_tensor('token_embd.weight', random_blocks((VOCAB, HIDDEN), base, rng), raw_dtype=base)
+    for i in range(layers):
+        more = Q.Q6_K if more_bits(i, layers) else base
+        writer.add_tensor(f'blk.{i}.attn_norm.weight', np.ones(HIDDEN, dtype=np.float32))
+        writer.add_tensor(f'blk.{i}.ffn_norm.weight', np.ones(HIDDEN, dtype=np.float32))
+        for name, shape, qtype in [('attn_q', (HEADS * HEAD_DIM, HIDDEN), base),
+                                   ('attn_k', (KV_HEADS * HEAD_DIM, HIDDEN), base),
+                                   ('attn_v', (KV_HEADS * HEAD_DIM, HIDDEN), more),
+                                   ('attn_output', (HIDDEN, HEADS * HEAD_DIM), base),
+                                   ('ffn_gate', (FFN, HIDDEN), base), ('ffn_up', (FFN, HIDDEN), base),
+                                   ('ffn_down', (HIDDEN, FFN), more)]:
+            writer.add_tensor(f'blk.{i}.{name}.weight', random_blocks(shape, qtype, rng), raw_dtype=qtype)
+    writer.add_tensor('output_norm.weight', np.ones(HIDDEN, dtype=np.float32))
+    writer.add_tensor('output.weight', random_blocks((VOCAB, HIDDEN), Q.Q6_K, rng), raw_dtype=Q.Q6_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def child(folder: str, args: argparse.Namespace) -> None:
+    """Loads ``folder`` in bf16 with one thread and prints RSS, then the prefill and decode times of each repeat
+    (after a warm-up) and the peak RSS."""
+    from llamacpp_b1 import CLOCK, engine_decode_rate, engine_prefill_rate
+
+    import lmdeploy
+    from lmdeploy.messages import PytorchEngineConfig
+    from lmdeploy.pytorch.engine.engine import Engine
+    from lmdeploy.pytorch.kernels import cpu
+    CLOCK[0] = time.thread_time
+    if args.native_bf16_gemm and cpu.native() is not None and cpu.native().bf16_gemm_available():
+        cpu.bf16_gemm = cpu.native  # as stack_timing.stack_engine: on AMX CPUs bf16 weights prefer oneDNN
+    tokens = args.prefill_tokens + args.decode_tokens + 16
+    config = PytorchEngineConfig(dtype='bfloat16', num_threads=1, block_size=16, num_gpu_blocks=tokens // 16 + 4,
+                                 enable_prefix_caching=False, max_prefill_token_num=args.prefill_tokens)
+    engine = Engine(folder, config, show_progress=False)
+    tree = Path(lmdeploy.__file__).parents[1]
+    stack = engine.runner.model.native_stack is not None
+    print(f'{tree}: RSS loaded {rss_gib():.3f} GiB, native stack {"on" if stack else "off"}', flush=True)
+    rng = np.random.default_rng(1)
+    long_prompt = rng.integers(100, 40000, args.prefill_tokens).tolist()
+    prompt = long_prompt[:16]
+    try:
+        engine_prefill_rate(engine, long_prompt)  # warm-up
+        engine_decode_rate(engine, prompt, 4)
+        prefill, decode = [], []
+        for _ in range(args.repeats):
+            prefill.append(args.prefill_tokens / engine_prefill_rate(engine, long_prompt) * 1e3)
+            decode.append(1e3 / engine_decode_rate(engine, prompt, args.decode_tokens)[0])
+        print(f'{tree}: prefill {args.prefill_tokens}: best {min(prefill):.0f} ms, median '
+              f'{statistics.median(prefill):.0f} ms; decode: best {min(decode):.2f} ms/token, median '
+              f'{statistics.median(decode):.2f}; peak RSS {peak_rss_gib():.3f} GiB', flush=True)
+    finally:
+        engine.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--mix', choices=sorted(MIXES), default='q4km')
+    parser.add_argument('--layers', type=int, default=8)
+    parser.add_argument('--trees', default='.', help='lmdeploy source trees, comma-separated')
+    parser.add_argument('--dir', default='/tmp/kquant_gguf_cpu',
+                        help='where the file and its converted folder go (kept)')
+    parser.add_argument('--prefill-tokens', type=int, default=512)
+    parser.add_argument('--decode-tokens', type=int, default=16)
+    parser.add_argument('--repeats', type=int, default=3)
+    parser.add_argument('--rounds', type=int, default=2)
+    parser.add_argument('--native-bf16-gemm', action='store_true',
+                        help='bf16 weights (a Q6_K layer\'s copy before it was dropped) on the native bf16 GEMM, '
+                        'not oneDNN (which AMX CPUs prefer, and on which the native stack does not run)')
+    parser.add_argument('--child', help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(args.child, args)
+    folder = Path(args.dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    path, served = folder / f'{args.mix}.gguf', folder / f'{args.mix}_served'
+    if not served.exists():
+        from lmdeploy.pytorch.weights.gguf import convert_gguf
+        write_dense_gguf(path, args.mix, args.layers)
+        convert_gguf(str(path), str(served))
+    print(f'{path.name}: {path.stat().st_size / 2**20:.0f} MiB, {args.layers} layers', flush=True)
+    trees = [str(Path(tree).resolve()) for tree in args.trees.split(',')]
+    forwarded = [f'--prefill-tokens={args.prefill_tokens}', f'--decode-tokens={args.decode_tokens}',
+                 f'--repeats={args.repeats}'] + (['--native-bf16-gemm'] if args.native_bf16_gemm else [])
+    for index in range(args.rounds):
+        for tree in trees if index % 2 == 0 else trees[::-1]:
+            env = dict(os.environ, PYTHONPATH=tree)
+            subprocess.run([sys.executable, __file__, *forwarded, '--child', str(served)], check=True, env=env)
+
+
+if __name__ == '__main__':
+    main()
