@@ -300,11 +300,11 @@ def test_tensor_parallelism_is_refused(qwen3_5):
 
 
 def test_bf16_close_to_transformers(hybrid_model):
-    """bf16 on the CPU (packed GEMM weights; the layers run their own forward, not the native decoder stack): the
-    last logits differ from transformers' in fp32 by at most twice what transformers' own bf16 model does."""
+    """bf16 on the CPU (packed GEMM weights; prefill steps run the layers' own forward, decode steps may run the
+    native decoder stack, see test_decoder_stack_qwen3_next.py): the last logits differ from transformers' in fp32 by
+    at most twice what transformers' own bf16 model does."""
     engine = Engine(hybrid_model, PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=64, block_size=16),
                     show_progress=False)
-    assert engine.runner.model.native_stack is None
     prompts = random_prompts([7, 31, 90], seed=2)
     hf_model = hf_causal_lm(hybrid_model)
     refs = [hf_last_logits(hf_model, p) for p in prompts]

@@ -208,7 +208,7 @@ class LlamaForCausalLM(nn.Module):
         if self.query_scale is not None:
             ctx.q_scale = self.query_scale(ctx.positions).to(self.cfg.dtype)
         x = self.embed(input_ids, ctx)
-        if self.native_stack is not None and self.native_stack.runs(x.shape[0]):
+        if self.native_stack is not None and self.native_stack.runs(x.shape[0], ctx.num_prefill_tokens):
             x, residual = self.native_stack(x, kv_caches, ctx)
         else:
             residual = None

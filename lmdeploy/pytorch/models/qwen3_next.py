@@ -3,7 +3,8 @@ hybrid decoders whose ``layer_types`` alternate Gated DeltaNet linear attention 
 sequence, see ``paging/state_pool.py``) with gated full attention over the paged KV cache (an output gate from
 ``q_proj``, Gemma-style ``1 + weight`` q/k norms, rotary over the first ``partial_rotary_factor`` of each head).
 Norms are Gemma-style too; the MLP is dense (Qwen3.5) or a mixture of experts with a sigmoid-gated shared
-expert (Qwen3-Next, Qwen3.5-MoE). The layers run their own forward (not the native decoder stack)."""
+expert (Qwen3-Next, Qwen3.5-MoE). Decode-only steps run in the native decoder stack where every part has a native
+kernel; prefill and mixed steps run the layers' own forward (both read and write the same state pool and KV cache)."""
 from __future__ import annotations
 
 import torch
@@ -14,13 +15,15 @@ from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.kernels import causal_conv1d_decode, gated_delta_decode
 from lmdeploy.pytorch.kernels.gated_delta import causal_conv1d, chunk_gated_delta_rule
 from lmdeploy.pytorch.models.llama import KVCache, LlamaMLP, WeightTarget
-from lmdeploy.pytorch.models.moe import MoEForCausalLM
+from lmdeploy.pytorch.models.moe import MoEForCausalLM, SparseMoeBlock
 from lmdeploy.pytorch.nn.attention import PagedAttention
+from lmdeploy.pytorch.nn.decoder_stack import (LayerWeights, NativeDecoderStack, layer_weights,
+                                               linear_attention_weights)
 from lmdeploy.pytorch.nn.linear import Linear, MergedLinear
 from lmdeploy.pytorch.nn.moe import FusedExperts
 from lmdeploy.pytorch.nn.norm import GemmaRMSNorm
 from lmdeploy.pytorch.nn.quant import LinearOptions
-from lmdeploy.pytorch.nn.rotary import apply_rope
+from lmdeploy.pytorch.nn.rotary import apply_rope, rotary_dim
 from lmdeploy.pytorch.step_context import StepContext
 
 LINEAR_ATTENTION = 'linear_attention'
@@ -41,6 +44,7 @@ class GatedAttention(nn.Module):
         self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
         self.q_norm = GemmaRMSNorm(self.head_dim, hf.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, hf.rms_norm_eps)
+        self.rotary_dim = rotary_dim(hf, self.head_dim)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5,
                                    cfg.quant_policy)
 
@@ -111,6 +115,19 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = Linear(self.value_size, cfg.hidden_size)
         self.dtype = cfg.dtype
 
+    def in_projections(self) -> list[Linear]:
+        """The input projections, in the order of :meth:`project`."""
+        if self.grouped_projections:
+            return [self.in_proj_qkvz, self.in_proj_ba]
+        return [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a]
+
+    def stack_fields(self) -> dict[str, object]:
+        """The fields of the native stack's ``LinearAttention`` (``kernels/cpu/linear_attention.h``) by name."""
+        return dict(num_k_heads=self.num_k_heads, num_v_heads=self.num_v_heads, k_dim=self.k_dim, v_dim=self.v_dim,
+                    grouped_projections=self.grouped_projections, value_heads_tiled=self.value_heads_tiled,
+                    conv_weight=self.conv1d.weight.squeeze(1), a_log=self.A_log, dt_bias=self.dt_bias,
+                    norm_weight=self.norm.weight, eps=self.norm.eps)
+
     def state_shapes(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """One slot's convolution state and delta-rule state."""
         return [((self.conv_dim, self.kernel - 1), self.dtype),
@@ -172,6 +189,7 @@ class HybridDecoderLayer(nn.Module):
         else:
             self.self_attn = GatedAttention(cfg)
         self.mlp = mlp
+        self.dtype = cfg.dtype
         self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, hf.rms_norm_eps)
         self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, hf.rms_norm_eps)
 
@@ -185,9 +203,32 @@ class HybridDecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
-    def native_weights(self, small_step: bool = False) -> None:
-        """None: the native decoder stack has no linear attention."""
-        return None
+    def native_weights(self) -> LayerWeights | None:
+        """This layer's weights for the native decoder stack's decode-only steps; None where a part runs on no
+        native kernel."""
+        mlp = self.native_mlp()
+        if mlp is None:
+            return None
+        projections, options = mlp
+        norms = (self.input_layernorm.scale(self.dtype), self.post_attention_layernorm.scale(self.dtype))
+        if self.is_linear:
+            mixer = self.linear_attn
+            return linear_attention_weights(*norms, mixer.in_projections(), dict(o=mixer.out_proj, **projections),
+                                            mixer.stack_fields(), rotary_dim=0, **options)
+        attn = self.self_attn
+        return layer_weights(*norms, dict(qkv=attn.qkv_proj, o=attn.o_proj, **projections),
+                             q_norm=attn.q_norm.scale(self.dtype), k_norm=attn.k_norm.scale(self.dtype),
+                             rotary_dim=attn.rotary_dim, output_gate=True, **options)
+
+    def native_mlp(self) -> tuple[dict[str, Linear], dict[str, object]] | None:
+        """The MLP's projections and options for the stack (a dense MLP's gate_up and down, or the ``moe`` block);
+        None where it runs on no native kernel."""
+        if isinstance(self.mlp, SparseMoeBlock):
+            moe = self.mlp.native_moe()
+            return None if moe is None else ({}, dict(moe=moe))
+        if not self.mlp.gate_up_proj.gate_up_panels:
+            return None
+        return dict(gate_up=self.mlp.gate_up_proj, down=self.mlp.down_proj), {}
 
 
 class Qwen3NextForCausalLM(MoEForCausalLM):
@@ -211,12 +252,19 @@ class Qwen3NextForCausalLM(MoEForCausalLM):
         return None if name.startswith(MTP_PREFIX) else super().weight_target(name)
 
     def finalize_weights(self, pack_cpu: bool, small_step_int4: bool) -> None:
-        """Lays the loaded weights out for their kernels (bf16 CPU weights packed for their GEMM); no 4-bit
-        small-step copies, and no native decoder stack, which has no linear attention."""
+        """Lays the loaded weights out for their kernels (bf16 CPU weights packed for their GEMM; no 4-bit
+        small-step copies); with native GEMM weights throughout, decode-only steps run in a
+        :class:`NativeDecoderStack`."""
         for module in self.modules():
             if isinstance(module, (Linear, FusedExperts)):
                 module.finalize(LinearOptions(pack_cpu, dtype=self.cfg.dtype))
         self.lm_head.finalize(pack_cpu)
+        attn = next((layer.self_attn for layer in self.layers if not layer.is_linear), None)
+        if not pack_cpu or attn is None:
+            return
+        self.native_stack = NativeDecoderStack.build(
+            [layer.native_weights() for layer in self.layers], None, attn.num_heads, attn.num_kv_heads,
+            attn.head_dim, self.norm.eps, attn.attn.scale, 0, self.cfg.quant_policy, decode_only=True)
 
     def recurrent_state_shapes(self) -> list[list[tuple[tuple[int, ...], torch.dtype]] | None]:
         """Per layer, one sequence's recurrent state (linear-attention layers) or None (KV-cache layers)."""

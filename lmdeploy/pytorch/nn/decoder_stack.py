@@ -61,25 +61,44 @@ def latent_attention(projections: dict[str, Linear], small_step: bool = False, *
     return None if native is None else cpu.native().LatentAttention(**native, **options)
 
 
+def linear_attention_weights(input_norm: torch.Tensor, post_norm: torch.Tensor, in_projections: list[Linear],
+                             projections: dict[str, Linear], linear_attn: dict[str, Any],
+                             **options: Any) -> LayerWeights | None:
+    """A Gated DeltaNet layer's weights for the stack's decode-only steps: its ``in_projections`` (their outputs
+    side by side as the layer's ``qkv``, each on its native GEMM or oneDNN's), ``projections`` (``o``: its
+    out_proj, and its MLP's) and ``linear_attn``, the fields of ``native.LinearAttention`` by name (see
+    ``kernels/cpu/linear_attention.h``). None without the native delta rule (AVX-512) or where a projection runs
+    on no native GEMM."""
+    native = cpu.gated_delta()
+    parts = [proj.kernel.router_projection(proj.bias) for proj in in_projections]
+    if native is None or any(part is None for part in parts):
+        return None
+    return layer_weights(input_norm, post_norm, projections, qkv=native.Projection(parts=parts),
+                         linear_attn=native.LinearAttention(**linear_attn), **options)
+
+
 class NativeDecoderStack:
     """Every decoder layer of a model in one native call: steps of at most ``small_step_rows`` tokens on
     the layers' small-step weights (``small``; without it those steps take the layers' Python forward),
-    larger ones on their weights for any step (``large``)."""
+    larger ones on their weights for any step (``large``); with ``decode_only`` (layers with linear attention)
+    only steps whose every sequence has one new token."""
 
-    def __init__(self, native: ModuleType, large: Any, small: Any | None, small_step_rows: int):
+    def __init__(self, native: ModuleType, large: Any, small: Any | None, small_step_rows: int,
+                 decode_only: bool = False):
         self.native = native
         self.large, self.small = large, small
         self.small_step_rows = small_step_rows
+        self.decode_only = decode_only
 
     @classmethod
     def build(cls, layers: list[LayerWeights | None], small_layers: list[LayerWeights | None] | None,
               num_heads: int, num_kv_heads: int, head_dim: int, eps: float, scale: float, small_step_rows: int,
-              quant_policy: int = 0) -> NativeDecoderStack | None:
+              quant_policy: int = 0, decode_only: bool = False) -> NativeDecoderStack | None:
         """The stack of ``layers`` (each from a layer's ``native_weights``: its projections are on native
         GEMM weights, so the native kernels are loaded) and, for steps of at most ``small_step_rows`` tokens,
         of ``small_layers`` (unless a layer cannot run in it); None when a layer of ``layers`` cannot run in
         it or the layers are tensor-parallel (the stack has no collectives). ``quant_policy`` is the KV
-        cache's."""
+        cache's; ``decode_only``: see the class."""
         if current_group().world_size > 1 or any(weights is None for weights in layers):
             return None
         native = cpu.native()
@@ -91,10 +110,13 @@ class NativeDecoderStack:
         small = None
         if small_layers is not None and all(weights is not None for weights in small_layers):
             small = stack(small_layers)
-        return cls(native, stack(layers), small, small_step_rows)
+        return cls(native, stack(layers), small, small_step_rows, decode_only)
 
-    def runs(self, num_tokens: int) -> bool:
-        """Whether a step of ``num_tokens`` tokens runs in the stack."""
+    def runs(self, num_tokens: int, num_prefill_tokens: int = 0) -> bool:
+        """Whether a step of ``num_tokens`` tokens, the first ``num_prefill_tokens`` of them prefill, runs in the
+        stack."""
+        if self.decode_only and num_prefill_tokens:
+            return False
         return self.small is not None or num_tokens > self.small_step_rows
 
     def __call__(self, x: torch.Tensor, kv_caches: list[tuple[torch.Tensor, ...]], ctx: StepContext,
@@ -111,6 +133,6 @@ class NativeDecoderStack:
             decode_kv_lens=ctx.decode_kv_lens, local_cos=local_cos, local_sin=local_sin,
             window_kv_blocks=ctx.window_kv_blocks, window_prefill_block_table=ctx.window_prefill_block_table,
             window_decode_blocks=ctx.window_decode_blocks, prefill_key_limit=ctx.prefill_key_limit,
-            q_scale=ctx.q_scale)
+            q_scale=ctx.q_scale, state_decode_slots=ctx.state_decode_slots)
         stack = self.large if x.shape[0] > self.small_step_rows else self.small
         return stack.forward(x, kv_caches, step)

@@ -90,13 +90,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<StepTensors>(m, "StepTensors", "the step's tensors that every decoder layer reads")
       .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, Optional, Optional, Optional,
                     Optional, int64_t, Optional, Optional, Optional, Optional, Optional, Optional, Optional, Optional,
-                    Optional>(),
+                    Optional, Optional>(),
            py::kw_only(), py::arg("cos"), py::arg("sin"), py::arg("kv_blocks"), py::arg("kv_offsets"),
            py::arg("num_prefill_tokens"), py::arg("prefill_block_table"), py::arg("prefill_q_start"),
            py::arg("prefill_q_len"), py::arg("prefill_ctx_len"), py::arg("prefill_max_q_len"),
            py::arg("decode_blocks"), py::arg("decode_kv_lens"), py::arg("local_cos"), py::arg("local_sin"),
            py::arg("window_kv_blocks"), py::arg("window_prefill_block_table"), py::arg("window_decode_blocks"),
-           py::arg("prefill_key_limit") = py::none(), py::arg("q_scale") = py::none());
+           py::arg("prefill_key_limit") = py::none(), py::arg("q_scale") = py::none(),
+           py::arg("state_decode_slots") = py::none());
   py::class_<Projection>(m, "Projection", "a decoder layer's projection on its native GEMM's weight")
       .def(py::init<const std::string&, torch::Tensor, Optional, Optional, Optional>(), py::kw_only(),
            py::arg("kind"), py::arg("weight"), py::arg("compensation") = py::none(), py::arg("scale") = py::none(),
@@ -127,12 +128,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("kv_a"), py::arg("kv_a_norm"), py::arg("kv_b"), py::arg("num_heads"), py::arg("kv_lora_rank"),
            py::arg("nope_dim"), py::arg("rope_dim"), py::arg("v_head_dim"), py::arg("interleaved_rope"),
            py::arg("scale"), py::arg("norm_eps"));
+  py::class_<LinearAttention>(m, "LinearAttention", "a decoder layer's Gated DeltaNet linear attention")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, bool, bool, torch::Tensor, torch::Tensor, torch::Tensor,
+                    torch::Tensor, double>(),
+           py::kw_only(), py::arg("num_k_heads"), py::arg("num_v_heads"), py::arg("k_dim"), py::arg("v_dim"),
+           py::arg("grouped_projections"), py::arg("value_heads_tiled"), py::arg("conv_weight"), py::arg("a_log"),
+           py::arg("dt_bias"), py::arg("norm_weight"), py::arg("eps"));
   py::class_<LayerWeights>(m, "LayerWeights", "a Llama-style decoder layer's weights")
       .def(py::init<Optional, Optional, c10::optional<Projection>, Projection, c10::optional<Projection>,
                     c10::optional<Projection>,
                     c10::optional<MoEBlock>, Optional, Optional, Optional, Optional, int64_t, bool, bool,
                     c10::optional<int64_t>, c10::optional<double>, bool, bool, double, bool, bool,
-                    c10::optional<int64_t>, c10::optional<double>, Optional, c10::optional<LatentAttention>>(),
+                    c10::optional<int64_t>, c10::optional<double>, Optional, c10::optional<LatentAttention>, bool,
+                    c10::optional<LinearAttention>>(),
            py::kw_only(), py::arg("input_norm") = py::none(), py::arg("post_norm") = py::none(),
            py::arg("qkv") = py::none(),
            py::arg("o"),
@@ -144,7 +152,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("scaled_queries") = false, py::arg("residual_scale") = 1.0,
            py::arg("qk_norm_across_heads") = false, py::arg("post_norms_only") = false,
            py::arg("attention_chunk") = py::none(), py::arg("qk_l2_norm_eps") = py::none(),
-           py::arg("sinks") = py::none(), py::arg("mla") = py::none());
+           py::arg("sinks") = py::none(), py::arg("mla") = py::none(), py::arg("output_gate") = false,
+           py::arg("linear_attn") = py::none());
   py::class_<DecoderStack>(m, "DecoderStack", "Llama-style decoder layers in one call per step")
       .def(py::init<std::vector<LayerWeights>, int64_t, int64_t, int64_t, double, double, int64_t>(), py::kw_only(),
            py::arg("layers"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"),

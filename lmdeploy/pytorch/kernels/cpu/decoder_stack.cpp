@@ -147,7 +147,7 @@ DecoderStack::DecoderStack(std::vector<LayerWeights> layers, int64_t num_heads, 
   for (const auto& w : layers_) {
     TORCH_CHECK(w.qkv.has_value() != w.mla.has_value(), "a layer's attention is its qkv projection or its mla block");
     TORCH_CHECK(!w.mla || (!w.q_norm && !w.post_norms_only && w.rotary_dim == 0 && !w.sliding_window &&
-                           !w.attention_chunk && !w.sinks && !w.logit_softcap),
+                           !w.attention_chunk && !w.sinks && !w.logit_softcap && !w.output_gate && !w.linear_attn),
                 "an mla layer has none of the options of a qkv layer's attention (rotary_dim 0)");
     TORCH_CHECK(w.q_norm.has_value() == w.k_norm.has_value(), "a layer has both q and k norms or neither");
     if (w.q_norm) {
@@ -178,6 +178,8 @@ DecoderStack::DecoderStack(std::vector<LayerWeights> layers, int64_t num_heads, 
     TORCH_CHECK(!w.sinks || (w.sinks->scalar_type() == at::kFloat && w.sinks->dim() == 1 &&
                              w.sinks->size(0) == num_heads_ && w.sinks->is_contiguous()),
                 "a layer's sinks are one contiguous fp32 logit per query head");
+    TORCH_CHECK(!w.linear_attn || (!w.output_gate && !w.q_norm && !w.sinks && !w.post_norms_only),
+                "a linear-attention layer has no output gate, q/k norms, sinks nor post_norms_only");
   }
 }
 
@@ -220,12 +222,20 @@ torch::Tensor DecoderStack::mlp(const LayerWeights& w, const torch::Tensor& h) c
   return w.residual_scale == 1.0 ? out : out.mul(w.residual_scale);
 }
 
-torch::Tensor DecoderStack::attention(const LayerWeights& w, const torch::Tensor& qkv,
+torch::Tensor DecoderStack::attention(const LayerWeights& w, const torch::Tensor& projected,
                                       const std::vector<torch::Tensor>& cache, const StepTensors& step) const {
   TORCH_CHECK(cache.size() == (quant_policy_ ? 4u : 2u), "a layer's cache is (k, v), quantized (k, v, k_sz, v_sz)");
   const torch::Tensor &k_cache = cache[0], &v_cache = cache[1];
   const c10::optional<torch::Tensor> k_sz = quant_policy_ ? c10::optional<torch::Tensor>(cache[2]) : c10::nullopt;
   const c10::optional<torch::Tensor> v_sz = quant_policy_ ? c10::optional<torch::Tensor>(cache[3]) : c10::nullopt;
+  torch::Tensor qkv = projected, gate;
+  if (w.output_gate) {  // GatedAttention.forward: per head the query, then its gate
+    const int64_t q_size = num_heads_ * head_dim_;
+    const auto q_gate = projected.narrow(1, 0, 2 * q_size).view({projected.size(0), num_heads_, 2 * head_dim_});
+    gate = q_gate.narrow(2, head_dim_, head_dim_);
+    qkv = torch::cat({q_gate.narrow(2, 0, head_dim_).flatten(1),
+                      projected.narrow(1, 2 * q_size, 2 * num_kv_heads_ * head_dim_)}, 1);
+  }
   const auto heads = qkv.view({qkv.size(0), num_heads_ + 2 * num_kv_heads_, head_dim_});
   auto qk = rotate(w, normed_qk(w, qkv), step);
   if (w.qk_l2_norm_eps) {  // l2_norm of models/llama4.py
@@ -259,7 +269,8 @@ torch::Tensor DecoderStack::attention(const LayerWeights& w, const torch::Tensor
                                            quant_policy_, w.sliding_window, w.logit_softcap, w.sinks,
                                            w.attention_chunk));
   TORCH_CHECK(!parts.empty(), "a step has prefill or decode rows");
-  return (parts.size() == 1 ? parts[0] : torch::cat(parts)).flatten(1);
+  const auto out = (parts.size() == 1 ? parts[0] : torch::cat(parts)).flatten(1);
+  return gate.defined() ? out.mul(gate.reshape(out.sizes()).sigmoid()) : out;
 }
 
 std::tuple<torch::Tensor, torch::Tensor> DecoderStack::forward(
@@ -278,12 +289,20 @@ std::tuple<torch::Tensor, torch::Tensor> DecoderStack::forward(
     torch::Tensor h;
     std::tie(h, sum) = rms_norm(x, *w.input_norm, eps_, sum.defined() ? c10::optional<torch::Tensor>(sum)
                                                                        : c10::nullopt);
-    auto attended = w.o(w.mla ? (*w.mla)(h, kv_caches[i], step, quant_policy_)
-                              : attention(w, (*w.qkv)(h), kv_caches[i], step));
+    auto attended = w.o(w.mla           ? (*w.mla)(h, kv_caches[i], step, quant_policy_)
+                        : w.linear_attn ? linear_attention(w, h, kv_caches[i], step)
+                                        : attention(w, (*w.qkv)(h), kv_caches[i], step));
     if (w.attn_out_norm) attended = std::get<0>(rms_norm(attended, *w.attn_out_norm, eps_, c10::nullopt));
     if (w.residual_scale != 1.0) attended = attended.mul(w.residual_scale);
     std::tie(h, sum) = rms_norm(attended, *w.post_norm, eps_, sum);
     x = mlp(w, h);
   }
   return {x, sum};
+}
+
+torch::Tensor DecoderStack::linear_attention(const LayerWeights& w, const torch::Tensor& h,
+                                             const std::vector<torch::Tensor>& state, const StepTensors& step) const {
+  TORCH_CHECK(step.num_prefill_tokens == 0 && step.state_decode_slots,
+              "a linear-attention layer runs in the stack in decode-only steps, with the step's state_decode_slots");
+  return (*w.linear_attn)((*w.qkv)(h), state, *step.state_decode_slots);
 }

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "common.h"
+#include "linear_attention.h"
 
 // The tensors of one engine step that every decoder layer reads (see StepContext in step_context.py);
 // local_cos and local_sin: the rotary tables of the layers with `local_rope` (Gemma 3's local layers).
@@ -17,6 +18,7 @@ struct StepTensors {
   c10::optional<torch::Tensor> window_kv_blocks, window_prefill_block_table, window_decode_blocks;
   c10::optional<torch::Tensor> prefill_key_limit;  // StepContext.prefill_key_limit
   c10::optional<torch::Tensor> q_scale;            // StepContext.q_scale: the layers with scaled_queries need it
+  c10::optional<torch::Tensor> state_decode_slots;  // StepContext.state_decode_slots: linear_attn state rows
 };
 
 // One projection of a decoder layer, x @ W.T (+ bias), on its weight as its kernel takes it. `kind` "bf16":
@@ -159,8 +161,11 @@ struct LatentAttention {
 // fused SiLU one; `scaled_queries`: its rotated queries are multiplied by their token's factor in the step's
 // q_scale (Ministral 3); `residual_scale`: the outputs of attention and of the MLP are multiplied by it before the
 // residual adds them (Granite's residual_multiplier); `sinks`: one fp32 logit per query head that joins the softmax
-// denominator (gpt-oss). A layer's attention is its qkv projection, or its `mla` block (DeepSeek; o applies to
-// its output and the options above are unset); its MLP is its gate_up and down projections, or its `moe` block.
+// denominator (gpt-oss); `output_gate`: the query rows of `qkv` hold, per head, the query and then its output gate,
+// the attention output is multiplied by the gate's sigmoid before `o` (Qwen3-Next's and Qwen3.5's full attention).
+// A layer's attention is its qkv projection, or its `mla` block (DeepSeek; o applies to its output and the options
+// above are unset), or its `linear_attn` (Qwen3-Next's and Qwen3.5's Gated DeltaNet, in decode-only steps: `qkv` is
+// its input projections, `o` its out_proj). A layer's MLP is its gate_up and down projections, or its `moe` block.
 struct LayerWeights {
   c10::optional<torch::Tensor> input_norm, post_norm;
   c10::optional<Projection> qkv;
@@ -179,6 +184,8 @@ struct LayerWeights {
   c10::optional<double> qk_l2_norm_eps;
   c10::optional<torch::Tensor> sinks;
   c10::optional<LatentAttention> mla;
+  bool output_gate;
+  c10::optional<LinearAttention> linear_attn;
 };
 
 // Llama-style decoder layers (decoder_stack.cpp): the kernels of LlamaDecoderLayer's forward, in its order.
@@ -193,8 +200,12 @@ class DecoderStack {
                                                    const StepTensors& step) const;
 
  private:
-  torch::Tensor attention(const LayerWeights& w, const torch::Tensor& qkv, const std::vector<torch::Tensor>& cache,
-                          const StepTensors& step) const;
+  // The layer's attention output before `o` for its projected queries, keys and values (and output gates).
+  torch::Tensor attention(const LayerWeights& w, const torch::Tensor& projected,
+                          const std::vector<torch::Tensor>& cache, const StepTensors& step) const;
+  // A linear_attn layer's output before `o`, of its normed input h (decode-only steps).
+  torch::Tensor linear_attention(const LayerWeights& w, const torch::Tensor& h, const std::vector<torch::Tensor>& state,
+                                 const StepTensors& step) const;
   // The layer's queries and keys [T, H + H_kv, head_dim] of qkv, normed where it has q/k norms.
   torch::Tensor normed_qk(const LayerWeights& w, const torch::Tensor& qkv) const;
   // The layer's MLP (or MoE block) on h, its output norm applied.
