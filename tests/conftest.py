@@ -12,6 +12,8 @@ if not torch.cuda.is_available():
     # Before anything imports triton.language (transformers' image processors do): the Triton kernel
     # tests run in the interpreter on the CPU.
     os.environ.setdefault('TRITON_INTERPRET', '1')
+    from triton_interpreter import skip_nested_language_patches
+    skip_nested_language_patches()
 # Tensor-parallel workers fork from a server that imported torch and the engine once: a tp=2 engine then starts
 # in about 0.5 s instead of 4-5 s. test_tp.py runs the default, 'spawn', too.
 os.environ.setdefault('LMDEPLOY_TP_START_METHOD', 'forkserver')
