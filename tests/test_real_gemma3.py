@@ -129,3 +129,12 @@ def test_bf16_answers_and_mostly_agrees_with_fp32(gguf_path, prompts, fp32_token
     print(f'bf16 tokens equal to fp32 before the first difference, of 32: {agree}')
     assert answer.startswith(' Paris')
     assert all(n >= 1 for n in agree)
+
+
+@pytest.mark.slow
+def test_pipeline_prompt_gets_the_files_bos(gguf_path, prompts):
+    """The file has no chat template: a chat prompt's text is its contents, encoded with the tokenizer's BOS."""
+    from lmdeploy import pipeline
+    with pipeline(gguf_path, backend_config=PytorchEngineConfig(num_gpu_blocks=64), show_progress=False) as pipe:
+        assert pipe.encode(FEW_SHOT) == pipe.encode([{'role': 'user', 'content': FEW_SHOT}]) == prompts[2]
+        assert pipe(FEW_SHOT, gen_config=GenerationConfig(max_new_tokens=4)).text.startswith(' Paris')
