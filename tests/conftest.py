@@ -149,13 +149,8 @@ def default_model_gguf() -> str:
 def default_model_reference(default_model_gguf):
     """transformers' own reading of the default model's GGUF file, in fp32: it takes a while, so the tests
     that compare against it share one."""
-    import gguf
-    with pytest.MonkeyPatch.context() as patch:
-        # transformers builds gguf's (pure) name map anew for each of the model's 397 modules: 5 s of 14
-        patch.setattr(gguf, 'get_tensor_name_map', functools.cache(gguf.get_tensor_name_map))
-        return AutoModelForCausalLM.from_pretrained(os.path.dirname(default_model_gguf),
-                                                    gguf_file=os.path.basename(default_model_gguf),
-                                                    dtype=torch.float32).eval()
+    from helpers import load_gguf_reference
+    return load_gguf_reference(default_model_gguf)
 
 
 @pytest.fixture(autouse=True, scope='session')

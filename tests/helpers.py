@@ -5,6 +5,7 @@ import os
 import time
 
 import psutil
+import pytest
 import torch
 
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
@@ -58,6 +59,19 @@ def collect(engine: Engine, seq_ids: list[int]) -> list[list[int]]:
 
 def run(engine: Engine, prompts, gen_config=GREEDY_32) -> list[list[int]]:
     return collect(engine, add_requests(engine, prompts, gen_config))
+
+
+def load_gguf_reference(gguf_path: str):
+    """transformers' own reading of a GGUF file, dequantized to fp32."""
+    import functools
+
+    import gguf
+    from transformers import AutoModelForCausalLM
+    with pytest.MonkeyPatch.context() as patch:
+        # transformers builds gguf's (pure) name map anew for each of the model's modules (5 s of 14 for the default)
+        patch.setattr(gguf, 'get_tensor_name_map', functools.cache(gguf.get_tensor_name_map))
+        return AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path),
+                                                    dtype=torch.float32).eval()
 
 
 def hf_greedy(model, prompt, n=32) -> list[int]:

@@ -153,7 +153,9 @@ class MultiModalProcessor:
             raise ValueError('this model does not accept images')
         text = self.render(prompt, do_preprocess, sources, tools, template_kwargs)
         tokenized = self.image_inputs.expand_text(text) if sources else text
-        input_ids = self.tokenizer.encode(tokenized, add_special_tokens=not do_preprocess)
+        # a chat template writes the special tokens (BOS) itself; text without one (contents joined) gets the tokenizer's
+        templated = do_preprocess and bool(self.chat_template or getattr(self.tokenizer.hf, 'chat_template', None))
+        input_ids = self.tokenizer.encode(tokenized, add_special_tokens=not templated)
         if not sources:
             return ProcessedPrompt(input_ids, text=text)
         if len(sources) > self.max_images:
