@@ -110,7 +110,7 @@ def test_fp32_first_step_logits_equal_transformers(engine, prompts, reference_lo
 @pytest.mark.slow
 def test_batched_equals_solo(engine, prompts, fp32_tokens):
     first_8 = GenerationConfig(max_new_tokens=8, ignore_eos=True)  # a greedy run's first tokens are its own
-    for prompt, tokens in zip(prompts, fp32_tokens):
+    for prompt, tokens in zip(prompts[:2], fp32_tokens):  # the two shortest: the batch of four ran the long one
         assert collect(engine, [engine.add_request(prompt, first_8)]) == [tokens[:8]]
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
