@@ -164,8 +164,8 @@ def count_calls(monkeypatch: pytest.MonkeyPatch, classes: list[type]) -> dict[st
 
 def test_bf16_experts_run_on_their_native_kernels(moe_file, monkeypatch):
     """bf16 on the CPU: Q4_K experts on the Q4_K GEMV up to 32 rows (gate and up with their SiLU epilogue),
-    dequantized per call above, Q6_K on the Q6_K GEMV, Q5_K on its kernel (the Q5_K GEMV up to 32 rows), Q8_0 on the 8-bit
-    GEMV, dequantized projections on ``F.linear``, and each is called; the logits stay
+    dequantized per call above, Q6_K on the Q6_K GEMV, Q5_K on its kernel (the Q5_K GEMV up to 32 rows), Q8_0 on
+    the 8-bit GEMV, dequantized projections on ``F.linear``, and each is called; the logits stay
     within 15% of fp32's: each kernel is within 1% of fp32 on its own (the expert tests above), but in this tiny
     random model a bf16 rounding can flip a token's choice of experts, which moves the logits by about 10%."""
     kind, tmp = moe_file

@@ -31,7 +31,8 @@ Projection::Projection(const std::string& kind_name, torch::Tensor weight, c10::
     kind = kind_name == "q4k" ? Kind::kQ4K : Kind::kQ4KDequantized;
     TORCH_CHECK(this->weight.scalar_type() == at::kByte && !this->compensation && this->scale &&
                     this->scale->scalar_type() == at::kByte,
-                "a ", kind_name, " projection is its packed 4-bit weight and scale bytes (and bias), without compensation");
+                "a ", kind_name,
+                " projection is its packed 4-bit weight and scale bytes (and bias), without compensation");
   } else if (kind_name == "q6k") {
     kind = Kind::kQ6K;
     TORCH_CHECK(this->weight.scalar_type() == at::kByte && !this->compensation && this->scale &&
