@@ -21,7 +21,7 @@ from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.quant.base import LinearOptions
 from lmdeploy.pytorch.nn.quant.gguf import GgufFileFormat, GgufFormat
 from lmdeploy.pytorch.nn.quant.gguf_blocks import Q6K_NATIVE_MAX_ROWS, int8_unpack, q4_k_grid, q6_k_parts
-from lmdeploy.pytorch.nn.quant.int4_cpu import NativeInt4Kernel, SmallStepInt4Kernel
+from lmdeploy.pytorch.nn.quant.int4_cpu import NativeInt4Kernel, SmallStepInt4Kernel, TorchInt4Kernel
 from lmdeploy.pytorch.nn.quant.parts import PartsKernel
 from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4K_NATIVE_MAX_ROWS, Q4KGemv, Q4KKernel
 from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6KGemv, Q6KKernel
@@ -144,6 +144,19 @@ def test_q4_k_dequantize_rejects_other_layouts():
         cpu.native().q4k_dequantize(kernel.packed, kernel.scales[:, :1].contiguous())
     with pytest.raises(RuntimeError, match='gate_up: pairs of tiles'):
         cpu.native().q4k_dequantize(kernel.packed, kernel.scales, True)
+
+
+def test_without_the_gemv_q4_k_runs_on_torch_int4_kernel(monkeypatch):
+    """Where the Q4_K GEMV is not built (no AVX512-BF16) a bf16 Q4_K layer runs every step on torch's int4 kernel
+    (scales in bf16), within bf16 rounding of gguf's weights."""
+    monkeypatch.setattr(cpu, 'int4_gemv', lambda: None)
+    blocks, expected = random_blocks(Q.Q4_K, 48, 512, seed=6)
+    kernel = GgufFormat('Q4_K').make_kernel(block_layer(blocks), LinearOptions(True, dtype=torch.bfloat16))
+    assert isinstance(kernel, SmallStepInt4Kernel) and isinstance(kernel.small, TorchInt4Kernel)
+    for rows in (1, Q4K_NATIVE_MAX_ROWS + 8):
+        x = torch.randn(rows, 512).bfloat16()
+        reference = x.float() @ expected.T
+        assert (kernel(x, None).float() - reference).norm() / reference.norm() < 1e-2
 
 
 def block_layer(blocks: torch.Tensor, gate_up: bool = False) -> torch.nn.Module:
