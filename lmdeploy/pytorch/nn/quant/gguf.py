@@ -28,8 +28,8 @@
 
 A MoE layer's experts (``ffn_{gate,up,down}_exps``, one ``qweight`` per expert and projection) keep their blocks
 the same way, each projection in its own type (:class:`GgufExpertsFormat`): in bf16 on the CPU each routed
-expert runs Q4_K as dense Q4_K layers do (the Q4_K GEMV up to 16 rows, the int4 GEMV above; gate and up with
-their SiLU epilogue), Q6_K on the Q6_K GEMV at every step size and Q8_0 on the 8-bit GEMV; on CUDA the Triton fused MoE
+expert runs Q4_K as dense Q4_K layers do (the Q4_K GEMV up to 32 rows, gate and up with their SiLU epilogue;
+dequantized per call above), Q6_K on the Q6_K GEMV at every step size and Q8_0 on the 8-bit GEMV; on CUDA the Triton fused MoE
 on every projection's blocks (Q4_K's grids, Q6_K's and Q8_0's retiled as for the dense GEMMs);
 otherwise each routed expert is dequantized on its call.
 
