@@ -10,7 +10,7 @@ between the two), one MXFP4 gate-and-up projection by rows (the GEMV against deq
 resident weight bytes of a gpt-oss-20b-shaped model either way.
 
     python benchmark/moe_w4_cpu.py [--experts 128] [--top-k 8] [--hidden 2048] [--inter 768] [--group 128]
-                                   [--gguf | --mxfp4] [--threads 1]
+                                   [--gguf | --mxfp4] [--threads 1] [--tokens 1,4,16]
 """
 from __future__ import annotations
 
@@ -168,6 +168,7 @@ def main() -> None:
     parser.add_argument('--gguf', action='store_true', help='Q4_K (and Q4_K with a Q6_K down) experts vs bf16')
     parser.add_argument('--mxfp4', action='store_true', help="gpt-oss-20b's experts in MXFP4 vs bf16")
     parser.add_argument('--threads', type=int, default=1)
+    parser.add_argument('--tokens', help='step sizes, comma-separated (default: 1,4,16 with --gguf)')
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.mxfp4:
@@ -183,6 +184,8 @@ def main() -> None:
         layers = {'int4 native': experts(gptq, args), 'int4 torch': experts(gptq, args, torch_int4=True),
                   'bf16': experts(None, args)}
         steps = STEPS
+    if args.tokens:
+        steps = [int(tokens) for tokens in args.tokens.split(',')]
     print(f'{args.experts} experts, top-{args.top_k}, {args.hidden} -> {args.inter}, {args.threads} thread(s); '
           f'ms per step (best of repeats)')
     print('tokens ' + ''.join(f'{name:>16}' for name in layers) + f'  {next(iter(layers))} / bf16')

@@ -32,8 +32,8 @@ from lmdeploy.pytorch.weights.gguf import convert_gguf
 # a tiny model of each family, and Qwen3-MoE with 16 experts, whose router runs on the native GEMM's 16-row panels
 MOE_MODELS = {'mixtral': ('mixtral', {}), 'qwen2_moe': ('qwen2_moe', {}), 'qwen3_moe': ('qwen3_moe', {}),
               'qwen3_moe_16': ('qwen3_moe', dict(num_experts=16))}
-# GGUF files whose experts all run on native GEMVs: Q4_K (the Q4_K GEMV up to 16 rows, the int4 GEMV above) and a
-# Q6_K down in one layer (Qwen2-MoE: its shared expert's down too), a Q5_K down (the Q5_K GEMV up to 32 rows,
+# GGUF files whose experts all run on native GEMVs: Q4_K (the Q4_K GEMV up to 32 rows, dequantized per call above)
+# and a Q6_K down in one layer (Qwen2-MoE: its shared expert's down too), a Q5_K down (the Q5_K GEMV up to 32 rows,
 # dequantized per call above) in Mixtral's
 NATIVE_FILES = {'qwen3_moe': {'blk.0.ffn_down_exps': Q.Q6_K, 'default': Q.Q4_K},
                 'qwen2_moe': FILES['qwen2_moe'][0], 'mixtral': {'blk.1.ffn_down_exps': Q.Q5_K, 'default': Q.Q4_K},
@@ -226,18 +226,18 @@ def gguf_moe(tmp_path_factory):
 
 @pytest.mark.parametrize('kind', sorted(NATIVE_FILES))
 def test_gguf_experts_stack_equals_the_layers(kind, gguf_moe, native_gemms, monkeypatch):
-    """bf16 on a GGUF file: Q4_K experts on the Q4_K GEMV for an expert's share of up to 16 rows and on the int4
-    GEMV above, Q6_K experts on the Q6_K GEMV, Mixtral's Q5_K down on the Q5_K GEMV up to 32 rows and dequantized
-    above, in steps of both sizes; equal to the layers' forward (Qwen2-MoE's and GLM-4.5's Q6_K shared down runs its
-    large steps dequantized per call)."""
+    """bf16 on a GGUF file: Q4_K experts on the Q4_K GEMV for an expert's share of up to 32 rows and dequantized
+    per call above, Q6_K experts on the Q6_K GEMV, Mixtral's Q5_K down on the Q5_K GEMV up to 32 rows and
+    dequantized above, in steps of both sizes, in one stack; equal to the layers' forward (Qwen2-MoE's and GLM-4.5's
+    Q6_K shared down runs its large steps dequantized per call)."""
     if cpu.int4_gemv() is None or cpu.q6k_gemv() is None:
         pytest.skip('the native GEMVs need AVX512-BF16')
     engine = Engine(str(gguf_moe(kind, NATIVE_FILES[kind])),
                     PytorchEngineConfig(max_prefill_token_num=96, **ENGINE), show_progress=False)
     stack = engine.runner.model.native_stack
-    assert stack is not None and stack.small is not None and stack.small_step_rows == 16
+    assert stack is not None and stack.small is None
     steps = run_checked(engine, monkeypatch, batched_equals_solo=False)
-    assert any(rows > 64 for _, rows in steps)  # some expert's share above 16 rows
+    assert any(rows > 64 for _, rows in steps)  # some expert's share above 32 rows
     assert (0, 1) in steps and (0, 4) in steps
 
 

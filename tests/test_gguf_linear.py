@@ -25,6 +25,7 @@ from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.quant.gguf import GgufFileFormat, GgufFormat
 from lmdeploy.pytorch.nn.quant.gguf_blocks import Q8_NATIVE_MAX_ROWS, NativeQ8Kernel, Q8Kernel
 from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
+from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KKernel
 from lmdeploy.pytorch.nn.quant.w4a16 import ReferenceKernel
 from lmdeploy.pytorch.weights.gguf import convert_gguf
 
@@ -41,9 +42,9 @@ def gguf_layer(qtype: Q, out_features: int = 48, in_features: int = 512, seed: i
 
 
 def q4_k_cpu_kernel() -> type:
-    """What runs a Q4_K layer in bf16 on this CPU: small steps on the native Q4_K GEMV and larger ones on the int4
-    GEMV where they are built, else torch's int4 kernel."""
-    return SmallStepInt4Kernel
+    """What runs a Q4_K layer in bf16 on this CPU: small steps on the native Q4_K GEMV and larger ones dequantized
+    from its copy where it is built, else torch's int4 kernel."""
+    return SmallStepInt4Kernel if cpu.int4_gemv() is None else Q4KKernel
 
 
 @pytest.mark.parametrize('qtype', [Q.Q8_0, Q.Q4_K, Q.Q6_K])
@@ -59,9 +60,9 @@ def test_unpacking_matches_gguf(qtype):
                                                           (Q.Q4_K, ReferenceKernel, torch.float32, 1e-6),
                                                           (Q.Q6_K, Q8Kernel, torch.float32, 1e-6)])
 def test_loaded_kernels(qtype, kernel, dtype, tolerance):
-    """Q4_K on the native Q4_K GEMV is the file's weights (its bf16 results rounded); on the int4 kernels (the
-    native GEMV above 16 rows, torch's where it is not built) exact up to the rounding of ``d * sc`` and
-    ``dmin * m`` (fp16, bf16)."""
+    """Q4_K on the native Q4_K GEMV (up to 32 rows; dequantized above) is the file's weights (its bf16 results
+    rounded); on torch's int4 kernel (where the GEMV is not built) exact up to the rounding of ``d * sc`` and
+    ``dmin * m`` to bf16."""
     layer, expected = gguf_layer(qtype, seed=3)
     kernel = kernel() if kernel is q4_k_cpu_kernel else kernel
     layer.finalize(LinearOptions(pack_cpu=True, dtype=dtype))

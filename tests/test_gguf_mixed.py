@@ -30,6 +30,7 @@ from lmdeploy.pytorch.nn.quant.gguf import GgufFormat, GgufPartsFormat
 from lmdeploy.pytorch.nn.quant.gguf_blocks import NativeQ8Kernel, Q8Kernel
 from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
 from lmdeploy.pytorch.nn.quant.parts import PartsKernel
+from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KKernel
 from lmdeploy.pytorch.nn.quant.q5k_cpu import Q5KKernel
 from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6KKernel
 from lmdeploy.pytorch.nn.quant.w4a16 import ReferenceKernel
@@ -215,15 +216,16 @@ def test_mixed_file_matches_dequantized_and_transformers(mixed_file):
 
 
 def test_bf16_mixed_file_runs_each_layer_on_its_kernel(mixed_file):
-    """bf16 on the CPU: Q4_K layers on the Q4_K GEMV for small steps (int4 GEMV above), Q8_0 on the native 8-bit
-    GEMV, Q6_K on the Q6_K GEMV for small steps (dequantized per call above), a layer whose parts differ each part
+    """bf16 on the CPU: Q4_K layers on the Q4_K GEMV for small steps (dequantized per call above), Q8_0 on the
+    native 8-bit GEMV, Q6_K on the Q6_K GEMV for small steps (dequantized per call above), a layer whose parts
+    differ each part
     so, the others on bf16 GEMMs; the logits stay within 5% of fp32's."""
     kind, tmp = mixed_file
     if os.environ.get('LMDEPLOY_TEST_DEVICE', 'cpu') != 'cpu':
         pytest.skip('CPU kernels')
 
     def check_kernels(engine: Engine) -> None:
-        expected = {'Q4_K': SmallStepInt4Kernel,
+        expected = {'Q4_K': SmallStepInt4Kernel if cpu.int4_gemv() is None else Q4KKernel,
                     'Q6_K': Q8Kernel if cpu.q6k_gemv() is None else Q6KKernel,
                     'Q8_0': Q8Kernel if cpu.q8_gemv() is None else NativeQ8Kernel,
                     'Q5_K': ReferenceKernel if cpu.q5k_gemv() is None else Q5KKernel}

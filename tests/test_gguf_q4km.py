@@ -21,9 +21,9 @@ from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.quant.base import LinearOptions
 from lmdeploy.pytorch.nn.quant.gguf import GgufFileFormat, GgufFormat
 from lmdeploy.pytorch.nn.quant.gguf_blocks import Q6K_NATIVE_MAX_ROWS, int8_unpack, q4_k_grid, q6_k_parts
-from lmdeploy.pytorch.nn.quant.int4_cpu import NativeInt4Kernel, SmallStepInt4Kernel
+from lmdeploy.pytorch.nn.quant.int4_cpu import NativeInt4Kernel, SmallStepInt4Kernel, TorchInt4Kernel
 from lmdeploy.pytorch.nn.quant.parts import PartsKernel
-from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KGemv
+from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4K_NATIVE_MAX_ROWS, Q4KGemv, Q4KKernel
 from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6KGemv, Q6KKernel
 from lmdeploy.pytorch.weights.gguf import convert_gguf
 
@@ -107,6 +107,65 @@ def test_q4_k_gemv_is_the_file_weights(rows):
     assert torch.equal(out[-1:], Q4KGemv.of_blocks(blocks, q4_k_grid(blocks).codes)(x[-1:], None))
 
 
+@pytest.mark.parametrize('gate_up', [False, True])
+def test_q4_k_layer_holds_its_blocks_and_dequantizes_larger_steps(gate_up):
+    """A bf16 Q4_K layer keeps only the GEMV's codes and the file's scales (as many bytes as the file's blocks, no
+    int4 or bf16 copy): steps of up to ``Q4K_NATIVE_MAX_ROWS`` rows on the GEMV, larger ones on ``F.linear`` of
+    ``q4k_dequantize``, which gives gguf's weights rounded to bf16 exactly (a gate-and-up layer's as [gate; up],
+    its SiLU then applied by the layer)."""
+    if cpu.int4_gemv() is None:
+        pytest.skip('the native Q4_K GEMV needs AVX512-BF16')
+    blocks, expected = random_blocks(Q.Q4_K, 64, 768, seed=4)
+    layer = block_layer(blocks, gate_up)
+    kernel = GgufFormat('Q4_K').make_kernel(layer, LinearOptions(True, dtype=torch.bfloat16))
+    assert isinstance(kernel, Q4KKernel) and layer.qweight is None
+    assert kernel.packed.dtype == kernel.scales.dtype == torch.uint8
+    assert kernel.packed.numel() + kernel.scales.numel() == blocks.numel()
+    assert torch.equal(cpu.native().q4k_dequantize(kernel.packed, kernel.scales, gate_up), expected.bfloat16())
+    bias = None if gate_up else torch.randn(64).bfloat16()
+    big = torch.randn(Q4K_NATIVE_MAX_ROWS + 1, 768).bfloat16()
+    assert torch.equal(kernel(big, bias), torch.nn.functional.linear(big, expected.bfloat16(), bias))
+    assert kernel.gate_up_silu(big, bias) is None
+    small = big[:Q4K_NATIVE_MAX_ROWS]
+    if gate_up:
+        gemv = cpu.native().q4k_gate_up_silu(small, kernel.packed, kernel.scales)
+        assert torch.equal(kernel.gate_up_silu(small, None), gemv)
+    else:
+        assert torch.equal(kernel(small, bias), cpu.native().q4k_linear(small, kernel.packed, kernel.scales, bias))
+
+
+def test_q4_k_dequantize_rejects_other_layouts():
+    """``q4k_dequantize`` checks its codes and scales against each other."""
+    if cpu.int4_gemv() is None:
+        pytest.skip('the native Q4_K GEMV needs AVX512-BF16')
+    blocks, _ = random_blocks(Q.Q4_K, 48, 512)
+    kernel = GgufFormat('Q4_K').make_kernel(block_layer(blocks), LinearOptions(True, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match='scales: uint8'):
+        cpu.native().q4k_dequantize(kernel.packed, kernel.scales[:, :1].contiguous())
+    with pytest.raises(RuntimeError, match='gate_up: pairs of tiles'):
+        cpu.native().q4k_dequantize(kernel.packed, kernel.scales, True)
+
+
+def test_without_the_gemv_q4_k_runs_on_torch_int4_kernel(monkeypatch):
+    """Where the Q4_K GEMV is not built (no AVX512-BF16) a bf16 Q4_K layer runs every step on torch's int4 kernel
+    (scales in bf16), within bf16 rounding of gguf's weights."""
+    monkeypatch.setattr(cpu, 'int4_gemv', lambda: None)
+    blocks, expected = random_blocks(Q.Q4_K, 48, 512, seed=6)
+    kernel = GgufFormat('Q4_K').make_kernel(block_layer(blocks), LinearOptions(True, dtype=torch.bfloat16))
+    assert isinstance(kernel, SmallStepInt4Kernel) and isinstance(kernel.small, TorchInt4Kernel)
+    for rows in (1, Q4K_NATIVE_MAX_ROWS + 8):
+        x = torch.randn(rows, 512).bfloat16()
+        reference = x.float() @ expected.T
+        assert (kernel(x, None).float() - reference).norm() / reference.norm() < 1e-2
+
+
+def block_layer(blocks: torch.Tensor, gate_up: bool = False) -> torch.nn.Module:
+    """A stand-in for a GGUF layer holding ``blocks`` (what ``GgufFormat.make_kernel`` reads)."""
+    layer = torch.nn.Module()
+    layer.qweight, layer.gate_up_panels = blocks, gate_up
+    return layer
+
+
 def test_q4_k_on_the_int4_gemv_within_fp16_scales():
     """Q4_K's codes as they are on the int4 GEMV; ``d * sc`` and ``dmin * m`` rounded to fp16 (2^-11 at worst)."""
     if cpu.int4_gemv() is None:
@@ -172,9 +231,9 @@ def test_mixed_qkv_part_by_part_gives_transformers_tokens(q4_k_m):
 
 
 def test_q4_k_m_runs_in_the_stack(q4_k_m, native_gemms, monkeypatch):
-    """Q4_K layers (Q4_K GEMV for small steps, int4 GEMV above), Q6_K ones (Q6_K GEMV for small steps, dequantized
-    per call above) and the q/k/v of both part by part all run in the native decoder stack, every step equal to the
-    layers' forward."""
+    """Q4_K layers (Q4_K GEMV up to 32 rows, dequantized per call above), Q6_K ones (Q6_K GEMV up to 16 rows,
+    dequantized per call above) and the q/k/v of both part by part all run in the native decoder stack, one stack
+    for every step size, every step equal to the layers' forward."""
     if cpu.int4_gemv() is None or cpu.q6k_gemv() is None:
         pytest.skip('the native int4 and Q6_K GEMVs need AVX512-BF16')
     engine = Engine(q4_k_m, PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=64, block_size=16,
@@ -182,18 +241,16 @@ def test_q4_k_m_runs_in_the_stack(q4_k_m, native_gemms, monkeypatch):
                     show_progress=False)
     model = engine.runner.model
     stack = model.native_stack
-    assert stack is not None and stack.small is not None and stack.small_step_rows == Q6K_NATIVE_MAX_ROWS
+    assert stack is not None and stack.small is None and stack.small_step_rows == 0
     assert isinstance(model.lm_head.packed, SmallStepInt4Kernel)
-    qkv = model.get_submodule('layers.0.self_attn.qkv_proj').kernel  # Q4_K: Q4_K GEMV, int4 GEMV above 16 rows
-    assert isinstance(qkv, PartsKernel) and [type(part.small) for part in qkv.parts[:2]] == [Q4KGemv, Q4KGemv]
-    assert [type(part.large) for part in qkv.parts[:2]] == [NativeInt4Kernel] * 2
-    assert isinstance(qkv.parts[2], Q6KKernel)  # Q6_K: its blocks alone, large steps dequantized per call
+    qkv = model.get_submodule('layers.0.self_attn.qkv_proj').kernel
+    assert isinstance(qkv, PartsKernel) and [type(part) for part in qkv.parts] == [Q4KKernel, Q4KKernel, Q6KKernel]
     assert isinstance(model.get_submodule('layers.0.mlp.down_proj').kernel, Q6KKernel)
-    assert qkv.parts[0].small.packed is qkv.parts[0].large.packed  # one copy of the codes
-    assert isinstance(model.get_submodule('layers.1.self_attn.qkv_proj').kernel.small, Q4KGemv)
+    assert isinstance(model.get_submodule('layers.0.mlp.gate_up_proj').kernel, Q4KKernel)
+    assert isinstance(model.get_submodule('layers.1.self_attn.qkv_proj').kernel, Q4KKernel)
     steps = check_every_step(engine, monkeypatch)
     outs = run(engine, random_prompts([20, 70, 9], seed=8, vocab=250),
                GenerationConfig(max_new_tokens=6, ignore_eos=True))
     assert [len(out) for out in outs] == [6] * 3
-    small = [rows for _, rows in steps if rows <= Q6K_NATIVE_MAX_ROWS]
-    assert small and any(rows > Q6K_NATIVE_MAX_ROWS for _, rows in steps)
+    assert any(rows <= Q6K_NATIVE_MAX_ROWS for _, rows in steps)
+    assert any(rows > Q4K_NATIVE_MAX_ROWS for _, rows in steps)  # every projection's large steps

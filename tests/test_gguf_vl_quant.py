@@ -23,9 +23,9 @@ from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.linear import Linear
-from lmdeploy.pytorch.nn.quant.gguf_blocks import Q6K_NATIVE_MAX_ROWS, NativeQ8Kernel
+from lmdeploy.pytorch.nn.quant.gguf_blocks import NativeQ8Kernel
 from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
-from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KGemv
+from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4K_NATIVE_MAX_ROWS, Q4KKernel
 from lmdeploy.pytorch.weights.gguf import convert_gguf, resolve_gguf
 
 HIDDEN, FFN, HEADS = 256, 512, 16  # K-quant blocks span 256 inputs; 16 heads keep the tiny model's head_dim of 16
@@ -133,8 +133,9 @@ def test_pair_keeps_the_language_model_blocks(quantized_pair, capsys):
 
 
 def test_bf16_pair_runs_its_blocks_as_a_text_file_does(quantized_pair, native_gemms, monkeypatch):
-    """bf16 on the CPU, image prompts included: the Q4_K_M pair's Q4_K layers on the Q4_K GEMV for small steps, its
-    Q6_K output layer's small steps on its blocks and every layer in the native decoder stack, each step equal to
+    """bf16 on the CPU, image prompts included: the Q4_K_M pair's Q4_K layers on the Q4_K GEMV for small steps
+    (dequantized per call above), its Q6_K output layer's small steps on its blocks and every layer in the native
+    decoder stack, one stack for every step size, each step equal to
     the layers' own forward; the Q8_0 pair's layers on the native 8-bit GEMV, outside the stack (as a text file's:
     their large steps dequantize)."""
     name, served, _ = quantized_pair
@@ -148,13 +149,13 @@ def test_bf16_pair_runs_its_blocks_as_a_text_file_does(quantized_pair, native_ge
         if name == 'Q8_0':
             assert model.native_stack is None and isinstance(qkv, NativeQ8Kernel)
         else:
-            assert model.native_stack is not None and model.native_stack.small is not None
-            assert isinstance(qkv.small, Q4KGemv) and isinstance(model.lm_head.packed, SmallStepInt4Kernel)
+            assert model.native_stack is not None and model.native_stack.small is None
+            assert isinstance(qkv, Q4KKernel) and isinstance(model.lm_head.packed, SmallStepInt4Kernel)
         steps = check_every_step(engine, monkeypatch) if model.native_stack is not None else None
         prompts = [make_processor(str(served)).process(prompt) for prompt in [('describe', IMAGES[0]), 'plain text']]
         outs = run(engine, prompts, GenerationConfig(max_new_tokens=6, ignore_eos=True))
         assert [len(out) for out in outs] == [6, 6]
-        if steps is not None:  # steps of both stacks ran, each equal to the layers'
-            assert {rows <= Q6K_NATIVE_MAX_ROWS for _, rows in steps} == {True, False}
+        if steps is not None:  # small and large steps ran, each equal to the layers'
+            assert {rows <= Q4K_NATIVE_MAX_ROWS for _, rows in steps} == {True, False}
     finally:
         engine.close()

@@ -133,8 +133,8 @@ def test_without_the_native_gemv_small_steps_run_torch_int4(monkeypatch):
 @pytest.mark.slow
 def test_native_source_compiles_without_avx512():
     """On a plain AVX2 CPU the files build their stubs (``int4_gemv_available()``, ``q8_gemv_available()`` and
-    ``mxfp4_gemv_available()`` are false, so torch's int4 kernel, the fp16 LM head and MXFP4's torch dequantization
-    run: see the fallback tests)."""
+    ``mxfp4_gemv_available()`` are false, so torch's int4 kernel (GGUF Q4_K's too: no ``q4k_dequantize``), the fp16
+    LM head and MXFP4's torch dequantization run: see the fallback tests)."""
     from torch.utils.cpp_extension import include_paths
     includes = [f'-I{path}' for path in include_paths()] + [f'-I{sysconfig.get_paths()["include"]}']
     # side by side: each parses torch's headers

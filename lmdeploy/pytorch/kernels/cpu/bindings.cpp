@@ -50,6 +50,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("bias") = py::none());
   m.def("q4k_gate_up_silu", &q4k_gate_up_silu, "silu(x @ G.T) * (x @ U.T) on GGUF Q4_K gate and up tiles",
         py::arg("x"), py::arg("packed"), py::arg("scales"));
+  m.def("q4k_dequantize", &q4k_dequantize, "bf16 W of q4k_linear's codes and scales ([gate; up] with gate_up)",
+        py::arg("packed"), py::arg("scales"), py::arg("gate_up") = false);
   m.def("q8_gemv_available", &q8_gemv_available, "whether q8_linear was built (AVX-512)");
   m.def("q8_linear", &q8_linear, "fp32 x @ W.T on 8-bit weight groups (linear_q8.cpp)", py::arg("x"),
         py::arg("packed"), py::arg("scales"));

@@ -257,6 +257,9 @@ torch::Tensor int4_gate_up_silu(const torch::Tensor& x, const torch::Tensor& pac
 torch::Tensor q4k_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
                          c10::optional<torch::Tensor> bias);
 torch::Tensor q4k_gate_up_silu(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales);
+// The weights of q4k_linear's codes and scales, bf16 [N, K] (rounded from the exact fp32); with gate_up (tiles
+// alternating gate and up) as [gate; up].
+torch::Tensor q4k_dequantize(const torch::Tensor& packed, const torch::Tensor& scales, bool gate_up);
 bool q8_gemv_available();
 torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales);
 bool q6k_gemv_available();

@@ -27,11 +27,12 @@ Projection::Projection(const std::string& kind_name, torch::Tensor weight, c10::
     TORCH_CHECK(this->weight.scalar_type() == at::kByte && !this->compensation && this->scale &&
                     this->scale->scalar_type() == at::kHalf,
                 "an int4 projection is its packed 4-bit weight and fp16 scales (and bias), without compensation");
-  } else if (kind_name == "q4k") {
-    kind = Kind::kQ4K;
+  } else if (kind_name == "q4k" || kind_name == "q4k_dequantized") {
+    kind = kind_name == "q4k" ? Kind::kQ4K : Kind::kQ4KDequantized;
     TORCH_CHECK(this->weight.scalar_type() == at::kByte && !this->compensation && this->scale &&
                     this->scale->scalar_type() == at::kByte,
-                "a q4k projection is its packed 4-bit weight and scale bytes (and bias), without compensation");
+                "a ", kind_name,
+                " projection is its packed 4-bit weight and scale bytes (and bias), without compensation");
   } else if (kind_name == "q6k") {
     kind = Kind::kQ6K;
     TORCH_CHECK(this->weight.scalar_type() == at::kByte && !this->compensation && this->scale &&
@@ -58,8 +59,9 @@ Projection::Projection(const std::string& kind_name, torch::Tensor weight, c10::
                 "an mxfp4 projection is its blocks [N, K / 32, 16] and scale bytes [N, K / 32] (and bias), without "
                 "compensation");
   } else {
-    TORCH_CHECK(false, "a projection's kind is 'bf16', 'w8a8', 'int4', 'q4k', 'q5k', 'q5k_dequantized', 'q6k', "
-                "'q6k_dequantized', 'onednn', 'fp32', 'mxfp4' or 'mxfp4_dequantized', not '", kind_name, "'");
+    TORCH_CHECK(false, "a projection's kind is 'bf16', 'w8a8', 'int4', 'q4k', 'q4k_dequantized', 'q5k', "
+                "'q5k_dequantized', 'q6k', 'q6k_dequantized', 'onednn', 'fp32', 'mxfp4' or 'mxfp4_dequantized', not '",
+                kind_name, "'");
   }
 }
 
@@ -95,6 +97,8 @@ torch::Tensor Projection::operator()(const torch::Tensor& x) const {
     case Kind::kBf16: return bf16_linear(x, weight, bias);
     case Kind::kW8A8: return int8_linear(x, weight, *compensation, *scale, bias);
     case Kind::kQ4K: return q4k_linear(x, weight, *scale, bias);
+    case Kind::kQ4KDequantized:
+      return at::linear(x, q4k_dequantize(weight, *scale, false).to(x.scalar_type()), bias);
     case Kind::kQ6K: {
       const auto out = q6k_linear(x, weight, *scale).to(x.scalar_type());
       return bias ? out.add(*bias) : out;
@@ -124,6 +128,8 @@ torch::Tensor Projection::gate_up_silu(const torch::Tensor& x) const {
     case Kind::kQ4K:
       TORCH_CHECK(!bias, "a q4k gate-and-up projection has no bias");
       return q4k_gate_up_silu(x, weight, *scale);
+    case Kind::kQ4KDequantized:
+      return silu_and_mul(at::linear(x, q4k_dequantize(weight, *scale, true).to(x.scalar_type()), bias));
     case Kind::kSteps: return parts[x.size(0) > small_step_rows ? 1 : 0].gate_up_silu(x);
     case Kind::kQ6K:
     case Kind::kQ5K:

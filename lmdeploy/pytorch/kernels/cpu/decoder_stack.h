@@ -26,8 +26,9 @@ struct StepTensors {
 // and `scale` (int8_linear's); "int4": int4_linear's packed 4-bit weight with its fp16 `scale`s; "q4k": the same
 // codes with q4k_linear's `scale` bytes; "q6k":
 // q6k_linear's codes and `scale`s (its fp32 result rounded to x's dtype, then the bias added); "q5k": q5k_linear's
-// codes and `scale`s, likewise; "q5k_dequantized", "q6k_dequantized": the same weights dequantized to bf16 for
-// each call (q5k_dequantize, q6k_dequantize) and torch's linear, a "steps" projection's large steps. A
+// codes and `scale`s, likewise; "q4k_dequantized", "q5k_dequantized", "q6k_dequantized": the same weights
+// dequantized to bf16 for each call (q4k_dequantize, q5k_dequantize, q6k_dequantize) and torch's linear, a "steps"
+// projection's large steps. A
 // gate-and-up projection's weight is packed for the kernel's fused SiLU (pack_bf16_gate_up,
 // pack_int8_gate_up; int4: gate and up tiles alternate, no bias). "onednn": oneDNN's GEMM
 // (mkldnn::_linear_pointwise) on its blocked weight, for a MoE block's router and shared-expert gate; "fp32": x in
@@ -41,7 +42,7 @@ struct StepTensors {
 struct Projection {
   enum class Kind {
     kBf16, kW8A8, kInt4, kQ4K, kQ6K, kOneDnn, kFp32, kParts, kSteps, kMxfp4, kMxfp4Dequantized,
-    kQ5K, kQ5KDequantized, kQ6KDequantized
+    kQ4KDequantized, kQ5K, kQ5KDequantized, kQ6KDequantized
   };
   Projection(const std::string& kind, torch::Tensor weight, c10::optional<torch::Tensor> compensation,
              c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias);

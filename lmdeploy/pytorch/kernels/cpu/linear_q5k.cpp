@@ -89,42 +89,14 @@ torch::Tensor q5k_linear(const torch::Tensor& x, const torch::Tensor& codes, con
 }
 
 torch::Tensor q5k_dequantize(const torch::Tensor& codes, const torch::Tensor& scales) {
-  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.size(2) == kCodeBytes &&
-                  codes.is_contiguous(),
-              "codes: uint8 [N/16, K/32, 320]");
-  const int64_t tiles = codes.size(0), N = tiles * kTile, K = codes.size(1) * kGroup, blocks = K / kBlock;
-  TORCH_CHECK(K % kBlock == 0 && scales.scalar_type() == at::kByte && scales.is_contiguous() &&
-                  scales.numel() == tiles * blocks * kScaleBytes,
-              "scales: uint8 [N/16, K/256, 256]");
-  auto out = torch::empty({N, K}, codes.options().dtype(at::kBFloat16));
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const uint8_t* sp = scales.data_ptr<uint8_t>();
-  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
-#pragma omp parallel for schedule(static) num_threads(at::get_num_threads())
-  for (int64_t tile = 0; tile < tiles; ++tile) {
-    const uint8_t* w = cp + tile * (K / kGroup) * kCodeBytes;
-    for (int64_t block = 0; block < blocks; ++block) {
-      const uint8_t* s = sp + (tile * blocks + block) * kScaleBytes;
-      for (int64_t j = 0; j < kBlock / kGroup; ++j, w += kCodeBytes) {
-        __m512 scale, minimum;
-        kquant::scale_min(s, j, scale, minimum);
-        const __m512 scale_rows[2] = {kquant::pair_lanes(scale, 0), kquant::pair_lanes(scale, 1)};
-        const __m512 min_rows[2] = {kquant::pair_lanes(minimum, 0), kquant::pair_lanes(minimum, 1)};
-        const __m512i top = _mm512_loadu_si512(w + 8 * 32);
-        __m512i pairs[16];  // [8 h + c]: dword r the bf16 weights of (row r, inputs 16 h + 2 c, + 1)
-        for (int c = 0; c < 8; ++c) {
-          const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * c)));
-          pairs[c] = kquant::weight_pairs(with_fifth(_mm512_and_si512(bytes, _mm512_set1_epi16(15)), top, c),
-                                          scale_rows, min_rows);
-          pairs[8 + c] = kquant::weight_pairs(with_fifth(_mm512_srli_epi16(bytes, 4), top, 8 + c), scale_rows,
-                                              min_rows);
-        }
-        const int64_t group = block * (kBlock / kGroup) + j;
-        kquant::store_tile_rows(pairs, op + tile * kTile * K + group * kGroup, K);
-      }
+  return kquant::dequantize_k_tiles(codes, scales, kCodeBytes, false, [](const uint8_t* w, __m512i* u) {
+    const __m512i top = _mm512_loadu_si512(w + 8 * 32), nibble = _mm512_set1_epi16(15);
+    for (int c = 0; c < 8; ++c) {
+      const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * c)));
+      u[c] = with_fifth(_mm512_and_si512(bytes, nibble), top, c);
+      u[8 + c] = with_fifth(_mm512_srli_epi16(bytes, 4), top, 8 + c);
     }
-  }
-  return out;
+  });
 }
 
 #else

@@ -11,9 +11,8 @@
   4-bit codes; ``W = q * (d * sc) - dmin * m`` per 32 inputs: a 4-bit grid of groups of 32 (exact in
   fp32), served by the 4-bit kernels (:mod:`lmdeploy.pytorch.nn.quant.w4a16`); in bf16 on the CPU steps of up
   to ``Q4K_NATIVE_MAX_ROWS`` tokens on the native Q4_K GEMV (:mod:`lmdeploy.pytorch.nn.quant.q4k_cpu`: the codes
-  and the file's scales as they are, exactly its weights), larger ones on the native int4 GEMV
-  (``kernels/cpu/linear_int4.cpp``: each group's scale and offset rounded to fp16), so that such layers run in
-  the native decoder stack.
+  and the file's scales as they are, exactly its weights), larger ones dequantize that copy for the call
+  (``q4k_dequantize``; no other copy kept), as Q5_K, in the native decoder stack too.
 - Q5_K (``B = 256``, 176 bytes): Q4_K's ``d``, ``dmin``, ``sc`` and ``m`` and 5-bit codes (``qh`` the fifth bits);
   ``W = u * (d * sc) - dmin * m`` per 32 inputs. In bf16 on the CPU steps of up to ``Q5K_NATIVE_MAX_ROWS`` tokens
   on the native Q5_K GEMV (:mod:`lmdeploy.pytorch.nn.quant.q5k_cpu`: the file's bits retiled, its weights exactly),
@@ -29,8 +28,8 @@
 
 A MoE layer's experts (``ffn_{gate,up,down}_exps``, one ``qweight`` per expert and projection) keep their blocks
 the same way, each projection in its own type (:class:`GgufExpertsFormat`): in bf16 on the CPU each routed
-expert runs Q4_K as dense Q4_K layers do (the Q4_K GEMV up to 16 rows, the int4 GEMV above; gate and up with
-their SiLU epilogue), Q6_K on the Q6_K GEMV at every step size and Q8_0 on the 8-bit GEMV; on CUDA the Triton fused MoE
+expert runs Q4_K as dense Q4_K layers do (the Q4_K GEMV up to 32 rows, gate and up with their SiLU epilogue;
+dequantized per call above), Q6_K on the Q6_K GEMV at every step size and Q8_0 on the 8-bit GEMV; on CUDA the Triton fused MoE
 on every projection's blocks (Q4_K's grids, Q6_K's and Q8_0's retiled as for the dense GEMMs);
 otherwise each routed expert is dequantized on its call.
 
@@ -92,7 +91,7 @@ class GgufFormat(Int4GroupFormat):
     def make_kernel(self, layer: Linear, options: LinearOptions) -> LinearKernel:
         cpu_bf16 = options.dtype == torch.bfloat16 and layer.qweight.device.type == 'cpu'
         if self.ggml_type == 'Q4_K':
-            native = q4_k_cpu_kernel(layer.qweight, self.unpack(layer), layer.gate_up_panels) if cpu_bf16 else None
+            native = q4_k_cpu_kernel(layer.qweight, layer.gate_up_panels) if cpu_bf16 else None
             if native is None:
                 return super().make_kernel(layer, options)
             layer.qweight = None
@@ -184,9 +183,8 @@ class GgufExpertsFormat(WeightFormat):
             return DenseKernel(layer)
         ggml_type = projection_format.ggml_type
         if ggml_type == 'Q4_K':
-            grid = q4_k_grid(layer.qweight)
-            return (q4_k_cpu_kernel(layer.qweight, grid, proj == 'gate_up')
-                    or Int4GroupFormat.cpu_expert_kernel(grid, proj == 'gate_up', torch.bfloat16))
+            return (q4_k_cpu_kernel(layer.qweight, proj == 'gate_up')
+                    or Int4GroupFormat.cpu_expert_kernel(q4_k_grid(layer.qweight), proj == 'gate_up', torch.bfloat16))
         if ggml_type == 'Q5_K':
             return Q5KKernel.of(layer.qweight) or ReferenceKernel(projection_format, BlockRows(layer.qweight))
         native = Q6KGemv.of(*q6_k_parts(layer.qweight)) if ggml_type == 'Q6_K' else None

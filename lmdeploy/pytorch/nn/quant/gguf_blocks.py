@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.quant.base import LinearKernel
 from lmdeploy.pytorch.nn.quant.cpu_bf16 import packed_cpu_kernel
-from lmdeploy.pytorch.nn.quant.int4_cpu import NativeInt4Kernel, SmallStepInt4Kernel
-from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KGemv, k_scale_mins
+from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
+from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KKernel, k_scale_mins
 from lmdeploy.pytorch.nn.quant.q5k_cpu import q5k_weight
 from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6K_NATIVE_MAX_ROWS, Q6K_TILE, Q6KGemv
 from lmdeploy.pytorch.nn.quant.q8_cpu import Q8_GROUP, Q8_TILE, pack_q8
@@ -22,9 +22,6 @@ BLOCKS = {'Q8_0': (32, 34), 'Q4_K': (256, 144), 'Q5_K': (256, 176), 'Q6_K': (256
 # load 8), GEMV against dequantizing and F.linear: 0.06 / 0.76 ms at 1 row, 0.56 / 0.76 at 16, 1.10 / 0.89
 # at 32, 2.3 / 1.2 at 64.
 Q8_NATIVE_MAX_ROWS = 16
-# Q4_K's larger steps run on the int4 GEMV (``benchmark/q4k_cpu.py``: 5-10% faster from 4 rows on); one bound
-# with Q6_K's, so that a Q4_K_M file's small steps run in one native decoder stack.
-Q4K_NATIVE_MAX_ROWS = Q6K_NATIVE_MAX_ROWS
 
 
 def fp16_at(blocks: torch.Tensor, start: int) -> torch.Tensor:
@@ -66,14 +63,19 @@ def q8_0_weight(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return codes.view(n, scales.shape[1], -1).float().mul_(scales[..., None]).view(n, -1)
 
 
+def q4_k_codes(blocks: torch.Tensor) -> torch.Tensor:
+    """``[N, K / 256, 144]`` Q4_K blocks' codes ``[N, K]`` (uint8, 0..15)."""
+    n, num_blocks = blocks.shape[:2]
+    qs = blocks[..., 16:].view(n, num_blocks, 4, 1, 32)
+    return torch.cat((qs & 15, qs >> 4), dim=3).reshape(n, -1)
+
+
 def q4_k_grid(blocks: torch.Tensor) -> Int4Grid:
     """``[N, K / 256, 144]`` Q4_K blocks as a 4-bit grid of groups of 32 inputs."""
-    n, num_blocks = blocks.shape[:2]
+    n = blocks.shape[0]
     scales, offsets = k_scale_mins(fp16_at(blocks, 0), fp16_at(blocks, 2), blocks[..., 4:16])
-    qs = blocks[..., 16:].view(n, num_blocks, 4, 1, 32)
-    codes = torch.cat((qs & 15, qs >> 4), dim=3).reshape(n, -1)
     scales, offsets = scales.view(n, -1), offsets.view(n, -1)
-    return Int4Grid(codes, scales.T.contiguous(), offsets.T.contiguous(), 32)
+    return Int4Grid(q4_k_codes(blocks), scales.T.contiguous(), offsets.T.contiguous(), 32)
 
 
 def dequantize_blocks(blocks: torch.Tensor, ggml_type: str) -> torch.Tensor:
@@ -135,12 +137,8 @@ def q6_k_lm_head_kernel(blocks: torch.Tensor, table: torch.Tensor) -> SmallStepI
     return None if large is None or small is None else SmallStepInt4Kernel(small, Q6K_NATIVE_MAX_ROWS, large)
 
 
-def q4_k_cpu_kernel(blocks: torch.Tensor, grid: Int4Grid, gate_up: bool) -> SmallStepInt4Kernel | None:
+def q4_k_cpu_kernel(blocks: torch.Tensor, gate_up: bool) -> Q4KKernel | None:
     """Q4_K blocks in bf16 on the CPU: steps of up to ``Q4K_NATIVE_MAX_ROWS`` tokens on the Q4_K GEMV (the file's
-    scales), larger ones on the int4 GEMV (an fp16 scale and minimum per group, 5-10% faster there), both on one
-    copy of the codes (the GEMVs read them alike); None where they are not built."""
-    small = Q4KGemv.of_blocks(blocks, grid.codes, gate_up)
-    large = NativeInt4Kernel.of_grid(grid, gate_up)
-    if small is None or large is None:
-        return None
-    return SmallStepInt4Kernel(small, Q4K_NATIVE_MAX_ROWS, NativeInt4Kernel(small.packed, large.scales, gate_up))
+    codes and scales retiled, 0.5625 bytes a weight), larger ones dequantized from that copy for ``F.linear``;
+    None where the GEMV is not built."""
+    return Q4KKernel.of_blocks(blocks, q4_k_codes(blocks), gate_up)

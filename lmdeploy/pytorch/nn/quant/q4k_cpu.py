@@ -1,15 +1,23 @@
 """GGUF Q4_K weights on the native int4 GEMV's codes with the file's own scales (``q4k_linear`` in
 ``kernels/cpu/linear_int4.cpp``): per block of 256 inputs an fp16 ``d`` and ``dmin`` and the 12 bytes packing
 eight 6-bit ``sc`` and ``m``, ``W = q * d * sc - dmin * m`` per group of 32 inputs, exactly the file's weights
-at 0.5625 bytes a weight, as in the file (the int4 GEMV's fp16 scale and minimum per group: 0.625)."""
+at 0.5625 bytes a weight, as in the file. Small steps run on the GEMV; larger ones dequantize the same copy for
+one bf16 GEMM (``q4k_dequantize``; no other copy is kept), in the native decoder stack too."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.quant.int4_cpu import INT4_TILE, NativeInt4Kernel, gate_up_order, pack_int4_codes
+from lmdeploy.pytorch.nn.quant.q6k_cpu import gemv_or_dequantized
 
 Q4K_BLOCK, Q4K_BLOCK_BYTES = 256, 144
+# Larger steps dequantize the layer for one bf16 GEMM: the GEMV's cost grows with the rows, the dequantizing
+# does not. ``benchmark/q4k_cpu.py``, one thread, 4 TinyLlama-sized layers on the AMX Xeon, three runs: GEMV
+# 146-153 ms at 32 rows against 85-159 dequantized and ``F.linear`` (77 / 77-154 at 16 rows, 224-294 / 96-180 at
+# 48-64). 32 rather than 16: without AMX (AVX512-BF16 only) the GEMM is slower, the GEMV is not.
+Q4K_NATIVE_MAX_ROWS = 32
 
 
 def k_scale_mins(d: torch.Tensor, dmin: torch.Tensor, packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,8 +46,8 @@ def pack_q4k(blocks: torch.Tensor, codes: torch.Tensor, gate_up: bool = False) -
 
 
 class Q4KGemv(NativeInt4Kernel):
-    """The native GEMV on a Q4_K layer's codes and the file's scales (:func:`pack_q4k`); a gate-and-up layer's
-    tiles alternate gate and up rows, so that SiLU-and-mul runs in its epilogue."""
+    """The native GEMV on a Q4_K layer's codes and the file's scales (:func:`pack_q4k`) at every step size; a
+    gate-and-up layer's tiles alternate gate and up rows, so that SiLU-and-mul runs in its epilogue."""
 
     kind = 'q4k'
 
@@ -50,3 +58,24 @@ class Q4KGemv(NativeInt4Kernel):
         if blocks.device.type != 'cpu' or cpu.int4_gemv() is None or blocks.shape[0] % rows:
             return None
         return cls(*pack_q4k(blocks, codes, gate_up), gate_up)
+
+
+class Q4KKernel(Q4KGemv):
+    """A Q4_K layer: steps of up to ``Q4K_NATIVE_MAX_ROWS`` tokens on the GEMV, larger ones dequantized from the
+    same copy (``[gate; up]`` for a gate-and-up layer) for ``F.linear``, 0.5625 bytes a weight held."""
+
+    def large_step(self, x: torch.Tensor) -> bool:
+        return x.reshape(-1, x.shape[-1]).shape[0] > Q4K_NATIVE_MAX_ROWS
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.large_step(x):
+            return F.linear(x, cpu.native().q4k_dequantize(self.packed, self.scales, self.gate_up).to(x.dtype), bias)
+        return super().__call__(x, bias)
+
+    def gate_up_silu(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        return None if self.large_step(x) else super().gate_up_silu(x, bias)
+
+    def native_projection(self, bias: torch.Tensor | None) -> object | None:
+        if self.gate_up and bias is not None:  # the GEMV's SiLU epilogue takes none
+            return None
+        return gemv_or_dequantized('q4k', self.packed, self.scales, bias, Q4K_NATIVE_MAX_ROWS)
