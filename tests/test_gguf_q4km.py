@@ -230,18 +230,24 @@ def test_mixed_qkv_part_by_part_gives_transformers_tokens(q4_k_m):
     assert outs == [hf_greedy(reference, prompt) for prompt in prompts]
 
 
+def engine_in_one_stack(path: str) -> tuple[Engine, torch.nn.Module]:
+    """A bf16 engine on a GGUF file whose K-quant layers all run in one native decoder stack (every step in
+    ``large``: each layer's kernel switches by the step's rows), and its model."""
+    engine = Engine(path, PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=64, block_size=16,
+                                              enable_prefix_caching=False, max_prefill_token_num=48),
+                    show_progress=False)
+    stack = engine.runner.model.native_stack
+    assert stack is not None and stack.small is None and stack.small_step_rows == 0
+    return engine, engine.runner.model
+
+
 def test_q4_k_m_runs_in_the_stack(q4_k_m, native_gemms, monkeypatch):
     """Q4_K layers (Q4_K GEMV up to 32 rows, dequantized per call above), Q6_K ones (Q6_K GEMV up to 16 rows,
     dequantized per call above) and the q/k/v of both part by part all run in the native decoder stack, one stack
     for every step size, every step equal to the layers' forward."""
     if cpu.int4_gemv() is None or cpu.q6k_gemv() is None:
         pytest.skip('the native int4 and Q6_K GEMVs need AVX512-BF16')
-    engine = Engine(q4_k_m, PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=64, block_size=16,
-                                                enable_prefix_caching=False, max_prefill_token_num=48),
-                    show_progress=False)
-    model = engine.runner.model
-    stack = model.native_stack
-    assert stack is not None and stack.small is None and stack.small_step_rows == 0
+    engine, model = engine_in_one_stack(q4_k_m)
     assert isinstance(model.lm_head.packed, SmallStepInt4Kernel)
     qkv = model.get_submodule('layers.0.self_attn.qkv_proj').kernel
     assert isinstance(qkv, PartsKernel) and [type(part) for part in qkv.parts] == [Q4KKernel, Q4KKernel, Q6KKernel]

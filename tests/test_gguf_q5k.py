@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 from helpers import hf_greedy, make_engine, random_prompts, run
 from test_decoder_stack import check_every_step
 from test_gguf_mixed import encode, write_mixed_gguf
+from test_gguf_q4km import engine_in_one_stack
 from test_gguf_moe import dense_weights, random_gguf_experts
 
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
@@ -156,12 +157,7 @@ def test_q5_k_m_runs_in_the_stack(q5_k_m, native_gemms, monkeypatch):
     bytes as the file's (no bf16 copy)."""
     if cpu.q5k_gemv() is None or cpu.q6k_gemv() is None:
         pytest.skip('the native Q5_K and Q6_K GEMVs need AVX512-BF16')
-    engine = Engine(q5_k_m, PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=64, block_size=16,
-                                                enable_prefix_caching=False, max_prefill_token_num=48),
-                    show_progress=False)
-    model = engine.runner.model
-    stack = model.native_stack
-    assert stack is not None and stack.small is None and stack.small_step_rows == 0  # every step in `large`
+    engine, model = engine_in_one_stack(q5_k_m)
     qkv = model.get_submodule('layers.0.self_attn.qkv_proj').kernel
     assert isinstance(qkv, PartsKernel) and [type(part) for part in qkv.parts] == [Q5KKernel, Q5KKernel, Q6KKernel]
     assert isinstance(model.get_submodule('layers.0.mlp.down_proj').kernel, Q6KKernel)

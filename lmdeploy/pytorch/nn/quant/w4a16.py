@@ -66,8 +66,12 @@ class Int4Grid:
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """``W [N, K]`` in ``dtype`` (computed in fp32)."""
-        groups = self.g_idx.long() if self.g_idx is not None else (
-            torch.arange(self.codes.shape[1], device=self.codes.device) // self.group_size)
+        if self.g_idx is None:  # groups of G consecutive inputs: broadcast each group's scale and offset
+            n = self.codes.shape[0]
+            codes = self.codes.view(n, -1, self.group_size)
+            weight = codes * self.scales.T.float()[..., None] - self.offsets.T[..., None]
+            return weight.view(n, -1).to(dtype)
+        groups = self.g_idx.long()
         scales, offsets = self.scales.T.float()[:, groups], self.offsets.T[:, groups]
         return (self.codes * scales - offsets).to(dtype)
 
