@@ -26,7 +26,9 @@ from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.models.deepseek_v3 import DeepseekV3MoE
 from lmdeploy.pytorch.models.ernie import Ernie4_5MoE
 from lmdeploy.pytorch.models.moe import SparseMoeBlock
+from lmdeploy.pytorch.nn.moe import FusedExperts
 from lmdeploy.pytorch.nn.quant.cpu_bf16 import NativeBf16Kernel, OneDnnKernel
+from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6K_NATIVE_MAX_ROWS, Q6KKernel
 from lmdeploy.pytorch.weights.gguf import convert_gguf
 
 # a tiny model of each family, and Qwen3-MoE with 16 experts, whose router runs on the native GEMM's 16-row panels
@@ -224,21 +226,40 @@ def gguf_moe(tmp_path_factory):
     return get
 
 
+def record_q6k_expert_rows(engine: Engine, monkeypatch) -> list[int]:
+    """The rows of each call of a Q6_K expert's kernel in the layers' forward, recorded as they run."""
+    experts = {id(module.kernel.kernel(proj, e)) for module in engine.runner.model.modules()
+               if isinstance(module, FusedExperts) for proj in ('gate_up', 'down') for e in range(module.num_experts)}
+    rows, call = [], Q6KKernel.__call__
+
+    def recorded(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if id(self) in experts:
+            rows.append(x.shape[0])
+        return call(self, x, bias)
+
+    monkeypatch.setattr(Q6KKernel, '__call__', recorded)
+    return rows
+
+
 @pytest.mark.parametrize('kind', sorted(NATIVE_FILES))
 def test_gguf_experts_stack_equals_the_layers(kind, gguf_moe, native_gemms, monkeypatch):
     """bf16 on a GGUF file: Q4_K experts on the Q4_K GEMV for an expert's share of up to 32 rows and dequantized
-    per call above, Q6_K experts on the Q6_K GEMV, Mixtral's Q5_K down on the Q5_K GEMV up to 32 rows and
-    dequantized above, in steps of both sizes, in one stack; equal to the layers' forward (Qwen2-MoE's and GLM-4.5's
-    Q6_K shared down runs its large steps dequantized per call)."""
+    per call above, Q6_K experts on the Q6_K GEMV up to 16 rows and dequantized above, Mixtral's Q5_K down on the
+    Q5_K GEMV up to 32 rows and dequantized above, in steps of both sizes, in one stack; equal to the layers' forward
+    (Qwen2-MoE's and GLM-4.5's Q6_K shared down runs its large steps dequantized per call)."""
     if cpu.int4_gemv() is None or cpu.q6k_gemv() is None:
         pytest.skip('the native GEMVs need AVX512-BF16')
     engine = Engine(str(gguf_moe(kind, NATIVE_FILES[kind])),
                     PytorchEngineConfig(max_prefill_token_num=96, **ENGINE), show_progress=False)
     stack = engine.runner.model.native_stack
     assert stack is not None and stack.small is None
+    q6k_rows = record_q6k_expert_rows(engine, monkeypatch)
     steps = run_checked(engine, monkeypatch, batched_equals_solo=False)
     assert any(rows > 64 for _, rows in steps)  # some expert's share above 32 rows
     assert (0, 1) in steps and (0, 4) in steps
+    if Q.Q6_K in (t for name, t in NATIVE_FILES[kind].items() if name.endswith('ffn_down_exps')):
+        assert any(rows <= Q6K_NATIVE_MAX_ROWS for rows in q6k_rows)  # on the GEMV
+        assert any(rows > Q6K_NATIVE_MAX_ROWS for rows in q6k_rows)  # dequantized, as the stack's
 
 
 def test_experts_without_native_kernel_keep_the_layers(gguf_moe):

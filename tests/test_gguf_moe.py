@@ -31,7 +31,7 @@ from lmdeploy.pytorch.nn.quant.gguf_blocks import NativeQ8Kernel, Q8Kernel, dequ
 from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
 from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KKernel
 from lmdeploy.pytorch.nn.quant.q5k_cpu import Q5KKernel
-from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6KGemv
+from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6K_NATIVE_MAX_ROWS, Q6KKernel
 from lmdeploy.pytorch.nn.quant.w4a16 import ReferenceKernel
 from lmdeploy.pytorch.weights.gguf import convert_gguf
 
@@ -164,16 +164,17 @@ def count_calls(monkeypatch: pytest.MonkeyPatch, classes: list[type]) -> dict[st
 
 def test_bf16_experts_run_on_their_native_kernels(moe_file, monkeypatch):
     """bf16 on the CPU: Q4_K experts on the Q4_K GEMV up to 32 rows (gate and up with their SiLU epilogue),
-    dequantized per call above, Q6_K on the Q6_K GEMV, Q5_K on its kernel (the Q5_K GEMV up to 32 rows), Q8_0 on
-    the 8-bit GEMV, dequantized projections on ``F.linear``, and each is called; the logits stay
-    within 15% of fp32's: each kernel is within 1% of fp32 on its own (the expert tests above), but in this tiny
-    random model a bf16 rounding can flip a token's choice of experts, which moves the logits by about 10%."""
+    dequantized per call above, Q6_K on its kernel (the Q6_K GEMV up to 16 rows), Q5_K on its kernel (the Q5_K
+    GEMV up to 32 rows), Q8_0 on the 8-bit GEMV, dequantized projections on ``F.linear``, and each is called; the
+    logits stay within 15% of fp32's: each kernel is within 1% of fp32 on its own (the expert tests above), but in
+    this tiny random model a bf16 rounding can flip a token's choice of experts, which moves the logits by about
+    10%."""
     kind, tmp = moe_file
     if os.environ.get('LMDEPLOY_TEST_DEVICE', 'cpu') != 'cpu':
         pytest.skip('CPU kernels')
     if cpu.int4_gemv() is None or cpu.q6k_gemv() is None or cpu.q8_gemv() is None or cpu.q5k_gemv() is None:
         pytest.skip('the native GEMVs need AVX512-BF16')
-    kernels = {'Q4_K': Q4KKernel, 'Q5_K': Q5KKernel, 'Q6_K': Q6KGemv, 'Q8_0': NativeQ8Kernel,
+    kernels = {'Q4_K': Q4KKernel, 'Q5_K': Q5KKernel, 'Q6_K': Q6KKernel, 'Q8_0': NativeQ8Kernel,
                'dense': DenseKernel}
     used = {kernels[t] for layer in FILES[kind][1].values() for t in layer.values()}
     calls = count_calls(monkeypatch, sorted(used, key=lambda cls: cls.__name__))
@@ -231,20 +232,33 @@ def test_fp32_experts_dequantize_each_routed_expert():
 @pytest.mark.parametrize('types', [{'gate_up': 'Q4_K', 'down': 'Q4_K'}, {'gate_up': 'Q4_K', 'down': 'Q6_K'},
                                    {'gate_up': 'Q4_K', 'down': 'Q5_K'}, {'gate_up': 'Q8_0', 'down': 'Q8_0'}],
                          ids=['q4k', 'q4k-q6k', 'q4k-q5k', 'q8_0'])
-def test_bf16_cpu_expert_kernels_match_the_file_weights(types):
+def test_bf16_cpu_expert_kernels_match_the_file_weights(types, monkeypatch):
     """bf16 experts on the CPU give the fused MoE on gguf's weights up to bf16 rounding, at 1 to 96 tokens (an
-    expert's share of 96 past the Q4_K and Q5_K GEMVs' 32 rows: dequantized per call)."""
+    expert's share of 40 past the Q6_K GEMV's 16 rows, of 96 past the Q4_K and Q5_K GEMVs' 32: dequantized per
+    call; a Q6_K expert's share of 1 or 3 on the GEMV)."""
     experts = random_gguf_experts(types)
     gate_up, down = dense_weights(experts)
     experts.finalize(LinearOptions(pack_cpu=True, dtype=torch.bfloat16))
     fallback = {'Q4_K': SmallStepInt4Kernel, 'Q5_K': ReferenceKernel, 'Q6_K': Q8Kernel, 'Q8_0': Q8Kernel}
     native = {'Q4_K': (Q4KKernel, cpu.int4_gemv()), 'Q5_K': (Q5KKernel, cpu.q5k_gemv()),
-              'Q6_K': (Q6KGemv, cpu.q6k_gemv()),
+              'Q6_K': (Q6KKernel, cpu.q6k_gemv()),
               'Q8_0': (NativeQ8Kernel, cpu.q8_gemv())}
     for proj, t in types.items():
         kind, built = native[t]
         expected = kind if built is not None else fallback[t]
         assert all(isinstance(experts.kernel.kernel(proj, e), expected) for e in range(4)), (proj, t)
+    q6k_calls, dequantized = [], []  # each Q6_K expert call's (rows, whether it dequantized)
+    if cpu.q6k_gemv() is not None:
+        dequantize, call = cpu.native().q6k_dequantize, Q6KKernel.__call__
+        monkeypatch.setattr(cpu.native(), 'q6k_dequantize', lambda *args: dequantized.append(1) or dequantize(*args))
+
+        def recorded(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            before = len(dequantized)
+            out = call(self, x, bias)
+            q6k_calls.append((x.shape[0], len(dequantized) > before))
+            return out
+
+        monkeypatch.setattr(Q6KKernel, '__call__', recorded)
     g = torch.Generator().manual_seed(3)
     for tokens in (1, 3, 40, 96):
         hidden = torch.randn(tokens, 256, generator=g)
@@ -252,6 +266,9 @@ def test_bf16_cpu_expert_kernels_match_the_file_weights(types):
         expected = moe.fused_moe(hidden, gate_up, down, weights, ids)
         out = experts(hidden.bfloat16(), weights, ids).float()
         assert (out - expected).norm() / expected.norm() < 1e-2, tokens
+    if 'Q6_K' in types.values() and cpu.q6k_gemv() is not None:
+        assert all(large == (rows > Q6K_NATIVE_MAX_ROWS) for rows, large in q6k_calls), q6k_calls
+        assert {large for _, large in q6k_calls} == {False, True}, q6k_calls
 
 
 @pytest.mark.triton

@@ -29,7 +29,8 @@
 A MoE layer's experts (``ffn_{gate,up,down}_exps``, one ``qweight`` per expert and projection) keep their blocks
 the same way, each projection in its own type (:class:`GgufExpertsFormat`): in bf16 on the CPU each routed
 expert runs Q4_K as dense Q4_K layers do (the Q4_K GEMV up to 32 rows, gate and up with their SiLU epilogue;
-dequantized per call above), Q6_K on the Q6_K GEMV at every step size and Q8_0 on the 8-bit GEMV; on CUDA the Triton fused MoE
+dequantized per call above), Q6_K as dense Q6_K layers do (the Q6_K GEMV up to 16 rows, dequantized per call
+above; an expert's share of the step's rows decides) and Q8_0 on the 8-bit GEMV; on CUDA the Triton fused MoE
 on every projection's blocks (Q4_K's grids, Q6_K's and Q8_0's retiled as for the dense GEMMs);
 otherwise each routed expert is dequantized on its call.
 
@@ -52,7 +53,7 @@ from lmdeploy.pytorch.nn.quant.gguf_blocks import (BLOCKS, NativeQ8Kernel, Q8Ker
                                                    q4_k_cpu_kernel, q4_k_grid, q6_k_lm_head_kernel, q6_k_parts)
 from lmdeploy.pytorch.nn.quant.parts import PartsKernel
 from lmdeploy.pytorch.nn.quant.q5k_cpu import Q5KKernel
-from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6KGemv, Q6KKernel
+from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6KKernel
 from lmdeploy.pytorch.nn.quant.w4a16 import Int4GroupFormat, Int4Grid, PerExpertKernel, ReferenceKernel
 from lmdeploy.pytorch.weights.gguf_types import engine_layer, part_index
 from lmdeploy.pytorch.weights.safetensors_loader import WeightSource, read_shard
@@ -175,9 +176,9 @@ class GgufExpertsFormat(WeightFormat):
             DenseKernel(layer))
 
     def cpu_kernel(self, proj: str, layer: ExpertProjection) -> LinearKernel:
-        """One expert's projection for bf16 activations on the CPU: its blocks on their native GEMV where built
-        (Q4_K and Q5_K as a dense layer; Q6_K at every step size: an expert's share of a step is a few rows), else
-        dequantized on each call; a dense one on ``F.linear``."""
+        """One expert's projection for bf16 activations on the CPU: its blocks on their type's kernel where the
+        GEMV is built (Q4_K, Q5_K and Q6_K as a dense layer: the expert's share of a step on the GEMV, or dequantized
+        for ``F.linear`` above the type's bound), else dequantized on each call; a dense one on ``F.linear``."""
         projection_format = self.formats[proj]
         if not isinstance(projection_format, GgufFormat):
             return DenseKernel(layer)
@@ -187,7 +188,7 @@ class GgufExpertsFormat(WeightFormat):
                     or Int4GroupFormat.cpu_expert_kernel(q4_k_grid(layer.qweight), proj == 'gate_up', torch.bfloat16))
         if ggml_type == 'Q5_K':
             return Q5KKernel.of(layer.qweight) or ReferenceKernel(projection_format, BlockRows(layer.qweight))
-        native = Q6KGemv.of(*q6_k_parts(layer.qweight)) if ggml_type == 'Q6_K' else None
+        native = Q6KKernel.of(*q6_k_parts(layer.qweight)) if ggml_type == 'Q6_K' else None
         if native is not None:
             return native
         codes, scales = int8_unpack(layer.qweight, ggml_type)
