@@ -142,6 +142,14 @@ def write_mixed_gguf(kind: str, folder: Path, path: Path, types: dict[str, Q]) -
     finish(writer)
 
 
+def served_mixed_gguf(kind: str, tmp: Path, types: dict[str, Q]) -> str:
+    """``write_mixed_gguf``'s file in ``tmp`` converted as the engine serves it (its raw types kept as blocks):
+    the served folder ``tmp / 'served'`` (the file is ``tmp / 'model.gguf'``)."""
+    write_mixed_gguf(kind, tmp / 'hf', tmp / 'model.gguf', types)
+    convert_gguf(str(tmp / 'model.gguf'), str(tmp / 'served'))
+    return str(tmp / 'served')
+
+
 @pytest.fixture(scope='module', params=sorted(FILES))
 def mixed_file(request, tmp_path_factory) -> tuple[str, Path]:
     kind = request.param

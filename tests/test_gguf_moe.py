@@ -18,7 +18,7 @@ from gguf.quants import dequantize, quantize
 from family_checks import assert_tp2_equals_tp1
 from helpers import hf_greedy, make_engine, random_prompts, run
 from safetensors import safe_open
-from test_gguf_mixed import ARCHS, bf16_logit_error, write_mixed_gguf
+from test_gguf_mixed import ARCHS, bf16_logit_error, served_mixed_gguf
 from transformers import AutoModelForCausalLM
 
 from lmdeploy.pytorch.engine.engine import Engine
@@ -33,7 +33,6 @@ from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KKernel
 from lmdeploy.pytorch.nn.quant.q5k_cpu import Q5KKernel
 from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6K_NATIVE_MAX_ROWS, Q6KKernel
 from lmdeploy.pytorch.nn.quant.w4a16 import ReferenceKernel
-from lmdeploy.pytorch.weights.gguf import convert_gguf
 
 # Qwen3-MoE as Q4_K_M: Q6_K in layer 0's attn_v (its q/k/v dequantized) and ffn_down_exps, a Q8_0 ffn_down_exps
 # in layer 1 and a Q6_K output. Qwen2-MoE (a shared expert, kept as blocks too): a Q6_K ffn_down_exps in layer 1
@@ -55,8 +54,7 @@ FILES = {
 def moe_file(request, tmp_path_factory) -> tuple[str, Path]:
     kind = request.param
     tmp = tmp_path_factory.mktemp(f'moe_{kind}')
-    write_mixed_gguf(kind, tmp / 'hf', tmp / 'model.gguf', FILES[kind][0])
-    convert_gguf(str(tmp / 'model.gguf'), str(tmp / 'served'))
+    served_mixed_gguf(kind, tmp, FILES[kind][0])
     return kind, tmp
 
 

@@ -13,7 +13,7 @@ from gguf.quants import dequantize
 from transformers import AutoModelForCausalLM
 from helpers import hf_greedy, make_engine, random_prompts, run
 from test_decoder_stack import check_every_step
-from test_gguf_mixed import encode, write_mixed_gguf
+from test_gguf_mixed import encode, served_mixed_gguf
 
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
@@ -25,7 +25,6 @@ from lmdeploy.pytorch.nn.quant.int4_cpu import NativeInt4Kernel, SmallStepInt4Ke
 from lmdeploy.pytorch.nn.quant.parts import PartsKernel
 from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4K_NATIVE_MAX_ROWS, Q4KGemv, Q4KKernel
 from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6KGemv, Q6KKernel
-from lmdeploy.pytorch.weights.gguf import convert_gguf
 
 # llama.cpp's Q4_K_M on a 2-layer model: Q6_K in layer 0's attn_v and ffn_down (so its q/k/v run part by part)
 # and the output
@@ -201,10 +200,7 @@ def test_q6_k_lm_head_runs_small_steps_on_the_file_blocks():
 
 @pytest.fixture(scope='module')
 def q4_k_m(tmp_path_factory) -> str:
-    tmp = tmp_path_factory.mktemp('q4km')
-    write_mixed_gguf('llama', tmp / 'hf', tmp / 'model.gguf', Q4_K_M)
-    convert_gguf(str(tmp / 'model.gguf'), str(tmp / 'served'))
-    return str(tmp / 'served')
+    return served_mixed_gguf('llama', tmp_path_factory.mktemp('q4km'), Q4_K_M)
 
 
 def test_mixed_qkv_part_by_part_gives_transformers_tokens(q4_k_m):

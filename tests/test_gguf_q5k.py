@@ -16,7 +16,7 @@ from gguf.quants import dequantize
 from transformers import AutoModelForCausalLM
 from helpers import hf_greedy, make_engine, random_prompts, run
 from test_decoder_stack import check_every_step
-from test_gguf_mixed import encode, write_mixed_gguf
+from test_gguf_mixed import encode, served_mixed_gguf
 from test_gguf_q4km import engine_in_one_stack
 from test_gguf_moe import dense_weights, random_gguf_experts
 
@@ -31,7 +31,6 @@ from lmdeploy.pytorch.nn.quant.parts import PartsKernel
 from lmdeploy.pytorch.nn.quant.q5k_cpu import Q5K_NATIVE_MAX_ROWS, Q5KKernel, pack_q5k, unpack_q5k
 from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6K_NATIVE_MAX_ROWS, Q6KKernel
 from lmdeploy.pytorch.nn.quant.w4a16 import ReferenceKernel
-from lmdeploy.pytorch.weights.gguf import convert_gguf
 
 # llama.cpp's Q5_K_M on a 2-layer model: Q6_K in layer 0's attn_v and ffn_down and the output, Q5_K elsewhere
 Q5_K_M = {'output': Q.Q6_K, 'blk.0.attn_v': Q.Q6_K, 'blk.0.ffn_down': Q.Q6_K, 'default': Q.Q5_K}
@@ -92,10 +91,7 @@ def test_q5_k_in_fp32_and_without_the_gemv_is_dequantized_per_call():
 
 @pytest.fixture(scope='module')
 def q5_k_m(tmp_path_factory) -> str:
-    tmp = tmp_path_factory.mktemp('q5km')
-    write_mixed_gguf('llama', tmp / 'hf', tmp / 'model.gguf', Q5_K_M)
-    convert_gguf(str(tmp / 'model.gguf'), str(tmp / 'served'))
-    return str(tmp / 'served')
+    return served_mixed_gguf('llama', tmp_path_factory.mktemp('q5km'), Q5_K_M)
 
 
 def test_q5_k_m_file_gives_transformers_tokens(q5_k_m):
