@@ -10,6 +10,11 @@ in the layers ``use_more_bits`` picks and a Q6_K output; the token embedding Q4_
 says whether the layers ran in the native decoder stack.
 
     python benchmark/kquant_gguf_cpu.py --mix q4km --trees /tmp/before,. --dir /tmp/q4km_bench
+
+``--no-amx`` runs the children as on a CPU without AMX: oneDNN limited to AVX512-BF16 (``ONEDNN_MAX_CPU_ISA``) and
+the engine told so (torch's ``_is_amx_tile_supported`` answers False). ``--gemv-max-rows`` runs each tree once more
+with the K-quant GEMVs' bounds set to the given rows (``q4k=32,q6k=16``: ``GEMV_MAX_ROWS``, whatever the CPU), as a
+"before" in the same tree.
 """
 from __future__ import annotations
 
@@ -75,6 +80,9 @@ def child(folder: str, args: argparse.Namespace) -> None:
     from lmdeploy.pytorch.engine.engine import Engine
     from lmdeploy.pytorch.kernels import cpu
     CLOCK[0] = time.thread_time
+    if args.no_amx or args.bounds:  # needs a tree with per-CPU bounds
+        from kquant_rows_cpu import set_bounds
+        set_bounds(args.no_amx, args.bounds)
     if args.native_bf16_gemm and cpu.native() is not None and cpu.native().bf16_gemm_available():
         cpu.bf16_gemm = cpu.native  # as stack_timing.stack_engine: on AMX CPUs bf16 weights prefer oneDNN
     tokens = args.prefill_tokens + args.decode_tokens + 16
@@ -83,7 +91,9 @@ def child(folder: str, args: argparse.Namespace) -> None:
     engine = Engine(folder, config, show_progress=False)
     tree = Path(lmdeploy.__file__).parents[1]
     stack = engine.runner.model.native_stack is not None
-    print(f'{tree}: RSS loaded {rss_gib():.3f} GiB, native stack {"on" if stack else "off"}', flush=True)
+    bounds = f', GEMV bounds {args.bounds}' if args.bounds else ''
+    print(f'{tree}: RSS loaded {rss_gib():.3f} GiB, native stack {"on" if stack else "off"}, AMX '
+          f'{cpu.onednn_amx()}{bounds}', flush=True)
     rng = np.random.default_rng(1)
     long_prompt = rng.integers(100, 40000, args.prefill_tokens).tolist()
     prompt = long_prompt[:16]
@@ -94,7 +104,7 @@ def child(folder: str, args: argparse.Namespace) -> None:
         for _ in range(args.repeats):
             prefill.append(args.prefill_tokens / engine_prefill_rate(engine, long_prompt) * 1e3)
             decode.append(1e3 / engine_decode_rate(engine, prompt, args.decode_tokens)[0])
-        print(f'{tree}: prefill {args.prefill_tokens}: best {min(prefill):.0f} ms, median '
+        print(f'{tree}{bounds}: prefill {args.prefill_tokens}: best {min(prefill):.0f} ms, median '
               f'{statistics.median(prefill):.0f} ms; decode: best {min(decode):.2f} ms/token, median '
               f'{statistics.median(decode):.2f}; peak RSS {peak_rss_gib():.3f} GiB', flush=True)
     finally:
@@ -115,6 +125,10 @@ def main() -> None:
     parser.add_argument('--native-bf16-gemm', action='store_true',
                         help='bf16 weights (a Q6_K layer\'s copy before it was dropped) on the native bf16 GEMM, '
                         'not oneDNN (which AMX CPUs prefer, and on which the native stack does not run)')
+    parser.add_argument('--no-amx', action='store_true', help='as on a CPU without AMX (see above)')
+    parser.add_argument('--gemv-max-rows', default='', help='K-quant GEMV bounds of a second run of each tree, '
+                        'as q4k=32,q5k=32,q6k=16,q8_0=16')
+    parser.add_argument('--bounds', help=argparse.SUPPRESS)
     parser.add_argument('--child', help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -130,10 +144,14 @@ def main() -> None:
     trees = [str(Path(tree).resolve()) for tree in args.trees.split(',')]
     forwarded = [f'--prefill-tokens={args.prefill_tokens}', f'--decode-tokens={args.decode_tokens}',
                  f'--repeats={args.repeats}'] + (['--native-bf16-gemm'] if args.native_bf16_gemm else [])
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA='AVX512_CORE_BF16') if args.no_amx else dict(os.environ)
+    forwarded += ['--no-amx'] if args.no_amx else []
+    bounds_runs = [''] + ([args.gemv_max_rows] if args.gemv_max_rows else [])
+    runs = [(tree, bounds) for tree in trees for bounds in bounds_runs]
     for index in range(args.rounds):
-        for tree in trees if index % 2 == 0 else trees[::-1]:
-            env = dict(os.environ, PYTHONPATH=tree)
-            subprocess.run([sys.executable, __file__, *forwarded, '--child', str(served)], check=True, env=env)
+        for tree, bounds in runs if index % 2 == 0 else runs[::-1]:
+            subprocess.run([sys.executable, __file__, *forwarded, f'--bounds={bounds}', '--child', str(served)],
+                           check=True, env=dict(env, PYTHONPATH=tree))
 
 
 if __name__ == '__main__':

@@ -1,6 +1,6 @@
 """GGUF Q4_K layers on the CPU by step size: the Q4_K GEMV (the file's 6-bit scales, 0.5625 bytes a weight), the
 same copy dequantized to bf16 for ``F.linear`` (``q4k_dequantize``, what a Q4_K layer runs above
-``Q4K_NATIVE_MAX_ROWS`` rows), and for reference the int4 GEMV on the same codes (an fp16 scale and minimum per 32
+``gemv_max_rows('q4k')`` rows), and for reference the int4 GEMV on the same codes (an fp16 scale and minimum per 32
 weights, 0.625 bytes a weight; what larger steps ran before).
 
 The weights are random Q4_K blocks of the Q4_K_M benchmark file's decoder (``benchmark/make_q4km.py``: TinyLlama's

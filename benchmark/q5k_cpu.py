@@ -1,6 +1,6 @@
 """GGUF Q5_K layers on the CPU: the Q5_K GEMV (the file's weights, 0.69 bytes a weight) against bf16 ``F.linear`` on
 a dequantized copy (2 bytes a weight, which the engine does not keep), and for prefill steps the engine's path above
-``Q5K_NATIVE_MAX_ROWS``: the layer dequantized for the call, then ``F.linear``.
+``gemv_max_rows('q5k')``: the layer dequantized for the call, then ``F.linear``.
 
 The weights are random Q5_K blocks of TinyLlama's widths (q/k/v 2560 x 2048, o 2048 x 2048, gate-and-up 11264 x 2048,
 down 2048 x 5632), ``--layers`` of them so that a pass reads far more than the L3, as a decode step does. One thread,
@@ -61,7 +61,7 @@ def main() -> None:
             xs = {inputs: torch.randn(rows, inputs).bfloat16() for inputs in (2048, 5632)}
             if label == 'GEMV':
                 step = lambda: [cpu.native().q5k_linear(xs[k.codes.shape[1] * 32], k.codes, k.scales) for k in kernels]
-            else:  # the engine's path above Q5K_NATIVE_MAX_ROWS: the layer dequantized for the call
+            else:  # the engine's path above gemv_max_rows('q5k'): the layer dequantized for the call
                 step = lambda: [F.linear(xs[k.codes.shape[1] * 32], cpu.native().q5k_dequantize(k.codes, k.scales))
                                 for k in kernels]
             best = best_times({'q5k': step,

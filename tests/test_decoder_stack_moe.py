@@ -28,15 +28,14 @@ from lmdeploy.pytorch.models.ernie import Ernie4_5MoE
 from lmdeploy.pytorch.models.moe import SparseMoeBlock
 from lmdeploy.pytorch.nn.moe import FusedExperts
 from lmdeploy.pytorch.nn.quant.cpu_bf16 import NativeBf16Kernel, OneDnnKernel
-from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6K_NATIVE_MAX_ROWS, Q6KKernel
+from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6KKernel, gemv_max_rows
 from lmdeploy.pytorch.weights.gguf import convert_gguf
 
 # a tiny model of each family, and Qwen3-MoE with 16 experts, whose router runs on the native GEMM's 16-row panels
 MOE_MODELS = {'mixtral': ('mixtral', {}), 'qwen2_moe': ('qwen2_moe', {}), 'qwen3_moe': ('qwen3_moe', {}),
               'qwen3_moe_16': ('qwen3_moe', dict(num_experts=16))}
-# GGUF files whose experts all run on native GEMVs: Q4_K (the Q4_K GEMV up to 32 rows, dequantized per call above)
-# and a Q6_K down in one layer (Qwen2-MoE: its shared expert's down too), a Q5_K down (the Q5_K GEMV up to 32 rows,
-# dequantized per call above) in Mixtral's
+# GGUF files whose experts all run on native GEMVs (each up to its ``gemv_max_rows``, dequantized per call above):
+# Q4_K and a Q6_K down in one layer (Qwen2-MoE: its shared expert's down too), a Q5_K down in Mixtral's
 NATIVE_FILES = {'qwen3_moe': {'blk.0.ffn_down_exps': Q.Q6_K, 'default': Q.Q4_K},
                 'qwen2_moe': FILES['qwen2_moe'][0], 'mixtral': {'blk.1.ffn_down_exps': Q.Q5_K, 'default': Q.Q4_K},
                 'glm4_moe': {'blk.1.ffn_down_exps': Q.Q6_K, 'blk.2.ffn_down_shexp': Q.Q6_K, 'default': Q.Q4_K}}
@@ -243,9 +242,9 @@ def record_q6k_expert_rows(engine: Engine, monkeypatch) -> list[int]:
 
 @pytest.mark.parametrize('kind', sorted(NATIVE_FILES))
 def test_gguf_experts_stack_equals_the_layers(kind, gguf_moe, native_gemms, monkeypatch):
-    """bf16 on a GGUF file: Q4_K experts on the Q4_K GEMV for an expert's share of up to 32 rows and dequantized
-    per call above, Q6_K experts on the Q6_K GEMV up to 16 rows and dequantized above, Mixtral's Q5_K down on the
-    Q5_K GEMV up to 32 rows and dequantized above, in steps of both sizes, in one stack; equal to the layers' forward
+    """bf16 on a GGUF file: Q4_K experts on the Q4_K GEMV for an expert's share of up to ``gemv_max_rows('q4k')``
+    rows and dequantized per call above, Q6_K experts on the Q6_K GEMV and Mixtral's Q5_K down on the Q5_K GEMV
+    likewise (each up to its bound on this CPU), in steps of both sizes, in one stack; equal to the layers' forward
     (Qwen2-MoE's and GLM-4.5's Q6_K shared down runs its large steps dequantized per call)."""
     if cpu.int4_gemv() is None or cpu.q6k_gemv() is None:
         pytest.skip('the native GEMVs need AVX512-BF16')
@@ -258,8 +257,8 @@ def test_gguf_experts_stack_equals_the_layers(kind, gguf_moe, native_gemms, monk
     assert any(rows > 64 for _, rows in steps)  # some expert's share above 32 rows
     assert (0, 1) in steps and (0, 4) in steps
     if Q.Q6_K in (t for name, t in NATIVE_FILES[kind].items() if name.endswith('ffn_down_exps')):
-        assert any(rows <= Q6K_NATIVE_MAX_ROWS for rows in q6k_rows)  # on the GEMV
-        assert any(rows > Q6K_NATIVE_MAX_ROWS for rows in q6k_rows)  # dequantized, as the stack's
+        assert any(rows <= gemv_max_rows('q6k') for rows in q6k_rows)  # on the GEMV
+        assert any(rows > gemv_max_rows('q6k') for rows in q6k_rows)  # dequantized, as the stack's
 
 
 def test_experts_without_native_kernel_keep_the_layers(gguf_moe):

@@ -23,9 +23,10 @@ from lmdeploy.pytorch.nn.linear import GateUpLinear, Linear, RowLinear
 from lmdeploy.pytorch.nn.quant import LinearOptions, use_weight_format
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.quant.gguf import GgufFileFormat, GgufFormat
-from lmdeploy.pytorch.nn.quant.gguf_blocks import Q8_NATIVE_MAX_ROWS, NativeQ8Kernel, Q8Kernel
+from lmdeploy.pytorch.nn.quant.gguf_blocks import NativeQ8Kernel, Q8Kernel
 from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
 from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KKernel
+from lmdeploy.pytorch.nn.quant.q6k_cpu import GEMV_MAX_ROWS
 from lmdeploy.pytorch.nn.quant.w4a16 import ReferenceKernel
 from lmdeploy.pytorch.weights.gguf import convert_gguf
 
@@ -60,9 +61,9 @@ def test_unpacking_matches_gguf(qtype):
                                                           (Q.Q4_K, ReferenceKernel, torch.float32, 1e-6),
                                                           (Q.Q6_K, Q8Kernel, torch.float32, 1e-6)])
 def test_loaded_kernels(qtype, kernel, dtype, tolerance):
-    """Q4_K on the native Q4_K GEMV (up to 32 rows; dequantized above) is the file's weights (its bf16 results
-    rounded); on torch's int4 kernel (where the GEMV is not built) exact up to the rounding of ``d * sc`` and
-    ``dmin * m`` to bf16."""
+    """Q4_K on the native Q4_K GEMV (up to ``gemv_max_rows('q4k')`` rows; dequantized above) is the file's weights
+    (its bf16 results rounded); on torch's int4 kernel (where the GEMV is not built) exact up to the rounding of
+    ``d * sc`` and ``dmin * m`` to bf16."""
     layer, expected = gguf_layer(qtype, seed=3)
     kernel = kernel() if kernel is q4_k_cpu_kernel else kernel
     layer.finalize(LinearOptions(pack_cpu=True, dtype=dtype))
@@ -74,22 +75,30 @@ def test_loaded_kernels(qtype, kernel, dtype, tolerance):
         assert error < tolerance, (rows, error)
 
 
-def test_q8_0_native_kernel_on_both_paths():
-    """bf16 on the CPU: Q8_0 on the native 8-bit GEMV up to ``Q8_NATIVE_MAX_ROWS`` tokens, dequantized from the
-    same copy for ``F.linear`` above; both against gguf's dequantization."""
+@pytest.mark.parametrize('amx', [True, False])
+def test_q8_0_native_kernel_on_both_paths(amx, monkeypatch):
+    """bf16 on the CPU: Q8_0 on the native 8-bit GEMV up to ``gemv_max_rows('q8_0')`` tokens (chosen at load, by
+    AMX or not), dequantized from the same copy for ``F.linear`` above; both against gguf's dequantization, the
+    large step exactly ``F.linear`` of its weights in bf16."""
     if cpu.q8_gemv() is None:
         pytest.skip('the native 8-bit GEMV was not built for this CPU')
+    monkeypatch.setattr(cpu, 'onednn_amx', lambda: amx)
     layer, expected = gguf_layer(Q.Q8_0, seed=5)
     layer.finalize(LinearOptions(pack_cpu=True, dtype=torch.bfloat16))
     assert isinstance(layer.kernel, NativeQ8Kernel) and layer.qweight is None
+    bound = layer.kernel.max_gemv_rows
+    assert bound == GEMV_MAX_ROWS['q8_0'][0 if amx else 1]
     bias = torch.randn(48).bfloat16()
-    for rows in (1, 5, Q8_NATIVE_MAX_ROWS + 1):
+    for rows in (1, 5, bound, bound + 1):
         x = torch.randn(rows, 512).bfloat16()
         reference = x.float() @ expected.T + bias.float()
         out = layer.kernel(x, bias)
         assert out.dtype == torch.bfloat16
         error = (out.float() - reference).norm() / reference.norm()
         assert error < 1e-2, (rows, error)
+        gemv = cpu.native().q8_linear(x, layer.kernel.packed, layer.kernel.scales).bfloat16() + bias
+        dequantized = torch.nn.functional.linear(x, expected.bfloat16(), bias)
+        assert torch.equal(out, gemv if rows <= bound else dequantized), rows
 
 
 @pytest.mark.parametrize('qtype', [Q.Q8_0, Q.Q4_K])

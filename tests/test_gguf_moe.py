@@ -31,7 +31,7 @@ from lmdeploy.pytorch.nn.quant.gguf_blocks import NativeQ8Kernel, Q8Kernel, dequ
 from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
 from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KKernel
 from lmdeploy.pytorch.nn.quant.q5k_cpu import Q5KKernel
-from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6K_NATIVE_MAX_ROWS, Q6KKernel
+from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6KKernel, gemv_max_rows
 from lmdeploy.pytorch.nn.quant.w4a16 import ReferenceKernel
 
 # Qwen3-MoE as Q4_K_M: Q6_K in layer 0's attn_v (its q/k/v dequantized) and ffn_down_exps, a Q8_0 ffn_down_exps
@@ -161,9 +161,9 @@ def count_calls(monkeypatch: pytest.MonkeyPatch, classes: list[type]) -> dict[st
 
 
 def test_bf16_experts_run_on_their_native_kernels(moe_file, monkeypatch):
-    """bf16 on the CPU: Q4_K experts on the Q4_K GEMV up to 32 rows (gate and up with their SiLU epilogue),
-    dequantized per call above, Q6_K on its kernel (the Q6_K GEMV up to 16 rows), Q5_K on its kernel (the Q5_K
-    GEMV up to 32 rows), Q8_0 on the 8-bit GEMV, dequantized projections on ``F.linear``, and each is called; the
+    """bf16 on the CPU: Q4_K experts on the Q4_K GEMV up to ``gemv_max_rows('q4k')`` rows (gate and up with their
+    SiLU epilogue), dequantized per call above, Q6_K and Q5_K on their kernels (their GEMVs up to their bounds),
+    Q8_0 on the 8-bit GEMV, dequantized projections on ``F.linear``, and each is called; the
     logits stay within 15% of fp32's: each kernel is within 1% of fp32 on its own (the expert tests above), but in
     this tiny random model a bf16 rounding can flip a token's choice of experts, which moves the logits by about
     10%."""
@@ -265,7 +265,7 @@ def test_bf16_cpu_expert_kernels_match_the_file_weights(types, monkeypatch):
         out = experts(hidden.bfloat16(), weights, ids).float()
         assert (out - expected).norm() / expected.norm() < 1e-2, tokens
     if 'Q6_K' in types.values() and cpu.q6k_gemv() is not None:
-        assert all(large == (rows > Q6K_NATIVE_MAX_ROWS) for rows, large in q6k_calls), q6k_calls
+        assert all(large == (rows > gemv_max_rows('q6k')) for rows, large in q6k_calls), q6k_calls
         assert {large for _, large in q6k_calls} == {False, True}, q6k_calls
 
 

@@ -20,11 +20,11 @@ from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.quant.base import LinearOptions
 from lmdeploy.pytorch.nn.quant.gguf import GgufFileFormat, GgufFormat
-from lmdeploy.pytorch.nn.quant.gguf_blocks import Q6K_NATIVE_MAX_ROWS, int8_unpack, q4_k_grid, q6_k_parts
+from lmdeploy.pytorch.nn.quant.gguf_blocks import Q6K_LM_HEAD_GEMV_MAX_ROWS, int8_unpack, q4_k_grid, q6_k_parts
 from lmdeploy.pytorch.nn.quant.int4_cpu import NativeInt4Kernel, SmallStepInt4Kernel, TorchInt4Kernel
 from lmdeploy.pytorch.nn.quant.parts import PartsKernel
-from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4K_NATIVE_MAX_ROWS, Q4KGemv, Q4KKernel
-from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6KGemv, Q6KKernel
+from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KGemv, Q4KKernel
+from lmdeploy.pytorch.nn.quant.q6k_cpu import GEMV_MAX_ROWS, Q6KGemv, Q6KKernel, gemv_max_rows
 
 # llama.cpp's Q4_K_M on a 2-layer model: Q6_K in layer 0's attn_v and ffn_down (so its q/k/v run part by part)
 # and the output
@@ -46,7 +46,7 @@ def test_q6_k_codes_and_scales_are_the_file_weights():
     assert torch.equal(codes.view(48, 32, 16).float() * scales[..., None], expected.view(48, 32, 16))
 
 
-@pytest.mark.parametrize('rows', [1, 3, 4, 7, Q6K_NATIVE_MAX_ROWS])
+@pytest.mark.parametrize('rows', [1, 3, 4, 7, 16, 40])
 def test_q6_k_gemv_is_the_file_weights(rows):
     """The Q6_K GEMV on the file's codes and scales gives ``x @ W.T`` of gguf's weights up to fp32 summation
     order, with bf16 activations (their values, not quantized); rows of x in blocks of 4 and alone alike."""
@@ -63,12 +63,27 @@ def test_q6_k_gemv_is_the_file_weights(rows):
     assert Q6KGemv.of(*q6_k_parts(blocks))(x, None).dtype == torch.bfloat16
 
 
-def test_q6_k_layer_holds_its_blocks_and_dequantizes_larger_steps():
+def test_gemv_bounds_follow_the_cpu(monkeypatch):
+    """The K-quant layers' GEMV bounds are chosen from torch's answer on AMX, as the bf16 GEMM is; an unknown
+    kind is refused."""
+    for amx in (True, False):
+        monkeypatch.setattr(torch.cpu, '_is_amx_tile_supported', lambda amx=amx: amx)
+        assert cpu.onednn_amx() is amx
+        assert (cpu.bf16_gemm() is None) is (amx or cpu.native() is None or not cpu.native().bf16_gemm_available())
+        assert {kind: gemv_max_rows(kind) for kind in GEMV_MAX_ROWS} == {
+            kind: bounds[0 if amx else 1] for kind, bounds in GEMV_MAX_ROWS.items()}
+    with pytest.raises(KeyError):
+        gemv_max_rows('q3k')
+
+
+@pytest.mark.parametrize('amx', [True, False])
+def test_q6_k_layer_holds_its_blocks_and_dequantizes_larger_steps(amx, monkeypatch):
     """A bf16 Q6_K layer keeps only its retiled blocks (as many bytes as the file's, no bf16 copy): steps of up to
-    ``Q6K_NATIVE_MAX_ROWS`` rows on the GEMV, larger ones on ``F.linear`` of ``q6k_dequantize``, which gives gguf's
-    weights rounded to bf16 exactly."""
+    ``gemv_max_rows('q6k')`` rows (chosen at load, by AMX or not) on the GEMV, larger ones on ``F.linear`` of
+    ``q6k_dequantize``, which gives gguf's weights rounded to bf16 exactly."""
     if cpu.q6k_gemv() is None:
         pytest.skip('the native Q6_K GEMV needs AVX512-BF16')
+    monkeypatch.setattr(cpu, 'onednn_amx', lambda: amx)
     blocks, expected = random_blocks(Q.Q6_K, 48, 768, seed=3)
     layer = torch.nn.Module()
     layer.qweight, layer.gate_up_panels = blocks, False
@@ -77,10 +92,13 @@ def test_q6_k_layer_holds_its_blocks_and_dequantizes_larger_steps():
     assert kernel.packed.dtype == kernel.scales.dtype == torch.uint8
     assert kernel.packed.numel() + kernel.scales.numel() == blocks.numel()
     assert torch.equal(cpu.native().q6k_dequantize(kernel.packed, kernel.scales), expected.bfloat16())
+    bound = kernel.max_gemv_rows
+    assert bound == GEMV_MAX_ROWS['q6k'][0 if amx else 1]
+    monkeypatch.setattr(cpu, 'onednn_amx', lambda: not amx)  # chosen at load: a later answer changes nothing
     bias = torch.randn(48).bfloat16()
-    big = torch.randn(Q6K_NATIVE_MAX_ROWS + 1, 768).bfloat16()
+    big = torch.randn(bound + 1, 768).bfloat16()
     assert torch.equal(kernel(big, bias), torch.nn.functional.linear(big, expected.bfloat16(), bias))
-    small = big[:Q6K_NATIVE_MAX_ROWS]
+    small = big[:bound]
     gemv = cpu.native().q6k_linear(small, kernel.packed, kernel.scales)
     assert torch.equal(kernel(small, bias), gemv.bfloat16() + bias)
 
@@ -106,14 +124,16 @@ def test_q4_k_gemv_is_the_file_weights(rows):
     assert torch.equal(out[-1:], Q4KGemv.of_blocks(blocks, q4_k_grid(blocks).codes)(x[-1:], None))
 
 
+@pytest.mark.parametrize('amx', [True, False])
 @pytest.mark.parametrize('gate_up', [False, True])
-def test_q4_k_layer_holds_its_blocks_and_dequantizes_larger_steps(gate_up):
+def test_q4_k_layer_holds_its_blocks_and_dequantizes_larger_steps(gate_up, amx, monkeypatch):
     """A bf16 Q4_K layer keeps only the GEMV's codes and the file's scales (as many bytes as the file's blocks, no
-    int4 or bf16 copy): steps of up to ``Q4K_NATIVE_MAX_ROWS`` rows on the GEMV, larger ones on ``F.linear`` of
-    ``q4k_dequantize``, which gives gguf's weights rounded to bf16 exactly (a gate-and-up layer's as [gate; up],
-    its SiLU then applied by the layer)."""
+    int4 or bf16 copy): steps of up to ``gemv_max_rows('q4k')`` rows (chosen at load, by AMX or not) on the GEMV,
+    larger ones on ``F.linear`` of ``q4k_dequantize``, which gives gguf's weights rounded to bf16 exactly (a
+    gate-and-up layer's as [gate; up], its SiLU then applied by the layer)."""
     if cpu.int4_gemv() is None:
         pytest.skip('the native Q4_K GEMV needs AVX512-BF16')
+    monkeypatch.setattr(cpu, 'onednn_amx', lambda: amx)
     blocks, expected = random_blocks(Q.Q4_K, 64, 768, seed=4)
     layer = block_layer(blocks, gate_up)
     kernel = GgufFormat('Q4_K').make_kernel(layer, LinearOptions(True, dtype=torch.bfloat16))
@@ -121,11 +141,13 @@ def test_q4_k_layer_holds_its_blocks_and_dequantizes_larger_steps(gate_up):
     assert kernel.packed.dtype == kernel.scales.dtype == torch.uint8
     assert kernel.packed.numel() + kernel.scales.numel() == blocks.numel()
     assert torch.equal(cpu.native().q4k_dequantize(kernel.packed, kernel.scales, gate_up), expected.bfloat16())
+    bound = kernel.max_gemv_rows
+    assert bound == GEMV_MAX_ROWS['q4k'][0 if amx else 1]
     bias = None if gate_up else torch.randn(64).bfloat16()
-    big = torch.randn(Q4K_NATIVE_MAX_ROWS + 1, 768).bfloat16()
+    big = torch.randn(bound + 1, 768).bfloat16()
     assert torch.equal(kernel(big, bias), torch.nn.functional.linear(big, expected.bfloat16(), bias))
     assert kernel.gate_up_silu(big, bias) is None
-    small = big[:Q4K_NATIVE_MAX_ROWS]
+    small = big[:bound]
     if gate_up:
         gemv = cpu.native().q4k_gate_up_silu(small, kernel.packed, kernel.scales)
         assert torch.equal(kernel.gate_up_silu(small, None), gemv)
@@ -152,7 +174,7 @@ def test_without_the_gemv_q4_k_runs_on_torch_int4_kernel(monkeypatch):
     blocks, expected = random_blocks(Q.Q4_K, 48, 512, seed=6)
     kernel = GgufFormat('Q4_K').make_kernel(block_layer(blocks), LinearOptions(True, dtype=torch.bfloat16))
     assert isinstance(kernel, SmallStepInt4Kernel) and isinstance(kernel.small, TorchInt4Kernel)
-    for rows in (1, Q4K_NATIVE_MAX_ROWS + 8):
+    for rows in (1, 40):
         x = torch.randn(rows, 512).bfloat16()
         reference = x.float() @ expected.T
         assert (kernel(x, None).float() - reference).norm() / reference.norm() < 1e-2
@@ -180,7 +202,7 @@ def test_q4_k_on_the_int4_gemv_within_fp16_scales():
 
 def test_q6_k_lm_head_runs_small_steps_on_the_file_blocks():
     """An output layer kept as Q6_K blocks loads dequantized (gguf's weights) and runs steps of up to
-    ``Q6K_NATIVE_MAX_ROWS`` rows on the Q6_K GEMV over the blocks (fp32 logits), larger ones on the table."""
+    ``Q6K_LM_HEAD_GEMV_MAX_ROWS`` rows on the Q6_K GEMV over the blocks (fp32 logits), larger ones on the table."""
     if cpu.q6k_gemv() is None:
         pytest.skip('the native Q6_K GEMV needs AVX512-BF16')
     blocks, expected = random_blocks(Q.Q6_K, 90, 256, seed=7)  # rows padded to the GEMV's tiles of 16
@@ -193,7 +215,7 @@ def test_q6_k_lm_head_runs_small_steps_on_the_file_blocks():
     logits = head(x, None)
     assert logits.shape == (1, 96) and not logits[:, 90:].any()
     torch.testing.assert_close(logits[:, :90], x.float() @ expected.T, rtol=1e-5, atol=1e-5)
-    big = torch.randn(Q6K_NATIVE_MAX_ROWS + 1, 256).bfloat16()
+    big = torch.randn(Q6K_LM_HEAD_GEMV_MAX_ROWS + 1, 256).bfloat16()
     reference = big.float() @ expected.T
     assert (head(big, None).float() - reference).norm() / reference.norm() < 1e-2
 
@@ -230,7 +252,7 @@ def engine_in_one_stack(path: str) -> tuple[Engine, torch.nn.Module]:
     """A bf16 engine on a GGUF file whose K-quant layers all run in one native decoder stack (every step in
     ``large``: each layer's kernel switches by the step's rows), and its model."""
     engine = Engine(path, PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=64, block_size=16,
-                                              enable_prefix_caching=False, max_prefill_token_num=48),
+                                              enable_prefix_caching=False, max_prefill_token_num=96),
                     show_progress=False)
     stack = engine.runner.model.native_stack
     assert stack is not None and stack.small is None and stack.small_step_rows == 0
@@ -238,8 +260,8 @@ def engine_in_one_stack(path: str) -> tuple[Engine, torch.nn.Module]:
 
 
 def test_q4_k_m_runs_in_the_stack(q4_k_m, native_gemms, monkeypatch):
-    """Q4_K layers (Q4_K GEMV up to 32 rows, dequantized per call above), Q6_K ones (Q6_K GEMV up to 16 rows,
-    dequantized per call above) and the q/k/v of both part by part all run in the native decoder stack, one stack
+    """Q4_K layers and Q6_K ones (each on its GEMV up to ``gemv_max_rows`` rows, this CPU's bound, dequantized per
+    call above) and the q/k/v of both part by part all run in the native decoder stack, one stack
     for every step size, every step equal to the layers' forward."""
     if cpu.int4_gemv() is None or cpu.q6k_gemv() is None:
         pytest.skip('the native int4 and Q6_K GEMVs need AVX512-BF16')
@@ -254,5 +276,5 @@ def test_q4_k_m_runs_in_the_stack(q4_k_m, native_gemms, monkeypatch):
     outs = run(engine, random_prompts([20, 70, 9], seed=8, vocab=250),
                GenerationConfig(max_new_tokens=6, ignore_eos=True))
     assert [len(out) for out in outs] == [6] * 3
-    assert any(rows <= Q6K_NATIVE_MAX_ROWS for _, rows in steps)
-    assert any(rows > Q4K_NATIVE_MAX_ROWS for _, rows in steps)  # every projection's large steps
+    assert any(rows <= gemv_max_rows('q6k') for _, rows in steps)
+    assert any(rows > gemv_max_rows('q4k') for _, rows in steps)  # every projection's large steps

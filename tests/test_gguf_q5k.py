@@ -28,8 +28,8 @@ from lmdeploy.pytorch.nn.quant.base import LinearKernel, LinearOptions
 from lmdeploy.pytorch.nn.quant.gguf import GgufFormat
 from lmdeploy.pytorch.nn.quant.gguf_blocks import BLOCKS, dequantize_blocks
 from lmdeploy.pytorch.nn.quant.parts import PartsKernel
-from lmdeploy.pytorch.nn.quant.q5k_cpu import Q5K_NATIVE_MAX_ROWS, Q5KKernel, pack_q5k, unpack_q5k
-from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6K_NATIVE_MAX_ROWS, Q6KKernel
+from lmdeploy.pytorch.nn.quant.q5k_cpu import Q5KKernel, pack_q5k, unpack_q5k
+from lmdeploy.pytorch.nn.quant.q6k_cpu import GEMV_MAX_ROWS, Q6KKernel, gemv_max_rows
 from lmdeploy.pytorch.nn.quant.w4a16 import ReferenceKernel
 
 # llama.cpp's Q5_K_M on a 2-layer model: Q6_K in layer 0's attn_v and ffn_down and the output, Q5_K elsewhere
@@ -55,18 +55,23 @@ def test_q5_k_blocks_and_their_retiling_are_the_file_weights():
         assert torch.equal(cpu.native().q5k_dequantize(codes, scales), expected.bfloat16())
 
 
-@pytest.mark.parametrize('rows', [1, 3, 4, 7, Q5K_NATIVE_MAX_ROWS, Q5K_NATIVE_MAX_ROWS + 5])
-def test_q5_k_kernel_is_the_file_weights(rows):
-    """bf16 activations (their values, not quantized): steps of up to ``Q5K_NATIVE_MAX_ROWS`` rows on the GEMV give
-    ``x @ W.T`` of gguf's weights up to fp32 summation order (rows of x in blocks of 4 and alone alike), larger
-    ones the bf16 GEMM of the weights dequantized for the call."""
+@pytest.mark.parametrize('amx, rows', [(True, 1), (True, 3), (True, 4), (True, 7), (True, 'bound'),
+                                       (True, 'above'), (False, 'bound'), (False, 'above')])
+def test_q5_k_kernel_is_the_file_weights(amx, rows, monkeypatch):
+    """bf16 activations (their values, not quantized): steps of up to ``gemv_max_rows('q5k')`` rows (chosen at load,
+    by AMX or not) on the GEMV give ``x @ W.T`` of gguf's weights up to fp32 summation order (rows of x in blocks
+    of 4 and alone alike), larger ones the bf16 GEMM of the weights dequantized for the call."""
     if cpu.q5k_gemv() is None:
         pytest.skip('the native Q5_K GEMV needs AVX512-BF16')
+    monkeypatch.setattr(cpu, 'onednn_amx', lambda: amx)
+    bound = GEMV_MAX_ROWS['q5k'][0 if amx else 1]
+    rows = {'bound': bound, 'above': bound + 5}.get(rows, rows)
     blocks, expected = random_q5k(80, 512, seed=rows)  # 5 tiles of 16 rows
     kernel = Q5KKernel.of(blocks)
+    assert kernel.max_gemv_rows == bound
     x = torch.randn(rows, 512).bfloat16()
     bias = torch.randn(80).bfloat16()
-    if rows <= Q5K_NATIVE_MAX_ROWS:
+    if rows <= bound:
         reference = x.float() @ expected.T
         out = cpu.native().q5k_linear(x, kernel.codes, kernel.scales)
         assert out.dtype == torch.float32
@@ -147,8 +152,8 @@ def held_tensors(kernel: LinearKernel) -> list[torch.Tensor]:
 
 
 def test_q5_k_m_runs_in_the_stack(q5_k_m, native_gemms, monkeypatch):
-    """bf16 on the CPU: Q5_K layers (the GEMV up to 32 rows, dequantized per call above), Q6_K ones (the GEMV up to
-    16 rows, dequantized per call above) and layer 0's q/k/v of both part by part run in the native decoder stack,
+    """bf16 on the CPU: Q5_K layers and Q6_K ones (each on its GEMV up to ``gemv_max_rows`` rows, this CPU's bound,
+    dequantized per call above) and layer 0's q/k/v of both part by part run in the native decoder stack,
     every step's hidden states equal to the layers' forward; each projection holds only its retiled blocks, as many
     bytes as the file's (no bf16 copy)."""
     if cpu.q5k_gemv() is None or cpu.q6k_gemv() is None:
@@ -171,8 +176,8 @@ def test_q5_k_m_runs_in_the_stack(q5_k_m, native_gemms, monkeypatch):
                GenerationConfig(max_new_tokens=6, ignore_eos=True))
     assert [len(out) for out in outs] == [6] * 3
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    assert any(rows <= Q6K_NATIVE_MAX_ROWS for _, rows in steps)
-    assert any(rows > Q5K_NATIVE_MAX_ROWS for _, rows in steps)
+    assert any(rows <= gemv_max_rows('q6k') for _, rows in steps)
+    assert any(rows > gemv_max_rows('q5k') for _, rows in steps)
 
 
 @pytest.mark.slow

@@ -25,7 +25,8 @@ from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.linear import Linear
 from lmdeploy.pytorch.nn.quant.gguf_blocks import NativeQ8Kernel
 from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
-from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4K_NATIVE_MAX_ROWS, Q4KKernel
+from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KKernel
+from lmdeploy.pytorch.nn.quant.q6k_cpu import gemv_max_rows
 from lmdeploy.pytorch.weights.gguf import convert_gguf, resolve_gguf
 
 HIDDEN, FFN, HEADS = 256, 512, 16  # K-quant blocks span 256 inputs; 16 heads keep the tiny model's head_dim of 16
@@ -152,10 +153,12 @@ def test_bf16_pair_runs_its_blocks_as_a_text_file_does(quantized_pair, native_ge
             assert model.native_stack is not None and model.native_stack.small is None
             assert isinstance(qkv, Q4KKernel) and isinstance(model.lm_head.packed, SmallStepInt4Kernel)
         steps = check_every_step(engine, monkeypatch) if model.native_stack is not None else None
-        prompts = [make_processor(str(served)).process(prompt) for prompt in [('describe', IMAGES[0]), 'plain text']]
+        # a long text prompt: a prefill step larger than the Q4_K GEMV's bound on any CPU (64 rows without AMX)
+        processor = make_processor(str(served))
+        prompts = [processor.process(prompt) for prompt in [('describe', IMAGES[0]), 'plain text ' * 40]]
         outs = run(engine, prompts, GenerationConfig(max_new_tokens=6, ignore_eos=True))
         assert [len(out) for out in outs] == [6, 6]
         if steps is not None:  # small and large steps ran, each equal to the layers'
-            assert {rows <= Q4K_NATIVE_MAX_ROWS for _, rows in steps} == {True, False}
+            assert {rows <= gemv_max_rows('q4k') for _, rows in steps} == {True, False}
     finally:
         engine.close()

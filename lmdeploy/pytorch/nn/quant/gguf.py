@@ -4,22 +4,22 @@
 
 - Q8_0 (``B = 32``, 34 bytes): an fp16 scale ``d`` and 32 int8 codes, ``W = d * q``. Held as int8 codes
   and fp32 scales, dequantized on each call (in fp32, then to the activations' dtype) for ``F.linear``; in
-  bf16 on the CPU, steps of up to ``Q8_NATIVE_MAX_ROWS`` tokens run on the native 8-bit GEMV instead
+  bf16 on the CPU, steps of up to ``gemv_max_rows('q8_0')`` tokens run on the native 8-bit GEMV instead
   (``kernels/cpu/linear_q8.cpp``: the same blocks, the activations in fp32); on CUDA every step on the Triton
   Q8_0 GEMM (:mod:`lmdeploy.pytorch.nn.quant.gguf_cuda`: the codes and the file's fp16 scales).
 - Q4_K (``B = 256``, 144 bytes): fp16 ``d`` and ``dmin``, eight 6-bit scales ``sc`` and mins ``m``, 256
   4-bit codes; ``W = q * (d * sc) - dmin * m`` per 32 inputs: a 4-bit grid of groups of 32 (exact in
   fp32), served by the 4-bit kernels (:mod:`lmdeploy.pytorch.nn.quant.w4a16`); in bf16 on the CPU steps of up
-  to ``Q4K_NATIVE_MAX_ROWS`` tokens on the native Q4_K GEMV (:mod:`lmdeploy.pytorch.nn.quant.q4k_cpu`: the codes
+  to ``gemv_max_rows('q4k')`` tokens on the native Q4_K GEMV (:mod:`lmdeploy.pytorch.nn.quant.q4k_cpu`: the codes
   and the file's scales as they are, exactly its weights), larger ones dequantize that copy for the call
   (``q4k_dequantize``; no other copy kept), as Q5_K, in the native decoder stack too.
 - Q5_K (``B = 256``, 176 bytes): Q4_K's ``d``, ``dmin``, ``sc`` and ``m`` and 5-bit codes (``qh`` the fifth bits);
-  ``W = u * (d * sc) - dmin * m`` per 32 inputs. In bf16 on the CPU steps of up to ``Q5K_NATIVE_MAX_ROWS`` tokens
+  ``W = u * (d * sc) - dmin * m`` per 32 inputs. In bf16 on the CPU steps of up to ``gemv_max_rows('q5k')`` tokens
   on the native Q5_K GEMV (:mod:`lmdeploy.pytorch.nn.quant.q5k_cpu`: the file's bits retiled, its weights exactly),
   larger ones dequantize that copy for the call (no bf16 copy kept); elsewhere (fp32, CUDA, no AVX512-BF16) the
   blocks dequantized on each call; a MoE layer's Q5_K experts likewise, each routed expert as a dense layer.
 - Q6_K (``B = 256``, 210 bytes): 6-bit codes ``u``, an int8 scale ``sc`` per 16 inputs and an fp16 ``d``;
-  ``W = (u - 32) * (d * sc)``. In bf16 on the CPU, steps of up to ``Q6K_NATIVE_MAX_ROWS`` tokens run on the
+  ``W = (u - 32) * (d * sc)``. In bf16 on the CPU, steps of up to ``gemv_max_rows('q6k')`` tokens run on the
   native Q6_K GEMV (``kernels/cpu/linear_q6k.cpp``: the file's codes and scales retiled, its weights exactly),
   larger ones dequantize that copy for the call (no bf16 copy kept), as Q5_K; on CUDA every step on the
   Triton Q6_K GEMM (the file's bits retiled, 0.82 bytes a weight); otherwise int8 codes and fp32 scales

@@ -12,16 +12,14 @@ from lmdeploy.pytorch.nn.quant.cpu_bf16 import packed_cpu_kernel
 from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
 from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KKernel, k_scale_mins
 from lmdeploy.pytorch.nn.quant.q5k_cpu import q5k_weight
-from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6K_NATIVE_MAX_ROWS, Q6K_TILE, Q6KGemv
+from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6K_TILE, Q6KGemv, gemv_max_rows
 from lmdeploy.pytorch.nn.quant.q8_cpu import Q8_GROUP, Q8_TILE, pack_q8
 from lmdeploy.pytorch.nn.quant.w4a16 import Int4Grid
 
 # inputs and bytes per block
 BLOCKS = {'Q8_0': (32, 34), 'Q4_K': (256, 144), 'Q5_K': (256, 176), 'Q6_K': (256, 210)}
-# Larger steps run faster dequantized for one bf16 GEMM. 2048 x 2048 on the shared 2-core EPYC (best of 40,
-# load 8), GEMV against dequantizing and F.linear: 0.06 / 0.76 ms at 1 row, 0.56 / 0.76 at 16, 1.10 / 0.89
-# at 32, 2.3 / 1.2 at 64.
-Q8_NATIVE_MAX_ROWS = 16
+# A Q6_K output layer's larger steps run on the bf16 GEMM of the LM head's table (kept), not dequantized per call.
+Q6K_LM_HEAD_GEMV_MAX_ROWS = 16
 
 
 def fp16_at(blocks: torch.Tensor, start: int) -> torch.Tensor:
@@ -103,11 +101,12 @@ class Q8Kernel(LinearKernel):
 
 
 class NativeQ8Kernel(LinearKernel):
-    """Q8_0 blocks in the native 8-bit GEMV's layout (:func:`pack_q8`): steps of up to ``Q8_NATIVE_MAX_ROWS``
-    tokens on the GEMV, larger ones dequantized from the same copy for ``F.linear``."""
+    """Q8_0 blocks in the native 8-bit GEMV's layout (:func:`pack_q8`): steps of up to ``max_gemv_rows`` tokens
+    (``gemv_max_rows('q8_0')``) on the GEMV, larger ones dequantized from the same copy for ``F.linear``."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor):
         self.packed, self.scales = pack_q8(codes, scales.half())
+        self.max_gemv_rows = gemv_max_rows('q8_0')
 
     @classmethod
     def of(cls, codes: torch.Tensor, scales: torch.Tensor) -> NativeQ8Kernel | None:
@@ -117,7 +116,7 @@ class NativeQ8Kernel(LinearKernel):
         return cls(codes, scales)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.shape[0] > Q8_NATIVE_MAX_ROWS:
+        if x.shape[0] > self.max_gemv_rows:
             tiles, groups = self.scales.shape[:2]
             codes = self.packed.permute(0, 3, 1, 2).reshape(tiles * Q8_TILE, groups * Q8_GROUP)
             scales = self.scales.transpose(1, 2).reshape(tiles * Q8_TILE, groups).float()
@@ -127,18 +126,18 @@ class NativeQ8Kernel(LinearKernel):
 
 
 def q6_k_lm_head_kernel(blocks: torch.Tensor, table: torch.Tensor) -> SmallStepInt4Kernel | None:
-    """A Q6_K output layer in bf16 on the CPU: steps of up to ``Q6K_NATIVE_MAX_ROWS`` tokens on the Q6_K GEMV over
+    """A Q6_K output layer in bf16 on the CPU: steps of up to ``Q6K_LM_HEAD_GEMV_MAX_ROWS`` tokens on the Q6_K GEMV over
     its blocks (the file's weights exactly, fp32 logits), larger ones on the bf16 GEMM of the LM head's ``table``;
     None where either is not built. Rows beyond a multiple of the GEMV's tiles are padded with zero weights (the
     LM head drops their logits)."""
     pad = -blocks.shape[0] % Q6K_TILE
     large = packed_cpu_kernel(table)
     small = Q6KGemv.of(*[F.pad(part, (0, 0, 0, pad)) for part in q6_k_parts(blocks)], fp32_out=True)
-    return None if large is None or small is None else SmallStepInt4Kernel(small, Q6K_NATIVE_MAX_ROWS, large)
+    return None if large is None or small is None else SmallStepInt4Kernel(small, Q6K_LM_HEAD_GEMV_MAX_ROWS, large)
 
 
 def q4_k_cpu_kernel(blocks: torch.Tensor, gate_up: bool) -> Q4KKernel | None:
-    """Q4_K blocks in bf16 on the CPU: steps of up to ``Q4K_NATIVE_MAX_ROWS`` tokens on the Q4_K GEMV (the file's
+    """Q4_K blocks in bf16 on the CPU: steps of up to ``gemv_max_rows('q4k')`` tokens on the Q4_K GEMV (the file's
     codes and scales retiled, 0.5625 bytes a weight), larger ones dequantized from that copy for ``F.linear``;
     None where the GEMV is not built."""
     return Q4KKernel.of_blocks(blocks, q4_k_codes(blocks), gate_up)

@@ -10,14 +10,9 @@ import torch.nn.functional as F
 
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.quant.int4_cpu import INT4_TILE, NativeInt4Kernel, gate_up_order, pack_int4_codes
-from lmdeploy.pytorch.nn.quant.q6k_cpu import gemv_or_dequantized
+from lmdeploy.pytorch.nn.quant.q6k_cpu import gemv_max_rows, gemv_or_dequantized
 
 Q4K_BLOCK, Q4K_BLOCK_BYTES = 256, 144
-# Larger steps dequantize the layer for one bf16 GEMM: the GEMV's cost grows with the rows, the dequantizing
-# does not. ``benchmark/q4k_cpu.py``, one thread, 4 TinyLlama-sized layers on the AMX Xeon, three runs: GEMV
-# 146-153 ms at 32 rows against 85-159 dequantized and ``F.linear`` (77 / 77-154 at 16 rows, 224-294 / 96-180 at
-# 48-64). 32 rather than 16: without AMX (AVX512-BF16 only) the GEMM is slower, the GEMV is not.
-Q4K_NATIVE_MAX_ROWS = 32
 
 
 def k_scale_mins(d: torch.Tensor, dmin: torch.Tensor, packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,11 +56,16 @@ class Q4KGemv(NativeInt4Kernel):
 
 
 class Q4KKernel(Q4KGemv):
-    """A Q4_K layer: steps of up to ``Q4K_NATIVE_MAX_ROWS`` tokens on the GEMV, larger ones dequantized from the
-    same copy (``[gate; up]`` for a gate-and-up layer) for ``F.linear``, 0.5625 bytes a weight held."""
+    """A Q4_K layer: steps of up to ``max_gemv_rows`` tokens (``gemv_max_rows('q4k')``) on the GEMV, larger ones
+    dequantized from the same copy (``[gate; up]`` for a gate-and-up layer) for ``F.linear``, 0.5625 bytes a weight
+    held."""
+
+    def __init__(self, packed: torch.Tensor, scales: torch.Tensor, gate_up: bool):
+        super().__init__(packed, scales, gate_up)
+        self.max_gemv_rows = gemv_max_rows('q4k')
 
     def large_step(self, x: torch.Tensor) -> bool:
-        return x.reshape(-1, x.shape[-1]).shape[0] > Q4K_NATIVE_MAX_ROWS
+        return x.reshape(-1, x.shape[-1]).shape[0] > self.max_gemv_rows
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.large_step(x):
@@ -78,4 +78,4 @@ class Q4KKernel(Q4KGemv):
     def native_projection(self, bias: torch.Tensor | None) -> object | None:
         if self.gate_up and bias is not None:  # the GEMV's SiLU epilogue takes none
             return None
-        return gemv_or_dequantized('q4k', self.packed, self.scales, bias, Q4K_NATIVE_MAX_ROWS)
+        return gemv_or_dequantized('q4k', self.packed, self.scales, bias, self.max_gemv_rows)

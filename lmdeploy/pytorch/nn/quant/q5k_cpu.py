@@ -11,13 +11,9 @@ import torch.nn.functional as F
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.quant.base import LinearKernel
 from lmdeploy.pytorch.nn.quant.q4k_cpu import k_scale_mins
-from lmdeploy.pytorch.nn.quant.q6k_cpu import gemv_or_dequantized
+from lmdeploy.pytorch.nn.quant.q6k_cpu import gemv_max_rows, gemv_or_dequantized
 
 Q5K_TILE, Q5K_GROUP, Q5K_BLOCK = 16, 32, 256
-# Larger steps dequantize the layer for one bf16 GEMM: the GEMV's cost grows with the rows, the dequantizing
-# does not. ``benchmark/q5k_cpu.py``, one thread, 4 TinyLlama-sized layers: GEMV 157 ms at 32 rows against 160 ms
-# dequantized and ``F.linear`` (83 / 153 at 16 rows, 181 dequantized at 64).
-Q5K_NATIVE_MAX_ROWS = 32
 # per tile of 16 rows and group of 32 inputs: 8 chunks of 32 nibble bytes, then 32 uint16 of fifth bits
 _NIBBLE_BYTES, _CODE_BYTES = 256, 320
 
@@ -80,11 +76,13 @@ def unpack_q5k(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 class Q5KKernel(LinearKernel):
-    """Q5_K blocks retiled for the native GEMV (:func:`pack_q5k`): steps of up to ``Q5K_NATIVE_MAX_ROWS`` tokens on
-    the GEMV (rounded to the activations' dtype), larger ones dequantized from the same copy for ``F.linear``."""
+    """Q5_K blocks retiled for the native GEMV (:func:`pack_q5k`): steps of up to ``max_gemv_rows`` tokens
+    (``gemv_max_rows('q5k')``) on the GEMV (rounded to the activations' dtype), larger ones dequantized from the same
+    copy for ``F.linear``."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor):
         self.codes, self.scales = codes, scales
+        self.max_gemv_rows = gemv_max_rows('q5k')
 
     @classmethod
     def of(cls, blocks: torch.Tensor) -> Q5KKernel | None:
@@ -94,10 +92,10 @@ class Q5KKernel(LinearKernel):
         return cls(*pack_q5k(blocks))
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.reshape(-1, x.shape[-1]).shape[0] > Q5K_NATIVE_MAX_ROWS:
+        if x.reshape(-1, x.shape[-1]).shape[0] > self.max_gemv_rows:
             return F.linear(x, cpu.native().q5k_dequantize(self.codes, self.scales).to(x.dtype), bias)
         out = cpu.native().q5k_linear(x, self.codes, self.scales).to(x.dtype)
         return out if bias is None else out + bias
 
     def native_projection(self, bias: torch.Tensor | None) -> object | None:
-        return gemv_or_dequantized('q5k', self.codes, self.scales, bias, Q5K_NATIVE_MAX_ROWS)
+        return gemv_or_dequantized('q5k', self.codes, self.scales, bias, self.max_gemv_rows)

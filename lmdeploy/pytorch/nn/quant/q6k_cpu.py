@@ -11,8 +11,21 @@ from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.quant.base import LinearKernel
 
 Q6K_TILE, Q6K_GROUP, Q6K_BLOCK = 16, 16, 256
-# Larger steps run faster dequantized for one bf16 GEMM (the GEMV's cost grows with the rows).
-Q6K_NATIVE_MAX_ROWS = 16
+# The most rows of a step that a GGUF layer runs on its native GEMV, on a CPU with AMX and without: larger steps
+# run faster dequantized for one bf16 GEMM (the GEMV's cost grows with the rows, the dequantizing does not).
+# ``benchmark/kquant_rows_cpu.py`` (one thread, 2 TinyLlama-sized layers; the AMX Xeon as it is, and with oneDNN
+# held to AVX512-BF16), the largest step at which the GEMV was not slower in any of two rounds; GEMV / dequantized
+# at the next size measured: Q4_K 1.41-1.43 at 24 rows with AMX, 0.93-1.08 at 96 without; Q5_K 1.04-1.06 at 32,
+# 0.82-1.04 at 64; Q6_K 0.78-1.43 at 24, 1.01-1.02 at 48; Q8_0 (dequantized by torch) 0.88-1.15 at 96, 1.07-1.10
+# at 256. See docs/engine.md, "GGUF K-quant GEMV bounds with and without AMX".
+GEMV_MAX_ROWS = {'q4k': (16, 64), 'q5k': (24, 48), 'q6k': (16, 32), 'q8_0': (64, 192)}
+
+
+def gemv_max_rows(kind: str) -> int:
+    """The most rows of a step that a ``kind`` layer (``q4k``, ``q5k``, ``q6k``, ``q8_0``) runs on its GEMV on this
+    CPU (see ``GEMV_MAX_ROWS``): oneDNN's bf16 GEMM, which larger steps run on, is several times faster on AMX."""
+    with_amx, without_amx = GEMV_MAX_ROWS[kind]
+    return with_amx if cpu.onednn_amx() else without_amx
 
 
 def pack_q6k(codes: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,22 +70,27 @@ class Q6KGemv(LinearKernel):
 
 
 class Q6KKernel(Q6KGemv):
-    """A Q6_K layer: steps of up to ``Q6K_NATIVE_MAX_ROWS`` tokens on the GEMV, larger ones dequantized from the
-    same copy for ``F.linear`` (``q6k_dequantize``), 0.82 bytes a weight held."""
+    """A Q6_K layer: steps of up to ``max_gemv_rows`` tokens (``gemv_max_rows('q6k')``) on the GEMV, larger ones
+    dequantized from the same copy for ``F.linear`` (``q6k_dequantize``), 0.82 bytes a weight held."""
+
+    def __init__(self, packed: torch.Tensor, scales: torch.Tensor, fp32_out: bool = False):
+        super().__init__(packed, scales, fp32_out)
+        self.max_gemv_rows = gemv_max_rows('q6k')
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.reshape(-1, x.shape[-1]).shape[0] > Q6K_NATIVE_MAX_ROWS:
+        if x.reshape(-1, x.shape[-1]).shape[0] > self.max_gemv_rows:
             return F.linear(x, cpu.native().q6k_dequantize(self.packed, self.scales).to(x.dtype), bias)
         return super().__call__(x, bias)
 
     def native_projection(self, bias: torch.Tensor | None) -> object | None:
-        return gemv_or_dequantized('q6k', self.packed, self.scales, bias, Q6K_NATIVE_MAX_ROWS)
+        return gemv_or_dequantized('q6k', self.packed, self.scales, bias, self.max_gemv_rows)
 
 
 def gemv_or_dequantized(kind: str, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
                         max_rows: int) -> object:
     """A K-quant layer as the native decoder stack's ``steps`` projection: up to ``max_rows`` rows on the ``kind``
-    GEMV (``q5k``, ``q6k``), more dequantized for the call (``{kind}_dequantized``), as its kernel runs them."""
+    GEMV (``q4k``, ``q5k``, ``q6k``), more dequantized for the call (``{kind}_dequantized``), as its kernel runs
+    them."""
     native = cpu.native()
     small = native.Projection(kind=kind, weight=codes, scale=scales, bias=bias)
     large = native.Projection(kind=f'{kind}_dequantized', weight=codes, scale=scales, bias=bias)

@@ -1,0 +1,111 @@
+"""Where a GGUF layer's native GEMV stops paying on this CPU: each K-quant kernel's two paths by step size, the
+GEMV on the file's blocks and the same copy dequantized to bf16 for ``F.linear`` (oneDNN), which the kernel picks
+between at ``gemv_max_rows(kind)`` rows (``nn/quant/q6k_cpu.py``). Q4_K, Q5_K, Q6_K and Q8_0 layers of TinyLlama's
+widths (q/k/v 2560 x 2048, o 2048 x 2048, gate-and-up 11264 x 2048, down 2048 x 5632; Q4_K's gate-and-up with its
+SiLU), random blocks, ``--layers`` of them so that a pass reads far more than the L3. One thread, timed by its CPU
+time (``time.thread_time``) so that other jobs on a shared machine take time slices but not figures; best of
+repeats, the two paths alternating.
+
+``--no-amx`` emulates a CPU without AMX (the CI's EPYC with AVX512-BF16): run it in a fresh process with
+``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`` set before torch loads (oneDNN's GEMMs then run on ``avx512_core_bf16``;
+check with ``ONEDNN_VERBOSE=1``); torch's ``_is_amx_tile_supported``, which the engine asks, reads the CPU and not
+that variable, so ``--no-amx`` makes it answer False in this process::
+
+    PYTHONPATH=. python benchmark/kquant_rows_cpu.py --rows 8,16,32,64
+    ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 PYTHONPATH=. python benchmark/kquant_rows_cpu.py --no-amx --rows 8,16,32,64
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numpy as np
+import torch
+
+from lmdeploy.pytorch.kernels import cpu
+from lmdeploy.pytorch.kernels.activation import silu_and_mul
+from lmdeploy.pytorch.nn.quant.gguf_blocks import NativeQ8Kernel, q4_k_codes, q6_k_parts, q8_0_unpack
+from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KKernel
+from lmdeploy.pytorch.nn.quant.q5k_cpu import Q5KKernel
+from lmdeploy.pytorch.nn.quant.q6k_cpu import GEMV_MAX_ROWS, Q6KKernel, gemv_max_rows
+
+SHAPES = [(2560, 2048, False), (2048, 2048, False), (11264, 2048, True), (2048, 5632, False)]
+# per type: inputs and bytes per block, and the byte offsets of its fp16 scales
+BLOCKS = {'q4k': (256, 144, (0, 2)), 'q5k': (256, 176, (0, 2)), 'q6k': (256, 210, (208, )), 'q8_0': (32, 34, (0, ))}
+
+
+def random_blocks(rng: np.random.Generator, kind: str, rows: int, inputs: int) -> torch.Tensor:
+    """Random ``[rows, inputs / B, bytes]`` blocks of ``kind`` with small fp16 scales."""
+    block_inputs, block_bytes, scale_offsets = BLOCKS[kind]
+    blocks = rng.integers(0, 256, (rows, inputs // block_inputs, block_bytes), dtype=np.uint8)
+    for offset in scale_offsets:
+        scale = rng.uniform(1e-5, 1e-4, (rows, inputs // block_inputs, 1)).astype(np.float16)
+        blocks[..., offset:offset + 2] = scale.view(np.uint8)
+    return torch.from_numpy(blocks)
+
+
+def set_bounds(no_amx: bool, bounds: str = '') -> None:
+    """Before the model loads: the engine told the CPU has no AMX (``no_amx``; torch's ``_is_amx_tile_supported``
+    answers False) and the GEMVs' bounds set to ``bounds`` (``q4k=32,q6k=16``, whatever the CPU)."""
+    if no_amx:
+        torch.cpu._is_amx_tile_supported = lambda: False
+    for kind, rows in (item.split('=') for item in bounds.split(',') if item):
+        GEMV_MAX_ROWS[kind] = (int(rows), int(rows))
+
+
+def kernel_of(kind: str, blocks: torch.Tensor, gate_up: bool):
+    """The engine's CPU kernel of a ``kind`` layer's blocks."""
+    if kind == 'q4k':
+        return Q4KKernel.of_blocks(blocks, q4_k_codes(blocks), gate_up)
+    if kind == 'q5k':
+        return Q5KKernel.of(blocks)
+    if kind == 'q6k':
+        return Q6KKernel.of(*q6_k_parts(blocks))
+    return NativeQ8Kernel.of(*q8_0_unpack(blocks))
+
+
+def run_layers(layers: list, xs: dict[int, torch.Tensor], max_gemv_rows: int) -> float:
+    """Thread CPU seconds of one pass over ``layers`` with their kernels' bound set to ``max_gemv_rows``."""
+    start = time.thread_time()
+    for kernel, gate_up, inputs in layers:
+        kernel.max_gemv_rows = max_gemv_rows
+        if gate_up:  # as the MLP runs it: the GEMV's SiLU epilogue, else SiLU-and-mul after
+            if kernel.gate_up_silu(xs[inputs], None) is None:
+                silu_and_mul(kernel(xs[inputs], None))
+        else:
+            kernel(xs[inputs], None)
+    return time.thread_time() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--kinds', default='q4k,q5k,q6k,q8_0', help='layer types, comma-separated')
+    parser.add_argument('--rows', default='8,16,24,32,48,64,96,128', help='step sizes, comma-separated')
+    parser.add_argument('--layers', type=int, default=2)
+    parser.add_argument('--repeats', type=int, default=5)
+    parser.add_argument('--no-amx', action='store_true', help='the engine told the CPU has no AMX (see above)')
+    args = parser.parse_args()
+    set_bounds(args.no_amx)
+    if cpu.int4_gemv() is None or cpu.q8_gemv() is None:
+        raise SystemExit('the native GEMVs need AVX512-BF16')
+    torch.set_num_threads(1)
+    isa = os.environ.get('ONEDNN_MAX_CPU_ISA', 'as the CPU')
+    print(f'ONEDNN_MAX_CPU_ISA {isa}, engine sees AMX: {cpu.onednn_amx()}', flush=True)
+    rng = np.random.default_rng(0)
+    for kind in args.kinds.split(','):
+        layers = [(kernel_of(kind, random_blocks(rng, kind, rows, inputs), gate_up), gate_up, inputs)
+                  for _ in range(args.layers) for rows, inputs, gate_up in SHAPES]
+        for rows in (int(r) for r in args.rows.split(',')):
+            xs = {inputs: torch.randn(rows, inputs).bfloat16() for inputs in (2048, 5632)}
+            gemv = dequantized = float('inf')
+            for _ in range(args.repeats):
+                gemv = min(gemv, run_layers(layers, xs, rows))
+                dequantized = min(dequantized, run_layers(layers, xs, 0))
+            print(f'{kind:5s} {rows:4d} rows, {args.layers} layers: GEMV {gemv * 1e3:8.2f} ms, dequantized + '
+                  f'F.linear {dequantized * 1e3:8.2f} ms ({gemv / dequantized:.2f}x); bound now '
+                  f'{gemv_max_rows(kind)}', flush=True)
+
+
+if __name__ == '__main__':
+    main()
