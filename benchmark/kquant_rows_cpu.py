@@ -13,6 +13,11 @@ that variable, so ``--no-amx`` makes it answer False in this process::
 
     PYTHONPATH=. python benchmark/kquant_rows_cpu.py --rows 8,16,32,64
     ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 PYTHONPATH=. python benchmark/kquant_rows_cpu.py --no-amx --rows 8,16,32,64
+
+Run alone, glibc hands each dequantized copy the pages the previous call freed; in the engine other tensors come
+between, and a copy mostly lands on fresh pages, whose first touch costs as much as the dequantization (about 60 ms
+more per 2 layers here). Set ``MALLOC_MMAP_THRESHOLD_=65536`` to give every copy fresh pages, as the engine does
+(its end-to-end figures, ``benchmark/kquant_gguf_cpu.py``, side with this mode).
 """
 from __future__ import annotations
 
