@@ -252,7 +252,7 @@ def engine_in_one_stack(path: str) -> tuple[Engine, torch.nn.Module]:
     """A bf16 engine on a GGUF file whose K-quant layers all run in one native decoder stack (every step in
     ``large``: each layer's kernel switches by the step's rows), and its model."""
     engine = Engine(path, PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=64, block_size=16,
-                                              enable_prefix_caching=False, max_prefill_token_num=96),
+                                              enable_prefix_caching=False, max_prefill_token_num=128),
                     show_progress=False)
     stack = engine.runner.model.native_stack
     assert stack is not None and stack.small is None and stack.small_step_rows == 0
@@ -273,7 +273,7 @@ def test_q4_k_m_runs_in_the_stack(q4_k_m, native_gemms, monkeypatch):
     assert isinstance(model.get_submodule('layers.0.mlp.gate_up_proj').kernel, Q4KKernel)
     assert isinstance(model.get_submodule('layers.1.self_attn.qkv_proj').kernel, Q4KKernel)
     steps = check_every_step(engine, monkeypatch)
-    outs = run(engine, random_prompts([20, 70, 9], seed=8, vocab=250),
+    outs = run(engine, random_prompts([20, 110, 9], seed=8, vocab=250),
                GenerationConfig(max_new_tokens=6, ignore_eos=True))
     assert [len(out) for out in outs] == [6] * 3
     assert any(rows <= gemv_max_rows('q6k') for _, rows in steps)

@@ -153,9 +153,9 @@ def test_bf16_pair_runs_its_blocks_as_a_text_file_does(quantized_pair, native_ge
             assert model.native_stack is not None and model.native_stack.small is None
             assert isinstance(qkv, Q4KKernel) and isinstance(model.lm_head.packed, SmallStepInt4Kernel)
         steps = check_every_step(engine, monkeypatch) if model.native_stack is not None else None
-        # a long text prompt: a prefill step larger than the Q4_K GEMV's bound on any CPU (64 rows without AMX)
+        # a long text prompt: a prefill step larger than the Q4_K GEMV's bound on any CPU (96 rows without AMX)
         processor = make_processor(str(served))
-        prompts = [processor.process(prompt) for prompt in [('describe', IMAGES[0]), 'plain text ' * 40]]
+        prompts = [processor.process(prompt) for prompt in [('describe', IMAGES[0]), 'plain text ' * 60]]
         outs = run(engine, prompts, GenerationConfig(max_new_tokens=6, ignore_eos=True))
         assert [len(out) for out in outs] == [6, 6]
         if steps is not None:  # small and large steps ran, each equal to the layers'
