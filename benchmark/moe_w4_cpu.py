@@ -11,6 +11,11 @@ resident weight bytes of a gpt-oss-20b-shaped model either way.
 
     python benchmark/moe_w4_cpu.py [--experts 128] [--top-k 8] [--hidden 2048] [--inter 768] [--group 128]
                                    [--gguf | --mxfp4] [--threads 1] [--tokens 1,4,16]
+                                   [--no-amx] [--gemv-max-rows q4k=32,q6k=16]
+
+With ``--threads 1`` the ``--gguf`` and default tables time the thread's CPU time (best of 3 after a warm-up), else
+the wall time. ``--no-amx`` and ``--gemv-max-rows`` set the GGUF experts' GEMV bounds as ``kquant_rows_cpu.py``'s
+``set_bounds`` does.
 """
 from __future__ import annotations
 
@@ -158,6 +163,12 @@ def mxfp4_main(args: argparse.Namespace) -> None:
               f'{total / 2**30:.2f} GiB in all')
 
 
+def best_cpu_ms(fn, repeats: int = 3) -> float:
+    """The fastest of ``repeats`` calls of ``fn`` after a warm-up, by the thread's CPU time, in ms (one thread)."""
+    fn()
+    return min(cpu_ms(fn, 1) for _ in range(repeats))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--experts', type=int, default=128)
@@ -169,8 +180,14 @@ def main() -> None:
     parser.add_argument('--mxfp4', action='store_true', help="gpt-oss-20b's experts in MXFP4 vs bf16")
     parser.add_argument('--threads', type=int, default=1)
     parser.add_argument('--tokens', help='step sizes, comma-separated (default: 1,4,16 with --gguf)')
+    parser.add_argument('--no-amx', action='store_true', help='with --gguf: as on a CPU without AMX (run it with '
+                        'ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16; see kquant_rows_cpu.py)')
+    parser.add_argument('--gemv-max-rows', default='', help='with --gguf: the K-quant GEMVs\' bounds, as q4k=32,q6k=16')
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.no_amx or args.gemv_max_rows:
+        from kquant_rows_cpu import set_bounds
+        set_bounds(args.no_amx, args.gemv_max_rows)
     if args.mxfp4:
         mxfp4_main(args)
         return
@@ -186,15 +203,17 @@ def main() -> None:
         steps = STEPS
     if args.tokens:
         steps = [int(tokens) for tokens in args.tokens.split(',')]
+    clock = 'CPU' if args.threads == 1 else 'wall'
     print(f'{args.experts} experts, top-{args.top_k}, {args.hidden} -> {args.inter}, {args.threads} thread(s); '
-          f'ms per step (best of repeats)')
+          f'{clock} ms per step (best of repeats)')
     print('tokens ' + ''.join(f'{name:>16}' for name in layers) + f'  {next(iter(layers))} / bf16')
     g = torch.Generator().manual_seed(1)
     for tokens in steps:
         x = torch.randn(tokens, args.hidden, generator=g).bfloat16()
         ids = torch.stack([torch.randperm(args.experts, generator=g)[:args.top_k] for _ in range(tokens)])
         weights = torch.full((tokens, args.top_k), 1 / args.top_k)
-        times = [best_ms(lambda layer=layer: layer(x, weights, ids)) for layer in layers.values()]
+        best = best_cpu_ms if args.threads == 1 else best_ms
+        times = [best(lambda layer=layer: layer(x, weights, ids)) for layer in layers.values()]
         print(f'{tokens:>6} ' + ''.join(f'{t:>16.2f}' for t in times) + f'{times[0] / times[2]:>15.2f}')
 
 
