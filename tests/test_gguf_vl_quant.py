@@ -23,7 +23,7 @@ from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.linear import Linear
-from lmdeploy.pytorch.nn.quant.gguf_blocks import NativeQ8Kernel
+from lmdeploy.pytorch.nn.quant.gguf_blocks import Q8_NATIVE_MAX_ROWS, NativeQ8Kernel
 from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
 from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4K_NATIVE_MAX_ROWS, Q4KKernel
 from lmdeploy.pytorch.weights.gguf import convert_gguf, resolve_gguf
@@ -136,8 +136,8 @@ def test_bf16_pair_runs_its_blocks_as_a_text_file_does(quantized_pair, native_ge
     """bf16 on the CPU, image prompts included: the Q4_K_M pair's Q4_K layers on the Q4_K GEMV for small steps
     (dequantized per call above), its Q6_K output layer's small steps on its blocks and every layer in the native
     decoder stack, one stack for every step size, each step equal to
-    the layers' own forward; the Q8_0 pair's layers on the native 8-bit GEMV, outside the stack (as a text file's:
-    their large steps dequantize)."""
+    the layers' own forward; the Q8_0 pair's layers likewise on the native 8-bit GEMV for small steps (dequantized
+    per call above), in the stack too."""
     name, served, _ = quantized_pair
     if cpu.int4_gemv() is None or cpu.q6k_gemv() is None or cpu.q8_gemv() is None:
         pytest.skip('the native Q4_K, Q6_K and 8-bit GEMVs need AVX512-BF16')
@@ -146,16 +146,17 @@ def test_bf16_pair_runs_its_blocks_as_a_text_file_does(quantized_pair, native_ge
     try:
         model = engine.runner.model
         qkv = model.get_submodule('layers.1.self_attn.qkv_proj').kernel
+        assert model.native_stack is not None and model.native_stack.small is None
         if name == 'Q8_0':
-            assert model.native_stack is None and isinstance(qkv, NativeQ8Kernel)
+            assert isinstance(qkv, NativeQ8Kernel)
         else:
-            assert model.native_stack is not None and model.native_stack.small is None
             assert isinstance(qkv, Q4KKernel) and isinstance(model.lm_head.packed, SmallStepInt4Kernel)
-        steps = check_every_step(engine, monkeypatch) if model.native_stack is not None else None
+        steps = check_every_step(engine, monkeypatch)
         prompts = [make_processor(str(served)).process(prompt) for prompt in [('describe', IMAGES[0]), 'plain text']]
         outs = run(engine, prompts, GenerationConfig(max_new_tokens=6, ignore_eos=True))
         assert [len(out) for out in outs] == [6, 6]
-        if steps is not None:  # small and large steps ran, each equal to the layers'
-            assert {rows <= Q4K_NATIVE_MAX_ROWS for _, rows in steps} == {True, False}
+        # small and large steps ran, each equal to the layers'
+        max_rows = Q8_NATIVE_MAX_ROWS if name == 'Q8_0' else Q4K_NATIVE_MAX_ROWS
+        assert {rows <= max_rows for _, rows in steps} == {True, False}
     finally:
         engine.close()
