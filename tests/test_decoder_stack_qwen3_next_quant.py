@@ -1,0 +1,104 @@
+"""Qwen3-Next and Qwen3.5 in the native decoder stack over an int8 or int4 KV cache, on W8A8 projections, on a
+Q4_K_M-like GGUF file's blocks (Q4_K, Q5_K, Q6_K and Q8_0, a stacked layer's parts each of its own type) and, for
+Qwen3.5 with its vision tower, after images (M-RoPE positions): the stack is built, and its decode-only steps give
+the hidden states and recurrent states of the layers' own forward bit for bit (as in
+test_decoder_stack_qwen3_next.py)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import save_random_model
+from helpers import random_prompts, run
+from test_decoder_stack import ENGINE, save_w8a8
+from test_decoder_stack_qwen3_next import SHAPE, compare_decode_steps, hybrid_engine
+from test_decoder_stack_qwen3_next import saved, stack_kernels  # noqa: F401  (fixtures)
+from test_gguf_qwen3_next import MIXED, cache, random_hybrid  # noqa: F401  (cache: a fixture)
+from test_vl_families import PROMPTS as VL_PROMPTS
+from test_vl_families import make_processor
+from transformers import Qwen3_5TextConfig
+
+import vl_models
+from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
+from lmdeploy.pytorch.engine.engine import Engine
+from lmdeploy.pytorch.nn.linear import Linear
+from lmdeploy.pytorch.nn.quant.w8a8 import NativeW8A8Kernel
+# short prompts and few tokens: three sequences decode side by side for a few steps
+PROMPTS = random_prompts([9, 20, 5], seed=8, vocab=250)
+GEN = GenerationConfig(max_new_tokens=4, ignore_eos=True)
+
+
+def assert_decode_steps_equal(steps: list[dict], min_rows: int = 2) -> None:
+    assert steps and max(step['rows'] for step in steps) >= min_rows
+    assert [step['hidden'] for step in steps] == [0.0] * len(steps)
+    assert [step['states'] for step in steps] == [0.0] * len(steps)
+
+
+def assert_everything_given_back(engine: Engine) -> None:
+    pool = engine.scheduler.state_pool
+    assert pool.num_free == pool.num_slots and not engine.sequences
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize('variant,quant_policy', [('qwen3_5', 8), ('qwen3_next', 4)])
+def test_quantized_kv_decode_steps_equal_the_layers(variant, quant_policy, saved, stack_kernels, monkeypatch):
+    """The gated full-attention layers' KV cache in int8 (Qwen3.5) and int4 (Qwen3-Next)."""
+    engine = Engine(saved(variant), PytorchEngineConfig(max_prefill_token_num=48, quant_policy=quant_policy, **ENGINE),
+                    show_progress=False)
+    assert engine.runner.model.native_stack is not None
+    steps = compare_decode_steps(engine, monkeypatch)
+    assert [len(out) for out in run(engine, PROMPTS, GEN)] == [4] * 3
+    assert_decode_steps_equal(steps, min_rows=3)
+    assert_everything_given_back(engine)
+
+
+def test_w8a8_decode_steps_equal_the_layers(saved, stack_kernels, tmp_path, monkeypatch):
+    """Qwen3.5 with every projection int8 (``smooth_quant``), sixteen value heads so that in_proj_b and in_proj_a
+    fill the int8 GEMM's panels of 16 rows: every projection runs on it, in the stack too. With four value heads
+    those two run on the torch int8 GEMM, which the stack has no projection for: the stack stays off and the model
+    serves on its layers."""
+    wide = Qwen3_5TextConfig(intermediate_size=64, **(SHAPE | dict(linear_num_value_heads=16,
+                                                                   linear_value_head_dim=4)))
+    path = save_w8a8(save_random_model(wide, str(tmp_path / 'bf16')), str(tmp_path / 'w8a8'))
+    engine = hybrid_engine(path)
+    model = engine.runner.model
+    assert all(isinstance(module.kernel, NativeW8A8Kernel) for module in model.layers.modules()
+               if isinstance(module, Linear))
+    steps = compare_decode_steps(engine, monkeypatch)
+    assert [len(out) for out in run(engine, PROMPTS, GEN)] == [4] * 3
+    assert_decode_steps_equal(steps, min_rows=3)
+    assert_everything_given_back(engine)
+
+    narrow = Engine(save_w8a8(saved('qwen3_5'), str(tmp_path / 'narrow')), PytorchEngineConfig(**ENGINE),
+                    show_progress=False)
+    assert narrow.runner.model.native_stack is None
+    assert [len(out) for out in run(narrow, PROMPTS, GEN)] == [4] * 3
+
+
+@pytest.mark.parametrize('variant', ['qwen35', 'qwen3next'])
+def test_gguf_decode_steps_equal_the_layers(variant, tmp_path: Path, cache: Path, stack_kernels, monkeypatch):
+    """A Q4_K_M-like file (test_gguf_qwen3_next.py's ``MIXED``: Q4_K, Q5_K, Q6_K and Q8_0 projections, a stacked
+    layer's parts of their own types; Qwen3-Next's Q4_K experts with Q6_K downs) in bf16: each layer on its blocks,
+    in the stack too. Qwen3.5's decode steps of 18 sequences take each kind's larger-step path (the blocks
+    dequantized for the call) in both."""
+    hf = random_hybrid(tmp_path, variant, MIXED)
+    engine = hybrid_engine(str(tmp_path / 'model.gguf'))
+    steps = compare_decode_steps(engine, monkeypatch)
+    lengths = [9, 20, 5] + ([5] * 15 if variant == 'qwen35' else [])
+    outs = run(engine, random_prompts(lengths, seed=8, vocab=hf.config.vocab_size), GEN)
+    assert [len(out) for out in outs] == [4] * len(lengths)
+    assert_decode_steps_equal(steps, min_rows=len(lengths))
+    assert_everything_given_back(engine)
+
+
+def test_decode_steps_after_images_equal_the_layers(tmp_path, stack_kernels, monkeypatch):
+    """Qwen3.5 with its vision tower (vl_models.py's tiny model): a text prompt and prompts of one and two images
+    decode in the stack, on the M-RoPE positions that follow each image, as the layers decode them."""
+    path = vl_models.save_tiny_vl_model('qwen3_5', str(tmp_path))
+    prompts = [make_processor(path).process(prompt) for prompt in VL_PROMPTS]
+    assert [len(prompt.multimodal) for prompt in prompts] == [0, 1, 2]
+    engine = hybrid_engine(path)
+    steps = compare_decode_steps(engine, monkeypatch)
+    assert [len(out) for out in run(engine, prompts, GEN)] == [4] * 3
+    assert_decode_steps_equal(steps, min_rows=3)
+    assert_everything_given_back(engine)
