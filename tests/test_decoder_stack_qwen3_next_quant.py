@@ -2,12 +2,14 @@
 Q4_K_M-like GGUF file's blocks (Q4_K, Q5_K, Q6_K and Q8_0, a stacked layer's parts each of its own type) and, for
 Qwen3.5 with its vision tower, after images (M-RoPE positions): the stack is built, and its decode-only steps give
 the hidden states and recurrent states of the layers' own forward bit for bit (as in
-test_decoder_stack_qwen3_next.py)."""
+test_decoder_stack_qwen3_next.py). AWQ checkpoints keep the layers."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import quant_models
+import vl_models
 from conftest import save_random_model
 from helpers import random_prompts, run
 from test_decoder_stack import ENGINE, save_w8a8
@@ -18,11 +20,12 @@ from test_vl_families import PROMPTS as VL_PROMPTS
 from test_vl_families import make_processor
 from transformers import Qwen3_5TextConfig
 
-import vl_models
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.nn.linear import Linear
+from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
 from lmdeploy.pytorch.nn.quant.w8a8 import NativeW8A8Kernel
+
 # short prompts and few tokens: three sequences decode side by side for a few steps
 PROMPTS = random_prompts([9, 20, 5], seed=8, vocab=250)
 GEN = GenerationConfig(max_new_tokens=4, ignore_eos=True)
@@ -38,6 +41,13 @@ def assert_everything_given_back(engine: Engine) -> None:
     pool = engine.scheduler.state_pool
     assert pool.num_free == pool.num_slots and not engine.sequences
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def sixteen_value_heads() -> Qwen3_5TextConfig:
+    """A tiny Qwen3.5 whose in_proj_b and in_proj_a have 16 rows (a native int8 GEMM panel, eight AWQ outputs
+    twice) and every projection's inputs whole groups of 32 (torch's int4 kernel's smallest)."""
+    return Qwen3_5TextConfig(intermediate_size=64, **(SHAPE | dict(hidden_size=64, linear_num_value_heads=16,
+                                                                   linear_value_head_dim=4)))
 
 
 @pytest.mark.parametrize('variant,quant_policy', [('qwen3_5', 8), ('qwen3_next', 4)])
@@ -57,9 +67,7 @@ def test_w8a8_decode_steps_equal_the_layers(saved, stack_kernels, tmp_path, monk
     fill the int8 GEMM's panels of 16 rows: every projection runs on it, in the stack too. With four value heads
     those two run on the torch int8 GEMM, which the stack has no projection for: the stack stays off and the model
     serves on its layers."""
-    wide = Qwen3_5TextConfig(intermediate_size=64, **(SHAPE | dict(linear_num_value_heads=16,
-                                                                   linear_value_head_dim=4)))
-    path = save_w8a8(save_random_model(wide, str(tmp_path / 'bf16')), str(tmp_path / 'w8a8'))
+    path = save_w8a8(save_random_model(sixteen_value_heads(), str(tmp_path / 'bf16')), str(tmp_path / 'w8a8'))
     engine = hybrid_engine(path)
     model = engine.runner.model
     assert all(isinstance(module.kernel, NativeW8A8Kernel) for module in model.layers.modules()
@@ -73,6 +81,21 @@ def test_w8a8_decode_steps_equal_the_layers(saved, stack_kernels, tmp_path, monk
                     show_progress=False)
     assert narrow.runner.model.native_stack is None
     assert [len(out) for out in run(narrow, PROMPTS, GEN)] == [4] * 3
+
+
+def test_awq_keeps_the_layers(tmp_path, stack_kernels, monkeypatch):
+    """An AWQ checkpoint's layers run on torch's int4 kernel, which no projection of the stack runs: the model keeps
+    its layers' forward, and serves."""
+    monkeypatch.setattr(quant_models, 'PROJECTIONS', quant_models.PROJECTIONS + (
+        'in_proj_qkv', 'in_proj_z', 'in_proj_b', 'in_proj_a', 'out_proj'))
+    source = save_random_model(sixteen_value_heads(), str(tmp_path / 'bf16'))
+    engine = Engine(quant_models.quantize_checkpoint(source, str(tmp_path / 'awq'), 'awq', 32),
+                    PytorchEngineConfig(**ENGINE), show_progress=False)
+    model = engine.runner.model
+    assert isinstance(model.layers[0].linear_attn.in_proj_b.kernel, SmallStepInt4Kernel)
+    assert model.native_stack is None
+    assert [len(out) for out in run(engine, PROMPTS, GEN)] == [4] * 3
+    assert_everything_given_back(engine)
 
 
 @pytest.mark.parametrize('variant', ['qwen35', 'qwen3next'])
