@@ -24,7 +24,7 @@ from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.nn.linear import Linear
 from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
-from lmdeploy.pytorch.nn.quant.w8a8 import NativeW8A8Kernel
+from lmdeploy.pytorch.nn.quant.w8a8 import NativeW8A8Kernel, W8A8Kernel
 
 # short prompts and few tokens: three sequences decode side by side for a few steps
 PROMPTS = random_prompts([9, 20, 5], seed=8, vocab=250)
@@ -62,25 +62,24 @@ def test_quantized_kv_decode_steps_equal_the_layers(variant, quant_policy, saved
     assert_everything_given_back(engine)
 
 
-def test_w8a8_decode_steps_equal_the_layers(saved, stack_kernels, tmp_path, monkeypatch):
-    """Qwen3.5 with every projection int8 (``smooth_quant``), sixteen value heads so that in_proj_b and in_proj_a
-    fill the int8 GEMM's panels of 16 rows: every projection runs on it, in the stack too. With four value heads
-    those two run on the torch int8 GEMM, which the stack has no projection for: the stack stays off and the model
-    serves on its layers."""
-    path = save_w8a8(save_random_model(sixteen_value_heads(), str(tmp_path / 'bf16')), str(tmp_path / 'w8a8'))
+@pytest.mark.parametrize('value_heads', [16, 4])
+def test_w8a8_decode_steps_equal_the_layers(value_heads, tmp_path, stack_kernels, monkeypatch):
+    """Qwen3.5 with every projection int8 (``smooth_quant``), on the int8 GEMM; in_proj_b and in_proj_a (a row per
+    value head) too where they fill its panels of 16 rows (sixteen value heads), else (four) on torch's int8 GEMM,
+    which the stack runs as a ``w8a8_torch`` projection."""
+    config = sixteen_value_heads() if value_heads == 16 else Qwen3_5TextConfig(intermediate_size=64, **SHAPE)
+    path = save_w8a8(save_random_model(config, str(tmp_path / 'bf16')), str(tmp_path / 'w8a8'))
     engine = hybrid_engine(path)
-    model = engine.runner.model
-    assert all(isinstance(module.kernel, NativeW8A8Kernel) for module in model.layers.modules()
-               if isinstance(module, Linear))
+    layers = engine.runner.model.layers
+    kernels = {(name.rpartition('.')[2], type(module.kernel)) for name, module in layers.named_modules()
+               if isinstance(module, Linear)}
+    few_rows = NativeW8A8Kernel if value_heads == 16 else W8A8Kernel
+    assert kernels == {(name, few_rows if name in ('in_proj_b', 'in_proj_a') else NativeW8A8Kernel)
+                       for name, _ in kernels}
     steps = compare_decode_steps(engine, monkeypatch)
     assert [len(out) for out in run(engine, PROMPTS, GEN)] == [4] * 3
     assert_decode_steps_equal(steps, min_rows=3)
     assert_everything_given_back(engine)
-
-    narrow = Engine(save_w8a8(saved('qwen3_5'), str(tmp_path / 'narrow')), PytorchEngineConfig(**ENGINE),
-                    show_progress=False)
-    assert narrow.runner.model.native_stack is None
-    assert [len(out) for out in run(narrow, PROMPTS, GEN)] == [4] * 3
 
 
 def test_awq_keeps_the_layers(tmp_path, stack_kernels, monkeypatch):

@@ -4,8 +4,11 @@
 // between them. In a 64-row decode step that Python took about 5 ms of 70: it runs three times slower than
 // on its own, on caches the kernels have just flushed.
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/_int_mm.h>
+#include <ATen/ops/full_like.h>
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/where.h>
 
 #include "decoder_stack.h"
 #include "linear_q5k.h"
@@ -58,6 +61,12 @@ Projection::Projection(const std::string& kind_name, torch::Tensor weight, c10::
                     this->scale && this->scale->scalar_type() == at::kByte,
                 "an mxfp4 projection is its blocks [N, K / 32, 16] and scale bytes [N, K / 32] (and bias), without "
                 "compensation");
+  } else if (kind_name == "w8a8_torch") {
+    kind = Kind::kW8A8Torch;
+    TORCH_CHECK(this->weight.scalar_type() == at::kChar && this->weight.dim() == 2 && !this->compensation &&
+                    this->scale && this->scale->scalar_type() == at::kFloat,
+                "a w8a8_torch projection is its int8 weight [N, K] and fp32 scale [N, 1] (and bias), without "
+                "compensation");
   } else if (kind_name == "q8" || kind_name == "q8_dequantized") {
     kind = kind_name == "q8" ? Kind::kQ8 : Kind::kQ8Dequantized;
     TORCH_CHECK(this->weight.scalar_type() == at::kChar && this->weight.dim() == 4 && !this->compensation &&
@@ -66,8 +75,8 @@ Projection::Projection(const std::string& kind_name, torch::Tensor weight, c10::
                 "[N / 16, K / 32, 16] (and bias), without compensation");
   } else {
     TORCH_CHECK(false, "a projection's kind is 'bf16', 'w8a8', 'int4', 'q4k', 'q4k_dequantized', 'q5k', "
-                "'q5k_dequantized', 'q6k', 'q6k_dequantized', 'q8', 'q8_dequantized', 'onednn', 'fp32', 'mxfp4' or "
-                "'mxfp4_dequantized', not '", kind_name, "'");
+                "'q5k_dequantized', 'q6k', 'q6k_dequantized', 'q8', 'q8_dequantized', 'w8a8_torch', 'onednn', 'fp32', "
+                "'mxfp4' or 'mxfp4_dequantized', not '", kind_name, "'");
   }
 }
 
@@ -99,6 +108,19 @@ torch::Tensor q8_dequantize(const torch::Tensor& packed, const torch::Tensor& sc
   return codes.view({rows, groups, -1}).to(at::kFloat).mul_(row_scales.unsqueeze(-1)).view({rows, -1});
 }
 
+// x @ W.T (+ bias), W = weight * scale, x quantized per token on torch's int8 GEMM: W8A8Kernel's w8a8_linear
+// (kernels/w8a8.py) in its order.
+torch::Tensor w8a8_torch_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scale,
+                                const c10::optional<torch::Tensor>& bias) {
+  const auto xf = x.reshape({-1, x.size(-1)}).to(at::kFloat);
+  const auto amax = xf.abs().amax(-1, true);
+  const auto inv = at::where(amax.gt(0), at::full_like(amax, 127).div_(amax), at::zeros_like(amax));
+  const auto q = xf.mul(inv).round_().clamp_(-127, 127).to(at::kChar);
+  auto out = at::_int_mm(q, weight.t()).to(at::kFloat).mul(amax.div(127)).mul(scale.reshape({1, -1}));
+  if (bias) out = out.add(bias->to(at::kFloat));
+  return out.to(x.scalar_type());
+}
+
 }  // namespace
 
 torch::Tensor Projection::operator()(const torch::Tensor& x) const {
@@ -128,6 +150,7 @@ torch::Tensor Projection::operator()(const torch::Tensor& x) const {
       return bias ? out.add(*bias) : out;
     }
     case Kind::kQ8Dequantized: return at::linear(x, q8_dequantize(weight, *scale).to(x.scalar_type()), bias);
+    case Kind::kW8A8Torch: return w8a8_torch_linear(x, weight, *scale, bias);
     case Kind::kOneDnn: return onednn_linear(x, weight, bias);
     case Kind::kFp32: return at::linear(x.to(at::kFloat), weight, bias);
     case Kind::kSteps: return parts[x.size(0) > small_step_rows ? 1 : 0](x);
@@ -156,6 +179,7 @@ torch::Tensor Projection::gate_up_silu(const torch::Tensor& x) const {
     case Kind::kQ6KDequantized:
     case Kind::kQ8:
     case Kind::kQ8Dequantized:
+    case Kind::kW8A8Torch:
     case Kind::kOneDnn:
     case Kind::kFp32:
     case Kind::kParts:
