@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -49,15 +50,16 @@ ENGINE = dict(dtype='bfloat16', num_gpu_blocks=64, block_size=16, enable_prefix_
 
 
 def save_w8a8(source: str, out: str) -> str:
-    """``source`` with each decoder projection (fused ones too) quantized to int8 with per-row scales, as a
-    ``smooth_quant`` checkpoint (without smoothing, which changes nothing the engine does)."""
+    """``source`` with each decoder projection (fused ones too, and linear attention's ``in_proj_*``) quantized to
+    int8 with per-row scales, as a ``smooth_quant`` checkpoint (without smoothing, which changes nothing the engine
+    does)."""
     state = {}
     for name in os.listdir(source):
         if name.endswith('.safetensors'):
             state.update(load_file(os.path.join(source, name)))
     quantized = {}
     for name, tensor in state.items():
-        if name.startswith('model.layers.') and name.endswith('_proj.weight'):
+        if name.startswith('model.layers.') and re.search(r'_proj(_[a-z]+)?\.weight$', name):
             quantized[name], quantized[name.removesuffix('weight') + 'scale'] = quantize_weight(tensor.float())
         else:
             quantized[name] = tensor

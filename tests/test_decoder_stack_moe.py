@@ -1,9 +1,8 @@
 """MoE families (Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE, GLM-4.5 with DeepSeek-V3's grouped routing,
 ERNIE 4.5 MoE with its biased softmax routing) in the native decoder stack: the stack's ``MoEBlock``
 (``kernels/cpu/moe_block.cpp``) against ``SparseMoeBlock``'s, ``DeepseekV3MoE``'s and ``Ernie4_5MoE``'s forward, on
-dense bf16 experts and on a GGUF file's Q4_K and Q6_K experts: every step's hidden states are equal, over chunked
-prefills, mixed and decode steps; where an expert kind has no native kernel (Q8_0) the layers keep their forward
-(Llama 4: test_decoder_stack_llama4.py)."""
+dense bf16 experts and on a GGUF file's Q4_K, Q6_K and Q8_0 experts: every step's hidden states are equal, over
+chunked prefills, mixed and decode steps (Llama 4: test_decoder_stack_llama4.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -28,6 +27,7 @@ from lmdeploy.pytorch.models.ernie import Ernie4_5MoE
 from lmdeploy.pytorch.models.moe import SparseMoeBlock
 from lmdeploy.pytorch.nn.moe import FusedExperts
 from lmdeploy.pytorch.nn.quant.cpu_bf16 import NativeBf16Kernel, OneDnnKernel
+from lmdeploy.pytorch.nn.quant.gguf_blocks import NativeQ8Kernel
 from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6KKernel, gemv_max_rows
 from lmdeploy.pytorch.weights.gguf import convert_gguf
 
@@ -261,16 +261,19 @@ def test_gguf_experts_stack_equals_the_layers(kind, gguf_moe, native_gemms, monk
         assert any(rows > gemv_max_rows('q6k') for rows in q6k_rows)  # dequantized, as the stack's
 
 
-def test_experts_without_native_kernel_keep_the_layers(gguf_moe):
-    """A Q8_0 ``ffn_down_exps`` (its large steps dequantized on each call, no native kernel): the model keeps
-    its layers' forward."""
-    if cpu.int4_gemv() is None or cpu.q6k_gemv() is None:
+def test_q8_0_experts_stack_equals_the_layers(gguf_moe, native_gemms, monkeypatch):
+    """A Q8_0 ``ffn_down_exps`` (test_gguf_moe.py's Q4_K_M-like Qwen3-MoE file): its experts on the 8-bit GEMV for
+    an expert's share of up to ``gemv_max_rows('q8_0')`` rows and dequantized per call above, in the stack as in the
+    layers."""
+    if cpu.int4_gemv() is None or cpu.q6k_gemv() is None or cpu.q8_gemv() is None:
         pytest.skip('the native GEMVs need AVX512-BF16')
-    engine = Engine(str(gguf_moe('qwen3_moe', FILES['qwen3_moe'][0])), PytorchEngineConfig(**ENGINE),
-                    show_progress=False)
-    blocks = moe_blocks(engine)
-    assert blocks[0].native_moe() is not None and blocks[1].native_moe() is None
-    assert engine.runner.model.native_stack is None
+    engine = Engine(str(gguf_moe('qwen3_moe', FILES['qwen3_moe'][0])),
+                    PytorchEngineConfig(max_prefill_token_num=96, **ENGINE), show_progress=False)
+    down = moe_blocks(engine)[1].experts.kernel.kernel('down', 0)
+    assert isinstance(down, NativeQ8Kernel) and engine.runner.model.native_stack is not None
+    steps = check_every_step(engine, monkeypatch)
+    run(engine, random_prompts([20, 70, 9, 33], seed=8, vocab=250), GenerationConfig(max_new_tokens=3, ignore_eos=True))
+    assert any(rows > 64 for _, rows in steps) and (0, 4) in steps
 
 
 @pytest.mark.parametrize('tokens', [1, 5, 40])

@@ -104,6 +104,18 @@ def test_int4_cpu_kernel_runs_the_checkpoint_grid(rows):
         assert error < 1e-2, error
 
 
+def test_a_group_size_torchs_int4_kernel_refuses_keeps_the_reference_kernel_in_bf16():
+    """torch's int4 CPU kernel takes groups of 32 to 256 only: an AWQ checkpoint of groups of 16 runs unpacked."""
+    layer = loaded_layer({**AWQ, 'group_size': 16}, awq_tensors(*random_grid(64, 256, 16, seed=3), 16),
+                         torch.bfloat16)
+    weight = dequantized(layer)
+    layer.finalize(LinearOptions(pack_cpu=True, dtype=torch.bfloat16))
+    assert isinstance(layer.kernel, ReferenceKernel)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(3)).bfloat16()
+    expected = x.float() @ weight.T
+    assert (layer(x).float() - expected).norm() / expected.norm() < 1e-2
+
+
 def test_fp32_models_keep_the_reference_kernel():
     for layer, _ in cpu_layers(torch.float32):
         layer.finalize(LinearOptions(pack_cpu=True, dtype=torch.float32))

@@ -4,8 +4,11 @@
 // between them. In a 64-row decode step that Python took about 5 ms of 70: it runs three times slower than
 // on its own, on caches the kernels have just flushed.
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/_int_mm.h>
+#include <ATen/ops/full_like.h>
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/where.h>
 
 #include "decoder_stack.h"
 #include "linear_q5k.h"
@@ -58,10 +61,22 @@ Projection::Projection(const std::string& kind_name, torch::Tensor weight, c10::
                     this->scale && this->scale->scalar_type() == at::kByte,
                 "an mxfp4 projection is its blocks [N, K / 32, 16] and scale bytes [N, K / 32] (and bias), without "
                 "compensation");
+  } else if (kind_name == "w8a8_torch") {
+    kind = Kind::kW8A8Torch;
+    TORCH_CHECK(this->weight.scalar_type() == at::kChar && this->weight.dim() == 2 && !this->compensation &&
+                    this->scale && this->scale->scalar_type() == at::kFloat,
+                "a w8a8_torch projection is its int8 weight [N, K] and fp32 scale [N, 1] (and bias), without "
+                "compensation");
+  } else if (kind_name == "q8" || kind_name == "q8_dequantized") {
+    kind = kind_name == "q8" ? Kind::kQ8 : Kind::kQ8Dequantized;
+    TORCH_CHECK(this->weight.scalar_type() == at::kChar && this->weight.dim() == 4 && !this->compensation &&
+                    this->scale && this->scale->scalar_type() == at::kHalf && this->scale->dim() == 3,
+                "a ", kind_name, " projection is its codes [N / 16, K / 32, 32, 16] (int8) and fp16 scales "
+                "[N / 16, K / 32, 16] (and bias), without compensation");
   } else {
     TORCH_CHECK(false, "a projection's kind is 'bf16', 'w8a8', 'int4', 'q4k', 'q4k_dequantized', 'q5k', "
-                "'q5k_dequantized', 'q6k', 'q6k_dequantized', 'onednn', 'fp32', 'mxfp4' or 'mxfp4_dequantized', not '",
-                kind_name, "'");
+                "'q5k_dequantized', 'q6k', 'q6k_dequantized', 'q8', 'q8_dequantized', 'w8a8_torch', 'onednn', 'fp32', "
+                "'mxfp4' or 'mxfp4_dequantized', not '", kind_name, "'");
   }
 }
 
@@ -83,6 +98,27 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& blocked
                                   c10::IValue()};
   op.callBoxed(&stack);
   return stack[0].toTensor();
+}
+
+// The fp32 weight [N, K] of Q8_0 codes and scales as pack_q8 lays them out: NativeQ8Kernel's q8_0_weight.
+torch::Tensor q8_dequantize(const torch::Tensor& packed, const torch::Tensor& scales) {
+  const int64_t rows = packed.size(0) * packed.size(3), groups = packed.size(1);
+  const auto codes = packed.permute({0, 3, 1, 2}).reshape({rows, groups * packed.size(2)});
+  const auto row_scales = scales.transpose(1, 2).reshape({rows, groups}).to(at::kFloat);
+  return codes.view({rows, groups, -1}).to(at::kFloat).mul_(row_scales.unsqueeze(-1)).view({rows, -1});
+}
+
+// x @ W.T (+ bias), W = weight * scale, x quantized per token on torch's int8 GEMM: W8A8Kernel's w8a8_linear
+// (kernels/w8a8.py) in its order.
+torch::Tensor w8a8_torch_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scale,
+                                const c10::optional<torch::Tensor>& bias) {
+  const auto xf = x.reshape({-1, x.size(-1)}).to(at::kFloat);
+  const auto amax = xf.abs().amax(-1, true);
+  const auto inv = at::where(amax.gt(0), at::full_like(amax, 127).div_(amax), at::zeros_like(amax));
+  const auto q = xf.mul(inv).round_().clamp_(-127, 127).to(at::kChar);
+  auto out = at::_int_mm(q, weight.t()).to(at::kFloat).mul(amax.div(127)).mul(scale.reshape({1, -1}));
+  if (bias) out = out.add(bias->to(at::kFloat));
+  return out.to(x.scalar_type());
 }
 
 }  // namespace
@@ -109,6 +145,12 @@ torch::Tensor Projection::operator()(const torch::Tensor& x) const {
     }
     case Kind::kQ5KDequantized: return at::linear(x, q5k_dequantize(weight, *scale).to(x.scalar_type()), bias);
     case Kind::kQ6KDequantized: return at::linear(x, q6k_dequantize(weight, *scale).to(x.scalar_type()), bias);
+    case Kind::kQ8: {
+      const auto out = q8_linear(x, weight, *scale).to(x.scalar_type());
+      return bias ? out.add(*bias) : out;
+    }
+    case Kind::kQ8Dequantized: return at::linear(x, q8_dequantize(weight, *scale).to(x.scalar_type()), bias);
+    case Kind::kW8A8Torch: return w8a8_torch_linear(x, weight, *scale, bias);
     case Kind::kOneDnn: return onednn_linear(x, weight, bias);
     case Kind::kFp32: return at::linear(x.to(at::kFloat), weight, bias);
     case Kind::kSteps: return parts[x.size(0) > small_step_rows ? 1 : 0](x);
@@ -135,6 +177,9 @@ torch::Tensor Projection::gate_up_silu(const torch::Tensor& x) const {
     case Kind::kQ5K:
     case Kind::kQ5KDequantized:
     case Kind::kQ6KDequantized:
+    case Kind::kQ8:
+    case Kind::kQ8Dequantized:
+    case Kind::kW8A8Torch:
     case Kind::kOneDnn:
     case Kind::kFp32:
     case Kind::kParts:

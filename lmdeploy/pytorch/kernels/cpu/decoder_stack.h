@@ -39,10 +39,16 @@ struct StepTensors {
 // [N, K / 32, 16] and `scale` its e8m0 scales [N, K / 32] (both uint8), on mxfp4_linear (its fp32 sums rounded to
 // x's dtype, then the bias added); "mxfp4_dequantized": the same weight dequantized to x's dtype for each call
 // (mxfp4_dequantize) and torch's linear: Mxfp4Kernel's two paths (nn/quant/mxfp4.py), which "steps" chooses between.
+// "q8": GGUF Q8_0 codes [N/16, K/32, 32, 16] (int8) and fp16 `scale`s [N/16, K/32, 16] as pack_q8 lays them out, on
+// q8_linear (its fp32 result rounded to x's dtype, then the bias added); "q8_dequantized": the same weight dequantized
+// in fp32, then to x's dtype, for torch's linear: NativeQ8Kernel's two paths (nn/quant/gguf_blocks.py).
+// "w8a8_torch": an int8 `weight` [N, K] and its fp32 `scale` [N, 1] on torch's int8 GEMM, x quantized per token
+// (W8A8Kernel's w8a8_linear, kernels/w8a8.py), for a linear-attention layer's few-row b and a whose rows the int8
+// GEMM's panels do not fit.
 struct Projection {
   enum class Kind {
     kBf16, kW8A8, kInt4, kQ4K, kQ6K, kOneDnn, kFp32, kParts, kSteps, kMxfp4, kMxfp4Dequantized,
-    kQ4KDequantized, kQ5K, kQ5KDequantized, kQ6KDequantized
+    kQ4KDequantized, kQ5K, kQ5KDequantized, kQ6KDequantized, kQ8, kQ8Dequantized, kW8A8Torch
   };
   Projection(const std::string& kind, torch::Tensor weight, c10::optional<torch::Tensor> compensation,
              c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias);

@@ -124,6 +124,12 @@ class NativeQ8Kernel(LinearKernel):
         out = cpu.native().q8_linear(x, self.packed, self.scales).to(x.dtype)
         return out if bias is None else out + bias
 
+    def native_projection(self, bias: torch.Tensor | None) -> object | None:
+        native = cpu.native()
+        small = native.Projection(kind='q8', weight=self.packed, scale=self.scales, bias=bias)
+        large = native.Projection(kind='q8_dequantized', weight=self.packed, scale=self.scales, bias=bias)
+        return native.Projection(small=small, large=large, small_step_rows=self.max_gemv_rows)
+
 
 def q6_k_lm_head_kernel(blocks: torch.Tensor, table: torch.Tensor) -> SmallStepInt4Kernel | None:
     """A Q6_K output layer in bf16 on the CPU: steps of up to ``Q6K_LM_HEAD_GEMV_MAX_ROWS`` tokens on the Q6_K GEMV over

@@ -20,6 +20,7 @@ INT4_TILE = 16  # rows per tile of the native GEMV
 # Steps of more tokens run faster on bf16 weights: with the native GEMM, or with oneDNN's.
 INT4_MAX_TOKENS_NATIVE_GEMM = 2
 INT4_MAX_TOKENS_ONEDNN = 8
+TORCH_INT4_GROUP_SIZES = (32, 64, 128, 256)  # the group sizes torch's int4 CPU kernel accepts
 
 
 def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

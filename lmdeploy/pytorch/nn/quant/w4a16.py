@@ -27,7 +27,7 @@ from lmdeploy.pytorch.kernels import silu_and_mul
 from lmdeploy.pytorch.kernels.activation import ClampedSwiGLU, clamped_swiglu
 from lmdeploy.pytorch.kernels.moe import run_experts
 from lmdeploy.pytorch.nn.quant.base import ExpertKernel, LinearKernel, LinearOptions, WeightFormat
-from lmdeploy.pytorch.nn.quant.int4_cpu import NativeInt4Kernel, SmallStepInt4Kernel
+from lmdeploy.pytorch.nn.quant.int4_cpu import TORCH_INT4_GROUP_SIZES, NativeInt4Kernel, SmallStepInt4Kernel
 
 if TYPE_CHECKING:
     from lmdeploy.pytorch.nn.linear import Linear
@@ -157,7 +157,7 @@ class Int4GroupFormat(WeightFormat):
         if options.dtype is not None and device == 'cuda':
             from lmdeploy.pytorch.nn.quant.w4a16_cuda import TritonW4A16Kernel
             kernel = TritonW4A16Kernel.of(self.unpack(layer))
-        elif options.dtype == torch.bfloat16 and device == 'cpu':
+        elif options.dtype == torch.bfloat16 and device == 'cpu' and self.group_size in TORCH_INT4_GROUP_SIZES:
             kernel = SmallStepInt4Kernel.of_grid(self.unpack(layer), options.dtype)
         else:
             return ReferenceKernel(self, layer)
@@ -177,7 +177,7 @@ class Int4GroupFormat(WeightFormat):
         if options.dtype is not None and device == 'cuda':
             from lmdeploy.pytorch.nn.quant.w4a16_cuda import TritonInt4ExpertKernel
             kernel = TritonInt4ExpertKernel.of(self, experts)
-        elif options.dtype == torch.bfloat16 and device == 'cpu':
+        elif options.dtype == torch.bfloat16 and device == 'cpu' and self.group_size in TORCH_INT4_GROUP_SIZES:
             kernels = {proj: [self.cpu_expert_kernel(self.unpack(experts.projection(proj, e)), proj == 'gate_up',
                                                      options.dtype) for e in range(experts.num_experts)]
                        for proj in ('gate_up', 'down')}

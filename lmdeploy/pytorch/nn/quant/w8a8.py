@@ -45,6 +45,12 @@ class W8A8Kernel(LinearKernel):
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return w8a8_linear(x, self.layer.weight, self.layer.scale, bias)
 
+    def router_projection(self, bias: torch.Tensor | None) -> object | None:
+        native = cpu.native()
+        if native is None:
+            return None
+        return native.Projection(kind='w8a8_torch', weight=self.layer.weight, scale=self.layer.scale, bias=bias)
+
 
 class NativeW8A8Kernel(LinearKernel):
     """The native AVX512-VNNI GEMM on its packed weight; ``compensation`` is ``128 * sum_k W[n, k]`` (the
