@@ -28,7 +28,7 @@ from lmdeploy.pytorch.models.moe import SparseMoeBlock
 from lmdeploy.pytorch.nn.moe import FusedExperts
 from lmdeploy.pytorch.nn.quant.cpu_bf16 import NativeBf16Kernel, OneDnnKernel
 from lmdeploy.pytorch.nn.quant.gguf_blocks import NativeQ8Kernel
-from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6KKernel, gemv_max_rows
+from lmdeploy.pytorch.nn.quant.q6k_cpu import GEMV_MAX_ROWS, Q6KKernel, gemv_max_rows
 from lmdeploy.pytorch.weights.gguf import convert_gguf
 
 # a tiny model of each family, and Qwen3-MoE with 16 experts, whose router runs on the native GEMM's 16-row panels
@@ -263,10 +263,11 @@ def test_gguf_experts_stack_equals_the_layers(kind, gguf_moe, native_gemms, monk
 
 def test_q8_0_experts_stack_equals_the_layers(gguf_moe, native_gemms, monkeypatch):
     """A Q8_0 ``ffn_down_exps`` (test_gguf_moe.py's Q4_K_M-like Qwen3-MoE file): its experts on the 8-bit GEMV for
-    an expert's share of up to ``gemv_max_rows('q8_0')`` rows and dequantized per call above, in the stack as in the
-    layers."""
+    an expert's share of up to ``gemv_max_rows('q8_0')`` rows (held to 8 here, so that experts' shares fall on
+    both sides) and dequantized per call above, in the stack as in the layers."""
     if cpu.int4_gemv() is None or cpu.q6k_gemv() is None or cpu.q8_gemv() is None:
         pytest.skip('the native GEMVs need AVX512-BF16')
+    monkeypatch.setitem(GEMV_MAX_ROWS, 'q8_0', (8, 8))
     engine = Engine(str(gguf_moe('qwen3_moe', FILES['qwen3_moe'][0])),
                     PytorchEngineConfig(max_prefill_token_num=96, **ENGINE), show_progress=False)
     down = moe_blocks(engine)[1].experts.kernel.kernel('down', 0)
