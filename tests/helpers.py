@@ -86,6 +86,15 @@ def hf_greedy(model, prompt, n=32) -> list[int]:
     return ids[0, len(prompt):].tolist()
 
 
+def reference_argmax(model, prompt: list[int], tokens: list[int]) -> list[int]:
+    """transformers' argmax at each step of a greedy run of ``tokens`` after ``prompt``, fed those tokens: one
+    forward, equal to ``tokens`` exactly when transformers' own greedy run gives them (``hf_greedy`` steps once
+    a token, 10x the CPU time on the default model)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens[:-1]]), logits_to_keep=len(tokens)).logits[0]
+    return logits.argmax(-1).tolist()
+
+
 def engine_state(engine) -> dict:
     """An ``AsyncEngine``'s engine state, read on its engine-loop thread after everything queued before."""
     def read(e):
