@@ -41,6 +41,17 @@ def test_first_step_logits_match(tiny_model, hf_model):
         assert (logits[row].cpu() - ref).abs().max().item() < 1e-3
 
 
+def test_last_only_logits_are_the_last_row(tiny_llama):
+    """``get_logits(last_only=True)`` is the last row of every position's logits, after several prefill chunks
+    too, and gives back its blocks."""
+    engine = make_engine(tiny_llama, max_prefill_token_num=16)
+    prompt = random_prompts([40], seed=3)[0]
+    every, last = engine.get_logits(prompt), engine.get_logits(prompt, last_only=True)
+    assert every.shape[0] == 40 and last.shape == (1, every.shape[1])
+    torch.testing.assert_close(last, every[-1:], atol=1e-5, rtol=0)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
 def test_bf16_on_packed_weights_stays_close(tiny_model, hf_model):
     """On the CPU bf16 projections run on oneDNN-packed weights: last-position logits stay within bf16
     error of fp32 transformers, with the same top token."""

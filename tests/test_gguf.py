@@ -22,6 +22,7 @@ from helpers import hf_greedy, make_engine, random_prompts, run
 from lmdeploy import model_source
 from lmdeploy.model_source import DEFAULT_GGUF, default_model_path, resolve_model_path
 from lmdeploy.pytorch.weights import gguf as gguf_weights
+from lmdeploy.pytorch.weights.file_checks import PlainArrayReader, open_gguf
 from lmdeploy.pytorch.weights.gguf import convert_gguf, resolve_gguf
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 64, 256, 2, 4, 2
@@ -226,6 +227,19 @@ def test_resolve_gguf_caches(tmp_path: Path, tmp_cache: Path) -> None:
     assert resolve_model_path(str(src)) == folder
     os.utime(src, ns=(0, 0))  # a changed file gets a fresh conversion
     assert resolve_gguf(str(src)) != folder
+
+
+def test_plain_array_reader_reads_what_gguf_reads(tmp_path: Path) -> None:
+    src = tmp_path / 'tiny.gguf'
+    make_gguf(src)
+    theirs, ours = gguf.GGUFReader(str(src)), open_gguf(src)
+    assert isinstance(ours, PlainArrayReader) and type(ours.data) is np.ndarray and type(theirs.data) is np.memmap
+    assert list(ours.fields) == list(theirs.fields) and len(ours.fields['tokenizer.ggml.tokens'].data) > 256
+    for name, field in theirs.fields.items():
+        assert ours.fields[name].types == field.types and ours.fields[name].contents() == field.contents(), name
+    assert [(t.name, t.tensor_type, t.shape.tolist()) for t in ours.tensors] == \
+        [(t.name, t.tensor_type, t.shape.tolist()) for t in theirs.tensors]
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(ours.tensors, theirs.tensors))
 
 
 def test_failed_conversion_leaves_nothing(tmp_path: Path, tmp_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -228,10 +228,11 @@ class Engine:
         return self.outputs.finish(seq)
 
     @torch.inference_mode()
-    def get_logits(self, prompt_ids: list[int]) -> torch.Tensor:
-        """fp32 logits ``[len(prompt_ids), vocab]`` of every position, from a fresh prefill of the prompt in
-        chunks of ``max_prefill_token_num`` tokens, in borrowed free blocks (no prefix-cache reuse; sliding-window
-        layers give back their blocks between chunks); runs between steps, on the engine's thread."""
+    def get_logits(self, prompt_ids: list[int], last_only: bool = False) -> torch.Tensor:
+        """fp32 logits ``[len(prompt_ids), vocab]`` of every position (``last_only``: ``[1, vocab]``, the last
+        position's, the LM head run on one row of each chunk), from a fresh prefill of the prompt in chunks of ``max_prefill_token_num``
+        tokens, in borrowed free blocks (no prefix-cache reuse; sliding-window layers give back their blocks
+        between chunks); runs between steps, on the engine's thread."""
         self._check_prompt(prompt_ids)
         bm, state_pool = self.block_manager, self.scheduler.state_pool
         seq = Sequence(-1, list(prompt_ids), GenerationConfig(max_new_tokens=1))
@@ -250,10 +251,11 @@ class Engine:
                                      'engine is idle')
                 bm.allocate(seq, seq.num_computed + num_tokens)
                 input_ids, ctx, _ = self.runner.build_inputs(SchedulerOutput(prefill=[ScheduledSeq(seq, num_tokens)]))
-                forward = functools.partial(self.runner.execute, input_ids, ctx, list(range(num_tokens)))
+                rows = [num_tokens - 1] if last_only else list(range(num_tokens))
+                forward = functools.partial(self.runner.execute, input_ids, ctx, rows)
                 logits.append(self._on_all_ranks(forward).float().cpu())
                 seq.num_computed += num_tokens
-            return torch.cat(logits)
+            return logits[-1] if last_only else torch.cat(logits)
         finally:
             bm.free_blocks(seq)
             if state_pool is not None:

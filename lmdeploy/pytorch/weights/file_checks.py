@@ -9,6 +9,7 @@ import os
 import re
 from typing import Any
 
+import numpy as np
 from gguf import GGUFReader
 
 from lmdeploy.messages import ConfigError
@@ -29,13 +30,27 @@ def unreadable(path: str | os.PathLike, err: Exception) -> ConfigError:
     return ConfigError(f'{path} cannot be read ({type(err).__name__}: {reason}); {REDOWNLOAD}')
 
 
+class PlainArrayReader(GGUFReader):
+    """gguf's reader over a plain ``ndarray`` view of the file's mapping: the same fields and tensors, read 4x
+    faster (each of the reader's slices of an ``np.memmap`` runs memmap's Python hooks: about 8 s of CPU for the
+    three 262k-entry vocabulary arrays of Gemma 3's file)."""
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._data
+
+    @data.setter
+    def data(self, mapping: np.ndarray) -> None:
+        self._data = mapping.view(np.ndarray)
+
+
 def open_gguf(path: str | os.PathLike) -> GGUFReader:
     """A reader of the GGUF file ``path``; a truncated, corrupt or unreadable file raises ``ConfigError``."""
     if not os.path.isfile(path):
         raise ModelNotFoundError(f'GGUF file {path} does not exist' +
                                  (' (it is a folder)' if os.path.isdir(path) else ''))
     try:
-        return GGUFReader(path)
+        return PlainArrayReader(path)
     except PermissionError as err:
         raise unreadable(path, err) from err
     except Exception as err:  # the reader fails with numpy/struct/index errors on bad or missing bytes
