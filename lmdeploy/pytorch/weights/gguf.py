@@ -29,7 +29,7 @@ from .gguf_qwen3_next import ARCHITECTURES as HYBRID_ARCHS
 from .gguf_qwen3_next import FILE_LAYOUT as HYBRID_FILE_LAYOUT
 from .gguf_qwen3_next import UNSUFFIXED_NAMES
 from .gguf_rope import ROPE_FREQS, ROTARY_TENSORS, llama3_rope, phi3_rope
-from .gguf_tensors import finish_state_dict, mxfp4_from_ggml
+from .gguf_tensors import finish_state_dict, mxfp4_from_ggml, shared_tensor
 from .gguf_types import EMBEDDING_RAW_TYPES, LM_HEAD_RAW_TYPES, MXFP4, RAW_TYPES, engine_layer, served_types
 from .gguf_vl import VisionFamily, pair_mmproj, vision_family
 
@@ -255,7 +255,7 @@ def gguf_state_dict(reader: GGUFReader, tensors: Iterable[Any], config: dict[str
             if engine_layer(name) in layer_types or _TABLES.get(name) in quantization:
                 block_bytes = GGML_QUANT_SIZES[tensor.tensor_type][1]
                 data = np.asarray(tensor.data, dtype=np.uint8)
-                weight = data.reshape(*data.shape[:-1], -1, block_bytes).copy()
+                weight = data.reshape(*data.shape[:-1], -1, block_bytes)  # the file's bytes, written as they are
                 name = name.removesuffix('.weight') + '.qweight'
             else:
                 weight = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
@@ -265,7 +265,7 @@ def gguf_state_dict(reader: GGUFReader, tensors: Iterable[Any], config: dict[str
         module = tensor.name.split('.')[-2]
         if arch in _PERMUTED_ARCHS and module in heads:
             weight = unpermute_rotary(weight, heads[module])
-        state_dict[name] = torch.from_numpy(np.ascontiguousarray(weight))
+        state_dict[name] = shared_tensor(np.ascontiguousarray(weight))
     finish_state_dict(arch, state_dict, config)
     return state_dict
 
