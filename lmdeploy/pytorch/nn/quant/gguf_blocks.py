@@ -133,7 +133,7 @@ def q6_k_lm_head_kernel(blocks: torch.Tensor, table: torch.Tensor) -> SmallStepI
     LM head drops their logits)."""
     pad = -blocks.shape[0] % Q6K_TILE
     large = packed_cpu_kernel(table)
-    small = Q6KGemv.of(F.pad(blocks, (0, 0, 0, 0, 0, pad)), fp32_out=True)
+    small = Q6KGemv.of(F.pad(blocks, (0, 0, 0, 0, 0, pad)) if pad else blocks, fp32_out=True)
     return None if large is None or small is None else SmallStepInt4Kernel(small, Q6K_NATIVE_MAX_ROWS, large)
 
 

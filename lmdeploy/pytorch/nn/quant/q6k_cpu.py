@@ -13,6 +13,8 @@ from lmdeploy.pytorch.nn.quant.base import LinearKernel
 Q6K_TILE, Q6K_GROUP, Q6K_BLOCK = 16, 16, 256
 # Larger steps run faster dequantized for one bf16 GEMM (the GEMV's cost grows with the rows).
 Q6K_NATIVE_MAX_ROWS = 16
+# rows retiled at a time: a vocabulary-sized output layer's temporaries stay a few MB, not a GB beside the model
+Q6K_PACK_ROWS = 4096
 
 
 # bytes of a 64-bit word: its low nibbles
@@ -69,7 +71,8 @@ class Q6KGemv(LinearKernel):
         None."""
         if blocks.device.type != 'cpu' or cpu.q6k_gemv() is None or blocks.shape[0] % Q6K_TILE:
             return None
-        return cls(*pack_q6k(blocks), fp32_out)
+        packed, scales = zip(*(pack_q6k(rows) for rows in blocks.split(Q6K_PACK_ROWS)))
+        return cls(torch.cat(packed), torch.cat(scales), fp32_out)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         out = cpu.native().q6k_linear(x, self.packed, self.scales)
