@@ -24,7 +24,7 @@ from lmdeploy.pytorch.nn.quant.gguf_blocks import Q6K_NATIVE_MAX_ROWS, int8_unpa
 from lmdeploy.pytorch.nn.quant.int4_cpu import NativeInt4Kernel, SmallStepInt4Kernel, TorchInt4Kernel
 from lmdeploy.pytorch.nn.quant.parts import PartsKernel
 from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4K_NATIVE_MAX_ROWS, Q4KGemv, Q4KKernel
-from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6KGemv, Q6KKernel
+from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6K_PACK_ROWS, Q6K_TILE, Q6KGemv, Q6KKernel, pack_q6k
 
 # llama.cpp's Q4_K_M on a 2-layer model: Q6_K in layer 0's attn_v and ffn_down (so its q/k/v run part by part)
 # and the output
@@ -61,6 +61,16 @@ def test_q6_k_gemv_is_the_file_weights(rows):
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
     assert torch.equal(out[-1:], kernel(x[-1:], None))
     assert Q6KGemv.of(blocks)(x, None).dtype == torch.bfloat16
+
+
+def test_q6_k_gemv_packs_a_long_layer_in_parts_as_a_whole():
+    """An output layer longer than ``Q6K_PACK_ROWS`` rows is retiled part by part into the same bytes as at once."""
+    if cpu.q6k_gemv() is None:
+        pytest.skip('the native Q6_K GEMV needs AVX512-BF16')
+    rows = Q6K_PACK_ROWS + 3 * Q6K_TILE
+    blocks = torch.randint(0, 256, (rows, 1, 210), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    kernel, (packed, scales) = Q6KGemv.of(blocks, fp32_out=True), pack_q6k(blocks)
+    assert torch.equal(kernel.packed, packed) and torch.equal(kernel.scales, scales)
 
 
 def test_q6_k_layer_holds_its_blocks_and_dequantizes_larger_steps():
