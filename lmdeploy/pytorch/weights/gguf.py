@@ -83,7 +83,7 @@ _EXPERTS = re.compile(r'blk\.\d+\.ffn_(gate|up|down)_exps\.weight')
 _PRE_TOKENIZER_SPLITS = {'chatglm-bpe': 'llama-bpe', 'glm4': 'llama-bpe'}
 # the tables a ``quantization_config`` may keep as their blocks, by the key that names their type there
 _TABLES = {'lm_head.weight': 'lm_head', 'model.embed_tokens.weight': 'embed_tokens'}
-_CACHE_FORMAT = 16  # bump when the converted output changes, so stale cache entries are not reused
+_CACHE_FORMAT = 17  # bump when the converted output changes, so stale cache entries are not reused
 
 
 def cache_dir() -> Path:
@@ -216,15 +216,16 @@ def _rope_from_freqs(freqs: Any, config: dict[str, Any], source: str) -> dict[st
 
 
 def layer_groups(reader: GGUFReader, num_layers: int) -> list[list[Any]]:
-    """The file's tensors by decoder layer, in layer order, then the others (embeddings, output): each group
-    is converted and written on its own, so that conversion holds one layer at a time. Blocks past the
-    decoder's ``num_layers`` (GLM-4.5's next-token-prediction layers) are left out."""
+    """The file's tensors not in a decoder layer (embeddings, output), then those of each layer in layer order: each
+    group is converted and written on its own, so that conversion holds one layer at a time, and loading dequantizes
+    the output layer before the layers fill the memory. Blocks past the decoder's ``num_layers`` (GLM-4.5's
+    next-token-prediction layers) are left out."""
     groups: dict[int, list[Any]] = defaultdict(list)
     for tensor in reader.tensors:
         match = _LAYER_INDEX.match(tensor.name)
         groups[int(match[1]) if match else -1].append(tensor)
     kept = [index for index in groups if index < num_layers]
-    return [groups[index] for index in sorted(kept, key=lambda index: (index < 0, index))]
+    return [groups[index] for index in sorted(kept)]
 
 
 def gguf_state_dict(reader: GGUFReader, tensors: Iterable[Any], config: dict[str, Any],
