@@ -83,7 +83,7 @@ _EXPERTS = re.compile(r'blk\.\d+\.ffn_(gate|up|down)_exps\.weight')
 _PRE_TOKENIZER_SPLITS = {'chatglm-bpe': 'llama-bpe', 'glm4': 'llama-bpe'}
 # the tables a ``quantization_config`` may keep as their blocks, by the key that names their type there
 _TABLES = {'lm_head.weight': 'lm_head', 'model.embed_tokens.weight': 'embed_tokens'}
-_CACHE_FORMAT = 17  # bump when the converted output changes, so stale cache entries are not reused
+_CACHE_FORMAT = 16  # bump when the converted output changes, so stale cache entries are not reused
 
 
 def cache_dir() -> Path:
