@@ -28,20 +28,22 @@ def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def rss_gib() -> float:
-    """The resident set now (``VmRSS``)."""
+def rss_gib(field: str = 'VmRSS') -> float:
+    """The resident set now (``VmRSS``), or its anonymous part (``RssAnon``) or the mapped files' pages (``RssFile``,
+    reclaimable)."""
     status = Path('/proc/self/status').read_text()
-    return int(next(line for line in status.splitlines() if line.startswith('VmRSS:')).split()[1]) / 2**20
+    return int(next(line for line in status.splitlines() if line.startswith(f'{field}:')).split()[1]) / 2**20
 
 
 def child(mode: str, gguf_path: str, folder: str, args: argparse.Namespace) -> None:
     """Converts the file into ``folder`` (``convert``), or serves that folder (``serve``: loads it in bf16 and
     decodes ``--decode-tokens`` tokens at batch 1 after a warm-up), printing times, rates and peak RSS."""
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     if mode == 'convert':
         from lmdeploy.pytorch.weights.gguf import convert_gguf
         convert_gguf(gguf_path, folder)
-        print(f'converted in {time.perf_counter() - start:.0f} s; peak RSS {peak_rss_gib():.2f} GiB', flush=True)
+        print(f'converted in {time.perf_counter() - start:.0f} s (CPU {time.process_time() - cpu_start:.0f} s); '
+              f'peak RSS {peak_rss_gib():.2f} GiB', flush=True)
         return
     from llamacpp_b1 import engine_decode_rate
 
@@ -50,8 +52,10 @@ def child(mode: str, gguf_path: str, folder: str, args: argparse.Namespace) -> N
     config = PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=args.cache_blocks, block_size=16,
                                  num_threads=args.threads, enable_prefix_caching=False)
     engine = Engine(folder, config, show_progress=False)
-    print(f'loaded in {time.perf_counter() - start:.0f} s; peak RSS {peak_rss_gib():.2f} GiB, '
-          f'RSS now {rss_gib():.2f} GiB', flush=True)
+    print(f'loaded in {time.perf_counter() - start:.0f} s (CPU {time.process_time() - cpu_start:.0f} s); '
+          f'peak RSS {peak_rss_gib():.2f} GiB, '
+          f'RSS now {rss_gib():.2f} GiB (anonymous {rss_gib("RssAnon"):.2f}, files {rss_gib("RssFile"):.2f})',
+          flush=True)
     try:
         prompt = engine.tokenizer.encode(PROMPT)
         engine_decode_rate(engine, prompt, 4)  # warm-up
@@ -59,7 +63,8 @@ def child(mode: str, gguf_path: str, folder: str, args: argparse.Namespace) -> N
             rate, _ = engine_decode_rate(engine, prompt, args.decode_tokens)
             print(f'decode {args.decode_tokens} tokens at batch 1, {args.threads} threads: {rate:.2f} tok/s',
                   flush=True)
-        print(f'serving peak RSS {peak_rss_gib():.2f} GiB', flush=True)
+        print(f'serving peak RSS {peak_rss_gib():.2f} GiB; now {rss_gib():.2f} GiB '
+              f'(anonymous {rss_gib("RssAnon"):.2f}, files {rss_gib("RssFile"):.2f})', flush=True)
     finally:
         engine.close()
 

@@ -30,7 +30,7 @@ import torch
 
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.kernels.activation import silu_and_mul
-from lmdeploy.pytorch.nn.quant.gguf_blocks import NativeQ8Kernel, q4_k_codes, q6_k_parts, q8_0_unpack
+from lmdeploy.pytorch.nn.quant.gguf_blocks import NativeQ8Kernel, q8_0_unpack
 from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KKernel
 from lmdeploy.pytorch.nn.quant.q5k_cpu import Q5KKernel
 from lmdeploy.pytorch.nn.quant.q6k_cpu import GEMV_MAX_ROWS, Q6KKernel, gemv_max_rows
@@ -62,11 +62,11 @@ def set_bounds(no_amx: bool, bounds: str = '') -> None:
 def kernel_of(kind: str, blocks: torch.Tensor, gate_up: bool):
     """The engine's CPU kernel of a ``kind`` layer's blocks."""
     if kind == 'q4k':
-        return Q4KKernel.of_blocks(blocks, q4_k_codes(blocks), gate_up)
+        return Q4KKernel.of_blocks(blocks, gate_up)
     if kind == 'q5k':
         return Q5KKernel.of(blocks)
     if kind == 'q6k':
-        return Q6KKernel.of(*q6_k_parts(blocks))
+        return Q6KKernel.of(blocks)
     return NativeQ8Kernel.of(*q8_0_unpack(blocks))
 
 

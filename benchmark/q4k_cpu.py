@@ -50,7 +50,7 @@ def main() -> None:
               for _ in range(args.layers)]
     kernels = {'int4': [[(NativeInt4Kernel.of_grid(q4_k_grid(b), gate_up), gate_up) for b, gate_up in layer]
                         for layer in layers],
-               'q4k': [[(Q4KGemv.of_blocks(b, q4_k_grid(b).codes, gate_up), gate_up) for b, gate_up in layer]
+               'q4k': [[(Q4KGemv.of_blocks(b, gate_up), gate_up) for b, gate_up in layer]
                        for layer in layers]}
     kernels['dequantized'] = kernels['q4k']
     for rows in (int(r) for r in args.rows.split(',')):

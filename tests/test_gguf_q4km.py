@@ -20,11 +20,12 @@ from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.quant.base import LinearOptions
 from lmdeploy.pytorch.nn.quant.gguf import GgufFileFormat, GgufFormat
-from lmdeploy.pytorch.nn.quant.gguf_blocks import Q6K_LM_HEAD_GEMV_MAX_ROWS, int8_unpack, q4_k_grid, q6_k_parts
+from lmdeploy.pytorch.nn.quant.gguf_blocks import Q6K_LM_HEAD_GEMV_MAX_ROWS, int8_unpack, q4_k_grid
 from lmdeploy.pytorch.nn.quant.int4_cpu import NativeInt4Kernel, SmallStepInt4Kernel, TorchInt4Kernel
 from lmdeploy.pytorch.nn.quant.parts import PartsKernel
 from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KGemv, Q4KKernel
-from lmdeploy.pytorch.nn.quant.q6k_cpu import GEMV_MAX_ROWS, Q6KGemv, Q6KKernel, gemv_max_rows
+from lmdeploy.pytorch.nn.quant.q6k_cpu import (GEMV_MAX_ROWS, Q6K_PACK_ROWS, Q6K_TILE, Q6KGemv, Q6KKernel, gemv_max_rows,
+                                               pack_q6k)
 
 # llama.cpp's Q4_K_M on a 2-layer model: Q6_K in layer 0's attn_v and ffn_down (so its q/k/v run part by part)
 # and the output
@@ -53,14 +54,24 @@ def test_q6_k_gemv_is_the_file_weights(rows):
     if cpu.q6k_gemv() is None:
         pytest.skip('the native Q6_K GEMV needs AVX512-BF16')
     blocks, expected = random_blocks(Q.Q6_K, 64, 768, seed=rows)
-    kernel = Q6KGemv.of(*q6_k_parts(blocks), fp32_out=True)
+    kernel = Q6KGemv.of(blocks, fp32_out=True)
     x = torch.randn(rows, 768).bfloat16()
     reference = x.float() @ expected.T
     out = kernel(x, None)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
     assert torch.equal(out[-1:], kernel(x[-1:], None))
-    assert Q6KGemv.of(*q6_k_parts(blocks))(x, None).dtype == torch.bfloat16
+    assert Q6KGemv.of(blocks)(x, None).dtype == torch.bfloat16
+
+
+def test_q6_k_gemv_packs_a_long_layer_in_parts_as_a_whole():
+    """An output layer longer than ``Q6K_PACK_ROWS`` rows is retiled part by part into the same bytes as at once."""
+    if cpu.q6k_gemv() is None:
+        pytest.skip('the native Q6_K GEMV needs AVX512-BF16')
+    rows = Q6K_PACK_ROWS + 3 * Q6K_TILE
+    blocks = torch.randint(0, 256, (rows, 1, 210), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    kernel, (packed, scales) = Q6KGemv.of(blocks, fp32_out=True), pack_q6k(blocks)
+    assert torch.equal(kernel.packed, packed) and torch.equal(kernel.scales, scales)
 
 
 def test_gemv_bounds_follow_the_cpu(monkeypatch):
@@ -113,15 +124,15 @@ def test_q4_k_gemv_is_the_file_weights(rows):
     blocks, expected = random_blocks(Q.Q4_K, 64, 768, seed=rows)
     x = torch.randn(rows, 768).bfloat16()
     reference = x.float() @ expected.T
-    out = Q4KGemv.of_blocks(blocks, q4_k_grid(blocks).codes)(x, None)
+    out = Q4KGemv.of_blocks(blocks)(x, None)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), reference, rtol=2**-8, atol=1e-5 * reference.abs().max().item())
     assert (out != reference.bfloat16()).float().mean() < 0.02  # off by a bf16 step where the sums' order tips it
-    gate_up = Q4KGemv.of_blocks(blocks, q4_k_grid(blocks).codes, gate_up=True)
+    gate_up = Q4KGemv.of_blocks(blocks, gate_up=True)
     silu = torch.nn.functional.silu(reference[:, :32]) * reference[:, 32:]
     torch.testing.assert_close(gate_up.gate_up_silu(x, None).float(), silu, rtol=2**-7,
                                atol=1e-4 * silu.abs().max().item())
-    assert torch.equal(out[-1:], Q4KGemv.of_blocks(blocks, q4_k_grid(blocks).codes)(x[-1:], None))
+    assert torch.equal(out[-1:], Q4KGemv.of_blocks(blocks)(x[-1:], None))
 
 
 @pytest.mark.parametrize('amx', [True, False])

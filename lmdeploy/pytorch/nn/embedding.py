@@ -116,11 +116,12 @@ class LMHead(VocabTable):
     def finalize(self, pack_cpu: bool) -> None:
         """Lays the loaded table out for its kernel: the weight format's LM-head kernel (see
         :meth:`WeightFormat.lm_head_kernel`), else with ``pack_cpu`` the bf16 GEMM's packing of a bf16 table.
-        Off the CPU the format's kernel runs every step, so an untied table it replaces is released."""
+        The kernel runs every step (but one-row steps on a small-step copy), so an untied table it replaces is
+        released (Qwen3-30B-A3B's: 0.58 GiB in bf16)."""
         self.packed = self.weight_format.lm_head_kernel(self.table_weight)
         if pack_cpu:
             self.packed = self.packed or packed_cpu_kernel(self.table_weight)
-        elif self.packed is not None and not self._tied:
+        if self.packed is not None and not self._tied:
             self.weight = None
 
     def enable_small_step_copy(self) -> None:

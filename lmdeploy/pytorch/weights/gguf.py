@@ -29,7 +29,7 @@ from .gguf_qwen3_next import ARCHITECTURES as HYBRID_ARCHS
 from .gguf_qwen3_next import FILE_LAYOUT as HYBRID_FILE_LAYOUT
 from .gguf_qwen3_next import UNSUFFIXED_NAMES
 from .gguf_rope import ROPE_FREQS, ROTARY_TENSORS, llama3_rope, phi3_rope
-from .gguf_tensors import finish_state_dict, mxfp4_from_ggml
+from .gguf_tensors import finish_state_dict, mxfp4_from_ggml, shared_tensor
 from .gguf_types import EMBEDDING_RAW_TYPES, LM_HEAD_RAW_TYPES, MXFP4, RAW_TYPES, engine_layer, served_types
 from .gguf_vl import VisionFamily, pair_mmproj, vision_family
 
@@ -216,15 +216,16 @@ def _rope_from_freqs(freqs: Any, config: dict[str, Any], source: str) -> dict[st
 
 
 def layer_groups(reader: GGUFReader, num_layers: int) -> list[list[Any]]:
-    """The file's tensors by decoder layer, in layer order, then the others (embeddings, output): each group
-    is converted and written on its own, so that conversion holds one layer at a time. Blocks past the
-    decoder's ``num_layers`` (GLM-4.5's next-token-prediction layers) are left out."""
+    """The file's tensors not in a decoder layer (embeddings, output), then those of each layer in layer order: each
+    group is converted and written on its own, so that conversion holds one layer at a time, and loading dequantizes
+    the output layer before the layers fill the memory. Blocks past the decoder's ``num_layers`` (GLM-4.5's
+    next-token-prediction layers) are left out."""
     groups: dict[int, list[Any]] = defaultdict(list)
     for tensor in reader.tensors:
         match = _LAYER_INDEX.match(tensor.name)
         groups[int(match[1]) if match else -1].append(tensor)
     kept = [index for index in groups if index < num_layers]
-    return [groups[index] for index in sorted(kept, key=lambda index: (index < 0, index))]
+    return [groups[index] for index in sorted(kept)]
 
 
 def gguf_state_dict(reader: GGUFReader, tensors: Iterable[Any], config: dict[str, Any],
@@ -255,7 +256,7 @@ def gguf_state_dict(reader: GGUFReader, tensors: Iterable[Any], config: dict[str
             if engine_layer(name) in layer_types or _TABLES.get(name) in quantization:
                 block_bytes = GGML_QUANT_SIZES[tensor.tensor_type][1]
                 data = np.asarray(tensor.data, dtype=np.uint8)
-                weight = data.reshape(*data.shape[:-1], -1, block_bytes).copy()
+                weight = data.reshape(*data.shape[:-1], -1, block_bytes)  # the file's bytes, written as they are
                 name = name.removesuffix('.weight') + '.qweight'
             else:
                 weight = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
@@ -265,7 +266,7 @@ def gguf_state_dict(reader: GGUFReader, tensors: Iterable[Any], config: dict[str
         module = tensor.name.split('.')[-2]
         if arch in _PERMUTED_ARCHS and module in heads:
             weight = unpermute_rotary(weight, heads[module])
-        state_dict[name] = torch.from_numpy(np.ascontiguousarray(weight))
+        state_dict[name] = shared_tensor(np.ascontiguousarray(weight))
     finish_state_dict(arch, state_dict, config)
     return state_dict
 

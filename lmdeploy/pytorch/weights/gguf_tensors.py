@@ -7,6 +7,7 @@ linear attention (``gguf_qwen3_next.py``).
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Any
 
 import numpy as np
@@ -14,6 +15,15 @@ import torch
 
 from .gguf_qwen3_next import ARCHITECTURES as HYBRID_ARCHS
 from .gguf_qwen3_next import finish_hybrid
+
+
+def shared_tensor(array: np.ndarray) -> torch.Tensor:
+    """``array`` as a tensor of its own storage without a copy, also where it is a read-only view of the mapped GGUF
+    file (only read, to be written out) or one expert of a stacked array: safetensors writes tensors of distinct
+    storages straight from their memory."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings('ignore', message='The given NumPy array is not writable')
+        return torch.from_numpy(array)
 
 
 def _layer_prefixes(state_dict: dict[str, torch.Tensor], suffix: str) -> list[str]:
@@ -78,8 +88,8 @@ def _split_experts(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) 
     a shared expert's gate (``[H]`` in some files) as its one row."""
     for name in [name for name in state_dict if _STACKED_EXPERTS.fullmatch(name)]:
         prefix, _, tail = name.rpartition('.experts.')
-        for expert, part in enumerate(state_dict.pop(name)):
-            state_dict[f'{prefix}.experts.{expert}.{tail}'] = part.clone()
+        for expert, part in enumerate(state_dict.pop(name).numpy()):
+            state_dict[f'{prefix}.experts.{expert}.{tail}'] = shared_tensor(part)
     for name in [name for name in state_dict if name.endswith('shared_expert_gate.weight')]:
         state_dict[name] = state_dict[name].reshape(1, -1)
 

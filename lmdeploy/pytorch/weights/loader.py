@@ -13,7 +13,7 @@ from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.nn.linear import Linear
 from lmdeploy.pytorch.nn.moe import FusedExperts
 from lmdeploy.pytorch.nn.quant import WeightFormat, cast_model, defer_weights, use_weight_format, weight_format_for
-from lmdeploy.pytorch.weights.safetensors_loader import iterate_weights
+from lmdeploy.pytorch.weights.safetensors_loader import iterate_weights, one_thread
 
 DUMMY_STD = 0.02
 
@@ -86,5 +86,6 @@ def build_model(cfg: ModelConfig, model_dir: str, device: torch.device, load_for
             fill_dummy_weights(model)
         return model.eval()
     model = cast_model(_new_model(cfg, weight_format), cfg.dtype)
-    model.load_weights(weight_format.convert_checkpoint(iterate_weights(model_dir, show_progress)))
+    with one_thread():
+        model.load_weights(weight_format.convert_checkpoint(iterate_weights(model_dir, show_progress)))
     return model.to(device).eval()

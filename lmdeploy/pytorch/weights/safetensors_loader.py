@@ -5,6 +5,7 @@ Tensors come as lazy slices: a tensor-parallel rank reads only the rows or colum
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 from collections.abc import Iterator
@@ -73,6 +74,19 @@ def iterate_weights(model_dir: str, show_progress: bool = True) -> Iterator[tupl
                     yield name, FileTensor(path, f, name)
         except (SafetensorError, OSError) as err:
             raise unreadable(path, err) from err
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """torch's CPU ops on one thread for the duration: loading runs thousands of small copies and repacks, and on
+    several threads each of them waits for every thread at its end, which other processes' load stretches to a
+    timeslice (a 4-layer Qwen3-30B-A3B-shaped GGUF file: load 88 s on two threads, 33 s on one, load average 8)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def read_shard(source: WeightSource, shard: Shard | None) -> torch.Tensor:

@@ -50,13 +50,13 @@ from lmdeploy.pytorch.nn.quant.base import (ExpertKernel, Layout, LinearKernel, 
                                             new_parameter, register_format)
 from lmdeploy.pytorch.nn.quant.dense import DenseFormat, DenseKernel
 from lmdeploy.pytorch.nn.quant.gguf_blocks import (BLOCKS, NativeQ8Kernel, Q8Kernel, dequantize_blocks, int8_unpack,
-                                                   q4_k_cpu_kernel, q4_k_grid, q6_k_lm_head_kernel, q6_k_parts)
+                                                   q4_k_cpu_kernel, q4_k_grid, q6_k_lm_head_kernel)
 from lmdeploy.pytorch.nn.quant.parts import PartsKernel
 from lmdeploy.pytorch.nn.quant.q5k_cpu import Q5KKernel
 from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6KKernel
 from lmdeploy.pytorch.nn.quant.w4a16 import Int4GroupFormat, Int4Grid, PerExpertKernel, ReferenceKernel
 from lmdeploy.pytorch.weights.gguf_types import engine_layer, part_index
-from lmdeploy.pytorch.weights.safetensors_loader import WeightSource, read_shard
+from lmdeploy.pytorch.weights.safetensors_loader import WeightSource, one_thread, read_shard
 
 if TYPE_CHECKING:
     from lmdeploy.pytorch.nn.linear import Linear
@@ -104,7 +104,7 @@ class GgufFormat(Int4GroupFormat):
             layer.qweight = None
             return native
         if cpu_bf16 and self.ggml_type == 'Q6_K':
-            native = Q6KKernel.of(*q6_k_parts(layer.qweight))
+            native = Q6KKernel.of(layer.qweight)
             if native is not None:
                 layer.qweight = None
                 return native
@@ -144,8 +144,9 @@ class GgufExpertsFormat(WeightFormat):
         if options.dtype is not None and device == 'cuda' and on_triton:
             kernel = self.triton_kernel(experts)
         elif options.dtype == torch.bfloat16 and device == 'cpu':
-            kernels = {proj: [self.cpu_kernel(proj, experts.projection(proj, e)) for e in range(experts.num_experts)]
-                       for proj in self.formats}
+            with one_thread():  # each expert's blocks retiled by a few small ops
+                kernels = {proj: [self.cpu_kernel(proj, experts.projection(proj, e))
+                                  for e in range(experts.num_experts)] for proj in self.formats}
             kernel = PerExpertKernel(experts.num_experts, lambda proj, expert: kernels[proj][expert])
         else:
             return PerExpertKernel(experts.num_experts,
@@ -188,7 +189,7 @@ class GgufExpertsFormat(WeightFormat):
                     or Int4GroupFormat.cpu_expert_kernel(q4_k_grid(layer.qweight), proj == 'gate_up', torch.bfloat16))
         if ggml_type == 'Q5_K':
             return Q5KKernel.of(layer.qweight) or ReferenceKernel(projection_format, BlockRows(layer.qweight))
-        native = Q6KKernel.of(*q6_k_parts(layer.qweight)) if ggml_type == 'Q6_K' else None
+        native = Q6KKernel.of(layer.qweight) if ggml_type == 'Q6_K' else None
         if native is not None:
             return native
         codes, scales = int8_unpack(layer.qweight, ggml_type)

@@ -138,7 +138,7 @@ def q6_k_lm_head_kernel(blocks: torch.Tensor, table: torch.Tensor) -> SmallStepI
     LM head drops their logits)."""
     pad = -blocks.shape[0] % Q6K_TILE
     large = packed_cpu_kernel(table)
-    small = Q6KGemv.of(*[F.pad(part, (0, 0, 0, pad)) for part in q6_k_parts(blocks)], fp32_out=True)
+    small = Q6KGemv.of(F.pad(blocks, (0, 0, 0, 0, 0, pad)) if pad else blocks, fp32_out=True)
     return None if large is None or small is None else SmallStepInt4Kernel(small, Q6K_LM_HEAD_GEMV_MAX_ROWS, large)
 
 
@@ -146,4 +146,4 @@ def q4_k_cpu_kernel(blocks: torch.Tensor, gate_up: bool) -> Q4KKernel | None:
     """Q4_K blocks in bf16 on the CPU: steps of up to ``gemv_max_rows('q4k')`` tokens on the Q4_K GEMV (the file's
     codes and scales retiled, 0.5625 bytes a weight), larger ones dequantized from that copy for ``F.linear``;
     None where the GEMV is not built."""
-    return Q4KKernel.of_blocks(blocks, q4_k_codes(blocks), gate_up)
+    return Q4KKernel.of_blocks(blocks, gate_up)

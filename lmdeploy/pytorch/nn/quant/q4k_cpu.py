@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from lmdeploy.pytorch.kernels import cpu
-from lmdeploy.pytorch.nn.quant.int4_cpu import INT4_TILE, NativeInt4Kernel, gate_up_order, pack_int4_codes
-from lmdeploy.pytorch.nn.quant.q6k_cpu import gemv_max_rows, gemv_or_dequantized
+from lmdeploy.pytorch.nn.quant.int4_cpu import INT4_TILE, NativeInt4Kernel
+from lmdeploy.pytorch.nn.quant.q6k_cpu import gemv_max_rows, gemv_or_dequantized, nibble_pairs
 
 Q4K_BLOCK, Q4K_BLOCK_BYTES = 256, 144
 
@@ -25,19 +25,31 @@ def k_scale_mins(d: torch.Tensor, dmin: torch.Tensor, packed: torch.Tensor) -> t
     return d.float()[..., None] * sc, dmin.float()[..., None] * m
 
 
-def pack_q4k(blocks: torch.Tensor, codes: torch.Tensor, gate_up: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K ``blocks [N, K / 256, 144]`` and their codes ``[N, K]`` (0..15) in ``q4k_linear``'s layout: the int4
-    GEMV's ``packed [N/16, K/32, 8, 32]`` codes and ``scales [N/16, K/256, 256]`` uint8, per tile of 16 rows and
-    block: their 16 ``d`` (fp16), 16 ``dmin``, then the block's scale bytes 4..15, byte by byte, 16 rows each.
-    With ``gate_up`` (gate then up rows) the tiles alternate gate and up."""
-    rows, num_blocks = blocks.shape[:2]
-    if gate_up:
-        blocks = blocks[gate_up_order(rows)]
-    tiles = blocks.view(rows // INT4_TILE, INT4_TILE, num_blocks, Q4K_BLOCK_BYTES).transpose(1, 2)
-    d, dmin = (tiles[..., start:start + 2].flatten(-2) for start in (0, 2))
-    packed_scales = tiles[..., 4:16].transpose(-1, -2).flatten(-2)
-    scales = torch.cat((d, dmin, packed_scales), dim=-1).contiguous()
-    return pack_int4_codes(codes.to(torch.uint8), gate_up), scales
+def pack_q4k(blocks: torch.Tensor, gate_up: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K ``blocks [..., N, K / 256, 144]`` (leading dimensions: experts) in ``q4k_linear``'s layout: the int4
+    GEMV's ``packed [..., N/16, K/32, 8, 32]`` codes (byte ``2 * row + b`` of chunk ``c`` holds inputs ``2c + b``
+    and ``16 + 2c + b`` of the group) and ``scales [..., N/16, K/256, 256]`` uint8, per tile of 16 rows and block:
+    their 16 ``d`` (fp16), 16 ``dmin``, then the block's scale bytes 4..15, byte by byte, 16 rows each. With
+    ``gate_up`` (gate then up rows) the tiles alternate gate and up. The codes are moved as 64-bit words and pairs of
+    bytes, never one by one."""
+    *lead, rows, num_blocks, _ = blocks.shape
+    tiles = rows // INT4_TILE
+    # a block's 256 codes: 4 chunks of 32 bytes, byte i holding inputs 64 c + i (low nibble) and 64 c + 32 + i;
+    # each group of 32 inputs pairs bytes i and i + 16 of its chunk, 8 bytes (one word) at a time
+    words = blocks.view(torch.int64)[..., 2:].unflatten(-1, (4, 2, 2))
+    pairs = torch.stack(nibble_pairs(words[..., 0, :], words[..., 1, :]), dim=-2)  # [..., N, blocks, 4, 2, 2]
+    # [..., tile, row, group, chunk] pairs of bytes, moved to [..., tile, group, chunk, row]
+    pairs = pairs.view(torch.int16).view(*lead, tiles, INT4_TILE, num_blocks * 8, 8).movedim(-3, -1)
+    head = blocks[..., :16].view(*lead, tiles, INT4_TILE, num_blocks, 16).transpose(-3, -2)
+    fp16 = head.view(torch.int16)[..., :2].transpose(-1, -2)  # [..., tile, block, d / dmin, row]
+    scale_bytes = head[..., 4:].transpose(-1, -2)  # [..., tile, block, byte, row]
+    if gate_up:  # gate's and up's tiles alternate
+        pairs, fp16, scale_bytes = (part.unflatten(len(lead), (2, tiles // 2)).transpose(len(lead), len(lead) + 1)
+                                    for part in (pairs, fp16, scale_bytes))
+    packed = pairs.contiguous().view(torch.uint8).view(*lead, tiles, num_blocks * 8, 8, 2 * INT4_TILE)
+    scales = torch.cat((fp16.contiguous().view(torch.uint8).reshape(*lead, tiles, num_blocks, 64),
+                        scale_bytes.reshape(*lead, tiles, num_blocks, 192)), dim=-1)
+    return packed, scales
 
 
 class Q4KGemv(NativeInt4Kernel):
@@ -47,12 +59,12 @@ class Q4KGemv(NativeInt4Kernel):
     kind = 'q4k'
 
     @classmethod
-    def of_blocks(cls, blocks: torch.Tensor, codes: torch.Tensor, gate_up: bool = False) -> Q4KGemv | None:
+    def of_blocks(cls, blocks: torch.Tensor, gate_up: bool = False) -> Q4KGemv | None:
         """The kernel for CPU blocks where the GEMV was built and the rows fill its tiles; else None."""
         rows = 2 * INT4_TILE if gate_up else INT4_TILE
         if blocks.device.type != 'cpu' or cpu.int4_gemv() is None or blocks.shape[0] % rows:
             return None
-        return cls(*pack_q4k(blocks, codes, gate_up), gate_up)
+        return cls(*pack_q4k(blocks, gate_up), gate_up)
 
 
 class Q4KKernel(Q4KGemv):

@@ -28,23 +28,48 @@ def gemv_max_rows(kind: str) -> int:
     CPU (see ``GEMV_MAX_ROWS``): oneDNN's bf16 GEMM, which larger steps run on, is several times faster on AMX."""
     with_amx, without_amx = GEMV_MAX_ROWS[kind]
     return with_amx if cpu.onednn_amx() else without_amx
+# rows retiled at a time: a vocabulary-sized output layer's temporaries stay a few MB, not a GB beside the model
+Q6K_PACK_ROWS = 4096
 
 
-def pack_q6k(codes: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes ``u [N, K]`` (0..63), int8 ``sc [N, K / 16]`` and fp16 ``d [N, K / 256]`` in ``q6k_linear``'s layout
-    (see ``linear_q6k.cpp``): codes ``[N/16, K/16, 192]`` and scales ``[N/16, K/256, 288]``, both uint8."""
-    out_features, in_features = codes.shape
-    tiles, groups, blocks = out_features // Q6K_TILE, in_features // Q6K_GROUP, in_features // Q6K_BLOCK
-    # [tile, group, pair, 2 * row + input of the pair]
-    pairs = codes.view(tiles, Q6K_TILE, groups, 8, 2).permute(0, 2, 3, 1, 4).reshape(tiles, groups, 8, 32)
-    low, top = pairs & 15, pairs >> 4
-    nibbles = low[:, :, :4] | (low[:, :, 4:] << 4)
-    shifts = torch.arange(0, 8, 2, dtype=torch.uint8).view(1, 1, 1, 4, 1)
-    tops = (top.view(tiles, groups, 2, 4, 32) << shifts).sum(3, dtype=torch.uint8)
-    packed = torch.cat((nibbles, tops), dim=2).reshape(tiles, groups, 192).contiguous()
-    sc = sc.view(tiles, Q6K_TILE, blocks, 16).permute(0, 2, 3, 1).contiguous().view(torch.uint8)
-    d = d.view(tiles, Q6K_TILE, blocks).transpose(1, 2).contiguous().view(torch.uint8)
-    scales = torch.cat((sc.reshape(tiles, blocks, 256), d.reshape(tiles, blocks, 32)), dim=-1).contiguous()
+# bytes of a 64-bit word: its low nibbles
+LOW_NIBBLES = 0x0F0F0F0F0F0F0F0F
+
+
+def nibble_pairs(first: torch.Tensor, second: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bytes of 64-bit words ``first`` and ``second`` paired nibble by nibble: the low nibbles of ``first`` with those
+    of ``second`` above them, and the high nibbles likewise (one byte of codes ``i`` and ``i + 8`` each)."""
+    low = (first & LOW_NIBBLES) | ((second & LOW_NIBBLES) << 4)
+    high = ((first >> 4) & LOW_NIBBLES) | (second & ~LOW_NIBBLES)
+    return low, high
+
+
+def pack_q6k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q6_K ``blocks [..., N, K / 256, 210]`` (leading dimensions: experts) in ``q6k_linear``'s layout (see
+    ``linear_q6k.cpp``): codes ``[..., N/16, K/16, 192]`` and scales ``[..., N/16, K/256, 288]``, both uint8. Per
+    tile of 16 rows and group of 16 inputs, pairs ``p`` of inputs ``2p, 2p + 1`` as bytes ``2 * row + b``: the low
+    nibbles of pairs ``p`` and ``p + 4`` in one byte (pairs 0..3), then the top two bits of pairs ``4q + s`` at bits
+    ``2s`` (``q`` = 0, 1). The codes are moved as 64-bit words and pairs of bytes, never one by one."""
+    *lead, rows, num_blocks, _ = blocks.shape
+    tiles = rows // Q6K_TILE
+    # ql: 2 halves of 64 bytes, byte m holding input 128 h + m (low nibble) and 128 h + 64 + m; a group of 16
+    # inputs pairs bytes i and i + 8 of its 16, one word each (blocks of 210 bytes hold no aligned words: copied)
+    words = blocks[..., :128].contiguous().view(torch.int64).unflatten(-1, (2, 4, 2))
+    # [..., N, blocks, half, low / high nibbles, group of the half's 64 inputs, pair 0..3]
+    nibbles = torch.stack(nibble_pairs(words[..., 0], words[..., 1]), dim=-2)[..., None].view(torch.int16)
+    # qh: 2 halves of 32 bytes, byte l's bits 2s holding input 128 h + 32 s + l
+    top_bits = blocks[..., 128:192].view(torch.int16).unflatten(-1, (2, 1, 2, 2, 4))  # [..., half, 1, 2, q, s]
+    shifts = torch.arange(0, 8, 2, dtype=torch.int16, device=blocks.device).view(4, 1, 1, 1)
+    top_bits = (top_bits >> shifts) & 0x0303  # [..., half, 32-input part, 16-input group of it, q, s]
+    tops = top_bits[..., 0] | (top_bits[..., 1] << 2) | (top_bits[..., 2] << 4) | (top_bits[..., 3] << 6)
+    groups = torch.cat((nibbles.flatten(-4, -2), tops.flatten(-4, -2)), dim=-1)  # [..., N, blocks, 16 groups, 6]
+    # [..., tile, row, group, pair] pairs of bytes, moved to [..., tile, group, pair, row]
+    groups = groups.view(*lead, tiles, Q6K_TILE, num_blocks * 16, 6).movedim(-3, -1)
+    packed = groups.contiguous().view(torch.uint8).view(*lead, tiles, num_blocks * 16, 192)
+    tiled = blocks.view(*lead, tiles, Q6K_TILE, num_blocks, 210)
+    sc = tiled[..., 192:208].permute(*range(len(lead) + 1), -2, -1, -3)  # [..., tile, block, scale, row]
+    d = tiled.view(torch.int16)[..., 104].transpose(-1, -2).contiguous().view(torch.uint8)  # [..., tile, block, 32]
+    scales = torch.cat((sc.reshape(*lead, tiles, num_blocks, 256), d), dim=-1)
     return packed, scales
 
 
@@ -56,11 +81,13 @@ class Q6KGemv(LinearKernel):
         self.packed, self.scales, self.fp32_out = packed, scales, fp32_out
 
     @classmethod
-    def of(cls, codes: torch.Tensor, sc: torch.Tensor, d: torch.Tensor, fp32_out: bool = False) -> Q6KGemv | None:
-        """The kernel for CPU weights where the GEMV was built and the rows fill its tiles; else None."""
-        if codes.device.type != 'cpu' or cpu.q6k_gemv() is None or codes.shape[0] % Q6K_TILE:
+    def of(cls, blocks: torch.Tensor, fp32_out: bool = False) -> Q6KGemv | None:
+        """The kernel for CPU blocks ``[N, K / 256, 210]`` where the GEMV was built and the rows fill its tiles; else
+        None."""
+        if blocks.device.type != 'cpu' or cpu.q6k_gemv() is None or blocks.shape[0] % Q6K_TILE:
             return None
-        return cls(*pack_q6k(codes, sc, d), fp32_out)
+        packed, scales = zip(*(pack_q6k(rows) for rows in blocks.split(Q6K_PACK_ROWS)))
+        return cls(torch.cat(packed), torch.cat(scales), fp32_out)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         out = cpu.native().q6k_linear(x, self.packed, self.scales)
