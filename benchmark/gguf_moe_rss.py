@@ -6,6 +6,10 @@ experts' size in bf16. The KV cache is capped at ``--cache-blocks`` blocks of 16
 
     python benchmark/gguf_moe_rss.py [--layers 4] [--dir /tmp/x] [--decode-tokens 32] [--threads 2]
     python benchmark/gguf_moe_rss.py --gguf /tmp/big_moe/qwen3-30b-a3b-random-q4km.gguf --dir /tmp/big_moe
+    python benchmark/gguf_moe_rss.py --dir /tmp/x --served --account   # serve an already converted folder
+
+``--account`` splits the served process's anonymous memory: the runtime (imports), the model's tensors, the KV
+cache, and what glibc malloc holds beyond them, before and after ``malloc_trim(0)`` (``memory_accounting.py``).
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+import memory_accounting  # noqa: E402
 from make_big_moe_gguf import add_shape_arguments, write_file  # noqa: E402
 
 PROMPT = 'The printing press changed how books were made in Europe because'
@@ -49,6 +54,7 @@ def child(mode: str, gguf_path: str, folder: str, args: argparse.Namespace) -> N
 
     from lmdeploy.messages import PytorchEngineConfig
     from lmdeploy.pytorch.engine.engine import Engine
+    runtime_gib = memory_accounting.anonymous_gib()
     config = PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=args.cache_blocks, block_size=16,
                                  num_threads=args.threads, enable_prefix_caching=False)
     engine = Engine(folder, config, show_progress=False)
@@ -56,17 +62,41 @@ def child(mode: str, gguf_path: str, folder: str, args: argparse.Namespace) -> N
           f'peak RSS {peak_rss_gib():.2f} GiB, '
           f'RSS now {rss_gib():.2f} GiB (anonymous {rss_gib("RssAnon"):.2f}, files {rss_gib("RssFile"):.2f})',
           flush=True)
+    if args.account:
+        account(engine, runtime_gib, 'after load')
     try:
         prompt = engine.tokenizer.encode(PROMPT)
         engine_decode_rate(engine, prompt, 4)  # warm-up
         for _ in range(args.rounds):
-            rate, _ = engine_decode_rate(engine, prompt, args.decode_tokens)
+            rate, tokens = engine_decode_rate(engine, prompt, args.decode_tokens)
             print(f'decode {args.decode_tokens} tokens at batch 1, {args.threads} threads: {rate:.2f} tok/s',
                   flush=True)
+        print(f'greedy tokens: {tokens}', flush=True)
+        if args.account:
+            account(engine, runtime_gib, 'after decode')
         print(f'serving peak RSS {peak_rss_gib():.2f} GiB; now {rss_gib():.2f} GiB '
               f'(anonymous {rss_gib("RssAnon"):.2f}, files {rss_gib("RssFile"):.2f})', flush=True)
     finally:
         engine.close()
+
+
+def account(engine, runtime_gib: float, when: str) -> None:
+    """Prints the served process's anonymous memory split into the runtime, the model's tensors, the KV cache and
+    the rest, with malloc's counts, then the same after ``malloc_trim(0)``."""
+    model = memory_accounting.storages([engine.runner.model])
+    cache = memory_accounting.storages([engine.runner.kv_caches])
+    every = memory_accounting.all_tensor_storages()
+    others = {ptr: size for ptr, size in every.items() if ptr not in model and ptr not in cache}
+    for label in ('', ' after malloc_trim(0)'):
+        if label:
+            memory_accounting.malloc_trim()
+        anonymous = memory_accounting.anonymous_gib()
+        rest = anonymous - runtime_gib - memory_accounting.gib(model) - memory_accounting.gib(cache)
+        heap = ', '.join(f'{k} {v:.3f}' for k, v in memory_accounting.malloc_gib().items())
+        print(f'{when}{label}: anonymous {anonymous:.3f} GiB = runtime {runtime_gib:.3f} + model tensors '
+              f'{memory_accounting.gib(model):.3f} ({len(model)} storages) + KV cache {memory_accounting.gib(cache):.3f}'
+              f' + rest {rest:.3f} (other tensors {memory_accounting.gib(others):.3f}); malloc GiB: {heap}',
+              flush=True)
 
 
 def main() -> None:
@@ -78,6 +108,8 @@ def main() -> None:
     parser.add_argument('--rounds', type=int, default=2)
     parser.add_argument('--threads', type=int, default=2)
     parser.add_argument('--cache-blocks', type=int, default=16)
+    parser.add_argument('--served', action='store_true', help='serve the converted folder DIR/served as it is')
+    parser.add_argument('--account', action='store_true', help='split the served memory (see above)')
     parser.add_argument('--child', nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -85,14 +117,15 @@ def main() -> None:
     folder = Path(args.dir or tempfile.mkdtemp(prefix='gguf_moe_rss'))
     folder.mkdir(parents=True, exist_ok=True)
     gguf_path = Path(args.gguf) if args.gguf else folder / 'model.gguf'
-    if not args.gguf:
+    if not args.gguf and not args.served:
         write_file(gguf_path, args)
     served = folder / 'served'
-    print(f'file {gguf_path.stat().st_size / 2**30:.2f} GiB', flush=True)
+    if not args.served:
+        print(f'file {gguf_path.stat().st_size / 2**30:.2f} GiB', flush=True)
     forwarded = [f'--{name}={value}' for name, value in
                  (('decode-tokens', args.decode_tokens), ('rounds', args.rounds), ('threads', args.threads),
-                  ('cache-blocks', args.cache_blocks))]
-    for mode in ('convert', 'serve'):
+                  ('cache-blocks', args.cache_blocks))] + (['--account'] if args.account else [])
+    for mode in ('serve',) if args.served else ('convert', 'serve'):
         out = subprocess.run([sys.executable, __file__, *forwarded, '--child', mode, str(gguf_path), str(served)],
                              check=True, stdout=subprocess.PIPE, text=True, env=os.environ)
         print(out.stdout.strip())

@@ -18,7 +18,7 @@ from lmdeploy.pytorch.distributed.parallel_state import TPGroup, head_ranges, us
 from lmdeploy.pytorch.engine.cuda_graph import DecodeGraphRunner
 from lmdeploy.pytorch.engine.model_runner import ModelRunner, layer_windows
 from lmdeploy.pytorch.paging.state_pool import recurrent_state_shapes, state_bytes_per_slot
-from lmdeploy.pytorch.weights.loader import build_model
+from lmdeploy.pytorch.weights.loader import build_model, release_free_heap
 
 logger = logging.getLogger('lmdeploy')
 
@@ -135,6 +135,7 @@ def build_runner(model_dir: str, config: PytorchEngineConfig, device: torch.devi
     with use_group(group):
         model = build_model(cfg, model_dir, device, config.load_format, show_progress)
         model.finalize_weights(device.type == 'cpu', uses_decode_int4(config, cfg, hf_config, device))
+    release_free_heap()
     (q_start, q_stop), (kv_start, kv_stop) = head_ranges(cfg.num_heads, cfg.num_kv_heads, group.rank,
                                                          group.world_size)
     rank_cfg = dataclasses.replace(cfg, num_heads=q_stop - q_start, num_kv_heads=kv_stop - kv_start)
