@@ -89,7 +89,7 @@ import torch
 sys.path.insert(0, sys.argv[1])
 from memory_accounting import anonymous_gib, malloc_gib
 from lmdeploy.pytorch.nn.quant.q4k_cpu import pack_q4k
-from lmdeploy.pytorch.weights.loader import release_free_heap
+from lmdeploy.pytorch.weights.safetensors_loader import release_free_heap
 
 blocks = torch.randint(0, 256, (32, 1536, 8, 144), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
 kept = [pack_q4k(blocks[e], gate_up=True) for e in range(32)]

@@ -18,7 +18,8 @@ from lmdeploy.pytorch.distributed.parallel_state import TPGroup, head_ranges, us
 from lmdeploy.pytorch.engine.cuda_graph import DecodeGraphRunner
 from lmdeploy.pytorch.engine.model_runner import ModelRunner, layer_windows
 from lmdeploy.pytorch.paging.state_pool import recurrent_state_shapes, state_bytes_per_slot
-from lmdeploy.pytorch.weights.loader import build_model, release_free_heap
+from lmdeploy.pytorch.weights.loader import build_model
+from lmdeploy.pytorch.weights.safetensors_loader import release_free_heap
 
 logger = logging.getLogger('lmdeploy')
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 from collections.abc import Iterator
 
 import torch
@@ -43,16 +42,6 @@ def fill_dummy_weights(model: nn.Module, seed: int = 0) -> None:
             param.zero_()
         else:
             param.fill_(1.0)
-
-
-def release_free_heap() -> None:
-    """Gives the pages of glibc malloc's free chunks back to the system (``malloc_trim(0)``); nothing where the C
-    library has no ``malloc_trim``. Called once the model is loaded: retiling a GGUF MoE file's experts (thousands of
-    tensors of 0.1-1.7 MB, in the heap beside their temporaries) leaves the freed temporaries' pages resident, 26 MiB a
-    Qwen3-30B-A3B layer, about 1.3 GiB of its 48 (see docs/engine.md, "MoE GGUF files")."""
-    trim = getattr(ctypes.CDLL(None), 'malloc_trim', None)
-    if trim is not None:
-        trim(0)
 
 
 def checkpoint_quantization(cfg: ModelConfig) -> dict | None:

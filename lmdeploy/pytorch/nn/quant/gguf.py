@@ -56,7 +56,7 @@ from lmdeploy.pytorch.nn.quant.q5k_cpu import Q5KKernel
 from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6KKernel
 from lmdeploy.pytorch.nn.quant.w4a16 import Int4GroupFormat, Int4Grid, PerExpertKernel, ReferenceKernel
 from lmdeploy.pytorch.weights.gguf_types import engine_layer, part_index
-from lmdeploy.pytorch.weights.safetensors_loader import WeightSource, one_thread, read_shard
+from lmdeploy.pytorch.weights.safetensors_loader import WeightSource, one_thread, read_shard, release_free_heap
 
 if TYPE_CHECKING:
     from lmdeploy.pytorch.nn.linear import Linear
@@ -152,6 +152,7 @@ class GgufExpertsFormat(WeightFormat):
             return PerExpertKernel(experts.num_experts,
                                    lambda proj, expert: self.reference_kernel(proj, experts.projection(proj, expert)))
         experts.release()
+        release_free_heap()  # the pages of the blocks' retiling temporaries, freed between the kept tensors
         return kernel
 
     def triton_kernel(self, experts: FusedExperts) -> ExpertKernel:
