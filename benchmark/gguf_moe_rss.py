@@ -21,10 +21,16 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).parent))
 import memory_accounting  # noqa: E402
 from make_big_moe_gguf import add_shape_arguments, write_file  # noqa: E402
+
+from lmdeploy.pytorch.weights.safetensors_loader import release_free_heap  # noqa: E402
+
+if TYPE_CHECKING:
+    from lmdeploy.pytorch.engine.engine import Engine
 
 PROMPT = 'The printing press changed how books were made in Europe because'
 
@@ -80,23 +86,23 @@ def child(mode: str, gguf_path: str, folder: str, args: argparse.Namespace) -> N
         engine.close()
 
 
-def account(engine, runtime_gib: float, when: str) -> None:
+def account(engine: Engine, runtime_gib: float, when: str) -> None:
     """Prints the served process's anonymous memory split into the runtime, the model's tensors, the KV cache and
     the rest, with malloc's counts, then the same after ``malloc_trim(0)``."""
     model = memory_accounting.storages([engine.runner.model])
     cache = memory_accounting.storages([engine.runner.kv_caches])
     every = memory_accounting.all_tensor_storages()
     others = {ptr: size for ptr, size in every.items() if ptr not in model and ptr not in cache}
+    model_gib, cache_gib = memory_accounting.gib(model), memory_accounting.gib(cache)
     for label in ('', ' after malloc_trim(0)'):
         if label:
-            memory_accounting.malloc_trim()
+            release_free_heap()
         anonymous = memory_accounting.anonymous_gib()
-        rest = anonymous - runtime_gib - memory_accounting.gib(model) - memory_accounting.gib(cache)
+        rest = anonymous - runtime_gib - model_gib - cache_gib
         heap = ', '.join(f'{k} {v:.3f}' for k, v in memory_accounting.malloc_gib().items())
         print(f'{when}{label}: anonymous {anonymous:.3f} GiB = runtime {runtime_gib:.3f} + model tensors '
-              f'{memory_accounting.gib(model):.3f} ({len(model)} storages) + KV cache {memory_accounting.gib(cache):.3f}'
-              f' + rest {rest:.3f} (other tensors {memory_accounting.gib(others):.3f}); malloc GiB: {heap}',
-              flush=True)
+              f'{model_gib:.3f} ({len(model)} storages) + KV cache {cache_gib:.3f} + rest {rest:.3f} '
+              f'(other tensors {memory_accounting.gib(others):.3f}); malloc GiB: {heap}', flush=True)
 
 
 def main() -> None:

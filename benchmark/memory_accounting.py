@@ -1,5 +1,5 @@
 """Where a process's anonymous memory goes: the bytes of the tensors a model holds (each storage once), against
-anonymous RSS and glibc malloc's own counts (``mallinfo2``), before and after ``malloc_trim(0)``. Used by
+anonymous RSS and glibc malloc's own counts (``mallinfo2``). Used by
 ``benchmark/gguf_moe_rss.py --account``."""
 from __future__ import annotations
 
@@ -36,11 +36,6 @@ def malloc_gib() -> dict[str, float]:
     info = libc().mallinfo2()
     return {'heap': info.arena / GIB, 'mmapped': info.hblkhd / GIB, 'in_use': info.uordblks / GIB,
             'free': info.fordblks / GIB}
-
-
-def malloc_trim() -> int:
-    """``malloc_trim(0)``: 1 where glibc gave memory back."""
-    return libc().malloc_trim(0)
 
 
 def _children(obj: object) -> list:
