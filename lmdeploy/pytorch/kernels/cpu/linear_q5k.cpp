@@ -42,6 +42,7 @@ inline void tile_dot(const kquant::Gemv& g, int64_t tile, int64_t m, __m512* y) 
   __m512 acc[R], acc_min[R];
   for (int r = 0; r < R; ++r) acc[r] = acc_min[r] = _mm512_setzero_ps();
   for (int64_t block = 0; block < blocks; ++block, s += kScaleBytes) {
+    kquant::prefetch_ahead(s, kquant::kCodePrefetchBytes * kScaleBytes / (kCodeBytes * kBlock / kGroup), kScaleBytes);
     alignas(64) float scales[8][2][kTile];  // decoded once per block, outside the loop over codes
     for (int64_t j = 0; j < 8; ++j) {
       __m512 scale, minimum;
@@ -50,6 +51,7 @@ inline void tile_dot(const kquant::Gemv& g, int64_t tile, int64_t m, __m512* y) 
       _mm512_store_ps(scales[j][1], minimum);
     }
     for (int64_t j = 0; j < kBlock / kGroup; ++j, w += kCodeBytes) {
+      kquant::prefetch_ahead(w, kquant::kCodePrefetchBytes, kCodeBytes);
       const int64_t group = block * (kBlock / kGroup) + j;
       const __m512i top = _mm512_loadu_si512(w + 8 * 32);
       __m512 dot[R][2];

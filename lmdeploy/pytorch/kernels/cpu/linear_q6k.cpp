@@ -41,8 +41,10 @@ inline void tile_dot(const kquant::Gemv& g, int64_t tile, int64_t m, __m512* y) 
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t block = 0; block < blocks; ++block, s += kScaleBytes) {
+    kquant::prefetch_ahead(s, kquant::kCodePrefetchBytes * kScaleBytes / (kCodeBytes * kBlock / kGroup), kScaleBytes);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + kBlock)));
     for (int64_t i = 0; i < kBlock / kGroup; ++i, w += kCodeBytes) {
+      kquant::prefetch_ahead(w, kquant::kCodePrefetchBytes, kCodeBytes);
       const int64_t group = block * (kBlock / kGroup) + i;
       const __m512i hi0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 128)));
       const __m512i hi1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 160)));
