@@ -230,9 +230,9 @@ class Engine:
     @torch.inference_mode()
     def get_logits(self, prompt_ids: list[int], last_only: bool = False) -> torch.Tensor:
         """fp32 logits ``[len(prompt_ids), vocab]`` of every position (``last_only``: ``[1, vocab]``, the last
-        position's, the LM head run on one row of each chunk), from a fresh prefill of the prompt in chunks of ``max_prefill_token_num``
-        tokens, in borrowed free blocks (no prefix-cache reuse; sliding-window layers give back their blocks
-        between chunks); runs between steps, on the engine's thread."""
+        position's, the LM head run on one row of each chunk), from a fresh prefill of the prompt in chunks of
+        ``max_prefill_token_num`` tokens, in borrowed free blocks (no prefix-cache reuse; sliding-window layers
+        give back their blocks between chunks); runs between steps, on the engine's thread."""
         self._check_prompt(prompt_ids)
         bm, state_pool = self.block_manager, self.scheduler.state_pool
         seq = Sequence(-1, list(prompt_ids), GenerationConfig(max_new_tokens=1))
