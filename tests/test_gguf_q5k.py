@@ -25,7 +25,7 @@ from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.kernels import cpu, moe
 from lmdeploy.pytorch.nn.linear import Linear
 from lmdeploy.pytorch.nn.quant.base import LinearKernel, LinearOptions
-from lmdeploy.pytorch.nn.quant.gguf import GgufFormat
+from lmdeploy.pytorch.nn.quant.gguf import DequantizedKernel, GgufFormat
 from lmdeploy.pytorch.nn.quant.gguf_blocks import BLOCKS, dequantize_blocks
 from lmdeploy.pytorch.nn.quant.parts import PartsKernel
 from lmdeploy.pytorch.nn.quant.q5k_cpu import Q5KKernel, pack_q5k, unpack_q5k
@@ -82,15 +82,15 @@ def test_q5_k_kernel_is_the_file_weights(amx, rows, monkeypatch):
         assert torch.equal(kernel(x, bias), torch.nn.functional.linear(x, expected.bfloat16(), bias))
 
 
-def test_q5_k_in_fp32_and_without_the_gemv_is_dequantized_per_call():
-    """fp32 (and rows that do not fill the GEMV's tiles) dequantize the blocks on each call: gguf's weights."""
+def test_q5_k_in_fp32_is_dequantized_once():
+    """fp32 on the CPU dequantizes the blocks once at load (and drops them): gguf's weights exactly."""
     blocks, expected = random_q5k(40, 256, seed=9)
     layer = torch.nn.Module()
     layer.qweight, layer.gate_up_panels = blocks, False
     kernel = GgufFormat('Q5_K').make_kernel(layer, LinearOptions(False, dtype=torch.float32))
-    assert isinstance(kernel, ReferenceKernel) and layer.qweight is blocks
+    assert isinstance(kernel, DequantizedKernel) and layer.qweight is None and torch.equal(kernel.weight, expected)
     x = torch.randn(3, 256)
-    torch.testing.assert_close(kernel(x, None), x @ expected.T)
+    assert torch.equal(kernel(x, None), torch.nn.functional.linear(x, expected))
     assert Q5KKernel.of(blocks) is None  # 40 rows: not whole tiles of 16
 
 
