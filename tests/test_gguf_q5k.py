@@ -4,15 +4,18 @@ Llama (Q5_K, some Q6_K) served from its blocks with transformers' fp32 greedy to
 decoder stack, equal to its layers, holding only the file's blocks."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sysconfig
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 from helpers import hf_greedy, make_engine, random_prompts, run
 from test_decoder_stack import check_every_step
@@ -100,14 +103,20 @@ def q5_k_m(tmp_path_factory) -> str:
 
 
 def test_q5_k_m_file_gives_transformers_tokens(q5_k_m):
-    """The Q5_K projections stay uint8 blocks of 176 bytes (a q/k/v of Q5_K q and k and Q6_K v part by part); in
-    fp32 the greedy tokens are transformers' reading the .gguf, batched equal to alone, every KV block given back."""
+    """The Q5_K projections stay uint8 blocks of 176 bytes (a q/k/v of Q5_K q and k and Q6_K v part by part), in
+    fp32 dequantized once at load; the greedy tokens are transformers' reading the .gguf, batched equal to alone,
+    every KV block given back."""
+    name = 'model.layers.1.mlp.down_proj.qweight'
+    weight_map = json.loads((Path(q5_k_m) / 'model.safetensors.index.json').read_text())['weight_map']
+    with safe_open(str(Path(q5_k_m) / weight_map[name]), 'pt') as shard:
+        blocks = shard.get_tensor(name)
+    assert blocks.dtype == torch.uint8 and blocks.shape == (256, 512 // 256, 176)
     engine = make_engine(q5_k_m)
     try:
         model = engine.runner.model
         down = model.get_submodule('layers.1.mlp.down_proj')
-        assert down.weight_format.ggml_type == 'Q5_K'
-        assert down.qweight.dtype == torch.uint8 and down.qweight.shape == (256, 512 // 256, 176)
+        assert down.weight_format.ggml_type == 'Q5_K' and isinstance(down.kernel, DequantizedKernel)
+        assert torch.equal(down.kernel.weight, dequantize_blocks(blocks, 'Q5_K'))
         qkv = model.get_submodule('layers.0.self_attn.qkv_proj')
         assert [part.ggml_type for part in qkv.weight_format.parts] == ['Q5_K', 'Q5_K', 'Q6_K']
         prompts = random_prompts([9, 30, 4], seed=5, vocab=250)
