@@ -22,7 +22,7 @@ from helpers import hf_greedy, make_engine, random_prompts, run
 from lmdeploy import model_source
 from lmdeploy.model_source import DEFAULT_GGUF, default_model_path, resolve_model_path
 from lmdeploy.pytorch.weights import gguf as gguf_weights
-from lmdeploy.pytorch.weights.file_checks import PlainArrayReader, open_gguf, reader_reused
+from lmdeploy.pytorch.weights.file_checks import PlainArrayReader, open_gguf
 from lmdeploy.pytorch.weights.gguf import convert_gguf, resolve_gguf
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 64, 256, 2, 4, 2
@@ -240,29 +240,6 @@ def test_plain_array_reader_reads_what_gguf_reads(tmp_path: Path) -> None:
     assert [(t.name, t.tensor_type, t.shape.tolist()) for t in ours.tensors] == \
         [(t.name, t.tensor_type, t.shape.tolist()) for t in theirs.tensors]
     assert all(np.array_equal(a.data, b.data) for a, b in zip(ours.tensors, theirs.tensors))
-
-
-def test_the_tokenizer_is_saved_from_the_open_reader(tmp_path: Path, tmp_cache: Path,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """The conversion opens its file once: transformers' read of the model's config, for AutoTokenizer's class, gets
-    the converter's reader (another file a fresh one), and the tokenizer it saves equals transformers' own."""
-    src = tmp_path / 'tiny.gguf'
-    make_gguf(src)
-    opened, open_file = [], gguf.GGUFReader.__init__
-    monkeypatch.setattr(gguf.GGUFReader, '__init__', lambda self, path, *args: opened.append(type(self)) or
-                        open_file(self, path, *args))
-    served = Path(resolve_gguf(str(src)))
-    assert opened == [PlainArrayReader] and gguf.GGUFReader is gguf.gguf_reader.GGUFReader
-    ours, theirs = AutoTokenizer.from_pretrained(str(served)), AutoTokenizer.from_pretrained(str(tmp_path),
-                                                                                             gguf_file=src.name)
-    text = 'Hello world! héllo 世界'
-    assert ours.encode(text) == theirs.encode(text) and len(ours) == len(theirs)
-    other = tmp_path / 'other.gguf'
-    make_gguf(other)
-    reader = open_gguf(src)
-    with reader_reused(src, reader):
-        assert gguf.GGUFReader(str(src)) is reader
-        assert type(gguf.GGUFReader(str(other))) is PlainArrayReader
 
 
 def test_failed_conversion_leaves_nothing(tmp_path: Path, tmp_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,13 +7,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
-from unittest import mock
 
-import gguf
 import numpy as np
 from gguf import GGUFReader
 
@@ -24,7 +19,6 @@ REDOWNLOAD = 'it may be truncated (a download that did not finish) or corrupt: r
 # architectures whose query projections are not ``heads * head_dim`` rows (multi-head latent attention)
 _OTHER_HEAD_WIDTHS = frozenset({'deepseek2'})
 _LAYER_INDEX = re.compile(r'blk\.(\d+)\.')
-_READER_SWAP = threading.Lock()
 
 
 def unreadable(path: str | os.PathLike, err: Exception) -> ConfigError:
@@ -62,20 +56,6 @@ def open_gguf(path: str | os.PathLike) -> GGUFReader:
     except Exception as err:  # the reader fails with numpy/struct/index errors on bad or missing bytes
         reason = ' '.join(str(err).split())
         raise ConfigError(f'{path} is not a valid GGUF file ({type(err).__name__}: {reason}); {REDOWNLOAD}') from err
-
-
-@contextmanager
-def reader_reused(path: str | os.PathLike, reader: GGUFReader) -> Iterator[None]:
-    """Within the block, gguf's ``GGUFReader`` (as transformers opens a file it reads) gives ``reader`` for the file
-    ``path`` and reads other files through :class:`PlainArrayReader`: transformers reading the metadata of a file
-    already open costs no second read (about 10 s of CPU for Gemma 3's 262k-entry vocabulary)."""
-    target = os.path.realpath(path)
-
-    def open_reader(file: str | os.PathLike, mode: str = 'r') -> GGUFReader:
-        return reader if os.path.realpath(file) == target else PlainArrayReader(file, mode)
-
-    with _READER_SWAP, mock.patch.object(gguf, 'GGUFReader', open_reader):
-        yield
 
 
 def check_gguf(reader: GGUFReader, arch: str, config: dict[str, Any], source: str) -> None:

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from lmdeploy.messages import ConfigError
 from lmdeploy.model_source import ModelNotFoundError
 
-from .file_checks import check_gguf, open_gguf, reader_reused
+from .file_checks import check_gguf, open_gguf
 from .gguf_archs import ARCHITECTURES, CONFIG_BUILDERS, LAYER_NAMES, RAW_SERVED_ARCHS, unpermute_rotary
 from .gguf_qwen3_next import ARCHITECTURES as HYBRID_ARCHS
 from .gguf_qwen3_next import FILE_LAYOUT as HYBRID_FILE_LAYOUT
@@ -282,8 +282,7 @@ def _save_tokenizer(gguf_path: Path, out_dir: Path, reader: GGUFReader) -> None:
     byte_level_gemma = arch.startswith('gemma') and _meta(reader, 'tokenizer.ggml.model') == 'gpt2'
     supported = arch in GGUF_SUPPORTED_ARCHITECTURES and not byte_level_gemma
     loader = AutoTokenizer if supported else PreTrainedTokenizerFast
-    with reader_reused(gguf_path, reader):  # AutoTokenizer reads the model's config from the file for its class
-        tokenizer = loader.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tokenizer = loader.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     split = _PRE_TOKENIZER_SPLITS.get(_meta(reader, 'tokenizer.ggml.pre'))
     if split is not None:
         set_split_regex(tokenizer, {'pre_tokenizer_type': split})
