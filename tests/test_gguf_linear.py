@@ -22,12 +22,11 @@ from lmdeploy.pytorch.distributed.parallel_state import TPGroup, use_group
 from lmdeploy.pytorch.nn.linear import GateUpLinear, Linear, RowLinear
 from lmdeploy.pytorch.nn.quant import LinearOptions, use_weight_format
 from lmdeploy.pytorch.kernels import cpu
-from lmdeploy.pytorch.nn.quant.gguf import GgufFileFormat, GgufFormat
-from lmdeploy.pytorch.nn.quant.gguf_blocks import NativeQ8Kernel, Q8Kernel
+from lmdeploy.pytorch.nn.quant.gguf import DequantizedKernel, GgufFileFormat, GgufFormat
+from lmdeploy.pytorch.nn.quant.gguf_blocks import NativeQ8Kernel
 from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
 from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KKernel
 from lmdeploy.pytorch.nn.quant.q6k_cpu import GEMV_MAX_ROWS
-from lmdeploy.pytorch.nn.quant.w4a16 import ReferenceKernel
 from lmdeploy.pytorch.weights.gguf import convert_gguf
 
 
@@ -56,18 +55,20 @@ def test_unpacking_matches_gguf(qtype):
     torch.testing.assert_close(layer(x), x @ expected.T)
 
 
-@pytest.mark.parametrize('qtype,kernel,dtype,tolerance', [(Q.Q8_0, Q8Kernel, torch.float32, 1e-6),
+@pytest.mark.parametrize('qtype,kernel,dtype,tolerance', [(Q.Q8_0, DequantizedKernel, torch.float32, 1e-6),
                                                           (Q.Q4_K, q4_k_cpu_kernel, torch.bfloat16, 1e-2),
-                                                          (Q.Q4_K, ReferenceKernel, torch.float32, 1e-6),
-                                                          (Q.Q6_K, Q8Kernel, torch.float32, 1e-6)])
+                                                          (Q.Q4_K, DequantizedKernel, torch.float32, 1e-6),
+                                                          (Q.Q6_K, DequantizedKernel, torch.float32, 1e-6)])
 def test_loaded_kernels(qtype, kernel, dtype, tolerance):
     """Q4_K on the native Q4_K GEMV (up to ``gemv_max_rows('q4k')`` rows; dequantized above) is the file's weights
     (its bf16 results rounded); on torch's int4 kernel (where the GEMV is not built) exact up to the rounding of
-    ``d * sc`` and ``dmin * m`` to bf16."""
+    ``d * sc`` and ``dmin * m`` to bf16. fp32 dequantizes the blocks once at load: gguf's weights exactly."""
     layer, expected = gguf_layer(qtype, seed=3)
     kernel = kernel() if kernel is q4_k_cpu_kernel else kernel
     layer.finalize(LinearOptions(pack_cpu=True, dtype=dtype))
-    assert isinstance(layer.kernel, kernel) and (layer.qweight is None) == (kernel is not ReferenceKernel)
+    assert isinstance(layer.kernel, kernel) and layer.qweight is None
+    if kernel is DequantizedKernel:
+        assert torch.equal(layer.kernel.weight, expected)
     for rows in (1, 7, 33):
         x = torch.randn(rows, 512).to(dtype)
         reference = x.float() @ expected.T
@@ -137,7 +138,7 @@ def test_bf16_engine_runs_q4_k_on_the_int4_kernel(tmp_path: Path):
                         show_progress=False)
         try:
             kinds = {type(module.kernel) for module in engine.runner.model.modules() if isinstance(module, Linear)}
-            assert kinds == {q4_k_cpu_kernel() if dtype == 'bfloat16' else ReferenceKernel}
+            assert kinds == {q4_k_cpu_kernel() if dtype == 'bfloat16' else DequantizedKernel}
             logits[dtype] = engine.get_logits(prompt).float()
         finally:
             engine.close()

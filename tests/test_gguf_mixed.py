@@ -26,7 +26,7 @@ from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.linear import Linear
 from lmdeploy.pytorch.nn.quant.dense import DenseFormat
-from lmdeploy.pytorch.nn.quant.gguf import GgufFormat, GgufPartsFormat
+from lmdeploy.pytorch.nn.quant.gguf import DequantizedKernel, GgufFormat, GgufPartsFormat
 from lmdeploy.pytorch.nn.quant.gguf_blocks import NativeQ8Kernel, Q8Kernel
 from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
 from lmdeploy.pytorch.nn.quant.parts import PartsKernel
@@ -245,13 +245,18 @@ def test_bf16_mixed_file_runs_each_layer_on_its_kernel(mixed_file):
             else:
                 assert isinstance(kernel, expected[layer_type]), name
 
-    error = bf16_logit_error(tmp / 'served', check_kernels)
+    def check_fp32_kernels(engine: Engine) -> None:  # every layer's blocks (each part's) dequantized once
+        for name in FILES[kind][1]:
+            assert isinstance(engine.runner.model.get_submodule(name).kernel, DequantizedKernel), name
+
+    error = bf16_logit_error(tmp / 'served', check_kernels, check_fp32_kernels)
     assert error < 0.05, error
 
 
-def bf16_logit_error(served: Path, check_bf16: Callable[[Engine], None]) -> float:
+def bf16_logit_error(served: Path, check_bf16: Callable[[Engine], None],
+                     check_fp32: Callable[[Engine], None] | None = None) -> float:
     """How far the bf16 engine's first-step logits on one prompt lie from the fp32 engine's (relative norm), the
-    bf16 engine first handed to ``check_bf16``."""
+    bf16 engine first handed to ``check_bf16`` (and the fp32 one to ``check_fp32``)."""
     prompt = random_prompts([13], seed=2, vocab=250)[0]
     logits = {}
     for dtype in ('float32', 'bfloat16'):
@@ -260,6 +265,8 @@ def bf16_logit_error(served: Path, check_bf16: Callable[[Engine], None]) -> floa
         try:
             if dtype == 'bfloat16':
                 check_bf16(engine)
+            elif check_fp32 is not None:
+                check_fp32(engine)
             logits[dtype] = engine.get_logits(prompt).float()
         finally:
             engine.close()

@@ -26,7 +26,7 @@ from lmdeploy.pytorch.kernels import cpu, moe
 from lmdeploy.pytorch.nn.moe import FusedExperts
 from lmdeploy.pytorch.nn.quant import LinearOptions, use_weight_format
 from lmdeploy.pytorch.nn.quant.dense import DenseFormat, DenseKernel
-from lmdeploy.pytorch.nn.quant.gguf import GgufExpertsFormat, GgufFormat
+from lmdeploy.pytorch.nn.quant.gguf import DequantizedKernel, GgufExpertsFormat, GgufFormat
 from lmdeploy.pytorch.nn.quant.gguf_blocks import NativeQ8Kernel, Q8Kernel, dequantize_blocks
 from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
 from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KKernel
@@ -216,15 +216,23 @@ def dense_weights(experts: FusedExperts) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_fp32_experts_dequantize_each_routed_expert():
-    """The reference path (fp32) equals the fused MoE on the dequantized weights."""
+    """The reference path (before load, each routed expert dequantized on its call) equals the fused MoE on the
+    dequantized weights; loaded in fp32 on the CPU each expert's blocks are dequantized once, the same outputs."""
     experts = random_gguf_experts({'gate_up': 'Q4_K', 'down': 'Q6_K'})
     gate_up, down = dense_weights(experts)
     g = torch.Generator().manual_seed(1)
     hidden = torch.randn(9, 256, generator=g)
     weights, ids = moe.moe_routing(torch.randn(9, 4, generator=g), 2, True)
     expected = moe.fused_moe(hidden, gate_up, down, weights, ids)
-    torch.testing.assert_close(experts(hidden, weights, ids), expected, rtol=1e-5,
-                               atol=1e-5 * expected.abs().max().item())
+    reference = experts(hidden, weights, ids)
+    torch.testing.assert_close(reference, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    experts.finalize(LinearOptions(dtype=torch.float32))
+    for proj, dense in (('gate_up', gate_up), ('down', down)):
+        for e in range(4):
+            kernel = experts.kernel.kernel(proj, e)
+            assert isinstance(kernel, DequantizedKernel) and torch.equal(kernel.weight, dense[e]), (proj, e)
+    assert experts.gate_up_qweight is None and experts.down_qweight is None
+    assert torch.equal(experts(hidden, weights, ids), reference)
 
 
 @pytest.mark.parametrize('types', [{'gate_up': 'Q4_K', 'down': 'Q4_K'}, {'gate_up': 'Q4_K', 'down': 'Q6_K'},

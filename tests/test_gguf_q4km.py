@@ -19,7 +19,7 @@ from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.quant.base import LinearOptions
-from lmdeploy.pytorch.nn.quant.gguf import GgufFileFormat, GgufFormat
+from lmdeploy.pytorch.nn.quant.gguf import DequantizedKernel, GgufFileFormat, GgufFormat
 from lmdeploy.pytorch.nn.quant.gguf_blocks import Q6K_LM_HEAD_GEMV_MAX_ROWS, int8_unpack, q4_k_grid
 from lmdeploy.pytorch.nn.quant.int4_cpu import NativeInt4Kernel, SmallStepInt4Kernel, TorchInt4Kernel
 from lmdeploy.pytorch.nn.quant.parts import PartsKernel
@@ -237,15 +237,18 @@ def q4_k_m(tmp_path_factory) -> str:
 
 
 def test_mixed_qkv_part_by_part_gives_transformers_tokens(q4_k_m):
-    """Layer 0's q/k/v (Q4_K, Q4_K, Q6_K) is kept part by part; in fp32 the greedy tokens are transformers'
-    reading the .gguf (which dequantizes every tensor). On CUDA the Q6_K part, ``down_proj`` and output layer run
-    on the Triton Q6_K GEMM, the output layer's dequantized table released."""
+    """Layer 0's q/k/v (Q4_K, Q4_K, Q6_K) is kept part by part (in fp32 on the CPU its parts dequantized once, as one
+    weight); in fp32 the greedy tokens are transformers' reading the .gguf (which dequantizes every tensor). On CUDA
+    the Q6_K part, ``down_proj`` and output layer run on the Triton Q6_K GEMM, the output layer's dequantized table
+    released."""
     engine = make_engine(q4_k_m)
     try:
         model = engine.runner.model
         qkv = model.get_submodule('layers.0.self_attn.qkv_proj')
-        assert qkv.weight_format.parts[2].ggml_type == 'Q6_K' and isinstance(qkv.kernel, PartsKernel)
-        if model.layers[0].input_layernorm.weight.is_cuda:
+        on_cuda = model.layers[0].input_layernorm.weight.is_cuda
+        assert qkv.weight_format.parts[2].ggml_type == 'Q6_K'
+        assert isinstance(qkv.kernel, PartsKernel if on_cuda else DequantizedKernel)
+        if on_cuda:
             from lmdeploy.pytorch.nn.quant.gguf_cuda import TritonQ6KKernel
             down = model.get_submodule('layers.0.mlp.down_proj')
             assert isinstance(qkv.kernel.parts[2], TritonQ6KKernel) and isinstance(down.kernel, TritonQ6KKernel)

@@ -4,15 +4,18 @@ Llama (Q5_K, some Q6_K) served from its blocks with transformers' fp32 greedy to
 decoder stack, equal to its layers, holding only the file's blocks."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sysconfig
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 from helpers import hf_greedy, make_engine, random_prompts, run
 from test_decoder_stack import check_every_step
@@ -25,7 +28,7 @@ from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.kernels import cpu, moe
 from lmdeploy.pytorch.nn.linear import Linear
 from lmdeploy.pytorch.nn.quant.base import LinearKernel, LinearOptions
-from lmdeploy.pytorch.nn.quant.gguf import GgufFormat
+from lmdeploy.pytorch.nn.quant.gguf import DequantizedKernel, GgufFormat
 from lmdeploy.pytorch.nn.quant.gguf_blocks import BLOCKS, dequantize_blocks
 from lmdeploy.pytorch.nn.quant.parts import PartsKernel
 from lmdeploy.pytorch.nn.quant.q5k_cpu import Q5KKernel, pack_q5k, unpack_q5k
@@ -82,15 +85,15 @@ def test_q5_k_kernel_is_the_file_weights(amx, rows, monkeypatch):
         assert torch.equal(kernel(x, bias), torch.nn.functional.linear(x, expected.bfloat16(), bias))
 
 
-def test_q5_k_in_fp32_and_without_the_gemv_is_dequantized_per_call():
-    """fp32 (and rows that do not fill the GEMV's tiles) dequantize the blocks on each call: gguf's weights."""
+def test_q5_k_in_fp32_is_dequantized_once():
+    """fp32 on the CPU dequantizes the blocks once at load (and drops them): gguf's weights exactly."""
     blocks, expected = random_q5k(40, 256, seed=9)
     layer = torch.nn.Module()
     layer.qweight, layer.gate_up_panels = blocks, False
     kernel = GgufFormat('Q5_K').make_kernel(layer, LinearOptions(False, dtype=torch.float32))
-    assert isinstance(kernel, ReferenceKernel) and layer.qweight is blocks
+    assert isinstance(kernel, DequantizedKernel) and layer.qweight is None and torch.equal(kernel.weight, expected)
     x = torch.randn(3, 256)
-    torch.testing.assert_close(kernel(x, None), x @ expected.T)
+    assert torch.equal(kernel(x, None), torch.nn.functional.linear(x, expected))
     assert Q5KKernel.of(blocks) is None  # 40 rows: not whole tiles of 16
 
 
@@ -100,14 +103,20 @@ def q5_k_m(tmp_path_factory) -> str:
 
 
 def test_q5_k_m_file_gives_transformers_tokens(q5_k_m):
-    """The Q5_K projections stay uint8 blocks of 176 bytes (a q/k/v of Q5_K q and k and Q6_K v part by part); in
-    fp32 the greedy tokens are transformers' reading the .gguf, batched equal to alone, every KV block given back."""
+    """The Q5_K projections stay uint8 blocks of 176 bytes (a q/k/v of Q5_K q and k and Q6_K v part by part), in
+    fp32 dequantized once at load; the greedy tokens are transformers' reading the .gguf, batched equal to alone,
+    every KV block given back."""
+    name = 'model.layers.1.mlp.down_proj.qweight'
+    weight_map = json.loads((Path(q5_k_m) / 'model.safetensors.index.json').read_text())['weight_map']
+    with safe_open(str(Path(q5_k_m) / weight_map[name]), 'pt') as shard:
+        blocks = shard.get_tensor(name)
+    assert blocks.dtype == torch.uint8 and blocks.shape == (256, 512 // 256, 176)
     engine = make_engine(q5_k_m)
     try:
         model = engine.runner.model
         down = model.get_submodule('layers.1.mlp.down_proj')
-        assert down.weight_format.ggml_type == 'Q5_K'
-        assert down.qweight.dtype == torch.uint8 and down.qweight.shape == (256, 512 // 256, 176)
+        assert down.weight_format.ggml_type == 'Q5_K' and isinstance(down.kernel, DequantizedKernel)
+        assert torch.equal(down.kernel.weight, dequantize_blocks(blocks, 'Q5_K'))
         qkv = model.get_submodule('layers.0.self_attn.qkv_proj')
         assert [part.ggml_type for part in qkv.weight_format.parts] == ['Q5_K', 'Q5_K', 'Q6_K']
         prompts = random_prompts([9, 30, 4], seed=5, vocab=250)

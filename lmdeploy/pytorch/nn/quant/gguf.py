@@ -36,6 +36,10 @@ otherwise each routed expert is dequantized on its call.
 
 A stacked layer (q/k/v, gate/up) whose parts differ in type (Q4_K_M's Q6_K ``attn_v`` beside Q4_K ``attn_q`` and
 ``attn_k``) keeps each part as its blocks on its type's kernel (:class:`GgufPartsFormat`).
+
+In fp32 on the CPU (``dtype='float32'``, asked for: ``auto`` is bf16) every layer's and expert's blocks are
+dequantized once at load (:class:`DequantizedKernel`), not on each call: the same fp32 weights, so the same
+logits, at the memory of the fp32 model that was asked for (4 bytes a weight, as transformers' reading of the file).
 """
 from __future__ import annotations
 
@@ -61,6 +65,22 @@ from lmdeploy.pytorch.weights.safetensors_loader import WeightSource, one_thread
 if TYPE_CHECKING:
     from lmdeploy.pytorch.nn.linear import Linear
     from lmdeploy.pytorch.nn.moe import ExpertProjection, FusedExperts
+
+
+class DequantizedKernel(LinearKernel):
+    """A layer's blocks dequantized once at load: ``F.linear`` on its fp32 weight (fp32 models on the CPU)."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, self.weight, bias)
+
+
+def fp32_on_cpu(options: LinearOptions, device: str) -> bool:
+    """Whether blocks on ``device`` are dequantized once at load: fp32 on the CPU."""
+    return options.dtype == torch.float32 and device == 'cpu'
+
 
 class GgufFormat(Int4GroupFormat):
     """A GGUF linear weight of one type, Q4_K, Q5_K, Q6_K or Q8_0, as its blocks."""
@@ -90,6 +110,10 @@ class GgufFormat(Int4GroupFormat):
         return dequantize_blocks(layer.qweight, self.ggml_type)
 
     def make_kernel(self, layer: Linear, options: LinearOptions) -> LinearKernel:
+        if fp32_on_cpu(options, layer.qweight.device.type):
+            kernel = DequantizedKernel(self.dequantize(layer))
+            layer.qweight = None
+            return kernel
         cpu_bf16 = options.dtype == torch.bfloat16 and layer.qweight.device.type == 'cpu'
         if self.ggml_type == 'Q4_K':
             native = q4_k_cpu_kernel(layer.qweight, layer.gate_up_panels) if cpu_bf16 else None
@@ -148,6 +172,10 @@ class GgufExpertsFormat(WeightFormat):
                 kernels = {proj: [self.cpu_kernel(proj, experts.projection(proj, e))
                                   for e in range(experts.num_experts)] for proj in self.formats}
             kernel = PerExpertKernel(experts.num_experts, lambda proj, expert: kernels[proj][expert])
+        elif fp32_on_cpu(options, device):
+            kernels = {proj: [self.fp32_kernel(proj, experts.projection(proj, e)) for e in range(experts.num_experts)]
+                       for proj in self.formats}
+            kernel = PerExpertKernel(experts.num_experts, lambda proj, expert: kernels[proj][expert])
         else:
             return PerExpertKernel(experts.num_experts,
                                    lambda proj, expert: self.reference_kernel(proj, experts.projection(proj, expert)))
@@ -176,6 +204,12 @@ class GgufExpertsFormat(WeightFormat):
         projection_format = self.formats[proj]
         return ReferenceKernel(projection_format, layer) if isinstance(projection_format, GgufFormat) else (
             DenseKernel(layer))
+
+    def fp32_kernel(self, proj: str, layer: ExpertProjection) -> LinearKernel:
+        """One expert's projection in fp32 on the CPU: its blocks dequantized once, a dense one as it is."""
+        projection_format = self.formats[proj]
+        return DequantizedKernel(projection_format.dequantize(layer)) if isinstance(projection_format, GgufFormat) \
+            else DenseKernel(layer)
 
     def cpu_kernel(self, proj: str, layer: ExpertProjection) -> LinearKernel:
         """One expert's projection for bf16 activations on the CPU: its blocks on their type's kernel where the
@@ -248,6 +282,10 @@ class GgufPartsFormat(WeightFormat):
     def make_kernel(self, layer: Linear, options: LinearOptions) -> LinearKernel:
         if options.dtype is None:
             return ReferenceKernel(self, layer)
+        if fp32_on_cpu(options, layer.qweight.device.type):
+            kernel = DequantizedKernel(self.dequantize(layer))
+            layer.qweight = None
+            return kernel
         parts = [part.make_kernel(BlockRows(self.blocks(layer, i)), options) for i, part in enumerate(self.parts)]
         sizes = [stop - start for start, stop in zip(layer.offsets, layer.offsets[1:])]
         layer.qweight = None
