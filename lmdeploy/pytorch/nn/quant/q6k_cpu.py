@@ -5,7 +5,6 @@ steps dequantize the same copy for one bf16 GEMM (no bf16 copy is kept)."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.quant.base import LinearKernel
@@ -100,7 +99,8 @@ class Q6KGemv(LinearKernel):
 
 class Q6KKernel(Q6KGemv):
     """A Q6_K layer: steps of up to ``max_gemv_rows`` tokens (``gemv_max_rows('q6k')``) on the GEMV, larger ones
-    dequantized from the same copy for ``F.linear`` (``q6k_dequantize``), 0.82 bytes a weight held."""
+    dequantized from the same copy into the thread's reused scratch for oneDNN's GEMM (``kquant_dequantized_linear``),
+    0.82 bytes a weight held."""
 
     def __init__(self, packed: torch.Tensor, scales: torch.Tensor, fp32_out: bool = False):
         super().__init__(packed, scales, fp32_out)
@@ -108,7 +108,7 @@ class Q6KKernel(Q6KGemv):
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.reshape(-1, x.shape[-1]).shape[0] > self.max_gemv_rows:
-            return F.linear(x, cpu.native().q6k_dequantize(self.packed, self.scales).to(x.dtype), bias)
+            return cpu.native().kquant_dequantized_linear(x, 'q6k', self.packed, self.scales, bias)
         return super().__call__(x, bias)
 
     def native_projection(self, bias: torch.Tensor | None) -> object | None:
