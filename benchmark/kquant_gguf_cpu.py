@@ -1,7 +1,8 @@
 """Memory and speed of a dense Llama GGUF file of K-quant blocks in bf16 on the CPU, one thread: RSS once loaded,
-the thread CPU time of a ``--prefill-tokens`` prefill (one step) and of batch-1 decode tokens, and peak RSS; each
-source tree of ``--trees`` in a fresh process, the trees' order alternating from round to round, so that a change
-is measured against the tree it replaces (a ``git archive`` of the commit before it, say).
+the thread CPU time of a ``--prefill-tokens`` prefill (one step) and its minor page faults (the process's), the
+thread CPU time of batch-1 decode tokens, and peak RSS; each source tree of ``--trees`` in a fresh process, the
+trees' order alternating from round to round, so that a change is measured against the tree it replaces (a ``git
+archive`` of the commit before it, say).
 
 The file: TinyLlama-1.1B's widths (hidden 2048, intermediate 5632, 32 heads, 4 KV heads of 64), ``--layers`` of
 them, the default model's tokenizer (vocabulary 49152), random blocks (``make_big_moe_gguf.random_blocks``) laid
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -100,12 +102,15 @@ def child(folder: str, args: argparse.Namespace) -> None:
     try:
         engine_prefill_rate(engine, long_prompt)  # warm-up
         engine_decode_rate(engine, prompt, 4)
-        prefill, decode = [], []
+        prefill, decode, faults = [], [], []
         for _ in range(args.repeats):
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             prefill.append(args.prefill_tokens / engine_prefill_rate(engine, long_prompt) * 1e3)
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
             decode.append(1e3 / engine_decode_rate(engine, prompt, args.decode_tokens)[0])
         print(f'{tree}{bounds}: prefill {args.prefill_tokens}: best {min(prefill):.0f} ms, median '
-              f'{statistics.median(prefill):.0f} ms; decode: best {min(decode):.2f} ms/token, median '
+              f'{statistics.median(prefill):.0f} ms, {statistics.median(faults):.0f} page faults (median); '
+              f'decode: best {min(decode):.2f} ms/token, median '
               f'{statistics.median(decode):.2f}; peak RSS {peak_rss_gib():.3f} GiB', flush=True)
     finally:
         engine.close()
