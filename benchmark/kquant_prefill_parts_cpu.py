@@ -1,14 +1,15 @@
 """Where a GGUF K-quant layer's large step spends its time on this CPU: the weight dequantized to bf16 (into a fresh
-tensor, as before, or into the thread's reused scratch, as ``kquant_dequantized_linear`` does), the bf16 GEMM
-(``F.linear`` on a weight already dequantized), and the two together each way. Layers of TinyLlama's widths as
+tensor, as before), the bf16 GEMM (``F.linear`` on a weight already dequantized), and the two together: a fresh
+copy then ``F.linear`` (before) and ``kquant_dequantized_linear`` (the thread's reused scratch, now). A one-row
+step is no measure of the dequantization alone: its GEMV reads the whole weight too. Layers of TinyLlama's widths as
 ``benchmark/kquant_rows_cpu.py`` makes them (q/k/v, o, gate-and-up, down; random blocks), ``--layers`` of each so
 that a pass reads more than the L3. One thread, timed by its CPU time (``time.thread_time``, which counts the
 kernel's page-fault work too); best of repeats, the variants alternating.
 
-Run alone, glibc hands a fresh dequantized copy the pages the previous call freed, but copies above its mmap
-threshold (32 MB at most: the gate-and-up layer's 46 MB) are mapped and unmapped on every call; in the engine
-other tensors come between and smaller copies land on fresh pages too. ``MALLOC_MMAP_THRESHOLD_=65536`` gives every
-fresh copy fresh pages, as the engine mostly does::
+Whether glibc hands a fresh copy the pages the previous call freed or new ones (mapped per call, their first touch
+page faults and zeroing) depends on what the process allocated before: in the engine one process of the same file
+took 90 k page faults a prefill step, another none. ``MALLOC_MMAP_THRESHOLD_=65536`` gives every fresh copy fresh
+pages::
 
     PYTHONPATH=. python benchmark/kquant_prefill_parts_cpu.py --rows 128,256,512
     MALLOC_MMAP_THRESHOLD_=65536 PYTHONPATH=. python benchmark/kquant_prefill_parts_cpu.py --rows 128,256,512
@@ -78,11 +79,6 @@ def main() -> None:
             for kernel, gate_up, _, _ in layers:
                 fresh_weight(args.kind, kernel, gate_up)
 
-        def dequantize_scratch() -> None:  # with a one-row GEMM, next to nothing
-            for kernel, gate_up, inputs, _ in layers:
-                native.kquant_dequantized_linear(xs[inputs][:1], args.kind, codes_of(kernel), kernel.scales, None,
-                                                 gate_up)
-
         def gemm() -> None:
             for _, _, inputs, weight in layers:
                 F.linear(xs[inputs], weight)
@@ -105,8 +101,7 @@ def main() -> None:
                 if not gate_up:
                     native.kquant_dequantized_linear(xs[inputs], args.kind, codes_of(kernel), kernel.scales)
 
-        variants: dict[str, Callable[[], None]] = {'dequantize (fresh)': dequantize_fresh,
-                                                  'dequantize (scratch, 1-row GEMM)': dequantize_scratch, 'GEMM': gemm,
+        variants: dict[str, Callable[[], None]] = {'dequantize (fresh)': dequantize_fresh, 'GEMM': gemm,
                                                   'before: fresh + GEMM': before, 'after: scratch + GEMM': after}
         if args.tile_rows:
             variants.update({f'tiles of {args.tile_rows} (no gate/up)': tiled,
