@@ -12,8 +12,9 @@ using WeightBuffer = torch::Tensor (*)(int64_t rows, int64_t cols);
 torch::Tensor fresh_weight(int64_t rows, int64_t cols);
 
 // A view of this thread's scratch, grown to the largest weight asked for and kept: each call reuses the pages the
-// last one touched, where a fresh tensor of tens of MB comes from mmap as new zeroed pages whose first touch costs
-// about as much as the dequantization. Valid until the thread's next call; never handed out of this file.
+// last one touched, where a fresh tensor of tens of MB often comes as new pages whose first touch (page faults,
+// zeroing) cost two to three times the dequantization (docs/engine.md). Valid until the thread's next call:
+// kquant_dequantized_linear alone takes it, and nothing it returns aliases it.
 torch::Tensor scratch_weight(int64_t rows, int64_t cols);
 
 enum class KQuant { kQ4K, kQ5K, kQ6K };

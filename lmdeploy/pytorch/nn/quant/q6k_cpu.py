@@ -16,10 +16,11 @@ Q6K_TILE, Q6K_GROUP, Q6K_BLOCK = 16, 16, 256
 # held to AVX512-BF16): the largest step at which the GEMV was not slower in either of two rounds, GEMV /
 # dequantized at the next size measured: Q5_K 1.04-1.06 at 32 rows with AMX, 0.82-1.04 at 64 without; Q6_K
 # 0.78-1.43 at 24, 1.01-1.02 at 48; Q8_0 (dequantized by torch) 0.88-1.15 at 96, 1.07-1.10 at 256. Q4_K from whole
-# prefill steps of a Q4_K_M file (``benchmark/kquant_gguf_cpu.py``), where they disagreed: with AMX the GEMV
-# 1.26-1.28x faster at 24 rows, dequantizing 1.23-1.24x at 48; without, the GEMV 1.08-1.11x faster at 96. See
-# docs/engine.md, "GGUF K-quant GEMV bounds with and without AMX".
-GEMV_MAX_ROWS = {'q4k': (32, 96), 'q5k': (24, 48), 'q6k': (16, 32), 'q8_0': (64, 192)}
+# prefill steps of a Q4_K_M file (``benchmark/kquant_gguf_cpu.py``) since the dequantized weight goes to a reused
+# scratch: with AMX a tie at 16 rows, dequantizing 1.4-1.6x faster at 24; without, a tie at 64, dequantizing
+# 1.05-1.14x faster at 96. See docs/engine.md, "GGUF K-quant GEMV bounds with and without AMX" and "GGUF K-quant
+# prefill: no fresh pages per call".
+GEMV_MAX_ROWS = {'q4k': (16, 64), 'q5k': (24, 48), 'q6k': (16, 32), 'q8_0': (64, 192)}
 
 
 def gemv_max_rows(kind: str) -> int:
