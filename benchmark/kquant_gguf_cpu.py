@@ -1,7 +1,8 @@
 """Memory and speed of a dense Llama GGUF file of K-quant blocks in bf16 on the CPU, one thread: RSS once loaded,
-the thread CPU time of a ``--prefill-tokens`` prefill (one step) and of batch-1 decode tokens, and peak RSS; each
-source tree of ``--trees`` in a fresh process, the trees' order alternating from round to round, so that a change
-is measured against the tree it replaces (a ``git archive`` of the commit before it, say).
+the thread CPU time of a ``--prefill-tokens`` prefill (one step) and its minor page faults (the process's), the
+thread CPU time of batch-1 decode tokens, and peak RSS; each source tree of ``--trees`` in a fresh process, the
+trees' order alternating from round to round, so that a change is measured against the tree it replaces (a ``git
+archive`` of the commit before it, say).
 
 The file: TinyLlama-1.1B's widths (hidden 2048, intermediate 5632, 32 heads, 4 KV heads of 64), ``--layers`` of
 them, the default model's tokenizer (vocabulary 49152), random blocks (``make_big_moe_gguf.random_blocks``) laid
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -99,14 +101,20 @@ def child(folder: str, args: argparse.Namespace) -> None:
     prompt = long_prompt[:16]
     try:
         engine_prefill_rate(engine, long_prompt)  # warm-up
-        engine_decode_rate(engine, prompt, 4)
-        prefill, decode = [], []
+        if args.decode_tokens:
+            engine_decode_rate(engine, prompt, 4)
+        prefill, decode, faults = [], [], []
         for _ in range(args.repeats):
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             prefill.append(args.prefill_tokens / engine_prefill_rate(engine, long_prompt) * 1e3)
-            decode.append(1e3 / engine_decode_rate(engine, prompt, args.decode_tokens)[0])
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+            if args.decode_tokens:
+                decode.append(1e3 / engine_decode_rate(engine, prompt, args.decode_tokens)[0])
+        decoded = (f'decode: best {min(decode):.2f} ms/token, median {statistics.median(decode):.2f}'
+                   if decode else 'no decode between')
         print(f'{tree}{bounds}: prefill {args.prefill_tokens}: best {min(prefill):.0f} ms, median '
-              f'{statistics.median(prefill):.0f} ms; decode: best {min(decode):.2f} ms/token, median '
-              f'{statistics.median(decode):.2f}; peak RSS {peak_rss_gib():.3f} GiB', flush=True)
+              f'{statistics.median(prefill):.0f} ms, {statistics.median(faults):.0f} page faults (median); '
+              f'{decoded}; peak RSS {peak_rss_gib():.3f} GiB', flush=True)
     finally:
         engine.close()
 
@@ -119,7 +127,7 @@ def main() -> None:
     parser.add_argument('--dir', default='/tmp/kquant_gguf_cpu',
                         help='where the file and its converted folder go (kept)')
     parser.add_argument('--prefill-tokens', type=int, default=512)
-    parser.add_argument('--decode-tokens', type=int, default=16)
+    parser.add_argument('--decode-tokens', type=int, default=16, help='0: prefills only, none between them')
     parser.add_argument('--repeats', type=int, default=3)
     parser.add_argument('--rounds', type=int, default=2)
     parser.add_argument('--native-bf16-gemm', action='store_true',

@@ -255,8 +255,9 @@ def test_bf16_cpu_expert_kernels_match_the_file_weights(types, monkeypatch):
         assert all(isinstance(experts.kernel.kernel(proj, e), expected) for e in range(4)), (proj, t)
     q6k_calls, dequantized = [], []  # each Q6_K expert call's (rows, whether it dequantized)
     if cpu.q6k_gemv() is not None:
-        dequantize, call = cpu.native().q6k_dequantize, Q6KKernel.__call__
-        monkeypatch.setattr(cpu.native(), 'q6k_dequantize', lambda *args: dequantized.append(1) or dequantize(*args))
+        dequantized_linear, call = cpu.native().kquant_dequantized_linear, Q6KKernel.__call__
+        monkeypatch.setattr(cpu.native(), 'kquant_dequantized_linear',
+                            lambda *args: dequantized.append(1) or dequantized_linear(*args))
 
         def recorded(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
             before = len(dequantized)

@@ -50,21 +50,40 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("bias") = py::none());
   m.def("q4k_gate_up_silu", &q4k_gate_up_silu, "silu(x @ G.T) * (x @ U.T) on GGUF Q4_K gate and up tiles",
         py::arg("x"), py::arg("packed"), py::arg("scales"));
-  m.def("q4k_dequantize", &q4k_dequantize, "bf16 W of q4k_linear's codes and scales ([gate; up] with gate_up)",
-        py::arg("packed"), py::arg("scales"), py::arg("gate_up") = false);
+  m.def(
+      "q4k_dequantize",
+      [](const torch::Tensor& packed, const torch::Tensor& scales, bool gate_up) {
+        return q4k_dequantize(packed, scales, gate_up);
+      },
+      "bf16 W of q4k_linear's codes and scales ([gate; up] with gate_up)", py::arg("packed"), py::arg("scales"),
+      py::arg("gate_up") = false);
   m.def("q8_gemv_available", &q8_gemv_available, "whether q8_linear was built (AVX-512)");
   m.def("q8_linear", &q8_linear, "fp32 x @ W.T on 8-bit weight groups (linear_q8.cpp)", py::arg("x"),
         py::arg("packed"), py::arg("scales"));
   m.def("q6k_gemv_available", &q6k_gemv_available, "whether q6k_linear was built (AVX512-BF16)");
   m.def("q6k_linear", &q6k_linear, "fp32 x @ W.T on GGUF Q6_K codes and scales (linear_q6k.cpp), x in bf16",
         py::arg("x"), py::arg("codes"), py::arg("scales"));
-  m.def("q6k_dequantize", &q6k_dequantize, "bf16 W of q6k_linear's codes and scales", py::arg("codes"),
-        py::arg("scales"));
+  m.def(
+      "q6k_dequantize",
+      [](const torch::Tensor& codes, const torch::Tensor& scales) { return q6k_dequantize(codes, scales); },
+      "bf16 W of q6k_linear's codes and scales", py::arg("codes"), py::arg("scales"));
   m.def("q5k_gemv_available", &q5k_gemv_available, "whether q5k_linear was built (AVX512-BF16)");
   m.def("q5k_linear", &q5k_linear, "fp32 x @ W.T on GGUF Q5_K codes and scales (linear_q5k.cpp), x in bf16",
         py::arg("x"), py::arg("codes"), py::arg("scales"));
-  m.def("q5k_dequantize", &q5k_dequantize, "bf16 W of q5k_linear's codes and scales", py::arg("codes"),
-        py::arg("scales"));
+  m.def(
+      "q5k_dequantize",
+      [](const torch::Tensor& codes, const torch::Tensor& scales) { return q5k_dequantize(codes, scales); },
+      "bf16 W of q5k_linear's codes and scales", py::arg("codes"), py::arg("scales"));
+  m.def(
+      "kquant_dequantized_linear",
+      [](const torch::Tensor& x, const std::string& kind, const torch::Tensor& codes, const torch::Tensor& scales,
+         const c10::optional<torch::Tensor>& bias, bool gate_up) {
+        return kquant_dequantized_linear(kquant_of(kind), x, codes, scales, bias, gate_up);
+      },
+      "x @ W.T (+ bias), W a K-quant layer's codes and scales ('q4k', 'q5k', 'q6k') dequantized into this thread's "
+      "reused scratch (dequantized_linear.cpp)",
+      py::arg("x"), py::arg("kind"), py::arg("codes"), py::arg("scales"), py::arg("bias") = py::none(),
+      py::arg("gate_up") = false);
   m.def("mxfp4_gemv_available", &mxfp4_gemv_available, "whether mxfp4_linear was built (AVX-512)");
   m.def("mxfp4_linear", &mxfp4_linear, "fp32 x @ W.T on MXFP4 blocks and scales (linear_mxfp4.cpp), x in fp32 or bf16",
         py::arg("x"), py::arg("blocks"), py::arg("scales"));

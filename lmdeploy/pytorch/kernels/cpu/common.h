@@ -1,6 +1,7 @@
 // Shared by the native CPU kernels: headers and the element conversions to fp32.
 #pragma once
 
+#include "dequantized_linear.h"
 #include "torch_headers.h"
 #include <ATen/Parallel.h>
 
@@ -259,13 +260,15 @@ torch::Tensor q4k_linear(const torch::Tensor& x, const torch::Tensor& packed, co
 torch::Tensor q4k_gate_up_silu(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales);
 // The weights of q4k_linear's codes and scales, bf16 [N, K] (rounded from the exact fp32); with gate_up (tiles
 // alternating gate and up) as [gate; up].
-torch::Tensor q4k_dequantize(const torch::Tensor& packed, const torch::Tensor& scales, bool gate_up);
+torch::Tensor q4k_dequantize(const torch::Tensor& packed, const torch::Tensor& scales, bool gate_up,
+                             WeightBuffer buffer = fresh_weight);
 bool q8_gemv_available();
 torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales);
 bool q6k_gemv_available();
 torch::Tensor q6k_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales);
 // The weights of q6k_linear's codes and scales, bf16 [N, K] (rounded from the exact fp32).
-torch::Tensor q6k_dequantize(const torch::Tensor& codes, const torch::Tensor& scales);
+torch::Tensor q6k_dequantize(const torch::Tensor& codes, const torch::Tensor& scales,
+                             WeightBuffer buffer = fresh_weight);
 // MXFP4 (gpt-oss's experts) as the checkpoint holds it (linear_mxfp4.cpp); x in fp32 or bf16.
 bool mxfp4_gemv_available();
 torch::Tensor mxfp4_linear(const torch::Tensor& x, const torch::Tensor& blocks, const torch::Tensor& scales);

@@ -133,8 +133,7 @@ torch::Tensor Projection::operator()(const torch::Tensor& x) const {
     case Kind::kBf16: return bf16_linear(x, weight, bias);
     case Kind::kW8A8: return int8_linear(x, weight, *compensation, *scale, bias);
     case Kind::kQ4K: return q4k_linear(x, weight, *scale, bias);
-    case Kind::kQ4KDequantized:
-      return at::linear(x, q4k_dequantize(weight, *scale, false).to(x.scalar_type()), bias);
+    case Kind::kQ4KDequantized: return kquant_dequantized_linear(KQuant::kQ4K, x, weight, *scale, bias, false);
     case Kind::kQ6K: {
       const auto out = q6k_linear(x, weight, *scale).to(x.scalar_type());
       return bias ? out.add(*bias) : out;
@@ -143,8 +142,8 @@ torch::Tensor Projection::operator()(const torch::Tensor& x) const {
       const auto out = q5k_linear(x, weight, *scale).to(x.scalar_type());
       return bias ? out.add(*bias) : out;
     }
-    case Kind::kQ5KDequantized: return at::linear(x, q5k_dequantize(weight, *scale).to(x.scalar_type()), bias);
-    case Kind::kQ6KDequantized: return at::linear(x, q6k_dequantize(weight, *scale).to(x.scalar_type()), bias);
+    case Kind::kQ5KDequantized: return kquant_dequantized_linear(KQuant::kQ5K, x, weight, *scale, bias, false);
+    case Kind::kQ6KDequantized: return kquant_dequantized_linear(KQuant::kQ6K, x, weight, *scale, bias, false);
     case Kind::kQ8: {
       const auto out = q8_linear(x, weight, *scale).to(x.scalar_type());
       return bias ? out.add(*bias) : out;
@@ -171,7 +170,7 @@ torch::Tensor Projection::gate_up_silu(const torch::Tensor& x) const {
       TORCH_CHECK(!bias, "a q4k gate-and-up projection has no bias");
       return q4k_gate_up_silu(x, weight, *scale);
     case Kind::kQ4KDequantized:
-      return silu_and_mul(at::linear(x, q4k_dequantize(weight, *scale, true).to(x.scalar_type()), bias));
+      return silu_and_mul(kquant_dequantized_linear(KQuant::kQ4K, x, weight, *scale, bias, true));
     case Kind::kSteps: return parts[x.size(0) > small_step_rows ? 1 : 0].gate_up_silu(x);
     case Kind::kQ6K:
     case Kind::kQ5K:

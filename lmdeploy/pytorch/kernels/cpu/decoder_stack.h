@@ -27,8 +27,8 @@ struct StepTensors {
 // codes with q4k_linear's `scale` bytes; "q6k":
 // q6k_linear's codes and `scale`s (its fp32 result rounded to x's dtype, then the bias added); "q5k": q5k_linear's
 // codes and `scale`s, likewise; "q4k_dequantized", "q5k_dequantized", "q6k_dequantized": the same weights
-// dequantized to bf16 for each call (q4k_dequantize, q5k_dequantize, q6k_dequantize) and torch's linear, a "steps"
-// projection's large steps. A
+// dequantized to bf16 for each call into the thread's reused scratch and torch's linear (kquant_dequantized_linear,
+// dequantized_linear.h), a "steps" projection's large steps. A
 // gate-and-up projection's weight is packed for the kernel's fused SiLU (pack_bf16_gate_up,
 // pack_int8_gate_up; int4: gate and up tiles alternate, no bias). "onednn": oneDNN's GEMM
 // (mkldnn::_linear_pointwise) on its blocked weight, for a MoE block's router and shared-expert gate; "fp32": x in

@@ -103,9 +103,10 @@ inline void store_tile_rows(__m512i* pairs, c10::BFloat16* out, int64_t K) {
 // (per tile and block the 16 rows' d, dmin, then the 12 bytes of sc and m, 16 rows a byte). group_codes(w, u)
 // writes the 16-bit codes of a tile's group (its code bytes w) into u[8 h + c]: lane j the code of (row j / 2,
 // input 16 h + 2 c + j % 2). With gate_up the tiles alternate gate and up rows, and W comes back as [gate; up].
+// W is written to buffer(N, K).
 template <typename GroupCodes>
 torch::Tensor dequantize_k_tiles(const torch::Tensor& codes, const torch::Tensor& scales, int64_t code_bytes,
-                                 bool gate_up, const GroupCodes& group_codes) {
+                                 bool gate_up, WeightBuffer buffer, const GroupCodes& group_codes) {
   constexpr int64_t kGroup = 32, kBlock = 256, kScaleBytes = 256;
   TORCH_CHECK(codes.dim() >= 3 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
                   codes.numel() == codes.size(0) * codes.size(1) * code_bytes,
@@ -115,7 +116,7 @@ torch::Tensor dequantize_k_tiles(const torch::Tensor& codes, const torch::Tensor
                   scales.numel() == tiles * blocks * kScaleBytes,
               "scales: uint8 [N/16, K/256, 256]");
   TORCH_CHECK(!gate_up || tiles % 2 == 0, "gate_up: pairs of tiles");
-  auto out = torch::empty({N, K}, codes.options().dtype(at::kBFloat16));
+  auto out = buffer(N, K);
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const uint8_t* sp = scales.data_ptr<uint8_t>();
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();

@@ -205,8 +205,9 @@ torch::Tensor q4k_gate_up_silu(const torch::Tensor& x, const torch::Tensor& pack
   return int4_call(x, packed, scales, c10::nullopt, true, true);
 }
 
-torch::Tensor q4k_dequantize(const torch::Tensor& packed, const torch::Tensor& scales, bool gate_up) {
-  return kquant::dequantize_k_tiles(packed, scales, kGroupBytes, gate_up, [](const uint8_t* w, __m512i* u) {
+torch::Tensor q4k_dequantize(const torch::Tensor& packed, const torch::Tensor& scales, bool gate_up,
+                             WeightBuffer buffer) {
+  return kquant::dequantize_k_tiles(packed, scales, kGroupBytes, gate_up, buffer, [](const uint8_t* w, __m512i* u) {
     const __m512i nibble = _mm512_set1_epi16(15);
     for (int c = 0; c < 8; ++c) {
       const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * c)));
@@ -238,7 +239,7 @@ torch::Tensor q4k_gate_up_silu(const torch::Tensor&, const torch::Tensor&, const
   TORCH_CHECK(false, "built without AVX512-BF16");
 }
 
-torch::Tensor q4k_dequantize(const torch::Tensor&, const torch::Tensor&, bool) {
+torch::Tensor q4k_dequantize(const torch::Tensor&, const torch::Tensor&, bool, WeightBuffer) {
   TORCH_CHECK(false, "built without AVX512-BF16");
 }
 

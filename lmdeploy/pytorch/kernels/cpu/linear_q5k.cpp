@@ -90,8 +90,8 @@ torch::Tensor q5k_linear(const torch::Tensor& x, const torch::Tensor& codes, con
                             });
 }
 
-torch::Tensor q5k_dequantize(const torch::Tensor& codes, const torch::Tensor& scales) {
-  return kquant::dequantize_k_tiles(codes, scales, kCodeBytes, false, [](const uint8_t* w, __m512i* u) {
+torch::Tensor q5k_dequantize(const torch::Tensor& codes, const torch::Tensor& scales, WeightBuffer buffer) {
+  return kquant::dequantize_k_tiles(codes, scales, kCodeBytes, false, buffer, [](const uint8_t* w, __m512i* u) {
     const __m512i top = _mm512_loadu_si512(w + 8 * 32), nibble = _mm512_set1_epi16(15);
     for (int c = 0; c < 8; ++c) {
       const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * c)));
@@ -105,7 +105,7 @@ torch::Tensor q5k_dequantize(const torch::Tensor& codes, const torch::Tensor& sc
 
 bool q5k_gemv_available() { return false; }
 
-torch::Tensor q5k_dequantize(const torch::Tensor&, const torch::Tensor&) {
+torch::Tensor q5k_dequantize(const torch::Tensor&, const torch::Tensor&, WeightBuffer) {
   TORCH_CHECK(false, "built without AVX512-BF16");
 }
 

@@ -86,7 +86,7 @@ torch::Tensor q6k_linear(const torch::Tensor& x, const torch::Tensor& codes, con
 }
 
 
-torch::Tensor q6k_dequantize(const torch::Tensor& codes, const torch::Tensor& scales) {
+torch::Tensor q6k_dequantize(const torch::Tensor& codes, const torch::Tensor& scales, WeightBuffer buffer) {
   TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.size(2) == kCodeBytes &&
                   codes.is_contiguous(),
               "codes: uint8 [N/16, K/16, 192]");
@@ -94,7 +94,7 @@ torch::Tensor q6k_dequantize(const torch::Tensor& codes, const torch::Tensor& sc
   TORCH_CHECK(K % kBlock == 0 && scales.scalar_type() == at::kByte && scales.is_contiguous() &&
                   scales.numel() == tiles * blocks * kScaleBytes,
               "scales: uint8 [N/16, K/256, 288]");
-  auto out = torch::empty({N, K}, codes.options().dtype(at::kBFloat16));
+  auto out = buffer(N, K);
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const uint8_t* sp = scales.data_ptr<uint8_t>();
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
@@ -139,7 +139,7 @@ torch::Tensor q6k_linear(const torch::Tensor&, const torch::Tensor&, const torch
   TORCH_CHECK(false, "built without AVX512-BF16");
 }
 
-torch::Tensor q6k_dequantize(const torch::Tensor&, const torch::Tensor&) {
+torch::Tensor q6k_dequantize(const torch::Tensor&, const torch::Tensor&, WeightBuffer) {
   TORCH_CHECK(false, "built without AVX512-BF16");
 }
 

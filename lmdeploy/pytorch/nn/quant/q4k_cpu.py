@@ -2,11 +2,10 @@
 ``kernels/cpu/linear_int4.cpp``): per block of 256 inputs an fp16 ``d`` and ``dmin`` and the 12 bytes packing
 eight 6-bit ``sc`` and ``m``, ``W = q * d * sc - dmin * m`` per group of 32 inputs, exactly the file's weights
 at 0.5625 bytes a weight, as in the file. Small steps run on the GEMV; larger ones dequantize the same copy for
-one bf16 GEMM (``q4k_dequantize``; no other copy is kept), in the native decoder stack too."""
+one bf16 GEMM (``kquant_dequantized_linear``; no other copy is kept), in the native decoder stack too."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.quant.int4_cpu import INT4_TILE, NativeInt4Kernel
@@ -69,8 +68,8 @@ class Q4KGemv(NativeInt4Kernel):
 
 class Q4KKernel(Q4KGemv):
     """A Q4_K layer: steps of up to ``max_gemv_rows`` tokens (``gemv_max_rows('q4k')``) on the GEMV, larger ones
-    dequantized from the same copy (``[gate; up]`` for a gate-and-up layer) for ``F.linear``, 0.5625 bytes a weight
-    held."""
+    dequantized from the same copy (``[gate; up]`` for a gate-and-up layer) into the thread's reused scratch for
+    oneDNN's GEMM (``kquant_dequantized_linear``), 0.5625 bytes a weight held."""
 
     def __init__(self, packed: torch.Tensor, scales: torch.Tensor, gate_up: bool):
         super().__init__(packed, scales, gate_up)
@@ -81,7 +80,7 @@ class Q4KKernel(Q4KGemv):
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.large_step(x):
-            return F.linear(x, cpu.native().q4k_dequantize(self.packed, self.scales, self.gate_up).to(x.dtype), bias)
+            return cpu.native().kquant_dequantized_linear(x, 'q4k', self.packed, self.scales, bias, self.gate_up)
         return super().__call__(x, bias)
 
     def gate_up_silu(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:

@@ -6,7 +6,6 @@ one bf16 GEMM (no bf16 copy is kept), in the native decoder stack too."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.quant.base import LinearKernel
@@ -78,7 +77,7 @@ def unpack_q5k(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 class Q5KKernel(LinearKernel):
     """Q5_K blocks retiled for the native GEMV (:func:`pack_q5k`): steps of up to ``max_gemv_rows`` tokens
     (``gemv_max_rows('q5k')``) on the GEMV (rounded to the activations' dtype), larger ones dequantized from the same
-    copy for ``F.linear``."""
+    copy into the thread's reused scratch for oneDNN's GEMM (``kquant_dequantized_linear``)."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor):
         self.codes, self.scales = codes, scales
@@ -93,7 +92,7 @@ class Q5KKernel(LinearKernel):
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.reshape(-1, x.shape[-1]).shape[0] > self.max_gemv_rows:
-            return F.linear(x, cpu.native().q5k_dequantize(self.codes, self.scales).to(x.dtype), bias)
+            return cpu.native().kquant_dequantized_linear(x, 'q5k', self.codes, self.scales, bias)
         out = cpu.native().q5k_linear(x, self.codes, self.scales).to(x.dtype)
         return out if bias is None else out + bias
 

@@ -5,7 +5,6 @@ steps dequantize the same copy for one bf16 GEMM (no bf16 copy is kept)."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.quant.base import LinearKernel
@@ -17,10 +16,12 @@ Q6K_TILE, Q6K_GROUP, Q6K_BLOCK = 16, 16, 256
 # held to AVX512-BF16): the largest step at which the GEMV was not slower in either of two rounds, GEMV /
 # dequantized at the next size measured: Q5_K 1.04-1.06 at 32 rows with AMX, 0.82-1.04 at 64 without; Q6_K
 # 0.78-1.43 at 24, 1.01-1.02 at 48; Q8_0 (dequantized by torch) 0.88-1.15 at 96, 1.07-1.10 at 256. Q4_K from whole
-# prefill steps of a Q4_K_M file (``benchmark/kquant_gguf_cpu.py``), where they disagreed: with AMX the GEMV
-# 1.26-1.28x faster at 24 rows, dequantizing 1.23-1.24x at 48; without, the GEMV 1.08-1.11x faster at 96. See
-# docs/engine.md, "GGUF K-quant GEMV bounds with and without AMX".
-GEMV_MAX_ROWS = {'q4k': (32, 96), 'q5k': (24, 48), 'q6k': (16, 32), 'q8_0': (64, 192)}
+# prefill steps of a Q4_K_M file (``benchmark/kquant_gguf_cpu.py``) since the dequantized weight goes to a reused
+# scratch: with AMX a tie at 16 rows, dequantizing 1.4-1.6x faster at 24; without, a tie at 64, dequantizing
+# 1.05-1.14x faster at 96. Q5_K with AMX likewise from a Q5_K_M file: within 4% at 16 rows, dequantizing 1.46-1.6x
+# faster at 24. See docs/engine.md, "GGUF K-quant GEMV bounds with and without AMX" and "GGUF K-quant prefill: no
+# fresh pages per call".
+GEMV_MAX_ROWS = {'q4k': (16, 64), 'q5k': (16, 48), 'q6k': (16, 32), 'q8_0': (64, 192)}
 
 
 def gemv_max_rows(kind: str) -> int:
@@ -100,7 +101,8 @@ class Q6KGemv(LinearKernel):
 
 class Q6KKernel(Q6KGemv):
     """A Q6_K layer: steps of up to ``max_gemv_rows`` tokens (``gemv_max_rows('q6k')``) on the GEMV, larger ones
-    dequantized from the same copy for ``F.linear`` (``q6k_dequantize``), 0.82 bytes a weight held."""
+    dequantized from the same copy into the thread's reused scratch for oneDNN's GEMM (``kquant_dequantized_linear``),
+    0.82 bytes a weight held."""
 
     def __init__(self, packed: torch.Tensor, scales: torch.Tensor, fp32_out: bool = False):
         super().__init__(packed, scales, fp32_out)
@@ -108,7 +110,7 @@ class Q6KKernel(Q6KGemv):
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.reshape(-1, x.shape[-1]).shape[0] > self.max_gemv_rows:
-            return F.linear(x, cpu.native().q6k_dequantize(self.packed, self.scales).to(x.dtype), bias)
+            return cpu.native().kquant_dequantized_linear(x, 'q6k', self.packed, self.scales, bias)
         return super().__call__(x, bias)
 
     def native_projection(self, bias: torch.Tensor | None) -> object | None:

@@ -1,0 +1,100 @@
+"""A GGUF K-quant layer's large steps (``kquant_dequantized_linear``, ``kernels/cpu/dequantized_linear.cpp``):
+the weight dequantized into the calling thread's reused scratch gives exactly what ``F.linear`` on a freshly
+dequantized weight gave, whatever layers ran before it and on whichever thread."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as Q
+from test_gguf_q4km import random_blocks
+
+from lmdeploy.pytorch.kernels import cpu
+from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KKernel
+from lmdeploy.pytorch.nn.quant.q5k_cpu import Q5KKernel
+from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6KKernel
+
+# two shapes in turn: the second grows the scratch, the first then runs on a part of it
+SHAPES = [(64, 768), (128, 1024), (64, 768), (96, 512)]
+QTYPES = {'q4k': Q.Q4_K, 'q5k': Q.Q5_K, 'q6k': Q.Q6_K}
+
+
+def kernel_of(kind: str, blocks: torch.Tensor, gate_up: bool):
+    if kind == 'q4k':
+        return Q4KKernel.of_blocks(blocks, gate_up)
+    return Q5KKernel.of(blocks) if kind == 'q5k' else Q6KKernel.of(blocks)
+
+
+def fresh_linear(kind: str, kernel, x: torch.Tensor, bias: torch.Tensor | None, gate_up: bool) -> torch.Tensor:
+    """The large step as it ran before the scratch: ``F.linear`` on a new dequantized weight."""
+    native = cpu.native()
+    if kind == 'q4k':
+        weight = native.q4k_dequantize(kernel.packed, kernel.scales, gate_up)
+    elif kind == 'q5k':
+        weight = native.q5k_dequantize(kernel.codes, kernel.scales)
+    else:
+        weight = native.q6k_dequantize(kernel.packed, kernel.scales)
+    return F.linear(x, weight.to(x.dtype), bias)
+
+
+def layers(kind: str, gate_up: bool) -> list:
+    built = cpu.int4_gemv() if kind == 'q4k' else cpu.q5k_gemv() if kind == 'q5k' else cpu.q6k_gemv()
+    if built is None:
+        pytest.skip('the native K-quant kernels need AVX512-BF16')
+    return [kernel_of(kind, random_blocks(QTYPES[kind], rows, inputs, seed=i)[0], gate_up)
+            for i, (rows, inputs) in enumerate(SHAPES)]
+
+
+@pytest.mark.parametrize('kind,gate_up', [('q4k', False), ('q4k', True), ('q5k', False), ('q6k', False)])
+def test_large_steps_equal_the_fresh_dequantization(kind, gate_up):
+    """Steps above the bound, several sizes, layers of different shapes in a row: each output bit-identical to
+    ``F.linear`` on a fresh copy, and still so after the later layers reused the scratch."""
+    kernels = layers(kind, gate_up)
+    g = torch.Generator().manual_seed(0)
+    outs = []
+    for kernel in kernels:
+        rows_out, inputs = kernel.scales.shape[0] * 16, kernel.scales.shape[1] * 256
+        bias = None if gate_up else torch.randn(rows_out, generator=g).bfloat16()
+        for rows in (kernel.max_gemv_rows + 1, 2 * kernel.max_gemv_rows + 5, 200):
+            x = torch.randn(rows, inputs, generator=g).bfloat16()
+            out = kernel(x, bias)
+            expected = fresh_linear(kind, kernel, x, bias, gate_up)
+            assert torch.equal(out, expected), (kind, rows, inputs)
+            outs.append((out, expected))
+    assert all(torch.equal(out, expected) for out, expected in outs)
+
+
+def test_fp32_activations_and_threads():
+    """fp32 activations get the bf16 weights in fp32, as before; two threads running different layers at once each
+    get their own scratch."""
+    kernels = layers('q4k', False)
+    x = torch.randn(40, 768)
+    assert torch.equal(cpu.native().kquant_dequantized_linear(x, 'q4k', kernels[0].packed, kernels[0].scales),
+                       fresh_linear('q4k', kernels[0], x, None, False))
+    inputs = {id(k): torch.randn(80, k.scales.shape[1] * 256).bfloat16() for k in kernels}
+    expected = {id(k): fresh_linear('q4k', k, inputs[id(k)], None, False) for k in kernels}
+    mismatches = []
+
+    def run(own: list) -> None:
+        for _ in range(5):
+            for kernel in own:
+                if not torch.equal(kernel(inputs[id(kernel)], None), expected[id(kernel)]):
+                    mismatches.append(kernel)
+
+    threads = [threading.Thread(target=run, args=(kernels[i::2], )) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not mismatches
+
+
+def test_bad_kinds_are_refused():
+    kernel = layers('q6k', False)[0]
+    x = torch.randn(40, 768).bfloat16()
+    with pytest.raises(RuntimeError, match="a K-quant layer's kind is 'q4k', 'q5k' or 'q6k', not 'q3k'"):
+        cpu.native().kquant_dequantized_linear(x, 'q3k', kernel.packed, kernel.scales)
+    with pytest.raises(RuntimeError, match="only Q4_K's tiles alternate gate and up rows"):
+        cpu.native().kquant_dequantized_linear(x, 'q6k', kernel.packed, kernel.scales, None, True)
