@@ -27,7 +27,8 @@ from lmdeploy.pytorch.kernels import silu_and_mul
 from lmdeploy.pytorch.kernels.activation import ClampedSwiGLU, clamped_swiglu
 from lmdeploy.pytorch.kernels.moe import run_experts
 from lmdeploy.pytorch.nn.quant.base import ExpertKernel, LinearKernel, LinearOptions, WeightFormat
-from lmdeploy.pytorch.nn.quant.int4_cpu import TORCH_INT4_GROUP_SIZES, NativeInt4Kernel, SmallStepInt4Kernel
+from lmdeploy.pytorch.nn.quant.int4_cpu import (TORCH_INT4_GROUP_SIZES, NativeInt4Kernel, SmallStepInt4Kernel,
+                                                TorchInt4Kernel)
 
 if TYPE_CHECKING:
     from lmdeploy.pytorch.nn.linear import Linear
@@ -158,7 +159,7 @@ class Int4GroupFormat(WeightFormat):
             from lmdeploy.pytorch.nn.quant.w4a16_cuda import TritonW4A16Kernel
             kernel = TritonW4A16Kernel.of(self.unpack(layer))
         elif options.dtype == torch.bfloat16 and device == 'cpu' and self.group_size in TORCH_INT4_GROUP_SIZES:
-            kernel = SmallStepInt4Kernel.of_grid(self.unpack(layer), options.dtype)
+            kernel = SmallStepInt4Kernel.of_grid(self.unpack(layer), options.dtype, layer.gate_up_panels)
         else:
             return ReferenceKernel(self, layer)
         for name in self.params():
@@ -170,7 +171,7 @@ class Int4GroupFormat(WeightFormat):
         """One expert's projection for bf16 activations: the native int4 GEMV (a gate-and-up one with its
         SiLU-and-mul epilogue) where it is built, else torch's int4 kernel: the GEMV is ahead at one token
         and at 256, level between (``benchmark/moe_w4_cpu.py``)."""
-        return NativeInt4Kernel.of_grid(grid, gate_up) or SmallStepInt4Kernel.of_grid(grid, dtype)
+        return NativeInt4Kernel.of_grid(grid, gate_up) or TorchInt4Kernel.of_grid(grid, dtype)
 
     def make_expert_kernel(self, experts: FusedExperts, options: LinearOptions) -> ExpertKernel:
         device = experts.projection('down', 0).qweight.device.type
