@@ -1,0 +1,105 @@
+"""Decode step time of an AWQ checkpoint on the CPU (bf16): its layers in the native decoder stack, batch-1 steps on
+the native int4 GEMV over the checkpoint's grid, against the layers' Python forward on torch's int4 kernel for every
+step (how AWQ and GPTQ checkpoints ran before they had a place in the stack), in the same run, one thread. The
+model: a random Qwen3 at Qwen3-0.6B's widths (hidden 1024, MLP 3072, 16 query and 8 KV heads of 128; ``--layers``
+of them, a 1024-word vocabulary), its projections quantized round-to-nearest in groups of 128 (``lmdeploy lite``'s
+packer). The step time is the calling thread's CPU time of the model's forward (``time.thread_time``: other jobs on a
+shared machine take time slices but not figures), best and median over rounds in which the two paths alternate; the
+tok/s figures are 1000 over them.
+
+    python benchmark/awq_stack.py [--layers 28] [--batches 1,8] [--steps 16] [--rounds 4]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+
+import torch
+from safetensors.torch import load_file, save_file
+from stack_timing import DecodeStepTimer, run_requests
+from transformers import AutoModelForCausalLM, Qwen3Config
+from workload import save_word_tokenizer
+
+from lmdeploy.lite.auto_awq import quantize
+from lmdeploy.messages import PytorchEngineConfig
+from lmdeploy.pytorch.engine.engine import Engine
+from lmdeploy.pytorch.nn.linear import Linear
+from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
+
+VOCAB, GROUP = 1024, 128
+
+
+def save_awq_model(path: str, layers: int) -> None:
+    """A random Qwen3 at Qwen3-0.6B's widths with ``layers`` layers, as an AWQ checkpoint."""
+    config = Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=layers, num_attention_heads=16,
+                         num_key_value_heads=8, head_dim=128, vocab_size=VOCAB, max_position_embeddings=4096,
+                         tie_word_embeddings=True)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
+    state = quantize({name: tensor.float() for name, tensor in load_file(os.path.join(path, 'model.safetensors')).items()},
+                     GROUP)
+    save_file({name: tensor.contiguous() for name, tensor in state.items()}, os.path.join(path, 'model.safetensors'),
+              metadata={'format': 'pt'})
+    with open(os.path.join(path, 'config.json')) as f:
+        hf_config = json.load(f)
+    hf_config['quantization_config'] = {'quant_method': 'awq', 'bits': 4, 'group_size': GROUP, 'zero_point': True,
+                                        'version': 'gemm'}
+    with open(os.path.join(path, 'config.json'), 'w') as f:
+        json.dump(hf_config, f)
+    save_word_tokenizer(path, VOCAB)
+    with open(os.path.join(path, 'generation_config.json'), 'w') as f:
+        json.dump({}, f)
+
+
+def layers_before(model: torch.nn.Module) -> dict[Linear, object]:
+    """Each projection's kernel for the layers' forward as it ran before: torch's int4 kernel for every step."""
+    return {module: module.kernel.large for module in model.layers.modules()
+            if isinstance(module, Linear) and isinstance(module.kernel, SmallStepInt4Kernel)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('--layers', type=int, default=28)
+    parser.add_argument('--batches', default='1,8')
+    parser.add_argument('--steps', type=int, default=16, help='decode steps per round')
+    parser.add_argument('--rounds', type=int, default=4)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as path:
+        save_awq_model(path, args.layers)
+        engine = Engine(path, PytorchEngineConfig(dtype='bfloat16', num_threads=1, num_gpu_blocks=256, block_size=16,
+                                                  max_batch_size=16, enable_prefix_caching=False), show_progress=False)
+    timer = DecodeStepTimer(engine)
+    stack = timer.model.native_stack
+    if stack is None:
+        raise SystemExit('the AWQ layers do not run in the native stack here (no native kernels)')
+    after = {module: module.kernel for module in layers_before(timer.model)}
+    before = layers_before(timer.model)
+    print(f'AWQ Qwen3 at Qwen3-0.6B widths, {args.layers} layers, group {GROUP}, bf16, 1 thread; ms per decode step '
+          '(thread CPU time of the forward)')
+    print('| batch | stack best | stack median | layers (torch int4) best | layers median | tok/s stack / layers (best) |')
+    print('| --- | --- | --- | --- | --- | --- |')
+    g = torch.Generator().manual_seed(1)
+    for batch in map(int, args.batches.split(',')):
+        timer.times.clear()
+        prompts = [torch.randint(3, VOCAB, (16,), generator=g).tolist() for _ in range(batch)]
+        for _ in range(args.rounds):
+            for timer.label in ('stack', 'layers'):
+                timer.model.native_stack = stack if timer.label == 'stack' else None
+                for module, kernel in (after if timer.label == 'stack' else before).items():
+                    module.kernel = kernel
+                run_requests(engine, prompts, args.steps)
+        best = {m: min(t) for m, t in timer.times.items()}
+        median = {m: statistics.median(t) for m, t in timer.times.items()}
+        print(f'| {batch} | {best["stack"]:.1f} | {median["stack"]:.1f} | {best["layers"]:.1f} | '
+              f'{median["layers"]:.1f} | {batch * 1e3 / best["stack"]:.1f} / {batch * 1e3 / best["layers"]:.1f} |',
+              flush=True)
+    for module, kernel in after.items():
+        module.kernel = kernel
+    timer.model.native_stack = stack
+
+
+if __name__ == '__main__':
+    main()
