@@ -1,6 +1,7 @@
 """Decode step time of an AWQ checkpoint on the CPU (bf16): its layers in the native decoder stack, batch-1 steps on
-the native int4 GEMV over the checkpoint's grid, against the layers' Python forward on torch's int4 kernel for every
-step (how AWQ and GPTQ checkpoints ran before they had a place in the stack), in the same run, one thread. The
+the native int4 GEMV over the checkpoint's grid, against the layers' Python forward on the same kernels and on
+torch's int4 kernel for every step (how AWQ and GPTQ checkpoints ran before they had a place in the stack), in the
+same run, one thread. The
 model: a random Qwen3 at Qwen3-0.6B's widths (hidden 1024, MLP 3072, 16 query and 8 KV heads of 128; ``--layers``
 of them, a 1024-word vocabulary), its projections quantized round-to-nearest in groups of 128 (``lmdeploy lite``'s
 packer). The step time is the calling thread's CPU time of the model's forward (``time.thread_time``: other jobs on a
@@ -79,23 +80,23 @@ def main() -> None:
     before = layers_before(timer.model)
     print(f'AWQ Qwen3 at Qwen3-0.6B widths, {args.layers} layers, group {GROUP}, bf16, 1 thread; ms per decode step '
           '(thread CPU time of the forward)')
-    print('| batch | stack best | stack median | layers (torch int4) best | layers median | tok/s stack / layers (best) |')
-    print('| --- | --- | --- | --- | --- | --- |')
+    modes = {'stack': (stack, after), 'layers': (None, after), 'layers, torch int4': (None, before)}
+    print('| batch | ' + ' | '.join(f'{mode} best / median' for mode in modes) + ' | tok/s (best), ' +
+          ' / '.join(modes) + ' |')
+    print('| --- ' * (len(modes) + 2) + '|')
     g = torch.Generator().manual_seed(1)
     for batch in map(int, args.batches.split(',')):
         timer.times.clear()
         prompts = [torch.randint(3, VOCAB, (16,), generator=g).tolist() for _ in range(batch)]
         for _ in range(args.rounds):
-            for timer.label in ('stack', 'layers'):
-                timer.model.native_stack = stack if timer.label == 'stack' else None
-                for module, kernel in (after if timer.label == 'stack' else before).items():
+            for timer.label, (native_stack, kernels) in modes.items():
+                timer.model.native_stack = native_stack
+                for module, kernel in kernels.items():
                     module.kernel = kernel
                 run_requests(engine, prompts, args.steps)
-        best = {m: min(t) for m, t in timer.times.items()}
-        median = {m: statistics.median(t) for m, t in timer.times.items()}
-        print(f'| {batch} | {best["stack"]:.1f} | {median["stack"]:.1f} | {best["layers"]:.1f} | '
-              f'{median["layers"]:.1f} | {batch * 1e3 / best["stack"]:.1f} / {batch * 1e3 / best["layers"]:.1f} |',
-              flush=True)
+        times = [(min(timer.times[mode]), statistics.median(timer.times[mode])) for mode in modes]
+        print(f'| {batch} | ' + ' | '.join(f'{best:.1f} / {median:.1f} ms' for best, median in times) + ' | ' +
+              ' / '.join(f'{batch * 1e3 / best:.1f}' for best, _ in times) + ' |', flush=True)
     for module, kernel in after.items():
         module.kernel = kernel
     timer.model.native_stack = stack
