@@ -40,8 +40,8 @@ def save_awq_model(path: str, layers: int) -> None:
                          tie_word_embeddings=True)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
-    state = quantize({name: tensor.float() for name, tensor in load_file(os.path.join(path, 'model.safetensors')).items()},
-                     GROUP)
+    weights = load_file(os.path.join(path, 'model.safetensors'))
+    state = quantize({name: tensor.float() for name, tensor in weights.items()}, GROUP)
     save_file({name: tensor.contiguous() for name, tensor in state.items()}, os.path.join(path, 'model.safetensors'),
               metadata={'format': 'pt'})
     with open(os.path.join(path, 'config.json')) as f:

@@ -186,8 +186,9 @@ def test_v2_routing_fields_are_checked(native_gemms):
     renormalization; the groups split the experts evenly and hold top_k."""
     weight = torch.zeros(32, 16, dtype=torch.bfloat16)
     proj = native_gemms.Projection(kind='bf16', weight=native_gemms.pack_bf16_weight(weight))
-    block = dict(router=proj, top_k=2, renormalize=False, scaling=2.0,
-                 gate_up=torch.zeros(4, 32, 16, dtype=torch.bfloat16), down=torch.zeros(4, 16, 16, dtype=torch.bfloat16))
+    experts = dict(gate_up=torch.zeros(4, 32, 16, dtype=torch.bfloat16),
+                   down=torch.zeros(4, 16, 16, dtype=torch.bfloat16))
+    block = dict(router=proj, top_k=2, renormalize=False, scaling=2.0, **experts)
     groups = dict(num_groups=2, topk_groups=1)
     native_gemms.MoEBlock(routing='greedy', **block)
     native_gemms.MoEBlock(routing='group_limited_greedy', **groups, **block)

@@ -1,7 +1,8 @@
 """AWQ and GPTQ checkpoints in the native decoder stack (bf16): steps of up to ``INT4_GRID_GEMV_MAX_TOKENS`` tokens on
 the native int4 GEMV over the checkpoint's grid (``int4`` projections), larger ones on torch's int4 kernel
 (``int4_torch``), every step's hidden states equal to the layers' own forward on the same kernels (Llama and Qwen3
-dense, Qwen3-MoE with its 4-bit experts); act-order GPTQ keeps the layers. Qwen3.5: test_decoder_stack_qwen3_next_quant.py."""
+dense, Qwen3-MoE with its 4-bit experts); act-order GPTQ keeps the layers. Qwen3.5's:
+test_decoder_stack_qwen3_next_quant.py."""
 from __future__ import annotations
 
 import pytest
@@ -42,7 +43,8 @@ def test_stack_equals_the_layers(kind, method, tmp_path, native, monkeypatch):
     model = engine.runner.model
     stack, gemv = model.native_stack, cpu.int4_gemv() is not None
     assert stack is not None
-    assert (stack.small is not None, stack.small_step_rows) == ((True, INT4_GRID_GEMV_MAX_TOKENS) if gemv else (False, 0))
+    small_steps = (True, INT4_GRID_GEMV_MAX_TOKENS) if gemv else (False, 0)
+    assert (stack.small is not None, stack.small_step_rows) == small_steps
     kinds = {type(module.kernel) for name, module in model.layers.named_modules()
              if isinstance(module, Linear) and not name.endswith(('gate', 'router'))}
     assert kinds == {SmallStepInt4Kernel if gemv else TorchInt4Kernel}

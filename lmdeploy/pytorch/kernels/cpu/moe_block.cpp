@@ -1,9 +1,8 @@
 // The MoE block of the native decoder stack: the forward of SparseMoeBlock (lmdeploy/pytorch/models/moe.py; gpt-oss's
-// with the experts' biases and the clamped SwiGLU), of DeepseekV3MoE (models/deepseek_v3.py, V3's and V2's routings),
-// of Ernie4_5MoE
-// (models/ernie.py) or of Llama4MoE (models/llama4.py) with the kernels their Python paths call (moe_routing,
-// grouped_topk, group_limited_topk or biased_softmax_topk, or the top-k logits' sigmoid, and run_experts of kernels/moe.py, the experts'
-// kernels), in the same order, so that its results are the same.
+// with the experts' biases and the clamped SwiGLU), of DeepseekV3MoE (models/deepseek_v3.py, V3's and V2's
+// routings), of Ernie4_5MoE (models/ernie.py) or of Llama4MoE (models/llama4.py) with the kernels their Python paths
+// call (moe_routing, grouped_topk, group_limited_topk or biased_softmax_topk, or the top-k logits' sigmoid, and
+// run_experts of kernels/moe.py, the experts' kernels), in the same order, so that its results are the same.
 #include <ATen/ops/clamp.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/ones.h>
