@@ -1,4 +1,4 @@
-"""Decode step time of an AWQ checkpoint on the CPU (bf16): its layers in the native decoder stack, batch-1 steps on
+"""Decode step time of an AWQ checkpoint on the CPU (bf16): its layers in the native decoder stack, every step on
 the native int4 GEMV over the checkpoint's grid, against the layers' Python forward on the same kernels and on
 torch's int4 kernel for every step (how AWQ and GPTQ checkpoints ran before they had a place in the stack), in the
 same run, one thread. The
@@ -28,7 +28,8 @@ from lmdeploy.lite.auto_awq import quantize
 from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.nn.linear import Linear
-from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
+from lmdeploy.pytorch.nn.quant.int4_cpu import TorchInt4Kernel
+from lmdeploy.pytorch.nn.quant.w4a16 import Int4GroupFormat
 
 VOCAB, GROUP = 1024, 128
 
@@ -55,10 +56,28 @@ def save_awq_model(path: str, layers: int) -> None:
         json.dump({}, f)
 
 
-def layers_before(model: torch.nn.Module) -> dict[Linear, object]:
+def engine_with_torch_kernels(path: str) -> tuple[Engine, dict[int, TorchInt4Kernel]]:
+    """The engine of ``path`` and, by the id of each projection's CPU kernel, torch's int4 kernel on its grid."""
+    torch_kernels, kernel_of = {}, Int4GroupFormat.cpu_kernel
+
+    def recorded(grid, gate_up: bool, dtype: torch.dtype):
+        kernel = kernel_of(grid, gate_up, dtype)
+        torch_kernels[id(kernel)] = TorchInt4Kernel.of_grid(grid, dtype)
+        return kernel
+
+    Int4GroupFormat.cpu_kernel = staticmethod(recorded)
+    try:
+        engine = Engine(path, PytorchEngineConfig(dtype='bfloat16', num_threads=1, num_gpu_blocks=256, block_size=16,
+                                                  max_batch_size=16, enable_prefix_caching=False), show_progress=False)
+    finally:
+        Int4GroupFormat.cpu_kernel = staticmethod(kernel_of)
+    return engine, torch_kernels
+
+
+def layers_before(model: torch.nn.Module, torch_kernels: dict[int, TorchInt4Kernel]) -> dict[Linear, object]:
     """Each projection's kernel for the layers' forward as it ran before: torch's int4 kernel for every step."""
-    return {module: module.kernel.large for module in model.layers.modules()
-            if isinstance(module, Linear) and isinstance(module.kernel, SmallStepInt4Kernel)}
+    return {module: torch_kernels[id(module.kernel)] for module in model.layers.modules()
+            if isinstance(module, Linear) and id(module.kernel) in torch_kernels}
 
 
 def main() -> None:
@@ -70,14 +89,13 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as path:
         save_awq_model(path, args.layers)
-        engine = Engine(path, PytorchEngineConfig(dtype='bfloat16', num_threads=1, num_gpu_blocks=256, block_size=16,
-                                                  max_batch_size=16, enable_prefix_caching=False), show_progress=False)
+        engine, torch_kernels = engine_with_torch_kernels(path)
     timer = DecodeStepTimer(engine)
     stack = timer.model.native_stack
     if stack is None:
         raise SystemExit('the AWQ layers do not run in the native stack here (no native kernels)')
-    after = {module: module.kernel for module in layers_before(timer.model)}
-    before = layers_before(timer.model)
+    before = layers_before(timer.model, torch_kernels)
+    after = {module: module.kernel for module in before}
     print(f'AWQ Qwen3 at Qwen3-0.6B widths, {args.layers} layers, group {GROUP}, bf16, 1 thread; ms per decode step '
           '(thread CPU time of the forward)')
     modes = {'stack': (stack, after), 'layers': (None, after), 'layers, torch int4': (None, before)}

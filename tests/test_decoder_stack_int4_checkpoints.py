@@ -1,6 +1,5 @@
-"""AWQ and GPTQ checkpoints in the native decoder stack (bf16): steps of up to ``INT4_GRID_GEMV_MAX_TOKENS`` tokens on
-the native int4 GEMV over the checkpoint's grid (``int4`` projections), larger ones on torch's int4 kernel
-(``int4_torch``), every step's hidden states equal to the layers' own forward on the same kernels (Llama and Qwen3
+"""AWQ and GPTQ checkpoints in the native decoder stack (bf16): every step on the native int4 GEMV over the
+checkpoint's grid (``int4`` projections; torch's int4 kernel, ``int4_torch``, where it is not built), every step's hidden states equal to the layers' own forward on the same kernels (Llama and Qwen3
 dense, Qwen3-MoE with its 4-bit experts); act-order GPTQ keeps the layers. Qwen3.5's:
 test_decoder_stack_qwen3_next_quant.py."""
 from __future__ import annotations
@@ -15,7 +14,7 @@ from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.linear import Linear
-from lmdeploy.pytorch.nn.quant.int4_cpu import INT4_GRID_GEMV_MAX_TOKENS, SmallStepInt4Kernel, TorchInt4Kernel
+from lmdeploy.pytorch.nn.quant.int4_cpu import NativeInt4Kernel, TorchInt4Kernel
 
 # sizes whose every projection fills the GEMV's tiles (16 rows, gate-and-up 32) and takes groups of 32
 SHAPE = dict(hidden_size=64, intermediate_size=128)
@@ -36,18 +35,17 @@ def assert_everything_given_back(engine: Engine) -> None:
 
 @pytest.mark.parametrize('kind,method', [('llama', 'awq'), ('llama', 'gptq'), ('qwen3', 'awq'), ('qwen3_moe', 'gptq')])
 def test_stack_equals_the_layers(kind, method, tmp_path, native, monkeypatch):
-    """Every step through the stack and through the layers gives the same hidden states: batch-1 decode on the GEMV
-    (where it is built), prefills and decode of three and six rows on torch's int4 kernel."""
+    """Every step through the stack and through the layers gives the same hidden states: prefills and decode of one,
+    three and six rows, on the GEMV where it is built (one copy of the weight; no stack of small steps)."""
     engine = Engine(quantized(kind, tmp_path, method), PytorchEngineConfig(max_prefill_token_num=48, **ENGINE),
                     show_progress=False)
     model = engine.runner.model
     stack, gemv = model.native_stack, cpu.int4_gemv() is not None
     assert stack is not None
-    small_steps = (True, INT4_GRID_GEMV_MAX_TOKENS) if gemv else (False, 0)
-    assert (stack.small is not None, stack.small_step_rows) == small_steps
+    assert stack.small is None
     kinds = {type(module.kernel) for name, module in model.layers.named_modules()
              if isinstance(module, Linear) and not name.endswith(('gate', 'router'))}
-    assert kinds == {SmallStepInt4Kernel if gemv else TorchInt4Kernel}
+    assert kinds == {NativeInt4Kernel if gemv else TorchInt4Kernel}
     steps = check_every_step(engine, monkeypatch)
     run(engine, PROMPTS[:1], GEN)
     assert [len(out) for out in run(engine, PROMPTS[:3], GEN)] == [6] * 3
@@ -58,12 +56,12 @@ def test_stack_equals_the_layers(kind, method, tmp_path, native, monkeypatch):
 
 def test_act_order_gptq_keeps_the_layers(tmp_path, native):
     """An act-order GPTQ layer gathers its inputs in the checkpoint's order before each kernel, which no projection of
-    the stack does: the model runs its layers' forward (on the GEMV and torch's kernel as above), and serves."""
+    the stack does: the model runs its layers' forward (on the GEMV as above), and serves."""
     engine = Engine(quantized('llama', tmp_path, 'gptq', desc_act=True), PytorchEngineConfig(**ENGINE),
                     show_progress=False)
     model = engine.runner.model
     assert model.native_stack is None
-    assert all(getattr(module.kernel, 'large', module.kernel).order is not None
+    assert all(module.kernel.order is not None
                for module in model.layers.modules() if isinstance(module, Linear))
     assert [len(out) for out in run(engine, PROMPTS[:3], GEN)] == [6] * 3
     assert_everything_given_back(engine)

@@ -22,8 +22,9 @@ from transformers import Qwen3_5TextConfig
 
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
+from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.linear import Linear
-from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
+from lmdeploy.pytorch.nn.quant.int4_cpu import NativeInt4Kernel, TorchInt4Kernel
 from lmdeploy.pytorch.nn.quant.w8a8 import NativeW8A8Kernel, W8A8Kernel
 
 # short prompts and few tokens: three sequences decode side by side for a few steps
@@ -92,14 +93,15 @@ def thirty_two_value_heads() -> Qwen3_5TextConfig:
 
 @pytest.mark.parametrize('method', ['awq', 'gptq'])
 def test_int4_checkpoint_decode_steps_equal_the_layers(method, tmp_path, stack_kernels, monkeypatch):
-    """Qwen3.5 with every projection in 4 bits (AWQ, GPTQ): decode steps of one sequence on the native int4 GEMV,
-    of six on torch's int4 kernel (``int4_torch`` projections), in the stack as in the layers."""
+    """Qwen3.5 with every projection in 4 bits (AWQ, GPTQ): decode steps of one and of six sequences on the native
+    int4 GEMV (torch's int4 kernel, ``int4_torch``, where it is not built), in the stack as in the layers."""
     monkeypatch.setattr(quant_models, 'PROJECTIONS', quant_models.PROJECTIONS + (
         'in_proj_qkv', 'in_proj_z', 'in_proj_b', 'in_proj_a', 'out_proj'))
     source = save_random_model(thirty_two_value_heads(), str(tmp_path / 'bf16'))
     engine = hybrid_engine(quant_models.quantize_checkpoint(source, str(tmp_path / method), method, 32))
     model = engine.runner.model
-    assert isinstance(model.layers[0].linear_attn.in_proj_b.kernel, SmallStepInt4Kernel)
+    expected_kernel = NativeInt4Kernel if cpu.int4_gemv() else TorchInt4Kernel
+    assert isinstance(model.layers[0].linear_attn.in_proj_b.kernel, expected_kernel)
     steps = compare_decode_steps(engine, monkeypatch)
     prompts = random_prompts([9, 20, 5, 14, 7, 11], seed=8, vocab=250)
     assert [len(out) for out in run(engine, prompts[:1], GEN)] == [4]

@@ -1,7 +1,7 @@
 """Llama-style decoder layers in one native call per step on the CPU (``kernels/cpu/decoder_stack.cpp``),
 on projections in bf16 or W8A8 (each its own kernel's weight, see ``LinearKernel.native_projection``), a GGUF
-file's Q4_K, Q5_K and Q6_K blocks, an AWQ or GPTQ checkpoint's grid (the native int4 GEMV for one token, torch's
-int4 kernel above), or a stacked layer's parts each on its own (``nn/quant/parts.py``); steps of a few tokens on the
+file's Q4_K, Q5_K and Q6_K blocks, an AWQ or GPTQ checkpoint's grid (the native int4 GEMV; torch's int4 kernel where
+it is not built), or a stacked layer's parts each on its own (``nn/quant/parts.py``); steps of a few tokens on the
 4-bit copies of ``decode_int4``. A MoE family's sparse MLP runs as a ``MoEBlock`` (``kernels/cpu/moe_block.cpp``,
 see ``SparseMoeBlock.native_moe``, and for DeepSeek-V3's routing (GLM-4.5's) and DeepSeek-V2's
 ``DeepseekV3MoE.native_moe``): its router, the routing and each routed expert on the kernel

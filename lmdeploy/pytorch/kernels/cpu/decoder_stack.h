@@ -46,7 +46,7 @@ struct StepTensors {
 // (W8A8Kernel's w8a8_linear, kernels/w8a8.py), for a linear-attention layer's few-row b and a whose rows the int8
 // GEMM's panels do not fit. "int4_torch": torch's int4 kernel (_weight_int4pack_mm_for_cpu) on its packed codes
 // (`weight`, uint8 [N, K / 2]) and `scale`, its scales_and_zeros [K / G, N, 2] in x's dtype (the group size G their
-// rows give), then the bias added: TorchInt4Kernel's (nn/quant/int4_cpu.py), an AWQ or GPTQ checkpoint's grid.
+// rows give), then the bias added: TorchInt4Kernel's (nn/quant/int4_cpu.py), an AWQ or GPTQ checkpoint's grid where the int4 GEMV is not built.
 struct Projection {
   enum class Kind {
     kBf16, kW8A8, kInt4, kQ4K, kQ6K, kOneDnn, kFp32, kParts, kSteps, kMxfp4, kMxfp4Dequantized,

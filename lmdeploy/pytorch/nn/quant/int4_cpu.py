@@ -2,7 +2,7 @@
 a batch-1 decode step is bound by. A 4-bit copy of a bf16 weight (``decode_int4``) runs on the native GEMV
 (``kernels/cpu/linear_int4.cpp``: fp16 scale and minimum per group of 32, as GGUF's Q4_1) where it was built,
 else on torch's int4 kernel (``_weight_int4pack_mm_for_cpu``). The grid of a 4-bit checkpoint (AWQ, GPTQ) runs
-as it is: small steps on the native GEMV, larger ones on torch's int4 kernel."""
+as it is on the native GEMV at every step (on torch's int4 kernel where the GEMV is not built)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -21,9 +21,6 @@ INT4_TILE = 16  # rows per tile of the native GEMV
 INT4_MAX_TOKENS_NATIVE_GEMM = 2
 INT4_MAX_TOKENS_ONEDNN = 8
 TORCH_INT4_GROUP_SIZES = (32, 64, 128, 256)  # the group sizes torch's int4 CPU kernel accepts
-# A checkpoint's grid: one token runs about 20% faster on the GEMV than on torch's int4 kernel, two 15% slower,
-# more about level (benchmark/w4_cpu.py --one-thread).
-INT4_GRID_GEMV_MAX_TOKENS = 1
 
 
 def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,17 +189,6 @@ class SmallStepInt4Kernel(LinearKernel):
             return cls(NativeInt4Kernel(*pack_int4(*least_squares_grid(weight), gate_up), gate_up), rows)
         return cls(TorchInt4Kernel(*int4_groups(weight)), rows)
 
-    @classmethod
-    def of_grid(cls, grid: Int4Grid, dtype: torch.dtype, gate_up: bool = False) -> LinearKernel:
-        """A checkpoint's 4-bit grid as it is, for activations in ``dtype`` (bf16): steps of up to
-        ``INT4_GRID_GEMV_MAX_TOKENS`` tokens on the native GEMV (``gate_up``: gate then up rows, for its SiLU
-        epilogue), larger ones on torch's int4 kernel; all of them there where the GEMV is not built or the shape
-        does not fit its tiles. Dequantizing the grid on each call for a bf16 GEMM is slower at every size
-        measured (``benchmark/w4_cpu.py``)."""
-        large = TorchInt4Kernel.of_grid(grid, dtype)
-        small = NativeInt4Kernel.of_grid(grid, gate_up)
-        return large if small is None else cls(small, INT4_GRID_GEMV_MAX_TOKENS, large)
-
     def over(self, large: LinearKernel) -> SmallStepInt4Kernel:
         """This copy for small steps with ``large`` for the others."""
         return SmallStepInt4Kernel(self.small, self.small_step_rows, large)
@@ -218,18 +204,15 @@ class SmallStepInt4Kernel(LinearKernel):
         return self.small.gate_up_silu(x, bias)
 
     def native_projection(self, bias: torch.Tensor | None) -> object | None:
-        """Both copies as a ``steps`` projection, as they run (a stack of one bound, Qwen3.5's, takes every step
-        on it); the larger steps' alone where the small copy has none (the stack of small steps is then not
-        built, and the layers run those steps)."""
-        large = None if self.large is None else self.large.native_projection(bias)
-        small = self.small.native_projection(bias)
-        if large is None or small is None:
-            return large
-        return cpu.native().Projection(small=small, large=large, small_step_rows=self.small_step_rows)
+        return None if self.large is None else self.large.native_projection(bias)
 
     def small_step_projection(self, bias: torch.Tensor | None) -> object | None:
         return self.small.native_projection(bias)
 
     def expert_projection(self, bias: torch.Tensor | None) -> object | None:
         small = self.small.native_projection(bias)
-        return small if self.large is None or small is None else self.native_projection(bias)
+        if self.large is None or small is None:
+            return small
+        large = self.large.native_projection(bias)
+        return None if large is None else cpu.native().Projection(small=small, large=large,
+                                                                  small_step_rows=self.small_step_rows)
