@@ -1,7 +1,7 @@
 """Time of one linear layer on the CPU by step size (tokens): a 4-bit checkpoint's weight on torch's int4
 kernel, on the native int4 GEMV (the same grid, fp16 scales and offsets per 32 inputs), on the same grid
-dequantized on each call (the reference kernel), and the bf16 weight on the native GEMM and oneDNN. It picks the
-step sizes each 4-bit path serves (``nn/quant/int4_cpu.py``: ``INT4_GRID_GEMV_MAX_TOKENS``).
+dequantized on each call (the reference kernel), and the bf16 weight on the native GEMM and oneDNN. It shows
+what running a checkpoint's grid on the GEMV at every step size costs (``Int4GroupFormat.cpu_kernel``).
 
     python benchmark/w4_cpu.py [--shapes 2048x2048,2048x11008] [--group 128] [--one-thread]
 
