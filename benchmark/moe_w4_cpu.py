@@ -32,7 +32,7 @@ from lmdeploy.pytorch.kernels.activation import ClampedSwiGLU
 from lmdeploy.pytorch.nn.moe import FusedExperts
 from lmdeploy.pytorch.nn.quant import LinearOptions, use_weight_format, weight_format_for
 from lmdeploy.pytorch.nn.quant.gguf import GgufExpertsFormat, GgufFormat
-from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
+from lmdeploy.pytorch.nn.quant.int4_cpu import TorchInt4Kernel
 from lmdeploy.pytorch.nn.quant.mxfp4 import Mxfp4Kernel
 from lmdeploy.pytorch.nn.quant.w4a16 import PerExpertKernel
 
@@ -57,8 +57,8 @@ def experts(config: dict | None, args: argparse.Namespace, torch_int4: bool = Fa
             else:
                 param.data = (torch.randn(param.shape, generator=g) * 0.02).bfloat16()
     if torch_int4:
-        kernels = {proj: [SmallStepInt4Kernel.of_grid(layer.weight_format.unpack(layer.projection(proj, e)),
-                                                      torch.bfloat16) for e in range(args.experts)]
+        kernels = {proj: [TorchInt4Kernel.of_grid(layer.weight_format.unpack(layer.projection(proj, e)),
+                                                  torch.bfloat16) for e in range(args.experts)]
                    for proj in ('gate_up', 'down')}
         layer.kernel = PerExpertKernel(args.experts, lambda proj, expert: kernels[proj][expert])
     else:

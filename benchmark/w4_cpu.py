@@ -1,8 +1,12 @@
 """Time of one linear layer on the CPU by step size (tokens): a 4-bit checkpoint's weight on torch's int4
-kernel, on the same grid dequantized on each call (the reference kernel), and the bf16 weight on the
-native GEMM and oneDNN. It picks the step sizes each 4-bit path serves (``nn/quant/int4_cpu.py``).
+kernel, on the native int4 GEMV (the same grid, fp16 scales and offsets per 32 inputs), on the same grid
+dequantized on each call (the reference kernel), and the bf16 weight on the native GEMM and oneDNN. It shows
+what running a checkpoint's grid on the GEMV at every step size costs (``Int4GroupFormat.cpu_kernel``).
 
-    python benchmark/w4_cpu.py [--shapes 2048x2048,2048x11008] [--group 128]
+    python benchmark/w4_cpu.py [--shapes 2048x2048,2048x11008] [--group 128] [--one-thread]
+
+``--one-thread``: one thread, each call timed by the thread's CPU time (``time.thread_time``), so that other jobs
+on a shared machine take time slices but not figures.
 """
 from __future__ import annotations
 
@@ -14,21 +18,24 @@ import torch
 
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.quant.cpu_bf16 import NativeBf16Kernel, OneDnnKernel
-from lmdeploy.pytorch.nn.quant.int4_cpu import grid_packed
+from lmdeploy.pytorch.nn.quant.int4_cpu import NativeInt4Kernel, grid_packed
 from lmdeploy.pytorch.nn.quant.w4a16 import Int4Grid
 
 STEPS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+
+
+CLOCK = time.perf_counter  # time.thread_time with --one-thread
 
 
 def best_ms(fn: Callable[[], object], seconds: float = 1.0) -> float:
     """The fastest of repeated calls: on a shared machine the others measure the neighbours."""
     fn()
     best = float('inf')
-    deadline = time.perf_counter() + seconds
+    deadline = CLOCK() + seconds
     for _ in range(1000):
-        start = time.perf_counter()
+        start = CLOCK()
         fn()
-        best = min(best, time.perf_counter() - start)
+        best = min(best, CLOCK() - start)
         if start > deadline:
             break
     return best * 1e3
@@ -58,8 +65,11 @@ def bench_shape(in_features: int, out_features: int, group_size: int, cache_byte
         int4.append(lambda x, p=packed, s=scales_and_zeros:
                     torch.ops.aten._weight_int4pack_mm_for_cpu(x, p, group_size, s))
     weights = [grid.dequantize(torch.bfloat16) for grid in grids[:copies['bf16']]]
-    paths = {'int4': (rotating(int4), len(int4)),
-             'dequant+F.linear': (lambda x: torch.nn.functional.linear(x, grids[0].dequantize(torch.bfloat16)), 1)}
+    paths = {'int4': (rotating(int4), len(int4))}
+    gemv = [NativeInt4Kernel.of_grid(grid) for grid in grids]
+    if all(kernel is not None for kernel in gemv):
+        paths['native int4 GEMV'] = (rotating([lambda x, k=k: k(x, None) for k in gemv]), len(gemv))
+    paths['dequant+F.linear'] = (lambda x: torch.nn.functional.linear(x, grids[0].dequantize(torch.bfloat16)), 1)
     onednn = [OneDnnKernel(torch.ops.mkldnn._reorder_linear_weight(w)) for w in weights]
     paths['oneDNN bf16'] = (rotating([lambda x, k=k: k(x, None) for k in onednn]), len(onednn))
     gemm = cpu.bf16_gemm()
@@ -81,7 +91,12 @@ def main() -> None:
     parser.add_argument('--shapes', default='2048x2048,2048x11008,5632x2048', help='IN x OUT, comma-separated')
     parser.add_argument('--group', type=int, default=128)
     parser.add_argument('--cache-mb', type=int, default=96, help='bytes each path rotates over (> the L3)')
+    parser.add_argument('--one-thread', action='store_true', help='one thread, timed by its CPU time')
     args = parser.parse_args()
+    if args.one_thread:
+        global CLOCK
+        torch.set_num_threads(1)
+        CLOCK = time.thread_time
     for shape in args.shapes.split(','):
         in_features, out_features = map(int, shape.split('x'))
         bench_shape(in_features, out_features, args.group, args.cache_mb << 20)

@@ -1,16 +1,17 @@
 """DeepSeek-V3 in the native decoder stack: its multi-head latent attention (``LatentAttention`` of
 ``kernels/cpu/mla_layer.cpp``: with and without q_lora_rank, YaRN with its softmax mscale, rotary parts in
 neighbouring pairs, over latent caches in bf16, int8 and int4), its dense first layer and its MoE layers
-(``MoEBlock`` routed ``noaux_tc``) against the layers' own forward: every step's hidden states equal, and each part
-of the attention shown to count."""
+(``MoEBlock`` routed ``noaux_tc``; DeepSeek-V2's ``greedy`` and ``group_limited_greedy``) against the layers' own
+forward: every step's hidden states equal, and each part of the attention and of V2's routing shown to count."""
 from __future__ import annotations
 
 import pytest
 import torch
+from conftest import save_random_model
 from helpers import random_prompts, run
 from test_decoder_stack import ENGINE, small_int4_steps, stack_differences
 from test_decoder_stack_moe import run_checked
-from test_deepseek import save_deepseek
+from test_deepseek import ds_config, save_deepseek
 
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
@@ -127,11 +128,80 @@ def test_latent_attention_fields_are_checked(native_gemms):
             native_gemms.DecoderStack(layers=[native_gemms.LayerWeights(**{**layer, **options})], **stack)
 
 
-def test_v2_routing_keeps_the_layers(tmp_path, native_gemms):
-    """DeepSeek-V2's group-limited softmax routing has no ``MoEBlock``: its layers keep their own forward, and
-    serve."""
-    engine = deepseek_engine(save_deepseek(str(tmp_path), 48, 'v2'))
+def save_v2(path: str, routing: str) -> str:
+    """The tests' DeepSeek-V2 (8 experts in 2 groups, top-2 from the best group, routed_scaling_factor 2) routed
+    ``routing`` (its ``topk_method``)."""
+    config = ds_config(48, 'v2')
+    config.topk_method = routing
+    return save_random_model(config, path)
+
+
+@pytest.mark.parametrize('routing', ['greedy', 'group_limited_greedy'])
+def test_v2_stack_equals_the_layers(routing, tmp_path, native_gemms, monkeypatch):
+    """DeepSeek-V2's routings as MoE blocks (softmax top-k over every expert, ``greedy``, or over the best groups',
+    ``group_limited_greedy``; times the scaling factor, never renormalized): every layer in the stack, equal to the
+    layers' forward at every step, batched equal to solo, every block given back."""
+    engine = deepseek_engine(save_v2(str(tmp_path), routing))
     model = engine.runner.model
-    assert model.native_stack is None and model.layers[1].self_attn.native_attention() is not None
-    outs = run(engine, random_prompts([20, 9], seed=3), GenerationConfig(max_new_tokens=6, ignore_eos=True))
-    assert [len(out) for out in outs] == [6, 6]
+    blocks = [m for m in model.modules() if isinstance(m, DeepseekV3MoE)]
+    assert model.native_stack is not None and [block.routing for block in blocks] == [routing] * 2
+    assert all(block.native_moe() is not None for block in blocks)
+    steps = run_checked(engine, monkeypatch)
+    assert any(0 < prefill < rows for prefill, rows in steps) and (0, 1) in steps
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks and not engine.sequences
+
+
+@pytest.mark.parametrize('change', ['no_group_limit', 'no_scaling'])
+def test_v2_routing_parts_matter(change, tmp_path, native_gemms, monkeypatch):
+    """Each part of ``group_limited_greedy`` counts: MoE blocks routing without the group limit (``greedy``) or
+    without the scaling factor give other hidden states than the layers, where the blocks as built give theirs."""
+    engine = deepseek_engine(save_v2(str(tmp_path), 'group_limited_greedy'))
+    model = engine.runner.model
+    prompts, gen = random_prompts([30, 20], seed=4), GenerationConfig(max_new_tokens=4, ignore_eos=True)
+    with monkeypatch.context() as patch:
+        differences = stack_differences(engine, patch)
+        run(engine, prompts, gen)
+    assert max(differences) == 0.0
+    moe_block = native_gemms.MoEBlock
+
+    def changed(**fields):
+        if change == 'no_group_limit':
+            del fields['num_groups'], fields['topk_groups']
+            return moe_block(**{**fields, 'routing': 'greedy'})
+        return moe_block(**{**fields, 'scaling': 1.0})
+
+    monkeypatch.setattr(native_gemms, 'MoEBlock', changed)
+    attn = model.layers[0].self_attn
+    model.native_stack = NativeDecoderStack.build([layer.native_weights() for layer in model.layers], None,
+                                                  attn.num_heads, 1, attn.nope_dim + attn.rope_dim, model.norm.eps,
+                                                  attn.attn.scale, 0)
+    differences = stack_differences(engine, monkeypatch)
+    run(engine, prompts, gen)
+    print(f'deepseek-v2 with {change}: hidden states differ by {min(differences):.3g} to {max(differences):.3g}')
+    assert min(differences) > 0.005
+
+
+def test_v2_routing_fields_are_checked(native_gemms):
+    """``greedy`` takes the scaling alone, ``group_limited_greedy`` the groups too; neither a correction bias nor
+    renormalization; the groups split the experts evenly and hold top_k."""
+    weight = torch.zeros(32, 16, dtype=torch.bfloat16)
+    proj = native_gemms.Projection(kind='bf16', weight=native_gemms.pack_bf16_weight(weight))
+    experts = dict(gate_up=torch.zeros(4, 32, 16, dtype=torch.bfloat16),
+                   down=torch.zeros(4, 16, 16, dtype=torch.bfloat16))
+    block = dict(router=proj, top_k=2, renormalize=False, scaling=2.0, **experts)
+    groups = dict(num_groups=2, topk_groups=1)
+    native_gemms.MoEBlock(routing='greedy', **block)
+    native_gemms.MoEBlock(routing='group_limited_greedy', **groups, **block)
+    native_gemms.MoEBlock(routing='group_limited_greedy', **{**groups, 'num_groups': 4, 'topk_groups': 2}, **block)
+    for options, match in [(dict(routing='greedy', **groups), 'do not renormalize'),
+                           (dict(routing='greedy', scaling=None), 'do not renormalize'),
+                           (dict(routing='greedy', renormalize=True), 'do not renormalize'),
+                           (dict(routing='greedy', correction_bias=torch.zeros(4)), 'do not renormalize'),
+                           (dict(routing='group_limited_greedy'), 'do not renormalize'),
+                           (dict(routing='group_limited_greedy', **groups, norm_min=1e-12), 'do not renormalize'),
+                           (dict(routing='group_limited_greedy', **{**groups, 'num_groups': 3}), 'equal groups'),
+                           (dict(routing='group_limited_greedy', **{**groups, 'topk_groups': 3}), 'topk_groups is 1'),
+                           (dict(routing='group_limited_greedy', **{**groups, 'num_groups': 4}, top_k=2),
+                            'hold top_k')]:
+        with pytest.raises(RuntimeError, match=match):
+            native_gemms.MoEBlock(**{**block, **options})

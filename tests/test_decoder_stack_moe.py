@@ -327,8 +327,8 @@ def test_bad_blocks_are_refused(native_gemms):
                                      **options})
     with pytest.raises(TypeError):  # the routing is named, never left out
         native_gemms.MoEBlock(router=proj, top_k=2, renormalize=True, **dense)
-    with pytest.raises(RuntimeError, match="'softmax', 'biased_softmax', 'sigmoid_scaled_input' or 'noaux_tc', not "
-                                           "'sigmoid'"):
+    with pytest.raises(RuntimeError, match="'sigmoid_scaled_input', 'noaux_tc', 'greedy' or 'group_limited_greedy', "
+                                           "not 'sigmoid'"):
         native_gemms.MoEBlock(router=proj, top_k=2, renormalize=True, routing='sigmoid', **dense)
     grouped = dict(correction_bias=torch.zeros(4), num_groups=2, topk_groups=1, scaling=2.5)
     native_gemms.MoEBlock(router=proj, top_k=2, renormalize=True, routing='noaux_tc', **grouped, **dense)

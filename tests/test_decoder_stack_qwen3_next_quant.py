@@ -2,7 +2,7 @@
 Q4_K_M-like GGUF file's blocks (Q4_K, Q5_K, Q6_K and Q8_0, a stacked layer's parts each of its own type) and, for
 Qwen3.5 with its vision tower, after images (M-RoPE positions): the stack is built, and its decode-only steps give
 the hidden states and recurrent states of the layers' own forward bit for bit (as in
-test_decoder_stack_qwen3_next.py). AWQ checkpoints keep the layers."""
+test_decoder_stack_qwen3_next.py); so do AWQ and GPTQ checkpoints."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,8 +22,9 @@ from transformers import Qwen3_5TextConfig
 
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
+from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.linear import Linear
-from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
+from lmdeploy.pytorch.nn.quant.int4_cpu import NativeInt4Kernel, TorchInt4Kernel
 from lmdeploy.pytorch.nn.quant.w8a8 import NativeW8A8Kernel, W8A8Kernel
 
 # short prompts and few tokens: three sequences decode side by side for a few steps
@@ -82,18 +83,31 @@ def test_w8a8_decode_steps_equal_the_layers(value_heads, tmp_path, stack_kernels
     assert_everything_given_back(engine)
 
 
-def test_awq_keeps_the_layers(tmp_path, stack_kernels, monkeypatch):
-    """An AWQ checkpoint's layers run on torch's int4 kernel, which no projection of the stack runs: the model keeps
-    its layers' forward, and serves."""
+def thirty_two_value_heads() -> Qwen3_5TextConfig:
+    """A tiny Qwen3.5 whose every projection has outputs in multiples of 32 (AutoGPTQ's packer takes no fewer: it
+    packs zero points 32 outputs at a time, so in_proj_b and in_proj_a, a row per value head, need 32 value heads) and
+    inputs in whole groups of 32."""
+    return Qwen3_5TextConfig(intermediate_size=64, **(SHAPE | dict(hidden_size=64, linear_num_value_heads=32,
+                                                                   linear_value_head_dim=4)))
+
+
+@pytest.mark.parametrize('method', ['awq', 'gptq'])
+def test_int4_checkpoint_decode_steps_equal_the_layers(method, tmp_path, stack_kernels, monkeypatch):
+    """Qwen3.5 with every projection in 4 bits (AWQ, GPTQ): decode steps of one and of six sequences on the native
+    int4 GEMV (torch's int4 kernel, ``int4_torch``, where it is not built), in the stack as in the layers."""
     monkeypatch.setattr(quant_models, 'PROJECTIONS', quant_models.PROJECTIONS + (
         'in_proj_qkv', 'in_proj_z', 'in_proj_b', 'in_proj_a', 'out_proj'))
-    source = save_random_model(sixteen_value_heads(), str(tmp_path / 'bf16'))
-    engine = Engine(quant_models.quantize_checkpoint(source, str(tmp_path / 'awq'), 'awq', 32),
-                    PytorchEngineConfig(**ENGINE), show_progress=False)
+    source = save_random_model(thirty_two_value_heads(), str(tmp_path / 'bf16'))
+    engine = hybrid_engine(quant_models.quantize_checkpoint(source, str(tmp_path / method), method, 32))
     model = engine.runner.model
-    assert isinstance(model.layers[0].linear_attn.in_proj_b.kernel, SmallStepInt4Kernel)
-    assert model.native_stack is None
-    assert [len(out) for out in run(engine, PROMPTS, GEN)] == [4] * 3
+    expected_kernel = NativeInt4Kernel if cpu.int4_gemv() else TorchInt4Kernel
+    assert isinstance(model.layers[0].linear_attn.in_proj_b.kernel, expected_kernel)
+    steps = compare_decode_steps(engine, monkeypatch)
+    prompts = random_prompts([9, 20, 5, 14, 7, 11], seed=8, vocab=250)
+    assert [len(out) for out in run(engine, prompts[:1], GEN)] == [4]
+    assert [len(out) for out in run(engine, prompts, GEN)] == [4] * 6
+    assert {step['rows'] for step in steps} >= {1, 6}
+    assert_decode_steps_equal(steps, min_rows=6)
     assert_everything_given_back(engine)
 
 

@@ -24,7 +24,7 @@ from lmdeploy.pytorch.nn.quant import LinearOptions, use_weight_format
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.quant.gguf import DequantizedKernel, GgufFileFormat, GgufFormat
 from lmdeploy.pytorch.nn.quant.gguf_blocks import NativeQ8Kernel
-from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
+from lmdeploy.pytorch.nn.quant.int4_cpu import TorchInt4Kernel
 from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KKernel
 from lmdeploy.pytorch.nn.quant.q6k_cpu import GEMV_MAX_ROWS
 from lmdeploy.pytorch.weights.gguf import convert_gguf
@@ -44,7 +44,7 @@ def gguf_layer(qtype: Q, out_features: int = 48, in_features: int = 512, seed: i
 def q4_k_cpu_kernel() -> type:
     """What runs a Q4_K layer in bf16 on this CPU: small steps on the native Q4_K GEMV and larger ones dequantized
     from its copy where it is built, else torch's int4 kernel."""
-    return SmallStepInt4Kernel if cpu.int4_gemv() is None else Q4KKernel
+    return TorchInt4Kernel if cpu.int4_gemv() is None else Q4KKernel
 
 
 @pytest.mark.parametrize('qtype', [Q.Q8_0, Q.Q4_K, Q.Q6_K])

@@ -28,7 +28,7 @@ from lmdeploy.pytorch.nn.linear import Linear
 from lmdeploy.pytorch.nn.quant.dense import DenseFormat
 from lmdeploy.pytorch.nn.quant.gguf import DequantizedKernel, GgufFormat, GgufPartsFormat
 from lmdeploy.pytorch.nn.quant.gguf_blocks import NativeQ8Kernel, Q8Kernel
-from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
+from lmdeploy.pytorch.nn.quant.int4_cpu import TorchInt4Kernel
 from lmdeploy.pytorch.nn.quant.parts import PartsKernel
 from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KKernel
 from lmdeploy.pytorch.nn.quant.q5k_cpu import Q5KKernel
@@ -233,7 +233,7 @@ def test_bf16_mixed_file_runs_each_layer_on_its_kernel(mixed_file):
         pytest.skip('CPU kernels')
 
     def check_kernels(engine: Engine) -> None:
-        expected = {'Q4_K': SmallStepInt4Kernel if cpu.int4_gemv() is None else Q4KKernel,
+        expected = {'Q4_K': TorchInt4Kernel if cpu.int4_gemv() is None else Q4KKernel,
                     'Q6_K': Q8Kernel if cpu.q6k_gemv() is None else Q6KKernel,
                     'Q8_0': Q8Kernel if cpu.q8_gemv() is None else NativeQ8Kernel,
                     'Q5_K': ReferenceKernel if cpu.q5k_gemv() is None else Q5KKernel}

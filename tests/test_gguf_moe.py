@@ -28,7 +28,7 @@ from lmdeploy.pytorch.nn.quant import LinearOptions, use_weight_format
 from lmdeploy.pytorch.nn.quant.dense import DenseFormat, DenseKernel
 from lmdeploy.pytorch.nn.quant.gguf import DequantizedKernel, GgufExpertsFormat, GgufFormat
 from lmdeploy.pytorch.nn.quant.gguf_blocks import NativeQ8Kernel, Q8Kernel, dequantize_blocks
-from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
+from lmdeploy.pytorch.nn.quant.int4_cpu import TorchInt4Kernel
 from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KKernel
 from lmdeploy.pytorch.nn.quant.q5k_cpu import Q5KKernel
 from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6KKernel, gemv_max_rows
@@ -245,7 +245,7 @@ def test_bf16_cpu_expert_kernels_match_the_file_weights(types, monkeypatch):
     experts = random_gguf_experts(types)
     gate_up, down = dense_weights(experts)
     experts.finalize(LinearOptions(pack_cpu=True, dtype=torch.bfloat16))
-    fallback = {'Q4_K': SmallStepInt4Kernel, 'Q5_K': ReferenceKernel, 'Q6_K': Q8Kernel, 'Q8_0': Q8Kernel}
+    fallback = {'Q4_K': TorchInt4Kernel, 'Q5_K': ReferenceKernel, 'Q6_K': Q8Kernel, 'Q8_0': Q8Kernel}
     native = {'Q4_K': (Q4KKernel, cpu.int4_gemv()), 'Q5_K': (Q5KKernel, cpu.q5k_gemv()),
               'Q6_K': (Q6KKernel, cpu.q6k_gemv()),
               'Q8_0': (NativeQ8Kernel, cpu.q8_gemv())}

@@ -21,7 +21,7 @@ from lmdeploy.pytorch.kernels import cpu, moe
 from lmdeploy.pytorch.nn.moe import FusedExperts
 from lmdeploy.pytorch.nn.quant import LinearOptions, use_weight_format, weight_format_for
 from lmdeploy.pytorch.nn.quant.dense import DenseKernel
-from lmdeploy.pytorch.nn.quant.int4_cpu import NativeInt4Kernel, SmallStepInt4Kernel
+from lmdeploy.pytorch.nn.quant.int4_cpu import NativeInt4Kernel, TorchInt4Kernel
 from lmdeploy.pytorch.nn.quant.w4a16 import PerExpertKernel
 
 GREEDY_8 = GenerationConfig(max_new_tokens=8, ignore_eos=True)
@@ -114,7 +114,7 @@ def test_bf16_experts_run_on_the_int4_cpu_kernel(tmp_path):
         try:
             for experts in experts_of(engine) if model == path else ():
                 assert isinstance(experts.kernel, PerExpertKernel)
-                assert all(isinstance(experts.kernel.kernel(proj, e), (NativeInt4Kernel, SmallStepInt4Kernel))
+                assert all(isinstance(experts.kernel.kernel(proj, e), (NativeInt4Kernel, TorchInt4Kernel))
                            for proj in ('gate_up', 'down') for e in range(experts.num_experts))
                 assert experts.gate_up_qweight is None and not any(True for _ in experts.parameters())
             outs = run(engine, [prompt, prompt[:7]], GREEDY_8)
@@ -200,7 +200,7 @@ def test_bf16_cpu_expert_kernels_match_the_unpacked_weights(config):
     gate_up, down = dense_weights(experts)
     experts.finalize(LinearOptions(pack_cpu=True, dtype=torch.bfloat16))
     kernels = [experts.kernel.kernel(proj, e) for proj in ('gate_up', 'down') for e in range(4)]
-    expected_kind = NativeInt4Kernel if cpu.int4_gemv() is not None else SmallStepInt4Kernel
+    expected_kind = NativeInt4Kernel if cpu.int4_gemv() is not None else TorchInt4Kernel
     assert all(isinstance(kernel, expected_kind) for kernel in kernels)
     g = torch.Generator().manual_seed(3)
     for tokens in (1, 3, 40):

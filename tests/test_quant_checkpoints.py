@@ -14,9 +14,10 @@ from transformers import AutoModelForCausalLM
 
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
+from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.linear import Linear
 from lmdeploy.pytorch.nn.quant import LinearOptions, use_weight_format, weight_format_for
-from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
+from lmdeploy.pytorch.nn.quant.int4_cpu import NativeInt4Kernel, TorchInt4Kernel
 from lmdeploy.pytorch.nn.quant.w4a16 import ReferenceKernel
 
 AWQ = {'quant_method': 'awq', 'bits': 4, 'zero_point': True, 'version': 'gemm'}
@@ -93,11 +94,13 @@ def cpu_layers(dtype) -> list[tuple[Linear, torch.Tensor]]:
 
 @pytest.mark.parametrize('rows', [1, 5, 8, 9, 40])
 def test_int4_cpu_kernel_runs_the_checkpoint_grid(rows):
-    """With bf16 scales, the int4 CPU kernel (small steps) and the dequantizing path (large ones) give
-    ``x @ W.T`` up to bf16 rounding (``(8 - zero) * scale`` is rounded to bf16)."""
+    """With bf16 scales, the native int4 GEMV (where built; else torch's int4 kernel) gives ``x @ W.T`` up to
+    bf16 rounding (torch's kernel rounds
+    ``(8 - zero) * scale`` to bf16)."""
     for layer, weight in cpu_layers(torch.bfloat16):
         layer.finalize(LinearOptions(pack_cpu=True, dtype=torch.bfloat16))
-        assert isinstance(layer.kernel, SmallStepInt4Kernel) and layer.qweight is None
+        assert isinstance(layer.kernel, NativeInt4Kernel if cpu.int4_gemv() else TorchInt4Kernel)
+        assert layer.qweight is None
         x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).bfloat16()
         expected = x.float() @ weight.T
         error = (layer(x).float() - expected).norm() / expected.norm()
@@ -196,7 +199,8 @@ def test_bf16_engine_runs_the_int4_kernel(float_llama, tmp_path):
         engine = Engine(path, PytorchEngineConfig(dtype=dtype, num_gpu_blocks=64, block_size=16), show_progress=False)
         try:
             kinds = {type(module.kernel) for module in engine.runner.model.modules() if isinstance(module, Linear)}
-            assert kinds == {SmallStepInt4Kernel if dtype == 'bfloat16' else ReferenceKernel}
+            bf16_kind = NativeInt4Kernel if cpu.int4_gemv() else TorchInt4Kernel
+            assert kinds == {bf16_kind if dtype == 'bfloat16' else ReferenceKernel}
             assert len(run(engine, [prompt, prompt[:5]], GREEDY_8)[1]) == 8
             logits[dtype] = engine.get_logits(prompt).float()
         finally:

@@ -124,20 +124,21 @@ class DeepseekV3MoE(nn.Module):
                                if hf.n_shared_experts else None)
 
     def native_moe(self, small_step: bool = False) -> object | None:
-        """This block as a ``MoEBlock`` of :class:`~lmdeploy.pytorch.nn.decoder_stack.NativeDecoderStack` with
-        routing ``noaux_tc`` (its fp32 router an ``fp32`` projection, its shared experts ungated; ``small_step``:
-        for steps of at most ``small_step_rows`` tokens, which only the shared experts' projections tell apart);
-        None for V2's routings or where a part runs on no native kernel."""
+        """This block as a ``MoEBlock`` of :class:`~lmdeploy.pytorch.nn.decoder_stack.NativeDecoderStack` with its
+        routing (``noaux_tc``, or V2's ``greedy`` or ``group_limited_greedy``; its fp32 router an ``fp32``
+        projection, its shared experts ungated; ``small_step``: for steps of at most ``small_step_rows`` tokens,
+        which only the shared experts' projections tell apart); None where a part runs on no native kernel."""
         kernels = cpu.native()
-        if self.routing != 'noaux_tc' or kernels is None:
-            return None
-        native = native_experts_with_shared(self.experts, self.shared_experts, small_step)
+        native = None if kernels is None else native_experts_with_shared(self.experts, self.shared_experts, small_step)
         if native is None:
             return None
+        routing = dict(renormalize=False)  # V2's: never renormalized
+        if self.routing == 'noaux_tc':
+            routing = dict(renormalize=self.renormalize, correction_bias=self.gate.e_score_correction_bias)
+        if self.routing != 'greedy':
+            routing.update(num_groups=self.num_groups, topk_groups=self.topk_groups)
         return kernels.MoEBlock(router=kernels.Projection(kind='fp32', weight=self.gate.weight), top_k=self.top_k,
-                                renormalize=self.renormalize, routing='noaux_tc',
-                                correction_bias=self.gate.e_score_correction_bias, num_groups=self.num_groups,
-                                topk_groups=self.topk_groups, scaling=float(self.scaling), **native)
+                                routing=self.routing, scaling=float(self.scaling), **routing, **native)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(F.linear(x.float(), self.gate.weight))
@@ -160,8 +161,8 @@ class DeepseekV3DecoderLayer(LlamaDecoderLayer):
     """A decoder layer of :class:`DeepseekV3Attention` and a dense MLP or :class:`DeepseekV3MoE`."""
 
     def native_weights(self, small_step: bool = False) -> LayerWeights | None:
-        """As :meth:`LlamaDecoderLayer.native_weights`, its attention the stack's ``mla``; None for V2's routings
-        or where a part runs on no native kernel."""
+        """As :meth:`LlamaDecoderLayer.native_weights`, its attention the stack's ``mla``; None where a part runs on
+        no native kernel."""
         mla, mlp = self.self_attn.native_attention(small_step), self.mlp_weights(small_step)
         if mla is None or mlp is None:
             return None

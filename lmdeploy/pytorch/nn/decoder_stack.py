@@ -1,9 +1,10 @@
 """Llama-style decoder layers in one native call per step on the CPU (``kernels/cpu/decoder_stack.cpp``),
 on projections in bf16 or W8A8 (each its own kernel's weight, see ``LinearKernel.native_projection``), a GGUF
-file's Q4_K, Q5_K and Q6_K blocks, or a stacked layer's parts each on its own (``nn/quant/parts.py``); steps of a few
-tokens on the 4-bit copies of ``decode_int4`` where they run on the native GEMV. A MoE family's sparse MLP
-runs as a ``MoEBlock`` (``kernels/cpu/moe_block.cpp``, see ``SparseMoeBlock.native_moe``, and for GLM-4.5's
-DeepSeek-V3 routing ``DeepseekV3MoE.native_moe``): its router, the routing and each routed expert on the kernel
+file's Q4_K, Q5_K and Q6_K blocks, an AWQ or GPTQ checkpoint's grid (the native int4 GEMV; torch's int4 kernel where
+it is not built), or a stacked layer's parts each on its own (``nn/quant/parts.py``); steps of a few tokens on the
+4-bit copies of ``decode_int4``. A MoE family's sparse MLP runs as a ``MoEBlock`` (``kernels/cpu/moe_block.cpp``,
+see ``SparseMoeBlock.native_moe``, and for DeepSeek-V3's routing (GLM-4.5's) and DeepSeek-V2's
+``DeepseekV3MoE.native_moe``): its router, the routing and each routed expert on the kernel
 its Python path calls; ERNIE 4.5 MoE's (``Ernie4_5MoE.native_moe``) routes ``biased_softmax``, Llama 4's
 (``Llama4MoE.native_moe``) ``sigmoid_scaled_input``; gpt-oss's (``SparseMoeBlock`` with biases) has a biased router,
 biased experts (bf16, or MXFP4 on ``Mxfp4Kernel``'s two paths) and the clamped SwiGLU, its attention ``sinks``.

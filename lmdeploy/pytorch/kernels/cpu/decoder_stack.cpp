@@ -5,6 +5,7 @@
 // on its own, on caches the kernels have just flushed.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/_int_mm.h>
+#include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
 #include <ATen/ops/full_like.h>
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/linear.h>
@@ -73,10 +74,17 @@ Projection::Projection(const std::string& kind_name, torch::Tensor weight, c10::
                     this->scale && this->scale->scalar_type() == at::kHalf && this->scale->dim() == 3,
                 "a ", kind_name, " projection is its codes [N / 16, K / 32, 32, 16] (int8) and fp16 scales "
                 "[N / 16, K / 32, 16] (and bias), without compensation");
+  } else if (kind_name == "int4_torch") {
+    kind = Kind::kInt4Torch;
+    TORCH_CHECK(this->weight.scalar_type() == at::kByte && this->weight.dim() == 2 && !this->compensation &&
+                    this->scale && this->scale->dim() == 3 && this->scale->size(1) == this->weight.size(0) &&
+                    this->scale->size(2) == 2 && (2 * this->weight.size(1)) % this->scale->size(0) == 0,
+                "an int4_torch projection is its packed codes [N, K / 2] (uint8) and scales_and_zeros [K / G, N, 2] "
+                "(and bias), without compensation");
   } else {
-    TORCH_CHECK(false, "a projection's kind is 'bf16', 'w8a8', 'int4', 'q4k', 'q4k_dequantized', 'q5k', "
-                "'q5k_dequantized', 'q6k', 'q6k_dequantized', 'q8', 'q8_dequantized', 'w8a8_torch', 'onednn', 'fp32', "
-                "'mxfp4' or 'mxfp4_dequantized', not '", kind_name, "'");
+    TORCH_CHECK(false, "a projection's kind is 'bf16', 'w8a8', 'int4', 'int4_torch', 'q4k', 'q4k_dequantized', "
+                "'q5k', 'q5k_dequantized', 'q6k', 'q6k_dequantized', 'q8', 'q8_dequantized', 'w8a8_torch', 'onednn', "
+                "'fp32', 'mxfp4' or 'mxfp4_dequantized', not '", kind_name, "'");
   }
 }
 
@@ -150,6 +158,10 @@ torch::Tensor Projection::operator()(const torch::Tensor& x) const {
     }
     case Kind::kQ8Dequantized: return at::linear(x, q8_dequantize(weight, *scale).to(x.scalar_type()), bias);
     case Kind::kW8A8Torch: return w8a8_torch_linear(x, weight, *scale, bias);
+    case Kind::kInt4Torch: {
+      const auto out = at::_weight_int4pack_mm_for_cpu(x, weight, 2 * weight.size(1) / scale->size(0), *scale);
+      return bias ? out.add(*bias) : out;
+    }
     case Kind::kOneDnn: return onednn_linear(x, weight, bias);
     case Kind::kFp32: return at::linear(x.to(at::kFloat), weight, bias);
     case Kind::kSteps: return parts[x.size(0) > small_step_rows ? 1 : 0](x);
@@ -179,6 +191,7 @@ torch::Tensor Projection::gate_up_silu(const torch::Tensor& x) const {
     case Kind::kQ8:
     case Kind::kQ8Dequantized:
     case Kind::kW8A8Torch:
+    case Kind::kInt4Torch:
     case Kind::kOneDnn:
     case Kind::kFp32:
     case Kind::kParts:

@@ -44,11 +44,13 @@ struct StepTensors {
 // in fp32, then to x's dtype, for torch's linear: NativeQ8Kernel's two paths (nn/quant/gguf_blocks.py).
 // "w8a8_torch": an int8 `weight` [N, K] and its fp32 `scale` [N, 1] on torch's int8 GEMM, x quantized per token
 // (W8A8Kernel's w8a8_linear, kernels/w8a8.py), for a linear-attention layer's few-row b and a whose rows the int8
-// GEMM's panels do not fit.
+// GEMM's panels do not fit. "int4_torch": torch's int4 kernel (_weight_int4pack_mm_for_cpu) on its packed codes
+// (`weight`, uint8 [N, K / 2]) and `scale`, its scales_and_zeros [K / G, N, 2] in x's dtype (the group size G their
+// rows give), then the bias added: TorchInt4Kernel's (nn/quant/int4_cpu.py), an AWQ or GPTQ checkpoint's grid where the int4 GEMV is not built.
 struct Projection {
   enum class Kind {
     kBf16, kW8A8, kInt4, kQ4K, kQ6K, kOneDnn, kFp32, kParts, kSteps, kMxfp4, kMxfp4Dequantized,
-    kQ4KDequantized, kQ5K, kQ5KDequantized, kQ6KDequantized, kQ8, kQ8Dequantized, kW8A8Torch
+    kQ4KDequantized, kQ5K, kQ5KDequantized, kQ6KDequantized, kQ8, kQ8Dequantized, kW8A8Torch, kInt4Torch
   };
   Projection(const std::string& kind, torch::Tensor weight, c10::optional<torch::Tensor> compensation,
              c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias);
@@ -77,7 +79,11 @@ struct Projection {
 //    fp32, chosen with `correction_bias` added, weighted by the unbiased scores over their sum (at least
 //    `norm_min`; `renormalize` is set);
 //  - "sigmoid_scaled_input": Llama4MoE's (models/llama4.py): the top-k router logits, their sigmoid (in x's dtype)
-//    scaling each token's copy on its way into its expert, the experts' outputs summed over the k copies.
+//    scaling each token's copy on its way into its expert, the experts' outputs summed over the k copies;
+//  - "greedy": DeepSeek-V2's (DeepseekV3MoE.route): softmax and top-k in fp32, never renormalized, times `scaling`;
+//  - "group_limited_greedy": DeepSeek-V2's group_limited_topk of kernels/moe.py: the softmax scores of the experts
+//    outside the `topk_groups` of `num_groups` groups whose best score is highest set to zero, then top-k, never
+//    renormalized, times `scaling`.
 // The experts are either dense, `gate_up [E, 2I, H]` and `down [E, H, I]` in the model's dtype as fused_moe takes
 // them (F.linear, torch's SiLU-and-mul), with `gate_up_bias [E, 2I]` and `down_bias [E, H]` where they have biases,
 // or each expert's `expert_gate_up` and `expert_down` projections (gate_up_silu; each with its expert's biases), as
@@ -87,7 +93,7 @@ struct Projection {
 // `shared_down`) is added times the sigmoid of `shared_gate` where it has one (Qwen2-MoE), as it is without
 // (DeepSeek-V3, GLM-4.5, ERNIE 4.5).
 struct MoEBlock {
-  enum class Routing { kSoftmax, kNoauxTc, kBiasedSoftmax, kSigmoidScaledInput };
+  enum class Routing { kSoftmax, kNoauxTc, kBiasedSoftmax, kSigmoidScaledInput, kGreedy, kGroupLimitedGreedy };
   enum class Activation { kSilu, kClampedSwiGLU };
   MoEBlock(Projection router, int64_t top_k, bool renormalize, const std::string& routing,
            c10::optional<torch::Tensor> correction_bias, c10::optional<int64_t> num_groups,

@@ -1,8 +1,8 @@
 // The MoE block of the native decoder stack: the forward of SparseMoeBlock (lmdeploy/pytorch/models/moe.py; gpt-oss's
-// with the experts' biases and the clamped SwiGLU), of DeepseekV3MoE (models/deepseek_v3.py), of Ernie4_5MoE
-// (models/ernie.py) or of Llama4MoE (models/llama4.py) with the kernels their Python paths call (moe_routing,
-// grouped_topk or biased_softmax_topk, or the top-k logits' sigmoid, and run_experts of kernels/moe.py, the experts'
-// kernels), in the same order, so that its results are the same.
+// with the experts' biases and the clamped SwiGLU), of DeepseekV3MoE (models/deepseek_v3.py, V3's and V2's
+// routings), of Ernie4_5MoE (models/ernie.py) or of Llama4MoE (models/llama4.py) with the kernels their Python paths
+// call (moe_routing, grouped_topk, group_limited_topk or biased_softmax_topk, or the top-k logits' sigmoid, and
+// run_experts of kernels/moe.py, the experts' kernels), in the same order, so that its results are the same.
 #include <ATen/ops/clamp.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/ones.h>
@@ -16,9 +16,11 @@ MoEBlock::Routing routing_named(const std::string& name) {
   if (name == "softmax") return MoEBlock::Routing::kSoftmax;
   if (name == "biased_softmax") return MoEBlock::Routing::kBiasedSoftmax;
   if (name == "sigmoid_scaled_input") return MoEBlock::Routing::kSigmoidScaledInput;
+  if (name == "greedy") return MoEBlock::Routing::kGreedy;
+  if (name == "group_limited_greedy") return MoEBlock::Routing::kGroupLimitedGreedy;
   TORCH_CHECK(name == "noaux_tc",
-              "a MoE block's routing is 'softmax', 'biased_softmax', 'sigmoid_scaled_input' or 'noaux_tc', not '", name,
-              "'");
+              "a MoE block's routing is 'softmax', 'biased_softmax', 'sigmoid_scaled_input', 'noaux_tc', 'greedy' or "
+              "'group_limited_greedy', not '", name, "'");
   return MoEBlock::Routing::kNoauxTc;
 }
 
@@ -83,6 +85,23 @@ MoEBlock::MoEBlock(Projection router, int64_t top_k, bool renormalize, const std
                 "routing 'sigmoid_scaled_input' does not renormalize");
     return;
   }
+  if (this->routing == Routing::kGreedy || this->routing == Routing::kGroupLimitedGreedy) {
+    const bool limited = this->routing == Routing::kGroupLimitedGreedy;
+    TORCH_CHECK(scaling && !this->correction_bias && !norm_min && !renormalize &&
+                    num_groups.has_value() == limited && topk_groups.has_value() == limited,
+                "routings 'greedy' and 'group_limited_greedy' take scaling ('group_limited_greedy' num_groups and "
+                "topk_groups too; not correction_bias nor norm_min) and do not renormalize");
+    this->scaling = *scaling;
+    if (!limited) return;
+    this->num_groups = *num_groups;
+    this->topk_groups = *topk_groups;
+    TORCH_CHECK(this->num_groups >= 1 && num_experts % this->num_groups == 0,
+                "the experts split into num_groups equal groups");
+    TORCH_CHECK(this->topk_groups >= 1 && this->topk_groups <= this->num_groups &&
+                    top_k <= this->topk_groups * (num_experts / this->num_groups),
+                "topk_groups is 1 to num_groups, and their experts hold top_k");
+    return;
+  }
   if (this->correction_bias)
     TORCH_CHECK(this->correction_bias->dim() == 1 && this->correction_bias->size(0) == num_experts,
                 "the correction bias holds one value per expert");
@@ -115,6 +134,20 @@ std::tuple<torch::Tensor, torch::Tensor> MoEBlock::route(const torch::Tensor& x)
     auto [weights, ids] = logits.softmax(-1).topk(top_k, -1);
     if (renormalize) weights = weights.div(weights.sum(-1, true));
     return {weights, ids};
+  }
+  if (routing == Routing::kGreedy) {  // DeepseekV3MoE.route: moe_routing without renormalization
+    const auto [weights, ids] = logits.softmax(-1).topk(top_k, -1);
+    return {weights.mul(scaling), ids};
+  }
+  if (routing == Routing::kGroupLimitedGreedy) {  // group_limited_topk
+    const auto scores = logits.softmax(-1);
+    const auto grouped = scores.view({scores.size(0), num_groups, -1});
+    const auto best_groups =
+        std::get<1>(std::get<0>(grouped.max(-1)).topk(topk_groups, -1, /*largest=*/true, /*sorted=*/false));
+    const auto keep = at::zeros_like(grouped.select(-1, 0), at::kBool).scatter_(1, best_groups, true);
+    const auto [weights, ids] = scores.masked_fill(keep.logical_not().repeat_interleave(grouped.size(-1), 1), 0.0)
+                                    .topk(top_k, -1, /*largest=*/true, /*sorted=*/false);
+    return {weights.mul(scaling), ids};
   }
   if (routing == Routing::kBiasedSoftmax) {  // biased_softmax_topk
     const auto scores = logits.softmax(-1);

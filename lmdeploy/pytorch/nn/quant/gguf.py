@@ -221,7 +221,7 @@ class GgufExpertsFormat(WeightFormat):
         ggml_type = projection_format.ggml_type
         if ggml_type == 'Q4_K':
             return (q4_k_cpu_kernel(layer.qweight, proj == 'gate_up')
-                    or Int4GroupFormat.cpu_expert_kernel(q4_k_grid(layer.qweight), proj == 'gate_up', torch.bfloat16))
+                    or Int4GroupFormat.cpu_kernel(q4_k_grid(layer.qweight), proj == 'gate_up', torch.bfloat16))
         if ggml_type == 'Q5_K':
             return Q5KKernel.of(layer.qweight) or ReferenceKernel(projection_format, BlockRows(layer.qweight))
         native = Q6KKernel.of(layer.qweight) if ggml_type == 'Q6_K' else None

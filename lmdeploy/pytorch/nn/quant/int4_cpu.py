@@ -1,8 +1,8 @@
 """4-bit weights for steps too small to keep a bf16 GEMM busy: they read a quarter of the bytes, which is what
 a batch-1 decode step is bound by. A 4-bit copy of a bf16 weight (``decode_int4``) runs on the native GEMV
 (``kernels/cpu/linear_int4.cpp``: fp16 scale and minimum per group of 32, as GGUF's Q4_1) where it was built,
-else on torch's int4 kernel (``_weight_int4pack_mm_for_cpu``), which also runs the grid of a 4-bit checkpoint
-(AWQ, GPTQ) as it is."""
+else on torch's int4 kernel (``_weight_int4pack_mm_for_cpu``). The grid of a 4-bit checkpoint (AWQ, GPTQ) runs
+as it is on the native GEMV at every step (on torch's int4 kernel where the GEMV is not built)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -56,11 +56,24 @@ class TorchInt4Kernel(LinearKernel):
                  order: torch.Tensor | None = None):
         self.packed, self.scales_and_zeros, self.group_size, self.order = packed, scales_and_zeros, group_size, order
 
+    @classmethod
+    def of_grid(cls, grid: Int4Grid, dtype: torch.dtype) -> TorchInt4Kernel:
+        """A checkpoint's grid for activations in ``dtype`` (bf16): its scale and ``8 * scale - offset`` rounded
+        to ``dtype``, as the kernel takes them."""
+        grid, order = grid.in_group_order()
+        return cls(*grid_packed(grid, dtype), grid.group_size, order)
+
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.order is not None:
             x = x[:, self.order]
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
         return out if bias is None else out + bias
+
+    def native_projection(self, bias: torch.Tensor | None) -> object | None:
+        native = cpu.native()
+        if native is None or self.order is not None:  # the stack takes no input order
+            return None
+        return native.Projection(kind='int4_torch', weight=self.packed, scale=self.scales_and_zeros, bias=bias)
 
 
 class NativeInt4Kernel(LinearKernel):
@@ -175,14 +188,6 @@ class SmallStepInt4Kernel(LinearKernel):
         if cpu.int4_gemv() is not None and weight.shape[0] % (2 * INT4_TILE if gate_up else INT4_TILE) == 0:
             return cls(NativeInt4Kernel(*pack_int4(*least_squares_grid(weight), gate_up), gate_up), rows)
         return cls(TorchInt4Kernel(*int4_groups(weight)), rows)
-
-    @classmethod
-    def of_grid(cls, grid: Int4Grid, dtype: torch.dtype) -> SmallStepInt4Kernel:
-        """A checkpoint's 4-bit grid as it is, for activations in ``dtype`` (bf16), for steps of any size:
-        dequantizing it on each call for a bf16 GEMM is slower at every size measured
-        (``benchmark/w4_cpu.py``)."""
-        grid, order = grid.in_group_order()
-        return cls(TorchInt4Kernel(*grid_packed(grid, dtype), grid.group_size, order), 0)
 
     def over(self, large: LinearKernel) -> SmallStepInt4Kernel:
         """This copy for small steps with ``large`` for the others."""

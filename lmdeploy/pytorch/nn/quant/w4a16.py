@@ -4,7 +4,8 @@
 Each checkpoint format packs the codes its own way (:meth:`Int4GroupFormat.unpack`); the kernels here
 read the unpacked grid, served as it is:
 
-- CPU, bf16 models: torch's int4 CPU kernel (``_weight_int4pack_mm_for_cpu``) on the same grid;
+- CPU, bf16 models: the native int4 GEMV (``kernels/cpu/linear_int4.cpp``) on the same grid, torch's int4 CPU
+  kernel (``_weight_int4pack_mm_for_cpu``) where it is not built;
 - CUDA: the Triton W4A16 GEMM (``kernels/cuda/w4a16.py``) on the codes repacked along the inputs;
 - otherwise (fp32 models, the reference): unpack and ``F.linear`` on every call.
 
@@ -27,7 +28,7 @@ from lmdeploy.pytorch.kernels import silu_and_mul
 from lmdeploy.pytorch.kernels.activation import ClampedSwiGLU, clamped_swiglu
 from lmdeploy.pytorch.kernels.moe import run_experts
 from lmdeploy.pytorch.nn.quant.base import ExpertKernel, LinearKernel, LinearOptions, WeightFormat
-from lmdeploy.pytorch.nn.quant.int4_cpu import TORCH_INT4_GROUP_SIZES, NativeInt4Kernel, SmallStepInt4Kernel
+from lmdeploy.pytorch.nn.quant.int4_cpu import TORCH_INT4_GROUP_SIZES, NativeInt4Kernel, TorchInt4Kernel
 
 if TYPE_CHECKING:
     from lmdeploy.pytorch.nn.linear import Linear
@@ -158,7 +159,7 @@ class Int4GroupFormat(WeightFormat):
             from lmdeploy.pytorch.nn.quant.w4a16_cuda import TritonW4A16Kernel
             kernel = TritonW4A16Kernel.of(self.unpack(layer))
         elif options.dtype == torch.bfloat16 and device == 'cpu' and self.group_size in TORCH_INT4_GROUP_SIZES:
-            kernel = SmallStepInt4Kernel.of_grid(self.unpack(layer), options.dtype)
+            kernel = self.cpu_kernel(self.unpack(layer), layer.gate_up_panels, options.dtype)
         else:
             return ReferenceKernel(self, layer)
         for name in self.params():
@@ -166,11 +167,12 @@ class Int4GroupFormat(WeightFormat):
         return kernel
 
     @staticmethod
-    def cpu_expert_kernel(grid: Int4Grid, gate_up: bool, dtype: torch.dtype) -> LinearKernel:
-        """One expert's projection for bf16 activations: the native int4 GEMV (a gate-and-up one with its
-        SiLU-and-mul epilogue) where it is built, else torch's int4 kernel: the GEMV is ahead at one token
-        and at 256, level between (``benchmark/moe_w4_cpu.py``)."""
-        return NativeInt4Kernel.of_grid(grid, gate_up) or SmallStepInt4Kernel.of_grid(grid, dtype)
+    def cpu_kernel(grid: Int4Grid, gate_up: bool, dtype: torch.dtype) -> LinearKernel:
+        """A projection (a layer's or one expert's) for bf16 activations at every step size: the native int4 GEMV
+        (a gate-and-up one with its SiLU-and-mul epilogue) where it is built and the shape fits its tiles, else
+        torch's int4 kernel. One copy of the weight: the GEMV is ahead at one token, within about 15% either way
+        above (``benchmark/w4_cpu.py``, ``benchmark/moe_w4_cpu.py``)."""
+        return NativeInt4Kernel.of_grid(grid, gate_up) or TorchInt4Kernel.of_grid(grid, dtype)
 
     def make_expert_kernel(self, experts: FusedExperts, options: LinearOptions) -> ExpertKernel:
         device = experts.projection('down', 0).qweight.device.type
@@ -178,7 +180,7 @@ class Int4GroupFormat(WeightFormat):
             from lmdeploy.pytorch.nn.quant.w4a16_cuda import TritonInt4ExpertKernel
             kernel = TritonInt4ExpertKernel.of(self, experts)
         elif options.dtype == torch.bfloat16 and device == 'cpu' and self.group_size in TORCH_INT4_GROUP_SIZES:
-            kernels = {proj: [self.cpu_expert_kernel(self.unpack(experts.projection(proj, e)), proj == 'gate_up',
+            kernels = {proj: [self.cpu_kernel(self.unpack(experts.projection(proj, e)), proj == 'gate_up',
                                                      options.dtype) for e in range(experts.num_experts)]
                        for proj in ('gate_up', 'down')}
             kernel = PerExpertKernel(experts.num_experts, lambda proj, expert: kernels[proj][expert])
