@@ -173,8 +173,10 @@ c10::optional<torch::Tensor> MoEBlock::run_experts_in_one_region(const torch::Te
       c10::BFloat16* row = o + pair / k * H;
       const c10::BFloat16* yr = y + r * H;
 #pragma omp simd
-      for (int64_t h = 0; h < H; ++h)
-        row[h] = from_float<c10::BFloat16>(to_float(row[h]) + to_float(from_float<c10::BFloat16>(to_float(yr[h]) * weight)));
+      for (int64_t h = 0; h < H; ++h) {
+        const float weighted = to_float(from_float<c10::BFloat16>(to_float(yr[h]) * weight));
+        row[h] = from_float<c10::BFloat16>(to_float(row[h]) + weighted);
+      }
     }
   }
   return out;
