@@ -31,7 +31,7 @@ _SOURCES = ['bindings.cpp', 'paged_attention.cpp', 'paged_attention_avx512.cpp',
             'paged_prefill_avx512.cpp', 'elementwise.cpp', 'fill_kv_cache.cpp', 'linear_bf16.cpp', 'linear_int8.cpp',
             'threads.cpp', 'decoder_stack.cpp', 'mla.cpp', 'linear_int4.cpp', 'linear_q8.cpp',
             'linear_q6k.cpp', 'linear_q5k.cpp', 'moe_block.cpp', 'linear_mxfp4.cpp', 'gated_delta.cpp',
-            'mla_layer.cpp', 'linear_attention.cpp', 'dequantized_linear.cpp']
+            'mla_layer.cpp', 'linear_attention.cpp', 'dequantized_linear.cpp', 'moe_block_region.cpp']
 _FLAGS = ['-O3', '-march=native', '-fopenmp', '-ffast-math']
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}

@@ -141,7 +141,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("swiglu_alpha") = py::none(), py::arg("swiglu_limit") = py::none(),
            py::arg("shared_gate_up") = py::none(),
            py::arg("shared_down") = py::none(), py::arg("shared_gate") = py::none())
-      .def("__call__", &MoEBlock::operator(), py::call_guard<py::gil_scoped_release>(), py::arg("x"));
+      .def("__call__", &MoEBlock::operator(), py::call_guard<py::gil_scoped_release>(), py::arg("x"))
+      .def("experts_in_one_region", &MoEBlock::experts_in_one_region, py::arg("tokens"));
   py::class_<LatentAttention>(m, "LatentAttention", "a decoder layer's multi-head latent attention (DeepSeek)")
       .def(py::init<c10::optional<Projection>, Optional, Projection, Projection, torch::Tensor, torch::Tensor, int64_t,
                     int64_t, int64_t, int64_t, int64_t, bool, double, double>(),

@@ -59,17 +59,14 @@ inline float to_float(c10::BFloat16 x) {
 }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
 
-// The sums of each run of `group` values of `x` (`count` runs), in fp32: a GEMV over grouped codes with minima
-// takes each group's minimum times its inputs' sum. Held per thread between calls.
-inline const float* group_sums(const c10::BFloat16* x, int64_t count, int64_t group) {
-  static thread_local std::vector<float> sums;
-  sums.resize(count);
-  for (int64_t i = 0; i < count; ++i) {
+// The sums of each run of `group` values of `x` (sums.size() runs), in fp32: a GEMV over grouped codes with minima
+// takes each group's minimum times its inputs' sum.
+inline void group_sums(const c10::BFloat16* x, std::vector<float>& sums, int64_t group) {
+  for (size_t i = 0; i < sums.size(); ++i) {
     float total = 0.f;
     for (int64_t k = 0; k < group; ++k) total += to_float(x[i * group + k]);
     sums[i] = total;
   }
-  return sums.data();
 }
 
 // fp32 to T with round-to-nearest-even, written so that loops over it vectorize (no NaN branch).
@@ -234,6 +231,10 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k, torch::T
 std::tuple<torch::Tensor, torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
                                                   c10::optional<torch::Tensor> residual);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
+// silu(gate) * up of one row of gate_up [2 size] (gate, then up) into out [size]: silu_and_mul's row, kept out of
+// line so that every caller runs the same code (and gets the same roundings).
+template <typename T>
+__attribute__((noinline)) void silu_and_mul_row(const T* gate_up, T* out, int64_t size);
 torch::Tensor argmax(torch::Tensor x);
 void apply_token_bitmask(torch::Tensor x, torch::Tensor bitmask, std::vector<int64_t> rows);
 torch::Tensor apply_rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);

@@ -105,6 +105,9 @@ struct MoEBlock {
            c10::optional<Projection> shared_gate_up, c10::optional<Projection> shared_down,
            c10::optional<Projection> shared_gate);
   torch::Tensor operator()(const torch::Tensor& x) const;
+  // Whether a step of `tokens` tokens runs the routed experts in one parallel region (moe_block_region.cpp): up
+  // to 8 tokens on per-expert projections with tiled GEMVs (int4, Q4_K, Q5_K, Q6_K, Q8_0) and SiLU, x in bf16.
+  bool experts_in_one_region(int64_t tokens) const;
 
   Projection router;
   int64_t top_k, num_experts;
@@ -129,6 +132,10 @@ struct MoEBlock {
   // sum_k w[t, k] * expert_{ids[t, k]}(x[t]), the experts in order (run_experts of kernels/moe.py).
   torch::Tensor run_experts(const torch::Tensor& x, const torch::Tensor& topk_weights,
                             const torch::Tensor& topk_ids) const;
+  // run_experts' result computed in one parallel region, or none where experts_in_one_region does not hold for
+  // this step (its experts' shares of it, x's dtype).
+  c10::optional<torch::Tensor> run_experts_in_one_region(const torch::Tensor& x, const torch::Tensor& topk_weights,
+                                                         const torch::Tensor& topk_ids) const;
 };
 
 // DeepSeek's multi-head latent attention up to its o_proj (mla_layer.cpp): DeepseekV3Attention's forward

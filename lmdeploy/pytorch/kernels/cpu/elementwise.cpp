@@ -3,6 +3,19 @@
 // roundings of the torch versions.
 #include "common.h"
 
+template <typename T>
+void silu_and_mul_row(const T* gate_up, T* out, int64_t size) {
+  const T* up = gate_up + size;
+#pragma omp simd
+  for (int64_t i = 0; i < size; ++i) {
+    const float g = to_float(gate_up[i]);
+    out[i] = from_float<T>(to_float(from_float<T>(g / (1.f + std::exp(-g)))) * to_float(up[i]));
+  }
+}
+template void silu_and_mul_row(const float*, float*, int64_t);
+template void silu_and_mul_row(const c10::BFloat16*, c10::BFloat16*, int64_t);
+template void silu_and_mul_row(const c10::Half*, c10::Half*, int64_t);
+
 namespace {
 
 template <typename T>
@@ -33,16 +46,7 @@ void rms_norm_rows(const T* x, const T* residual, const T* weight, T* out, T* su
 template <typename T>
 void silu_and_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t size) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* gate = gate_up + r * 2 * size;
-      const T* up = gate + size;
-      T* outr = out + r * size;
-#pragma omp simd
-      for (int64_t i = 0; i < size; ++i) {
-        const float g = to_float(gate[i]);
-        outr[i] = from_float<T>(to_float(from_float<T>(g / (1.f + std::exp(-g)))) * to_float(up[i]));
-      }
-    }
+    for (int64_t r = begin; r < end; ++r) silu_and_mul_row(gate_up + r * 2 * size, out + r * size, size);
   });
 }
 

@@ -3,7 +3,7 @@
 // a file's per-tile dot product over every tile and row of x, and the writing of a tile's weights in bf16 for
 // larger steps' GEMM (q4k_dequantize, q5k_dequantize, q6k_dequantize).
 #pragma once
-#include "common.h"
+#include "gemv_tiles.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <type_traits>
@@ -154,12 +154,12 @@ struct Tiling {
   int64_t group, code_bytes, scale_bytes;
 };
 
-// x @ W.T in fp32 ([..., N]) for bf16 x [..., K]: tile_dot(g, tile, m, rows, y) writes into y[0..R) the 16 outputs
-// of tile `tile` for the R = rows::value rows of x from m; four rows share each widened chunk of codes while they
-// last, then one at a time.
+// The tiles of x @ W.T in fp32 (out [M, N]) for bf16 x [M, K]: tile_dot(g, tile, m, rows, y) writes into y[0..R)
+// the 16 outputs of tile `tile` for the R = rows::value rows of x from m; four rows share each widened chunk of
+// codes while they last, then one at a time.
 template <typename TileDot>
-torch::Tensor tiled_gemv(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
-                         const Tiling& tiling, const TileDot& tile_dot) {
+GemvTiles gemv_tiles(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
+                     const Tiling& tiling, const TileDot& tile_dot, const torch::Tensor& out) {
   TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.size(2) == tiling.code_bytes &&
                   codes.is_contiguous(),
               "codes: uint8 [N/16, K/", tiling.group, ", ", tiling.code_bytes, "]");
@@ -167,27 +167,42 @@ torch::Tensor tiled_gemv(const torch::Tensor& x, const torch::Tensor& codes, con
   TORCH_CHECK(K % 256 == 0 && scales.scalar_type() == at::kByte && scales.is_contiguous() &&
                   scales.numel() == N / kTileRows * (K / 256) * tiling.scale_bytes,
               "scales: uint8 [N/16, K/256, ", tiling.scale_bytes, "]");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.size(-1) == K, "x: bf16 [..., ", K, "]");
-  const auto rows = x.reshape({-1, K}).contiguous();
-  const int64_t M = rows.size(0);
-  const c10::BFloat16* xp = rows.data_ptr<c10::BFloat16>();
-  const Gemv g{xp, group_sums(xp, M * (K / tiling.group), tiling.group), codes.data_ptr<uint8_t>(),
-               scales.data_ptr<uint8_t>(), M, K, N};
-  auto out = torch::empty({M, N}, x.options().dtype(at::kFloat));
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) == K, "x: bf16 [..., ", K, "]");
+  TORCH_CHECK(x.is_contiguous(), "x must be contiguous");
+  const int64_t M = x.size(0);
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.numel() == M * N, "out: fp32 [M, N]");
+  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+  auto xsum = std::make_shared<std::vector<float>>(M * (K / tiling.group));
+  const Gemv g{xp, xsum->data(), codes.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), M, K, N};
   float* o = out.data_ptr<float>();
-  const auto tile_rows = [&](int64_t tile, int64_t m, auto count) {
-    constexpr int R = decltype(count)::value;
-    __m512 y[R];
-    tile_dot(g, tile, m, count, y);
-    for (int r = 0; r < R; ++r) _mm512_storeu_ps(o + (m + r) * N + tile * kTileRows, y[r]);
-  };
-  constexpr int kRows = 4;
-#pragma omp parallel for schedule(static) num_threads(at::get_num_threads())
-  for (int64_t tile = 0; tile < N / kTileRows; ++tile) {
+  GemvTiles tiles;
+  tiles.units = N / kTileRows;
+  tiles.fp32_out = true;
+  tiles.prepare = [xp, xsum, group = tiling.group] { group_sums(xp, *xsum, group); };
+  tiles.run = [g, o, tile_dot, xsum](int64_t tile) {
+    const auto tile_rows = [&](int64_t m, auto count) {
+      constexpr int R = decltype(count)::value;
+      __m512 y[R];
+      tile_dot(g, tile, m, count, y);
+      for (int r = 0; r < R; ++r) _mm512_storeu_ps(o + (m + r) * g.N + tile * kTileRows, y[r]);
+    };
+    constexpr int kRows = 4;
     int64_t m = 0;
-    for (; m + kRows <= M; m += kRows) tile_rows(tile, m, std::integral_constant<int, kRows>{});
-    for (; m < M; ++m) tile_rows(tile, m, std::integral_constant<int, 1>{});
-  }
+    for (; m + kRows <= g.M; m += kRows) tile_rows(m, std::integral_constant<int, kRows>{});
+    for (; m < g.M; ++m) tile_rows(m, std::integral_constant<int, 1>{});
+  };
+  return tiles;
+}
+
+// x @ W.T in fp32 ([..., N]) for bf16 x [..., K] on its own parallel region: make_tiles(x [M, K], out [M, N]) gives
+// the kernel's tiles.
+template <typename MakeTiles>
+torch::Tensor tiled_gemv(const torch::Tensor& x, const torch::Tensor& codes, const MakeTiles& make_tiles) {
+  TORCH_CHECK(codes.dim() == 3, "codes: uint8 [N/16, K/group, code bytes]");
+  const int64_t N = codes.size(0) * kTileRows;
+  const auto rows = x.reshape({-1, x.size(-1)}).contiguous();
+  auto out = torch::empty({rows.size(0), N}, x.options().dtype(at::kFloat));
+  run_tiles(make_tiles(rows, out));
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;
   return out.view(shape);

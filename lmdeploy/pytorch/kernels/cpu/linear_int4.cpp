@@ -20,6 +20,7 @@
 // takes d * sc and dmin * m (exact in fp32) for its scale and minus its minimum. q4k_dequantize writes the same
 // weights as bf16 [N, K] for larger steps' GEMM (no other copy is kept).
 
+#include "gemv_tiles.h"
 #include "kquant_gemv.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -134,20 +135,34 @@ void unit_rows(const Gemv& g, const float* bias, bool gate_up, int64_t unit, int
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(g.out + (m + r) * width + unit * kTile), to_bf16(y[r]));
 }
 
+// Unit `unit` (a tile; gate_up: a gate tile and its up tile) for every row of x.
 template <bool kQ4K>
-void run(const Gemv& g, const float* bias, bool gate_up) {
+void unit_all_rows(const Gemv& g, const float* bias, bool gate_up, int64_t unit) {
   constexpr int64_t kRows = 4;  // rows of x sharing each widened chunk of codes
-  const int64_t tiles = g.N / kTile, units = gate_up ? tiles / 2 : tiles, width = gate_up ? g.N / 2 : g.N;
-#pragma omp parallel for schedule(static) num_threads(at::get_num_threads())
-  for (int64_t unit = 0; unit < units; ++unit) {
-    int64_t m = 0;
-    for (; m + kRows <= g.M; m += kRows) unit_rows<kRows, kQ4K>(g, bias, gate_up, unit, m, width);
-    for (; m < g.M; ++m) unit_rows<1, kQ4K>(g, bias, gate_up, unit, m, width);
-  }
+  const int64_t width = gate_up ? g.N / 2 : g.N;
+  int64_t m = 0;
+  for (; m + kRows <= g.M; m += kRows) unit_rows<kRows, kQ4K>(g, bias, gate_up, unit, m, width);
+  for (; m < g.M; ++m) unit_rows<1, kQ4K>(g, bias, gate_up, unit, m, width);
 }
 
 torch::Tensor int4_call(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
                         c10::optional<torch::Tensor> bias, bool gate_up, bool q4k) {
+  TORCH_CHECK(packed.dim() == 4, "packed: uint8 [N/16, K/32, 8, 32] from pack_int4_weight");
+  const int64_t N = packed.size(0) * kTile, width = gate_up ? N / 2 : N;
+  const auto rows = x.reshape({-1, x.size(-1)}).contiguous();
+  auto out = torch::empty({rows.size(0), width}, x.options());
+  run_tiles(int4_tiles(rows, packed, scales, bias, gate_up, q4k, out));
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = width;
+  return out.view(shape);
+}
+
+}  // namespace
+
+bool int4_gemv_available() { return true; }
+
+GemvTiles int4_tiles(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
+                     const c10::optional<torch::Tensor>& bias, bool gate_up, bool q4k, const torch::Tensor& out) {
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kByte && packed.size(2) == 8 && packed.size(3) == 32,
               "packed: uint8 [N/16, K/32, 8, 32] from pack_int4_weight");
   const int64_t N = packed.size(0) * kTile, K = packed.size(1) * kGroup, groups = K / kGroup;
@@ -160,32 +175,32 @@ torch::Tensor int4_call(const torch::Tensor& x, const torch::Tensor& packed, con
                     scales.numel() == N / kTile * groups * 32,
                 "scales: fp16 [N/16, K/32, 2, 16]");
   }
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.size(-1) == K, "x: bf16 [..., ", K, "]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) == K, "x: bf16 [..., ", K, "]");
+  TORCH_CHECK(x.is_contiguous(), "x must be contiguous");
   TORCH_CHECK(packed.is_contiguous(), "packed must be contiguous");
   TORCH_CHECK(!gate_up || (N % (2 * kTile) == 0 && !bias.has_value()), "gate_up: pairs of tiles, no bias");
-  const auto rows = x.reshape({-1, K}).contiguous();
-  const int64_t M = rows.size(0), width = gate_up ? N / 2 : N;
+  const int64_t M = x.size(0), width = gate_up ? N / 2 : N;
+  TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.numel() == M * width,
+              "out: bf16 [M, ", width, "]");
   torch::Tensor b;
   if (bias.has_value()) {
     b = contiguous_as(*bias, at::kFloat);
     TORCH_CHECK(b.numel() == N, "bias must have ", N, " elements");
   }
-  const c10::BFloat16* xp = rows.data_ptr<c10::BFloat16>();
-  const float* xsum = group_sums(xp, M * groups, kGroup);
-  auto out = torch::empty({M, width}, x.options());
-  const Gemv g{xp, xsum, packed.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr()),
+  auto xsum = std::make_shared<std::vector<float>>(M * groups);
+  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+  const Gemv g{xp, xsum->data(), packed.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr()),
                out.data_ptr<c10::BFloat16>(), M, K, N};
-  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  if (q4k) run<true>(g, bp, gate_up);
-  else run<false>(g, bp, gate_up);
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = width;
-  return out.view(shape);
+  GemvTiles tiles;
+  tiles.units = gate_up ? N / kTile / 2 : N / kTile;
+  tiles.prepare = [xp, xsum] { group_sums(xp, *xsum, kGroup); };
+  tiles.run = [g, b, gate_up, q4k](int64_t unit) {
+    const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+    if (q4k) unit_all_rows<true>(g, bp, gate_up, unit);
+    else unit_all_rows<false>(g, bp, gate_up, unit);
+  };
+  return tiles;
 }
-
-}  // namespace
-
-bool int4_gemv_available() { return true; }
 
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
                           c10::optional<torch::Tensor> bias) {
@@ -220,6 +235,11 @@ torch::Tensor q4k_dequantize(const torch::Tensor& packed, const torch::Tensor& s
 #else
 
 bool int4_gemv_available() { return false; }
+
+GemvTiles int4_tiles(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                     const c10::optional<torch::Tensor>&, bool, bool, const torch::Tensor&) {
+  TORCH_CHECK(false, "built without AVX512-BF16");
+}
 
 torch::Tensor int4_linear(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
                           c10::optional<torch::Tensor>) {

@@ -78,11 +78,19 @@ inline void tile_dot(const kquant::Gemv& g, int64_t tile, int64_t m, __m512* y) 
 
 bool q6k_gemv_available() { return true; }
 
-torch::Tensor q6k_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales) {
-  return kquant::tiled_gemv(x, codes, scales, {kGroup, kCodeBytes, kScaleBytes},
+GemvTiles q6k_tiles(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
+                    const torch::Tensor& out) {
+  return kquant::gemv_tiles(x, codes, scales, {kGroup, kCodeBytes, kScaleBytes},
                             [](const kquant::Gemv& g, int64_t tile, int64_t m, auto rows, __m512* y) {
                               tile_dot<decltype(rows)::value>(g, tile, m, y);
-                            });
+                            },
+                            out);
+}
+
+torch::Tensor q6k_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales) {
+  return kquant::tiled_gemv(x, codes, [&](const torch::Tensor& rows, const torch::Tensor& out) {
+    return q6k_tiles(rows, codes, scales, out);
+  });
 }
 
 
@@ -134,6 +142,10 @@ torch::Tensor q6k_dequantize(const torch::Tensor& codes, const torch::Tensor& sc
 #else
 
 bool q6k_gemv_available() { return false; }
+
+GemvTiles q6k_tiles(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&) {
+  TORCH_CHECK(false, "built without AVX512-BF16");
+}
 
 torch::Tensor q6k_linear(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&) {
   TORCH_CHECK(false, "built without AVX512-BF16");

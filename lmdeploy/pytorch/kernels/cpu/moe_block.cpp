@@ -191,6 +191,7 @@ torch::Tensor MoEBlock::expert(int64_t e, const torch::Tensor& rows) const {
 
 torch::Tensor MoEBlock::run_experts(const torch::Tensor& x, const torch::Tensor& topk_weights,
                                     const torch::Tensor& topk_ids) const {
+  if (auto out = run_experts_in_one_region(x, topk_weights, topk_ids)) return *out;
   const auto flat_ids = topk_ids.flatten();
   const auto order = flat_ids.argsort(/*stable=*/true);
   const auto counts = flat_ids.bincount({}, num_experts);
