@@ -81,24 +81,33 @@ def latent_attention_without(option: str):
     return build
 
 
-@pytest.mark.parametrize('option', ['q_a_norm', 'kv_a_norm', 'interleaved_rope', 'softmax_mscale'])
-def test_latent_attention_parts_matter(option, saved, native_gemms, monkeypatch):
-    """Each part of the latent attention counts: a stack built without it gives other hidden states than the layers
-    at every step, where the stack built with it gives theirs."""
-    engine = deepseek_engine(saved['q_lora'])
+def run_differences(engine, monkeypatch, prompts, gen, rebuilt: bool = False) -> list[float]:
+    """Each step's largest difference between the stack's and the layers' hidden states over ``prompts``; with
+    ``rebuilt``, of a stack built again from the layers' weights (as patched), the patches kept."""
+    if not rebuilt:
+        with monkeypatch.context() as patch:
+            differences = stack_differences(engine, patch)
+            run(engine, prompts, gen)
+        return differences
     model = engine.runner.model
-    prompts, gen = random_prompts([30, 20], seed=4), GenerationConfig(max_new_tokens=4, ignore_eos=True)
-    with monkeypatch.context() as patch:
-        differences = stack_differences(engine, patch)
-        run(engine, prompts, gen)
-    assert max(differences) == 0.0
-    monkeypatch.setattr(deepseek_v3, 'latent_attention', latent_attention_without(option))
     attn = model.layers[0].self_attn
     model.native_stack = NativeDecoderStack.build([layer.native_weights() for layer in model.layers], None,
                                                   attn.num_heads, 1, attn.nope_dim + attn.rope_dim, model.norm.eps,
                                                   attn.attn.scale, 0)
     differences = stack_differences(engine, monkeypatch)
     run(engine, prompts, gen)
+    return differences
+
+
+@pytest.mark.parametrize('option', ['q_a_norm', 'kv_a_norm', 'interleaved_rope', 'softmax_mscale'])
+def test_latent_attention_parts_matter(option, saved, native_gemms, monkeypatch):
+    """Each part of the latent attention counts: a stack built without it gives other hidden states than the layers
+    at every step, where the stack built with it gives theirs."""
+    engine = deepseek_engine(saved['q_lora'])
+    prompts, gen = random_prompts([30, 20], seed=4), GenerationConfig(max_new_tokens=4, ignore_eos=True)
+    assert max(run_differences(engine, monkeypatch, prompts, gen)) == 0.0
+    monkeypatch.setattr(deepseek_v3, 'latent_attention', latent_attention_without(option))
+    differences = run_differences(engine, monkeypatch, prompts, gen, rebuilt=True)
     print(f'deepseek without {option}: hidden states differ by {min(differences):.3g} to {max(differences):.3g}')
     assert min(differences) > 0.005  # the mscale's least: about 0.01 (a 1.3x softmax scale on a tiny model)
 
@@ -156,12 +165,8 @@ def test_v2_routing_parts_matter(change, tmp_path, native_gemms, monkeypatch):
     """Each part of ``group_limited_greedy`` counts: MoE blocks routing without the group limit (``greedy``) or
     without the scaling factor give other hidden states than the layers, where the blocks as built give theirs."""
     engine = deepseek_engine(save_v2(str(tmp_path), 'group_limited_greedy'))
-    model = engine.runner.model
     prompts, gen = random_prompts([30, 20], seed=4), GenerationConfig(max_new_tokens=4, ignore_eos=True)
-    with monkeypatch.context() as patch:
-        differences = stack_differences(engine, patch)
-        run(engine, prompts, gen)
-    assert max(differences) == 0.0
+    assert max(run_differences(engine, monkeypatch, prompts, gen)) == 0.0
     moe_block = native_gemms.MoEBlock
 
     def changed(**fields):
@@ -171,12 +176,7 @@ def test_v2_routing_parts_matter(change, tmp_path, native_gemms, monkeypatch):
         return moe_block(**{**fields, 'scaling': 1.0})
 
     monkeypatch.setattr(native_gemms, 'MoEBlock', changed)
-    attn = model.layers[0].self_attn
-    model.native_stack = NativeDecoderStack.build([layer.native_weights() for layer in model.layers], None,
-                                                  attn.num_heads, 1, attn.nope_dim + attn.rope_dim, model.norm.eps,
-                                                  attn.attn.scale, 0)
-    differences = stack_differences(engine, monkeypatch)
-    run(engine, prompts, gen)
+    differences = run_differences(engine, monkeypatch, prompts, gen, rebuilt=True)
     print(f'deepseek-v2 with {change}: hidden states differ by {min(differences):.3g} to {max(differences):.3g}')
     assert min(differences) > 0.005
 
