@@ -72,6 +72,12 @@ void run_jobs(const std::vector<Job>& jobs, const std::vector<int64_t>& first_un
   }
 }
 
+// Whether a step of `tokens` tokens of `block` may run its experts in one region: few tokens, per-expert
+// projections, SiLU (the projections' kinds are checked per expert).
+bool one_region_step(const MoEBlock& block, int64_t tokens) {
+  return tokens <= kOneRegionMaxTokens && !block.gate_up && block.activation == MoEBlock::Activation::kSilu;
+}
+
 std::vector<int64_t> first_units(const std::vector<Job>& jobs) {
   std::vector<int64_t> first{0};
   for (const auto& job : jobs) first.push_back(first.back() + job.tiles.units);
@@ -81,7 +87,7 @@ std::vector<int64_t> first_units(const std::vector<Job>& jobs) {
 }  // namespace
 
 bool MoEBlock::experts_in_one_region(int64_t tokens) const {
-  if (tokens > kOneRegionMaxTokens || gate_up || activation != Activation::kSilu) return false;
+  if (!one_region_step(*this, tokens)) return false;
   for (int64_t e = 0; e < num_experts; ++e)
     for (int64_t rows = 1; rows <= tokens; ++rows)
       if (!tiled(resolved(expert_gate_up[e], rows), true) || !tiled(resolved(expert_down[e], rows), false))
@@ -92,9 +98,7 @@ bool MoEBlock::experts_in_one_region(int64_t tokens) const {
 c10::optional<torch::Tensor> MoEBlock::run_experts_in_one_region(const torch::Tensor& x,
                                                                  const torch::Tensor& topk_weights,
                                                                  const torch::Tensor& topk_ids) const {
-  if (x.dim() != 2 || x.size(0) > kOneRegionMaxTokens || gate_up || activation != Activation::kSilu ||
-      x.scalar_type() != at::kBFloat16)
-    return c10::nullopt;
+  if (x.dim() != 2 || x.scalar_type() != at::kBFloat16 || !one_region_step(*this, x.size(0))) return c10::nullopt;
   const int64_t T = x.size(0), k = topk_ids.size(1), H = x.size(1);
   // run_experts' order: the experts in order, each one's rows (token, weight) in token order.
   const auto ids = topk_ids.to(at::kLong).contiguous();
