@@ -245,9 +245,11 @@ def test_gguf_experts_stack_equals_the_layers(kind, gguf_moe, native_gemms, monk
     """bf16 on a GGUF file: Q4_K experts on the Q4_K GEMV for an expert's share of up to ``gemv_max_rows('q4k')``
     rows and dequantized per call above, Q6_K experts on the Q6_K GEMV and Mixtral's Q5_K down on the Q5_K GEMV
     likewise (each up to its bound on this CPU), in steps of both sizes, in one stack; equal to the layers' forward
-    (Qwen2-MoE's and GLM-4.5's Q6_K shared down runs its large steps dequantized per call)."""
+    (Qwen2-MoE's and GLM-4.5's Q6_K shared down runs its large steps dequantized per call). The Q6_K bound is held
+    to AMX's 16 rows so that experts' shares fall on both sides of it in 96-token steps on every CPU."""
     if cpu.int4_gemv() is None or cpu.q6k_gemv() is None:
         pytest.skip('the native GEMVs need AVX512-BF16')
+    monkeypatch.setitem(GEMV_MAX_ROWS, 'q6k', (16, 16))
     engine = Engine(str(gguf_moe(kind, NATIVE_FILES[kind])),
                     PytorchEngineConfig(max_prefill_token_num=96, **ENGINE), show_progress=False)
     stack = engine.runner.model.native_stack

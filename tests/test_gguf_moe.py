@@ -239,9 +239,9 @@ def test_fp32_experts_dequantize_each_routed_expert():
                                    {'gate_up': 'Q4_K', 'down': 'Q5_K'}, {'gate_up': 'Q8_0', 'down': 'Q8_0'}],
                          ids=['q4k', 'q4k-q6k', 'q4k-q5k', 'q8_0'])
 def test_bf16_cpu_expert_kernels_match_the_file_weights(types, monkeypatch):
-    """bf16 experts on the CPU give the fused MoE on gguf's weights up to bf16 rounding, at 1 to 96 tokens (an
-    expert's share of 40 past the Q6_K GEMV's 16 rows, of 96 past the Q4_K and Q5_K GEMVs' 32: dequantized per
-    call; a Q6_K expert's share of 1 or 3 on the GEMV)."""
+    """bf16 experts on the CPU give the fused MoE on gguf's weights up to bf16 rounding, from 1 token to a step whose
+    average expert share (2 of 4 experts a token) passes every GEMV's bound on this CPU: small shares on the GEMV,
+    large ones dequantized per call."""
     experts = random_gguf_experts(types)
     gate_up, down = dense_weights(experts)
     experts.finalize(LinearOptions(pack_cpu=True, dtype=torch.bfloat16))
@@ -267,7 +267,8 @@ def test_bf16_cpu_expert_kernels_match_the_file_weights(types, monkeypatch):
 
         monkeypatch.setattr(Q6KKernel, '__call__', recorded)
     g = torch.Generator().manual_seed(3)
-    for tokens in (1, 3, 40, 96):
+    past_bounds = 2 * max(gemv_max_rows(kind) for kind in ('q4k', 'q5k', 'q6k', 'q8_0')) + 64
+    for tokens in (1, 3, 40, past_bounds):
         hidden = torch.randn(tokens, 256, generator=g)
         weights, ids = moe.moe_routing(torch.randn(tokens, 4, generator=g), 2, True)
         expected = moe.fused_moe(hidden, gate_up, down, weights, ids)
