@@ -154,6 +154,17 @@ def default_model_reference(default_model_gguf):
 
 
 @pytest.fixture(autouse=True, scope='session')
+def _kernels():
+    """``LMDEPLOY_TEST_KERNELS=triton``: engines on the CPU run the CUDA path's Triton kernels in the interpreter."""
+    if os.environ.get('LMDEPLOY_TEST_KERNELS') != 'triton':
+        yield
+        return
+    from lmdeploy.pytorch.kernels import triton_on_cpu
+    with triton_on_cpu():
+        yield
+
+
+@pytest.fixture(autouse=True, scope='session')
 def _threads():
     torch.set_num_threads(min(2, os.cpu_count() or 1))
 

@@ -3,19 +3,36 @@ a CPU tensor to the native kernel in ``kernels/cpu`` where there is one (and it 
 to the torch version, which runs everywhere and is the reference."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
 from lmdeploy.pytorch.kernels import activation, attention, cpu, gated_delta, mla, moe, norm, rotary, sampling, w8a8
 
 
+_triton_on_cpu = False
+
+
+@contextlib.contextmanager
+def triton_on_cpu() -> Iterator[None]:
+    """Within it, CPU tensors go to the Triton kernels too: with ``TRITON_INTERPRET=1`` set before triton is first
+    imported, an engine on the CPU in fp32 then runs the CUDA path's kernels in Triton's interpreter, which checks
+    how the engine calls them (layouts, block tables, windows, sinks, quantized caches) without a GPU."""
+    global _triton_on_cpu
+    before, _triton_on_cpu = _triton_on_cpu, True
+    try:
+        yield
+    finally:
+        _triton_on_cpu = before
+
+
 def dispatch(torch_fn: Callable, native_cpu: str | None = None, built_for_cpu: str = 'native',
              triton: bool = True) -> Callable:
-    """Wraps ``torch_fn`` so that a CUDA first argument runs ``kernels.cuda.<same name>`` instead (unless
-    ``triton`` is False), and a CPU one the native kernel ``native_cpu`` when given and built: when
+    """Wraps ``torch_fn`` so that a CUDA first argument (any, within :func:`triton_on_cpu`) runs
+    ``kernels.cuda.<same name>`` instead (unless ``triton`` is False), and a CPU one the native kernel ``native_cpu`` when given and built: when
     ``kernels.cpu.<built_for_cpu>()`` returns the kernels (``gated_delta``: only where the AVX-512 path was built).
 
     The Triton module is imported on the first CUDA call, so CPU-only installs never need triton.
@@ -24,7 +41,7 @@ def dispatch(torch_fn: Callable, native_cpu: str | None = None, built_for_cpu: s
 
     @functools.wraps(torch_fn)
     def run(first: torch.Tensor, *args, **kwargs):
-        if first.is_cuda and triton:
+        if triton and (first.is_cuda or _triton_on_cpu):
             return getattr(importlib.import_module('lmdeploy.pytorch.kernels.cuda'), name)(first, *args, **kwargs)
         module = getattr(cpu, built_for_cpu)() if native_cpu and first.device.type == 'cpu' else None
         if module is not None:
@@ -54,7 +71,7 @@ grouped_topk = moe.grouped_topk  # torch's own kernels, on every device
 group_limited_topk = moe.group_limited_topk
 biased_softmax_topk = moe.biased_softmax_topk
 
-__all__ = ['apply_rotary', 'argmax', 'decode_attention', 'dispatch', 'fill_kv_cache', 'fused_moe', 'moe_routing',
+__all__ = ['apply_rotary', 'argmax', 'decode_attention', 'dispatch', 'triton_on_cpu', 'fill_kv_cache', 'fused_moe', 'moe_routing',
            'prefill_attention', 'rms_norm', 'silu_and_mul', 'w8a8_linear', 'fill_latent_cache',
            'mla_decode_attention', 'mla_prefill_attention', 'grouped_topk', 'group_limited_topk',
            'biased_softmax_topk', 'causal_conv1d_decode', 'gated_delta_decode']
