@@ -135,7 +135,7 @@ def _check_response_format(fmt: Any) -> dict[str, Any] | None:
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
-            except ValueError as exc:
+            except (ValueError, RecursionError) as exc:
                 raise ValueError(f'response_format json_schema.schema is not valid JSON: {exc}') from None
         _check(isinstance(schema, (dict, bool)), "response_format json_schema needs a JSON schema in 'schema'")
         return {**fmt, 'json_schema': {**value, 'schema': schema}}

@@ -11,6 +11,7 @@ CI runs a bounded, derandomized version (about 150 cases). The full run:
 prints the case count, the status codes seen and every finding. Generated values that would make a case
 slow are clamped before the request is sent (``max_tokens`` etc. at most 8, ``n`` at most 4; a request
 without a token limit gets ``max_tokens: 8``) and the engine has a short context (256 tokens).
+``benchmark/fuzz_server.py`` runs the same against ``lmdeploy serve api_server``, with hand-made requests too.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import requests
 
 schemathesis = pytest.importorskip('schemathesis')
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
+from hypothesis import seed as hypothesis_seed  # noqa: E402
 from schemathesis import GenerationMode  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
 from schemathesis.core.failures import FailureGroup  # noqa: E402
@@ -38,14 +40,14 @@ MAX_N = 4
 GENERATING = {'/v1/chat/completions', '/v1/completions', '/generate'}
 
 
-def patched_schema(spec: dict) -> dict:
+def patched_schema(spec: dict, model_name: str = 'tiny') -> dict:
     """The server's schema with the sampling fields steered to where the server does work: the served model
     name and short chat messages as one alternative each, token ids mostly inside the vocabulary."""
     spec = copy.deepcopy(spec)
     schemas = spec['components']['schemas']
     for name in ('ChatCompletionRequest', 'CompletionRequest'):
         model = schemas[name]['properties']['model']
-        schemas[name]['properties']['model'] = {'anyOf': [{'type': 'string', 'enum': ['tiny']}, model]}
+        schemas[name]['properties']['model'] = {'anyOf': [{'type': 'string', 'enum': [model_name]}, model]}
     chat = schemas['ChatCompletionRequest']['properties']
     text_part = {'type': 'object', 'required': ['type', 'text'],
                  'properties': {'type': {'enum': ['text']}, 'text': {'type': 'string', 'maxLength': 40}}}
@@ -83,10 +85,12 @@ CHECKS = {'not_a_server_error': not_a_server_error, 'response_schema_conformance
           'content_type_conformance': content_type_conformance, 'status_code_conformance': status_code_conformance}
 
 
-def run_fuzz(url: str, total: int) -> dict:
-    """Runs about ``total`` generated cases against the server at ``url``; returns counts and findings."""
+def run_fuzz(url: str, total: int, model_name: str = 'tiny', timeout: float = 60, seed: int | None = None) -> dict:
+    """Runs about ``total`` generated cases against the server at ``url`` (serving ``model_name``), each with
+    ``timeout`` seconds; returns counts and findings. The cases are the same on each run: those of ``seed``, or
+    hypothesis' derandomized ones."""
     served = httpx.get(f'{url}/openapi.json').json()
-    schema = schemathesis.openapi.from_dict(patched_schema(served))
+    schema = schemathesis.openapi.from_dict(patched_schema(served, model_name))
     operations = [result.ok() for result in schema.get_all_operations()]
     posts = [op for op in operations if op.method.upper() == 'POST']
     per_post = max(1, total // (2 * len(posts)))
@@ -100,7 +104,7 @@ def run_fuzz(url: str, total: int) -> dict:
         stats['cases'] += 1
         stats['by_operation'][f'{label} {mode.value}'] += 1
         try:
-            response = case.call(base_url=url, session=session, timeout=60)
+            response = case.call(base_url=url, session=session, timeout=timeout)
         except Exception as exc:  # a crash, a reset connection, a timeout
             stats['findings'].append({'operation': label, 'kind': 'transport', 'mode': mode.value,
                                       'body': case.body, 'response': repr(exc)})
@@ -120,12 +124,12 @@ def run_fuzz(url: str, total: int) -> dict:
             examples = per_post if op in posts else 2
 
             @given(case=op.as_strategy(generation_mode=mode))
-            @settings(max_examples=examples, derandomize=True, database=None, deadline=None,
+            @settings(max_examples=examples, derandomize=seed is None, database=None, deadline=None,
                       phases=[Phase.generate], suppress_health_check=list(HealthCheck))
             def fuzz(case):
                 one(current[0], current[1], case)
             current = (op, mode)
-            fuzz()
+            (fuzz if seed is None else hypothesis_seed(seed)(fuzz))()
     return stats
 
 

@@ -80,3 +80,11 @@ def test_a_bad_prompt_fails_only_itself(tiny_llama):
         assert surrogate.finish_reason == 'error' and 'lone UTF-16 surrogate' in surrogate.error
         assert nested.finish_reason == 'error' and 'nest too deeply' in nested.error
         assert good.finish_reason == 'length' and good.generate_token_len == 3
+
+
+def test_schema_text_nested_past_what_json_reads_is_a_value_error():
+    """A JSON schema given as text and nested deeper than ``json.loads`` reads raised its RecursionError out of
+    ``GenerationConfig``, not the ValueError of every other malformed format."""
+    nested = '[' * 1100 + ']' * 1100
+    with pytest.raises(ValueError, match='json_schema.schema is not valid JSON'):
+        GenerationConfig(response_format={'type': 'json_schema', 'json_schema': {'schema': nested}})

@@ -93,6 +93,21 @@ def test_deep_json_is_400(url):
     assert _raw(url, '/v1/chat/completions', ok).status_code == 200
 
 
+@pytest.mark.parametrize('arguments, says', [
+    ('[' * 1100 + ']' * 1100, 'deeper than 64 levels'),       # more than json.loads reads: a 500 before
+    ('{"a":' * 65 + '1' + '}' * 65, 'deeper than 64 levels'),  # what a body may not nest either
+    ('{"a": "\\ud800"}', 'lone UTF-16 surrogate'),           # an escape only the arguments' JSON reads
+])
+def test_tool_call_arguments_read_as_a_body_is(url, arguments, says):
+    """An assistant message's tool-call arguments are JSON text the server reads for the chat template: the
+    same bounds as the body's own JSON apply."""
+    call = {'id': 'c1', 'type': 'function', 'function': {'name': 'f', 'arguments': arguments}}
+    messages = [{'role': 'user', 'content': 'hi'}, {'role': 'assistant', 'content': None, 'tool_calls': [call]},
+                {'role': 'tool', 'tool_call_id': 'c1', 'content': 'r'}]
+    response = httpx.post(f'{url}/v1/chat/completions', json={**CHAT, 'messages': messages}, timeout=60)
+    assert says in _error(response, 'messages.1.tool_calls.0.function.arguments')
+
+
 def test_extreme_sampling_values_do_not_fail_other_requests(url):
     """A denormal temperature or a tiny repetition penalty made NaN weights: the step failed, and with it every
     request batched alongside (500s)."""

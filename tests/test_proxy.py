@@ -129,6 +129,10 @@ def test_node_errors_pass_through_unchanged(cluster):
     malformed = httpx.post(f'{cluster.url}/v1/completions', content=b'{"model": ', headers={
         'content-type': 'application/json'})
     assert malformed.status_code == 400 and malformed.json()['error']['message'].startswith('malformed JSON')
+    nested = b'{"model": "x", "prompt": ' + b'[' * 1100 + b']' * 1100 + b'}'  # deeper than json.loads reads
+    direct, proxied = (httpx.post(f'{url}/v1/completions', content=nested, headers={
+        'content-type': 'application/json'}) for url in (cluster.added, cluster.url))
+    assert direct.status_code == 400 and (proxied.status_code, proxied.json()) == (400, direct.json())
     client = openai.OpenAI(base_url=f'{cluster.url}/v1', api_key='none', max_retries=0)
     with pytest.raises(openai.NotFoundError, match='does not exist'):
         client.completions.create(model='nope', prompt='Hi', max_tokens=2)

@@ -274,3 +274,25 @@ def test_auto_detected_parsers_are_registered():
     assert MODEL_PARSERS['qwen3_5_moe_text'] == ('qwen3_coder', 'qwen3_5')
     assert pick_reasoning_parser('auto', 'seed_oss') is get_reasoning_parser('seed_oss')
     assert 'qwen3_moe' not in MODEL_PARSERS and 'granite' not in MODEL_PARSERS  # their formats vary by checkpoint
+
+
+NESTED = '[' * 1100 + ']' * 1100  # deeper than Python's json module reads (its recursion limit)
+NESTED_SAMPLES = [f'<tool_call>{{"name": "f", "arguments": {{"a": {NESTED}}}}}</tool_call>',
+                  f'<tool_call>{{"name": "f", "arguments": {NESTED}}}</tool_call>',
+                  f'<|tool_call|>[{{"name": "f", "arguments": {{"a": {NESTED}}}}}]', f'[f(a={NESTED})]',
+                  f'{{"name": "f", "parameters": {{"a": {NESTED}}}}}', f'[TOOL_CALLS]f[ARGS]{{"a": {NESTED}}}',
+                  xml_call('get_weather', {'city': NESTED, 'days': NESTED}, QWEN3_CODER),
+                  xml_call('get_weather', {'days': NESTED}, SEED_OSS),
+                  f'<tool_call>f<arg_key>a</arg_key><arg_value>{NESTED}</arg_value></tool_call>']
+
+
+@pytest.mark.parametrize('name', sorted({cls.__name__: name for name, cls in TOOL_PARSERS.items()}.values()))
+def test_every_parser_takes_json_nested_too_deep_to_read(name):
+    """A reply nested deeper than ``json.loads`` reads (a model stuck writing ``[``) is text or a call whose
+    arguments are what the model wrote: json's RecursionError once escaped, a 500 for the whole reply."""
+    for text in NESTED_SAMPLES:
+        for pieces in ([text], [text[:len(text) // 2], text[len(text) // 2:]]):
+            parser = ChoiceParser(None, get_tool_parser(name)(TOOLS))
+            for i, piece in enumerate(pieces + ['']):
+                parser.feed(piece, final=i == len(pieces))
+        ChoiceParser(None, get_tool_parser(name)(TOOLS)).message(text)

@@ -12,7 +12,8 @@ import jsonschema
 from pydantic import ValidationError
 
 from lmdeploy.serve.openai.errors import APIError
-from lmdeploy.serve.openai.protocol import ChatCompletionRequest, ChatTool, NamedToolChoice
+from lmdeploy.serve.openai.protocol import (MAX_JSON_DEPTH, ChatCompletionRequest, ChatTool, MalformedJSON,
+                                           NamedToolChoice, check_json)
 from lmdeploy.serve.openai.tool_parsers import NamedToolParser, RequiredToolParser, ToolParser
 
 EMPTY_PARAMETERS = {'type': 'object', 'properties': {}}
@@ -116,7 +117,8 @@ def _json_schema(name: str, schema: dict[str, Any]) -> dict[str, Any]:
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The messages as chat templates expect them: an assistant's tool-call arguments as objects, not
-    the JSON text OpenAI sends. A malformed ``tool_calls`` is a 400."""
+    the JSON text OpenAI sends. A malformed ``tool_calls`` is a 400, and so are arguments whose JSON a body
+    could not hold (see :func:`check_json`)."""
     out = []
     for i, message in enumerate(messages):
         calls = message.get('tool_calls') if isinstance(message, dict) else None
@@ -140,6 +142,13 @@ def _template_call(call: Any, param: str) -> dict[str, Any]:
             parsed = json.loads(arguments)
         except ValueError:
             return call
+        except RecursionError:
+            raise APIError(400, f'{param}.function.arguments nests JSON deeper than {MAX_JSON_DEPTH} levels',
+                           f'{param}.function.arguments') from None
+        try:  # the arguments go to the chat template as they are read, as a body's JSON would
+            check_json(parsed)
+        except MalformedJSON as exc:
+            raise APIError(400, f'{param}.function.arguments: {exc}', f'{param}.function.arguments') from None
         if isinstance(parsed, dict):
             return {**call, 'function': {**function, 'arguments': parsed}}
     return call

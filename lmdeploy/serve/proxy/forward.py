@@ -69,7 +69,7 @@ class Forward(Response):
         self.timeout = registry.timeout.as_dict()
         try:
             self.parsed = json.loads(body) if body else None
-        except ValueError:
+        except (ValueError, RecursionError):  # the node answers the body's fault itself
             self.parsed = None
         model = self.parsed.get('model') if isinstance(self.parsed, dict) else None
         self.model = model if isinstance(model, str) else None

@@ -70,7 +70,7 @@ def literal(text: str, python: bool = True) -> Any:
     would read it back), or a marker that :func:`is_value` tells apart."""
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         if not python:
             return _NOT_A_VALUE
         try:

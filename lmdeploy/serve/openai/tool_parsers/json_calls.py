@@ -69,7 +69,7 @@ def call_of(text: str) -> tuple[str, str] | None:
     """``(name, arguments JSON)`` of a complete call object in any key order, or None if it is not one."""
     try:
         obj = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # nested deeper than Python's json reads: no call either
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get('name'), str):
         return None
