@@ -7,9 +7,10 @@
 //
 // A tile's group is widened once for all the rows of x: its codes become bf16 (exact, |q| <= 128), pairs of inputs
 // side by side, and one vdpbf16ps multiplies a broadcast pair of x with a pair of 16 rows' codes (exact products
-// summed in fp32); the group's sum times its scale is added to the row's outputs. bf16 x is used as it is; fp32 or
-// fp16 x as the sum of two bf16 parts (x's bf16 rounding and the rounding of what is left), 16 bits of its
-// mantissa. q8_dequantize writes the same weights as bf16 [N, K] for larger steps' GEMM.
+// summed in fp32); the group's sum times its scale is added to the row's outputs. The codes are asked for ahead of
+// their reading, as the K-quant GEMVs' are. bf16 x is used as it is; fp32 or fp16 x as the sum of two bf16 parts
+// (x's bf16 rounding and the rounding of what is left), 16 bits of its mantissa. q8_dequantize writes the same
+// weights as bf16 [N, K] for larger steps' GEMM.
 #include "gemv_tiles.h"
 #include "kquant_gemv.h"
 
@@ -49,6 +50,7 @@ void q8_tile(const Gemv& g, int64_t tile) {
   float* out = g.out + tile * kTile;
   for (int64_t m = 0; m < g.M; ++m) _mm512_storeu_ps(out + m * g.N, _mm512_setzero_ps());
   for (int64_t group = 0; group < groups; ++group, w += kGroup * kTile, s += kTile) {
+    kquant::prefetch_ahead(w, kquant::kCodePrefetchBytes, kGroup * kTile);
     __m512i pairs[kPairs];
 #pragma GCC unroll 16
     for (int p = 0; p < kPairs; ++p)
