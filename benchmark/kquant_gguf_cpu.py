@@ -7,8 +7,8 @@ archive`` of the commit before it, say).
 The file: TinyLlama-1.1B's widths (hidden 2048, intermediate 5632, 32 heads, 4 KV heads of 64), ``--layers`` of
 them, the default model's tokenizer (vocabulary 49152), random blocks (``make_big_moe_gguf.random_blocks``) laid
 out as llama.cpp's ``--mix`` lays out a Llama: ``q4km`` Q4_K, ``q5km`` Q5_K, with Q6_K ``attn_v`` and ``ffn_down``
-in the layers ``use_more_bits`` picks and a Q6_K output; the token embedding Q4_K (Q5_K in ``q5km``). Each line
-says whether the layers ran in the native decoder stack.
+in the layers ``use_more_bits`` picks and a Q6_K output; the token embedding Q4_K (Q5_K in ``q5km``); ``q8_0``
+every tensor Q8_0, as llama.cpp's Q8_0 files. Each line says whether the layers ran in the native decoder stack.
 
     python benchmark/kquant_gguf_cpu.py --mix q4km --trees /tmp/before,. --dir /tmp/q4km_bench
 
@@ -37,7 +37,7 @@ from gguf_moe_rss import peak_rss_gib, rss_gib  # noqa: E402
 from make_big_moe_gguf import add_tokenizer, more_bits, random_blocks  # noqa: E402
 
 HIDDEN, FFN, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 2048, 5632, 32, 4, 64, 49152
-MIXES = {'q4km': Q.Q4_K, 'q5km': Q.Q5_K}
+MIXES = {'q4km': Q.Q4_K, 'q5km': Q.Q5_K, 'q8_0': Q.Q8_0}
 
 
 def write_dense_gguf(path: Path, mix: str, layers: int, seed: int = 0) -> None:
@@ -54,7 +54,7 @@ def write_dense_gguf(path: Path, mix: str, layers: int, seed: int = 0) -> None:
     rng = np.random.default_rng(seed)
     writer.add_tensor('token_embd.weight', random_blocks((VOCAB, HIDDEN), base, rng), raw_dtype=base)
     for i in range(layers):
-        more = Q.Q6_K if more_bits(i, layers) else base
+        more = Q.Q6_K if more_bits(i, layers) and base != Q.Q8_0 else base
         writer.add_tensor(f'blk.{i}.attn_norm.weight', np.ones(HIDDEN, dtype=np.float32))
         writer.add_tensor(f'blk.{i}.ffn_norm.weight', np.ones(HIDDEN, dtype=np.float32))
         for name, shape, qtype in [('attn_q', (HEADS * HEAD_DIM, HIDDEN), base),
@@ -65,7 +65,8 @@ def write_dense_gguf(path: Path, mix: str, layers: int, seed: int = 0) -> None:
                                    ('ffn_down', (HIDDEN, FFN), more)]:
             writer.add_tensor(f'blk.{i}.{name}.weight', random_blocks(shape, qtype, rng), raw_dtype=qtype)
     writer.add_tensor('output_norm.weight', np.ones(HIDDEN, dtype=np.float32))
-    writer.add_tensor('output.weight', random_blocks((VOCAB, HIDDEN), Q.Q6_K, rng), raw_dtype=Q.Q6_K)
+    output = Q.Q8_0 if base == Q.Q8_0 else Q.Q6_K
+    writer.add_tensor('output.weight', random_blocks((VOCAB, HIDDEN), output, rng), raw_dtype=output)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -24,17 +24,19 @@ from gguf import GGUFReader
 
 from lmdeploy.model_source import default_model_path
 
-# bytes per 256-weight block; the fp16 fields set to small values (offset, scale of weights ~N(0, 0.02)).
+# bytes per 256-weight block (Q8_0: per 32); the fp16 fields set to small values (offset, scale of weights
+# ~N(0, 0.02)).
 # Q4_K: w = d * sc * q - dmin * m (sc, m 6-bit, q 4-bit): dmin = 7.5 d centres it; Q5_K likewise with 5-bit codes
-# (dmin = 15.5 d); Q6_K: w = d * sc * (u - 32).
-BLOCK_BYTES = {Q.Q4_K: 144, Q.Q5_K: 176, Q.Q6_K: 210}
-FP16_FIELDS = {Q.Q4_K: ((0, 7.6e-5), (2, 5.7e-4)), Q.Q5_K: ((0, 3.7e-5), (2, 5.7e-4)), Q.Q6_K: ((208, 1.5e-5),)}
+# (dmin = 15.5 d); Q6_K: w = d * sc * (u - 32); Q8_0: w = d * q.
+BLOCK_BYTES = {Q.Q4_K: 144, Q.Q5_K: 176, Q.Q6_K: 210, Q.Q8_0: 34}
+FP16_FIELDS = {Q.Q4_K: ((0, 7.6e-5), (2, 5.7e-4)), Q.Q5_K: ((0, 3.7e-5), (2, 5.7e-4)), Q.Q6_K: ((208, 1.5e-5),),
+               Q.Q8_0: ((0, 2.7e-4),)}
 
 
 def random_blocks(shape: tuple[int, ...], qtype: Q, rng: np.random.Generator) -> np.ndarray:
-    """Random ``qtype`` blocks for a float tensor of ``shape`` (rows of 256-weight blocks), as GGUFWriter takes
-    them: ``uint8 [..., row bytes]``."""
-    rows, blocks = int(np.prod(shape[:-1])), shape[-1] // 256
+    """Random ``qtype`` blocks for a float tensor of ``shape`` (rows of 256-weight blocks, Q8_0's of 32), as
+    GGUFWriter takes them: ``uint8 [..., row bytes]``."""
+    rows, blocks = int(np.prod(shape[:-1])), shape[-1] // gguf.GGML_QUANT_SIZES[qtype][0]
     data = np.frombuffer(rng.bytes(rows * blocks * BLOCK_BYTES[qtype]), dtype=np.uint8).copy()
     data = data.reshape(rows, blocks, BLOCK_BYTES[qtype])
     for offset, value in FP16_FIELDS[qtype]:

@@ -1,17 +1,21 @@
-"""A GGUF K-quant layer's large steps (``kquant_dequantized_linear``, ``kernels/cpu/dequantized_linear.cpp``):
+"""A GGUF K-quant or Q8_0 layer's large steps (``kquant_dequantized_linear``, ``kernels/cpu/dequantized_linear.cpp``):
 the weight dequantized into the calling thread's reused scratch gives exactly what ``F.linear`` on a freshly
-dequantized weight gave, whatever layers ran before it and on whichever thread."""
+dequantized weight gave, whatever layers ran before it and on whichever thread; Q8_0's native dequantization gives
+exactly gguf's weights in bf16."""
 from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
 from test_gguf_q4km import random_blocks
 
 from lmdeploy.pytorch.kernels import cpu
+from lmdeploy.pytorch.nn.quant.gguf_blocks import NativeQ8Kernel, q8_0_unpack
 from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KKernel
 from lmdeploy.pytorch.nn.quant.q5k_cpu import Q5KKernel
 from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6KKernel
@@ -21,7 +25,20 @@ SHAPES = [(64, 768), (128, 1024), (64, 768), (96, 512)]
 QTYPES = {'q4k': Q.Q4_K, 'q5k': Q.Q5_K, 'q6k': Q.Q6_K}
 
 
+def q8_0_blocks(rows: int, inputs: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random Q8_0 blocks ``[rows, inputs / 32, 34]`` (every code from -128 to 127, fp16 scales from 2^-20 to 2^4)
+    and gguf's dequantization of them (fp32)."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows, inputs // 32, 34), dtype=np.uint8)
+    scales = np.exp2(rng.uniform(-20, 4, (rows, inputs // 32, 1))).astype(np.float16)
+    blocks[..., :2] = scales.view(np.uint8)
+    expected = dequantize(blocks.reshape(rows, -1), Q.Q8_0).astype(np.float32)
+    return torch.from_numpy(blocks), torch.from_numpy(expected)
+
+
 def kernel_of(kind: str, blocks: torch.Tensor, gate_up: bool):
+    if kind == 'q8_0':
+        return NativeQ8Kernel.of(*q8_0_unpack(blocks))
     if kind == 'q4k':
         return Q4KKernel.of_blocks(blocks, gate_up)
     return Q5KKernel.of(blocks) if kind == 'q5k' else Q6KKernel.of(blocks)
@@ -30,7 +47,9 @@ def kernel_of(kind: str, blocks: torch.Tensor, gate_up: bool):
 def fresh_linear(kind: str, kernel, x: torch.Tensor, bias: torch.Tensor | None, gate_up: bool) -> torch.Tensor:
     """The large step as it ran before the scratch: ``F.linear`` on a new dequantized weight."""
     native = cpu.native()
-    if kind == 'q4k':
+    if kind == 'q8_0':
+        weight = native.q8_dequantize(kernel.packed, kernel.scales)
+    elif kind == 'q4k':
         weight = native.q4k_dequantize(kernel.packed, kernel.scales, gate_up)
     elif kind == 'q5k':
         weight = native.q5k_dequantize(kernel.codes, kernel.scales)
@@ -40,22 +59,32 @@ def fresh_linear(kind: str, kernel, x: torch.Tensor, bias: torch.Tensor | None, 
 
 
 def layers(kind: str, gate_up: bool) -> list:
-    built = cpu.int4_gemv() if kind == 'q4k' else cpu.q5k_gemv() if kind == 'q5k' else cpu.q6k_gemv()
+    built = {'q4k': cpu.int4_gemv, 'q5k': cpu.q5k_gemv, 'q6k': cpu.q6k_gemv, 'q8_0': cpu.q8_gemv}[kind]()
     if built is None:
-        pytest.skip('the native K-quant kernels need AVX512-BF16')
-    return [kernel_of(kind, random_blocks(QTYPES[kind], rows, inputs, seed=i)[0], gate_up)
-            for i, (rows, inputs) in enumerate(SHAPES)]
+        pytest.skip('the native K-quant and Q8_0 kernels need AVX512-BF16')
+    make = q8_0_blocks if kind == 'q8_0' else lambda *shape, seed: random_blocks(QTYPES[kind], *shape, seed=seed)
+    return [kernel_of(kind, make(rows, inputs, seed=i)[0], gate_up) for i, (rows, inputs) in enumerate(SHAPES)]
 
 
-@pytest.mark.parametrize('kind,gate_up', [('q4k', False), ('q4k', True), ('q5k', False), ('q6k', False)])
+def test_q8_0_dequantization_is_gguf_s():
+    """The native Q8_0 dequantization (``q8_dequantize``, from ``pack_q8``'s layout) gives gguf's weights rounded
+    to bf16, bit for bit: all 256 codes, scales over 24 octaves."""
+    if cpu.q8_gemv() is None:
+        pytest.skip('the native Q8_0 kernels need AVX512-BF16')
+    blocks, expected = q8_0_blocks(96, 1024, seed=3)
+    kernel = kernel_of('q8_0', blocks, False)
+    assert torch.equal(cpu.native().q8_dequantize(kernel.packed, kernel.scales), expected.bfloat16())
+
+
+@pytest.mark.parametrize('kind,gate_up', [('q4k', False), ('q4k', True), ('q5k', False), ('q6k', False),
+                                          ('q8_0', False)])
 def test_large_steps_equal_the_fresh_dequantization(kind, gate_up):
     """Steps above the bound, several sizes, layers of different shapes in a row: each output bit-identical to
     ``F.linear`` on a fresh copy, and still so after the later layers reused the scratch."""
     kernels = layers(kind, gate_up)
     g = torch.Generator().manual_seed(0)
     outs = []
-    for kernel in kernels:
-        rows_out, inputs = kernel.scales.shape[0] * 16, kernel.scales.shape[1] * 256
+    for kernel, (rows_out, inputs) in zip(kernels, SHAPES):
         bias = None if gate_up else torch.randn(rows_out, generator=g).bfloat16()
         for rows in (kernel.max_gemv_rows + 1, 2 * kernel.max_gemv_rows + 5, 200):
             x = torch.randn(rows, inputs, generator=g).bfloat16()
@@ -94,7 +123,7 @@ def test_fp32_activations_and_threads():
 def test_bad_kinds_are_refused():
     kernel = layers('q6k', False)[0]
     x = torch.randn(40, 768).bfloat16()
-    with pytest.raises(RuntimeError, match="a K-quant layer's kind is 'q4k', 'q5k' or 'q6k', not 'q3k'"):
+    with pytest.raises(RuntimeError, match="a GGUF layer's kind is 'q4k', 'q5k', 'q6k' or 'q8_0', not 'q3k'"):
         cpu.native().kquant_dequantized_linear(x, 'q3k', kernel.packed, kernel.scales)
     with pytest.raises(RuntimeError, match="only Q4_K's tiles alternate gate and up rows"):
         cpu.native().kquant_dequantized_linear(x, 'q6k', kernel.packed, kernel.scales, None, True)

@@ -76,7 +76,7 @@ def int4_gemv() -> ModuleType | None:
 
 
 def q8_gemv() -> ModuleType | None:
-    """The kernels when their ``q8_linear`` (AVX-512) was built for this CPU; else None."""
+    """The kernels when their ``q8_linear`` (AVX512-BF16) was built for this CPU; else None."""
     module = native()
     return module if module is not None and module.q8_gemv_available() else None
 

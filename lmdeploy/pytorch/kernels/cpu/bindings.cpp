@@ -57,9 +57,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "bf16 W of q4k_linear's codes and scales ([gate; up] with gate_up)", py::arg("packed"), py::arg("scales"),
       py::arg("gate_up") = false);
-  m.def("q8_gemv_available", &q8_gemv_available, "whether q8_linear was built (AVX-512)");
+  m.def("q8_gemv_available", &q8_gemv_available, "whether q8_linear was built (AVX512-BF16)");
   m.def("q8_linear", &q8_linear, "fp32 x @ W.T on 8-bit weight groups (linear_q8.cpp)", py::arg("x"),
         py::arg("packed"), py::arg("scales"));
+  m.def(
+      "q8_dequantize",
+      [](const torch::Tensor& packed, const torch::Tensor& scales) { return q8_dequantize(packed, scales); },
+      "bf16 W of q8_linear's codes and scales", py::arg("packed"), py::arg("scales"));
   m.def("q6k_gemv_available", &q6k_gemv_available, "whether q6k_linear was built (AVX512-BF16)");
   m.def("q6k_linear", &q6k_linear, "fp32 x @ W.T on GGUF Q6_K codes and scales (linear_q6k.cpp), x in bf16",
         py::arg("x"), py::arg("codes"), py::arg("scales"));
@@ -80,7 +84,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
          const c10::optional<torch::Tensor>& bias, bool gate_up) {
         return kquant_dequantized_linear(kquant_of(kind), x, codes, scales, bias, gate_up);
       },
-      "x @ W.T (+ bias), W a K-quant layer's codes and scales ('q4k', 'q5k', 'q6k') dequantized into this thread's "
+      "x @ W.T (+ bias), W a GGUF layer's codes and scales ('q4k', 'q5k', 'q6k', 'q8_0') dequantized into this thread's "
       "reused scratch (dequantized_linear.cpp)",
       py::arg("x"), py::arg("kind"), py::arg("codes"), py::arg("scales"), py::arg("bias") = py::none(),
       py::arg("gate_up") = false);

@@ -263,8 +263,12 @@ torch::Tensor q4k_gate_up_silu(const torch::Tensor& x, const torch::Tensor& pack
 // alternating gate and up) as [gate; up].
 torch::Tensor q4k_dequantize(const torch::Tensor& packed, const torch::Tensor& scales, bool gate_up,
                              WeightBuffer buffer = fresh_weight);
+// GGUF Q8_0 in pack_q8's layout (linear_q8.cpp); built with AVX512-BF16.
 bool q8_gemv_available();
 torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales);
+// The weights of q8_linear's codes and scales, bf16 [N, K] (rounded from the exact fp32).
+torch::Tensor q8_dequantize(const torch::Tensor& packed, const torch::Tensor& scales,
+                            WeightBuffer buffer = fresh_weight);
 bool q6k_gemv_available();
 torch::Tensor q6k_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales);
 // The weights of q6k_linear's codes and scales, bf16 [N, K] (rounded from the exact fp32).

@@ -108,14 +108,6 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& blocked
   return stack[0].toTensor();
 }
 
-// The fp32 weight [N, K] of Q8_0 codes and scales as pack_q8 lays them out: NativeQ8Kernel's q8_0_weight.
-torch::Tensor q8_dequantize(const torch::Tensor& packed, const torch::Tensor& scales) {
-  const int64_t rows = packed.size(0) * packed.size(3), groups = packed.size(1);
-  const auto codes = packed.permute({0, 3, 1, 2}).reshape({rows, groups * packed.size(2)});
-  const auto row_scales = scales.transpose(1, 2).reshape({rows, groups}).to(at::kFloat);
-  return codes.view({rows, groups, -1}).to(at::kFloat).mul_(row_scales.unsqueeze(-1)).view({rows, -1});
-}
-
 // x @ W.T (+ bias), W = weight * scale, x quantized per token on torch's int8 GEMM: W8A8Kernel's w8a8_linear
 // (kernels/w8a8.py) in its order.
 torch::Tensor w8a8_torch_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scale,
@@ -156,7 +148,7 @@ torch::Tensor Projection::operator()(const torch::Tensor& x) const {
       const auto out = q8_linear(x, weight, *scale).to(x.scalar_type());
       return bias ? out.add(*bias) : out;
     }
-    case Kind::kQ8Dequantized: return at::linear(x, q8_dequantize(weight, *scale).to(x.scalar_type()), bias);
+    case Kind::kQ8Dequantized: return kquant_dequantized_linear(KQuant::kQ8_0, x, weight, *scale, bias, false);
     case Kind::kW8A8Torch: return w8a8_torch_linear(x, weight, *scale, bias);
     case Kind::kInt4Torch: {
       const auto out = at::_weight_int4pack_mm_for_cpu(x, weight, 2 * weight.size(1) / scale->size(0), *scale);

@@ -27,6 +27,7 @@ torch::Tensor kquant_dequantized_linear(KQuant type, const torch::Tensor& x, con
     case KQuant::kQ4K: weight = q4k_dequantize(codes, scales, gate_up, scratch_weight); break;
     case KQuant::kQ5K: weight = q5k_dequantize(codes, scales, scratch_weight); break;
     case KQuant::kQ6K: weight = q6k_dequantize(codes, scales, scratch_weight); break;
+    case KQuant::kQ8_0: weight = q8_dequantize(codes, scales, scratch_weight); break;
   }
   return at::linear(x, weight.to(x.scalar_type()), bias);
 }
@@ -34,6 +35,7 @@ torch::Tensor kquant_dequantized_linear(KQuant type, const torch::Tensor& x, con
 KQuant kquant_of(const std::string& name) {
   if (name == "q4k") return KQuant::kQ4K;
   if (name == "q5k") return KQuant::kQ5K;
-  TORCH_CHECK(name == "q6k", "a K-quant layer's kind is 'q4k', 'q5k' or 'q6k', not '", name, "'");
-  return KQuant::kQ6K;
+  if (name == "q6k") return KQuant::kQ6K;
+  TORCH_CHECK(name == "q8_0", "a GGUF layer's kind is 'q4k', 'q5k', 'q6k' or 'q8_0', not '", name, "'");
+  return KQuant::kQ8_0;
 }

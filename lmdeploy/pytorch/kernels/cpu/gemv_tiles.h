@@ -27,8 +27,8 @@ inline void run_tiles(const GemvTiles& tiles) {
 
 // The tiles of each GEMV kernel, checked here (so that no unit throws). x: bf16 [M, K] contiguous; `out`
 // contiguous [M, N] (gate_up: [M, N / 2]) in bf16, or fp32 where `fp32_out`. A unit is a tile of 16 outputs (the
-// int4 and Q4_K gate_up: a gate tile and its up tile, 16 outputs of silu(gate) * up). Built with AVX512-BF16 (Q8_0:
-// AVX-512), as the kernels' *_gemv_available() say.
+// int4 and Q4_K gate_up: a gate tile and its up tile, 16 outputs of silu(gate) * up). Built with AVX512-BF16, as the
+// kernels' *_gemv_available() say.
 GemvTiles int4_tiles(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
                      const c10::optional<torch::Tensor>& bias, bool gate_up, bool q4k, const torch::Tensor& out);
 GemvTiles q5k_tiles(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,

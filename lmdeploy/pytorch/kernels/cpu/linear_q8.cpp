@@ -1,39 +1,85 @@
-// fp32 logits y = x @ W.T for steps of a few rows on 8-bit weights, for CPUs with AVX-512: groups of 32
-// inputs with an fp16 scale each, w = q * scale with q in -127..127 (GGUF's Q8_0), activations used in
-// fp32 (not quantized). The LM head of batch-1 decode: it reads half the bytes of an fp16 copy.
+// fp32 y = x @ W.T for steps of a few rows on 8-bit weights, for CPUs with AVX512-BF16: groups of 32 inputs with an
+// fp16 scale each, w = q * scale with q in -128..127 (GGUF's Q8_0). The LM head of batch-1 decode (it reads half
+// the bytes of an fp16 copy) and a Q8_0 layer's small steps.
 //
-// Packed weight [N/16, K/32, 32, 16] int8: a tile of 16 rows, one group, input-major, so that one 16-byte
-// load widened to fp32 gives one input's weights of 16 rows; scales [N/16, K/32, 16] fp16.
+// Packed weight [N/16, K/32, 32, 16] int8: a tile of 16 rows, one group, input-major, so that one 16-byte load
+// widened to fp32 gives one input's weights of 16 rows; scales [N/16, K/32, 16] fp16.
+//
+// A tile's group is widened once for all the rows of x: its codes become bf16 (exact, |q| <= 128), pairs of inputs
+// side by side, and one vdpbf16ps multiplies a broadcast pair of x with a pair of 16 rows' codes (exact products
+// summed in fp32); the group's sum times its scale is added to the row's outputs. The codes are asked for ahead of
+// their reading, as the K-quant GEMVs' are. bf16 x is used as it is; fp32 or fp16 x as the sum of two bf16 parts
+// (x's bf16 rounding and the rounding of what is left), 16 bits of its mantissa. q8_dequantize writes the same
+// weights as bf16 [N, K] for larger steps' GEMM.
 #include "gemv_tiles.h"
+#include "kquant_gemv.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
 
 namespace {
 
-constexpr int64_t kTile = 16, kGroup = 32;
+constexpr int64_t kTile = 16, kGroup = 32, kPairs = kGroup / 2;
 
-// One tile's 16 fp32 outputs for each of the M rows of xf (x in fp32).
-void q8_tile(const float* xf, const int8_t* w, const uint16_t* scales, float* out, int64_t tile, int64_t M, int64_t K,
-             int64_t N) {
-  const int64_t groups = K / kGroup;
-  for (int64_t m = 0; m < M; ++m) {
-    const int8_t* wt = w + tile * groups * kGroup * kTile;
-    const uint16_t* st = scales + tile * groups * kTile;
-    const float* xr = xf + m * K;
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t group = 0; group < groups; ++group, wt += kGroup * kTile, st += kTile, xr += kGroup) {
+struct Gemv {
+  const uint32_t* x;  // [parts, M, K / 2]: bf16 pairs
+  int64_t parts;
+  const int8_t* w;
+  const uint16_t* scales;  // fp16 bits
+  float* out;              // [M, N]
+  int64_t M, K, N;
+};
+
+// The 16 rows' codes of one input (16 bytes at w) in fp32.
+inline __m512 input_codes(const int8_t* w) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
+}
+
+// The 16 rows' weights of two inputs as bf16 pairs: dword r holds row r's (even, odd).
+inline __m512i row_pairs(__m512 even, __m512 odd) {
+  // lanes 0-15 of cvtne2ps_pbh(odd, even) hold even's rows, 16-31 odd's: lane 2r takes r, lane 2r + 1 takes 16 + r
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(odd, even));
+}
+
+// One tile's 16 fp32 outputs for every row of x: each group's codes widened to bf16 pairs once for all the rows.
+void q8_tile(const Gemv& g, int64_t tile) {
+  const int64_t groups = g.K / kGroup;
+  const int8_t* w = g.w + tile * groups * kGroup * kTile;
+  const uint16_t* s = g.scales + tile * groups * kTile;
+  float* out = g.out + tile * kTile;
+  for (int64_t m = 0; m < g.M; ++m) _mm512_storeu_ps(out + m * g.N, _mm512_setzero_ps());
+  for (int64_t group = 0; group < groups; ++group, w += kGroup * kTile, s += kTile) {
+    kquant::prefetch_ahead(w, kquant::kCodePrefetchBytes, kGroup * kTile);
+    __m512i pairs[kPairs];
+#pragma GCC unroll 16
+    for (int p = 0; p < kPairs; ++p)
+      pairs[p] = row_pairs(input_codes(w + 2 * p * kTile), input_codes(w + (2 * p + 1) * kTile));
+    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+    for (int64_t m = 0; m < g.M; ++m) {
       __m512 d[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-#pragma GCC unroll 32
-      for (int k = 0; k < kGroup; ++k) {
-        const __m512 codes = _mm512_cvtepi32_ps(
-            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wt + k * kTile))));
-        d[k & 3] = _mm512_fmadd_ps(codes, _mm512_set1_ps(xr[k]), d[k & 3]);
+      for (int64_t part = 0; part < g.parts; ++part) {
+        const uint32_t* x = g.x + (part * g.M + m) * (g.K / 2) + group * kPairs;
+#pragma GCC unroll 16
+        for (int p = 0; p < kPairs; ++p)
+          d[p & 3] = _mm512_dpbf16_ps(d[p & 3], (__m512bh)pairs[p], (__m512bh)_mm512_set1_epi32(x[p]));
       }
-      const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(st)));
-      acc = _mm512_fmadd_ps(scale, _mm512_add_ps(_mm512_add_ps(d[0], d[1]), _mm512_add_ps(d[2], d[3])), acc);
+      float* y = out + m * g.N;
+      const __m512 sum = _mm512_add_ps(_mm512_add_ps(d[0], d[1]), _mm512_add_ps(d[2], d[3]));
+      _mm512_storeu_ps(y, _mm512_fmadd_ps(scale, sum, _mm512_loadu_ps(y)));
     }
-    _mm512_storeu_ps(out + m * N + tile * kTile, acc);
   }
+}
+
+// N and K of packed codes and their scales, checked.
+std::pair<int64_t, int64_t> q8_shape(const torch::Tensor& packed, const torch::Tensor& scales) {
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kChar && packed.size(2) == kGroup &&
+                  packed.size(3) == kTile && packed.is_contiguous(),
+              "packed: int8 [N/16, K/32, 32, 16]");
+  const int64_t N = packed.size(0) * kTile, K = packed.size(1) * kGroup;
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.numel() == N * (K / kGroup),
+              "scales: fp16 [N/16, K/32, 16]");
+  return {N, K};
 }
 
 }  // namespace
@@ -42,32 +88,35 @@ bool q8_gemv_available() { return true; }
 
 GemvTiles q8_tiles(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
                    const torch::Tensor& out) {
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kChar && packed.size(2) == kGroup &&
-                  packed.size(3) == kTile && packed.is_contiguous(),
-              "packed: int8 [N/16, K/32, 32, 16]");
-  const int64_t N = packed.size(0) * kTile, K = packed.size(1) * kGroup;
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.numel() == N * (K / kGroup),
-              "scales: fp16 [N/16, K/32, 16]");
+  const auto [N, K] = q8_shape(packed, scales);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must have ", K, " features");
   TORCH_CHECK(x.is_contiguous(), "x must be contiguous");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
               "q8_linear takes fp32, bf16 or fp16 activations");
   const int64_t M = x.size(0);
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.numel() == M * N, "out: fp32 [M, N]");
-  auto xf = std::make_shared<std::vector<float>>(M * K);
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  // fp32 or fp16 x: its two bf16 parts, written by prepare
+  auto parts = std::make_shared<std::vector<c10::BFloat16>>(bf16 ? 0 : 2 * M * K);
+  const auto* xp = bf16 ? x.data_ptr<c10::BFloat16>() : parts->data();
+  const Gemv g{reinterpret_cast<const uint32_t*>(xp), bf16 ? 1 : 2, packed.data_ptr<int8_t>(),
+               reinterpret_cast<const uint16_t*>(scales.data_ptr()), out.data_ptr<float>(), M, K, N};
   GemvTiles tiles;
   tiles.units = N / kTile;
   tiles.fp32_out = true;
-  tiles.prepare = [x, xf] {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "q8_linear", [&] {
-      const scalar_t* xp = x.data_ptr<scalar_t>();
-      for (size_t i = 0; i < xf->size(); ++i) (*xf)[i] = to_float(xp[i]);
+  tiles.prepare = [x, parts, M, K] {
+    if (parts->empty()) return;
+    AT_DISPATCH_FLOATING_TYPES_AND_HALF(x.scalar_type(), "q8_linear", [&] {
+      const scalar_t* xs = x.data_ptr<scalar_t>();
+      for (int64_t i = 0; i < M * K; ++i) {
+        const float value = to_float(xs[i]);
+        const c10::BFloat16 high(value);
+        (*parts)[i] = high;
+        (*parts)[M * K + i] = c10::BFloat16(value - static_cast<float>(high));
+      }
     });
   };
-  const auto* w = packed.data_ptr<int8_t>();
-  const auto* s = reinterpret_cast<const uint16_t*>(scales.data_ptr());
-  float* o = out.data_ptr<float>();
-  tiles.run = [xf, w, s, o, M, K, N](int64_t tile) { q8_tile(xf->data(), w, s, o, tile, M, K, N); };
+  tiles.run = [g, parts](int64_t tile) { q8_tile(g, tile); };
   return tiles;
 }
 
@@ -82,16 +131,43 @@ torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& packed, con
   return out.view(shape);
 }
 
+torch::Tensor q8_dequantize(const torch::Tensor& packed, const torch::Tensor& scales, WeightBuffer buffer) {
+  const auto [N, K] = q8_shape(packed, scales);
+  auto out = buffer(N, K);
+  const int8_t* w = packed.data_ptr<int8_t>();
+  const auto* s = reinterpret_cast<const uint16_t*>(scales.data_ptr());
+  c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
+  const int64_t groups = K / kGroup;
+#pragma omp parallel for schedule(static) num_threads(at::get_num_threads())
+  for (int64_t tile = 0; tile < N / kTile; ++tile) {
+    for (int64_t group = 0; group < groups; ++group) {
+      const int8_t* codes = w + (tile * groups + group) * kGroup * kTile;
+      const __m512 scale =
+          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + (tile * groups + group) * kTile)));
+      __m512i pairs[kPairs];  // exact fp32 products, rounded once to bf16
+      for (int p = 0; p < kPairs; ++p)
+        pairs[p] = row_pairs(_mm512_mul_ps(input_codes(codes + 2 * p * kTile), scale),
+                             _mm512_mul_ps(input_codes(codes + (2 * p + 1) * kTile), scale));
+      kquant::store_tile_rows(pairs, o + tile * kTile * K + group * kGroup, K);
+    }
+  }
+  return out;
+}
+
 #else
 
 bool q8_gemv_available() { return false; }
 
 GemvTiles q8_tiles(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&) {
-  TORCH_CHECK(false, "built without AVX-512");
+  TORCH_CHECK(false, "built without AVX512-BF16");
 }
 
 torch::Tensor q8_linear(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&) {
-  TORCH_CHECK(false, "built without AVX-512");
+  TORCH_CHECK(false, "built without AVX512-BF16");
+}
+
+torch::Tensor q8_dequantize(const torch::Tensor&, const torch::Tensor&, WeightBuffer) {
+  TORCH_CHECK(false, "built without AVX512-BF16");
 }
 
 #endif

@@ -13,7 +13,7 @@ from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
 from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KKernel, k_scale_mins
 from lmdeploy.pytorch.nn.quant.q5k_cpu import q5k_weight
 from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6K_TILE, Q6KGemv, gemv_max_rows
-from lmdeploy.pytorch.nn.quant.q8_cpu import Q8_GROUP, Q8_TILE, pack_q8
+from lmdeploy.pytorch.nn.quant.q8_cpu import Q8_TILE, pack_q8
 from lmdeploy.pytorch.nn.quant.w4a16 import Int4Grid
 
 # inputs and bytes per block
@@ -102,7 +102,8 @@ class Q8Kernel(LinearKernel):
 
 class NativeQ8Kernel(LinearKernel):
     """Q8_0 blocks in the native 8-bit GEMV's layout (:func:`pack_q8`): steps of up to ``max_gemv_rows`` tokens
-    (``gemv_max_rows('q8_0')``) on the GEMV, larger ones dequantized from the same copy for ``F.linear``."""
+    (``gemv_max_rows('q8_0')``) on the GEMV, larger ones dequantized from the same copy to bf16 (the calling
+    thread's reused scratch) for one GEMM (``kquant_dequantized_linear``)."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor):
         self.packed, self.scales = pack_q8(codes, scales.half())
@@ -117,10 +118,7 @@ class NativeQ8Kernel(LinearKernel):
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.shape[0] > self.max_gemv_rows:
-            tiles, groups = self.scales.shape[:2]
-            codes = self.packed.permute(0, 3, 1, 2).reshape(tiles * Q8_TILE, groups * Q8_GROUP)
-            scales = self.scales.transpose(1, 2).reshape(tiles * Q8_TILE, groups).float()
-            return F.linear(x, q8_0_weight(codes, scales).to(x.dtype), bias)
+            return cpu.native().kquant_dequantized_linear(x, 'q8_0', self.packed, self.scales, bias)
         out = cpu.native().q8_linear(x, self.packed, self.scales).to(x.dtype)
         return out if bias is None else out + bias
 
