@@ -88,8 +88,8 @@ def test_every_request_gives_back_its_blocks(model_path):
 def test_query_temperature_is_transformers_formula():
     positions = torch.arange(40)
     expected = torch.log1p(torch.floor((positions.float() + 1.0) / 4)) * 0.5 + 1.0
-    assert torch.equal(query_temperature(positions, 4, 0.5, offset=1), expected)
-    assert query_temperature(positions, 4, 0.5, offset=1)[:3].eq(1).all()
+    assert torch.equal(query_temperature(positions, 4, 0.5, offset=1, log1p=True), expected)
+    assert query_temperature(positions, 4, 0.5, offset=1, log1p=True)[:3].eq(1).all()
 
 
 def test_layers_are_built_as_the_config_says(model_path):

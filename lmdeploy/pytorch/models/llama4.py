@@ -121,7 +121,7 @@ class Llama4ForCausalLM(MoEForCausalLM):
     def forward(self, input_ids: torch.Tensor, kv_caches: list[KVCache], ctx: StepContext) -> torch.Tensor:
         """As :meth:`LlamaForCausalLM.forward`; first the NoPE layers' query temperature of each token (fp32)."""
         if self.temperature is not None:
-            ctx.q_scale = query_temperature(ctx.positions, *self.temperature, offset=1)
+            ctx.q_scale = query_temperature(ctx.positions, *self.temperature, offset=1, log1p=True)
         return super().forward(input_ids, kv_caches, ctx)
 
     def make_layer(self, cfg: ModelConfig, layer_index: int) -> nn.Module:

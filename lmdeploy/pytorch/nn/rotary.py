@@ -38,12 +38,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     return rot if dim == x.shape[-1] else torch.cat((rot, x[..., dim:]), dim=-1)
 
 
-def query_temperature(positions: torch.Tensor, period: int, strength: float, offset: int = 0) -> torch.Tensor:
+def query_temperature(positions: torch.Tensor, period: int, strength: float, offset: int = 0,
+                      log1p: bool = False) -> torch.Tensor:
     """fp32 ``[T]`` factors that scale each token's queries by its position, ``1 + strength * log(1 +
     floor((position + offset) / period))``: 1 over the first positions, then a step more every ``period``.
     Ministral 3's (transformers' ``get_llama_4_attn_scale``, offset 0) and Llama 4's temperature tuning of its
-    NoPE layers (offset 1)."""
-    return torch.log(torch.floor((positions.float() + offset) / period) + 1) * strength + 1.0
+    NoPE layers (offset 1, ``log1p``: transformers takes ``torch.log1p`` there, which differs from ``log(1 + x)``
+    in the last bit on some CPUs)."""
+    steps = torch.floor((positions.float() + offset) / period)
+    return (torch.log1p(steps) if log1p else torch.log(steps + 1)) * strength + 1.0
 
 
 def position_query_scale(hf_config: PretrainedConfig) -> Callable[[torch.Tensor], torch.Tensor] | None:
