@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM
 
-from helpers import add_requests, hf_greedy, make_engine, random_prompts, run
+from helpers import add_requests, assert_transformers_greedy, make_engine, random_prompts, run
 
 from lmdeploy.pytorch.engine.engine import Engine
 
@@ -56,7 +56,7 @@ def assert_matches_transformers(path: str, hf_model, greedy_prompts: list[list[i
                                 logits_prompts: list[list[int]]) -> None:
     """32 greedy tokens of each of ``greedy_prompts`` (in one batch), and the first-step logits of
     ``logits_prompts`` within 1e-3, equal transformers'."""
-    assert run(make_engine(path), greedy_prompts) == [hf_greedy(hf_model, p) for p in greedy_prompts]
+    assert_transformers_greedy(hf_model, greedy_prompts, run(make_engine(path), greedy_prompts))
     assert_first_logits_close(make_engine(path), logits_prompts, [hf_last_logits(hf_model, p) for p in logits_prompts])
 
 

@@ -95,6 +95,15 @@ def reference_argmax(model, prompt: list[int], tokens: list[int]) -> list[int]:
     return logits.argmax(-1).tolist()
 
 
+def assert_transformers_greedy(model, prompts, outs: list[list[int]], n: int = 32) -> None:
+    """``outs`` are transformers' ``n`` greedy tokens after each of ``prompts``: checked with
+    :func:`reference_argmax`, one forward a prompt (:func:`hf_greedy`'s ``n`` steps cost 5x the CPU time on a
+    tiny model)."""
+    assert len(outs) == len(prompts)
+    for prompt, tokens in zip(prompts, outs):
+        assert len(tokens) == n and reference_argmax(model, prompt, tokens) == tokens, (prompt, tokens)
+
+
 def engine_state(engine) -> dict:
     """An ``AsyncEngine``'s engine state, read on its engine-loop thread after everything queued before."""
     def read(e):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import save_tiny_model
-from helpers import hf_greedy, make_engine, random_prompts, run
+from helpers import assert_transformers_greedy, make_engine, random_prompts, run
 from quant_models import awq_dequantized
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AwqConfig
@@ -132,8 +132,7 @@ def test_loads_without_a_flag_and_matches_transformers_on_the_unpacked_weights(a
     finally:
         engine.close()
     hf = dequantized_model(source, out)
-    for prompt, got in zip(prompts, outs):
-        assert got == hf_greedy(hf, prompt)
+    assert_transformers_greedy(hf, prompts, outs)
     reference = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     with torch.no_grad():
         expected = reference(torch.tensor([prompts[1]])).logits[0]

@@ -18,7 +18,7 @@ from conftest import VOCAB_SIZE, save_random_model
 from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_first_logits_close,
                            assert_matches_transformers, assert_tp2_equals_tp1, hf_causal_lm, hf_last_logits,
                            prefix_sharing_prompts)
-from helpers import hf_greedy, make_engine, random_prompts, run
+from helpers import assert_transformers_greedy, make_engine, random_prompts, run
 
 from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
@@ -217,8 +217,7 @@ def test_fp8_block_scaled_checkpoint_is_dequantized_at_load(tmp_path):
     assert torch.equal(experts.down[3], dequantized['model.layers.1.mlp.experts.3.down_proj.weight'])
     hf_model = hf_causal_lm(str(dense_dir))
     prompts = random_prompts([5, 40], seed=11)
-    for prompt, out in zip(prompts, run(engine, prompts)):
-        assert out == hf_greedy(hf_model, prompt)
+    assert_transformers_greedy(hf_model, prompts, run(engine, prompts))
 
 
 def test_fp8_scales_pair_with_their_weights_in_any_order():

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from helpers import GREEDY_32, hf_greedy, make_engine, random_prompts, run
+from helpers import GREEDY_32, assert_transformers_greedy, make_engine, random_prompts, run
 
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
@@ -24,8 +24,7 @@ def hf_model(tiny_model):
 def test_greedy_matches_transformers(tiny_model, hf_model):
     prompts = random_prompts([3, 17, 40, 64, 90])
     outs = run(make_engine(tiny_model), prompts)
-    for prompt, out in zip(prompts, outs):
-        assert out == hf_greedy(hf_model, prompt)
+    assert_transformers_greedy(hf_model, prompts, outs)
 
 
 def test_first_step_logits_match(tiny_model, hf_model):

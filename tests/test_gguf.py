@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType as Q
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations.gguf.dequant import dequantize as torch_dequantize
 
-from helpers import hf_greedy, make_engine, random_prompts, run
+from helpers import assert_transformers_greedy, make_engine, random_prompts, run
 
 from lmdeploy import model_source
 from lmdeploy.model_source import DEFAULT_GGUF, default_model_path, resolve_model_path
@@ -213,7 +213,7 @@ def test_phi3_longrope_from_the_file(tmp_path: Path) -> None:
     assert config.sliding_window == 256
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / 'hf'), dtype=torch.float32).eval()
     prompts = random_prompts([20, 140], vocab=250)  # the longer one past the switch
-    assert run(make_engine(str(tmp_path / 'hf'), session_len=256), prompts) == [hf_greedy(hf, p) for p in prompts]
+    assert_transformers_greedy(hf, prompts, run(make_engine(str(tmp_path / 'hf'), session_len=256), prompts))
 
 
 def test_resolve_gguf_caches(tmp_path: Path, tmp_cache: Path) -> None:

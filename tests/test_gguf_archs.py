@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, G
 
 from conftest import save_random_model
 from family_checks import hf_causal_lm
-from helpers import hf_greedy, make_engine, random_prompts, run
+from helpers import assert_transformers_greedy, make_engine, random_prompts, run
 from test_deepseek import ds_config
 from test_gguf import _add_tokenizer, finish
 from test_gpt_oss import CONFIG as GPT_OSS
@@ -214,7 +214,7 @@ def test_gguf_arch_matches_transformers(kind: str, tmp_path: Path, monkeypatch: 
         torch.testing.assert_close(value, state[name], rtol=0, atol=exact, msg=name)
 
     prompts = random_prompts([5, 23, 41], vocab=vocab)
-    assert run(make_engine(str(src)), prompts) == [hf_greedy(hf, p) for p in prompts]
+    assert_transformers_greedy(hf, prompts, run(make_engine(str(src)), prompts))
 
 
 def test_gemma_q8_0_projections_kept_as_blocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -231,4 +231,4 @@ def test_gemma_q8_0_projections_kept_as_blocks(tmp_path: Path, monkeypatch: pyte
     layer_types = engine.model_config.hf_config.quantization_config['ggml_types']
     assert len(layer_types) == 2 * hf.config.num_hidden_layers * 2 and set(layer_types.values()) == {'Q8_0'}
     prompts = random_prompts([5, 41], vocab=vocab)
-    assert run(engine, prompts) == [hf_greedy(hf, p) for p in prompts]
+    assert_transformers_greedy(hf, prompts, run(engine, prompts))

@@ -17,7 +17,7 @@ from gguf.quants import dequantize
 from transformers import AutoModelForCausalLM
 
 from family_checks import assert_tp2_equals_tp1
-from helpers import hf_greedy, make_engine, random_prompts, run
+from helpers import assert_transformers_greedy, make_engine, random_prompts, run
 from test_gguf_mixed import write_mixed_gguf
 
 from lmdeploy.messages import PytorchEngineConfig
@@ -104,8 +104,8 @@ def test_embedding_held_as_blocks_gives_transformers_tokens(served):
     assert batched == alone
     reference = AutoModelForCausalLM.from_pretrained(str(Path(folder).parent), gguf_file='model.gguf',
                                                      dtype=torch.float32).eval()
-    assert batched == [hf_greedy(reference, prompt) for prompt in prompts]
-    assert again == hf_greedy(reference, prompts[1] + [7, 8])
+    assert_transformers_greedy(reference, prompts, batched)
+    assert_transformers_greedy(reference, [prompts[1] + [7, 8]], [again])
 
 
 def test_bf16_embedding_is_the_file_rows_rounded(served):

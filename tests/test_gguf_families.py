@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from conftest import save_random_model
-from helpers import hf_greedy, make_engine, random_prompts, run
+from helpers import assert_transformers_greedy, hf_greedy, make_engine, random_prompts, run
 from test_gguf import CHAT_TEMPLATE, _add_tokenizer, finish, llama_permute
 from test_model_families import save_family
 
@@ -81,7 +81,7 @@ def test_gguf_family_matches_transformers(kind: str, tied: bool, tmp_path: Path,
         torch.testing.assert_close(value, state[name], rtol=0, atol=0, msg=name)
 
     prompts = random_prompts([5, 40], vocab=vocab)
-    assert run(make_engine(str(src)), prompts) == [hf_greedy(hf, p) for p in prompts]
+    assert_transformers_greedy(hf, prompts, run(make_engine(str(src)), prompts))
 
 
 LLAMA3_ROPE = {'rope_type': 'llama3', 'rope_theta': 10000.0, 'factor': 8.0, 'low_freq_factor': 1.0,

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from conftest import save_random_model
 from family_checks import hf_causal_lm
-from helpers import hf_greedy, make_engine, random_prompts, run
+from helpers import assert_transformers_greedy, make_engine, random_prompts, run
 from test_glm4_moe import glm4_moe_config
 from test_gguf import _add_tokenizer, finish
 
@@ -152,7 +152,7 @@ def test_gguf_glm4moe_matches_transformers(tmp_path: Path, monkeypatch: pytest.M
         torch.testing.assert_close(value, state[name], rtol=0, atol=0, msg=name)
 
     prompts = random_prompts([5, 23, 41], vocab=hf.config.vocab_size)
-    assert run(make_engine(str(src)), prompts) == [hf_greedy(hf, p) for p in prompts]
+    assert_transformers_greedy(hf, prompts, run(make_engine(str(src)), prompts))
 
 
 def test_gguf_glm4moe_q8_0_experts_kept_as_blocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -171,4 +171,4 @@ def test_gguf_glm4moe_q8_0_experts_kept_as_blocks(tmp_path: Path, monkeypatch: p
         if layer >= hf.config.first_k_dense_replace:
             assert layer_types[f'layers.{layer}.mlp.experts.gate_up_proj'] == 'Q8_0'
     prompts = random_prompts([5, 41], vocab=hf.config.vocab_size)
-    assert run(engine, prompts) == [hf_greedy(hf, p) for p in prompts]
+    assert_transformers_greedy(hf, prompts, run(engine, prompts))

@@ -12,7 +12,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from family_checks import assert_tp2_equals_tp1
-from helpers import hf_greedy, make_engine, random_prompts, run
+from helpers import assert_transformers_greedy, make_engine, random_prompts, run
 from test_gguf import _encode, make_gguf
 from transformers import AutoModelForCausalLM
 
@@ -121,8 +121,7 @@ def test_engine_matches_transformers_on_the_gguf_file(tmp_path: Path, qtype):
         outs = run(engine, prompts)
     finally:
         engine.close()
-    for prompt, tokens in zip(prompts, outs):
-        assert tokens == hf_greedy(reference, prompt)
+    assert_transformers_greedy(reference, prompts, outs)
 
 
 def test_bf16_engine_runs_q4_k_on_the_int4_kernel(tmp_path: Path):

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, Llama4TextConfig
 
 from conftest import save_random_model
 from family_checks import assert_first_logits_close, hf_causal_lm, hf_last_logits
-from helpers import hf_greedy, make_engine, random_prompts, run
+from helpers import assert_transformers_greedy, make_engine, random_prompts, run
 from test_gguf import _byte_tokens, finish
 
 from lmdeploy.messages import ConfigError
@@ -195,7 +195,7 @@ def test_f32_file_is_the_original_checkpoint_and_matches_transformers(tmp_path: 
     assert [layer.self_attn.attn.attention_chunk for layer in layers] == [8192, 8192, 8192, None]
     assert [isinstance(layer.mlp, Llama4MoE) for layer in layers] == [False, True, False, True]
     prompts = random_prompts([7, LONG], seed=1, vocab=hf.config.vocab_size)
-    assert run(engine, prompts) == [hf_greedy(hf, p) for p in prompts]
+    assert_transformers_greedy(hf, prompts, run(engine, prompts))
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     one_step = long_engine(src, max_prefill_token_num=LONG + 64)  # both prompts whole in the first step
     assert_first_logits_close(one_step, prompts, [hf_last_logits(hf, p) for p in prompts])
@@ -234,7 +234,7 @@ def test_f16_and_q8_0_files_match_transformers(tmp_path: Path, cache: Path, qtyp
         assert experts == sorted([f'{prefix}.{expert}.{proj}_proj.qweight' for expert in range(4) for proj in kept] +
                                  ([f'{prefix}.down_proj'] if down_experts else []))
     prompts = random_prompts([5, 41], seed=2, vocab=hf.config.vocab_size)
-    assert run(engine, prompts) == [hf_greedy(hf, p) for p in prompts]
+    assert_transformers_greedy(hf, prompts, run(engine, prompts))
 
 
 def test_chat_template_and_tokenizer_come_from_the_file(tmp_path: Path, cache: Path) -> None:
@@ -276,7 +276,7 @@ def test_variants_llama_cpp_tells_apart(tmp_path: Path, cache: Path, variant: st
     assert config.layer_types == (['full_attention'] * 4 if variant == 'mobilellm' else
                                   ['chunked_attention'] * 3 + ['full_attention'])
     prompts = random_prompts([6, 37], seed=3, vocab=hf.config.vocab_size)
-    assert run(engine, prompts) == [hf_greedy(hf, p) for p in prompts]
+    assert_transformers_greedy(hf, prompts, run(engine, prompts))
 
 
 def test_file_without_its_moe_step_is_refused(tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:

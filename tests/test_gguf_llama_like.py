@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from helpers import hf_greedy, make_engine, random_prompts, run
+from helpers import assert_transformers_greedy, make_engine, random_prompts, run
 from test_gguf import _add_tokenizer, finish, llama_permute
 from test_model_families import save_family
 
@@ -132,7 +132,7 @@ def test_gguf_family_matches_transformers(kind: str, tmp_path: Path, monkeypatch
         torch.testing.assert_close(value, state[name], rtol=0, atol=0, msg=name)
 
     prompts = random_prompts([5, 40], vocab=vocab)
-    assert run(make_engine(str(src)), prompts) == [hf_greedy(hf, p) for p in prompts]
+    assert_transformers_greedy(hf, prompts, run(make_engine(str(src)), prompts))
 
 
 @pytest.mark.parametrize('kind', ['olmo3', 'granite', 'ernie4_5_moe'])
@@ -152,4 +152,4 @@ def test_gguf_family_q8_0_kept_as_blocks(kind: str, tmp_path: Path, monkeypatch:
         assert layer_types['layers.0.mlp.gate_up_proj'] == layer_types['layers.1.mlp.experts.gate_up_proj'] == 'Q8_0'
         assert layer_types['layers.1.mlp.shared_experts.down_proj'] == 'Q8_0'
     prompts = random_prompts([5, 40], vocab=vocab)
-    assert run(engine, prompts) == [hf_greedy(hf, p) for p in prompts]
+    assert_transformers_greedy(hf, prompts, run(engine, prompts))

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from conftest import save_tiny_model
 from family_checks import assert_tp2_equals_tp1
-from helpers import hf_greedy, make_engine, random_prompts, run
+from helpers import assert_transformers_greedy, make_engine, random_prompts, run
 from test_gguf import _add_tokenizer, finish, llama_permute, make_gguf
 
 from lmdeploy.lite.smooth_quant import smooth_quant
@@ -220,7 +220,7 @@ def test_mixed_file_matches_dequantized_and_transformers(mixed_file):
     finally:
         engine.close()
     reference = AutoModelForCausalLM.from_pretrained(str(tmp), gguf_file='model.gguf', dtype=torch.float32).eval()
-    assert batched == [hf_greedy(reference, prompt) for prompt in prompts]
+    assert_transformers_greedy(reference, prompts, batched)
 
 
 def test_bf16_mixed_file_runs_each_layer_on_its_kernel(mixed_file):

@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader
 from gguf.quants import dequantize, quantize
 from family_checks import assert_tp2_equals_tp1
-from helpers import hf_greedy, make_engine, random_prompts, run
+from helpers import assert_transformers_greedy, make_engine, random_prompts, run
 from safetensors import safe_open
 from test_gguf_mixed import ARCHS, bf16_logit_error, served_mixed_gguf
 from transformers import AutoModelForCausalLM
@@ -142,7 +142,7 @@ def test_fp32_tokens_match_transformers_on_the_file_weights(moe_file):
         engine.close()
     assert batched == solo
     reference = gguf_reference(kind, tmp)
-    assert batched == [hf_greedy(reference, prompt) for prompt in prompts]
+    assert_transformers_greedy(reference, prompts, batched)
 
 
 def count_calls(monkeypatch: pytest.MonkeyPatch, classes: list[type]) -> dict[str, int]:
@@ -382,6 +382,6 @@ def test_deepseek_q8_0_experts_kept_as_blocks(tmp_path: Path, monkeypatch: pytes
         ggml_types = engine.model_config.hf_config.quantization_config['ggml_types']
         assert all('.mlp.experts.' in name for name in ggml_types)
         prompts = random_prompts([5, 23], vocab=vocab)
-        assert run(engine, prompts) == [hf_greedy(hf, p) for p in prompts]
+        assert_transformers_greedy(hf, prompts, run(engine, prompts))
     finally:
         engine.close()

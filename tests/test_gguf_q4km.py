@@ -11,7 +11,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 from transformers import AutoModelForCausalLM
-from helpers import hf_greedy, make_engine, random_prompts, run
+from helpers import assert_transformers_greedy, make_engine, random_prompts, run
 from test_decoder_stack import check_every_step
 from test_gguf_mixed import encode, served_mixed_gguf
 
@@ -259,7 +259,7 @@ def test_mixed_qkv_part_by_part_gives_transformers_tokens(q4_k_m):
         engine.close()
     folder = q4_k_m.rpartition('/')[0]
     reference = AutoModelForCausalLM.from_pretrained(folder, gguf_file='model.gguf', dtype=torch.float32).eval()
-    assert outs == [hf_greedy(reference, prompt) for prompt in prompts]
+    assert_transformers_greedy(reference, prompts, outs)
 
 
 def engine_in_one_stack(path: str) -> tuple[Engine, torch.nn.Module]:

@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
-from helpers import hf_greedy, make_engine, random_prompts, run
+from helpers import assert_transformers_greedy, make_engine, random_prompts, run
 from test_decoder_stack import check_every_step
 from test_gguf_mixed import encode, served_mixed_gguf
 from test_gguf_q4km import engine_in_one_stack
@@ -128,7 +128,7 @@ def test_q5_k_m_file_gives_transformers_tokens(q5_k_m):
     assert batched == solo
     folder = q5_k_m.rpartition('/')[0]
     reference = AutoModelForCausalLM.from_pretrained(folder, gguf_file='model.gguf', dtype=torch.float32).eval()
-    assert batched == [hf_greedy(reference, prompt) for prompt in prompts]
+    assert_transformers_greedy(reference, prompts, batched)
 
 
 def test_bf16_q5_k_m_file_runs_q5_k_on_the_gemv(q5_k_m):

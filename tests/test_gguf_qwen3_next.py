@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5Text
 
 from conftest import save_random_model
 from family_checks import assert_matches_transformers, hf_causal_lm
-from helpers import hf_greedy, make_engine, random_prompts, run
+from helpers import assert_transformers_greedy, make_engine, random_prompts, run
 from test_gguf import CHAT_TEMPLATE, _add_tokenizer, finish
 from test_gguf_mixed import encode
 
@@ -293,7 +293,7 @@ def test_quantized_projections_stay_blocks_and_match_transformers(tmp_path: Path
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     finally:
         engine.close()
-    assert batched == [hf_greedy(reference, prompt) for prompt in prompts]
+    assert_transformers_greedy(reference, prompts, batched)
 
 
 def test_chat_template_and_tokenizer_come_from_the_file(tmp_path: Path, cache: Path) -> None:

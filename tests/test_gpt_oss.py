@@ -15,7 +15,7 @@ from transformers.integrations.mxfp4 import FP4_VALUES, convert_moe_packed_tenso
 from conftest import VOCAB_SIZE, save_random_model
 from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_matches_transformers,
                            assert_tp2_equals_tp1, hf_causal_lm, prefix_sharing_prompts)
-from helpers import hf_greedy, make_engine, random_prompts, run
+from helpers import assert_transformers_greedy, make_engine, random_prompts, run
 
 from lmdeploy.pytorch.nn.quant.mxfp4 import dequantize_mxfp4
 
@@ -107,7 +107,7 @@ def test_mxfp4_checkpoint_matches_transformers(model_path, tmp_path):
     path = save_mxfp4(model_path, str(tmp_path / 'mxfp4'))
     hf = hf_causal_lm(path, quantization_config=Mxfp4Config(dequantize=True))
     prompts = random_prompts([5, 45], seed=5)
-    assert run(make_engine(path), prompts) == [hf_greedy(hf, prompt) for prompt in prompts]
+    assert_transformers_greedy(hf, prompts, run(make_engine(path), prompts))
 
 
 def test_tp2_equals_tp1(model_path):

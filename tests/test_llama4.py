@@ -17,7 +17,7 @@ from transformers import Llama4TextConfig
 from conftest import VOCAB_SIZE, save_random_model
 from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_matches_transformers,
                            assert_tp2_equals_tp1, hf_causal_lm, prefix_sharing_prompts)
-from helpers import hf_greedy, make_engine, random_prompts, run
+from helpers import assert_transformers_greedy, make_engine, random_prompts, run
 
 from lmdeploy.messages import GenerationConfig
 
@@ -126,7 +126,7 @@ def test_long_contexts_match_transformers_and_the_pool_that_kept_every_block(mod
     of the sliding pool, ``ceil((C - 1 + 16) / 4) + 1``, while the full pool's grow with the context."""
     prompts = random_prompts([50, 75, 113], seed=11)
     outs, most_sliding, most_full = run_watching_blocks(make_engine(model_path, **POOLED), prompts, LONG)
-    assert outs == [hf_greedy(hf_model, p, 40) for p in prompts]
+    assert_transformers_greedy(hf_model, prompts, outs, 40)
     assert [run(make_engine(model_path, **POOLED), [p], LONG)[0] for p in prompts] == outs
     assert most_sliding <= -(-(CHUNK - 1 + 16) // 4) + 1 and most_full >= (113 + 39) // 4
     monkeypatch.setattr(PagedAttention, 'kv_window', property(lambda self: self.sliding_window))

@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 from conftest import save_tiny_model
-from helpers import hf_greedy, make_engine, random_prompts, run
+from helpers import assert_transformers_greedy, make_engine, random_prompts, run
 from quant_models import quantize_checkpoint
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
@@ -81,8 +81,7 @@ def test_engine_matches_transformers_on_the_dequantized_experts(tmp_path, kind, 
     finally:
         engine.close()
     assert solo[0] == batched[1]
-    for prompt, out in zip(prompts, batched):
-        assert out == hf_greedy(hf, prompt, 16)
+    assert_transformers_greedy(hf, prompts, batched, 16)
 
 
 @pytest.mark.parametrize('method', ['awq', 'gptq'])

@@ -19,7 +19,7 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from conftest import save_random_model
 from family_checks import assert_tp2_equals_tp1, hf_causal_lm
-from helpers import hf_greedy, make_engine, random_prompts, run
+from helpers import assert_transformers_greedy, make_engine, random_prompts, run
 from test_gguf import _add_tokenizer
 from test_gguf_archs import hf_config, write_gguf
 from test_gguf_mixed import bf16_logit_error
@@ -192,7 +192,7 @@ def test_mxfp4_checkpoint_kept_as_mxfp4_matches_transformers(mxfp4_path):
     prompts = random_prompts([5, 17, 45], seed=5)
     engine = make_engine(mxfp4_path)
     assert_experts_hold_mxfp4(engine, CONFIG['num_hidden_layers'])
-    assert run(engine, prompts) == [hf_greedy(hf, prompt) for prompt in prompts]
+    assert_transformers_greedy(hf, prompts, run(engine, prompts))
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks and not engine.sequences
 
 
@@ -245,7 +245,7 @@ def test_gguf_mxfp4_experts_kept_as_mxfp4_match_transformers(tmp_path: Path, mon
     assert engine.model_config.hf_config.quantization_config == {'quant_method': 'mxfp4'}
     assert_experts_hold_mxfp4(engine, CONFIG['num_hidden_layers'])
     prompts = random_prompts([5, 41], vocab=vocab)
-    assert run(engine, prompts) == [hf_greedy(hf, p) for p in prompts]
+    assert_transformers_greedy(hf, prompts, run(engine, prompts))
 
 
 def test_tp2_equals_tp1(tmp_path):

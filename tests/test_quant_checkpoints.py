@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import save_tiny_model
-from helpers import hf_greedy, make_engine, random_prompts, run
+from helpers import assert_transformers_greedy, make_engine, random_prompts, run
 from quant_models import (awq_dequantized, awq_reference, awq_tensors, gptq_dequantized, gptq_layer, gptq_tensors,
                           quantize_checkpoint, random_grid)
 from safetensors.torch import load_file
@@ -170,8 +170,7 @@ def test_engine_matches_transformers_on_the_dequantized_weights(float_llama, tmp
         outs = run(engine, prompts)
     finally:
         engine.close()
-    for prompt, out in zip(prompts, outs):
-        assert out == hf_greedy(hf, prompt)
+    assert_transformers_greedy(hf, prompts, outs)
 
 
 @pytest.mark.parametrize('method', ['awq', 'gptq'])
