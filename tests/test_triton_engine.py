@@ -9,7 +9,7 @@ import os
 
 import pytest
 from family_checks import hf_causal_lm
-from helpers import hf_greedy, make_engine, random_prompts, run
+from helpers import assert_transformers_greedy, make_engine, random_prompts, run
 from test_deepseek import save_deepseek
 from test_gpt_oss import save_gpt_oss
 from test_model_families import save_family
@@ -53,8 +53,7 @@ def test_greedy_tokens_match_transformers(kind, tmp_path, triton_calls):
     hf_model = hf_causal_lm(path)
     # 40 tokens: past the sliding families' 16-token window before decoding starts
     prompts = random_prompts([40, 5], seed=7)
-    outs = run(make_engine(path), prompts, TOKENS)
-    assert outs == [hf_greedy(hf_model, p, TOKENS.max_new_tokens) for p in prompts]
+    assert_transformers_greedy(hf_model, prompts, run(make_engine(path), prompts, TOKENS), TOKENS.max_new_tokens)
     expected = EXPECTED.get(kind, set()) | (set() if kind == 'deepseek_v3' else ATTENTION)
     assert expected <= set(triton_calls), triton_calls
 
@@ -62,12 +61,12 @@ def test_greedy_tokens_match_transformers(kind, tmp_path, triton_calls):
 def test_llama_plain_and_int8_kv_cache_match_transformers(tiny_llama, triton_calls):
     """Llama through the Triton kernels, then with ``quant_policy=8`` (the Triton KV fill quantizing, the attention
     kernels reading int8): both give transformers' greedy tokens on the tiny model."""
-    prompts = random_prompts([30, 7], seed=8)
-    expected = [hf_greedy(hf_causal_lm(tiny_llama), p, TOKENS.max_new_tokens) for p in prompts]
-    assert run(make_engine(tiny_llama), prompts, TOKENS) == expected
+    prompts, hf_model = random_prompts([30, 7], seed=8), hf_causal_lm(tiny_llama)
+    assert_transformers_greedy(hf_model, prompts, run(make_engine(tiny_llama), prompts, TOKENS), TOKENS.max_new_tokens)
     assert ATTENTION <= set(triton_calls), triton_calls
     calls_before = sum(triton_calls.values())
-    assert run(make_engine(tiny_llama, quant_policy=8), prompts, TOKENS) == expected
+    int8 = run(make_engine(tiny_llama, quant_policy=8), prompts, TOKENS)
+    assert_transformers_greedy(hf_model, prompts, int8, TOKENS.max_new_tokens)
     assert sum(triton_calls.values()) > calls_before
 
 
