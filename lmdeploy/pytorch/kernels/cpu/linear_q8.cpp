@@ -101,6 +101,24 @@ std::pair<int64_t, int64_t> q8_shape(const torch::Tensor& packed, const torch::T
   return {N, K};
 }
 
+// A one-row step's tiles (q8_tile_one_row), x copied to fp32 first.
+GemvTiles one_row_tiles(GemvTiles tiles, const torch::Tensor& x, const torch::Tensor& packed,
+                        const torch::Tensor& scales, const torch::Tensor& out) {
+  const int64_t K = x.size(1);
+  auto xf = std::make_shared<std::vector<float>>(K);
+  tiles.prepare = [x, xf] {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "q8_linear", [&] {
+      const scalar_t* xs = x.data_ptr<scalar_t>();
+      for (size_t i = 0; i < xf->size(); ++i) (*xf)[i] = to_float(xs[i]);
+    });
+  };
+  const int8_t* w = packed.data_ptr<int8_t>();
+  const auto* s = reinterpret_cast<const uint16_t*>(scales.data_ptr());
+  float* o = out.data_ptr<float>();
+  tiles.run = [xf, w, s, o, K](int64_t tile) { q8_tile_one_row(xf->data(), w, s, o, tile, K); };
+  return tiles;
+}
+
 }  // namespace
 
 bool q8_gemv_available() { return true; }
@@ -117,20 +135,7 @@ GemvTiles q8_tiles(const torch::Tensor& x, const torch::Tensor& packed, const to
   GemvTiles tiles;
   tiles.units = N / kTile;
   tiles.fp32_out = true;
-  if (M == 1) {
-    auto xf = std::make_shared<std::vector<float>>(K);
-    tiles.prepare = [x, xf] {
-      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "q8_linear", [&] {
-        const scalar_t* xs = x.data_ptr<scalar_t>();
-        for (size_t i = 0; i < xf->size(); ++i) (*xf)[i] = to_float(xs[i]);
-      });
-    };
-    const int8_t* w = packed.data_ptr<int8_t>();
-    const auto* s = reinterpret_cast<const uint16_t*>(scales.data_ptr());
-    float* o = out.data_ptr<float>();
-    tiles.run = [xf, w, s, o, K](int64_t tile) { q8_tile_one_row(xf->data(), w, s, o, tile, K); };
-    return tiles;
-  }
+  if (M == 1) return one_row_tiles(std::move(tiles), x, packed, scales, out);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   // fp32 or fp16 x: its two bf16 parts, written by prepare
   auto parts = std::make_shared<std::vector<c10::BFloat16>>(bf16 ? 0 : 2 * M * K);
