@@ -12,7 +12,7 @@ On CUDA each kernel call is captured once in a CUDA graph and replayed, timed wi
 host launch overhead is excluded. A graph holds calls on distinct inputs when one input would fit
 in L2, so every call reads its bytes from HBM. Most of a run's time is Triton compiling (about 20
 kernels); past ``--budget`` seconds the remaining measurements are skipped, not started. A line
-marked ``*`` ran the config that the current table picks for its shape.
+marked ``*`` ran the config that the current table (decode: the split policy) picks for its shape.
 """
 from __future__ import annotations
 
@@ -30,8 +30,9 @@ BF16_TFLOPS = 790.0  # 8192^3 bf16 matmul measured on one H200
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 64
 QWEN3_30B_A3B = (128, 8, 2048, 768)  # experts, top-k, hidden, moe intermediate
 
-DECODE_CASES = [(1, 32768, 0), (1, 8192, 0), (8, 8192, 0), (16, 32768, 0), (64, 4096, 0), (128, 2048, 0),
-                (1, 8192, 512)]  # (batch, ctx, block-table width in pages; 0: just wide enough)
+DECODE_CASES = [(1, 32768, 0), (1, 8192, 0), (8, 8192, 0), (16, 32768, 0), (64, 1024, 0), (64, 8192, 0),
+                (128, 2048, 0), (1, 8192, 512), (64, 1024, 512)]  # (batch, ctx, block-table width in pages; 0: just
+# wide enough); the 512-page tables are a 32k-session CUDA graph's
 KV_QUANT_CASES = [(64, 1024, 0), (64, 4096, 0)]  # int8/int4 caches against bf16
 MOE_TOKENS = [1, 64, 1024, 2048, 4096, 8192]
 TWIN_TOKENS = {1, 64, 1024}
@@ -100,10 +101,22 @@ def copies_beyond_l2(nbytes: int, device: str) -> int:
     return max(1, -(-3 * torch.cuda.get_device_properties(device).L2_cache_size // nbytes))
 
 
+def split_traffic(batch: int, ctx: int, split_pages: int, kv_bytes: int) -> str:
+    """A case's splits per sequence, working programs and partial bytes (written, then read by the reduce) as a
+    share of the K/V bytes read."""
+    from lmdeploy.pytorch.kernels.cuda.decode_attention import MAX_SPLITS
+    pages = -(-ctx // BLOCK_SIZE)
+    per_split = max(split_pages, -(-pages // MAX_SPLITS))
+    splits = -(-pages // per_split)
+    partial_bytes = 2 * batch * NUM_HEADS * splits * (HEAD_DIM * 4 + 4)
+    return (f'{splits:3d} splits {batch * NUM_KV_HEADS * splits:6d} programs  partials '
+            f'{100 * partial_bytes / kv_bytes:4.1f}% of KV')
+
+
 def decode_attention(device: str, dtype: torch.dtype, cases: list[tuple[int, int, int]],
                      configs: list | None = None, quant_policy: int = 0) -> dict[tuple[int, int, int], float]:
     """GB/s of K and V read (codes, scales and zeros with ``quant_policy`` 8 or 4), per ``(batch, ctx, table
-    width)`` case, for the table's or the given configs; returns the table config's seconds per case."""
+    width)`` case, for the default or the given configs; returns the default config's seconds per case."""
     from lmdeploy.pytorch.kernels.cuda.decode_attention import decode_attention_with, decode_config
     seconds = {}
     for batch, ctx, width in cases:
@@ -126,19 +139,20 @@ def decode_attention(device: str, dtype: torch.dtype, cases: list[tuple[int, int
         tables[:, :, :pages] = torch.randperm(shape[0], device=device, dtype=torch.int32).view(copies, batch, pages)
         lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
         q = torch.randn(batch, NUM_HEADS, HEAD_DIM, device=device, dtype=dtype)
-        table_config = decode_config(batch, NUM_KV_HEADS, width)
-        for config in configs or [table_config]:
+        default_config = decode_config(BLOCK_SIZE, HEAD_DIM)
+        for config in configs or [default_config]:
             if out_of_time(label):
                 continue
             calls = [partial(decode_attention_with, q, k_cache, v_cache, table, lens, HEAD_DIM**-0.5, config, *quant)
                      for table in tables]
             sec = graph_seconds(calls, device)
-            if config == table_config:
+            if config == default_config:
                 seconds[(batch, ctx, width)] = sec
             gbs = nbytes / sec / 1e9
             print(f'{label}: {sec * 1e6:8.1f} us {gbs:7.1f} GB/s  {100 * gbs / COPY_GBS:5.1f}% of {COPY_GBS:.0f} '
                   f'(copy)  {100 * gbs / PEAK_GBS:5.1f}% of {PEAK_GBS:.0f} (peak)  '
-                  f'{"*" * (config == table_config)}{config}', flush=True)
+                  f'{split_traffic(batch, ctx, config.split_pages, nbytes)}  '
+                  f'{"*" * (config == default_config)}{config}', flush=True)
         del k_cache, v_cache
     return seconds
 
@@ -242,22 +256,21 @@ def gguf_linear(device: str, dtype: torch.dtype, shapes: list[tuple[str, int, in
 
 
 def sweep(device: str, dtype: torch.dtype) -> None:
-    """Candidate launch configs at the shapes that set the tables: decode at batch 1 (few rows) and 16
-    (many rows) at 32k context; fused MoE at 1 and 64 tokens (narrow tiles), 1,024 and 4,096 tokens."""
+    """Candidate launch configs at the shapes that set the tables: decode's pages per split (one for every batch:
+    batch invariance) at batch 1 x 32k (few programs) and 64 x 1k and 8k (many partials); fused MoE at 1 and 64
+    tokens (narrow tiles), 1,024 and 4,096 tokens."""
     from lmdeploy.pytorch.kernels.cuda.decode_attention import DecodeConfig as D
     from lmdeploy.pytorch.kernels.cuda.fused_moe import MoEConfig as M
-    few_rows = [D(128, 1, 4, 3), D(64, 1, 4, 3), D(128, 1, 4, 2), D(256, 1, 4, 3), D(128, 2, 4, 1), D(128, 2, 4, 2),
-                D(128, 2, 8, 1)]
-    many_rows = [D(5, 1, 4, 3), D(9, 1, 4, 3), D(5, 2, 4, 2)]
+    splits = [D(4, 1, 4, 3), D(2, 1, 4, 3), D(8, 1, 4, 3), D(16, 1, 4, 3), D(4, 1, 4, 2), D(4, 2, 4, 2),
+              D(8, 2, 4, 2)]
     narrow = [M(16, 64, 128, 1, 4, 4), M(16, 64, 64, 1, 4, 5), M(16, 128, 128, 1, 4, 2)]
     wide = [M(128, 256, 64, 16, 8, 4), M(128, 256, 64, 1, 8, 4), M(128, 128, 64, 8, 8, 4), M(64, 128, 64, 1, 4, 3),
             M(64, 256, 64, 8, 8, 3)]
     if device == 'cpu':
-        decode_attention(device, dtype, [(1, 512, 0)], many_rows[:2])
+        decode_attention(device, dtype, [(1, 512, 0)], splits[:2])
         fused_moe(device, dtype, (4, 2, 64, 32), [16], set(), wide[2:4])
         return
-    decode_attention(device, dtype, [(1, 32768, 0)], few_rows)
-    decode_attention(device, dtype, [(16, 32768, 0)], many_rows)
+    decode_attention(device, dtype, [(1, 32768, 0), (64, 1024, 0), (64, 8192, 0)], splits)
     fused_moe(device, dtype, QWEN3_30B_A3B, [1, 64], set(), narrow)
     fused_moe(device, dtype, QWEN3_30B_A3B, [1024, 4096], set(), wide)
 

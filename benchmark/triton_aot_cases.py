@@ -23,7 +23,7 @@ from lmdeploy.pytorch.nn.quant.w4a16_cuda import TritonW4A16Kernel
 BLOCK_SIZE = 64  # PytorchEngineConfig.block_size's default
 TABLE_WIDTH = 512  # pages per block-table row: 32k tokens
 PREFILL_TOKENS = 2048  # a long chunk (BLOCK_M 64); a chunk of up to 32 rows takes BLOCK_M 16
-DECODE_BATCHES = (1, 256)  # the two rows of decode_attention's launch table
+DECODE_BATCHES = (1, 256)  # decode launches depend on the batch only through the grid
 FLOAT = torch.float32
 
 

@@ -8,7 +8,8 @@ from kernel_env import DEVICE, DTYPES
 
 from lmdeploy.pytorch.kernels import attention
 from lmdeploy.pytorch.kernels import cuda as triton_kernels
-from lmdeploy.pytorch.kernels.cuda.decode_attention import DecodeConfig, decode_attention_with, decode_config
+from lmdeploy.pytorch.kernels.cuda.decode_attention import (MAX_SPLITS, DecodeConfig, decode_attention_with,
+                                                            decode_config, grid_splits)
 from lmdeploy.pytorch.kernels.kv_quant import quantize_kv
 
 pytestmark = pytest.mark.triton
@@ -49,8 +50,8 @@ def decode_reference(q, k_cache, v_cache, table, kv_lens):
 
 @pytest.mark.parametrize('dtype', DTYPES)
 @pytest.mark.parametrize('lengths,num_heads,num_kv_heads,width', [
-    ([1, 37, 16, 90], 6, 2, 0),  # ragged, GQA group of 3, partial last blocks: one block per split
-    ([40, 7], 4, 1, 64),  # short sequences in a 64-page table: 64 splits, most of them empty
+    ([1, 37, 16, 90], 6, 2, 0),  # ragged, GQA group of 3, partial last blocks
+    ([40, 7], 4, 1, 64),  # short sequences in a 64-page table: most programs past their sequence's splits
 ])
 def test_decode_attention(dtype, lengths, num_heads, num_kv_heads, width):
     case = paged_case(lengths, num_heads, num_kv_heads, dtype, width)
@@ -60,9 +61,10 @@ def test_decode_attention(dtype, lengths, num_heads, num_kv_heads, width):
 
 @pytest.mark.parametrize('dtype', DTYPES[-1:])  # launch shapes; the dtypes go through the default config above
 @pytest.mark.parametrize('lengths,width,config', [
-    ([1100, 17, 250], 0, DecodeConfig(24, 2, 4, 2)),  # 69 pages in 24 splits: 3 per split, half-used steps
-    ([1, 300, 64, 129], 40, DecodeConfig(16, 1, 4, 3)),  # mixed lengths, many splits, page-aligned and not
+    ([1100, 17, 250], 0, DecodeConfig(3, 2, 4, 2)),  # 69 pages in 23 splits: 3 per split, half-used steps
+    ([1, 300, 64, 129], 40, DecodeConfig(1, 1, 4, 3)),  # mixed lengths, a page per split, page-aligned and not
     ([200, 33], 13, DecodeConfig(5, 4, 4, 1)),  # 4 pages per step past a split's end
+    ([2100, 40], 0, DecodeConfig(1, 1, 4, 3)),  # 132 pages: past MAX_SPLITS splits, 2 pages per split
 ])
 def test_decode_attention_configs(dtype, lengths, width, config):
     case = paged_case(lengths, 4, 2, dtype, width)
@@ -73,20 +75,22 @@ def test_decode_attention_configs(dtype, lengths, width, config):
 def test_decode_empty_sequence_gives_zeros():
     """A padded row of a captured batch (``kv_len`` 0) yields zeros, and its neighbours stay exact."""
     q, k_cache, v_cache, table, kv_lens = paged_case([50, 0, 20], 4, 2, torch.float32, 8)
-    out = decode_attention_with(q, k_cache, v_cache, table, kv_lens, 0.2, DecodeConfig(8, 2, 4, 2))
+    out = decode_attention_with(q, k_cache, v_cache, table, kv_lens, 0.2, DecodeConfig(1, 2, 4, 2))
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     keep = torch.tensor([0, 2], device=DEVICE)
     ref = decode_reference(q[keep], k_cache, v_cache, table[keep], kv_lens[keep])
     assert_close(out[keep], ref, torch.float32)
 
 
-def test_decode_config_depends_on_shapes_only():
-    assert decode_config(1, 8, 512).splits == 128  # a single long sequence: the small-batch cap
-    assert decode_config(1, 8, 3).splits == 3  # never more splits than pages in the table
-    assert decode_config(8, 8, 128).splits == 17  # 64 rows: 8 programs per SM of an H200
-    assert decode_config(64, 8, 64).splits == 2 and decode_config(128, 8, 32).splits == 1
-    # head dim 256 (Gemma): twice the warps, the same splits (4 warps spilled registers at sm_90)
-    assert decode_config(1, 8, 512, 256) == decode_config(1, 8, 512)._replace(num_warps=8)
+def test_split_policy_depends_on_shapes_only():
+    """256 tokens a split: a 32k context in 64-token pages takes 128 splits (8 programs per SM at 8 KV heads);
+    the grid covers the widest table's sequence, at most MAX_SPLITS, and a window's pages only."""
+    assert decode_config(64) == DecodeConfig(4, 1, 4, 3) and decode_config(16).split_pages == 16
+    assert decode_config(512).split_pages == 1  # pages larger than a split
+    assert decode_config(64, 256) == DecodeConfig(4, 1, 8, 3)  # head dim 256: 8 warps (4 spilled at sm_90)
+    assert grid_splits(512, 64, 4) == 128 and grid_splits(3, 64, 4) == 1
+    assert grid_splits(2048, 64, 4) == MAX_SPLITS  # a 128k table: longer splits past 32k tokens
+    assert grid_splits(512, 64, 4, 1024, 1) == 5  # a 1024-token window spans at most 17 pages
 
 
 def prefill_case(chunks: list[tuple[int, int]], dtype: torch.dtype, num_heads: int = 4, head_dim: int = 24,

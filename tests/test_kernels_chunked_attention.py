@@ -68,7 +68,7 @@ def test_given_back_pages_change_nothing(chunk):
 def test_decode_empty_sequence_gives_zeros():
     """A padded row of a captured batch (``kv_len`` 0) yields zeros, and its neighbours stay exact."""
     q, k_cache, v_cache, table, kv_lens = paged_case([50, 0, 20], 4, 2, torch.float32, 8)
-    out = decode_attention_with(q, k_cache, v_cache, table, kv_lens, 0.2, DecodeConfig(8, 2, 4, 2), attention_chunk=16)
+    out = decode_attention_with(q, k_cache, v_cache, table, kv_lens, 0.2, DecodeConfig(1, 2, 4, 2), attention_chunk=16)
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     keep = torch.tensor([0, 2], device=q.device)
     ref = attention.decode_attention(q[keep], k_cache, v_cache, table[keep], kv_lens[keep], 0.2, attention_chunk=16)

@@ -3,7 +3,9 @@
 Queries come absorbed into the latent space, so attention is multi-query: every head reads the same
 cached rows, the latent ``[:v_dim]`` and the rotary key ``[v_dim:]``, and sums latents as values. Decode
 programs take a group of heads of one sequence over one split of its pages (each row read once for the
-group), then the split partials are merged by the paged decode attention's reduce kernel. Prefill programs
+group), then the split partials are merged by the paged decode attention's reduce kernel. As there, a
+sequence's splits depend on nothing but the sequence (``kv_len``, block size, head count), so its output is
+batch-invariant to the bit. Prefill programs
 take ``BLOCK_M`` queries of one head of one sequence and read its context, the chunk included, from the cache.
 An int8/int4 cache (``quant_policy`` 8/4) is filled by a kernel that quantizes each token's latent and rotary
 key on its own, and the attention kernels dequantize the rows as they load them (codes to fp32, one fma, then
@@ -15,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from lmdeploy.pytorch.kernels.cuda.decode_attention import reduce_splits, split_partials, store_split_partial
+from lmdeploy.pytorch.kernels.cuda.decode_attention import (MAX_SPLITS, grid_splits, reduce_splits, sequence_splits,
+                                                            split_partials, store_split_partial)
 from lmdeploy.pytorch.kernels.cuda.kv_quant import load_dequantized, quantize_store
 from lmdeploy.pytorch.kernels.cuda.utils import (dot_precision, online_softmax_update, prefill_rows,
                                                  store_normalized_rows)
@@ -23,8 +26,10 @@ from lmdeploy.pytorch.kernels.mla import fill_latent_cache as _fill_latent_cache
 
 __all__ = ['fill_latent_cache', 'mla_decode_attention', 'mla_prefill_attention']
 
-_TARGET_PROGRAMS = 528  # decode: about four programs per SM of a 132-SM GPU
-_MAX_SPLITS = 64
+# decode: tokens per split, per head: every head of a split writes 512 fp32 partials, so a split of 8 tokens a head
+# (at least 256) writes about a fifth of the bf16 latent bytes it reads (576 a token), and a 32k context at 128 heads
+# takes 32 splits x 8 head groups.
+_SPLIT_TOKENS_PER_HEAD, _MIN_SPLIT_TOKENS = 8, 256
 # decode: heads per program, cached rows per step, warps, stages. The [heads, 512] fp32 accumulators and a step's
 # [rows, 576] cache tiles bound them: 64 heads spilled registers, 64-row steps in 3 stages filled shared memory.
 _DECODE_LAUNCH = (16, 32, 4, 2)
@@ -85,10 +90,11 @@ def _load_rows(cache_ptr, sz_ptr, rows, slots, valid, lat, rope, v_dim, rope_dim
     return kv_lat, kv_rope
 
 
-@triton.jit(do_not_specialize=['num_splits', 'stride_tb'])
+@triton.jit(do_not_specialize=['grid_splits', 'stride_tb'])
 def _mla_decode_split_kernel(q_ptr, cache_ptr, sz_ptr, table_ptr, lens_ptr, part_out_ptr, part_lse_ptr, scale,
-                             num_heads, num_splits, v_dim, rope_dim, stride_qb, stride_qh, stride_cb, stride_cs,
-                             stride_tb, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+                             num_heads, grid_splits, v_dim, rope_dim, stride_qb, stride_qh, stride_cb, stride_cs,
+                             stride_tb, BLOCK_SIZE: tl.constexpr, SPLIT_PAGES: tl.constexpr,
+                             MAX_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
                              BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
                              BITS: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
@@ -96,8 +102,9 @@ def _mla_decode_split_kernel(q_ptr, cache_ptr, sz_ptr, table_ptr, lens_ptr, part
     split = tl.program_id(2)
     hmask = heads < num_heads
     kv_len = tl.load(lens_ptr + b)
-    num_pages = tl.cdiv(kv_len, BLOCK_SIZE)
-    per_split = tl.cdiv(num_pages, num_splits)
+    _, num_pages, per_split, num_splits = sequence_splits(kv_len, 0, 0, BLOCK_SIZE, SPLIT_PAGES, MAX_SPLITS)
+    if split >= num_splits:
+        return
     first = split * per_split
     last = tl.minimum(first + per_split, num_pages)
     lat = tl.arange(0, BLOCK_L)
@@ -121,7 +128,7 @@ def _mla_decode_split_kernel(q_ptr, cache_ptr, sz_ptr, table_ptr, lens_ptr, part
         s = (s + tl.dot(q_rope, tl.trans(kv_rope), input_precision=PRECISION)) * scale
         s = tl.where(valid[None, :], s, float('-inf'))
         m, l, acc = online_softmax_update(s, kv_lat, m, l, acc, PRECISION)
-    store_split_partial(part_out_ptr, part_lse_ptr, (b * num_heads + heads) * num_splits + split, hmask, lat, m, l,
+    store_split_partial(part_out_ptr, part_lse_ptr, (b * num_heads + heads) * grid_splits + split, hmask, lat, m, l,
                         acc, BLOCK_L)
 
 
@@ -134,16 +141,25 @@ def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torc
     block_size = cache.shape[1]
     block_h, block_n, num_warps, num_stages = _DECODE_LAUNCH_QUANT if quant_policy else _DECODE_LAUNCH
     head_groups = triton.cdiv(num_heads, block_h)
-    splits = max(1, min(triton.cdiv(_TARGET_PROGRAMS, batch * head_groups), _MAX_SPLITS, block_table.shape[1]))
+    split_pages = mla_split_pages(num_heads, block_size)
+    splits = grid_splits(block_table.shape[1], block_size, split_pages)
     block_l = max(16, triton.next_power_of_2(v_dim))
     part_out, part_lse = split_partials(batch, num_heads, splits, block_l, q.device)
     _mla_decode_split_kernel[(batch, head_groups, splits)](
         q, cache, scales_zeros, block_table, kv_lens, part_out, part_lse, scale, num_heads, splits, v_dim, dim - v_dim,
         q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), block_table.stride(0), BLOCK_SIZE=block_size,
-        BLOCK_N=min(block_n, block_size), BLOCK_H=block_h, BLOCK_L=block_l,
-        BLOCK_R=max(16, triton.next_power_of_2(dim - v_dim)), PRECISION=dot_precision(q.dtype), BITS=quant_policy,
-        num_warps=num_warps, num_stages=num_stages)
-    return reduce_splits(part_out, part_lse, torch.empty(batch, num_heads, v_dim, dtype=q.dtype, device=q.device))
+        SPLIT_PAGES=split_pages, MAX_SPLITS=MAX_SPLITS, BLOCK_N=min(block_n, block_size), BLOCK_H=block_h,
+        BLOCK_L=block_l, BLOCK_R=max(16, triton.next_power_of_2(dim - v_dim)), PRECISION=dot_precision(q.dtype),
+        BITS=quant_policy, num_warps=num_warps, num_stages=num_stages)
+    out = torch.empty(batch, num_heads, v_dim, dtype=q.dtype, device=q.device)
+    return reduce_splits(part_out, part_lse, out, kv_lens, block_size, split_pages)
+
+
+def mla_split_pages(num_heads: int, block_size: int) -> int:
+    """Pages per decode split: ``_SPLIT_TOKENS_PER_HEAD`` tokens a head, at least ``_MIN_SPLIT_TOKENS``, rounded
+    up to a power of two (whole pages)."""
+    tokens = triton.next_power_of_2(max(_MIN_SPLIT_TOKENS, _SPLIT_TOKENS_PER_HEAD * num_heads))
+    return max(1, tokens // block_size)
 
 
 @triton.jit
