@@ -72,13 +72,16 @@ def test_decode_attention_configs(dtype, lengths, width, config):
     assert_close(out, decode_reference(*case), dtype)
 
 
-def test_decode_empty_sequence_gives_zeros():
-    """A padded row of a captured batch (``kv_len`` 0) yields zeros, and its neighbours stay exact."""
+@pytest.mark.parametrize('with_sinks', [False, True])
+def test_decode_empty_sequence_gives_zeros(with_sinks):
+    """A padded row of a captured batch (``kv_len`` 0: no splits) yields zeros, with sinks too, and its neighbours
+    stay exact."""
     q, k_cache, v_cache, table, kv_lens = paged_case([50, 0, 20], 4, 2, torch.float32, 8)
-    out = decode_attention_with(q, k_cache, v_cache, table, kv_lens, 0.2, DecodeConfig(1, 2, 4, 2))
+    sinks = features(None, None, with_sinks, 4)['sinks']
+    out = decode_attention_with(q, k_cache, v_cache, table, kv_lens, 0.2, DecodeConfig(1, 2, 4, 2), sinks=sinks)
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     keep = torch.tensor([0, 2], device=DEVICE)
-    ref = decode_reference(q[keep], k_cache, v_cache, table[keep], kv_lens[keep])
+    ref = attention.decode_attention(q[keep], k_cache, v_cache, table[keep], kv_lens[keep], 0.2, sinks=sinks)
     assert_close(out[keep], ref, torch.float32)
 
 

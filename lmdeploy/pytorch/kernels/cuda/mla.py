@@ -5,8 +5,8 @@ cached rows, the latent ``[:v_dim]`` and the rotary key ``[v_dim:]``, and sums l
 programs take a group of heads of one sequence over one split of its pages (each row read once for the
 group), then the split partials are merged by the paged decode attention's reduce kernel. As there, a
 sequence's splits depend on nothing but the sequence (``kv_len``, block size, head count), so its output is
-batch-invariant to the bit. Prefill programs
-take ``BLOCK_M`` queries of one head of one sequence and read its context, the chunk included, from the cache.
+batch-invariant to the bit. Prefill programs take ``BLOCK_M`` queries of one head of one sequence and read its
+context, the chunk included, from the cache.
 An int8/int4 cache (``quant_policy`` 8/4) is filled by a kernel that quantizes each token's latent and rotary
 key on its own, and the attention kernels dequantize the rows as they load them (codes to fp32, one fma, then
 ``q``'s dtype for ``tl.dot``).
