@@ -45,9 +45,11 @@ def uses_decode_int4(config: PytorchEngineConfig, cfg: ModelConfig, hf_config: P
 
 def graph_memory(model: nn.Module, cfg: ModelConfig, config: PytorchEngineConfig, device: torch.device) -> int:
     """What the decode graphs will keep: the activations of an eager decode step at the largest graph
-    size (the graphs share one pool) plus every smaller graph's logits."""
+    size (the graphs share one pool) plus every smaller graph's logits. The probe's block table is as wide as
+    the longest session the engine may allow, since the decode attention's split partials grow with it."""
     probe = ModelRunner(model, cfg, 1, config.block_size, device)
-    graphs = DecodeGraphRunner(model, probe.kv_caches, config.max_batch_size, 1, config.block_size,
+    max_blocks = -(-(config.session_len or cfg.max_position_embeddings) // config.block_size)
+    graphs = DecodeGraphRunner(model, probe.kv_caches, config.max_batch_size, max_blocks, config.block_size,
                                probe.scratch_block, make_graph=lambda: None)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
