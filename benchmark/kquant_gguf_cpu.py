@@ -102,7 +102,8 @@ def child(folder: str, args: argparse.Namespace) -> None:
     tree = Path(lmdeploy.__file__).parents[1]
     stack = engine.runner.model.native_stack is not None
     bounds = f', GEMV bounds {args.bounds}' if args.bounds else ''
-    print(f'{tree}: RSS loaded {rss_gib():.3f} GiB (peak while loading {peak_rss_gib():.3f}), native stack {"on" if stack else "off"}, AMX '
+    print(f'{tree}: RSS loaded {rss_gib():.3f} GiB (peak while loading {peak_rss_gib():.3f}), '
+          f'native stack {"on" if stack else "off"}, AMX '
           f'{cpu.onednn_amx()}{bounds}', flush=True)
     rng = np.random.default_rng(1)
     long_prompt = rng.integers(100, 40000, args.prefill_tokens).tolist()
@@ -159,7 +160,8 @@ def main() -> None:
         path, served = Path(args.gguf), {tree: folder / f'served_{index}' for index, tree in enumerate(trees)}
         for tree, tree_folder in served.items():
             if not tree_folder.exists():
-                convert = 'import sys; from lmdeploy.pytorch.weights.gguf import convert_gguf; convert_gguf(*sys.argv[1:])'
+                convert = ('import sys; from lmdeploy.pytorch.weights.gguf import convert_gguf; '
+                           'convert_gguf(*sys.argv[1:])')
                 subprocess.run([sys.executable, '-c', convert, str(path), str(tree_folder)], check=True,
                                env=dict(os.environ, PYTHONPATH=tree), cwd=folder)  # not this tree from the cwd
         print(f'{path.name}: {path.stat().st_size / 2**20:.0f} MiB, converted by each tree', flush=True)

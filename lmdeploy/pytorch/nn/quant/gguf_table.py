@@ -1,5 +1,5 @@
-"""A GGUF file's token table (``token_embd``) kept as its Q4_K, Q6_K or Q8_0 blocks, one copy for the embedding's
-lookups and, in a tied file, the LM head's logits (no table in the model's dtype is held).
+"""A GGUF file's token table (``token_embd``) of Q4_K, Q6_K or Q8_0 blocks, one copy for the embedding's lookups
+and, in a tied file, the LM head's logits; laid out by the model's dtype and device (:func:`block_table`):
 
 - :class:`FileBlocks`: the file's blocks as they are, ``uint8 [rows, hidden / B, bytes]``. Rows are dequantized in
   fp32 as they are looked up (exactly the file's weights); logits dequantize a slice of rows at a time
@@ -16,6 +16,8 @@ lookups and, in a tied file, the LM head's logits (no table in the model's dtype
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +39,7 @@ LOOKUP_SLICE_TOKENS = 256
 
 
 class BlockTable(ABC):
-    """``rows`` rows of ``hidden`` weights held as a GGUF type's blocks."""
+    """A table of ``rows`` rows of ``hidden`` weights from a GGUF type's blocks, in one of the layouts above."""
 
     def __init__(self, rows: int, hidden: int):
         self.rows, self.hidden = rows, hidden
@@ -99,12 +101,21 @@ class DenseTable(BlockTable):
         return [self.weight]
 
 
-# per block type: the native kernels' name for it (``kquant_dequantized_linear``'s kind), its retiling (rows in
-# tiles of 16), its GEMV, its dequantization of whole tiles to bf16 and whether the GEMV was built
+class NativeType(NamedTuple):
+    """A block type's native kernels."""
+
+    kind: str  # their name for it (``kquant_dequantized_linear``'s ``kind``)
+    pack: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # blocks retiled in tiles of 16 rows
+    gemv: str  # the GEMV on the retiled blocks
+    dequantize: str  # whole tiles to bf16
+    built: Callable[[], object]  # whether the GEMV was built for this CPU (None if not)
+
+
 NATIVE_TYPES = {
-    'Q8_0': ('q8_0', lambda blocks: pack_q8(*_q8_0_codes_scales(blocks)), 'q8_linear', 'q8_dequantize', cpu.q8_gemv),
-    'Q6_K': ('q6k', pack_q6k, 'q6k_linear', 'q6k_dequantize', cpu.q6k_gemv),
-    'Q4_K': ('q4k', pack_q4k, 'q4k_linear', 'q4k_dequantize', cpu.int4_gemv),
+    'Q8_0': NativeType('q8_0', lambda blocks: pack_q8(*_q8_0_codes_scales(blocks)), 'q8_linear', 'q8_dequantize',
+                       cpu.q8_gemv),
+    'Q6_K': NativeType('q6k', pack_q6k, 'q6k_linear', 'q6k_dequantize', cpu.q6k_gemv),
+    'Q4_K': NativeType('q4k', pack_q4k, 'q4k_linear', 'q4k_dequantize', cpu.int4_gemv),
 }
 
 
@@ -119,20 +130,21 @@ class NativeBlocks(BlockTable):
 
     def __init__(self, blocks: torch.Tensor, ggml_type: str):
         super().__init__(blocks.shape[0], blocks.shape[1] * BLOCKS[ggml_type][0])
-        self.kind, pack, gemv, dequantize, _ = NATIVE_TYPES[ggml_type]
+        native_type = NATIVE_TYPES[ggml_type]
         native = cpu.native()
-        self.gemv, self.dequantize = getattr(native, gemv), getattr(native, dequantize)
+        self.kind = native_type.kind
+        self.gemv, self.dequantize = getattr(native, native_type.gemv), getattr(native, native_type.dequantize)
         parts = []
         for rows in blocks.split(Q6K_PACK_ROWS):  # a slice at a time: the retiling's temporaries stay small
             pad = -rows.shape[0] % TILE_ROWS
-            parts.append(pack(F.pad(rows, (0, 0, 0, 0, 0, pad)) if pad else rows))
+            parts.append(native_type.pack(F.pad(rows, (0, 0, 0, 0, 0, pad)) if pad else rows))
         self.packed, self.scales = (torch.cat(part) for part in zip(*parts))
         self.max_gemv_rows = gemv_max_rows(self.kind)
 
     @classmethod
     def of(cls, blocks: torch.Tensor, ggml_type: str) -> NativeBlocks | None:
         """The table of CPU blocks where its type's GEMV was built; else None."""
-        if blocks.device.type != 'cpu' or ggml_type not in NATIVE_TYPES or NATIVE_TYPES[ggml_type][-1]() is None:
+        if blocks.device.type != 'cpu' or ggml_type not in NATIVE_TYPES or NATIVE_TYPES[ggml_type].built() is None:
             return None
         return cls(blocks, ggml_type)
 
