@@ -12,6 +12,12 @@ every tensor Q8_0, as llama.cpp's Q8_0 files. Each line says whether the layers 
 
     python benchmark/kquant_gguf_cpu.py --mix q4km --trees /tmp/before,. --dir /tmp/q4km_bench
 
+``--gguf FILE`` serves an existing file instead (the real Gemma 3 270M: ``model_source.gemma3_270m_path()``),
+converted by each tree for itself into ``--dir`` (a change to the conversion is measured with it):
+
+    python benchmark/kquant_gguf_cpu.py --gguf ~/.cache/lmdeploy/models/gemma-3-270m-q4_k_m.gguf \
+        --trees /tmp/before,. --dir /tmp/gemma_bench --prefill-tokens 64
+
 ``--no-amx`` runs the children as on a CPU without AMX: oneDNN limited to AVX512-BF16 (``ONEDNN_MAX_CPU_ISA``) and
 the engine told so (torch's ``_is_amx_tile_supported`` answers False). ``--gemv-max-rows`` runs each tree once more
 with the K-quant GEMVs' bounds set to the given rows (``q4k=32,q6k=16``: ``GEMV_MAX_ROWS``, whatever the CPU), as a
@@ -90,12 +96,14 @@ def child(folder: str, args: argparse.Namespace) -> None:
         cpu.bf16_gemm = cpu.native  # as stack_timing.stack_engine: on AMX CPUs bf16 weights prefer oneDNN
     tokens = args.prefill_tokens + args.decode_tokens + 16
     config = PytorchEngineConfig(dtype='bfloat16', num_threads=1, block_size=16, num_gpu_blocks=tokens // 16 + 4,
-                                 enable_prefix_caching=False, max_prefill_token_num=args.prefill_tokens)
+                                 enable_prefix_caching=False, max_prefill_token_num=args.prefill_tokens,
+                                 decode_int4=True if args.decode_int4 else None)
     engine = Engine(folder, config, show_progress=False)
     tree = Path(lmdeploy.__file__).parents[1]
     stack = engine.runner.model.native_stack is not None
     bounds = f', GEMV bounds {args.bounds}' if args.bounds else ''
-    print(f'{tree}: RSS loaded {rss_gib():.3f} GiB, native stack {"on" if stack else "off"}, AMX '
+    print(f'{tree}: RSS loaded {rss_gib():.3f} GiB (peak while loading {peak_rss_gib():.3f}), '
+          f'native stack {"on" if stack else "off"}, AMX '
           f'{cpu.onednn_amx()}{bounds}', flush=True)
     rng = np.random.default_rng(1)
     long_prompt = rng.integers(100, 40000, args.prefill_tokens).tolist()
@@ -137,6 +145,9 @@ def main() -> None:
     parser.add_argument('--no-amx', action='store_true', help='as on a CPU without AMX (see above)')
     parser.add_argument('--gemv-max-rows', default='', help='K-quant GEMV bounds of a second run of each tree, '
                         'as q4k=32,q5k=32,q6k=16,q8_0=16')
+    parser.add_argument('--gguf', help='an existing file, converted by each tree (see above)')
+    parser.add_argument('--decode-int4', action='store_true', help='small steps on 4-bit copies, the LM head\'s '
+                        'one-row steps on its 8-bit or fp16 copy (PytorchEngineConfig.decode_int4)')
     parser.add_argument('--bounds', help=argparse.SUPPRESS)
     parser.add_argument('--child', help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -144,22 +155,34 @@ def main() -> None:
         return child(args.child, args)
     folder = Path(args.dir)
     folder.mkdir(parents=True, exist_ok=True)
-    path, served = folder / f'{args.mix}.gguf', folder / f'{args.mix}_served'
-    if not served.exists():
-        from lmdeploy.pytorch.weights.gguf import convert_gguf
-        write_dense_gguf(path, args.mix, args.layers)
-        convert_gguf(str(path), str(served))
-    print(f'{path.name}: {path.stat().st_size / 2**20:.0f} MiB, {args.layers} layers', flush=True)
     trees = [str(Path(tree).resolve()) for tree in args.trees.split(',')]
+    if args.gguf:
+        path, served = Path(args.gguf), {tree: folder / f'served_{index}' for index, tree in enumerate(trees)}
+        for tree, tree_folder in served.items():
+            if not tree_folder.exists():
+                convert = ('import sys; from lmdeploy.pytorch.weights.gguf import convert_gguf; '
+                           'convert_gguf(*sys.argv[1:])')
+                subprocess.run([sys.executable, '-c', convert, str(path), str(tree_folder)], check=True,
+                               env=dict(os.environ, PYTHONPATH=tree), cwd=folder)  # not this tree from the cwd
+        print(f'{path.name}: {path.stat().st_size / 2**20:.0f} MiB, converted by each tree', flush=True)
+    else:
+        path = folder / f'{args.mix}.gguf'
+        served = dict.fromkeys(trees, folder / f'{args.mix}_served')
+        if not served[trees[0]].exists():
+            from lmdeploy.pytorch.weights.gguf import convert_gguf
+            write_dense_gguf(path, args.mix, args.layers)
+            convert_gguf(str(path), str(served[trees[0]]))
+        print(f'{path.name}: {path.stat().st_size / 2**20:.0f} MiB, {args.layers} layers', flush=True)
     forwarded = [f'--prefill-tokens={args.prefill_tokens}', f'--decode-tokens={args.decode_tokens}',
-                 f'--repeats={args.repeats}'] + (['--native-bf16-gemm'] if args.native_bf16_gemm else [])
+                 f'--repeats={args.repeats}'] + (['--native-bf16-gemm'] if args.native_bf16_gemm else []) + (
+                     ['--decode-int4'] if args.decode_int4 else [])
     env = dict(os.environ, ONEDNN_MAX_CPU_ISA='AVX512_CORE_BF16') if args.no_amx else dict(os.environ)
     forwarded += ['--no-amx'] if args.no_amx else []
     bounds_runs = [''] + ([args.gemv_max_rows] if args.gemv_max_rows else [])
     runs = [(tree, bounds) for tree in trees for bounds in bounds_runs]
     for index in range(args.rounds):
         for tree, bounds in runs if index % 2 == 0 else runs[::-1]:
-            subprocess.run([sys.executable, __file__, *forwarded, f'--bounds={bounds}', '--child', str(served)],
+            subprocess.run([sys.executable, __file__, *forwarded, f'--bounds={bounds}', '--child', str(served[tree])],
                            check=True, env=dict(env, PYTHONPATH=tree))
 
 

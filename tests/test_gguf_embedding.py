@@ -1,7 +1,7 @@
 """A GGUF file's token embedding kept as its blocks (Q8_0, Q4_K, Q6_K, with an output layer of its own): the
 engine holds the file's uint8 blocks instead of a table in the model's dtype, looks rows up by dequantizing the
-gathered blocks (exactly gguf's weights), and gives transformers' fp32 greedy tokens on the file; tied files and
-other types keep the dequantized table."""
+gathered blocks (exactly gguf's weights), and gives transformers' fp32 greedy tokens on the file; other types keep
+the dequantized table (tied files: ``test_gguf_tied_table.py``)."""
 from __future__ import annotations
 
 import json
@@ -119,20 +119,6 @@ def test_bf16_embedding_is_the_file_rows_rounded(served):
         out = embedding(ids)
         assert out.dtype == torch.bfloat16 and torch.equal(out, file_table(folder)[ids].bfloat16())
         assert len(run(engine, random_prompts([12], seed=4, vocab=250))[0]) == 32
-    finally:
-        engine.close()
-
-
-def test_tied_file_keeps_the_dequantized_table(tmp_path):
-    """Without an output layer the LM head reads the whole table: the embedding is dequantized at conversion."""
-    folder = write_file(tmp_path, Q.Q8_0, output=None)
-    config = json.loads((Path(folder) / 'config.json').read_text())
-    assert config['tie_word_embeddings'] and 'embed_tokens' not in config['quantization_config']
-    engine = make_engine(folder)
-    try:
-        embedding = engine.runner.model.embed_tokens
-        assert embedding.block_type is None and embedding.weight.dtype == torch.float32
-        assert torch.equal(embedding.weight, file_table(folder))
     finally:
         engine.close()
 

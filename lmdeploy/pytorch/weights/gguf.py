@@ -83,7 +83,7 @@ _EXPERTS = re.compile(r'blk\.\d+\.ffn_(gate|up|down)_exps\.weight')
 _PRE_TOKENIZER_SPLITS = {'chatglm-bpe': 'llama-bpe', 'glm4': 'llama-bpe'}
 # the tables a ``quantization_config`` may keep as their blocks, by the key that names their type there
 _TABLES = {'lm_head.weight': 'lm_head', 'model.embed_tokens.weight': 'embed_tokens'}
-_CACHE_FORMAT = 16  # bump when the converted output changes, so stale cache entries are not reused
+_CACHE_FORMAT = 17  # bump when the converted output changes, so stale cache entries are not reused
 
 
 def cache_dir() -> Path:
@@ -191,7 +191,7 @@ def gguf_config(reader: GGUFReader, source: str, raw_types: Iterable[str] = RAW_
     if gguf_blocks and output is not None and output.tensor_type.name in head_types:
         config['quantization_config']['lm_head'] = output.tensor_type.name
     embedding = tensors['token_embd.weight'].tensor_type.name
-    if gguf_blocks and output is not None and embedding in EMBEDDING_RAW_TYPES & set(raw_types):
+    if gguf_blocks and embedding in EMBEDDING_RAW_TYPES & set(raw_types):
         config['quantization_config']['embed_tokens'] = embedding
     check_gguf(reader, arch, config, source)
     return config

@@ -15,8 +15,8 @@ MXFP4 = 'MXFP4'
 RAW_TYPES = frozenset({'Q4_K', 'Q5_K', 'Q6_K', 'Q8_0', MXFP4})
 # Output layer types kept as their blocks too (besides the dequantized table) in a file with layers kept so.
 LM_HEAD_RAW_TYPES = frozenset({'Q6_K'})
-# Token embedding types kept as their blocks (each step dequantizes the rows it looks up) in such a file whose
-# output layer is its own (a tied LM head reads the whole table in the model's dtype).
+# Token embedding types kept as their blocks (each step dequantizes the rows it looks up) in such a file; a tied LM
+# head reads the same blocks (``nn/quant/gguf_table.py``).
 EMBEDDING_RAW_TYPES = frozenset({'Q4_K', 'Q6_K', 'Q8_0'})
 # the engine's linear layers that Hugging Face projections fill, and the sets of projections that fill one:
 # q/k/v and gate/up are stacked into one layer (Phi-3 and GLM-4 files hold them stacked already)

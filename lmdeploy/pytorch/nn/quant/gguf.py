@@ -300,7 +300,7 @@ class GgufFileFormat(DenseFormat):
     layer whose share of the inputs still splits blocks is dense too: its blocks are dequantized as they load
     (:meth:`convert_checkpoint`). An output layer of type ``lm_head`` (Q6_K) comes
     as ``lm_head.qweight`` blocks: it loads dequantized, and its CPU LM head runs small steps on the blocks. A token
-    embedding of type ``embed_tokens`` (Q4_K, Q6_K, Q8_0, untied) stays as its blocks
+    embedding of type ``embed_tokens`` (Q4_K, Q6_K, Q8_0) stays as its blocks, a tied LM head reading them too
     (:class:`~lmdeploy.pytorch.nn.embedding.VocabParallelEmbedding`)."""
 
     def __init__(self, ggml_types: dict[str, str | list[str]], lm_head: str | None = None,

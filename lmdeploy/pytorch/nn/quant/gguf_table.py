@@ -1,0 +1,181 @@
+"""A GGUF file's token table (``token_embd``) of Q4_K, Q6_K or Q8_0 blocks, one copy for the embedding's lookups
+and, in a tied file, the LM head's logits; laid out by the model's dtype and device (:func:`block_table`):
+
+- :class:`FileBlocks`: the file's blocks as they are, ``uint8 [rows, hidden / B, bytes]``. Rows are dequantized in
+  fp32 as they are looked up (exactly the file's weights); logits dequantize a slice of rows at a time
+  (``TABLE_SLICE_WEIGHTS``) for ``F.linear``, so that no whole dense table is ever made. CUDA, and bf16 on CPUs
+  without the native GEMVs; an untied embedding's lookups.
+- :class:`DenseTable`: fp32 on the CPU, the blocks dequantized once at load, as every GGUF layer of an fp32 model
+  (the LM head would otherwise dequantize the whole table at every step: 160 ms instead of 60 for Gemma 3's
+  262,144 x 640 Q8_0 table, one thread).
+- :class:`NativeBlocks`: in bf16 on the CPU, the blocks retiled once for their type's native GEMV (tiles of 16 rows,
+  the file's weights exactly). Steps of up to ``gemv_max_rows`` rows run on the GEMV, larger ones dequantize a slice
+  of tiles at a time into the thread's reused scratch for one GEMM (``kquant_dequantized_linear``); looked-up rows
+  are dequantized from their tiles (the native dequantization, bf16).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from lmdeploy.pytorch.kernels import cpu
+from lmdeploy.pytorch.nn.quant.gguf_blocks import BLOCKS, dequantize_blocks, q8_0_unpack
+from lmdeploy.pytorch.nn.quant.int4_cpu import INT4_TILE
+from lmdeploy.pytorch.nn.quant.q4k_cpu import pack_q4k
+from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6K_PACK_ROWS, Q6K_TILE, gemv_max_rows, pack_q6k
+from lmdeploy.pytorch.nn.quant.q8_cpu import Q8_TILE, pack_q8
+
+TILE_ROWS = Q8_TILE  # rows per tile of the Q8_0, Q6_K and Q4_K GEMVs alike
+assert TILE_ROWS == Q6K_TILE == INT4_TILE
+
+# weights of the table dequantized at a time for the logits of many rows (16 MiB in fp32, 8 MiB in bf16)
+TABLE_SLICE_WEIGHTS = 1 << 22
+# looked-up tokens whose tiles are dequantized at a time (a prompt's tokens: 16 rows each)
+LOOKUP_SLICE_TOKENS = 256
+
+
+class BlockTable(ABC):
+    """A table of ``rows`` rows of ``hidden`` weights from a GGUF type's blocks, in one of the layouts above."""
+
+    def __init__(self, rows: int, hidden: int):
+        self.rows, self.hidden = rows, hidden
+
+    @abstractmethod
+    def lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids [n]`` as ``[n, hidden]`` in ``dtype``."""
+
+    @abstractmethod
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [T, hidden] @ table.T``: ``[T, rows]``, fp32 on the CPU."""
+
+    @abstractmethod
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors held."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors())
+
+
+class FileBlocks(BlockTable):
+    """The file's blocks as they are, ``uint8 [rows, hidden / B, bytes]`` (see the module's docstring)."""
+
+    def __init__(self, blocks: torch.Tensor, ggml_type: str):
+        super().__init__(blocks.shape[0], blocks.shape[1] * BLOCKS[ggml_type][0])
+        self.blocks, self.ggml_type = blocks, ggml_type
+
+    def lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_blocks(self.blocks[ids], self.ggml_type).to(dtype)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        slice_rows = max(1, TABLE_SLICE_WEIGHTS // self.hidden)
+        logits = torch.cat([F.linear(hidden, dequantize_blocks(rows, self.ggml_type).to(hidden.dtype))
+                            for rows in self.blocks.split(slice_rows)], dim=-1)
+        return logits.float() if hidden.device.type == 'cpu' else logits
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.blocks]
+
+
+class DenseTable(BlockTable):
+    """The blocks dequantized once to an fp32 ``weight [rows, hidden]`` (see the module's docstring)."""
+
+    def __init__(self, blocks: torch.Tensor, ggml_type: str):
+        super().__init__(blocks.shape[0], blocks.shape[1] * BLOCKS[ggml_type][0])
+        self.weight = torch.empty(self.rows, self.hidden)
+        slice_rows = max(1, TABLE_SLICE_WEIGHTS // self.hidden)
+        for rows, out in zip(blocks.split(slice_rows), self.weight.split(slice_rows)):
+            out.copy_(dequantize_blocks(rows, ggml_type))
+
+    def lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return F.embedding(ids, self.weight).to(dtype)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden.float(), self.weight)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.weight]
+
+
+class NativeType(NamedTuple):
+    """A block type's native kernels."""
+
+    kind: str  # their name for it (``kquant_dequantized_linear``'s ``kind``)
+    pack: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # blocks retiled in tiles of 16 rows
+    gemv: str  # the GEMV on the retiled blocks
+    dequantize: str  # whole tiles to bf16
+    built: Callable[[], object]  # whether the GEMV was built for this CPU (None if not)
+
+
+NATIVE_TYPES = {
+    'Q8_0': NativeType('q8_0', lambda blocks: pack_q8(*_q8_0_codes_scales(blocks)), 'q8_linear', 'q8_dequantize',
+                       cpu.q8_gemv),
+    'Q6_K': NativeType('q6k', pack_q6k, 'q6k_linear', 'q6k_dequantize', cpu.q6k_gemv),
+    'Q4_K': NativeType('q4k', pack_q4k, 'q4k_linear', 'q4k_dequantize', cpu.int4_gemv),
+}
+
+
+def _q8_0_codes_scales(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    codes, scales = q8_0_unpack(blocks)
+    return codes, scales.half()  # the file's fp16 scales, exactly
+
+
+class NativeBlocks(BlockTable):
+    """In bf16 on the CPU: the blocks retiled for their type's native GEMV (see the module's docstring). Rows beyond
+    a multiple of the tiles are zero weights whose logits are dropped."""
+
+    def __init__(self, blocks: torch.Tensor, ggml_type: str):
+        super().__init__(blocks.shape[0], blocks.shape[1] * BLOCKS[ggml_type][0])
+        native_type = NATIVE_TYPES[ggml_type]
+        native = cpu.native()
+        self.kind = native_type.kind
+        self.gemv, self.dequantize = getattr(native, native_type.gemv), getattr(native, native_type.dequantize)
+        parts = []
+        for rows in blocks.split(Q6K_PACK_ROWS):  # a slice at a time: the retiling's temporaries stay small
+            pad = -rows.shape[0] % TILE_ROWS
+            parts.append(native_type.pack(F.pad(rows, (0, 0, 0, 0, 0, pad)) if pad else rows))
+        self.packed, self.scales = (torch.cat(part) for part in zip(*parts))
+        self.max_gemv_rows = gemv_max_rows(self.kind)
+
+    @classmethod
+    def of(cls, blocks: torch.Tensor, ggml_type: str) -> NativeBlocks | None:
+        """The table of CPU blocks where its type's GEMV was built; else None."""
+        if blocks.device.type != 'cpu' or ggml_type not in NATIVE_TYPES or NATIVE_TYPES[ggml_type].built() is None:
+            return None
+        return cls(blocks, ggml_type)
+
+    def lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        out = []
+        for part in ids.split(LOOKUP_SLICE_TOKENS):
+            weight = self.dequantize(self.packed[part // TILE_ROWS], self.scales[part // TILE_ROWS])
+            rows = weight.view(part.shape[0], TILE_ROWS, self.hidden)
+            out.append(rows[torch.arange(part.shape[0]), part % TILE_ROWS])
+        return torch.cat(out).to(dtype)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = hidden.to(torch.bfloat16).contiguous()
+        if x.shape[0] <= self.max_gemv_rows:
+            logits = self.gemv(x, self.packed, self.scales)
+        else:
+            tiles = max(1, TABLE_SLICE_WEIGHTS // (TILE_ROWS * self.hidden))
+            native = cpu.native()
+            logits = torch.cat([native.kquant_dequantized_linear(x, self.kind, packed, scales, None)
+                                for packed, scales in zip(self.packed.split(tiles), self.scales.split(tiles))],
+                               dim=-1)
+        return logits[:, :self.rows].float()
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.packed, self.scales]
+
+
+def block_table(blocks: torch.Tensor, ggml_type: str, dtype: torch.dtype) -> BlockTable:
+    """The table of ``blocks`` for a model of ``dtype``: retiled for the native GEMV in bf16 on the CPU where it was
+    built, dequantized once in fp32 on the CPU, else the blocks as they are."""
+    if dtype == torch.float32 and blocks.device.type == 'cpu':
+        return DenseTable(blocks, ggml_type)
+    native = NativeBlocks.of(blocks, ggml_type) if dtype == torch.bfloat16 else None
+    return native if native is not None else FileBlocks(blocks, ggml_type)
