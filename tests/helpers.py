@@ -86,13 +86,18 @@ def hf_greedy(model, prompt, n=32) -> list[int]:
     return ids[0, len(prompt):].tolist()
 
 
+def reference_logits(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """transformers' logits ``[len(tokens), V]`` at each step of a run of ``tokens`` after ``prompt``, fed those
+    tokens, in one forward: row 0 is the last prompt position's (the first step's logits)."""
+    with torch.no_grad():
+        return model(torch.tensor([prompt + tokens[:-1]]), logits_to_keep=len(tokens)).logits[0]
+
+
 def reference_argmax(model, prompt: list[int], tokens: list[int]) -> list[int]:
     """transformers' argmax at each step of a greedy run of ``tokens`` after ``prompt``, fed those tokens: one
     forward, equal to ``tokens`` exactly when transformers' own greedy run gives them (``hf_greedy`` steps once
     a token, 10x the CPU time on the default model)."""
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens[:-1]]), logits_to_keep=len(tokens)).logits[0]
-    return logits.argmax(-1).tolist()
+    return reference_logits(model, prompt, tokens).argmax(-1).tolist()
 
 
 def assert_transformers_greedy(model, prompts, outs: list[list[int]], n: int = 32) -> None:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers import collect, load_gguf_reference, make_engine, run
 
-from lmdeploy import GenerationConfig, PytorchEngineConfig, model_source
+from lmdeploy import GenerationConfig, PytorchEngineConfig, model_source, pipeline
 from lmdeploy.model_source import GEMMA3_270M_GGUF, gemma3_270m_path
 from lmdeploy.pytorch.engine.engine import Engine
 
@@ -115,15 +115,22 @@ def test_batched_equals_solo(engine, prompts, fp32_tokens):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+@pytest.fixture(scope='module')
+def bf16_pipe(gguf_path):
+    """A pipeline of the file in bf16 (the default dtype): the bf16 tests share its engine, one load of the model."""
+    config = PytorchEngineConfig(num_gpu_blocks=256, block_size=16, max_batch_size=4)
+    with pipeline(gguf_path, backend_config=config, show_progress=False) as pipe:
+        yield pipe
+
+
 @pytest.mark.slow
-def test_bf16_answers_and_mostly_agrees_with_fp32(gguf_path, prompts, fp32_tokens):
-    bf16 = Engine(gguf_path, PytorchEngineConfig(num_gpu_blocks=256, block_size=16, max_batch_size=4),
-                  show_progress=False)
-    try:
+def test_bf16_answers_and_mostly_agrees_with_fp32(bf16_pipe, prompts, fp32_tokens):
+    def bf16_runs(bf16: Engine) -> tuple[list[list[int]], str]:
         tokens = run(bf16, prompts)
-        answer = bf16.tokenizer.decode(run(bf16, [prompts[2]], GenerationConfig(max_new_tokens=4))[0])
-    finally:
-        bf16.close()
+        return tokens, bf16.tokenizer.decode(run(bf16, [prompts[2]], GenerationConfig(max_new_tokens=4))[0])
+
+    # the pipeline's engine, stepped on its own loop thread (nothing else steps it meanwhile)
+    tokens, answer = bf16_pipe.async_engine.engine_loop.call(bf16_runs).result()
     agree = [next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), 32)
              for ours, theirs in zip(tokens, fp32_tokens)]
     print(f'bf16 tokens equal to fp32 before the first difference, of 32: {agree}')
@@ -132,9 +139,7 @@ def test_bf16_answers_and_mostly_agrees_with_fp32(gguf_path, prompts, fp32_token
 
 
 @pytest.mark.slow
-def test_pipeline_prompt_gets_the_files_bos(gguf_path, prompts):
+def test_pipeline_prompt_gets_the_files_bos(bf16_pipe, prompts):
     """The file has no chat template: a chat prompt's text is its contents, encoded with the tokenizer's BOS."""
-    from lmdeploy import pipeline
-    with pipeline(gguf_path, backend_config=PytorchEngineConfig(num_gpu_blocks=64), show_progress=False) as pipe:
-        assert pipe.encode(FEW_SHOT) == pipe.encode([{'role': 'user', 'content': FEW_SHOT}]) == prompts[2]
-        assert pipe(FEW_SHOT, gen_config=GenerationConfig(max_new_tokens=4)).text.startswith(' Paris')
+    assert bf16_pipe.encode(FEW_SHOT) == bf16_pipe.encode([{'role': 'user', 'content': FEW_SHOT}]) == prompts[2]
+    assert bf16_pipe(FEW_SHOT, gen_config=GenerationConfig(max_new_tokens=4)).text.startswith(' Paris')
