@@ -247,19 +247,3 @@ def test_default_model_smooth_quant_end_to_end(default_model_gguf, tmp_path):
         finally:
             engine.close()
     assert _agreement(tokens['bf16'], tokens['w8a8']) >= 0.25
-
-
-@pytest.mark.slow
-def test_native_source_compiles_without_avx512(tmp_path):
-    """On a plain AVX2 CPU the file builds its stubs (``int8_gemm_available()`` is false, so the torch
-    version runs: see the fallback half of the engine test above)."""
-    import os
-    import subprocess
-    import sysconfig
-
-    from torch.utils.cpp_extension import include_paths
-    source = os.path.join(os.path.dirname(cpu.__file__), 'linear_int8.cpp')
-    includes = [f'-I{path}' for path in include_paths()] + [f'-I{sysconfig.get_paths()["include"]}']
-    proc = subprocess.run([os.environ.get('CXX', 'c++'), '-std=c++17', '-fsyntax-only', '-march=x86-64-v3',
-                           '-fopenmp', *includes, source], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-2000:]
