@@ -17,6 +17,7 @@ from lmdeploy.pytorch.nn.quant.base import Layout, new_parameter
 from lmdeploy.pytorch.nn.quant.cpu_bf16 import packed_cpu_kernel
 from lmdeploy.pytorch.nn.quant.gguf_blocks import BLOCKS, dequantize_blocks
 from lmdeploy.pytorch.nn.quant.q8_cpu import Q8Gemv
+from lmdeploy.pytorch.step_context import small_step
 
 
 def vocab_rows(vocab_size: int, tp: TPGroup) -> tuple[int, int, int]:
@@ -133,9 +134,11 @@ class LMHead(VocabTable):
             self.fp16 = self.table_weight.half()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        if self.q8 is not None and hidden.shape[0] == 1:
+        """Small steps (decode rows in an engine step, see :func:`small_step`) on the small-step copy."""
+        one_row_copy = small_step(hidden.shape[0], 1)
+        if self.q8 is not None and one_row_copy:
             logits = self.q8(hidden)
-        elif self.fp16 is not None and hidden.shape[0] == 1:
+        elif self.fp16 is not None and one_row_copy:
             logits = F.linear(hidden.half(), self.fp16).float()
         elif self.packed is not None:
             logits = self.packed(hidden, None)
