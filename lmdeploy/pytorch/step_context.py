@@ -92,6 +92,6 @@ def small_step(rows: int, bound: int) -> bool:
     however many, so that a sequence's decode rows and its prompt rows each take one kernel whatever shares
     their step, and a prompt's output does not depend on its batch (the kernels' arithmetic per row does not
     depend on their number of rows). Outside one (a kernel called on its own): whether they are at most
-    ``bound``."""
+    ``bound``. Never with a ``bound`` of 0 (no kernel for small steps)."""
     decode = _decode_rows.get()
-    return rows <= bound if decode is None else decode
+    return bound > 0 and (rows <= bound if decode is None else decode)
