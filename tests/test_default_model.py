@@ -73,8 +73,9 @@ def decode_step_logits(engine, prompt: list[int]) -> torch.Tensor:
 
 
 def test_bf16_small_steps_run_the_q4_1_grid_in_int4():
-    """By default (bf16) decode steps use the GGUF's own 4-bit grid (its scales and zero points rounded to bf16): their logits stay
-    within a few percent of fp32's, with the same top token; a grid off by one step gives over 100%."""
+    """By default (bf16) decode steps use the GGUF's own 4-bit grid (its scales and zero points rounded to bf16):
+    their logits stay within a few percent of fp32's, with the same top token; a grid off by one step gives over
+    100%."""
     from lmdeploy.pytorch.engine.engine import Engine
     from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
     prompts = [[1, 504], [1, 19556], [33, 30], [788, 260]]
