@@ -58,10 +58,24 @@ def test_second_start_uses_the_converted_copy(monkeypatch):
         assert pipe('Hi', gen_config=GenerationConfig(max_new_tokens=2)).generate_token_len >= 1
 
 
+def decode_step_logits(engine, prompt: list[int]) -> torch.Tensor:
+    """fp32 logits of ``prompt``'s last token fed as a decode step (a small step) after a prefill of the others."""
+    from lmdeploy.pytorch.engine.sequence import Sequence
+    from lmdeploy.pytorch.paging.scheduler import ScheduledSeq, SchedulerOutput
+    seq = Sequence(-1, prompt[:-1], GenerationConfig(max_new_tokens=2))
+    engine.block_manager.allocate(seq, len(prompt))
+    try:
+        engine.runner.forward(SchedulerOutput(prefill=[ScheduledSeq(seq, len(prompt) - 1)]))
+        seq.num_computed, seq.output_ids = len(prompt) - 1, prompt[-1:]
+        return engine.runner.forward(SchedulerOutput(decode=[ScheduledSeq(seq, 1)]))[0].float()
+    finally:
+        engine.block_manager.free_blocks(seq)
+
+
 def test_bf16_small_steps_run_the_q4_1_grid_in_int4():
-    """By default (bf16) the smallest steps (up to 2 tokens with the native bf16 GEMM, 8 with oneDNN's)
-    use the GGUF's own 4-bit grid (its scales and zero points rounded to bf16): their logits stay
-    within a few percent of fp32's, with the same top token; a grid off by one step gives over 100%."""
+    """By default (bf16) decode steps use the GGUF's own 4-bit grid (its scales and zero points rounded to bf16):
+    their logits stay within a few percent of fp32's, with the same top token; a grid off by one step gives over
+    100%."""
     from lmdeploy.pytorch.engine.engine import Engine
     from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
     prompts = [[1, 504], [1, 19556], [33, 30], [788, 260]]
@@ -72,7 +86,7 @@ def test_bf16_small_steps_run_the_q4_1_grid_in_int4():
         engine = Engine(None, config, show_progress=False)
         model = engine.runner.model
         assert isinstance(model.layers[0].mlp.gate_up_proj.kernel, SmallStepInt4Kernel) == (name == 'int4')
-        logits[name] = [engine.get_logits(p)[-1] for p in prompts]
+        logits[name] = [decode_step_logits(engine, p) for p in prompts]
     for fp32, bf16, int4 in zip(logits['fp32'], logits['bf16'], logits['int4']):
         assert not torch.equal(int4, bf16)
         assert (int4 - fp32).norm() / fp32.norm() < 0.1

@@ -1,6 +1,9 @@
 """What every layer needs to know about the tokens of one engine step."""
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -66,3 +69,29 @@ class StepContext:
         if sliding and self.window_kv_blocks is not None:
             return self.window_kv_blocks, self.window_prefill_block_table, self.window_decode_blocks
         return self.kv_blocks, self.prefill_block_table, self.decode_blocks
+
+
+# Whether the step running now is of decode rows only (True) or prefill rows only (False); None outside a step.
+_decode_rows: ContextVar[bool | None] = ContextVar('decode_rows', default=None)
+
+
+@contextmanager
+def step_rows(decode: bool) -> Iterator[None]:
+    """The model runs a step of decode rows only (``decode``: one new token of each running sequence) or of
+    prefill rows only (prompt chunks) within it; see :func:`small_step`."""
+    token = _decode_rows.set(decode)
+    try:
+        yield
+    finally:
+        _decode_rows.reset(token)
+
+
+def small_step(rows: int, bound: int) -> bool:
+    """Whether ``rows`` rows run on a layer's kernel for small steps (a 4-bit copy, a GEMV, the LM head's one-row
+    copy) rather than its kernel for larger ones. In a step (:func:`step_rows`): whether they are decode rows,
+    however many, so that a sequence's decode rows and its prompt rows each take one kernel whatever shares
+    their step, and a prompt's output does not depend on its batch (the kernels' arithmetic per row does not
+    depend on their number of rows). Outside one (a kernel called on its own): whether they are at most
+    ``bound``. Never with a ``bound`` of 0 (no kernel for small steps)."""
+    decode = _decode_rows.get()
+    return bound > 0 and (rows <= bound if decode is None else decode)

@@ -1,7 +1,7 @@
 """Turns a scheduled step into one batched forward pass and returns logits for the sampled rows."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -14,10 +14,12 @@ from lmdeploy.pytorch.engine.cuda_graph import DecodeGraphRunner
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.multimodal import MultiModalBatch, MultiModalInput
 from lmdeploy.pytorch.nn.attention import PagedAttention
+from lmdeploy.pytorch.nn.embedding import LMHead
+from lmdeploy.pytorch.nn.quant.base import LinearKernel
 from lmdeploy.pytorch.paging.block_manager import given_back_as_zero
 from lmdeploy.pytorch.paging.scheduler import ScheduledSeq, SchedulerOutput
 from lmdeploy.pytorch.paging.state_pool import allocate_states, recurrent_state_shapes
-from lmdeploy.pytorch.step_context import StepContext
+from lmdeploy.pytorch.step_context import StepContext, step_rows
 
 
 def layer_windows(model: nn.Module, num_layers: int) -> list[int | None]:
@@ -26,6 +28,17 @@ def layer_windows(model: nn.Module, num_layers: int) -> list[int | None]:
     multi-head latent attention)."""
     windows = [m.kv_window for m in model.modules() if isinstance(m, PagedAttention)]
     return windows if len(windows) == num_layers else [None] * num_layers
+
+
+def has_small_step_kernels(model: nn.Module) -> bool:
+    """Whether a layer of ``model`` runs small steps on a kernel of their own (a 4-bit copy, a GEMV, the LM head's
+    one-row copy; see :func:`~lmdeploy.pytorch.step_context.small_step`)."""
+    for module in model.modules():
+        if isinstance(module, LMHead) and module.has_small_step_kernel:
+            return True
+        if any(isinstance(value, LinearKernel) and value.small_step_rows for value in vars(module).values()):
+            return True
+    return False
 
 
 @dataclass
@@ -63,6 +76,10 @@ class ModelRunner:
     Under tensor parallelism every rank has a runner over its shard of the model (``cfg`` gives this
     rank's KV heads): rank 0 builds each step's inputs and sends them down ``channel`` before it runs
     them; the other ranks run what arrives (:meth:`serve`).
+
+    A model with kernels of its own for small steps (:func:`has_small_step_kernels`) runs a step's prefill rows
+    and its decode rows as two forwards, each on its kind's kernels (see ``step_context.small_step``), so that
+    what shares a sequence's step does not change its arithmetic.
     """
 
     def __init__(self, model: nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int,
@@ -96,6 +113,7 @@ class ModelRunner:
                                 for shape, dtype in cfg.kv_cache_shapes(size + 1, block_size))
                           for states, size in zip(layer_states, pool_sizes)]
         self.graphs: DecodeGraphRunner | None = None
+        self.splits_mixed_steps = has_small_step_kernels(model)
 
     def capture_graphs(self, max_batch_size: int, max_blocks: int, make_graph=None) -> None:
         """Captures decode graphs for up to ``max_batch_size`` sequences of up to ``max_blocks`` blocks."""
@@ -227,6 +245,11 @@ class ModelRunner:
         from ``inflight``."""
         if self.graphs is not None and not plan.prefill and self.graphs.runs(plan.decode):
             return self.graphs.run(plan.decode, inflight)
+        if self.splits_mixed_steps and plan.prefill and plan.decode:
+            prefill = self.forward(replace(plan, decode=[]))
+            decode = self.forward(replace(plan, prefill=[]), inflight)
+            num_sampled = sum(1 for item in plan.prefill if item.samples)
+            return torch.cat((prefill[:num_sampled], decode, prefill[num_sampled:]))
         input_ids, ctx, rows = self.build_inputs(plan)
         if inflight is not None:
             inflight.copy_into(input_ids, plan.decode, ctx.num_prefill_tokens)
@@ -242,10 +265,11 @@ class ModelRunner:
     def _run(self, input_ids: torch.Tensor, ctx: StepContext, rows: list[int]) -> torch.Tensor | None:
         if self.device.type == 'cpu':
             cpu.bind_worker_threads()
-        hidden = self.model(input_ids, self.kv_caches, ctx)
-        if len(rows) < hidden.shape[0] or rows != list(range(len(rows))):  # decode steps need every row
-            hidden = hidden[to_device(torch.tensor(rows, dtype=torch.long), self.device)]
-        return self.model.logits(hidden)
+        with step_rows(decode=ctx.num_prefill_tokens == 0):
+            hidden = self.model(input_ids, self.kv_caches, ctx)
+            if len(rows) < hidden.shape[0] or rows != list(range(len(rows))):  # decode steps need every row
+                hidden = hidden[to_device(torch.tensor(rows, dtype=torch.long), self.device)]
+            return self.model.logits(hidden)
 
     @torch.inference_mode()
     def serve(self) -> None:

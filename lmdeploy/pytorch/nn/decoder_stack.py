@@ -25,7 +25,7 @@ import torch
 from lmdeploy.pytorch.distributed.parallel_state import current_group
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.linear import Linear
-from lmdeploy.pytorch.step_context import StepContext
+from lmdeploy.pytorch.step_context import StepContext, small_step
 
 # A layer's weights, by name (``native.LayerWeights``, see :func:`layer_weights`).
 LayerWeights = Any
@@ -79,10 +79,11 @@ def linear_attention_weights(input_norm: torch.Tensor, post_norm: torch.Tensor, 
 
 
 class NativeDecoderStack:
-    """Every decoder layer of a model in one native call: steps of at most ``small_step_rows`` tokens on
-    the layers' small-step weights (``small``; without it those steps take the layers' Python forward),
-    larger ones on their weights for any step (``large``); with ``decode_only`` (layers with linear attention)
-    only steps whose every sequence has one new token."""
+    """Every decoder layer of a model in one native call: small steps (decode rows in an engine step, else steps
+    of at most ``small_step_rows`` tokens: see :func:`~lmdeploy.pytorch.step_context.small_step`) on the layers'
+    small-step weights (``small``; without it those steps take the layers' Python forward), the others on their
+    weights for any step (``large``); with ``decode_only`` (layers with linear attention) only steps whose every
+    sequence has one new token."""
 
     def __init__(self, native: ModuleType, large: Any, small: Any | None, small_step_rows: int,
                  decode_only: bool = False):
@@ -118,7 +119,7 @@ class NativeDecoderStack:
         stack."""
         if self.decode_only and num_prefill_tokens:
             return False
-        return self.small is not None or num_tokens > self.small_step_rows
+        return self.small is not None or not small_step(num_tokens, self.small_step_rows)
 
     def __call__(self, x: torch.Tensor, kv_caches: list[tuple[torch.Tensor, ...]], ctx: StepContext,
                  local_rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,5 +136,5 @@ class NativeDecoderStack:
             window_kv_blocks=ctx.window_kv_blocks, window_prefill_block_table=ctx.window_prefill_block_table,
             window_decode_blocks=ctx.window_decode_blocks, prefill_key_limit=ctx.prefill_key_limit,
             q_scale=ctx.q_scale, state_decode_slots=ctx.state_decode_slots)
-        stack = self.large if x.shape[0] > self.small_step_rows else self.small
+        stack = self.small if small_step(x.shape[0], self.small_step_rows) else self.large
         return stack.forward(x, kv_caches, step)

@@ -17,8 +17,9 @@ from lmdeploy.pytorch.nn.quant import LinearKernel, current_weight_format
 from lmdeploy.pytorch.nn.quant.base import Layout, new_parameter
 from lmdeploy.pytorch.nn.quant.cpu_bf16 import packed_cpu_kernel
 from lmdeploy.pytorch.nn.quant.gguf_blocks import BLOCKS
-from lmdeploy.pytorch.nn.quant.gguf_table import BlockTable, FileBlocks, block_table
+from lmdeploy.pytorch.nn.quant.gguf_table import BlockTable, FileBlocks, NativeBlocks, block_table
 from lmdeploy.pytorch.nn.quant.q8_cpu import Q8Gemv
+from lmdeploy.pytorch.step_context import small_step
 
 
 def vocab_rows(vocab_size: int, tp: TPGroup) -> tuple[int, int, int]:
@@ -151,12 +152,20 @@ class LMHead(VocabTable):
         if self.q8 is None:
             self.fp16 = self.table_weight.half()
 
+    @property
+    def has_small_step_kernel(self) -> bool:
+        """Whether small steps run on a kernel of their own: a one-row copy, or a tied table's GEMV."""
+        return (self.q8 is not None or self.fp16 is not None
+                or (self.tied_blocks and isinstance(self._tied[0].block_table(), NativeBlocks)))
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Small steps (decode rows in an engine step, see :func:`small_step`) on the small-step copy."""
+        one_row_copy = small_step(hidden.shape[0], 1)
         if self.tied_blocks:
             logits = self._tied[0].block_table().logits(hidden)
-        elif self.q8 is not None and hidden.shape[0] == 1:
+        elif self.q8 is not None and one_row_copy:
             logits = self.q8(hidden)
-        elif self.fp16 is not None and hidden.shape[0] == 1:
+        elif self.fp16 is not None and one_row_copy:
             logits = F.linear(hidden.half(), self.fp16).float()
         elif self.packed is not None:
             logits = self.packed(hidden, None)

@@ -28,6 +28,7 @@ from lmdeploy.pytorch.nn.quant.int4_cpu import INT4_TILE
 from lmdeploy.pytorch.nn.quant.q4k_cpu import pack_q4k
 from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6K_PACK_ROWS, Q6K_TILE, gemv_max_rows, pack_q6k
 from lmdeploy.pytorch.nn.quant.q8_cpu import Q8_TILE, pack_q8
+from lmdeploy.pytorch.step_context import small_step
 
 TILE_ROWS = Q8_TILE  # rows per tile of the Q8_0, Q6_K and Q4_K GEMVs alike
 assert TILE_ROWS == Q6K_TILE == INT4_TILE
@@ -158,7 +159,7 @@ class NativeBlocks(BlockTable):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         x = hidden.to(torch.bfloat16).contiguous()
-        if x.shape[0] <= self.max_gemv_rows:
+        if small_step(x.shape[0], self.max_gemv_rows):
             logits = self.gemv(x, self.packed, self.scales)
         else:
             tiles = max(1, TABLE_SLICE_WEIGHTS // (TILE_ROWS * self.hidden))

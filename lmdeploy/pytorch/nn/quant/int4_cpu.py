@@ -11,6 +11,7 @@ import torch
 
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.quant.base import LinearKernel
+from lmdeploy.pytorch.step_context import small_step
 
 if TYPE_CHECKING:
     from lmdeploy.pytorch.nn.quant.w4a16 import Int4Grid
@@ -171,8 +172,9 @@ def pack_int4_codes(codes: torch.Tensor, gate_up: bool = False) -> torch.Tensor:
 
 
 class SmallStepInt4Kernel(LinearKernel):
-    """Steps of at most ``small_step_rows`` tokens on a kernel for few rows (``small``: a 4-bit copy, or GGUF
-    Q6_K's GEMV), larger ones on ``large`` (all steps without one)."""
+    """Small steps on a kernel for few rows (``small``: a 4-bit copy, or GGUF Q6_K's GEMV), the others on
+    ``large`` (all steps without one): in an engine step, decode rows are small steps and prefill rows not,
+    outside one, steps of at most ``small_step_rows`` tokens (see :func:`~lmdeploy.pytorch.step_context.small_step`)."""
 
     def __init__(self, small: LinearKernel, small_step_rows: int, large: LinearKernel | None = None):
         self.small, self.small_step_rows, self.large = small, small_step_rows, large
@@ -194,12 +196,12 @@ class SmallStepInt4Kernel(LinearKernel):
         return SmallStepInt4Kernel(self.small, self.small_step_rows, large)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.large is not None and x.shape[0] > self.small_step_rows:
+        if self.large is not None and not small_step(x.shape[0], self.small_step_rows):
             return self.large(x, bias)
         return self.small(x, bias)
 
     def gate_up_silu(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-        if self.large is not None and x.shape[0] > self.small_step_rows:
+        if self.large is not None and not small_step(x.shape[0], self.small_step_rows):
             return self.large.gate_up_silu(x, bias)
         return self.small.gate_up_silu(x, bias)
 
