@@ -4,6 +4,9 @@ prompts run together (decode steps of more rows than the small-step bound) and a
 prefills sharing steps with others' decode rows) equal each prompt's run alone."""
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 from helpers import random_prompts
@@ -14,27 +17,17 @@ from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
 from lmdeploy.pytorch.nn.quant.q8_cpu import Q8Gemv, pack_q8
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'benchmark'))
+from batch_invariance import run  # noqa: E402
+
 GEN = GenerationConfig(max_new_tokens=6, ignore_eos=True, logprobs=3)
 
 
-def run(engine: Engine, prompts: list[list[int]], per_step: int) -> list[list[tuple]]:
-    """Each prompt's (tokens, logprobs) per step, ``per_step`` prompts queued before each step (0: all at once)."""
-    outs: list[list[tuple]] = [[] for _ in prompts]
-    index: dict[int, int] = {}
-    waiting = list(enumerate(prompts))
-    while waiting or engine.has_unfinished():
-        for i, prompt in waiting[:per_step or len(waiting)]:
-            index[engine.add_request(prompt, GEN)] = i
-        waiting = waiting[per_step or len(waiting):]
-        for out in engine.step():
-            outs[index[out.seq_id]].append((list(out.token_ids), out.logprobs))
-    return outs
-
 
 def assert_batch_invariant(engine: Engine, prompts: list[list[int]]) -> None:
-    alone = [run(engine, [prompt], 0)[0] for prompt in prompts]
-    assert run(engine, prompts, 0) == alone  # prefills together, then decode steps of len(prompts) rows
-    assert run(engine, prompts, 1) == alone  # each prefill beside the decode rows of the prompts before it
+    alone = [run(engine, [prompt], GEN, 0)[0] for prompt in prompts]
+    assert run(engine, prompts, GEN, 0) == alone  # prefills together, then decode steps of len(prompts) rows
+    assert run(engine, prompts, GEN, 1) == alone  # each prefill beside the decode rows of the prompts before it
 
 
 @pytest.mark.parametrize('decoder', ['stack', 'layers'])

@@ -94,14 +94,19 @@ def test_embedding_held_as_blocks_gives_transformers_tokens(served):
         assert [p.dtype for p in embedding.parameters()] == [torch.uint8]
         ids = torch.tensor([0, 5, vocab - 1, 5])
         assert torch.equal(embedding(ids), expected_rows[ids])
-        batched = run(engine, prompts)
-        alone = [run(engine, [prompt])[0] for prompt in prompts]
-        hits = engine.block_manager.num_hits
-        again = run(engine, [prompts[1] + [7, 8]])[0]
-        assert engine.block_manager.num_hits > hits
+        assert_gguf_greedy(engine, folder, prompts)
     finally:
         engine.close()
-    assert batched == alone
+
+
+def assert_gguf_greedy(engine, folder: str, prompts: list[list[int]]) -> None:
+    """``engine`` gives the same greedy tokens batched as alone and after a prefix-cache hit, and they are
+    transformers' reading the converted folder's ``model.gguf``."""
+    batched = run(engine, prompts)
+    assert [run(engine, [prompt])[0] for prompt in prompts] == batched
+    hits = engine.block_manager.num_hits
+    again = run(engine, [prompts[1] + [7, 8]])[0]
+    assert engine.block_manager.num_hits > hits
     reference = AutoModelForCausalLM.from_pretrained(str(Path(folder).parent), gguf_file='model.gguf',
                                                      dtype=torch.float32).eval()
     assert_transformers_greedy(reference, prompts, batched)
