@@ -71,8 +71,12 @@ def test_llama_plain_and_int8_kv_cache_match_transformers(tiny_llama, triton_cal
 
 
 def test_outside_the_context_cpu_tensors_take_the_cpu_kernels(tiny_llama, monkeypatch):
-    """Without ``triton_on_cpu`` no Triton kernel runs on CPU tensors."""
+    """Without ``triton_on_cpu`` no Triton kernel runs on CPU tensors (left here, should the whole session run in it:
+    ``LMDEPLOY_TEST_KERNELS=triton``)."""
+    import lmdeploy.pytorch.kernels as kernels
     import lmdeploy.pytorch.kernels.cuda as cuda
+
+    monkeypatch.setattr(kernels, '_triton_on_cpu', False)
 
     def refuse(*args, **kwargs):
         raise AssertionError('a Triton kernel ran on CPU tensors')
