@@ -7,11 +7,13 @@
 #    (CPU only; the full sweep runs on any CPU: python benchmark/triton_aot.py)
 # 1. every Triton kernel test natively on CUDA (fp32, fp16, bf16)
 # 2. the engine end to end on tiny models on CUDA (dense, MoE, MLA, sinks, sliding window, soft-capping, a GGUF
-#    Q4_K_M file, an int8 KV cache, W8A8, AWQ and GPTQ checkpoints, MXFP4 experts, sliding-window KV pools),
+#    Q4_K_M file, a tied Q8_0 token table on the Triton GEMM, an int8 KV cache, W8A8, AWQ and GPTQ checkpoints,
+#    MXFP4 experts, sliding-window KV pools),
 #    greedy-compared with transformers (the later ones are the first cut when time runs short)
-# 3. kernel throughput: decode attention GB/s, fused MoE TFLOP/s vs the unfused torch twin; then the GEMMs on GGUF
+# 3. kernel throughput: decode attention GB/s, fused MoE TFLOP/s vs the unfused torch twin; then Gemma 3's tied
+#    262,144 x 640 Q8_0 LM head on its blocks vs dequantizing slices of them (1 and 256 rows) and the GEMMs on GGUF
 #    Q6_K/Q8_0 blocks vs dequantizing them on each call (Llama-3-8B's down_proj and v_proj, 1 and 512 rows)
-# 4. offline throughput of the default model on CUDA, against transformers on CUDA
+# 4. offline throughput of the default model on CUDA, against transformers on CUDA (at most 55 s: 5 s went to 3)
 # 5. gpu_scale.py: Llama-3-8B and Qwen3-30B-A3B shapes (decode step vs roofline, ShareGPT-like offline
 #    throughput vs transformers, api_server TTFT/TPOT) and CUDA graphs on vs off
 # A failing part does not stop the later ones; the exit status says whether all passed. Wheels in .whl/
@@ -62,6 +64,8 @@ part "engine vs transformers (CUDA)" 120 "$SCALE_SLOT" env LMDEPLOY_TEST_DEVICE=
     'tests/test_model_families.py::test_greedy_and_first_logits_match_transformers[mistral_sliding]' \
     'tests/test_model_families.py::test_greedy_and_first_logits_match_transformers[gemma2]' \
     tests/test_gguf_q4km.py::test_mixed_qkv_part_by_part_gives_transformers_tokens \
+    'tests/test_gguf_tied_table.py::test_engine_on_the_triton_table_gives_transformers_tokens[Q8_0]' \
+    'tests/test_gguf_tied_table.py::test_triton_table_logits_are_the_dequantized_tables' \
     tests/test_kv_quant.py::test_int8_gives_the_unquantized_tokens \
     tests/test_w8a8.py::test_w8a8_checkpoint_loads_without_a_flag_and_generates_mostly_the_same_tokens \
     'tests/test_quant_checkpoints.py::test_engine_matches_transformers_on_the_dequantized_weights[awq-False]' \
@@ -71,8 +75,9 @@ part "engine vs transformers (CUDA)" 120 "$SCALE_SLOT" env LMDEPLOY_TEST_DEVICE=
     tests/test_gemma3_vl.py::test_image_prompts_match_transformers \
     'tests/test_glm4_moe.py::test_greedy_and_first_logits_match_transformers[glm45]'
 part "kernel throughput" 30 "$SCALE_SLOT" $PY benchmark/kernel_bench.py --device cuda
-part "GGUF Q6_K/Q8_0 GEMMs" 30 "$SCALE_SLOT" $PY benchmark/kernel_bench.py --device cuda --gguf --budget 25
-part "offline throughput (default model, CUDA)" 60 "$SCALE_SLOT" $PY benchmark/throughput.py --device cuda \
+part "GGUF tied head, Q6_K/Q8_0 GEMMs" 35 "$SCALE_SLOT" $PY benchmark/kernel_bench.py --device cuda --gguf \
+    --budget 30
+part "offline throughput (default model, CUDA)" 55 "$SCALE_SLOT" $PY benchmark/throughput.py --device cuda \
     --num-prompts 32 --decode-tokens 64 $model_flag
 part "gpu_scale (8B / 30B-A3B shapes)" $((SCALE_SLOT + 40)) 0 $PY benchmark/gpu_scale.py \
     --out "${OUT:+$OUT/}gpu_scale.txt"

@@ -1,7 +1,8 @@
 """Throughput of the Triton kernels on one GPU: paged decode attention (GB/s against HBM; also over int8
 and int4 KV caches, against bf16), fused MoE
 (TFLOP/s against bf16 dense peak, next to the unfused torch twin) and causal prefill attention; with ``--gguf``
-the GEMMs on GGUF Q6_K and Q8_0 blocks against dequantizing them on each call.
+the GEMMs on GGUF Q6_K and Q8_0 blocks against dequantizing them on each call, first a tied token table's LM head
+(Gemma 3's) on its blocks against dequantizing a slice of rows at a time.
 
     python benchmark/kernel_bench.py --device cuda           # the figures
     python benchmark/kernel_bench.py --device cuda --sweep   # candidate launch configs, to pick the tables
@@ -40,6 +41,9 @@ PREFILL_TOKENS = [4096, 16384]
 # Llama-3-8B's down_proj and v_proj (Q6_K in a Q4_K_M file) and a Q8_0 file's down_proj: (type, N, K)
 GGUF_SHAPES = [('Q6_K', 4096, 14336), ('Q6_K', 1024, 4096), ('Q8_0', 4096, 14336)]
 GGUF_ROWS = [1, 512]
+# Gemma 3's tied token table, the LM head's weight: (type, rows, hidden); decode and a 256-token prefill
+TIED_TABLES = [('Q8_0', 262144, 640)]
+TIED_ROWS = [1, 256]
 DEADLINE = [float('inf')]  # perf_counter() past which measurements are skipped
 
 
@@ -255,6 +259,27 @@ def gguf_linear(device: str, dtype: torch.dtype, shapes: list[tuple[str, int, in
         del on_blocks, per_call, dense
 
 
+def tied_table(device: str, dtype: torch.dtype, shapes: list[tuple[str, int, int]], row_counts: list[int]) -> None:
+    """A tied GGUF token table's logits on its blocks retiled for the Triton GEMM (``TritonBlocks``) against
+    dequantizing a slice of rows at a time for ``F.linear`` (``FileBlocks``: what CUDA ran before); GB/s of the
+    blocks' bytes. The table outgrows L2, so one copy serves."""
+    from lmdeploy.pytorch.nn.quant.gguf_cuda import TritonBlocks
+    from lmdeploy.pytorch.nn.quant.gguf_table import FileBlocks
+    for ggml_type, n, k in shapes:
+        blocks = random_blocks(ggml_type, n, k, device)
+        on_blocks, slices = TritonBlocks(blocks, ggml_type), FileBlocks(blocks, ggml_type)
+        for rows in row_counts:
+            label = f'tied {ggml_type} table {n:6d} x {k:4d}  {rows:4d} rows'
+            if out_of_time(label):
+                continue
+            x = torch.randn(rows, k, device=device, dtype=dtype)
+            sec = graph_seconds([partial(on_blocks.logits, x)], device)
+            ref = graph_seconds([partial(slices.logits, x)], device)
+            print(f'{label}: triton {sec * 1e6:8.1f} us {blocks.numel() / sec / 1e9:7.1f} GB/s   slices dequantized '
+                  f'+ matmul {ref * 1e6:8.1f} us {ref / sec:6.1f}x', flush=True)
+        del blocks, on_blocks, slices
+
+
 def sweep(device: str, dtype: torch.dtype) -> None:
     """Candidate launch configs at the shapes that set the tables: decode's pages per split (one for every batch:
     batch invariance) at batch 1 x 32k (few programs) and 64 x 1k and 8k (many partials); fused MoE at 1 and 64
@@ -279,7 +304,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--device', choices=['cuda', 'cpu'], default='cuda')
     parser.add_argument('--sweep', action='store_true', help='time candidate launch configs instead')
-    parser.add_argument('--gguf', action='store_true', help='time only the GEMMs on GGUF Q6_K and Q8_0 blocks')
+    parser.add_argument('--gguf', action='store_true',
+                        help='time only the GEMMs on GGUF Q6_K and Q8_0 blocks (a tied table\'s LM head first)')
     parser.add_argument('--budget', type=float, default=80.0, help='seconds after which measurements are skipped')
     args = parser.parse_args()
     start = time.perf_counter()
@@ -290,6 +316,8 @@ def main() -> None:
     if args.sweep:
         sweep(args.device, dtype)
     elif args.gguf:
+        tied_table(args.device, dtype, TIED_TABLES if args.device == 'cuda' else [('Q8_0', 300, 64)],
+                   TIED_ROWS if args.device == 'cuda' else [1, 20])
         shapes = GGUF_SHAPES if args.device == 'cuda' else [('Q6_K', 64, 512), ('Q8_0', 64, 256)]
         gguf_linear(args.device, dtype, shapes, GGUF_ROWS if args.device == 'cuda' else [1, 20])
     elif args.device == 'cpu':

@@ -266,6 +266,24 @@ def gguf_blocks_linear(ggml_type: str, shapes: tuple[tuple[int, int], ...], toke
                 gguf_linear.q8_0_linear(x, meta(n, k, dtype=torch.int8), meta(n, k // 32, dtype=torch.float16))
 
 
+# tied GGUF token tables as LM heads (``TritonBlocks``): Gemma 3 270M's Q8_0 (262,144 x 640), Llama-3.2-1B's
+# (128,256 x 2,048) in Q6_K and in Q4_K (its grid of 32 with fp32 scales and offsets, on the W4A16 GEMM)
+TIED_TABLES = (('Q8_0', 262144, 640), ('Q6_K', 128256, 2048), ('Q4_K', 128256, 2048))
+TIED_TOKENS = (1, 16, 64, 256, PREFILL_TOKENS)
+
+
+def tied_tables(tables: tuple[tuple[str, int, int], ...], token_counts: tuple[int, ...], dtype: torch.dtype) -> None:
+    """The LM head's GEMM on a tied table's blocks, retiled as ``nn/quant/gguf_cuda.py`` retiles them."""
+    for ggml_type, n, k in tables:
+        if ggml_type != 'Q4_K':
+            gguf_blocks_linear(ggml_type, ((n, k),), token_counts, dtype)
+            continue
+        kernel = TritonW4A16Kernel(meta(k // 8, n, dtype=torch.int32), meta(k // 32, n, dtype=FLOAT),
+                                   meta(k // 32, n, dtype=FLOAT), 32, None)
+        for tokens in token_counts:
+            kernel(meta(tokens, k, dtype=dtype), None)
+
+
 def delta_decode(dtype: torch.dtype) -> None:
     """Qwen3-Next-80B-A3B's linear attention (16 key and 32 value heads of 128): one decode token of each sequence
     against a state pool of as many slots, at the decode batches."""
@@ -300,7 +318,8 @@ def _cases() -> list[Case]:
                     Case('llama3-8b w4a16 g128 act-order', partial(int4_linear, True, LINEAR, LINEAR_TOKENS)),
                     Case('llama3-8b, tinyllama gguf q6_k',
                          partial(gguf_blocks_linear, 'Q6_K', Q6K_LINEAR, GGUF_TOKENS)),
-                    Case('llama3-8b gguf q8_0', partial(gguf_blocks_linear, 'Q8_0', LINEAR, GGUF_TOKENS))]
+                    Case('llama3-8b gguf q8_0', partial(gguf_blocks_linear, 'Q8_0', LINEAR, GGUF_TOKENS)),
+                    Case('gemma3, llama3.2-1b gguf tied tables', partial(tied_tables, TIED_TABLES, TIED_TOKENS))]
 
 
 CASES = _cases()

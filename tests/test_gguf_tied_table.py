@@ -1,26 +1,33 @@
 """A tied GGUF file's token table (no ``output.weight``) in Q8_0, Q4_K or Q6_K: one copy serves both the embedding's
 lookups and the LM head, in bf16 the file's blocks (no table in the model's dtype anywhere), in fp32 the blocks
-dequantized once; its rows and logits are gguf's, and fp32 greedy tokens equal transformers' reading the file."""
+dequantized once, where the Triton kernels run the blocks retiled for their GEMMs; its rows and logits are gguf's,
+and fp32 greedy tokens equal transformers' reading the file."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader
 from test_gguf_embedding import EMBEDDING_TYPES, assert_gguf_greedy, file_table, write_file
 
 from family_checks import assert_tp2_equals_tp1
-from helpers import make_engine, random_prompts, run
+from helpers import assert_transformers_greedy, make_engine, random_prompts, run
+from transformers import AutoModelForCausalLM
 
-from lmdeploy.messages import PytorchEngineConfig
+from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
+from lmdeploy.pytorch import kernels
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.nn.quant.gguf_blocks import BLOCKS
 from lmdeploy.pytorch.nn.quant import gguf_table
 from lmdeploy.pytorch.nn.quant.gguf_table import TILE_ROWS, DenseTable, FileBlocks, NativeBlocks
+
+DEVICE = os.environ.get('LMDEPLOY_TEST_DEVICE', 'cpu')
 
 
 @pytest.fixture(scope='module', params=EMBEDDING_TYPES)
@@ -49,6 +56,9 @@ def test_tied_table_in_fp32_gives_transformers_tokens(tied):
     table = file_table(folder)
     vocab, hidden = table.shape
     prompts = random_prompts([9, 30, 17], seed=3, vocab=250)
+    if kernels.triton_runs_on(torch.empty(0, device=DEVICE)):
+        pytest.skip('the Triton kernels serve the table (LMDEPLOY_TEST_DEVICE=cuda, LMDEPLOY_TEST_KERNELS=triton): '
+                    'see test_engine_on_the_triton_table_gives_transformers_tokens')
     engine = make_engine(folder)
     try:
         model = engine.runner.model
@@ -82,7 +92,7 @@ def test_tied_table_on_the_native_gemv_in_bf16(tied):
         embedding = model.embed_tokens
         shared = embedding.shared
         if not isinstance(shared, NativeBlocks):
-            pytest.skip('the native GEMVs are not built for this CPU')
+            pytest.skip('the native GEMVs do not serve the table (not built for this CPU, or the Triton kernels do)')
         assert embedding.qweight is None and [t.dtype for t in model_tensors(embedding)] == [torch.bfloat16]
         padded = -(-vocab // TILE_ROWS) * TILE_ROWS
         assert shared.nbytes == padded * hidden // block_inputs * block_bytes
@@ -123,6 +133,70 @@ def test_file_blocks_logits_a_slice_at_a_time(tied, monkeypatch):
     torch.testing.assert_close(blocks.logits(hidden_states), hidden_states @ table.T, rtol=1e-5, atol=1e-5)
     ids = torch.tensor([3, 0, table.shape[0] - 1])
     assert torch.equal(blocks.lookup(ids, torch.float32), table[ids])
+
+
+# the table's bytes per weight on the Triton GEMMs: Q8_0's and Q6_K's the file's, Q4_K's its grid (fp32 scales, offsets)
+TRITON_BYTES = {'Q8_0': 34 / 32, 'Q6_K': 210 / 256, 'Q4_K': 0.5 + 8 / 32}
+# the interpreter computes bf16 wrongly: bf16 on CUDA only
+TRITON_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE != 'cpu' else [])
+TRITON_TOLERANCE = {torch.float32: 1e-5 if DEVICE == 'cpu' else 2e-3, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture
+def triton_kernels():
+    """The Triton kernels on this test's tensors: natively on CUDA, else in the interpreter on CPU tensors."""
+    pytest.importorskip('triton')
+    if DEVICE != 'cpu':
+        yield
+        return
+    if os.environ.get('TRITON_INTERPRET') != '1':
+        pytest.skip("needs Triton's interpreter")
+    with kernels.triton_on_cpu():
+        yield
+
+
+@pytest.mark.parametrize('dtype', TRITON_DTYPES)
+def test_triton_table_logits_are_the_dequantized_tables(tied, dtype, triton_kernels):
+    """Where the Triton kernels run, the table is the blocks retiled once for their type's GEMM (the only copy):
+    looked-up rows are gguf's exactly, logits of a decode launch (1 row, the inputs split) and of a larger one (20
+    rows) are ``F.linear`` on gguf's table within the dtype's precision."""
+    from lmdeploy.pytorch.nn.quant.gguf_cuda import TritonBlocks
+    ggml_type, folder = tied
+    table = file_table(folder)
+    vocab, hidden = table.shape
+    shared = gguf_table.block_table(file_blocks(folder, ggml_type).to(DEVICE), ggml_type, dtype)
+    assert isinstance(shared, TritonBlocks) and shared.nbytes == vocab * hidden * TRITON_BYTES[ggml_type]
+    ids = torch.tensor([0, 5, vocab - 1, 5, 130])
+    rows = shared.lookup(ids.to(DEVICE), dtype)
+    assert rows.dtype == dtype and torch.equal(rows.cpu(), table[ids].to(dtype))
+    generator = torch.Generator().manual_seed(5)
+    for steps in (1, 20):
+        hidden_states = torch.randn(steps, hidden, generator=generator).to(dtype)
+        expected = F.linear(hidden_states.double(), table.double()).float()
+        logits = shared.logits(hidden_states.to(DEVICE)).float().cpu()
+        tolerance = TRITON_TOLERANCE[dtype]
+        torch.testing.assert_close(logits, expected, rtol=tolerance, atol=tolerance * expected.abs().max().item())
+
+
+def test_engine_on_the_triton_table_gives_transformers_tokens(tied, triton_kernels):
+    """An fp32 engine whose tied table is on the Triton GEMM (the CUDA path; on the CPU its kernels in the
+    interpreter) gives transformers' greedy tokens, batched as alone."""
+    from lmdeploy.pytorch.nn.quant.gguf_cuda import TritonBlocks
+    ggml_type, folder = tied
+    engine = make_engine(folder)
+    try:
+        model = engine.runner.model
+        assert isinstance(model.embed_tokens.shared, TritonBlocks) and model.embed_tokens.qweight is None
+        assert_one_table(model, file_table(folder).shape[0])
+        prompts = random_prompts([9, 21], seed=3, vocab=250)
+        tokens = GenerationConfig(max_new_tokens=6, ignore_eos=True)
+        batched = run(engine, prompts, tokens)
+        assert batched == [run(engine, [prompt], tokens)[0] for prompt in prompts]
+        reference = AutoModelForCausalLM.from_pretrained(str(Path(folder).parent), gguf_file='model.gguf',
+                                                         dtype=torch.float32).eval()
+        assert_transformers_greedy(reference, prompts, batched, tokens.max_new_tokens)
+    finally:
+        engine.close()
 
 
 def test_tp2_equals_tp1_with_a_tied_table(tmp_path):

@@ -29,6 +29,11 @@ def triton_on_cpu() -> Iterator[None]:
         _triton_on_cpu = before
 
 
+def triton_runs_on(tensor: torch.Tensor) -> bool:
+    """Whether the Triton kernels serve ``tensor``: on CUDA, and any tensor within :func:`triton_on_cpu`."""
+    return tensor.is_cuda or _triton_on_cpu
+
+
 def dispatch(torch_fn: Callable, native_cpu: str | None = None, built_for_cpu: str = 'native',
              triton: bool = True) -> Callable:
     """Wraps ``torch_fn`` so that a CUDA first argument (any, within :func:`triton_on_cpu`) runs
@@ -41,7 +46,7 @@ def dispatch(torch_fn: Callable, native_cpu: str | None = None, built_for_cpu: s
 
     @functools.wraps(torch_fn)
     def run(first: torch.Tensor, *args, **kwargs):
-        if triton and (first.is_cuda or _triton_on_cpu):
+        if triton and triton_runs_on(first):
             return getattr(importlib.import_module('lmdeploy.pytorch.kernels.cuda'), name)(first, *args, **kwargs)
         module = getattr(cpu, built_for_cpu)() if native_cpu and first.device.type == 'cpu' else None
         if module is not None:
@@ -71,7 +76,7 @@ grouped_topk = moe.grouped_topk  # torch's own kernels, on every device
 group_limited_topk = moe.group_limited_topk
 biased_softmax_topk = moe.biased_softmax_topk
 
-__all__ = ['apply_rotary', 'argmax', 'decode_attention', 'dispatch', 'triton_on_cpu', 'fill_kv_cache', 'fused_moe', 'moe_routing',
+__all__ = ['apply_rotary', 'argmax', 'decode_attention', 'dispatch', 'triton_on_cpu', 'triton_runs_on', 'fill_kv_cache', 'fused_moe', 'moe_routing',
            'prefill_attention', 'rms_norm', 'silu_and_mul', 'w8a8_linear', 'fill_latent_cache',
            'mla_decode_attention', 'mla_prefill_attention', 'grouped_topk', 'group_limited_topk',
            'biased_softmax_topk', 'causal_conv1d_decode', 'gated_delta_decode']

@@ -1,10 +1,13 @@
 """A GGUF file's token table (``token_embd``) of Q4_K, Q6_K or Q8_0 blocks, one copy for the embedding's lookups
 and, in a tied file, the LM head's logits; laid out by the model's dtype and device (:func:`block_table`):
 
+- :class:`~lmdeploy.pytorch.nn.quant.gguf_cuda.TritonBlocks`: where the Triton kernels run (CUDA; CPU tensors
+  within :func:`~lmdeploy.pytorch.kernels.triton_on_cpu`), the blocks retiled once for their type's Triton GEMM
+  (Q8_0, Q6_K; Q4_K's grid on the W4A16 GEMM): logits run it at every step, looked-up rows are dequantized from it.
 - :class:`FileBlocks`: the file's blocks as they are, ``uint8 [rows, hidden / B, bytes]``. Rows are dequantized in
   fp32 as they are looked up (exactly the file's weights); logits dequantize a slice of rows at a time
-  (``TABLE_SLICE_WEIGHTS``) for ``F.linear``, so that no whole dense table is ever made. CUDA, and bf16 on CPUs
-  without the native GEMVs; an untied embedding's lookups.
+  (``TABLE_SLICE_WEIGHTS``) for ``F.linear``, so that no whole dense table is ever made. bf16 on CPUs without the
+  native GEMVs; an untied embedding's lookups.
 - :class:`DenseTable`: fp32 on the CPU, the blocks dequantized once at load, as every GGUF layer of an fp32 model
   (the LM head would otherwise dequantize the whole table at every step: 160 ms instead of 60 for Gemma 3's
   262,144 x 640 Q8_0 table, one thread).
@@ -23,7 +26,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from lmdeploy.pytorch.kernels import cpu
+from lmdeploy.pytorch.kernels import cpu, triton_runs_on
 from lmdeploy.pytorch.nn.quant.gguf_blocks import BLOCKS, dequantize_blocks, q8_0_unpack
 from lmdeploy.pytorch.nn.quant.int4_cpu import INT4_TILE
 from lmdeploy.pytorch.nn.quant.q4k_cpu import pack_q4k
@@ -175,8 +178,12 @@ class NativeBlocks(BlockTable):
 
 
 def block_table(blocks: torch.Tensor, ggml_type: str, dtype: torch.dtype) -> BlockTable:
-    """The table of ``blocks`` for a model of ``dtype``: retiled for the native GEMV in bf16 on the CPU where it was
-    built, dequantized once in fp32 on the CPU, else the blocks as they are."""
+    """The table of ``blocks`` for a model of ``dtype``: retiled for the Triton GEMMs where they run (CUDA; CPU
+    tensors within ``triton_on_cpu``), retiled for the native GEMV in bf16 on the CPU where it was built, dequantized
+    once in fp32 on the CPU, else the blocks as they are."""
+    if triton_runs_on(blocks):
+        from lmdeploy.pytorch.nn.quant.gguf_cuda import TritonBlocks
+        return TritonBlocks(blocks, ggml_type)
     if dtype == torch.float32 and blocks.device.type == 'cpu':
         return DenseTable(blocks, ggml_type)
     native = NativeBlocks.of(blocks, ggml_type) if dtype == torch.bfloat16 else None
