@@ -6,11 +6,11 @@ cache sharing still counts).
 
     python benchmark/batch_invariance_cost.py --before /path/to/tree --after . [--rounds 3] [--gemma]
 
-Per tree: ``b1 decode`` ms a step (one sequence, the median of its 64 decode steps), ``24-row decode`` and
-``64-row decode`` ms a step (24 and 64 sequences decoding together, median of 24 steps), ``arrivals`` ms in all for
-16 prompts of 64-184 tokens queued one a step, 32 new tokens each (prefills share steps with decode rows: mixed
-steps), and ``batched`` ms in all for the same prompts queued at once. Prints each round, then the best of each and
-the ratios after / before.
+Per tree: ``b1 decode`` ms a step (one sequence, the median of its 64 decode steps), ``24-row decode``, ``64-row
+decode`` and ``128-row decode`` ms a step (as many sequences decoding together, median of 24 steps), ``arrivals`` ms
+in all for 16 prompts of 64-184 tokens queued one a step, 32 new tokens each (prefills share steps with decode rows:
+mixed steps), and ``batched`` ms in all for the same prompts queued at once. Prints each round, then the best of each
+and the ratios after / before.
 """
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ from lmdeploy.model_source import default_model_path, gemma3_270m_path
 from lmdeploy.pytorch.engine.engine import Engine
 
 path = gemma3_270m_path() if sys.argv[1] == 'gemma' else default_model_path()
-engine = Engine(path, PytorchEngineConfig(dtype='bfloat16', enable_prefix_caching=False), show_progress=False)
+engine = Engine(path, PytorchEngineConfig(dtype='bfloat16', enable_prefix_caching=False, max_batch_size=128),
+                show_progress=False)
 g = torch.Generator().manual_seed(0)
 prompts = [torch.randint(3, 40000, (64 + 8 * i,), generator=g).tolist() for i in range(16)]
 
@@ -51,9 +52,11 @@ b1 = steps(GenerationConfig(max_new_tokens=66, ignore_eos=True), prompts[:1])
 decode = GenerationConfig(max_new_tokens=26, ignore_eos=True)
 rows24 = steps(decode, [p[:8] for p in prompts + prompts[:8]])
 rows64 = steps(decode, [p[:8] for p in prompts * 4])
+rows128 = steps(decode, [p[:8] for p in prompts * 8])
 gen = GenerationConfig(max_new_tokens=32, ignore_eos=True)
 print(json.dumps({'b1 decode': statistics.median(b1[2:]), '24-row decode': statistics.median(rows24[2:]),
-                  '64-row decode': statistics.median(rows64[2:]), 'arrivals': sum(steps(gen, prompts, 1)),
+                  '64-row decode': statistics.median(rows64[2:]), '128-row decode': statistics.median(rows128[2:]),
+                  'arrivals': sum(steps(gen, prompts, 1)),
                   'batched': sum(steps(gen, prompts))}))
 '''
 
