@@ -216,7 +216,7 @@ class HybridDecoderLayer(nn.Module):
             return linear_attention_weights(*norms, mixer.in_projections(), dict(o=mixer.out_proj, **projections),
                                             mixer.stack_fields(), rotary_dim=0, **options)
         attn = self.self_attn
-        return layer_weights(*norms, dict(qkv=attn.qkv_proj, o=attn.o_proj, **projections), True,
+        return layer_weights(*norms, dict(qkv=attn.qkv_proj, o=attn.o_proj, **projections), small_step=True,
                              q_norm=attn.q_norm.scale(self.dtype), k_norm=attn.k_norm.scale(self.dtype),
                              rotary_dim=attn.rotary_dim, output_gate=True, **options)
 

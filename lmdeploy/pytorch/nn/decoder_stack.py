@@ -75,7 +75,7 @@ def linear_attention_weights(input_norm: torch.Tensor, post_norm: torch.Tensor, 
         proj.bias) for proj in in_projections]
     if native is None or any(part is None for part in parts):
         return None
-    return layer_weights(input_norm, post_norm, projections, True, qkv=native.Projection(parts=parts),
+    return layer_weights(input_norm, post_norm, projections, small_step=True, qkv=native.Projection(parts=parts),
                          linear_attn=native.LinearAttention(**linear_attn), **options)
 
 
