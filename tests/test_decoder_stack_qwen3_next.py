@@ -153,14 +153,16 @@ def qkv_without_gate(path: str, layer: int, native) -> SimpleNamespace:
     q[:, 1] = 0
     stacked = torch.cat((q.flatten(0, 2), weights[prefix + 'k_proj.weight'], weights[prefix + 'v_proj.weight']))
     projection = native.Projection(kind='bf16', weight=native.pack_bf16_weight(stacked.bfloat16()))
-    return SimpleNamespace(kernel=SimpleNamespace(native_projection=lambda bias: projection), bias=None)
+    kernel = SimpleNamespace(native_projection=lambda bias: projection, small_step_projection=lambda bias: projection)
+    return SimpleNamespace(kernel=kernel, bias=None)
 
 
 def constant_z(native) -> SimpleNamespace:
     """A stand-in for in_proj_z giving z = 20 for every token (SiLU(z) = 20: no gate left)."""
     projection = native.Projection(kind='bf16', weight=native.pack_bf16_weight(torch.zeros(48, 48).bfloat16()),
                                    bias=torch.full((48,), 20.0).bfloat16())
-    return SimpleNamespace(kernel=SimpleNamespace(router_projection=lambda bias: projection), bias=None)
+    kernel = SimpleNamespace(router_projection=lambda bias: projection, small_step_rows=0)
+    return SimpleNamespace(kernel=kernel, bias=None)
 
 
 def rebuild_stack(model) -> None:

@@ -23,9 +23,8 @@ from lmdeploy.pytorch.nn.linear import GateUpLinear, Linear, RowLinear
 from lmdeploy.pytorch.nn.quant import LinearOptions, use_weight_format
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.quant.gguf import DequantizedKernel, GgufFileFormat, GgufFormat
-from lmdeploy.pytorch.nn.quant.gguf_blocks import NativeQ8Kernel
-from lmdeploy.pytorch.nn.quant.int4_cpu import TorchInt4Kernel
-from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KKernel
+from lmdeploy.pytorch.nn.quant.gguf_blocks import Q8_0Gemv
+from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel, TorchInt4Kernel
 from lmdeploy.pytorch.nn.quant.q6k_cpu import GEMV_MAX_ROWS
 from lmdeploy.pytorch.weights.gguf import convert_gguf
 
@@ -44,7 +43,7 @@ def gguf_layer(qtype: Q, out_features: int = 48, in_features: int = 512, seed: i
 def q4_k_cpu_kernel() -> type:
     """What runs a Q4_K layer in bf16 on this CPU: small steps on the native Q4_K GEMV and larger ones dequantized
     from its copy where it is built, else torch's int4 kernel."""
-    return TorchInt4Kernel if cpu.int4_gemv() is None else Q4KKernel
+    return TorchInt4Kernel if cpu.int4_gemv() is None else SmallStepInt4Kernel
 
 
 @pytest.mark.parametrize('qtype', [Q.Q8_0, Q.Q4_K, Q.Q6_K])
@@ -86,8 +85,9 @@ def test_q8_0_native_kernel_on_both_paths(amx, monkeypatch):
     monkeypatch.setattr(cpu, 'onednn_amx', lambda: amx)
     layer, expected = gguf_layer(Q.Q8_0, seed=5)
     layer.finalize(LinearOptions(pack_cpu=True, dtype=torch.bfloat16))
-    assert isinstance(layer.kernel, NativeQ8Kernel) and layer.qweight is None
-    bound = layer.kernel.max_gemv_rows
+    kernel = layer.kernel
+    assert isinstance(kernel, SmallStepInt4Kernel) and isinstance(kernel.small, Q8_0Gemv) and layer.qweight is None
+    bound = kernel.small_step_rows
     assert bound == GEMV_MAX_ROWS['q8_0'][0 if amx else 1]
     bias = torch.randn(48).bfloat16()
     for rows in (1, 5, bound, bound + 1):
@@ -97,7 +97,7 @@ def test_q8_0_native_kernel_on_both_paths(amx, monkeypatch):
         assert out.dtype == torch.bfloat16
         error = (out.float() - reference).norm() / reference.norm()
         assert error < 1e-2, (rows, error)
-        gemv = cpu.native().q8_linear(x, layer.kernel.packed, layer.kernel.scales).bfloat16() + bias
+        gemv = cpu.native().q8_linear(x, kernel.small.packed, kernel.small.scales).bfloat16() + bias
         dequantized = torch.nn.functional.linear(x, expected.bfloat16(), bias)
         assert torch.equal(out, gemv if rows <= bound else dequantized), rows
 

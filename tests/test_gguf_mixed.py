@@ -27,12 +27,13 @@ from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.linear import Linear
 from lmdeploy.pytorch.nn.quant.dense import DenseFormat
 from lmdeploy.pytorch.nn.quant.gguf import DequantizedKernel, GgufFormat, GgufPartsFormat
-from lmdeploy.pytorch.nn.quant.gguf_blocks import NativeQ8Kernel, Q8Kernel
-from lmdeploy.pytorch.nn.quant.int4_cpu import TorchInt4Kernel
+from lmdeploy.pytorch.nn.quant.base import LinearKernel
+from lmdeploy.pytorch.nn.quant.gguf_blocks import Q8_0Gemv, Q8Kernel
+from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel, TorchInt4Kernel
 from lmdeploy.pytorch.nn.quant.parts import PartsKernel
-from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KKernel
-from lmdeploy.pytorch.nn.quant.q5k_cpu import Q5KKernel
-from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6KKernel
+from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KGemv
+from lmdeploy.pytorch.nn.quant.q5k_cpu import Q5KGemv
+from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6KGemv
 from lmdeploy.pytorch.nn.quant.w4a16 import ReferenceKernel
 from lmdeploy.pytorch.weights.gguf import convert_gguf
 from lmdeploy.pytorch.weights.gguf_types import served_types
@@ -67,6 +68,11 @@ MOE = {'qwen3_moe': (gguf.MODEL_ARCH.QWEN3MOE, dict(moe_intermediate_size=256, n
 ARCHS = {'llama': gguf.MODEL_ARCH.LLAMA, 'qwen2': gguf.MODEL_ARCH.QWEN2,
          **{kind: arch for kind, (arch, _) in MOE.items()}}
 
+
+def decode_rows_kernel(kernel: LinearKernel) -> LinearKernel:
+    """The kernel that a layer's decode rows run on: a K-quant layer's GEMV (the small kernel of its
+    :class:`SmallStepInt4Kernel`), another layer's only kernel."""
+    return kernel.small if isinstance(kernel, SmallStepInt4Kernel) else kernel
 
 def encode(weight: np.ndarray, qtype: Q, rng: np.random.Generator) -> np.ndarray:
     """``weight`` quantized by gguf-py, or for a K-quant random blocks in its place; a stack of matrices
@@ -233,17 +239,17 @@ def test_bf16_mixed_file_runs_each_layer_on_its_kernel(mixed_file):
         pytest.skip('CPU kernels')
 
     def check_kernels(engine: Engine) -> None:
-        expected = {'Q4_K': TorchInt4Kernel if cpu.int4_gemv() is None else Q4KKernel,
-                    'Q6_K': Q8Kernel if cpu.q6k_gemv() is None else Q6KKernel,
-                    'Q8_0': Q8Kernel if cpu.q8_gemv() is None else NativeQ8Kernel,
-                    'Q5_K': ReferenceKernel if cpu.q5k_gemv() is None else Q5KKernel}
+        expected = {'Q4_K': TorchInt4Kernel if cpu.int4_gemv() is None else Q4KGemv,
+                    'Q6_K': Q8Kernel if cpu.q6k_gemv() is None else Q6KGemv,
+                    'Q8_0': Q8Kernel if cpu.q8_gemv() is None else Q8_0Gemv,
+                    'Q5_K': ReferenceKernel if cpu.q5k_gemv() is None else Q5KGemv}
         for name, layer_type in FILES[kind][1].items():
             kernel = engine.runner.model.get_submodule(name).kernel
             if isinstance(layer_type, list):
                 assert isinstance(kernel, PartsKernel), name
-                assert [type(part) for part in kernel.parts] == [expected[t] for t in layer_type], name
+                assert [type(decode_rows_kernel(part)) for part in kernel.parts] == [expected[t] for t in layer_type]
             else:
-                assert isinstance(kernel, expected[layer_type]), name
+                assert isinstance(decode_rows_kernel(kernel), expected[layer_type]), name
 
     def check_fp32_kernels(engine: Engine) -> None:  # every layer's blocks (each part's) dequantized once
         for name in FILES[kind][1]:

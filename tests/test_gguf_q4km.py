@@ -23,8 +23,8 @@ from lmdeploy.pytorch.nn.quant.gguf import DequantizedKernel, GgufFileFormat, Gg
 from lmdeploy.pytorch.nn.quant.gguf_blocks import Q6K_LM_HEAD_GEMV_MAX_ROWS, int8_unpack, q4_k_grid
 from lmdeploy.pytorch.nn.quant.int4_cpu import NativeInt4Kernel, SmallStepInt4Kernel, TorchInt4Kernel
 from lmdeploy.pytorch.nn.quant.parts import PartsKernel
-from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KGemv, Q4KKernel
-from lmdeploy.pytorch.nn.quant.q6k_cpu import (GEMV_MAX_ROWS, Q6K_PACK_ROWS, Q6K_TILE, Q6KGemv, Q6KKernel, gemv_max_rows,
+from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KGemv
+from lmdeploy.pytorch.nn.quant.q6k_cpu import (GEMV_MAX_ROWS, Q6K_PACK_ROWS, Q6K_TILE, Q6KGemv, gemv_max_rows,
                                                pack_q6k)
 
 # llama.cpp's Q4_K_M on a 2-layer model: Q6_K in layer 0's attn_v and ffn_down (so its q/k/v run part by part)
@@ -99,19 +99,20 @@ def test_q6_k_layer_holds_its_blocks_and_dequantizes_larger_steps(amx, monkeypat
     layer = torch.nn.Module()
     layer.qweight, layer.gate_up_panels = blocks, False
     kernel = GgufFormat('Q6_K').make_kernel(layer, LinearOptions(True, dtype=torch.bfloat16))
-    assert isinstance(kernel, Q6KKernel) and layer.qweight is None
-    assert kernel.packed.dtype == kernel.scales.dtype == torch.uint8
-    assert kernel.packed.numel() + kernel.scales.numel() == blocks.numel()
-    assert torch.equal(cpu.native().q6k_dequantize(kernel.packed, kernel.scales), expected.bfloat16())
-    bound = kernel.max_gemv_rows
+    assert isinstance(kernel, SmallStepInt4Kernel) and isinstance(kernel.small, Q6KGemv) and layer.qweight is None
+    gemv = kernel.small
+    assert kernel.large.codes is gemv.packed and kernel.large.scales is gemv.scales  # one copy
+    assert gemv.packed.dtype == gemv.scales.dtype == torch.uint8
+    assert gemv.packed.numel() + gemv.scales.numel() == blocks.numel()
+    assert torch.equal(cpu.native().q6k_dequantize(gemv.packed, gemv.scales), expected.bfloat16())
+    bound = kernel.small_step_rows
     assert bound == GEMV_MAX_ROWS['q6k'][0 if amx else 1]
     monkeypatch.setattr(cpu, 'onednn_amx', lambda: not amx)  # chosen at load: a later answer changes nothing
     bias = torch.randn(48).bfloat16()
     big = torch.randn(bound + 1, 768).bfloat16()
     assert torch.equal(kernel(big, bias), torch.nn.functional.linear(big, expected.bfloat16(), bias))
     small = big[:bound]
-    gemv = cpu.native().q6k_linear(small, kernel.packed, kernel.scales)
-    assert torch.equal(kernel(small, bias), gemv.bfloat16() + bias)
+    assert torch.equal(kernel(small, bias), cpu.native().q6k_linear(small, gemv.packed, gemv.scales).bfloat16() + bias)
 
 
 @pytest.mark.parametrize('rows', [1, 3, 4, 7, 40])
@@ -148,11 +149,13 @@ def test_q4_k_layer_holds_its_blocks_and_dequantizes_larger_steps(gate_up, amx, 
     blocks, expected = random_blocks(Q.Q4_K, 64, 768, seed=4)
     layer = block_layer(blocks, gate_up)
     kernel = GgufFormat('Q4_K').make_kernel(layer, LinearOptions(True, dtype=torch.bfloat16))
-    assert isinstance(kernel, Q4KKernel) and layer.qweight is None
-    assert kernel.packed.dtype == kernel.scales.dtype == torch.uint8
-    assert kernel.packed.numel() + kernel.scales.numel() == blocks.numel()
-    assert torch.equal(cpu.native().q4k_dequantize(kernel.packed, kernel.scales, gate_up), expected.bfloat16())
-    bound = kernel.max_gemv_rows
+    assert isinstance(kernel, SmallStepInt4Kernel) and isinstance(kernel.small, Q4KGemv) and layer.qweight is None
+    gemv = kernel.small
+    assert kernel.large.codes is gemv.packed and kernel.large.scales is gemv.scales  # one copy
+    assert gemv.packed.dtype == gemv.scales.dtype == torch.uint8
+    assert gemv.packed.numel() + gemv.scales.numel() == blocks.numel()
+    assert torch.equal(cpu.native().q4k_dequantize(gemv.packed, gemv.scales, gate_up), expected.bfloat16())
+    bound = kernel.small_step_rows
     assert bound == GEMV_MAX_ROWS['q4k'][0 if amx else 1]
     bias = None if gate_up else torch.randn(64).bfloat16()
     big = torch.randn(bound + 1, 768).bfloat16()
@@ -160,10 +163,10 @@ def test_q4_k_layer_holds_its_blocks_and_dequantizes_larger_steps(gate_up, amx, 
     assert kernel.gate_up_silu(big, bias) is None
     small = big[:bound]
     if gate_up:
-        gemv = cpu.native().q4k_gate_up_silu(small, kernel.packed, kernel.scales)
-        assert torch.equal(kernel.gate_up_silu(small, None), gemv)
+        silu = cpu.native().q4k_gate_up_silu(small, gemv.packed, gemv.scales)
+        assert torch.equal(kernel.gate_up_silu(small, None), silu)
     else:
-        assert torch.equal(kernel(small, bias), cpu.native().q4k_linear(small, kernel.packed, kernel.scales, bias))
+        assert torch.equal(kernel(small, bias), cpu.native().q4k_linear(small, gemv.packed, gemv.scales, bias))
 
 
 def test_q4_k_dequantize_rejects_other_layouts():
@@ -171,7 +174,7 @@ def test_q4_k_dequantize_rejects_other_layouts():
     if cpu.int4_gemv() is None:
         pytest.skip('the native Q4_K GEMV needs AVX512-BF16')
     blocks, _ = random_blocks(Q.Q4_K, 48, 512)
-    kernel = GgufFormat('Q4_K').make_kernel(block_layer(blocks), LinearOptions(True, dtype=torch.bfloat16))
+    kernel = Q4KGemv.of_blocks(blocks)
     with pytest.raises(RuntimeError, match='scales: uint8'):
         cpu.native().q4k_dequantize(kernel.packed, kernel.scales[:, :1].contiguous())
     with pytest.raises(RuntimeError, match='gate_up: pairs of tiles'):
@@ -262,33 +265,37 @@ def test_mixed_qkv_part_by_part_gives_transformers_tokens(q4_k_m):
     assert_transformers_greedy(reference, prompts, outs)
 
 
-def engine_in_one_stack(path: str) -> tuple[Engine, torch.nn.Module]:
-    """A bf16 engine on a GGUF file whose K-quant layers all run in one native decoder stack (every step in
-    ``large``: each layer's kernel switches by the step's rows), and its model."""
+def engine_in_the_stack(path: str) -> tuple[Engine, torch.nn.Module]:
+    """A bf16 engine on a GGUF file whose K-quant layers all run in the native decoder stack (decode rows in
+    ``small``, on each layer's GEMV; prefill rows in ``large``, dequantized), and its model."""
     engine = Engine(path, PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=64, block_size=16,
                                               enable_prefix_caching=False, max_prefill_token_num=128),
                     show_progress=False)
     stack = engine.runner.model.native_stack
-    assert stack is not None and stack.small is None and stack.small_step_rows == 0
+    assert stack is not None and stack.small is not None and stack.small_step_rows == gemv_max_rows('q4k')
     return engine, engine.runner.model
 
 
+def gemv_of(kernel: object) -> type:
+    """The type of a dense K-quant layer's GEMV (its kernel for decode rows)."""
+    assert isinstance(kernel, SmallStepInt4Kernel)
+    return type(kernel.small)
+
+
 def test_q4_k_m_runs_in_the_stack(q4_k_m, native_gemms, monkeypatch):
-    """Q4_K layers and Q6_K ones (each on its GEMV up to ``gemv_max_rows`` rows, this CPU's bound, dequantized per
-    call above) and the q/k/v of both part by part all run in the native decoder stack, one stack
-    for every step size, every step equal to the layers' forward."""
+    """Q4_K layers and Q6_K ones (decode rows on each one's GEMV, prefill rows dequantized per call) and the q/k/v of
+    both part by part all run in the native decoder stack, every step equal to the layers' forward."""
     if cpu.int4_gemv() is None or cpu.q6k_gemv() is None:
         pytest.skip('the native int4 and Q6_K GEMVs need AVX512-BF16')
-    engine, model = engine_in_one_stack(q4_k_m)
+    engine, model = engine_in_the_stack(q4_k_m)
     assert isinstance(model.lm_head.packed, SmallStepInt4Kernel)
     qkv = model.get_submodule('layers.0.self_attn.qkv_proj').kernel
-    assert isinstance(qkv, PartsKernel) and [type(part) for part in qkv.parts] == [Q4KKernel, Q4KKernel, Q6KKernel]
-    assert isinstance(model.get_submodule('layers.0.mlp.down_proj').kernel, Q6KKernel)
-    assert isinstance(model.get_submodule('layers.0.mlp.gate_up_proj').kernel, Q4KKernel)
-    assert isinstance(model.get_submodule('layers.1.self_attn.qkv_proj').kernel, Q4KKernel)
+    assert isinstance(qkv, PartsKernel) and [gemv_of(part) for part in qkv.parts] == [Q4KGemv, Q4KGemv, Q6KGemv]
+    assert gemv_of(model.get_submodule('layers.0.mlp.down_proj').kernel) is Q6KGemv
+    assert gemv_of(model.get_submodule('layers.0.mlp.gate_up_proj').kernel) is Q4KGemv
+    assert gemv_of(model.get_submodule('layers.1.self_attn.qkv_proj').kernel) is Q4KGemv
     steps = check_every_step(engine, monkeypatch)
     outs = run(engine, random_prompts([20, 110, 9], seed=8, vocab=250),
                GenerationConfig(max_new_tokens=6, ignore_eos=True))
     assert [len(out) for out in outs] == [6] * 3
-    assert any(rows <= gemv_max_rows('q6k') for _, rows in steps)
-    assert any(rows > gemv_max_rows('q4k') for _, rows in steps)  # every projection's large steps
+    assert (0, 3) in steps and any(prefill > 0 for prefill, _ in steps)  # decode steps, and prefill steps

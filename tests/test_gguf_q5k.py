@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 from helpers import assert_transformers_greedy, make_engine, random_prompts, run
 from test_decoder_stack import check_every_step
 from test_gguf_mixed import encode, served_mixed_gguf
-from test_gguf_q4km import engine_in_one_stack
+from test_gguf_q4km import engine_in_the_stack, gemv_of
 from test_gguf_moe import dense_weights, random_gguf_experts
 
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
@@ -29,8 +29,8 @@ from lmdeploy.pytorch.nn.quant.base import LinearKernel, LinearOptions
 from lmdeploy.pytorch.nn.quant.gguf import DequantizedKernel, GgufFormat
 from lmdeploy.pytorch.nn.quant.gguf_blocks import BLOCKS, dequantize_blocks
 from lmdeploy.pytorch.nn.quant.parts import PartsKernel
-from lmdeploy.pytorch.nn.quant.q5k_cpu import Q5KKernel, pack_q5k, unpack_q5k
-from lmdeploy.pytorch.nn.quant.q6k_cpu import GEMV_MAX_ROWS, Q6KKernel, gemv_max_rows
+from lmdeploy.pytorch.nn.quant.q5k_cpu import Q5KGemv, Q5KKernel, pack_q5k, unpack_q5k
+from lmdeploy.pytorch.nn.quant.q6k_cpu import GEMV_MAX_ROWS, Q6KGemv
 from lmdeploy.pytorch.nn.quant.w4a16 import ReferenceKernel
 
 # llama.cpp's Q5_K_M on a 2-layer model: Q6_K in layer 0's attn_v and ffn_down and the output, Q5_K elsewhere
@@ -137,7 +137,7 @@ def test_bf16_q5_k_m_file_runs_q5_k_on_the_gemv(q5_k_m):
                                                 max_prefill_token_num=48), show_progress=False)
     try:
         down = engine.runner.model.get_submodule('layers.1.mlp.down_proj')
-        assert isinstance(down.kernel, Q5KKernel) and down.qweight is None
+        assert gemv_of(down.kernel) is Q5KGemv and down.qweight is None
         prompts = random_prompts([40, 7], seed=3, vocab=250)
         outs = run(engine, prompts)
         assert [len(out) for out in outs] == [32, 32]
@@ -147,28 +147,28 @@ def test_bf16_q5_k_m_file_runs_q5_k_on_the_gemv(q5_k_m):
 
 
 def held_tensors(kernel: LinearKernel) -> list[torch.Tensor]:
-    """The tensors a layer's kernel holds, its parts' too."""
-    held = []
+    """The tensors a layer's kernel holds, its parts' and its small and large steps' kernels' too, each once."""
+    held = {}
     for value in vars(kernel).values():
         for item in value if isinstance(value, list) else [value]:
             if isinstance(item, torch.Tensor):
-                held.append(item)
+                held[id(item)] = item
             elif isinstance(item, LinearKernel):
-                held += held_tensors(item)
-    return held
+                held.update((id(t), t) for t in held_tensors(item))
+    return list(held.values())
 
 
 def test_q5_k_m_runs_in_the_stack(q5_k_m, native_gemms, monkeypatch):
-    """bf16 on the CPU: Q5_K layers and Q6_K ones (each on its GEMV up to ``gemv_max_rows`` rows, this CPU's bound,
-    dequantized per call above) and layer 0's q/k/v of both part by part run in the native decoder stack,
+    """bf16 on the CPU: Q5_K layers and Q6_K ones (decode rows on each one's GEMV, prefill rows dequantized per
+    call) and layer 0's q/k/v of both part by part run in the native decoder stack,
     every step's hidden states equal to the layers' forward; each projection holds only its retiled blocks, as many
     bytes as the file's (no bf16 copy)."""
     if cpu.q5k_gemv() is None or cpu.q6k_gemv() is None:
         pytest.skip('the native Q5_K and Q6_K GEMVs need AVX512-BF16')
-    engine, model = engine_in_one_stack(q5_k_m)
+    engine, model = engine_in_the_stack(q5_k_m)
     qkv = model.get_submodule('layers.0.self_attn.qkv_proj').kernel
-    assert isinstance(qkv, PartsKernel) and [type(part) for part in qkv.parts] == [Q5KKernel, Q5KKernel, Q6KKernel]
-    assert isinstance(model.get_submodule('layers.0.mlp.down_proj').kernel, Q6KKernel)
+    assert isinstance(qkv, PartsKernel) and [gemv_of(part) for part in qkv.parts] == [Q5KGemv, Q5KGemv, Q6KGemv]
+    assert gemv_of(model.get_submodule('layers.0.mlp.down_proj').kernel) is Q6KGemv
     for name, layer in model.layers.named_modules():
         if isinstance(layer, Linear):
             types = layer.weight_format.parts if isinstance(layer.kernel, PartsKernel) else [layer.weight_format]
@@ -183,8 +183,7 @@ def test_q5_k_m_runs_in_the_stack(q5_k_m, native_gemms, monkeypatch):
                GenerationConfig(max_new_tokens=6, ignore_eos=True))
     assert [len(out) for out in outs] == [6] * 3
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    assert any(rows <= gemv_max_rows('q6k') for _, rows in steps)
-    assert any(rows > gemv_max_rows('q5k') for _, rows in steps)
+    assert (0, 3) in steps and any(prefill > 0 for prefill, _ in steps)  # decode steps, and prefill steps
 
 
 def test_without_the_gemv_bf16_layers_and_experts_dequantize_per_call(monkeypatch):

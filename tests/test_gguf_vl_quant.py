@@ -23,9 +23,9 @@ from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.linear import Linear
-from lmdeploy.pytorch.nn.quant.gguf_blocks import NativeQ8Kernel
+from lmdeploy.pytorch.nn.quant.gguf_blocks import Q8_0Gemv
 from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
-from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KKernel
+from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KGemv
 from lmdeploy.pytorch.nn.quant.q6k_cpu import gemv_max_rows
 from lmdeploy.pytorch.weights.gguf import convert_gguf, resolve_gguf
 
@@ -134,11 +134,10 @@ def test_pair_keeps_the_language_model_blocks(quantized_pair, capsys):
 
 
 def test_bf16_pair_runs_its_blocks_as_a_text_file_does(quantized_pair, native_gemms, monkeypatch):
-    """bf16 on the CPU, image prompts included: the Q4_K_M pair's Q4_K layers on the Q4_K GEMV for small steps
-    (dequantized per call above), its Q6_K output layer's small steps on its blocks and every layer in the native
-    decoder stack, one stack for every step size, each step equal to
-    the layers' own forward; the Q8_0 pair's layers likewise on the native 8-bit GEMV for small steps (dequantized
-    per call above), in the stack too."""
+    """bf16 on the CPU, image prompts included: the Q4_K_M pair's Q4_K layers on the Q4_K GEMV for decode rows
+    (prefill rows dequantized per call), its Q6_K output layer's small steps on its blocks and every layer in the
+    native decoder stack (decode rows in its small stack), each step equal to the layers' own forward; the Q8_0
+    pair's layers likewise on the native 8-bit GEMV for decode rows, in the stack too."""
     name, served, _ = quantized_pair
     if cpu.int4_gemv() is None or cpu.q6k_gemv() is None or cpu.q8_gemv() is None:
         pytest.skip('the native Q4_K, Q6_K and 8-bit GEMVs need AVX512-BF16')
@@ -147,18 +146,19 @@ def test_bf16_pair_runs_its_blocks_as_a_text_file_does(quantized_pair, native_ge
     try:
         model = engine.runner.model
         qkv = model.get_submodule('layers.1.self_attn.qkv_proj').kernel
-        assert model.native_stack is not None and model.native_stack.small is None
+        assert model.native_stack is not None and model.native_stack.small is not None
+        assert isinstance(qkv, SmallStepInt4Kernel)
         if name == 'Q8_0':
-            assert isinstance(qkv, NativeQ8Kernel)
+            assert isinstance(qkv.small, Q8_0Gemv)
         else:
-            assert isinstance(qkv, Q4KKernel) and isinstance(model.lm_head.packed, SmallStepInt4Kernel)
+            assert isinstance(qkv.small, Q4KGemv) and isinstance(model.lm_head.packed, SmallStepInt4Kernel)
         steps = check_every_step(engine, monkeypatch)
         # a long text prompt (about 400 tokens): a step larger than the GEMVs' bounds on any CPU (192 at most)
         processor = make_processor(str(served))
         prompts = [processor.process(prompt) for prompt in [('describe', IMAGES[0]), 'plain text ' * 40]]
         outs = run(engine, prompts, GenerationConfig(max_new_tokens=6, ignore_eos=True))
         assert [len(out) for out in outs] == [6, 6]
-        # small and large steps ran, each equal to the layers'
+        # decode and prefill steps ran, each equal to the layers'
         max_rows = gemv_max_rows('q8_0' if name == 'Q8_0' else 'q4k')
         assert {rows <= max_rows for _, rows in steps} == {True, False}
     finally:

@@ -211,10 +211,10 @@ class DeepseekV3ForCausalLM(MoEForCausalLM):
         if not pack_cpu:
             return
         rows -= {0}
-        # one bound for every layer's small steps, or the layers run them; the stack's head sizes are the latent
-        # attention's own (its attention options are unset)
-        small = [layer.native_weights(small_step=True) for layer in self.layers] if len(rows) == 1 else None
+        # decode rows take the small stack whatever the layers' bounds; outside an engine step, steps of up to the
+        # smallest. The stack's head sizes are the latent attention's own (its attention options are unset)
+        small = [layer.native_weights(small_step=True) for layer in self.layers] if rows else None
         attn = self.layers[0].self_attn
         self.native_stack = NativeDecoderStack.build(
             [layer.native_weights() for layer in self.layers], small, attn.num_heads, 1, attn.nope_dim + attn.rope_dim,
-            self.norm.eps, attn.attn.scale, max(rows, default=0), self.cfg.quant_policy)
+            self.norm.eps, attn.attn.scale, min(rows, default=0), self.cfg.quant_policy)

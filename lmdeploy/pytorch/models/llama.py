@@ -245,12 +245,12 @@ class LlamaForCausalLM(nn.Module):
             return
         attn = self.layers[0].self_attn
         rows = {module.kernel.small_step_rows for _, module in projections} - {0}
-        small_step_rows = max(rows, default=0)
-        # one bound for every layer's small steps (4-bit copies: 2 tokens, GGUF Q6_K: 16), or the layers run them
-        small = [layer.native_weights(small_step=True) for layer in self.layers] if len(rows) == 1 else None
+        # decode rows take the small stack whatever the layers' bounds (4-bit copies: 2 tokens, GGUF GEMVs: 16 to
+        # 96); outside an engine step, steps of up to the smallest
+        small = [layer.native_weights(small_step=True) for layer in self.layers] if rows else None
         self.native_stack = NativeDecoderStack.build(
             [layer.native_weights() for layer in self.layers], small, attn.num_heads, attn.num_kv_heads,
-            attn.head_dim, self.norm.eps, attn.attn.scale, small_step_rows, self.cfg.quant_policy)
+            attn.head_dim, self.norm.eps, attn.attn.scale, min(rows, default=0), self.cfg.quant_policy)
 
     def weight_target(self, name: str) -> WeightTarget | None:
         """Where a Hugging Face tensor (name without ``model.``) goes: the tensor or slice to fill, what it

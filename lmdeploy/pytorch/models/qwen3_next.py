@@ -204,8 +204,8 @@ class HybridDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
     def native_weights(self) -> LayerWeights | None:
-        """This layer's weights for the native decoder stack's decode-only steps; None where a part runs on no
-        native kernel."""
+        """This layer's weights for the native decoder stack's decode-only steps (each projection's for small steps,
+        which decode rows are); None where a part runs on no native kernel."""
         mlp = self.native_mlp()
         if mlp is None:
             return None
@@ -216,7 +216,7 @@ class HybridDecoderLayer(nn.Module):
             return linear_attention_weights(*norms, mixer.in_projections(), dict(o=mixer.out_proj, **projections),
                                             mixer.stack_fields(), rotary_dim=0, **options)
         attn = self.self_attn
-        return layer_weights(*norms, dict(qkv=attn.qkv_proj, o=attn.o_proj, **projections),
+        return layer_weights(*norms, dict(qkv=attn.qkv_proj, o=attn.o_proj, **projections), small_step=True,
                              q_norm=attn.q_norm.scale(self.dtype), k_norm=attn.k_norm.scale(self.dtype),
                              rotary_dim=attn.rotary_dim, output_gate=True, **options)
 
@@ -224,7 +224,7 @@ class HybridDecoderLayer(nn.Module):
         """The MLP's projections and options for the stack (a dense MLP's gate_up and down, or the ``moe`` block);
         None where it runs on no native kernel."""
         if isinstance(self.mlp, SparseMoeBlock):
-            moe = self.mlp.native_moe()
+            moe = self.mlp.native_moe(small_step=True)
             return None if moe is None else ({}, dict(moe=moe))
         if not self.mlp.gate_up_proj.gate_up_panels:
             return None

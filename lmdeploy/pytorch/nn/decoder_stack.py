@@ -65,16 +65,17 @@ def latent_attention(projections: dict[str, Linear], small_step: bool = False, *
 def linear_attention_weights(input_norm: torch.Tensor, post_norm: torch.Tensor, in_projections: list[Linear],
                              projections: dict[str, Linear], linear_attn: dict[str, Any],
                              **options: Any) -> LayerWeights | None:
-    """A Gated DeltaNet layer's weights for the stack's decode-only steps: its ``in_projections`` (their outputs
-    side by side as the layer's ``qkv``, each on its native GEMM or oneDNN's), ``projections`` (``o``: its
-    out_proj, and its MLP's) and ``linear_attn``, the fields of ``native.LinearAttention`` by name (see
-    ``kernels/cpu/linear_attention.h``). None without the native delta rule (AVX-512) or where a projection runs
-    on no native GEMM."""
+    """A Gated DeltaNet layer's weights for the stack's decode-only steps (each projection's for small steps, which
+    decode rows are): its ``in_projections`` (their outputs side by side as the layer's ``qkv``, each on its native
+    GEMM or oneDNN's), ``projections`` (``o``: its out_proj, and its MLP's) and ``linear_attn``, the fields of
+    ``native.LinearAttention`` by name (see ``kernels/cpu/linear_attention.h``). None without the native delta rule
+    (AVX-512) or where a projection runs on no native GEMM."""
     native = cpu.gated_delta()
-    parts = [proj.kernel.router_projection(proj.bias) for proj in in_projections]
+    parts = [(proj.kernel.small_step_projection if proj.kernel.small_step_rows else proj.kernel.router_projection)(
+        proj.bias) for proj in in_projections]
     if native is None or any(part is None for part in parts):
         return None
-    return layer_weights(input_norm, post_norm, projections, qkv=native.Projection(parts=parts),
+    return layer_weights(input_norm, post_norm, projections, small_step=True, qkv=native.Projection(parts=parts),
                          linear_attn=native.LinearAttention(**linear_attn), **options)
 
 

@@ -4,22 +4,22 @@
 
 - Q8_0 (``B = 32``, 34 bytes): an fp16 scale ``d`` and 32 int8 codes, ``W = d * q``. Held as int8 codes
   and fp32 scales, dequantized on each call (in fp32, then to the activations' dtype) for ``F.linear``; in
-  bf16 on the CPU, steps of up to ``gemv_max_rows('q8_0')`` tokens run on the native 8-bit GEMV instead
+  bf16 on the CPU, small steps run on the native 8-bit GEMV instead
   (``kernels/cpu/linear_q8.cpp``: the same blocks, the activations in fp32); on CUDA every step on the Triton
   Q8_0 GEMM (:mod:`lmdeploy.pytorch.nn.quant.gguf_cuda`: the codes and the file's fp16 scales).
 - Q4_K (``B = 256``, 144 bytes): fp16 ``d`` and ``dmin``, eight 6-bit scales ``sc`` and mins ``m``, 256
   4-bit codes; ``W = q * (d * sc) - dmin * m`` per 32 inputs: a 4-bit grid of groups of 32 (exact in
-  fp32), served by the 4-bit kernels (:mod:`lmdeploy.pytorch.nn.quant.w4a16`); in bf16 on the CPU steps of up
-  to ``gemv_max_rows('q4k')`` tokens on the native Q4_K GEMV (:mod:`lmdeploy.pytorch.nn.quant.q4k_cpu`: the codes
+  fp32), served by the 4-bit kernels (:mod:`lmdeploy.pytorch.nn.quant.w4a16`); in bf16 on the CPU small steps
+  on the native Q4_K GEMV (:mod:`lmdeploy.pytorch.nn.quant.q4k_cpu`: the codes
   and the file's scales as they are, exactly its weights), larger ones dequantize that copy for the call
   (``q4k_dequantize``; no other copy kept), as Q5_K, in the native decoder stack too.
 - Q5_K (``B = 256``, 176 bytes): Q4_K's ``d``, ``dmin``, ``sc`` and ``m`` and 5-bit codes (``qh`` the fifth bits);
-  ``W = u * (d * sc) - dmin * m`` per 32 inputs. In bf16 on the CPU steps of up to ``gemv_max_rows('q5k')`` tokens
+  ``W = u * (d * sc) - dmin * m`` per 32 inputs. In bf16 on the CPU small steps
   on the native Q5_K GEMV (:mod:`lmdeploy.pytorch.nn.quant.q5k_cpu`: the file's bits retiled, its weights exactly),
   larger ones dequantize that copy for the call (no bf16 copy kept); elsewhere (fp32, CUDA, no AVX512-BF16) the
   blocks dequantized on each call; a MoE layer's Q5_K experts likewise, each routed expert as a dense layer.
 - Q6_K (``B = 256``, 210 bytes): 6-bit codes ``u``, an int8 scale ``sc`` per 16 inputs and an fp16 ``d``;
-  ``W = (u - 32) * (d * sc)``. In bf16 on the CPU, steps of up to ``gemv_max_rows('q6k')`` tokens run on the
+  ``W = (u - 32) * (d * sc)``. In bf16 on the CPU, small steps run on the
   native Q6_K GEMV (``kernels/cpu/linear_q6k.cpp``: the file's codes and scales retiled, its weights exactly),
   larger ones dequantize that copy for the call (no bf16 copy kept), as Q5_K; on CUDA every step on the
   Triton Q6_K GEMM (the file's bits retiled, 0.82 bytes a weight); otherwise int8 codes and fp32 scales
@@ -33,6 +33,11 @@ dequantized per call above), Q6_K as dense Q6_K layers do (the Q6_K GEMV up to 1
 above; an expert's share of the step's rows decides) and Q8_0 on the 8-bit GEMV; on CUDA the Triton fused MoE
 on every projection's blocks (Q4_K's grids, Q6_K's and Q8_0's retiled as for the dense GEMMs);
 otherwise each routed expert is dequantized on its call.
+
+Small steps, in bf16 on the CPU: a dense layer's decode rows in an engine step, however many share it, and never its
+prefill rows (``decode_rows_on_gemv``, see :func:`~lmdeploy.pytorch.step_context.small_step`: a prompt's output does
+not depend on its batch); outside a step, and for a MoE expert's share of a step, up to the type's
+``gemv_max_rows`` rows.
 
 A stacked layer (q/k/v, gate/up) whose parts differ in type (Q4_K_M's Q6_K ``attn_v`` beside Q4_K ``attn_q`` and
 ``attn_k``) keeps each part as its blocks on its type's kernel (:class:`GgufPartsFormat`).
@@ -120,18 +125,18 @@ class GgufFormat(Int4GroupFormat):
             if native is None:
                 return super().make_kernel(layer, options)
             layer.qweight = None
-            return native
+            return native.layer_kernel()
         if self.ggml_type == 'Q5_K':  # dequantized on each call where the native GEMV does not run it
             native = Q5KKernel.of(layer.qweight) if cpu_bf16 else None
             if native is None:
                 return ReferenceKernel(self, layer)
             layer.qweight = None
-            return native
+            return native.layer_kernel()
         if cpu_bf16 and self.ggml_type == 'Q6_K':
             native = Q6KKernel.of(layer.qweight)
             if native is not None:
                 layer.qweight = None
-                return native
+                return native.layer_kernel()
         if options.dtype is None:
             return ReferenceKernel(self, layer)
         if layer.qweight.device.type == 'cuda':
@@ -141,7 +146,7 @@ class GgufFormat(Int4GroupFormat):
             return kernel
         codes, scales = int8_unpack(layer.qweight, self.ggml_type)
         native = NativeQ8Kernel.of(codes, scales) if cpu_bf16 and self.ggml_type == 'Q8_0' else None
-        kernel = native if native is not None else Q8Kernel(codes, scales)
+        kernel = native.layer_kernel() if native is not None else Q8Kernel(codes, scales)
         layer.qweight = None
         return kernel
 

@@ -12,7 +12,7 @@ from lmdeploy.pytorch.nn.quant.cpu_bf16 import packed_cpu_kernel
 from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
 from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KKernel, k_scale_mins
 from lmdeploy.pytorch.nn.quant.q5k_cpu import q5k_weight
-from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6K_TILE, Q6KGemv, gemv_max_rows
+from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6K_TILE, Q6KGemv, decode_rows_on_gemv, gemv_max_rows, gemv_or_dequantized
 from lmdeploy.pytorch.nn.quant.q8_cpu import Q8_TILE, pack_q8
 from lmdeploy.pytorch.nn.quant.w4a16 import Int4Grid
 
@@ -100,13 +100,29 @@ class Q8Kernel(LinearKernel):
         return F.linear(x, q8_0_weight(self.codes, self.scales).to(x.dtype), bias)
 
 
-class NativeQ8Kernel(LinearKernel):
-    """Q8_0 blocks in the native 8-bit GEMV's layout (:func:`pack_q8`): steps of up to ``max_gemv_rows`` tokens
-    (``gemv_max_rows('q8_0')``) on the GEMV, larger ones dequantized from the same copy to bf16 (the calling
-    thread's reused scratch) for one GEMM (``kquant_dequantized_linear``)."""
+class Q8_0Gemv(LinearKernel):
+    """The native 8-bit GEMV on Q8_0 blocks in its layout (:func:`pack_q8`) at every step size, its fp32 result
+    rounded to the activations' dtype."""
+
+    def __init__(self, packed: torch.Tensor, scales: torch.Tensor):
+        self.packed, self.scales = packed, scales
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        out = cpu.native().q8_linear(x, self.packed, self.scales).to(x.dtype)
+        return out if bias is None else out + bias
+
+    def native_projection(self, bias: torch.Tensor | None) -> object | None:
+        return cpu.native().Projection(kind='q8', weight=self.packed, scale=self.scales, bias=bias)
+
+
+class NativeQ8Kernel(Q8_0Gemv):
+    """A Q8_0 expert's projection: an expert's share of a step of up to ``max_gemv_rows`` tokens
+    (``gemv_max_rows('q8_0')``) on the 8-bit GEMV, larger ones dequantized from the same copy to bf16 (the calling
+    thread's reused scratch) for one GEMM (``kquant_dequantized_linear``); a dense layer's kernel is
+    :meth:`layer_kernel`."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor):
-        self.packed, self.scales = pack_q8(codes, scales.half())
+        super().__init__(*pack_q8(codes, scales.half()))
         self.max_gemv_rows = gemv_max_rows('q8_0')
 
     @classmethod
@@ -119,14 +135,14 @@ class NativeQ8Kernel(LinearKernel):
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.shape[0] > self.max_gemv_rows:
             return cpu.native().kquant_dequantized_linear(x, 'q8_0', self.packed, self.scales, bias)
-        out = cpu.native().q8_linear(x, self.packed, self.scales).to(x.dtype)
-        return out if bias is None else out + bias
+        return super().__call__(x, bias)
 
     def native_projection(self, bias: torch.Tensor | None) -> object | None:
-        native = cpu.native()
-        small = native.Projection(kind='q8', weight=self.packed, scale=self.scales, bias=bias)
-        large = native.Projection(kind='q8_dequantized', weight=self.packed, scale=self.scales, bias=bias)
-        return native.Projection(small=small, large=large, small_step_rows=self.max_gemv_rows)
+        return gemv_or_dequantized('q8', self.packed, self.scales, bias, self.max_gemv_rows)
+
+    def layer_kernel(self) -> SmallStepInt4Kernel:
+        """A dense layer's kernel on this copy (see :func:`~lmdeploy.pytorch.nn.quant.q6k_cpu.decode_rows_on_gemv`)."""
+        return decode_rows_on_gemv('q8_0', Q8_0Gemv(self.packed, self.scales), self.packed, self.scales)
 
 
 def q6_k_lm_head_kernel(blocks: torch.Tensor, table: torch.Tensor) -> SmallStepInt4Kernel | None:

@@ -172,7 +172,7 @@ def pack_int4_codes(codes: torch.Tensor, gate_up: bool = False) -> torch.Tensor:
 
 
 class SmallStepInt4Kernel(LinearKernel):
-    """Small steps on a kernel for few rows (``small``: a 4-bit copy, or GGUF Q6_K's GEMV), the others on
+    """Small steps on a kernel for few rows (``small``: a 4-bit copy, or a GGUF layer's GEMV), the others on
     ``large`` (all steps without one): in an engine step, decode rows are small steps and prefill rows not,
     outside one, steps of at most ``small_step_rows`` tokens (see :func:`~lmdeploy.pytorch.step_context.small_step`)."""
 
