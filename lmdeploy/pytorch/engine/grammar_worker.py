@@ -176,6 +176,7 @@ class _WorkerSet:
 _shared_lock = threading.Lock()
 _shared: dict[int, _WorkerSet] = {}  # size -> the set the pools of that size share
 _pool_ids = itertools.count()
+os.register_at_fork(after_in_child=_shared.clear)  # a forked child has none of the sets' threads and processes
 
 
 def _acquire(size: int) -> _WorkerSet:
