@@ -1,5 +1,6 @@
-"""What compiling in worker processes costs: the first structured request's extra latency (a worker's start)
-and the per-compile overhead of compiling in a worker first, against in-process compiles of the same formats.
+"""What compiling in worker processes costs: the first structured request's extra latency (a worker's start),
+each worker's start-up CPU time and memory, a second engine's first compile on the same (shared) workers, and
+the per-compile overhead of compiling in a worker first, against in-process compiles of the same formats.
 
     python benchmark/grammar_worker.py [--model PATH] [--repeat 5]
 """
@@ -24,6 +25,7 @@ def main() -> None:
     parser.add_argument('--repeat', type=int, default=5)
     args = parser.parse_args()
 
+    import psutil
     import xgrammar as xgr
 
     from lmdeploy import GenerationConfig
@@ -44,7 +46,23 @@ def main() -> None:
         start = time.perf_counter()
         pool.start().result()
         print(f'start of 2 workers (what the first structured request waits for): {time.perf_counter() - start:.3f} s')
-        pool.submit(GenerationConfig(response_format=schema(0))).future.result()  # first-use work out of the figures
+        for pid in pool.worker_pids():
+            worker = psutil.Process(pid)
+            cpu, memory = worker.cpu_times(), worker.memory_full_info()
+            print(f'worker {pid} once started: {cpu.user + cpu.system:.2f} s CPU, {memory.rss / 2 ** 20:.0f} MiB '
+                  f'resident, {memory.uss / 2 ** 20:.0f} MiB its own')
+        start = time.perf_counter()
+        pool.submit(GenerationConfig(response_format=schema(0))).future.result()  # out of the medians below
+        print(f'first compile (its worker reads the vocabulary first): {time.perf_counter() - start:.3f} s')
+        second = GrammarProcessPool(GrammarCompiler(tokenizer, len(tokenizer.hf)), 2)  # another engine's
+        try:
+            start = time.perf_counter()
+            second.submit(GenerationConfig(response_format=schema(-1))).future.result()
+            print(f'a second pool of this process, its first compile (its own vocabulary read here and in the worker): '
+                  f'{time.perf_counter() - start:.3f} s, '
+                  f'{len(set(second.worker_pids()) - set(pool.worker_pids()))} processes started for it')
+        finally:
+            second.close()
         times = {'worker': [], 'in-process': []}
         for i in range(1, args.repeat + 1):
             fmt = schema(i)

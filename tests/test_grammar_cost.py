@@ -191,7 +191,7 @@ def test_a_cached_format_is_served_while_slow_compiles_hold_both_workers(unbound
             assert (await http.post('/v1/chat/completions', json=cached)).status_code == 200
             compiling = [asyncio.create_task(http.post('/v1/chat/completions', json=body)) for body in slow]
             for _ in range(500):
-                if not pool._idle.qsize():  # both workers taken
+                if not pool._workers.idle.qsize():  # both workers taken
                     break
                 await asyncio.sleep(0.02)
             start = time.monotonic()

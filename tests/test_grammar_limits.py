@@ -1,7 +1,7 @@
 """Response formats whose bounds a client sets: huge string lengths and array sizes compile at once and still give
 JSON valid under the schema (no control characters or surrogates in bounded strings); regex patterns whose counted
 repetitions would take long to compile are a 400 before any compile; a compile every waiting request gave up is
-killed with its worker process, and no worker outlives its engine."""
+killed with its worker process; the engines of a process share their workers, and none outlives the last engine."""
 from __future__ import annotations
 
 import asyncio
@@ -20,9 +20,11 @@ import xgrammar as xgr
 from helpers import assert_gone, make_engine, random_prompts
 
 from lmdeploy import GenerationConfig, PytorchEngineConfig
+from lmdeploy.pytorch.engine.grammar_worker import GrammarProcessPool
 from lmdeploy.pytorch.engine.guided import GrammarCompiler, GrammarState
 from lmdeploy.serve.async_engine import AsyncEngine
 from lmdeploy.serve.exceptions import ErrorCode, SafeRunException
+from lmdeploy.tokenizer import Tokenizer
 
 HUGE = {'type': 'object', 'additionalProperties': False, 'required': ['s', 'n'],
         'properties': {'s': {'type': 'string', 'minLength': 2, 'maxLength': 100_000},
@@ -168,8 +170,7 @@ def test_waiting_requests_share_a_compile_and_give_up_a_queued_one(tiny_llama):
 
 def test_a_compile_over_its_limit_is_killed_and_masks_match_in_process(tiny_llama):
     """A compile every waiter gave up is killed with its process; the next format compiles in a new one, its
-    masks those of an in-process compile; nothing is left once the engine closes; a worker the system kills
-    is a 503-class error and is replaced."""
+    masks those of an in-process compile; a worker the system kills is a 503-class error and is replaced."""
     formats = [enum_format(40, 'v'), {'type': 'regex', 'regex': r'[a-c]{2,4}-\d{3}'},
                json_schema({'type': 'object', 'required': ['a'], 'properties': {
                    'a': {'type': 'array', 'items': {'type': 'integer'}, 'maxItems': 3}, 'b': {'enum': ['x', 'y']}}})]
@@ -214,8 +215,31 @@ def test_a_compile_over_its_limit_is_killed_and_masks_match_in_process(tiny_llam
             assert set(pids) <= {child.pid for child in psutil.Process().children()}
         finally:
             engine.close()
-        assert not any(psutil.pid_exists(pid) for pid in pids)
     asyncio.run(main())
+
+
+def test_pools_share_their_workers_and_the_last_kills_them(tiny_llama):
+    """Two pools of one process, each for its own vocabulary, compile on the same worker process, which is told
+    the vocabulary whenever it changes; it outlives the first pool's close and ends with the second's."""
+    tokenizer = Tokenizer(tiny_llama)
+    sizes = (len(tokenizer.hf), len(tokenizer.hf) + 64)
+    pools = [GrammarProcessPool(GrammarCompiler(tokenizer, size), 1) for size in sizes]  # no other pool of size 1
+    try:
+        for n, pool in enumerate(pools + pools):
+            regex = GenerationConfig(response_format={'type': 'regex', 'regex': f'a{{{n + 1}}}'})
+            grammar = pool.submit(regex).future.result(60)
+            assert grammar.compiled.tokenizer_info.vocab_size == sizes[n % 2]
+        pids = pools[0].worker_pids()
+        assert len(pids) == 1 and pools[1].worker_pids() == pids
+        pools[0].close()
+        bad = GenerationConfig(response_format={'type': 'regex', 'regex': 'a('})
+        with pytest.raises(ValueError, match='could not be compiled'):  # the worker's answer, not its death
+            pools[1].submit(bad).future.result(60)
+        assert pools[1].worker_pids() == pids
+    finally:
+        for pool in pools:
+            pool.close()
+    assert_gone(pids, timeout=5)
 
 
 def assert_same_masks(got, want, vocab_size: int) -> None:

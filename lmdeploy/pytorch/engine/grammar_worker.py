@@ -1,11 +1,16 @@
 """Grammar compiles in worker processes, so that one running too long can be stopped.
 
-xgrammar cannot stop a compile once started; a process can be killed. The pool's worker processes start
-together on its first use (an engine that never sees a grammar starts none); a compile takes an idle one on a
-thread of the pool, sends the format down its pipe and waits for the word that it compiled. A compile that
+xgrammar cannot stop a compile once started; a process can be killed. The pools of one process that ask for the
+same number of workers share one set of worker processes (a :class:`_WorkerSet`): it starts on the first use of
+any of them (a process that never sees a grammar starts none) and ends when the last of them closes. Each worker
+imports xgrammar, and so torch and transformers (xgrammar's own modules import both): about 2.6 s of CPU and
+270 MB each, paid once per process rather than once per engine.
+
+A compile takes an idle worker on a thread of the set, sends the format down its pipe (with its tokenizer's
+info when the worker last compiled for another one) and waits for the word that it compiled. A compile that
 every waiting request gave up is killed with its process, and a new process starts at once in its place (its
 start-up overlaps whatever comes next). A format that compiled in a worker then compiles again in this process,
-on the pool's thread (xgrammar lets go of the GIL): xgrammar serializes a compiled grammar as JSON, each state's
+on the set's thread (xgrammar lets go of the GIL): xgrammar serializes a compiled grammar as JSON, each state's
 token mask a list of numbers, hundreds of MB for a tool set (a 31-tool set on SmolLM2's vocabulary: 194 MB,
 26 s to serialize and 13 s to read back, for a 1.6 s compile).
 
@@ -16,11 +21,13 @@ a process shared by all of the engine's multiprocessing users).
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import queue
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing import get_context
@@ -42,57 +49,153 @@ class GrammarWorkerDied(RuntimeError):
 
 
 def _serve(conn: Connection, parent: int) -> None:
-    """A worker's life: receive the tokenizer info and say 'ready', then compile each format received, answer
-    ``(True, '')`` or ``(False, reason)``; ends with its parent (the kernel kills it) or when the pipe closes."""
+    """A worker's life: say 'ready' once imported, then compile each ``(tokenizer_info, format)`` received
+    (``tokenizer_info``, serialized, when it changes, else None), answer ``(True, '')`` or ``(False, reason)``;
+    ends with its parent (the kernel kills it) or when the pipe closes."""
     die_with_parent(parent)
+    compiler = None
     try:
-        info = conn.recv()
-    except EOFError:
+        conn.send('ready')
+        while True:
+            info, fmt = conn.recv()
+            if info is not None:
+                compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(info), cache_enabled=False)
+            try:
+                compile_format(compiler, fmt)
+                conn.send((True, ''))
+            except ValueError as exc:
+                conn.send((False, str(exc)))
+    except (EOFError, OSError):
         return
-    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(info), cache_enabled=False)
-    conn.send('ready')
-    while True:
-        try:
-            fmt = conn.recv()
-        except EOFError:
-            return
-        try:
-            compile_format(compiler, fmt)
-            conn.send((True, ''))
-        except ValueError as exc:
-            conn.send((False, str(exc)))
 
 
 class _Worker:
     """One worker process and its end of the pipe; starting one returns at once, its start-up (imports)
     goes on while :meth:`wait_ready` is not called."""
 
-    def __init__(self, tokenizer_info: str):
+    def __init__(self):
         self.conn, child = _SPAWN.Pipe()
         self.process = _SPAWN.Process(target=_serve, args=(child, os.getpid()), daemon=True,
                                       name='lmdeploy-grammar')
         with main_module_hidden():
             self.process.start()
         child.close()
-        self.tokenizer_info: str | None = tokenizer_info
+        self.ready = False
+        self.tokenizer: int | None = None  # the pool whose tokenizer its compiler has
 
     def wait_ready(self) -> None:
-        """Sends the tokenizer info (once) and waits for the process's start-up; raises ``EOFError`` or
-        ``OSError`` if it died."""
-        if self.tokenizer_info is not None:
-            self.conn.send(self.tokenizer_info)
-            if self.conn.recv() == 'ready':
-                self.tokenizer_info = None
+        """Waits for the process's start-up; raises ``EOFError`` or ``OSError`` if it died."""
+        if not self.ready:
+            self.ready = self.conn.recv() == 'ready'
 
-    def compile(self, fmt: dict) -> tuple[bool, str]:
+    def compile(self, tokenizer: int, tokenizer_info: Callable[[], str], fmt: dict) -> tuple[bool, str]:
         self.wait_ready()
-        self.conn.send(fmt)
+        self.conn.send((None if tokenizer == self.tokenizer else tokenizer_info(), fmt))
+        self.tokenizer = tokenizer
         return self.conn.recv()
 
     def close(self) -> None:
         self.process.kill()
         self.process.join()
         self.conn.close()
+
+
+class _WorkerSet:
+    """``size`` worker processes and the threads that start them and run compiles on them, shared by the pools
+    of this process of that size (``users`` of them hold it).
+
+    Workers are started from the set's threads, which live as long as the set: a process asks the kernel to
+    kill it when the thread that started it ends.
+    """
+
+    def __init__(self, size: int):
+        self.size = size
+        self.users = 0
+        self.threads = ThreadPoolExecutor(size, thread_name_prefix='lmdeploy-grammar')
+        self.idle: queue.SimpleQueue[_Worker | None] = queue.SimpleQueue()
+        self.closed = False
+        self._lock = threading.Lock()
+        self._workers: set[_Worker] = set()
+        self._started: Future | None = None
+
+    def start(self) -> Future:
+        """Starts the worker processes (once); the future is done when they are ready to compile."""
+        with self._lock:
+            if self._started is None:
+                self._started = self.threads.submit(self._start)
+            return self._started
+
+    def pids(self) -> list[int]:
+        with self._lock:
+            return [w.process.pid for w in self._workers if w.process.is_alive()]
+
+    def replace(self, worker: _Worker) -> _Worker | None:
+        """Kills ``worker``; a new worker in its place (None once the set is closed)."""
+        with self._lock:
+            self._workers.discard(worker)
+        worker.close()
+        return self._new_worker()
+
+    def close(self) -> None:
+        """Drops the queued compiles and kills every worker process."""
+        self.threads.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            self.closed = True
+            workers, self._workers = list(self._workers), set()
+        for worker in workers:
+            worker.close()
+        for _ in range(self.size):
+            self.idle.put(None)
+
+    def _start(self) -> None:
+        try:
+            workers = [self._new_worker() for _ in range(self.size)]
+        except BaseException:
+            for _ in range(self.size):
+                self.idle.put(None)
+            raise
+        for worker in workers:
+            try:
+                if worker is not None:
+                    worker.wait_ready()
+            except (EOFError, OSError):
+                pass  # found dead by the compile that takes it
+            self.idle.put(worker)
+
+    def _new_worker(self) -> _Worker | None:
+        worker = None if self.closed else _Worker()
+        with self._lock:
+            if self.closed and worker is not None:
+                worker.close()
+                return None
+            if worker is not None:
+                self._workers.add(worker)
+        return worker
+
+
+_shared_lock = threading.Lock()
+_shared: dict[int, _WorkerSet] = {}  # size -> the set the pools of that size share
+_pool_ids = itertools.count()
+os.register_at_fork(after_in_child=_shared.clear)  # a forked child has none of the sets' threads and processes
+
+
+def _acquire(size: int) -> _WorkerSet:
+    with _shared_lock:
+        workers = _shared.get(size)
+        if workers is None:
+            workers = _shared[size] = _WorkerSet(size)
+        workers.users += 1
+        return workers
+
+
+def _release(workers: _WorkerSet) -> None:
+    with _shared_lock:
+        workers.users -= 1
+        if workers.users:
+            return
+        if _shared.get(workers.size) is workers:
+            del _shared[workers.size]
+    workers.close()
 
 
 @dataclass(eq=False)
@@ -114,33 +217,31 @@ class GrammarJob:
 
 
 class GrammarProcessPool:
-    """Compiles response formats in ``size`` worker processes (each compile on a thread of the pool's own), then
-    in this process once one did, keeping the compiled grammars (by format, least recently used dropped past
-    :data:`CACHE_BYTES`).
-
-    Workers are started from the pool's threads, which live as long as the pool: a process asks the kernel to
-    kill it when the thread that started it ends.
-    """
+    """Compiles response formats in ``size`` worker processes (shared with the other pools of this process of
+    that size; each compile on a thread of theirs), then in this process once one did, keeping the compiled
+    grammars (by format, least recently used dropped past :data:`CACHE_BYTES`)."""
 
     def __init__(self, compiler: GrammarCompiler, size: int):
         self.compiler = compiler
         self.size = size
-        self._threads = ThreadPoolExecutor(size, thread_name_prefix='lmdeploy-grammar')
+        self._workers = _acquire(size)
+        self._id = next(_pool_ids)
         self._lock = threading.Lock()
-        self._workers: set[_Worker] = set()
-        self._idle: queue.SimpleQueue[_Worker | None] = queue.SimpleQueue()
         self._started: Future | None = None
         self._info: str | None = None
+        self._jobs: set[GrammarJob] = set()  # the compiles sent to the workers and not done
         self._cache: OrderedDict[str, xgr.CompiledGrammar] = OrderedDict()
         self._cache_bytes = 0
         self._closed = False
-        self._local = threading.local()  # each thread of the pool its own compiler (the pool keeps the cache)
+        self._local = threading.local()  # each thread of the set its own compiler (the pool keeps the cache)
 
     def start(self) -> Future:
-        """Starts the worker processes (once); the future is done when they are ready to compile."""
+        """Starts the worker processes (once) and reads the vocabulary; the future is done when both are."""
         with self._lock:
             if self._started is None:
-                self._started = self._threads.submit(self._start)
+                self._started = Future()
+                threading.Thread(target=self._start, args=(self._workers.start(),), daemon=True,
+                                 name='lmdeploy-grammar-start').start()
             return self._started
 
     def submit(self, gen_config: GenerationConfig) -> GrammarJob:
@@ -152,91 +253,83 @@ class GrammarProcessPool:
                 self._cache.move_to_end(self._key(job.fmt))
         if compiled is not None:
             job.future.set_result(self.compiler.grammar(compiled, gen_config))
-        else:
-            self.start()
-            job.future = self._threads.submit(self._run, job, gen_config)
+            return job
+        self.start()
+        with self._lock:
+            self._jobs.add(job)
+        job.future = self._workers.threads.submit(self._run, job, gen_config)
+        job.future.add_done_callback(lambda _: self._forget(job))
         return job
 
     def worker_pids(self) -> list[int]:
-        """The ids of the worker processes alive now."""
-        with self._lock:
-            return [w.process.pid for w in self._workers if w.process.is_alive()]
+        """The ids of the worker processes alive now (shared with the other pools of this size)."""
+        return self._workers.pids()
 
     def close(self) -> None:
-        """Drops the queued compiles and kills every worker process."""
-        self._threads.shutdown(wait=False, cancel_futures=True)
+        """Drops this pool's queued compiles and kills the worker processes of its running ones (the set
+        replaces them); the last pool of the set kills every worker process."""
         with self._lock:
+            if self._closed:
+                return
             self._closed = True
-            workers, self._workers = list(self._workers), set()
-        for worker in workers:
-            worker.close()
-        for _ in range(self.size):
-            self._idle.put(None)
+            jobs = list(self._jobs)
+        for job in jobs:
+            job.cancel()
+        _release(self._workers)
 
     @staticmethod
     def _key(fmt: dict) -> str:
         return json.dumps(fmt, sort_keys=True)
 
-    def _start(self) -> None:
+    def _forget(self, job: GrammarJob) -> None:
+        with self._lock:
+            self._jobs.discard(job)
+
+    def _start(self, workers: Future) -> None:
+        """On a thread of its own: the set's threads may all be waiting for busy workers."""
         try:
-            self._info = self.compiler.tokenizer_info().serialize_json()
-            workers = [self._new_worker() for _ in range(self.size)]
-        except BaseException:
-            for _ in range(self.size):
-                self._idle.put(None)
-            raise
-        for worker in workers:
-            try:
-                if worker is not None:
-                    worker.wait_ready()
-            except (EOFError, OSError):
-                pass  # found dead by the compile that takes it
-            self._idle.put(worker)
+            self._tokenizer_info()
+            workers.result()
+        except BaseException as exc:
+            self._started.set_exception(exc)
+        else:
+            self._started.set_result(None)
 
-    def _new_worker(self) -> _Worker | None:
-        """A new worker process (None once the pool is closed)."""
-        worker = None if self._closed else _Worker(self._info)
+    def _tokenizer_info(self) -> str:
+        """The vocabulary as xgrammar serializes it for the workers (read once)."""
         with self._lock:
-            if self._closed and worker is not None:
-                worker.close()
-                return None
-            if worker is not None:
-                self._workers.add(worker)
-        return worker
-
-    def _replace(self, worker: _Worker) -> _Worker | None:
-        with self._lock:
-            self._workers.discard(worker)
-        worker.close()
-        return self._new_worker()
+            if self._info is None:
+                self._info = self.compiler.tokenizer_info().serialize_json()
+            return self._info
 
     def _run(self, job: GrammarJob, gen_config: GenerationConfig) -> Grammar | None:
-        worker = self._idle.get()
+        workers = self._workers
+        worker = workers.idle.get()
         if worker is not None and worker.process.exitcode is not None:
-            worker = self._replace(worker)
+            worker = workers.replace(worker)
         if worker is None:
-            self._idle.put(None)
-            if self._closed:
+            workers.idle.put(None)
+            if self._closed or workers.closed:
                 return None
             raise GrammarWorkerDied('the grammar compile processes could not start')
         with job.lock:
             if job.cancelled or self._closed:
-                self._idle.put(worker)
+                workers.idle.put(worker)
                 return None
             job.worker = worker
         try:
-            ok, text = worker.compile(job.fmt)
+            ok, text = worker.compile(self._id, self._tokenizer_info, job.fmt)
         except (EOFError, OSError):
             ok = text = None
         with job.lock:
             job.worker = None
         if text is None or job.cancelled:  # a cancel may have killed it after its answer
-            self._idle.put(self._replace(worker))
+            workers.idle.put(workers.replace(worker))
             if job.cancelled or self._closed:
                 return None
             raise GrammarWorkerDied(f'the grammar compile process died (exit code {worker.process.exitcode}: '
                                     'killed by the system, out of memory?); retry, or simplify the format')
-        self._idle.put(worker)
+        workers.idle.put(worker)
         if not ok:
             raise ValueError(text)
         if not hasattr(self._local, 'compiler'):
@@ -253,4 +346,3 @@ class GrammarProcessPool:
             self._cache_bytes += compiled.memory_size_bytes
             while self._cache_bytes > CACHE_BYTES and len(self._cache) > 1:
                 self._cache_bytes -= self._cache.popitem(last=False)[1].memory_size_bytes
-
