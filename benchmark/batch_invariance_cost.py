@@ -1,15 +1,16 @@
-"""What batch invariance costs: the default model (bf16, ``decode_int4`` on as for its Q4_1 file) in two source
-trees, before and after, each round a fresh process per tree, the trees alternating, one thread, the calling
-thread's CPU time (the engine computes in it with one thread: on a machine that other jobs load, what each tree
-computes rather than what the scheduler gives it; cache sharing still counts).
+"""What batch invariance costs: the default model (bf16, ``decode_int4`` on as for its Q4_1 file), or with ``--moe`` a
+random-weight MoE model (:func:`save_moe_model`), in two source trees, before and after, each round a fresh process
+per tree, the trees alternating, one thread, the calling thread's CPU time (the engine computes in it with one
+thread: on a machine that other jobs load, what each tree computes rather than what the scheduler gives it; cache
+sharing still counts).
 
-    python benchmark/batch_invariance_cost.py --before /path/to/tree --after . [--rounds 3]
+    python benchmark/batch_invariance_cost.py --before /path/to/tree --after . [--rounds 3] [--moe]
 
 Per tree: ``b1 decode`` ms a step (one sequence, the median of its 64 decode steps), ``24-row decode`` ms a
-step (24 sequences decoding together, median of 24 steps), ``arrivals`` ms in all for 16 prompts of 64-184
-tokens queued one a step, 32 new tokens each (prefills share steps with decode rows: mixed steps), and
-``batched`` ms in all for the same prompts queued at once. Prints each round, then the best of each and the
-ratios after / before.
+step (24 sequences decoding together, median of 24 steps), ``prefill 256`` ms for one prompt of 256 tokens (the
+median of 5), ``arrivals`` ms in all for 16 prompts of 64-184 tokens queued one a step, 32 new tokens each
+(prefills share steps with decode rows: mixed steps), and ``batched`` ms in all for the same prompts queued at
+once. Prints each round, then the best of each and the ratios after / before.
 """
 from __future__ import annotations
 
@@ -18,18 +19,19 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 CHILD = r'''
-import json, statistics, time, torch
+import json, statistics, sys, time, torch
 torch.set_num_threads(1)
 from lmdeploy import GenerationConfig, PytorchEngineConfig
 from lmdeploy.model_source import default_model_path
 from lmdeploy.pytorch.engine.engine import Engine
 
-engine = Engine(default_model_path(), PytorchEngineConfig(dtype='bfloat16', enable_prefix_caching=False),
-                show_progress=False)
+path, vocab = sys.argv[1] or default_model_path(), int(sys.argv[2])
+engine = Engine(path, PytorchEngineConfig(dtype='bfloat16', enable_prefix_caching=False), show_progress=False)
 g = torch.Generator().manual_seed(0)
-prompts = [torch.randint(3, 40000, (64 + 8 * i,), generator=g).tolist() for i in range(16)]
+prompts = [torch.randint(3, vocab, (64 + 8 * i,), generator=g).tolist() for i in range(16)]
 
 
 def steps(gen, queue, per_step=0):
@@ -48,16 +50,36 @@ def steps(gen, queue, per_step=0):
 steps(GenerationConfig(max_new_tokens=8, ignore_eos=True), prompts[:4])  # warm-up
 b1 = steps(GenerationConfig(max_new_tokens=66, ignore_eos=True), prompts[:1])
 many = steps(GenerationConfig(max_new_tokens=26, ignore_eos=True), [p[:8] for p in prompts + prompts[:8]])
+long = torch.randint(3, vocab, (256,), generator=g).tolist()
+prefill = [steps(GenerationConfig(max_new_tokens=1, ignore_eos=True), [long])[0] for _ in range(5)]
 gen = GenerationConfig(max_new_tokens=32, ignore_eos=True)
 print(json.dumps({'b1 decode': statistics.median(b1[2:]), '24-row decode': statistics.median(many[2:]),
-                  'arrivals': sum(steps(gen, prompts, 1)), 'batched': sum(steps(gen, prompts))}))
+                  'prefill 256': statistics.median(prefill), 'arrivals': sum(steps(gen, prompts, 1)),
+                  'batched': sum(steps(gen, prompts))}))
 '''
+MOE_VOCAB = 1024
 
 
-def measure(tree: str) -> dict[str, float]:
+def save_moe_model(path: str) -> str:
+    """A Qwen3-30B-A3B-like MoE scaled down to fit: hidden 1024, 4 layers of 16 query and 4 KV heads of 64 and 32
+    experts of 384 of which 4 per token; random bf16 weights (N(0, 0.02)), a word-level tokenizer of 1024."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    from workload import save_word_tokenizer
+    config = Qwen3MoeConfig(hidden_size=1024, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4,
+                            head_dim=64, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=384,
+                            intermediate_size=2816, norm_topk_prob=True, vocab_size=MOE_VOCAB,
+                            max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
+    save_word_tokenizer(path, MOE_VOCAB)
+    return path
+
+
+def measure(tree: str, model: str, vocab: int) -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree), OMP_NUM_THREADS='1')
-    out = subprocess.run([sys.executable, '-c', CHILD], env=env, capture_output=True, text=True, check=True,
-                         cwd=os.path.abspath(tree))
+    out = subprocess.run([sys.executable, '-c', CHILD, model, str(vocab)], env=env, capture_output=True, text=True,
+                         check=True, cwd=os.path.abspath(tree))
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -66,13 +88,16 @@ def main() -> None:
     parser.add_argument('--before', required=True, help='the source tree before')
     parser.add_argument('--after', default='.', help='the source tree after')
     parser.add_argument('--rounds', type=int, default=3)
+    parser.add_argument('--moe', action='store_true', help='the random-weight MoE model instead of the default one')
     args = parser.parse_args()
     results: dict[str, list[dict[str, float]]] = {'before': [], 'after': []}
-    for round_ in range(args.rounds):
-        order = ('before', 'after') if round_ % 2 == 0 else ('after', 'before')
-        for name in order:
-            results[name].append(measure(getattr(args, name)))
-            print(name, round_, {k: round(v, 2) for k, v in results[name][-1].items()}, flush=True)
+    with tempfile.TemporaryDirectory() as folder:
+        model, vocab = (save_moe_model(folder), MOE_VOCAB) if args.moe else ('', 40000)
+        for round_ in range(args.rounds):
+            order = ('before', 'after') if round_ % 2 == 0 else ('after', 'before')
+            for name in order:
+                results[name].append(measure(getattr(args, name), model, vocab))
+                print(name, round_, {k: round(v, 2) for k, v in results[name][-1].items()}, flush=True)
     print('| ms (thread CPU, best of rounds) | before | after | after / before |\n| --- | --- | --- | --- |')
     for key in results['before'][0]:
         before, after = (min(r[key] for r in results[name]) for name in ('before', 'after'))

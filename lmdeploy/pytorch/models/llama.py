@@ -244,7 +244,8 @@ class LlamaForCausalLM(nn.Module):
         if not pack_cpu:
             return
         attn = self.layers[0].self_attn
-        rows = {module.kernel.small_step_rows for _, module in projections} - {0}
+        experts = [module for module in self.layers.modules() if isinstance(module, FusedExperts)]
+        rows = {module.kernel.small_step_rows for module in [m for _, m in projections] + experts} - {0}
         small_step_rows = max(rows, default=0)
         # one bound for every layer's small steps (4-bit copies: 2 tokens, GGUF Q6_K: 16), or the layers run them
         small = [layer.native_weights(small_step=True) for layer in self.layers] if len(rows) == 1 else None
