@@ -39,13 +39,10 @@ def main() -> None:
     native = cpu.fp32_gemm()
     if native is None:
         raise SystemExit('fp32_linear needs AVX-512')
-    packed = {}
-    kernels = {'torch': lambda x, w: F.linear(x, w), 'fp32_linear': lambda x, w: native.fp32_linear(x, w),
-               'packed': lambda x, w: native.fp32_packed_linear(x, packed[w.data_ptr()])}
+    kernels = {'torch': lambda x, w: F.linear(x, w), 'fp32_linear': lambda x, w: native.fp32_linear(x, w)}
     g = torch.Generator().manual_seed(0)
     weights = {name: torch.randn(shape, generator=g) * 0.02 for name, shape in SHAPES.items()}
-    packed.update({w.data_ptr(): native.pack_fp32_weight(w) for w in weights.values()})
-    print('| rows | projection | torch ms | fp32_linear ms | packed ms |\n| --- | --- | --- | --- | --- |')
+    print('| rows | projection | torch ms | fp32_linear ms | ratio |\n| --- | --- | --- | --- | --- |')
     for rows in map(int, args.rows.split(',')):
         totals = {name: 0.0 for name in kernels}
         for proj, weight in weights.items():
@@ -59,10 +56,10 @@ def main() -> None:
             best = {name: min(t) for name, t in times.items()}
             for name in kernels:
                 totals[name] += best[name] * (1 if proj == 'lm_head' else LAYERS)
-            print(f"| {m} | {proj} | {best['torch']:.3f} | {best['fp32_linear']:.3f} | {best['packed']:.3f} |",
-                  flush=True)
+            print(f"| {m} | {proj} | {best['torch']:.3f} | {best['fp32_linear']:.3f} | "
+                  f"{best['fp32_linear'] / best['torch']:.2f} |", flush=True)
         print(f"| {rows} | step (30 layers + LM head) | {totals['torch']:.2f} | {totals['fp32_linear']:.2f} | "
-              f"{totals['packed']:.2f} |", flush=True)
+              f"{totals['fp32_linear'] / totals['torch']:.2f} |", flush=True)
 
 
 if __name__ == '__main__':

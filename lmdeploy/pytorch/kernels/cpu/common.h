@@ -267,8 +267,6 @@ torch::Tensor q4k_dequantize(const torch::Tensor& packed, const torch::Tensor& s
 // built with AVX-512.
 bool fp32_linear_available();
 torch::Tensor fp32_linear(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias);
-torch::Tensor pack_fp32_weight(const torch::Tensor& weight);
-torch::Tensor fp32_packed_linear(const torch::Tensor& x, const torch::Tensor& packed);
 // GGUF Q8_0 in pack_q8's layout (linear_q8.cpp); built with AVX512-BF16.
 bool q8_gemv_available();
 torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales);

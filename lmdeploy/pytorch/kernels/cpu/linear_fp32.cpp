@@ -53,64 +53,7 @@ void dot_any_block(const float* x, const float* w, int64_t K, float* out, int64_
   }
 }
 
-// Packed variant (trial, see benchmark/fp32_linear_cpu.py): weight [N/16, K, 16], 16 outputs a vector, x broadcast,
-// one FMA per input in input order for each output; R rows by T tiles of accumulators.
-template <int R, int T>
-void packed_block(const float* x, const float* w, int64_t K, float* out, int64_t N) {
-  __m512 acc[R][T];
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    __m512 ws[T];
-    for (int t = 0; t < T; ++t) ws[t] = _mm512_loadu_ps(w + t * K * 16 + k * 16);
-    for (int r = 0; r < R; ++r) {
-      const __m512 xb = _mm512_set1_ps(x[r * K + k]);
-      for (int t = 0; t < T; ++t) acc[r][t] = _mm512_fmadd_ps(xb, ws[t], acc[r][t]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < T; ++t) _mm512_storeu_ps(out + r * N + t * 16, acc[r][t]);
-}
-
-template <int R>
-void packed_rows(const float* x, const float* w, int64_t K, float* out, int64_t N, int64_t tiles) {
-  switch (tiles) {
-    case 3: return packed_block<R, 3>(x, w, K, out, N);
-    case 2: return packed_block<R, 2>(x, w, K, out, N);
-    default: return packed_block<R, 1>(x, w, K, out, N);
-  }
-}
-
 }  // namespace
-
-torch::Tensor pack_fp32_weight(const torch::Tensor& weight) {
-  TORCH_CHECK(weight.size(0) % 16 == 0, "pack_fp32_weight takes N in 16s");
-  return weight.view({weight.size(0) / 16, 16, weight.size(1)}).transpose(1, 2).contiguous();
-}
-
-torch::Tensor fp32_packed_linear(const torch::Tensor& x, const torch::Tensor& packed) {
-  const auto xc = x.contiguous();
-  const int64_t M = xc.size(0), K = xc.size(1), N = packed.size(0) * 16, tiles = packed.size(0);
-  auto out = torch::empty({M, N}, xc.options());
-  const float *xp = xc.data_ptr<float>(), *wp = packed.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, (tiles + 2) / 3, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t t0 = 3 * g, T = std::min<int64_t>(3, tiles - t0);
-      for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        const int64_t R = std::min<int64_t>(4, M - m0);
-        const float* xr = xp + m0 * K;
-        const float* wt = wp + t0 * K * 16;
-        float* o = op + m0 * N + t0 * 16;
-        if (R == 4) packed_rows<4>(xr, wt, K, o, N, T);
-        else if (R == 3) packed_rows<3>(xr, wt, K, o, N, T);
-        else if (R == 2) packed_rows<2>(xr, wt, K, o, N, T);
-        else packed_rows<1>(xr, wt, K, o, N, T);
-      }
-    }
-  });
-  return out;
-}
 
 bool fp32_linear_available() { return true; }
 
