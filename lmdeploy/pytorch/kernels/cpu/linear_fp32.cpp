@@ -57,7 +57,8 @@ void dot_any_block(const float* x, const float* w, int64_t K, float* out, int64_
 
 bool fp32_linear_available() { return true; }
 
-torch::Tensor fp32_linear(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
+torch::Tensor fp32_linear(const torch::Tensor& x, const torch::Tensor& weight,
+                          const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && weight.dim() == 2 &&
                   x.size(-1) == weight.size(1),
               "fp32_linear takes fp32 x [..., K] and weight [N, K]");
