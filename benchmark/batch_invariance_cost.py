@@ -1,16 +1,17 @@
-"""What batch invariance costs: the default model (bf16, ``decode_int4`` on as for its Q4_1 file), or with
-``--gemma`` Gemma 3 270M Q4_K_M in bf16 (its K-quant layers' GEMVs), in two source trees, before and after, each round
-a fresh process per tree, the trees alternating, one thread, the calling thread's CPU time (the engine computes in it
-with one thread: on a machine that other jobs load, what each tree computes rather than what the scheduler gives it;
-cache sharing still counts).
+"""What batch invariance costs: the default model (bf16, ``decode_int4`` on as for its Q4_1 file), with ``--gemma``
+Gemma 3 270M Q4_K_M in bf16 (its K-quant layers' GEMVs), or with ``--moe`` a random-weight MoE model
+(:func:`save_moe_model`), in two source trees, before and after, each round a fresh process
+per tree, the trees alternating, one thread, the calling thread's CPU time (the engine computes in it with one
+thread: on a machine that other jobs load, what each tree computes rather than what the scheduler gives it; cache
+sharing still counts).
 
-    python benchmark/batch_invariance_cost.py --before /path/to/tree --after . [--rounds 3] [--gemma]
+    python benchmark/batch_invariance_cost.py --before /path/to/tree --after . [--rounds 3] [--gemma | --moe]
 
 Per tree: ``b1 decode`` ms a step (one sequence, the median of its 64 decode steps), ``24-row decode``, ``64-row
-decode`` and ``128-row decode`` ms a step (as many sequences decoding together, median of 24 steps), ``arrivals`` ms
-in all for 16 prompts of 64-184 tokens queued one a step, 32 new tokens each (prefills share steps with decode rows:
-mixed steps), and ``batched`` ms in all for the same prompts queued at once. Prints each round, then the best of each
-and the ratios after / before.
+decode`` and ``128-row decode`` ms a step (as many sequences decoding together, median of 24 steps), ``prefill
+256`` ms for one prompt of 256 tokens (the median of 5), ``arrivals`` ms in all for 16 prompts of 64-184 tokens queued one a step, 32 new tokens each
+(prefills share steps with decode rows: mixed steps), and ``batched`` ms in all for the same prompts queued at
+once. Prints each round, then the best of each and the ratios after / before.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 CHILD = r'''
 import json, statistics, sys, time, torch
@@ -27,11 +29,12 @@ from lmdeploy import GenerationConfig, PytorchEngineConfig
 from lmdeploy.model_source import default_model_path, gemma3_270m_path
 from lmdeploy.pytorch.engine.engine import Engine
 
-path = gemma3_270m_path() if sys.argv[1] == 'gemma' else default_model_path()
+path = {'': default_model_path, 'gemma': gemma3_270m_path}.get(sys.argv[1], lambda: sys.argv[1])()
+vocab = int(sys.argv[2])
 engine = Engine(path, PytorchEngineConfig(dtype='bfloat16', enable_prefix_caching=False, max_batch_size=128),
                 show_progress=False)
 g = torch.Generator().manual_seed(0)
-prompts = [torch.randint(3, 40000, (64 + 8 * i,), generator=g).tolist() for i in range(16)]
+prompts = [torch.randint(3, vocab, (64 + 8 * i,), generator=g).tolist() for i in range(16)]
 
 
 def steps(gen, queue, per_step=0):
@@ -50,21 +53,38 @@ def steps(gen, queue, per_step=0):
 steps(GenerationConfig(max_new_tokens=8, ignore_eos=True), prompts[:4])  # warm-up
 b1 = steps(GenerationConfig(max_new_tokens=66, ignore_eos=True), prompts[:1])
 decode = GenerationConfig(max_new_tokens=26, ignore_eos=True)
-rows24 = steps(decode, [p[:8] for p in prompts + prompts[:8]])
-rows64 = steps(decode, [p[:8] for p in prompts * 4])
-rows128 = steps(decode, [p[:8] for p in prompts * 8])
+rows = {n: steps(decode, [p[:8] for p in (prompts * 8)[:n]]) for n in (24, 64, 128)}
+long = torch.randint(3, vocab, (256,), generator=g).tolist()
+prefill = [steps(GenerationConfig(max_new_tokens=1, ignore_eos=True), [long])[0] for _ in range(5)]
 gen = GenerationConfig(max_new_tokens=32, ignore_eos=True)
-print(json.dumps({'b1 decode': statistics.median(b1[2:]), '24-row decode': statistics.median(rows24[2:]),
-                  '64-row decode': statistics.median(rows64[2:]), '128-row decode': statistics.median(rows128[2:]),
-                  'arrivals': sum(steps(gen, prompts, 1)),
+print(json.dumps({'b1 decode': statistics.median(b1[2:]),
+                  **{f'{n}-row decode': statistics.median(times[2:]) for n, times in rows.items()},
+                  'prefill 256': statistics.median(prefill), 'arrivals': sum(steps(gen, prompts, 1)),
                   'batched': sum(steps(gen, prompts))}))
 '''
+MOE_VOCAB = 1024
 
 
-def measure(tree: str, model: str) -> dict[str, float]:
+def save_moe_model(path: str) -> str:
+    """A Qwen3-30B-A3B-like MoE scaled down to fit: hidden 1024, 4 layers of 16 query and 4 KV heads of 64 and 32
+    experts of 384 of which 4 per token; random bf16 weights (N(0, 0.02)), a word-level tokenizer of 1024."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    from workload import save_word_tokenizer
+    config = Qwen3MoeConfig(hidden_size=1024, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4,
+                            head_dim=64, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=384,
+                            intermediate_size=2816, norm_topk_prob=True, vocab_size=MOE_VOCAB,
+                            max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
+    save_word_tokenizer(path, MOE_VOCAB)
+    return path
+
+
+def measure(tree: str, model: str, vocab: int) -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree), OMP_NUM_THREADS='1')
-    out = subprocess.run([sys.executable, '-c', CHILD, model], env=env, capture_output=True, text=True, check=True,
-                         cwd=os.path.abspath(tree))
+    out = subprocess.run([sys.executable, '-c', CHILD, model, str(vocab)], env=env, capture_output=True, text=True,
+                         check=True, cwd=os.path.abspath(tree))
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -73,14 +93,18 @@ def main() -> None:
     parser.add_argument('--before', required=True, help='the source tree before')
     parser.add_argument('--after', default='.', help='the source tree after')
     parser.add_argument('--rounds', type=int, default=3)
-    parser.add_argument('--gemma', action='store_true', help='Gemma 3 270M Q4_K_M instead of the default model')
+    models = parser.add_mutually_exclusive_group()
+    models.add_argument('--gemma', action='store_true', help='Gemma 3 270M Q4_K_M instead of the default model')
+    models.add_argument('--moe', action='store_true', help='the random-weight MoE model instead of the default one')
     args = parser.parse_args()
     results: dict[str, list[dict[str, float]]] = {'before': [], 'after': []}
-    for round_ in range(args.rounds):
-        order = ('before', 'after') if round_ % 2 == 0 else ('after', 'before')
-        for name in order:
-            results[name].append(measure(getattr(args, name), 'gemma' if args.gemma else 'default'))
-            print(name, round_, {k: round(v, 2) for k, v in results[name][-1].items()}, flush=True)
+    with tempfile.TemporaryDirectory() as folder:
+        model, vocab = (save_moe_model(folder), MOE_VOCAB) if args.moe else ('gemma' if args.gemma else '', 40000)
+        for round_ in range(args.rounds):
+            order = ('before', 'after') if round_ % 2 == 0 else ('after', 'before')
+            for name in order:
+                results[name].append(measure(getattr(args, name), model, vocab))
+                print(name, round_, {k: round(v, 2) for k, v in results[name][-1].items()}, flush=True)
     print('| ms (thread CPU, best of rounds) | before | after | after / before |\n| --- | --- | --- | --- |')
     for key in results['before'][0]:
         before, after = (min(r[key] for r in results[name]) for name in ('before', 'after'))

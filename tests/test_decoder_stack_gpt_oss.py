@@ -1,7 +1,7 @@
 """gpt-oss in the native decoder stack: attention with sinks and q/k/v/o biases, sliding-window layers (window 8,
 prompts far longer) alternating with full ones, YaRN, and its MoE layers as ``MoEBlock``s (the router's bias, the
-experts' biases, the clamped SwiGLU; bf16 experts, or an MXFP4 checkpoint's on the native GEMV and, for an expert's
-share of a step over 16 rows, dequantized; also from a ``gpt-oss`` GGUF file) against the layers' own forward: every
+experts' biases, the clamped SwiGLU; bf16 experts, or an MXFP4 checkpoint's on the native GEMV for decode rows and
+dequantized for prefill rows; also from a ``gpt-oss`` GGUF file) against the layers' own forward: every
 step's hidden states equal, and each option shown to count."""
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from lmdeploy.pytorch.models import llama
 from lmdeploy.pytorch.models.moe import SparseMoeBlock
 from lmdeploy.pytorch.nn.decoder_stack import layer_weights
 from lmdeploy.pytorch.nn.moe import FusedExperts
+from lmdeploy.pytorch.step_context import step_rows
 
 EXPERTS = ('bf16', 'mxfp4')
 
@@ -55,13 +56,15 @@ def mxfp4_kernels(native_gemms):
 @pytest.mark.parametrize('experts', EXPERTS)
 def test_gpt_oss_stack_equals_the_layers(experts, saved, native_gemms, mxfp4_kernels, monkeypatch):
     """Every layer in the stack, equal to the layers' forward at every step, over chunked prefills (48 tokens a step:
-    some expert's share over 16 rows, the MXFP4 experts' dequantized path), mixed and decode steps (the GEMV)."""
+    the MXFP4 experts' dequantized path), mixed steps (split in two forwards with MXFP4 experts) and decode steps
+    (the GEMV); batched prompts' outputs equal their solo runs'."""
     engine = gpt_oss_engine(saved[experts], max_prefill_token_num=48)
     assert engine.runner.model.native_stack is not None
     assert all(block.native_moe() is not None for block in moe_blocks(engine))
-    # an MXFP4 expert's kernel goes by its share of a step, so batched steps may pick another path than solo ones
-    steps = run_checked(engine, monkeypatch, batched_equals_solo=experts == 'bf16')
-    assert any(0 < prefill < rows for prefill, rows in steps) and any(prefill == 0 for prefill, _ in steps)
+    steps = run_checked(engine, monkeypatch, batched_equals_solo=True)
+    # MXFP4 experts have a kernel for small steps: a step's prefill and decode rows run as two forwards
+    assert any(0 < prefill < rows for prefill, rows in steps) == (experts == 'bf16')
+    assert any(prefill == 0 for prefill, _ in steps)
     assert any(prefill == rows == 48 for prefill, rows in steps) and (0, 1) in steps
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks and not engine.sequences
 
@@ -91,14 +94,16 @@ def test_gguf_gpt_oss_stack_equals_the_layers(gguf_file, tmp_path, native_gemms,
 
 @pytest.mark.parametrize('experts', EXPERTS)
 def test_gpt_oss_block_equals_the_python_forward(experts, saved, native_gemms, mxfp4_kernels):
-    """The ``MoEBlock`` alone gives ``SparseMoeBlock.forward``'s output bit for bit at 1, 5 and 40 tokens (MXFP4: an
-    expert's rows on the GEMV, and at 40 tokens, 80 rows over 4 experts, some expert's beyond
-    ``MXFP4_NATIVE_MAX_ROWS`` on the dequantized weight)."""
+    """The ``MoEBlock`` alone gives ``SparseMoeBlock.forward``'s output bit for bit at 1, 5 and 40 tokens (40: 80 rows
+    over 4 experts, some expert's beyond ``MXFP4_NATIVE_MAX_ROWS``), as decode rows (the stack of small steps; MXFP4:
+    on the GEMV) and as prefill rows (MXFP4: on the dequantized weight)."""
     g = torch.Generator().manual_seed(0)
     for block in moe_blocks(gpt_oss_engine(saved[experts])):
         for tokens in (1, 5, 40):
             x = torch.randn(tokens, 64, generator=g).bfloat16()
-            assert torch.equal(block.native_moe()(x=x), block(x))
+            for decode in (True, False):
+                with step_rows(decode):
+                    assert torch.equal(block.native_moe(small_step=decode)(x=x), block(x))
 
 
 def test_mxfp4_without_native_kernels_keeps_the_layers(saved, native_gemms, monkeypatch):
@@ -117,11 +122,11 @@ def expert_option_off(option: str):
     ``expert_biases`` (none)."""
     original = FusedExperts.native_experts
 
-    def native_experts(experts: FusedExperts) -> dict[str, object] | None:
-        native = original(experts)
+    def native_experts(experts: FusedExperts, small_step: bool = False) -> dict[str, object] | None:
+        native = original(experts, small_step)
         if option == 'clamp':
             return native | dict(swiglu_limit=float('inf'))
-        return native | dict(gate_up_bias=None, down_bias=None)
+        return native | experts.kernel.native_experts(None, None, small_step)
 
     return native_experts
 

@@ -15,7 +15,7 @@ from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.multimodal import MultiModalBatch, MultiModalInput
 from lmdeploy.pytorch.nn.attention import PagedAttention
 from lmdeploy.pytorch.nn.embedding import LMHead
-from lmdeploy.pytorch.nn.quant.base import LinearKernel
+from lmdeploy.pytorch.nn.quant.base import ExpertKernel, LinearKernel
 from lmdeploy.pytorch.paging.block_manager import given_back_as_zero
 from lmdeploy.pytorch.paging.scheduler import ScheduledSeq, SchedulerOutput
 from lmdeploy.pytorch.paging.state_pool import allocate_states, recurrent_state_shapes
@@ -36,7 +36,8 @@ def has_small_step_kernels(model: nn.Module) -> bool:
     for module in model.modules():
         if isinstance(module, LMHead) and module.has_small_step_kernel:
             return True
-        if any(isinstance(value, LinearKernel) and value.small_step_rows for value in vars(module).values()):
+        if any(isinstance(value, (LinearKernel, ExpertKernel)) and value.small_step_rows
+               for value in vars(module).values()):
             return True
     return False
 

@@ -9,6 +9,13 @@ import torch.nn.functional as F
 from lmdeploy.pytorch.kernels.activation import ClampedSwiGLU, clamped_swiglu, silu_and_mul
 
 
+def fp32_router(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A router's fp32 logits ``x @ weight.T``, ``x`` and ``weight`` in fp32 (DeepSeek-V3's, GLM-4.5's, ERNIE's); on
+    the CPU the native ``fp32_linear``, whose rows do not depend on their number (torch's fp32 GEMM picks its
+    kernel by it), so that a token's routing does not depend on its batch."""
+    return F.linear(x, weight)
+
+
 def moe_routing(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax top-k routing: ``(topk_weights [T, k] fp32, topk_ids [T, k])``."""
     weights, ids = torch.topk(torch.softmax(router_logits.float(), dim=-1), top_k, dim=-1)

@@ -6,12 +6,11 @@ from __future__ import annotations
 import re
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_rope_utils import yarn_apply_mscale
 
 from lmdeploy.pytorch.config import ModelConfig
-from lmdeploy.pytorch.kernels import cpu, group_limited_topk, grouped_topk, moe_routing
+from lmdeploy.pytorch.kernels import cpu, fp32_router, group_limited_topk, grouped_topk, moe_routing
 from lmdeploy.pytorch.models.llama import DECODE_INT4_LAYERS, KVCache, LlamaDecoderLayer, LlamaMLP, WeightTarget
 from lmdeploy.pytorch.models.moe import MoEForCausalLM, native_experts_with_shared
 from lmdeploy.pytorch.nn.decoder_stack import LayerWeights, NativeDecoderStack, latent_attention, layer_weights
@@ -141,7 +140,7 @@ class DeepseekV3MoE(nn.Module):
                                 routing=self.routing, scaling=float(self.scaling), **routing, **native)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.route(F.linear(x.float(), self.gate.weight))
+        weights, ids = self.route(fp32_router(x.float(), self.gate.weight))
         out = self.experts(x, weights, ids)
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
@@ -205,6 +204,7 @@ class DeepseekV3ForCausalLM(MoEForCausalLM):
                 rows.add(module.kernel.small_step_rows)
             elif isinstance(module, FusedExperts):
                 module.finalize(LinearOptions(pack_cpu, dtype=self.cfg.dtype))
+                rows.add(module.kernel.small_step_rows)
         if small_step_int4:
             self.lm_head.enable_small_step_copy()
         self.lm_head.finalize(pack_cpu)

@@ -7,11 +7,10 @@ the native decoder stack (the MoE layers as ``MoEBlock``s routed ``biased_softma
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lmdeploy.pytorch.config import ModelConfig
-from lmdeploy.pytorch.kernels import biased_softmax_topk, cpu
+from lmdeploy.pytorch.kernels import biased_softmax_topk, cpu, fp32_router
 from lmdeploy.pytorch.models.deepseek_v3 import TopKRouter
 from lmdeploy.pytorch.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from lmdeploy.pytorch.models.moe import MoEForCausalLM, native_experts_with_shared
@@ -73,7 +72,7 @@ class Ernie4_5MoE(nn.Module):
                                 norm_min=float(self.norm_min), **native)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = biased_softmax_topk(F.linear(x.float(), self.gate.weight),
+        weights, ids = biased_softmax_topk(fp32_router(x.float(), self.gate.weight),
                                            self.moe_statics.e_score_correction_bias, self.top_k, self.norm_min)
         out = self.experts(x, weights, ids)
         return out if self.shared_experts is None else out + self.shared_experts(x)

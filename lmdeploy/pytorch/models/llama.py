@@ -244,7 +244,8 @@ class LlamaForCausalLM(nn.Module):
         if not pack_cpu:
             return
         attn = self.layers[0].self_attn
-        rows = {module.kernel.small_step_rows for _, module in projections} - {0}
+        experts = [module for module in self.layers.modules() if isinstance(module, FusedExperts)]
+        rows = {module.kernel.small_step_rows for module in [m for _, m in projections] + experts} - {0}
         # decode rows take the small stack whatever the layers' bounds (4-bit copies: 2 tokens, GGUF GEMVs: 16 to
         # 96); outside an engine step, steps of up to the smallest
         small = [layer.native_weights(small_step=True) for layer in self.layers] if rows else None

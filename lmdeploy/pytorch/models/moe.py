@@ -70,9 +70,9 @@ class SparseMoeBlock(nn.Module):
 
     def native_moe(self, small_step: bool = False) -> object | None:
         """This block as a ``MoEBlock`` of :class:`~lmdeploy.pytorch.nn.decoder_stack.NativeDecoderStack`
-        (``small_step``: for steps of at most ``small_step_rows`` tokens, which only the shared expert's
-        projections tell apart); None where a part runs on no native kernel."""
-        native = self.experts.native_experts()
+        (``small_step``: for the stack of small steps, see ``LinearKernel.expert_projection``); None where a part
+        runs on no native kernel."""
+        native = self.experts.native_experts(small_step)
         router = self.gate.kernel.router_projection(self.gate.bias)
         if native is None or router is None:
             return None
@@ -108,7 +108,7 @@ def native_experts_with_shared(experts: FusedExperts, shared_experts: LlamaMLP |
                                 small_step: bool) -> dict[str, object] | None:
     """The routed experts' native weights plus, where the block has them, its ungated shared experts'
     projections (:func:`shared_expert_projections`); None where a part runs on no native kernel."""
-    native = experts.native_experts()
+    native = experts.native_experts(small_step)
     if native is None or shared_experts is None:
         return native
     shared = shared_expert_projections(shared_experts, small_step)

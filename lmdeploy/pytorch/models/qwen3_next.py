@@ -224,7 +224,7 @@ class HybridDecoderLayer(nn.Module):
         """The MLP's projections and options for the stack (a dense MLP's gate_up and down, or the ``moe`` block);
         None where it runs on no native kernel."""
         if isinstance(self.mlp, SparseMoeBlock):
-            moe = self.mlp.native_moe(small_step=True)
+            moe = self.mlp.native_moe(small_step=True)  # the stack runs decode rows only
             return None if moe is None else ({}, dict(moe=moe))
         if not self.mlp.gate_up_proj.gate_up_panels:
             return None

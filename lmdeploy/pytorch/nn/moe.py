@@ -96,11 +96,12 @@ class FusedExperts(nn.Module):
         return self.tp.all_reduce(self.kernel(x, topk_weights, topk_ids, self.gate_up_bias, down_bias,
                                               self.activation))
 
-    def native_experts(self) -> dict[str, object] | None:
+    def native_experts(self, small_step: bool = False) -> dict[str, object] | None:
         """The experts as a ``MoEBlock`` of the native decoder stack takes them, by name: their kernel's native
-        weights with the biases, and the clamped SwiGLU (``activation``, ``swiglu_alpha``, ``swiglu_limit``) where
-        they have it; None when no native kernel runs them."""
-        native = self.kernel.native_experts(self.gate_up_bias, self.down_bias)
+        weights with the biases (``small_step``: for the stack of small steps, see
+        :meth:`~lmdeploy.pytorch.nn.quant.ExpertKernel.native_experts`), and the clamped SwiGLU (``activation``,
+        ``swiglu_alpha``, ``swiglu_limit``) where they have it; None when no native kernel runs them."""
+        native = self.kernel.native_experts(self.gate_up_bias, self.down_bias, small_step)
         if native is None or self.activation is None:
             return native
         return native | dict(activation='clamped_swiglu', swiglu_alpha=self.activation.alpha,

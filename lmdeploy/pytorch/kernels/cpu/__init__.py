@@ -31,7 +31,8 @@ _SOURCES = ['bindings.cpp', 'paged_attention.cpp', 'paged_attention_avx512.cpp',
             'paged_prefill_avx512.cpp', 'elementwise.cpp', 'fill_kv_cache.cpp', 'linear_bf16.cpp', 'linear_int8.cpp',
             'threads.cpp', 'decoder_stack.cpp', 'mla.cpp', 'linear_int4.cpp', 'linear_q8.cpp',
             'linear_q6k.cpp', 'linear_q5k.cpp', 'moe_block.cpp', 'linear_mxfp4.cpp', 'gated_delta.cpp',
-            'mla_layer.cpp', 'linear_attention.cpp', 'dequantized_linear.cpp', 'moe_block_region.cpp']
+            'mla_layer.cpp', 'linear_attention.cpp', 'dequantized_linear.cpp', 'moe_block_region.cpp',
+            'linear_fp32.cpp']
 _FLAGS = ['-O3', '-march=native', '-fopenmp', '-ffast-math']
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}
@@ -73,6 +74,12 @@ def int4_gemv() -> ModuleType | None:
     """The kernels when their ``int4_linear`` (AVX512-BF16) was built for this CPU; else None."""
     module = native()
     return module if module is not None and module.int4_gemv_available() else None
+
+
+def fp32_gemm() -> ModuleType | None:
+    """The kernels when their ``fp32_linear`` (AVX-512) was built for this CPU; else None."""
+    module = native()
+    return module if module is not None and module.fp32_linear_available() else None
 
 
 def q8_gemv() -> ModuleType | None:

@@ -57,6 +57,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "bf16 W of q4k_linear's codes and scales ([gate; up] with gate_up)", py::arg("packed"), py::arg("scales"),
       py::arg("gate_up") = false);
+  m.def("fp32_linear_available", &fp32_linear_available, "whether fp32_linear was built (AVX-512)");
+  m.def("fp32_linear", &fp32_linear, "fp32 x @ W.T + bias, rows independent of their number (linear_fp32.cpp)",
+        py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
   m.def("q8_gemv_available", &q8_gemv_available, "whether q8_linear was built (AVX512-BF16)");
   m.def("q8_linear", &q8_linear, "fp32 x @ W.T on 8-bit weight groups (linear_q8.cpp)", py::arg("x"),
         py::arg("packed"), py::arg("scales"));

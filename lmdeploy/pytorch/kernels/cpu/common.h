@@ -263,6 +263,11 @@ torch::Tensor q4k_gate_up_silu(const torch::Tensor& x, const torch::Tensor& pack
 // alternating gate and up) as [gate; up].
 torch::Tensor q4k_dequantize(const torch::Tensor& packed, const torch::Tensor& scales, bool gate_up,
                              WeightBuffer buffer = fresh_weight);
+// fp32 x @ W.T (+ bias), each row's outputs summed in one order whatever the number of rows (linear_fp32.cpp);
+// built with AVX-512.
+bool fp32_linear_available();
+torch::Tensor fp32_linear(const torch::Tensor& x, const torch::Tensor& weight,
+                          const c10::optional<torch::Tensor>& bias);
 // GGUF Q8_0 in pack_q8's layout (linear_q8.cpp); built with AVX512-BF16.
 bool q8_gemv_available();
 torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales);

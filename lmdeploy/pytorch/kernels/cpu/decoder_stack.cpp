@@ -155,7 +155,9 @@ torch::Tensor Projection::operator()(const torch::Tensor& x) const {
       return bias ? out.add(*bias) : out;
     }
     case Kind::kOneDnn: return onednn_linear(x, weight, bias);
-    case Kind::kFp32: return at::linear(x.to(at::kFloat), weight, bias);
+    case Kind::kFp32:
+      return fp32_linear_available() ? fp32_linear(x.to(at::kFloat), weight, bias)
+                                     : at::linear(x.to(at::kFloat), weight, bias);
     case Kind::kSteps: return parts[x.size(0) > small_step_rows ? 1 : 0](x);
     case Kind::kMxfp4: {
       const auto out = mxfp4_linear(x, weight, *scale).to(x.scalar_type());

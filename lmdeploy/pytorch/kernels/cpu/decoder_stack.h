@@ -32,13 +32,14 @@ struct StepTensors {
 // gate-and-up projection's weight is packed for the kernel's fused SiLU (pack_bf16_gate_up,
 // pack_int8_gate_up; int4: gate and up tiles alternate, no bias). "onednn": oneDNN's GEMM
 // (mkldnn::_linear_pointwise) on its blocked weight, for a MoE block's router and shared-expert gate; "fp32": x in
-// fp32 times an fp32 weight (torch's linear), DeepSeek-V3's and GLM-4.5's fp32 router. "parts": a
-// stacked projection whose parts run each on its own projection (each with its share of the bias), their outputs
-// side by side. "steps": inputs of at most `small_step_rows` rows on `parts[0]`, more on `parts[1]` (an expert's
-// share of a step, whatever its size). "mxfp4": an MXFP4 weight as the checkpoint holds it, `weight` its blocks
+// fp32 times an fp32 weight (fp32_linear, rows independent of their number), DeepSeek-V3's and GLM-4.5's fp32
+// router. "parts": a stacked projection whose parts run each on its own projection (each with its share of the
+// bias), their outputs side by side. "steps": inputs of at most `small_step_rows` rows on `parts[0]`, more on
+// `parts[1]`. "mxfp4": an MXFP4 weight as the checkpoint holds it, `weight` its blocks
 // [N, K / 32, 16] and `scale` its e8m0 scales [N, K / 32] (both uint8), on mxfp4_linear (its fp32 sums rounded to
 // x's dtype, then the bias added); "mxfp4_dequantized": the same weight dequantized to x's dtype for each call
-// (mxfp4_dequantize) and torch's linear: Mxfp4Kernel's two paths (nn/quant/mxfp4.py), which "steps" chooses between.
+// (mxfp4_dequantize) and torch's linear: Mxfp4Kernel's two paths (nn/quant/mxfp4.py), the first the stack of small
+// steps'.
 // "q8": GGUF Q8_0 codes [N/16, K/32, 32, 16] (int8) and fp16 `scale`s [N/16, K/32, 16] as pack_q8 lays them out, on
 // q8_linear (its fp32 result rounded to x's dtype, then the bias added); "q8_dequantized": the same weight dequantized
 // to bf16 into the thread's reused scratch, as "q4k_dequantized": NativeQ8Kernel's two paths (nn/quant/gguf_blocks.py).

@@ -80,9 +80,11 @@ class LinearKernel(ABC):
         :meth:`native_projection` of a kernel that runs every step on one copy of its weight."""
         return self.native_projection(bias)
 
-    def expert_projection(self, bias: torch.Tensor | None) -> object | None:
+    def expert_projection(self, bias: torch.Tensor | None, small_step: bool) -> object | None:
         """One expert's projection as a ``Projection`` of a MoE block in the native stack, for its share of a
-        step, whatever its size: the :meth:`native_projection` of a kernel that runs every size on one copy."""
+        step, whatever its size: in the stack of small steps (``small_step``: decode rows, see
+        :func:`~lmdeploy.pytorch.step_context.small_step`) its kernel for small steps, in the other its kernel for
+        large ones; the :meth:`native_projection` of a kernel that runs every step on one copy."""
         return self.native_projection(bias)
 
     def router_projection(self, bias: torch.Tensor | None) -> object | None:
@@ -94,17 +96,22 @@ class LinearKernel(ABC):
 class ExpertKernel(ABC):
     """The loaded weights of a mixture-of-experts layer's experts, in the layout of the kernel that runs them."""
 
+    # An expert's share of a step runs on a kernel of its own for small steps (as LinearKernel's) outside an engine
+    # step up to this many rows, in one for its decode rows whatever their number; 0: one kernel.
+    small_step_rows = 0
+
     @abstractmethod
     def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                  gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
                  activation: ClampedSwiGLU | None) -> torch.Tensor:
         """``sum_j w[t, j] * down_e(act(gate_up_e(x[t])))`` with ``e = topk_ids[t, j]`` (see ``fused_moe``)."""
 
-    def native_experts(self, gate_up_bias: torch.Tensor | None = None,
-                       down_bias: torch.Tensor | None = None) -> dict[str, object] | None:
+    def native_experts(self, gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+                       small_step: bool = False) -> dict[str, object] | None:
         """The experts as a ``MoEBlock`` of the native stack takes them (its ``gate_up`` and ``down`` with their
         ``gate_up_bias`` and ``down_bias``, or its ``expert_gate_up`` and ``expert_down`` each with its expert's
-        share of them; by name), or None when no native kernel runs them."""
+        share of them; by name), or None when no native kernel runs them; ``small_step``: for the stack of small
+        steps (see :meth:`LinearKernel.expert_projection`)."""
         return None
 
 

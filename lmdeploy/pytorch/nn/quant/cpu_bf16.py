@@ -45,10 +45,17 @@ def packed_cpu_kernel(weight: torch.Tensor, gate_up: bool = False) -> LinearKern
     With ``gate_up`` (gate then up rows) the native GEMM's panels alternate gate and up."""
     if weight.dtype != torch.bfloat16 or weight.device.type != 'cpu':
         return None
-    gemm = cpu.bf16_gemm()
-    if gemm is not None and weight.shape[0] % (32 if gate_up else 16) == 0 and weight.shape[1] % 2 == 0:
-        pack = gemm.pack_bf16_gate_up if gate_up else gemm.pack_bf16_weight
-        return NativeBf16Kernel(pack(weight), gate_up)
-    if not torch.backends.mkldnn.is_available():
-        return None
+    native = native_bf16_kernel(weight, gate_up)
+    if native is not None or not torch.backends.mkldnn.is_available():
+        return native
     return OneDnnKernel(torch.ops.mkldnn._reorder_linear_weight(weight))
+
+
+def native_bf16_kernel(weight: torch.Tensor, gate_up: bool = False) -> NativeBf16Kernel | None:
+    """``weight [N, K]`` (bf16, on the CPU) packed for the native GEMM (``gate_up``: see :func:`packed_cpu_kernel`);
+    None where that GEMM is not the CPU's (not built, or AMX) or the shape does not fit its panels."""
+    gemm = cpu.bf16_gemm()
+    if gemm is None or weight.shape[0] % (32 if gate_up else 16) or weight.shape[1] % 2:
+        return None
+    pack = gemm.pack_bf16_gate_up if gate_up else gemm.pack_bf16_weight
+    return NativeBf16Kernel(pack(weight), gate_up)

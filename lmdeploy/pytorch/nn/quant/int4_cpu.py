@@ -211,10 +211,6 @@ class SmallStepInt4Kernel(LinearKernel):
     def small_step_projection(self, bias: torch.Tensor | None) -> object | None:
         return self.small.native_projection(bias)
 
-    def expert_projection(self, bias: torch.Tensor | None) -> object | None:
-        small = self.small.native_projection(bias)
-        if self.large is None or small is None:
-            return small
-        large = self.large.native_projection(bias)
-        return None if large is None else cpu.native().Projection(small=small, large=large,
-                                                                  small_step_rows=self.small_step_rows)
+    def expert_projection(self, bias: torch.Tensor | None, small_step: bool) -> object | None:
+        kernel = self.small if small_step or self.large is None else self.large
+        return kernel.native_projection(bias)

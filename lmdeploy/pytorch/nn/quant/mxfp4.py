@@ -9,10 +9,11 @@ The experts hold each projection's blocks and scales stacked over the experts (`
 ``gate_up_scales``, ``down_blocks``, ``down_scales``) and run, chosen at load (:class:`Mxfp4Format`):
 
 - on CUDA, the Triton fused MoE, which dequantizes each weight tile in registers (``kernels/cuda/fused_moe.py``);
-- elsewhere each routed expert in turn (:class:`Mxfp4Kernel`): steps of up to ``MXFP4_NATIVE_MAX_ROWS`` of its
-  rows on the native GEMV (``kernels/cpu/linear_mxfp4.cpp``, fp32 or bf16 activations as they are), larger ones
-  on the projection dequantized for that call (natively where built) and ``F.linear``; in the native decoder stack
-  the same two paths (``Mxfp4Kernel.expert_projection``).
+- elsewhere each routed expert in turn (:class:`Mxfp4Kernel`): its decode rows (small steps, see
+  ``step_context.small_step``; outside an engine step, up to ``MXFP4_NATIVE_MAX_ROWS`` rows) on the native GEMV
+  (``kernels/cpu/linear_mxfp4.cpp``, fp32 or bf16 activations as they are), its prefill rows on the projection
+  dequantized for that call (natively where built) and ``F.linear``; in the native decoder stack the same two
+  paths, the GEMV in the stack of small steps (``Mxfp4Kernel.expert_projection``).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from lmdeploy.pytorch.nn.quant.base import (ExpertKernel, Layout, LinearKernel, 
                                             new_parameter, register_format)
 from lmdeploy.pytorch.nn.quant.dense import DenseFormat
 from lmdeploy.pytorch.nn.quant.w4a16 import PerExpertKernel
+from lmdeploy.pytorch.step_context import small_step
 
 if TYPE_CHECKING:
     from lmdeploy.pytorch.kernels.activation import ClampedSwiGLU
@@ -35,9 +37,9 @@ if TYPE_CHECKING:
 # the values of the 16 e2m1 codes: sign bit, two exponent bits, one mantissa bit
 FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 MXFP4_BLOCK = 32
-# An expert's share of a step up to this many rows runs on the GEMV, a larger one dequantized for F.linear:
-# gpt-oss-20b's gate-and-up, 1 thread, 8.6 against 12.5 ms at 16 rows, 17.0 against 12.9 at 32
-# (``benchmark/moe_w4_cpu.py --mxfp4``).
+# Outside an engine step, an expert's share of a step up to this many rows runs on the GEMV, a larger one
+# dequantized for F.linear: gpt-oss-20b's gate-and-up, 1 thread, 8.6 against 12.5 ms at 16 rows, 17.0 against
+# 12.9 at 32 (``benchmark/moe_w4_cpu.py --mxfp4``).
 MXFP4_NATIVE_MAX_ROWS = 16
 
 
@@ -57,9 +59,11 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
 
 
 class Mxfp4Kernel(LinearKernel):
-    """``x @ W.T`` on one projection's ``blocks [N, K / 32, 16]`` and ``scales [N, K / 32]``: on the native GEMV
-    for up to ``MXFP4_NATIVE_MAX_ROWS`` rows where it is built (its fp32 sums rounded to ``x``'s dtype), else
-    ``F.linear`` on the weight dequantized to ``x``'s dtype for the call."""
+    """``x @ W.T`` on one projection's ``blocks [N, K / 32, 16]`` and ``scales [N, K / 32]``: small steps (see
+    :func:`~lmdeploy.pytorch.step_context.small_step`) on the native GEMV where it is built (its fp32 sums rounded
+    to ``x``'s dtype), else ``F.linear`` on the weight dequantized to ``x``'s dtype for the call."""
+
+    small_step_rows = MXFP4_NATIVE_MAX_ROWS
 
     def __init__(self, blocks: torch.Tensor, scales: torch.Tensor):
         self.blocks, self.scales = blocks, scales
@@ -73,22 +77,19 @@ class Mxfp4Kernel(LinearKernel):
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        native = cpu.mxfp4_gemv() if x.device.type == 'cpu' and rows <= MXFP4_NATIVE_MAX_ROWS else None
+        native = cpu.mxfp4_gemv() if x.device.type == 'cpu' and small_step(rows, MXFP4_NATIVE_MAX_ROWS) else None
         if native is None or x.dtype not in (torch.float32, torch.bfloat16):
             return F.linear(x, self.dequantize(x.dtype), bias)
         out = native.mxfp4_linear(x, self.blocks, self.scales).to(x.dtype)
         return out if bias is None else out + bias
 
-    def expert_projection(self, bias: torch.Tensor | None) -> object | None:
-        """Both paths of :meth:`__call__` as one ``Projection`` of the native stack (the GEMV up to
-        ``MXFP4_NATIVE_MAX_ROWS`` rows, the dequantized weight beyond); None where the native MXFP4 kernels are not
-        built."""
+    def expert_projection(self, bias: torch.Tensor | None, small_step: bool) -> object | None:
+        """A path of :meth:`__call__` as a ``Projection`` of the native stack (``small_step``: the GEMV, else the
+        dequantized weight); None where the native MXFP4 kernels are not built."""
         if cpu.mxfp4_gemv() is None or self.blocks.device.type != 'cpu':
             return None
-        native = cpu.native()
-        small, large = (native.Projection(kind=kind, weight=self.blocks, scale=self.scales, bias=bias)
-                        for kind in ('mxfp4', 'mxfp4_dequantized'))
-        return native.Projection(small=small, large=large, small_step_rows=MXFP4_NATIVE_MAX_ROWS)
+        kind = 'mxfp4' if small_step else 'mxfp4_dequantized'
+        return cpu.native().Projection(kind=kind, weight=self.blocks, scale=self.scales, bias=bias)
 
 
 class Mxfp4Weights(WeightFormat):

@@ -106,6 +106,7 @@ class PerExpertKernel(ExpertKernel):
 
     def __init__(self, num_experts: int, kernel: Callable[[str, int], LinearKernel]):
         self.num_experts, self.kernel = num_experts, kernel
+        self.small_step_rows = max(kernel(proj, 0).small_step_rows for proj in ('gate_up', 'down'))
 
     def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                  gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
@@ -123,10 +124,11 @@ class PerExpertKernel(ExpertKernel):
 
         return run_experts(x, topk_weights, topk_ids, self.num_experts, mlp)
 
-    def native_experts(self, gate_up_bias: torch.Tensor | None = None,
-                       down_bias: torch.Tensor | None = None) -> dict[str, object] | None:
+    def native_experts(self, gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+                       small_step: bool = False) -> dict[str, object] | None:
         biases = {'gate_up': gate_up_bias, 'down': down_bias}
-        experts = {f'expert_{proj}': [self.kernel(proj, e).expert_projection(None if bias is None else bias[e])
+        experts = {f'expert_{proj}': [self.kernel(proj, e).expert_projection(None if bias is None else bias[e],
+                                                                             small_step)
                                       for e in range(self.num_experts)] for proj, bias in biases.items()}
         return None if any(p is None for projections in experts.values() for p in projections) else experts
 

@@ -1,0 +1,90 @@
+"""A mixture-of-experts layer's output for a token does not depend on what else shares its step: an expert's
+kernel gives each row the same bits whatever the number of rows routed to it (dense bf16 experts on the native
+GEMM, where torch's bf16 GEMM rounds a lone row apart), MXFP4 experts choose their kernel by the kind of rows
+(decode rows on the GEMV, prefill rows on the dequantized weight) rather than by their share's size, and fp32
+routers sum each row in one order (``fp32_linear``). Tiny random models saved by transformers: a MoE block's rows
+alone and together, and an engine's greedy tokens and logprobs, bitwise, each prompt alone against all together
+and arriving one a step."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import save_tiny_model
+from helpers import random_prompts
+from test_batch_invariance import assert_batch_invariant
+from test_deepseek import save_deepseek
+from test_gpt_oss import save_gpt_oss, save_mxfp4
+
+from lmdeploy import PytorchEngineConfig
+from lmdeploy.pytorch.engine.engine import Engine
+from lmdeploy.pytorch.kernels import cpu
+
+CONFIG = dict(num_gpu_blocks=128, block_size=16, enable_prefix_caching=False)
+
+
+def engine_of(path: str, dtype: str = 'bfloat16', decoder: str = 'stack') -> Engine:
+    engine = Engine(path, PytorchEngineConfig(dtype=dtype, **CONFIG), show_progress=False)
+    if decoder == 'layers':
+        engine.runner.model.native_stack = None
+    return engine
+
+
+@pytest.fixture(scope='module')
+def qwen3_moe(tmp_path_factory) -> str:
+    return save_tiny_model('qwen3_moe', str(tmp_path_factory.mktemp('qwen3_moe')), num_experts=8)
+
+
+@pytest.fixture(scope='module')
+def deepseek_v3(tmp_path_factory) -> str:
+    return save_deepseek(str(tmp_path_factory.mktemp('deepseek_v3')))
+
+
+@pytest.mark.parametrize('model', ['qwen3_moe', 'deepseek_v3'])
+def test_moe_block_rows_do_not_depend_on_their_number(model, request, native_gemms):
+    """A bf16 MoE block's rows, bitwise, run all together (experts' shares of many rows) and one at a time (shares
+    of one), in the layers' forward and in the native stack's ``MoEBlock``: torch's bf16 GEMM (Qwen3-MoE's dense
+    experts) and fp32 GEMM (DeepSeek-V3's fp32 router) differed on some of these 1024 rows."""
+    engine = engine_of(request.getfixturevalue(model))
+    try:
+        block = engine.runner.model.layers[-1].mlp
+        x = torch.randn(1024, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
+        for moe in (block, block.native_moe()):
+            together = moe(x)
+            assert all(torch.equal(together[i:i + 1], moe(x[i:i + 1])) for i in range(x.shape[0]))
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope='module')
+def gpt_oss_mxfp4(tmp_path_factory) -> str:
+    dense = save_gpt_oss(str(tmp_path_factory.mktemp('gpt_oss_dense')))
+    return save_mxfp4(dense, str(tmp_path_factory.mktemp('gpt_oss_mxfp4') / 'model'))
+
+
+@pytest.mark.parametrize('decoder', ['stack', 'layers'])
+def test_mxfp4_experts_choose_by_the_kind_of_rows(gpt_oss_mxfp4, decoder, native_gemms):
+    """gpt-oss with MXFP4 experts (4 experts, top-2) in bf16: 24 prompts decoding together give an expert more rows
+    than the GEMV's bound outside a step (16), which then ran on the dequantized weight; prefills of one and two
+    tokens gave shares that ran on the GEMV."""
+    if cpu.mxfp4_gemv() is None:
+        pytest.skip('the native MXFP4 GEMV is not built')
+    engine = engine_of(gpt_oss_mxfp4, decoder=decoder)
+    try:
+        assert_batch_invariant(engine, random_prompts([1, 2] + [3 + 5 * i for i in range(22)], seed=5))
+    finally:
+        engine.close()
+
+
+def test_fp32_router_rows_do_not_depend_on_their_number(native):
+    """``fp32_linear`` (the fp32 routers' kernel): each row bitwise the same alone and among others, for the row
+    and output blocks' remainders and an input count off the 16 lanes; within fp32 rounding of torch's product."""
+    if cpu.fp32_gemm() is None:
+        pytest.skip('fp32_linear needs AVX-512')
+    g = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(37, 301, generator=g), torch.randn(37, generator=g)
+    x = torch.randn(23, 301, generator=g)
+    together = native.fp32_linear(x, weight, bias)
+    torch.testing.assert_close(together, F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+    assert all(torch.equal(together[i:i + 1], native.fp32_linear(x[i:i + 1], weight, bias)) for i in range(23))
+    assert torch.equal(together[5:12], native.fp32_linear(x[5:12], weight, bias))
