@@ -231,8 +231,9 @@ def record_q6k_expert_paths(engine: Engine, monkeypatch) -> list[str]:
     recorded as they run."""
     kernels = [module.kernel.kernel(proj, e) for module in engine.runner.model.modules()
                if isinstance(module, FusedExperts) for proj in ('gate_up', 'down') for e in range(module.num_experts)]
-    paths = {id(part): name for kernel in kernels if isinstance(kernel, SmallStepInt4Kernel)
-             and isinstance(kernel.small, Q6KGemv) for name, part in (('gemv', kernel.small), ('dequantized', kernel.large))}
+    q6k = [kernel for kernel in kernels
+           if isinstance(kernel, SmallStepInt4Kernel) and isinstance(kernel.small, Q6KGemv)]
+    paths = {id(part): name for kernel in q6k for name, part in (('gemv', kernel.small), ('dequantized', kernel.large))}
     recorded = []
     for cls in (Q6KGemv, KQuantDequantized):
         def call(self, x: torch.Tensor, bias: torch.Tensor | None, _call=cls.__call__) -> torch.Tensor:

@@ -1,9 +1,9 @@
 """A mixture-of-experts layer's output for a token does not depend on what else shares its step: an expert's
 kernel gives each row the same bits whatever the number of rows routed to it (dense bf16 experts on the native
 GEMM, where torch's bf16 GEMM rounds a lone row apart), MXFP4 and GGUF K-quant experts choose their kernel by the
-kind of rows (decode rows on the GEMV, prefill rows on the dequantized weight) rather than by their share's size, and fp32
-routers sum each row in one order (``fp32_linear``). Tiny random models saved by transformers: a MoE block's rows
-alone and together, and an engine's greedy tokens and logprobs, bitwise, each prompt alone against all together
+kind of rows (decode rows on the GEMV, prefill rows on the dequantized weight) rather than by their share's size, and
+fp32 routers sum each row in one order (``fp32_linear``). Tiny random models saved by transformers: a MoE block's
+rows alone and together, and an engine's greedy tokens and logprobs, bitwise, each prompt alone against all together
 and arriving one a step."""
 from __future__ import annotations
 

@@ -41,7 +41,8 @@ struct StepTensors {
 // steps'.
 // "q8": GGUF Q8_0 codes [N/16, K/32, 32, 16] (int8) and fp16 `scale`s [N/16, K/32, 16] as pack_q8 lays them out, on
 // q8_linear (its fp32 result rounded to x's dtype, then the bias added); "q8_dequantized": the same weight dequantized
-// to bf16 into the thread's reused scratch, as "q4k_dequantized": Q8_0Gemv.layer_kernel's two paths (nn/quant/gguf_blocks.py).
+// to bf16 into the thread's reused scratch, as "q4k_dequantized": Q8_0Gemv.layer_kernel's two paths
+// (nn/quant/gguf_blocks.py).
 // "w8a8_torch": an int8 `weight` [N, K] and its fp32 `scale` [N, 1] on torch's int8 GEMM, x quantized per token
 // (W8A8Kernel's w8a8_linear, kernels/w8a8.py), for a linear-attention layer's few-row b and a whose rows the int8
 // GEMM's panels do not fit. "int4_torch": torch's int4 kernel (_weight_int4pack_mm_for_cpu) on its packed codes

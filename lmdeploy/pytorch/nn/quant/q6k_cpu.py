@@ -1,7 +1,8 @@
 """GGUF Q6_K weights on the native GEMV (``kernels/cpu/linear_q6k.cpp``) as the file holds them: 6-bit codes, an
 int8 scale per 16 inputs and an fp16 ``d`` per 256, ``W = d * sc * (u - 32)``, 0.82 bytes a weight. The Q6_K
-layers, experts and output layer of a Q4_K_M file run their decode rows on it, the file's weights exactly; their
-prefill rows dequantize the same copy for one bf16 GEMM (no bf16 copy is kept). Here too what the K-quant types share: their GEMVs' bounds and :func:`decode_rows_on_gemv`."""
+layers and experts of a Q4_K_M file run their decode rows on it (its output layer its small steps), the file's
+weights exactly; their prefill rows dequantize the same copy for one bf16 GEMM (no bf16 copy is kept). Here too what
+the K-quant types share: their GEMVs' bounds and :func:`decode_rows_on_gemv`."""
 from __future__ import annotations
 
 import torch
@@ -128,9 +129,10 @@ PROJECTION_KINDS = {'q4k': 'q4k', 'q5k': 'q5k', 'q6k': 'q6k', 'q8_0': 'q8'}
 
 def decode_rows_on_gemv(kind: str, gemv: LinearKernel, codes: torch.Tensor, scales: torch.Tensor,
                         gate_up: bool = False) -> SmallStepInt4Kernel:
-    """A K-quant layer or MoE expert's projection: in an engine step its decode rows on ``gemv`` and its prefill rows dequantized
-    (:class:`KQuantDequantized`), however many share the step, so that a prompt's output does not depend on its
-    batch (the GEMV's rows do not depend on their number); outside one, steps of up to ``gemv_max_rows(kind)``
-    rows on the GEMV (see :func:`~lmdeploy.pytorch.step_context.small_step`). The native decoder stack builds its
-    small stack on the GEMV's projections (an expert's: ``expert_projection``), its large one on the dequantized."""
+    """A K-quant layer or MoE expert's projection: in an engine step its decode rows on ``gemv`` and its prefill rows
+    dequantized (:class:`KQuantDequantized`), however many share the step, so that a prompt's output does not
+    depend on its batch (the GEMV's rows do not depend on their number); outside one, steps of up to
+    ``gemv_max_rows(kind)`` rows on the GEMV (see :func:`~lmdeploy.pytorch.step_context.small_step`). The native
+    decoder stack builds its small stack on the GEMV's projections (an expert's: ``expert_projection``), its large
+    one on the dequantized."""
     return SmallStepInt4Kernel(gemv, gemv_max_rows(kind), KQuantDequantized(kind, codes, scales, gate_up))
