@@ -30,10 +30,10 @@ import torch
 
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.kernels.activation import silu_and_mul
-from lmdeploy.pytorch.nn.quant.gguf_blocks import NativeQ8Kernel, q8_0_unpack
-from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KKernel
-from lmdeploy.pytorch.nn.quant.q5k_cpu import Q5KKernel
-from lmdeploy.pytorch.nn.quant.q6k_cpu import GEMV_MAX_ROWS, Q6KKernel, gemv_max_rows
+from lmdeploy.pytorch.nn.quant.gguf_blocks import Q8_0Gemv, q8_0_unpack
+from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KGemv
+from lmdeploy.pytorch.nn.quant.q5k_cpu import Q5KGemv
+from lmdeploy.pytorch.nn.quant.q6k_cpu import GEMV_MAX_ROWS, Q6KGemv, gemv_max_rows
 
 SHAPES = [(2560, 2048, False), (2048, 2048, False), (11264, 2048, True), (2048, 5632, False)]
 # per type: inputs and bytes per block, and the byte offsets of its fp16 scales
@@ -62,19 +62,19 @@ def set_bounds(no_amx: bool, bounds: str = '') -> None:
 def kernel_of(kind: str, blocks: torch.Tensor, gate_up: bool):
     """The engine's CPU kernel of a ``kind`` layer's blocks."""
     if kind == 'q4k':
-        return Q4KKernel.of_blocks(blocks, gate_up)
+        return Q4KGemv.of_blocks(blocks, gate_up).layer_kernel()
     if kind == 'q5k':
-        return Q5KKernel.of(blocks)
+        return Q5KGemv.of(blocks).layer_kernel()
     if kind == 'q6k':
-        return Q6KKernel.of(blocks)
-    return NativeQ8Kernel.of(*q8_0_unpack(blocks))
+        return Q6KGemv.of(blocks).layer_kernel()
+    return Q8_0Gemv.of(*q8_0_unpack(blocks)).layer_kernel()
 
 
 def run_layers(layers: list, xs: dict[int, torch.Tensor], max_gemv_rows: int) -> float:
     """Thread CPU seconds of one pass over ``layers`` with their kernels' bound set to ``max_gemv_rows``."""
     start = time.thread_time()
     for kernel, gate_up, inputs in layers:
-        kernel.max_gemv_rows = max_gemv_rows
+        kernel.small_step_rows = max_gemv_rows  # outside an engine step the kernel chooses by it
         if gate_up:  # as the MLP runs it: the GEMV's SiLU epilogue, else SiLU-and-mul after
             if kernel.gate_up_silu(xs[inputs], None) is None:
                 silu_and_mul(kernel(xs[inputs], None))

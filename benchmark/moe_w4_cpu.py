@@ -10,16 +10,20 @@ between the two), one MXFP4 gate-and-up projection by rows (the GEMV against deq
 resident weight bytes of a gpt-oss-20b-shaped model either way.
 
     python benchmark/moe_w4_cpu.py [--experts 128] [--top-k 8] [--hidden 2048] [--inter 768] [--group 128]
-                                   [--gguf | --mxfp4] [--threads 1] [--tokens 1,4,16]
+                                   [--gguf [--decode] | --mxfp4] [--threads 1] [--tokens 1,4,16]
                                    [--no-amx] [--gemv-max-rows q4k=32,q6k=16]
 
 With ``--threads 1`` the ``--gguf`` and default tables time the thread's CPU time (best of 3 after a warm-up), else
 the wall time. ``--no-amx`` and ``--gemv-max-rows`` set the GGUF experts' GEMV bounds as ``kquant_rows_cpu.py``'s
-``set_bounds`` does.
+``set_bounds`` does. ``--gguf --decode`` times the GGUF experts' steps both ways, alternating in one process: as
+decode rows in an engine step (every expert's share on its GEMV) and as a step outside the engine (each share by
+its size against the bound: the GEMV, or dequantized above, as the experts chose in every step before they chose
+by the kind of rows).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import time
 
@@ -35,6 +39,7 @@ from lmdeploy.pytorch.nn.quant.gguf import GgufExpertsFormat, GgufFormat
 from lmdeploy.pytorch.nn.quant.int4_cpu import TorchInt4Kernel
 from lmdeploy.pytorch.nn.quant.mxfp4 import Mxfp4Kernel
 from lmdeploy.pytorch.nn.quant.w4a16 import PerExpertKernel
+from lmdeploy.pytorch.step_context import step_rows
 
 STEPS = [1, 4, 16, 64, 256]
 GGUF_STEPS = [1, 4, 16]
@@ -169,6 +174,33 @@ def best_cpu_ms(fn, repeats: int = 3) -> float:
     return min(cpu_ms(fn, 1) for _ in range(repeats))
 
 
+def decode_main(args: argparse.Namespace) -> None:
+    """GGUF experts' steps by share size and as decode rows (see the module's docstring), CPU ms, best of 3 rounds
+    of alternating calls after a warm-up."""
+    layers = {'Q4_K': gguf_experts({'gate_up': 'Q4_K', 'down': 'Q4_K'}, args),
+              'Q4_K+Q6_K down': gguf_experts({'gate_up': 'Q4_K', 'down': 'Q6_K'}, args)}
+    ways = {'by share': contextlib.nullcontext, 'decode rows': lambda: step_rows(decode=True)}
+    print(f'{args.experts} experts, top-{args.top_k}, {args.hidden} -> {args.inter}, one thread; CPU ms a step')
+    g = torch.Generator().manual_seed(1)
+    for tokens in [int(tokens) for tokens in (args.tokens or '24,64').split(',')]:
+        x = torch.randn(tokens, args.hidden, generator=g).bfloat16()
+        ids = torch.stack([torch.randperm(args.experts, generator=g)[:args.top_k] for _ in range(tokens)])
+        weights = torch.full((tokens, args.top_k), 1 / args.top_k)
+        largest = int(torch.bincount(ids.flatten(), minlength=args.experts).max())
+        for name, layer in layers.items():
+            best = dict.fromkeys(ways, float('inf'))
+            for way in ways.values():  # warm-up
+                with way():
+                    layer(x, weights, ids)
+            for _ in range(3):
+                for label, way in ways.items():
+                    with way():
+                        best[label] = min(best[label], cpu_ms(lambda: layer(x, weights, ids), 1))
+            print(f'{tokens:>6} tokens (largest share {largest:>4}) {name:>15}: by share {best["by share"]:9.2f}, '
+                  f'decode rows {best["decode rows"]:9.2f} ({best["decode rows"] / best["by share"]:.3f}x)',
+                  flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--experts', type=int, default=128)
@@ -183,11 +215,17 @@ def main() -> None:
     parser.add_argument('--no-amx', action='store_true', help='with --gguf: as on a CPU without AMX (run it with '
                         'ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16; see kquant_rows_cpu.py)')
     parser.add_argument('--gemv-max-rows', default='', help='with --gguf: the K-quant GEMVs\' bounds, as q4k=32,q6k=16')
+    parser.add_argument('--decode', action='store_true', help='with --gguf: steps as decode rows against by share '
+                        'size (one thread)')
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.no_amx or args.gemv_max_rows:
         from kquant_rows_cpu import set_bounds
         set_bounds(args.no_amx, args.gemv_max_rows)
+    if args.gguf and args.decode:
+        torch.set_num_threads(1)
+        decode_main(args)
+        return
     if args.mxfp4:
         mxfp4_main(args)
         return

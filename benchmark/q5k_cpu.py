@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from lmdeploy.pytorch.kernels import cpu
-from lmdeploy.pytorch.nn.quant.q5k_cpu import Q5KKernel, unpack_q5k
+from lmdeploy.pytorch.nn.quant.q5k_cpu import Q5KGemv, unpack_q5k
 
 SHAPES = [(2560, 2048), (2048, 2048), (11264, 2048), (2048, 5632)]
 
@@ -54,7 +54,7 @@ def main() -> None:
         raise SystemExit('the native Q5_K GEMV needs AVX512-BF16')
     torch.set_num_threads(1)
     rng = np.random.default_rng(0)
-    kernels = [Q5KKernel.of(random_blocks(rng, rows, inputs)) for _ in range(args.layers) for rows, inputs in SHAPES]
+    kernels = [Q5KGemv.of(random_blocks(rng, rows, inputs)) for _ in range(args.layers) for rows, inputs in SHAPES]
     copies = [unpack_q5k(kernel.codes, kernel.scales).bfloat16() for kernel in kernels]
     for label, rows_list in (('GEMV', args.rows), ('prefill', args.prefill_rows)):
         for rows in (int(r) for r in rows_list.split(',')):

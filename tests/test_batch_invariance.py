@@ -19,10 +19,10 @@ from test_gguf_q4km import Q4_K_M, random_blocks
 from lmdeploy import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.kernels import cpu
-from lmdeploy.pytorch.nn.quant.gguf_blocks import NativeQ8Kernel, q8_0_unpack
+from lmdeploy.pytorch.nn.quant.gguf_blocks import Q8_0Gemv, q8_0_unpack
 from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel, TorchInt4Kernel, int4_groups
 from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KGemv
-from lmdeploy.pytorch.nn.quant.q5k_cpu import Q5KKernel
+from lmdeploy.pytorch.nn.quant.q5k_cpu import Q5KGemv
 from lmdeploy.pytorch.nn.quant.q6k_cpu import GEMV_MAX_ROWS, Q6KGemv
 from lmdeploy.pytorch.nn.quant.q8_cpu import Q8Gemv, pack_q8
 
@@ -108,10 +108,10 @@ def k_quant_gemvs() -> dict[str, object]:
     """Each K-quant GEMV on random blocks of 64 rows and 512 inputs (gate and up of 32 rows each for
     ``q4k_gate_up_silu``), as a function of the activations."""
     q4k, _ = random_blocks(Q.Q4_K, 64, 512, seed=1)
-    q5k = Q5KKernel.of(random_blocks(Q.Q5_K, 64, 512, seed=2)[0])
+    q5k = Q5KGemv.of(random_blocks(Q.Q5_K, 64, 512, seed=2)[0])
     q6k = Q6KGemv.of(random_blocks(Q.Q6_K, 64, 512, seed=3)[0])
     q8_0 = encode(np.zeros((64, 512), dtype=np.float32), Q.Q8_0, np.random.default_rng(4))
-    q8 = NativeQ8Kernel.of(*q8_0_unpack(torch.from_numpy(q8_0).view(64, 16, 34)))
+    q8 = Q8_0Gemv.of(*q8_0_unpack(torch.from_numpy(q8_0).view(64, 16, 34)))
     linear, gate_up = Q4KGemv.of_blocks(q4k), Q4KGemv.of_blocks(q4k, gate_up=True)
     return {'q4k': lambda x: linear(x, None), 'q4k_gate_up_silu': lambda x: gate_up.gate_up_silu(x, None),
             'q5k': lambda x: cpu.native().q5k_linear(x, q5k.codes, q5k.scales), 'q6k': lambda x: q6k(x, None),

@@ -27,14 +27,15 @@ from lmdeploy.pytorch.models.ernie import Ernie4_5MoE
 from lmdeploy.pytorch.models.moe import SparseMoeBlock
 from lmdeploy.pytorch.nn.moe import FusedExperts
 from lmdeploy.pytorch.nn.quant.cpu_bf16 import NativeBf16Kernel, OneDnnKernel
-from lmdeploy.pytorch.nn.quant.gguf_blocks import NativeQ8Kernel
-from lmdeploy.pytorch.nn.quant.q6k_cpu import GEMV_MAX_ROWS, Q6KKernel, gemv_max_rows
+from lmdeploy.pytorch.nn.quant.gguf_blocks import Q8_0Gemv
+from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
+from lmdeploy.pytorch.nn.quant.q6k_cpu import KQuantDequantized, Q6KGemv
 from lmdeploy.pytorch.weights.gguf import convert_gguf
 
 # a tiny model of each family, and Qwen3-MoE with 16 experts, whose router runs on the native GEMM's 16-row panels
 MOE_MODELS = {'mixtral': ('mixtral', {}), 'qwen2_moe': ('qwen2_moe', {}), 'qwen3_moe': ('qwen3_moe', {}),
               'qwen3_moe_16': ('qwen3_moe', dict(num_experts=16))}
-# GGUF files whose experts all run on native GEMVs (each up to its ``gemv_max_rows``, dequantized per call above):
+# GGUF files whose experts all run on native GEMVs (decode rows; prefill rows dequantized per call):
 # Q4_K and a Q6_K down in one layer (Qwen2-MoE: its shared expert's down too), a Q5_K down in Mixtral's
 NATIVE_FILES = {'qwen3_moe': {'blk.0.ffn_down_exps': Q.Q6_K, 'default': Q.Q4_K},
                 'qwen2_moe': FILES['qwen2_moe'][0], 'mixtral': {'blk.1.ffn_down_exps': Q.Q5_K, 'default': Q.Q4_K},
@@ -225,55 +226,54 @@ def gguf_moe(tmp_path_factory):
     return get
 
 
-def record_q6k_expert_rows(engine: Engine, monkeypatch) -> list[int]:
-    """The rows of each call of a Q6_K expert's kernel in the layers' forward, recorded as they run."""
-    experts = {id(module.kernel.kernel(proj, e)) for module in engine.runner.model.modules()
-               if isinstance(module, FusedExperts) for proj in ('gate_up', 'down') for e in range(module.num_experts)}
-    rows, call = [], Q6KKernel.__call__
+def record_q6k_expert_paths(engine: Engine, monkeypatch) -> list[str]:
+    """The path of each call of a Q6_K expert's projection in the layers' forward (``gemv`` or ``dequantized``),
+    recorded as they run."""
+    kernels = [module.kernel.kernel(proj, e) for module in engine.runner.model.modules()
+               if isinstance(module, FusedExperts) for proj in ('gate_up', 'down') for e in range(module.num_experts)]
+    q6k = [kernel for kernel in kernels
+           if isinstance(kernel, SmallStepInt4Kernel) and isinstance(kernel.small, Q6KGemv)]
+    paths = {id(part): name for kernel in q6k for name, part in (('gemv', kernel.small), ('dequantized', kernel.large))}
+    recorded = []
+    for cls in (Q6KGemv, KQuantDequantized):
+        def call(self, x: torch.Tensor, bias: torch.Tensor | None, _call=cls.__call__) -> torch.Tensor:
+            if id(self) in paths:
+                recorded.append(paths[id(self)])
+            return _call(self, x, bias)
 
-    def recorded(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if id(self) in experts:
-            rows.append(x.shape[0])
-        return call(self, x, bias)
-
-    monkeypatch.setattr(Q6KKernel, '__call__', recorded)
-    return rows
+        monkeypatch.setattr(cls, '__call__', call)
+    return recorded
 
 
 @pytest.mark.parametrize('kind', sorted(NATIVE_FILES))
 def test_gguf_experts_stack_equals_the_layers(kind, gguf_moe, native_gemms, monkeypatch):
-    """bf16 on a GGUF file: Q4_K experts on the Q4_K GEMV for an expert's share of up to ``gemv_max_rows('q4k')``
-    rows and dequantized per call above, Q6_K experts on the Q6_K GEMV and Mixtral's Q5_K down on the Q5_K GEMV
-    likewise (each up to its bound on this CPU), in steps of both sizes, in one stack; equal to the layers' forward
-    (Qwen2-MoE's and GLM-4.5's Q6_K shared down runs its large steps dequantized per call). The Q6_K bound is held
-    to AMX's 16 rows so that experts' shares fall on both sides of it in 96-token steps on every CPU."""
+    """bf16 on a GGUF file: Q4_K experts' decode rows on the Q4_K GEMV and their prefill rows dequantized per call,
+    Q6_K experts on the Q6_K GEMV and Mixtral's Q5_K down on the Q5_K GEMV likewise, in both stacks; equal to the
+    layers' forward (Qwen2-MoE's and GLM-4.5's Q6_K shared down likewise)."""
     if cpu.int4_gemv() is None or cpu.q6k_gemv() is None:
         pytest.skip('the native GEMVs need AVX512-BF16')
-    monkeypatch.setitem(GEMV_MAX_ROWS, 'q6k', (16, 16))
     engine = Engine(str(gguf_moe(kind, NATIVE_FILES[kind])),
                     PytorchEngineConfig(max_prefill_token_num=96, **ENGINE), show_progress=False)
     stack = engine.runner.model.native_stack
     assert stack is not None and stack.small is not None  # the K-quant attention's decode rows on its GEMVs
-    q6k_rows = record_q6k_expert_rows(engine, monkeypatch)
+    q6k_paths = record_q6k_expert_paths(engine, monkeypatch)
     steps = run_checked(engine, monkeypatch, batched_equals_solo=False)
     assert any(rows > 64 for _, rows in steps)  # some expert's share above 32 rows
     assert (0, 1) in steps and (0, 4) in steps
     if Q.Q6_K in (t for name, t in NATIVE_FILES[kind].items() if name.endswith('ffn_down_exps')):
-        assert any(rows <= gemv_max_rows('q6k') for rows in q6k_rows)  # on the GEMV
-        assert any(rows > gemv_max_rows('q6k') for rows in q6k_rows)  # dequantized, as the stack's
+        assert set(q6k_paths) == {'gemv', 'dequantized'}  # decode rows, prefill rows, as the stack's
 
 
 def test_q8_0_experts_stack_equals_the_layers(gguf_moe, native_gemms, monkeypatch):
-    """A Q8_0 ``ffn_down_exps`` (test_gguf_moe.py's Q4_K_M-like Qwen3-MoE file): its experts on the 8-bit GEMV for
-    an expert's share of up to ``gemv_max_rows('q8_0')`` rows (held to 8 here, so that experts' shares fall on
-    both sides) and dequantized per call above, in the stack as in the layers."""
+    """A Q8_0 ``ffn_down_exps`` (test_gguf_moe.py's Q4_K_M-like Qwen3-MoE file): its experts' decode rows on the
+    8-bit GEMV and their prefill rows dequantized per call, in the stacks as in the layers."""
     if cpu.int4_gemv() is None or cpu.q6k_gemv() is None or cpu.q8_gemv() is None:
         pytest.skip('the native GEMVs need AVX512-BF16')
-    monkeypatch.setitem(GEMV_MAX_ROWS, 'q8_0', (8, 8))
     engine = Engine(str(gguf_moe('qwen3_moe', FILES['qwen3_moe'][0])),
                     PytorchEngineConfig(max_prefill_token_num=96, **ENGINE), show_progress=False)
     down = moe_blocks(engine)[1].experts.kernel.kernel('down', 0)
-    assert isinstance(down, NativeQ8Kernel) and engine.runner.model.native_stack is not None
+    assert isinstance(down.small, Q8_0Gemv) and isinstance(down.large, KQuantDequantized)
+    assert engine.runner.model.native_stack is not None
     steps = check_every_step(engine, monkeypatch)
     run(engine, random_prompts([20, 70, 9, 33], seed=8, vocab=250), GenerationConfig(max_new_tokens=3, ignore_eos=True))
     assert any(rows > 64 for _, rows in steps) and (0, 4) in steps
@@ -358,8 +358,6 @@ def test_bad_blocks_are_refused(native_gemms):
                            (dict(routing='noaux_tc', **grouped, top_k=3), 'their experts hold top_k')]:
         with pytest.raises(RuntimeError, match=match):
             native_gemms.MoEBlock(**{'router': proj, 'top_k': 2, 'renormalize': True, **options, **dense})
-    with pytest.raises(RuntimeError, match='positive row count'):
-        native_gemms.Projection(small=proj, large=proj, small_step_rows=0)
     with pytest.raises(RuntimeError, match='its fp32 weight'):
         native_gemms.Projection(kind='fp32', weight=weight)
     moe = native_gemms.MoEBlock(router=proj, top_k=2, renormalize=True, routing='softmax', **dense)

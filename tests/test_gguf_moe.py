@@ -27,11 +27,11 @@ from lmdeploy.pytorch.nn.moe import FusedExperts
 from lmdeploy.pytorch.nn.quant import LinearOptions, use_weight_format
 from lmdeploy.pytorch.nn.quant.dense import DenseFormat, DenseKernel
 from lmdeploy.pytorch.nn.quant.gguf import DequantizedKernel, GgufExpertsFormat, GgufFormat
-from lmdeploy.pytorch.nn.quant.gguf_blocks import NativeQ8Kernel, Q8Kernel, dequantize_blocks
-from lmdeploy.pytorch.nn.quant.int4_cpu import TorchInt4Kernel
-from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KKernel
-from lmdeploy.pytorch.nn.quant.q5k_cpu import Q5KKernel
-from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6KKernel, gemv_max_rows
+from lmdeploy.pytorch.nn.quant.gguf_blocks import Q8_0Gemv, Q8Kernel, dequantize_blocks
+from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel, TorchInt4Kernel
+from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KGemv
+from lmdeploy.pytorch.nn.quant.q5k_cpu import Q5KGemv
+from lmdeploy.pytorch.nn.quant.q6k_cpu import KQuantDequantized, Q6KGemv, gemv_max_rows
 from lmdeploy.pytorch.nn.quant.w4a16 import ReferenceKernel
 
 # Qwen3-MoE as Q4_K_M: Q6_K in layer 0's attn_v (its q/k/v dequantized) and ffn_down_exps, a Q8_0 ffn_down_exps
@@ -160,10 +160,16 @@ def count_calls(monkeypatch: pytest.MonkeyPatch, classes: list[type]) -> dict[st
     return calls
 
 
+def gemv_of(kernel: object) -> object:
+    """An expert's kernel for its decode rows: a K-quant GEMV's (:class:`SmallStepInt4Kernel`'s ``small``), else
+    its one kernel."""
+    return kernel.small if isinstance(kernel, SmallStepInt4Kernel) else kernel
+
+
 def test_bf16_experts_run_on_their_native_kernels(moe_file, monkeypatch):
-    """bf16 on the CPU: Q4_K experts on the Q4_K GEMV up to ``gemv_max_rows('q4k')`` rows (gate and up with their
-    SiLU epilogue), dequantized per call above, Q6_K and Q5_K on their kernels (their GEMVs up to their bounds),
-    Q8_0 on the 8-bit GEMV, dequantized projections on ``F.linear``, and each is called; the
+    """bf16 on the CPU: Q4_K experts' decode rows on the Q4_K GEMV (gate and up with their SiLU epilogue), Q6_K,
+    Q5_K and Q8_0 ones on theirs, their prefill rows dequantized per call (the one step run here: those are called;
+    the decode rows' GEMVs run in test_decoder_stack_moe.py), dense projections on ``F.linear``; the
     logits stay within 15% of fp32's: each kernel is within 1% of fp32 on its own (the expert tests above), but in
     this tiny random model a bf16 rounding can flip a token's choice of experts, which moves the logits by about
     10%."""
@@ -172,9 +178,9 @@ def test_bf16_experts_run_on_their_native_kernels(moe_file, monkeypatch):
         pytest.skip('CPU kernels')
     if cpu.int4_gemv() is None or cpu.q6k_gemv() is None or cpu.q8_gemv() is None or cpu.q5k_gemv() is None:
         pytest.skip('the native GEMVs need AVX512-BF16')
-    kernels = {'Q4_K': Q4KKernel, 'Q5_K': Q5KKernel, 'Q6_K': Q6KKernel, 'Q8_0': NativeQ8Kernel,
-               'dense': DenseKernel}
-    used = {kernels[t] for layer in FILES[kind][1].values() for t in layer.values()}
+    kernels = {'Q4_K': Q4KGemv, 'Q5_K': Q5KGemv, 'Q6_K': Q6KGemv, 'Q8_0': Q8_0Gemv, 'dense': DenseKernel}
+    used = {DenseKernel if t == 'dense' else KQuantDequantized for layer in FILES[kind][1].values()
+            for t in layer.values()}
     calls = count_calls(monkeypatch, sorted(used, key=lambda cls: cls.__name__))
 
     def check_kernels(engine: Engine) -> None:
@@ -184,7 +190,7 @@ def test_bf16_experts_run_on_their_native_kernels(moe_file, monkeypatch):
             if isinstance(module, FusedExperts):
                 assert not list(module.parameters())  # the kernels hold the experts now
                 for proj, t in FILES[kind][1][int(name.split('.')[1])].items():
-                    assert all(isinstance(module.kernel.kernel(proj, e), kernels[t]) for e in range(4))
+                    assert all(isinstance(gemv_of(module.kernel.kernel(proj, e)), kernels[t]) for e in range(4))
 
     error = bf16_logit_error(tmp / 'served', check_kernels)
     assert all(calls.values()), calls
@@ -240,32 +246,35 @@ def test_fp32_experts_dequantize_each_routed_expert():
                          ids=['q4k', 'q4k-q6k', 'q4k-q5k', 'q8_0'])
 def test_bf16_cpu_expert_kernels_match_the_file_weights(types, monkeypatch):
     """bf16 experts on the CPU give the fused MoE on gguf's weights up to bf16 rounding, from 1 token to a step whose
-    average expert share (2 of 4 experts a token) passes every GEMV's bound on this CPU: small shares on the GEMV,
-    large ones dequantized per call."""
+    average expert share (2 of 4 experts a token) passes every GEMV's bound on this CPU: outside an engine step small
+    shares on the GEMV, large ones dequantized per call."""
     experts = random_gguf_experts(types)
     gate_up, down = dense_weights(experts)
     experts.finalize(LinearOptions(pack_cpu=True, dtype=torch.bfloat16))
     fallback = {'Q4_K': TorchInt4Kernel, 'Q5_K': ReferenceKernel, 'Q6_K': Q8Kernel, 'Q8_0': Q8Kernel}
-    native = {'Q4_K': (Q4KKernel, cpu.int4_gemv()), 'Q5_K': (Q5KKernel, cpu.q5k_gemv()),
-              'Q6_K': (Q6KKernel, cpu.q6k_gemv()),
-              'Q8_0': (NativeQ8Kernel, cpu.q8_gemv())}
+    native = {'Q4_K': (Q4KGemv, cpu.int4_gemv()), 'Q5_K': (Q5KGemv, cpu.q5k_gemv()),
+              'Q6_K': (Q6KGemv, cpu.q6k_gemv()), 'Q8_0': (Q8_0Gemv, cpu.q8_gemv())}
     for proj, t in types.items():
         kind, built = native[t]
         expected = kind if built is not None else fallback[t]
-        assert all(isinstance(experts.kernel.kernel(proj, e), expected) for e in range(4)), (proj, t)
+        for e in range(4):
+            kernel = experts.kernel.kernel(proj, e)
+            assert isinstance(gemv_of(kernel), expected), (proj, t)
+            assert built is None or isinstance(kernel.large, KQuantDequantized), (proj, t)
     q6k_calls, dequantized = [], []  # each Q6_K expert call's (rows, whether it dequantized)
     if cpu.q6k_gemv() is not None:
-        dequantized_linear, call = cpu.native().kquant_dequantized_linear, Q6KKernel.__call__
+        dequantized_linear, call = cpu.native().kquant_dequantized_linear, SmallStepInt4Kernel.__call__
         monkeypatch.setattr(cpu.native(), 'kquant_dequantized_linear',
                             lambda *args: dequantized.append(1) or dequantized_linear(*args))
 
         def recorded(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
             before = len(dequantized)
             out = call(self, x, bias)
-            q6k_calls.append((x.shape[0], len(dequantized) > before))
+            if isinstance(self.small, Q6KGemv):
+                q6k_calls.append((x.shape[0], len(dequantized) > before))
             return out
 
-        monkeypatch.setattr(Q6KKernel, '__call__', recorded)
+        monkeypatch.setattr(SmallStepInt4Kernel, '__call__', recorded)
     g = torch.Generator().manual_seed(3)
     past_bounds = 2 * max(gemv_max_rows(kind) for kind in ('q4k', 'q5k', 'q6k', 'q8_0')) + 64
     for tokens in (1, 3, 40, past_bounds):

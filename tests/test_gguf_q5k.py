@@ -29,7 +29,7 @@ from lmdeploy.pytorch.nn.quant.base import LinearKernel, LinearOptions
 from lmdeploy.pytorch.nn.quant.gguf import DequantizedKernel, GgufFormat
 from lmdeploy.pytorch.nn.quant.gguf_blocks import BLOCKS, dequantize_blocks
 from lmdeploy.pytorch.nn.quant.parts import PartsKernel
-from lmdeploy.pytorch.nn.quant.q5k_cpu import Q5KGemv, Q5KKernel, pack_q5k, unpack_q5k
+from lmdeploy.pytorch.nn.quant.q5k_cpu import Q5KGemv, pack_q5k, unpack_q5k
 from lmdeploy.pytorch.nn.quant.q6k_cpu import GEMV_MAX_ROWS, Q6KGemv
 from lmdeploy.pytorch.nn.quant.w4a16 import ReferenceKernel
 
@@ -68,16 +68,17 @@ def test_q5_k_kernel_is_the_file_weights(amx, rows, monkeypatch):
     bound = GEMV_MAX_ROWS['q5k'][0 if amx else 1]
     rows = {'bound': bound, 'above': bound + 5}.get(rows, rows)
     blocks, expected = random_q5k(80, 512, seed=rows)  # 5 tiles of 16 rows
-    kernel = Q5KKernel.of(blocks)
-    assert kernel.max_gemv_rows == bound
+    gemv = Q5KGemv.of(blocks)
+    kernel = gemv.layer_kernel()  # outside an engine step it chooses by the rows
+    assert kernel.small_step_rows == bound
     x = torch.randn(rows, 512).bfloat16()
     bias = torch.randn(80).bfloat16()
     if rows <= bound:
         reference = x.float() @ expected.T
-        out = cpu.native().q5k_linear(x, kernel.codes, kernel.scales)
+        out = cpu.native().q5k_linear(x, gemv.codes, gemv.scales)
         assert out.dtype == torch.float32
         torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
-        assert torch.equal(out[-1:], cpu.native().q5k_linear(x[-1:], kernel.codes, kernel.scales))
+        assert torch.equal(out[-1:], cpu.native().q5k_linear(x[-1:], gemv.codes, gemv.scales))
         assert torch.equal(kernel(x, bias), out.bfloat16() + bias)
     else:
         assert torch.equal(kernel(x, bias), torch.nn.functional.linear(x, expected.bfloat16(), bias))
@@ -92,7 +93,7 @@ def test_q5_k_in_fp32_is_dequantized_once():
     assert isinstance(kernel, DequantizedKernel) and layer.qweight is None and torch.equal(kernel.weight, expected)
     x = torch.randn(3, 256)
     assert torch.equal(kernel(x, None), torch.nn.functional.linear(x, expected))
-    assert Q5KKernel.of(blocks) is None  # 40 rows: not whole tiles of 16
+    assert Q5KGemv.of(blocks) is None  # 40 rows: not whole tiles of 16
 
 
 @pytest.fixture(scope='module')

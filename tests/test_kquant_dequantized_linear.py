@@ -15,10 +15,10 @@ from gguf.quants import dequantize
 from test_gguf_q4km import random_blocks
 
 from lmdeploy.pytorch.kernels import cpu
-from lmdeploy.pytorch.nn.quant.gguf_blocks import NativeQ8Kernel, q8_0_unpack
-from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KKernel
-from lmdeploy.pytorch.nn.quant.q5k_cpu import Q5KKernel
-from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6KKernel
+from lmdeploy.pytorch.nn.quant.gguf_blocks import Q8_0Gemv, q8_0_unpack
+from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KGemv
+from lmdeploy.pytorch.nn.quant.q5k_cpu import Q5KGemv
+from lmdeploy.pytorch.nn.quant.q6k_cpu import KQuantDequantized, Q6KGemv
 
 # two shapes in turn: the second grows the scratch, the first then runs on a part of it
 SHAPES = [(64, 768), (128, 1024), (64, 768), (96, 512)]
@@ -38,10 +38,10 @@ def q8_0_blocks(rows: int, inputs: int, seed: int = 0) -> tuple[torch.Tensor, to
 
 def kernel_of(kind: str, blocks: torch.Tensor, gate_up: bool):
     if kind == 'q8_0':
-        return NativeQ8Kernel.of(*q8_0_unpack(blocks))
+        return Q8_0Gemv.of(*q8_0_unpack(blocks))
     if kind == 'q4k':
-        return Q4KKernel.of_blocks(blocks, gate_up)
-    return Q5KKernel.of(blocks) if kind == 'q5k' else Q6KKernel.of(blocks)
+        return Q4KGemv.of_blocks(blocks, gate_up)
+    return Q5KGemv.of(blocks) if kind == 'q5k' else Q6KGemv.of(blocks)
 
 
 def fresh_linear(kind: str, kernel, x: torch.Tensor, bias: torch.Tensor | None, gate_up: bool) -> torch.Tensor:
@@ -86,9 +86,10 @@ def test_large_steps_equal_the_fresh_dequantization(kind, gate_up):
     outs = []
     for kernel, (rows_out, inputs) in zip(kernels, SHAPES):
         bias = None if gate_up else torch.randn(rows_out, generator=g).bfloat16()
-        for rows in (kernel.max_gemv_rows + 1, 2 * kernel.max_gemv_rows + 5, 200):
+        layer = kernel.layer_kernel()  # outside an engine step: above its bound, dequantized
+        for rows in (layer.small_step_rows + 1, 2 * layer.small_step_rows + 5, 200):
             x = torch.randn(rows, inputs, generator=g).bfloat16()
-            out = kernel(x, bias)
+            out = layer(x, bias)
             expected = fresh_linear(kind, kernel, x, bias, gate_up)
             assert torch.equal(out, expected), (kind, rows, inputs)
             outs.append((out, expected))
@@ -104,12 +105,13 @@ def test_fp32_activations_and_threads():
                        fresh_linear('q4k', kernels[0], x, None, False))
     inputs = {id(k): torch.randn(80, k.scales.shape[1] * 256).bfloat16() for k in kernels}
     expected = {id(k): fresh_linear('q4k', k, inputs[id(k)], None, False) for k in kernels}
+    dequantized = {id(k): KQuantDequantized('q4k', k.packed, k.scales) for k in kernels}
     mismatches = []
 
     def run(own: list) -> None:
         for _ in range(5):
             for kernel in own:
-                if not torch.equal(kernel(inputs[id(kernel)], None), expected[id(kernel)]):
+                if not torch.equal(dequantized[id(kernel)](inputs[id(kernel)], None), expected[id(kernel)]):
                     mismatches.append(kernel)
 
     threads = [threading.Thread(target=run, args=(kernels[i::2], )) for i in range(2)]

@@ -1,9 +1,9 @@
 """A mixture-of-experts layer's output for a token does not depend on what else shares its step: an expert's
 kernel gives each row the same bits whatever the number of rows routed to it (dense bf16 experts on the native
-GEMM, where torch's bf16 GEMM rounds a lone row apart), MXFP4 experts choose their kernel by the kind of rows
-(decode rows on the GEMV, prefill rows on the dequantized weight) rather than by their share's size, and fp32
-routers sum each row in one order (``fp32_linear``). Tiny random models saved by transformers: a MoE block's rows
-alone and together, and an engine's greedy tokens and logprobs, bitwise, each prompt alone against all together
+GEMM, where torch's bf16 GEMM rounds a lone row apart), MXFP4 and GGUF K-quant experts choose their kernel by the
+kind of rows (decode rows on the GEMV, prefill rows on the dequantized weight) rather than by their share's size, and
+fp32 routers sum each row in one order (``fp32_linear``). Tiny random models saved by transformers: a MoE block's
+rows alone and together, and an engine's greedy tokens and logprobs, bitwise, each prompt alone against all together
 and arriving one a step."""
 from __future__ import annotations
 
@@ -14,11 +14,14 @@ from conftest import save_tiny_model
 from helpers import random_prompts
 from test_batch_invariance import assert_batch_invariant
 from test_deepseek import save_deepseek
+from test_gguf_mixed import served_mixed_gguf
+from test_gguf_moe import FILES as GGUF_MOE_FILES
 from test_gpt_oss import save_gpt_oss, save_mxfp4
 
 from lmdeploy import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.kernels import cpu
+from lmdeploy.pytorch.nn.quant.q6k_cpu import GEMV_MAX_ROWS
 
 CONFIG = dict(num_gpu_blocks=128, block_size=16, enable_prefix_caching=False)
 
@@ -72,6 +75,30 @@ def test_mxfp4_experts_choose_by_the_kind_of_rows(gpt_oss_mxfp4, decoder, native
     engine = engine_of(gpt_oss_mxfp4, decoder=decoder)
     try:
         assert_batch_invariant(engine, random_prompts([1, 2] + [3 + 5 * i for i in range(22)], seed=5))
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope='module', params=['qwen3_moe', 'mixtral'])
+def gguf_moe(request, tmp_path_factory) -> str:
+    """A tiny GGUF MoE file's experts as blocks (``test_gguf_moe.FILES``): Qwen3-MoE's Q4_K gate and up beside a
+    Q6_K and a Q8_0 down, Mixtral's beside a Q5_K down."""
+    return served_mixed_gguf(request.param, tmp_path_factory.mktemp(f'gguf_{request.param}'),
+                             GGUF_MOE_FILES[request.param][0])
+
+
+@pytest.mark.parametrize('decoder', ['stack', 'layers'])
+def test_k_quant_experts_choose_by_the_kind_of_rows(gguf_moe, decoder, native_gemms, monkeypatch):
+    """GGUF K-quant experts (4 experts, top-2) in bf16, the GEMVs' bound held to 2 rows: 8 prompts decoding together
+    give an expert more rows than the bound, which ran on the dequantized weight; prefills of one and two tokens
+    gave shares that ran on the GEMV."""
+    if None in (cpu.int4_gemv(), cpu.q5k_gemv(), cpu.q6k_gemv(), cpu.q8_gemv()):
+        pytest.skip('the native K-quant GEMVs need AVX512-BF16')
+    for kind in GEMV_MAX_ROWS:
+        monkeypatch.setitem(GEMV_MAX_ROWS, kind, (2, 2))
+    engine = engine_of(gguf_moe, decoder=decoder)
+    try:
+        assert_batch_invariant(engine, random_prompts([1, 2, 3, 5, 8, 13, 21, 34], seed=6, vocab=250))
     finally:
         engine.close()
 

@@ -19,8 +19,8 @@ from test_moe_quant import quantized_moe
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.kernels import cpu
-from lmdeploy.pytorch.nn.quant.gguf_blocks import NativeQ8Kernel
-from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6KKernel
+from lmdeploy.pytorch.nn.quant.gguf_blocks import Q8_0Gemv
+from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6KGemv
 from lmdeploy.pytorch.weights.gguf import convert_gguf
 
 # Qwen3-MoE GGUF files (two MoE layers of four experts): layer 0's and layer 1's gate, up and down types.
@@ -46,13 +46,14 @@ def gguf_engine(types: dict[str, Q], tmp: Path) -> Engine:
 
 
 def assert_blocks_in_one_region(engine: Engine) -> None:
-    """Each MoE block runs steps of 1, 2 and 8 tokens in one region (not 9 nor 40), and its output equals the
-    layers' forward at 1, 2, 3, 8 (one region) and 40 tokens (per expert)."""
+    """Each MoE block of the stack of small steps (decode rows: the GGUF experts' GEMVs) runs steps of 1, 2 and 8
+    tokens in one region (not 9 nor 40), and its output equals the layers' forward at 1, 2, 3, 8 (one region) and 40
+    tokens (per expert; the GEMVs' too outside an engine step, 40 tokens giving no expert more than their bound)."""
     blocks = moe_blocks(engine)
     assert blocks
     g = torch.Generator().manual_seed(0)
     for block in blocks:
-        native = block.native_moe()
+        native = block.native_moe(small_step=True)
         assert [native.experts_in_one_region(tokens=t) for t in (1, 2, 8, 9, 40)] == [True] * 3 + [False] * 2
         for tokens in (1, 2, 3, 8, 40):
             x = torch.randn(tokens, block.experts.hidden_size, generator=g).bfloat16()
@@ -76,10 +77,10 @@ def test_gguf_experts_in_one_region(name, tmp_path, needs_gemvs, native_gemms, m
     their bf16 results), in one region, equal to the layers' forward."""
     engine = gguf_engine(FILES[name], tmp_path)
     try:
-        kernels = {type(block.experts.kernel.kernel(proj, 0)).__name__ for block in moe_blocks(engine)
+        kernels = {type(block.experts.kernel.kernel(proj, 0).small).__name__ for block in moe_blocks(engine)
                    for proj in ('gate_up', 'down')}
         if name == 'q6k_q8':
-            assert {Q6KKernel.__name__, NativeQ8Kernel.__name__} <= kernels, kernels
+            assert {Q6KGemv.__name__, Q8_0Gemv.__name__} <= kernels, kernels
         assert_blocks_in_one_region(engine)
         assert_steps_equal_the_layers(engine, monkeypatch)
     finally:

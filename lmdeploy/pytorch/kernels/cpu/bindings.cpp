@@ -130,9 +130,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<const std::string&, torch::Tensor, Optional, Optional, Optional>(), py::kw_only(),
            py::arg("kind"), py::arg("weight"), py::arg("compensation") = py::none(), py::arg("scale") = py::none(),
            py::arg("bias") = py::none())
-      .def(py::init<std::vector<Projection>>(), py::kw_only(), py::arg("parts"))
-      .def(py::init<Projection, Projection, int64_t>(), py::kw_only(), py::arg("small"), py::arg("large"),
-           py::arg("small_step_rows"));
+      .def(py::init<std::vector<Projection>>(), py::kw_only(), py::arg("parts"));
   py::class_<MoEBlock>(m, "MoEBlock", "a decoder layer's mixture-of-experts MLP")
       .def(py::init<Projection, int64_t, bool, const std::string&, Optional, c10::optional<int64_t>,
                     c10::optional<int64_t>, c10::optional<double>, c10::optional<double>, Optional, Optional, Optional,

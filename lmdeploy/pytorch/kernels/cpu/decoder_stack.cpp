@@ -92,11 +92,6 @@ Projection::Projection(std::vector<Projection> parts) : kind(Kind::kParts), part
   TORCH_CHECK(this->parts.size() >= 2, "a stacked projection of parts has two or more");
 }
 
-Projection::Projection(Projection small, Projection large, int64_t small_step_rows)
-    : kind(Kind::kSteps), parts{std::move(small), std::move(large)}, small_step_rows(small_step_rows) {
-  TORCH_CHECK(small_step_rows > 0, "a projection by step size takes its small steps up to a positive row count");
-}
-
 namespace {
 
 // x @ W.T (+ bias) on oneDNN's blocked weight: OneDnnKernel's torch.ops.mkldnn._linear_pointwise.
@@ -158,7 +153,6 @@ torch::Tensor Projection::operator()(const torch::Tensor& x) const {
     case Kind::kFp32:
       return fp32_linear_available() ? fp32_linear(x.to(at::kFloat), weight, bias)
                                      : at::linear(x.to(at::kFloat), weight, bias);
-    case Kind::kSteps: return parts[x.size(0) > small_step_rows ? 1 : 0](x);
     case Kind::kMxfp4: {
       const auto out = mxfp4_linear(x, weight, *scale).to(x.scalar_type());
       return bias ? out.add(*bias) : out;
@@ -177,7 +171,6 @@ torch::Tensor Projection::gate_up_silu(const torch::Tensor& x) const {
       return q4k_gate_up_silu(x, weight, *scale);
     case Kind::kQ4KDequantized:
       return silu_and_mul(kquant_dequantized_linear(KQuant::kQ4K, x, weight, *scale, bias, true));
-    case Kind::kSteps: return parts[x.size(0) > small_step_rows ? 1 : 0].gate_up_silu(x);
     case Kind::kQ6K:
     case Kind::kQ5K:
     case Kind::kQ5KDequantized:

@@ -28,21 +28,21 @@ struct StepTensors {
 // q6k_linear's codes and `scale`s (its fp32 result rounded to x's dtype, then the bias added); "q5k": q5k_linear's
 // codes and `scale`s, likewise; "q4k_dequantized", "q5k_dequantized", "q6k_dequantized": the same weights
 // dequantized to bf16 for each call into the thread's reused scratch and torch's linear (kquant_dequantized_linear,
-// dequantized_linear.h), a "steps" projection's large steps. A
+// dequantized_linear.h), the large stack's where the small one has the GEMV's. A
 // gate-and-up projection's weight is packed for the kernel's fused SiLU (pack_bf16_gate_up,
 // pack_int8_gate_up; int4: gate and up tiles alternate, no bias). "onednn": oneDNN's GEMM
 // (mkldnn::_linear_pointwise) on its blocked weight, for a MoE block's router and shared-expert gate; "fp32": x in
 // fp32 times an fp32 weight (fp32_linear, rows independent of their number), DeepSeek-V3's and GLM-4.5's fp32
 // router. "parts": a stacked projection whose parts run each on its own projection (each with its share of the
-// bias), their outputs side by side. "steps": inputs of at most `small_step_rows` rows on `parts[0]`, more on
-// `parts[1]`. "mxfp4": an MXFP4 weight as the checkpoint holds it, `weight` its blocks
+// bias), their outputs side by side. "mxfp4": an MXFP4 weight as the checkpoint holds it, `weight` its blocks
 // [N, K / 32, 16] and `scale` its e8m0 scales [N, K / 32] (both uint8), on mxfp4_linear (its fp32 sums rounded to
 // x's dtype, then the bias added); "mxfp4_dequantized": the same weight dequantized to x's dtype for each call
 // (mxfp4_dequantize) and torch's linear: Mxfp4Kernel's two paths (nn/quant/mxfp4.py), the first the stack of small
 // steps'.
 // "q8": GGUF Q8_0 codes [N/16, K/32, 32, 16] (int8) and fp16 `scale`s [N/16, K/32, 16] as pack_q8 lays them out, on
 // q8_linear (its fp32 result rounded to x's dtype, then the bias added); "q8_dequantized": the same weight dequantized
-// to bf16 into the thread's reused scratch, as "q4k_dequantized": NativeQ8Kernel's two paths (nn/quant/gguf_blocks.py).
+// to bf16 into the thread's reused scratch, as "q4k_dequantized": Q8_0Gemv.layer_kernel's two paths
+// (nn/quant/gguf_blocks.py).
 // "w8a8_torch": an int8 `weight` [N, K] and its fp32 `scale` [N, 1] on torch's int8 GEMM, x quantized per token
 // (W8A8Kernel's w8a8_linear, kernels/w8a8.py), for a linear-attention layer's few-row b and a whose rows the int8
 // GEMM's panels do not fit. "int4_torch": torch's int4 kernel (_weight_int4pack_mm_for_cpu) on its packed codes
@@ -50,13 +50,12 @@ struct StepTensors {
 // rows give), then the bias added: TorchInt4Kernel's (nn/quant/int4_cpu.py), an AWQ or GPTQ checkpoint's grid where the int4 GEMV is not built.
 struct Projection {
   enum class Kind {
-    kBf16, kW8A8, kInt4, kQ4K, kQ6K, kOneDnn, kFp32, kParts, kSteps, kMxfp4, kMxfp4Dequantized,
+    kBf16, kW8A8, kInt4, kQ4K, kQ6K, kOneDnn, kFp32, kParts, kMxfp4, kMxfp4Dequantized,
     kQ4KDequantized, kQ5K, kQ5KDequantized, kQ6KDequantized, kQ8, kQ8Dequantized, kW8A8Torch, kInt4Torch
   };
   Projection(const std::string& kind, torch::Tensor weight, c10::optional<torch::Tensor> compensation,
              c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias);
   explicit Projection(std::vector<Projection> parts);
-  Projection(Projection small, Projection large, int64_t small_step_rows);
   torch::Tensor operator()(const torch::Tensor& x) const;
   // silu(gate) * up of a gate-and-up projection (gate rows, then up rows).
   torch::Tensor gate_up_silu(const torch::Tensor& x) const;
@@ -65,7 +64,6 @@ struct Projection {
   torch::Tensor weight;
   c10::optional<torch::Tensor> compensation, scale, bias;
   std::vector<Projection> parts;
-  int64_t small_step_rows = 0;
 };
 
 // A mixture-of-experts MLP (moe_block.cpp), the kernels and order of its layer's Python forward: the router's

@@ -1,6 +1,6 @@
 // Larger steps of a GGUF K-quant or Q8_0 layer (Q4_K, Q5_K, Q6_K, Q8_0): its weight dequantized to bf16 for one
 // call and torch's linear (oneDNN's GEMM). Shared by the Python kernels' large steps (nn/quant/q4k_cpu.py,
-// q5k_cpu.py, q6k_cpu.py, gguf_blocks.py's NativeQ8Kernel) and the decoder stack's "*_dequantized" projections.
+// q5k_cpu.py, q6k_cpu.py, gguf_blocks.py's Q8_0Gemv) and the decoder stack's "*_dequantized" projections.
 #pragma once
 
 #include "torch_headers.h"

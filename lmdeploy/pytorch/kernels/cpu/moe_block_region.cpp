@@ -13,13 +13,6 @@ namespace {
 // Steps of at most this many tokens (rows of x) run their experts in one region.
 constexpr int64_t kOneRegionMaxTokens = 8;
 
-// The projection that `rows` rows run on (a "steps" projection's part for that many).
-const Projection& resolved(const Projection& projection, int64_t rows) {
-  const Projection* p = &projection;
-  while (p->kind == Projection::Kind::kSteps) p = &p->parts[rows > p->small_step_rows ? 1 : 0];
-  return *p;
-}
-
 // Whether p runs on a GEMV with tiles (as gate_up_silu where `gate_up`); biases only where the kernel adds them.
 bool tiled(const Projection& p, bool gate_up) {
   switch (p.kind) {
@@ -89,9 +82,7 @@ std::vector<int64_t> first_units(const std::vector<Job>& jobs) {
 bool MoEBlock::experts_in_one_region(int64_t tokens) const {
   if (!one_region_step(*this, tokens)) return false;
   for (int64_t e = 0; e < num_experts; ++e)
-    for (int64_t rows = 1; rows <= tokens; ++rows)
-      if (!tiled(resolved(expert_gate_up[e], rows), true) || !tiled(resolved(expert_down[e], rows), false))
-        return false;
+    if (!tiled(expert_gate_up[e], true) || !tiled(expert_down[e], false)) return false;
   return true;
 }
 
@@ -116,7 +107,7 @@ c10::optional<torch::Tensor> MoEBlock::run_experts_in_one_region(const torch::Te
     ++experts.back().rows;
   }
   for (const auto& e : experts)
-    if (!tiled(resolved(expert_gate_up[e.id], e.rows), true) || !tiled(resolved(expert_down[e.id], e.rows), false))
+    if (!tiled(expert_gate_up[e.id], true) || !tiled(expert_down[e.id], false))
       return c10::nullopt;
 
   const auto xc = x.contiguous();
@@ -127,8 +118,8 @@ c10::optional<torch::Tensor> MoEBlock::run_experts_in_one_region(const torch::Te
   std::vector<Job> ups, downs;
   std::vector<torch::Tensor> hidden;  // each expert's activations [rows, I]
   for (const auto& e : experts) {
-    const Projection& up = resolved(expert_gate_up[e.id], e.rows);
-    const Projection& down = resolved(expert_down[e.id], e.rows);
+    const Projection& up = expert_gate_up[e.id];
+    const Projection& down = expert_down[e.id];
     const auto in = rows.narrow(0, e.start, e.rows);
     const bool fused = up.kind == Projection::Kind::kInt4 || up.kind == Projection::Kind::kQ4K;
     const int64_t N_up = up.weight.size(0) * 16, I = N_up / 2, N_down = down.weight.size(0) * 16;

@@ -58,11 +58,12 @@ import torch.nn.functional as F
 from lmdeploy.pytorch.nn.quant.base import (ExpertKernel, Layout, LinearKernel, LinearOptions, WeightFormat,
                                             new_parameter, register_format)
 from lmdeploy.pytorch.nn.quant.dense import DenseFormat, DenseKernel
-from lmdeploy.pytorch.nn.quant.gguf_blocks import (BLOCKS, NativeQ8Kernel, Q8Kernel, dequantize_blocks, int8_unpack,
-                                                   q4_k_cpu_kernel, q4_k_grid, q6_k_lm_head_kernel)
+from lmdeploy.pytorch.nn.quant.gguf_blocks import (BLOCKS, Q8_0Gemv, Q8Kernel, dequantize_blocks, int8_unpack,
+                                                   q4_k_grid, q6_k_lm_head_kernel)
 from lmdeploy.pytorch.nn.quant.parts import PartsKernel
-from lmdeploy.pytorch.nn.quant.q5k_cpu import Q5KKernel
-from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6KKernel
+from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KGemv
+from lmdeploy.pytorch.nn.quant.q5k_cpu import Q5KGemv
+from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6KGemv
 from lmdeploy.pytorch.nn.quant.w4a16 import Int4GroupFormat, Int4Grid, PerExpertKernel, ReferenceKernel
 from lmdeploy.pytorch.weights.gguf_types import engine_layer, part_index
 from lmdeploy.pytorch.weights.safetensors_loader import WeightSource, one_thread, read_shard, release_free_heap
@@ -121,19 +122,19 @@ class GgufFormat(Int4GroupFormat):
             return kernel
         cpu_bf16 = options.dtype == torch.bfloat16 and layer.qweight.device.type == 'cpu'
         if self.ggml_type == 'Q4_K':
-            native = q4_k_cpu_kernel(layer.qweight, layer.gate_up_panels) if cpu_bf16 else None
+            native = Q4KGemv.of_blocks(layer.qweight, layer.gate_up_panels) if cpu_bf16 else None
             if native is None:
                 return super().make_kernel(layer, options)
             layer.qweight = None
             return native.layer_kernel()
         if self.ggml_type == 'Q5_K':  # dequantized on each call where the native GEMV does not run it
-            native = Q5KKernel.of(layer.qweight) if cpu_bf16 else None
+            native = Q5KGemv.of(layer.qweight) if cpu_bf16 else None
             if native is None:
                 return ReferenceKernel(self, layer)
             layer.qweight = None
             return native.layer_kernel()
         if cpu_bf16 and self.ggml_type == 'Q6_K':
-            native = Q6KKernel.of(layer.qweight)
+            native = Q6KGemv.of(layer.qweight)
             if native is not None:
                 layer.qweight = None
                 return native.layer_kernel()
@@ -145,7 +146,7 @@ class GgufFormat(Int4GroupFormat):
             layer.qweight = None
             return kernel
         codes, scales = int8_unpack(layer.qweight, self.ggml_type)
-        native = NativeQ8Kernel.of(codes, scales) if cpu_bf16 and self.ggml_type == 'Q8_0' else None
+        native = Q8_0Gemv.of(codes, scales) if cpu_bf16 and self.ggml_type == 'Q8_0' else None
         kernel = native.layer_kernel() if native is not None else Q8Kernel(codes, scales)
         layer.qweight = None
         return kernel
@@ -217,24 +218,29 @@ class GgufExpertsFormat(WeightFormat):
             else DenseKernel(layer)
 
     def cpu_kernel(self, proj: str, layer: ExpertProjection) -> LinearKernel:
-        """One expert's projection for bf16 activations on the CPU: its blocks on their type's kernel where the
-        GEMV is built (Q4_K, Q5_K and Q6_K as a dense layer: the expert's share of a step on the GEMV, or dequantized
-        for ``F.linear`` above the type's bound), else dequantized on each call; a dense one on ``F.linear``."""
+        """One expert's projection for bf16 activations on the CPU: its blocks on their type's GEMV where it is built,
+        as a layer's (:func:`~lmdeploy.pytorch.nn.quant.q6k_cpu.decode_rows_on_gemv`: in an engine step its decode
+        rows on the GEMV and its prefill rows dequantized, however many the expert gets), else a Q4_K grid on an int4
+        kernel and the others dequantized on each call; a dense one on ``F.linear``."""
         projection_format = self.formats[proj]
         if not isinstance(projection_format, GgufFormat):
             return DenseKernel(layer)
         ggml_type = projection_format.ggml_type
         if ggml_type == 'Q4_K':
-            return (q4_k_cpu_kernel(layer.qweight, proj == 'gate_up')
-                    or Int4GroupFormat.cpu_kernel(q4_k_grid(layer.qweight), proj == 'gate_up', torch.bfloat16))
+            native = Q4KGemv.of_blocks(layer.qweight, proj == 'gate_up')
+            if native is not None:
+                return native.layer_kernel()
+            return Int4GroupFormat.cpu_kernel(q4_k_grid(layer.qweight), proj == 'gate_up', torch.bfloat16)
         if ggml_type == 'Q5_K':
-            return Q5KKernel.of(layer.qweight) or ReferenceKernel(projection_format, BlockRows(layer.qweight))
-        native = Q6KKernel.of(layer.qweight) if ggml_type == 'Q6_K' else None
+            native = Q5KGemv.of(layer.qweight)
+            return native.layer_kernel() if native is not None else ReferenceKernel(projection_format,
+                                                                                      BlockRows(layer.qweight))
+        native = Q6KGemv.of(layer.qweight) if ggml_type == 'Q6_K' else None
         if native is not None:
-            return native
+            return native.layer_kernel()
         codes, scales = int8_unpack(layer.qweight, ggml_type)
-        native = NativeQ8Kernel.of(codes, scales) if ggml_type == 'Q8_0' else None
-        return native if native is not None else Q8Kernel(codes, scales)
+        native = Q8_0Gemv.of(codes, scales) if ggml_type == 'Q8_0' else None
+        return native.layer_kernel() if native is not None else Q8Kernel(codes, scales)
 
 
 @dataclass

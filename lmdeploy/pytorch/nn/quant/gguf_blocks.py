@@ -10,9 +10,9 @@ from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.quant.base import LinearKernel
 from lmdeploy.pytorch.nn.quant.cpu_bf16 import packed_cpu_kernel
 from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
-from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KKernel, k_scale_mins
+from lmdeploy.pytorch.nn.quant.q4k_cpu import k_scale_mins
 from lmdeploy.pytorch.nn.quant.q5k_cpu import q5k_weight
-from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6K_TILE, Q6KGemv, decode_rows_on_gemv, gemv_max_rows, gemv_or_dequantized
+from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6K_TILE, Q6KGemv, decode_rows_on_gemv
 from lmdeploy.pytorch.nn.quant.q8_cpu import Q8_TILE, pack_q8
 from lmdeploy.pytorch.nn.quant.w4a16 import Int4Grid
 
@@ -114,35 +114,18 @@ class Q8_0Gemv(LinearKernel):
     def native_projection(self, bias: torch.Tensor | None) -> object | None:
         return cpu.native().Projection(kind='q8', weight=self.packed, scale=self.scales, bias=bias)
 
-
-class NativeQ8Kernel(Q8_0Gemv):
-    """A Q8_0 expert's projection: an expert's share of a step of up to ``max_gemv_rows`` tokens
-    (``gemv_max_rows('q8_0')``) on the 8-bit GEMV, larger ones dequantized from the same copy to bf16 (the calling
-    thread's reused scratch) for one GEMM (``kquant_dequantized_linear``); a dense layer's kernel is
-    :meth:`layer_kernel`."""
-
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor):
-        super().__init__(*pack_q8(codes, scales.half()))
-        self.max_gemv_rows = gemv_max_rows('q8_0')
-
     @classmethod
-    def of(cls, codes: torch.Tensor, scales: torch.Tensor) -> NativeQ8Kernel | None:
-        """The kernel for CPU codes and scales where the GEMV was built and the rows fill its tiles; else None."""
+    def of(cls, codes: torch.Tensor, scales: torch.Tensor) -> Q8_0Gemv | None:
+        """The kernel for CPU codes and scales (:func:`int8_unpack`'s) where the GEMV was built and the rows fill its
+        tiles; else None."""
         if codes.device.type != 'cpu' or cpu.q8_gemv() is None or codes.shape[0] % Q8_TILE:
             return None
-        return cls(codes, scales)
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.shape[0] > self.max_gemv_rows:
-            return cpu.native().kquant_dequantized_linear(x, 'q8_0', self.packed, self.scales, bias)
-        return super().__call__(x, bias)
-
-    def native_projection(self, bias: torch.Tensor | None) -> object | None:
-        return gemv_or_dequantized('q8', self.packed, self.scales, bias, self.max_gemv_rows)
+        return cls(*pack_q8(codes, scales.half()))
 
     def layer_kernel(self) -> SmallStepInt4Kernel:
-        """A dense layer's kernel on this copy (see :func:`~lmdeploy.pytorch.nn.quant.q6k_cpu.decode_rows_on_gemv`)."""
-        return decode_rows_on_gemv('q8_0', Q8_0Gemv(self.packed, self.scales), self.packed, self.scales)
+        """A layer's or an expert's kernel on this copy (see
+        :func:`~lmdeploy.pytorch.nn.quant.q6k_cpu.decode_rows_on_gemv`)."""
+        return decode_rows_on_gemv('q8_0', self, self.packed, self.scales)
 
 
 def q6_k_lm_head_kernel(blocks: torch.Tensor, table: torch.Tensor) -> SmallStepInt4Kernel | None:
@@ -154,10 +137,3 @@ def q6_k_lm_head_kernel(blocks: torch.Tensor, table: torch.Tensor) -> SmallStepI
     large = packed_cpu_kernel(table)
     small = Q6KGemv.of(F.pad(blocks, (0, 0, 0, 0, 0, pad)) if pad else blocks, fp32_out=True)
     return None if large is None or small is None else SmallStepInt4Kernel(small, Q6K_LM_HEAD_GEMV_MAX_ROWS, large)
-
-
-def q4_k_cpu_kernel(blocks: torch.Tensor, gate_up: bool) -> Q4KKernel | None:
-    """Q4_K blocks in bf16 on the CPU: steps of up to ``gemv_max_rows('q4k')`` tokens on the Q4_K GEMV (the file's
-    codes and scales retiled, 0.5625 bytes a weight), larger ones dequantized from that copy for ``F.linear``;
-    None where the GEMV is not built."""
-    return Q4KKernel.of_blocks(blocks, gate_up)

@@ -1,16 +1,16 @@
 """GGUF Q4_K weights on the native int4 GEMV's codes with the file's own scales (``q4k_linear`` in
 ``kernels/cpu/linear_int4.cpp``): per block of 256 inputs an fp16 ``d`` and ``dmin`` and the 12 bytes packing
 eight 6-bit ``sc`` and ``m``, ``W = q * d * sc - dmin * m`` per group of 32 inputs, exactly the file's weights
-at 0.5625 bytes a weight, as in the file. Small steps (a dense layer's decode rows, an expert's small share of a
-step) run on the GEMV; larger ones dequantize the same copy for one bf16 GEMM (``kquant_dequantized_linear``; no other
-copy is kept), in the native decoder stack too."""
+at 0.5625 bytes a weight, as in the file. A layer's or an expert's decode rows run on the GEMV; its prefill rows
+dequantize the same copy for one bf16 GEMM (``kquant_dequantized_linear``; no other copy is kept), in the native
+decoder stack too."""
 from __future__ import annotations
 
 import torch
 
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.quant.int4_cpu import INT4_TILE, NativeInt4Kernel, SmallStepInt4Kernel
-from lmdeploy.pytorch.nn.quant.q6k_cpu import decode_rows_on_gemv, gemv_max_rows, gemv_or_dequantized, nibble_pairs
+from lmdeploy.pytorch.nn.quant.q6k_cpu import decode_rows_on_gemv, nibble_pairs
 
 Q4K_BLOCK, Q4K_BLOCK_BYTES = 256, 144
 
@@ -66,34 +66,7 @@ class Q4KGemv(NativeInt4Kernel):
             return None
         return cls(*pack_q4k(blocks, gate_up), gate_up)
 
-
-class Q4KKernel(Q4KGemv):
-    """A Q4_K expert's projection: an expert's share of a step of up to ``max_gemv_rows`` tokens
-    (``gemv_max_rows('q4k')``) on the GEMV, larger ones dequantized from the same copy (``[gate; up]`` for a
-    gate-and-up layer) into the thread's reused scratch for oneDNN's GEMM (``kquant_dequantized_linear``), 0.5625
-    bytes a weight held; a dense layer's kernel is :meth:`layer_kernel`."""
-
-    def __init__(self, packed: torch.Tensor, scales: torch.Tensor, gate_up: bool):
-        super().__init__(packed, scales, gate_up)
-        self.max_gemv_rows = gemv_max_rows('q4k')
-
-    def large_step(self, x: torch.Tensor) -> bool:
-        return x.reshape(-1, x.shape[-1]).shape[0] > self.max_gemv_rows
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.large_step(x):
-            return cpu.native().kquant_dequantized_linear(x, 'q4k', self.packed, self.scales, bias, self.gate_up)
-        return super().__call__(x, bias)
-
-    def gate_up_silu(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-        return None if self.large_step(x) else super().gate_up_silu(x, bias)
-
-    def native_projection(self, bias: torch.Tensor | None) -> object | None:
-        if self.gate_up and bias is not None:  # the GEMV's SiLU epilogue takes none
-            return None
-        return gemv_or_dequantized('q4k', self.packed, self.scales, bias, self.max_gemv_rows)
-
     def layer_kernel(self) -> SmallStepInt4Kernel:
-        """A dense layer's kernel on this copy (see :func:`~lmdeploy.pytorch.nn.quant.q6k_cpu.decode_rows_on_gemv`)."""
-        gemv = Q4KGemv(self.packed, self.scales, self.gate_up)
-        return decode_rows_on_gemv('q4k', gemv, self.packed, self.scales, self.gate_up)
+        """A layer's or an expert's kernel on this copy (see
+        :func:`~lmdeploy.pytorch.nn.quant.q6k_cpu.decode_rows_on_gemv`)."""
+        return decode_rows_on_gemv('q4k', self, self.packed, self.scales, self.gate_up)

@@ -1,9 +1,8 @@
 """GGUF Q5_K weights on the native GEMV (``kernels/cpu/linear_q5k.cpp``) as the file holds them: per block of 256
 inputs an fp16 ``d`` and ``dmin``, eight 6-bit ``sc`` and ``m`` (as Q4_K's) and 5-bit codes ``u``,
 ``W = u * d * sc - dmin * m`` per group of 32 inputs, 0.69 bytes a weight. Q5_K_M files and Qwen3.5's Q4_K_M
-``attn_qkv`` run their small steps (a dense layer's decode rows, an expert's small share of a step) on it, the file's
-weights exactly; larger steps dequantize the same copy for one bf16 GEMM (no bf16 copy is kept), in the native
-decoder stack too."""
+``attn_qkv`` run their decode rows (a layer's or an expert's) on it, the file's weights exactly; prefill rows
+dequantize the same copy for one bf16 GEMM (no bf16 copy is kept), in the native decoder stack too."""
 from __future__ import annotations
 
 import torch
@@ -12,7 +11,7 @@ from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.quant.base import LinearKernel
 from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
 from lmdeploy.pytorch.nn.quant.q4k_cpu import k_scale_mins
-from lmdeploy.pytorch.nn.quant.q6k_cpu import decode_rows_on_gemv, gemv_max_rows, gemv_or_dequantized
+from lmdeploy.pytorch.nn.quant.q6k_cpu import decode_rows_on_gemv
 
 Q5K_TILE, Q5K_GROUP, Q5K_BLOCK = 16, 32, 256
 # per tile of 16 rows and group of 32 inputs: 8 chunks of 32 nibble bytes, then 32 uint16 of fifth bits
@@ -83,6 +82,13 @@ class Q5KGemv(LinearKernel):
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor):
         self.codes, self.scales = codes, scales
 
+    @classmethod
+    def of(cls, blocks: torch.Tensor) -> Q5KGemv | None:
+        """The kernel for CPU blocks where the GEMV was built and the rows fill its tiles; else None."""
+        if blocks.device.type != 'cpu' or cpu.q5k_gemv() is None or blocks.shape[0] % Q5K_TILE:
+            return None
+        return cls(*pack_q5k(blocks))
+
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         out = cpu.native().q5k_linear(x, self.codes, self.scales).to(x.dtype)
         return out if bias is None else out + bias
@@ -90,31 +96,7 @@ class Q5KGemv(LinearKernel):
     def native_projection(self, bias: torch.Tensor | None) -> object | None:
         return cpu.native().Projection(kind='q5k', weight=self.codes, scale=self.scales, bias=bias)
 
-
-class Q5KKernel(Q5KGemv):
-    """A Q5_K expert's projection: an expert's share of a step of up to ``max_gemv_rows`` tokens
-    (``gemv_max_rows('q5k')``) on the GEMV, larger ones dequantized from the same copy into the thread's reused
-    scratch for oneDNN's GEMM (``kquant_dequantized_linear``); a dense layer's kernel is :meth:`layer_kernel`."""
-
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor):
-        super().__init__(codes, scales)
-        self.max_gemv_rows = gemv_max_rows('q5k')
-
-    @classmethod
-    def of(cls, blocks: torch.Tensor) -> Q5KKernel | None:
-        """The kernel for CPU blocks where the GEMV was built and the rows fill its tiles; else None."""
-        if blocks.device.type != 'cpu' or cpu.q5k_gemv() is None or blocks.shape[0] % Q5K_TILE:
-            return None
-        return cls(*pack_q5k(blocks))
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.reshape(-1, x.shape[-1]).shape[0] > self.max_gemv_rows:
-            return cpu.native().kquant_dequantized_linear(x, 'q5k', self.codes, self.scales, bias)
-        return super().__call__(x, bias)
-
-    def native_projection(self, bias: torch.Tensor | None) -> object | None:
-        return gemv_or_dequantized('q5k', self.codes, self.scales, bias, self.max_gemv_rows)
-
     def layer_kernel(self) -> SmallStepInt4Kernel:
-        """A dense layer's kernel on this copy (see :func:`~lmdeploy.pytorch.nn.quant.q6k_cpu.decode_rows_on_gemv`)."""
-        return decode_rows_on_gemv('q5k', Q5KGemv(self.codes, self.scales), self.codes, self.scales)
+        """A layer's or an expert's kernel on this copy (see
+        :func:`~lmdeploy.pytorch.nn.quant.q6k_cpu.decode_rows_on_gemv`)."""
+        return decode_rows_on_gemv('q5k', self, self.codes, self.scales)

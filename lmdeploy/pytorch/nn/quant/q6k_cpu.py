@@ -1,8 +1,8 @@
 """GGUF Q6_K weights on the native GEMV (``kernels/cpu/linear_q6k.cpp``) as the file holds them: 6-bit codes, an
 int8 scale per 16 inputs and an fp16 ``d`` per 256, ``W = d * sc * (u - 32)``, 0.82 bytes a weight. The Q6_K
-layers and output layer of a Q4_K_M file run their small steps (a dense layer's decode rows, an expert's small share
-of a step) on it, the file's weights exactly; a layer's larger steps dequantize the same copy for one bf16 GEMM (no
-bf16 copy is kept). Here too what the K-quant types share: their GEMVs' bounds and :func:`decode_rows_on_gemv`."""
+layers and experts of a Q4_K_M file run their decode rows on it (its output layer its small steps), the file's
+weights exactly; their prefill rows dequantize the same copy for one bf16 GEMM (no bf16 copy is kept). Here too what
+the K-quant types share: their GEMVs' bounds and :func:`decode_rows_on_gemv`."""
 from __future__ import annotations
 
 import torch
@@ -102,39 +102,9 @@ class Q6KGemv(LinearKernel):
     def native_projection(self, bias: torch.Tensor | None) -> object | None:
         return cpu.native().Projection(kind='q6k', weight=self.packed, scale=self.scales, bias=bias)
 
-
-class Q6KKernel(Q6KGemv):
-    """A Q6_K expert's projection: an expert's share of a step of up to ``max_gemv_rows`` tokens
-    (``gemv_max_rows('q6k')``) on the GEMV, larger ones dequantized from the same copy into the thread's reused
-    scratch for oneDNN's GEMM (``kquant_dequantized_linear``), 0.82 bytes a weight held; a dense layer's kernel is
-    :meth:`layer_kernel`."""
-
-    def __init__(self, packed: torch.Tensor, scales: torch.Tensor, fp32_out: bool = False):
-        super().__init__(packed, scales, fp32_out)
-        self.max_gemv_rows = gemv_max_rows('q6k')
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.reshape(-1, x.shape[-1]).shape[0] > self.max_gemv_rows:
-            return cpu.native().kquant_dequantized_linear(x, 'q6k', self.packed, self.scales, bias)
-        return super().__call__(x, bias)
-
-    def native_projection(self, bias: torch.Tensor | None) -> object | None:
-        return gemv_or_dequantized('q6k', self.packed, self.scales, bias, self.max_gemv_rows)
-
     def layer_kernel(self) -> SmallStepInt4Kernel:
-        """A dense layer's kernel on this copy (see :func:`decode_rows_on_gemv`)."""
-        return decode_rows_on_gemv('q6k', Q6KGemv(self.packed, self.scales, self.fp32_out), self.packed, self.scales)
-
-
-def gemv_or_dequantized(kind: str, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-                        max_rows: int) -> object:
-    """A MoE expert's K-quant projection as the native MoE block's ``steps`` projection: up to ``max_rows`` rows
-    on the ``kind`` GEMV (``q4k``, ``q5k``, ``q6k``, ``q8``), more dequantized for the call (``{kind}_dequantized``),
-    as its kernel runs them."""
-    native = cpu.native()
-    small = native.Projection(kind=kind, weight=codes, scale=scales, bias=bias)
-    large = native.Projection(kind=f'{kind}_dequantized', weight=codes, scale=scales, bias=bias)
-    return native.Projection(small=small, large=large, small_step_rows=max_rows)
+        """A layer's or an expert's kernel on this copy (see :func:`decode_rows_on_gemv`)."""
+        return decode_rows_on_gemv('q6k', self, self.packed, self.scales)
 
 
 class KQuantDequantized(LinearKernel):
@@ -159,9 +129,10 @@ PROJECTION_KINDS = {'q4k': 'q4k', 'q5k': 'q5k', 'q6k': 'q6k', 'q8_0': 'q8'}
 
 def decode_rows_on_gemv(kind: str, gemv: LinearKernel, codes: torch.Tensor, scales: torch.Tensor,
                         gate_up: bool = False) -> SmallStepInt4Kernel:
-    """A K-quant layer: in an engine step its decode rows on ``gemv`` and its prefill rows dequantized
-    (:class:`KQuantDequantized`), however many share the step, so that a prompt's output does not depend on its
-    batch (the GEMV's rows do not depend on their number); outside one, steps of up to ``gemv_max_rows(kind)``
-    rows on the GEMV (see :func:`~lmdeploy.pytorch.step_context.small_step`). The native decoder stack builds its
-    small stack on the GEMV's projections."""
+    """A K-quant layer or MoE expert's projection: in an engine step its decode rows on ``gemv`` and its prefill rows
+    dequantized (:class:`KQuantDequantized`), however many share the step, so that a prompt's output does not
+    depend on its batch (the GEMV's rows do not depend on their number); outside one, steps of up to
+    ``gemv_max_rows(kind)`` rows on the GEMV (see :func:`~lmdeploy.pytorch.step_context.small_step`). The native
+    decoder stack builds its small stack on the GEMV's projections (an expert's: ``expert_projection``), its large
+    one on the dequantized."""
     return SmallStepInt4Kernel(gemv, gemv_max_rows(kind), KQuantDequantized(kind, codes, scales, gate_up))
