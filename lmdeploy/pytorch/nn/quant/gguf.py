@@ -28,16 +28,14 @@
 
 A MoE layer's experts (``ffn_{gate,up,down}_exps``, one ``qweight`` per expert and projection) keep their blocks
 the same way, each projection in its own type (:class:`GgufExpertsFormat`): in bf16 on the CPU each routed
-expert runs Q4_K as dense Q4_K layers do (the Q4_K GEMV up to 32 rows, gate and up with their SiLU epilogue;
-dequantized per call above), Q6_K as dense Q6_K layers do (the Q6_K GEMV up to 16 rows, dequantized per call
-above; an expert's share of the step's rows decides) and Q8_0 on the 8-bit GEMV; on CUDA the Triton fused MoE
+expert runs Q4_K, Q5_K, Q6_K and Q8_0 as dense layers of those types do (small steps on the type's GEMV, Q4_K's
+gate and up with their SiLU epilogue; large steps dequantized per call); on CUDA the Triton fused MoE
 on every projection's blocks (Q4_K's grids, Q6_K's and Q8_0's retiled as for the dense GEMMs);
 otherwise each routed expert is dequantized on its call.
 
-Small steps, in bf16 on the CPU: a dense layer's decode rows in an engine step, however many share it, and never its
-prefill rows (``decode_rows_on_gemv``, see :func:`~lmdeploy.pytorch.step_context.small_step`: a prompt's output does
-not depend on its batch); outside a step, and for a MoE expert's share of a step, up to the type's
-``gemv_max_rows`` rows.
+Small steps, in bf16 on the CPU: a layer's or an expert's decode rows in an engine step, however many share it, and
+never its prefill rows (``decode_rows_on_gemv``, see :func:`~lmdeploy.pytorch.step_context.small_step`: a prompt's
+output does not depend on its batch); outside a step, up to the type's ``gemv_max_rows`` rows.
 
 A stacked layer (q/k/v, gate/up) whose parts differ in type (Q4_K_M's Q6_K ``attn_v`` beside Q4_K ``attn_q`` and
 ``attn_k``) keeps each part as its blocks on its type's kernel (:class:`GgufPartsFormat`).
