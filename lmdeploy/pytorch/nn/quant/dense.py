@@ -1,5 +1,5 @@
-"""Weights in the model's dtype, as most checkpoints hold them; on the CPU laid out for the bf16 GEMMs,
-and with a 4-bit copy for small steps when asked."""
+"""Weights in the model's dtype, as most checkpoints hold them; on the CPU laid out for the bf16 GEMMs or the
+fixed-order fp32 GEMM, and with a 4-bit copy for small steps when asked."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -12,6 +12,7 @@ from lmdeploy.pytorch.kernels.activation import ClampedSwiGLU
 from lmdeploy.pytorch.nn.quant.base import (ExpertKernel, Layout, LinearKernel, LinearOptions, WeightFormat,
                                             new_parameter)
 from lmdeploy.pytorch.nn.quant.cpu_bf16 import NativeBf16Kernel, native_bf16_kernel, packed_cpu_kernel
+from lmdeploy.pytorch.nn.quant.cpu_fp32 import native_fp32_kernel
 from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
 from lmdeploy.pytorch.nn.quant.w4a16 import PerExpertKernel
 
@@ -56,7 +57,9 @@ class DenseFormat(WeightFormat):
 
     def make_kernel(self, layer: Linear, options: LinearOptions) -> LinearKernel:
         small = SmallStepInt4Kernel.of(layer.weight, layer.gate_up_panels) if options.small_step_int4 else None
-        kernel = packed_cpu_kernel(layer.weight, layer.gate_up_panels) if options.pack_cpu else None
+        kernel = None
+        if options.pack_cpu:
+            kernel = packed_cpu_kernel(layer.weight, layer.gate_up_panels) or native_fp32_kernel(layer.weight)
         if kernel is None:
             kernel = DenseKernel(layer)
         else:
