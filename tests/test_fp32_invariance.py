@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import save_tiny_model
 from helpers import random_prompts
 
 from lmdeploy import GenerationConfig, PytorchEngineConfig
@@ -56,6 +57,7 @@ def assert_batch_invariant(engine: Engine, prompts: list[list[int]]) -> None:
     model = engine.runner.model
     assert isinstance(model.layers[0].self_attn.qkv_proj.kernel, NativeFp32Kernel)
     assert isinstance(model.lm_head.packed, NativeFp32Kernel)
+    assert engine.runner.model.native_stack is None  # fp32 runs the layers' forward
     alone = [run(engine, [prompt], GEN, 0)[0] for prompt in prompts]
     assert run(engine, prompts, GEN, 0) == alone  # prefills together, then decode steps of len(prompts) rows
     assert run(engine, prompts, GEN, 1) == alone  # each prefill beside the decode rows of the prompts before it
@@ -67,7 +69,12 @@ def test_tiny_llama_fp32_is_batch_invariant(tiny_llama, fp32_gemm):
     assert_batch_invariant(engine, random_prompts([1, 2, 5, 9, 17, 40], seed=3))
 
 
-def test_default_model_fp32_is_batch_invariant(default_model_gguf, fp32_gemm):
-    """The default model in fp32: its Q4_1 layers dequantized at conversion, its tied table's packed copy."""
-    engine = Engine(default_model_gguf, PytorchEngineConfig(dtype='float32', num_gpu_blocks=32), show_progress=False)
-    assert_batch_invariant(engine, random_prompts([3, 12, 30, 7, 21, 5], seed=1, vocab=40000))
+def test_tiny_qwen3_moe_fp32_is_batch_invariant(tmp_path, fp32_gemm):
+    """Its router a linear layer, each expert's projections on their own packed copy (``native_fp32_experts``)."""
+    engine = Engine(save_tiny_model('qwen3_moe', str(tmp_path)), PytorchEngineConfig(
+        dtype='float32', num_gpu_blocks=64, block_size=16, enable_prefix_caching=False), show_progress=False)
+    mlp = engine.runner.model.layers[0].mlp
+    assert isinstance(mlp.gate.kernel, NativeFp32Kernel) and isinstance(mlp.experts.kernel.kernel('down', 0),
+                                                                         NativeFp32Kernel)
+    assert_batch_invariant(engine, random_prompts([1, 2, 5, 9, 17, 40], seed=3))
+

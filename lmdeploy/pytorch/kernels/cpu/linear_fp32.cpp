@@ -124,7 +124,8 @@ torch::Tensor fp32_packed_linear(const torch::Tensor& x, const torch::Tensor& pa
   TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.dim() == 3 && packed.size(2) == kTile &&
                   packed.is_contiguous() && n > (packed.size(0) - 1) * kTile && n <= packed.size(0) * kTile,
               "fp32_packed_linear takes pack_fp32_weight's tiles of an [n, K] weight");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.size(-1) == packed.size(1), "fp32_packed_linear takes fp32 x [..., K]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.size(-1) == packed.size(1),
+              "fp32_packed_linear takes fp32 x [..., K]");
   const auto bc = bias ? c10::optional<torch::Tensor>(bias->to(at::kFloat).contiguous()) : c10::nullopt;
   TORCH_CHECK(!bc || bc->numel() == n, "fp32_packed_linear's bias has one value an output");
   const auto xc = x.reshape({-1, x.size(-1)}).contiguous();
