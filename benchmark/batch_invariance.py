@@ -3,6 +3,7 @@ their logprobs of each prompt run with the others against the same prompt run al
 as a table of the prompts that differ (tokens, and logprobs bitwise).
 
     python benchmark/batch_invariance.py [--num-prompts 24] [--new-tokens 24] [--gemma] [--moe] [--threads 1]
+        [--only fp32]
 
 Prompts: random token ids (seed 1, ids below 40000, or the model's vocabulary), lengths 5 + 7 i. Two ways of
 sharing:
@@ -15,7 +16,7 @@ Configurations: the default model (Q4_1 GGUF) in bf16 with ``decode_int4`` as th
 what ``lmdeploy chat`` and ``serve`` run), in bf16 with ``decode_int4`` off, in fp32; ``--gemma`` adds the real
 Gemma 3 270M Q4_K_M in bf16 (253 MB, fetched once). ``--moe`` runs, instead, tiny random mixture-of-experts
 models (:func:`moe_models`) in bf16 in the native decoder stack (the engine's path), in bf16 in the layers' Python
-forward, in bf16 with ``decode_int4``, and in fp32.
+forward, in bf16 with ``decode_int4``, and in fp32. ``--only TEXT``: the configurations whose name holds it.
 """
 from __future__ import annotations
 
@@ -113,6 +114,7 @@ def main() -> None:
     parser.add_argument('--gemma', action='store_true', help='also Gemma 3 270M Q4_K_M in bf16')
     parser.add_argument('--moe', action='store_true', help='tiny random MoE models instead (see moe_models)')
     parser.add_argument('--threads', type=int, default=None, help="torch's threads (default: its own)")
+    parser.add_argument('--only', default='', help='only the configurations whose name holds this text')
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -120,6 +122,7 @@ def main() -> None:
     gen = GenerationConfig(max_new_tokens=args.new_tokens, ignore_eos=True, logprobs=5)
     with tempfile.TemporaryDirectory() as folder:
         configs = moe_configs(moe_models(folder)) if args.moe else default_configs(args.gemma)
+        configs = [config for config in configs if args.only in config[0]]
         print_table(configs, prompts, gen, args)
 
 

@@ -1,4 +1,5 @@
-"""What batch invariance costs: the default model (bf16, ``decode_int4`` on as for its Q4_1 file), with ``--gemma``
+"""What batch invariance costs: the default model (bf16, ``decode_int4`` on as for its Q4_1 file; ``--dtype float32``:
+fp32, the fixed-order fp32 GEMM's), with ``--gemma``
 Gemma 3 270M Q4_K_M in bf16 (its K-quant layers' GEMVs), or with ``--moe`` a random-weight MoE model
 (:func:`save_moe_model`), in two source trees, before and after, each round a fresh process
 per tree, the trees alternating, one thread, the calling thread's CPU time (the engine computes in it with one
@@ -6,6 +7,7 @@ thread: on a machine that other jobs load, what each tree computes rather than w
 sharing still counts).
 
     python benchmark/batch_invariance_cost.py --before /path/to/tree --after . [--rounds 3] [--gemma | --moe]
+        [--dtype bfloat16 | float32]
 
 Per tree: ``b1 decode`` ms a step (one sequence, the median of its 64 decode steps), ``24-row decode``, ``64-row
 decode`` and ``128-row decode`` ms a step (as many sequences decoding together, median of 24 steps), ``prefill
@@ -30,8 +32,8 @@ from lmdeploy.model_source import default_model_path, gemma3_270m_path
 from lmdeploy.pytorch.engine.engine import Engine
 
 path = {'': default_model_path, 'gemma': gemma3_270m_path}.get(sys.argv[1], lambda: sys.argv[1])()
-vocab = int(sys.argv[2])
-engine = Engine(path, PytorchEngineConfig(dtype='bfloat16', enable_prefix_caching=False, max_batch_size=128),
+vocab, dtype = int(sys.argv[2]), sys.argv[3]
+engine = Engine(path, PytorchEngineConfig(dtype=dtype, enable_prefix_caching=False, max_batch_size=128),
                 show_progress=False)
 g = torch.Generator().manual_seed(0)
 prompts = [torch.randint(3, vocab, (64 + 8 * i,), generator=g).tolist() for i in range(16)]
@@ -81,10 +83,10 @@ def save_moe_model(path: str) -> str:
     return path
 
 
-def measure(tree: str, model: str, vocab: int) -> dict[str, float]:
+def measure(tree: str, model: str, vocab: int, dtype: str) -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree), OMP_NUM_THREADS='1')
-    out = subprocess.run([sys.executable, '-c', CHILD, model, str(vocab)], env=env, capture_output=True, text=True,
-                         check=True, cwd=os.path.abspath(tree))
+    out = subprocess.run([sys.executable, '-c', CHILD, model, str(vocab), dtype], env=env, capture_output=True,
+                         text=True, check=True, cwd=os.path.abspath(tree))
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -96,6 +98,7 @@ def main() -> None:
     models = parser.add_mutually_exclusive_group()
     models.add_argument('--gemma', action='store_true', help='Gemma 3 270M Q4_K_M instead of the default model')
     models.add_argument('--moe', action='store_true', help='the random-weight MoE model instead of the default one')
+    parser.add_argument('--dtype', default='bfloat16', choices=['bfloat16', 'float32'])
     args = parser.parse_args()
     results: dict[str, list[dict[str, float]]] = {'before': [], 'after': []}
     with tempfile.TemporaryDirectory() as folder:
@@ -103,7 +106,7 @@ def main() -> None:
         for round_ in range(args.rounds):
             order = ('before', 'after') if round_ % 2 == 0 else ('after', 'before')
             for name in order:
-                results[name].append(measure(getattr(args, name), model, vocab))
+                results[name].append(measure(getattr(args, name), model, vocab, args.dtype))
                 print(name, round_, {k: round(v, 2) for k, v in results[name][-1].items()}, flush=True)
     print('| ms (thread CPU, best of rounds) | before | after | after / before |\n| --- | --- | --- | --- |')
     for key in results['before'][0]:

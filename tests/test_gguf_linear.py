@@ -22,6 +22,7 @@ from lmdeploy.pytorch.distributed.parallel_state import TPGroup, use_group
 from lmdeploy.pytorch.nn.linear import GateUpLinear, Linear, RowLinear
 from lmdeploy.pytorch.nn.quant import LinearOptions, use_weight_format
 from lmdeploy.pytorch.kernels import cpu
+from lmdeploy.pytorch.nn.quant.cpu_fp32 import NativeFp32Kernel
 from lmdeploy.pytorch.nn.quant.gguf import DequantizedKernel, GgufFileFormat, GgufFormat
 from lmdeploy.pytorch.nn.quant.gguf_blocks import Q8_0Gemv
 from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel, TorchInt4Kernel
@@ -54,20 +55,33 @@ def test_unpacking_matches_gguf(qtype):
     torch.testing.assert_close(layer(x), x @ expected.T)
 
 
-@pytest.mark.parametrize('qtype,kernel,dtype,tolerance', [(Q.Q8_0, DequantizedKernel, torch.float32, 1e-6),
+def fp32_kernel() -> type:
+    """An fp32 layer's kernel once dequantized at load: the fixed-order fp32 GEMM's where it is built (AVX-512)."""
+    return NativeFp32Kernel if cpu.fp32_gemm() is not None else DequantizedKernel
+
+
+def dequantized_weight(kernel: DequantizedKernel | NativeFp32Kernel) -> torch.Tensor:
+    """The fp32 weight ``[N, K]`` that ``fp32_kernel()`` holds."""
+    if isinstance(kernel, DequantizedKernel):
+        return kernel.weight
+    return kernel.weight_rows(torch.arange(kernel.out_features))
+
+
+@pytest.mark.parametrize('qtype,kernel,dtype,tolerance', [(Q.Q8_0, fp32_kernel, torch.float32, 1e-6),
                                                           (Q.Q4_K, q4_k_cpu_kernel, torch.bfloat16, 1e-2),
-                                                          (Q.Q4_K, DequantizedKernel, torch.float32, 1e-6),
-                                                          (Q.Q6_K, DequantizedKernel, torch.float32, 1e-6)])
+                                                          (Q.Q4_K, fp32_kernel, torch.float32, 1e-6),
+                                                          (Q.Q6_K, fp32_kernel, torch.float32, 1e-6)])
 def test_loaded_kernels(qtype, kernel, dtype, tolerance):
     """Q4_K on the native Q4_K GEMV (up to ``gemv_max_rows('q4k')`` rows; dequantized above) is the file's weights
     (its bf16 results rounded); on torch's int4 kernel (where the GEMV is not built) exact up to the rounding of
-    ``d * sc`` and ``dmin * m`` to bf16. fp32 dequantizes the blocks once at load: gguf's weights exactly."""
+    ``d * sc`` and ``dmin * m`` to bf16. fp32 dequantizes the blocks once at load: gguf's weights exactly (packed for
+    the fixed-order fp32 GEMM where it is built)."""
     layer, expected = gguf_layer(qtype, seed=3)
-    kernel = kernel() if kernel is q4_k_cpu_kernel else kernel
+    kernel = kernel()
     layer.finalize(LinearOptions(pack_cpu=True, dtype=dtype))
     assert isinstance(layer.kernel, kernel) and layer.qweight is None
-    if kernel is DequantizedKernel:
-        assert torch.equal(layer.kernel.weight, expected)
+    if dtype == torch.float32:
+        assert torch.equal(dequantized_weight(layer.kernel), expected)
     for rows in (1, 7, 33):
         x = torch.randn(rows, 512).to(dtype)
         reference = x.float() @ expected.T
@@ -137,7 +151,7 @@ def test_bf16_engine_runs_q4_k_on_the_int4_kernel(tmp_path: Path):
                         show_progress=False)
         try:
             kinds = {type(module.kernel) for module in engine.runner.model.modules() if isinstance(module, Linear)}
-            assert kinds == {q4_k_cpu_kernel() if dtype == 'bfloat16' else DequantizedKernel}
+            assert kinds == {q4_k_cpu_kernel() if dtype == 'bfloat16' else fp32_kernel()}
             logits[dtype] = engine.get_logits(prompt).float()
         finally:
             engine.close()

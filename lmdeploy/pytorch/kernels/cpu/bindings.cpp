@@ -60,6 +60,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp32_linear_available", &fp32_linear_available, "whether fp32_linear was built (AVX-512)");
   m.def("fp32_linear", &fp32_linear, "fp32 x @ W.T + bias, rows independent of their number (linear_fp32.cpp)",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
+  m.def("pack_fp32_weight", &pack_fp32_weight,
+        "an fp32 weight [N, K] as fp32_packed_linear's tiles [ceil(N/16), K, 16]", py::arg("weight"));
+  m.def("fp32_packed_linear", &fp32_packed_linear,
+        "fp32 x @ W.T + bias on pack_fp32_weight's tiles of W [n, K], rows independent of their number",
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
   m.def("q8_gemv_available", &q8_gemv_available, "whether q8_linear was built (AVX512-BF16)");
   m.def("q8_linear", &q8_linear, "fp32 x @ W.T on 8-bit weight groups (linear_q8.cpp)", py::arg("x"),
         py::arg("packed"), py::arg("scales"));

@@ -268,6 +268,11 @@ torch::Tensor q4k_dequantize(const torch::Tensor& packed, const torch::Tensor& s
 bool fp32_linear_available();
 torch::Tensor fp32_linear(const torch::Tensor& x, const torch::Tensor& weight,
                           const c10::optional<torch::Tensor>& bias);
+// fp32 x @ W.T (+ bias) on W [n, K] packed by pack_fp32_weight ([ceil(n/16), K, 16], zero-padded), each output
+// summed in input order whatever the number of rows (linear_fp32.cpp); built with AVX-512.
+torch::Tensor pack_fp32_weight(const torch::Tensor& weight);
+torch::Tensor fp32_packed_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
+                                 const c10::optional<torch::Tensor>& bias);
 // GGUF Q8_0 in pack_q8's layout (linear_q8.cpp); built with AVX512-BF16.
 bool q8_gemv_available();
 torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales);

@@ -1,5 +1,5 @@
-"""Weights in the model's dtype, as most checkpoints hold them; on the CPU laid out for the bf16 GEMMs,
-and with a 4-bit copy for small steps when asked."""
+"""Weights in the model's dtype, as most checkpoints hold them; on the CPU laid out for the bf16 GEMMs or the
+fixed-order fp32 GEMM, and with a 4-bit copy for small steps when asked."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -7,11 +7,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from lmdeploy.pytorch.kernels import fused_moe
+from lmdeploy.pytorch.kernels import cpu, fused_moe
 from lmdeploy.pytorch.kernels.activation import ClampedSwiGLU
 from lmdeploy.pytorch.nn.quant.base import (ExpertKernel, Layout, LinearKernel, LinearOptions, WeightFormat,
                                             new_parameter)
 from lmdeploy.pytorch.nn.quant.cpu_bf16 import NativeBf16Kernel, native_bf16_kernel, packed_cpu_kernel
+from lmdeploy.pytorch.nn.quant.cpu_fp32 import NativeFp32Kernel, native_fp32_kernel
 from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
 from lmdeploy.pytorch.nn.quant.w4a16 import PerExpertKernel
 
@@ -56,7 +57,9 @@ class DenseFormat(WeightFormat):
 
     def make_kernel(self, layer: Linear, options: LinearOptions) -> LinearKernel:
         small = SmallStepInt4Kernel.of(layer.weight, layer.gate_up_panels) if options.small_step_int4 else None
-        kernel = packed_cpu_kernel(layer.weight, layer.gate_up_panels) if options.pack_cpu else None
+        kernel = None
+        if options.pack_cpu:
+            kernel = packed_cpu_kernel(layer.weight, layer.gate_up_panels) or native_fp32_kernel(layer.weight)
         if kernel is None:
             kernel = DenseKernel(layer)
         else:
@@ -64,9 +67,9 @@ class DenseFormat(WeightFormat):
         return kernel if small is None else small.over(kernel)
 
     def make_expert_kernel(self, experts: FusedExperts, options: LinearOptions) -> ExpertKernel:
-        """The fused-MoE kernel on the stacked weights; bf16 CPU experts to be packed (``options.pack_cpu``) each
-        on the native GEMM where it fits them all (:func:`native_bf16_experts`)."""
-        kernels = native_bf16_experts(experts) if options.pack_cpu else None
+        """The fused-MoE kernel on the stacked weights; CPU experts to be packed (``options.pack_cpu``) each on the
+        native GEMM where it fits them all (:func:`native_bf16_experts`, :func:`native_fp32_experts`)."""
+        kernels = (native_bf16_experts(experts) or native_fp32_experts(experts)) if options.pack_cpu else None
         if kernels is None:
             return DenseExpertKernel(experts)
         experts.release()
@@ -85,3 +88,13 @@ def native_bf16_experts(experts: FusedExperts) -> dict[str, list[NativeBf16Kerne
     kernels = {'gate_up': [native_bf16_kernel(w, fused) for w in experts.gate_up],
                'down': [native_bf16_kernel(w) for w in experts.down]}
     return None if any(k is None for ks in kernels.values() for k in ks) else kernels
+
+
+def native_fp32_experts(experts: FusedExperts) -> dict[str, list[NativeFp32Kernel]] | None:
+    """Each expert's ``gate_up`` and ``down`` (fp32, on the CPU) on the native fixed-order fp32 GEMM, whose rows do
+    not depend on how many reach the expert (torch's fp32 GEMM picks its kernel by it); None where it is not built."""
+    if (experts.gate_up is None or experts.gate_up.dtype != torch.float32 or experts.gate_up.device.type != 'cpu'
+            or cpu.fp32_gemm() is None):
+        return None
+    return {'gate_up': [native_fp32_kernel(w) for w in experts.gate_up],
+            'down': [native_fp32_kernel(w) for w in experts.down]}

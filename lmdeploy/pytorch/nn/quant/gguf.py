@@ -41,8 +41,9 @@ A stacked layer (q/k/v, gate/up) whose parts differ in type (Q4_K_M's Q6_K ``att
 ``attn_k``) keeps each part as its blocks on its type's kernel (:class:`GgufPartsFormat`).
 
 In fp32 on the CPU (``dtype='float32'``, asked for: ``auto`` is bf16) every layer's and expert's blocks are
-dequantized once at load (:class:`DequantizedKernel`), not on each call: the same fp32 weights, so the same
-logits, at the memory of the fp32 model that was asked for (4 bytes a weight, as transformers' reading of the file).
+dequantized once at load (:func:`dequantized_kernel`: packed for the fixed-order fp32 GEMM where it is built), not on
+each call: the same fp32 weights, so the same logits, at the memory of the fp32 model that was asked for (4 bytes a
+weight, as transformers' reading of the file).
 """
 from __future__ import annotations
 
@@ -55,6 +56,7 @@ import torch.nn.functional as F
 
 from lmdeploy.pytorch.nn.quant.base import (ExpertKernel, Layout, LinearKernel, LinearOptions, WeightFormat,
                                             new_parameter, register_format)
+from lmdeploy.pytorch.nn.quant.cpu_fp32 import native_fp32_kernel
 from lmdeploy.pytorch.nn.quant.dense import DenseFormat, DenseKernel
 from lmdeploy.pytorch.nn.quant.gguf_blocks import (BLOCKS, Q8_0Gemv, Q8Kernel, dequantize_blocks, int8_unpack,
                                                    q4_k_grid, q6_k_lm_head_kernel)
@@ -79,6 +81,12 @@ class DequantizedKernel(LinearKernel):
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, self.weight, bias)
+
+
+def dequantized_kernel(weight: torch.Tensor) -> LinearKernel:
+    """The kernel of a layer's fp32 weight dequantized at load: the native fixed-order fp32 GEMM's packed copy where
+    it is built (rows independent of their number), else :class:`DequantizedKernel`."""
+    return native_fp32_kernel(weight) or DequantizedKernel(weight)
 
 
 def fp32_on_cpu(options: LinearOptions, device: str) -> bool:
@@ -115,7 +123,7 @@ class GgufFormat(Int4GroupFormat):
 
     def make_kernel(self, layer: Linear, options: LinearOptions) -> LinearKernel:
         if fp32_on_cpu(options, layer.qweight.device.type):
-            kernel = DequantizedKernel(self.dequantize(layer))
+            kernel = dequantized_kernel(self.dequantize(layer))
             layer.qweight = None
             return kernel
         cpu_bf16 = options.dtype == torch.bfloat16 and layer.qweight.device.type == 'cpu'
@@ -212,7 +220,7 @@ class GgufExpertsFormat(WeightFormat):
     def fp32_kernel(self, proj: str, layer: ExpertProjection) -> LinearKernel:
         """One expert's projection in fp32 on the CPU: its blocks dequantized once, a dense one as it is."""
         projection_format = self.formats[proj]
-        return DequantizedKernel(projection_format.dequantize(layer)) if isinstance(projection_format, GgufFormat) \
+        return dequantized_kernel(projection_format.dequantize(layer)) if isinstance(projection_format, GgufFormat) \
             else DenseKernel(layer)
 
     def cpu_kernel(self, proj: str, layer: ExpertProjection) -> LinearKernel:
@@ -292,7 +300,7 @@ class GgufPartsFormat(WeightFormat):
         if options.dtype is None:
             return ReferenceKernel(self, layer)
         if fp32_on_cpu(options, layer.qweight.device.type):
-            kernel = DequantizedKernel(self.dequantize(layer))
+            kernel = dequantized_kernel(self.dequantize(layer))
             layer.qweight = None
             return kernel
         parts = [part.make_kernel(BlockRows(self.blocks(layer, i)), options) for i, part in enumerate(self.parts)]

@@ -10,7 +10,8 @@ and, in a tied file, the LM head's logits; laid out by the model's dtype and dev
   native GEMVs; an untied embedding's lookups.
 - :class:`DenseTable`: fp32 on the CPU, the blocks dequantized once at load, as every GGUF layer of an fp32 model
   (the LM head would otherwise dequantize the whole table at every step: 160 ms instead of 60 for Gemma 3's
-  262,144 x 640 Q8_0 table, one thread).
+  262,144 x 640 Q8_0 table, one thread), packed for the fixed-order fp32 GEMM where it is built (one copy: lookups
+  read the packed rows).
 - :class:`NativeBlocks`: in bf16 on the CPU, the blocks retiled once for their type's native GEMV (tiles of 16 rows,
   the file's weights exactly). Small steps (:func:`~lmdeploy.pytorch.step_context.small_step`: an engine step's
   decode rows, else up to ``gemv_max_rows`` rows) run on the GEMV, the others dequantize a slice of tiles at a time
@@ -27,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from lmdeploy.pytorch.kernels import cpu, triton_runs_on
+from lmdeploy.pytorch.nn.quant.cpu_fp32 import native_fp32_kernel
 from lmdeploy.pytorch.nn.quant.gguf_blocks import BLOCKS, dequantize_blocks, q8_0_unpack
 from lmdeploy.pytorch.nn.quant.int4_cpu import INT4_TILE
 from lmdeploy.pytorch.nn.quant.q4k_cpu import pack_q4k
@@ -87,7 +89,8 @@ class FileBlocks(BlockTable):
 
 
 class DenseTable(BlockTable):
-    """The blocks dequantized once to an fp32 ``weight [rows, hidden]`` (see the module's docstring)."""
+    """The blocks dequantized once to fp32: the fixed-order fp32 GEMM's packed tiles where it is built (lookups read
+    their rows), else a ``weight [rows, hidden]`` (see the module's docstring)."""
 
     def __init__(self, blocks: torch.Tensor, ggml_type: str):
         super().__init__(blocks.shape[0], blocks.shape[1] * BLOCKS[ggml_type][0])
@@ -95,15 +98,22 @@ class DenseTable(BlockTable):
         slice_rows = max(1, TABLE_SLICE_WEIGHTS // self.hidden)
         for rows, out in zip(blocks.split(slice_rows), self.weight.split(slice_rows)):
             out.copy_(dequantize_blocks(rows, ggml_type))
+        self.kernel = native_fp32_kernel(self.weight)
+        if self.kernel is not None:
+            self.weight = None
 
     def lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel.weight_rows(ids).to(dtype)
         return F.embedding(ids, self.weight).to(dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel(hidden.float(), None)
         return F.linear(hidden.float(), self.weight)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.weight]
+        return [self.weight] if self.kernel is None else [self.kernel.packed]
 
 
 class NativeType(NamedTuple):
