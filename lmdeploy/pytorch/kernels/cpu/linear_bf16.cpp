@@ -86,8 +86,8 @@ void tile(const Gemm& g, const bf16* w, int64_t row, int64_t panel, NextGroup& n
   }
   __m512 bias[C];
   for (int c = 0; c < C; ++c) {
-    const __m256i raw = g.bias ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g.bias + first_column(g, panel + c)))
-                               : _mm256_setzero_si256();
+    const bf16* b = g.bias ? g.bias + first_column(g, panel + c) : nullptr;
+    const __m256i raw = b ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)) : _mm256_setzero_si256();
     bias[c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
   }
   if (g.silu) {  // staged; row_block applies SiLU-and-mul once the row block is done
