@@ -11,9 +11,9 @@ import threading
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
+from helpers import large_step_reference
 from test_gguf_q4km import random_blocks
 
 from lmdeploy.pytorch.kernels import cpu
@@ -60,17 +60,8 @@ def fresh_weight(kind: str, kernel, gate_up: bool) -> torch.Tensor:
     return getattr(native, f'{name}_dequantize')(codes_of(kind, kernel), kernel.scales)
 
 
-def reference_linear(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The large step on a fresh dequantized weight: the native bf16 GEMM on its packed panels for bf16 x where
-    large steps take it, else ``F.linear``."""
-    native = cpu.native()
-    if x.dtype == torch.bfloat16 and native.dequantizing_gemm_available():
-        return native.bf16_linear(x, native.pack_bf16_weight(weight), bias)
-    return F.linear(x, weight.to(x.dtype), bias)
-
-
 def fresh_linear(kind: str, kernel, x: torch.Tensor, bias: torch.Tensor | None, gate_up: bool) -> torch.Tensor:
-    return reference_linear(fresh_weight(kind, kernel, gate_up), x, bias)
+    return large_step_reference(x, fresh_weight(kind, kernel, gate_up), bias)
 
 
 def assert_rows_are_the_gemm_s(large_step, weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -78,7 +69,7 @@ def assert_rows_are_the_gemm_s(large_step, weight: torch.Tensor, x: torch.Tensor
     row run alone equals the same row among 64."""
     together = large_step(x)
     for rows in ROW_COUNTS:
-        assert torch.equal(large_step(x[:rows]), reference_linear(weight, x[:rows], bias)), rows
+        assert torch.equal(large_step(x[:rows]), large_step_reference(x[:rows], weight, bias)), rows
     assert all(torch.equal(large_step(x[i:i + 1]), together[i:i + 1]) for i in range(x.shape[0]))
 
 
@@ -103,8 +94,8 @@ def test_q8_0_dequantization_is_gguf_s():
 @pytest.mark.parametrize('kind,gate_up', [('q4k', False), ('q4k', True), ('q5k', False), ('q6k', False),
                                           ('q8_0', False)])
 def test_large_steps_equal_the_fresh_dequantization(kind, gate_up):
-    """Steps above the bound, several sizes, layers of different shapes in a row: each output bit-identical to
-    ``F.linear`` on a fresh copy, and still so after the later layers reused the scratch."""
+    """Steps above the bound, several sizes, layers of different shapes in a row: each output bit-identical to the
+    large step on a fresh copy (``large_step_reference``), and still so after the later layers ran."""
     kernels = layers(kind, gate_up)
     g = torch.Generator().manual_seed(0)
     outs = []

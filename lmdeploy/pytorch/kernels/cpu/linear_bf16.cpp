@@ -34,7 +34,7 @@ struct Gemm {
   bool silu;     // with gate_up: out = silu(gate) * up
 };
 
-// The output column of panel p's first: panels alternating gate and up hold [gate; up]'s columns.
+// The first output column of panel p: panels alternating gate and up hold [gate; up]'s columns.
 inline int64_t first_column(const Gemm& g, int64_t p) {
   return g.gate_up ? (p % 2) * (g.N / 2) + p / 2 * kPanel : p * kPanel;
 }
