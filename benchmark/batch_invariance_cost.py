@@ -1,19 +1,23 @@
 """What batch invariance costs: the default model (bf16, ``decode_int4`` on as for its Q4_1 file; ``--dtype float32``:
-fp32, the fixed-order fp32 GEMM's), with ``--gemma``
-Gemma 3 270M Q4_K_M in bf16 (its K-quant layers' GEMVs), or with ``--moe`` a random-weight MoE model
-(:func:`save_moe_model`), in two source trees, before and after, each round a fresh process
+fp32, the fixed-order fp32 GEMM's), with ``--gemma`` Gemma 3 270M Q4_K_M in bf16 (its K-quant layers' GEMVs), with
+``--moe`` a random-weight MoE model (:func:`save_moe_model`), or with ``--gpt-oss`` a random gpt-oss with MXFP4
+experts (:func:`save_gpt_oss_model`), in two source trees, before and after, each round a fresh process
 per tree, the trees alternating, one thread, the calling thread's CPU time (the engine computes in it with one
 thread: on a machine that other jobs load, what each tree computes rather than what the scheduler gives it; cache
 sharing still counts).
 
-    python benchmark/batch_invariance_cost.py --before /path/to/tree --after . [--rounds 3] [--gemma | --moe]
+    python benchmark/batch_invariance_cost.py --before /path/to/tree --after . [--rounds 3] [--gemma | --moe | --gpt-oss]
         [--dtype bfloat16 | float32]
 
 Per tree: ``b1 decode`` ms a step (one sequence, the median of its 64 decode steps), ``24-row decode``, ``64-row
 decode`` and ``128-row decode`` ms a step (as many sequences decoding together, median of 24 steps), ``prefill
 256`` ms for one prompt of 256 tokens (the median of 5), ``arrivals`` ms in all for 16 prompts of 64-184 tokens queued one a step, 32 new tokens each
 (prefills share steps with decode rows: mixed steps), and ``batched`` ms in all for the same prompts queued at
-once. Prints each round, then the best of each and the ratios after / before.
+once. With ``--prefill`` instead: ``b1 decode`` and ``prefill N`` ms, one prompt of N = 4, 16, 64, 256 and 1024
+tokens prefilled alone (its one step, the median of 3): what the large steps of block-quantized weights cost a
+short prompt. Prints each round, then the best of each and the ratios after / before.
+
+    python benchmark/batch_invariance_cost.py --before /path/to/tree --prefill --gpt-oss [--rounds 2]
 """
 from __future__ import annotations
 
@@ -64,6 +68,15 @@ print(json.dumps({'b1 decode': statistics.median(b1[2:]),
                   'prefill 256': statistics.median(prefill), 'arrivals': sum(steps(gen, prompts, 1)),
                   'batched': sum(steps(gen, prompts))}))
 '''
+PREFILL_CHILD = CHILD[:CHILD.index('steps(GenerationConfig(max_new_tokens=8')] + r'''
+steps(GenerationConfig(max_new_tokens=8, ignore_eos=True), prompts[:2])  # warm-up
+b1 = steps(GenerationConfig(max_new_tokens=34, ignore_eos=True), prompts[:1])
+first = GenerationConfig(max_new_tokens=1, ignore_eos=True)
+prefill = {n: [steps(first, [torch.randint(3, vocab, (n,), generator=g).tolist()])[0] for _ in range(3)]
+           for n in (4, 16, 64, 256, 1024)}
+print(json.dumps({'b1 decode': statistics.median(b1[2:]),
+                  **{f'prefill {n}': statistics.median(times) for n, times in prefill.items()}}))
+'''
 MOE_VOCAB = 1024
 
 
@@ -83,9 +96,41 @@ def save_moe_model(path: str) -> str:
     return path
 
 
-def measure(tree: str, model: str, vocab: int, dtype: str) -> dict[str, float]:
+def save_gpt_oss_model(path: str) -> str:
+    """A random gpt-oss of hidden 1024: 4 layers (16 query and 4 KV heads of 64, a window of 128 every other layer),
+    32 experts of 1024 of which 4 per token as random MXFP4 blocks (weights up to 6 / 128) with bf16 biases; the rest
+    random bf16 (transformers' initialization), a word-level tokenizer of 1024."""
+    import json as json_
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, GptOssConfig
+    from workload import save_word_tokenizer
+    config = GptOssConfig(hidden_size=1024, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4,
+                          head_dim=64, num_local_experts=32, num_experts_per_tok=4, intermediate_size=1024,
+                          sliding_window=128, vocab_size=MOE_VOCAB, max_position_embeddings=4096,
+                          tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
+    g = torch.Generator().manual_seed(0)
+    tensors = load_file(os.path.join(path, 'model.safetensors'))
+    for name in [n for n in tensors if n.endswith(('experts.gate_up_proj', 'experts.down_proj'))]:
+        rows, inputs = tensors.pop(name).shape[:0:-1]  # stored [E, in, out]
+        tensors[name + '_blocks'] = torch.randint(0, 256, (32, rows, inputs // 32, 16), generator=g, dtype=torch.uint8)
+        tensors[name + '_scales'] = torch.randint(118, 121, (32, rows, inputs // 32), generator=g, dtype=torch.uint8)
+    save_file(tensors, os.path.join(path, 'model.safetensors'), metadata={'format': 'pt'})
+    with open(os.path.join(path, 'config.json')) as f:
+        saved = json_.load(f)
+    saved['quantization_config'] = {'quant_method': 'mxfp4', 'modules_to_not_convert': [
+        'model.layers.*.self_attn', 'model.layers.*.mlp.router', 'model.embed_tokens', 'lm_head']}
+    with open(os.path.join(path, 'config.json'), 'w') as f:
+        json_.dump(saved, f)
+    save_word_tokenizer(path, MOE_VOCAB)
+    return path
+
+
+def measure(tree: str, model: str, vocab: int, child: str, dtype: str) -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree), OMP_NUM_THREADS='1')
-    out = subprocess.run([sys.executable, '-c', CHILD, model, str(vocab), dtype], env=env, capture_output=True,
+    out = subprocess.run([sys.executable, '-c', child, model, str(vocab), dtype], env=env, capture_output=True,
                          text=True, check=True, cwd=os.path.abspath(tree))
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -99,14 +144,19 @@ def main() -> None:
     models.add_argument('--gemma', action='store_true', help='Gemma 3 270M Q4_K_M instead of the default model')
     models.add_argument('--moe', action='store_true', help='the random-weight MoE model instead of the default one')
     parser.add_argument('--dtype', default='bfloat16', choices=['bfloat16', 'float32'])
+    models.add_argument('--gpt-oss', action='store_true', help='the random gpt-oss with MXFP4 experts instead')
+    parser.add_argument('--prefill', action='store_true', help='prefills of 4-1024 tokens and batch-1 decode only')
     args = parser.parse_args()
+    child = PREFILL_CHILD if args.prefill else CHILD
     results: dict[str, list[dict[str, float]]] = {'before': [], 'after': []}
     with tempfile.TemporaryDirectory() as folder:
-        model, vocab = (save_moe_model(folder), MOE_VOCAB) if args.moe else ('gemma' if args.gemma else '', 40000)
+        model, vocab = ((save_moe_model(folder), MOE_VOCAB) if args.moe else
+                        (save_gpt_oss_model(folder), MOE_VOCAB) if args.gpt_oss else
+                        ('gemma' if args.gemma else '', 40000))
         for round_ in range(args.rounds):
             order = ('before', 'after') if round_ % 2 == 0 else ('after', 'before')
             for name in order:
-                results[name].append(measure(getattr(args, name), model, vocab, args.dtype))
+                results[name].append(measure(getattr(args, name), model, vocab, child, args.dtype))
                 print(name, round_, {k: round(v, 2) for k, v in results[name][-1].items()}, flush=True)
     print('| ms (thread CPU, best of rounds) | before | after | after / before |\n| --- | --- | --- | --- |')
     for key in results['before'][0]:

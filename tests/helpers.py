@@ -10,9 +10,19 @@ import torch
 
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
+from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.weights.file_checks import PlainArrayReader
 
 GREEDY_32 = GenerationConfig(max_new_tokens=32, ignore_eos=True)
+
+
+def large_step_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What a block-quantized layer's large step gives on its dequantized bf16 ``weight``: the native bf16 GEMM on
+    its packed panels for bf16 ``x`` where large steps take it (AVX512-BF16 without AMX), else ``F.linear``."""
+    native = cpu.native()
+    if x.dtype == torch.bfloat16 and native is not None and native.dequantizing_gemm_available():
+        return native.bf16_linear(x, native.pack_bf16_weight(weight), bias)
+    return torch.nn.functional.linear(x, weight.to(x.dtype), bias)
 
 
 def random_prompts(lengths, seed=0, vocab=300):

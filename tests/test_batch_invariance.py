@@ -104,6 +104,27 @@ def test_tiny_k_quant_layers_are_batch_invariant(decoder, tiny_q4_k_m, native_ge
     assert_batch_invariant(engine, random_prompts([1, 2, 5, 9, 17, 40], seed=3, vocab=250))
 
 
+@pytest.fixture(scope='module')
+def wide_q4_k_m(tmp_path_factory) -> str:
+    """The Q4_K_M-like file at hidden 2048 (32 heads), 4 layers: its projections of 2048 inputs are where oneDNN's
+    bf16 GEMM rounded a lone row apart from the same row among others (and 4 layers carry that to the logits)."""
+    return served_mixed_gguf('llama', tmp_path_factory.mktemp('q4km_wide'), Q4_K_M, hidden_size=2048,
+                             num_attention_heads=32, num_hidden_layers=4)
+
+
+def test_k_quant_prefills_of_a_token_are_batch_invariant(wide_q4_k_m, native_gemms):
+    """Prefills of one and two tokens alone and among others (all prefill rows, on the dequantized weights): equal
+    tokens and logprobs, bitwise, now that those rows take the native bf16 GEMM's tiles."""
+    if cpu.int4_gemv() is None or not native_gemms.dequantizing_gemm_available():
+        pytest.skip('large steps take the native bf16 GEMM with AVX512-BF16 and without AMX')
+    engine = Engine(wide_q4_k_m, PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=64, block_size=16,
+                                                     enable_prefix_caching=False), show_progress=False)
+    try:
+        assert_batch_invariant(engine, random_prompts([1, 2, 1, 2, 1, 9], seed=4, vocab=250))
+    finally:
+        engine.close()
+
+
 def k_quant_gemvs() -> dict[str, object]:
     """Each K-quant GEMV on random blocks of 64 rows and 512 inputs (gate and up of 32 rows each for
     ``q4k_gate_up_silu``), as a function of the activations."""

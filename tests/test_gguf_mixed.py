@@ -110,8 +110,9 @@ def file_tensors(kind: str, model: torch.nn.Module) -> dict[str, np.ndarray]:
     return tensors
 
 
-def write_mixed_gguf(kind: str, folder: Path, path: Path, types: dict[str, Q]) -> None:
-    """A tiny random ``kind`` (llama, qwen2, or the MoE kinds of ``MOE``) saved by transformers, written as
+def write_mixed_gguf(kind: str, folder: Path, path: Path, types: dict[str, Q], **sizes: int) -> None:
+    """A tiny random ``kind`` (llama, qwen2, or the MoE kinds of ``MOE``; ``sizes`` overriding its config's sizes,
+    heads of ``HEAD_DIM``) saved by transformers, written as
     llama.cpp writes it with each matrix (a stack of experts) of the type ``types`` gives its GGUF name
     (``blk.0.attn_v``, ``blk.1.ffn_down_exps``; else ``default``), 1-D tensors (and one-row ones: Qwen2-MoE's
     shared expert gate) and routers F32."""
@@ -122,11 +123,12 @@ def write_mixed_gguf(kind: str, folder: Path, path: Path, types: dict[str, Q]) -
     save_tiny_model(kind, str(folder), **{'hidden_size': HIDDEN, 'intermediate_size': FFN, 'head_dim': HEAD_DIM,
                                           'vocab_size': vocab, 'tie_word_embeddings': False,
                                           'rope_parameters': {'rope_type': 'default', 'rope_theta': 10000.0},
-                                          **experts})
+                                          **experts, **sizes})
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     config = model.config
     for add, value in [(writer.add_block_count, config.num_hidden_layers), (writer.add_context_length, 1024),
-                       (writer.add_embedding_length, HIDDEN), (writer.add_feed_forward_length, FFN),
+                       (writer.add_embedding_length, config.hidden_size),
+                       (writer.add_feed_forward_length, config.intermediate_size),
                        (writer.add_head_count, config.num_attention_heads),
                        (writer.add_head_count_kv, config.num_key_value_heads),
                        (writer.add_rope_dimension_count, HEAD_DIM), (writer.add_rope_freq_base, 10000.0),
@@ -148,10 +150,10 @@ def write_mixed_gguf(kind: str, folder: Path, path: Path, types: dict[str, Q]) -
     finish(writer)
 
 
-def served_mixed_gguf(kind: str, tmp: Path, types: dict[str, Q]) -> str:
+def served_mixed_gguf(kind: str, tmp: Path, types: dict[str, Q], **sizes: int) -> str:
     """``write_mixed_gguf``'s file in ``tmp`` converted as the engine serves it (its raw types kept as blocks):
     the served folder ``tmp / 'served'`` (the file is ``tmp / 'model.gguf'``)."""
-    write_mixed_gguf(kind, tmp / 'hf', tmp / 'model.gguf', types)
+    write_mixed_gguf(kind, tmp / 'hf', tmp / 'model.gguf', types, **sizes)
     convert_gguf(str(tmp / 'model.gguf'), str(tmp / 'served'))
     return str(tmp / 'served')
 

@@ -1,7 +1,9 @@
-"""A GGUF K-quant or Q8_0 layer's large steps (``kquant_dequantized_linear``, ``kernels/cpu/dequantized_linear.cpp``):
-the weight dequantized into the calling thread's reused scratch gives exactly what ``F.linear`` on a freshly
-dequantized weight gave, whatever layers ran before it and on whichever thread; Q8_0's native dequantization gives
-exactly gguf's weights in bf16."""
+"""A block-quantized layer's large steps (``kquant_dequantized_linear``, ``mxfp4_dequantized_linear``,
+``kernels/cpu/dequantized_linear.h``): with AVX512-BF16 and no AMX each bf16 row equals, bit for bit, the native bf16
+GEMM on the freshly dequantized weight, alone or among other rows (so a prompt's prefill does not depend on its
+batch); elsewhere the weight dequantized into the calling thread's reused scratch gives exactly what ``F.linear`` on
+a fresh copy gives. Either way whatever layers ran before it and on whichever thread. Q8_0's native dequantization
+gives exactly gguf's weights in bf16."""
 from __future__ import annotations
 
 import threading
@@ -9,9 +11,9 @@ import threading
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
+from helpers import large_step_reference
 from test_gguf_q4km import random_blocks
 
 from lmdeploy.pytorch.kernels import cpu
@@ -23,6 +25,7 @@ from lmdeploy.pytorch.nn.quant.q6k_cpu import KQuantDequantized, Q6KGemv
 # two shapes in turn: the second grows the scratch, the first then runs on a part of it
 SHAPES = [(64, 768), (128, 1024), (64, 768), (96, 512)]
 QTYPES = {'q4k': Q.Q4_K, 'q5k': Q.Q5_K, 'q6k': Q.Q6_K}
+ROW_COUNTS = (1, 2, 5, 17, 64)
 
 
 def q8_0_blocks(rows: int, inputs: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,18 +47,30 @@ def kernel_of(kind: str, blocks: torch.Tensor, gate_up: bool):
     return Q5KGemv.of(blocks) if kind == 'q5k' else Q6KGemv.of(blocks)
 
 
-def fresh_linear(kind: str, kernel, x: torch.Tensor, bias: torch.Tensor | None, gate_up: bool) -> torch.Tensor:
-    """The large step as it ran before the scratch: ``F.linear`` on a new dequantized weight."""
+def codes_of(kind: str, kernel) -> torch.Tensor:
+    return kernel.codes if kind == 'q5k' else kernel.packed
+
+
+def fresh_weight(kind: str, kernel, gate_up: bool) -> torch.Tensor:
+    """The layer's weight, newly dequantized to bf16 (``[gate; up]`` with gate_up)."""
     native = cpu.native()
-    if kind == 'q8_0':
-        weight = native.q8_dequantize(kernel.packed, kernel.scales)
-    elif kind == 'q4k':
-        weight = native.q4k_dequantize(kernel.packed, kernel.scales, gate_up)
-    elif kind == 'q5k':
-        weight = native.q5k_dequantize(kernel.codes, kernel.scales)
-    else:
-        weight = native.q6k_dequantize(kernel.packed, kernel.scales)
-    return F.linear(x, weight.to(x.dtype), bias)
+    if kind == 'q4k':
+        return native.q4k_dequantize(kernel.packed, kernel.scales, gate_up)
+    name = 'q8' if kind == 'q8_0' else kind
+    return getattr(native, f'{name}_dequantize')(codes_of(kind, kernel), kernel.scales)
+
+
+def fresh_linear(kind: str, kernel, x: torch.Tensor, bias: torch.Tensor | None, gate_up: bool) -> torch.Tensor:
+    return large_step_reference(x, fresh_weight(kind, kernel, gate_up), bias)
+
+
+def assert_rows_are_the_gemm_s(large_step, weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """``large_step(rows)`` at 1, 2, 5, 17 and 64 rows equals the native GEMM on ``weight`` bit for bit, and each
+    row run alone equals the same row among 64."""
+    together = large_step(x)
+    for rows in ROW_COUNTS:
+        assert torch.equal(large_step(x[:rows]), large_step_reference(x[:rows], weight, bias)), rows
+    assert all(torch.equal(large_step(x[i:i + 1]), together[i:i + 1]) for i in range(x.shape[0]))
 
 
 def layers(kind: str, gate_up: bool) -> list:
@@ -79,8 +94,8 @@ def test_q8_0_dequantization_is_gguf_s():
 @pytest.mark.parametrize('kind,gate_up', [('q4k', False), ('q4k', True), ('q5k', False), ('q6k', False),
                                           ('q8_0', False)])
 def test_large_steps_equal_the_fresh_dequantization(kind, gate_up):
-    """Steps above the bound, several sizes, layers of different shapes in a row: each output bit-identical to
-    ``F.linear`` on a fresh copy, and still so after the later layers reused the scratch."""
+    """Steps above the bound, several sizes, layers of different shapes in a row: each output bit-identical to the
+    large step on a fresh copy (``large_step_reference``), and still so after the later layers ran."""
     kernels = layers(kind, gate_up)
     g = torch.Generator().manual_seed(0)
     outs = []
@@ -94,6 +109,40 @@ def test_large_steps_equal_the_fresh_dequantization(kind, gate_up):
             assert torch.equal(out, expected), (kind, rows, inputs)
             outs.append((out, expected))
     assert all(torch.equal(out, expected) for out, expected in outs)
+
+
+def native_dequantizing_gemm():
+    native = cpu.native()
+    if native is None or not native.dequantizing_gemm_available():
+        pytest.skip('large steps take the native bf16 GEMM with AVX512-BF16 and without AMX')
+    return native
+
+
+@pytest.mark.parametrize('kind,gate_up', [('q4k', False), ('q4k', True), ('q5k', False), ('q6k', False),
+                                          ('q8_0', False)])
+def test_rows_equal_the_native_gemm_whatever_their_number(kind, gate_up):
+    """128 outputs of 1024 inputs and 96 of 512 (a last group of two panels; gate_up: gate and up of half each),
+    with a bias: every row count the GEMM's bits, a row alone those among others."""
+    native = native_dequantizing_gemm()
+    g = torch.Generator().manual_seed(1)
+    for kernel, (rows_out, inputs) in list(zip(layers(kind, gate_up), SHAPES))[1:4:2]:
+        x = torch.randn(64, inputs, generator=g).bfloat16()
+        bias = torch.randn(rows_out, generator=g).bfloat16()
+        assert_rows_are_the_gemm_s(
+            lambda rows: native.kquant_dequantized_linear(rows, kind, codes_of(kind, kernel), kernel.scales, bias,
+                                                          gate_up), fresh_weight(kind, kernel, gate_up), x, bias)
+
+
+def test_mxfp4_rows_equal_the_native_gemm_whatever_their_number():
+    """MXFP4 (gpt-oss's experts): 80 outputs of 1024 inputs, every code, scales over 16 octaves."""
+    native = native_dequantizing_gemm()
+    g = torch.Generator().manual_seed(2)
+    blocks = torch.randint(0, 256, (80, 32, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randint(119, 135, (80, 32), dtype=torch.uint8, generator=g)
+    x = torch.randn(64, 1024, generator=g).bfloat16()
+    bias = torch.randn(80, generator=g).bfloat16()
+    assert_rows_are_the_gemm_s(lambda rows: native.mxfp4_dequantized_linear(rows, blocks, scales, bias),
+                               native.mxfp4_dequantize(blocks, scales, torch.bfloat16), x, bias)
 
 
 def test_fp32_activations_and_threads():

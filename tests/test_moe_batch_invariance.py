@@ -79,6 +79,26 @@ def test_mxfp4_experts_choose_by_the_kind_of_rows(gpt_oss_mxfp4, decoder, native
         engine.close()
 
 
+@pytest.fixture(scope='module')
+def wide_gpt_oss_mxfp4(tmp_path_factory) -> str:
+    """gpt-oss of hidden 2048 with MXFP4 experts: their gate-and-up projections' 2048 inputs are where oneDNN's bf16
+    GEMM rounded a lone row apart from the same row among others."""
+    dense = save_gpt_oss(str(tmp_path_factory.mktemp('gpt_oss_wide')), hidden_size=2048, intermediate_size=256)
+    return save_mxfp4(dense, str(tmp_path_factory.mktemp('gpt_oss_wide_mxfp4') / 'model'))
+
+
+def test_mxfp4_prefills_of_a_token_are_batch_invariant(wide_gpt_oss_mxfp4, native_gemms):
+    """Prefills of one and two tokens alone and among others: an expert's single prefill row takes the native bf16
+    GEMM's tiles as its rows among others do; equal tokens and logprobs, bitwise."""
+    if cpu.mxfp4_gemv() is None or not native_gemms.dequantizing_gemm_available():
+        pytest.skip('large steps take the native bf16 GEMM with AVX512-BF16 and without AMX')
+    engine = engine_of(wide_gpt_oss_mxfp4)
+    try:
+        assert_batch_invariant(engine, random_prompts([1, 2, 1, 1, 2, 1, 9], seed=7))
+    finally:
+        engine.close()
+
+
 @pytest.fixture(scope='module', params=['qwen3_moe', 'mixtral'])
 def gguf_moe(request, tmp_path_factory) -> str:
     """A tiny GGUF MoE file's experts as blocks (``test_gguf_moe.FILES``): Qwen3-MoE's Q4_K gate and up beside a

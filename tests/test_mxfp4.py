@@ -211,7 +211,8 @@ def test_bf16_engine_runs_the_gemv(mxfp4_path, monkeypatch):
             return getattr(native, name)(*args)
         return call
 
-    counting = SimpleNamespace(**{name: counted(name) for name in ('mxfp4_linear', 'mxfp4_dequantize')})
+    counting = SimpleNamespace(**{name: counted(name) for name in ('mxfp4_linear', 'mxfp4_dequantize',
+                                                                    'mxfp4_dequantized_linear')})
     monkeypatch.setattr(cpu, 'mxfp4_gemv', lambda: counting)
     monkeypatch.setattr(cpu, 'bf16_gemm', lambda: None)  # no native stack, whose calls from C++ go uncounted
 
@@ -221,7 +222,7 @@ def test_bf16_engine_runs_the_gemv(mxfp4_path, monkeypatch):
         run(engine, random_prompts([13], seed=2), GenerationConfig(max_new_tokens=2))  # a decode step
 
     error = bf16_logit_error(Path(mxfp4_path), check)
-    assert calls['mxfp4_linear'] > 0 and error < 0.05, (calls, error)
+    assert calls['mxfp4_linear'] > 0 and calls['mxfp4_dequantized_linear'] > 0 and error < 0.05, (calls, error)
 
 
 def test_dummy_weights_of_an_mxfp4_checkpoint(mxfp4_path):

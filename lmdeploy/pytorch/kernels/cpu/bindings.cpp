@@ -53,7 +53,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "q4k_dequantize",
       [](const torch::Tensor& packed, const torch::Tensor& scales, bool gate_up) {
-        return q4k_dequantize(packed, scales, gate_up);
+        return dequantize_tiles(q4k_tiled(packed, scales, gate_up), fresh_weight);
       },
       "bf16 W of q4k_linear's codes and scales ([gate; up] with gate_up)", py::arg("packed"), py::arg("scales"),
       py::arg("gate_up") = false);
@@ -70,21 +70,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("packed"), py::arg("scales"));
   m.def(
       "q8_dequantize",
-      [](const torch::Tensor& packed, const torch::Tensor& scales) { return q8_dequantize(packed, scales); },
+      [](const torch::Tensor& packed, const torch::Tensor& scales) {
+        return dequantize_tiles(q8_tiled(packed, scales), fresh_weight);
+      },
       "bf16 W of q8_linear's codes and scales", py::arg("packed"), py::arg("scales"));
   m.def("q6k_gemv_available", &q6k_gemv_available, "whether q6k_linear was built (AVX512-BF16)");
   m.def("q6k_linear", &q6k_linear, "fp32 x @ W.T on GGUF Q6_K codes and scales (linear_q6k.cpp), x in bf16",
         py::arg("x"), py::arg("codes"), py::arg("scales"));
   m.def(
       "q6k_dequantize",
-      [](const torch::Tensor& codes, const torch::Tensor& scales) { return q6k_dequantize(codes, scales); },
+      [](const torch::Tensor& codes, const torch::Tensor& scales) {
+        return dequantize_tiles(q6k_tiled(codes, scales), fresh_weight);
+      },
       "bf16 W of q6k_linear's codes and scales", py::arg("codes"), py::arg("scales"));
   m.def("q5k_gemv_available", &q5k_gemv_available, "whether q5k_linear was built (AVX512-BF16)");
   m.def("q5k_linear", &q5k_linear, "fp32 x @ W.T on GGUF Q5_K codes and scales (linear_q5k.cpp), x in bf16",
         py::arg("x"), py::arg("codes"), py::arg("scales"));
   m.def(
       "q5k_dequantize",
-      [](const torch::Tensor& codes, const torch::Tensor& scales) { return q5k_dequantize(codes, scales); },
+      [](const torch::Tensor& codes, const torch::Tensor& scales) {
+        return dequantize_tiles(q5k_tiled(codes, scales), fresh_weight);
+      },
       "bf16 W of q5k_linear's codes and scales", py::arg("codes"), py::arg("scales"));
   m.def(
       "kquant_dequantized_linear",
@@ -92,8 +98,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
          const c10::optional<torch::Tensor>& bias, bool gate_up) {
         return kquant_dequantized_linear(kquant_of(kind), x, codes, scales, bias, gate_up);
       },
-      "x @ W.T (+ bias), W a GGUF layer's codes and scales ('q4k', 'q5k', 'q6k', 'q8_0') dequantized into this thread's "
-      "reused scratch (dequantized_linear.cpp)",
+      "x @ W.T (+ bias), W a GGUF layer's codes and scales ('q4k', 'q5k', 'q6k', 'q8_0') dequantized for the call "
+      "(dequantized_linear.h)",
       py::arg("x"), py::arg("kind"), py::arg("codes"), py::arg("scales"), py::arg("bias") = py::none(),
       py::arg("gate_up") = false);
   m.def("mxfp4_gemv_available", &mxfp4_gemv_available, "whether mxfp4_linear was built (AVX-512)");
@@ -101,6 +107,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("blocks"), py::arg("scales"));
   m.def("mxfp4_dequantize", &mxfp4_dequantize, "MXFP4 blocks and scales as a [N, K] fp32 or bf16 weight",
         py::arg("blocks"), py::arg("scales"), py::arg("dtype"));
+  m.def("mxfp4_dequantized_linear", &mxfp4_dequantized_linear,
+        "x @ W.T (+ bias), W MXFP4 blocks and scales dequantized for the call (dequantized_linear.h)", py::arg("x"),
+        py::arg("blocks"), py::arg("scales"), py::arg("bias") = py::none());
+  m.def("dequantizing_gemm_available", &dequantizing_gemm_available,
+        "whether bf16 large steps of block-quantized weights dequantize into the native bf16 GEMM's panels "
+        "(AVX512-BF16 without AMX)");
   m.def("gated_delta_available", &gated_delta_available, "whether gated_delta_decode was built (AVX-512)");
   m.def("gated_delta_decode", &gated_delta_decode,
         "one token of each sequence through the gated delta rule, on its row of the fp32 state pool (in place)",

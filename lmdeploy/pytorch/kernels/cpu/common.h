@@ -259,10 +259,9 @@ torch::Tensor int4_gate_up_silu(const torch::Tensor& x, const torch::Tensor& pac
 torch::Tensor q4k_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
                          c10::optional<torch::Tensor> bias);
 torch::Tensor q4k_gate_up_silu(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales);
-// The weights of q4k_linear's codes and scales, bf16 [N, K] (rounded from the exact fp32); with gate_up (tiles
-// alternating gate and up) as [gate; up].
-torch::Tensor q4k_dequantize(const torch::Tensor& packed, const torch::Tensor& scales, bool gate_up,
-                             WeightBuffer buffer = fresh_weight);
+// The weights of q4k_linear's codes and scales as tiles (rounded to bf16 from the exact fp32); with gate_up
+// (tiles alternating gate and up) W is [gate; up].
+TiledWeight q4k_tiled(const torch::Tensor& packed, const torch::Tensor& scales, bool gate_up);
 // fp32 x @ W.T (+ bias), each row's outputs summed in one order whatever the number of rows (linear_fp32.cpp);
 // built with AVX-512.
 bool fp32_linear_available();
@@ -276,18 +275,22 @@ torch::Tensor fp32_packed_linear(const torch::Tensor& x, const torch::Tensor& pa
 // GGUF Q8_0 in pack_q8's layout (linear_q8.cpp); built with AVX512-BF16.
 bool q8_gemv_available();
 torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales);
-// The weights of q8_linear's codes and scales, bf16 [N, K] (rounded from the exact fp32).
-torch::Tensor q8_dequantize(const torch::Tensor& packed, const torch::Tensor& scales,
-                            WeightBuffer buffer = fresh_weight);
+// The weights of q8_linear's codes and scales as tiles (rounded to bf16 from the exact fp32).
+TiledWeight q8_tiled(const torch::Tensor& packed, const torch::Tensor& scales);
 bool q6k_gemv_available();
 torch::Tensor q6k_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales);
-// The weights of q6k_linear's codes and scales, bf16 [N, K] (rounded from the exact fp32).
-torch::Tensor q6k_dequantize(const torch::Tensor& codes, const torch::Tensor& scales,
-                             WeightBuffer buffer = fresh_weight);
+// The weights of q6k_linear's codes and scales as tiles (rounded to bf16 from the exact fp32).
+TiledWeight q6k_tiled(const torch::Tensor& codes, const torch::Tensor& scales);
 // MXFP4 (gpt-oss's experts) as the checkpoint holds it (linear_mxfp4.cpp); x in fp32 or bf16.
 bool mxfp4_gemv_available();
 torch::Tensor mxfp4_linear(const torch::Tensor& x, const torch::Tensor& blocks, const torch::Tensor& scales);
 torch::Tensor mxfp4_dequantize(const torch::Tensor& blocks, const torch::Tensor& scales, at::ScalarType dtype);
+// The same weights as tiles of 16 rows (N a multiple of 16); built with AVX512-BF16.
+TiledWeight mxfp4_tiled(const torch::Tensor& blocks, const torch::Tensor& scales);
+// x @ W.T (+ bias) for the large steps: dequantized_linear on mxfp4_tiled where dequantizing_gemm_available(),
+// x is bf16 and N a multiple of 16, else torch's linear on mxfp4_dequantize's weight in x's dtype.
+torch::Tensor mxfp4_dequantized_linear(const torch::Tensor& x, const torch::Tensor& blocks,
+                                       const torch::Tensor& scales, const c10::optional<torch::Tensor>& bias);
 torch::Tensor pack_int8_gate_up(const torch::Tensor& weight);
 torch::Tensor int8_gate_up_silu(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& compensation,
                                 const torch::Tensor& scale, c10::optional<torch::Tensor> bias);

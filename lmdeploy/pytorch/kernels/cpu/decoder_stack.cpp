@@ -157,7 +157,7 @@ torch::Tensor Projection::operator()(const torch::Tensor& x) const {
       const auto out = mxfp4_linear(x, weight, *scale).to(x.scalar_type());
       return bias ? out.add(*bias) : out;
     }
-    case Kind::kMxfp4Dequantized: return at::linear(x, mxfp4_dequantize(weight, *scale, x.scalar_type()), bias);
+    case Kind::kMxfp4Dequantized: return mxfp4_dequantized_linear(x, weight, *scale, bias);
     default: return int4_linear(x, weight, *scale, bias);
   }
 }

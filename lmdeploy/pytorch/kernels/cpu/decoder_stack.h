@@ -27,8 +27,9 @@ struct StepTensors {
 // codes with q4k_linear's `scale` bytes; "q6k":
 // q6k_linear's codes and `scale`s (its fp32 result rounded to x's dtype, then the bias added); "q5k": q5k_linear's
 // codes and `scale`s, likewise; "q4k_dequantized", "q5k_dequantized", "q6k_dequantized": the same weights
-// dequantized to bf16 for each call into the thread's reused scratch and torch's linear (kquant_dequantized_linear,
-// dequantized_linear.h), the large stack's where the small one has the GEMV's. A
+// dequantized to bf16 for each call (kquant_dequantized_linear, dequantized_linear.h: into the bf16 GEMM's panels
+// in cache, or with AMX the thread's scratch and torch's linear), the large stack's where the small one has the
+// GEMV's. A
 // gate-and-up projection's weight is packed for the kernel's fused SiLU (pack_bf16_gate_up,
 // pack_int8_gate_up; int4: gate and up tiles alternate, no bias). "onednn": oneDNN's GEMM
 // (mkldnn::_linear_pointwise) on its blocked weight, for a MoE block's router and shared-expert gate; "fp32": x in
@@ -36,12 +37,12 @@ struct StepTensors {
 // router. "parts": a stacked projection whose parts run each on its own projection (each with its share of the
 // bias), their outputs side by side. "mxfp4": an MXFP4 weight as the checkpoint holds it, `weight` its blocks
 // [N, K / 32, 16] and `scale` its e8m0 scales [N, K / 32] (both uint8), on mxfp4_linear (its fp32 sums rounded to
-// x's dtype, then the bias added); "mxfp4_dequantized": the same weight dequantized to x's dtype for each call
-// (mxfp4_dequantize) and torch's linear: Mxfp4Kernel's two paths (nn/quant/mxfp4.py), the first the stack of small
-// steps'.
+// x's dtype, then the bias added); "mxfp4_dequantized": the same weight dequantized for each call
+// (mxfp4_dequantized_linear, as kquant_dequantized_linear): Mxfp4Kernel's two paths (nn/quant/mxfp4.py), the first
+// the stack of small steps'.
 // "q8": GGUF Q8_0 codes [N/16, K/32, 32, 16] (int8) and fp16 `scale`s [N/16, K/32, 16] as pack_q8 lays them out, on
 // q8_linear (its fp32 result rounded to x's dtype, then the bias added); "q8_dequantized": the same weight dequantized
-// to bf16 into the thread's reused scratch, as "q4k_dequantized": Q8_0Gemv.layer_kernel's two paths
+// for each call, as "q4k_dequantized": Q8_0Gemv.layer_kernel's two paths
 // (nn/quant/gguf_blocks.py).
 // "w8a8_torch": an int8 `weight` [N, K] and its fp32 `scale` [N, 1] on torch's int8 GEMM, x quantized per token
 // (W8A8Kernel's w8a8_linear, kernels/w8a8.py), for a linear-attention layer's few-row b and a whose rows the int8

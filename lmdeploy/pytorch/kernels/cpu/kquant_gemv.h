@@ -1,7 +1,7 @@
 // What the GGUF K-quant GEMVs share (Q4_K in linear_int4.cpp, Q5_K in linear_q5k.cpp, Q6_K in linear_q6k.cpp), for
 // CPUs with AVX512-BF16: tiles of 16 weight rows, the 6-bit scales and mins of Q4_K/Q5_K, the loop that runs
 // a file's per-tile dot product over every tile and row of x, and the writing of a tile's weights in bf16 for
-// larger steps' GEMM (q4k_dequantize, q5k_dequantize, q6k_dequantize).
+// larger steps (kquant_tiles, dequantized_linear.h).
 #pragma once
 #include "gemv_tiles.h"
 
@@ -92,38 +92,38 @@ inline void transpose16(__m512i* v) {
   }
 }
 
-// A tile's 16 rows of 32 consecutive bf16 weights from pairs[p] (dword r: row r's input pair p), row r at
-// out + r * K.
-inline void store_tile_rows(__m512i* pairs, c10::BFloat16* out, int64_t K) {
+// A tile's 32 inputs from k0 to its sink, from pairs[p] (dword r: row r's input pair p): as they are into a
+// packed panel, transposed into rows of W.
+inline void put_pairs(const TileSink& sink, __m512i* pairs, int64_t k0) {
+  if (sink.packed) {
+    for (int p = 0; p < 16; ++p) _mm512_storeu_si512(sink.out + (k0 + 2 * p) * kTileRows, pairs[p]);
+    return;
+  }
   transpose16(pairs);
-  for (int64_t row = 0; row < kTileRows; ++row) _mm512_storeu_si512(out + row * K, pairs[row]);
+  for (int64_t row = 0; row < kTileRows; ++row) _mm512_storeu_si512(sink.out + row * sink.K + k0, pairs[row]);
 }
 
-// W in bf16 [N, K] from Q4_K/Q5_K-style tiles: codes [N/16, K/32, code_bytes] and scales [N/16, K/256, 256]
-// (per tile and block the 16 rows' d, dmin, then the 12 bytes of sc and m, 16 rows a byte). group_codes(w, u)
-// writes the 16-bit codes of a tile's group (its code bytes w) into u[8 h + c]: lane j the code of (row j / 2,
-// input 16 h + 2 c + j % 2). With gate_up the tiles alternate gate and up rows, and W comes back as [gate; up].
-// W is written to buffer(N, K).
+// W [N, K] of Q4_K/Q5_K-style tiles: codes [N/16, K/32, code_bytes] and scales [N/16, K/256, 256] (per tile and
+// block the 16 rows' d, dmin, then the 12 bytes of sc and m, 16 rows a byte). group_codes(w, u) writes the 16-bit
+// codes of a tile's group (its code bytes w) into u[8 h + c]: lane j the code of (row j / 2, input 16 h + 2 c +
+// j % 2).
 template <typename GroupCodes>
-torch::Tensor dequantize_k_tiles(const torch::Tensor& codes, const torch::Tensor& scales, int64_t code_bytes,
-                                 bool gate_up, WeightBuffer buffer, const GroupCodes& group_codes) {
+TiledWeight k_tiles(const torch::Tensor& codes, const torch::Tensor& scales, int64_t code_bytes, bool gate_up,
+                    const GroupCodes& group_codes) {
   constexpr int64_t kGroup = 32, kBlock = 256, kScaleBytes = 256;
   TORCH_CHECK(codes.dim() >= 3 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
                   codes.numel() == codes.size(0) * codes.size(1) * code_bytes,
               "codes: uint8 [N/16, K/32, ", code_bytes, " bytes]");
-  const int64_t tiles = codes.size(0), N = tiles * kTileRows, K = codes.size(1) * kGroup, blocks = K / kBlock;
+  const int64_t tiles = codes.size(0), K = codes.size(1) * kGroup, blocks = K / kBlock;
   TORCH_CHECK(K % kBlock == 0 && scales.scalar_type() == at::kByte && scales.is_contiguous() &&
                   scales.numel() == tiles * blocks * kScaleBytes,
               "scales: uint8 [N/16, K/256, 256]");
   TORCH_CHECK(!gate_up || tiles % 2 == 0, "gate_up: pairs of tiles");
-  auto out = buffer(N, K);
+  TiledWeight weight{tiles * kTileRows, K, gate_up, nullptr};
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const uint8_t* sp = scales.data_ptr<uint8_t>();
-  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
-#pragma omp parallel for schedule(static) num_threads(at::get_num_threads())
-  for (int64_t tile = 0; tile < tiles; ++tile) {
-    const int64_t first_row = gate_up ? (tile % 2) * (N / 2) + (tile / 2) * kTileRows : tile * kTileRows;
-    const uint8_t* w = cp + tile * (K / kGroup) * code_bytes;
+  weight.write = [codes, scales, cp, sp, code_bytes, K, blocks, group_codes](int64_t tile, const TileSink& sink) {
+    const uint8_t* w = cp + tile * (K / kGroup) * code_bytes;  // (codes and scales: kept alive)
     for (int64_t block = 0; block < blocks; ++block) {
       const uint8_t* s = sp + (tile * blocks + block) * kScaleBytes;
       for (int64_t j = 0; j < kBlock / kGroup; ++j, w += code_bytes) {
@@ -134,11 +134,11 @@ torch::Tensor dequantize_k_tiles(const torch::Tensor& codes, const torch::Tensor
         __m512i pairs[16];  // codes, then dword r the bf16 weights of (row r, inputs 16 h + 2 c, + 1) at [8 h + c]
         group_codes(w, pairs);
         for (int p = 0; p < 16; ++p) pairs[p] = weight_pairs(pairs[p], scale_rows, min_rows);
-        store_tile_rows(pairs, op + first_row * K + (block * (kBlock / kGroup) + j) * kGroup, K);
+        put_pairs(sink, pairs, (block * (kBlock / kGroup) + j) * kGroup);
       }
     }
-  }
-  return out;
+  };
+  return weight;
 }
 
 struct Gemv {

@@ -7,7 +7,11 @@
 // stream from memory, so its tiles also prefetch a column group ahead, spread over their k steps.
 // The gate and up projections of an MLP can apply SiLU-and-mul in the epilogue (bf16_gate_up_silu):
 // tiles stage their fp32 results, and one pass per row block applies it, so the tiles' k loops never
-// wait on the exp's long dependency chain.
+// wait on the exp's long dependency chain. Larger steps of block-quantized weights run the same tiles on panels
+// each thread dequantizes in cache (bf16_dequantizing_linear, dequantized_linear.h): bit for bit this GEMM on the
+// packed dequantized weight.
+#include <ATen/cpu/Utils.h>
+
 #include "common.h"
 
 #if defined(__AVX512BF16__)
@@ -26,8 +30,14 @@ struct Gemm {
   const bf16* bias;  // [N] or nullptr
   bf16* out;         // [M, N], or [M, N / 2] with silu
   int64_t M, K, N;
-  bool silu;  // panels alternate gate and up (pack_bf16_gate_up): out = silu(gate) * up
+  bool gate_up;  // panels alternate gate and up (pack_bf16_gate_up): out is [gate; up] columns
+  bool silu;     // with gate_up: out = silu(gate) * up
 };
+
+// The first output column of panel p: panels alternating gate and up hold [gate; up]'s columns.
+inline int64_t first_column(const Gemm& g, int64_t p) {
+  return g.gate_up ? (p % 2) * (g.N / 2) + p / 2 * kPanel : p * kPanel;
+}
 
 inline __m512 round_to_bf16(__m512 x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(x)), 16));
@@ -54,12 +64,11 @@ struct NextGroup {
   uint32_t rate;
 };
 
-// Rows [row, row + R) by panels [panel, panel + C).
+// Rows [row, row + R) by panels [panel, panel + C), whose packed weights start at w.
 template <int R, int C, Pull P>
-void tile(const Gemm& g, int64_t row, int64_t panel, NextGroup& next, float* stage) {
+void tile(const Gemm& g, const bf16* w, int64_t row, int64_t panel, NextGroup& next, float* stage) {
   const int64_t pairs = g.K / 2, panel_stride = g.K * kPanel;
   const int32_t* x = reinterpret_cast<const int32_t*>(g.x + row * g.K);
-  const bf16* w = g.w + panel * panel_stride;
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
@@ -77,10 +86,8 @@ void tile(const Gemm& g, int64_t row, int64_t panel, NextGroup& next, float* sta
   }
   __m512 bias[C];
   for (int c = 0; c < C; ++c) {
-    // With silu the panels alternate gate and up, while the bias keeps gate then up.
-    const int64_t p = panel + c, col = g.silu ? (p % 2) * (g.N / 2) + p / 2 * kPanel : p * kPanel;
-    const __m256i raw = g.bias ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g.bias + col))
-                               : _mm256_setzero_si256();
+    const bf16* b = g.bias ? g.bias + first_column(g, panel + c) : nullptr;
+    const __m256i raw = b ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)) : _mm256_setzero_si256();
     bias[c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
   }
   if (g.silu) {  // staged; row_block applies SiLU-and-mul once the row block is done
@@ -90,31 +97,32 @@ void tile(const Gemm& g, int64_t row, int64_t panel, NextGroup& next, float* sta
   }
   for (int c = 0; c < C; ++c)
     for (int r = 0; r < R; ++r)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(g.out + (row + r) * g.N + (panel + c) * kPanel),
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(g.out + (row + r) * g.N + first_column(g, panel + c)),
                           to_bf16(_mm512_add_ps(acc[r][c], bias[c])));
 }
 
 // Tiles of 6 rows read the weights from L2 a third less often, which pays while the weights stream
 // from memory (a lone row block); with many row blocks 4-row tiles measured faster.
 template <int C, Pull P>
-void row_block(const Gemm& g, int64_t first, int64_t count, int64_t panel, int64_t width) {
+void row_block(const Gemm& g, const bf16* w, int64_t first, int64_t count, int64_t panel, int64_t width) {
   constexpr int R = P == Pull::kNone ? 4 : 6;
-  NextGroup next{reinterpret_cast<const char*>(g.w + (panel + kAhead * C) * g.K * kPanel), 0};
+  NextGroup next{nullptr, 0};
   if constexpr (P != Pull::kNone) {
+    next.line = reinterpret_cast<const char*>(g.w + (panel + kAhead * C) * g.K * kPanel);
     const int64_t next_panels = std::max<int64_t>(0, std::min<int64_t>(width, g.N / kPanel - panel - kAhead * C));
     const int64_t tiles = (count + R - 1) / R;
     next.rate = static_cast<uint32_t>((next_panels * g.K * kPanel * 2 / 64 << 16) / (tiles * (g.K / 2)));
   }
   alignas(64) float stage[kRowBlock * kPanels * kPanel];
   int64_t row = first;
-  for (; row + R <= first + count; row += R) tile<R, C, P>(g, row, panel, next, stage + (row - first) * C * kPanel);
+  for (; row + R <= first + count; row += R) tile<R, C, P>(g, w, row, panel, next, stage + (row - first) * C * kPanel);
   float* rest = stage + (row - first) * C * kPanel;
   switch (first + count - row) {
-    case 1: tile<1, C, P>(g, row, panel, next, rest); break;
-    case 2: tile<2, C, P>(g, row, panel, next, rest); break;
-    case 3: tile<3, C, P>(g, row, panel, next, rest); break;
-    case 4: tile<4, C, P>(g, row, panel, next, rest); break;
-    case 5: tile<5, C, P>(g, row, panel, next, rest); break;
+    case 1: tile<1, C, P>(g, w, row, panel, next, rest); break;
+    case 2: tile<2, C, P>(g, w, row, panel, next, rest); break;
+    case 3: tile<3, C, P>(g, w, row, panel, next, rest); break;
+    case 4: tile<4, C, P>(g, w, row, panel, next, rest); break;
+    case 5: tile<5, C, P>(g, w, row, panel, next, rest); break;
     default: break;
   }
   if (!g.silu) return;
@@ -127,10 +135,11 @@ void row_block(const Gemm& g, int64_t first, int64_t count, int64_t panel, int64
 
 template <int C>
 void row_block(const Gemm& g, int64_t first, int64_t count, int64_t panel, int64_t width, Pull pull) {
+  const bf16* w = g.w + panel * g.K * kPanel;
   switch (pull) {
-    case Pull::kNone: return row_block<C, Pull::kNone>(g, first, count, panel, width);
-    case Pull::kL2: return row_block<C, Pull::kL2>(g, first, count, panel, width);
-    case Pull::kL1: return row_block<C, Pull::kL1>(g, first, count, panel, width);
+    case Pull::kNone: return row_block<C, Pull::kNone>(g, w, first, count, panel, width);
+    case Pull::kL2: return row_block<C, Pull::kL2>(g, w, first, count, panel, width);
+    case Pull::kL1: return row_block<C, Pull::kL1>(g, w, first, count, panel, width);
   }
 }
 
@@ -151,6 +160,33 @@ void run(const Gemm& g) {
                                                    int64_t panel) {
     row_block<decltype(panels_in_group)::value>(g, first, count, panel, width, pull);
   });
+}
+
+// The rows of x through a weight that each thread dequantizes a column group at a time into its panels (the
+// rows' tiles need the whole group): groups of kPanels panels, K * 128 bytes (256 KB at K = 2048) that stay in L2
+// while every row block reads them.
+void run_dequantizing(const Gemm& g, const TiledWeight& weight) {
+  const int64_t threads = at::get_num_threads(), panels = g.N / kPanel;
+  const int64_t groups = (panels + kPanels - 1) / kPanels, panel_size = g.K * kPanel;
+#pragma omp parallel num_threads(threads)
+  {
+    thread_local std::vector<bf16> buffer;  // kept: fresh pages each call would cost their first touch
+    if (static_cast<int64_t>(buffer.size()) < kPanels * panel_size) buffer.resize(kPanels * panel_size);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t group = 0; group < groups; ++group) {
+      const int64_t panel = group * kPanels, width = std::min<int64_t>(kPanels, panels - panel);
+      for (int64_t c = 0; c < width; ++c) weight.write(panel + c, TileSink{buffer.data() + c * panel_size, g.K, true});
+      for (int64_t first = 0; first < g.M; first += kRowBlock) {
+        const int64_t count = std::min<int64_t>(kRowBlock, g.M - first);
+        switch (width) {
+          case 1: row_block<1, Pull::kNone>(g, buffer.data(), first, count, panel, width); break;
+          case 2: row_block<2, Pull::kNone>(g, buffer.data(), first, count, panel, width); break;
+          case 3: row_block<3, Pull::kNone>(g, buffer.data(), first, count, panel, width); break;
+          default: row_block<4, Pull::kNone>(g, buffer.data(), first, count, panel, width); break;
+        }
+      }
+    }
+  }
 }
 
 }  // namespace
@@ -184,7 +220,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, c10::o
     TORCH_CHECK(b.numel() == N, "bias must have ", N, " elements");
   }
   run(Gemm{rows.data_ptr<bf16>(), packed.data_ptr<bf16>(), b.defined() ? b.data_ptr<bf16>() : nullptr,
-           out.data_ptr<bf16>(), rows.size(0), K, N, silu});
+           out.data_ptr<bf16>(), rows.size(0), K, N, silu, silu});
   return out.view(shape);
 }
 
@@ -197,6 +233,35 @@ torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, c
 torch::Tensor bf16_gate_up_silu(const torch::Tensor& x, const torch::Tensor& packed,
                                 c10::optional<torch::Tensor> bias) {
   return linear(x, packed, bias, true);
+}
+
+bool dequantizing_gemm_available() {
+  static const bool without_amx = [] {
+    const auto capabilities = at::cpu::get_cpu_capabilities();
+    const auto amx = capabilities.find("amx_tile");
+    return amx == capabilities.end() || !amx->second.toBool();
+  }();
+  return without_amx;
+}
+
+torch::Tensor bf16_dequantizing_linear(const torch::Tensor& x, const TiledWeight& weight,
+                                       const c10::optional<torch::Tensor>& bias) {
+  const int64_t K = weight.K, N = weight.N;
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.size(-1) == K, "x must be bf16 with ", K, " features");
+  TORCH_CHECK(N % kPanel == 0 && K % 2 == 0, "the weight needs a multiple of 16 rows and an even width");
+  const auto rows = x.reshape({-1, K}).contiguous();
+  auto out = torch::empty({rows.size(0), N}, x.options());
+  torch::Tensor b;
+  if (bias.has_value()) {
+    b = contiguous_as(*bias, at::kBFloat16);
+    TORCH_CHECK(b.numel() == N, "bias must have ", N, " elements");
+  }
+  run_dequantizing(Gemm{rows.data_ptr<bf16>(), nullptr, b.defined() ? b.data_ptr<bf16>() : nullptr,
+                        out.data_ptr<bf16>(), rows.size(0), K, N, weight.gate_up, false},
+                   weight);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  return out.view(shape);
 }
 
 #else
@@ -212,6 +277,12 @@ torch::Tensor bf16_linear(const torch::Tensor&, const torch::Tensor&, c10::optio
 }
 
 torch::Tensor bf16_gate_up_silu(const torch::Tensor&, const torch::Tensor&, c10::optional<torch::Tensor>) {
+  TORCH_CHECK(false, "built without AVX512-BF16");
+}
+
+bool dequantizing_gemm_available() { return false; }
+
+torch::Tensor bf16_dequantizing_linear(const torch::Tensor&, const TiledWeight&, const c10::optional<torch::Tensor>&) {
   TORCH_CHECK(false, "built without AVX512-BF16");
 }
 

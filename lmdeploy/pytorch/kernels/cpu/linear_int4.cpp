@@ -17,8 +17,8 @@
 // 32, 6-bit sc and m, w = q * d * sc - dmin * m. Its scales [N/16, K/256, 256] bytes per tile and block: the 16
 // rows' d (fp16), their dmin, then the 12 bytes that pack sc and m (as the file holds them) byte by byte, 16 rows
 // each: 0.0625 bytes a weight, as in the file (against 0.125 for an fp16 scale and minimum per group). A group
-// takes d * sc and dmin * m (exact in fp32) for its scale and minus its minimum. q4k_dequantize writes the same
-// weights as bf16 [N, K] for larger steps' GEMM (no other copy is kept).
+// takes d * sc and dmin * m (exact in fp32) for its scale and minus its minimum. q4k_tiled writes the same
+// weights in bf16, tile by tile, for larger steps (dequantized_linear.h; no other copy is kept).
 
 #include "gemv_tiles.h"
 #include "kquant_gemv.h"
@@ -220,9 +220,8 @@ torch::Tensor q4k_gate_up_silu(const torch::Tensor& x, const torch::Tensor& pack
   return int4_call(x, packed, scales, c10::nullopt, true, true);
 }
 
-torch::Tensor q4k_dequantize(const torch::Tensor& packed, const torch::Tensor& scales, bool gate_up,
-                             WeightBuffer buffer) {
-  return kquant::dequantize_k_tiles(packed, scales, kGroupBytes, gate_up, buffer, [](const uint8_t* w, __m512i* u) {
+TiledWeight q4k_tiled(const torch::Tensor& packed, const torch::Tensor& scales, bool gate_up) {
+  return kquant::k_tiles(packed, scales, kGroupBytes, gate_up, [](const uint8_t* w, __m512i* u) {
     const __m512i nibble = _mm512_set1_epi16(15);
     for (int c = 0; c < 8; ++c) {
       const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * c)));
@@ -259,7 +258,7 @@ torch::Tensor q4k_gate_up_silu(const torch::Tensor&, const torch::Tensor&, const
   TORCH_CHECK(false, "built without AVX512-BF16");
 }
 
-torch::Tensor q4k_dequantize(const torch::Tensor&, const torch::Tensor&, bool, WeightBuffer) {
+TiledWeight q4k_tiled(const torch::Tensor&, const torch::Tensor&, bool) {
   TORCH_CHECK(false, "built without AVX512-BF16");
 }
 

@@ -7,7 +7,12 @@
 // high nibble in a table of the 16 e2m1 values (it reads only an index's low 4 bits), each times the block's
 // scale (a power of two: exact), and those weights of the block's even and odd inputs meet x's, laid out so
 // once per call. Every product is the one fp32 dequantize-then-matmul forms; only the order of the sums differs.
+// Larger steps (mxfp4_dequantized_linear) dequantize tiles of 16 rows into the bf16 GEMM's panels
+// (mxfp4_tiled, dequantized_linear.h).
+#include <ATen/ops/linear.h>
+
 #include "common.h"
+#include "kquant_gemv.h"
 
 #if defined(__AVX512F__)
 
@@ -155,7 +160,55 @@ torch::Tensor mxfp4_dequantize(const torch::Tensor& blocks, const torch::Tensor&
   return out;
 }
 
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+
+TiledWeight mxfp4_tiled(const torch::Tensor& blocks, const torch::Tensor& scales) {
+  check_weights(blocks, scales);
+  const int64_t N = blocks.size(0), K = blocks.size(1) * kBlock;
+  TORCH_CHECK(N % kquant::kTileRows == 0, "tiles of 16 rows: N a multiple of 16, not ", N);
+  TiledWeight weight{N, K, false, nullptr};
+  const uint8_t* bp = blocks.data_ptr<uint8_t>();
+  const uint8_t* sp = scales.data_ptr<uint8_t>();
+  weight.write = [blocks, scales, bp, sp, K](int64_t tile, const TileSink& sink) {  // the tensors kept alive
+    const int64_t count = K / kBlock;
+    const __m512i first = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+    const __m512 lut = _mm512_loadu_ps(kE2m1);
+    for (int64_t b = 0; b < count; ++b) {
+      __m512i pairs[kquant::kTileRows];  // row r's 32 weights, then dword r of [p] row r's input pair p
+      for (int64_t r = 0; r < kquant::kTileRows; ++r) {
+        const int64_t i = (tile * kquant::kTileRows + r) * count + b;
+        __m512 even, odd;
+        block_weights(bp + i * kBlockBytes, sp[i], lut, &even, &odd);
+        const auto top_half = [](__m512 v) {  // exact in bf16: its top 16 bits
+          return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16));
+        };
+        pairs[r] = _mm512_inserti64x4(_mm512_castsi256_si512(top_half(_mm512_permutex2var_ps(even, first, odd))),
+                                      top_half(_mm512_permutex2var_ps(even, second, odd)), 1);
+      }
+      kquant::transpose16(pairs);
+      kquant::put_pairs(sink, pairs, b * kBlock);
+    }
+  };
+  return weight;
+}
+
 #else
+
+TiledWeight mxfp4_tiled(const torch::Tensor&, const torch::Tensor&) { TORCH_CHECK(false, "built without AVX512-BF16"); }
+
+#endif
+
+torch::Tensor mxfp4_dequantized_linear(const torch::Tensor& x, const torch::Tensor& blocks,
+                                       const torch::Tensor& scales, const c10::optional<torch::Tensor>& bias) {
+  if (x.scalar_type() == at::kBFloat16 && dequantizing_gemm_available() && blocks.size(0) % 16 == 0)
+    return bf16_dequantizing_linear(x, mxfp4_tiled(blocks, scales), bias);
+  return at::linear(x, mxfp4_dequantize(blocks, scales, x.scalar_type()), bias);
+}
+
+#if !defined(__AVX512F__)
 
 bool mxfp4_gemv_available() { return false; }
 

@@ -14,7 +14,7 @@
 // nibble's weight of chunk c and in bit 8 + c the high one's. Scales [N/16, K/256, 256] bytes as q4k_linear's:
 // per tile and block the 16 rows' d (fp16), their dmin, then the file's 12 bytes of sc and m, 16 rows a byte.
 //
-// q5k_dequantize writes the same weights as bf16 [N, K] for larger steps' GEMM (no bf16 copy is kept).
+// q5k_tiled writes the same weights in bf16, tile by tile, for larger steps (no bf16 copy is kept).
 #include "kquant_gemv.h"
 #include "linear_q5k.h"
 
@@ -98,8 +98,8 @@ torch::Tensor q5k_linear(const torch::Tensor& x, const torch::Tensor& codes, con
   });
 }
 
-torch::Tensor q5k_dequantize(const torch::Tensor& codes, const torch::Tensor& scales, WeightBuffer buffer) {
-  return kquant::dequantize_k_tiles(codes, scales, kCodeBytes, false, buffer, [](const uint8_t* w, __m512i* u) {
+TiledWeight q5k_tiled(const torch::Tensor& codes, const torch::Tensor& scales) {
+  return kquant::k_tiles(codes, scales, kCodeBytes, false, [](const uint8_t* w, __m512i* u) {
     const __m512i top = _mm512_loadu_si512(w + 8 * 32), nibble = _mm512_set1_epi16(15);
     for (int c = 0; c < 8; ++c) {
       const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * c)));
@@ -117,7 +117,7 @@ GemvTiles q5k_tiles(const torch::Tensor&, const torch::Tensor&, const torch::Ten
   TORCH_CHECK(false, "built without AVX512-BF16");
 }
 
-torch::Tensor q5k_dequantize(const torch::Tensor&, const torch::Tensor&, WeightBuffer) {
+TiledWeight q5k_tiled(const torch::Tensor&, const torch::Tensor&) {
   TORCH_CHECK(false, "built without AVX512-BF16");
 }
 

@@ -5,6 +5,5 @@
 
 bool q5k_gemv_available();
 torch::Tensor q5k_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales);
-// The weights of q5k_linear's codes and scales, bf16 [N, K] (rounded from the exact fp32).
-torch::Tensor q5k_dequantize(const torch::Tensor& codes, const torch::Tensor& scales,
-                             WeightBuffer buffer = fresh_weight);
+// The weights of q5k_linear's codes and scales as tiles (rounded to bf16 from the exact fp32).
+TiledWeight q5k_tiled(const torch::Tensor& codes, const torch::Tensor& scales);

@@ -14,7 +14,7 @@
 // top 2 bits of (row j/2, pair 4h + k, input j%2), h = chunk - 4. Scales [N/16, K/256, 288] bytes: per tile
 // and block of 256 inputs, the int8 sc of its 16 groups (16 rows each, group-major), then 16 fp16 d.
 //
-// q6k_dequantize writes the same weights as bf16 [N, K] for larger steps' GEMM (no bf16 copy is kept).
+// q6k_tiled writes the same weights in bf16, tile by tile, for larger steps (no bf16 copy is kept).
 #include "kquant_gemv.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -94,21 +94,19 @@ torch::Tensor q6k_linear(const torch::Tensor& x, const torch::Tensor& codes, con
 }
 
 
-torch::Tensor q6k_dequantize(const torch::Tensor& codes, const torch::Tensor& scales, WeightBuffer buffer) {
+TiledWeight q6k_tiled(const torch::Tensor& codes, const torch::Tensor& scales) {
   TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.size(2) == kCodeBytes &&
                   codes.is_contiguous(),
               "codes: uint8 [N/16, K/16, 192]");
-  const int64_t tiles = codes.size(0), N = tiles * kTile, K = codes.size(1) * kGroup, blocks = K / kBlock;
+  const int64_t tiles = codes.size(0), K = codes.size(1) * kGroup, blocks = K / kBlock;
   TORCH_CHECK(K % kBlock == 0 && scales.scalar_type() == at::kByte && scales.is_contiguous() &&
                   scales.numel() == tiles * blocks * kScaleBytes,
               "scales: uint8 [N/16, K/256, 288]");
-  auto out = buffer(N, K);
+  TiledWeight weight{tiles * kTile, K, false, nullptr};
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const uint8_t* sp = scales.data_ptr<uint8_t>();
-  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
-  const __m512i nibble = _mm512_set1_epi16(0x000F);
-#pragma omp parallel for schedule(static) num_threads(at::get_num_threads())
-  for (int64_t tile = 0; tile < tiles; ++tile) {
+  weight.write = [codes, scales, cp, sp, K, blocks](int64_t tile, const TileSink& sink) {  // the tensors kept alive
+    const __m512i nibble = _mm512_set1_epi16(0x000F);
     const uint8_t* w = cp + tile * (K / kGroup) * kCodeBytes;
     for (int64_t block = 0; block < blocks; ++block) {
       const uint8_t* s = sp + (tile * blocks + block) * kScaleBytes;
@@ -132,11 +130,11 @@ torch::Tensor q6k_dequantize(const torch::Tensor& codes, const torch::Tensor& sc
                 kquant::weight_pairs(with_top(_mm512_srli_epi16(bytes, 4), hi1, c), scale_rows, offset_rows);
           }
         }
-        kquant::store_tile_rows(pairs, op + tile * kTile * K + block * kBlock + i * kGroup, K);
+        kquant::put_pairs(sink, pairs, block * kBlock + i * kGroup);
       }
     }
-  }
-  return out;
+  };
+  return weight;
 }
 
 #else
@@ -151,7 +149,7 @@ torch::Tensor q6k_linear(const torch::Tensor&, const torch::Tensor&, const torch
   TORCH_CHECK(false, "built without AVX512-BF16");
 }
 
-torch::Tensor q6k_dequantize(const torch::Tensor&, const torch::Tensor&, WeightBuffer) {
+TiledWeight q6k_tiled(const torch::Tensor&, const torch::Tensor&) {
   TORCH_CHECK(false, "built without AVX512-BF16");
 }
 

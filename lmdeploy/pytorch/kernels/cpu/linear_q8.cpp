@@ -9,7 +9,7 @@
 // codes are multiplied by the row's x (in fp32) in one FMA; the group's sum times its scale is added to the row's
 // outputs. Every row's sums run in the same order whatever the number of rows, so a row's logits do not depend on
 // the rows beside it (a prompt's output on its batch). The codes are asked for ahead of their reading, as the
-// K-quant GEMVs' are. q8_dequantize writes the same weights as bf16 [N, K] for larger steps' GEMM.
+// K-quant GEMVs' are. q8_tiled writes the same weights in bf16, tile by tile, for larger steps.
 #include "gemv_tiles.h"
 #include "kquant_gemv.h"
 
@@ -130,27 +130,25 @@ torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& packed, con
   return out.view(shape);
 }
 
-torch::Tensor q8_dequantize(const torch::Tensor& packed, const torch::Tensor& scales, WeightBuffer buffer) {
-  const auto [N, K] = q8_shape(packed, scales);
-  auto out = buffer(N, K);
+TiledWeight q8_tiled(const torch::Tensor& packed, const torch::Tensor& scales) {
+  const int64_t N = q8_shape(packed, scales).first, K = q8_shape(packed, scales).second;
+  TiledWeight weight{N, K, false, nullptr};
   const int8_t* w = packed.data_ptr<int8_t>();
-  const auto* s = reinterpret_cast<const uint16_t*>(scales.data_ptr());
-  c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
-  const int64_t groups = K / kGroup;
-#pragma omp parallel for schedule(static) num_threads(at::get_num_threads())
-  for (int64_t tile = 0; tile < N / kTile; ++tile) {
+  const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr());
+  weight.write = [packed, scales, w, sp, K](int64_t tile, const TileSink& sink) {  // the tensors kept alive
+    const int64_t groups = K / kGroup;
     for (int64_t group = 0; group < groups; ++group) {
       const int8_t* codes = w + (tile * groups + group) * kGroup * kTile;
-      const __m512 scale =
-          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + (tile * groups + group) * kTile)));
+      const uint16_t* s = sp + (tile * groups + group) * kTile;
+      const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
       __m512i pairs[kPairs];  // exact fp32 products, rounded once to bf16
       for (int p = 0; p < kPairs; ++p)
         pairs[p] = row_pairs(_mm512_mul_ps(input_codes(codes + 2 * p * kTile), scale),
                              _mm512_mul_ps(input_codes(codes + (2 * p + 1) * kTile), scale));
-      kquant::store_tile_rows(pairs, o + tile * kTile * K + group * kGroup, K);
+      kquant::put_pairs(sink, pairs, group * kGroup);
     }
-  }
-  return out;
+  };
+  return weight;
 }
 
 #else
@@ -165,7 +163,7 @@ torch::Tensor q8_linear(const torch::Tensor&, const torch::Tensor&, const torch:
   TORCH_CHECK(false, "built without AVX512-BF16");
 }
 
-torch::Tensor q8_dequantize(const torch::Tensor&, const torch::Tensor&, WeightBuffer) {
+TiledWeight q8_tiled(const torch::Tensor&, const torch::Tensor&) {
   TORCH_CHECK(false, "built without AVX512-BF16");
 }
 

@@ -14,8 +14,9 @@ and, in a tied file, the LM head's logits; laid out by the model's dtype and dev
   read the packed rows).
 - :class:`NativeBlocks`: in bf16 on the CPU, the blocks retiled once for their type's native GEMV (tiles of 16 rows,
   the file's weights exactly). Small steps (:func:`~lmdeploy.pytorch.step_context.small_step`: an engine step's
-  decode rows, else up to ``gemv_max_rows`` rows) run on the GEMV, the others dequantize a slice of tiles at a time
-  into the thread's reused scratch for one GEMM (``kquant_dequantized_linear``); looked-up rows
+  decode rows, else up to ``gemv_max_rows`` rows) run on the GEMV, the others take a slice of tiles at a time
+  through ``kquant_dequantized_linear`` (dequantized into the native bf16 GEMM's panels in cache; with AMX into the
+  thread's reused scratch for oneDNN's GEMM); looked-up rows
   are dequantized from their tiles (the native dequantization, bf16).
 """
 from __future__ import annotations

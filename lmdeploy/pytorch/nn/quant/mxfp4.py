@@ -12,7 +12,8 @@ The experts hold each projection's blocks and scales stacked over the experts (`
 - elsewhere each routed expert in turn (:class:`Mxfp4Kernel`): its decode rows (small steps, see
   ``step_context.small_step``; outside an engine step, up to ``MXFP4_NATIVE_MAX_ROWS`` rows) on the native GEMV
   (``kernels/cpu/linear_mxfp4.cpp``, fp32 or bf16 activations as they are), its prefill rows on the projection
-  dequantized for that call (natively where built) and ``F.linear``; in the native decoder stack the same two
+  dequantized for that call (``mxfp4_dequantized_linear``: bf16 into the native bf16 GEMM's panels in cache on CPUs
+  with AVX512-BF16 and no AMX, else the whole weight and ``F.linear``); in the native decoder stack the same two
   paths, the GEMV in the stack of small steps (``Mxfp4Kernel.expert_projection``).
 """
 from __future__ import annotations
@@ -61,7 +62,8 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
 class Mxfp4Kernel(LinearKernel):
     """``x @ W.T`` on one projection's ``blocks [N, K / 32, 16]`` and ``scales [N, K / 32]``: small steps (see
     :func:`~lmdeploy.pytorch.step_context.small_step`) on the native GEMV where it is built (its fp32 sums rounded
-    to ``x``'s dtype), else ``F.linear`` on the weight dequantized to ``x``'s dtype for the call."""
+    to ``x``'s dtype), larger ones dequantized for the call (``mxfp4_dequantized_linear``: in bf16 into the native
+    bf16 GEMM's panels where that GEMM is the CPU's), else ``F.linear`` on the weight dequantized to ``x``'s dtype."""
 
     small_step_rows = MXFP4_NATIVE_MAX_ROWS
 
@@ -77,9 +79,11 @@ class Mxfp4Kernel(LinearKernel):
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        native = cpu.mxfp4_gemv() if x.device.type == 'cpu' and small_step(rows, MXFP4_NATIVE_MAX_ROWS) else None
+        native = cpu.mxfp4_gemv() if x.device.type == 'cpu' else None
         if native is None or x.dtype not in (torch.float32, torch.bfloat16):
             return F.linear(x, self.dequantize(x.dtype), bias)
+        if not small_step(rows, MXFP4_NATIVE_MAX_ROWS):
+            return native.mxfp4_dequantized_linear(x, self.blocks, self.scales, bias)
         out = native.mxfp4_linear(x, self.blocks, self.scales).to(x.dtype)
         return out if bias is None else out + bias
 

@@ -108,9 +108,10 @@ class Q6KGemv(LinearKernel):
 
 
 class KQuantDequantized(LinearKernel):
-    """A K-quant layer's large steps: its GEMV's copy (``codes``, ``scales``) dequantized to bf16 into the thread's
-    reused scratch for oneDNN's GEMM (``kquant_dequantized_linear``, ``kind`` one of ``GEMV_MAX_ROWS``'s); with
-    ``gate_up``, Q4_K's gate and up tiles alternate."""
+    """A K-quant layer's large steps: its GEMV's copy (``codes``, ``scales``) dequantized to bf16 for the call
+    (``kquant_dequantized_linear``, ``kind`` one of ``GEMV_MAX_ROWS``'s: group by group into the native bf16 GEMM's
+    panels in cache, every row's bits independent of the row count; with AMX into the thread's reused scratch for
+    oneDNN's GEMM); with ``gate_up``, Q4_K's gate and up tiles alternate."""
 
     def __init__(self, kind: str, codes: torch.Tensor, scales: torch.Tensor, gate_up: bool = False):
         self.kind, self.codes, self.scales, self.gate_up = kind, codes, scales, gate_up
