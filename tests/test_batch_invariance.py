@@ -19,6 +19,7 @@ from test_gguf_q4km import Q4_K_M, random_blocks
 from lmdeploy import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.kernels import cpu
+from lmdeploy.pytorch.nn.quant.cpu_bf16 import NativeBf16Kernel
 from lmdeploy.pytorch.nn.quant.gguf_blocks import Q8_0Gemv, q8_0_unpack
 from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel, TorchInt4Kernel, int4_groups
 from lmdeploy.pytorch.nn.quant.q4k_cpu import Q4KGemv
@@ -121,6 +122,23 @@ def test_k_quant_prefills_of_a_token_are_batch_invariant(wide_q4_k_m, native_gem
                                                      enable_prefix_caching=False), show_progress=False)
     try:
         assert_batch_invariant(engine, random_prompts([1, 2, 1, 2, 1, 9], seed=4, vocab=250))
+    finally:
+        engine.close()
+
+
+def test_a_bf16_lm_head_of_a_vocabulary_off_the_panels_is_batch_invariant(tmp_path, native_gemms):
+    """A dense bf16 LM head whose vocabulary (263 rows here) does not fill the native GEMM's 16-row panels is padded
+    to them, so a one-token prompt's logits do not take oneDNN's one-row rounding alone and another among others."""
+    if cpu.int4_gemv() is None or not native_gemms.dequantizing_gemm_available():
+        pytest.skip('the native bf16 GEMM runs with AVX512-BF16 and without AMX')
+    served = served_mixed_gguf('llama', tmp_path, {**Q4_K_M, 'output': Q.F16}, hidden_size=2048,
+                               num_attention_heads=32, num_hidden_layers=1)
+    engine = Engine(served, PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=32, block_size=16,
+                                                enable_prefix_caching=False), show_progress=False)
+    try:
+        lm_head = engine.runner.model.lm_head
+        assert lm_head.vocab_size % 16 and isinstance(lm_head.packed, NativeBf16Kernel) and lm_head.packed.padding
+        assert_batch_invariant(engine, random_prompts([1, 1, 2, 1, 5], seed=5, vocab=250))
     finally:
         engine.close()
 
