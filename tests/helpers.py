@@ -11,6 +11,8 @@ import torch
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.kernels import cpu
+from lmdeploy.pytorch.nn.quant.cpu_fp32 import NativeFp32Kernel
+from lmdeploy.pytorch.nn.quant.gguf import DequantizedKernel
 from lmdeploy.pytorch.weights.file_checks import PlainArrayReader
 
 GREEDY_32 = GenerationConfig(max_new_tokens=32, ignore_eos=True)
@@ -23,6 +25,19 @@ def large_step_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     if x.dtype == torch.bfloat16 and native is not None and native.dequantizing_gemm_available():
         return native.bf16_linear(x, native.pack_bf16_weight(weight), bias)
     return torch.nn.functional.linear(x, weight.to(x.dtype), bias)
+
+
+def fp32_kernel(fallback: type = DequantizedKernel) -> type:
+    """An fp32 CPU layer's kernel (a GGUF layer's once its blocks are dequantized at load): the fixed-order fp32
+    GEMM's where it is built (AVX-512), else ``fallback``."""
+    return NativeFp32Kernel if cpu.fp32_gemm() is not None else fallback
+
+
+def dequantized_weight(kernel: DequantizedKernel | NativeFp32Kernel) -> torch.Tensor:
+    """The fp32 weight ``[N, K]`` that ``fp32_kernel()`` holds."""
+    if isinstance(kernel, DequantizedKernel):
+        return kernel.weight
+    return kernel.weight_rows(torch.arange(kernel.out_features))
 
 
 def random_prompts(lengths, seed=0, vocab=300):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import fp32_kernel
 
 from lmdeploy.pytorch.kernels import activation, attention, cpu, norm, rotary, sampling
 from lmdeploy.pytorch.nn.linear import GateUpLinear, Linear
@@ -201,8 +202,11 @@ def test_packed_bf16_linear_rounds_the_exact_product(monkeypatch, request, gemm,
         assert out.dtype == torch.bfloat16 and out.shape == exact.shape
         assert ((out.float() - exact).abs() <= exact.abs() * 2**-8 + 1e-4).all()
     fp32 = Linear(64, 48)
+    fp32_weight = fp32.weight.detach().clone()
     fp32.finalize(LinearOptions(pack_cpu=True))
-    assert isinstance(fp32.kernel, DenseKernel) and fp32.weight is not None, 'fp32 weights keep the exact path'
+    assert isinstance(fp32.kernel, fp32_kernel(DenseKernel)), 'fp32 weights take the fixed-order fp32 GEMM where it is built'
+    x = torch.randn(5, 64)
+    torch.testing.assert_close(fp32(x), torch.nn.functional.linear(x, fp32_weight, fp32.bias), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize('intermediate_size', [48, 64])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import collect, make_engine, random_prompts, run
+from helpers import collect, dequantized_weight, make_engine, random_prompts, run
 from vl_models import random_image, save_tiny_vl_model
 
 from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
@@ -130,7 +130,8 @@ def test_dummy_weights_build_a_working_model(tiny_llama):
     engine = make_engine(tiny_llama, load_format='dummy')
     params = dict(engine.runner.model.named_parameters())
     assert torch.equal(params['norm.weight'], torch.ones_like(params['norm.weight']))
-    weight = params['layers.0.self_attn.qkv_proj.weight']
+    qkv = engine.runner.model.layers[0].self_attn.qkv_proj
+    weight = qkv.weight if qkv.weight is not None else dequantized_weight(qkv.kernel)
     assert weight.dtype == torch.float32 and 0.015 < weight.std().item() < 0.025
     outs = generate(engine, ragged_requests()[:2])
     assert [len(o) for o in outs] == [3, 7]

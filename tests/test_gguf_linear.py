@@ -12,7 +12,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from family_checks import assert_tp2_equals_tp1
-from helpers import assert_transformers_greedy, large_step_reference, make_engine, random_prompts, run
+from helpers import (assert_transformers_greedy, dequantized_weight, fp32_kernel, large_step_reference, make_engine,
+                     random_prompts, run)
 from test_gguf import _encode, make_gguf
 from transformers import AutoModelForCausalLM
 
@@ -22,8 +23,7 @@ from lmdeploy.pytorch.distributed.parallel_state import TPGroup, use_group
 from lmdeploy.pytorch.nn.linear import GateUpLinear, Linear, RowLinear
 from lmdeploy.pytorch.nn.quant import LinearOptions, use_weight_format
 from lmdeploy.pytorch.kernels import cpu
-from lmdeploy.pytorch.nn.quant.cpu_fp32 import NativeFp32Kernel
-from lmdeploy.pytorch.nn.quant.gguf import DequantizedKernel, GgufFileFormat, GgufFormat
+from lmdeploy.pytorch.nn.quant.gguf import GgufFileFormat, GgufFormat
 from lmdeploy.pytorch.nn.quant.gguf_blocks import Q8_0Gemv
 from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel, TorchInt4Kernel
 from lmdeploy.pytorch.nn.quant.q6k_cpu import GEMV_MAX_ROWS
@@ -53,18 +53,6 @@ def test_unpacking_matches_gguf(qtype):
     assert torch.equal(layer.weight_format.dequantize(layer), expected)
     x = torch.randn(3, 512)
     torch.testing.assert_close(layer(x), x @ expected.T)
-
-
-def fp32_kernel() -> type:
-    """An fp32 layer's kernel once dequantized at load: the fixed-order fp32 GEMM's where it is built (AVX-512)."""
-    return NativeFp32Kernel if cpu.fp32_gemm() is not None else DequantizedKernel
-
-
-def dequantized_weight(kernel: DequantizedKernel | NativeFp32Kernel) -> torch.Tensor:
-    """The fp32 weight ``[N, K]`` that ``fp32_kernel()`` holds."""
-    if isinstance(kernel, DequantizedKernel):
-        return kernel.weight
-    return kernel.weight_rows(torch.arange(kernel.out_features))
 
 
 @pytest.mark.parametrize('qtype,kernel,dtype,tolerance', [(Q.Q8_0, fp32_kernel, torch.float32, 1e-6),

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from conftest import save_tiny_model
 from family_checks import assert_tp2_equals_tp1
-from helpers import assert_transformers_greedy, make_engine, random_prompts, run
+from helpers import assert_transformers_greedy, fp32_kernel, make_engine, random_prompts, run
 from test_gguf import _add_tokenizer, finish, llama_permute, make_gguf
 
 from lmdeploy.lite.smooth_quant import smooth_quant
@@ -26,7 +26,7 @@ from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.linear import Linear
 from lmdeploy.pytorch.nn.quant.dense import DenseFormat
-from lmdeploy.pytorch.nn.quant.gguf import DequantizedKernel, GgufFormat, GgufPartsFormat
+from lmdeploy.pytorch.nn.quant.gguf import GgufFormat, GgufPartsFormat
 from lmdeploy.pytorch.nn.quant.base import LinearKernel
 from lmdeploy.pytorch.nn.quant.gguf_blocks import Q8_0Gemv, Q8Kernel
 from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel, TorchInt4Kernel
@@ -255,7 +255,7 @@ def test_bf16_mixed_file_runs_each_layer_on_its_kernel(mixed_file):
 
     def check_fp32_kernels(engine: Engine) -> None:  # every layer's blocks (each part's) dequantized once
         for name in FILES[kind][1]:
-            assert isinstance(engine.runner.model.get_submodule(name).kernel, DequantizedKernel), name
+            assert isinstance(engine.runner.model.get_submodule(name).kernel, fp32_kernel()), name
 
     error = bf16_logit_error(tmp / 'served', check_kernels, check_fp32_kernels)
     assert error < 0.05, error

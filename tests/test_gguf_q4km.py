@@ -11,7 +11,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 from transformers import AutoModelForCausalLM
-from helpers import assert_transformers_greedy, large_step_reference, make_engine, random_prompts, run
+from helpers import assert_transformers_greedy, fp32_kernel, large_step_reference, make_engine, random_prompts, run
 from test_decoder_stack import check_every_step
 from test_gguf_mixed import encode, served_mixed_gguf
 
@@ -19,7 +19,7 @@ from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.quant.base import LinearOptions
-from lmdeploy.pytorch.nn.quant.gguf import DequantizedKernel, GgufFileFormat, GgufFormat
+from lmdeploy.pytorch.nn.quant.gguf import GgufFileFormat, GgufFormat
 from lmdeploy.pytorch.nn.quant.gguf_blocks import Q6K_LM_HEAD_GEMV_MAX_ROWS, int8_unpack, q4_k_grid
 from lmdeploy.pytorch.nn.quant.int4_cpu import NativeInt4Kernel, SmallStepInt4Kernel, TorchInt4Kernel
 from lmdeploy.pytorch.nn.quant.parts import PartsKernel
@@ -250,7 +250,7 @@ def test_mixed_qkv_part_by_part_gives_transformers_tokens(q4_k_m):
         qkv = model.get_submodule('layers.0.self_attn.qkv_proj')
         on_cuda = model.layers[0].input_layernorm.weight.is_cuda
         assert qkv.weight_format.parts[2].ggml_type == 'Q6_K'
-        assert isinstance(qkv.kernel, PartsKernel if on_cuda else DequantizedKernel)
+        assert isinstance(qkv.kernel, PartsKernel if on_cuda else fp32_kernel())
         if on_cuda:
             from lmdeploy.pytorch.nn.quant.gguf_cuda import TritonQ6KKernel
             down = model.get_submodule('layers.0.mlp.down_proj')

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from lmdeploy.pytorch.kernels import cpu, fused_moe
+from lmdeploy.pytorch.kernels import cpu, fused_moe, triton_runs_on
 from lmdeploy.pytorch.kernels.activation import ClampedSwiGLU
 from lmdeploy.pytorch.nn.quant.base import (ExpertKernel, Layout, LinearKernel, LinearOptions, WeightFormat,
                                             new_parameter)
@@ -68,8 +68,11 @@ class DenseFormat(WeightFormat):
 
     def make_expert_kernel(self, experts: FusedExperts, options: LinearOptions) -> ExpertKernel:
         """The fused-MoE kernel on the stacked weights; CPU experts to be packed (``options.pack_cpu``) each on the
-        native GEMM where it fits them all (:func:`native_bf16_experts`, :func:`native_fp32_experts`)."""
-        kernels = (native_bf16_experts(experts) or native_fp32_experts(experts)) if options.pack_cpu else None
+        native GEMM where it fits them all (:func:`native_bf16_experts`, :func:`native_fp32_experts`), unless the
+        Triton kernels serve CPU tensors (:func:`triton_on_cpu`: the fused MoE then runs in Triton's interpreter)."""
+        kernels = None
+        if options.pack_cpu and experts.gate_up is not None and not triton_runs_on(experts.gate_up):
+            kernels = native_bf16_experts(experts) or native_fp32_experts(experts)
         if kernels is None:
             return DenseExpertKernel(experts)
         experts.release()
