@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.quant.base import (ExpertKernel, Layout, LinearKernel, LinearOptions, WeightFormat,
                                             new_parameter, register_format)
+from lmdeploy.pytorch.nn.quant.cpu_fp32 import native_fp32_kernel
 from lmdeploy.pytorch.nn.quant.dense import DenseFormat
 from lmdeploy.pytorch.nn.quant.w4a16 import PerExpertKernel
 from lmdeploy.pytorch.step_context import small_step
@@ -61,7 +62,8 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
 class Mxfp4Kernel(LinearKernel):
     """``x @ W.T`` on one projection's ``blocks [N, K / 32, 16]`` and ``scales [N, K / 32]``: small steps (see
     :func:`~lmdeploy.pytorch.step_context.small_step`) on the native GEMV where it is built (its fp32 sums rounded
-    to ``x``'s dtype), else ``F.linear`` on the weight dequantized to ``x``'s dtype for the call."""
+    to ``x``'s dtype), else ``F.linear`` on the weight dequantized to ``x``'s dtype for the call (fp32 on the CPU:
+    packed for the call for the fixed-order fp32 GEMM, ``native_fp32_kernel``)."""
 
     small_step_rows = MXFP4_NATIVE_MAX_ROWS
 
@@ -79,7 +81,10 @@ class Mxfp4Kernel(LinearKernel):
         rows = x.numel() // x.shape[-1]
         native = cpu.mxfp4_gemv() if x.device.type == 'cpu' and small_step(rows, MXFP4_NATIVE_MAX_ROWS) else None
         if native is None or x.dtype not in (torch.float32, torch.bfloat16):
-            return F.linear(x, self.dequantize(x.dtype), bias)
+            weight = self.dequantize(x.dtype)
+            # fp32: torch's GEMM rounds 1 to 3 rows apart from more, the packed kernel's rows do not depend on it
+            packed = native_fp32_kernel(weight) if x.dtype == torch.float32 else None
+            return F.linear(x, weight, bias) if packed is None else packed(x, bias)
         out = native.mxfp4_linear(x, self.blocks, self.scales).to(x.dtype)
         return out if bias is None else out + bias
 
