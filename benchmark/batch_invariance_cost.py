@@ -1,12 +1,14 @@
 """What batch invariance costs: the default model (bf16, ``decode_int4`` on as for its Q4_1 file; ``--dtype float32``:
 fp32, the fixed-order fp32 GEMM's), with ``--gemma`` Gemma 3 270M Q4_K_M in bf16 (its K-quant layers' GEMVs), with
-``--moe`` a random-weight MoE model (:func:`save_moe_model`), or with ``--gpt-oss`` a random gpt-oss with MXFP4
-experts (:func:`save_gpt_oss_model`), in two source trees, before and after, each round a fresh process
-per tree, the trees alternating, one thread, the calling thread's CPU time (the engine computes in it with one
-thread: on a machine that other jobs load, what each tree computes rather than what the scheduler gives it; cache
-sharing still counts).
+``--moe`` a random-weight MoE model (:func:`save_moe_model`), with ``--gpt-oss`` a random gpt-oss with MXFP4 experts
+(:func:`save_gpt_oss_model`), or with ``--deepseek`` ``batch_invariance.py``'s random DeepSeek-V3 (``moe_stack.py``'s:
+2 layers at DeepSeek-V3's shapes, latent attention, 16 experts, an fp32 router), in two source trees, before and
+after, each round a fresh process per tree, the trees alternating, one thread, the calling thread's CPU time (the
+engine computes in it with one thread: on a machine that other jobs load, what each tree computes rather than what
+the scheduler gives it; cache sharing still counts).
 
-    python benchmark/batch_invariance_cost.py --before /path/to/tree --after . [--rounds 3] [--gemma | --moe | --gpt-oss]
+    python benchmark/batch_invariance_cost.py --before /path/to/tree --after . [--rounds 3]
+        [--gemma | --moe | --gpt-oss | --deepseek]
         [--dtype bfloat16 | float32]
 
 Per tree: ``b1 decode`` ms a step (one sequence, the median of its 64 decode steps), ``24-row decode``, ``64-row
@@ -128,6 +130,14 @@ def save_gpt_oss_model(path: str) -> str:
     return path
 
 
+def save_deepseek_model(path: str) -> str:
+    """``batch_invariance.py``'s DeepSeek-V3 (``moe_stack.py``'s ``save_model``: 2 layers, 16 experts)."""
+    from argparse import Namespace
+    from moe_stack import save_model
+    save_model(path, Namespace(family='deepseek_v3', layers=2, experts=16))
+    return path
+
+
 def measure(tree: str, model: str, vocab: int, child: str, dtype: str) -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree), OMP_NUM_THREADS='1')
     out = subprocess.run([sys.executable, '-c', child, model, str(vocab), dtype], env=env, capture_output=True,
@@ -143,6 +153,7 @@ def main() -> None:
     models = parser.add_mutually_exclusive_group()
     models.add_argument('--gemma', action='store_true', help='Gemma 3 270M Q4_K_M instead of the default model')
     models.add_argument('--moe', action='store_true', help='the random-weight MoE model instead of the default one')
+    models.add_argument('--deepseek', action='store_true', help='the random-weight DeepSeek-V3 instead')
     parser.add_argument('--dtype', default='bfloat16', choices=['bfloat16', 'float32'])
     models.add_argument('--gpt-oss', action='store_true', help='the random gpt-oss with MXFP4 experts instead')
     parser.add_argument('--prefill', action='store_true', help='prefills of 4-1024 tokens and batch-1 decode only')
@@ -152,6 +163,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         model, vocab = ((save_moe_model(folder), MOE_VOCAB) if args.moe else
                         (save_gpt_oss_model(folder), MOE_VOCAB) if args.gpt_oss else
+                        (save_deepseek_model(folder), MOE_VOCAB) if args.deepseek else
                         ('gemma' if args.gemma else '', 40000))
         for round_ in range(args.rounds):
             order = ('before', 'after') if round_ % 2 == 0 else ('after', 'before')

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from conftest import save_tiny_model
 from helpers import random_prompts
+from test_deepseek import save_deepseek
+from test_gpt_oss import save_gpt_oss, save_mxfp4
 
 from lmdeploy import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
@@ -53,28 +55,49 @@ def test_packed_rows_do_not_depend_on_their_number(fp32_gemm, threads):
     torch.testing.assert_close(together, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
 
 
-def assert_batch_invariant(engine: Engine, prompts: list[list[int]]) -> None:
-    model = engine.runner.model
-    assert isinstance(model.layers[0].self_attn.qkv_proj.kernel, NativeFp32Kernel)
-    assert isinstance(model.lm_head.packed, NativeFp32Kernel)
+def fp32_engine(path: str) -> Engine:
+    engine = Engine(path, PytorchEngineConfig(dtype='float32', num_gpu_blocks=64, block_size=16,
+                                              enable_prefix_caching=False), show_progress=False)
+    assert isinstance(engine.runner.model.lm_head.packed, NativeFp32Kernel)
     assert engine.runner.model.native_stack is None  # fp32 runs the layers' forward
+    return engine
+
+
+def assert_batch_invariant(engine: Engine, prompts: list[list[int]]) -> None:
     alone = [run(engine, [prompt], GEN, 0)[0] for prompt in prompts]
     assert run(engine, prompts, GEN, 0) == alone  # prefills together, then decode steps of len(prompts) rows
     assert run(engine, prompts, GEN, 1) == alone  # each prefill beside the decode rows of the prompts before it
 
 
 def test_tiny_llama_fp32_is_batch_invariant(tiny_llama, fp32_gemm):
-    engine = Engine(tiny_llama, PytorchEngineConfig(dtype='float32', num_gpu_blocks=64, block_size=16,
-                                                    enable_prefix_caching=False), show_progress=False)
+    engine = fp32_engine(tiny_llama)
+    assert isinstance(engine.runner.model.layers[0].self_attn.qkv_proj.kernel, NativeFp32Kernel)
     assert_batch_invariant(engine, random_prompts([1, 2, 5, 9, 17, 40], seed=3))
 
 
 def test_tiny_qwen3_moe_fp32_is_batch_invariant(tmp_path, fp32_gemm):
     """Its router a linear layer, each expert's projections on their own packed copy (``native_fp32_experts``)."""
-    engine = Engine(save_tiny_model('qwen3_moe', str(tmp_path)), PytorchEngineConfig(
-        dtype='float32', num_gpu_blocks=64, block_size=16, enable_prefix_caching=False), show_progress=False)
+    engine = fp32_engine(save_tiny_model('qwen3_moe', str(tmp_path)))
     mlp = engine.runner.model.layers[0].mlp
     assert isinstance(mlp.gate.kernel, NativeFp32Kernel) and isinstance(mlp.experts.kernel.kernel('down', 0),
                                                                          NativeFp32Kernel)
     assert_batch_invariant(engine, random_prompts([1, 2, 5, 9, 17, 40], seed=3))
 
+
+def test_tiny_deepseek_v3_fp32_is_batch_invariant(tmp_path, fp32_gemm):
+    """Its latent attention's per-head products (absorbed queries, values) each on a head's packed copies of
+    ``kv_b_proj`` (``LatentAttention.pack_heads``; ``torch.einsum``'s rows depend on their number) and its fp32
+    router on the packed kernel (``Fp32Router``)."""
+    engine = fp32_engine(save_deepseek(str(tmp_path)))
+    layer = engine.runner.model.layers[1]
+    assert layer.self_attn.attn.value_kernels is not None and isinstance(layer.mlp.gate.kernel, NativeFp32Kernel)
+    assert_batch_invariant(engine, random_prompts([1, 2, 5, 9, 17, 40], seed=3))
+
+
+
+def test_tiny_gpt_oss_mxfp4_fp32_is_batch_invariant(tmp_path, fp32_gemm):
+    """Its MXFP4 experts' prefill rows on the weight dequantized and packed for the call (torch's fp32 GEMM rounded
+    an expert's 1 to 3 prefill rows apart from more); decode rows on the MXFP4 GEMV."""
+    engine = fp32_engine(save_mxfp4(save_gpt_oss(str(tmp_path / 'dense')), str(tmp_path / 'mxfp4')))
+    assert isinstance(engine.runner.model.layers[0].self_attn.qkv_proj.kernel, NativeFp32Kernel)
+    assert_batch_invariant(engine, random_prompts([1, 2, 5, 9, 17, 40], seed=3))

@@ -2,8 +2,8 @@
 kernel gives each row the same bits whatever the number of rows routed to it (dense bf16 experts on the native
 GEMM, where torch's bf16 GEMM rounds a lone row apart), MXFP4 and GGUF K-quant experts choose their kernel by the
 kind of rows (decode rows on the GEMV, prefill rows on the dequantized weight) rather than by their share's size, and
-fp32 routers sum each row in one order (``fp32_linear``). Tiny random models saved by transformers: a MoE block's
-rows alone and together, and an engine's greedy tokens and logprobs, bitwise, each prompt alone against all together
+fp32 routers sum each row in input order (``Fp32Router`` on ``fp32_packed_linear``). Tiny random models saved by
+transformers: a MoE block's rows alone and together, and an engine's greedy tokens and logprobs, bitwise, each prompt alone against all together
 and arriving one a step."""
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from test_gpt_oss import save_gpt_oss, save_mxfp4
 from lmdeploy import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.kernels import cpu
+from lmdeploy.pytorch.nn.moe import Fp32Router
 from lmdeploy.pytorch.nn.quant.q6k_cpu import GEMV_MAX_ROWS
 
 CONFIG = dict(num_gpu_blocks=128, block_size=16, enable_prefix_caching=False)
@@ -124,14 +125,17 @@ def test_k_quant_experts_choose_by_the_kind_of_rows(gguf_moe, decoder, native_ge
 
 
 def test_fp32_router_rows_do_not_depend_on_their_number(native):
-    """``fp32_linear`` (the fp32 routers' kernel): each row bitwise the same alone and among others, for the row
-    and output blocks' remainders and an input count off the 16 lanes; within fp32 rounding of torch's product."""
+    """An fp32 router (``Fp32Router``, its packed copy on ``fp32_packed_linear``) of bf16 rows: each row's logits
+    bitwise the same alone and among others, for 37 experts (a partial tile); within fp32 rounding of torch's."""
     if cpu.fp32_gemm() is None:
-        pytest.skip('fp32_linear needs AVX-512')
+        pytest.skip('fp32_packed_linear needs AVX-512')
     g = torch.Generator().manual_seed(0)
-    weight, bias = torch.randn(37, 301, generator=g), torch.randn(37, generator=g)
-    x = torch.randn(23, 301, generator=g)
-    together = native.fp32_linear(x, weight, bias)
-    torch.testing.assert_close(together, F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
-    assert all(torch.equal(together[i:i + 1], native.fp32_linear(x[i:i + 1], weight, bias)) for i in range(23))
-    assert torch.equal(together[5:12], native.fp32_linear(x[5:12], weight, bias))
+    router = Fp32Router(301, 37)
+    router.weight = torch.nn.Parameter(torch.randn(37, 301, generator=g), requires_grad=False)
+    router.finalize()
+    assert router.kernel is not None
+    x = torch.randn(23, 301, generator=g).bfloat16()
+    together = router(x)
+    torch.testing.assert_close(together, F.linear(x.float(), router.weight), rtol=1e-5, atol=1e-4)
+    assert all(torch.equal(together[i:i + 1], router(x[i:i + 1])) for i in range(23))
+    assert torch.equal(together[5:12], router(x[5:12]))

@@ -61,7 +61,6 @@ argmax = dispatch(sampling.argmax, native_cpu='argmax')
 decode_attention = dispatch(attention.decode_attention, native_cpu='paged_decode_attention')
 fill_kv_cache = dispatch(attention.fill_kv_cache, native_cpu='fill_kv_cache')
 fused_moe = dispatch(moe.fused_moe)
-fp32_router = dispatch(moe.fp32_router, native_cpu='fp32_linear', built_for_cpu='fp32_gemm', triton=False)
 causal_conv1d_decode = dispatch(gated_delta.causal_conv1d_decode, native_cpu='causal_conv1d_decode', triton=False)
 gated_delta_decode = dispatch(gated_delta.gated_delta_decode, native_cpu='gated_delta_decode',
                               built_for_cpu='gated_delta')
@@ -78,7 +77,7 @@ group_limited_topk = moe.group_limited_topk
 biased_softmax_topk = moe.biased_softmax_topk
 
 __all__ = ['apply_rotary', 'argmax', 'decode_attention', 'dispatch', 'triton_on_cpu', 'triton_runs_on', 'fill_kv_cache',
-           'fp32_router', 'fused_moe', 'moe_routing',
+           'fused_moe', 'moe_routing',
            'prefill_attention', 'rms_norm', 'silu_and_mul', 'w8a8_linear', 'fill_latent_cache',
            'mla_decode_attention', 'mla_prefill_attention', 'grouped_topk', 'group_limited_topk',
            'biased_softmax_topk', 'causal_conv1d_decode', 'gated_delta_decode']

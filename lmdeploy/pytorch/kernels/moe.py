@@ -9,13 +9,6 @@ import torch.nn.functional as F
 from lmdeploy.pytorch.kernels.activation import ClampedSwiGLU, clamped_swiglu, silu_and_mul
 
 
-def fp32_router(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """A router's fp32 logits ``x @ weight.T``, ``x`` and ``weight`` in fp32 (DeepSeek-V3's, GLM-4.5's, ERNIE's); on
-    the CPU the native ``fp32_linear``, whose rows do not depend on their number (torch's fp32 GEMM picks its
-    kernel by it), so that a token's routing does not depend on its batch."""
-    return F.linear(x, weight)
-
-
 def moe_routing(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax top-k routing: ``(topk_weights [T, k] fp32, topk_ids [T, k])``."""
     weights, ids = torch.topk(torch.softmax(router_logits.float(), dim=-1), top_k, dim=-1)
@@ -72,7 +65,9 @@ def grouped_topk(router_logits: torch.Tensor, correction_bias: torch.Tensor, top
     ``topk_groups`` of ``num_groups`` equal groups whose two best biased scores sum highest. The weights are
     the chosen experts' unbiased scores, renormalized to sum to one when asked, times ``scaling``.
     """
-    scores = router_logits.float().sigmoid()
+    # torch's sigmoid takes a vectorized exp but for a tensor's last few elements, a scalar one: in fp32 they differ
+    # in the last bit, so a row's scores changed with its place in the batch; in fp64, far below fp32's rounding
+    scores = router_logits.double().sigmoid().float()
     biased = scores + correction_bias.float()
     grouped = biased.view(scores.shape[0], num_groups, -1)
     best_groups = grouped.topk(2, dim=-1)[0].sum(-1).topk(topk_groups, dim=-1, sorted=False)[1]

@@ -10,13 +10,13 @@ from torch import nn
 from transformers.modeling_rope_utils import yarn_apply_mscale
 
 from lmdeploy.pytorch.config import ModelConfig
-from lmdeploy.pytorch.kernels import cpu, fp32_router, group_limited_topk, grouped_topk, moe_routing
+from lmdeploy.pytorch.kernels import cpu, group_limited_topk, grouped_topk, moe_routing
 from lmdeploy.pytorch.models.llama import DECODE_INT4_LAYERS, KVCache, LlamaDecoderLayer, LlamaMLP, WeightTarget
 from lmdeploy.pytorch.models.moe import MoEForCausalLM, native_experts_with_shared
 from lmdeploy.pytorch.nn.decoder_stack import LayerWeights, NativeDecoderStack, latent_attention, layer_weights
 from lmdeploy.pytorch.nn.linear import Linear, RowLinear
 from lmdeploy.pytorch.nn.mla import HeadsLinear, LatentAttention
-from lmdeploy.pytorch.nn.moe import FusedExperts
+from lmdeploy.pytorch.nn.moe import Fp32Router, FusedExperts
 from lmdeploy.pytorch.nn.norm import RMSNorm
 from lmdeploy.pytorch.nn.quant import Layout, LinearOptions, new_parameter
 from lmdeploy.pytorch.nn.rotary import apply_rope
@@ -89,13 +89,11 @@ class DeepseekV3Attention(nn.Module):
         return self.o_proj(self.attn(q_nope, q_rope, latent, self.kv_b_proj.weight, kv_cache, ctx))
 
 
-class TopKRouter(nn.Module):
-    """The router's weights, kept in fp32 as the checkpoint holds them: ``weight [E, hidden]`` and, with
-    V3's routing, ``e_score_correction_bias [E]``."""
+class TopKRouter(Fp32Router):
+    """The fp32 router (:class:`Fp32Router`) and, with V3's routing, its ``e_score_correction_bias [E]`` (fp32)."""
 
     def __init__(self, hidden_size: int, num_experts: int, correction_bias: bool):
-        super().__init__()
-        self.weight = new_parameter((num_experts, hidden_size), Layout(None, None), torch.float32)
+        super().__init__(hidden_size, num_experts)
         if correction_bias:
             self.e_score_correction_bias = new_parameter((num_experts,), Layout(None, None), torch.float32)
 
@@ -136,11 +134,11 @@ class DeepseekV3MoE(nn.Module):
             routing = dict(renormalize=self.renormalize, correction_bias=self.gate.e_score_correction_bias)
         if self.routing != 'greedy':
             routing.update(num_groups=self.num_groups, topk_groups=self.topk_groups)
-        return kernels.MoEBlock(router=kernels.Projection(kind='fp32', weight=self.gate.weight), top_k=self.top_k,
+        return kernels.MoEBlock(router=self.gate.native_projection(kernels), top_k=self.top_k,
                                 routing=self.routing, scaling=float(self.scaling), **routing, **native)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.route(fp32_router(x.float(), self.gate.weight))
+        weights, ids = self.route(self.gate(x))
         out = self.experts(x, weights, ids)
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
@@ -205,6 +203,10 @@ class DeepseekV3ForCausalLM(MoEForCausalLM):
             elif isinstance(module, FusedExperts):
                 module.finalize(LinearOptions(pack_cpu, dtype=self.cfg.dtype))
                 rows.add(module.kernel.small_step_rows)
+            elif isinstance(module, Fp32Router):
+                module.finalize()
+            elif isinstance(module, DeepseekV3Attention):
+                module.attn.pack_heads(module.kv_b_proj.weight)
         if small_step_int4:
             self.lm_head.enable_small_step_copy()
         self.lm_head.finalize(pack_cpu)

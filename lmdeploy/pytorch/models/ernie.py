@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from lmdeploy.pytorch.config import ModelConfig
-from lmdeploy.pytorch.kernels import biased_softmax_topk, cpu, fp32_router
+from lmdeploy.pytorch.kernels import biased_softmax_topk, cpu
 from lmdeploy.pytorch.models.deepseek_v3 import TopKRouter
 from lmdeploy.pytorch.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from lmdeploy.pytorch.models.moe import MoEForCausalLM, native_experts_with_shared
@@ -66,13 +66,13 @@ class Ernie4_5MoE(nn.Module):
         native = native_experts_with_shared(self.experts, self.shared_experts, small_step)
         if native is None:
             return None
-        return kernels.MoEBlock(router=kernels.Projection(kind='fp32', weight=self.gate.weight), top_k=self.top_k,
+        return kernels.MoEBlock(router=self.gate.native_projection(kernels), top_k=self.top_k,
                                 renormalize=True, routing='biased_softmax',
                                 correction_bias=self.moe_statics.e_score_correction_bias.view(-1),
                                 norm_min=float(self.norm_min), **native)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = biased_softmax_topk(fp32_router(x.float(), self.gate.weight),
+        weights, ids = biased_softmax_topk(self.gate(x),
                                            self.moe_statics.e_score_correction_bias, self.top_k, self.norm_min)
         out = self.experts(x, weights, ids)
         return out if self.shared_experts is None else out + self.shared_experts(x)

@@ -15,7 +15,7 @@ from lmdeploy.pytorch.nn.attention import PagedAttention
 from lmdeploy.pytorch.nn.decoder_stack import LayerWeights, NativeDecoderStack, layer_weights
 from lmdeploy.pytorch.nn.embedding import LMHead, VocabParallelEmbedding
 from lmdeploy.pytorch.nn.linear import GateUpLinear, Linear, MergedLinear, QKVLinear, RowLinear
-from lmdeploy.pytorch.nn.moe import FusedExperts
+from lmdeploy.pytorch.nn.moe import Fp32Router, FusedExperts
 from lmdeploy.pytorch.nn.quant import LinearOptions, layout_of
 from lmdeploy.pytorch.nn.norm import RMSNorm
 from lmdeploy.pytorch.nn.rotary import RotaryEmbedding, apply_rope, position_query_scale, rotary_dim, scale_queries
@@ -238,6 +238,8 @@ class LlamaForCausalLM(nn.Module):
         for module in self.layers.modules():
             if isinstance(module, FusedExperts):
                 module.finalize(LinearOptions(pack_cpu, dtype=self.cfg.dtype))
+            elif isinstance(module, Fp32Router):
+                module.finalize()
         if small_step_int4:
             self.lm_head.enable_small_step_copy()
         self.lm_head.finalize(pack_cpu)

@@ -13,6 +13,7 @@ from lmdeploy.pytorch.distributed.parallel_state import Shard, current_group, sp
 from lmdeploy.pytorch.kernels import fill_latent_cache, mla_decode_attention, mla_prefill_attention
 from lmdeploy.pytorch.nn.linear import Linear
 from lmdeploy.pytorch.nn.quant import layout_of
+from lmdeploy.pytorch.nn.quant.cpu_fp32 import NativeFp32Kernel, native_fp32_kernel
 from lmdeploy.pytorch.step_context import StepContext
 
 
@@ -43,7 +44,9 @@ class LatentAttention(nn.Module):
     A layer's cache is ``(latent_cache,)``, ``[num_blocks, block_size, kv_lora_rank + rope_dim]``, or with
     ``quant_policy`` 8 or 4 ``(codes, scales_zeros)`` (``kernels/mla.py``). ``kv_b_weight`` is the
     up-projection ``[H * (nope_dim + v_head_dim), kv_lora_rank]`` (``kv_b_proj``'s weight), from which each
-    head's key (``W_UK``) and value (``W_UV``) rows are read.
+    head's key (``W_UK``) and value (``W_UV``) rows are read. An fp32 model on the CPU multiplies by them on each
+    head's packed copies (:meth:`pack_heads`): the fixed-order fp32 GEMM, whose rows do not depend on their number
+    as ``torch.einsum``'s do.
     """
 
     def __init__(self, num_heads: int, kv_lora_rank: int, nope_dim: int, v_head_dim: int, scale: float,
@@ -53,6 +56,21 @@ class LatentAttention(nn.Module):
         self.nope_dim, self.v_head_dim = nope_dim, v_head_dim
         self.scale = scale
         self.quant_policy = quant_policy
+        self.absorb_kernels: list[NativeFp32Kernel] | None = None  # W_UK[h].T, one a head (pack_heads)
+        self.value_kernels: list[NativeFp32Kernel] | None = None  # W_UV[h], one a head
+
+    def pack_heads(self, kv_b_weight: torch.Tensor) -> None:
+        """Each head's ``W_UK.T [kv_lora_rank, nope_dim]`` and ``W_UV [v_head_dim, kv_lora_rank]`` of
+        ``kv_b_weight`` packed for the native fp32 GEMM, where it runs on an fp32 weight; else nothing changes."""
+        w_kv = kv_b_weight.view(self.num_heads, self.nope_dim + self.v_head_dim, self.kv_lora_rank)
+        absorb = [native_fp32_kernel(w[:self.nope_dim].t().contiguous()) for w in w_kv]
+        value = [native_fp32_kernel(w[self.nope_dim:]) for w in w_kv]
+        if all(kernel is not None for kernel in absorb + value):
+            self.absorb_kernels, self.value_kernels = absorb, value
+
+    def per_head(self, kernels: list[NativeFp32Kernel], x: torch.Tensor) -> torch.Tensor:
+        """``x [T, H, in]`` times each head's packed weight, ``[T, H, out]``."""
+        return torch.stack([kernel(x[:, h], None) for h, kernel in enumerate(kernels)], dim=1)
 
     def forward(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, kv_b_weight: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, ...], ctx: StepContext) -> torch.Tensor:
@@ -62,7 +80,10 @@ class LatentAttention(nn.Module):
         quant = (kv_cache[1], self.quant_policy) if self.quant_policy else ()
         fill_latent_cache(latent, cache, ctx.kv_blocks, ctx.kv_offsets, *quant, v_dim=self.kv_lora_rank)
         w_kv = kv_b_weight.view(self.num_heads, self.nope_dim + self.v_head_dim, self.kv_lora_rank)
-        q_latent = torch.einsum('thn,hnl->thl', q_nope, w_kv[:, :self.nope_dim])
+        if self.absorb_kernels is None:
+            q_latent = torch.einsum('thn,hnl->thl', q_nope, w_kv[:, :self.nope_dim])
+        else:
+            q_latent = self.per_head(self.absorb_kernels, q_nope)
         q = torch.cat((q_latent, q_rope), dim=-1)
         num_prefill = ctx.num_prefill_tokens
         parts = []
@@ -74,4 +95,6 @@ class LatentAttention(nn.Module):
             parts.append(mla_decode_attention(q[num_prefill:], cache, ctx.decode_blocks, ctx.decode_kv_lens,
                                               self.scale, self.kv_lora_rank, *quant))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return torch.einsum('thl,hvl->thv', out, w_kv[:, self.nope_dim:]).flatten(1)
+        if self.value_kernels is None:
+            return torch.einsum('thl,hvl->thv', out, w_kv[:, self.nope_dim:]).flatten(1)
+        return self.per_head(self.value_kernels, out).flatten(1)

@@ -77,9 +77,9 @@ def int4_gemv() -> ModuleType | None:
 
 
 def fp32_gemm() -> ModuleType | None:
-    """The kernels when their ``fp32_linear`` (AVX-512) was built for this CPU; else None."""
+    """The kernels when their ``fp32_packed_linear`` (AVX-512) was built for this CPU; else None."""
     module = native()
-    return module if module is not None and module.fp32_linear_available() else None
+    return module if module is not None and module.fp32_packed_linear_available() else None
 
 
 def q8_gemv() -> ModuleType | None:

@@ -57,9 +57,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "bf16 W of q4k_linear's codes and scales ([gate; up] with gate_up)", py::arg("packed"), py::arg("scales"),
       py::arg("gate_up") = false);
-  m.def("fp32_linear_available", &fp32_linear_available, "whether fp32_linear was built (AVX-512)");
-  m.def("fp32_linear", &fp32_linear, "fp32 x @ W.T + bias, rows independent of their number (linear_fp32.cpp)",
-        py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
+  m.def("fp32_packed_linear_available", &fp32_packed_linear_available,
+        "whether fp32_packed_linear was built (AVX-512)");
   m.def("pack_fp32_weight", &pack_fp32_weight,
         "an fp32 weight [N, K] as fp32_packed_linear's tiles [ceil(N/16), K, 16]", py::arg("weight"));
   m.def("fp32_packed_linear", &fp32_packed_linear,

@@ -262,13 +262,9 @@ torch::Tensor q4k_gate_up_silu(const torch::Tensor& x, const torch::Tensor& pack
 // The weights of q4k_linear's codes and scales as tiles (rounded to bf16 from the exact fp32); with gate_up
 // (tiles alternating gate and up) W is [gate; up].
 TiledWeight q4k_tiled(const torch::Tensor& packed, const torch::Tensor& scales, bool gate_up);
-// fp32 x @ W.T (+ bias), each row's outputs summed in one order whatever the number of rows (linear_fp32.cpp);
-// built with AVX-512.
-bool fp32_linear_available();
-torch::Tensor fp32_linear(const torch::Tensor& x, const torch::Tensor& weight,
-                          const c10::optional<torch::Tensor>& bias);
 // fp32 x @ W.T (+ bias) on W [n, K] packed by pack_fp32_weight ([ceil(n/16), K, 16], zero-padded), each output
 // summed in input order whatever the number of rows (linear_fp32.cpp); built with AVX-512.
+bool fp32_packed_linear_available();
 torch::Tensor pack_fp32_weight(const torch::Tensor& weight);
 torch::Tensor fp32_packed_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
                                  const c10::optional<torch::Tensor>& bias);

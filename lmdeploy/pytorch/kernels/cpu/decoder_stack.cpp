@@ -54,8 +54,11 @@ Projection::Projection(const std::string& kind_name, torch::Tensor weight, c10::
                 "a onednn projection is its blocked oneDNN weight (and bias), without compensation or scale");
   } else if (kind_name == "fp32") {
     kind = Kind::kFp32;
-    TORCH_CHECK(this->weight.scalar_type() == at::kFloat && !this->compensation && !this->scale,
-                "an fp32 projection is its fp32 weight (and bias), without compensation or scale");
+    TORCH_CHECK(this->weight.scalar_type() == at::kFloat && this->weight.dim() == 2 && !this->compensation &&
+                    !this->scale,
+                "an fp32 projection is its fp32 weight [N, K] (and bias), without compensation or scale");
+    outputs = this->weight.size(0);
+    if (fp32_packed_linear_available()) this->weight = pack_fp32_weight(this->weight);
   } else if (kind_name == "mxfp4" || kind_name == "mxfp4_dequantized") {
     kind = kind_name == "mxfp4" ? Kind::kMxfp4 : Kind::kMxfp4Dequantized;
     TORCH_CHECK(this->weight.scalar_type() == at::kByte && this->weight.dim() == 3 && !this->compensation &&
@@ -151,8 +154,8 @@ torch::Tensor Projection::operator()(const torch::Tensor& x) const {
     }
     case Kind::kOneDnn: return onednn_linear(x, weight, bias);
     case Kind::kFp32:
-      return fp32_linear_available() ? fp32_linear(x.to(at::kFloat), weight, bias)
-                                     : at::linear(x.to(at::kFloat), weight, bias);
+      return fp32_packed_linear_available() ? fp32_packed_linear(x.to(at::kFloat), weight, outputs, bias)
+                                            : at::linear(x.to(at::kFloat), weight, bias);
     case Kind::kMxfp4: {
       const auto out = mxfp4_linear(x, weight, *scale).to(x.scalar_type());
       return bias ? out.add(*bias) : out;

@@ -33,8 +33,8 @@ struct StepTensors {
 // gate-and-up projection's weight is packed for the kernel's fused SiLU (pack_bf16_gate_up,
 // pack_int8_gate_up; int4: gate and up tiles alternate, no bias). "onednn": oneDNN's GEMM
 // (mkldnn::_linear_pointwise) on its blocked weight, for a MoE block's router and shared-expert gate; "fp32": x in
-// fp32 times an fp32 weight (fp32_linear, rows independent of their number), DeepSeek-V3's and GLM-4.5's fp32
-// router. "parts": a stacked projection whose parts run each on its own projection (each with its share of the
+// fp32 times an fp32 weight [N, K], packed at construction for fp32_packed_linear (rows independent of their number;
+// `outputs` N), DeepSeek-V3's, GLM-4.5's and ERNIE 4.5's fp32 router. "parts": a stacked projection whose parts run each on its own projection (each with its share of the
 // bias), their outputs side by side. "mxfp4": an MXFP4 weight as the checkpoint holds it, `weight` its blocks
 // [N, K / 32, 16] and `scale` its e8m0 scales [N, K / 32] (both uint8), on mxfp4_linear (its fp32 sums rounded to
 // x's dtype, then the bias added); "mxfp4_dequantized": the same weight dequantized for each call
@@ -63,6 +63,7 @@ struct Projection {
 
   Kind kind;
   torch::Tensor weight;
+  int64_t outputs = 0;  // "fp32": the weight's rows, which its packed tiles pad to a multiple of 16
   c10::optional<torch::Tensor> compensation, scale, bias;
   std::vector<Projection> parts;
 };

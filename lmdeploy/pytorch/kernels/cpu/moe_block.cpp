@@ -155,7 +155,8 @@ std::tuple<torch::Tensor, torch::Tensor> MoEBlock::route(const torch::Tensor& x)
     const auto weights = scores.gather(1, ids);
     return {weights.div(weights.sum(-1, true).clamp_min(norm_min)), ids};
   }
-  const auto scores = logits.sigmoid();
+  // in fp64, as grouped_topk: fp32's vectorized and scalar (last elements) exps differ in the last bit
+  const auto scores = logits.to(at::kDouble).sigmoid().to(at::kFloat);
   auto biased = scores.add(correction_bias->to(at::kFloat));
   const auto grouped = biased.view({scores.size(0), num_groups, -1});
   const auto group_scores = std::get<0>(grouped.topk(2, -1)).sum(-1);

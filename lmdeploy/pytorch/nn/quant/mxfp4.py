@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.quant.base import (ExpertKernel, Layout, LinearKernel, LinearOptions, WeightFormat,
                                             new_parameter, register_format)
+from lmdeploy.pytorch.nn.quant.cpu_fp32 import native_fp32_kernel
 from lmdeploy.pytorch.nn.quant.dense import DenseFormat
 from lmdeploy.pytorch.nn.quant.w4a16 import PerExpertKernel
 from lmdeploy.pytorch.step_context import small_step
@@ -63,7 +64,8 @@ class Mxfp4Kernel(LinearKernel):
     """``x @ W.T`` on one projection's ``blocks [N, K / 32, 16]`` and ``scales [N, K / 32]``: small steps (see
     :func:`~lmdeploy.pytorch.step_context.small_step`) on the native GEMV where it is built (its fp32 sums rounded
     to ``x``'s dtype), larger ones dequantized for the call (``mxfp4_dequantized_linear``: in bf16 into the native
-    bf16 GEMM's panels where that GEMM is the CPU's), else ``F.linear`` on the weight dequantized to ``x``'s dtype."""
+    bf16 GEMM's panels where that GEMM is the CPU's; fp32 packed for the fixed-order fp32 GEMM,
+    ``native_fp32_kernel``), else ``F.linear`` on the weight dequantized to ``x``'s dtype."""
 
     small_step_rows = MXFP4_NATIVE_MAX_ROWS
 
@@ -83,7 +85,10 @@ class Mxfp4Kernel(LinearKernel):
         if native is None or x.dtype not in (torch.float32, torch.bfloat16):
             return F.linear(x, self.dequantize(x.dtype), bias)
         if not small_step(rows, MXFP4_NATIVE_MAX_ROWS):
-            return native.mxfp4_dequantized_linear(x, self.blocks, self.scales, bias)
+            # fp32: torch's GEMM rounds 1 to 3 rows apart from more, the packed kernel's rows do not depend on it
+            packed = native_fp32_kernel(self.dequantize(x.dtype)) if x.dtype == torch.float32 else None
+            return native.mxfp4_dequantized_linear(x, self.blocks, self.scales, bias) if packed is None \
+                else packed(x, bias)
         out = native.mxfp4_linear(x, self.blocks, self.scales).to(x.dtype)
         return out if bias is None else out + bias
 
