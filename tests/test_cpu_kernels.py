@@ -201,7 +201,9 @@ def test_packed_bf16_linear_rounds_the_exact_product(monkeypatch, request, gemm,
         exact = torch.nn.functional.linear(x.float(), weight, bias)
         assert out.dtype == torch.bfloat16 and out.shape == exact.shape
         assert ((out.float() - exact).abs() <= exact.abs() * 2**-8 + 1e-4).all()
-    fp32 = Linear(64, 48)
+    fp32 = Linear(64, 48, bias=True)
+    torch.nn.init.normal_(fp32.weight)
+    torch.nn.init.normal_(fp32.bias)
     fp32_weight = fp32.weight.detach().clone()
     fp32.finalize(LinearOptions(pack_cpu=True))
     assert isinstance(fp32.kernel, fp32_kernel(DenseKernel)), 'fp32 weights take the fixed-order fp32 GEMM where it is built'
