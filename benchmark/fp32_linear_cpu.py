@@ -2,9 +2,10 @@
 whatever the number of rows), ``fp32_packed_linear`` (fp32 models' layers, LM head and routers, on the packed
 weight), against torch's fp32 ``F.linear`` (its kernel, and order, picked by the number of rows) on the default
 model's projections (SmolLM2-135M: hidden 576, q/k/v 960, MLP 1536, 30 layers, a tied LM head of 49,152), one
-thread, the calling thread's CPU time, the two alternating, best of the rounds.
+thread, the calling thread's CPU time, the two alternating, best of the rounds. ``--isa avx2`` runs the packed
+kernel's AVX2 build (what a CPU without AVX-512 runs; an AVX-512 CPU builds both).
 
-    python benchmark/fp32_linear_cpu.py [--rows 1,24,256] [--rounds 5]
+    python benchmark/fp32_linear_cpu.py [--rows 1,24,256] [--rounds 5] [--isa avx512|avx2]
 
 Prints each projection's ms per call and, per row count, a step's total (30 layers' four projections plus the LM
 head, which runs on the last position of each prompt in prefill, here one row) and the packed kernel's ratio to
@@ -36,16 +37,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--rows', default='1,24,256')
     parser.add_argument('--rounds', type=int, default=5)
+    parser.add_argument('--isa', default=None, help="the packed kernel's instruction set (default: the widest built)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     native = cpu.fp32_gemm()
     if native is None:
-        raise SystemExit('fp32_packed_linear needs AVX-512')
+        raise SystemExit('fp32_packed_linear needs AVX-512, or AVX2 with FMA')
+    isa = args.isa or native.fp32_packed_linear_isas()[0]
+    if isa not in native.fp32_packed_linear_isas():
+        raise SystemExit(f'fp32_packed_linear is built here for {", ".join(native.fp32_packed_linear_isas())}')
+    print(f'packed: fp32_packed_linear on {isa}')
     g = torch.Generator().manual_seed(0)
     weights = {name: torch.randn(shape, generator=g) * 0.02 for name, shape in SHAPES.items()}
     packed = {id(w): native.pack_fp32_weight(w) for w in weights.values()}
     kernels = {'torch': lambda x, w: F.linear(x, w),
-               'packed': lambda x, w: native.fp32_packed_linear(x, packed[id(w)], w.shape[0])}
+               'packed': lambda x, w: native.fp32_packed_linear(x, packed[id(w)], w.shape[0], None, isa)}
     print('| rows | projection | torch ms | packed ms | packed / torch |\n| --- | --- | --- | --- | --- |')
     for rows in map(int, args.rows.split(',')):
         totals = {name: 0.0 for name in kernels}

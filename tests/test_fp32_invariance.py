@@ -1,7 +1,7 @@
 """fp32 on the CPU is batch invariant: the decoder's linear layers and the LM head run the native fixed-order fp32
-GEMM (``fp32_packed_linear``), whose rows, bitwise, do not depend on their number (torch's fp32 GEMM picks its kernel,
-and its order of summation, by it), so a prompt's greedy tokens and logprobs, bitwise, are the same alone, together
-with others and arriving beside others' decode steps."""
+GEMM (``fp32_packed_linear``, AVX-512 or AVX2 with FMA), whose rows, bitwise, do not depend on their number (torch's
+fp32 GEMM picks its kernel, and its order of summation, by it), so a prompt's greedy tokens and logprobs, bitwise, are
+the same alone, together with others and arriving beside others' decode steps."""
 from __future__ import annotations
 
 import os
@@ -9,7 +9,6 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 from conftest import save_tiny_model
 from helpers import random_prompts
 from test_deepseek import save_deepseek
@@ -18,6 +17,7 @@ from test_gpt_oss import save_gpt_oss, save_mxfp4
 from lmdeploy import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.kernels import cpu
+from lmdeploy.pytorch.kernels.activation import ClampedSwiGLU, clamped_swiglu
 from lmdeploy.pytorch.nn.quant.cpu_fp32 import NativeFp32Kernel
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'benchmark'))
@@ -33,26 +33,72 @@ def fp32_gemm(native):
     return native
 
 
+@pytest.fixture(params=['avx512', 'avx2'])
+def fp32_isa(request, fp32_gemm) -> str:
+    """Each instruction set the native fp32 GEMM was built for here (an AVX-512 CPU builds and runs the AVX2 kernel
+    too: ``LMDEPLOY_CPU_FP32_GEMM=avx2`` picks it)."""
+    if request.param not in fp32_gemm.fp32_packed_linear_isas():
+        pytest.skip(f'fp32_packed_linear is not built for {request.param} here')
+    return request.param
+
+
 @pytest.mark.parametrize('threads', [1, 2])
-def test_packed_rows_do_not_depend_on_their_number(fp32_gemm, threads):
-    """Each row of ``M = 1..40`` rows, bitwise, as alone and among 40 (outputs not a multiple of 16, a bias), and
-    within fp32 rounding of ``F.linear``."""
+@pytest.mark.parametrize('outputs', [197, 203])
+def test_packed_rows_do_not_depend_on_their_number_or_place(fp32_gemm, fp32_isa, threads, outputs):
+    """Each of 64 rows, bitwise, the same alone and among 2, 5, 17 or 64 rows at any place in the call (the last
+    tile 5 or 11 outputs: AVX2's second vector of it empty or partial; an odd number of inputs; a bias), and within
+    the fp32 error bound of the exact product."""
+    inputs = 97
     g = torch.Generator().manual_seed(0)
-    weight, bias = torch.randn(203, 96, generator=g), torch.randn(203, generator=g)
+    weight, bias = torch.randn(outputs, inputs, generator=g), torch.randn(outputs, generator=g)
     packed = fp32_gemm.pack_fp32_weight(weight)
-    assert packed.shape == (13, 96, 16)
-    x = torch.randn(40, 96, generator=g)
+    assert packed.shape == (13, inputs, 16)
+    x = torch.randn(64, inputs, generator=g)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        together = fp32_gemm.fp32_packed_linear(x, packed, 203, bias)
-        alone = torch.cat([fp32_gemm.fp32_packed_linear(x[i:i + 1], packed, 203, bias) for i in range(40)])
-        assert torch.equal(together, alone)
-        for m in range(1, 41):
-            assert torch.equal(fp32_gemm.fp32_packed_linear(x[40 - m:], packed, 203, bias), together[40 - m:]), m
+        alone = torch.cat([fp32_gemm.fp32_packed_linear(x[i:i + 1], packed, outputs, bias, fp32_isa)
+                           for i in range(64)])
+        for m in (2, 5, 17, 64):
+            for start in sorted({0, (64 - m) // 2, 64 - m}):
+                together = fp32_gemm.fp32_packed_linear(x[start:start + m], packed, outputs, bias, fp32_isa)
+                assert torch.equal(together, alone[start:start + m]), (m, start)
     finally:
         torch.set_num_threads(previous)
-    torch.testing.assert_close(together, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    # K FMAs and the bias's add, one rounding each: |error| <= gamma(K + 1) * (sum_k |x_k w_k| + |b|), gamma(j) =
+    # j u / (1 - j u), u = 2^-24 (recursive summation's bound).
+    exact = x.double() @ weight.double().T + bias.double()
+    magnitude = x.double().abs() @ weight.double().abs().T + bias.double().abs()
+    steps = (inputs + 1) * 2.0 ** -24
+    assert ((alone.double() - exact).abs() <= steps / (1 - steps) * magnitude).all()
+
+
+def test_avx2_and_avx512_kernels_give_the_same_bits(fp32_gemm):
+    """Each output one FMA chain in input order on either instruction set: the same bits from both."""
+    if fp32_gemm.fp32_packed_linear_isas() != ['avx512', 'avx2']:
+        pytest.skip('needs both builds of fp32_packed_linear (an AVX-512 CPU)')
+    g = torch.Generator().manual_seed(1)
+    weight, bias = torch.randn(203, 97, generator=g), torch.randn(203, generator=g)
+    packed = fp32_gemm.pack_fp32_weight(weight)
+    for m in (1, 5, 17, 64):
+        x = torch.randn(m, 97, generator=g)
+        assert torch.equal(fp32_gemm.fp32_packed_linear(x, packed, 203, bias, 'avx2'),
+                           fp32_gemm.fp32_packed_linear(x, packed, 203, bias, 'avx512')), m
+
+
+def test_an_fp32_gemm_isa_not_built_is_an_error(fp32_gemm, monkeypatch):
+    monkeypatch.setenv('LMDEPLOY_CPU_FP32_GEMM', 'sse2')
+    with pytest.raises(ValueError, match='built here for'):
+        cpu.fp32_gemm_isa()
+
+
+def test_clamped_swiglu_rows_do_not_depend_on_their_place():
+    """gpt-oss's activation on 64 rows of an intermediate size not a multiple of 32 (torch's fp32 sigmoid takes a
+    tensor's last elements on a scalar exp, a bit apart from its vector one; 14 of 2,560 values differed): each
+    row, bitwise, as alone."""
+    gate_up = torch.randn(64, 80, generator=torch.Generator().manual_seed(0)) * 3
+    together = clamped_swiglu(gate_up, ClampedSwiGLU())
+    assert torch.equal(together, torch.cat([clamped_swiglu(row[None], ClampedSwiGLU()) for row in gate_up]))
 
 
 def fp32_engine(path: str) -> Engine:
@@ -69,9 +115,13 @@ def assert_batch_invariant(engine: Engine, prompts: list[list[int]]) -> None:
     assert run(engine, prompts, GEN, 1) == alone  # each prefill beside the decode rows of the prompts before it
 
 
-def test_tiny_llama_fp32_is_batch_invariant(tiny_llama, fp32_gemm):
+def test_tiny_llama_fp32_is_batch_invariant(tiny_llama, fp32_isa, monkeypatch):
+    """On each instruction set of the native fp32 GEMM (the AVX2 kernel, as a CPU without AVX-512 runs it, forced
+    by ``LMDEPLOY_CPU_FP32_GEMM``)."""
+    monkeypatch.setenv('LMDEPLOY_CPU_FP32_GEMM', fp32_isa)
     engine = fp32_engine(tiny_llama)
-    assert isinstance(engine.runner.model.layers[0].self_attn.qkv_proj.kernel, NativeFp32Kernel)
+    kernels = [engine.runner.model.lm_head.packed, engine.runner.model.layers[0].self_attn.qkv_proj.kernel]
+    assert all(isinstance(kernel, NativeFp32Kernel) and kernel.isa == fp32_isa for kernel in kernels)
     assert_batch_invariant(engine, random_prompts([1, 2, 5, 9, 17, 40], seed=3))
 
 

@@ -27,8 +27,13 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def clamped_swiglu(gate_up: torch.Tensor, act: ClampedSwiGLU) -> torch.Tensor:
-    """:class:`ClampedSwiGLU` of ``gate_up [..., 2 * I]`` holding gate then up."""
+    """:class:`ClampedSwiGLU` of ``gate_up [..., 2 * I]`` holding gate then up.
+
+    In fp32 the sigmoid runs in fp64: torch's fp32 sigmoid takes a tensor's last elements (after its whole vectors)
+    on a scalar exp a bit apart from the vector one, so a row's activations depended on its place among the rows."""
     gate, up = gate_up.chunk(2, dim=-1)
     gate = gate.clamp(max=act.limit)
     up = up.clamp(min=-act.limit, max=act.limit)
-    return (up + 1) * (gate * torch.sigmoid(gate * act.alpha))
+    scaled = gate * act.alpha
+    sigmoid = scaled.double().sigmoid().float() if scaled.dtype == torch.float32 else torch.sigmoid(scaled)
+    return (up + 1) * (gate * sigmoid)

@@ -77,9 +77,25 @@ def int4_gemv() -> ModuleType | None:
 
 
 def fp32_gemm() -> ModuleType | None:
-    """The kernels when their ``fp32_packed_linear`` (AVX-512) was built for this CPU; else None."""
+    """The kernels when their ``fp32_packed_linear`` (AVX-512, or AVX2 with FMA) was built for this CPU; else None."""
     module = native()
     return module if module is not None and module.fp32_packed_linear_available() else None
+
+
+def fp32_gemm_isa() -> str | None:
+    """The instruction set that fp32 weights packed now run ``fp32_packed_linear`` on: the widest it was built for
+    (``'avx512'``, else ``'avx2'``), or ``LMDEPLOY_CPU_FP32_GEMM``'s (``avx2`` runs the AVX2 kernel on an AVX-512
+    CPU, as its tests do; the same bits, slower); None where it was not built."""
+    module = fp32_gemm()
+    if module is None:
+        return None
+    isas = module.fp32_packed_linear_isas()
+    wanted = os.environ.get('LMDEPLOY_CPU_FP32_GEMM')
+    if wanted is None:
+        return isas[0]
+    if wanted not in isas:
+        raise ValueError(f'LMDEPLOY_CPU_FP32_GEMM={wanted}: fp32_packed_linear is built here for {", ".join(isas)}')
+    return wanted
 
 
 def q8_gemv() -> ModuleType | None:

@@ -58,12 +58,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "bf16 W of q4k_linear's codes and scales ([gate; up] with gate_up)", py::arg("packed"), py::arg("scales"),
       py::arg("gate_up") = false);
   m.def("fp32_packed_linear_available", &fp32_packed_linear_available,
-        "whether fp32_packed_linear was built (AVX-512)");
+        "whether fp32_packed_linear was built (AVX-512, or AVX2 with FMA)");
+  m.def("fp32_packed_linear_isas", &fp32_packed_linear_isas,
+        "the instruction sets fp32_packed_linear was built for, widest first ('avx512', 'avx2')");
   m.def("pack_fp32_weight", &pack_fp32_weight,
         "an fp32 weight [N, K] as fp32_packed_linear's tiles [ceil(N/16), K, 16]", py::arg("weight"));
   m.def("fp32_packed_linear", &fp32_packed_linear,
-        "fp32 x @ W.T + bias on pack_fp32_weight's tiles of W [n, K], rows independent of their number",
-        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
+        "fp32 x @ W.T + bias on pack_fp32_weight's tiles of W [n, K], rows independent of their number; on the "
+        "instruction set `isa` (one of fp32_packed_linear_isas(); empty: the widest)",
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(), py::arg("isa") = "");
   m.def("q8_gemv_available", &q8_gemv_available, "whether q8_linear was built (AVX512-BF16)");
   m.def("q8_linear", &q8_linear, "fp32 x @ W.T on 8-bit weight groups (linear_q8.cpp)", py::arg("x"),
         py::arg("packed"), py::arg("scales"));

@@ -263,11 +263,13 @@ torch::Tensor q4k_gate_up_silu(const torch::Tensor& x, const torch::Tensor& pack
 // (tiles alternating gate and up) W is [gate; up].
 TiledWeight q4k_tiled(const torch::Tensor& packed, const torch::Tensor& scales, bool gate_up);
 // fp32 x @ W.T (+ bias) on W [n, K] packed by pack_fp32_weight ([ceil(n/16), K, 16], zero-padded), each output
-// summed in input order whatever the number of rows (linear_fp32.cpp); built with AVX-512.
+// summed in input order whatever the number of rows (linear_fp32.cpp); built with AVX-512 and with AVX2 + FMA
+// (fp32_packed_linear_isas, widest first), the same bits on both; `isa` empty runs the widest.
+std::vector<std::string> fp32_packed_linear_isas();
 bool fp32_packed_linear_available();
 torch::Tensor pack_fp32_weight(const torch::Tensor& weight);
 torch::Tensor fp32_packed_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
-                                 const c10::optional<torch::Tensor>& bias);
+                                 const c10::optional<torch::Tensor>& bias, const std::string& isa = "");
 // GGUF Q8_0 in pack_q8's layout (linear_q8.cpp); built with AVX512-BF16.
 bool q8_gemv_available();
 torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales);
