@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
 import subprocess
 import time
 from collections import Counter
@@ -319,6 +320,39 @@ def test_forwarding_keeps_no_cookies_between_clients_and_follows_no_redirects():
         assert second.json()['cookie'] is None
         redirect = httpx.get(f'{proxy.url}/v1/moved')
         assert redirect.status_code == 307 and redirect.headers['location'] == '/v1/elsewhere'
+    finally:
+        proxy.stop()
+        node.stop()
+
+
+def test_a_body_over_the_limit_is_refused_before_the_proxy_reads_it_all():
+    """The proxy bounds the bodies it reads as the nodes do (a 413): a declared size over the limit is refused at
+    once, a chunked body as soon as it passes the limit, and no node sees either."""
+    node_app, seen = FastAPI(), []
+
+    @node_app.get('/health')
+    async def health():
+        return {'status': 'ok'}
+
+    @node_app.post('/v1/completions')
+    async def completions(request: Request):
+        seen.append(len(await request.body()))
+        return {'ok': True}
+
+    node = ServerThread(node_app)
+    proxy = ServerThread(create_proxy_app([node.url], max_request_body_bytes=1024))
+    try:
+        assert httpx.post(f'{proxy.url}/v1/completions', content=b'x' * 1024).json() == {'ok': True}
+        assert seen == [1024]
+        over = httpx.post(f'{proxy.url}/v1/completions', content=b'x' * 1025)
+        assert over.status_code == 413 and over.json()['error']['code'] == 'max_request_body_bytes_exceeded'
+        chunked = httpx.post(f'{proxy.url}/v1/completions', content=iter([b'x' * 600] * 2))
+        assert chunked.status_code == 413
+        with socket.create_connection(('127.0.0.1', proxy.port), timeout=10) as sock:  # a terabyte announced
+            sock.sendall(b'POST /v1/completions HTTP/1.1\r\nHost: proxy\r\nContent-Type: application/json\r\n'
+                         b'Content-Length: 1000000000000\r\n\r\n{"prompt": ')
+            assert sock.recv(65536).startswith(b'HTTP/1.1 413 ')
+        assert seen == [1024]
     finally:
         proxy.stop()
         node.stop()

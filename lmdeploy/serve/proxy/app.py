@@ -14,7 +14,9 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from lmdeploy.messages import ConfigError
 from lmdeploy.serve.openai.errors import install_error_handlers
+from lmdeploy.serve.openai.limits import BodyLimitMiddleware, RequestLimits
 from lmdeploy.serve.proxy.aggregate import NO_NODE, list_models, metrics
 from lmdeploy.serve.proxy.forward import Forward, proxy_error
 from lmdeploy.serve.proxy.nodes import NodeRegistry
@@ -92,7 +94,8 @@ def _client_auth(request: Request) -> dict[str, str]:
 def create_proxy_app(nodes: list[str] = (), routing_strategy: str = 'least_requests',
                      api_keys: list[str] | None = None, admin_api_keys: list[str] | None = None,
                      health_interval: float = 5.0, request_timeout: float = 600.0,
-                     max_connections_per_node: int = 1024, affinity_prefix_chars: int = 512) -> FastAPI:
+                     max_connections_per_node: int = 1024, affinity_prefix_chars: int = 512,
+                     max_request_body_bytes: int | None = RequestLimits.max_request_body_bytes) -> FastAPI:
     """A proxy in front of the api_servers at ``nodes`` (more join through ``/nodes/add``).
 
     Requests go to a healthy node picked by ``routing_strategy`` (see :data:`ROUTING_STRATEGIES`) and its
@@ -100,7 +103,10 @@ def create_proxy_app(nodes: list[str] = (), routing_strategy: str = 'least_reque
     nodes' own keys apply. ``api_keys`` and ``admin_api_keys`` guard the proxy itself (see
     :class:`ProxyAuth`); with neither, anyone who reaches it may also add nodes. Nodes are checked every
     ``health_interval`` seconds; see :class:`NodeRegistry` for ``request_timeout`` and
-    ``max_connections_per_node``."""
+    ``max_connections_per_node``. A request body over ``max_request_body_bytes`` (None: no limit) is a 413, as
+    on the nodes, before the proxy has read more of it than that."""
+    if max_request_body_bytes is not None and max_request_body_bytes < 1:
+        raise ConfigError(f'max_request_body_bytes must be positive (or None: no limit), got {max_request_body_bytes}')
     registry = NodeRegistry(list(nodes), health_interval, request_timeout, max_connections_per_node)
     strategy = make_strategy(routing_strategy, affinity_prefix_chars)
 
@@ -173,6 +179,8 @@ def create_proxy_app(nodes: list[str] = (), routing_strategy: str = 'least_reque
 
     app.add_middleware(ForwardOthers, registry=registry, strategy=strategy,
                        own_paths=frozenset(route.path for route in app.routes))
+    if max_request_body_bytes is not None:
+        app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes)
     if api_keys or admin_api_keys:
         app.add_middleware(ProxyAuth, api_keys=list(api_keys or ()), admin_keys=list(admin_api_keys or ()))
     return app
