@@ -151,6 +151,11 @@ def gen_config(state: ServerState, req: SamplingFields, num_prompt_tokens: int, 
     if req.logit_bias:
         if not all(k.isascii() and k.isdigit() for k in req.logit_bias):
             raise APIError(400, 'logit_bias keys must be token ids (decimal digits)', 'logit_bias')
+        # No token id has more digits than the vocabulary's size (and int() refuses over 4300 of them).
+        digits = len(str(state.engine.vocab_size))
+        if any(len(k.lstrip('0')) > digits for k in req.logit_bias):
+            raise APIError(400, f'the keys of logit_bias must be token ids in [0, {state.engine.vocab_size})',
+                           'logit_bias')
         bias = {int(k): float(v) for k, v in req.logit_bias.items()}
         check_token_ids(state, list(bias), 'logit_bias', 'the keys of logit_bias')
         if not all(-100 <= v <= 100 for v in bias.values()):
