@@ -116,3 +116,32 @@ def test_back_pressure_429(guarded):
     assert first.status_code == second.status_code == 200
     m = guarded.metrics(headers)
     assert m['lmdeploy:num_requests_running'] == 0 and m['lmdeploy:num_requests_waiting'] == 0
+
+
+def test_a_request_waiting_for_admission_is_aborted_by_its_session_id(guarded):
+    """A request queued behind a running one already holds its session: an abort by its session_id (with the
+    key that sent it) ends it before it runs, another key gets a 403, and a second request for that session a
+    400 ``session_occupied``; a request refused (429) leaves its session free."""
+    k1, k2 = {'Authorization': 'Bearer k1'}, {'Authorization': 'Bearer k2'}
+    body = {'input_ids': [5, 6, 7], 'max_tokens': 2000, 'ignore_eos': True}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=guarded.url, headers=k1, timeout=60) as http:
+            running = asyncio.create_task(http.post('/generate', json={**body, 'session_id': 30}))
+            await asyncio.sleep(0.3)
+            queued = asyncio.create_task(http.post('/generate', json={**body, 'session_id': 31}))
+            await asyncio.sleep(0.3)
+            assert not queued.done()
+            occupied = await http.post('/generate', json={**body, 'session_id': 31})
+            assert _error(occupied, 400)['code'] == 'session_occupied'
+            assert _error(await http.post('/generate', json={**body, 'session_id': 32}), 429)  # the queue is full
+            assert _error(await http.post('/abort_request', json={'session_id': 31}, headers=k2), 403)
+            assert (await http.post('/abort_request', json={'session_id': 31})).json() == {'success': True}
+            assert (await http.post('/abort_request', json={'session_id': 30})).json() == {'success': True}
+            return (await running).json(), (await queued).json()
+
+    running, queued = asyncio.run(main())
+    assert running['finish_reason'] == 'abort' and 0 < running['generate_tokens'] < 2000
+    assert queued['finish_reason'] == 'abort' and queued['generate_tokens'] == 0
+    engine = guarded.engine
+    assert not engine.session_manager.sessions and engine.inst_manager.num_busy == 0

@@ -264,9 +264,9 @@ def test_admitted_gives_the_slots_back_when_preparing_fails():
         with pytest.raises(asyncio.CancelledError):
             await preparing(asyncio.CancelledError())
         assert state.admission.running == 0
-        async with admitted(state, 2) as ticket:
+        async with admitted(state, 2) as (ticket, reservation):
             pass
-        assert state.admission.running == 2 and not ticket.released
+        assert state.admission.running == 2 and not ticket.released and reservation is None
         ticket.release()
     asyncio.run(main())
     assert state.admission.running == 0

@@ -26,6 +26,7 @@ from lmdeploy.serve.openai.metrics import Metrics
 from lmdeploy.serve.openai.protocol import PromptTokensDetails, SamplingFields, UsageInfo
 from lmdeploy.serve.openai.reasoning_parsers import ReasoningParser
 from lmdeploy.serve.openai.tool_parsers import ToolParser
+from lmdeploy.serve.session_manager import Reservation
 from lmdeploy.vl.processor import ProcessedPrompt
 
 logger = logging.getLogger('lmdeploy')
@@ -78,7 +79,7 @@ class Job:
     index: int
     input_ids: list[int]
     gen_config: GenerationConfig
-    session_id: int | None = None
+    reservation: Reservation | None = None  # the request's own session_id (see :func:`admitted`)
     multimodal: list[MultiModalInput] = field(default_factory=list)
 
 
@@ -103,14 +104,20 @@ def check_prompt_ids(state: ServerState, input_ids: list[int], param: str = 'pro
 
 
 def check_session(state: ServerState, session_id: int | None, n: int) -> None:
-    """An explicit ``session_id`` must be free and serve a single choice."""
-    if session_id is None:
-        return
-    if n > 1:
+    """An explicit ``session_id`` must serve a single choice (:func:`admitted` checks that it is free)."""
+    if session_id is not None and n > 1:
         raise APIError(400, 'session_id cannot be combined with n > 1', 'session_id')
-    session = state.engine.session_manager.get(session_id)
-    if session is not None and session.request is not None:
-        raise APIError(400, f'session {session_id} already has a request running', 'session_id', 'session_occupied')
+
+
+def reserve(state: ServerState, session_id: int | None) -> Reservation | None:
+    """The request's own ``session_id`` taken at once (see :meth:`AsyncEngine.reserve`), so that an abort reaches
+    the request while it waits for admission or is prepared; None without one."""
+    if session_id is None:
+        return None
+    try:
+        return state.engine.reserve(session_id)
+    except SafeRunException as exc:
+        raise APIError(400, exc.message, 'session_id', exc.code.value[0]) from exc
 
 
 async def encode(state: ServerState, prompt: object, do_preprocess: bool, param: str) -> list[int]:
@@ -214,8 +221,8 @@ class ChoiceRun:
         """Streams one job's chunks into the queue and ends it with a final chunk whatever happens."""
         last = None
         try:
-            async for chunk in self.state.engine.generate(session_id=job.session_id, gen_config=job.gen_config,
-                                                          input_ids=job.input_ids, multimodal=job.multimodal):
+            async for chunk in self.state.engine.generate(gen_config=job.gen_config, input_ids=job.input_ids,
+                                                          multimodal=job.multimodal, reservation=job.reservation):
                 if chunk.token_ids:
                     self._first_token.setdefault(job.index, time.perf_counter())
                 chunk.index, last = job.index, chunk
@@ -232,6 +239,8 @@ class ChoiceRun:
         """Runs when a job's task ends, also one cancelled before it started (its body never ran): the job
         gets its final chunk, the run its admission slots back once all jobs are done."""
         final = self._end(job, None, 'abort', 'the request was stopped before it started', ErrorCode.ABORTED)
+        if job.reservation is not None:
+            self.state.engine.release(job.reservation)
         self._pending -= 1
         if self._pending == 0:
             self.state.admission.release()
@@ -295,14 +304,24 @@ async def admit(state: ServerState, slots: int) -> Ticket:
 
 
 @contextlib.asynccontextmanager
-async def admitted(state: ServerState, slots: int) -> AsyncIterator[Ticket]:
+async def admitted(state: ServerState, slots: int, session_id: int | None = None
+                   ) -> AsyncIterator[tuple[Ticket, Reservation | None]]:
     """:func:`admit` for a block that prepares a request and ends in :func:`start_run`, which takes the
-    ticket over; the slots go back if the block raises first."""
-    ticket = await admit(state, slots)
+    ticket and the :func:`reserve` d ``session_id`` (taken before admission) over; both go back if the
+    block raises first."""
+    reservation = reserve(state, session_id)
     try:
-        yield ticket
+        ticket = await admit(state, slots)
+    except BaseException:
+        if reservation is not None:
+            state.engine.release(reservation)
+        raise
+    try:
+        yield ticket, reservation
     except BaseException:
         ticket.release()
+        if reservation is not None:
+            state.engine.release(reservation)
         raise
 
 
