@@ -56,7 +56,7 @@ def _format(req: ChatCompletionRequest, plan: ToolPlan) -> tuple[dict | None, st
 
 
 async def _jobs(state: ServerState, req: ChatCompletionRequest, plan: ToolPlan,
-                reservation: Reservation | None) -> tuple[list[Job], ParserFactory]:
+                reservations: list[Reservation]) -> tuple[list[Job], ParserFactory]:
     """The engine jobs of an admitted request, and what makes each choice's reply parser: the chat
     template, tokenization, images and the grammar's compilation run here."""
     prompt = await process(state, template_messages(req.messages), 'messages', plan.template_tools,
@@ -72,7 +72,7 @@ async def _jobs(state: ServerState, req: ChatCompletionRequest, plan: ToolPlan,
     fmt, param = _format(req, plan)
     config = with_format(config, fmt, reasoning(prompt.text).grammar_after() if reasoning else None, param)
     await compile_format(state.engine, config, param, state.limits)
-    jobs = [Job(i, prompt.input_ids, choice_config(config, i), reservation, prompt.multimodal)
+    jobs = [Job(i, prompt.input_ids, choice_config(config, i), reservations[i], prompt.multimodal)
             for i in range(req.n)]
     return jobs, make_parser
 
@@ -80,8 +80,8 @@ async def _jobs(state: ServerState, req: ChatCompletionRequest, plan: ToolPlan,
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request):
     """Answers a chat request, streamed as server-sent events when ``req.stream``."""
     plan = _check(state, req)
-    async with admitted(state, req.n, req.session_id) as (ticket, reservation):
-        jobs, make_parser = await _jobs(state, req, plan, reservation)
+    async with admitted(state, req.n, req.session_id) as (ticket, reservations):
+        jobs, make_parser = await _jobs(state, req, plan, reservations)
         run = start_run(state, ticket, jobs)
     request_id, top = random_id('chatcmpl'), req.top_logprobs or 0
     tokenizer = state.engine.tokenizer

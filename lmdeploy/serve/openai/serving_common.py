@@ -79,7 +79,7 @@ class Job:
     index: int
     input_ids: list[int]
     gen_config: GenerationConfig
-    reservation: Reservation | None = None  # the request's own session_id (see :func:`admitted`)
+    reservation: Reservation  # its session, taken on arrival (see :func:`admitted`)
     multimodal: list[MultiModalInput] = field(default_factory=list)
 
 
@@ -109,15 +109,21 @@ def check_session(state: ServerState, session_id: int | None, n: int) -> None:
         raise APIError(400, 'session_id cannot be combined with n > 1', 'session_id')
 
 
-def reserve(state: ServerState, session_id: int | None) -> Reservation | None:
-    """The request's own ``session_id`` taken at once (see :meth:`AsyncEngine.reserve`), so that an abort reaches
-    the request while it waits for admission or is prepared; None without one."""
+def reserve(state: ServerState, session_id: int | None, slots: int) -> list[Reservation]:
+    """The sessions of a request's ``slots`` engine requests taken at once (see :meth:`AsyncEngine.reserve`): its
+    ``session_id`` (then ``slots`` is 1), else anonymous ones; an abort by ``session_id`` or ``abort_all`` reaches
+    them from now on, also while the request waits for admission or is prepared."""
     if session_id is None:
-        return None
+        return [state.engine.reserve() for _ in range(slots)]
     try:
-        return state.engine.reserve(session_id)
+        return [state.engine.reserve(session_id)]
     except SafeRunException as exc:
         raise APIError(400, exc.message, 'session_id', exc.code.value[0]) from exc
+
+
+def release(state: ServerState, reservations: list[Reservation]) -> None:
+    for reservation in reservations:
+        state.engine.release(reservation)
 
 
 async def encode(state: ServerState, prompt: object, do_preprocess: bool, param: str) -> list[int]:
@@ -303,25 +309,49 @@ async def admit(state: ServerState, slots: int) -> Ticket:
     return await state.admission.acquire(slots)
 
 
+async def _admit_unless_aborted(state: ServerState, slots: int, reservations: list[Reservation]) -> Ticket:
+    """:func:`admit`, but a request whose every engine request is aborted while it waits in line leaves the line
+    at once, with a ticket of no slot: its jobs end as 'abort' before they run."""
+    loop = asyncio.get_running_loop()
+    all_aborted = loop.create_future()
+
+    def check() -> None:
+        if all(r.request.aborted for r in reservations) and not all_aborted.done():
+            all_aborted.set_result(None)
+
+    def on_abort() -> None:  # an abort may come from another thread (AsyncEngine.close)
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits
+            loop.call_soon_threadsafe(check)
+
+    for reservation in reservations:
+        reservation.request.on_abort(on_abort)
+    admission = asyncio.ensure_future(admit(state, slots))
+    try:
+        await asyncio.wait({admission, all_aborted}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not admission.done():
+            admission.cancel()
+            await asyncio.wait({admission})
+    return Ticket(state.admission, 0) if admission.cancelled() else admission.result()
+
+
 @contextlib.asynccontextmanager
 async def admitted(state: ServerState, slots: int, session_id: int | None = None
-                   ) -> AsyncIterator[tuple[Ticket, Reservation | None]]:
+                   ) -> AsyncIterator[tuple[Ticket, list[Reservation]]]:
     """:func:`admit` for a block that prepares a request and ends in :func:`start_run`, which takes the
-    ticket and the :func:`reserve` d ``session_id`` (taken before admission) over; both go back if the
-    block raises first."""
-    reservation = reserve(state, session_id)
+    ticket and the sessions (one a slot, taken before admission by :func:`reserve`) over, one to each job;
+    both go back if the block raises first."""
+    reservations = reserve(state, session_id, slots)
     try:
-        ticket = await admit(state, slots)
+        ticket = await _admit_unless_aborted(state, slots, reservations)
     except BaseException:
-        if reservation is not None:
-            state.engine.release(reservation)
+        release(state, reservations)
         raise
     try:
-        yield ticket, reservation
+        yield ticket, reservations
     except BaseException:
         ticket.release()
-        if reservation is not None:
-            state.engine.release(reservation)
+        release(state, reservations)
         raise
 
 

@@ -54,7 +54,7 @@ def _check(state: ServerState, req: CompletionRequest) -> list[str | list[int]]:
 
 
 async def _jobs(state: ServerState, req: CompletionRequest, raw_prompts: list[str | list[int]],
-                reservation: Reservation | None) -> tuple[list[Job], list[list[int]], list[str]]:
+                reservations: list[Reservation]) -> tuple[list[Job], list[list[int]], list[str]]:
     """The engine jobs (``n`` per prompt) of an admitted request, each prompt's token ids and, with
     ``echo``, its text; tokenizing runs here, on the executor."""
     prompts = [await encode(state, p, False, 'prompt') if isinstance(p, str) else p for p in raw_prompts]
@@ -65,7 +65,8 @@ async def _jobs(state: ServerState, req: CompletionRequest, raw_prompts: list[st
         if req.echo and req.logprobs is not None:  # the prompt's logprobs come from the request's own prefill
             config = dataclasses.replace(config, prompt_logprobs=req.logprobs)
         await compile_format(state.engine, config, param, state.limits)
-        jobs += [Job(p * req.n + i, ids, choice_config(config, i), reservation) for i in range(req.n)]
+        jobs += [Job(p * req.n + i, ids, choice_config(config, i), reservations[p * req.n + i])
+                 for i in range(req.n)]
     tokenizer = state.engine.tokenizer
     echoes = [await run_blocking(state, tokenizer.decode, ids, req.skip_special_tokens) if req.echo else ''
               for ids in prompts]
@@ -83,8 +84,8 @@ def _echo_logprobs(state: ServerState, req: CompletionRequest, prompt_ids: list[
 async def create_completion(state: ServerState, req: CompletionRequest, raw: Request):
     """Completes each prompt ``n`` times; choice ``i * n + j`` is prompt ``i``'s ``j``-th."""
     raw_prompts = _check(state, req)
-    async with admitted(state, req.n * len(raw_prompts), req.session_id) as (ticket, reservation):
-        jobs, prompts, echoes = await _jobs(state, req, raw_prompts, reservation)
+    async with admitted(state, req.n * len(raw_prompts), req.session_id) as (ticket, reservations):
+        jobs, prompts, echoes = await _jobs(state, req, raw_prompts, reservations)
         run = start_run(state, ticket, jobs)
     request_id = random_id('cmpl')
     if req.stream:
