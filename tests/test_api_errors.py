@@ -152,3 +152,27 @@ def test_requests_waiting_for_admission_are_aborted(guarded):
     assert [(r['finish_reason'], r['generate_tokens']) for r in queued] == [('abort', 0), ('abort', 0)]
     engine = guarded.engine
     assert not engine.session_manager.sessions and engine.inst_manager.num_busy == 0
+
+
+def test_a_client_that_leaves_the_admission_line_frees_its_place(guarded):
+    """A client that gives up while its request waits for admission takes its place in line with it: the next
+    request waits there (no 429) and is served."""
+    headers = {'Authorization': 'Bearer k1'}
+    body = {'input_ids': [5, 6, 7], 'max_tokens': 2000, 'ignore_eos': True}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=guarded.url, headers=headers, timeout=60) as http:
+            running = asyncio.create_task(http.post('/generate', json={**body, 'session_id': 40}))
+            await asyncio.sleep(0.3)
+            with pytest.raises(httpx.ReadTimeout):
+                await http.post('/generate', json=body, timeout=0.3)
+            await asyncio.sleep(0.2)
+            served = asyncio.create_task(http.post('/generate', json={**body, 'max_tokens': 2}))
+            await asyncio.sleep(0.3)
+            assert not served.done(), (await served).text
+            await http.post('/abort_request', json={'session_id': 40})
+            return (await running).json(), (await served).json()
+
+    running, served = asyncio.run(main())
+    assert running['finish_reason'] == 'abort' and served['finish_reason'] == 'length'
+    assert not guarded.engine.session_manager.sessions

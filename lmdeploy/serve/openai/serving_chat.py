@@ -80,7 +80,7 @@ async def _jobs(state: ServerState, req: ChatCompletionRequest, plan: ToolPlan,
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request):
     """Answers a chat request, streamed as server-sent events when ``req.stream``."""
     plan = _check(state, req)
-    async with admitted(state, req.n, req.session_id) as (ticket, reservations):
+    async with admitted(state, req.n, req.session_id, raw.receive) as (ticket, reservations):
         jobs, make_parser = await _jobs(state, req, plan, reservations)
         run = start_run(state, ticket, jobs)
     request_id, top = random_id('chatcmpl'), req.top_logprobs or 0

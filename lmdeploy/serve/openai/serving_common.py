@@ -15,6 +15,8 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from starlette.types import Receive
+
 from lmdeploy.messages import MAX_NEW_TOKENS_LIMIT, GenerationConfig, Response
 from lmdeploy.pytorch.multimodal import MultiModalInput
 from lmdeploy.serve.async_engine import AsyncEngine
@@ -309,9 +311,17 @@ async def admit(state: ServerState, slots: int) -> Ticket:
     return await state.admission.acquire(slots)
 
 
-async def _admit_unless_aborted(state: ServerState, slots: int, reservations: list[Reservation]) -> Ticket:
-    """:func:`admit`, but a request whose every engine request is aborted while it waits in line leaves the line
-    at once, with a ticket of no slot: its jobs end as 'abort' before they run."""
+async def wait_disconnect(receive: Receive) -> None:
+    """Returns once the client has gone (or the response is complete); call it after the body was read."""
+    while (await receive())['type'] != 'http.disconnect':
+        pass
+
+
+async def _admit_unless_aborted(state: ServerState, slots: int, reservations: list[Reservation],
+                                receive: Receive | None) -> Ticket:
+    """:func:`admit`, but a request whose every engine request is aborted while it waits in line (or whose client,
+    read from ``receive``, goes away: that aborts them) leaves the line at once, with a ticket of no slot: its
+    jobs end as 'abort' before they run."""
     loop = asyncio.get_running_loop()
     all_aborted = loop.create_future()
 
@@ -325,10 +335,18 @@ async def _admit_unless_aborted(state: ServerState, slots: int, reservations: li
 
     for reservation in reservations:
         reservation.request.on_abort(on_abort)
+    async def abort_when_gone() -> None:
+        await wait_disconnect(receive)
+        for reservation in reservations:
+            reservation.request.abort()
+
     admission = asyncio.ensure_future(admit(state, slots))
+    watch = asyncio.ensure_future(abort_when_gone()) if receive is not None else None
     try:
         await asyncio.wait({admission, all_aborted}, return_when=asyncio.FIRST_COMPLETED)
     finally:
+        if watch is not None:
+            watch.cancel()
         if not admission.done():
             admission.cancel()
             await asyncio.wait({admission})
@@ -336,14 +354,15 @@ async def _admit_unless_aborted(state: ServerState, slots: int, reservations: li
 
 
 @contextlib.asynccontextmanager
-async def admitted(state: ServerState, slots: int, session_id: int | None = None
-                   ) -> AsyncIterator[tuple[Ticket, list[Reservation]]]:
+async def admitted(state: ServerState, slots: int, session_id: int | None = None,
+                   receive: Receive | None = None) -> AsyncIterator[tuple[Ticket, list[Reservation]]]:
     """:func:`admit` for a block that prepares a request and ends in :func:`start_run`, which takes the
     ticket and the sessions (one a slot, taken before admission by :func:`reserve`) over, one to each job;
-    both go back if the block raises first."""
+    both go back if the block raises first. A request aborted while it waits, or whose client (``receive``)
+    goes away, stops waiting (see :func:`_admit_unless_aborted`)."""
     reservations = reserve(state, session_id, slots)
     try:
-        ticket = await _admit_unless_aborted(state, slots, reservations)
+        ticket = await _admit_unless_aborted(state, slots, reservations, receive)
     except BaseException:
         release(state, reservations)
         raise

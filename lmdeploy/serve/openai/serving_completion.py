@@ -84,7 +84,7 @@ def _echo_logprobs(state: ServerState, req: CompletionRequest, prompt_ids: list[
 async def create_completion(state: ServerState, req: CompletionRequest, raw: Request):
     """Completes each prompt ``n`` times; choice ``i * n + j`` is prompt ``i``'s ``j``-th."""
     raw_prompts = _check(state, req)
-    async with admitted(state, req.n * len(raw_prompts), req.session_id) as (ticket, reservations):
+    async with admitted(state, req.n * len(raw_prompts), req.session_id, raw.receive) as (ticket, reservations):
         jobs, prompts, echoes = await _jobs(state, req, raw_prompts, reservations)
         run = start_run(state, ticket, jobs)
     request_id = random_id('cmpl')

@@ -38,7 +38,7 @@ async def generate(state: ServerState, req: GenerateRequest, raw: Request):
         check_prompt_chars(state.limits, len(req.prompt))
     else:
         check_messages(state.limits, req.prompt, 'prompt')
-    async with admitted(state, 1, req.session_id) as (ticket, reservations):
+    async with admitted(state, 1, req.session_id, raw.receive) as (ticket, reservations):
         input_ids = req.input_ids
         if input_ids is None:
             input_ids = await encode(state, req.prompt, req.do_preprocess, 'prompt')
