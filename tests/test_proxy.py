@@ -356,3 +356,38 @@ def test_a_body_over_the_limit_is_refused_before_the_proxy_reads_it_all():
     finally:
         proxy.stop()
         node.stop()
+
+
+def test_a_request_target_that_is_not_a_path_is_refused_and_reaches_no_other_host():
+    """The proxy forwards paths only: a target such as ``@host:port/path`` (which, appended to the node's URL,
+    named another host: the proxy sent the client's request there), an absolute URL or ``*`` is a 400."""
+    elsewhere_app, reached = FastAPI(), []
+
+    @elsewhere_app.get('/{path:path}')
+    async def anything(path: str):
+        reached.append(path)
+        return {'reached': path}
+
+    node_app = FastAPI()
+
+    @node_app.get('/health')
+    async def health():
+        return {'status': 'ok'}
+
+    elsewhere, node = ServerThread(elsewhere_app), ServerThread(node_app)
+    proxy = ServerThread(create_proxy_app([node.url]))
+    try:
+        for target in (f'@127.0.0.1:{elsewhere.port}/secret', f'http://127.0.0.1:{elsewhere.port}/secret', '*'):
+            with socket.create_connection(('127.0.0.1', proxy.port), timeout=10) as sock:
+                sock.sendall(f'GET {target} HTTP/1.1\r\nHost: proxy\r\nConnection: close\r\n\r\n'.encode())
+                answer = b''
+                while chunk := sock.recv(65536):
+                    answer += chunk
+            head, _, body = answer.partition(b'\r\n\r\n')
+            assert head.startswith(b'HTTP/1.1 400 '), (target, answer)
+            assert json.loads(body)['error']['code'] == 'invalid_request_target'
+        assert reached == []
+    finally:
+        proxy.stop()
+        node.stop()
+        elsewhere.stop()

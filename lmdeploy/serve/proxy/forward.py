@@ -75,6 +75,10 @@ class Forward(Response):
         self.model = model if isinstance(model, str) else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if not self.target.startswith('/'):  # appended to the node's URL, '@host/...' would name another host
+            await send_error(send, 400, f'the request target must be a path starting with /, got {self.target!r}',
+                             'invalid_request_target')
+            return
         task, finished = asyncio.current_task(), False
         watch = asyncio.ensure_future(_wait_disconnect(receive))
 
