@@ -391,3 +391,28 @@ def test_a_request_target_that_is_not_a_path_is_refused_and_reaches_no_other_hos
         proxy.stop()
         node.stop()
         elsewhere.stop()
+
+
+def test_a_proxy_that_is_its_own_node_answers_508_instead_of_forwarding_in_a_loop():
+    """A proxy added as a node of itself (or of a proxy in front of it) would forward a request to itself until
+    every connection to that node is taken: its requests carry ``Via`` with the proxy's id, and one that comes
+    back is a 508 ``loop_detected`` after one hop; ``/v1/models`` and ``/metrics`` answer that too."""
+    node_app = FastAPI()
+
+    @node_app.get('/health')
+    async def health():
+        return {'status': 'ok'}
+
+    node = ServerThread(node_app)
+    proxy = ServerThread(create_proxy_app([node.url], request_timeout=30, max_connections_per_node=16))
+    try:
+        assert httpx.post(f'{proxy.url}/nodes/add', json={'url': proxy.url}).json()[proxy.url]['healthy']
+        assert httpx.post(f'{proxy.url}/nodes/remove', json={'url': node.url}).status_code == 200
+        answer = httpx.post(f'{proxy.url}/v1/completions', json={'model': 'tiny', 'prompt': 'Hi'}, timeout=60)
+        assert answer.status_code == 508 and answer.json()['error']['code'] == 'loop_detected'
+        assert status(proxy.url)[proxy.url]['served'] == 1
+        for path in ('/v1/models', '/metrics'):  # the node's answer (the proxy's own 508) comes back
+            assert httpx.get(f'{proxy.url}{path}', timeout=60).status_code == 508
+    finally:
+        proxy.stop()
+        node.stop()

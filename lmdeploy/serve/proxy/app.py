@@ -65,6 +65,23 @@ class ProxyAuth:
                               'invalid_api_key', {'WWW-Authenticate': 'Bearer'})(scope, receive, send)
 
 
+class LoopGuard:
+    """Answers 508 ``loop_detected`` to a request that carries this proxy's own ``Via`` (``via``): it came back
+    through a node that is the proxy itself or leads back to it, and forwarding it again would go round until
+    every connection is taken. ``/health`` is answered, so that such a node shows as healthy while it lasts."""
+
+    def __init__(self, app: ASGIApp, via: str):
+        self.app, self.via = app, via.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope['type'] == 'http' and scope['path'] != '/health' and any(
+                key == b'via' and self.via in value for key, value in scope['headers']):
+            await proxy_error(508, 'the request came back to this proxy: one of its nodes is the proxy itself, or '
+                              'a proxy in front of it; remove that node', 'loop_detected')(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
 class ForwardOthers:
     """Every HTTP request for a path the proxy does not serve itself (chat, completions, generate, encode,
     ...) goes to one node (:class:`Forward`), without the app's routing."""
@@ -179,6 +196,7 @@ def create_proxy_app(nodes: list[str] = (), routing_strategy: str = 'least_reque
 
     app.add_middleware(ForwardOthers, registry=registry, strategy=strategy,
                        own_paths=frozenset(route.path for route in app.routes))
+    app.add_middleware(LoopGuard, via=registry.via)
     if max_request_body_bytes is not None:
         app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes)
     if api_keys or admin_api_keys:
