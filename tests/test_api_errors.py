@@ -176,3 +176,25 @@ def test_a_client_that_leaves_the_admission_line_frees_its_place(guarded):
     running, served = asyncio.run(main())
     assert running['finish_reason'] == 'abort' and served['finish_reason'] == 'length'
     assert not guarded.engine.session_manager.sessions
+
+
+def test_a_request_without_session_id_never_holds_an_id_a_client_may_name(guarded):
+    """The sessions of requests without ``session_id`` have ids no client can send, so a client's own free
+    ``session_id`` is never refused as occupied because of other traffic."""
+    k1, admin = {'Authorization': 'Bearer k1'}, {'Authorization': 'Bearer admin'}
+    body = {'input_ids': [5, 6, 7], 'max_tokens': 2000, 'ignore_eos': True}
+    sessions = guarded.engine.session_manager.sessions
+
+    async def main():
+        async with httpx.AsyncClient(base_url=guarded.url, headers=k1, timeout=60) as http:
+            anonymous = asyncio.create_task(http.post('/generate', json=body))
+            await asyncio.sleep(0.3)
+            (held,) = list(sessions)
+            named = asyncio.create_task(http.post('/generate', json={**body, 'session_id': max(held, 0)}))
+            await asyncio.sleep(0.3)
+            assert not named.done(), (await named).text  # waiting for admission, not refused
+            await http.post('/abort_request', json={'abort_all': True}, headers=admin)
+            return (await anonymous).json(), (await named).json()
+
+    anonymous, named = asyncio.run(main())
+    assert anonymous['finish_reason'] == named['finish_reason'] == 'abort' and not sessions

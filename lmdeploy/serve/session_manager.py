@@ -82,6 +82,9 @@ class SessionManager:
         self.sessions: dict[int, Session] = {}
         self.epoch = 0
         self._ids = itertools.count()
+        # One-request sessions without an id of their own count down from -1: ids that no caller may give, so that
+        # they never take (or make occupied) a session id a caller names.
+        self._anonymous_ids = itertools.count(-1, -1)
         self._lock = threading.Lock()
 
     def create(self, session_id: int | None = None, gen_config: GenerationConfig | None = None) -> Session:
@@ -98,11 +101,15 @@ class SessionManager:
         return session
 
     def reserve(self, session_id: int | None = None) -> Reservation:
-        """Starts a request on session ``session_id`` (made for this one request when unknown or None) in one
-        step: :meth:`abort` and :meth:`abort_all` reach it from now on, also before it reaches the engine.
-        Raises SESSION_OCCUPIED if the session has a request; :meth:`release` ends it."""
+        """Starts a request on session ``session_id`` (made for this one request when unknown; when None, with
+        a negative id) in one step: :meth:`abort` and :meth:`abort_all` reach it from now on, also before it
+        reaches the engine. Raises SESSION_OCCUPIED if the session has a request; :meth:`release` ends it."""
         with self._lock:
-            session = self.sessions.get(session_id) if session_id is not None else None
+            if session_id is None:
+                anonymous = next(self._anonymous_ids)
+                session = self.sessions[anonymous] = Session(anonymous)
+                return Reservation(session, self._start(session), True)
+            session = self.sessions.get(session_id)
             one_shot = session is None
             session = session or self._create(session_id)
             return Reservation(session, self._start(session), one_shot)
