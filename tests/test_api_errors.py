@@ -79,8 +79,8 @@ def guarded(tiny_llama):
     """A server with API keys, CORS, and room for one running and one waiting request."""
     engine = tiny_engine(tiny_llama, num_gpu_blocks=64)
     slow_down(engine, 0.01)
-    yield from serve(engine, model_name='tiny', api_keys=['k1', 'k2'], allow_origins=['http://example.com'],
-                     max_concurrent_requests=1, max_queue_size=1)
+    yield from serve(engine, model_name='tiny', api_keys=['k1', 'k2'], admin_api_keys=['admin'],
+                     allow_origins=['http://example.com'], max_concurrent_requests=1, max_queue_size=1)
 
 
 def test_auth_and_cors(guarded):
@@ -116,3 +116,85 @@ def test_back_pressure_429(guarded):
     assert first.status_code == second.status_code == 200
     m = guarded.metrics(headers)
     assert m['lmdeploy:num_requests_running'] == 0 and m['lmdeploy:num_requests_waiting'] == 0
+
+
+def test_requests_waiting_for_admission_are_aborted(guarded):
+    """A request queued behind a running one already holds its session: an abort by its session_id (with the
+    key that sent it) ends it before it runs, another key gets a 403, and a second request for that session a
+    400 ``session_occupied``; a request refused (429) leaves its session free. ``abort_all`` ends the queued
+    requests too, those without a session_id included."""
+    k1, k2, admin = ({'Authorization': f'Bearer {key}'} for key in ('k1', 'k2', 'admin'))
+    body = {'input_ids': [5, 6, 7], 'max_tokens': 2000, 'ignore_eos': True}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=guarded.url, headers=k1, timeout=60) as http:
+            async def queue(**fields) -> asyncio.Task:
+                task = asyncio.create_task(http.post('/generate', json={**body, **fields}))
+                await asyncio.sleep(0.3)
+                assert not task.done()
+                return task
+
+            running = await queue(session_id=30)
+            by_id = await queue(session_id=31)
+            occupied = await http.post('/generate', json={**body, 'session_id': 31})
+            assert _error(occupied, 400)['code'] == 'session_occupied'
+            assert _error(await http.post('/generate', json={**body, 'session_id': 32}), 429)  # the queue is full
+            assert _error(await http.post('/abort_request', json={'session_id': 31}, headers=k2), 403)
+            assert (await http.post('/abort_request', json={'session_id': 31})).json() == {'success': True}
+            by_id = (await by_id).json()
+            anonymous = await queue()
+            assert (await http.post('/abort_request', json={'abort_all': True}, headers=admin)).json() == {
+                'success': True}
+            return (await running).json(), by_id, (await anonymous).json()
+
+    running, *queued = asyncio.run(main())
+    assert running['finish_reason'] == 'abort' and 0 < running['generate_tokens'] < 2000
+    assert [(r['finish_reason'], r['generate_tokens']) for r in queued] == [('abort', 0), ('abort', 0)]
+    engine = guarded.engine
+    assert not engine.session_manager.sessions and engine.inst_manager.num_busy == 0
+
+
+def test_a_client_that_leaves_the_admission_line_frees_its_place(guarded):
+    """A client that gives up while its request waits for admission takes its place in line with it: the next
+    request waits there (no 429) and is served."""
+    headers = {'Authorization': 'Bearer k1'}
+    body = {'input_ids': [5, 6, 7], 'max_tokens': 2000, 'ignore_eos': True}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=guarded.url, headers=headers, timeout=60) as http:
+            running = asyncio.create_task(http.post('/generate', json={**body, 'session_id': 40}))
+            await asyncio.sleep(0.3)
+            with pytest.raises(httpx.ReadTimeout):
+                await http.post('/generate', json=body, timeout=0.3)
+            await asyncio.sleep(0.2)
+            served = asyncio.create_task(http.post('/generate', json={**body, 'max_tokens': 2}))
+            await asyncio.sleep(0.3)
+            assert not served.done(), (await served).text
+            await http.post('/abort_request', json={'session_id': 40})
+            return (await running).json(), (await served).json()
+
+    running, served = asyncio.run(main())
+    assert running['finish_reason'] == 'abort' and served['finish_reason'] == 'length'
+    assert not guarded.engine.session_manager.sessions
+
+
+def test_a_request_without_session_id_never_holds_an_id_a_client_may_name(guarded):
+    """The sessions of requests without ``session_id`` have ids no client can send, so a client's own free
+    ``session_id`` is never refused as occupied because of other traffic."""
+    k1, admin = {'Authorization': 'Bearer k1'}, {'Authorization': 'Bearer admin'}
+    body = {'input_ids': [5, 6, 7], 'max_tokens': 2000, 'ignore_eos': True}
+    sessions = guarded.engine.session_manager.sessions
+
+    async def main():
+        async with httpx.AsyncClient(base_url=guarded.url, headers=k1, timeout=60) as http:
+            anonymous = asyncio.create_task(http.post('/generate', json=body))
+            await asyncio.sleep(0.3)
+            (held,) = list(sessions)
+            named = asyncio.create_task(http.post('/generate', json={**body, 'session_id': max(held, 0)}))
+            await asyncio.sleep(0.3)
+            assert not named.done(), (await named).text  # waiting for admission, not refused
+            await http.post('/abort_request', json={'abort_all': True}, headers=admin)
+            return (await anonymous).json(), (await named).json()
+
+    anonymous, named = asyncio.run(main())
+    assert anonymous['finish_reason'] == named['finish_reason'] == 'abort' and not sessions

@@ -131,20 +131,20 @@ def test_dropped_streams_are_aborted_at_once(server):
 
 def test_run_closed_before_its_jobs_ran(server):
     """A run closed before its jobs' tasks ever ran still ends each job (as 'abort') and gives its admission
-    slots back: nothing waits for a job that never started."""
+    slots and its sessions back: nothing waits for a job that never started."""
     state = server.app.state.server
 
     async def main():
         admission = Admission(4, 0)
         ticket = await admission.acquire(2)
-        run = start_run(dataclasses.replace(state, admission=admission), ticket,
-                        [Job(i, [5, 6, 7], GenerationConfig(max_new_tokens=8)) for i in range(2)])
+        jobs = [Job(i, [5, 6, 7], GenerationConfig(max_new_tokens=8), state.engine.reserve()) for i in range(2)]
+        run = start_run(dataclasses.replace(state, admission=admission), ticket, jobs)
         await run.close()
         return await asyncio.wait_for(run.collect(), 10), admission.running
 
     responses, running = asyncio.run(main())
     assert [(r.index, r.finish_reason) for r in responses] == [(0, 'abort'), (1, 'abort')]
-    assert running == 0
+    assert running == 0 and not state.engine.session_manager.sessions
 
 
 @pytest.fixture(scope='module')

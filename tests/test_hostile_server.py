@@ -138,7 +138,8 @@ def test_seed_range(url, stream):
     assert httpx.post(f'{url}/v1/chat/completions', json={**body, 'seed': 2 ** 64 - 1, 'n': 2}).status_code == 200
 
 
-@pytest.mark.parametrize('key', ['5_0', ' 5', '٣', '+5', '0x5'])
+@pytest.mark.parametrize('key', ['5_0', ' 5', '٣', '+5', '0x5',
+                                 pytest.param('1' * 4301, id='more digits than int() reads')])
 def test_logit_bias_keys_are_decimal_token_ids(url, key):
     _error(httpx.post(f'{url}/v1/chat/completions', json={**CHAT, 'logit_bias': {key: 1}}), 'logit_bias')
 

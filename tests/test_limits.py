@@ -18,7 +18,7 @@ from lmdeploy.serve.openai.api_server import create_app
 from lmdeploy.serve.openai.errors import APIError
 from lmdeploy.serve.openai.limits import RequestLimits
 from lmdeploy.serve.openai.serving_common import ServerState, admitted
-from lmdeploy.serve.session_manager import Request
+from lmdeploy.serve.session_manager import Request, SessionManager
 
 LIMITS = RequestLimits(max_request_body_bytes=4096, max_messages=3, max_prompt_chars=200, max_stop_sequences=2,
                        max_stop_length=8, max_stop_token_ids=2, max_fanout=8)
@@ -248,28 +248,44 @@ def test_admission_counts_slots_fifo():
     assert admission.running == 0
 
 
-def test_admitted_gives_the_slots_back_when_preparing_fails():
-    """Slots taken for a request that fails (or is cancelled) before start_run go back; a block that gets
-    through leaves them with the ticket, for the run."""
-    state = ServerState(engine=None, model_name='tiny', admission=Admission(max_running=2, max_waiting=0),
-                        metrics=None)
+class Sessions:
+    """The session bookkeeping of an ``AsyncEngine`` (``reserve``, ``release``), without a model."""
 
-    async def preparing(error: BaseException):
-        async with admitted(state, 2):
+    def __init__(self):
+        self.session_manager = SessionManager()
+        self.reserve = self.session_manager.reserve
+        self.release = self.session_manager.release
+
+
+def test_admitted_gives_the_slots_back_when_preparing_fails():
+    """Slots and sessions taken for a request that fails (or is cancelled) before start_run go back; a block that
+    gets through leaves them with the ticket and the reservations, for the run."""
+    state = ServerState(engine=Sessions(), model_name='tiny', admission=Admission(max_running=2, max_waiting=0),
+                        metrics=None)
+    sessions = state.engine.session_manager.sessions
+
+    async def preparing(error: BaseException, session_id: int | None = None):
+        async with admitted(state, 1 if session_id is not None else 2, session_id):
+            assert len(sessions) == (1 if session_id is not None else 2)
             raise error
 
     async def main():
         with pytest.raises(APIError):
             await preparing(APIError(400, 'the prompt is too long'))
         with pytest.raises(asyncio.CancelledError):
-            await preparing(asyncio.CancelledError())
-        assert state.admission.running == 0
-        async with admitted(state, 2) as ticket:
+            await preparing(asyncio.CancelledError(), session_id=7)
+        assert state.admission.running == 0 and not sessions
+        async with admitted(state, 2) as (ticket, reservations):
             pass
-        assert state.admission.running == 2 and not ticket.released
+        assert state.admission.running == 2 and not ticket.released and len(reservations) == len(sessions) == 2
+        with pytest.raises(APIError, match='busy'):  # no slot left: the session it took goes back
+            await preparing(AssertionError('admitted past a full server'), session_id=7)
+        assert len(sessions) == 2
         ticket.release()
+        for reservation in reservations:
+            state.engine.release(reservation)
     asyncio.run(main())
-    assert state.admission.running == 0
+    assert state.admission.running == 0 and not sessions
 
 
 def test_instance_waiters_are_bounded():

@@ -96,6 +96,7 @@ def test_unknown_strategy_and_bad_node_urls_are_refused():
     (['--health-interval', '0'], 'health_interval must be positive, got 0.0'),
     (['--request-timeout', '-1'], 'request_timeout must be positive, got -1.0'),
     (['--max-connections-per-node', '0'], 'max_connections_per_node must be positive, got 0'),
+    (['--max-request-body-bytes', '-1'], 'max_request_body_bytes must be positive (or None: no limit), got -1'),
     (['--routing-strategy', 'prefix_affinity', '--affinity-prefix-chars', '0'],
      'affinity_prefix_chars must be at least 1, got 0'),
     (['--nodes', 'http://host:99999'], "a node URL is http(s)://host[:port], got 'http://host:99999'"),

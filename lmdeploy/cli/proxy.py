@@ -22,6 +22,7 @@ def _add_health_interval_arg(parser: argparse.ArgumentParser, note: str = '') ->
 def add_proxy_parser(servers) -> None:
     """Registers ``lmdeploy serve proxy``."""
     from lmdeploy.cli.args import HelpFormatter, add_list_arg
+    from lmdeploy.serve.openai.limits import RequestLimits
     parser = servers.add_parser('proxy', help='proxy in front of several api_servers (see docs/scale_out.md)',
                                 formatter_class=HelpFormatter)
     parser.add_argument('--server-name', default='127.0.0.1', help='address to listen on')
@@ -40,6 +41,9 @@ def add_proxy_parser(servers) -> None:
                         help='seconds to wait on a node: for its answer, its next streamed chunk, a free connection')
     parser.add_argument('--max-connections-per-node', type=int, default=1024,
                         help='connections open to one node at most (requests beyond wait for one)')
+    parser.add_argument('--max-request-body-bytes', type=int, default=RequestLimits.max_request_body_bytes,
+                        help='request body size in bytes (Content-Length or bytes read, chunked too); over: 413 '
+                             '(default: %(default)s; 0: no limit)')
     parser.add_argument('--shutdown-timeout', type=float, default=30.0,
                         help='seconds requests in flight get to finish after SIGTERM')
     parser.add_argument('--log-level', default='WARNING', choices=['DEBUG', 'INFO', 'WARNING', 'ERROR'])
@@ -67,5 +71,5 @@ def run_proxy_server(args: argparse.Namespace) -> None:
     logging.getLogger('httpx').setLevel(logging.WARNING)  # at INFO it logs every health check
     app = create_proxy_app(args.nodes, args.routing_strategy, args.api_keys, args.admin_api_keys,
                            args.health_interval, args.request_timeout, args.max_connections_per_node,
-                           args.affinity_prefix_chars)
+                           args.affinity_prefix_chars, args.max_request_body_bytes or None)
     run_proxy(app, args.server_name, args.server_port, args.log_level, args.shutdown_timeout)

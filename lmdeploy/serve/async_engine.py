@@ -21,7 +21,7 @@ from lmdeploy.serve.exceptions import ErrorCode, SafeRunException
 from lmdeploy.serve.inst_manager import InferInstManager
 from lmdeploy.serve.openai.reasoning_parsers import ReasoningParser
 from lmdeploy.serve.reasoning import ReasoningSplitter, assistant_message, for_parser
-from lmdeploy.serve.session_manager import Session, SessionManager
+from lmdeploy.serve.session_manager import Reservation, Session, SessionManager
 from lmdeploy.pytorch.multimodal import MultiModalInput
 from lmdeploy.vl.image_inputs import ImageInputs
 from lmdeploy.vl.media import MediaPolicy
@@ -143,7 +143,8 @@ class AsyncEngine:
                        gen_config: GenerationConfig | None = None, do_preprocess: bool = True,
                        input_ids: list[int] | None = None,
                        multimodal: list[MultiModalInput] | None = None,
-                       reasoning_parser: type[ReasoningParser] | None = None) -> AsyncIterator[Response]:
+                       reasoning_parser: type[ReasoningParser] | None = None,
+                       reservation: Reservation | None = None) -> AsyncIterator[Response]:
         """Streams incremental :class:`Response` chunks for one prompt (or ``input_ids`` with the
         ``multimodal`` inputs that :meth:`process` made for them).
 
@@ -157,37 +158,37 @@ class AsyncEngine:
         Bad input (malformed prompt, empty or longer than ``session_len``, bad token ids, a
         ``response_format`` that does not compile) and a session that already has a request running raise :class:`SafeRunException` before anything
         is yielded. ``session_id`` picks an existing session (see :meth:`session`) or names a new
-        one-request session; None makes an anonymous one. Cancelling the consumer or closing the
+        one-request session; None makes an anonymous one. A ``reservation`` (see :meth:`reserve`) names the
+        session instead; the request ends it however it ends. Cancelling the consumer or closing the
         generator aborts the request in the engine and frees everything it held.
         """
-        session = self.session_manager.get(session_id) if session_id is not None else None
-        gen_config = gen_config or (session and session.gen_config) or GenerationConfig()
-        if not isinstance(gen_config, GenerationConfig):
-            raise SafeRunException(ErrorCode.INVALID_ARGUMENT, 'gen_config must be a GenerationConfig')
-        if gen_config.n != 1:
-            raise SafeRunException(ErrorCode.INVALID_ARGUMENT, f'one request gives one reply: GenerationConfig.n must '
-                                   f'be 1 here (got {gen_config.n}); pass the prompt n times, each with its own '
-                                   'random_seed, or use the server, whose n does that')
-        if input_ids is not None:
-            if multimodal is not None and not (isinstance(multimodal, list)
-                                               and all(isinstance(m, MultiModalInput) for m in multimodal)):
-                raise SafeRunException(ErrorCode.INVALID_ARGUMENT, 'multimodal must be a list of MultiModalInput')
-            prompt = ProcessedPrompt(self._input_ids(input_ids), multimodal or [])
-        else:
-            prompt = await self.process(messages, do_preprocess)
-        parser = None
-        if reasoning_parser is not None:
-            parser = reasoning_parser(prompt.text or self.tokenizer.decode(prompt.input_ids, skip_special_tokens=False))
-            gen_config = for_parser(gen_config, parser)
-        split = ReasoningSplitter(parser)
-        grammar = await self.compile_grammar(gen_config)
-        one_shot = session is None
-        session = session or self.session_manager.create(session_id)
-        request = self.session_manager.start_request(session)
-        owner = request_owner.get()
-        if owner is not None:
-            self._owners[session.session_id] = (request, owner)
+        if reservation is not None:
+            session_id = reservation.session.session_id
         try:
+            session = self.session_manager.get(session_id) if session_id is not None else None
+            gen_config = gen_config or (session and session.gen_config) or GenerationConfig()
+            if not isinstance(gen_config, GenerationConfig):
+                raise SafeRunException(ErrorCode.INVALID_ARGUMENT, 'gen_config must be a GenerationConfig')
+            if gen_config.n != 1:
+                raise SafeRunException(ErrorCode.INVALID_ARGUMENT, f'one request gives one reply: GenerationConfig.n '
+                                       f'must be 1 here (got {gen_config.n}); pass the prompt n times, each with its '
+                                       'own random_seed, or use the server, whose n does that')
+            if input_ids is not None:
+                if multimodal is not None and not (isinstance(multimodal, list)
+                                                   and all(isinstance(m, MultiModalInput) for m in multimodal)):
+                    raise SafeRunException(ErrorCode.INVALID_ARGUMENT, 'multimodal must be a list of MultiModalInput')
+                prompt = ProcessedPrompt(self._input_ids(input_ids), multimodal or [])
+            else:
+                prompt = await self.process(messages, do_preprocess)
+            parser = None
+            if reasoning_parser is not None:
+                parser = reasoning_parser(prompt.text or self.tokenizer.decode(prompt.input_ids,
+                                                                               skip_special_tokens=False))
+                gen_config = for_parser(gen_config, parser)
+            split = ReasoningSplitter(parser)
+            grammar = await self.compile_grammar(gen_config)
+            reservation = reservation or self.reserve(session_id)
+            request = reservation.request
             async with self.inst_manager.instance(request) as inst:
                 if inst is None or request.aborted or request.epoch != self.session_manager.epoch:
                     yield split(Response('', 0, len(prompt.input_ids), 'abort'))
@@ -205,9 +206,26 @@ class AsyncEngine:
                     if not stream.done.done():
                         await asyncio.wrap_future(inst.cancel(stream))
         finally:
-            if self._owners.get(session.session_id, (None,))[0] is request:
-                self._owners.pop(session.session_id, None)
-            self.session_manager.finish_request(session, request, end_session=one_shot)
+            if reservation is not None:
+                self.release(reservation)
+
+    def reserve(self, session_id: int | None = None) -> Reservation:
+        """Starts a request on session ``session_id`` (see :meth:`SessionManager.reserve`) before it is generated:
+        an abort (by the :data:`request_owner` of now) reaches it while it waits, and :meth:`generate` with the
+        reservation ends as 'abort' then. Raises :class:`SafeRunException` (SESSION_OCCUPIED) for a session that
+        has a request; :meth:`release` gives it back if it never reaches :meth:`generate`."""
+        reservation = self.session_manager.reserve(session_id)
+        owner = request_owner.get()
+        if owner is not None:
+            self._owners[reservation.session.session_id] = (reservation.request, owner)
+        return reservation
+
+    def release(self, reservation: Reservation) -> None:
+        """Ends a reserved request (idempotent)."""
+        session_id = reservation.session.session_id
+        if self._owners.get(session_id, (None,))[0] is reservation.request:
+            self._owners.pop(session_id, None)
+        self.session_manager.release(reservation)
 
     async def collect(self, responses: AsyncIterator[Response], index: int = 0) -> Response:
         """Merges a stream of chunks into one :class:`Response`."""

@@ -54,6 +54,16 @@ class Session:
     request: Request | None = None
 
 
+@dataclass(eq=False)
+class Reservation:
+    """A request started on ``session`` before it reached the engine (see :meth:`SessionManager.reserve`);
+    ``one_shot``: the session was made for this one request and goes with it."""
+
+    session: Session
+    request: Request
+    one_shot: bool
+
+
 def check_session_id(session_id: object) -> int:
     """Returns ``session_id`` if it is a non-negative int; raises INVALID_ARGUMENT otherwise."""
     if isinstance(session_id, bool) or not isinstance(session_id, int) or session_id < 0:
@@ -72,17 +82,41 @@ class SessionManager:
         self.sessions: dict[int, Session] = {}
         self.epoch = 0
         self._ids = itertools.count()
+        # One-request sessions without an id of their own count down from -1: ids that no caller may give, so that
+        # they never take (or make occupied) a session id a caller names.
+        self._anonymous_ids = itertools.count(-1, -1)
         self._lock = threading.Lock()
 
     def create(self, session_id: int | None = None, gen_config: GenerationConfig | None = None) -> Session:
         """A new session with ``session_id``, or the next free id when it is None."""
         with self._lock:
+            return self._create(session_id, gen_config)
+
+    def _create(self, session_id: int | None, gen_config: GenerationConfig | None = None) -> Session:
+        if session_id is None:
+            session_id = next(i for i in self._ids if i not in self.sessions)
+        elif check_session_id(session_id) in self.sessions:
+            raise SafeRunException(ErrorCode.SESSION_OCCUPIED, f'session {session_id} already exists')
+        session = self.sessions[session_id] = Session(session_id, gen_config)
+        return session
+
+    def reserve(self, session_id: int | None = None) -> Reservation:
+        """Starts a request on session ``session_id`` (made for this one request when unknown; when None, with
+        a negative id) in one step: :meth:`abort` and :meth:`abort_all` reach it from now on, also before it
+        reaches the engine. Raises SESSION_OCCUPIED if the session has a request; :meth:`release` ends it."""
+        with self._lock:
             if session_id is None:
-                session_id = next(i for i in self._ids if i not in self.sessions)
-            elif check_session_id(session_id) in self.sessions:
-                raise SafeRunException(ErrorCode.SESSION_OCCUPIED, f'session {session_id} already exists')
-            session = self.sessions[session_id] = Session(session_id, gen_config)
-            return session
+                anonymous = next(self._anonymous_ids)
+                session = self.sessions[anonymous] = Session(anonymous)
+                return Reservation(session, self._start(session), True)
+            session = self.sessions.get(session_id)
+            one_shot = session is None
+            session = session or self._create(session_id)
+            return Reservation(session, self._start(session), one_shot)
+
+    def release(self, reservation: Reservation) -> None:
+        """Ends a reserved request (idempotent); a one-shot session goes with it."""
+        self.finish_request(reservation.session, reservation.request, end_session=reservation.one_shot)
 
     def get(self, session_id: int) -> Session | None:
         return self.sessions.get(session_id)
@@ -95,11 +129,14 @@ class SessionManager:
     def start_request(self, session: Session) -> Request:
         """Makes a new request the session's active one; raises SESSION_OCCUPIED if it has one."""
         with self._lock:
-            if session.request is not None:
-                raise SafeRunException(ErrorCode.SESSION_OCCUPIED,
-                                       f'session {session.session_id} already has a request running')
-            session.request = Request(self.epoch)
-            return session.request
+            return self._start(session)
+
+    def _start(self, session: Session) -> Request:
+        if session.request is not None:
+            raise SafeRunException(ErrorCode.SESSION_OCCUPIED,
+                                   f'session {session.session_id} already has a request running')
+        session.request = Request(self.epoch)
+        return session.request
 
     def finish_request(self, session: Session, request: Request, end_session: bool = False) -> None:
         """Clears the session's active slot; ``end_session`` also forgets the session."""

@@ -20,6 +20,7 @@ from lmdeploy.serve.openai.serving_common import (ChoiceRun, Job, ServerState, a
 from lmdeploy.serve.openai.streaming import collect_or_abort, sse, sse_chunk, sse_stream
 from lmdeploy.serve.openai.structured import compile_format, requested_format, with_format
 from lmdeploy.serve.openai.tool_choice import ToolPlan, plan_tools, template_messages
+from lmdeploy.serve.session_manager import Reservation
 
 # What chat_template_kwargs must not set: the arguments of transformers' apply_chat_template itself.
 RESERVED_TEMPLATE_KWARGS = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
@@ -54,7 +55,8 @@ def _format(req: ChatCompletionRequest, plan: ToolPlan) -> tuple[dict | None, st
     return (plan.response_format, 'tools') if plan.response_format else requested_format(req)
 
 
-async def _jobs(state: ServerState, req: ChatCompletionRequest, plan: ToolPlan) -> tuple[list[Job], ParserFactory]:
+async def _jobs(state: ServerState, req: ChatCompletionRequest, plan: ToolPlan,
+                reservations: list[Reservation]) -> tuple[list[Job], ParserFactory]:
     """The engine jobs of an admitted request, and what makes each choice's reply parser: the chat
     template, tokenization, images and the grammar's compilation run here."""
     prompt = await process(state, template_messages(req.messages), 'messages', plan.template_tools,
@@ -70,7 +72,7 @@ async def _jobs(state: ServerState, req: ChatCompletionRequest, plan: ToolPlan) 
     fmt, param = _format(req, plan)
     config = with_format(config, fmt, reasoning(prompt.text).grammar_after() if reasoning else None, param)
     await compile_format(state.engine, config, param, state.limits)
-    jobs = [Job(i, prompt.input_ids, choice_config(config, i), req.session_id, prompt.multimodal)
+    jobs = [Job(i, prompt.input_ids, choice_config(config, i), reservations[i], prompt.multimodal)
             for i in range(req.n)]
     return jobs, make_parser
 
@@ -78,8 +80,8 @@ async def _jobs(state: ServerState, req: ChatCompletionRequest, plan: ToolPlan) 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request):
     """Answers a chat request, streamed as server-sent events when ``req.stream``."""
     plan = _check(state, req)
-    async with admitted(state, req.n) as ticket:
-        jobs, make_parser = await _jobs(state, req, plan)
+    async with admitted(state, req.n, req.session_id, raw.receive) as (ticket, reservations):
+        jobs, make_parser = await _jobs(state, req, plan, reservations)
         run = start_run(state, ticket, jobs)
     request_id, top = random_id('chatcmpl'), req.top_logprobs or 0
     tokenizer = state.engine.tokenizer

@@ -15,6 +15,8 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from starlette.types import Receive
+
 from lmdeploy.messages import MAX_NEW_TOKENS_LIMIT, GenerationConfig, Response
 from lmdeploy.pytorch.multimodal import MultiModalInput
 from lmdeploy.serve.async_engine import AsyncEngine
@@ -26,6 +28,7 @@ from lmdeploy.serve.openai.metrics import Metrics
 from lmdeploy.serve.openai.protocol import PromptTokensDetails, SamplingFields, UsageInfo
 from lmdeploy.serve.openai.reasoning_parsers import ReasoningParser
 from lmdeploy.serve.openai.tool_parsers import ToolParser
+from lmdeploy.serve.session_manager import Reservation
 from lmdeploy.vl.processor import ProcessedPrompt
 
 logger = logging.getLogger('lmdeploy')
@@ -78,7 +81,7 @@ class Job:
     index: int
     input_ids: list[int]
     gen_config: GenerationConfig
-    session_id: int | None = None
+    reservation: Reservation  # its session, taken on arrival (see :func:`admitted`)
     multimodal: list[MultiModalInput] = field(default_factory=list)
 
 
@@ -103,14 +106,26 @@ def check_prompt_ids(state: ServerState, input_ids: list[int], param: str = 'pro
 
 
 def check_session(state: ServerState, session_id: int | None, n: int) -> None:
-    """An explicit ``session_id`` must be free and serve a single choice."""
-    if session_id is None:
-        return
-    if n > 1:
+    """An explicit ``session_id`` must serve a single choice (:func:`admitted` checks that it is free)."""
+    if session_id is not None and n > 1:
         raise APIError(400, 'session_id cannot be combined with n > 1', 'session_id')
-    session = state.engine.session_manager.get(session_id)
-    if session is not None and session.request is not None:
-        raise APIError(400, f'session {session_id} already has a request running', 'session_id', 'session_occupied')
+
+
+def reserve(state: ServerState, session_id: int | None, slots: int) -> list[Reservation]:
+    """The sessions of a request's ``slots`` engine requests taken at once (see :meth:`AsyncEngine.reserve`): its
+    ``session_id`` (then ``slots`` is 1), else anonymous ones; an abort by ``session_id`` or ``abort_all`` reaches
+    them from now on, also while the request waits for admission or is prepared."""
+    if session_id is None:
+        return [state.engine.reserve() for _ in range(slots)]
+    try:
+        return [state.engine.reserve(session_id)]
+    except SafeRunException as exc:
+        raise APIError(400, exc.message, 'session_id', exc.code.value[0]) from exc
+
+
+def release(state: ServerState, reservations: list[Reservation]) -> None:
+    for reservation in reservations:
+        state.engine.release(reservation)
 
 
 async def encode(state: ServerState, prompt: object, do_preprocess: bool, param: str) -> list[int]:
@@ -151,6 +166,11 @@ def gen_config(state: ServerState, req: SamplingFields, num_prompt_tokens: int, 
     if req.logit_bias:
         if not all(k.isascii() and k.isdigit() for k in req.logit_bias):
             raise APIError(400, 'logit_bias keys must be token ids (decimal digits)', 'logit_bias')
+        # No token id has more digits than the vocabulary's size (and int() refuses over 4300 of them).
+        digits = len(str(state.engine.vocab_size))
+        if any(len(k.lstrip('0')) > digits for k in req.logit_bias):
+            raise APIError(400, f'the keys of logit_bias must be token ids in [0, {state.engine.vocab_size})',
+                           'logit_bias')
         bias = {int(k): float(v) for k, v in req.logit_bias.items()}
         check_token_ids(state, list(bias), 'logit_bias', 'the keys of logit_bias')
         if not all(-100 <= v <= 100 for v in bias.values()):
@@ -209,8 +229,8 @@ class ChoiceRun:
         """Streams one job's chunks into the queue and ends it with a final chunk whatever happens."""
         last = None
         try:
-            async for chunk in self.state.engine.generate(session_id=job.session_id, gen_config=job.gen_config,
-                                                          input_ids=job.input_ids, multimodal=job.multimodal):
+            async for chunk in self.state.engine.generate(gen_config=job.gen_config, input_ids=job.input_ids,
+                                                          multimodal=job.multimodal, reservation=job.reservation):
                 if chunk.token_ids:
                     self._first_token.setdefault(job.index, time.perf_counter())
                 chunk.index, last = job.index, chunk
@@ -227,6 +247,8 @@ class ChoiceRun:
         """Runs when a job's task ends, also one cancelled before it started (its body never ran): the job
         gets its final chunk, the run its admission slots back once all jobs are done."""
         final = self._end(job, None, 'abort', 'the request was stopped before it started', ErrorCode.ABORTED)
+        if job.reservation is not None:
+            self.state.engine.release(job.reservation)
         self._pending -= 1
         if self._pending == 0:
             self.state.admission.release()
@@ -289,15 +311,66 @@ async def admit(state: ServerState, slots: int) -> Ticket:
     return await state.admission.acquire(slots)
 
 
-@contextlib.asynccontextmanager
-async def admitted(state: ServerState, slots: int) -> AsyncIterator[Ticket]:
-    """:func:`admit` for a block that prepares a request and ends in :func:`start_run`, which takes the
-    ticket over; the slots go back if the block raises first."""
-    ticket = await admit(state, slots)
+async def wait_disconnect(receive: Receive) -> None:
+    """Returns once the client has gone (or the response is complete); call it after the body was read."""
+    while (await receive())['type'] != 'http.disconnect':
+        pass
+
+
+async def _admit_unless_aborted(state: ServerState, slots: int, reservations: list[Reservation],
+                                receive: Receive | None) -> Ticket:
+    """:func:`admit`, but a request whose every engine request is aborted while it waits in line (or whose client,
+    read from ``receive``, goes away: that aborts them) leaves the line at once, with a ticket of no slot: its
+    jobs end as 'abort' before they run."""
+    loop = asyncio.get_running_loop()
+    all_aborted = loop.create_future()
+
+    def check() -> None:
+        if all(r.request.aborted for r in reservations) and not all_aborted.done():
+            all_aborted.set_result(None)
+
+    def on_abort() -> None:  # an abort may come from another thread (AsyncEngine.close)
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits
+            loop.call_soon_threadsafe(check)
+
+    for reservation in reservations:
+        reservation.request.on_abort(on_abort)
+    async def abort_when_gone() -> None:
+        await wait_disconnect(receive)
+        for reservation in reservations:
+            reservation.request.abort()
+
+    admission = asyncio.ensure_future(admit(state, slots))
+    watch = asyncio.ensure_future(abort_when_gone()) if receive is not None else None
     try:
-        yield ticket
+        await asyncio.wait({admission, all_aborted}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if watch is not None:
+            watch.cancel()
+        if not admission.done():
+            admission.cancel()
+            await asyncio.wait({admission})
+    return Ticket(state.admission, 0) if admission.cancelled() else admission.result()
+
+
+@contextlib.asynccontextmanager
+async def admitted(state: ServerState, slots: int, session_id: int | None = None,
+                   receive: Receive | None = None) -> AsyncIterator[tuple[Ticket, list[Reservation]]]:
+    """:func:`admit` for a block that prepares a request and ends in :func:`start_run`, which takes the
+    ticket and the sessions (one a slot, taken before admission by :func:`reserve`) over, one to each job;
+    both go back if the block raises first. A request aborted while it waits, or whose client (``receive``)
+    goes away, stops waiting (see :func:`_admit_unless_aborted`)."""
+    reservations = reserve(state, session_id, slots)
+    try:
+        ticket = await _admit_unless_aborted(state, slots, reservations, receive)
+    except BaseException:
+        release(state, reservations)
+        raise
+    try:
+        yield ticket, reservations
     except BaseException:
         ticket.release()
+        release(state, reservations)
         raise
 
 

@@ -17,6 +17,7 @@ from lmdeploy.serve.openai.serving_common import (ChoiceRun, Job, ServerState, a
                                                   run_blocking, start_run, usage)
 from lmdeploy.serve.openai.streaming import collect_or_abort, sse, sse_chunk, sse_stream
 from lmdeploy.serve.openai.structured import compile_format, requested_format, with_format
+from lmdeploy.serve.session_manager import Reservation
 
 
 def _split_prompts(state: ServerState, prompt: object) -> list[str | list[int]]:
@@ -52,8 +53,8 @@ def _check(state: ServerState, req: CompletionRequest) -> list[str | list[int]]:
     return prompts
 
 
-async def _jobs(state: ServerState, req: CompletionRequest,
-                raw_prompts: list[str | list[int]]) -> tuple[list[Job], list[list[int]], list[str]]:
+async def _jobs(state: ServerState, req: CompletionRequest, raw_prompts: list[str | list[int]],
+                reservations: list[Reservation]) -> tuple[list[Job], list[list[int]], list[str]]:
     """The engine jobs (``n`` per prompt) of an admitted request, each prompt's token ids and, with
     ``echo``, its text; tokenizing runs here, on the executor."""
     prompts = [await encode(state, p, False, 'prompt') if isinstance(p, str) else p for p in raw_prompts]
@@ -64,7 +65,8 @@ async def _jobs(state: ServerState, req: CompletionRequest,
         if req.echo and req.logprobs is not None:  # the prompt's logprobs come from the request's own prefill
             config = dataclasses.replace(config, prompt_logprobs=req.logprobs)
         await compile_format(state.engine, config, param, state.limits)
-        jobs += [Job(p * req.n + i, ids, choice_config(config, i), req.session_id) for i in range(req.n)]
+        jobs += [Job(p * req.n + i, ids, choice_config(config, i), reservations[p * req.n + i])
+                 for i in range(req.n)]
     tokenizer = state.engine.tokenizer
     echoes = [await run_blocking(state, tokenizer.decode, ids, req.skip_special_tokens) if req.echo else ''
               for ids in prompts]
@@ -82,8 +84,8 @@ def _echo_logprobs(state: ServerState, req: CompletionRequest, prompt_ids: list[
 async def create_completion(state: ServerState, req: CompletionRequest, raw: Request):
     """Completes each prompt ``n`` times; choice ``i * n + j`` is prompt ``i``'s ``j``-th."""
     raw_prompts = _check(state, req)
-    async with admitted(state, req.n * len(raw_prompts)) as ticket:
-        jobs, prompts, echoes = await _jobs(state, req, raw_prompts)
+    async with admitted(state, req.n * len(raw_prompts), req.session_id, raw.receive) as (ticket, reservations):
+        jobs, prompts, echoes = await _jobs(state, req, raw_prompts, reservations)
         run = start_run(state, ticket, jobs)
     request_id = random_id('cmpl')
     if req.stream:

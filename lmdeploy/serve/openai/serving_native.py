@@ -38,12 +38,12 @@ async def generate(state: ServerState, req: GenerateRequest, raw: Request):
         check_prompt_chars(state.limits, len(req.prompt))
     else:
         check_messages(state.limits, req.prompt, 'prompt')
-    async with admitted(state, 1) as ticket:
+    async with admitted(state, 1, req.session_id, raw.receive) as (ticket, reservations):
         input_ids = req.input_ids
         if input_ids is None:
             input_ids = await encode(state, req.prompt, req.do_preprocess, 'prompt')
         config = gen_config(state, req, len(input_ids), req.logprobs, None, model_defaults=False)
-        run = start_run(state, ticket, [Job(0, input_ids, config, req.session_id)])
+        run = start_run(state, ticket, [Job(0, input_ids, config, reservations[0])])
     if req.stream:
         def render(r: Response) -> Iterable[str]:
             yield sse(_body(r, req.session_id))

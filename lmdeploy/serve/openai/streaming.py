@@ -15,15 +15,9 @@ from starlette.types import Receive, Scope, Send
 
 from lmdeploy.messages import Response
 from lmdeploy.serve.openai.errors import error_body
-from lmdeploy.serve.openai.serving_common import ChoiceRun, raise_for_error
+from lmdeploy.serve.openai.serving_common import ChoiceRun, raise_for_error, wait_disconnect
 
 logger = logging.getLogger('lmdeploy')
-
-
-async def wait_disconnect(receive: Receive) -> None:
-    """Returns once the client has gone (or the response is complete); call it after the body was read."""
-    while (await receive())['type'] != 'http.disconnect':
-        pass
 
 
 async def collect_or_abort(request: Request, run: ChoiceRun) -> list[Response] | None:

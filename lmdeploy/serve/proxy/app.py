@@ -14,7 +14,9 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from lmdeploy.messages import ConfigError
 from lmdeploy.serve.openai.errors import install_error_handlers
+from lmdeploy.serve.openai.limits import BodyLimitMiddleware, RequestLimits
 from lmdeploy.serve.proxy.aggregate import NO_NODE, list_models, metrics
 from lmdeploy.serve.proxy.forward import Forward, proxy_error
 from lmdeploy.serve.proxy.nodes import NodeRegistry
@@ -63,6 +65,23 @@ class ProxyAuth:
                               'invalid_api_key', {'WWW-Authenticate': 'Bearer'})(scope, receive, send)
 
 
+class LoopGuard:
+    """Answers 508 ``loop_detected`` to a request that carries this proxy's own ``Via`` (``via``): it came back
+    through a node that is the proxy itself or leads back to it, and forwarding it again would go round until
+    every connection is taken. ``/health`` is answered, so that such a node shows as healthy while it lasts."""
+
+    def __init__(self, app: ASGIApp, via: str):
+        self.app, self.via = app, via.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope['type'] == 'http' and scope['path'] != '/health' and any(
+                key == b'via' and self.via in value for key, value in scope['headers']):
+            await proxy_error(508, 'the request came back to this proxy: one of its nodes is the proxy itself, or '
+                              'a proxy in front of it; remove that node', 'loop_detected')(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
 class ForwardOthers:
     """Every HTTP request for a path the proxy does not serve itself (chat, completions, generate, encode,
     ...) goes to one node (:class:`Forward`), without the app's routing."""
@@ -92,7 +111,8 @@ def _client_auth(request: Request) -> dict[str, str]:
 def create_proxy_app(nodes: list[str] = (), routing_strategy: str = 'least_requests',
                      api_keys: list[str] | None = None, admin_api_keys: list[str] | None = None,
                      health_interval: float = 5.0, request_timeout: float = 600.0,
-                     max_connections_per_node: int = 1024, affinity_prefix_chars: int = 512) -> FastAPI:
+                     max_connections_per_node: int = 1024, affinity_prefix_chars: int = 512,
+                     max_request_body_bytes: int | None = RequestLimits.max_request_body_bytes) -> FastAPI:
     """A proxy in front of the api_servers at ``nodes`` (more join through ``/nodes/add``).
 
     Requests go to a healthy node picked by ``routing_strategy`` (see :data:`ROUTING_STRATEGIES`) and its
@@ -100,7 +120,10 @@ def create_proxy_app(nodes: list[str] = (), routing_strategy: str = 'least_reque
     nodes' own keys apply. ``api_keys`` and ``admin_api_keys`` guard the proxy itself (see
     :class:`ProxyAuth`); with neither, anyone who reaches it may also add nodes. Nodes are checked every
     ``health_interval`` seconds; see :class:`NodeRegistry` for ``request_timeout`` and
-    ``max_connections_per_node``."""
+    ``max_connections_per_node``. A request body over ``max_request_body_bytes`` (None: no limit) is a 413, as
+    on the nodes, before the proxy has read more of it than that."""
+    if max_request_body_bytes is not None and max_request_body_bytes < 1:
+        raise ConfigError(f'max_request_body_bytes must be positive (or None: no limit), got {max_request_body_bytes}')
     registry = NodeRegistry(list(nodes), health_interval, request_timeout, max_connections_per_node)
     strategy = make_strategy(routing_strategy, affinity_prefix_chars)
 
@@ -173,6 +196,9 @@ def create_proxy_app(nodes: list[str] = (), routing_strategy: str = 'least_reque
 
     app.add_middleware(ForwardOthers, registry=registry, strategy=strategy,
                        own_paths=frozenset(route.path for route in app.routes))
+    app.add_middleware(LoopGuard, via=registry.via)
+    if max_request_body_bytes is not None:
+        app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes)
     if api_keys or admin_api_keys:
         app.add_middleware(ProxyAuth, api_keys=list(api_keys or ()), admin_keys=list(admin_api_keys or ()))
     return app

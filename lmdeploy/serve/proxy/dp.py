@@ -173,8 +173,9 @@ def run_data_parallel(args: argparse.Namespace, run: Callable[[argparse.Namespac
             replica.cache_max_entry_count = args.cache_max_entry_count / n
         configs.append(replica)
     replicas = Replicas(run, configs, shares, devices)
+    # Made before any replica starts: it checks the proxy's settings.
     app = create_proxy_app(replicas.urls, args.routing_strategy, args.api_keys, args.admin_api_keys,
-                           args.health_interval)  # before any replica starts: it checks the proxy's settings
+                           args.health_interval, max_request_body_bytes=args.max_request_body_bytes or None)
     try:
         replicas.start()
         replicas.wait_ready()

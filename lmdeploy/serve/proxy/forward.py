@@ -20,7 +20,7 @@ HOP_BY_HOP = frozenset({'connection', 'keep-alive', 'proxy-authenticate', 'proxy
 REQUEST_DROP = HOP_BY_HOP | {'host', 'content-length'}
 RESPONSE_DROP = HOP_BY_HOP | {'date', 'server'}
 ERROR_TYPES = {401: 'authentication_error', 403: 'permission_error', 404: 'not_found_error',
-               502: 'bad_gateway', 503: 'service_unavailable'}
+               502: 'bad_gateway', 503: 'service_unavailable', 508: 'loop_detected'}
 
 
 def error_body(status: int, message: str, code: str) -> dict:
@@ -75,6 +75,10 @@ class Forward(Response):
         self.model = model if isinstance(model, str) else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if not self.target.startswith('/'):  # appended to the node's URL, '@host/...' would name another host
+            await send_error(send, 400, f'the request target must be a path starting with /, got {self.target!r}',
+                             'invalid_request_target')
+            return
         task, finished = asyncio.current_task(), False
         watch = asyncio.ensure_future(_wait_disconnect(receive))
 
@@ -114,7 +118,8 @@ class Forward(Response):
     async def _try(self, node: Node, send: Send) -> bool:
         """Forwards to ``node``; False when it refused the connection (and nothing was sent)."""
         headers = [(b'host', node.url.partition('://')[2].encode()),
-                   (b'content-length', str(len(self.body)).encode()), *self.request_headers]
+                   (b'content-length', str(len(self.body)).encode()), *self.request_headers,
+                   (b'via', self.registry.via.encode())]
         request = httpcore.Request(self.method, node.url + self.target, headers=headers, content=self.body,
                                    extensions={'timeout': self.timeout})
         try:

@@ -5,6 +5,7 @@ import asyncio
 import logging
 import re
 import time
+import uuid
 from dataclasses import dataclass
 
 import httpcore
@@ -81,8 +82,10 @@ class NodeRegistry:
         self.timeout = httpx.Timeout(request_timeout, connect=CONNECT_TIMEOUT)
         self.max_connections = max_connections
         self.nodes: dict[str, Node] = {}
+        # What this proxy's requests to its nodes carry in ``Via``: a request that comes back with it went round a loop.
+        self.via = f'1.1 lmdeploy-proxy-{uuid.uuid4().hex[:16]}'
         # Health checks and metrics scrapes get a client of their own, so that full pools cannot hold them up.
-        self.probe = httpx.AsyncClient(timeout=CONNECT_TIMEOUT)
+        self.probe = httpx.AsyncClient(timeout=CONNECT_TIMEOUT, headers={'via': self.via})
         self._task: asyncio.Task | None = None
         for url in urls:
             self._new_node(url)
@@ -91,7 +94,7 @@ class NodeRegistry:
         url = normalize_url(url)
         node = self.nodes.get(url)
         if node is None:
-            client = httpx.AsyncClient(base_url=url, timeout=self.timeout)
+            client = httpx.AsyncClient(base_url=url, timeout=self.timeout, headers={'via': self.via})
             node = self.nodes[url] = Node(url, node_pool(self.max_connections), client)
         if models:
             node.models = list(models)
