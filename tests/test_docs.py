@@ -15,6 +15,7 @@ import pytest
 from markdown_docs import (DOCS, HEADING, ROOT, anchors, code, default_in_row, prose, read, section, shows, slug,
                            table_rows)
 
+from lmdeploy import prepare
 from lmdeploy.cli.main import build_parser
 from lmdeploy.messages import ChatTemplateConfig, GenerationConfig, PytorchEngineConfig, Response
 
@@ -148,10 +149,14 @@ def test_no_stale_flags():
                 if len(rest) > 1 and not rest[0].startswith('-') and any(
                         isinstance(a, argparse._SubParsersAction) for a in parsers[name]._actions):
                     misses.append(f'{doc}: `{" ".join(words)}`: {name} has no command {rest[0]}')
+            elif words[:3] == ['python', '-m', 'lmdeploy.prepare']:
+                known = {s for a in options(prepare.build_parser()) for s in a.option_strings} | {'--help'}
+                misses += [f'{doc}: `{" ".join(words)}`: lmdeploy.prepare has no {f}' for f in flags if f not in known]
             elif len(words) > 1 and words[0].startswith('python') and (ROOT / words[1]).is_file():
                 misses += [f'{doc}: `{" ".join(words)}`: {words[1]} has no {f}' for f in flags
                            if words[1].startswith('benchmark/') and not script_has_flag(ROOT / words[1], f)]
-    known = {s for _, parser in commands() for a in options(parser) for s in a.option_strings} | EXTERNAL_FLAGS | {
+    every_parser = [parser for _, parser in commands()] + [prepare.build_parser()]
+    known = {s for parser in every_parser for a in options(parser) for s in a.option_strings} | EXTERNAL_FLAGS | {
         f for script in (ROOT / 'benchmark').glob('*.py') for f in re.findall(r"'(--[\w-]+)'", script.read_text())}
     for doc in DOCS:
         misses += [f'{doc}: `{line}`: no command or benchmark has {f}' for line in code(read(doc))
