@@ -35,10 +35,12 @@ struct Gemm {
   int64_t outputs;  // the first columns of the N that are written (and biased); N with gate_up
 };
 
+constexpr __mmask16 kAllLanes = 0xFFFF;
+
 // The lanes of the panel whose first column is `column` that hold one of the g.outputs columns.
 inline __mmask16 live_lanes(const Gemm& g, int64_t column) {
   const int64_t live = g.outputs - column;
-  return live >= kPanel ? __mmask16(0xFFFF) : live <= 0 ? __mmask16(0) : __mmask16((1u << live) - 1);
+  return live >= kPanel ? kAllLanes : live <= 0 ? __mmask16(0) : __mmask16((1u << live) - 1);
 }
 
 // The first output column of panel p: panels alternating gate and up hold [gate; up]'s columns.
@@ -92,11 +94,13 @@ void tile(const Gemm& g, const bf16* w, int64_t row, int64_t panel, NextGroup& n
     }
   }
   __m512 bias[C];
-  __mmask16 lanes[C];
+  __mmask16 lanes[C];  // masked loads and stores only where padding rows fill part of the panel
   for (int c = 0; c < C; ++c) {
-    const int64_t column = first_column(g, panel + c);
-    lanes[c] = live_lanes(g, column);
-    const __m256i raw = g.bias ? _mm256_maskz_loadu_epi16(lanes[c], g.bias + column) : _mm256_setzero_si256();
+    const bf16* b = g.bias ? g.bias + first_column(g, panel + c) : nullptr;
+    lanes[c] = live_lanes(g, first_column(g, panel + c));
+    const __m256i raw = !b                     ? _mm256_setzero_si256()
+                        : lanes[c] == kAllLanes ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b))
+                                                : _mm256_maskz_loadu_epi16(lanes[c], b);
     bias[c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
   }
   if (g.silu) {  // staged; row_block applies SiLU-and-mul once the row block is done
@@ -105,9 +109,14 @@ void tile(const Gemm& g, const bf16* w, int64_t row, int64_t panel, NextGroup& n
     return;
   }
   for (int c = 0; c < C; ++c)
-    for (int r = 0; r < R; ++r)
-      _mm256_mask_storeu_epi16(g.out + (row + r) * g.outputs + first_column(g, panel + c), lanes[c],
-                               to_bf16(_mm512_add_ps(acc[r][c], bias[c])));
+    for (int r = 0; r < R; ++r) {
+      bf16* out = g.out + (row + r) * g.outputs + first_column(g, panel + c);
+      const __m256i sums = to_bf16(_mm512_add_ps(acc[r][c], bias[c]));
+      if (lanes[c] == kAllLanes)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), sums);
+      else
+        _mm256_mask_storeu_epi16(out, lanes[c], sums);
+    }
 }
 
 // Tiles of 6 rows read the weights from L2 a third less often, which pays while the weights stream
