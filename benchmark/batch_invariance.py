@@ -2,8 +2,8 @@
 their logprobs of each prompt run with the others against the same prompt run alone on the same engine, printed
 as a table of the prompts that differ (tokens, and logprobs bitwise).
 
-    python benchmark/batch_invariance.py [--num-prompts 24] [--new-tokens 24] [--gemma] [--moe] [--threads 1]
-        [--only fp32]
+    python benchmark/batch_invariance.py [--num-prompts 24] [--new-tokens 24] [--gemma] [--moe [--hidden 64]]
+        [--threads 1] [--only fp32]
 
 Prompts: random token ids (seed 1, ids below 40000, or the model's vocabulary), lengths 5 + 7 i. Two ways of
 sharing:
@@ -15,8 +15,8 @@ sharing:
 Configurations: the default model (Q4_1 GGUF) in bf16 with ``decode_int4`` as the engine sets it (on for Q4_1:
 what ``lmdeploy chat`` and ``serve`` run), in bf16 with ``decode_int4`` off, in fp32; ``--gemma`` adds the real
 Gemma 3 270M Q4_K_M in bf16 (253 MB, fetched once). ``--moe`` runs, instead, tiny random mixture-of-experts
-models (:func:`moe_models`) in bf16 in the native decoder stack (the engine's path), in bf16 in the layers' Python
-forward, in bf16 with ``decode_int4``, and in fp32. ``--only TEXT``: the configurations whose name holds it.
+models (:func:`moe_models`; ``--hidden``: the transformers ones' hidden size) in bf16 in the native decoder stack
+(the engine's path), in bf16 in the layers' Python forward, in bf16 with ``decode_int4``, and in fp32. ``--only TEXT``: the configurations whose name holds it.
 """
 from __future__ import annotations
 
@@ -43,20 +43,23 @@ def random_prompts(num_prompts: int, vocab: int = 40000) -> list[list[int]]:
     return [torch.randint(3, vocab, (5 + 7 * i, ), generator=g).tolist() for i in range(num_prompts)]
 
 
-def moe_models(folder: str) -> dict[str, str]:
-    """Tiny random MoE checkpoints saved in ``folder``, by name: Qwen3-MoE and Mixtral (transformers' random
-    weights, hidden 64, 8 experts of 32 (Mixtral 96), top-2, 2 layers), and ``moe_stack.py``'s gpt-oss (MXFP4
-    experts, biases, the clamped SwiGLU) and DeepSeek-V3 (grouped sigmoid routing, a shared expert) with one MoE
-    layer of 8 (DeepSeek-V3: 16, top-8) experts at their shapes there (hidden 2048)."""
+def moe_models(folder: str, hidden: int = 64) -> dict[str, str]:
+    """Tiny random MoE checkpoints saved in ``folder``, by name: Qwen3-MoE, Mixtral and Qwen2-MoE (transformers'
+    random weights, hidden ``hidden``, 8 experts of 32 (Mixtral 96), top-2, 2 layers; Qwen2-MoE's shared expert of
+    48 gated by a one-output projection), and ``moe_stack.py``'s gpt-oss (MXFP4 experts, biases, the clamped
+    SwiGLU) and DeepSeek-V3 (grouped sigmoid routing, a shared expert) with one MoE layer of 8 (DeepSeek-V3: 16,
+    top-8) experts at their shapes there (hidden 2048)."""
     from moe_stack import save_model
-    from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
+    from transformers import AutoModelForCausalLM, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
     from workload import save_word_tokenizer
-    shape = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    shape = dict(hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                  vocab_size=MOE_VOCAB, max_position_embeddings=1024, num_experts_per_tok=2, tie_word_embeddings=False,
                  bos_token_id=1, eos_token_id=2)
     configs = {'Qwen3-MoE': Qwen3MoeConfig(**shape, num_experts=8, moe_intermediate_size=32, intermediate_size=96,
                                            norm_topk_prob=True),
-               'Mixtral': MixtralConfig(**shape, num_local_experts=8, intermediate_size=96)}
+               'Mixtral': MixtralConfig(**shape, num_local_experts=8, intermediate_size=96),
+               'Qwen2-MoE': Qwen2MoeConfig(**shape, num_experts=8, moe_intermediate_size=32, intermediate_size=96,
+                                           shared_expert_intermediate_size=48)}
     paths = {}
     for name, config in configs.items():
         paths[name] = os.path.join(folder, name)
@@ -115,13 +118,15 @@ def main() -> None:
     parser.add_argument('--moe', action='store_true', help='tiny random MoE models instead (see moe_models)')
     parser.add_argument('--threads', type=int, default=None, help="torch's threads (default: its own)")
     parser.add_argument('--only', default='', help='only the configurations whose name holds this text')
+    parser.add_argument('--hidden', type=int, default=64,
+                        help="with --moe: the hidden size of Qwen3-MoE, Mixtral and Qwen2-MoE (default 64)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     prompts = random_prompts(args.num_prompts, MOE_VOCAB if args.moe else 40000)
     gen = GenerationConfig(max_new_tokens=args.new_tokens, ignore_eos=True, logprobs=5)
     with tempfile.TemporaryDirectory() as folder:
-        configs = moe_configs(moe_models(folder)) if args.moe else default_configs(args.gemma)
+        configs = moe_configs(moe_models(folder, args.hidden)) if args.moe else default_configs(args.gemma)
         configs = [config for config in configs if args.only in config[0]]
         print_table(configs, prompts, gen, args)
 

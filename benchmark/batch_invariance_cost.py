@@ -1,14 +1,14 @@
 """What batch invariance costs: the default model (bf16, ``decode_int4`` on as for its Q4_1 file; ``--dtype float32``:
 fp32, the fixed-order fp32 GEMM's), with ``--gemma`` Gemma 3 270M Q4_K_M in bf16 (its K-quant layers' GEMVs), with
-``--moe`` a random-weight MoE model (:func:`save_moe_model`), with ``--gpt-oss`` a random gpt-oss with MXFP4 experts
-(:func:`save_gpt_oss_model`), or with ``--deepseek`` ``batch_invariance.py``'s random DeepSeek-V3 (``moe_stack.py``'s:
-2 layers at DeepSeek-V3's shapes, latent attention, 16 experts, an fp32 router), in two source trees, before and
-after, each round a fresh process per tree, the trees alternating, one thread, the calling thread's CPU time (the
-engine computes in it with one thread: on a machine that other jobs load, what each tree computes rather than what
-the scheduler gives it; cache sharing still counts).
+``--moe`` a random-weight MoE model (:func:`save_moe_model`, its number of experts ``--experts``), with ``--gpt-oss``
+a random gpt-oss with MXFP4 experts (:func:`save_gpt_oss_model`), or with ``--deepseek`` ``batch_invariance.py``'s
+random DeepSeek-V3 (``moe_stack.py``'s: 2 layers at DeepSeek-V3's shapes, latent attention, 16 experts, an fp32
+router), in two source trees, before and after, each round a fresh process per tree, the trees alternating, one
+thread, the calling thread's CPU time (the engine computes in it with one thread: on a machine that other jobs load,
+what each tree computes rather than what the scheduler gives it; cache sharing still counts).
 
     python benchmark/batch_invariance_cost.py --before /path/to/tree --after . [--rounds 3]
-        [--gemma | --moe | --gpt-oss | --deepseek]
+        [--gemma | --moe [--experts 32] | --gpt-oss | --deepseek]
         [--dtype bfloat16 | float32]
 
 Per tree: ``b1 decode`` ms a step (one sequence, the median of its 64 decode steps), ``24-row decode``, ``64-row
@@ -82,14 +82,15 @@ print(json.dumps({'b1 decode': statistics.median(b1[2:]),
 MOE_VOCAB = 1024
 
 
-def save_moe_model(path: str) -> str:
-    """A Qwen3-30B-A3B-like MoE scaled down to fit: hidden 1024, 4 layers of 16 query and 4 KV heads of 64 and 32
-    experts of 384 of which 4 per token; random bf16 weights (N(0, 0.02)), a word-level tokenizer of 1024."""
+def save_moe_model(path: str, experts: int = 32) -> str:
+    """A Qwen3-30B-A3B-like MoE scaled down to fit: hidden 1024, 4 layers of 16 query and 4 KV heads of 64 and
+    ``experts`` experts of 384 of which 4 per token; random bf16 weights (N(0, 0.02)), a word-level tokenizer of
+    1024."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
     from workload import save_word_tokenizer
     config = Qwen3MoeConfig(hidden_size=1024, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4,
-                            head_dim=64, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=384,
+                            head_dim=64, num_experts=experts, num_experts_per_tok=4, moe_intermediate_size=384,
                             intermediate_size=2816, norm_topk_prob=True, vocab_size=MOE_VOCAB,
                             max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
@@ -157,11 +158,13 @@ def main() -> None:
     parser.add_argument('--dtype', default='bfloat16', choices=['bfloat16', 'float32'])
     models.add_argument('--gpt-oss', action='store_true', help='the random gpt-oss with MXFP4 experts instead')
     parser.add_argument('--prefill', action='store_true', help='prefills of 4-1024 tokens and batch-1 decode only')
+    parser.add_argument('--experts', type=int, default=32,
+                        help="with --moe: its experts (60, Qwen1.5-MoE-A2.7B's, a router off the 16-row panels)")
     args = parser.parse_args()
     child = PREFILL_CHILD if args.prefill else CHILD
     results: dict[str, list[dict[str, float]]] = {'before': [], 'after': []}
     with tempfile.TemporaryDirectory() as folder:
-        model, vocab = ((save_moe_model(folder), MOE_VOCAB) if args.moe else
+        model, vocab = ((save_moe_model(folder, args.experts), MOE_VOCAB) if args.moe else
                         (save_gpt_oss_model(folder), MOE_VOCAB) if args.gpt_oss else
                         (save_deepseek_model(folder), MOE_VOCAB) if args.deepseek else
                         ('gemma' if args.gemma else '', 40000))

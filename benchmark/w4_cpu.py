@@ -74,7 +74,7 @@ def bench_shape(in_features: int, out_features: int, group_size: int, cache_byte
     paths['oneDNN bf16'] = (rotating([lambda x, k=k: k(x, None) for k in onednn]), len(onednn))
     gemm = cpu.bf16_gemm()
     if gemm is not None:
-        native = [NativeBf16Kernel(gemm.pack_bf16_weight(w), gate_up=False) for w in weights]
+        native = [NativeBf16Kernel(gemm.pack_bf16_weight(w), False, w.shape[0]) for w in weights]
         paths['native bf16'] = (rotating([lambda x, k=k: k(x, None) for k in native]), len(native))
     del grids[1:], weights
     print(f'\n{in_features} -> {out_features}, group {group_size} (ms per call, best of repeats)')

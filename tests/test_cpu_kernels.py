@@ -177,12 +177,13 @@ def test_fill_kv_cache_from_strided_views(native, dtype):
 
 
 @pytest.mark.parametrize('gemm', ['native', 'onednn'])
-@pytest.mark.parametrize('out_features', [48, 80, 176])
+@pytest.mark.parametrize('out_features', [1, 37, 48, 80, 176])
 def test_packed_bf16_linear_rounds_the_exact_product(monkeypatch, request, gemm, out_features):
     """Packed layers give the fp32 product of the bf16 inputs, rounded once to bf16, for every row count
     (the native GEMM's 6-row tiles up to 64 rows, 4-row ones above, their remainders, and the prefetch
     of the next column group; 48 and 80 columns leave partial panel groups, and 176 on 2 threads takes
-    groups of 3 panels, the last one partial)."""
+    groups of 3 panels, the last one partial; 1 and 37 outputs pad the weight's last panel, whose outputs and bias
+    beyond them the native GEMM neither writes nor reads)."""
     if gemm == 'onednn':
         monkeypatch.setattr(cpu, 'bf16_gemm', lambda: None)
     else:

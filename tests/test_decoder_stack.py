@@ -217,7 +217,7 @@ def test_fields_are_named(native_gemms):
     with pytest.raises(RuntimeError, match='scale bytes'):
         native_gemms.Projection(kind='q4k', weight=weight.to(torch.uint8), scale=torch.ones(32).half())
     with pytest.raises(RuntimeError, match='two or more'):
-        native_gemms.Projection(parts=[native_gemms.Projection(kind='bf16', weight=weight)])
+        native_gemms.Projection(parts=[bf16])
     with pytest.raises(RuntimeError, match='codes and scales'):
         native_gemms.Projection(kind='q6k', weight=weight.to(torch.uint8))
     with pytest.raises(RuntimeError, match='fp16 scales'):

@@ -26,7 +26,7 @@ from lmdeploy.pytorch.models.deepseek_v3 import DeepseekV3MoE
 from lmdeploy.pytorch.models.ernie import Ernie4_5MoE
 from lmdeploy.pytorch.models.moe import SparseMoeBlock
 from lmdeploy.pytorch.nn.moe import FusedExperts
-from lmdeploy.pytorch.nn.quant.cpu_bf16 import NativeBf16Kernel, OneDnnKernel
+from lmdeploy.pytorch.nn.quant.cpu_bf16 import NativeBf16Kernel
 from lmdeploy.pytorch.nn.quant.gguf_blocks import Q8_0Gemv
 from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
 from lmdeploy.pytorch.nn.quant.q6k_cpu import KQuantDequantized, Q6KGemv
@@ -85,17 +85,16 @@ def assert_two_moe_layers_in_the_stack(path: str, monkeypatch) -> None:
 
 @pytest.mark.parametrize('model', sorted(MOE_MODELS))
 def test_bf16_moe_stack_equals_the_layers(model, tmp_path, native_gemms, monkeypatch):
-    """Dense bf16 experts (``fused_moe``), the router on oneDNN where the native GEMM's panels do not fit its
-    outputs (4 experts) and on the native GEMM where they do (16), Qwen2-MoE's shared-expert gate (one output) on
-    oneDNN, Qwen2-MoE's dense layer beside its MoE layers."""
+    """Dense bf16 experts (``fused_moe``), the router on the native GEMM, its panels padded where its outputs do not
+    fill them (4 experts) and whole (16), Qwen2-MoE's shared-expert gate (one output) padded alike, Qwen2-MoE's
+    dense layer beside its MoE layers."""
     kind, overrides = MOE_MODELS[model]
     engine = Engine(save_tiny_model(kind, str(tmp_path), **overrides),
                     PytorchEngineConfig(max_prefill_token_num=48, **ENGINE), show_progress=False)
     assert engine.runner.model.native_stack is not None
     blocks = moe_blocks(engine)
     assert all(block.native_moe() is not None for block in blocks)
-    router = NativeBf16Kernel if overrides else OneDnnKernel
-    assert all(isinstance(block.gate.kernel, router) for block in blocks)
+    assert all(isinstance(block.gate.kernel, NativeBf16Kernel) for block in blocks)
     steps = run_checked(engine, monkeypatch)
     assert any(0 < prefill < rows for prefill, rows in steps) and any(prefill == 0 for prefill, _ in steps)
     assert any(prefill == rows == 48 for prefill, rows in steps) and (0, 1) in steps
@@ -131,7 +130,7 @@ def test_glm45_routing_options_change_the_block(tmp_path, native_gemms, monkeypa
     block = glm45_blocks(save_moe('glm4_moe', str(tmp_path)))[0]
     assert (block.num_groups, block.topk_groups, block.scaling) == (2, 1, 2.5)
     x = torch.randn(40, 48, generator=torch.Generator().manual_seed(0)).bfloat16()
-    logits = torch.nn.functional.linear(x.float(), block.gate.weight)
+    logits = block.gate(x)
     expected, (_, ids) = block(x), block.route(logits)
     no_bias = torch.nn.Parameter(torch.zeros_like(block.gate.e_score_correction_bias), requires_grad=False)
     for owner, name, value, reroutes in [(block.gate, 'e_score_correction_bias', no_bias, True),
@@ -182,7 +181,7 @@ def test_ernie45_routing_options_change_the_block(tmp_path, native_gemms, monkey
             difference = (changed.float() - expected.float()).abs().max().item()
             print(f'ERNIE 4.5 MoE block with {name}={value if name == "norm_min" else 0}: differs by {difference:.3g}')
             assert difference > 0.01, name
-    softmax = native_gemms.MoEBlock(router=native_gemms.Projection(kind='fp32', weight=block.gate.weight),
+    softmax = native_gemms.MoEBlock(router=block.gate.native_projection(),
                                     top_k=block.top_k, renormalize=True, routing='softmax',
                                     **block.experts.kernel.native_experts())
     plain = softmax(x=x) + block.shared_experts(x)
@@ -358,8 +357,12 @@ def test_bad_blocks_are_refused(native_gemms):
                            (dict(routing='noaux_tc', **grouped, top_k=3), 'their experts hold top_k')]:
         with pytest.raises(RuntimeError, match=match):
             native_gemms.MoEBlock(**{'router': proj, 'top_k': 2, 'renormalize': True, **options, **dense})
-    with pytest.raises(RuntimeError, match='its fp32 weight'):
-        native_gemms.Projection(kind='fp32', weight=weight)
+    for fp32_weight in (weight, weight.float()):  # the packed tiles, never a weight to pack again
+        with pytest.raises(RuntimeError, match="weight's packed tiles"):
+            native_gemms.Projection(kind='fp32', weight=fp32_weight, outputs=32)
+    for outputs in (16, 33):
+        with pytest.raises(RuntimeError, match="outputs fill its last panel's rows"):
+            native_gemms.Projection(kind='bf16', weight=native_gemms.pack_bf16_weight(weight), outputs=outputs)
     moe = native_gemms.MoEBlock(router=proj, top_k=2, renormalize=True, routing='softmax', **dense)
     norm = torch.ones(16, dtype=torch.bfloat16)
     stack = dict(num_heads=1, num_kv_heads=1, head_dim=16, eps=1e-6, scale=0.25, quant_policy=0)

@@ -1,10 +1,11 @@
 """A mixture-of-experts layer's output for a token does not depend on what else shares its step: an expert's
 kernel gives each row the same bits whatever the number of rows routed to it (dense bf16 experts on the native
 GEMM, where torch's bf16 GEMM rounds a lone row apart), MXFP4 and GGUF K-quant experts choose their kernel by the
-kind of rows (decode rows on the GEMV, prefill rows on the dequantized weight) rather than by their share's size, and
-fp32 routers sum each row in input order (``Fp32Router`` on ``fp32_packed_linear``). Tiny random models saved by
-transformers: a MoE block's rows alone and together, and an engine's greedy tokens and logprobs, bitwise, each prompt alone against all together
-and arriving one a step."""
+kind of rows (decode rows on the GEMV, prefill rows on the dequantized weight) rather than by their share's size,
+fp32 routers sum each row in input order (``Fp32Router`` on ``fp32_packed_linear``), and bf16 routers and gates of a
+few outputs run the native GEMM on panels padded with zero rows. Tiny random models saved by transformers: a MoE
+block's rows alone and together, and an engine's greedy tokens and logprobs, bitwise, each prompt alone against all
+together and arriving one a step."""
 from __future__ import annotations
 
 import pytest
@@ -21,7 +22,11 @@ from test_gpt_oss import save_gpt_oss, save_mxfp4
 from lmdeploy import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.kernels import cpu
+from lmdeploy.pytorch.models.moe import SparseMoeBlock
+from lmdeploy.pytorch.nn.linear import Linear
 from lmdeploy.pytorch.nn.moe import Fp32Router
+from lmdeploy.pytorch.nn.quant import LinearOptions
+from lmdeploy.pytorch.nn.quant.cpu_bf16 import NativeBf16Kernel
 from lmdeploy.pytorch.nn.quant.q6k_cpu import GEMV_MAX_ROWS
 
 CONFIG = dict(num_gpu_blocks=128, block_size=16, enable_prefix_caching=False)
@@ -131,11 +136,76 @@ def test_fp32_router_rows_do_not_depend_on_their_number(native):
         pytest.skip('fp32_packed_linear needs AVX-512')
     g = torch.Generator().manual_seed(0)
     router = Fp32Router(301, 37)
-    router.weight = torch.nn.Parameter(torch.randn(37, 301, generator=g), requires_grad=False)
+    weight = torch.randn(37, 301, generator=g)
+    router.weight = torch.nn.Parameter(weight, requires_grad=False)
     router.finalize()
-    assert router.kernel is not None
+    assert router.kernel is not None and router.weight is None
     x = torch.randn(23, 301, generator=g).bfloat16()
     together = router(x)
-    torch.testing.assert_close(together, F.linear(x.float(), router.weight), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(together, F.linear(x.float(), weight), rtol=1e-5, atol=1e-4)
     assert all(torch.equal(together[i:i + 1], router(x[i:i + 1])) for i in range(23))
     assert torch.equal(together[5:12], router(x[5:12]))
+
+
+@pytest.mark.parametrize('outputs', [8, 1])
+def test_bf16_router_rows_do_not_depend_on_their_number(outputs, native_gemms):
+    """A bf16 router of 8 experts (Mixtral's) and a one-output gate (Qwen2-MoE's shared-expert gate), hidden 2048,
+    their outputs off the native GEMM's 16-row panels: each of 2048 rows the same bits alone and among others
+    (oneDNN's GEMM, which ran them before, gave a few of the router's rows other bits in calls of more than 128
+    rows); the native stack's projection gives the layer's bits on the layer's own panels."""
+    torch.manual_seed(0)
+    layer = Linear(2048, outputs, bias=True).bfloat16()
+    torch.nn.init.normal_(layer.weight, std=0.2)
+    torch.nn.init.normal_(layer.bias)
+    layer.finalize(LinearOptions(pack_cpu=True))
+    x = torch.randn(2048, 2048).bfloat16()
+    together = layer(x)
+    assert together.shape == (2048, outputs)
+    assert all(torch.equal(together[i:i + 1], layer(x[i:i + 1])) for i in range(x.shape[0]))
+    assert isinstance(layer.kernel, NativeBf16Kernel) and layer.kernel.out_features == outputs
+    projection = layer.kernel.router_projection(layer.bias)
+    assert projection.weight.data_ptr() == layer.kernel.panels.data_ptr() and projection.outputs == outputs
+    assert torch.equal(projection(x=x), together)
+
+
+@pytest.fixture(scope='module', params=['mixtral', 'qwen2_moe'])
+def wide_moe(request, tmp_path_factory) -> str:
+    """Mixtral and Qwen2-MoE (its shared expert gated by one output) with 8 experts at hidden 2048, where oneDNN's
+    GEMM gave a router's rows in calls of more than 128 other bits than alone."""
+    experts = dict(num_local_experts=8) if request.param == 'mixtral' else dict(num_experts=8)
+    return save_tiny_model(request.param, str(tmp_path_factory.mktemp(f'{request.param}_wide')), hidden_size=2048,
+                           head_dim=16, **experts)
+
+
+@pytest.mark.parametrize('decoder', ['stack', 'layers'])
+def test_bf16_routers_off_the_panels_are_batch_invariant(wide_moe, decoder, native_gemms):
+    """The routers (8 experts) and the shared-expert gate (one output) on the native GEMM, their panels padded, in
+    the native stack and in the layers' forward: prefills of up to 207 rows together, each prompt alone."""
+    engine = engine_of(wide_moe, decoder=decoder)
+    try:
+        blocks = [module for module in engine.runner.model.modules() if isinstance(module, SparseMoeBlock)]
+        gates = [block.gate for block in blocks] + [block.shared_expert_gate for block in blocks
+                                                    if block.shared_expert_gate is not None]
+        assert blocks and all(isinstance(gate.kernel, NativeBf16Kernel) and gate.out_features % 16 for gate in gates)
+        assert (engine.runner.model.native_stack is not None) == (decoder == 'stack')
+        assert_batch_invariant(engine, random_prompts([1, 2, 5, 40, 90, 7, 60, 3], seed=5, vocab=300))
+    finally:
+        engine.close()
+
+
+def test_an_fp32_router_is_packed_once(deepseek_v3, native_gemms):
+    """DeepSeek-V3's fp32 routers in a bf16 model: the packed tiles are each router's one copy, the weight released
+    after packing and the native stack's projection on the Python kernel's tiles (it packed its own before)."""
+    if cpu.fp32_gemm() is None:
+        pytest.skip('fp32_packed_linear needs AVX-512')
+    engine = engine_of(deepseek_v3)
+    try:
+        assert engine.runner.model.native_stack is not None
+        routers = [module for module in engine.runner.model.modules() if isinstance(module, Fp32Router)]
+        assert routers and all(router.weight is None for router in routers)
+        for router in routers:
+            projection = router.native_projection()
+            assert projection.weight.data_ptr() == router.kernel.packed.data_ptr()
+            assert projection.outputs == router.kernel.out_features
+    finally:
+        engine.close()

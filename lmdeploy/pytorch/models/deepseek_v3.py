@@ -62,8 +62,8 @@ class DeepseekV3Attention(nn.Module):
         """This attention up to its ``o_proj`` as the ``mla`` of a layer of
         :class:`~lmdeploy.pytorch.nn.decoder_stack.NativeDecoderStack` (``small_step``: for steps of at most
         ``small_step_rows`` tokens); None where a projection runs on no native GEMM. ``kv_a_proj_with_mqa``, whose
-        outputs the native GEMM's panels may not fit, may run on oneDNN (its ``router_projection``), as it does in the
-        layer."""
+        outputs the int8 GEMM's panels may not fit, may run on torch's int8 GEMM (its ``router_projection``), as it
+        does in the layer."""
         kv_a = self.kv_a_proj_with_mqa.kernel.router_projection(self.kv_a_proj_with_mqa.bias)
         if kv_a is None:
             return None
@@ -127,14 +127,15 @@ class DeepseekV3MoE(nn.Module):
         which only the shared experts' projections tell apart); None where a part runs on no native kernel."""
         kernels = cpu.native()
         native = None if kernels is None else native_experts_with_shared(self.experts, self.shared_experts, small_step)
-        if native is None:
+        router = self.gate.native_projection()
+        if native is None or router is None:
             return None
         routing = dict(renormalize=False)  # V2's: never renormalized
         if self.routing == 'noaux_tc':
             routing = dict(renormalize=self.renormalize, correction_bias=self.gate.e_score_correction_bias)
         if self.routing != 'greedy':
             routing.update(num_groups=self.num_groups, topk_groups=self.topk_groups)
-        return kernels.MoEBlock(router=self.gate.native_projection(kernels), top_k=self.top_k,
+        return kernels.MoEBlock(router=router, top_k=self.top_k,
                                 routing=self.routing, scaling=float(self.scaling), **routing, **native)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

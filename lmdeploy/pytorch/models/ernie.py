@@ -64,9 +64,10 @@ class Ernie4_5MoE(nn.Module):
         if kernels is None:
             return None
         native = native_experts_with_shared(self.experts, self.shared_experts, small_step)
-        if native is None:
+        router = self.gate.native_projection()
+        if native is None or router is None:
             return None
-        return kernels.MoEBlock(router=self.gate.native_projection(kernels), top_k=self.top_k,
+        return kernels.MoEBlock(router=router, top_k=self.top_k,
                                 renormalize=True, routing='biased_softmax',
                                 correction_bias=self.moe_statics.e_score_correction_bias.view(-1),
                                 norm_min=float(self.norm_min), **native)

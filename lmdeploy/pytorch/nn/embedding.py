@@ -139,7 +139,7 @@ class LMHead(VocabTable):
             return
         self.packed = self.weight_format.lm_head_kernel(self.table_weight)
         if pack_cpu:
-            self.packed = (self.packed or packed_cpu_kernel(self.table_weight, pad_rows=True)
+            self.packed = (self.packed or packed_cpu_kernel(self.table_weight)
                            or native_fp32_kernel(self.table_weight))
         if self.packed is not None and not self._tied:
             self.weight = None

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmdeploy.pytorch.distributed.parallel_state import Shard, TPGroup, current_group, split_blocks
+from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.kernels.activation import ClampedSwiGLU
 from lmdeploy.pytorch.nn.quant import (Layout, LinearOptions, WeightFormat, current_weight_format, layout_of,
                                        new_parameter, weights_device)
@@ -20,8 +21,8 @@ from lmdeploy.pytorch.nn.quant.cpu_fp32 import NativeFp32Kernel, native_fp32_ker
 class Fp32Router(nn.Module):
     """A router kept in fp32 as the checkpoint holds it, whatever the model's dtype (DeepSeek-V3's, GLM-4.5's,
     ERNIE 4.5's): ``weight [E, hidden]``; its logits ``x @ weight.T`` in fp32. On the CPU (AVX-512) they run the
-    fixed-order fp32 GEMM on a packed copy made by :meth:`finalize`, so that a token's routing does not depend on
-    its batch (torch's fp32 GEMM picks its order of summation by the number of rows)."""
+    fixed-order fp32 GEMM on the packed copy that :meth:`finalize` makes in the weight's place, so that a token's
+    routing does not depend on its batch (torch's fp32 GEMM picks its order of summation by the number of rows)."""
 
     def __init__(self, hidden_size: int, num_experts: int):
         super().__init__()
@@ -29,18 +30,23 @@ class Fp32Router(nn.Module):
         self.kernel: NativeFp32Kernel | None = None
 
     def finalize(self) -> None:
-        """Packs the loaded weight for the native fp32 GEMM where it runs (the weight stays: the native decoder
-        stack packs its own copy from it, see :meth:`native_projection`)."""
+        """Packs the loaded weight for the native fp32 GEMM where it runs, and releases it then: the packed copy is
+        the router's only one (the native decoder stack's too, see :meth:`native_projection`)."""
         self.kernel = native_fp32_kernel(self.weight)
+        if self.kernel is not None:
+            self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The fp32 logits ``[T, E]`` of ``x [T, hidden]`` (any float dtype)."""
         x = x.float()
         return F.linear(x, self.weight) if self.kernel is None else self.kernel(x, None)
 
-    def native_projection(self, kernels: object) -> object:
-        """This router as the native decoder stack's ``fp32`` projection (the same packed GEMM)."""
-        return kernels.Projection(kind='fp32', weight=self.weight)
+    def native_projection(self) -> object | None:
+        """This router as the native decoder stack's ``fp32`` projection on the packed copy (the same GEMM and
+        tiles); None where the packed GEMM does not run it."""
+        if self.kernel is None:
+            return None
+        return cpu.native().Projection(kind='fp32', weight=self.kernel.packed, outputs=self.kernel.out_features)
 
 
 class ExpertProjection(nn.Module):

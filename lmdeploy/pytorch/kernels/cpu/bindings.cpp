@@ -30,8 +30,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k_scales_zeros") = py::none(), py::arg("v_scales_zeros") = py::none(), py::arg("quant_policy") = 0);
   m.def("bf16_gemm_available", &bf16_gemm_available, "whether bf16_linear was built (AVX512-BF16)");
   m.def("pack_bf16_weight", &pack_bf16_weight, "a bf16 [N, K] weight in bf16_linear's panel layout");
-  m.def("bf16_linear", &bf16_linear, "x @ W.T (+ bias) on a weight from pack_bf16_weight", pybind11::arg("x"),
-        pybind11::arg("packed"), pybind11::arg("bias") = pybind11::none());
+  m.def("bf16_linear", &bf16_linear,
+        "x @ W.T (+ bias) on a weight from pack_bf16_weight, its first `outputs` rows (default: all)",
+        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("bias") = pybind11::none(),
+        pybind11::arg("outputs") = pybind11::none());
   m.def("pack_bf16_gate_up", &pack_bf16_gate_up, "a [gate; up] bf16 weight packed for bf16_gate_up_silu");
   m.def("bf16_gate_up_silu", &bf16_gate_up_silu, "silu(x @ G.T) * (x @ U.T) on a weight from pack_bf16_gate_up",
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("bias") = pybind11::none());
@@ -146,10 +148,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("prefill_key_limit") = py::none(), py::arg("q_scale") = py::none(),
            py::arg("state_decode_slots") = py::none());
   py::class_<Projection>(m, "Projection", "a decoder layer's projection on its native GEMM's weight")
-      .def(py::init<const std::string&, torch::Tensor, Optional, Optional, Optional>(), py::kw_only(),
-           py::arg("kind"), py::arg("weight"), py::arg("compensation") = py::none(), py::arg("scale") = py::none(),
-           py::arg("bias") = py::none())
-      .def(py::init<std::vector<Projection>>(), py::kw_only(), py::arg("parts"));
+      .def(py::init<const std::string&, torch::Tensor, Optional, Optional, Optional, c10::optional<int64_t>>(),
+           py::kw_only(), py::arg("kind"), py::arg("weight"), py::arg("compensation") = py::none(),
+           py::arg("scale") = py::none(), py::arg("bias") = py::none(), py::arg("outputs") = py::none())
+      .def(py::init<std::vector<Projection>>(), py::kw_only(), py::arg("parts"))
+      .def("__call__", &Projection::operator(), py::call_guard<py::gil_scoped_release>(), py::arg("x"))
+      .def_readonly("weight", &Projection::weight, "the weight as its kernel takes it (undefined for parts)")
+      .def_readonly("outputs", &Projection::outputs, "bf16, fp32: the weight's rows");
   py::class_<MoEBlock>(m, "MoEBlock", "a decoder layer's mixture-of-experts MLP")
       .def(py::init<Projection, int64_t, bool, const std::string&, Optional, c10::optional<int64_t>,
                     c10::optional<int64_t>, c10::optional<double>, c10::optional<double>, Optional, Optional, Optional,

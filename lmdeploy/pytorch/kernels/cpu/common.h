@@ -244,7 +244,10 @@ void fill_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torc
 void bind_worker_threads(const std::vector<int64_t>& cpus);
 bool bf16_gemm_available();
 torch::Tensor pack_bf16_weight(const torch::Tensor& weight);
-torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, c10::optional<torch::Tensor> bias);
+// x @ W.T (+ bias) on W's panels (pack_bf16_weight); `outputs`: W's first rows that the output holds (a weight
+// padded with zero rows to whole panels), all of them by default.
+torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, c10::optional<torch::Tensor> bias,
+                          c10::optional<int64_t> outputs = c10::nullopt);
 torch::Tensor pack_bf16_gate_up(const torch::Tensor& weight);
 torch::Tensor bf16_gate_up_silu(const torch::Tensor& x, const torch::Tensor& packed, c10::optional<torch::Tensor> bias);
 bool int8_gemm_available();

@@ -3,25 +3,29 @@
 // LayerWeights names; a MoE family's MLP is moe_block.cpp's) on native GEMM weights, without the Python
 // between them. In a 64-row decode step that Python took about 5 ms of 70: it runs three times slower than
 // on its own, on caches the kernels have just flushed.
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/_int_mm.h>
 #include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
 #include <ATen/ops/full_like.h>
 #include <ATen/ops/gelu.h>
-#include <ATen/ops/linear.h>
 #include <ATen/ops/where.h>
 
 #include "decoder_stack.h"
 #include "linear_q5k.h"
 
 Projection::Projection(const std::string& kind_name, torch::Tensor weight, c10::optional<torch::Tensor> compensation,
-                       c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias)
+                       c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias,
+                       c10::optional<int64_t> outputs)
     : weight(std::move(weight)), compensation(std::move(compensation)), scale(std::move(scale)),
       bias(std::move(bias)) {
   if (kind_name == "bf16") {
     kind = Kind::kBf16;
-    TORCH_CHECK(this->weight.scalar_type() == at::kBFloat16 && !this->compensation && !this->scale,
-                "a bf16 projection is its bf16 panels (and bias), without compensation or scale");
+    TORCH_CHECK(this->weight.scalar_type() == at::kBFloat16 && this->weight.dim() == 4 && !this->compensation &&
+                    !this->scale,
+                "a bf16 projection is its bf16 panels (and bias, and outputs), without compensation or scale");
+    const int64_t rows = this->weight.size(0) * this->weight.size(2);
+    this->outputs = outputs.value_or(rows);
+    TORCH_CHECK(this->outputs > rows - this->weight.size(2) && this->outputs <= rows,
+                "a bf16 projection's outputs fill its last panel's rows in part or whole");
   } else if (kind_name == "w8a8") {
     kind = Kind::kW8A8;
     TORCH_CHECK(this->weight.scalar_type() == at::kChar && this->compensation && this->scale,
@@ -48,17 +52,15 @@ Projection::Projection(const std::string& kind_name, torch::Tensor weight, c10::
     TORCH_CHECK(this->weight.scalar_type() == at::kByte && this->weight.dim() == 3 && !this->compensation &&
                     this->scale && this->scale->scalar_type() == at::kByte,
                 "a ", kind_name, " projection is its packed codes and scales (and bias), without compensation");
-  } else if (kind_name == "onednn") {
-    kind = Kind::kOneDnn;
-    TORCH_CHECK(this->weight.is_mkldnn() && !this->compensation && !this->scale,
-                "a onednn projection is its blocked oneDNN weight (and bias), without compensation or scale");
   } else if (kind_name == "fp32") {
     kind = Kind::kFp32;
-    TORCH_CHECK(this->weight.scalar_type() == at::kFloat && this->weight.dim() == 2 && !this->compensation &&
-                    !this->scale,
-                "an fp32 projection is its fp32 weight [N, K] (and bias), without compensation or scale");
-    outputs = this->weight.size(0);
-    if (fp32_packed_linear_available()) this->weight = pack_fp32_weight(this->weight);
+    TORCH_CHECK(fp32_packed_linear_available(), "an fp32 projection runs fp32_packed_linear, built with AVX-512");
+    TORCH_CHECK(this->weight.scalar_type() == at::kFloat && this->weight.dim() == 3 && this->weight.size(2) == 16 &&
+                    outputs && *outputs > 16 * (this->weight.size(0) - 1) && *outputs <= 16 * this->weight.size(0) &&
+                    !this->compensation && !this->scale,
+                "an fp32 projection is its weight's packed tiles [ceil(N / 16), K, 16] (pack_fp32_weight) and its "
+                "outputs N (and bias), without compensation or scale");
+    this->outputs = *outputs;
   } else if (kind_name == "mxfp4" || kind_name == "mxfp4_dequantized") {
     kind = kind_name == "mxfp4" ? Kind::kMxfp4 : Kind::kMxfp4Dequantized;
     TORCH_CHECK(this->weight.scalar_type() == at::kByte && this->weight.dim() == 3 && !this->compensation &&
@@ -86,9 +88,10 @@ Projection::Projection(const std::string& kind_name, torch::Tensor weight, c10::
                 "(and bias), without compensation");
   } else {
     TORCH_CHECK(false, "a projection's kind is 'bf16', 'w8a8', 'int4', 'int4_torch', 'q4k', 'q4k_dequantized', "
-                "'q5k', 'q5k_dequantized', 'q6k', 'q6k_dequantized', 'q8', 'q8_dequantized', 'w8a8_torch', 'onednn', "
+                "'q5k', 'q5k_dequantized', 'q6k', 'q6k_dequantized', 'q8', 'q8_dequantized', 'w8a8_torch', "
                 "'fp32', 'mxfp4' or 'mxfp4_dequantized', not '", kind_name, "'");
   }
+  TORCH_CHECK(!outputs || kind == Kind::kBf16 || kind == Kind::kFp32, "only bf16 and fp32 projections take outputs");
 }
 
 Projection::Projection(std::vector<Projection> parts) : kind(Kind::kParts), parts(std::move(parts)) {
@@ -96,15 +99,6 @@ Projection::Projection(std::vector<Projection> parts) : kind(Kind::kParts), part
 }
 
 namespace {
-
-// x @ W.T (+ bias) on oneDNN's blocked weight: OneDnnKernel's torch.ops.mkldnn._linear_pointwise.
-torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& blocked, const c10::optional<torch::Tensor>& bias) {
-  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  std::vector<c10::IValue> stack{x, blocked, bias, std::string("none"), c10::List<c10::optional<c10::Scalar>>(),
-                                  c10::IValue()};
-  op.callBoxed(&stack);
-  return stack[0].toTensor();
-}
 
 // x @ W.T (+ bias), W = weight * scale, x quantized per token on torch's int8 GEMM: W8A8Kernel's w8a8_linear
 // (kernels/w8a8.py) in its order.
@@ -128,7 +122,7 @@ torch::Tensor Projection::operator()(const torch::Tensor& x) const {
       for (const auto& part : parts) outs.push_back(part(x));
       return torch::cat(outs, -1);
     }
-    case Kind::kBf16: return bf16_linear(x, weight, bias);
+    case Kind::kBf16: return bf16_linear(x, weight, bias, outputs);
     case Kind::kW8A8: return int8_linear(x, weight, *compensation, *scale, bias);
     case Kind::kQ4K: return q4k_linear(x, weight, *scale, bias);
     case Kind::kQ4KDequantized: return kquant_dequantized_linear(KQuant::kQ4K, x, weight, *scale, bias, false);
@@ -152,10 +146,7 @@ torch::Tensor Projection::operator()(const torch::Tensor& x) const {
       const auto out = at::_weight_int4pack_mm_for_cpu(x, weight, 2 * weight.size(1) / scale->size(0), *scale);
       return bias ? out.add(*bias) : out;
     }
-    case Kind::kOneDnn: return onednn_linear(x, weight, bias);
-    case Kind::kFp32:
-      return fp32_packed_linear_available() ? fp32_packed_linear(x.to(at::kFloat), weight, outputs, bias)
-                                            : at::linear(x.to(at::kFloat), weight, bias);
+    case Kind::kFp32: return fp32_packed_linear(x.to(at::kFloat), weight, outputs, bias);
     case Kind::kMxfp4: {
       const auto out = mxfp4_linear(x, weight, *scale).to(x.scalar_type());
       return bias ? out.add(*bias) : out;
@@ -167,7 +158,9 @@ torch::Tensor Projection::operator()(const torch::Tensor& x) const {
 
 torch::Tensor Projection::gate_up_silu(const torch::Tensor& x) const {
   switch (kind) {
-    case Kind::kBf16: return bf16_gate_up_silu(x, weight, bias);
+    case Kind::kBf16:
+      TORCH_CHECK(outputs == weight.size(0) * weight.size(2), "a gate-and-up bf16 projection fills its panels");
+      return bf16_gate_up_silu(x, weight, bias);
     case Kind::kW8A8: return int8_gate_up_silu(x, weight, *compensation, *scale, bias);
     case Kind::kQ4K:
       TORCH_CHECK(!bias, "a q4k gate-and-up projection has no bias");
@@ -182,7 +175,6 @@ torch::Tensor Projection::gate_up_silu(const torch::Tensor& x) const {
     case Kind::kQ8Dequantized:
     case Kind::kW8A8Torch:
     case Kind::kInt4Torch:
-    case Kind::kOneDnn:
     case Kind::kFp32:
     case Kind::kParts:
     case Kind::kMxfp4:

@@ -22,19 +22,20 @@ struct StepTensors {
 };
 
 // One projection of a decoder layer, x @ W.T (+ bias), on its weight as its kernel takes it. `kind` "bf16":
-// `weight` holds bf16_linear's panels; "w8a8": an int8 weight from pack_int8_weight with its `compensation`
-// and `scale` (int8_linear's); "int4": int4_linear's packed 4-bit weight with its fp16 `scale`s; "q4k": the same
-// codes with q4k_linear's `scale` bytes; "q6k":
+// `weight` holds bf16_linear's panels and `outputs` N, the weight's rows, where zero rows pad them to whole panels
+// (a router of 8 experts, a one-output shared-expert gate: NativeBf16Kernel's panels, its bias of N); "w8a8": an
+// int8 weight from pack_int8_weight with its `compensation` and `scale` (int8_linear's); "int4": int4_linear's
+// packed 4-bit weight with its fp16 `scale`s; "q4k": the same codes with q4k_linear's `scale` bytes; "q6k":
 // q6k_linear's codes and `scale`s (its fp32 result rounded to x's dtype, then the bias added); "q5k": q5k_linear's
 // codes and `scale`s, likewise; "q4k_dequantized", "q5k_dequantized", "q6k_dequantized": the same weights
 // dequantized to bf16 for each call (kquant_dequantized_linear, dequantized_linear.h: into the bf16 GEMM's panels
 // in cache, or with AMX the thread's scratch and torch's linear), the large stack's where the small one has the
-// GEMV's. A
-// gate-and-up projection's weight is packed for the kernel's fused SiLU (pack_bf16_gate_up,
-// pack_int8_gate_up; int4: gate and up tiles alternate, no bias). "onednn": oneDNN's GEMM
-// (mkldnn::_linear_pointwise) on its blocked weight, for a MoE block's router and shared-expert gate; "fp32": x in
-// fp32 times an fp32 weight [N, K], packed at construction for fp32_packed_linear (rows independent of their number;
-// `outputs` N), DeepSeek-V3's, GLM-4.5's and ERNIE 4.5's fp32 router. "parts": a stacked projection whose parts run each on its own projection (each with its share of the
+// GEMV's. A gate-and-up projection's weight is packed for the kernel's fused SiLU (pack_bf16_gate_up, whose panels
+// it fills; pack_int8_gate_up; int4: gate and up tiles alternate, no bias). "fp32": x in fp32 times an fp32 weight
+// [N, K] on fp32_packed_linear (rows independent of their number): `weight` its tiles [ceil(N / 16), K, 16] as
+// pack_fp32_weight lays them out, `outputs` N; NativeFp32Kernel's packed copy, not another (DeepSeek-V3's,
+// GLM-4.5's and ERNIE 4.5's fp32 router: Fp32Router, nn/moe.py). "parts": a stacked projection whose parts run
+// each on its own projection (each with its share of the
 // bias), their outputs side by side. "mxfp4": an MXFP4 weight as the checkpoint holds it, `weight` its blocks
 // [N, K / 32, 16] and `scale` its e8m0 scales [N, K / 32] (both uint8), on mxfp4_linear (its fp32 sums rounded to
 // x's dtype, then the bias added); "mxfp4_dequantized": the same weight dequantized for each call
@@ -51,11 +52,11 @@ struct StepTensors {
 // rows give), then the bias added: TorchInt4Kernel's (nn/quant/int4_cpu.py), an AWQ or GPTQ checkpoint's grid where the int4 GEMV is not built.
 struct Projection {
   enum class Kind {
-    kBf16, kW8A8, kInt4, kQ4K, kQ6K, kOneDnn, kFp32, kParts, kMxfp4, kMxfp4Dequantized,
+    kBf16, kW8A8, kInt4, kQ4K, kQ6K, kFp32, kParts, kMxfp4, kMxfp4Dequantized,
     kQ4KDequantized, kQ5K, kQ5KDequantized, kQ6KDequantized, kQ8, kQ8Dequantized, kW8A8Torch, kInt4Torch
   };
   Projection(const std::string& kind, torch::Tensor weight, c10::optional<torch::Tensor> compensation,
-             c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias);
+             c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias, c10::optional<int64_t> outputs);
   explicit Projection(std::vector<Projection> parts);
   torch::Tensor operator()(const torch::Tensor& x) const;
   // silu(gate) * up of a gate-and-up projection (gate rows, then up rows).
@@ -63,7 +64,7 @@ struct Projection {
 
   Kind kind;
   torch::Tensor weight;
-  int64_t outputs = 0;  // "fp32": the weight's rows, which its packed tiles pad to a multiple of 16
+  int64_t outputs = 0;  // "bf16", "fp32": the weight's rows, which its panels or tiles pad to a multiple of 16
   c10::optional<torch::Tensor> compensation, scale, bias;
   std::vector<Projection> parts;
 };

@@ -27,12 +27,21 @@ constexpr int kAhead = 2;
 struct Gemm {
   const bf16* x;     // [M, K]
   const bf16* w;     // packed
-  const bf16* bias;  // [N] or nullptr
-  bf16* out;         // [M, N], or [M, N / 2] with silu
+  const bf16* bias;  // [outputs] or nullptr
+  bf16* out;         // [M, outputs], or [M, N / 2] with silu
   int64_t M, K, N;
-  bool gate_up;  // panels alternate gate and up (pack_bf16_gate_up): out is [gate; up] columns
-  bool silu;     // with gate_up: out = silu(gate) * up
+  bool gate_up;     // panels alternate gate and up (pack_bf16_gate_up): out is [gate; up] columns
+  bool silu;        // with gate_up: out = silu(gate) * up
+  int64_t outputs;  // the first columns of the N that are written (and biased); N with gate_up
 };
+
+constexpr __mmask16 kAllLanes = 0xFFFF;
+
+// The lanes of the panel whose first column is `column` that hold one of the g.outputs columns.
+inline __mmask16 live_lanes(const Gemm& g, int64_t column) {
+  const int64_t live = g.outputs - column;
+  return live >= kPanel ? kAllLanes : live <= 0 ? __mmask16(0) : __mmask16((1u << live) - 1);
+}
 
 // The first output column of panel p: panels alternating gate and up hold [gate; up]'s columns.
 inline int64_t first_column(const Gemm& g, int64_t p) {
@@ -85,9 +94,13 @@ void tile(const Gemm& g, const bf16* w, int64_t row, int64_t panel, NextGroup& n
     }
   }
   __m512 bias[C];
+  __mmask16 lanes[C];  // masked loads and stores only where padding rows fill part of the panel
   for (int c = 0; c < C; ++c) {
     const bf16* b = g.bias ? g.bias + first_column(g, panel + c) : nullptr;
-    const __m256i raw = b ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)) : _mm256_setzero_si256();
+    lanes[c] = live_lanes(g, first_column(g, panel + c));
+    const __m256i raw = !b                     ? _mm256_setzero_si256()
+                        : lanes[c] == kAllLanes ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b))
+                                                : _mm256_maskz_loadu_epi16(lanes[c], b);
     bias[c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
   }
   if (g.silu) {  // staged; row_block applies SiLU-and-mul once the row block is done
@@ -96,9 +109,14 @@ void tile(const Gemm& g, const bf16* w, int64_t row, int64_t panel, NextGroup& n
     return;
   }
   for (int c = 0; c < C; ++c)
-    for (int r = 0; r < R; ++r)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(g.out + (row + r) * g.N + first_column(g, panel + c)),
-                          to_bf16(_mm512_add_ps(acc[r][c], bias[c])));
+    for (int r = 0; r < R; ++r) {
+      bf16* out = g.out + (row + r) * g.outputs + first_column(g, panel + c);
+      const __m256i sums = to_bf16(_mm512_add_ps(acc[r][c], bias[c]));
+      if (lanes[c] == kAllLanes)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), sums);
+      else
+        _mm256_mask_storeu_epi16(out, lanes[c], sums);
+    }
 }
 
 // Tiles of 6 rows read the weights from L2 a third less often, which pays while the weights stream
@@ -207,32 +225,35 @@ torch::Tensor pack_bf16_gate_up(const torch::Tensor& weight) {
 namespace {
 
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, c10::optional<torch::Tensor> bias,
-                     bool silu) {
-  const int64_t K = packed.size(1) * 2, N = packed.size(0) * kPanel;
+                     bool silu, c10::optional<int64_t> outputs) {
+  const int64_t K = packed.size(1) * 2, N = packed.size(0) * kPanel, n = outputs.value_or(N);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.size(-1) == K, "x must be bf16 with ", K, " features");
+  TORCH_CHECK(n > N - kPanel && n <= N, "the weight's ", N / kPanel, " panels hold ", N - kPanel + 1, " to ", N,
+              " outputs, not ", n);
   const auto rows = x.reshape({-1, K}).contiguous();
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = silu ? N / 2 : N;
+  shape.back() = silu ? N / 2 : n;
   auto out = torch::empty({rows.size(0), shape.back()}, x.options());
   torch::Tensor b;
   if (bias.has_value()) {
     b = contiguous_as(*bias, at::kBFloat16);
-    TORCH_CHECK(b.numel() == N, "bias must have ", N, " elements");
+    TORCH_CHECK(b.numel() == n, "bias must have ", n, " elements");
   }
   run(Gemm{rows.data_ptr<bf16>(), packed.data_ptr<bf16>(), b.defined() ? b.data_ptr<bf16>() : nullptr,
-           out.data_ptr<bf16>(), rows.size(0), K, N, silu, silu});
+           out.data_ptr<bf16>(), rows.size(0), K, N, silu, silu, n});
   return out.view(shape);
 }
 
 }  // namespace
 
-torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, c10::optional<torch::Tensor> bias) {
-  return linear(x, packed, bias, false);
+torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, c10::optional<torch::Tensor> bias,
+                          c10::optional<int64_t> outputs) {
+  return linear(x, packed, bias, false, outputs);
 }
 
 torch::Tensor bf16_gate_up_silu(const torch::Tensor& x, const torch::Tensor& packed,
                                 c10::optional<torch::Tensor> bias) {
-  return linear(x, packed, bias, true);
+  return linear(x, packed, bias, true, c10::nullopt);
 }
 
 bool dequantizing_gemm_available() {
@@ -257,7 +278,7 @@ torch::Tensor bf16_dequantizing_linear(const torch::Tensor& x, const TiledWeight
     TORCH_CHECK(b.numel() == N, "bias must have ", N, " elements");
   }
   run_dequantizing(Gemm{rows.data_ptr<bf16>(), nullptr, b.defined() ? b.data_ptr<bf16>() : nullptr,
-                        out.data_ptr<bf16>(), rows.size(0), K, N, weight.gate_up, false},
+                        out.data_ptr<bf16>(), rows.size(0), K, N, weight.gate_up, false, N},
                    weight);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;
@@ -272,7 +293,8 @@ torch::Tensor pack_bf16_weight(const torch::Tensor&) { TORCH_CHECK(false, "built
 
 torch::Tensor pack_bf16_gate_up(const torch::Tensor&) { TORCH_CHECK(false, "built without AVX512-BF16"); }
 
-torch::Tensor bf16_linear(const torch::Tensor&, const torch::Tensor&, c10::optional<torch::Tensor>) {
+torch::Tensor bf16_linear(const torch::Tensor&, const torch::Tensor&, c10::optional<torch::Tensor>,
+                          c10::optional<int64_t>) {
   TORCH_CHECK(false, "built without AVX512-BF16");
 }
 

@@ -88,8 +88,9 @@ class LinearKernel(ABC):
         return self.native_projection(bias)
 
     def router_projection(self, bias: torch.Tensor | None) -> object | None:
-        """A MoE block's router or shared-expert gate (a few outputs, which the native GEMM's panels may not
-        fit) as a ``Projection`` of the native stack: its :meth:`native_projection`, or its oneDNN GEMM's."""
+        """A MoE block's router or shared-expert gate, or another projection of a few outputs, as a ``Projection``
+        of the native stack: its :meth:`native_projection`, or torch's int8 GEMM's where the int8 GEMM's panels do
+        not fit the rows (:class:`~lmdeploy.pytorch.nn.quant.w8a8.W8A8Kernel`)."""
         return self.native_projection(bias)
 
 
