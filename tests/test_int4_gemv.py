@@ -12,8 +12,8 @@ from lmdeploy.pytorch.nn.embedding import LMHead
 from lmdeploy.pytorch.nn.linear import GateUpLinear, Linear
 from lmdeploy.pytorch.nn.quant import LinearOptions
 from lmdeploy.pytorch.nn.quant.dense import DenseKernel
-from lmdeploy.pytorch.nn.quant.int4_cpu import (INT4_GROUP, NativeInt4Kernel, SmallStepInt4Kernel, TorchInt4Kernel,
-                                                least_squares_grid, pack_int4)
+from lmdeploy.pytorch.nn.quant.int4_cpu import (INT4_GROUP, LEAST_SQUARES_CHUNK, NativeInt4Kernel,
+                                                SmallStepInt4Kernel, TorchInt4Kernel, least_squares_grid, pack_int4)
 from lmdeploy.pytorch.nn.quant.q8_cpu import pack_q8, q8_grid
 
 
@@ -84,6 +84,18 @@ def test_least_squares_grid_recovers_a_gguf_q4_1_tensor():
     ours = (dequantize(codes, scale, minimum) - reference).abs()
     bf16_copy = (loaded.float() - reference).abs()
     assert ours.mean() < bf16_copy.mean() * 0.7 and ours.max() <= bf16_copy.max()
+
+
+def test_least_squares_grid_fits_each_row_as_if_alone():
+    """The grid is fitted a chunk of rows at a time: rows on both sides of a chunk's end (and a last, partial
+    chunk) get the codes, scales and minimums of the row fitted alone, bit for bit."""
+    in_features = 4 * INT4_GROUP
+    rows = LEAST_SQUARES_CHUNK // in_features
+    weight = (torch.randn(2 * rows + 3, in_features) * 0.05).bfloat16()
+    fitted = least_squares_grid(weight)
+    for row in (0, rows - 1, rows, 2 * rows + 2):
+        alone = least_squares_grid(weight[row:row + 1])
+        assert all(torch.equal(part[row:row + 1], part_alone) for part, part_alone in zip(fitted, alone))
 
 
 def test_small_steps_run_the_native_gemv(gemv):

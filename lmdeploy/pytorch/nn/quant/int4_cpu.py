@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 INT4_GROUP = 32
 INT4_TILE = 16  # rows per tile of the native GEMV
+LEAST_SQUARES_CHUNK = 1 << 17  # weights fitted at a time by least_squares_grid
 # Steps of more tokens run faster on bf16 weights: with the native GEMM, or with oneDNN's.
 INT4_MAX_TOKENS_NATIVE_GEMM = 2
 INT4_MAX_TOKENS_ONEDNN = 8
@@ -127,7 +128,20 @@ def least_squares_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     """``weight [N, K]`` as codes ``[N, K]`` (0..15, each group of 32 inputs' min/max grid) and the fp16
     ``scale``, ``minimum [N, K / 32]`` that fit the group best (least squares) for those codes: a GGUF Q4_1
     group, loaded in bf16, comes back with its codes, and its scale and minimum within about an fp16 step of
-    the file's (closer to the file's weights than the bf16 copy)."""
+    the file's (closer to the file's weights than the bf16 copy). Fitted a few hundred KB of rows at a time, whose
+    temporaries stay in cache (about 3x faster at a model's start than the whole weight at once); a group's fit
+    depends on that group alone."""
+    out_features, in_features = weight.shape
+    codes = torch.empty(out_features, in_features, dtype=torch.uint8)
+    scale, minimum = (torch.empty(out_features, in_features // INT4_GROUP, dtype=torch.half) for _ in range(2))
+    rows = max(1, LEAST_SQUARES_CHUNK // in_features)
+    for start in range(0, out_features, rows):
+        end = min(start + rows, out_features)
+        codes[start:end], scale[start:end], minimum[start:end] = _fit_groups(weight[start:end])
+    return codes, scale, minimum
+
+
+def _fit_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     out_features, in_features = weight.shape
     groups = weight.float().view(out_features, in_features // INT4_GROUP, INT4_GROUP)
     low, high = groups.amin(-1), groups.amax(-1)
