@@ -198,3 +198,27 @@ def test_a_request_without_session_id_never_holds_an_id_a_client_may_name(guarde
 
     anonymous, named = asyncio.run(main())
     assert anonymous['finish_reason'] == named['finish_reason'] == 'abort' and not sessions
+
+
+def test_an_encode_client_that_leaves_the_admission_line_frees_its_place(guarded):
+    """/v1/encode takes an admission slot too: a client that gives up while its encode waits in line takes its
+    place with it, so the next request waits there (no 429) and is served."""
+    headers = {'Authorization': 'Bearer k1'}
+    body = {'input_ids': [5, 6, 7], 'max_tokens': 2000, 'ignore_eos': True}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=guarded.url, headers=headers, timeout=60) as http:
+            running = asyncio.create_task(http.post('/generate', json={**body, 'session_id': 41}))
+            await asyncio.sleep(0.3)
+            with pytest.raises(httpx.ReadTimeout):
+                await http.post('/v1/encode', json={'input': 'hello'}, timeout=0.3)
+            await asyncio.sleep(0.2)
+            served = asyncio.create_task(http.post('/v1/encode', json={'input': 'hello'}))
+            await asyncio.sleep(0.3)
+            assert not served.done(), (await served).text
+            await http.post('/abort_request', json={'session_id': 41})
+            return (await running).json(), (await served).json()
+
+    running, served = asyncio.run(main())
+    assert running['finish_reason'] == 'abort' and served['length'] > 0
+    assert not guarded.engine.session_manager.sessions

@@ -197,9 +197,9 @@ def create_app(engine: AsyncEngine, model_name: str | None = None, api_keys: lis
         return await generate(state, req, raw)
 
     @app.post('/v1/encode', responses=error_responses(400, *auth, *body, 429))
-    async def encode_endpoint(req: EncodeRequest) -> dict:
+    async def encode_endpoint(req: EncodeRequest, raw: Request) -> dict:
         """Token ids of a text or a list of texts."""
-        return await encode_text(state, req)
+        return await encode_text(state, req, raw.receive)
 
     admin_keys = [key.encode() for key in admin_api_keys or ()]
 

@@ -317,6 +317,28 @@ async def wait_disconnect(receive: Receive) -> None:
         pass
 
 
+async def _admit_until(state: ServerState, slots: int, stop: asyncio.Future) -> Ticket | None:
+    """:func:`admit`, or None if ``stop`` is done first (the request leaves the line)."""
+    admission = asyncio.ensure_future(admit(state, slots))
+    try:
+        await asyncio.wait({admission, stop}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not admission.done():
+            admission.cancel()
+            await asyncio.wait({admission})
+    return None if admission.cancelled() else admission.result()
+
+
+async def admit_while_connected(state: ServerState, slots: int, receive: Receive) -> Ticket | None:
+    """:func:`admit` for a request that holds no session (``/v1/encode``); None once its client, read from
+    ``receive``, has gone while it waited: it leaves the line then."""
+    gone = asyncio.ensure_future(wait_disconnect(receive))
+    try:
+        return await _admit_until(state, slots, gone)
+    finally:
+        gone.cancel()
+
+
 async def _admit_unless_aborted(state: ServerState, slots: int, reservations: list[Reservation],
                                 receive: Receive | None) -> Ticket:
     """:func:`admit`, but a request whose every engine request is aborted while it waits in line (or whose client,
@@ -335,22 +357,19 @@ async def _admit_unless_aborted(state: ServerState, slots: int, reservations: li
 
     for reservation in reservations:
         reservation.request.on_abort(on_abort)
+
     async def abort_when_gone() -> None:
         await wait_disconnect(receive)
         for reservation in reservations:
             reservation.request.abort()
 
-    admission = asyncio.ensure_future(admit(state, slots))
     watch = asyncio.ensure_future(abort_when_gone()) if receive is not None else None
     try:
-        await asyncio.wait({admission, all_aborted}, return_when=asyncio.FIRST_COMPLETED)
+        ticket = await _admit_until(state, slots, all_aborted)
     finally:
         if watch is not None:
             watch.cancel()
-        if not admission.done():
-            admission.cancel()
-            await asyncio.wait({admission})
-    return Ticket(state.admission, 0) if admission.cancelled() else admission.result()
+    return Ticket(state.admission, 0) if ticket is None else ticket
 
 
 @contextlib.asynccontextmanager

@@ -4,14 +4,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from fastapi import Request
+from starlette.types import Receive
 
 from lmdeploy.messages import Response
 from lmdeploy.serve.openai.errors import APIError
 from lmdeploy.serve.openai.limits import check_fanout, check_messages, check_prompt_chars, check_stop
 from lmdeploy.serve.openai.protocol import AbortRequest, EncodeRequest, GenerateRequest
-from lmdeploy.serve.openai.serving_common import (Job, ServerState, admit, admitted, check_model, check_prompt_ids,
-                                                  check_session, check_token_ids, encode, gen_config, run_blocking,
-                                                  start_run)
+from lmdeploy.serve.openai.serving_common import (Job, ServerState, admit_while_connected, admitted, check_model,
+                                                  check_prompt_ids, check_session, check_token_ids, encode, gen_config,
+                                                  run_blocking, start_run)
 from lmdeploy.serve.openai.streaming import collect_or_abort, sse, sse_stream
 
 
@@ -55,13 +56,16 @@ async def generate(state: ServerState, req: GenerateRequest, raw: Request):
     return _body(responses[0], req.session_id)
 
 
-async def encode_text(state: ServerState, req: EncodeRequest) -> dict:
+async def encode_text(state: ServerState, req: EncodeRequest, receive: Receive) -> dict:
     """Token ids of one text or of each of a list (chat-templated when ``do_preprocess``). The texts count
-    against ``--max-fanout`` and ``--max-prompt-chars``, and tokenizing takes one admission slot."""
+    against ``--max-fanout`` and ``--max-prompt-chars``, and tokenizing takes one admission slot; a request whose
+    client (``receive``) goes away while it waits for that slot leaves the line (its answer is empty)."""
     texts = [req.input] if isinstance(req.input, str) else req.input
     check_fanout(state.limits, 1, len(texts), 'input')
     check_prompt_chars(state.limits, sum(len(t) for t in texts), 'input')
-    ticket = await admit(state, 1)
+    ticket = await admit_while_connected(state, 1, receive)
+    if ticket is None:
+        return {}
     try:
         ids = []
         for text in texts:
