@@ -67,7 +67,7 @@ def linear_attention_weights(input_norm: torch.Tensor, post_norm: torch.Tensor, 
                              **options: Any) -> LayerWeights | None:
     """A Gated DeltaNet layer's weights for the stack's decode-only steps (each projection's for small steps, which
     decode rows are): its ``in_projections`` (their outputs side by side as the layer's ``qkv``, each on its native
-    GEMM or oneDNN's), ``projections`` (``o``: its out_proj, and its MLP's) and ``linear_attn``, the fields of
+    GEMM), ``projections`` (``o``: its out_proj, and its MLP's) and ``linear_attn``, the fields of
     ``native.LinearAttention`` by name (see ``kernels/cpu/linear_attention.h``). None without the native delta rule
     (AVX-512) or where a projection runs on no native GEMM."""
     native = cpu.gated_delta()

@@ -20,9 +20,10 @@ from lmdeploy.pytorch.nn.quant.cpu_fp32 import NativeFp32Kernel, native_fp32_ker
 
 class Fp32Router(nn.Module):
     """A router kept in fp32 as the checkpoint holds it, whatever the model's dtype (DeepSeek-V3's, GLM-4.5's,
-    ERNIE 4.5's): ``weight [E, hidden]``; its logits ``x @ weight.T`` in fp32. On the CPU (AVX-512) they run the
-    fixed-order fp32 GEMM on the packed copy that :meth:`finalize` makes in the weight's place, so that a token's
-    routing does not depend on its batch (torch's fp32 GEMM picks its order of summation by the number of rows)."""
+    ERNIE 4.5's): ``weight [E, hidden]``; its logits ``x @ weight.T`` in fp32. On the CPU (AVX-512, or AVX2 with
+    FMA) they run the fixed-order fp32 GEMM on the packed copy that :meth:`finalize` makes in the weight's place, so
+    that a token's routing does not depend on its batch (torch's fp32 GEMM picks its order of summation by the
+    number of rows)."""
 
     def __init__(self, hidden_size: int, num_experts: int):
         super().__init__()

@@ -54,7 +54,8 @@ Projection::Projection(const std::string& kind_name, torch::Tensor weight, c10::
                 "a ", kind_name, " projection is its packed codes and scales (and bias), without compensation");
   } else if (kind_name == "fp32") {
     kind = Kind::kFp32;
-    TORCH_CHECK(fp32_packed_linear_available(), "an fp32 projection runs fp32_packed_linear, built with AVX-512");
+    TORCH_CHECK(fp32_packed_linear_available(),
+                "an fp32 projection runs fp32_packed_linear, built with AVX-512 or AVX2 and FMA");
     TORCH_CHECK(this->weight.scalar_type() == at::kFloat && this->weight.dim() == 3 && this->weight.size(2) == 16 &&
                     outputs && *outputs > 16 * (this->weight.size(0) - 1) && *outputs <= 16 * this->weight.size(0) &&
                     !this->compensation && !this->scale,
