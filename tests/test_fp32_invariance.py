@@ -18,6 +18,7 @@ from lmdeploy import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.kernels.activation import ClampedSwiGLU, clamped_swiglu
+from lmdeploy.pytorch.nn.moe import Fp32Router
 from lmdeploy.pytorch.nn.quant.cpu_fp32 import NativeFp32Kernel
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'benchmark'))
@@ -90,6 +91,28 @@ def test_an_fp32_gemm_isa_not_built_is_an_error(fp32_gemm, monkeypatch):
     monkeypatch.setenv('LMDEPLOY_CPU_FP32_GEMM', 'sse2')
     with pytest.raises(ValueError, match='built here for'):
         cpu.fp32_gemm_isa()
+
+
+def test_the_stacks_fp32_projection_runs_the_chosen_isa(fp32_isa, monkeypatch):
+    """An fp32 router's projection in the native stack runs the instruction set its Python kernel was packed for
+    (``LMDEPLOY_CPU_FP32_GEMM``; it took the widest before), one not built is an error, and every way gives the
+    Python layer's bits."""
+    monkeypatch.setenv('LMDEPLOY_CPU_FP32_GEMM', fp32_isa)
+    router = Fp32Router(301, 37)
+    router.weight = torch.nn.Parameter(torch.randn(37, 301, generator=torch.Generator().manual_seed(0)),
+                                       requires_grad=False)
+    router.finalize()
+    projection = router.native_projection()
+    assert router.kernel.isa == projection.isa == fp32_isa
+    x = torch.randn(23, 301, generator=torch.Generator().manual_seed(1)).bfloat16()
+    expected = router(x)
+    assert torch.equal(projection(x=x), expected)
+    native = cpu.native()
+    for isa in native.fp32_packed_linear_isas():
+        other = native.Projection(kind='fp32', weight=router.kernel.packed, outputs=37, isa=isa)
+        assert other.isa == isa and torch.equal(other(x=x), expected)
+    with pytest.raises(RuntimeError, match='not built for sse2'):
+        native.Projection(kind='fp32', weight=router.kernel.packed, outputs=37, isa='sse2')
 
 
 def test_clamped_swiglu_rows_do_not_depend_on_their_place():

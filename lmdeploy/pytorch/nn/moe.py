@@ -47,7 +47,8 @@ class Fp32Router(nn.Module):
         tiles); None where the packed GEMM does not run it."""
         if self.kernel is None:
             return None
-        return cpu.native().Projection(kind='fp32', weight=self.kernel.packed, outputs=self.kernel.out_features)
+        return cpu.native().Projection(kind='fp32', weight=self.kernel.packed, outputs=self.kernel.out_features,
+                                       isa=self.kernel.isa)
 
 
 class ExpertProjection(nn.Module):

@@ -35,8 +35,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("bias") = pybind11::none(),
         pybind11::arg("outputs") = pybind11::none());
   m.def("pack_bf16_gate_up", &pack_bf16_gate_up, "a [gate; up] bf16 weight packed for bf16_gate_up_silu");
-  m.def("bf16_gate_up_silu", &bf16_gate_up_silu, "silu(x @ G.T) * (x @ U.T) on a weight from pack_bf16_gate_up",
-        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("bias") = pybind11::none());
+  m.def("bf16_gate_up_silu", &bf16_gate_up_silu,
+        "silu(x @ G.T) * (x @ U.T) on a weight from pack_bf16_gate_up, G's and U's first `outputs` / 2 rows each "
+        "(default: all)",
+        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("bias") = pybind11::none(),
+        pybind11::arg("outputs") = pybind11::none());
   m.def("int8_gemm_available", &int8_gemm_available, "whether int8_linear was built (AVX512-VNNI)");
   m.def("pack_int8_weight", &pack_int8_weight, "an int8 [N, K] weight in int8_linear's panel layout");
   m.def("int8_linear", &int8_linear,
@@ -148,13 +151,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("prefill_key_limit") = py::none(), py::arg("q_scale") = py::none(),
            py::arg("state_decode_slots") = py::none());
   py::class_<Projection>(m, "Projection", "a decoder layer's projection on its native GEMM's weight")
-      .def(py::init<const std::string&, torch::Tensor, Optional, Optional, Optional, c10::optional<int64_t>>(),
+      .def(py::init<const std::string&, torch::Tensor, Optional, Optional, Optional, c10::optional<int64_t>,
+                    c10::optional<std::string>>(),
            py::kw_only(), py::arg("kind"), py::arg("weight"), py::arg("compensation") = py::none(),
-           py::arg("scale") = py::none(), py::arg("bias") = py::none(), py::arg("outputs") = py::none())
+           py::arg("scale") = py::none(), py::arg("bias") = py::none(), py::arg("outputs") = py::none(),
+           py::arg("isa") = py::none())
       .def(py::init<std::vector<Projection>>(), py::kw_only(), py::arg("parts"))
       .def("__call__", &Projection::operator(), py::call_guard<py::gil_scoped_release>(), py::arg("x"))
+      .def("gate_up_silu", &Projection::gate_up_silu, py::call_guard<py::gil_scoped_release>(), py::arg("x"),
+           "silu(gate) * up of a gate-and-up projection, as the stack's MLP runs it")
       .def_readonly("weight", &Projection::weight, "the weight as its kernel takes it (undefined for parts)")
-      .def_readonly("outputs", &Projection::outputs, "bf16, fp32: the weight's rows");
+      .def_readonly("outputs", &Projection::outputs, "bf16, fp32: the weight's rows")
+      .def_readonly("isa", &Projection::isa, "fp32: the instruction set its GEMM runs on");
   py::class_<MoEBlock>(m, "MoEBlock", "a decoder layer's mixture-of-experts MLP")
       .def(py::init<Projection, int64_t, bool, const std::string&, Optional, c10::optional<int64_t>,
                     c10::optional<int64_t>, c10::optional<double>, c10::optional<double>, Optional, Optional, Optional,

@@ -245,11 +245,15 @@ void bind_worker_threads(const std::vector<int64_t>& cpus);
 bool bf16_gemm_available();
 torch::Tensor pack_bf16_weight(const torch::Tensor& weight);
 // x @ W.T (+ bias) on W's panels (pack_bf16_weight); `outputs`: W's first rows that the output holds (a weight
-// padded with zero rows to whole panels), all of them by default.
+// padded with zero rows to whole panels), all of them by default. x may have one feature fewer than W: a weight of
+// an odd K is packed with a zero column.
 torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, c10::optional<torch::Tensor> bias,
                           c10::optional<int64_t> outputs = c10::nullopt);
 torch::Tensor pack_bf16_gate_up(const torch::Tensor& weight);
-torch::Tensor bf16_gate_up_silu(const torch::Tensor& x, const torch::Tensor& packed, c10::optional<torch::Tensor> bias);
+// silu(gate) * up on pack_bf16_gate_up's panels; `outputs`: 2 I, gate's and up's first I rows each (each half
+// padded with zero rows to whole panels), all of them by default. x as bf16_linear's.
+torch::Tensor bf16_gate_up_silu(const torch::Tensor& x, const torch::Tensor& packed, c10::optional<torch::Tensor> bias,
+                                c10::optional<int64_t> outputs = c10::nullopt);
 bool int8_gemm_available();
 torch::Tensor pack_int8_weight(const torch::Tensor& weight);
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& compensation,

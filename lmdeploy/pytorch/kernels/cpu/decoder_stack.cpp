@@ -14,7 +14,7 @@
 
 Projection::Projection(const std::string& kind_name, torch::Tensor weight, c10::optional<torch::Tensor> compensation,
                        c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias,
-                       c10::optional<int64_t> outputs)
+                       c10::optional<int64_t> outputs, c10::optional<std::string> isa)
     : weight(std::move(weight)), compensation(std::move(compensation)), scale(std::move(scale)),
       bias(std::move(bias)) {
   if (kind_name == "bf16") {
@@ -24,8 +24,9 @@ Projection::Projection(const std::string& kind_name, torch::Tensor weight, c10::
                 "a bf16 projection is its bf16 panels (and bias, and outputs), without compensation or scale");
     const int64_t rows = this->weight.size(0) * this->weight.size(2);
     this->outputs = outputs.value_or(rows);
-    TORCH_CHECK(this->outputs > rows - this->weight.size(2) && this->outputs <= rows,
-                "a bf16 projection's outputs fill its last panel's rows in part or whole");
+    TORCH_CHECK(this->outputs > rows - 2 * this->weight.size(2) && this->outputs <= rows,
+                "a bf16 projection's outputs fill its last panel's rows (a gate-and-up one's last two) in part or "
+                "whole");
   } else if (kind_name == "w8a8") {
     kind = Kind::kW8A8;
     TORCH_CHECK(this->weight.scalar_type() == at::kChar && this->compensation && this->scale,
@@ -62,6 +63,10 @@ Projection::Projection(const std::string& kind_name, torch::Tensor weight, c10::
                 "an fp32 projection is its weight's packed tiles [ceil(N / 16), K, 16] (pack_fp32_weight) and its "
                 "outputs N (and bias), without compensation or scale");
     this->outputs = *outputs;
+    const auto isas = fp32_packed_linear_isas();
+    this->isa = isa.value_or(isas.front());
+    TORCH_CHECK(std::find(isas.begin(), isas.end(), this->isa) != isas.end(), "fp32_packed_linear was not built for ",
+                this->isa);
   } else if (kind_name == "mxfp4" || kind_name == "mxfp4_dequantized") {
     kind = kind_name == "mxfp4" ? Kind::kMxfp4 : Kind::kMxfp4Dequantized;
     TORCH_CHECK(this->weight.scalar_type() == at::kByte && this->weight.dim() == 3 && !this->compensation &&
@@ -93,6 +98,7 @@ Projection::Projection(const std::string& kind_name, torch::Tensor weight, c10::
                 "'fp32', 'mxfp4' or 'mxfp4_dequantized', not '", kind_name, "'");
   }
   TORCH_CHECK(!outputs || kind == Kind::kBf16 || kind == Kind::kFp32, "only bf16 and fp32 projections take outputs");
+  TORCH_CHECK(!isa || kind == Kind::kFp32, "only fp32 projections take an isa");
 }
 
 Projection::Projection(std::vector<Projection> parts) : kind(Kind::kParts), parts(std::move(parts)) {
@@ -147,7 +153,7 @@ torch::Tensor Projection::operator()(const torch::Tensor& x) const {
       const auto out = at::_weight_int4pack_mm_for_cpu(x, weight, 2 * weight.size(1) / scale->size(0), *scale);
       return bias ? out.add(*bias) : out;
     }
-    case Kind::kFp32: return fp32_packed_linear(x.to(at::kFloat), weight, outputs, bias);
+    case Kind::kFp32: return fp32_packed_linear(x.to(at::kFloat), weight, outputs, bias, isa);
     case Kind::kMxfp4: {
       const auto out = mxfp4_linear(x, weight, *scale).to(x.scalar_type());
       return bias ? out.add(*bias) : out;
@@ -159,9 +165,7 @@ torch::Tensor Projection::operator()(const torch::Tensor& x) const {
 
 torch::Tensor Projection::gate_up_silu(const torch::Tensor& x) const {
   switch (kind) {
-    case Kind::kBf16:
-      TORCH_CHECK(outputs == weight.size(0) * weight.size(2), "a gate-and-up bf16 projection fills its panels");
-      return bf16_gate_up_silu(x, weight, bias);
+    case Kind::kBf16: return bf16_gate_up_silu(x, weight, bias, outputs);
     case Kind::kW8A8: return int8_gate_up_silu(x, weight, *compensation, *scale, bias);
     case Kind::kQ4K:
       TORCH_CHECK(!bias, "a q4k gate-and-up projection has no bias");

@@ -30,10 +30,12 @@ struct StepTensors {
 // codes and `scale`s, likewise; "q4k_dequantized", "q5k_dequantized", "q6k_dequantized": the same weights
 // dequantized to bf16 for each call (kquant_dequantized_linear, dequantized_linear.h: into the bf16 GEMM's panels
 // in cache, or with AMX the thread's scratch and torch's linear), the large stack's where the small one has the
-// GEMV's. A gate-and-up projection's weight is packed for the kernel's fused SiLU (pack_bf16_gate_up, whose panels
-// it fills; pack_int8_gate_up; int4: gate and up tiles alternate, no bias). "fp32": x in fp32 times an fp32 weight
+// GEMV's. A gate-and-up projection's weight is packed for the kernel's fused SiLU (pack_bf16_gate_up, `outputs`
+// 2 I, zero rows padding gate and up each to whole panels; pack_int8_gate_up; int4: gate and up tiles alternate, no
+// bias). "fp32": x in fp32 times an fp32 weight
 // [N, K] on fp32_packed_linear (rows independent of their number): `weight` its tiles [ceil(N / 16), K, 16] as
-// pack_fp32_weight lays them out, `outputs` N; NativeFp32Kernel's packed copy, not another (DeepSeek-V3's,
+// pack_fp32_weight lays them out, `outputs` N, `isa` the instruction set (NativeFp32Kernel.isa: the same bits on
+// each); NativeFp32Kernel's packed copy, not another (DeepSeek-V3's,
 // GLM-4.5's and ERNIE 4.5's fp32 router: Fp32Router, nn/moe.py). "parts": a stacked projection whose parts run
 // each on its own projection (each with its share of the
 // bias), their outputs side by side. "mxfp4": an MXFP4 weight as the checkpoint holds it, `weight` its blocks
@@ -56,7 +58,8 @@ struct Projection {
     kQ4KDequantized, kQ5K, kQ5KDequantized, kQ6KDequantized, kQ8, kQ8Dequantized, kW8A8Torch, kInt4Torch
   };
   Projection(const std::string& kind, torch::Tensor weight, c10::optional<torch::Tensor> compensation,
-             c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias, c10::optional<int64_t> outputs);
+             c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias, c10::optional<int64_t> outputs,
+             c10::optional<std::string> isa);
   explicit Projection(std::vector<Projection> parts);
   torch::Tensor operator()(const torch::Tensor& x) const;
   // silu(gate) * up of a gate-and-up projection (gate rows, then up rows).
@@ -65,6 +68,7 @@ struct Projection {
   Kind kind;
   torch::Tensor weight;
   int64_t outputs = 0;  // "bf16", "fp32": the weight's rows, which its panels or tiles pad to a multiple of 16
+  std::string isa;      // "fp32": the instruction set fp32_packed_linear runs on (default: the widest built)
   c10::optional<torch::Tensor> compensation, scale, bias;
   std::vector<Projection> parts;
 };

@@ -11,6 +11,7 @@
 // each thread dequantizes in cache (bf16_dequantizing_linear, dequantized_linear.h): bit for bit this GEMM on the
 // packed dequantized weight.
 #include <ATen/cpu/Utils.h>
+#include <ATen/ops/constant_pad_nd.h>
 
 #include "common.h"
 
@@ -32,20 +33,22 @@ struct Gemm {
   int64_t M, K, N;
   bool gate_up;     // panels alternate gate and up (pack_bf16_gate_up): out is [gate; up] columns
   bool silu;        // with gate_up: out = silu(gate) * up
-  int64_t outputs;  // the first columns of the N that are written (and biased); N with gate_up
+  // The columns written (and biased): the first `outputs` of the N, or with gate_up the first outputs / 2 of the
+  // gate's N / 2 and of the up's (zero rows pad each half to whole panels).
+  int64_t outputs;
 };
 
 constexpr __mmask16 kAllLanes = 0xFFFF;
 
-// The lanes of the panel whose first column is `column` that hold one of the g.outputs columns.
-inline __mmask16 live_lanes(const Gemm& g, int64_t column) {
-  const int64_t live = g.outputs - column;
+// The lanes of panel p that hold one of the written columns.
+inline __mmask16 live_lanes(const Gemm& g, int64_t p) {
+  const int64_t live = g.gate_up ? g.outputs / 2 - p / 2 * kPanel : g.outputs - p * kPanel;
   return live >= kPanel ? kAllLanes : live <= 0 ? __mmask16(0) : __mmask16((1u << live) - 1);
 }
 
 // The first output column of panel p: panels alternating gate and up hold [gate; up]'s columns.
 inline int64_t first_column(const Gemm& g, int64_t p) {
-  return g.gate_up ? (p % 2) * (g.N / 2) + p / 2 * kPanel : p * kPanel;
+  return g.gate_up ? (p % 2) * (g.outputs / 2) + p / 2 * kPanel : p * kPanel;
 }
 
 inline __m512 round_to_bf16(__m512 x) {
@@ -97,7 +100,7 @@ void tile(const Gemm& g, const bf16* w, int64_t row, int64_t panel, NextGroup& n
   __mmask16 lanes[C];  // masked loads and stores only where padding rows fill part of the panel
   for (int c = 0; c < C; ++c) {
     const bf16* b = g.bias ? g.bias + first_column(g, panel + c) : nullptr;
-    lanes[c] = live_lanes(g, first_column(g, panel + c));
+    lanes[c] = live_lanes(g, panel + c);
     const __m256i raw = !b                     ? _mm256_setzero_si256()
                         : lanes[c] == kAllLanes ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b))
                                                 : _mm256_maskz_loadu_epi16(lanes[c], b);
@@ -144,11 +147,18 @@ void row_block(const Gemm& g, const bf16* w, int64_t first, int64_t count, int64
     default: break;
   }
   if (!g.silu) return;
-  for (int64_t r = 0; r < count; ++r)
-    for (int c = 0; c + 1 < C; c += 2)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(g.out + (first + r) * (g.N / 2) + (panel + c) / 2 * kPanel),
-                          silu_times(_mm512_loadu_ps(stage + (r * C + c) * kPanel),
-                                     _mm512_loadu_ps(stage + (r * C + c + 1) * kPanel)));
+  for (int c = 0; c + 1 < C; c += 2) {
+    const __mmask16 lanes = live_lanes(g, panel + c);
+    for (int64_t r = 0; r < count; ++r) {
+      bf16* out = g.out + (first + r) * (g.outputs / 2) + (panel + c) / 2 * kPanel;
+      const __m256i product = silu_times(_mm512_loadu_ps(stage + (r * C + c) * kPanel),
+                                         _mm512_loadu_ps(stage + (r * C + c + 1) * kPanel));
+      if (lanes == kAllLanes)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), product);
+      else
+        _mm256_mask_storeu_epi16(out, lanes, product);
+    }
+  }
 }
 
 template <int C>
@@ -227,12 +237,20 @@ namespace {
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, c10::optional<torch::Tensor> bias,
                      bool silu, c10::optional<int64_t> outputs) {
   const int64_t K = packed.size(1) * 2, N = packed.size(0) * kPanel, n = outputs.value_or(N);
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.size(-1) == K, "x must be bf16 with ", K, " features");
-  TORCH_CHECK(n > N - kPanel && n <= N, "the weight's ", N / kPanel, " panels hold ", N - kPanel + 1, " to ", N,
-              " outputs, not ", n);
-  const auto rows = x.reshape({-1, K}).contiguous();
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && (x.size(-1) == K || x.size(-1) == K - 1), "x must be bf16 with ",
+              K, " features (or ", K - 1, ": a weight of an odd K is packed with a zero column)");
+  if (silu) {
+    TORCH_CHECK(n % 2 == 0 && n / 2 > N / 2 - kPanel && n / 2 <= N / 2, "the gate's and the up's ", N / 2 / kPanel,
+                " panels each hold ", N / 2 - kPanel + 1, " to ", N / 2, " outputs, not ", n / 2);
+  } else {
+    TORCH_CHECK(n > N - kPanel && n <= N, "the weight's ", N / kPanel, " panels hold ", N - kPanel + 1, " to ", N,
+                " outputs, not ", n);
+  }
+  auto rows = x.reshape({-1, x.size(-1)});
+  if (rows.size(1) < K) rows = at::constant_pad_nd(rows, {0, 1});  // the zero column's input: exact
+  rows = rows.contiguous();
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = silu ? N / 2 : n;
+  shape.back() = silu ? n / 2 : n;
   auto out = torch::empty({rows.size(0), shape.back()}, x.options());
   torch::Tensor b;
   if (bias.has_value()) {
@@ -251,9 +269,9 @@ torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, c
   return linear(x, packed, bias, false, outputs);
 }
 
-torch::Tensor bf16_gate_up_silu(const torch::Tensor& x, const torch::Tensor& packed,
-                                c10::optional<torch::Tensor> bias) {
-  return linear(x, packed, bias, true, c10::nullopt);
+torch::Tensor bf16_gate_up_silu(const torch::Tensor& x, const torch::Tensor& packed, c10::optional<torch::Tensor> bias,
+                                c10::optional<int64_t> outputs) {
+  return linear(x, packed, bias, true, outputs);
 }
 
 bool dequantizing_gemm_available() {
@@ -298,7 +316,8 @@ torch::Tensor bf16_linear(const torch::Tensor&, const torch::Tensor&, c10::optio
   TORCH_CHECK(false, "built without AVX512-BF16");
 }
 
-torch::Tensor bf16_gate_up_silu(const torch::Tensor&, const torch::Tensor&, c10::optional<torch::Tensor>) {
+torch::Tensor bf16_gate_up_silu(const torch::Tensor&, const torch::Tensor&, c10::optional<torch::Tensor>,
+                                c10::optional<int64_t>) {
   TORCH_CHECK(false, "built without AVX512-BF16");
 }
 

@@ -13,8 +13,9 @@ from lmdeploy.pytorch.nn.quant.base import LinearKernel
 
 class NativeBf16Kernel(LinearKernel):
     """The native AVX512-BF16 GEMM on its packed panels of a weight of ``out_features`` rows, which zero rows pad
-    to whole panels where they do not fill them (a router of 8 experts, a one-output gate, an LM head's vocabulary);
-    the GEMM writes the first ``out_features`` outputs only."""
+    to whole panels where they do not fill them (a router of 8 experts, a one-output gate, an LM head's vocabulary;
+    with ``gate_up`` the gate and the up each), and a zero column to an even number of inputs; the GEMM writes the
+    first ``out_features`` outputs only (with ``gate_up``: half of them of each)."""
 
     def __init__(self, panels: torch.Tensor, gate_up: bool, out_features: int):
         self.panels, self.gate_up, self.out_features = panels, gate_up, out_features
@@ -23,7 +24,7 @@ class NativeBf16Kernel(LinearKernel):
         return cpu.native().bf16_linear(x, self.panels, bias, self.out_features)
 
     def gate_up_silu(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-        return cpu.native().bf16_gate_up_silu(x, self.panels, bias) if self.gate_up else None
+        return cpu.native().bf16_gate_up_silu(x, self.panels, bias, self.out_features) if self.gate_up else None
 
     def native_projection(self, bias: torch.Tensor | None) -> object | None:
         return cpu.native().Projection(kind='bf16', weight=self.panels, bias=bias, outputs=self.out_features)
@@ -51,16 +52,17 @@ def packed_cpu_kernel(weight: torch.Tensor, gate_up: bool = False) -> LinearKern
 
 
 def native_bf16_kernel(weight: torch.Tensor, gate_up: bool = False) -> NativeBf16Kernel | None:
-    """``weight [N, K]`` (bf16, on the CPU) packed for the native GEMM, its rows padded with zero rows to whole
-    panels (oneDNN, the other GEMM, rounds a one-row call apart from more rows: a token's router logits, or its
-    logprobs, would depend on its batch); with ``gate_up`` (gate then up rows) its panels alternate gate and up for
-    the SiLU-and-mul epilogue, which takes whole panels of each. None where that GEMM is not the CPU's (not built,
-    or AMX), or for an odd K or gate and up rows not a multiple of 16 each."""
+    """``weight [N, K]`` (bf16, on the CPU) packed for the native GEMM, zero rows padding it to whole panels (with
+    ``gate_up``, gate then up rows, the gate and the up each, their panels alternating for the SiLU-and-mul
+    epilogue) and a zero column to an even K (the GEMM pads x's rows to match). Every shape runs it: oneDNN, the
+    other GEMM, rounds some rows of a call apart from the row alone (a token's router logits, or its logprobs,
+    would depend on its batch). None where that GEMM is not the CPU's (not built, or AMX)."""
     gemm = cpu.bf16_gemm()
-    rows = weight.shape[0]
-    if gemm is None or (gate_up and rows % 32) or weight.shape[1] % 2:
+    if gemm is None:
         return None
+    rows, inputs = weight.shape
     if gate_up:
-        return NativeBf16Kernel(gemm.pack_bf16_gate_up(weight), True, rows)
-    padded = F.pad(weight, (0, 0, 0, -rows % 16)) if rows % 16 else weight
+        halves = F.pad(weight.reshape(2, rows // 2, inputs), (0, inputs % 2, 0, -(rows // 2) % 16))
+        return NativeBf16Kernel(gemm.pack_bf16_gate_up(halves.reshape(-1, halves.shape[-1])), True, rows)
+    padded = F.pad(weight, (0, inputs % 2, 0, -rows % 16)) if rows % 16 or inputs % 2 else weight
     return NativeBf16Kernel(gemm.pack_bf16_weight(padded), False, rows)

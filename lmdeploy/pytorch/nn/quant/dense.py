@@ -68,7 +68,7 @@ class DenseFormat(WeightFormat):
 
     def make_expert_kernel(self, experts: FusedExperts, options: LinearOptions) -> ExpertKernel:
         """The fused-MoE kernel on the stacked weights; CPU experts to be packed (``options.pack_cpu``) each on the
-        native GEMM where it fits them all (:func:`native_bf16_experts`, :func:`native_fp32_experts`), unless the
+        native GEMM where it runs (:func:`native_bf16_experts`, :func:`native_fp32_experts`), unless the
         Triton kernels serve CPU tensors (:func:`triton_on_cpu`: the fused MoE then runs in Triton's interpreter)."""
         kernels = None
         if options.pack_cpu and experts.gate_up is not None and not triton_runs_on(experts.gate_up):
@@ -81,16 +81,16 @@ class DenseFormat(WeightFormat):
 
 def native_bf16_experts(experts: FusedExperts) -> dict[str, list[NativeBf16Kernel]] | None:
     """Each expert's ``gate_up`` and ``down`` on the native bf16 GEMM (gate and up panels alternating for its
-    SiLU-and-mul epilogue, unless the experts have another activation); None unless every one fits. Its rows do
-    not depend on how many share a call, where torch's bf16 GEMM rounds a one-row call (its GEMV) apart from
-    more rows: a token's expert output then depends on the other tokens routed to that expert, which the batch
-    decides. 2-3x faster than torch's at a few rows (docs/engine.md, "Batch invariance")."""
-    if experts.gate_up is None or experts.gate_up.dtype != torch.bfloat16 or experts.gate_up.device.type != 'cpu':
+    SiLU-and-mul epilogue, unless the experts have another activation), whatever their shapes; None where that GEMM
+    does not run. Its rows do not depend on how many share a call, where torch's bf16 GEMM rounds a one-row call
+    (its GEMV) apart from more rows: a token's expert output then depends on the other tokens routed to that
+    expert, which the batch decides. 2-3x faster than torch's at a few rows (docs/engine.md, "Batch invariance")."""
+    if (experts.gate_up is None or experts.gate_up.dtype != torch.bfloat16 or experts.gate_up.device.type != 'cpu'
+            or cpu.bf16_gemm() is None):
         return None
     fused = experts.activation is None
-    kernels = {'gate_up': [native_bf16_kernel(w, fused) for w in experts.gate_up],
-               'down': [native_bf16_kernel(w) for w in experts.down]}
-    return None if any(k is None for ks in kernels.values() for k in ks) else kernels
+    return {'gate_up': [native_bf16_kernel(w, fused) for w in experts.gate_up],
+            'down': [native_bf16_kernel(w) for w in experts.down]}
 
 
 def native_fp32_experts(experts: FusedExperts) -> dict[str, list[NativeFp32Kernel]] | None:
