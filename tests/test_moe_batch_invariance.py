@@ -49,11 +49,18 @@ def deepseek_v3(tmp_path_factory) -> str:
     return save_deepseek(str(tmp_path_factory.mktemp('deepseek_v3')))
 
 
-@pytest.mark.parametrize('model', ['qwen3_moe', 'deepseek_v3'])
+@pytest.fixture(scope='module')
+def gpt_oss_bf16(tmp_path_factory) -> str:
+    """gpt-oss with bf16 experts of an intermediate size of 40 (its clamped SwiGLU on rows of 40 features)."""
+    return save_gpt_oss(str(tmp_path_factory.mktemp('gpt_oss_bf16')), intermediate_size=40)
+
+
+@pytest.mark.parametrize('model', ['qwen3_moe', 'deepseek_v3', 'gpt_oss_bf16'])
 def test_moe_block_rows_do_not_depend_on_their_number(model, request, native_gemms):
     """A bf16 MoE block's rows, bitwise, run all together (experts' shares of many rows) and one at a time (shares
     of one), in the layers' forward and in the native stack's ``MoEBlock``: torch's bf16 GEMM (Qwen3-MoE's dense
-    experts) and fp32 GEMM (DeepSeek-V3's fp32 router) differed on some of these 1024 rows."""
+    experts) and fp32 GEMM (DeepSeek-V3's fp32 router) differed on some of these 1024 rows; gpt-oss's clamped SwiGLU
+    (the block's own, in torch's ops) did not (see :func:`test_bf16_sigmoid_does_not_depend_on_its_place`)."""
     engine = engine_of(request.getfixturevalue(model))
     try:
         block = engine.runner.model.layers[-1].mlp
@@ -63,6 +70,18 @@ def test_moe_block_rows_do_not_depend_on_their_number(model, request, native_gem
             assert all(torch.equal(together[i:i + 1], moe(x[i:i + 1])) for i in range(x.shape[0]))
     finally:
         engine.close()
+
+
+def test_bf16_sigmoid_does_not_depend_on_its_place():
+    """torch's bf16 sigmoid gives every bf16 value the same bits on its vector path and on its scalar one (a
+    tensor's last elements), so the MoE block's clamped SwiGLU in bf16 (``MoEBlock::activate``, the layers'
+    ``clamped_swiglu``) gives a row the same bits wherever it sits; in fp32 the two paths' exps differ in the last
+    bit (for 116 of these values here), which is why ``clamped_swiglu``'s fp32 sigmoid runs in fp64."""
+    values = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    values = values[~values.isnan()]
+    vector = torch.cat([values, values[:64]]).sigmoid()[:values.numel()]  # the tail past the values
+    scalar = torch.stack([values, values], dim=1)[:, 0].sigmoid()  # strided: the scalar loop for every element
+    assert torch.equal(vector.view(torch.int16), scalar.view(torch.int16))
 
 
 @pytest.fixture(scope='module')
