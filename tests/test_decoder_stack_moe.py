@@ -360,9 +360,13 @@ def test_bad_blocks_are_refused(native_gemms):
     for fp32_weight in (weight, weight.float()):  # the packed tiles, never a weight to pack again
         with pytest.raises(RuntimeError, match="weight's packed tiles"):
             native_gemms.Projection(kind='fp32', weight=fp32_weight, outputs=32)
-    for outputs in (16, 33):
-        with pytest.raises(RuntimeError, match="outputs fill its last panel's rows"):
-            native_gemms.Projection(kind='bf16', weight=native_gemms.pack_bf16_weight(weight), outputs=outputs)
+    with pytest.raises(RuntimeError, match="outputs fill its last panel's rows"):
+        native_gemms.Projection(kind='bf16', weight=native_gemms.pack_bf16_weight(weight), outputs=33)
+    # 16 of 32 rows: a gate and an up of 8 rows each, each padded to a panel; no plain projection's outputs
+    half_panels = native_gemms.Projection(kind='bf16', weight=native_gemms.pack_bf16_gate_up(weight), outputs=16)
+    assert half_panels.gate_up_silu(x=torch.ones(3, 16, dtype=torch.bfloat16)).shape == (3, 8)
+    with pytest.raises(RuntimeError, match='panels hold 17 to 32 outputs, not 16'):
+        half_panels(x=torch.ones(3, 16, dtype=torch.bfloat16))
     moe = native_gemms.MoEBlock(router=proj, top_k=2, renormalize=True, routing='softmax', **dense)
     norm = torch.ones(16, dtype=torch.bfloat16)
     stack = dict(num_heads=1, num_kv_heads=1, head_dim=16, eps=1e-6, scale=0.25, quant_policy=0)
