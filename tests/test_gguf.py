@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -195,6 +196,11 @@ def test_convert_matches_transformers(tmp_path: Path, arch: str, tied: bool) -> 
     gguf_tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
     assert tokenizer.chat_template == CHAT_TEMPLATE
     assert tokenizer.encode(TEXT) == gguf_tokenizer.encode(TEXT)
+    added = {i: t.__getstate__() for i, t in gguf_tokenizer.added_tokens_decoder.items()}
+    assert added and {i: t.__getstate__() for i, t in tokenizer.added_tokens_decoder.items()} == added
+    # listed in tokenizer_config.json, so that a load does not parse tokenizer.json a second time for them
+    listed = json.loads((out / 'tokenizer_config.json').read_text())['added_tokens_decoder']
+    assert {int(i): t for i, t in listed.items()} == added
     assert not (set(os.listdir(tmp_path)) - {'tiny.gguf', 'hf'}), 'temporary folder left behind'
 
 

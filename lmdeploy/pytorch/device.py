@@ -1,7 +1,20 @@
-"""Host-to-device copies that never wait for the device."""
+"""Host-to-device copies that never wait for the device, and zeroed host memory that costs nothing until used."""
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
+
+
+def lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor; on the CPU it lies in an anonymous mapping of its own, which the OS fills with zero pages
+    as they are first touched, so a large KV cache costs nothing at start and only the memory it uses (the
+    same zeros as ``torch.zeros``, which writes every byte at once)."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if device.type != 'cpu' or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)  # the tensor keeps the mapping
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:

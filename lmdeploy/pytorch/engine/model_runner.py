@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from lmdeploy.pytorch.config import ModelConfig
-from lmdeploy.pytorch.device import to_device
+from lmdeploy.pytorch.device import lazily_zeroed, to_device
 from lmdeploy.pytorch.distributed import channel as step_channel
 from lmdeploy.pytorch.distributed.channel import StepChannel
 from lmdeploy.pytorch.engine.cuda_graph import DecodeGraphRunner
@@ -108,9 +108,10 @@ class ModelRunner:
         self.num_state_slots = num_state_slots if any(layer_states) else 0
         if any(layer_states) and num_state_slots < 1:
             raise ValueError('a model with linear-attention layers needs recurrent-state slots')
-        # Zeroed so that the padding read by batched decode never holds NaNs.
+        # Zeroed so that the padding read by batched decode never holds NaNs (a masked position weighs 0, and 0 * NaN
+        # is NaN); lazily, page by page as the blocks are first written or read.
         self.kv_caches = [allocate_states(states, num_state_slots, self.device) if states else
-                          tuple(torch.zeros(shape, dtype=dtype, device=self.device)
+                          tuple(lazily_zeroed(shape, dtype, self.device)
                                 for shape, dtype in cfg.kv_cache_shapes(size + 1, block_size))
                           for states, size in zip(layer_states, pool_sizes)]
         self.graphs: DecodeGraphRunner | None = None

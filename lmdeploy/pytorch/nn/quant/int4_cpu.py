@@ -11,6 +11,7 @@ import torch
 
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.quant.base import LinearKernel
+from lmdeploy.pytorch.weights.derived_cache import cached_derivation
 from lmdeploy.pytorch.step_context import small_step
 
 if TYPE_CHECKING:
@@ -196,13 +197,16 @@ class SmallStepInt4Kernel(LinearKernel):
     @classmethod
     def of(cls, weight: torch.Tensor, gate_up: bool = False) -> SmallStepInt4Kernel | None:
         """The 4-bit copy of a bf16 CPU weight (without its kernel for larger steps), on the native GEMV
-        where it was built (``gate_up``: gate then up rows, for its SiLU-and-mul epilogue), else on torch's
-        int4 kernel; None for other weights."""
+        where it was built (``gate_up``: gate then up rows, for its SiLU-and-mul epilogue; its fitted grid is
+        kept in the derived-weight cache, see ``weights/derived_cache.py``), else on torch's int4 kernel; None
+        for other weights."""
         if weight.dtype != torch.bfloat16 or weight.device.type != 'cpu' or weight.shape[1] % INT4_GROUP:
             return None
         rows = INT4_MAX_TOKENS_NATIVE_GEMM if cpu.bf16_gemm() else INT4_MAX_TOKENS_ONEDNN
         if cpu.int4_gemv() is not None and weight.shape[0] % (2 * INT4_TILE if gate_up else INT4_TILE) == 0:
-            return cls(NativeInt4Kernel(*pack_int4(*least_squares_grid(weight), gate_up), gate_up), rows)
+            packed = cached_derivation(f'int4 least squares gate_up={gate_up}', weight, __file__,
+                                       lambda: pack_int4(*least_squares_grid(weight), gate_up))
+            return cls(NativeInt4Kernel(*packed, gate_up), rows)
         return cls(TorchInt4Kernel(*int4_groups(weight)), rows)
 
     def over(self, large: LinearKernel) -> SmallStepInt4Kernel:
