@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 
 import httpx
 import openai
 import pytest
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, RedirectResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, RedirectResponse
 from proxy_helpers import status
 from server_helpers import ServerThread, free_port
 
@@ -160,4 +161,49 @@ def test_a_proxy_that_is_its_own_node_answers_508_instead_of_forwarding_in_a_loo
             assert httpx.get(f'{proxy.url}{path}', timeout=60).status_code == 508
     finally:
         proxy.stop()
+        node.stop()
+
+
+def test_a_ring_of_two_proxies_cuts_models_metrics_and_aborts_after_one_round():
+    """Proxy A in front of proxy B, which has a node and A: A's own answers from all nodes (``/v1/models``,
+    ``/metrics``, ``/abort_request``) went to B, which asked A again without A's ``Via``, and so on until the
+    first asker timed out (5 s), which also took both proxies' health checks down. They carry the ``Via`` of the
+    request on now: the round through A is a 508 to B, and B answers with its node alone."""
+    node_app, aborts = FastAPI(), []
+
+    @node_app.get('/health')
+    async def health():
+        return {'status': 'ok'}
+
+    @node_app.get('/v1/models')
+    async def models():
+        return {'object': 'list', 'data': [{'id': 'tiny', 'object': 'model'}]}
+
+    @node_app.get('/metrics')
+    async def node_metrics():
+        return PlainTextResponse('# TYPE lmdeploy:num_requests_running gauge\nlmdeploy:num_requests_running 0.0\n')
+
+    @node_app.post('/abort_request')
+    async def abort(request: Request):
+        aborts.append(await request.json())
+        return {'success': True}
+
+    node = ServerThread(node_app)
+    inner = ServerThread(create_proxy_app([node.url]))
+    outer = ServerThread(create_proxy_app([inner.url]))
+    try:
+        assert httpx.post(f'{inner.url}/nodes/add', json={'url': outer.url}).json()[outer.url]['healthy']
+        start = time.monotonic()
+        listed = httpx.get(f'{outer.url}/v1/models', timeout=30)
+        assert listed.status_code == 200 and [card['id'] for card in listed.json()['data']] == ['tiny'], listed.text
+        scraped = httpx.get(f'{outer.url}/metrics', timeout=30)
+        assert scraped.status_code == 200 and f'node_healthy{{node="{inner.url}"}} 1.0' in scraped.text
+        assert f'lmdeploy:num_requests_running{{node="{inner.url}"}} 0.0' in scraped.text
+        aborted = httpx.post(f'{outer.url}/abort_request', json={'session_id': 7}, timeout=30)
+        assert aborted.status_code == 508 and aborted.json()['error']['code'] == 'loop_detected'
+        assert time.monotonic() - start < 3 and aborts == [{'session_id': 7}]
+        assert all(state['healthy'] for state in status(inner.url).values())
+    finally:
+        outer.stop()
+        inner.stop()
         node.stop()
