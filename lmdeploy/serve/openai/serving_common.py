@@ -10,7 +10,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -317,16 +317,16 @@ async def wait_disconnect(receive: Receive) -> None:
         pass
 
 
-async def _admit_until(state: ServerState, slots: int, stop: asyncio.Future) -> Ticket | None:
-    """:func:`admit`, or None if ``stop`` is done first (the request leaves the line)."""
-    admission = asyncio.ensure_future(admit(state, slots))
+async def _until(work: Awaitable[T], stop: asyncio.Future) -> T | None:
+    """``await work``, or None if ``stop`` is done first: ``work`` is cancelled then, and waited for."""
+    task = asyncio.ensure_future(work)
     try:
-        await asyncio.wait({admission, stop}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        if not admission.done():
-            admission.cancel()
-            await asyncio.wait({admission})
-    return None if admission.cancelled() else admission.result()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+    return None if task.cancelled() else task.result()
 
 
 async def admit_while_connected(state: ServerState, slots: int, receive: Receive) -> Ticket | None:
@@ -334,16 +334,13 @@ async def admit_while_connected(state: ServerState, slots: int, receive: Receive
     ``receive``, has gone while it waited: it leaves the line then."""
     gone = asyncio.ensure_future(wait_disconnect(receive))
     try:
-        return await _admit_until(state, slots, gone)
+        return await _until(admit(state, slots), gone)
     finally:
         gone.cancel()
 
 
-async def _admit_unless_aborted(state: ServerState, slots: int, reservations: list[Reservation],
-                                receive: Receive | None) -> Ticket:
-    """:func:`admit`, but a request whose every engine request is aborted while it waits in line (or whose client,
-    read from ``receive``, goes away: that aborts them) leaves the line at once, with a ticket of no slot: its
-    jobs end as 'abort' before they run."""
+def _all_aborted(reservations: list[Reservation]) -> asyncio.Future:
+    """A future done once every one of ``reservations`` is aborted."""
     loop = asyncio.get_running_loop()
     all_aborted = loop.create_future()
 
@@ -357,40 +354,59 @@ async def _admit_unless_aborted(state: ServerState, slots: int, reservations: li
 
     for reservation in reservations:
         reservation.request.on_abort(on_abort)
+    return all_aborted
 
-    async def abort_when_gone() -> None:
-        await wait_disconnect(receive)
-        for reservation in reservations:
-            reservation.request.abort()
 
-    watch = asyncio.ensure_future(abort_when_gone()) if receive is not None else None
-    try:
-        ticket = await _admit_until(state, slots, all_aborted)
-    finally:
-        if watch is not None:
-            watch.cancel()
-    return Ticket(state.admission, 0) if ticket is None else ticket
+class Admitted:
+    """A request between its admission and its start (see :func:`admitted`): its ``ticket`` and its sessions
+    (``reservations``, one a slot)."""
+
+    def __init__(self, state: ServerState, ticket: Ticket, reservations: list[Reservation], gone: asyncio.Future):
+        self.state = state
+        self.ticket = ticket
+        self.reservations = reservations
+        self.run: ChoiceRun | None = None
+        self._gone = gone
+
+    async def unless_gone(self, work: Awaitable[T]) -> T | None:
+        """``await work`` (the request's preparation: template, tokenizer, images, grammar), or None as soon as
+        the client has gone: ``work`` is cancelled then (a compile no other request waits for stops)."""
+        return await _until(work, self._gone)
+
+    def start(self, jobs: list[Job]) -> ChoiceRun:
+        """Starts the jobs; the run takes the ticket and the sessions over, one to each job."""
+        self.run = start_run(self.state, self.ticket, jobs)
+        return self.run
 
 
 @contextlib.asynccontextmanager
-async def admitted(state: ServerState, slots: int, session_id: int | None = None,
-                   receive: Receive | None = None) -> AsyncIterator[tuple[Ticket, list[Reservation]]]:
-    """:func:`admit` for a block that prepares a request and ends in :func:`start_run`, which takes the
-    ticket and the sessions (one a slot, taken before admission by :func:`reserve`) over, one to each job;
-    both go back if the block raises first. A request aborted while it waits, or whose client (``receive``)
-    goes away, stops waiting (see :func:`_admit_unless_aborted`)."""
+async def admitted(state: ServerState, slots: int, session_id: int | None,
+                   receive: Receive) -> AsyncIterator[Admitted]:
+    """:func:`admit` for a block that prepares a request (in :meth:`Admitted.unless_gone`) and starts it
+    (:meth:`Admitted.start`). Its sessions are taken on arrival (:func:`reserve`); unless the block started the
+    run, they and the slots go back when it ends. A request whose every engine request is aborted while it waits
+    leaves the line at once with a ticket of no slot (its jobs end as 'abort' before they run); one whose client,
+    read from ``receive``, goes away is aborted: it leaves the line, and its preparation, at once."""
     reservations = reserve(state, session_id, slots)
+    gone = asyncio.ensure_future(wait_disconnect(receive))
+
+    def abort(_: asyncio.Future) -> None:
+        if not gone.cancelled():
+            for reservation in reservations:
+                reservation.request.abort()
+
+    gone.add_done_callback(abort)
+    request = None
     try:
-        ticket = await _admit_unless_aborted(state, slots, reservations, receive)
-    except BaseException:
-        release(state, reservations)
-        raise
-    try:
-        yield ticket, reservations
-    except BaseException:
-        ticket.release()
-        release(state, reservations)
-        raise
+        ticket = await _until(admit(state, slots), _all_aborted(reservations))
+        request = Admitted(state, Ticket(state.admission, 0) if ticket is None else ticket, reservations, gone)
+        yield request
+    finally:
+        gone.cancel()
+        if request is None or request.run is None:
+            if request is not None:
+                request.ticket.release()
+            release(state, reservations)
 
 
 def start_run(state: ServerState, ticket: Ticket, jobs: list[Job]) -> ChoiceRun:
