@@ -225,9 +225,9 @@ def test_a_client_that_leaves_while_its_format_compiles_frees_its_slot_and_sessi
                 await asyncio.sleep(0.02)
             return time.monotonic() - left, (await http.post('/v1/chat/completions', json={**CHAT, 'session_id': 77}))
 
-    finished = sum(v for k, v in unbounded_server.metrics().items() if k.startswith('lmdeploy:request_success'))
+    finished = sum(v for k, v in unbounded_server.metrics().items() if k.startswith('lmdeploy:request_success_total'))
     seconds, again = asyncio.run(main())
     assert seconds < 1, f'the slot or the session was held {seconds:.2f} s after the client left'
     assert again.status_code == 200, again.text
-    after = sum(v for k, v in unbounded_server.metrics().items() if k.startswith('lmdeploy:request_success'))
+    after = sum(v for k, v in unbounded_server.metrics().items() if k.startswith('lmdeploy:request_success_total'))
     assert after == finished + 2, 'the request whose client left ran'
