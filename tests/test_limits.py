@@ -17,7 +17,8 @@ from lmdeploy.serve.openai.admission import Admission
 from lmdeploy.serve.openai.api_server import create_app
 from lmdeploy.serve.openai.errors import APIError
 from lmdeploy.serve.openai.limits import RequestLimits
-from lmdeploy.serve.openai.serving_common import ServerState, admitted
+from lmdeploy.serve.openai.request_start import admitted
+from lmdeploy.serve.openai.serving_common import ServerState
 from lmdeploy.serve.session_manager import Request, SessionManager
 
 LIMITS = RequestLimits(max_request_body_bytes=4096, max_messages=3, max_prompt_chars=200, max_stop_sequences=2,

@@ -12,7 +12,8 @@ from lmdeploy.serve.openai.errors import APIError
 from lmdeploy.serve.openai.limits import check_fanout, check_grammar_cost, check_prompt_chars, check_stop
 from lmdeploy.serve.openai.logprobs import completion_logprobs, join_logprobs
 from lmdeploy.serve.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse, random_id
-from lmdeploy.serve.openai.serving_common import (ChoiceRun, Job, ServerState, admitted, check_model, check_prompt_ids,
+from lmdeploy.serve.openai.request_start import admitted
+from lmdeploy.serve.openai.serving_common import (ChoiceRun, Job, ServerState, check_model, check_prompt_ids,
                                                   check_session, check_token_ids, choice_config, encode, gen_config,
                                                   run_blocking, usage)
 from lmdeploy.serve.openai.streaming import collect_or_abort, sse, sse_chunk, sse_stream

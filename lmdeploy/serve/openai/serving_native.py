@@ -10,9 +10,9 @@ from lmdeploy.messages import Response
 from lmdeploy.serve.openai.errors import APIError
 from lmdeploy.serve.openai.limits import check_fanout, check_messages, check_prompt_chars, check_stop
 from lmdeploy.serve.openai.protocol import AbortRequest, EncodeRequest, GenerateRequest
-from lmdeploy.serve.openai.serving_common import (Job, ServerState, admit_while_connected, admitted, check_model,
-                                                  check_prompt_ids, check_session, check_token_ids, encode, gen_config,
-                                                  run_blocking)
+from lmdeploy.serve.openai.request_start import admit_while_connected, admitted
+from lmdeploy.serve.openai.serving_common import (Job, ServerState, check_model, check_prompt_ids, check_session,
+                                                  check_token_ids, encode, gen_config, run_blocking)
 from lmdeploy.serve.openai.streaming import collect_or_abort, sse, sse_stream
 
 
