@@ -80,6 +80,17 @@ def test_empty_prompt(engine):
     ({'min_p': 2.0}, 'min_p'),
     ({'repetition_penalty': 0.0}, 'repetition_penalty'),
     ({'logprobs': 100}, 'logprobs'),
+    # wrong types: a bool where an int goes (True is an int to Python), a str where a bool goes, None, a bare id
+    ({'logprobs': True}, 'logprobs'),
+    ({'max_new_tokens': True}, 'max_new_tokens'),
+    ({'ignore_eos': 'no'}, 'ignore_eos'),
+    ({'skip_special_tokens': None}, 'skip_special_tokens'),
+    ({'top_p': None}, 'top_p'),
+    ({'presence_penalty': '1'}, 'presence_penalty'),
+    ({'stop_token_ids': 5}, 'stop_token_ids'),
+    ({'logit_bias': {'5': 1.0}}, 'logit_bias'),
+    ({'logit_bias': {5: float('nan')}}, 'logit_bias'),
+    ({'logit_bias': [5]}, 'logit_bias'),
 ])
 def test_bad_generation_config(kwargs, match):
     with pytest.raises(ValueError, match=match):
