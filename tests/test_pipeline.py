@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 
 import httpx
@@ -71,6 +72,21 @@ def test_failed_prompt_fails_alone(pipe):
     assert good.token_ids == pipe('Hi', gen_config=GEN).token_ids
     assert too_long.finish_reason == 'error' and 'session_len is 256' in too_long.error
     assert no_images.finish_reason == 'error' and 'does not accept images' in no_images.error
+    assert_idle(pipe)
+
+
+@pytest.mark.parametrize('field, value, match', [
+    ('logprobs', True, 'logprobs'), ('logit_bias', {'5': 1.0}, 'logit_bias'), ('max_new_tokens', 0, 'max_new_tokens'),
+    ('stop_token_ids', [10 ** 6], r'stop_token_ids must be in \[0, 320\)')])
+def test_a_config_broken_after_it_was_made_fails_its_prompt_alone(pipe, field, value, match):
+    """A field set after the config was made was never checked: ``logprobs=True`` or a str key of ``logit_bias``
+    failed the engine step, and with it the other prompts batched with it; a stop token out of the vocabulary was
+    ignored. The config is checked again when its prompt starts."""
+    broken = GenerationConfig(max_new_tokens=8, ignore_eos=True)
+    setattr(broken, field, value)
+    good, bad = pipe(['Hi', 'Hello'], gen_config=[GEN, broken])
+    assert good.finish_reason == 'length' and good.token_ids == pipe('Hi', gen_config=GEN).token_ids
+    assert bad.finish_reason == 'error' and re.search(match, bad.error), bad.error
     assert_idle(pipe)
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import hmac
 import json
 from collections.abc import AsyncIterator, Callable
@@ -167,8 +168,7 @@ class AsyncEngine:
         try:
             session = self.session_manager.get(session_id) if session_id is not None else None
             gen_config = gen_config or (session and session.gen_config) or GenerationConfig()
-            if not isinstance(gen_config, GenerationConfig):
-                raise SafeRunException(ErrorCode.INVALID_ARGUMENT, 'gen_config must be a GenerationConfig')
+            gen_config = self._checked(gen_config)
             if gen_config.n != 1:
                 raise SafeRunException(ErrorCode.INVALID_ARGUMENT, f'one request gives one reply: GenerationConfig.n '
                                        f'must be 1 here (got {gen_config.n}); pass the prompt n times, each with its '
@@ -208,6 +208,21 @@ class AsyncEngine:
         finally:
             if reservation is not None:
                 self.release(reservation)
+
+    def _checked(self, gen_config: object) -> GenerationConfig:
+        """``gen_config`` checked again (a field set after it was made was not) and against the vocabulary: a
+        bad value fails this request alone, not the engine step of every request batched with it."""
+        if not isinstance(gen_config, GenerationConfig):
+            raise SafeRunException(ErrorCode.INVALID_ARGUMENT, 'gen_config must be a GenerationConfig')
+        try:
+            gen_config = dataclasses.replace(gen_config)
+        except ValueError as exc:
+            raise SafeRunException(ErrorCode.INVALID_ARGUMENT, str(exc)) from exc
+        for name in ('stop_token_ids', 'logit_bias'):
+            if any(t >= self.vocab_size for t in getattr(gen_config, name) or ()):
+                raise SafeRunException(ErrorCode.INVALID_ARGUMENT, f'the token ids of {name} must be in '
+                                       f'[0, {self.vocab_size}), the vocabulary of this model')
+        return gen_config
 
     def reserve(self, session_id: int | None = None) -> Reservation:
         """Starts a request on session ``session_id`` (see :meth:`SessionManager.reserve`) before it is generated:
