@@ -226,9 +226,20 @@ class PytorchEngineConfig:
     def __post_init__(self):
         _check(self.dtype in ('auto', 'float32', 'bfloat16', 'float16'),
                f"dtype must be one of 'auto', 'float32', 'bfloat16', 'float16', got {self.dtype!r}")
+        for name in ('enable_prefix_caching', 'eager_mode', 'decode_int4', 'overlap_schedule'):
+            value = getattr(self, name)
+            _check(isinstance(value, bool) or (value is None and name in ('decode_int4', 'overlap_schedule')),
+                   f'{name} must be True or False, got {value!r}')
+        for name in ('session_len', 'max_batch_size', 'max_cache_bytes', 'num_gpu_blocks', 'block_size',
+                     'max_prefill_token_num', 'num_threads'):
+            value = getattr(self, name)
+            _check((value is None and name in ('session_len', 'num_threads')) or _is_int(value),
+                   f'{name} must be an int, got {value!r}')
         _check(self.session_len is None or self.session_len > 0, 'session_len must be positive')
         _check(self.max_batch_size > 0, 'max_batch_size must be positive')
-        _check(0.0 < self.cache_max_entry_count <= 1.0, 'cache_max_entry_count must be in (0, 1]')
+        _check(self.num_threads is None or self.num_threads > 0, 'num_threads must be positive (None: all cores)')
+        _check(_is_number(self.cache_max_entry_count) and 0.0 < self.cache_max_entry_count <= 1.0,
+               'cache_max_entry_count must be in (0, 1]')
         _check(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
                f'block_size must be a power of two, got {self.block_size}')
         _check(self.max_prefill_token_num >= self.block_size, 'max_prefill_token_num must be >= block_size')

@@ -100,3 +100,20 @@ def test_bad_generation_config(kwargs, match):
 def test_generation_stops_at_session_len(engine):
     out = run(engine, [list(range(3, 243))], GenerationConfig(max_new_tokens=100, ignore_eos=True))[0]
     assert len(out) == 256 - 240
+
+
+@pytest.mark.parametrize('kwargs, match', [
+    ({'session_len': 0}, 'session_len'),
+    ({'session_len': '4096'}, 'session_len must be an int'),
+    ({'max_batch_size': True}, 'max_batch_size must be an int'),
+    ({'block_size': 24}, 'power of two'),
+    ({'cache_max_entry_count': True}, 'cache_max_entry_count'),
+    ({'num_threads': -2}, 'num_threads must be positive'),
+    ({'enable_prefix_caching': 'no'}, 'enable_prefix_caching must be True or False'),
+    ({'eager_mode': None}, 'eager_mode must be True or False'),
+])
+def test_bad_engine_config(kwargs, match):
+    """Out of range, or of the wrong type: ``'no'`` turned prefix caching on, ``True`` was a batch of one, a
+    negative thread count failed the engine's start."""
+    with pytest.raises(ValueError, match=match):
+        PytorchEngineConfig(**kwargs)
