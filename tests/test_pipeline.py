@@ -136,6 +136,12 @@ def test_sessions_ids_and_occupied(pipe):
         pipe.session(session_id=77)
     assert info.value.code is ErrorCode.SESSION_OCCUPIED
     pipe.end_session(session)
+    with pytest.raises(TypeError, match='str or a list of messages, got NoneType'):  # was: not iterable
+        pipe.chat(None)
+    with pytest.raises(TypeError, match='session must be a Session'):  # was: no attribute 'session_id'
+        pipe.chat('Hi', session=77)
+    assert_idle(pipe)
+    assert not pipe.async_engine.session_manager.sessions
 
 
 def test_logits_and_ppl_match_transformers(pipe, tiny_llama):
@@ -207,8 +213,9 @@ def test_pipelines_share_nothing_and_close(tiny_llama, pipe):
     other.close()
     other.close()
     assert not any(t.is_alive() for t in threads) and other.async_engine.engine is None
-    with pytest.raises(RuntimeError, match='closed'):
-        other('Hi')
+    for call in (lambda: other('Hi'), lambda: other.encode('Hi'), other.session, lambda: other.get_ppl([1, 2])):
+        with pytest.raises(RuntimeError, match='closed'):  # encode and session worked on a closed pipeline
+            call()
 
 
 def test_serve_is_deprecated():

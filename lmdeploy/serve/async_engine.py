@@ -261,6 +261,8 @@ class AsyncEngine:
 
         The earlier turns' KV blocks are found again by the prefix cache (``Response.cached_tokens``).
         """
+        if not isinstance(prompt, (str, list)):
+            raise TypeError(f'a chat turn is a str or a list of messages, got {type(prompt).__name__}')
         turn = [{'role': 'user', 'content': prompt}] if isinstance(prompt, str) else list(prompt)
         response = await self.collect(self.generate(session.history + turn, session.session_id, gen_config,
                                                     do_preprocess, reasoning_parser=reasoning_parser))
