@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import dataclasses
 import hmac
@@ -122,7 +123,12 @@ class AsyncEngine:
         if compile is None:
             compile = self._compiling[key] = _Compile(self._grammar_pool.submit(gen_config))
             loop = asyncio.get_running_loop()
-            compile.job.future.add_done_callback(lambda _: loop.call_soon_threadsafe(self._forget, key, compile))
+
+            def forget(_: object) -> None:
+                with contextlib.suppress(RuntimeError):  # the loop has closed (a compile given up was forgotten then)
+                    loop.call_soon_threadsafe(self._forget, key, compile)
+
+            compile.job.future.add_done_callback(forget)
         compile.waiters += 1
         try:
             return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(compile.job.future)), timeout)
