@@ -218,6 +218,19 @@ def test_pipelines_share_nothing_and_close(tiny_llama, pipe):
             call()
 
 
+@pytest.mark.parametrize('kwargs, match', [
+    ({'model_path': 123}, 'model_path must be a path'),
+    ({'backend_config': {'dtype': 'float32'}}, r'got dict; for a dict d, pass PytorchEngineConfig\(\*\*d\)'),
+    ({'backend_config': GenerationConfig()}, 'backend_config must be a PytorchEngineConfig'),
+    ({'chat_template_config': '{{ messages }}'}, 'chat_template_config must be a ChatTemplateConfig'),
+])
+def test_pipeline_arguments_of_the_wrong_type(tiny_llama, kwargs, match):
+    """A dict of engine settings failed deep in the engine ('dict' object has no attribute 'device'), a str
+    template as 'no attribute chat_template'; now a TypeError that says what to pass, before anything loads."""
+    with pytest.raises(TypeError, match=match):
+        pipeline(**{'model_path': tiny_llama, **kwargs})
+
+
 def test_serve_is_deprecated():
     with pytest.warns(DeprecationWarning, match='lmdeploy serve api_server'):
         with pytest.raises(NotImplementedError):

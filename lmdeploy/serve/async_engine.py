@@ -7,6 +7,7 @@ import contextvars
 import dataclasses
 import hmac
 import json
+import os
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -53,6 +54,19 @@ def _to_response(out: EngineOutput) -> Response:
                     out.logprobs, 0, out.num_cached_tokens, out.error, out.prompt_logprobs)
 
 
+def _check_arguments(model_path: object, backend_config: object, chat_template_config: object) -> None:
+    """A ``TypeError`` that says what to pass, before anything loads (a dict of settings failed deep in the
+    engine as ``'dict' object has no attribute 'device'``)."""
+    if model_path is not None and not isinstance(model_path, (str, os.PathLike)):
+        raise TypeError(f'model_path must be a path (str) or None for the default model, got '
+                        f'{type(model_path).__name__}')
+    for name, value, kind in (('backend_config', backend_config, PytorchEngineConfig),
+                              ('chat_template_config', chat_template_config, ChatTemplateConfig)):
+        if value is not None and not isinstance(value, kind):
+            hint = f'; for a dict d, pass {kind.__name__}(**d)' if isinstance(value, dict) else ''
+            raise TypeError(f'{name} must be a {kind.__name__} or None, got {type(value).__name__}{hint}')
+
+
 class AsyncEngine:
     """Serves prompts from asyncio code, from any number of event loops and threads.
 
@@ -68,6 +82,7 @@ class AsyncEngine:
     def __init__(self, model_path: str | None = None, backend_config: PytorchEngineConfig | None = None,
                  chat_template_config: ChatTemplateConfig | None = None, show_progress: bool = True,
                  media_policy: MediaPolicy | None = None):
+        _check_arguments(model_path, backend_config, chat_template_config)
         self.backend_config = backend_config or PytorchEngineConfig()
         self.session_manager = SessionManager()
         self.engine_loop = EngineLoop(lambda: Engine(model_path, self.backend_config, show_progress=show_progress),
