@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import numbers
 import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -20,6 +21,16 @@ class ConfigError(ValueError):
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
+
+
+def _is_int(value: object) -> bool:
+    """An int that is not a bool (``True`` passes ``isinstance(x, int)``)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    """A real number (numpy's too) that is not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 @dataclass
@@ -71,39 +82,50 @@ class GenerationConfig:
     def __post_init__(self):
         if isinstance(self.stop_words, str):
             self.stop_words = [self.stop_words]
+        for name in ('do_sample', 'ignore_eos', 'skip_special_tokens'):
+            value = getattr(self, name)
+            _check(isinstance(value, bool), f'{name} must be True or False, got {value!r}')
+        for name in ('stop_words', 'stop_token_ids', 'keep_special_tokens'):
+            value = getattr(self, name)
+            _check(value is None or isinstance(value, (list, tuple)), f'{name} must be None or a list, got {value!r}')
+            if isinstance(value, tuple):
+                setattr(self, name, list(value))
         self.response_format = _check_response_format(self.response_format)
         _check(self.response_format_after is None or (isinstance(self.response_format_after, str)
                                                        and self.response_format_after),
                'response_format_after must be None or a non-empty str')
-        _check(isinstance(self.max_new_tokens, int) and 0 < self.max_new_tokens <= MAX_NEW_TOKENS_LIMIT,
+        _check(_is_int(self.max_new_tokens) and 0 < self.max_new_tokens <= MAX_NEW_TOKENS_LIMIT,
                f'max_new_tokens must be an int in [1, {MAX_NEW_TOKENS_LIMIT}], got {self.max_new_tokens!r}')
-        _check(isinstance(self.top_k, int) and self.top_k >= 0,
+        _check(_is_int(self.top_k) and self.top_k >= 0,
                f'top_k must be an int >= 0 (0 disables it), got {self.top_k!r}')
-        _check(0.0 < self.top_p <= 1.0, f'top_p must be in (0, 1], got {self.top_p!r}')
-        _check(0.0 <= self.min_p <= 1.0, f'min_p must be in [0, 1], got {self.min_p!r}')
-        _check(0.0 <= self.temperature <= 100.0, f'temperature must be in [0, 100], got {self.temperature!r}')
-        _check(0.0 < self.repetition_penalty <= 100.0,
+        _check(_is_number(self.top_p) and 0.0 < self.top_p <= 1.0, f'top_p must be in (0, 1], got {self.top_p!r}')
+        _check(_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0, f'min_p must be in [0, 1], got {self.min_p!r}')
+        _check(_is_number(self.temperature) and 0.0 <= self.temperature <= 100.0,
+               f'temperature must be in [0, 100], got {self.temperature!r}')
+        _check(_is_number(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 100.0,
                f'repetition_penalty must be in (0, 100], got {self.repetition_penalty!r}')
-        _check(-2.0 <= self.presence_penalty <= 2.0,
+        _check(_is_number(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0,
                f'presence_penalty must be in [-2, 2], got {self.presence_penalty!r}')
-        _check(-2.0 <= self.frequency_penalty <= 2.0,
+        _check(_is_number(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
                f'frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}')
-        _check(isinstance(self.min_new_tokens, int) and 0 <= self.min_new_tokens <= self.max_new_tokens,
+        _check(self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
+            _is_int(t) and t >= 0 and _is_number(b) and -100.0 <= b <= 100.0 for t, b in self.logit_bias.items())),
+            'logit_bias must be None or a dict of token ids (ints >= 0) to biases in [-100, 100], got '
+            f'{str(self.logit_bias)[:80]}')
+        _check(_is_int(self.min_new_tokens) and 0 <= self.min_new_tokens <= self.max_new_tokens,
                f'min_new_tokens must be an int in [0, max_new_tokens], got {self.min_new_tokens!r}')
-        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
                f'logprobs must be None or an int in [0, 20], got {self.logprobs!r}')
-        _check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
-                                                 and 0 <= self.prompt_logprobs <= 20),
+        _check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
                f'prompt_logprobs must be None or an int in [0, 20], got {self.prompt_logprobs!r}')
-        _check(isinstance(self.n, int) and 1 <= self.n <= 128, f'n must be an int in [1, 128], got {self.n!r}')
+        _check(_is_int(self.n) and 1 <= self.n <= 128, f'n must be an int in [1, 128], got {self.n!r}')
         _check(self.stop_words is None or all(isinstance(w, str) and w for w in self.stop_words),
                'stop_words must be a list of non-empty strings')
         _check(self.keep_special_tokens is None or all(isinstance(t, str) and t for t in self.keep_special_tokens),
                'keep_special_tokens must be a list of non-empty strings')
-        _check(self.stop_token_ids is None or all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+        _check(self.stop_token_ids is None or all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
                'stop_token_ids must be a list of non-negative ints')
-        _check(self.random_seed is None or (isinstance(self.random_seed, int)
-                                             and -2 ** 63 <= self.random_seed < 2 ** 64),
+        _check(self.random_seed is None or (_is_int(self.random_seed) and -2 ** 63 <= self.random_seed < 2 ** 64),
                f'random_seed must be None or an int in [-2**63, 2**64), got {self.random_seed!r}')
 
     @property
@@ -204,9 +226,20 @@ class PytorchEngineConfig:
     def __post_init__(self):
         _check(self.dtype in ('auto', 'float32', 'bfloat16', 'float16'),
                f"dtype must be one of 'auto', 'float32', 'bfloat16', 'float16', got {self.dtype!r}")
+        for name in ('enable_prefix_caching', 'eager_mode', 'decode_int4', 'overlap_schedule'):
+            value = getattr(self, name)
+            _check(isinstance(value, bool) or (value is None and name in ('decode_int4', 'overlap_schedule')),
+                   f'{name} must be True or False, got {value!r}')
+        for name in ('session_len', 'max_batch_size', 'max_cache_bytes', 'num_gpu_blocks', 'block_size',
+                     'max_prefill_token_num', 'num_threads'):
+            value = getattr(self, name)
+            _check((value is None and name in ('session_len', 'num_threads')) or _is_int(value),
+                   f'{name} must be an int, got {value!r}')
         _check(self.session_len is None or self.session_len > 0, 'session_len must be positive')
         _check(self.max_batch_size > 0, 'max_batch_size must be positive')
-        _check(0.0 < self.cache_max_entry_count <= 1.0, 'cache_max_entry_count must be in (0, 1]')
+        _check(self.num_threads is None or self.num_threads > 0, 'num_threads must be positive (None: all cores)')
+        _check(_is_number(self.cache_max_entry_count) and 0.0 < self.cache_max_entry_count <= 1.0,
+               'cache_max_entry_count must be in (0, 1]')
         _check(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
                f'block_size must be a power of two, got {self.block_size}')
         _check(self.max_prefill_token_num >= self.block_size, 'max_prefill_token_num must be >= block_size')

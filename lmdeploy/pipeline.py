@@ -94,8 +94,13 @@ class Pipeline:
             future.cancel()
             raise
 
+    def _check_open(self) -> None:
+        if self._thread is None:
+            raise RuntimeError('the pipeline is closed')
+
     def encode(self, prompt: Prompt, do_preprocess: bool = True) -> list[int]:
         """Token ids of a prompt; ``do_preprocess`` applies the chat template."""
+        self._check_open()
         return self.async_engine.encode(prompt, do_preprocess)
 
     async def _one(self, index: int, prompt: Prompt, gen_config: GenerationConfig | None,
@@ -165,6 +170,7 @@ class Pipeline:
 
     def session(self, session_id: int | None = None, gen_config: GenerationConfig | None = None) -> Session:
         """A new chat session (an automatic id unless ``session_id`` is given)."""
+        self._check_open()
         return self.async_engine.session(session_id, gen_config)
 
     def chat(self, prompt: Prompt, session: Session | None = None, gen_config: GenerationConfig | None = None,
@@ -177,6 +183,9 @@ class Pipeline:
         or one already ended), the turn runs in a temporary session that is ended right after it, so
         nothing is left behind: the Session returned carries the reply and the history, and passing
         it back continues the conversation the same way."""
+        if session is not None and not isinstance(session, Session):
+            raise TypeError(f'session must be a Session (from pipe.session() or pipe.chat()) or None, got '
+                            f'{type(session).__name__}')
         if session is not None and self.async_engine.session_manager.get(session.session_id) is session:
             self._run(self.async_engine.chat(prompt, session, gen_config, do_preprocess, self.reasoning_parser))
             return session

@@ -80,6 +80,17 @@ def test_empty_prompt(engine):
     ({'min_p': 2.0}, 'min_p'),
     ({'repetition_penalty': 0.0}, 'repetition_penalty'),
     ({'logprobs': 100}, 'logprobs'),
+    # wrong types: a bool where an int goes (True is an int to Python), a str where a bool goes, None, a bare id
+    ({'logprobs': True}, 'logprobs'),
+    ({'max_new_tokens': True}, 'max_new_tokens'),
+    ({'ignore_eos': 'no'}, 'ignore_eos'),
+    ({'skip_special_tokens': None}, 'skip_special_tokens'),
+    ({'top_p': None}, 'top_p'),
+    ({'presence_penalty': '1'}, 'presence_penalty'),
+    ({'stop_token_ids': 5}, 'stop_token_ids'),
+    ({'logit_bias': {'5': 1.0}}, 'logit_bias'),
+    ({'logit_bias': {5: float('nan')}}, 'logit_bias'),
+    ({'logit_bias': [5]}, 'logit_bias'),
 ])
 def test_bad_generation_config(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -89,3 +100,20 @@ def test_bad_generation_config(kwargs, match):
 def test_generation_stops_at_session_len(engine):
     out = run(engine, [list(range(3, 243))], GenerationConfig(max_new_tokens=100, ignore_eos=True))[0]
     assert len(out) == 256 - 240
+
+
+@pytest.mark.parametrize('kwargs, match', [
+    ({'session_len': 0}, 'session_len'),
+    ({'session_len': '4096'}, 'session_len must be an int'),
+    ({'max_batch_size': True}, 'max_batch_size must be an int'),
+    ({'block_size': 24}, 'power of two'),
+    ({'cache_max_entry_count': True}, 'cache_max_entry_count'),
+    ({'num_threads': -2}, 'num_threads must be positive'),
+    ({'enable_prefix_caching': 'no'}, 'enable_prefix_caching must be True or False'),
+    ({'eager_mode': None}, 'eager_mode must be True or False'),
+])
+def test_bad_engine_config(kwargs, match):
+    """Out of range, or of the wrong type: ``'no'`` turned prefix caching on, ``True`` was a batch of one, a
+    negative thread count failed the engine's start."""
+    with pytest.raises(ValueError, match=match):
+        PytorchEngineConfig(**kwargs)

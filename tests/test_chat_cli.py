@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 
@@ -180,3 +181,20 @@ def test_an_interrupted_reply_stays_in_the_conversation(monkeypatch, capsys):
     assert first == [{'role': 'user', 'content': 'Tell me a story'}]
     assert [m['role'] for m in second] == ['user', 'assistant', 'user'] and second[2]['content'] == 'Summarize that story'
     assert second[1]['content'].startswith('word word word')
+
+
+def test_commands_are_whole_lines_and_unknown_ones_never_reach_the_model(tiny_llama, tmp_path):
+    """Piped input (no terminal): '/exit' and '/help' went to the model as messages, and '/images x' was the
+    command '/image' with the image 's x'. Unknown ``/word`` lines are refused; 'exit' with more words is a message;
+    blank, control-character and over-long lines leave the chat going."""
+    lines = ['', '   ', '/images x', '/help', 'exit strategies?', 'a\x00b\x07\x1b[31m', 'x ' * 3000, '/exit', 'Hi']
+    done = subprocess.run([sys.executable, '-m', 'lmdeploy.cli.main', 'chat', tiny_llama, '--dtype', 'float32',
+                           '--num-gpu-blocks', '64', '--block-size', '16', '--max-new-tokens', '2', '--ignore-eos'],
+                          input='\n'.join(lines), capture_output=True, text=True, timeout=120,
+                          env={**os.environ, 'LMDEPLOY_CACHE_DIR': str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "[unknown command: /images x] Type a message; 'reset' starts over" in out
+    assert out.count("'/help' shows this") == 3  # the greeting, /help and the unknown command
+    assert 'session_len is 1024' in out  # the long line is refused, the chat goes on
+    assert out.count(PROMPT) == 8, out  # the chat stops at '/exit': 'Hi' is never read

@@ -15,7 +15,8 @@ from server_helpers import free_port, metrics, serve, slow_down, tiny_engine, wa
 
 from lmdeploy.messages import GenerationConfig
 from lmdeploy.serve.openai.admission import Admission
-from lmdeploy.serve.openai.serving_common import Job, start_run
+from lmdeploy.serve.openai.request_start import start_run
+from lmdeploy.serve.openai.serving_common import Job
 
 ABORTED = 'lmdeploy:request_success_total{finish_reason="abort"}'
 LENGTH = 'lmdeploy:request_success_total{finish_reason="length"}'

@@ -205,3 +205,29 @@ def test_a_cached_format_is_served_while_slow_compiles_hold_both_workers(unbound
     assert [r.json()['error']['code'] for r in refused] == ['max_grammar_compile_seconds_exceeded'] * 2
     assert busy, 'the slow compiles ended before the cached format was asked for: nothing was tested'
     assert seconds < 2, f'the cached format waited {seconds:.2f} s behind the compiles'
+
+
+def test_a_client_that_leaves_while_its_format_compiles_frees_its_slot_and_session_at_once(unbounded_server):
+    """A chat request held its admission slot and its session until its grammar compiled (or hit the limit, 4 s
+    here), though its client had gone; they are given back as soon as the client goes, and it never runs."""
+    state, engine = unbounded_server.app.state.server, unbounded_server.engine
+    slow = {**CHAT, 'session_id': 77, 'response_format': json_schema({'enum': [f'gone {i}' for i in range(60_000)]})}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=unbounded_server.url, timeout=60) as http:
+            warm = await http.post('/v1/chat/completions', json={**CHAT, 'response_format': json_schema(
+                {'type': 'integer'})})
+            assert warm.status_code == 200, warm.text  # the grammar workers' start is not the compile's
+            with pytest.raises(httpx.ReadTimeout):
+                await http.post('/v1/chat/completions', json=slow, timeout=0.5)
+            left = time.monotonic()
+            while (state.admission.running or engine.session_manager.sessions) and time.monotonic() - left < 2:
+                await asyncio.sleep(0.02)
+            return time.monotonic() - left, (await http.post('/v1/chat/completions', json={**CHAT, 'session_id': 77}))
+
+    finished = sum(v for k, v in unbounded_server.metrics().items() if k.startswith('lmdeploy:request_success_total'))
+    seconds, again = asyncio.run(main())
+    assert seconds < 1, f'the slot or the session was held {seconds:.2f} s after the client left'
+    assert again.status_code == 200, again.text
+    after = sum(v for k, v in unbounded_server.metrics().items() if k.startswith('lmdeploy:request_success_total'))
+    assert after == finished + 2, 'the request whose client left ran'

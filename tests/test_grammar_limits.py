@@ -308,3 +308,22 @@ def test_a_script_without_a_main_guard_runs_once(tiny_llama, tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     lines = run.stdout.splitlines()
     assert lines.count('top level') == 1 and lines[-1].strip().lstrip('-').isdigit(), run.stdout
+
+
+def test_a_compile_given_up_just_before_its_loop_closed_logs_nothing(tiny_llama, caplog):
+    """The last waiter gives up (a timeout) and its event loop closes before the killed compile's future is
+    done: its done callback scheduled on the closed loop, and the pool's thread logged 'exception calling
+    callback ... Event loop is closed' (at the end of a server test's fixture, for one)."""
+    engine = AsyncEngine(tiny_llama, SMALL_CACHE)
+
+    async def main():
+        await engine.compile_grammar(GenerationConfig(response_format={'type': 'json_object'}))  # workers started
+        with pytest.raises(TimeoutError):
+            await engine.compile_grammar(GenerationConfig(response_format=slow_format('closing')), 0.3)
+
+    try:
+        asyncio.run(main())
+        time.sleep(1.0)  # the killed compile's future is done on the pool's thread meanwhile
+    finally:
+        engine.close()
+    assert not [r for r in caplog.records if 'exception calling callback' in r.getMessage()]

@@ -17,7 +17,8 @@ from lmdeploy.serve.openai.admission import Admission
 from lmdeploy.serve.openai.api_server import create_app
 from lmdeploy.serve.openai.errors import APIError
 from lmdeploy.serve.openai.limits import RequestLimits
-from lmdeploy.serve.openai.serving_common import ServerState, admitted
+from lmdeploy.serve.openai.request_start import admitted
+from lmdeploy.serve.openai.serving_common import ServerState
 from lmdeploy.serve.session_manager import Request, SessionManager
 
 LIMITS = RequestLimits(max_request_body_bytes=4096, max_messages=3, max_prompt_chars=200, max_stop_sequences=2,
@@ -257,32 +258,40 @@ class Sessions:
         self.release = self.session_manager.release
 
 
-def test_admitted_gives_the_slots_back_when_preparing_fails():
-    """Slots and sessions taken for a request that fails (or is cancelled) before start_run go back; a block that
-    gets through leaves them with the ticket and the reservations, for the run."""
+async def connected() -> dict:
+    """The ``receive`` of a client that never leaves."""
+    await asyncio.Event().wait()
+
+
+def test_admitted_gives_the_slots_back_unless_the_run_started():
+    """Slots and sessions taken for a request that fails (or is cancelled, or returns) before its run started go
+    back; a started run takes them over (here a stand-in that only records that)."""
     state = ServerState(engine=Sessions(), model_name='tiny', admission=Admission(max_running=2, max_waiting=0),
                         metrics=None)
     sessions = state.engine.session_manager.sessions
 
-    async def preparing(error: BaseException, session_id: int | None = None):
-        async with admitted(state, 1 if session_id is not None else 2, session_id):
+    async def preparing(error: BaseException | None, session_id: int | None = None):
+        async with admitted(state, 1 if session_id is not None else 2, session_id, connected):
             assert len(sessions) == (1 if session_id is not None else 2)
-            raise error
+            if error is not None:
+                raise error
 
     async def main():
         with pytest.raises(APIError):
             await preparing(APIError(400, 'the prompt is too long'))
         with pytest.raises(asyncio.CancelledError):
             await preparing(asyncio.CancelledError(), session_id=7)
+        await preparing(None)
         assert state.admission.running == 0 and not sessions
-        async with admitted(state, 2) as (ticket, reservations):
-            pass
-        assert state.admission.running == 2 and not ticket.released and len(reservations) == len(sessions) == 2
+        async with admitted(state, 2, None, connected) as request:
+            request.run = 'started'
+        assert state.admission.running == 2 and not request.ticket.released
+        assert len(request.reservations) == len(sessions) == 2
         with pytest.raises(APIError, match='busy'):  # no slot left: the session it took goes back
             await preparing(AssertionError('admitted past a full server'), session_id=7)
         assert len(sessions) == 2
-        ticket.release()
-        for reservation in reservations:
+        request.ticket.release()
+        for reservation in request.reservations:
             state.engine.release(reservation)
     asyncio.run(main())
     assert state.admission.running == 0 and not sessions

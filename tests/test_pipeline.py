@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 
 import httpx
@@ -74,6 +75,21 @@ def test_failed_prompt_fails_alone(pipe):
     assert_idle(pipe)
 
 
+@pytest.mark.parametrize('field, value, match', [
+    ('logprobs', True, 'logprobs'), ('logit_bias', {'5': 1.0}, 'logit_bias'), ('max_new_tokens', 0, 'max_new_tokens'),
+    ('stop_token_ids', [10 ** 6], r'stop_token_ids must be in \[0, 320\)')])
+def test_a_config_broken_after_it_was_made_fails_its_prompt_alone(pipe, field, value, match):
+    """A field set after the config was made was never checked: ``logprobs=True`` or a str key of ``logit_bias``
+    failed the engine step, and with it the other prompts batched with it; a stop token out of the vocabulary was
+    ignored. The config is checked again when its prompt starts."""
+    broken = GenerationConfig(max_new_tokens=8, ignore_eos=True)
+    setattr(broken, field, value)
+    good, bad = pipe(['Hi', 'Hello'], gen_config=[GEN, broken])
+    assert good.finish_reason == 'length' and good.token_ids == pipe('Hi', gen_config=GEN).token_ids
+    assert bad.finish_reason == 'error' and re.search(match, bad.error), bad.error
+    assert_idle(pipe)
+
+
 def test_stream_matches_batch_and_early_close_aborts(pipe):
     prompts = ['Hi', 'Hello world!']
     full = pipe(prompts, gen_config=GEN)
@@ -120,6 +136,12 @@ def test_sessions_ids_and_occupied(pipe):
         pipe.session(session_id=77)
     assert info.value.code is ErrorCode.SESSION_OCCUPIED
     pipe.end_session(session)
+    with pytest.raises(TypeError, match='str or a list of messages, got NoneType'):  # was: not iterable
+        pipe.chat(None)
+    with pytest.raises(TypeError, match='session must be a Session'):  # was: no attribute 'session_id'
+        pipe.chat('Hi', session=77)
+    assert_idle(pipe)
+    assert not pipe.async_engine.session_manager.sessions
 
 
 def test_logits_and_ppl_match_transformers(pipe, tiny_llama):
@@ -191,8 +213,22 @@ def test_pipelines_share_nothing_and_close(tiny_llama, pipe):
     other.close()
     other.close()
     assert not any(t.is_alive() for t in threads) and other.async_engine.engine is None
-    with pytest.raises(RuntimeError, match='closed'):
-        other('Hi')
+    for call in (lambda: other('Hi'), lambda: other.encode('Hi'), other.session, lambda: other.get_ppl([1, 2])):
+        with pytest.raises(RuntimeError, match='closed'):  # encode and session worked on a closed pipeline
+            call()
+
+
+@pytest.mark.parametrize('kwargs, match', [
+    ({'model_path': 123}, 'model_path must be a path'),
+    ({'backend_config': {'dtype': 'float32'}}, r'got dict; for a dict d, pass PytorchEngineConfig\(\*\*d\)'),
+    ({'backend_config': GenerationConfig()}, 'backend_config must be a PytorchEngineConfig'),
+    ({'chat_template_config': '{{ messages }}'}, 'chat_template_config must be a ChatTemplateConfig'),
+])
+def test_pipeline_arguments_of_the_wrong_type(tiny_llama, kwargs, match):
+    """A dict of engine settings failed deep in the engine ('dict' object has no attribute 'device'), a str
+    template as 'no attribute chat_template'; now a TypeError that says what to pass, before anything loads."""
+    with pytest.raises(TypeError, match=match):
+        pipeline(**{'model_path': tiny_llama, **kwargs})
 
 
 def test_serve_is_deprecated():

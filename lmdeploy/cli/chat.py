@@ -3,8 +3,10 @@
 On a terminal the input line (prompt_toolkit) has history (up/down, kept in
 ``~/.cache/lmdeploy/chat_history``) and takes several lines: end a line with ``\\`` or press
 Esc then Enter to go on to the next one. Ctrl-C during a reply stops that reply (what it said so
-far stays in the conversation); Ctrl-D or ``exit`` quits, ``reset`` starts a new conversation, and
-``/image PATH`` (or URL) attaches an image to the next message when the model takes images.
+far stays in the conversation); Ctrl-D or ``exit`` (``quit``, ``/exit``) quits, ``reset`` starts a new
+conversation, ``/image PATH`` (or URL) attaches an image to the next message when the model takes images, and
+``/help`` lists these. Any other ``/word`` is refused as an unknown command rather than sent to the model (a
+message may still start with a path such as ``/etc/hosts``).
 
 A message that cannot be sent (a bad image, a message longer than ``session_len`` on its own)
 prints an error and leaves the conversation as it was. When the conversation outgrows
@@ -41,6 +43,9 @@ CONTINUATION = '... '
 THINKING, DONE_THINKING = 'Thinking...', '...done thinking.'
 DIM, RESET = '\033[2m', '\033[0m'
 NO_PARSER = 'none'
+HELP = "Type a message; 'reset' starts over, 'exit' (or Ctrl-D) quits, '/help' shows this. End a line with \\ to go on."
+COMMANDS = {'exit': 'exit', '/exit': 'exit', 'quit': 'exit', '/quit': 'exit', 'reset': 'reset', '/reset': 'reset',
+            '/image': 'image', '/help': 'help', '/?': 'help'}
 
 
 def add_chat_parser(commands) -> None:
@@ -225,6 +230,21 @@ def _attach_error(engine: AsyncEngine, source: str) -> str | None:
     return None
 
 
+def _command(prompt: str | None) -> tuple[str, str]:
+    """The command a line is and its argument: 'exit' (also at the end of input), 'reset', 'help', 'image' (whose
+    argument is the image), 'unknown' (a ``/word`` that is none of these, or one given an argument it does not
+    take), or '' for a message (which may start with a path: ``/etc/hosts``)."""
+    if prompt is None:
+        return 'exit', ''
+    word, _, argument = prompt.strip().partition(' ')
+    name, argument = COMMANDS.get(word.lower()), argument.strip()
+    if name is not None and (name == 'image' or not argument):
+        return name, argument
+    if word[:1] == '/' and '/' not in word[1:]:
+        return 'unknown', prompt.strip()
+    return '', ''
+
+
 def _user_turn(prompt: str, images: list[str]) -> list[dict]:
     if not images:
         return [{'role': 'user', 'content': prompt}]
@@ -241,26 +261,30 @@ async def chat(engine: AsyncEngine, gen: GenerationConfig, reasoning_parser: typ
     reader = LineReader()
     session = engine.session()
     images: list[str] = []
-    print("Type a message; 'reset' starts over, 'exit' (or Ctrl-D) quits. End a line with \\ to go on."
-          + (" '/image PATH' attaches an image to your next message." if engine.processor.accepts_images else ''))
+    usage = HELP + (" '/image PATH' attaches an image to your next message." if engine.processor.accepts_images
+                    else '')
+    print(usage)
     while True:
         prompt = await reader.read()
-        if prompt is None or prompt.strip() == 'exit':
+        command, argument = _command(prompt)
+        if command == 'exit':
             break
-        if prompt.strip() == 'reset':
+        if command == 'reset':
             await engine.end_session(session.session_id)
             session = engine.session()
             images = []
             print('[new conversation]')
             continue
-        if prompt.strip().startswith('/image'):
-            source = prompt.strip()[len('/image'):].strip()
-            error = _attach_error(engine, source) if source else 'usage: /image PATH'
+        if command in ('help', 'unknown'):
+            print(f'[unknown command: {argument}] {usage}' if command == 'unknown' else usage)
+            continue
+        if command == 'image':
+            error = _attach_error(engine, argument) if argument else 'usage: /image PATH'
             if error:
                 print(f'[error: {error}]')
             else:
-                images.append(source)
-                print(f'[image {len(images)} attached: {source}]')
+                images.append(argument)
+                print(f'[image {len(images)} attached: {argument}]')
             continue
         if not prompt.strip():
             continue

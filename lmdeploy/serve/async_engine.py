@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
+import dataclasses
 import hmac
 import json
+import os
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -51,6 +54,19 @@ def _to_response(out: EngineOutput) -> Response:
                     out.logprobs, 0, out.num_cached_tokens, out.error, out.prompt_logprobs)
 
 
+def _check_arguments(model_path: object, backend_config: object, chat_template_config: object) -> None:
+    """A ``TypeError`` that says what to pass, before anything loads (a dict of settings failed deep in the
+    engine as ``'dict' object has no attribute 'device'``)."""
+    if model_path is not None and not isinstance(model_path, (str, os.PathLike)):
+        raise TypeError(f'model_path must be a path (str) or None for the default model, got '
+                        f'{type(model_path).__name__}')
+    for name, value, kind in (('backend_config', backend_config, PytorchEngineConfig),
+                              ('chat_template_config', chat_template_config, ChatTemplateConfig)):
+        if value is not None and not isinstance(value, kind):
+            hint = f'; for a dict d, pass {kind.__name__}(**d)' if isinstance(value, dict) else ''
+            raise TypeError(f'{name} must be a {kind.__name__} or None, got {type(value).__name__}{hint}')
+
+
 class AsyncEngine:
     """Serves prompts from asyncio code, from any number of event loops and threads.
 
@@ -66,6 +82,7 @@ class AsyncEngine:
     def __init__(self, model_path: str | None = None, backend_config: PytorchEngineConfig | None = None,
                  chat_template_config: ChatTemplateConfig | None = None, show_progress: bool = True,
                  media_policy: MediaPolicy | None = None):
+        _check_arguments(model_path, backend_config, chat_template_config)
         self.backend_config = backend_config or PytorchEngineConfig()
         self.session_manager = SessionManager()
         self.engine_loop = EngineLoop(lambda: Engine(model_path, self.backend_config, show_progress=show_progress),
@@ -121,7 +138,12 @@ class AsyncEngine:
         if compile is None:
             compile = self._compiling[key] = _Compile(self._grammar_pool.submit(gen_config))
             loop = asyncio.get_running_loop()
-            compile.job.future.add_done_callback(lambda _: loop.call_soon_threadsafe(self._forget, key, compile))
+
+            def forget(_: object) -> None:
+                with contextlib.suppress(RuntimeError):  # the loop has closed (a compile given up was forgotten then)
+                    loop.call_soon_threadsafe(self._forget, key, compile)
+
+            compile.job.future.add_done_callback(forget)
         compile.waiters += 1
         try:
             return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(compile.job.future)), timeout)
@@ -167,8 +189,7 @@ class AsyncEngine:
         try:
             session = self.session_manager.get(session_id) if session_id is not None else None
             gen_config = gen_config or (session and session.gen_config) or GenerationConfig()
-            if not isinstance(gen_config, GenerationConfig):
-                raise SafeRunException(ErrorCode.INVALID_ARGUMENT, 'gen_config must be a GenerationConfig')
+            gen_config = self._checked(gen_config)
             if gen_config.n != 1:
                 raise SafeRunException(ErrorCode.INVALID_ARGUMENT, f'one request gives one reply: GenerationConfig.n '
                                        f'must be 1 here (got {gen_config.n}); pass the prompt n times, each with its '
@@ -209,6 +230,21 @@ class AsyncEngine:
             if reservation is not None:
                 self.release(reservation)
 
+    def _checked(self, gen_config: object) -> GenerationConfig:
+        """``gen_config`` checked again (a field set after it was made was not) and against the vocabulary: a
+        bad value fails this request alone, not the engine step of every request batched with it."""
+        if not isinstance(gen_config, GenerationConfig):
+            raise SafeRunException(ErrorCode.INVALID_ARGUMENT, 'gen_config must be a GenerationConfig')
+        try:
+            gen_config = dataclasses.replace(gen_config)
+        except ValueError as exc:
+            raise SafeRunException(ErrorCode.INVALID_ARGUMENT, str(exc)) from exc
+        for name in ('stop_token_ids', 'logit_bias'):
+            if any(t >= self.vocab_size for t in getattr(gen_config, name) or ()):
+                raise SafeRunException(ErrorCode.INVALID_ARGUMENT, f'the token ids of {name} must be in '
+                                       f'[0, {self.vocab_size}), the vocabulary of this model')
+        return gen_config
+
     def reserve(self, session_id: int | None = None) -> Reservation:
         """Starts a request on session ``session_id`` (see :meth:`SessionManager.reserve`) before it is generated:
         an abort (by the :data:`request_owner` of now) reaches it while it waits, and :meth:`generate` with the
@@ -246,6 +282,8 @@ class AsyncEngine:
 
         The earlier turns' KV blocks are found again by the prefix cache (``Response.cached_tokens``).
         """
+        if not isinstance(prompt, (str, list)):
+            raise TypeError(f'a chat turn is a str or a list of messages, got {type(prompt).__name__}')
         turn = [{'role': 'user', 'content': prompt}] if isinstance(prompt, str) else list(prompt)
         response = await self.collect(self.generate(session.history + turn, session.session_id, gen_config,
                                                     do_preprocess, reasoning_parser=reasoning_parser))

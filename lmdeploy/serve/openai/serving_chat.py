@@ -15,8 +15,9 @@ from lmdeploy.serve.openai.errors import APIError
 from lmdeploy.serve.openai.limits import check_fanout, check_grammar_cost, check_messages, check_stop, text_chars
 from lmdeploy.serve.openai.logprobs import chat_logprobs
 from lmdeploy.serve.openai.protocol import ChatChoice, ChatCompletionRequest, ChatCompletionResponse, random_id
-from lmdeploy.serve.openai.serving_common import (ChoiceRun, Job, ServerState, admitted, check_model, check_session,
-                                                  choice_config, gen_config, process, start_run, usage)
+from lmdeploy.serve.openai.request_start import admitted
+from lmdeploy.serve.openai.serving_common import (ChoiceRun, Job, ServerState, check_model, check_session,
+                                                  choice_config, gen_config, process, usage)
 from lmdeploy.serve.openai.streaming import collect_or_abort, sse, sse_chunk, sse_stream
 from lmdeploy.serve.openai.structured import compile_format, requested_format, with_format
 from lmdeploy.serve.openai.tool_choice import ToolPlan, plan_tools, template_messages
@@ -80,9 +81,12 @@ async def _jobs(state: ServerState, req: ChatCompletionRequest, plan: ToolPlan,
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request):
     """Answers a chat request, streamed as server-sent events when ``req.stream``."""
     plan = _check(state, req)
-    async with admitted(state, req.n, req.session_id, raw.receive) as (ticket, reservations):
-        jobs, make_parser = await _jobs(state, req, plan, reservations)
-        run = start_run(state, ticket, jobs)
+    async with admitted(state, req.n, req.session_id, raw.receive) as request:
+        prepared = await request.unless_gone(_jobs(state, req, plan, request.reservations))
+        if prepared is None:
+            return None
+        jobs, make_parser = prepared
+        run = request.start(jobs)
     request_id, top = random_id('chatcmpl'), req.top_logprobs or 0
     tokenizer = state.engine.tokenizer
     if req.stream:

@@ -1,10 +1,9 @@
-"""What the chat, completion and native handlers share: request checks, generation config, admission,
-running the choices of one request, and usage (streaming them is in :mod:`.streaming`)."""
+"""What the chat, completion and native handlers share: request checks, generation config, running the choices
+of one request, and usage (admitting and starting one is in :mod:`.request_start`, streaming it in
+:mod:`.streaming`)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import dataclasses
 import functools
 import json
 import logging
@@ -15,13 +14,11 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from starlette.types import Receive
-
 from lmdeploy.messages import MAX_NEW_TOKENS_LIMIT, GenerationConfig, Response
 from lmdeploy.pytorch.multimodal import MultiModalInput
 from lmdeploy.serve.async_engine import AsyncEngine
 from lmdeploy.serve.exceptions import ErrorCode, SafeRunException
-from lmdeploy.serve.openai.admission import Admission, Ticket
+from lmdeploy.serve.openai.admission import Admission
 from lmdeploy.serve.openai.errors import APIError, from_safe_run
 from lmdeploy.serve.openai.limits import RequestLimits
 from lmdeploy.serve.openai.metrics import Metrics
@@ -81,7 +78,7 @@ class Job:
     index: int
     input_ids: list[int]
     gen_config: GenerationConfig
-    reservation: Reservation  # its session, taken on arrival (see :func:`admitted`)
+    reservation: Reservation  # its session, taken on arrival (see :func:`.request_start.admitted`)
     multimodal: list[MultiModalInput] = field(default_factory=list)
 
 
@@ -106,26 +103,9 @@ def check_prompt_ids(state: ServerState, input_ids: list[int], param: str = 'pro
 
 
 def check_session(state: ServerState, session_id: int | None, n: int) -> None:
-    """An explicit ``session_id`` must serve a single choice (:func:`admitted` checks that it is free)."""
+    """An explicit ``session_id`` must serve a single choice (:func:`.request_start.reserve` checks that it is free)."""
     if session_id is not None and n > 1:
         raise APIError(400, 'session_id cannot be combined with n > 1', 'session_id')
-
-
-def reserve(state: ServerState, session_id: int | None, slots: int) -> list[Reservation]:
-    """The sessions of a request's ``slots`` engine requests taken at once (see :meth:`AsyncEngine.reserve`): its
-    ``session_id`` (then ``slots`` is 1), else anonymous ones; an abort by ``session_id`` or ``abort_all`` reaches
-    them from now on, also while the request waits for admission or is prepared."""
-    if session_id is None:
-        return [state.engine.reserve() for _ in range(slots)]
-    try:
-        return [state.engine.reserve(session_id)]
-    except SafeRunException as exc:
-        raise APIError(400, exc.message, 'session_id', exc.code.value[0]) from exc
-
-
-def release(state: ServerState, reservations: list[Reservation]) -> None:
-    for reservation in reservations:
-        state.engine.release(reservation)
 
 
 async def encode(state: ServerState, prompt: object, do_preprocess: bool, param: str) -> list[int]:
@@ -302,100 +282,6 @@ class ChoiceRun:
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
-
-
-async def admit(state: ServerState, slots: int) -> Ticket:
-    """Waits for ``slots`` admission slots (one per engine request); raises 429 when the server is full
-    and 400 when it could never hold them. Cheap checks go before, heavy work (tokenization, images)
-    after it."""
-    return await state.admission.acquire(slots)
-
-
-async def wait_disconnect(receive: Receive) -> None:
-    """Returns once the client has gone (or the response is complete); call it after the body was read."""
-    while (await receive())['type'] != 'http.disconnect':
-        pass
-
-
-async def _admit_until(state: ServerState, slots: int, stop: asyncio.Future) -> Ticket | None:
-    """:func:`admit`, or None if ``stop`` is done first (the request leaves the line)."""
-    admission = asyncio.ensure_future(admit(state, slots))
-    try:
-        await asyncio.wait({admission, stop}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not admission.done():
-            admission.cancel()
-            await asyncio.wait({admission})
-    return None if admission.cancelled() else admission.result()
-
-
-async def admit_while_connected(state: ServerState, slots: int, receive: Receive) -> Ticket | None:
-    """:func:`admit` for a request that holds no session (``/v1/encode``); None once its client, read from
-    ``receive``, has gone while it waited: it leaves the line then."""
-    gone = asyncio.ensure_future(wait_disconnect(receive))
-    try:
-        return await _admit_until(state, slots, gone)
-    finally:
-        gone.cancel()
-
-
-async def _admit_unless_aborted(state: ServerState, slots: int, reservations: list[Reservation],
-                                receive: Receive | None) -> Ticket:
-    """:func:`admit`, but a request whose every engine request is aborted while it waits in line (or whose client,
-    read from ``receive``, goes away: that aborts them) leaves the line at once, with a ticket of no slot: its
-    jobs end as 'abort' before they run."""
-    loop = asyncio.get_running_loop()
-    all_aborted = loop.create_future()
-
-    def check() -> None:
-        if all(r.request.aborted for r in reservations) and not all_aborted.done():
-            all_aborted.set_result(None)
-
-    def on_abort() -> None:  # an abort may come from another thread (AsyncEngine.close)
-        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits
-            loop.call_soon_threadsafe(check)
-
-    for reservation in reservations:
-        reservation.request.on_abort(on_abort)
-
-    async def abort_when_gone() -> None:
-        await wait_disconnect(receive)
-        for reservation in reservations:
-            reservation.request.abort()
-
-    watch = asyncio.ensure_future(abort_when_gone()) if receive is not None else None
-    try:
-        ticket = await _admit_until(state, slots, all_aborted)
-    finally:
-        if watch is not None:
-            watch.cancel()
-    return Ticket(state.admission, 0) if ticket is None else ticket
-
-
-@contextlib.asynccontextmanager
-async def admitted(state: ServerState, slots: int, session_id: int | None = None,
-                   receive: Receive | None = None) -> AsyncIterator[tuple[Ticket, list[Reservation]]]:
-    """:func:`admit` for a block that prepares a request and ends in :func:`start_run`, which takes the
-    ticket and the sessions (one a slot, taken before admission by :func:`reserve`) over, one to each job;
-    both go back if the block raises first. A request aborted while it waits, or whose client (``receive``)
-    goes away, stops waiting (see :func:`_admit_unless_aborted`)."""
-    reservations = reserve(state, session_id, slots)
-    try:
-        ticket = await _admit_unless_aborted(state, slots, reservations, receive)
-    except BaseException:
-        release(state, reservations)
-        raise
-    try:
-        yield ticket, reservations
-    except BaseException:
-        ticket.release()
-        release(state, reservations)
-        raise
-
-
-def start_run(state: ServerState, ticket: Ticket, jobs: list[Job]) -> ChoiceRun:
-    """Starts the jobs of an admitted request; the run gives the ticket's slots back when all end."""
-    return ChoiceRun(dataclasses.replace(state, admission=ticket), jobs)
 
 
 def raise_for_error(run: ChoiceRun, responses: Iterable[Response]) -> None:

@@ -12,9 +12,10 @@ from lmdeploy.serve.openai.errors import APIError
 from lmdeploy.serve.openai.limits import check_fanout, check_grammar_cost, check_prompt_chars, check_stop
 from lmdeploy.serve.openai.logprobs import completion_logprobs, join_logprobs
 from lmdeploy.serve.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse, random_id
-from lmdeploy.serve.openai.serving_common import (ChoiceRun, Job, ServerState, admitted, check_model, check_prompt_ids,
+from lmdeploy.serve.openai.request_start import admitted
+from lmdeploy.serve.openai.serving_common import (ChoiceRun, Job, ServerState, check_model, check_prompt_ids,
                                                   check_session, check_token_ids, choice_config, encode, gen_config,
-                                                  run_blocking, start_run, usage)
+                                                  run_blocking, usage)
 from lmdeploy.serve.openai.streaming import collect_or_abort, sse, sse_chunk, sse_stream
 from lmdeploy.serve.openai.structured import compile_format, requested_format, with_format
 from lmdeploy.serve.session_manager import Reservation
@@ -84,9 +85,12 @@ def _echo_logprobs(state: ServerState, req: CompletionRequest, prompt_ids: list[
 async def create_completion(state: ServerState, req: CompletionRequest, raw: Request):
     """Completes each prompt ``n`` times; choice ``i * n + j`` is prompt ``i``'s ``j``-th."""
     raw_prompts = _check(state, req)
-    async with admitted(state, req.n * len(raw_prompts), req.session_id, raw.receive) as (ticket, reservations):
-        jobs, prompts, echoes = await _jobs(state, req, raw_prompts, reservations)
-        run = start_run(state, ticket, jobs)
+    async with admitted(state, req.n * len(raw_prompts), req.session_id, raw.receive) as request:
+        prepared = await request.unless_gone(_jobs(state, req, raw_prompts, request.reservations))
+        if prepared is None:
+            return None
+        jobs, prompts, echoes = prepared
+        run = request.start(jobs)
     request_id = random_id('cmpl')
     if req.stream:
         return _stream(state, req, run, request_id, prompts, echoes)

@@ -10,9 +10,9 @@ from lmdeploy.messages import Response
 from lmdeploy.serve.openai.errors import APIError
 from lmdeploy.serve.openai.limits import check_fanout, check_messages, check_prompt_chars, check_stop
 from lmdeploy.serve.openai.protocol import AbortRequest, EncodeRequest, GenerateRequest
-from lmdeploy.serve.openai.serving_common import (Job, ServerState, admit_while_connected, admitted, check_model,
-                                                  check_prompt_ids, check_session, check_token_ids, encode, gen_config,
-                                                  run_blocking, start_run)
+from lmdeploy.serve.openai.request_start import admit_while_connected, admitted
+from lmdeploy.serve.openai.serving_common import (Job, ServerState, check_model, check_prompt_ids, check_session,
+                                                  check_token_ids, encode, gen_config, run_blocking)
 from lmdeploy.serve.openai.streaming import collect_or_abort, sse, sse_stream
 
 
@@ -39,12 +39,14 @@ async def generate(state: ServerState, req: GenerateRequest, raw: Request):
         check_prompt_chars(state.limits, len(req.prompt))
     else:
         check_messages(state.limits, req.prompt, 'prompt')
-    async with admitted(state, 1, req.session_id, raw.receive) as (ticket, reservations):
+    async with admitted(state, 1, req.session_id, raw.receive) as request:
         input_ids = req.input_ids
         if input_ids is None:
-            input_ids = await encode(state, req.prompt, req.do_preprocess, 'prompt')
+            input_ids = await request.unless_gone(encode(state, req.prompt, req.do_preprocess, 'prompt'))
+            if input_ids is None:
+                return None
         config = gen_config(state, req, len(input_ids), req.logprobs, None, model_defaults=False)
-        run = start_run(state, ticket, [Job(0, input_ids, config, reservations[0])])
+        run = request.start([Job(0, input_ids, config, request.reservations[0])])
     if req.stream:
         def render(r: Response) -> Iterable[str]:
             yield sse(_body(r, req.session_id))

@@ -15,7 +15,8 @@ from starlette.types import Receive, Scope, Send
 
 from lmdeploy.messages import Response
 from lmdeploy.serve.openai.errors import error_body
-from lmdeploy.serve.openai.serving_common import ChoiceRun, raise_for_error, wait_disconnect
+from lmdeploy.serve.openai.request_start import wait_disconnect
+from lmdeploy.serve.openai.serving_common import ChoiceRun, raise_for_error
 
 logger = logging.getLogger('lmdeploy')
 

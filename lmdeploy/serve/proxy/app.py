@@ -103,9 +103,12 @@ class ForwardOthers:
         await Forward(self.registry, self.strategy, scope, b''.join(body))(scope, receive, send)
 
 
-def _client_auth(request: Request) -> dict[str, str]:
+def _onward_headers(request: Request, via: str) -> dict[str, str]:
+    """The headers of the proxy's own requests to its nodes for ``request``: the client's ``Authorization``, and
+    ``Via`` with the request's own hops before the proxy's, so that a loop of proxies ends at :class:`LoopGuard`."""
+    headers = {'via': ', '.join([*request.headers.getlist('via'), via])}
     auth = request.headers.get('authorization')
-    return {'authorization': auth} if auth else {}
+    return {**headers, 'authorization': auth} if auth else headers
 
 
 def create_proxy_app(nodes: list[str] = (), routing_strategy: str = 'least_requests',
@@ -171,17 +174,18 @@ def create_proxy_app(nodes: list[str] = (), routing_strategy: str = 'least_reque
     @app.get('/v1/models')
     async def models(request: Request) -> Response:
         """The models of all healthy nodes."""
-        return await list_models(registry, _client_auth(request))
+        return await list_models(registry, _onward_headers(request, registry.via))
 
     @app.get('/metrics')
     async def node_metrics(request: Request) -> Response:
         """Every healthy node's metrics (label ``node``) and the proxy's per-node gauges."""
-        return await metrics(registry, _client_auth(request))
+        return await metrics(registry, _onward_headers(request, registry.via))
 
     @app.post('/abort_request')
     async def abort_request(request: Request) -> Response:
         """Sent on to every healthy node; the first answer that is not a 200 comes back, else success."""
-        body, headers = await request.body(), {**_client_auth(request), 'content-type': 'application/json'}
+        body = await request.body()
+        headers = {**_onward_headers(request, registry.via), 'content-type': 'application/json'}
         nodes = registry.healthy()
         if not nodes:
             return proxy_error(503, NO_NODE, 'no_healthy_node')
