@@ -9,10 +9,12 @@ import sys
 
 import pytest
 import torch
-from conftest import save_tiny_model
+from conftest import save_random_model, save_tiny_model
 from helpers import random_prompts
 from test_deepseek import save_deepseek
 from test_gpt_oss import save_gpt_oss, save_mxfp4
+from test_qwen3_next import VARIANTS as QWEN3_NEXT_VARIANTS
+from test_sliding_kv import llama4_config
 
 from lmdeploy import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
@@ -174,3 +176,31 @@ def test_tiny_gpt_oss_mxfp4_fp32_is_batch_invariant(tmp_path, fp32_gemm):
     engine = fp32_engine(save_mxfp4(save_gpt_oss(str(tmp_path / 'dense')), str(tmp_path / 'mxfp4')))
     assert isinstance(engine.runner.model.layers[0].self_attn.qkv_proj.kernel, NativeFp32Kernel)
     assert_batch_invariant(engine, random_prompts([1, 2, 5, 9, 17, 40], seed=3))
+
+
+def test_tiny_qwen2_moe_fp32_is_batch_invariant(tmp_path, fp32_gemm):
+    """Its shared expert's sigmoid gate runs ``placeless`` (in fp64): torch's fp32 sigmoid gave the tensor's last
+    elements, on its scalar path, other bits than the vector path gave them among more rows (1 of 6 prompts'
+    logprobs differed)."""
+    engine = fp32_engine(save_tiny_model('qwen2_moe', str(tmp_path)))
+    assert_batch_invariant(engine, random_prompts([1, 2, 5, 9, 17, 40], seed=3))
+
+
+def test_tiny_llama4_fp32_is_batch_invariant(tmp_path, fp32_gemm):
+    """Its router's sigmoid, which scales each expert's input, runs ``placeless`` (2 of 6 prompts' logprobs
+    differed)."""
+    engine = fp32_engine(save_random_model(llama4_config(16), str(tmp_path)))
+    assert_batch_invariant(engine, random_prompts([1, 2, 5, 9, 17, 40], seed=3))
+
+
+def test_tiny_qwen3_5_fp32_is_batch_invariant(tmp_path, fp32_gemm):
+    """Its linear-attention layers' element-wise ops over the step's rows (the gated norm's SiLU, ``b``'s sigmoid,
+    ``a``'s softplus) and the full-attention layers' output gate run ``placeless``, and prefill chunks end on the
+    delta rule's chunks: prompts of up to 200 tokens in chunks of at most 100, alone and arriving one a step beside
+    others' decode rows (all three differed)."""
+    path = save_random_model(QWEN3_NEXT_VARIANTS['qwen3_5'](), str(tmp_path))
+    engine = Engine(path, PytorchEngineConfig(dtype='float32', num_gpu_blocks=64, block_size=16, max_batch_size=4,
+                                              max_prefill_token_num=100), show_progress=False)
+    prompts = random_prompts([9, 140, 200], seed=11)
+    alone = [run(engine, [prompt], GEN, 0)[0] for prompt in prompts]
+    assert run(engine, prompts, GEN, 1) == alone

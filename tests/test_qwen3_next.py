@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 from collections import Counter
 
 import pytest
@@ -27,9 +28,12 @@ from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.engine.runner_builder import blocks_from_memory, cache_budget
 from lmdeploy.pytorch.kernels import cpu
-from lmdeploy.pytorch.kernels.gated_delta import chunk_gated_delta_rule, gated_delta_decode
+from lmdeploy.pytorch.kernels.gated_delta import DELTA_RULE_CHUNK, chunk_gated_delta_rule, gated_delta_decode
 from lmdeploy.pytorch.models.qwen3_next import GatedDeltaNet
 from lmdeploy.serve.async_engine import AsyncEngine
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'benchmark'))
+from batch_invariance import run as arrivals  # noqa: E402
 
 # three linear-attention layers, then a full-attention one (the checkpoints' pattern), twice; two key heads
 # serve four value heads; a quarter of each full-attention head's features rotate
@@ -142,6 +146,40 @@ def test_batched_chunked_and_preempted_equal_solo(hybrid_model):
     assert run(tight, prompts) == plain
     assert tight.scheduler.num_preemptions > 0
     assert_slots_free(tight)
+
+
+def test_prefill_chunks_end_on_the_delta_rules_chunks(qwen3_5):
+    """A prefill chunk ends where the step's budget runs out, which the other sequences' rows decide, and the delta
+    rule rounds by its own 64-token chunks: a chunk that does not end a prompt ends on a multiple of 64
+    (``Scheduler.recurrent_grain``; before, prompts arriving one a step beside others' decode rows were cut at 99,
+    58 and 156), where a split gives the bits of one call. Budgets that a full batch's decode rows would leave less
+    than a chunk cut where the budget ends."""
+    engine = make_engine(qwen3_5, max_prefill_token_num=100, max_batch_size=4)
+    assert engine.scheduler.recurrent_grain == DELTA_RULE_CHUNK == 64
+    ends = []
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule():
+        plan = schedule()
+        ends.extend((item.seq.num_computed + item.num_tokens, item.seq.num_tokens) for item in plan.prefill)
+        return plan
+
+    engine.scheduler.schedule = recording_schedule
+    prompts = random_prompts([9, 140, 200], seed=11)
+    outs = arrivals(engine, prompts, GenerationConfig(max_new_tokens=6, ignore_eos=True), 1)
+    assert [[t for tokens, _ in out for t in tokens] for out in outs] == [run(make_engine(qwen3_5), [p])[0][:6]
+                                                                          for p in prompts]
+    assert any(end < total for end, total in ends) and all(end == total or end % 64 == 0 for end, total in ends)
+    assert make_engine(qwen3_5, max_prefill_token_num=67, max_batch_size=4).scheduler.recurrent_grain == 0
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(76, heads, dim, generator=g) for heads, dim in ((2, 8), (2, 8), (4, 12)))
+    decay, beta = -torch.rand(76, 4, generator=g), torch.rand(76, 4, generator=g)
+    state = torch.randn(4, 8, 12, generator=g)
+    whole, whole_state = chunk_gated_delta_rule(q, k, v, decay, beta, state)
+    first, first_state = chunk_gated_delta_rule(q[:64], k[:64], v[:64], decay[:64], beta[:64], state)
+    rest, rest_state = chunk_gated_delta_rule(q[64:], k[64:], v[64:], decay[64:], beta[64:], first_state)
+    assert torch.equal(whole, torch.cat([first, rest])) and torch.equal(whole_state, rest_state)
 
 
 def test_fewer_slots_than_requests_queue(qwen3_5):

@@ -12,6 +12,9 @@ import torch.nn.functional as F
 L2NORM_EPS = 1e-6
 
 
+DELTA_RULE_CHUNK = 64  # tokens the prefill's delta rule solves at once
+
+
 def causal_conv1d(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """SiLU of the depthwise causal convolution of ``x [B, C, L]`` preceded by ``state [B, C, K - 1]`` (the
     previous ``K - 1`` inputs, zeros at the start), by ``weight [C, K]``; returns ``[B, C, L]`` and the new state."""
@@ -41,7 +44,8 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[torch.
 
 
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                           state: torch.Tensor | None, chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+                           state: torch.Tensor | None,
+                           chunk_size: int = DELTA_RULE_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's tokens: ``q, k [L, Hk, Dk]``, ``v [L, H, Dv]``, log decay ``g`` and ``beta [L, H]``, from
     ``state [H, Dk, Dv]`` (None: zeros). Returns the fp32 output ``[L, H, Dv]`` and the fp32 state
     after the last token; within a chunk of ``chunk_size`` tokens the updates are solved as one triangular

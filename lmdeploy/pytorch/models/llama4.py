@@ -14,6 +14,7 @@ from torch import nn
 
 from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.kernels import cpu
+from lmdeploy.pytorch.kernels.activation import placeless
 from lmdeploy.pytorch.models.llama import KVCache, LlamaAttention, LlamaDecoderLayer, LlamaMLP
 from lmdeploy.pytorch.models.moe import MoEForCausalLM, native_experts_with_shared, split_stacked_experts
 from lmdeploy.pytorch.nn.attention import PagedAttention
@@ -92,7 +93,7 @@ class Llama4MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits, ids = torch.topk(self.router(x), self.top_k, dim=-1)
-        scores = torch.sigmoid(logits.float()).to(x.dtype)
+        scores = placeless(torch.sigmoid, logits.float(), x.dtype).to(x.dtype)
         routed = (x.unsqueeze(1) * scores.unsqueeze(-1)).flatten(0, 1)  # [T * k, H]: token t's k-th copy, scaled
         ones = torch.ones(routed.shape[0], 1, dtype=torch.float32, device=x.device)
         out = self.experts(routed, ones, ids.reshape(-1, 1)).view(x.shape[0], self.top_k, -1).sum(1)

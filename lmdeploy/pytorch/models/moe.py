@@ -10,7 +10,7 @@ from torch import nn
 
 from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.kernels import cpu, moe_routing
-from lmdeploy.pytorch.kernels.activation import ClampedSwiGLU
+from lmdeploy.pytorch.kernels.activation import ClampedSwiGLU, placeless
 from lmdeploy.pytorch.models.llama import LlamaForCausalLM, LlamaMLP, WeightTarget
 from lmdeploy.pytorch.nn.linear import Linear
 from lmdeploy.pytorch.nn.moe import FusedExperts
@@ -90,7 +90,7 @@ class SparseMoeBlock(nn.Module):
         topk_weights, topk_ids = moe_routing(self.gate(x), self.top_k, self.renormalize)
         out = self.experts(x, topk_weights, topk_ids)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            out = out + placeless(torch.sigmoid, self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
 
 

@@ -13,6 +13,7 @@ from torch import nn
 
 from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.kernels import causal_conv1d_decode, gated_delta_decode
+from lmdeploy.pytorch.kernels.activation import placeless
 from lmdeploy.pytorch.kernels.gated_delta import causal_conv1d, chunk_gated_delta_rule
 from lmdeploy.pytorch.models.llama import KVCache, LlamaMLP, WeightTarget
 from lmdeploy.pytorch.models.moe import MoEForCausalLM, SparseMoeBlock
@@ -54,7 +55,7 @@ class GatedAttention(nn.Module):
         k, v = k.unflatten(-1, (self.num_kv_heads, self.head_dim)), v.unflatten(-1, (self.num_kv_heads, self.head_dim))
         qk = apply_rope(torch.cat((self.q_norm(q), self.k_norm(k)), dim=1), ctx.cos, ctx.sin)
         out = self.attn(qk[:, :self.num_heads], qk[:, self.num_heads:], v, kv_cache, ctx)
-        return self.o_proj(out * torch.sigmoid(gate.reshape(out.shape)))
+        return self.o_proj(out * placeless(torch.sigmoid, gate.reshape(out.shape)))
 
 
 class GatedRMSNorm(nn.Module):
@@ -67,7 +68,8 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * normed.to(self.weight.dtype) * F.silu(z.float())).to(self.weight.dtype)
+        gate = placeless(F.silu, z.float(), self.weight.dtype)
+        return (self.weight * normed.to(self.weight.dtype) * gate).to(self.weight.dtype)
 
 
 class CausalConv1d(nn.Module):
@@ -156,8 +158,8 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor], ctx: StepContext) -> torch.Tensor:
         conv_states, delta_states = state
         qkv, z, b, a = self.project(x)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        beta = placeless(torch.sigmoid, b)
+        g = -self.A_log.float().exp() * placeless(F.softplus, a.float() + self.dt_bias.float(), a.dtype)
         weight = self.conv1d.weight.squeeze(1)
         out = torch.empty(x.shape[0], self.num_v_heads, self.v_dim, dtype=torch.float32, device=x.device)
         num_prefill = ctx.num_prefill_tokens

@@ -49,16 +49,21 @@ class Scheduler:
     it while decoding is recomputed the same way, its cache computed again with the long factors.
 
     With a ``state_pool`` (models with linear-attention layers) a sequence also takes a recurrent-state slot when
-    it is admitted and gives it back with its blocks; a waiting sequence that finds no free slot waits.
+    it is admitted and gives it back with its blocks; a waiting sequence that finds no free slot waits. With a
+    ``recurrent_grain`` (the delta rule's chunk) a prefill chunk that does not end the sequence's tokens ends on a
+    multiple of it: the delta rule rounds by its chunks, so where a chunk ends must not depend on the other
+    sequences' share of the budget.
     """
 
     def __init__(self, block_manager: BlockManager, max_batch_size: int, max_prefill_token_num: int,
-                 long_rope_after: int | None = None, state_pool: StatePool | None = None):
+                 long_rope_after: int | None = None, state_pool: StatePool | None = None,
+                 recurrent_grain: int = 0):
         self.block_manager = block_manager
         self.max_batch_size = max_batch_size
         self.max_prefill_token_num = max_prefill_token_num
         self.long_rope_after = long_rope_after
         self.state_pool = state_pool
+        self.recurrent_grain = recurrent_grain
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -82,8 +87,8 @@ class Scheduler:
             if self._outgrew_short_rope(seq):
                 self._requeue(self.running.pop(index))
                 continue
-            num_tokens = seq.span_start_before(seq.num_computed + min(seq.num_pending, budget)) - seq.num_computed
-            if num_tokens == 0:  # a bidirectional span that needs more than what is left of the budget
+            num_tokens = self._chunk_end(seq, seq.num_computed, budget) - seq.num_computed
+            if num_tokens == 0:  # a bidirectional span or a recurrent chunk that needs more than the budget left
                 index += 1
                 continue
             bm.release_out_of_window(seq)
@@ -100,7 +105,7 @@ class Scheduler:
             seq.long_rope = self._long_rope(seq)
             match = bm.match_prefix(seq)
             num_cached = match.num_blocks * bm.block_size
-            num_tokens = seq.span_start_before(num_cached + min(seq.num_tokens - num_cached, budget)) - num_cached
+            num_tokens = self._chunk_end(seq, num_cached, budget) - num_cached
             if num_tokens == 0:
                 break
             needed = bm.blocks_needed(seq, num_cached + num_tokens, match)
@@ -118,6 +123,14 @@ class Scheduler:
             out.prefill.append(ScheduledSeq(seq, num_tokens))
             budget -= num_tokens
         return out
+
+    def _chunk_end(self, seq: Sequence, start: int, budget: int) -> int:
+        """Where the next chunk of ``seq`` from ``start`` ends within ``budget``: never inside a bidirectional span,
+        and, with ``recurrent_grain``, at a multiple of it unless it ends the sequence's tokens."""
+        end = seq.span_start_before(start + min(seq.num_tokens - start, budget))
+        if self.recurrent_grain and end < seq.num_tokens:
+            end = max(start, end // self.recurrent_grain * self.recurrent_grain)
+        return end
 
     def finish(self, seq: Sequence) -> None:
         """Removes a finished or aborted sequence and frees its blocks (and its state slot)."""
