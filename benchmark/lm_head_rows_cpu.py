@@ -1,0 +1,67 @@
+"""The 8-bit LM head's GEMV (``q8_linear``, ``kernels/cpu/linear_q8.cpp``) by step size, against the bf16 table's
+packed GEMM in the same run: the default model's table (49,152 x 576) and Gemma 3 270M's tied one (262,144 x 640),
+random Q8_0 codes and scales, bf16 activations. Decode steps of every size run the 8-bit copy (see docs/engine.md,
+"Batch invariance"); the bf16 table is what they ran before it (``decode_int4`` off, or a step of many rows). One
+thread, timed by its CPU time (``time.thread_time``) so that other jobs on a shared machine take time slices but
+not figures; per row count the best of ``--repeats`` calls, the two kernels alternating over ``--rounds``.
+Run it in two trees (fresh processes, alternating) to compare a kernel change::
+
+    PYTHONPATH=. python benchmark/lm_head_rows_cpu.py [--rows 1,2,8,24,64] [--tables default,gemma]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from lmdeploy.pytorch.kernels import cpu
+from lmdeploy.pytorch.nn.quant.cpu_bf16 import packed_cpu_kernel
+from lmdeploy.pytorch.nn.quant.q8_cpu import Q8Gemv, q8_grid
+
+TABLES = {'default': (49152, 576), 'gemma': (262144, 640)}
+
+
+def q8_table(rows: int, inputs: int, generator: torch.Generator) -> torch.Tensor:
+    """A bf16 table that a Q8_0 grid holds exactly (as a Q8_0 file's table loaded in bf16)."""
+    codes, scale = q8_grid(torch.randn(rows, inputs, generator=generator) * 0.05)
+    return (codes.float().view(rows, -1, 32) * scale.float()[..., None]).view(rows, inputs).bfloat16()
+
+
+def best_ms(kernel, x: torch.Tensor, repeats: int) -> float:
+    best = float('inf')
+    for _ in range(repeats):
+        start = time.thread_time()
+        kernel(x)
+        best = min(best, time.thread_time() - start)
+    return 1e3 * best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--rows', default='1,2,8,24,64')
+    parser.add_argument('--tables', default='default,gemma')
+    parser.add_argument('--repeats', type=int, default=10)
+    parser.add_argument('--rounds', type=int, default=3)
+    args = parser.parse_args()
+    if cpu.q8_gemv() is None:
+        raise SystemExit('the 8-bit GEMV needs AVX512-BF16')
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    for name in args.tables.split(','):
+        table = q8_table(*TABLES[name], g)
+        q8, bf16 = Q8Gemv.of(table), packed_cpu_kernel(table)
+        kernels = {'q8': q8, 'bf16': lambda x: bf16(x, None)}
+        for rows in map(int, args.rows.split(',')):
+            x = torch.randn(rows, table.shape[1], generator=g).bfloat16()
+            times = {kind: [] for kind in kernels}
+            for _ in range(args.rounds):
+                for kind, kernel in kernels.items():
+                    times[kind].append(best_ms(kernel, x, args.repeats))
+            q8_ms, bf16_ms = min(times['q8']), min(times['bf16'])
+            print(f'{name} {rows:3d} rows: q8 {q8_ms:8.2f} ms  bf16 table {bf16_ms:8.2f} ms  q8 / bf16 '
+                  f'{q8_ms / bf16_ms:.2f}', flush=True)
+
+
+if __name__ == '__main__':
+    main()
