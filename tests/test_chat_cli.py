@@ -97,7 +97,8 @@ def test_image_command_and_an_image_failing_at_send_time(chat, tmp_path):
     child.expect_exact(PROMPT)
     child.send('describe\r')
     child.expect_exact(PROMPT)
-    assert child.before.replace('\r\n', '\n').strip().endswith(expected.text.strip())
+    from lmdeploy.cli.chat import shown
+    assert child.before.replace('\r\n', '\n').strip().endswith(shown(expected.text).strip())
     gone = tmp_path / 'gone.png'
     gone.write_bytes(png_bytes(IMAGES[0]))
     child.send(f'/image {gone}\r')
@@ -198,3 +199,15 @@ def test_commands_are_whole_lines_and_unknown_ones_never_reach_the_model(tiny_ll
     assert out.count("'/help' shows this") == 3  # the greeting, /help and the unknown command
     assert 'session_len is 1024' in out  # the long line is refused, the chat goes on
     assert out.count(PROMPT) == 8, out  # the chat stops at '/exit': 'Hi' is never read
+
+
+def test_a_reply_cannot_send_escape_sequences_to_the_terminal(capsys):
+    from lmdeploy.cli.chat import ReplyPrinter
+    printer = ReplyPrinter(show_reasoning=True)
+    printer.start()
+    printer.write('\x1b]52;c;cHduZWQ=\x07', '')
+    printer.write('', 'safe\x1b[2J\x1b]0;pwned\x07\r\x9b1A\tdone\n')
+    out = capsys.readouterr().out
+    assert not set(out) & {'\x1b', '\x07', '\r', '\x9b'}
+    assert '\\x1b]52;c;cHduZWQ=\\x07' in out
+    assert out.endswith('safe\\x1b[2J\\x1b]0;pwned\\x07\\x0d\\x9b1A\tdone\n')

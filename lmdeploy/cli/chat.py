@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import signal
 import sys
 from dataclasses import dataclass
@@ -122,9 +123,18 @@ def _key_bindings():
     return bindings
 
 
+CONTROL_CHARACTERS = re.compile('[\x00-\x08\x0b-\x1f\x7f-\x9f]')
+
+
+def shown(text: str) -> str:
+    """``text`` with control characters other than newline and tab written as ``\\xNN``, so that a reply cannot
+    move the cursor, retitle the terminal or reach its clipboard with escape sequences."""
+    return CONTROL_CHARACTERS.sub(lambda match: f'\\x{ord(match.group()):02x}', text)
+
+
 class ReplyPrinter:
     """Prints a reply as it streams: its reasoning (unless hidden) between a :data:`THINKING` and a
-    :data:`DONE_THINKING` line, dimmed when ``dim``, and its answer as it is."""
+    :data:`DONE_THINKING` line, dimmed when ``dim``, and its answer, each as :func:`shown` writes it."""
 
     def __init__(self, show_reasoning: bool = True, dim: bool = False):
         self.show_reasoning = show_reasoning
@@ -141,12 +151,12 @@ class ReplyPrinter:
             if not self.thinking:
                 self._faint(THINKING + '\n')
                 self.thinking = True
-            self._faint(reasoning)
+            self._faint(shown(reasoning))
         if answer:
             if self.thinking:
                 self._faint(f'\n{DONE_THINKING}\n\n')
                 self.thinking = False
-            print(answer, end='', flush=True)
+            print(shown(answer), end='', flush=True)
 
     def _faint(self, text: str) -> None:
         print(f'{DIM}{text}{RESET}' if self.dim else text, end='', flush=True)
