@@ -1,5 +1,6 @@
 """A disk cache of tensors derived from a weight at every start (a 4-bit grid fitted to a bf16 weight and packed
-for its kernel), so that a model's later starts read them instead of computing them again.
+for its kernel, a GGUF token table retiled for its GEMV), so that a model's later starts read them instead of
+computing them again.
 
 An entry is keyed by the sha256 of the weight's bytes, its dtype and shape, what was derived (a name and its
 arguments) and the source text of the modules that derive it: another weight, or an edit of the code that
