@@ -1,6 +1,7 @@
-"""The derived-weight cache (``weights/derived_cache.py``) behind ``decode_int4``'s 4-bit grid: a later start reads
-the same bits the fit gives, another weight never finds an entry, an edit of the deriving code misses, an unreadable
-entry is derived again; and the KV cache's lazily zeroed memory."""
+"""The derived-weight cache (``weights/derived_cache.py``) behind ``decode_int4``'s 4-bit grid and a GGUF token
+table's native tiles: a later start reads the same bits the fit or retiling gives, another weight never finds an
+entry, an edit of the deriving code misses, an unreadable entry is derived again; and the KV cache's lazily zeroed
+memory."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,11 +11,13 @@ import torch
 
 from lmdeploy.pytorch.device import lazily_zeroed
 from lmdeploy.pytorch.kernels import cpu
-from lmdeploy.pytorch.nn.quant import int4_cpu
+from lmdeploy.pytorch.nn.quant import gguf_table, int4_cpu
+from lmdeploy.pytorch.nn.quant.gguf_table import NATIVE_TYPES, NativeBlocks
 from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
 from lmdeploy.pytorch.weights import derived_cache
 
 needs_gemv = pytest.mark.skipif(cpu.int4_gemv() is None, reason='the native int4 GEMV is not built for this CPU')
+needs_q8_gemv = pytest.mark.skipif(cpu.q8_gemv() is None, reason='the native Q8_0 GEMV is not built for this CPU')
 
 
 def weight(seed: int, rows: int = 512, cols: int = 512) -> torch.Tensor:
@@ -84,6 +87,45 @@ def test_an_unreadable_entry_is_fitted_again(tmp_gguf_cache: Path) -> None:
     assert_bitwise(packed(w), fresh(w))
     assert_bitwise(packed(w), fresh(w))  # rewritten whole
     assert entry.stat().st_size > 100
+
+
+def q8_0_table(seed: int, rows: int = 1000, hidden: int = 256) -> torch.Tensor:
+    """Q8_0 blocks ``[rows, hidden / 32, 34]`` of random codes and scales (1000 rows: not a multiple of the tiles)."""
+    generator = torch.Generator().manual_seed(seed)
+    scales = (torch.rand(rows, hidden // 32, 1, generator=generator) / 64).half().view(torch.uint8)
+    codes = torch.randint(-127, 128, (rows, hidden // 32, 32), generator=generator, dtype=torch.int8)
+    return torch.cat((scales, codes.view(torch.uint8)), dim=-1)
+
+
+def retiled(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    table = NativeBlocks(blocks, 'Q8_0')
+    return table.packed, table.scales
+
+
+@needs_q8_gemv
+def test_a_second_start_reads_the_retiled_table(tmp_gguf_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    blocks = q8_0_table(0)
+    first = retiled(blocks)
+    assert_bitwise(first, gguf_table.retile(blocks, NATIVE_TYPES['Q8_0'].pack))
+    assert len(entries(tmp_gguf_cache)) == 1
+    monkeypatch.setattr(gguf_table, 'retile', lambda *_: pytest.fail('retiled again'))
+    assert_bitwise(retiled(blocks.clone()), first)
+
+
+@needs_q8_gemv
+def test_another_table_or_an_edit_of_its_packing_misses(tmp_gguf_cache: Path, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    blocks = q8_0_table(1)
+    retiled(blocks)
+    changed = blocks.clone()
+    changed[999, 7, 20] ^= 1  # one code of the last row, in the padded tile
+    assert_bitwise(retiled(changed), gguf_table.retile(changed, NATIVE_TYPES['Q8_0'].pack))
+    assert len(entries(tmp_gguf_cache)) == 2
+    packing = tmp_path / 'q8_cpu.py'
+    packing.write_text(Path(NATIVE_TYPES['Q8_0'].sources[-1]).read_text() + '\n# edited\n')
+    monkeypatch.setitem(NATIVE_TYPES, 'Q8_0', NATIVE_TYPES['Q8_0']._replace(sources=(str(packing), )))
+    retiled(blocks)
+    assert len(entries(tmp_gguf_cache)) == 3
 
 
 def test_small_weights_are_not_cached(tmp_gguf_cache: Path) -> None:

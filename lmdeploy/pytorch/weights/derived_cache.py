@@ -1,8 +1,9 @@
 """A disk cache of tensors derived from a weight at every start (a 4-bit grid fitted to a bf16 weight and packed
-for its kernel), so that a model's later starts read them instead of computing them again.
+for its kernel, a GGUF token table retiled for its GEMV), so that a model's later starts read them instead of
+computing them again.
 
 An entry is keyed by the sha256 of the weight's bytes, its dtype and shape, what was derived (a name and its
-arguments) and the source text of the module that derives it: another weight, or an edit of the code that
+arguments) and the source text of the modules that derive it: another weight, or an edit of the code that
 derives it, never finds the entry. Entries are safetensors files under ``cache_dir()/derived``, written to a
 temporary name and renamed into place; one that cannot be read is derived again and rewritten. Weights under
 :data:`MIN_CACHED_NUMEL` elements are derived every time (in about a millisecond: a file would cost more).
@@ -13,7 +14,7 @@ import hashlib
 import logging
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -32,25 +33,26 @@ def weight_digest(weight: torch.Tensor) -> str:
     return digest.hexdigest()
 
 
-def _source_digest(source_file: str) -> str:
-    return hashlib.sha256(Path(source_file).read_bytes()).hexdigest()
+def _source_digest(source_files: str | Sequence[str]) -> str:
+    files = [source_files] if isinstance(source_files, str) else source_files
+    return '\0'.join(hashlib.sha256(Path(source_file).read_bytes()).hexdigest() for source_file in files)
 
 
-def entry_path(kind: str, weight: torch.Tensor, source_file: str) -> Path:
-    """Where the tensors ``kind`` derives from ``weight`` (by the code in ``source_file``) are kept."""
+def entry_path(kind: str, weight: torch.Tensor, source_files: str | Sequence[str]) -> Path:
+    """Where the tensors ``kind`` derives from ``weight`` (by the code in ``source_files``) are kept."""
     from lmdeploy.pytorch.weights.gguf import cache_dir
-    key = hashlib.sha256(f'{kind}\0{_source_digest(source_file)}\0{weight_digest(weight)}'.encode()).hexdigest()
+    key = hashlib.sha256(f'{kind}\0{_source_digest(source_files)}\0{weight_digest(weight)}'.encode()).hexdigest()
     return cache_dir() / 'derived' / f'{key[:32]}.safetensors'
 
 
-def cached_derivation(kind: str, weight: torch.Tensor, source_file: str,
+def cached_derivation(kind: str, weight: torch.Tensor, source_files: str | Sequence[str],
                       derive: Callable[[], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
     """``derive()``'s tensors, read from the cache when ``weight`` was derived the same way before (``kind`` names
-    the derivation and its arguments, ``source_file`` is the module that holds its code), else derived and
-    stored."""
+    the derivation and its arguments, ``source_files`` the module, or modules, that hold its code), else derived
+    and stored."""
     if weight.numel() < MIN_CACHED_NUMEL or weight.device.type != 'cpu':
         return derive()
-    path = entry_path(kind, weight, source_file)
+    path = entry_path(kind, weight, source_files)
     if path.is_file():
         try:
             stored = load_file(str(path))

@@ -13,7 +13,8 @@ and, in a tied file, the LM head's logits; laid out by the model's dtype and dev
   262,144 x 640 Q8_0 table, one thread), packed for the fixed-order fp32 GEMM where it is built (one copy: lookups
   read the packed rows).
 - :class:`NativeBlocks`: in bf16 on the CPU, the blocks retiled once for their type's native GEMV (tiles of 16 rows,
-  the file's weights exactly). Small steps (:func:`~lmdeploy.pytorch.step_context.small_step`: an engine step's
+  the file's weights exactly; the retiled tiles are kept in the derived-weight cache, ``weights/derived_cache.py``,
+  so later starts read them). Small steps (:func:`~lmdeploy.pytorch.step_context.small_step`: an engine step's
   decode rows, else up to ``gemv_max_rows`` rows) run on the GEMV, the others take a slice of tiles at a time
   through ``kquant_dequantized_linear`` (dequantized into the native bf16 GEMM's panels in cache; with AMX into the
   thread's reused scratch for oneDNN's GEMM); looked-up rows
@@ -29,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from lmdeploy.pytorch.kernels import cpu, triton_runs_on
+from lmdeploy.pytorch.nn.quant import gguf_blocks, int4_cpu, q4k_cpu, q6k_cpu, q8_cpu
 from lmdeploy.pytorch.nn.quant.cpu_fp32 import native_fp32_kernel
 from lmdeploy.pytorch.nn.quant.gguf_blocks import BLOCKS, dequantize_blocks, q8_0_unpack
 from lmdeploy.pytorch.nn.quant.int4_cpu import INT4_TILE
@@ -36,6 +38,7 @@ from lmdeploy.pytorch.nn.quant.q4k_cpu import pack_q4k
 from lmdeploy.pytorch.nn.quant.q6k_cpu import Q6K_PACK_ROWS, Q6K_TILE, gemv_max_rows, pack_q6k
 from lmdeploy.pytorch.nn.quant.q8_cpu import Q8_TILE, pack_q8
 from lmdeploy.pytorch.step_context import small_step
+from lmdeploy.pytorch.weights.derived_cache import cached_derivation
 
 TILE_ROWS = Q8_TILE  # rows per tile of the Q8_0, Q6_K and Q4_K GEMVs alike
 assert TILE_ROWS == Q6K_TILE == INT4_TILE
@@ -125,14 +128,28 @@ class NativeType(NamedTuple):
     gemv: str  # the GEMV on the retiled blocks
     dequantize: str  # whole tiles to bf16
     built: Callable[[], object]  # whether the GEMV was built for this CPU (None if not)
+    sources: tuple[str, ...]  # the modules that hold ``pack``'s code, beside this one (the derived cache's key)
 
 
 NATIVE_TYPES = {
     'Q8_0': NativeType('q8_0', lambda blocks: pack_q8(*_q8_0_codes_scales(blocks)), 'q8_linear', 'q8_dequantize',
-                       cpu.q8_gemv),
-    'Q6_K': NativeType('q6k', pack_q6k, 'q6k_linear', 'q6k_dequantize', cpu.q6k_gemv),
-    'Q4_K': NativeType('q4k', pack_q4k, 'q4k_linear', 'q4k_dequantize', cpu.int4_gemv),
+                       cpu.q8_gemv, (gguf_blocks.__file__, q8_cpu.__file__)),
+    'Q6_K': NativeType('q6k', pack_q6k, 'q6k_linear', 'q6k_dequantize', cpu.q6k_gemv, (q6k_cpu.__file__, )),
+    'Q4_K': NativeType('q4k', pack_q4k, 'q4k_linear', 'q4k_dequantize', cpu.int4_gemv,
+                       (q4k_cpu.__file__, q6k_cpu.__file__, int4_cpu.__file__)),
 }
+
+
+def retile(blocks: torch.Tensor, pack: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``blocks [rows, hidden / B, bytes]`` as ``pack`` lays them out in tiles of 16 rows (rows beyond a multiple of
+    the tiles: zero blocks)."""
+    parts = []
+    for rows in blocks.split(Q6K_PACK_ROWS):  # a slice at a time: the retiling's temporaries stay small
+        pad = -rows.shape[0] % TILE_ROWS
+        parts.append(pack(F.pad(rows, (0, 0, 0, 0, 0, pad)) if pad else rows))
+    packed, scales = (torch.cat(part) for part in zip(*parts))
+    return packed, scales
 
 
 def _q8_0_codes_scales(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,11 +167,9 @@ class NativeBlocks(BlockTable):
         native = cpu.native()
         self.kind = native_type.kind
         self.gemv, self.dequantize = getattr(native, native_type.gemv), getattr(native, native_type.dequantize)
-        parts = []
-        for rows in blocks.split(Q6K_PACK_ROWS):  # a slice at a time: the retiling's temporaries stay small
-            pad = -rows.shape[0] % TILE_ROWS
-            parts.append(native_type.pack(F.pad(rows, (0, 0, 0, 0, 0, pad)) if pad else rows))
-        self.packed, self.scales = (torch.cat(part) for part in zip(*parts))
+        self.packed, self.scales = cached_derivation(f'native table {ggml_type}', blocks,
+                                                     (__file__, ) + native_type.sources,
+                                                     lambda: retile(blocks, native_type.pack))
         self.max_gemv_rows = gemv_max_rows(self.kind)
 
     @classmethod
