@@ -1,9 +1,12 @@
-"""The derived-weight cache (``weights/derived_cache.py``) behind ``decode_int4``'s 4-bit grid and a GGUF token
-table's native tiles: a later start reads the same bits the fit or retiling gives, another weight never finds an
-entry, an edit of the deriving code misses, an unreadable entry is derived again; and the KV cache's lazily zeroed
-memory."""
+"""The derived-weight cache (``weights/derived_cache.py``) behind ``decode_int4``'s 4-bit grid, a GGUF token
+table's native tiles and the GGUF Q4_K and Q6_K layers' GEMV packing: a later start reads the same bits the fit or
+packing gives, another weight never finds an entry, an edit of the deriving code misses, an unreadable entry is
+derived again; its cap (least recently used entries removed first, never this process's; 0: off); and the KV
+cache's lazily zeroed memory."""
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -11,13 +14,20 @@ import torch
 
 from lmdeploy.pytorch.device import lazily_zeroed
 from lmdeploy.pytorch.kernels import cpu
-from lmdeploy.pytorch.nn.quant import gguf_table, int4_cpu
+from lmdeploy.pytorch.nn.quant import gguf_table, int4_cpu, q4k_cpu, q6k_cpu
 from lmdeploy.pytorch.nn.quant.gguf_table import NATIVE_TYPES, NativeBlocks
 from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
 from lmdeploy.pytorch.weights import derived_cache
 
 needs_gemv = pytest.mark.skipif(cpu.int4_gemv() is None, reason='the native int4 GEMV is not built for this CPU')
 needs_q8_gemv = pytest.mark.skipif(cpu.q8_gemv() is None, reason='the native Q8_0 GEMV is not built for this CPU')
+
+
+@pytest.fixture(autouse=True)
+def fresh_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test as a process of its own: no entries used before it."""
+    monkeypatch.setattr(derived_cache, '_used_here', {})
+    monkeypatch.delenv('LMDEPLOY_DERIVED_CACHE_BYTES', raising=False)
 
 
 def weight(seed: int, rows: int = 512, cols: int = 512) -> torch.Tensor:
@@ -126,6 +136,125 @@ def test_another_table_or_an_edit_of_its_packing_misses(tmp_gguf_cache: Path, tm
     monkeypatch.setitem(NATIVE_TYPES, 'Q8_0', NATIVE_TYPES['Q8_0']._replace(sources=(str(packing), )))
     retiled(blocks)
     assert len(entries(tmp_gguf_cache)) == 3
+
+
+def kquant_blocks(seed: int, block_bytes: int, rows: int = 256) -> torch.Tensor:
+    """Random bytes as ``[rows, 8, block_bytes]`` blocks (the packings move bits, whatever they hold)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (rows, 8, block_bytes), generator=generator, dtype=torch.uint8)
+
+
+# per type: its module, the packing function its kernel calls, its block bytes, the kernel's packed tensors
+KQUANTS = {
+    'Q6_K': (q6k_cpu, 'pack_q6k_rows', 210, lambda blocks, _: q6k_cpu.Q6KGemv.of(blocks)),
+    'Q4_K': (q4k_cpu, 'pack_q4k', 144, lambda blocks, gate_up: q4k_cpu.Q4KGemv.of_blocks(blocks, gate_up)),
+}
+
+
+def kquant_packed(ggml_type: str, blocks: torch.Tensor, gate_up: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    kernel = KQUANTS[ggml_type][3](blocks, gate_up)
+    return kernel.packed, kernel.scales
+
+
+def kquant_fresh(ggml_type: str, blocks: torch.Tensor, gate_up: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    module, pack, _, _ = KQUANTS[ggml_type]
+    return getattr(module, pack)(blocks, gate_up) if ggml_type == 'Q4_K' else getattr(module, pack)(blocks)
+
+
+needs_kquant_gemvs = pytest.mark.skipif(cpu.q6k_gemv() is None or cpu.int4_gemv() is None,
+                                        reason='the native Q6_K and int4 GEMVs are not built for this CPU')
+
+
+@needs_kquant_gemvs
+@pytest.mark.parametrize('ggml_type', KQUANTS)
+def test_a_second_start_reads_the_kquant_packing(ggml_type: str, tmp_gguf_cache: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    module, pack, block_bytes, _ = KQUANTS[ggml_type]
+    blocks = kquant_blocks(0, block_bytes)
+    first = kquant_packed(ggml_type, blocks)
+    assert_bitwise(first, kquant_fresh(ggml_type, blocks))
+    assert len(entries(tmp_gguf_cache)) == 1
+    monkeypatch.setattr(module, pack, lambda *_: pytest.fail('packed again'))
+    assert_bitwise(kquant_packed(ggml_type, blocks.clone()), first)
+
+
+@needs_kquant_gemvs
+@pytest.mark.parametrize('ggml_type', KQUANTS)
+def test_another_kquant_weight_or_an_edit_of_its_packing_misses(ggml_type: str, tmp_gguf_cache: Path,
+                                                                tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    module, _, block_bytes, _ = KQUANTS[ggml_type]
+    blocks = kquant_blocks(1, block_bytes)
+    kquant_packed(ggml_type, blocks)
+    changed = blocks.clone()
+    changed[200, 3, 100] ^= 1
+    assert_bitwise(kquant_packed(ggml_type, changed), kquant_fresh(ggml_type, changed))
+    assert len(entries(tmp_gguf_cache)) == 2
+    if ggml_type == 'Q4_K':
+        assert_bitwise(kquant_packed(ggml_type, blocks, gate_up=True), kquant_fresh(ggml_type, blocks, gate_up=True))
+        assert len(entries(tmp_gguf_cache)) == 3
+    source = tmp_path / Path(module.__file__).name
+    source.write_text(Path(module.__file__).read_text() + '\n# edited\n')
+    monkeypatch.setattr(module, '__file__', str(source))
+    before = len(entries(tmp_gguf_cache))
+    assert_bitwise(kquant_packed(ggml_type, blocks), kquant_fresh(ggml_type, blocks))
+    assert len(entries(tmp_gguf_cache)) == before + 1
+
+
+MIB = 1 << 20
+
+
+def cached(seed: int, calls: list[int]) -> Path:
+    """Derives a 1 MiB tensor through the cache (``calls`` counts the derivations); returns its entry's path."""
+    w = torch.full((derived_cache.MIN_CACHED_NUMEL, ), float(seed))
+    got = derived_cache.cached_derivation('test', w, __file__, lambda: calls.append(seed) or (w * 2, ))
+    assert torch.equal(got[0], w * 2)
+    return derived_cache.entry_path('test', w, __file__)
+
+
+def in_another_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(derived_cache, '_used_here', {})
+
+
+def test_the_cap_removes_the_least_recently_used_first(tmp_gguf_cache: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv('LMDEPLOY_DERIVED_CACHE_BYTES', str(3 * MIB + MIB // 2))
+    calls: list[int] = []
+    now = time.time()
+    paths = []
+    for age, seed in zip((300, 200, 100), range(3)):  # entry 0 the oldest
+        in_another_process(monkeypatch)
+        paths.append(cached(seed, calls))
+        os.utime(paths[-1], (now - age, now - age))
+    in_another_process(monkeypatch)
+    assert cached(0, calls) == paths[0] and calls == [0, 1, 2]  # read: now the most recently used
+    in_another_process(monkeypatch)
+    paths.append(cached(3, calls))
+    assert entries(tmp_gguf_cache) == sorted((paths[0], paths[2], paths[3]))
+
+
+def test_the_cap_keeps_this_process_entries(tmp_gguf_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv('LMDEPLOY_DERIVED_CACHE_BYTES', str(2 * MIB + MIB // 2))
+    calls: list[int] = []
+    cached(0, calls)
+    in_another_process(monkeypatch)
+    mine = [cached(1, calls), cached(2, calls)]
+    assert entries(tmp_gguf_cache) == sorted(mine)  # the older entry removed
+    cached(3, calls)  # over the cap with this process's own: derived, not stored
+    cached(3, calls)
+    assert entries(tmp_gguf_cache) == sorted(mine) and calls == [0, 1, 2, 3, 3]
+
+
+def test_a_cap_of_zero_turns_the_cache_off(tmp_gguf_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    stored = cached(0, calls)
+    monkeypatch.setenv('LMDEPLOY_DERIVED_CACHE_BYTES', '0')
+    cached(0, calls)
+    cached(1, calls)
+    assert calls == [0, 0, 1] and entries(tmp_gguf_cache) == [stored]
+    monkeypatch.setenv('LMDEPLOY_DERIVED_CACHE_BYTES', '4 GiB')
+    with pytest.raises(ValueError, match='number of bytes'):
+        cached(1, calls)
 
 
 def test_small_weights_are_not_cached(tmp_gguf_cache: Path) -> None:

@@ -1,12 +1,17 @@
 """A disk cache of tensors derived from a weight at every start (a 4-bit grid fitted to a bf16 weight and packed
-for its kernel, a GGUF token table retiled for its GEMV), so that a model's later starts read them instead of
-computing them again.
+for its kernel, a GGUF token table retiled for its GEMV, a GGUF Q4_K or Q6_K layer packed for its GEMV), so that a
+model's later starts read them instead of computing them again.
 
 An entry is keyed by the sha256 of the weight's bytes, its dtype and shape, what was derived (a name and its
 arguments) and the source text of the modules that derive it: another weight, or an edit of the code that
 derives it, never finds the entry. Entries are safetensors files under ``cache_dir()/derived``, written to a
 temporary name and renamed into place; one that cannot be read is derived again and rewritten. Weights under
 :data:`MIN_CACHED_NUMEL` elements are derived every time (in about a millisecond: a file would cost more).
+
+The folder holds at most ``$LMDEPLOY_DERIVED_CACHE_BYTES`` (:data:`DEFAULT_CAP_BYTES`; 0 turns the cache off):
+after each write the least recently used entries go first (a read refreshes an entry's time), never one that this
+process read or wrote (the model being loaded); a write that would take this process's own entries over the cap is
+skipped. Entries that another process removes or writes meanwhile are taken as they come.
 """
 from __future__ import annotations
 
@@ -24,6 +29,19 @@ from safetensors.torch import load_file, save_file
 logger = logging.getLogger(__name__)
 
 MIN_CACHED_NUMEL = 1 << 18
+DEFAULT_CAP_BYTES = 4 << 30
+# the entries this process read or wrote, and their bytes: never evicted by it
+_used_here: dict[Path, int] = {}
+
+
+def cap_bytes() -> int:
+    """The most bytes the cache holds: ``$LMDEPLOY_DERIVED_CACHE_BYTES``, else :data:`DEFAULT_CAP_BYTES`."""
+    value = os.environ.get('LMDEPLOY_DERIVED_CACHE_BYTES', '').strip()
+    if not value:
+        return DEFAULT_CAP_BYTES
+    if not value.isdigit():
+        raise ValueError(f'LMDEPLOY_DERIVED_CACHE_BYTES is a number of bytes (0: no cache), not {value!r}')
+    return int(value)
 
 
 def weight_digest(weight: torch.Tensor) -> str:
@@ -50,21 +68,67 @@ def cached_derivation(kind: str, weight: torch.Tensor, source_files: str | Seque
     """``derive()``'s tensors, read from the cache when ``weight`` was derived the same way before (``kind`` names
     the derivation and its arguments, ``source_files`` the module, or modules, that hold its code), else derived
     and stored."""
-    if weight.numel() < MIN_CACHED_NUMEL or weight.device.type != 'cpu':
+    cap = cap_bytes()
+    if weight.numel() < MIN_CACHED_NUMEL or weight.device.type != 'cpu' or cap == 0:
         return derive()
     path = entry_path(kind, weight, source_files)
     if path.is_file():
         try:
             stored = load_file(str(path))
-            return tuple(stored[str(i)] for i in range(len(stored)))
+            tensors = tuple(stored[str(i)] for i in range(len(stored)))
+        except FileNotFoundError:  # removed by another process meanwhile
+            tensors = None
         except (SafetensorError, OSError, KeyError) as err:
             logger.warning('derived-weight cache entry %s is unreadable (%s); deriving it again', path, err)
+            tensors = None
+        if tensors is not None:
+            _used_here[path] = _entry_bytes(tensors)
+            try:
+                os.utime(path)  # its time of last use
+            except OSError:  # removed meanwhile, or a read-only cache
+                pass
+            return tensors
     tensors = derive()
-    _store(path, tensors)
+    size = _entry_bytes(tensors)
+    held_here = sum(n for used, n in _used_here.items() if used.parent == path.parent and used != path)
+    if held_here + size <= cap and _store(path, tensors):
+        _used_here[path] = size
+        _evict(path.parent, cap)
     return tensors
 
 
-def _store(path: Path, tensors: tuple[torch.Tensor, ...]) -> None:
+def _entry_bytes(tensors: tuple[torch.Tensor, ...]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _evict(folder: Path, cap: int) -> None:
+    """Removes the least recently used entries of ``folder`` that this process did not use until it holds at most
+    ``cap`` bytes (or only this process's)."""
+    entries = []
+    for entry in folder.glob('*.safetensors'):
+        try:
+            stat = entry.stat()
+        except FileNotFoundError:
+            continue
+        entries.append((stat.st_mtime_ns, stat.st_size, entry))
+    held = sum(size for _, size, _ in entries)
+    for _, size, entry in sorted(entries):
+        if held <= cap:
+            return
+        if entry in _used_here:
+            continue
+        try:
+            entry.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as err:
+            logger.warning('cannot remove derived-weight cache entry %s: %s', entry, err)
+            continue
+        held -= size
+
+
+def _store(path: Path, tensors: tuple[torch.Tensor, ...]) -> bool:
+    """Writes the entry; False where it cannot."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, staged = tempfile.mkstemp(prefix=f'.{path.stem}.', dir=path.parent)
@@ -78,3 +142,5 @@ def _store(path: Path, tensors: tuple[torch.Tensor, ...]) -> None:
                 os.unlink(staged)
     except OSError as err:  # a read-only or full cache costs the next start the derivation, nothing else
         logger.warning('cannot write derived-weight cache entry %s: %s', path, err)
+        return False
+    return True

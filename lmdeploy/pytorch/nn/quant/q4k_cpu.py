@@ -9,8 +9,10 @@ from __future__ import annotations
 import torch
 
 from lmdeploy.pytorch.kernels import cpu
+from lmdeploy.pytorch.nn.quant import int4_cpu, q6k_cpu
 from lmdeploy.pytorch.nn.quant.int4_cpu import INT4_TILE, NativeInt4Kernel, SmallStepInt4Kernel
 from lmdeploy.pytorch.nn.quant.q6k_cpu import decode_rows_on_gemv, nibble_pairs
+from lmdeploy.pytorch.weights.derived_cache import cached_derivation
 
 Q4K_BLOCK, Q4K_BLOCK_BYTES = 256, 144
 
@@ -64,7 +66,9 @@ class Q4KGemv(NativeInt4Kernel):
         rows = 2 * INT4_TILE if gate_up else INT4_TILE
         if blocks.device.type != 'cpu' or cpu.int4_gemv() is None or blocks.shape[0] % rows:
             return None
-        return cls(*pack_q4k(blocks, gate_up), gate_up)
+        sources = (__file__, q6k_cpu.__file__, int4_cpu.__file__)  # pack_q4k's, nibble_pairs', INT4_TILE's
+        return cls(*cached_derivation(f'q4k gemv gate_up={gate_up}', blocks, sources,
+                                      lambda: pack_q4k(blocks, gate_up)), gate_up)
 
     def layer_kernel(self) -> SmallStepInt4Kernel:
         """A layer's or an expert's kernel on this copy (see

@@ -10,6 +10,7 @@ import torch
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.quant.base import LinearKernel
 from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
+from lmdeploy.pytorch.weights.derived_cache import cached_derivation
 
 Q6K_TILE, Q6K_GROUP, Q6K_BLOCK = 16, 16, 256
 # The most rows of a step that a GGUF layer runs on its native GEMV, on a CPU with AMX and without: larger steps
@@ -78,6 +79,12 @@ def pack_q6k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, scales
 
 
+def pack_q6k_rows(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`pack_q6k` of ``blocks [N, K / 256, 210]``, :data:`Q6K_PACK_ROWS` rows at a time."""
+    packed, scales = zip(*(pack_q6k(rows) for rows in blocks.split(Q6K_PACK_ROWS)))
+    return torch.cat(packed), torch.cat(scales)
+
+
 class Q6KGemv(LinearKernel):
     """``x @ W.T`` on packed Q6_K weights (:func:`pack_q6k`): fp32 with ``fp32_out`` (an LM head's logits),
     else rounded to the activations' dtype, as the native decoder stack's ``q6k`` projection gives it."""
@@ -91,8 +98,7 @@ class Q6KGemv(LinearKernel):
         None."""
         if blocks.device.type != 'cpu' or cpu.q6k_gemv() is None or blocks.shape[0] % Q6K_TILE:
             return None
-        packed, scales = zip(*(pack_q6k(rows) for rows in blocks.split(Q6K_PACK_ROWS)))
-        return cls(torch.cat(packed), torch.cat(scales), fp32_out)
+        return cls(*cached_derivation('q6k gemv', blocks, __file__, lambda: pack_q6k_rows(blocks)), fp32_out)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         out = cpu.native().q6k_linear(x, self.packed, self.scales)
