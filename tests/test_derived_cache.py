@@ -236,10 +236,14 @@ def test_the_cap_removes_the_least_recently_used_first(tmp_gguf_cache: Path,
 def test_the_cap_keeps_this_process_entries(tmp_gguf_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv('LMDEPLOY_DERIVED_CACHE_BYTES', str(2 * MIB + MIB // 2))
     calls: list[int] = []
-    cached(0, calls)
+    this_process = derived_cache._used_here
+    mine = [cached(0, calls)]
+    os.utime(mine[0], (time.time() - 100, ) * 2)
     in_another_process(monkeypatch)
-    mine = [cached(1, calls), cached(2, calls)]
-    assert entries(tmp_gguf_cache) == sorted(mine)  # the older entry removed
+    cached(1, calls)  # used more recently than this process's first entry
+    monkeypatch.setattr(derived_cache, '_used_here', this_process)
+    mine.append(cached(2, calls))
+    assert entries(tmp_gguf_cache) == sorted(mine)  # the other process's entry removed
     cached(3, calls)  # over the cap with this process's own: derived, not stored
     cached(3, calls)
     assert entries(tmp_gguf_cache) == sorted(mine) and calls == [0, 1, 2, 3, 3]
