@@ -19,14 +19,15 @@ Q6K_TILE, Q6K_GROUP, Q6K_BLOCK = 16, 16, 256
 # held to AVX512-BF16): the largest step at which the GEMV was not slower in either of two rounds, GEMV /
 # dequantized at the next size measured: Q5_K 1.04-1.06 at 32 rows with AMX; Q6_K 0.78-1.43 at 24 with AMX; Q5_K
 # and Q6_K without AMX on a real EPYC: 0.93-0.98 at 64, 1.05-1.11 at 96 (whole 64-token steps agree); Q8_0 without
-# AMX (a real EPYC, since its native dequantization and faster GEMV) 1.02-1.03 at 128, with AMX not measured since:
-# 16 as Q4_K's, whose GEMV and dequantization cost about as much per weight. Q4_K from whole
+# AMX (a real EPYC, since large steps dequantize into the native GEMM's panels; TinyLlama's, Gemma 3 270M's and
+# Qwen2.5-1.5B's widths, three rounds) 0.90-1.10 at 48, 1.01-1.26 at 96, with AMX not measured since: 16 as Q4_K's,
+# whose GEMV and dequantization cost about as much per weight. Q4_K from whole
 # prefill steps of a Q4_K_M file (``benchmark/kquant_gguf_cpu.py``) since the dequantized weight goes to a reused
 # scratch: with AMX a tie at 16 rows, dequantizing 1.4-1.6x faster at 24; without, a tie at 64, dequantizing
 # 1.05-1.14x faster at 96. Q5_K with AMX likewise from a Q5_K_M file: within 4% at 16 rows, dequantizing 1.46-1.6x
 # faster at 24. See docs/engine.md, "GGUF K-quant GEMV bounds with and without AMX" and "GGUF K-quant prefill: no
 # fresh pages per call".
-GEMV_MAX_ROWS = {'q4k': (16, 64), 'q5k': (16, 64), 'q6k': (16, 64), 'q8_0': (16, 96)}
+GEMV_MAX_ROWS = {'q4k': (16, 64), 'q5k': (16, 64), 'q6k': (16, 64), 'q8_0': (16, 32)}
 
 
 def gemv_max_rows(kind: str) -> int:
