@@ -52,6 +52,8 @@ class GenerationConfig:
     ``response_format_after`` (a reasoning model's ``'</think>'``), the grammar applies only to the output
     after that marker.
 
+    ``logit_bias`` maps token ids (ints, or their decimal strings as JSON gives them) to biases in [-100, 100].
+
     ``keep_special_tokens`` are special tokens that stay in the text although ``skip_special_tokens``
     drops the others (the server's harmony parsers read gpt-oss's channel markers this way).
     """
@@ -108,10 +110,13 @@ class GenerationConfig:
                f'presence_penalty must be in [-2, 2], got {self.presence_penalty!r}')
         _check(_is_number(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
                f'frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}')
+        if isinstance(self.logit_bias, dict):
+            self.logit_bias = {int(t) if isinstance(t, str) and t.isascii() and t.isdigit() and len(t) <= 18 else t: b
+                               for t, b in self.logit_bias.items()}
         _check(self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
             _is_int(t) and t >= 0 and _is_number(b) and -100.0 <= b <= 100.0 for t, b in self.logit_bias.items())),
-            'logit_bias must be None or a dict of token ids (ints >= 0) to biases in [-100, 100], got '
-            f'{str(self.logit_bias)[:80]}')
+            'logit_bias must be None or a dict of token ids (ints >= 0, or their decimal strings) to biases in '
+            f'[-100, 100], got {str(self.logit_bias)[:80]}')
         _check(_is_int(self.min_new_tokens) and 0 <= self.min_new_tokens <= self.max_new_tokens,
                f'min_new_tokens must be an int in [0, max_new_tokens], got {self.min_new_tokens!r}')
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),

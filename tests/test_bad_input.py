@@ -88,7 +88,7 @@ def test_empty_prompt(engine):
     ({'top_p': None}, 'top_p'),
     ({'presence_penalty': '1'}, 'presence_penalty'),
     ({'stop_token_ids': 5}, 'stop_token_ids'),
-    ({'logit_bias': {'5': 1.0}}, 'logit_bias'),
+    ({'logit_bias': {'-5': 1.0}}, 'logit_bias'),
     ({'logit_bias': {5: float('nan')}}, 'logit_bias'),
     ({'logit_bias': [5]}, 'logit_bias'),
 ])
@@ -117,3 +117,7 @@ def test_bad_engine_config(kwargs, match):
     negative thread count failed the engine's start."""
     with pytest.raises(ValueError, match=match):
         PytorchEngineConfig(**kwargs)
+
+
+def test_logit_bias_keys_may_be_decimal_strings_as_in_json():
+    assert GenerationConfig(logit_bias={'42': 1.0, 7: -2.0}).logit_bias == {42: 1.0, 7: -2.0}

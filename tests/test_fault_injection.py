@@ -167,10 +167,12 @@ def test_step_failing_after_a_sequence_finished(hooked):
     assert_all_released(engine)
 
 
-def test_request_the_engine_cannot_take_ends_alone(hooked):
+def test_request_the_engine_cannot_take_ends_alone(hooked, monkeypatch):
     """``add_request`` raises a TypeError (not a ValueError) after it registered the sequence: that request
-    ends as 'error', the one running meanwhile goes on, nothing leaks."""
+    ends as 'error', the one running meanwhile goes on, nothing leaks. (``AsyncEngine`` checks a config again
+    before it reaches the engine; that check is bypassed here to reach the engine's own defence.)"""
     engine = hooked
+    monkeypatch.setattr(engine, '_checked', lambda config: config)
     bad = gen(4)
     bad.stop_words = 5  # set after the checks of GenerationConfig: the engine's stop checker chokes on it
 

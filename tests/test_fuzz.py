@@ -31,6 +31,9 @@ from hypothesis import seed as hypothesis_seed  # noqa: E402
 from schemathesis import GenerationMode  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
 from schemathesis.core.failures import FailureGroup  # noqa: E402
+# from_dict imports this lazily; importing it at collection keeps its compile out of a long session's state (in a
+# CI run on Python 3.11.7 that lazy import failed with 'AST constructor recursion depth mismatch')
+import schemathesis.specs.openapi.schemas  # noqa: E402,F401
 from schemathesis.specs.openapi.checks import (content_type_conformance, response_schema_conformance,  # noqa: E402
                                                status_code_conformance)
 

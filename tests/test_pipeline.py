@@ -76,7 +76,7 @@ def test_failed_prompt_fails_alone(pipe):
 
 
 @pytest.mark.parametrize('field, value, match', [
-    ('logprobs', True, 'logprobs'), ('logit_bias', {'5': 1.0}, 'logit_bias'), ('max_new_tokens', 0, 'max_new_tokens'),
+    ('logprobs', True, 'logprobs'), ('logit_bias', {'5x': 1.0}, 'logit_bias'), ('max_new_tokens', 0, 'max_new_tokens'),
     ('stop_token_ids', [10 ** 6], r'stop_token_ids must be in \[0, 320\)')])
 def test_a_config_broken_after_it_was_made_fails_its_prompt_alone(pipe, field, value, match):
     """A field set after the config was made was never checked: ``logprobs=True`` or a str key of ``logit_bias``

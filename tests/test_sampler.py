@@ -158,7 +158,7 @@ def test_logit_bias_forces_a_token():
 def test_logprobs_are_raw_log_softmax_with_top_n():
     logits = _logits(3, 100, seed=4)
     expect = torch.log_softmax(logits, -1)
-    seqs = [_seq(logprobs=4, logit_bias={int(logits[0].argmin()): 1000.0}), _seq(), _seq(logprobs=0)]
+    seqs = [_seq(logprobs=4, logit_bias={int(logits[0].argmin()): 100.0}), _seq(), _seq(logprobs=0)]
     out = sample(logits, seqs)
     chosen = out.token_ids[0]
     assert chosen == int(logits[0].argmin())

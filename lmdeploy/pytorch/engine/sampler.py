@@ -78,9 +78,9 @@ def _needs_edit(seq: Sequence) -> bool:
 
 
 def _apply_logit_bias(x: Tensor, seqs: list[Sequence]) -> None:
-    """Add ``logit_bias`` (token ids may be strings, as in JSON requests)."""
+    """Add ``logit_bias`` (its token ids are ints: ``GenerationConfig`` turns decimal strings into them)."""
     V = x.shape[1]
-    biases = [{int(t): float(b) for t, b in (s.gen_config.logit_bias or {}).items() if 0 <= int(t) < V} or None
+    biases = [{t: float(b) for t, b in (s.gen_config.logit_bias or {}).items() if t < V} or None
               for s in seqs]
     rows, cols = _pairs(biases, x.device)
     if len(rows):
