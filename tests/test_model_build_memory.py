@@ -104,10 +104,10 @@ print(json.dumps([before - anonymous_gib(), free]))
                     reason='glibc malloc_trim and /proc/self/smaps_rollup are needed')
 def test_release_free_heap_gives_back_what_retiling_experts_left_behind():
     """Retiling 32 Qwen3-30B-A3B-sized Q4_K experts one by one (as loading a GGUF MoE layer does) leaves their
-    temporaries' freed chunks resident in the heap (20-80 MiB, as the heap happens to fall); ``release_free_heap``
-    returns their pages."""
+    temporaries' freed chunks resident in the heap (7-80 MiB, as the heap happens to fall: the modules imported
+    before move it); ``release_free_heap`` returns their pages."""
     out = subprocess.run([sys.executable, '-c', RETILE_CHILD, BENCHMARK], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     released_gib, free_gib = json.loads(out.stdout.splitlines()[-1])
-    assert free_gib > 8 / 1024, free_gib
+    assert free_gib > 4 / 1024, free_gib
     assert released_gib > free_gib / 2, (released_gib, free_gib)
