@@ -4,8 +4,10 @@ from __future__ import annotations
 import json
 import numbers
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
+
+import numpy as np
 
 MAX_NEW_TOKENS_LIMIT = 1 << 20
 # Sampling at a lower temperature is greedy (as in vLLM): 1 / temperature would overflow the logits.
@@ -29,8 +31,26 @@ def _is_int(value: object) -> bool:
 
 
 def _is_number(value: object) -> bool:
-    """A real number (numpy's too) that is not a bool."""
+    """A real number that is not a bool."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with numpy scalars (at the top, in a list or tuple, as a dict's keys or values) made Python's,
+    so that ``np.int64(32)`` passes as an int and ``np.bool_(True)`` as a bool."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    return value
+
+
+def _plain_fields(config: Any) -> None:
+    for f in fields(config):
+        if f.name != 'response_format':
+            setattr(config, f.name, _plain(getattr(config, f.name)))
 
 
 @dataclass
@@ -82,6 +102,7 @@ class GenerationConfig:
     response_format_after: str | None = None
 
     def __post_init__(self):
+        _plain_fields(self)
         if isinstance(self.stop_words, str):
             self.stop_words = [self.stop_words]
         for name in ('do_sample', 'ignore_eos', 'skip_special_tokens'):
@@ -205,7 +226,7 @@ class PytorchEngineConfig:
     machine, ``'ray'`` as Ray actors (``pip install 'lmdeploy[ray]'``), on this machine or across a
     Ray cluster, where ``ray_placement_strategy`` places the ranks: ``'PACK'`` fills this machine first,
     ``'SPREAD'`` puts them on as many machines as it can. On the CPU each rank on a machine computes on
-    its own share of the cores (``num_threads`` threads each, default one per core of its share).
+    its own share of the cores (``num_threads`` threads each; None or 0: one per core of its share).
     """
 
     dtype: Literal['auto', 'float32', 'bfloat16', 'float16'] = 'auto'
@@ -229,6 +250,7 @@ class PytorchEngineConfig:
     quant_policy: Literal[0, 4, 8] = 0
 
     def __post_init__(self):
+        _plain_fields(self)
         _check(self.dtype in ('auto', 'float32', 'bfloat16', 'float16'),
                f"dtype must be one of 'auto', 'float32', 'bfloat16', 'float16', got {self.dtype!r}")
         for name in ('enable_prefix_caching', 'eager_mode', 'decode_int4', 'overlap_schedule'):
@@ -242,7 +264,8 @@ class PytorchEngineConfig:
                    f'{name} must be an int, got {value!r}')
         _check(self.session_len is None or self.session_len > 0, 'session_len must be positive')
         _check(self.max_batch_size > 0, 'max_batch_size must be positive')
-        _check(self.num_threads is None or self.num_threads > 0, 'num_threads must be positive (None: all cores)')
+        _check(self.num_threads is None or self.num_threads >= 0,
+               'num_threads must be >= 0 (None or 0: one per core of the share)')
         _check(_is_number(self.cache_max_entry_count) and 0.0 < self.cache_max_entry_count <= 1.0,
                'cache_max_entry_count must be in (0, 1]')
         _check(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,

@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 
+import numpy as np
 import pytest
 from helpers import make_engine, run
 
@@ -108,7 +109,7 @@ def test_generation_stops_at_session_len(engine):
     ({'max_batch_size': True}, 'max_batch_size must be an int'),
     ({'block_size': 24}, 'power of two'),
     ({'cache_max_entry_count': True}, 'cache_max_entry_count'),
-    ({'num_threads': -2}, 'num_threads must be positive'),
+    ({'num_threads': -2}, 'num_threads must be >= 0'),
     ({'enable_prefix_caching': 'no'}, 'enable_prefix_caching must be True or False'),
     ({'eager_mode': None}, 'eager_mode must be True or False'),
 ])
@@ -117,6 +118,20 @@ def test_bad_engine_config(kwargs, match):
     negative thread count failed the engine's start."""
     with pytest.raises(ValueError, match=match):
         PytorchEngineConfig(**kwargs)
+
+
+def test_numpy_scalars_pass_as_the_python_values_they_hold():
+    """Values taken from numpy arrays (a sweep's ``np.arange``, a tokenizer's id array) are numpy scalars, which
+    are not ``int``/``bool`` instances: they were refused as of the wrong type."""
+    config = GenerationConfig(max_new_tokens=np.int64(8), do_sample=np.bool_(True), temperature=np.float32(0.5),
+                              stop_token_ids=list(np.array([2, 7])), logit_bias={np.int64(5): np.float64(1.5)})
+    assert (config.max_new_tokens, config.do_sample, config.stop_token_ids, config.logit_bias) == (
+        8, True, [2, 7], {5: 1.5})
+    assert type(config.max_new_tokens) is int and type(config.do_sample) is bool
+    engine = PytorchEngineConfig(max_batch_size=np.int32(4), enable_prefix_caching=np.bool_(False), num_threads=0)
+    assert (engine.max_batch_size, engine.enable_prefix_caching, engine.num_threads) == (4, False, 0)
+    with pytest.raises(ValueError, match='do_sample must be True or False'):
+        GenerationConfig(do_sample=np.int64(1))
 
 
 def test_logit_bias_keys_may_be_decimal_strings_as_in_json():

@@ -70,7 +70,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              'as it can')
     parser.add_argument('--device', default='cpu', help="'cpu' or 'cuda' (or 'cuda:N')")
     parser.add_argument('--num-threads', type=int, default=None,
-                        help="torch's CPU threads (default: torch's choice)")
+                        help="torch's CPU threads (default or 0: torch's choice; with --tp, one per core of a "
+                             "rank's share)")
     parser.add_argument('--eager-mode', action='store_true', help='on CUDA, run decode steps without CUDA graphs')
     parser.add_argument('--load-format', default='auto', choices=['auto', 'dummy'],
                         help="'dummy': random weights at the model's shape (for speed tests; no weight files read)")
