@@ -36,21 +36,21 @@ def _is_number(value: object) -> bool:
 
 
 def _plain(value: Any) -> Any:
-    """``value`` with numpy scalars (at the top, in a list or tuple, as a dict's keys or values) made Python's,
+    """``value`` with numpy scalars (itself, a list's or tuple's items, a dict's keys and values) made Python's,
     so that ``np.int64(32)`` passes as an int and ``np.bool_(True)`` as a bool."""
-    if isinstance(value, np.generic):
-        return value.item()
+    def scalar(v: Any) -> Any:
+        return v.item() if isinstance(v, np.generic) else v
+
     if isinstance(value, (list, tuple)):
-        return type(value)(_plain(v) for v in value)
+        return type(value)(scalar(v) for v in value)
     if isinstance(value, dict):
-        return {_plain(k): _plain(v) for k, v in value.items()}
-    return value
+        return {scalar(k): scalar(v) for k, v in value.items()}
+    return scalar(value)
 
 
 def _plain_fields(config: Any) -> None:
     for f in fields(config):
-        if f.name != 'response_format':
-            setattr(config, f.name, _plain(getattr(config, f.name)))
+        setattr(config, f.name, _plain(getattr(config, f.name)))
 
 
 @dataclass
