@@ -17,9 +17,13 @@ decode`` and ``128-row decode`` ms a step (as many sequences decoding together, 
 (prefills share steps with decode rows: mixed steps), and ``batched`` ms in all for the same prompts queued at
 once. With ``--prefill`` instead: ``b1 decode`` and ``prefill N`` ms, one prompt of N = 4, 16, 64, 256 and 1024
 tokens prefilled alone (its one step, the median of 3): what the large steps of block-quantized weights cost a
-short prompt. Prints each round, then the best of each and the ratios after / before.
+short prompt. With ``--preempt`` instead: 16 prompts of 64-184 tokens queued at once, 64 new tokens each, in a
+cache of 256 blocks of 16 (``roomy``: no preemption) and of 48 (``tight``: sequences preempted and computed again):
+ms in all, steps and preemptions of each (what recomputing a preempted sequence costs). Prints each round, then the
+best of each (the fewest, for counts) and the ratios after / before.
 
     python benchmark/batch_invariance_cost.py --before /path/to/tree --prefill --gpt-oss [--rounds 2]
+    python benchmark/batch_invariance_cost.py --before /path/to/tree --preempt [--gpt-oss] [--rounds 2]
 """
 from __future__ import annotations
 
@@ -78,6 +82,30 @@ prefill = {n: [steps(first, [torch.randint(3, vocab, (n,), generator=g).tolist()
            for n in (4, 16, 64, 256, 1024)}
 print(json.dumps({'b1 decode': statistics.median(b1[2:]),
                   **{f'prefill {n}': statistics.median(times) for n, times in prefill.items()}}))
+'''
+PREEMPT_CHILD = CHILD[:CHILD.index('engine = Engine(')] + r'''
+g = torch.Generator().manual_seed(0)
+prompts = [torch.randint(3, vocab, (64 + 8 * i,), generator=g).tolist() for i in range(16)]
+gen = GenerationConfig(max_new_tokens=64, ignore_eos=True)
+result = {}
+for cache, blocks in (('roomy', 256), ('tight', 48)):
+    engine = Engine(path, PytorchEngineConfig(dtype=dtype, enable_prefix_caching=False, num_gpu_blocks=blocks,
+                                              block_size=16), show_progress=False)
+    for prompt in prompts[:2]:  # warm-up
+        engine.add_request(prompt[:8], GenerationConfig(max_new_tokens=4, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    for prompt in prompts:
+        engine.add_request(prompt, gen)
+    start, count = time.thread_time(), 0
+    while engine.has_unfinished():
+        engine.step()
+        count += 1
+    result[f'{cache} ms'] = 1e3 * (time.thread_time() - start)
+    result[f'{cache} steps'] = count
+    result[f'{cache} preemptions'] = engine.scheduler.num_preemptions
+    engine.close()
+print(json.dumps(result))
 '''
 MOE_VOCAB = 1024
 
@@ -157,11 +185,13 @@ def main() -> None:
     models.add_argument('--deepseek', action='store_true', help='the random-weight DeepSeek-V3 instead')
     parser.add_argument('--dtype', default='bfloat16', choices=['bfloat16', 'float32'])
     models.add_argument('--gpt-oss', action='store_true', help='the random gpt-oss with MXFP4 experts instead')
-    parser.add_argument('--prefill', action='store_true', help='prefills of 4-1024 tokens and batch-1 decode only')
+    modes = parser.add_mutually_exclusive_group()
+    modes.add_argument('--prefill', action='store_true', help='prefills of 4-1024 tokens and batch-1 decode only')
+    modes.add_argument('--preempt', action='store_true', help='16 prompts in a cache too small for them only')
     parser.add_argument('--experts', type=int, default=32,
                         help="with --moe: its experts (60, Qwen1.5-MoE-A2.7B's, a router off the 16-row panels)")
     args = parser.parse_args()
-    child = PREFILL_CHILD if args.prefill else CHILD
+    child = PREFILL_CHILD if args.prefill else PREEMPT_CHILD if args.preempt else CHILD
     results: dict[str, list[dict[str, float]]] = {'before': [], 'after': []}
     with tempfile.TemporaryDirectory() as folder:
         model, vocab = ((save_moe_model(folder, args.experts), MOE_VOCAB) if args.moe else
@@ -173,10 +203,11 @@ def main() -> None:
             for name in order:
                 results[name].append(measure(getattr(args, name), model, vocab, child, args.dtype))
                 print(name, round_, {k: round(v, 2) for k, v in results[name][-1].items()}, flush=True)
-    print('| ms (thread CPU, best of rounds) | before | after | after / before |\n| --- | --- | --- | --- |')
+    print('| thread CPU ms (or a count), best of rounds | before | after | after / before |\n| --- | --- | --- | --- |')
     for key in results['before'][0]:
         before, after = (min(r[key] for r in results[name]) for name in ('before', 'after'))
-        print(f'| {key} | {before:.2f} | {after:.2f} | {after / before:.3f} |')
+        ratio = f'{after / before:.3f}' if before else '-'
+        print(f'| {key} | {before:.2f} | {after:.2f} | {ratio} |')
 
 
 if __name__ == '__main__':

@@ -208,19 +208,21 @@ class ModelRunner:
         decode_blocks = decode_kv_lens = None
         if plan.decode:
             for item in plan.decode:
-                seq = item.seq
-                input_ids.append(seq.last_token)
-                positions.append(seq.num_tokens - 1)
+                # the sequence's last token, or one it generated before a preemption, fed again (not sampled)
+                seq, position = item.seq, item.seq.num_computed
+                if item.samples:
+                    sample_rows.append(len(input_ids))
+                input_ids.append(seq.last_token if item.samples else seq.token_ids[position])
+                positions.append(position)
                 for blocks, name in zip(kv_blocks, self.tables):
-                    blocks.append(getattr(seq, name)[(seq.num_tokens - 1) // bs])
+                    blocks.append(getattr(seq, name)[position // bs])
                 if uses_mrope:
-                    rope_positions.append(seq.rope_positions_of(seq.num_tokens - 1, seq.num_tokens))
-            lengths = [item.seq.num_tokens for item in plan.decode]
+                    rope_positions.append(seq.rope_positions_of(position, position + 1))
+            lengths = [item.seq.num_computed + 1 for item in plan.decode]
             decode_tables = self._block_tables(plan.decode, lengths)
             decode_blocks, decode_kv_lens = decode_tables[0], self._tensor(lengths)
             if len(decode_tables) > 1:
                 window_tables['window_decode_blocks'] = decode_tables[1]
-            sample_rows.extend(range(num_prefill, len(input_ids)))
         position_tensor = self._tensor(positions)
         states = {}
         if self.num_state_slots:
@@ -245,7 +247,8 @@ class ModelRunner:
         order (prefill, decode), then the prompt rows (see :meth:`build_inputs`), in the model's dtype (the
         sampler widens them where it needs to). Decode rows of sequences with a token in flight take it
         from ``inflight``."""
-        if self.graphs is not None and not plan.prefill and self.graphs.runs(plan.decode):
+        if (self.graphs is not None and not plan.prefill and all(item.samples for item in plan.decode)
+                and self.graphs.runs(plan.decode)):
             return self.graphs.run(plan.decode, inflight)
         if self.splits_mixed_steps and plan.prefill and plan.decode:
             prefill = self.forward(replace(plan, decode=[]))

@@ -38,7 +38,10 @@ class Scheduler:
     Each step spends a token budget of ``max_prefill_token_num``: running sequences come first
     (one token each when decoding, a chunk when their prompt is still being prefilled), then
     waiting ones in arrival order. When blocks run out, the most recently admitted sequence is
-    preempted: its blocks are freed and it is recomputed later from its tokens so far. With
+    preempted: its blocks are freed and it is recomputed later from its tokens so far: its prompt in prefill chunks,
+    then the tokens it generated one a step, each a decode row again (not sampled but for the last), so that every
+    token's row runs the kernels it ran first (decode rows and prefill rows may run different ones: GEMVs and
+    dequantized GEMMs, the delta rule's recurrent step and its chunked form) and its outputs keep their bits. With
     overlapped steps, a sequence whose last token in flight is its final one is not scheduled again.
     Before a running sequence is scheduled, its blocks out of the sliding window go back to their pool.
     A chunk never ends inside a bidirectional span (``Sequence.bidirectional_spans``): it ends before the span,
@@ -97,7 +100,7 @@ class Scheduler:
                 break
             bm.allocate(seq, seq.num_computed + num_tokens)
             item = ScheduledSeq(seq, num_tokens)
-            (out.decode if seq.num_pending == 1 else out.prefill).append(item)
+            (out.decode if self._generated(seq, seq.num_computed) else out.prefill).append(item)
             budget -= num_tokens
             index += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
@@ -120,15 +123,23 @@ class Scheduler:
                 seq.num_cached = num_cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.prefill.append(ScheduledSeq(seq, num_tokens))
+            (out.decode if self._generated(seq, num_cached) else out.prefill).append(ScheduledSeq(seq, num_tokens))
             budget -= num_tokens
         return out
 
+    @staticmethod
+    def _generated(seq: Sequence, start: int) -> bool:
+        """Whether a chunk from ``start`` feeds a token ``seq`` generated (one, a decode row), not its prompt (prefill
+        rows, the prompt's last token too when a chunk leaves it alone)."""
+        return start >= len(seq.prompt_ids)
+
     def _chunk_end(self, seq: Sequence, start: int, budget: int) -> int:
         """Where the next chunk of ``seq`` from ``start`` ends within ``budget``: never inside a bidirectional span,
-        and, with ``recurrent_grain``, at a multiple of it unless it ends the sequence's tokens."""
-        end = seq.span_start_before(start + min(seq.num_tokens - start, budget))
-        if self.recurrent_grain and end < seq.num_tokens:
+        and, with ``recurrent_grain``, at a multiple of it unless it ends the prompt. A preempted sequence's prompt
+        is computed again as a prompt, its generated tokens one a step, as decode rows (see :class:`Scheduler`)."""
+        limit = len(seq.prompt_ids) if start < len(seq.prompt_ids) else min(start + 1, seq.num_tokens)
+        end = seq.span_start_before(start + min(limit - start, budget))
+        if self.recurrent_grain and end < limit:
             end = max(start, end // self.recurrent_grain * self.recurrent_grain)
         return end
 
