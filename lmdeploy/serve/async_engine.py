@@ -8,6 +8,7 @@ import dataclasses
 import hmac
 import json
 import os
+import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -112,14 +113,18 @@ class AsyncEngine:
             raise SafeRunException(ErrorCode.INVALID_ARGUMENT, str(exc)) from exc
 
     async def process(self, prompt: Prompt, do_preprocess: bool = True) -> ProcessedPrompt:
-        """Token ids and images of a prompt; images are fetched and preprocessed on a worker thread.
-        Raises :class:`SafeRunException` (INVALID_ARGUMENT) for bad input, bad images included."""
+        """Token ids and images of a prompt; images are fetched and preprocessed on a worker thread, which
+        stops before the next image once this is cancelled. Raises :class:`SafeRunException` (INVALID_ARGUMENT)
+        for bad input, bad images included."""
+        stop = threading.Event()
         try:
             if self.processor.accepts_images:
-                return await asyncio.to_thread(self.processor.process, prompt, do_preprocess)
+                return await asyncio.to_thread(self.processor.process, prompt, do_preprocess, None, None, stop)
             return self.processor.process(prompt, do_preprocess)
         except ValueError as exc:
             raise SafeRunException(ErrorCode.INVALID_ARGUMENT, str(exc)) from exc
+        finally:
+            stop.set()
 
     async def compile_grammar(self, gen_config: GenerationConfig, timeout: float | None = None) -> Grammar | None:
         """``gen_config.response_format`` compiled in a grammar worker process (compiled grammars are cached

@@ -19,7 +19,7 @@ from urllib.parse import unquote, urlsplit
 
 import httpcore
 import httpx
-from PIL import Image
+from PIL import ExifTags, Image, ImageOps
 
 logger = logging.getLogger('lmdeploy')
 
@@ -48,6 +48,9 @@ class MediaPolicy:
     allow_private_hosts: bool = False
     max_image_bytes: int = 20 * 2**20
     max_image_pixels: int = 4096 * 4096
+    # longest side over shortest side: a resize to a fixed shortest side (LLaVA's) would make a 1x16000 image
+    # 336x5,376,000 pixels; Qwen2-VL's processor has the same bound
+    max_image_aspect_ratio: float = 200.0
     fetch_timeout: float = 10.0  # seconds, for each network operation and for the whole download
 
     @classmethod
@@ -276,14 +279,22 @@ def _decode(data: bytes, policy: MediaPolicy) -> Image.Image:
 
 
 def _to_rgb(image: Image.Image, policy: MediaPolicy) -> Image.Image:
-    """Checks the pixel count, then decodes the pixels and converts them to RGB; transparent pixels go onto white,
-    as transformers' image processors put them."""
+    """Checks the pixel count and the aspect ratio, then decodes the pixels, turns them upright as the EXIF
+    orientation says (as transformers' ``load_image`` does) and converts them to RGB; transparent pixels go onto
+    white, as transformers' image processors put them."""
     width, height = image.size
+    if not width or not height:
+        raise ValueError(f'the image is {width}x{height} pixels: it has none')
     if width * height > policy.max_image_pixels:
         raise ValueError(f'the image has {width}x{height} pixels, more than the limit of '
                          f'{policy.max_image_pixels}')
+    if max(width, height) > policy.max_image_aspect_ratio * min(width, height):
+        raise ValueError(f'the image is {width}x{height} pixels: its longest side is more than '
+                         f'{policy.max_image_aspect_ratio:g} times its shortest')
     with _decoding():
         image.load()
+        if image.getexif().get(ExifTags.Base.Orientation, 1) != 1:
+            image = ImageOps.exif_transpose(image)
         if 'A' not in image.getbands() and image.info.get('transparency') is None:
             return image.convert('RGB')
         white = Image.new('RGBA', image.size, (255, 255, 255, 255))

@@ -1,6 +1,7 @@
 """``MultiModalProcessor``: a prompt (text, OpenAI messages, or text with images) to model inputs."""
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -142,9 +143,10 @@ class MultiModalProcessor:
             raise ValueError('the messages nest too deeply for the chat template') from None
 
     def process(self, prompt: Prompt, do_preprocess: bool = True, tools: list[dict] | None = None,
-                template_kwargs: dict | None = None) -> ProcessedPrompt:
+                template_kwargs: dict | None = None, stop: threading.Event | None = None) -> ProcessedPrompt:
         """Token ids and images of a prompt (see :meth:`render` for ``tools`` and ``template_kwargs``);
-        raises ``ValueError`` for malformed input or bad images."""
+        raises ``ValueError`` for malformed input or bad images. Once ``stop`` is set (the caller no longer
+        waits), no further image is loaded or preprocessed: it raises ``ValueError`` then."""
         if not isinstance(prompt, (str, list, tuple)):
             raise ValueError(f'a prompt must be a str, a list of messages or a (text, images) tuple, '
                              f'got {type(prompt).__name__}')
@@ -160,22 +162,26 @@ class MultiModalProcessor:
             return ProcessedPrompt(input_ids, text=text)
         if len(sources) > self.max_images:
             raise ValueError(f'a prompt may hold at most {self.max_images} images, got {len(sources)}')
-        expanded = self._expand(input_ids, [load_image(source, self.media_policy) for source in sources])
+        expanded = self._expand(input_ids, sources, stop)
         expanded.text = text
         return expanded
 
-    def _expand(self, input_ids: list[int], images: list) -> ProcessedPrompt:
-        """Replaces each image's placeholder token by its span (the family's ``placeholder_ids``: most repeat
-        the placeholder once per feature the vision encoder gives it), between the family's ``span_ids``."""
+    def _expand(self, input_ids: list[int], sources: list, stop: threading.Event | None) -> ProcessedPrompt:
+        """Loads and preprocesses each image, one at a time (only its features stay), and replaces its
+        placeholder token by its span (the family's ``placeholder_ids``: most repeat the placeholder once per
+        feature the vision encoder gives it), between the family's ``span_ids``."""
         placeholder = self.image_inputs.image_token_id
         where = [i for i, token in enumerate(input_ids) if token == placeholder]
-        if len(where) != len(images):
-            raise ValueError(f'the prompt has {len(where)} image placeholders for {len(images)} images')
+        if len(where) != len(sources):
+            raise ValueError(f'the prompt has {len(where)} image placeholders for {len(sources)} images')
         expanded: list[int] = []
         multimodal = []
         start = 0
         before, after = self.image_inputs.span_ids
-        for position, image in zip(where, images):
+        for position, source in zip(where, sources):
+            if stop is not None and stop.is_set():
+                raise ValueError('the request was given up while its images were preprocessed')
+            image = load_image(source, self.media_policy)
             length, data = self.image_inputs(image)
             expanded += input_ids[start:position] + before
             multimodal.append(MultiModalInput(len(expanded), length, image_hash(image), data))

@@ -61,12 +61,12 @@ async def _until(work: Awaitable[T], stop: asyncio.Future) -> T | None:
     return None if task.cancelled() else task.result()
 
 
-async def admit_while_connected(state: ServerState, slots: int, receive: Receive) -> Ticket | None:
-    """:func:`admit` for a request that holds no session (``/v1/encode``); None once its client, read from
-    ``receive``, has gone while it waited: it leaves the line then."""
+async def while_connected(work: Awaitable[T], receive: Receive) -> T | None:
+    """``await work`` for a request that holds no session (``/v1/encode``: its wait for admission and its
+    tokenization), or None as soon as its client, read from ``receive``, has gone: ``work`` is cancelled then."""
     gone = asyncio.ensure_future(wait_disconnect(receive))
     try:
-        return await _until(admit(state, slots), gone)
+        return await _until(work, gone)
     finally:
         gone.cancel()
 

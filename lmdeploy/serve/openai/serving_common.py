@@ -8,6 +8,7 @@ import functools
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import Executor
@@ -119,14 +120,18 @@ async def encode(state: ServerState, prompt: object, do_preprocess: bool, param:
 
 
 async def process(state: ServerState, messages: object, param: str, tools: list[dict] | None = None,
-                  template_kwargs: dict | None = None) -> ProcessedPrompt:
+                  template_kwargs: dict | None = None, do_preprocess: bool = True) -> ProcessedPrompt:
     """Token ids and images of chat messages, made on the executor (chat template with ``tools`` and
     ``template_kwargs``, tokenizer, image fetch and preprocessing); bad input (bad images included) is a
-    400 about ``param``."""
+    400 about ``param``. Cancelled (its client gone), it stops the executor's work before the next image."""
+    stop = threading.Event()
     try:
-        prompt = await run_blocking(state, state.engine.processor.process, messages, True, tools, template_kwargs)
+        prompt = await run_blocking(state, state.engine.processor.process, messages, do_preprocess, tools,
+                                    template_kwargs, stop)
     except ValueError as exc:
         raise APIError(400, str(exc), param, ErrorCode.INVALID_ARGUMENT.value[0]) from exc
+    finally:
+        stop.set()
     check_prompt_ids(state, prompt.input_ids, param)
     return prompt
 

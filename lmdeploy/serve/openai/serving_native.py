@@ -10,9 +10,9 @@ from lmdeploy.messages import Response
 from lmdeploy.serve.openai.errors import APIError
 from lmdeploy.serve.openai.limits import check_fanout, check_messages, check_prompt_chars, check_stop
 from lmdeploy.serve.openai.protocol import AbortRequest, EncodeRequest, GenerateRequest
-from lmdeploy.serve.openai.request_start import admit_while_connected, admitted
+from lmdeploy.serve.openai.request_start import admit, admitted, while_connected
 from lmdeploy.serve.openai.serving_common import (Job, ServerState, check_model, check_prompt_ids, check_session,
-                                                  check_token_ids, encode, gen_config, run_blocking)
+                                                  check_token_ids, encode, gen_config, process, run_blocking)
 from lmdeploy.serve.openai.streaming import collect_or_abort, sse, sse_stream
 
 
@@ -40,13 +40,14 @@ async def generate(state: ServerState, req: GenerateRequest, raw: Request):
     else:
         check_messages(state.limits, req.prompt, 'prompt')
     async with admitted(state, 1, req.session_id, raw.receive) as request:
-        input_ids = req.input_ids
+        input_ids, multimodal = req.input_ids, []
         if input_ids is None:
-            input_ids = await request.unless_gone(encode(state, req.prompt, req.do_preprocess, 'prompt'))
-            if input_ids is None:
+            prompt = await request.unless_gone(process(state, req.prompt, 'prompt', do_preprocess=req.do_preprocess))
+            if prompt is None:
                 return None
+            input_ids, multimodal = prompt.input_ids, prompt.multimodal
         config = gen_config(state, req, len(input_ids), req.logprobs, None, model_defaults=False)
-        run = request.start([Job(0, input_ids, config, request.reservations[0])])
+        run = request.start([Job(0, input_ids, config, request.reservations[0], multimodal)])
     if req.stream:
         def render(r: Response) -> Iterable[str]:
             yield sse(_body(r, req.session_id))
@@ -61,22 +62,24 @@ async def generate(state: ServerState, req: GenerateRequest, raw: Request):
 async def encode_text(state: ServerState, req: EncodeRequest, receive: Receive) -> dict:
     """Token ids of one text or of each of a list (chat-templated when ``do_preprocess``). The texts count
     against ``--max-fanout`` and ``--max-prompt-chars``, and tokenizing takes one admission slot; a request whose
-    client (``receive``) goes away while it waits for that slot leaves the line (its answer is empty)."""
+    client (``receive``) goes away while it waits for that slot, or is tokenized, gives the slot back at once
+    (its answer is empty)."""
     texts = [req.input] if isinstance(req.input, str) else req.input
     check_fanout(state.limits, 1, len(texts), 'input')
     check_prompt_chars(state.limits, sum(len(t) for t in texts), 'input')
-    ticket = await admit_while_connected(state, 1, receive)
-    if ticket is None:
-        return {}
-    try:
-        ids = []
-        for text in texts:
+
+    async def tokenize() -> list[list[int]]:
+        ticket = await admit(state, 1)
+        try:
             if req.do_preprocess:
-                ids.append(await encode(state, text, True, 'input'))
-            else:
-                ids.append(await run_blocking(state, state.engine.tokenizer.encode, text, req.add_bos))
-    finally:
-        ticket.release()
+                return [await encode(state, text, True, 'input') for text in texts]
+            return [await run_blocking(state, state.engine.tokenizer.encode, text, req.add_bos) for text in texts]
+        finally:
+            ticket.release()
+
+    ids = await while_connected(tokenize(), receive)
+    if ids is None:
+        return {}
     if isinstance(req.input, str):
         return {'input_ids': ids[0], 'length': len(ids[0])}
     return {'input_ids': ids, 'length': [len(i) for i in ids]}

@@ -183,7 +183,9 @@ def create_proxy_app(nodes: list[str] = (), routing_strategy: str = 'least_reque
 
     @app.post('/abort_request')
     async def abort_request(request: Request) -> Response:
-        """Sent on to every healthy node; the first answer that is not a 200 comes back, else success."""
+        """Sent on to every healthy node; the first answer that is not a 200 comes back, else success. A 508
+        ``loop_detected`` is the answer of a node that leads back to a proxy the abort already passed: it counts
+        only when no node aborted."""
         body = await request.body()
         headers = {**_onward_headers(request, registry.via), 'content-type': 'application/json'}
         nodes = registry.healthy()
@@ -194,8 +196,10 @@ def create_proxy_app(nodes: list[str] = (), routing_strategy: str = 'least_reque
         for answer in answers:
             if isinstance(answer, BaseException):
                 return proxy_error(502, f'a node failed to abort: {answer!r}', 'node_failed')
-            if answer.status_code != 200:
-                return Response(answer.content, answer.status_code, media_type=answer.headers.get('content-type'))
+        refused = [answer for answer in answers if answer.status_code not in (200, 508)]
+        if refused or all(answer.status_code == 508 for answer in answers):
+            first = (refused or answers)[0]
+            return Response(first.content, first.status_code, media_type=first.headers.get('content-type'))
         return JSONResponse({'success': True})
 
     app.add_middleware(ForwardOthers, registry=registry, strategy=strategy,
