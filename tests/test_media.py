@@ -101,6 +101,14 @@ def test_same_picture_same_hash_from_every_source(tmp_path):
     assert image_hash(Image.frombytes('L', (15, 4), original.tobytes())) != image_hash(original)
 
 
+def test_base64_broken_into_lines_as_mime_writes_it():
+    """``base64.encodebytes`` (MIME) breaks its output every 76 characters; that was refused as not base64."""
+    data = encode(picture(64, 48))
+    url = 'data:image/png;base64,' + base64.encodebytes(data).decode()
+    assert '\n' in url
+    assert load_image(url).tobytes() == load_image(data_url(data)).tobytes() == picture(64, 48).tobytes()
+
+
 def test_bad_base64():
     with pytest.raises(ValueError, match='base64'):
         load_image('data:image/png;base64,iVBOR@@@not-base64')

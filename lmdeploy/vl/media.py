@@ -92,12 +92,13 @@ def image_hash(image: Image.Image) -> str:
 
 
 def _data_url_bytes(url: str) -> bytes:
-    """The payload of a ``data:image/<format>;base64,...`` URL."""
+    """The payload of a ``data:image/<format>;base64,...`` URL (line breaks in it, as MIME writes base64, are
+    skipped)."""
     header, _, payload = url.partition(',')
     if not header.lower().startswith('data:image/') or not header.lower().endswith(';base64'):
         raise ValueError(f'a data URL must look like data:image/<format>;base64,..., got {header[:80]!r}')
     try:
-        return base64.b64decode(payload, validate=True)
+        return base64.b64decode(''.join(payload.split()), validate=True)
     except binascii.Error as exc:
         raise ValueError(f'the data URL is not valid base64: {exc}') from exc
 
