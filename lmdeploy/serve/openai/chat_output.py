@@ -2,6 +2,7 @@
 piece by piece while it streams (or at once), in OpenAI's message and delta shapes."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,7 @@ class ChoiceParser:
         self.reasoning = reasoning
         self.tools = tools
         self.max_calls = max_calls
+        self.arguments: dict[int, list[str]] = {}  # the pieces of each call's arguments given out so far
 
     @property
     def num_calls(self) -> int:
@@ -57,6 +59,8 @@ class ChoiceParser:
                 parsed.extend(self.tools.finish())
             out.content = parsed.content
             out.tool_calls = [c for c in parsed.tool_calls if self.max_calls is None or c.index < self.max_calls]
+            for call in out.tool_calls:
+                self.arguments.setdefault(call.index, []).append(call.arguments)
         return out
 
     def message(self, text: str) -> ChatMessage:
@@ -83,8 +87,23 @@ class ChoiceParser:
         return body
 
     def finish_reason(self, engine_reason: str | None) -> str | None:
-        """``tool_calls`` for a reply that stopped after making calls, else the engine's reason."""
-        return 'tool_calls' if engine_reason == 'stop' and self.num_calls else engine_reason
+        """``tool_calls`` for a reply that stopped after making calls, all complete (their arguments JSON
+        objects, none that the reply ended inside); else the engine's reason (``stop`` for a call a stop string
+        cut)."""
+        if engine_reason != 'stop' or not self.num_calls:
+            return engine_reason
+        cut = self.tools.cut_call
+        if cut is not None and cut < self.num_calls:
+            return engine_reason
+        complete = all(_is_object(''.join(pieces)) for pieces in self.arguments.values())
+        return 'tool_calls' if complete else engine_reason
+
+
+def _is_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except (ValueError, RecursionError):
+        return False
 
 
 def _call_pieces(pieces: list[ToolCallDelta]) -> list[dict[str, Any]]:

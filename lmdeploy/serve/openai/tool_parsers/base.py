@@ -68,6 +68,8 @@ class ToolParser(ABC):
         self.text = ''
         self.pos = 0
         self.num_calls = 0
+        self.cut_call: int | None = None  # a call the reply ended inside, which the parser closed itself
+        self.marker_start = 0  # where the whitespace before the last marker :meth:`_content_until` found starts
 
     def feed(self, text: str) -> ParsedDelta:
         """The delta that ``text``, appended to the content, makes certain."""
@@ -89,14 +91,16 @@ class ToolParser(ABC):
 
     def _content_until(self, marker: str, final: bool, out: ParsedDelta) -> bool:
         """Moves the text from ``pos`` up to ``marker`` into ``out.content`` (without the whitespace before
-        it) and ``pos`` past it: True. Without the marker: the text that cannot be its start, False."""
+        it, from ``marker_start`` on) and ``pos`` past it: True. Without the marker: the text that cannot be
+        its start, False."""
         found = self.text.find(marker, self.pos)
         if found < 0:
             end = len(self.text) if final else strip_end(self.text, self.pos, held_back(self.text, self.pos, marker))
             out.content += self.text[self.pos:end]
             self.pos = max(self.pos, end)
             return False
-        out.content += self.text[self.pos:strip_end(self.text, self.pos, found)]
+        self.marker_start = strip_end(self.text, self.pos, found)
+        out.content += self.text[self.pos:self.marker_start]
         self.pos = found + len(marker)
         return True
 

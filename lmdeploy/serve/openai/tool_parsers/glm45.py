@@ -78,7 +78,7 @@ class Glm45ToolParser(ToolParser):
             end = len(self.text) if found < 0 else found
             call = parse_call(self.text[self.pos:end], self.parameters)
             if call is None:
-                out.content += OPEN + self.text[self.pos:end + (len(CLOSE) if found >= 0 else 0)]
+                out.content += self.text[self.marker_start:end + (len(CLOSE) if found >= 0 else 0)]
             else:
                 out.tool_calls.append(self.new_call(*call))
             self.pos = end + (len(CLOSE) if found >= 0 else 0)

@@ -41,8 +41,10 @@ class HermesToolParser(ToolParser):
                 if found < 0:
                     out.content += self._text(final)
                     return out
-                out.content += self.text[self.pos:strip_end(self.text, self.pos, found)]
-                self.block_start, self.pos, self.state = found, found + len(OPEN), 'block'
+                text_end = strip_end(self.text, self.pos, found)
+                out.content += self.text[self.pos:text_end]
+                # a block that holds no call goes back as written, the whitespace before it included
+                self.block_start, self.pos, self.state = text_end, found + len(OPEN), 'block'
             elif self.state == 'block':
                 start = skip_whitespace(self.text, self.pos)
                 if start == len(self.text):

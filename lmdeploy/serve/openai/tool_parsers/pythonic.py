@@ -157,6 +157,7 @@ class PythonicToolParser(ToolParser):
                 return self._not_a_call()
             self._put(out, argument)
             self._close(out)
+            self.cut_call = self.num_calls - 1
             self.pos = self.scan = len(self.text)
             self.state = 'text'
             return True

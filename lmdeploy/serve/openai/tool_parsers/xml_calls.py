@@ -133,6 +133,7 @@ class XmlCallsParser(ToolParser):
             return False
         if final and (start == len(self.text) or rest.startswith(PARAMETER)):  # the reply ends inside the call
             self._arguments(out, '}')
+            self.cut_call = self.num_calls - 1
             self.pos, self.state = len(self.text), 'text'
             return False
         skip = self.text.find('<', start + 1)  # not a parameter: skipped
