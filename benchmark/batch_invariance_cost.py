@@ -15,9 +15,11 @@ Per tree: ``b1 decode`` ms a step (one sequence, the median of its 64 decode ste
 decode`` and ``128-row decode`` ms a step (as many sequences decoding together, median of 24 steps), ``prefill
 256`` ms for one prompt of 256 tokens (the median of 5), ``arrivals`` ms in all for 16 prompts of 64-184 tokens queued one a step, 32 new tokens each
 (prefills share steps with decode rows: mixed steps), and ``batched`` ms in all for the same prompts queued at
-once. With ``--prefill`` instead: ``b1 decode`` and ``prefill N`` ms, one prompt of N = 4, 16, 64, 256 and 1024
-tokens prefilled alone (its one step, the median of 3): what the large steps of block-quantized weights cost a
-short prompt. Prints each round, then the best of each and the ratios after / before.
+once. With ``--prefill`` instead (prefix caching on): ``b1 decode`` and ``prefill N`` ms, one prompt of N = 2, 4,
+16, 64, 256 and 1024 tokens prefilled alone (its one step, the median of 3), and ``2 after 256 cached`` ms, a prompt
+of 258 tokens whose first 256 are cached (a chat's short follow-up turn: its step prefills 2 tokens): what the
+large steps of block-quantized weights cost a short prompt.
+Prints each round, then the best of each and the ratios after / before.
 
     python benchmark/batch_invariance_cost.py --before /path/to/tree --prefill --gpt-oss [--rounds 2]
 """
@@ -70,14 +72,19 @@ print(json.dumps({'b1 decode': statistics.median(b1[2:]),
                   'prefill 256': statistics.median(prefill), 'arrivals': sum(steps(gen, prompts, 1)),
                   'batched': sum(steps(gen, prompts))}))
 '''
-PREFILL_CHILD = CHILD[:CHILD.index('steps(GenerationConfig(max_new_tokens=8')] + r'''
+PREFILL_CHILD = CHILD[:CHILD.index('steps(GenerationConfig(max_new_tokens=8')].replace(
+    'enable_prefix_caching=False', 'enable_prefix_caching=True') + r'''
 steps(GenerationConfig(max_new_tokens=8, ignore_eos=True), prompts[:2])  # warm-up
 b1 = steps(GenerationConfig(max_new_tokens=34, ignore_eos=True), prompts[:1])
 first = GenerationConfig(max_new_tokens=1, ignore_eos=True)
 prefill = {n: [steps(first, [torch.randint(3, vocab, (n,), generator=g).tolist()])[0] for _ in range(3)]
-           for n in (4, 16, 64, 256, 1024)}
+           for n in (2, 4, 16, 64, 256, 1024)}
+cached = torch.randint(3, vocab, (256,), generator=g).tolist()
+steps(GenerationConfig(max_new_tokens=2, ignore_eos=True), [cached])  # a finished prefill publishes no blocks
+follow_up = [steps(first, [cached + torch.randint(3, vocab, (2,), generator=g).tolist()])[0] for _ in range(3)]
 print(json.dumps({'b1 decode': statistics.median(b1[2:]),
-                  **{f'prefill {n}': statistics.median(times) for n, times in prefill.items()}}))
+                  **{f'prefill {n}': statistics.median(times) for n, times in prefill.items()},
+                  '2 after 256 cached': statistics.median(follow_up)}))
 '''
 MOE_VOCAB = 1024
 
@@ -157,7 +164,8 @@ def main() -> None:
     models.add_argument('--deepseek', action='store_true', help='the random-weight DeepSeek-V3 instead')
     parser.add_argument('--dtype', default='bfloat16', choices=['bfloat16', 'float32'])
     models.add_argument('--gpt-oss', action='store_true', help='the random gpt-oss with MXFP4 experts instead')
-    parser.add_argument('--prefill', action='store_true', help='prefills of 4-1024 tokens and batch-1 decode only')
+    parser.add_argument('--prefill', action='store_true',
+                        help='prefills of 2-1024 tokens, 2 after 256 cached, and batch-1 decode only')
     parser.add_argument('--experts', type=int, default=32,
                         help="with --moe: its experts (60, Qwen1.5-MoE-A2.7B's, a router off the 16-row panels)")
     args = parser.parse_args()
