@@ -15,12 +15,13 @@ Per tree: ``b1 decode`` ms a step (one sequence, the median of its 64 decode ste
 decode`` and ``128-row decode`` ms a step (as many sequences decoding together, median of 24 steps), ``prefill
 256`` ms for one prompt of 256 tokens (the median of 5), ``arrivals`` ms in all for 16 prompts of 64-184 tokens queued one a step, 32 new tokens each
 (prefills share steps with decode rows: mixed steps), and ``batched`` ms in all for the same prompts queued at
-once. With ``--prefill`` instead: ``b1 decode`` and ``prefill N`` ms, one prompt of N = 4, 16, 64, 256 and 1024
-tokens prefilled alone (its one step, the median of 3): what the large steps of block-quantized weights cost a
-short prompt. With ``--preempt`` instead: 16 prompts of 64-184 tokens queued at once, 64 new tokens each, in a
-cache of 256 blocks of 16 (``roomy``: no preemption) and of 48 (``tight``: sequences preempted and computed again):
-ms in all, steps and preemptions of each (what recomputing a preempted sequence costs). Prints each round, then the
-best of each (the fewest, for counts) and the ratios after / before.
+once. With ``--prefill`` instead (prefix caching on): ``b1 decode`` and ``prefill N`` ms, one prompt of N = 2, 4,
+16, 64, 256 and 1024 tokens prefilled alone (its one step, the median of 3), and ``2 after 256 cached`` ms, a prompt
+of 258 tokens whose first 256 are cached (a chat's short follow-up turn: its step prefills 2 tokens): what the
+large steps of block-quantized weights cost a short prompt. With ``--preempt`` instead: 16 prompts of 64-184 tokens
+queued at once, 64 new tokens each, in a cache of 256 blocks of 16 (``roomy``: no preemption) and of 48 (``tight``:
+sequences preempted and computed again): ms in all, steps and preemptions of each (what recomputing a preempted
+sequence costs). Prints each round, then the best of each (the fewest, for counts) and the ratios after / before.
 
     python benchmark/batch_invariance_cost.py --before /path/to/tree --prefill --gpt-oss [--rounds 2]
     python benchmark/batch_invariance_cost.py --before /path/to/tree --preempt [--gpt-oss] [--rounds 2]
@@ -74,14 +75,19 @@ print(json.dumps({'b1 decode': statistics.median(b1[2:]),
                   'prefill 256': statistics.median(prefill), 'arrivals': sum(steps(gen, prompts, 1)),
                   'batched': sum(steps(gen, prompts))}))
 '''
-PREFILL_CHILD = CHILD[:CHILD.index('steps(GenerationConfig(max_new_tokens=8')] + r'''
+PREFILL_CHILD = CHILD[:CHILD.index('steps(GenerationConfig(max_new_tokens=8')].replace(
+    'enable_prefix_caching=False', 'enable_prefix_caching=True') + r'''
 steps(GenerationConfig(max_new_tokens=8, ignore_eos=True), prompts[:2])  # warm-up
 b1 = steps(GenerationConfig(max_new_tokens=34, ignore_eos=True), prompts[:1])
 first = GenerationConfig(max_new_tokens=1, ignore_eos=True)
 prefill = {n: [steps(first, [torch.randint(3, vocab, (n,), generator=g).tolist()])[0] for _ in range(3)]
-           for n in (4, 16, 64, 256, 1024)}
+           for n in (2, 4, 16, 64, 256, 1024)}
+cached = torch.randint(3, vocab, (256,), generator=g).tolist()
+steps(GenerationConfig(max_new_tokens=2, ignore_eos=True), [cached])  # a finished prefill publishes no blocks
+follow_up = [steps(first, [cached + torch.randint(3, vocab, (2,), generator=g).tolist()])[0] for _ in range(3)]
 print(json.dumps({'b1 decode': statistics.median(b1[2:]),
-                  **{f'prefill {n}': statistics.median(times) for n, times in prefill.items()}}))
+                  **{f'prefill {n}': statistics.median(times) for n, times in prefill.items()},
+                  '2 after 256 cached': statistics.median(follow_up)}))
 '''
 PREEMPT_CHILD = CHILD[:CHILD.index('engine = Engine(')] + r'''
 g = torch.Generator().manual_seed(0)
@@ -186,7 +192,8 @@ def main() -> None:
     parser.add_argument('--dtype', default='bfloat16', choices=['bfloat16', 'float32'])
     models.add_argument('--gpt-oss', action='store_true', help='the random gpt-oss with MXFP4 experts instead')
     modes = parser.add_mutually_exclusive_group()
-    modes.add_argument('--prefill', action='store_true', help='prefills of 4-1024 tokens and batch-1 decode only')
+    modes.add_argument('--prefill', action='store_true',
+                       help='prefills of 2-1024 tokens, 2 after 256 cached, and batch-1 decode only')
     modes.add_argument('--preempt', action='store_true', help='16 prompts in a cache too small for them only')
     parser.add_argument('--experts', type=int, default=32,
                         help="with --moe: its experts (60, Qwen1.5-MoE-A2.7B's, a router off the 16-row panels)")

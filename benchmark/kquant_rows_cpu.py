@@ -19,16 +19,27 @@ Run alone, glibc hands each dequantized copy the pages the previous call freed; 
 between, and a copy mostly lands on fresh pages, whose first touch costs as much as the dequantization (about 60 ms
 more per 2 layers here). Set ``MALLOC_MMAP_THRESHOLD_=65536`` to give every copy fresh pages, as the engine does
 (its end-to-end figures, ``benchmark/kquant_gguf_cpu.py``, side with this mode).
+
+``--before TREE`` compares the dequantized path (prefill rows) of two source trees, ``TREE`` and ``--after``
+(this one by default), each round a fresh process per tree, the trees alternating, ``--rounds`` of them; it prints
+each tree's best and the ratio after / before, beside the GEMV of the after tree. A prefill of one to three
+tokens::
+
+    PYTHONPATH=. python benchmark/kquant_rows_cpu.py --before /tmp/tree --kinds q4k,q6k,q8_0 --rows 1,2,3 --layers 1
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
+import sys
 import time
 
 import numpy as np
 import torch
 
+import lmdeploy
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.kernels.activation import silu_and_mul
 from lmdeploy.pytorch.nn.quant.gguf_blocks import Q8_0Gemv, q8_0_unpack
@@ -91,23 +102,14 @@ def run_layers(layers: list, xs: dict[int, torch.Tensor], max_gemv_rows: int) ->
     return cpu_clock() - start, time.perf_counter() - wall
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('--kinds', default='q4k,q5k,q6k,q8_0', help='layer types, comma-separated')
-    parser.add_argument('--rows', default='8,16,24,32,48,64,96,128', help='step sizes, comma-separated')
-    parser.add_argument('--shapes', choices=sorted(SHAPES), default='tinyllama', help="a decoder layer's widths")
-    parser.add_argument('--layers', type=int, default=2)
-    parser.add_argument('--threads', type=int, default=1)
-    parser.add_argument('--repeats', type=int, default=5)
-    parser.add_argument('--no-amx', action='store_true', help='the engine told the CPU has no AMX (see above)')
-    args = parser.parse_args()
+def measure(args: argparse.Namespace) -> dict[str, tuple[float, float, float, float]]:
+    """Per ``kind rows``: the best CPU and wall seconds of the GEMV's pass, then of the dequantized path's."""
     set_bounds(args.no_amx)
     if cpu.int4_gemv() is None or cpu.q8_gemv() is None:
         raise SystemExit('the native GEMVs need AVX512-BF16')
     torch.set_num_threads(args.threads)
-    isa = os.environ.get('ONEDNN_MAX_CPU_ISA', 'as the CPU')
-    print(f'ONEDNN_MAX_CPU_ISA {isa}, engine sees AMX: {cpu.onednn_amx()}', flush=True)
     rng = np.random.default_rng(0)
+    results = {}
     for kind in args.kinds.split(','):
         layers = [(kernel_of(kind, random_blocks(rng, kind, rows, inputs), gate_up), gate_up, inputs)
                   for _ in range(args.layers) for rows, inputs, gate_up in SHAPES[args.shapes]]
@@ -117,11 +119,64 @@ def main() -> None:
             for _ in range(args.repeats):
                 gemv = tuple(map(min, gemv, run_layers(layers, xs, rows)))
                 dequantized = tuple(map(min, dequantized, run_layers(layers, xs, 0)))
-            wall = (f'; wall {gemv[1] * 1e3:.2f} / {dequantized[1] * 1e3:.2f} ms ({gemv[1] / dequantized[1]:.2f}x)'
-                    if args.threads > 1 else '')
-            print(f'{kind:5s} {rows:4d} rows, {args.layers} layers: GEMV {gemv[0] * 1e3:8.2f} ms, dequantized '
-                  f'{dequantized[0] * 1e3:8.2f} ms ({gemv[0] / dequantized[0]:.2f}x){wall}; bound now '
-                  f'{gemv_max_rows(kind)}', flush=True)
+            results[f'{kind} {rows}'] = (*gemv, *dequantized)
+    return results
+
+
+def compare_trees(args: argparse.Namespace) -> None:
+    """The dequantized path in the trees ``args.before`` and ``args.after``, fresh processes alternating."""
+    child = [f'--{name}={getattr(args, name)}' for name in ('kinds', 'rows', 'shapes', 'layers', 'threads', 'repeats')]
+    child += ['--json'] + (['--no-amx'] if args.no_amx else [])
+    best: dict[str, dict[str, list[float]]] = {'before': {}, 'after': {}}
+    for round_ in range(args.rounds):
+        for name in ('before', 'after') if round_ % 2 == 0 else ('after', 'before'):
+            tree = os.path.abspath(getattr(args, name))
+            env = dict(os.environ, PYTHONPATH=tree)
+            out = subprocess.run([sys.executable, os.path.abspath(__file__), *child], env=env, capture_output=True,
+                                 text=True, check=True).stdout
+            got = json.loads(out.splitlines()[-1])
+            if not got.pop('lmdeploy').startswith(tree):
+                raise SystemExit(f'{name}: lmdeploy was not imported from {tree}')
+            print(f'round {round_ + 1} {name}: ' + ', '.join(f'{key} {v[2] * 1e3:.2f} ms' for key, v in got.items()),
+                  flush=True)
+            for key, v in got.items():
+                best[name][key] = list(map(min, best[name].get(key, v), v))
+    print(f'| {args.shapes}, {args.layers} layer sets: ms (CPU, best of {args.rounds}) | GEMV | dequantized before '
+          '| after | after / before | after / GEMV |\n| --- | --- | --- | --- | --- | --- |')
+    for key, after in best['after'].items():
+        before = best['before'][key]
+        print(f'| {key} rows | {after[0] * 1e3:.2f} | {before[2] * 1e3:.2f} | {after[2] * 1e3:.2f} | '
+              f'{after[2] / before[2]:.2f} | {after[2] / after[0]:.2f} |')
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--kinds', default='q4k,q5k,q6k,q8_0', help='layer types, comma-separated')
+    parser.add_argument('--rows', default='8,16,24,32,48,64,96,128', help='step sizes, comma-separated')
+    parser.add_argument('--shapes', choices=sorted(SHAPES), default='tinyllama', help="a decoder layer's widths")
+    parser.add_argument('--layers', type=int, default=2)
+    parser.add_argument('--threads', type=int, default=1)
+    parser.add_argument('--repeats', type=int, default=5)
+    parser.add_argument('--no-amx', action='store_true', help='the engine told the CPU has no AMX (see above)')
+    parser.add_argument('--before', help='compare the dequantized path with this source tree (see above)')
+    parser.add_argument('--after', default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    parser.add_argument('--rounds', type=int, default=4)
+    parser.add_argument('--json', action='store_true', help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.before:
+        return compare_trees(args)
+    if args.json:
+        print(json.dumps({'lmdeploy': lmdeploy.__file__, **measure(args)}))
+        return
+    isa = os.environ.get('ONEDNN_MAX_CPU_ISA', 'as the CPU')
+    print(f'ONEDNN_MAX_CPU_ISA {isa}, engine sees AMX: {cpu.onednn_amx()}', flush=True)
+    for key, (gemv, gemv_wall, dequantized, dequantized_wall) in measure(args).items():
+        kind, rows = key.split()
+        wall = (f'; wall {gemv_wall * 1e3:.2f} / {dequantized_wall * 1e3:.2f} ms ({gemv_wall / dequantized_wall:.2f}x)'
+                if args.threads > 1 else '')
+        print(f'{kind:5s} {int(rows):4d} rows, {args.layers} layers: GEMV {gemv * 1e3:8.2f} ms, dequantized '
+              f'{dequantized * 1e3:8.2f} ms ({gemv / dequantized:.2f}x){wall}; bound now '
+              f'{gemv_max_rows(kind)}', flush=True)
 
 
 if __name__ == '__main__':

@@ -4,7 +4,10 @@ random Q8_0 codes and scales, bf16 activations. Decode steps of every size run t
 "Batch invariance"); the bf16 table is what they ran before it (``decode_int4`` off, or a step of many rows). One
 thread, timed by its CPU time (``time.thread_time``) so that other jobs on a shared machine take time slices but
 not figures; per row count the best of ``--repeats`` calls, the two kernels alternating over ``--rounds``.
-Run it in two trees (fresh processes, alternating) to compare a kernel change::
+Each kernel's output is a new tensor (fp32 for the copy: 64 MiB at 64 rows of Gemma's table; bf16 for the table);
+each line gives what touching a new tensor of that size first costs in this process (``first touch``: a fresh
+tensor filled, less the same fill on a kept one), which a kernel's time includes where the allocator hands it fresh
+pages. Run it in two trees (fresh processes, alternating) to compare a kernel change::
 
     PYTHONPATH=. python benchmark/lm_head_rows_cpu.py [--rows 1,2,8,24,64] [--tables default,gemma]
 """
@@ -37,6 +40,13 @@ def best_ms(kernel, x: torch.Tensor, repeats: int) -> float:
     return 1e3 * best
 
 
+def first_touch_ms(rows: int, columns: int, dtype: torch.dtype, repeats: int) -> float:
+    """What filling a new ``[rows, columns]`` tensor costs more than filling a kept one (its pages' first touch)."""
+    kept = torch.empty(rows, columns, dtype=dtype)
+    return (best_ms(lambda _: torch.empty(rows, columns, dtype=dtype).fill_(1), None, repeats) -
+            best_ms(lambda _: kept.fill_(1), None, repeats))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--rows', default='1,2,8,24,64')
@@ -59,8 +69,11 @@ def main() -> None:
                 for kind, kernel in kernels.items():
                     times[kind].append(best_ms(kernel, x, args.repeats))
             q8_ms, bf16_ms = min(times['q8']), min(times['bf16'])
+            touch = {dtype: first_touch_ms(rows, table.shape[0], dtype, args.repeats)
+                     for dtype in (torch.float32, torch.bfloat16)}
             print(f'{name} {rows:3d} rows: q8 {q8_ms:8.2f} ms  bf16 table {bf16_ms:8.2f} ms  q8 / bf16 '
-                  f'{q8_ms / bf16_ms:.2f}', flush=True)
+                  f'{q8_ms / bf16_ms:.2f}; first touch of the outputs: fp32 {touch[torch.float32]:.2f} ms, bf16 '
+                  f'{touch[torch.bfloat16]:.2f} ms', flush=True)
 
 
 if __name__ == '__main__':

@@ -3,8 +3,9 @@
 // native bf16 GEMM's packed panels in cache and runs that GEMM's tiles over every row of x on them
 // (bf16_dequantizing_linear in linear_bf16.cpp): each weight byte is read once, the bf16 copy never reaches memory,
 // and a row's outputs equal those of pack_bf16_weight and bf16_linear on the dequantized weight bit for bit,
-// whatever the number of rows. Elsewhere (AMX, whose oneDNN GEMM is several times faster at many rows; fp32 x; no
-// AVX512-BF16) the whole weight goes to bf16 in this thread's reused scratch and torch's linear (oneDNN).
+// whatever the number of rows (one or two rows take each tile's weights straight into their sums, in that GEMM's
+// order: no panel written and read back). Elsewhere (AMX, whose oneDNN GEMM is several times faster at many rows;
+// fp32 x; no AVX512-BF16) the whole weight goes to bf16 in this thread's reused scratch and torch's linear (oneDNN).
 // Shared by the Python kernels' large steps (nn/quant/q4k_cpu.py, q6k_cpu.py, gguf_blocks.py's Q8_0Gemv,
 // gguf_table.py, mxfp4.py) and the decoder stack's "*_dequantized" projections.
 #pragma once
@@ -26,11 +27,16 @@ torch::Tensor fresh_weight(int64_t rows, int64_t cols);
 torch::Tensor scratch_weight(int64_t rows, int64_t cols);
 
 // Where one tile's bf16 weights go: its 16 rows of W (`out` its first row, rows K apart), or its panel in
-// pack_bf16_weight's layout [K/2, 16, 2] (`packed`).
+// pack_bf16_weight's layout [K/2, 16, 2] (`packed`); or, with `rows` above zero, nowhere: each input pair's weights
+// go straight into the fp32 sums `sums` (16 a row, one per tile row) of that many rows of bf16 `x` (K apart), in the
+// bf16 GEMM's order (one vdpbf16ps a pair, the pairs in order of k), so that a few rows skip the panel's round trip.
 struct TileSink {
   c10::BFloat16* out;
   int64_t K;
   bool packed;
+  const c10::BFloat16* x = nullptr;
+  int64_t rows = 0;
+  float* sums = nullptr;
 };
 
 // A block-quantized weight W [N, K] as tiles of 16 rows that dequantize one at a time: write(tile, sink) writes

@@ -92,9 +92,19 @@ inline void transpose16(__m512i* v) {
   }
 }
 
-// A tile's 32 inputs from k0 to its sink, from pairs[p] (dword r: row r's input pair p): as they are into a
-// packed panel, transposed into rows of W.
+// A tile's 32 inputs from k0 to its sink, from pairs[p] (dword r: row r's input pair p): into the sums of a few rows
+// of x, as they are into a packed panel, or transposed into rows of W.
 inline void put_pairs(const TileSink& sink, __m512i* pairs, int64_t k0) {
+  if (sink.rows > 0) {
+    for (int64_t r = 0; r < sink.rows; ++r) {
+      const int32_t* x = reinterpret_cast<const int32_t*>(sink.x + r * sink.K + k0);
+      __m512 sum = _mm512_loadu_ps(sink.sums + r * kTileRows);
+#pragma GCC unroll 16  // pairs stay in registers: indexed by a variable they would go through the stack
+      for (int p = 0; p < 16; ++p) sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_set1_epi32(x[p]), (__m512bh)pairs[p]);
+      _mm512_storeu_ps(sink.sums + r * kTileRows, sum);
+    }
+    return;
+  }
   if (sink.packed) {
     for (int p = 0; p < 16; ++p) _mm512_storeu_si512(sink.out + (k0 + 2 * p) * kTileRows, pairs[p]);
     return;

@@ -9,7 +9,8 @@
 // tiles stage their fp32 results, and one pass per row block applies it, so the tiles' k loops never
 // wait on the exp's long dependency chain. Larger steps of block-quantized weights run the same tiles on panels
 // each thread dequantizes in cache (bf16_dequantizing_linear, dequantized_linear.h): bit for bit this GEMM on the
-// packed dequantized weight.
+// packed dequantized weight. Steps of one or two rows skip the panels: each tile's weights go straight into the
+// rows' sums in the same order (run_dequantizing_few).
 #include <ATen/cpu/Utils.h>
 #include <ATen/ops/constant_pad_nd.h>
 
@@ -66,6 +67,24 @@ inline __m256i silu_times(__m512 gate, __m512 up) {
   return to_bf16(_mm512_mul_ps(round_to_bf16(silu), round_to_bf16(up)));
 }
 
+// Panel p's bias in fp32 (zeros without one), its lanes' `lanes` loaded.
+inline __m512 panel_bias(const Gemm& g, int64_t p, __mmask16 lanes) {
+  const bf16* b = g.bias ? g.bias + first_column(g, p) : nullptr;
+  const __m256i raw = !b                  ? _mm256_setzero_si256()
+                      : lanes == kAllLanes ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b))
+                                           : _mm256_maskz_loadu_epi16(lanes, b);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// Row `row`'s outputs of panel p, rounded to bf16, into out (its lanes `lanes` only).
+inline void store_outputs(const Gemm& g, int64_t row, int64_t p, __mmask16 lanes, __m512 sums) {
+  bf16* out = g.out + row * g.outputs + first_column(g, p);
+  if (lanes == kAllLanes)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), to_bf16(sums));
+  else
+    _mm256_mask_storeu_epi16(out, lanes, to_bf16(sums));
+}
+
 // Where the weights of a column group ahead are prefetched to: nowhere, L2, or L1 (measured best above
 // 20 rows, when each k step needs less than one line).
 enum class Pull { kNone, kL2, kL1 };
@@ -99,12 +118,8 @@ void tile(const Gemm& g, const bf16* w, int64_t row, int64_t panel, NextGroup& n
   __m512 bias[C];
   __mmask16 lanes[C];  // masked loads and stores only where padding rows fill part of the panel
   for (int c = 0; c < C; ++c) {
-    const bf16* b = g.bias ? g.bias + first_column(g, panel + c) : nullptr;
     lanes[c] = live_lanes(g, panel + c);
-    const __m256i raw = !b                     ? _mm256_setzero_si256()
-                        : lanes[c] == kAllLanes ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b))
-                                                : _mm256_maskz_loadu_epi16(lanes[c], b);
-    bias[c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    bias[c] = panel_bias(g, panel + c, lanes[c]);
   }
   if (g.silu) {  // staged; row_block applies SiLU-and-mul once the row block is done
     for (int c = 0; c < C; ++c)
@@ -112,14 +127,7 @@ void tile(const Gemm& g, const bf16* w, int64_t row, int64_t panel, NextGroup& n
     return;
   }
   for (int c = 0; c < C; ++c)
-    for (int r = 0; r < R; ++r) {
-      bf16* out = g.out + (row + r) * g.outputs + first_column(g, panel + c);
-      const __m256i sums = to_bf16(_mm512_add_ps(acc[r][c], bias[c]));
-      if (lanes[c] == kAllLanes)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), sums);
-      else
-        _mm256_mask_storeu_epi16(out, lanes[c], sums);
-    }
+    for (int r = 0; r < R; ++r) store_outputs(g, row + r, panel + c, lanes[c], _mm512_add_ps(acc[r][c], bias[c]));
 }
 
 // Tiles of 6 rows read the weights from L2 a third less often, which pays while the weights stream
@@ -190,10 +198,31 @@ void run(const Gemm& g) {
   });
 }
 
+// Up to this many rows of x a tile's weights go straight into the rows' sums (TileSink's rows), a tile a task:
+// no panel written and read back, and a narrow weight's tiles shared by every thread. A tile's sums are one chain
+// of vdpbf16ps a row (the GEMM's order), where the panels' tiles run four: 3 and 4 rows measured mixed, 6 and 8
+// slower than the panels (docs/engine.md, "A few rows straight into their sums").
+constexpr int64_t kFewRows = 2;
+
+// The rows of x through a weight whose tiles each thread dequantizes into the rows' sums, in the GEMM's order.
+void run_dequantizing_few(const Gemm& g, const TiledWeight& weight) {
+  const int64_t threads = at::get_num_threads(), panels = g.N / kPanel;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(std::min(threads, panels))
+  for (int64_t panel = 0; panel < panels; ++panel) {
+    alignas(64) float sums[kFewRows * kPanel];
+    std::fill(sums, sums + g.M * kPanel, 0.f);
+    weight.write(panel, TileSink{nullptr, g.K, false, g.x, g.M, sums});
+    const __m512 bias = panel_bias(g, panel, kAllLanes);
+    for (int64_t r = 0; r < g.M; ++r)
+      store_outputs(g, r, panel, kAllLanes, _mm512_add_ps(_mm512_load_ps(sums + r * kPanel), bias));
+  }
+}
+
 // The rows of x through a weight that each thread dequantizes a column group at a time into its panels (the
 // rows' tiles need the whole group): groups of kPanels panels, K * 128 bytes (256 KB at K = 2048) that stay in L2
 // while every row block reads them.
 void run_dequantizing(const Gemm& g, const TiledWeight& weight) {
+  if (g.M <= kFewRows) return run_dequantizing_few(g, weight);
   const int64_t threads = at::get_num_threads(), panels = g.N / kPanel;
   const int64_t groups = (panels + kPanels - 1) / kPanels, panel_size = g.K * kPanel;
 #pragma omp parallel num_threads(threads)
