@@ -107,6 +107,20 @@ def test_cached_tokens_reported(tiny_llama):
     assert outputs[-1].num_cached_tokens == 64
 
 
+def test_a_prompt_that_ends_in_its_prefill_step_leaves_its_blocks_cached(tiny_llama):
+    """A request of one new token finishes in the step that prefills it; its full blocks were given back without
+    being published, so the same prompt (a retry, a second turn's shared prefix) was computed again."""
+    engine = make_engine(tiny_llama)
+    prompt = random_prompts([70], seed=7)[0]
+    first = run(engine, [prompt], GenerationConfig(max_new_tokens=1))
+    engine.add_request(prompt + [5, 6, 7], GREEDY_32)
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert outputs[-1].num_cached_tokens == 64
+    assert run(engine, [prompt], GenerationConfig(max_new_tokens=1)) == first
+
+
 def test_max_new_tokens_and_ignore_eos_exact(tiny_llama):
     engine = make_engine(tiny_llama)
     eos = next(iter(engine.tokenizer.eos_token_ids))

@@ -322,6 +322,9 @@ class Engine:
         """Waits for a launched step's tokens and turns them into outputs; sequences that ended while it
         was in flight (stopped by the step before, or aborted) drop theirs."""
         result = step.sample.result()
+        for item in step.items:  # before finished sequences give their blocks back: a one-step prompt's too
+            if not item.seq.is_finished:
+                self.block_manager.register_full_blocks(item.seq)
         outputs = []
         for row, seq in enumerate(step.sampled):
             seq.num_inflight -= 1
@@ -335,9 +338,6 @@ class Engine:
             outputs.append(output)
         if self.fault_hook is not None:
             self.fault_hook('output', step.sampled)
-        for item in step.items:
-            if not item.seq.is_finished:
-                self.block_manager.register_full_blocks(item.seq)
         return outputs
 
 
