@@ -20,7 +20,7 @@ from lmdeploy.pytorch.engine.grammar_cost import share_regex_strings
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.tokenizer import Tokenizer
 
-if TYPE_CHECKING:  # imported where a grammar is used: an engine that never sees one never pays its ~2 s of CPU
+if TYPE_CHECKING:  # imported where a grammar is used: an engine that never sees one never pays for it
     import xgrammar as xgr
 
 _LOG_PREFIX = re.compile(r'^\[[\d:]+\] \S+:\d+: ')  # xgrammar's "[time] file.cc:line: " before its message
