@@ -1,5 +1,6 @@
 """The derived-weight cache (``weights/derived_cache.py``) behind ``decode_int4``'s 4-bit grid, a GGUF token
-table's native tiles and the GGUF Q4_K and Q6_K layers' GEMV packing: a later start reads the same bits the fit or
+table's native tiles, the GGUF Q4_K and Q6_K layers' GEMV packing, bf16 weights' native panels and an LM head's
+8-bit copy: a later start reads the same bits the fit or
 packing gives, another weight never finds an entry, an edit of the deriving code misses, an unreadable entry is
 derived again; its cap (least recently used entries removed first, never this process's; 0: off); and the KV
 cache's lazily zeroed memory."""
@@ -8,19 +9,21 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from lmdeploy.pytorch.device import lazily_zeroed
 from lmdeploy.pytorch.kernels import cpu
-from lmdeploy.pytorch.nn.quant import gguf_table, int4_cpu, q4k_cpu, q6k_cpu
+from lmdeploy.pytorch.nn.quant import cpu_bf16, gguf_table, int4_cpu, q4k_cpu, q6k_cpu, q8_cpu
 from lmdeploy.pytorch.nn.quant.gguf_table import NATIVE_TYPES, NativeBlocks
 from lmdeploy.pytorch.nn.quant.int4_cpu import SmallStepInt4Kernel
 from lmdeploy.pytorch.weights import derived_cache
 
 needs_gemv = pytest.mark.skipif(cpu.int4_gemv() is None, reason='the native int4 GEMV is not built for this CPU')
 needs_q8_gemv = pytest.mark.skipif(cpu.q8_gemv() is None, reason='the native Q8_0 GEMV is not built for this CPU')
+needs_bf16_gemm = pytest.mark.skipif(cpu.bf16_gemm() is None, reason='the native bf16 GEMM is not this CPU\'s')
 
 
 @pytest.fixture(autouse=True)
@@ -214,6 +217,66 @@ def cached(seed: int, calls: list[int]) -> Path:
 
 def in_another_process(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(derived_cache, '_used_here', {})
+
+
+def bf16_panels(w: torch.Tensor, gate_up: bool) -> torch.Tensor:
+    return cpu_bf16.native_bf16_kernel(w, gate_up).panels
+
+
+@needs_bf16_gemm
+@pytest.mark.parametrize('gate_up', [False, True])
+def test_a_second_start_reads_the_bf16_panels(gate_up: bool, tmp_gguf_cache: Path, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    w = weight(20, rows=600, cols=513)  # padded: 600 rows (300 each for gate and up) and an odd width
+    first = bf16_panels(w, gate_up)
+    with monkeypatch.context() as uncached:
+        uncached.setenv('LMDEPLOY_DERIVED_CACHE_BYTES', '0')
+        assert_bitwise((first, ), (bf16_panels(w, gate_up), ))
+    assert len(entries(tmp_gguf_cache)) == 1
+    changed = w.clone()
+    changed[599, 512] += 1
+    assert not torch.equal(bf16_panels(changed, gate_up), first)
+    source = tmp_path / 'linear_bf16.cpp'
+    source.write_text('// the packing, edited\n')
+    monkeypatch.setattr(cpu_bf16, '_PACKING_SOURCES', cpu_bf16._PACKING_SOURCES[:1] + (str(source), ))
+    bf16_panels(w, gate_up)
+    assert len(entries(tmp_gguf_cache)) == 3
+    monkeypatch.setattr(cpu, 'bf16_gemm', lambda: SimpleNamespace(pack_bf16_weight=pytest.fail,
+                                                                  pack_bf16_gate_up=pytest.fail))
+    assert_bitwise((bf16_panels(w.clone(), gate_up), ), (first, ))
+
+
+@needs_q8_gemv
+def test_a_second_start_reads_the_lm_heads_8_bit_copy(tmp_gguf_cache: Path, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    generator = torch.Generator().manual_seed(21)
+    codes = torch.randint(-127, 128, (1024, 8, 32), generator=generator).float()
+    codes[..., 0] = 127  # each group's scale its largest magnitude over 127: a power of two, as given
+    scales = torch.exp2(-torch.randint(4, 12, (1024, 8, 1), generator=generator).float())
+    table = (codes * scales).view(1024, 256).bfloat16()  # a Q8_0 table, exact in bf16: its 8-bit copy is exact
+    noisy = weight(22, rows=1024, cols=256)  # one that 8 bits would round: no copy
+    first = q8_cpu.Q8Gemv.of(table)
+    assert_bitwise((first.packed, first.scales), q8_cpu.packed_q8_copy(table))
+    assert q8_cpu.Q8Gemv.of(noisy) is None
+    assert len(entries(tmp_gguf_cache)) == 2
+    with monkeypatch.context() as failing:
+        failing.setattr(q8_cpu, 'packed_q8_copy', pytest.fail)
+        again = q8_cpu.Q8Gemv.of(table.clone())
+        assert_bitwise((again.packed, again.scales), (first.packed, first.scales))
+        assert q8_cpu.Q8Gemv.of(noisy.clone()) is None
+    source = tmp_path / 'q8_cpu.py'
+    source.write_text(Path(q8_cpu.__file__).read_text() + '\n# edited\n')
+    monkeypatch.setattr(q8_cpu, '__file__', str(source))
+    q8_cpu.Q8Gemv.of(table)
+    assert len(entries(tmp_gguf_cache)) == 3
+
+
+def test_a_weight_is_hashed_again_once_written_in_place() -> None:
+    w = weight(23)
+    digest = derived_cache.weight_digest(w)
+    assert derived_cache.weight_digest(w) == digest == derived_cache.weight_digest(w.clone())
+    w[0, 0] += 1
+    assert derived_cache.weight_digest(w) != digest
 
 
 def test_the_cap_removes_the_least_recently_used_first(tmp_gguf_cache: Path,

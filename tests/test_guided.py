@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import subprocess
+import sys
 
 import jsonschema
 import pytest
@@ -66,6 +68,16 @@ def constrained(kind: str, sampled: bool = False, seed: int = 0, **kwargs) -> Ge
 @pytest.fixture(scope='module')
 def engine(tiny_llama):
     return make_engine(tiny_llama)
+
+
+def test_entry_points_import_no_xgrammar():
+    """xgrammar (0.2 s of CPU after torch and transformers, at every start) is imported where a grammar is first
+    used, not by the chat, pipeline or server entry points."""
+    code = ('import sys\nimport lmdeploy.api, lmdeploy.cli.chat, lmdeploy.serve.openai.api_server\n'
+            'import lmdeploy.pytorch.engine.engine, lmdeploy.pytorch.engine.grammar_worker\n'
+            "print('xgrammar' in sys.modules)")
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == 'False', out
 
 
 def test_every_format_conforms_greedy_and_sampled(engine):

@@ -32,12 +32,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing import get_context
 from multiprocessing.connection import Connection
-
-import xgrammar as xgr
+from typing import TYPE_CHECKING
 
 from lmdeploy.messages import GenerationConfig
 from lmdeploy.pytorch.child_process import die_with_parent, main_module_hidden
 from lmdeploy.pytorch.engine.guided import Grammar, GrammarCompiler, compile_format
+
+if TYPE_CHECKING:  # imported by a worker, and where a grammar is compiled: an engine without one never pays it
+    import xgrammar as xgr
 
 _SPAWN = get_context('spawn')
 # Compiled grammars kept for reuse, the least recently used dropped first past this many bytes.
@@ -53,6 +55,7 @@ def _serve(conn: Connection, parent: int) -> None:
     (``tokenizer_info``, serialized, when it changes, else None), answer ``(True, '')`` or ``(False, reason)``;
     ends with its parent (the kernel kills it) or when the pipe closes."""
     die_with_parent(parent)
+    import xgrammar as xgr
     compiler = None
     try:
         conn.send('ready')
@@ -333,6 +336,7 @@ class GrammarProcessPool:
         if not ok:
             raise ValueError(text)
         if not hasattr(self._local, 'compiler'):
+            import xgrammar as xgr
             self._local.compiler = xgr.GrammarCompiler(self.compiler.tokenizer_info(), cache_enabled=False)
         compiled = compile_format(self._local.compiler, job.fmt)
         self._remember(self._key(job.fmt), compiled)

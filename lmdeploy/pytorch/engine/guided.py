@@ -10,16 +10,18 @@ import json
 import re
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import xgrammar as xgr
 from torch import Tensor
 
 from lmdeploy.messages import GenerationConfig
 from lmdeploy.pytorch.engine.grammar_cost import share_regex_strings
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # imported where a grammar is used: an engine that never sees one never pays for it
+    import xgrammar as xgr
 
 _LOG_PREFIX = re.compile(r'^\[[\d:]+\] \S+:\d+: ')  # xgrammar's "[time] file.cc:line: " before its message
 
@@ -53,6 +55,7 @@ class GrammarCompiler:
 
     def tokenizer_info(self) -> xgr.TokenizerInfo:
         """xgrammar's view of the vocabulary (read once)."""
+        import xgrammar as xgr
         with self._lock:
             if self._info is None:
                 self._info = xgr.TokenizerInfo.from_huggingface(self.tokenizer.hf, vocab_size=self.vocab_size,
@@ -65,6 +68,7 @@ class GrammarCompiler:
         fmt = gen_config.response_format
         if fmt is None:
             return None
+        import xgrammar as xgr
         info = self.tokenizer_info()
         with self._lock:
             if self._compiler is None:
@@ -107,6 +111,7 @@ def json_schema_grammar(schema: Any) -> xgr.Grammar:
     and UTF-8-encoded surrogates (invalid UTF-8, three characters once decoded): that rule is narrowed here.
     Repeated pattern and format strings are defined once (:func:`share_regex_strings`).
     """
+    import xgrammar as xgr
     grammar = xgr.Grammar.from_json_schema(json.dumps(share_regex_strings(schema)), any_whitespace=True,
                                            max_whitespace_cnt=_MAX_WHITESPACE)
     text, count = _BOUNDED_STRING_CHAR.subn(lambda m: f'{m[1]} ::= (({_JSON_STRING_CHAR}))', str(grammar))
@@ -121,6 +126,7 @@ class GrammarState:
     """Where one sequence stands in its grammar."""
 
     def __init__(self, grammar: Grammar):
+        import xgrammar as xgr
         self.matcher = xgr.GrammarMatcher(grammar.compiled)
         self.after_ids = list(grammar.after_ids)
         self.active = not self.after_ids
@@ -144,6 +150,7 @@ def apply_grammars(x: Tensor, states: list[GrammarState | None]) -> None:
     rows = [i for i, s in enumerate(states) if s is not None and s.active]
     if not rows:
         return
+    import xgrammar as xgr
     if not hasattr(_per_thread, 'batch_matcher'):
         # On the CPU the engine's own threads hold every core: more threads would only take turns with them.
         _per_thread.batch_matcher = xgr.BatchGrammarMatcher(max_threads=1 if x.device.type == 'cpu' else 'auto')

@@ -19,6 +19,7 @@ import hashlib
 import logging
 import os
 import tempfile
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -32,6 +33,9 @@ MIN_CACHED_NUMEL = 1 << 18
 DEFAULT_CAP_BYTES = 4 << 30
 # the entries this process read or wrote, and their bytes: never evicted by it
 _used_here: dict[Path, int] = {}
+# id(weight) -> (the weight, weakly; its version counter; its digest): a weight that several derivations key on
+# (a bf16 layer's int4 grid and its packed panels) is hashed once while it lives unchanged
+_digests: dict[int, tuple[weakref.ref, int, str]] = {}
 
 
 def cap_bytes() -> int:
@@ -45,10 +49,16 @@ def cap_bytes() -> int:
 
 
 def weight_digest(weight: torch.Tensor) -> str:
-    """sha256 of a CPU tensor's dtype, shape and bytes."""
+    """sha256 of a CPU tensor's dtype, shape and bytes; computed once for a tensor while it lives and is not
+    written in place (its version counter)."""
+    known = _digests.get(id(weight))
+    if known is not None and known[0]() is weight and known[1] == weight._version:
+        return known[2]
     digest = hashlib.sha256(f'{weight.dtype}{tuple(weight.shape)}'.encode())
     digest.update(weight.detach().contiguous().view(-1).view(torch.uint8).numpy())
-    return digest.hexdigest()
+    key = id(weight)
+    _digests[key] = (weakref.ref(weight, lambda _: _digests.pop(key, None)), weight._version, digest.hexdigest())
+    return _digests[key][2]
 
 
 def _source_digest(source_files: str | Sequence[str]) -> str:

@@ -1,14 +1,23 @@
 """bf16 weights packed for the CPU GEMMs: the native AVX512-BF16 kernel's panels where that beats oneDNN
 (no AMX), whatever the number of rows, else oneDNN's blocked layout, which saves oneDNN's per-call reorder (15-45%
 faster for decode-sized batches). A gate-and-up layer's native panels alternate gate and up, so that SiLU-and-mul
-runs in the GEMM's epilogue and the ``[T, 2 * I]`` product is never written out nor read back."""
+runs in the GEMM's epilogue and the ``[T, 2 * I]`` product is never written out nor read back. The native panels
+are kept in the derived-weight cache (``weights/derived_cache.py``): reading them back costs less than a third
+of packing them, the weight's hash shared with its 4-bit grid's entry."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.nn.quant.base import LinearKernel
+from lmdeploy.pytorch.weights.derived_cache import cached_derivation
+
+# the code that lays the panels out: an edit of any of them repacks
+_PACKING_SOURCES = (__file__, str(Path(cpu.__file__).parent / 'linear_bf16.cpp'),
+                    str(Path(cpu.__file__).parent / 'common.h'))
 
 
 class NativeBf16Kernel(LinearKernel):
@@ -61,8 +70,13 @@ def native_bf16_kernel(weight: torch.Tensor, gate_up: bool = False) -> NativeBf1
     if gemm is None:
         return None
     rows, inputs = weight.shape
-    if gate_up:
-        halves = F.pad(weight.reshape(2, rows // 2, inputs), (0, inputs % 2, 0, -(rows // 2) % 16))
-        return NativeBf16Kernel(gemm.pack_bf16_gate_up(halves.reshape(-1, halves.shape[-1])), True, rows)
-    padded = F.pad(weight, (0, inputs % 2, 0, -rows % 16)) if rows % 16 or inputs % 2 else weight
-    return NativeBf16Kernel(gemm.pack_bf16_weight(padded), False, rows)
+
+    def pack() -> tuple[torch.Tensor]:
+        if gate_up:
+            halves = F.pad(weight.reshape(2, rows // 2, inputs), (0, inputs % 2, 0, -(rows // 2) % 16))
+            return (gemm.pack_bf16_gate_up(halves.reshape(-1, halves.shape[-1])), )
+        padded = F.pad(weight, (0, inputs % 2, 0, -rows % 16)) if rows % 16 or inputs % 2 else weight
+        return (gemm.pack_bf16_weight(padded), )
+
+    panels, = cached_derivation(f'bf16 panels gate_up={gate_up}', weight, _PACKING_SOURCES, pack)
+    return NativeBf16Kernel(panels, gate_up, rows)

@@ -1,12 +1,14 @@
 """An 8-bit copy of a one-row step's LM head (``kernels/cpu/linear_q8.cpp``): groups of 32 inputs with an
 fp16 scale each, as GGUF's Q8_0, so it reads half the bytes of an fp16 copy. Taken only where it gives the
 weights back to within bf16's precision: a table loaded from a Q8_0 file (the default model's), not one
-that 8 bits would round."""
+that 8 bits would round. The copy (or the finding that there is none) is kept in the derived-weight cache,
+``weights/derived_cache.py``."""
 from __future__ import annotations
 
 import torch
 
 from lmdeploy.pytorch.kernels import cpu
+from lmdeploy.pytorch.weights.derived_cache import cached_derivation
 
 Q8_GROUP, Q8_TILE = 32, 16
 
@@ -30,6 +32,20 @@ def pack_q8(codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, tor
     return packed, scale.view(tiles, Q8_TILE, groups).transpose(1, 2).contiguous()
 
 
+def packed_q8_copy(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | tuple[()]:
+    """:func:`pack_q8` of ``weight [N, K]``'s 8-bit grid, or ``()`` where the grid does not give every weight
+    back within 2^-7 of its magnitude."""
+    parts = []
+    for rows in weight.split(4096):  # a slice at a time: fp32 copies of the whole table would be large
+        codes, scale = q8_grid(rows)
+        back = codes.float().view(scale.shape + (Q8_GROUP, )) * scale.float()[..., None]
+        target = rows.float()
+        if ((back.view_as(target) - target).abs() > target.abs() * 2**-7).any():
+            return ()
+        parts.append((codes, scale))
+    return pack_q8(torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts]))
+
+
 class Q8Gemv:
     """``x @ W.T`` in fp32 on the packed 8-bit copy."""
 
@@ -44,15 +60,8 @@ class Q8Gemv:
         if (weight.dtype != torch.bfloat16 or weight.device.type != 'cpu' or cpu.q8_gemv() is None
                 or weight.shape[0] % Q8_TILE or weight.shape[1] % Q8_GROUP):
             return None
-        parts = []
-        for rows in weight.split(4096):  # a slice at a time: fp32 copies of the whole table would be large
-            codes, scale = q8_grid(rows)
-            back = codes.float().view(scale.shape + (Q8_GROUP, )) * scale.float()[..., None]
-            target = rows.float()
-            if ((back.view_as(target) - target).abs() > target.abs() * 2**-7).any():
-                return None
-            parts.append((codes, scale))
-        return cls(*pack_q8(torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts])))
+        packed = cached_derivation('q8 gemv', weight, __file__, lambda: packed_q8_copy(weight))
+        return cls(*packed) if packed else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return cpu.native().q8_linear(x, self.packed, self.scales)
