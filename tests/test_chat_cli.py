@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pexpect
 import pytest
@@ -22,34 +23,64 @@ def quit_cleanly(child: pexpect.spawn) -> None:
     assert child.exitstatus == 0
 
 
-@pytest.fixture
-def long_llama(tiny_llama, tmp_path) -> str:
+def start_chat(model: str, cache: Path, *flags: str) -> pexpect.spawn:
+    """``lmdeploy chat`` on ``model`` in a pseudo-terminal, starting: its prompt is not waited for."""
+    env = {**os.environ, 'PROMPT_TOOLKIT_NO_CPR': '1', 'TERM': 'dumb', 'LMDEPLOY_CACHE_DIR': str(cache)}
+    # Ctrl-C makes the terminal drop its pending output, which can cut a multi-byte character in two.
+    return pexpect.spawn(sys.executable, ['-m', 'lmdeploy.cli.main', 'chat', model, '--dtype', 'float32',
+                                          '--num-gpu-blocks', '128', '--block-size', '16', *flags],
+                         env=env, encoding='utf-8', codec_errors='replace', timeout=60, dimensions=(40, 200))
+
+
+def long_llama(tiny_llama: str, folder: Path) -> str:
     """The tiny Llama with a 64k context, so that a reply can run long enough to be interrupted."""
-    path = shutil.copytree(tiny_llama, tmp_path / 'long_llama')
+    path = shutil.copytree(tiny_llama, folder / 'long_llama')
     config = json.loads((path / 'config.json').read_text())
     config['max_position_embeddings'] = 65536
     (path / 'config.json').write_text(json.dumps(config))
     return str(path)
 
 
-@pytest.fixture
-def chat(tiny_llama, tmp_path):
-    def spawn(*flags: str, model: str = tiny_llama) -> pexpect.spawn:
-        env = {**os.environ, 'PROMPT_TOOLKIT_NO_CPR': '1', 'TERM': 'dumb', 'LMDEPLOY_CACHE_DIR': str(tmp_path)}
-        # Ctrl-C makes the terminal drop its pending output, which can cut a multi-byte character in two.
-        child = pexpect.spawn(sys.executable, ['-m', 'lmdeploy.cli.main', 'chat', model, '--dtype', 'float32',
-                                               '--num-gpu-blocks', '128', '--block-size', '16', *flags],
-                              env=env, encoding='utf-8', codec_errors='replace', timeout=60,
-                              dimensions=(40, 200))
-        child.expect_exact(PROMPT)
-        return child
-    return spawn
+@pytest.fixture(scope='module')
+def chats(tiny_llama, tmp_path_factory) -> dict[str, tuple[pexpect.spawn | subprocess.Popen, Path]]:
+    """The file's chats, each with its cache folder, started side by side (a chat's start is most of each test):
+    four in a pseudo-terminal and one reading piped input."""
+    from vl_models import save_tiny_vl_model
+    folders = {name: tmp_path_factory.mktemp('chat') for name in ('text', 'ctrl_c', 'image', 'session_len', 'piped')}
+    vl_model = save_tiny_vl_model('qwen2_vl', str(folders['image'] / 'qwen2_vl'))
+    eight = ('--max-new-tokens', '8', '--ignore-eos')
+    children = {
+        'text': start_chat(tiny_llama, folders['text'], *eight),
+        'ctrl_c': start_chat(long_llama(tiny_llama, folders['ctrl_c']), folders['ctrl_c'], '--max-new-tokens', '60000',
+                             '--ignore-eos', '--num-gpu-blocks', '4096'),
+        'image': start_chat(vl_model, folders['image'], *eight),
+        'session_len': start_chat(tiny_llama, folders['session_len'], *eight, '--session-len', '64'),
+        'piped': subprocess.Popen([sys.executable, '-m', 'lmdeploy.cli.main', 'chat', tiny_llama, '--dtype',
+                                   'float32', '--num-gpu-blocks', '64', '--block-size', '16', '--max-new-tokens', '2',
+                                   '--ignore-eos'], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True,
+                                  env={**os.environ, 'LMDEPLOY_CACHE_DIR': str(folders['piped'])}),
+    }
+    yield {name: (child, folders[name]) for name, child in children.items()}
+    for child in children.values():
+        if isinstance(child, pexpect.spawn):
+            child.close(force=True)
+        else:
+            child.kill()
+            child.wait()
 
 
-def test_reply_multiline_history_reset_image_refused_exit(chat, tmp_path):
+def ready(chats: dict, name: str) -> pexpect.spawn:
+    """The chat ``name`` once it shows its prompt (the file's chats start together: a longer wait than a reply's)."""
+    child = chats[name][0]
+    child.expect_exact(PROMPT, timeout=180)
+    return child
+
+
+def test_reply_multiline_history_reset_image_refused_exit(chats):
     """One chat on a text model (a chat's start is the slow part): a multi-line message, ``reset``, and an
     ``/image`` it refuses."""
-    child = chat('--max-new-tokens', '8', '--ignore-eos')
+    child = ready(chats, 'text')
     child.send('Hello\\\r')
     child.send('world\r')
     child.expect_exact(PROMPT)
@@ -60,12 +91,12 @@ def test_reply_multiline_history_reset_image_refused_exit(chat, tmp_path):
     child.expect_exact('[error: this model does not accept images]')
     child.expect_exact(PROMPT)
     quit_cleanly(child)
-    history = (tmp_path / 'chat_history').read_text()
+    history = (chats['text'][1] / 'chat_history').read_text()
     assert '+Hello\n+world' in history and '+reset' in history
 
 
-def test_ctrl_c_stops_the_reply_only(chat, long_llama):
-    child = chat('--max-new-tokens', '60000', '--ignore-eos', '--num-gpu-blocks', '4096', model=long_llama)
+def test_ctrl_c_stops_the_reply_only(chats):
+    child = ready(chats, 'ctrl_c')
     child.send('Tell me everything\r')
     child.expect_exact('everything')
     time.sleep(1.0)
@@ -75,21 +106,21 @@ def test_ctrl_c_stops_the_reply_only(chat, long_llama):
     quit_cleanly(child)
 
 
-def test_image_command_and_an_image_failing_at_send_time(chat, tmp_path):
+def test_image_command_and_an_image_failing_at_send_time(chats):
     """``/image`` attaches an image to the next message; a missing one is refused at once, and one gone
     by the time the message is sent fails that message only: the next one works."""
     from test_vl import IMAGES, png_bytes
-    from vl_models import save_tiny_vl_model
 
     from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
-    model = save_tiny_vl_model('qwen2_vl', str(tmp_path / 'qwen2_vl'))
-    image = tmp_path / 'cat.png'
+    folder = chats['image'][1]
+    model = str(folder / 'qwen2_vl')
+    image = folder / 'cat.png'
     image.write_bytes(png_bytes(IMAGES[0]))
     with pipeline(model, PytorchEngineConfig(dtype='float32', num_gpu_blocks=32, block_size=16),
                   show_progress=False) as pipe:
         expected = pipe(('describe', str(image)), gen_config=GenerationConfig(max_new_tokens=8, ignore_eos=True))
-    child = chat('--max-new-tokens', '8', '--ignore-eos', model=model)
-    child.send(f'/image {tmp_path}/missing.png\r')
+    child = ready(chats, 'image')
+    child.send(f'/image {folder}/missing.png\r')
     child.expect_exact('[error:')
     child.expect_exact(PROMPT)
     child.send(f'/image {image}\r')
@@ -99,7 +130,7 @@ def test_image_command_and_an_image_failing_at_send_time(chat, tmp_path):
     child.expect_exact(PROMPT)
     from lmdeploy.cli.chat import shown
     assert child.before.replace('\r\n', '\n').strip().endswith(shown(expected.text).strip())
-    gone = tmp_path / 'gone.png'
+    gone = folder / 'gone.png'
     gone.write_bytes(png_bytes(IMAGES[0]))
     child.send(f'/image {gone}\r')
     child.expect_exact(f'[image 1 attached: {gone}]')
@@ -114,8 +145,8 @@ def test_image_command_and_an_image_failing_at_send_time(chat, tmp_path):
     quit_cleanly(child)
 
 
-def test_conversation_outgrowing_session_len_drops_oldest_turns(chat):
-    child = chat('--max-new-tokens', '8', '--ignore-eos', '--session-len', '64')
+def test_conversation_outgrowing_session_len_drops_oldest_turns(chats):
+    child = ready(chats, 'session_len')
     for i in range(6):
         child.send(f'Hello world {i}\r')
         if child.expect_exact(['[the conversation outgrew session_len (64 tokens): left out the oldest', PROMPT]) == 0:
@@ -184,17 +215,15 @@ def test_an_interrupted_reply_stays_in_the_conversation(monkeypatch, capsys):
     assert second[1]['content'].startswith('word word word')
 
 
-def test_commands_are_whole_lines_and_unknown_ones_never_reach_the_model(tiny_llama, tmp_path):
+def test_commands_are_whole_lines_and_unknown_ones_never_reach_the_model(chats):
     """Piped input (no terminal): '/exit' and '/help' went to the model as messages, and '/images x' was the
     command '/image' with the image 's x'. Unknown ``/word`` lines are refused; 'exit' with more words is a message;
     blank, control-character and over-long lines leave the chat going."""
     lines = ['', '   ', '/images x', '/help', 'exit strategies?', 'a\x00b\x07\x1b[31m', 'x ' * 3000, '/exit', 'Hi']
-    done = subprocess.run([sys.executable, '-m', 'lmdeploy.cli.main', 'chat', tiny_llama, '--dtype', 'float32',
-                           '--num-gpu-blocks', '64', '--block-size', '16', '--max-new-tokens', '2', '--ignore-eos'],
-                          input='\n'.join(lines), capture_output=True, text=True, timeout=120,
-                          env={**os.environ, 'LMDEPLOY_CACHE_DIR': str(tmp_path)})
-    assert done.returncode == 0, done.stderr
-    out = done.stdout
+    done = chats['piped'][0]
+    stdout, stderr = done.communicate('\n'.join(lines), timeout=120)
+    assert done.returncode == 0, stderr
+    out = stdout
     assert "[unknown command: /images x] Type a message; 'reset' starts over" in out
     assert out.count("'/help' shows this") == 3  # the greeting, /help and the unknown command
     assert 'session_len is 1024' in out  # the long line is refused, the chat goes on

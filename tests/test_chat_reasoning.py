@@ -31,11 +31,26 @@ def scripted(tmp_path_factory) -> str:
 
 
 def spawn(model: str, cache: str, *flags: str) -> pexpect.spawn:
+    """A chat on ``model``, starting: its prompt is not waited for."""
     env = {**os.environ, 'PROMPT_TOOLKIT_NO_CPR': '1', 'TERM': 'dumb', 'LMDEPLOY_CACHE_DIR': cache}
-    child = pexpect.spawn(sys.executable, ['-m', 'lmdeploy.cli.main', 'chat', model, '--dtype', 'float32',
-                                           '--num-gpu-blocks', '64', '--block-size', '16', *flags],
-                          env=env, encoding='utf-8', timeout=120, dimensions=(40, 200))
-    child.expect_exact(PROMPT)
+    return pexpect.spawn(sys.executable, ['-m', 'lmdeploy.cli.main', 'chat', model, '--dtype', 'float32',
+                                          '--num-gpu-blocks', '64', '--block-size', '16', *flags],
+                         env=env, encoding='utf-8', timeout=120, dimensions=(40, 200))
+
+
+@pytest.fixture(scope='module')
+def chats(scripted, tmp_path_factory) -> dict[str, pexpect.spawn]:
+    """The file's three chats by their flags, started side by side (a chat's start is most of each test)."""
+    flags = {'shown': (), 'hidden': ('--hide-reasoning',), 'no parser': ('--reasoning-parser', 'none')}
+    children = {name: spawn(scripted, str(tmp_path_factory.mktemp('chat')), *f) for name, f in flags.items()}
+    yield children
+    for child in children.values():
+        child.close(force=True)
+
+
+def ready(child: pexpect.spawn) -> pexpect.spawn:
+    """``child`` once it shows its prompt (the file's chats start together: a longer wait than a reply's)."""
+    child.expect_exact(PROMPT, timeout=240)
     return child
 
 
@@ -46,8 +61,8 @@ def said(child: pexpect.spawn, message: str) -> str:
     return re.sub(r'\x1b\[[0-9;]*m', '', child.before.replace('\r\n', '\n'))
 
 
-def test_terminal_shows_the_reasoning_dimmed_before_the_answer(scripted, tmp_path):
-    child = spawn(scripted, str(tmp_path))
+def test_terminal_shows_the_reasoning_dimmed_before_the_answer(chats):
+    child = ready(chats['shown'])
     child.send('Hi\r')
     child.expect_exact(PROMPT)
     assert DIM + THINKING in child.before
@@ -57,12 +72,12 @@ def test_terminal_shows_the_reasoning_dimmed_before_the_answer(scripted, tmp_pat
     quit_cleanly(child)
 
 
-def test_hidden_reasoning_and_no_parser(scripted, tmp_path):
-    child = spawn(scripted, str(tmp_path), '--hide-reasoning')
+def test_hidden_reasoning_and_no_parser(chats):
+    child = ready(chats['hidden'])
     out = said(child, 'Hi')
     assert out.endswith(f'\n{SCRIPTED_ANSWER}\n') and SCRIPTED_REASONING not in out and THINKING not in out
     quit_cleanly(child)
-    child = spawn(scripted, str(tmp_path), '--reasoning-parser', 'none')
+    child = ready(chats['no parser'])
     out = said(child, 'Hi')  # the markers are special tokens: dropped, as without a parser before
     assert out.endswith(f'\nanalysis{SCRIPTED_REASONING}{SCRIPTED_ANSWER}\n') and THINKING not in out
     quit_cleanly(child)

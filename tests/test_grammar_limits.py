@@ -268,26 +268,27 @@ from lmdeploy.tokenizer import Tokenizer
 tokenizer = Tokenizer(sys.argv[1])
 pool = GrammarProcessPool(GrammarCompiler(tokenizer, len(tokenizer.hf)), 1)
 pool.submit(GenerationConfig(response_format={'type': 'regex', 'regex': 'a+'})).future.result()
+print(*pool.worker_pids(), flush=True)
+sys.stdin.readline()  # the test's signal comes next: until then the worker stays idle
 pool.submit(GenerationConfig(response_format={'type': 'json_schema', 'json_schema': {'name': 'x', 'schema': {
     'enum': [str(i) for i in range(200_000)]}}}))
-print(*pool.worker_pids(), flush=True)
+print('compiling', flush=True)
 sys.stdin.read()
 '''
 
 
 @pytest.mark.parametrize('how', ['SIGTERM', 'SIGKILL'])
-def test_no_worker_outlives_its_parent(tiny_llama, how):
+def test_no_worker_outlives_its_parent(started, how):
     """Whether the engine's process is terminated or killed, idle or in a compile, its workers end with it."""
-    parent = subprocess.Popen([sys.executable, '-c', PARENT, tiny_llama], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
-    try:
-        worker = psutil.Process(int(parent.stdout.readline()))
-        assert worker.ppid() == parent.pid
-        parent.send_signal(getattr(signal, how))
-        parent.wait(30)
-        worker.wait(10)
-    finally:
-        parent.kill()
+    parent = started[how]
+    worker = psutil.Process(int(parent.stdout.readline()))
+    assert worker.ppid() == parent.pid
+    parent.stdin.write('compile\n')
+    parent.stdin.flush()
+    assert parent.stdout.readline() == 'compiling\n'
+    parent.send_signal(getattr(signal, how))
+    parent.wait(30)
+    worker.wait(10)
 
 
 SCRIPT_WITHOUT_MAIN_GUARD = '''
@@ -300,14 +301,29 @@ with pipeline(sys.argv[1], PytorchEngineConfig(num_gpu_blocks=64)) as pipe:
 '''
 
 
-def test_a_script_without_a_main_guard_runs_once(tiny_llama, tmp_path):
-    """Spawned grammar workers start from lmdeploy's code alone: a user's script is not run again in them."""
-    script = tmp_path / 'script.py'
+@pytest.fixture(scope='module')
+def started(tiny_llama, tmp_path_factory) -> dict[str, subprocess.Popen]:
+    """The file's three processes, started side by side (a start is most of each one's test): a parent of a
+    grammar worker for each signal, and the script without a main guard."""
+    script = tmp_path_factory.mktemp('script') / 'script.py'
     script.write_text(SCRIPT_WITHOUT_MAIN_GUARD)
-    run = subprocess.run([sys.executable, str(script), tiny_llama], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    lines = run.stdout.splitlines()
-    assert lines.count('top level') == 1 and lines[-1].strip().lstrip('-').isdigit(), run.stdout
+    processes = {how: subprocess.Popen([sys.executable, '-c', PARENT, tiny_llama], stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, text=True) for how in ('SIGTERM', 'SIGKILL')}
+    processes['script'] = subprocess.Popen([sys.executable, str(script), tiny_llama], stdout=subprocess.PIPE,
+                                           stderr=subprocess.PIPE, text=True)
+    yield processes
+    for process in processes.values():
+        process.kill()
+        process.wait()
+
+
+def test_a_script_without_a_main_guard_runs_once(started):
+    """Spawned grammar workers start from lmdeploy's code alone: a user's script is not run again in them."""
+    run = started['script']
+    stdout, stderr = run.communicate(timeout=300)
+    assert run.returncode == 0, stderr[-2000:]
+    lines = stdout.splitlines()
+    assert lines.count('top level') == 1 and lines[-1].strip().lstrip('-').isdigit(), stdout
 
 
 def test_a_compile_given_up_just_before_its_loop_closed_logs_nothing(tiny_llama, caplog):

@@ -29,14 +29,33 @@ def _has_ptxas() -> bool:
 pytestmark = pytest.mark.skipif(not _has_ptxas(), reason="no triton with NVIDIA's ptxas")
 
 
-def _run(*args: str, cwd: str = ROOT) -> subprocess.CompletedProcess:
+def _start(*args: str, cwd: str = ROOT) -> subprocess.Popen:
     env = {key: value for key, value in os.environ.items() if key != 'TRITON_INTERPRET'}
     env['PYTHONPATH'] = os.pathsep.join([ROOT, os.path.join(ROOT, 'benchmark'), env.get('PYTHONPATH', '')])
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.Popen([sys.executable, *args], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
 
 
-def test_every_kernel_compiles_for_sm90_within_the_shared_memory_limit():
-    result = _run('benchmark/triton_aot.py', '--quick', '--jobs', str(min(2, os.cpu_count() or 1)))
+def _finished(process: subprocess.Popen) -> subprocess.CompletedProcess:
+    stdout, stderr = process.communicate(timeout=600)
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+@pytest.fixture(scope='module')
+def runs(tmp_path_factory) -> dict[str, subprocess.Popen]:
+    """The sweep and the harness check, started side by side (their imports are a good part of each)."""
+    folder = tmp_path_factory.mktemp('harness')
+    (folder / 'harness_check.py').write_text(textwrap.dedent(HARNESS_CHECK))
+    processes = {'sweep': _start('benchmark/triton_aot.py', '--quick', '--jobs', str(min(2, os.cpu_count() or 1))),
+                 'harness': _start(str(folder / 'harness_check.py'), cwd=str(folder))}
+    yield processes
+    for process in processes.values():
+        process.kill()
+        process.wait()
+
+
+def test_every_kernel_compiles_for_sm90_within_the_shared_memory_limit(runs):
+    result = _finished(runs['sweep'])
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     summary = re.search(r'(\d+) compiles of (\d+) kernels .*: (\d+) ok, 0 failed', result.stdout)
     assert summary and summary.group(1) == summary.group(3), result.stdout[-3000:]
@@ -92,11 +111,10 @@ with compile_only() as launches:
 '''
 
 
-def test_the_harness_reports_shared_memory_over_the_limit_and_compile_errors(tmp_path):
+def test_the_harness_reports_shared_memory_over_the_limit_and_compile_errors(runs):
     """A plain kernel compiles (registers reported), 256 x 256 tiles in 4 stages exceed the limit, and a kernel
     reading a global that is not ``tl.constexpr`` fails to compile (the interpreter runs it)."""
-    (tmp_path / 'harness_check.py').write_text(textwrap.dedent(HARNESS_CHECK))
-    result = _run(str(tmp_path / 'harness_check.py'), cwd=str(tmp_path))
+    result = _finished(runs['harness'])
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {case: row.split(' ', 3) for case, row in (line.split(' bfloat16 ') for line in result.stdout.splitlines())}
     ok, shared, registers, _ = rows['copy']
