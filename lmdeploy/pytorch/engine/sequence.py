@@ -42,7 +42,9 @@ class Sequence:
     ``state_slot`` is its row in the recurrent-state pool of a model with linear-attention layers (see
     ``paging/state_pool.py``), None while it holds none.
     ``num_preemptions`` counts the times its cache was dropped to be computed again; ``long_rope`` says
-    that its cache is turned by LongRoPE's long factors (see :class:`Scheduler`).
+    that its cache is turned by LongRoPE's long factors (see :class:`Scheduler`). The tokens before
+    ``prefill_end`` are computed as prefill rows, again too when the cache is dropped: the prompt's, and all
+    those known when LongRoPE's switch recomputed the sequence (as transformers' one forward of them all).
     """
 
     seq_id: int
@@ -69,8 +71,10 @@ class Sequence:
     grammar: GrammarState | None = None
     prompt_logprobs: list[dict[int, float]] = field(default_factory=list)
     state_slot: int | None = None
+    prefill_end: int = field(init=False)
 
     def __post_init__(self):
+        self.prefill_end = len(self.prompt_ids)
         if not self.gen_config.is_greedy:
             self.generator = torch.Generator()
             seed = self.gen_config.random_seed

@@ -49,7 +49,8 @@ class Scheduler:
 
     With LongRoPE (``long_rope_after``: the model's ``original_max_position_embeddings``) a sequence of
     more tokens than that is turned by the long factors throughout, as in transformers: one that grows past
-    it while decoding is recomputed the same way, its cache computed again with the long factors.
+    it while decoding is recomputed the same way, its cache computed again with the long factors, every token
+    known then as a prefill row (as transformers' one forward of them all).
 
     With a ``state_pool`` (models with linear-attention layers) a sequence also takes a recurrent-state slot when
     it is admitted and gives it back with its blocks; a waiting sequence that finds no free slot waits. With a
@@ -88,6 +89,7 @@ class Scheduler:
                 index += 1
                 continue
             if self._outgrew_short_rope(seq):
+                seq.prefill_end = seq.num_tokens
                 self._requeue(self.running.pop(index))
                 continue
             num_tokens = self._chunk_end(seq, seq.num_computed, budget) - seq.num_computed
@@ -130,14 +132,14 @@ class Scheduler:
     @staticmethod
     def _generated(seq: Sequence, start: int) -> bool:
         """Whether a chunk from ``start`` feeds a token ``seq`` generated (one, a decode row), not its prompt (prefill
-        rows, the prompt's last token too when a chunk leaves it alone)."""
-        return start >= len(seq.prompt_ids)
+        rows, the prompt's last token too when a chunk leaves it alone; see ``Sequence.prefill_end``)."""
+        return start >= seq.prefill_end
 
     def _chunk_end(self, seq: Sequence, start: int, budget: int) -> int:
         """Where the next chunk of ``seq`` from ``start`` ends within ``budget``: never inside a bidirectional span,
         and, with ``recurrent_grain``, at a multiple of it unless it ends the prompt. A preempted sequence's prompt
         is computed again as a prompt, its generated tokens one a step, as decode rows (see :class:`Scheduler`)."""
-        limit = len(seq.prompt_ids) if start < len(seq.prompt_ids) else min(start + 1, seq.num_tokens)
+        limit = seq.prefill_end if start < seq.prefill_end else min(start + 1, seq.num_tokens)
         end = seq.span_start_before(start + min(limit - start, budget))
         if self.recurrent_grain and end < limit:
             end = max(start, end // self.recurrent_grain * self.recurrent_grain)
