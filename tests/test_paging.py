@@ -104,6 +104,34 @@ def test_scheduler_preempts_latest_and_requeues_it_first():
     assert bm.num_free_blocks == 4
 
 
+def test_a_readmitted_sequence_waits_for_all_its_blocks_and_is_not_the_next_victim():
+    """b, preempted while c (a token in flight) could not be, comes back once the blocks for all its tokens are
+    free, ahead of c, and is not preempted again while c and d, which came after it, run."""
+    bm = BlockManager(7, 4)
+    sched = Scheduler(bm, max_batch_size=8, max_prefill_token_num=64)
+    a, b, c, d = (make_seq(i, 8, first=100 * i) for i in range(4))
+    for seq in (a, b, c):
+        sched.add(seq)
+    sched.schedule()
+    for seq in (a, b, c):
+        seq.num_computed = 8
+        seq.output_ids.append(1)
+    c.num_computed, c.num_inflight = 9, 1
+    sched.schedule()  # a takes the free block; b needs one and c cannot be preempted: b is
+    assert b.status == SequenceStatus.WAITING and bm.num_free_blocks == 2, 'its 9 tokens take 3 blocks'
+    sched.finish(a)
+    sched.add(d)
+    c.num_inflight, c.num_computed, c.output_ids = 0, 11, [1, 2, 3, 4]
+    plan = sched.schedule()
+    assert [item.seq for item in plan.prefill] == [b, d] and bm.num_free_blocks == 0
+    b.num_computed, d.num_computed, c.num_computed, d.num_inflight = 8, 8, 12, 1
+    c.output_ids.append(5)
+    d.output_ids.append(1)
+    plan = sched.schedule()  # b and c each need a block, d has a token in flight: c, after b, gives its blocks
+    assert [item.seq for item in plan.decode] == [b, d]
+    assert c.status == SequenceStatus.WAITING and b.num_preemptions == 1 and sched.num_preemptions == 2
+
+
 def test_scheduler_respects_max_batch_size():
     bm = BlockManager(64, 4)
     sched = Scheduler(bm, max_batch_size=2, max_prefill_token_num=256)

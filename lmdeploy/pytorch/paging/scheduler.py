@@ -1,11 +1,12 @@
 """Continuous batching with chunked prefill and preemption by recompute."""
 from __future__ import annotations
 
+from bisect import insort
 from collections import deque
 from dataclasses import dataclass, field
 
 from lmdeploy.pytorch.engine.sequence import Sequence, SequenceStatus
-from lmdeploy.pytorch.paging.block_manager import BlockManager
+from lmdeploy.pytorch.paging.block_manager import BlockManager, PrefixMatch
 from lmdeploy.pytorch.paging.state_pool import StatePool
 
 
@@ -32,13 +33,22 @@ class SchedulerOutput:
         return not self.prefill and not self.decode
 
 
+def _arrival(seq: Sequence) -> int:
+    return seq.seq_id
+
+
 class Scheduler:
     """Decides which sequences run in the next step and gives them KV blocks.
 
     Each step spends a token budget of ``max_prefill_token_num``: running sequences come first
     (one token each when decoding, a chunk when their prompt is still being prefilled), then
-    waiting ones in arrival order. When blocks run out, the most recently admitted sequence is
-    preempted: its blocks are freed and it is recomputed later from its tokens so far: its prompt in prefill chunks,
+    waiting ones in arrival order. ``running`` and the preempted sequences at the head of ``waiting`` keep arrival
+    order (``seq_id``, which the engine numbers as requests come), a re-admitted sequence taking back its place. When
+    blocks run out, the latest arrived running sequence is preempted (first come, first served, as vLLM's recompute
+    policy): a sequence computed again is not the next victim while one that came after it runs, so the oldest
+    requests keep progressing; and it comes back only once the blocks for all its tokens are free (or nothing else
+    runs), as it would otherwise, the latest arrival, be the next victim again before it has caught up. A preempted
+    sequence's blocks are freed and it is recomputed later from its tokens so far: its prompt in prefill chunks,
     then the tokens it generated one a step, each a decode row again (not sampled but for the last), so that every
     token's row runs the kernels it ran first (decode rows and prefill rows may run different ones: GEMVs and
     dequantized GEMMs, the delta rule's recurrent step and its chunked form) and its outputs keep their bits. With
@@ -114,7 +124,8 @@ class Scheduler:
             if num_tokens == 0:
                 break
             needed = bm.blocks_needed(seq, num_cached + num_tokens, match)
-            if not bm.can_allocate(needed, match) or (self.state_pool is not None and not self.state_pool.num_free):
+            if (not bm.can_allocate(needed, match) or not self._room_to_catch_up(seq, match)
+                    or (self.state_pool is not None and not self.state_pool.num_free)):
                 break
             self.waiting.popleft()
             bm.allocate(seq, num_cached + num_tokens, match)
@@ -124,10 +135,17 @@ class Scheduler:
             if seq.num_preemptions == 0:
                 seq.num_cached = num_cached
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            insort(self.running, seq, key=_arrival)
             (out.decode if self._generated(seq, num_cached) else out.prefill).append(ScheduledSeq(seq, num_tokens))
             budget -= num_tokens
         return out
+
+    def _room_to_catch_up(self, seq: Sequence, match: PrefixMatch) -> bool:
+        """Whether ``seq``, if it was preempted, may come back: once the blocks for all its tokens are free (or nothing
+        else runs), so that it is not preempted again, as the latest arrival, while it catches up."""
+        if seq.num_preemptions == 0 or not self.running:
+            return True
+        return self.block_manager.can_allocate(self.block_manager.blocks_needed(seq, seq.num_tokens, match), match)
 
     @staticmethod
     def _generated(seq: Sequence, start: int) -> bool:
@@ -155,7 +173,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
 
     def _make_room(self, index: int, needed: list[int]) -> bool:
-        """Preempts running sequences after ``index``, latest admitted first, until the ``needed`` blocks of
+        """Preempts running sequences after ``index``, latest arrived first, until the ``needed`` blocks of
         every pool are free; if they still are not, preempts the sequence at ``index`` too and returns False. A sequence
         with tokens in flight cannot be recomputed yet, so it is never preempted."""
         bm = self.block_manager
@@ -175,12 +193,13 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _requeue(self, seq: Sequence) -> None:
-        """Frees the blocks of ``seq`` and puts it first in line, to be computed again from its tokens."""
+        """Frees the blocks of ``seq`` and puts it back in line by arrival, ahead of every request not yet admitted,
+        to be computed again from its tokens."""
         self._release(seq)
         seq.num_computed = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        insort(self.waiting, seq, key=_arrival)
 
     def _release(self, seq: Sequence) -> None:
         """Gives back the blocks and the state slot of ``seq``."""
