@@ -2,7 +2,9 @@
 the default model as ``lmdeploy chat`` starts it (``pipeline()``: bf16, ``decode_int4`` on its Q4_1 weights, the KV
 cache sized from memory), Gemma 3 270M Q4_K_M the same way, and a tiny random Llama as the tests start it (fp32,
 128 blocks of 16). With ``--base TREE`` each round starts the same model from ``TREE`` (another checkout, e.g. a
-worktree of main) and from this one, alternately, and the table gives the median of each side and their ratio.
+worktree of main) and from this one, alternately, and the table gives the median of each side and their ratio;
+``--base-env VAR=VALUE`` starts the base side with that variable set (without ``--base``, this tree is the base:
+``--base-env LMDEPLOY_DERIVED_CACHE_BYTES=0`` compares a start without the derived-weight cache).
 
     python benchmark/startup.py                                    # this tree, 3 rounds
     python benchmark/startup.py --base /work/wt/startup_base --rounds 5 --models default tiny
@@ -132,8 +134,8 @@ def model_paths(models: list[str], tmp: str) -> dict[str, str | None]:
     return paths
 
 
-def run_child(tree: str, model: str, path: str | None) -> dict[str, list[float]]:
-    env = {**os.environ, 'PYTHONPATH': tree}
+def run_child(tree: str, model: str, path: str | None, extra_env: dict[str, str]) -> dict[str, list[float]]:
+    env = {**os.environ, 'PYTHONPATH': tree, **extra_env}
     cmd = [sys.executable, str(Path(__file__).resolve()), '--child', model, '--path', path or '']
     proc = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -146,22 +148,26 @@ def main() -> None:
     parser.add_argument('--models', nargs='+', choices=MODELS, default=list(MODELS))
     parser.add_argument('--rounds', type=int, default=3)
     parser.add_argument('--base', help='another checkout to start alternately with this one')
+    parser.add_argument('--base-env', nargs='+', default=[], metavar='VAR=VALUE',
+                        help='environment of the base side (without --base, the base is this tree)')
     parser.add_argument('--child', choices=MODELS, help=argparse.SUPPRESS)
     parser.add_argument('--path', help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args.path or None)))
         return
-    trees = {'this': str(HERE.parent)} | ({'base': str(Path(args.base).resolve())} if args.base else {})
+    base = str(Path(args.base).resolve()) if args.base else str(HERE.parent) if args.base_env else None
+    trees = {'this': str(HERE.parent)} | ({'base': base} if base else {})
+    envs = {'this': {}, 'base': dict(item.split('=', 1) for item in args.base_env)}
     with tempfile.TemporaryDirectory() as tmp:
         paths = model_paths(args.models, tmp)
         for model in args.models:
             runs: dict[str, list[dict]] = {side: [] for side in trees}
             for side, tree in reversed(trees.items()):
-                run_child(tree, model, paths[model])  # unmeasured: warm files and caches
+                run_child(tree, model, paths[model], envs[side])  # unmeasured: warm files and caches
             for _ in range(args.rounds):
                 for side, tree in reversed(trees.items()):
-                    runs[side].append(run_child(tree, model, paths[model]))
+                    runs[side].append(run_child(tree, model, paths[model], envs[side]))
             print_table(model, runs)
 
 
