@@ -42,13 +42,14 @@ def sources() -> dict[str, str]:
     """The project's code by path: the package's Python, C++ and page sources, the benchmarks and the tests."""
     patterns = ['lmdeploy/**/*.py', 'lmdeploy/**/*.cpp', 'lmdeploy/**/*.h', 'lmdeploy/**/*.js', 'benchmark/*.py',
                 'benchmark/*.sh', 'tests/*.py', '.ci/*']
-    return {str(p.relative_to(ROOT)): p.read_text() for pattern in patterns for p in ROOT.glob(pattern)
-            if p.is_file() and p != Path(__file__)}  # not this file, whose made-up names would count
+    return {str(p.relative_to(ROOT)): p.read_text() for pattern in patterns for p in ROOT.glob(pattern) if p.is_file()}
 
 
 @functools.cache
 def words() -> frozenset[str]:
-    return frozenset(w for text in sources().values() for w in re.findall(r'\w+', text))
+    """The sources' words, but this file's, whose made-up names would count."""
+    return frozenset(w for path, text in sources().items() if ROOT / path != Path(__file__)
+                     for w in re.findall(r'\w+', text))
 
 
 def mentions(text: str, name: str) -> bool:
