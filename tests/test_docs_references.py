@@ -58,7 +58,9 @@ def mentions(text: str, name: str) -> bool:
 
 # ---- tests ----
 
-TEST_REF = re.compile(r'(?<![\w.{},*/-])((?:tests/)?test_(?:[\w*]|\{[\w,]+\})*(?:\.py)?)(?:::(\w+))?')
+TEST_REF = re.compile(r'(?<![\w.{},*/-])((?:tests/)?test_(?:[\w*]|\{[\w,]+\})*(?:\.py)?)'
+                      r'(?:::(\w+))?(?:\[([^\]\s`]+)\])?')  # test_x.py::test_y[parameters]
+SELECTION = re.compile(r'(test_\w+)\.py[^`\n]*?\s-k\s+("[^"]+"|\S+)')  # tests/test_x.py -k "a or b"
 
 
 def expand_braces(name: str) -> list[str]:
@@ -80,9 +82,14 @@ def any_matches(pattern: str, names: Iterable[str]) -> bool:
     return any(re.fullmatch(re.escape(pattern).replace(r'\*', r'\w*'), n) for n in names)
 
 
+def text_of_tests_file(stem: str) -> str:
+    return sources().get(f'tests/{stem}.py', '')
+
+
 def stale_tests(text: str) -> tuple[int, list[str]]:
     """``test_x.py`` is a test file, ``test_x`` a test file or a test function in one, ``test_x.py::test_y`` a
-    test function of that file (globs and braces as a shell reads them)."""
+    test function of that file (globs and braces as a shell reads them); a parameter id's words (``[mixtral]``) are
+    in the test's file or conftest.py, a ``-k`` selection's in the file."""
     files = defined_tests()
     functions = set().union(*files.values())
     checked, misses = 0, []
@@ -94,6 +101,17 @@ def stale_tests(text: str) -> tuple[int, list[str]]:
                 misses.append(f'{m.group(0)}: no test file or test function {name}')
             elif m.group(2) and m.group(2) not in files.get(stem, ()):
                 misses.append(f'{m.group(0)}: tests/{stem}.py has no {m.group(2)}')
+            elif m.group(3):
+                test = m.group(2) or stem
+                where = '\n'.join([text_of_tests_file('conftest'),
+                                    *(text_of_tests_file(f) for f, names in files.items() if test in names)])
+                misses += [f'{m.group(0)}: no parameter {word} in its file or conftest.py'
+                           for word in re.findall(r'[A-Za-z_]\w*', m.group(3)) if not mentions(where, word)]
+    for m in SELECTION.finditer(text):
+        checked += 1
+        source = text_of_tests_file(m.group(1)).lower()
+        misses += [f'{m.group(0)}: no {word} in tests/{m.group(1)}.py' for word in re.findall(r'\w+', m.group(2))
+                   if word not in ('and', 'or', 'not') and word.lower() not in source]
     return checked, misses
 
 
@@ -282,7 +300,8 @@ def test_config_tables_name_fields_that_exist():
 
 MADE_UP = {
     'tests': ['`tests/test_no_such_file.py`', '`test_no_such_function`', '`test_gguf_{q4km,no_such}.py`',
-              '`test_cli.py::test_no_such_function`'],
+              '`test_cli.py::test_no_such_function`', '`test_greedy_matches_transformers[no_such_model]`',
+              '`tests/test_kernels_mla.py -k "Triton or no_such_test"`'],
     'benchmark flags': ['`python benchmark/startup.py --no-such-flag`', '`benchmark/no_such_script.py`',
                         '`triton_aot.py --no-such-flag`'],
     'class members': ['`Scheduler._no_such_member`', '`NoSuchClass.member`', '`StepTensors.no_such_field`',
