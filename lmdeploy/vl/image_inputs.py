@@ -54,6 +54,11 @@ class ImageInputs:
         """The ``length`` tokens of an image's span in the prompt: its placeholder each time."""
         return [self.image_token_id] * length
 
+    def least_tokens(self, size: tuple[int, int] | None) -> int:
+        """The fewest placeholder tokens (``placeholder_ids``) an image of ``size`` (width, height; None: any) fills,
+        known without preprocessing it: at least one for most families."""
+        return 1
+
     def expand_text(self, text: str) -> str:
         """The rendered prompt as the family's processor rewrites it before tokenizing: unchanged for most."""
         return text
@@ -68,6 +73,13 @@ class QwenVLImageInputs(ImageInputs):
         grid = torch.from_numpy(out['image_grid_thw'])
         merge = self.config.vision_config.spatial_merge_size
         return int(grid.prod()) // merge**2, {'pixel_values': torch.from_numpy(out['pixel_values']), 'image_grid_thw': grid}
+
+    def least_tokens(self, size: tuple[int, int] | None) -> int:
+        if size is None:
+            return 1
+        width, height = size
+        patches = self.image_processor.get_number_of_image_patches(height, width)
+        return patches // self.config.vision_config.spatial_merge_size**2
 
 
 class LlavaImageInputs(ImageInputs):
@@ -146,6 +158,9 @@ class Gemma3ImageInputs(ImageInputs):
     def __call__(self, image: Image.Image) -> tuple[int, dict[str, torch.Tensor]]:
         pixels = self.image_processor(images=[image], do_pan_and_scan=False, return_tensors='np')['pixel_values']
         return self.config.mm_tokens_per_image, {'pixel_values': torch.from_numpy(pixels)}
+
+    def least_tokens(self, size: tuple[int, int] | None) -> int:
+        return self.config.mm_tokens_per_image
 
 
 class Llama4ImageInputs(ImageInputs):
