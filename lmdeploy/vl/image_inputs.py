@@ -87,10 +87,15 @@ class LlavaImageInputs(ImageInputs):
 
     def __call__(self, image: Image.Image) -> tuple[int, dict[str, torch.Tensor]]:
         pixels = torch.from_numpy(self.image_processor(images=[image], return_tensors='np')['pixel_values'])
+        return self._tokens(pixels.shape[-2], pixels.shape[-1]), {'pixel_values': pixels}
+
+    def least_tokens(self, size: tuple[int, int] | None) -> int:
+        crop = getattr(self.image_processor, 'crop_size', None)  # every image's pixels, where the processor crops
+        return self._tokens(crop.height, crop.width) if crop and self.image_processor.do_center_crop else 1
+
+    def _tokens(self, height: int, width: int) -> int:
         patch = self.config.vision_config.patch_size
-        num_patches = (pixels.shape[-2] // patch) * (pixels.shape[-1] // patch)
-        cls_token = int(self.config.vision_feature_select_strategy == 'full')
-        return num_patches + cls_token, {'pixel_values': pixels}
+        return (height // patch) * (width // patch) + int(self.config.vision_feature_select_strategy == 'full')
 
 
 class InternVLImageInputs(ImageInputs):
