@@ -35,7 +35,7 @@ def test_mistral_calls(text):
 @pytest.mark.parametrize('text, content, calls', [
     ('no calls, [brackets] and [TOOL_ are text', 'no calls, [brackets] and [TOOL_ are text', []),
     ('[TOOL_CALLS]no args marker', 'no args marker', []),
-    ('[TOOL_CALLS][{"answer": 42}]', '{"answer": 42}]', []),
+    ('[TOOL_CALLS][{"answer": 42}]', '[{"answer": 42}]', []),
     ('[TOOL_CALLS]f[ARGS]{"x": [1, 2', '', [('f', '{"x": [1, 2')]),
     ('[TOOL_CALLS][{"name": "f", "arguments": {}}] Done.', ' Done.', [('f', '{}')]),
 ])

@@ -29,7 +29,7 @@ from lmdeploy.serve.session_manager import Reservation, Session, SessionManager
 from lmdeploy.pytorch.multimodal import MultiModalInput
 from lmdeploy.vl.image_inputs import ImageInputs
 from lmdeploy.vl.media import MediaPolicy
-from lmdeploy.vl.processor import MultiModalProcessor, ProcessedPrompt, Prompt
+from lmdeploy.vl.processor import MultiModalProcessor, ProcessedPrompt, Prompt, PromptTooLong
 
 T = TypeVar('T')
 
@@ -115,12 +115,16 @@ class AsyncEngine:
     async def process(self, prompt: Prompt, do_preprocess: bool = True) -> ProcessedPrompt:
         """Token ids and images of a prompt; images are fetched and preprocessed on a worker thread, which
         stops before the next image once this is cancelled. Raises :class:`SafeRunException` (INVALID_ARGUMENT)
-        for bad input, bad images included."""
+        for bad input, bad images included, and (INPUT_LENGTH_ERROR) for a prompt with images too long for
+        ``session_len``, before its images are preprocessed where their headers tell."""
         stop = threading.Event()
         try:
             if self.processor.accepts_images:
-                return await asyncio.to_thread(self.processor.process, prompt, do_preprocess, None, None, stop)
+                return await asyncio.to_thread(self.processor.process, prompt, do_preprocess, None, None, stop,
+                                               self.session_len)
             return self.processor.process(prompt, do_preprocess)
+        except PromptTooLong as exc:
+            raise SafeRunException(ErrorCode.INPUT_LENGTH_ERROR, str(exc)) from exc
         except ValueError as exc:
             raise SafeRunException(ErrorCode.INVALID_ARGUMENT, str(exc)) from exc
         finally:

@@ -54,6 +54,11 @@ class ImageInputs:
         """The ``length`` tokens of an image's span in the prompt: its placeholder each time."""
         return [self.image_token_id] * length
 
+    def least_tokens(self, size: tuple[int, int] | None) -> int:
+        """The fewest placeholder tokens (``placeholder_ids``) an image of ``size`` (width, height; None: any) fills,
+        known without preprocessing it: at least one for most families."""
+        return 1
+
     def expand_text(self, text: str) -> str:
         """The rendered prompt as the family's processor rewrites it before tokenizing: unchanged for most."""
         return text
@@ -69,16 +74,28 @@ class QwenVLImageInputs(ImageInputs):
         merge = self.config.vision_config.spatial_merge_size
         return int(grid.prod()) // merge**2, {'pixel_values': torch.from_numpy(out['pixel_values']), 'image_grid_thw': grid}
 
+    def least_tokens(self, size: tuple[int, int] | None) -> int:
+        if size is None:
+            return 1
+        width, height = size
+        patches = self.image_processor.get_number_of_image_patches(height, width)
+        return patches // self.config.vision_config.spatial_merge_size**2
+
 
 class LlavaImageInputs(ImageInputs):
     """LLaVA: a fixed-size crop; one token per vision patch (plus CLS with the 'full' strategy)."""
 
     def __call__(self, image: Image.Image) -> tuple[int, dict[str, torch.Tensor]]:
         pixels = torch.from_numpy(self.image_processor(images=[image], return_tensors='np')['pixel_values'])
+        return self._tokens(pixels.shape[-2], pixels.shape[-1]), {'pixel_values': pixels}
+
+    def least_tokens(self, size: tuple[int, int] | None) -> int:
+        crop = getattr(self.image_processor, 'crop_size', None)  # every image's pixels, where the processor crops
+        return self._tokens(crop.height, crop.width) if crop and self.image_processor.do_center_crop else 1
+
+    def _tokens(self, height: int, width: int) -> int:
         patch = self.config.vision_config.patch_size
-        num_patches = (pixels.shape[-2] // patch) * (pixels.shape[-1] // patch)
-        cls_token = int(self.config.vision_feature_select_strategy == 'full')
-        return num_patches + cls_token, {'pixel_values': pixels}
+        return (height // patch) * (width // patch) + int(self.config.vision_feature_select_strategy == 'full')
 
 
 class InternVLImageInputs(ImageInputs):
@@ -146,6 +163,9 @@ class Gemma3ImageInputs(ImageInputs):
     def __call__(self, image: Image.Image) -> tuple[int, dict[str, torch.Tensor]]:
         pixels = self.image_processor(images=[image], do_pan_and_scan=False, return_tensors='np')['pixel_values']
         return self.config.mm_tokens_per_image, {'pixel_values': torch.from_numpy(pixels)}
+
+    def least_tokens(self, size: tuple[int, int] | None) -> int:
+        return self.config.mm_tokens_per_image
 
 
 class Llama4ImageInputs(ImageInputs):

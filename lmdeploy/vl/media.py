@@ -31,6 +31,8 @@ _SCHEME = re.compile(r'([A-Za-z][A-Za-z0-9+.-]*):')
 
 
 _MAX_REDIRECTS = 5
+# the characters of a data URL read for its header: PNG's is in the first bytes, JPEG's after its EXIF and ICC data
+_HEADER_CHARS = 2**17
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,31 @@ def load_image(source: str | bytes | Image.Image, policy: MediaPolicy = MediaPol
     if scheme or not source:
         raise ValueError(f'{_FORMS}, got {source[:80]!r}')
     return _decode(_read_local(source, policy), policy)
+
+
+def image_size(source: object) -> tuple[int, int] | None:
+    """An image's (width, height) as its header says, before any decoding: for PIL images, bytes and ``data:``
+    URLs (only the start of the payload decoded where the header lies in it); None for other sources (their size
+    is known only once fetched) and for headers that do not open (:func:`load_image` says why)."""
+    if isinstance(source, Image.Image):
+        return source.size
+    if isinstance(source, str) and source[:5].lower() == 'data:':
+        start = ''.join(source[:_HEADER_CHARS].partition(',')[2].split())
+        try:
+            size = _header_size(base64.b64decode(start[:len(start) // 4 * 4], validate=True))
+            # WebP's reader wants the whole file
+            return size if size or len(source) <= _HEADER_CHARS else _header_size(_data_url_bytes(source))
+        except (ValueError, binascii.Error):
+            return None
+    return _header_size(source) if isinstance(source, bytes) else None
+
+
+def _header_size(data: bytes) -> tuple[int, int] | None:
+    try:
+        with _decoding(), Image.open(io.BytesIO(data), formats=_FORMATS) as image:
+            return image.size
+    except ValueError:
+        return None
 
 
 def image_hash(image: Image.Image) -> str:

@@ -10,7 +10,7 @@ import jinja2
 from lmdeploy.pytorch.multimodal import MultiModalInput
 from lmdeploy.tokenizer import Tokenizer
 from lmdeploy.vl.image_inputs import ImageInputs
-from lmdeploy.vl.media import MediaPolicy, image_hash, load_image
+from lmdeploy.vl.media import MediaPolicy, image_hash, image_size, load_image
 
 Messages = list[dict]
 Prompt = Union[str, Messages, tuple]
@@ -24,6 +24,15 @@ class ProcessedPrompt:
     input_ids: list[int]
     multimodal: list[MultiModalInput] = field(default_factory=list)
     text: str = ''
+
+
+class PromptTooLong(ValueError):
+    """A prompt of at least ``tokens`` tokens, not under the ``limit`` it was given."""
+
+    def __init__(self, tokens: int, limit: int):
+        super().__init__(f'the prompt has at least {tokens} tokens, but the context limit (session_len) is {limit} '
+                         'tokens, output included; shorten the prompt')
+        self.tokens, self.limit = tokens, limit
 
 
 def _image_source(part: dict, index: int) -> Any:
@@ -143,10 +152,14 @@ class MultiModalProcessor:
             raise ValueError('the messages nest too deeply for the chat template') from None
 
     def process(self, prompt: Prompt, do_preprocess: bool = True, tools: list[dict] | None = None,
-                template_kwargs: dict | None = None, stop: threading.Event | None = None) -> ProcessedPrompt:
+                template_kwargs: dict | None = None, stop: threading.Event | None = None,
+                token_limit: int | None = None) -> ProcessedPrompt:
         """Token ids and images of a prompt (see :meth:`render` for ``tools`` and ``template_kwargs``);
         raises ``ValueError`` for malformed input or bad images. Once ``stop`` is set (the caller no longer
-        waits), no further image is loaded or preprocessed: it raises ``ValueError`` then."""
+        waits), no further image is loaded or preprocessed: it raises ``ValueError`` then. A prompt with images
+        that will not be shorter than ``token_limit`` tokens raises :class:`PromptTooLong` as soon as that is
+        known: before any image is loaded when its text, and the token counts its images' headers give, reach
+        it; else after the image that makes it reach it."""
         if not isinstance(prompt, (str, list, tuple)):
             raise ValueError(f'a prompt must be a str, a list of messages or a (text, images) tuple, '
                              f'got {type(prompt).__name__}')
@@ -162,30 +175,39 @@ class MultiModalProcessor:
             return ProcessedPrompt(input_ids, text=text)
         if len(sources) > self.max_images:
             raise ValueError(f'a prompt may hold at most {self.max_images} images, got {len(sources)}')
-        expanded = self._expand(input_ids, sources, stop)
+        expanded = self._expand(input_ids, sources, stop, token_limit)
         expanded.text = text
         return expanded
 
-    def _expand(self, input_ids: list[int], sources: list, stop: threading.Event | None) -> ProcessedPrompt:
+    def _expand(self, input_ids: list[int], sources: list, stop: threading.Event | None,
+                token_limit: int | None) -> ProcessedPrompt:
         """Loads and preprocesses each image, one at a time (only its features stay), and replaces its
         placeholder token by its span (the family's ``placeholder_ids``: most repeat the placeholder once per
-        feature the vision encoder gives it), between the family's ``span_ids``."""
+        feature the vision encoder gives it), between the family's ``span_ids``; checks ``token_limit``
+        against the prompt's least length before each image (see :meth:`process`)."""
         placeholder = self.image_inputs.image_token_id
         where = [i for i, token in enumerate(input_ids) if token == placeholder]
         if len(where) != len(sources):
             raise ValueError(f'the prompt has {len(where)} image placeholders for {len(sources)} images')
+        before, after = self.image_inputs.span_ids
+        sizes = [image_size(source) for source in sources] if token_limit is not None else [None] * len(sources)
+        spans = [len(before) + self.image_inputs.least_tokens(size) + len(after) for size in sizes]
         expanded: list[int] = []
         multimodal = []
         start = 0
-        before, after = self.image_inputs.span_ids
-        for position, source in zip(where, sources):
+        for index, (position, source) in enumerate(zip(where, sources)):
+            least = len(input_ids) - len(sources) + sum(spans)
+            if token_limit is not None and least >= token_limit:
+                raise PromptTooLong(least, token_limit)
             if stop is not None and stop.is_set():
                 raise ValueError('the request was given up while its images were preprocessed')
             image = load_image(source, self.media_policy)
             length, data = self.image_inputs(image)
             expanded += input_ids[start:position] + before
             multimodal.append(MultiModalInput(len(expanded), length, image_hash(image), data))
-            expanded += self.image_inputs.placeholder_ids(length, data) + after
+            ids = self.image_inputs.placeholder_ids(length, data)
+            expanded += ids + after
+            spans[index] = len(before) + len(ids) + len(after)
             start = position + 1
         return ProcessedPrompt(expanded + input_ids[start:], multimodal)
 

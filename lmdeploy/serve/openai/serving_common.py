@@ -27,7 +27,7 @@ from lmdeploy.serve.openai.protocol import PromptTokensDetails, SamplingFields, 
 from lmdeploy.serve.openai.reasoning_parsers import ReasoningParser
 from lmdeploy.serve.openai.tool_parsers import ToolParser
 from lmdeploy.serve.session_manager import Reservation
-from lmdeploy.vl.processor import ProcessedPrompt
+from lmdeploy.vl.processor import ProcessedPrompt, PromptTooLong
 
 logger = logging.getLogger('lmdeploy')
 
@@ -123,11 +123,14 @@ async def process(state: ServerState, messages: object, param: str, tools: list[
                   template_kwargs: dict | None = None, do_preprocess: bool = True) -> ProcessedPrompt:
     """Token ids and images of chat messages, made on the executor (chat template with ``tools`` and
     ``template_kwargs``, tokenizer, image fetch and preprocessing); bad input (bad images included) is a
-    400 about ``param``. Cancelled (its client gone), it stops the executor's work before the next image."""
+    400 about ``param``, one too long for ``session_len`` before its images are preprocessed where their headers
+    tell. Cancelled (its client gone), it stops the executor's work before the next image."""
     stop = threading.Event()
     try:
         prompt = await run_blocking(state, state.engine.processor.process, messages, do_preprocess, tools,
-                                    template_kwargs, stop)
+                                    template_kwargs, stop, state.engine.session_len)
+    except PromptTooLong as exc:
+        raise APIError(400, str(exc), param, 'context_length_exceeded') from exc
     except ValueError as exc:
         raise APIError(400, str(exc), param, ErrorCode.INVALID_ARGUMENT.value[0]) from exc
     finally:

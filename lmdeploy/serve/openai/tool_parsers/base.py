@@ -69,7 +69,8 @@ class ToolParser(ABC):
         self.pos = 0
         self.num_calls = 0
         self.cut_call: int | None = None  # a call the reply ended inside, which the parser closed itself
-        self.marker_start = 0  # where the whitespace before the last marker :meth:`_content_until` found starts
+        # the last marker :meth:`_content_until` found: where the whitespace before it starts, where it starts, ends
+        self.marker_start = self.marker_at = self.marker_end = 0
 
     def feed(self, text: str) -> ParsedDelta:
         """The delta that ``text``, appended to the content, makes certain."""
@@ -101,8 +102,14 @@ class ToolParser(ABC):
             return False
         self.marker_start = strip_end(self.text, self.pos, found)
         out.content += self.text[self.pos:self.marker_start]
-        self.pos = found + len(marker)
+        self.marker_at, self.pos = found, found + len(marker)
+        self.marker_end = self.pos
         return True
+
+    def _unmarked(self, end: int) -> str:
+        """The text from the whitespace before the last marker up to ``end``, without the marker: a special
+        token, which the reply's text would not show without a parser."""
+        return self.text[self.marker_start:self.marker_at] + self.text[self.marker_end:end]
 
     @abstractmethod
     def _advance(self, final: bool) -> ParsedDelta:

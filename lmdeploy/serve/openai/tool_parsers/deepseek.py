@@ -23,7 +23,8 @@ FENCE, FENCE_END = '```', '\n```'
 @register_tool_parser('deepseek_v3', 'deepseek_v31')
 class DeepSeekV3ToolParser(ToolParser):
     """Text up to ``<｜tool▁calls▁begin｜>`` is content (without the whitespace before it), then calls up
-    to ``<｜tool▁calls▁end｜>``; their arguments stream as written."""
+    to ``<｜tool▁calls▁end｜>``; their arguments stream as written. A ``<｜tool▁calls▁begin｜>`` that no call
+    follows leaves the text as written, less the marker (a special token)."""
 
     special_tokens = (CALLS_BEGIN, CALLS_END, CALL_BEGIN, SEP, CALL_END)
 
@@ -31,6 +32,7 @@ class DeepSeekV3ToolParser(ToolParser):
         super().__init__(tools)
         self.state = 'text'
         self.args_end = (CALL_END,)  # what ends the current call's arguments
+        self.first = True  # the block's first call is next
 
     def _advance(self, final: bool) -> ParsedDelta:
         out = ParsedDelta()
@@ -38,7 +40,7 @@ class DeepSeekV3ToolParser(ToolParser):
             if self.state == 'text':
                 if not self._content_until(CALLS_BEGIN, final, out):
                     return out
-                self.state = 'calls'
+                self.state, self.first = 'calls', True
             elif self.state == 'calls':
                 start = skip_whitespace(self.text, self.pos)
                 rest = self.text[start:start + len(CALL_BEGIN)]
@@ -49,10 +51,15 @@ class DeepSeekV3ToolParser(ToolParser):
                 else:
                     if not final and any(m.startswith(rest) for m in (CALL_BEGIN, CALLS_END)):
                         return out
-                    self.pos, self.state = start, 'text'  # no call where one should be: text
+                    if self.first:  # no call in the block: text, as written
+                        out.content += self._unmarked(self.pos)
+                    else:  # no call where the next should be: text
+                        self.pos = start
+                    self.state = 'text'
             elif self.state == 'head':
                 if not self._head(out, final):
                     return out
+                self.first = False
             elif self.state == 'args':
                 found = min((i for m in self.args_end if (i := self.text.find(m, self.pos)) >= 0), default=-1)
                 end = found if found >= 0 else len(self.text) if final else min(

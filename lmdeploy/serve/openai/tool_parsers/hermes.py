@@ -20,8 +20,11 @@ OPEN, CLOSE = '<tool_call>', '</tool_call>'
 class HermesToolParser(ToolParser):
     """``<tool_call>`` blocks holding one JSON call each, among plain text.
 
-    Whitespace next to a block is dropped; a block that holds no call goes back into the text as it was.
+    Whitespace next to a block is dropped; a block that holds no call goes back into the text as it was. The tags
+    are kept in the reply's text where a tokenizer makes them special tokens.
     """
+
+    special_tokens = (OPEN, CLOSE)
 
     def __init__(self, tools: Sequence[Mapping[str, Any]] = ()) -> None:
         super().__init__(tools)

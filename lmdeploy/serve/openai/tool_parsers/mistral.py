@@ -22,8 +22,9 @@ _NAME = re.compile(r'\s*([^\s\[]+)\s*(?:' + re.escape(CALL_ID) + r'.*)?', re.DOT
 @register_tool_parser('mistral')
 class MistralToolParser(JsonCallsParser):
     """Text up to ``[TOOL_CALLS]`` is content (without the whitespace before it); then a list of call
-    objects, or calls ``NAME[ARGS]{...}``; a ``[TOOL_CALLS]`` followed by neither gives what follows it as
-    content. Text after the calls is content too."""
+    objects, or calls ``NAME[ARGS]{...}``. A ``[TOOL_CALLS]`` followed by neither, or by a list whose first
+    object is not a call, leaves the text as written, less the marker (a special token). Text after the calls is
+    content too."""
 
     special_tokens = (TOOL_CALLS, ARGS, CALL_ID)
 
@@ -32,6 +33,7 @@ class MistralToolParser(JsonCallsParser):
         self.state = 'text'
         self.args: JsonScanner | None = None
         self.sent = 0
+        self.first = True  # the list's first object is next
 
     def _advance(self, final: bool) -> ParsedDelta:
         out = ParsedDelta()
@@ -42,16 +44,17 @@ class MistralToolParser(JsonCallsParser):
                 self.state = 'calls'
             elif self.state == 'calls':
                 start = skip_whitespace(self.text, self.pos)
-                if start == len(self.text):
+                if start == len(self.text) and not final:
                     return out
-                if self.text[start] == '[':
-                    self.pos, self.state = start + 1, 'items'
+                if self.text.startswith('[', start):
+                    self.pos, self.state, self.first = start + 1, 'items', True
                     continue
                 found = self.text.find(ARGS, self.pos)
                 if found < 0 and not final:
                     return out
                 name = _NAME.fullmatch(self.text, self.pos, found) if found >= 0 else None
-                if name is None:  # not a call: text
+                if name is None:  # not a call: text, as written
+                    out.content += self._unmarked(self.pos)
                     self.state = 'text'
                     continue
                 out.tool_calls.append(self.new_call(name.group(1)))
@@ -73,7 +76,10 @@ class MistralToolParser(JsonCallsParser):
                 is_call = self.read_call(out, final)
                 if is_call is None:
                     return out
-                if not is_call:  # an object that is no call: text
+                if not is_call:  # an object that is no call: text, from the marker on if it is the list's first
+                    if self.first:
+                        out.content += self._unmarked(self.reader.start)
                     self.pos, self.state = self.reader.start, 'text'
                     continue
+                self.first = False
                 self.state = 'items'
