@@ -163,7 +163,7 @@ def has_member(cls: str, member: str, seen: frozenset[str] = frozenset()) -> boo
 def stale_members(text: str) -> tuple[int, list[str]]:
     """``Class.member`` (or ``Class``'s ``member``): a class (or C++ struct) of the project's that has the member,
     its own or a base's."""
-    dotted = r'(?<![\w./-])([A-Z]\w*[a-z]\w*)\.(\w+)(?![\w-])'
+    dotted = r'(?<![\w./-])([A-Z]\w*[a-z]\w*)\.(\w+)(?=\(|\[|$)'  # the span ends with the member (or its call)
     cited = [pair for span in code(text) for pair in re.findall(dotted, span)]
     cited += re.findall(r"`([A-Z]\w*[a-z]\w*)`'s\s+`(\w+)`", prose(text))
     checked, misses = 0, []
