@@ -1,5 +1,6 @@
 """What the hunt on tensor parallelism and the proxy (docs/reliability.md) found: an ``api_server --dp``
-replica whose tensor-parallel rank died served on with a dead engine, answering 503 forever."""
+replica whose tensor-parallel rank died served on with a dead engine, answering 503 forever; a hung rank's
+error named rank 0 (the one that waited)."""
 from __future__ import annotations
 
 import time
@@ -37,11 +38,14 @@ def stream_events(url: str, on_first_token=None) -> list[str]:
     return events
 
 
-def test_a_dp_replica_whose_rank_died_is_stopped_and_started_again(tiny_llama):
+def test_a_dp_replica_whose_rank_died_is_started_again_and_a_hung_rank_is_named(tiny_llama, monkeypatch):
     """A replica of ``--dp`` with ``--tp 2`` (one replica here: one tensor-parallel server at a time) whose
     worker is SIGKILLed mid-stream: the stream ends with the worker's error, ``/health`` says
     ``engine_failed``, and the parent stops the replica and starts it again, which then serves. Before, the
-    replica process lived on with its dead engine and was never restarted."""
+    replica process lived on with its dead engine and was never restarted. Then the new worker is stopped
+    (SIGSTOP) mid-stream: the error names rank 1 and the timeout (before: ``broadcast failed on rank 0``),
+    and no process is left, the stopped worker included."""
+    monkeypatch.setenv('LMDEPLOY_TP_TIMEOUT', '8')  # the replicas' environment
     args = build_parser().parse_args(['serve', 'api_server', tiny_llama, '--tp', '2', *NODE_FLAGS,
                                       '--server-port', str(free_port())])
     del args.help_of  # not picklable (as in main())
@@ -64,9 +68,12 @@ def test_a_dp_replica_whose_rank_died_is_stopped_and_started_again(tiny_llama):
             assert time.monotonic() < deadline, 'the replica with the dead rank was not started again'
             time.sleep(0.3)
         assert first.exitcode is not None
-        pids += [replicas.processes[0].pid, *(w.pid for w in tp_workers(replicas.processes[0].pid))]
-        events = stream_events(url)
-        assert events[-1] == 'data: [DONE]' and '"finish_reason":"length"' in events[-2].replace(' ', '')
+        pids.append(replicas.processes[0].pid)
+        (worker,) = tp_workers(replicas.processes[0].pid)
+        pids.append(worker.pid)
+        events = stream_events(url, worker.suspend)
+        assert '"choices"' in events[0], 'the restarted replica did not serve'
+        assert 'rank 1 did not answer within 8 s (LMDEPLOY_TP_TIMEOUT)' in events[-2], events[-2]
     finally:
         replicas.stop(10)
     assert_gone(pids)
