@@ -5,8 +5,8 @@ On the CPU each replica is pinned to its share of the cores (and runs that many 
 KV cache from its share of the memory; on CUDA each gets one visible device. A replica that dies is started
 again (after 1 s, doubling up to a minute while it keeps dying within a minute of its start), and so is one
 whose engine failed for good (``/health`` says ``engine_failed``: a tensor-parallel rank died, ...), once
-stopped; the proxy takes it back once its health check passes. A replica dies with the parent: the parent stops them after
-its own shutdown, and the kernel sends them SIGTERM should the parent die any other way."""
+stopped; the proxy takes it back once its health check passes. A replica dies with the parent: the parent
+stops them after its own shutdown, and the kernel sends them SIGTERM should the parent die any other way."""
 from __future__ import annotations
 
 import argparse
