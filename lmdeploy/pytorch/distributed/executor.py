@@ -16,7 +16,8 @@ import torch.distributed as dist
 from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.distributed.channel import StepChannel
 from lmdeploy.pytorch.distributed.parallel_state import TPGroup, WorkerError
-from lmdeploy.pytorch.distributed.rendezvous import all_ready, connect, connect_timeout, host_store, reported_errors
+from lmdeploy.pytorch.distributed.rendezvous import (STEP_TIMEOUT_ENV, all_ready, connect, connect_timeout, host_store,
+                                                     reported_errors)
 
 logger = logging.getLogger('lmdeploy')
 STOP_TIMEOUT = timedelta(seconds=5)
@@ -88,9 +89,14 @@ class Executor(ABC):
         """The error to raise for a collective that failed: why the group broke, where the workers said."""
         # A worker that died broke its connections, and its watchdog report may be on its way; one that let the
         # collective time out is alive (hung), and no report comes.
-        deadline = time.monotonic() + (0.0 if TIMED_OUT in str(exc) else 2.0)
+        timed_out = TIMED_OUT in str(exc)
+        deadline = time.monotonic() + (0.0 if timed_out else 2.0)
         while self.failure is None and time.monotonic() < deadline:
             time.sleep(0.05)
+        if timed_out and self.group is not None:  # gloo names the rank that waited (0), not the one it waited for
+            others = 'rank 1' if self.world_size == 2 else f'a rank of 1..{self.world_size - 1}'
+            self._fail(f'{others} did not answer within {self.group.timeout.total_seconds():g} s '
+                       f'({STEP_TIMEOUT_ENV}): a hung or overloaded worker')
         self._fail(str(exc))
         if self.failure in str(exc):
             return WorkerError(str(exc))

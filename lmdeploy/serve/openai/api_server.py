@@ -225,7 +225,9 @@ def create_app(engine: AsyncEngine, model_name: str | None = None, api_keys: lis
         stale = time.monotonic() - loop.last_heartbeat
         if loop.is_alive and stale < state.heartbeat_timeout:
             return JSONResponse({'status': 'ok'})
-        reason = loop.error or ('the engine loop stopped' if not loop.is_alive else f'no progress for {stale:.0f} s')
+        if loop.error:  # the engine died (a tensor-parallel rank failed, ...): it never recovers
+            return error_response(503, f'unhealthy: {loop.error}', code='engine_failed')
+        reason = 'the engine loop stopped' if not loop.is_alive else f'no progress for {stale:.0f} s'
         return error_response(503, f'unhealthy: {reason}', code='engine_unhealthy')
 
     @app.get('/metrics', response_class=PlainTextResponse, responses=error_responses(*auth))

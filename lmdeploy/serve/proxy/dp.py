@@ -3,9 +3,10 @@
 
 On the CPU each replica is pinned to its share of the cores (and runs that many torch threads) and sizes its
 KV cache from its share of the memory; on CUDA each gets one visible device. A replica that dies is started
-again (after 1 s, doubling up to a minute while it keeps dying within a minute of its start); the proxy
-takes it back once its health check passes. A replica dies with the parent: the parent stops them after
-its own shutdown, and the kernel sends them SIGTERM should the parent die any other way."""
+again (after 1 s, doubling up to a minute while it keeps dying within a minute of its start), and so is one
+whose engine failed for good (``/health`` says ``engine_failed``: a tensor-parallel rank died, ...), once
+stopped; the proxy takes it back once its health check passes. A replica dies with the parent: the parent
+stops them after its own shutdown, and the kernel sends them SIGTERM should the parent die any other way."""
 from __future__ import annotations
 
 import argparse
@@ -30,6 +31,7 @@ STOP_GRACE = 15.0
 RESTART_DELAY = 1.0
 MAX_RESTART_DELAY = 60.0
 STABLE_AFTER = 60.0  # a replica up this long that dies is restarted after RESTART_DELAY again
+FAILED_CHECK_INTERVAL = 2.0  # seconds between the checks for replicas whose engine failed
 
 
 def cpu_shares(n: int) -> list[list[int]]:
@@ -115,13 +117,45 @@ class Replicas:
         """Restarts replicas that die, in a daemon thread, until :meth:`stop`."""
         threading.Thread(target=self._watch, name='lmdeploy-replica-watch', daemon=True).start()
 
+    def engine_failed(self, i: int) -> str | None:
+        """Why replica ``i``'s engine failed for good (its ``/health`` says ``engine_failed``: a
+        tensor-parallel rank died, ...), or None while it runs, starts or answers nothing."""
+        try:
+            response = httpx.get(f'{self.urls[i]}/health', timeout=5)
+            error = response.json().get('error') if response.status_code == 503 else None
+        except (httpx.HTTPError, ValueError):
+            return None
+        return error['message'] if isinstance(error, dict) and error.get('code') == 'engine_failed' else None
+
+    def _stop_failed(self, i: int, stopped: list[float | None], last_check: list[float]) -> None:
+        """SIGTERM to replica ``i`` once its engine failed (a replica that serves on would answer every
+        request with a 503 forever), SIGKILL if it is still there a grace period later; the restart
+        follows its exit."""
+        replica, now = self.processes[i], time.monotonic()
+        if stopped[i] is not None:
+            if now - stopped[i] > self.configs[i].shutdown_timeout + STOP_GRACE:
+                replica.kill()
+            return
+        if now - last_check[i] < FAILED_CHECK_INTERVAL:
+            return
+        last_check[i] = now
+        reason = self.engine_failed(i)
+        if reason is not None:
+            logger.warning('replica %s (%s) failed (%s): stopping it', replica.name, self.urls[i], reason)
+            replica.terminate()
+            stopped[i] = now
+
     def _watch(self) -> None:
         started = [time.monotonic()] * len(self.processes)
         delays = [RESTART_DELAY] * len(self.processes)
+        stopped: list[float | None] = [None] * len(self.processes)
+        last_check = [0.0] * len(self.processes)
         while not self.stopping.wait(0.5):
             for i, replica in enumerate(self.processes):
                 if replica.exitcode is None:
+                    self._stop_failed(i, stopped, last_check)
                     continue
+                stopped[i] = None
                 if time.monotonic() - started[i] > STABLE_AFTER:
                     delays[i] = RESTART_DELAY
                 logger.warning('replica %s (%s) exited with status %s: starting it again in %.0f s', replica.name,
