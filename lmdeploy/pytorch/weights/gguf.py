@@ -83,7 +83,7 @@ _EXPERTS = re.compile(r'blk\.\d+\.ffn_(gate|up|down)_exps\.weight')
 _PRE_TOKENIZER_SPLITS = {'chatglm-bpe': 'llama-bpe', 'glm4': 'llama-bpe'}
 # the tables a ``quantization_config`` may keep as their blocks, by the key that names their type there
 _TABLES = {'lm_head.weight': 'lm_head', 'model.embed_tokens.weight': 'embed_tokens'}
-_CACHE_FORMAT = 18  # bump when the converted output changes, so stale cache entries are not reused
+_CACHE_FORMAT = 19  # bump when the converted output changes, so stale cache entries are not reused
 
 
 def cache_dir() -> Path:
@@ -293,6 +293,10 @@ def _save_tokenizer(gguf_path: Path, out_dir: Path, reader: GGUFReader) -> None:
     config = json.loads(config_path.read_text())
     config['added_tokens_decoder'] = {str(i): token.__getstate__() for i, token in
                                       tokenizer.added_tokens_decoder.items()}
+    if type(tokenizer).__name__ == 'GemmaTokenizer':
+        # GemmaTokenizer rebuilds in Python the pipeline that its tokenizer.json holds; TokenizersBackend reads the
+        # file in Rust alone: the same tokens, texts and attributes (tests/test_gguf_tokenizer_class.py)
+        config |= {'tokenizer_class': 'TokenizersBackend', 'padding_side': tokenizer.padding_side}
     config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False))
 
 
