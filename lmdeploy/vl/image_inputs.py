@@ -56,7 +56,7 @@ class ImageInputs:
 
     def least_tokens(self, size: tuple[int, int] | None) -> int:
         """The fewest placeholder tokens (``placeholder_ids``) an image of ``size`` (width, height; None: any) fills,
-        known without preprocessing it: at least one for most families."""
+        known without preprocessing it: 1 here; the families count it from the size where that fixes it."""
         return 1
 
     def expand_text(self, text: str) -> str:
