@@ -49,16 +49,15 @@ def test_reasoning_then_call():
 
 @pytest.mark.parametrize('text, content, calls', [
     ('no calls, <tool_ and <arg_key> are text', 'no calls, <tool_ and <arg_key> are text', []),
-    ('<tool_call>two words</tool_call>', '<tool_call>two words</tool_call>', []),
-    ('<tool_call>f<arg_key>x</arg_key>stray</tool_call> after', '<tool_call>f<arg_key>x</arg_key>stray</tool_call> after',
-     []),
+    ('<tool_call>two words</tool_call>', 'two words', []),
+    ('<tool_call>f<arg_key>x</arg_key>stray</tool_call> after', 'fxstray after', []),
     ('<tool_call>f<arg_key>x</arg_key><arg_value>1</arg_value>', '', [('f', '{"x": 1}')]),
     ('<tool_call>f<arg_key>flag</arg_key><arg_value>true</arg_value></tool_call> Done.', 'Done.',
      [('f', '{"flag": true}')]),
 ])
 def test_edges(text, content, calls):
-    """Text that only looks like tags, blocks that hold no call (back into the text as they were), a call the
-    reply left open, and text after a call."""
+    """Text that only looks like tags, blocks that hold no call (back into the text as they were, less the tags:
+    special tokens), a call the reply left open, and text after a call."""
     assert split(glm45(), text) == {'reasoning': '', 'content': content, 'calls': calls}
 
 

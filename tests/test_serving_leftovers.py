@@ -5,16 +5,19 @@ streamed and not, every KV block free afterwards. docs/reliability.md ("Serving 
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
 import json
 
 import httpx
 import jsonschema
 import pytest
-from PIL import Image
+from PIL import ExifTags, Image
 from conftest import save_tiny_model
 from helpers import assert_all_released
 from security_fixtures import qwen_vl  # noqa: F401 (fixture)
 from server_helpers import ServerThread, serve, tiny_engine
+from test_llama4_vl import save_tiny_llama4_vl
 from test_tool_server_hunt import ask, assert_released, regex
 from test_vl import data_url, png_bytes
 from tool_models import TOOL_TEMPLATE
@@ -35,7 +38,6 @@ WEATHER = {'type': 'function', 'function': {'name': 'get_weather', 'parameters':
 ANSWER = {'type': 'object', 'required': ['answer'], 'additionalProperties': False,
           'properties': {'answer': {'type': 'integer', 'minimum': 0, 'maximum': 99}}}
 ASK = [{'role': 'user', 'content': 'Weather in Paris?'}]
-EXACT = ('qwen2_vl', 'qwen2_5_vl', 'qwen3_vl', 'llava', 'gemma3')  # families whose count the header gives
 
 
 def image_parts(*sizes: tuple[int, int]) -> list[dict]:
@@ -82,20 +84,36 @@ def test_a_prompt_too_long_is_refused_before_its_images_are_preprocessed(vl_serv
     assert_released(vl_server.engine)
 
 
-@pytest.mark.parametrize('kind', [*VL_KINDS, 'gemma3'])
+def rotated_jpeg(size: tuple[int, int]) -> str:
+    """A data URL of a JPEG of ``size`` whose EXIF orientation (6) turns it a quarter: upright it is ``size``
+    swapped."""
+    exif = Image.Exif()
+    exif[ExifTags.Base.Orientation] = 6
+    buffer = io.BytesIO()
+    Image.new('RGB', size, (90, 30, 60)).save(buffer, format='JPEG', exif=exif)
+    return 'data:image/jpeg;base64,' + base64.b64encode(buffer.getvalue()).decode()
+
+
+HEADER_SIZES = {'tiny': (1, 1), 'wide': (1000, 29), 'tall': (29, 1000), 'huge': (2048, 2048),
+                'portrait': (300, 1000)}
+
+
+@pytest.mark.parametrize('kind', [*VL_KINDS, 'gemma3', 'qwen3_5', 'llama4'])
 def test_the_token_count_from_the_header_is_the_preprocessed_one(kind, tmp_path):
-    """Exact for the families whose count the header gives (Qwen-VL, LLaVA's crop, Gemma 3's fixed count);
-    never more than the preprocessed count for the others (InternVL, Mistral 3: one token an image)."""
-    path = save_tiny_vl_model(kind, str(tmp_path))
+    """Every family's count from an image's header is the count its preprocessing gives (was: one token an image
+    for InternVL's tiles, Mistral 3's rows and Llama 4's tiles), a JPEG turned by its EXIF orientation too."""
+    path = save_tiny_llama4_vl(str(tmp_path)) if kind == 'llama4' else save_tiny_vl_model(kind, str(tmp_path))
     tokenizer = Tokenizer(path)
     processor = MultiModalProcessor(tokenizer, image_inputs=ImageInputs.for_model(
         path, AutoConfig.from_pretrained(path), tokenizer.hf))
-    for sizes in [(2048, 2048), (300, 1000)], [(1000, 29), (1, 1)]:
-        prompt = [{'role': 'user', 'content': image_parts(*sizes) + [{'type': 'text', 'text': 'compare'}]}]
+    urls = {name: data_url(Image.new('RGB', size, (90, 30, 60))) for name, size in HEADER_SIZES.items()}
+    urls['turned'] = rotated_jpeg((1000, 300))
+    for name, url in urls.items():
+        prompt = [{'role': 'user', 'content': [{'type': 'image_url', 'image_url': {'url': url}}] * 2
+                   + [{'type': 'text', 'text': 'compare'}]}]
         with pytest.raises(PromptTooLong) as refused:
             processor.process(prompt, token_limit=1)
-        tokens = len(processor.process(prompt).input_ids)
-        assert refused.value.tokens == tokens if kind in EXACT else refused.value.tokens < tokens
+        assert refused.value.tokens == len(processor.process(prompt).input_ids), name
 
 
 def test_images_without_a_size_in_their_source_stop_at_the_one_that_reaches_the_limit(vl_server, preprocessed,

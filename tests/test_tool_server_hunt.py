@@ -121,13 +121,14 @@ def test_every_parser_streams_what_it_answers(servers, parser):
     assert message['content'] == ('' if parser == 'llama3_json' else 'Hi.')
 
 
-@pytest.mark.parametrize('parser, reply', [('hermes', 'Hi.\n<tool_call>not a call</tool_call>'),
-                                           ('glm45', 'Hi.\n<tool_call>not a call</tool_call>')])
-def test_a_block_without_a_call_stays_text_as_written(servers, parser, reply):
+@pytest.mark.parametrize('parser, reply, content', [
+    ('hermes', 'Hi.\n<tool_call>not a call</tool_call>', 'Hi.\n<tool_call>not a call</tool_call>'),
+    ('glm45', 'Hi.\n<tool_call>not a call</tool_call>', 'Hi.\nnot a call')])  # GLM's tags: special tokens
+def test_a_block_without_a_call_stays_text_as_written(servers, parser, reply, content):
     """Was: the whitespace before the block was dropped (``Hi.<tool_call>...``), as next to a call; a reply cut
     by ``max_tokens`` before a call's name was complete came back so too."""
     message = ask(servers(parser), {'structured_outputs': {'regex': regex(reply)}})
-    assert message == {'content': reply, 'calls': [], 'finish_reason': 'stop'}
+    assert message == {'content': content, 'calls': [], 'finish_reason': 'stop'}
 
 
 @pytest.mark.parametrize('parser, cut, arguments', [

@@ -56,7 +56,7 @@ class ImageInputs:
 
     def least_tokens(self, size: tuple[int, int] | None) -> int:
         """The fewest placeholder tokens (``placeholder_ids``) an image of ``size`` (width, height; None: any) fills,
-        known without preprocessing it: at least one for most families."""
+        known without preprocessing it: 1 here; the families count it from the size where that fixes it."""
         return 1
 
     def expand_text(self, text: str) -> str:
@@ -119,6 +119,13 @@ class InternVLImageInputs(ImageInputs):
         pixels = self.image_processor(images=[image], crop_to_patches=True, return_tensors='np')['pixel_values']
         return len(pixels) * self.tokens_per_tile, {'pixel_values': torch.from_numpy(pixels)}
 
+    def least_tokens(self, size: tuple[int, int] | None) -> int:
+        if size is None:
+            return 1
+        width, height = size
+        tiles = self.image_processor.get_number_of_image_patches(height, width, {'crop_to_patches': True})
+        return tiles * self.tokens_per_tile
+
 
 class Mistral3ImageInputs(ImageInputs):
     """Mistral 3 (Pixtral's image processor): the image resized to fit ``longest_edge`` in whole merged patches
@@ -143,6 +150,20 @@ class Mistral3ImageInputs(ImageInputs):
         ids = ([self.image_token_id] * cols + [self.break_id]) * rows
         ids[-1] = self.end_id
         return ids
+
+    def least_tokens(self, size: tuple[int, int] | None) -> int:
+        from transformers.image_utils import ChannelDimension
+        from transformers.models.pixtral.image_processing_pil_pixtral import get_resize_output_image_size
+        if size is None or not self.image_processor.do_resize:
+            return 1
+        width, height = size
+        bounds = self.image_processor.size
+        longest = (bounds.longest_edge, ) * 2 if bounds.longest_edge else (bounds.height, bounds.width)
+        # the function reads only the shape of the image it is given: a view of one byte stands for the pixels
+        rows, cols = (side // self.merged_patch for side in get_resize_output_image_size(
+            np.broadcast_to(np.uint8(0), (height, width, 3)), size=longest, patch_size=self.merged_patch,
+            input_data_format=ChannelDimension.LAST))
+        return rows * (cols + 1)
 
 
 class Gemma3ImageInputs(ImageInputs):
@@ -234,13 +255,23 @@ class Llama4ImageInputs(ImageInputs):
         if rows * cols > 1:
             whole = resize_uint8(pixels, self.tile, self.tile, self.resample).transpose(2, 0, 1)
             tiles = np.concatenate([tiles, whole[None]])
-        aspect_ratio = torch.tensor([[rows, cols]])
-        return len(self.placeholder_ids(0, {'aspect_ratios': aspect_ratio})), {
+        return len(self._span(rows, cols)), {
             'pixel_values': torch.from_numpy(self.level_values[np.arange(3)[:, None, None], tiles]),
-            'aspect_ratios': aspect_ratio}
+            'aspect_ratios': torch.tensor([[rows, cols]])}
 
     def placeholder_ids(self, length: int, data: dict[str, torch.Tensor]) -> list[int]:
-        rows, cols = (int(n) for n in data['aspect_ratios'][0])
+        return self._span(*(int(n) for n in data['aspect_ratios'][0]))
+
+    def least_tokens(self, size: tuple[int, int] | None) -> int:
+        from transformers.models.mllama.image_processing_pil_mllama import get_optimal_tiled_canvas
+        if size is None:
+            return 1
+        width, height = size
+        canvas_height, canvas_width = get_optimal_tiled_canvas(height, width, self.max_tiles, self.tile)
+        return len(self._span(canvas_height // self.tile, canvas_width // self.tile))
+
+    def _span(self, rows: int, cols: int) -> list[int]:
+        """The tokens of an image cut into ``rows`` x ``cols`` tiles."""
         tile = [self.patch_id] * self.tokens_per_tile
         ids = [self.start_id]
         if rows * cols > 1:

@@ -87,11 +87,16 @@ def load_image(source: str | bytes | Image.Image, policy: MediaPolicy = MediaPol
 
 
 def image_size(source: object) -> tuple[int, int] | None:
-    """An image's (width, height) as its header says, before any decoding: for PIL images, bytes and ``data:``
-    URLs (only the start of the payload decoded where the header lies in it); None for other sources (their size
-    is known only once fetched) and for headers that do not open (:func:`load_image` says why)."""
+    """An image's (width, height) as its header says, before any decoding, turned upright as its EXIF orientation
+    says (as :func:`load_image` turns it): for PIL images, bytes and ``data:`` URLs (only the start of the payload
+    decoded where the header lies in it); None for other sources (their size is known only once fetched) and for
+    headers that do not open (:func:`load_image` says why)."""
     if isinstance(source, Image.Image):
-        return source.size
+        try:
+            with _decoding():
+                return _upright(source.size, source.getexif())
+        except ValueError:
+            return None
     if isinstance(source, str) and source[:5].lower() == 'data:':
         start = ''.join(source[:_HEADER_CHARS].partition(',')[2].split())
         try:
@@ -106,9 +111,16 @@ def image_size(source: object) -> tuple[int, int] | None:
 def _header_size(data: bytes) -> tuple[int, int] | None:
     try:
         with _decoding(), Image.open(io.BytesIO(data), formats=_FORMATS) as image:
-            return image.size
+            # the EXIF read so far: PNG's own getexif decodes the pixels to look for an eXIf chunk after them
+            return _upright(image.size, Image.Image.getexif(image))
     except ValueError:
         return None
+
+
+def _upright(size: tuple[int, int], exif: Image.Exif) -> tuple[int, int]:
+    """(width, height) once ``ImageOps.exif_transpose`` has turned the image: swapped by a quarter turn."""
+    quarter_turn = exif.get(ExifTags.Base.Orientation, 1) in (5, 6, 7, 8)
+    return (size[1], size[0]) if quarter_turn else size
 
 
 def image_hash(image: Image.Image) -> str:

@@ -56,11 +56,17 @@ class ToolParser(ABC):
     schemas, for the parsers of formats that write arguments as untyped text. Subclasses keep the whole
     content in ``self.text`` and a read position ``self.pos``; :meth:`_advance` consumes what can be decided
     (with ``final``: everything). ``special_tokens`` are the special tokens
-    the parser reads, which the detokenizer then keeps in the reply's text; ``reasoning_parser`` names the
-    reasoning parser whose content the parser reads, when it needs one.
+    the parser reads, which the detokenizer then keeps in the reply's text; ``plain_markers`` those of them that
+    the family's own tokenizers write as plain text instead; ``reasoning_parser`` names the reasoning parser
+    whose content the parser reads, when it needs one.
+
+    Text that holds no call (a marker that starts none, a block without a call) is content as a reply without a
+    parser would show it: as written, less the markers the family's tokenizers make special tokens
+    (:meth:`_unmarked`).
     """
 
     special_tokens: tuple[str, ...] = ()
+    plain_markers: tuple[str, ...] = ()
     reasoning_parser: str | None = None
 
     def __init__(self, tools: Sequence[Mapping[str, Any]] = ()) -> None:
@@ -70,7 +76,7 @@ class ToolParser(ABC):
         self.num_calls = 0
         self.cut_call: int | None = None  # a call the reply ended inside, which the parser closed itself
         # the last marker :meth:`_content_until` found: where the whitespace before it starts, where it starts, ends
-        self.marker_start = self.marker_at = self.marker_end = 0
+        self.marker_start = 0
 
     def feed(self, text: str) -> ParsedDelta:
         """The delta that ``text``, appended to the content, makes certain."""
@@ -102,14 +108,17 @@ class ToolParser(ABC):
             return False
         self.marker_start = strip_end(self.text, self.pos, found)
         out.content += self.text[self.pos:self.marker_start]
-        self.marker_at, self.pos = found, found + len(marker)
-        self.marker_end = self.pos
+        self.pos = found + len(marker)
         return True
 
-    def _unmarked(self, end: int) -> str:
-        """The text from the whitespace before the last marker up to ``end``, without the marker: a special
-        token, which the reply's text would not show without a parser."""
-        return self.text[self.marker_start:self.marker_at] + self.text[self.marker_end:end]
+    def _unmarked(self, start: int, end: int, markers: Sequence[str] | None = None) -> str:
+        """The text from ``start`` to ``end`` less the special ones of ``markers`` (default: ``special_tokens``),
+        which the reply's text would not show without a parser."""
+        text = self.text[start:end]
+        for marker in self.special_tokens if markers is None else markers:
+            if marker in self.special_tokens and marker not in self.plain_markers:
+                text = text.replace(marker, '')
+        return text
 
     @abstractmethod
     def _advance(self, final: bool) -> ParsedDelta:

@@ -52,7 +52,7 @@ class DeepSeekV3ToolParser(ToolParser):
                     if not final and any(m.startswith(rest) for m in (CALL_BEGIN, CALLS_END)):
                         return out
                     if self.first:  # no call in the block: text, as written
-                        out.content += self._unmarked(self.pos)
+                        out.content += self._unmarked(self.marker_start, self.pos)
                     else:  # no call where the next should be: text
                         self.pos = start
                     self.state = 'text'

@@ -52,7 +52,7 @@ def parse_call(body: str, parameters: Mapping[str, Mapping[str, Any]]) -> tuple[
 @register_tool_parser('glm45', 'glm4_moe')
 class Glm45ToolParser(ToolParser):
     """``<tool_call>`` blocks among plain text; whitespace next to a block is dropped, and a block that holds
-    no call goes back into the text as it was."""
+    no call goes back into the text as it was, less its tags (special tokens)."""
 
     special_tokens = (OPEN, CLOSE, KEY_OPEN, KEY_CLOSE, VALUE_OPEN, VALUE_CLOSE)
 
@@ -78,7 +78,7 @@ class Glm45ToolParser(ToolParser):
             end = len(self.text) if found < 0 else found
             call = parse_call(self.text[self.pos:end], self.parameters)
             if call is None:
-                out.content += self.text[self.marker_start:end + (len(CLOSE) if found >= 0 else 0)]
+                out.content += self._unmarked(self.marker_start, end + (len(CLOSE) if found >= 0 else 0))
             else:
                 out.tool_calls.append(self.new_call(*call))
             self.pos = end + (len(CLOSE) if found >= 0 else 0)

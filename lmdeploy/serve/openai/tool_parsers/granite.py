@@ -19,14 +19,14 @@ MARKERS = ('<|tool_call|>', '<tool_call>')
 class GraniteToolParser(JsonCallsParser):
     """Text up to a marker is content (without the whitespace before it); then a list of call objects, whose
     arguments stream as written. A marker that no list of calls follows, an object that is not a call (with
-    what follows it), and the text after the list are content."""
+    what follows it), and the text after the list are content: ``<|tool_call|>`` left out (a special token),
+    ``<tool_call>`` as written (plain text)."""
 
     special_tokens = MARKERS[:1]
 
     def __init__(self, tools: Sequence[Mapping[str, Any]] = ()) -> None:
         super().__init__(tools)
         self.state = 'text'
-        self.marker_start = 0  # where the last marker (and the whitespace before it) starts
         self.first = True  # the list's first object is next
 
     def _advance(self, final: bool) -> ParsedDelta:
@@ -42,10 +42,10 @@ class GraniteToolParser(JsonCallsParser):
                 if start < len(self.text) and self.text[start] == '[':
                     self.pos, self.state, self.first = start + 1, 'items', True
                 else:  # no list: the marker is text
-                    out.content += self.text[self.marker_start:start]
+                    out.content += self._unmarked(self.marker_start, start)
                     self.pos, self.state = start, 'text'
             elif self.state == 'items':
-                if not self.read_list_item():
+                if not self.read_list_item(out, final, self.first):
                     return out
             else:
                 is_call = self.read_call(out, final)
@@ -53,7 +53,7 @@ class GraniteToolParser(JsonCallsParser):
                     return out
                 if not is_call:  # an object that is no call: text, from the marker on if it is the list's first
                     if self.first:
-                        out.content += self.text[self.marker_start:self.reader.start]
+                        out.content += self._unmarked(self.marker_start, self.reader.start)
                     self.pos, self.state = self.reader.start, 'text'
                     continue
                 self.first = False

@@ -20,11 +20,12 @@ OPEN, CLOSE = '<tool_call>', '</tool_call>'
 class HermesToolParser(ToolParser):
     """``<tool_call>`` blocks holding one JSON call each, among plain text.
 
-    Whitespace next to a block is dropped; a block that holds no call goes back into the text as it was. The tags
-    are kept in the reply's text where a tokenizer makes them special tokens.
+    Whitespace next to a block is dropped; a block that holds no call, or a tag that the reply ends on, goes back
+    into the text as it was (the tags are plain text in Qwen's tokenizers). The tags are kept in the reply's text
+    where a tokenizer makes them special tokens.
     """
 
-    special_tokens = (OPEN, CLOSE)
+    special_tokens = plain_markers = (OPEN, CLOSE)
 
     def __init__(self, tools: Sequence[Mapping[str, Any]] = ()) -> None:
         super().__init__(tools)
@@ -51,6 +52,9 @@ class HermesToolParser(ToolParser):
             elif self.state == 'block':
                 start = skip_whitespace(self.text, self.pos)
                 if start == len(self.text):
+                    if final:
+                        out.content += self._unmarked(self.block_start, start)
+                        self.pos, self.state = start, 'text'
                     return out
                 self.reader, self.pos = CallReader(start), start
                 self.state = 'call' if self.text[start] == '{' else 'bad'
@@ -70,7 +74,7 @@ class HermesToolParser(ToolParser):
                 end = self._block_end(final)
                 if end is None:
                     return out
-                out.content += self.text[self.block_start:end]
+                out.content += self._unmarked(self.block_start, end)
                 self.pos, self.state = end, 'text'
 
     def _block_end(self, final: bool, next_open: int = -1) -> int | None:

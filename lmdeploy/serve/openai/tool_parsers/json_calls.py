@@ -137,20 +137,24 @@ class JsonCallsParser(ToolParser):
         """Reads the object at ``start`` as a call from now on."""
         self.reader, self.state = CallReader(start), 'call'
 
-    def read_list_item(self) -> bool:
+    def read_list_item(self, out: ParsedDelta, final: bool, first: bool) -> bool:
         """In a list of calls: past a comma, into the next object, or, at the list's end or anything else, back to
-        ``'text'``; False where the text ends first."""
+        ``'text'``; False where the text ends first. A ``first`` item that is no object makes the list text, from
+        the whitespace before its marker on (``marker_start``), less the marker where it is a special token."""
         start = skip_whitespace(self.text, self.pos)
-        if start == len(self.text):
+        c = self.text[start] if start < len(self.text) else None
+        if c is None and not (final and first):
             return False
-        c = self.text[start]
         if c == ',':
             self.pos = start + 1
         elif c == '{':
             self.start_call(start)
+        elif first:
+            out.content += self._unmarked(self.marker_start, start)
+            self.pos, self.state = start, 'text'
         else:
             self.pos, self.state = start + (c == ']'), 'text'
-        return True
+        return c is not None
 
     def read_call(self, out: ParsedDelta, final: bool) -> bool | None:
         """Adds the call's new pieces to ``out``; whether the object is a call (None while that is open).

@@ -36,6 +36,8 @@ class Llama3JsonToolParser(JsonCallsParser):
                 while start < len(self.text) and self.text[start] == ';':
                     start = skip_whitespace(self.text, start + 1)
                 if start == len(self.text):
+                    if final and not self.num_calls:  # the tag and whitespace: the whitespace is text
+                        out.content, self.pos = out.content + self.text[self.pos:], start
                     return out
                 self.pos = start
                 if self.text[start] != '{':

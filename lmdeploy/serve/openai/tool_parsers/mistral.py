@@ -54,7 +54,7 @@ class MistralToolParser(JsonCallsParser):
                     return out
                 name = _NAME.fullmatch(self.text, self.pos, found) if found >= 0 else None
                 if name is None:  # not a call: text, as written
-                    out.content += self._unmarked(self.pos)
+                    out.content += self._unmarked(self.marker_start, self.pos)
                     self.state = 'text'
                     continue
                 out.tool_calls.append(self.new_call(name.group(1)))
@@ -70,7 +70,7 @@ class MistralToolParser(JsonCallsParser):
                     return out
                 self.pos, self.state = end, 'text'
             elif self.state == 'items':
-                if not self.read_list_item():
+                if not self.read_list_item(out, final, self.first):
                     return out
             else:
                 is_call = self.read_call(out, final)
@@ -78,7 +78,7 @@ class MistralToolParser(JsonCallsParser):
                     return out
                 if not is_call:  # an object that is no call: text, from the marker on if it is the list's first
                     if self.first:
-                        out.content += self._unmarked(self.reader.start)
+                        out.content += self._unmarked(self.marker_start, self.reader.start)
                     self.pos, self.state = self.reader.start, 'text'
                     continue
                 self.first = False

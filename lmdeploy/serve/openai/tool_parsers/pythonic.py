@@ -82,7 +82,8 @@ class PythonicToolParser(ToolParser):
     A call's name goes out once its first argument (or its ``)``) is read and holds; its arguments then go
     out one by one. A list whose first call does not hold (``[1, 2]``, ``[f(x)]``) is text; a call that breaks
     off later keeps the arguments before the break, and the rest of the reply is text. A call that the reply
-    leaves open ends with it.
+    leaves open ends with it. A ``<|python_start|>`` (a special token) that no list follows is left out of the
+    text.
     """
 
     special_tokens = (PYTHON_START, PYTHON_END)
@@ -123,7 +124,7 @@ class PythonicToolParser(ToolParser):
             start = strip_end(self.text, self.pos, at)
             if self.text.endswith(PYTHON_START, self.pos, start):
                 start = strip_end(self.text, self.pos, start - len(PYTHON_START))
-            out.content += self.text[self.pos:start]
+            out.content += self._unmarked(self.pos, start, (PYTHON_START, ))
             self.pos, self.scan = start, at
             if waiting:
                 return False
@@ -134,7 +135,7 @@ class PythonicToolParser(ToolParser):
             end = strip_end(self.text, self.pos, held_back(self.text, self.pos, PYTHON_START))
             if self.text.endswith(PYTHON_START, self.pos, end):
                 end = strip_end(self.text, self.pos, end - len(PYTHON_START))
-        out.content += self.text[self.pos:end]
+        out.content += self._unmarked(self.pos, end, (PYTHON_START, ))  # a whole marker: held back till then
         self.pos = max(self.pos, end)
         self.scan = max(self.scan, held_back(self.text, self.scan, PYTHON_START))
         return False

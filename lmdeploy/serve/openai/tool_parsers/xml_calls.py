@@ -36,9 +36,9 @@ class XmlCallsParser(ToolParser):
     """Blocks from ``open_tag`` to ``close_tag`` holding ``<function=NAME>`` calls, among plain text.
 
     Whitespace next to a call is dropped. A block that does not start with a function's tag goes back into
-    the text as it was. Inside a call, text that is no parameter is skipped; a call that the reply leaves
-    open (or that misses ``</parameter>``, ``</function>`` or the block's closing tag) ends where the reply
-    (or the next tag) does.
+    the text as it was, less its tags where they are special tokens. Inside a call, text that is no parameter
+    is skipped; a call that the reply leaves open (or that misses ``</parameter>``, ``</function>`` or the
+    block's closing tag) ends where the reply (or the next tag) does.
     """
 
     open_tag: str
@@ -104,12 +104,12 @@ class XmlCallsParser(ToolParser):
         return True
 
     def _bad(self, out: ParsedDelta, final: bool) -> bool:
-        """A block without a call: back into the text as written, up to its closing tag."""
+        """A block without a call: back into the text as written (less special tags), up to its closing tag."""
         found = self.text.find(self.close_tag, self.pos)
         if found < 0 and not final:
             return False
         end = len(self.text) if found < 0 else found + len(self.close_tag)
-        out.content += self.text[self.block_start:end]
+        out.content += self._unmarked(self.block_start, end)
         self.pos, self.state = end, 'text'
         return True
 
