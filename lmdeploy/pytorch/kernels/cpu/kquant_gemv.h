@@ -48,23 +48,23 @@ inline void scale_min(const uint8_t* s, int64_t j, __m512& scale, __m512& minimu
                           _mm512_cvtepi32_ps(mn));
 }
 
-// v (one value per row of a tile) as a chunk's 16-bit code lanes hold the rows: lanes 2i and 2i + 1 the value of
-// row 8 half + i, for half 0 (rows 0-7) and 1 (rows 8-15).
-inline __m512 pair_lanes(__m512 v, int half) {
-  const __m512i rows = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-  return _mm512_permutexvar_ps(_mm512_add_epi32(rows, _mm512_set1_epi32(8 * half)), v);
+// Two vectors of the 16 rows' weights (lane r: row r), of inputs 2p and 2p + 1, rounded to bf16 pairs, dword r
+// holding row r's (even, odd): lanes 0-15 of cvtne2ps_pbh(odd, even) hold even's rows, 16-31 odd's, so lane 2r
+// takes r and lane 2r + 1 takes 16 + r.
+inline __m512i row_pairs(__m512 even, __m512 odd) {
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(odd, even));
 }
 
-// The bf16 weights u * scale - offset of a chunk's 32 16-bit codes u (lane j: row j / 2, input j % 2 of an input
-// pair), dword r holding row r's pair; scale and offset per half as pair_lanes gives them. One rounding: the
-// fused multiply-subtract is exact where u * scale and the offset are, then rounded to bf16.
-inline __m512i weight_pairs(__m512i codes, const __m512 scale[2], const __m512 offset[2]) {
-  __m512 weights[2];
-  for (int half = 0; half < 2; ++half) {
-    const __m512 u = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(codes, half)));
-    weights[half] = _mm512_fmsub_ps(u, scale[half], offset[half]);
-  }
-  return (__m512i)_mm512_cvtne2ps_pbh(weights[1], weights[0]);
+// The bf16 weights u * scale - offset of a chunk's 32 16-bit codes u (dword r: row r's input pair, the even input's
+// code in its low half), dword r holding row r's pair; scale and offset a row a lane. One rounding: the fused
+// multiply-subtract is exact where u * scale and the offset are, then rounded to bf16. The codes stay in their
+// dwords (no widening across lanes): one permutation of the rounded pairs puts each row's two weights together.
+inline __m512i weight_pairs(__m512i codes, __m512 scale, __m512 offset) {
+  const __m512 even = _mm512_cvtepi32_ps(_mm512_and_si512(codes, _mm512_set1_epi32(0xFFFF)));
+  const __m512 odd = _mm512_cvtepi32_ps(_mm512_srli_epi32(codes, 16));
+  return row_pairs(_mm512_fmsub_ps(even, scale, offset), _mm512_fmsub_ps(odd, scale, offset));
 }
 
 // The 16 x 16 dwords of v transposed in place: v[i] lane j becomes v[j] lane i.
@@ -139,11 +139,9 @@ TiledWeight k_tiles(const torch::Tensor& codes, const torch::Tensor& scales, int
       for (int64_t j = 0; j < kBlock / kGroup; ++j, w += code_bytes) {
         __m512 scale, minimum;
         scale_min(s, j, scale, minimum);
-        const __m512 scale_rows[2] = {pair_lanes(scale, 0), pair_lanes(scale, 1)};
-        const __m512 min_rows[2] = {pair_lanes(minimum, 0), pair_lanes(minimum, 1)};
         __m512i pairs[16];  // codes, then dword r the bf16 weights of (row r, inputs 16 h + 2 c, + 1) at [8 h + c]
         group_codes(w, pairs);
-        for (int p = 0; p < 16; ++p) pairs[p] = weight_pairs(pairs[p], scale_rows, min_rows);
+        for (int p = 0; p < 16; ++p) pairs[p] = weight_pairs(pairs[p], scale, minimum);
         put_pairs(sink, pairs, (block * (kBlock / kGroup) + j) * kGroup);
       }
     }

@@ -117,17 +117,15 @@ TiledWeight q6k_tiled(const torch::Tensor& codes, const torch::Tensor& scales) {
           const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + (i + g) * kTile));
           const __m512 scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
           const __m512 offset = _mm512_mul_ps(scale, _mm512_set1_ps(32.f));  // w = u * d * sc - 32 d * sc
-          const __m512 scale_rows[2] = {kquant::pair_lanes(scale, 0), kquant::pair_lanes(scale, 1)};
-          const __m512 offset_rows[2] = {kquant::pair_lanes(offset, 0), kquant::pair_lanes(offset, 1)};
           const __m512i hi0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 128)));
           const __m512i hi1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 160)));
           for (int c = 0; c < 4; ++c) {
             const __m512i bytes =
                 _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * c)));
             pairs[8 * g + c] =
-                kquant::weight_pairs(with_top(_mm512_and_si512(bytes, nibble), hi0, c), scale_rows, offset_rows);
+                kquant::weight_pairs(with_top(_mm512_and_si512(bytes, nibble), hi0, c), scale, offset);
             pairs[8 * g + 4 + c] =
-                kquant::weight_pairs(with_top(_mm512_srli_epi16(bytes, 4), hi1, c), scale_rows, offset_rows);
+                kquant::weight_pairs(with_top(_mm512_srli_epi16(bytes, 4), hi1, c), scale, offset);
           }
         }
         kquant::put_pairs(sink, pairs, block * kBlock + i * kGroup);

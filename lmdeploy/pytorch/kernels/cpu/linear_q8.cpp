@@ -29,14 +29,6 @@ inline __m512 input_codes(const int8_t* w) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
 }
 
-// The 16 rows' weights of two inputs as bf16 pairs: dword r holds row r's (even, odd).
-inline __m512i row_pairs(__m512 even, __m512 odd) {
-  // lanes 0-15 of cvtne2ps_pbh(odd, even) hold even's rows, 16-31 odd's: lane 2r takes r, lane 2r + 1 takes 16 + r
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
-                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(odd, even));
-}
-
 // The 16 rows' codes of inputs 2p and 2p + 1 (w: input 2p's 16 bytes, then 2p + 1's) as bf16 pairs, dword r holding
 // row r's (even, odd): an integer below 256 in magnitude has 8 significant bits, so its fp32's low half is zero.
 inline __m512i code_pairs(const int8_t* w) {
@@ -212,8 +204,8 @@ TiledWeight q8_tiled(const torch::Tensor& packed, const torch::Tensor& scales) {
       const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
       __m512i pairs[kPairs];  // exact fp32 products, rounded once to bf16
       for (int p = 0; p < kPairs; ++p)
-        pairs[p] = row_pairs(_mm512_mul_ps(input_codes(codes + 2 * p * kTile), scale),
-                             _mm512_mul_ps(input_codes(codes + (2 * p + 1) * kTile), scale));
+        pairs[p] = kquant::row_pairs(_mm512_mul_ps(input_codes(codes + 2 * p * kTile), scale),
+                                     _mm512_mul_ps(input_codes(codes + (2 * p + 1) * kTile), scale));
       kquant::put_pairs(sink, pairs, group * kGroup);
     }
   };
