@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import uvicorn
@@ -88,4 +88,24 @@ def serve(engine: AsyncEngine, **app_kwargs) -> Iterator[ServerThread]:
         yield server
     finally:
         server.stop()
+        engine.close()
+
+
+def serve_per_parser(engine: AsyncEngine, **app_kwargs) -> Iterator[Callable[[str], ServerThread]]:
+    """A fixture's body (``yield from serve_per_parser(...)``): yields ``of(parser)``, a server for a tool
+    parser's name (started on first use, ``server.engine`` set), all on ``engine``; they stop and the engine
+    closes afterwards."""
+    from lmdeploy.serve.openai.api_server import create_app
+    running: dict[str, ServerThread] = {}
+
+    def of(parser: str) -> ServerThread:
+        if parser not in running:
+            running[parser] = ServerThread(create_app(engine, model_name='m', tool_call_parser=parser, **app_kwargs))
+            running[parser].engine = engine
+        return running[parser]
+    try:
+        yield of
+    finally:
+        for server in running.values():
+            server.stop()
         engine.close()

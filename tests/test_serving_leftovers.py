@@ -16,7 +16,7 @@ from PIL import ExifTags, Image
 from conftest import save_tiny_model
 from helpers import assert_all_released
 from security_fixtures import qwen_vl  # noqa: F401 (fixture)
-from server_helpers import ServerThread, serve, tiny_engine
+from server_helpers import ServerThread, serve, serve_per_parser, tiny_engine
 from test_llama4_vl import save_tiny_llama4_vl
 from test_tool_server_hunt import ask, assert_released, regex
 from test_vl import data_url, png_bytes
@@ -25,7 +25,6 @@ from transformers import AutoConfig, AutoTokenizer
 from vl_models import VL_KINDS, save_tiny_vl_model
 
 from lmdeploy.serve.exceptions import ErrorCode, SafeRunException
-from lmdeploy.serve.openai.api_server import create_app
 from lmdeploy.tokenizer import Tokenizer
 from lmdeploy.vl.image_inputs import ImageInputs
 from lmdeploy.vl.media import MediaPolicy
@@ -151,18 +150,7 @@ def servers(tmp_path_factory):
     tokenizer.chat_template = TOOL_TEMPLATE
     tokenizer.save_pretrained(path)
     engine = tiny_engine(path)
-    running: dict[str, ServerThread] = {}
-
-    def of(parser: str) -> ServerThread:
-        if parser not in running:
-            running[parser] = ServerThread(create_app(engine, model_name='m', tool_call_parser=parser,
-                                                      reasoning_parser='qwen3'))
-            running[parser].engine = engine
-        return running[parser]
-    yield of
-    for server in running.values():
-        server.stop()
-    engine.close()
+    yield from serve_per_parser(engine, reasoning_parser='qwen3')
 
 
 def bias(server: ServerThread, token: str, value: float) -> dict[str, float]:

@@ -9,10 +9,9 @@ import time
 import httpx
 import pytest
 from helpers import assert_all_released
-from server_helpers import ServerThread, tiny_engine
+from server_helpers import ServerThread, serve_per_parser, tiny_engine
 from tool_models import save_tool_model
 
-from lmdeploy.serve.openai.api_server import create_app
 
 WEATHER = {'type': 'function', 'function': {'name': 'get_weather', 'parameters': {
     'type': 'object', 'required': ['city'], 'properties': {'city': {'type': 'string'}}}}}
@@ -48,17 +47,7 @@ def regex(text: str) -> str:
 def servers(tmp_path_factory):
     """A server for a tool parser's name, all on one engine."""
     engine = tiny_engine(save_tool_model(str(tmp_path_factory.mktemp('tool_hunt_model'))))
-    running: dict[str, ServerThread] = {}
-
-    def of(parser: str) -> ServerThread:
-        if parser not in running:
-            running[parser] = ServerThread(create_app(engine, model_name='m', tool_call_parser=parser))
-            running[parser].engine = engine
-        return running[parser]
-    yield of
-    for server in running.values():
-        server.stop()
-    engine.close()
+    yield from serve_per_parser(engine)
 
 
 def streamed(url: str, body: dict) -> dict[int, dict]:
