@@ -152,8 +152,8 @@ def test_prefill_chunks_end_on_the_delta_rules_chunks(qwen3_5):
     """A prefill chunk ends where the step's budget runs out, which the other sequences' rows decide, and the delta
     rule rounds by its own 64-token chunks: a chunk that does not end a prompt ends on a multiple of 64
     (``Scheduler.recurrent_grain``; before, prompts arriving one a step beside others' decode rows were cut at 99,
-    58 and 156), where a split gives the bits of one call. Budgets that a full batch's decode rows would leave less
-    than a chunk cut where the budget ends."""
+    58 and 156), where a split gives the bits of one call. Smaller budgets (beside a full batch's decode rows) cut
+    at every multiple of a smaller grain (see ``test_state_pool``)."""
     engine = make_engine(qwen3_5, max_prefill_token_num=100, max_batch_size=4)
     assert engine.scheduler.recurrent_grain == DELTA_RULE_CHUNK == 64
     ends = []
@@ -170,7 +170,7 @@ def test_prefill_chunks_end_on_the_delta_rules_chunks(qwen3_5):
     assert [[t for tokens, _ in out for t in tokens] for out in outs] == [run(make_engine(qwen3_5), [p])[0][:6]
                                                                           for p in prompts]
     assert any(end < total for end, total in ends) and all(end == total or end % 64 == 0 for end, total in ends)
-    assert make_engine(qwen3_5, max_prefill_token_num=67, max_batch_size=4).scheduler.recurrent_grain == 0
+    assert make_engine(qwen3_5, max_prefill_token_num=66, max_batch_size=4).scheduler.recurrent_grain == 63
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(76, heads, dim, generator=g) for heads, dim in ((2, 8), (2, 8), (4, 12)))
