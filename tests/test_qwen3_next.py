@@ -139,7 +139,7 @@ def test_batched_chunked_and_preempted_equal_solo(hybrid_model):
     plain = run(make_engine(hybrid_model), prompts)
     assert [run(make_engine(hybrid_model), [p])[0] for p in prompts] == plain
     for chunk, block_size in ((16, 16), (7, 4)):
-        engine = make_engine(hybrid_model, max_prefill_token_num=chunk, block_size=block_size)
+        engine = make_engine(hybrid_model, max_prefill_token_num=chunk, block_size=block_size, max_batch_size=4)
         assert run(engine, prompts) == plain
         assert_slots_free(engine)
     tight = make_engine(hybrid_model, num_gpu_blocks=14)
@@ -267,7 +267,7 @@ def test_get_logits_and_prefix_caching_off(qwen3_5, caplog):
     """Every position's logits equal transformers' (computed in chunks of 16, the state carried over); prefix caching,
     asked for, is off and says why."""
     with caplog.at_level(logging.INFO, logger='lmdeploy'):
-        engine = make_engine(qwen3_5, enable_prefix_caching=True, max_prefill_token_num=16)
+        engine = make_engine(qwen3_5, enable_prefix_caching=True, max_prefill_token_num=16, max_batch_size=1)
     assert not engine.block_manager.enable_prefix_caching
     assert 'prefix caching is off' in caplog.text
     prompt = random_prompts([50], seed=7)[0]
