@@ -41,7 +41,7 @@ def recurrent_grain(recurrent_chunk: int, max_prefill_token_num: int, concurrenc
     """Where prefill chunks of a recurrent model end: on multiples of the largest grain, up to ``recurrent_chunk``,
     that a step's budget still holds beside the decode rows of all ``concurrency`` - 1 other sequences (so that
     the earliest arrived sequence in prefill gets a chunk in every step), but at least half the budget (each call
-    costs a whole recurrent chunk: a grain of 1 took 15 times the CPU time); 0 without a recurrent chunk. A grain
+    costs a whole recurrent chunk: a grain of 1 took 13 times the CPU time); 0 without a recurrent chunk. A grain
     below the chunk makes every chunk one grain: the delta rule's rounding follows each call's start."""
     if not recurrent_chunk:
         return 0
