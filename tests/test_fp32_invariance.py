@@ -198,7 +198,8 @@ def test_tiny_qwen3_5_fp32_is_batch_invariant(tmp_path, fp32_gemm, budget):
     """Its linear-attention layers' element-wise ops over the step's rows (the gated norm's SiLU, ``b``'s sigmoid,
     ``a``'s softplus) and the full-attention layers' output gate run ``placeless``, and prefill chunks end on the
     delta rule's chunks: prompts of up to 200 tokens in chunks of at most 100, alone and arriving one a step beside
-    others' decode rows (all three differed)."""
+    others' decode rows (all three differed). A budget of 16 beside up to 3 others cuts every chunk at the next
+    multiple of 13 (``recurrent_grain``; before, where the budget ended: the 140-token prompt's logprobs differed)."""
     path = save_random_model(QWEN3_NEXT_VARIANTS['qwen3_5'](), str(tmp_path))
     engine = Engine(path, PytorchEngineConfig(dtype='float32', num_gpu_blocks=64, block_size=16, max_batch_size=4,
                                               max_prefill_token_num=budget), show_progress=False)
