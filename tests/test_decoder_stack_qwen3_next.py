@@ -58,7 +58,7 @@ def stack_kernels(native_gemms):
 
 
 def hybrid_engine(path: str) -> Engine:
-    engine = Engine(path, PytorchEngineConfig(max_prefill_token_num=48, max_batch_size=4, **ENGINE), show_progress=False)
+    engine = Engine(path, PytorchEngineConfig(max_prefill_token_num=48, **ENGINE), show_progress=False)
     assert engine.runner.model.native_stack is not None and engine.runner.model.native_stack.decode_only
     return engine
 

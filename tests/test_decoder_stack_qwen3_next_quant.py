@@ -54,8 +54,7 @@ def sixteen_value_heads() -> Qwen3_5TextConfig:
 @pytest.mark.parametrize('variant,quant_policy', [('qwen3_5', 8), ('qwen3_next', 4)])
 def test_quantized_kv_decode_steps_equal_the_layers(variant, quant_policy, saved, stack_kernels, monkeypatch):
     """The gated full-attention layers' KV cache in int8 (Qwen3.5) and int4 (Qwen3-Next)."""
-    engine = Engine(saved(variant), PytorchEngineConfig(max_prefill_token_num=48, max_batch_size=4,
-                                                        quant_policy=quant_policy, **ENGINE),
+    engine = Engine(saved(variant), PytorchEngineConfig(max_prefill_token_num=48, quant_policy=quant_policy, **ENGINE),
                     show_progress=False)
     assert engine.runner.model.native_stack is not None
     steps = compare_decode_steps(engine, monkeypatch)
