@@ -193,14 +193,16 @@ def test_tiny_llama4_fp32_is_batch_invariant(tmp_path, fp32_gemm):
     assert_batch_invariant(engine, random_prompts([1, 2, 5, 9, 17, 40], seed=3))
 
 
-def test_tiny_qwen3_5_fp32_is_batch_invariant(tmp_path, fp32_gemm):
+@pytest.mark.parametrize('budget', [100, 16])
+def test_tiny_qwen3_5_fp32_is_batch_invariant(tmp_path, fp32_gemm, budget):
     """Its linear-attention layers' element-wise ops over the step's rows (the gated norm's SiLU, ``b``'s sigmoid,
     ``a``'s softplus) and the full-attention layers' output gate run ``placeless``, and prefill chunks end on the
     delta rule's chunks: prompts of up to 200 tokens in chunks of at most 100, alone and arriving one a step beside
-    others' decode rows (all three differed)."""
+    others' decode rows (all three differed). A budget of 16 beside up to 3 others cuts every chunk at the next
+    multiple of 13 (``recurrent_grain``; before, where the budget ended: the 140-token prompt's logprobs differed)."""
     path = save_random_model(QWEN3_NEXT_VARIANTS['qwen3_5'](), str(tmp_path))
     engine = Engine(path, PytorchEngineConfig(dtype='float32', num_gpu_blocks=64, block_size=16, max_batch_size=4,
-                                              max_prefill_token_num=100), show_progress=False)
+                                              max_prefill_token_num=budget), show_progress=False)
     prompts = random_prompts([9, 140, 200], seed=11)
     alone = [run(engine, [prompt], GEN, 0)[0] for prompt in prompts]
     assert run(engine, prompts, GEN, 1) == alone

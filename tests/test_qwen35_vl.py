@@ -61,7 +61,7 @@ def test_batched_chunked_and_preempted_equal_solo(qwen3_5_vl, prompts):
     mixed = [prompts[1], prompts[0], prompts[2], prompts[1]]
     solo = [run(make_engine(qwen3_5_vl), [p])[0] for p in mixed]
     engines = {'batched': make_engine(qwen3_5_vl),
-               'chunked': make_engine(qwen3_5_vl, block_size=4, max_prefill_token_num=5),
+               'chunked': make_engine(qwen3_5_vl, block_size=4, max_prefill_token_num=5, max_batch_size=4),
                'preempted': make_engine(qwen3_5_vl, block_size=4, num_gpu_blocks=22),
                'prefix caching': make_engine(qwen3_5_vl, block_size=4, enable_prefix_caching=True)}
     for name, engine in engines.items():

@@ -139,7 +139,7 @@ def test_batched_chunked_and_preempted_equal_solo(hybrid_model):
     plain = run(make_engine(hybrid_model), prompts)
     assert [run(make_engine(hybrid_model), [p])[0] for p in prompts] == plain
     for chunk, block_size in ((16, 16), (7, 4)):
-        engine = make_engine(hybrid_model, max_prefill_token_num=chunk, block_size=block_size)
+        engine = make_engine(hybrid_model, max_prefill_token_num=chunk, block_size=block_size, max_batch_size=4)
         assert run(engine, prompts) == plain
         assert_slots_free(engine)
     tight = make_engine(hybrid_model, num_gpu_blocks=14)
@@ -152,8 +152,8 @@ def test_prefill_chunks_end_on_the_delta_rules_chunks(qwen3_5):
     """A prefill chunk ends where the step's budget runs out, which the other sequences' rows decide, and the delta
     rule rounds by its own 64-token chunks: a chunk that does not end a prompt ends on a multiple of 64
     (``Scheduler.recurrent_grain``; before, prompts arriving one a step beside others' decode rows were cut at 99,
-    58 and 156), where a split gives the bits of one call. Budgets that a full batch's decode rows would leave less
-    than a chunk cut where the budget ends."""
+    58 and 156), where a split gives the bits of one call. Smaller budgets (beside a full batch's decode rows) cut
+    at every multiple of a smaller grain (see ``test_state_pool``)."""
     engine = make_engine(qwen3_5, max_prefill_token_num=100, max_batch_size=4)
     assert engine.scheduler.recurrent_grain == DELTA_RULE_CHUNK == 64
     ends = []
@@ -170,7 +170,7 @@ def test_prefill_chunks_end_on_the_delta_rules_chunks(qwen3_5):
     assert [[t for tokens, _ in out for t in tokens] for out in outs] == [run(make_engine(qwen3_5), [p])[0][:6]
                                                                           for p in prompts]
     assert any(end < total for end, total in ends) and all(end == total or end % 64 == 0 for end, total in ends)
-    assert make_engine(qwen3_5, max_prefill_token_num=67, max_batch_size=4).scheduler.recurrent_grain == 0
+    assert make_engine(qwen3_5, max_prefill_token_num=66, max_batch_size=4).scheduler.recurrent_grain == 63
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(76, heads, dim, generator=g) for heads, dim in ((2, 8), (2, 8), (4, 12)))
@@ -267,7 +267,7 @@ def test_get_logits_and_prefix_caching_off(qwen3_5, caplog):
     """Every position's logits equal transformers' (computed in chunks of 16, the state carried over); prefix caching,
     asked for, is off and says why."""
     with caplog.at_level(logging.INFO, logger='lmdeploy'):
-        engine = make_engine(qwen3_5, enable_prefix_caching=True, max_prefill_token_num=16)
+        engine = make_engine(qwen3_5, enable_prefix_caching=True, max_prefill_token_num=16, max_batch_size=1)
     assert not engine.block_manager.enable_prefix_caching
     assert 'prefix caching is off' in caplog.text
     prompt = random_prompts([50], seed=7)[0]

@@ -9,7 +9,7 @@ import pytest
 from lmdeploy.messages import GenerationConfig
 from lmdeploy.pytorch.engine.sequence import Sequence, SequenceStatus
 from lmdeploy.pytorch.paging.block_manager import BlockManager
-from lmdeploy.pytorch.paging.scheduler import Scheduler
+from lmdeploy.pytorch.paging.scheduler import Scheduler, SchedulerOutput, recurrent_grain
 from lmdeploy.pytorch.paging.state_pool import StatePool
 
 
@@ -27,6 +27,17 @@ def computed(sched: Scheduler) -> None:
     for seq in sched.running:
         seq.num_computed = seq.num_tokens
         seq.output_ids.append(1)
+
+
+def run_step(sched: Scheduler) -> SchedulerOutput:
+    """Schedules a step and marks its tokens computed, each sampling sequence given one new token."""
+    plan = sched.schedule()
+    for item in plan.prefill + plan.decode:
+        samples = item.samples
+        item.seq.num_computed += item.num_tokens
+        if samples:
+            item.seq.output_ids.append(1)
+    return plan
 
 
 def test_take_and_give_back():
@@ -110,12 +121,7 @@ def test_random_traffic_never_shares_or_leaks_a_slot(seed):
             live.append(seq)
         if live and rng.random() < 0.15:
             sched.finish(live.pop(rng.randrange(len(live))))
-        plan = sched.schedule()
-        for item in plan.prefill + plan.decode:
-            samples = item.samples
-            item.seq.num_computed += item.num_tokens
-            if samples:
-                item.seq.output_ids.append(1)
+        run_step(sched)
         for seq in [s for s in sched.running if s.num_generated >= 8]:
             sched.finish(seq)
             live.remove(seq)
@@ -127,3 +133,40 @@ def test_random_traffic_never_shares_or_leaks_a_slot(seed):
     for seq in live:
         sched.finish(seq)
     assert pool.num_free == pool.num_slots and sched.block_manager.num_free_blocks == 12
+
+
+def test_recurrent_grain_leaves_room_for_a_full_batchs_decode_rows():
+    """The delta rule's 64-token chunk where a budget holds it beside the other sequences' decode rows (the default
+    4096 beside 63), else the room those rows leave, but half the budget at the least; none without a recurrent
+    chunk."""
+    cases = {(4096, 64): 64, (127, 64): 64, (126, 64): 63, (100, 64): 50, (100, 32): 64, (16, 4): 13, (16, 64): 8,
+             (5, 1): 5, (1, 64): 1}
+    assert {case: recurrent_grain(64, *case) for case in cases} == cases
+    assert recurrent_grain(0, 16, 4) == 0
+    few_slots = Scheduler(BlockManager(8, 4), 64, 100, state_pool=StatePool(4), recurrent_chunk=64)
+    assert few_slots.recurrent_grain == 64  # 4 slots: at most 3 other rows
+
+
+@pytest.mark.parametrize('seed', range(3))
+def test_prefill_chunks_are_one_grain_and_the_first_in_prefill_always_runs(seed):
+    """A budget of 16 beside up to 3 other sequences (grain 13), random arrivals: every prefill chunk is its
+    prompt's next 13 tokens from a multiple of 13 (or the rest), whatever else runs, and the earliest arrived
+    running sequence in prefill gets its chunk in every step (before: chunks ended where the budget did)."""
+    rng = random.Random(seed)
+    sched = Scheduler(BlockManager(256, 4, enable_prefix_caching=False), 4, 16, state_pool=StatePool(4),
+                      recurrent_chunk=64)
+    next_id, finished = 0, 0
+    for _ in range(200):
+        if rng.random() < 0.3:
+            sched.add(make_seq(next_id, rng.randint(1, 60)))
+            next_id += 1
+        in_prefill = [seq for seq in sched.running if seq.num_computed < seq.prefill_end]
+        plan = run_step(sched)
+        for item in plan.prefill:
+            start = item.seq.num_computed - item.num_tokens
+            assert start % 13 == 0 and item.num_tokens == min(13, item.seq.prefill_end - start)
+        assert not in_prefill or in_prefill[0] in [item.seq for item in plan.prefill]
+        for seq in [s for s in sched.running if s.num_generated >= 8]:
+            sched.finish(seq)
+            finished += 1
+    assert finished > 30 and not sched.num_preemptions

@@ -45,15 +45,6 @@ class LaunchedStep:
     sample: PendingSample
 
 
-def recurrent_grain(state_pool: StatePool | None, config: PytorchEngineConfig) -> int:
-    """Where prefill chunks of a model with linear-attention layers end (a multiple of the delta rule's chunk, see
-    ``Scheduler``): the delta rule's chunk where a full batch's decode rows still leave a step room for one, else 0
-    (chunks end where the budget does)."""
-    if state_pool is None or config.max_prefill_token_num < DELTA_RULE_CHUNK + config.max_batch_size:
-        return 0
-    return DELTA_RULE_CHUNK
-
-
 class Engine:
     """Continuous-batching inference over a paged KV cache.
 
@@ -106,7 +97,8 @@ class Engine:
         self.block_manager = BlockManager(num_blocks, config.block_size, prefix_caching, runner.window,
                                           runner.num_window_blocks)
         self.scheduler = Scheduler(self.block_manager, config.max_batch_size, config.max_prefill_token_num,
-                                   long_rope_after(cfg.hf_config), state_pool, recurrent_grain(state_pool, config))
+                                   long_rope_after(cfg.hf_config), state_pool,
+                                   DELTA_RULE_CHUNK if state_pool is not None else 0)
         use_graphs = (self.device.type == 'cuda' and not config.eager_mode and config.tp == 1
                       and state_pool is None)
         capacity = self.block_manager.token_capacity(config.max_prefill_token_num)
