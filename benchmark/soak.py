@@ -1,19 +1,25 @@
 """Soak test: mixed traffic against a real ``lmdeploy serve api_server`` for a fixed time, then checks that
 the server gave everything back.
 
-    python benchmark/soak.py [--duration 600] [--model PATH] [--clients 8] [--url http://... --server-pid PID]
+    python benchmark/soak.py [--duration 600] [--model PATH] [--clients 8] [--kinds tools,structured,reasoning]
+                             [--url http://... --server-pid PID]
 
-Without ``--url`` it starts the server itself, on a tiny random Llama it builds (the one of
-tests/conftest.py) unless ``--model``. Traffic: chat and completions, streaming and not, ``n`` > 1, stop
-words, logprobs (chat top_logprobs, completions logprobs and echo), prompts sharing a long prefix (the
-prefix cache), ``--disconnect`` (30%) of the valid requests dropped by the client at a random point and
-``--invalid`` (5%) invalid requests (each must get a 4xx).
+Without ``--url`` it starts the server itself, on a tiny random model it builds (``--model-kind``: the Llama
+of tests/conftest.py, the tool model of tests/tool_models.py or the Qwen2-VL of tests/vl_models.py) unless
+``--model``. Traffic (benchmark/soak_traffic.py): chat and completions, streaming and not, ``n`` > 1, stop
+words, logprobs (chat top_logprobs, completions logprobs and echo), prompts sharing a long prefix (the prefix
+cache), and with ``--kinds`` tool calls, structured outputs, reasoning and images; ``--disconnect`` (30%) of
+the valid requests dropped by the client at a random point and ``--invalid`` (5%) invalid requests (each
+must get a 4xx).
 
 It prints requests served, p50/p99 latency, outcomes and errors by kind, the server's RSS (at start, after
-the warm-up and at the end) and the KV-cache usage after the drain (``lmdeploy:kv_cache_usage_perc``
-of /metrics). It exits 1 unless: zero 5xx, every valid request answered in full (or dropped by its own
-client), every invalid one a 4xx, no request running or waiting and KV usage 0 after the drain, /health
-200, and RSS growth after the warm-up under ``--rss-tolerance`` (5%).
+the warm-up and at the end), how its memory, open files, threads, children and grammar cache went (sampled
+every ``--sample-every`` seconds; benchmark/soak_watch.py), the KV-cache usage after the drain
+(``lmdeploy:kv_cache_usage_perc`` of /metrics) and its CPU use once idle. It exits 1 unless: zero 5xx, every
+valid request answered in full (or dropped by its own client) and its answer valid (a structured output
+matches its format, a forced tool call names its function with arguments of its schema...), every invalid
+one a 4xx, no request running or waiting and KV usage 0 after the drain, /health 200, RSS growth after the
+warm-up under ``--rss-tolerance`` (5%) and the idle server under ``--idle-cpu-limit``.
 """
 from __future__ import annotations
 
@@ -32,13 +38,15 @@ import anyio
 import httpx
 import psutil
 from scale_server import free_port, stop
+from soak_traffic import FINISH_REASONS, KINDS, MODEL_NAME, Request, gather, invalid_request, valid_request
+from soak_watch import Watcher, idle_cpu, parse_metrics, summary
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-WORDS = ('hello world quick brown fox jumps over the lazy dog paged attention stores keys and values in blocks '
-         'café naïve 世界 0123456789').split()
-SHARED_PREFIX = ('You are a careful assistant. Paged attention stores keys and values in blocks; the quick brown '
-                 'fox jumps over the lazy dog. ') * 3
-MODEL_NAME = 'soak'
+# How a tiny model of each kind is saved (by a process of its own; code run with tests/ on the path)
+MODEL_BUILDERS = {
+    'llama': 'from conftest import save_tiny_model; save_tiny_model("llama", path)',
+    'tool': 'from tool_models import save_tool_model; save_tool_model(path)',
+    'qwen2_vl': 'from vl_models import save_tiny_vl_model; save_tiny_vl_model("qwen2_vl", path)'}
 
 
 def pct(values: list[float], q: float) -> float:
@@ -46,11 +54,11 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] if values else float('nan')
 
 
-def build_tiny_model(path: str) -> str:
-    """The tiny random Llama of the tests, saved at ``path`` by a process of its own: torch stays out of this
-    one, whose latencies would include each full garbage collection of torch's objects (0.2-0.4 s)."""
-    code = 'import sys; sys.path.insert(0, sys.argv[1]); from conftest import save_tiny_model; ' \
-           'save_tiny_model("llama", sys.argv[2])'
+def build_tiny_model(path: str, kind: str = 'llama') -> str:
+    """The tiny random model of the tests of ``kind`` (see :data:`MODEL_BUILDERS`), saved at ``path`` by a
+    process of its own: torch stays out of this one, whose latencies would include each full garbage
+    collection of torch's objects (0.2-0.4 s)."""
+    code = f'import sys; sys.path.insert(0, sys.argv[1]); path = sys.argv[2]; {MODEL_BUILDERS[kind]}'
     subprocess.run([sys.executable, '-c', code, os.path.join(HERE, '..', 'tests'), path], check=True,
                    stdout=subprocess.DEVNULL)
     return path
@@ -75,65 +83,8 @@ def start_server(model: str, port: int, extra: list[str], log_path: str) -> subp
         time.sleep(0.3)
 
 
-def parse_metrics(text: str) -> dict[str, float]:
-    return {name: float(value) for name, value in (line.rsplit(' ', 1) for line in text.splitlines()
-                                                   if line and not line.startswith('#'))}
-
-
 def metrics(url: str) -> dict[str, float]:
     return parse_metrics(httpx.get(f'{url}/metrics', timeout=10).text)
-
-
-def text(rng: random.Random, lo: int, hi: int) -> str:
-    return ' '.join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
-
-
-def valid_request(rng: random.Random, max_tokens: int) -> tuple[str, dict]:
-    """A random valid request: (path, body)."""
-    chat = rng.random() < 0.6
-    body: dict = {'model': MODEL_NAME, 'max_tokens': rng.randint(1, max_tokens), 'stream': rng.random() < 0.5,
-                  'temperature': rng.choice([0.0, 0.7, 1.0])}
-    prompt = (SHARED_PREFIX if rng.random() < 0.5 else '') + text(rng, 3, 30)
-    if rng.random() < 0.2:
-        body['n'] = rng.randint(2, 3)
-    if rng.random() < 0.25:
-        body['stop'] = rng.sample(WORDS, rng.randint(1, 3))
-    if rng.random() < 0.2:
-        body['ignore_eos'] = True
-    if body['stream'] and rng.random() < 0.5:
-        body['stream_options'] = {'include_usage': True}
-    if chat:
-        body['messages'] = [{'role': 'user', 'content': prompt}]
-        if rng.random() < 0.25:
-            body['logprobs'] = True
-            body['top_logprobs'] = rng.randint(0, 3)
-        return '/v1/chat/completions', body
-    body['prompt'] = prompt
-    if rng.random() < 0.25:
-        body['logprobs'] = rng.randint(0, 3)
-        body['echo'] = rng.random() < 0.5
-    return '/v1/completions', body
-
-
-def invalid_request(rng: random.Random) -> tuple[str, dict | bytes]:
-    """A random invalid request: each must get a 4xx."""
-    good = {'model': MODEL_NAME, 'messages': [{'role': 'user', 'content': 'hi'}], 'max_tokens': 4}
-    kind = rng.randrange(8)
-    if kind == 0:
-        return '/v1/chat/completions', b'{"model": "soak", "messages": [{"role": "user", '   # malformed JSON
-    if kind == 1:
-        return '/v1/chat/completions', {**good, 'model': 'no-such-model'}
-    if kind == 2:
-        return '/v1/chat/completions', {**good, 'temperature': -1}
-    if kind == 3:
-        return '/v1/chat/completions', {**good, 'messages': []}
-    if kind == 4:
-        return '/v1/completions', {'model': MODEL_NAME, 'prompt': 'hi', 'max_tokens': 0}
-    if kind == 5:
-        return '/v1/completions', {'model': MODEL_NAME, 'prompt': 'word ' * 5000, 'max_tokens': 4}  # too long
-    if kind == 6:
-        return '/v1/chat/completions', {**good, 'stream_options': {'include_usage': True}}  # without stream
-    return '/generate', {'input_ids': [10 ** 9], 'max_tokens': 4}                          # not a token
 
 
 class Stats:
@@ -151,10 +102,11 @@ class Stats:
         self.log.append({'kind': kind, 'time': time.time(), 'detail': detail})
 
 
-async def check_stream(resp: httpx.Response, body: dict, drop_after: int | None) -> tuple[str, str]:
-    """Reads an SSE stream: ('dropped', '') when the client drops it, ('ok', '') when it is complete,
-    else (error kind, detail)."""
-    n, events, finished, done = body.get('n', 1), 0, set(), False
+async def check_stream(resp: httpx.Response, body: dict, drop_after: int | None,
+                       choices: dict[int, dict]) -> tuple[str, str]:
+    """Reads an SSE stream, gathering its choices into ``choices``: ('dropped', '') when the client drops it,
+    ('ok', '') when it is complete, else (error kind, detail)."""
+    n, events, done = body.get('n', 1), 0, False
     async for line in resp.aiter_lines():
         if not line.startswith('data:'):
             continue
@@ -171,17 +123,17 @@ async def check_stream(resp: httpx.Response, body: dict, drop_after: int | None)
             return 'stream_bad_event', data
         if 'error' in chunk:
             return 'stream_error_event', data
+        gather(choices, chunk, 'messages' in body)
         for choice in chunk.get('choices', []):
-            if choice.get('finish_reason'):
-                finished.add(choice['index'])
-                if choice['finish_reason'] not in ('stop', 'length'):
-                    return f"finish_reason_{choice['finish_reason']}", data
+            if choice.get('finish_reason') not in (None, *FINISH_REASONS):
+                return f"finish_reason_{choice['finish_reason']}", data
     if drop_after is not None:
         return 'dropped', ''       # the stream ended before the client meant to drop it: it was served
     if not done:
         return 'stream_without_done', f'{events} events'
-    if len(finished) != n:
-        return 'stream_missing_choices', f'{len(finished)} of {n} choices finished'
+    finished = sum(1 for c in choices.values() if c['finish_reason'])
+    if finished != n:
+        return 'stream_missing_choices', f'{finished} of {n} choices finished'
     return 'ok', ''
 
 
@@ -208,30 +160,18 @@ async def server_load(http: httpx.AsyncClient) -> str:
 
 
 async def one_request(http: httpx.AsyncClient, rng: random.Random, args, stats: Stats) -> None:
-    invalid = rng.random() < args.invalid
-    if invalid:
-        path, body = invalid_request(rng)
-        kwargs = {'content': body, 'headers': {'content-type': 'application/json'}} if isinstance(body, bytes) \
-            else {'json': body}
-        try:
-            resp = await http.post(path, timeout=60, **kwargs)
-        except httpx.HTTPError as exc:
-            stats.error('transport_error', f'{path} {exc!r}')
-            return
-        if 400 <= resp.status_code < 500:
-            stats.outcomes['invalid_rejected_4xx'] += 1
-        elif resp.status_code >= 500:
-            stats.error('http_5xx', f'{path} {str(body)[:200]} -> {resp.status_code} {resp.text}')
-        else:
-            stats.error('invalid_accepted', f'{path} {str(body)[:200]} -> {resp.status_code} {resp.text}')
+    if rng.random() < args.invalid:
+        await one_invalid_request(http, invalid_request(rng, args.kinds), stats)
         return
-    path, body = valid_request(rng, args.max_tokens)
+    req = valid_request(rng, args.max_tokens, args.kinds, args.formats)
+    path, body = req.path, req.body
     disconnect = rng.random() < args.disconnect
     start = time.perf_counter()
+    choices: dict[int, dict] = {}
     try:
         with anyio.fail_after(args.request_timeout):
             if body['stream']:
-                result = await stream_request(http, path, body, rng.randint(1, 6) if disconnect else None)
+                result = await stream_request(http, path, body, rng.randint(1, 6) if disconnect else None, choices)
             elif disconnect:    # hang up at a random point while waiting for the answer
                 result = await post_and_drop(http, path, body, rng.uniform(0.0, 0.5))
                 if result is None:
@@ -250,33 +190,56 @@ async def one_request(http: httpx.AsyncClient, rng: random.Random, args, stats: 
         status, kind, detail = result.status_code, 'ok', ''
         if status == 200:
             data = result.json()
+            choices = {c['index']: c for c in data['choices']}
             reasons = [c.get('finish_reason') for c in data['choices']]
             if len(reasons) != body.get('n', 1):
                 kind, detail = 'missing_choices', result.text
-            elif any(r not in ('stop', 'length') for r in reasons):
+            elif any(r not in FINISH_REASONS for r in reasons):
                 kind, detail = f'finish_reason_{reasons}', result.text
         else:
             detail = result.text
+    if kind == 'ok' and req.check is not None:
+        problem = req.check(list(choices.values()))
+        if problem:
+            kind, detail = f'bad_answer_{req.kind}', problem
+    what = f'{path} {json.dumps(body)[:300]}'
     if status >= 500:
-        stats.error('http_5xx', f'{path} {json.dumps(body)[:200]} -> {status} {detail}')
+        stats.error('http_5xx', f'{what} -> {status} {detail}')
     elif status != 200:
-        stats.error(f'http_{status}', f'{path} {json.dumps(body)[:200]} -> {status} {detail}')
+        stats.error(f'http_{status}', f'{what} -> {status} {detail}')
     elif kind == 'dropped':
         stats.outcomes['dropped_by_client'] += 1
     elif kind != 'ok':
-        stats.error(kind, f'{path} {json.dumps(body)[:200]} -> {detail}')
+        stats.error(kind, f'{what} -> {detail}')
     else:
-        stats.outcomes['served'] += 1
+        stats.outcomes['served' if req.kind == 'base' else f'served_{req.kind}'] += 1
         stats.served += 1
         stats.latency.append(time.perf_counter() - start)
 
 
-async def stream_request(http, path, body, drop_after):
+async def one_invalid_request(http: httpx.AsyncClient, req: Request, stats: Stats) -> None:
+    path, body = req.path, req.body
+    kwargs = {'content': body, 'headers': {'content-type': 'application/json'}} if isinstance(body, bytes) \
+        else {'json': body}
+    try:
+        resp = await http.post(path, timeout=60, **kwargs)
+    except httpx.HTTPError as exc:
+        stats.error('transport_error', f'{path} {exc!r}')
+        return
+    if 400 <= resp.status_code < 500:
+        stats.outcomes['invalid_rejected_4xx'] += 1
+    elif resp.status_code >= 500:
+        stats.error('http_5xx', f'{path} {str(body)[:200]} -> {resp.status_code} {resp.text}')
+    else:
+        stats.error('invalid_accepted', f'{path} {str(body)[:200]} -> {resp.status_code} {resp.text}')
+
+
+async def stream_request(http, path, body, drop_after, choices):
     async with http.stream('POST', path, json=body) as resp:
         if resp.status_code != 200:
             await resp.aread()
             return resp.status_code, 'http', resp.text
-        kind, detail = await check_stream(resp, body, drop_after)
+        kind, detail = await check_stream(resp, body, drop_after, choices)
         return 200, kind, detail
 
 
@@ -311,12 +274,20 @@ def drain(url: str, timeout: float = 60) -> dict[str, float]:
         time.sleep(0.5)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--duration', type=float, default=600, help='seconds of traffic, warm-up included')
     parser.add_argument('--warmup', type=float, default=None,
                         help='seconds of traffic before the RSS baseline (default: a quarter, at most 60 s)')
-    parser.add_argument('--model', default=None, help='model path (default: a tiny random Llama built here)')
+    parser.add_argument('--model', default=None, help='model path (default: a tiny random model built here)')
+    parser.add_argument('--model-kind', choices=sorted(MODEL_BUILDERS), default=None,
+                        help='the tiny model to build without --model (default: qwen2_vl with images, tool with '
+                        'tools or reasoning, else llama)')
+    parser.add_argument('--kinds', default='', help=f'agent traffic to add, comma-separated: {", ".join(KINDS)}')
+    parser.add_argument('--formats', type=int, default=1000,
+                        help='distinct schemas, tool sets, regexes and choice lists the agent traffic draws from')
+    parser.add_argument('--tool-call-parser', default='hermes', help='of the server it starts, with tools')
+    parser.add_argument('--reasoning-parser', default='qwen3', help='of the server it starts, with reasoning')
     parser.add_argument('--url', default=None, help='a running server (default: start one)')
     parser.add_argument('--server-pid', type=int, default=None, help='with --url: its pid, for the RSS')
     parser.add_argument('--clients', type=int, default=8, help='concurrent clients')
@@ -324,6 +295,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument('--disconnect', type=float, default=0.3, help='share of valid requests the client drops')
     parser.add_argument('--invalid', type=float, default=0.05, help='share of invalid requests')
     parser.add_argument('--rss-tolerance', type=float, default=0.05, help='allowed RSS growth after the warm-up')
+    parser.add_argument('--sample-every', type=float, default=10,
+                        help='seconds between samples of the server (RSS, files, threads, /metrics)')
+    parser.add_argument('--samples-json', default=None, help='write the samples here')
+    parser.add_argument('--idle-seconds', type=float, default=5, help='how long to measure the idle CPU use')
+    parser.add_argument('--idle-cpu-limit', type=float, default=0.1,
+                        help='CPU (share of one core) the server may use when idle after the drain')
     parser.add_argument('--request-timeout', type=float, default=60,
                         help='seconds a request may take before it counts as a timeout')
     parser.add_argument('--errors-json', default=None, help='write every error (with its request) here')
@@ -331,18 +308,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument('--server-args', default='--dtype float32 --session-len 1024 --num-gpu-blocks 512 '
                         '--block-size 16', help='extra flags of lmdeploy serve api_server it starts')
     args = parser.parse_args(argv)
+    args.kinds = tuple(k for k in args.kinds.split(',') if k)
+    if set(args.kinds) - set(KINDS):
+        parser.error(f'--kinds: unknown {sorted(set(args.kinds) - set(KINDS))}; known: {", ".join(KINDS)}')
+    if args.model_kind is None:
+        args.model_kind = 'qwen2_vl' if 'images' in args.kinds else \
+            'tool' if {'tools', 'reasoning'} & set(args.kinds) else 'llama'
+    return args
+
+
+def server_flags(args: argparse.Namespace) -> list[str]:
+    flags = args.server_args.split()
+    if 'tools' in args.kinds:  # the tools' schemas go into the prompt: tokens of the tiny vocabulary are short
+        flags += ['--tool-call-parser', args.tool_call_parser, '--session-len', '4096']
+    if 'reasoning' in args.kinds:
+        flags += ['--reasoning-parser', args.reasoning_parser]
+    return flags
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     warmup = args.warmup if args.warmup is not None else min(60.0, args.duration / 4)
-    proc, tmp = None, tempfile.mkdtemp(prefix='soak-')
+    proc, tmp, watcher = None, tempfile.mkdtemp(prefix='soak-'), None
     log_path = os.path.join(tmp, 'server.log')
     stats = Stats()
     try:
         if args.url:
             url, pid = args.url, args.server_pid
         else:
-            model = args.model or build_tiny_model(os.path.join(tmp, 'tiny-llama'))
+            model = args.model or build_tiny_model(os.path.join(tmp, f'tiny-{args.model_kind}'), args.model_kind)
             port = free_port()
-            proc = start_server(model, port, args.server_args.split(), log_path)
+            proc = start_server(model, port, server_flags(args), log_path)
             url, pid = f'http://127.0.0.1:{port}', proc.pid
+        watcher = Watcher(pid, url, args.sample_every) if pid is not None else None
         rss_start = rss_mb(pid)
         t0 = time.monotonic()
         asyncio.run(drive(url, args, stats, warmup, args.seed))
@@ -353,17 +351,22 @@ def main(argv: list[str] | None = None) -> int:
         traffic_s = time.monotonic() - t0
         after = drain(url)
         rss_end = rss_mb(pid)
+        idle = idle_cpu(pid, args.idle_seconds) if pid is not None else (float('nan'), [])
         health = httpx.get(f'{url}/health', timeout=10).status_code
     finally:
+        samples = watcher.stop() if watcher is not None else []
         if proc is not None:
             stop(proc)
+    if args.samples_json:
+        with open(args.samples_json, 'w') as f:
+            json.dump(samples, f, indent=1)
     kv = after.get('lmdeploy:kv_cache_usage_perc', float('nan'))
     running = after.get('lmdeploy:num_requests_running', float('nan'))
     waiting = after.get('lmdeploy:num_requests_waiting', float('nan'))
     growth = (rss_end - rss_warm) / rss_warm
     total = sum(stats.outcomes.values()) + sum(stats.errors.values())
     print(f'soak: {traffic_s:.0f} s of traffic ({warmup:.0f} s warm-up), {args.clients} clients, '
-          f'{total} requests')
+          f'{total} requests; kinds: base{"".join(", " + k for k in args.kinds)}; load {os.getloadavg()[0]:.1f}')
     print(f'  served in full: {stats.served} ({stats.served / traffic_s:.2f} req/s); latency after the warm-up '
           f'p50 {pct(stats.latency, .5) * 1e3:.0f} ms, p99 {pct(stats.latency, .99) * 1e3:.0f} ms '
           f'(warm-up: p50 {pct(warm_latency, .5) * 1e3:.0f} ms, p99 {pct(warm_latency, .99) * 1e3:.0f} ms)')
@@ -371,9 +374,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f'  errors by kind: {dict(stats.errors) or "none"}')
     for kind, example in stats.examples.items():
         print(f'    {kind}: {example}')
-    print(f'  server RSS: start {rss_start:.0f} MiB, after warm-up {rss_warm:.0f} MiB, end {rss_end:.0f} MiB '
-          f'({growth * 100:+.1f}% after warm-up)')
-    print(f'  after the drain: kv_cache_usage_perc {kv}, running {running}, waiting {waiting}; /health {health}')
+    print(f'  server RSS (with its children): start {rss_start:.0f} MiB, after warm-up {rss_warm:.0f} MiB, '
+          f'end {rss_end:.0f} MiB ({growth * 100:+.1f}% after warm-up)')
+    for line in summary(samples, warmup):
+        print(f'  after the warm-up, {line}')
+    print(f'  after the drain: kv_cache_usage_perc {kv}, running {running}, waiting {waiting}; /health {health}; '
+          f'idle CPU {idle[0] * 100:.1f}% of a core (busiest threads: '
+          f'{", ".join(f"{name} {share * 100:.1f}%" for name, share in idle[1])})')
     failures = []
     if stats.errors:
         failures.append(f'errors: {dict(stats.errors)}')
@@ -383,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
         failures.append(f'/health {health}')
     if pid is not None and growth >= args.rss_tolerance:
         failures.append(f'RSS grew {growth * 100:.1f}% after the warm-up')
+    if pid is not None and idle[0] > args.idle_cpu_limit:
+        failures.append(f'the idle server used {idle[0] * 100:.1f}% of a core')
     if not stats.served:
         failures.append('nothing was served')
     if args.errors_json:

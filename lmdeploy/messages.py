@@ -70,7 +70,8 @@ class GenerationConfig:
     ``{'type': 'regex', 'regex': '...'}``, ``{'type': 'choice', 'choice': ['a', 'b']}`` or
     ``{'type': 'grammar', 'grammar': '<EBNF>'}``; ``{'type': 'text'}`` is the same as None. With
     ``response_format_after`` (a reasoning model's ``'</think>'``), the grammar applies only to the output
-    after that marker.
+    after that marker; with ``response_format_opener`` as well (``'<think>'``, for a reply that may or may not
+    open a reasoning block), only when the output starts with the opener, and from its start otherwise.
 
     ``logit_bias`` maps token ids (ints, or their decimal strings as JSON gives them) to biases in [-100, 100].
 
@@ -100,6 +101,7 @@ class GenerationConfig:
     n: int = 1
     response_format: dict[str, Any] | None = None
     response_format_after: str | None = None
+    response_format_opener: str | None = None
 
     def __post_init__(self):
         _plain_fields(self)
@@ -114,9 +116,11 @@ class GenerationConfig:
             if isinstance(value, tuple):
                 setattr(self, name, list(value))
         self.response_format = _check_response_format(self.response_format)
-        _check(self.response_format_after is None or (isinstance(self.response_format_after, str)
-                                                       and self.response_format_after),
-               'response_format_after must be None or a non-empty str')
+        for name in ('response_format_after', 'response_format_opener'):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, str) and value), f'{name} must be None or a non-empty str')
+        _check(self.response_format_opener is None or self.response_format_after is not None,
+               'response_format_opener needs response_format_after (the marker that closes what it opens)')
         _check(_is_int(self.max_new_tokens) and 0 < self.max_new_tokens <= MAX_NEW_TOKENS_LIMIT,
                f'max_new_tokens must be an int in [1, {MAX_NEW_TOKENS_LIMIT}], got {self.max_new_tokens!r}')
         _check(_is_int(self.top_k) and self.top_k >= 0,

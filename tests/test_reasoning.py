@@ -84,6 +84,40 @@ def test_grammar_applies_after_the_reasoning(client, bias):
     assert streamed(client, **kwargs) == ('', content, 'stop')
 
 
+def test_reply_that_does_not_open_the_block_has_the_grammar_from_its_start(server, client):
+    """The prompt neither opens nor closes the block (Qwen3's template): a reply that does not open it is all
+    content, so the grammar applies from its start. (It used to wait for a ``</think>`` that never came: the
+    end of sequence, made the likeliest token here, ended the reply at once, empty, with 'stop'.)"""
+    think = server.engine.tokenizer.encode('<think>', add_special_tokens=False)[0]
+    bias = {'logit_bias': {str(think): -100, **{str(i): 100 for i in server.engine.tokenizer.eos_token_ids}}}
+    kwargs = dict(max_tokens=300, temperature=1.0, seed=4, response_format=FORMAT, extra_body=bias)
+    reasoning, content, finish = reply(client, **kwargs)
+    assert finish == 'stop' and reasoning is None
+    jsonschema.validate(json.loads(content), ANSWER)
+    assert streamed(client, **kwargs) == ('', content, 'stop')
+
+
+def test_reply_that_opens_the_block_has_the_grammar_after_it(client, server):
+    """Same prompt; a reply that opens the block with ``<think>`` (along with the grammar's first tokens, the
+    only one allowed) is reasoning until ``</think>``, and the grammar applies after that."""
+    tokenizer = server.engine.tokenizer
+    bias = {'logit_bias': {str(tokenizer.encode(t, add_special_tokens=False)[0]): b
+                           for t, b in (('<think>', 100), ('</think>', 99))}}
+    kwargs = dict(max_tokens=300, temperature=1.0, seed=4, response_format=FORMAT, extra_body=bias)
+    reasoning, content, finish = reply(client, **kwargs)
+    assert finish == 'stop' and set(reasoning.split('<think>')) == {''}
+    jsonschema.validate(json.loads(content), ANSWER)
+
+
+def test_reply_with_a_format_does_not_stop_inside_the_reasoning(server, client):
+    """The end of sequence, made the likeliest token, cannot end a reply with a format inside its reasoning
+    (it used to: 'stop' with no content at all)."""
+    eos = {'logit_bias': {str(i): 100 for i in server.engine.tokenizer.eos_token_ids}}
+    kwargs = dict(max_tokens=12, temperature=1.0, seed=4, response_format=FORMAT, extra_body={**eos, **OPEN_THINK})
+    reasoning, content, finish = reply(client, **kwargs)
+    assert finish == 'length' and reasoning and content is None
+
+
 def test_template_closed_block_means_grammar_from_the_start(server, client):
     kwargs = dict(max_tokens=300, temperature=1.0, seed=4, n=2, response_format=FORMAT, extra_body=NO_THINKING)
     r = client.chat.completions.create(model='tiny-think', messages=ASK, **kwargs)

@@ -140,7 +140,8 @@ class AsyncEngine:
         stopped: never started if queued, its worker process killed if running."""
         if gen_config.response_format is None:
             return None
-        key = json.dumps([gen_config.response_format, gen_config.response_format_after], sort_keys=True,
+        key = json.dumps([gen_config.response_format, gen_config.response_format_after,
+                          gen_config.response_format_opener], sort_keys=True,
                          default=repr)
         await asyncio.wrap_future(self._grammar_pool.start())  # the processes' start-up is not the format's
         compile = self._compiling.get(key)
@@ -165,6 +166,10 @@ class AsyncEngine:
             if not compile.waiters and not compile.job.future.done():
                 compile.job.cancel()
                 self._forget(key, compile)
+
+    def grammar_cache_size(self) -> tuple[int, int]:
+        """The compiled grammars kept for reuse: how many, and their bytes."""
+        return self._grammar_pool.cache_size()
 
     def _forget(self, key: str, compile: _Compile) -> None:
         if self._compiling.get(key) is compile:

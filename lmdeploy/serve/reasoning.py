@@ -48,7 +48,9 @@ def for_parser(config: GenerationConfig, parser: ReasoningParser) -> GenerationC
     does not say where it starts applied to the answer, after the reasoning."""
     config = keep_special_tokens(config, parser.special_tokens)
     if config.response_format is not None and config.response_format_after is None:
-        config = dataclasses.replace(config, response_format_after=parser.grammar_after())
+        after = parser.grammar_after()
+        config = dataclasses.replace(config, response_format_after=after,
+                                     response_format_opener=parser.grammar_opener() if after else None)
     return config
 
 

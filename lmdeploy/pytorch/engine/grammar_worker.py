@@ -264,6 +264,11 @@ class GrammarProcessPool:
         job.future.add_done_callback(lambda _: self._forget(job))
         return job
 
+    def cache_size(self) -> tuple[int, int]:
+        """The compiled grammars kept for reuse: how many, and their bytes."""
+        with self._lock:
+            return len(self._cache), self._cache_bytes
+
     def worker_pids(self) -> list[int]:
         """The ids of the worker processes alive now (shared with the other pools of this size)."""
         return self._workers.pids()

@@ -32,10 +32,12 @@ _MAX_WHITESPACE = 16
 
 @dataclass(frozen=True)
 class Grammar:
-    """A compiled response format; ``after_ids`` are the tokens after which it starts to apply."""
+    """A compiled response format; ``after_ids`` are the tokens after which it starts to apply, and with
+    ``opener_ids`` only when the output starts with those (from its start otherwise)."""
 
     compiled: xgr.CompiledGrammar
     after_ids: tuple[int, ...] = ()
+    opener_ids: tuple[int, ...] = ()
 
 
 class GrammarCompiler:
@@ -77,8 +79,9 @@ class GrammarCompiler:
 
     def grammar(self, compiled: xgr.CompiledGrammar, gen_config: GenerationConfig) -> Grammar:
         """``compiled`` (the grammar of ``gen_config.response_format``) with the tokens it applies after."""
-        after = gen_config.response_format_after
-        return Grammar(compiled, tuple(self.tokenizer.encode(after, add_special_tokens=False)) if after else ())
+        def ids(text: str | None) -> tuple[int, ...]:
+            return tuple(self.tokenizer.encode(text, add_special_tokens=False)) if text else ()
+        return Grammar(compiled, ids(gen_config.response_format_after), ids(gen_config.response_format_opener))
 
 
 def compile_format(compiler: xgr.GrammarCompiler, fmt: dict[str, Any]) -> xgr.CompiledGrammar:
@@ -123,17 +126,32 @@ _JSON_STRING_CHAR = r'[^\0-\x1f\"\\\ud800-\udfff]'
 
 
 class GrammarState:
-    """Where one sequence stands in its grammar."""
+    """Where one sequence stands in its grammar. ``active``: the grammar masks the next token. While
+    ``opening`` (from the output's start, until it is decided), the output may open with the grammar's
+    ``opener_ids`` instead: once it has, the grammar applies after the ``after_ids``; a first token that is
+    not the opener's starts the grammar at once."""
 
     def __init__(self, grammar: Grammar):
         import xgrammar as xgr
         self.matcher = xgr.GrammarMatcher(grammar.compiled)
         self.after_ids = list(grammar.after_ids)
-        self.active = not self.after_ids
+        self.opener_ids = list(grammar.opener_ids)
+        self.opened = 0  # tokens of the opener output so far
+        self.opening = bool(self.opener_ids)
+        self.active = not self.after_ids or self.opening
 
     def accept(self, token_id: int, output_ids: list[int]) -> bool:
         """Advances past ``token_id`` (sampled after ``output_ids``); True once the grammar is complete or
         the token breaks it (it cannot when the logits were masked), so generation must stop."""
+        if self.opening:
+            if token_id == self.opener_ids[self.opened]:
+                self.opened += 1
+                if self.opened == len(self.opener_ids):
+                    self.opening = self.active = False
+                return False
+            if self.opened:  # the opener was begun and broken
+                return True
+            self.opening = False
         if not self.active:
             n = len(self.after_ids)
             self.active = (output_ids[-(n - 1):] if n > 1 else []) + [token_id] == self.after_ids
@@ -161,11 +179,24 @@ def apply_grammars(x: Tensor, states: list[GrammarState | None]) -> None:
                                           dtype=xgr.bitmask_dtype)
     bitmask = _per_thread.bitmask[:shape[0]]  # the rows not filled here are not applied either
     _per_thread.batch_matcher.batch_fill_next_token_bitmask([states[i].matcher for i in rows], bitmask, rows)
+    for i in rows:
+        if states[i].opening:
+            _allow_opener(bitmask[i], states[i])
     native = cpu.native() if x.device.type == 'cpu' else None
     if native is not None:  # xgrammar's CPU version is several times slower on bf16 logits
         native.apply_token_bitmask(x, bitmask, rows)
     else:
         xgr.apply_token_bitmask_inplace(x, bitmask.to(x.device, non_blocking=True), indices=rows)
+
+
+def _allow_opener(mask: Tensor, state: GrammarState) -> None:
+    """Lets ``state``'s opener go on in a row ``mask`` of the grammar's allowed tokens: its first token along
+    with them, its next one alone once begun."""
+    if state.opened:
+        mask.zero_()
+    token = state.opener_ids[state.opened]
+    bit = 1 << token % 32
+    mask[token // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit  # the mask's words are int32
 
 
 def needs_grammar(states: list[GrammarState | None]) -> bool:

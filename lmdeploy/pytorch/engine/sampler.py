@@ -115,13 +115,19 @@ def _apply_presence_frequency(x: Tensor, seqs: list[Sequence]) -> None:
 
 
 def _apply_min_new_tokens(x: Tensor, seqs: list[Sequence]) -> None:
-    """Forbid the stop tokens until ``min_new_tokens`` tokens have been generated (a grammar, which alone
-    decides where its output ends, overrides this)."""
+    """Forbid the stop tokens until ``min_new_tokens`` tokens have been generated, and while a grammar waits
+    for the marker after which it applies (the reply must not end before its format); a grammar that applies
+    alone decides where its output ends."""
     V = x.shape[1]
-    rows, cols = _pairs([[t for t in s.stop_ids if t < V] if s.num_generated < s.gen_config.min_new_tokens
-                         and not (s.grammar and s.grammar.active) else None for s in seqs], x.device)
+    rows, cols = _pairs([[t for t in s.stop_ids if t < V] if _stop_forbidden(s) else None for s in seqs], x.device)
     if len(rows):
         x[rows, cols] = -math.inf
+
+
+def _stop_forbidden(seq: Sequence) -> bool:
+    if seq.grammar is not None:
+        return not seq.grammar.active
+    return seq.num_generated < seq.gen_config.min_new_tokens
 
 
 def _draw_plain(x: Tensor, cfgs: list[GenerationConfig], inv_t: Tensor, u: Tensor) -> Tensor:

@@ -28,6 +28,10 @@ class Metrics:
               'as free).', registry=registry).set_function(self.kv_cache_usage)
         Gauge('lmdeploy:prefix_cache_hit_rate', 'Prefix-cache hits per queried full block, 0..1.',
               registry=registry).set_function(self.prefix_cache_hit_rate)
+        Gauge('lmdeploy:grammar_cache_entries', 'Compiled grammars (response formats, forced tool calls) kept for '
+              'reuse.', registry=registry).set_function(lambda: engine.grammar_cache_size()[0])
+        Gauge('lmdeploy:grammar_cache_bytes', 'Bytes of the compiled grammars kept for reuse.',
+              registry=registry).set_function(lambda: engine.grammar_cache_size()[1])
         self.ttft = Histogram('lmdeploy:time_to_first_token_seconds', 'Time to first token.',
                               buckets=LATENCY_BUCKETS, registry=registry)
         self.tpot = Histogram('lmdeploy:time_per_output_token_seconds', 'Mean time per output token after the '

@@ -71,7 +71,7 @@ async def _jobs(state: ServerState, req: ChatCompletionRequest, plan: ToolPlan,
                             plan.make_parser() if plan.make_parser else None, plan.max_calls)
 
     fmt, param = _format(req, plan)
-    config = with_format(config, fmt, reasoning(prompt.text).grammar_after() if reasoning else None, param)
+    config = with_format(config, fmt, reasoning(prompt.text) if reasoning else None, param)
     await compile_format(state.engine, config, param, state.limits)
     jobs = [Job(i, prompt.input_ids, choice_config(config, i), reservations[i], prompt.multimodal)
             for i in range(req.n)]

@@ -11,6 +11,7 @@ from lmdeploy.serve.exceptions import SafeRunException
 from lmdeploy.serve.openai.errors import APIError
 from lmdeploy.serve.openai.limits import RequestLimits, flag
 from lmdeploy.serve.openai.protocol import StructuredFields, StructuredOutputs, check_json
+from lmdeploy.serve.openai.reasoning_parsers import ReasoningParser
 
 Format = dict[str, Any]
 
@@ -57,13 +58,16 @@ def _structured_outputs(outputs: StructuredOutputs) -> Format:
     return {'type': kind, kind: value}
 
 
-def with_format(config: GenerationConfig, fmt: Format | None, after: str | None, param: str | None
+def with_format(config: GenerationConfig, fmt: Format | None, reasoning: ReasoningParser | None, param: str | None
                 ) -> GenerationConfig:
-    """``config`` constrained to ``fmt`` (applying after the marker ``after``); a malformed one is a 400."""
+    """``config`` constrained to ``fmt`` (applying to the answer after the reasoning that ``reasoning``, the
+    reply's parser, reads); a malformed one is a 400."""
     if fmt is None:
         return config
+    after = reasoning.grammar_after() if reasoning else None
     try:
-        return dataclasses.replace(config, response_format=fmt, response_format_after=after)
+        return dataclasses.replace(config, response_format=fmt, response_format_after=after,
+                                   response_format_opener=reasoning.grammar_opener() if after else None)
     except ValueError as exc:
         raise APIError(400, str(exc), param) from exc
 

@@ -46,6 +46,11 @@ class ReasoningParser(ABC):
         """The marker after which a grammar for the content applies (None: from the reply's start)."""
         return self.end_marker if self.reasoning_enabled() else None
 
+    def grammar_opener(self) -> str | None:
+        """The marker that opens the reasoning when the reply may or may not open it (None: the reply is
+        reasoning from its start): without it, a grammar for the content applies from the reply's start."""
+        return None
+
     def feed(self, text: str) -> ReasoningDelta:
         """The split that ``text``, appended to the reply, makes certain."""
         self.text += text

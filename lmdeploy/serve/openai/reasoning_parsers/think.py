@@ -45,6 +45,9 @@ class ThinkReasoningParser(ReasoningParser):
     def reasoning_enabled(self) -> bool:
         return self._prompt_state() != 'closed'
 
+    def grammar_opener(self) -> str | None:
+        return self.start_marker if self._prompt_state() == 'none' else None
+
     def _advance(self, final: bool) -> ReasoningDelta:
         out = ReasoningDelta()
         while True:
