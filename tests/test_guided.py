@@ -10,10 +10,13 @@ import sys
 
 import jsonschema
 import pytest
+import torch
 from helpers import make_engine, random_prompts
 
 from lmdeploy import GenerationConfig, PytorchEngineConfig
-from lmdeploy.pytorch.engine.guided import GrammarCompiler, GrammarState
+from lmdeploy.pytorch.engine.guided import Grammar, GrammarCompiler, GrammarState
+from lmdeploy.pytorch.engine.sampler import sample
+from lmdeploy.pytorch.engine.sequence import Sequence
 from lmdeploy.serve.async_engine import AsyncEngine
 from lmdeploy.serve.exceptions import SafeRunException
 
@@ -157,6 +160,45 @@ def test_state_waits_for_a_multi_token_marker(engine):
     assert not state.accept(second, []) and not state.active
     assert not state.accept(first, [second]) and not state.active
     assert not state.accept(second, [second, first]) and state.active
+
+
+def _waiting_sequence(engine, **markers) -> tuple[Sequence, Grammar]:
+    config = GenerationConfig(response_format=FORMATS['choice'], **markers)
+    grammar = GrammarCompiler(engine.tokenizer, engine.model_config.vocab_size).compile(config)
+    seq = Sequence(0, [1], config, engine.tokenizer.eos_token_ids)
+    seq.grammar = GrammarState(grammar)
+    return seq, grammar
+
+
+def test_reply_cannot_stop_before_its_grammar_applies(engine):
+    """Waiting for its marker, a reply with a grammar cannot end: it would end without its format (the end
+    of sequence, the likeliest token here, was sampled unless something else edited the logits)."""
+    seq, _ = _waiting_sequence(engine, response_format_after='<|im_start|>')
+    logits = torch.zeros(2, engine.model_config.vocab_size)
+    eos = sorted(engine.tokenizer.eos_token_ids)[0]
+    logits[:, eos] = 10
+    plain = Sequence(1, [1], GenerationConfig(), engine.tokenizer.eos_token_ids)
+    assert sample(logits, [seq, plain]).token_ids == [int(logits[0, :eos].argmax()), eos]
+
+
+def test_opener_decides_where_the_grammar_applies(engine):
+    """With an opener, the first token is the grammar's or the opener's: the opener takes the grammar out
+    until the marker, any other token starts it."""
+    opener = engine.tokenizer.encode('<|im_start|>', add_special_tokens=False)
+    assert len(opener) == 1
+    vocab = engine.model_config.vocab_size
+    seq, grammar = _waiting_sequence(engine, response_format_after='<|im_end|>', response_format_opener='<|im_start|>')
+    logits = torch.zeros(1, vocab)
+    logits[0, opener[0]] = 10
+    assert sample(logits, [seq]).token_ids == opener
+    assert not seq.grammar.accept(opener[0], []) and not seq.grammar.active and not seq.grammar.opening
+    other = 5  # no choice starts with it: the grammar's tokens are taken instead
+    seq.grammar = GrammarState(grammar)
+    logits = torch.zeros(1, vocab)
+    logits[0, other], logits[0, opener[0]] = 10, -10
+    first = sample(logits, [seq]).token_ids[0]
+    assert first not in (other, opener[0])
+    assert not seq.grammar.accept(first, []) and seq.grammar.active and not seq.grammar.opening
 
 
 def test_bad_formats_are_rejected(tiny_llama, engine):

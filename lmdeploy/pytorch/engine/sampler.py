@@ -74,7 +74,7 @@ def _row_values(x: Tensor, values: list[float], rows: Tensor) -> Tensor:
 def _needs_edit(seq: Sequence) -> bool:
     g = seq.gen_config
     return bool(g.logit_bias or g.repetition_penalty != 1.0 or g.presence_penalty or g.frequency_penalty
-                or seq.num_generated < g.min_new_tokens)
+                or _stop_forbidden(seq))
 
 
 def _apply_logit_bias(x: Tensor, seqs: list[Sequence]) -> None:
