@@ -190,9 +190,11 @@ async def one_request(http: httpx.AsyncClient, rng: random.Random, args, stats: 
         status, kind, detail = result.status_code, 'ok', ''
         if status == 200:
             data = result.json()
-            choices = {c['index']: c for c in data['choices']}
-            reasons = [c.get('finish_reason') for c in data['choices']]
-            if len(reasons) != body.get('n', 1):
+            choices = {c['index']: c for c in data['choices']} if isinstance(data, dict) else {}
+            reasons = [c.get('finish_reason') for c in choices.values()]
+            if not isinstance(data, dict):
+                kind, detail = 'not_an_object', result.text
+            elif len(reasons) != body.get('n', 1):
                 kind, detail = 'missing_choices', result.text
             elif any(r not in FINISH_REASONS for r in reasons):
                 kind, detail = f'finish_reason_{reasons}', result.text

@@ -238,6 +238,27 @@ def test_a_compile_over_its_limit_is_killed_and_masks_match_in_process(tiny_llam
     asyncio.run(main())
 
 
+def test_a_caller_that_gives_up_during_the_start_leaves_it_to_the_others(tiny_llama):
+    """The first request for a grammar, dropped by its client while the worker processes started, cancelled
+    their shared start: every later compile then failed at once (the server answered 200 with ``null``, or an
+    empty stream), until a restart. The soak found it."""
+    tokenizer = Tokenizer(tiny_llama)
+    pool = GrammarProcessPool(GrammarCompiler(tokenizer, len(tokenizer.hf)), 3)  # its own workers, started here
+
+    async def main():
+        first = asyncio.ensure_future(asyncio.wrap_future(pool.start()))
+        await asyncio.sleep(0)
+        first.cancel()
+        await asyncio.wait_for(asyncio.wrap_future(pool.start()), 120)
+
+    try:
+        asyncio.run(main())
+        regex = GenerationConfig(response_format={'type': 'regex', 'regex': 'a{2}'})
+        assert pool.submit(regex).future.result(60) is not None
+    finally:
+        pool.close()
+
+
 def test_pools_share_their_workers_and_the_last_kills_them(tiny_llama):
     """Two pools of one process, each for its own vocabulary, compile on the same worker process, which is told
     the vocabulary whenever it changes; it outlives the first pool's close and ends with the second's."""

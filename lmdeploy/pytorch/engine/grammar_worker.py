@@ -239,10 +239,13 @@ class GrammarProcessPool:
         self._local = threading.local()  # each thread of the set its own compiler (the pool keeps the cache)
 
     def start(self) -> Future:
-        """Starts the worker processes (once) and reads the vocabulary; the future is done when both are."""
+        """Starts the worker processes (once) and reads the vocabulary; the future is done when both are. It
+        cannot be cancelled: it is every compile's, and a caller that gives up (a client that hangs up while
+        ``asyncio.wrap_future`` waits on it) must not cancel it for the others."""
         with self._lock:
             if self._started is None:
                 self._started = Future()
+                self._started.set_running_or_notify_cancel()
                 threading.Thread(target=self._start, args=(self._workers.start(),), daemon=True,
                                  name='lmdeploy-grammar-start').start()
             return self._started
