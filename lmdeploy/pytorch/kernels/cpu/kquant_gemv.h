@@ -15,7 +15,7 @@ constexpr int64_t kTileRows = 16;
 // How far ahead of the bytes it reads a GEMV's tile, or a tile written in bf16 for larger steps, asks for its codes
 // (and scales): a batch-1 step reads each weight once, and with the hardware prefetcher alone the arithmetic and the
 // memory's latency took turns (Q4_K and Q6_K GEMVs over weights not in cache ran at ~6 GB/s on a machine that reads
-// 15 GB/s on one thread; the writers' steps of 3 to 16 rows took 1.1-1.25x their time with prefetching).
+// 15 GB/s on one thread; without it the writers' steps of 3 to 16 rows took 1.08-1.25x as long).
 constexpr int64_t kCodePrefetchBytes = 4096;
 
 // Asks for the `bytes` (whole cache lines) that lie `distance` bytes past p, into L1; never faults.
