@@ -47,12 +47,14 @@ Call a tool with <tool_call>
 ADDED_TOKENS = ['<think>', '</think>', '<tool_call>', '</tool_call>']
 
 
-def save_tool_model(path: str, template: str = TOOL_TEMPLATE) -> str:
+def save_tool_model(path: str, template: str = TOOL_TEMPLATE, special_tool_tags: bool = False) -> str:
     """A tiny random Qwen2 at ``path`` with ``template`` (by default :data:`TOOL_TEMPLATE`) and the
-    :data:`ADDED_TOKENS`."""
+    :data:`ADDED_TOKENS`: plain added tokens, as in Qwen's tokenizers, but for ``<tool_call>`` and
+    ``</tool_call>``, which ``special_tool_tags`` makes special tokens."""
     save_tiny_model('qwen2', path)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    tokenizer.add_tokens(ADDED_TOKENS)
+    tokenizer.add_tokens(ADDED_TOKENS[:2])
+    tokenizer.add_tokens(ADDED_TOKENS[2:], special_tokens=special_tool_tags)
     tokenizer.chat_template = template
     tokenizer.save_pretrained(path)
     return path
