@@ -141,7 +141,8 @@ def test_images_without_a_size_in_their_source_stop_at_the_one_that_reaches_the_
 def servers(tmp_path_factory):
     """A server for a tool parser's name, with ``qwen3`` reasoning, all on one engine: the tiny model of
     ``tests/tool_models.py`` with ``<tool_call>`` and ``</tool_call>`` made special tokens."""
-    engine = tiny_engine(save_tool_model(str(tmp_path_factory.mktemp('special_markers')), special_tool_tags=True))
+    path = save_tool_model(str(tmp_path_factory.mktemp('special_markers')), special=('<tool_call>', '</tool_call>'))
+    engine = tiny_engine(path)
     yield from serve_per_parser(engine, reasoning_parser='qwen3')
 
 

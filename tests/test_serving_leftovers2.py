@@ -4,11 +4,13 @@ tokenizer makes special tokens (through a real server on a tiny model whose toke
 special token or a plain one)."""
 from __future__ import annotations
 
+import httpx
 import pytest
 from server_helpers import ServerThread, serve_per_parser, tiny_engine
-from test_tool_server_hunt import ask, regex
-from tool_models import save_tool_model
+from test_tool_server_hunt import ask, assert_released, regex
+from tool_models import ADDED_TOKENS, save_tool_model
 
+from lmdeploy.serve.openai.api_server import create_app
 from lmdeploy.serve.openai.tool_parsers import TOOL_PARSERS, ParsedDelta
 from lmdeploy.serve.openai.tool_parsers.harmony import HarmonyToolParser
 
@@ -64,16 +66,16 @@ def test_a_marker_that_starts_no_call_leaves_the_text_as_written_less_a_special_
 
 @pytest.fixture(scope='module', params=[True, False], ids=['special tags', 'plain tags'])
 def servers(request, tmp_path_factory):
-    """A server per tool parser, all on the tiny model of ``tests/tool_models.py`` whose tokenizer makes
-    ``<tool_call>`` and ``</tool_call>`` special tokens (or plain added tokens, as Qwen's do)."""
-    path = save_tool_model(str(tmp_path_factory.mktemp('markers')), special_tool_tags=request.param)
+    """A server per tool parser, all on the tiny model of ``tests/tool_models.py`` whose tokenizer makes its
+    tags (``<think>``, ``<tool_call>``...) special tokens, or plain added tokens as Qwen's do."""
+    path = save_tool_model(str(tmp_path_factory.mktemp('markers')), special=ADDED_TOKENS if request.param else ())
     yield from serve_per_parser(tiny_engine(path))
 
 
-def tag_bias(server: ServerThread) -> dict[str, float]:
+def tag_bias(server: ServerThread, tags: tuple[str, ...] = ('<tool_call>', '</tool_call>')) -> dict[str, float]:
     """A logit bias that makes the model write each tag as its one token (else it may spell it in pieces)."""
     tokenizer = server.engine.tokenizer
-    ids = [tokenizer.encode(tag, add_special_tokens=False) for tag in ('<tool_call>', '</tool_call>')]
+    ids = [tokenizer.encode(tag, add_special_tokens=False) for tag in tags]
     assert all(len(i) == 1 for i in ids)
     return {str(i[0]): 100.0 for i in ids}
 
@@ -93,3 +95,23 @@ def test_a_block_without_a_call_shows_as_the_reply_without_a_parser(servers, par
     shown = 'Hi.\nnot a call' if special and skip_special_tokens else reply
     assert without_parser == {'content': shown, 'calls': [], 'finish_reason': 'stop'}
     assert ask(server, body) == without_parser
+
+
+def test_a_think_block_is_reasoning_whether_its_tags_are_special_or_not(servers):
+    """Was: the ``qwen3`` parser kept no marker, so with a tokenizer that makes ``</think>`` special the
+    detokenizer dropped it and the answer came back as reasoning. The prompt opens the block; the bias closes it
+    at once, and the answer is forced after it."""
+    engine = servers('hermes').engine
+    server = ServerThread(create_app(engine, model_name='m', reasoning_parser='qwen3'))
+    server.engine = engine
+    try:
+        body = {'model': 'm', 'messages': [{'role': 'user', 'content': 'Hi?'}], 'temperature': 0, 'max_tokens': 100,
+                'chat_template_kwargs': {'open_think': True}, 'logit_bias': tag_bias(server, ('</think>',)),
+                'structured_outputs': {'regex': 'Hi\\.'}}
+        r = httpx.post(f'{server.url}/v1/chat/completions', json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        message = r.json()['choices'][0]['message']
+        assert (message['reasoning_content'] or '', message['content']) == ('', 'Hi.')
+        assert_released(engine)
+    finally:
+        server.stop()
