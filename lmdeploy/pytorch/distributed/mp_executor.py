@@ -9,6 +9,7 @@ import time
 from multiprocessing import forkserver
 from multiprocessing.connection import wait
 
+import psutil
 import torch.multiprocessing as mp
 
 from lmdeploy.messages import ConfigError, PytorchEngineConfig
@@ -19,6 +20,7 @@ from lmdeploy.pytorch.distributed.worker import WorkerSpec, run_worker
 LOOPBACK = '127.0.0.1'
 START_METHOD_ENV = 'LMDEPLOY_TP_START_METHOD'
 START_METHODS = ('spawn', 'forkserver')
+FORKSERVER_LOST = 255  # a forkserver's child's exit code when the forkserver cannot tell it (it died)
 # What the forkserver imports once; each worker forked from it starts with them loaded (the model's config
 # class too: the GGUF reader imports Llama's, and with it most of what transformers' config classes need).
 FORKSERVER_PRELOAD = [__name__, 'lmdeploy.pytorch.weights.gguf']
@@ -53,6 +55,23 @@ def _ending(exitcode: int | None) -> str:
     return f'exited with code {exitcode}'
 
 
+def _exit_status(pid: int, timeout: float) -> int | None:
+    """The exit code (negative: the signal) of ``pid``, a child of this process that exited and is not reaped
+    yet, read from /proc without reaping it; None while it runs (after ``timeout`` seconds) or when unknown."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with open(f'/proc/{pid}/stat') as stat:
+                fields = stat.read().rsplit(')', 1)[1].split()
+        except (OSError, IndexError):
+            return None
+        if fields[0] == 'Z':  # field 52 of proc(5), the wait status, is the 50th after the ')'
+            return os.waitstatus_to_exitcode(int(fields[49])) if len(fields) > 49 else None
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.02)
+
+
 class MPExecutor(Executor):
     """Ranks 1..N-1 as processes started the :func:`start_method` way, connected over the loopback interface."""
 
@@ -61,6 +80,7 @@ class MPExecutor(Executor):
     def __init__(self, model_path: str | None, config: PytorchEngineConfig):
         super().__init__(model_path, config)
         self.start_method = start_method()  # a bad one is refused before anything starts
+        self.forkserver_pid: int | None = None
 
     def _rank0_host(self) -> str:
         return LOOPBACK
@@ -76,7 +96,7 @@ class MPExecutor(Executor):
         if self.start_method == 'forkserver':
             context.set_forkserver_preload(FORKSERVER_PRELOAD)  # used when the server starts, the first time
             forkserver.ensure_running()
-            parent = forkserver._forkserver._forkserver_pid  # which exits when this process does
+            parent = self.forkserver_pid = forkserver._forkserver._forkserver_pid  # exits when this process does
         self.processes = []
         for rank in range(1, self.world_size):
             spec = WorkerSpec(rank, self.world_size, store_host, store_port, LOOPBACK, rank, self.world_size,
@@ -95,7 +115,18 @@ class MPExecutor(Executor):
             return
         process = sentinels[ended[0]]
         process.join(1)
-        self._fail(f'rank {self.processes.index(process) + 1} (pid {process.pid}) {_ending(process.exitcode)}')
+        self._fail(f'rank {self.processes.index(process) + 1} (pid {process.pid}) {self._ending(process)}')
+
+    def _ending(self, process: mp.Process) -> str:
+        """How ``process`` ended. A forkserver that dies takes its workers with it (the kernel kills them:
+        :func:`die_with_parent`), and ``multiprocessing`` then reports exit code 255 for each."""
+        if process.exitcode != FORKSERVER_LOST or self.forkserver_pid is None:
+            return _ending(process.exitcode)
+        server = _exit_status(self.forkserver_pid, timeout=1.0)
+        if server is None and psutil.pid_exists(self.forkserver_pid):
+            return _ending(process.exitcode)
+        how = f', which {_ending(server)}' if server is not None else ''
+        return f'was killed by SIGKILL when its forkserver (pid {self.forkserver_pid}) died{how}'
 
     def _stop_workers(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
