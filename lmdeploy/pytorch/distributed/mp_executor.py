@@ -13,7 +13,7 @@ import psutil
 import torch.multiprocessing as mp
 
 from lmdeploy.messages import ConfigError, PytorchEngineConfig
-from lmdeploy.pytorch.child_process import die_with_parent, exit_now, main_module_hidden
+from lmdeploy.pytorch.child_process import die_with_parent, ending, exit_now, main_module_hidden, unreaped_exit_code
 from lmdeploy.pytorch.distributed.executor import Executor
 from lmdeploy.pytorch.distributed.worker import WorkerSpec, run_worker
 
@@ -45,31 +45,6 @@ def _worker_main(spec: WorkerSpec, parent_pid: int, environ: dict[str, str], cpu
     os.sched_setaffinity(0, cpus)
     run_worker(spec)
     exit_now()  # a worker that failed raises instead, and exits the usual way with its traceback
-
-
-def _ending(exitcode: int | None) -> str:
-    if exitcode is None:
-        return 'ended'
-    if exitcode < 0:
-        return f'was killed by {signal.Signals(-exitcode).name}'
-    return f'exited with code {exitcode}'
-
-
-def _exit_status(pid: int, timeout: float) -> int | None:
-    """The exit code (negative: the signal) of ``pid``, a child of this process that exited and is not reaped
-    yet, read from /proc without reaping it; None while it runs (after ``timeout`` seconds) or when unknown."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with open(f'/proc/{pid}/stat') as stat:
-                fields = stat.read().rsplit(')', 1)[1].split()
-        except (OSError, IndexError):
-            return None
-        if fields[0] == 'Z':  # field 52 of proc(5), the wait status, is the 50th after the ')'
-            return os.waitstatus_to_exitcode(int(fields[49])) if len(fields) > 49 else None
-        if time.monotonic() > deadline:
-            return None
-        time.sleep(0.02)
 
 
 class MPExecutor(Executor):
@@ -121,12 +96,19 @@ class MPExecutor(Executor):
         """How ``process`` ended. A forkserver that dies takes its workers with it (the kernel kills them:
         :func:`die_with_parent`), and ``multiprocessing`` then reports exit code 255 for each."""
         if process.exitcode != FORKSERVER_LOST or self.forkserver_pid is None:
-            return _ending(process.exitcode)
-        server = _exit_status(self.forkserver_pid, timeout=1.0)
+            return ending(process.exitcode)
+        server = self._forkserver_exit_code(timeout=1.0)
         if server is None and psutil.pid_exists(self.forkserver_pid):
-            return _ending(process.exitcode)
-        how = f', which {_ending(server)}' if server is not None else ''
+            return ending(process.exitcode)
+        how = f', which {ending(server)}' if server is not None else ''
         return f'was killed by SIGKILL when its forkserver (pid {self.forkserver_pid}) died{how}'
+
+    def _forkserver_exit_code(self, timeout: float) -> int | None:
+        """The forkserver's exit code once it ended (it closes its pipes a moment before); None while it runs."""
+        deadline = time.monotonic() + timeout
+        while (code := unreaped_exit_code(self.forkserver_pid)) is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return code
 
     def _stop_workers(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

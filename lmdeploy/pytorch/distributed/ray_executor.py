@@ -13,13 +13,19 @@ only when it has no room; ``SPREAD`` puts the ranks on as many machines as it ca
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import socket
 import tempfile
 import threading
+import time
 from collections import Counter
 
+import psutil
+
 from lmdeploy.messages import PytorchEngineConfig
+from lmdeploy.pytorch.child_process import ending, unreaped_exit_code
 from lmdeploy.pytorch.distributed.executor import Executor
 from lmdeploy.pytorch.distributed.worker import WorkerSpec, run_worker
 
@@ -28,11 +34,15 @@ LOCAL_CLUSTER_ENV = {'RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER': '0', 'RAY_USAGE_STATS_
                      'RAY_AUTH_MODE': 'disabled'}
 
 
+def address_file() -> str:
+    """Where ``ray start`` leaves its cluster's address on this machine (``ray stop`` removes it)."""
+    return os.path.join(os.environ.get('RAY_TMPDIR') or tempfile.gettempdir(), 'ray', 'ray_current_cluster')
+
+
 def cluster_configured() -> bool:
     """Whether ``ray.init(address='auto')`` has a cluster to join: ``$RAY_ADDRESS``, or one that
-    ``ray start`` started on this machine (it leaves its address in Ray's temporary folder)."""
-    temp_dir = os.environ.get('RAY_TMPDIR') or tempfile.gettempdir()
-    return bool(os.environ.get('RAY_ADDRESS')) or os.path.exists(os.path.join(temp_dir, 'ray', 'ray_current_cluster'))
+    ``ray start`` started on this machine."""
+    return bool(os.environ.get('RAY_ADDRESS')) or os.path.exists(address_file())
 
 
 if not cluster_configured():
@@ -48,6 +58,11 @@ except ImportError as exc:
 
 logger = logging.getLogger('lmdeploy')
 PLACEMENT_TIMEOUT_ENV = 'LMDEPLOY_RAY_PLACEMENT_TIMEOUT'
+# The processes of a local cluster without which no rank can be reached or stopped: the GCS (every call of
+# the driver's; 60 s after it is lost Ray ends the driver, the whole server) and the raylet (its actors).
+CLUSTER_CORE = ('gcs_server', 'raylet')
+WATCH_INTERVAL = 0.5
+CLUSTER_CHECK_TIMEOUT = 5.0
 
 
 def placement_timeout() -> float:
@@ -67,10 +82,31 @@ class RayWorker:
         run_worker(spec)
 
 
+def check_configured_cluster(timeout: float = CLUSTER_CHECK_TIMEOUT) -> None:
+    """Raises ``ConnectionError`` when the cluster that ``$RAY_ADDRESS`` or ``ray start``'s address file names
+    does not answer: ``ray.init`` would retry for minutes."""
+    configured = os.environ.get('RAY_ADDRESS', '')
+    source = 'RAY_ADDRESS'
+    if not configured and os.path.exists(address_file()):
+        with open(address_file()) as file:
+            configured = file.read().strip()
+        source = f'{address_file()} (left by `ray start`; `ray stop` removes it)'
+    host, _, port = configured.rpartition(':')
+    if not host or not port.isdigit() or '://' in configured:  # 'auto', 'local', a Ray Client URL: Ray's own
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as exc:
+        raise ConnectionError(f'no Ray cluster answers at {configured}, the address {source} names ({exc}); start '
+                              'it (`ray start --head`), fix the address, or unset it to let the engine start a '
+                              'local cluster') from exc
+
+
 def connect_cluster() -> bool:
     """Connects this process to a Ray cluster; True when it had to start a local one."""
     if ray.is_initialized():
         return False
+    check_configured_cluster()
     try:
         ray.init(address='auto')
         return False
@@ -87,6 +123,9 @@ class RayExecutor(Executor):
     def __init__(self, model_path: str | None, config: PytorchEngineConfig):
         super().__init__(model_path, config)
         self.started_cluster = connect_cluster()
+        self.cluster_core = self._find_cluster_core() if self.started_cluster else []
+        self.cluster_lost = False
+        self.cluster_tree: list[psutil.Process] = []  # what the GCS and raylet had started once the actors ran
         self.actors: list = []
         self.runs: list = []
         self.group_placement = None
@@ -95,6 +134,23 @@ class RayExecutor(Executor):
 
     def _rank0_host(self) -> str:
         return ray.util.get_node_ip_address()
+
+    @staticmethod
+    def _find_cluster_core() -> list[psutil.Process]:
+        """The GCS and raylet of the local cluster this process started (its children)."""
+        return [child for child in psutil.Process().children() if child.name() in CLUSTER_CORE]
+
+    def _watch_cluster(self) -> None:
+        """Fails the engine as soon as the local cluster's GCS or raylet ends; stops with the engine."""
+        while not self._closing:
+            for process in self.cluster_core:
+                code = unreaped_exit_code(process.pid)
+                if code is not None or not psutil.pid_exists(process.pid):
+                    self.cluster_lost = True
+                    self._fail(f"the local Ray cluster's {process.name()} (pid {process.pid}) {ending(code)}: the "
+                               'ranks can no longer be reached')
+                    return
+            time.sleep(WATCH_INTERVAL)
 
     def _bundle(self) -> dict[str, float]:
         if self.device.type == 'cuda':
@@ -132,6 +188,9 @@ class RayExecutor(Executor):
                               per_host[hosts[rank]], device, self.model_path, self.config)
             self.runs.append(actor.run.remote(spec))
         threading.Thread(target=self._watch, name='lmdeploy-tp-watchdog', daemon=True).start()
+        if self.cluster_core:
+            self.cluster_tree = [child for core in self.cluster_core for child in core.children(recursive=True)]
+            threading.Thread(target=self._watch_cluster, name='lmdeploy-ray-watchdog', daemon=True).start()
 
     def _watch(self) -> None:
         ready, _ = ray.wait(self.runs, num_returns=1, timeout=None)
@@ -145,9 +204,15 @@ class RayExecutor(Executor):
             reason = f'died ({type(exc).__name__}: {str(exc).splitlines()[0]})'
         except ray.exceptions.RayTaskError as exc:
             reason = f'raised {type(exc.cause).__name__}: {exc.cause}'
-        self._fail(f'rank {rank} (Ray actor) {reason}')
+        self._fail(f'rank {rank} (Ray actor, pid {self.pids[rank - 1]} on {self.hosts[rank]}) {reason}')
 
     def _stop_workers(self, timeout: float) -> None:
+        if self.cluster_lost:  # every call to the cluster would wait on it: its shutdown ends what is left
+            ray.shutdown()
+            for process in self.cluster_tree:  # but not the raylet's agents and actors once it is gone
+                with contextlib.suppress(psutil.Error):
+                    process.kill()
+            return
         if self.runs:
             ray.wait(self.runs, num_returns=len(self.runs), timeout=timeout)
         for actor in self.actors:
