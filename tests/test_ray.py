@@ -47,12 +47,23 @@ def test_ray_tp2_matches_tp1_and_a_killed_actor_fails_fast(tiny_llama, monkeypat
 
 
 @pytest.mark.slow
-def test_a_lost_gcs_fails_the_engine_fast_and_it_closes(tiny_llama, monkeypatch):
-    """The local cluster's GCS SIGKILLed: the engine fails within a second or two naming it (before, the
+def test_a_second_engine_is_refused_and_a_lost_gcs_fails_the_engine_fast(tiny_llama, monkeypatch):
+    """A second engine while the first holds the cluster's CPUs: refused after ``LMDEPLOY_RAY_PLACEMENT_TIMEOUT``,
+    saying what is free (before: every placement group's own resources, unreadable), its pending group removed.
+    Then the local cluster's GCS SIGKILLed: the engine fails within a second or two naming it (before, the
     engine served on, its close waited on the GCS, and Ray ended this process 60 s after the loss)."""
     monkeypatch.delenv('RAY_ADDRESS', raising=False)
     engine = make_engine(tiny_llama, tp=2, distributed_executor_backend='ray')
     try:
+        monkeypatch.setenv('LMDEPLOY_RAY_PLACEMENT_TIMEOUT', '2')
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"no room within 2 s for 2 ranks of \{'CPU': 1\} each \(PACK; rank 0 "
+                                               r'on this machine, 127\.0\.0\.1\); it has 0 CPUs and 0 GPUs free on 1 '
+                                               r'nodes \(`ray status`'):
+            make_engine(tiny_llama, tp=2, distributed_executor_backend='ray')  # the first holds the cluster's CPUs
+        assert time.monotonic() - start < 15
+        import ray
+        assert {group['state'] for group in ray.util.placement_group_table().values()} == {'CREATED', 'REMOVED'}
         cluster = [child.pid for child in psutil.Process().children(recursive=True)]
         (gcs,) = [child.pid for child in psutil.Process().children() if child.name() == 'gcs_server']
         os.kill(gcs, signal.SIGKILL)

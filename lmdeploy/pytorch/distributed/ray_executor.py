@@ -164,9 +164,11 @@ class RayExecutor(Executor):
         ready, _ = ray.wait([self.group_placement.ready()], timeout=placement_timeout())
         if not ready:
             nodes = sum(node['Alive'] for node in ray.nodes())
+            free = ray.available_resources()  # outside every placement group
             raise RuntimeError(f'the Ray cluster found no room within {placement_timeout():g} s for {self.world_size} '
                                f'ranks of {bundles[1]} each ({strategy}; rank 0 on this machine, {host}); it has '
-                               f'{ray.available_resources()} free on {nodes} nodes')
+                               f"{free.get('CPU', 0):g} CPUs and {free.get('GPU', 0):g} GPUs free on {nodes} nodes "
+                               '(`ray status` says what holds the rest: another engine?)')
 
     def _launch(self, store_host: str, store_port: int) -> None:
         self._place(store_host)
