@@ -1,5 +1,5 @@
-"""Tensor-parallel workers as Ray actors on a local Ray cluster (loopback only): tp=1's tokens, and a
-killed actor fails the engine fast, naming its process; so does the loss of the cluster's GCS, which Ray
+"""Tensor-parallel workers as Ray actors on a local Ray cluster (loopback only), which the engines of a
+process share: tp=1's tokens, and a killed actor fails the engine fast, naming its process; so does the loss of the cluster's GCS, which Ray
 would otherwise answer by ending this whole process a minute later. Neither the actors nor the cluster
 outlive the engine."""
 from __future__ import annotations
@@ -21,18 +21,32 @@ GREEDY = GenerationConfig(max_new_tokens=24, ignore_eos=True)
 
 
 def test_ray_tp2_matches_tp1_and_a_killed_actor_fails_fast(tiny_llama, monkeypatch):
+    """Two engines share the local cluster the first started (given room for both: 4 CPUs here), and closing
+    the first leaves the second serving (before, it shut the cluster down under the second), which gives tp=1's
+    tokens until its actor is killed."""
     monkeypatch.delenv('RAY_ADDRESS', raising=False)
     engine = make_engine(tiny_llama)
     try:
         expected = run(engine, PROMPTS, GREEDY)
     finally:
         engine.close()
+    pytest.importorskip('lmdeploy.pytorch.distributed.ray_executor')  # sets up the environment Ray reads
+    import ray
+    init = ray.init
+    monkeypatch.setattr(ray, 'init', lambda **kwargs: init(**{**kwargs, 'num_cpus': 4} if 'num_cpus' in kwargs
+                                                            else kwargs))
     before = {child.pid for child in psutil.Process().children(recursive=True)}
-    engine = make_engine(tiny_llama, tp=2, distributed_executor_backend='ray')
+    # Each engine binds this thread to rank 0's CPUs and gives back what it found when it closes: closed in
+    # the order they started, the second would leave the thread bound.
+    allowed = os.sched_getaffinity(0)
+    first = make_engine(tiny_llama, tp=2, distributed_executor_backend='ray')
     try:
-        import ray
-        assert engine.executor.started_cluster and ray.util.get_node_ip_address() == '127.0.0.1'
+        engine = make_engine(tiny_llama, tp=2, distributed_executor_backend='ray')
+    finally:
         cluster = [child.pid for child in psutil.Process().children(recursive=True) if child.pid not in before]
+        first.close()
+    try:
+        assert ray.is_initialized() and ray.util.get_node_ip_address() == '127.0.0.1'
         assert run(engine, PROMPTS, GREEDY) == expected
         (pid,) = engine.executor.pids
         os.kill(pid, signal.SIGKILL)
@@ -42,6 +56,7 @@ def test_ray_tp2_matches_tp1_and_a_killed_actor_fails_fast(tiny_llama, monkeypat
         assert time.monotonic() - start < 5
     finally:
         engine.close()
+        os.sched_setaffinity(0, allowed)
     assert not ray.is_initialized()
     assert_gone(cluster + [pid], timeout=30)
 

@@ -5,7 +5,8 @@ It joins the cluster that ``ray.init(address='auto')`` finds (``$RAY_ADDRESS``, 
 this machine) or starts a local one on the loopback interface, which it shuts down with the engine.
 Ray reads whether it may bind the loopback interface when it is imported: when no cluster is to be
 joined, this module sets that up (and turns off usage reports and token auth, which a cluster that
-only this machine reaches does not need) before it imports Ray.
+only this machine reaches does not need) before it imports Ray. Every engine of this process uses that
+local cluster; the last to close shuts it down.
 Bundle 0 of the placement group holds rank 0's share on this machine (the engine's thread uses it; no
 actor runs there), so that no worker lands on the cores or the GPU rank 0 computes on. The group's
 strategy is ``config.ray_placement_strategy``: ``PACK`` fills this machine first and goes on to others
@@ -102,19 +103,40 @@ def check_configured_cluster(timeout: float = CLUSTER_CHECK_TIMEOUT) -> None:
                               'local cluster') from exc
 
 
-def connect_cluster() -> bool:
-    """Connects this process to a Ray cluster; True when it had to start a local one."""
-    if ray.is_initialized():
-        return False
-    check_configured_cluster()
-    try:
-        ray.init(address='auto')
-        return False
-    except ConnectionError:
-        pass
-    ray.init(_node_ip_address=LOOPBACK, include_dashboard=False, num_cpus=len(os.sched_getaffinity(0)))
-    logger.info('started a local Ray cluster on %s', LOOPBACK)
-    return True
+class LocalCluster:
+    """The local cluster this process started, if any, and how many engines use it: the last to close shuts
+    it down (the first to close did, under the others)."""
+
+    lock = threading.Lock()
+    engines = 0
+
+    @classmethod
+    def join(cls) -> bool:
+        """Connects this process to a Ray cluster; True when it is a local cluster this process started (now
+        or for an engine still open), which this engine must :meth:`leave`."""
+        with cls.lock:
+            if ray.is_initialized():
+                if cls.engines == 0:
+                    return False  # whoever called ray.init owns it
+            else:
+                check_configured_cluster()
+                try:
+                    ray.init(address='auto')
+                    return False
+                except ConnectionError:
+                    pass
+                ray.init(_node_ip_address=LOOPBACK, include_dashboard=False, num_cpus=len(os.sched_getaffinity(0)))
+                logger.info('started a local Ray cluster on %s', LOOPBACK)
+            cls.engines += 1
+            return True
+
+    @classmethod
+    def leave(cls, lost: bool = False) -> None:
+        """One engine less; shuts the cluster down after the last, or at once when it is ``lost``."""
+        with cls.lock:
+            cls.engines = max(cls.engines - 1, 0)
+            if cls.engines == 0 or lost:
+                ray.shutdown()
 
 
 class RayExecutor(Executor):
@@ -122,8 +144,8 @@ class RayExecutor(Executor):
 
     def __init__(self, model_path: str | None, config: PytorchEngineConfig):
         super().__init__(model_path, config)
-        self.started_cluster = connect_cluster()
-        self.cluster_core = self._find_cluster_core() if self.started_cluster else []
+        self.local_cluster = LocalCluster.join()
+        self.cluster_core = self._find_cluster_core() if self.local_cluster else []
         self.cluster_lost = False
         self.cluster_tree: list[psutil.Process] = []  # what the GCS and raylet had started once the actors ran
         self.actors: list = []
@@ -210,7 +232,7 @@ class RayExecutor(Executor):
 
     def _stop_workers(self, timeout: float) -> None:
         if self.cluster_lost:  # every call to the cluster would wait on it: its shutdown ends what is left
-            ray.shutdown()
+            LocalCluster.leave(lost=True)
             for process in self.cluster_tree:  # but not the raylet's agents and actors once it is gone
                 with contextlib.suppress(psutil.Error):
                     process.kill()
@@ -221,5 +243,5 @@ class RayExecutor(Executor):
             ray.kill(actor)
         if self.group_placement is not None:
             remove_placement_group(self.group_placement)
-        if self.started_cluster:
-            ray.shutdown()
+        if self.local_cluster:
+            LocalCluster.leave()
