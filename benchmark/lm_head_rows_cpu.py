@@ -1,7 +1,7 @@
 """The 8-bit LM head's GEMV (``q8_linear``, ``kernels/cpu/linear_q8.cpp``) by step size, against the bf16 table's
 packed GEMM in the same run: the default model's table (49,152 x 576) and Gemma 3 270M's tied one (262,144 x 640),
-random Q8_0 codes and scales, bf16 activations. Decode steps of every size run the 8-bit copy (see docs/engine.md,
-"Batch invariance"); the bf16 table is what they ran before it (``decode_int4`` off, or a step of many rows). One
+random Q8_0 codes and scales, bf16 activations. Decode steps of every size run the 8-bit copy (see
+docs/batch_invariance.md); the bf16 table is what they ran before it (``decode_int4`` off, or a step of many rows). One
 thread, timed by its CPU time (``time.thread_time``) so that other jobs on a shared machine take time slices but
 not figures; per row count the best of ``--repeats`` calls, the two kernels alternating over ``--rounds``.
 Each kernel's output is a new tensor (fp32 for the copy: 64 MiB at 64 rows of Gemma's table; bf16 for the table);

@@ -218,7 +218,7 @@ class PytorchEngineConfig:
     ``quant_policy`` quantizes the KV cache: 0 keeps it in the model dtype, 8 stores K and V as int8 and
     4 as int4 (two codes per byte), each token's row of each KV head with its own fp32 scale and zero
     point (asymmetric min/max, LMDeploy's scheme); the cache then holds about 1.8x (int8) or 3x (int4)
-    as many tokens of a bf16 model (see docs/engine.md). Multi-head latent attention (DeepSeek-V2/V3)
+    as many tokens of a bf16 model (see docs/quantization.md). Multi-head latent attention (DeepSeek-V2/V3)
     quantizes each token's latent and rotary key the same way, each with its own scale and zero point.
 
     ``tp`` splits the model over that many tensor-parallel ranks (see docs/scale_out.md): this process

@@ -26,8 +26,8 @@ FLAG_HOMES = {
     'lmdeploy chat': [('docs/api_server.md', 'lmdeploy-chat'), ('docs/api_server.md', 'starting-the-server')],
     'lmdeploy serve api_server': [('docs/api_server.md', 'starting-the-server')],
     'lmdeploy serve proxy': [('docs/scale_out.md', 'lmdeploy-serve-proxy')],
-    'lmdeploy lite smooth_quant': [('docs/engine.md', 'w8a8-lmdeploy-lite-smooth_quant')],
-    'lmdeploy lite auto_awq': [('docs/engine.md', 'awq-4-bit-lmdeploy-lite-auto_awq')],
+    'lmdeploy lite smooth_quant': [('docs/quantization.md', 'w8a8-lmdeploy-lite-smooth_quant')],
+    'lmdeploy lite auto_awq': [('docs/quantization.md', 'awq-4-bit-lmdeploy-lite-auto_awq')],
 }
 # Where each public dataclass documents its fields (a table row per field gives the default).
 FIELD_HOMES = {

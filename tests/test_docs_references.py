@@ -31,7 +31,7 @@ EXTERNAL_CLASSES = {'PIL', 'Image', 'Process', 'JITFunction', 'CLIPVisionModel',
                     'TokenizersBackend', 'InternVLChatModel', 'OutOfResources', 'MyToolParser'}
 EXTERNAL_MEMBERS = {'model_json_schema'}
 EXTERNAL_FUNCTIONS = {'madvise'}
-# Names the docs record as removed, cited by the dated sections from before (docs/engine.md: "The four
+# Names the docs record as removed, cited by the dated sections from before (docs/batch_invariance.md: "The four
 # `...Kernel` classes are gone").
 GONE = {'Q4KKernel', 'Q5KKernel', 'Q6KKernel', 'NativeQ8Kernel'}
 FILE_SUFFIXES = {'py', 'cpp', 'h', 'sh', 'js', 'css', 'html', 'md', 'txt', 'json', 'gguf', 'safetensors'}

@@ -196,7 +196,7 @@ def test_w8a8_checkpoint_loads_without_a_flag_and_generates_mostly_the_same_toke
         engine.close()
     # measured: logits 2.0% apart, 52% of the tokens before the first difference (1.7% and 80% with the LM head
     # in fp32: a tiny random model's greedy tokens part at its many near ties; the default model's perplexity
-    # is the measure of the int8 LM head, see docs/engine.md)
+    # is the measure of the int8 LM head, see docs/quantization.md)
     assert ((logits - expected_logits).norm() / expected_logits.norm()).item() < 0.03
     assert _agreement(expected, got) >= 0.5
     if not on_cpu:

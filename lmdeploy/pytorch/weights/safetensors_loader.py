@@ -94,8 +94,8 @@ def release_free_heap() -> None:
     """Gives the pages of glibc malloc's free chunks back to the system (``malloc_trim(0)``); nothing where the C
     library has no ``malloc_trim``. Called after each GGUF MoE layer's experts are retiled and once the model is
     loaded: retiling (thousands of tensors of 0.1-1.7 MB, in the heap beside their temporaries) leaves the freed
-    temporaries' pages resident, 26 MiB a Qwen3-30B-A3B layer, about 1.3 GiB of its 48 (see docs/engine.md, "MoE GGUF
-    files")."""
+    temporaries' pages resident, 26 MiB a Qwen3-30B-A3B layer, about 1.3 GiB of its 48 (see
+    docs/quantization.md, "MoE GGUF files")."""
     trim = getattr(ctypes.CDLL(None), 'malloc_trim', None)
     if trim is not None:
         trim(0)

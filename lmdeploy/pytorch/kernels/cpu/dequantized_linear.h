@@ -22,8 +22,8 @@ torch::Tensor fresh_weight(int64_t rows, int64_t cols);
 
 // A view of this thread's scratch, grown to the largest weight asked for and kept: each call reuses the pages the
 // last one touched, where a fresh tensor of tens of MB often comes as new pages whose first touch (page faults,
-// zeroing) cost two to three times the dequantization (docs/engine.md). Valid until the thread's next call:
-// dequantized_linear alone takes it, and nothing it returns aliases it.
+// zeroing) cost two to three times the dequantization (docs/performance.md, "GGUF K-quant prefill: no fresh pages
+// per call"). Valid until the thread's next call: dequantized_linear alone takes it, and nothing it returns aliases it.
 torch::Tensor scratch_weight(int64_t rows, int64_t cols);
 
 // Where one tile's bf16 weights go: its 16 rows of W (`out` its first row, rows K apart), or its panel in

@@ -201,7 +201,7 @@ void run(const Gemm& g) {
 // Up to this many rows of x a tile's weights go straight into the rows' sums (TileSink's rows), a tile a task:
 // no panel written and read back, and a narrow weight's tiles shared by every thread. A tile's sums are one chain
 // of vdpbf16ps a row (the GEMM's order), where the panels' tiles run four: 3 and 4 rows measured mixed, 6 and 8
-// slower than the panels (docs/engine.md, "A few rows straight into their sums").
+// slower than the panels (docs/batch_invariance.md, "A few rows straight into their sums").
 constexpr int64_t kFewRows = 2;
 
 // The rows of x through a weight whose tiles each thread dequantizes into the rows' sums, in the GEMM's order.

@@ -1,7 +1,7 @@
 """fp32 weights packed for the native fixed-order fp32 GEMM (``fp32_packed_linear``, AVX-512 or AVX2 with FMA): torch's
 fp32 GEMM picks its kernel, and its order of summation, by the number of rows, so an fp32 model's logprobs changed in
 their last bits with the batch; on the packed weight each output sums its inputs in input order whatever the number
-of rows (docs/engine.md, "Batch invariance")."""
+of rows (docs/batch_invariance.md)."""
 from __future__ import annotations
 
 import torch

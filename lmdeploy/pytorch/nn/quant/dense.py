@@ -84,7 +84,7 @@ def native_bf16_experts(experts: FusedExperts) -> dict[str, list[NativeBf16Kerne
     SiLU-and-mul epilogue, unless the experts have another activation), whatever their shapes; None where that GEMM
     does not run. Its rows do not depend on how many share a call, where torch's bf16 GEMM rounds a one-row call
     (its GEMV) apart from more rows: a token's expert output then depends on the other tokens routed to that
-    expert, which the batch decides. 2-3x faster than torch's at a few rows (docs/engine.md, "Batch invariance")."""
+    expert, which the batch decides. 2-3x faster than torch's at a few rows (docs/batch_invariance.md)."""
     if (experts.gate_up is None or experts.gate_up.dtype != torch.bfloat16 or experts.gate_up.device.type != 'cpu'
             or cpu.bf16_gemm() is None):
         return None

@@ -25,7 +25,7 @@ Q6K_TILE, Q6K_GROUP, Q6K_BLOCK = 16, 16, 256
 # prefill steps of a Q4_K_M file (``benchmark/kquant_gguf_cpu.py``) since the dequantized weight goes to a reused
 # scratch: with AMX a tie at 16 rows, dequantizing 1.4-1.6x faster at 24; without, a tie at 64, dequantizing
 # 1.05-1.14x faster at 96. Q5_K with AMX likewise from a Q5_K_M file: within 4% at 16 rows, dequantizing 1.46-1.6x
-# faster at 24. See docs/engine.md, "GGUF K-quant GEMV bounds with and without AMX" and "GGUF K-quant prefill: no
+# faster at 24. See docs/performance.md, "GGUF K-quant GEMV bounds with and without AMX" and "GGUF K-quant prefill: no
 # fresh pages per call".
 GEMV_MAX_ROWS = {'q4k': (16, 64), 'q5k': (16, 64), 'q6k': (16, 64), 'q8_0': (16, 32)}
 
