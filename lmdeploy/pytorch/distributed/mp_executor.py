@@ -3,7 +3,6 @@ each bound to its share of the CPUs (or to its GPU), all ended with the engine."
 from __future__ import annotations
 
 import os
-import signal
 import threading
 import time
 from multiprocessing import forkserver
