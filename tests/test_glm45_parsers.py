@@ -44,20 +44,20 @@ def test_reasoning_then_call():
     closed = '<|user|>\nweather?<|assistant|>\n<think></think>\n'
     assert split(glm45(closed), f'Checking.{CALL_46}') == {
         'reasoning': '', 'content': 'Checking.', 'calls': [('get_weather', WEATHER)]}
-    assert get_reasoning_parser('glm45').special_tokens == ('<think>', '</think>')
+    assert get_reasoning_parser('glm45').markers == ('<think>', '</think>')
 
 
 @pytest.mark.parametrize('text, content, calls', [
     ('no calls, <tool_ and <arg_key> are text', 'no calls, <tool_ and <arg_key> are text', []),
-    ('<tool_call>two words</tool_call>', 'two words', []),
-    ('<tool_call>f<arg_key>x</arg_key>stray</tool_call> after', 'fxstray after', []),
+    ('<tool_call>two words</tool_call>', '<tool_call>two words</tool_call>', []),
+    ('<tool_call>f<arg_key>x</arg_key>y</tool_call> after', '<tool_call>f<arg_key>x</arg_key>y</tool_call> after', []),
     ('<tool_call>f<arg_key>x</arg_key><arg_value>1</arg_value>', '', [('f', '{"x": 1}')]),
     ('<tool_call>f<arg_key>flag</arg_key><arg_value>true</arg_value></tool_call> Done.', 'Done.',
      [('f', '{"flag": true}')]),
 ])
 def test_edges(text, content, calls):
-    """Text that only looks like tags, blocks that hold no call (back into the text as they were, less the tags:
-    special tokens), a call the reply left open, and text after a call."""
+    """Text that only looks like tags, blocks that hold no call (back into the text as they were: GLM-4.5's
+    tokenizer does not make its tags special tokens), a call the reply left open, and text after a call."""
     assert split(glm45(), text) == {'reasoning': '', 'content': content, 'calls': calls}
 
 

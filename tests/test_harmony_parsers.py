@@ -134,7 +134,7 @@ def test_grammar_marker_is_the_special_tokens(tokenizer):
 def test_token_stream_through_the_parsers(tokenizer):
     """The engine's token-by-token text deltas, markers kept, give the message of the whole reply."""
     ids = tokenizer.encode(ANALYSIS + CALL + ARGS, add_special_tokens=False)
-    detok = IncrementalDetokenizer(tokenizer, [], True, list(REASONING.special_tokens))
+    detok = IncrementalDetokenizer(tokenizer, [], True, list(REASONING.markers))
     parser = harmony()()
     reasoning, calls = '', []
     for i in ids:

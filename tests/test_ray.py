@@ -1,5 +1,7 @@
-"""Tensor-parallel workers as Ray actors on a local Ray cluster (loopback only): tp=1's tokens, and a
-killed actor fails the engine fast; neither the actors nor the cluster outlive the engine."""
+"""Tensor-parallel workers as Ray actors on a local Ray cluster (loopback only), which the engines of a
+process share: tp=1's tokens, and a killed actor fails the engine fast, naming its process; so does the loss of the cluster's GCS, which Ray
+would otherwise answer by ending this whole process a minute later. Neither the actors nor the cluster
+outlive the engine."""
 from __future__ import annotations
 
 import os
@@ -9,6 +11,7 @@ import time
 import psutil
 import pytest
 from helpers import assert_gone, make_engine, random_prompts, run
+from server_helpers import free_port
 
 from lmdeploy import GenerationConfig
 from lmdeploy.pytorch.distributed.parallel_state import WorkerError
@@ -18,26 +21,93 @@ GREEDY = GenerationConfig(max_new_tokens=24, ignore_eos=True)
 
 
 def test_ray_tp2_matches_tp1_and_a_killed_actor_fails_fast(tiny_llama, monkeypatch):
+    """Two engines share the local cluster the first started (given room for both: 4 CPUs here), and closing
+    the first leaves the second serving (before, it shut the cluster down under the second), which gives tp=1's
+    tokens until its actor is killed."""
     monkeypatch.delenv('RAY_ADDRESS', raising=False)
     engine = make_engine(tiny_llama)
     try:
         expected = run(engine, PROMPTS, GREEDY)
     finally:
         engine.close()
+    pytest.importorskip('lmdeploy.pytorch.distributed.ray_executor')  # sets up the environment Ray reads
+    import ray
+    init = ray.init
+    monkeypatch.setattr(ray, 'init', lambda **kwargs: init(**{**kwargs, 'num_cpus': 4} if 'num_cpus' in kwargs
+                                                            else kwargs))
     before = {child.pid for child in psutil.Process().children(recursive=True)}
-    engine = make_engine(tiny_llama, tp=2, distributed_executor_backend='ray')
+    # Each engine binds this thread to rank 0's CPUs and gives back what it found when it closes: closed in
+    # the order they started, the second would leave the thread bound.
+    allowed = os.sched_getaffinity(0)
+    first = make_engine(tiny_llama, tp=2, distributed_executor_backend='ray')
     try:
-        import ray
-        assert engine.executor.started_cluster and ray.util.get_node_ip_address() == '127.0.0.1'
+        engine = make_engine(tiny_llama, tp=2, distributed_executor_backend='ray')
+    finally:
         cluster = [child.pid for child in psutil.Process().children(recursive=True) if child.pid not in before]
+        first.close()
+    try:
+        assert ray.is_initialized() and ray.util.get_node_ip_address() == '127.0.0.1'
         assert run(engine, PROMPTS, GREEDY) == expected
         (pid,) = engine.executor.pids
         os.kill(pid, signal.SIGKILL)
         start = time.monotonic()
-        with pytest.raises(WorkerError, match=r'rank 1 \(Ray actor\) died'):
+        with pytest.raises(WorkerError, match=rf'rank 1 \(Ray actor, pid {pid} on 127\.0\.0\.1\) died'):
             run(engine, PROMPTS, GREEDY)
         assert time.monotonic() - start < 5
     finally:
         engine.close()
+        os.sched_setaffinity(0, allowed)
     assert not ray.is_initialized()
     assert_gone(cluster + [pid], timeout=30)
+
+
+@pytest.mark.slow
+def test_a_second_engine_is_refused_and_a_lost_gcs_fails_the_engine_fast(tiny_llama, monkeypatch):
+    """A second engine while the first holds the cluster's CPUs: refused after ``LMDEPLOY_RAY_PLACEMENT_TIMEOUT``,
+    saying what is free (before: every placement group's own resources, unreadable), its pending group removed.
+    Then the local cluster's GCS SIGKILLed: the engine fails within a second or two naming it (before, the
+    engine served on, its close waited on the GCS, and Ray ended this process 60 s after the loss)."""
+    monkeypatch.delenv('RAY_ADDRESS', raising=False)
+    engine = make_engine(tiny_llama, tp=2, distributed_executor_backend='ray')
+    try:
+        monkeypatch.setenv('LMDEPLOY_RAY_PLACEMENT_TIMEOUT', '2')
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"no room within 2 s for 2 ranks of \{'CPU': 1\} each \(PACK; rank 0 "
+                                               r'on this machine, 127\.0\.0\.1\); it has 0 CPUs and 0 GPUs free on 1 '
+                                               r'nodes \(`ray status`'):
+            make_engine(tiny_llama, tp=2, distributed_executor_backend='ray')  # the first holds the cluster's CPUs
+        assert time.monotonic() - start < 15
+        import ray
+        assert {group['state'] for group in ray.util.placement_group_table().values()} == {'CREATED', 'REMOVED'}
+        cluster = [child.pid for child in psutil.Process().children(recursive=True)]
+        (gcs,) = [child.pid for child in psutil.Process().children() if child.name() == 'gcs_server']
+        os.kill(gcs, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match=rf"local Ray cluster's gcs_server \(pid {gcs}\) was killed by SIGKILL"):
+            while True:
+                run(engine, PROMPTS[:1], GREEDY)
+        assert time.monotonic() - start < 5
+    finally:
+        start = time.monotonic()
+        engine.close()
+    assert time.monotonic() - start < 30
+    assert_gone(cluster, timeout=30)
+
+
+def test_a_ray_address_where_no_cluster_answers_is_refused_at_once(tiny_llama, tmp_path, monkeypatch):
+    """``$RAY_ADDRESS``, or the address file a ``ray start`` cluster that is gone left, naming a port where
+    nothing listens: a ``ConnectionError`` saying so within seconds (before, ``ray.init`` retried for minutes)."""
+    pytest.importorskip('lmdeploy.pytorch.distributed.ray_executor')  # imported before the environment changes
+    address = f'127.0.0.1:{free_port()}'
+    (tmp_path / 'ray').mkdir()
+    (tmp_path / 'ray' / 'ray_current_cluster').write_text(address)
+    for source, env in [('RAY_ADDRESS', {'RAY_ADDRESS': address}),
+                        (f"{tmp_path}/ray/ray_current_cluster \\(left by `ray start`", {'RAY_TMPDIR': str(tmp_path)})]:
+        with monkeypatch.context() as patch:
+            patch.delenv('RAY_ADDRESS', raising=False)
+            for key, value in env.items():
+                patch.setenv(key, value)
+            start = time.monotonic()
+            with pytest.raises(ConnectionError, match=rf'no Ray cluster answers at {address}, the address {source}'):
+                make_engine(tiny_llama, tp=2, distributed_executor_backend='ray')
+            assert time.monotonic() - start < 30

@@ -13,15 +13,14 @@ import httpx
 import jsonschema
 import pytest
 from PIL import ExifTags, Image
-from conftest import save_tiny_model
 from helpers import assert_all_released
 from security_fixtures import qwen_vl  # noqa: F401 (fixture)
 from server_helpers import ServerThread, serve, serve_per_parser, tiny_engine
 from test_llama4_vl import save_tiny_llama4_vl
 from test_tool_server_hunt import ask, assert_released, regex
 from test_vl import data_url, png_bytes
-from tool_models import TOOL_TEMPLATE
-from transformers import AutoConfig, AutoTokenizer
+from tool_models import save_tool_model
+from transformers import AutoConfig
 from vl_models import VL_KINDS, save_tiny_vl_model
 
 from lmdeploy.serve.exceptions import ErrorCode, SafeRunException
@@ -142,13 +141,7 @@ def test_images_without_a_size_in_their_source_stop_at_the_one_that_reaches_the_
 def servers(tmp_path_factory):
     """A server for a tool parser's name, with ``qwen3`` reasoning, all on one engine: the tiny model of
     ``tests/tool_models.py`` with ``<tool_call>`` and ``</tool_call>`` made special tokens."""
-    path = str(tmp_path_factory.mktemp('special_markers'))
-    save_tiny_model('qwen2', path)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    tokenizer.add_tokens(['<think>', '</think>'])
-    tokenizer.add_tokens(['<tool_call>', '</tool_call>'], special_tokens=True)
-    tokenizer.chat_template = TOOL_TEMPLATE
-    tokenizer.save_pretrained(path)
+    path = save_tool_model(str(tmp_path_factory.mktemp('special_markers')), special=('<tool_call>', '</tool_call>'))
     engine = tiny_engine(path)
     yield from serve_per_parser(engine, reasoning_parser='qwen3')
 
@@ -216,12 +209,13 @@ def test_a_forced_call_after_reasoning(servers, tool_choice):
 
 
 @pytest.mark.parametrize('parser, reply, content', [
-    ('mistral', 'Hi. [TOOL_CALLS]not a call', 'Hi. not a call'),
-    ('mistral', 'Hi.\n[TOOL_CALLS][{"x": 1}]', 'Hi.\n[{"x": 1}]'),
-    ('deepseek_v3', 'Hi.\n<｜tool▁calls▁begin｜> not a call', 'Hi.\n not a call')])
+    ('mistral', 'Hi. [TOOL_CALLS]not a call', 'Hi. [TOOL_CALLS]not a call'),
+    ('mistral', 'Hi.\n[TOOL_CALLS][{"x": 1}]', 'Hi.\n[TOOL_CALLS][{"x": 1}]'),
+    ('deepseek_v3', 'Hi.\n<｜tool▁calls▁begin｜> not a call', 'Hi.\n<｜tool▁calls▁begin｜> not a call')])
 def test_a_marker_that_starts_no_call_leaves_the_text_as_written(servers, parser, reply, content):
     """Was: the whitespace before the marker went with it (``Hi.not a call``), and with Mistral's list the
-    ``[`` too. The marker, a special token of those tokenizers, is left out, as the text without a parser."""
+    ``[`` too. The marker is no token of this tokenizer, so it stays, as in the text without a parser (a special
+    marker is left out: ``tests/test_serving_leftovers2.py``)."""
     message = ask(servers(parser), {'structured_outputs': {'regex': regex(reply)},
                                     'chat_template_kwargs': {'enable_thinking': False}})
     assert message == {'content': content, 'calls': [], 'finish_reason': 'stop'}

@@ -159,8 +159,10 @@ BAD = [
      'tool_choice.function.name', "'missing', which is not in tools"),
     ({'tools': [NOW, NOW]}, 'tools.1.function.name', 'unique'),
     ({'tool_choice': 'required'}, 'tool_choice', 'requires tools'),
-    ({'tools': TOOLS, 'tool_choice': 'required', 'response_format': {'type': 'json_object'}}, 'tool_choice',
+    ({'tools': TOOLS, 'tool_choice': 'required', 'structured_outputs': {'regex': 'a'}}, 'tool_choice',
      'cannot be combined'),
+    ({'tools': TOOLS, 'tool_choice': 'required', 'response_format': {'type': 'json_schema', 'json_schema': {}}},
+     'response_format.json_schema', 'needs json_schema.schema'),
     ({'tools': [{'type': 'function', 'function': {'name': 'f', 'parameters': {'$schema': 5}}}]},
      'tools.0.function.parameters', 'not a valid JSON schema'),
     ({'messages': ASK + [{'role': 'assistant', 'tool_calls': [{'id': 'x'}]}]}, 'messages.1.tool_calls.0', 'must be'),
@@ -178,6 +180,22 @@ def test_bad_tools_are_400(tool_server, fields, param, message, stream):
     error = r.json()['error']
     assert error['param'] == param and error['type'] == 'invalid_request_error'
     assert message in error['message']
+
+
+@pytest.mark.parametrize('response_format', [{'type': 'json_object'}, {'type': 'json_schema', 'json_schema': {
+    'name': 'answer', 'schema': {'type': 'object', 'properties': {'answer': {'type': 'string'}}}}}])
+@pytest.mark.parametrize('tool_choice', ['required', {'type': 'function', 'function': {'name': 'get_weather'}}])
+def test_a_forced_call_with_a_response_format_is_the_call(client, tool_choice, response_format):
+    """Was a 400. As vLLM does, the forced call's grammar decides the reply: the response format is for the
+    message's content, which a forced call leaves empty."""
+    r = client.chat.completions.create(model='tiny-tools', messages=ASK, tools=TOOLS, tool_choice=tool_choice,
+                                       response_format=response_format, parallel_tool_calls=False, temperature=0,
+                                       max_tokens=500)
+    choice = r.choices[0]
+    assert choice.finish_reason == 'tool_calls' and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert_valid_call(call)
+    assert tool_choice == 'required' or call.function.name == 'get_weather'
 
 
 def test_auto_needs_a_parser(api_server):

@@ -178,13 +178,16 @@ def test_xml_calls_typed_by_the_schema(parser):
      [('get_weather', '{"days": 4, "city": "X"}')]),
     ('{open}<function=now>stray text</function>{close} ok', 'ok', [('now', '{}')]),
 ])
-def test_xml_edges(parser, text, content, calls):
-    """Blocks without a call stay text as written, less tags that are special tokens (Seed-OSS's; Qwen's are
-    plain text); a call left open (or missing closing tags) keeps what arrived."""
+@pytest.mark.parametrize('special', [True, False], ids=['special tags', 'plain tags'])
+def test_xml_edges(parser, text, content, calls, special):
+    """Blocks without a call stay text as written, less the tags where they are special markers (Seed-OSS's
+    tokenizer makes them special tokens, Qwen's plain text); a call left open (or missing closing tags) keeps what
+    arrived."""
     tags = {'open': parser.open_tag, 'close': parser.close_tag, 'op': parser.open_tag[:4]}
-    shown = tags if parser.open_tag in parser.plain_markers else {**tags, 'open': '', 'close': ''}
+    shown = {**tags, 'open': '', 'close': ''} if special else tags
     expected = {'reasoning': '', 'content': content.format(**shown), 'calls': calls}
-    assert split(with_tools(parser), text.format(**tags)) == expected
+    special_markers = parser.markers if special else ()
+    assert split(lambda: ChoiceParser(None, parser(TOOLS, special_markers)), text.format(**tags)) == expected
 
 
 def test_xml_string_values_stream_as_written():
@@ -207,7 +210,7 @@ def test_seed_oss_and_qwen3_5_reasoning_then_calls():
     reply = 'Budget is 0.</seed:cot_budget_reflect>\n</seed:think>\nHi'
     assert split(lambda: ChoiceParser(seed(budget_0)), reply) == {
         'reasoning': 'Budget is 0.</seed:cot_budget_reflect>\n', 'content': 'Hi', 'calls': []}
-    assert seed.special_tokens == ('<seed:think>', '</seed:think>') and SEED_OSS.special_tokens[0] == '<seed:tool_call>'
+    assert seed.markers == ('<seed:think>', '</seed:think>') and SEED_OSS.markers[0] == '<seed:tool_call>'
     qwen35 = '<|im_start|>assistant\n<think>\n'  # Qwen3.5's template opens the block in the prompt
     reply = f'Call it.\n</think>\n\n{xml_call("now", {}, QWEN3_CODER)}'
     qwen35_reasoning = get_reasoning_parser('qwen3_5')
@@ -231,7 +234,9 @@ def test_seed_oss_and_qwen3_5_reasoning_then_calls():
     ('<|tool_call|>[{"name": "f"}, {"x": 1}]', '{"x": 1}]', [('f', '{}')]),
 ])
 def test_granite(text, content, calls):
-    assert split(lambda: ChoiceParser(None, GRANITE()), text) == {'reasoning': '', 'content': content, 'calls': calls}
+    """As served with Granite 3.0's tokenizer, which makes ``<|tool_call|>`` a special token."""
+    expected = {'reasoning': '', 'content': content, 'calls': calls}
+    assert split(lambda: ChoiceParser(None, GRANITE((), ['<|tool_call|>'])), text) == expected
 
 
 @pytest.mark.parametrize('text, content, calls', [

@@ -1,18 +1,23 @@
 """What the hunt on tensor parallelism and the proxy (docs/reliability.md) found: an ``api_server --dp``
 replica whose tensor-parallel rank died served on with a dead engine, answering 503 forever; a hung rank's
-error named rank 0 (the one that waited)."""
+error named rank 0 (the one that waited); a rank whose forkserver died was said to exit with code 255."""
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import httpx
 import psutil
-from helpers import assert_gone
+import pytest
+from helpers import assert_gone, make_engine
 from proxy_helpers import NODE_FLAGS
 from server_helpers import free_port
 
+from lmdeploy import GenerationConfig
 from lmdeploy.cli.main import build_parser
 from lmdeploy.cli.serve import run_api_server
+from lmdeploy.pytorch.distributed.parallel_state import WorkerError
 from lmdeploy.serve.proxy.dp import Replicas
 
 
@@ -84,3 +89,24 @@ def _healthy(url: str) -> bool:
         return httpx.get(f'{url}/health', timeout=5).status_code == 200
     except httpx.TransportError:
         return False
+
+
+def test_a_rank_whose_forkserver_died_says_so(tiny_llama, monkeypatch):
+    """The forkserver SIGKILLed mid-run takes its worker with it (the kernel SIGKILLs a worker whose parent
+    dies); ``multiprocessing`` reports exit code 255 for it, and the error said ``rank 1 (pid ...) exited with
+    code 255``. Now it names the forkserver and how it ended."""
+    monkeypatch.setenv('LMDEPLOY_TP_START_METHOD', 'forkserver')
+    engine = make_engine(tiny_llama, tp=2)
+    try:
+        (pid,) = engine.executor.pids
+        server = psutil.Process(pid).ppid()
+        engine.add_request([5, 6, 7], GenerationConfig(max_new_tokens=500, ignore_eos=True))
+        engine.step()
+        os.kill(server, signal.SIGKILL)
+        with pytest.raises(WorkerError, match=rf'rank 1 \(pid {pid}\) was killed by SIGKILL when its forkserver '
+                                              rf'\(pid {server}\) died, which was killed by SIGKILL'):
+            while True:
+                engine.step()
+    finally:
+        engine.close()
+    assert_gone([pid, server])

@@ -4,6 +4,8 @@ DeepSeek-R1's template does, with ``open_think=True``; its tokenizer has ``<thin
 ``<tool_call>`` and ``</tool_call>`` as single tokens."""
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from conftest import save_tiny_model
 from transformers import AutoTokenizer
 
@@ -47,12 +49,14 @@ Call a tool with <tool_call>
 ADDED_TOKENS = ['<think>', '</think>', '<tool_call>', '</tool_call>']
 
 
-def save_tool_model(path: str, template: str = TOOL_TEMPLATE) -> str:
+def save_tool_model(path: str, template: str = TOOL_TEMPLATE, special: Collection[str] = ()) -> str:
     """A tiny random Qwen2 at ``path`` with ``template`` (by default :data:`TOOL_TEMPLATE`) and the
-    :data:`ADDED_TOKENS`."""
+    :data:`ADDED_TOKENS`: plain added tokens, as in Qwen's tokenizers, but for those in ``special``, which
+    are special tokens."""
     save_tiny_model('qwen2', path)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    tokenizer.add_tokens(ADDED_TOKENS)
+    tokenizer.add_tokens([t for t in ADDED_TOKENS if t not in special])
+    tokenizer.add_tokens([t for t in ADDED_TOKENS if t in special], special_tokens=True)
     tokenizer.chat_template = template
     tokenizer.save_pretrained(path)
     return path

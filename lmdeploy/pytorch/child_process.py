@@ -47,3 +47,27 @@ def exit_now(code: int = 0) -> NoReturn:
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(code)
+
+
+def unreaped_exit_code(pid: int) -> int | None:
+    """The exit code (negative: the signal that killed it) of ``pid``, a child of this process that ended and
+    was not reaped yet, read from /proc without reaping it (whoever started it still may); None while it runs,
+    or once it is reaped."""
+    try:
+        with open(f'/proc/{pid}/stat') as stat:
+            fields = stat.read().rsplit(')', 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    # proc(5): field 3 is the state, field 52 the wait status (fields[0] and fields[49] after the name)
+    if fields[0] != 'Z' or len(fields) < 50:
+        return None
+    return os.waitstatus_to_exitcode(int(fields[49]))
+
+
+def ending(exitcode: int | None) -> str:
+    """How a process ended, from its exit code (negative: the signal)."""
+    if exitcode is None:
+        return 'ended'
+    if exitcode < 0:
+        return f'was killed by {signal.Signals(-exitcode).name}'
+    return f'exited with code {exitcode}'

@@ -187,7 +187,7 @@ class AsyncEngine:
         Each chunk carries the new text and token ids (and logprobs if asked); the counts are totals
         so far; the last chunk has a ``finish_reason``: 'stop', 'length', 'abort', or 'error' when
         the engine failed while the request ran (``error`` says why). With a ``reasoning_parser``, the
-        reply is read by it (the special tokens it reads kept; a ``response_format`` without
+        reply is read by it (the markers it reads kept where they are special tokens; a ``response_format`` without
         ``response_format_after`` applies after the reasoning): each chunk's ``text`` is its share of the
         answer, ``reasoning_content`` its share of the reasoning.
 

@@ -46,7 +46,7 @@ def keep_special_tokens(config: GenerationConfig, tokens: Iterable[str]) -> Gene
 def for_parser(config: GenerationConfig, parser: ReasoningParser) -> GenerationConfig:
     """``config`` for a reply that ``parser`` reads: the markers it reads kept, and a response format that
     does not say where it starts applied to the answer, after the reasoning."""
-    config = keep_special_tokens(config, parser.special_tokens)
+    config = keep_special_tokens(config, parser.markers)
     if config.response_format is not None and config.response_format_after is None:
         after = parser.grammar_after()
         config = dataclasses.replace(config, response_format_after=after,

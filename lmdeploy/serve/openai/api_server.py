@@ -38,6 +38,7 @@ from lmdeploy.serve.openai.serving_native import abort_request, encode_text, gen
 from lmdeploy.serve.openai.tool_parsers import ToolParser, get_tool_parser
 from lmdeploy.serve.openai.web_ui import mount_web_ui
 from lmdeploy.serve.reasoning import MODEL_PARSERS
+from lmdeploy.tokenizer import Tokenizer
 
 logger = logging.getLogger('lmdeploy')
 AUTH_EXEMPT = frozenset({'/health'})
@@ -120,6 +121,14 @@ def _parsers(engine: AsyncEngine, tool_name: str | None, reasoning_name: str | N
     return tools, reasoning
 
 
+def _special_markers(tokenizer: Tokenizer, *parsers: type[ToolParser] | type[ReasoningParser] | None
+                     ) -> frozenset[str]:
+    """The markers of ``parsers`` that ``tokenizer`` makes special tokens: those a reply's text decoded with
+    ``skip_special_tokens`` leaves out."""
+    special = set(tokenizer.special_token_ids.values())
+    return frozenset(m for parser in parsers if parser is not None for m in parser.markers if m in special)
+
+
 def create_app(engine: AsyncEngine, model_name: str | None = None, api_keys: list[str] | None = None,
                allow_origins: list[str] | None = None, allow_credentials: bool = False,
                allow_methods: list[str] | None = None, allow_headers: list[str] | None = None,
@@ -157,7 +166,7 @@ def create_app(engine: AsyncEngine, model_name: str | None = None, api_keys: lis
     defaults = sampling_defaults(engine.model_dir) if generation_config == 'auto' else {}
     state = ServerState(engine, model_name or engine.model_name, admission,
                         Metrics(engine, lambda: admission.num_waiting), heartbeat_timeout, limits, executor,
-                        tools, reasoning, defaults)
+                        tools, reasoning, defaults, _special_markers(engine.tokenizer, tools, reasoning))
     # Admitted slots are the only waiters for engine instances: bound that line too (defence in depth).
     insts = engine.inst_manager
     insts.max_waiting = max(insts.max_waiting or 0, max_concurrent_requests)

@@ -38,10 +38,12 @@ def _check(state: ServerState, req: ChatCompletionRequest) -> ToolPlan:
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(req.chat_template_kwargs or ()))
     if reserved:
         raise APIError(400, f'chat_template_kwargs may not set {", ".join(reserved)}', 'chat_template_kwargs')
-    plan = plan_tools(req, state.tool_parser)
-    if plan.response_format is not None and requested_format(req)[0] is not None:
-        raise APIError(400, "tool_choice 'required' or a named function cannot be combined with response_format "
-                       'or structured_outputs', 'tool_choice')
+    plan = plan_tools(req, state.tool_parser, state.special_markers if req.skip_special_tokens else ())
+    # A forced call's grammar takes the place of a response_format (for the content, which a forced call leaves
+    # empty), which is still checked; structured_outputs constrains the whole reply, as the call's grammar does.
+    if plan.response_format is not None and requested_format(req)[1] == 'structured_outputs':
+        raise APIError(400, "tool_choice 'required' or a named function cannot be combined with structured_outputs",
+                       'tool_choice')
     check_grammar_cost(state.limits, *_format(req, plan))
     check_session(state, req.session_id, req.n)
     template_extras = [[t.model_dump(exclude_none=True) for t in req.tools or ()], req.chat_template_kwargs]
@@ -64,7 +66,7 @@ async def _jobs(state: ServerState, req: ChatCompletionRequest, plan: ToolPlan,
                            req.chat_template_kwargs)
     config = gen_config(state, req, len(prompt.input_ids), (req.top_logprobs or 0) if req.logprobs else None, None)
     reasoning = state.reasoning_parser
-    config = keep_special_tokens(config, [*(reasoning.special_tokens if reasoning else ()), *plan.special_tokens])
+    config = keep_special_tokens(config, [*(reasoning.markers if reasoning else ()), *plan.markers])
 
     def make_parser() -> ChoiceParser:
         return ChoiceParser(reasoning(prompt.text) if reasoning else None,

@@ -48,6 +48,8 @@ class ServerState:
     reasoning_parser: type[ReasoningParser] | None = None
     # What a chat or completion request that leaves a sampling field out gets (see sampling_defaults).
     sampling_defaults: dict[str, float] = field(default_factory=dict)
+    # The parsers' markers that the served tokenizer makes special tokens (see ToolParser.special_markers).
+    special_markers: frozenset[str] = frozenset()
 
 
 SAMPLING_FIELDS = ('temperature', 'top_p', 'top_k', 'min_p', 'repetition_penalty')

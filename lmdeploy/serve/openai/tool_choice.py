@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -24,13 +24,13 @@ class ToolPlan:
     """``template_tools`` go to the chat template; ``response_format`` (if any) forces the reply to be
     calls; ``make_parser`` gives each choice its parser (None: the reply is plain content);
     ``max_calls`` keeps the calls after the first out without ``parallel_tool_calls``;
-    ``special_tokens`` are those the parser reads."""
+    ``markers`` are those the parser reads."""
 
     template_tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
     make_parser: Callable[[], ToolParser] | None = None
     max_calls: int | None = None
-    special_tokens: tuple[str, ...] = ()
+    markers: tuple[str, ...] = ()
 
 
 def _check_tools(tools: list[ChatTool]) -> None:
@@ -78,11 +78,13 @@ def _tool_choice(value: str | dict[str, Any] | None, tools: list[ChatTool]) -> s
                        'tool_choice') from exc
 
 
-def plan_tools(req: ChatCompletionRequest, parser: type[ToolParser] | None) -> ToolPlan:
+def plan_tools(req: ChatCompletionRequest, parser: type[ToolParser] | None,
+               special_markers: Collection[str]) -> ToolPlan:
     """Checks ``tools`` and ``tool_choice`` (bad ones are a 400) and says how the request uses them.
 
     ``parser`` is the server's ``--tool-call-parser`` (None: none configured); it gets the tools, whose
-    schemas type the arguments of the formats that write them as text."""
+    schemas type the arguments of the formats that write them as text, and ``special_markers`` (see
+    :class:`ToolParser`)."""
     tools = req.tools or []
     choice = _tool_choice(req.tool_choice, tools)
     if not tools:
@@ -99,7 +101,8 @@ def plan_tools(req: ChatCompletionRequest, parser: type[ToolParser] | None) -> T
             raise APIError(400, "tool_choice 'auto' needs a tool call parser: start the server with "
                            "--tool-call-parser (or send tool_choice 'required', 'none' or a named function)",
                            'tool_choice')
-        return ToolPlan(template_tools, None, partial(parser, template_tools), max_calls, parser.special_tokens)
+        return ToolPlan(template_tools, None, partial(parser, template_tools, special_markers), max_calls,
+                        parser.markers)
     if choice == 'required':
         schema = required_schema(tools, req.parallel_tool_calls)
         return ToolPlan(template_tools, _json_schema('tool_calls', schema), RequiredToolParser, max_calls)

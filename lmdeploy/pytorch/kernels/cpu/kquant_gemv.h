@@ -12,9 +12,10 @@ namespace kquant {
 
 constexpr int64_t kTileRows = 16;
 
-// How far ahead of the bytes it reads a GEMV's tile asks for its codes: a batch-1 step reads each weight once,
-// and with the hardware prefetcher alone the arithmetic and the memory's latency took turns (Q4_K and Q6_K
-// GEMVs over weights not in cache ran at ~6 GB/s on a machine that reads 15 GB/s on one thread).
+// How far ahead of the bytes it reads a GEMV's tile, or a tile written in bf16 for larger steps, asks for its codes
+// (and scales): a batch-1 step reads each weight once, and with the hardware prefetcher alone the arithmetic and the
+// memory's latency took turns (Q4_K and Q6_K GEMVs over weights not in cache ran at ~6 GB/s on a machine that reads
+// 15 GB/s on one thread; without it the writers' steps of 3 to 16 rows took 1.08-1.25x as long).
 constexpr int64_t kCodePrefetchBytes = 4096;
 
 // Asks for the `bytes` (whole cache lines) that lie `distance` bytes past p, into L1; never faults.
@@ -136,7 +137,9 @@ TiledWeight k_tiles(const torch::Tensor& codes, const torch::Tensor& scales, int
     const uint8_t* w = cp + tile * (K / kGroup) * code_bytes;  // (codes and scales: kept alive)
     for (int64_t block = 0; block < blocks; ++block) {
       const uint8_t* s = sp + (tile * blocks + block) * kScaleBytes;
+      prefetch_ahead(s, kCodePrefetchBytes * kScaleBytes / (code_bytes * kBlock / kGroup), kScaleBytes);
       for (int64_t j = 0; j < kBlock / kGroup; ++j, w += code_bytes) {
+        prefetch_ahead(w, kCodePrefetchBytes, code_bytes);
         __m512 scale, minimum;
         scale_min(s, j, scale, minimum);
         __m512i pairs[16];  // codes, then dword r the bf16 weights of (row r, inputs 16 h + 2 c, + 1) at [8 h + c]

@@ -110,10 +110,12 @@ TiledWeight q6k_tiled(const torch::Tensor& codes, const torch::Tensor& scales) {
     const uint8_t* w = cp + tile * (K / kGroup) * kCodeBytes;
     for (int64_t block = 0; block < blocks; ++block) {
       const uint8_t* s = sp + (tile * blocks + block) * kScaleBytes;
+      kquant::prefetch_ahead(s, kquant::kCodePrefetchBytes * kScaleBytes / (kCodeBytes * kBlock / kGroup), kScaleBytes);
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + kBlock)));
       for (int64_t i = 0; i < kBlock / kGroup; i += 2) {  // two groups of 16 inputs: a row's 32 weights
         __m512i pairs[16];  // [8 g + p]: dword r the bf16 weights of (row r, group i + g, inputs 2 p, + 1)
         for (int g = 0; g < 2; ++g, w += kCodeBytes) {
+          kquant::prefetch_ahead(w, kquant::kCodePrefetchBytes, kCodeBytes);
           const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + (i + g) * kTile));
           const __m512 scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
           const __m512 offset = _mm512_mul_ps(scale, _mm512_set1_ps(32.f));  // w = u * d * sc - 32 d * sc

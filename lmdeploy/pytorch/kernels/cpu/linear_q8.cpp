@@ -201,6 +201,8 @@ TiledWeight q8_tiled(const torch::Tensor& packed, const torch::Tensor& scales) {
     for (int64_t group = 0; group < groups; ++group) {
       const int8_t* codes = w + (tile * groups + group) * kGroup * kTile;
       const uint16_t* s = sp + (tile * groups + group) * kTile;
+      kquant::prefetch_ahead(codes, kquant::kCodePrefetchBytes, kGroup * kTile);
+      kquant::prefetch_ahead(s, kquant::kCodePrefetchBytes / kGroup * sizeof(uint16_t), kTile * sizeof(uint16_t));
       const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
       __m512i pairs[kPairs];  // exact fp32 products, rounded once to bf16
       for (int p = 0; p < kPairs; ++p)

@@ -24,13 +24,13 @@ class ReasoningParser(ABC):
     """Splits one choice's reply into reasoning and content, fed piecewise.
 
     ``end_marker`` is the text after which the reply's content starts: a grammar for the content applies
-    from there (see :meth:`grammar_after`). ``special_tokens`` are the special tokens the parser reads,
-    which the detokenizer then keeps in the reply's text. ``history_field`` is the assistant message's
-    field in which the chat templates of the parser's models take the reasoning back.
+    from there (see :meth:`grammar_after`). ``markers`` are the tags the parser reads: the detokenizer keeps
+    those that the served tokenizer makes special tokens in the reply's text. ``history_field`` is the
+    assistant message's field in which the chat templates of the parser's models take the reasoning back.
     """
 
     end_marker: str
-    special_tokens: tuple[str, ...] = ()
+    markers: tuple[str, ...] = ()
     history_field: str = 'reasoning_content'
 
     def __init__(self, prompt: str) -> None:

@@ -17,7 +17,7 @@ class HarmonyReasoningParser(ReasoningParser):
     preamble) and text outside messages are content; function calls pass through whole."""
 
     end_marker = f'{CHANNEL}final{MESSAGE}'
-    special_tokens = SPECIAL_TOKENS
+    markers = SPECIAL_TOKENS
     history_field = 'thinking'  # gpt-oss's template renders it only for a trailing assistant turn
 
     def __init__(self, prompt: str) -> None:

@@ -23,15 +23,17 @@ def _prompt_state(prompt: str, start: str, end: str) -> str:
     return 'closed' if tail.endswith(end) else 'none'
 
 
-@register_reasoning_parser('qwen3', 'deepseek_r1', 'deepseek-r1', 'think')
+@register_reasoning_parser('qwen3', 'deepseek_r1', 'deepseek-r1', 'think', 'glm45', 'glm4_moe')
 class ThinkReasoningParser(ReasoningParser):
     """The reply is reasoning up to ``</think>`` when the prompt opened the block or the reply starts
     with ``<think>``; otherwise all of it is content. Whitespace right after ``</think>`` is dropped.
     ``start_marker`` and ``end_marker`` are the block's tags; an ``implicit_ends`` tag in the reasoning ends it
-    too, and starts the content."""
+    too, and starts the content. GLM-4.5's and GLM-4.6's ``enable_thinking=False`` closes an empty block in
+    the prompt, as Qwen3's does."""
 
     start_marker = START
     end_marker = END
+    markers = (START, END)
     implicit_ends: tuple[str, ...] = ()
 
     def __init__(self, prompt: str) -> None:
@@ -89,18 +91,10 @@ class Qwen35ReasoningParser(ThinkReasoningParser):
     implicit_ends = ('<tool_call>',)
 
 
-@register_reasoning_parser('glm45', 'glm4_moe')
-class Glm45ReasoningParser(ThinkReasoningParser):
-    """GLM-4.5's and GLM-4.6's ``<think>`` reasoning (``enable_thinking=False`` closes an empty block in the
-    prompt), keeping the tags in the text should a tokenizer mark them special."""
-
-    special_tokens = (START, END)
-
-
 @register_reasoning_parser('seed_oss')
 class SeedOssReasoningParser(ThinkReasoningParser):
     """Seed-OSS's ``<seed:think>`` reasoning (a thinking budget of 0 opens the block in the prompt, and the
-    reply closes it at once); the tags are special tokens, kept in the text."""
+    reply closes it at once)."""
 
     start_marker, end_marker = '<seed:think>', '</seed:think>'
-    special_tokens = (start_marker, end_marker)
+    markers = (start_marker, end_marker)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,22 +55,22 @@ class ToolParser(ABC):
     ``tools`` are the request's OpenAI ``tools``: ``self.parameters`` holds each function's parameters'
     schemas, for the parsers of formats that write arguments as untyped text. Subclasses keep the whole
     content in ``self.text`` and a read position ``self.pos``; :meth:`_advance` consumes what can be decided
-    (with ``final``: everything). ``special_tokens`` are the special tokens
-    the parser reads, which the detokenizer then keeps in the reply's text; ``plain_markers`` those of them that
-    the family's own tokenizers write as plain text instead; ``reasoning_parser`` names the reasoning parser
-    whose content the parser reads, when it needs one.
+    (with ``final``: everything). ``markers`` are the tags the parser reads: the detokenizer keeps those that
+    the served tokenizer makes special tokens in the reply's text; ``reasoning_parser`` names the reasoning
+    parser whose content the parser reads, when it needs one.
 
-    Text that holds no call (a marker that starts none, a block without a call) is content as a reply without a
-    parser would show it: as written, less the markers the family's tokenizers make special tokens
-    (:meth:`_unmarked`).
+    ``special_markers`` are the markers that the reply's text would leave out without a parser: those the
+    served tokenizer makes special tokens, when the request skips special tokens (none otherwise). Text that
+    holds no call (a marker that starts none, a block without a call) is content as that text shows it: as
+    written, less the ``special_markers`` (:meth:`_unmarked`).
     """
 
-    special_tokens: tuple[str, ...] = ()
-    plain_markers: tuple[str, ...] = ()
+    markers: tuple[str, ...] = ()
     reasoning_parser: str | None = None
 
-    def __init__(self, tools: Sequence[Mapping[str, Any]] = ()) -> None:
+    def __init__(self, tools: Sequence[Mapping[str, Any]] = (), special_markers: Collection[str] = ()) -> None:
         self.parameters = parameter_schemas(tools)
+        self.special_markers = frozenset(special_markers)
         self.text = ''
         self.pos = 0
         self.num_calls = 0
@@ -112,11 +112,11 @@ class ToolParser(ABC):
         return True
 
     def _unmarked(self, start: int, end: int, markers: Sequence[str] | None = None) -> str:
-        """The text from ``start`` to ``end`` less the special ones of ``markers`` (default: ``special_tokens``),
-        which the reply's text would not show without a parser."""
+        """The text from ``start`` to ``end`` less those of ``markers`` (default: all the parser's) that are
+        ``special_markers``, which the reply's text would not show without a parser."""
         text = self.text[start:end]
-        for marker in self.special_tokens if markers is None else markers:
-            if marker in self.special_tokens and marker not in self.plain_markers:
+        for marker in self.markers if markers is None else markers:
+            if marker in self.special_markers:
                 text = text.replace(marker, '')
         return text
 

@@ -9,7 +9,7 @@ a JSON code block, V3.1 the name and the arguments alone::
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from lmdeploy.serve.openai.text_scan import held_back, skip_whitespace
@@ -24,12 +24,12 @@ FENCE, FENCE_END = '```', '\n```'
 class DeepSeekV3ToolParser(ToolParser):
     """Text up to ``<｜tool▁calls▁begin｜>`` is content (without the whitespace before it), then calls up
     to ``<｜tool▁calls▁end｜>``; their arguments stream as written. A ``<｜tool▁calls▁begin｜>`` that no call
-    follows leaves the text as written, less the marker (a special token)."""
+    follows leaves the text as written, less the marker where it is one of ``special_markers``."""
 
-    special_tokens = (CALLS_BEGIN, CALLS_END, CALL_BEGIN, SEP, CALL_END)
+    markers = (CALLS_BEGIN, CALLS_END, CALL_BEGIN, SEP, CALL_END)
 
-    def __init__(self, tools: Sequence[Mapping[str, Any]] = ()) -> None:
-        super().__init__(tools)
+    def __init__(self, tools: Sequence[Mapping[str, Any]] = (), special_markers: Collection[str] = ()) -> None:
+        super().__init__(tools, special_markers)
         self.state = 'text'
         self.args_end = (CALL_END,)  # what ends the current call's arguments
         self.first = True  # the block's first call is next

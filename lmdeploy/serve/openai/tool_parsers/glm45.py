@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from lmdeploy.serve.openai.text_scan import WHITESPACE, skip_whitespace
@@ -52,12 +52,12 @@ def parse_call(body: str, parameters: Mapping[str, Mapping[str, Any]]) -> tuple[
 @register_tool_parser('glm45', 'glm4_moe')
 class Glm45ToolParser(ToolParser):
     """``<tool_call>`` blocks among plain text; whitespace next to a block is dropped, and a block that holds
-    no call goes back into the text as it was, less its tags (special tokens)."""
+    no call goes back into the text as it was, less its tags where they are ``special_markers``."""
 
-    special_tokens = (OPEN, CLOSE, KEY_OPEN, KEY_CLOSE, VALUE_OPEN, VALUE_CLOSE)
+    markers = (OPEN, CLOSE, KEY_OPEN, KEY_CLOSE, VALUE_OPEN, VALUE_CLOSE)
 
-    def __init__(self, tools: Sequence[Mapping[str, Any]] = ()) -> None:
-        super().__init__(tools)
+    def __init__(self, tools: Sequence[Mapping[str, Any]] = (), special_markers: Collection[str] = ()) -> None:
+        super().__init__(tools, special_markers)
         self.in_call = False
         self.strip = False  # drop the whitespace that follows a block
 

@@ -5,7 +5,7 @@
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from lmdeploy.serve.openai.text_scan import held_back, skip_whitespace, strip_end
@@ -19,13 +19,13 @@ MARKERS = ('<|tool_call|>', '<tool_call>')
 class GraniteToolParser(JsonCallsParser):
     """Text up to a marker is content (without the whitespace before it); then a list of call objects, whose
     arguments stream as written. A marker that no list of calls follows, an object that is not a call (with
-    what follows it), and the text after the list are content: ``<|tool_call|>`` left out (a special token),
-    ``<tool_call>`` as written (plain text)."""
+    what follows it), and the text after the list are content, less the marker where it is one of
+    ``special_markers``."""
 
-    special_tokens = MARKERS[:1]
+    markers = MARKERS
 
-    def __init__(self, tools: Sequence[Mapping[str, Any]] = ()) -> None:
-        super().__init__(tools)
+    def __init__(self, tools: Sequence[Mapping[str, Any]] = (), special_markers: Collection[str] = ()) -> None:
+        super().__init__(tools, special_markers)
         self.state = 'text'
         self.first = True  # the list's first object is next
 

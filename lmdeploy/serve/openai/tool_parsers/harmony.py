@@ -7,7 +7,7 @@ function calls still harmony messages.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from lmdeploy.serve.openai.harmony import SPECIAL_TOKENS, HarmonyReader
@@ -19,11 +19,11 @@ class HarmonyToolParser(ToolParser):
     """A message to ``functions.NAME`` is a call of NAME, its body the arguments (streamed as written);
     the bodies of other messages and the text outside messages are content."""
 
-    special_tokens = SPECIAL_TOKENS
+    markers = SPECIAL_TOKENS
     reasoning_parser = 'harmony'
 
-    def __init__(self, tools: Sequence[Mapping[str, Any]] = ()) -> None:
-        super().__init__(tools)
+    def __init__(self, tools: Sequence[Mapping[str, Any]] = (), special_markers: Collection[str] = ()) -> None:
+        super().__init__(tools, special_markers)
         self.reader = HarmonyReader()
         self.calling = False
 

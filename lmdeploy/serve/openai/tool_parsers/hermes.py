@@ -6,7 +6,7 @@
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from lmdeploy.serve.openai.tool_parsers.base import ParsedDelta, ToolParser, register_tool_parser
@@ -21,14 +21,14 @@ class HermesToolParser(ToolParser):
     """``<tool_call>`` blocks holding one JSON call each, among plain text.
 
     Whitespace next to a block is dropped; a block that holds no call, or a tag that the reply ends on, goes back
-    into the text as it was (the tags are plain text in Qwen's tokenizers). The tags are kept in the reply's text
-    where a tokenizer makes them special tokens.
+    into the text as it was, less the tags where they are ``special_markers`` (Qwen2.5's and Qwen3's tokenizers
+    make them added tokens that are not special).
     """
 
-    special_tokens = plain_markers = (OPEN, CLOSE)
+    markers = (OPEN, CLOSE)
 
-    def __init__(self, tools: Sequence[Mapping[str, Any]] = ()) -> None:
-        super().__init__(tools)
+    def __init__(self, tools: Sequence[Mapping[str, Any]] = (), special_markers: Collection[str] = ()) -> None:
+        super().__init__(tools, special_markers)
         self.state = 'text'
         self.strip = False  # drop the whitespace that follows a block
         self.block_start = 0

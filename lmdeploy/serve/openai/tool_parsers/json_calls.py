@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from lmdeploy.serve.openai.text_scan import skip_whitespace
@@ -128,8 +128,8 @@ class JsonCallsParser(ToolParser):
     """A parser of replies that hold call objects: ``state`` says what it reads next (``'start'`` first,
     ``'call'`` while ``reader`` reads a call object)."""
 
-    def __init__(self, tools: Sequence[Mapping[str, Any]] = ()) -> None:
-        super().__init__(tools)
+    def __init__(self, tools: Sequence[Mapping[str, Any]] = (), special_markers: Collection[str] = ()) -> None:
+        super().__init__(tools, special_markers)
         self.state = 'start'
         self.reader: CallReader | None = None
 
@@ -140,7 +140,7 @@ class JsonCallsParser(ToolParser):
     def read_list_item(self, out: ParsedDelta, final: bool, first: bool) -> bool:
         """In a list of calls: past a comma, into the next object, or, at the list's end or anything else, back to
         ``'text'``; False where the text ends first. A ``first`` item that is no object makes the list text, from
-        the whitespace before its marker on (``marker_start``), less the marker where it is a special token."""
+        the whitespace before its marker on (``marker_start``), less the marker where it is a special marker."""
         start = skip_whitespace(self.text, self.pos)
         c = self.text[start] if start < len(self.text) else None
         if c is None and not (final and first):

@@ -16,7 +16,10 @@ PYTHON_TAG = '<|python_tag|>'
 @register_tool_parser('llama3_json', 'llama3', 'llama4_json')
 class Llama3JsonToolParser(JsonCallsParser):
     """A reply that starts with a JSON object (or ``<|python_tag|>``) is calls; any other is text. Text
-    after the calls, or an object that is not a call, is given as text."""
+    after the calls, or an object that is not a call, is given as text; a ``<|python_tag|>`` that no call
+    follows too, less the tag where it is one of ``special_markers``."""
+
+    markers = (PYTHON_TAG,)
 
     def _advance(self, final: bool) -> ParsedDelta:
         out = ParsedDelta()
@@ -25,9 +28,9 @@ class Llama3JsonToolParser(JsonCallsParser):
             rest = self.text[start:start + len(PYTHON_TAG)]
             if self.state == 'start':
                 if rest.startswith(PYTHON_TAG):
-                    self.pos, self.state = start + len(PYTHON_TAG), 'calls'
+                    self.marker_start, self.pos, self.state = start, start + len(PYTHON_TAG), 'calls'
                 elif rest.startswith('{'):
-                    self.state = 'calls'
+                    self.marker_start, self.state = start, 'calls'
                 elif final or (rest and not PYTHON_TAG.startswith(rest)):
                     self.state = 'text'
                 else:
@@ -36,18 +39,28 @@ class Llama3JsonToolParser(JsonCallsParser):
                 while start < len(self.text) and self.text[start] == ';':
                     start = skip_whitespace(self.text, start + 1)
                 if start == len(self.text):
-                    if final and not self.num_calls:  # the tag and whitespace: the whitespace is text
-                        out.content, self.pos = out.content + self.text[self.pos:], start
+                    if final:
+                        self._no_call(out, start)
                     return out
-                self.pos = start
                 if self.text[start] != '{':
+                    self._no_call(out, start)
                     self.state = 'text'
                     continue
+                self.pos = start
                 self.start_call(start)
             elif self.state == 'call':
                 is_call = self.read_call(out, final)
                 if is_call is None:
                     return out
+                if not is_call:
+                    self._no_call(out, self.pos)
                 self.state = 'calls' if is_call else 'text'
             else:
                 return self.rest_as_text(out)
+
+    def _no_call(self, out: ParsedDelta, end: int) -> None:
+        """Before the first call, the tag (if any) and the text after it up to ``end`` are content; ``pos``
+        moves to ``end``."""
+        if not self.num_calls:
+            out.content += self._unmarked(self.marker_start, end)
+        self.pos = max(self.pos, end)

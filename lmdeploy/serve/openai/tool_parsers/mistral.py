@@ -8,7 +8,7 @@ arguments::
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from lmdeploy.serve.openai.text_scan import skip_whitespace
@@ -23,13 +23,13 @@ _NAME = re.compile(r'\s*([^\s\[]+)\s*(?:' + re.escape(CALL_ID) + r'.*)?', re.DOT
 class MistralToolParser(JsonCallsParser):
     """Text up to ``[TOOL_CALLS]`` is content (without the whitespace before it); then a list of call
     objects, or calls ``NAME[ARGS]{...}``. A ``[TOOL_CALLS]`` followed by neither, or by a list whose first
-    object is not a call, leaves the text as written, less the marker (a special token). Text after the calls is
-    content too."""
+    object is not a call, leaves the text as written, less the marker where it is one of ``special_markers``.
+    Text after the calls is content too."""
 
-    special_tokens = (TOOL_CALLS, ARGS, CALL_ID)
+    markers = (TOOL_CALLS, ARGS, CALL_ID)
 
-    def __init__(self, tools: Sequence[Mapping[str, Any]] = ()) -> None:
-        super().__init__(tools)
+    def __init__(self, tools: Sequence[Mapping[str, Any]] = (), special_markers: Collection[str] = ()) -> None:
+        super().__init__(tools, special_markers)
         self.state = 'text'
         self.args: JsonScanner | None = None
         self.sent = 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from lmdeploy.serve.openai.text_scan import held_back, skip_whitespace, strip_end
@@ -82,14 +82,14 @@ class PythonicToolParser(ToolParser):
     A call's name goes out once its first argument (or its ``)``) is read and holds; its arguments then go
     out one by one. A list whose first call does not hold (``[1, 2]``, ``[f(x)]``) is text; a call that breaks
     off later keeps the arguments before the break, and the rest of the reply is text. A call that the reply
-    leaves open ends with it. A ``<|python_start|>`` (a special token) that no list follows is left out of the
-    text.
+    leaves open ends with it. A ``<|python_start|>`` that no list follows is left out of the text where it is
+    one of ``special_markers``.
     """
 
-    special_tokens = (PYTHON_START, PYTHON_END)
+    markers = (PYTHON_START, PYTHON_END)
 
-    def __init__(self, tools: Sequence[Mapping[str, Any]] = ()) -> None:
-        super().__init__(tools)
+    def __init__(self, tools: Sequence[Mapping[str, Any]] = (), special_markers: Collection[str] = ()) -> None:
+        super().__init__(tools, special_markers)
         self.state = 'text'
         self.scan = 0  # where the search for a list goes on
         self.call_start = 0  # where the current call's text starts (the list's, for a list's first call)

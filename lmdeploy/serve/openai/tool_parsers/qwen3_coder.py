@@ -23,4 +23,4 @@ class Qwen3CoderToolParser(XmlCallsParser):
     """``<tool_call><function=NAME><parameter=ARG>VALUE</parameter>...</function></tool_call>``."""
 
     open_tag, close_tag = '<tool_call>', '</tool_call>'
-    special_tokens = plain_markers = (open_tag, close_tag)  # plain text in Qwen's tokenizers
+    markers = (open_tag, close_tag)

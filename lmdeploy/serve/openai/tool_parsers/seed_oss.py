@@ -21,4 +21,4 @@ class SeedOssToolParser(XmlCallsParser):
     """``<seed:tool_call><function=NAME><parameter=ARG>VALUE</parameter>...</function></seed:tool_call>``."""
 
     open_tag, close_tag = '<seed:tool_call>', '</seed:tool_call>'
-    special_tokens = (open_tag, close_tag)
+    markers = (open_tag, close_tag)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from lmdeploy.serve.openai.text_scan import held_back, skip_whitespace, strip_end
@@ -36,7 +36,7 @@ class XmlCallsParser(ToolParser):
     """Blocks from ``open_tag`` to ``close_tag`` holding ``<function=NAME>`` calls, among plain text.
 
     Whitespace next to a call is dropped. A block that does not start with a function's tag goes back into
-    the text as it was, less its tags where they are special tokens. Inside a call, text that is no parameter
+    the text as it was, less its tags where they are ``special_markers``. Inside a call, text that is no parameter
     is skipped; a call that the reply leaves open (or that misses ``</parameter>``, ``</function>`` or the
     block's closing tag) ends where the reply (or the next tag) does.
     """
@@ -44,8 +44,8 @@ class XmlCallsParser(ToolParser):
     open_tag: str
     close_tag: str
 
-    def __init__(self, tools: Sequence[Mapping[str, Any]] = ()) -> None:
-        super().__init__(tools)
+    def __init__(self, tools: Sequence[Mapping[str, Any]] = (), special_markers: Collection[str] = ()) -> None:
+        super().__init__(tools, special_markers)
         self.state = 'text'
         self.strip = False  # drop the whitespace that follows a call
         self.block_start = 0  # where the block being read started, whitespace before it included
