@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
+import httpx
 import psutil
 import pytest
 from helpers import assert_gone, make_engine, random_prompts, run
-from server_helpers import free_port
+from server_helpers import free_port, wait_healthy
 
 from lmdeploy import GenerationConfig
 from lmdeploy.pytorch.distributed.parallel_state import WorkerError
@@ -36,8 +39,6 @@ def test_ray_tp2_matches_tp1_and_a_killed_actor_fails_fast(tiny_llama, monkeypat
     monkeypatch.setattr(ray, 'init', lambda **kwargs: init(**{**kwargs, 'num_cpus': 4} if 'num_cpus' in kwargs
                                                             else kwargs))
     before = {child.pid for child in psutil.Process().children(recursive=True)}
-    # Each engine binds this thread to rank 0's CPUs and gives back what it found when it closes: closed in
-    # the order they started, the second would leave the thread bound.
     allowed = os.sched_getaffinity(0)
     first = make_engine(tiny_llama, tp=2, distributed_executor_backend='ray')
     try:
@@ -56,7 +57,7 @@ def test_ray_tp2_matches_tp1_and_a_killed_actor_fails_fast(tiny_llama, monkeypat
         assert time.monotonic() - start < 5
     finally:
         engine.close()
-        os.sched_setaffinity(0, allowed)
+    assert os.sched_getaffinity(0) == allowed  # closed in the order they started (before: left on rank 0's CPUs)
     assert not ray.is_initialized()
     assert_gone(cluster + [pid], timeout=30)
 
@@ -111,3 +112,37 @@ def test_a_ray_address_where_no_cluster_answers_is_refused_at_once(tiny_llama, t
             with pytest.raises(ConnectionError, match=rf'no Ray cluster answers at {address}, the address {source}'):
                 make_engine(tiny_llama, tp=2, distributed_executor_backend='ray')
             assert time.monotonic() - start < 30
+
+
+@pytest.mark.slow
+def test_a_server_whose_raylet_died_drains_on_sigterm(tiny_llama, tmp_path):
+    """The local cluster's raylet SIGKILLed under an idle server: ``/health`` says ``engine_failed``, and SIGTERM
+    then drains the server, which exits 0 leaving nothing (before: Ray's shutdown of the lost cluster had put
+    SIGTERM's default back, and it ended the server at once with -15): behind ``--proxy-url`` it now leaves the
+    proxy as it shuts down."""
+    port = free_port()
+    env = {key: value for key, value in os.environ.items()
+           if key not in ('RAY_ADDRESS', 'RAY_DISABLE_FAILURE_SIGNAL_HANDLER')}
+    with open(tmp_path / 'server.log', 'w') as log:
+        proc = subprocess.Popen([sys.executable, '-m', 'lmdeploy.cli.main', 'serve', 'api_server', tiny_llama,
+                                 '--tp', '2', '--distributed-executor-backend', 'ray', '--dtype', 'float32',
+                                 '--num-gpu-blocks', '64', '--block-size', '16', '--server-port', str(port)],
+                                env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f'http://127.0.0.1:{port}'
+    cluster: list[int] = []
+    try:
+        wait_healthy(url, proc, timeout=240)
+        cluster = [child.pid for child in psutil.Process(proc.pid).children(recursive=True)]
+        (raylet,) = [child for child in psutil.Process(proc.pid).children() if child.name() == 'raylet']
+        raylet.kill()
+        deadline = time.monotonic() + 30
+        while (health := httpx.get(f'{url}/health', timeout=5)).status_code == 200:
+            assert time.monotonic() < deadline, 'the lost raylet was not noticed'
+            time.sleep(0.2)
+        assert health.json()['error']['code'] == 'engine_failed', health.text
+        assert_gone(cluster, timeout=30)  # the failed engine closed: it shut Ray down (which reset the handler)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, (tmp_path / 'server.log').read_text()[-3000:]
+    finally:
+        proc.kill()
+        proc.wait()

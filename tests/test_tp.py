@@ -20,6 +20,7 @@ from server_helpers import free_port, wait_healthy
 from vl_models import random_image, save_tiny_vl_model
 
 from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
+from lmdeploy.pytorch.distributed.cpu_affinity import bind_rank, rank_cpus
 from lmdeploy.pytorch.distributed.parallel_state import WorkerError
 from lmdeploy.pytorch.engine.engine import Engine
 
@@ -133,6 +134,24 @@ def test_forked_workers_start_with_the_engines_environment_and_cpus(tiny_llama, 
         finally:
             engine.close()
         assert_gone(pids)
+
+
+def test_engines_on_one_thread_give_back_its_cpus_whatever_the_close_order(monkeypatch):
+    """Two engines bound on one thread: the second's rank 0 takes its share of all the thread's CPUs (before:
+    of the first's share), the thread stays bound while either is open, and closed in the order they started
+    the thread gets its CPUs and torch threads back (before: left on the first's share)."""
+    allowed = os.sched_getaffinity(0)
+    if len(allowed) < 2:
+        pytest.skip('needs 2 CPUs')
+    monkeypatch.delenv('LMDEPLOY_CPU_BIND', raising=False)
+    threads = torch.get_num_threads()
+    first = bind_rank(rank_cpus(0, 2))
+    assert set(rank_cpus(1, 2)).isdisjoint(os.sched_getaffinity(0))
+    second = bind_rank(rank_cpus(0, 2))
+    first()
+    assert os.sched_getaffinity(0) == set(rank_cpus(0, 2)) != allowed
+    second()
+    assert os.sched_getaffinity(0) == allowed and torch.get_num_threads() == threads
 
 
 def test_an_unknown_start_method_is_refused_before_any_worker_starts(tiny_llama, monkeypatch):

@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 
 from lmdeploy.messages import ConfigError, PytorchEngineConfig
 from lmdeploy.pytorch.child_process import die_with_parent, ending, exit_now, main_module_hidden, unreaped_exit_code
+from lmdeploy.pytorch.distributed.cpu_affinity import allowed_cpus
 from lmdeploy.pytorch.distributed.executor import Executor
 from lmdeploy.pytorch.distributed.worker import WorkerSpec, run_worker
 
@@ -75,7 +76,7 @@ class MPExecutor(Executor):
         for rank in range(1, self.world_size):
             spec = WorkerSpec(rank, self.world_size, store_host, store_port, LOOPBACK, rank, self.world_size,
                               self.rank_device(rank), self.model_path, self.config)
-            args = (spec, parent, dict(os.environ), os.sched_getaffinity(0))
+            args = (spec, parent, dict(os.environ), allowed_cpus())
             process = context.Process(target=_worker_main, args=args, daemon=True, name=f'lmdeploy-tp-rank{rank}')
             with main_module_hidden():
                 process.start()

@@ -27,6 +27,7 @@ import psutil
 
 from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.child_process import ending, unreaped_exit_code
+from lmdeploy.pytorch.distributed.cpu_affinity import allowed_cpus
 from lmdeploy.pytorch.distributed.executor import Executor
 from lmdeploy.pytorch.distributed.worker import WorkerSpec, run_worker
 
@@ -49,6 +50,10 @@ def cluster_configured() -> bool:
 if not cluster_configured():
     for _key, _value in LOCAL_CLUSTER_ENV.items():
         os.environ.setdefault(_key, _value)
+# Ray's failure signal handlers would replace this process's SIGTERM handler at the C level, and ray.shutdown()
+# (on the engine's thread, from which Python cannot set a handler again) puts back the default: a server's
+# SIGTERM would then end it at once instead of draining it.
+os.environ.setdefault('RAY_DISABLE_FAILURE_SIGNAL_HANDLER', '1')
 
 try:
     import ray
@@ -125,7 +130,7 @@ class LocalCluster:
                     return False
                 except ConnectionError:
                     pass
-                ray.init(_node_ip_address=LOOPBACK, include_dashboard=False, num_cpus=len(os.sched_getaffinity(0)))
+                ray.init(_node_ip_address=LOOPBACK, include_dashboard=False, num_cpus=len(allowed_cpus()))
                 logger.info('started a local Ray cluster on %s', LOOPBACK)
             cls.engines += 1
             return True
@@ -177,7 +182,7 @@ class RayExecutor(Executor):
     def _bundle(self) -> dict[str, float]:
         if self.device.type == 'cuda':
             return {'GPU': 1}
-        return {'CPU': self.config.num_threads or max(1, len(os.sched_getaffinity(0)) // self.world_size)}
+        return {'CPU': self.config.num_threads or max(1, len(allowed_cpus()) // self.world_size)}
 
     def _place(self, host: str) -> None:
         bundles = [{**self._bundle(), f'node:{host}': 0.001}] + [self._bundle()] * (self.world_size - 1)
