@@ -4,6 +4,7 @@ would otherwise answer by ending this whole process a minute later. Neither the 
 outlive the engine."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -114,35 +115,59 @@ def test_a_ray_address_where_no_cluster_answers_is_refused_at_once(tiny_llama, t
             assert time.monotonic() - start < 30
 
 
+JOINED_CLUSTER = """
+import sys
+from lmdeploy.pytorch.distributed import ray_executor  # sets up the environment of a loopback cluster
+ray_executor.ray.init(_node_ip_address='127.0.0.1', include_dashboard=False, num_cpus=2)
+print(ray_executor.ray.get_runtime_context().gcs_address, flush=True)
+sys.stdin.read()
+"""
+
+
 @pytest.mark.slow
-def test_a_server_whose_raylet_died_drains_on_sigterm(tiny_llama, tmp_path):
-    """The local cluster's raylet SIGKILLed under an idle server: ``/health`` says ``engine_failed``, and SIGTERM
-    then drains the server, which exits 0 leaving nothing (before: Ray's shutdown of the lost cluster had put
-    SIGTERM's default back, and it ended the server at once with -15): behind ``--proxy-url`` it now leaves the
-    proxy as it shuts down."""
-    port = free_port()
+def test_a_server_whose_joined_clusters_gcs_died_fails_fast_and_drains_on_sigterm(tiny_llama, tmp_path):
+    """A server that joined a cluster another process started (``$RAY_ADDRESS``), whose GCS is SIGKILLed: within
+    seconds ``/health`` says ``engine_failed``, naming the GCS (before: it served on, and 60 s after the loss
+    Ray ended the server), and SIGTERM then drains the server, which exits 0 (before: the engine's
+    ``ray.shutdown()`` had put SIGTERM's default back, and it ended the server at once with -15; behind
+    ``--proxy-url`` it did not leave the proxy)."""
+    pytest.importorskip('lmdeploy.pytorch.distributed.ray_executor')  # sets up the environment Ray reads
     env = {key: value for key, value in os.environ.items()
            if key not in ('RAY_ADDRESS', 'RAY_DISABLE_FAILURE_SIGNAL_HANDLER')}
-    with open(tmp_path / 'server.log', 'w') as log:
-        proc = subprocess.Popen([sys.executable, '-m', 'lmdeploy.cli.main', 'serve', 'api_server', tiny_llama,
-                                 '--tp', '2', '--distributed-executor-backend', 'ray', '--dtype', 'float32',
-                                 '--num-gpu-blocks', '64', '--block-size', '16', '--server-port', str(port)],
-                                env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f'http://127.0.0.1:{port}'
-    cluster: list[int] = []
+    cluster = subprocess.Popen([sys.executable, '-c', JOINED_CLUSTER], env=env, stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True)
+    processes: list[psutil.Process] = []
     try:
-        wait_healthy(url, proc, timeout=240)
-        cluster = [child.pid for child in psutil.Process(proc.pid).children(recursive=True)]
-        (raylet,) = [child for child in psutil.Process(proc.pid).children() if child.name() == 'raylet']
-        raylet.kill()
-        deadline = time.monotonic() + 30
-        while (health := httpx.get(f'{url}/health', timeout=5)).status_code == 200:
-            assert time.monotonic() < deadline, 'the lost raylet was not noticed'
-            time.sleep(0.2)
-        assert health.json()['error']['code'] == 'engine_failed', health.text
-        assert_gone(cluster, timeout=30)  # the failed engine closed: it shut Ray down (which reset the handler)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0, (tmp_path / 'server.log').read_text()[-3000:]
+        address = cluster.stdout.readline().strip()
+        port = free_port()
+        with open(tmp_path / 'server.log', 'w') as log:
+            server = subprocess.Popen([sys.executable, '-m', 'lmdeploy.cli.main', 'serve', 'api_server', tiny_llama,
+                                       '--tp', '2', '--distributed-executor-backend', 'ray', '--dtype', 'float32',
+                                       '--num-gpu-blocks', '64', '--block-size', '16', '--server-port', str(port)],
+                                      env={**env, 'RAY_ADDRESS': address}, stdout=log, stderr=subprocess.STDOUT)
+        url = f'http://127.0.0.1:{port}'
+        try:
+            wait_healthy(url, server, timeout=240)
+            processes = psutil.Process(cluster.pid).children(recursive=True)
+            (gcs,) = [child for child in psutil.Process(cluster.pid).children() if child.name() == 'gcs_server']
+            gcs.kill()
+            deadline = time.monotonic() + 15
+            while (health := httpx.get(f'{url}/health', timeout=5)).status_code == 200:
+                assert time.monotonic() < deadline, 'the lost GCS was not noticed'
+                time.sleep(0.2)
+            assert health.json()['error']['code'] == 'engine_failed', health.text
+            assert f"Ray cluster's GCS at {address} has not answered for 3 s" in health.json()['error']['message']
+            deadline = time.monotonic() + 30
+            while 'disconnected from the lost Ray cluster' not in (tmp_path / 'server.log').read_text():
+                assert time.monotonic() < deadline, 'the failed engine did not close'
+                time.sleep(0.2)
+            server.send_signal(signal.SIGTERM)
+            assert server.wait(timeout=60) == 0, (tmp_path / 'server.log').read_text()[-3000:]
+        finally:
+            server.kill()
+            server.wait()
     finally:
-        proc.kill()
-        proc.wait()
+        for process in [cluster, *processes]:  # Ray's agents would outlive their raylet by up to a minute
+            with contextlib.suppress(psutil.Error, ProcessLookupError):
+                process.kill()
+        cluster.wait()

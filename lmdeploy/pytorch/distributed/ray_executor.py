@@ -68,6 +68,7 @@ PLACEMENT_TIMEOUT_ENV = 'LMDEPLOY_RAY_PLACEMENT_TIMEOUT'
 # the driver's; 60 s after it is lost Ray ends the driver, the whole server) and the raylet (its actors).
 CLUSTER_CORE = ('gcs_server', 'raylet')
 WATCH_INTERVAL = 0.5
+GCS_LOST_AFTER = 3.0  # seconds the GCS of a joined cluster may refuse connections before the engine fails
 CLUSTER_CHECK_TIMEOUT = 5.0
 
 
@@ -151,6 +152,7 @@ class RayExecutor(Executor):
         super().__init__(model_path, config)
         self.local_cluster = LocalCluster.join()
         self.cluster_core = self._find_cluster_core() if self.local_cluster else []
+        self.gcs_address = None if self.local_cluster else ray.get_runtime_context().gcs_address
         self.cluster_lost = False
         self.cluster_tree: list[psutil.Process] = []  # what the GCS and raylet had started once the actors ran
         self.actors: list = []
@@ -176,6 +178,24 @@ class RayExecutor(Executor):
                     self.cluster_lost = True
                     self._fail(f"the local Ray cluster's {process.name()} (pid {process.pid}) {ending(code)}: the "
                                'ranks can no longer be reached')
+                    return
+            time.sleep(WATCH_INTERVAL)
+
+    def _watch_gcs(self) -> None:
+        """Fails the engine once the GCS of the cluster it joined has refused connections for ``GCS_LOST_AFTER``
+        seconds (its processes are not this one's to watch); stops with the engine."""
+        host, _, port = self.gcs_address.rpartition(':')
+        refused_since = None
+        while not self._closing:
+            try:
+                socket.create_connection((host, int(port)), timeout=GCS_LOST_AFTER).close()
+                refused_since = None
+            except OSError as exc:
+                refused_since = refused_since or time.monotonic()
+                if time.monotonic() - refused_since >= GCS_LOST_AFTER:
+                    self.cluster_lost = True
+                    self._fail(f"the Ray cluster's GCS at {self.gcs_address} has not answered for {GCS_LOST_AFTER:g} "
+                               f's ({exc}): the ranks can no longer be reached')
                     return
             time.sleep(WATCH_INTERVAL)
 
@@ -220,6 +240,8 @@ class RayExecutor(Executor):
         if self.cluster_core:
             self.cluster_tree = [child for core in self.cluster_core for child in core.children(recursive=True)]
             threading.Thread(target=self._watch_cluster, name='lmdeploy-ray-watchdog', daemon=True).start()
+        elif self.gcs_address:
+            threading.Thread(target=self._watch_gcs, name='lmdeploy-ray-watchdog', daemon=True).start()
 
     def _watch(self) -> None:
         ready, _ = ray.wait(self.runs, num_returns=1, timeout=None)
@@ -236,6 +258,10 @@ class RayExecutor(Executor):
         self._fail(f'rank {rank} (Ray actor, pid {self.pids[rank - 1]} on {self.hosts[rank]}) {reason}')
 
     def _stop_workers(self, timeout: float) -> None:
+        if self.cluster_lost and not self.local_cluster:  # disconnected, Ray does not end this process later
+            ray.shutdown()
+            logger.info('disconnected from the lost Ray cluster')
+            return
         if self.cluster_lost:  # every call to the cluster would wait on it: its shutdown ends what is left
             LocalCluster.leave(lost=True)
             for process in self.cluster_tree:  # but not the raylet's agents and actors once it is gone
