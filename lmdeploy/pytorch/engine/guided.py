@@ -1,8 +1,8 @@
 """Grammar-constrained decoding with xgrammar.
 
 A request's ``response_format`` compiles once into a :class:`Grammar` (compiled grammars are cached by their
-source, up to ``PytorchEngineConfig.grammar_cache_mb``); each sequence keeps its own :class:`GrammarState`, whose matcher masks the sequence's
-logits before sampling and advances with every token it samples.
+source, up to ``PytorchEngineConfig.grammar_cache_mb``); each sequence keeps its own :class:`GrammarState`, whose
+matcher masks the sequence's logits before sampling and advances with every token it samples.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from lmdeploy.messages import GenerationConfig
+from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.grammar_cost import share_regex_strings
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.tokenizer import Tokenizer
@@ -49,7 +49,8 @@ class GrammarCompiler:
     killed, for the same result.
     """
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, cache_bytes: int = 512 << 20):
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int,
+                 cache_bytes: int = PytorchEngineConfig.grammar_cache_mb << 20):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.cache_bytes = cache_bytes
