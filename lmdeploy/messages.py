@@ -231,6 +231,10 @@ class PytorchEngineConfig:
     Ray cluster, where ``ray_placement_strategy`` places the ranks: ``'PACK'`` fills this machine first,
     ``'SPREAD'`` puts them on as many machines as it can. On the CPU each rank on a machine computes on
     its own share of the cores (``num_threads`` threads each; None or 0: one per core of its share).
+
+    ``grammar_cache_mb`` bounds the compiled grammars (response formats, forced tool calls) kept for reuse, in
+    MiB (as vLLM's ``VLLM_XGRAMMAR_CACHE_MB``): the least recently used is dropped first, a grammar larger than
+    the bound is not kept, and 0 keeps none (every format compiles each time it is asked for).
     """
 
     dtype: Literal['auto', 'float32', 'bfloat16', 'float16'] = 'auto'
@@ -252,6 +256,7 @@ class PytorchEngineConfig:
     overlap_schedule: bool | None = None
     load_format: Literal['auto', 'dummy'] = 'auto'
     quant_policy: Literal[0, 4, 8] = 0
+    grammar_cache_mb: int = 512
 
     def __post_init__(self):
         _plain_fields(self)
@@ -262,7 +267,7 @@ class PytorchEngineConfig:
             _check(isinstance(value, bool) or (value is None and name in ('decode_int4', 'overlap_schedule')),
                    f'{name} must be True or False, got {value!r}')
         for name in ('session_len', 'max_batch_size', 'max_cache_bytes', 'num_gpu_blocks', 'block_size',
-                     'max_prefill_token_num', 'num_threads'):
+                     'max_prefill_token_num', 'num_threads', 'grammar_cache_mb'):
             value = getattr(self, name)
             _check((value is None and name in ('session_len', 'num_threads')) or _is_int(value),
                    f'{name} must be an int, got {value!r}')
@@ -276,6 +281,8 @@ class PytorchEngineConfig:
                f'block_size must be a power of two, got {self.block_size}')
         _check(self.max_prefill_token_num >= self.block_size, 'max_prefill_token_num must be >= block_size')
         _check(self.num_gpu_blocks >= 0, 'num_gpu_blocks must be >= 0 (0 means size from memory)')
+        _check(self.grammar_cache_mb >= 0, f'grammar_cache_mb must be >= 0 (0: no grammar cache), got '
+               f'{self.grammar_cache_mb}')
         _check(isinstance(self.tp, int) and self.tp >= 1, f'tp must be a positive integer, got {self.tp!r}')
         _check(self.distributed_executor_backend in ('mp', 'ray'),
                f"distributed_executor_backend must be 'mp' or 'ray', got {self.distributed_executor_backend!r}")

@@ -77,6 +77,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="'dummy': random weights at the model's shape (for speed tests; no weight files read)")
     parser.add_argument('--quant-policy', type=int, default=0, choices=[0, 4, 8],
                         help='KV-cache quantization: 0 off, 8 int8, 4 int4 (per-token, per-head scales and zeros)')
+    parser.add_argument('--grammar-cache-mb', type=int, default=512,
+                        help='MiB of compiled grammars (response formats, forced tool calls) kept for reuse, the least '
+                             'recently used dropped first (as vLLM\'s VLLM_XGRAMMAR_CACHE_MB); 0: none kept')
     parser.add_argument('--log-level', default='WARNING', choices=['DEBUG', 'INFO', 'WARNING', 'ERROR'])
 
 
@@ -94,7 +97,8 @@ def engine_config(args: argparse.Namespace) -> PytorchEngineConfig:
                                tp=args.tp, distributed_executor_backend=args.distributed_executor_backend,
                                ray_placement_strategy=args.ray_placement_strategy,
                                device=args.device, num_threads=args.num_threads, eager_mode=args.eager_mode,
-                               load_format=args.load_format, quant_policy=args.quant_policy)
+                               load_format=args.load_format, quant_policy=args.quant_policy,
+                               grammar_cache_mb=args.grammar_cache_mb)
 
 
 def add_generation_args(parser: argparse.ArgumentParser) -> None:

@@ -107,7 +107,7 @@ class Engine:
         if use_graphs:
             self.runner.capture_graphs(config.max_batch_size, -(-self.session_len // config.block_size))
         self.outputs = OutputProcessor(self.tokenizer)
-        self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size)
+        self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, config.grammar_cache_mb << 20)
         self.sequences: dict[int, Sequence] = {}
         self._ids = itertools.count()
         self.overlap = self.device.type == 'cuda' if config.overlap_schedule is None else config.overlap_schedule

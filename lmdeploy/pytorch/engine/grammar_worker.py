@@ -42,8 +42,6 @@ if TYPE_CHECKING:  # imported by a worker, and where a grammar is compiled: an e
     import xgrammar as xgr
 
 _SPAWN = get_context('spawn')
-# Compiled grammars kept for reuse, the least recently used dropped first past this many bytes.
-CACHE_BYTES = 512 << 20
 
 
 class GrammarWorkerDied(RuntimeError):
@@ -222,7 +220,8 @@ class GrammarJob:
 class GrammarProcessPool:
     """Compiles response formats in ``size`` worker processes (shared with the other pools of this process of
     that size; each compile on a thread of theirs), then in this process once one did, keeping the compiled
-    grammars (by format, least recently used dropped past :data:`CACHE_BYTES`)."""
+    grammars (by format, the least recently used dropped first) in at most ``compiler.cache_bytes``: the
+    accounting is xgrammar's ``memory_size_bytes``, within 1% of the RSS growth that they cause."""
 
     def __init__(self, compiler: GrammarCompiler, size: int):
         self.compiler = compiler
@@ -351,10 +350,11 @@ class GrammarProcessPool:
         return self.compiler.grammar(compiled, gen_config)
 
     def _remember(self, key: str, compiled: xgr.CompiledGrammar) -> None:
+        size, limit = compiled.memory_size_bytes, self.compiler.cache_bytes
         with self._lock:
-            if key in self._cache:
+            if key in self._cache or size > limit:
                 return
             self._cache[key] = compiled
-            self._cache_bytes += compiled.memory_size_bytes
-            while self._cache_bytes > CACHE_BYTES and len(self._cache) > 1:
+            self._cache_bytes += size
+            while self._cache_bytes > limit:
                 self._cache_bytes -= self._cache.popitem(last=False)[1].memory_size_bytes

@@ -1,8 +1,8 @@
 """Grammar-constrained decoding with xgrammar.
 
-A request's ``response_format`` compiles once into a :class:`Grammar` (xgrammar caches compiled grammars
-by their source); each sequence keeps its own :class:`GrammarState`, whose matcher masks the sequence's
-logits before sampling and advances with every token it samples.
+A request's ``response_format`` compiles once into a :class:`Grammar` (compiled grammars are cached by their
+source, up to ``PytorchEngineConfig.grammar_cache_mb``); each sequence keeps its own :class:`GrammarState`, whose
+matcher masks the sequence's logits before sampling and advances with every token it samples.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from lmdeploy.messages import GenerationConfig
+from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.grammar_cost import share_regex_strings
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.tokenizer import Tokenizer
@@ -41,16 +41,19 @@ class Grammar:
 
 
 class GrammarCompiler:
-    """Compiles ``GenerationConfig.response_format`` for one tokenizer; safe to call from any thread.
+    """Compiles ``GenerationConfig.response_format`` for one tokenizer; safe to call from any thread. Compiled
+    grammars kept for reuse take at most ``cache_bytes`` (0: none kept).
 
     The vocabulary is read on first use, so an engine that never sees a grammar never pays for it.
     :class:`~lmdeploy.pytorch.engine.grammar_worker.GrammarProcessPool` compiles in processes that can be
     killed, for the same result.
     """
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int):
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int,
+                 cache_bytes: int = PytorchEngineConfig.grammar_cache_mb << 20):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.cache_bytes = cache_bytes
         self._info: xgr.TokenizerInfo | None = None
         self._compiler: xgr.GrammarCompiler | None = None
         self._lock = threading.Lock()
@@ -74,7 +77,8 @@ class GrammarCompiler:
         info = self.tokenizer_info()
         with self._lock:
             if self._compiler is None:
-                self._compiler = xgr.GrammarCompiler(info)
+                self._compiler = xgr.GrammarCompiler(info, cache_enabled=self.cache_bytes > 0,
+                                                     cache_limit_bytes=self.cache_bytes)
         return self.grammar(compile_format(self._compiler, fmt), gen_config)
 
     def grammar(self, compiled: xgr.CompiledGrammar, gen_config: GenerationConfig) -> Grammar:
