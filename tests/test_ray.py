@@ -1,7 +1,8 @@
 """Tensor-parallel workers as Ray actors on a local Ray cluster (loopback only), which the engines of a
-process share: tp=1's tokens, and a killed actor fails the engine fast, naming its process; so does the loss of the cluster's GCS, which Ray
-would otherwise answer by ending this whole process a minute later. Neither the actors nor the cluster
-outlive the engine."""
+process share: tp=1's tokens, and a killed actor fails the engine fast, naming its process; so does the loss
+of the cluster's GCS (of a local cluster or one joined), which Ray would otherwise answer by ending this whole
+process a minute later, and a server whose cluster was lost still drains on SIGTERM. Neither the actors nor
+the cluster outlive the engine."""
 from __future__ import annotations
 
 import contextlib
