@@ -71,6 +71,7 @@ def test_a_second_engine_is_refused_and_a_lost_gcs_fails_the_engine_fast(tiny_ll
     Then the local cluster's GCS SIGKILLed: the engine fails within a second or two naming it (before, the
     engine served on, its close waited on the GCS, and Ray ended this process 60 s after the loss)."""
     monkeypatch.delenv('RAY_ADDRESS', raising=False)
+    before = {child.pid for child in psutil.Process().children(recursive=True)}  # earlier tests' (a suite's run)
     engine = make_engine(tiny_llama, tp=2, distributed_executor_backend='ray')
     try:
         monkeypatch.setenv('LMDEPLOY_RAY_PLACEMENT_TIMEOUT', '2')
@@ -82,7 +83,7 @@ def test_a_second_engine_is_refused_and_a_lost_gcs_fails_the_engine_fast(tiny_ll
         assert time.monotonic() - start < 15
         import ray
         assert {group['state'] for group in ray.util.placement_group_table().values()} == {'CREATED', 'REMOVED'}
-        cluster = [child.pid for child in psutil.Process().children(recursive=True)]
+        cluster = [child.pid for child in psutil.Process().children(recursive=True) if child.pid not in before]
         (gcs,) = [child.pid for child in psutil.Process().children() if child.name() == 'gcs_server']
         os.kill(gcs, signal.SIGKILL)
         start = time.monotonic()
