@@ -187,10 +187,12 @@ def test_health_503_when_engine_loop_dies(tiny_llama):
 
 
 def test_sigterm_graceful_shutdown(tiny_llama):
+    """SIGTERM mid-stream: the stream ends in full and the server exits 0. (The 200 tokens take ~2 s alone and
+    over 20 s on 2 cores shared with 7 busy processes: the drain's limit is far above either.)"""
     port = free_port()
     proc = subprocess.Popen([sys.executable, '-m', 'lmdeploy.cli.main', 'serve', 'api_server', tiny_llama,
                              '--dtype', 'float32', '--num-gpu-blocks', '64', '--block-size', '16',
-                             '--server-port', str(port), '--model-name', 'tiny', '--shutdown-timeout', '20'],
+                             '--server-port', str(port), '--model-name', 'tiny', '--shutdown-timeout', '120'],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, 'PYTHONUNBUFFERED': '1'})
     url = f'http://127.0.0.1:{port}'
     try:
@@ -212,7 +214,7 @@ def test_sigterm_graceful_shutdown(tiny_llama):
         assert model.endswith('native CPU kernels') or model.endswith('torch CPU kernels'), model
         assert '"POST /v1/completions HTTP/1.1" 200' in log and '"GET /health HTTP/1.1" 200' in log, log
         # (the stream may finish before the server gets to its shutdown: 0 or 1 in flight)
-        assert re.search(r'shutting down: [01] requests in flight get up to 20 s to finish', log), log
+        assert re.search(r'shutting down: [01] requests in flight get up to 120 s to finish', log), log
         assert 'INFO:  stopped' in log, log
     finally:
         if proc.poll() is None:
