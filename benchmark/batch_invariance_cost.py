@@ -34,6 +34,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from typing import Callable
 
 CHILD = r'''
 import json, statistics, sys, time, torch
@@ -180,6 +181,21 @@ def measure(tree: str, model: str, vocab: int, child: str, dtype: str) -> dict[s
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def compare_trees(before: str, after: str, rounds: int, measure_tree: Callable[[str], dict[str, float]]) -> None:
+    """Measures the trees ``before`` and ``after`` in alternating order for ``rounds`` rounds, then prints each
+    figure's best of the rounds for both and their ratio."""
+    results: dict[str, list[dict[str, float]]] = {'before': [], 'after': []}
+    for round_ in range(rounds):
+        for name in ('before', 'after') if round_ % 2 == 0 else ('after', 'before'):
+            results[name].append(measure_tree(before if name == 'before' else after))
+            print(name, round_, {k: round(v, 2) for k, v in results[name][-1].items()}, flush=True)
+    print('| thread CPU ms (or a count), best of rounds | before | after | after / before |\n| --- | --- | --- | --- |')
+    for key in results['before'][0]:
+        best_before, best_after = (min(r[key] for r in results[name]) for name in ('before', 'after'))
+        ratio = f'{best_after / best_before:.3f}' if best_before else '-'
+        print(f'| {key} | {best_before:.2f} | {best_after:.2f} | {ratio} |')
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--before', required=True, help='the source tree before')
@@ -199,22 +215,13 @@ def main() -> None:
                         help="with --moe: its experts (60, Qwen1.5-MoE-A2.7B's, a router off the 16-row panels)")
     args = parser.parse_args()
     child = PREFILL_CHILD if args.prefill else PREEMPT_CHILD if args.preempt else CHILD
-    results: dict[str, list[dict[str, float]]] = {'before': [], 'after': []}
     with tempfile.TemporaryDirectory() as folder:
         model, vocab = ((save_moe_model(folder, args.experts), MOE_VOCAB) if args.moe else
                         (save_gpt_oss_model(folder), MOE_VOCAB) if args.gpt_oss else
                         (save_deepseek_model(folder), MOE_VOCAB) if args.deepseek else
                         ('gemma' if args.gemma else '', 40000))
-        for round_ in range(args.rounds):
-            order = ('before', 'after') if round_ % 2 == 0 else ('after', 'before')
-            for name in order:
-                results[name].append(measure(getattr(args, name), model, vocab, child, args.dtype))
-                print(name, round_, {k: round(v, 2) for k, v in results[name][-1].items()}, flush=True)
-    print('| thread CPU ms (or a count), best of rounds | before | after | after / before |\n| --- | --- | --- | --- |')
-    for key in results['before'][0]:
-        before, after = (min(r[key] for r in results[name]) for name in ('before', 'after'))
-        ratio = f'{after / before:.3f}' if before else '-'
-        print(f'| {key} | {before:.2f} | {after:.2f} | {ratio} |')
+        compare_trees(args.before, args.after, args.rounds,
+                      lambda tree: measure(tree, model, vocab, child, args.dtype))
 
 
 if __name__ == '__main__':

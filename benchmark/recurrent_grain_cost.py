@@ -16,6 +16,8 @@ import subprocess
 import sys
 import tempfile
 
+from batch_invariance_cost import compare_trees
+
 CHILD = r'''
 import json, sys, time, torch
 torch.set_num_threads(1)
@@ -88,18 +90,9 @@ def main() -> None:
     parser.add_argument('--budgets', default='100,48', help='max_prefill_token_num values, comma-separated')
     parser.add_argument('--rounds', type=int, default=2)
     args = parser.parse_args()
-    results: dict[str, list[dict[str, float]]] = {'before': [], 'after': []}
     with tempfile.TemporaryDirectory() as folder:
         model = save_qwen35(folder)
-        for round_ in range(args.rounds):
-            for name in ('before', 'after') if round_ % 2 == 0 else ('after', 'before'):
-                results[name].append(measure(getattr(args, name), model, args.budgets))
-                print(name, round_, {k: round(v, 2) for k, v in results[name][-1].items()}, flush=True)
-    print('| thread CPU ms (or a count), best of rounds | before | after | after / before |\n| --- | --- | --- | --- |')
-    for key in results['before'][0]:
-        before, after = (min(r[key] for r in results[name]) for name in ('before', 'after'))
-        ratio = f'{after / before:.3f}' if before else '-'
-        print(f'| {key} | {before:.2f} | {after:.2f} | {ratio} |')
+        compare_trees(args.before, args.after, args.rounds, lambda tree: measure(tree, model, args.budgets))
 
 
 if __name__ == '__main__':
