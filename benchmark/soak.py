@@ -96,6 +96,10 @@ class Stats:
         self.latency: list[float] = []
         self.served = 0
 
+    @property
+    def requests(self) -> int:
+        return sum(self.outcomes.values()) + sum(self.errors.values())
+
     def error(self, kind: str, detail: str) -> None:
         self.errors[kind] += 1
         self.examples.setdefault(kind, detail[:400])
@@ -349,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         drain(url)
         rss_warm = rss_mb(pid)
         warm_latency, stats.latency = stats.latency, []     # latency is reported after the warm-up
+        warm_requests = stats.requests
         asyncio.run(drive(url, args, stats, max(0.0, args.duration - warmup), args.seed + 1))
         traffic_s = time.monotonic() - t0
         after = drain(url)
@@ -366,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     running = after.get('lmdeploy:num_requests_running', float('nan'))
     waiting = after.get('lmdeploy:num_requests_waiting', float('nan'))
     growth = (rss_end - rss_warm) / rss_warm
-    total = sum(stats.outcomes.values()) + sum(stats.errors.values())
+    total = stats.requests
+    after_warmup = total - warm_requests
     print(f'soak: {traffic_s:.0f} s of traffic ({warmup:.0f} s warm-up), {args.clients} clients, '
           f'{total} requests; kinds: base{"".join(", " + k for k in args.kinds)}; load {os.getloadavg()[0]:.1f}')
     print(f'  served in full: {stats.served} ({stats.served / traffic_s:.2f} req/s); latency after the warm-up '
@@ -377,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     for kind, example in stats.examples.items():
         print(f'    {kind}: {example}')
     print(f'  server RSS (with its children): start {rss_start:.0f} MiB, after warm-up {rss_warm:.0f} MiB, '
-          f'end {rss_end:.0f} MiB ({growth * 100:+.1f}% after warm-up)')
+          f'end {rss_end:.0f} MiB ({growth * 100:+.1f}% after warm-up, '
+          f'{(rss_end - rss_warm) / max(after_warmup, 1) * 1000:+.2f} MiB per 1,000 of its {after_warmup} requests)')
     for line in summary(samples, warmup):
         print(f'  after the warm-up, {line}')
     print(f'  after the drain: kv_cache_usage_perc {kv}, running {running}, waiting {waiting}; /health {health}; '

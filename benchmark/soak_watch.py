@@ -103,7 +103,7 @@ def summary(samples: list[dict], baseline: float) -> list[str]:
     after = [s for s in samples if s['seconds'] >= baseline] or samples
     if not after:
         return []
-    lines = []
+    lines = [rss_trend(after)] if len(after) >= 4 else []
     for name, unit in (('rss_mb', ' MiB'), ('children_rss_mb', ' MiB'), ('fds', ''), ('threads', ''),
                        ('children', '')):
         values = [s[name] for s in after]
@@ -113,3 +113,20 @@ def summary(samples: list[dict], baseline: float) -> list[str]:
         if values:
             lines.append(f'{name}: {values[0]:.0f} -> max {max(values):.0f} -> {values[-1]:.0f}')
     return lines
+
+
+def slope_per_minute(points: list[tuple[float, float]]) -> float:
+    """The least-squares slope of (seconds, value) points, per minute."""
+    mean_t = sum(t for t, _ in points) / len(points)
+    mean_v = sum(v for _, v in points) / len(points)
+    spread = sum((t - mean_t) ** 2 for t, _ in points)
+    return sum((t - mean_t) * (v - mean_v) for t, v in points) / spread * 60 if spread else 0.0
+
+
+def rss_trend(samples: list[dict]) -> str:
+    """How fast the server's RSS grew in the first and the second half of ``samples``: a leak keeps its slope,
+    an allocator settling flattens."""
+    points = [(s['seconds'], s['rss_mb']) for s in samples]
+    half = len(points) // 2
+    return (f'rss slope: {slope_per_minute(points[:half]):+.2f} MiB/min in the first half, '
+            f'{slope_per_minute(points[half:]):+.2f} MiB/min in the second')

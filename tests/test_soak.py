@@ -6,16 +6,21 @@ The traffic is the base mix and the agent kinds (tool calls, structured outputs,
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import sys
+import tracemalloc
+from dataclasses import dataclass
 
 import httpx
 import pytest
 from server_helpers import serve, slow_down, tiny_engine
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'benchmark'))
+import memory_probe  # noqa: E402
 import soak  # noqa: E402
+import soak_watch  # noqa: E402
 
 SOAK_SECONDS = float(os.environ.get('SOAK_SECONDS', '30'))
 
@@ -60,3 +65,35 @@ def test_soak(capsys):
     print(out)
     assert rc == 0, out
     assert all(f'served_{kind}' in out for kind in soak.KINDS), out
+
+
+def test_rss_trend_tells_a_leak_from_a_plateau():
+    """The soak's RSS slope by half: a linear climb keeps its slope, a climb that levels off loses it."""
+    linear = [{'seconds': t, 'rss_mb': 500 + t / 20} for t in range(0, 600, 10)]
+    plateau = [{'seconds': t, 'rss_mb': 500 + min(t, 200) / 20} for t in range(0, 600, 10)]
+    assert soak_watch.rss_trend(linear) == ('rss slope: +3.00 MiB/min in the first half, +3.00 MiB/min in the '
+                                            'second')
+    assert soak_watch.rss_trend(plateau).endswith('+0.00 MiB/min in the second')
+
+
+@dataclass
+class Kept:
+    data: bytearray
+
+
+def test_memory_probe_records(tmp_path):
+    """A record of benchmark/memory_probe.py: the RSS and glibc's heap, the live objects by type, with
+    tracemalloc the sites grown since the record before, and after malloc_trim the RSS again."""
+    out = tmp_path / 'probe.jsonl'
+    probe = memory_probe.Probe(str(out), trace=True)
+    try:
+        first = probe.record()
+        kept = [Kept(bytearray(1024)) for _ in range(2000)]
+        second = probe.record(trim=True)
+    finally:
+        tracemalloc.stop()
+    assert 'grown' not in first and first['rss_mib'] > 0 and first['glibc_mib']['in_use'] > 0
+    assert any('test_soak.py' in site and int(site.split()[-4]) >= 2000 for site in second['grown']), second['grown']
+    assert second['types']['Kept'] == 2000 and len(kept) == 2000
+    assert 0 < second['trim']['rss_mib_after'] <= second['trim']['rss_mib_before']
+    assert [json.loads(line)['time'] for line in out.read_text().splitlines()] == [first['time'], second['time']]
