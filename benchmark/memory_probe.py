@@ -69,11 +69,14 @@ class Probe:
         if self.trace:
             if not tracemalloc.is_tracing():
                 tracemalloc.start(8)
-            snapshot = tracemalloc.take_snapshot()
+            snapshot = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(False, tracemalloc.__file__),
+                                                                  tracemalloc.Filter(False, __file__)])
             if self.snapshot is not None:
+                stats = snapshot.compare_to(self.snapshot, 'traceback')
+                rec['grown_kib'] = sum(stat.size_diff for stat in stats) / 1024
                 rec['grown'] = ['\n'.join(stat.traceback.format()[-4:]) + f'\n  {stat.size_diff / 1024:+.0f} KiB '
-                                f'{stat.count_diff:+d} blocks' for stat in
-                                snapshot.compare_to(self.snapshot, 'traceback')[:self.top]]
+                                f'{stat.count_diff:+d} blocks' for stat in stats[:self.top]]
+                del stats
             self.snapshot = snapshot
             rec['traced_mib'] = tracemalloc.get_traced_memory()[0] / 2 ** 20
         if trim:
