@@ -124,9 +124,9 @@ def slope_per_minute(points: list[tuple[float, float]]) -> float:
 
 
 def rss_trend(samples: list[dict]) -> str:
-    """How fast the server's RSS grew in the first and the second half of ``samples``: a leak keeps its slope,
-    an allocator settling flattens."""
-    points = [(s['seconds'], s['rss_mb']) for s in samples]
+    """How fast the server's RSS (with its children) grew in the first and the second half of ``samples``: a
+    leak keeps its slope, an allocator settling flattens."""
+    points = [(s['seconds'], s['rss_mb'] + s['children_rss_mb']) for s in samples]
     half = len(points) // 2
-    return (f'rss slope: {slope_per_minute(points[:half]):+.2f} MiB/min in the first half, '
+    return (f'rss slope (with its children): {slope_per_minute(points[:half]):+.2f} MiB/min in the first half, '
             f'{slope_per_minute(points[half:]):+.2f} MiB/min in the second')

@@ -69,10 +69,10 @@ def test_soak(capsys):
 
 def test_rss_trend_tells_a_leak_from_a_plateau():
     """The soak's RSS slope by half: a linear climb keeps its slope, a climb that levels off loses it."""
-    linear = [{'seconds': t, 'rss_mb': 500 + t / 20} for t in range(0, 600, 10)]
-    plateau = [{'seconds': t, 'rss_mb': 500 + min(t, 200) / 20} for t in range(0, 600, 10)]
-    assert soak_watch.rss_trend(linear) == ('rss slope: +3.00 MiB/min in the first half, +3.00 MiB/min in the '
-                                            'second')
+    linear = [{'seconds': t, 'rss_mb': 500 + t / 20, 'children_rss_mb': 100} for t in range(0, 600, 10)]
+    plateau = [{'seconds': t, 'rss_mb': 500, 'children_rss_mb': min(t, 200) / 20} for t in range(0, 600, 10)]
+    assert soak_watch.rss_trend(linear) == ('rss slope (with its children): +3.00 MiB/min in the first half, '
+                                            '+3.00 MiB/min in the second')
     assert soak_watch.rss_trend(plateau).endswith('+0.00 MiB/min in the second')
 
 
