@@ -91,7 +91,7 @@ class Bench:
     def folder(self, name: str, config: Callable[[], PretrainedConfig]) -> str:
         """A folder with ``config``'s config.json and tokenizer (made once)."""
         if name not in self.folders:
-            self.folders[name] = save_shaped_config(f'{self.tmp}/{name}', config())
+            self.folders[name] = save_shaped_config(f"{self.tmp}/{name.replace('/', '-')}", config())
         return self.folders[name]
 
     @property
