@@ -4,6 +4,7 @@ roofline and the memory plan, and the plan itself for the two devices a GPU chec
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 
 import pytest
@@ -85,3 +86,13 @@ def test_plan_only_prints_what_an_h100_would_run(capsys):
 
 def test_copy_bandwidth_counts_reads_and_writes():
     assert 0 < copy_tbs('cpu', 2**24, reps=2) < 10
+
+
+@pytest.mark.slow
+def test_kernel_bench_holds_its_figures_against_the_device_table():
+    proc = subprocess.run([sys.executable, os.path.join(BENCHMARK, 'kernel_bench.py'), '--device', 'cpu'],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    header, *rows = proc.stdout.splitlines()
+    assert "GB/s measured now; peak 3350 GB/s and 989 TFLOP/s dense bf16 (no entry for 'cpu'" in header
+    assert any('% of 3350 (peak)' in row for row in rows) and any('% of 989' in row for row in rows)
