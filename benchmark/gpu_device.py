@@ -65,6 +65,8 @@ def copy_tbs(device: str, nbytes: int = GiB, reps: int = 10) -> float:
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
     del src, dst
+    if device.startswith('cuda'):
+        torch.cuda.empty_cache()
     return 2 * nbytes * reps / seconds / 1e12
 
 

@@ -304,6 +304,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = set(args.parts) - set(PARTS)
     if unknown:
         parser.error(f'unknown parts: {sorted(unknown)}')
+    if args.device.startswith('cuda') and not args.free_gib and not torch.cuda.is_available():
+        parser.error('no CUDA device here: give --device cpu, or --free-gib with --plan-only')
     return args
 
 
@@ -326,15 +328,16 @@ def roofline_title(args: argparse.Namespace, device: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `timeout` still stops the server
+    if args.plan_only:
+        where = f'{args.free_gib} GiB (--free-gib)' if args.free_gib else args.device
+        bench = Bench(args, Table(args.out, f'gpu_scale memory plan for {where}'), '')
+        for part, name, shape in (('decode', 'llama3-8b', llama3_8b_config),
+                                  ('moe', 'qwen3-30b-a3b', qwen3_30b_a3b_config)):
+            bench.planned(part, name, lambda layers, shape=shape: shape(args.tiny, layers))
+        return 0
     device = torch.cuda.get_device_name() if args.device.startswith('cuda') else 'cpu'
     failed = []
     with tempfile.TemporaryDirectory() as tmp:
-        if args.plan_only:
-            bench = Bench(args, Table(args.out, f'gpu_scale memory plan on {device}'), tmp)
-            for part, name, shape in (('decode', 'llama3-8b', llama3_8b_config),
-                                      ('moe', 'qwen3-30b-a3b', qwen3_30b_a3b_config)):
-                bench.planned(part, name, lambda layers, shape=shape: shape(args.tiny, layers))
-            return 0
         title = (f'gpu_scale on {device}, torch {torch.__version__}{" (tiny shapes)" if args.tiny else ""}; '
                  f'{roofline_title(args, device)}; random {"fp32" if args.device == "cpu" else "bf16"} weights')
         bench = Bench(args, Table(args.out, title), tmp)
