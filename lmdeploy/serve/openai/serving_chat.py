@@ -38,7 +38,7 @@ def _check(state: ServerState, req: ChatCompletionRequest) -> ToolPlan:
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(req.chat_template_kwargs or ()))
     if reserved:
         raise APIError(400, f'chat_template_kwargs may not set {", ".join(reserved)}', 'chat_template_kwargs')
-    plan = plan_tools(req, state.tool_parser, state.special_markers if req.skip_special_tokens else ())
+    plan = plan_tools(req, state.tool_parser, _special_markers(state, req))
     # A forced call's grammar takes the place of a response_format (for the content, which a forced call leaves
     # empty), which is still checked; structured_outputs constrains the whole reply, as the call's grammar does.
     if plan.response_format is not None and requested_format(req)[1] == 'structured_outputs':
@@ -51,6 +51,11 @@ def _check(state: ServerState, req: ChatCompletionRequest) -> ToolPlan:
     check_stop(state.limits, req.stop, req.stop_token_ids)
     check_fanout(state.limits, req.n, 1)
     return plan
+
+
+def _special_markers(state: ServerState, req: ChatCompletionRequest) -> frozenset[str]:
+    """The parsers' markers that the reply's text would leave out without a parser (see :class:`ToolParser`)."""
+    return state.special_markers if req.skip_special_tokens else frozenset()
 
 
 def _format(req: ChatCompletionRequest, plan: ToolPlan) -> tuple[dict | None, str | None]:
@@ -70,7 +75,8 @@ async def _jobs(state: ServerState, req: ChatCompletionRequest, plan: ToolPlan,
 
     def make_parser() -> ChoiceParser:
         return ChoiceParser(reasoning(prompt.text) if reasoning else None,
-                            plan.make_parser() if plan.make_parser else None, plan.max_calls)
+                            plan.make_parser() if plan.make_parser else None, plan.max_calls,
+                            _special_markers(state, req))
 
     fmt, param = _format(req, plan)
     config = with_format(config, fmt, reasoning(prompt.text) if reasoning else None, param)
