@@ -78,7 +78,11 @@ class RequestBody(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    """``include_usage``: a last chunk with ``usage`` and no choices; ``continuous_usage_stats`` (vLLM's):
+    also every chunk carries its choice's usage so far."""
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class JsonSchemaFormat(BaseModel):
@@ -173,6 +177,7 @@ class ChatCompletionRequest(SamplingFields, StructuredFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal['none', 'minimal', 'low', 'medium', 'high'] | None = None
 
 
 class CompletionRequest(SamplingFields, StructuredFields):
@@ -180,6 +185,7 @@ class CompletionRequest(SamplingFields, StructuredFields):
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=128)
     max_tokens: int | None = Field(16, ge=1, le=MAX_NEW_TOKENS_LIMIT)
 
 

@@ -18,7 +18,7 @@ from lmdeploy.serve.openai.protocol import ChatChoice, ChatCompletionRequest, Ch
 from lmdeploy.serve.openai.request_start import admitted
 from lmdeploy.serve.openai.serving_common import (ChoiceRun, Job, ServerState, check_model, check_session,
                                                   choice_config, gen_config, process, usage)
-from lmdeploy.serve.openai.streaming import collect_or_abort, sse, sse_chunk, sse_stream
+from lmdeploy.serve.openai.streaming import chunk_usage, collect_or_abort, sse, sse_chunk, sse_stream
 from lmdeploy.serve.openai.structured import compile_format, requested_format, with_format
 from lmdeploy.serve.openai.tool_choice import ToolPlan, plan_tools, template_messages
 from lmdeploy.serve.session_manager import Reservation
@@ -58,6 +58,14 @@ def _special_markers(state: ServerState, req: ChatCompletionRequest) -> frozense
     return state.special_markers if req.skip_special_tokens else frozenset()
 
 
+def _template_kwargs(req: ChatCompletionRequest) -> dict | None:
+    """The chat template's variables: ``reasoning_effort`` (which gpt-oss's template reads), unless
+    ``chat_template_kwargs`` sets it, and ``chat_template_kwargs``."""
+    if req.reasoning_effort is None:
+        return req.chat_template_kwargs
+    return {'reasoning_effort': req.reasoning_effort, **(req.chat_template_kwargs or {})}
+
+
 def _format(req: ChatCompletionRequest, plan: ToolPlan) -> tuple[dict | None, str | None]:
     """The response format of the reply (None: free text) and the request field that asks for it."""
     return (plan.response_format, 'tools') if plan.response_format else requested_format(req)
@@ -68,7 +76,7 @@ async def _jobs(state: ServerState, req: ChatCompletionRequest, plan: ToolPlan,
     """The engine jobs of an admitted request, and what makes each choice's reply parser: the chat
     template, tokenization, images and the grammar's compilation run here."""
     prompt = await process(state, template_messages(req.messages), 'messages', plan.template_tools,
-                           req.chat_template_kwargs)
+                           _template_kwargs(req))
     config = gen_config(state, req, len(prompt.input_ids), (req.top_logprobs or 0) if req.logprobs else None, None)
     reasoning = state.reasoning_parser
     config = keep_special_tokens(config, [*(reasoning.markers if reasoning else ()), *plan.markers])
@@ -119,19 +127,23 @@ def _stream(state: ServerState, req: ChatCompletionRequest, run: ChoiceRun, requ
     head = {'id': request_id, 'object': 'chat.completion.chunk', 'created': int(time.time()),
             'model': state.model_name}
 
-    def chunk_of(index: int, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None) -> str:
-        return sse_chunk(head, {'index': index, 'message': None, 'delta': delta, 'logprobs': logprobs,
-                                'finish_reason': finish_reason})
+    def chunk_of(r: Response, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None,
+                 num_tokens: int | None = None) -> str:
+        """The chunk of choice ``r.index``; its usage (if asked for) counts ``num_tokens`` (default: ``r``'s)."""
+        counted = r if num_tokens is None else Response('', num_tokens, r.input_token_len,
+                                                         cached_tokens=r.cached_tokens)
+        return sse_chunk(head, {'index': r.index, 'message': None, 'delta': delta, 'logprobs': logprobs,
+                                'finish_reason': finish_reason}, chunk_usage(req.stream_options, counted))
 
     def render(r: Response) -> Iterable[str]:
         parser = parsers.get(r.index)
         if parser is None:
             parser = parsers[r.index] = make_parser()
-            yield chunk_of(r.index, {'role': 'assistant', 'content': ''})
+            yield chunk_of(r, {'role': 'assistant', 'content': ''}, num_tokens=0)
         delta = parser.feed(r.text, final=r.finish_reason is not None)
         logprobs = chat_logprobs(tokenizer, r.token_ids, r.logprobs, top)
         if delta or r.finish_reason or logprobs is not None:
-            yield chunk_of(r.index, parser.delta_body(delta), parser.finish_reason(r.finish_reason), logprobs)
+            yield chunk_of(r, parser.delta_body(delta), parser.finish_reason(r.finish_reason), logprobs)
 
     def tail() -> Iterable[str]:
         if req.stream_options and req.stream_options.include_usage:

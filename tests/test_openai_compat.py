@@ -1,0 +1,114 @@
+"""What the official ``openai`` client can send that OpenAI's API or vLLM answer, and this server once did not:
+``models.retrieve``, ``best_of``, ``stream_options.continuous_usage_stats``, ``reasoning_effort`` (each test
+failed before its fix)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import openai
+import pytest
+from server_helpers import serve, tiny_engine
+
+MESSAGES = [{'role': 'user', 'content': 'Hello world!'}]
+GREEDY = {'temperature': 0, 'extra_body': {'ignore_eos': True}}
+
+
+@pytest.fixture(scope='module')
+def client(api_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f'{api_server.url}/v1', api_key='none', max_retries=0)
+
+
+def test_models_retrieve(client):
+    """Was a 404 for the served model too (no ``GET /v1/models/{model}``)."""
+    card = client.models.retrieve('tiny')
+    assert (card.id, card.object) == ('tiny', 'model') and card == client.models.list().data[0]
+    with pytest.raises(openai.NotFoundError) as error:
+        client.models.retrieve('Org/other')
+    assert error.value.body['code'] == 'model_not_found' and error.value.body['param'] == 'model'
+
+
+def test_best_of(client):
+    """``best_of`` was ignored: ``best_of=3, n=1`` gave one plain sample. ``best_of == n`` (what a client that
+    sets both alike means) is served; more than ``n`` is refused, as is less (OpenAI's rule)."""
+    r = client.completions.create(model='tiny', prompt='Hello', max_tokens=3, n=2, best_of=2, **GREEDY)
+    assert len(r.choices) == 2
+    for best_of, n, code in [(3, 1, 'unsupported_value'), (1, 2, 'bad_request')]:
+        with pytest.raises(openai.BadRequestError) as error:
+            client.completions.create(model='tiny', prompt='Hello', max_tokens=3, n=n, best_of=best_of)
+        assert (error.value.body['param'], error.value.body['code']) == ('best_of', code)
+
+
+def usages(chunks) -> list[tuple[int, int, int]]:
+    return [(c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.total_tokens) for c in chunks]
+
+
+@pytest.mark.parametrize('n', [1, 2])
+def test_continuous_usage_stats_chat(client, n):
+    """vLLM's ``continuous_usage_stats`` was ignored: only the last chunk had usage. Now every chunk carries its
+    choice's usage so far (the role chunk none generated), and the usage chunk the total."""
+    chunks = list(client.chat.completions.create(
+        model='tiny', messages=MESSAGES, max_tokens=4, n=n, stream=True,
+        stream_options={'include_usage': True, 'continuous_usage_stats': True}, **GREEDY))
+    assert all(c.usage is not None for c in chunks)
+    *body, last = chunks
+    prompt = last.usage.prompt_tokens
+    assert last.choices == [] and usages([last]) == [(prompt, 4 * n, prompt + 4 * n)]
+    for index in range(n):
+        counts = usages(c for c in body if c.choices[0].index == index)
+        assert counts[0] == (prompt, 0, prompt) and counts[-1] == (prompt, 4, prompt + 4)
+        assert [c[1] for c in counts] == sorted(c[1] for c in counts)
+    plain = list(client.chat.completions.create(model='tiny', messages=MESSAGES, max_tokens=4, stream=True,
+                                                stream_options={'include_usage': True}, **GREEDY))
+    assert [c.usage is None for c in plain] == [True] * (len(plain) - 1) + [False]
+
+
+def test_continuous_usage_stats_completions(client):
+    chunks = list(client.completions.create(
+        model='tiny', prompt='Hello world', max_tokens=4, stream=True,
+        stream_options={'include_usage': True, 'continuous_usage_stats': True}, **GREEDY))
+    *body, last = chunks
+    prompt = last.usage.prompt_tokens
+    assert body and usages(body)[-1] == usages([last])[0] == (prompt, 4, prompt + 4)
+    assert all(c.usage.prompt_tokens == prompt for c in body)
+
+
+EFFORT_TEMPLATE = ('{% if reasoning_effort is defined %}Reasoning: {{ reasoning_effort }}'
+                   '{% if reasoning_effort == "high" %} think it over step by step{% endif %}\n{% endif %}'
+                   '{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}'
+                   '<|im_start|>assistant\n')
+
+
+@pytest.fixture(scope='module')
+def effort_server(tiny_llama, tmp_path_factory):
+    """The tiny Llama with a chat template that reads ``reasoning_effort``, as gpt-oss's does."""
+    path = str(tmp_path_factory.mktemp('effort') / 'model')
+    shutil.copytree(tiny_llama, path)
+    config_path = os.path.join(path, 'tokenizer_config.json')
+    with open(config_path) as f:
+        config = json.load(f)
+    config['chat_template'] = EFFORT_TEMPLATE
+    with open(config_path, 'w') as f:
+        json.dump(config, f)
+    for name in ('chat_template.jinja', 'chat_template.json'):
+        if os.path.exists(os.path.join(path, name)):
+            os.remove(os.path.join(path, name))
+    yield from serve(tiny_engine(path), model_name='effort')
+
+
+def test_reasoning_effort_reaches_the_chat_template(effort_server):
+    """``reasoning_effort`` was ignored; it now goes to the chat template (``chat_template_kwargs`` may still
+    set it, and wins); a value OpenAI does not define is a 400."""
+    client = openai.OpenAI(base_url=f'{effort_server.url}/v1', api_key='none', max_retries=0)
+
+    def prompt_tokens(**kwargs) -> int:
+        return client.chat.completions.create(model='effort', messages=MESSAGES, max_tokens=1, temperature=0,
+                                              **kwargs).usage.prompt_tokens
+
+    plain, low, high = prompt_tokens(), prompt_tokens(reasoning_effort='low'), prompt_tokens(reasoning_effort='high')
+    assert plain < low < high
+    assert prompt_tokens(reasoning_effort='high', extra_body={'chat_template_kwargs': {'reasoning_effort': 'low'}}) == low
+    with pytest.raises(openai.BadRequestError) as error:
+        prompt_tokens(reasoning_effort='extreme')
+    assert error.value.body['param'] == 'reasoning_effort'
