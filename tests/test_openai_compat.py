@@ -74,7 +74,7 @@ def test_continuous_usage_stats_completions(client):
     assert all(c.usage.prompt_tokens == prompt for c in body)
 
 
-EFFORT_TEMPLATE = ('{% if reasoning_effort is defined %}Reasoning: {{ reasoning_effort }}'
+EFFORT_TEMPLATE = ('{# roles: system, developer, user, assistant #}{% if reasoning_effort is defined %}Reasoning: {{ reasoning_effort }}'
                    '{% if reasoning_effort == "high" %} think it over step by step{% endif %}\n{% endif %}'
                    '{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}'
                    '<|im_start|>assistant\n')
@@ -112,3 +112,39 @@ def test_reasoning_effort_reaches_the_chat_template(effort_server):
     with pytest.raises(openai.BadRequestError) as error:
         prompt_tokens(reasoning_effort='extreme')
     assert error.value.body['param'] == 'reasoning_effort'
+
+
+def reply(client, messages) -> list[tuple[str, float]]:
+    """The greedy reply's tokens with their logprobs: the same prompt gives the same, to the bit."""
+    r = client.chat.completions.create(model='tiny', messages=messages, max_tokens=4, logprobs=True, **GREEDY)
+    return [(t.token, t.logprob) for t in r.choices[0].logprobs.content]
+
+
+def test_a_developer_message_is_a_system_message_for_a_template_without_that_role(client):
+    """OpenAI's ``developer`` role (its newer name for instructions) went to the template as written, which
+    rendered ``<|im_start|>developer``, a role the model never saw; a template that names the role (gpt-oss's)
+    still gets it."""
+    system = reply(client, [{'role': 'system', 'content': 'Be brief.'}, *MESSAGES])
+    assert reply(client, [{'role': 'developer', 'content': 'Be brief.'}, *MESSAGES]) == system
+    assert system != reply(client, MESSAGES)
+
+
+def test_effort_template_keeps_developer(effort_server):
+    """A template that holds ``developer`` gets the role as sent."""
+    client = openai.OpenAI(base_url=f'{effort_server.url}/v1', api_key='none', max_retries=0)
+    tokens = [client.chat.completions.create(model='effort', messages=[{'role': role, 'content': 'Hi'}], max_tokens=1,
+                                             temperature=0).usage.prompt_tokens for role in ('system', 'developer')]
+    assert tokens[0] != tokens[1]
+
+
+@pytest.mark.parametrize('fields, param', [
+    ({'functions': [{'name': 'f', 'parameters': {'type': 'object'}}]}, 'functions'),
+    ({'function_call': {'name': 'f'}}, 'function_call'),
+    ({'modalities': ['text', 'audio']}, 'modalities')])
+def test_fields_the_server_cannot_honour_are_refused(client, fields, param):
+    """Were ignored: legacy ``functions`` gave no call and no error, ``modalities: ["audio"]`` no audio."""
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model='tiny', messages=MESSAGES, max_tokens=1, **fields)
+    assert (error.value.body['param'], error.value.body['code']) == (param, 'unsupported_value')
+    client.chat.completions.create(model='tiny', messages=MESSAGES, max_tokens=1, modalities=['text'],
+                                   function_call='none')

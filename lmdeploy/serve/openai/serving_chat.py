@@ -33,6 +33,12 @@ ParserFactory = Callable[[], ChoiceParser]
 def _check(state: ServerState, req: ChatCompletionRequest) -> ToolPlan:
     """The cheap checks, before admission; returns how the request uses its tools."""
     check_model(state, req.model)
+    if req.functions or req.function_call not in (None, 'none'):
+        raise APIError(400, 'functions and function_call (OpenAI\'s deprecated form) are not supported: send '
+                       'tools and tool_choice', 'functions' if req.functions else 'function_call', 'unsupported_value')
+    if any(kind != 'text' for kind in req.modalities or ()):
+        raise APIError(400, "this server answers in text only: modalities may hold 'text' alone", 'modalities',
+                       'unsupported_value')
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, 'top_logprobs requires logprobs to be true', 'top_logprobs')
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(req.chat_template_kwargs or ()))
@@ -75,7 +81,8 @@ async def _jobs(state: ServerState, req: ChatCompletionRequest, plan: ToolPlan,
                 reservations: list[Reservation]) -> tuple[list[Job], ParserFactory]:
     """The engine jobs of an admitted request, and what makes each choice's reply parser: the chat
     template, tokenization, images and the grammar's compilation run here."""
-    prompt = await process(state, template_messages(req.messages), 'messages', plan.template_tools,
+    messages = template_messages(req.messages, not state.engine.processor.template_holds('developer'))
+    prompt = await process(state, messages, 'messages', plan.template_tools,
                            _template_kwargs(req))
     config = gen_config(state, req, len(prompt.input_ids), (req.top_logprobs or 0) if req.logprobs else None, None)
     reasoning = state.reasoning_parser
