@@ -148,3 +148,15 @@ def test_fields_the_server_cannot_honour_are_refused(client, fields, param):
     assert (error.value.body['param'], error.value.body['code']) == (param, 'unsupported_value')
     client.chat.completions.create(model='tiny', messages=MESSAGES, max_tokens=1, modalities=['text'],
                                    function_call='none')
+
+
+def test_null_fields_take_their_defaults(client):
+    """The official client sends a parameter given as None as ``null``, which OpenAI reads as left out: was a
+    400 for every field without a None default (``temperature: Input should be a valid number``)."""
+    nulls = dict.fromkeys(['temperature', 'top_p', 'n', 'presence_penalty', 'frequency_penalty', 'stop', 'seed'])
+    r = client.chat.completions.create(model='tiny', messages=MESSAGES, max_tokens=2, logprobs=None, stream=None,
+                                       parallel_tool_calls=None, **nulls)
+    assert len(r.choices) == 1 and r.choices[0].logprobs is None
+    r = client.completions.create(model='tiny', prompt='Hello', max_tokens=None, echo=None, extra_body={
+        'ignore_eos': True, 'top_k': None, 'min_p': None, 'repetition_penalty': None, 'min_tokens': None}, **nulls)
+    assert r.usage.completion_tokens == 16 and r.choices[0].text  # OpenAI's default max_tokens

@@ -64,7 +64,9 @@ def _check_text(text: str, field: str | None) -> None:
 
 
 class RequestBody(BaseModel):
-    """A request body: well-formed (see :func:`check_json`) before its fields are validated."""
+    """A request body: well-formed (see :func:`check_json`) before its fields are validated. A top-level field
+    sent as ``null`` is left out, so that it takes its default, as OpenAI reads its nullable fields (the
+    official client sends ``temperature=None`` as ``null``)."""
 
     @model_validator(mode='before')
     @classmethod
@@ -74,6 +76,8 @@ class RequestBody(BaseModel):
         except MalformedJSON as exc:
             raise PydanticCustomError('malformed_json', '{message}',
                                       {'message': str(exc), 'param': exc.field}) from None
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
         return data
 
 
