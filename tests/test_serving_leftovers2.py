@@ -12,6 +12,7 @@ from tool_models import ADDED_TOKENS, save_tool_model
 
 from lmdeploy.serve.openai.api_server import create_app
 from lmdeploy.serve.openai.chat_output import ChoiceParser
+from lmdeploy.serve.openai.reasoning_parsers import REASONING_PARSERS
 from lmdeploy.serve.openai.tool_parsers import TOOL_PARSERS, ParsedDelta
 from lmdeploy.serve.openai.tool_parsers.harmony import HarmonyToolParser
 
@@ -84,6 +85,16 @@ def test_a_stray_marker_outside_a_call_is_left_out_where_special(name, marker, s
     assert (message.content, message.tool_calls) == (expected, None)
     streamed = ChoiceParser(None, parser(special_markers=special_markers), special_markers=special_markers)
     assert ''.join(streamed.feed(char).content for char in text) + streamed.feed('', final=True).content == expected
+
+
+@pytest.mark.parametrize('special', [True, False], ids=['special', 'plain'])
+def test_a_repeated_think_tag_is_left_out_of_reasoning_and_answer_where_special(special):
+    """Was: a ``<think>`` inside the reasoning and a ``</think>`` in the answer stayed, special or not."""
+    parser = REASONING_PARSERS.lookup('qwen3')
+    special_markers = parser.markers if special else ()
+    text = '<think>a<think>b</think>c</think>d'
+    message = ChoiceParser(parser('prompt'), special_markers=special_markers).message(text)
+    assert (message.reasoning_content, message.content) == (('ab', 'cd') if special else ('a<think>b', 'c</think>d'))
 
 
 @pytest.fixture(scope='module', params=[True, False], ids=['special tags', 'plain tags'])
