@@ -8,9 +8,10 @@ import os
 import shutil
 import time
 
+import httpx
 import openai
 import pytest
-from server_helpers import serve, tiny_engine
+from server_helpers import ServerThread, serve, tiny_engine
 
 MESSAGES = [{'role': 'user', 'content': 'Hello world!'}]
 GREEDY = {'temperature': 0, 'extra_body': {'ignore_eos': True}}
@@ -164,3 +165,27 @@ def test_null_fields_take_their_defaults(client):
     r = client.completions.create(model='tiny', prompt='Hello', max_tokens=None, echo=None, extra_body={
         'ignore_eos': True, 'top_k': None, 'min_p': None, 'repetition_penalty': None, 'min_tokens': None}, **nulls)
     assert r.usage.completion_tokens == 16 and r.choices[0].text  # OpenAI's default max_tokens
+
+
+@pytest.fixture(scope='module')
+def two_model_proxy(api_server):
+    """A proxy in front of two servers of different model names (on one engine)."""
+    from lmdeploy.serve.openai.api_server import create_app
+    from lmdeploy.serve.proxy.app import create_proxy_app
+    nodes = [ServerThread(create_app(api_server.engine, model_name=name)) for name in ('a', 'Org/b')]
+    proxy = ServerThread(create_proxy_app([node.url for node in nodes], health_interval=0.5))
+    try:
+        deadline = time.monotonic() + 30
+        while len([m for m in httpx.get(f'{proxy.url}/v1/models').json()['data']]) < 2:
+            assert time.monotonic() < deadline, 'the proxy did not see both nodes'
+            time.sleep(0.1)
+        yield proxy
+    finally:
+        for server in (proxy, *nodes):
+            server.stop()
+
+
+def test_the_proxy_sends_models_retrieve_to_a_node_that_serves_the_model(two_model_proxy):
+    """Was: any node (the request has no body to read a model from), a 404 from the other one."""
+    client = openai.OpenAI(base_url=f'{two_model_proxy.url}/v1', api_key='none', max_retries=0)
+    assert [client.models.retrieve(name).id for name in ('a', 'a', 'Org/b', 'Org/b')] == ['a', 'a', 'Org/b', 'Org/b']
