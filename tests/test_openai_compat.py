@@ -189,3 +189,27 @@ def test_the_proxy_sends_models_retrieve_to_a_node_that_serves_the_model(two_mod
     """Was: any node (the request has no body to read a model from), a 404 from the other one."""
     client = openai.OpenAI(base_url=f'{two_model_proxy.url}/v1', api_key='none', max_retries=0)
     assert [client.models.retrieve(name).id for name in ('a', 'a', 'Org/b', 'Org/b')] == ['a', 'a', 'Org/b', 'Org/b']
+
+
+@pytest.mark.parametrize('guided, check', [
+    ({'guided_choice': ['yes', 'no']}, lambda text: text in ('yes', 'no')),
+    ({'guided_regex': '[a-c]{3}'}, lambda text: len(text) == 3 and set(text) <= set('abc')),
+    ({'guided_json': {'type': 'integer', 'minimum': 10, 'maximum': 99}}, lambda text: 10 <= json.loads(text) <= 99),
+    ({'guided_grammar': 'root ::= "a" "b"+'}, lambda text: text.startswith('ab') and set(text[1:]) == {'b'})])
+def test_vllm_guided_fields_constrain_the_reply(client, guided, check):
+    """vLLM's older ``guided_*`` fields were ignored: the reply came back unconstrained."""
+    r = client.chat.completions.create(model='tiny', messages=MESSAGES, max_tokens=20, temperature=0,
+                                       extra_body=guided)
+    assert r.choices[0].finish_reason == 'stop' and check(r.choices[0].message.content)
+    r = client.completions.create(model='tiny', prompt='Hello', max_tokens=20, temperature=0, extra_body=guided)
+    assert check(r.choices[0].text)
+
+
+def test_guided_fields_and_structured_outputs_are_one_or_the_other(client):
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model='tiny', messages=MESSAGES, max_tokens=2, extra_body={
+            'guided_regex': 'a', 'structured_outputs': {'regex': 'b'}})
+    assert error.value.body['param'] == 'structured_outputs'
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model='tiny', messages=MESSAGES, max_tokens=2, extra_body={
+            'guided_regex': 'a', 'guided_choice': ['b']})

@@ -119,10 +119,30 @@ class StructuredOutputs(BaseModel):
 
 
 class StructuredFields(BaseModel):
-    """The structured-output fields of chat and completion requests."""
+    """The structured-output fields of chat and completion requests. ``guided_json``, ``guided_regex``,
+    ``guided_choice`` and ``guided_grammar`` are vLLM's older names of ``structured_outputs``' keys, read as
+    those."""
 
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    @model_validator(mode='after')
+    def _guided(self) -> StructuredFields:
+        guided = {key: value for key, value in [('json', self.guided_json), ('regex', self.guided_regex),
+                                                ('choice', self.guided_choice), ('grammar', self.guided_grammar)]
+                  if value is not None}
+        if guided:
+            if self.structured_outputs is not None:
+                raise PydanticCustomError('guided_and_structured_outputs',
+                                          'guided_json, guided_regex, guided_choice and guided_grammar (vLLM\'s older '
+                                          'names) cannot go with structured_outputs; send one of them',
+                                          {'param': 'structured_outputs'})
+            self.structured_outputs = StructuredOutputs.model_validate(guided)
+        return self
 
 
 class FunctionDefinition(BaseModel):
