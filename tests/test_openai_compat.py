@@ -213,3 +213,20 @@ def test_guided_fields_and_structured_outputs_are_one_or_the_other(client):
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model='tiny', messages=MESSAGES, max_tokens=2, extra_body={
             'guided_regex': 'a', 'guided_choice': ['b']})
+
+
+def test_continue_final_message_prefills_the_reply(api_server, client):
+    """vLLM's ``continue_final_message`` (with ``add_generation_prompt: false``) was ignored: the template closed
+    the assistant's message and opened a new one. Now the reply continues it, as a completion of the same
+    prompt does; both at once are a 400."""
+    messages = [*MESSAGES, {'role': 'assistant', 'content': 'The answer is'}]
+    r = client.chat.completions.create(model='tiny', messages=messages, max_tokens=6, temperature=0, extra_body={
+        'ignore_eos': True, 'continue_final_message': True, 'add_generation_prompt': False})
+    ids = api_server.engine.tokenizer.hf.apply_chat_template(messages, continue_final_message=True, tokenize=True)
+    ids = ids if isinstance(ids, list) else ids['input_ids']
+    completion = client.completions.create(model='tiny', prompt=ids, max_tokens=6, **GREEDY)
+    assert r.usage.prompt_tokens == len(ids) and r.choices[0].message.content == completion.choices[0].text
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model='tiny', messages=messages, max_tokens=1,
+                                       extra_body={'continue_final_message': True})
+    assert error.value.body['param'] == 'continue_final_message'

@@ -202,6 +202,8 @@ class ChatCompletionRequest(SamplingFields, StructuredFields):
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: Literal['none', 'minimal', 'low', 'medium', 'high'] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     # OpenAI fields this server cannot honour, refused rather than ignored (see serving_chat._check)
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None

@@ -39,6 +39,8 @@ def _check(state: ServerState, req: ChatCompletionRequest) -> ToolPlan:
     if any(kind != 'text' for kind in req.modalities or ()):
         raise APIError(400, "this server answers in text only: modalities may hold 'text' alone", 'modalities',
                        'unsupported_value')
+    if req.continue_final_message and req.add_generation_prompt:
+        raise APIError(400, 'continue_final_message needs add_generation_prompt false', 'continue_final_message')
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, 'top_logprobs requires logprobs to be true', 'top_logprobs')
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(req.chat_template_kwargs or ()))
@@ -65,11 +67,15 @@ def _special_markers(state: ServerState, req: ChatCompletionRequest) -> frozense
 
 
 def _template_kwargs(req: ChatCompletionRequest) -> dict | None:
-    """The chat template's variables: ``reasoning_effort`` (which gpt-oss's template reads), unless
-    ``chat_template_kwargs`` sets it, and ``chat_template_kwargs``."""
-    if req.reasoning_effort is None:
-        return req.chat_template_kwargs
-    return {'reasoning_effort': req.reasoning_effort, **(req.chat_template_kwargs or {})}
+    """The chat template's arguments: ``reasoning_effort`` (which gpt-oss's template reads), unless
+    ``chat_template_kwargs`` sets it, ``chat_template_kwargs``, and vLLM's ``add_generation_prompt`` and
+    ``continue_final_message`` where they differ from the defaults."""
+    kwargs = {} if req.reasoning_effort is None else {'reasoning_effort': req.reasoning_effort}
+    kwargs.update(req.chat_template_kwargs or {})
+    if req.continue_final_message or not req.add_generation_prompt:
+        kwargs.update(add_generation_prompt=req.add_generation_prompt,
+                      continue_final_message=req.continue_final_message)
+    return kwargs or None
 
 
 def _format(req: ChatCompletionRequest, plan: ToolPlan) -> tuple[dict | None, str | None]:
