@@ -230,3 +230,18 @@ def test_continue_final_message_prefills_the_reply(api_server, client):
         client.chat.completions.create(model='tiny', messages=messages, max_tokens=1,
                                        extra_body={'continue_final_message': True})
     assert error.value.body['param'] == 'continue_final_message'
+
+
+def test_include_stop_str_in_output(client):
+    """vLLM's ``include_stop_str_in_output`` was ignored: the stop word was cut from the text all the same."""
+    full = client.completions.create(model='tiny', prompt='The quick', max_tokens=20, **GREEDY).choices[0].text
+    start = next(i for i in range(2, len(full) - 1) if full[i:i + 2].isprintable() and '\ufffd' not in full[i:i + 2])
+    stop = full[start:start + 2]
+    expected = full[:full.find(stop)] + stop
+    body = {'ignore_eos': True, 'include_stop_str_in_output': True}
+    r = client.completions.create(model='tiny', prompt='The quick', max_tokens=20, temperature=0, stop=[stop],
+                                  extra_body=body)
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (expected, 'stop')
+    chunks = client.completions.create(model='tiny', prompt='The quick', max_tokens=20, temperature=0, stop=stop,
+                                       stream=True, extra_body=body)
+    assert ''.join(c.choices[0].text for c in chunks) == expected

@@ -178,6 +178,7 @@ class SamplingFields(RequestBody):
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     n: int = Field(1, ge=1, le=128)
     stop: str | list[str] | None = None
+    include_stop_str_in_output: bool = False
     stop_token_ids: list[NonNegativeInt] | None = None
     seed: int | None = Field(None, ge=-2 ** 63, lt=2 ** 64)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)

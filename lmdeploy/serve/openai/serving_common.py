@@ -174,7 +174,8 @@ def gen_config(state: ServerState, req: SamplingFields, num_prompt_tokens: int, 
             max_new_tokens=max_tokens, do_sample=req.temperature > 0, temperature=req.temperature, top_p=req.top_p,
             top_k=max(req.top_k, 0), min_p=req.min_p, repetition_penalty=req.repetition_penalty,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, logit_bias=bias,
-            random_seed=req.seed, stop_words=req.stop or None, stop_token_ids=req.stop_token_ids,
+            random_seed=req.seed, stop_words=req.stop or None,
+            include_stop_str_in_output=req.include_stop_str_in_output, stop_token_ids=req.stop_token_ids,
             ignore_eos=req.ignore_eos, min_new_tokens=req.min_tokens, skip_special_tokens=req.skip_special_tokens,
             logprobs=logprobs)
     except ValueError as exc:
