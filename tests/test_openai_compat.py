@@ -1,6 +1,8 @@
-"""What the official ``openai`` client can send that OpenAI's API or vLLM answer, and this server once did not:
-``models.retrieve``, ``best_of``, ``stream_options.continuous_usage_stats``, ``reasoning_effort`` (each test
-failed before its fix)."""
+"""What the official ``openai`` client can send that OpenAI's API or vLLM answer, and this server once did not (each
+test failed before its fix; see docs/reliability.md, "OpenAI API compatibility"): ``models.retrieve`` (also
+through the proxy), ``null`` fields, ``best_of``, ``stream_options.continuous_usage_stats``, ``reasoning_effort``,
+the ``developer`` role, fields it cannot honour, vLLM's ``guided_*``, ``continue_final_message`` and
+``include_stop_str_in_output``. All on the session's tiny Llama server but the template tests."""
 from __future__ import annotations
 
 import json
@@ -79,7 +81,8 @@ def test_continuous_usage_stats_completions(client):
     assert all(c.usage.prompt_tokens == prompt for c in body)
 
 
-EFFORT_TEMPLATE = ('{# roles: system, developer, user, assistant #}{% if reasoning_effort is defined %}Reasoning: {{ reasoning_effort }}'
+EFFORT_TEMPLATE = ('{# roles: system, developer, user, assistant #}'
+                   '{% if reasoning_effort is defined %}Reasoning: {{ reasoning_effort }}'
                    '{% if reasoning_effort == "high" %} think it over step by step{% endif %}\n{% endif %}'
                    '{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}'
                    '<|im_start|>assistant\n')
@@ -113,7 +116,8 @@ def test_reasoning_effort_reaches_the_chat_template(effort_server):
 
     plain, low, high = prompt_tokens(), prompt_tokens(reasoning_effort='low'), prompt_tokens(reasoning_effort='high')
     assert plain < low < high
-    assert prompt_tokens(reasoning_effort='high', extra_body={'chat_template_kwargs': {'reasoning_effort': 'low'}}) == low
+    overridden = {'chat_template_kwargs': {'reasoning_effort': 'low'}}
+    assert prompt_tokens(reasoning_effort='high', extra_body=overridden) == low
     with pytest.raises(openai.BadRequestError) as error:
         prompt_tokens(reasoning_effort='extreme')
     assert error.value.body['param'] == 'reasoning_effort'

@@ -55,10 +55,11 @@ def sse(data: BaseModel | dict) -> str:
     return _event(data.model_dump_json(exclude_unset=False) if isinstance(data, BaseModel) else json.dumps(data))
 
 
-def sse_chunk(head: dict, choice: dict, usage: dict | None = None) -> str:
-    """The event of one streamed chunk: ``head`` (id, object, created, model) with ``choice`` and ``usage``,
+def sse_chunk(head: dict, choice: dict, usage_body: dict | None = None) -> str:
+    """The event of one streamed chunk: ``head`` (id, object, created, model) with ``choice`` and ``usage_body``,
     serialised as its pydantic model would be, without building one (this runs for every token)."""
-    return _event(json.dumps({**head, 'choices': [choice], 'usage': usage}, ensure_ascii=False, separators=(',', ':')))
+    return _event(json.dumps({**head, 'choices': [choice], 'usage': usage_body}, ensure_ascii=False,
+                             separators=(',', ':')))
 
 
 def chunk_usage(stream_options: StreamOptions | None, chunk: Response) -> dict | None:
