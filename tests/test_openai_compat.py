@@ -249,3 +249,19 @@ def test_include_stop_str_in_output(client):
     chunks = client.completions.create(model='tiny', prompt='The quick', max_tokens=20, temperature=0, stop=stop,
                                        stream=True, extra_body=body)
     assert ''.join(c.choices[0].text for c in chunks) == expected
+
+
+@pytest.mark.parametrize('field', [{'use_beam_search': True}, {'allowed_token_ids': [1, 2]}, {'bad_words': ['x']},
+                                   {'prompt_logprobs': 0}, {'truncate_prompt_tokens': 8},
+                                   {'logits_processors': ['my.Processor']}])
+def test_vllm_fields_this_server_does_not_implement_are_refused(client, field):
+    """Were ignored: a reply with the banned words, without the beam search or the prompt's logprobs asked for."""
+    (name, _), = field.items()
+    for create in (lambda: client.chat.completions.create(model='tiny', messages=MESSAGES, max_tokens=1,
+                                                          extra_body=field),
+                   lambda: client.completions.create(model='tiny', prompt='Hi', max_tokens=1, extra_body=field)):
+        with pytest.raises(openai.BadRequestError) as error:
+            create()
+        assert (error.value.body['param'], error.value.body['code']) == (name, 'unsupported_value')
+    client.completions.create(model='tiny', prompt='Hi', max_tokens=1, extra_body={
+        'use_beam_search': False, 'bad_words': [], 'allowed_token_ids': None})

@@ -192,6 +192,20 @@ class SamplingFields(RequestBody):
     stream_options: StreamOptions | None = None
     user: str | None = None
     session_id: int | None = Field(None, ge=0)
+    # vLLM's fields that would change the reply and that this server does not implement: refused, not ignored
+    use_beam_search: bool = False
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
+    logits_processors: list[Any] | None = None
+
+    def unsupported_fields(self) -> list[str]:
+        """Those of vLLM's fields above that the request sets to a value other than their default's."""
+        names = ('use_beam_search', 'allowed_token_ids', 'bad_words', 'prompt_logprobs', 'truncate_prompt_tokens',
+                 'logits_processors')
+        return [name for name in names if not (getattr(self, name) is None or getattr(self, name) is False
+                                               or getattr(self, name) == [])]
 
 
 class ChatCompletionRequest(SamplingFields, StructuredFields):

@@ -148,6 +148,10 @@ def gen_config(state: ServerState, req: SamplingFields, num_prompt_tokens: int, 
     if model_defaults:
         unset = {k: v for k, v in state.sampling_defaults.items() if k not in req.model_fields_set}
         req = req.model_copy(update=unset)
+    unsupported = req.unsupported_fields()
+    if unsupported:
+        raise APIError(400, f'{", ".join(unsupported)} (vLLM\'s) not supported by this server', unsupported[0],
+                       'unsupported_value')
     if req.stream_options is not None and not req.stream:
         raise APIError(400, 'stream_options is only allowed when stream is true', 'stream_options')
     max_tokens = req.max_completion_tokens or req.max_tokens or default_max_tokens
