@@ -106,8 +106,8 @@ inline void put_pairs(const TileSink& sink, __m512i* pairs, int64_t k0) {
 
 // The R rows' sums of a tile (sink.rows == R) over its `groups` groups of 32 inputs, kept in registers over the whole
 // tile: one vdpbf16ps a pair, in order of k, as a packed panel's tile adds them. Handed group by group through
-// sink.sums, each group's chain waited on the last one's store and load and the pairs went through the stack: a
-// one-row Q4_K step took 1.2x as long.
+// sink.sums, each group's chain waited on the last one's store and load and the pairs went through the stack (one
+// and two rows now 0.89-0.99x the time: docs/performance.md, "One- and two-row prefill steps").
 template <int R, typename Group>
 __attribute__((always_inline)) inline void sum_groups(const TileSink& sink, int64_t groups, const Group& group) {
   const int32_t* x = reinterpret_cast<const int32_t*>(sink.x);

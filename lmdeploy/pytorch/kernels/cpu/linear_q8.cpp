@@ -91,7 +91,8 @@ void q8_tile_one_row(const float* x, const int8_t* w, const uint16_t* scales, fl
 // pairs once for all the rows. The tile's rows of outputs are summed in this thread's buffer (kept) and written to
 // out once at the end, their lines asked for at the start: out's rows lie N floats apart (1 MiB on Gemma 3's table of
 // 262,144), so that a tile's rows fall in one set of each cache, and each group's read-modify-write of 64 rows went
-// to memory (64 rows: 1.2x the time; docs/performance.md, "Q8_0's LM head at many rows").
+// to memory (64 rows on that table: 1.16x the time; docs/performance.md, "One- and two-row prefill steps, and Q8_0's
+// LM head at many rows").
 void q8_tile_pairs(const int32_t* x, int64_t M, const int8_t* w, const uint16_t* scales, float* out, int64_t tile,
                    int64_t K, int64_t N) {
   const int64_t groups = K / kGroup;
