@@ -19,6 +19,7 @@ import collections
 import ctypes
 import gc
 import json
+import linecache
 import runpy
 import signal
 import sys
@@ -69,8 +70,8 @@ class Probe:
         if self.trace:
             if not tracemalloc.is_tracing():
                 tracemalloc.start(8)
-            snapshot = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(False, tracemalloc.__file__),
-                                                                  tracemalloc.Filter(False, __file__)])
+            snapshot = tracemalloc.take_snapshot().filter_traces(  # not its own allocations, nor the source lines
+                [tracemalloc.Filter(False, module) for module in (tracemalloc.__file__, linecache.__file__, __file__)])
             if self.snapshot is not None:
                 stats = snapshot.compare_to(self.snapshot, 'traceback')
                 rec['grown_kib'] = sum(stat.size_diff for stat in stats) / 1024
