@@ -17,7 +17,7 @@ from lmdeploy.serve.openai.logprobs import chat_logprobs
 from lmdeploy.serve.openai.protocol import ChatChoice, ChatCompletionRequest, ChatCompletionResponse, random_id
 from lmdeploy.serve.openai.request_start import admitted
 from lmdeploy.serve.openai.serving_common import (ChoiceRun, Job, ServerState, check_model, check_session,
-                                                  choice_config, gen_config, process, usage)
+                                                  choice_config, gen_config, process, run_blocking, usage)
 from lmdeploy.serve.openai.streaming import chunk_usage, collect_or_abort, sse, sse_chunk, sse_stream
 from lmdeploy.serve.openai.structured import compile_format, requested_format, with_format
 from lmdeploy.serve.openai.tool_choice import ToolPlan, plan_tools, template_messages
@@ -79,14 +79,18 @@ def _template_kwargs(req: ChatCompletionRequest) -> dict | None:
     return kwargs or None
 
 
-def _reasoning_tokens(state: ServerState, parsers: Iterable[ChoiceParser], token_ids: Iterable[list[int]],
-                      config: GenerationConfig) -> int | None:
-    """The reasoning tokens of all choices (each parser fed its whole reply); None without a reasoning parser."""
+async def _reasoning_tokens(state: ServerState, parsers: list[ChoiceParser], token_ids: list[list[int]],
+                            config: GenerationConfig) -> int | None:
+    """The reasoning tokens of all choices (each parser fed its whole reply), counted on the executor (it
+    detokenizes the replies token by token); None without a reasoning parser."""
     if state.reasoning_parser is None:
         return None
-    return sum(parser.reasoning_tokens(IncrementalDetokenizer(state.engine.tokenizer, [], config.skip_special_tokens,
-                                                              config.keep_special_tokens), ids)
-               for parser, ids in zip(parsers, token_ids))
+
+    def count() -> int:
+        return sum(parser.reasoning_tokens(IncrementalDetokenizer(
+            state.engine.tokenizer, [], config.skip_special_tokens, config.keep_special_tokens), ids)
+            for parser, ids in zip(parsers, token_ids))
+    return await run_blocking(state, count)
 
 
 def _format(req: ChatCompletionRequest, plan: ToolPlan) -> tuple[dict | None, str | None]:
@@ -139,7 +143,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         choices.append(ChatChoice(index=r.index, message=parser.message(r.text),
                                   finish_reason=parser.finish_reason(r.finish_reason),
                                   logprobs=chat_logprobs(tokenizer, r.token_ids, r.logprobs, top)))
-    reasoning = _reasoning_tokens(state, parsers, [r.token_ids for r in responses], jobs[0].gen_config)
+    reasoning = await _reasoning_tokens(state, parsers, [r.token_ids for r in responses], jobs[0].gen_config)
     return ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices,
                                   usage=usage(responses, req.n, reasoning))
 
@@ -172,10 +176,12 @@ def _stream(state: ServerState, req: ChatCompletionRequest, run: ChoiceRun, requ
         if delta or r.finish_reason or logprobs is not None:
             yield chunk_of(r, parser.delta_body(delta), parser.finish_reason(r.finish_reason), logprobs)
 
-    def tail() -> Iterable[str]:
-        if req.stream_options and req.stream_options.include_usage:
-            indexes = sorted(parsers)
-            reasoning = _reasoning_tokens(state, [parsers[i] for i in indexes], [token_ids[i] for i in indexes], config)
-            yield sse(ChatCompletionResponse(**head, choices=[], usage=usage(run.last.values(), req.n, reasoning)))
+    async def tail() -> list[str]:
+        if not (req.stream_options and req.stream_options.include_usage):
+            return []
+        indexes = sorted(parsers)
+        reasoning = await _reasoning_tokens(state, [parsers[i] for i in indexes], [token_ids[i] for i in indexes],
+                                            config)
+        return [sse(ChatCompletionResponse(**head, choices=[], usage=usage(run.last.values(), req.n, reasoning)))]
 
     return sse_stream(run, render, tail)
