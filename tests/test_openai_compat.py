@@ -266,7 +266,8 @@ def test_tokens_a_stop_string_cut_still_count(client):
     text, logprobs = r.choices[0].text, r.choices[0].logprobs
     generated = ''.join(logprobs.tokens)
     assert text == full[:full.find(stop)] and r.usage.completion_tokens == len(logprobs.tokens)
-    assert generated.startswith(text + stop) and not generated[:-len(logprobs.tokens[-1])].startswith(text + stop)
+    before_last = generated[:len(generated) - len(logprobs.tokens[-1])]
+    assert generated.startswith(text + stop) and not before_last.startswith(text + stop)
     assert logprobs.text_offset[-1] >= len(text)
 
 
