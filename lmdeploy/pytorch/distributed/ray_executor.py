@@ -318,10 +318,10 @@ class RayExecutor(Executor):
         if not self._wait(calls, connect_timeout().total_seconds()):
             raise WorkerError(f'the Ray actors of ranks 1..{self.world_size - 1} did not start within '
                               f'{connect_timeout()} ({CONNECT_TIMEOUT_ENV})')
-        places = ray.get(calls)
-        self.node_ids = self.node_ids + [node for _, _, node in places]
+        places = ray.get(calls)  # in this order: the watchdog reads a rank's host by its node, its pid by its host
         self.hosts = hosts = [store_host] + [host for host, _, _ in places]
         self.pids = [pid for _, pid, _ in places]
+        self.node_ids = self.node_ids + [node for _, _, node in places]
         logger.info('tensor-parallel ranks 0..%d on %s', self.world_size - 1, ', '.join(hosts))
         per_host = Counter(hosts)
         self.local_world_size = per_host[store_host]
