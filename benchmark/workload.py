@@ -24,25 +24,31 @@ def default_shaped_config() -> LlamaConfig:
                        bos_token_id=1, eos_token_id=2)
 
 
-def llama3_8b_config(tiny: bool = False) -> LlamaConfig:
-    """Llama-3-8B's shape (``tiny``: a few-layer miniature of it, for CPU tests)."""
+def llama3_8b_config(tiny: bool = False, layers: int | None = None) -> LlamaConfig:
+    """Llama-3-8B's shape (``tiny``: a few-layer miniature of it, for CPU tests), with its first ``layers`` layers
+    only where given."""
     shape = dict(hidden_size=64, intermediate_size=224, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, vocab_size=512) if tiny else dict(
         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, head_dim=128, vocab_size=128256)
+    if layers:
+        shape['num_hidden_layers'] = layers
     return LlamaConfig(**shape, max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
                        rope_parameters={'rope_type': 'default', 'rope_theta': 500000.0}, bos_token_id=1,
                        eos_token_id=2)
 
 
-def qwen3_30b_a3b_config(tiny: bool = False) -> Qwen3MoeConfig:
-    """Qwen3-30B-A3B's shape (``tiny``: a few-layer miniature of it, for CPU tests)."""
+def qwen3_30b_a3b_config(tiny: bool = False, layers: int | None = None) -> Qwen3MoeConfig:
+    """Qwen3-30B-A3B's shape (``tiny``: a few-layer miniature of it, for CPU tests), with its first ``layers``
+    layers only where given."""
     shape = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                  num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96,
                  vocab_size=512) if tiny else dict(
         hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
         num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, intermediate_size=6144,
         vocab_size=151936)
+    if layers:
+        shape['num_hidden_layers'] = layers
     return Qwen3MoeConfig(**shape, norm_topk_prob=True, max_position_embeddings=40960, rms_norm_eps=1e-6,
                           rope_parameters={'rope_type': 'default', 'rope_theta': 1000000.0},
                           tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)

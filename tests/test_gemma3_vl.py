@@ -11,9 +11,8 @@ import torch
 from family_checks import assert_batched_chunked_and_cached_equal_solo, assert_vl_matches_transformers
 from helpers import add_requests, collect, make_engine, run
 from safetensors.torch import load_file, save_file
-from test_vl_families import make_processor
 from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer, Gemma3Processor
-from vl_models import hf_vl_inputs, random_image, save_tiny_vl_model
+from vl_models import hf_vl_inputs, make_processor, random_image, save_tiny_vl_model
 
 from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine

@@ -19,16 +19,14 @@ from helpers import make_engine, run
 from server_helpers import serve, tiny_engine
 from test_vl import data_url
 from test_vl_server import chat, image_message
-from transformers import AutoConfig, AutoModelForImageTextToText, Qwen3VLTextConfig
+from transformers import AutoModelForImageTextToText, Qwen3VLTextConfig
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
-from vl_models import INTERNVL_TOKENS, hf_vl_inputs, random_image, save_tiny_vl_model
+from vl_models import INTERNVL_TOKENS, hf_vl_inputs, make_processor, random_image, save_tiny_vl_model
 
 from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.nn.rotary import RotaryEmbedding
-from lmdeploy.tokenizer import Tokenizer
-from lmdeploy.vl.image_inputs import ImageInputs
-from lmdeploy.vl.processor import MultiModalProcessor, ProcessedPrompt
+from lmdeploy.vl.processor import ProcessedPrompt
 
 IMAGES = [random_image(1), random_image(2, (60, 60)), random_image(3, (150, 100))]
 PROMPTS = ['plain text', ('describe', IMAGES[0]), ('compare', [IMAGES[1], IMAGES[2]])]
@@ -37,12 +35,6 @@ PROMPTS = ['plain text', ('describe', IMAGES[0]), ('compare', [IMAGES[1], IMAGES
 @pytest.fixture(scope='module', params=['internvl', 'internvl_llama', 'qwen3_vl', 'qwen3_vl_moe'])
 def vl_family(request, tmp_path_factory) -> str:
     return save_tiny_vl_model(request.param, str(tmp_path_factory.mktemp(request.param)))
-
-
-def make_processor(path: str) -> MultiModalProcessor:
-    tokenizer = Tokenizer(path)
-    return MultiModalProcessor(tokenizer, image_inputs=ImageInputs.for_model(path, AutoConfig.from_pretrained(path),
-                                                                             tokenizer.hf))
 
 
 @pytest.fixture(scope='module')

@@ -10,14 +10,18 @@ import torch
 import torch.nn.functional as F
 from conftest import MINISTRAL3_ROPE, VOCAB_SIZE, build_tokenizer
 from PIL import Image
-from transformers import (AutoModelForImageTextToText, CLIPVisionConfig, Gemma3Config, InternVLConfig, LlamaConfig,
-                          LlavaConfig, Mistral3Config, Qwen2_5_VLConfig, Qwen2Config, Qwen2VLConfig, Qwen3_5Config,
-                          Qwen3_5MoeConfig, Qwen3Config, Qwen3VLConfig, Qwen3VLMoeConfig)
+from transformers import (AutoConfig, AutoModelForImageTextToText, CLIPVisionConfig, Gemma3Config, InternVLConfig,
+                          LlamaConfig, LlavaConfig, Mistral3Config, Qwen2_5_VLConfig, Qwen2Config, Qwen2VLConfig,
+                          Qwen3_5Config, Qwen3_5MoeConfig, Qwen3Config, Qwen3VLConfig, Qwen3VLMoeConfig)
 from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+from lmdeploy.tokenizer import Tokenizer
+from lmdeploy.vl.image_inputs import ImageInputs
+from lmdeploy.vl.processor import MultiModalProcessor
 
 QWEN_IMAGE = '<|vision_start|><|image_pad|><|vision_end|>'
 LLAVA_IMAGE = '<image>\n'
@@ -29,6 +33,13 @@ INTERNVL_TOKENS = {'start_image_token': '<img>', 'end_image_token': '</img>', 'c
 MISTRAL3_TOKENS = ['[IMG]', '[IMG_BREAK]', '[IMG_END]']
 # Gemma 3's tokenizer names its image tokens too; its chat template writes <start_of_image> for an image
 GEMMA3_TOKENS = {'boi_token': '<start_of_image>', 'eoi_token': '<end_of_image>', 'image_token': '<image_soft_token>'}
+
+
+def make_processor(path: str) -> MultiModalProcessor:
+    """The engine's prompt processor of the model saved in ``path``."""
+    tokenizer = Tokenizer(path)
+    return MultiModalProcessor(tokenizer, image_inputs=ImageInputs.for_model(path, AutoConfig.from_pretrained(path),
+                                                                             tokenizer.hf))
 
 
 def image_chat_template(image: str) -> str:
