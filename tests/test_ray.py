@@ -1,8 +1,9 @@
 """Tensor-parallel workers as Ray actors on a local Ray cluster (loopback only), which the engines of a
 process share: tp=1's tokens, and a killed actor fails the engine fast, naming its process; so does the loss
 of the cluster's GCS (of a local cluster or one joined), which Ray would otherwise answer by ending this whole
-process a minute later, and a server whose cluster was lost still drains on SIGTERM. Neither the actors nor
-the cluster outlive the engine."""
+process a minute later, and a server whose cluster was lost still drains on SIGTERM. A GCS, raylet or actor
+that hangs (SIGSTOP) fails the engine within seconds too, naming it, and so does a GCS that hangs at start-up.
+Neither the actors nor the cluster outlive the engine, nor is anything left stopped."""
 from __future__ import annotations
 
 import contextlib
