@@ -91,6 +91,7 @@ class GenerationConfig:
     logit_bias: dict[int, float] | None = None
     random_seed: int | None = None
     stop_words: list[str] | None = None
+    include_stop_str_in_output: bool = False
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     min_new_tokens: int = 0
@@ -107,7 +108,7 @@ class GenerationConfig:
         _plain_fields(self)
         if isinstance(self.stop_words, str):
             self.stop_words = [self.stop_words]
-        for name in ('do_sample', 'ignore_eos', 'skip_special_tokens'):
+        for name in ('do_sample', 'ignore_eos', 'skip_special_tokens', 'include_stop_str_in_output'):
             value = getattr(self, name)
             _check(isinstance(value, bool), f'{name} must be True or False, got {value!r}')
         for name in ('stop_words', 'stop_token_ids', 'keep_special_tokens'):

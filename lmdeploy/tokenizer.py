@@ -151,12 +151,13 @@ class StopChecker:
     """Stops at the first stop word in streamed text and never streams part of one.
 
     ``feed`` takes each text delta and returns the text that is safe to stream: a suffix that could
-    still grow into a stop word is held back until it can no longer. The stop word and everything
-    after it are dropped.
+    still grow into a stop word is held back until it can no longer. Everything after the stop word
+    is dropped, and the stop word too unless ``include_stop`` (the longest of those found first).
     """
 
-    def __init__(self, stop_words: list[str] | None):
+    def __init__(self, stop_words: list[str] | None, include_stop: bool = False):
         self.stop_words = [w for w in stop_words or () if w]
+        self.include_stop = include_stop
         self.stopped = False
         self._pending = ''  # text received but not yet released
 
@@ -175,11 +176,12 @@ class StopChecker:
         if self.stopped:
             return '', True
         text = self._pending + delta
-        hits = [i for i in (text.find(w) for w in self.stop_words) if i >= 0]
+        hits = [(text.find(w), -len(w)) for w in self.stop_words if w in text]
         if hits:
             self.stopped = True
             self._pending = ''
-            return text[:min(hits)], True
+            start, minus_length = min(hits)
+            return text[:start - minus_length if self.include_stop else start], True
         keep = len(text) - self._held_len(text)
         self._pending = text[keep:]
         return text[:keep], False

@@ -11,6 +11,8 @@ from test_tool_server_hunt import ask, assert_released, regex
 from tool_models import ADDED_TOKENS, save_tool_model
 
 from lmdeploy.serve.openai.api_server import create_app
+from lmdeploy.serve.openai.chat_output import ChoiceParser
+from lmdeploy.serve.openai.reasoning_parsers import REASONING_PARSERS
 from lmdeploy.serve.openai.tool_parsers import TOOL_PARSERS, ParsedDelta
 from lmdeploy.serve.openai.tool_parsers.harmony import HarmonyToolParser
 
@@ -64,6 +66,37 @@ def test_a_marker_that_starts_no_call_leaves_the_text_as_written_less_a_special_
     assert pieces(parser(special_markers=special_markers), text) == ParsedDelta(expected)
 
 
+STRAY = [(name, marker) for name in sorted({m[0] for m in MARKERS}) for marker in TOOL_PARSERS.lookup(name).markers
+         if (name, marker) not in {m[:2] for m in MARKERS}]
+
+
+@pytest.mark.parametrize('special', [True, False], ids=['special', 'plain'])
+@pytest.mark.parametrize('name, marker', STRAY, ids=[f'{name} {marker}' for name, marker in STRAY])
+def test_a_stray_marker_outside_a_call_is_left_out_where_special(name, marker, special):
+    """A marker that starts no call (a lone ``</tool_call>``, ``[ARGS]``) in the text: was kept whatever the
+    tokenizer, so the reply showed a special token that the reply without a parser leaves out. Now the message is
+    the text as written less the markers that are ``special_markers``, streamed (one character at a time) and
+    not."""
+    parser = TOOL_PARSERS.lookup(name)
+    special_markers = parser.markers if special else ()
+    text = f'Hi. {marker} there'
+    expected = 'Hi.  there' if special else text
+    message = ChoiceParser(None, parser(special_markers=special_markers), special_markers=special_markers).message(text)
+    assert (message.content, message.tool_calls) == (expected, None)
+    streamed = ChoiceParser(None, parser(special_markers=special_markers), special_markers=special_markers)
+    assert ''.join(streamed.feed(char).content for char in text) + streamed.feed('', final=True).content == expected
+
+
+@pytest.mark.parametrize('special', [True, False], ids=['special', 'plain'])
+def test_a_repeated_think_tag_is_left_out_of_reasoning_and_answer_where_special(special):
+    """Was: a ``<think>`` inside the reasoning and a ``</think>`` in the answer stayed, special or not."""
+    parser = REASONING_PARSERS.lookup('qwen3')
+    special_markers = parser.markers if special else ()
+    text = '<think>a<think>b</think>c</think>d'
+    message = ChoiceParser(parser('prompt'), special_markers=special_markers).message(text)
+    assert (message.reasoning_content, message.content) == (('ab', 'cd') if special else ('a<think>b', 'c</think>d'))
+
+
 @pytest.fixture(scope='module', params=[True, False], ids=['special tags', 'plain tags'])
 def servers(request, tmp_path_factory):
     """A server per tool parser, all on the tiny model of ``tests/tool_models.py`` whose tokenizer makes its
@@ -80,19 +113,21 @@ def tag_bias(server: ServerThread, tags: tuple[str, ...] = ('<tool_call>', '</to
     return {str(i[0]): 100.0 for i in ids}
 
 
+@pytest.mark.parametrize('reply', ['Hi.\n<tool_call>not a call</tool_call>', 'Hi.</tool_call> there'],
+                         ids=['a block', 'a stray closing tag'])
 @pytest.mark.parametrize('skip_special_tokens', [True, False], ids=['skipping', 'keeping'])
 @pytest.mark.parametrize('parser', ['hermes', 'glm45'])
-def test_a_block_without_a_call_shows_as_the_reply_without_a_parser(servers, parser, skip_special_tokens):
+def test_a_block_without_a_call_shows_as_the_reply_without_a_parser(servers, parser, skip_special_tokens, reply):
     """The parser's content is the text a client gets without a parser (``tool_choice: none``): less the tags
     where the served tokenizer makes them special tokens and the request skips them, else as written. Was: the
-    parser's class decided (hermes kept the tags, glm45 dropped them), whatever the tokenizer and the request."""
+    parser's class decided (hermes kept the tags, glm45 dropped them), whatever the tokenizer and the request;
+    a stray closing tag stayed with both."""
     server = servers(parser)
-    reply = 'Hi.\n<tool_call>not a call</tool_call>'
     body = {'structured_outputs': {'regex': regex(reply)}, 'logit_bias': tag_bias(server),
             'skip_special_tokens': skip_special_tokens}
     without_parser = ask(server, {**body, 'tool_choice': 'none'})
     special = '<tool_call>' in server.engine.tokenizer.special_token_ids.values()
-    shown = 'Hi.\nnot a call' if special and skip_special_tokens else reply
+    shown = reply.replace('<tool_call>', '').replace('</tool_call>', '') if special and skip_special_tokens else reply
     assert without_parser == {'content': shown, 'calls': [], 'finish_reason': 'stop'}
     assert ask(server, body) == without_parser
 

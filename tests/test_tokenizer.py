@@ -164,6 +164,11 @@ def test_stop_word_inside_one_delta_and_earliest_wins():
     assert stopped and out == ['xx']
 
 
+def test_an_included_stop_word_is_the_longest_of_those_found_first():
+    out, stopped = _feed_all(StopChecker(['bb', 'ab', 'abb'], include_stop=True), ['xxa', 'bbyy'])
+    assert stopped and out == ['xx', 'abb']
+
+
 def test_held_back_text_flushed_at_end_and_no_stop_words_pass_through():
     out, stopped = _feed_all(StopChecker(['###']), ['answer #', '#'])
     assert not stopped and out == ['answer ', '', '##']

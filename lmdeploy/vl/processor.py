@@ -142,6 +142,11 @@ class MultiModalProcessor:
         return '\n'.join(m['content'] if isinstance(m['content'], str) else
                          ''.join(p.get('text', '') for p in m['content']) for m in messages)
 
+    def template_holds(self, word: str) -> bool:
+        """Whether the text of the chat template holds ``word`` (a role's name, say)."""
+        template = self.chat_template or getattr(self.tokenizer.hf, 'chat_template', None) or ''
+        return word in (template if isinstance(template, str) else ' '.join(template.values()))
+
     def _apply_template(self, messages: Messages, tools: list[dict] | None, template_kwargs: dict | None) -> str:
         try:
             return self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, tools=tools,

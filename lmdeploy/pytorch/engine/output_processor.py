@@ -25,7 +25,7 @@ class OutputProcessor:
         cfg = seq.gen_config
         self.states[seq.seq_id] = _TextState(
             IncrementalDetokenizer(self.tokenizer, seq.prompt_ids, cfg.skip_special_tokens, cfg.keep_special_tokens),
-            StopChecker(cfg.stop_words))
+            StopChecker(cfg.stop_words, cfg.include_stop_str_in_output))
 
     def append_token(self, seq: Sequence, token_id: int, logprobs: dict[int, float] | None,
                      session_len: int) -> EngineOutput:

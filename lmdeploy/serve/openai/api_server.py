@@ -32,7 +32,7 @@ from lmdeploy.serve.openai.protocol import (AbortRequest, ChatCompletionRequest,
                                             ModelCard, ModelList)
 from lmdeploy.serve.openai.reasoning_parsers import ReasoningParser, get_reasoning_parser
 from lmdeploy.serve.openai.serving_chat import create_chat_completion
-from lmdeploy.serve.openai.serving_common import ServerState, sampling_defaults
+from lmdeploy.serve.openai.serving_common import ServerState, check_model, sampling_defaults
 from lmdeploy.serve.openai.serving_completion import create_completion
 from lmdeploy.serve.openai.serving_native import abort_request, encode_text, generate
 from lmdeploy.serve.openai.tool_parsers import ToolParser, get_tool_parser
@@ -185,10 +185,18 @@ def create_app(engine: AsyncEngine, model_name: str | None = None, api_keys: lis
     body = (413,) if limits.max_request_body_bytes is not None else ()
     generating = error_responses(400, *auth, 404, *body, 429, 500, 503)
 
+    card = ModelCard(id=state.model_name)  # created: when the app was made, the same in every answer
+
     @app.get('/v1/models', responses=error_responses(*auth))
     async def list_models() -> ModelList:
         """The served model."""
-        return ModelList(data=[ModelCard(id=state.model_name)])
+        return ModelList(data=[card])
+
+    @app.get('/v1/models/{model:path}', responses=error_responses(*auth, 404))
+    async def retrieve_model(model: str) -> ModelCard:
+        """The served model, by its name (``client.models.retrieve``); another name is a 404."""
+        check_model(state, model)
+        return card
 
     @app.post('/v1/chat/completions', responses={**generating, 200: streamed(ChatCompletionResponse)})
     async def chat_completions(req: ChatCompletionRequest, raw: Request):

@@ -3,11 +3,13 @@ piece by piece while it streams (or at once), in OpenAI's message and delta shap
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
 from lmdeploy.serve.openai.protocol import ChatMessage, FunctionCall, ToolCall
 from lmdeploy.serve.openai.reasoning_parsers import ReasoningParser
+from lmdeploy.serve.openai.text_scan import MarkerFilter
 from lmdeploy.serve.openai.tool_parsers import ToolCallDelta, ToolParser
 
 
@@ -25,13 +27,16 @@ class MessageDelta:
 
 class ChoiceParser:
     """Splits one choice's reply: ``reasoning`` (if any) takes the reasoning out, ``tools`` (if any) the
-    tool calls out of the content; calls beyond ``max_calls`` are dropped."""
+    tool calls out of the content; calls beyond ``max_calls`` are dropped. ``special_markers`` (the parsers'
+    markers that the reply's text would leave out without a parser, see :class:`ToolParser`) that the parsers
+    leave in the reasoning or the content, a stray ``</tool_call>`` say, are left out of them too."""
 
     def __init__(self, reasoning: ReasoningParser | None = None, tools: ToolParser | None = None,
-                 max_calls: int | None = None):
+                 max_calls: int | None = None, special_markers: Collection[str] = ()):
         self.reasoning = reasoning
         self.tools = tools
         self.max_calls = max_calls
+        self.reasoning_filter, self.content_filter = MarkerFilter(special_markers), MarkerFilter(special_markers)
         self.arguments: dict[int, list[str]] = {}  # the pieces of each call's arguments given out so far
 
     @property
@@ -61,6 +66,8 @@ class ChoiceParser:
             out.tool_calls = [c for c in parsed.tool_calls if self.max_calls is None or c.index < self.max_calls]
             for call in out.tool_calls:
                 self.arguments.setdefault(call.index, []).append(call.arguments)
+        out.reasoning = self.reasoning_filter.feed(out.reasoning, final)
+        out.content = self.content_filter.feed(out.content, final)
         return out
 
     def message(self, text: str) -> ChatMessage:

@@ -64,7 +64,9 @@ def _check_text(text: str, field: str | None) -> None:
 
 
 class RequestBody(BaseModel):
-    """A request body: well-formed (see :func:`check_json`) before its fields are validated."""
+    """A request body: well-formed (see :func:`check_json`) before its fields are validated. A top-level field
+    sent as ``null`` is left out, so that it takes its default, as OpenAI reads its nullable fields (the
+    official client sends ``temperature=None`` as ``null``)."""
 
     @model_validator(mode='before')
     @classmethod
@@ -74,11 +76,17 @@ class RequestBody(BaseModel):
         except MalformedJSON as exc:
             raise PydanticCustomError('malformed_json', '{message}',
                                       {'message': str(exc), 'param': exc.field}) from None
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
         return data
 
 
 class StreamOptions(BaseModel):
+    """``include_usage``: a last chunk with ``usage`` and no choices; ``continuous_usage_stats`` (vLLM's):
+    also every chunk carries its choice's usage so far."""
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class JsonSchemaFormat(BaseModel):
@@ -111,10 +119,30 @@ class StructuredOutputs(BaseModel):
 
 
 class StructuredFields(BaseModel):
-    """The structured-output fields of chat and completion requests."""
+    """The structured-output fields of chat and completion requests. ``guided_json``, ``guided_regex``,
+    ``guided_choice`` and ``guided_grammar`` are vLLM's older names of ``structured_outputs``' keys, read as
+    those."""
 
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    @model_validator(mode='after')
+    def _guided(self) -> StructuredFields:
+        guided = {key: value for key, value in [('json', self.guided_json), ('regex', self.guided_regex),
+                                                ('choice', self.guided_choice), ('grammar', self.guided_grammar)]
+                  if value is not None}
+        if guided:
+            if self.structured_outputs is not None:
+                raise PydanticCustomError('guided_and_structured_outputs',
+                                          'guided_json, guided_regex, guided_choice and guided_grammar (vLLM\'s older '
+                                          'names) cannot go with structured_outputs; send one of them',
+                                          {'param': 'structured_outputs'})
+            self.structured_outputs = StructuredOutputs.model_validate(guided)
+        return self
 
 
 class FunctionDefinition(BaseModel):
@@ -150,6 +178,7 @@ class SamplingFields(RequestBody):
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     n: int = Field(1, ge=1, le=128)
     stop: str | list[str] | None = None
+    include_stop_str_in_output: bool = False
     stop_token_ids: list[NonNegativeInt] | None = None
     seed: int | None = Field(None, ge=-2 ** 63, lt=2 ** 64)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
@@ -163,6 +192,20 @@ class SamplingFields(RequestBody):
     stream_options: StreamOptions | None = None
     user: str | None = None
     session_id: int | None = Field(None, ge=0)
+    # vLLM's fields that would change the reply and that this server does not implement: refused, not ignored
+    use_beam_search: bool = False
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
+    logits_processors: list[Any] | None = None
+
+    def unsupported_fields(self) -> list[str]:
+        """Those of vLLM's fields above that the request sets to a value other than their default's."""
+        names = ('use_beam_search', 'allowed_token_ids', 'bad_words', 'prompt_logprobs', 'truncate_prompt_tokens',
+                 'logits_processors')
+        return [name for name in names if not (getattr(self, name) is None or getattr(self, name) is False
+                                               or getattr(self, name) == [])]
 
 
 class ChatCompletionRequest(SamplingFields, StructuredFields):
@@ -173,6 +216,13 @@ class ChatCompletionRequest(SamplingFields, StructuredFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal['none', 'minimal', 'low', 'medium', 'high'] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    # OpenAI fields this server cannot honour, refused rather than ignored (see serving_chat._check)
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    modalities: list[str] | None = None
 
 
 class CompletionRequest(SamplingFields, StructuredFields):
@@ -180,6 +230,7 @@ class CompletionRequest(SamplingFields, StructuredFields):
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=128)
     max_tokens: int | None = Field(16, ge=1, le=MAX_NEW_TOKENS_LIMIT)
 
 

@@ -148,6 +148,10 @@ def gen_config(state: ServerState, req: SamplingFields, num_prompt_tokens: int, 
     if model_defaults:
         unset = {k: v for k, v in state.sampling_defaults.items() if k not in req.model_fields_set}
         req = req.model_copy(update=unset)
+    unsupported = req.unsupported_fields()
+    if unsupported:
+        raise APIError(400, f'{", ".join(unsupported)} (vLLM\'s) not supported by this server', unsupported[0],
+                       'unsupported_value')
     if req.stream_options is not None and not req.stream:
         raise APIError(400, 'stream_options is only allowed when stream is true', 'stream_options')
     max_tokens = req.max_completion_tokens or req.max_tokens or default_max_tokens
@@ -174,7 +178,8 @@ def gen_config(state: ServerState, req: SamplingFields, num_prompt_tokens: int, 
             max_new_tokens=max_tokens, do_sample=req.temperature > 0, temperature=req.temperature, top_p=req.top_p,
             top_k=max(req.top_k, 0), min_p=req.min_p, repetition_penalty=req.repetition_penalty,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, logit_bias=bias,
-            random_seed=req.seed, stop_words=req.stop or None, stop_token_ids=req.stop_token_ids,
+            random_seed=req.seed, stop_words=req.stop or None,
+            include_stop_str_in_output=req.include_stop_str_in_output, stop_token_ids=req.stop_token_ids,
             ignore_eos=req.ignore_eos, min_new_tokens=req.min_tokens, skip_special_tokens=req.skip_special_tokens,
             logprobs=logprobs)
     except ValueError as exc:

@@ -16,7 +16,7 @@ from lmdeploy.serve.openai.request_start import admitted
 from lmdeploy.serve.openai.serving_common import (ChoiceRun, Job, ServerState, check_model, check_prompt_ids,
                                                   check_session, check_token_ids, choice_config, encode, gen_config,
                                                   run_blocking, usage)
-from lmdeploy.serve.openai.streaming import collect_or_abort, sse, sse_chunk, sse_stream
+from lmdeploy.serve.openai.streaming import chunk_usage, collect_or_abort, sse, sse_chunk, sse_stream
 from lmdeploy.serve.openai.structured import compile_format, requested_format, with_format
 from lmdeploy.serve.session_manager import Reservation
 
@@ -44,6 +44,11 @@ def _check(state: ServerState, req: CompletionRequest) -> list[str | list[int]]:
     check_grammar_cost(state.limits, *requested_format(req))
     if req.suffix:
         raise APIError(400, 'suffix is not supported by this server', 'suffix', 'unsupported_value')
+    if req.best_of is not None and req.best_of < req.n:
+        raise APIError(400, f'best_of ({req.best_of}) must be at least n ({req.n})', 'best_of')
+    if req.best_of is not None and req.best_of > req.n:
+        raise APIError(400, 'best_of greater than n is not supported by this server (it returns every sample: '
+                       'send n alone)', 'best_of', 'unsupported_value')
     check_stop(state.limits, req.stop, req.stop_token_ids)
     if isinstance(req.prompt, list) and req.prompt and not all(isinstance(p, int) for p in req.prompt):
         check_fanout(state.limits, req.n, len(req.prompt))
@@ -125,7 +130,7 @@ def _stream(state: ServerState, req: CompletionRequest, run: ChoiceRun, request_
         text += r.text
         if text or r.token_ids or r.finish_reason:
             yield sse_chunk(head, {'index': r.index, 'text': text, 'logprobs': logprobs,
-                                   'finish_reason': r.finish_reason})
+                                   'finish_reason': r.finish_reason}, chunk_usage(req.stream_options, r))
 
     def tail() -> Iterable[str]:
         if req.stream_options and req.stream_options.include_usage:

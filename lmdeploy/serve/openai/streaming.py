@@ -16,7 +16,8 @@ from starlette.types import Receive, Scope, Send
 from lmdeploy.messages import Response
 from lmdeploy.serve.openai.errors import error_body
 from lmdeploy.serve.openai.request_start import wait_disconnect
-from lmdeploy.serve.openai.serving_common import ChoiceRun, raise_for_error
+from lmdeploy.serve.openai.protocol import StreamOptions
+from lmdeploy.serve.openai.serving_common import ChoiceRun, raise_for_error, usage
 
 logger = logging.getLogger('lmdeploy')
 
@@ -54,10 +55,19 @@ def sse(data: BaseModel | dict) -> str:
     return _event(data.model_dump_json(exclude_unset=False) if isinstance(data, BaseModel) else json.dumps(data))
 
 
-def sse_chunk(head: dict, choice: dict) -> str:
-    """The event of one streamed chunk: ``head`` (id, object, created, model) with ``choice`` and no usage,
+def sse_chunk(head: dict, choice: dict, usage_body: dict | None = None) -> str:
+    """The event of one streamed chunk: ``head`` (id, object, created, model) with ``choice`` and ``usage_body``,
     serialised as its pydantic model would be, without building one (this runs for every token)."""
-    return _event(json.dumps({**head, 'choices': [choice], 'usage': None}, ensure_ascii=False, separators=(',', ':')))
+    return _event(json.dumps({**head, 'choices': [choice], 'usage': usage_body}, ensure_ascii=False,
+                             separators=(',', ':')))
+
+
+def chunk_usage(stream_options: StreamOptions | None, chunk: Response) -> dict | None:
+    """With ``stream_options.continuous_usage_stats`` (and ``include_usage``), the usage so far of ``chunk``'s
+    choice, which every chunk of a stream carries (vLLM's extension); else None."""
+    if not (stream_options and stream_options.include_usage and stream_options.continuous_usage_stats):
+        return None
+    return usage([chunk], 1).model_dump()
 
 
 class EventStream(StreamingResponse):

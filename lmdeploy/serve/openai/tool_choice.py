@@ -118,12 +118,15 @@ def _json_schema(name: str, schema: dict[str, Any]) -> dict[str, Any]:
     return {'type': 'json_schema', 'json_schema': {'name': name, 'schema': schema, 'strict': True}}
 
 
-def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def template_messages(messages: list[dict[str, Any]], developer_as_system: bool = False) -> list[dict[str, Any]]:
     """The messages as chat templates expect them: an assistant's tool-call arguments as objects, not
-    the JSON text OpenAI sends. A malformed ``tool_calls`` is a 400, and so are arguments whose JSON a body
-    could not hold (see :func:`check_json`)."""
+    the JSON text OpenAI sends; with ``developer_as_system`` (for a template that has no ``developer`` role),
+    OpenAI's ``developer`` messages as ``system`` ones. A malformed ``tool_calls`` is a 400, and so are
+    arguments whose JSON a body could not hold (see :func:`check_json`)."""
     out = []
     for i, message in enumerate(messages):
+        if developer_as_system and isinstance(message, dict) and message.get('role') == 'developer':
+            message = {**message, 'role': 'system'}
         calls = message.get('tool_calls') if isinstance(message, dict) else None
         if calls is not None:
             if not isinstance(calls, list):

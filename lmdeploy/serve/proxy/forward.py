@@ -51,12 +51,16 @@ async def _wait_disconnect(receive: Receive) -> None:
         pass
 
 
+MODEL_PATH = '/v1/models/'
+
+
 class Forward(Response):
     """The ASGI response of one forwarded request: the node is chosen by ``strategy`` among the healthy ones
-    (those serving the body's ``model``, when any does). A node that refuses the connection is marked down and
-    the next one is tried (the request never reached it); with none left the answer is a 503
-    ``no_healthy_node``. A node that fails mid-answer ends a server-sent-event stream with an error event
-    (``node_failed``), and cuts any other body short, so that the client sees an error rather than waiting."""
+    (those serving the body's ``model``, or the one a ``/v1/models/{model}`` path names, when any does). A node
+    that refuses the connection is marked down and the next one is tried (the request never reached it); with
+    none left the answer is a 503 ``no_healthy_node``. A node that fails mid-answer ends a server-sent-event
+    stream with an error event (``node_failed``), and cuts any other body short, so that the client sees an
+    error rather than waiting."""
 
     def __init__(self, registry: NodeRegistry, strategy: LeastRequests, scope: Scope, body: bytes):
         super().__init__()
@@ -72,6 +76,8 @@ class Forward(Response):
         except (ValueError, RecursionError):  # the node answers the body's fault itself
             self.parsed = None
         model = self.parsed.get('model') if isinstance(self.parsed, dict) else None
+        if scope['path'].startswith(MODEL_PATH):  # GET /v1/models/{model}: the model is in the path
+            model = scope['path'][len(MODEL_PATH):]
         self.model = model if isinstance(model, str) else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

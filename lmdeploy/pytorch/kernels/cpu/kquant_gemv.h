@@ -93,19 +93,9 @@ inline void transpose16(__m512i* v) {
   }
 }
 
-// A tile's 32 inputs from k0 to its sink, from pairs[p] (dword r: row r's input pair p): into the sums of a few rows
-// of x, as they are into a packed panel, or transposed into rows of W.
+// A tile's 32 inputs from k0 into a packed panel, or transposed into rows of W, from pairs[p] (dword r: row r's
+// input pair p).
 inline void put_pairs(const TileSink& sink, __m512i* pairs, int64_t k0) {
-  if (sink.rows > 0) {
-    for (int64_t r = 0; r < sink.rows; ++r) {
-      const int32_t* x = reinterpret_cast<const int32_t*>(sink.x + r * sink.K + k0);
-      __m512 sum = _mm512_loadu_ps(sink.sums + r * kTileRows);
-#pragma GCC unroll 16  // pairs stay in registers: indexed by a variable they would go through the stack
-      for (int p = 0; p < 16; ++p) sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_set1_epi32(x[p]), (__m512bh)pairs[p]);
-      _mm512_storeu_ps(sink.sums + r * kTileRows, sum);
-    }
-    return;
-  }
   if (sink.packed) {
     for (int p = 0; p < 16; ++p) _mm512_storeu_si512(sink.out + (k0 + 2 * p) * kTileRows, pairs[p]);
     return;
@@ -114,12 +104,49 @@ inline void put_pairs(const TileSink& sink, __m512i* pairs, int64_t k0) {
   for (int64_t row = 0; row < kTileRows; ++row) _mm512_storeu_si512(sink.out + row * sink.K + k0, pairs[row]);
 }
 
+// The R rows' sums of a tile (sink.rows == R) over its `groups` groups of 32 inputs, kept in registers over the whole
+// tile: one vdpbf16ps a pair, in order of k, as a packed panel's tile adds them. Handed group by group through
+// sink.sums, each group's chain waited on the last one's store and load and the pairs went through the stack (one
+// and two rows now 0.89-0.99x the time: docs/performance.md, "One- and two-row prefill steps").
+template <int R, typename Group>
+__attribute__((always_inline)) inline void sum_groups(const TileSink& sink, int64_t groups, const Group& group) {
+  const int32_t* x = reinterpret_cast<const int32_t*>(sink.x);
+  const int64_t pairs_a_row = sink.K / 2;
+  __m512 sum[R];
+  for (int r = 0; r < R; ++r) sum[r] = _mm512_loadu_ps(sink.sums + r * kTileRows);
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i pairs[16];
+    group(g, pairs);
+    for (int r = 0; r < R; ++r) {
+      const int32_t* xg = x + r * pairs_a_row + g * 16;
+#pragma GCC unroll 16  // pairs stay in registers: indexed by a variable they would go through the stack
+      for (int p = 0; p < 16; ++p)
+        sum[r] = _mm512_dpbf16_ps(sum[r], (__m512bh)_mm512_set1_epi32(xg[p]), (__m512bh)pairs[p]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(sink.sums + r * kTileRows, sum[r]);
+}
+
+// A tile's weights into its sink, `groups` groups of 32 inputs: group(g, pairs) writes group g's 16 vectors of bf16
+// pairs (dword r: row r's input pair 16 g + p at [p]). Into the sums of one or two rows of x (sink.rows, at most
+// two), as they are into a packed panel, or into the panel, or transposed into rows of W.
+template <typename Group>
+inline void put_groups(const TileSink& sink, int64_t groups, const Group& group) {
+  if (sink.rows == 1) return sum_groups<1>(sink, groups, group);
+  if (sink.rows == 2) return sum_groups<2>(sink, groups, group);
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i pairs[16];
+    group(g, pairs);
+    put_pairs(sink, pairs, g * 32);
+  }
+}
+
 // W [N, K] of Q4_K/Q5_K-style tiles: codes [N/16, K/32, code_bytes] and scales [N/16, K/256, 256] (per tile and
 // block the 16 rows' d, dmin, then the 12 bytes of sc and m, 16 rows a byte). group_codes(w, u) writes the 16-bit
 // codes of a tile's group (its code bytes w) into u[8 h + c]: lane j the code of (row j / 2, input 16 h + 2 c +
 // j % 2).
-template <typename GroupCodes>
-TiledWeight k_tiles(const torch::Tensor& codes, const torch::Tensor& scales, int64_t code_bytes, bool gate_up,
+template <int64_t code_bytes, typename GroupCodes>
+TiledWeight k_tiles(const torch::Tensor& codes, const torch::Tensor& scales, bool gate_up,
                     const GroupCodes& group_codes) {
   constexpr int64_t kGroup = 32, kBlock = 256, kScaleBytes = 256;
   TORCH_CHECK(codes.dim() >= 3 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
@@ -133,21 +160,21 @@ TiledWeight k_tiles(const torch::Tensor& codes, const torch::Tensor& scales, int
   TiledWeight weight{tiles * kTileRows, K, gate_up, nullptr};
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const uint8_t* sp = scales.data_ptr<uint8_t>();
-  weight.write = [codes, scales, cp, sp, code_bytes, K, blocks, group_codes](int64_t tile, const TileSink& sink) {
+  weight.write = [codes, scales, cp, sp, K, blocks, group_codes](int64_t tile, const TileSink& sink) {
     const uint8_t* w = cp + tile * (K / kGroup) * code_bytes;  // (codes and scales: kept alive)
-    for (int64_t block = 0; block < blocks; ++block) {
-      const uint8_t* s = sp + (tile * blocks + block) * kScaleBytes;
-      prefetch_ahead(s, kCodePrefetchBytes * kScaleBytes / (code_bytes * kBlock / kGroup), kScaleBytes);
-      for (int64_t j = 0; j < kBlock / kGroup; ++j, w += code_bytes) {
-        prefetch_ahead(w, kCodePrefetchBytes, code_bytes);
-        __m512 scale, minimum;
-        scale_min(s, j, scale, minimum);
-        __m512i pairs[16];  // codes, then dword r the bf16 weights of (row r, inputs 16 h + 2 c, + 1) at [8 h + c]
-        group_codes(w, pairs);
-        for (int p = 0; p < 16; ++p) pairs[p] = weight_pairs(pairs[p], scale, minimum);
-        put_pairs(sink, pairs, (block * (kBlock / kGroup) + j) * kGroup);
-      }
-    }
+    const uint8_t* s = sp + tile * blocks * kScaleBytes;
+    put_groups(sink, K / kGroup, [&](int64_t g, __m512i* pairs) __attribute__((always_inline)) {
+      const int64_t block = g / (kBlock / kGroup), j = g % (kBlock / kGroup);
+      const uint8_t* bs = s + block * kScaleBytes;
+      if (j == 0) prefetch_ahead(bs, kCodePrefetchBytes * kScaleBytes / (code_bytes * kBlock / kGroup), kScaleBytes);
+      prefetch_ahead(w + g * code_bytes, kCodePrefetchBytes, code_bytes);
+      __m512 scale, minimum;
+      scale_min(bs, j, scale, minimum);
+      // codes, then dword r the bf16 weights of (row r, inputs 16 h + 2 c, + 1) at [8 h + c]
+      group_codes(w + g * code_bytes, pairs);
+#pragma GCC unroll 16
+      for (int p = 0; p < 16; ++p) pairs[p] = weight_pairs(pairs[p], scale, minimum);
+    });
   };
   return weight;
 }

@@ -221,7 +221,7 @@ torch::Tensor q4k_gate_up_silu(const torch::Tensor& x, const torch::Tensor& pack
 }
 
 TiledWeight q4k_tiled(const torch::Tensor& packed, const torch::Tensor& scales, bool gate_up) {
-  return kquant::k_tiles(packed, scales, kGroupBytes, gate_up, [](const uint8_t* w, __m512i* u) {
+  return kquant::k_tiles<kGroupBytes>(packed, scales, gate_up, [](const uint8_t* w, __m512i* u) {
     const __m512i nibble = _mm512_set1_epi16(15);
     for (int c = 0; c < 8; ++c) {
       const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * c)));

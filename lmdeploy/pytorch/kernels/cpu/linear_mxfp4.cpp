@@ -176,8 +176,8 @@ TiledWeight mxfp4_tiled(const torch::Tensor& blocks, const torch::Tensor& scales
     const __m512i first = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
     const __m512 lut = _mm512_loadu_ps(kE2m1);
-    for (int64_t b = 0; b < count; ++b) {
-      __m512i pairs[kquant::kTileRows];  // row r's 32 weights, then dword r of [p] row r's input pair p
+    // row r's 32 weights at [r], then dword r of [p] row r's input pair p
+    kquant::put_groups(sink, count, [&](int64_t b, __m512i* pairs) __attribute__((always_inline)) {
       for (int64_t r = 0; r < kquant::kTileRows; ++r) {
         const int64_t i = (tile * kquant::kTileRows + r) * count + b;
         __m512 even, odd;
@@ -189,8 +189,7 @@ TiledWeight mxfp4_tiled(const torch::Tensor& blocks, const torch::Tensor& scales
                                       top_half(_mm512_permutex2var_ps(even, second, odd)), 1);
       }
       kquant::transpose16(pairs);
-      kquant::put_pairs(sink, pairs, b * kBlock);
-    }
+    });
   };
   return weight;
 }

@@ -99,7 +99,7 @@ torch::Tensor q5k_linear(const torch::Tensor& x, const torch::Tensor& codes, con
 }
 
 TiledWeight q5k_tiled(const torch::Tensor& codes, const torch::Tensor& scales) {
-  return kquant::k_tiles(codes, scales, kCodeBytes, false, [](const uint8_t* w, __m512i* u) {
+  return kquant::k_tiles<kCodeBytes>(codes, scales, false, [](const uint8_t* w, __m512i* u) {
     const __m512i top = _mm512_loadu_si512(w + 8 * 32), nibble = _mm512_set1_epi16(15);
     for (int c = 0; c < 8; ++c) {
       const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * c)));

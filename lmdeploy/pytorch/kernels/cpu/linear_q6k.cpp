@@ -107,32 +107,32 @@ TiledWeight q6k_tiled(const torch::Tensor& codes, const torch::Tensor& scales) {
   const uint8_t* sp = scales.data_ptr<uint8_t>();
   weight.write = [codes, scales, cp, sp, K, blocks](int64_t tile, const TileSink& sink) {  // the tensors kept alive
     const __m512i nibble = _mm512_set1_epi16(0x000F);
-    const uint8_t* w = cp + tile * (K / kGroup) * kCodeBytes;
-    for (int64_t block = 0; block < blocks; ++block) {
-      const uint8_t* s = sp + (tile * blocks + block) * kScaleBytes;
-      kquant::prefetch_ahead(s, kquant::kCodePrefetchBytes * kScaleBytes / (kCodeBytes * kBlock / kGroup), kScaleBytes);
+    const uint8_t* codes_of_tile = cp + tile * (K / kGroup) * kCodeBytes;
+    const uint8_t* scales_of_tile = sp + tile * blocks * kScaleBytes;
+    constexpr int64_t kPairGroups = kBlock / (2 * kGroup);  // a row's 32 weights: two groups of 16 inputs
+    // [8 g + p]: dword r the bf16 weights of (row r, group i + g, inputs 2 p, + 1)
+    const auto pair_group_weights = [&](int64_t pair_group, __m512i* pairs) __attribute__((always_inline)) {
+      const int64_t block = pair_group / kPairGroups, i = pair_group % kPairGroups * 2;
+      const uint8_t* s = scales_of_tile + block * kScaleBytes;
+      constexpr int64_t kScaleAhead = kquant::kCodePrefetchBytes * kScaleBytes / (kCodeBytes * kBlock / kGroup);
+      if (i == 0) kquant::prefetch_ahead(s, kScaleAhead, kScaleBytes);
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + kBlock)));
-      for (int64_t i = 0; i < kBlock / kGroup; i += 2) {  // two groups of 16 inputs: a row's 32 weights
-        __m512i pairs[16];  // [8 g + p]: dword r the bf16 weights of (row r, group i + g, inputs 2 p, + 1)
-        for (int g = 0; g < 2; ++g, w += kCodeBytes) {
-          kquant::prefetch_ahead(w, kquant::kCodePrefetchBytes, kCodeBytes);
-          const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + (i + g) * kTile));
-          const __m512 scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
-          const __m512 offset = _mm512_mul_ps(scale, _mm512_set1_ps(32.f));  // w = u * d * sc - 32 d * sc
-          const __m512i hi0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 128)));
-          const __m512i hi1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 160)));
-          for (int c = 0; c < 4; ++c) {
-            const __m512i bytes =
-                _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * c)));
-            pairs[8 * g + c] =
-                kquant::weight_pairs(with_top(_mm512_and_si512(bytes, nibble), hi0, c), scale, offset);
-            pairs[8 * g + 4 + c] =
-                kquant::weight_pairs(with_top(_mm512_srli_epi16(bytes, 4), hi1, c), scale, offset);
-          }
+      const uint8_t* w = codes_of_tile + 2 * pair_group * kCodeBytes;
+      for (int g = 0; g < 2; ++g, w += kCodeBytes) {
+        kquant::prefetch_ahead(w, kquant::kCodePrefetchBytes, kCodeBytes);
+        const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + (i + g) * kTile));
+        const __m512 scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+        const __m512 offset = _mm512_mul_ps(scale, _mm512_set1_ps(32.f));  // w = u * d * sc - 32 d * sc
+        const __m512i hi0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 128)));
+        const __m512i hi1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 160)));
+        for (int c = 0; c < 4; ++c) {
+          const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * c)));
+          pairs[8 * g + c] = kquant::weight_pairs(with_top(_mm512_and_si512(bytes, nibble), hi0, c), scale, offset);
+          pairs[8 * g + 4 + c] = kquant::weight_pairs(with_top(_mm512_srli_epi16(bytes, 4), hi1, c), scale, offset);
         }
-        kquant::put_pairs(sink, pairs, block * kBlock + i * kGroup);
       }
-    }
+    };
+    kquant::put_groups(sink, K / (2 * kGroup), pair_group_weights);
   };
   return weight;
 }

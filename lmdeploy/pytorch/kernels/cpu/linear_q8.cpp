@@ -88,14 +88,24 @@ void q8_tile_one_row(const float* x, const int8_t* w, const uint16_t* scales, fl
 }
 
 // q8_tile's sums for the M rows of bf16 x (x [M, K] as dwords of input pairs) on vdpbf16ps: a group's codes become
-// pairs once for all the rows.
+// pairs once for all the rows. The tile's rows of outputs are summed in this thread's buffer (kept) and written to
+// out once at the end, their lines asked for at the start: out's rows lie N floats apart (1 MiB on Gemma 3's table of
+// 262,144), so that a tile's rows fall in one set of each cache, and each group's read-modify-write of 64 rows went
+// to memory (64 rows on that table: 1.16x the time; docs/performance.md, "One- and two-row prefill steps, and Q8_0's
+// LM head at many rows").
 void q8_tile_pairs(const int32_t* x, int64_t M, const int8_t* w, const uint16_t* scales, float* out, int64_t tile,
                    int64_t K, int64_t N) {
   const int64_t groups = K / kGroup;
   const int8_t* wt = w + tile * groups * kGroup * kTile;
   const uint16_t* st = scales + tile * groups * kTile;
   float* ot = out + tile * kTile;
-  for (int64_t m = 0; m < M; ++m) _mm512_storeu_ps(ot + m * N, _mm512_setzero_ps());
+  thread_local std::vector<float> buffer;
+  if (static_cast<int64_t>(buffer.size()) < M * kTile) buffer.resize(M * kTile);
+  float* sums = buffer.data();
+  for (int64_t m = 0; m < M; ++m) {
+    _mm512_storeu_ps(sums + m * kTile, _mm512_setzero_ps());
+    __builtin_prefetch(ot + m * N, 1, 3);  // for writing
+  }
   for (int64_t group = 0; group < groups; ++group, wt += kGroup * kTile, st += kTile) {
     kquant::prefetch_ahead(wt, kquant::kCodePrefetchBytes, kGroup * kTile);
     __m512i codes[kPairs];
@@ -108,11 +118,12 @@ void q8_tile_pairs(const int32_t* x, int64_t M, const int8_t* w, const uint16_t*
 #pragma GCC unroll 16
       for (int p = 0; p < kPairs; ++p)
         s[p & 3] = _mm512_dpbf16_ps(s[p & 3], (__m512bh)codes[p], (__m512bh)_mm512_set1_epi32(xg[p]));
-      float* y = ot + m * N;
+      float* y = sums + m * kTile;
       const __m512 sum = _mm512_add_ps(_mm512_add_ps(s[0], s[1]), _mm512_add_ps(s[2], s[3]));
       _mm512_storeu_ps(y, _mm512_fmadd_ps(scale, sum, _mm512_loadu_ps(y)));
     }
   }
+  for (int64_t m = 0; m < M; ++m) _mm512_storeu_ps(ot + m * N, _mm512_loadu_ps(sums + m * kTile));
 }
 
 // bf16 x with magnitudes below 2^-100 (denormals too) set to zero, for q8_tile_pairs and q8_tile_one_row to agree.
@@ -198,18 +209,16 @@ TiledWeight q8_tiled(const torch::Tensor& packed, const torch::Tensor& scales) {
   const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr());
   weight.write = [packed, scales, w, sp, K](int64_t tile, const TileSink& sink) {  // the tensors kept alive
     const int64_t groups = K / kGroup;
-    for (int64_t group = 0; group < groups; ++group) {
+    kquant::put_groups(sink, groups, [&](int64_t group, __m512i* pairs) __attribute__((always_inline)) {
       const int8_t* codes = w + (tile * groups + group) * kGroup * kTile;
       const uint16_t* s = sp + (tile * groups + group) * kTile;
       kquant::prefetch_ahead(codes, kquant::kCodePrefetchBytes, kGroup * kTile);
       kquant::prefetch_ahead(s, kquant::kCodePrefetchBytes / kGroup * sizeof(uint16_t), kTile * sizeof(uint16_t));
       const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
-      __m512i pairs[kPairs];  // exact fp32 products, rounded once to bf16
-      for (int p = 0; p < kPairs; ++p)
+      for (int p = 0; p < kPairs; ++p)  // exact fp32 products, rounded once to bf16
         pairs[p] = kquant::row_pairs(_mm512_mul_ps(input_codes(codes + 2 * p * kTile), scale),
                                      _mm512_mul_ps(input_codes(codes + (2 * p + 1) * kTile), scale));
-      kquant::put_pairs(sink, pairs, group * kGroup);
-    }
+    });
   };
   return weight;
 }
