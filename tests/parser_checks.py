@@ -1,4 +1,5 @@
-"""Checks of the chat reply parsers on text: every chunking of a reply must give the same message."""
+"""Checks of the chat reply parsers on text: every chunking of a reply must give the same message, and the
+same places of the reasoning in the reply (which ``usage`` counts the reasoning tokens by)."""
 from __future__ import annotations
 
 import random
@@ -27,6 +28,7 @@ def streamed(make, pieces: list[str]) -> dict:
             call['ids'] += 'id' in entry
             call['name'] += entry['function'].get('name', '')
             call['arguments'] += entry['function']['arguments']
+    message['spans'] = parser.reasoning.reasoning_spans if parser.reasoning else []
     return message
 
 
@@ -34,8 +36,12 @@ def split(make, text: str) -> dict:
     """The message of ``text`` (checked to be the same for every chunking); calls as (name, arguments)."""
     results = [streamed(make, pieces) for pieces in chunkings(text)]
     assert all(r == results[0] for r in results)
-    message = make().message(text)
+    parser = make()
+    message = parser.message(text)
     first = results[0]
+    assert (parser.reasoning.reasoning_spans if parser.reasoning else []) == first['spans']
+    ends = [end for span in first['spans'] for end in span]
+    assert ends == sorted(ends) and all(a < b for a, b in first['spans']) and (not ends or ends[-1] <= len(text))
     assert all(c['ids'] == 1 for c in first['calls'].values())
     calls = [(c['name'], c['arguments']) for _, c in sorted(first['calls'].items())]
     assert [(c.function.name, c.function.arguments) for c in message.tool_calls or []] == calls

@@ -119,3 +119,17 @@ def test_a_call_goes_back_into_the_conversation(server, client):
     again = client.chat.completions.create(model='tiny-oss', messages=messages, tools=[WEATHER],
                                            **forced(server, FINAL_REPLY, RETURN))
     assert again.choices[0].message.content and again.choices[0].finish_reason == 'stop'
+
+
+def test_usage_counts_the_analysis_tokens(server, client):
+    """``completion_tokens_details.reasoning_tokens`` (was absent): the tokens of the analysis channel's body,
+    non-streamed and in the streamed usage chunk."""
+    kwargs = forced(server, FINAL_REPLY, RETURN)
+    r = client.chat.completions.create(model='tiny-oss', messages=ASK, logprobs=True, **kwargs)
+    tokens = [t.token for t in r.choices[0].logprobs.content]
+    body = tokens.index('<|end|>') - tokens.index('<|message|>') - 1
+    assert 0 < body < r.usage.completion_tokens - 6
+    assert r.usage.completion_tokens_details.reasoning_tokens == body
+    *_, last = client.chat.completions.create(model='tiny-oss', messages=ASK, stream=True,
+                                              stream_options={'include_usage': True}, **kwargs)
+    assert last.usage.completion_tokens_details.reasoning_tokens == body

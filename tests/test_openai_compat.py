@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import time
+import uuid
 
 import httpx
 import openai
@@ -236,11 +237,16 @@ def test_continue_final_message_prefills_the_reply(api_server, client):
     assert error.value.body['param'] == 'continue_final_message'
 
 
-def test_include_stop_str_in_output(client):
-    """vLLM's ``include_stop_str_in_output`` was ignored: the stop word was cut from the text all the same."""
+def a_stop_string(client) -> tuple[str, str]:
+    """The greedy completion of 'The quick' and a stop string of two printable characters inside it."""
     full = client.completions.create(model='tiny', prompt='The quick', max_tokens=20, **GREEDY).choices[0].text
     start = next(i for i in range(2, len(full) - 1) if full[i:i + 2].isprintable() and '\ufffd' not in full[i:i + 2])
-    stop = full[start:start + 2]
+    return full, full[start:start + 2]
+
+
+def test_include_stop_str_in_output(client):
+    """vLLM's ``include_stop_str_in_output`` was ignored: the stop word was cut from the text all the same."""
+    full, stop = a_stop_string(client)
     expected = full[:full.find(stop)] + stop
     body = {'ignore_eos': True, 'include_stop_str_in_output': True}
     r = client.completions.create(model='tiny', prompt='The quick', max_tokens=20, temperature=0, stop=[stop],
@@ -249,6 +255,20 @@ def test_include_stop_str_in_output(client):
     chunks = client.completions.create(model='tiny', prompt='The quick', max_tokens=20, temperature=0, stop=stop,
                                        stream=True, extra_body=body)
     assert ''.join(c.choices[0].text for c in chunks) == expected
+
+
+def test_tokens_a_stop_string_cut_still_count(client):
+    """Kept as vLLM does (docs/api_server.md, usage): the tokens whose text makes up a cut stop string count in
+    ``completion_tokens`` and stay in ``logprobs``, at or past the text's end; none after the stop string."""
+    full, stop = a_stop_string(client)
+    r = client.completions.create(model='tiny', prompt='The quick', max_tokens=20, temperature=0, stop=stop,
+                                  logprobs=0, extra_body={'ignore_eos': True})
+    text, logprobs = r.choices[0].text, r.choices[0].logprobs
+    generated = ''.join(logprobs.tokens)
+    assert text == full[:full.find(stop)] and r.usage.completion_tokens == len(logprobs.tokens)
+    before_last = generated[:len(generated) - len(logprobs.tokens[-1])]
+    assert generated.startswith(text + stop) and not before_last.startswith(text + stop)
+    assert logprobs.text_offset[-1] >= len(text)
 
 
 @pytest.mark.parametrize('field', [{'use_beam_search': True}, {'allowed_token_ids': [1, 2]}, {'bad_words': ['x']},
@@ -265,3 +285,26 @@ def test_vllm_fields_this_server_does_not_implement_are_refused(client, field):
         assert (error.value.body['param'], error.value.body['code']) == (name, 'unsupported_value')
     client.completions.create(model='tiny', prompt='Hi', max_tokens=1, extra_body={
         'use_beam_search': False, 'bad_words': [], 'allowed_token_ids': None})
+
+
+def test_usage_reports_the_prompt_tokens_the_prefix_cache_served(api_server, client):
+    """``usage.prompt_tokens_details.cached_tokens``: 0 for a prompt the cache has not seen, then, for the same
+    prompt again, whole KV blocks (at least the last prompt token is always computed); chat and completions,
+    non-streamed and in the streamed usage chunk. Without a reasoning parser there is no
+    ``completion_tokens_details``."""
+    block = api_server.engine.backend_config.block_size
+    text = f'{uuid.uuid4().hex} ' + ' '.join(f'word{i}' for i in range(40))
+    options = {'stream': True, 'stream_options': {'include_usage': True}}
+
+    def cached(create, **kwargs) -> tuple[int, int]:
+        reply = create(model='tiny', max_tokens=2, **GREEDY, **kwargs)
+        usage = list(reply)[-1].usage if kwargs.get('stream') else reply.usage
+        assert usage.completion_tokens_details is None
+        return usage.prompt_tokens_details.cached_tokens, usage.prompt_tokens
+
+    for create, prompt in ((client.completions.create, {'prompt': text}),
+                           (client.chat.completions.create, {'messages': [{'role': 'user', 'content': text}]})):
+        first, prompt_tokens = cached(create, **prompt)
+        assert first == 0 and prompt_tokens > 2 * block
+        for again in (cached(create, **prompt)[0], cached(create, **prompt, **options)[0]):
+            assert 0 < again < prompt_tokens and again % block == 0 and again >= prompt_tokens - block

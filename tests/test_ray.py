@@ -1,15 +1,18 @@
 """Tensor-parallel workers as Ray actors on a local Ray cluster (loopback only), which the engines of a
 process share: tp=1's tokens, and a killed actor fails the engine fast, naming its process; so does the loss
 of the cluster's GCS (of a local cluster or one joined), which Ray would otherwise answer by ending this whole
-process a minute later, and a server whose cluster was lost still drains on SIGTERM. Neither the actors nor
-the cluster outlive the engine."""
+process a minute later, and a server whose cluster was lost still drains on SIGTERM. A GCS, raylet or actor
+that hangs (SIGSTOP) fails the engine within seconds too, naming it, and so does a GCS that hangs at start-up.
+Neither the actors nor the cluster outlive the engine, nor is anything left stopped."""
 from __future__ import annotations
 
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -98,23 +101,81 @@ def test_a_second_engine_is_refused_and_a_lost_gcs_fails_the_engine_fast(tiny_ll
     assert_gone(cluster, timeout=30)
 
 
+STOPPED = {  # the stopped process, and what the engine's error says (health timeout 3 s)
+    'gcs_server': r"the Ray cluster's GCS at 127\.0\.0\.1:\d+ \(the local cluster's gcs_server, pid {pid}, stopped\) "
+                  r'has not answered for 3 s',
+    'raylet': r"the Ray node of rank 0 \(\w+ on 127\.0\.0\.1; the local cluster's raylet, pid {pid}, stopped\) missed "
+              r"the GCS's health checks and was declared dead",
+    'actor': r'rank 1 \(Ray actor, pid {pid} on 127\.0\.0\.1, stopped\) has not answered for 3 s '
+             r'\(LMDEPLOY_RAY_HEALTH_TIMEOUT\): a hung or stopped worker',
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('stopped', list(STOPPED))
+def test_a_stopped_gcs_raylet_or_actor_fails_the_engine_naming_it(tiny_llama, monkeypatch, stopped):
+    """The local cluster's GCS, its raylet or the rank's actor SIGSTOPped (hung, not dead) while the engine serves:
+    within seconds the engine fails naming the stopped process (``LMDEPLOY_RAY_HEALTH_TIMEOUT`` 3 s; the raylet
+    after the GCS's own health checks, which a local cluster runs every second), and it closes within seconds,
+    leaving nothing, the stopped process included. Before, a stopped GCS was not noticed (the ranks talk over
+    gloo) and the close waited on it for ever; a stopped raylet was taken for the actor's death a minute later
+    and the close waited on it too; a stopped actor failed only the next step, after ``LMDEPLOY_TP_TIMEOUT``."""
+    monkeypatch.delenv('RAY_ADDRESS', raising=False)
+    monkeypatch.setenv('LMDEPLOY_RAY_HEALTH_TIMEOUT', '3')
+    monkeypatch.setenv('LMDEPLOY_TP_TIMEOUT', '60')  # a stopped actor is not found by a step's timeout
+    before = {child.pid for child in psutil.Process().children(recursive=True)}
+    engine = make_engine(tiny_llama, tp=2, distributed_executor_backend='ray')
+    cluster = [child.pid for child in psutil.Process().children(recursive=True) if child.pid not in before]
+    if stopped == 'actor':
+        (pid,) = engine.executor.pids
+    else:
+        (pid,) = [child.pid for child in psutil.Process().children() if child.name() == stopped]
+    resume = threading.Timer(90, os.kill, (pid, signal.SIGCONT))  # an engine that hangs on it ends the test
+    try:
+        run(engine, PROMPTS[:1], GREEDY)
+        os.kill(pid, signal.SIGSTOP)
+        resume.start()
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match=STOPPED[stopped].format(pid=pid)):
+            while True:
+                run(engine, PROMPTS[:1], GREEDY)
+                assert time.monotonic() - start < 40, f'the stopped {stopped} was not noticed'
+        assert time.monotonic() - start < 30
+    finally:
+        start = time.monotonic()
+        engine.close()
+        closed = time.monotonic() - start
+        resume.cancel()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    assert closed < 30
+    assert_gone(cluster, timeout=30)
+
+
 def test_a_ray_address_where_no_cluster_answers_is_refused_at_once(tiny_llama, tmp_path, monkeypatch):
     """``$RAY_ADDRESS``, or the address file a ``ray start`` cluster that is gone left, naming a port where
-    nothing listens: a ``ConnectionError`` saying so within seconds (before, ``ray.init`` retried for minutes)."""
+    nothing listens: a ``ConnectionError`` saying so within seconds (before, ``ray.init`` retried for minutes).
+    The same for a port that accepts connections but never answers, as a hung (stopped) GCS does (before: taken
+    for a cluster, as only a connection was tried)."""
     pytest.importorskip('lmdeploy.pytorch.distributed.ray_executor')  # imported before the environment changes
-    address = f'127.0.0.1:{free_port()}'
+    gone = f'127.0.0.1:{free_port()}'
     (tmp_path / 'ray').mkdir()
-    (tmp_path / 'ray' / 'ray_current_cluster').write_text(address)
-    for source, env in [('RAY_ADDRESS', {'RAY_ADDRESS': address}),
-                        (f"{tmp_path}/ray/ray_current_cluster \\(left by `ray start`", {'RAY_TMPDIR': str(tmp_path)})]:
-        with monkeypatch.context() as patch:
-            patch.delenv('RAY_ADDRESS', raising=False)
-            for key, value in env.items():
-                patch.setenv(key, value)
-            start = time.monotonic()
-            with pytest.raises(ConnectionError, match=rf'no Ray cluster answers at {address}, the address {source}'):
-                make_engine(tiny_llama, tp=2, distributed_executor_backend='ray')
-            assert time.monotonic() - start < 30
+    (tmp_path / 'ray' / 'ray_current_cluster').write_text(gone)
+    with socket.create_server(('127.0.0.1', 0)) as hung:  # the kernel accepts its connections; nothing answers
+        hung_address = f'127.0.0.1:{hung.getsockname()[1]}'
+        for address, source, env in [
+                (gone, 'RAY_ADDRESS', {'RAY_ADDRESS': gone}),
+                (gone, f"{tmp_path}/ray/ray_current_cluster \\(left by `ray start`", {'RAY_TMPDIR': str(tmp_path)}),
+                (hung_address, 'RAY_ADDRESS', {'RAY_ADDRESS': hung_address})]:
+            with monkeypatch.context() as patch:
+                patch.delenv('RAY_ADDRESS', raising=False)
+                for key, value in env.items():
+                    patch.setenv(key, value)
+                start = time.monotonic()
+                refused = rf'no Ray cluster answers at {address}, the address {source}'
+                with pytest.raises(ConnectionError, match=refused):
+                    make_engine(tiny_llama, tp=2, distributed_executor_backend='ray')
+                assert time.monotonic() - start < 30
 
 
 JOINED_CLUSTER = """
@@ -127,12 +188,13 @@ sys.stdin.read()
 
 
 @pytest.mark.slow
-def test_a_server_whose_joined_clusters_gcs_died_fails_fast_and_drains_on_sigterm(tiny_llama, tmp_path):
-    """A server that joined a cluster another process started (``$RAY_ADDRESS``), whose GCS is SIGKILLed: within
-    seconds ``/health`` says ``engine_failed``, naming the GCS (before: it served on, and 60 s after the loss
-    Ray ended the server), and SIGTERM then drains the server, which exits 0 (before: the engine's
-    ``ray.shutdown()`` had put SIGTERM's default back, and it ended the server at once with -15; behind
-    ``--proxy-url`` it did not leave the proxy)."""
+def test_a_server_whose_joined_clusters_gcs_hung_fails_fast_and_drains_on_sigterm(tiny_llama, tmp_path):
+    """A server that joined a cluster another process started (``$RAY_ADDRESS``), whose GCS is SIGSTOPped (it
+    accepts connections but answers nothing): within seconds ``/health`` says ``engine_failed``, naming the GCS,
+    and a new request is refused with 503 (before: it served on, as the watchdog only connected to the GCS; a
+    SIGKILLed GCS, which the watchdog noticed, had let Ray end the server 60 s after the loss). The GCS continued,
+    the engine stays failed, and SIGTERM then drains the server, which exits 0 (before: the engine's ``ray.shutdown()`` had put SIGTERM's default back,
+    and it ended the server at once with -15; behind ``--proxy-url`` it did not leave the proxy)."""
     pytest.importorskip('lmdeploy.pytorch.distributed.ray_executor')  # sets up the environment Ray reads
     env = {key: value for key, value in os.environ.items()
            if key not in ('RAY_ADDRESS', 'RAY_DISABLE_FAILURE_SIGNAL_HANDLER')}
@@ -146,23 +208,29 @@ def test_a_server_whose_joined_clusters_gcs_died_fails_fast_and_drains_on_sigter
             server = subprocess.Popen([sys.executable, '-m', 'lmdeploy.cli.main', 'serve', 'api_server', tiny_llama,
                                        '--tp', '2', '--distributed-executor-backend', 'ray', '--dtype', 'float32',
                                        '--num-gpu-blocks', '64', '--block-size', '16', '--server-port', str(port)],
-                                      env={**env, 'RAY_ADDRESS': address}, stdout=log, stderr=subprocess.STDOUT)
+                                      env={**env, 'RAY_ADDRESS': address, 'LMDEPLOY_RAY_HEALTH_TIMEOUT': '3'},
+                                      stdout=log, stderr=subprocess.STDOUT)
         url = f'http://127.0.0.1:{port}'
         try:
             wait_healthy(url, server, timeout=240)
+            model = httpx.get(f'{url}/v1/models', timeout=5).json()['data'][0]['id']
             processes = psutil.Process(cluster.pid).children(recursive=True)
             (gcs,) = [child for child in psutil.Process(cluster.pid).children() if child.name() == 'gcs_server']
-            gcs.kill()
-            deadline = time.monotonic() + 15
+            gcs.suspend()
+            deadline = time.monotonic() + 20
             while (health := httpx.get(f'{url}/health', timeout=5)).status_code == 200:
-                assert time.monotonic() < deadline, 'the lost GCS was not noticed'
+                assert time.monotonic() < deadline, 'the hung GCS was not noticed'
                 time.sleep(0.2)
             assert health.json()['error']['code'] == 'engine_failed', health.text
             assert f"Ray cluster's GCS at {address} has not answered for 3 s" in health.json()['error']['message']
+            body = {'model': model, 'prompt': 'Hello', 'max_tokens': 4}
+            assert httpx.post(f'{url}/v1/completions', json=body, timeout=10).status_code == 503
+            gcs.resume()  # Ray's disconnect waits on a stopped GCS (docs/reliability.md); the engine stays failed
             deadline = time.monotonic() + 30
             while 'disconnected from the lost Ray cluster' not in (tmp_path / 'server.log').read_text():
                 assert time.monotonic() < deadline, 'the failed engine did not close'
                 time.sleep(0.2)
+            assert httpx.get(f'{url}/health', timeout=5).status_code == 503  # failed for good, the GCS back or not
             server.send_signal(signal.SIGTERM)
             assert server.wait(timeout=60) == 0, (tmp_path / 'server.log').read_text()[-3000:]
         finally:

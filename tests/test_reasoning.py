@@ -144,3 +144,32 @@ def test_reserved_template_kwargs_are_400(client):
     with pytest.raises(openai.BadRequestError, match='may not set tokenize'):
         client.chat.completions.create(model='tiny-think', messages=ASK, max_tokens=1,
                                        extra_body={'chat_template_kwargs': {'tokenize': True}})
+
+
+def reasoning_tokens(client, **kwargs) -> tuple[int | None, int | None, int]:
+    """``usage.completion_tokens_details.reasoning_tokens`` non-streamed and in the streamed usage chunk, and
+    ``completion_tokens``."""
+    r = client.chat.completions.create(model='tiny-think', messages=ASK, **kwargs)
+    *_, last = client.chat.completions.create(model='tiny-think', messages=ASK, stream=True,
+                                              stream_options={'include_usage': True}, **kwargs)
+    assert last.usage.completion_tokens == r.usage.completion_tokens
+    return (r.usage.completion_tokens_details.reasoning_tokens, last.usage.completion_tokens_details.reasoning_tokens,
+            r.usage.completion_tokens)
+
+
+def test_usage_counts_the_reasoning_tokens(server, client):
+    """``completion_tokens_details.reasoning_tokens`` (was absent): the tokens of the reasoning, not the
+    ``<think>`` and ``</think>`` around it, summed over the choices; 0 when the template closed the block."""
+    greedy = {'max_tokens': 8, 'temperature': 0}
+    assert reasoning_tokens(client, **greedy, extra_body={'ignore_eos': True, **OPEN_THINK}) == (8, 8, 8)
+    assert reasoning_tokens(client, **greedy, n=2, extra_body={'ignore_eos': True, **OPEN_THINK}) == (16, 16, 16)
+    assert reasoning_tokens(client, **greedy, extra_body={'ignore_eos': True, **NO_THINKING}) == (0, 0, 8)
+    tokenizer = server.engine.tokenizer
+    bias = {'logit_bias': {str(tokenizer.encode(t, add_special_tokens=False)[0]): b
+                           for t, b in (('<think>', 100), ('</think>', 99))}}
+    kwargs = dict(max_tokens=300, temperature=1.0, seed=4, response_format=FORMAT, extra_body=bias)
+    r = client.chat.completions.create(model='tiny-think', messages=ASK, logprobs=True, **kwargs)
+    tokens = [t.token for t in r.choices[0].logprobs.content]
+    between = tokens.index('</think>') - 1  # the reply opens the block with its first token
+    assert tokens[0] == '<think>' and 0 < between < len(tokens) - 2
+    assert reasoning_tokens(client, **kwargs) == (between, between, len(tokens))

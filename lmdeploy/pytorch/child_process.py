@@ -64,6 +64,15 @@ def unreaped_exit_code(pid: int) -> int | None:
     return os.waitstatus_to_exitcode(int(fields[49]))
 
 
+def is_stopped(pid: int) -> bool:
+    """Whether process ``pid`` of this machine is stopped (SIGSTOP, SIGTSTP): alive, but it runs nothing."""
+    try:
+        with open(f'/proc/{pid}/stat') as stat:
+            return stat.read().rsplit(')', 1)[1].split()[0] == 'T'
+    except (OSError, IndexError):
+        return False
+
+
 def ending(exitcode: int | None) -> str:
     """How a process ended, from its exit code (negative: the signal)."""
     if exitcode is None:

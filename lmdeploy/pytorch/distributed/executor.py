@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from lmdeploy.messages import PytorchEngineConfig
+from lmdeploy.pytorch.child_process import is_stopped
 from lmdeploy.pytorch.distributed.channel import StepChannel
 from lmdeploy.pytorch.distributed.parallel_state import TPGroup, WorkerError
 from lmdeploy.pytorch.distributed.rendezvous import (STEP_TIMEOUT_ENV, all_ready, connect, connect_timeout, host_store,
@@ -94,13 +95,24 @@ class Executor(ABC):
         while self.failure is None and time.monotonic() < deadline:
             time.sleep(0.05)
         if timed_out and self.group is not None:  # gloo names the rank that waited (0), not the one it waited for
-            others = 'rank 1' if self.world_size == 2 else f'a rank of 1..{self.world_size - 1}'
-            self._fail(f'{others} did not answer within {self.group.timeout.total_seconds():g} s '
+            self._fail(f'{self._unanswered()} did not answer within {self.group.timeout.total_seconds():g} s '
                        f'({STEP_TIMEOUT_ENV}): a hung or overloaded worker')
         self._fail(str(exc))
         if self.failure in str(exc):
             return WorkerError(str(exc))
         return WorkerError(f'tensor-parallel {self.failure}; the engine cannot go on ({exc})')
+
+    def local_pids(self) -> dict[int, int]:
+        """The process ids of the workers on this machine, by rank."""
+        return {}
+
+    def _unanswered(self) -> str:
+        """The rank a collective that timed out waited for: the stopped workers of this machine, else rank 1 of
+        two, else any (gloo does not say)."""
+        stopped = [f'rank {rank} (pid {pid}, stopped)' for rank, pid in self.local_pids().items() if is_stopped(pid)]
+        if stopped:
+            return ', '.join(stopped)
+        return 'rank 1' if self.world_size == 2 else f'a rank of 1..{self.world_size - 1}'
 
     def shutdown(self) -> None:
         """Tells the workers to stop, waits a little for them, then ends those still running; idempotent."""

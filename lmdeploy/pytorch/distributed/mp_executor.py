@@ -123,3 +123,6 @@ class MPExecutor(Executor):
         """The workers' process ids."""
         return [process.pid for process in self.processes]
 
+    def local_pids(self) -> dict[int, int]:
+        return dict(enumerate(self.pids, start=1))
+

@@ -77,6 +77,7 @@ class HarmonyReader:
         self.state = 'outside' if header is None else 'header'
         self.prefix = header or ''
         self.pos = 0
+        self.body_spans: list[tuple[int, int]] = []  # where each ('body', ...) event's text stands in the reply
 
     def advance(self, text: str, final: bool) -> list[tuple[str, str | Header]]:
         """The events that ``text`` (the reply so far) makes certain; with ``final`` all of them."""
@@ -109,6 +110,7 @@ class HarmonyReader:
                     end = len(text) if final else min(held_back(text, self.pos, m) for m in _BODY_ENDS)
                     if end > self.pos:
                         out.append(('body', text[self.pos:end]))
+                        self.body_spans.append((self.pos, end))
                     self.pos = end
                     if final:
                         out.append(('end', ''))
@@ -117,6 +119,7 @@ class HarmonyReader:
                 at, marker = found
                 if at > self.pos:
                     out.append(('body', text[self.pos:at]))
+                    self.body_spans.append((self.pos, at))
                 out.append(('end', '' if marker == START else marker))
                 if marker == START:
                     self.pos, self.state = at, 'outside'

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable
 from fastapi import Request
 from transformers import PreTrainedTokenizerBase
 
-from lmdeploy.messages import Response
+from lmdeploy.messages import GenerationConfig, Response
 from lmdeploy.serve.reasoning import keep_special_tokens
 from lmdeploy.serve.openai.chat_output import ChoiceParser
 from lmdeploy.serve.openai.errors import APIError
@@ -17,11 +17,12 @@ from lmdeploy.serve.openai.logprobs import chat_logprobs
 from lmdeploy.serve.openai.protocol import ChatChoice, ChatCompletionRequest, ChatCompletionResponse, random_id
 from lmdeploy.serve.openai.request_start import admitted
 from lmdeploy.serve.openai.serving_common import (ChoiceRun, Job, ServerState, check_model, check_session,
-                                                  choice_config, gen_config, process, usage)
+                                                  choice_config, gen_config, process, run_blocking, usage)
 from lmdeploy.serve.openai.streaming import chunk_usage, collect_or_abort, sse, sse_chunk, sse_stream
 from lmdeploy.serve.openai.structured import compile_format, requested_format, with_format
 from lmdeploy.serve.openai.tool_choice import ToolPlan, plan_tools, template_messages
 from lmdeploy.serve.session_manager import Reservation
+from lmdeploy.tokenizer import IncrementalDetokenizer
 
 # What chat_template_kwargs must not set: the arguments of transformers' apply_chat_template itself.
 RESERVED_TEMPLATE_KWARGS = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
@@ -78,6 +79,20 @@ def _template_kwargs(req: ChatCompletionRequest) -> dict | None:
     return kwargs or None
 
 
+async def _reasoning_tokens(state: ServerState, parsers: list[ChoiceParser], token_ids: list[list[int]],
+                            config: GenerationConfig) -> int | None:
+    """The reasoning tokens of all choices (each parser fed its whole reply), counted on the executor (it
+    detokenizes the replies token by token); None without a reasoning parser."""
+    if state.reasoning_parser is None:
+        return None
+
+    def count() -> int:
+        return sum(parser.reasoning_tokens(IncrementalDetokenizer(
+            state.engine.tokenizer, [], config.skip_special_tokens, config.keep_special_tokens), ids)
+            for parser, ids in zip(parsers, token_ids))
+    return await run_blocking(state, count)
+
+
 def _format(req: ChatCompletionRequest, plan: ToolPlan) -> tuple[dict | None, str | None]:
     """The response format of the reply (None: free text) and the request field that asks for it."""
     return (plan.response_format, 'tools') if plan.response_format else requested_format(req)
@@ -119,24 +134,25 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     request_id, top = random_id('chatcmpl'), req.top_logprobs or 0
     tokenizer = state.engine.tokenizer
     if req.stream:
-        return _stream(state, req, run, request_id, top, make_parser)
+        return _stream(state, req, run, request_id, top, make_parser, jobs[0].gen_config)
     responses = await collect_or_abort(raw, run)
     if responses is None:
         return None
-    choices = []
-    for r in responses:
-        parser = make_parser()
+    choices, parsers = [], [make_parser() for _ in responses]
+    for r, parser in zip(responses, parsers):
         choices.append(ChatChoice(index=r.index, message=parser.message(r.text),
                                   finish_reason=parser.finish_reason(r.finish_reason),
                                   logprobs=chat_logprobs(tokenizer, r.token_ids, r.logprobs, top)))
+    reasoning = await _reasoning_tokens(state, parsers, [r.token_ids for r in responses], jobs[0].gen_config)
     return ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices,
-                                  usage=usage(responses, req.n))
+                                  usage=usage(responses, req.n, reasoning))
 
 
 def _stream(state: ServerState, req: ChatCompletionRequest, run: ChoiceRun, request_id: str, top: int,
-            make_parser: ParserFactory):
+            make_parser: ParserFactory, config: GenerationConfig):
     tokenizer = state.engine.tokenizer
     parsers: dict[int, ChoiceParser] = {}
+    token_ids: dict[int, list[int]] = {}  # each choice's, for its reasoning tokens
     head = {'id': request_id, 'object': 'chat.completion.chunk', 'created': int(time.time()),
             'model': state.model_name}
 
@@ -152,14 +168,20 @@ def _stream(state: ServerState, req: ChatCompletionRequest, run: ChoiceRun, requ
         parser = parsers.get(r.index)
         if parser is None:
             parser = parsers[r.index] = make_parser()
+            token_ids[r.index] = []
             yield chunk_of(r, {'role': 'assistant', 'content': ''}, num_tokens=0)
+        token_ids[r.index] += r.token_ids
         delta = parser.feed(r.text, final=r.finish_reason is not None)
         logprobs = chat_logprobs(tokenizer, r.token_ids, r.logprobs, top)
         if delta or r.finish_reason or logprobs is not None:
             yield chunk_of(r, parser.delta_body(delta), parser.finish_reason(r.finish_reason), logprobs)
 
-    def tail() -> Iterable[str]:
-        if req.stream_options and req.stream_options.include_usage:
-            yield sse(ChatCompletionResponse(**head, choices=[], usage=usage(run.last.values(), req.n)))
+    async def tail() -> list[str]:
+        if not (req.stream_options and req.stream_options.include_usage):
+            return []
+        indexes = sorted(parsers)
+        reasoning = await _reasoning_tokens(state, [parsers[i] for i in indexes], [token_ids[i] for i in indexes],
+                                            config)
+        return [sse(ChatCompletionResponse(**head, choices=[], usage=usage(run.last.values(), req.n, reasoning)))]
 
     return sse_stream(run, render, tail)

@@ -23,7 +23,7 @@ from lmdeploy.serve.openai.admission import Admission
 from lmdeploy.serve.openai.errors import APIError, from_safe_run
 from lmdeploy.serve.openai.limits import RequestLimits
 from lmdeploy.serve.openai.metrics import Metrics
-from lmdeploy.serve.openai.protocol import PromptTokensDetails, SamplingFields, UsageInfo
+from lmdeploy.serve.openai.protocol import CompletionTokensDetails, PromptTokensDetails, SamplingFields, UsageInfo
 from lmdeploy.serve.openai.reasoning_parsers import ReasoningParser
 from lmdeploy.serve.openai.tool_parsers import ToolParser
 from lmdeploy.serve.session_manager import Reservation
@@ -306,12 +306,15 @@ def raise_for_error(run: ChoiceRun, responses: Iterable[Response]) -> None:
             raise from_safe_run(SafeRunException(run.error_code(r.index), r.error or 'the engine failed'))
 
 
-def usage(responses: Iterable[Response], n: int) -> UsageInfo:
-    """Usage over all choices; the prompt of each group of ``n`` choices counts once."""
+def usage(responses: Iterable[Response], n: int, reasoning_tokens: int | None = None) -> UsageInfo:
+    """Usage over all choices; the prompt of each group of ``n`` choices counts once. ``reasoning_tokens``
+    (those of all choices) goes in ``completion_tokens_details`` when given."""
     responses = list(responses)
     prompts = [r for r in responses if r.index % n == 0]
     prompt_tokens = sum(r.input_token_len for r in prompts)
     completion = sum(r.generate_token_len for r in responses)
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion,
                      total_tokens=prompt_tokens + completion,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(r.cached_tokens for r in prompts)))
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(r.cached_tokens for r in prompts)),
+                     completion_tokens_details=None if reasoning_tokens is None else CompletionTokensDetails(
+                         reasoning_tokens=reasoning_tokens))

@@ -132,8 +132,9 @@ def _stream(state: ServerState, req: CompletionRequest, run: ChoiceRun, request_
             yield sse_chunk(head, {'index': r.index, 'text': text, 'logprobs': logprobs,
                                    'finish_reason': r.finish_reason}, chunk_usage(req.stream_options, r))
 
-    def tail() -> Iterable[str]:
-        if req.stream_options and req.stream_options.include_usage:
-            yield sse(CompletionResponse(**head, choices=[], usage=usage(run.last.values(), req.n)))
+    async def tail() -> list[str]:
+        if not (req.stream_options and req.stream_options.include_usage):
+            return []
+        return [sse(CompletionResponse(**head, choices=[], usage=usage(run.last.values(), req.n)))]
 
     return sse_stream(run, render, tail)

@@ -52,7 +52,7 @@ async def generate(state: ServerState, req: GenerateRequest, raw: Request):
         def render(r: Response) -> Iterable[str]:
             yield sse(_body(r, req.session_id))
 
-        return sse_stream(run, render, list)
+        return sse_stream(run, render)
     responses = await collect_or_abort(raw, run)
     if responses is None:
         return None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 
 import anyio
 from fastapi import Request
@@ -104,15 +104,17 @@ class EventStream(StreamingResponse):
             logger.debug('stream stopped: the client has gone')
 
 
-def sse_stream(run: ChoiceRun, render: Callable[[Response], Iterable[str]],
-               tail: Callable[[], Iterable[str]]) -> EventStream:
-    """The response streaming a run: ``render`` each chunk, then ``tail``, then ``[DONE]``; an engine error
-    becomes an error event."""
+Tail = Callable[[], Awaitable[Iterable[str]]]
+
+
+def sse_stream(run: ChoiceRun, render: Callable[[Response], Iterable[str]], tail: Tail | None = None) -> EventStream:
+    """The response streaming a run: ``render`` each chunk, then the events of ``tail`` (awaited once every
+    chunk is out), then ``[DONE]``; an engine error becomes an error event."""
     return EventStream(run, _events(run, render, tail))
 
 
 async def _events(run: ChoiceRun, render: Callable[[Response], Iterable[str]],
-                  tail: Callable[[], Iterable[str]]) -> AsyncIterator[str]:
+                  tail: Tail | None) -> AsyncIterator[str]:
     """The text of the events of each batch of chunks (see :meth:`ChoiceRun.batches`), then of the tail."""
     async for batch in run.batches():
         events = []
@@ -124,4 +126,4 @@ async def _events(run: ChoiceRun, render: Callable[[Response], Iterable[str]],
                 events.extend(render(chunk))
         if events:
             yield ''.join(events)
-    yield ''.join([*tail(), 'data: [DONE]\n\n'])
+    yield ''.join([*(await tail() if tail else ()), 'data: [DONE]\n\n'])

@@ -37,6 +37,8 @@ class ReasoningParser(ABC):
         self.prompt = prompt
         self.text = ''
         self.pos = 0
+        # Where the reasoning given out so far stands in ``text``: ``[start, end)`` pieces, in order.
+        self.reasoning_spans: list[tuple[int, int]] = []
 
     @abstractmethod
     def reasoning_enabled(self) -> bool:
@@ -59,6 +61,15 @@ class ReasoningParser(ABC):
     def finish(self) -> ReasoningDelta:
         """The rest, once the reply is complete."""
         return self._advance(True)
+
+    def _reason(self, out: ReasoningDelta, start: int, end: int) -> None:
+        """Gives out ``text[start:end]`` as reasoning and records where it stands."""
+        if end <= start:
+            return
+        out.reasoning += self.text[start:end]
+        if self.reasoning_spans and self.reasoning_spans[-1][1] == start:
+            start = self.reasoning_spans.pop()[0]
+        self.reasoning_spans.append((start, end))
 
     @abstractmethod
     def _advance(self, final: bool) -> ReasoningDelta:

@@ -24,6 +24,7 @@ class HarmonyReasoningParser(ReasoningParser):
         super().__init__(prompt)
         self.reader = HarmonyReader(open_header(prompt))
         self.route = 'content'
+        self.bodies = 0  # the body events read so far
 
     def reasoning_enabled(self) -> bool:
         return True
@@ -31,12 +32,13 @@ class HarmonyReasoningParser(ReasoningParser):
     def _advance(self, final: bool) -> ReasoningDelta:
         out = ReasoningDelta()
         for kind, value in self.reader.advance(self.text, final):
+            self.bodies += kind == 'body'
             if kind == 'header':
                 self.route = _route(value)
                 if self.route == 'call':
                     out.content += f'{START}{value.text}{MESSAGE}'
             elif kind == 'body' and self.route == 'reasoning':
-                out.reasoning += value
+                self._reason(out, *self.reader.body_spans[self.bodies - 1])
             elif kind in ('body', 'text'):
                 out.content += value
             elif self.route == 'call':

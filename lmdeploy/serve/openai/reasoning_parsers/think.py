@@ -67,11 +67,11 @@ class ThinkReasoningParser(ReasoningParser):
                 found = [(i, tag) for tag in ends if (i := self.text.find(tag, self.pos)) >= 0]
                 if not found:
                     end = len(self.text) if final else min(held_back(self.text, self.pos, tag) for tag in ends)
-                    out.reasoning += self.text[self.pos:end]
+                    self._reason(out, self.pos, end)
                     self.pos = max(self.pos, end)
                     return out
                 at, tag = min(found)
-                out.reasoning += self.text[self.pos:at]
+                self._reason(out, self.pos, at)
                 self.state, self.strip = 'content', tag == self.end_marker
                 self.pos = at + len(tag) if self.strip else at
             else:
