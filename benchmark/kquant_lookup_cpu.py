@@ -176,21 +176,26 @@ std::vector<double> run(int64_t groups, int64_t repeats, bool sink) {
 '''
 
 
+def build_probe(name: str, source: str, binding: str):
+    """Compiles a probe's C++ source and its pybind11 binding, with the native kernels' headers, and loads it."""
+    build_dir = os.path.join(get_default_build_root(), name)
+    os.makedirs(build_dir, exist_ok=True)
+    sources = []
+    for file_name, text in (('variants.cpp', source), ('binding.cpp', binding)):
+        sources.append(os.path.join(build_dir, file_name))
+        with open(sources[-1], 'w') as f:
+            f.write(text)
+    return load(name, sources, extra_include_paths=[KERNELS], extra_cflags=['-O3', '-march=native'],
+                build_directory=build_dir)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--groups', type=int, default=256, help='groups a pass (256 bytes of codes each)')
     parser.add_argument('--repeats', type=int, default=400)
     parser.add_argument('--sink', action='store_true', help="add a one-row step's sum of each group")
     args = parser.parse_args()
-    build_dir = os.path.join(get_default_build_root(), 'kquant_lookup_bench')
-    os.makedirs(build_dir, exist_ok=True)
-    sources = []
-    for name, text in (('variants.cpp', SOURCE), ('binding.cpp', BINDING)):
-        sources.append(os.path.join(build_dir, name))
-        with open(sources[-1], 'w') as f:
-            f.write(text)
-    module = load('kquant_lookup_bench', sources, extra_include_paths=[KERNELS], extra_cflags=['-O3', '-march=native'],
-                  build_directory=build_dir)
+    module = build_probe('kquant_lookup_bench', SOURCE, BINDING)
     names = ['kernel (weight_pairs)', 'lookup words', 'lookup bytes']
     best = module.run(args.groups, args.repeats, args.sink)
     print(f'load {os.getloadavg()[0]:.1f}; ns per group of 512 weights (best of {args.repeats}), the bits equal:')

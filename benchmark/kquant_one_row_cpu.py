@@ -15,10 +15,8 @@ import argparse
 import os
 
 import torch
-from torch.utils.cpp_extension import get_default_build_root, load
+from kquant_lookup_cpu import build_probe
 
-KERNELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'lmdeploy', 'pytorch', 'kernels',
-                       'cpu')
 BINDING = r'''
 #include <torch/extension.h>
 std::tuple<double, torch::Tensor> run(int64_t variant, torch::Tensor codes, torch::Tensor scales, torch::Tensor x,
@@ -153,15 +151,7 @@ def main() -> None:
     parser.add_argument('--repeats', type=int, default=5)
     parser.add_argument('--rounds', type=int, default=3)
     args = parser.parse_args()
-    build_dir = os.path.join(get_default_build_root(), 'kquant_one_row_bench')
-    os.makedirs(build_dir, exist_ok=True)
-    sources = []
-    for name, text in (('variants.cpp', SOURCE), ('binding.cpp', BINDING)):
-        sources.append(os.path.join(build_dir, name))
-        with open(sources[-1], 'w') as f:
-            f.write(text)
-    module = load('kquant_one_row_bench', sources, extra_include_paths=[KERNELS],
-                  extra_cflags=['-O3', '-march=native'], build_directory=build_dir)
+    module = build_probe('kquant_one_row_bench', SOURCE, BINDING)
     g = torch.Generator().manual_seed(0)
     tiles, inputs = args.outputs // 16, args.inputs
     codes = torch.randint(0, 256, (tiles, inputs // 32, 128), generator=g, dtype=torch.uint8)

@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 from server_helpers import ServerThread, serve, tiny_engine
+from vl_models import update_tokenizer_config
 
 MESSAGES = [{'role': 'user', 'content': 'Hello world!'}]
 GREEDY = {'temperature': 0, 'extra_body': {'ignore_eos': True}}
@@ -94,12 +95,7 @@ def effort_server(tiny_llama, tmp_path_factory):
     """The tiny Llama with a chat template that reads ``reasoning_effort``, as gpt-oss's does."""
     path = str(tmp_path_factory.mktemp('effort') / 'model')
     shutil.copytree(tiny_llama, path)
-    config_path = os.path.join(path, 'tokenizer_config.json')
-    with open(config_path) as f:
-        config = json.load(f)
-    config['chat_template'] = EFFORT_TEMPLATE
-    with open(config_path, 'w') as f:
-        json.dump(config, f)
+    update_tokenizer_config(path, chat_template=EFFORT_TEMPLATE)
     for name in ('chat_template.jinja', 'chat_template.json'):
         if os.path.exists(os.path.join(path, name)):
             os.remove(os.path.join(path, name))

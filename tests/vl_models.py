@@ -184,14 +184,19 @@ def save_tiny_vl_model(kind: str, path: str) -> str:
     return path
 
 
-def name_image_tokens(path: str, named: dict[str, str]) -> None:
-    """Records the image tokens by name in the saved tokenizer config, as InternVL's and Gemma 3's checkpoints do."""
+def update_tokenizer_config(path: str, **fields) -> None:
+    """Sets ``fields`` in the tokenizer config saved in the folder ``path``."""
     config_path = os.path.join(path, 'tokenizer_config.json')
     with open(config_path) as f:
         config = json.load(f)
-    config['extra_special_tokens'] = named
+    config.update(fields)
     with open(config_path, 'w') as f:
         json.dump(config, f)
+
+
+def name_image_tokens(path: str, named: dict[str, str]) -> None:
+    """Records the image tokens by name in the saved tokenizer config, as InternVL's and Gemma 3's checkpoints do."""
+    update_tokenizer_config(path, extra_special_tokens=named)
 
 
 def random_image(seed: int, size=(90, 60)) -> Image.Image:
