@@ -6,6 +6,10 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig
 
+# ``layer_types`` of layers with a recurrent state instead of a KV cache: Gated DeltaNet (Qwen3-Next, Qwen3.5) and
+# Mamba-2 (Granite 4.0-H; transformers 5 reads its checkpoints' 'mamba' as 'linear_attention')
+RECURRENT_LAYER_TYPES = ('linear_attention', 'mamba')
+
 
 @dataclass
 class ModelConfig:
@@ -31,7 +35,7 @@ class ModelConfig:
     # Multi-head latent attention (DeepSeek-V2/V3): each token caches one vector of this width, its latent
     # (``kv_lora_rank``) then its rotary key (``qk_rope_head_dim``), shared by every head; 0: per-head K/V.
     kv_latent_dim: int = 0
-    # layers with a recurrent state instead of a KV cache (``layer_types`` 'linear_attention': Qwen3-Next, Qwen3.5)
+    # layers with a recurrent state instead of a KV cache (see RECURRENT_LAYER_TYPES)
     num_state_layers: int = 0
 
     @classmethod
@@ -55,7 +59,8 @@ class ModelConfig:
                    mm_config=None if hf_config is config else config,
                    quant_policy=quant_policy,
                    kv_latent_dim=kv_latent_dim,
-                   num_state_layers=(getattr(hf_config, 'layer_types', None) or []).count('linear_attention'))
+                   num_state_layers=sum(kind in RECURRENT_LAYER_TYPES
+                                        for kind in getattr(hf_config, 'layer_types', None) or []))
 
     def kv_cache_shapes(self, num_blocks: int, block_size: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """Shape and dtype of each tensor of one layer's cache: K and V, then with ``quant_policy`` their

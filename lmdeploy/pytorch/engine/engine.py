@@ -24,7 +24,6 @@ from lmdeploy.pytorch.engine.runner_builder import build_runner
 from lmdeploy.pytorch.engine.sampler import PendingSample, depends_on_outputs, launch_sample, record_prompt_logprobs
 from lmdeploy.pytorch.engine.sequence import Sequence
 from lmdeploy.pytorch.kernels import cpu as cpu_kernels
-from lmdeploy.pytorch.kernels.gated_delta import DELTA_RULE_CHUNK
 from lmdeploy.pytorch.multimodal import MultiModalInput
 from lmdeploy.pytorch.nn.rotary import long_rope_after
 from lmdeploy.pytorch.paging.block_manager import BlockManager
@@ -91,14 +90,14 @@ class Engine:
         state_pool = StatePool(runner.num_state_slots) if runner.num_state_slots else None
         prefix_caching = config.enable_prefix_caching and state_pool is None
         if state_pool is not None:
-            logger.info('%s: %d recurrent-state slots for its linear-attention layers; prefix caching is off (cached '
-                        'KV blocks cannot restore a recurrent state) and decode steps run eagerly', cfg.architecture,
-                        state_pool.num_slots)
+            logger.info('%s: %d recurrent-state slots for its linear-attention or Mamba layers; prefix caching is '
+                        'off (cached KV blocks cannot restore a recurrent state) and decode steps run eagerly',
+                        cfg.architecture, state_pool.num_slots)
         self.block_manager = BlockManager(num_blocks, config.block_size, prefix_caching, runner.window,
                                           runner.num_window_blocks)
         self.scheduler = Scheduler(self.block_manager, config.max_batch_size, config.max_prefill_token_num,
                                    long_rope_after(cfg.hf_config), state_pool,
-                                   DELTA_RULE_CHUNK if state_pool is not None else 0)
+                                   runner.model.recurrent_chunk if state_pool is not None else 0)
         use_graphs = (self.device.type == 'cuda' and not config.eager_mode and config.tp == 1
                       and state_pool is None)
         capacity = self.block_manager.token_capacity(config.max_prefill_token_num)

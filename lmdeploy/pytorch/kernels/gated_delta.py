@@ -15,11 +15,13 @@ L2NORM_EPS = 1e-6
 DELTA_RULE_CHUNK = 64  # tokens the prefill's delta rule solves at once
 
 
-def causal_conv1d(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_conv1d(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """SiLU of the depthwise causal convolution of ``x [B, C, L]`` preceded by ``state [B, C, K - 1]`` (the
-    previous ``K - 1`` inputs, zeros at the start), by ``weight [C, K]``; returns ``[B, C, L]`` and the new state."""
+    previous ``K - 1`` inputs, zeros at the start), by ``weight [C, K]`` (plus ``bias [C]``: Mamba-2); returns
+    ``[B, C, L]`` and the new state."""
     full = torch.cat((state.to(x.dtype), x), dim=-1)
-    out = F.conv1d(full, weight.unsqueeze(1), groups=weight.shape[0])
+    out = F.conv1d(full, weight.unsqueeze(1), bias, groups=weight.shape[0])
     return F.silu(out), full[..., full.shape[-1] - state.shape[-1]:]
 
 

@@ -14,7 +14,7 @@ from torch import nn
 from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.kernels import causal_conv1d_decode, gated_delta_decode
 from lmdeploy.pytorch.kernels.activation import placeless
-from lmdeploy.pytorch.kernels.gated_delta import causal_conv1d, chunk_gated_delta_rule
+from lmdeploy.pytorch.kernels.gated_delta import DELTA_RULE_CHUNK, causal_conv1d, chunk_gated_delta_rule
 from lmdeploy.pytorch.models.llama import KVCache, LlamaMLP, WeightTarget
 from lmdeploy.pytorch.models.moe import MoEForCausalLM, SparseMoeBlock
 from lmdeploy.pytorch.nn.attention import PagedAttention
@@ -73,11 +73,13 @@ class GatedRMSNorm(nn.Module):
 
 
 class CausalConv1d(nn.Module):
-    """The depthwise convolution's weight ``[channels, 1, kernel]``, as checkpoints hold it."""
+    """The depthwise convolution's weight ``[channels, 1, kernel]``, as checkpoints hold it, and its bias (Mamba-2)
+    where it has one."""
 
-    def __init__(self, channels: int, kernel: int):
+    def __init__(self, channels: int, kernel: int, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(channels), requires_grad=False) if bias else None
 
 
 class GatedDeltaNet(nn.Module):
@@ -237,6 +239,7 @@ class Qwen3NextForCausalLM(MoEForCausalLM):
     """Qwen3-Next, Qwen3.5 and Qwen3.5-MoE text decoders (see the module's docstring)."""
 
     tensor_parallel_refusal = 'its linear-attention layers are not sharded for tensor parallelism'
+    recurrent_chunk = DELTA_RULE_CHUNK  # where the scheduler cuts prefill chunks (``Scheduler.recurrent_grain``)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
