@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,9 +23,13 @@ from conftest import VOCAB_SIZE, save_random_model
 from family_checks import assert_matches_transformers, first_step_logits, hf_causal_lm, hf_last_logits
 from helpers import make_engine, random_prompts, run
 
-from lmdeploy.messages import PytorchEngineConfig
+from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
+from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.kernels.mamba2 import SSD_CHUNK, ssd_chunk_scan, ssd_decode
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'benchmark'))
+from batch_invariance import run as arrivals  # noqa: E402
 
 SHAPE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, mamba_d_state=16, mamba_d_conv=4,
              mamba_expand=2, vocab_size=VOCAB_SIZE, max_position_embeddings=1024, embedding_multiplier=12.0,
@@ -98,20 +104,63 @@ def test_greedy_and_first_logits_match_transformers(granite_hybrid):
 
 
 @pytest.mark.slow
-def test_batched_chunked_and_preempted_equal_solo(granite_hybrid):
+def test_batched_chunked_and_preempted_equal_solo(granite_moe):
     """The states carry over between prefill chunks (of 16 tokens, and of 7: chunks that end inside the
-    convolution's window) and a preempted sequence recomputes them from zero."""
+    convolution's window) and a preempted sequence recomputes them from zero (on the MoE variant: the dense one
+    has the same Mamba layers)."""
     prompts = random_prompts([100, 130, 20, 45], seed=3)
-    plain = run(make_engine(granite_hybrid), prompts)
-    assert [run(make_engine(granite_hybrid), [p])[0] for p in prompts] == plain
+    plain = run(make_engine(granite_moe), prompts)
+    assert [run(make_engine(granite_moe), [p])[0] for p in prompts] == plain
     for chunk, block_size in ((16, 16), (7, 4)):
-        engine = make_engine(granite_hybrid, max_prefill_token_num=chunk, block_size=block_size, max_batch_size=4)
+        engine = make_engine(granite_moe, max_prefill_token_num=chunk, block_size=block_size, max_batch_size=4)
         assert run(engine, prompts) == plain
         assert_slots_free(engine)
-    tight = make_engine(granite_hybrid, num_gpu_blocks=14)
+    tight = make_engine(granite_moe, num_gpu_blocks=14)
     assert run(tight, prompts) == plain
     assert tight.scheduler.num_preemptions > 0
     assert_slots_free(tight)
+
+
+def test_fp32_is_batch_invariant(granite_moe, native):
+    """fp32 tokens and logprobs bitwise: prompts of up to 200 tokens in prefill chunks of at most 100 (cut on the
+    scan's chunks), alone and arriving one a step beside the others' decode rows. The Mamba layers' element-wise ops
+    over the step's rows (dt's softplus, the gated norm's SiLU, the convolution's SiLU and the decay of decode rows)
+    run ``placeless``."""
+    if cpu.fp32_gemm() is None:
+        pytest.skip('the native fp32 GEMM needs AVX-512')
+    engine = Engine(granite_moe, PytorchEngineConfig(dtype='float32', num_gpu_blocks=64, block_size=16,
+                                                     max_batch_size=4, max_prefill_token_num=100), show_progress=False)
+    config = GenerationConfig(max_new_tokens=6, ignore_eos=True, logprobs=3)
+    prompts = random_prompts([1, 2, 5, 9, 17, 40, 140, 200], seed=11)
+    alone = [arrivals(engine, [prompt], config, 0)[0] for prompt in prompts]
+    assert arrivals(engine, prompts, config, 0) == alone  # prefills together, then decode steps of all rows
+    assert arrivals(engine, prompts, config, 1) == alone
+
+
+def test_mamba_decode_rows_do_not_depend_on_their_place(granite_moe, native):
+    """A Mamba layer's decode rows (fp32, packed native GEMMs) give the same bits among 3 or 5 rows as alone: the
+    element-wise ops over the step's rows run ``placeless`` (torch's fp32 softplus and SiLU took a tensor's last
+    elements on another path: rows of 8 heads differed)."""
+    if cpu.fp32_gemm() is None:
+        pytest.skip('the native fp32 GEMM needs AVX-512')
+    engine = Engine(granite_moe, PytorchEngineConfig(dtype='float32', num_gpu_blocks=16, block_size=16,
+                                                     max_batch_size=8), show_progress=False)
+    mixer, pools = engine.runner.model.layers[0].mamba, engine.runner.kv_caches[0]
+    g = torch.Generator().manual_seed(0)
+    for pool in pools:
+        pool.copy_(torch.randn(pool.shape, generator=g))
+    hidden = torch.randn(5, 64, generator=g)
+
+    def decode(rows: list[int]) -> tuple[torch.Tensor, ...]:
+        states = tuple(pool.clone() for pool in pools)
+        ctx = SimpleNamespace(state_prefill=[], num_prefill_tokens=0, state_decode_slots=torch.tensor(rows))
+        return mixer(hidden[rows], states, ctx), *(state[rows] for state in states)
+
+    for rows in ([0, 1, 2], [0, 1, 2, 3, 4]):
+        together = decode(rows)
+        for i, row in enumerate(rows):
+            alone = decode([row])
+            assert all(torch.equal(a[0], t[i]) for a, t in zip(alone, together))
 
 
 def test_get_logits_and_prefix_caching_off(granite_moe, caplog):

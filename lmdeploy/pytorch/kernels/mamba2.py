@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lmdeploy.pytorch.kernels.activation import placeless
+
 SSD_CHUNK = 64  # tokens the prefill's scan solves at once
 
 
@@ -52,10 +54,10 @@ def ssd_decode(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
                states: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """One token of each of ``S`` sequences: ``x [S, H, P]``, ``dt [S, H]``, ``B, C [S, G, N]``; sequence ``s``
     reads and updates row ``slots[s]`` of the fp32 state pool ``states [slots, H, P, N]``. Returns the fp32 output
-    ``[S, H, P]``."""
+    ``[S, H, P]`` (each sequence's bits whatever the others: the decay's ``exp`` runs ``placeless``)."""
     num_heads = x.shape[1]
     dt = dt.float()
-    state = states[slots] * (dt * A.float()).exp()[..., None, None]
+    state = states[slots] * placeless(torch.exp, dt * A.float())[..., None, None]
     state += (x.float() * dt.unsqueeze(-1)).unsqueeze(-1) * _per_head(B, num_heads).unsqueeze(-2)
     states[slots] = state
     return (state @ _per_head(C, num_heads).unsqueeze(-1)).squeeze(-1)

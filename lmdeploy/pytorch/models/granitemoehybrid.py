@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmdeploy.pytorch.config import RECURRENT_LAYER_TYPES, ModelConfig
+from lmdeploy.pytorch.kernels.activation import placeless
 from lmdeploy.pytorch.kernels.gated_delta import causal_conv1d
 from lmdeploy.pytorch.kernels.mamba2 import SSD_CHUNK, ssd_chunk_scan, ssd_decode
 from lmdeploy.pytorch.models.llama import KVCache, LlamaAttention, LlamaMLP
@@ -36,7 +37,8 @@ RENAMED = {'.block_sparse_moe.router.layer.': '.mlp.gate.',
 
 class GroupedGatedRMSNorm(nn.Module):
     """``weight * rmsnorm(y * silu(z))``, the norm taken over each of ``groups`` equal slices of the features
-    (Mamba-2's gate before its norm)."""
+    (Mamba-2's gate before its norm). In fp32 the SiLU runs ``placeless``, as do the mixer's other element-wise ops
+    over the step's rows: a row's bits do not depend on its place among them."""
 
     def __init__(self, size: int, groups: int, eps: float):
         super().__init__()
@@ -44,7 +46,7 @@ class GroupedGatedRMSNorm(nn.Module):
         self.groups, self.eps = groups, eps
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        gated = (y.float() * F.silu(z.float())).unflatten(-1, (self.groups, -1))
+        gated = (y.float() * placeless(F.silu, z.float(), self.weight.dtype)).unflatten(-1, (self.groups, -1))
         normed = gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * normed.flatten(-2).to(self.weight.dtype)
 
@@ -93,7 +95,7 @@ class Mamba2Mixer(nn.Module):
     def forward(self, hidden: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor], ctx: StepContext) -> torch.Tensor:
         conv_states, ssm_states = state
         z, xbc, dt = self.in_proj(hidden).split([self.inner_size, self.conv_dim, self.num_heads], dim=-1)
-        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.time_step_limit)
+        dt = placeless(F.softplus, dt.float() + self.dt_bias.float(), dt.dtype).clamp(*self.time_step_limit)
         A = -self.A_log.float().exp()
         weight, bias = self.conv1d.weight.squeeze(1), self.conv1d.bias
         conv_out = torch.empty_like(xbc)
