@@ -41,7 +41,7 @@ VARIANTS = {
                                           intermediate_size=32, shared_intermediate_size=48, num_local_experts=4,
                                           num_experts_per_tok=2, mamba_n_heads=8, mamba_n_groups=2, mamba_d_head=16,
                                           position_embedding_type='rope', **SHAPE),
-    # the shared MLP alone, attention without positions (Granite 4.0-H's 'nope'), one group
+    # the shared MLP alone, attention without rotary positions (NoPE), one group
     'dense': lambda: GraniteMoeHybridConfig(num_hidden_layers=3, layer_types=['mamba', 'mamba', 'attention'],
                                             shared_intermediate_size=80, num_local_experts=0, mamba_n_heads=4,
                                             mamba_n_groups=1, position_embedding_type='nope', **SHAPE),
