@@ -45,6 +45,7 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'Qwen3_5ForCausalLM': ('llm', 'lmdeploy.pytorch.models.qwen3_next:Qwen3NextForCausalLM'),
     'Qwen3_5MoeForCausalLM': ('llm', 'lmdeploy.pytorch.models.qwen3_next:Qwen3NextForCausalLM'),
     'GraniteMoeHybridForCausalLM': ('llm', 'lmdeploy.pytorch.models.granitemoehybrid:GraniteMoeHybridForCausalLM'),
+    'NemotronHForCausalLM': ('llm', 'lmdeploy.pytorch.models.nemotron_h:NemotronHForCausalLM'),
     'Qwen2VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
     'Qwen2_5_VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
     'LlavaForConditionalGeneration': ('vlm', f'{_VL}:LlavaForConditionalGeneration'),

@@ -9,6 +9,8 @@ from transformers import PretrainedConfig
 # ``layer_types`` of layers with a recurrent state instead of a KV cache: Gated DeltaNet (Qwen3-Next, Qwen3.5) and
 # Mamba-2 (Granite 4.0-H; transformers 5 reads its checkpoints' 'mamba' as 'linear_attention')
 RECURRENT_LAYER_TYPES = ('linear_attention', 'mamba')
+# ``layer_types`` of layers with neither: Nemotron-H's MLP blocks
+CACHELESS_LAYER_TYPES = ('mlp',)
 
 
 @dataclass
@@ -37,11 +39,14 @@ class ModelConfig:
     kv_latent_dim: int = 0
     # layers with a recurrent state instead of a KV cache (see RECURRENT_LAYER_TYPES)
     num_state_layers: int = 0
+    # layers with neither a KV cache nor a recurrent state (see CACHELESS_LAYER_TYPES)
+    num_cacheless_layers: int = 0
 
     @classmethod
     def from_hf(cls, config: PretrainedConfig, dtype: torch.dtype, quant_policy: int = 0) -> ModelConfig:
         hf_config = config.get_text_config()
         num_heads = hf_config.num_attention_heads
+        layer_types = getattr(hf_config, 'layer_types', None) or []
         head_dim = getattr(hf_config, 'head_dim', None) or hf_config.hidden_size // num_heads
         kv_lora_rank = getattr(hf_config, 'kv_lora_rank', None)
         kv_latent_dim = kv_lora_rank + hf_config.qk_rope_head_dim if kv_lora_rank else 0
@@ -59,8 +64,8 @@ class ModelConfig:
                    mm_config=None if hf_config is config else config,
                    quant_policy=quant_policy,
                    kv_latent_dim=kv_latent_dim,
-                   num_state_layers=sum(kind in RECURRENT_LAYER_TYPES
-                                        for kind in getattr(hf_config, 'layer_types', None) or []))
+                   num_state_layers=sum(kind in RECURRENT_LAYER_TYPES for kind in layer_types),
+                   num_cacheless_layers=sum(kind in CACHELESS_LAYER_TYPES for kind in layer_types))
 
     def kv_cache_shapes(self, num_blocks: int, block_size: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """Shape and dtype of each tensor of one layer's cache: K and V, then with ``quant_policy`` their
@@ -82,4 +87,4 @@ class ModelConfig:
         """Bytes of KV cache one token takes across all layers with one, scales and zero points included."""
         per_layer = sum(torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
                         for shape, dtype in self.kv_cache_shapes(1, 1))
-        return (self.num_layers - self.num_state_layers) * per_layer
+        return (self.num_layers - self.num_state_layers - self.num_cacheless_layers) * per_layer

@@ -110,7 +110,7 @@ class ModelRunner:
             raise ValueError('a model with linear-attention layers needs recurrent-state slots')
         # Zeroed so that the padding read by batched decode never holds NaNs (a masked position weighs 0, and 0 * NaN
         # is NaN); lazily, page by page as the blocks are first written or read.
-        self.kv_caches = [allocate_states(states, num_state_slots, self.device) if states else
+        self.kv_caches = [allocate_states(states, num_state_slots, self.device) if states is not None else
                           tuple(lazily_zeroed(shape, dtype, self.device)
                                 for shape, dtype in cfg.kv_cache_shapes(size + 1, block_size))
                           for states, size in zip(layer_states, pool_sizes)]

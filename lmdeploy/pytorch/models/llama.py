@@ -47,6 +47,12 @@ def layer_window(hf_config: PretrainedConfig, layer_index: int) -> int | None:
     return window if getattr(hf_config, 'use_sliding_window', True) else None
 
 
+def rms_norm_eps(hf_config: PretrainedConfig) -> float:
+    """The config's RMSNorm epsilon: ``rms_norm_eps``, or ``layer_norm_epsilon`` (Nemotron-H)."""
+    eps = getattr(hf_config, 'rms_norm_eps', None)
+    return hf_config.layer_norm_epsilon if eps is None else eps
+
+
 class LlamaAttention(nn.Module):
     """Self-attention with rotary queries and keys: all of each head's features, the first
     ``partial_rotary_factor`` of them, or none (``use_rope=False``); ``interleaved_rope`` turns
@@ -187,7 +193,7 @@ class LlamaForCausalLM(nn.Module):
         self.query_scale = position_query_scale(hf)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(self.make_layer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, hf.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, rms_norm_eps(hf))
         self.rotary = RotaryEmbedding(hf, cfg.head_dim)
         self.tie_word_embeddings = cfg.tie_word_embeddings
         self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, self.embed_tokens if self.tie_word_embeddings else None)

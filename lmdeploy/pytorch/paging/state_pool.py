@@ -14,7 +14,8 @@ from torch import nn
 
 from lmdeploy.pytorch.engine.sequence import Sequence
 
-# per layer: the shape and dtype of each state tensor of one slot, or None for a layer with a KV cache
+# per layer: the shape and dtype of each state tensor of one slot, or None for a layer with a KV cache ([] for a
+# layer with neither: Nemotron-H's MLP blocks)
 StateShapes = list[list[tuple[tuple[int, ...], torch.dtype]] | None]
 
 

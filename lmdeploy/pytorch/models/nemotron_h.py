@@ -1,0 +1,111 @@
+"""Nemotron-H (``NemotronHForCausalLM``: NVIDIA Nemotron-H, Nemotron Nano 2): a hybrid decoder of single-mixer
+blocks, ``x + mixer(norm(x))``, each a Mamba-2 layer (``M`` in the checkpoints' ``hybrid_override_pattern``), attention
+without positions (``*``) or a squared-ReLU MLP (``-``), per ``layers_block_type``. The Mamba-2 layers keep a
+recurrent state per sequence (``models/mamba2.py``); every step runs the layers' own forward (no native decoder
+stack). Mixture-of-experts blocks (``E``, Nemotron 3) are refused."""
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from lmdeploy.pytorch.config import ModelConfig
+from lmdeploy.pytorch.kernels.mamba2 import SSD_CHUNK
+from lmdeploy.pytorch.models.llama import KVCache, LlamaAttention, LlamaForCausalLM
+from lmdeploy.pytorch.models.mamba2 import Mamba2Mixer, Mamba2Shape
+from lmdeploy.pytorch.nn.linear import Linear
+from lmdeploy.pytorch.nn.norm import RMSNorm
+from lmdeploy.pytorch.nn.quant import LinearOptions
+from lmdeploy.pytorch.step_context import StepContext
+from lmdeploy.pytorch.weights.safetensors_loader import WeightSource
+
+MAMBA, ATTENTION, MLP = 'linear_attention', 'full_attention', 'mlp'
+# checkpoint name prefix -> the engine's; the MLPs' ``up_proj`` becomes ``up`` (it would read as half of a gate_up)
+PREFIXES = {'backbone.embeddings.': 'model.embed_tokens.', 'backbone.norm_f.': 'model.norm.', 'backbone.': 'model.'}
+
+
+class ReluSquaredMLP(nn.Module):
+    """``down_proj(relu(up(x)) ** 2)``, without a gate."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        hf = cfg.hf_config
+        self.up = Linear(cfg.hidden_size, hf.intermediate_size, bias=bool(hf.mlp_bias))
+        self.down_proj = Linear(hf.intermediate_size, cfg.hidden_size, bias=bool(hf.mlp_bias))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.relu(self.up(x)).square())
+
+
+def nemotron_mamba_shape(hf: PretrainedConfig) -> Mamba2Shape:
+    """The Mamba-2 layers' shape from Nemotron-H's config fields."""
+    return Mamba2Shape(hf.mamba_num_heads, hf.mamba_head_dim, hf.n_groups, hf.ssm_state_size, hf.conv_kernel,
+                       bool(hf.use_conv_bias), bool(hf.use_bias), hf.layer_norm_epsilon, hf.time_step_limit)
+
+
+class NemotronHBlock(nn.Module):
+    """``x + mixer(norm(x))``; like Llama's layers it hands the residual sum on."""
+
+    def __init__(self, cfg: ModelConfig, layer_index: int):
+        super().__init__()
+        hf = cfg.hf_config
+        kind = hf.layers_block_type[layer_index]
+        self.is_linear = kind == MAMBA
+        if kind == MAMBA:
+            self.mixer = Mamba2Mixer(cfg, nemotron_mamba_shape(hf))
+        elif kind == ATTENTION:
+            self.mixer = LlamaAttention(cfg, use_rope=False, qk_norm=False, qkv_bias=False, o_bias=False)
+        elif kind == MLP:
+            self.mixer = ReluSquaredMLP(cfg)
+        else:
+            raise ValueError(f'NemotronHForCausalLM: layer {layer_index} is a {kind!r} block; only Mamba-2 (M), '
+                             f'attention (*) and MLP (-) blocks are supported (not the MoE blocks, E, of Nemotron 3)')
+        self.kind = kind
+        self.norm = RMSNorm(cfg.hidden_size, hf.layer_norm_epsilon)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cache: KVCache, ctx: StepContext):
+        if residual is None:
+            x, residual = self.norm(x), x
+        else:
+            x, residual = self.norm(x, residual)
+        return (self.mixer(x) if self.kind == MLP else self.mixer(x, cache, ctx)), residual
+
+
+class NemotronHForCausalLM(LlamaForCausalLM):
+    """Nemotron-H's decoder and LM head (see the module's docstring)."""
+
+    tensor_parallel_refusal = 'its Mamba-2 layers are not sharded for tensor parallelism'
+    recurrent_chunk = SSD_CHUNK
+
+    def make_layer(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
+        return NemotronHBlock(cfg, layer_index)
+
+    def split_fused(self, weights: Iterable[tuple[str, WeightSource]]) -> Iterator[tuple[str, WeightSource]]:
+        """Renames the checkpoint's tensors to the engine's (:func:`engine_name`)."""
+        return super().split_fused((engine_name(name), tensor) for name, tensor in weights)
+
+    def finalize_weights(self, pack_cpu: bool, small_step_int4: bool) -> None:
+        """Lays the loaded weights out for their kernels (bf16 CPU weights packed for their GEMM); no native
+        decoder stack."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.finalize(LinearOptions(pack_cpu, dtype=self.cfg.dtype))
+        self.lm_head.finalize(pack_cpu)
+
+    def recurrent_state_shapes(self) -> list[list[tuple[tuple[int, ...], torch.dtype]] | None]:
+        """Per layer, one sequence's recurrent state (Mamba-2 layers), None (attention: a KV cache) or nothing
+        (MLP blocks)."""
+        return [layer.mixer.state_shapes() if layer.is_linear else None if layer.kind == ATTENTION else []
+                for layer in self.layers]
+
+
+def engine_name(name: str) -> str:
+    """The engine's name of a checkpoint tensor."""
+    for old, new in PREFIXES.items():
+        if name.startswith(old):
+            name = new + name[len(old):]
+            break
+    return name.replace('.mixer.up_proj.', '.mixer.up.')
