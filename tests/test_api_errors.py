@@ -86,6 +86,8 @@ def test_error_types_are_openais(api_server):
         openai.NotFoundError, bad, 'model_not_found', 'model')
     assert _openai_fields(_raised(completions, model='tiny', prompt='Hello world ' * 1000)) == (
         openai.BadRequestError, bad, 'context_length_exceeded', 'prompt')
+    assert _openai_fields(_raised(chat, model='tiny', messages=[{'role': 'user', 'content': 'Hello world ' * 1000}])) \
+        == (openai.BadRequestError, bad, 'context_length_exceeded', 'messages')
     assert _openai_fields(_raised(chat, model='tiny', messages=CHAT['messages'], extra_body={'bad_words': ['x']})) \
         == (openai.BadRequestError, bad, 'unsupported_value', 'bad_words')
     malformed = _raised(client.post, '/chat/completions', cast_to=httpx.Response, content=b'{"model": "tiny",',
