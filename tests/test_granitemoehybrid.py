@@ -34,17 +34,18 @@ from batch_invariance import run as arrivals  # noqa: E402
 SHAPE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, mamba_d_state=16, mamba_d_conv=4,
              mamba_expand=2, vocab_size=VOCAB_SIZE, max_position_embeddings=1024, embedding_multiplier=12.0,
              logits_scaling=8.0, residual_multiplier=0.22, attention_multiplier=0.0156, rms_norm_eps=1e-6,
-             pad_token_id=None, tie_word_embeddings=False, architectures=['GraniteMoeHybridForCausalLM'])
+             pad_token_id=None, architectures=['GraniteMoeHybridForCausalLM'])
 VARIANTS = {
     # routed experts plus the shared MLP, rotary attention, two B/C groups over eight heads
     'moe': lambda: GraniteMoeHybridConfig(num_hidden_layers=4, layer_types=['mamba', 'attention', 'mamba', 'mamba'],
                                           intermediate_size=32, shared_intermediate_size=48, num_local_experts=4,
                                           num_experts_per_tok=2, mamba_n_heads=8, mamba_n_groups=2, mamba_d_head=16,
-                                          position_embedding_type='rope', **SHAPE),
-    # the shared MLP alone, attention without rotary positions (NoPE), one group
+                                          position_embedding_type='rope', tie_word_embeddings=False, **SHAPE),
+    # the shared MLP alone, attention without rotary positions (NoPE), one group, the LM head tied to the embeddings
     'dense': lambda: GraniteMoeHybridConfig(num_hidden_layers=3, layer_types=['mamba', 'mamba', 'attention'],
                                             shared_intermediate_size=80, num_local_experts=0, mamba_n_heads=4,
-                                            mamba_n_groups=1, position_embedding_type='nope', **SHAPE),
+                                            mamba_n_groups=1, position_embedding_type='nope',
+                                            tie_word_embeddings=True, **SHAPE),
 }
 
 

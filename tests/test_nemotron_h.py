@@ -1,19 +1,21 @@
 """Nemotron-H (``NemotronHForCausalLM``: Mamba-2, attention and squared-ReLU MLP blocks) against transformers on a
 tiny random model: greedy tokens and first-step logits in fp32, batching, chunked prefill and preemption equal to
 solo runs with the recurrent-state slots given back, no KV cache for the MLP blocks, the hub's
-``hybrid_override_pattern``, and the MoE blocks and tensor parallelism refused."""
+``hybrid_override_pattern``, bf16 on the CPU, and the MoE blocks and tensor parallelism refused."""
 from __future__ import annotations
 
 import json
 import os
 
 import pytest
+import torch
 from transformers import NemotronHConfig
 
 from conftest import VOCAB_SIZE, save_random_model
-from family_checks import assert_matches_transformers, hf_causal_lm
+from family_checks import assert_matches_transformers, first_step_logits, hf_causal_lm, hf_last_logits
 from helpers import make_engine, random_prompts, run
 
+from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 
 PATTERN = 'M-*-M-'  # Mamba-2, MLP, attention, MLP, Mamba-2, MLP
@@ -90,3 +92,16 @@ def test_moe_blocks_and_tensor_parallelism_are_refused(nemotron_h, tmp_path):
     path = save_random_model(nemotron_h_config('M*E'), str(tmp_path / 'moe'))
     with pytest.raises(ValueError, match=r"layer 2 is a 'moe' block; only Mamba-2 \(M\), attention \(\*\) and MLP"):
         make_engine(path)
+
+
+def test_bf16_close_to_transformers(nemotron_h):
+    """bf16 on the CPU (packed GEMM weights): the last logits differ from transformers' in fp32 by at most twice
+    what transformers' own bf16 model does."""
+    engine = Engine(nemotron_h, PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=64, block_size=16),
+                    show_progress=False)
+    prompts = random_prompts([7, 31, 90], seed=2)
+    hf_model = hf_causal_lm(nemotron_h)
+    refs = [hf_last_logits(hf_model, p) for p in prompts]
+    hf_bf16 = [hf_last_logits(hf_model.to(torch.bfloat16), p).float() for p in prompts]
+    for ref, hf_row, row in zip(refs, hf_bf16, first_step_logits(engine, prompts)):
+        assert (row - ref).abs().max() <= 2 * (hf_row - ref).abs().max()
