@@ -1,7 +1,8 @@
-"""Nemotron-H (``NemotronHForCausalLM``: Mamba-2, attention and squared-ReLU MLP blocks) against transformers on a
-tiny random model: greedy tokens and first-step logits in fp32, batching, chunked prefill and preemption equal to
-solo runs with the recurrent-state slots given back, no KV cache for the MLP blocks, the hub's
-``hybrid_override_pattern``, bf16 on the CPU, and the MoE blocks and tensor parallelism refused."""
+"""Nemotron-H (``NemotronHForCausalLM``: Mamba-2, attention, squared-ReLU MLP and MoE blocks) against transformers on
+tiny random models: greedy tokens and first-step logits in fp32 (MLP blocks; MoE blocks with and without the latent
+projections), batching, chunked prefill and preemption equal to solo runs with the recurrent-state slots given back,
+no KV cache for the MLP and MoE blocks, the hub's ``hybrid_override_pattern``, bf16 on the CPU, and tensor
+parallelism refused."""
 from __future__ import annotations
 
 import json
@@ -28,6 +29,16 @@ def nemotron_h_config(pattern: str = PATTERN) -> NemotronHConfig:
                            mamba_head_dim=16, n_groups=2, ssm_state_size=16, conv_kernel=4, vocab_size=VOCAB_SIZE,
                            max_position_embeddings=1024, architectures=['NemotronHForCausalLM'], pad_token_id=None,
                            tie_word_embeddings=False)
+
+
+def nemotron_3_config(latent: int | None) -> NemotronHConfig:
+    """MoE blocks of four squared-ReLU experts of 32 (two chosen, among the best of two groups of two), shared experts
+    of 48, optionally through a latent projection of ``latent``."""
+    config = nemotron_h_config('M*EME')
+    config.n_routed_experts, config.num_experts_per_tok, config.n_group, config.topk_group = 4, 2, 2, 1
+    config.moe_intermediate_size, config.moe_shared_expert_intermediate_size = 32, 48
+    config.routed_scaling_factor, config.moe_latent_size = 2.5, latent
+    return config
 
 
 @pytest.fixture(scope='module')
@@ -86,12 +97,21 @@ def test_hub_pattern(nemotron_h, tmp_path):
     assert run(make_engine(str(hub)), prompts) == run(make_engine(nemotron_h), prompts)
 
 
-def test_moe_blocks_and_tensor_parallelism_are_refused(nemotron_h, tmp_path):
+def test_tensor_parallelism_is_refused(nemotron_h):
     with pytest.raises(ValueError, match='Mamba-2 layers are not sharded for tensor parallelism; use tp=1'):
         make_engine(nemotron_h, tp=2)
-    path = save_random_model(nemotron_h_config('M*E'), str(tmp_path / 'moe'))
-    with pytest.raises(ValueError, match=r"layer 2 is a 'moe' block; only Mamba-2 \(M\), attention \(\*\) and MLP"):
-        make_engine(path)
+
+
+@pytest.mark.parametrize('latent', [None, 48])
+def test_moe_blocks_match_transformers(tmp_path, latent):
+    """Nemotron 3's MoE blocks (the correction bias drawn, so that it bites), batched equal to solo; they hold no
+    cache."""
+    path = save_random_model(nemotron_3_config(latent), str(tmp_path), std={'e_score_correction_bias': 0.5})
+    prompts = random_prompts([3, 70], seed=2)
+    assert_matches_transformers(path, hf_causal_lm(path), prompts, random_prompts([33], seed=1))
+    engine = make_engine(path)
+    assert [len(cache) for cache in engine.runner.kv_caches] == [2, 2, 0, 2, 0]
+    assert [run(engine, [p])[0] for p in prompts] == run(engine, prompts)
 
 
 def test_bf16_close_to_transformers(nemotron_h):

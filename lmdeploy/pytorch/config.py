@@ -9,8 +9,8 @@ from transformers import PretrainedConfig
 # ``layer_types`` of layers with a recurrent state instead of a KV cache: Gated DeltaNet (Qwen3-Next, Qwen3.5) and
 # Mamba-2 (Granite 4.0-H; transformers 5 reads its checkpoints' 'mamba' as 'linear_attention')
 RECURRENT_LAYER_TYPES = ('linear_attention', 'mamba')
-# ``layer_types`` of layers with neither: Nemotron-H's MLP blocks
-CACHELESS_LAYER_TYPES = ('mlp',)
+# ``layer_types`` of layers with neither: Nemotron-H's MLP and MoE blocks
+CACHELESS_LAYER_TYPES = ('mlp', 'moe')
 
 
 @dataclass

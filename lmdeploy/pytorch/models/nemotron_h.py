@@ -1,8 +1,8 @@
-"""Nemotron-H (``NemotronHForCausalLM``: NVIDIA Nemotron-H, Nemotron Nano 2): a hybrid decoder of single-mixer
-blocks, ``x + mixer(norm(x))``, each a Mamba-2 layer (``M`` in the checkpoints' ``hybrid_override_pattern``), attention
-without positions (``*``) or a squared-ReLU MLP (``-``), per ``layers_block_type``. The Mamba-2 layers keep a
-recurrent state per sequence (``models/mamba2.py``); every step runs the layers' own forward (no native decoder
-stack). Mixture-of-experts blocks (``E``, Nemotron 3) are refused."""
+"""Nemotron-H (``NemotronHForCausalLM``: NVIDIA Nemotron-H, Nemotron Nano 2, Nemotron 3): a hybrid decoder of
+single-mixer blocks, ``x + mixer(norm(x))``, each a Mamba-2 layer (``M`` in the checkpoints'
+``hybrid_override_pattern``), attention without positions (``*``), a squared-ReLU MLP (``-``) or a mixture of
+squared-ReLU experts (``E``), per ``layers_block_type``. The Mamba-2 layers keep a recurrent state per sequence
+(``models/mamba2.py``); every step runs the layers' own forward (no native decoder stack)."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
@@ -13,31 +13,67 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from lmdeploy.pytorch.config import ModelConfig
+from lmdeploy.pytorch.kernels import grouped_topk
 from lmdeploy.pytorch.kernels.mamba2 import SSD_CHUNK
+from lmdeploy.pytorch.models.deepseek_v3 import TopKRouter
 from lmdeploy.pytorch.models.llama import KVCache, LlamaAttention, LlamaForCausalLM
 from lmdeploy.pytorch.models.mamba2 import Mamba2Mixer, Mamba2Shape
 from lmdeploy.pytorch.nn.linear import Linear
+from lmdeploy.pytorch.nn.moe import Fp32Router
 from lmdeploy.pytorch.nn.norm import RMSNorm
 from lmdeploy.pytorch.nn.quant import LinearOptions
 from lmdeploy.pytorch.step_context import StepContext
 from lmdeploy.pytorch.weights.safetensors_loader import WeightSource
 
-MAMBA, ATTENTION, MLP = 'linear_attention', 'full_attention', 'mlp'
-# checkpoint name prefix -> the engine's; the MLPs' ``up_proj`` becomes ``up`` (it would read as half of a gate_up)
+MAMBA, ATTENTION, MLP, MOE = 'linear_attention', 'full_attention', 'mlp', 'moe'
+# checkpoint name prefix -> the engine's; the MLPs' and experts' ``up_proj`` becomes ``up`` (it would read as half of
+# a gate_up)
 PREFIXES = {'backbone.embeddings.': 'model.embed_tokens.', 'backbone.norm_f.': 'model.norm.', 'backbone.': 'model.'}
 
 
 class ReluSquaredMLP(nn.Module):
     """``down_proj(relu(up(x)) ** 2)``, without a gate."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool):
         super().__init__()
-        hf = cfg.hf_config
-        self.up = Linear(cfg.hidden_size, hf.intermediate_size, bias=bool(hf.mlp_bias))
-        self.down_proj = Linear(hf.intermediate_size, cfg.hidden_size, bias=bool(hf.mlp_bias))
+        self.up = Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.relu(self.up(x)).square())
+
+
+class NemotronHMoE(nn.Module):
+    """Routed experts (squared-ReLU MLPs, each on its own linear layers) chosen by DeepSeek-V3's routing
+    (:func:`grouped_topk`: sigmoid scores, ``e_score_correction_bias``, ``n_group``/``topk_group``,
+    ``routed_scaling_factor``), between the optional latent projections ``fc1_latent_proj``/``fc2_latent_proj``
+    (``moe_latent_size``), plus the shared experts every token runs."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        hf = cfg.hf_config
+        bias, latent = bool(hf.mlp_bias), hf.moe_latent_size
+        self.top_k, self.num_groups, self.topk_groups = hf.num_experts_per_tok, hf.n_group, hf.topk_group
+        self.renormalize, self.scaling = bool(hf.norm_topk_prob), hf.routed_scaling_factor
+        self.gate = TopKRouter(cfg.hidden_size, hf.n_routed_experts, correction_bias=True)
+        self.fc1_latent_proj = Linear(cfg.hidden_size, latent, bias=bias) if latent else None
+        self.fc2_latent_proj = Linear(latent, cfg.hidden_size, bias=bias) if latent else None
+        self.experts = nn.ModuleList(ReluSquaredMLP(latent or cfg.hidden_size, hf.moe_intermediate_size, bias)
+                                     for _ in range(hf.n_routed_experts))
+        self.shared_experts = ReluSquaredMLP(cfg.hidden_size, hf.moe_shared_expert_intermediate_size, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = grouped_topk(self.gate(x), self.gate.e_score_correction_bias, self.top_k, self.num_groups,
+                                    self.topk_groups, self.renormalize, self.scaling)
+        routed = x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)
+        out = torch.zeros_like(routed)
+        for expert in ids.unique().tolist():
+            tokens, slots = (ids == expert).nonzero(as_tuple=True)
+            expert_out = self.experts[expert](routed[tokens]) * weights[tokens, slots, None]
+            out.index_add_(0, tokens, expert_out.to(out.dtype))
+        if self.fc2_latent_proj is not None:
+            out = self.fc2_latent_proj(out)
+        return out + self.shared_experts(x)
 
 
 def nemotron_mamba_shape(hf: PretrainedConfig) -> Mamba2Shape:
@@ -59,10 +95,12 @@ class NemotronHBlock(nn.Module):
         elif kind == ATTENTION:
             self.mixer = LlamaAttention(cfg, use_rope=False, qk_norm=False, qkv_bias=False, o_bias=False)
         elif kind == MLP:
-            self.mixer = ReluSquaredMLP(cfg)
+            self.mixer = ReluSquaredMLP(cfg.hidden_size, hf.intermediate_size, bool(hf.mlp_bias))
+        elif kind == MOE:
+            self.mixer = NemotronHMoE(cfg)
         else:
             raise ValueError(f'NemotronHForCausalLM: layer {layer_index} is a {kind!r} block; only Mamba-2 (M), '
-                             f'attention (*) and MLP (-) blocks are supported (not the MoE blocks, E, of Nemotron 3)')
+                             f'attention (*), MLP (-) and MoE (E) blocks are supported')
         self.kind = kind
         self.norm = RMSNorm(cfg.hidden_size, hf.layer_norm_epsilon)
 
@@ -71,7 +109,7 @@ class NemotronHBlock(nn.Module):
             x, residual = self.norm(x), x
         else:
             x, residual = self.norm(x, residual)
-        return (self.mixer(x) if self.kind == MLP else self.mixer(x, cache, ctx)), residual
+        return (self.mixer(x, cache, ctx) if self.kind in (MAMBA, ATTENTION) else self.mixer(x)), residual
 
 
 class NemotronHForCausalLM(LlamaForCausalLM):
@@ -93,11 +131,13 @@ class NemotronHForCausalLM(LlamaForCausalLM):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.finalize(LinearOptions(pack_cpu, dtype=self.cfg.dtype))
+            elif isinstance(module, Fp32Router):
+                module.finalize()
         self.lm_head.finalize(pack_cpu)
 
     def recurrent_state_shapes(self) -> list[list[tuple[tuple[int, ...], torch.dtype]] | None]:
         """Per layer, one sequence's recurrent state (Mamba-2 layers), None (attention: a KV cache) or nothing
-        (MLP blocks)."""
+        (MLP and MoE blocks)."""
         return [layer.mixer.state_shapes() if layer.is_linear else None if layer.kind == ATTENTION else []
                 for layer in self.layers]
 
@@ -108,4 +148,4 @@ def engine_name(name: str) -> str:
         if name.startswith(old):
             name = new + name[len(old):]
             break
-    return name.replace('.mixer.up_proj.', '.mixer.up.')
+    return name.replace('.up_proj.', '.up.')
