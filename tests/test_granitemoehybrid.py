@@ -109,7 +109,7 @@ def test_batched_chunked_and_preempted_equal_solo(granite_moe):
     """The states carry over between prefill chunks (of 16 tokens, and of 7: chunks that end inside the
     convolution's window) and a preempted sequence recomputes them from zero (on the MoE variant: the dense one
     has the same Mamba layers)."""
-    prompts = random_prompts([100, 130, 20, 45], seed=3)
+    prompts = random_prompts([70, 100, 20, 45], seed=3)
     plain = run(make_engine(granite_moe), prompts)
     assert [run(make_engine(granite_moe), [p])[0] for p in prompts] == plain
     for chunk, block_size in ((16, 16), (7, 4)):
@@ -132,7 +132,7 @@ def test_fp32_is_batch_invariant(granite_moe, native):
     engine = Engine(granite_moe, PytorchEngineConfig(dtype='float32', num_gpu_blocks=64, block_size=16,
                                                      max_batch_size=4, max_prefill_token_num=100), show_progress=False)
     config = GenerationConfig(max_new_tokens=6, ignore_eos=True, logprobs=3)
-    prompts = random_prompts([1, 2, 5, 9, 17, 40, 140, 200], seed=11)
+    prompts = random_prompts([2, 9, 40, 140, 200], seed=11)
     alone = [arrivals(engine, [prompt], config, 0)[0] for prompt in prompts]
     assert arrivals(engine, prompts, config, 0) == alone  # prefills together, then decode steps of all rows
     assert arrivals(engine, prompts, config, 1) == alone
