@@ -23,13 +23,15 @@ VARIANTS = {
 def cohere2_config(**overrides) -> Cohere2Config:
     """Four layers (three sliding-window ones of 16 tokens, then a full one) of four query heads and two KV heads of
     16 features over a hidden size of 64; logits scaled by 0.25 (Command R7B's ``logit_scale``)."""
-    return Cohere2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=VOCAB_SIZE, max_position_embeddings=1024,
-                         sliding_window=16, logit_scale=0.25, pad_token_id=None, **overrides)
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=VOCAB_SIZE, max_position_embeddings=1024, sliding_window=16,
+                 logit_scale=0.25, pad_token_id=None)
+    return Cohere2Config(**{**shape, **overrides})
 
 
-def save_cohere2(path: str, variant: str) -> str:
-    return save_random_model(cohere2_config(**VARIANTS[variant]), path)
+def save_cohere2(path: str, variant: str, **overrides) -> str:
+    """A tiny random model of ``variant`` (its config changed by ``overrides``) saved with transformers."""
+    return save_random_model(cohere2_config(**{**VARIANTS[variant], **overrides}), path)
 
 
 @pytest.fixture(scope='module', params=sorted(VARIANTS))

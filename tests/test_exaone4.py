@@ -29,13 +29,15 @@ VARIANTS = {
 
 def exaone4_config(**overrides) -> Exaone4Config:
     """Four layers of four query heads and two KV heads of 16 features over a hidden size of 64."""
-    return Exaone4Config(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, vocab_size=VOCAB_SIZE, max_position_embeddings=1024,
-                         pad_token_id=None, **overrides)
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=VOCAB_SIZE, max_position_embeddings=1024,
+                 pad_token_id=None)
+    return Exaone4Config(**{**shape, **overrides})
 
 
-def save_exaone4(path: str, variant: str) -> str:
-    return save_random_model(exaone4_config(**VARIANTS[variant]), path)
+def save_exaone4(path: str, variant: str, **overrides) -> str:
+    """A tiny random model of ``variant`` (its config changed by ``overrides``) saved with transformers."""
+    return save_random_model(exaone4_config(**{**VARIANTS[variant], **overrides}), path)
 
 
 @pytest.fixture(scope='module', params=sorted(VARIANTS))
