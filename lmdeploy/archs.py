@@ -46,6 +46,7 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'Qwen3_5MoeForCausalLM': ('llm', 'lmdeploy.pytorch.models.qwen3_next:Qwen3NextForCausalLM'),
     'Cohere2ForCausalLM': ('llm', 'lmdeploy.pytorch.models.cohere2:Cohere2ForCausalLM'),
     'Exaone4ForCausalLM': ('llm', 'lmdeploy.pytorch.models.exaone4:Exaone4ForCausalLM'),
+    'ArceeForCausalLM': ('llm', 'lmdeploy.pytorch.models.arcee:ArceeForCausalLM'),
     'Qwen2VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
     'Qwen2_5_VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
     'LlavaForConditionalGeneration': ('vlm', f'{_VL}:LlavaForConditionalGeneration'),
