@@ -6,8 +6,8 @@ the weights are loaded (:meth:`Linear.finalize`: on the CPU, bf16 weights packed
 4-bit copy for small steps). The gate and up projections of a gated MLP (``GateUpLinear``) apply
 SiLU-and-mul in the native GEMM's epilogue.
 
-Under tensor parallelism (the :class:`TPGroup` current at construction) merged layers are
-column-parallel: each rank holds its share of every projection's output rows (:class:`QKVLinear` its
+Under tensor parallelism (the :class:`TPGroup` current at construction) merged layers and
+:class:`ColumnLinear` are column-parallel: each rank holds its share of every projection's output rows (:class:`QKVLinear` its
 attention heads); :class:`RowLinear` holds a share of the input columns and sums the ranks' partial
 products. ``checkpoint_part`` says which part of a checkpoint tensor a rank's parameter holds; each
 parameter's :class:`Layout` says along which dimensions that part runs.
