@@ -47,6 +47,7 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'Cohere2ForCausalLM': ('llm', 'lmdeploy.pytorch.models.cohere2:Cohere2ForCausalLM'),
     'Exaone4ForCausalLM': ('llm', 'lmdeploy.pytorch.models.exaone4:Exaone4ForCausalLM'),
     'ArceeForCausalLM': ('llm', 'lmdeploy.pytorch.models.arcee:ArceeForCausalLM'),
+    'ApertusForCausalLM': ('llm', 'lmdeploy.pytorch.models.apertus:ApertusForCausalLM'),
     'Qwen2VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
     'Qwen2_5_VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
     'LlavaForConditionalGeneration': ('vlm', f'{_VL}:LlavaForConditionalGeneration'),

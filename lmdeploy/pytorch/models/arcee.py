@@ -10,27 +10,39 @@ from lmdeploy.pytorch.models.llama import LlamaForCausalLM
 from lmdeploy.pytorch.nn.linear import ColumnLinear, RowLinear
 
 
-class ReluSquaredMLP(nn.Module):
-    """``down_proj(relu(up_proj(x)) ** 2)``; each tensor-parallel rank holds a share of the intermediate features."""
+class ReluSquared(nn.Module):
+    """``relu(x) ** 2`` (transformers' ``relu2``)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x).square()
+
+
+class UngatedMLP(nn.Module):
+    """``down_proj(act_fn(up_proj(x)))``; each tensor-parallel rank holds a share of the intermediate features."""
+
+    def __init__(self, cfg: ModelConfig, act_fn: nn.Module):
         super().__init__()
         hf = cfg.hf_config
-        if hf.hidden_act != 'relu2':
-            raise ValueError(f'Arcee with activation {hf.hidden_act!r} is not supported, only relu2')
         bias = bool(getattr(hf, 'mlp_bias', False))
         self.up_proj = ColumnLinear(cfg.hidden_size, hf.intermediate_size, bias=bias)
         self.down_proj = RowLinear.after(self.up_proj, cfg.hidden_size, bias=bias)
+        self.act_fn = act_fn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(torch.relu(self.up_proj(x)).square())
+        return self.down_proj(self.act_fn(self.up_proj(x)))
 
 
-class ArceeForCausalLM(LlamaForCausalLM):
-    """Arcee's decoder: Llama's with the ungated ReLU² MLP."""
+class UngatedMLPForCausalLM(LlamaForCausalLM):
+    """A Llama decoder whose checkpoints hold an ``up_proj`` without a ``gate_proj`` (nothing to stack it with)."""
 
     stacked_params = {name: merged for name, merged in LlamaForCausalLM.stacked_params.items()
                       if merged[0] == 'qkv_proj'}
 
+
+class ArceeForCausalLM(UngatedMLPForCausalLM):
+    """Arcee's decoder: Llama's with the ungated ReLU² MLP."""
+
     def make_mlp(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
-        return ReluSquaredMLP(cfg)
+        if cfg.hf_config.hidden_act != 'relu2':
+            raise ValueError(f'Arcee with activation {cfg.hf_config.hidden_act!r} is not supported, only relu2')
+        return UngatedMLP(cfg, ReluSquared())
