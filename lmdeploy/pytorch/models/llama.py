@@ -187,7 +187,7 @@ class LlamaForCausalLM(nn.Module):
         self.query_scale = position_query_scale(hf)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(self.make_layer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, hf.rms_norm_eps)
+        self.norm = self.make_norm(cfg)
         self.rotary = RotaryEmbedding(hf, cfg.head_dim)
         self.tie_word_embeddings = cfg.tie_word_embeddings
         self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, self.embed_tokens if self.tie_word_embeddings else None)
@@ -202,6 +202,10 @@ class LlamaForCausalLM(nn.Module):
     def make_mlp(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
         """The feed-forward block of one decoder layer; MoE models override it."""
         return LlamaMLP(cfg)
+
+    def make_norm(self, cfg: ModelConfig) -> nn.Module:
+        """The norm after the last layer; families with another norm override it."""
+        return RMSNorm(cfg.hidden_size, cfg.hf_config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, kv_caches: list[KVCache], ctx: StepContext) -> torch.Tensor:
         ctx.cos, ctx.sin = self.rotary(ctx, self.cfg.dtype)

@@ -2,7 +2,7 @@
 names: GLM (``chatglm``, ``glm4``), Gemma 2 and 3 (``gemma2``, ``gemma3``), gpt-oss (``gpt-oss``),
 DeepSeek-V2/V3 (``deepseek2``), GLM-4.5 (``glm4moe``), Mistral Small 3.x and Ministral 3 (``mistral3``), OLMo 2/3
 (``olmo2``), Granite 3 (``granite``), Seed-OSS (``seed_oss``), ERNIE 4.5 (``ernie4_5``, ``ernie4_5-moe``), Llama 4's
-text model (``llama4``), and the MoE files of Qwen3-MoE (``qwen3moe``; Qwen3-VL-MoE's language model ``qwen3vlmoe``
+text model (``llama4``), Cohere2 (``cohere2``), EXAONE 4.0 (``exaone4``), Arcee (``arcee``), and the MoE files of Qwen3-MoE (``qwen3moe``; Qwen3-VL-MoE's language model ``qwen3vlmoe``
 alike), Qwen2-MoE (``qwen2moe``, with a shared expert) and Mixtral (``llama`` with experts), whose stacked experts
 (``ffn_{gate,up,down}_exps``) are stored back one tensor per expert; Qwen3-Next and Qwen3.5 (``qwen3next``,
 ``qwen35``, ``qwen35moe``) have their own module, ``gguf_qwen3_next.py``.
@@ -20,6 +20,7 @@ import torch
 from gguf import ExpertGatingFuncType, Keys
 
 from . import gguf_qwen3_next
+from .gguf_rope import ROPE_FREQS
 
 Meta = Callable[..., Any]  # (a gguf-py ``Keys`` template, default) -> that key of the file's architecture
 
@@ -40,6 +41,9 @@ ARCHITECTURES = {
     'ernie4_5': 'Ernie4_5ForCausalLM',
     'ernie4_5-moe': 'Ernie4_5_MoeForCausalLM',
     'llama4': 'Llama4ForCausalLM',
+    'cohere2': 'Cohere2ForCausalLM',
+    'exaone4': 'Exaone4ForCausalLM',
+    'arcee': 'ArceeForCausalLM',
     **gguf_qwen3_next.ARCHITECTURES,
 }
 
@@ -47,11 +51,12 @@ ARCHITECTURES = {
 # (llama.cpp never quantizes a router: ``ffn_gate_inp`` stays F32)
 RAW_SERVED_ARCHS = ('llama', 'chatglm', 'glm4', 'glm4moe', 'gemma2', 'gemma3', 'qwen3moe', 'qwen3vlmoe',
                     'qwen2moe', 'mistral3', 'olmo2', 'granite', 'seed_oss', 'ernie4_5', 'ernie4_5-moe', 'llama4',
-                    *gguf_qwen3_next.ARCHITECTURES)
+                    'cohere2', 'exaone4', 'arcee', *gguf_qwen3_next.ARCHITECTURES)
 
 _ROUTER_BIAS = {'exp_probs_b.bias': 'mlp.gate.e_score_correction_bias'}
 _SHARED_EXPERTS = {'ffn_gate_shexp': 'mlp.shared_experts.gate_proj', 'ffn_up_shexp': 'mlp.shared_experts.up_proj',
                    'ffn_down_shexp': 'mlp.shared_experts.down_proj'}
+_POST_NORM_NAMES = {'post_attention_norm': 'post_attention_layernorm', 'post_ffw_norm': 'post_feedforward_layernorm'}
 _GEMMA_NAMES = {'ffn_norm': 'pre_feedforward_layernorm', 'post_attention_norm': 'post_attention_layernorm',
                 'post_ffw_norm': 'post_feedforward_layernorm'}
 # layer tensor names by ``module`` (the kind, weight or bias, appended) or by ``module.kind`` (as written);
@@ -82,7 +87,8 @@ LAYER_NAMES: dict[str, dict[str, str]] = {
     },
     # the layers' own tensors; the next-token-prediction layers' ``nextn.*`` ones have no counterpart
     'glm4moe': {'post_attention_norm': 'post_attention_layernorm', **_ROUTER_BIAS, **_SHARED_EXPERTS},
-    'olmo2': {'post_attention_norm': 'post_attention_layernorm', 'post_ffw_norm': 'post_feedforward_layernorm'},
+    'olmo2': _POST_NORM_NAMES,
+    'exaone4': _POST_NORM_NAMES,
     'seed_oss': {'post_attention_norm': 'post_attention_layernorm'},
     'ernie4_5-moe': {'exp_probs_b.bias': 'mlp.moe_statics.e_score_correction_bias', **_SHARED_EXPERTS},
     # under the engine's ``mlp``; ``finish_state_dict`` names them ``feed_forward``, as Meta's checkpoints do
@@ -337,6 +343,35 @@ def _ernie4_5_moe(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -
             'moe_layer_interval': meta(Keys.LLM.INTERLEAVE_MOE_LAYER_STEP, 1), 'moe_layer_end_index': -1}
 
 
+def _cohere2(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """Command R7B and Command A: sliding-window layers by llama.cpp's fixed step of 4 (the file's pattern where it
+    has one), its LayerNorm epsilon and logit scale; q/k rows as the checkpoint holds them (llama.cpp turns
+    neighbouring pairs, as Cohere2 does)."""
+    return {'model_type': 'cohere2', 'layer_norm_eps': meta(Keys.Attention.LAYERNORM_EPS, 1e-5),
+            'logit_scale': meta(Keys.LLM.LOGIT_SCALE, 1.0), 'sliding_window': meta(Keys.Attention.SLIDING_WINDOW),
+            'layer_types': _layer_types(meta, config['num_hidden_layers'], 4),
+            'rope_parameters': {'rope_type': 'default', 'rope_theta': config['rope_theta']}}
+
+
+def _exaone4(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """EXAONE 4.0: with a sliding window its layers per the file's ``sliding_window_pattern`` (a step of 4 where
+    absent), else every layer full; its llama3 rotary, where it has one, from ``rope_freqs``; q/k rows unpermuted."""
+    window, layers = meta(Keys.Attention.SLIDING_WINDOW), config['num_hidden_layers']
+    return {'model_type': 'exaone4', 'sliding_window': window or None,
+            'layer_types': _layer_types(meta, layers, 4) if window else ['full_attention'] * layers,
+            **_rope_unless_freqs(meta, tensors, config)}
+
+
+def _arcee(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """AFM-4.5B: Llama's keys (q/k rows permuted as Llama's, put back) with its YaRN."""
+    return {'model_type': 'arcee', **_rope_unless_freqs(meta, tensors, config)}
+
+
+def _rope_unless_freqs(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """The rotary of the file's keys, unless it has ``rope_freqs`` (a llama3 rotary, found from them)."""
+    return {} if ROPE_FREQS in tensors else {'rope_parameters': _rope(meta, config['rope_theta'])}
+
+
 # What llama.cpp's loader fixes for ``llama4`` files with chunked attention (it reads no key for them): chunks of
 # 8192 positions on the rope layers, a NoPE layer every 4th, and those layers' query temperature (floor 8192, scale
 # 0.1): Scout's and Maverick's values, and transformers' ``Llama4TextConfig`` defaults. It leaves the q/k L2 norm
@@ -370,5 +405,6 @@ CONFIG_BUILDERS: dict[str, Callable[[Meta, dict[str, Any], dict[str, Any]], dict
     'llama': _llama, 'chatglm': _chatglm, 'glm4': _glm4, 'gemma2': _gemma2, 'gemma3': _gemma3, 'gpt-oss': _gpt_oss,
     'deepseek2': _deepseek2, 'glm4moe': _glm4moe, 'qwen3moe': _qwen3moe, 'qwen3vlmoe': _qwen3moe, 'qwen2moe': _qwen2moe,
     'mistral3': _mistral3, 'olmo2': _olmo2, 'granite': _granite, 'seed_oss': _seed_oss, 'ernie4_5': _ernie4_5,
-    'ernie4_5-moe': _ernie4_5_moe, 'llama4': _llama4,
+    'ernie4_5-moe': _ernie4_5_moe, 'llama4': _llama4, 'cohere2': _cohere2, 'exaone4': _exaone4,
+    'arcee': _arcee,
     **gguf_qwen3_next.CONFIG_BUILDERS}
