@@ -25,7 +25,7 @@ class OlmoAttention(LlamaAttention):
 
     def __init__(self, cfg: ModelConfig, layer_index: int):
         hf = cfg.hf_config
-        super().__init__(cfg, sliding_window=layer_window(hf, layer_index))
+        super().__init__(cfg, sliding_window=layer_window(hf, layer_index), qk_norm=False)
         self.q_norm = RMSNorm(self.num_heads * self.head_dim, hf.rms_norm_eps)
         self.k_norm = RMSNorm(self.num_kv_heads * self.head_dim, hf.rms_norm_eps)
 
