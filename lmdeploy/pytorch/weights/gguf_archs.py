@@ -192,7 +192,8 @@ def _gpt_oss(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dic
 
 def _deepseek2(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
     """llama.cpp runs MLA as multi-query attention over the latent: ``key_length``/``value_length`` are the
-    latent's, the per-head sizes are ``*_length_mla`` (older files: the plain keys, with an unsplit kv_b)."""
+    latent's, the per-head sizes are ``*_length_mla`` (older files: the plain keys, with an unsplit kv_b). GLM-4.7-Flash
+    converts to it, its ``nextn_predict_layers`` layers appended past the decoder's (not the decoder's)."""
     rope_dim = meta(Keys.Rope.DIMENSION_COUNT)
     if meta(Keys.Attention.KEY_LENGTH_MLA) is not None:
         key_dim, value_dim = meta(Keys.Attention.KEY_LENGTH_MLA), meta(Keys.Attention.VALUE_LENGTH_MLA)
@@ -207,6 +208,7 @@ def _deepseek2(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> d
     fields = {
         'model_type': 'deepseek_v3' if sigmoid else 'deepseek_v2',
         'architectures': ['DeepseekV3ForCausalLM' if sigmoid else 'DeepseekV2ForCausalLM'],
+        'num_hidden_layers': config['num_hidden_layers'] - meta(Keys.LLM.NEXTN_PREDICT_LAYERS, 0),
         'num_key_value_heads': config['num_attention_heads'], 'head_dim': rope_dim,
         'q_lora_rank': meta(Keys.Attention.Q_LORA_RANK) if 'blk.0.attn_q_a.weight' in tensors else None,
         'kv_lora_rank': meta(Keys.Attention.KV_LORA_RANK), 'qk_rope_head_dim': rope_dim,
