@@ -1,15 +1,22 @@
 """MiniMax-M2 (``MiniMaxM2ForCausalLM``) against transformers on tiny random models saved by transformers: greedy
 tokens and first-step logits in fp32, batching, chunked prefill and prefix-cache hits, the router's correction
-bias, tensor parallelism refused, and bf16 in the native decoder stack."""
+bias, tensor parallelism refused, an FP8 block-scaled checkpoint (as the hub's) and bf16 in the native decoder
+stack."""
 from __future__ import annotations
 
+import json
+import os
+import shutil
+
 import pytest
+from safetensors.torch import load_file, save_file
 from transformers import MiniMaxM2Config
 
 from conftest import VOCAB_SIZE, save_random_model
 from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_matches_transformers, hf_causal_lm,
                            prefix_sharing_prompts)
-from helpers import make_engine, random_prompts, run
+from helpers import assert_transformers_greedy, make_engine, random_prompts, run
+from test_deepseek import FP8_BLOCK, dequantize_blockwise, quantize_blockwise
 
 from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.engine import engine as engine_module
@@ -81,3 +88,29 @@ def test_bf16_native_stack_gives_the_layers_tokens(minimax_m2, native_gemms):
     outs = run(engine, prompts)
     model.native_stack = None
     assert run(engine, prompts) == outs
+
+
+def test_fp8_block_scaled_checkpoint_is_dequantized_at_load(minimax_m2, tmp_path):
+    """The hub's MiniMax-M2 is FP8 (e4m3, block scales as ``weight_scale_inv``): every projection and expert
+    quantized so here gives transformers' tokens on the same weights dequantized independently."""
+    tensors = load_file(os.path.join(minimax_m2, 'model.safetensors'))
+    quantized, dequantized = {}, {}
+    for name, tensor in tensors.items():
+        if name.startswith('model.layers.') and name.endswith(('proj.weight', 'w1.weight', 'w2.weight', 'w3.weight')):
+            codes, scales = quantize_blockwise(tensor, FP8_BLOCK)
+            quantized[name], quantized[f'{name}_scale_inv'] = codes, scales
+            dequantized[name] = dequantize_blockwise(codes, scales, FP8_BLOCK)
+        else:
+            quantized[name] = dequantized[name] = tensor
+    assert len(quantized) == len(tensors) + 2 * (4 + 3 * 8)  # each layer's q/k/v/o and its experts' w1/w2/w3
+    folders = {'fp8': quantized, 'dense': dequantized}
+    for kind, weights in folders.items():
+        shutil.copytree(minimax_m2, tmp_path / kind)
+        save_file(weights, str(tmp_path / kind / 'model.safetensors'), metadata={'format': 'pt'})
+    config = json.loads((tmp_path / 'fp8' / 'config.json').read_text())
+    config['quantization_config'] = {'quant_method': 'fp8', 'fmt': 'e4m3', 'activation_scheme': 'dynamic',
+                                     'weight_block_size': FP8_BLOCK}
+    (tmp_path / 'fp8' / 'config.json').write_text(json.dumps(config))
+    prompts = random_prompts([5, 40], seed=11)
+    assert_transformers_greedy(hf_causal_lm(str(tmp_path / 'dense')), prompts,
+                               run(make_engine(str(tmp_path / 'fp8')), prompts))
