@@ -3,8 +3,8 @@ names: GLM (``chatglm``, ``glm4``), Gemma 2 and 3 (``gemma2``, ``gemma3``), gpt-
 DeepSeek-V2/V3 (``deepseek2``), GLM-4.5 (``glm4moe``), Mistral Small 3.x and Ministral 3 (``mistral3``), OLMo 2/3
 (``olmo2``), Granite 3 (``granite``), Seed-OSS (``seed_oss``), ERNIE 4.5 (``ernie4_5``, ``ernie4_5-moe``), Llama 4's
 text model (``llama4``), and the MoE files of Qwen3-MoE (``qwen3moe``; Qwen3-VL-MoE's language model ``qwen3vlmoe``
-alike), Qwen2-MoE (``qwen2moe``, with a shared expert) and Mixtral (``llama`` with experts), whose stacked experts
-(``ffn_{gate,up,down}_exps``) are stored back one tensor per expert; Qwen3-Next and Qwen3.5 (``qwen3next``,
+alike), MiniMax-M2 (``minimax-m2``), Qwen2-MoE (``qwen2moe``, with a shared expert) and Mixtral (``llama`` with
+experts), whose stacked experts (``ffn_{gate,up,down}_exps``) are stored back one tensor per expert; Qwen3-Next and Qwen3.5 (``qwen3next``,
 ``qwen35``, ``qwen35moe``) have their own module, ``gguf_qwen3_next.py``.
 
 Each has a config builder (the transformers config fields that llama.cpp keeps in metadata under gguf-py's
@@ -40,6 +40,7 @@ ARCHITECTURES = {
     'ernie4_5': 'Ernie4_5ForCausalLM',
     'ernie4_5-moe': 'Ernie4_5_MoeForCausalLM',
     'llama4': 'Llama4ForCausalLM',
+    'minimax-m2': 'MiniMaxM2ForCausalLM',
     **gguf_qwen3_next.ARCHITECTURES,
 }
 
@@ -47,7 +48,7 @@ ARCHITECTURES = {
 # (llama.cpp never quantizes a router: ``ffn_gate_inp`` stays F32)
 RAW_SERVED_ARCHS = ('llama', 'chatglm', 'glm4', 'glm4moe', 'gemma2', 'gemma3', 'qwen3moe', 'qwen3vlmoe',
                     'qwen2moe', 'mistral3', 'olmo2', 'granite', 'seed_oss', 'ernie4_5', 'ernie4_5-moe', 'llama4',
-                    *gguf_qwen3_next.ARCHITECTURES)
+                    'minimax-m2', *gguf_qwen3_next.ARCHITECTURES)
 
 _ROUTER_BIAS = {'exp_probs_b.bias': 'mlp.gate.e_score_correction_bias'}
 _SHARED_EXPERTS = {'ffn_gate_shexp': 'mlp.shared_experts.gate_proj', 'ffn_up_shexp': 'mlp.shared_experts.up_proj',
@@ -88,6 +89,7 @@ LAYER_NAMES: dict[str, dict[str, str]] = {
     # under the engine's ``mlp``; ``finish_state_dict`` names them ``feed_forward``, as Meta's checkpoints do
     'llama4': {'ffn_gate_inp': 'mlp.router', 'ffn_gate_shexp': 'mlp.shared_expert.gate_proj',
                'ffn_up_shexp': 'mlp.shared_expert.up_proj', 'ffn_down_shexp': 'mlp.shared_expert.down_proj'},
+    'minimax-m2': _ROUTER_BIAS,
     **dict.fromkeys(gguf_qwen3_next.ARCHITECTURES, gguf_qwen3_next.LAYER_NAMES),
 }
 
@@ -368,9 +370,19 @@ def _llama4(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict
             'attn_temperature_tuning': chunked, **LLAMA4_TEMPERATURE}
 
 
+def _minimax_m2(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """Every layer sparse, routed by sigmoid with the correction bias (llama.cpp's fixed routing for it); the rotary
+    over ``rope.dimension_count`` (the config's ``rotary_dim``) of each head's features."""
+    rope = {**_rope(meta, config['rope_theta']),
+            'partial_rotary_factor': meta(Keys.Rope.DIMENSION_COUNT) / config['head_dim']}
+    return {'model_type': 'minimax_m2', 'num_local_experts': meta(Keys.LLM.EXPERT_COUNT),
+            'num_experts_per_tok': meta(Keys.LLM.EXPERT_USED_COUNT),
+            'intermediate_size': meta(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH), 'rope_parameters': rope}
+
+
 CONFIG_BUILDERS: dict[str, Callable[[Meta, dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
     'llama': _llama, 'chatglm': _chatglm, 'glm4': _glm4, 'gemma2': _gemma2, 'gemma3': _gemma3, 'gpt-oss': _gpt_oss,
     'deepseek2': _deepseek2, 'glm4moe': _glm4moe, 'qwen3moe': _qwen3moe, 'qwen3vlmoe': _qwen3moe, 'qwen2moe': _qwen2moe,
     'mistral3': _mistral3, 'olmo2': _olmo2, 'granite': _granite, 'seed_oss': _seed_oss, 'ernie4_5': _ernie4_5,
-    'ernie4_5-moe': _ernie4_5_moe, 'llama4': _llama4,
+    'ernie4_5-moe': _ernie4_5_moe, 'llama4': _llama4, 'minimax-m2': _minimax_m2,
     **gguf_qwen3_next.CONFIG_BUILDERS}
