@@ -26,11 +26,12 @@ from lmdeploy.pytorch.engine.engine import Engine
 def minimax_m2_config(**overrides) -> MiniMaxM2Config:
     """Four query heads and two key/value heads of 24 features, 8 of them rotating (MiniMax-M2's ``rotary_dim``
     64 of 128), over a hidden size of 64; two layers of 8 experts, top 2. ``use_qk_norm`` as the hub's
-    config.json has it (transformers does not read it: the norms are always there)."""
+    config.json has it (transformers does not read it: the norms are always there), and a ``sliding_window`` that
+    transformers' MiniMax-M2 ignores too (its attention is full): the prompts pass it."""
     return MiniMaxM2Config(**{**dict(hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
                                      num_key_value_heads=2, head_dim=24, rotary_dim=8, num_local_experts=8,
                                      num_experts_per_tok=2, vocab_size=VOCAB_SIZE, max_position_embeddings=1024,
-                                     use_qk_norm=True), **overrides})
+                                     use_qk_norm=True, sliding_window=16), **overrides})
 
 
 @pytest.fixture(scope='module')

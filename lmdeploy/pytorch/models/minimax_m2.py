@@ -48,7 +48,8 @@ class MiniMaxM2ForCausalLM(DeepseekV3ForCausalLM):
     finalize_weights = LlamaForCausalLM.finalize_weights
 
     def make_layer(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
-        return MiniMaxM2DecoderLayer(cfg, MiniMaxM2MoE(cfg), OlmoAttention(cfg, layer_index))
+        # full attention whatever the config's sliding_window says, as transformers' MiniMax-M2 attends
+        return MiniMaxM2DecoderLayer(cfg, MiniMaxM2MoE(cfg), OlmoAttention(cfg))
 
     def weight_target(self, name: str) -> WeightTarget | None:
         return super().weight_target(name.replace('.block_sparse_moe.e_score_correction_bias',
