@@ -46,6 +46,7 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'Qwen3_5MoeForCausalLM': ('llm', 'lmdeploy.pytorch.models.qwen3_next:Qwen3NextForCausalLM'),
     'MiniMaxM2ForCausalLM': ('llm', 'lmdeploy.pytorch.models.minimax_m2:MiniMaxM2ForCausalLM'),
     'Glm4MoeLiteForCausalLM': ('llm', 'lmdeploy.pytorch.models.glm4_moe:Glm4MoeLiteForCausalLM'),
+    'HunYuanMoEV1ForCausalLM': ('llm', 'lmdeploy.pytorch.models.hunyuan:HunYuanMoEV1ForCausalLM'),
     'Qwen2VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
     'Qwen2_5_VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
     'LlavaForConditionalGeneration': ('vlm', f'{_VL}:LlavaForConditionalGeneration'),
