@@ -19,13 +19,12 @@ from lmdeploy.pytorch.nn.rotary import RotaryEmbedding, apply_rope
 from lmdeploy.pytorch.step_context import StepContext
 
 
-
 class OlmoAttention(LlamaAttention):
     """Llama attention whose queries and keys are RMS-normed over all their heads together."""
 
-    def __init__(self, cfg: ModelConfig, layer_index: int):
+    def __init__(self, cfg: ModelConfig, sliding_window: int | None = None):
         hf = cfg.hf_config
-        super().__init__(cfg, sliding_window=layer_window(hf, layer_index))
+        super().__init__(cfg, sliding_window=sliding_window, qk_norm=False)
         self.q_norm = RMSNorm(self.num_heads * self.head_dim, hf.rms_norm_eps)
         self.k_norm = RMSNorm(self.num_kv_heads * self.head_dim, hf.rms_norm_eps)
 
@@ -47,7 +46,7 @@ class OlmoDecoderLayer(nn.Module):
         hf = cfg.hf_config
         self.layer_type = hf.layer_types[layer_index] if getattr(hf, 'layer_types', None) else FULL_ATTENTION
         self.own_rope = rope_per_layer_type(hf)
-        self.self_attn = attn or OlmoAttention(cfg, layer_index)
+        self.self_attn = attn or OlmoAttention(cfg, layer_window(hf, layer_index))
         self.mlp = LlamaMLP(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, hf.rms_norm_eps)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, hf.rms_norm_eps)
