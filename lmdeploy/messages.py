@@ -321,7 +321,9 @@ class Response:
 
     With a reasoning parser (``pipeline(reasoning_parser=...)``, by default the model's own: harmony for
     gpt-oss), ``text`` is the answer and ``reasoning_content`` the reasoning before it ('' when there was
-    none; a streamed chunk's are its shares of both); without one, ``reasoning_content`` is None.
+    none; a streamed chunk's are its shares of both), and ``reasoning_tokens`` how many of the reply's tokens
+    are reasoning, without the markers around it (OpenAI's ``completion_tokens_details.reasoning_tokens``; in a
+    stream, the last chunk's); without one, both are None.
     """
 
     text: str
@@ -335,6 +337,7 @@ class Response:
     error: str | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
     reasoning_content: str | None = None
+    reasoning_tokens: int | None = None
 
     def extend(self, chunk: Response) -> None:
         """Adds a streamed chunk of the same prompt: text, reasoning and tokens grow, counts and finish_reason
@@ -351,6 +354,8 @@ class Response:
         self.cached_tokens = chunk.cached_tokens
         self.finish_reason = chunk.finish_reason
         self.error = chunk.error
+        if chunk.reasoning_tokens is not None:
+            self.reasoning_tokens = chunk.reasoning_tokens
 
 
 @dataclass

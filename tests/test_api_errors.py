@@ -62,6 +62,41 @@ def test_openai_client_raises_bad_request(api_server):
         client.completions.create(model='nope', prompt='hi')
 
 
+def _raised(call, *args, **kwargs) -> openai.APIStatusError:
+    with pytest.raises(openai.APIStatusError) as caught:
+        call(*args, **kwargs)
+    return caught.value
+
+
+def _openai_fields(err: openai.APIStatusError) -> tuple:
+    assert (err.type, err.code, err.param) == (err.body['type'], err.body['code'], err.body['param'])
+    return type(err), err.body['type'], err.code, err.param
+
+
+def test_error_types_are_openais(api_server):
+    """``type`` is OpenAI's (``invalid_request_error`` for a 4xx, 404 included), and ``code`` says what went wrong,
+    as the official client reads them. Was ``not_found_error`` for an unknown model, and a 404 of an unknown path
+    had no ``code``."""
+    client = openai.OpenAI(base_url=f'{api_server.url}/v1', api_key='none', max_retries=0)
+    chat, completions = client.chat.completions.create, client.completions.create
+    bad = 'invalid_request_error'
+    assert _openai_fields(_raised(chat, model='tiny', messages=CHAT['messages'], temperature=5)) == (
+        openai.BadRequestError, bad, 'invalid_argument', 'temperature')
+    assert _openai_fields(_raised(chat, model='gpt-4', messages=CHAT['messages'])) == (
+        openai.NotFoundError, bad, 'model_not_found', 'model')
+    assert _openai_fields(_raised(completions, model='tiny', prompt='Hello world ' * 1000)) == (
+        openai.BadRequestError, bad, 'context_length_exceeded', 'prompt')
+    assert _openai_fields(_raised(chat, model='tiny', messages=[{'role': 'user', 'content': 'Hello world ' * 1000}])) \
+        == (openai.BadRequestError, bad, 'context_length_exceeded', 'messages')
+    assert _openai_fields(_raised(chat, model='tiny', messages=CHAT['messages'], extra_body={'bad_words': ['x']})) \
+        == (openai.BadRequestError, bad, 'unsupported_value', 'bad_words')
+    malformed = _raised(client.post, '/chat/completions', cast_to=httpx.Response, content=b'{"model": "tiny",',
+                        options={'headers': {'Content-Type': 'application/json'}})
+    assert _openai_fields(malformed) == (openai.BadRequestError, bad, 'invalid_argument', None)
+    assert _openai_fields(_raised(client.get, '/nowhere', cast_to=httpx.Response)) == (
+        openai.NotFoundError, bad, 'not_found', None)
+
+
 def test_occupied_session_is_400(api_server):
     manager = api_server.engine.session_manager
     session = manager.create(4242)
@@ -85,14 +120,16 @@ def guarded(tiny_llama):
 
 def test_auth_and_cors(guarded):
     url = guarded.url
-    assert _error(httpx.get(f'{url}/v1/models'), 401)['type'] == 'authentication_error'
+    assert _error(httpx.get(f'{url}/v1/models'), 401)['code'] == 'invalid_api_key'
     assert httpx.get(f'{url}/v1/models', headers={'Authorization': 'Bearer nope'}).status_code == 401
     assert httpx.get(f'{url}/v1/models', headers={'Authorization': 'Bearer k2'}).status_code == 200
     assert httpx.get(f'{url}/health').status_code == 200
     client = openai.OpenAI(base_url=f'{url}/v1', api_key='k1', max_retries=0)
     assert client.models.list().data[0].id == 'tiny'
-    with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=f'{url}/v1', api_key='bad', max_retries=0).models.list()
+    wrong = openai.OpenAI(base_url=f'{url}/v1', api_key='bad', max_retries=0)
+    for headers in ({}, {'Authorization': openai.Omit()}):  # a wrong key, none
+        denied = _raised(wrong.models.list, extra_headers=headers)
+        assert _openai_fields(denied) == (openai.AuthenticationError, 'invalid_request_error', 'invalid_api_key', None)
     preflight = httpx.options(f'{url}/v1/chat/completions', headers={
         'Origin': 'http://example.com', 'Access-Control-Request-Method': 'POST'})
     assert preflight.headers['access-control-allow-origin'] == 'http://example.com'
@@ -112,7 +149,9 @@ def test_back_pressure_429(guarded):
             return third, await first, await second
 
     third, first, second = asyncio.run(main())
-    assert _error(third, 429)['type'] == 'rate_limit_error' and third.headers['retry-after'] == '1'
+    refused = _error(third, 429)
+    assert (refused['type'], refused['code']) == ('requests', 'rate_limit_exceeded'), refused
+    assert third.headers['retry-after'] == '1'
     assert first.status_code == second.status_code == 200
     m = guarded.metrics(headers)
     assert m['lmdeploy:num_requests_running'] == 0 and m['lmdeploy:num_requests_waiting'] == 0

@@ -163,7 +163,7 @@ def test_fanout_takes_admission_slots_and_work_comes_after_admission(limited, en
             del engine.__dict__[name]
         del engine.processor.__dict__['process']
     for resp in busy_chat, busy_echo:
-        assert _error(resp, 429)['type'] == 'rate_limit_error' and resp.headers['retry-after'] == '1'
+        assert _error(resp, 429)['type'] == 'requests' and resp.headers['retry-after'] == '1'
     assert one.status_code == 200 and one.json()['choices'][0]['text'].startswith('Hello')
     assert len(encode) == 1 and encode.threads[0].startswith('lmdeploy-preprocess')
     assert len(logits) == 0, "the echo's prompt logprobs come from the request's own (scheduled) prefill"

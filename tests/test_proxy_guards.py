@@ -26,9 +26,27 @@ def test_no_healthy_node_is_an_openai_503():
             with pytest.raises(openai.InternalServerError) as caught:
                 client.chat.completions.create(model='tiny', messages=[{'role': 'user', 'content': 'Hi'}],
                                                stream=stream)
-            assert caught.value.status_code == 503 and caught.value.body['code'] == 'no_healthy_node'
+            assert caught.value.status_code == 503
+            assert (caught.value.body['type'], caught.value.code) == ('server_error', 'no_healthy_node')
         assert httpx.get(f'{proxy.url}/health').status_code == 503
         assert httpx.get(f'{proxy.url}/v1/models').json()['error']['code'] == 'no_healthy_node'
+    finally:
+        proxy.stop()
+
+
+def test_the_proxys_own_errors_have_openais_types():
+    """The proxy's refusals read as OpenAI's do in the official client (they had ``authentication_error`` and
+    ``permission_error``): ``invalid_request_error`` with a specific ``code``."""
+    proxy = ServerThread(create_proxy_app([f'http://127.0.0.1:{free_port()}'], api_keys=['user'],
+                                          admin_api_keys=['admin']))
+    try:
+        with pytest.raises(openai.AuthenticationError) as denied:
+            openai.OpenAI(base_url=f'{proxy.url}/v1', api_key='wrong', max_retries=0).models.list()
+        user = openai.OpenAI(base_url=proxy.url, api_key='user', max_retries=0)
+        with pytest.raises(openai.PermissionDeniedError) as refused:
+            user.post('/nodes/add', cast_to=httpx.Response, body={'url': 'http://127.0.0.1:1'})
+        assert [(e.value.body['type'], e.value.code) for e in (denied, refused)] == [
+            ('invalid_request_error', 'invalid_api_key'), ('invalid_request_error', 'admin_key_required')]
     finally:
         proxy.stop()
 
@@ -157,6 +175,7 @@ def test_a_proxy_that_is_its_own_node_answers_508_instead_of_forwarding_in_a_loo
         assert httpx.post(f'{proxy.url}/nodes/remove', json={'url': node.url}).status_code == 200
         answer = httpx.post(f'{proxy.url}/v1/completions', json={'model': 'tiny', 'prompt': 'Hi'}, timeout=60)
         assert answer.status_code == 508 and answer.json()['error']['code'] == 'loop_detected'
+        assert answer.json()['error']['type'] == 'server_error'
         assert status(proxy.url)[proxy.url]['served'] == 1
         for path in ('/v1/models', '/metrics'):  # the node's answer (the proxy's own 508) comes back
             assert httpx.get(f'{proxy.url}{path}', timeout=60).status_code == 508

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -173,3 +174,31 @@ def test_usage_counts_the_reasoning_tokens(server, client):
     between = tokens.index('</think>') - 1  # the reply opens the block with its first token
     assert tokens[0] == '<think>' and 0 < between < len(tokens) - 2
     assert reasoning_tokens(client, **kwargs) == (between, between, len(tokens))
+
+
+def generate(url: str, body: dict) -> tuple[dict, list[dict]]:
+    """``/generate``'s answer to ``body``, and its streamed events."""
+    answer = httpx.post(f'{url}/generate', json=body, timeout=60).json()
+    with httpx.stream('POST', f'{url}/generate', json={**body, 'stream': True}, timeout=60) as stream:
+        events = [json.loads(line[len('data: '):]) for line in stream.iter_lines()
+                  if line.startswith('data: ') and line != 'data: [DONE]']
+    return answer, events
+
+
+def test_generate_counts_the_reasoning_tokens(server, api_server):
+    """``/generate`` gives ``reasoning_tokens`` (was absent) with a reasoning parser: the reply's tokens inside the
+    reasoning, not the markers around it, in the answer and the last streamed event (null in the others); null
+    without a parser. Its text stays the whole reply."""
+    tokenizer = server.engine.tokenizer
+    opened = '<|im_start|>user\nHello world!<|im_end|>\n<|im_start|>assistant\n<think>\n'
+    greedy = {'max_tokens': 8, 'ignore_eos': True}
+    answer, events = generate(server.url, {'prompt': opened, 'do_preprocess': False, **greedy})
+    assert answer['reasoning_tokens'] == 8 and answer['generate_tokens'] == 8
+    assert [e['reasoning_tokens'] for e in events] == [None] * (len(events) - 1) + [8]
+    assert ''.join(e['text'] for e in events) == answer['text']
+    think = tokenizer.encode('<think>', add_special_tokens=False)[0]
+    opens = {'prompt': ASK, 'max_tokens': 4, 'logit_bias': {str(think): 100}}  # <think> and 3 of reasoning
+    answer, events = generate(server.url, opens)
+    assert answer['token_ids'] == [think] * 4 and answer['reasoning_tokens'] == events[-1]['reasoning_tokens'] == 3
+    answer, events = generate(api_server.url, {'prompt': 'Hello', **greedy})
+    assert answer['reasoning_tokens'] is None and all(e['reasoning_tokens'] is None for e in events)

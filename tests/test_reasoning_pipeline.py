@@ -76,6 +76,17 @@ def test_streamed_deltas_add_up_to_the_reply(pipe, forced):
         assert len(mine) > 3 and mine[-1].finish_reason == 'stop'
 
 
+def test_reasoning_tokens_count_the_analysis_channel(pipe, forced):
+    """``Response.reasoning_tokens`` (was absent): the tokens of the analysis message, not the channel markers
+    around it; in a stream, the last chunk's (None before)."""
+    r = pipe(ASK, gen_config=forced)
+    ids = pipe.tokenizer.hf.convert_tokens_to_ids(['<|message|>', '<|end|>'])
+    analysis = r.token_ids.index(ids[1]) - r.token_ids.index(ids[0]) - 1
+    assert analysis > 0 and r.reasoning_tokens == analysis
+    chunks = list(pipe.stream_infer(ASK, gen_config=forced))
+    assert [c.reasoning_tokens for c in chunks] == [None] * (len(chunks) - 1) + [analysis]
+
+
 def test_chat_history_holds_the_answer_and_the_thinking(pipe, forced):
     session = pipe.session(gen_config=forced)
     pipe.chat(ASK, session=session)
@@ -110,7 +121,7 @@ def test_a_model_without_a_parser_is_unchanged_unless_one_is_asked_for(tmp_path)
         r = plain(prompt, gen_config=gen, do_preprocess=False)
         chunks = list(plain.stream_infer(prompt, gen_config=gen, do_preprocess=False))
         session = plain.chat('Hi', gen_config=GenerationConfig(max_new_tokens=4, ignore_eos=True))
-    assert r.reasoning_content is None and '</think>' in r.text
+    assert r.reasoning_content is None and r.reasoning_tokens is None and '</think>' in r.text
     assert all(c.reasoning_content is None for c in chunks) and ''.join(c.text for c in chunks) == r.text
     assert session.history[1] == {'role': 'assistant', 'content': session.response.text}
     with pytest.MonkeyPatch.context() as patch, make_pipe(path, reasoning_parser='qwen3') as think:
@@ -119,3 +130,5 @@ def test_a_model_without_a_parser_is_unchanged_unless_one_is_asked_for(tmp_path)
     reasoning, answer = r.text.split('</think>')
     assert (split.reasoning_content, split.text) == (reasoning, answer.lstrip())
     assert split.token_ids == r.token_ids
+    within = next(k for k in range(len(r.token_ids)) if len(plain.tokenizer.decode(r.token_ids[:k])) >= len(reasoning))
+    assert split.reasoning_tokens == within  # the tokens that reach into the reasoning, not those of </think>

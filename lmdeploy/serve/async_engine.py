@@ -24,8 +24,9 @@ from lmdeploy.serve.engine_loop import EngineLoop
 from lmdeploy.serve.exceptions import ErrorCode, SafeRunException
 from lmdeploy.serve.inst_manager import InferInstManager
 from lmdeploy.serve.openai.reasoning_parsers import ReasoningParser
-from lmdeploy.serve.reasoning import ReasoningSplitter, assistant_message, for_parser
+from lmdeploy.serve.reasoning import ReasoningCounter, ReasoningSplitter, assistant_message, for_parser
 from lmdeploy.serve.session_manager import Reservation, Session, SessionManager
+from lmdeploy.tokenizer import IncrementalDetokenizer
 from lmdeploy.pytorch.multimodal import MultiModalInput
 from lmdeploy.vl.image_inputs import ImageInputs
 from lmdeploy.vl.media import MediaPolicy
@@ -189,7 +190,8 @@ class AsyncEngine:
         the engine failed while the request ran (``error`` says why). With a ``reasoning_parser``, the
         reply is read by it (the markers it reads kept where they are special tokens; a ``response_format`` without
         ``response_format_after`` applies after the reasoning): each chunk's ``text`` is its share of the
-        answer, ``reasoning_content`` its share of the reasoning.
+        answer, ``reasoning_content`` its share of the reasoning, and the last chunk's ``reasoning_tokens`` the
+        reply's count of reasoning tokens.
 
         Bad input (malformed prompt, empty or longer than ``session_len``, bad token ids, a
         ``response_format`` that does not compile) and a session that already has a request running raise :class:`SafeRunException` before anything
@@ -215,12 +217,13 @@ class AsyncEngine:
                 prompt = ProcessedPrompt(self._input_ids(input_ids), multimodal or [])
             else:
                 prompt = await self.process(messages, do_preprocess)
-            parser = None
+            split = ReasoningSplitter(None)
             if reasoning_parser is not None:
                 parser = reasoning_parser(prompt.text or self.tokenizer.decode(prompt.input_ids,
                                                                                skip_special_tokens=False))
                 gen_config = for_parser(gen_config, parser)
-            split = ReasoningSplitter(parser)
+                split = ReasoningSplitter(parser, ReasoningCounter(IncrementalDetokenizer(
+                    self.tokenizer, [], gen_config.skip_special_tokens, gen_config.keep_special_tokens)))
             grammar = await self.compile_grammar(gen_config)
             reservation = reservation or self.reserve(session_id)
             request = reservation.request

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 
 from lmdeploy.messages import GenerationConfig, Response
 from lmdeploy.serve.openai.reasoning_parsers import ReasoningParser, get_reasoning_parser
+from lmdeploy.tokenizer import IncrementalDetokenizer
 
 # Model types whose chat replies need parsers, and the (tool, reasoning) parsers they get unless named.
 # Only model types whose replies are in one format whatever the checkpoint: Qwen3-Coder (``qwen3_moe``),
@@ -54,22 +55,54 @@ def for_parser(config: GenerationConfig, parser: ReasoningParser) -> GenerationC
     return config
 
 
+class ReasoningCounter:
+    """How many of one reply's tokens are reasoning. :meth:`add` the reply's token ids as they come: a fresh
+    ``detokenizer``, set up as the engine's was, gives each token's text. A token counts when its text overlaps
+    the reasoning that a parser fed that text gave out, not the markers around it; one whose text a later token
+    completes (a byte of a character) counts where it stands."""
+
+    def __init__(self, detokenizer: IncrementalDetokenizer):
+        self.detokenizer = detokenizer
+        self.ends: list[int] = []  # where each token's text ends in the reply's text
+
+    def add(self, token_ids: Iterable[int]) -> str:
+        """Takes the next token ids; returns their text."""
+        pieces = []
+        for token_id in token_ids:
+            pieces.append(self.detokenizer.step([token_id]))
+            self.ends.append((self.ends[-1] if self.ends else 0) + len(pieces[-1]))
+        return ''.join(pieces)
+
+    def count(self, parser: ReasoningParser) -> int:
+        """The reasoning tokens among those added, once ``parser`` was fed their text and finished."""
+        spans = parser.reasoning_spans
+        count = start = 0
+        for end in self.ends:
+            count += any(first < max(end, start + 1) and start < last for first, last in spans)
+            start = end
+        return count
+
+
 class ReasoningSplitter:
     """Splits one reply's chunks as they stream: a chunk's ``text`` becomes its share of the answer and its
     ``reasoning_content`` its share of the reasoning (both possibly ''); the last chunk (the one with a
-    ``finish_reason``) carries what the parser held back. Without a parser, chunks pass unchanged."""
+    ``finish_reason``) carries what the parser held back and the reply's ``reasoning_tokens``, counted by
+    ``counter`` (which a parser needs). Without a parser, chunks pass unchanged."""
 
-    def __init__(self, parser: ReasoningParser | None):
+    def __init__(self, parser: ReasoningParser | None, counter: ReasoningCounter | None = None):
         self.parser = parser
+        self.counter = counter
 
     def __call__(self, chunk: Response) -> Response:
         if self.parser is None:
             return chunk
+        self.counter.add(chunk.token_ids)
         split = self.parser.feed(chunk.text)
         if chunk.finish_reason is not None:
             rest = self.parser.finish()
             split.reasoning += rest.reasoning
             split.content += rest.content
+            chunk.reasoning_tokens = self.counter.count(self.parser)
         chunk.text, chunk.reasoning_content = split.content, split.reasoning
         return chunk
 

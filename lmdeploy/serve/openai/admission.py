@@ -59,7 +59,7 @@ class Admission:
         if self.waiting_slots + slots > self.max_waiting:
             raise APIError(429, f'the server is busy ({self.running} of {self.max_running} slots running, '
                            f'{self.waiting_slots} of {self.max_waiting} waiting; this request needs {slots}); '
-                           'retry later', code='too_many_requests', headers={'Retry-After': str(self.retry_after)})
+                           'retry later', code='rate_limit_exceeded', headers={'Retry-After': str(self.retry_after)})
         waiter = asyncio.get_running_loop().create_future()
         entry = (waiter, slots)
         self._waiters.append(entry)

@@ -11,6 +11,7 @@ from lmdeploy.serve.openai.protocol import ChatMessage, FunctionCall, ToolCall
 from lmdeploy.serve.openai.reasoning_parsers import ReasoningParser
 from lmdeploy.serve.openai.text_scan import MarkerFilter
 from lmdeploy.serve.openai.tool_parsers import ToolCallDelta, ToolParser
+from lmdeploy.serve.reasoning import ReasoningCounter
 from lmdeploy.tokenizer import IncrementalDetokenizer
 
 
@@ -85,19 +86,14 @@ class ChoiceParser:
                            tool_calls=[calls[i] for i in sorted(calls)] or None)
 
     def reasoning_tokens(self, detokenizer: IncrementalDetokenizer, token_ids: list[int]) -> int | None:
-        """How many of the reply's ``token_ids`` (all fed, as text, before) are reasoning; None without a
-        reasoning parser. ``detokenizer`` (fresh, set up as the engine's was) gives each token's text: a token
-        counts when its text overlaps the reasoning, not the markers around it; one whose text a later token
-        completes (a byte of a character) counts where it stands."""
+        """How many of the reply's ``token_ids`` (all fed, as text, before) are reasoning (see
+        :class:`ReasoningCounter`; ``detokenizer`` is fresh, set up as the engine's was); None without a
+        reasoning parser."""
         if self.reasoning is None:
             return None
-        spans = self.reasoning.reasoning_spans
-        count = start = 0
-        for token_id in token_ids:
-            end = start + len(detokenizer.step([token_id]))
-            count += any(first < max(end, start + 1) and start < last for first, last in spans)
-            start = end
-        return count
+        counter = ReasoningCounter(detokenizer)
+        counter.add(token_ids)
+        return counter.count(self.reasoning)
 
     def delta_body(self, delta: MessageDelta) -> dict[str, Any]:
         """A stream chunk's ``delta``: the content, the reasoning when there is a reasoning parser, and the

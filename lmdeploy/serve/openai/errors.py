@@ -11,8 +11,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lmdeploy.serve.exceptions import SafeRunException
 
-ERROR_TYPES = {400: 'invalid_request_error', 401: 'authentication_error', 404: 'not_found_error',
-               429: 'rate_limit_error', 500: 'internal_error', 503: 'service_unavailable'}
 # What each status means on this server, for the OpenAPI schema.
 ERROR_DESCRIPTIONS = {
     400: 'Invalid or unsupported value, malformed JSON, a prompt longer than the context or a request over one '
@@ -40,6 +38,19 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+def error_type(status: int) -> str:
+    """OpenAI's ``type`` for an error of HTTP ``status``: ``server_error`` for a 5xx, ``requests`` for a 429 (what
+    OpenAI sends for a requests rate limit), else ``invalid_request_error`` (OpenAI's for 401 and 404 too)."""
+    if status >= 500:
+        return 'server_error'
+    return 'requests' if status == 429 else 'invalid_request_error'
+
+
+def default_code(status: int) -> str:
+    """The ``code`` of an error that names none: the status's phrase in snake case (``method_not_allowed``)."""
+    return HTTPStatus(status).phrase.lower().replace(' ', '_')
+
+
 class APIError(Exception):
     """A request the server refuses: ``status`` is the HTTP status, ``param`` the offending field."""
 
@@ -47,13 +58,14 @@ class APIError(Exception):
                  headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.headers = status, message, param, headers
-        self.code = code or HTTPStatus(status).phrase.lower().replace(' ', '_')
+        self.code = code or default_code(status)
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    """``{"error": {"message", "type", "param", "code"}}``."""
-    return {'error': {'message': message, 'type': ERROR_TYPES.get(status, 'invalid_request_error'),
-                      'param': param, 'code': code}}
+    """``{"error": {"message", "type", "param", "code"}}``: OpenAI's ``type`` (:func:`error_type`) and a
+    specific ``code`` (the status's phrase when none is given)."""
+    return {'error': {'message': message, 'type': error_type(status), 'param': param,
+                      'code': code or default_code(status)}}
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,

@@ -1,12 +1,12 @@
 """lmdeploy's own endpoints: ``/generate``, ``/v1/encode`` and ``/abort_request``."""
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from fastapi import Request
 from starlette.types import Receive
 
-from lmdeploy.messages import Response
+from lmdeploy.messages import GenerationConfig, Response
 from lmdeploy.serve.openai.errors import APIError
 from lmdeploy.serve.openai.limits import check_fanout, check_messages, check_prompt_chars, check_stop
 from lmdeploy.serve.openai.protocol import AbortRequest, EncodeRequest, GenerateRequest
@@ -14,13 +14,38 @@ from lmdeploy.serve.openai.request_start import admit, admitted, while_connected
 from lmdeploy.serve.openai.serving_common import (Job, ServerState, check_model, check_prompt_ids, check_session,
                                                   check_token_ids, encode, gen_config, process, run_blocking)
 from lmdeploy.serve.openai.streaming import collect_or_abort, sse, sse_stream
+from lmdeploy.serve.reasoning import ReasoningCounter, keep_special_tokens
+from lmdeploy.tokenizer import IncrementalDetokenizer
+
+ReasoningCount = Callable[[Response], int | None]
 
 
-def _body(r: Response, session_id: int | None) -> dict:
+def _body(r: Response, session_id: int | None, reasoning_tokens: int | None) -> dict:
     return {'text': r.text, 'token_ids': r.token_ids, 'logprobs': r.logprobs and [
         {str(k): v for k, v in entry.items()} for entry in r.logprobs], 'input_tokens': r.input_token_len,
         'generate_tokens': r.generate_token_len, 'cached_tokens': r.cached_tokens,
-        'finish_reason': r.finish_reason, 'session_id': session_id}
+        'reasoning_tokens': reasoning_tokens, 'finish_reason': r.finish_reason, 'session_id': session_id}
+
+
+def _reasoning_count(state: ServerState, input_ids: list[int], config: GenerationConfig) -> ReasoningCount:
+    """Takes a reply's chunks in order and gives its reasoning tokens at the last (None before, and always without
+    a reasoning parser). The text stays whole, so the parser reads the tokens' text itself, with its markers
+    kept where ``config`` would leave them out."""
+    if state.reasoning_parser is None:
+        return lambda _: None
+    tokenizer = state.engine.tokenizer
+    parser = state.reasoning_parser(tokenizer.decode(input_ids, skip_special_tokens=False))
+    config = keep_special_tokens(config, parser.markers)
+    counter = ReasoningCounter(IncrementalDetokenizer(tokenizer, [], config.skip_special_tokens,
+                                                      config.keep_special_tokens))
+
+    def count(r: Response) -> int | None:
+        parser.feed(counter.add(r.token_ids))
+        if r.finish_reason is None:
+            return None
+        parser.finish()
+        return counter.count(parser)
+    return count
 
 
 async def generate(state: ServerState, req: GenerateRequest, raw: Request):
@@ -47,16 +72,17 @@ async def generate(state: ServerState, req: GenerateRequest, raw: Request):
                 return None
             input_ids, multimodal = prompt.input_ids, prompt.multimodal
         config = gen_config(state, req, len(input_ids), req.logprobs, None, model_defaults=False)
+        reasoning = await run_blocking(state, _reasoning_count, state, input_ids, config)
         run = request.start([Job(0, input_ids, config, request.reservations[0], multimodal)])
     if req.stream:
         def render(r: Response) -> Iterable[str]:
-            yield sse(_body(r, req.session_id))
+            yield sse(_body(r, req.session_id, reasoning(r)))
 
         return sse_stream(run, render)
     responses = await collect_or_abort(raw, run)
     if responses is None:
         return None
-    return _body(responses[0], req.session_id)
+    return _body(responses[0], req.session_id, await run_blocking(state, reasoning, responses[0]))
 
 
 async def encode_text(state: ServerState, req: EncodeRequest, receive: Receive) -> dict:

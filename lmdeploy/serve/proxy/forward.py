@@ -10,6 +10,7 @@ import httpcore
 from fastapi.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
+from lmdeploy.serve.openai.errors import error_body, error_response
 from lmdeploy.serve.proxy.nodes import Node, NodeRegistry
 from lmdeploy.serve.proxy.routing import LeastRequests
 from lmdeploy.serve.proxy.transport import NODE_ERRORS
@@ -19,19 +20,11 @@ HOP_BY_HOP = frozenset({'connection', 'keep-alive', 'proxy-authenticate', 'proxy
                         'transfer-encoding', 'upgrade'})
 REQUEST_DROP = HOP_BY_HOP | {'host', 'content-length'}
 RESPONSE_DROP = HOP_BY_HOP | {'date', 'server'}
-ERROR_TYPES = {401: 'authentication_error', 403: 'permission_error', 404: 'not_found_error',
-               502: 'bad_gateway', 503: 'service_unavailable', 508: 'loop_detected'}
-
-
-def error_body(status: int, message: str, code: str) -> dict:
-    """The OpenAI error body, as the nodes write theirs."""
-    return {'error': {'message': message, 'type': ERROR_TYPES.get(status, 'invalid_request_error'), 'param': None,
-                      'code': code}}
 
 
 def proxy_error(status: int, message: str, code: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    """An error the proxy itself answers."""
-    return JSONResponse(error_body(status, message, code), status_code=status, headers=headers)
+    """An error the proxy itself answers (its errors name no request field)."""
+    return error_response(status, message, code=code, headers=headers)
 
 
 def forwarded_headers(raw: list[tuple[bytes, bytes]], drop: frozenset[str]) -> list[tuple[bytes, bytes]]:
@@ -40,7 +33,7 @@ def forwarded_headers(raw: list[tuple[bytes, bytes]], drop: frozenset[str]) -> l
 
 async def send_error(send: Send, status: int, message: str, code: str) -> None:
     """Sends a whole :func:`proxy_error` response on ``send``."""
-    body = json.dumps(error_body(status, message, code)).encode()
+    body = json.dumps(error_body(status, message, code=code)).encode()
     await send({'type': 'http.response.start', 'status': status,
                 'headers': [(b'content-type', b'application/json'), (b'content-length', str(len(body)).encode())]})
     await send({'type': 'http.response.body', 'body': body})
@@ -166,7 +159,7 @@ class Forward(Response):
                 return
             if not stream:
                 raise
-            body = error_body(502, f'node {node.url} failed mid-stream: {exc!r}', 'node_failed')
+            body = error_body(502, f'node {node.url} failed mid-stream: {exc!r}', code='node_failed')
             event = f'data: {json.dumps(body)}\n\ndata: [DONE]\n\n'.encode()
             await send({'type': 'http.response.body', 'body': event, 'more_body': True})
         if start is not None:
