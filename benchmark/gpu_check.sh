@@ -63,8 +63,8 @@ model_flag=$(PIP_RETRIES=0 PIP_TIMEOUT=5 timeout 20 $PY -c \
 # The test parts run on half the cores where pytest-xdist imports (carried in .whl/): each worker's torch takes 2
 # threads (tests/conftest.py), a CUDA context (about 0.5 GB) and compiles its kernels itself, reusing the compiles
 # of the others through Triton's cache on disk; `--dist load` hands the tests out in the order given, so a part cut
-# short has run the first ones. Serial without xdist. pytest-timeout (carried too) fails a test that hangs for half
-# its part's time, and the part goes on.
+# short has run the first ones. Serial without xdist. pytest-timeout (carried too) fails a test that hangs, with
+# its stack, and the part goes on (an engine test's first one in a worker may compile some 30 kernels).
 tests=($PY -m pytest -q -p no:cacheprovider --durations=10)
 $PY -c 'import execnet, xdist' 2>/dev/null && tests+=(-n "$(($(nproc) / 2))" --dist load)
 # Only the files with Triton tests, the kernels every engine runs first: a module that imports what the machine
@@ -74,7 +74,7 @@ STOP=INT GRACE=10 part "kernel tests (CUDA)" 90 "$SCALE_SLOT" "${tests[@]}" -o t
     tests/test_kernels_elementwise.py tests/test_kernels_attention.py tests/test_kernels_moe.py \
     $(grep -l 'mark\.triton' tests/test_*.py)
 STOP=INT GRACE=10 part "engine vs transformers (CUDA)" 120 "$SCALE_SLOT" env LMDEPLOY_TEST_DEVICE=cuda \
-    "${tests[@]}" -o timeout=60 tests/test_engine_correctness.py tests/test_bad_input.py \
+    "${tests[@]}" -o timeout=90 tests/test_engine_correctness.py tests/test_bad_input.py \
     'tests/test_deepseek.py::test_greedy_and_first_logits_match_transformers[v3_q_lora]' \
     tests/test_gpt_oss.py::test_greedy_and_first_logits_match_transformers \
     tests/test_llama4.py::test_greedy_and_first_logits_match_transformers \
