@@ -7,13 +7,15 @@ not figures; per row count the best of ``--repeats`` calls, the two kernels alte
 Each kernel's output is a new tensor (fp32 for the copy: 64 MiB at 64 rows of Gemma's table; bf16 for the table);
 each line gives what touching a new tensor of that size first costs in this process (``first touch``: a fresh
 tensor filled, less the same fill on a kept one), which a kernel's time includes where the allocator hands it fresh
-pages. Run it in two trees (fresh processes, alternating) to compare a kernel change::
+pages: on 4 KiB pages, and for the copy's fp32 output also on the 2 MiB pages its kernel asks for (``empty_output``,
+``kernels/cpu/common.h``). Run it in two trees (fresh processes, alternating) to compare a kernel change::
 
     PYTHONPATH=. python benchmark/lm_head_rows_cpu.py [--rows 1,2,8,24,64] [--tables default,gemma]
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import time
 
 import torch
@@ -40,10 +42,22 @@ def best_ms(kernel, x: torch.Tensor, repeats: int) -> float:
     return 1e3 * best
 
 
-def first_touch_ms(rows: int, columns: int, dtype: torch.dtype, repeats: int) -> float:
-    """What filling a new ``[rows, columns]`` tensor costs more than filling a kept one (its pages' first touch)."""
+def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its whole 2 MiB pages advised huge (``MADV_HUGEPAGE``), as ``empty_output`` does."""
+    huge, libc = 2 << 20, ctypes.CDLL(None)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    first, end = -(-t.data_ptr() // huge) * huge, (t.data_ptr() + t.nbytes) // huge * huge
+    if end > first:
+        libc.madvise(first, end - first, 14)
+    return t
+
+
+def first_touch_ms(rows: int, columns: int, dtype: torch.dtype, repeats: int, huge: bool = False) -> float:
+    """What filling a new ``[rows, columns]`` tensor (``huge``: on 2 MiB pages) costs more than filling a kept one
+    (its pages' first touch)."""
     kept = torch.empty(rows, columns, dtype=dtype)
-    return (best_ms(lambda _: torch.empty(rows, columns, dtype=dtype).fill_(1), None, repeats) -
+    advise = on_huge_pages if huge else (lambda t: t)
+    return (best_ms(lambda _: advise(torch.empty(rows, columns, dtype=dtype)).fill_(1), None, repeats) -
             best_ms(lambda _: kept.fill_(1), None, repeats))
 
 
@@ -69,11 +83,11 @@ def main() -> None:
                 for kind, kernel in kernels.items():
                     times[kind].append(best_ms(kernel, x, args.repeats))
             q8_ms, bf16_ms = min(times['q8']), min(times['bf16'])
-            touch = {dtype: first_touch_ms(rows, table.shape[0], dtype, args.repeats)
-                     for dtype in (torch.float32, torch.bfloat16)}
+            touch = [first_touch_ms(rows, table.shape[0], dtype, args.repeats, huge)
+                     for dtype, huge in ((torch.float32, False), (torch.float32, True), (torch.bfloat16, False))]
             print(f'{name} {rows:3d} rows: q8 {q8_ms:8.2f} ms  bf16 table {bf16_ms:8.2f} ms  q8 / bf16 '
-                  f'{q8_ms / bf16_ms:.2f}; first touch of the outputs: fp32 {touch[torch.float32]:.2f} ms, bf16 '
-                  f'{touch[torch.bfloat16]:.2f} ms', flush=True)
+                  f'{q8_ms / bf16_ms:.2f}; first touch of the outputs: fp32 {touch[0]:.2f} ms (2 MiB pages '
+                  f'{touch[1]:.2f}), bf16 {touch[2]:.2f} ms', flush=True)
 
 
 if __name__ == '__main__':

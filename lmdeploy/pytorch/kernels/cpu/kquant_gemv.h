@@ -239,7 +239,7 @@ torch::Tensor tiled_gemv(const torch::Tensor& x, const torch::Tensor& codes, con
   TORCH_CHECK(codes.dim() == 3, "codes: uint8 [N/16, K/group, code bytes]");
   const int64_t N = codes.size(0) * kTileRows;
   const auto rows = x.reshape({-1, x.size(-1)}).contiguous();
-  auto out = torch::empty({rows.size(0), N}, x.options().dtype(at::kFloat));
+  auto out = empty_output({rows.size(0), N}, x.options().dtype(at::kFloat));
   run_tiles(make_tiles(rows, out));
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;

@@ -195,7 +195,7 @@ torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& packed, con
   TORCH_CHECK(packed.dim() == 4, "packed: int8 [N/16, K/32, 32, 16]");
   const int64_t N = packed.size(0) * kTile;
   const auto rows = x.reshape({-1, x.size(-1)}).contiguous();
-  auto out = torch::empty({rows.size(0), N}, x.options().dtype(at::kFloat));
+  auto out = empty_output({rows.size(0), N}, x.options().dtype(at::kFloat));
   run_tiles(q8_tiles(rows, packed, scales, out));
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;
