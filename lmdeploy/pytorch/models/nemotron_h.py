@@ -121,6 +121,9 @@ class NemotronHForCausalLM(LlamaForCausalLM):
     def make_layer(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
         return NemotronHBlock(cfg, layer_index)
 
+    def make_norm(self, cfg: ModelConfig) -> nn.Module:
+        return RMSNorm(cfg.hidden_size, cfg.hf_config.layer_norm_epsilon)
+
     def split_fused(self, weights: Iterable[tuple[str, WeightSource]]) -> Iterator[tuple[str, WeightSource]]:
         """Renames the checkpoint's tensors to the engine's (:func:`engine_name`)."""
         return super().split_fused((engine_name(name), tensor) for name, tensor in weights)

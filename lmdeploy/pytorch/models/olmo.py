@@ -19,13 +19,12 @@ from lmdeploy.pytorch.nn.rotary import RotaryEmbedding, apply_rope
 from lmdeploy.pytorch.step_context import StepContext
 
 
-
 class OlmoAttention(LlamaAttention):
     """Llama attention whose queries and keys are RMS-normed over all their heads together."""
 
-    def __init__(self, cfg: ModelConfig, layer_index: int):
+    def __init__(self, cfg: ModelConfig, sliding_window: int | None = None):
         hf = cfg.hf_config
-        super().__init__(cfg, sliding_window=layer_window(hf, layer_index))
+        super().__init__(cfg, sliding_window=sliding_window, qk_norm=False)
         self.q_norm = RMSNorm(self.num_heads * self.head_dim, hf.rms_norm_eps)
         self.k_norm = RMSNorm(self.num_kv_heads * self.head_dim, hf.rms_norm_eps)
 
@@ -40,14 +39,14 @@ class OlmoAttention(LlamaAttention):
 class OlmoDecoderLayer(nn.Module):
     """``h = x + post_attention_layernorm(attn(x))``, then ``h + post_feedforward_layernorm(mlp(h))``; like
     Llama's layers it hands its last output and the residual stream on unadded (the next layer, or the final
-    norm, adds them)."""
+    norm, adds them). ``attn``: OLMo's attention unless given (EXAONE 4's has per-head q/k norms)."""
 
-    def __init__(self, cfg: ModelConfig, layer_index: int):
+    def __init__(self, cfg: ModelConfig, layer_index: int, attn: LlamaAttention | None = None):
         super().__init__()
         hf = cfg.hf_config
         self.layer_type = hf.layer_types[layer_index] if getattr(hf, 'layer_types', None) else FULL_ATTENTION
         self.own_rope = rope_per_layer_type(hf)
-        self.self_attn = OlmoAttention(cfg, layer_index)
+        self.self_attn = attn or OlmoAttention(cfg, layer_window(hf, layer_index))
         self.mlp = LlamaMLP(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, hf.rms_norm_eps)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, hf.rms_norm_eps)
@@ -60,14 +59,15 @@ class OlmoDecoderLayer(nn.Module):
     def native_weights(self, small_step: bool = False) -> LayerWeights | None:
         """This layer's weights for the native decoder stack (see ``LlamaDecoderLayer.native_weights``): no input
         nor pre-MLP norm (``post_norms_only``), its two post-norms as the stack's norms of the attention and MLP
-        outputs, its q/k norms over all heads, OLMo 3's sliding layers turning by the step's local rotary table
+        outputs, its q/k norms (over all heads for OLMo's attention), OLMo 3's sliding layers turning by the step's local rotary table
         where they have their own rope."""
         attn, mlp = self.self_attn, self.mlp
         return layer_weights(None, None, dict(qkv=attn.qkv_proj, o=attn.o_proj, gate_up=mlp.gate_up_proj,
                                               down=mlp.down_proj),
                              small_step, post_norms_only=True, attn_out_norm=self.post_attention_layernorm.weight,
                              mlp_out_norm=self.post_feedforward_layernorm.weight, q_norm=attn.q_norm.weight,
-                             k_norm=attn.k_norm.weight, qk_norm_across_heads=True, rotary_dim=attn.rotary_dim,
+                             k_norm=attn.k_norm.weight, qk_norm_across_heads=isinstance(attn, OlmoAttention),
+                             rotary_dim=attn.rotary_dim if attn.use_rope else 0,
                              sliding_window=attn.attn.sliding_window,
                              local_rope=self.own_rope and self.layer_type == SLIDING_ATTENTION)
 

@@ -6,8 +6,8 @@ the weights are loaded (:meth:`Linear.finalize`: on the CPU, bf16 weights packed
 4-bit copy for small steps). The gate and up projections of a gated MLP (``GateUpLinear``) apply
 SiLU-and-mul in the native GEMM's epilogue.
 
-Under tensor parallelism (the :class:`TPGroup` current at construction) merged layers are
-column-parallel: each rank holds its share of every projection's output rows (:class:`QKVLinear` its
+Under tensor parallelism (the :class:`TPGroup` current at construction) merged layers and
+:class:`ColumnLinear` are column-parallel: each rank holds its share of every projection's output rows (:class:`QKVLinear` its
 attention heads); :class:`RowLinear` holds a share of the input columns and sums the ranks' partial
 products. ``checkpoint_part`` says which part of a checkpoint tensor a rank's parameter holds; each
 parameter's :class:`Layout` says along which dimensions that part runs.
@@ -78,9 +78,11 @@ class RowLinear(Linear):
         return cls(qkv.num_heads_total * qkv.head_dim, out_features, bias, qkv.ranges[0])
 
     @classmethod
-    def after(cls, gate_up: GateUpLinear, out_features: int, bias: bool = False) -> RowLinear:
-        """The down projection of the MLP whose gate and up ``gate_up`` computes: each rank holds the input
-        features of its own share of the intermediate ones."""
+    def after(cls, gate_up: GateUpLinear | ColumnLinear, out_features: int, bias: bool = False) -> RowLinear:
+        """The down projection of the MLP whose gate and up ``gate_up`` (or whose ungated up projection) computes:
+        each rank holds the input features of its own share of the intermediate ones."""
+        if isinstance(gate_up, ColumnLinear):
+            return cls(gate_up.out_total, out_features, bias, gate_up.out_range)
         return cls(gate_up.out_sizes[0], out_features, bias, gate_up.ranges[0])
 
     def checkpoint_part(self, kind: str, part: int | None = None) -> tuple[torch.Tensor, Shard | None]:
@@ -96,6 +98,25 @@ class RowLinear(Linear):
             return self.kernel(x, self.bias)
         out = self.tp.all_reduce(self.kernel(x, None))
         return out if self.bias is None else out + self.bias
+
+
+class ColumnLinear(Linear):
+    """Column-parallel: each rank holds the output rows ``out_range`` (an even share, in whole blocks of the format
+    where it can: the input features of the :class:`RowLinear` after it)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        self.tp = current_group()
+        self.out_total = out_features
+        self.out_range = split_blocks(out_features, current_weight_format().split_granule, self.tp.rank,
+                                      self.tp.world_size)
+        super().__init__(in_features, self.out_range[1] - self.out_range[0], bias)
+
+    def checkpoint_part(self, kind: str, part: int | None = None) -> tuple[torch.Tensor, Shard | None]:
+        param = getattr(self, kind)
+        layout = layout_of(param)
+        if layout.output_dim is None or self.tp.world_size == 1:
+            return param, None
+        return param, Shard(layout.output_dim, *(bound // layout.outputs_per_index for bound in self.out_range))
 
 
 class MergedLinear(Linear):

@@ -1,7 +1,8 @@
-"""RMSNorm layer."""
+"""RMSNorm and LayerNorm layers."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lmdeploy.pytorch.kernels import rms_norm
@@ -34,3 +35,13 @@ class GemmaRMSNorm(RMSNorm):
     def scale(self, dtype: torch.dtype) -> torch.Tensor:
         """``1 + weight`` in ``dtype``: the weight of a plain RMSNorm that gives the same result."""
         return (self.weight.float() + 1.0).to(dtype)
+
+
+class LayerNorm(RMSNorm):
+    """LayerNorm with a weight and no bias (Cohere's), computed in fp32: ``(x - mean) / std * weight``; given
+    ``residual`` it adds it first and also returns the sum."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        summed = x if residual is None else x + residual
+        out = F.layer_norm(summed.float(), self.weight.shape, self.weight.float(), None, self.eps).to(x.dtype)
+        return out if residual is None else (out, summed)

@@ -111,10 +111,14 @@ class RotaryEmbedding(nn.Module):
             params = params[layer_type]
         per_type = {} if layer_type is None else {'layer_type': layer_type}
         rope_type = params.get('rope_type', 'default')
+        if rope_type == 'dynamic' and params.get('alpha'):  # NTK-alpha (Hunyuan): the base stretched once, any length
+            rope_type = 'ntk_alpha'
         self.long_inv_freq: torch.Tensor | None = None
-        if rope_type == 'default':
+        if rope_type in ('default', 'ntk_alpha'):
             base = params.get('rope_theta', getattr(hf_config, 'rope_theta', 10000.0))
             dim = rotary_dim(hf_config, head_dim)
+            if rope_type == 'ntk_alpha':
+                base *= params['alpha']**(dim / (dim - 2))
             inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
             self.scaling = 1.0
         elif rope_type in ROPE_INIT_FUNCTIONS and rope_type != 'dynamic':

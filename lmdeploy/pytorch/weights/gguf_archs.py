@@ -2,8 +2,9 @@
 names: GLM (``chatglm``, ``glm4``), Gemma 2 and 3 (``gemma2``, ``gemma3``), gpt-oss (``gpt-oss``),
 DeepSeek-V2/V3 (``deepseek2``), GLM-4.5 (``glm4moe``), Mistral Small 3.x and Ministral 3 (``mistral3``), OLMo 2/3
 (``olmo2``), Granite 3 (``granite``), Seed-OSS (``seed_oss``), ERNIE 4.5 (``ernie4_5``, ``ernie4_5-moe``), Llama 4's
-text model (``llama4``), and the MoE files of Qwen3-MoE (``qwen3moe``; Qwen3-VL-MoE's language model ``qwen3vlmoe``
-alike), Qwen2-MoE (``qwen2moe``, with a shared expert) and Mixtral (``llama`` with experts), whose stacked experts
+text model (``llama4``), Cohere2 (``cohere2``), EXAONE 4.0 (``exaone4``), Arcee (``arcee``), and the MoE files of
+Qwen3-MoE (``qwen3moe``; Qwen3-VL-MoE's language model ``qwen3vlmoe`` alike), MiniMax-M2 (``minimax-m2``), Qwen2-MoE
+(``qwen2moe``, with a shared expert) and Mixtral (``llama`` with experts), whose stacked experts
 (``ffn_{gate,up,down}_exps``) are stored back one tensor per expert; Qwen3-Next and Qwen3.5 (``qwen3next``,
 ``qwen35``, ``qwen35moe``) have their own module, ``gguf_qwen3_next.py``.
 
@@ -20,6 +21,7 @@ import torch
 from gguf import ExpertGatingFuncType, Keys
 
 from . import gguf_qwen3_next
+from .gguf_rope import ROPE_FREQS
 
 Meta = Callable[..., Any]  # (a gguf-py ``Keys`` template, default) -> that key of the file's architecture
 
@@ -40,6 +42,10 @@ ARCHITECTURES = {
     'ernie4_5': 'Ernie4_5ForCausalLM',
     'ernie4_5-moe': 'Ernie4_5_MoeForCausalLM',
     'llama4': 'Llama4ForCausalLM',
+    'cohere2': 'Cohere2ForCausalLM',
+    'exaone4': 'Exaone4ForCausalLM',
+    'arcee': 'ArceeForCausalLM',
+    'minimax-m2': 'MiniMaxM2ForCausalLM',
     **gguf_qwen3_next.ARCHITECTURES,
 }
 
@@ -47,11 +53,12 @@ ARCHITECTURES = {
 # (llama.cpp never quantizes a router: ``ffn_gate_inp`` stays F32)
 RAW_SERVED_ARCHS = ('llama', 'chatglm', 'glm4', 'glm4moe', 'gemma2', 'gemma3', 'qwen3moe', 'qwen3vlmoe',
                     'qwen2moe', 'mistral3', 'olmo2', 'granite', 'seed_oss', 'ernie4_5', 'ernie4_5-moe', 'llama4',
-                    *gguf_qwen3_next.ARCHITECTURES)
+                    'cohere2', 'exaone4', 'arcee', 'minimax-m2', *gguf_qwen3_next.ARCHITECTURES)
 
 _ROUTER_BIAS = {'exp_probs_b.bias': 'mlp.gate.e_score_correction_bias'}
 _SHARED_EXPERTS = {'ffn_gate_shexp': 'mlp.shared_experts.gate_proj', 'ffn_up_shexp': 'mlp.shared_experts.up_proj',
                    'ffn_down_shexp': 'mlp.shared_experts.down_proj'}
+_POST_NORM_NAMES = {'post_attention_norm': 'post_attention_layernorm', 'post_ffw_norm': 'post_feedforward_layernorm'}
 _GEMMA_NAMES = {'ffn_norm': 'pre_feedforward_layernorm', 'post_attention_norm': 'post_attention_layernorm',
                 'post_ffw_norm': 'post_feedforward_layernorm'}
 # layer tensor names by ``module`` (the kind, weight or bias, appended) or by ``module.kind`` (as written);
@@ -82,12 +89,14 @@ LAYER_NAMES: dict[str, dict[str, str]] = {
     },
     # the layers' own tensors; the next-token-prediction layers' ``nextn.*`` ones have no counterpart
     'glm4moe': {'post_attention_norm': 'post_attention_layernorm', **_ROUTER_BIAS, **_SHARED_EXPERTS},
-    'olmo2': {'post_attention_norm': 'post_attention_layernorm', 'post_ffw_norm': 'post_feedforward_layernorm'},
+    'olmo2': _POST_NORM_NAMES,
+    'exaone4': _POST_NORM_NAMES,
     'seed_oss': {'post_attention_norm': 'post_attention_layernorm'},
     'ernie4_5-moe': {'exp_probs_b.bias': 'mlp.moe_statics.e_score_correction_bias', **_SHARED_EXPERTS},
     # under the engine's ``mlp``; ``finish_state_dict`` names them ``feed_forward``, as Meta's checkpoints do
     'llama4': {'ffn_gate_inp': 'mlp.router', 'ffn_gate_shexp': 'mlp.shared_expert.gate_proj',
                'ffn_up_shexp': 'mlp.shared_expert.up_proj', 'ffn_down_shexp': 'mlp.shared_expert.down_proj'},
+    'minimax-m2': _ROUTER_BIAS,
     **dict.fromkeys(gguf_qwen3_next.ARCHITECTURES, gguf_qwen3_next.LAYER_NAMES),
 }
 
@@ -192,7 +201,8 @@ def _gpt_oss(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dic
 
 def _deepseek2(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
     """llama.cpp runs MLA as multi-query attention over the latent: ``key_length``/``value_length`` are the
-    latent's, the per-head sizes are ``*_length_mla`` (older files: the plain keys, with an unsplit kv_b)."""
+    latent's, the per-head sizes are ``*_length_mla`` (older files: the plain keys, with an unsplit kv_b). GLM-4.7-Flash
+    converts to it, its ``nextn_predict_layers`` layers appended past the decoder's (not the decoder's)."""
     rope_dim = meta(Keys.Rope.DIMENSION_COUNT)
     if meta(Keys.Attention.KEY_LENGTH_MLA) is not None:
         key_dim, value_dim = meta(Keys.Attention.KEY_LENGTH_MLA), meta(Keys.Attention.VALUE_LENGTH_MLA)
@@ -207,6 +217,7 @@ def _deepseek2(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> d
     fields = {
         'model_type': 'deepseek_v3' if sigmoid else 'deepseek_v2',
         'architectures': ['DeepseekV3ForCausalLM' if sigmoid else 'DeepseekV2ForCausalLM'],
+        'num_hidden_layers': config['num_hidden_layers'] - meta(Keys.LLM.NEXTN_PREDICT_LAYERS, 0),
         'num_key_value_heads': config['num_attention_heads'], 'head_dim': rope_dim,
         'q_lora_rank': meta(Keys.Attention.Q_LORA_RANK) if 'blk.0.attn_q_a.weight' in tensors else None,
         'kv_lora_rank': meta(Keys.Attention.KV_LORA_RANK), 'qk_rope_head_dim': rope_dim,
@@ -337,6 +348,35 @@ def _ernie4_5_moe(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -
             'moe_layer_interval': meta(Keys.LLM.INTERLEAVE_MOE_LAYER_STEP, 1), 'moe_layer_end_index': -1}
 
 
+def _cohere2(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """Command R7B and Command A: sliding-window layers by llama.cpp's fixed step of 4 (the file's pattern where it
+    has one), its LayerNorm epsilon and logit scale; q/k rows as the checkpoint holds them (llama.cpp turns
+    neighbouring pairs, as Cohere2 does)."""
+    return {'model_type': 'cohere2', 'layer_norm_eps': meta(Keys.Attention.LAYERNORM_EPS, 1e-5),
+            'logit_scale': meta(Keys.LLM.LOGIT_SCALE, 1.0), 'sliding_window': meta(Keys.Attention.SLIDING_WINDOW),
+            'layer_types': _layer_types(meta, config['num_hidden_layers'], 4),
+            'rope_parameters': {'rope_type': 'default', 'rope_theta': config['rope_theta']}}
+
+
+def _exaone4(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """EXAONE 4.0: with a sliding window its layers per the file's ``sliding_window_pattern`` (a step of 4 where
+    absent), else every layer full; its llama3 rotary, where it has one, from ``rope_freqs``; q/k rows unpermuted."""
+    window, layers = meta(Keys.Attention.SLIDING_WINDOW), config['num_hidden_layers']
+    return {'model_type': 'exaone4', 'sliding_window': window or None,
+            'layer_types': _layer_types(meta, layers, 4) if window else ['full_attention'] * layers,
+            **_rope_unless_freqs(meta, tensors, config)}
+
+
+def _arcee(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """AFM-4.5B: Llama's keys (q/k rows permuted as Llama's, put back) with its YaRN."""
+    return {'model_type': 'arcee', **_rope_unless_freqs(meta, tensors, config)}
+
+
+def _rope_unless_freqs(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """The rotary of the file's keys, unless it has ``rope_freqs`` (a llama3 rotary, found from them)."""
+    return {} if ROPE_FREQS in tensors else {'rope_parameters': _rope(meta, config['rope_theta'])}
+
+
 # What llama.cpp's loader fixes for ``llama4`` files with chunked attention (it reads no key for them): chunks of
 # 8192 positions on the rope layers, a NoPE layer every 4th, and those layers' query temperature (floor 8192, scale
 # 0.1): Scout's and Maverick's values, and transformers' ``Llama4TextConfig`` defaults. It leaves the q/k L2 norm
@@ -366,9 +406,20 @@ def _llama4(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict
             'attn_temperature_tuning': chunked, **LLAMA4_TEMPERATURE}
 
 
+def _minimax_m2(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """Every layer sparse, routed by sigmoid with the correction bias (llama.cpp's fixed routing for it); the rotary
+    over ``rope.dimension_count`` (the config's ``rotary_dim``) of each head's features."""
+    rope = {**_rope(meta, config['rope_theta']),
+            'partial_rotary_factor': meta(Keys.Rope.DIMENSION_COUNT) / config['head_dim']}
+    return {'model_type': 'minimax_m2', 'num_local_experts': meta(Keys.LLM.EXPERT_COUNT),
+            'num_experts_per_tok': meta(Keys.LLM.EXPERT_USED_COUNT),
+            'intermediate_size': meta(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH), 'rope_parameters': rope}
+
+
 CONFIG_BUILDERS: dict[str, Callable[[Meta, dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
     'llama': _llama, 'chatglm': _chatglm, 'glm4': _glm4, 'gemma2': _gemma2, 'gemma3': _gemma3, 'gpt-oss': _gpt_oss,
     'deepseek2': _deepseek2, 'glm4moe': _glm4moe, 'qwen3moe': _qwen3moe, 'qwen3vlmoe': _qwen3moe, 'qwen2moe': _qwen2moe,
     'mistral3': _mistral3, 'olmo2': _olmo2, 'granite': _granite, 'seed_oss': _seed_oss, 'ernie4_5': _ernie4_5,
-    'ernie4_5-moe': _ernie4_5_moe, 'llama4': _llama4,
+    'ernie4_5-moe': _ernie4_5_moe, 'llama4': _llama4, 'cohere2': _cohere2, 'exaone4': _exaone4,
+    'arcee': _arcee, 'minimax-m2': _minimax_m2,
     **gguf_qwen3_next.CONFIG_BUILDERS}

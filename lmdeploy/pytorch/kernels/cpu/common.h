@@ -50,7 +50,7 @@ void for_each_tile(int64_t M, int64_t panels, int64_t width, int64_t row_block, 
     }
 }
 
-// An uninitialized output of a GEMV whose whole 2 MiB pages the kernel is asked to back with huge pages (a hint,
+// An uninitialized output of a linear kernel whose whole 2 MiB pages the kernel is asked to back with huge pages (a hint,
 // taken where transparent huge pages are `madvise` or `always`). A large output comes from mmap, fresh pages at every
 // call: Gemma 3's fp32 logits at 64 rows (64 MiB) took 27-35 ms of page faults on 4 KiB pages, 3 on 2 MiB ones
 // (docs/performance.md, "One- and two-row prefill steps, and Q8_0's LM head at many rows").

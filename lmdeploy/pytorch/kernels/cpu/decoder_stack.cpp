@@ -213,9 +213,15 @@ DecoderStack::DecoderStack(std::vector<LayerWeights> layers, int64_t num_heads, 
       TORCH_CHECK(!w.input_norm && !w.post_norm && w.attn_out_norm && w.mlp_out_norm && w.residual_scale == 1.0,
                   "a post_norms_only layer has attn_out_norm and mlp_out_norm, no input_norm, post_norm nor "
                   "residual_scale");
+    } else if (w.parallel_block) {
+      TORCH_CHECK(w.input_norm && !w.post_norm && !w.attn_out_norm && !w.mlp_out_norm && w.residual_scale == 1.0 &&
+                      !w.mla && !w.linear_attn,
+                  "a parallel_block layer has its input_norm and qkv attention, no post_norm, output norms nor "
+                  "residual_scale");
     } else {
       TORCH_CHECK(w.input_norm && w.post_norm, "a layer has its input_norm and post_norm (or is post_norms_only)");
     }
+    TORCH_CHECK(!w.layer_norm || w.input_norm, "a layer_norm layer has its input_norm");
     TORCH_CHECK(w.rotary_dim >= 0 && w.rotary_dim <= head_dim_ && w.rotary_dim % 2 == 0,
                 "a layer's rotary_dim is even, from 0 to head_dim");
     TORCH_CHECK(!w.sliding_window || *w.sliding_window > 0, "a layer's sliding window is positive");
@@ -337,8 +343,18 @@ std::tuple<torch::Tensor, torch::Tensor> DecoderStack::forward(
       continue;
     }
     torch::Tensor h;
-    std::tie(h, sum) = rms_norm(x, *w.input_norm, eps_, sum.defined() ? c10::optional<torch::Tensor>(sum)
-                                                                       : c10::nullopt);
+    if (w.layer_norm) {  // LayerNorm of nn/norm.py
+      sum = sum.defined() ? x.add(sum) : x;
+      h = at::layer_norm(sum.to(at::kFloat), {sum.size(-1)}, w.input_norm->to(at::kFloat), {}, eps_)
+              .to(sum.scalar_type());
+    } else {
+      std::tie(h, sum) = rms_norm(x, *w.input_norm, eps_, sum.defined() ? c10::optional<torch::Tensor>(sum)
+                                                                         : c10::nullopt);
+    }
+    if (w.parallel_block) {  // Cohere2DecoderLayer's forward
+      x = w.o(attention(w, (*w.qkv)(h), kv_caches[i], step)).add(mlp(w, h));
+      continue;
+    }
     auto attended = w.o(w.mla           ? (*w.mla)(h, kv_caches[i], step, quant_policy_)
                         : w.linear_attn ? linear_attention(w, h, kv_caches[i], step)
                                         : attention(w, (*w.qkv)(h), kv_caches[i], step));

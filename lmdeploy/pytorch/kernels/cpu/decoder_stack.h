@@ -192,6 +192,9 @@ struct LatentAttention {
 // A layer's attention is its qkv projection, or its `mla` block (DeepSeek; o applies to its output and the options
 // above are unset), or its `linear_attn` (Qwen3-Next's and Qwen3.5's Gated DeltaNet, in decode-only steps: `qkv` is
 // its input projections, `o` its out_proj). A layer's MLP is its gate_up and down projections, or its `moe` block.
+// `parallel_block` (Cohere2): the layer has no post_norm, attention and the MLP both read its input norm's output and
+// their outputs are added together; `layer_norm`: its input norm is a LayerNorm with a weight and no bias (the mean
+// subtracted, in fp32) instead of an RMSNorm.
 struct LayerWeights {
   c10::optional<torch::Tensor> input_norm, post_norm;
   c10::optional<Projection> qkv;
@@ -212,6 +215,7 @@ struct LayerWeights {
   c10::optional<LatentAttention> mla;
   bool output_gate;
   c10::optional<LinearAttention> linear_attn;
+  bool parallel_block, layer_norm;
 };
 
 // Llama-style decoder layers (decoder_stack.cpp): the kernels of LlamaDecoderLayer's forward, in its order.

@@ -280,7 +280,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, c10::o
   rows = rows.contiguous();
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = silu ? n / 2 : n;
-  auto out = torch::empty({rows.size(0), shape.back()}, x.options());
+  auto out = empty_output({rows.size(0), shape.back()}, x.options());
   torch::Tensor b;
   if (bias.has_value()) {
     b = contiguous_as(*bias, at::kBFloat16);
@@ -318,7 +318,7 @@ torch::Tensor bf16_dequantizing_linear(const torch::Tensor& x, const TiledWeight
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.size(-1) == K, "x must be bf16 with ", K, " features");
   TORCH_CHECK(N % kPanel == 0 && K % 2 == 0, "the weight needs a multiple of 16 rows and an even width");
   const auto rows = x.reshape({-1, K}).contiguous();
-  auto out = torch::empty({rows.size(0), N}, x.options());
+  auto out = empty_output({rows.size(0), N}, x.options());
   torch::Tensor b;
   if (bias.has_value()) {
     b = contiguous_as(*bias, at::kBFloat16);

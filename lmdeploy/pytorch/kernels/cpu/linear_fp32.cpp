@@ -172,7 +172,7 @@ torch::Tensor fp32_packed_linear(const torch::Tensor& x, const torch::Tensor& pa
   TORCH_CHECK(!bc || bc->numel() == n, "fp32_packed_linear's bias has one value an output");
   const auto xc = x.reshape({-1, x.size(-1)}).contiguous();
   const int64_t M = xc.size(0), K = xc.size(1);
-  auto out = torch::empty({M, n}, xc.options());
+  auto out = empty_output({M, n}, xc.options());
   const float *xp = xc.data_ptr<float>(), *wp = packed.data_ptr<float>(), *bp = bc ? bc->data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
 #if defined(__AVX512F__)

@@ -11,6 +11,7 @@
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/full.h>
+#include <ATen/ops/layer_norm.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
 

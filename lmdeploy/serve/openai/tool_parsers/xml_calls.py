@@ -27,13 +27,13 @@ from lmdeploy.serve.openai.text_scan import held_back, skip_whitespace, strip_en
 from lmdeploy.serve.openai.tool_parsers.arguments import is_string, json_text, typed_value
 from lmdeploy.serve.openai.tool_parsers.base import ParsedDelta, ToolCallDelta, ToolParser
 
-FUNCTION, FUNCTION_END = '<function=', '</function>'
-PARAMETER, PARAMETER_END = '<parameter=', '</parameter>'
 NAME = re.compile(r'[^\s<>]+')
 
 
 class XmlCallsParser(ToolParser):
-    """Blocks from ``open_tag`` to ``close_tag`` holding ``<function=NAME>`` calls, among plain text.
+    """Blocks from ``open_tag`` to ``close_tag`` holding ``<function=NAME>`` calls, among plain text; a family may
+    name the call's and the parameter's tags otherwise (``function_tag``, ``function_end``, ``parameter_tag``;
+    ``quoted_names``: each name in double quotes, ``<invoke name="NAME">``).
 
     Whitespace next to a call is dropped. A block that does not start with a function's tag goes back into
     the text as it was, less its tags where they are ``special_markers``. Inside a call, text that is no parameter
@@ -43,6 +43,9 @@ class XmlCallsParser(ToolParser):
 
     open_tag: str
     close_tag: str
+    function_tag, function_end = '<function=', '</function>'
+    parameter_tag, parameter_end = '<parameter=', '</parameter>'
+    quoted_names = False
 
     def __init__(self, tools: Sequence[Mapping[str, Any]] = (), special_markers: Collection[str] = ()) -> None:
         super().__init__(tools, special_markers)
@@ -87,10 +90,13 @@ class XmlCallsParser(ToolParser):
     def _function(self, out: ParsedDelta, final: bool) -> bool:
         """``<function=NAME>`` starts a call; anything else makes the block text."""
         start = skip_whitespace(self.text, self.pos)
-        head = self.text[start:start + len(FUNCTION)]
-        if head == FUNCTION:
-            close = self.text.find('>', start + len(FUNCTION))
-            name = self.text[start + len(FUNCTION):close if close >= 0 else len(self.text)]
+        function = self.function_tag
+        head = self.text[start:start + len(function)]
+        if head == function:
+            close = self.text.find('>', start + len(function))
+            name = self.text[start + len(function):close if close >= 0 else len(self.text)]
+            if close >= 0:
+                name = self._unquoted(name)
             if close >= 0 and NAME.fullmatch(name):
                 out.tool_calls.append(self.new_call(name, '{'))
                 self.schemas, self.num_arguments = self.parameters.get(name, {}), 0
@@ -98,10 +104,15 @@ class XmlCallsParser(ToolParser):
                 return True
             if close < 0 and not final and (not name or NAME.fullmatch(name)):
                 return False
-        elif not final and FUNCTION.startswith(head):
+        elif not final and function.startswith(head):
             return False
         self.state = 'bad'
         return True
+
+    def _unquoted(self, name: str) -> str:
+        """A complete tag's name less its double quotes, where ``quoted_names`` and it has them."""
+        quoted = self.quoted_names and len(name) > 2 and name[0] == name[-1] == '"'
+        return name[1:-1] if quoted else name
 
     def _bad(self, out: ParsedDelta, final: bool) -> bool:
         """A block without a call: back into the text as written (less special tags), up to its closing tag."""
@@ -115,23 +126,25 @@ class XmlCallsParser(ToolParser):
 
     def _parameters(self, out: ParsedDelta, final: bool) -> bool:
         start = skip_whitespace(self.text, self.pos)
-        if self.text.startswith(PARAMETER, start):
-            close = self.text.find('>', start + len(PARAMETER))
+        parameter = self.parameter_tag
+        if self.text.startswith(parameter, start):
+            close = self.text.find('>', start + len(parameter))
             if close >= 0:
-                self.key, self.pos, self.state = self.text[start + len(PARAMETER):close], close + 1, 'value_start'
+                self.key = self._unquoted(self.text[start + len(parameter):close])
+                self.pos, self.state = close + 1, 'value_start'
                 return True
             if not final:
                 return False
-        for tag, state in ((FUNCTION_END, 'after_function'), (self.close_tag, 'text')):
+        for tag, state in ((self.function_end, 'after_function'), (self.close_tag, 'text')):
             if self.text.startswith(tag, start):
                 self._arguments(out, '}')
                 self.pos, self.state, self.strip = start + len(tag), state, True
                 return True
         rest = self.text[start:]
         if not final and any(len(rest) < len(tag) and tag.startswith(rest)
-                             for tag in (PARAMETER, FUNCTION_END, self.close_tag)):
+                             for tag in (parameter, self.function_end, self.close_tag)):
             return False
-        if final and (start == len(self.text) or rest.startswith(PARAMETER)):  # the reply ends inside the call
+        if final and (start == len(self.text) or rest.startswith(parameter)):  # the reply ends inside the call
             self._arguments(out, '}')
             self.cut_call = self.num_calls - 1
             self.pos, self.state = len(self.text), 'text'
@@ -157,7 +170,7 @@ class XmlCallsParser(ToolParser):
 
     def _value(self, out: ParsedDelta, final: bool) -> bool:
         """The value up to ``</parameter>`` (or a tag that shows it was left open)."""
-        tags = (PARAMETER_END, PARAMETER, FUNCTION_END, self.close_tag)
+        tags = (self.parameter_end, self.parameter_tag, self.function_end, self.close_tag)
         start = max(self.pos, self.searched)
         ends = [(found, tag) for tag in tags if (found := self.text.find(tag, start)) >= 0]
         if not ends and not final:
@@ -175,7 +188,7 @@ class XmlCallsParser(ToolParser):
         else:
             value = typed_value(self.text[self.value_start:end], self.schemas.get(self.key))
             self._arguments(out, self.prefix + json_text(value))
-        self.pos = found + (len(tag) if tag == PARAMETER_END else 0)
+        self.pos = found + (len(tag) if tag == self.parameter_end else 0)
         self.state = 'parameters'
         return True
 
@@ -190,9 +203,9 @@ class XmlCallsParser(ToolParser):
         rest = self.text[start:]
         if rest.startswith(self.close_tag):
             self.pos, self.state, self.strip = start + len(self.close_tag), 'text', True
-        elif rest.startswith(FUNCTION):
+        elif rest.startswith(self.function_tag):
             self.block_start, self.pos, self.state = start, start, 'function'
-        elif not final and any(tag.startswith(rest) for tag in (self.close_tag, FUNCTION)):
+        elif not final and any(tag.startswith(rest) for tag in (self.close_tag, self.function_tag)):
             return False
         else:
             self.pos, self.state = start, 'text'

@@ -1,0 +1,48 @@
+"""Arcee (``ArceeForCausalLM``, AFM-4.5B): Llama layers whose MLP has no gate, ``down(relu(up(x)) ** 2)``. Its layers
+do not run in the native decoder stack (whose MLPs are gated)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lmdeploy.pytorch.config import ModelConfig
+from lmdeploy.pytorch.models.llama import LlamaForCausalLM
+from lmdeploy.pytorch.nn.linear import ColumnLinear, RowLinear
+
+
+class ReluSquared(nn.Module):
+    """``relu(x) ** 2`` (transformers' ``relu2``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x).square()
+
+
+class UngatedMLP(nn.Module):
+    """``down_proj(act_fn(up_proj(x)))``; each tensor-parallel rank holds a share of the intermediate features."""
+
+    def __init__(self, cfg: ModelConfig, act_fn: nn.Module):
+        super().__init__()
+        hf = cfg.hf_config
+        bias = bool(getattr(hf, 'mlp_bias', False))
+        self.up_proj = ColumnLinear(cfg.hidden_size, hf.intermediate_size, bias=bias)
+        self.down_proj = RowLinear.after(self.up_proj, cfg.hidden_size, bias=bias)
+        self.act_fn = act_fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.up_proj(x)))
+
+
+class UngatedMLPForCausalLM(LlamaForCausalLM):
+    """A Llama decoder whose checkpoints hold an ``up_proj`` without a ``gate_proj`` (nothing to stack it with)."""
+
+    stacked_params = {name: merged for name, merged in LlamaForCausalLM.stacked_params.items()
+                      if merged[0] == 'qkv_proj'}
+
+
+class ArceeForCausalLM(UngatedMLPForCausalLM):
+    """Arcee's decoder: Llama's with the ungated ReLU² MLP."""
+
+    def make_mlp(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
+        if cfg.hf_config.hidden_act != 'relu2':
+            raise ValueError(f'Arcee with activation {cfg.hf_config.hidden_act!r} is not supported, only relu2')
+        return UngatedMLP(cfg, ReluSquared())
