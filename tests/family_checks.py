@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from helpers import add_requests, assert_transformers_greedy, make_engine, random_prompts, run
 
+from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 
 
@@ -89,3 +90,15 @@ def assert_tp2_equals_tp1(path: str, prompts: list[list[int]]) -> None:
         assert run(engine, prompts) == expected
     finally:
         engine.close()
+
+
+def assert_native_stack_gives_the_layers_tokens(path: str) -> None:
+    """bf16 on the native GEMMs (the ``native_gemms`` fixture): the model runs in the native decoder stack, with the
+    tokens of its layers' own forward."""
+    engine = Engine(path, PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=64, block_size=16), show_progress=False)
+    model = engine.runner.model
+    assert model.native_stack is not None
+    prompts = random_prompts([40, 9, 23], seed=6)
+    outs = run(engine, prompts)
+    model.native_stack = None
+    assert run(engine, prompts) == outs

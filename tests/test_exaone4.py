@@ -9,11 +9,9 @@ from transformers import Exaone4Config
 
 from conftest import VOCAB_SIZE, save_random_model
 from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_matches_transformers,
-                           assert_tp2_equals_tp1, hf_causal_lm, prefix_sharing_prompts)
-from helpers import random_prompts, run
-
-from lmdeploy.messages import PytorchEngineConfig
-from lmdeploy.pytorch.engine.engine import Engine
+                           assert_native_stack_gives_the_layers_tokens, assert_tp2_equals_tp1, hf_causal_lm,
+                           prefix_sharing_prompts)
+from helpers import random_prompts
 
 # name -> config overrides: EXAONE-4.0-32B's layout (3 sliding layers with rotary, then a full NoPE one) and
 # EXAONE-4.0-1.2B's (no window: full layers with rotary, llama3 rope scaling, tied embeddings)
@@ -63,14 +61,7 @@ def test_batched_chunked_and_cached_equal_solo(exaone4):
 def test_bf16_native_stack_gives_the_layers_tokens(exaone4, native_gemms):
     """bf16 on the native GEMMs: every layer runs in the native decoder stack (OLMo 2's ``post_norms_only`` with
     per-head q/k norms, no rotary in the NoPE layers), with the tokens of the layers' own forward."""
-    engine = Engine(exaone4, PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=64, block_size=16),
-                    show_progress=False)
-    model = engine.runner.model
-    assert model.native_stack is not None
-    prompts = random_prompts([40, 9, 23], seed=6)
-    outs = run(engine, prompts)
-    model.native_stack = None
-    assert run(engine, prompts) == outs
+    assert_native_stack_gives_the_layers_tokens(exaone4)
 
 
 def test_tp2_equals_tp1(tmp_path):

@@ -12,8 +12,8 @@ from transformers import Glm4MoeConfig
 
 from conftest import VOCAB_SIZE, save_random_model
 from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_first_logits_close,
-                           assert_matches_transformers, assert_tp2_equals_tp1, hf_causal_lm, hf_last_logits,
-                           prefix_sharing_prompts)
+                           assert_matches_transformers, assert_native_stack_gives_the_layers_tokens,
+                           assert_tp2_equals_tp1, hf_causal_lm, hf_last_logits, prefix_sharing_prompts)
 from helpers import make_engine, random_prompts, run
 
 from lmdeploy.messages import PytorchEngineConfig
@@ -78,14 +78,7 @@ def test_bf16_native_stack_gives_the_layers_tokens(glm4_moe, native_gemms):
     """bf16 on the native GEMMs: every layer runs in the native decoder stack (its MoE layers as ``MoEBlock``s with
     DeepSeek-V3's routing; ``tests/test_decoder_stack_moe.py`` compares every step), with the tokens of the layers'
     own forward."""
-    engine = Engine(glm4_moe, PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=64, block_size=16),
-                    show_progress=False)
-    model = engine.runner.model
-    assert model.native_stack is not None
-    prompts = random_prompts([40, 9, 23], seed=6)
-    outs = run(engine, prompts)
-    model.native_stack = None
-    assert run(engine, prompts) == outs
+    assert_native_stack_gives_the_layers_tokens(glm4_moe)
 
 
 def test_next_token_prediction_layer_is_not_loaded(tmp_path):

@@ -12,11 +12,10 @@ from transformers import Glm4MoeLiteConfig
 
 from conftest import VOCAB_SIZE, save_random_model
 from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_matches_transformers,
-                           assert_tp2_equals_tp1, hf_causal_lm, prefix_sharing_prompts)
+                           assert_native_stack_gives_the_layers_tokens, assert_tp2_equals_tp1, hf_causal_lm,
+                           prefix_sharing_prompts)
 from helpers import make_engine, random_prompts, run
 
-from lmdeploy.messages import PytorchEngineConfig
-from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.models.deepseek_v3 import DeepseekV3MoE
 from lmdeploy.pytorch.models.llama import LlamaMLP
 
@@ -73,14 +72,7 @@ def test_layers_follow_mlp_layer_types_over_a_latent_cache(glm4_moe_lite):
 def test_bf16_native_stack_gives_the_layers_tokens(glm4_moe_lite, native_gemms):
     """bf16 on the native GEMMs: every layer runs in the native decoder stack (latent attention, the MoE layers as
     ``MoEBlock``s routed ``noaux_tc``), with the tokens of the layers' own forward."""
-    engine = Engine(glm4_moe_lite, PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=64, block_size=16),
-                    show_progress=False)
-    model = engine.runner.model
-    assert model.native_stack is not None
-    prompts = random_prompts([40, 9, 23], seed=6)
-    outs = run(engine, prompts)
-    model.native_stack = None
-    assert run(engine, prompts) == outs
+    assert_native_stack_gives_the_layers_tokens(glm4_moe_lite)
 
 
 def test_tp2_equals_tp1(tmp_path):

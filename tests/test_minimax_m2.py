@@ -13,14 +13,12 @@ from safetensors.torch import load_file, save_file
 from transformers import MiniMaxM2Config
 
 from conftest import VOCAB_SIZE, save_random_model
-from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_matches_transformers, hf_causal_lm,
-                           prefix_sharing_prompts)
+from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_matches_transformers,
+                           assert_native_stack_gives_the_layers_tokens, hf_causal_lm, prefix_sharing_prompts)
 from helpers import assert_transformers_greedy, make_engine, random_prompts, run
 from test_deepseek import FP8_BLOCK, dequantize_blockwise, quantize_blockwise
 
-from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.engine import engine as engine_module
-from lmdeploy.pytorch.engine.engine import Engine
 
 
 def minimax_m2_config(**overrides) -> MiniMaxM2Config:
@@ -81,14 +79,7 @@ def test_refuses_tensor_parallelism(minimax_m2, monkeypatch):
 def test_bf16_native_stack_gives_the_layers_tokens(minimax_m2, native_gemms):
     """bf16 on the native GEMMs: every layer runs in the native decoder stack (q/k norms across heads, the MoE
     layers as ``MoEBlock``s routed ``noaux_tc``), with the tokens of the layers' own forward."""
-    engine = Engine(minimax_m2, PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=64, block_size=16),
-                    show_progress=False)
-    model = engine.runner.model
-    assert model.native_stack is not None
-    prompts = random_prompts([40, 9, 23], seed=6)
-    outs = run(engine, prompts)
-    model.native_stack = None
-    assert run(engine, prompts) == outs
+    assert_native_stack_gives_the_layers_tokens(minimax_m2)
 
 
 def test_fp8_block_scaled_checkpoint_is_dequantized_at_load(minimax_m2, tmp_path):
