@@ -15,6 +15,7 @@ import argparse
 import json
 import statistics
 import time
+from typing import Callable
 
 import torch
 from transformers.models.qwen3_next.modeling_qwen3_next import (torch_chunk_gated_delta_rule,
@@ -71,24 +72,30 @@ def cpu_ms(call) -> float:
     return (time.thread_time() - start) * 1e3
 
 
+def time_cases(found: dict[str, dict[str, Callable[[], object]]], rounds: int) -> None:
+    """Each case's implementations on one thread, warmed up, then ``rounds`` rounds in which they alternate; one
+    JSON line a case with each one's best and median thread CPU time."""
+    torch.set_num_threads(1)
+    with torch.inference_mode():
+        for name, calls in found.items():
+            for call in calls.values():  # warm-up
+                call()
+            times: dict[str, list[float]] = {who: [] for who in calls}
+            for _ in range(rounds):
+                for who, call in calls.items():
+                    times[who].append(cpu_ms(call))
+            print(json.dumps({'case': name, **{who: {'best_ms': round(min(t), 2),
+                                                     'median_ms': round(statistics.median(t), 2)}
+                                               for who, t in times.items()}}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--prefill', type=int, default=1024)
     parser.add_argument('--batches', type=lambda s: [int(b) for b in s.split(',')], default=[1, 16])
     parser.add_argument('--rounds', type=int, default=5)
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    with torch.inference_mode():
-        for name, calls in cases(args).items():
-            for call in calls.values():  # warm-up
-                call()
-            times: dict[str, list[float]] = {who: [] for who in calls}
-            for _ in range(args.rounds):
-                for who, call in calls.items():
-                    times[who].append(cpu_ms(call))
-            print(json.dumps({'case': name, **{who: {'best_ms': round(min(t), 2),
-                                                     'median_ms': round(statistics.median(t), 2)}
-                                               for who, t in times.items()}}))
+    time_cases(cases(args), args.rounds)
 
 
 if __name__ == '__main__':

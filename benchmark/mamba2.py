@@ -12,14 +12,13 @@ implementations alternate.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 from transformers.models.granitemoehybrid.modeling_granitemoehybrid import (mamba2_chunk_scan,
                                                                            mamba2_selective_state_update)
+
+from gated_delta import time_cases
 
 from lmdeploy.pytorch.kernels.mamba2 import ssd_chunk_scan, ssd_decode
 
@@ -66,12 +65,6 @@ def cases(args: argparse.Namespace) -> dict[str, dict]:
     return found
 
 
-def cpu_ms(call) -> float:
-    start = time.thread_time()
-    call()
-    return (time.thread_time() - start) * 1e3
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ints = lambda s: [int(b) for b in s.split(',')]  # noqa: E731
@@ -79,18 +72,7 @@ def main() -> None:
     parser.add_argument('--batches', type=ints, default=[1, 16])
     parser.add_argument('--rounds', type=int, default=5)
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    with torch.inference_mode():
-        for name, calls in cases(args).items():
-            for call in calls.values():  # warm-up
-                call()
-            times: dict[str, list[float]] = {who: [] for who in calls}
-            for _ in range(args.rounds):
-                for who, call in calls.items():
-                    times[who].append(cpu_ms(call))
-            print(json.dumps({'case': name, **{who: {'best_ms': round(min(t), 2),
-                                                     'median_ms': round(statistics.median(t), 2)}
-                                               for who, t in times.items()}}))
+    time_cases(cases(args), args.rounds)
 
 
 if __name__ == '__main__':
