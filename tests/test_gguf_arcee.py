@@ -16,9 +16,8 @@ from conftest import save_random_model
 from helpers import assert_transformers_greedy, make_engine, random_prompts, run
 from test_arcee import arcee_config
 from test_gguf import _add_tokenizer, finish, llama_permute
-from test_gguf_llama_like import converter_arrays
+from test_gguf_llama_like import converted_model, converter_arrays
 
-from lmdeploy.pytorch.weights.gguf import convert_gguf
 
 YARN = {'rope_type': 'yarn', 'rope_theta': 10000.0, 'factor': 4.0, 'original_max_position_embeddings': 32}
 
@@ -60,14 +59,8 @@ def test_gguf_matches_transformers(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     src, folder, vocab = save_gguf(tmp_path, quantize=False)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
-    convert_gguf(str(src), str(tmp_path / 'converted'))
-    converted = AutoModelForCausalLM.from_pretrained(str(tmp_path / 'converted'), dtype=torch.float32)
-    assert converted.config.architectures == hf.config.architectures
+    converted = converted_model(src, tmp_path, hf)
     assert converted.config.rope_parameters.items() >= hf.config.rope_parameters.items()
-    state = hf.state_dict()
-    assert converted.state_dict().keys() == state.keys()
-    for name, value in converted.state_dict().items():
-        torch.testing.assert_close(value, state[name], rtol=0, atol=0, msg=name)
 
     prompts = random_prompts([5, 40], vocab=vocab)
     assert_transformers_greedy(hf, prompts, run(make_engine(str(src)), prompts))

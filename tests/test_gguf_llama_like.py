@@ -101,6 +101,19 @@ def write_gguf(folder: str, writer: gguf.GGUFWriter, quantize: bool) -> None:
     finish(writer)
 
 
+def converted_model(src: Path, path: Path, hf):
+    """``src`` converted back to a transformers folder (``path / 'converted'``) and loaded: the same architecture and
+    tensors as ``hf``, bit for bit; returned for its config."""
+    convert_gguf(str(src), str(path / 'converted'))
+    converted = AutoModelForCausalLM.from_pretrained(str(path / 'converted'), dtype=torch.float32)
+    assert converted.config.architectures == hf.config.architectures
+    state = hf.state_dict()
+    assert converted.state_dict().keys() == state.keys()
+    for name, value in converted.state_dict().items():
+        torch.testing.assert_close(value, state[name], rtol=0, atol=0, msg=name)
+    return converted
+
+
 def save_gguf(kind: str, path: Path, quantize: bool) -> tuple[Path, str, int]:
     """A tiny random ``kind`` saved in ``path / 'hf'`` and written to ``path / 'model.gguf'``: the file, the
     folder and the vocabulary size."""
@@ -118,18 +131,12 @@ def test_gguf_family_matches_transformers(kind: str, tmp_path: Path, monkeypatch
     src, folder, vocab = save_gguf(kind, tmp_path, quantize=False)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
-    convert_gguf(str(src), str(tmp_path / 'converted'))
-    converted = AutoModelForCausalLM.from_pretrained(str(tmp_path / 'converted'), dtype=torch.float32)
-    assert converted.config.architectures == hf.config.architectures
+    converted = converted_model(src, tmp_path, hf)
     if kind == 'olmo3':
         assert converted.config.layer_types == hf.config.layer_types
         ropes, hf_ropes = converted.config.rope_parameters, hf.config.rope_parameters
         assert ropes['sliding_attention'] == hf_ropes['sliding_attention']
         assert ropes['full_attention'].items() >= hf_ropes['full_attention'].items()  # with YaRN's default betas
-    state = hf.state_dict()
-    assert converted.state_dict().keys() == state.keys()
-    for name, value in converted.state_dict().items():
-        torch.testing.assert_close(value, state[name], rtol=0, atol=0, msg=name)
 
     prompts = random_prompts([5, 40], vocab=vocab)
     assert_transformers_greedy(hf, prompts, run(make_engine(str(src)), prompts))
