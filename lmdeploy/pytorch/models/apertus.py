@@ -45,7 +45,7 @@ class ApertusForCausalLM(UngatedMLPForCausalLM):
     def make_mlp(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
         if cfg.hf_config.hidden_act != 'xielu':
             raise ValueError(f'Apertus with activation {cfg.hf_config.hidden_act!r} is not supported, only xielu')
-        return UngatedMLP(cfg, XIELU())
+        return UngatedMLP.of(cfg, XIELU())
 
     def weight_target(self, name: str) -> WeightTarget | None:
         for checkpoint_name, engine_name in NORM_NAMES.items():

@@ -20,13 +20,17 @@ class ReluSquared(nn.Module):
 class UngatedMLP(nn.Module):
     """``down_proj(act_fn(up_proj(x)))``; each tensor-parallel rank holds a share of the intermediate features."""
 
-    def __init__(self, cfg: ModelConfig, act_fn: nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, act_fn: nn.Module):
         super().__init__()
-        hf = cfg.hf_config
-        bias = bool(getattr(hf, 'mlp_bias', False))
-        self.up_proj = ColumnLinear(cfg.hidden_size, hf.intermediate_size, bias=bias)
-        self.down_proj = RowLinear.after(self.up_proj, cfg.hidden_size, bias=bias)
+        self.up_proj = ColumnLinear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = RowLinear.after(self.up_proj, hidden_size, bias=bias)
         self.act_fn = act_fn
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, act_fn: nn.Module) -> UngatedMLP:
+        """A decoder layer's MLP: ``intermediate_size`` features, biased per ``mlp_bias``."""
+        hf = cfg.hf_config
+        return cls(cfg.hidden_size, hf.intermediate_size, bool(getattr(hf, 'mlp_bias', False)), act_fn)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.up_proj(x)))
@@ -45,4 +49,4 @@ class ArceeForCausalLM(UngatedMLPForCausalLM):
     def make_mlp(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
         if cfg.hf_config.hidden_act != 'relu2':
             raise ValueError(f'Arcee with activation {cfg.hf_config.hidden_act!r} is not supported, only relu2')
-        return UngatedMLP(cfg, ReluSquared())
+        return UngatedMLP.of(cfg, ReluSquared())

@@ -8,15 +8,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
 from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.kernels import grouped_topk
 from lmdeploy.pytorch.kernels.mamba2 import SSD_CHUNK
+from lmdeploy.pytorch.models.arcee import ReluSquared, UngatedMLP, UngatedMLPForCausalLM
 from lmdeploy.pytorch.models.deepseek_v3 import TopKRouter
-from lmdeploy.pytorch.models.llama import KVCache, LlamaAttention, LlamaForCausalLM
+from lmdeploy.pytorch.models.llama import KVCache, LlamaAttention
 from lmdeploy.pytorch.models.mamba2 import Mamba2Mixer, Mamba2Shape
 from lmdeploy.pytorch.nn.linear import Linear
 from lmdeploy.pytorch.nn.moe import Fp32Router
@@ -26,21 +26,8 @@ from lmdeploy.pytorch.step_context import StepContext
 from lmdeploy.pytorch.weights.safetensors_loader import WeightSource
 
 MAMBA, ATTENTION, MLP, MOE = 'linear_attention', 'full_attention', 'mlp', 'moe'
-# checkpoint name prefix -> the engine's; the MLPs' and experts' ``up_proj`` becomes ``up`` (it would read as half of
-# a gate_up)
+# checkpoint name prefix -> the engine's
 PREFIXES = {'backbone.embeddings.': 'model.embed_tokens.', 'backbone.norm_f.': 'model.norm.', 'backbone.': 'model.'}
-
-
-class ReluSquaredMLP(nn.Module):
-    """``down_proj(relu(up(x)) ** 2)``, without a gate."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool):
-        super().__init__()
-        self.up = Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.relu(self.up(x)).square())
 
 
 class NemotronHMoE(nn.Module):
@@ -58,9 +45,10 @@ class NemotronHMoE(nn.Module):
         self.gate = TopKRouter(cfg.hidden_size, hf.n_routed_experts, correction_bias=True)
         self.fc1_latent_proj = Linear(cfg.hidden_size, latent, bias=bias) if latent else None
         self.fc2_latent_proj = Linear(latent, cfg.hidden_size, bias=bias) if latent else None
-        self.experts = nn.ModuleList(ReluSquaredMLP(latent or cfg.hidden_size, hf.moe_intermediate_size, bias)
-                                     for _ in range(hf.n_routed_experts))
-        self.shared_experts = ReluSquaredMLP(cfg.hidden_size, hf.moe_shared_expert_intermediate_size, bias)
+        self.experts = nn.ModuleList(
+            UngatedMLP(latent or cfg.hidden_size, hf.moe_intermediate_size, bias, ReluSquared())
+            for _ in range(hf.n_routed_experts))
+        self.shared_experts = UngatedMLP(cfg.hidden_size, hf.moe_shared_expert_intermediate_size, bias, ReluSquared())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = grouped_topk(self.gate(x), self.gate.e_score_correction_bias, self.top_k, self.num_groups,
@@ -95,7 +83,7 @@ class NemotronHBlock(nn.Module):
         elif kind == ATTENTION:
             self.mixer = LlamaAttention(cfg, use_rope=False, qk_norm=False, qkv_bias=False, o_bias=False)
         elif kind == MLP:
-            self.mixer = ReluSquaredMLP(cfg.hidden_size, hf.intermediate_size, bool(hf.mlp_bias))
+            self.mixer = UngatedMLP(cfg.hidden_size, hf.intermediate_size, bool(hf.mlp_bias), ReluSquared())
         elif kind == MOE:
             self.mixer = NemotronHMoE(cfg)
         else:
@@ -112,7 +100,7 @@ class NemotronHBlock(nn.Module):
         return (self.mixer(x, cache, ctx) if self.kind in (MAMBA, ATTENTION) else self.mixer(x)), residual
 
 
-class NemotronHForCausalLM(LlamaForCausalLM):
+class NemotronHForCausalLM(UngatedMLPForCausalLM):
     """Nemotron-H's decoder and LM head (see the module's docstring)."""
 
     tensor_parallel_refusal = 'its Mamba-2 layers are not sharded for tensor parallelism'
@@ -151,4 +139,4 @@ def engine_name(name: str) -> str:
         if name.startswith(old):
             name = new + name[len(old):]
             break
-    return name.replace('.up_proj.', '.up.')
+    return name
