@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from lmdeploy.messages import GenerationConfig, Response
 from lmdeploy.serve.openai.reasoning_parsers import ReasoningParser, get_reasoning_parser
-from lmdeploy.tokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:  # the tokenizer module imports transformers: `lmdeploy chat --help` stays fast without it
+    from lmdeploy.tokenizer import IncrementalDetokenizer
 
 # Model types whose chat replies need parsers, and the (tool, reasoning) parsers they get unless named.
 # Only model types whose replies are in one format whatever the checkpoint: Qwen3-Coder (``qwen3_moe``),
