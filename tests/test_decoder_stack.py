@@ -115,15 +115,21 @@ def check_every_step(engine: Engine, monkeypatch) -> list[tuple[int, int]]:
     return steps
 
 
-@pytest.mark.parametrize('kind,weights,quant_policy', CASES)
-def test_stack_equals_the_layers(kind, weights, quant_policy, saved, native_gemms, monkeypatch):
-    engine = Engine(saved(kind, weights), PytorchEngineConfig(max_prefill_token_num=48, quant_policy=quant_policy,
-                                                              **ENGINE), show_progress=False)
+def assert_stack_equals_the_layers(path: str, quant_policy: int, monkeypatch) -> None:
+    """Chunked prefills (48 tokens a step), mixed and decode steps of four prompts: each step's stack output equal
+    to the layers' own (:func:`check_every_step`)."""
+    engine = Engine(path, PytorchEngineConfig(max_prefill_token_num=48, quant_policy=quant_policy, **ENGINE),
+                    show_progress=False)
     assert engine.runner.model.native_stack is not None
     steps = check_every_step(engine, monkeypatch)
     outs = run(engine, random_prompts([20, 70, 9, 33], seed=8), GenerationConfig(max_new_tokens=12, ignore_eos=True))
     assert [len(out) for out in outs] == [12] * 4
     assert any(0 < prefill < rows for prefill, rows in steps) and any(prefill == 0 for prefill, _ in steps)
+
+
+@pytest.mark.parametrize('kind,weights,quant_policy', CASES)
+def test_stack_equals_the_layers(kind, weights, quant_policy, saved, native_gemms, monkeypatch):
+    assert_stack_equals_the_layers(saved(kind, weights), quant_policy, monkeypatch)
 
 
 def small_int4_steps(engine: Engine, monkeypatch) -> list[tuple[int, int]]:

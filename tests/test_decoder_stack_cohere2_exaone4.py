@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import random_prompts, run
+from helpers import random_prompts
 from test_cohere2 import save_cohere2
-from test_decoder_stack import (ENGINE, check_every_step, differences_without_an_option, save_w8a8,
+from test_decoder_stack import (ENGINE, assert_stack_equals_the_layers, differences_without_an_option, save_w8a8,
                                 small_int4_steps)
 from test_exaone4 import save_exaone4
 
-from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
+from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.models import cohere2
@@ -45,13 +45,7 @@ def saved(tmp_path_factory):
 @pytest.mark.parametrize('kind,weights,quant_policy', CASES)
 def test_stack_equals_the_layers(kind, weights, quant_policy, saved, native_gemms, monkeypatch):
     """Chunked prefills (48 tokens a step, prompts longer than the 16-token windows), mixed and decode steps."""
-    engine = Engine(saved(kind, weights), PytorchEngineConfig(max_prefill_token_num=48, quant_policy=quant_policy,
-                                                              **ENGINE), show_progress=False)
-    assert engine.runner.model.native_stack is not None
-    steps = check_every_step(engine, monkeypatch)
-    outs = run(engine, random_prompts([20, 70, 9, 33], seed=8), GenerationConfig(max_new_tokens=12, ignore_eos=True))
-    assert [len(out) for out in outs] == [12] * 4
-    assert any(0 < prefill < rows for prefill, rows in steps) and any(prefill == 0 for prefill, _ in steps)
+    assert_stack_equals_the_layers(saved(kind, weights), quant_policy, monkeypatch)
 
 
 @pytest.mark.parametrize('kind', ['cohere2', 'exaone4'])

@@ -81,23 +81,28 @@ def test_bf16_native_stack_gives_the_layers_tokens(glm4_moe, native_gemms):
     assert_native_stack_gives_the_layers_tokens(glm4_moe)
 
 
-def test_next_token_prediction_layer_is_not_loaded(tmp_path):
-    """The checkpoint's layer ``num_hidden_layers`` (the MTP layer, as GLM-4.5's files carry it) is skipped:
-    the engine's tokens are those without it."""
-    path = save_glm4_moe(str(tmp_path / 'glm'), **VARIANTS['glm45'])
+def assert_mtp_layer_is_skipped(path: str, hidden: int) -> None:
+    """A three-layer checkpoint at ``path`` given a next-token-prediction layer 3 (layer 2's tensors plus
+    ``eh_proj``, ``enorm``, ``hnorm`` and ``shared_head.norm`` of ``hidden`` features), as GLM's files carry it: the
+    engine skips it, its tokens those without it."""
     prompts = random_prompts([5, 40], seed=4)
     expected = run(make_engine(path), prompts)
     file = os.path.join(path, 'model.safetensors')
     tensors = load_file(file)
     mtp = {name.replace('layers.2.', 'layers.3.'): tensor.clone() for name, tensor in tensors.items()
            if name.startswith('model.layers.2.')}
-    mtp.update({'model.layers.3.eh_proj.weight': torch.randn(48, 96), 'model.layers.3.enorm.weight': torch.ones(48),
-                'model.layers.3.hnorm.weight': torch.ones(48),
-                'model.layers.3.shared_head.norm.weight': torch.ones(48)})
+    mtp.update({'model.layers.3.eh_proj.weight': torch.randn(hidden, 2 * hidden),
+                'model.layers.3.enorm.weight': torch.ones(hidden), 'model.layers.3.hnorm.weight': torch.ones(hidden),
+                'model.layers.3.shared_head.norm.weight': torch.ones(hidden)})
     save_file({**tensors, **mtp}, file, metadata={'format': 'pt'})
     engine = make_engine(path)
     assert len(engine.runner.model.layers) == 3
     assert run(engine, prompts) == expected
+
+
+def test_next_token_prediction_layer_is_not_loaded(tmp_path):
+    """The checkpoint's layer ``num_hidden_layers`` (the MTP layer, as GLM-4.5's files carry it) is skipped."""
+    assert_mtp_layer_is_skipped(save_glm4_moe(str(tmp_path / 'glm'), **VARIANTS['glm45']), 48)
 
 
 def test_tp2_equals_tp1(tmp_path):

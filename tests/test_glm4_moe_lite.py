@@ -3,18 +3,15 @@ greedy tokens and first-step logits in fp32, batching, chunked prefill and prefi
 cache, the next-token-prediction layer left unused, tensor parallelism, and bf16 in the native decoder stack."""
 from __future__ import annotations
 
-import os
-
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
 from transformers import Glm4MoeLiteConfig
 
 from conftest import VOCAB_SIZE, save_random_model
 from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_matches_transformers,
                            assert_native_stack_gives_the_layers_tokens, assert_tp2_equals_tp1, hf_causal_lm,
                            prefix_sharing_prompts)
-from helpers import make_engine, random_prompts, run
+from helpers import make_engine, random_prompts
+from test_glm4_moe import assert_mtp_layer_is_skipped
 
 from lmdeploy.pytorch.models.deepseek_v3 import DeepseekV3MoE
 from lmdeploy.pytorch.models.llama import LlamaMLP
@@ -84,17 +81,5 @@ def test_tp2_equals_tp1(tmp_path):
 
 def test_next_token_prediction_layer_is_not_loaded(tmp_path):
     """GLM-4.7-Flash's files carry an MTP layer past ``num_hidden_layers`` (transformers ignores ``layers.47``):
-    the engine skips it, its tokens those without it."""
-    path = save_glm4_moe_lite(str(tmp_path / 'flash'), **VARIANTS['flash'])
-    prompts = random_prompts([5, 40], seed=4)
-    expected = run(make_engine(path), prompts)
-    file = os.path.join(path, 'model.safetensors')
-    tensors = load_file(file)
-    mtp = {name.replace('layers.2.', 'layers.3.'): tensor.clone() for name, tensor in tensors.items()
-           if name.startswith('model.layers.2.')}
-    mtp.update({'model.layers.3.eh_proj.weight': torch.randn(64, 128), 'model.layers.3.enorm.weight': torch.ones(64),
-                'model.layers.3.hnorm.weight': torch.ones(64)})
-    save_file({**tensors, **mtp}, file, metadata={'format': 'pt'})
-    engine = make_engine(path)
-    assert len(engine.runner.model.layers) == 3
-    assert run(engine, prompts) == expected
+    the engine skips it."""
+    assert_mtp_layer_is_skipped(save_glm4_moe_lite(str(tmp_path / 'flash'), **VARIANTS['flash']), 64)
