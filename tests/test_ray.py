@@ -29,9 +29,12 @@ GREEDY = GenerationConfig(max_new_tokens=24, ignore_eos=True)
 
 
 def test_ray_tp2_matches_tp1_and_a_killed_actor_fails_fast(tiny_llama, monkeypatch):
-    """Two engines share the local cluster the first started (given room for both: 4 CPUs here), and closing
-    the first leaves the second serving (before, it shut the cluster down under the second), which gives tp=1's
-    tokens until its actor is killed."""
+    """Two engines share the local cluster the first started (given room for both: 4 CPUs here). The first's actor
+    SIGSTOPped (hung, not dead) while it serves: within seconds the first fails naming it (the stopped GCS's and
+    raylet's test, whose cluster this one shares; before, a stopped actor failed only the next step, after
+    ``LMDEPLOY_TP_TIMEOUT``) and closes within seconds, the stopped actor gone. Closing the first leaves the second
+    serving (before, it shut the cluster down under the second), which gives tp=1's tokens until its actor is
+    killed. (One cluster for both actors: a cluster's start is most of such a test's time.)"""
     monkeypatch.delenv('RAY_ADDRESS', raising=False)
     engine = make_engine(tiny_llama)
     try:
@@ -43,15 +46,39 @@ def test_ray_tp2_matches_tp1_and_a_killed_actor_fails_fast(tiny_llama, monkeypat
     init = ray.init
     monkeypatch.setattr(ray, 'init', lambda **kwargs: init(**{**kwargs, 'num_cpus': 4} if 'num_cpus' in kwargs
                                                             else kwargs))
+    monkeypatch.setenv('LMDEPLOY_RAY_HEALTH_TIMEOUT', '3')
+    monkeypatch.setenv('LMDEPLOY_TP_TIMEOUT', '60')  # a stopped actor is not found by a step's timeout
     before = {child.pid for child in psutil.Process().children(recursive=True)}
     allowed = os.sched_getaffinity(0)
     first = make_engine(tiny_llama, tp=2, distributed_executor_backend='ray')
     try:
         engine = make_engine(tiny_llama, tp=2, distributed_executor_backend='ray')
-    finally:
-        cluster = [child.pid for child in psutil.Process().children(recursive=True) if child.pid not in before]
+    except BaseException:
         first.close()
+        raise
+    cluster = [child.pid for child in psutil.Process().children(recursive=True) if child.pid not in before]
     try:
+        (stopped,) = first.executor.pids
+        resume = threading.Timer(90, os.kill, (stopped, signal.SIGCONT))  # an engine that hangs on it ends the test
+        try:
+            run(first, PROMPTS[:1], GREEDY)
+            os.kill(stopped, signal.SIGSTOP)
+            resume.start()
+            start = time.monotonic()
+            with pytest.raises(WorkerError, match=STOPPED['actor'].format(pid=stopped)):
+                while True:
+                    run(first, PROMPTS[:1], GREEDY)
+                    assert time.monotonic() - start < 40, 'the stopped actor was not noticed'
+            assert time.monotonic() - start < 30
+        finally:
+            start = time.monotonic()
+            first.close()
+            closed = time.monotonic() - start
+            resume.cancel()
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stopped, signal.SIGCONT)
+        assert closed < 30
+        assert_gone([stopped], timeout=30)
         assert ray.is_initialized() and ray.util.get_node_ip_address() == '127.0.0.1'
         assert run(engine, PROMPTS, GREEDY) == expected
         (pid,) = engine.executor.pids
@@ -112,24 +139,21 @@ STOPPED = {  # the stopped process, and what the engine's error says (health tim
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('stopped', list(STOPPED))
+@pytest.mark.parametrize('stopped', ['gcs_server', 'raylet'])
 def test_a_stopped_gcs_raylet_or_actor_fails_the_engine_naming_it(tiny_llama, monkeypatch, stopped):
-    """The local cluster's GCS, its raylet or the rank's actor SIGSTOPped (hung, not dead) while the engine serves:
-    within seconds the engine fails naming the stopped process (``LMDEPLOY_RAY_HEALTH_TIMEOUT`` 3 s; the raylet
-    after the GCS's own health checks, which a local cluster runs every second), and it closes within seconds,
-    leaving nothing, the stopped process included. Before, a stopped GCS was not noticed (the ranks talk over
-    gloo) and the close waited on it for ever; a stopped raylet was taken for the actor's death a minute later
-    and the close waited on it too; a stopped actor failed only the next step, after ``LMDEPLOY_TP_TIMEOUT``."""
+    """The local cluster's GCS or its raylet SIGSTOPped (hung, not dead) while the engine serves: within seconds the
+    engine fails naming the stopped process (``LMDEPLOY_RAY_HEALTH_TIMEOUT`` 3 s; the raylet after the GCS's own
+    health checks, which a local cluster runs every second), and it closes within seconds, leaving nothing, the
+    stopped process included. Before, a stopped GCS was not noticed (the ranks talk over gloo) and the close waited
+    on it for ever; a stopped raylet was taken for the actor's death a minute later and the close waited on it too.
+    (A stopped actor: :func:`test_ray_tp2_matches_tp1_and_a_killed_actor_fails_fast`.)"""
     monkeypatch.delenv('RAY_ADDRESS', raising=False)
     monkeypatch.setenv('LMDEPLOY_RAY_HEALTH_TIMEOUT', '3')
-    monkeypatch.setenv('LMDEPLOY_TP_TIMEOUT', '60')  # a stopped actor is not found by a step's timeout
+    monkeypatch.setenv('LMDEPLOY_TP_TIMEOUT', '60')
     before = {child.pid for child in psutil.Process().children(recursive=True)}
     engine = make_engine(tiny_llama, tp=2, distributed_executor_backend='ray')
     cluster = [child.pid for child in psutil.Process().children(recursive=True) if child.pid not in before]
-    if stopped == 'actor':
-        (pid,) = engine.executor.pids
-    else:
-        (pid,) = [child.pid for child in psutil.Process().children() if child.name() == stopped]
+    (pid,) = [child.pid for child in psutil.Process().children() if child.name() == stopped]
     resume = threading.Timer(90, os.kill, (pid, signal.SIGCONT))  # an engine that hangs on it ends the test
     try:
         run(engine, PROMPTS[:1], GREEDY)

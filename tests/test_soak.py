@@ -9,17 +9,17 @@ import asyncio
 import json
 import os
 import random
+import subprocess
 import sys
-import tracemalloc
-from dataclasses import dataclass
 
 import httpx
 import pytest
 from server_helpers import serve, slow_down, tiny_engine
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'benchmark'))
-import memory_probe  # noqa: E402
+BENCHMARK = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'benchmark')
+sys.path.insert(0, BENCHMARK)
 import soak  # noqa: E402
+import soak_client  # noqa: E402
 import soak_watch  # noqa: E402
 
 SOAK_SECONDS = float(os.environ.get('SOAK_SECONDS', '30'))
@@ -44,8 +44,8 @@ def test_dropped_requests_leave_the_client_usable(slow_server):
     async def main():
         limits = httpx.Limits(max_connections=1)
         async with httpx.AsyncClient(base_url=slow_server.url, timeout=60, limits=limits) as http:
-            dropped = [await soak.post_and_drop(http, '/v1/chat/completions', body, rng.uniform(0.0, 0.05)) is None
-                       for _ in range(200)]
+            dropped = [await soak_client.post_and_drop(http, '/v1/chat/completions', body,
+                                                       rng.uniform(0.0, 0.05)) is None for _ in range(200)]
             answer = await http.post('/v1/chat/completions', json={**body, 'max_tokens': 1},
                                      timeout=httpx.Timeout(60, pool=5))
             return sum(dropped), answer.status_code
@@ -76,24 +76,43 @@ def test_rss_trend_tells_a_leak_from_a_plateau():
     assert soak_watch.rss_trend(plateau).endswith('+0.00 MiB/min in the second')
 
 
+PROBED = """import json
+import sys
+import tracemalloc
+from dataclasses import dataclass
+
+import memory_probe
+
+
 @dataclass
 class Kept:
     data: bytearray
 
 
+probe = memory_probe.Probe(sys.argv[1], trace=True)
+try:
+    first = probe.record()
+    kept = [Kept(bytearray(1024)) for _ in range(2000)]
+    second = probe.record(trim=True)
+finally:
+    tracemalloc.stop()
+print(json.dumps([first, second, len(kept)]))
+"""
+
+
 def test_memory_probe_records(tmp_path):
     """A record of benchmark/memory_probe.py: the RSS and glibc's heap, the live objects by type, with
-    tracemalloc the sites grown since the record before, and after malloc_trim the RSS again."""
-    out = tmp_path / 'probe.jsonl'
-    probe = memory_probe.Probe(str(out), trace=True, top=500)  # a whole suite's process holds many types
-    try:
-        first = probe.record()
-        kept = [Kept(bytearray(1024)) for _ in range(2000)]
-        second = probe.record(trim=True)
-    finally:
-        tracemalloc.stop()
+    tracemalloc the sites grown since the record before, and after malloc_trim the RSS again. In a process of
+    its own: in the suite's, each record's collection and count of every object took seconds."""
+    out, script = tmp_path / 'probe.jsonl', tmp_path / 'probed.py'
+    script.write_text(PROBED)
+    env = {**os.environ, 'PYTHONPATH': os.pathsep.join([BENCHMARK, os.environ.get('PYTHONPATH', '')])}
+    proc = subprocess.run([sys.executable, str(script), str(out)], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, second, kept = json.loads(proc.stdout)
     assert 'grown' not in first and first['rss_mib'] > 0 and first['glibc_mib']['in_use'] > 0
-    assert any('test_soak.py' in site and int(site.split()[-4]) >= 2000 for site in second['grown']), second['grown']
-    assert second['types']['Kept'] == 2000 and len(kept) == 2000
+    assert any('probed.py' in site and int(site.split()[-4]) >= 2000 for site in second['grown']), second['grown']
+    assert second['types']['Kept'] == 2000 and kept == 2000
     assert 0 < second['trim']['rss_mib_after'] <= second['trim']['rss_mib_before']
     assert [json.loads(line)['time'] for line in out.read_text().splitlines()] == [first['time'], second['time']]
