@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -136,14 +137,17 @@ def test_the_gpu_parts_collect_and_the_kernel_part_runs_spread_over_processes_wi
     args[args.index('-n') + 1] = '2'
     status, output, by_worker = triton_ids([*args, '-k', 'test_rms_norm'], tmp_path, tmp_path / 'kernel')
     assert status == 0 and re.search(r'\b4 passed', output), output[-3000:]
-    status, output, every = triton_ids(['-m', 'pytest', '--collect-only', '-q', '-p', 'no:cacheprovider', '-m',
-                                        'triton', 'tests'], None, tmp_path / 'every')
+    engine_part = script[script.index('tests/test_engine_correctness.py'):script.index('part "kernel throughput"')]
+    with ThreadPoolExecutor(2) as pool:  # two single-threaded collections, side by side
+        suite = pool.submit(triton_ids, ['-m', 'pytest', '--collect-only', '-q', '-p', 'no:cacheprovider', '-m',
+                                         'triton', 'tests'], None, tmp_path / 'every')
+        engine = pool.submit(collect, [arg.strip("'") for arg in re.findall(r"'?tests/[^\s']+'?", engine_part)],
+                             tmp_path)
+        (status, output, every), (engine_status, engine_output) = suite.result(), engine.result()
     assert status == 0, output[-3000:]
     assert sorted(by_worker) == ['gw0', 'gw1'] and by_worker['gw0'] == by_worker['gw1'] == every['main'], \
         set(every['main']) ^ set(by_worker['gw0'])  # the files hold every Triton test
-    engine_part = script[script.index('tests/test_engine_correctness.py'):script.index('part "kernel throughput"')]
-    status, output = collect([arg.strip("'") for arg in re.findall(r"'?tests/[^\s']+'?", engine_part)], tmp_path)
-    assert status == 0, output[-3000:]
+    assert engine_status == 0, engine_output[-3000:]
 
 
 @pytest.mark.slow

@@ -51,7 +51,7 @@ def test_a_dp_replica_whose_rank_died_is_started_again_and_a_hung_rank_is_named(
     (SIGSTOP) mid-stream: the error names rank 1, its pid, that it is stopped, and the timeout (before:
     ``broadcast failed on rank 0``; then ``rank 1 did not answer ...``, not saying it was stopped), and no process
     is left, the stopped worker included."""
-    monkeypatch.setenv('LMDEPLOY_TP_TIMEOUT', '8')  # the replicas' environment
+    monkeypatch.setenv('LMDEPLOY_TP_TIMEOUT', '4')  # the replicas' environment
     args = build_parser().parse_args(['serve', 'api_server', tiny_llama, '--tp', '2', *NODE_FLAGS,
                                       '--server-port', str(free_port())])
     del args.help_of  # not picklable (as in main())
@@ -79,7 +79,7 @@ def test_a_dp_replica_whose_rank_died_is_started_again_and_a_hung_rank_is_named(
         pids.append(worker.pid)
         events = stream_events(url, worker.suspend)
         assert '"choices"' in events[0], 'the restarted replica did not serve'
-        assert f'rank 1 (pid {worker.pid}, stopped) did not answer within 8 s (LMDEPLOY_TP_TIMEOUT)' in events[-2], \
+        assert f'rank 1 (pid {worker.pid}, stopped) did not answer within 4 s (LMDEPLOY_TP_TIMEOUT)' in events[-2], \
             events[-2]
     finally:
         replicas.stop(10)
