@@ -38,7 +38,7 @@ VARIANTS = {
                                conv_L_cache=3, tie_word_embeddings=True, architectures=['Lfm2ForCausalLM'], **SHAPE),
     # one dense layer, then experts routed by sigmoid scores plus a bias; convolutions of 4 taps with biases
     'lfm2_moe': lambda: Lfm2MoeConfig(num_hidden_layers=4, layer_types=['conv', 'conv', 'full_attention', 'conv'],
-                                      intermediate_size=96, moe_intermediate_size=48, num_experts=8,
+                                      intermediate_size=96, moe_intermediate_size=32, num_experts=8,
                                       num_experts_per_tok=3, num_dense_layers=1, routed_scaling_factor=1.5,
                                       conv_L_cache=4, conv_bias=True, tie_word_embeddings=False,
                                       architectures=['Lfm2MoeForCausalLM'], **SHAPE),

@@ -6,7 +6,8 @@ text model (``llama4``), Cohere2 (``cohere2``), EXAONE 4.0 (``exaone4``), Arcee 
 Qwen3-MoE (``qwen3moe``; Qwen3-VL-MoE's language model ``qwen3vlmoe`` alike), MiniMax-M2 (``minimax-m2``), Qwen2-MoE
 (``qwen2moe``, with a shared expert) and Mixtral (``llama`` with experts), whose stacked experts
 (``ffn_{gate,up,down}_exps``) are stored back one tensor per expert; Qwen3-Next and Qwen3.5 (``qwen3next``,
-``qwen35``, ``qwen35moe``) have their own module, ``gguf_qwen3_next.py``.
+``qwen35``, ``qwen35moe``) have their own module, ``gguf_qwen3_next.py``, and so do LFM2 and LFM2-MoE (``lfm2``,
+``lfm2moe``), ``gguf_lfm2.py``.
 
 Each has a config builder (the transformers config fields that llama.cpp keeps in metadata under gguf-py's
 ``Keys``, or fixes in its loader) and, where needed, a state-dict step in ``gguf_tensors.py`` that undoes what
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 from gguf import ExpertGatingFuncType, Keys
 
-from . import gguf_qwen3_next
+from . import gguf_lfm2, gguf_qwen3_next
 from .gguf_rope import ROPE_FREQS
 
 Meta = Callable[..., Any]  # (a gguf-py ``Keys`` template, default) -> that key of the file's architecture
@@ -47,13 +48,15 @@ ARCHITECTURES = {
     'arcee': 'ArceeForCausalLM',
     'minimax-m2': 'MiniMaxM2ForCausalLM',
     **gguf_qwen3_next.ARCHITECTURES,
+    **gguf_lfm2.ARCHITECTURES,
 }
 
 # architectures whose every linear layer is a projection (or experts) that may be served as llama.cpp's blocks
 # (llama.cpp never quantizes a router: ``ffn_gate_inp`` stays F32)
 RAW_SERVED_ARCHS = ('llama', 'chatglm', 'glm4', 'glm4moe', 'gemma2', 'gemma3', 'qwen3moe', 'qwen3vlmoe',
                     'qwen2moe', 'mistral3', 'olmo2', 'granite', 'seed_oss', 'ernie4_5', 'ernie4_5-moe', 'llama4',
-                    'cohere2', 'exaone4', 'arcee', 'minimax-m2', *gguf_qwen3_next.ARCHITECTURES)
+                    'cohere2', 'exaone4', 'arcee', 'minimax-m2', *gguf_qwen3_next.ARCHITECTURES,
+                    *gguf_lfm2.ARCHITECTURES)
 
 _ROUTER_BIAS = {'exp_probs_b.bias': 'mlp.gate.e_score_correction_bias'}
 _SHARED_EXPERTS = {'ffn_gate_shexp': 'mlp.shared_experts.gate_proj', 'ffn_up_shexp': 'mlp.shared_experts.up_proj',
@@ -98,6 +101,7 @@ LAYER_NAMES: dict[str, dict[str, str]] = {
                'ffn_up_shexp': 'mlp.shared_expert.up_proj', 'ffn_down_shexp': 'mlp.shared_expert.down_proj'},
     'minimax-m2': _ROUTER_BIAS,
     **dict.fromkeys(gguf_qwen3_next.ARCHITECTURES, gguf_qwen3_next.LAYER_NAMES),
+    **dict.fromkeys(gguf_lfm2.ARCHITECTURES, gguf_lfm2.LAYER_NAMES),
 }
 
 
@@ -422,4 +426,4 @@ CONFIG_BUILDERS: dict[str, Callable[[Meta, dict[str, Any], dict[str, Any]], dict
     'mistral3': _mistral3, 'olmo2': _olmo2, 'granite': _granite, 'seed_oss': _seed_oss, 'ernie4_5': _ernie4_5,
     'ernie4_5-moe': _ernie4_5_moe, 'llama4': _llama4, 'cohere2': _cohere2, 'exaone4': _exaone4,
     'arcee': _arcee, 'minimax-m2': _minimax_m2,
-    **gguf_qwen3_next.CONFIG_BUILDERS}
+    **gguf_qwen3_next.CONFIG_BUILDERS, **gguf_lfm2.CONFIG_BUILDERS}
