@@ -3,7 +3,7 @@ convert_hf_to_gguf.py's LFM2Model and LFM2MoeModel write them (the layer pattern
 convolution layer; the MLP width already adjusted; the convolution ``[C, K]``; the final norm as
 ``token_embd_norm``; the experts stacked per projection, the expert bias as ``exp_probs_b``), served by the engine
 token for token like transformers; in F32, and LFM2-MoE in Q8_0 (attention, MLPs and experts kept as blocks, the
-convolutions' projections dequantized)."""
+convolutions' projections dequantized). A file without its convolution's taps is refused, naming the key."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -21,6 +21,7 @@ from helpers import assert_transformers_greedy, make_engine, random_prompts, run
 from test_gguf import _add_tokenizer, finish
 from test_lfm2 import STD, VARIANTS
 
+from lmdeploy.messages import ConfigError
 from lmdeploy.pytorch.models.lfm2 import dense_intermediate_size
 
 # transformers' name in a layer -> the file's tensor
@@ -37,7 +38,7 @@ GLOBAL_TENSORS = {'model.embed_tokens.weight': T.TOKEN_EMBD, 'model.embedding_no
 QUANTIZED = ('proj.weight', 'w1.weight', 'w2.weight', 'w3.weight', 'experts.gate_up_proj', 'experts.down_proj')
 
 
-def write_metadata(config, writer: gguf.GGUFWriter, arch: str) -> None:
+def write_metadata(config, writer: gguf.GGUFWriter, arch: str, l_cache: bool = True) -> None:
     """What LFM2Model and LFM2MoeModel (TextModels) write."""
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
@@ -48,7 +49,8 @@ def write_metadata(config, writer: gguf.GGUFWriter, arch: str) -> None:
     writer.add_rope_freq_base(config.rope_parameters['rope_theta'])
     writer.add_layer_norm_rms_eps(config.norm_eps)
     writer.add_vocab_size(config.vocab_size)
-    writer.add_shortconv_l_cache(config.conv_L_cache)
+    if l_cache:
+        writer.add_shortconv_l_cache(config.conv_L_cache)
     if arch == 'lfm2':
         writer.add_feed_forward_length(dense_intermediate_size(config))
         return
@@ -90,11 +92,9 @@ def file_tensors(hf: torch.nn.Module, quantize: bool) -> dict[str, np.ndarray]:
     return out
 
 
-@pytest.mark.parametrize('arch, quantize', [('lfm2', False), ('lfm2moe', False), ('lfm2moe', True)],
-                         ids=['lfm2-f32', 'lfm2moe-f32', 'lfm2moe-q8_0'])
-def test_gguf_lfm2_matches_transformers(arch: str, quantize: bool, tmp_path: Path,
-                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(tmp_path / 'cache'))
+def write_gguf(tmp_path: Path, arch: str, quantize: bool = False, l_cache: bool = True):
+    """A tiny random model of ``arch`` written as the converter writes it (without ``shortconv.l_cache`` where
+    ``l_cache`` is off); returns the file and transformers' model of what it holds."""
     src = tmp_path / 'model.gguf'
     writer = gguf.GGUFWriter(str(src), arch)
     config = VARIANTS['lfm2' if arch == 'lfm2' else 'lfm2_moe']()
@@ -102,16 +102,31 @@ def test_gguf_lfm2_matches_transformers(arch: str, quantize: bool, tmp_path: Pat
     if arch == 'lfm2moe':
         config.routed_scaling_factor = 1.0  # the converter does not write it: llama.cpp's routing leaves it out
     hf = hf_causal_lm(save_random_model(config, str(tmp_path / 'hf'), std=STD))
-    write_metadata(hf.config, writer, arch)
+    write_metadata(hf.config, writer, arch, l_cache)
     for name, data in file_tensors(hf, quantize).items():
         writer.add_tensor(name, np.ascontiguousarray(data), raw_dtype=Q.Q8_0 if data.dtype == np.uint8 else None)
     finish(writer)
+    return src, hf
 
+
+@pytest.mark.parametrize('arch, quantize', [('lfm2', False), ('lfm2moe', False), ('lfm2moe', True)],
+                         ids=['lfm2-f32', 'lfm2moe-f32', 'lfm2moe-q8_0'])
+def test_gguf_lfm2_matches_transformers(arch: str, quantize: bool, tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(tmp_path / 'cache'))
+    src, hf = write_gguf(tmp_path, arch, quantize)
     engine = make_engine(str(src))
     if quantize:  # kept as the file's blocks; the convolutions' projections dequantized
         layer_types = engine.model_config.hf_config.quantization_config['ggml_types']
         assert layer_types['layers.2.self_attn.qkv_proj'] == 'Q8_0'
         assert layer_types['layers.0.mlp.gate_up_proj'] == 'Q8_0'
         assert layer_types['layers.1.mlp.experts.gate_up_proj'] == 'Q8_0'
-    prompts = random_prompts([1, 5, 23, 41], vocab=config.vocab_size)
+    prompts = random_prompts([1, 5, 23, 41], vocab=hf.config.vocab_size)
     assert_transformers_greedy(hf, prompts, run(engine, prompts))
+
+
+def test_gguf_lfm2_without_convolution_taps_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(tmp_path / 'cache'))
+    src, _ = write_gguf(tmp_path, 'lfm2', l_cache=False)
+    with pytest.raises(ConfigError, match='missing GGUF metadata: shortconv.l_cache'):
+        make_engine(str(src))

@@ -69,15 +69,15 @@ def test_greedy_and_first_logits_match_transformers(lfm2_model):
 
 @pytest.mark.slow
 def test_batched_chunked_and_preempted_equal_solo(lfm2_moe):
-    """The convolution states carry over between prefill chunks (of 16 tokens, and of 2: chunks shorter than the
-    convolution's window) and a preempted sequence recomputes them from zero."""
+    """The convolution states carry over between prefill chunks (of 16 tokens, and of 2 on the shorter prompts:
+    chunks shorter than the state) and a preempted sequence recomputes them from zero."""
     prompts = random_prompts([70, 100, 20, 45], seed=3)
     plain = run(make_engine(lfm2_moe), prompts)
     assert [run(make_engine(lfm2_moe), [p])[0] for p in prompts] == plain
-    for chunk, block_size in ((16, 16), (2, 2)):
+    for chunk, block_size, few in ((16, 16, 4), (2, 2, 2)):  # chunks of 2 on the two shorter prompts: fewer steps
         engine = make_engine(lfm2_moe, max_prefill_token_num=chunk, block_size=block_size, max_batch_size=4,
                              num_gpu_blocks=2048 // block_size)
-        assert run(engine, prompts) == plain
+        assert run(engine, prompts[-few:]) == plain[-few:]
         assert_slots_free(engine)
     tight = make_engine(lfm2_moe, num_gpu_blocks=14)
     assert run(tight, prompts) == plain

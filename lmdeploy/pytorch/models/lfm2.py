@@ -112,9 +112,8 @@ class Lfm2MoE(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         hf = cfg.hf_config
-        self.top_k, self.renormalize, self.scaling = hf.num_experts_per_tok, bool(hf.norm_topk_prob), \
-            float(hf.routed_scaling_factor)
-        self.use_expert_bias = bool(hf.use_expert_bias)
+        self.top_k, self.renormalize = hf.num_experts_per_tok, bool(hf.norm_topk_prob)
+        self.scaling, self.use_expert_bias = float(hf.routed_scaling_factor), bool(hf.use_expert_bias)
         self.gate = TopKRouter(cfg.hidden_size, hf.num_experts, correction_bias=self.use_expert_bias)
         self.experts = FusedExperts(cfg.hidden_size, hf.moe_intermediate_size, hf.num_experts)
 

@@ -30,9 +30,10 @@ def lfm2_config(meta: Meta, tensors: dict[str, Any], config: dict[str, Any], arc
     kv_heads = config['num_key_value_heads']
     kv_heads = list(kv_heads) if isinstance(kv_heads, (list, tuple)) else [kv_heads] * config['num_hidden_layers']
     l_cache = meta(Keys.ShortConv.L_CACHE)
-    if l_cache is None or not any(kv_heads):
-        raise ValueError(f'{arch}: missing GGUF metadata: shortconv.l_cache, or no attention layer in '
-                         f'attention.head_count_kv')
+    if l_cache is None:
+        raise ValueError('missing GGUF metadata: shortconv.l_cache')
+    if not any(kv_heads):
+        raise ValueError('attention.head_count_kv names no attention layer (all 0)')
     conv_layer = kv_heads.index(0) if 0 in kv_heads else None
     fields = {'model_type': 'lfm2' if arch == 'lfm2' else 'lfm2_moe',
               'layer_types': ['conv' if heads == 0 else 'full_attention' for heads in kv_heads],
@@ -42,11 +43,15 @@ def lfm2_config(meta: Meta, tensors: dict[str, Any], config: dict[str, Any], arc
               'rope_parameters': {'rope_type': 'default', 'rope_theta': config['rope_theta']}}
     if arch == 'lfm2':
         return fields
+    keys = (Keys.LLM.EXPERT_COUNT, Keys.LLM.EXPERT_USED_COUNT, Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)
+    experts, used, width = (meta(key) for key in keys)
+    if None in (experts, used, width):
+        missing = [key.replace('{arch}.', '') for key, value in zip(keys, (experts, used, width)) if value is None]
+        raise ValueError(f'missing GGUF metadata: {", ".join(missing)}')
     dense = meta(Keys.LLM.LEADING_DENSE_BLOCK_COUNT, 0)
-    return fields | {'num_experts': meta(Keys.LLM.EXPERT_COUNT), 'num_experts_per_tok': meta(Keys.LLM.EXPERT_USED_COUNT),
-                     'moe_intermediate_size': meta(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH), 'num_dense_layers': dense,
-                     'use_expert_bias': f'blk.{dense}.exp_probs_b.bias' in tensors, 'norm_topk_prob': True,
-                     'routed_scaling_factor': 1.0}
+    return fields | {'num_experts': experts, 'num_experts_per_tok': used, 'moe_intermediate_size': width,
+                     'num_dense_layers': dense, 'use_expert_bias': f'blk.{dense}.exp_probs_b.bias' in tensors,
+                     'norm_topk_prob': True, 'routed_scaling_factor': 1.0}
 
 
 def unsqueeze_conv(state_dict: dict[str, torch.Tensor]) -> None:
