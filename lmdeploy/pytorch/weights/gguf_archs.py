@@ -1,7 +1,8 @@
 """GGUF architectures whose llama.cpp files differ from their transformers checkpoints by more than tensor
 names: GLM (``chatglm``, ``glm4``), Gemma 2 and 3 (``gemma2``, ``gemma3``), Mistral Small 3.x and Ministral 3
 (``mistral3``), OLMo 2/3 (``olmo2``), Granite 3 (``granite``), Seed-OSS (``seed_oss``), ERNIE 4.5 (``ernie4_5``),
-Cohere2 (``cohere2``), EXAONE 4.0 (``exaone4``), Arcee (``arcee``); the MoE families have their own module,
+Cohere2 (``cohere2``), EXAONE 4.0 (``exaone4``), Arcee (``arcee``), the dense Hunyuan (``hunyuan-dense``), Apertus
+(``apertus``); the MoE families have their own module,
 ``gguf_moe_archs.py``, and Qwen3-Next and Qwen3.5 (``qwen3next``, ``qwen35``, ``qwen35moe``) theirs,
 ``gguf_qwen3_next.py``, merged in here.
 
@@ -37,6 +38,8 @@ ARCHITECTURES = {
     'cohere2': 'Cohere2ForCausalLM',
     'exaone4': 'Exaone4ForCausalLM',
     'arcee': 'ArceeForCausalLM',
+    'hunyuan-dense': 'HunYuanDenseV1ForCausalLM',
+    'apertus': 'ApertusForCausalLM',
     **gguf_moe_archs.ARCHITECTURES,
     **gguf_qwen3_next.ARCHITECTURES,
 }
@@ -45,6 +48,7 @@ ARCHITECTURES = {
 # (llama.cpp never quantizes a router: ``ffn_gate_inp`` stays F32)
 RAW_SERVED_ARCHS = ('llama', 'chatglm', 'glm4', 'gemma2', 'gemma3', 'mistral3', 'olmo2', 'granite', 'seed_oss',
                     'ernie4_5', 'cohere2', 'exaone4', 'arcee',
+                    'hunyuan-dense', 'apertus',
                     *gguf_moe_archs.RAW_SERVED_ARCHS,
                     *gguf_qwen3_next.ARCHITECTURES)
 
@@ -63,6 +67,8 @@ LAYER_NAMES: dict[str, dict[str, str]] = {
     'olmo2': _POST_NORM_NAMES,
     'exaone4': _POST_NORM_NAMES,
     'seed_oss': {'post_attention_norm': 'post_attention_layernorm'},
+    'hunyuan-dense': gguf_moe_archs.HUNYUAN_QK_NORMS,
+    'apertus': {'attn_norm': 'attention_layernorm', 'ffn_norm': 'feedforward_layernorm'},
     **gguf_moe_archs.LAYER_NAMES,
     **dict.fromkeys(gguf_qwen3_next.ARCHITECTURES, gguf_qwen3_next.LAYER_NAMES),
 }
@@ -201,9 +207,53 @@ def _rope_unless_freqs(meta: Meta, tensors: dict[str, Any], config: dict[str, An
     return {} if ROPE_FREQS in tensors else {'rope_parameters': _rope(meta, config['rope_theta'])}
 
 
+def _hunyuan_dense(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """The dense Hunyuan: q/k rows unpermuted; NTK-alpha's stretched base written as ``rope.freq_base`` with no
+    scaling (as ``hunyuan-moe``'s, ``gguf_moe_archs.py``)."""
+    return {'model_type': 'hunyuan_v1_dense', 'rope_parameters': _rope(meta, config['rope_theta'])}
+
+
+def _apertus(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """Apertus: Llama's keys, q/k rows unpermuted (its converter leaves them), the llama3 rotary from ``rope_freqs``;
+    the xIELU parameters, kept as metadata, are checked here and become tensors in :func:`xielu_tensors`."""
+    xielu_values(meta)
+    return {'model_type': 'apertus', 'hidden_act': 'xielu', **_rope_unless_freqs(meta, tensors, config)}
+
+
+XIELU_KEYS = {'alpha_p': Keys.xIELU.ALPHA_P, 'alpha_n': Keys.xIELU.ALPHA_N, 'beta': Keys.xIELU.BETA,
+              'eps': Keys.xIELU.EPS}
+
+
+def xielu_values(meta: Meta) -> dict[str, list[float]]:
+    """Each layer's xIELU parameters as the checkpoint holds them (``alpha_p`` and ``alpha_n`` before their
+    softplus), by name: the file's arrays (a value a layer), or one value for every layer."""
+    layers = meta(Keys.LLM.BLOCK_COUNT)
+    values = {name: meta(key) for name, key in XIELU_KEYS.items()}
+    missing = [key for name, key in XIELU_KEYS.items() if values[name] is None]
+    if missing:
+        raise ValueError(f'missing GGUF metadata: {", ".join(missing)}')
+    values = {name: value if isinstance(value, list) else [value] * layers for name, value in values.items()}
+    wrong = [f'{XIELU_KEYS[name]} ({len(value)})' for name, value in values.items() if len(value) != layers]
+    if wrong:
+        raise ValueError(f'GGUF metadata {", ".join(wrong)} should hold one value per layer ({layers})')
+    return values
+
+
+def xielu_tensors(meta: Meta, layer: int) -> dict[str, torch.Tensor]:
+    """Apertus's xIELU parameters of layer ``layer`` as the checkpoint's tensors (``alpha_p``/``alpha_n`` of one
+    element, ``beta``/``eps`` scalars)."""
+    return {f'model.layers.{layer}.mlp.act_fn.{name}': torch.tensor(
+        [values[layer]] if name.startswith('alpha') else values[layer], dtype=torch.float32)
+        for name, values in xielu_values(meta).items()}
+
+
+# per architecture, the tensors of a layer that llama.cpp keeps as metadata: ``(meta, layer) -> {name: tensor}``
+METADATA_TENSORS: dict[str, Callable[[Meta, int], dict[str, torch.Tensor]]] = {'apertus': xielu_tensors}
+
+
 CONFIG_BUILDERS: dict[str, Callable[[Meta, dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
     'chatglm': _chatglm, 'glm4': _glm4, 'gemma2': _gemma2, 'gemma3': _gemma3, 'mistral3': _mistral3, 'olmo2': _olmo2,
     'granite': _granite, 'seed_oss': _seed_oss, 'ernie4_5': _ernie4_5, 'cohere2': _cohere2, 'exaone4': _exaone4,
-    'arcee': _arcee,
+    'arcee': _arcee, 'hunyuan-dense': _hunyuan_dense, 'apertus': _apertus,
     **gguf_moe_archs.CONFIG_BUILDERS,
     **gguf_qwen3_next.CONFIG_BUILDERS}

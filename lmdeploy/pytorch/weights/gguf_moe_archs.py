@@ -1,6 +1,6 @@
 """GGUF architectures of MoE families whose llama.cpp files differ from their transformers checkpoints by more than
 tensor names: gpt-oss (``gpt-oss``), DeepSeek-V2/V3 (``deepseek2``), GLM-4.5 (``glm4moe``), ERNIE 4.5's MoE
-(``ernie4_5-moe``), Llama 4's text model (``llama4``), and the files of Qwen3-MoE
+(``ernie4_5-moe``), Llama 4's text model (``llama4``), Hunyuan-A13B (``hunyuan-moe``), and the files of Qwen3-MoE
 (``qwen3moe``; Qwen3-VL-MoE's language model ``qwen3vlmoe`` alike), MiniMax-M2 (``minimax-m2``), Qwen2-MoE
 (``qwen2moe``, with a shared expert) and Mixtral (``llama`` with experts), whose stacked experts
 (``ffn_{gate,up,down}_exps``) are stored back one tensor per expert. Registered in ``gguf_archs.py`` as
@@ -23,11 +23,15 @@ ARCHITECTURES = {
     'ernie4_5-moe': 'Ernie4_5_MoeForCausalLM',
     'llama4': 'Llama4ForCausalLM',
     'minimax-m2': 'MiniMaxM2ForCausalLM',
+    'hunyuan-moe': 'HunYuanMoEV1ForCausalLM',
 }
 
 # those whose every linear layer is a projection or experts (not MLA's, not gpt-oss's biased experts)
-RAW_SERVED_ARCHS = ('glm4moe', 'qwen3moe', 'qwen3vlmoe', 'qwen2moe', 'ernie4_5-moe', 'llama4', 'minimax-m2')
+RAW_SERVED_ARCHS = ('glm4moe', 'qwen3moe', 'qwen3vlmoe', 'qwen2moe', 'ernie4_5-moe', 'llama4', 'minimax-m2',
+                    'hunyuan-moe')
 
+# Hunyuan's q/k norms (after the rotary), dense (``gguf_archs.py``) and MoE alike
+HUNYUAN_QK_NORMS = {'attn_q_norm': 'self_attn.query_layernorm', 'attn_k_norm': 'self_attn.key_layernorm'}
 _ROUTER_BIAS = {'exp_probs_b.bias': 'mlp.gate.e_score_correction_bias'}
 _SHARED_EXPERTS = {'ffn_gate_shexp': 'mlp.shared_experts.gate_proj', 'ffn_up_shexp': 'mlp.shared_experts.up_proj',
                    'ffn_down_shexp': 'mlp.shared_experts.down_proj'}
@@ -58,6 +62,8 @@ LAYER_NAMES: dict[str, dict[str, str]] = {
     'llama4': {'ffn_gate_inp': 'mlp.router', 'ffn_gate_shexp': 'mlp.shared_expert.gate_proj',
                'ffn_up_shexp': 'mlp.shared_expert.up_proj', 'ffn_down_shexp': 'mlp.shared_expert.down_proj'},
     'minimax-m2': _ROUTER_BIAS,
+    'hunyuan-moe': {**HUNYUAN_QK_NORMS, 'ffn_gate_inp': 'mlp.gate.wg', 'ffn_gate_shexp': 'mlp.shared_mlp.gate_proj',
+                    'ffn_up_shexp': 'mlp.shared_mlp.up_proj', 'ffn_down_shexp': 'mlp.shared_mlp.down_proj'},
 }
 
 
@@ -208,7 +214,20 @@ def _minimax_m2(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> 
             'intermediate_size': meta(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH), 'rope_parameters': rope}
 
 
+def _hunyuan_moe(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """Hunyuan-A13B: every layer's experts of ``feed_forward_length`` (llama.cpp's sizes for them) and its shared
+    MLP of ``expert_shared_feed_forward_length`` (the same in transformers' model: another is refused); the
+    converter writes NTK-alpha's stretched base, ``rope_theta * alpha ** (d / (d - 2))``, as ``rope.freq_base``
+    with no scaling: a plain rotary of that base."""
+    shared = meta(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, config['intermediate_size'])
+    if shared != config['intermediate_size']:
+        raise ValueError(f'a hunyuan-moe file whose shared MLP ({shared} features) differs from its experts '
+                         f'({config["intermediate_size"]}) is not supported')
+    return {'model_type': 'hunyuan_v1_moe', 'num_experts': meta(Keys.LLM.EXPERT_COUNT),
+            'moe_topk': meta(Keys.LLM.EXPERT_USED_COUNT),
+            'rope_parameters': rope_parameters(meta, config['rope_theta'])}
+
 CONFIG_BUILDERS: dict[str, Callable[[Meta, dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
     'llama': _llama, 'gpt-oss': _gpt_oss, 'deepseek2': _deepseek2, 'glm4moe': _glm4moe, 'qwen3moe': _qwen3moe,
     'qwen3vlmoe': _qwen3moe, 'qwen2moe': _qwen2moe, 'ernie4_5-moe': _ernie4_5_moe, 'llama4': _llama4,
-    'minimax-m2': _minimax_m2}
+    'minimax-m2': _minimax_m2, 'hunyuan-moe': _hunyuan_moe}
