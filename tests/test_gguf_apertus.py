@@ -33,8 +33,8 @@ XIELU = ('alpha_n', 'alpha_p', 'beta', 'eps')
 
 def save_gguf(path: Path, quantize: bool, xielu: str = 'per_layer') -> tuple[Path, str, int]:
     """A tiny random Apertus saved in ``path / 'hf'`` and written to ``path / 'model.gguf'`` with its xIELU parameters
-    ``per_layer`` (the converter's arrays), as one ``scalar`` each (layer 0's), or ``absent``: the file, the folder
-    and the vocabulary size."""
+    ``per_layer`` (the converter's arrays), as one ``scalar`` each (layer 0's), ``short`` (arrays of layer 0's alone)
+    or ``absent``: the file, the folder and the vocabulary size."""
     src = path / 'model.gguf'
     writer = gguf.GGUFWriter(str(src), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.APERTUS])
     vocab = _add_tokenizer(writer)
@@ -66,6 +66,8 @@ def save_gguf(path: Path, quantize: bool, xielu: str = 'per_layer') -> tuple[Pat
             writer.add_array(key, layers)
         elif xielu == 'scalar':
             writer.add_float32(key, layers[0])
+        elif xielu == 'short':
+            writer.add_array(key, layers[:1])
     writer.add_tensor('rope_freqs.weight',
                       llama3_divisors(SimpleNamespace(rope_parameters=config.rope_parameters, head_dim=head_dim)))
     finish(writer)
@@ -120,9 +122,14 @@ def test_one_xielu_value_for_every_layer(tmp_path: Path) -> None:
                                        original[f'model.layers.0.mlp.act_fn.{kind}'], rtol=0, atol=0)
 
 
-def test_file_without_xielu_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize('xielu, message', [
+    ('absent', 'missing GGUF metadata: xielu.alpha_p, xielu.alpha_n, xielu.beta, xielu.eps'),
+    ('short', r'GGUF metadata xielu.alpha_p \(1\), .* should hold one value per layer \(2\)')])
+def test_file_without_each_layers_xielu_is_refused(xielu: str, message: str, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A clear error naming the keys, and no converted folder left."""
     monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(tmp_path / 'cache'))
-    src, _, _ = save_gguf(tmp_path, quantize=False, xielu='absent')
-    with pytest.raises(ConfigError, match='missing GGUF metadata: xielu.alpha_p, xielu.alpha_n, xielu.beta, xielu.eps'):
+    src, _, _ = save_gguf(tmp_path, quantize=False, xielu=xielu)
+    with pytest.raises(ConfigError, match=message):
         resolve_gguf(str(src))
     assert not any((tmp_path / 'cache' / 'gguf').glob('*'))

@@ -216,24 +216,24 @@ def _hunyuan_dense(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) 
 def _apertus(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
     """Apertus: Llama's keys, q/k rows unpermuted (its converter leaves them), the llama3 rotary from ``rope_freqs``;
     the xIELU parameters, kept as metadata, are checked here and become tensors in :func:`xielu_tensors`."""
-    xielu_values(meta)
+    _xielu_values(meta)
     return {'model_type': 'apertus', 'hidden_act': 'xielu', **_rope_unless_freqs(meta, tensors, config)}
 
 
-XIELU_KEYS = {'alpha_p': Keys.xIELU.ALPHA_P, 'alpha_n': Keys.xIELU.ALPHA_N, 'beta': Keys.xIELU.BETA,
+_XIELU_KEYS = {'alpha_p': Keys.xIELU.ALPHA_P, 'alpha_n': Keys.xIELU.ALPHA_N, 'beta': Keys.xIELU.BETA,
               'eps': Keys.xIELU.EPS}
 
 
-def xielu_values(meta: Meta) -> dict[str, list[float]]:
+def _xielu_values(meta: Meta) -> dict[str, list[float]]:
     """Each layer's xIELU parameters as the checkpoint holds them (``alpha_p`` and ``alpha_n`` before their
     softplus), by name: the file's arrays (a value a layer), or one value for every layer."""
     layers = meta(Keys.LLM.BLOCK_COUNT)
-    values = {name: meta(key) for name, key in XIELU_KEYS.items()}
-    missing = [key for name, key in XIELU_KEYS.items() if values[name] is None]
+    values = {name: meta(key) for name, key in _XIELU_KEYS.items()}
+    missing = [key for name, key in _XIELU_KEYS.items() if values[name] is None]
     if missing:
         raise ValueError(f'missing GGUF metadata: {", ".join(missing)}')
     values = {name: value if isinstance(value, list) else [value] * layers for name, value in values.items()}
-    wrong = [f'{XIELU_KEYS[name]} ({len(value)})' for name, value in values.items() if len(value) != layers]
+    wrong = [f'{_XIELU_KEYS[name]} ({len(value)})' for name, value in values.items() if len(value) != layers]
     if wrong:
         raise ValueError(f'GGUF metadata {", ".join(wrong)} should hold one value per layer ({layers})')
     return values
@@ -244,7 +244,7 @@ def xielu_tensors(meta: Meta, layer: int) -> dict[str, torch.Tensor]:
     element, ``beta``/``eps`` scalars)."""
     return {f'model.layers.{layer}.mlp.act_fn.{name}': torch.tensor(
         [values[layer]] if name.startswith('alpha') else values[layer], dtype=torch.float32)
-        for name, values in xielu_values(meta).items()}
+        for name, values in _xielu_values(meta).items()}
 
 
 # per architecture, the tensors of a layer that llama.cpp keeps as metadata: ``(meta, layer) -> {name: tensor}``
