@@ -53,6 +53,7 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'HunYuanMoEV1ForCausalLM': ('llm', 'lmdeploy.pytorch.models.hunyuan:HunYuanMoEV1ForCausalLM'),
     'GraniteMoeHybridForCausalLM': ('llm', 'lmdeploy.pytorch.models.granitemoehybrid:GraniteMoeHybridForCausalLM'),
     'NemotronHForCausalLM': ('llm', 'lmdeploy.pytorch.models.nemotron_h:NemotronHForCausalLM'),
+    'HunYuanDenseV1ForCausalLM': ('llm', 'lmdeploy.pytorch.models.hunyuan:HunYuanDenseV1ForCausalLM'),
     'Lfm2ForCausalLM': ('llm', 'lmdeploy.pytorch.models.lfm2:Lfm2ForCausalLM'),
     'Lfm2MoeForCausalLM': ('llm', 'lmdeploy.pytorch.models.lfm2:Lfm2ForCausalLM'),
     'Qwen2VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),

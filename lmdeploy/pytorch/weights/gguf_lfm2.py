@@ -11,12 +11,12 @@ convert_hf_to_gguf.py's ``LFM2Model`` and ``LFM2MoeModel`` write, read back here
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from gguf import Keys
 
-Meta = Callable[..., Any]
+from .gguf_keys import Meta
 
 ARCHITECTURES = {'lfm2': 'Lfm2ForCausalLM', 'lfm2moe': 'Lfm2MoeForCausalLM'}
 LAYER_NAMES = {'shortconv.conv': 'conv.conv', 'shortconv.in_proj': 'conv.in_proj',
