@@ -158,3 +158,17 @@ def test_lfm2_tool_parser(text, content, calls):
     (Llama 4's ``<|python_start|>`` is text here)."""
     parser = get_tool_parser('lfm2')
     assert split(lambda: ChoiceParser(None, parser()), text) == {'reasoning': '', 'content': content, 'calls': calls}
+
+
+def test_lfm2_tool_parser_with_special_markers():
+    """As served with LFM2's tokenizer, whose markers are special tokens: a start marker that no list follows is
+    left out of the text, as the reply would show it without a parser."""
+    markers = ['<|tool_call_start|>', '<|tool_call_end|>']
+    parser = get_tool_parser('lfm2')
+
+    def split_text(text: str) -> dict:
+        return split(lambda: ChoiceParser(None, parser((), markers), special_markers=markers), text)
+
+    assert split_text('Hi <|tool_call_start|> no list') == {'reasoning': '', 'content': 'Hi  no list', 'calls': []}
+    assert split_text('<|tool_call_start|>[f(a=1), g(b="x")]<|tool_call_end|>\nok') == {
+        'reasoning': '', 'content': '\nok', 'calls': [('f', '{"a": 1}'), ('g', '{"b": "x"}')]}
