@@ -2,9 +2,11 @@
 names: GLM (``chatglm``, ``glm4``), Gemma 2 and 3 (``gemma2``, ``gemma3``), gpt-oss (``gpt-oss``),
 DeepSeek-V2/V3 (``deepseek2``), GLM-4.5 (``glm4moe``), Mistral Small 3.x and Ministral 3 (``mistral3``), OLMo 2/3
 (``olmo2``), Granite 3 (``granite``), Seed-OSS (``seed_oss``), ERNIE 4.5 (``ernie4_5``, ``ernie4_5-moe``), Llama 4's
-text model (``llama4``), Cohere2 (``cohere2``), EXAONE 4.0 (``exaone4``), Arcee (``arcee``), and the MoE files of
+text model (``llama4``), Cohere2 (``cohere2``), EXAONE 4.0 (``exaone4``), Arcee (``arcee``), StarCoder2
+(``starcoder2``), and the MoE files of
 Qwen3-MoE (``qwen3moe``; Qwen3-VL-MoE's language model ``qwen3vlmoe`` alike), MiniMax-M2 (``minimax-m2``), Qwen2-MoE
-(``qwen2moe``, with a shared expert) and Mixtral (``llama`` with experts), whose stacked experts
+(``qwen2moe``, with a shared expert), OLMoE (``olmoe``), Granite 3 MoE (``granitemoe``) and Mixtral (``llama`` with
+experts), whose stacked experts
 (``ffn_{gate,up,down}_exps``) are stored back one tensor per expert; Qwen3-Next and Qwen3.5 (``qwen3next``,
 ``qwen35``, ``qwen35moe``) have their own module, ``gguf_qwen3_next.py``.
 
@@ -46,6 +48,9 @@ ARCHITECTURES = {
     'exaone4': 'Exaone4ForCausalLM',
     'arcee': 'ArceeForCausalLM',
     'minimax-m2': 'MiniMaxM2ForCausalLM',
+    'olmoe': 'OlmoeForCausalLM',
+    'granitemoe': 'GraniteMoeForCausalLM',
+    'starcoder2': 'Starcoder2ForCausalLM',
     **gguf_qwen3_next.ARCHITECTURES,
 }
 
@@ -53,7 +58,8 @@ ARCHITECTURES = {
 # (llama.cpp never quantizes a router: ``ffn_gate_inp`` stays F32)
 RAW_SERVED_ARCHS = ('llama', 'chatglm', 'glm4', 'glm4moe', 'gemma2', 'gemma3', 'qwen3moe', 'qwen3vlmoe',
                     'qwen2moe', 'mistral3', 'olmo2', 'granite', 'seed_oss', 'ernie4_5', 'ernie4_5-moe', 'llama4',
-                    'cohere2', 'exaone4', 'arcee', 'minimax-m2', *gguf_qwen3_next.ARCHITECTURES)
+                    'cohere2', 'exaone4', 'arcee', 'minimax-m2', 'olmoe', 'granitemoe', 'starcoder2',
+                    *gguf_qwen3_next.ARCHITECTURES)
 
 _ROUTER_BIAS = {'exp_probs_b.bias': 'mlp.gate.e_score_correction_bias'}
 _SHARED_EXPERTS = {'ffn_gate_shexp': 'mlp.shared_experts.gate_proj', 'ffn_up_shexp': 'mlp.shared_experts.up_proj',
@@ -97,6 +103,8 @@ LAYER_NAMES: dict[str, dict[str, str]] = {
     'llama4': {'ffn_gate_inp': 'mlp.router', 'ffn_gate_shexp': 'mlp.shared_expert.gate_proj',
                'ffn_up_shexp': 'mlp.shared_expert.up_proj', 'ffn_down_shexp': 'mlp.shared_expert.down_proj'},
     'minimax-m2': _ROUTER_BIAS,
+    # the MLP's names in StarCoder2's checkpoints (the engine loads them as its ungated MLP's up and down)
+    'starcoder2': {'ffn_up': 'mlp.c_fc', 'ffn_down': 'mlp.c_proj'},
     **dict.fromkeys(gguf_qwen3_next.ARCHITECTURES, gguf_qwen3_next.LAYER_NAMES),
 }
 
@@ -416,10 +424,37 @@ def _minimax_m2(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> 
             'intermediate_size': meta(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH), 'rope_parameters': rope}
 
 
+def _olmoe(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """OLMoE: every layer sparse, the top-k weights left as the softmax gives them (llama.cpp's fixed routing for it,
+    unless the file says); q/k rows unpermuted, their norms over all heads; no ``clip_qkv`` (the converter writes
+    none for OLMoE)."""
+    fields = _experts(meta, config, renormalize=False)
+    return {'model_type': 'olmoe', 'rope_parameters': _rope(meta, config['rope_theta']),
+            'num_experts': meta(Keys.LLM.EXPERT_COUNT), 'intermediate_size': fields.pop('moe_intermediate_size'),
+            **fields}
+
+
+def _granitemoe(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """Granite 3 MoE: Granite's multipliers and q/k rows (see :func:`_granite`), every layer's experts split from the
+    checkpoints' fused ``input_linear`` into ``ffn_gate_exps`` and ``ffn_up_exps``, a softmax over the top-k logits."""
+    return {**_granite(meta, tensors, config), 'model_type': 'granitemoe',
+            'num_local_experts': meta(Keys.LLM.EXPERT_COUNT), 'num_experts_per_tok': meta(Keys.LLM.EXPERT_USED_COUNT),
+            'intermediate_size': meta(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, config['intermediate_size'])}
+
+
+def _starcoder2(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """StarCoder2: LayerNorms with biases of the file's epsilon, biases on the projections where the file has them,
+    q/k rows unpermuted. llama.cpp attends over the whole context (it reads no sliding window for it), and so does the
+    engine on these files."""
+    return {'model_type': 'starcoder2', 'rope_parameters': _rope(meta, config['rope_theta']),
+            'norm_epsilon': meta(Keys.Attention.LAYERNORM_EPS, 1e-5), 'use_bias': 'blk.0.attn_q.bias' in tensors,
+            'sliding_window': None}
+
+
 CONFIG_BUILDERS: dict[str, Callable[[Meta, dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
     'llama': _llama, 'chatglm': _chatglm, 'glm4': _glm4, 'gemma2': _gemma2, 'gemma3': _gemma3, 'gpt-oss': _gpt_oss,
     'deepseek2': _deepseek2, 'glm4moe': _glm4moe, 'qwen3moe': _qwen3moe, 'qwen3vlmoe': _qwen3moe, 'qwen2moe': _qwen2moe,
     'mistral3': _mistral3, 'olmo2': _olmo2, 'granite': _granite, 'seed_oss': _seed_oss, 'ernie4_5': _ernie4_5,
     'ernie4_5-moe': _ernie4_5_moe, 'llama4': _llama4, 'cohere2': _cohere2, 'exaone4': _exaone4,
-    'arcee': _arcee, 'minimax-m2': _minimax_m2,
+    'arcee': _arcee, 'minimax-m2': _minimax_m2, 'olmoe': _olmoe, 'granitemoe': _granitemoe, 'starcoder2': _starcoder2,
     **gguf_qwen3_next.CONFIG_BUILDERS}
