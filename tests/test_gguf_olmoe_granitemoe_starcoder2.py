@@ -26,6 +26,8 @@ from test_granitemoe import granitemoe_config
 from test_olmoe import olmoe_config
 from test_starcoder2 import starcoder2_config
 
+from lmdeploy.messages import ConfigError
+
 ARCHS = {'olmoe': gguf.MODEL_ARCH.OLMOE, 'granitemoe': gguf.MODEL_ARCH.GRANITE_MOE,
          'starcoder2': gguf.MODEL_ARCH.STARCODER2}
 CONFIGS = {'olmoe': olmoe_config, 'granitemoe': granitemoe_config,
@@ -91,16 +93,17 @@ def file_tensors(folder: str, config, quantize: bool) -> dict[str, np.ndarray]:
     return out
 
 
-def save_gguf(kind: str, path: Path, quantize: bool) -> tuple[Path, str, int]:
-    """A tiny random ``kind`` saved in ``path / 'hf'`` and written to ``path / 'model.gguf'``: the file, the folder
-    and the vocabulary size."""
+def save_gguf(kind: str, path: Path, quantize: bool,
+              extra: dict[str, np.ndarray] | None = None) -> tuple[Path, str, int]:
+    """A tiny random ``kind`` saved in ``path / 'hf'`` and written to ``path / 'model.gguf'`` (with the ``extra``
+    tensors): the file, the folder and the vocabulary size."""
     src = path / 'model.gguf'
     writer = gguf.GGUFWriter(str(src), gguf.MODEL_ARCH_NAMES[ARCHS[kind]])
     vocab = _add_tokenizer(writer)
     folder = save_random_model(CONFIGS[kind](vocab_size=vocab), str(path / 'hf'))
     config = AutoConfig.from_pretrained(folder)
     add_metadata(writer, config)
-    for name, data in file_tensors(folder, config, quantize).items():
+    for name, data in (file_tensors(folder, config, quantize) | (extra or {})).items():
         writer.add_tensor(name, np.ascontiguousarray(data), raw_dtype=Q.Q8_0 if data.dtype == np.uint8 else None)
     finish(writer)
     return src, folder, vocab
@@ -132,3 +135,14 @@ def test_gguf_q8_0_kept_as_blocks(kind: str, tmp_path: Path, monkeypatch: pytest
             assert layer_types[f'layers.{layer}.{name}'] == 'Q8_0', (layer, name)
     prompts = random_prompts([5, 40], vocab=vocab)
     assert_transformers_greedy(hf, prompts, run(engine, prompts))
+
+
+def test_gguf_granitemoe_with_a_shared_mlp_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GraniteMoeShared converts to ``granitemoe`` too, with a shared MLP (``ffn_*_shexp``) that Granite 3 MoE has
+    no place for: the file is refused, saying so, rather than served without it."""
+    monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(tmp_path / 'cache'))
+    shared = {f'blk.{layer}.ffn_{proj}_shexp.weight': np.zeros((32, 64) if proj != 'down' else (64, 32), np.float32)
+              for layer in range(2) for proj in ('gate', 'up', 'down')}
+    src, _, _ = save_gguf('granitemoe', tmp_path, quantize=False, extra=shared)
+    with pytest.raises(ConfigError, match='shared MLP'):
+        make_engine(str(src))

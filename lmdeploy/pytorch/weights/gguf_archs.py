@@ -436,7 +436,10 @@ def _olmoe(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[
 
 def _granitemoe(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
     """Granite 3 MoE: Granite's multipliers and q/k rows (see :func:`_granite`), every layer's experts split from the
-    checkpoints' fused ``input_linear`` into ``ffn_gate_exps`` and ``ffn_up_exps``, a softmax over the top-k logits."""
+    checkpoints' fused ``input_linear`` into ``ffn_gate_exps`` and ``ffn_up_exps``, a softmax over the top-k logits.
+    GraniteMoeShared's files (the same architecture with a shared MLP, ``ffn_*_shexp``) are refused."""
+    if 'blk.0.ffn_up_shexp.weight' in tensors:
+        raise ValueError('a granitemoe file with a shared MLP (ffn_*_shexp: GraniteMoeShared) is not supported')
     return {**_granite(meta, tensors, config), 'model_type': 'granitemoe',
             'num_local_experts': meta(Keys.LLM.EXPERT_COUNT), 'num_experts_per_tok': meta(Keys.LLM.EXPERT_USED_COUNT),
             'intermediate_size': meta(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, config['intermediate_size'])}
