@@ -1,15 +1,16 @@
 """StarCoder2 (``Starcoder2ForCausalLM``) against transformers on tiny random models saved by transformers: greedy
 tokens and first-step logits in fp32 (biased LayerNorms and projections, the ungated GELU-tanh ``c_fc``/``c_proj``
 MLP, tied embeddings as the 3B's; a sliding window shorter than the prompts, or none), batching, chunked prefill and
-prefix-cache hits, tensor parallelism, and bf16 outside the native decoder stack."""
+prefix-cache hits, tensor parallelism, and bf16 outside the native decoder stack close to transformers."""
 from __future__ import annotations
 
 import pytest
 from transformers import Starcoder2Config
 
 from conftest import VOCAB_SIZE, save_random_model
-from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_matches_transformers,
-                           assert_tp2_equals_tp1, hf_causal_lm, prefix_sharing_prompts)
+from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_first_logits_close,
+                           assert_matches_transformers, assert_tp2_equals_tp1, hf_causal_lm, hf_last_logits,
+                           prefix_sharing_prompts)
 from helpers import random_prompts, run
 
 from lmdeploy.messages import PytorchEngineConfig
@@ -55,13 +56,16 @@ def test_batched_chunked_and_cached_equal_solo(tmp_path):
 
 def test_bf16_runs_its_layers_outside_the_native_stack(tmp_path, native_gemms):
     """The stack's MLPs are gated and its norms carry no bias: with bf16 on the native GEMMs the layers run their own
-    forward, batched as solo."""
-    engine = Engine(save_starcoder2(str(tmp_path / 'starcoder2'), 'sliding'),
-                    PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=64, block_size=16), show_progress=False)
+    forward, batched as solo, the first step's logits within bf16's error of transformers in fp32."""
+    path = save_starcoder2(str(tmp_path / 'starcoder2'), 'sliding')
+    engine = Engine(path, PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=64, block_size=16), show_progress=False)
     assert engine.runner.model.native_stack is None
     prompts = random_prompts([40, 9, 23], seed=6)
     outs = run(engine, prompts)
     assert [run(engine, [prompt])[0] for prompt in prompts] == outs
+    hf_model = hf_causal_lm(path)
+    assert_first_logits_close(engine, prompts, [hf_last_logits(hf_model, p) for p in prompts], tol=0.05,
+                              relative=True)
 
 
 @pytest.mark.slow
