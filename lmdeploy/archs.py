@@ -53,6 +53,7 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'HunYuanMoEV1ForCausalLM': ('llm', 'lmdeploy.pytorch.models.hunyuan:HunYuanMoEV1ForCausalLM'),
     'GraniteMoeHybridForCausalLM': ('llm', 'lmdeploy.pytorch.models.granitemoehybrid:GraniteMoeHybridForCausalLM'),
     'NemotronHForCausalLM': ('llm', 'lmdeploy.pytorch.models.nemotron_h:NemotronHForCausalLM'),
+    'HunYuanDenseV1ForCausalLM': ('llm', 'lmdeploy.pytorch.models.hunyuan:HunYuanDenseV1ForCausalLM'),
     'OlmoeForCausalLM': ('llm', 'lmdeploy.pytorch.models.olmo:OlmoeForCausalLM'),
     'GraniteMoeForCausalLM': ('llm', 'lmdeploy.pytorch.models.granite:GraniteMoeForCausalLM'),
     'Starcoder2ForCausalLM': ('llm', 'lmdeploy.pytorch.models.starcoder2:Starcoder2ForCausalLM'),
