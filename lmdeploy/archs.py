@@ -54,6 +54,8 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'GraniteMoeHybridForCausalLM': ('llm', 'lmdeploy.pytorch.models.granitemoehybrid:GraniteMoeHybridForCausalLM'),
     'NemotronHForCausalLM': ('llm', 'lmdeploy.pytorch.models.nemotron_h:NemotronHForCausalLM'),
     'HunYuanDenseV1ForCausalLM': ('llm', 'lmdeploy.pytorch.models.hunyuan:HunYuanDenseV1ForCausalLM'),
+    'Lfm2ForCausalLM': ('llm', 'lmdeploy.pytorch.models.lfm2:Lfm2ForCausalLM'),
+    'Lfm2MoeForCausalLM': ('llm', 'lmdeploy.pytorch.models.lfm2:Lfm2ForCausalLM'),
     'OlmoeForCausalLM': ('llm', 'lmdeploy.pytorch.models.olmo:OlmoeForCausalLM'),
     'GraniteMoeForCausalLM': ('llm', 'lmdeploy.pytorch.models.granite:GraniteMoeForCausalLM'),
     'Starcoder2ForCausalLM': ('llm', 'lmdeploy.pytorch.models.starcoder2:Starcoder2ForCausalLM'),

@@ -4,8 +4,8 @@ names: GLM (``chatglm``, ``glm4``), Gemma 2 and 3 (``gemma2``, ``gemma3``), Mist
 Cohere2 (``cohere2``), EXAONE 4.0 (``exaone4``), Arcee (``arcee``), the dense Hunyuan (``hunyuan-dense``), Apertus
 (``apertus``), StarCoder2 (``starcoder2``), Granite 3 MoE (``granitemoe``: Granite 3's keys with stacked experts, stored
 back one tensor per expert or fused as its checkpoints hold them); the other MoE families have their own module,
-``gguf_moe_archs.py``, and Qwen3-Next and Qwen3.5 (``qwen3next``, ``qwen35``, ``qwen35moe``) theirs,
-``gguf_qwen3_next.py``, merged in here.
+``gguf_moe_archs.py``, Qwen3-Next and Qwen3.5 (``qwen3next``, ``qwen35``, ``qwen35moe``) theirs,
+``gguf_qwen3_next.py``, and LFM2 and LFM2-MoE (``lfm2``, ``lfm2moe``) theirs, ``gguf_lfm2.py``, merged in here.
 
 Each has a config builder (the transformers config fields that llama.cpp keeps in metadata under gguf-py's
 ``Keys``, or fixes in its loader) and, where needed, a state-dict step in ``gguf_tensors.py`` that undoes what
@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from gguf import Keys
 
-from . import gguf_moe_archs, gguf_qwen3_next
+from . import gguf_lfm2, gguf_moe_archs, gguf_qwen3_next
 from .gguf_keys import Meta
 from .gguf_keys import glm_rope as _glm_rope
 from .gguf_keys import layer_types as _layer_types
@@ -45,6 +45,7 @@ ARCHITECTURES = {
     'granitemoe': 'GraniteMoeForCausalLM',
     **gguf_moe_archs.ARCHITECTURES,
     **gguf_qwen3_next.ARCHITECTURES,
+    **gguf_lfm2.ARCHITECTURES,
 }
 
 # architectures whose every linear layer is a projection (or experts) that may be served as llama.cpp's blocks
@@ -53,7 +54,7 @@ RAW_SERVED_ARCHS = ('llama', 'chatglm', 'glm4', 'gemma2', 'gemma3', 'mistral3', 
                     'ernie4_5', 'cohere2', 'exaone4', 'arcee',
                     'hunyuan-dense', 'apertus', 'starcoder2', 'granitemoe',
                     *gguf_moe_archs.RAW_SERVED_ARCHS,
-                    *gguf_qwen3_next.ARCHITECTURES)
+                    *gguf_qwen3_next.ARCHITECTURES, *gguf_lfm2.ARCHITECTURES)
 
 _POST_NORM_NAMES = {'post_attention_norm': 'post_attention_layernorm', 'post_ffw_norm': 'post_feedforward_layernorm'}
 _GEMMA_NAMES = {'ffn_norm': 'pre_feedforward_layernorm', 'post_attention_norm': 'post_attention_layernorm',
@@ -76,6 +77,7 @@ LAYER_NAMES: dict[str, dict[str, str]] = {
     'starcoder2': {'ffn_up': 'mlp.c_fc', 'ffn_down': 'mlp.c_proj'},
     **gguf_moe_archs.LAYER_NAMES,
     **dict.fromkeys(gguf_qwen3_next.ARCHITECTURES, gguf_qwen3_next.LAYER_NAMES),
+    **dict.fromkeys(gguf_lfm2.ARCHITECTURES, gguf_lfm2.LAYER_NAMES),
 }
 
 
@@ -282,4 +284,4 @@ CONFIG_BUILDERS: dict[str, Callable[[Meta, dict[str, Any], dict[str, Any]], dict
     'arcee': _arcee, 'hunyuan-dense': _hunyuan_dense, 'apertus': _apertus, 'starcoder2': _starcoder2,
     'granitemoe': _granitemoe,
     **gguf_moe_archs.CONFIG_BUILDERS,
-    **gguf_qwen3_next.CONFIG_BUILDERS}
+    **gguf_qwen3_next.CONFIG_BUILDERS, **gguf_lfm2.CONFIG_BUILDERS}

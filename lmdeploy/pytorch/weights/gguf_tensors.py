@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from .gguf_lfm2 import ARCHITECTURES as LFM2_ARCHS
+from .gguf_lfm2 import unsqueeze_conv
 from .gguf_qwen3_next import ARCHITECTURES as HYBRID_ARCHS
 from .gguf_qwen3_next import finish_hybrid
 
@@ -149,13 +151,20 @@ def _hybrid_checkpoint(state_dict: dict[str, torch.Tensor], config: dict[str, An
     _split_experts(state_dict, config)
 
 
+def _lfm2_checkpoint(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    """LFM2's convolutions as its checkpoints hold them (``gguf_lfm2.py``), the stacked experts one tensor per
+    expert."""
+    unsqueeze_conv(state_dict)
+    _split_experts(state_dict, config)
+
+
 _FINISHERS = {'llama': _split_experts, 'qwen3moe': _split_experts, 'qwen3vlmoe': _split_experts,
               'qwen2moe': _split_experts, 'glm4moe': _split_experts, 'chatglm': _split_qkv,
               'gemma2': _gemma_norms, 'gemma3': _gemma_norms, 'gpt-oss': _gpt_oss_experts,
               'deepseek2': _deepseek2_merge, 'ernie4_5-moe': _ernie4_5_experts, 'llama4': _llama4_checkpoint,
               'minimax-m2': _split_experts, 'hunyuan-moe': _split_experts, 'olmoe': _split_experts,
               'granitemoe': _granitemoe_checkpoint,
-              **dict.fromkeys(HYBRID_ARCHS, _hybrid_checkpoint)}
+              **dict.fromkeys(HYBRID_ARCHS, _hybrid_checkpoint), **dict.fromkeys(LFM2_ARCHS, _lfm2_checkpoint)}
 
 
 def finish_state_dict(arch: str, state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
