@@ -25,6 +25,8 @@ from lmdeploy.model_source import ModelNotFoundError
 
 from .file_checks import check_gguf, open_gguf
 from .gguf_archs import ARCHITECTURES, CONFIG_BUILDERS, LAYER_NAMES, RAW_SERVED_ARCHS, unpermute_rotary
+from .gguf_hybrid import PERMUTED_ARCHS as MAMBA2_PERMUTED_ARCHS
+from .gguf_hybrid import UNSUFFIXED_NAMES as MAMBA2_UNSUFFIXED_NAMES
 from .gguf_qwen3_next import ARCHITECTURES as HYBRID_ARCHS
 from .gguf_qwen3_next import FILE_LAYOUT as HYBRID_FILE_LAYOUT
 from .gguf_qwen3_next import UNSUFFIXED_NAMES
@@ -72,10 +74,12 @@ _ARCH_LAYER_NAMES = {
     **LAYER_NAMES,
 }
 # llama.cpp's converter reorders the q/k rows of Llama-derived models for its rotary (undone at load)
-_PERMUTED_ARCHS = ('llama', 'smollm3', 'mistral3', 'granite', 'arcee')
+_PERMUTED_ARCHS = ('llama', 'smollm3', 'mistral3', 'granite', 'arcee', *MAMBA2_PERMUTED_ARCHS)
 # llama.cpp runs SmolLM3 without rotary in every fourth layer; its GGUF files carry no key for it
 SMOLLM3_NO_ROPE_INTERVAL = 4
 _LAYER_RE = re.compile(r'blk\.(\d+)\.(\w+)')
+# tensors llama.cpp names without a ``.weight``/``.bias`` kind (``ssm_a``; Mamba-2's ``ssm_d``)
+_UNSUFFIXED_NAMES = {**dict.fromkeys(HYBRID_ARCHS, UNSUFFIXED_NAMES), **MAMBA2_UNSUFFIXED_NAMES}
 _LAYER_INDEX = re.compile(r'blk\.(\d+)\.')
 _EXPERTS = re.compile(r'blk\.\d+\.ffn_(gate|up|down)_exps\.weight')
 # llama.cpp pre-tokenizers that transformers' GGUF reader does not know, by the one of its splits they use
@@ -95,8 +99,8 @@ def hf_tensor_name(gguf_name: str, arch: str = 'llama') -> str | None:
     """The transformers parameter name of a llama.cpp tensor of ``arch``, or None if it has none."""
     base, _, kind = gguf_name.rpartition('.')
     unsuffixed = _LAYER_RE.fullmatch(gguf_name)
-    if unsuffixed and arch in HYBRID_ARCHS and unsuffixed[2] in UNSUFFIXED_NAMES:
-        return f'model.layers.{unsuffixed[1]}.{UNSUFFIXED_NAMES[unsuffixed[2]]}'
+    if unsuffixed and unsuffixed[2] in _UNSUFFIXED_NAMES.get(arch, {}):
+        return f'model.layers.{unsuffixed[1]}.{_UNSUFFIXED_NAMES[arch][unsuffixed[2]]}'
     if kind not in ('weight', 'bias'):
         return None
     if base in _GLOBAL_NAMES:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from gguf import ExpertGatingFuncType, Keys
 
-from . import gguf_qwen3_next
+from . import gguf_hybrid, gguf_qwen3_next
 from .gguf_rope import ROPE_FREQS
 
 Meta = Callable[..., Any]  # (a gguf-py ``Keys`` template, default) -> that key of the file's architecture
@@ -47,13 +47,15 @@ ARCHITECTURES = {
     'arcee': 'ArceeForCausalLM',
     'minimax-m2': 'MiniMaxM2ForCausalLM',
     **gguf_qwen3_next.ARCHITECTURES,
+    **gguf_hybrid.ARCHITECTURES,
 }
 
 # architectures whose every linear layer is a projection (or experts) that may be served as llama.cpp's blocks
 # (llama.cpp never quantizes a router: ``ffn_gate_inp`` stays F32)
 RAW_SERVED_ARCHS = ('llama', 'chatglm', 'glm4', 'glm4moe', 'gemma2', 'gemma3', 'qwen3moe', 'qwen3vlmoe',
                     'qwen2moe', 'mistral3', 'olmo2', 'granite', 'seed_oss', 'ernie4_5', 'ernie4_5-moe', 'llama4',
-                    'cohere2', 'exaone4', 'arcee', 'minimax-m2', *gguf_qwen3_next.ARCHITECTURES)
+                    'cohere2', 'exaone4', 'arcee', 'minimax-m2', *gguf_qwen3_next.ARCHITECTURES,
+                    *gguf_hybrid.ARCHITECTURES)
 
 _ROUTER_BIAS = {'exp_probs_b.bias': 'mlp.gate.e_score_correction_bias'}
 _SHARED_EXPERTS = {'ffn_gate_shexp': 'mlp.shared_experts.gate_proj', 'ffn_up_shexp': 'mlp.shared_experts.up_proj',
@@ -98,6 +100,7 @@ LAYER_NAMES: dict[str, dict[str, str]] = {
                'ffn_up_shexp': 'mlp.shared_expert.up_proj', 'ffn_down_shexp': 'mlp.shared_expert.down_proj'},
     'minimax-m2': _ROUTER_BIAS,
     **dict.fromkeys(gguf_qwen3_next.ARCHITECTURES, gguf_qwen3_next.LAYER_NAMES),
+    **gguf_hybrid.LAYER_NAMES,
 }
 
 
@@ -422,4 +425,4 @@ CONFIG_BUILDERS: dict[str, Callable[[Meta, dict[str, Any], dict[str, Any]], dict
     'mistral3': _mistral3, 'olmo2': _olmo2, 'granite': _granite, 'seed_oss': _seed_oss, 'ernie4_5': _ernie4_5,
     'ernie4_5-moe': _ernie4_5_moe, 'llama4': _llama4, 'cohere2': _cohere2, 'exaone4': _exaone4,
     'arcee': _arcee, 'minimax-m2': _minimax_m2,
-    **gguf_qwen3_next.CONFIG_BUILDERS}
+    **gguf_qwen3_next.CONFIG_BUILDERS, **gguf_hybrid.CONFIG_BUILDERS}

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .gguf_hybrid import FINISHERS as MAMBA2_FINISHERS
 from .gguf_qwen3_next import ARCHITECTURES as HYBRID_ARCHS
 from .gguf_qwen3_next import finish_hybrid
 
@@ -139,7 +140,7 @@ _FINISHERS = {'llama': _split_experts, 'qwen3moe': _split_experts, 'qwen3vlmoe':
               'gemma2': _gemma_norms, 'gemma3': _gemma_norms, 'gpt-oss': _gpt_oss_experts,
               'deepseek2': _deepseek2_merge, 'ernie4_5-moe': _ernie4_5_experts, 'llama4': _llama4_checkpoint,
               'minimax-m2': _split_experts,
-              **dict.fromkeys(HYBRID_ARCHS, _hybrid_checkpoint)}
+              **dict.fromkeys(HYBRID_ARCHS, _hybrid_checkpoint), **MAMBA2_FINISHERS}
 
 
 def finish_state_dict(arch: str, state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:

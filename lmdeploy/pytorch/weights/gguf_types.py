@@ -27,25 +27,35 @@ _ENGINE_LAYERS = {'q_proj': 'qkv_proj', 'k_proj': 'qkv_proj', 'v_proj': 'qkv_pro
 # gate z and the output projection each a layer of its own (their b and a projections, a row per value head, dense)
 _LINEAR_ATTENTION = re.compile(r'layers\.\d+\.linear_attn')
 _LINEAR_ATTENTION_LAYERS = ('in_proj_qkv', 'in_proj_z', 'out_proj')
+# the Mamba-2 mixers (Granite 4.0-H's ``mamba``, Nemotron-H's ``mixer``, which is also its attention blocks' with q/k/v
+# stacked as Llama's): the in and out projections each a layer of its own
+_MAMBA2_MIXER = re.compile(r'layers\.\d+\.(?:mamba|mixer)')
+_MAMBA2_LAYERS = ('in_proj', 'out_proj')
 _WHOLE = ({'q_proj', 'k_proj', 'v_proj'}, {'qkv_proj'}, {'o_proj'}, {'gate_proj', 'up_proj'}, {'gate_up_proj'},
-          {'down_proj'}, *({proj} for proj in _LINEAR_ATTENTION_LAYERS))
+          {'down_proj'}, *({proj} for proj in _LINEAR_ATTENTION_LAYERS + _MAMBA2_LAYERS))
 # the projections a stacked layer holds, in its order (its parts)
 _PARTS = {'qkv_proj': ('q_proj', 'k_proj', 'v_proj'), 'gate_up_proj': ('gate_proj', 'up_proj')}
 # a layer's attention and MLP (or shared expert), and its experts: stacked (a MoE file's ``ffn_*_exps``) or one's
-_OWNER = re.compile(r'(layers\.\d+\.(?:self_attn|mlp|mlp\.shared_experts?))|(layers\.\d+\.mlp\.experts)(?:\.\d+)?')
+_OWNER = re.compile(r'(layers\.\d+\.(?:self_attn|mlp|mlp\.shared_experts?|shared_mlp))'
+                    r'|(layers\.\d+\.mlp\.experts)(?:\.\d+)?')
 
 
 def engine_layer(hf_name: str | None) -> str | None:
     """The name in the engine's model of the linear layer whose weight the Hugging Face tensor ``hf_name``
     fills (``model.layers.3.self_attn.k_proj.weight`` -> ``layers.3.self_attn.qkv_proj``), or for the experts
     of a MoE layer the projection of its ``FusedExperts`` (``model.layers.3.mlp.experts[.5].up_proj.weight`` ->
-    ``layers.3.mlp.experts.gate_up_proj``), for a hybrid decoder's linear attention the projection itself
-    (``layers.0.linear_attn.out_proj``); None for other tensors."""
+    ``layers.3.mlp.experts.gate_up_proj``), for a hybrid decoder's linear attention or Mamba-2 mixer the projection
+    itself (``layers.0.linear_attn.out_proj``, ``layers.0.mamba.in_proj``); None for other tensors (Nemotron-H's
+    ungated MLPs and experts among them)."""
     if hf_name is None or not hf_name.endswith('.weight'):
         return None
     owner, _, proj = hf_name.removesuffix('.weight').removeprefix('model.').rpartition('.')
     if _LINEAR_ATTENTION.fullmatch(owner):
         return f'{owner}.{proj}' if proj in _LINEAR_ATTENTION_LAYERS else None
+    if _MAMBA2_MIXER.fullmatch(owner):
+        if proj in _MAMBA2_LAYERS:
+            return f'{owner}.{proj}'
+        return f'{owner}.{_ENGINE_LAYERS[proj]}' if proj in ('q_proj', 'k_proj', 'v_proj', 'o_proj') else None
     match = _OWNER.fullmatch(owner)
     if proj not in _ENGINE_LAYERS or match is None:
         return None
