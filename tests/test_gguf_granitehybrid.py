@@ -24,7 +24,8 @@ from helpers import assert_transformers_greedy, make_engine, random_prompts, run
 from test_gguf import _add_tokenizer, finish, llama_permute
 from test_gguf_qwen3_next import layer_types
 
-from lmdeploy.pytorch.weights.gguf import convert_gguf
+from lmdeploy.messages import ConfigError
+from lmdeploy.pytorch.weights.gguf import convert_gguf, resolve_gguf
 
 SHAPE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, mamba_d_state=16, mamba_d_conv=4,
              mamba_expand=2, mamba_d_head=16, max_position_embeddings=1024, embedding_multiplier=12.0,
@@ -225,3 +226,13 @@ def test_q8_0_projections_stay_blocks_and_match_transformers(tmp_path: Path, cac
     finally:
         engine.close()
     assert_transformers_greedy(hf, prompts, batched)
+
+
+def test_file_without_its_mamba2_groups_is_refused(tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama.cpp requires ``ssm.group_count`` (the Mamba-2 layers' B/C groups): a file without it is refused, naming
+    the key, and leaves nothing in the cache."""
+    monkeypatch.setattr(gguf.GGUFWriter, 'add_ssm_group_count', lambda writer, count: None)
+    src, _ = save_gguf('dense', tmp_path)
+    with pytest.raises(ConfigError, match='ssm.group_count'):
+        resolve_gguf(str(src))
+    assert not (cache / 'gguf').exists() or not list((cache / 'gguf').iterdir())
