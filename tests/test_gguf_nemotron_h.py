@@ -1,9 +1,9 @@
 """Nemotron-H from GGUF (llama.cpp's ``nemotron_h`` and ``nemotron_h_moe``): tiny random ``NemotronHForCausalLM``
-models (Mamba-2, attention, squared-ReLU MLP blocks; or MoE blocks with the latent projections) written
+models (Mamba-2, attention, squared-ReLU MLP blocks; MoE blocks with the latent projections) written
 as convert_hf_to_gguf.py's ``NemotronHModel`` writes them (``Mamba2Model``'s tensors, q/k rows permuted, the experts
 stacked, per-layer ``head_count_kv`` and ``feed_forward_length``, no rotary), read
-back into the checkpoint bit for bit and served token for token like transformers; a Q8_0 file's attention and
-Mamba-2 projections served as their blocks (the ungated MLPs and experts dequantized)."""
+back into the checkpoint bit for bit and served token for token like transformers; a Q8_0 file's projections served
+as their blocks but the routed experts' (dequantized)."""
 from __future__ import annotations
 
 import re
@@ -26,17 +26,21 @@ from lmdeploy.pytorch.weights.gguf import convert_gguf
 
 
 
-def nemotron_3(latent: int | None):
-    """Nemotron 3's MoE blocks in one expert group (as Nemotron 3 Nano's: llama.cpp routes without groups), shared
-    experts of 64 (whole Q8_0 blocks)."""
-    config = nemotron_3_config(latent)
+def nemotron_3(latent: int | None, pattern: str = 'M*EME'):
+    """``pattern``'s blocks with Nemotron 3's MoE blocks (``test_nemotron_h.nemotron_3_config``) in one expert group (as
+    Nemotron 3 Nano's: llama.cpp routes without groups), shared experts of 64 (whole Q8_0 blocks)."""
+    config, moe = nemotron_h_config(pattern), nemotron_3_config(latent)
+    for field in ('n_routed_experts', 'num_experts_per_tok', 'moe_intermediate_size', 'moe_latent_size',
+                  'routed_scaling_factor'):
+        setattr(config, field, getattr(moe, field))
     config.n_group = config.topk_group = 1
     config.moe_shared_expert_intermediate_size = 64
     return config
 
 
-# Mamba-2, MLP, attention, MLP, Mamba-2, MLP; MoE blocks with latent projections around attention
-VARIANTS = {'mlp': lambda: nemotron_h_config(), 'moe_latent': lambda: nemotron_3(32)}
+# Mamba-2, MLP, attention, MLP, Mamba-2, MLP; MoE blocks with latent projections around attention; every kind
+VARIANTS = {'mlp': lambda: nemotron_h_config(), 'moe_latent': lambda: nemotron_3(32),
+            'every_kind': lambda: nemotron_3(32, 'M-*EM')}
 
 
 def stacked_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -153,20 +157,24 @@ def test_f32_file_is_the_checkpoint_and_matches_transformers(variant: str, tmp_p
 
 
 def test_q8_0_projections_stay_blocks_and_match_transformers(tmp_path: Path, cache: Path) -> None:
-    """Every projection in Q8_0: the attention blocks' q/k/v and output and the Mamba-2 blocks' in and out
-    projections are held as their blocks; the ungated MLPs, experts, latent projections and routers are dense
-    (dequantized). In fp32 the greedy tokens equal transformers' on the weights the blocks hold, batched as alone;
-    every KV block and recurrent-state slot comes back."""
-    src, folder = save_gguf('moe_latent', tmp_path, quantize=True)
+    """Every projection in Q8_0 (a model of every block kind): the attention blocks' q/k/v and output, the Mamba-2
+    blocks' in and out projections, the MLP blocks' up and down, the MoE blocks' shared experts and latent
+    projections are held as their blocks; the routed experts are dense (dequantized). In fp32 the greedy tokens
+    equal transformers' on the weights the blocks hold, batched as alone; every KV block and recurrent-state slot
+    comes back."""
+    src, folder = save_gguf('every_kind', tmp_path, quantize=True)
     hf = hf_causal_lm(folder)
     engine = make_engine(str(src))
     try:
         types = layer_types(engine.runner.model)
+        own = {'linear_attention': ['in_proj', 'out_proj'], 'full_attention': ['qkv_proj', 'o_proj'],
+               'mlp': ['up_proj', 'down_proj'], 'moe': ['shared_experts.up_proj', 'shared_experts.down_proj',
+                                                        'fc1_latent_proj', 'fc2_latent_proj']}
         blocks = {f'layers.{i}.mixer.{name}' for i, kind in enumerate(hf.config.layers_block_type)
-                  for name in {'linear_attention': ('in_proj', 'out_proj'),
-                               'full_attention': ('qkv_proj', 'o_proj')}.get(kind, ())}
+                  for name in own[kind]}
         assert {name for name, kind in types.items() if kind != 'dense'} == blocks
         assert {types[name] for name in blocks} == {'Q8_0'}
+        assert any('.mixer.experts.' in name for name in types)
         prompts = random_prompts([6, 41], seed=3, vocab=hf.config.vocab_size)
         batched = run(engine, prompts)
         assert batched == [run(engine, [prompt])[0] for prompt in prompts]

@@ -27,12 +27,13 @@ _ENGINE_LAYERS = {'q_proj': 'qkv_proj', 'k_proj': 'qkv_proj', 'v_proj': 'qkv_pro
 # gate z and the output projection each a layer of its own (their b and a projections, a row per value head, dense)
 _LINEAR_ATTENTION = re.compile(r'layers\.\d+\.linear_attn')
 _LINEAR_ATTENTION_LAYERS = ('in_proj_qkv', 'in_proj_z', 'out_proj')
-# the Mamba-2 mixers (Granite 4.0-H's ``mamba``, Nemotron-H's ``mixer``, which is also its attention blocks' with q/k/v
-# stacked as Llama's): the in and out projections each a layer of its own
-_MAMBA2_MIXER = re.compile(r'layers\.\d+\.(?:mamba|mixer)')
-_MAMBA2_LAYERS = ('in_proj', 'out_proj')
-_WHOLE = ({'q_proj', 'k_proj', 'v_proj'}, {'qkv_proj'}, {'o_proj'}, {'gate_proj', 'up_proj'}, {'gate_up_proj'},
-          {'down_proj'}, *({proj} for proj in _LINEAR_ATTENTION_LAYERS + _MAMBA2_LAYERS))
+# the Mamba-2 hybrids' mixers (Granite 4.0-H's ``mamba``; Nemotron-H's ``mixer`` of every block kind and its shared
+# experts): the Mamba-2 in and out projections, the ungated MLPs' up and down and the latent projections each a layer
+# of its own; attention's q/k/v stacked as Llama's
+_MIXER = re.compile(r'layers\.\d+\.(?:mamba|mixer|mixer\.shared_experts)')
+_MIXER_LAYERS = ('in_proj', 'out_proj', 'up_proj', 'down_proj', 'fc1_latent_proj', 'fc2_latent_proj')
+# the stacked layers whole with all their parts (any other layer is one projection of its own name)
+_STACKED_WHOLE = ({'q_proj', 'k_proj', 'v_proj'}, {'gate_proj', 'up_proj'})
 # the projections a stacked layer holds, in its order (its parts)
 _PARTS = {'qkv_proj': ('q_proj', 'k_proj', 'v_proj'), 'gate_up_proj': ('gate_proj', 'up_proj')}
 # a layer's attention and MLP (or shared expert), and its experts: stacked (a MoE file's ``ffn_*_exps``) or one's
@@ -45,15 +46,15 @@ def engine_layer(hf_name: str | None) -> str | None:
     fills (``model.layers.3.self_attn.k_proj.weight`` -> ``layers.3.self_attn.qkv_proj``), or for the experts
     of a MoE layer the projection of its ``FusedExperts`` (``model.layers.3.mlp.experts[.5].up_proj.weight`` ->
     ``layers.3.mlp.experts.gate_up_proj``), for a hybrid decoder's linear attention or Mamba-2 mixer the projection
-    itself (``layers.0.linear_attn.out_proj``, ``layers.0.mamba.in_proj``); None for other tensors (Nemotron-H's
-    ungated MLPs and experts among them)."""
+    itself (``layers.0.linear_attn.out_proj``, ``layers.0.mamba.in_proj``, ``layers.2.mixer.up_proj``); None for
+    other tensors (Nemotron-H's experts among them)."""
     if hf_name is None or not hf_name.endswith('.weight'):
         return None
     owner, _, proj = hf_name.removesuffix('.weight').removeprefix('model.').rpartition('.')
     if _LINEAR_ATTENTION.fullmatch(owner):
         return f'{owner}.{proj}' if proj in _LINEAR_ATTENTION_LAYERS else None
-    if _MAMBA2_MIXER.fullmatch(owner):
-        if proj in _MAMBA2_LAYERS:
+    if _MIXER.fullmatch(owner):
+        if proj in _MIXER_LAYERS:
             return f'{owner}.{proj}'
         return f'{owner}.{_ENGINE_LAYERS[proj]}' if proj in ('q_proj', 'k_proj', 'v_proj', 'o_proj') else None
     match = _OWNER.fullmatch(owner)
@@ -87,7 +88,8 @@ def served_types(tensors: Iterable[tuple[str | None, str]],
     served: dict[str, str | list[str]] = {}
     for layer, by_part in sorted(types.items()):
         kinds = set().union(*by_part.values())
-        if not kinds <= raw or set(by_part) not in _WHOLE or any(len(k) > 1 for k in by_part.values()):
+        whole = set(by_part) in _STACKED_WHOLE or set(by_part) == {layer.rpartition('.')[2]}
+        if not kinds <= raw or not whole or any(len(k) > 1 for k in by_part.values()):
             continue
         if len(kinds) == 1:
             served[layer] = kinds.pop()
