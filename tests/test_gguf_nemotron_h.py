@@ -2,8 +2,8 @@
 models (Mamba-2, attention, squared-ReLU MLP blocks; MoE blocks with the latent projections) written
 as convert_hf_to_gguf.py's ``NemotronHModel`` writes them (``Mamba2Model``'s tensors, q/k rows permuted, the experts
 stacked, per-layer ``head_count_kv`` and ``feed_forward_length``, no rotary), read
-back into the checkpoint bit for bit and served token for token like transformers; a Q8_0 file's projections served
-as their blocks but the routed experts' (dequantized)."""
+back into the checkpoint bit for bit and served token for token like transformers; a Q8_0 file's projections (the
+experts' too) served as their blocks."""
 from __future__ import annotations
 
 import re
@@ -158,8 +158,8 @@ def test_f32_file_is_the_checkpoint_and_matches_transformers(variant: str, tmp_p
 
 def test_q8_0_projections_stay_blocks_and_match_transformers(tmp_path: Path, cache: Path) -> None:
     """Every projection in Q8_0 (a model of every block kind): the attention blocks' q/k/v and output, the Mamba-2
-    blocks' in and out projections, the MLP blocks' up and down, the MoE blocks' shared experts and latent
-    projections are held as their blocks; the routed experts are dense (dequantized). In fp32 the greedy tokens
+    blocks' in and out projections, the MLP blocks' up and down, the MoE blocks' experts, shared experts and latent
+    projections are held as their blocks (only the routers are dense). In fp32 the greedy tokens
     equal transformers' on the weights the blocks hold, batched as alone; every KV block and recurrent-state slot
     comes back."""
     src, folder = save_gguf('every_kind', tmp_path, quantize=True)
@@ -167,14 +167,15 @@ def test_q8_0_projections_stay_blocks_and_match_transformers(tmp_path: Path, cac
     engine = make_engine(str(src))
     try:
         types = layer_types(engine.runner.model)
+        experts = [f'experts.{e}.{proj}' for e in range(hf.config.n_routed_experts)
+                   for proj in ('up_proj', 'down_proj')]
         own = {'linear_attention': ['in_proj', 'out_proj'], 'full_attention': ['qkv_proj', 'o_proj'],
                'mlp': ['up_proj', 'down_proj'], 'moe': ['shared_experts.up_proj', 'shared_experts.down_proj',
-                                                        'fc1_latent_proj', 'fc2_latent_proj']}
+                                                        'fc1_latent_proj', 'fc2_latent_proj', *experts]}
         blocks = {f'layers.{i}.mixer.{name}' for i, kind in enumerate(hf.config.layers_block_type)
                   for name in own[kind]}
         assert {name for name, kind in types.items() if kind != 'dense'} == blocks
         assert {types[name] for name in blocks} == {'Q8_0'}
-        assert any('.mixer.experts.' in name for name in types)
         prompts = random_prompts([6, 41], seed=3, vocab=hf.config.vocab_size)
         batched = run(engine, prompts)
         assert batched == [run(engine, [prompt])[0] for prompt in prompts]

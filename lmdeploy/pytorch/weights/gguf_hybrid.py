@@ -171,6 +171,8 @@ def nemotron_h_config(meta: Meta, tensors: dict[str, Any], config: dict[str, Any
     experts, used = _required(meta, Keys.LLM.EXPERT_COUNT, Keys.LLM.EXPERT_USED_COUNT)
     groups = meta(Keys.LLM.EXPERT_GROUP_COUNT, 1)
     latent = _rows(tensors, layers, 'ffn_latent_down')
+    if 'quantization_config' in config:
+        fields['quantization_config'] = _per_expert_types(config['quantization_config'], experts)
     return fields | {'n_routed_experts': experts, 'num_experts_per_tok': used,
                      'moe_intermediate_size': _rows(tensors, layers, 'ffn_up_exps'),
                      'moe_shared_expert_intermediate_size': _rows(tensors, layers, 'ffn_up_shexp'),
@@ -178,6 +180,19 @@ def nemotron_h_config(meta: Meta, tensors: dict[str, Any], config: dict[str, Any
                      'n_group': groups, 'topk_group': meta(Keys.LLM.EXPERT_GROUP_USED_COUNT, groups),
                      'routed_scaling_factor': meta(Keys.LLM.EXPERT_WEIGHTS_SCALE, 1.0),
                      'norm_topk_prob': bool(meta(Keys.LLM.EXPERT_WEIGHTS_NORM, False))}
+
+
+_STACKED_EXPERTS = re.compile(r'(layers\.\d+\.mixer\.experts)\.(\w+)')
+
+
+def _per_expert_types(quantization: dict[str, Any], experts: int) -> dict[str, Any]:
+    """Nemotron-H's routed experts kept as blocks (``layers.3.mixer.experts.up_proj``: the file's stacked tensor) named
+    per expert too, as the engine's linear layers are (``layers.3.mixer.experts.5.up_proj``)."""
+    types = dict(quantization['ggml_types'])
+    for name, ggml_type in quantization['ggml_types'].items():
+        if match := _STACKED_EXPERTS.fullmatch(name):
+            types |= {f'{match[1]}.{expert}.{match[2]}': ggml_type for expert in range(experts)}
+    return quantization | {'ggml_types': types}
 
 
 CONFIG_BUILDERS = {'granitehybrid': granite_hybrid_config, 'nemotron_h': nemotron_h_config,

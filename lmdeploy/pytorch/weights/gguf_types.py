@@ -27,10 +27,10 @@ _ENGINE_LAYERS = {'q_proj': 'qkv_proj', 'k_proj': 'qkv_proj', 'v_proj': 'qkv_pro
 # gate z and the output projection each a layer of its own (their b and a projections, a row per value head, dense)
 _LINEAR_ATTENTION = re.compile(r'layers\.\d+\.linear_attn')
 _LINEAR_ATTENTION_LAYERS = ('in_proj_qkv', 'in_proj_z', 'out_proj')
-# the Mamba-2 hybrids' mixers (Granite 4.0-H's ``mamba``; Nemotron-H's ``mixer`` of every block kind and its shared
-# experts): the Mamba-2 in and out projections, the ungated MLPs' up and down and the latent projections each a layer
-# of its own; attention's q/k/v stacked as Llama's
-_MIXER = re.compile(r'layers\.\d+\.(?:mamba|mixer|mixer\.shared_experts)')
+# the Mamba-2 hybrids' mixers (Granite 4.0-H's ``mamba``; Nemotron-H's ``mixer`` of every block kind, its shared and
+# routed experts, the latter stacked in the files): the Mamba-2 in and out projections, the ungated MLPs' up and down
+# and the latent projections each a layer of its own; attention's q/k/v stacked as Llama's
+_MIXER = re.compile(r'layers\.\d+\.(?:mamba|mixer|mixer\.shared_experts|mixer\.experts)')
 _MIXER_LAYERS = ('in_proj', 'out_proj', 'up_proj', 'down_proj', 'fc1_latent_proj', 'fc2_latent_proj')
 # the stacked layers whole with all their parts (any other layer is one projection of its own name)
 _STACKED_WHOLE = ({'q_proj', 'k_proj', 'v_proj'}, {'gate_proj', 'up_proj'})
