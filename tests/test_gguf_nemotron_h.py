@@ -1,7 +1,7 @@
 """Nemotron-H from GGUF (llama.cpp's ``nemotron_h`` and ``nemotron_h_moe``): tiny random ``NemotronHForCausalLM``
 models (Mamba-2, attention, squared-ReLU MLP blocks; MoE blocks with the latent projections) written
 as convert_hf_to_gguf.py's ``NemotronHModel`` writes them (``Mamba2Model``'s tensors, q/k rows permuted, the experts
-stacked, per-layer ``head_count_kv`` and ``feed_forward_length``, no rotary), read
+stacked, per-layer ``head_count_kv`` and ``feed_forward_length``, no rotary, a next-token-prediction block), read
 back into the checkpoint bit for bit and served token for token like transformers; a Q8_0 file's projections (the
 experts' too) served as their blocks."""
 from __future__ import annotations
@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import gguf
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -74,10 +75,11 @@ def converter_arrays(config, state: dict[str, torch.Tensor], arch: gguf.MODEL_AR
 def add_metadata(writer: gguf.GGUFWriter, config) -> None:
     """TextModel's keys (the norms' epsilon as the RMS one llama.cpp requires),
     ``GraniteHybridModel``'s Mamba-2 keys and per-layer ``head_count_kv``, ``NemotronHModel``'s head width,
-    per-layer ``feed_forward_length`` and expert keys."""
-    kinds = config.layers_block_type
-    moe = 'moe' in kinds
-    for add, value in [(writer.add_block_count, config.num_hidden_layers),
+    per-layer ``feed_forward_length`` and expert keys; with experts, one next-token-prediction block past the
+    decoder's (attention and MoE in the per-layer arrays, as the converter counts it)."""
+    moe = 'moe' in config.layers_block_type
+    kinds = config.layers_block_type + (['full_attention+moe'] if moe else [])
+    for add, value in [(writer.add_block_count, len(kinds)),
                        (writer.add_context_length, config.max_position_embeddings),
                        (writer.add_embedding_length, config.hidden_size),
                        (writer.add_head_count, config.num_attention_heads),
@@ -87,12 +89,13 @@ def add_metadata(writer: gguf.GGUFWriter, config) -> None:
                        (writer.add_key_length, config.head_dim), (writer.add_value_length, config.head_dim),
                        (writer.add_feed_forward_length,
                         [(config.moe_intermediate_size if moe else config.intermediate_size)
-                         if kind in ('mlp', 'moe') else 0 for kind in kinds])]:
+                         if kind.endswith(('mlp', 'moe')) else 0 for kind in kinds])]:
         add(value)
     add_mamba2_metadata(writer, config.mamba_num_heads, config.mamba_head_dim, config.n_groups,
                         config.ssm_state_size, config.conv_kernel,
-                        [config.num_key_value_heads if kind == 'full_attention' else 0 for kind in kinds])
+                        [config.num_key_value_heads if kind.startswith('full_attention') else 0 for kind in kinds])
     if moe:
+        writer.add_nextn_predict_layers(1)
         writer.add_expert_used_count(config.num_experts_per_tok)
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
         writer.add_expert_shared_feed_forward_length(config.moe_shared_expert_intermediate_size)
@@ -117,6 +120,9 @@ def save_gguf(variant: str, path: Path, quantize: bool = False) -> tuple[Path, s
     config = hf_causal_lm(folder).config
     add_metadata(writer, config)
     write_gguf(writer, folder, quantize, lambda state: converter_arrays(config, state, arch))
+    if arch == gguf.MODEL_ARCH.NEMOTRON_H_MOE:  # the next-token-prediction block's, left out
+        for name in ('attn_norm', 'nextn.enorm'):
+            writer.add_tensor(f'blk.{config.num_hidden_layers}.{name}.weight', np.ones(config.hidden_size, np.float32))
     finish(writer)
     return src, folder
 
