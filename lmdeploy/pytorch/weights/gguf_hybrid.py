@@ -20,12 +20,12 @@ the experts' and the shared MLP's gate and up stay apart as the file holds them.
 from __future__ import annotations
 
 import re
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from gguf import Keys
 
-Meta = Callable[..., Any]
+from .gguf_keys import Meta, required
 
 ARCHITECTURES = {'granitehybrid': 'GraniteMoeHybridForCausalLM', 'nemotron_h': 'NemotronHForCausalLM',
                  'nemotron_h_moe': 'NemotronHForCausalLM'}
@@ -60,14 +60,6 @@ LAYER_NAMES: dict[str, dict[str, str]] = {
 UNSUFFIXED_NAMES = {arch: {'ssm_a': f'{mixer}.A_log', 'ssm_d': f'{mixer}.D'} for arch, mixer in _MIXERS.items()}
 
 
-def _required(meta: Meta, *templates: str) -> list[Any]:
-    values = [meta(template) for template in templates]
-    missing = [template.replace('{arch}.', '') for template, value in zip(templates, values) if value is None]
-    if missing:
-        raise ValueError(f'missing GGUF metadata: {", ".join(missing)}')
-    return values
-
-
 def _rows(tensors: dict[str, Any], layers: int, module: str) -> int | None:
     """The output rows of the first layer's ``module`` weight (ggml order: inputs first; experts last)."""
     for index in range(layers):
@@ -85,7 +77,7 @@ def _mamba2(meta: Meta, tensors: dict[str, Any], layers: int) -> dict[str, Any]:
     """The Mamba-2 layers' sizes: ``ssm.time_step_rank`` heads of ``ssm.inner_size`` / heads features,
     ``ssm.group_count`` B/C groups of ``ssm.state_size``, a convolution of ``ssm.conv_kernel``; their biases as the
     tensors have them."""
-    kernel, state, groups, heads, inner = _required(meta, Keys.SSM.CONV_KERNEL, Keys.SSM.STATE_SIZE,
+    kernel, state, groups, heads, inner = required(meta, Keys.SSM.CONV_KERNEL, Keys.SSM.STATE_SIZE,
                                                     Keys.SSM.GROUP_COUNT, Keys.SSM.TIME_STEP_RANK, Keys.SSM.INNER_SIZE)
     mamba = [i for i in range(layers) if _has(tensors, i, 'ssm_in')]
     first = mamba[0] if mamba else 0
@@ -168,7 +160,7 @@ def nemotron_h_config(meta: Meta, tensors: dict[str, Any], config: dict[str, Any
               'use_bias': mamba['proj_bias'], 'mamba_proj_bias': mamba['proj_bias']}
     if 'E' not in pattern:
         return fields
-    experts, used = _required(meta, Keys.LLM.EXPERT_COUNT, Keys.LLM.EXPERT_USED_COUNT)
+    experts, used = required(meta, Keys.LLM.EXPERT_COUNT, Keys.LLM.EXPERT_USED_COUNT)
     groups = meta(Keys.LLM.EXPERT_GROUP_COUNT, 1)
     latent = _rows(tensors, layers, 'ffn_latent_down')
     if 'quantization_config' in config:

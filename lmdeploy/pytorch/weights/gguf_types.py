@@ -36,8 +36,9 @@ _MIXER_LAYERS = ('in_proj', 'out_proj', 'up_proj', 'down_proj', 'fc1_latent_proj
 _STACKED_WHOLE = ({'q_proj', 'k_proj', 'v_proj'}, {'gate_proj', 'up_proj'})
 # the projections a stacked layer holds, in its order (its parts)
 _PARTS = {'qkv_proj': ('q_proj', 'k_proj', 'v_proj'), 'gate_up_proj': ('gate_proj', 'up_proj')}
-# a layer's attention and MLP (or shared expert), and its experts: stacked (a MoE file's ``ffn_*_exps``) or one's
-_OWNER = re.compile(r'(layers\.\d+\.(?:self_attn|mlp|mlp\.shared_experts?|shared_mlp))'
+# a layer's attention and MLP (or shared expert, Hunyuan's and Granite 4.0-H's shared MLP), and its experts: stacked
+# (a MoE file's ``ffn_*_exps``) or one's
+_OWNER = re.compile(r'(layers\.\d+\.(?:self_attn|mlp|mlp\.shared_experts?|mlp\.shared_mlp|shared_mlp))'
                     r'|(layers\.\d+\.mlp\.experts)(?:\.\d+)?')
 
 
@@ -47,7 +48,7 @@ def engine_layer(hf_name: str | None) -> str | None:
     of a MoE layer the projection of its ``FusedExperts`` (``model.layers.3.mlp.experts[.5].up_proj.weight`` ->
     ``layers.3.mlp.experts.gate_up_proj``), for a hybrid decoder's linear attention or Mamba-2 mixer the projection
     itself (``layers.0.linear_attn.out_proj``, ``layers.0.mamba.in_proj``, ``layers.2.mixer.up_proj``); None for
-    other tensors (Nemotron-H's experts among them)."""
+    other tensors."""
     if hf_name is None or not hf_name.endswith('.weight'):
         return None
     owner, _, proj = hf_name.removesuffix('.weight').removeprefix('model.').rpartition('.')
