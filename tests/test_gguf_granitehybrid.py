@@ -7,6 +7,7 @@ for token like transformers; a Q8_0 file's projections (attention, Mamba-2 in/ou
 their blocks."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Callable
 
@@ -236,3 +237,11 @@ def test_file_without_its_mamba2_groups_is_refused(tmp_path: Path, cache: Path, 
     with pytest.raises(ConfigError, match='ssm.group_count'):
         resolve_gguf(str(src))
     assert not (cache / 'gguf').exists() or not list((cache / 'gguf').iterdir())
+
+
+def test_file_without_the_rotary_switch_rotates(tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama.cpp turns a ``granitehybrid`` file's queries and keys unless ``rope.scaling.finetuned`` is false: a file
+    without the key is read as rotary (the converter writes it false for Granite 4.0-H, see the tests above)."""
+    monkeypatch.setattr(gguf.GGUFWriter, 'add_rope_scaling_finetuned', lambda writer, value: None)
+    src, _ = save_gguf('moe', tmp_path)
+    assert json.loads((Path(resolve_gguf(str(src))) / 'config.json').read_text())['position_embedding_type'] == 'rope'

@@ -99,9 +99,10 @@ def _attention(tensors: dict[str, Any], config: dict[str, Any], layers: int, met
 
 
 def granite_hybrid_config(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
-    """Granite 4.0-H: Granite's multipliers (llama.cpp's defaults where absent), rotary only where the file sets
-    ``rope.scaling.finetuned`` (the converter does for Bamba; Granite 4.0-H has no positions), routed experts with
-    the shared MLP where the file has a router, else the shared MLP alone (its ``ffn_*``)."""
+    """Granite 4.0-H: Granite's multipliers (llama.cpp's defaults where absent), rotary unless the file's
+    ``rope.scaling.finetuned`` is false (llama.cpp's switch, on where absent; the converter sets it for Bamba only:
+    Granite 4.0-H has no positions), routed experts with the shared MLP where the file has a router, else the shared
+    MLP alone (its ``ffn_*``)."""
     layers = config['num_hidden_layers']
     mamba = _mamba2(meta, tensors, layers)
     attention = _attention(tensors, config, layers, meta)
@@ -109,7 +110,7 @@ def granite_hybrid_config(meta: Meta, tensors: dict[str, Any], config: dict[str,
     if attention['head_dim'] != head_dim:
         raise ValueError(f'a granitehybrid file whose attention heads are {attention["head_dim"]} wide (not hidden / '
                          f'heads, {head_dim}) is not supported')
-    rotary = bool(meta(Keys.Rope.SCALING_FINETUNED, False))
+    rotary = bool(meta(Keys.Rope.SCALING_FINETUNED, True))
     if rotary and meta(Keys.Rope.DIMENSION_COUNT, head_dim) != head_dim:
         raise ValueError('a granitehybrid file with partial rotary (rope.dimension_count below the head width: '
                          'Bamba) is not supported')
