@@ -19,10 +19,11 @@ LM_HEAD_RAW_TYPES = frozenset({'Q6_K'})
 # head reads the same blocks (``nn/quant/gguf_table.py``).
 EMBEDDING_RAW_TYPES = frozenset({'Q4_K', 'Q6_K', 'Q8_0'})
 # the engine's linear layers that Hugging Face projections fill, and the sets of projections that fill one:
-# q/k/v and gate/up are stacked into one layer (Phi-3 and GLM-4 files hold them stacked already)
+# q/k/v and gate/up are stacked into one layer (Phi-3 and GLM-4 files hold them stacked already); StarCoder2's
+# checkpoints name the down projection ``c_proj``
 _ENGINE_LAYERS = {'q_proj': 'qkv_proj', 'k_proj': 'qkv_proj', 'v_proj': 'qkv_proj', 'qkv_proj': 'qkv_proj',
                   'o_proj': 'o_proj', 'gate_proj': 'gate_up_proj', 'up_proj': 'gate_up_proj',
-                  'gate_up_proj': 'gate_up_proj', 'down_proj': 'down_proj'}
+                  'gate_up_proj': 'gate_up_proj', 'down_proj': 'down_proj', 'c_proj': 'down_proj'}
 # the hybrid decoders' linear attention (``models/qwen3_next.py``) as llama.cpp's files hold it: q/k/v, the output
 # gate z and the output projection each a layer of its own (their b and a projections, a row per value head, dense)
 _LINEAR_ATTENTION = re.compile(r'layers\.\d+\.linear_attn')
@@ -32,8 +33,9 @@ _LINEAR_ATTENTION_LAYERS = ('in_proj_qkv', 'in_proj_z', 'out_proj')
 # and the latent projections each a layer of its own; attention's q/k/v stacked as Llama's
 _MIXER = re.compile(r'layers\.\d+\.(?:mamba|mixer|mixer\.shared_experts|mixer\.experts)')
 _MIXER_LAYERS = ('in_proj', 'out_proj', 'up_proj', 'down_proj', 'fc1_latent_proj', 'fc2_latent_proj')
-# the stacked layers whole with all their parts (any other layer is one projection of its own name)
-_STACKED_WHOLE = ({'q_proj', 'k_proj', 'v_proj'}, {'gate_proj', 'up_proj'})
+# the stacked layers whole with all their parts, and StarCoder2's down projection ``c_proj``; any other layer is whole
+# as one projection of its own name
+_WHOLE = ({'q_proj', 'k_proj', 'v_proj'}, {'gate_proj', 'up_proj'}, {'c_proj'})
 # the projections a stacked layer holds, in its order (its parts)
 _PARTS = {'qkv_proj': ('q_proj', 'k_proj', 'v_proj'), 'gate_up_proj': ('gate_proj', 'up_proj')}
 # a layer's attention and MLP (or shared expert, Hunyuan's and Granite 4.0-H's shared MLP), and its experts: stacked
@@ -89,7 +91,7 @@ def served_types(tensors: Iterable[tuple[str | None, str]],
     served: dict[str, str | list[str]] = {}
     for layer, by_part in sorted(types.items()):
         kinds = set().union(*by_part.values())
-        whole = set(by_part) in _STACKED_WHOLE or set(by_part) == {layer.rpartition('.')[2]}
+        whole = set(by_part) in _WHOLE or set(by_part) == {layer.rpartition('.')[2]}
         if not kinds <= raw or not whole or any(len(k) > 1 for k in by_part.values()):
             continue
         if len(kinds) == 1:
