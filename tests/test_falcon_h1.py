@@ -7,19 +7,25 @@ layer; fp32 batch invariance; prefix caching off, tensor parallelism refused, an
 from __future__ import annotations
 
 import logging
+import os
+import sys
 
 import pytest
 import torch
 from transformers import FalconH1Config
 
 from conftest import VOCAB_SIZE, save_random_model
-from family_checks import assert_matches_transformers, first_step_logits, hf_causal_lm, hf_last_logits
+from family_checks import (assert_matches_transformers, assert_slots_free, first_step_logits, hf_causal_lm,
+                           hf_last_logits)
 from helpers import make_engine, random_prompts, run
 
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.paging.state_pool import KVAndStates
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'benchmark'))
+from batch_invariance import run as arrivals  # noqa: E402
 
 MULTIPLIERS = dict(embedding_multiplier=3.0, lm_head_multiplier=0.5, key_multiplier=0.7, attention_in_multiplier=1.3,
                    attention_out_multiplier=0.8, ssm_in_multiplier=1.25, ssm_out_multiplier=0.6,
@@ -28,16 +34,20 @@ MULTIPLIERS = dict(embedding_multiplier=3.0, lm_head_multiplier=0.5, key_multipl
 GATE_NORMS = {'gate_only': (False, False), 'gate_then_norm': (True, False), 'norm_then_gate': (True, True)}
 
 
-def falcon_h1_config(gate_norm: str = 'gate_only', biases: bool = False) -> FalconH1Config:
+def falcon_h1_config(gate_norm: str = 'gate_only', in_proj_bias: bool = False,
+                     out_proj_bias: bool = False) -> FalconH1Config:
     """Two layers; four attention heads of 24 (not ``hidden_size / heads``, as the released models) over two KV heads;
-    six Mamba heads of 16 (``mamba_d_ssm`` 96, not ``mamba_expand * hidden_size``) in two B/C groups."""
+    six Mamba heads of 16 (``mamba_d_ssm`` 96, not ``mamba_expand * hidden_size``) in two B/C groups. With
+    ``in_proj_bias`` the Mamba-2 ``in_proj`` and the attention and MLP have biases, with ``out_proj_bias`` the
+    Mamba-2 ``out_proj`` (``projectors_bias``), and the embeddings are tied."""
     rms_norm, norm_before_gate = GATE_NORMS[gate_norm]
     return FalconH1Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
                           num_hidden_layers=2, intermediate_size=96, mamba_d_ssm=96, mamba_n_heads=6,
                           mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4,
-                          mamba_rms_norm=rms_norm, mamba_norm_before_gate=norm_before_gate, mamba_proj_bias=biases,
-                          projectors_bias=biases, attention_bias=biases, mlp_bias=biases, vocab_size=VOCAB_SIZE,
-                          max_position_embeddings=1024, pad_token_id=None, tie_word_embeddings=biases,
+                          mamba_rms_norm=rms_norm, mamba_norm_before_gate=norm_before_gate,
+                          mamba_proj_bias=in_proj_bias, projectors_bias=out_proj_bias, attention_bias=in_proj_bias, mlp_bias=in_proj_bias,
+                          vocab_size=VOCAB_SIZE, max_position_embeddings=1024, pad_token_id=None,
+                          tie_word_embeddings=in_proj_bias or out_proj_bias,
                           architectures=['FalconH1ForCausalLM'], **MULTIPLIERS)
 
 
@@ -46,21 +56,17 @@ def falcon_h1(tmp_path_factory) -> str:
     return save_random_model(falcon_h1_config(), str(tmp_path_factory.mktemp('falcon_h1')))
 
 
-def assert_slots_free(engine: Engine) -> None:
-    pool = engine.scheduler.state_pool
-    assert pool.num_free == pool.num_slots and not engine.sequences
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-
-
 def test_greedy_and_first_logits_match_transformers(falcon_h1):
     assert_matches_transformers(falcon_h1, hf_causal_lm(falcon_h1), random_prompts([3, 17, 70, 150]),
                                 random_prompts([5, 33, 100], seed=1))
 
 
-@pytest.mark.parametrize('gate_norm', ['gate_then_norm', 'norm_then_gate'])
-def test_gated_norms_and_biases_match_transformers(tmp_path, gate_norm):
-    """The gated RMSNorm either side of the gate, with every projection's bias and tied embeddings."""
-    path = save_random_model(falcon_h1_config(gate_norm, biases=True), str(tmp_path))
+@pytest.mark.parametrize('gate_norm, in_proj_bias, out_proj_bias', [('gate_then_norm', True, False),
+                                                                     ('norm_then_gate', False, True)])
+def test_gated_norms_and_biases_match_transformers(tmp_path, gate_norm, in_proj_bias, out_proj_bias):
+    """The gated RMSNorm either side of the gate, with biases (the Mamba-2 ``in_proj``'s and ``out_proj``'s each
+    without the other) and tied embeddings."""
+    path = save_random_model(falcon_h1_config(gate_norm, in_proj_bias, out_proj_bias), str(tmp_path))
     assert_matches_transformers(path, hf_causal_lm(path), random_prompts([3, 70], seed=2), random_prompts([33], seed=1))
 
 
@@ -106,10 +112,6 @@ def test_fp32_is_batch_invariant(falcon_h1, native):
     """fp32 tokens and logprobs bitwise: prompts alone and arriving one a step beside the others' decode rows."""
     if cpu.fp32_gemm() is None:
         pytest.skip('the native fp32 GEMM needs AVX-512')
-    import sys
-    import os
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'benchmark'))
-    from batch_invariance import run as arrivals
     engine = Engine(falcon_h1, PytorchEngineConfig(dtype='float32', num_gpu_blocks=64, block_size=16,
                                                    max_batch_size=4, max_prefill_token_num=100), show_progress=False)
     config = GenerationConfig(max_new_tokens=6, ignore_eos=True, logprobs=3)
