@@ -1,9 +1,9 @@
 """Falcon-H1 (``FalconH1ForCausalLM``: attention and a Mamba-2 mixer side by side in every layer) against transformers
 on tiny random models with every µP multiplier away from 1: greedy tokens and first-step logits in fp32 for the
-three ways the gate meets the scan's output (no norm, as the released models; the gated norm; the norm before the
-gate), with all the biases on; every position's logits over chunked prefill; batching, chunked prefill and
-preemption equal to solo runs with the KV blocks and state slots given back; a KV cache and a state slot in every
-layer; fp32 batch invariance; prefix caching off, tensor parallelism refused, and bf16 on the CPU."""
+three ways the gate meets the scan's output (no norm; the gated norm; the norm before the gate) and the biases;
+every position's logits over chunked prefill; batching, chunked prefill and preemption equal to solo runs with the
+KV blocks and state slots given back; a KV cache and a state slot in every layer; fp32 batch invariance; prefix
+caching off, tensor parallelism refused, and bf16 on the CPU."""
 from __future__ import annotations
 
 import logging
