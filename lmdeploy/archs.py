@@ -53,6 +53,7 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'HunYuanMoEV1ForCausalLM': ('llm', 'lmdeploy.pytorch.models.hunyuan:HunYuanMoEV1ForCausalLM'),
     'GraniteMoeHybridForCausalLM': ('llm', 'lmdeploy.pytorch.models.granitemoehybrid:GraniteMoeHybridForCausalLM'),
     'NemotronHForCausalLM': ('llm', 'lmdeploy.pytorch.models.nemotron_h:NemotronHForCausalLM'),
+    'HunYuanDenseV1ForCausalLM': ('llm', 'lmdeploy.pytorch.models.hunyuan:HunYuanDenseV1ForCausalLM'),
     'FalconH1ForCausalLM': ('llm', 'lmdeploy.pytorch.models.falcon_h1:FalconH1ForCausalLM'),
     'BambaForCausalLM': ('llm', 'lmdeploy.pytorch.models.granitemoehybrid:BambaForCausalLM'),
     'Qwen2VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
