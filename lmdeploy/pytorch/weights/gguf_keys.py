@@ -1,12 +1,18 @@
-"""Fields of the transformers config that several GGUF architectures read alike from llama.cpp's metadata (gguf-py's
-``Keys``): the sliding-window layers and the rotary of the file's keys."""
+"""A GGUF file's metadata, and the fields of the transformers config that several GGUF architectures read alike
+from it (gguf-py's ``Keys``): the sliding-window layers and the rotary of the file's keys."""
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from gguf import Keys
+from gguf import GGUFReader, Keys
 
 Meta = Callable[..., Any]  # (a gguf-py ``Keys`` template, default) -> that key of the file's architecture
+
+
+def metadata(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    """The value of the file's metadata ``key`` (a full name), ``default`` where the file lacks it."""
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
 
 
 def required(meta: Meta, *templates: str) -> list[Any]:
