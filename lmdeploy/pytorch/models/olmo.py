@@ -14,25 +14,25 @@ from lmdeploy.pytorch.models.gemma import (FULL_ATTENTION, SLIDING_ATTENTION, La
                                           rope_per_layer_type)
 from lmdeploy.pytorch.models.llama import KVCache, LlamaAttention, LlamaMLP, layer_window
 from lmdeploy.pytorch.nn.decoder_stack import LayerWeights, layer_weights
-from lmdeploy.pytorch.nn.norm import RMSNorm
+from lmdeploy.pytorch.nn.norm import RMSNorm, norm_across_heads, qk_norms_across_heads
 from lmdeploy.pytorch.nn.rotary import RotaryEmbedding, apply_rope
 from lmdeploy.pytorch.step_context import StepContext
 
 
 class OlmoAttention(LlamaAttention):
-    """Llama attention whose queries and keys are RMS-normed over all their heads together."""
+    """Llama attention whose queries and keys are RMS-normed over all their heads together (under tensor parallelism
+    over every rank's heads: ``nn/norm.py``'s :func:`norm_across_heads`)."""
 
     def __init__(self, cfg: ModelConfig, sliding_window: int | None = None):
-        hf = cfg.hf_config
         super().__init__(cfg, sliding_window=sliding_window, qk_norm=False)
-        self.q_norm = RMSNorm(self.num_heads * self.head_dim, hf.rms_norm_eps)
-        self.k_norm = RMSNorm(self.num_kv_heads * self.head_dim, hf.rms_norm_eps)
+        self.q_norm, self.k_norm = qk_norms_across_heads(self.qkv_proj, cfg.hf_config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache, ctx: StepContext) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split((q_size, kv_size, kv_size), dim=-1)
-        q = apply_rope(self.q_norm(q).view(-1, self.num_heads, self.head_dim), ctx.cos, ctx.sin)
-        k = apply_rope(self.k_norm(k).view(-1, self.num_kv_heads, self.head_dim), ctx.cos, ctx.sin)
+        q, k = norm_across_heads(self.q_norm, self.k_norm, q, k)
+        q = apply_rope(q.view(-1, self.num_heads, self.head_dim), ctx.cos, ctx.sin)
+        k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), ctx.cos, ctx.sin)
         return self.o_proj(self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim), kv_cache, ctx))
 
 
@@ -74,8 +74,6 @@ class OlmoDecoderLayer(nn.Module):
 
 class OlmoForCausalLM(LayerTypeRopeForCausalLM):
     """OLMo 2 and OLMo 3; OLMo 3's layers turn by their layer type's rope."""
-
-    tensor_parallel_refusal = 'its q/k norms span every head, which no rank holds alone'
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
