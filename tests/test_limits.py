@@ -11,7 +11,7 @@ import openai
 import pytest
 from server_helpers import ServerThread, slow_down, tiny_engine
 
-from lmdeploy.serve.exceptions import SafeRunException
+from lmdeploy.serve.exceptions import ErrorCode, SafeRunException
 from lmdeploy.serve.inst_manager import InferInstManager
 from lmdeploy.serve.openai.admission import Admission
 from lmdeploy.serve.openai.api_server import create_app
@@ -304,8 +304,9 @@ def test_instance_waiters_are_bounded():
         inst = await manager.acquire(Request(0))
         waiter = asyncio.create_task(manager.acquire(Request(0)))
         await asyncio.sleep(0.01)
-        with pytest.raises(SafeRunException):
+        with pytest.raises(SafeRunException) as overloaded:
             await manager.acquire(Request(0))
+        assert overloaded.value.code is ErrorCode.SERVER_OVERLOADED and overloaded.value.code.http_status == 503
         assert manager.num_waiting == 1
         manager.release(inst)
         manager.release(await waiter)

@@ -12,6 +12,7 @@ class ErrorCode(enum.Enum):
     INPUT_LENGTH_ERROR = ('input_length_error', HTTPStatus.BAD_REQUEST)
     SESSION_OCCUPIED = ('session_occupied', HTTPStatus.BAD_REQUEST)
     ABORTED = ('aborted', HTTPStatus.SERVICE_UNAVAILABLE)
+    SERVER_OVERLOADED = ('server_overloaded', HTTPStatus.SERVICE_UNAVAILABLE)
     ENGINE_ERROR = ('engine_error', HTTPStatus.INTERNAL_SERVER_ERROR)
     ENGINE_UNAVAILABLE = ('engine_unavailable', HTTPStatus.SERVICE_UNAVAILABLE)
 

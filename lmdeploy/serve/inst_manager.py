@@ -42,7 +42,7 @@ class InferInstManager:
     """``size`` engine instances handed out first come, first served, from any thread or event loop.
 
     At most ``max_waiting`` requests wait for one (None: no bound, as the pipeline wants); past that
-    :meth:`acquire` raises :class:`SafeRunException` (``ABORTED``, a 503 on the server, whose admission
+    :meth:`acquire` raises :class:`SafeRunException` (``SERVER_OVERLOADED``, a 503 on the server, whose admission
     normally keeps the line shorter than this).
     """
 
@@ -78,7 +78,7 @@ class InferInstManager:
             if self._free and not self._waiters:
                 return self._free.popleft()
             if self.max_waiting is not None and len(self._waiters) >= self.max_waiting:
-                raise SafeRunException(ErrorCode.ABORTED, f'the server is overloaded: {len(self._waiters)} requests '
+                raise SafeRunException(ErrorCode.SERVER_OVERLOADED, f'the server is overloaded: {len(self._waiters)} requests '
                                        'already wait for an engine instance; retry later')
             waiter = asyncio.get_running_loop().create_future()
             self._waiters.append(waiter)
