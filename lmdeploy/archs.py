@@ -53,6 +53,7 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'HunYuanMoEV1ForCausalLM': ('llm', 'lmdeploy.pytorch.models.hunyuan:HunYuanMoEV1ForCausalLM'),
     'GraniteMoeHybridForCausalLM': ('llm', 'lmdeploy.pytorch.models.granitemoehybrid:GraniteMoeHybridForCausalLM'),
     'NemotronHForCausalLM': ('llm', 'lmdeploy.pytorch.models.nemotron_h:NemotronHForCausalLM'),
+    'HunYuanDenseV1ForCausalLM': ('llm', 'lmdeploy.pytorch.models.hunyuan:HunYuanDenseV1ForCausalLM'),
     'Qwen2VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
     'Qwen2_5_VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
     'LlavaForConditionalGeneration': ('vlm', f'{_VL}:LlavaForConditionalGeneration'),

@@ -20,11 +20,12 @@ LLAMA3_ROPE = {'rope_type': 'llama3', 'rope_theta': 10000.0, 'factor': 8.0, 'low
                'high_freq_factor': 4.0, 'original_max_position_embeddings': 32}
 
 
-def apertus_config() -> ApertusConfig:
+def apertus_config(**overrides) -> ApertusConfig:
     """Two layers of four query heads and two KV heads of 16 features over a hidden size of 64."""
-    return ApertusConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=VOCAB_SIZE, max_position_embeddings=1024,
-                         tie_word_embeddings=False, pad_token_id=None, rope_parameters=LLAMA3_ROPE)
+    fields = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=VOCAB_SIZE, max_position_embeddings=1024,
+                  tie_word_embeddings=False, pad_token_id=None, rope_parameters=LLAMA3_ROPE)
+    return ApertusConfig(**(fields | overrides))
 
 
 @pytest.fixture(scope='module')

@@ -1,8 +1,9 @@
-"""Hunyuan-A13B, Arcee and Apertus in the native decoder stack against the layers' own forward: Hunyuan's q/k norms
-after the rotary (``qk_norm_after_rope``) and its MoE (softmax-routed on the fp32 router, the ungated shared MLP) as a
-``MoEBlock``; Arcee's ungated ReLU² MLP and Apertus's ungated xIELU one with each layer's coefficients
-(``ungated_mlp``); bf16 and W8A8 projections, KV caches in bf16, int8 and int4, 4-bit copies for small steps: every
-step's hidden states equal, Hunyuan's option shown to count, each prompt's tokens alone as in a batch."""
+"""Hunyuan-A13B, the dense Hunyuan, Arcee and Apertus in the native decoder stack against the layers' own forward:
+Hunyuan's q/k norms after the rotary (``qk_norm_after_rope``) and Hunyuan-A13B's MoE (softmax-routed on the fp32
+router, the ungated shared MLP) as a ``MoEBlock``; Arcee's ungated ReLU² MLP and Apertus's ungated xIELU one with
+each layer's coefficients (``ungated_mlp``); bf16 and W8A8 projections, KV caches in bf16, int8 and int4, 4-bit
+copies for small steps: every step's hidden states equal, Hunyuan's option shown to count, each prompt's tokens
+alone as in a batch."""
 from __future__ import annotations
 
 import pytest
@@ -14,7 +15,8 @@ from test_arcee import save_arcee
 from test_batch_invariance import assert_batch_invariant
 from test_decoder_stack import (ENGINE, assert_stack_equals_the_layers, differences_without_an_option, save_w8a8,
                                 small_int4_steps)
-from test_hunyuan import save_hunyuan
+from test_hunyuan import hunyuan_config
+from test_hunyuan_dense import hunyuan_dense_config
 
 from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
@@ -23,10 +25,13 @@ from lmdeploy.pytorch.models import llama
 from lmdeploy.pytorch.nn.decoder_stack import layer_weights
 
 # kind -> how to save a tiny random model of it
-MODELS = {'hunyuan': save_hunyuan, 'arcee': lambda path: save_arcee(path, 'afm_yarn'),
+MODELS = {'hunyuan': lambda path: save_random_model(hunyuan_config(), path),
+          'hunyuan_dense': lambda path: save_random_model(hunyuan_dense_config(), path),
+          'arcee': lambda path: save_arcee(path, 'afm_yarn'),
           'arcee_biased': lambda path: save_arcee(path, 'biased'),
           'apertus': lambda path: save_random_model(apertus_config(), path)}
-CASES = [(kind, 'bf16', 0) for kind in MODELS] + [('arcee', 'w8a8', 8), ('apertus', 'w8a8', 8), ('hunyuan', 'bf16', 4),
+CASES = [(kind, 'bf16', 0) for kind in MODELS] + [('arcee', 'w8a8', 8), ('apertus', 'w8a8', 8),
+                                                  ('hunyuan_dense', 'w8a8', 8), ('hunyuan', 'bf16', 4),
                                                   ('apertus', 'bf16', 8)]
 
 

@@ -84,7 +84,8 @@ def converter_arrays(folder: str, config, quantize: bool) -> dict[str, np.ndarra
     for layer in range(config.num_hidden_layers):
         prefix = f'model.layers.{layer}.mlp.experts'
         for proj in ('gate_proj', 'up_proj', 'down_proj'):
-            names = [f'{prefix}.{expert}.{proj}.weight' for expert in range(getattr(config, 'moe_num_experts', 0))]
+            experts = getattr(config, 'moe_num_experts', None) or getattr(config, 'num_experts', 0)
+            names = [f'{prefix}.{expert}.{proj}.weight' for expert in range(experts)]
             if names and names[0] in arrays:
                 arrays[f'{prefix}.{proj}.weight'] = np.stack([arrays.pop(name) for name in names])
     return arrays

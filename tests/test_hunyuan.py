@@ -24,18 +24,18 @@ from lmdeploy.pytorch.nn.rotary import RotaryEmbedding
 NTK_ALPHA = {'rope_type': 'dynamic', 'alpha': 1000.0, 'factor': 1.0, 'rope_theta': 10000.0}
 
 
-def save_hunyuan(path: str) -> str:
+def hunyuan_config(**overrides) -> HunYuanMoEV1Config:
     """Four query heads and two key/value heads of 16 features over a hidden size of 64; two layers of 8 experts,
     top 2, and a shared MLP."""
-    config = HunYuanMoEV1Config(hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                num_key_value_heads=2, head_dim=16, num_experts=8, moe_topk=2, vocab_size=VOCAB_SIZE,
-                                max_position_embeddings=1024, rope_parameters=NTK_ALPHA, pad_token_id=None)
-    return save_random_model(config, path)
+    fields = dict(hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, num_experts=8, moe_topk=2, vocab_size=VOCAB_SIZE,
+                  max_position_embeddings=1024, rope_parameters=NTK_ALPHA, pad_token_id=None)
+    return HunYuanMoEV1Config(**(fields | overrides))
 
 
 @pytest.fixture(scope='module')
 def hunyuan(tmp_path_factory) -> str:
-    return save_hunyuan(str(tmp_path_factory.mktemp('hunyuan')))
+    return save_random_model(hunyuan_config(), str(tmp_path_factory.mktemp('hunyuan')))
 
 
 def test_ntk_alpha_rope_is_transformers(hunyuan):

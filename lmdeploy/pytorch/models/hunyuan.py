@@ -1,8 +1,10 @@
-"""Hunyuan-A13B (``HunYuanMoEV1ForCausalLM``): Llama attention whose queries and keys are RMS-normed per head
-after the rotary (``query_layernorm``, ``key_layernorm``), over NTK-alpha rope (``rope_type`` dynamic with an ``alpha``: a
-fixed base of ``rope_theta * alpha ** (d / (d - 2))``, whatever the length; ``nn/rotary.py``); every layer a MoE routed by softmax top-k
-over an fp32 router (``gate.wg``), renormalized, plus an ungated shared MLP. Its layers run in the native decoder
-stack (``qk_norm_after_rope``, the MoE as a ``MoEBlock`` routed ``softmax`` on its ``fp32`` router)."""
+"""Hunyuan-A13B (``HunYuanMoEV1ForCausalLM``) and the dense Hunyuan 0.5B-7B (``HunYuanDenseV1ForCausalLM``): Llama
+attention whose queries and keys are RMS-normed per head after the rotary (``query_layernorm``, ``key_layernorm``),
+over NTK-alpha rope (``rope_type`` dynamic with an ``alpha``: a fixed base of ``rope_theta * alpha ** (d / (d - 2))``,
+whatever the length; ``nn/rotary.py``). Hunyuan-A13B's every layer is a MoE routed by softmax top-k over an fp32
+router (``gate.wg``), renormalized, plus an ungated shared MLP; the dense models' MLP is Llama's. Their layers run in
+the native decoder stack (``qk_norm_after_rope``; the MoE as a ``MoEBlock`` routed ``softmax`` on its ``fp32``
+router)."""
 from __future__ import annotations
 
 import torch
@@ -10,7 +12,7 @@ from torch import nn
 
 from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.kernels import cpu, moe_routing
-from lmdeploy.pytorch.models.llama import KVCache, LlamaAttention, LlamaDecoderLayer, LlamaMLP
+from lmdeploy.pytorch.models.llama import KVCache, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from lmdeploy.pytorch.models.moe import MoEForCausalLM, native_experts_with_shared
 from lmdeploy.pytorch.nn.decoder_stack import LayerWeights
 from lmdeploy.pytorch.nn.moe import Fp32Router, FusedExperts
@@ -61,7 +63,7 @@ class HunYuanMoE(nn.Module):
 
 
 class HunYuanDecoderLayer(LlamaDecoderLayer):
-    """A Llama layer of :class:`HunYuanAttention` and :class:`HunYuanMoE`."""
+    """A Llama layer of :class:`HunYuanAttention` and :class:`HunYuanMoE` (or Llama's MLP: the dense models)."""
 
     def native_weights(self, small_step: bool = False) -> LayerWeights | None:
         """As ``LlamaDecoderLayer.native_weights``, its q/k norms applied after the rotary."""
@@ -75,3 +77,10 @@ class HunYuanMoEV1ForCausalLM(MoEForCausalLM):
 
     def make_layer(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
         return HunYuanDecoderLayer(cfg, HunYuanMoE(cfg, layer_index), HunYuanAttention(cfg))
+
+
+class HunYuanDenseV1ForCausalLM(LlamaForCausalLM):
+    """The dense Hunyuan decoder: :class:`HunYuanAttention` with Llama's MLP."""
+
+    def make_layer(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
+        return HunYuanDecoderLayer(cfg, self.make_mlp(cfg, layer_index), HunYuanAttention(cfg))

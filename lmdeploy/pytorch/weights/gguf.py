@@ -24,7 +24,8 @@ from lmdeploy.messages import ConfigError
 from lmdeploy.model_source import ModelNotFoundError
 
 from .file_checks import check_gguf, open_gguf
-from .gguf_archs import ARCHITECTURES, CONFIG_BUILDERS, LAYER_NAMES, RAW_SERVED_ARCHS, unpermute_rotary
+from .gguf_archs import (ARCHITECTURES, CONFIG_BUILDERS, LAYER_NAMES, METADATA_TENSORS, RAW_SERVED_ARCHS,
+                         unpermute_rotary)
 from .gguf_qwen3_next import ARCHITECTURES as HYBRID_ARCHS
 from .gguf_qwen3_next import FILE_LAYOUT as HYBRID_FILE_LAYOUT
 from .gguf_qwen3_next import UNSUFFIXED_NAMES
@@ -115,6 +116,11 @@ def _meta(reader: GGUFReader, key: str, default: Any = None) -> Any:
     return default if field is None else field.contents()
 
 
+def _arch_meta(reader: GGUFReader, arch: str) -> Any:
+    """A reader of the file's metadata by gguf-py ``Keys`` template (``{arch}`` filled in) and default."""
+    return lambda template, default=None: _meta(reader, template.format(arch=arch), default)
+
+
 def gguf_config(reader: GGUFReader, source: str, raw_types: Iterable[str] = RAW_TYPES) -> dict[str, Any]:
     """A transformers config dict built from the GGUF metadata of ``source``; the decoder's linear layers
     whose projections are all of one type of ``raw_types`` are listed in its ``quantization_config``; a gpt-oss
@@ -168,9 +174,8 @@ def gguf_config(reader: GGUFReader, source: str, raw_types: Iterable[str] = RAW_
     elif arch == 'smollm3':
         config['no_rope_layer_interval'] = SMOLLM3_NO_ROPE_INTERVAL
     elif arch in CONFIG_BUILDERS:
-        meta = lambda template, default=None: _meta(reader, template.format(arch=arch), default)  # noqa: E731
         try:
-            config.update(CONFIG_BUILDERS[arch](meta, tensors, config))
+            config.update(CONFIG_BUILDERS[arch](_arch_meta(reader, arch), tensors, config))
         except ValueError as err:
             raise ConfigError(f'{source}: {err}') from err
         if arch in HYBRID_ARCHS and set(raw_types):  # for the engine: the linear attention as the file holds it
@@ -267,6 +272,8 @@ def gguf_state_dict(reader: GGUFReader, tensors: Iterable[Any], config: dict[str
         if arch in _PERMUTED_ARCHS and module in heads:
             weight = unpermute_rotary(weight, heads[module])
         state_dict[name] = shared_tensor(np.ascontiguousarray(weight))
+        if arch in METADATA_TENSORS and module == 'attn_norm':  # once a layer
+            state_dict |= METADATA_TENSORS[arch](_arch_meta(reader, arch), int(_LAYER_INDEX.match(tensor.name)[1]))
     finish_state_dict(arch, state_dict, config)
     return state_dict
 

@@ -138,7 +138,7 @@ _FINISHERS = {'llama': _split_experts, 'qwen3moe': _split_experts, 'qwen3vlmoe':
               'qwen2moe': _split_experts, 'glm4moe': _split_experts, 'chatglm': _split_qkv,
               'gemma2': _gemma_norms, 'gemma3': _gemma_norms, 'gpt-oss': _gpt_oss_experts,
               'deepseek2': _deepseek2_merge, 'ernie4_5-moe': _ernie4_5_experts, 'llama4': _llama4_checkpoint,
-              'minimax-m2': _split_experts,
+              'minimax-m2': _split_experts, 'hunyuan-moe': _split_experts,
               **dict.fromkeys(HYBRID_ARCHS, _hybrid_checkpoint)}
 
 

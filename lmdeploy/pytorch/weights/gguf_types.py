@@ -31,8 +31,10 @@ _WHOLE = ({'q_proj', 'k_proj', 'v_proj'}, {'qkv_proj'}, {'o_proj'}, {'gate_proj'
           {'down_proj'}, *({proj} for proj in _LINEAR_ATTENTION_LAYERS))
 # the projections a stacked layer holds, in its order (its parts)
 _PARTS = {'qkv_proj': ('q_proj', 'k_proj', 'v_proj'), 'gate_up_proj': ('gate_proj', 'up_proj')}
-# a layer's attention and MLP (or shared expert), and its experts: stacked (a MoE file's ``ffn_*_exps``) or one's
-_OWNER = re.compile(r'(layers\.\d+\.(?:self_attn|mlp|mlp\.shared_experts?))|(layers\.\d+\.mlp\.experts)(?:\.\d+)?')
+# a layer's attention and MLP (or shared expert, Hunyuan's shared MLP), and its experts: stacked (a MoE file's
+# ``ffn_*_exps``) or one's
+_OWNER = re.compile(r'(layers\.\d+\.(?:self_attn|mlp|mlp\.shared_experts?|mlp\.shared_mlp))'
+                    r'|(layers\.\d+\.mlp\.experts)(?:\.\d+)?')
 
 
 def engine_layer(hf_name: str | None) -> str | None:

@@ -1,0 +1,233 @@
+"""GGUF architectures of MoE families whose llama.cpp files differ from their transformers checkpoints by more than
+tensor names: gpt-oss (``gpt-oss``), DeepSeek-V2/V3 (``deepseek2``), GLM-4.5 (``glm4moe``), ERNIE 4.5's MoE
+(``ernie4_5-moe``), Llama 4's text model (``llama4``), Hunyuan-A13B (``hunyuan-moe``), and the files of Qwen3-MoE
+(``qwen3moe``; Qwen3-VL-MoE's language model ``qwen3vlmoe`` alike), MiniMax-M2 (``minimax-m2``), Qwen2-MoE
+(``qwen2moe``, with a shared expert) and Mixtral (``llama`` with experts), whose stacked experts
+(``ffn_{gate,up,down}_exps``) are stored back one tensor per expert. Registered in ``gguf_archs.py`` as
+``gguf_qwen3_next.py`` is; the state-dict steps are in ``gguf_tensors.py``.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from gguf import ExpertGatingFuncType, Keys
+
+from .gguf_keys import Meta, glm_rope, layer_types, rope_parameters
+
+ARCHITECTURES = {
+    'gpt-oss': 'GptOssForCausalLM',
+    'deepseek2': 'DeepseekV3ForCausalLM',  # DeepseekV2ForCausalLM where the router is a softmax
+    'glm4moe': 'Glm4MoeForCausalLM',
+    'qwen3moe': 'Qwen3MoeForCausalLM',
+    'qwen2moe': 'Qwen2MoeForCausalLM',
+    'ernie4_5-moe': 'Ernie4_5_MoeForCausalLM',
+    'llama4': 'Llama4ForCausalLM',
+    'minimax-m2': 'MiniMaxM2ForCausalLM',
+    'hunyuan-moe': 'HunYuanMoEV1ForCausalLM',
+}
+
+# those whose every linear layer is a projection or experts (not MLA's, not gpt-oss's biased experts)
+RAW_SERVED_ARCHS = ('glm4moe', 'qwen3moe', 'qwen3vlmoe', 'qwen2moe', 'ernie4_5-moe', 'llama4', 'minimax-m2',
+                    'hunyuan-moe')
+
+# Hunyuan's q/k norms (after the rotary), dense (``gguf_archs.py``) and MoE alike
+HUNYUAN_QK_NORMS = {'attn_q_norm': 'self_attn.query_layernorm', 'attn_k_norm': 'self_attn.key_layernorm'}
+_ROUTER_BIAS = {'exp_probs_b.bias': 'mlp.gate.e_score_correction_bias'}
+_SHARED_EXPERTS = {'ffn_gate_shexp': 'mlp.shared_experts.gate_proj', 'ffn_up_shexp': 'mlp.shared_experts.up_proj',
+                   'ffn_down_shexp': 'mlp.shared_experts.down_proj'}
+# as ``gguf_archs.LAYER_NAMES``: ``mlp.experts.{gate,up}`` and ``self_attn.{k,v}_b_proj`` are merged by
+# ``finish_state_dict``
+LAYER_NAMES: dict[str, dict[str, str]] = {
+    'gpt-oss': {
+        'post_attention_norm': 'post_attention_layernorm',
+        'attn_sinks.weight': 'self_attn.sinks',
+        'ffn_gate_inp': 'mlp.router',
+        'ffn_gate_exps.weight': 'mlp.experts.gate', 'ffn_gate_exps.bias': 'mlp.experts.gate_bias',
+        'ffn_up_exps.weight': 'mlp.experts.up', 'ffn_up_exps.bias': 'mlp.experts.up_bias',
+        'ffn_down_exps.weight': 'mlp.experts.down', 'ffn_down_exps.bias': 'mlp.experts.down_proj_bias',
+    },
+    'qwen2moe': {'ffn_gate_inp_shexp': 'mlp.shared_expert_gate', 'ffn_gate_shexp': 'mlp.shared_expert.gate_proj',
+                 'ffn_up_shexp': 'mlp.shared_expert.up_proj', 'ffn_down_shexp': 'mlp.shared_expert.down_proj'},
+    'deepseek2': {
+        'attn_q_a': 'self_attn.q_a_proj', 'attn_q_a_norm': 'self_attn.q_a_layernorm', 'attn_q_b': 'self_attn.q_b_proj',
+        'attn_kv_a_mqa': 'self_attn.kv_a_proj_with_mqa', 'attn_kv_a_norm': 'self_attn.kv_a_layernorm',
+        'attn_kv_b': 'self_attn.kv_b_proj', 'attn_k_b.weight': 'self_attn.k_b_proj',
+        'attn_v_b.weight': 'self_attn.v_b_proj',
+        'ffn_gate_inp': 'mlp.gate', **_ROUTER_BIAS, **_SHARED_EXPERTS,
+    },
+    # the layers' own tensors; the next-token-prediction layers' ``nextn.*`` ones have no counterpart
+    'glm4moe': {'post_attention_norm': 'post_attention_layernorm', **_ROUTER_BIAS, **_SHARED_EXPERTS},
+    'ernie4_5-moe': {'exp_probs_b.bias': 'mlp.moe_statics.e_score_correction_bias', **_SHARED_EXPERTS},
+    # under the engine's ``mlp``; ``finish_state_dict`` names them ``feed_forward``, as Meta's checkpoints do
+    'llama4': {'ffn_gate_inp': 'mlp.router', 'ffn_gate_shexp': 'mlp.shared_expert.gate_proj',
+               'ffn_up_shexp': 'mlp.shared_expert.up_proj', 'ffn_down_shexp': 'mlp.shared_expert.down_proj'},
+    'minimax-m2': _ROUTER_BIAS,
+    'hunyuan-moe': {**HUNYUAN_QK_NORMS, 'ffn_gate_inp': 'mlp.gate.wg', 'ffn_gate_shexp': 'mlp.shared_mlp.gate_proj',
+                    'ffn_up_shexp': 'mlp.shared_mlp.up_proj', 'ffn_down_shexp': 'mlp.shared_mlp.down_proj'},
+}
+
+
+def _gpt_oss(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    rope = rope_parameters(meta, config['rope_theta'])
+    if rope['rope_type'] == 'yarn':
+        rope['truncate'] = False  # gpt-oss's YaRN keeps its correction range unrounded
+    return {'model_type': 'gpt_oss', 'intermediate_size': meta(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH),
+            'num_local_experts': meta(Keys.LLM.EXPERT_COUNT), 'num_experts_per_tok': meta(Keys.LLM.EXPERT_USED_COUNT),
+            'sliding_window': meta(Keys.Attention.SLIDING_WINDOW),
+            'layer_types': layer_types(meta, config['num_hidden_layers'], 2), 'rope_parameters': rope}
+
+
+def _deepseek2(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp runs MLA as multi-query attention over the latent: ``key_length``/``value_length`` are the
+    latent's, the per-head sizes are ``*_length_mla`` (older files: the plain keys, with an unsplit kv_b). GLM-4.7-Flash
+    converts to it, its ``nextn_predict_layers`` layers appended past the decoder's (not the decoder's)."""
+    rope_dim = meta(Keys.Rope.DIMENSION_COUNT)
+    if meta(Keys.Attention.KEY_LENGTH_MLA) is not None:
+        key_dim, value_dim = meta(Keys.Attention.KEY_LENGTH_MLA), meta(Keys.Attention.VALUE_LENGTH_MLA)
+    else:
+        key_dim, value_dim = meta(Keys.Attention.KEY_LENGTH), meta(Keys.Attention.VALUE_LENGTH)
+    rope = rope_parameters(meta, config['rope_theta'])
+    if rope['rope_type'] == 'yarn' and meta(Keys.Rope.SCALING_YARN_LOG_MUL) is not None:
+        # the converter writes 0.1 * mscale_all_dim (in float32); llama.cpp's rotary assumes mscale equal to it
+        rope['mscale'] = rope['mscale_all_dim'] = round(meta(Keys.Rope.SCALING_YARN_LOG_MUL) / 0.1, 6)
+    sigmoid = meta(Keys.LLM.EXPERT_GATING_FUNC) == ExpertGatingFuncType.SIGMOID
+    groups = meta(Keys.LLM.EXPERT_GROUP_COUNT, 1)
+    fields = {
+        'model_type': 'deepseek_v3' if sigmoid else 'deepseek_v2',
+        'architectures': ['DeepseekV3ForCausalLM' if sigmoid else 'DeepseekV2ForCausalLM'],
+        'num_hidden_layers': config['num_hidden_layers'] - meta(Keys.LLM.NEXTN_PREDICT_LAYERS, 0),
+        'num_key_value_heads': config['num_attention_heads'], 'head_dim': rope_dim,
+        'q_lora_rank': meta(Keys.Attention.Q_LORA_RANK) if 'blk.0.attn_q_a.weight' in tensors else None,
+        'kv_lora_rank': meta(Keys.Attention.KV_LORA_RANK), 'qk_rope_head_dim': rope_dim,
+        'qk_nope_head_dim': key_dim - rope_dim, 'v_head_dim': value_dim,
+        'first_k_dense_replace': meta(Keys.LLM.LEADING_DENSE_BLOCK_COUNT, 0),
+        'moe_intermediate_size': meta(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH),
+        'n_routed_experts': meta(Keys.LLM.EXPERT_COUNT), 'n_shared_experts': meta(Keys.LLM.EXPERT_SHARED_COUNT, 0),
+        'num_experts_per_tok': meta(Keys.LLM.EXPERT_USED_COUNT), 'n_group': groups,
+        'topk_group': meta(Keys.LLM.EXPERT_GROUP_USED_COUNT, 1),
+        'routed_scaling_factor': meta(Keys.LLM.EXPERT_WEIGHTS_SCALE, 1.0),
+        'norm_topk_prob': bool(meta(Keys.LLM.EXPERT_WEIGHTS_NORM, False)), 'rope_parameters': rope,
+    }
+    if not sigmoid:
+        fields['topk_method'] = 'group_limited_greedy' if groups > 1 else 'greedy'
+    return fields
+
+
+def _glm4moe(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V3's routing keys, GLM's partial rotary (in halves: the converter leaves q/k unpermuted); the
+    ``nextn_predict_layers`` layers that the converter appends past the decoder's are not the decoder's."""
+    return {'model_type': 'glm4_moe', 'rope_parameters': glm_rope(meta, config),
+            'num_hidden_layers': config['num_hidden_layers'] - meta(Keys.LLM.NEXTN_PREDICT_LAYERS, 0),
+            'use_qk_norm': 'blk.0.attn_q_norm.weight' in tensors,
+            'first_k_dense_replace': meta(Keys.LLM.LEADING_DENSE_BLOCK_COUNT, 0),
+            'moe_intermediate_size': meta(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH),
+            'n_routed_experts': meta(Keys.LLM.EXPERT_COUNT), 'n_shared_experts': meta(Keys.LLM.EXPERT_SHARED_COUNT, 0),
+            'num_experts_per_tok': meta(Keys.LLM.EXPERT_USED_COUNT), 'n_group': meta(Keys.LLM.EXPERT_GROUP_COUNT, 1),
+            'topk_group': meta(Keys.LLM.EXPERT_GROUP_USED_COUNT, 1),
+            'routed_scaling_factor': meta(Keys.LLM.EXPERT_WEIGHTS_SCALE, 1.0),
+            'norm_topk_prob': bool(meta(Keys.LLM.EXPERT_WEIGHTS_NORM, False))}
+
+
+def _experts(meta: Meta, config: dict[str, Any], renormalize: bool = True) -> dict[str, Any]:
+    """The routing of a MoE file: llama.cpp renormalizes the top-k weights of Qwen3-MoE and Mixtral, not
+    Qwen2-MoE's, unless the file says (``expert_weights_norm``)."""
+    return {'num_experts_per_tok': meta(Keys.LLM.EXPERT_USED_COUNT),
+            'moe_intermediate_size': meta(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, config['intermediate_size']),
+            'norm_topk_prob': bool(meta(Keys.LLM.EXPERT_WEIGHTS_NORM, renormalize))}
+
+
+def _qwen3moe(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    return {'model_type': 'qwen3_moe', 'num_experts': meta(Keys.LLM.EXPERT_COUNT), **_experts(meta, config)}
+
+
+def _qwen2moe(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """Every layer sparse, with a shared expert where the file has one (llama.cpp's fixed layout)."""
+    shared = meta(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH) if 'blk.0.ffn_gate_shexp.weight' in tensors else None
+    return {'model_type': 'qwen2_moe', 'num_experts': meta(Keys.LLM.EXPERT_COUNT), 'decoder_sparse_step': 1,
+            'mlp_only_layers': [], 'shared_expert_intermediate_size': shared,
+            **_experts(meta, config, renormalize=False)}
+
+
+def _llama(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """A ``llama`` file with experts is a Mixtral (their stacked ``ffn_*_exps``; older files' tensors per
+    expert are not read)."""
+    if not meta(Keys.LLM.EXPERT_COUNT):
+        return {}
+    if 'blk.0.ffn_gate_exps.weight' not in tensors:
+        raise ValueError('a llama file with experts needs them stacked (ffn_gate_exps): convert it again with a '
+                         'current llama.cpp')
+    fields = _experts(meta, config)
+    return {'model_type': 'mixtral', 'architectures': ['MixtralForCausalLM'],
+            'num_local_experts': meta(Keys.LLM.EXPERT_COUNT), 'intermediate_size': fields.pop('moe_intermediate_size'),
+            **fields}
+
+
+def _ernie4_5_moe(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """ERNIE 4.5's fields (``gguf_archs.py``), its sparse layers from ``leading_dense_block_count`` on, every
+    ``interleave_moe_layer_step``-th."""
+    has_shared = any(name.endswith('ffn_gate_shexp.weight') for name in tensors)
+    shared = meta(Keys.LLM.EXPERT_SHARED_COUNT, 0) if has_shared else 0
+    return {'model_type': 'ernie4_5_moe', 'rope_parameters': rope_parameters(meta, config['rope_theta']),
+            'use_bias': 'blk.0.attn_q.bias' in tensors,
+            'moe_num_experts': meta(Keys.LLM.EXPERT_COUNT), 'moe_k': meta(Keys.LLM.EXPERT_USED_COUNT),
+            'moe_intermediate_size': meta(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH), 'moe_num_shared_experts': shared,
+            'moe_layer_start_index': meta(Keys.LLM.LEADING_DENSE_BLOCK_COUNT, 0),
+            'moe_layer_interval': meta(Keys.LLM.INTERLEAVE_MOE_LAYER_STEP, 1), 'moe_layer_end_index': -1}
+
+
+# What llama.cpp's loader fixes for ``llama4`` files with chunked attention (it reads no key for them): chunks of
+# 8192 positions on the rope layers, a NoPE layer every 4th, and those layers' query temperature (floor 8192, scale
+# 0.1): Scout's and Maverick's values, and transformers' ``Llama4TextConfig`` defaults. It leaves the q/k L2 norm
+# out of the 128-expert model (Maverick, whose config turns it off) only.
+LLAMA4_CHUNK, LLAMA4_NO_ROPE_STEP, LLAMA4_TEMPERATURE = 8192, 4, {'floor_scale': 8192, 'attn_scale': 0.1}
+LLAMA4_WITHOUT_QK_NORM_EXPERTS = 128
+
+
+def _llama4(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """Llama 4's text model: every ``interleave_moe_layer_step``-th layer MoE (none in a file without experts), the
+    dense layers' MLP of ``feed_forward_length``; chunked attention with NoPE layers unless the file's sliding
+    window is 0 (MobileLLM-R1's files: every layer rotates, none is chunked). Llama 4's llama3 rotary comes from
+    its ``rope_freqs`` divisors."""
+    step = meta(Keys.LLM.INTERLEAVE_MOE_LAYER_STEP)
+    if not step:
+        raise ValueError('missing GGUF metadata: llama4.interleave_moe_layer_step')
+    layers, experts = config['num_hidden_layers'], meta(Keys.LLM.EXPERT_COUNT, 0)
+    chunked = meta(Keys.Attention.SLIDING_WINDOW) != 0
+    rotates = [int(not chunked or (i + 1) % LLAMA4_NO_ROPE_STEP != 0) for i in range(layers)]
+    return {'model_type': 'llama4_text', 'intermediate_size_mlp': config['intermediate_size'],
+            'intermediate_size': meta(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, config['intermediate_size']),
+            'num_local_experts': experts, 'num_experts_per_tok': meta(Keys.LLM.EXPERT_USED_COUNT, 1),
+            'interleave_moe_layer_step': step, 'moe_layers': list(range(step - 1, layers, step)) if experts else [],
+            'use_qk_norm': experts != LLAMA4_WITHOUT_QK_NORM_EXPERTS, 'no_rope_layers': rotates,
+            'attention_chunk_size': LLAMA4_CHUNK if chunked else None,
+            'layer_types': ['chunked_attention' if chunked and rope else 'full_attention' for rope in rotates],
+            'attn_temperature_tuning': chunked, **LLAMA4_TEMPERATURE}
+
+
+def _minimax_m2(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """Every layer sparse, routed by sigmoid with the correction bias (llama.cpp's fixed routing for it); the rotary
+    over ``rope.dimension_count`` (the config's ``rotary_dim``) of each head's features."""
+    rope = {**rope_parameters(meta, config['rope_theta']),
+            'partial_rotary_factor': meta(Keys.Rope.DIMENSION_COUNT) / config['head_dim']}
+    return {'model_type': 'minimax_m2', 'num_local_experts': meta(Keys.LLM.EXPERT_COUNT),
+            'num_experts_per_tok': meta(Keys.LLM.EXPERT_USED_COUNT),
+            'intermediate_size': meta(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH), 'rope_parameters': rope}
+
+
+def _hunyuan_moe(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """Hunyuan-A13B: every layer's experts of ``feed_forward_length`` (llama.cpp's sizes for them) and its shared
+    MLP of ``expert_shared_feed_forward_length`` (the same in transformers' model: another is refused); the
+    converter writes NTK-alpha's stretched base, ``rope_theta * alpha ** (d / (d - 2))``, as ``rope.freq_base``
+    with no scaling: a plain rotary of that base."""
+    shared = meta(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, config['intermediate_size'])
+    if shared != config['intermediate_size']:
+        raise ValueError(f'a hunyuan-moe file whose shared MLP ({shared} features) differs from its experts '
+                         f'({config["intermediate_size"]}) is not supported')
+    return {'model_type': 'hunyuan_v1_moe', 'num_experts': meta(Keys.LLM.EXPERT_COUNT),
+            'moe_topk': meta(Keys.LLM.EXPERT_USED_COUNT),
+            'rope_parameters': rope_parameters(meta, config['rope_theta'])}
+
+CONFIG_BUILDERS: dict[str, Callable[[Meta, dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
+    'llama': _llama, 'gpt-oss': _gpt_oss, 'deepseek2': _deepseek2, 'glm4moe': _glm4moe, 'qwen3moe': _qwen3moe,
+    'qwen3vlmoe': _qwen3moe, 'qwen2moe': _qwen2moe, 'ernie4_5-moe': _ernie4_5_moe, 'llama4': _llama4,
+    'minimax-m2': _minimax_m2, 'hunyuan-moe': _hunyuan_moe}
