@@ -15,7 +15,9 @@ per token, its sigmoid score scaling the expert's input, and a shared expert of 
 sliding window of 128 in every other layer, YaRN; 32 experts of 768 of which 4 per token, a biased router, biased
 experts in MXFP4 as gpt-oss's checkpoints hold them, the clamped SwiGLU); ``--family deepseek_v3``, DeepSeek-V3's
 layers at that shape (multi-head latent attention: 16 heads, q_lora_rank 768, kv_lora_rank 512, 128 + 64 rotary
-query/key features and 128 value features a head, YaRN; GLM-4.5's dense first layer and MoE layers). The
+query/key features and 128 value features a head, YaRN; GLM-4.5's dense first layer and MoE layers); ``--family
+olmoe``, OLMoE's layers at Qwen3-30B-A3B's attention shape (q and k RMS-normed over all heads together; 64 experts of
+768 of which 8 per token, softmax routing without renormalization). The
 step time is the calling thread's CPU time of the model's forward (``time.thread_time``: other jobs on a shared
 machine take time slices but not figures), the best and the median over rounds in which the two paths alternate. On
 a CPU with AMX, whose bf16 layers run on oneDNN (where the stack does not run), the layers run on the native bf16
@@ -34,7 +36,7 @@ from collections.abc import Callable
 import torch
 from safetensors.torch import save_file
 from transformers import (DeepseekV3Config, Ernie4_5_MoeConfig, Glm4MoeConfig, GptOssConfig, Llama4TextConfig,
-                          PretrainedConfig, Qwen3MoeConfig)
+                          OlmoeConfig, PretrainedConfig, Qwen3MoeConfig)
 from stack_timing import print_stack_against_layers, stack_engine
 from workload import save_word_tokenizer
 
@@ -53,6 +55,9 @@ def model_config(args: argparse.Namespace) -> PretrainedConfig:
     if args.family == 'qwen3_moe':
         return Qwen3MoeConfig(num_attention_heads=32, num_experts=args.experts, architectures=['Qwen3MoeForCausalLM'],
                               **common)
+    if args.family == 'olmoe':
+        return OlmoeConfig(num_attention_heads=32, num_experts=args.experts, intermediate_size=EXPERT_WIDTH,
+                           architectures=['OlmoeForCausalLM'], **{**common, 'norm_topk_prob': False})
     if args.family == 'llama4':
         return Llama4TextConfig(hidden_size=2048, num_hidden_layers=args.layers, num_attention_heads=16,
                                 num_key_value_heads=4, head_dim=128, num_local_experts=args.experts,
@@ -121,7 +126,10 @@ def save_model(path: str, args: argparse.Namespace) -> None:
                       prefix + 'mlp.router.bias': rand(args.experts)}
             state |= mxfp4_experts(prefix + 'mlp.experts.', args.experts, hidden, g)
             continue
-        if not (glm or ernie or llama4):
+        if args.family == 'olmoe':  # over all heads together
+            state |= {prefix + 'self_attn.q_norm.weight': rand(heads, std=0) + 1,
+                      prefix + 'self_attn.k_norm.weight': rand(kv, std=0) + 1}
+        elif not (glm or ernie or llama4):
             state |= {prefix + f'self_attn.{name}_norm.weight': rand(config.head_dim, std=0) + 1 for name in 'qk'}
         if ((glm and i < config.first_k_dense_replace) or (ernie and i < config.moe_layer_start_index)
                 or (llama4 and i not in config.moe_layers)):
@@ -181,7 +189,7 @@ def mxfp4_experts(prefix: str, experts: int, hidden: int, g: torch.Generator) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--family', choices=('qwen3_moe', 'glm4_moe', 'ernie4_5_moe', 'llama4', 'gpt_oss',
-                                             'deepseek_v3'),
+                                             'deepseek_v3', 'olmoe'),
                         default='qwen3_moe')
     parser.add_argument('--layers', type=int, default=2,
                         help="decoder layers (GLM-4.5's, DeepSeek-V3's and ERNIE's first one dense, Llama 4's every "

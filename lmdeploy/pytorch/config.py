@@ -6,9 +6,10 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig
 
-# ``layer_types`` of layers with a recurrent state instead of a KV cache: Gated DeltaNet (Qwen3-Next, Qwen3.5) and
-# Mamba-2 (Granite 4.0-H; transformers 5 reads its checkpoints' 'mamba' as 'linear_attention')
-RECURRENT_LAYER_TYPES = ('linear_attention', 'mamba')
+# ``layer_types`` of layers with a recurrent state instead of a KV cache: Gated DeltaNet (Qwen3-Next, Qwen3.5),
+# Mamba-2 (Granite 4.0-H; transformers 5 reads its checkpoints' 'mamba' as 'linear_attention') and LFM2's short
+# convolutions
+RECURRENT_LAYER_TYPES = ('linear_attention', 'mamba', 'conv')
 # ``layer_types`` of layers with neither: Nemotron-H's MLP and MoE blocks
 CACHELESS_LAYER_TYPES = ('mlp', 'moe')
 

@@ -17,14 +17,15 @@ L2NORM_EPS = 1e-6
 DELTA_RULE_CHUNK = 64  # tokens the prefill's delta rule solves at once
 
 
-def causal_conv1d(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
-                  bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """SiLU of the depthwise causal convolution of ``x [B, C, L]`` preceded by ``state [B, C, K - 1]`` (the
-    previous ``K - 1`` inputs, zeros at the start), by ``weight [C, K]`` (plus ``bias [C]``: Mamba-2); returns
-    ``[B, C, L]`` and the new state. The SiLU runs ``placeless`` (one sequence's bits whatever the batch holds)."""
+def causal_conv1d(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  silu: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """SiLU (without ``silu``: none, LFM2's short convolutions) of the depthwise causal convolution of
+    ``x [B, C, L]`` preceded by ``state [B, C, K - 1]`` (the previous ``K - 1`` inputs, zeros at the start), by
+    ``weight [C, K]`` (plus ``bias [C]``: Mamba-2); returns ``[B, C, L]`` and the new state. The SiLU runs
+    ``placeless`` (one sequence's bits whatever the batch holds)."""
     full = torch.cat((state.to(x.dtype), x), dim=-1)
     out = F.conv1d(full, weight.unsqueeze(1), bias, groups=weight.shape[0])
-    return placeless(F.silu, out), full[..., full.shape[-1] - state.shape[-1]:]
+    return placeless(F.silu, out) if silu else out, full[..., full.shape[-1] - state.shape[-1]:]
 
 
 def causal_conv1d_decode(x: torch.Tensor, conv_states: torch.Tensor, slots: torch.Tensor,

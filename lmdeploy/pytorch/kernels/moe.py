@@ -58,12 +58,14 @@ def run_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
 
 
 def grouped_topk(router_logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int, num_groups: int,
-                 topk_groups: int, renormalize: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 topk_groups: int, renormalize: bool, scaling: float,
+                 renormalize_eps: float = 1e-20) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3's routing (``noaux_tc``): ``(topk_weights [T, k] fp32, topk_ids [T, k])``.
 
     Experts score ``sigmoid(logits)``; they are chosen by score plus ``correction_bias``, among the
     ``topk_groups`` of ``num_groups`` equal groups whose two best biased scores sum highest. The weights are
-    the chosen experts' unbiased scores, renormalized to sum to one when asked, times ``scaling``.
+    the chosen experts' unbiased scores, renormalized to sum to one when asked (divided by their sum plus
+    ``renormalize_eps``: LFM2-MoE's 1e-6), times ``scaling``.
     """
     # torch's sigmoid takes a vectorized exp but for a tensor's last few elements, a scalar one: in fp32 they differ
     # in the last bit, so a row's scores changed with its place in the batch; in fp64, far below fp32's rounding
@@ -76,7 +78,7 @@ def grouped_topk(router_logits: torch.Tensor, correction_bias: torch.Tensor, top
     ids = biased.topk(top_k, dim=-1, sorted=False)[1]
     weights = scores.gather(1, ids)
     if renormalize:
-        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        weights = weights / (weights.sum(-1, keepdim=True) + renormalize_eps)
     return weights * scaling, ids
 
 

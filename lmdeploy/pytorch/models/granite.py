@@ -1,16 +1,34 @@
 """Granite 3.x (``GraniteForCausalLM``): Llama layers scaled by four config fields: embeddings times
 ``embedding_multiplier``, attention scores by ``attention_multiplier`` (in place of ``head_dim ** -0.5``), the
 attention and MLP outputs times ``residual_multiplier`` before the residual adds them, and logits divided by
-``logits_scaling``. Its layers run in the native decoder stack (``residual_scale``)."""
+``logits_scaling``. Its layers run in the native decoder stack (``residual_scale``).
+
+Granite 3 MoE (``GraniteMoeForCausalLM``: granite-3.x-1b-a400m, 3b-a800m): the same layers and multipliers with a
+mixture of experts in place of each MLP, routed by a softmax over the top-k router logits (the softmax over all
+experts renormalized over the top k: the same weights); the checkpoints stack each layer's experts
+(``block_sparse_moe.input_linear [E, 2I, H]``, gate rows first, and ``output_linear [E, H, I]``). Its layers run in
+the native decoder stack (``residual_scale``, MoE blocks)."""
 from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
 
 from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.models.llama import KVCache, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, layer_window
+from lmdeploy.pytorch.models.moe import MoEForCausalLM, split_stacked_experts
 from lmdeploy.pytorch.nn.decoder_stack import LayerWeights
 from lmdeploy.pytorch.step_context import StepContext
+from lmdeploy.pytorch.weights.safetensors_loader import WeightSource
+
+# checkpoint name fragment -> the engine's (the MoE block's router and stacked experts; Granite 4.0-H's shared MLP's
+# fused gate/up and its down projection)
+RENAMED = {'.block_sparse_moe.router.layer.': '.mlp.gate.',
+           '.block_sparse_moe.input_linear.weight': '.mlp.experts.gate_up_proj',
+           '.block_sparse_moe.output_linear.weight': '.mlp.experts.down_proj',
+           '.shared_mlp.input_linear.': '.shared_mlp.gate_up_proj.',
+           '.shared_mlp.output_linear.': '.shared_mlp.down_proj.'}
 
 
 class GraniteDecoderLayer(LlamaDecoderLayer):
@@ -51,3 +69,21 @@ class GraniteForCausalLM(LlamaForCausalLM):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = self.lm_head(hidden)
         return None if logits is None else logits / self.logits_scaling
+
+
+class GraniteMoeForCausalLM(GraniteForCausalLM, MoEForCausalLM):
+    """Granite 3 MoE's decoder: Granite's layers and multipliers, each layer's MLP a :class:`SparseMoeBlock`."""
+
+    def split_fused(self, weights: Iterable[tuple[str, WeightSource]]) -> Iterator[tuple[str, WeightSource]]:
+        """Renames the checkpoint's MoE (and shared-MLP) tensors (:data:`RENAMED`) to the engine's, splits the fused
+        ones and the stacked experts (``input_linear [E, 2I, H]``, ``output_linear [E, H, I]``)."""
+        renamed = ((self.engine_name(name), tensor) for name, tensor in weights)
+        return split_stacked_experts(super().split_fused(renamed), self.cfg.hidden_size)
+
+    @staticmethod
+    def engine_name(name: str) -> str:
+        """The engine's name of a checkpoint tensor."""
+        for old, new in RENAMED.items():
+            if old in name:
+                return name.replace(old, new)
+        return name

@@ -6,31 +6,21 @@ top-k) plus an ungated shared MLP, or the shared MLP alone (``num_local_experts`
 own forward (no native decoder stack)."""
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
 from lmdeploy.pytorch.config import RECURRENT_LAYER_TYPES, ModelConfig
 from lmdeploy.pytorch.kernels.mamba2 import SSD_CHUNK
+from lmdeploy.pytorch.models.granite import GraniteMoeForCausalLM
 from lmdeploy.pytorch.models.llama import KVCache, LlamaAttention, LlamaMLP
 from lmdeploy.pytorch.models.mamba2 import Mamba2Mixer, Mamba2Shape
-from lmdeploy.pytorch.models.moe import MoEForCausalLM, SparseMoeBlock, split_stacked_experts
+from lmdeploy.pytorch.models.moe import SparseMoeBlock
 from lmdeploy.pytorch.nn.linear import Linear
 from lmdeploy.pytorch.nn.moe import FusedExperts
 from lmdeploy.pytorch.nn.norm import RMSNorm
 from lmdeploy.pytorch.nn.quant import LinearOptions
 from lmdeploy.pytorch.step_context import StepContext
-from lmdeploy.pytorch.weights.safetensors_loader import WeightSource
-
-# checkpoint name fragment -> the engine's (the MoE block's router and stacked experts, the shared MLP's fused
-# gate/up and its down projection)
-RENAMED = {'.block_sparse_moe.router.layer.': '.mlp.gate.',
-           '.block_sparse_moe.input_linear.weight': '.mlp.experts.gate_up_proj',
-           '.block_sparse_moe.output_linear.weight': '.mlp.experts.down_proj',
-           '.shared_mlp.input_linear.': '.shared_mlp.gate_up_proj.',
-           '.shared_mlp.output_linear.': '.shared_mlp.down_proj.'}
 
 
 def granite_mamba_shape(hf: PretrainedConfig) -> Mamba2Shape:
@@ -71,40 +61,15 @@ class GraniteHybridLayer(nn.Module):
         return out * self.residual_multiplier, residual
 
 
-class GraniteMoeHybridForCausalLM(MoEForCausalLM):
-    """Granite 4.0-H's decoder, LM head and multipliers (see the module's docstring)."""
+class GraniteMoeHybridForCausalLM(GraniteMoeForCausalLM):
+    """Granite 4.0-H's decoder, LM head and multipliers (see the module's docstring); its checkpoints' tensors load
+    as Granite 3 MoE's."""
 
     tensor_parallel_refusal = 'its Mamba-2 layers are not sharded for tensor parallelism'
     recurrent_chunk = SSD_CHUNK
 
-    def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg)
-        hf = cfg.hf_config
-        self.embedding_multiplier, self.logits_scaling = hf.embedding_multiplier, hf.logits_scaling
-
     def make_layer(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
         return GraniteHybridLayer(cfg, layer_index)
-
-    def embed(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        return self.embed_tokens(input_ids) * self.embedding_multiplier
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = self.lm_head(hidden)
-        return None if logits is None else logits / self.logits_scaling
-
-    def split_fused(self, weights: Iterable[tuple[str, WeightSource]]) -> Iterator[tuple[str, WeightSource]]:
-        """Renames the checkpoint's MoE and shared-MLP tensors (:data:`RENAMED`) to the engine's, splits the shared
-        MLP's fused gate/up and the stacked experts (``input_linear [E, 2I, H]``, ``output_linear [E, H, I]``)."""
-        renamed = ((self.engine_name(name), tensor) for name, tensor in weights)
-        return split_stacked_experts(super().split_fused(renamed), self.cfg.hidden_size)
-
-    @staticmethod
-    def engine_name(name: str) -> str:
-        """The engine's name of a checkpoint tensor."""
-        for old, new in RENAMED.items():
-            if old in name:
-                return name.replace(old, new)
-        return name
 
     def finalize_weights(self, pack_cpu: bool, small_step_int4: bool) -> None:
         """Lays the loaded weights out for their kernels (bf16 CPU weights packed for their GEMM); no native

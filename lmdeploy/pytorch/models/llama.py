@@ -53,14 +53,15 @@ class LlamaAttention(nn.Module):
     neighbouring pairs (GLM) instead of halves; with ``scaled_queries`` the rotated queries are multiplied by
     their token's factor in ``ctx.q_scale`` (Ministral 3). ``scale`` defaults to ``head_dim ** -0.5``;
     ``sliding_window`` and ``logit_softcap`` go to :class:`PagedAttention`. ``qk_norm`` (None: the config's
-    choice) gives queries and keys an RMSNorm with weights before the rotation. ``qkv_bias`` and ``o_bias``
+    choice) gives queries and keys an RMSNorm with weights before the rotation, of epsilon ``qk_norm_eps`` (None:
+    the config's ``rms_norm_eps``). ``qkv_bias`` and ``o_bias``
     default to the config's ``attention_bias`` (``attention_out_bias`` for ``o_proj`` where the config has one:
     Seed-OSS)."""
 
     def __init__(self, cfg: ModelConfig, use_rope: bool = True, interleaved_rope: bool = False,
                  o_bias: bool | None = None, scale: float | None = None, sliding_window: int | None = None,
                  logit_softcap: float | None = None, qk_norm: bool | None = None, scaled_queries: bool = False,
-                 qkv_bias: bool | None = None):
+                 qkv_bias: bool | None = None, qk_norm_eps: float | None = None):
         super().__init__()
         self.scaled_queries = scaled_queries
         hf = cfg.hf_config
@@ -78,8 +79,9 @@ class LlamaAttention(nn.Module):
             qk_norm = hf.model_type in QK_NORM_MODEL_TYPES or bool(getattr(hf, 'use_qk_norm', False))
         self.qk_norm = qk_norm
         if self.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, hf.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, hf.rms_norm_eps)
+            eps = hf.rms_norm_eps if qk_norm_eps is None else qk_norm_eps
+            self.q_norm = RMSNorm(self.head_dim, eps)
+            self.k_norm = RMSNorm(self.head_dim, eps)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim,
                                    self.head_dim**-0.5 if scale is None else scale, cfg.quant_policy,
                                    sliding_window=sliding_window, logit_softcap=logit_softcap)

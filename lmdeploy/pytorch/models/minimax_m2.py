@@ -10,9 +10,8 @@ from torch import nn
 
 from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.models.deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3MoE, TopKRouter
-from lmdeploy.pytorch.models.llama import LlamaDecoderLayer, LlamaForCausalLM, WeightTarget
-from lmdeploy.pytorch.models.olmo import OlmoAttention
-from lmdeploy.pytorch.nn.decoder_stack import LayerWeights
+from lmdeploy.pytorch.models.llama import LlamaForCausalLM, WeightTarget
+from lmdeploy.pytorch.models.olmo import OlmoAttention, OlmoAttentionDecoderLayer
 from lmdeploy.pytorch.nn.moe import FusedExperts
 
 
@@ -30,15 +29,6 @@ class MiniMaxM2MoE(DeepseekV3MoE):
         self.shared_experts = None
 
 
-class MiniMaxM2DecoderLayer(LlamaDecoderLayer):
-    """A Llama layer of :class:`OlmoAttention` (q/k norms over all heads) and :class:`MiniMaxM2MoE`."""
-
-    def native_weights(self, small_step: bool = False) -> LayerWeights | None:
-        attn = self.self_attn
-        return self.stack_weights(small_step, q_norm=attn.q_norm.weight, k_norm=attn.k_norm.weight,
-                                  qk_norm_across_heads=True)
-
-
 class MiniMaxM2ForCausalLM(DeepseekV3ForCausalLM):
     """MiniMax-M2's decoder. The checkpoints' ``block_sparse_moe`` holds the router (``gate``), its
     ``e_score_correction_bias`` and the experts' ``w1``/``w3``/``w2``."""
@@ -48,7 +38,7 @@ class MiniMaxM2ForCausalLM(DeepseekV3ForCausalLM):
 
     def make_layer(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
         # full attention whatever the config's sliding_window says, as transformers' MiniMax-M2 attends
-        return MiniMaxM2DecoderLayer(cfg, MiniMaxM2MoE(cfg), OlmoAttention(cfg))
+        return OlmoAttentionDecoderLayer(cfg, MiniMaxM2MoE(cfg), OlmoAttention(cfg))
 
     def weight_target(self, name: str) -> WeightTarget | None:
         return super().weight_target(name.replace('.block_sparse_moe.e_score_correction_bias',

@@ -3,7 +3,12 @@ their inputs, each output normed before the residual adds it (``post_attention_l
 ``post_feedforward_layernorm``), queries and keys RMS-normed over the whole projection (all heads together)
 before the rotary. OLMo 3 adds sliding-window layers (``layer_types``) with a rope of their own
 (``rope_parameters`` per layer type). Their layers run in the native decoder stack (``post_norms_only``,
-``qk_norm_across_heads``; OLMo 3's sliding layers on its local rotary table where they have their own rope)."""
+``qk_norm_across_heads``; OLMo 3's sliding layers on its local rotary table where they have their own rope).
+
+OLMoE (``OlmoeForCausalLM``): Llama's pre-norm layers with OLMo's attention (queries, keys and values clamped to
+``clip_qkv`` where the config sets it) and in every layer a mixture of experts routed by softmax, its top-k
+renormalized only with ``norm_topk_prob``. Its layers run in the native decoder stack (``qk_norm_across_heads``,
+MoE blocks) unless ``clip_qkv`` is set."""
 from __future__ import annotations
 
 import torch
@@ -12,7 +17,8 @@ from torch import nn
 from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.models.gemma import (FULL_ATTENTION, SLIDING_ATTENTION, LayerTypeRopeForCausalLM,
                                           rope_per_layer_type)
-from lmdeploy.pytorch.models.llama import KVCache, LlamaAttention, LlamaMLP, layer_window
+from lmdeploy.pytorch.models.llama import KVCache, LlamaAttention, LlamaDecoderLayer, LlamaMLP, layer_window
+from lmdeploy.pytorch.models.moe import MoEForCausalLM
 from lmdeploy.pytorch.nn.decoder_stack import LayerWeights, layer_weights
 from lmdeploy.pytorch.nn.norm import RMSNorm, norm_across_heads, qk_norms_across_heads
 from lmdeploy.pytorch.nn.rotary import RotaryEmbedding, apply_rope
@@ -21,16 +27,20 @@ from lmdeploy.pytorch.step_context import StepContext
 
 class OlmoAttention(LlamaAttention):
     """Llama attention whose queries and keys are RMS-normed over all their heads together (under tensor parallelism
-    over every rank's heads: ``nn/norm.py``'s :func:`norm_across_heads`)."""
+    over every rank's heads: ``nn/norm.py``'s :func:`norm_across_heads`); queries, keys and values clamped to
+    ``[-clip_qkv, clip_qkv]`` where the config sets it (OLMoE's)."""
 
     def __init__(self, cfg: ModelConfig, sliding_window: int | None = None):
         super().__init__(cfg, sliding_window=sliding_window, qk_norm=False)
         self.q_norm, self.k_norm = qk_norms_across_heads(self.qkv_proj, cfg.hf_config.rms_norm_eps)
+        self.clip_qkv = getattr(cfg.hf_config, 'clip_qkv', None)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache, ctx: StepContext) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split((q_size, kv_size, kv_size), dim=-1)
         q, k = norm_across_heads(self.q_norm, self.k_norm, q, k)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         q = apply_rope(q.view(-1, self.num_heads, self.head_dim), ctx.cos, ctx.sin)
         k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), ctx.cos, ctx.sin)
         return self.o_proj(self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim), kv_cache, ctx))
@@ -84,3 +94,23 @@ class OlmoForCausalLM(LayerTypeRopeForCausalLM):
 
     def make_layer(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
         return OlmoDecoderLayer(cfg, layer_index)
+
+
+class OlmoAttentionDecoderLayer(LlamaDecoderLayer):
+    """A Llama layer (norms before attention and MLP) of :class:`OlmoAttention` (q/k norms over all heads):
+    OLMoE's and MiniMax-M2's."""
+
+    def native_weights(self, small_step: bool = False) -> LayerWeights | None:
+        """See :meth:`LlamaDecoderLayer.native_weights`; None where the attention clamps (the stack does not)."""
+        attn = self.self_attn
+        if attn.clip_qkv is not None:
+            return None
+        return self.stack_weights(small_step, q_norm=attn.q_norm.weight, k_norm=attn.k_norm.weight,
+                                  qk_norm_across_heads=True)
+
+
+class OlmoeForCausalLM(MoEForCausalLM):
+    """OLMoE's decoder: :class:`OlmoAttentionDecoderLayer`s of OLMo's attention and a softmax-routed MoE block."""
+
+    def make_layer(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
+        return OlmoAttentionDecoderLayer(cfg, self.make_mlp(cfg, layer_index), OlmoAttention(cfg))

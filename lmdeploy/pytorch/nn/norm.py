@@ -40,12 +40,17 @@ class GemmaRMSNorm(RMSNorm):
 
 
 class LayerNorm(RMSNorm):
-    """LayerNorm with a weight and no bias (Cohere's), computed in fp32: ``(x - mean) / std * weight``; given
-    ``residual`` it adds it first and also returns the sum."""
+    """LayerNorm computed in fp32: ``(x - mean) / std * weight``, plus ``bias`` where it has one (StarCoder2's; not
+    Cohere's); given ``residual`` it adds it first and also returns the sum."""
+
+    def __init__(self, size: int, eps: float, bias: bool = False):
+        super().__init__(size, eps)
+        self.bias = nn.Parameter(torch.zeros(size), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         summed = x if residual is None else x + residual
-        out = F.layer_norm(summed.float(), self.weight.shape, self.weight.float(), None, self.eps).to(x.dtype)
+        bias = None if self.bias is None else self.bias.float()
+        out = F.layer_norm(summed.float(), self.weight.shape, self.weight.float(), bias, self.eps).to(x.dtype)
         return out if residual is None else (out, summed)
 
 

@@ -48,7 +48,8 @@ SUPPORTED_ARCHS: dict[str, str] = {
     'qwen3vlmoe': 'Qwen3VLMoeForConditionalGeneration',  # with its mmproj file
 }
 
-_GLOBAL_NAMES = {'token_embd': 'model.embed_tokens', 'output_norm': 'model.norm', 'output': 'lm_head'}
+_GLOBAL_NAMES = {'token_embd': 'model.embed_tokens', 'output_norm': 'model.norm', 'output': 'lm_head',
+                 'token_embd_norm': 'model.embedding_norm'}  # LFM2's final norm, by its checkpoints' name
 _LAYER_NAMES = {
     'attn_q': 'self_attn.q_proj',
     'attn_k': 'self_attn.k_proj',
@@ -73,10 +74,10 @@ _ARCH_LAYER_NAMES = {
     **LAYER_NAMES,
 }
 # llama.cpp's converter reorders the q/k rows of Llama-derived models for its rotary (undone at load)
-_PERMUTED_ARCHS = ('llama', 'smollm3', 'mistral3', 'granite', 'arcee')
+_PERMUTED_ARCHS = ('llama', 'smollm3', 'mistral3', 'granite', 'arcee', 'granitemoe')
 # llama.cpp runs SmolLM3 without rotary in every fourth layer; its GGUF files carry no key for it
 SMOLLM3_NO_ROPE_INTERVAL = 4
-_LAYER_RE = re.compile(r'blk\.(\d+)\.(\w+)')
+_LAYER_RE = re.compile(r'blk\.(\d+)\.([\w.]+)')  # LFM2's ``shortconv.in_proj`` has a dot
 _LAYER_INDEX = re.compile(r'blk\.(\d+)\.')
 _EXPERTS = re.compile(r'blk\.\d+\.ffn_(gate|up|down)_exps\.weight')
 # llama.cpp pre-tokenizers that transformers' GGUF reader does not know, by the one of its splits they use

@@ -2,9 +2,10 @@
 names: GLM (``chatglm``, ``glm4``), Gemma 2 and 3 (``gemma2``, ``gemma3``), Mistral Small 3.x and Ministral 3
 (``mistral3``), OLMo 2/3 (``olmo2``), Granite 3 (``granite``), Seed-OSS (``seed_oss``), ERNIE 4.5 (``ernie4_5``),
 Cohere2 (``cohere2``), EXAONE 4.0 (``exaone4``), Arcee (``arcee``), the dense Hunyuan (``hunyuan-dense``), Apertus
-(``apertus``); the MoE families have their own module,
-``gguf_moe_archs.py``, and Qwen3-Next and Qwen3.5 (``qwen3next``, ``qwen35``, ``qwen35moe``) theirs,
-``gguf_qwen3_next.py``, merged in here.
+(``apertus``), StarCoder2 (``starcoder2``), Granite 3 MoE (``granitemoe``: Granite 3's keys with stacked experts, stored
+back one tensor per expert or fused as its checkpoints hold them); the other MoE families have their own module,
+``gguf_moe_archs.py``, Qwen3-Next and Qwen3.5 (``qwen3next``, ``qwen35``, ``qwen35moe``) theirs,
+``gguf_qwen3_next.py``, and LFM2 and LFM2-MoE (``lfm2``, ``lfm2moe``) theirs, ``gguf_lfm2.py``, merged in here.
 
 Each has a config builder (the transformers config fields that llama.cpp keeps in metadata under gguf-py's
 ``Keys``, or fixes in its loader) and, where needed, a state-dict step in ``gguf_tensors.py`` that undoes what
@@ -18,7 +19,7 @@ import numpy as np
 import torch
 from gguf import Keys
 
-from . import gguf_moe_archs, gguf_qwen3_next
+from . import gguf_lfm2, gguf_moe_archs, gguf_qwen3_next
 from .gguf_keys import Meta
 from .gguf_keys import glm_rope as _glm_rope
 from .gguf_keys import layer_types as _layer_types
@@ -40,17 +41,20 @@ ARCHITECTURES = {
     'arcee': 'ArceeForCausalLM',
     'hunyuan-dense': 'HunYuanDenseV1ForCausalLM',
     'apertus': 'ApertusForCausalLM',
+    'starcoder2': 'Starcoder2ForCausalLM',
+    'granitemoe': 'GraniteMoeForCausalLM',
     **gguf_moe_archs.ARCHITECTURES,
     **gguf_qwen3_next.ARCHITECTURES,
+    **gguf_lfm2.ARCHITECTURES,
 }
 
 # architectures whose every linear layer is a projection (or experts) that may be served as llama.cpp's blocks
 # (llama.cpp never quantizes a router: ``ffn_gate_inp`` stays F32)
 RAW_SERVED_ARCHS = ('llama', 'chatglm', 'glm4', 'gemma2', 'gemma3', 'mistral3', 'olmo2', 'granite', 'seed_oss',
                     'ernie4_5', 'cohere2', 'exaone4', 'arcee',
-                    'hunyuan-dense', 'apertus',
+                    'hunyuan-dense', 'apertus', 'starcoder2', 'granitemoe',
                     *gguf_moe_archs.RAW_SERVED_ARCHS,
-                    *gguf_qwen3_next.ARCHITECTURES)
+                    *gguf_qwen3_next.ARCHITECTURES, *gguf_lfm2.ARCHITECTURES)
 
 _POST_NORM_NAMES = {'post_attention_norm': 'post_attention_layernorm', 'post_ffw_norm': 'post_feedforward_layernorm'}
 _GEMMA_NAMES = {'ffn_norm': 'pre_feedforward_layernorm', 'post_attention_norm': 'post_attention_layernorm',
@@ -69,8 +73,11 @@ LAYER_NAMES: dict[str, dict[str, str]] = {
     'seed_oss': {'post_attention_norm': 'post_attention_layernorm'},
     'hunyuan-dense': gguf_moe_archs.HUNYUAN_QK_NORMS,
     'apertus': {'attn_norm': 'attention_layernorm', 'ffn_norm': 'feedforward_layernorm'},
+    # the MLP's names in StarCoder2's checkpoints (the engine loads them as its ungated MLP's up and down)
+    'starcoder2': {'ffn_up': 'mlp.c_fc', 'ffn_down': 'mlp.c_proj'},
     **gguf_moe_archs.LAYER_NAMES,
     **dict.fromkeys(gguf_qwen3_next.ARCHITECTURES, gguf_qwen3_next.LAYER_NAMES),
+    **dict.fromkeys(gguf_lfm2.ARCHITECTURES, gguf_lfm2.LAYER_NAMES),
 }
 
 
@@ -251,9 +258,30 @@ def xielu_tensors(meta: Meta, layer: int) -> dict[str, torch.Tensor]:
 METADATA_TENSORS: dict[str, Callable[[Meta, int], dict[str, torch.Tensor]]] = {'apertus': xielu_tensors}
 
 
+def _granitemoe(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """Granite 3 MoE: Granite's multipliers and q/k rows (see :func:`_granite`), every layer's experts split from the
+    checkpoints' fused ``input_linear`` into ``ffn_gate_exps`` and ``ffn_up_exps``, a softmax over the top-k logits.
+    GraniteMoeShared's files (the same architecture with a shared MLP, ``ffn_*_shexp``) are refused."""
+    if 'blk.0.ffn_up_shexp.weight' in tensors:
+        raise ValueError('a granitemoe file with a shared MLP (ffn_*_shexp: GraniteMoeShared) is not supported')
+    return {**_granite(meta, tensors, config), 'model_type': 'granitemoe',
+            'num_local_experts': meta(Keys.LLM.EXPERT_COUNT), 'num_experts_per_tok': meta(Keys.LLM.EXPERT_USED_COUNT),
+            'intermediate_size': meta(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, config['intermediate_size'])}
+
+
+def _starcoder2(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """StarCoder2: LayerNorms with biases of the file's epsilon, biases on the projections where the file has them,
+    q/k rows unpermuted. llama.cpp attends over the whole context (it reads no sliding window for it), and so does the
+    engine on these files."""
+    return {'model_type': 'starcoder2', 'rope_parameters': _rope(meta, config['rope_theta']),
+            'norm_epsilon': meta(Keys.Attention.LAYERNORM_EPS, 1e-5), 'use_bias': 'blk.0.attn_q.bias' in tensors,
+            'sliding_window': None}
+
+
 CONFIG_BUILDERS: dict[str, Callable[[Meta, dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
     'chatglm': _chatglm, 'glm4': _glm4, 'gemma2': _gemma2, 'gemma3': _gemma3, 'mistral3': _mistral3, 'olmo2': _olmo2,
     'granite': _granite, 'seed_oss': _seed_oss, 'ernie4_5': _ernie4_5, 'cohere2': _cohere2, 'exaone4': _exaone4,
-    'arcee': _arcee, 'hunyuan-dense': _hunyuan_dense, 'apertus': _apertus,
+    'arcee': _arcee, 'hunyuan-dense': _hunyuan_dense, 'apertus': _apertus, 'starcoder2': _starcoder2,
+    'granitemoe': _granitemoe,
     **gguf_moe_archs.CONFIG_BUILDERS,
-    **gguf_qwen3_next.CONFIG_BUILDERS}
+    **gguf_qwen3_next.CONFIG_BUILDERS, **gguf_lfm2.CONFIG_BUILDERS}

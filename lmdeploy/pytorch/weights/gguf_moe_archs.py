@@ -2,7 +2,7 @@
 tensor names: gpt-oss (``gpt-oss``), DeepSeek-V2/V3 (``deepseek2``), GLM-4.5 (``glm4moe``), ERNIE 4.5's MoE
 (``ernie4_5-moe``), Llama 4's text model (``llama4``), Hunyuan-A13B (``hunyuan-moe``), and the files of Qwen3-MoE
 (``qwen3moe``; Qwen3-VL-MoE's language model ``qwen3vlmoe`` alike), MiniMax-M2 (``minimax-m2``), Qwen2-MoE
-(``qwen2moe``, with a shared expert) and Mixtral (``llama`` with experts), whose stacked experts
+(``qwen2moe``, with a shared expert), OLMoE (``olmoe``) and Mixtral (``llama`` with experts), whose stacked experts
 (``ffn_{gate,up,down}_exps``) are stored back one tensor per expert. Registered in ``gguf_archs.py`` as
 ``gguf_qwen3_next.py`` is; the state-dict steps are in ``gguf_tensors.py``.
 """
@@ -24,11 +24,12 @@ ARCHITECTURES = {
     'llama4': 'Llama4ForCausalLM',
     'minimax-m2': 'MiniMaxM2ForCausalLM',
     'hunyuan-moe': 'HunYuanMoEV1ForCausalLM',
+    'olmoe': 'OlmoeForCausalLM',
 }
 
 # those whose every linear layer is a projection or experts (not MLA's, not gpt-oss's biased experts)
 RAW_SERVED_ARCHS = ('glm4moe', 'qwen3moe', 'qwen3vlmoe', 'qwen2moe', 'ernie4_5-moe', 'llama4', 'minimax-m2',
-                    'hunyuan-moe')
+                    'hunyuan-moe', 'olmoe')
 
 # Hunyuan's q/k norms (after the rotary), dense (``gguf_archs.py``) and MoE alike
 HUNYUAN_QK_NORMS = {'attn_q_norm': 'self_attn.query_layernorm', 'attn_k_norm': 'self_attn.key_layernorm'}
@@ -227,7 +228,17 @@ def _hunyuan_moe(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) ->
             'moe_topk': meta(Keys.LLM.EXPERT_USED_COUNT),
             'rope_parameters': rope_parameters(meta, config['rope_theta'])}
 
+def _olmoe(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """OLMoE: every layer sparse, the top-k weights left as the softmax gives them (llama.cpp's fixed routing for it,
+    unless the file says); q/k rows unpermuted, their norms over all heads; no ``clip_qkv`` (the converter writes
+    none for OLMoE)."""
+    fields = _experts(meta, config, renormalize=False)
+    return {'model_type': 'olmoe', 'rope_parameters': rope_parameters(meta, config['rope_theta']),
+            'num_experts': meta(Keys.LLM.EXPERT_COUNT), 'intermediate_size': fields.pop('moe_intermediate_size'),
+            **fields}
+
+
 CONFIG_BUILDERS: dict[str, Callable[[Meta, dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
     'llama': _llama, 'gpt-oss': _gpt_oss, 'deepseek2': _deepseek2, 'glm4moe': _glm4moe, 'qwen3moe': _qwen3moe,
     'qwen3vlmoe': _qwen3moe, 'qwen2moe': _qwen2moe, 'ernie4_5-moe': _ernie4_5_moe, 'llama4': _llama4,
-    'minimax-m2': _minimax_m2, 'hunyuan-moe': _hunyuan_moe}
+    'minimax-m2': _minimax_m2, 'hunyuan-moe': _hunyuan_moe, 'olmoe': _olmoe}

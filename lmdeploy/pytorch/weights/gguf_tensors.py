@@ -1,7 +1,8 @@
 """State-dict steps that undo, per GGUF architecture, what llama.cpp's convert_hf_to_gguf.py did to the tensors
 beyond renaming them (see ``gguf_archs.py``): GLM-4's fused ``attn_qkv``, Gemma's ``1 + weight`` norms, gpt-oss's
 split and transposed experts (and its MXFP4 blocks), DeepSeek's split ``kv_b``, Llama 4's split and transposed
-experts, the stacked experts of the MoE files, stored back one tensor per expert, and Qwen3-Next's and Qwen3.5's
+experts, the stacked experts of the MoE files, stored back one tensor per expert (Granite 3 MoE's dense ones
+fused again, as its checkpoints hold them), and Qwen3-Next's and Qwen3.5's
 linear attention (``gguf_qwen3_next.py``).
 """
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from .gguf_lfm2 import ARCHITECTURES as LFM2_ARCHS
+from .gguf_lfm2 import unsqueeze_conv
 from .gguf_qwen3_next import ARCHITECTURES as HYBRID_ARCHS
 from .gguf_qwen3_next import finish_hybrid
 
@@ -127,6 +130,20 @@ def _llama4_checkpoint(state_dict: dict[str, torch.Tensor], config: dict[str, An
         state_dict[name.replace('.mlp.', '.feed_forward.')] = state_dict.pop(name)
 
 
+def _granitemoe_checkpoint(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    """Granite 3 MoE's checkpoint where the experts are dense: gate and up ``[E, I, H]`` back into
+    ``block_sparse_moe.input_linear [E, 2I, H]`` (gate rows first), down into ``output_linear``, the router into
+    ``router.layer``; experts kept as blocks one tensor per expert under the engine's names (``mlp.experts.*``)."""
+    for prefix in _layer_prefixes(state_dict, 'mlp.experts.gate_proj.weight'):
+        gate, up = (state_dict.pop(f'{prefix}mlp.experts.{proj}_proj.weight') for proj in ('gate', 'up'))
+        state_dict[prefix + 'block_sparse_moe.input_linear.weight'] = torch.cat((gate, up), 1)
+        state_dict[prefix + 'block_sparse_moe.router.layer.weight'] = state_dict.pop(prefix + 'mlp.gate.weight')
+        if prefix + 'mlp.experts.down_proj.weight' in state_dict:
+            state_dict[prefix + 'block_sparse_moe.output_linear.weight'] = state_dict.pop(
+                prefix + 'mlp.experts.down_proj.weight')
+    _split_experts(state_dict, config)
+
+
 def _hybrid_checkpoint(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
     """Qwen3-Next's and Qwen3.5's linear attention and norms as their checkpoints hold them (``gguf_qwen3_next.py``),
     the stacked experts one tensor per expert."""
@@ -134,12 +151,20 @@ def _hybrid_checkpoint(state_dict: dict[str, torch.Tensor], config: dict[str, An
     _split_experts(state_dict, config)
 
 
+def _lfm2_checkpoint(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    """LFM2's convolutions as its checkpoints hold them (``gguf_lfm2.py``), the stacked experts one tensor per
+    expert."""
+    unsqueeze_conv(state_dict)
+    _split_experts(state_dict, config)
+
+
 _FINISHERS = {'llama': _split_experts, 'qwen3moe': _split_experts, 'qwen3vlmoe': _split_experts,
               'qwen2moe': _split_experts, 'glm4moe': _split_experts, 'chatglm': _split_qkv,
               'gemma2': _gemma_norms, 'gemma3': _gemma_norms, 'gpt-oss': _gpt_oss_experts,
               'deepseek2': _deepseek2_merge, 'ernie4_5-moe': _ernie4_5_experts, 'llama4': _llama4_checkpoint,
-              'minimax-m2': _split_experts, 'hunyuan-moe': _split_experts,
-              **dict.fromkeys(HYBRID_ARCHS, _hybrid_checkpoint)}
+              'minimax-m2': _split_experts, 'hunyuan-moe': _split_experts, 'olmoe': _split_experts,
+              'granitemoe': _granitemoe_checkpoint,
+              **dict.fromkeys(HYBRID_ARCHS, _hybrid_checkpoint), **dict.fromkeys(LFM2_ARCHS, _lfm2_checkpoint)}
 
 
 def finish_state_dict(arch: str, state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:

@@ -19,16 +19,17 @@ LM_HEAD_RAW_TYPES = frozenset({'Q6_K'})
 # head reads the same blocks (``nn/quant/gguf_table.py``).
 EMBEDDING_RAW_TYPES = frozenset({'Q4_K', 'Q6_K', 'Q8_0'})
 # the engine's linear layers that Hugging Face projections fill, and the sets of projections that fill one:
-# q/k/v and gate/up are stacked into one layer (Phi-3 and GLM-4 files hold them stacked already)
+# q/k/v and gate/up are stacked into one layer (Phi-3 and GLM-4 files hold them stacked already); StarCoder2's
+# checkpoints name the down projection ``c_proj``
 _ENGINE_LAYERS = {'q_proj': 'qkv_proj', 'k_proj': 'qkv_proj', 'v_proj': 'qkv_proj', 'qkv_proj': 'qkv_proj',
                   'o_proj': 'o_proj', 'gate_proj': 'gate_up_proj', 'up_proj': 'gate_up_proj',
-                  'gate_up_proj': 'gate_up_proj', 'down_proj': 'down_proj'}
+                  'gate_up_proj': 'gate_up_proj', 'down_proj': 'down_proj', 'c_proj': 'down_proj'}
 # the hybrid decoders' linear attention (``models/qwen3_next.py``) as llama.cpp's files hold it: q/k/v, the output
 # gate z and the output projection each a layer of its own (their b and a projections, a row per value head, dense)
 _LINEAR_ATTENTION = re.compile(r'layers\.\d+\.linear_attn')
 _LINEAR_ATTENTION_LAYERS = ('in_proj_qkv', 'in_proj_z', 'out_proj')
 _WHOLE = ({'q_proj', 'k_proj', 'v_proj'}, {'qkv_proj'}, {'o_proj'}, {'gate_proj', 'up_proj'}, {'gate_up_proj'},
-          {'down_proj'}, *({proj} for proj in _LINEAR_ATTENTION_LAYERS))
+          {'down_proj'}, {'c_proj'}, *({proj} for proj in _LINEAR_ATTENTION_LAYERS))
 # the projections a stacked layer holds, in its order (its parts)
 _PARTS = {'qkv_proj': ('q_proj', 'k_proj', 'v_proj'), 'gate_up_proj': ('gate_proj', 'up_proj')}
 # a layer's attention and MLP (or shared expert, Hunyuan's shared MLP), and its experts: stacked (a MoE file's

@@ -3,6 +3,8 @@ Python list of calls with keyword arguments, optionally between ``<|python_start
 
     [get_weather(city="Paris", days=3), now()]
 
+LFM2 writes the same lists between ``<|tool_call_start|>`` and ``<|tool_call_end|>`` (parser ``lfm2``).
+
 The values are Python literals (JSON's ``true``, ``false`` and ``null`` are read too), parsed with ``ast``,
 never evaluated.
 """
@@ -18,6 +20,7 @@ from lmdeploy.serve.openai.tool_parsers.arguments import is_value, json_text, li
 from lmdeploy.serve.openai.tool_parsers.base import ParsedDelta, ToolCallDelta, ToolParser, register_tool_parser
 
 PYTHON_START, PYTHON_END = '<|python_start|>', '<|python_end|>'
+LFM2_START, LFM2_END = '<|tool_call_start|>', '<|tool_call_end|>'
 CALL_HEAD = re.compile(r'\s*([A-Za-z_][\w.]*)\s*\(')
 HEAD_PREFIX = re.compile(r'\s*(?:[A-Za-z_][\w.]*\s*)?')  # what the start of a call's head looks like
 ARGUMENT = re.compile(r'\s*([A-Za-z_]\w*)\s*=(.*)', re.DOTALL)
@@ -86,7 +89,8 @@ class PythonicToolParser(ToolParser):
     one of ``special_markers``.
     """
 
-    markers = (PYTHON_START, PYTHON_END)
+    start_marker, end_marker = PYTHON_START, PYTHON_END  # the markers a list of calls may come between
+    markers = (start_marker, end_marker)
 
     def __init__(self, tools: Sequence[Mapping[str, Any]] = (), special_markers: Collection[str] = ()) -> None:
         super().__init__(tools, special_markers)
@@ -109,7 +113,7 @@ class PythonicToolParser(ToolParser):
 
     def _line_start(self, at: int) -> bool:
         before = strip_end(self.text, 0, at)
-        return before == 0 or '\n' in self.text[before:at] or self.text.endswith(PYTHON_START, 0, before)
+        return before == 0 or '\n' in self.text[before:at] or self.text.endswith(self.start_marker, 0, before)
 
     def _text(self, out: ParsedDelta, final: bool) -> bool:
         while (at := self.text.find('[', self.scan)) >= 0:
@@ -122,9 +126,9 @@ class PythonicToolParser(ToolParser):
                 self.scan = at + 1
                 continue
             start = strip_end(self.text, self.pos, at)
-            if self.text.endswith(PYTHON_START, self.pos, start):
-                start = strip_end(self.text, self.pos, start - len(PYTHON_START))
-            out.content += self._unmarked(self.pos, start, (PYTHON_START, ))
+            if self.text.endswith(self.start_marker, self.pos, start):
+                start = strip_end(self.text, self.pos, start - len(self.start_marker))
+            out.content += self._unmarked(self.pos, start, (self.start_marker, ))
             self.pos, self.scan = start, at
             if waiting:
                 return False
@@ -132,12 +136,12 @@ class PythonicToolParser(ToolParser):
             return True
         end = len(self.text)
         if not final:  # a list may follow the whitespace or a (possibly cut) <|python_start|> at the end
-            end = strip_end(self.text, self.pos, held_back(self.text, self.pos, PYTHON_START))
-            if self.text.endswith(PYTHON_START, self.pos, end):
-                end = strip_end(self.text, self.pos, end - len(PYTHON_START))
-        out.content += self._unmarked(self.pos, end, (PYTHON_START, ))  # a whole marker: held back till then
+            end = strip_end(self.text, self.pos, held_back(self.text, self.pos, self.start_marker))
+            if self.text.endswith(self.start_marker, self.pos, end):
+                end = strip_end(self.text, self.pos, end - len(self.start_marker))
+        out.content += self._unmarked(self.pos, end, (self.start_marker, ))  # a whole marker: held back till then
         self.pos = max(self.pos, end)
-        self.scan = max(self.scan, held_back(self.text, self.scan, PYTHON_START))
+        self.scan = max(self.scan, held_back(self.text, self.scan, self.start_marker))
         return False
 
     def _start_call(self, start: int, head: re.Match) -> None:
@@ -214,13 +218,22 @@ class PythonicToolParser(ToolParser):
         return True
 
     def _after_list(self, out: ParsedDelta, final: bool) -> bool:
-        """The whitespace and ``<|python_end|>`` after a list are dropped."""
+        """The whitespace and the end marker (``<|python_end|>``) after a list are dropped."""
         start = skip_whitespace(self.text, self.pos)
-        rest = self.text[start:start + len(PYTHON_END)]
-        if rest == PYTHON_END:
-            start += len(PYTHON_END)
-        elif not final and PYTHON_END.startswith(rest):
+        rest = self.text[start:start + len(self.end_marker)]
+        if rest == self.end_marker:
+            start += len(self.end_marker)
+        elif not final and self.end_marker.startswith(rest):
             return False
         self.pos = self.scan = start
         self.state = 'text'
         return True
+
+
+@register_tool_parser('lfm2')
+class Lfm2ToolParser(PythonicToolParser):
+    """LFM2's pythonic calls, between ``<|tool_call_start|>`` and ``<|tool_call_end|>``: :class:`PythonicToolParser`
+    with those markers."""
+
+    start_marker, end_marker = LFM2_START, LFM2_END
+    markers = (start_marker, end_marker)

@@ -1,0 +1,191 @@
+"""Liquid AI's LFM2 (``Lfm2ForCausalLM``) and LFM2-MoE (``Lfm2MoeForCausalLM``): hybrid decoders whose
+``layer_types`` interleave gated short convolutions (``conv``: a recurrent state per sequence, see
+``paging/state_pool.py``) with attention over the paged KV cache (per-head q/k RMSNorms before the rotary). A
+short convolution projects the input to ``B, C, x``, runs a causal depthwise convolution of ``conv_L_cache`` taps
+(no activation) over ``B * x`` and multiplies it by ``C``; its state is the last ``conv_L_cache - 1`` values of
+``B * x``. The MLP is SwiGLU; LFM2-MoE's layers past ``num_dense_layers`` are mixtures of experts routed by sigmoid
+scores plus an expert bias. Every step runs the layers' own forward (no native decoder stack)."""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from lmdeploy.pytorch.config import ModelConfig
+from lmdeploy.pytorch.kernels import grouped_topk
+from lmdeploy.pytorch.kernels.gated_delta import causal_conv1d
+from lmdeploy.pytorch.models.deepseek_v3 import TopKRouter
+from lmdeploy.pytorch.models.llama import KVCache, LlamaAttention, LlamaMLP
+from lmdeploy.pytorch.models.moe import MoEForCausalLM, split_stacked_experts
+from lmdeploy.pytorch.models.qwen3_next import CausalConv1d
+from lmdeploy.pytorch.nn.linear import Linear
+from lmdeploy.pytorch.nn.moe import Fp32Router, FusedExperts
+from lmdeploy.pytorch.nn.norm import RMSNorm
+from lmdeploy.pytorch.nn.quant import LinearOptions
+from lmdeploy.pytorch.step_context import StepContext
+from lmdeploy.pytorch.weights.safetensors_loader import WeightSource
+
+CONV = 'conv'
+ROUTER_RENORMALIZE_EPS = 1e-6  # transformers' Lfm2MoeTopKRouter divides by the weights' sum plus this
+# checkpoint name pattern -> the engine's
+RENAMED = [(re.compile(r'\.feed_forward\.'), '.mlp.'),
+           (re.compile(r'\.mlp\.w1\.'), '.mlp.gate_proj.'),
+           (re.compile(r'\.mlp\.w3\.'), '.mlp.up_proj.'),
+           (re.compile(r'\.mlp\.w2\.'), '.mlp.down_proj.'),
+           (re.compile(r'\.mlp\.expert_bias$'), '.mlp.gate.e_score_correction_bias'),
+           (re.compile(r'\.self_attn\.out_proj\.'), '.self_attn.o_proj.'),
+           (re.compile(r'\.self_attn\.q_layernorm\.'), '.self_attn.q_norm.'),
+           (re.compile(r'\.self_attn\.k_layernorm\.'), '.self_attn.k_norm.'),
+           (re.compile(r'\.operator_norm\.'), '.input_layernorm.'),
+           (re.compile(r'\.ffn_norm\.'), '.post_attention_layernorm.'),
+           (re.compile(r'^(model\.)?embedding_norm\.'), r'\1norm.')]
+
+
+def engine_name(name: str) -> str:
+    """The engine's name of an LFM2 checkpoint tensor."""
+    for pattern, new in RENAMED:
+        name = pattern.sub(new, name)
+    return name
+
+
+def dense_intermediate_size(hf: PretrainedConfig) -> int:
+    """LFM2's MLP width: ``intermediate_size``, or with ``block_auto_adjust_ff_dim`` two thirds of it, times
+    ``block_ffn_dim_multiplier``, rounded up to ``block_multiple_of`` (as transformers' ``Lfm2MLP``)."""
+    size = hf.intermediate_size
+    if not getattr(hf, 'block_auto_adjust_ff_dim', False):
+        return size
+    size = int(2 * size / 3)
+    if hf.block_ffn_dim_multiplier is not None:
+        size = int(hf.block_ffn_dim_multiplier * size)
+        size = hf.block_multiple_of * ((size + hf.block_multiple_of - 1) // hf.block_multiple_of)
+    return size
+
+
+class ShortConv(nn.Module):
+    """LFM2's gated short convolution over a convolution state per sequence, ``conv [slots, hidden, L - 1]`` (a
+    row per sequence: ``ctx.state_prefill``, ``ctx.state_decode_slots``): ``out_proj(C * conv(B * x))``."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        hf = cfg.hf_config
+        self.hidden_size, self.kernel = cfg.hidden_size, hf.conv_L_cache
+        bias = bool(hf.conv_bias)
+        self.in_proj = Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=bias)
+        self.conv = CausalConv1d(cfg.hidden_size, self.kernel, bias=bias)
+        self.out_proj = Linear(cfg.hidden_size, cfg.hidden_size, bias=bias)
+        self.dtype = cfg.dtype
+
+    def state_shapes(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """One slot's convolution state."""
+        return [((self.hidden_size, self.kernel - 1), self.dtype)]
+
+    def forward(self, hidden: torch.Tensor, state: tuple[torch.Tensor], ctx: StepContext) -> torch.Tensor:
+        (conv_states,) = state
+        B, C, x = self.in_proj(hidden).chunk(3, dim=-1)
+        gated = B * x
+        weight, bias = self.conv.weight.squeeze(1), self.conv.bias
+        out = torch.empty_like(gated)
+        for slot, start, length, fresh in ctx.state_prefill:
+            rows = slice(start, start + length)
+            # a new (or recomputed) sequence starts from zeros: the slot's old content is not read
+            conv_state = torch.zeros_like(conv_states[slot]) if fresh else conv_states[slot]
+            mixed, conv_states[slot] = (t[0] for t in causal_conv1d(gated[rows].T[None], conv_state[None], weight,
+                                                                   bias, silu=False))
+            out[rows] = mixed.T
+        num_prefill = ctx.num_prefill_tokens
+        if num_prefill < hidden.shape[0]:
+            slots = ctx.state_decode_slots
+            mixed, conv_states[slots] = causal_conv1d(gated[num_prefill:, :, None], conv_states[slots], weight, bias,
+                                                      silu=False)
+            out[num_prefill:] = mixed.squeeze(-1)
+        return self.out_proj(C * out)
+
+
+class Lfm2MoE(nn.Module):
+    """LFM2-MoE's sparse block: ``sigmoid`` router scores; the top-k experts chosen by score plus
+    ``expert_bias`` (where ``use_expert_bias``), weighted by their unbiased scores, renormalized where
+    ``norm_topk_prob``, times ``routed_scaling_factor``; no shared experts."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        hf = cfg.hf_config
+        self.top_k, self.renormalize = hf.num_experts_per_tok, bool(hf.norm_topk_prob)
+        self.scaling, self.use_expert_bias = float(hf.routed_scaling_factor), bool(hf.use_expert_bias)
+        self.gate = TopKRouter(cfg.hidden_size, hf.num_experts, correction_bias=self.use_expert_bias)
+        self.experts = FusedExperts(cfg.hidden_size, hf.moe_intermediate_size, hf.num_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.gate(x)
+        bias = self.gate.e_score_correction_bias if self.use_expert_bias else logits.new_zeros(logits.shape[-1])
+        weights, ids = grouped_topk(logits, bias, self.top_k, 1, 1, self.renormalize, self.scaling,
+                                    ROUTER_RENORMALIZE_EPS)
+        return self.experts(x, weights, ids)
+
+
+class Lfm2DecoderLayer(nn.Module):
+    """``x + mixer(operator_norm(x))``, then ``+ mlp(ffn_norm(x))``; the mixer is a :class:`ShortConv` (``conv``)
+    or attention with q/k RMSNorms (``self_attn``). Like Llama's layers it hands the residual sum on."""
+
+    def __init__(self, cfg: ModelConfig, layer_index: int, mlp: nn.Module):
+        super().__init__()
+        hf = cfg.hf_config
+        self.is_conv = hf.layer_types[layer_index] == CONV
+        if self.is_conv:
+            self.conv = ShortConv(cfg)
+        else:
+            self.self_attn = LlamaAttention(cfg, qk_norm=True, qk_norm_eps=hf.norm_eps, qkv_bias=False, o_bias=False)
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(cfg.hidden_size, hf.norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, hf.norm_eps)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cache: KVCache, ctx: StepContext):
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.conv(x, cache, ctx) if self.is_conv else self.self_attn(x, cache, ctx)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class Lfm2ForCausalLM(MoEForCausalLM):
+    """LFM2 and LFM2-MoE decoders (see the module's docstring); the final norm is the checkpoints'
+    ``embedding_norm``."""
+
+    tensor_parallel_refusal = 'its short-convolution layers are not sharded for tensor parallelism'
+    recurrent_chunk = 0  # the convolution does not round by chunks: prefill chunks may end anywhere
+
+    def make_layer(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
+        return Lfm2DecoderLayer(cfg, layer_index, self.make_mlp(cfg, layer_index))
+
+    def make_mlp(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
+        hf = cfg.hf_config
+        if hf.model_type != 'lfm2_moe':
+            return LlamaMLP(cfg, dense_intermediate_size(hf))
+        return LlamaMLP(cfg, hf.intermediate_size) if layer_index < hf.num_dense_layers else Lfm2MoE(cfg)
+
+    def make_norm(self, cfg: ModelConfig) -> nn.Module:
+        return RMSNorm(cfg.hidden_size, cfg.hf_config.norm_eps)
+
+    def split_fused(self, weights: Iterable[tuple[str, WeightSource]]) -> Iterator[tuple[str, WeightSource]]:
+        """Renames the checkpoint's tensors to the engine's (:func:`engine_name`) and splits stacked experts
+        (transformers 5's ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``)."""
+        renamed = ((engine_name(name), tensor) for name, tensor in weights)
+        return split_stacked_experts(super().split_fused(renamed), self.cfg.hidden_size)
+
+    def finalize_weights(self, pack_cpu: bool, small_step_int4: bool) -> None:
+        """Lays the loaded weights out for their kernels (bf16 CPU weights packed for their GEMM); no native
+        decoder stack."""
+        for module in self.modules():
+            if isinstance(module, (Linear, FusedExperts)):
+                module.finalize(LinearOptions(pack_cpu, dtype=self.cfg.dtype))
+            elif isinstance(module, Fp32Router):
+                module.finalize()
+        self.lm_head.finalize(pack_cpu)
+
+    def recurrent_state_shapes(self) -> list[list[tuple[tuple[int, ...], torch.dtype]] | None]:
+        """Per layer, one sequence's convolution state (short-convolution layers) or None (attention layers)."""
+        return [layer.conv.state_shapes() if layer.is_conv else None for layer in self.layers]
