@@ -107,3 +107,10 @@ def assert_native_stack_gives_the_layers_tokens(path: str) -> None:
     outs = run(engine, prompts)
     model.native_stack = None
     assert run(engine, prompts) == outs
+
+
+def assert_slots_free(engine: Engine) -> None:
+    """A recurrent model's engine holds no sequence, and every state slot and KV block is free."""
+    pool = engine.scheduler.state_pool
+    assert pool.num_free == pool.num_slots and not engine.sequences
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

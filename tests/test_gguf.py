@@ -255,7 +255,7 @@ def test_failed_conversion_leaves_nothing(tmp_path: Path, tmp_cache: Path, monke
     def boom(*args: object) -> None:
         raise RuntimeError('crash while saving the tokenizer')
 
-    monkeypatch.setattr(gguf_weights, '_save_tokenizer', boom)
+    monkeypatch.setattr(gguf_weights, 'save_tokenizer', boom)
     with pytest.raises(RuntimeError, match='crash'):
         resolve_gguf(str(src))
     assert os.listdir(tmp_cache / 'gguf') == []

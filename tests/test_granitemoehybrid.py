@@ -20,7 +20,8 @@ from transformers.models.granitemoehybrid.modeling_granitemoehybrid import (mamb
                                                                            mamba2_selective_state_update)
 
 from conftest import VOCAB_SIZE, save_random_model
-from family_checks import assert_matches_transformers, first_step_logits, hf_causal_lm, hf_last_logits
+from family_checks import (assert_matches_transformers, assert_slots_free, first_step_logits, hf_causal_lm,
+                           hf_last_logits)
 from helpers import make_engine, random_prompts, run
 
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
@@ -57,12 +58,6 @@ def granite_hybrid(request, tmp_path_factory) -> str:
 @pytest.fixture(scope='module')
 def granite_moe(tmp_path_factory) -> str:
     return save_random_model(VARIANTS['moe'](), str(tmp_path_factory.mktemp('granite_moe')))
-
-
-def assert_slots_free(engine: Engine) -> None:
-    pool = engine.scheduler.state_pool
-    assert pool.num_free == pool.num_slots and not engine.sequences
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
 def test_ssd_matches_transformers():

@@ -13,7 +13,8 @@ import torch
 from transformers import NemotronHConfig
 
 from conftest import VOCAB_SIZE, save_random_model
-from family_checks import assert_matches_transformers, first_step_logits, hf_causal_lm, hf_last_logits
+from family_checks import (assert_matches_transformers, assert_slots_free, first_step_logits, hf_causal_lm,
+                           hf_last_logits)
 from helpers import make_engine, random_prompts, run
 
 from lmdeploy.messages import PytorchEngineConfig
@@ -44,12 +45,6 @@ def nemotron_3_config(latent: int | None) -> NemotronHConfig:
 @pytest.fixture(scope='module')
 def nemotron_h(tmp_path_factory) -> str:
     return save_random_model(nemotron_h_config(), str(tmp_path_factory.mktemp('nemotron_h')))
-
-
-def assert_slots_free(engine: Engine) -> None:
-    pool = engine.scheduler.state_pool
-    assert pool.num_free == pool.num_slots and not engine.sequences
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
 def test_greedy_and_first_logits_match_transformers(nemotron_h):

@@ -18,7 +18,7 @@ from lmdeploy.pytorch.nn.embedding import LMHead
 from lmdeploy.pytorch.nn.quant.base import ExpertKernel, LinearKernel
 from lmdeploy.pytorch.paging.block_manager import given_back_as_zero
 from lmdeploy.pytorch.paging.scheduler import ScheduledSeq, SchedulerOutput
-from lmdeploy.pytorch.paging.state_pool import allocate_states, recurrent_state_shapes
+from lmdeploy.pytorch.paging.state_pool import KVAndStates, allocate_states, recurrent_state_shapes
 from lmdeploy.pytorch.step_context import StepContext, step_rows
 
 
@@ -72,7 +72,8 @@ class ModelRunner:
     None without any; ``window_layer_kind`` names those layers (``sliding-window`` or ``chunked-attention``).
 
     A model with linear-attention layers keeps, in those layers' place in ``kv_caches``, their recurrent states
-    of ``num_state_slots`` sequences (see ``paging/state_pool.py``); ``num_state_slots`` is 0 for other models.
+    of ``num_state_slots`` sequences (see ``paging/state_pool.py``), after the KV cache's tensors in a layer that
+    has both (Falcon-H1); ``num_state_slots`` is 0 for other models.
 
     Under tensor parallelism every rank has a runner over its shard of the model (``cfg`` gives this
     rank's KV heads): rank 0 builds each step's inputs and sends them down ``channel`` before it runs
@@ -110,12 +111,17 @@ class ModelRunner:
             raise ValueError('a model with linear-attention layers needs recurrent-state slots')
         # Zeroed so that the padding read by batched decode never holds NaNs (a masked position weighs 0, and 0 * NaN
         # is NaN); lazily, page by page as the blocks are first written or read.
-        self.kv_caches = [allocate_states(states, num_state_slots, self.device) if states is not None else
-                          tuple(lazily_zeroed(shape, dtype, self.device)
-                                for shape, dtype in cfg.kv_cache_shapes(size + 1, block_size))
-                          for states, size in zip(layer_states, pool_sizes)]
+        self.kv_caches = [self._layer_cache(states, size) for states, size in zip(layer_states, pool_sizes)]
         self.graphs: DecodeGraphRunner | None = None
         self.splits_mixed_steps = has_small_step_kernels(model)
+
+    def _layer_cache(self, states: list | None, num_blocks: int) -> tuple[torch.Tensor, ...]:
+        """One layer's place in ``kv_caches``: its KV cache of ``num_blocks`` blocks (plus the scratch block), its
+        recurrent states, or both (:class:`KVAndStates`: the KV tensors first)."""
+        has_kv = states is None or isinstance(states, KVAndStates)
+        kv = tuple(lazily_zeroed(shape, dtype, self.device)
+                   for shape, dtype in self.cfg.kv_cache_shapes(num_blocks + 1, self.block_size)) if has_kv else ()
+        return kv + (allocate_states(states, self.num_state_slots, self.device) if states is not None else ())
 
     def capture_graphs(self, max_batch_size: int, max_blocks: int, make_graph=None) -> None:
         """Captures decode graphs for up to ``max_batch_size`` sequences of up to ``max_blocks`` blocks."""

@@ -55,8 +55,9 @@ class GraniteForCausalLM(LlamaForCausalLM):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         hf = cfg.hf_config
-        self.embedding_multiplier = hf.embedding_multiplier
-        self.logits_scaling = hf.logits_scaling
+        # Bamba (models/granitemoehybrid.py) has neither: 1
+        self.embedding_multiplier = getattr(hf, 'embedding_multiplier', 1.0)
+        self.logits_scaling = getattr(hf, 'logits_scaling', 1.0)
 
     def make_layer(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
         hf = cfg.hf_config

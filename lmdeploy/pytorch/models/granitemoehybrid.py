@@ -2,7 +2,8 @@
 (selective state space, a recurrent state per sequence, see ``paging/state_pool.py``) with a few attention layers
 over the paged KV cache (rotary only where ``position_embedding_type`` is ``rope``), Granite's multipliers
 (embeddings, attention scores, residual branches, logits), and in each layer a mixture of experts (softmax over the
-top-k) plus an ungated shared MLP, or the shared MLP alone (``num_local_experts`` 0). Every step runs the layers'
+top-k) plus an ungated shared MLP, or the shared MLP alone (``num_local_experts`` 0). IBM's Bamba
+(``BambaForCausalLM``) is the dense layout under other names, without the multipliers. Every step runs the layers'
 own forward (no native decoder stack)."""
 from __future__ import annotations
 
@@ -22,6 +23,10 @@ from lmdeploy.pytorch.nn.norm import RMSNorm
 from lmdeploy.pytorch.nn.quant import LinearOptions
 from lmdeploy.pytorch.step_context import StepContext
 
+# Bamba's checkpoint name fragment -> Granite 4.0-H's
+BAMBA_RENAMED = {'.feed_forward.': '.shared_mlp.', '.pre_ff_layernorm.': '.post_attention_layernorm.',
+                 'model.final_layernorm.': 'model.norm.'}
+
 
 def granite_mamba_shape(hf: PretrainedConfig) -> Mamba2Shape:
     """The Mamba-2 layers' shape from Granite's ``mamba_*`` config fields."""
@@ -33,7 +38,9 @@ def granite_mamba_shape(hf: PretrainedConfig) -> Mamba2Shape:
 class GraniteHybridLayer(nn.Module):
     """``x + residual_multiplier * mixer(norm(x))``, then the same with the routed experts (``mlp``, where the
     config has them) plus the ungated ``shared_mlp``; the mixer is a :class:`Mamba2Mixer` (``mamba``) or attention
-    scaled by ``attention_multiplier`` (``self_attn``)."""
+    scaled by ``attention_multiplier`` (``self_attn``). Bamba's configs have none of these Granite fields: no
+    multipliers (1, and ``head_dim ** -0.5`` for the attention), no experts, its ``intermediate_size`` for the
+    shared MLP and rotary attention (over the first half of each head, per its ``partial_rotary_factor``)."""
 
     def __init__(self, cfg: ModelConfig, layer_index: int):
         super().__init__()
@@ -42,11 +49,12 @@ class GraniteHybridLayer(nn.Module):
         if self.is_linear:
             self.mamba = Mamba2Mixer(cfg, granite_mamba_shape(hf))
         else:
-            self.self_attn = LlamaAttention(cfg, use_rope=getattr(hf, 'position_embedding_type', None) == 'rope',
-                                            scale=hf.attention_multiplier)
-        self.mlp = SparseMoeBlock(cfg) if hf.num_local_experts else None
-        self.shared_mlp = LlamaMLP(cfg, hf.shared_intermediate_size, activation=hf.hidden_act)
-        self.residual_multiplier = hf.residual_multiplier
+            self.self_attn = LlamaAttention(cfg, use_rope=getattr(hf, 'position_embedding_type', 'rope') == 'rope',
+                                            scale=getattr(hf, 'attention_multiplier', None))
+        self.mlp = SparseMoeBlock(cfg) if getattr(hf, 'num_local_experts', 0) else None
+        self.shared_mlp = LlamaMLP(cfg, getattr(hf, 'shared_intermediate_size', hf.intermediate_size),
+                                   activation=hf.hidden_act)
+        self.residual_multiplier = getattr(hf, 'residual_multiplier', 1.0)
         self.input_layernorm = RMSNorm(cfg.hidden_size, hf.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, hf.rms_norm_eps)
 
@@ -82,3 +90,16 @@ class GraniteMoeHybridForCausalLM(GraniteMoeForCausalLM):
     def recurrent_state_shapes(self) -> list[list[tuple[tuple[int, ...], torch.dtype]] | None]:
         """Per layer, one sequence's recurrent state (Mamba-2 layers) or None (attention layers)."""
         return [layer.mamba.state_shapes() if layer.is_linear else None for layer in self.layers]
+
+
+class BambaForCausalLM(GraniteMoeHybridForCausalLM):
+    """Bamba (IBM, ``BambaForCausalLM``): Mamba-2 layers and the attention layers of ``attn_layer_indices``, each
+    followed by a gated MLP (``feed_forward``, as Granite 4.0-H's dense ``shared_mlp``), without multipliers."""
+
+    @staticmethod
+    def engine_name(name: str) -> str:
+        """The engine's name of a checkpoint tensor (:data:`BAMBA_RENAMED`)."""
+        for old, new in BAMBA_RENAMED.items():
+            if old in name:
+                return name.replace(old, new)
+        return name

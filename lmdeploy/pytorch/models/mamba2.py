@@ -1,5 +1,5 @@
-"""The Mamba-2 mixer of hybrid decoders (Granite 4.0-H, Nemotron-H): a layer with a recurrent state per sequence
-(see ``paging/state_pool.py``) instead of a KV cache; its selective state space runs in ``kernels/mamba2.py``."""
+"""The Mamba-2 mixer of hybrid decoders (Granite 4.0-H, Bamba, Nemotron-H, Falcon-H1): a layer with a recurrent state
+per sequence (see ``paging/state_pool.py``); its selective state space runs in ``kernels/mamba2.py``."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,6 +16,10 @@ from lmdeploy.pytorch.models.qwen3_next import CausalConv1d
 from lmdeploy.pytorch.nn.linear import Linear
 from lmdeploy.pytorch.step_context import StepContext
 
+# how the gate z meets the scan's output y: ``rmsnorm(y * silu(z))`` (Mamba-2's), ``rmsnorm(y) * silu(z)``, or
+# ``y * silu(z)`` without a norm (Falcon-H1's ``mamba_norm_before_gate``, ``mamba_rms_norm`` off)
+GATE_THEN_NORM, NORM_THEN_GATE, GATE_ONLY = 'gate_then_norm', 'norm_then_gate', 'gate_only'
+
 
 @dataclass(frozen=True)
 class Mamba2Shape:
@@ -29,22 +33,39 @@ class Mamba2Shape:
     proj_bias: bool
     eps: float
     time_step_limit: tuple[float, float] | None
+    out_proj_bias: bool | None = None  # None: as ``proj_bias``
+    gate_norm: str = GATE_THEN_NORM
+
+
+class SiluGate(nn.Module):
+    """``y * silu(z)`` (no norm). In fp32 the SiLU runs ``placeless``, as do the mixer's other element-wise ops over
+    the step's rows: a row's bits do not depend on its place among them."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return (y.float() * placeless(F.silu, z.float(), self.dtype)).to(self.dtype)
 
 
 class GroupedGatedRMSNorm(nn.Module):
-    """``weight * rmsnorm(y * silu(z))``, the norm taken over each of ``groups`` equal slices of the features
-    (Mamba-2's gate before its norm). In fp32 the SiLU runs ``placeless``, as do the mixer's other element-wise ops
-    over the step's rows: a row's bits do not depend on its place among them."""
+    """``weight * rmsnorm(y * silu(z))`` (Mamba-2's gate before its norm) or, ``norm_before_gate``,
+    ``weight * rmsnorm(y) * silu(z)``, the norm taken over each of ``groups`` equal slices of the features."""
 
-    def __init__(self, size: int, groups: int, eps: float):
+    def __init__(self, size: int, groups: int, eps: float, norm_before_gate: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
-        self.groups, self.eps = groups, eps
+        self.groups, self.eps, self.norm_before_gate = groups, eps, norm_before_gate
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        gated = (y.float() * placeless(F.silu, z.float(), self.weight.dtype)).unflatten(-1, (self.groups, -1))
-        normed = gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.flatten(-2).to(self.weight.dtype)
+        gate = placeless(F.silu, z.float(), self.weight.dtype)
+        y = y.float() if self.norm_before_gate else y.float() * gate
+        grouped = y.unflatten(-1, (self.groups, -1))
+        normed = (grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2)
+        if self.norm_before_gate:
+            return (self.weight.float() * normed * gate).to(self.weight.dtype)
+        return self.weight * normed.to(self.weight.dtype)
 
 
 class Mamba2Mixer(nn.Module):
@@ -69,8 +90,13 @@ class Mamba2Mixer(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False)
         self.D = nn.Parameter(torch.ones(self.num_heads), requires_grad=False)
         self.time_step_limit = tuple(shape.time_step_limit or (0.0, float('inf')))
-        self.norm = GroupedGatedRMSNorm(self.inner_size, self.num_groups, shape.eps)
-        self.out_proj = Linear(self.inner_size, cfg.hidden_size, bias=shape.proj_bias)
+        if shape.gate_norm == GATE_ONLY:
+            self.norm = SiluGate(cfg.dtype)
+        else:
+            self.norm = GroupedGatedRMSNorm(self.inner_size, self.num_groups, shape.eps,
+                                            norm_before_gate=shape.gate_norm == NORM_THEN_GATE)
+        out_bias = shape.proj_bias if shape.out_proj_bias is None else shape.out_proj_bias
+        self.out_proj = Linear(self.inner_size, cfg.hidden_size, bias=out_bias)
         self.dtype = cfg.dtype
 
     def state_shapes(self) -> list[tuple[tuple[int, ...], torch.dtype]]:

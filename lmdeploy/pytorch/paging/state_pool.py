@@ -15,8 +15,13 @@ from torch import nn
 from lmdeploy.pytorch.engine.sequence import Sequence
 
 # per layer: the shape and dtype of each state tensor of one slot, or None for a layer with a KV cache ([] for a
-# layer with neither: Nemotron-H's MLP blocks)
+# layer with neither: Nemotron-H's MLP blocks; a KVAndStates for a layer with both)
 StateShapes = list[list[tuple[tuple[int, ...], torch.dtype]] | None]
+
+
+class KVAndStates(list):
+    """The state shapes of a layer that also attends over the paged KV cache (Falcon-H1: attention and Mamba-2 side
+    by side in every layer): its place in ``kv_caches`` holds the KV cache's tensors, then its states."""
 
 
 class StatePool:

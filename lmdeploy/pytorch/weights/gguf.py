@@ -26,10 +26,14 @@ from lmdeploy.model_source import ModelNotFoundError
 from .file_checks import check_gguf, open_gguf
 from .gguf_archs import (ARCHITECTURES, CONFIG_BUILDERS, LAYER_NAMES, METADATA_TENSORS, RAW_SERVED_ARCHS,
                          unpermute_rotary)
+from .gguf_hybrid import PERMUTED_ARCHS as MAMBA2_PERMUTED_ARCHS
+from .gguf_keys import metadata
+from .gguf_hybrid import UNSUFFIXED_NAMES as MAMBA2_UNSUFFIXED_NAMES
 from .gguf_qwen3_next import ARCHITECTURES as HYBRID_ARCHS
 from .gguf_qwen3_next import FILE_LAYOUT as HYBRID_FILE_LAYOUT
 from .gguf_qwen3_next import UNSUFFIXED_NAMES
 from .gguf_rope import ROPE_FREQS, ROTARY_TENSORS, llama3_rope, phi3_rope
+from .gguf_tokenizer import save_tokenizer
 from .gguf_tensors import finish_state_dict, mxfp4_from_ggml, shared_tensor
 from .gguf_types import EMBEDDING_RAW_TYPES, LM_HEAD_RAW_TYPES, MXFP4, RAW_TYPES, engine_layer, served_types
 from .gguf_vl import VisionFamily, pair_mmproj, vision_family
@@ -74,15 +78,16 @@ _ARCH_LAYER_NAMES = {
     **LAYER_NAMES,
 }
 # llama.cpp's converter reorders the q/k rows of Llama-derived models for its rotary (undone at load)
-_PERMUTED_ARCHS = ('llama', 'smollm3', 'mistral3', 'granite', 'arcee', 'granitemoe')
+_PERMUTED_ARCHS = ('llama', 'smollm3', 'mistral3', 'granite', 'arcee', 'granitemoe', *MAMBA2_PERMUTED_ARCHS)
 # llama.cpp runs SmolLM3 without rotary in every fourth layer; its GGUF files carry no key for it
 SMOLLM3_NO_ROPE_INTERVAL = 4
 _LAYER_RE = re.compile(r'blk\.(\d+)\.([\w.]+)')  # LFM2's ``shortconv.in_proj`` has a dot
+# tensors llama.cpp names without a ``.weight``/``.bias`` kind (``ssm_a``; Mamba-2's ``ssm_d``)
+_UNSUFFIXED_NAMES = {**dict.fromkeys(HYBRID_ARCHS, UNSUFFIXED_NAMES), **MAMBA2_UNSUFFIXED_NAMES}
 _LAYER_INDEX = re.compile(r'blk\.(\d+)\.')
 _EXPERTS = re.compile(r'blk\.\d+\.ffn_(gate|up|down)_exps\.weight')
 # llama.cpp pre-tokenizers that transformers' GGUF reader does not know, by the one of its splits they use
 # (GLM-4's is Llama 3's); without one it would split text as GPT-2 does
-_PRE_TOKENIZER_SPLITS = {'chatglm-bpe': 'llama-bpe', 'glm4': 'llama-bpe'}
 # the tables a ``quantization_config`` may keep as their blocks, by the key that names their type there
 _TABLES = {'lm_head.weight': 'lm_head', 'model.embed_tokens.weight': 'embed_tokens'}
 _CACHE_FORMAT = 19  # bump when the converted output changes, so stale cache entries are not reused
@@ -97,8 +102,8 @@ def hf_tensor_name(gguf_name: str, arch: str = 'llama') -> str | None:
     """The transformers parameter name of a llama.cpp tensor of ``arch``, or None if it has none."""
     base, _, kind = gguf_name.rpartition('.')
     unsuffixed = _LAYER_RE.fullmatch(gguf_name)
-    if unsuffixed and arch in HYBRID_ARCHS and unsuffixed[2] in UNSUFFIXED_NAMES:
-        return f'model.layers.{unsuffixed[1]}.{UNSUFFIXED_NAMES[unsuffixed[2]]}'
+    if unsuffixed and unsuffixed[2] in _UNSUFFIXED_NAMES.get(arch, {}):
+        return f'model.layers.{unsuffixed[1]}.{_UNSUFFIXED_NAMES[arch][unsuffixed[2]]}'
     if kind not in ('weight', 'bias'):
         return None
     if base in _GLOBAL_NAMES:
@@ -112,14 +117,9 @@ def hf_tensor_name(gguf_name: str, arch: str = 'llama') -> str | None:
     return None
 
 
-def _meta(reader: GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
 def _arch_meta(reader: GGUFReader, arch: str) -> Any:
     """A reader of the file's metadata by gguf-py ``Keys`` template (``{arch}`` filled in) and default."""
-    return lambda template, default=None: _meta(reader, template.format(arch=arch), default)
+    return lambda template, default=None: metadata(reader, template.format(arch=arch), default)
 
 
 def gguf_config(reader: GGUFReader, source: str, raw_types: Iterable[str] = RAW_TYPES) -> dict[str, Any]:
@@ -127,11 +127,11 @@ def gguf_config(reader: GGUFReader, source: str, raw_types: Iterable[str] = RAW_
     whose projections are all of one type of ``raw_types`` are listed in its ``quantization_config``; a gpt-oss
     file whose experts are all MXFP4 (with MXFP4 in ``raw_types``) is an MXFP4 checkpoint (``quant_method:
     mxfp4``)."""
-    arch = _meta(reader, 'general.architecture')
+    arch = metadata(reader, 'general.architecture')
     if arch not in SUPPORTED_ARCHS:
         raise ConfigError(f'{source}: unsupported GGUF architecture {arch!r}; lmdeploy serves: '
                           f'{", ".join(SUPPORTED_ARCHS)}')
-    key = lambda name, default=None: _meta(reader, f'{arch}.{name}', default)  # noqa: E731
+    key = lambda name, default=None: metadata(reader, f'{arch}.{name}', default)  # noqa: E731
     tensors = {t.name: t for t in reader.tensors}
     # Qwen3.5-MoE has no dense MLP (its files no feed_forward_length)
     required = ('embedding_length', 'block_count', 'attention.head_count') + (
@@ -160,9 +160,9 @@ def gguf_config(reader: GGUFReader, source: str, raw_types: Iterable[str] = RAW_
         # Qwen2 has q/k/v biases by its type and none on o_proj, which attention_bias would add
         'attention_bias': 'blk.0.attn_q.bias' in tensors and arch not in ('qwen2', 'qwen2moe', 'qwen2vl'),
         'tie_word_embeddings': 'output.weight' not in tensors,
-        'bos_token_id': _meta(reader, 'tokenizer.ggml.bos_token_id'),
+        'bos_token_id': metadata(reader, 'tokenizer.ggml.bos_token_id'),
         'eos_token_id': _end_ids(reader),
-        'pad_token_id': _meta(reader, 'tokenizer.ggml.padding_token_id'),
+        'pad_token_id': metadata(reader, 'tokenizer.ggml.padding_token_id'),
         'dtype': 'float32',
         'gguf_weight_type': linear.tensor_type.name if linear is not None else None,
     }
@@ -171,7 +171,7 @@ def gguf_config(reader: GGUFReader, source: str, raw_types: Iterable[str] = RAW_
     if layer_types:
         config['quantization_config'] = {'quant_method': 'gguf', 'ggml_types': layer_types}
     if arch == 'phi3':
-        config.update(phi3_rope(lambda name: _meta(reader, f'phi3.{name}'), tensors, config['head_dim'], source))
+        config.update(phi3_rope(lambda name: metadata(reader, f'phi3.{name}'), tensors, config['head_dim'], source))
     elif arch == 'smollm3':
         config['no_rope_layer_interval'] = SMOLLM3_NO_ROPE_INTERVAL
     elif arch in CONFIG_BUILDERS:
@@ -206,7 +206,7 @@ def gguf_config(reader: GGUFReader, source: str, raw_types: Iterable[str] = RAW_
 def _end_ids(reader: GGUFReader) -> int | list[int] | None:
     """The tokens that end a reply: the end of text and, where the file names another, the end of a turn
     (GLM-4's ``<|user|>``, Llama 3's ``<|eot_id|>``), as llama.cpp stops at either."""
-    ids = [_meta(reader, f'tokenizer.ggml.{name}_token_id') for name in ('eos', 'eot')]
+    ids = [metadata(reader, f'tokenizer.ggml.{name}_token_id') for name in ('eos', 'eot')]
     ids = list(dict.fromkeys(i for i in ids if i is not None))
     return ids if len(ids) > 1 else (ids or [None])[0]
 
@@ -242,7 +242,7 @@ def gguf_state_dict(reader: GGUFReader, tensors: Iterable[Any], config: dict[str
     tensor per expert once finished), the output layer and the token embedding where it names their types
     (``lm_head``: ``lm_head.qweight``; ``embed_tokens``: ``model.embed_tokens.qweight``), and an MXFP4
     checkpoint's experts as its ``_blocks`` and ``_scales``."""
-    arch = _meta(reader, 'general.architecture')
+    arch = metadata(reader, 'general.architecture')
     heads = {'attn_q': config['num_attention_heads'], 'attn_k': config['num_key_value_heads']}
     quantization = config.get('quantization_config', {})
     layer_types = quantization.get('ggml_types', {})
@@ -279,35 +279,6 @@ def gguf_state_dict(reader: GGUFReader, tensors: Iterable[Any], config: dict[str
     return state_dict
 
 
-def _save_tokenizer(gguf_path: Path, out_dir: Path, reader: GGUFReader) -> None:
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import set_split_regex
-    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
-
-    # AutoTokenizer reads a GGUF tokenizer only where transformers reads the model too (not GLM, SmolLM3), and
-    # would save a byte-level vocabulary of a Gemma file as GemmaTokenizer, which rebuilds it as SentencePiece's
-    arch = _meta(reader, 'general.architecture')
-    byte_level_gemma = arch.startswith('gemma') and _meta(reader, 'tokenizer.ggml.model') == 'gpt2'
-    supported = arch in GGUF_SUPPORTED_ARCHITECTURES and not byte_level_gemma
-    loader = AutoTokenizer if supported else PreTrainedTokenizerFast
-    tokenizer = loader.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    split = _PRE_TOKENIZER_SPLITS.get(_meta(reader, 'tokenizer.ggml.pre'))
-    if split is not None:
-        set_split_regex(tokenizer, {'pre_tokenizer_type': split})
-    tokenizer.save_pretrained(str(out_dir))
-    # Without its added tokens in tokenizer_config.json, every load parses tokenizer.json a second time for them
-    # (a third of the load of Gemma 3's 33 MB file)
-    config_path = out_dir / 'tokenizer_config.json'
-    config = json.loads(config_path.read_text())
-    config['added_tokens_decoder'] = {str(i): token.__getstate__() for i, token in
-                                      tokenizer.added_tokens_decoder.items()}
-    if type(tokenizer).__name__ == 'GemmaTokenizer':
-        # GemmaTokenizer rebuilds in Python the pipeline that its tokenizer.json holds; TokenizersBackend reads the
-        # file in Rust alone: the same tokens, texts and attributes (tests/test_gguf_tokenizer_class.py)
-        config |= {'tokenizer_class': 'TokenizersBackend', 'padding_side': tokenizer.padding_side}
-    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False))
-
-
 def _vl_config(family: VisionFamily, text: dict[str, Any], reader: GGUFReader, mmproj: GGUFReader,
                source: str) -> dict[str, Any]:
     """The vision-language model's config: ``family``'s from the language model's ``text`` config, with the
@@ -315,7 +286,7 @@ def _vl_config(family: VisionFamily, text: dict[str, Any], reader: GGUFReader, m
     tower stays dense)."""
     quantization = text.get('quantization_config')
     text = {key: value for key, value in text.items() if key != 'quantization_config'}
-    config = family.config(text, reader, mmproj, list(_meta(reader, 'tokenizer.ggml.tokens', [])), source)
+    config = family.config(text, reader, mmproj, list(metadata(reader, 'tokenizer.ggml.tokens', [])), source)
     return config if quantization is None else config | {'quantization_config': quantization}
 
 
@@ -336,7 +307,7 @@ def convert_gguf(gguf_path: str, out_dir: str, raw_types: Iterable[str] = RAW_TY
     if out.exists():
         raise FileExistsError(f'output folder {out} already exists')
     reader = open_gguf(src)
-    arch = _meta(reader, 'general.architecture')
+    arch = metadata(reader, 'general.architecture')
     if mmproj_path is None:
         mmproj_path = pair_mmproj(src, arch)
     vl = mmproj_path is not None
@@ -364,7 +335,7 @@ def convert_gguf(gguf_path: str, out_dir: str, raw_types: Iterable[str] = RAW_TY
         AutoConfig.for_model(**model_config).save_pretrained(str(tmp))
         if vl:
             (tmp / 'preprocessor_config.json').write_text(json.dumps(family.image_processor(mmproj)))
-        _save_tokenizer(src, tmp, reader)
+        save_tokenizer(src, tmp, reader)
         try:
             tmp.rename(out)
         except OSError as err:
@@ -397,7 +368,7 @@ def resolve_gguf(gguf_path: str, raw_types: Iterable[str] = RAW_TYPES) -> str:
 
 def _converted(src: Path, raw_types: Iterable[str]) -> str:
     # only a folder holding an mmproj file costs a look at the architecture
-    mmproj = pair_mmproj(src, _meta(open_gguf(src), 'general.architecture')) if any(
+    mmproj = pair_mmproj(src, metadata(open_gguf(src), 'general.architecture')) if any(
         src.parent.glob('mmproj*.gguf')) else None
     files = ''.join(f'\0{p}\0{p.stat().st_size}\0{p.stat().st_mtime_ns}' for p in (src, mmproj) if p is not None)
     raw = ','.join(sorted(raw_types))

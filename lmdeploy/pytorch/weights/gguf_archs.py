@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from gguf import Keys
 
-from . import gguf_lfm2, gguf_moe_archs, gguf_qwen3_next
+from . import gguf_hybrid, gguf_lfm2, gguf_moe_archs, gguf_qwen3_next
 from .gguf_keys import Meta
 from .gguf_keys import glm_rope as _glm_rope
 from .gguf_keys import layer_types as _layer_types
@@ -46,6 +46,7 @@ ARCHITECTURES = {
     **gguf_moe_archs.ARCHITECTURES,
     **gguf_qwen3_next.ARCHITECTURES,
     **gguf_lfm2.ARCHITECTURES,
+    **gguf_hybrid.ARCHITECTURES,
 }
 
 # architectures whose every linear layer is a projection (or experts) that may be served as llama.cpp's blocks
@@ -54,7 +55,7 @@ RAW_SERVED_ARCHS = ('llama', 'chatglm', 'glm4', 'gemma2', 'gemma3', 'mistral3', 
                     'ernie4_5', 'cohere2', 'exaone4', 'arcee',
                     'hunyuan-dense', 'apertus', 'starcoder2', 'granitemoe',
                     *gguf_moe_archs.RAW_SERVED_ARCHS,
-                    *gguf_qwen3_next.ARCHITECTURES, *gguf_lfm2.ARCHITECTURES)
+                    *gguf_qwen3_next.ARCHITECTURES, *gguf_lfm2.ARCHITECTURES, *gguf_hybrid.ARCHITECTURES)
 
 _POST_NORM_NAMES = {'post_attention_norm': 'post_attention_layernorm', 'post_ffw_norm': 'post_feedforward_layernorm'}
 _GEMMA_NAMES = {'ffn_norm': 'pre_feedforward_layernorm', 'post_attention_norm': 'post_attention_layernorm',
@@ -78,6 +79,7 @@ LAYER_NAMES: dict[str, dict[str, str]] = {
     **gguf_moe_archs.LAYER_NAMES,
     **dict.fromkeys(gguf_qwen3_next.ARCHITECTURES, gguf_qwen3_next.LAYER_NAMES),
     **dict.fromkeys(gguf_lfm2.ARCHITECTURES, gguf_lfm2.LAYER_NAMES),
+    **gguf_hybrid.LAYER_NAMES,
 }
 
 
@@ -284,4 +286,4 @@ CONFIG_BUILDERS: dict[str, Callable[[Meta, dict[str, Any], dict[str, Any]], dict
     'arcee': _arcee, 'hunyuan-dense': _hunyuan_dense, 'apertus': _apertus, 'starcoder2': _starcoder2,
     'granitemoe': _granitemoe,
     **gguf_moe_archs.CONFIG_BUILDERS,
-    **gguf_qwen3_next.CONFIG_BUILDERS, **gguf_lfm2.CONFIG_BUILDERS}
+    **gguf_qwen3_next.CONFIG_BUILDERS, **gguf_lfm2.CONFIG_BUILDERS, **gguf_hybrid.CONFIG_BUILDERS}

@@ -1,12 +1,27 @@
-"""Fields of the transformers config that several GGUF architectures read alike from llama.cpp's metadata (gguf-py's
-``Keys``): the sliding-window layers and the rotary of the file's keys."""
+"""A GGUF file's metadata, and the fields of the transformers config that several GGUF architectures read alike
+from it (gguf-py's ``Keys``): the sliding-window layers and the rotary of the file's keys."""
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from gguf import Keys
+from gguf import GGUFReader, Keys
 
 Meta = Callable[..., Any]  # (a gguf-py ``Keys`` template, default) -> that key of the file's architecture
+
+
+def metadata(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    """The value of the file's metadata ``key`` (a full name), ``default`` where the file lacks it."""
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def required(meta: Meta, *templates: str) -> list[Any]:
+    """The values of the keys ``templates``; a ``ValueError`` naming those the file lacks."""
+    values = [meta(template) for template in templates]
+    missing = [template.replace('{arch}.', '') for template, value in zip(templates, values) if value is None]
+    if missing:
+        raise ValueError(f'missing GGUF metadata: {", ".join(missing)}')
+    return values
 
 
 def layer_types(meta: Meta, layers: int, pattern: int) -> list[str]:

@@ -21,12 +21,12 @@ b and a rows).
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from gguf import Keys
 
-Meta = Callable[..., Any]
+from .gguf_keys import Meta, required
 
 ARCHITECTURES = {'qwen3next': 'Qwen3NextForCausalLM', 'qwen35': 'Qwen3_5ForCausalLM',
                  'qwen35moe': 'Qwen3_5MoeForCausalLM'}
@@ -51,14 +51,6 @@ LAYER_NAMES = {
 UNSUFFIXED_NAMES = {'ssm_a': 'linear_attn.A_log'}
 
 
-def _required(meta: Meta, *templates: str) -> list[Any]:
-    values = [meta(template) for template in templates]
-    missing = [template.replace('{arch}.', '') for template, value in zip(templates, values) if value is None]
-    if missing:
-        raise ValueError(f'missing GGUF metadata: {", ".join(missing)}')
-    return values
-
-
 def _layer_types(meta: Meta, layers: int) -> list[str]:
     """The file's ``recurrent_layers`` flags, else every ``full_attention_interval``-th layer full attention (as
     transformers' configs default their ``layer_types``)."""
@@ -75,21 +67,21 @@ def hybrid_config(meta: Meta, tensors: dict[str, Any], config: dict[str, Any], a
     the rotary share of each head from ``rope.dimension_count``, Qwen3.5's interleaved M-RoPE sections; the
     next-token-prediction layers past the decoder's left out. The routing is the checkpoints' (softmax, top-k
     renormalized: llama.cpp's too)."""
-    kernel, k_dim, k_heads, v_heads, inner, rotary = _required(
+    kernel, k_dim, k_heads, v_heads, inner, rotary = required(
         meta, Keys.SSM.CONV_KERNEL, Keys.SSM.STATE_SIZE, Keys.SSM.GROUP_COUNT, Keys.SSM.TIME_STEP_RANK,
         Keys.SSM.INNER_SIZE, Keys.Rope.DIMENSION_COUNT)
     layers = config['num_hidden_layers'] - meta(Keys.LLM.NEXTN_PREDICT_LAYERS, 0)
     rope = {'rope_type': 'default', 'rope_theta': config['rope_theta'],
             'partial_rotary_factor': rotary / config['head_dim']}
     if arch != 'qwen3next':
-        sections = _required(meta, Keys.Rope.DIMENSION_SECTIONS)[0]
+        sections = required(meta, Keys.Rope.DIMENSION_SECTIONS)[0]
         rope |= {'mrope_section': list(sections[:3]), 'mrope_interleaved': True}
     fields = {'model_type': _MODEL_TYPES[arch], 'num_hidden_layers': layers, 'layer_types': _layer_types(meta, layers),
               'linear_conv_kernel_dim': kernel, 'linear_key_head_dim': k_dim, 'linear_num_key_heads': k_heads,
               'linear_num_value_heads': v_heads, 'linear_value_head_dim': inner // v_heads, 'rope_parameters': rope}
     if arch == 'qwen35':
         return fields
-    experts, used, width = _required(meta, Keys.LLM.EXPERT_COUNT, Keys.LLM.EXPERT_USED_COUNT,
+    experts, used, width = required(meta, Keys.LLM.EXPERT_COUNT, Keys.LLM.EXPERT_USED_COUNT,
                                      Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)
     fields |= {'num_experts': experts, 'num_experts_per_tok': used, 'moe_intermediate_size': width,
                'shared_expert_intermediate_size': meta(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH)}

@@ -28,13 +28,19 @@ _ENGINE_LAYERS = {'q_proj': 'qkv_proj', 'k_proj': 'qkv_proj', 'v_proj': 'qkv_pro
 # gate z and the output projection each a layer of its own (their b and a projections, a row per value head, dense)
 _LINEAR_ATTENTION = re.compile(r'layers\.\d+\.linear_attn')
 _LINEAR_ATTENTION_LAYERS = ('in_proj_qkv', 'in_proj_z', 'out_proj')
-_WHOLE = ({'q_proj', 'k_proj', 'v_proj'}, {'qkv_proj'}, {'o_proj'}, {'gate_proj', 'up_proj'}, {'gate_up_proj'},
-          {'down_proj'}, {'c_proj'}, *({proj} for proj in _LINEAR_ATTENTION_LAYERS))
+# the Mamba-2 hybrids' mixers (Granite 4.0-H's ``mamba``; Nemotron-H's ``mixer`` of every block kind, its shared and
+# routed experts, the latter stacked in the files): the Mamba-2 in and out projections, the ungated MLPs' up and down
+# and the latent projections each a layer of its own; attention's q/k/v stacked as Llama's
+_MIXER = re.compile(r'layers\.\d+\.(?:mamba|mixer|mixer\.shared_experts|mixer\.experts)')
+_MIXER_LAYERS = ('in_proj', 'out_proj', 'up_proj', 'down_proj', 'fc1_latent_proj', 'fc2_latent_proj')
+# the stacked layers whole with all their parts, and StarCoder2's down projection ``c_proj``; any other layer is whole
+# as one projection of its own name
+_WHOLE = ({'q_proj', 'k_proj', 'v_proj'}, {'gate_proj', 'up_proj'}, {'c_proj'})
 # the projections a stacked layer holds, in its order (its parts)
 _PARTS = {'qkv_proj': ('q_proj', 'k_proj', 'v_proj'), 'gate_up_proj': ('gate_proj', 'up_proj')}
-# a layer's attention and MLP (or shared expert, Hunyuan's shared MLP), and its experts: stacked (a MoE file's
-# ``ffn_*_exps``) or one's
-_OWNER = re.compile(r'(layers\.\d+\.(?:self_attn|mlp|mlp\.shared_experts?|mlp\.shared_mlp))'
+# a layer's attention and MLP (or shared expert, Hunyuan's and Granite 4.0-H's shared MLP), and its experts: stacked
+# (a MoE file's ``ffn_*_exps``) or one's
+_OWNER = re.compile(r'(layers\.\d+\.(?:self_attn|mlp|mlp\.shared_experts?|mlp\.shared_mlp|shared_mlp))'
                     r'|(layers\.\d+\.mlp\.experts)(?:\.\d+)?')
 
 
@@ -42,13 +48,18 @@ def engine_layer(hf_name: str | None) -> str | None:
     """The name in the engine's model of the linear layer whose weight the Hugging Face tensor ``hf_name``
     fills (``model.layers.3.self_attn.k_proj.weight`` -> ``layers.3.self_attn.qkv_proj``), or for the experts
     of a MoE layer the projection of its ``FusedExperts`` (``model.layers.3.mlp.experts[.5].up_proj.weight`` ->
-    ``layers.3.mlp.experts.gate_up_proj``), for a hybrid decoder's linear attention the projection itself
-    (``layers.0.linear_attn.out_proj``); None for other tensors."""
+    ``layers.3.mlp.experts.gate_up_proj``), for a hybrid decoder's linear attention or Mamba-2 mixer the projection
+    itself (``layers.0.linear_attn.out_proj``, ``layers.0.mamba.in_proj``, ``layers.2.mixer.up_proj``); None for
+    other tensors."""
     if hf_name is None or not hf_name.endswith('.weight'):
         return None
     owner, _, proj = hf_name.removesuffix('.weight').removeprefix('model.').rpartition('.')
     if _LINEAR_ATTENTION.fullmatch(owner):
         return f'{owner}.{proj}' if proj in _LINEAR_ATTENTION_LAYERS else None
+    if _MIXER.fullmatch(owner):
+        if proj in _MIXER_LAYERS:
+            return f'{owner}.{proj}'
+        return f'{owner}.{_ENGINE_LAYERS[proj]}' if proj in ('q_proj', 'k_proj', 'v_proj', 'o_proj') else None
     match = _OWNER.fullmatch(owner)
     if proj not in _ENGINE_LAYERS or match is None:
         return None
@@ -80,7 +91,8 @@ def served_types(tensors: Iterable[tuple[str | None, str]],
     served: dict[str, str | list[str]] = {}
     for layer, by_part in sorted(types.items()):
         kinds = set().union(*by_part.values())
-        if not kinds <= raw or set(by_part) not in _WHOLE or any(len(k) > 1 for k in by_part.values()):
+        whole = set(by_part) in _WHOLE or set(by_part) == {layer.rpartition('.')[2]}
+        if not kinds <= raw or not whole or any(len(k) > 1 for k in by_part.values()):
             continue
         if len(kinds) == 1:
             served[layer] = kinds.pop()
