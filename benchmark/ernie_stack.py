@@ -2,7 +2,9 @@
 of 128, MLP 3072, rotary over neighbouring pairs; a 1024-word vocabulary) on the CPU with its layers in the native
 decoder stack against their Python forward, in the same run, random bf16 weights, one thread; ``--family olmo2`` or
 ``olmo3``: OLMo 2's layers (post-norms only, q/k norms over all heads) or OLMo 3's (three sliding-window layers of
-four, window 4096) at the same shape but for heads of 64 (OLMo's configs derive it from the hidden size). The step
+four, window 4096) at the same shape but for heads of 64 (OLMo's configs derive it from the hidden size);
+``arcee`` or ``apertus``: their ungated MLPs (ReLU², xIELU) at that shape; ``hunyuan``: Hunyuan-A13B's layers (q/k
+norms after the rotary; MoE layers of 8 experts of 3072, 2 a token, and the shared MLP) at that shape. The step
 time is the calling thread's CPU time of the model's forward (``time.thread_time``: other jobs on a shared machine
 take time slices but not figures), the best and the median over rounds in which the two paths alternate. On a CPU
 with AMX, whose bf16 layers run on oneDNN (where the stack does not run), the layers run on the native bf16 GEMM
@@ -17,7 +19,8 @@ import json
 import os
 
 import torch
-from transformers import AutoModelForCausalLM, Ernie4_5Config, Olmo2Config, Olmo3Config, PretrainedConfig
+from transformers import (ApertusConfig, ArceeConfig, AutoModelForCausalLM, Ernie4_5Config, HunYuanMoEV1Config,
+                          Olmo2Config, Olmo3Config, PretrainedConfig)
 from stack_timing import print_stack_against_layers, stack_engine
 from workload import save_word_tokenizer
 
@@ -26,7 +29,9 @@ VOCAB = 1024
 
 
 FAMILIES = {'ernie4_5': lambda **shape: Ernie4_5Config(**shape, head_dim=128, use_bias=False),
-            'olmo2': Olmo2Config, 'olmo3': lambda **shape: Olmo3Config(**shape, sliding_window=4096)}
+            'olmo2': Olmo2Config, 'olmo3': lambda **shape: Olmo3Config(**shape, sliding_window=4096),
+            'arcee': ArceeConfig, 'apertus': ApertusConfig,
+            'hunyuan': lambda **shape: HunYuanMoEV1Config(**shape, head_dim=64, num_experts=8, moe_topk=2)}
 
 
 def save_model(path: str, family: str, layers: int) -> None:

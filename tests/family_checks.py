@@ -82,12 +82,17 @@ def assert_batched_chunked_and_cached_equal_solo(path: str, prompts, chunked: di
     assert engine.block_manager.num_hits > 0
 
 
-def assert_tp2_equals_tp1(path: str, prompts: list[list[int]]) -> None:
-    """Two ranks (gloo on the CPU) give one rank's greedy tokens."""
-    expected = run(make_engine(path), prompts)
+def assert_tp2_equals_tp1(path: str, prompts: list[list[int]], logits: bool = False) -> None:
+    """Two ranks (gloo on the CPU) give one rank's greedy tokens (and with ``logits`` the last prompt's logits at
+    every position within 1e-4)."""
+    reference = make_engine(path)
+    expected = run(reference, prompts)
+    expected_logits = reference.get_logits(prompts[-1]) if logits else None
     engine = make_engine(path, tp=2)
     try:
         assert run(engine, prompts) == expected
+        if logits:
+            torch.testing.assert_close(engine.get_logits(prompts[-1]), expected_logits, rtol=1e-4, atol=1e-4)
     finally:
         engine.close()
 

@@ -1,7 +1,7 @@
 """Apertus (``ApertusForCausalLM``) against transformers on a tiny random model saved by transformers: greedy tokens
 and first-step logits in fp32 (q/k norms per head, its renamed norms, the ungated xIELU MLP with each layer's own
 random alpha_p/alpha_n, llama3 rope scaling as Apertus 8B's config has it), batching, chunked prefill and prefix-cache
-hits, tensor parallelism, and bf16 outside the native decoder stack close to transformers."""
+hits, tensor parallelism, and bf16 in the native decoder stack close to transformers, with the layers' tokens."""
 from __future__ import annotations
 
 import pytest
@@ -9,8 +9,8 @@ from transformers import ApertusConfig
 
 from conftest import VOCAB_SIZE, save_random_model
 from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_first_logits_close,
-                           assert_matches_transformers, assert_tp2_equals_tp1, hf_causal_lm, hf_last_logits,
-                           prefix_sharing_prompts)
+                           assert_matches_transformers, assert_native_stack_gives_the_layers_tokens,
+                           assert_tp2_equals_tp1, hf_causal_lm, hf_last_logits, prefix_sharing_prompts)
 from helpers import random_prompts
 
 from lmdeploy.messages import PytorchEngineConfig
@@ -47,15 +47,19 @@ def test_batched_chunked_and_cached_equal_solo(apertus):
 
 
 def test_bf16_close_to_transformers(apertus, native_gemms):
-    """bf16 on the native GEMMs (the layers' own forward: the stack's MLPs are gated): the logits stay within bf16's
-    error of transformers in fp32."""
+    """bf16 on the native GEMMs, in the native decoder stack (``ungated_mlp`` ``xielu``): the logits stay within
+    bf16's error of transformers in fp32."""
     engine = Engine(apertus, PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=64, block_size=16),
                     show_progress=False)
-    assert engine.runner.model.native_stack is None
+    assert engine.runner.model.native_stack is not None
     hf_model = hf_causal_lm(apertus)
     prompts = random_prompts([7, 31, 60], seed=2)
     assert_first_logits_close(engine, prompts, [hf_last_logits(hf_model, p) for p in prompts], tol=0.05,
                               relative=True)
+
+
+def test_bf16_native_stack_gives_the_layers_tokens(apertus, native_gemms):
+    assert_native_stack_gives_the_layers_tokens(apertus)
 
 
 def test_tp2_equals_tp1(apertus):

@@ -1,7 +1,7 @@
 """Arcee (``ArceeForCausalLM``, AFM-4.5B) against transformers on tiny random models saved by transformers: greedy
 tokens and first-step logits in fp32 (the ungated ReLU² MLP; YaRN as AFM-4.5B's config has it, or biases on the
-projections), batching, chunked prefill and prefix-cache hits, tensor parallelism, and bf16 on the native GEMMs
-outside the native decoder stack."""
+projections), batching, chunked prefill and prefix-cache hits, tensor parallelism, and bf16 in the native decoder
+stack."""
 from __future__ import annotations
 
 import pytest
@@ -9,11 +9,9 @@ from transformers import ArceeConfig
 
 from conftest import VOCAB_SIZE, save_random_model
 from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_matches_transformers,
-                           assert_tp2_equals_tp1, hf_causal_lm, prefix_sharing_prompts)
-from helpers import random_prompts, run
-
-from lmdeploy.messages import PytorchEngineConfig
-from lmdeploy.pytorch.engine.engine import Engine
+                           assert_native_stack_gives_the_layers_tokens, assert_tp2_equals_tp1, hf_causal_lm,
+                           prefix_sharing_prompts)
+from helpers import random_prompts
 
 # name -> config overrides: AFM-4.5B's layout (YaRN, no biases) and one with attention and MLP biases
 VARIANTS = {
@@ -53,14 +51,10 @@ def test_batched_chunked_and_cached_equal_solo(arcee):
     assert_batched_chunked_and_cached_equal_solo(arcee, prefix_sharing_prompts())
 
 
-def test_bf16_runs_its_layers_outside_the_native_stack(arcee, native_gemms):
-    """The stack's MLPs are gated: with bf16 on the native GEMMs the layers run their own forward, batched as solo."""
-    engine = Engine(arcee, PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=64, block_size=16),
-                    show_progress=False)
-    assert engine.runner.model.native_stack is None
-    prompts = random_prompts([40, 9, 23], seed=6)
-    outs = run(engine, prompts)
-    assert [run(engine, [prompt])[0] for prompt in prompts] == outs
+def test_bf16_native_stack_gives_the_layers_tokens(arcee, native_gemms):
+    """bf16 on the native GEMMs: the layers run in the native decoder stack (``ungated_mlp`` ``relu2``), with the
+    tokens of their own forward."""
+    assert_native_stack_gives_the_layers_tokens(arcee)
 
 
 def test_tp2_equals_tp1(tmp_path):

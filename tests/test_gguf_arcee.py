@@ -1,6 +1,7 @@
 """Arcee (AFM-4.5B) from GGUF: a tiny random transformers model written as llama.cpp's converter writes it (LlamaModel's
 keys and q/k row order, its YaRN keys, no gate tensors), read back into the original tensors and served token for token
-like transformers on the original model; Q8_0 projections served as their blocks."""
+like transformers on the original model; Q8_0 projections served as their blocks, in bf16 in the native decoder
+stack."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,6 +18,9 @@ from helpers import assert_transformers_greedy, make_engine, random_prompts, run
 from test_arcee import arcee_config
 from test_gguf import _add_tokenizer, finish, llama_permute
 from test_gguf_llama_like import converted_model, converter_arrays
+
+from lmdeploy.messages import PytorchEngineConfig
+from lmdeploy.pytorch.engine.engine import Engine
 
 
 YARN = {'rope_type': 'yarn', 'rope_theta': 10000.0, 'factor': 4.0, 'original_max_position_embeddings': 32}
@@ -82,3 +86,19 @@ def test_gguf_q8_0_kept_as_blocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         assert not any(name.startswith(f'layers.{layer}.mlp.') and 'down' not in name for name in layer_types)
     prompts = random_prompts([5, 40], vocab=vocab)
     assert_transformers_greedy(hf, prompts, run(engine, prompts))
+
+
+def test_gguf_q8_0_bf16_native_stack_gives_the_layers_tokens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             native_gemms) -> None:
+    """bf16 on the native GEMMs: the Q8_0 layers (and the dequantized up projection, ``ungated_mlp`` ``relu2``) run
+    in the native decoder stack, its small steps on the Q8_0 GEMV, with the tokens of the layers' own forward."""
+    monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(tmp_path / 'cache'))
+    src, _, vocab = save_gguf(tmp_path, quantize=True)
+    engine = Engine(str(src), PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=64, block_size=16),
+                    show_progress=False)
+    model = engine.runner.model
+    assert model.native_stack is not None and model.native_stack.small is not None
+    prompts = random_prompts([40, 9, 23], seed=6, vocab=vocab)
+    outs = run(engine, prompts)
+    model.native_stack = None
+    assert run(engine, prompts) == outs

@@ -1,7 +1,7 @@
 """Hunyuan-A13B (``HunYuanMoEV1ForCausalLM``) against transformers on tiny random models saved by transformers:
 greedy tokens and first-step logits in fp32 (q/k norms after the rotary, NTK-alpha rope, the fp32 softmax router,
-the shared MLP), batching, chunked prefill and prefix-cache hits, tensor parallelism, and bf16 on the CPU (the
-layers' own forward: the native decoder stack lacks q/k norms after the rotary)."""
+the shared MLP), batching, chunked prefill and prefix-cache hits, tensor parallelism, and bf16 on the CPU (in the
+native decoder stack, with the tokens of the layers' own forward)."""
 from __future__ import annotations
 
 import pytest
@@ -12,8 +12,8 @@ from transformers.models.hunyuan_v1_moe.modeling_hunyuan_v1_moe import HunYuanMo
 
 from conftest import VOCAB_SIZE, save_random_model
 from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_first_logits_close,
-                           assert_matches_transformers, assert_tp2_equals_tp1, hf_causal_lm, hf_last_logits,
-                           prefix_sharing_prompts)
+                           assert_matches_transformers, assert_native_stack_gives_the_layers_tokens,
+                           assert_tp2_equals_tp1, hf_causal_lm, hf_last_logits, prefix_sharing_prompts)
 from helpers import random_prompts
 
 from lmdeploy.messages import PytorchEngineConfig
@@ -63,12 +63,16 @@ def test_tp2_equals_tp1(hunyuan):
 
 
 def test_bf16_close_to_transformers(hunyuan, native_gemms):
-    """bf16 on the native GEMMs: the layers run their own forward (no native stack), within bf16's error of
-    transformers in fp32."""
+    """bf16 on the native GEMMs: the layers run in the native decoder stack (``qk_norm_after_rope``, the MoE layers
+    as ``MoEBlock``s), within bf16's error of transformers in fp32."""
     engine = Engine(hunyuan, PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=64, block_size=16),
                     show_progress=False)
-    assert engine.runner.model.native_stack is None
+    assert engine.runner.model.native_stack is not None
     hf_model = hf_causal_lm(hunyuan)
     prompts = random_prompts([7, 31, 60], seed=2)
     assert_first_logits_close(engine, prompts, [hf_last_logits(hf_model, p) for p in prompts], tol=0.05,
                               relative=True)
+
+
+def test_bf16_native_stack_gives_the_layers_tokens(hunyuan, native_gemms):
+    assert_native_stack_gives_the_layers_tokens(hunyuan)

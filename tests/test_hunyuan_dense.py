@@ -1,8 +1,7 @@
 """The dense Hunyuan models (``HunYuanDenseV1ForCausalLM``, Hunyuan 0.5B-7B) against transformers on a tiny random
 model saved by transformers: greedy tokens and first-step logits in fp32 (q/k norms after the rotary, NTK-alpha rope,
 Llama's MLP, tied embeddings as the small models have them), batching, chunked prefill and prefix-cache hits, tensor
-parallelism, and bf16 on the CPU (the layers' own forward: the native decoder stack lacks q/k norms after the
-rotary)."""
+parallelism, and bf16 on the CPU (in the native decoder stack, ``qk_norm_after_rope``)."""
 from __future__ import annotations
 
 import pytest
@@ -48,11 +47,11 @@ def test_tp2_equals_tp1(hunyuan_dense):
 
 
 def test_bf16_close_to_transformers(hunyuan_dense, native_gemms):
-    """bf16 on the native GEMMs: the layers run their own forward (no native stack), within bf16's error of
-    transformers in fp32."""
+    """bf16 on the native GEMMs: the layers run in the native decoder stack, within bf16's error of transformers in
+    fp32."""
     engine = Engine(hunyuan_dense, PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=64, block_size=16),
                     show_progress=False)
-    assert engine.runner.model.native_stack is None
+    assert engine.runner.model.native_stack is not None
     hf_model = hf_causal_lm(hunyuan_dense)
     prompts = random_prompts([7, 31, 60], seed=2)
     assert_first_logits_close(engine, prompts, [hf_last_logits(hf_model, p) for p in prompts], tol=0.05,

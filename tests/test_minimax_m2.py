@@ -1,7 +1,7 @@
 """MiniMax-M2 (``MiniMaxM2ForCausalLM``) against transformers on tiny random models saved by transformers: greedy
 tokens and first-step logits in fp32, batching, chunked prefill and prefix-cache hits, the router's correction
-bias, tensor parallelism refused, an FP8 block-scaled checkpoint (as the hub's) and bf16 in the native decoder
-stack."""
+bias, tensor parallelism (the q/k norms over every rank's heads), an FP8 block-scaled checkpoint (as the hub's) and
+bf16 in the native decoder stack."""
 from __future__ import annotations
 
 import json
@@ -14,11 +14,11 @@ from transformers import MiniMaxM2Config
 
 from conftest import VOCAB_SIZE, save_random_model
 from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_matches_transformers,
-                           assert_native_stack_gives_the_layers_tokens, hf_causal_lm, prefix_sharing_prompts)
+                           assert_native_stack_gives_the_layers_tokens, assert_tp2_equals_tp1, hf_causal_lm,
+                           prefix_sharing_prompts)
 from helpers import assert_transformers_greedy, make_engine, random_prompts, run
 from test_deepseek import FP8_BLOCK, dequantize_blockwise, quantize_blockwise
 
-from lmdeploy.pytorch.engine import engine as engine_module
 
 
 def minimax_m2_config(**overrides) -> MiniMaxM2Config:
@@ -68,12 +68,14 @@ def test_correction_bias_is_loaded_and_routes(minimax_m2):
     assert run(engine, prompts) != outs
 
 
-def test_refuses_tensor_parallelism(minimax_m2, monkeypatch):
-    """The q/k norms span every head, which no rank holds alone: tp=2 is refused, saying why, before any worker
-    starts."""
-    monkeypatch.setattr(engine_module, 'create_executor', None)
-    with pytest.raises(ValueError, match='q/k norms span every head'):
-        make_engine(minimax_m2, tp=2)
+@pytest.mark.parametrize('kv_heads', [2, 1])
+def test_tp2_equals_tp1(kv_heads, minimax_m2, tmp_path):
+    """Each rank norms its own heads' queries and keys by the sums of squares of every rank's heads (one all-reduce
+    of ``[tokens, 2]`` a layer), and computes its share of every expert; with one KV head both ranks hold it and
+    only the first one's squares count. Tokens and logits as one rank's."""
+    path = minimax_m2 if kv_heads == 2 else save_random_model(minimax_m2_config(num_key_value_heads=1),
+                                                              str(tmp_path / 'one_kv_head'))
+    assert_tp2_equals_tp1(path, random_prompts([5, 40], seed=8), logits=True)
 
 
 def test_bf16_native_stack_gives_the_layers_tokens(minimax_m2, native_gemms):

@@ -15,7 +15,6 @@ from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_
 from helpers import assert_transformers_greedy, hf_greedy, make_engine, random_prompts, run
 
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
-from lmdeploy.pytorch.engine import engine as engine_module
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.models.llama import layer_window
 
@@ -168,9 +167,8 @@ def test_tp2_splits_fused_checkpoints(kind, tmp_path):
     assert_tp2_equals_tp1(save_family(kind, str(tmp_path / kind)), random_prompts([5, 40], seed=8))
 
 
-def test_olmo_refuses_tensor_parallelism(tmp_path, monkeypatch):
-    """OLMo's q/k norms span every head, which no rank holds alone: tp=2 is refused, saying why, before any worker
-    starts."""
-    monkeypatch.setattr(engine_module, 'create_executor', None)
-    with pytest.raises(ValueError, match='q/k norms span every head'):
-        make_engine(save_family('olmo2', str(tmp_path / 'olmo2')), tp=2)
+def test_olmo3_tp2_equals_tp1(tmp_path):
+    """OLMo's q/k norms over all heads take every rank's sums of squares (``nn/norm.py``'s ``norm_across_heads``);
+    OLMo 3's sliding layers turn by their own rope on each rank."""
+    path = save_family('olmo3', str(tmp_path / 'olmo3'))
+    assert_tp2_equals_tp1(path, random_prompts([5, 40], seed=8), logits=True)

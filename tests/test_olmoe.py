@@ -1,7 +1,7 @@
 """OLMoE (``OlmoeForCausalLM``) against transformers on tiny random models saved by transformers: greedy tokens and
 first-step logits in fp32 (q/k norms over all heads; softmax routing with the top-k left unnormalized, as
 OLMoE-1B-7B's ``norm_topk_prob`` false, or renormalized; ``clip_qkv``), batching, chunked prefill and prefix-cache
-hits, tensor parallelism refused, and bf16 in the native decoder stack (``qk_norm_across_heads``, MoE blocks)."""
+hits, tensor parallelism (the q/k norms over every rank's heads), and bf16 in the native decoder stack (``qk_norm_across_heads``, MoE blocks)."""
 from __future__ import annotations
 
 import pytest
@@ -9,12 +9,11 @@ from test_decoder_stack_moe import assert_two_moe_layers_in_the_stack
 from transformers import OlmoeConfig
 
 from conftest import VOCAB_SIZE, save_random_model
-from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_matches_transformers, hf_causal_lm,
-                           prefix_sharing_prompts)
-from helpers import make_engine, random_prompts
+from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_matches_transformers,
+                           assert_tp2_equals_tp1, hf_causal_lm, prefix_sharing_prompts)
+from helpers import random_prompts
 
 from lmdeploy.messages import PytorchEngineConfig
-from lmdeploy.pytorch.engine import engine as engine_module
 from lmdeploy.pytorch.engine.engine import Engine
 
 # name -> config overrides: OLMoE-1B-7B's routing (top-k weights as the softmax gives them), and the top-k
@@ -56,12 +55,11 @@ def test_batched_chunked_and_cached_equal_solo(tmp_path):
                                                  prefix_sharing_prompts())
 
 
-def test_refuses_tensor_parallelism(tmp_path, monkeypatch):
-    """The q/k norms span every head, which no rank holds alone: tp=2 is refused, saying why, before any worker
-    starts."""
-    monkeypatch.setattr(engine_module, 'create_executor', None)
-    with pytest.raises(ValueError, match='q/k norms span every head'):
-        make_engine(save_olmoe(str(tmp_path / 'olmoe'), 'unnormalized'), tp=2)
+def test_tp2_equals_tp1(tmp_path):
+    """Each rank norms its heads' queries and keys by every rank's sums of squares (``norm_across_heads``), clamps
+    them (``clip_qkv``) and computes its share of every expert: one rank's tokens and logits."""
+    path = save_olmoe(str(tmp_path / 'olmoe'), 'clipped')
+    assert_tp2_equals_tp1(path, random_prompts([5, 40], seed=8), logits=True)
 
 
 @pytest.mark.slow

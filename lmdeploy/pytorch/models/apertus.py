@@ -1,8 +1,10 @@
 """Apertus (``ApertusForCausalLM``, Apertus 8B and 70B): Llama layers with q/k RMSNorms per head, norms named
 ``attention_layernorm`` and ``feedforward_layernorm``, and an ungated MLP whose activation is xIELU with each layer's
-learned ``alpha_p``, ``alpha_n`` (and its ``beta``, ``eps``). Its layers do not run in the native decoder stack (whose
-MLPs are gated)."""
+learned ``alpha_p``, ``alpha_n`` (and its ``beta``, ``eps``). Its layers run in the native decoder stack
+(``ungated_mlp`` ``xielu``)."""
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -28,11 +30,18 @@ class XIELU(nn.Module):
         self.beta = new_parameter((), Layout(None, None))
         self.eps = new_parameter((), Layout(None, None))
 
+    def coefficients(self) -> list[torch.Tensor]:
+        """``[alpha_p, alpha_n, beta, eps]`` as the activation uses them (``alpha_p`` and ``alpha_n`` through their
+        softplus)."""
+        return [F.softplus(self.alpha_p), self.beta + F.softplus(self.alpha_n), self.beta, self.eps]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        alpha_p = F.softplus(self.alpha_p)
-        alpha_n = self.beta + F.softplus(self.alpha_n)
-        return torch.where(x > 0, alpha_p * x * x + self.beta * x,
-                           (torch.expm1(torch.minimum(x, self.eps)) - x) * alpha_n + self.beta * x)
+        alpha_p, alpha_n, beta, eps = self.coefficients()
+        return torch.where(x > 0, alpha_p * x * x + beta * x, (torch.expm1(torch.minimum(x, eps)) - x) * alpha_n + beta * x)
+
+    def stack_options(self) -> dict[str, Any]:
+        """This activation as the native decoder stack's options (``ungated_mlp``, its ``xielu`` coefficients)."""
+        return dict(ungated_mlp='xielu', xielu=self.coefficients())
 
 
 class ApertusForCausalLM(UngatedMLPForCausalLM):

@@ -1,13 +1,15 @@
 """Arcee (``ArceeForCausalLM``, AFM-4.5B): Llama layers whose MLP has no gate, ``down(relu(up(x)) ** 2)``. Its layers
-do not run in the native decoder stack (whose MLPs are gated)."""
+run in the native decoder stack (``ungated_mlp`` ``relu2``)."""
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
 
 from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.models.llama import LlamaForCausalLM
-from lmdeploy.pytorch.nn.linear import ColumnLinear, RowLinear
+from lmdeploy.pytorch.nn.linear import ColumnLinear, Linear, RowLinear
 
 
 class ReluSquared(nn.Module):
@@ -15,6 +17,10 @@ class ReluSquared(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.relu(x).square()
+
+    def stack_options(self) -> dict[str, Any]:
+        """This activation as the native decoder stack's options (``ungated_mlp``)."""
+        return dict(ungated_mlp='relu2')
 
 
 class UngatedMLP(nn.Module):
@@ -34,6 +40,14 @@ class UngatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.up_proj(x)))
+
+    def stack_parts(self) -> tuple[dict[str, Linear], dict[str, Any]] | None:
+        """This MLP's part of a layer's weights in the native decoder stack (``LlamaDecoderLayer.mlp_weights``): its
+        up projection as the stack's ``gate_up``, its down projection, and its activation's options; None for an
+        activation the stack lacks."""
+        if not hasattr(self.act_fn, 'stack_options'):
+            return None
+        return dict(gate_up=self.up_proj, down=self.down_proj), self.act_fn.stack_options()
 
 
 class UngatedMLPForCausalLM(LlamaForCausalLM):

@@ -2,17 +2,18 @@
 attention whose queries and keys are RMS-normed per head after the rotary (``query_layernorm``, ``key_layernorm``),
 over NTK-alpha rope (``rope_type`` dynamic with an ``alpha``: a fixed base of ``rope_theta * alpha ** (d / (d - 2))``,
 whatever the length; ``nn/rotary.py``). Hunyuan-A13B's every layer is a MoE routed by softmax top-k over an fp32
-router (``gate.wg``), renormalized, plus an ungated shared MLP; the dense models' MLP is Llama's. Their layers do not
-run in the native decoder stack (it norms q and k before the rotary)."""
+router (``gate.wg``), renormalized, plus an ungated shared MLP; the dense models' MLP is Llama's. Their layers run in
+the native decoder stack (``qk_norm_after_rope``; the MoE as a ``MoEBlock`` routed ``softmax`` on its ``fp32``
+router)."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from lmdeploy.pytorch.config import ModelConfig
-from lmdeploy.pytorch.kernels import moe_routing
+from lmdeploy.pytorch.kernels import cpu, moe_routing
 from lmdeploy.pytorch.models.llama import KVCache, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
-from lmdeploy.pytorch.models.moe import MoEForCausalLM
+from lmdeploy.pytorch.models.moe import MoEForCausalLM, native_experts_with_shared
 from lmdeploy.pytorch.nn.decoder_stack import LayerWeights
 from lmdeploy.pytorch.nn.moe import Fp32Router, FusedExperts
 from lmdeploy.pytorch.nn.norm import RMSNorm
@@ -51,12 +52,24 @@ class HunYuanMoE(nn.Module):
         weights, ids = moe_routing(self.gate['wg'](x), self.top_k, True)
         return self.experts(x, weights, ids) + self.shared_mlp(x)
 
+    def native_moe(self, small_step: bool = False) -> object | None:
+        """This block as a ``MoEBlock`` of the native decoder stack (see ``SparseMoeBlock.native_moe``); None where a
+        part runs on no native kernel."""
+        native = native_experts_with_shared(self.experts, self.shared_mlp, small_step)
+        router = self.gate['wg'].native_projection()
+        if native is None or router is None:
+            return None
+        return cpu.native().MoEBlock(router=router, top_k=self.top_k, renormalize=True, routing='softmax', **native)
+
 
 class HunYuanDecoderLayer(LlamaDecoderLayer):
-    """A Llama layer of :class:`HunYuanAttention` and :class:`HunYuanMoE`."""
+    """A Llama layer of :class:`HunYuanAttention` and :class:`HunYuanMoE` (or Llama's MLP: the dense models)."""
 
     def native_weights(self, small_step: bool = False) -> LayerWeights | None:
-        return None  # the stack's layers norm q and k before the rotary only
+        """As ``LlamaDecoderLayer.native_weights``, its q/k norms applied after the rotary."""
+        attn = self.self_attn
+        return self.stack_weights(small_step, q_norm=attn.query_layernorm.weight, k_norm=attn.key_layernorm.weight,
+                                  qk_norm_after_rope=True)
 
 
 class HunYuanMoEV1ForCausalLM(MoEForCausalLM):

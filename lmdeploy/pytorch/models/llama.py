@@ -162,11 +162,14 @@ class LlamaDecoderLayer(nn.Module):
                              sinks=None if attn.attn.sinks is None else attn.attn.sinks.float(), **moe, **norms)
 
     def mlp_weights(self, small_step: bool) -> tuple[dict[str, Linear], dict[str, object]] | None:
-        """The MLP's part of :meth:`stack_weights`: ``(its gate_up and down projections, {})``, or for a MoE block
-        ``({}, {'moe': its native block})``; None where it cannot run in the stack."""
+        """The MLP's part of :meth:`stack_weights`: ``(its gate_up and down projections, {})``, for an ungated MLP
+        its own ``stack_parts`` (models/arcee.py), or for a MoE block ``({}, {'moe': its native block})``; None where
+        it cannot run in the stack."""
         mlp = self.mlp
         if isinstance(mlp, LlamaMLP) and mlp.gate_up_proj.gate_up_panels:
             return dict(gate_up=mlp.gate_up_proj, down=mlp.down_proj), {}
+        if hasattr(mlp, 'stack_parts'):
+            return mlp.stack_parts()
         moe = mlp.native_moe(small_step) if hasattr(mlp, 'native_moe') else None  # a MoE block (models/moe.py)
         return None if moe is None else ({}, {'moe': moe})
 

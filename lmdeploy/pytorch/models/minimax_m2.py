@@ -33,7 +33,6 @@ class MiniMaxM2ForCausalLM(DeepseekV3ForCausalLM):
     """MiniMax-M2's decoder. The checkpoints' ``block_sparse_moe`` holds the router (``gate``), its
     ``e_score_correction_bias`` and the experts' ``w1``/``w3``/``w2``."""
 
-    tensor_parallel_refusal = 'its q/k norms span every head, which no rank holds alone'
     stacked_params = LlamaForCausalLM.stacked_params
     finalize_weights = LlamaForCausalLM.finalize_weights
 

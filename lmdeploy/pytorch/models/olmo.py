@@ -20,26 +20,25 @@ from lmdeploy.pytorch.models.gemma import (FULL_ATTENTION, SLIDING_ATTENTION, La
 from lmdeploy.pytorch.models.llama import KVCache, LlamaAttention, LlamaDecoderLayer, LlamaMLP, layer_window
 from lmdeploy.pytorch.models.moe import MoEForCausalLM
 from lmdeploy.pytorch.nn.decoder_stack import LayerWeights, layer_weights
-from lmdeploy.pytorch.nn.norm import RMSNorm
+from lmdeploy.pytorch.nn.norm import RMSNorm, norm_across_heads, qk_norms_across_heads
 from lmdeploy.pytorch.nn.rotary import RotaryEmbedding, apply_rope
 from lmdeploy.pytorch.step_context import StepContext
 
 
 class OlmoAttention(LlamaAttention):
-    """Llama attention whose queries and keys are RMS-normed over all their heads together; queries, keys and values
-    clamped to ``[-clip_qkv, clip_qkv]`` where the config sets it (OLMoE's)."""
+    """Llama attention whose queries and keys are RMS-normed over all their heads together (under tensor parallelism
+    over every rank's heads: ``nn/norm.py``'s :func:`norm_across_heads`); queries, keys and values clamped to
+    ``[-clip_qkv, clip_qkv]`` where the config sets it (OLMoE's)."""
 
     def __init__(self, cfg: ModelConfig, sliding_window: int | None = None):
-        hf = cfg.hf_config
         super().__init__(cfg, sliding_window=sliding_window, qk_norm=False)
-        self.q_norm = RMSNorm(self.num_heads * self.head_dim, hf.rms_norm_eps)
-        self.k_norm = RMSNorm(self.num_kv_heads * self.head_dim, hf.rms_norm_eps)
-        self.clip_qkv = getattr(hf, 'clip_qkv', None)
+        self.q_norm, self.k_norm = qk_norms_across_heads(self.qkv_proj, cfg.hf_config.rms_norm_eps)
+        self.clip_qkv = getattr(cfg.hf_config, 'clip_qkv', None)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache, ctx: StepContext) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split((q_size, kv_size, kv_size), dim=-1)
-        q, k = self.q_norm(q), self.k_norm(k)
+        q, k = norm_across_heads(self.q_norm, self.k_norm, q, k)
         if self.clip_qkv is not None:
             q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         q = apply_rope(q.view(-1, self.num_heads, self.head_dim), ctx.cos, ctx.sin)
@@ -86,8 +85,6 @@ class OlmoDecoderLayer(nn.Module):
 class OlmoForCausalLM(LayerTypeRopeForCausalLM):
     """OLMo 2 and OLMo 3; OLMo 3's layers turn by their layer type's rope."""
 
-    tensor_parallel_refusal = 'its q/k norms span every head, which no rank holds alone'
-
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         hf = cfg.hf_config
@@ -114,8 +111,6 @@ class OlmoAttentionDecoderLayer(LlamaDecoderLayer):
 
 class OlmoeForCausalLM(MoEForCausalLM):
     """OLMoE's decoder: :class:`OlmoAttentionDecoderLayer`s of OLMo's attention and a softmax-routed MoE block."""
-
-    tensor_parallel_refusal = OlmoForCausalLM.tensor_parallel_refusal
 
     def make_layer(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
         return OlmoAttentionDecoderLayer(cfg, self.make_mlp(cfg, layer_index), OlmoAttention(cfg))

@@ -222,6 +222,14 @@ DecoderStack::DecoderStack(std::vector<LayerWeights> layers, int64_t num_heads, 
       TORCH_CHECK(w.input_norm && w.post_norm, "a layer has its input_norm and post_norm (or is post_norms_only)");
     }
     TORCH_CHECK(!w.layer_norm || w.input_norm, "a layer_norm layer has its input_norm");
+    TORCH_CHECK(!w.qk_norm_after_rope || w.q_norm, "qk_norm_after_rope needs the q and k norms");
+    TORCH_CHECK(!w.ungated_mlp || ((*w.ungated_mlp == "relu2" || *w.ungated_mlp == "xielu") && w.gate_up &&
+                                   !w.gelu_tanh_mlp),
+                "an ungated_mlp is 'relu2' or 'xielu', on the layer's up (gate_up) and down projections, without "
+                "gelu_tanh_mlp");
+    const bool xielu = w.ungated_mlp && *w.ungated_mlp == "xielu";
+    TORCH_CHECK(w.xielu.has_value() == xielu && (!xielu || w.xielu->size() == 4),
+                "an xielu MLP, and only it, has its xielu coefficients (alpha_p, alpha_n, beta, eps)");
     TORCH_CHECK(w.rotary_dim >= 0 && w.rotary_dim <= head_dim_ && w.rotary_dim % 2 == 0,
                 "a layer's rotary_dim is even, from 0 to head_dim");
     TORCH_CHECK(!w.sliding_window || *w.sliding_window > 0, "a layer's sliding window is positive");
@@ -247,6 +255,15 @@ torch::Tensor gelu_tanh_and_mul(const torch::Tensor& gate_up) {
   return at::gelu(parts[0], "tanh").mul(parts[1]);
 }
 
+// An ungated MLP's activation of its up projection's output x, the ops of ReluSquared (models/arcee.py) or XIELU
+// (models/apertus.py) in their order.
+torch::Tensor ungated_activation(const LayerWeights& w, const torch::Tensor& x) {
+  if (*w.ungated_mlp == "relu2") return x.relu().square();
+  const auto &alpha_p = (*w.xielu)[0], &alpha_n = (*w.xielu)[1], &beta = (*w.xielu)[2], &eps = (*w.xielu)[3];
+  return at::where(x.gt(0), alpha_p.mul(x).mul(x).add(beta.mul(x)),
+                   x.minimum(eps).expm1().sub(x).mul(alpha_n).add(beta.mul(x)));
+}
+
 }  // namespace
 
 torch::Tensor DecoderStack::rotate(const LayerWeights& w, const torch::Tensor& qk, const StepTensors& step) const {
@@ -259,21 +276,24 @@ torch::Tensor DecoderStack::rotate(const LayerWeights& w, const torch::Tensor& q
   return torch::cat({rot, qk.narrow(2, w.rotary_dim, head_dim_ - w.rotary_dim)}, 2);
 }
 
-torch::Tensor DecoderStack::normed_qk(const LayerWeights& w, const torch::Tensor& qkv) const {
-  const int64_t rows = qkv.size(0), q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
-  if (!w.q_norm)
-    return qkv.view({rows, num_heads_ + 2 * num_kv_heads_, head_dim_}).narrow(1, 0, num_heads_ + num_kv_heads_);
-  const auto norm = [&](int64_t start, int64_t size, const torch::Tensor& weight) {
+torch::Tensor DecoderStack::normed_qk(const LayerWeights& w, const torch::Tensor& qk) const {
+  if (!w.q_norm) return qk;
+  const int64_t rows = qk.size(0);
+  const auto norm = [&](int64_t start, int64_t heads, const torch::Tensor& weight) {
+    const auto part = qk.narrow(1, start, heads);
     if (w.qk_norm_across_heads)  // OlmoAttention's: the rows of all heads at once
-      return std::get<0>(rms_norm(qkv.narrow(1, start, size), weight, eps_, c10::nullopt)).view({rows, -1, head_dim_});
-    return std::get<0>(rms_norm(qkv.narrow(1, start, size).view({rows, -1, head_dim_}), weight, eps_, c10::nullopt));
+      return std::get<0>(rms_norm(part.reshape({rows, heads * head_dim_}), weight, eps_, c10::nullopt))
+          .view({rows, heads, head_dim_});
+    return std::get<0>(rms_norm(part, weight, eps_, c10::nullopt));
   };
-  return torch::cat({norm(0, q_size, *w.q_norm), norm(q_size, kv_size, *w.k_norm)}, 1);
+  return torch::cat({norm(0, num_heads_, *w.q_norm), norm(num_heads_, num_kv_heads_, *w.k_norm)}, 1);
 }
 
 torch::Tensor DecoderStack::mlp(const LayerWeights& w, const torch::Tensor& h) const {
-  auto out = w.moe ? (*w.moe)(h)
-                   : (*w.down)(w.gelu_tanh_mlp ? gelu_tanh_and_mul((*w.gate_up)(h)) : w.gate_up->gate_up_silu(h));
+  auto out = w.moe             ? (*w.moe)(h)
+             : w.ungated_mlp   ? (*w.down)(ungated_activation(w, (*w.gate_up)(h)))
+             : w.gelu_tanh_mlp ? (*w.down)(gelu_tanh_and_mul((*w.gate_up)(h)))
+                               : (*w.down)(w.gate_up->gate_up_silu(h));
   if (w.mlp_out_norm) out = std::get<0>(rms_norm(out, *w.mlp_out_norm, eps_, c10::nullopt));
   return w.residual_scale == 1.0 ? out : out.mul(w.residual_scale);
 }
@@ -293,7 +313,8 @@ torch::Tensor DecoderStack::attention(const LayerWeights& w, const torch::Tensor
                       projected.narrow(1, 2 * q_size, 2 * num_kv_heads_ * head_dim_)}, 1);
   }
   const auto heads = qkv.view({qkv.size(0), num_heads_ + 2 * num_kv_heads_, head_dim_});
-  auto qk = rotate(w, normed_qk(w, qkv), step);
+  const auto unrotated = heads.narrow(1, 0, num_heads_ + num_kv_heads_);
+  auto qk = w.qk_norm_after_rope ? normed_qk(w, rotate(w, unrotated, step)) : rotate(w, normed_qk(w, unrotated), step);
   if (w.qk_l2_norm_eps) {  // l2_norm of models/llama4.py
     const auto x32 = qk.to(at::kFloat);
     qk = x32.mul(x32.pow(2).mean(-1, true).add(*w.qk_l2_norm_eps).rsqrt()).to(qk.scalar_type());

@@ -194,7 +194,11 @@ struct LatentAttention {
 // its input projections, `o` its out_proj). A layer's MLP is its gate_up and down projections, or its `moe` block.
 // `parallel_block` (Cohere2): the layer has no post_norm, attention and the MLP both read its input norm's output and
 // their outputs are added together; `layer_norm`: its input norm is a LayerNorm with a weight and no bias (the mean
-// subtracted, in fp32) instead of an RMSNorm.
+// subtracted, in fp32) instead of an RMSNorm. `qk_norm_after_rope` (Hunyuan): the q and k norms apply to the rotated
+// queries and keys instead of before the rotary. `ungated_mlp`: the MLP is down(act(up(h))), `gate_up` its up
+// projection and act "relu2" (relu(x)², Arcee) or "xielu" (Apertus: alpha_p x² + beta x where x > 0, else
+// (expm1(min(x, eps)) - x) alpha_n + beta x, its `xielu` coefficients (alpha_p, alpha_n, beta, eps) as
+// XIELU.coefficients in models/apertus.py gives them).
 struct LayerWeights {
   c10::optional<torch::Tensor> input_norm, post_norm;
   c10::optional<Projection> qkv;
@@ -215,7 +219,9 @@ struct LayerWeights {
   c10::optional<LatentAttention> mla;
   bool output_gate;
   c10::optional<LinearAttention> linear_attn;
-  bool parallel_block, layer_norm;
+  bool parallel_block, layer_norm, qk_norm_after_rope;
+  c10::optional<std::string> ungated_mlp;
+  c10::optional<std::vector<torch::Tensor>> xielu;
 };
 
 // Llama-style decoder layers (decoder_stack.cpp): the kernels of LlamaDecoderLayer's forward, in its order.
@@ -236,8 +242,8 @@ class DecoderStack {
   // A linear_attn layer's output before `o`, of its normed input h (decode-only steps).
   torch::Tensor linear_attention(const LayerWeights& w, const torch::Tensor& h, const std::vector<torch::Tensor>& state,
                                  const StepTensors& step) const;
-  // The layer's queries and keys [T, H + H_kv, head_dim] of qkv, normed where it has q/k norms.
-  torch::Tensor normed_qk(const LayerWeights& w, const torch::Tensor& qkv) const;
+  // The queries and keys qk [T, H + H_kv, head_dim] normed by the layer's q/k norms (qk itself without them).
+  torch::Tensor normed_qk(const LayerWeights& w, const torch::Tensor& qk) const;
   // The layer's MLP (or MoE block) on h, its output norm applied.
   torch::Tensor mlp(const LayerWeights& w, const torch::Tensor& h) const;
   // The layer's rotary embedding of the query and key heads qk [T, H + H_kv, head_dim].
