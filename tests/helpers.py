@@ -103,6 +103,22 @@ def load_gguf_reference(gguf_path: str):
                                                     dtype=torch.float32).eval()
 
 
+def assert_same_state(converted, reference) -> None:
+    """``converted``'s tensors are ``reference``'s, bit for bit, under the same names and no others."""
+    state = reference.state_dict()
+    assert converted.state_dict().keys() == state.keys()
+    for name, value in converted.state_dict().items():
+        torch.testing.assert_close(value, state[name], rtol=0, atol=0, msg=name)
+
+
+def q8_0_blocks(param: torch.Tensor):
+    """``param`` as llama.cpp's Q8_0 blocks (a numpy array); ``param`` set to the weights they hold."""
+    import gguf
+    blocks = gguf.quants.quantize(param.numpy(), gguf.GGMLQuantizationType.Q8_0)
+    param.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q8_0)))
+    return blocks
+
+
 def hf_greedy(model, prompt, n=32) -> list[int]:
     model.generation_config.eos_token_id = None
     input_ids = torch.tensor([prompt])

@@ -15,7 +15,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 from transformers import AutoModelForCausalLM, AutoTokenizer, GlmConfig, PreTrainedTokenizerFast
 
 from family_checks import assert_matches_transformers
-from helpers import make_engine, random_prompts
+from helpers import assert_same_state, make_engine, random_prompts
 from test_gguf import finish
 
 from lmdeploy.pytorch.weights.gguf import convert_gguf
@@ -159,10 +159,7 @@ def test_chatglm_gguf_matches_transformers(own_layout: bool, qtype: Q, tmp_path:
     assert converted.config.eos_token_id == [hf.config.eos_token_id[0], hf.config.eos_token_id[1]]
     assert converted.config.rope_parameters == hf.config.rope_parameters
     assert converted.config.rms_norm_eps == pytest.approx(hf.config.rms_norm_eps)
-    state = hf.state_dict()
-    assert converted.state_dict().keys() == state.keys()
-    for name, value in converted.state_dict().items():
-        torch.testing.assert_close(value, state[name], rtol=0, atol=0, msg=name)
+    assert_same_state(converted, hf)
 
     if qtype in (Q.Q8_0, Q.Q4_K):  # the projections served as their blocks
         layer_types = make_engine(str(src)).model_config.hf_config.quantization_config['ggml_types']

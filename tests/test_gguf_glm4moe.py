@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from conftest import save_random_model
 from family_checks import hf_causal_lm
-from helpers import assert_transformers_greedy, make_engine, random_prompts, run
+from helpers import assert_same_state, assert_transformers_greedy, make_engine, q8_0_blocks, random_prompts, run
 from test_glm4_moe import glm4_moe_config
 from test_gguf import _add_tokenizer, finish
 
@@ -64,8 +64,7 @@ def converter_tensors(hf: torch.nn.Module, quantize: bool) -> dict[str, np.ndarr
                 out[name.replace('_bias', '.bias')] = data
                 continue
             if name.endswith(('proj.weight', 'experts.gate_up_proj', 'experts.down_proj')) and quantize:
-                data = gguf.quants.quantize(data, Q.Q8_0)
-                param.copy_(torch.from_numpy(gguf.quants.dequantize(data, Q.Q8_0)))
+                data = q8_0_blocks(param)
             if name.endswith('experts.gate_up_proj'):
                 gate, up = np.split(data, 2, axis=1)
                 out[name.replace('gate_up_proj', 'gate_proj.weight')] = gate
@@ -146,10 +145,7 @@ def test_gguf_glm4moe_matches_transformers(tmp_path: Path, monkeypatch: pytest.M
                   'n_group', 'topk_group', 'norm_topk_prob', 'routed_scaling_factor', 'first_k_dense_replace',
                   'n_routed_experts', 'n_shared_experts', 'moe_intermediate_size', 'head_dim'):
         assert getattr(converted.config, field) == getattr(hf.config, field), field
-    state = hf.state_dict()
-    assert converted.state_dict().keys() == state.keys()
-    for name, value in converted.state_dict().items():
-        torch.testing.assert_close(value, state[name], rtol=0, atol=0, msg=name)
+    assert_same_state(converted, hf)
 
     prompts = random_prompts([5, 23, 41], vocab=hf.config.vocab_size)
     assert_transformers_greedy(hf, prompts, run(make_engine(str(src)), prompts))

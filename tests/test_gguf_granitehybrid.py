@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, GraniteMoeHybridConfig
 
 from conftest import save_random_model
 from family_checks import assert_matches_transformers, hf_causal_lm
-from helpers import assert_transformers_greedy, make_engine, random_prompts, run
+from helpers import assert_same_state, assert_transformers_greedy, make_engine, random_prompts, run
 from test_gguf import _add_tokenizer, finish, llama_permute
 from test_gguf_qwen3_next import layer_types
 
@@ -193,10 +193,7 @@ def test_f32_file_is_the_checkpoint_and_matches_transformers(variant: str, tmp_p
     for field in ('attention_multiplier', 'embedding_multiplier', 'residual_multiplier', 'logits_scaling',
                   'rms_norm_eps'):  # float32 in the file
         assert getattr(converted.config, field) == pytest.approx(getattr(hf.config, field), rel=1e-6), field
-    state = hf.state_dict()
-    assert converted.state_dict().keys() == state.keys()
-    for name, value in converted.state_dict().items():
-        torch.testing.assert_close(value, state[name], rtol=0, atol=0, msg=name)
+    assert_same_state(converted, hf)
     vocab = hf.config.vocab_size
     assert_matches_transformers(str(src), hf, random_prompts([9, 70], seed=1, vocab=vocab),
                                 random_prompts([5, 33], seed=2, vocab=vocab))

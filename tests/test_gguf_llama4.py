@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, Llama4TextConfig
 
 from conftest import save_random_model
 from family_checks import assert_first_logits_close, hf_causal_lm
-from helpers import assert_transformers_greedy, make_engine, random_prompts, reference_logits, run
+from helpers import assert_same_state, assert_transformers_greedy, make_engine, random_prompts, reference_logits, run
 from test_gguf import _byte_tokens, finish
 
 from lmdeploy.messages import ConfigError
@@ -185,10 +185,7 @@ def test_f32_file_is_the_original_checkpoint_and_matches_transformers(tmp_path: 
     assert converted.config.rms_norm_eps == pytest.approx(hf.config.rms_norm_eps)  # a float32 in the file
     assert converted.config.layer_types == ['chunked_attention'] * 3 + ['full_attention']
     assert converted.config.moe_layers == [1, 3]
-    state = hf.state_dict()
-    assert converted.state_dict().keys() == state.keys()
-    for name, value in converted.state_dict().items():
-        torch.testing.assert_close(value, state[name], rtol=0, atol=0, msg=name)
+    assert_same_state(converted, hf)
 
     engine = long_engine(src)
     layers = engine.runner.model.layers

@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from helpers import assert_transformers_greedy, make_engine, random_prompts, run
+from helpers import assert_same_state, assert_transformers_greedy, make_engine, random_prompts, run
 from test_gguf import _add_tokenizer, finish, llama_permute
 from test_model_families import save_family
 
@@ -108,10 +108,7 @@ def converted_model(src: Path, path: Path, hf):
     convert_gguf(str(src), str(path / 'converted'))
     converted = AutoModelForCausalLM.from_pretrained(str(path / 'converted'), dtype=torch.float32)
     assert converted.config.architectures == hf.config.architectures
-    state = hf.state_dict()
-    assert converted.state_dict().keys() == state.keys()
-    for name, value in converted.state_dict().items():
-        torch.testing.assert_close(value, state[name], rtol=0, atol=0, msg=name)
+    assert_same_state(converted, hf)
     return converted
 
 

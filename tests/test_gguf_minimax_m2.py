@@ -16,7 +16,7 @@ from gguf import MODEL_TENSOR as T
 
 from conftest import save_random_model
 from family_checks import hf_causal_lm
-from helpers import assert_transformers_greedy, make_engine, random_prompts, run
+from helpers import assert_transformers_greedy, make_engine, q8_0_blocks, random_prompts, run
 from test_gguf import _add_tokenizer, finish
 from test_minimax_m2 import minimax_m2_config
 
@@ -55,8 +55,7 @@ def file_tensors(hf: torch.nn.Module, quantize: bool) -> dict[str, np.ndarray]:
         for name, param in hf.state_dict().items():
             data = param.numpy()
             if quantize and name.endswith(QUANTIZED):
-                data = gguf.quants.quantize(data, Q.Q8_0)
-                param.copy_(torch.from_numpy(gguf.quants.dequantize(data, Q.Q8_0)))
+                data = q8_0_blocks(param)
             if not name.startswith('model.layers.'):
                 tensor = {'model.embed_tokens.weight': T.TOKEN_EMBD, 'model.norm.weight': T.OUTPUT_NORM,
                           'lm_head.weight': T.OUTPUT}[name]

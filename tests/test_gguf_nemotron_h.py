@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from conftest import save_random_model
 from family_checks import assert_matches_transformers, hf_causal_lm
-from helpers import assert_transformers_greedy, make_engine, random_prompts, run
+from helpers import assert_same_state, assert_transformers_greedy, make_engine, random_prompts, run
 from test_gguf import _add_tokenizer, finish, llama_permute
 from test_gguf_granitehybrid import add_mamba2_metadata, mamba2_tensor, write_gguf
 from test_gguf_qwen3_next import layer_types
@@ -153,10 +153,7 @@ def test_f32_file_is_the_checkpoint_and_matches_transformers(variant: str, tmp_p
     for field in fields:
         assert getattr(converted.config, field) == getattr(hf.config, field), field
     assert converted.config.layer_norm_epsilon == pytest.approx(hf.config.layer_norm_epsilon, rel=1e-6)
-    state = hf.state_dict()
-    assert converted.state_dict().keys() == state.keys()
-    for name, value in converted.state_dict().items():
-        torch.testing.assert_close(value, state[name], rtol=0, atol=0, msg=name)
+    assert_same_state(converted, hf)
     vocab = hf.config.vocab_size
     assert_matches_transformers(str(src), hf, random_prompts([9, 70], seed=1, vocab=vocab),
                                 random_prompts([5, 33], seed=2, vocab=vocab))

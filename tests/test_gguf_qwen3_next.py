@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5Text
 
 from conftest import save_random_model
 from family_checks import assert_matches_transformers, hf_causal_lm
-from helpers import assert_transformers_greedy, make_engine, random_prompts, run
+from helpers import assert_same_state, assert_transformers_greedy, make_engine, random_prompts, run
 from test_gguf import CHAT_TEMPLATE, _add_tokenizer, finish
 from test_gguf_mixed import encode
 
@@ -239,10 +239,7 @@ def test_f32_file_is_the_checkpoint_and_matches_transformers(tmp_path: Path, cac
         assert converted.config.rope_parameters[field] == hf.config.rope_parameters[field], field
     # Qwen3.5's sections: transformers' default where the checkpoint has none, as the converter writes them
     assert converted.config.rope_parameters.get('mrope_section') == (None if variant == 'qwen3next' else [11, 11, 10])
-    state = hf.state_dict()
-    assert converted.state_dict().keys() == state.keys()
-    for name, value in converted.state_dict().items():
-        torch.testing.assert_close(value, state[name], rtol=0, atol=0, msg=name)
+    assert_same_state(converted, hf)
     assert_matches_transformers(str(src), hf, random_prompts([9, 70], seed=1, vocab=hf.config.vocab_size),
                                 random_prompts([5, 33], seed=2, vocab=hf.config.vocab_size))
 

@@ -9,7 +9,6 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-import torch
 from gguf import GGMLQuantizationType as Q
 from safetensors import safe_open
 from helpers import make_engine, run
