@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -80,11 +81,17 @@ def save_w8a8(source: str, out: str) -> str:
 @pytest.fixture(scope='module')
 def saved(tmp_path_factory):
     """A tiny random model of a family, and its W8A8 copy, saved once per family and weight kind."""
+    return saved_models(tmp_path_factory, lambda kind, folder: STACK_FAMILIES[kind](kind, folder))
+
+
+def saved_models(tmp_path_factory, save: Callable[[str, str], str]) -> Callable[[str, str], str]:
+    """``get(kind, weights)``: the model ``save(kind, folder)`` writes (``weights`` 'bf16'), or its W8A8 copy
+    ('w8a8'), each saved once."""
     paths = {}
 
     def get(kind: str, weights: str) -> str:
         if (kind, 'bf16') not in paths:
-            paths[kind, 'bf16'] = STACK_FAMILIES[kind](kind, str(tmp_path_factory.mktemp(kind)))
+            paths[kind, 'bf16'] = save(kind, str(tmp_path_factory.mktemp(kind)))
         if (kind, weights) not in paths:
             paths[kind, weights] = save_w8a8(paths[kind, 'bf16'], str(tmp_path_factory.mktemp(f'{kind}_w8a8')))
         return paths[kind, weights]
@@ -151,9 +158,16 @@ def test_small_int4_steps_run_in_the_stack(kind, saved, native_gemms, monkeypatc
     mistral_sliding: a sliding window; glm4: interleaved partial rotary, output norms; gemma3: the GeLU MLP on
     plain 4-bit gate and up rows, local rotary; ministral3: queries scaled by their position; olmo3: post-norms
     only, q/k norms over all heads, sliding layers on their own rotary), equal to the layers' forward on them."""
+    assert_small_int4_steps_run_in_the_stack(saved(kind, 'bf16'), monkeypatch)
+
+
+def assert_small_int4_steps_run_in_the_stack(path: str, monkeypatch) -> None:
+    """With ``decode_int4``, the model at ``path`` runs its decode steps of one and of three rows in the stack on
+    the 4-bit weights, each equal to the layers' forward (:func:`small_int4_steps`; skipped without the native int4
+    GEMV)."""
     if cpu.int4_gemv() is None:
         pytest.skip('the native int4 GEMV needs AVX512-BF16')
-    engine = Engine(saved(kind, 'bf16'), PytorchEngineConfig(decode_int4=True, **ENGINE), show_progress=False)
+    engine = Engine(path, PytorchEngineConfig(decode_int4=True, **ENGINE), show_progress=False)
     stack = engine.runner.model.native_stack
     assert stack.small is not None and stack.small_step_rows == 2
     steps = small_int4_steps(engine, monkeypatch)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import random_prompts
 from test_cohere2 import save_cohere2
-from test_decoder_stack import (ENGINE, assert_stack_equals_the_layers, differences_without_an_option, save_w8a8,
+from test_decoder_stack import (ENGINE, assert_stack_equals_the_layers, differences_without_an_option, saved_models,
                                 small_int4_steps)
 from test_exaone4 import save_exaone4
 
@@ -29,17 +29,7 @@ CASES = [(kind, 'bf16', 0) for kind in MODELS] + [('cohere2', 'w8a8', 8), ('exao
 @pytest.fixture(scope='module')
 def saved(tmp_path_factory):
     """A tiny random model of a kind, and its W8A8 copy, saved once per kind and weight kind."""
-    paths = {}
-
-    def get(kind: str, weights: str) -> str:
-        if (kind, 'bf16') not in paths:
-            save, variant = MODELS[kind]
-            paths[kind, 'bf16'] = save(str(tmp_path_factory.mktemp(kind)), variant)
-        if (kind, weights) not in paths:
-            paths[kind, weights] = save_w8a8(paths[kind, 'bf16'], str(tmp_path_factory.mktemp(f'{kind}_w8a8')))
-        return paths[kind, weights]
-
-    return get
+    return saved_models(tmp_path_factory, lambda kind, folder: MODELS[kind][0](folder, MODELS[kind][1]))
 
 
 @pytest.mark.parametrize('kind,weights,quant_policy', CASES)

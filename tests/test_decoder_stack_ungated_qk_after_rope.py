@@ -13,14 +13,13 @@ from helpers import random_prompts
 from test_apertus import apertus_config
 from test_arcee import save_arcee
 from test_batch_invariance import assert_batch_invariant
-from test_decoder_stack import (ENGINE, assert_stack_equals_the_layers, differences_without_an_option, save_w8a8,
-                                small_int4_steps)
+from test_decoder_stack import (ENGINE, assert_small_int4_steps_run_in_the_stack, assert_stack_equals_the_layers,
+                                differences_without_an_option, saved_models)
 from test_hunyuan import hunyuan_config
 from test_hunyuan_dense import hunyuan_dense_config
 
 from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
-from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.models import llama
 from lmdeploy.pytorch.nn.decoder_stack import layer_weights
 
@@ -38,16 +37,7 @@ CASES = [(kind, 'bf16', 0) for kind in MODELS] + [('arcee', 'w8a8', 8), ('apertu
 @pytest.fixture(scope='module')
 def saved(tmp_path_factory):
     """A tiny random model of a kind, and its W8A8 copy, saved once per kind and weight kind."""
-    paths = {}
-
-    def get(kind: str, weights: str) -> str:
-        if (kind, 'bf16') not in paths:
-            paths[kind, 'bf16'] = MODELS[kind](str(tmp_path_factory.mktemp(kind)))
-        if (kind, weights) not in paths:
-            paths[kind, weights] = save_w8a8(paths[kind, 'bf16'], str(tmp_path_factory.mktemp(f'{kind}_w8a8')))
-        return paths[kind, weights]
-
-    return get
+    return saved_models(tmp_path_factory, lambda kind, folder: MODELS[kind](folder))
 
 
 @pytest.mark.parametrize('kind,weights,quant_policy', CASES)
@@ -60,13 +50,7 @@ def test_stack_equals_the_layers(kind, weights, quant_policy, saved, native_gemm
 def test_small_int4_steps_run_in_the_stack(kind, saved, native_gemms, monkeypatch):
     """With ``decode_int4``, steps of at most two tokens run in the stack on the 4-bit weights (an ungated MLP's up
     projection on its bf16 one, as in the layers), equal to the layers' forward on them."""
-    if cpu.int4_gemv() is None:
-        pytest.skip('the native int4 GEMV needs AVX512-BF16')
-    engine = Engine(saved(kind, 'bf16'), PytorchEngineConfig(decode_int4=True, **ENGINE), show_progress=False)
-    stack = engine.runner.model.native_stack
-    assert stack.small is not None and stack.small_step_rows == 2
-    steps = small_int4_steps(engine, monkeypatch)
-    assert (0, 1) in steps and (0, 3) in steps
+    assert_small_int4_steps_run_in_the_stack(saved(kind, 'bf16'), monkeypatch)
 
 
 def test_hunyuan_qk_norm_after_rope_matters(saved, native_gemms, monkeypatch):
