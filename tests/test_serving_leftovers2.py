@@ -28,6 +28,7 @@ MARKERS = [
     ('seed_oss', '<seed:tool_call>', 'anywhere'),
     ('minimax_m2', '<minimax:tool_call>', 'anywhere'),
     ('pythonic', '<|python_start|>', 'anywhere'),  # Llama 4
+    ('lfm2', '<|tool_call_start|>', 'anywhere'),
     ('llama3_json', '<|python_tag|>', 'start'),
 ]
 # what follows the marker: nothing, text, whitespace, a list that holds no call
