@@ -22,6 +22,7 @@ from family_checks import assert_first_logits_close, hf_last_logits
 from helpers import assert_transformers_greedy, make_engine, random_prompts, run
 from test_apertus import apertus_config
 from test_gguf import _add_tokenizer, finish
+from test_gguf_arcee import assert_q8_0_attention_and_down_served_as_blocks
 from test_gguf_cohere2_exaone4 import llama3_divisors
 from test_gguf_llama_like import converted_model, converter_arrays
 
@@ -96,16 +97,7 @@ def test_gguf_q8_0_kept_as_blocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     dequantized (the GGUF block tables know gated MLPs only); token for token like transformers on the weights the
     blocks hold."""
     monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(tmp_path / 'cache'))
-    src, folder, vocab = save_gguf(tmp_path, quantize=True)
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-
-    engine = make_engine(str(src))
-    layer_types = engine.model_config.hf_config.quantization_config['ggml_types']
-    for layer in range(hf.config.num_hidden_layers):
-        for name in ('self_attn.qkv_proj', 'self_attn.o_proj', 'mlp.down_proj'):
-            assert layer_types[f'layers.{layer}.{name}'] == 'Q8_0', (layer, name)
-    prompts = random_prompts([5, 40], vocab=vocab)
-    assert_transformers_greedy(hf, prompts, run(engine, prompts))
+    assert_q8_0_attention_and_down_served_as_blocks(*save_gguf(tmp_path, quantize=True))
 
 
 def test_one_xielu_value_for_every_layer(tmp_path: Path) -> None:

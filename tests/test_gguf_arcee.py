@@ -75,9 +75,14 @@ def test_gguf_q8_0_kept_as_blocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     dequantized (the GGUF block tables know gated MLPs only); token for token like transformers on the weights the
     blocks hold."""
     monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(tmp_path / 'cache'))
-    src, folder, vocab = save_gguf(tmp_path, quantize=True)
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert_q8_0_attention_and_down_served_as_blocks(*save_gguf(tmp_path, quantize=True))
 
+
+def assert_q8_0_attention_and_down_served_as_blocks(src: Path, folder: str, vocab: int) -> None:
+    """The Q8_0 file ``src`` of the ungated-MLP model saved in ``folder``: attention's and the down projections
+    are served as their blocks, nothing else of the MLP is; token for token like transformers on the weights the
+    blocks hold."""
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     engine = make_engine(str(src))
     layer_types = engine.model_config.hf_config.quantization_config['ggml_types']
     for layer in range(hf.config.num_hidden_layers):
