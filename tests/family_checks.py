@@ -23,6 +23,19 @@ def first_step_logits(engine: Engine, prompts) -> torch.Tensor:
     return engine.runner.forward(engine.scheduler.schedule()).float().cpu()
 
 
+def assert_bf16_within_twice_transformers(path: str) -> None:
+    """bf16 on the CPU: one prefill step's last logits of three prompts differ from transformers' in fp32 by at
+    most twice what transformers' own bf16 model does."""
+    engine = Engine(path, PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=64, block_size=16),
+                    show_progress=False)
+    prompts = random_prompts([7, 31, 90], seed=2)
+    hf_model = hf_causal_lm(path)
+    refs = [hf_last_logits(hf_model, p) for p in prompts]
+    hf_bf16 = [hf_last_logits(hf_model.to(torch.bfloat16), p).float() for p in prompts]
+    for ref, hf_row, row in zip(refs, hf_bf16, first_step_logits(engine, prompts)):
+        assert (row - ref).abs().max() <= 2 * (hf_row - ref).abs().max()
+
+
 def assert_first_logits_close(engine: Engine, prompts, refs: list[torch.Tensor], tol: float = 1e-3,
                               relative: bool = False) -> None:
     """The first step's logits differ from ``refs`` by less than ``tol`` (times each ref's largest magnitude

@@ -15,8 +15,8 @@ import torch
 from transformers import FalconH1Config
 
 from conftest import VOCAB_SIZE, save_random_model
-from family_checks import (assert_matches_transformers, assert_slots_free, first_step_logits, hf_causal_lm,
-                           hf_last_logits)
+from family_checks import (assert_bf16_within_twice_transformers, assert_matches_transformers, assert_slots_free,
+                           hf_causal_lm)
 from helpers import make_engine, random_prompts, run
 
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
@@ -130,11 +130,4 @@ def test_tensor_parallelism_is_refused(falcon_h1):
 def test_bf16_close_to_transformers(falcon_h1):
     """bf16 on the CPU (packed GEMM weights, the multipliers folded into them): the last logits differ from
     transformers' in fp32 by at most twice what transformers' own bf16 model does."""
-    engine = Engine(falcon_h1, PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=64, block_size=16),
-                    show_progress=False)
-    prompts = random_prompts([7, 31, 90], seed=2)
-    hf_model = hf_causal_lm(falcon_h1)
-    refs = [hf_last_logits(hf_model, p) for p in prompts]
-    hf_bf16 = [hf_last_logits(hf_model.to(torch.bfloat16), p).float() for p in prompts]
-    for ref, hf_row, row in zip(refs, hf_bf16, first_step_logits(engine, prompts)):
-        assert (row - ref).abs().max() <= 2 * (hf_row - ref).abs().max()
+    assert_bf16_within_twice_transformers(falcon_h1)

@@ -20,8 +20,8 @@ from transformers.models.granitemoehybrid.modeling_granitemoehybrid import (mamb
                                                                            mamba2_selective_state_update)
 
 from conftest import VOCAB_SIZE, save_random_model
-from family_checks import (assert_matches_transformers, assert_slots_free, first_step_logits, hf_causal_lm,
-                           hf_last_logits)
+from family_checks import (assert_bf16_within_twice_transformers, assert_matches_transformers, assert_slots_free,
+                           hf_causal_lm)
 from helpers import make_engine, random_prompts, run
 
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
@@ -197,12 +197,4 @@ def test_hub_layer_names(granite_moe, tmp_path):
 def test_bf16_close_to_transformers(granite_moe):
     """bf16 on the CPU (packed GEMM weights): the last logits differ from transformers' in fp32 by at most twice
     what transformers' own bf16 model does."""
-    engine = Engine(granite_moe, PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=64, block_size=16),
-                    show_progress=False)
-    prompts = random_prompts([7, 31, 90], seed=2)
-    hf_model = hf_causal_lm(granite_moe)
-    refs = [hf_last_logits(hf_model, p) for p in prompts]
-    hf_bf16 = [hf_last_logits(hf_model.to(torch.bfloat16), p).float() for p in prompts]
-    logits = first_step_logits(engine, prompts)
-    for ref, hf_row, row in zip(refs, hf_bf16, logits):
-        assert (row - ref).abs().max() <= 2 * (hf_row - ref).abs().max()
+    assert_bf16_within_twice_transformers(granite_moe)

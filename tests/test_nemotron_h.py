@@ -9,16 +9,12 @@ import json
 import os
 
 import pytest
-import torch
 from transformers import NemotronHConfig
 
 from conftest import VOCAB_SIZE, save_random_model
-from family_checks import (assert_matches_transformers, assert_slots_free, first_step_logits, hf_causal_lm,
-                           hf_last_logits)
+from family_checks import (assert_bf16_within_twice_transformers, assert_matches_transformers, assert_slots_free,
+                           hf_causal_lm)
 from helpers import make_engine, random_prompts, run
-
-from lmdeploy.messages import PytorchEngineConfig
-from lmdeploy.pytorch.engine.engine import Engine
 
 PATTERN = 'M-*-M-'  # Mamba-2, MLP, attention, MLP, Mamba-2, MLP
 
@@ -112,11 +108,4 @@ def test_moe_blocks_match_transformers(tmp_path, latent):
 def test_bf16_close_to_transformers(nemotron_h):
     """bf16 on the CPU (packed GEMM weights): the last logits differ from transformers' in fp32 by at most twice
     what transformers' own bf16 model does."""
-    engine = Engine(nemotron_h, PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=64, block_size=16),
-                    show_progress=False)
-    prompts = random_prompts([7, 31, 90], seed=2)
-    hf_model = hf_causal_lm(nemotron_h)
-    refs = [hf_last_logits(hf_model, p) for p in prompts]
-    hf_bf16 = [hf_last_logits(hf_model.to(torch.bfloat16), p).float() for p in prompts]
-    for ref, hf_row, row in zip(refs, hf_bf16, first_step_logits(engine, prompts)):
-        assert (row - ref).abs().max() <= 2 * (hf_row - ref).abs().max()
+    assert_bf16_within_twice_transformers(nemotron_h)

@@ -19,7 +19,7 @@ from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfi
 from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 
 from conftest import VOCAB_SIZE, save_random_model
-from family_checks import assert_matches_transformers, first_step_logits, hf_causal_lm, hf_last_logits
+from family_checks import assert_bf16_within_twice_transformers, assert_matches_transformers, hf_causal_lm
 from helpers import assert_all_released, make_engine, random_prompts, run
 
 from lmdeploy.archs import load_hf_config
@@ -341,12 +341,4 @@ def test_bf16_close_to_transformers(hybrid_model):
     """bf16 on the CPU (packed GEMM weights; prefill steps run the layers' own forward, decode steps may run the
     native decoder stack, see test_decoder_stack_qwen3_next.py): the last logits differ from transformers' in fp32 by
     at most twice what transformers' own bf16 model does."""
-    engine = Engine(hybrid_model, PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=64, block_size=16),
-                    show_progress=False)
-    prompts = random_prompts([7, 31, 90], seed=2)
-    hf_model = hf_causal_lm(hybrid_model)
-    refs = [hf_last_logits(hf_model, p) for p in prompts]
-    hf_bf16 = [hf_last_logits(hf_model.to(torch.bfloat16), p).float() for p in prompts]
-    logits = first_step_logits(engine, prompts)
-    for row, (ref, hf_row) in enumerate(zip(refs, hf_bf16)):
-        assert (logits[row] - ref).abs().max() <= 2 * (hf_row - ref).abs().max()
+    assert_bf16_within_twice_transformers(hybrid_model)
