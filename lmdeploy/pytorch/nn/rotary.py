@@ -100,7 +100,8 @@ class RotaryEmbedding(nn.Module):
     With ``mrope_section`` (Qwen-VL) positions are ``[3, T]`` (temporal, height, width) and each
     frequency turns with one of the three (see :func:`mrope_axes`). LongRoPE (Phi-3) turns the tokens of a sequence
     longer than ``original_max_position_embeddings`` by its long factors (every prefill chunk of a long
-    prompt), the others by its short factors. A sequence that grows past that length while decoding is
+    prompt), the others by its short factors (and PhiMoE's ``long_mscale``/``short_mscale`` scale their cos and sin).
+    A sequence that grows past that length while decoding is
     computed again, as transformers' ``generate`` does (see ``paging.scheduler.Scheduler``).
     """
 
@@ -127,6 +128,9 @@ class RotaryEmbedding(nn.Module):
                 self.original_max = long_rope_after(hf_config)
                 self.long_inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device('cpu'),
                                                                        seq_len=self.original_max + 1, **per_type)
+                # PhiMoE's own cos/sin factors of short and long sequences, in place of LongRoPE's one
+                self.long_scaling = params.get('long_mscale', self.scaling)
+                self.scaling = params.get('short_mscale', self.scaling)
         else:
             raise ValueError(f'rope type {rope_type!r} is not supported')
         # A plain attribute, not a buffer: casting the model to bf16 must not round the frequencies.
@@ -141,12 +145,14 @@ class RotaryEmbedding(nn.Module):
             self.inv_freq = self.inv_freq.to(positions.device)
             self.mrope_select = None if self.mrope_select is None else self.mrope_select.to(positions.device)
             self.long_inv_freq = None if self.long_inv_freq is None else self.long_inv_freq.to(positions.device)
+        scaling = self.scaling
         if positions.dim() == 2:
             freqs = positions.float()[self.mrope_select].T * self.inv_freq
         elif self.long_inv_freq is not None:
             long = (step_seq_lens(ctx) > self.original_max).unsqueeze(-1)
             freqs = positions.float().unsqueeze(-1) * torch.where(long, self.long_inv_freq, self.inv_freq)
+            scaling = torch.where(long, self.long_scaling, self.scaling)
         else:
             freqs = positions.float().unsqueeze(-1) * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+        return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
