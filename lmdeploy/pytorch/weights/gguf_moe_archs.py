@@ -2,8 +2,8 @@
 tensor names: gpt-oss (``gpt-oss``), DeepSeek-V2/V3 (``deepseek2``), GLM-4.5 (``glm4moe``), ERNIE 4.5's MoE
 (``ernie4_5-moe``), Llama 4's text model (``llama4``), Hunyuan-A13B (``hunyuan-moe``), and the files of Qwen3-MoE
 (``qwen3moe``; Qwen3-VL-MoE's language model ``qwen3vlmoe`` alike), MiniMax-M2 (``minimax-m2``), Qwen2-MoE
-(``qwen2moe``, with a shared expert), OLMoE (``olmoe``) and Mixtral (``llama`` with experts), whose stacked experts
-(``ffn_{gate,up,down}_exps``) are stored back one tensor per expert. Registered in ``gguf_archs.py`` as
+(``qwen2moe``, with a shared expert), OLMoE (``olmoe``), Mixtral (``llama`` with experts) and PhiMoE (``phimoe``),
+whose stacked experts (``ffn_{gate,up,down}_exps``) are stored back one tensor per expert. Registered in ``gguf_archs.py`` as
 ``gguf_qwen3_next.py`` is; the state-dict steps are in ``gguf_tensors.py``.
 """
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any, Callable
 from gguf import ExpertGatingFuncType, Keys
 
 from .gguf_keys import Meta, glm_rope, layer_types, rope_parameters
+from .gguf_rope import phi3_rope
 
 ARCHITECTURES = {
     'gpt-oss': 'GptOssForCausalLM',
@@ -25,11 +26,12 @@ ARCHITECTURES = {
     'minimax-m2': 'MiniMaxM2ForCausalLM',
     'hunyuan-moe': 'HunYuanMoEV1ForCausalLM',
     'olmoe': 'OlmoeForCausalLM',
+    'phimoe': 'PhimoeForCausalLM',
 }
 
 # those whose every linear layer is a projection or experts (not MLA's, not gpt-oss's biased experts)
 RAW_SERVED_ARCHS = ('glm4moe', 'qwen3moe', 'qwen3vlmoe', 'qwen2moe', 'ernie4_5-moe', 'llama4', 'minimax-m2',
-                    'hunyuan-moe', 'olmoe')
+                    'hunyuan-moe', 'olmoe', 'phimoe')
 
 # Hunyuan's q/k norms (after the rotary), dense (``gguf_archs.py``) and MoE alike
 HUNYUAN_QK_NORMS = {'attn_q_norm': 'self_attn.query_layernorm', 'attn_k_norm': 'self_attn.key_layernorm'}
@@ -238,7 +240,21 @@ def _olmoe(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[
             **fields}
 
 
+def _phimoe(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """PhiMoE: Phi-3's rope keys and LongRoPE factors, with the one ``rope.scaling.attn_factor`` the converter
+    computes from the context lengths as both cos/sin factors (``short_mscale``, ``long_mscale``: the file keeps no
+    other); every layer's experts of ``feed_forward_length``; an LM head bias where the file has ``output.bias``.
+    The sparsemixer's ``router_jitter_noise`` is not kept: transformers' default, the hub checkpoints' 0.01."""
+    fields = phi3_rope(lambda name: meta(f'{{arch}}.{name}'), tensors, config['head_dim'], 'the file')
+    rope = fields['rope_parameters']
+    if rope.get('rope_type') == 'longrope':
+        rope['short_mscale'] = rope['long_mscale'] = rope.pop('attention_factor', 1.0)
+    return {**fields, 'model_type': 'phimoe', 'sliding_window': fields['sliding_window'] or None,
+            'num_local_experts': meta(Keys.LLM.EXPERT_COUNT), 'num_experts_per_tok': meta(Keys.LLM.EXPERT_USED_COUNT),
+            'lm_head_bias': 'output.bias' in tensors}
+
+
 CONFIG_BUILDERS: dict[str, Callable[[Meta, dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
     'llama': _llama, 'gpt-oss': _gpt_oss, 'deepseek2': _deepseek2, 'glm4moe': _glm4moe, 'qwen3moe': _qwen3moe,
     'qwen3vlmoe': _qwen3moe, 'qwen2moe': _qwen2moe, 'ernie4_5-moe': _ernie4_5_moe, 'llama4': _llama4,
-    'minimax-m2': _minimax_m2, 'hunyuan-moe': _hunyuan_moe, 'olmoe': _olmoe}
+    'minimax-m2': _minimax_m2, 'hunyuan-moe': _hunyuan_moe, 'olmoe': _olmoe, 'phimoe': _phimoe}

@@ -131,6 +131,21 @@ def _llama4_checkpoint(state_dict: dict[str, torch.Tensor], config: dict[str, An
         state_dict[name.replace('.mlp.', '.feed_forward.')] = state_dict.pop(name)
 
 
+# the engine's expert projection -> PhiMoE's checkpoint name
+_PHIMOE_EXPERT_NAMES = {'gate_proj': 'w1', 'up_proj': 'w3', 'down_proj': 'w2'}
+
+
+def _phimoe_checkpoint(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    """PhiMoE's checkpoint: the stacked experts back into one tensor per expert, named as the hub's checkpoints
+    (``block_sparse_moe.experts.{e}.w1``/``w3``/``w2``, the router ``block_sparse_moe.gate``)."""
+    _split_experts(state_dict, config)
+    for name in [name for name in state_dict if '.mlp.' in name]:
+        new = name.replace('.mlp.', '.block_sparse_moe.')
+        for proj, checkpoint_name in _PHIMOE_EXPERT_NAMES.items():
+            new = new.replace(f'.{proj}.', f'.{checkpoint_name}.')
+        state_dict[new] = state_dict.pop(name)
+
+
 def _granitemoe_checkpoint(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
     """Granite 3 MoE's checkpoint where the experts are dense: gate and up ``[E, I, H]`` back into
     ``block_sparse_moe.input_linear [E, 2I, H]`` (gate rows first), down into ``output_linear``, the router into
@@ -164,7 +179,7 @@ _FINISHERS = {'llama': _split_experts, 'qwen3moe': _split_experts, 'qwen3vlmoe':
               'gemma2': _gemma_norms, 'gemma3': _gemma_norms, 'gpt-oss': _gpt_oss_experts,
               'deepseek2': _deepseek2_merge, 'ernie4_5-moe': _ernie4_5_experts, 'llama4': _llama4_checkpoint,
               'minimax-m2': _split_experts, 'hunyuan-moe': _split_experts, 'olmoe': _split_experts,
-              'granitemoe': _granitemoe_checkpoint,
+              'granitemoe': _granitemoe_checkpoint, 'phimoe': _phimoe_checkpoint,
               **dict.fromkeys(HYBRID_ARCHS, _hybrid_checkpoint), **dict.fromkeys(LFM2_ARCHS, _lfm2_checkpoint),
               **MAMBA2_FINISHERS}
 
