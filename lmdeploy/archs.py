@@ -63,6 +63,7 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'BambaForCausalLM': ('llm', 'lmdeploy.pytorch.models.granitemoehybrid:BambaForCausalLM'),
     'PhimoeForCausalLM': ('llm', 'lmdeploy.pytorch.models.phimoe:PhimoeForCausalLM'),
     'PhiMoEForCausalLM': ('llm', 'lmdeploy.pytorch.models.phimoe:PhimoeForCausalLM'),
+    'Dots1ForCausalLM': ('llm', 'lmdeploy.pytorch.models.dots1:Dots1ForCausalLM'),
     'Qwen2VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
     'Qwen2_5_VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
     'LlavaForConditionalGeneration': ('vlm', f'{_VL}:LlavaForConditionalGeneration'),
