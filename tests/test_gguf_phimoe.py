@@ -30,32 +30,55 @@ ATTN_FACTOR = math.sqrt(1 + math.log(MAX_POSITIONS / ORIGINAL_MAX) / math.log(OR
 QUANTIZED = ('proj.weight', '.w1.weight', '.w2.weight', '.w3.weight')
 
 
-def file_tensors(folder: str, config, quantize: bool) -> dict[str, np.ndarray]:
-    """The checkpoint's tensors under the file's names, the experts stacked per projection and the LongRoPE factors
-    added; with ``quantize`` the projections and experts as Q8_0 blocks, and the checkpoint in ``folder`` rewritten
-    with what those blocks hold."""
+def file_tensors(folder: str, arch: gguf.MODEL_ARCH, layers: int, quantize: bool,
+                 quantized: tuple[str, ...] = QUANTIZED) -> dict[str, np.ndarray]:
+    """The checkpoint's tensors under the file's names, the experts stacked per projection and the routers'
+    correction biases (``e_score_correction_bias``) as ``exp_probs_b.bias``, as the converter writes them; with
+    ``quantize`` the tensors named ``*quantized`` as Q8_0 blocks, and the checkpoint in ``folder`` rewritten with what
+    those blocks hold."""
     state = load_file(str(Path(folder) / 'model.safetensors'))
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.PHIMOE, config.num_hidden_layers)
+    names = gguf.get_tensor_name_map(arch, layers)
     stacked: dict[str, list[np.ndarray]] = {}
     out = {}
     for name, tensor in state.items():
         data = tensor.float().numpy()
-        if quantize and name.endswith(QUANTIZED):
+        if quantize and name.endswith(quantized):
             data = gguf.quants.quantize(data, Q.Q8_0)
             state[name] = torch.from_numpy(gguf.quants.dequantize(data, Q.Q8_0))
         if '.experts.' in name:
             prefix, _, rest = name.partition('.experts.')
             stacked.setdefault(f'{prefix}.experts.{rest.partition(".")[2]}', []).append(data)
         else:
+            name = name.replace('e_score_correction_bias', 'e_score_correction.bias')
             out[names.get_name(name, try_suffixes=('.weight', '.bias'))] = data
-    for name, experts in stacked.items():  # in expert order: the checkpoint lists them sorted, 0 to 3
+    for name, experts in stacked.items():  # in expert order: the checkpoint lists them sorted
         out[names.get_name(name, try_suffixes=('.weight',))] = np.stack(experts)
-    rope = config.rope_parameters
-    out[gguf.TENSOR_NAMES[T.ROPE_FACTORS_LONG] + '.weight'] = np.asarray(rope['long_factor'], np.float32)
-    out[gguf.TENSOR_NAMES[T.ROPE_FACTORS_SHORT] + '.weight'] = np.asarray(rope['short_factor'], np.float32)
     if quantize:
         save_file(state, str(Path(folder) / 'model.safetensors'), metadata={'format': 'pt'})
     return out
+
+
+def write_gguf(writer: gguf.GGUFWriter, tensors: dict[str, np.ndarray]) -> None:
+    """``tensors`` (Q8_0 where they are blocks) written after the metadata."""
+    for name, data in tensors.items():
+        writer.add_tensor(name, np.ascontiguousarray(data), raw_dtype=Q.Q8_0 if data.dtype == np.uint8 else None)
+    finish(writer)
+
+
+def assert_q8_0_served_as_blocks(src: Path, folder: str, vocab: int, served: tuple[str, ...],
+                                 dense: tuple[str, ...]) -> None:
+    """The layers' ``served`` linear layers of the Q8_0 file ``src`` are served as their blocks, the ``dense`` ones
+    are not; token for token like transformers on the weights the blocks hold (the model saved in ``folder``)."""
+    hf = hf_causal_lm(folder)
+    engine = make_engine(str(src))
+    layer_types = engine.model_config.hf_config.quantization_config['ggml_types']
+    for layer in range(hf.config.num_hidden_layers):
+        for name in served:
+            assert layer_types[f'layers.{layer}.{name}'] == 'Q8_0', (layer, name)
+        for name in dense:
+            assert f'layers.{layer}.{name}' not in layer_types
+    prompts = random_prompts([5, 40], vocab=vocab)
+    assert_transformers_greedy(hf, prompts, run(engine, prompts))
 
 
 def add_metadata(writer: gguf.GGUFWriter, config) -> None:
@@ -88,9 +111,10 @@ def save_gguf(path: Path, quantize: bool) -> tuple[Path, str, int]:
                                              rope_parameters=rope), str(path / 'hf'))
     config = AutoConfig.from_pretrained(folder)
     add_metadata(writer, config)
-    for name, data in file_tensors(folder, config, quantize).items():
-        writer.add_tensor(name, np.ascontiguousarray(data), raw_dtype=Q.Q8_0 if data.dtype == np.uint8 else None)
-    finish(writer)
+    tensors = file_tensors(folder, gguf.MODEL_ARCH.PHIMOE, config.num_hidden_layers, quantize)
+    tensors[gguf.TENSOR_NAMES[T.ROPE_FACTORS_LONG] + '.weight'] = np.asarray(rope['long_factor'], np.float32)
+    tensors[gguf.TENSOR_NAMES[T.ROPE_FACTORS_SHORT] + '.weight'] = np.asarray(rope['short_factor'], np.float32)
+    write_gguf(writer, tensors)
     return src, folder, vocab
 
 
@@ -111,12 +135,6 @@ def test_gguf_q8_0_kept_as_blocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     token like transformers on the weights they hold."""
     monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(tmp_path / 'cache'))
     src, folder, vocab = save_gguf(tmp_path, quantize=True)
-    hf = hf_causal_lm(folder)
-    engine = make_engine(str(src))
-    layer_types = engine.model_config.hf_config.quantization_config['ggml_types']
-    for layer in range(hf.config.num_hidden_layers):
-        for name in ('self_attn.qkv_proj', 'self_attn.o_proj', 'mlp.experts.gate_up_proj', 'mlp.experts.down_proj'):
-            assert layer_types[f'layers.{layer}.{name}'] == 'Q8_0', (layer, name)
-        assert f'layers.{layer}.mlp.gate' not in layer_types
-    prompts = random_prompts([5, 40], vocab=vocab)
-    assert_transformers_greedy(hf, prompts, run(engine, prompts))
+    assert_q8_0_served_as_blocks(src, folder, vocab, ('self_attn.qkv_proj', 'self_attn.o_proj',
+                                                      'mlp.experts.gate_up_proj', 'mlp.experts.down_proj'),
+                                 ('mlp.gate',))

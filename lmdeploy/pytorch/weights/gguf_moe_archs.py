@@ -2,8 +2,8 @@
 tensor names: gpt-oss (``gpt-oss``), DeepSeek-V2/V3 (``deepseek2``), GLM-4.5 (``glm4moe``), ERNIE 4.5's MoE
 (``ernie4_5-moe``), Llama 4's text model (``llama4``), Hunyuan-A13B (``hunyuan-moe``), and the files of Qwen3-MoE
 (``qwen3moe``; Qwen3-VL-MoE's language model ``qwen3vlmoe`` alike), MiniMax-M2 (``minimax-m2``), Qwen2-MoE
-(``qwen2moe``, with a shared expert), OLMoE (``olmoe``), Mixtral (``llama`` with experts) and PhiMoE (``phimoe``),
-whose stacked experts (``ffn_{gate,up,down}_exps``) are stored back one tensor per expert. Registered in ``gguf_archs.py`` as
+(``qwen2moe``, with a shared expert), OLMoE (``olmoe``), Mixtral (``llama`` with experts), PhiMoE (``phimoe``) and
+dots.llm1 (``dots1``), whose stacked experts (``ffn_{gate,up,down}_exps``) are stored back one tensor per expert. Registered in ``gguf_archs.py`` as
 ``gguf_qwen3_next.py`` is; the state-dict steps are in ``gguf_tensors.py``.
 """
 from __future__ import annotations
@@ -27,11 +27,12 @@ ARCHITECTURES = {
     'hunyuan-moe': 'HunYuanMoEV1ForCausalLM',
     'olmoe': 'OlmoeForCausalLM',
     'phimoe': 'PhimoeForCausalLM',
+    'dots1': 'Dots1ForCausalLM',
 }
 
 # those whose every linear layer is a projection or experts (not MLA's, not gpt-oss's biased experts)
 RAW_SERVED_ARCHS = ('glm4moe', 'qwen3moe', 'qwen3vlmoe', 'qwen2moe', 'ernie4_5-moe', 'llama4', 'minimax-m2',
-                    'hunyuan-moe', 'olmoe', 'phimoe')
+                    'hunyuan-moe', 'olmoe', 'phimoe', 'dots1')
 
 # Hunyuan's q/k norms (after the rotary), dense (``gguf_archs.py``) and MoE alike
 HUNYUAN_QK_NORMS = {'attn_q_norm': 'self_attn.query_layernorm', 'attn_k_norm': 'self_attn.key_layernorm'}
@@ -65,6 +66,7 @@ LAYER_NAMES: dict[str, dict[str, str]] = {
     'llama4': {'ffn_gate_inp': 'mlp.router', 'ffn_gate_shexp': 'mlp.shared_expert.gate_proj',
                'ffn_up_shexp': 'mlp.shared_expert.up_proj', 'ffn_down_shexp': 'mlp.shared_expert.down_proj'},
     'minimax-m2': _ROUTER_BIAS,
+    'dots1': {**_ROUTER_BIAS, **_SHARED_EXPERTS},
     'hunyuan-moe': {**HUNYUAN_QK_NORMS, 'ffn_gate_inp': 'mlp.gate.wg', 'ffn_gate_shexp': 'mlp.shared_mlp.gate_proj',
                     'ffn_up_shexp': 'mlp.shared_mlp.up_proj', 'ffn_down_shexp': 'mlp.shared_mlp.down_proj'},
 }
@@ -254,7 +256,22 @@ def _phimoe(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict
             'lm_head_bias': 'output.bias' in tensors}
 
 
+def _dots1(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """dots.llm1: DeepSeek-V3's routing keys in one group (llama.cpp's fixed routing for it: sigmoid with the
+    correction bias), q/k rows unpermuted with their per-head norms; every layer full attention, as llama.cpp runs
+    it (the converter writes no window)."""
+    return {'model_type': 'dots1', 'rope_parameters': rope_parameters(meta, config['rope_theta']),
+            'sliding_window': None, 'layer_types': ['full_attention'] * config['num_hidden_layers'],
+            'first_k_dense_replace': meta(Keys.LLM.LEADING_DENSE_BLOCK_COUNT, 0),
+            'moe_intermediate_size': meta(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH),
+            'n_routed_experts': meta(Keys.LLM.EXPERT_COUNT), 'n_shared_experts': meta(Keys.LLM.EXPERT_SHARED_COUNT, 0),
+            'num_experts_per_tok': meta(Keys.LLM.EXPERT_USED_COUNT), 'n_group': 1, 'topk_group': 1,
+            'routed_scaling_factor': meta(Keys.LLM.EXPERT_WEIGHTS_SCALE, 1.0),
+            'norm_topk_prob': bool(meta(Keys.LLM.EXPERT_WEIGHTS_NORM, False))}
+
+
 CONFIG_BUILDERS: dict[str, Callable[[Meta, dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
     'llama': _llama, 'gpt-oss': _gpt_oss, 'deepseek2': _deepseek2, 'glm4moe': _glm4moe, 'qwen3moe': _qwen3moe,
     'qwen3vlmoe': _qwen3moe, 'qwen2moe': _qwen2moe, 'ernie4_5-moe': _ernie4_5_moe, 'llama4': _llama4,
-    'minimax-m2': _minimax_m2, 'hunyuan-moe': _hunyuan_moe, 'olmoe': _olmoe, 'phimoe': _phimoe}
+    'minimax-m2': _minimax_m2, 'hunyuan-moe': _hunyuan_moe, 'olmoe': _olmoe, 'phimoe': _phimoe,
+    'dots1': _dots1}
