@@ -99,7 +99,7 @@ class TopKRouter(Fp32Router):
 
 
 ROUTINGS = ('noaux_tc', 'greedy', 'group_limited_greedy')
-NOAUX_TC_MODEL_TYPES = ('deepseek_v3', 'glm4_moe', 'glm4_moe_lite', 'dots1')  # the model types that route by grouped_topk, whatever topk_method
+NOAUX_TC_MODEL_TYPES = ('deepseek_v3', 'glm4_moe', 'glm4_moe_lite', 'dots1', 'exaone_moe')  # the model types that route by grouped_topk, whatever topk_method
 
 
 class DeepseekV3MoE(nn.Module):
@@ -115,10 +115,12 @@ class DeepseekV3MoE(nn.Module):
             raise ValueError(f'topk_method {self.routing!r} is not supported; supported: {ROUTINGS}')
         self.top_k, self.num_groups, self.topk_groups = hf.num_experts_per_tok, hf.n_group, hf.topk_group
         self.renormalize, self.scaling = bool(hf.norm_topk_prob), hf.routed_scaling_factor
-        self.gate = TopKRouter(cfg.hidden_size, hf.n_routed_experts, self.routing == 'noaux_tc')
-        self.experts = FusedExperts(cfg.hidden_size, hf.moe_intermediate_size, hf.n_routed_experts)
-        self.shared_experts = (LlamaMLP(cfg, hf.moe_intermediate_size * hf.n_shared_experts)
-                               if hf.n_shared_experts else None)
+        # K-EXAONE's config names the counts ``num_experts`` and ``num_shared_experts``
+        num_experts = getattr(hf, 'n_routed_experts', None) or hf.num_experts
+        num_shared = getattr(hf, 'n_shared_experts', None) or getattr(hf, 'num_shared_experts', 0)
+        self.gate = TopKRouter(cfg.hidden_size, num_experts, self.routing == 'noaux_tc')
+        self.experts = FusedExperts(cfg.hidden_size, hf.moe_intermediate_size, num_experts)
+        self.shared_experts = LlamaMLP(cfg, hf.moe_intermediate_size * num_shared) if num_shared else None
 
     def native_moe(self, small_step: bool = False) -> object | None:
         """This block as a ``MoEBlock`` of :class:`~lmdeploy.pytorch.nn.decoder_stack.NativeDecoderStack` with its
