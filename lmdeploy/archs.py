@@ -65,6 +65,7 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'PhiMoEForCausalLM': ('llm', 'lmdeploy.pytorch.models.phimoe:PhimoeForCausalLM'),
     'Dots1ForCausalLM': ('llm', 'lmdeploy.pytorch.models.dots1:Dots1ForCausalLM'),
     'ExaoneMoeForCausalLM': ('llm', 'lmdeploy.pytorch.models.exaone_moe:ExaoneMoeForCausalLM'),
+    'ExaoneMoEForCausalLM': ('llm', 'lmdeploy.pytorch.models.exaone_moe:ExaoneMoeForCausalLM'),
     'Qwen2VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
     'Qwen2_5_VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
     'LlavaForConditionalGeneration': ('vlm', f'{_VL}:LlavaForConditionalGeneration'),

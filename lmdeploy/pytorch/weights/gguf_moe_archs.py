@@ -2,8 +2,8 @@
 tensor names: gpt-oss (``gpt-oss``), DeepSeek-V2/V3 (``deepseek2``), GLM-4.5 (``glm4moe``), ERNIE 4.5's MoE
 (``ernie4_5-moe``), Llama 4's text model (``llama4``), Hunyuan-A13B (``hunyuan-moe``), and the files of Qwen3-MoE
 (``qwen3moe``; Qwen3-VL-MoE's language model ``qwen3vlmoe`` alike), MiniMax-M2 (``minimax-m2``), Qwen2-MoE
-(``qwen2moe``, with a shared expert), OLMoE (``olmoe``), Mixtral (``llama`` with experts), PhiMoE (``phimoe``) and
-dots.llm1 (``dots1``), whose stacked experts (``ffn_{gate,up,down}_exps``) are stored back one tensor per expert. Registered in ``gguf_archs.py`` as
+(``qwen2moe``, with a shared expert), OLMoE (``olmoe``), Mixtral (``llama`` with experts), PhiMoE (``phimoe``),
+dots.llm1 (``dots1``) and K-EXAONE (``exaone-moe``), whose stacked experts (``ffn_{gate,up,down}_exps``) are stored back one tensor per expert. Registered in ``gguf_archs.py`` as
 ``gguf_qwen3_next.py`` is; the state-dict steps are in ``gguf_tensors.py``.
 """
 from __future__ import annotations
@@ -28,11 +28,12 @@ ARCHITECTURES = {
     'olmoe': 'OlmoeForCausalLM',
     'phimoe': 'PhimoeForCausalLM',
     'dots1': 'Dots1ForCausalLM',
+    'exaone-moe': 'ExaoneMoeForCausalLM',
 }
 
 # those whose every linear layer is a projection or experts (not MLA's, not gpt-oss's biased experts)
 RAW_SERVED_ARCHS = ('glm4moe', 'qwen3moe', 'qwen3vlmoe', 'qwen2moe', 'ernie4_5-moe', 'llama4', 'minimax-m2',
-                    'hunyuan-moe', 'olmoe', 'phimoe', 'dots1')
+                    'hunyuan-moe', 'olmoe', 'phimoe', 'dots1', 'exaone-moe')
 
 # Hunyuan's q/k norms (after the rotary), dense (``gguf_archs.py``) and MoE alike
 HUNYUAN_QK_NORMS = {'attn_q_norm': 'self_attn.query_layernorm', 'attn_k_norm': 'self_attn.key_layernorm'}
@@ -67,6 +68,8 @@ LAYER_NAMES: dict[str, dict[str, str]] = {
                'ffn_up_shexp': 'mlp.shared_expert.up_proj', 'ffn_down_shexp': 'mlp.shared_expert.down_proj'},
     'minimax-m2': _ROUTER_BIAS,
     'dots1': {**_ROUTER_BIAS, **_SHARED_EXPERTS},
+    # the router's correction bias under the hub checkpoints' name
+    'exaone-moe': {'exp_probs_b.bias': 'mlp.e_score_correction_bias', **_SHARED_EXPERTS},
     'hunyuan-moe': {**HUNYUAN_QK_NORMS, 'ffn_gate_inp': 'mlp.gate.wg', 'ffn_gate_shexp': 'mlp.shared_mlp.gate_proj',
                     'ffn_up_shexp': 'mlp.shared_mlp.up_proj', 'ffn_down_shexp': 'mlp.shared_mlp.down_proj'},
 }
@@ -270,8 +273,26 @@ def _dots1(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[
             'norm_topk_prob': bool(meta(Keys.LLM.EXPERT_WEIGHTS_NORM, False))}
 
 
+def _exaone_moe(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """K-EXAONE: EXAONE 4's attention keys (with a sliding window its layers per the file's
+    ``sliding_window_pattern``, a step of 4 where absent; q/k rows unpermuted) and DeepSeek-V3's routing in one group
+    (llama.cpp's: sigmoid with the correction bias; the converter writes no group count), the leading dense layers
+    Llama's MLP; the ``nextn_predict_layers`` layers appended past the decoder's are not the decoder's."""
+    layers = config['num_hidden_layers'] - meta(Keys.LLM.NEXTN_PREDICT_LAYERS, 0)
+    window, dense = meta(Keys.Attention.SLIDING_WINDOW), meta(Keys.LLM.LEADING_DENSE_BLOCK_COUNT, 0)
+    return {'model_type': 'exaone_moe', 'num_hidden_layers': layers, 'sliding_window': window or None,
+            'layer_types': layer_types(meta, layers, 4) if window else ['full_attention'] * layers,
+            'rope_parameters': rope_parameters(meta, config['rope_theta']),
+            'mlp_layer_types': ['dense' if i < dense else 'sparse' for i in range(layers)],
+            'first_k_dense_replace': dense, 'moe_intermediate_size': meta(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH),
+            'num_experts': meta(Keys.LLM.EXPERT_COUNT), 'num_shared_experts': meta(Keys.LLM.EXPERT_SHARED_COUNT, 0),
+            'num_experts_per_tok': meta(Keys.LLM.EXPERT_USED_COUNT), 'n_group': 1, 'topk_group': 1,
+            'routed_scaling_factor': meta(Keys.LLM.EXPERT_WEIGHTS_SCALE, 1.0),
+            'norm_topk_prob': bool(meta(Keys.LLM.EXPERT_WEIGHTS_NORM, False))}
+
+
 CONFIG_BUILDERS: dict[str, Callable[[Meta, dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
     'llama': _llama, 'gpt-oss': _gpt_oss, 'deepseek2': _deepseek2, 'glm4moe': _glm4moe, 'qwen3moe': _qwen3moe,
     'qwen3vlmoe': _qwen3moe, 'qwen2moe': _qwen2moe, 'ernie4_5-moe': _ernie4_5_moe, 'llama4': _llama4,
     'minimax-m2': _minimax_m2, 'hunyuan-moe': _hunyuan_moe, 'olmoe': _olmoe, 'phimoe': _phimoe,
-    'dots1': _dots1}
+    'dots1': _dots1, 'exaone-moe': _exaone_moe}
