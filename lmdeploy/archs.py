@@ -66,6 +66,7 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'Dots1ForCausalLM': ('llm', 'lmdeploy.pytorch.models.dots1:Dots1ForCausalLM'),
     'ExaoneMoeForCausalLM': ('llm', 'lmdeploy.pytorch.models.exaone_moe:ExaoneMoeForCausalLM'),
     'ExaoneMoEForCausalLM': ('llm', 'lmdeploy.pytorch.models.exaone_moe:ExaoneMoeForCausalLM'),
+    'AfmoeForCausalLM': ('llm', 'lmdeploy.pytorch.models.afmoe:AfmoeForCausalLM'),
     'Qwen2VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
     'Qwen2_5_VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
     'LlavaForConditionalGeneration': ('vlm', f'{_VL}:LlavaForConditionalGeneration'),
