@@ -33,7 +33,7 @@ QUANTIZED = ('proj.weight', '.w1.weight', '.w2.weight', '.w3.weight')
 def file_tensors(folder: str, arch: gguf.MODEL_ARCH, layers: int, quantize: bool,
                  quantized: tuple[str, ...] = QUANTIZED) -> dict[str, np.ndarray]:
     """The checkpoint's tensors under the file's names, the experts stacked per projection and the routers'
-    correction biases (``e_score_correction_bias``) as ``exp_probs_b.bias``, as the converter writes them; with
+    correction biases (``e_score_correction_bias``, Trinity's ``expert_bias``) as ``exp_probs_b.bias``, as the converter writes them; with
     ``quantize`` the tensors named ``*quantized`` as Q8_0 blocks, and the checkpoint in ``folder`` rewritten with what
     those blocks hold."""
     state = load_file(str(Path(folder) / 'model.safetensors'))
@@ -50,6 +50,7 @@ def file_tensors(folder: str, arch: gguf.MODEL_ARCH, layers: int, quantize: bool
             stacked.setdefault(f'{prefix}.experts.{rest.partition(".")[2]}', []).append(data)
         else:
             name = name.replace('e_score_correction_bias', 'e_score_correction.bias')
+            name = name.replace('.expert_bias', '.expert_bias.bias')  # Trinity's
             out[names.get_name(name, try_suffixes=('.weight', '.bias'))] = data
     for name, experts in stacked.items():  # in expert order: the checkpoint lists them sorted
         out[names.get_name(name, try_suffixes=('.weight',))] = np.stack(experts)

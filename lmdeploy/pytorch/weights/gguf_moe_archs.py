@@ -3,7 +3,7 @@ tensor names: gpt-oss (``gpt-oss``), DeepSeek-V2/V3 (``deepseek2``), GLM-4.5 (``
 (``ernie4_5-moe``), Llama 4's text model (``llama4``), Hunyuan-A13B (``hunyuan-moe``), and the files of Qwen3-MoE
 (``qwen3moe``; Qwen3-VL-MoE's language model ``qwen3vlmoe`` alike), MiniMax-M2 (``minimax-m2``), Qwen2-MoE
 (``qwen2moe``, with a shared expert), OLMoE (``olmoe``), Mixtral (``llama`` with experts), PhiMoE (``phimoe``),
-dots.llm1 (``dots1``) and K-EXAONE (``exaone-moe``), whose stacked experts (``ffn_{gate,up,down}_exps``) are stored back one tensor per expert. Registered in ``gguf_archs.py`` as
+dots.llm1 (``dots1``), K-EXAONE (``exaone-moe``) and Arcee Trinity (``afmoe``), whose stacked experts (``ffn_{gate,up,down}_exps``) are stored back one tensor per expert. Registered in ``gguf_archs.py`` as
 ``gguf_qwen3_next.py`` is; the state-dict steps are in ``gguf_tensors.py``.
 """
 from __future__ import annotations
@@ -29,6 +29,7 @@ ARCHITECTURES = {
     'phimoe': 'PhimoeForCausalLM',
     'dots1': 'Dots1ForCausalLM',
     'exaone-moe': 'ExaoneMoeForCausalLM',
+    'afmoe': 'AfmoeForCausalLM',
 }
 
 # those whose every linear layer is a projection or experts (not MLA's, not gpt-oss's biased experts)
@@ -70,6 +71,9 @@ LAYER_NAMES: dict[str, dict[str, str]] = {
     'dots1': {**_ROUTER_BIAS, **_SHARED_EXPERTS},
     # the router's correction bias under the hub checkpoints' name
     'exaone-moe': {'exp_probs_b.bias': 'mlp.e_score_correction_bias', **_SHARED_EXPERTS},
+    'afmoe': {'post_attention_norm': 'post_attention_layernorm', 'ffn_norm': 'pre_mlp_layernorm',
+              'post_ffw_norm': 'post_mlp_layernorm', 'attn_gate': 'self_attn.gate_proj',
+              'ffn_gate_inp': 'mlp.router.gate', 'exp_probs_b.bias': 'mlp.expert_bias', **_SHARED_EXPERTS},
     'hunyuan-moe': {**HUNYUAN_QK_NORMS, 'ffn_gate_inp': 'mlp.gate.wg', 'ffn_gate_shexp': 'mlp.shared_mlp.gate_proj',
                     'ffn_up_shexp': 'mlp.shared_mlp.up_proj', 'ffn_down_shexp': 'mlp.shared_mlp.down_proj'},
 }
@@ -291,8 +295,28 @@ def _exaone_moe(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> 
             'norm_topk_prob': bool(meta(Keys.LLM.EXPERT_WEIGHTS_NORM, False))}
 
 
+# llama.cpp's fixed layout of ``afmoe`` files: a global layer every 4th (the hub's ``global_attn_every_n_layers``)
+AFMOE_GLOBAL_STEP = 4
+
+
+def _afmoe(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """Arcee Trinity: local layers by llama.cpp's fixed step (a global one every 4th) over the file's window, the
+    embeddings scaled by muP (llama.cpp always scales them), DeepSeek-V3's routing in one group scaled by
+    ``expert_weights_scale``; q/k rows unpermuted (the converter bypasses Llama's permutation)."""
+    layers = config['num_hidden_layers']
+    return {'model_type': 'afmoe', 'rope_parameters': rope_parameters(meta, config['rope_theta']),
+            'sliding_window': meta(Keys.Attention.SLIDING_WINDOW), 'global_attn_every_n_layers': AFMOE_GLOBAL_STEP,
+            'layer_types': layer_types(meta, layers, AFMOE_GLOBAL_STEP), 'mup_enabled': True,
+            'num_dense_layers': meta(Keys.LLM.LEADING_DENSE_BLOCK_COUNT, 0),
+            'moe_intermediate_size': meta(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH),
+            'num_experts': meta(Keys.LLM.EXPERT_COUNT), 'num_shared_experts': meta(Keys.LLM.EXPERT_SHARED_COUNT, 0),
+            'num_experts_per_tok': meta(Keys.LLM.EXPERT_USED_COUNT),
+            'route_scale': meta(Keys.LLM.EXPERT_WEIGHTS_SCALE, 1.0)}
+
+
 CONFIG_BUILDERS: dict[str, Callable[[Meta, dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
     'llama': _llama, 'gpt-oss': _gpt_oss, 'deepseek2': _deepseek2, 'glm4moe': _glm4moe, 'qwen3moe': _qwen3moe,
     'qwen3vlmoe': _qwen3moe, 'qwen2moe': _qwen2moe, 'ernie4_5-moe': _ernie4_5_moe, 'llama4': _llama4,
     'minimax-m2': _minimax_m2, 'hunyuan-moe': _hunyuan_moe, 'olmoe': _olmoe, 'phimoe': _phimoe,
-    'dots1': _dots1, 'exaone-moe': _exaone_moe}
+    'dots1': _dots1, 'exaone-moe': _exaone_moe,
+    'afmoe': _afmoe}

@@ -181,6 +181,7 @@ _FINISHERS = {'llama': _split_experts, 'qwen3moe': _split_experts, 'qwen3vlmoe':
               'minimax-m2': _split_experts, 'hunyuan-moe': _split_experts, 'olmoe': _split_experts,
               'granitemoe': _granitemoe_checkpoint, 'phimoe': _phimoe_checkpoint,
               'dots1': _split_experts, 'exaone-moe': _split_experts,
+              'afmoe': _split_experts,
               **dict.fromkeys(HYBRID_ARCHS, _hybrid_checkpoint), **dict.fromkeys(LFM2_ARCHS, _lfm2_checkpoint),
               **MAMBA2_FINISHERS}
 
