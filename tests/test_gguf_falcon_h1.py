@@ -26,7 +26,8 @@ from conftest import save_random_model
 from family_checks import assert_matches_transformers, hf_causal_lm
 from helpers import assert_same_state, assert_transformers_greedy, make_engine, random_prompts, run
 
-from lmdeploy.pytorch.weights.gguf import convert_gguf
+from lmdeploy.messages import ConfigError
+from lmdeploy.pytorch.weights.gguf import convert_gguf, resolve_gguf
 from lmdeploy.pytorch.weights.gguf_hybrid import FALCON_H1_FOLDED
 
 # the checkpoint's projections, which the Q8_0 file holds as blocks
@@ -54,9 +55,10 @@ def folded(config, name: str, data: torch.Tensor) -> torch.Tensor:
     return data
 
 
-def save_gguf(path: Path, quantize: bool = False, **variant) -> tuple[Path, str, str]:
+def save_gguf(path: Path, quantize: bool = False, mup_key: bool = False, **variant) -> tuple[Path, str, str]:
     """A tiny random Falcon-H1 (``test_falcon_h1.falcon_h1_config(**variant)``) saved in ``path / 'hf'`` and written to
-    ``path / 'model.gguf'`` (projections as Q8_0 where ``quantize``); the file, the checkpoint, and ``path /
+    ``path / 'model.gguf'`` (projections as Q8_0 where ``quantize``; with ``mup_key``, TII's pre-release converter's
+    ``ssm.has_mup``); the file, the checkpoint, and ``path /
     'folded'``: the folded tensors with the values the file holds (the blocks', ``A_log`` through ``log(-(-exp))``)
     and every multiplier 1."""
     src = path / 'model.gguf'
@@ -81,6 +83,8 @@ def save_gguf(path: Path, quantize: bool = False, **variant) -> tuple[Path, str,
                        (writer.add_ssm_time_step_rank, config.mamba_n_heads),
                        (writer.add_ssm_group_count, config.mamba_n_groups)]:
         add(value)
+    if mup_key:
+        writer.add_bool('falcon-h1.ssm.has_mup', True)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.FALCON_H1, config.num_hidden_layers)
     folded_state = {}
     for name, tensor in load_file(str(Path(folder) / 'model.safetensors')).items():
@@ -144,3 +148,11 @@ def test_q8_0_projections_stay_blocks_and_match_transformers(tmp_path: Path, cac
                                         'mlp.gate_up_proj', 'mlp.down_proj')}
     prompts = random_prompts([6, 41], seed=3, vocab=hf.config.vocab_size)
     assert_transformers_greedy(hf, prompts, run(engine, prompts))
+
+
+def test_file_with_multipliers_among_its_keys_is_refused(tmp_path: Path, cache: Path) -> None:
+    """TII's pre-release converter kept the multipliers as keys (``ssm.has_mup``, ``mlp_gate_multiplier``, ...), not
+    known to be folded into its tensors: such a file is refused, saying to convert again, not served as if folded."""
+    src, _, _ = save_gguf(tmp_path, mup_key=True)
+    with pytest.raises(ConfigError, match='falcon-h1.ssm.has_mup'):
+        resolve_gguf(str(src))

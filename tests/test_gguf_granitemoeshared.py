@@ -30,7 +30,7 @@ def test_f32_file_is_the_checkpoint_and_matches_transformers(tmp_path: Path, cac
     src, folder, vocab = save_gguf('granitemoe', tmp_path, quantize=False, make_config=granitemoeshared_config)
     hf = hf_causal_lm(folder)
     converted = converted_model(src, tmp_path, hf)
-    assert converted.config.shared_intermediate_size == hf.config.shared_intermediate_size == 48
+    assert converted.config.shared_intermediate_size == hf.config.shared_intermediate_size == 96
     prompts = random_prompts([5, 40], vocab=vocab)
     assert_transformers_greedy(hf, prompts, run(make_engine(str(src)), prompts))
 

@@ -16,8 +16,8 @@ from helpers import random_prompts
 
 
 def granitemoeshared_config(**overrides) -> GraniteMoeSharedConfig:
-    """:func:`test_granitemoe.granitemoe_config`'s shape and multipliers with a shared MLP of 48 features."""
-    fields = granitemoe_config().to_dict() | {'shared_intermediate_size': 48, 'pad_token_id': None}
+    """:func:`test_granitemoe.granitemoe_config`'s shape and multipliers with a shared MLP of 96 features."""
+    fields = granitemoe_config().to_dict() | {'shared_intermediate_size': 96, 'pad_token_id': None}
     for key in ('model_type', 'architectures', 'transformers_version'):
         fields.pop(key, None)
     return GraniteMoeSharedConfig(**{**fields, **overrides})

@@ -63,6 +63,8 @@ LAYER_NAMES: dict[str, dict[str, str]] = {
 }
 # tensors llama.cpp names without a ``.weight``/``.bias`` kind
 UNSUFFIXED_NAMES = {arch: {'ssm_a': f'{mixer}.A_log', 'ssm_d': f'{mixer}.D'} for arch, mixer in _MIXERS.items()}
+# gguf-py maps Falcon-H1's ``pre_ff_layernorm.weight`` whole, to ``ffn_norm`` without a kind, as llama.cpp reads it
+UNSUFFIXED_NAMES['falcon-h1']['ffn_norm'] = 'post_attention_layernorm.weight'
 
 
 def _rows(tensors: dict[str, Any], layers: int, module: str) -> int | None:
@@ -153,7 +155,7 @@ def _bamba_config(meta: Meta, tensors: dict[str, Any], config: dict[str, Any], m
         raise ValueError(f'a granitehybrid file whose rotary turns {rope_dim} of its {head_dim} head features is not '
                          f'supported: Bamba turns half of them')
     layers = config['num_hidden_layers']
-    return {'model_type': 'bamba', 'architectures': ['BambaForCausalLM'],
+    return {'model_type': 'bamba', 'architectures': ['BambaForCausalLM'], 'head_dim': head_dim,
             'num_key_value_heads': attention['num_key_value_heads'], 'attention_bias': attention['attention_bias'],
             'attn_layer_indices': [i for i in range(layers) if i not in mamba['mamba_layers']],
             'rope_parameters': {'rope_type': 'default', 'rope_theta': config['rope_theta'],
@@ -226,11 +228,21 @@ FALCON_H1_FOLDED = {'embedding_multiplier': 1.0, 'lm_head_multiplier': 1.0, 'key
                     'ssm_out_multiplier': 1.0, 'ssm_multipliers': [1.0] * 5, 'mlp_multipliers': [1.0, 1.0]}
 
 
+# the key of TII's pre-release converter, which kept the multipliers as keys (``{arch}.mlp_gate_multiplier``, ...)
+FALCON_H1_MUP_KEY = '{arch}.ssm.has_mup'
+
+
 def falcon_h1_config(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
     """Falcon-H1: attention (``key_length`` wide heads, rotary over all of them) and a Mamba-2 mixer in every layer;
     the µP multipliers all 1 (:data:`FALCON_H1_FOLDED`: the file's tensors hold them, the embeddings and LM head
-    too); the gated norm where the file has ``ssm_norm`` (llama.cpp gates, then norms), else the gate alone; no clamp
-    of the time steps (llama.cpp has none); biases as the tensors have them."""
+    too; a file that names them among its keys, from TII's pre-release converter, is refused); the gated norm where
+    the file has ``ssm_norm`` (llama.cpp gates, then norms), else the gate alone; no clamp of the time steps
+    (llama.cpp has none); biases as the tensors have them."""
+    if meta(FALCON_H1_MUP_KEY) is not None:
+        raise ValueError(f'a falcon-h1 file with µP multipliers among its keys '
+                         f'({FALCON_H1_MUP_KEY.format(arch="falcon-h1")}: written by a '
+                         f'pre-release converter) is not supported: convert the checkpoint again with a current '
+                         f'llama.cpp, which folds them into the tensors')
     layers = config['num_hidden_layers']
     mamba = _mamba2(meta, tensors, layers)
     return {'model_type': 'falcon_h1', 'hidden_act': 'silu', **FALCON_H1_FOLDED,
