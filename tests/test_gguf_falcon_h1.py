@@ -24,7 +24,8 @@ from transformers import AutoModelForCausalLM
 
 from conftest import save_random_model
 from family_checks import assert_matches_transformers, hf_causal_lm
-from helpers import assert_same_state, assert_transformers_greedy, make_engine, random_prompts, run
+from helpers import (assert_same_state, assert_transformers_greedy, dequantized_weight, make_engine, random_prompts,
+                     run)
 
 from lmdeploy.messages import ConfigError
 from lmdeploy.pytorch.weights.gguf import convert_gguf, resolve_gguf
@@ -127,8 +128,8 @@ def test_f32_file_is_the_folded_checkpoint_and_matches_transformers(tmp_path: Pa
     layer = engine.runner.model.layers[0]
     for module, name in ((layer.mlp.down_proj, 'feed_forward.down_proj'), (layer.mamba.in_proj, 'mamba.in_proj'),
                          (layer.self_attn.o_proj, 'self_attn.o_proj')):
-        torch.testing.assert_close(module.weight, folded_hf.get_parameter(f'model.layers.0.{name}.weight'),
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(dequantized_weight(module.kernel),
+                                   folded_hf.get_parameter(f'model.layers.0.{name}.weight'), rtol=0, atol=0)
     vocab = hf.config.vocab_size
     assert_matches_transformers(str(src), hf, random_prompts([9, 70], seed=1, vocab=vocab),
                                 random_prompts([5, 33], seed=2, vocab=vocab))
