@@ -33,6 +33,7 @@ def test_greedy_and_first_logits_match_transformers(granitemoeshared):
                                 random_prompts([7, 31, 60]))
 
 
+@pytest.mark.slow
 def test_without_a_shared_mlp_matches_transformers(tmp_path):
     """``shared_intermediate_size`` 0: transformers builds no shared MLP, and the engine none either."""
     path = save_random_model(granitemoeshared_config(shared_intermediate_size=0), str(tmp_path))
