@@ -61,6 +61,7 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'Starcoder2ForCausalLM': ('llm', 'lmdeploy.pytorch.models.starcoder2:Starcoder2ForCausalLM'),
     'FalconH1ForCausalLM': ('llm', 'lmdeploy.pytorch.models.falcon_h1:FalconH1ForCausalLM'),
     'BambaForCausalLM': ('llm', 'lmdeploy.pytorch.models.granitemoehybrid:BambaForCausalLM'),
+    'GraniteMoeSharedForCausalLM': ('llm', 'lmdeploy.pytorch.models.granite:GraniteMoeSharedForCausalLM'),
     'PhimoeForCausalLM': ('llm', 'lmdeploy.pytorch.models.phimoe:PhimoeForCausalLM'),
     'PhiMoEForCausalLM': ('llm', 'lmdeploy.pytorch.models.phimoe:PhimoeForCausalLM'),
     'Dots1ForCausalLM': ('llm', 'lmdeploy.pytorch.models.dots1:Dots1ForCausalLM'),
