@@ -30,6 +30,8 @@ from transformers.models.glm4v_moe.modeling_glm4v_moe import Glm4vMoeTextRotaryE
 from transformers.models.glm4v_moe.modeling_glm4v_moe import apply_rotary_pos_emb as glm4v_moe_rotary
 
 from lmdeploy.archs import get_task
+from lmdeploy.messages import PytorchEngineConfig
+from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.models.glm4v import Glm4vMoeForConditionalGeneration
 from lmdeploy.pytorch.nn.rotary import RotaryEmbedding, apply_rope
 from lmdeploy.vl.processor import ProcessedPrompt
@@ -176,3 +178,17 @@ def test_glm46v_config_is_served_as_glm4v_moe(tmp_path):
 def test_tp2_equals_tp1(glm4v, prompts):
     """Two ranks (gloo on the CPU): the language model sharded, the vision tower whole on each."""
     assert_tp2_equals_tp1(glm4v, prompts)
+
+
+@pytest.mark.parametrize('kind', ['glm4v', 'glm4v_moe'])
+def test_language_model_runs_in_the_native_decoder_stack(kind, tmp_path, native_gemms):
+    """bf16 on packed weights: GLM-4.1V's layers (neighbouring pairs rotate, outputs normalized) and GLM-4.5V's (MoE
+    blocks) run in the native decoder stack on the prompts' 3-D positions, with their own forward's tokens."""
+    path = save_tiny_glm4v(kind, str(tmp_path / kind))
+    engine = Engine(path, PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=64, block_size=16), show_progress=False)
+    model = engine.runner.model
+    assert model.native_stack is not None
+    prompts = [make_processor(path).process(prompt) for prompt in PROMPTS]
+    outs = run(engine, prompts)
+    model.native_stack = None
+    assert run(engine, prompts) == outs
