@@ -25,7 +25,8 @@ MOE_TEXT = dict(TEXT, head_dim=16, moe_intermediate_size=32, n_routed_experts=4,
 # model kind -> (config class, text config)
 KINDS = {'glm4v': (Glm4vConfig, {**TEXT, 'model_type': 'glm4v_text'}),
          'glm4v_moe': (Glm4vMoeConfig, {**MOE_TEXT, 'model_type': 'glm4v_moe_text'}),
-         'glm46v': (Glm46VConfig, {**MOE_TEXT, 'model_type': 'glm4v_moe_text'})}
+         'glm46v': (Glm46VConfig, {**TEXT, 'model_type': 'glm4v_text'}),
+         'glm46v_moe': (Glm46VConfig, {**MOE_TEXT, 'model_type': 'glm4v_moe_text'})}
 
 
 def save_tiny_glm4v(kind: str, path: str) -> str:

@@ -32,7 +32,7 @@ from transformers.models.glm4v_moe.modeling_glm4v_moe import apply_rotary_pos_em
 from lmdeploy.archs import get_task
 from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
-from lmdeploy.pytorch.models.glm4v import Glm4vMoeForConditionalGeneration
+from lmdeploy.pytorch.models.glm4v import Glm4vForConditionalGeneration, Glm4vMoeForConditionalGeneration
 from lmdeploy.pytorch.nn.rotary import RotaryEmbedding, apply_rope
 from lmdeploy.vl.processor import ProcessedPrompt
 
@@ -160,12 +160,14 @@ def test_mrope_matches_transformers_at_the_checkpoints_size(kind):
     torch.testing.assert_close(ours, (ref_q[0] * ref_k[0]).sum(-1).transpose(0, 1), rtol=1e-5, atol=1e-4)
 
 
-def test_glm46v_config_is_served_as_glm4v_moe(tmp_path):
-    """transformers' ``Glm46VForConditionalGeneration`` (its text model named by ``text_config``, here GLM-4.5's) is
-    the same model: served by the class of its language model, with transformers' tokens."""
-    path = save_tiny_glm4v('glm46v', str(tmp_path / 'glm46v'))
+@pytest.mark.parametrize('kind, served_as', [('glm46v', Glm4vForConditionalGeneration),
+                                              ('glm46v_moe', Glm4vMoeForConditionalGeneration)])
+def test_glm46v_config_is_served_as_its_language_models_family(kind, served_as, tmp_path):
+    """transformers' ``Glm46VForConditionalGeneration`` (its text model named by ``text_config``: GLM-4.1V's or
+    GLM-4.5's) is the same model: served by the class of its language model, with transformers' tokens."""
+    path = save_tiny_glm4v(kind, str(tmp_path / kind))
     engine = make_engine(path)
-    assert isinstance(engine.runner.model, Glm4vMoeForConditionalGeneration)
+    assert type(engine.runner.model) is served_as
     prompt = make_processor(path).process(PROMPTS[1])
     hf_model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     hf_model.generation_config.eos_token_id = None

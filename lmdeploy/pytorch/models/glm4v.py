@@ -48,7 +48,9 @@ class Glm4vMoeForConditionalGeneration(Glm4vVisionLanguageModel, Glm4MoeForCausa
     """GLM-4.5V and GLM-4.6V: GLM-4.5's mixture-of-experts decoder with GLM-4V's vision tower."""
 
     def split_fused(self, weights: Iterable[tuple[str, WeightSource]]) -> Iterator[tuple[str, WeightSource]]:
-        """Also splits stacked experts (transformers 5 saves them so) into per-expert weights, as the hub holds them."""
+        """Also splits stacked experts into per-expert weights: the hub's checkpoints hold them per expert, as
+        transformers 5 saves a ``Glm4vMoeForConditionalGeneration``, but it saves a ``Glm46VForConditionalGeneration``'s
+        stacked (``[E, 2I, H]`` and ``[E, H, I]``)."""
         return split_stacked_experts(super().split_fused(weights), self.cfg.hidden_size)
 
 
