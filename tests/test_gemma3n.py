@@ -1,0 +1,135 @@
+"""Gemma 3n (``Gemma3nForCausalLM``, and ``Gemma3nForConditionalGeneration`` read for its language model) against
+transformers on a tiny random model saved by transformers: AltUp streams, LAuReL, per-layer inputs (tokens past the
+per-layer table too), activation sparsity on the first layers, sliding-window layers narrower than most prompts and
+KV-sharing layers that attend over an earlier layer's cache; batching, chunked prefill and prefix-cache hits; the
+KV-sharing layers holding no cache; text-only serving of the multimodal checkpoint."""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import Gemma3nConfig, Gemma3nTextConfig
+
+from conftest import VOCAB_SIZE, save_random_model
+from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_matches_transformers, hf_causal_lm,
+                           prefix_sharing_prompts)
+from helpers import make_engine, random_prompts, run
+from server_helpers import serve, tiny_engine
+
+from lmdeploy.messages import PytorchEngineConfig
+from lmdeploy.pytorch.engine.engine import Engine
+
+SLIDING, FULL = 'sliding_attention', 'full_attention'
+WINDOW = 16
+
+
+def gemma3n_config(**overrides) -> Gemma3nTextConfig:
+    """Five layers (sliding, sliding, full, then a sliding and a full one that share the KV of layers 1 and 2) of four
+    query heads and two KV heads of 16 features over a hidden size of 64, four AltUp streams, per-layer inputs of 16
+    features from a table of 256 tokens (of 320), and activation sparsity 0.95 on the first two layers."""
+    shape = dict(hidden_size=64, intermediate_size=[128, 96, 128, 96, 128], num_hidden_layers=5,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=VOCAB_SIZE,
+                 vocab_size_per_layer_input=256, hidden_size_per_layer_input=16, laurel_rank=8,
+                 num_kv_shared_layers=2, sliding_window=WINDOW, layer_types=[SLIDING, SLIDING, FULL, SLIDING, FULL],
+                 activation_sparsity_pattern=[0.95, 0.95, 0.0, 0.0, 0.0], max_position_embeddings=1024,
+                 pad_token_id=None)
+    return Gemma3nTextConfig(**{**shape, **overrides})
+
+
+@pytest.fixture(scope='module')
+def gemma3n(tmp_path_factory) -> str:
+    return save_random_model(gemma3n_config(), str(tmp_path_factory.mktemp('gemma3n')))
+
+
+@pytest.fixture(scope='module')
+def gemma3n_multimodal(gemma3n, tmp_path_factory) -> str:
+    """The tiny model as the hub lays out ``Gemma3nForConditionalGeneration``: its language model under
+    ``model.language_model.``, beside vision and audio tower tensors (an audio ``q_proj`` among them) and the keys and
+    values older checkpoints keep for the KV-sharing layers."""
+    path = tmp_path_factory.mktemp('gemma3n_multimodal')
+    for name in Path(gemma3n).iterdir():
+        if name.name not in ('config.json', 'model.safetensors'):
+            shutil.copy(name, path)
+    tensors = {name.replace('model.', 'model.language_model.', 1): tensor
+               for name, tensor in load_file(f'{gemma3n}/model.safetensors').items()}
+    g = torch.Generator().manual_seed(5)
+    for name in ('model.audio_tower.conformer.0.attention.attn.q_proj.weight', 'model.embed_audio.embedding.weight',
+                 'model.vision_tower.timm_model.conv_stem.conv.weight', 'model.embed_vision.embedding.weight',
+                 'model.language_model.layers.3.self_attn.k_proj.weight',
+                 'model.language_model.layers.4.self_attn.v_proj.weight'):
+        tensors[name] = torch.randn(32, 64, generator=g)
+    save_file(tensors, f'{path}/model.safetensors', metadata={'format': 'pt'})
+    text_config = json.loads(Path(gemma3n, 'config.json').read_text())
+    config = Gemma3nConfig(text_config=gemma3n_config(eos_token_id=text_config['eos_token_id'],
+                                                      bos_token_id=text_config['bos_token_id']).to_dict())
+    config.architectures = ['Gemma3nForConditionalGeneration']
+    config.save_pretrained(path)
+    return str(path)
+
+
+def test_config_shares_kv_as_transformers_does():
+    from lmdeploy.pytorch.models.gemma3n import kv_sources
+    config = gemma3n_config()
+    assert config.kv_sharing_modes == [None, 'store', 'store', 'reuse', 'reuse']
+    assert kv_sources(config) == [None, None, None, 1, 2]
+
+
+def test_greedy_and_first_logits_match_transformers(gemma3n):
+    """Prompts of 52 and 90 tokens run past the 16-token window; generated tokens past the per-layer table."""
+    assert_matches_transformers(gemma3n, hf_causal_lm(gemma3n), random_prompts([3, 17, 52, 90]),
+                                random_prompts([7, 31, 60], vocab=VOCAB_SIZE))
+
+
+def test_batched_chunked_and_cached_equal_solo(gemma3n):
+    assert_batched_chunked_and_cached_equal_solo(gemma3n, prefix_sharing_prompts())
+
+
+def test_kv_sharing_layers_hold_no_cache(gemma3n, caplog):
+    """Only the three layers with keys and values of their own hold a cache, and the memory's blocks are split over
+    those alone: the cache fills the budget (the sliding layers in a pool of their own); the start-up log says what
+    the sharing saves."""
+    budget = 4 << 20
+    with caplog.at_level(logging.INFO, logger='lmdeploy'):
+        engine = Engine(gemma3n, PytorchEngineConfig(dtype='float32', block_size=16, max_cache_bytes=budget,
+                                                     max_batch_size=4, max_prefill_token_num=256),
+                        show_progress=False)
+    assert '2 of the 5 layers attend over an earlier layer\'s KV cache and hold none, saving 512 bytes per token' in (
+        caplog.text)
+    runner, cfg = engine.runner, engine.model_config
+    assert [len(cache) > 0 for cache in runner.kv_caches] == [True, True, True, False, False]
+    assert cfg.kv_bytes_per_token() == 3 * cfg.kv_bytes_per_layer_token() == 3 * 2 * 2 * 16 * 4
+    assert runner.num_window_blocks is not None
+    cache_bytes = sum(t.numel() * t.element_size() for cache in runner.kv_caches for t in cache)
+    assert 0.95 * budget < cache_bytes <= budget + 3 * 2 * cfg.kv_bytes_per_layer_token() * 16
+
+
+def test_multimodal_checkpoint_serves_its_language_model(gemma3n, gemma3n_multimodal):
+    prompts = random_prompts([5, 40], seed=7)
+    assert run(make_engine(gemma3n_multimodal), prompts) == run(make_engine(gemma3n), prompts)
+
+
+def test_multimodal_checkpoint_refuses_images_and_audio(gemma3n_multimodal):
+    for server in serve(tiny_engine(gemma3n_multimodal), model_name='tiny'):
+        def error(part: dict) -> str:
+            body = {'model': 'tiny', 'max_tokens': 4,
+                    'messages': [{'role': 'user', 'content': [{'type': 'text', 'text': 'what is it?'}, part]}]}
+            response = httpx.post(f'{server.url}/v1/chat/completions', json=body)
+            assert response.status_code == 400, response.text
+            return response.json()['error']['message']
+
+        assert 'does not accept images' in error({'type': 'image_url', 'image_url': {'url': 'x.png'}})
+        assert 'does not accept audio' in error({'type': 'input_audio',
+                                                 'input_audio': {'data': 'AAAA', 'format': 'wav'}})
+        chat = {'model': 'tiny', 'max_tokens': 4, 'messages': [{'role': 'user', 'content': 'hi'}]}
+        assert httpx.post(f'{server.url}/v1/chat/completions', json=chat).status_code == 200
+
+
+def test_tensor_parallelism_is_refused(gemma3n):
+    with pytest.raises(ValueError, match='activation-sparsity cutoff'):
+        make_engine(gemma3n, tp=2)
