@@ -17,8 +17,8 @@ from safetensors.torch import load_file, save_file
 from transformers import Gemma3nConfig, Gemma3nTextConfig
 
 from conftest import VOCAB_SIZE, save_random_model
-from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_matches_transformers, hf_causal_lm,
-                           prefix_sharing_prompts)
+from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_bf16_within_twice_transformers,
+                           assert_matches_transformers, hf_causal_lm, prefix_sharing_prompts)
 from helpers import make_engine, random_prompts, run
 from server_helpers import serve, tiny_engine
 
@@ -80,6 +80,21 @@ def test_config_shares_kv_as_transformers_does():
     assert kv_sources(config) == [None, None, None, 1, 2]
 
 
+@pytest.mark.parametrize('layers, shared, saved', [(30, 10, 20480), (35, 15, 30720)])
+def test_hub_shapes_keep_twenty_caches(layers, shared, saved):
+    """E2B's and E4B's text configs (transformers' defaults are E4B's): in bf16 the KV-sharing layers save 2048 bytes
+    per token each, and each shares the last layer of its kind before them (19 full, 18 sliding)."""
+    from lmdeploy.pytorch.config import ModelConfig
+    from lmdeploy.pytorch.models.gemma3n import kv_sources
+    config = Gemma3nConfig(text_config=Gemma3nTextConfig(num_hidden_layers=layers, num_kv_shared_layers=shared,
+                                                         intermediate_size=8192).to_dict())
+    config.architectures = ['Gemma3nForConditionalGeneration']
+    cfg = ModelConfig.from_hf(config, torch.bfloat16)
+    assert cfg.kv_bytes_per_token() == 20 * 2048 and cfg.num_kv_shared_layers * cfg.kv_bytes_per_layer_token() == saved
+    sources = kv_sources(cfg.hf_config)
+    assert sources[:20] == [None] * 20 and set(sources[20:]) == {18, 19}
+
+
 def test_greedy_and_first_logits_match_transformers(gemma3n):
     """Prompts of 52 and 90 tokens run past the 16-token window; generated tokens past the per-layer table."""
     assert_matches_transformers(gemma3n, hf_causal_lm(gemma3n), random_prompts([3, 17, 52, 90]),
@@ -133,3 +148,9 @@ def test_multimodal_checkpoint_refuses_images_and_audio(gemma3n_multimodal):
 def test_tensor_parallelism_is_refused(gemma3n):
     with pytest.raises(ValueError, match='activation-sparsity cutoff'):
         make_engine(gemma3n, tp=2)
+
+
+@pytest.mark.slow
+def test_bf16_within_twice_transformers(gemma3n):
+    """bf16 on the CPU's packed GEMMs (the default dtype) stays as close to fp32 as transformers' own bf16 model."""
+    assert_bf16_within_twice_transformers(gemma3n)
