@@ -101,8 +101,10 @@ def test_greedy_and_first_logits_match_transformers(gemma3n):
                                 random_prompts([7, 31, 60], vocab=VOCAB_SIZE))
 
 
+@pytest.mark.slow
 def test_batched_chunked_and_cached_equal_solo(gemma3n):
-    assert_batched_chunked_and_cached_equal_solo(gemma3n, prefix_sharing_prompts())
+    """Prompts of 40 to 50 tokens, past the window; two share the first's 32-token prefix."""
+    assert_batched_chunked_and_cached_equal_solo(gemma3n, prefix_sharing_prompts((40, 50), 32, (10, 12)))
 
 
 def test_kv_sharing_layers_hold_no_cache(gemma3n, caplog):

@@ -107,22 +107,23 @@ class Gemma3nAttention(nn.Module):
                                    sliding_window=layer_window(hf, layer_index), fills_cache=kv_source is None)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache, ctx: StepContext, shared: SharedKV) -> torch.Tensor:
-        q = self.q_norm(self.qkv_proj(x)[:, :self.num_heads * self.head_dim].view(-1, self.num_heads, self.head_dim))
+        projected = self.qkv_proj(x)
+        q_size = self.num_heads * self.head_dim
+        q = self.q_norm(projected[:, :q_size].view(-1, self.num_heads, self.head_dim))
         if self.kv_source is not None:
             k, v = shared[self.kind]
-            q = apply_rope(q, ctx.cos, ctx.sin)
-        else:
-            kv = self.qkv_proj(x)[:, self.num_heads * self.head_dim:].view(-1, 2 * self.num_kv_heads, self.head_dim)
-            k, v = self.k_norm(kv[:, :self.num_kv_heads]), self.v_norm(kv[:, self.num_kv_heads:])
-            qk = apply_rope(torch.cat((q, k), dim=1), ctx.cos, ctx.sin)
-            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
-            shared[self.kind] = k, v
+            return self.o_proj(self.attn(apply_rope(q, ctx.cos, ctx.sin), k, v, kv_cache, ctx))
+        kv = projected[:, q_size:].view(-1, 2 * self.num_kv_heads, self.head_dim)
+        k, v = self.k_norm(kv[:, :self.num_kv_heads]), self.v_norm(kv[:, self.num_kv_heads:])
+        qk = apply_rope(torch.cat((q, k), dim=1), ctx.cos, ctx.sin)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        shared[self.kind] = k, v
         return self.o_proj(self.attn(q, k, v, kv_cache, ctx))
 
 
 class Gemma3nMLP(LlamaMLP):
-    """Gemma's GeLU(tanh) MLP of the layer's width; with a ``sparsity`` the gate keeps only what exceeds each
-    token's ``mean + std * Phi^-1(sparsity)`` (the rest of its values are the excess)."""
+    """Gemma's GeLU(tanh) MLP of the layer's width; with a ``sparsity`` each token's gate keeps only its excess over
+    ``mean + std * Phi^-1(sparsity)`` of its values (0 below that)."""
 
     def __init__(self, cfg: ModelConfig, layer_index: int):
         hf = cfg.hf_config
