@@ -18,7 +18,7 @@ from transformers import Gemma3nConfig, Gemma3nTextConfig
 
 from conftest import VOCAB_SIZE, save_random_model
 from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_bf16_within_twice_transformers,
-                           assert_matches_transformers, hf_causal_lm, prefix_sharing_prompts)
+                           assert_matches_transformers, first_step_logits, hf_causal_lm, prefix_sharing_prompts)
 from helpers import make_engine, random_prompts, run
 from server_helpers import serve, tiny_engine
 
@@ -124,6 +124,18 @@ def test_kv_sharing_layers_hold_no_cache(gemma3n, caplog):
     assert runner.num_window_blocks is not None
     cache_bytes = sum(t.numel() * t.element_size() for cache in runner.kv_caches for t in cache)
     assert 0.95 * budget < cache_bytes <= budget + 3 * 2 * cfg.kv_bytes_per_layer_token() * 16
+
+
+def test_kv_sharing_layers_write_no_cache(gemma3n, monkeypatch):
+    """A prefill step writes keys and values for the three layers that own them, not again for the two that share."""
+    from lmdeploy.pytorch.nn import attention
+    filled = []
+    fill = attention.fill_kv_cache
+    monkeypatch.setattr(attention, 'fill_kv_cache', lambda *args: filled.append(args[2]) or fill(*args))
+    engine = make_engine(gemma3n)
+    first_step_logits(engine, random_prompts([20]))
+    caches = engine.runner.kv_caches
+    assert [id(k_cache) for k_cache in filled] == [id(caches[i][0]) for i in range(3)]
 
 
 def test_multimodal_checkpoint_serves_its_language_model(gemma3n, gemma3n_multimodal):
