@@ -22,7 +22,7 @@ STACKED = ('model.altup_projections', 'model.altup_unembed_projections')
 
 
 def add_metadata(writer: gguf.GGUFWriter, config) -> None:
-    """The keys Gemma3NModel writes (Gemma3Model's, then its own)."""
+    """The keys Gemma3NModel writes (Gemma3Model's, then its own; no local rope base: llama.cpp's 10000)."""
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -33,7 +33,6 @@ def add_metadata(writer: gguf.GGUFWriter, config) -> None:
     writer.add_value_length(config.head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(config.rope_parameters['full_attention']['rope_theta'])
-    writer.add_rope_freq_base_swa(config.rope_parameters['sliding_attention']['rope_theta'])
     writer.add_sliding_window(config.sliding_window)
     writer.add_final_logit_softcapping(config.final_logit_softcapping)
     writer.add_vocab_size(config.vocab_size)
