@@ -63,6 +63,8 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'FalconH1ForCausalLM': ('llm', 'lmdeploy.pytorch.models.falcon_h1:FalconH1ForCausalLM'),
     'BambaForCausalLM': ('llm', 'lmdeploy.pytorch.models.granitemoehybrid:BambaForCausalLM'),
     'GraniteMoeSharedForCausalLM': ('llm', 'lmdeploy.pytorch.models.granite:GraniteMoeSharedForCausalLM'),
+    'Gemma3nForCausalLM': ('llm', 'lmdeploy.pytorch.models.gemma3n:Gemma3nForCausalLM'),
+    'Gemma3nForConditionalGeneration': ('llm', 'lmdeploy.pytorch.models.gemma3n:Gemma3nForCausalLM'),
     'Qwen2VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
     'Qwen2_5_VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
     'LlavaForConditionalGeneration': ('vlm', f'{_VL}:LlavaForConditionalGeneration'),

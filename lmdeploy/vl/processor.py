@@ -15,6 +15,7 @@ from lmdeploy.vl.media import MediaPolicy, image_hash, image_size, load_image
 Messages = list[dict]
 Prompt = Union[str, Messages, tuple]
 IMAGE_PART_TYPES = ('image', 'image_url', 'input_image')
+AUDIO_PART_TYPES = ('audio', 'input_audio')
 
 
 @dataclass
@@ -60,6 +61,8 @@ def _content(content: object, index: int, images: list | None) -> str | list[dic
                 raise ValueError(f'message {index}: this model does not accept images')
             images.append(_image_source(part, index))
             parts.append({'type': 'image'})
+        elif kind in AUDIO_PART_TYPES:
+            raise ValueError(f'message {index}: this model does not accept audio')
         elif kind == 'text' and isinstance(part.get('text'), str):
             parts.append({'type': 'text', 'text': part['text']})
         else:

@@ -134,6 +134,10 @@ class Engine:
         logger.info('KV cache: %d tokens (%s), %s (quant_policy %d), %d bytes per token of every layer, %.1f MiB '
                     'per rank', tokens, pools, kv_kind, config.quant_policy, runner.cfg.kv_bytes_per_token(),
                     cache_bytes / 2**20)
+        if cfg.num_kv_shared_layers:
+            logger.info('KV sharing: %d of the %d layers attend over an earlier layer\'s KV cache and hold none, '
+                        'saving %d bytes per token', cfg.num_kv_shared_layers, cfg.num_layers,
+                        cfg.num_kv_shared_layers * runner.cfg.kv_bytes_per_layer_token())
 
     def _start_ranks(self) -> TPGroup:
         """This thread's group: rank 0 of ``tp`` ranks, bound to its share of the CPUs, once the

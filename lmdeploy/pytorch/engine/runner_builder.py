@@ -152,7 +152,9 @@ def build_runner(model_dir: str, config: PytorchEngineConfig, device: torch.devi
             num_slots = fitting_state_slots(slot_bytes, budget, config)
         num_blocks = group.min(blocks_from_memory(rank_cfg, config, budget, num_slots * slot_bytes),
                                timeout=group.connect_timeout)
-    num_blocks, num_window_blocks = kv_pool_sizes(layer_windows(model, cfg.num_layers), num_blocks, config)
+    cache_windows = [window for window, states in zip(layer_windows(model, cfg.num_layers), layer_states)
+                     if states != []]  # of the layers with a KV cache
+    num_blocks, num_window_blocks = kv_pool_sizes(cache_windows, num_blocks, config)
     channel = StepChannel(group) if group.world_size > 1 else None
     return hf_config, cfg, ModelRunner(model, rank_cfg, num_blocks, config.block_size, device, channel,
                                        num_window_blocks, num_slots)

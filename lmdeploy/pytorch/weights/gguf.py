@@ -24,8 +24,8 @@ from lmdeploy.messages import ConfigError
 from lmdeploy.model_source import ModelNotFoundError
 
 from .file_checks import check_gguf, open_gguf
-from .gguf_archs import (ARCHITECTURES, CONFIG_BUILDERS, LAYER_NAMES, METADATA_TENSORS, RAW_SERVED_ARCHS,
-                         unpermute_rotary)
+from .gguf_archs import (ARCHITECTURES, CONFIG_BUILDERS, GLOBAL_NAMES, LAYER_NAMES, METADATA_TENSORS,
+                         RAW_SERVED_ARCHS, unpermute_rotary)
 from .gguf_hybrid import PERMUTED_ARCHS as MAMBA2_PERMUTED_ARCHS
 from .gguf_keys import metadata
 from .gguf_hybrid import UNSUFFIXED_NAMES as MAMBA2_UNSUFFIXED_NAMES
@@ -106,8 +106,9 @@ def hf_tensor_name(gguf_name: str, arch: str = 'llama') -> str | None:
         return f'model.layers.{unsuffixed[1]}.{_UNSUFFIXED_NAMES[arch][unsuffixed[2]]}'
     if kind not in ('weight', 'bias'):
         return None
-    if base in _GLOBAL_NAMES:
-        return f'{_GLOBAL_NAMES[base]}.{kind}'
+    global_names = _GLOBAL_NAMES | GLOBAL_NAMES.get(arch, {})
+    if base in global_names:
+        return f'{global_names[base]}.{kind}'
     match = _LAYER_RE.fullmatch(base)
     names = _LAYER_NAMES | _ARCH_LAYER_NAMES.get(arch, {})
     if match and f'{match[2]}.{kind}' in names:
