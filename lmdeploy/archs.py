@@ -13,6 +13,7 @@ Task = Literal['llm', 'vlm']
 
 _VL = 'lmdeploy.pytorch.models.vision_language'
 _MISTRAL3 = 'lmdeploy.pytorch.models.mistral3_vl'
+_SMOLVLM = 'lmdeploy.pytorch.models.smolvlm_vl'
 _QWEN3_5_VL = 'lmdeploy.pytorch.models.qwen3_5_vl:Qwen3_5ForConditionalGeneration'
 # architecture -> (task, 'module:class')
 SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
@@ -72,6 +73,8 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'Mistral3ForConditionalGeneration': ('vlm', f'{_MISTRAL3}:Mistral3ForConditionalGeneration'),
     'Gemma3ForConditionalGeneration': ('vlm', 'lmdeploy.pytorch.models.gemma3_vl:Gemma3ForConditionalGeneration'),
     'Llama4ForConditionalGeneration': ('vlm', 'lmdeploy.pytorch.models.llama4_vl:Llama4ForConditionalGeneration'),
+    'SmolVLMForConditionalGeneration': ('vlm', f'{_SMOLVLM}:SmolVLMForConditionalGeneration'),
+    'Idefics3ForConditionalGeneration': ('vlm', f'{_SMOLVLM}:SmolVLMForConditionalGeneration'),
 }
 
 
