@@ -10,10 +10,12 @@ import openai
 import pytest
 import torch
 from conftest import build_tokenizer
-from family_checks import assert_batched_chunked_and_cached_equal_solo, assert_vl_matches_transformers
+from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_tp2_equals_tp1,
+                           assert_vl_matches_transformers)
 from helpers import make_engine, run
+from PIL import Image
 from server_helpers import serve, tiny_engine
-from test_vl import data_url
+from test_vl import data_url, png_bytes
 from test_vl_server import chat, image_message
 from transformers import AutoModelForImageTextToText, AutoTokenizer, Idefics3Config, SmolVLMConfig
 from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
@@ -113,7 +115,7 @@ def test_greedy_and_first_logits_match_transformers(smolvlm, prompts, hf_model):
 @pytest.mark.slow
 def test_batched_chunked_and_cached_equal_solo(smolvlm, prompts):
     """Chunks of 7 tokens and blocks of 4 tokens would end inside the images' spans."""
-    assert_batched_chunked_and_cached_equal_solo(smolvlm, prompts, chunked={'max_prefill_token_num': 7},
+    assert_batched_chunked_and_cached_equal_solo(smolvlm, prompts, chunked={'block_size': 4, 'max_prefill_token_num': 7},
                                                  cached={'block_size': 4}, warm=slice(1, None))
 
 
@@ -152,3 +154,26 @@ def test_server_chat_with_a_data_url_image_matches_transformers(vl_server, hf_mo
     reply = chat(client, messages)
     assert reply.choices[0].message.content == vl_server.engine.tokenizer.decode(expected.tolist())
     assert reply.usage.prompt_tokens == len(prompt.input_ids)
+
+
+def test_bad_images_are_400_and_leave_nothing_held(vl_server):
+    """Broken bytes, more images than a prompt may hold and an image without pixels are 400s with an OpenAI-style
+    body; a 1 x 150 image (its tiles upscaled from one pixel column) is answered; nothing stays held."""
+    client = openai.OpenAI(base_url=f'{vl_server.url}/v1', api_key='none', max_retries=0)
+    full = png_bytes(IMAGES[0])
+    too_many = [{'role': 'user', 'content': [{'type': 'image_url', 'image_url': {'url': data_url(IMAGES[1])}}] * 17}]
+    for messages in [image_message(data_url(full[:len(full) // 2])), image_message(data_url(b'not an image')),
+                     too_many]:
+        with pytest.raises(openai.BadRequestError) as error:
+            chat(client, messages)
+        assert error.value.body['param'] == 'messages'
+    assert chat(client, image_message(data_url(png_bytes(Image.new('RGB', (1, 150)))))).choices[0].message.content
+    metrics = vl_server.metrics()
+    assert metrics['lmdeploy:num_requests_running'] == 0 and metrics['lmdeploy:kv_cache_usage_perc'] == 0
+
+
+@pytest.mark.slow
+def test_tp2_equals_tp1(tmp_path):
+    """The tower and connector run replicated on both ranks; each image's tiles and mask reach rank 1."""
+    path = save_tiny_smolvlm('smolvlm', str(tmp_path))
+    assert_tp2_equals_tp1(path, [make_processor(path).process(prompt) for prompt in PROMPTS])
