@@ -24,6 +24,8 @@ from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImag
 from transformers.models.smolvlm.processing_smolvlm import DEFAULT_CHAT_TEMPLATE
 from vl_models import make_processor, random_image
 
+from lmdeploy.messages import PytorchEngineConfig
+from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.multimodal import MultiModalInput
 from lmdeploy.vl.processor import ProcessedPrompt
 
@@ -177,3 +179,15 @@ def test_tp2_equals_tp1(tmp_path):
     """The tower and connector run replicated on both ranks; each image's tiles and mask reach rank 1."""
     path = save_tiny_smolvlm('smolvlm', str(tmp_path))
     assert_tp2_equals_tp1(path, [make_processor(path).process(prompt) for prompt in PROMPTS])
+
+
+def test_language_model_runs_in_the_native_decoder_stack(smolvlm, prompts, native_gemms):
+    """bf16 on packed weights: the Llama layers run in the native decoder stack, image steps included, as the layers'
+    own forward runs them."""
+    engine = Engine(smolvlm, PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=64, block_size=16),
+                    show_progress=False)
+    model = engine.runner.model
+    assert model.native_stack is not None
+    outs = run(engine, prompts)
+    model.native_stack = None
+    assert run(engine, prompts) == outs
