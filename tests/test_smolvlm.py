@@ -21,7 +21,6 @@ from transformers import AutoModelForImageTextToText, AutoTokenizer, Idefics3Con
 from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 from transformers.models.idefics3.processing_idefics3 import Idefics3Processor
 from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
-from transformers.models.smolvlm.processing_smolvlm import DEFAULT_CHAT_TEMPLATE
 from vl_models import make_processor, random_image
 
 from lmdeploy.messages import PytorchEngineConfig
@@ -35,6 +34,12 @@ TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
             vocab_size=336, max_position_embeddings=1024, model_type='llama')
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=56,
               patch_size=14)
+# the chat template of the hub's SmolVLM checkpoints (chat_template.json): every message's content a list of parts
+CHAT_TEMPLATE = ("<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}{% if message['content'][0]"
+                 "['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}{% for line in message['content'] %}{% if "
+                 "line['type'] == 'text' %}{{line['text']}}{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}"
+                 "{% endfor %}<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}"
+                 "{% endif %}")
 PROCESSORS = {'smolvlm': (SmolVLMConfig, SmolVLMImageProcessorPil),
               'idefics3': (Idefics3Config, Idefics3ImageProcessorPil)}
 # 90x60 -> 112x74 -> 2 x 2 tiles and the global one; 60x60 -> 112x112 -> 2 x 2; 40x100 -> 46x112 -> 2 x 1
@@ -48,7 +53,7 @@ def save_tiny_smolvlm(kind: str, path: str) -> str:
     config_class, processor_class = PROCESSORS[kind]
     tokenizer = build_tokenizer()
     tokenizer.add_special_tokens({'additional_special_tokens': IMAGE_TOKENS})
-    tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
+    tokenizer.chat_template = CHAT_TEMPLATE
     config = config_class(text_config=TEXT | {'eos_token_id': tokenizer.eos_token_id}, vision_config=VISION,
                           scale_factor=2, image_token_id=tokenizer.convert_tokens_to_ids('<image>'),
                           tie_word_embeddings=False)
@@ -108,6 +113,17 @@ def test_spans_are_those_of_transformers_processor(smolvlm, prompts):
                                            ).flatten().tolist()
 
 
+def test_string_contents_keep_their_text(smolvlm):
+    """The hub's template reads every content as a list of parts: a string content (a text prompt, a system
+    message) rendered as it is lost its text; it goes in as one text part."""
+    processor = make_processor(smolvlm)
+    assert processor.render('plain text') == '<|im_start|>User: plain text<end_of_utterance>\nAssistant:'
+    messages = [{'role': 'system', 'content': 'be brief'},
+                {'role': 'user', 'content': [{'type': 'image', 'image': IMAGES[0]}, {'type': 'text', 'text': 'what?'}]}]
+    assert processor.render(messages, images=[]) == ('<|im_start|>System: be brief<end_of_utterance>\nUser:<image>what?'
+                                                     '<end_of_utterance>\nAssistant:')
+
+
 def test_greedy_and_first_logits_match_transformers(smolvlm, prompts, hf_model):
     outs = assert_vl_matches_transformers(smolvlm, hf_model, prompts, [hf_inputs(p) for p in prompts])
     assert len({tuple(out) for out in outs}) == 3, 'the images must change the answer'
@@ -117,7 +133,8 @@ def test_greedy_and_first_logits_match_transformers(smolvlm, prompts, hf_model):
 @pytest.mark.slow
 def test_batched_chunked_and_cached_equal_solo(smolvlm, prompts):
     """Chunks of 7 tokens and blocks of 4 tokens would end inside the images' spans."""
-    assert_batched_chunked_and_cached_equal_solo(smolvlm, prompts, chunked={'block_size': 4, 'max_prefill_token_num': 7},
+    assert_batched_chunked_and_cached_equal_solo(smolvlm, prompts,
+                                                 chunked={'block_size': 4, 'max_prefill_token_num': 7},
                                                  cached={'block_size': 4}, warm=slice(1, None))
 
 
