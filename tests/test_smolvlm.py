@@ -67,8 +67,16 @@ def save_tiny_smolvlm(kind: str, path: str) -> str:
     return path
 
 
+@pytest.fixture(scope='module')
+def smolvlm(tmp_path_factory) -> str:
+    return save_tiny_smolvlm('smolvlm', str(tmp_path_factory.mktemp('smolvlm')))
+
+
 @pytest.fixture(scope='module', params=['smolvlm', 'idefics3'])
-def smolvlm(request, tmp_path_factory) -> str:
+def family(request, smolvlm, tmp_path_factory) -> str:
+    """Both architectures (the same model under two names); the engine's other checks run on SmolVLM alone."""
+    if request.param == 'smolvlm':
+        return smolvlm
     return save_tiny_smolvlm(request.param, str(tmp_path_factory.mktemp(request.param)))
 
 
@@ -77,9 +85,8 @@ def prompts(smolvlm) -> list[ProcessedPrompt]:
     return [make_processor(smolvlm).process(prompt) for prompt in PROMPTS]
 
 
-@pytest.fixture(scope='module')
-def hf_model(smolvlm):
-    model = AutoModelForImageTextToText.from_pretrained(smolvlm, dtype=torch.float32).eval()
+def load_hf_model(path: str):
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
     return model
 
@@ -92,15 +99,15 @@ def hf_inputs(prompt: ProcessedPrompt) -> dict[str, torch.Tensor]:
     return dict(input_ids=ids, attention_mask=torch.ones_like(ids), **pixels)
 
 
-def test_spans_are_those_of_transformers_processor(smolvlm, prompts):
+def test_spans_are_those_of_transformers_processor(family):
     """Each ``<image>`` the chat template writes becomes the text transformers' ``Idefics3Processor`` writes for the
     image's tiles (SmolVLM's writes the same), tokenized as transformers tokenizes the whole prompt, with its
     pixels."""
-    tokenizer = AutoTokenizer.from_pretrained(smolvlm)
-    reference = Idefics3Processor(PROCESSORS['smolvlm'][1].from_pretrained(smolvlm), tokenizer, image_seq_len=4)
-    processor = make_processor(smolvlm)
-    for prompt, processed, grids in zip(PROMPTS[1:], prompts[1:], [[(2, 2)], [(2, 2), (2, 1)]]):
-        text = processor.render(prompt, images=[])
+    tokenizer = AutoTokenizer.from_pretrained(family)
+    reference = Idefics3Processor(PROCESSORS['idefics3'][1].from_pretrained(family), tokenizer, image_seq_len=4)
+    processor = make_processor(family)
+    for prompt, grids in zip(PROMPTS[1:], [[(2, 2)], [(2, 2), (2, 1)]]):
+        processed, text = processor.process(prompt), processor.render(prompt, images=[])
         expected = reference(text=text, images=[prompt[1] if isinstance(prompt[1], list) else [prompt[1]]],
                              return_tensors='pt', add_special_tokens=False)
         assert processed.input_ids == expected['input_ids'][0].tolist()
@@ -113,10 +120,10 @@ def test_spans_are_those_of_transformers_processor(smolvlm, prompts):
                                            ).flatten().tolist()
 
 
-def test_string_contents_keep_their_text(smolvlm):
+def test_string_contents_keep_their_text(family):
     """The hub's template reads every content as a list of parts: a string content (a text prompt, a system
     message) rendered as it is lost its text; it goes in as one text part."""
-    processor = make_processor(smolvlm)
+    processor = make_processor(family)
     assert processor.render('plain text') == '<|im_start|>User: plain text<end_of_utterance>\nAssistant:'
     messages = [{'role': 'system', 'content': 'be brief'},
                 {'role': 'user', 'content': [{'type': 'image', 'image': IMAGES[0]}, {'type': 'text', 'text': 'what?'}]}]
@@ -124,8 +131,9 @@ def test_string_contents_keep_their_text(smolvlm):
                                                      '<end_of_utterance>\nAssistant:')
 
 
-def test_greedy_and_first_logits_match_transformers(smolvlm, prompts, hf_model):
-    outs = assert_vl_matches_transformers(smolvlm, hf_model, prompts, [hf_inputs(p) for p in prompts])
+def test_greedy_and_first_logits_match_transformers(family):
+    prompts = [make_processor(family).process(prompt) for prompt in PROMPTS]
+    outs = assert_vl_matches_transformers(family, load_hf_model(family), prompts, [hf_inputs(p) for p in prompts])
     assert len({tuple(out) for out in outs}) == 3, 'the images must change the answer'
     assert len(set(outs[1])) > 2, 'the tiny model must not repeat one token'
 
@@ -162,13 +170,13 @@ def vl_server(smolvlm):
 
 
 @pytest.mark.slow
-def test_server_chat_with_a_data_url_image_matches_transformers(vl_server, hf_model):
+def test_server_chat_with_a_data_url_image_matches_transformers(vl_server, smolvlm):
     """One request through the OpenAI server (the ``openai`` client) with a base64 image_url."""
     messages = image_message(data_url(IMAGES[0]))
     prompt = vl_server.engine.processor.process(messages)
     assert prompt.multimodal
-    expected = hf_model.generate(**hf_inputs(prompt), max_new_tokens=10, do_sample=False, top_k=None, top_p=None,
-                                 temperature=None)[0, len(prompt.input_ids):]
+    expected = load_hf_model(smolvlm).generate(**hf_inputs(prompt), max_new_tokens=10, do_sample=False, top_k=None,
+                                               top_p=None, temperature=None)[0, len(prompt.input_ids):]
     client = openai.OpenAI(base_url=f'{vl_server.url}/v1', api_key='none', max_retries=0)
     reply = chat(client, messages)
     assert reply.choices[0].message.content == vl_server.engine.tokenizer.decode(expected.tolist())
@@ -192,10 +200,9 @@ def test_bad_images_are_400_and_leave_nothing_held(vl_server):
 
 
 @pytest.mark.slow
-def test_tp2_equals_tp1(tmp_path):
+def test_tp2_equals_tp1(smolvlm, prompts):
     """The tower and connector run replicated on both ranks; each image's tiles and mask reach rank 1."""
-    path = save_tiny_smolvlm('smolvlm', str(tmp_path))
-    assert_tp2_equals_tp1(path, [make_processor(path).process(prompt) for prompt in PROMPTS])
+    assert_tp2_equals_tp1(smolvlm, prompts)
 
 
 def test_language_model_runs_in_the_native_decoder_stack(smolvlm, prompts, native_gemms):
