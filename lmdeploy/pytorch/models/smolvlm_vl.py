@@ -11,8 +11,6 @@ image's ``placeholder_mask`` (from the processor, checked against the span by th
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-
 import torch
 from transformers.models.idefics3.modeling_idefics3 import Idefics3Connector, Idefics3VisionTransformer
 from transformers.models.smolvlm.modeling_smolvlm import SmolVLMConnector, SmolVLMVisionTransformer
@@ -21,13 +19,12 @@ from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.models.llama import WeightTarget
 from lmdeploy.pytorch.models.vision_language import VisionLanguageModel
 from lmdeploy.pytorch.multimodal import MultiModalInput
-from lmdeploy.pytorch.weights.safetensors_loader import WeightSource
 
 # model_type -> transformers' vision tower and connector
 TOWERS = {'smolvlm': (SmolVLMVisionTransformer, SmolVLMConnector),
           'idefics3': (Idefics3VisionTransformer, Idefics3Connector)}
 TEXT_PREFIX = 'text_model.'
-VISION_PREFIXES = ('vision_model.', 'connector.')
+CONNECTOR_PREFIX = 'connector.'  # the tower's 'vision_model.' is VisionLanguageModel's
 
 
 def tokens_per_tile(config) -> int:
@@ -54,14 +51,10 @@ class SmolVLMForConditionalGeneration(VisionLanguageModel):
         self.tile_shape = (vision.num_channels, vision.image_size, vision.image_size)
         self.requires_grad_(False)
 
-    def split_fused(self, weights: Iterable[tuple[str, WeightSource]]) -> Iterator[tuple[str, WeightSource]]:
-        """The checkpoint's tensors, the language model's (``model.text_model.*``) named as a Llama's."""
-        return super().split_fused((name.removeprefix('model.').removeprefix(TEXT_PREFIX)
-                                    if name.removeprefix('model.').startswith(TEXT_PREFIX) else name, tensor)
-                                   for name, tensor in weights)
-
     def weight_target(self, name: str) -> WeightTarget | None:
-        if not name.startswith(VISION_PREFIXES):
+        """The language model's tensors (``text_model.*``) as a Llama's; the tower's and connector's as named."""
+        name = name.removeprefix(TEXT_PREFIX)
+        if not name.startswith(CONNECTOR_PREFIX):
             return super().weight_target(name)
         try:
             return self.get_parameter(name), name, None
