@@ -13,6 +13,7 @@ Task = Literal['llm', 'vlm']
 
 _VL = 'lmdeploy.pytorch.models.vision_language'
 _MISTRAL3 = 'lmdeploy.pytorch.models.mistral3_vl'
+_SMOLVLM = 'lmdeploy.pytorch.models.smolvlm_vl'
 _QWEN3_5_VL = 'lmdeploy.pytorch.models.qwen3_5_vl:Qwen3_5ForConditionalGeneration'
 _GLM4V = 'lmdeploy.pytorch.models.glm4v'
 # architecture -> (task, 'module:class')
@@ -79,6 +80,8 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'Glm4vForConditionalGeneration': ('vlm', f'{_GLM4V}:Glm4vForConditionalGeneration'),
     'Glm4vMoeForConditionalGeneration': ('vlm', f'{_GLM4V}:Glm4vMoeForConditionalGeneration'),
     'Glm46VForConditionalGeneration': ('vlm', f'{_GLM4V}:Glm46VForConditionalGeneration'),
+    'SmolVLMForConditionalGeneration': ('vlm', f'{_SMOLVLM}:SmolVLMForConditionalGeneration'),
+    'Idefics3ForConditionalGeneration': ('vlm', f'{_SMOLVLM}:SmolVLMForConditionalGeneration'),
 }
 
 
