@@ -62,6 +62,8 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'FalconH1ForCausalLM': ('llm', 'lmdeploy.pytorch.models.falcon_h1:FalconH1ForCausalLM'),
     'BambaForCausalLM': ('llm', 'lmdeploy.pytorch.models.granitemoehybrid:BambaForCausalLM'),
     'JambaForCausalLM': ('llm', 'lmdeploy.pytorch.models.jamba:JambaForCausalLM'),
+    'MambaForCausalLM': ('llm', 'lmdeploy.pytorch.models.mamba:MambaForCausalLM'),
+    'FalconMambaForCausalLM': ('llm', 'lmdeploy.pytorch.models.mamba:MambaForCausalLM'),
     'Qwen2VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
     'Qwen2_5_VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
     'LlavaForConditionalGeneration': ('vlm', f'{_VL}:LlavaForConditionalGeneration'),
