@@ -1,11 +1,14 @@
 """Jamba (``JambaForCausalLM``: Mamba-1 layers, attention without positions, MoE) against transformers on a tiny
 random model: the selective scan and its recurrence against transformers' torch implementation, greedy tokens and
-first-step logits in fp32 (dense and expert layers, the top-k weights not renormalized), batching, chunked prefill
+first-step logits in fp32 (dense and expert layers, the top-k weights not renormalized), fp32 batch invariance,
+batching, chunked prefill
 (chunks ending anywhere) and preemption equal to solo runs with the recurrent-state slots given back, prefix caching
 turned off, tensor parallelism refused, and bf16 on the CPU."""
 from __future__ import annotations
 
 import logging
+import os
+import sys
 
 import pytest
 import torch
@@ -18,7 +21,13 @@ from family_checks import (assert_bf16_within_twice_transformers, assert_matches
                            hf_causal_lm)
 from helpers import make_engine, random_prompts, run
 
+from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
+from lmdeploy.pytorch.engine.engine import Engine
+from lmdeploy.pytorch.kernels import cpu
 from lmdeploy.pytorch.kernels.mamba1 import SCAN_CHUNK, selective_decode, selective_scan
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'benchmark'))
+from batch_invariance import run as arrivals  # noqa: E402
 
 
 def jamba_config() -> JambaConfig:
@@ -89,6 +98,21 @@ def test_batched_chunked_and_preempted_equal_solo(jamba):
     assert run(tight, prompts) == plain
     assert tight.scheduler.num_preemptions > 0
     assert_slots_free(tight)
+
+
+@pytest.mark.slow
+def test_fp32_is_batch_invariant(jamba, native):
+    """fp32 tokens and logprobs bitwise: prompts of up to 200 tokens in prefill chunks of at most 100, alone and
+    arriving one a step beside the others' decode rows (the mixer's softplus, SiLUs and decay run ``placeless``)."""
+    if cpu.fp32_gemm() is None:
+        pytest.skip('the native fp32 GEMM needs AVX-512')
+    engine = Engine(jamba, PytorchEngineConfig(dtype='float32', num_gpu_blocks=64, block_size=16, max_batch_size=4,
+                                               max_prefill_token_num=100), show_progress=False)
+    config = GenerationConfig(max_new_tokens=6, ignore_eos=True, logprobs=3)
+    prompts = random_prompts([2, 9, 40, 140, 200], seed=11)
+    alone = [arrivals(engine, [prompt], config, 0)[0] for prompt in prompts]
+    assert arrivals(engine, prompts, config, 0) == alone
+    assert arrivals(engine, prompts, config, 1) == alone
 
 
 def test_state_slots_and_prefix_caching_off(jamba, caplog):
