@@ -1,9 +1,8 @@
 """Jamba (``JambaForCausalLM``: Mamba-1 layers, attention without positions, MoE) against transformers on a tiny
 random model: the selective scan and its recurrence against transformers' torch implementation, greedy tokens and
 first-step logits in fp32 (dense and expert layers, the top-k weights not renormalized), fp32 batch invariance,
-batching, chunked prefill
-(chunks ending anywhere) and preemption equal to solo runs with the recurrent-state slots given back, prefix caching
-turned off, tensor parallelism refused, and bf16 on the CPU."""
+batching, chunked prefill (chunks ending anywhere) and preemption equal to solo runs with the recurrent-state slots
+given back, prefix caching turned off, tensor parallelism refused, and bf16 on the CPU."""
 from __future__ import annotations
 
 import logging
