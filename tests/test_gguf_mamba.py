@@ -76,5 +76,7 @@ def test_gguf_mamba_matches_transformers(variant: str, tmp_path: Path, monkeypat
     engine = make_engine(str(src))
     assert engine.model_config.architecture == hf.config.architectures[0]
     assert engine.runner.cfg.kv_bytes_per_token() == 0
+    # not the converter's arbitrary 2**20 context (sized from memory: 4M blocks counting tokens, 16 s at start-up)
+    assert engine.model_config.max_position_embeddings == 4096
     prompts = random_prompts([1, 5, 23, 41], vocab=hf.config.vocab_size)
     assert_transformers_greedy(hf, prompts, run(engine, prompts))

@@ -1,7 +1,8 @@
 """Mamba and Falcon Mamba (``mamba``) and Jamba (``jamba``) from GGUF: the Mamba-1 decoders of ``models/mamba.py`` and
 ``models/jamba.py``. What convert_hf_to_gguf.py's ``MambaModel`` writes, read back here:
 
-- no attention: ``attention.head_count`` and ``feed_forward_length`` 0, a context of 2**20 (arbitrary);
+- no attention: ``attention.head_count`` and ``feed_forward_length`` 0, a context of 2**20 (arbitrary: the engine's
+  4096 for the checkpoints, which name none, is taken instead);
 - the mixer's sizes as ``ssm.*`` keys (``time_step_rank`` is dt's rank), Falcon Mamba told apart by
   ``ssm.dt_b_c_rms`` (its weightless norms on dt, B and C; their epsilon is not written: Falcon Mamba's configs' 1e-6);
 - ``A_log`` stored as ``ssm_a = -exp(A_log)`` and ``D`` as ``ssm_d``, without a ``.weight``; the convolution
@@ -42,16 +43,20 @@ LAYER_NAMES = {'mamba': {'attn_norm': 'norm', **_mixer_names('mixer')},
 UNSUFFIXED_NAMES = {'mamba': {'ssm_a': 'mixer.A_log', 'ssm_d': 'mixer.D'},
                     'jamba': {'ssm_a': 'mamba.A_log', 'ssm_d': 'mamba.D'}}
 FALCON_MAMBA_MIXER_EPS = 1e-6
+# the converter writes an arbitrary context of 2**20; the checkpoints name none and the engine takes 4096 for them
+MAMBA_CONTEXT = 4096
 
 
 def mamba_config(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
-    """The Mamba-1 blocks' fields; no attention heads (the file's 0 are not heads)."""
+    """The Mamba-1 blocks' fields; no attention heads (the file's 0 are not heads) and the checkpoints' context, not
+    the file's arbitrary one."""
     kernel, inner, state, rank = required(meta, Keys.SSM.CONV_KERNEL, Keys.SSM.INNER_SIZE, Keys.SSM.STATE_SIZE,
                                           Keys.SSM.TIME_STEP_RANK)
     falcon = bool(meta(Keys.SSM.DT_B_C_RMS, False))
     fields = {'model_type': 'falcon_mamba' if falcon else 'mamba',
               'architectures': ['FalconMambaForCausalLM' if falcon else 'MambaForCausalLM'],
               'num_attention_heads': None, 'num_key_value_heads': None, 'head_dim': None,
+              'max_position_embeddings': MAMBA_CONTEXT,
               'intermediate_size': inner, 'expand': inner // config['hidden_size'], 'state_size': state,
               'conv_kernel': kernel, 'time_step_rank': rank, 'layer_norm_epsilon': config['rms_norm_eps'],
               'use_conv_bias': 'blk.0.ssm_conv1d.bias' in tensors, 'use_bias': 'blk.0.ssm_in.bias' in tensors}
