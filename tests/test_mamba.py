@@ -1,7 +1,7 @@
 """Mamba and Falcon Mamba (``MambaForCausalLM``, ``FalconMambaForCausalLM``: Mamba-1 blocks only) against transformers
 on tiny random models: greedy tokens and first-step logits in fp32 (Falcon Mamba's weightless norms on dt/B/C, its
 projections with biases, an untied LM head), batching, chunked prefill and preemption equal to solo runs with the
-state slots given back, an engine sized from memory with no KV cache at all (and saying so), tensor parallelism
+state slots given back, an engine sized from memory with no KV cache at all (and saying so), bf16 on the CPU, tensor parallelism
 refused."""
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pytest
 from transformers import FalconMambaConfig, MambaConfig
 
 from conftest import VOCAB_SIZE, save_random_model
-from family_checks import assert_matches_transformers, assert_slots_free, hf_causal_lm
+from family_checks import (assert_bf16_within_twice_transformers, assert_matches_transformers, assert_slots_free,
+                           hf_causal_lm)
 from helpers import make_engine, random_prompts, run
 
 SHAPE = dict(hidden_size=64, num_hidden_layers=3, state_size=8, expand=2, conv_kernel=4, time_step_rank=8,
@@ -72,3 +73,9 @@ def test_no_kv_cache(falcon_mamba, caplog):
 def test_tensor_parallelism_is_refused(falcon_mamba):
     with pytest.raises(ValueError, match='Mamba-1 layers are not sharded for tensor parallelism; use tp=1'):
         make_engine(falcon_mamba, tp=2)
+
+
+def test_bf16_close_to_transformers(mamba_model):
+    """bf16 on the CPU (packed GEMM weights): the last logits differ from transformers' in fp32 by at most twice
+    what transformers' own bf16 model does (which keeps the residual in fp32, ``residual_in_fp32``)."""
+    assert_bf16_within_twice_transformers(mamba_model)
