@@ -1,8 +1,8 @@
 """Mamba and Falcon Mamba (``MambaForCausalLM``, ``FalconMambaForCausalLM``: Mamba-1 blocks only) against transformers
 on tiny random models: greedy tokens and first-step logits in fp32 (Falcon Mamba's weightless norms on dt/B/C, its
 projections with biases, an untied LM head), batching, chunked prefill and preemption equal to solo runs with the
-state slots given back, an engine sized from memory with no KV cache at all (and saying so), bf16 on the CPU, tensor parallelism
-refused."""
+state slots given back, an engine sized from memory with no KV cache at all (and saying so), bf16 on the CPU,
+tensor parallelism refused."""
 from __future__ import annotations
 
 import logging
