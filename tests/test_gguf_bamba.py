@@ -75,13 +75,8 @@ def save_gguf(path: Path, quantize: bool = False, rope_dim: int = 8,
     return src, folder
 
 
-@pytest.fixture
-def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(tmp_path / 'cache'))
-    return tmp_path / 'cache'
 
-
-def test_f32_file_is_the_checkpoint_and_matches_transformers(tmp_path: Path, cache: Path) -> None:
+def test_f32_file_is_the_checkpoint_and_matches_transformers(tmp_path: Path, tmp_gguf_cache: Path) -> None:
     """Converted with every tensor dequantized, the folder is the Bamba checkpoint (its config's layers, shapes and
     half rotary; every tensor bit for bit, q/k rows put back, ``A_log`` as the file holds it); the engine's 32
     greedy tokens and first-step logits equal transformers'."""
@@ -100,7 +95,7 @@ def test_f32_file_is_the_checkpoint_and_matches_transformers(tmp_path: Path, cac
                                 random_prompts([5, 33], seed=2, vocab=vocab))
 
 
-def test_q8_0_projections_stay_blocks_and_match_transformers(tmp_path: Path, cache: Path) -> None:
+def test_q8_0_projections_stay_blocks_and_match_transformers(tmp_path: Path, tmp_gguf_cache: Path) -> None:
     """Every projection in Q8_0 (attention, Mamba-2 in and out, the MLP) is held as its blocks; the greedy tokens
     equal transformers' on the weights the blocks hold."""
     src, folder = save_gguf(tmp_path, quantize=True)
@@ -118,7 +113,7 @@ def test_q8_0_projections_stay_blocks_and_match_transformers(tmp_path: Path, cac
 @pytest.mark.parametrize('rope_dim, extra_keys, message', [
     (4, None, 'turns 4 of its 16 head features'),
     (8, {'add_residual_scale': 0.22}, 'experts or Granite multipliers')])
-def test_other_partial_rotaries_are_refused(rope_dim, extra_keys, message, tmp_path: Path, cache: Path) -> None:
+def test_other_partial_rotaries_are_refused(rope_dim, extra_keys, message, tmp_path: Path, tmp_gguf_cache: Path) -> None:
     """A quarter rotary (transformers' Bamba turns half), or half with a Granite multiplier (not Bamba): refused,
     saying why."""
     src, _ = save_gguf(tmp_path, rope_dim=rope_dim, extra_keys=extra_keys)
