@@ -48,7 +48,8 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, config: PretrainedConfig, dtype: torch.dtype, quant_policy: int = 0) -> ModelConfig:
         hf_config = config.get_text_config()
-        num_heads = hf_config.num_attention_heads
+        # a model without attention (Mamba, Falcon Mamba) counts one nominal head: none of its layers has a KV cache
+        num_heads = getattr(hf_config, 'num_attention_heads', None) or 1
         layer_types = getattr(hf_config, 'layer_types', None) or []
         head_dim = getattr(hf_config, 'head_dim', None) or hf_config.hidden_size // num_heads
         kv_lora_rank = getattr(hf_config, 'kv_lora_rank', None)

@@ -29,6 +29,7 @@ from .gguf_archs import (ARCHITECTURES, CONFIG_BUILDERS, GLOBAL_NAMES, LAYER_NAM
 from .gguf_hybrid import PERMUTED_ARCHS as MAMBA2_PERMUTED_ARCHS
 from .gguf_keys import metadata
 from .gguf_hybrid import UNSUFFIXED_NAMES as MAMBA2_UNSUFFIXED_NAMES
+from .gguf_mamba import UNSUFFIXED_NAMES as MAMBA1_UNSUFFIXED_NAMES
 from .gguf_qwen3_next import ARCHITECTURES as HYBRID_ARCHS
 from .gguf_qwen3_next import FILE_LAYOUT as HYBRID_FILE_LAYOUT
 from .gguf_qwen3_next import UNSUFFIXED_NAMES
@@ -83,7 +84,8 @@ _PERMUTED_ARCHS = ('llama', 'smollm3', 'mistral3', 'granite', 'arcee', 'granitem
 SMOLLM3_NO_ROPE_INTERVAL = 4
 _LAYER_RE = re.compile(r'blk\.(\d+)\.([\w.]+)')  # LFM2's ``shortconv.in_proj`` has a dot
 # tensors llama.cpp names without a ``.weight``/``.bias`` kind (``ssm_a``; Mamba-2's ``ssm_d``)
-_UNSUFFIXED_NAMES = {**dict.fromkeys(HYBRID_ARCHS, UNSUFFIXED_NAMES), **MAMBA2_UNSUFFIXED_NAMES}
+_UNSUFFIXED_NAMES = {**dict.fromkeys(HYBRID_ARCHS, UNSUFFIXED_NAMES), **MAMBA2_UNSUFFIXED_NAMES,
+                     **MAMBA1_UNSUFFIXED_NAMES}
 _LAYER_INDEX = re.compile(r'blk\.(\d+)\.')
 _EXPERTS = re.compile(r'blk\.\d+\.ffn_(gate|up|down)_exps\.weight')
 # llama.cpp pre-tokenizers that transformers' GGUF reader does not know, by the one of its splits they use
@@ -153,7 +155,7 @@ def gguf_config(reader: GGUFReader, source: str, raw_types: Iterable[str] = RAW_
         'num_hidden_layers': key('block_count'),
         'num_attention_heads': heads,
         'num_key_value_heads': key('attention.head_count_kv', heads),
-        'head_dim': head_dim or hidden // heads,
+        'head_dim': head_dim or (hidden // heads if heads else None),  # Mamba's files: no heads
         'max_position_embeddings': key('context_length', 2048),
         'rms_norm_eps': key('attention.layer_norm_rms_epsilon', 1e-6),
         'rope_theta': key('rope.freq_base', 10000.0),
