@@ -6,7 +6,8 @@ Cohere2 (``cohere2``), EXAONE 4.0 (``exaone4``), Arcee (``arcee``), the dense Hu
 back one tensor per expert or fused as its checkpoints hold them); the other MoE families have their own module,
 ``gguf_moe_archs.py``, Qwen3-Next and Qwen3.5 (``qwen3next``, ``qwen35``, ``qwen35moe``) theirs,
 ``gguf_qwen3_next.py``, LFM2 and LFM2-MoE (``lfm2``, ``lfm2moe``) theirs, ``gguf_lfm2.py``, Gemma 3n
-(``gemma3n``) its own, ``gguf_gemma3n.py``, and Mamba and Falcon Mamba (``mamba``) theirs, ``gguf_mamba.py``, merged in here.
+(``gemma3n``) its own, ``gguf_gemma3n.py``, and Mamba and Falcon Mamba (``mamba``) theirs, ``gguf_mamba.py``,
+merged in here.
 
 Each has a config builder (the transformers config fields that llama.cpp keeps in metadata under gguf-py's
 ``Keys``, or fixes in its loader) and, where needed, a state-dict step in ``gguf_tensors.py`` that undoes what
@@ -305,5 +306,4 @@ CONFIG_BUILDERS: dict[str, Callable[[Meta, dict[str, Any], dict[str, Any]], dict
     'granitemoe': _granitemoe,
     **gguf_moe_archs.CONFIG_BUILDERS,
     **gguf_qwen3_next.CONFIG_BUILDERS, **gguf_lfm2.CONFIG_BUILDERS, **gguf_hybrid.CONFIG_BUILDERS,
-    **gguf_gemma3n.CONFIG_BUILDERS}
-    **gguf_mamba.CONFIG_BUILDERS}
+    **gguf_gemma3n.CONFIG_BUILDERS, **gguf_mamba.CONFIG_BUILDERS}
