@@ -72,6 +72,7 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'Mistral3ForConditionalGeneration': ('vlm', f'{_MISTRAL3}:Mistral3ForConditionalGeneration'),
     'Gemma3ForConditionalGeneration': ('vlm', 'lmdeploy.pytorch.models.gemma3_vl:Gemma3ForConditionalGeneration'),
     'Llama4ForConditionalGeneration': ('vlm', 'lmdeploy.pytorch.models.llama4_vl:Llama4ForConditionalGeneration'),
+    'Lfm2VlForConditionalGeneration': ('vlm', 'lmdeploy.pytorch.models.lfm2_vl:Lfm2VlForConditionalGeneration'),
 }
 
 

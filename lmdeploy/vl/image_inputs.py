@@ -44,6 +44,9 @@ class ImageInputs:
                   'llava': LlavaImageInputs, 'internvl': InternVLImageInputs,
                   'mistral3': Mistral3ImageInputs, 'gemma3': Gemma3ImageInputs,
                   'llama4': Llama4ImageInputs}
+        if config.model_type == 'lfm2_vl':
+            from lmdeploy.vl.lfm2_vl_inputs import Lfm2VlImageInputs  # a module of its own: it imports this one
+            family['lfm2_vl'] = Lfm2VlImageInputs
         kind = family.get(config.model_type)
         return kind(model_dir, config, tokenizer) if kind else None
 
