@@ -11,12 +11,14 @@ import ast
 import json
 import math
 import os
+import shutil
 from functools import lru_cache
 
 import openai
 import pytest
 import torch
 from conftest import build_tokenizer
+from PIL import Image
 from family_checks import assert_slots_free, assert_vl_matches_transformers
 from helpers import make_engine, run
 from server_helpers import serve, tiny_engine
@@ -236,3 +238,41 @@ def test_server_chat_with_a_data_url_image_matches_transformers(lfm2_vl_server, 
     reply = chat(client, messages)
     assert reply.choices[0].message.content == lfm2_vl_server.engine.tokenizer.decode(expected.tolist())
     assert reply.usage.prompt_tokens == len(prompt.input_ids)
+
+
+def test_prompt_pixels_and_metadata_are_those_of_the_torchvision_processor(lfm2_vl, tmp_path):
+    """transformers' ``Lfm2VlProcessor`` on torchvision (``tests/test_vl_torchvision_reference.py``'s subprocess)
+    writes the same token ids and gives the same tiles, masks and patch grids, and pixels to float32 rounding, at the
+    tiny model's settings and at the released checkpoints' (transformers' defaults: 512 px tiles of 16 px patches)."""
+    from test_vl_torchvision_reference import IMAGES as PICTURES
+    from test_vl_torchvision_reference import TORCHVISION, reference_outputs
+    if not os.path.isdir(TORCHVISION):
+        pytest.skip(f'no torchvision wheel in {TORCHVISION} (.ci/run puts it there)')
+    released = tmp_path / 'released'
+    shutil.copytree(lfm2_vl, released, ignore=shutil.ignore_patterns('*.safetensors'))
+    (released / 'preprocessor_config.json').write_text(json.dumps({'image_processor_type': 'Lfm2VlImageProcessor'}))
+    config = json.loads((released / 'config.json').read_text())
+    config['vision_config']['patch_size'] = 16
+    (released / 'config.json').write_text(json.dumps(config))
+    names = ['tiny', 'small', 'large', 'wide', 'tall']  # transformers' processor fails on grayscale (no RGB)
+    paths = {name: str(tmp_path / f'{name}.png') for name in names}
+    for name in names:
+        PICTURES[name].save(paths[name])
+    processed, jobs = [], []
+    for checkpoint in (str(shutil.copytree(lfm2_vl, tmp_path / 'tiny')), str(released)):
+        with open(os.path.join(checkpoint, 'processor_config.json'), 'w') as f:
+            json.dump({'processor_class': 'Lfm2VlProcessor'}, f)
+        processor = make_processor(checkpoint)
+        for name in names:
+            prompt = ('describe', Image.open(paths[name]))
+            processed.append((name, processor.process(prompt)))
+            jobs.append({'checkpoint': checkpoint, 'text': processor.render(prompt, images=[]),
+                         'images': [paths[name]]})
+    for (name, prompt), reference in zip(processed, reference_outputs(jobs, str(tmp_path))):
+        assert reference['backend'] == 'torchvision'
+        assert prompt.input_ids == reference['input_ids'][0].tolist(), name
+        data = prompt.multimodal[0].data
+        for key in ('pixel_attention_mask', 'spatial_shapes'):
+            assert torch.equal(data[key], reference[key].to(data[key].dtype)), (name, key)
+        assert data['pixel_values'].shape == reference['pixel_values'].shape, name
+        assert (data['pixel_values'] - reference['pixel_values']).abs().max() <= 1e-6, name
