@@ -14,15 +14,17 @@ import os
 import shutil
 from functools import lru_cache
 
+import httpx
 import openai
 import pytest
 import torch
 from conftest import build_tokenizer
+from safetensors.torch import load_file, save_file
 from PIL import Image
 from family_checks import assert_slots_free, assert_vl_matches_transformers
 from helpers import make_engine, run
 from server_helpers import serve, tiny_engine
-from test_vl import data_url
+from test_vl import data_url, png_bytes
 from test_vl_server import chat, image_message
 import transformers
 from transformers import AutoConfig, AutoModelForImageTextToText, Lfm2VlConfig
@@ -124,7 +126,8 @@ def lfm2_vl_tiling_functions() -> dict:
     path = os.path.join(os.path.dirname(transformers.__file__), 'models', 'lfm2_vl', 'image_processing_lfm2_vl.py')
     with open(path) as f:
         tree = ast.parse(f.read())
-    processor = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == 'Lfm2VlImageProcessor')
+    processor = next(node for node in tree.body
+                     if isinstance(node, ast.ClassDef) and node.name == 'Lfm2VlImageProcessor')
     methods = {'_target_ratios', '_get_grid_layout', 'smart_resize', '_is_image_too_large', '_get_split_layout'}
     processor.bases, processor.decorator_list = [], []
     processor.body = [node for node in processor.body if isinstance(node, ast.FunctionDef) and node.name in methods]
@@ -197,8 +200,16 @@ def test_a_span_or_tensors_that_do_not_fit_the_tiles_are_refused(lfm2_vl, prompt
         engine.add_request(prompt.input_ids, multimodal=[shorter])
     one_tile = type(image)(image.offset, image.length, image.content_hash,
                            {key: value[:1] for key, value in image.data.items()})
-    with pytest.raises(ValueError, match='do not fit together'):
+    with pytest.raises(ValueError, match='image of 1 x 2 tiles has 1 tiles of pixels'):
         engine.add_request(prompt.input_ids, multimodal=[one_tile])
+    fewer_pixels = type(image)(image.offset, image.length, image.content_hash,
+                               {**image.data, 'pixel_values': image.data['pixel_values'][:1]})
+    with pytest.raises(ValueError, match='do not fit together'):
+        engine.add_request(prompt.input_ids, multimodal=[fewer_pixels])
+    unmasked = type(image)(image.offset, image.length, image.content_hash,
+                           {**image.data, 'pixel_attention_mask': torch.ones_like(image.data['pixel_attention_mask'])})
+    with pytest.raises(ValueError, match='as many unmasked patches'):
+        engine.add_request(prompt.input_ids, multimodal=[unmasked])
     no_grid = type(image)(image.offset, image.length, image.content_hash,
                           {key: value for key, value in image.data.items() if key != 'tile_grid'})
     with pytest.raises(ValueError, match=r"missing \['tile_grid'\]"):
@@ -216,7 +227,19 @@ def test_model_is_built_as_the_config_says(lfm2_vl):
     model = make_engine(lfm2_vl).runner.model
     assert isinstance(model, Lfm2VlForConditionalGeneration)
     assert [layer.is_conv for layer in model.layers] == [True, False, True, False]
-    assert len(model.vision_tower.vision_model.encoder.layers) == 2
+    assert len(model.vision_tower.encoder.layers) == 2
+
+
+def test_the_hubs_tower_names_load(lfm2_vl, prompts, tmp_path):
+    """The hub's files name the tower ``model.vision_tower.vision_model.*`` (saved before transformers 5 dropped
+    that level): the same model, the same tokens."""
+    hub = shutil.copytree(lfm2_vl, tmp_path / 'hub')
+    for file in hub.glob('*.safetensors'):
+        tensors = load_file(file)
+        assert any(name.startswith('model.vision_tower.encoder.') for name in tensors)
+        save_file({name.replace('model.vision_tower.', 'model.vision_tower.vision_model.'): t
+                   for name, t in tensors.items()}, file, metadata={'format': 'pt'})
+    assert run(make_engine(str(hub)), prompts[1:2]) == run(make_engine(lfm2_vl), prompts[1:2])
 
 
 def test_tensor_parallelism_is_refused(lfm2_vl):
@@ -224,7 +247,7 @@ def test_tensor_parallelism_is_refused(lfm2_vl):
         make_engine(lfm2_vl, tp=2)
 
 
-@pytest.fixture
+@pytest.fixture(scope='module')
 def lfm2_vl_server(lfm2_vl):
     yield from serve(tiny_engine(lfm2_vl), model_name='tiny-vl')
 
@@ -276,3 +299,26 @@ def test_prompt_pixels_and_metadata_are_those_of_the_torchvision_processor(lfm2_
             assert torch.equal(data[key], reference[key].to(data[key].dtype)), (name, key)
         assert data['pixel_values'].shape == reference['pixel_values'].shape, name
         assert (data['pixel_values'] - reference['pixel_values']).abs().max() <= 1e-6, name
+
+
+def test_bad_images_are_400_and_the_server_goes_on(lfm2_vl_server):
+    """Broken bytes, a truncated PNG, a 1 x 16000 image and more images than a prompt may hold are each refused with
+    an OpenAI-style 400 before any reaches the engine; the next request gets its answer, nothing held."""
+    client = openai.OpenAI(base_url=f'{lfm2_vl_server.url}/v1', api_key='none', max_retries=0)
+    good = image_message(data_url(IMAGES[1]))
+    expected = chat(client, good).choices[0].message.content
+    full = png_bytes(IMAGES[0])
+    too_many = [{'role': 'user', 'content': [{'type': 'image_url', 'image_url': {'url': data_url(IMAGES[1])}}] * 17
+                 + [{'type': 'text', 'text': 'compare'}]}]
+    for messages, reason in [(image_message(data_url(b'not an image')), 'image'),
+                             (image_message(data_url(full[:len(full) // 2])), 'image'),
+                             (image_message(data_url(Image.new('RGB', (1, 16000)))), 'times its shortest'),
+                             (too_many, 'at most 16 images')]:
+        response = httpx.post(f'{lfm2_vl_server.url}/v1/chat/completions', timeout=60,
+                              json={'model': 'tiny-vl', 'messages': messages, 'max_tokens': 4})
+        assert response.status_code == 400, response.text
+        error = response.json()['error']
+        assert set(error) == {'message', 'type', 'param', 'code'} and reason in error['message'], error
+    assert chat(client, good).choices[0].message.content == expected
+    metrics = lfm2_vl_server.metrics()
+    assert metrics['lmdeploy:num_requests_running'] == 0 and metrics['lmdeploy:kv_cache_usage_perc'] == 0

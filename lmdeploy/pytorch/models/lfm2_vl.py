@@ -23,6 +23,7 @@ from lmdeploy.pytorch.models.vision_language import VISION_PREFIXES, VisionLangu
 from lmdeploy.pytorch.multimodal import MultiModalInput
 from lmdeploy.pytorch.weights.safetensors_loader import WeightSource
 
+HUB_TOWER = 'vision_tower.vision_model.'
 IMAGE_KEYS = ('pixel_values', 'pixel_attention_mask', 'spatial_shapes', 'tile_grid')
 
 
@@ -41,12 +42,13 @@ class Lfm2VlForConditionalGeneration(VisionLanguageModel, Lfm2ForCausalLM):
         self.requires_grad_(False)
 
     def split_fused(self, weights: Iterable[tuple[str, WeightSource]]) -> Iterator[tuple[str, WeightSource]]:
-        """The tower's and the projector's tensors as they are; the language model's renamed as LFM2's (whose
-        renames would also catch the tower's ``self_attn.out_proj``)."""
+        """The tower's and the projector's tensors as they are (the hub's ``vision_tower.vision_model.*``, saved
+        before transformers 5 dropped that level, as ``vision_tower.*``); the language model's renamed as LFM2's
+        (whose renames would also catch the tower's ``self_attn.out_proj``)."""
         for name, tensor in weights:
             name = name.removeprefix('model.')
             if name.startswith(VISION_PREFIXES):
-                yield name, tensor
+                yield name.replace(HUB_TOWER, 'vision_tower.', 1), tensor
             else:
                 yield from super().split_fused([(name.removeprefix('language_model.'), tensor)])
 
@@ -63,7 +65,8 @@ class Lfm2VlForConditionalGeneration(VisionLanguageModel, Lfm2ForCausalLM):
                 tuple(mask.shape) != tuple(pixels.shape[:2]) or tuple(shapes.shape) != (tiles, 2):
             raise ValueError(f"an LFM2-VL image's 'pixel_values' [tiles, patches, {self.patch_features}], "
                              f"'pixel_attention_mask' [tiles, patches], 'spatial_shapes' [tiles, 2] and 'tile_grid' "
-                             f'[[rows, columns]] do not fit together: {[list(image.data[k].shape) for k in IMAGE_KEYS]}')
+                             f'[[rows, columns]] do not fit together: '
+                             f'{[list(image.data[key].shape) for key in IMAGE_KEYS]}')
         rows, cols = (int(n) for n in grid[0])
         thumbnail = tiles - rows * cols
         if rows < 1 or cols < 1 or thumbnail not in ((0, 1) if rows * cols > 1 else (0, )):
