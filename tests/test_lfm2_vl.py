@@ -118,6 +118,8 @@ def test_spans_are_those_of_transformers_processor(lfm2_vl, prompts):
             text += Lfm2VlProcessor._build_image_tokens(names, rows, cols, tile_tokens, height * width // 4,
                                                         True, True) + part
         assert processed.input_ids == processor.tokenizer.encode(text, add_special_tokens=False)
+    for image, processed in zip(IMAGES, [prompts[1].multimodal[0], *prompts[2].multimodal]):
+        assert processor.image_inputs.least_tokens(image.size) == processed.length, 'known from the size alone'
 
 
 def lfm2_vl_tiling_functions() -> dict:
