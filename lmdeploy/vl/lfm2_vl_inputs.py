@@ -82,11 +82,10 @@ class Lfm2VlImageInputs(ImageInputs):
                              f'{config.downsample_factor}')
         self.max_patches = max(s.max_image_tokens * s.downsample_factor**2,
                                (s.tile_size // s.encoder_patch_size)**2 if s.do_image_splitting else 0)
-        # the normalized value of each uint8 level per channel, as the torchvision backend computes it (mean and
-        # std scaled by 1 / rescale_factor in float32, then (level - mean) / std)
+        # the torchvision backend's normalization: mean and std scaled by 1 / rescale_factor in float32, then
+        # (pixel - mean) / std
         scale = np.float32(1.0 / s.rescale_factor)
-        mean, std = (np.asarray(values, np.float32)[:, None] * scale for values in (s.image_mean, s.image_std))
-        self.level_values = (np.arange(256, dtype=np.float32)[None] - mean) / std
+        self.mean, self.std = (np.asarray(values, np.float32) * scale for values in (s.image_mean, s.image_std))
         # the processor's names of the image tokens, as Lfm2VlProcessor reads them from the tokenizer
         self.names = SimpleNamespace(
             image_token=getattr(tokenizer, 'image_token', '<image>'),
@@ -158,7 +157,7 @@ class Lfm2VlImageInputs(ImageInputs):
         shapes = np.zeros((len(tiles), 2), np.int64)
         for index, tile_pixels in enumerate(tiles):
             h, w = tile_pixels.shape[0] // patch, tile_pixels.shape[1] // patch
-            normalized = self.level_values[np.arange(3), tile_pixels]  # [H, W, 3]
+            normalized = (tile_pixels.astype(np.float32) - self.mean) / self.std  # [H, W, 3]
             patches = normalized.reshape(h, patch, w, patch, 3).transpose(0, 2, 1, 3, 4).reshape(h * w, -1)
             values[index, :h * w] = patches
             mask[index, :h * w] = 1
