@@ -54,14 +54,15 @@ TILES = [(1, 2), (1, 1), (2, 2)]
 PROMPTS = ['plain text', ('describe', IMAGES[0]), ('compare', [IMAGES[1], IMAGES[2]])]
 
 
-def save_tiny_lfm2_vl(path: str) -> str:
-    """Model, tokenizer (a ChatML template writing ``<image>``, LFM2-VL's image tokens) and image processor settings."""
+def save_tiny_lfm2_vl(path: str, vision: dict = VISION, preprocessor: dict = PREPROCESSOR) -> str:
+    """Model, tokenizer (a ChatML template writing ``<image>``, LFM2-VL's image tokens) and image processor settings
+    (``vision``: the tower's config, ``preprocessor``: ``preprocessor_config.json``)."""
     torch.manual_seed(0)
     tokenizer = build_tokenizer()
     tokenizer.add_special_tokens({'additional_special_tokens': IMAGE_TOKENS})
     tokenizer.chat_template = image_chat_template('<image>')
     text = TEXT | {'eos_token_id': tokenizer.eos_token_id, 'bos_token_id': tokenizer.bos_token_id}
-    config = Lfm2VlConfig(text_config=text, vision_config=VISION, projector_hidden_size=48,
+    config = Lfm2VlConfig(text_config=text, vision_config=vision, projector_hidden_size=48,
                           image_token_id=tokenizer.convert_tokens_to_ids('<image>'), downsample_factor=2)
     config.eos_token_id = tokenizer.eos_token_id
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
@@ -71,7 +72,7 @@ def save_tiny_lfm2_vl(path: str) -> str:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     with open(os.path.join(path, 'preprocessor_config.json'), 'w') as f:
-        json.dump(PREPROCESSOR, f)
+        json.dump(preprocessor, f)
     return path
 
 
