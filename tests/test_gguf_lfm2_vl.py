@@ -8,6 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
+import shutil
+
 import gguf
 import pytest
 import torch
@@ -43,9 +45,10 @@ def write_lfm2_gguf(model_dir: str, out: Path) -> None:
     finish(writer)
 
 
-def write_lfm2_mmproj(model_dir: str, out: Path) -> None:
+def write_lfm2_mmproj(model_dir: str, out: Path, skip: str | None = None) -> None:
     """The tower and projector as convert_hf_to_gguf.py ``--mmproj --outtype f32`` (LFM2VLModel) writes them from the
-    hub's names (``model.vision_tower.vision_model.*``): the patch embedding as a convolution's weight."""
+    hub's names (``model.vision_tower.vision_model.*``): the patch embedding as a convolution's weight; ``skip``: a
+    tensor left out."""
     config = AutoConfig.from_pretrained(model_dir)
     vision = config.vision_config
     writer = f32_mmproj_writer(out)
@@ -63,6 +66,8 @@ def write_lfm2_mmproj(model_dir: str, out: Path) -> None:
             continue
         hub_name = name.replace('model.vision_tower.', 'vision_tower.vision_model.').removeprefix('model.')
         data = value
+        if skip and name.endswith(skip):
+            continue
         if name.endswith('patch_embedding.weight'):
             patch = vision.patch_size
             data = value.view(value.shape[0], patch, patch, 3).permute(0, 3, 1, 2)
@@ -104,3 +109,16 @@ def test_gguf_pair_serves_image_prompts_like_the_original(lfm2_vl, gguf_pair):
     expected = run(make_engine(lfm2_vl), prompts)
     assert run(make_engine(model), from_gguf) == expected
     assert expected[1] != expected[2], 'the images must change the answer'
+
+
+def test_a_language_model_alone_is_text_and_an_incomplete_mmproj_is_refused(lfm2_vl, gguf_pair, tmp_path):
+    alone = tmp_path / 'alone'
+    alone.mkdir()
+    shutil.copy(gguf_pair / 'LFM2-VL-tiny-F32.gguf', alone / 'model.gguf')
+    assert AutoConfig.from_pretrained(resolve_gguf(str(alone / 'model.gguf'))).model_type == 'lfm2'
+    broken = tmp_path / 'broken'
+    broken.mkdir()
+    shutil.copy(gguf_pair / 'LFM2-VL-tiny-F32.gguf', broken / 'model.gguf')
+    write_lfm2_mmproj(lfm2_vl, broken / 'mmproj-model.gguf', skip='linear_2.weight')
+    with pytest.raises(ValueError, match=r'the lfm2 mmproj needs mm\.2\.weight'):
+        resolve_gguf(str(broken / 'model.gguf'))
