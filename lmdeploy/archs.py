@@ -14,6 +14,7 @@ Task = Literal['llm', 'vlm']
 _VL = 'lmdeploy.pytorch.models.vision_language'
 _MISTRAL3 = 'lmdeploy.pytorch.models.mistral3_vl'
 _QWEN3_5_VL = 'lmdeploy.pytorch.models.qwen3_5_vl:Qwen3_5ForConditionalGeneration'
+_GLM4V = 'lmdeploy.pytorch.models.glm4v'
 # architecture -> (task, 'module:class')
 SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'LlamaForCausalLM': ('llm', 'lmdeploy.pytorch.models.llama:LlamaForCausalLM'),
@@ -73,6 +74,9 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'Mistral3ForConditionalGeneration': ('vlm', f'{_MISTRAL3}:Mistral3ForConditionalGeneration'),
     'Gemma3ForConditionalGeneration': ('vlm', 'lmdeploy.pytorch.models.gemma3_vl:Gemma3ForConditionalGeneration'),
     'Llama4ForConditionalGeneration': ('vlm', 'lmdeploy.pytorch.models.llama4_vl:Llama4ForConditionalGeneration'),
+    'Glm4vForConditionalGeneration': ('vlm', f'{_GLM4V}:Glm4vForConditionalGeneration'),
+    'Glm4vMoeForConditionalGeneration': ('vlm', f'{_GLM4V}:Glm4vMoeForConditionalGeneration'),
+    'Glm46VForConditionalGeneration': ('vlm', f'{_GLM4V}:Glm46VForConditionalGeneration'),
     'Lfm2VlForConditionalGeneration': ('vlm', 'lmdeploy.pytorch.models.lfm2_vl:Lfm2VlForConditionalGeneration'),
 }
 

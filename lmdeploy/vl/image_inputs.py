@@ -43,7 +43,8 @@ class ImageInputs:
                   'qwen3_vl_moe': QwenVLImageInputs, 'qwen3_5': QwenVLImageInputs, 'qwen3_5_moe': QwenVLImageInputs,
                   'llava': LlavaImageInputs, 'internvl': InternVLImageInputs,
                   'mistral3': Mistral3ImageInputs, 'gemma3': Gemma3ImageInputs,
-                  'llama4': Llama4ImageInputs}
+                  'llama4': Llama4ImageInputs,
+                  'glm4v': QwenVLImageInputs, 'glm4v_moe': QwenVLImageInputs, 'glm46v': QwenVLImageInputs}
         if config.model_type == 'lfm2_vl':
             from lmdeploy.vl.lfm2_vl_inputs import Lfm2VlImageInputs  # a module of its own: it imports this one
             family['lfm2_vl'] = Lfm2VlImageInputs
@@ -68,8 +69,8 @@ class ImageInputs:
 
 
 class QwenVLImageInputs(ImageInputs):
-    """Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5: dynamic resolution; one token per merged ``merge x merge``
-    patch group."""
+    """Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5 and GLM-4.1V / 4.5V / 4.6V: dynamic resolution; one token per merged
+    ``merge x merge`` patch group."""
 
     def __call__(self, image: Image.Image) -> tuple[int, dict[str, torch.Tensor]]:
         out = self.image_processor(images=[image], return_tensors='np')
