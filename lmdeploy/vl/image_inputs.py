@@ -6,6 +6,8 @@ the preprocessing thread would start an OpenMP team there and slow the engine's 
 """
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import torch
 from PIL import Image
@@ -13,6 +15,17 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 
 LLAMA4_IMAGE_TOKENS = ['<|image|>', '<|image_start|>', '<|image_end|>', '<|tile_x_separator|>', '<|tile_y_separator|>']
+
+
+# Families whose preprocessing lives in a module of its own (which imports this one), imported when served: their
+# transformers processors take seconds to import.
+OWN_MODULES = {'smolvlm': 'smolvlm_inputs:SmolVLMImageInputs', 'idefics3': 'smolvlm_inputs:SmolVLMImageInputs',
+               'lfm2_vl': 'lfm2_vl_inputs:Lfm2VlImageInputs'}
+
+
+def _own_module(name: str) -> type:
+    module, cls = name.split(':')
+    return getattr(importlib.import_module(f'lmdeploy.vl.{module}'), cls)
 
 
 class ImageInputs:
@@ -43,8 +56,10 @@ class ImageInputs:
                   'qwen3_vl_moe': QwenVLImageInputs, 'qwen3_5': QwenVLImageInputs, 'qwen3_5_moe': QwenVLImageInputs,
                   'llava': LlavaImageInputs, 'internvl': InternVLImageInputs,
                   'mistral3': Mistral3ImageInputs, 'gemma3': Gemma3ImageInputs,
-                  'llama4': Llama4ImageInputs}
-        kind = family.get(config.model_type)
+                  'llama4': Llama4ImageInputs,
+                  'glm4v': QwenVLImageInputs, 'glm4v_moe': QwenVLImageInputs, 'glm46v': QwenVLImageInputs}
+        own_module = OWN_MODULES.get(config.model_type)
+        kind = _own_module(own_module) if own_module else family.get(config.model_type)
         return kind(model_dir, config, tokenizer) if kind else None
 
     def __call__(self, image: Image.Image) -> tuple[int, dict[str, torch.Tensor]]:
@@ -65,8 +80,8 @@ class ImageInputs:
 
 
 class QwenVLImageInputs(ImageInputs):
-    """Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5: dynamic resolution; one token per merged ``merge x merge``
-    patch group."""
+    """Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5 and GLM-4.1V / 4.5V / 4.6V: dynamic resolution; one token per merged
+    ``merge x merge`` patch group."""
 
     def __call__(self, image: Image.Image) -> tuple[int, dict[str, torch.Tensor]]:
         out = self.image_processor(images=[image], return_tensors='np')

@@ -99,7 +99,8 @@ class TopKRouter(Fp32Router):
 
 
 ROUTINGS = ('noaux_tc', 'greedy', 'group_limited_greedy')
-NOAUX_TC_MODEL_TYPES = ('deepseek_v3', 'glm4_moe', 'glm4_moe_lite', 'dots1', 'exaone_moe', 'afmoe')  # the model types that route by grouped_topk, whatever topk_method
+# the model types that route by grouped_topk, whatever topk_method
+NOAUX_TC_MODEL_TYPES = ('deepseek_v3', 'glm4_moe', 'glm4_moe_lite', 'glm4v_moe_text', 'dots1', 'exaone_moe', 'afmoe')
 
 
 class DeepseekV3MoE(nn.Module):
