@@ -99,7 +99,8 @@ class TopKRouter(Fp32Router):
 
 
 ROUTINGS = ('noaux_tc', 'greedy', 'group_limited_greedy')
-NOAUX_TC_MODEL_TYPES = ('deepseek_v3', 'glm4_moe', 'glm4_moe_lite')  # the model types that route by grouped_topk, whatever topk_method
+# the model types that route by grouped_topk, whatever topk_method
+NOAUX_TC_MODEL_TYPES = ('deepseek_v3', 'glm4_moe', 'glm4_moe_lite', 'deepseek_v32', 'glm_moe_dsa')
 
 
 class DeepseekV3MoE(nn.Module):
