@@ -4,20 +4,26 @@ top-k boundary, prefix-cache hits, tensor parallelism, the indexer keys' place i
 selection matters (dense attention gives other tokens)."""
 from __future__ import annotations
 
+import json
 import logging
+import os
+import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import DeepseekV32Config
 
 from conftest import VOCAB_SIZE, save_random_model
 from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_matches_transformers,
                            assert_tp2_equals_tp1, hf_causal_lm, prefix_sharing_prompts)
-from helpers import make_engine, random_prompts, run
+from helpers import assert_transformers_greedy, make_engine, random_prompts, run
+from test_deepseek import FP8_BLOCK, dequantize_blockwise, quantize_blockwise
 
 from lmdeploy.pytorch.kernels import dsa
 
 KV_LORA_RANK, ROPE_DIM, INDEX_DIM, TOP_K = 32, 8, 16, 8
+FP8_WEIGHTS = ('proj.weight', 'proj_with_mqa.weight', 'wq_b.weight', 'wk.weight')
 YARN = {'rope_type': 'yarn', 'rope_theta': 10000.0, 'factor': 4.0, 'original_max_position_embeddings': 64,
         'beta_fast': 32.0, 'beta_slow': 1.0, 'mscale': 1.0, 'mscale_all_dim': 1.0}
 
@@ -85,3 +91,29 @@ def test_cache_holds_the_latent_and_the_indexer_key_per_token(deepseek_v32, capl
     per_token = 3 * (KV_LORA_RANK + ROPE_DIM + INDEX_DIM) * 4  # three layers, fp32
     assert engine.runner.cfg.kv_bytes_per_token() == per_token
     assert f'{per_token} bytes per token' in caplog.text and 'indexer keys (DSA)' in caplog.text
+
+
+@pytest.mark.slow
+def test_fp8_block_scaled_checkpoint_is_dequantized_at_load(deepseek_v32, tmp_path):
+    """The hub's layout: the decoder's projections and the indexer's ``wq_b`` and ``wk`` in fp8 with block scales,
+    its ``weights_proj`` not; the engine equals transformers on the same weights dequantized independently."""
+    quantized, dequantized = {}, {}
+    for name, tensor in load_file(os.path.join(deepseek_v32, 'model.safetensors')).items():
+        if name.startswith('model.layers.') and name.endswith(FP8_WEIGHTS) and 'weights_proj' not in name:
+            codes, scales = quantize_blockwise(tensor, FP8_BLOCK)
+            quantized[name], quantized[f'{name}_scale_inv'] = codes, scales
+            dequantized[name] = dequantize_blockwise(codes, scales, FP8_BLOCK)
+        else:
+            quantized[name] = dequantized[name] = tensor
+    assert sum(name.endswith(('wq_b.weight_scale_inv', 'wk.weight_scale_inv')) for name in quantized) == 6
+    folders = {}
+    for kind, weights in (('fp8', quantized), ('dense', dequantized)):
+        folders[kind] = shutil.copytree(deepseek_v32, tmp_path / kind)
+        save_file(weights, str(folders[kind] / 'model.safetensors'), metadata={'format': 'pt'})
+    config = json.loads((folders['fp8'] / 'config.json').read_text())
+    config['quantization_config'] = {'quant_method': 'fp8', 'fmt': 'e4m3', 'activation_scheme': 'dynamic',
+                                     'weight_block_size': FP8_BLOCK}
+    (folders['fp8'] / 'config.json').write_text(json.dumps(config))
+    prompts = random_prompts([5, 40], seed=11)
+    assert_transformers_greedy(hf_causal_lm(str(folders['dense'])), prompts, run(make_engine(str(folders['fp8'])),
+                                                                                 prompts))
