@@ -61,6 +61,7 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'Starcoder2ForCausalLM': ('llm', 'lmdeploy.pytorch.models.starcoder2:Starcoder2ForCausalLM'),
     'FalconH1ForCausalLM': ('llm', 'lmdeploy.pytorch.models.falcon_h1:FalconH1ForCausalLM'),
     'BambaForCausalLM': ('llm', 'lmdeploy.pytorch.models.granitemoehybrid:BambaForCausalLM'),
+    'GraniteMoeSharedForCausalLM': ('llm', 'lmdeploy.pytorch.models.granite:GraniteMoeSharedForCausalLM'),
     'DeepseekV32ForCausalLM': ('llm', 'lmdeploy.pytorch.models.deepseek_v32:DeepseekV32ForCausalLM'),
     'GlmMoeDsaForCausalLM': ('llm', 'lmdeploy.pytorch.models.deepseek_v32:GlmMoeDsaForCausalLM'),
     'Qwen2VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),

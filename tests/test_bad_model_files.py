@@ -16,10 +16,7 @@ def good(tmp_path_factory) -> dict[str, Path]:
     return save_good_models(tmp_path_factory.mktemp('good'))
 
 
-@pytest.fixture(autouse=True)
-def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(tmp_path / 'cache'))
-    return tmp_path / 'cache'
+pytestmark = pytest.mark.usefixtures('tmp_gguf_cache')
 
 
 @pytest.mark.parametrize('kind', ['hf', 'gguf'])
@@ -29,7 +26,7 @@ def test_the_good_models_load(good, kind):
 
 @pytest.mark.parametrize('entry', [build_engine, build_pipeline], ids=['engine', 'pipeline'])
 @pytest.mark.parametrize('name', sorted(BAD_FILES))
-def test_a_bad_model_file_gets_a_clear_error(good, name, entry, tmp_path, cache):
+def test_a_bad_model_file_gets_a_clear_error(good, name, entry, tmp_path, tmp_gguf_cache):
     if name in NEEDS_PERMISSIONS and os.geteuid() == 0:
         pytest.skip('root reads files without read permission')
     bad = BAD_FILES[name]
@@ -45,7 +42,7 @@ def test_a_bad_model_file_gets_a_clear_error(good, name, entry, tmp_path, cache)
     assert not missing, f'{missing} not in: {caught.value}'
     assert '\n' not in message  # the command line prints it as one line
     assert not [t for t in set(threading.enumerate()) - threads if t.is_alive()]
-    assert not (cache / 'gguf').exists() or not os.listdir(cache / 'gguf')
+    assert not (tmp_gguf_cache / 'gguf').exists() or not os.listdir(tmp_gguf_cache / 'gguf')
 
 
 @pytest.mark.parametrize('command, name', [(['serve', 'api_server', '--server-port', '0'], 'gguf_truncated'),

@@ -171,14 +171,9 @@ def save_gguf(variant: str, path: Path, quantize: bool = False) -> tuple[Path, s
     return src, folder
 
 
-@pytest.fixture
-def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(tmp_path / 'cache'))
-    return tmp_path / 'cache'
-
 
 @pytest.mark.parametrize('variant', sorted(VARIANTS))
-def test_f32_file_is_the_checkpoint_and_matches_transformers(variant: str, tmp_path: Path, cache: Path) -> None:
+def test_f32_file_is_the_checkpoint_and_matches_transformers(variant: str, tmp_path: Path, tmp_gguf_cache: Path) -> None:
     """Converted with every tensor dequantized, the folder is the checkpoint (config fields and every tensor bit for
     bit, ``A_log`` as the file holds it); the engine's 32 greedy tokens and first-step logits equal transformers'."""
     src, folder = save_gguf(variant, tmp_path)
@@ -199,7 +194,7 @@ def test_f32_file_is_the_checkpoint_and_matches_transformers(variant: str, tmp_p
                                 random_prompts([5, 33], seed=2, vocab=vocab))
 
 
-def test_q8_0_projections_stay_blocks_and_match_transformers(tmp_path: Path, cache: Path) -> None:
+def test_q8_0_projections_stay_blocks_and_match_transformers(tmp_path: Path, tmp_gguf_cache: Path) -> None:
     """Every projection in Q8_0 is held as its blocks (attention q/k/v and output, the Mamba-2 in and out projections,
     the shared MLP, the experts); only the routers are dense. In fp32 the greedy tokens equal transformers' on the
     weights the blocks hold, batched as alone; every KV block and recurrent-state slot comes back."""
@@ -226,17 +221,17 @@ def test_q8_0_projections_stay_blocks_and_match_transformers(tmp_path: Path, cac
     assert_transformers_greedy(hf, prompts, batched)
 
 
-def test_file_without_its_mamba2_groups_is_refused(tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_file_without_its_mamba2_groups_is_refused(tmp_path: Path, tmp_gguf_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """llama.cpp requires ``ssm.group_count`` (the Mamba-2 layers' B/C groups): a file without it is refused, naming
     the key, and leaves nothing in the cache."""
     monkeypatch.setattr(gguf.GGUFWriter, 'add_ssm_group_count', lambda writer, count: None)
     src, _ = save_gguf('dense', tmp_path)
     with pytest.raises(ConfigError, match='ssm.group_count'):
         resolve_gguf(str(src))
-    assert not (cache / 'gguf').exists() or not list((cache / 'gguf').iterdir())
+    assert not (tmp_gguf_cache / 'gguf').exists() or not list((tmp_gguf_cache / 'gguf').iterdir())
 
 
-def test_file_without_the_rotary_switch_rotates(tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_file_without_the_rotary_switch_rotates(tmp_path: Path, tmp_gguf_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """llama.cpp turns a ``granitehybrid`` file's queries and keys unless ``rope.scaling.finetuned`` is false: a file
     without the key is read as rotary (the converter writes it false for Granite 4.0-H, see the tests above)."""
     monkeypatch.setattr(gguf.GGUFWriter, 'add_rope_scaling_finetuned', lambda writer, value: None)

@@ -127,14 +127,9 @@ def save_gguf(variant: str, path: Path, quantize: bool = False) -> tuple[Path, s
     return src, folder
 
 
-@pytest.fixture
-def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(tmp_path / 'cache'))
-    return tmp_path / 'cache'
-
 
 @pytest.mark.parametrize('variant', ['mlp', 'moe_latent'])
-def test_f32_file_is_the_checkpoint_and_matches_transformers(variant: str, tmp_path: Path, cache: Path) -> None:
+def test_f32_file_is_the_checkpoint_and_matches_transformers(variant: str, tmp_path: Path, tmp_gguf_cache: Path) -> None:
     """Converted with every tensor dequantized, the folder is the checkpoint (config fields and every tensor bit for
     bit, ``A_log`` as the file holds it); the engine's 32 greedy tokens and first-step logits equal transformers'."""
     src, folder = save_gguf(variant, tmp_path)
@@ -159,7 +154,7 @@ def test_f32_file_is_the_checkpoint_and_matches_transformers(variant: str, tmp_p
                                 random_prompts([5, 33], seed=2, vocab=vocab))
 
 
-def test_q8_0_projections_stay_blocks_and_match_transformers(tmp_path: Path, cache: Path) -> None:
+def test_q8_0_projections_stay_blocks_and_match_transformers(tmp_path: Path, tmp_gguf_cache: Path) -> None:
     """Every projection in Q8_0 (a model of every block kind): the attention blocks' q/k/v and output, the Mamba-2
     blocks' in and out projections, the MLP blocks' up and down, the MoE blocks' experts, shared experts and latent
     projections are held as their blocks (only the routers are dense). In fp32 the greedy tokens

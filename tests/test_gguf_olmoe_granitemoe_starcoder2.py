@@ -1,9 +1,9 @@
 """OLMoE, Granite 3 MoE and StarCoder2 from GGUF (llama.cpp's ``olmoe``, ``granitemoe``, ``starcoder2``): a tiny
 random transformers model written as convert_hf_to_gguf.py writes it (OLMoE's experts stacked per projection, its q/k
 norms over all heads, q/k rows as they are; Granite 3 MoE's q/k rows permuted as Llama's, its multipliers as scales,
-each fused ``input_linear`` split into stacked gate and up experts; StarCoder2's biased LayerNorms and projections,
-``c_fc``/``c_proj`` as ``ffn_up``/``ffn_down``), read back into the original tensors and served token for token like
-transformers on the original model; with the projections and experts in Q8_0, served as their blocks."""
+each fused ``input_linear`` split into stacked gate and up experts, a shared MLP's into ``ffn_{gate,up}_shexp``;
+StarCoder2's biased LayerNorms and projections, ``c_fc``/``c_proj`` as ``ffn_up``/``ffn_down``), read back into the
+original tensors and served token for token like transformers on the original model; with the projections and experts in Q8_0, served as their blocks."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -26,12 +26,13 @@ from test_granitemoe import granitemoe_config
 from test_olmoe import olmoe_config
 from test_starcoder2 import starcoder2_config
 
-from lmdeploy.messages import ConfigError
 
 ARCHS = {'olmoe': gguf.MODEL_ARCH.OLMOE, 'granitemoe': gguf.MODEL_ARCH.GRANITE_MOE,
          'starcoder2': gguf.MODEL_ARCH.STARCODER2}
 CONFIGS = {'olmoe': olmoe_config, 'granitemoe': granitemoe_config,
            'starcoder2': lambda **overrides: starcoder2_config(sliding_window=None, **overrides)}
+# Granite 3 MoE and GraniteMoeShared (test_gguf_granitemoeshared.py), both ``granitemoe`` files
+GRANITE_MOE_TYPES = ('granitemoe', 'granitemoeshared')
 # the projections and experts that the Q8_0 files hold as blocks
 QUANTIZED = ('proj.weight', 'c_fc.weight', 'c_proj.weight', 'input_linear.weight', 'output_linear.weight')
 
@@ -53,20 +54,23 @@ def add_metadata(writer: gguf.GGUFWriter, config) -> None:
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_expert_count(config.num_local_experts)
     writer.add_expert_used_count(config.num_experts_per_tok)
-    if config.model_type == 'granitemoe':
+    if config.model_type in GRANITE_MOE_TYPES:
         writer.add_vocab_size(config.vocab_size)
         writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
         writer.add_attention_scale(config.attention_multiplier)
         writer.add_embedding_scale(config.embedding_multiplier)
         writer.add_residual_scale(config.residual_multiplier)
         writer.add_logit_scale(config.logits_scaling)
+    if getattr(config, 'shared_intermediate_size', 0):
+        writer.add_expert_shared_feed_forward_length(config.shared_intermediate_size)
 
 
 def file_tensors(folder: str, config, quantize: bool) -> dict[str, np.ndarray]:
     """The saved checkpoint's tensors under the file's names, as the converter writes them; with ``quantize`` the
     projections and experts as Q8_0 blocks, and the checkpoint in ``folder`` rewritten with what those blocks hold."""
     state = load_file(str(Path(folder) / 'model.safetensors'))
-    names = gguf.get_tensor_name_map(ARCHS[config.model_type], config.num_hidden_layers)
+    arch = ARCHS['granitemoe' if config.model_type in GRANITE_MOE_TYPES else config.model_type]
+    names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     stacked: dict[str, list[np.ndarray]] = {}
     out = {}
     for name, tensor in state.items():
@@ -74,16 +78,18 @@ def file_tensors(folder: str, config, quantize: bool) -> dict[str, np.ndarray]:
         if quantize and name.endswith(QUANTIZED):  # row by row: the same blocks before or after a permutation
             data = gguf.quants.quantize(data, Q.Q8_0)
             state[name] = torch.from_numpy(gguf.quants.dequantize(data, Q.Q8_0))
-        if config.model_type == 'granitemoe' and name.endswith(('q_proj.weight', 'k_proj.weight')):
+        if config.model_type in GRANITE_MOE_TYPES and name.endswith(('q_proj.weight', 'k_proj.weight')):
             data = llama_permute(data, config.num_attention_heads if 'q_proj' in name else config.num_key_value_heads)
         layer = name.removeprefix('model.layers.').partition('.')[0]
         if '.mlp.experts.' in name:  # OLMoE's experts, one tensor each: stacked per projection
             prefix, _, rest = name.partition('.experts.')
             stacked.setdefault(f'{prefix}.experts.{rest.partition(".")[2]}', []).append(data)
-        elif name.endswith('input_linear.weight'):  # Granite's fused gate and up: split
-            gate, up = np.split(data, 2, axis=1)
-            out[gguf.TENSOR_NAMES[T.FFN_GATE_EXP].format(bid=layer) + '.weight'] = gate
-            out[gguf.TENSOR_NAMES[T.FFN_UP_EXP].format(bid=layer) + '.weight'] = up
+        elif name.endswith('input_linear.weight'):  # Granite's fused gate and up (experts, shared MLP): split
+            shared = 'shared_mlp' in name
+            gate, up = np.split(data, 2, axis=0 if shared else 1)
+            for part, values in ((T.FFN_GATE_SHEXP if shared else T.FFN_GATE_EXP, gate),
+                                 (T.FFN_UP_SHEXP if shared else T.FFN_UP_EXP, up)):
+                out[gguf.TENSOR_NAMES[part].format(bid=layer) + '.weight'] = values
         else:
             out[names.get_name(name, try_suffixes=('.weight', '.bias'))] = data
     for name, experts in stacked.items():  # in expert order: the checkpoint lists them sorted, 0 to 3
@@ -93,17 +99,16 @@ def file_tensors(folder: str, config, quantize: bool) -> dict[str, np.ndarray]:
     return out
 
 
-def save_gguf(kind: str, path: Path, quantize: bool,
-              extra: dict[str, np.ndarray] | None = None) -> tuple[Path, str, int]:
-    """A tiny random ``kind`` saved in ``path / 'hf'`` and written to ``path / 'model.gguf'`` (with the ``extra``
-    tensors): the file, the folder and the vocabulary size."""
+def save_gguf(kind: str, path: Path, quantize: bool, make_config=None) -> tuple[Path, str, int]:
+    """A tiny random ``kind`` (of ``make_config``'s config where given) saved in ``path / 'hf'`` and written to
+    ``path / 'model.gguf'``: the file, the folder and the vocabulary size."""
     src = path / 'model.gguf'
     writer = gguf.GGUFWriter(str(src), gguf.MODEL_ARCH_NAMES[ARCHS[kind]])
     vocab = _add_tokenizer(writer)
-    folder = save_random_model(CONFIGS[kind](vocab_size=vocab), str(path / 'hf'))
+    folder = save_random_model((make_config or CONFIGS[kind])(vocab_size=vocab), str(path / 'hf'))
     config = AutoConfig.from_pretrained(folder)
     add_metadata(writer, config)
-    for name, data in (file_tensors(folder, config, quantize) | (extra or {})).items():
+    for name, data in file_tensors(folder, config, quantize).items():
         writer.add_tensor(name, np.ascontiguousarray(data), raw_dtype=Q.Q8_0 if data.dtype == np.uint8 else None)
     finish(writer)
     return src, folder, vocab
@@ -136,13 +141,3 @@ def test_gguf_q8_0_kept_as_blocks(kind: str, tmp_path: Path, monkeypatch: pytest
     prompts = random_prompts([5, 40], vocab=vocab)
     assert_transformers_greedy(hf, prompts, run(engine, prompts))
 
-
-def test_gguf_granitemoe_with_a_shared_mlp_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """GraniteMoeShared converts to ``granitemoe`` too, with a shared MLP (``ffn_*_shexp``) that Granite 3 MoE has
-    no place for: the file is refused, saying so, rather than served without it."""
-    monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(tmp_path / 'cache'))
-    shared = {f'blk.{layer}.ffn_{proj}_shexp.weight': np.zeros((32, 64) if proj != 'down' else (64, 32), np.float32)
-              for layer in range(2) for proj in ('gate', 'up', 'down')}
-    src, _, _ = save_gguf('granitemoe', tmp_path, quantize=False, extra=shared)
-    with pytest.raises(ConfigError, match='shared MLP'):
-        make_engine(str(src))

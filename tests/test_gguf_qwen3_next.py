@@ -215,14 +215,9 @@ def random_hybrid(path: Path, variant: str, types: dict[str, Q] | None = None) -
     return hf
 
 
-@pytest.fixture
-def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(tmp_path / 'cache'))
-    return tmp_path / 'cache'
-
 
 @pytest.mark.parametrize('variant', sorted(VARIANTS))
-def test_f32_file_is_the_checkpoint_and_matches_transformers(tmp_path: Path, cache: Path, variant: str) -> None:
+def test_f32_file_is_the_checkpoint_and_matches_transformers(tmp_path: Path, tmp_gguf_cache: Path, variant: str) -> None:
     """Converted with every tensor dequantized, the folder is transformers' checkpoint of what the file holds (config
     fields and weights, bit for bit; the next-token-prediction block left out); the engine's 32 greedy tokens and
     first-step logits equal transformers'."""
@@ -263,7 +258,7 @@ def layer_types(model: torch.nn.Module) -> dict[str, str | list[str]]:
 
 
 @pytest.mark.parametrize('variant', sorted(VARIANTS))
-def test_quantized_projections_stay_blocks_and_match_transformers(tmp_path: Path, cache: Path, variant: str) -> None:
+def test_quantized_projections_stay_blocks_and_match_transformers(tmp_path: Path, tmp_gguf_cache: Path, variant: str) -> None:
     """A Q4_K_M-like file (:data:`MIXED`): every projection of the linear attention (but its one-row-per-head b and
     a), of the gated full attention, of the MLP, shared expert and experts is held as the file's blocks, of the
     file's type; only those b and a, the routers and the shared expert's gate are dense. In fp32 the greedy tokens
@@ -293,7 +288,7 @@ def test_quantized_projections_stay_blocks_and_match_transformers(tmp_path: Path
     assert_transformers_greedy(reference, prompts, batched)
 
 
-def test_chat_template_and_tokenizer_come_from_the_file(tmp_path: Path, cache: Path) -> None:
+def test_chat_template_and_tokenizer_come_from_the_file(tmp_path: Path, tmp_gguf_cache: Path) -> None:
     random_hybrid(tmp_path, 'qwen35')
     tokenizer = Tokenizer(resolve_gguf(str(tmp_path / 'model.gguf')))
     assert tokenizer.hf.chat_template == CHAT_TEMPLATE
@@ -304,7 +299,7 @@ def test_chat_template_and_tokenizer_come_from_the_file(tmp_path: Path, cache: P
     assert tokenizer.eos_token_ids == {len(tokenizer.hf) - 1}
 
 
-def test_file_without_its_linear_attention_heads_is_refused(tmp_path: Path, cache: Path,
+def test_file_without_its_linear_attention_heads_is_refused(tmp_path: Path, tmp_gguf_cache: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """llama.cpp requires ``ssm.group_count`` (the linear attention's key heads): a file without it is refused,
     naming the key, and leaves nothing in the cache."""
@@ -312,4 +307,4 @@ def test_file_without_its_linear_attention_heads_is_refused(tmp_path: Path, cach
     random_hybrid(tmp_path, 'qwen35')
     with pytest.raises(ConfigError, match='ssm.group_count'):
         resolve_gguf(str(tmp_path / 'model.gguf'))
-    assert not (cache / 'gguf').exists() or not list((cache / 'gguf').iterdir())
+    assert not (tmp_gguf_cache / 'gguf').exists() or not list((tmp_gguf_cache / 'gguf').iterdir())

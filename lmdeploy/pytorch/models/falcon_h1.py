@@ -2,7 +2,9 @@
 and a Mamba-2 mixer (``models/mamba2.py``, a recurrent state per sequence) read the same normed input and the
 residual adds the sum of their outputs; then a gated SiLU MLP. Its µP multipliers scale the embeddings and logits
 at run time and are folded into the projections' float weights at load (:func:`fold_multipliers`); the key
-multiplier scales the attention scores. Every layer holds both a KV cache and a recurrent state
+multiplier scales the attention scores. Its GGUF files (``weights/gguf_hybrid.py``) hold every multiplier folded
+into the tensors, their configs each multiplier as 1: nothing is folded again, and their projections may stay
+quantized. Every layer holds both a KV cache and a recurrent state
 (:class:`KVAndStates`); every step runs the layers' own forward (no native decoder stack)."""
 from __future__ import annotations
 
@@ -45,12 +47,14 @@ def mup_vector(hf: PretrainedConfig) -> torch.Tensor:
 
 def scale_linear(linear: Linear, inputs: float = 1.0, outputs: torch.Tensor | float = 1.0) -> None:
     """Folds ``linear(x * inputs) * outputs`` (``outputs`` one factor, or one per output feature) into the layer's
-    float weight and bias."""
+    float weight and bias; factors of 1 (a GGUF file's, whose tensors hold them) leave it as it is."""
+    factors = (torch.as_tensor(outputs, dtype=torch.float32) * inputs).reshape(-1, 1)
+    if bool((factors == 1).all()) and bool((torch.as_tensor(outputs) == 1).all()):
+        return
     weight = getattr(linear, 'weight', None)
     if weight is None or not weight.is_floating_point():
         raise ValueError('FalconH1ForCausalLM folds its µP multipliers into float weights; load a float (fp32, '
                          'bf16, fp16) checkpoint')
-    factors = (torch.as_tensor(outputs, dtype=torch.float32) * inputs).reshape(-1, 1)
     weight.copy_(weight.float() * factors)
     if linear.bias is not None:
         linear.bias.copy_(linear.bias.float() * torch.as_tensor(outputs, dtype=torch.float32))

@@ -7,17 +7,26 @@ Granite 3 MoE (``GraniteMoeForCausalLM``: granite-3.x-1b-a400m, 3b-a800m): the s
 mixture of experts in place of each MLP, routed by a softmax over the top-k router logits (the softmax over all
 experts renormalized over the top k: the same weights); the checkpoints stack each layer's experts
 (``block_sparse_moe.input_linear [E, 2I, H]``, gate rows first, and ``output_linear [E, H, I]``). Its layers run in
-the native decoder stack (``residual_scale``, MoE blocks)."""
+the native decoder stack (``residual_scale``, MoE blocks).
+
+GraniteMoeShared (``GraniteMoeSharedForCausalLM``): Granite 3 MoE whose layers add an ungated SiLU-gated shared MLP
+of ``shared_intermediate_size`` (the checkpoints' layer-level ``shared_mlp.input_linear``/``output_linear``) to the
+experts' output; the engine keeps it in the MoE block (:class:`GraniteSharedMoeBlock`), which runs in the native
+decoder stack as a ``MoEBlock`` with shared experts."""
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
 
 from lmdeploy.pytorch.config import ModelConfig
-from lmdeploy.pytorch.models.llama import KVCache, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, layer_window
-from lmdeploy.pytorch.models.moe import MoEForCausalLM, split_stacked_experts
+from lmdeploy.pytorch.kernels import cpu
+from lmdeploy.pytorch.models.llama import (KVCache, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP,
+                                           layer_window)
+from lmdeploy.pytorch.models.moe import (MoEForCausalLM, SparseMoeBlock, native_experts_with_shared,
+                                         split_stacked_experts)
 from lmdeploy.pytorch.nn.decoder_stack import LayerWeights
 from lmdeploy.pytorch.step_context import StepContext
 from lmdeploy.pytorch.weights.safetensors_loader import WeightSource
@@ -29,6 +38,8 @@ RENAMED = {'.block_sparse_moe.router.layer.': '.mlp.gate.',
            '.block_sparse_moe.output_linear.weight': '.mlp.experts.down_proj',
            '.shared_mlp.input_linear.': '.shared_mlp.gate_up_proj.',
            '.shared_mlp.output_linear.': '.shared_mlp.down_proj.'}
+# a layer's shared MLP, not already under its MoE block (GGUF folders that keep it as blocks name it there)
+LAYER_SHARED_MLP = re.compile(r'(layers\.\d+)\.shared_mlp\.')
 
 
 class GraniteDecoderLayer(LlamaDecoderLayer):
@@ -88,3 +99,39 @@ class GraniteMoeForCausalLM(GraniteForCausalLM, MoEForCausalLM):
             if old in name:
                 return name.replace(old, new)
         return name
+
+
+class GraniteSharedMoeBlock(SparseMoeBlock):
+    """GraniteMoeShared's MLP: Granite 3 MoE's routed experts plus an ungated gated-SiLU ``shared_mlp`` of
+    ``shared_intermediate_size`` features."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        hf = cfg.hf_config
+        self.shared_mlp = LlamaMLP(cfg, hf.shared_intermediate_size, activation=hf.hidden_act)
+
+    def native_moe(self, small_step: bool = False) -> object | None:
+        """This block as a ``MoEBlock`` of the native decoder stack, its shared MLP as ungated shared experts; None
+        where a part runs on no native kernel."""
+        native = native_experts_with_shared(self.experts, self.shared_mlp, small_step)
+        router = self.gate.kernel.router_projection(self.gate.bias)
+        if native is None or router is None:
+            return None
+        return cpu.native().MoEBlock(router=router, top_k=self.top_k, renormalize=self.renormalize,
+                                     routing='softmax', **native)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + self.shared_mlp(x)
+
+
+class GraniteMoeSharedForCausalLM(GraniteMoeForCausalLM):
+    """GraniteMoeShared's decoder: Granite 3 MoE's, each MoE block with its shared MLP (none where
+    ``shared_intermediate_size`` is 0, as transformers builds it)."""
+
+    def make_mlp(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
+        return GraniteSharedMoeBlock(cfg) if cfg.hf_config.shared_intermediate_size else SparseMoeBlock(cfg)
+
+    @staticmethod
+    def engine_name(name: str) -> str:
+        """The engine's name of a checkpoint tensor: Granite 3 MoE's, the layer's shared MLP under its MoE block."""
+        return LAYER_SHARED_MLP.sub(r'\1.mlp.shared_mlp.', GraniteMoeForCausalLM.engine_name(name))

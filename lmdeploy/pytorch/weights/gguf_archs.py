@@ -76,6 +76,10 @@ LAYER_NAMES: dict[str, dict[str, str]] = {
     'apertus': {'attn_norm': 'attention_layernorm', 'ffn_norm': 'feedforward_layernorm'},
     # the MLP's names in StarCoder2's checkpoints (the engine loads them as its ungated MLP's up and down)
     'starcoder2': {'ffn_up': 'mlp.c_fc', 'ffn_down': 'mlp.c_proj'},
+    # GraniteMoeShared's shared MLP under the engine's MoE block (``gguf_tensors.py`` names it as the checkpoint
+    # where it is dense)
+    'granitemoe': {'ffn_gate_shexp': 'mlp.shared_mlp.gate_proj', 'ffn_up_shexp': 'mlp.shared_mlp.up_proj',
+                   'ffn_down_shexp': 'mlp.shared_mlp.down_proj'},
     **gguf_moe_archs.LAYER_NAMES,
     **dict.fromkeys(gguf_qwen3_next.ARCHITECTURES, gguf_qwen3_next.LAYER_NAMES),
     **dict.fromkeys(gguf_lfm2.ARCHITECTURES, gguf_lfm2.LAYER_NAMES),
@@ -263,12 +267,19 @@ METADATA_TENSORS: dict[str, Callable[[Meta, int], dict[str, torch.Tensor]]] = {'
 def _granitemoe(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
     """Granite 3 MoE: Granite's multipliers and q/k rows (see :func:`_granite`), every layer's experts split from the
     checkpoints' fused ``input_linear`` into ``ffn_gate_exps`` and ``ffn_up_exps``, a softmax over the top-k logits.
-    GraniteMoeShared's files (the same architecture with a shared MLP, ``ffn_*_shexp``) are refused."""
-    if 'blk.0.ffn_up_shexp.weight' in tensors:
-        raise ValueError('a granitemoe file with a shared MLP (ffn_*_shexp: GraniteMoeShared) is not supported')
-    return {**_granite(meta, tensors, config), 'model_type': 'granitemoe',
-            'num_local_experts': meta(Keys.LLM.EXPERT_COUNT), 'num_experts_per_tok': meta(Keys.LLM.EXPERT_USED_COUNT),
-            'intermediate_size': meta(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, config['intermediate_size'])}
+    GraniteMoeShared converts to it too, its shared MLP's ``input_linear`` split into ``ffn_gate_shexp`` and
+    ``ffn_up_shexp`` (``output_linear`` as ``ffn_down_shexp``), of ``expert_shared_feed_forward_length`` features
+    (the tensors' where the key is absent)."""
+    fields = {**_granite(meta, tensors, config), 'model_type': 'granitemoe',
+              'num_local_experts': meta(Keys.LLM.EXPERT_COUNT),
+              'num_experts_per_tok': meta(Keys.LLM.EXPERT_USED_COUNT),
+              'intermediate_size': meta(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, config['intermediate_size'])}
+    shared = tensors.get('blk.0.ffn_up_shexp.weight')
+    if shared is None:
+        return fields
+    return fields | {'model_type': 'granitemoeshared', 'architectures': ['GraniteMoeSharedForCausalLM'],
+                     'shared_intermediate_size': meta(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH,
+                                                      int(shared.shape[-1]))}
 
 
 def _starcoder2(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:

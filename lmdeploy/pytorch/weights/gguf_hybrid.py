@@ -1,5 +1,7 @@
-"""Granite 4.0-H (``granitehybrid``) and Nemotron-H (``nemotron_h``, ``nemotron_h_moe``) from GGUF: the Mamba-2 hybrid
-decoders of ``models/granitemoehybrid.py`` and ``models/nemotron_h.py``. What convert_hf_to_gguf.py's
+"""Granite 4.0-H (``granitehybrid``), Nemotron-H (``nemotron_h``, ``nemotron_h_moe``) and Falcon-H1 (``falcon-h1``) from
+GGUF: the Mamba-2 hybrid decoders of ``models/granitemoehybrid.py``, ``models/nemotron_h.py`` and
+``models/falcon_h1.py``; Falcon-H1's converter also folds every µP multiplier into the tensors, which the config
+then holds as 1. What convert_hf_to_gguf.py's
 ``GraniteHybridModel`` and ``NemotronHModel`` (both on ``Mamba2Model``'s tensors) do, undone here:
 
 - ``A_log`` stored as ``ssm_a = -exp(A_log)`` and ``D`` as ``ssm_d``, both ``[heads, 1]`` and without a ``.weight``;
@@ -28,10 +30,11 @@ from gguf import Keys
 from .gguf_keys import Meta, required
 
 ARCHITECTURES = {'granitehybrid': 'GraniteMoeHybridForCausalLM', 'nemotron_h': 'NemotronHForCausalLM',
-                 'nemotron_h_moe': 'NemotronHForCausalLM'}
-# the converter permutes the attention layers' q/k rows as Llama's (``undo_permute``)
-PERMUTED_ARCHS = tuple(ARCHITECTURES)
-_MIXERS = {'granitehybrid': 'mamba', 'nemotron_h': 'mixer', 'nemotron_h_moe': 'mixer'}
+                 'nemotron_h_moe': 'NemotronHForCausalLM', 'falcon-h1': 'FalconH1ForCausalLM'}
+# the converter permutes the attention layers' q/k rows as Llama's (``undo_permute``); Falcon-H1's it leaves (llama.cpp
+# turns halves, as Falcon-H1 does)
+PERMUTED_ARCHS = ('granitehybrid', 'nemotron_h', 'nemotron_h_moe')
+_MIXERS = {'granitehybrid': 'mamba', 'nemotron_h': 'mixer', 'nemotron_h_moe': 'mixer', 'falcon-h1': 'mamba'}
 
 
 def _mamba2_names(mixer: str) -> dict[str, str]:
@@ -49,6 +52,8 @@ LAYER_NAMES: dict[str, dict[str, str]] = {
     'granitehybrid': {**_mamba2_names('mamba'), **{f'ffn_{proj}': name for proj, name in _SHARED_MLP.items()},
                       **{f'ffn_{proj}_shexp': name for proj, name in _SHARED_MLP.items()}},
     'nemotron_h': _NEMOTRON_NAMES,
+    # the MLP and its norm under the engine's names (``finish_falcon_h1`` gives the checkpoint's where dense)
+    'falcon-h1': _mamba2_names('mamba'),
     'nemotron_h_moe': {**_NEMOTRON_NAMES, 'ffn_gate_inp': 'mixer.gate',
                        'exp_probs_b.bias': 'mixer.gate.e_score_correction_bias',
                        'ffn_up_exps': 'mixer.experts.up_proj', 'ffn_down_exps': 'mixer.experts.down_proj',
@@ -58,6 +63,8 @@ LAYER_NAMES: dict[str, dict[str, str]] = {
 }
 # tensors llama.cpp names without a ``.weight``/``.bias`` kind
 UNSUFFIXED_NAMES = {arch: {'ssm_a': f'{mixer}.A_log', 'ssm_d': f'{mixer}.D'} for arch, mixer in _MIXERS.items()}
+# gguf-py maps Falcon-H1's ``pre_ff_layernorm.weight`` whole, to ``ffn_norm`` without a kind, as llama.cpp reads it
+UNSUFFIXED_NAMES['falcon-h1']['ffn_norm'] = 'post_attention_layernorm.weight'
 
 
 def _rows(tensors: dict[str, Any], layers: int, module: str) -> int | None:
@@ -102,7 +109,7 @@ def granite_hybrid_config(meta: Meta, tensors: dict[str, Any], config: dict[str,
     """Granite 4.0-H: Granite's multipliers (llama.cpp's defaults where absent), rotary unless the file's
     ``rope.scaling.finetuned`` is false (llama.cpp's switch, on where absent; the converter sets it for Bamba only:
     Granite 4.0-H has no positions), routed experts with the shared MLP where the file has a router, else the shared
-    MLP alone (its ``ffn_*``)."""
+    MLP alone (its ``ffn_*``). A file whose rotary turns part of each head is Bamba's (:func:`_bamba_config`)."""
     layers = config['num_hidden_layers']
     mamba = _mamba2(meta, tensors, layers)
     attention = _attention(tensors, config, layers, meta)
@@ -111,10 +118,9 @@ def granite_hybrid_config(meta: Meta, tensors: dict[str, Any], config: dict[str,
         raise ValueError(f'a granitehybrid file whose attention heads are {attention["head_dim"]} wide (not hidden / '
                          f'heads, {head_dim}) is not supported')
     rotary = bool(meta(Keys.Rope.SCALING_FINETUNED, True))
-    if rotary and meta(Keys.Rope.DIMENSION_COUNT, head_dim) != head_dim:
-        raise ValueError('a granitehybrid file with partial rotary (rope.dimension_count below the head width: '
-                         'Bamba) is not supported')
     experts = meta(Keys.LLM.EXPERT_COUNT, 0) if any(_has(tensors, i, 'ffn_gate_inp') for i in range(layers)) else 0
+    if rotary and meta(Keys.Rope.DIMENSION_COUNT, head_dim) != head_dim:
+        return _bamba_config(meta, tensors, config, mamba, attention, experts)
     shared = _rows(tensors, layers, 'ffn_up_shexp' if experts else 'ffn_up')
     return {'model_type': 'granitemoehybrid', 'num_key_value_heads': attention['num_key_value_heads'],
             'head_dim': head_dim, 'attention_bias': attention['attention_bias'],
@@ -127,6 +133,34 @@ def granite_hybrid_config(meta: Meta, tensors: dict[str, Any], config: dict[str,
             'logits_scaling': meta(Keys.LLM.LOGIT_SCALE) or 1.0,
             'num_local_experts': experts, 'num_experts_per_tok': meta(Keys.LLM.EXPERT_USED_COUNT, 0),
             'intermediate_size': _rows(tensors, layers, 'ffn_up_exps') or shared, 'shared_intermediate_size': shared,
+            'hidden_act': 'silu', 'mamba_n_heads': mamba['heads'], 'mamba_d_head': mamba['head_dim'],
+            'mamba_n_groups': mamba['groups'], 'mamba_d_state': mamba['state'], 'mamba_d_conv': mamba['kernel'],
+            'mamba_expand': mamba['heads'] * mamba['head_dim'] // config['hidden_size'],
+            'mamba_conv_bias': mamba['conv_bias'], 'mamba_proj_bias': mamba['proj_bias']}
+
+
+_GRANITE_SCALES = (Keys.Attention.SCALE, Keys.LLM.EMBEDDING_SCALE, Keys.LLM.RESIDUAL_SCALE, Keys.LLM.LOGIT_SCALE)
+
+
+def _bamba_config(meta: Meta, tensors: dict[str, Any], config: dict[str, Any], mamba: dict[str, Any],
+                  attention: dict[str, Any], experts: int) -> dict[str, Any]:
+    """Bamba (the converter's ``BambaForCausalLM``: rotary over ``rope.dimension_count``, the checkpoint's
+    ``attn_rotary_emb``, half of each head as transformers' Bamba turns it; no experts, no multipliers): its own
+    config, whose attention layers are those without Mamba-2 tensors; other partial rotaries are refused."""
+    head_dim, rope_dim = attention['head_dim'], meta(Keys.Rope.DIMENSION_COUNT)
+    if experts or any(meta(key) is not None for key in _GRANITE_SCALES):
+        raise ValueError('a granitehybrid file with partial rotary (rope.dimension_count below the head width) and '
+                         'experts or Granite multipliers is not supported: only Bamba has partial rotary')
+    if 2 * rope_dim != head_dim:
+        raise ValueError(f'a granitehybrid file whose rotary turns {rope_dim} of its {head_dim} head features is not '
+                         f'supported: Bamba turns half of them')
+    layers = config['num_hidden_layers']
+    return {'model_type': 'bamba', 'architectures': ['BambaForCausalLM'], 'head_dim': head_dim,
+            'num_key_value_heads': attention['num_key_value_heads'], 'attention_bias': attention['attention_bias'],
+            'attn_layer_indices': [i for i in range(layers) if i not in mamba['mamba_layers']],
+            'rope_parameters': {'rope_type': 'default', 'rope_theta': config['rope_theta'],
+                                'partial_rotary_factor': 0.5},
+            'intermediate_size': _rows(tensors, layers, 'ffn_up'), 'mlp_bias': _has(tensors, 0, 'ffn_up', 'bias'),
             'hidden_act': 'silu', 'mamba_n_heads': mamba['heads'], 'mamba_d_head': mamba['head_dim'],
             'mamba_n_groups': mamba['groups'], 'mamba_d_state': mamba['state'], 'mamba_d_conv': mamba['kernel'],
             'mamba_expand': mamba['heads'] * mamba['head_dim'] // config['hidden_size'],
@@ -188,8 +222,42 @@ def _per_expert_types(quantization: dict[str, Any], experts: int) -> dict[str, A
     return quantization | {'ggml_types': types}
 
 
+# Falcon-H1's µP multipliers, each 1: the converter folds them into the tensors (``FalconH1Model.modify_tensors``)
+FALCON_H1_FOLDED = {'embedding_multiplier': 1.0, 'lm_head_multiplier': 1.0, 'key_multiplier': 1.0,
+                    'attention_in_multiplier': 1.0, 'attention_out_multiplier': 1.0, 'ssm_in_multiplier': 1.0,
+                    'ssm_out_multiplier': 1.0, 'ssm_multipliers': [1.0] * 5, 'mlp_multipliers': [1.0, 1.0]}
+
+
+# the key of TII's pre-release converter, which kept the multipliers as keys (``{arch}.mlp_gate_multiplier``, ...)
+FALCON_H1_MUP_KEY = '{arch}.ssm.has_mup'
+
+
+def falcon_h1_config(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """Falcon-H1: attention (``key_length`` wide heads, rotary over all of them) and a Mamba-2 mixer in every layer;
+    the µP multipliers all 1 (:data:`FALCON_H1_FOLDED`: the file's tensors hold them, the embeddings and LM head
+    too; a file that names them among its keys, from TII's pre-release converter, is refused); the gated norm where
+    the file has ``ssm_norm`` (llama.cpp gates, then norms), else the gate alone; no clamp of the time steps
+    (llama.cpp has none); biases as the tensors have them."""
+    if meta(FALCON_H1_MUP_KEY) is not None:
+        raise ValueError(f'a falcon-h1 file with µP multipliers among its keys '
+                         f'({FALCON_H1_MUP_KEY.format(arch="falcon-h1")}: written by a '
+                         f'pre-release converter) is not supported: convert the checkpoint again with a current '
+                         f'llama.cpp, which folds them into the tensors')
+    layers = config['num_hidden_layers']
+    mamba = _mamba2(meta, tensors, layers)
+    return {'model_type': 'falcon_h1', 'hidden_act': 'silu', **FALCON_H1_FOLDED,
+            'rope_parameters': {'rope_type': 'default', 'rope_theta': config['rope_theta']},
+            'attention_bias': _has(tensors, 0, 'attn_q', 'bias'), 'mlp_bias': _has(tensors, 0, 'ffn_up', 'bias'),
+            'projectors_bias': _has(tensors, 0, 'ssm_out', 'bias'),
+            'mamba_d_ssm': mamba['heads'] * mamba['head_dim'], 'mamba_n_heads': mamba['heads'],
+            'mamba_d_head': mamba['head_dim'], 'mamba_n_groups': mamba['groups'], 'mamba_d_state': mamba['state'],
+            'mamba_d_conv': mamba['kernel'], 'mamba_conv_bias': mamba['conv_bias'],
+            'mamba_proj_bias': mamba['proj_bias'], 'mamba_rms_norm': _has(tensors, 0, 'ssm_norm'),
+            'mamba_norm_before_gate': False, 'time_step_limit': None}
+
+
 CONFIG_BUILDERS = {'granitehybrid': granite_hybrid_config, 'nemotron_h': nemotron_h_config,
-                   'nemotron_h_moe': nemotron_h_config}
+                   'nemotron_h_moe': nemotron_h_config, 'falcon-h1': falcon_h1_config}
 
 
 def _mamba2_tensors(state_dict: dict[str, torch.Tensor]) -> None:
@@ -237,10 +305,14 @@ def _split_experts(state_dict: dict[str, torch.Tensor], owner: str) -> None:
 
 def finish_granite_hybrid(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
     """Undo the converter's steps (see the module's docstring) on one group of converted tensors: the checkpoint's
-    layout, or the engine's names where the folder keeps layers as blocks."""
+    layout (Granite 4.0-H's, or Bamba's names), or the engine's names where the folder keeps layers as blocks."""
     _mamba2_tensors(state_dict)
     if 'quantization_config' in config:
         _split_experts(state_dict, 'mlp')
+    elif config['model_type'] == 'bamba':
+        for old, new in (('.shared_mlp.', '.feed_forward.'), ('.post_attention_layernorm.', '.pre_ff_layernorm.'),
+                         ('model.norm.', 'model.final_layernorm.')):
+            _rename(state_dict, old, new)
     else:
         _granite_checkpoint(state_dict, config)
 
@@ -254,5 +326,16 @@ def finish_nemotron_h(state_dict: dict[str, torch.Tensor], config: dict[str, Any
         _rename(state_dict, old, new)
 
 
+def finish_falcon_h1(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    """Undo the converter's steps: the Mamba-2 tensors; where no layer is kept as blocks, the MLP, its norm and the
+    final norm under the checkpoint's names (``feed_forward``, ``pre_ff_layernorm``, ``final_layernorm``)."""
+    _mamba2_tensors(state_dict)
+    if 'quantization_config' in config:
+        return
+    for old, new in (('.mlp.', '.feed_forward.'), ('.post_attention_layernorm.', '.pre_ff_layernorm.'),
+                     ('model.norm.', 'model.final_layernorm.')):
+        _rename(state_dict, old, new)
+
+
 FINISHERS = {'granitehybrid': finish_granite_hybrid, 'nemotron_h': finish_nemotron_h,
-             'nemotron_h_moe': finish_nemotron_h}
+             'nemotron_h_moe': finish_nemotron_h, 'falcon-h1': finish_falcon_h1}

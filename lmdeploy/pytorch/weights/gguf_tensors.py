@@ -142,7 +142,21 @@ def _granitemoe_checkpoint(state_dict: dict[str, torch.Tensor], config: dict[str
         if prefix + 'mlp.experts.down_proj.weight' in state_dict:
             state_dict[prefix + 'block_sparse_moe.output_linear.weight'] = state_dict.pop(
                 prefix + 'mlp.experts.down_proj.weight')
+    _granitemoe_shared_mlp(state_dict)
     _split_experts(state_dict, config)
+
+
+def _granitemoe_shared_mlp(state_dict: dict[str, torch.Tensor]) -> None:
+    """GraniteMoeShared's dense shared MLP as its checkpoints hold it: gate and up back into the layer's
+    ``shared_mlp.input_linear [2I, H]`` (gate rows first), down as ``shared_mlp.output_linear``; one kept as blocks
+    stays under the engine's names."""
+    for prefix in _layer_prefixes(state_dict, 'mlp.shared_mlp.gate_proj.weight'):
+        if prefix + 'mlp.shared_mlp.up_proj.weight' in state_dict:
+            gate, up = (state_dict.pop(f'{prefix}mlp.shared_mlp.{proj}_proj.weight') for proj in ('gate', 'up'))
+            state_dict[prefix + 'shared_mlp.input_linear.weight'] = torch.cat((gate, up))
+    for prefix in _layer_prefixes(state_dict, 'mlp.shared_mlp.down_proj.weight'):
+        state_dict[prefix + 'shared_mlp.output_linear.weight'] = state_dict.pop(
+            prefix + 'mlp.shared_mlp.down_proj.weight')
 
 
 def _hybrid_checkpoint(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
