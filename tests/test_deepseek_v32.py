@@ -20,6 +20,8 @@ from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_
 from helpers import assert_transformers_greedy, make_engine, random_prompts, run
 from test_deepseek import FP8_BLOCK, dequantize_blockwise, quantize_blockwise
 
+from lmdeploy.messages import PytorchEngineConfig
+from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.kernels import dsa
 
 KV_LORA_RANK, ROPE_DIM, INDEX_DIM, TOP_K = 32, 8, 16, 8
@@ -71,6 +73,16 @@ def test_dense_attention_gives_other_tokens(deepseek_v32, monkeypatch):
     sparse = run(make_engine(deepseek_v32), prompts)
     monkeypatch.setattr(dsa, 'keep_top_k', lambda scores, causal, top_k: causal)
     assert run(make_engine(deepseek_v32), prompts) != sparse
+
+
+def test_bf16_runs_with_bf16_indexer_keys(deepseek_v32):
+    """bf16 on the CPU (packed projections, the fp32 ``weights_proj``): 32 tokens for each prompt, the indexer keys
+    cached in bf16. Not compared with transformers: the tiny model's best scores lie closer at the top-k boundary
+    (1e-4 relative) than bf16 resolves, so either side may select another token there."""
+    engine = Engine(deepseek_v32, PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=64, block_size=16),
+                    show_progress=False)
+    assert all(layer[-1].dtype == torch.bfloat16 for layer in engine.runner.kv_caches)
+    assert [len(tokens) for tokens in run(engine, random_prompts([7, 40], seed=3))] == [32, 32]
 
 
 def test_selection_breaks_ties_by_position():
