@@ -85,6 +85,16 @@ def test_bf16_runs_with_bf16_indexer_keys(deepseek_v32):
     assert [len(tokens) for tokens in run(engine, random_prompts([7, 40], seed=3))] == [32, 32]
 
 
+def test_quantized_latent_beside_unquantized_indexer_keys(deepseek_v32):
+    """``quant_policy`` 8 quantizes the latent (codes, then scales and zero points); the indexer keys stay fp32."""
+    engine = make_engine(deepseek_v32, num_gpu_blocks=10, block_size=16, quant_policy=8)
+    for layer_cache in engine.runner.kv_caches:
+        assert [(tuple(t.shape), t.dtype) for t in layer_cache] == [
+            ((11, 16, KV_LORA_RANK + ROPE_DIM), torch.uint8), ((11, 16, 2, 2), torch.float32),
+            ((11, 16, INDEX_DIM), torch.float32)]
+    assert [len(tokens) for tokens in run(engine, random_prompts([40, 60], seed=4))] == [32, 32]
+
+
 def test_selection_breaks_ties_by_position():
     """Equal scores keep the earlier keys, however long the row (its masked tail included)."""
     scores = torch.tensor([0.0, 1.0, 0.0, 0.0, -1.0, 0.0, 0.0, 0.0])

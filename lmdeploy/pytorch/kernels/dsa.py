@@ -5,8 +5,9 @@ best.
 A query ``t``'s score of key ``c`` is ``sum_h w[t, h] * relu(scale * q[t, h] . k[c])`` in fp32 (``w`` the
 indexer's per-head weights, ``k`` the per-token indexer keys the cache holds beside the latent). Of the keys up
 to its own position a query keeps the ``index_topk`` best, or all of them where there are no more (transformers'
-``DeepseekV32Indexer``: its top-k over the causally masked scores; ties, see :func:`keep_top_k`). The selection is a boolean ``keep`` mask over
-each query's context, causal already, which the latent attention (``kernels/mla.py``) applies.
+``DeepseekV32Indexer``: its top-k over the causally masked scores; for ties see :func:`keep_top_k`). The
+selection is a boolean ``keep`` mask over each query's context, causal already, which the latent attention
+(``kernels/mla.py``) applies.
 """
 from __future__ import annotations
 

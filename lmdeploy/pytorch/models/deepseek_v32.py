@@ -77,13 +77,7 @@ class DsaAttention(DeepseekV3Attention):
         return None
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache, ctx: StepContext) -> torch.Tensor:
-        q_lora = self.q_a_layernorm(self.q_a_proj(x))
-        q_nope, q_rope = self.q_b_proj(q_lora).view(-1, self.num_heads, self.nope_dim + self.rope_dim).split(
-            [self.nope_dim, self.rope_dim], dim=-1)
-        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        q_rope = apply_rope(q_rope.contiguous(), ctx.cos, ctx.sin, self.interleaved_rope)
-        k_rope = apply_rope(k_rope.unsqueeze(1).contiguous(), ctx.cos, ctx.sin, self.interleaved_rope).squeeze(1)
-        latent = torch.cat((self.kv_a_layernorm(latent.contiguous()), k_rope), dim=-1)
+        q_lora, q_nope, q_rope, latent = self.queries_and_latent(x, ctx)
         if self.indexer is not None:
             ctx.token_selection = self.indexer(x, q_lora, kv_cache[-1], ctx)
         out = self.attn(q_nope, q_rope, latent, self.kv_b_proj.weight, kv_cache[:-1], ctx, ctx.token_selection)
