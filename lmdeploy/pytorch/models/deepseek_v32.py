@@ -11,10 +11,9 @@ from torch import nn
 
 from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.kernels.dsa import TokenSelection, decode_selection, fill_index_keys, prefill_selection
-from lmdeploy.pytorch.models.deepseek_v3 import (DeepseekV3Attention, DeepseekV3DecoderLayer, DeepseekV3ForCausalLM,
-                                                  DeepseekV3MoE)
-from lmdeploy.pytorch.models.llama import KVCache, LlamaMLP
-from lmdeploy.pytorch.nn.decoder_stack import LayerWeights
+from lmdeploy.pytorch.models.deepseek_v3 import DeepseekV3Attention, DeepseekV3DecoderLayer, DeepseekV3ForCausalLM
+from lmdeploy.pytorch.models.glm4_moe import Glm4MoeLiteForCausalLM
+from lmdeploy.pytorch.models.llama import KVCache
 from lmdeploy.pytorch.nn.linear import Linear
 from lmdeploy.pytorch.nn.moe import Fp32Router
 from lmdeploy.pytorch.nn.norm import LayerNorm
@@ -73,7 +72,7 @@ class DsaAttention(DeepseekV3Attention):
         self.indexer = DsaIndexer(cfg, interleaved_index_rope) if has_indexer else None
 
     def native_attention(self, small_step: bool = False) -> None:
-        """None: the native decoder stack has no sparse attention."""
+        """None: the native decoder stack has no sparse attention, so these layers never run in it."""
         return None
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache, ctx: StepContext) -> torch.Tensor:
@@ -84,25 +83,16 @@ class DsaAttention(DeepseekV3Attention):
         return self.o_proj(out)
 
 
-class DsaDecoderLayer(DeepseekV3DecoderLayer):
-    """DeepSeek-V3's decoder layer with :class:`DsaAttention`; never in the native decoder stack."""
-
-    def native_weights(self, small_step: bool = False) -> LayerWeights | None:
-        return None
-
-
 class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
     """DeepSeek-V3.2: DeepSeek-V3's model whose every layer's attention has an indexer turning its rotary
     features in halves; dense first ``first_k_dense_replace`` layers (as ``mlp_layer_types`` says)."""
 
     interleaved_index_rope = False
+    make_mlp = Glm4MoeLiteForCausalLM.make_mlp  # dense or sparse per ``mlp_layer_types``
 
     def make_layer(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
         attn = DsaAttention(cfg, self.has_indexer(cfg, layer_index), self.interleaved_index_rope)
-        return DsaDecoderLayer(cfg, self.make_mlp(cfg, layer_index), attn)
-
-    def make_mlp(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
-        return DeepseekV3MoE(cfg) if cfg.hf_config.mlp_layer_types[layer_index] == 'sparse' else LlamaMLP(cfg)
+        return DeepseekV3DecoderLayer(cfg, self.make_mlp(cfg, layer_index), attn)
 
     def has_indexer(self, cfg: ModelConfig, layer_index: int) -> bool:
         """Whether the layer selects its own tokens (every V3.2 layer does)."""
