@@ -13,7 +13,9 @@ Task = Literal['llm', 'vlm']
 
 _VL = 'lmdeploy.pytorch.models.vision_language'
 _MISTRAL3 = 'lmdeploy.pytorch.models.mistral3_vl'
+_SMOLVLM = 'lmdeploy.pytorch.models.smolvlm_vl'
 _QWEN3_5_VL = 'lmdeploy.pytorch.models.qwen3_5_vl:Qwen3_5ForConditionalGeneration'
+_GLM4V = 'lmdeploy.pytorch.models.glm4v'
 # architecture -> (task, 'module:class')
 SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'LlamaForCausalLM': ('llm', 'lmdeploy.pytorch.models.llama:LlamaForCausalLM'),
@@ -62,6 +64,11 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'FalconH1ForCausalLM': ('llm', 'lmdeploy.pytorch.models.falcon_h1:FalconH1ForCausalLM'),
     'BambaForCausalLM': ('llm', 'lmdeploy.pytorch.models.granitemoehybrid:BambaForCausalLM'),
     'GraniteMoeSharedForCausalLM': ('llm', 'lmdeploy.pytorch.models.granite:GraniteMoeSharedForCausalLM'),
+    'Gemma3nForCausalLM': ('llm', 'lmdeploy.pytorch.models.gemma3n:Gemma3nForCausalLM'),
+    'Gemma3nForConditionalGeneration': ('llm', 'lmdeploy.pytorch.models.gemma3n:Gemma3nForCausalLM'),
+    'JambaForCausalLM': ('llm', 'lmdeploy.pytorch.models.jamba:JambaForCausalLM'),
+    'MambaForCausalLM': ('llm', 'lmdeploy.pytorch.models.mamba:MambaForCausalLM'),
+    'FalconMambaForCausalLM': ('llm', 'lmdeploy.pytorch.models.mamba:MambaForCausalLM'),
     'DeepseekV32ForCausalLM': ('llm', 'lmdeploy.pytorch.models.deepseek_v32:DeepseekV32ForCausalLM'),
     'GlmMoeDsaForCausalLM': ('llm', 'lmdeploy.pytorch.models.deepseek_v32:GlmMoeDsaForCausalLM'),
     'Qwen2VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
@@ -75,6 +82,11 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'Mistral3ForConditionalGeneration': ('vlm', f'{_MISTRAL3}:Mistral3ForConditionalGeneration'),
     'Gemma3ForConditionalGeneration': ('vlm', 'lmdeploy.pytorch.models.gemma3_vl:Gemma3ForConditionalGeneration'),
     'Llama4ForConditionalGeneration': ('vlm', 'lmdeploy.pytorch.models.llama4_vl:Llama4ForConditionalGeneration'),
+    'Glm4vForConditionalGeneration': ('vlm', f'{_GLM4V}:Glm4vForConditionalGeneration'),
+    'Glm4vMoeForConditionalGeneration': ('vlm', f'{_GLM4V}:Glm4vMoeForConditionalGeneration'),
+    'Glm46VForConditionalGeneration': ('vlm', f'{_GLM4V}:Glm46VForConditionalGeneration'),
+    'SmolVLMForConditionalGeneration': ('vlm', f'{_SMOLVLM}:SmolVLMForConditionalGeneration'),
+    'Idefics3ForConditionalGeneration': ('vlm', f'{_SMOLVLM}:SmolVLMForConditionalGeneration'),
 }
 
 

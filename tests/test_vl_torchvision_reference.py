@@ -17,8 +17,10 @@ import torch
 from conftest import build_tokenizer
 from PIL import Image
 from test_vl_families import make_processor
-from transformers import (Gemma3Config, InternVLConfig, Llama4Config, LlavaConfig, Mistral3Config, Qwen2_5_VLConfig,
-                          Qwen2VLConfig, Qwen3_5Config, Qwen3VLConfig)
+from glm4v_models import GLM_IMAGE
+from glm4v_models import IMAGE_TOKENS as GLM4V_TOKENS
+from transformers import (Gemma3Config, Glm4vConfig, InternVLConfig, Llama4Config, LlavaConfig, Mistral3Config,
+                          Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3_5Config, Qwen3VLConfig)
 from transformers.models.llama4.processing_llama4 import chat_template as LLAMA4_TEMPLATE
 from vl_models import (GEMMA3_TOKENS, INTERNVL_IMAGE, INTERNVL_TOKENS, LLAVA_IMAGE, MISTRAL3_TOKENS, QWEN_IMAGE,
                        SPECIAL_TOKENS, image_chat_template, name_image_tokens)
@@ -61,6 +63,10 @@ SETTINGS = {
     'llama4': ({'image_processor_type': 'Llama4ImageProcessorFast', 'size': {'height': 336, 'width': 336},
                 'max_patches': 16, 'resample': 2, 'resize_to_max_canvas': False, **HALF},
                {'processor_class': 'Llama4Processor', 'patch_size': 14}),
+    'glm4v': ({'image_processor_type': 'Glm4vImageProcessor', 'size': {'shortest_edge': 12544,
+                                                                       'longest_edge': 9633792},
+               'patch_size': 14, 'temporal_patch_size': 2, 'merge_size': 2, 'resample': 3, 'image_mean': CLIP_MEAN,
+               'image_std': CLIP_STD}, {'processor_class': 'Glm4vProcessor'}),
 }
 
 
@@ -86,6 +92,11 @@ def _config(family: str, ids: dict[str, int]):
     if family == 'gemma3':
         return Gemma3Config(mm_tokens_per_image=256, image_token_index=ids['<image_soft_token>'],
                             boi_token_index=ids['<start_of_image>'], eoi_token_index=ids['<end_of_image>'])
+    if family == 'glm4v':
+        return Glm4vConfig(vision_config={'patch_size': 14, 'spatial_merge_size': 2},
+                           image_token_id=ids['<|image|>'], video_token_id=ids['<|video|>'],
+                           image_start_token_id=ids['<|begin_of_image|>'],
+                           image_end_token_id=ids['<|end_of_image|>'])
     return Llama4Config(vision_config={'patch_size': 14, 'image_size': 336, 'pixel_shuffle_ratio': 0.5},
                         image_token_index=ids['<|patch|>'])
 
@@ -96,10 +107,10 @@ def save_processor_checkpoint(family: str, path: str) -> str:
     tokenizer = build_tokenizer()
     named = {'internvl': INTERNVL_TOKENS, 'gemma3': GEMMA3_TOKENS}.get(family)
     special = (list(named.values()) if named else MISTRAL3_TOKENS if family == 'mistral3'
-               else LLAMA4_TOKENS if family == 'llama4' else SPECIAL_TOKENS)
+               else LLAMA4_TOKENS if family == 'llama4' else GLM4V_TOKENS if family == 'glm4v' else SPECIAL_TOKENS)
     tokenizer.add_special_tokens({'additional_special_tokens': special})
     image = {'internvl': INTERNVL_IMAGE, 'llava': LLAVA_IMAGE, 'mistral3': MISTRAL3_TOKENS[0],
-             'gemma3': GEMMA3_TOKENS['boi_token']}.get(family, QWEN_IMAGE)
+             'gemma3': GEMMA3_TOKENS['boi_token'], 'glm4v': GLM_IMAGE}.get(family, QWEN_IMAGE)
     tokenizer.chat_template = LLAMA4_TEMPLATE if family == 'llama4' else image_chat_template(image)
     _config(family, {token: tokenizer.convert_tokens_to_ids(token) for token in special}).save_pretrained(path)
     tokenizer.save_pretrained(path)

@@ -45,11 +45,14 @@ class ModelConfig:
     num_state_layers: int = 0
     # layers with neither a KV cache nor a recurrent state (see CACHELESS_LAYER_TYPES)
     num_cacheless_layers: int = 0
+    # layers that attend over an earlier layer's KV cache and hold none (Gemma 3n's ``num_kv_shared_layers``)
+    num_kv_shared_layers: int = 0
 
     @classmethod
     def from_hf(cls, config: PretrainedConfig, dtype: torch.dtype, quant_policy: int = 0) -> ModelConfig:
         hf_config = config.get_text_config()
-        num_heads = hf_config.num_attention_heads
+        # a model without attention (Mamba, Falcon Mamba) counts one nominal head: none of its layers has a KV cache
+        num_heads = getattr(hf_config, 'num_attention_heads', None) or 1
         layer_types = getattr(hf_config, 'layer_types', None) or []
         head_dim = getattr(hf_config, 'head_dim', None) or hf_config.hidden_size // num_heads
         kv_lora_rank = getattr(hf_config, 'kv_lora_rank', None)
@@ -71,7 +74,8 @@ class ModelConfig:
                    index_key_dim=getattr(hf_config, 'index_head_dim', 0) if getattr(hf_config, 'index_topk', None)
                    else 0,
                    num_state_layers=sum(kind in RECURRENT_LAYER_TYPES for kind in layer_types),
-                   num_cacheless_layers=sum(kind in CACHELESS_LAYER_TYPES for kind in layer_types))
+                   num_cacheless_layers=sum(kind in CACHELESS_LAYER_TYPES for kind in layer_types),
+                   num_kv_shared_layers=getattr(hf_config, 'num_kv_shared_layers', 0) or 0)
 
     def kv_cache_shapes(self, num_blocks: int, block_size: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """Shape and dtype of each tensor of one layer's cache: K and V, then with ``quant_policy`` their
@@ -91,8 +95,12 @@ class ModelConfig:
         codes = ((*rows, self.head_dim * self.quant_policy // 8), torch.uint8)
         return [codes, codes, ((*rows, 2), torch.float32), ((*rows, 2), torch.float32)]
 
+    def kv_bytes_per_layer_token(self) -> int:
+        """Bytes of KV cache one token takes in one layer, scales and zero points included."""
+        return sum(torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+                   for shape, dtype in self.kv_cache_shapes(1, 1))
+
     def kv_bytes_per_token(self) -> int:
         """Bytes of KV cache one token takes across all layers with one, scales and zero points included."""
-        per_layer = sum(torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-                        for shape, dtype in self.kv_cache_shapes(1, 1))
-        return (self.num_layers - self.num_state_layers - self.num_cacheless_layers) * per_layer
+        layers = self.num_layers - self.num_state_layers - self.num_cacheless_layers - self.num_kv_shared_layers
+        return layers * self.kv_bytes_per_layer_token()

@@ -39,11 +39,14 @@ class ImageInputs:
     def for_model(cls, model_dir: str, config: PretrainedConfig,
                   tokenizer: PreTrainedTokenizerBase) -> ImageInputs | None:
         """The preprocessing of a vision-language model's family; None for text-only models."""
+        from lmdeploy.vl.smolvlm_inputs import SmolVLMImageInputs
         family = {'qwen2_vl': QwenVLImageInputs, 'qwen2_5_vl': QwenVLImageInputs, 'qwen3_vl': QwenVLImageInputs,
                   'qwen3_vl_moe': QwenVLImageInputs, 'qwen3_5': QwenVLImageInputs, 'qwen3_5_moe': QwenVLImageInputs,
                   'llava': LlavaImageInputs, 'internvl': InternVLImageInputs,
                   'mistral3': Mistral3ImageInputs, 'gemma3': Gemma3ImageInputs,
-                  'llama4': Llama4ImageInputs}
+                  'llama4': Llama4ImageInputs,
+                  'glm4v': QwenVLImageInputs, 'glm4v_moe': QwenVLImageInputs, 'glm46v': QwenVLImageInputs,
+                  'smolvlm': SmolVLMImageInputs, 'idefics3': SmolVLMImageInputs}
         kind = family.get(config.model_type)
         return kind(model_dir, config, tokenizer) if kind else None
 
@@ -65,8 +68,8 @@ class ImageInputs:
 
 
 class QwenVLImageInputs(ImageInputs):
-    """Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5: dynamic resolution; one token per merged ``merge x merge``
-    patch group."""
+    """Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5 and GLM-4.1V / 4.5V / 4.6V: dynamic resolution; one token per merged
+    ``merge x merge`` patch group."""
 
     def __call__(self, image: Image.Image) -> tuple[int, dict[str, torch.Tensor]]:
         out = self.image_processor(images=[image], return_tensors='np')

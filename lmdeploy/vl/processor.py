@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Union
 
 import jinja2
@@ -15,6 +16,7 @@ from lmdeploy.vl.media import MediaPolicy, image_hash, image_size, load_image
 Messages = list[dict]
 Prompt = Union[str, Messages, tuple]
 IMAGE_PART_TYPES = ('image', 'image_url', 'input_image')
+AUDIO_PART_TYPES = ('audio', 'input_audio')
 
 
 @dataclass
@@ -60,6 +62,8 @@ def _content(content: object, index: int, images: list | None) -> str | list[dic
                 raise ValueError(f'message {index}: this model does not accept images')
             images.append(_image_source(part, index))
             parts.append({'type': 'image'})
+        elif kind in AUDIO_PART_TYPES:
+            raise ValueError(f'message {index}: this model does not accept audio')
         elif kind == 'text' and isinstance(part.get('text'), str):
             parts.append({'type': 'text', 'text': part['text']})
         else:
@@ -131,6 +135,9 @@ class MultiModalProcessor:
         if isinstance(prompt, str) and not do_preprocess:
             return prompt
         messages = self.normalize(_as_messages(prompt), images)
+        if do_preprocess and self.template_drops_string_contents:
+            messages = [{**m, 'content': [{'type': 'text', 'text': m['content']}]} if isinstance(m['content'], str)
+                        else m for m in messages]
         if do_preprocess:
             try:
                 return self._apply_template(messages, tools, template_kwargs)
@@ -141,6 +148,16 @@ class MultiModalProcessor:
                 return self._apply_template(_image_parts_as_text(messages, placeholder), tools, template_kwargs)
         return '\n'.join(m['content'] if isinstance(m['content'], str) else
                          ''.join(p.get('text', '') for p in m['content']) for m in messages)
+
+    @cached_property
+    def template_drops_string_contents(self) -> bool:
+        """Whether the chat template renders a message whose content is a string without its text: SmolVLM's and
+        Idefics3's read every content as a list of parts; such a template gets each string as one text part."""
+        marker = 'lmdeploy: does the template keep this text?'
+        try:
+            return marker not in self._apply_template([{'role': 'user', 'content': marker}], None, None)
+        except (ValueError, TypeError):
+            return False
 
     def template_holds(self, word: str) -> bool:
         """Whether the text of the chat template holds ``word`` (a role's name, say)."""

@@ -119,8 +119,12 @@ class Engine:
 
     def _log_cache(self, tokens: int) -> None:
         """Logs the KV cache's size: the ``tokens`` its first pool holds, and the sliding-window pool (of the
-        sliding-window or chunked-attention layers)."""
+        sliding-window or chunked-attention layers); or that the model keeps none."""
         config, cfg, runner = self.config, self.model_config, self.runner
+        if not runner.cfg.kv_bytes_per_token():
+            logger.info('KV cache: none (no layer of %s attends; its recurrent states are all it keeps), %d blocks of '
+                        '%d count the tokens', cfg.architecture, tokens // config.block_size, config.block_size)
+            return
         kv_kind = {0: str(cfg.dtype).removeprefix('torch.'), 8: 'int8', 4: 'int4'}[config.quant_policy]
         kv_kind += ' latent (MLA)' if cfg.kv_latent_dim else ''
         kv_kind += f' + {cfg.dtype} indexer keys (DSA)'.replace('torch.', '') if cfg.index_key_dim else ''
@@ -135,6 +139,10 @@ class Engine:
         logger.info('KV cache: %d tokens (%s), %s (quant_policy %d), %d bytes per token of every layer, %.1f MiB '
                     'per rank', tokens, pools, kv_kind, config.quant_policy, runner.cfg.kv_bytes_per_token(),
                     cache_bytes / 2**20)
+        if cfg.num_kv_shared_layers:
+            logger.info('KV sharing: %d of the %d layers attend over an earlier layer\'s KV cache and hold none, '
+                        'saving %d bytes per token', cfg.num_kv_shared_layers, cfg.num_layers,
+                        cfg.num_kv_shared_layers * runner.cfg.kv_bytes_per_layer_token())
 
     def _start_ranks(self) -> TPGroup:
         """This thread's group: rank 0 of ``tp`` ranks, bound to its share of the CPUs, once the

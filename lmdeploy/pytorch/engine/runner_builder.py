@@ -93,8 +93,12 @@ def fitting_state_slots(slot_bytes: int, budget: int, config: PytorchEngineConfi
 
 
 def blocks_from_memory(cfg: ModelConfig, config: PytorchEngineConfig, budget: int, state_bytes: int = 0) -> int:
-    """KV blocks that fit in a :func:`cache_budget` after the ``state_bytes`` of the recurrent-state slots."""
+    """KV blocks that fit in a :func:`cache_budget` after the ``state_bytes`` of the recurrent-state slots; for a
+    model whose layers keep no KV cache, blocks (of no memory) for ``max_batch_size`` sequences of the session's
+    length."""
     block_bytes = cfg.kv_bytes_per_token() * config.block_size
+    if not block_bytes:  # no layer keeps a KV cache (Mamba): the blocks only count tokens, a full batch's of them
+        return config.max_batch_size * -(-(config.session_len or cfg.max_position_embeddings) // config.block_size)
     if state_bytes and budget - state_bytes < block_bytes:
         raise MemoryError(f'the recurrent-state slots take {state_bytes / 2**20:.1f} MiB of the '
                           f'{budget / 2**20:.1f} MiB cache budget, leaving no room for a KV-cache block; lower '
@@ -152,7 +156,9 @@ def build_runner(model_dir: str, config: PytorchEngineConfig, device: torch.devi
             num_slots = fitting_state_slots(slot_bytes, budget, config)
         num_blocks = group.min(blocks_from_memory(rank_cfg, config, budget, num_slots * slot_bytes),
                                timeout=group.connect_timeout)
-    num_blocks, num_window_blocks = kv_pool_sizes(layer_windows(model, cfg.num_layers), num_blocks, config)
+    cache_windows = [window for window, states in zip(layer_windows(model, cfg.num_layers), layer_states)
+                     if states != []]  # of the layers with a KV cache
+    num_blocks, num_window_blocks = kv_pool_sizes(cache_windows, num_blocks, config)
     channel = StepChannel(group) if group.world_size > 1 else None
     return hf_config, cfg, ModelRunner(model, rank_cfg, num_blocks, config.block_size, device, channel,
                                        num_window_blocks, num_slots)

@@ -109,7 +109,8 @@ class TopKRouter(Fp32Router):
 
 ROUTINGS = ('noaux_tc', 'greedy', 'group_limited_greedy')
 # the model types that route by grouped_topk, whatever topk_method
-NOAUX_TC_MODEL_TYPES = ('deepseek_v3', 'glm4_moe', 'glm4_moe_lite', 'deepseek_v32', 'glm_moe_dsa')
+NOAUX_TC_MODEL_TYPES = ('deepseek_v3', 'glm4_moe', 'glm4_moe_lite', 'glm4v_moe_text', 'deepseek_v32',
+                        'glm_moe_dsa')
 
 
 class DeepseekV3MoE(nn.Module):

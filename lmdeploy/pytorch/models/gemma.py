@@ -20,6 +20,13 @@ FULL_ATTENTION, SLIDING_ATTENTION = 'full_attention', 'sliding_attention'
 LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 
 
+def soft_capped(logits: torch.Tensor | None, cap: float | None) -> torch.Tensor | None:
+    """``tanh(logits / cap) * cap`` (Gemma's final logit soft-capping); ``logits`` as they are without a cap."""
+    if logits is None or not cap:
+        return logits
+    return torch.tanh(logits / cap) * cap
+
+
 def rope_per_layer_type(hf_config) -> bool:
     """Whether local and global layers turn by rope tables of their own (Gemma 3)."""
     return set(LAYER_TYPES) <= set(hf_config.rope_parameters)
@@ -130,7 +137,4 @@ class GemmaForCausalLM(LayerTypeRopeForCausalLM):
         return self.embed_tokens(input_ids) * self.embed_scale
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = self.lm_head(hidden)
-        if logits is None or not self.final_logit_softcap:
-            return logits
-        return torch.tanh(logits / self.final_logit_softcap) * self.final_logit_softcap
+        return soft_capped(self.lm_head(hidden), self.final_logit_softcap)

@@ -12,6 +12,9 @@ from lmdeploy.pytorch.nn.decoder_stack import LayerWeights
 from lmdeploy.pytorch.nn.norm import RMSNorm
 from lmdeploy.pytorch.step_context import StepContext
 
+# the model types whose layers normalize the outputs of attention and of the MLP: GLM-4-0414 and GLM-4.1V's text model
+GLM4_MODEL_TYPES = ('glm4', 'glm4v_text')
+
 
 class Glm4DecoderLayer(LlamaDecoderLayer):
     """A decoder layer whose attention and MLP outputs are normalized before the residual adds them."""
@@ -39,5 +42,5 @@ class GlmForCausalLM(LlamaForCausalLM):
 
     def make_layer(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
         attn = LlamaAttention(cfg, interleaved_rope=True, o_bias=False)
-        layer = Glm4DecoderLayer if cfg.hf_config.model_type == 'glm4' else LlamaDecoderLayer
+        layer = Glm4DecoderLayer if cfg.hf_config.model_type in GLM4_MODEL_TYPES else LlamaDecoderLayer
         return layer(cfg, self.make_mlp(cfg, layer_index), attn)

@@ -23,7 +23,7 @@ from lmdeploy.pytorch.step_context import StepContext
 from lmdeploy.pytorch.weights.safetensors_loader import TensorPart, WeightSource, read_shard
 
 KVCache = tuple[torch.Tensor, ...]  # see PagedAttention
-QKV_BIAS_MODEL_TYPES = ('qwen2', 'qwen2_vl_text', 'qwen2_5_vl_text')
+QKV_BIAS_MODEL_TYPES = ('qwen2', 'qwen2_vl_text', 'qwen2_5_vl_text', 'glm4v_text')
 QK_NORM_MODEL_TYPES = ('qwen3', 'qwen3_moe', 'qwen3_vl_text', 'qwen3_vl_moe_text')
 DECODE_INT4_LAYERS = ('qkv_proj', 'o_proj', 'gate_up_proj', 'down_proj')
 # a merged layer -> the projections it stacks, in order; checkpoints may hold it fused (Phi-3, GLM)

@@ -52,15 +52,17 @@ def split_stacked_experts(weights: Iterable[tuple[str, WeightSource]], hidden_si
 
 class SparseMoeBlock(nn.Module):
     """Routes each token to its top-k experts; Qwen2-MoE adds a sigmoid-gated shared expert. ``bias`` gives
-    the router and the experts biases and ``activation`` replaces the experts' SiLU-and-mul (gpt-oss)."""
+    the router and the experts biases and ``activation`` replaces the experts' SiLU-and-mul (gpt-oss);
+    ``renormalize`` (None: the config's ``norm_topk_prob``, by default on) rescales the top-k weights to sum to 1."""
 
-    def __init__(self, cfg: ModelConfig, bias: bool = False, activation: ClampedSwiGLU | None = None):
+    def __init__(self, cfg: ModelConfig, bias: bool = False, activation: ClampedSwiGLU | None = None,
+                 renormalize: bool | None = None):
         super().__init__()
         hf = cfg.hf_config
         num_experts = getattr(hf, 'num_local_experts', None) or hf.num_experts
         intermediate = getattr(hf, 'moe_intermediate_size', None) or hf.intermediate_size
         self.top_k = hf.num_experts_per_tok
-        self.renormalize = getattr(hf, 'norm_topk_prob', True)
+        self.renormalize = getattr(hf, 'norm_topk_prob', True) if renormalize is None else renormalize
         shared = getattr(hf, 'shared_expert_intermediate_size', None)
         with use_weight_format(weight_format_for(None)):  # quantized checkpoints keep the routers dense
             self.gate = Linear(cfg.hidden_size, num_experts, bias=bias)

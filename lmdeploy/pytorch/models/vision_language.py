@@ -10,7 +10,8 @@ import math
 from collections.abc import Iterable, Iterator
 
 import torch
-from transformers import AutoModel
+from torch import nn
+from transformers import AutoModel, PretrainedConfig
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 from transformers.models.internvl.modeling_internvl import InternVLMultiModalProjector
 from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
@@ -94,9 +95,13 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         mm = cfg.mm_config
-        self.visual = QWEN_VISION_TOWERS[mm.model_type]._from_config(mm.vision_config)
+        self.visual = self.make_vision_tower(mm)
         self.merge_size = mm.vision_config.spatial_merge_size
         self.requires_grad_(False)
+
+    def make_vision_tower(self, mm: PretrainedConfig) -> nn.Module:
+        """transformers' vision tower of the whole config ``mm``."""
+        return QWEN_VISION_TOWERS[mm.model_type]._from_config(mm.vision_config)
 
     def run_vision(self, inputs: list[MultiModalInput]) -> BaseModelOutputWithPooling:
         """The vision tower's output for the images; ``pooler_output`` holds their merged features."""

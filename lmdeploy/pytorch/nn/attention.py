@@ -18,11 +18,13 @@ class PagedAttention(nn.Module):
     features of ``kernels/attention.py``; ``sinks [num_heads]`` is a parameter filled from the checkpoint when
     ``with_sinks`` is set (this rank's heads under tensor parallelism). A layer with a sliding window or an
     attention chunk (a :attr:`kv_window`) reads the step's sliding-window block tables (``StepContext.tables``).
-    Prefill rows attend up to the step's ``prefill_key_limit`` where it has one."""
+    Prefill rows attend up to the step's ``prefill_key_limit`` where it has one. A layer that attends over another
+    layer's keys and values (``fills_cache=False``: Gemma 3n's KV sharing) is given that layer's cache and the step's
+    K/V that layer stored there."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, quant_policy: int = 0,
                  sliding_window: int | None = None, logit_softcap: float | None = None, with_sinks: bool = False,
-                 attention_chunk: int | None = None):
+                 attention_chunk: int | None = None, fills_cache: bool = True):
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -35,6 +37,7 @@ class PagedAttention(nn.Module):
         self.attention_chunk = attention_chunk or None
         self.logit_softcap = logit_softcap or None
         self.sinks = nn.Parameter(torch.zeros(num_heads), requires_grad=False) if with_sinks else None
+        self.fills_cache = fills_cache
 
     @property
     def kv_window(self) -> int | None:
@@ -57,7 +60,8 @@ class PagedAttention(nn.Module):
         quant = (*kv_cache[2:], self.quant_policy) if self.quant_policy else ()
         features = self.features()
         kv_blocks, prefill_block_table, decode_blocks = ctx.tables(self.kv_window is not None)
-        fill_kv_cache(k, v, k_cache, v_cache, kv_blocks, ctx.kv_offsets, *quant)
+        if self.fills_cache:
+            fill_kv_cache(k, v, k_cache, v_cache, kv_blocks, ctx.kv_offsets, *quant)
         num_prefill = ctx.num_prefill_tokens
         parts = []
         if ctx.prefill_q_len is not None:

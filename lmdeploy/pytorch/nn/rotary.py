@@ -15,6 +15,8 @@ from lmdeploy.pytorch.step_context import StepContext
 # model type -> the ``mrope_section`` its transformers rotary takes where the config names none
 INTERLEAVED_MROPE_SECTIONS = {'qwen3_vl_text': [24, 20, 20], 'qwen3_vl_moe_text': [24, 20, 20],
                               'qwen3_5_text': [11, 11, 10], 'qwen3_5_moe_text': [11, 11, 10]}
+# the same for models whose sections are consecutive bands (GLM-4.1V, GLM-4.5V)
+MROPE_SECTIONS = {'glm4v_text': [8, 12, 12], 'glm4v_moe_text': [8, 12, 12]}
 
 
 def rotary_dim(hf_config: PretrainedConfig, head_dim: int) -> int:
@@ -131,8 +133,10 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f'rope type {rope_type!r} is not supported')
         # A plain attribute, not a buffer: casting the model to bf16 must not round the frequencies.
         self.inv_freq = inv_freq
-        interleaved = hf_config.model_type in INTERLEAVED_MROPE_SECTIONS
-        sections = params.get('mrope_section', INTERLEAVED_MROPE_SECTIONS.get(hf_config.model_type))
+        model_type = hf_config.model_type
+        interleaved = model_type in INTERLEAVED_MROPE_SECTIONS
+        default_sections = INTERLEAVED_MROPE_SECTIONS.get(model_type, MROPE_SECTIONS.get(model_type))
+        sections = params.get('mrope_section', default_sections)
         self.mrope_select = None if sections is None else mrope_axes(sections, len(inv_freq), interleaved)
 
     def forward(self, ctx: StepContext, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

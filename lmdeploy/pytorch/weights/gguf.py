@@ -24,11 +24,12 @@ from lmdeploy.messages import ConfigError
 from lmdeploy.model_source import ModelNotFoundError
 
 from .file_checks import check_gguf, open_gguf
-from .gguf_archs import (ARCHITECTURES, CONFIG_BUILDERS, LAYER_NAMES, METADATA_TENSORS, RAW_SERVED_ARCHS,
-                         unpermute_rotary)
+from .gguf_archs import (ARCHITECTURES, CONFIG_BUILDERS, GLOBAL_NAMES, LAYER_NAMES, METADATA_TENSORS,
+                         RAW_SERVED_ARCHS, unpermute_rotary)
 from .gguf_hybrid import PERMUTED_ARCHS as MAMBA2_PERMUTED_ARCHS
 from .gguf_keys import metadata
 from .gguf_hybrid import UNSUFFIXED_NAMES as MAMBA2_UNSUFFIXED_NAMES
+from .gguf_mamba import UNSUFFIXED_NAMES as MAMBA1_UNSUFFIXED_NAMES
 from .gguf_qwen3_next import ARCHITECTURES as HYBRID_ARCHS
 from .gguf_qwen3_next import FILE_LAYOUT as HYBRID_FILE_LAYOUT
 from .gguf_qwen3_next import UNSUFFIXED_NAMES
@@ -83,7 +84,8 @@ _PERMUTED_ARCHS = ('llama', 'smollm3', 'mistral3', 'granite', 'arcee', 'granitem
 SMOLLM3_NO_ROPE_INTERVAL = 4
 _LAYER_RE = re.compile(r'blk\.(\d+)\.([\w.]+)')  # LFM2's ``shortconv.in_proj`` has a dot
 # tensors llama.cpp names without a ``.weight``/``.bias`` kind (``ssm_a``; Mamba-2's ``ssm_d``)
-_UNSUFFIXED_NAMES = {**dict.fromkeys(HYBRID_ARCHS, UNSUFFIXED_NAMES), **MAMBA2_UNSUFFIXED_NAMES}
+_UNSUFFIXED_NAMES = {**dict.fromkeys(HYBRID_ARCHS, UNSUFFIXED_NAMES), **MAMBA2_UNSUFFIXED_NAMES,
+                     **MAMBA1_UNSUFFIXED_NAMES}
 _LAYER_INDEX = re.compile(r'blk\.(\d+)\.')
 _EXPERTS = re.compile(r'blk\.\d+\.ffn_(gate|up|down)_exps\.weight')
 # llama.cpp pre-tokenizers that transformers' GGUF reader does not know, by the one of its splits they use
@@ -106,8 +108,9 @@ def hf_tensor_name(gguf_name: str, arch: str = 'llama') -> str | None:
         return f'model.layers.{unsuffixed[1]}.{_UNSUFFIXED_NAMES[arch][unsuffixed[2]]}'
     if kind not in ('weight', 'bias'):
         return None
-    if base in _GLOBAL_NAMES:
-        return f'{_GLOBAL_NAMES[base]}.{kind}'
+    global_names = _GLOBAL_NAMES | GLOBAL_NAMES.get(arch, {})
+    if base in global_names:
+        return f'{global_names[base]}.{kind}'
     match = _LAYER_RE.fullmatch(base)
     names = _LAYER_NAMES | _ARCH_LAYER_NAMES.get(arch, {})
     if match and f'{match[2]}.{kind}' in names:
@@ -152,7 +155,7 @@ def gguf_config(reader: GGUFReader, source: str, raw_types: Iterable[str] = RAW_
         'num_hidden_layers': key('block_count'),
         'num_attention_heads': heads,
         'num_key_value_heads': key('attention.head_count_kv', heads),
-        'head_dim': head_dim or hidden // heads,
+        'head_dim': head_dim or (hidden // heads if heads else None),  # Mamba's files: no heads
         'max_position_embeddings': key('context_length', 2048),
         'rms_norm_eps': key('attention.layer_norm_rms_epsilon', 1e-6),
         'rope_theta': key('rope.freq_base', 10000.0),

@@ -5,7 +5,9 @@ Cohere2 (``cohere2``), EXAONE 4.0 (``exaone4``), Arcee (``arcee``), the dense Hu
 (``apertus``), StarCoder2 (``starcoder2``), Granite 3 MoE (``granitemoe``: Granite 3's keys with stacked experts, stored
 back one tensor per expert or fused as its checkpoints hold them); the other MoE families have their own module,
 ``gguf_moe_archs.py``, Qwen3-Next and Qwen3.5 (``qwen3next``, ``qwen35``, ``qwen35moe``) theirs,
-``gguf_qwen3_next.py``, and LFM2 and LFM2-MoE (``lfm2``, ``lfm2moe``) theirs, ``gguf_lfm2.py``, merged in here.
+``gguf_qwen3_next.py``, LFM2 and LFM2-MoE (``lfm2``, ``lfm2moe``) theirs, ``gguf_lfm2.py``, Gemma 3n
+(``gemma3n``) its own, ``gguf_gemma3n.py``, and Mamba and Falcon Mamba (``mamba``) theirs, ``gguf_mamba.py``,
+merged in here.
 
 Each has a config builder (the transformers config fields that llama.cpp keeps in metadata under gguf-py's
 ``Keys``, or fixes in its loader) and, where needed, a state-dict step in ``gguf_tensors.py`` that undoes what
@@ -19,7 +21,7 @@ import numpy as np
 import torch
 from gguf import Keys
 
-from . import gguf_hybrid, gguf_lfm2, gguf_moe_archs, gguf_qwen3_next
+from . import gguf_gemma3n, gguf_hybrid, gguf_lfm2, gguf_mamba, gguf_moe_archs, gguf_qwen3_next
 from .gguf_keys import Meta
 from .gguf_keys import glm_rope as _glm_rope
 from .gguf_keys import layer_types as _layer_types
@@ -47,6 +49,8 @@ ARCHITECTURES = {
     **gguf_qwen3_next.ARCHITECTURES,
     **gguf_lfm2.ARCHITECTURES,
     **gguf_hybrid.ARCHITECTURES,
+    **gguf_gemma3n.ARCHITECTURES,
+    **gguf_mamba.ARCHITECTURES,
 }
 
 # architectures whose every linear layer is a projection (or experts) that may be served as llama.cpp's blocks
@@ -84,7 +88,11 @@ LAYER_NAMES: dict[str, dict[str, str]] = {
     **dict.fromkeys(gguf_qwen3_next.ARCHITECTURES, gguf_qwen3_next.LAYER_NAMES),
     **dict.fromkeys(gguf_lfm2.ARCHITECTURES, gguf_lfm2.LAYER_NAMES),
     **gguf_hybrid.LAYER_NAMES,
+    **dict.fromkeys(gguf_gemma3n.ARCHITECTURES, gguf_gemma3n.LAYER_NAMES),
+    **gguf_mamba.LAYER_NAMES,
 }
+# tensors outside the layers, by architecture, beyond the embedding, final norm and output every one has
+GLOBAL_NAMES: dict[str, dict[str, str]] = dict.fromkeys(gguf_gemma3n.ARCHITECTURES, gguf_gemma3n.GLOBAL_NAMES)
 
 
 def unpermute_rotary(weight: np.ndarray | torch.Tensor, n_head: int) -> np.ndarray | torch.Tensor:
@@ -297,4 +305,5 @@ CONFIG_BUILDERS: dict[str, Callable[[Meta, dict[str, Any], dict[str, Any]], dict
     'arcee': _arcee, 'hunyuan-dense': _hunyuan_dense, 'apertus': _apertus, 'starcoder2': _starcoder2,
     'granitemoe': _granitemoe,
     **gguf_moe_archs.CONFIG_BUILDERS,
-    **gguf_qwen3_next.CONFIG_BUILDERS, **gguf_lfm2.CONFIG_BUILDERS, **gguf_hybrid.CONFIG_BUILDERS}
+    **gguf_qwen3_next.CONFIG_BUILDERS, **gguf_lfm2.CONFIG_BUILDERS, **gguf_hybrid.CONFIG_BUILDERS,
+    **gguf_gemma3n.CONFIG_BUILDERS, **gguf_mamba.CONFIG_BUILDERS}

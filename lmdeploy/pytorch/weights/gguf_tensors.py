@@ -14,9 +14,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from .gguf_gemma3n import FINISHERS as GEMMA3N_FINISHERS
 from .gguf_hybrid import FINISHERS as MAMBA2_FINISHERS
 from .gguf_lfm2 import ARCHITECTURES as LFM2_ARCHS
 from .gguf_lfm2 import unsqueeze_conv
+from .gguf_mamba import FINISHERS as MAMBA1_FINISHERS
 from .gguf_qwen3_next import ARCHITECTURES as HYBRID_ARCHS
 from .gguf_qwen3_next import finish_hybrid
 
@@ -180,7 +182,8 @@ _FINISHERS = {'llama': _split_experts, 'qwen3moe': _split_experts, 'qwen3vlmoe':
               'minimax-m2': _split_experts, 'hunyuan-moe': _split_experts, 'olmoe': _split_experts,
               'granitemoe': _granitemoe_checkpoint,
               **dict.fromkeys(HYBRID_ARCHS, _hybrid_checkpoint), **dict.fromkeys(LFM2_ARCHS, _lfm2_checkpoint),
-              **MAMBA2_FINISHERS}
+              **MAMBA2_FINISHERS, **GEMMA3N_FINISHERS,
+              **MAMBA1_FINISHERS}
 
 
 def finish_state_dict(arch: str, state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
