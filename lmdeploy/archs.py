@@ -87,6 +87,7 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'Glm46VForConditionalGeneration': ('vlm', f'{_GLM4V}:Glm46VForConditionalGeneration'),
     'SmolVLMForConditionalGeneration': ('vlm', f'{_SMOLVLM}:SmolVLMForConditionalGeneration'),
     'Idefics3ForConditionalGeneration': ('vlm', f'{_SMOLVLM}:SmolVLMForConditionalGeneration'),
+    'Lfm2VlForConditionalGeneration': ('vlm', 'lmdeploy.pytorch.models.lfm2_vl:Lfm2VlForConditionalGeneration'),
 }
 
 

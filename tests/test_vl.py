@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import base64
 import io
+import subprocess
+import sys
 
 import pytest
 from vl_models import VL_KINDS, hf_vl_greedy, random_image, save_tiny_vl_model
@@ -144,3 +146,14 @@ def test_chat_template_beside_the_processor(vl_model, tmp_path):
     (path / 'chat_template.json').write_text(json.dumps({'chat_template': template}))
     messages = [{'role': 'user', 'content': [{'type': 'image'}, {'type': 'text', 'text': 'hi'}]}]
     assert Tokenizer(str(path)).apply_chat_template(messages) == Tokenizer(vl_model).apply_chat_template(messages)
+
+
+def test_a_text_model_imports_no_family_preprocessing_module():
+    """SmolVLM's and LFM2-VL's preprocessing (and their transformers processors, seconds to import) load only when
+    their family is served."""
+    code = ('import sys\nfrom transformers import LlamaConfig\nfrom lmdeploy.vl.image_inputs import ImageInputs\n'
+            'assert ImageInputs.for_model(".", LlamaConfig(), None) is None\n'
+            'loaded = [m for m in sys.modules if m.startswith(("lmdeploy.vl.smolvlm", "lmdeploy.vl.lfm2", '
+            '"transformers.models.smolvlm", "transformers.models.lfm2_vl"))]\nassert not loaded, loaded')
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr

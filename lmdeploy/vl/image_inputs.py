@@ -6,6 +6,8 @@ the preprocessing thread would start an OpenMP team there and slow the engine's 
 """
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import torch
 from PIL import Image
@@ -13,6 +15,17 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 
 LLAMA4_IMAGE_TOKENS = ['<|image|>', '<|image_start|>', '<|image_end|>', '<|tile_x_separator|>', '<|tile_y_separator|>']
+
+
+# Families whose preprocessing lives in a module of its own (which imports this one), imported when served: their
+# transformers processors take seconds to import.
+OWN_MODULES = {'smolvlm': 'smolvlm_inputs:SmolVLMImageInputs', 'idefics3': 'smolvlm_inputs:SmolVLMImageInputs',
+               'lfm2_vl': 'lfm2_vl_inputs:Lfm2VlImageInputs'}
+
+
+def _own_module(name: str) -> type:
+    module, cls = name.split(':')
+    return getattr(importlib.import_module(f'lmdeploy.vl.{module}'), cls)
 
 
 class ImageInputs:
@@ -39,15 +52,14 @@ class ImageInputs:
     def for_model(cls, model_dir: str, config: PretrainedConfig,
                   tokenizer: PreTrainedTokenizerBase) -> ImageInputs | None:
         """The preprocessing of a vision-language model's family; None for text-only models."""
-        from lmdeploy.vl.smolvlm_inputs import SmolVLMImageInputs
         family = {'qwen2_vl': QwenVLImageInputs, 'qwen2_5_vl': QwenVLImageInputs, 'qwen3_vl': QwenVLImageInputs,
                   'qwen3_vl_moe': QwenVLImageInputs, 'qwen3_5': QwenVLImageInputs, 'qwen3_5_moe': QwenVLImageInputs,
                   'llava': LlavaImageInputs, 'internvl': InternVLImageInputs,
                   'mistral3': Mistral3ImageInputs, 'gemma3': Gemma3ImageInputs,
                   'llama4': Llama4ImageInputs,
-                  'glm4v': QwenVLImageInputs, 'glm4v_moe': QwenVLImageInputs, 'glm46v': QwenVLImageInputs,
-                  'smolvlm': SmolVLMImageInputs, 'idefics3': SmolVLMImageInputs}
-        kind = family.get(config.model_type)
+                  'glm4v': QwenVLImageInputs, 'glm4v_moe': QwenVLImageInputs, 'glm46v': QwenVLImageInputs}
+        own_module = OWN_MODULES.get(config.model_type)
+        kind = _own_module(own_module) if own_module else family.get(config.model_type)
         return kind(model_dir, config, tokenizer) if kind else None
 
     def __call__(self, image: Image.Image) -> tuple[int, dict[str, torch.Tensor]]:

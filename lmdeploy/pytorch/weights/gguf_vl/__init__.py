@@ -14,6 +14,7 @@ from .common import VisionFamily, find_mmproj, meta, mmproj_files
 from .gemma3 import GEMMA3
 from .idefics3 import IDEFICS3
 from .internvl import INTERNVL
+from .lfm2 import LFM2_VL
 from .llama4 import LLAMA4
 from .llava import LLAVA
 from .pixtral import PIXTRAL
@@ -23,7 +24,7 @@ from .qwen3 import QWEN3_VL
 FAMILIES: dict[str, VisionFamily] = {'qwen2vl_merger': QWEN2_VL, 'qwen2.5vl_merger': QWEN2_VL,
                                      'qwen3vl_merger': QWEN3_VL, 'internvl': INTERNVL, 'mlp': LLAVA,
                                      'gemma3': GEMMA3, 'pixtral': PIXTRAL, 'llama4': LLAMA4,
-                                     'idefics3': IDEFICS3}
+                                     'idefics3': IDEFICS3, 'lfm2': LFM2_VL}
 # language-model architectures that only ever come with an mmproj file
 VL_ONLY_ARCHS = frozenset({'qwen2vl', 'qwen3vl', 'qwen3vlmoe'})
 
