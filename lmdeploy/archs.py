@@ -75,6 +75,8 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'ExaoneMoeForCausalLM': ('llm', 'lmdeploy.pytorch.models.exaone_moe:ExaoneMoeForCausalLM'),
     'ExaoneMoEForCausalLM': ('llm', 'lmdeploy.pytorch.models.exaone_moe:ExaoneMoeForCausalLM'),
     'AfmoeForCausalLM': ('llm', 'lmdeploy.pytorch.models.afmoe:AfmoeForCausalLM'),
+    'DeepseekV32ForCausalLM': ('llm', 'lmdeploy.pytorch.models.deepseek_v32:DeepseekV32ForCausalLM'),
+    'GlmMoeDsaForCausalLM': ('llm', 'lmdeploy.pytorch.models.deepseek_v32:GlmMoeDsaForCausalLM'),
     'Qwen2VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
     'Qwen2_5_VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
     'LlavaForConditionalGeneration': ('vlm', f'{_VL}:LlavaForConditionalGeneration'),

@@ -38,6 +38,9 @@ class ModelConfig:
     # Multi-head latent attention (DeepSeek-V2/V3): each token caches one vector of this width, its latent
     # (``kv_lora_rank``) then its rotary key (``qk_rope_head_dim``), shared by every head; 0: per-head K/V.
     kv_latent_dim: int = 0
+    # DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): each token also caches its indexer key of this width, in
+    # ``dtype`` whatever ``quant_policy`` (``kernels/dsa.py``); 0: no indexer
+    index_key_dim: int = 0
     # layers with a recurrent state instead of a KV cache (see RECURRENT_LAYER_TYPES)
     num_state_layers: int = 0
     # layers with neither a KV cache nor a recurrent state (see CACHELESS_LAYER_TYPES)
@@ -68,6 +71,8 @@ class ModelConfig:
                    mm_config=None if hf_config is config else config,
                    quant_policy=quant_policy,
                    kv_latent_dim=kv_latent_dim,
+                   index_key_dim=getattr(hf_config, 'index_head_dim', 0) if getattr(hf_config, 'index_topk', None)
+                   else 0,
                    num_state_layers=sum(kind in RECURRENT_LAYER_TYPES for kind in layer_types),
                    num_cacheless_layers=sum(kind in CACHELESS_LAYER_TYPES for kind in layer_types),
                    num_kv_shared_layers=getattr(hf_config, 'num_kv_shared_layers', 0) or 0)
@@ -76,12 +81,14 @@ class ModelConfig:
         """Shape and dtype of each tensor of one layer's cache: K and V, then with ``quant_policy`` their
         scales and zero points (``kernels/kv_quant.py`` describes the layout); with ``kv_latent_dim`` one
         tensor ``[num_blocks, block_size, kv_latent_dim]``, or with ``quant_policy`` its codes and the scales
-        and zero points of its two parts (``kernels/mla.py``)."""
+        and zero points of its two parts (``kernels/mla.py``); with ``index_key_dim`` then one more tensor
+        ``[num_blocks, block_size, index_key_dim]`` of the indexer's keys (``kernels/dsa.py``)."""
         if self.kv_latent_dim:
+            index_keys = [((num_blocks, block_size, self.index_key_dim), self.dtype)] if self.index_key_dim else []
             if not self.quant_policy:
-                return [((num_blocks, block_size, self.kv_latent_dim), self.dtype)]
+                return [((num_blocks, block_size, self.kv_latent_dim), self.dtype)] + index_keys
             return [((num_blocks, block_size, self.kv_latent_dim * self.quant_policy // 8), torch.uint8),
-                    ((num_blocks, block_size, 2, 2), torch.float32)]
+                    ((num_blocks, block_size, 2, 2), torch.float32)] + index_keys
         rows = (num_blocks, self.num_kv_heads, block_size)
         if not self.quant_policy:
             return [((*rows, self.head_dim), self.dtype)] * 2

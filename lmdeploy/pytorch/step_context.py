@@ -5,10 +5,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from lmdeploy.pytorch.multimodal import MultiModalBatch
+
+if TYPE_CHECKING:
+    from lmdeploy.pytorch.kernels.dsa import TokenSelection
 
 
 @dataclass
@@ -37,6 +41,9 @@ class StepContext:
     Models with linear-attention layers (see ``paging/state_pool.py``) get, on the host, each prefill chunk's
     ``state_prefill`` entry ``(slot, first row, rows, starts the sequence)`` and, on the device, the decoding
     sequences' recurrent-state slots ``state_decode_slots [num_decode]``; both None for other models.
+
+    ``token_selection`` is the keys the last DeepSeek Sparse Attention layer with an indexer selected this step
+    (``kernels/dsa.TokenSelection``), for the layers after it that share its selection (GLM-5's ``shared`` layers).
     """
 
     positions: torch.Tensor
@@ -62,6 +69,7 @@ class StepContext:
     window_decode_blocks: torch.Tensor | None = None
     state_prefill: list[tuple[int, int, int, bool]] | None = None
     state_decode_slots: torch.Tensor | None = None
+    token_selection: TokenSelection | None = None
 
     def tables(self, sliding: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """``(kv_blocks, prefill_block_table, decode_blocks)`` of a layer, one with a window of keys (sliding or

@@ -61,26 +61,27 @@ def _context(cache: torch.Tensor, scales_zeros: torch.Tensor | None, quant_polic
 def mla_prefill_attention(q: torch.Tensor, latent: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
                           q_start: torch.Tensor, q_len: torch.Tensor, ctx_len: torch.Tensor, max_q_len: int,
                           scale: float, v_dim: int, scales_zeros: torch.Tensor | None = None,
-                          quant_policy: int = 0) -> torch.Tensor:
+                          quant_policy: int = 0, keep: list[torch.Tensor] | None = None) -> torch.Tensor:
     """Causal attention of the packed chunks ``q [T, H, D]`` over their contexts; returns ``[T, H, v_dim]``.
 
     Sequence ``s`` owns rows ``q_start[s]:q_start[s] + q_len[s]`` of ``q`` and of the fresh
     ``latent [T, D]``; its context is ``ctx_len[s]`` tokens in the blocks of ``block_table[s]`` (already
     holding this chunk). A chunk that is its whole context uses the fresh latents directly, unless the
-    cache is quantized. ``max_q_len`` sizes the GPU launch.
+    cache is quantized. ``max_q_len`` sizes the GPU launch. ``keep`` (sparse attention, ``kernels/dsa.py``): per
+    sequence the keys ``[q_len, ctx_len]`` each row attends, causal already.
     """
     out = q.new_empty(*q.shape[:2], v_dim)
     block_size = cache.shape[1]
     for row, (start, length, context_len) in enumerate(zip(q_start.tolist(), q_len.tolist(), ctx_len.tolist())):
         qt = q[start:start + length].transpose(0, 1).unsqueeze(0)
-        if context_len == length and not quant_policy:
+        if context_len == length and not quant_policy and keep is None:
             kv = latent[start:start + length]
             mask = None
         else:
             kv = _context(cache, scales_zeros, quant_policy, v_dim, block_table[row, :-(-context_len // block_size)],
                           context_len, q.dtype)
             q_pos = torch.arange(context_len - length, context_len, device=q.device).unsqueeze(1)
-            mask = torch.arange(context_len, device=q.device).unsqueeze(0) <= q_pos
+            mask = torch.arange(context_len, device=q.device).unsqueeze(0) <= q_pos if keep is None else keep[row]
         kt, vt = kv[None, None], kv[None, None, :, :v_dim]
         chunk = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, is_causal=mask is None, scale=scale,
                                                enable_gqa=True)
@@ -90,9 +91,10 @@ def mla_prefill_attention(q: torch.Tensor, latent: torch.Tensor, cache: torch.Te
 
 def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, kv_lens: torch.Tensor,
                          scale: float, v_dim: int, scales_zeros: torch.Tensor | None = None,
-                         quant_policy: int = 0) -> torch.Tensor:
+                         quant_policy: int = 0, keep: torch.Tensor | None = None) -> torch.Tensor:
     """One new token per sequence: ``q [B, H, D]`` over ``kv_lens [B]`` tokens in ``block_table [B, N]``;
-    positions past ``kv_lens`` are masked. Returns ``[B, H, v_dim]``."""
+    positions past ``kv_lens`` are masked, and with ``keep [B, N * block_size]`` (sparse attention) those it
+    does not keep. Returns ``[B, H, v_dim]``."""
     batch, num_blocks = block_table.shape
     block_size = cache.shape[1]
     kv = cache.index_select(0, block_table.flatten())
@@ -101,5 +103,7 @@ def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torc
     kv = kv.view(batch, num_blocks * block_size, -1)
     scores = torch.matmul(q, kv.transpose(1, 2)).float() * scale
     padding = torch.arange(num_blocks * block_size, device=q.device) >= kv_lens.unsqueeze(1)
+    if keep is not None:
+        padding |= ~keep
     scores.masked_fill_(padding.unsqueeze(1), float('-inf'))
     return torch.matmul(scores.softmax(-1).to(q.dtype), kv[..., :v_dim])

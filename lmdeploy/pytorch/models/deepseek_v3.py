@@ -79,14 +79,23 @@ class DeepseekV3Attention(nn.Module):
                                 norm_eps=LORA_NORM_EPS)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache, ctx: StepContext) -> torch.Tensor:
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
+        _, q_nope, q_rope, latent = self.queries_and_latent(x, ctx)
+        return self.o_proj(self.attn(q_nope, q_rope, latent, self.kv_b_proj.weight, kv_cache, ctx))
+
+    def queries_and_latent(self, x: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor | None, torch.Tensor,
+                                                                               torch.Tensor, torch.Tensor]:
+        """``(q_lora, q_nope, q_rope, latent)`` of ``x [T, hidden]``: the normed low-rank query ``[T, q_lora_rank]``
+        (None without ``q_lora_rank``), each head's query parts (the rotary one turned) and the latent to cache
+        (normed latent, then turned rotary key)."""
+        q_lora = self.q_a_layernorm(self.q_a_proj(x)) if self.q_lora else None
+        q = self.q_b_proj(q_lora) if self.q_lora else self.q_proj(x)
         q_nope, q_rope = q.view(-1, self.num_heads, self.nope_dim + self.rope_dim).split(
             [self.nope_dim, self.rope_dim], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         q_rope = apply_rope(q_rope.contiguous(), ctx.cos, ctx.sin, self.interleaved_rope)
         k_rope = apply_rope(k_rope.unsqueeze(1).contiguous(), ctx.cos, ctx.sin, self.interleaved_rope).squeeze(1)
         latent = torch.cat((self.kv_a_layernorm(latent.contiguous()), k_rope), dim=-1)
-        return self.o_proj(self.attn(q_nope, q_rope, latent, self.kv_b_proj.weight, kv_cache, ctx))
+        return q_lora, q_nope, q_rope, latent
 
 
 class TopKRouter(Fp32Router):
@@ -100,7 +109,8 @@ class TopKRouter(Fp32Router):
 
 ROUTINGS = ('noaux_tc', 'greedy', 'group_limited_greedy')
 # the model types that route by grouped_topk, whatever topk_method
-NOAUX_TC_MODEL_TYPES = ('deepseek_v3', 'glm4_moe', 'glm4_moe_lite', 'glm4v_moe_text', 'dots1', 'exaone_moe', 'afmoe')
+NOAUX_TC_MODEL_TYPES = ('deepseek_v3', 'glm4_moe', 'glm4_moe_lite', 'glm4v_moe_text', 'dots1', 'exaone_moe', 'afmoe',
+                        'deepseek_v32', 'glm_moe_dsa')
 
 
 class DeepseekV3MoE(nn.Module):

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from lmdeploy.pytorch.distributed.parallel_state import Shard, current_group, split_range
-from lmdeploy.pytorch.kernels import fill_latent_cache, mla_decode_attention, mla_prefill_attention
+from lmdeploy.pytorch.kernels import fill_latent_cache, mla, mla_decode_attention, mla_prefill_attention
+from lmdeploy.pytorch.kernels.dsa import TokenSelection
 from lmdeploy.pytorch.nn.linear import Linear
 from lmdeploy.pytorch.nn.quant import layout_of
 from lmdeploy.pytorch.nn.quant.cpu_fp32 import NativeFp32Kernel, native_fp32_kernel
@@ -73,9 +74,11 @@ class LatentAttention(nn.Module):
         return torch.stack([kernel(x[:, h], None) for h, kernel in enumerate(kernels)], dim=1)
 
     def forward(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, kv_b_weight: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, ...], ctx: StepContext) -> torch.Tensor:
+                kv_cache: tuple[torch.Tensor, ...], ctx: StepContext,
+                selection: TokenSelection | None = None) -> torch.Tensor:
         """``q_nope [T, H, nope_dim]``, ``q_rope [T, H, rope_dim]`` (turned), ``latent [T, kv_lora_rank +
-        rope_dim]`` (normed latent, then turned rotary key) -> ``[T, H * v_head_dim]``."""
+        rope_dim]`` (normed latent, then turned rotary key) -> ``[T, H * v_head_dim]``. With ``selection``
+        (DeepSeek Sparse Attention) each query attends only the keys it keeps, in torch (``kernels/mla.py``)."""
         cache = kv_cache[0]
         quant = (kv_cache[1], self.quant_policy) if self.quant_policy else ()
         fill_latent_cache(latent, cache, ctx.kv_blocks, ctx.kv_offsets, *quant, v_dim=self.kv_lora_rank)
@@ -86,14 +89,19 @@ class LatentAttention(nn.Module):
             q_latent = self.per_head(self.absorb_kernels, q_nope)
         q = torch.cat((q_latent, q_rope), dim=-1)
         num_prefill = ctx.num_prefill_tokens
+        prefill, decode = mla_prefill_attention, mla_decode_attention
+        prefill_keep, decode_keep = {}, {}
+        if selection is not None:
+            prefill, decode = mla.mla_prefill_attention, mla.mla_decode_attention
+            prefill_keep, decode_keep = {'keep': selection.prefill}, {'keep': selection.decode}
         parts = []
         if ctx.prefill_q_len is not None:
-            parts.append(mla_prefill_attention(q[:num_prefill], latent[:num_prefill], cache, ctx.prefill_block_table,
-                                               ctx.prefill_q_start, ctx.prefill_q_len, ctx.prefill_ctx_len,
-                                               ctx.prefill_max_q_len, self.scale, self.kv_lora_rank, *quant))
+            parts.append(prefill(q[:num_prefill], latent[:num_prefill], cache, ctx.prefill_block_table,
+                                 ctx.prefill_q_start, ctx.prefill_q_len, ctx.prefill_ctx_len, ctx.prefill_max_q_len,
+                                 self.scale, self.kv_lora_rank, *quant, **prefill_keep))
         if ctx.decode_blocks is not None:
-            parts.append(mla_decode_attention(q[num_prefill:], cache, ctx.decode_blocks, ctx.decode_kv_lens,
-                                              self.scale, self.kv_lora_rank, *quant))
+            parts.append(decode(q[num_prefill:], cache, ctx.decode_blocks, ctx.decode_kv_lens, self.scale,
+                                self.kv_lora_rank, *quant, **decode_keep))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         if self.value_kernels is None:
             return torch.einsum('thl,hvl->thv', out, w_kv[:, self.nope_dim:]).flatten(1)
