@@ -29,6 +29,10 @@ MARKERS = [
     ('minimax_m2', '<minimax:tool_call>', 'anywhere'),
     ('pythonic', '<|python_start|>', 'anywhere'),  # Llama 4
     ('lfm2', '<|tool_call_start|>', 'anywhere'),
+    ('jamba', '<tool_calls>', 'anywhere'),
+    ('hunyuan_a13b', '<tool_calls>', 'anywhere'),
+    ('falcon_h1', '<tool_call>', 'anywhere'),
+    ('cohere2', '<|START_ACTION|>', 'anywhere'),
     ('llama3_json', '<|python_tag|>', 'start'),
 ]
 # what follows the marker: nothing, text, whitespace, a list that holds no call

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from lmdeploy.serve.openai.reasoning_parsers.base import (ReasoningDelta, ReasoningParser,
                                                           register_reasoning_parser)
-from lmdeploy.serve.openai.text_scan import WHITESPACE, held_back, skip_whitespace
+from lmdeploy.serve.openai.text_scan import WHITESPACE, held_back, skip_whitespace, strip_end
 
 START, END = '<think>', '</think>'
 
@@ -75,12 +75,16 @@ class ThinkReasoningParser(ReasoningParser):
                 self.state, self.strip = 'content', tag == self.end_marker
                 self.pos = at + len(tag) if self.strip else at
             else:
-                if self.strip:
-                    self.pos = skip_whitespace(self.text, self.pos)
-                    self.strip = self.pos == len(self.text)
-                out.content += self.text[self.pos:]
-                self.pos = len(self.text)
+                self._content(out, final)
                 return out
+
+    def _content(self, out: ReasoningDelta, final: bool) -> None:
+        """Gives out the content from ``pos``, without the whitespace right after the reasoning."""
+        if self.strip:
+            self.pos = skip_whitespace(self.text, self.pos)
+            self.strip = self.pos == len(self.text)
+        out.content += self.text[self.pos:]
+        self.pos = len(self.text)
 
 
 @register_reasoning_parser('qwen3_5')
@@ -98,3 +102,44 @@ class SeedOssReasoningParser(ThinkReasoningParser):
 
     start_marker, end_marker = '<seed:think>', '</seed:think>'
     markers = (start_marker, end_marker)
+
+
+class AnswerBlockReasoningParser(ThinkReasoningParser):
+    """Reasoning, then the answer in a block whose tags are ``answer_tags``: the content is the answer without
+    those tags and the whitespace next to them (text outside the block stays)."""
+
+    answer_tags: tuple[str, ...] = ()
+
+    def _content(self, out: ReasoningDelta, final: bool) -> None:
+        while True:
+            if self.strip:
+                self.pos = skip_whitespace(self.text, self.pos)
+                self.strip = self.pos == len(self.text)
+            found = [(i, tag) for tag in self.answer_tags if (i := self.text.find(tag, self.pos)) >= 0]
+            if not found:
+                end = len(self.text) if final else strip_end(
+                    self.text, self.pos, min(held_back(self.text, self.pos, tag) for tag in self.answer_tags))
+                out.content += self.text[self.pos:end]
+                self.pos = max(self.pos, end)
+                return
+            at, tag = min(found)
+            out.content += self.text[self.pos:strip_end(self.text, self.pos, at)]
+            self.pos, self.strip = at + len(tag), True
+
+
+@register_reasoning_parser('hunyuan_a13b', 'hunyuan')
+class HunyuanReasoningParser(AnswerBlockReasoningParser):
+    """Hunyuan-A13B's and Hunyuan dense's ``<think>`` reasoning, then ``<answer>...</answer>``."""
+
+    answer_tags = ('<answer>', '</answer>')
+    markers = (START, END, *answer_tags)
+
+
+@register_reasoning_parser('cohere2', 'command_a', 'command_r7b')
+class CohereReasoningParser(AnswerBlockReasoningParser):
+    """Command R7B's and Command A's ``<|START_THINKING|>`` reasoning (or tool plan), then the answer in
+    ``<|START_RESPONSE|>...<|END_RESPONSE|>`` (Command A Reasoning: ``<|START_TEXT|>...<|END_TEXT|>``)."""
+
+    start_marker, end_marker = '<|START_THINKING|>', '<|END_THINKING|>'
+    answer_tags = ('<|START_RESPONSE|>', '<|END_RESPONSE|>', '<|START_TEXT|>', '<|END_TEXT|>')
+    markers = (start_marker, end_marker, *answer_tags)

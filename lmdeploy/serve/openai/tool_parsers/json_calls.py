@@ -65,16 +65,17 @@ def _string(literal: str) -> str | None:
         return None
 
 
-def call_of(text: str) -> tuple[str, str] | None:
-    """``(name, arguments JSON)`` of a complete call object in any key order, or None if it is not one."""
+def call_of(text: str, name_key: str = 'name') -> tuple[str, str] | None:
+    """``(name, arguments JSON)`` of a complete call object in any key order, its name under ``name_key``, or None
+    if it is not one."""
     try:
         obj = json.loads(text)
     except (ValueError, RecursionError):  # nested deeper than Python's json reads: no call either
         return None
-    if not isinstance(obj, dict) or not isinstance(obj.get('name'), str):
+    if not isinstance(obj, dict) or not isinstance(obj.get(name_key), str):
         return None
     args = next((obj[k] for k in _ARGUMENT_KEYS if obj.get(k) is not None), {})
-    return obj['name'], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+    return obj[name_key], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
 
 
 class CallReader:
@@ -82,11 +83,13 @@ class CallReader:
 
     Once its head (``{"name": "...", "arguments": `` or ``"parameters": ``) is complete the call's name
     goes out, then its arguments as the model writes them, raw, up to the end of their object. A call
-    written otherwise is read whole, then given at once with its arguments re-serialised.
+    written otherwise (or naming its function under a ``name_key`` other than ``"name"``) is read whole, then
+    given at once with its arguments re-serialised.
     """
 
-    def __init__(self, start: int):
+    def __init__(self, start: int, name_key: str = 'name'):
         self.start = start
+        self.name_key = name_key
         self.object = JsonScanner(start)
         self.args: JsonScanner | None = None
         self.index = -1
@@ -102,7 +105,7 @@ class CallReader:
         text, out = parser.text, []
         end = self.object.advance(text)
         if self.args is None:
-            head = _HEAD.match(text, self.start)
+            head = _HEAD.match(text, self.start) if self.name_key == 'name' else None
             name = _string(head.group(1)) if head else None
             if name is not None:
                 out.append(parser.new_call(name))
@@ -117,7 +120,7 @@ class CallReader:
             return out, True if end is not None or final else None
         if end is None and not final:
             return out, None
-        call = call_of(text[self.start:end])
+        call = call_of(text[self.start:end], self.name_key)
         if call is None:
             return out, False
         out.append(parser.new_call(*call))
@@ -126,7 +129,9 @@ class CallReader:
 
 class JsonCallsParser(ToolParser):
     """A parser of replies that hold call objects: ``state`` says what it reads next (``'start'`` first,
-    ``'call'`` while ``reader`` reads a call object)."""
+    ``'call'`` while ``reader`` reads a call object); ``name_key`` is the objects' key of the function's name."""
+
+    name_key = 'name'
 
     def __init__(self, tools: Sequence[Mapping[str, Any]] = (), special_markers: Collection[str] = ()) -> None:
         super().__init__(tools, special_markers)
@@ -135,7 +140,7 @@ class JsonCallsParser(ToolParser):
 
     def start_call(self, start: int) -> None:
         """Reads the object at ``start`` as a call from now on."""
-        self.reader, self.state = CallReader(start), 'call'
+        self.reader, self.state = CallReader(start, self.name_key), 'call'
 
     def read_list_item(self, out: ParsedDelta, final: bool, first: bool) -> bool:
         """In a list of calls: past a comma, into the next object, or, at the list's end or anything else, back to
