@@ -1,7 +1,8 @@
 """The Jamba, Hunyuan, Falcon-H1 and Command R7B / Command A (cohere2) tool parsers through the server with the
 ``openai`` client: a tiny random model, made by a regex to write the family's list of calls after some text, gets
 them back as OpenAI tool calls, streamed and not; Hunyuan's and Cohere's answer tags are left out by the reasoning
-parser their tool parser brings along (Cohere's on text: tests/test_json_list_parsers.py); a list that holds no call stays content (a 200, not a 5xx)."""
+parser their tool parser brings along (Cohere's on text: tests/test_json_list_parsers.py); a list that holds no
+call stays content (a 200, not a 5xx)."""
 from __future__ import annotations
 
 import json
