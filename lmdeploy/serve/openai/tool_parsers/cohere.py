@@ -17,7 +17,7 @@ OPEN, CLOSE = '<|START_ACTION|>', '<|END_ACTION|>'
 class CohereToolParser(JsonListToolParser):
     """A list of ``tool_name`` calls in ``<|START_ACTION|>...<|END_ACTION|>``, in the content that the ``cohere2``
     reasoning parser gives (the plan in ``reasoning_content``, the response without its tags). The calls' ids are
-    the server's own."""
+    the server's own; their arguments stream where the name comes before them."""
 
     open_tags, close_tag = (OPEN,), CLOSE
     markers = (OPEN, CLOSE)

@@ -9,9 +9,18 @@ from typing import Any
 from lmdeploy.serve.openai.text_scan import skip_whitespace
 from lmdeploy.serve.openai.tool_parsers.base import ParsedDelta, ToolCallDelta, ToolParser
 
-# The head of a call whose name comes first and whose arguments are an object: the name is then known
-# before the arguments are written, and they can stream.
-_HEAD = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
+_STRING = r'"(?:[^"\\]|\\.)*"'
+
+
+def _head(name_key: str) -> re.Pattern[str]:
+    """The head of a call whose name (under ``name_key``, after the call's id where Cohere writes one) comes first
+    and whose arguments are an object: the name is then known before the arguments are written, and they can
+    stream."""
+    return re.compile(rf'\{{\s*(?:"tool_call_id"\s*:\s*{_STRING}\s*,\s*)?"{name_key}"\s*:\s*({_STRING})\s*,\s*'
+                      r'"(?:arguments|parameters)"\s*:\s*(?=\{)')
+
+
+_HEADS = {name_key: _head(name_key) for name_key in ('name', 'tool_name')}
 _SPECIAL = re.compile(r'[{}\[\]"\\<]')
 _ARGUMENT_KEYS = ('arguments', 'parameters')
 
@@ -83,8 +92,8 @@ class CallReader:
 
     Once its head (``{"name": "...", "arguments": `` or ``"parameters": ``) is complete the call's name
     goes out, then its arguments as the model writes them, raw, up to the end of their object. A call
-    written otherwise (or naming its function under a ``name_key`` other than ``"name"``) is read whole, then
-    given at once with its arguments re-serialised.
+    written otherwise is read whole, then given at once with its arguments re-serialised. ``name_key`` is the
+    objects' key of the function's name (``"name"``, or Cohere's ``"tool_name"``).
     """
 
     def __init__(self, start: int, name_key: str = 'name'):
@@ -105,7 +114,7 @@ class CallReader:
         text, out = parser.text, []
         end = self.object.advance(text)
         if self.args is None:
-            head = _HEAD.match(text, self.start) if self.name_key == 'name' else None
+            head = _HEADS[self.name_key].match(text, self.start)
             name = _string(head.group(1)) if head else None
             if name is not None:
                 out.append(parser.new_call(name))
