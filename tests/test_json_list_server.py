@@ -61,7 +61,9 @@ def test_calls_streamed_and_not(servers, parser):
     assert [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls] == [
         ('get_weather', ARGUMENTS), ('now', {})]
     with client.chat.completions.stream(**body) as stream:
+        deltas = [e for e in stream if e.type == 'tool_calls.function.arguments.delta' and e.index == 0]
         final = stream.get_final_completion().choices[0]
+    assert len(deltas) > 3  # the arguments stream as written, before the list ends
     assert final.finish_reason == 'tool_calls' and final.message.content == 'Checking.'
     assert [(c.function.name, c.function.arguments) for c in final.message.tool_calls] == [
         (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
