@@ -193,7 +193,7 @@ def _lfm2_checkpoint(state_dict: dict[str, torch.Tensor], config: dict[str, Any]
 _FINISHERS = {'llama': _split_experts, 'qwen3moe': _split_experts, 'qwen3vlmoe': _split_experts,
               'qwen2moe': _split_experts, 'glm4moe': _split_experts, 'chatglm': _split_qkv,
               'gemma2': _gemma_norms, 'gemma3': _gemma_norms, 'gpt-oss': _gpt_oss_experts,
-              'deepseek2': _deepseek2_merge, 'ernie4_5-moe': _ernie4_5_experts, 'llama4': _llama4_checkpoint,
+              'deepseek2': _deepseek2_merge, 'glm-dsa': _deepseek2_merge, 'ernie4_5-moe': _ernie4_5_experts, 'llama4': _llama4_checkpoint,
               'minimax-m2': _split_experts, 'hunyuan-moe': _split_experts, 'olmoe': _split_experts,
               'granitemoe': _granitemoe_checkpoint, 'phimoe': _phimoe_checkpoint,
               'dots1': _split_experts, 'exaone-moe': _split_experts,

@@ -1,0 +1,47 @@
+"""GLM-5's llama.cpp files (``glm-dsa``): convert_hf_to_gguf.py's ``GlmMoeDsaModel`` is its ``DeepseekV2Model``
+(``deepseek2``'s keys and tensors: MLA's ``kv_b`` split into ``k_b``/``v_b``, the experts stacked, nothing permuted)
+plus the DeepSeek Sparse Attention indexer: its ``attention.indexer.{head_count,key_length,top_k}`` keys and each
+layer's ``indexer.{attn_q_b,attn_k,k_norm,proj}`` tensors, named back as the checkpoint's ``wq_b``, ``wk``,
+``k_norm`` and ``weights_proj``. The next-token-prediction layers it appends past the decoder's
+(``nextn_predict_layers``) are not the decoder's. Registered in ``gguf_archs.py``; the state-dict step is
+``deepseek2``'s (``gguf_tensors.py``)."""
+from __future__ import annotations
+
+from typing import Any
+
+from gguf import ExpertGatingFuncType, Keys
+
+from . import gguf_moe_archs
+from .gguf_keys import Meta, required
+
+ARCHITECTURES = {'glm-dsa': 'GlmMoeDsaForCausalLM'}
+
+_INDEXER_NAMES = {'indexer.attn_q_b': 'self_attn.indexer.wq_b', 'indexer.attn_k': 'self_attn.indexer.wk',
+                  'indexer.k_norm': 'self_attn.indexer.k_norm', 'indexer.proj': 'self_attn.indexer.weights_proj'}
+LAYER_NAMES = {'glm-dsa': {**gguf_moe_archs.LAYER_NAMES['deepseek2'], **_INDEXER_NAMES}}
+
+
+def _glm_dsa(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """``deepseek2``'s fields with GLM-5's sigmoid routing and the indexer's keys; a layer without indexer tensors
+    is ``shared`` (it reuses the selection of the last layer with them), as GLM-5's checkpoints leave them out."""
+    heads, key_dim, top_k = required(meta, Keys.Attention.Indexer.HEAD_COUNT, Keys.Attention.Indexer.KEY_LENGTH,
+                                     Keys.Attention.Indexer.TOP_K)
+    gating = meta(Keys.LLM.EXPERT_GATING_FUNC)
+    if gating not in (None, ExpertGatingFuncType.SIGMOID):
+        raise ValueError(f'a glm-dsa file routes its experts by sigmoid (expert_gating_func '
+                         f'{int(ExpertGatingFuncType.SIGMOID)}), not {gating}')
+    fields = gguf_moe_archs.CONFIG_BUILDERS['deepseek2'](meta, tensors, config)
+    fields.pop('topk_method', None)
+    kv_a = tensors.get('blk.0.attn_kv_a_mqa.weight')
+    if kv_a is not None and int(kv_a.shape[-1]) != fields['kv_lora_rank'] + fields['qk_rope_head_dim']:
+        raise ValueError(f'blk.0.attn_kv_a_mqa.weight has {int(kv_a.shape[-1])} rows, not kv_lora_rank '
+                         f'({fields["kv_lora_rank"]}) + rope.dimension_count ({fields["qk_rope_head_dim"]}): '
+                         'a partial rotary (partial_rotary_factor below 1) is not supported')
+    layers = fields['num_hidden_layers']
+    return fields | {
+        'model_type': 'glm_moe_dsa', 'architectures': [ARCHITECTURES['glm-dsa']],
+        'index_n_heads': heads, 'index_head_dim': key_dim, 'index_topk': top_k,
+        'indexer_types': ['full' if f'blk.{i}.indexer.attn_k.weight' in tensors else 'shared' for i in range(layers)]}
+
+
+CONFIG_BUILDERS = {'glm-dsa': _glm_dsa}
