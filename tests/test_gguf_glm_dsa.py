@@ -40,8 +40,8 @@ def glm5_path(tmp_path_factory) -> str:
     """A tiny random GLM-5 (as ``test_glm_moe_dsa.py``'s, its low-rank query of whole Q8_0 blocks) over the GGUF
     test tokenizer's vocabulary."""
     folder = tmp_path_factory.mktemp('glm5')
-    config = GlmMoeDsaConfig(**dsa_shape(num_hidden_layers=4, n_group=1, topk_group=1, rms_norm_eps=1e-5, q_lora_rank=64,
-                                         rope_parameters={'rope_type': 'default', 'rope_theta': 10000.0}),
+    config = GlmMoeDsaConfig(**dsa_shape(num_hidden_layers=4, n_group=1, topk_group=1, rms_norm_eps=1e-5,
+                                         q_lora_rank=64, rope_parameters={'rope_type': 'default', 'rope_theta': 1e4}),
                              indexer_types=INDEXER_TYPES)
     config.vocab_size = _add_tokenizer(gguf.GGUFWriter(str(folder / 'probe.gguf'), 'glm-dsa'))
     return save_random_model(config, str(folder / 'hf'), std={'e_score_correction_bias': 0.1})
@@ -107,8 +107,8 @@ def write_glm5_gguf(hf: torch.nn.Module, path: Path, quantized: tuple[str, ...] 
     for name, data in tensors.items():
         data = np.ascontiguousarray(data)
         q8 = name.endswith(quantized)
-        writer.add_tensor(names.get_name(name, try_suffixes=('.weight', '.bias')), quantize(data, Q.Q8_0) if q8 else data,
-                          raw_dtype=Q.Q8_0 if q8 else None)
+        writer.add_tensor(names.get_name(name, try_suffixes=('.weight', '.bias')),
+                          quantize(data, Q.Q8_0) if q8 else data, raw_dtype=Q.Q8_0 if q8 else None)
     finish(writer)
 
 
