@@ -25,7 +25,8 @@ from test_gguf_glm4moe import NEXTN_TENSORS
 from test_gguf_moe import expert_formats
 
 from lmdeploy.messages import ConfigError
-from lmdeploy.pytorch.weights.gguf import convert_gguf
+from lmdeploy.pytorch.weights.file_checks import open_gguf
+from lmdeploy.pytorch.weights.gguf import convert_gguf, gguf_config
 
 INDEXER_TYPES = ['full', 'shared', 'full', 'shared']
 INDEXER_KEYS = ('head_count', 'key_length', 'top_k')
@@ -52,9 +53,11 @@ def glm5(glm5_path) -> torch.nn.Module:
     return hf_causal_lm(glm5_path)
 
 
-def write_metadata(config, writer: gguf.GGUFWriter, skip: str | None = None) -> None:
+def write_metadata(config, writer: gguf.GGUFWriter, skip: str | None = None,
+                   indexer_flags: list[bool] | None = None) -> None:
     """The keys GlmMoeDsaModel writes (DeepseekV2Model's, the sigmoid router GLM-5's config names, the decoder's
-    layers plus the next-token-prediction one, the indexer's but ``skip``)."""
+    layers plus the next-token-prediction one, the indexer's but ``skip``; ``attention.indexer.types`` where
+    ``indexer_flags`` are given, as current converters write it, absent as older ones)."""
     layers = config.num_hidden_layers + 1
     for add, value in [(writer.add_block_count, layers), (writer.add_context_length, config.max_position_embeddings),
                        (writer.add_embedding_length, config.hidden_size),
@@ -87,15 +90,18 @@ def write_metadata(config, writer: gguf.GGUFWriter, skip: str | None = None) -> 
     for key, (add, value) in indexer.items():
         if key != skip:
             add(value)
+    if indexer_flags is not None:
+        writer.add_array('glm-dsa.attention.indexer.types', indexer_flags)
 
 
-def write_glm5_gguf(hf: torch.nn.Module, path: Path, quantized: tuple[str, ...] = (), skip: str | None = None) -> None:
+def write_glm5_gguf(hf: torch.nn.Module, path: Path, quantized: tuple[str, ...] = (), skip: str | None = None,
+                    indexer_flags: list[bool] | None = None) -> None:
     """``hf`` as GlmMoeDsaModel writes it, with one next-token-prediction layer (a copy of the last layer plus its
     ``nextn.*`` tensors); the tensors named by a suffix in ``quantized`` in Q8_0."""
     config, layers = hf.config, hf.config.num_hidden_layers
     writer = gguf.GGUFWriter(str(path), 'glm-dsa')
     _add_tokenizer(writer)
-    write_metadata(config, writer, skip)
+    write_metadata(config, writer, skip, indexer_flags)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GLM_DSA, layers + 1)
     tensors = converter_tensors(hf, 'deepseek_v3', {})
     tensors.update({name.replace(f'layers.{layers - 1}.', f'layers.{layers}.'): data.copy()
@@ -116,7 +122,7 @@ def test_f32_file_reads_back_the_checkpoint_and_serves_like_transformers(glm5, t
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(tmp_path / 'cache'))
     src = tmp_path / 'glm5.gguf'
-    write_glm5_gguf(glm5, src)
+    write_glm5_gguf(glm5, src, indexer_flags=[kind == 'full' for kind in INDEXER_TYPES])
     convert_gguf(str(src), str(tmp_path / 'converted'), raw_types=())
     converted = AutoModelForCausalLM.from_pretrained(str(tmp_path / 'converted'), dtype=torch.float32)
     for field in ('architectures', 'model_type', 'num_hidden_layers', 'indexer_types', 'index_n_heads',
@@ -162,3 +168,21 @@ def test_a_file_missing_an_indexer_key_is_refused_naming_it(glm5, key: str, tmp_
     write_glm5_gguf(glm5, src, skip=key)
     with pytest.raises(ConfigError, match=f'missing GGUF metadata: attention.indexer.{key}'):
         convert_gguf(str(src), str(tmp_path / 'converted'), raw_types=())
+
+
+@pytest.mark.parametrize('flags', [None, [kind == 'full' for kind in INDEXER_TYPES]], ids=['tensors', 'key'])
+def test_shared_layers_from_the_key_or_the_tensors(glm5, flags: list[bool] | None, tmp_path: Path) -> None:
+    """Older converters write no ``attention.indexer.types``: a layer without indexer tensors is ``shared``."""
+    src = tmp_path / 'glm5.gguf'
+    write_glm5_gguf(glm5, src, indexer_flags=flags)
+    assert gguf_config(open_gguf(src), str(src))['indexer_types'] == INDEXER_TYPES
+
+
+@pytest.mark.parametrize('flags, error', [([True] * 4, 'marks layer 1 full, but the file has no blk.1.indexer'),
+                                          ([True, False, True], 'has 3 flags, not one for each of the 4 decoder')])
+def test_indexer_types_that_disagree_with_the_file_are_refused(glm5, flags: list[bool], error: str,
+                                                               tmp_path: Path) -> None:
+    src = tmp_path / 'glm5.gguf'
+    write_glm5_gguf(glm5, src, indexer_flags=flags)
+    with pytest.raises(ConfigError, match=error):
+        gguf_config(open_gguf(src), str(src))
