@@ -54,7 +54,7 @@ def glm5(glm5_path) -> torch.nn.Module:
 
 
 def write_metadata(config, writer: gguf.GGUFWriter, skip: str | None = None,
-                   indexer_flags: list[bool] | None = None) -> None:
+                   indexer_flags: list[bool] | None = None, rope_dim: int | None = None) -> None:
     """The keys GlmMoeDsaModel writes (DeepseekV2Model's, the sigmoid router GLM-5's config names, the decoder's
     layers plus the next-token-prediction one, the indexer's but ``skip``; ``attention.indexer.types`` where
     ``indexer_flags`` are given, as current converters write it, absent as older ones)."""
@@ -81,7 +81,7 @@ def write_metadata(config, writer: gguf.GGUFWriter, skip: str | None = None,
                        (writer.add_expert_weights_scale, config.routed_scaling_factor),
                        (writer.add_expert_weights_norm, config.norm_topk_prob),
                        (writer.add_expert_gating_func, gguf.ExpertGatingFuncType.SIGMOID),
-                       (writer.add_rope_dimension_count, config.qk_rope_head_dim),
+                       (writer.add_rope_dimension_count, rope_dim or config.qk_rope_head_dim),
                        (writer.add_nextn_predict_layers, 1)]:
         add(value)
     indexer = {'head_count': (writer.add_indexer_head_count, config.index_n_heads),
@@ -94,14 +94,14 @@ def write_metadata(config, writer: gguf.GGUFWriter, skip: str | None = None,
         writer.add_array('glm-dsa.attention.indexer.types', indexer_flags)
 
 
-def write_glm5_gguf(hf: torch.nn.Module, path: Path, quantized: tuple[str, ...] = (), skip: str | None = None,
-                    indexer_flags: list[bool] | None = None) -> None:
+def write_glm5_gguf(hf: torch.nn.Module, path: Path, quantized: tuple[str, ...] = (), **metadata) -> None:
     """``hf`` as GlmMoeDsaModel writes it, with one next-token-prediction layer (a copy of the last layer plus its
-    ``nextn.*`` tensors); the tensors named by a suffix in ``quantized`` in Q8_0."""
+    ``nextn.*`` tensors); the tensors named by a suffix in ``quantized`` in Q8_0; ``metadata``: see
+    :func:`write_metadata`."""
     config, layers = hf.config, hf.config.num_hidden_layers
     writer = gguf.GGUFWriter(str(path), 'glm-dsa')
     _add_tokenizer(writer)
-    write_metadata(config, writer, skip, indexer_flags)
+    write_metadata(config, writer, **metadata)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GLM_DSA, layers + 1)
     tensors = converter_tensors(hf, 'deepseek_v3', {})
     tensors.update({name.replace(f'layers.{layers - 1}.', f'layers.{layers}.'): data.copy()
@@ -185,4 +185,12 @@ def test_indexer_types_that_disagree_with_the_file_are_refused(glm5, flags: list
     src = tmp_path / 'glm5.gguf'
     write_glm5_gguf(glm5, src, indexer_flags=flags)
     with pytest.raises(ConfigError, match=error):
+        gguf_config(open_gguf(src), str(src))
+
+
+def test_a_partial_rotary_is_refused(glm5, tmp_path: Path) -> None:
+    """The converter writes ``qk_rope_head_dim * partial_rotary_factor`` as the rotary's width."""
+    src = tmp_path / 'glm5.gguf'
+    write_glm5_gguf(glm5, src, rope_dim=glm5.config.qk_rope_head_dim // 2)
+    with pytest.raises(ConfigError, match='partial rotary'):
         gguf_config(open_gguf(src), str(src))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gguf import ExpertGatingFuncType, Keys
+from gguf import Keys
 
 from . import gguf_moe_archs
 from .gguf_keys import Meta, required
@@ -23,16 +23,12 @@ LAYER_NAMES = {'glm-dsa': {**gguf_moe_archs.LAYER_NAMES['deepseek2'], **_INDEXER
 
 
 def _glm_dsa(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
-    """``deepseek2``'s fields with GLM-5's sigmoid routing and the indexer's keys; a layer without indexer tensors
-    is ``shared`` (it reuses the selection of the last layer with them), as GLM-5's checkpoints leave them out."""
+    """``deepseek2``'s fields with GLM-5's routing (sigmoid, with the correction bias) and the indexer's keys; a
+    rotary narrower than ``qk_rope_head_dim`` (the converter's ``partial_rotary_factor``) is refused."""
     heads, key_dim, top_k = required(meta, Keys.Attention.Indexer.HEAD_COUNT, Keys.Attention.Indexer.KEY_LENGTH,
                                      Keys.Attention.Indexer.TOP_K)
-    gating = meta(Keys.LLM.EXPERT_GATING_FUNC)
-    if gating not in (None, ExpertGatingFuncType.SIGMOID):
-        raise ValueError(f'a glm-dsa file routes its experts by sigmoid (expert_gating_func '
-                         f'{int(ExpertGatingFuncType.SIGMOID)}), not {gating}')
     fields = gguf_moe_archs.CONFIG_BUILDERS['deepseek2'](meta, tensors, config)
-    fields.pop('topk_method', None)
+    fields.pop('topk_method', None)  # GLM-5 routes by sigmoid whatever the file's ``expert_gating_func``
     kv_a = tensors.get('blk.0.attn_kv_a_mqa.weight')
     if kv_a is not None and int(kv_a.shape[-1]) != fields['kv_lora_rank'] + fields['qk_rope_head_dim']:
         raise ValueError(f'blk.0.attn_kv_a_mqa.weight has {int(kv_a.shape[-1])} rows, not kv_lora_rank '
