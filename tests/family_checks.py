@@ -3,6 +3,8 @@ against transformers in fp32, batching, chunked prefill and prefix-cache hits eq
 tensor parallelism equal to one rank."""
 from __future__ import annotations
 
+import operator
+
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -120,6 +122,20 @@ def assert_native_stack_gives_the_layers_tokens(path: str) -> None:
     outs = run(engine, prompts)
     model.native_stack = None
     assert run(engine, prompts) == outs
+
+
+def assert_correction_bias_loaded_and_routing(path: str, hf_bias: str) -> None:
+    """The MoE layers' (all but the dense first) router correction biases equal the checkpoint's (``hf_bias``, an
+    attribute path in a transformers layer) and change the tokens: zeroed, the tokens differ."""
+    engine = make_engine(path)
+    hf_layers = hf_causal_lm(path).model.layers
+    for layer, hf_layer in list(zip(engine.runner.model.layers, hf_layers))[1:]:
+        assert layer.mlp.gate.e_score_correction_bias.equal(operator.attrgetter(hf_bias)(hf_layer))
+    prompts = random_prompts([20, 45], seed=5)
+    outs = run(engine, prompts)
+    for layer in engine.runner.model.layers[1:]:
+        layer.mlp.gate.e_score_correction_bias.zero_()
+    assert run(engine, prompts) != outs
 
 
 def assert_slots_free(engine: Engine) -> None:

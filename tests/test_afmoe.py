@@ -10,8 +10,9 @@ from transformers import AfmoeConfig
 
 from conftest import VOCAB_SIZE, save_random_model
 from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_bf16_within_twice_transformers,
-                           assert_matches_transformers, assert_tp2_equals_tp1, hf_causal_lm, prefix_sharing_prompts)
-from helpers import make_engine, random_prompts, run
+                           assert_correction_bias_loaded_and_routing, assert_matches_transformers,
+                           assert_tp2_equals_tp1, hf_causal_lm, prefix_sharing_prompts)
+from helpers import random_prompts
 
 WINDOW = 24
 
@@ -43,16 +44,8 @@ def test_greedy_and_first_logits_match_transformers(afmoe):
 
 
 def test_expert_bias_is_loaded_and_routes(afmoe):
-    """The checkpoint's ``mlp.expert_bias`` reaches each router and changes the tokens: zeroed, they differ."""
-    engine = make_engine(afmoe)
-    hf_model = hf_causal_lm(afmoe)
-    for layer, hf_layer in list(zip(engine.runner.model.layers, hf_model.model.layers))[1:]:
-        assert layer.mlp.gate.e_score_correction_bias.equal(hf_layer.mlp.expert_bias)
-    prompts = random_prompts([20, 45], seed=5)
-    outs = run(engine, prompts)
-    for layer in engine.runner.model.layers[1:]:
-        layer.mlp.gate.e_score_correction_bias.zero_()
-    assert run(engine, prompts) != outs
+    """The checkpoint's ``mlp.expert_bias`` reaches each router and changes the tokens."""
+    assert_correction_bias_loaded_and_routing(afmoe, 'mlp.expert_bias')
 
 
 @pytest.mark.slow

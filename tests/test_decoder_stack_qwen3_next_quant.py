@@ -15,7 +15,7 @@ from helpers import random_prompts, run
 from test_decoder_stack import ENGINE, save_w8a8
 from test_decoder_stack_qwen3_next import SHAPE, compare_decode_steps, hybrid_engine
 from test_decoder_stack_qwen3_next import saved, stack_kernels  # noqa: F401  (fixtures)
-from test_gguf_qwen3_next import MIXED, cache, random_hybrid  # noqa: F401  (cache: a fixture)
+from test_gguf_qwen3_next import MIXED, random_hybrid
 from test_vl_families import PROMPTS as VL_PROMPTS
 from test_vl_families import make_processor
 from transformers import Qwen3_5TextConfig
@@ -111,8 +111,9 @@ def test_int4_checkpoint_decode_steps_equal_the_layers(method, tmp_path, stack_k
     assert_everything_given_back(engine)
 
 
+@pytest.mark.usefixtures('tmp_gguf_cache')
 @pytest.mark.parametrize('variant', ['qwen35', 'qwen3next'])
-def test_gguf_decode_steps_equal_the_layers(variant, tmp_path: Path, cache: Path, stack_kernels, monkeypatch):
+def test_gguf_decode_steps_equal_the_layers(variant, tmp_path: Path, stack_kernels, monkeypatch):
     """A Q4_K_M-like file (test_gguf_qwen3_next.py's ``MIXED``: Q4_K, Q5_K, Q6_K and Q8_0 projections, a stacked
     layer's parts of their own types; Qwen3-Next's Q4_K experts with Q6_K downs) in bf16: each layer on its blocks,
     in the stack too. Qwen3.5's decode steps of 18 sequences take each kind's larger-step path (the blocks

@@ -8,10 +8,10 @@ import pytest
 from transformers import Dots1Config
 
 from conftest import VOCAB_SIZE, save_random_model
-from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_matches_transformers,
-                           assert_native_stack_gives_the_layers_tokens, assert_tp2_equals_tp1, hf_causal_lm,
-                           prefix_sharing_prompts)
-from helpers import make_engine, random_prompts, run
+from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_correction_bias_loaded_and_routing,
+                           assert_matches_transformers, assert_native_stack_gives_the_layers_tokens,
+                           assert_tp2_equals_tp1, hf_causal_lm, prefix_sharing_prompts)
+from helpers import random_prompts
 
 WINDOW = 24
 
@@ -42,13 +42,8 @@ def test_greedy_and_first_logits_match_transformers(dots1):
 
 
 def test_correction_bias_routes(dots1):
-    """The checkpoint's correction biases reach the routers and change the tokens: zeroed, the tokens differ."""
-    engine = make_engine(dots1)
-    prompts = random_prompts([20, 45], seed=5)
-    outs = run(engine, prompts)
-    for layer in engine.runner.model.layers[1:]:
-        layer.mlp.gate.e_score_correction_bias.zero_()
-    assert run(engine, prompts) != outs
+    """The checkpoint's correction biases reach the routers and change the tokens."""
+    assert_correction_bias_loaded_and_routing(dots1, 'mlp.gate.e_score_correction_bias')
 
 
 @pytest.mark.slow

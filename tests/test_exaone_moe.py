@@ -8,10 +8,10 @@ import pytest
 from transformers import ExaoneMoeConfig
 
 from conftest import VOCAB_SIZE, save_random_model
-from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_matches_transformers,
-                           assert_native_stack_gives_the_layers_tokens, assert_tp2_equals_tp1, hf_causal_lm,
-                           prefix_sharing_prompts)
-from helpers import make_engine, random_prompts, run
+from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_correction_bias_loaded_and_routing,
+                           assert_matches_transformers, assert_native_stack_gives_the_layers_tokens,
+                           assert_tp2_equals_tp1, hf_causal_lm, prefix_sharing_prompts)
+from helpers import random_prompts
 
 WINDOW = 24
 
@@ -47,17 +47,8 @@ def test_greedy_and_first_logits_match_transformers(exaone_moe):
 
 
 def test_correction_bias_is_loaded_and_routes(exaone_moe):
-    """The checkpoint's ``mlp.e_score_correction_bias`` reaches each router and changes the tokens: zeroed, they
-    differ."""
-    engine = make_engine(exaone_moe)
-    hf_model = hf_causal_lm(exaone_moe)
-    for layer, hf_layer in list(zip(engine.runner.model.layers, hf_model.model.layers))[1:]:
-        assert layer.mlp.gate.e_score_correction_bias.equal(hf_layer.mlp.gate.e_score_correction_bias)
-    prompts = random_prompts([20, 45], seed=5)
-    outs = run(engine, prompts)
-    for layer in engine.runner.model.layers[1:]:
-        layer.mlp.gate.e_score_correction_bias.zero_()
-    assert run(engine, prompts) != outs
+    """The checkpoint's ``mlp.e_score_correction_bias`` reaches each router and changes the tokens."""
+    assert_correction_bias_loaded_and_routing(exaone_moe, 'mlp.gate.e_score_correction_bias')
 
 
 @pytest.mark.slow

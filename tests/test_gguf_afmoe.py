@@ -13,36 +13,28 @@ import pytest
 from transformers import AutoConfig
 
 from conftest import save_random_model
-from family_checks import hf_causal_lm
-from helpers import assert_transformers_greedy, make_engine, random_prompts, run
 from test_afmoe import afmoe_config
 from test_gguf import _add_tokenizer
-from test_gguf_llama_like import converted_model
-from test_gguf_phimoe import file_tensors, write_gguf
+from test_gguf_phimoe import (assert_f32_file_matches_transformers, assert_q8_0_served_as_blocks, file_tensors,
+                              text_model_keys, write_gguf)
 
 EXPERTS = ('.gate_proj.weight', '.up_proj.weight', '.down_proj.weight')
+
+pytestmark = pytest.mark.usefixtures('tmp_gguf_cache')
 
 
 def add_metadata(writer: gguf.GGUFWriter, config) -> None:
     """LlamaModel's keys (TextModel's, the vocabulary size and rotary dimensions) and AfmoeModel's."""
-    for add, value in [(writer.add_block_count, config.num_hidden_layers),
-                       (writer.add_context_length, config.max_position_embeddings),
-                       (writer.add_embedding_length, config.hidden_size),
-                       (writer.add_feed_forward_length, config.intermediate_size),
-                       (writer.add_head_count, config.num_attention_heads),
-                       (writer.add_head_count_kv, config.num_key_value_heads),
-                       (writer.add_key_length, config.head_dim), (writer.add_value_length, config.head_dim),
-                       (writer.add_rope_freq_base, config.rope_parameters['rope_theta']),
-                       (writer.add_layer_norm_rms_eps, config.rms_norm_eps),
-                       (writer.add_expert_count, config.num_experts),
-                       (writer.add_expert_used_count, config.num_experts_per_tok),
-                       (writer.add_vocab_size, config.vocab_size),
-                       (writer.add_rope_dimension_count, config.head_dim),
-                       (writer.add_expert_shared_count, config.num_shared_experts),
-                       (writer.add_expert_feed_forward_length, config.moe_intermediate_size),
-                       (writer.add_leading_dense_block_count, config.num_dense_layers),
-                       (writer.add_expert_weights_scale, config.route_scale),
-                       (writer.add_sliding_window, config.sliding_window)]:
+    keys = [(writer.add_expert_count, config.num_experts),
+            (writer.add_expert_used_count, config.num_experts_per_tok),
+            (writer.add_vocab_size, config.vocab_size),
+            (writer.add_rope_dimension_count, config.head_dim),
+            (writer.add_expert_shared_count, config.num_shared_experts),
+            (writer.add_expert_feed_forward_length, config.moe_intermediate_size),
+            (writer.add_leading_dense_block_count, config.num_dense_layers),
+            (writer.add_expert_weights_scale, config.route_scale),
+            (writer.add_sliding_window, config.sliding_window)]
+    for add, value in text_model_keys(writer, config) + keys:
         add(value)
 
 
@@ -60,27 +52,15 @@ def save_gguf(path: Path, quantize: bool) -> tuple[Path, str, int]:
     return src, folder, vocab
 
 
-def test_gguf_matches_transformers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(tmp_path / 'cache'))
+def test_gguf_matches_transformers(tmp_path: Path) -> None:
     src, folder, vocab = save_gguf(tmp_path, quantize=False)
-    hf = hf_causal_lm(folder)
-    converted = converted_model(src, tmp_path, hf)
-    assert converted.config.layer_types == hf.config.layer_types
-    prompts = random_prompts([5, 40], vocab=vocab)
-    assert_transformers_greedy(hf, prompts, run(make_engine(str(src)), prompts))
+    converted = assert_f32_file_matches_transformers(src, folder, vocab, tmp_path)
+    assert converted.config.layer_types == AutoConfig.from_pretrained(folder).layer_types
 
 
-def test_gguf_q8_0_experts_kept_as_blocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gguf_q8_0_experts_kept_as_blocks(tmp_path: Path) -> None:
     """With every gate, up and down projection in Q8_0 (the attention's gate, the dense and shared MLPs', the
     experts'), the experts are served as their blocks and the others dequantized (the file's linear layers are not
     all projections of the engine's kinds), token for token like transformers on the weights they hold."""
-    monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(tmp_path / 'cache'))
     src, folder, vocab = save_gguf(tmp_path, quantize=True)
-    hf = hf_causal_lm(folder)
-    engine = make_engine(str(src))
-    layer_types = engine.model_config.hf_config.quantization_config['ggml_types']
-    for layer in range(1, 4):
-        for name in ('experts.gate_up_proj', 'experts.down_proj'):
-            assert layer_types[f'layers.{layer}.mlp.{name}'] == 'Q8_0', (layer, name)
-    prompts = random_prompts([5, 40], vocab=vocab)
-    assert_transformers_greedy(hf, prompts, run(engine, prompts))
+    assert_q8_0_served_as_blocks(src, folder, vocab, (), (), ('mlp.experts.gate_up_proj', 'mlp.experts.down_proj'))

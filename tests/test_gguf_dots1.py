@@ -12,33 +12,25 @@ import pytest
 from transformers import AutoConfig
 
 from conftest import save_random_model
-from family_checks import hf_causal_lm
-from helpers import assert_transformers_greedy, make_engine, random_prompts, run
 from test_dots1 import dots1_config
 from test_gguf import _add_tokenizer
-from test_gguf_llama_like import converted_model
-from test_gguf_phimoe import assert_q8_0_served_as_blocks, file_tensors, write_gguf
+from test_gguf_phimoe import (assert_f32_file_matches_transformers, assert_q8_0_served_as_blocks, file_tensors,
+                              text_model_keys, write_gguf)
+
+pytestmark = pytest.mark.usefixtures('tmp_gguf_cache')
 
 
 def add_metadata(writer: gguf.GGUFWriter, config) -> None:
     """Qwen2MoeModel's keys and Dots1Model's."""
-    for add, value in [(writer.add_block_count, config.num_hidden_layers),
-                       (writer.add_context_length, config.max_position_embeddings),
-                       (writer.add_embedding_length, config.hidden_size),
-                       (writer.add_feed_forward_length, config.intermediate_size),
-                       (writer.add_head_count, config.num_attention_heads),
-                       (writer.add_head_count_kv, config.num_key_value_heads),
-                       (writer.add_key_length, config.head_dim), (writer.add_value_length, config.head_dim),
-                       (writer.add_rope_freq_base, config.rope_parameters['rope_theta']),
-                       (writer.add_layer_norm_rms_eps, config.rms_norm_eps),
-                       (writer.add_expert_count, config.n_routed_experts),
-                       (writer.add_expert_used_count, config.num_experts_per_tok),
-                       (writer.add_expert_feed_forward_length, config.moe_intermediate_size),
-                       (writer.add_leading_dense_block_count, config.first_k_dense_replace),
-                       (writer.add_expert_shared_count, config.n_shared_experts),
-                       (writer.add_expert_weights_scale, config.routed_scaling_factor),
-                       (writer.add_expert_weights_norm, config.norm_topk_prob),
-                       (writer.add_expert_gating_func, gguf.ExpertGatingFuncType.SIGMOID)]:
+    keys = [(writer.add_expert_count, config.n_routed_experts),
+            (writer.add_expert_used_count, config.num_experts_per_tok),
+            (writer.add_expert_feed_forward_length, config.moe_intermediate_size),
+            (writer.add_leading_dense_block_count, config.first_k_dense_replace),
+            (writer.add_expert_shared_count, config.n_shared_experts),
+            (writer.add_expert_weights_scale, config.routed_scaling_factor),
+            (writer.add_expert_weights_norm, config.norm_topk_prob),
+            (writer.add_expert_gating_func, gguf.ExpertGatingFuncType.SIGMOID)]
+    for add, value in text_model_keys(writer, config) + keys:
         add(value)
 
 
@@ -56,23 +48,15 @@ def save_gguf(path: Path, quantize: bool) -> tuple[Path, str, int]:
     return src, folder, vocab
 
 
-def test_gguf_matches_transformers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(tmp_path / 'cache'))
+def test_gguf_matches_transformers(tmp_path: Path) -> None:
     src, folder, vocab = save_gguf(tmp_path, quantize=False)
-    hf = hf_causal_lm(folder)
-    converted_model(src, tmp_path, hf)
-    prompts = random_prompts([5, 40], vocab=vocab)
-    assert_transformers_greedy(hf, prompts, run(make_engine(str(src)), prompts))
+    assert_f32_file_matches_transformers(src, folder, vocab, tmp_path)
 
 
-def test_gguf_q8_0_kept_as_blocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gguf_q8_0_kept_as_blocks(tmp_path: Path) -> None:
     """Attention's projections, the dense layer's MLP, the experts and shared experts in Q8_0 are served as their
     blocks (the fp32 routers stay dense), token for token like transformers on the weights they hold."""
-    monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(tmp_path / 'cache'))
     src, folder, vocab = save_gguf(tmp_path, quantize=True)
-    assert_q8_0_served_as_blocks(src, folder, vocab, ('self_attn.qkv_proj', 'self_attn.o_proj'), ('mlp.gate',))
-    engine_types = make_engine(str(src)).model_config.hf_config.quantization_config['ggml_types']
-    for layer in (1, 2):
-        for name in ('experts.gate_up_proj', 'experts.down_proj', 'shared_experts.gate_up_proj',
-                     'shared_experts.down_proj'):
-            assert engine_types[f'layers.{layer}.mlp.{name}'] == 'Q8_0', (layer, name)
+    assert_q8_0_served_as_blocks(src, folder, vocab, ('self_attn.qkv_proj', 'self_attn.o_proj'), ('mlp.gate',),
+                                 ('mlp.experts.gate_up_proj', 'mlp.experts.down_proj',
+                                  'mlp.shared_experts.gate_up_proj', 'mlp.shared_experts.down_proj'))

@@ -6,7 +6,9 @@ transformers on the original model; with the projections and experts in Q8_0, se
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -28,6 +30,8 @@ MAX_POSITIONS = 1024
 # what the converter writes for the LongRoPE of MAX_POSITIONS over ORIGINAL_MAX: both cos/sin factors of the file
 ATTN_FACTOR = math.sqrt(1 + math.log(MAX_POSITIONS / ORIGINAL_MAX) / math.log(ORIGINAL_MAX))
 QUANTIZED = ('proj.weight', '.w1.weight', '.w2.weight', '.w3.weight')
+
+pytestmark = pytest.mark.usefixtures('tmp_gguf_cache')
 
 
 def file_tensors(folder: str, arch: gguf.MODEL_ARCH, layers: int, quantize: bool,
@@ -67,9 +71,10 @@ def write_gguf(writer: gguf.GGUFWriter, tensors: dict[str, np.ndarray]) -> None:
 
 
 def assert_q8_0_served_as_blocks(src: Path, folder: str, vocab: int, served: tuple[str, ...],
-                                 dense: tuple[str, ...]) -> None:
-    """The layers' ``served`` linear layers of the Q8_0 file ``src`` are served as their blocks, the ``dense`` ones
-    are not; token for token like transformers on the weights the blocks hold (the model saved in ``folder``)."""
+                                 dense: tuple[str, ...], sparse_served: tuple[str, ...] = ()) -> None:
+    """The layers' ``served`` linear layers of the Q8_0 file ``src`` (and ``sparse_served`` of the MoE layers after
+    the dense first) are served as their blocks, the ``dense`` ones are not; token for token like transformers on
+    the weights the blocks hold (the model saved in ``folder``)."""
     hf = hf_causal_lm(folder)
     engine = make_engine(str(src))
     layer_types = engine.model_config.hf_config.quantization_config['ggml_types']
@@ -78,8 +83,33 @@ def assert_q8_0_served_as_blocks(src: Path, folder: str, vocab: int, served: tup
             assert layer_types[f'layers.{layer}.{name}'] == 'Q8_0', (layer, name)
         for name in dense:
             assert f'layers.{layer}.{name}' not in layer_types
+        for name in sparse_served if layer else ():
+            assert layer_types[f'layers.{layer}.{name}'] == 'Q8_0', (layer, name)
     prompts = random_prompts([5, 40], vocab=vocab)
     assert_transformers_greedy(hf, prompts, run(engine, prompts))
+
+
+def text_model_keys(writer: gguf.GGUFWriter, config) -> list[tuple[Callable, Any]]:
+    """The keys convert_hf_to_gguf.py's ``TextModel`` writes for a model with ``head_dim``, as (writer method, value)."""
+    return [(writer.add_block_count, config.num_hidden_layers),
+            (writer.add_context_length, config.max_position_embeddings),
+            (writer.add_embedding_length, config.hidden_size),
+            (writer.add_feed_forward_length, config.intermediate_size),
+            (writer.add_head_count, config.num_attention_heads),
+            (writer.add_head_count_kv, config.num_key_value_heads),
+            (writer.add_key_length, config.head_dim), (writer.add_value_length, config.head_dim),
+            (writer.add_rope_freq_base, config.rope_parameters['rope_theta']),
+            (writer.add_layer_norm_rms_eps, config.rms_norm_eps)]
+
+
+def assert_f32_file_matches_transformers(src: Path, folder: str, vocab: int, path: Path):
+    """The F32 file ``src`` reads back into the checkpoint in ``folder`` bit for bit and is served token for token
+    like transformers on it; the converted model."""
+    hf = hf_causal_lm(folder)
+    converted = converted_model(src, path, hf)
+    prompts = random_prompts([5, 40], vocab=vocab)
+    assert_transformers_greedy(hf, prompts, run(make_engine(str(src)), prompts))
+    return converted
 
 
 def add_metadata(writer: gguf.GGUFWriter, config) -> None:
@@ -119,10 +149,9 @@ def save_gguf(path: Path, quantize: bool) -> tuple[Path, str, int]:
     return src, folder, vocab
 
 
-def test_gguf_matches_transformers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gguf_matches_transformers(tmp_path: Path) -> None:
     """Read back bit for bit (biases, the LM head's included); served like transformers over prompts within and
     beyond the original context."""
-    monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(tmp_path / 'cache'))
     src, folder, vocab = save_gguf(tmp_path, quantize=False)
     hf = hf_causal_lm(folder)
     converted = converted_model(src, tmp_path, hf)
@@ -131,10 +160,9 @@ def test_gguf_matches_transformers(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert_transformers_greedy(hf, prompts, run(make_engine(str(src)), prompts))
 
 
-def test_gguf_q8_0_kept_as_blocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gguf_q8_0_kept_as_blocks(tmp_path: Path) -> None:
     """Attention's projections and the experts in Q8_0 are served as their blocks (the router stays dense), token for
     token like transformers on the weights they hold."""
-    monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(tmp_path / 'cache'))
     src, folder, vocab = save_gguf(tmp_path, quantize=True)
     assert_q8_0_served_as_blocks(src, folder, vocab, ('self_attn.qkv_proj', 'self_attn.o_proj',
                                                       'mlp.experts.gate_up_proj', 'mlp.experts.down_proj'),

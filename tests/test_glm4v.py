@@ -21,7 +21,7 @@ from PIL import Image
 from server_helpers import serve, tiny_engine
 from test_vl import data_url, png_bytes
 from test_vl_families import IMAGES, PROMPTS, hf_inputs, make_processor
-from test_vl_server import chat, image_message
+from test_vl_server import assert_image_chat_matches_transformers, image_message
 from transformers import AutoModelForImageTextToText, Glm4vTextConfig, Glm4vMoeTextConfig
 from transformers.models.glm4v.modeling_glm4v import Glm4vTextRotaryEmbedding
 from transformers.models.glm4v.modeling_glm4v import apply_rotary_pos_emb as glm4v_rotary
@@ -102,14 +102,8 @@ def glm4v_server(glm4v):
 
 
 def test_server_chat_with_a_data_url_image_matches_transformers(glm4v_server, hf_model):
-    messages = image_message(data_url(IMAGES[2]))
-    prompt = glm4v_server.engine.processor.process(messages)
-    expected = hf_model.generate(**hf_inputs(hf_model, prompt), max_new_tokens=10, do_sample=False, top_k=None,
-                                 top_p=None, temperature=None)[0, len(prompt.input_ids):]
-    client = openai.OpenAI(base_url=f'{glm4v_server.url}/v1', api_key='none', max_retries=0)
-    reply = chat(client, messages)
-    assert reply.choices[0].message.content == glm4v_server.engine.tokenizer.decode(expected.tolist())
-    assert reply.usage.prompt_tokens == len(prompt.input_ids)
+    assert_image_chat_matches_transformers(glm4v_server, hf_model, lambda prompt: hf_inputs(hf_model, prompt),
+                                           IMAGES[2])
 
 
 def test_bad_images_are_400_and_others_go_on(glm4v_server):

@@ -25,7 +25,7 @@ from family_checks import assert_slots_free, assert_vl_matches_transformers
 from helpers import make_engine, run
 from server_helpers import serve, tiny_engine
 from test_vl import data_url, png_bytes
-from test_vl_server import chat, image_message
+from test_vl_server import assert_image_chat_matches_transformers, chat, image_message
 import transformers
 from transformers import AutoConfig, AutoModelForImageTextToText, Lfm2VlConfig
 from transformers.models.lfm2_vl.processing_lfm2_vl import Lfm2VlProcessor
@@ -256,14 +256,7 @@ def lfm2_vl_server(lfm2_vl):
 
 
 def test_server_chat_with_a_data_url_image_matches_transformers(lfm2_vl_server, hf_model):
-    messages = image_message(data_url(IMAGES[2]))
-    prompt = lfm2_vl_server.engine.processor.process(messages)
-    expected = hf_model.generate(**hf_inputs(prompt), max_new_tokens=10, do_sample=False, top_k=None, top_p=None,
-                                 temperature=None)[0, len(prompt.input_ids):]
-    client = openai.OpenAI(base_url=f'{lfm2_vl_server.url}/v1', api_key='none', max_retries=0)
-    reply = chat(client, messages)
-    assert reply.choices[0].message.content == lfm2_vl_server.engine.tokenizer.decode(expected.tolist())
-    assert reply.usage.prompt_tokens == len(prompt.input_ids)
+    assert_image_chat_matches_transformers(lfm2_vl_server, hf_model, hf_inputs, IMAGES[2])
 
 
 def test_prompt_pixels_and_metadata_are_those_of_the_torchvision_processor(lfm2_vl, tmp_path):

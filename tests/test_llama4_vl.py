@@ -14,7 +14,6 @@ import shutil
 from collections import defaultdict
 from functools import lru_cache
 
-import openai
 import pytest
 import torch
 from conftest import build_tokenizer
@@ -24,9 +23,8 @@ from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_
 from helpers import make_engine, run
 from server_helpers import serve, tiny_engine
 from test_llama4 import CONFIG as TEXT_CONFIG
-from test_vl import data_url
 from test_vl_families import make_processor
-from test_vl_server import chat, image_message
+from test_vl_server import assert_image_chat_matches_transformers
 import transformers
 from transformers import AutoConfig, AutoModelForImageTextToText, Llama4Config, Llama4VisionConfig
 from transformers.image_utils import SizeDict
@@ -278,11 +276,4 @@ def llama4_vl_server(llama4_vl):
 
 
 def test_server_chat_with_a_data_url_image_matches_transformers(llama4_vl_server, hf_model):
-    messages = image_message(data_url(IMAGES[2]))
-    prompt = llama4_vl_server.engine.processor.process(messages)
-    expected = hf_model.generate(**hf_inputs(prompt), max_new_tokens=10, do_sample=False, top_k=None, top_p=None,
-                                 temperature=None)[0, len(prompt.input_ids):]
-    client = openai.OpenAI(base_url=f'{llama4_vl_server.url}/v1', api_key='none', max_retries=0)
-    reply = chat(client, messages)
-    assert reply.choices[0].message.content == llama4_vl_server.engine.tokenizer.decode(expected.tolist())
-    assert reply.usage.prompt_tokens == len(prompt.input_ids)
+    assert_image_chat_matches_transformers(llama4_vl_server, hf_model, hf_inputs, IMAGES[2])

@@ -16,7 +16,7 @@ from helpers import make_engine, run
 from PIL import Image
 from server_helpers import serve, tiny_engine
 from test_vl import data_url, png_bytes
-from test_vl_server import chat, image_message
+from test_vl_server import assert_image_chat_matches_transformers, chat, image_message
 from transformers import AutoModelForImageTextToText, AutoTokenizer, Idefics3Config, SmolVLMConfig
 from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 from transformers.models.idefics3.processing_idefics3 import Idefics3Processor
@@ -172,15 +172,8 @@ def vl_server(smolvlm):
 @pytest.mark.slow
 def test_server_chat_with_a_data_url_image_matches_transformers(vl_server, smolvlm):
     """One request through the OpenAI server (the ``openai`` client) with a base64 image_url."""
-    messages = image_message(data_url(IMAGES[0]))
-    prompt = vl_server.engine.processor.process(messages)
+    prompt = assert_image_chat_matches_transformers(vl_server, load_hf_model(smolvlm), hf_inputs, IMAGES[0])
     assert prompt.multimodal
-    expected = load_hf_model(smolvlm).generate(**hf_inputs(prompt), max_new_tokens=10, do_sample=False, top_k=None,
-                                               top_p=None, temperature=None)[0, len(prompt.input_ids):]
-    client = openai.OpenAI(base_url=f'{vl_server.url}/v1', api_key='none', max_retries=0)
-    reply = chat(client, messages)
-    assert reply.choices[0].message.content == vl_server.engine.tokenizer.decode(expected.tolist())
-    assert reply.usage.prompt_tokens == len(prompt.input_ids)
 
 
 def test_bad_images_are_400_and_leave_nothing_held(vl_server):

@@ -10,15 +10,13 @@ from __future__ import annotations
 import shutil
 from types import SimpleNamespace
 
-import openai
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from family_checks import assert_batched_chunked_and_cached_equal_solo, assert_vl_matches_transformers
 from helpers import make_engine, run
 from server_helpers import serve, tiny_engine
-from test_vl import data_url
-from test_vl_server import chat, image_message
+from test_vl_server import assert_image_chat_matches_transformers
 from transformers import AutoModelForImageTextToText, Qwen3VLTextConfig
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
 from vl_models import INTERNVL_TOKENS, hf_vl_inputs, make_processor, random_image, save_tiny_vl_model
@@ -71,14 +69,8 @@ def vl_server(vl_family):
 
 
 def test_server_chat_with_a_data_url_image_matches_transformers(vl_server, hf_model):
-    messages = image_message(data_url(IMAGES[2]))
-    prompt = vl_server.engine.processor.process(messages)
-    expected = hf_model.generate(**hf_inputs(hf_model, prompt), max_new_tokens=10, do_sample=False, top_k=None,
-                                 top_p=None, temperature=None)[0, len(prompt.input_ids):]
-    client = openai.OpenAI(base_url=f'{vl_server.url}/v1', api_key='none', max_retries=0)
-    reply = chat(client, messages)
-    assert reply.choices[0].message.content == vl_server.engine.tokenizer.decode(expected.tolist())
-    assert reply.usage.prompt_tokens == len(prompt.input_ids)
+    assert_image_chat_matches_transformers(vl_server, hf_model, lambda prompt: hf_inputs(hf_model, prompt),
+                                           IMAGES[2])
 
 
 def test_internvl_image_spans_follow_its_processor(tmp_path):

@@ -15,6 +15,7 @@ from test_vl import IMAGES, data_url, png_bytes
 from vl_models import hf_vl_greedy
 
 from lmdeploy.vl.media import MediaPolicy
+from lmdeploy.vl.processor import ProcessedPrompt
 
 
 @pytest.fixture(scope='module')
@@ -31,6 +32,20 @@ def client(vl_server):
 def chat(client, messages, **kwargs):
     return client.chat.completions.create(model='tiny-vl', messages=messages, max_tokens=10, temperature=0,
                                           extra_body={'ignore_eos': True}, **kwargs)
+
+
+def assert_image_chat_matches_transformers(server, hf_model, hf_inputs, image: bytes) -> ProcessedPrompt:
+    """A chat with ``image`` as a data URL, through the official client, answers transformers' 10 greedy tokens
+    (``hf_model`` on ``hf_inputs(prompt)``) and counts the prompt's tokens; the processed prompt."""
+    messages = image_message(data_url(image))
+    prompt = server.engine.processor.process(messages)
+    expected = hf_model.generate(**hf_inputs(prompt), max_new_tokens=10, do_sample=False, top_k=None, top_p=None,
+                                 temperature=None)[0, len(prompt.input_ids):]
+    client = openai.OpenAI(base_url=f'{server.url}/v1', api_key='none', max_retries=0)
+    reply = chat(client, messages)
+    assert reply.choices[0].message.content == server.engine.tokenizer.decode(expected.tolist())
+    assert reply.usage.prompt_tokens == len(prompt.input_ids)
+    return prompt
 
 
 def test_chat_with_image_matches_transformers_and_streams(vl_server, client, qwen_vl):

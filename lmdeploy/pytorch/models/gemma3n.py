@@ -27,12 +27,12 @@ from torch import nn
 from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.kernels.activation import gelu_tanh_and_mul
 from lmdeploy.pytorch.models.gemma import FULL_ATTENTION, SLIDING_ATTENTION, soft_capped
-from lmdeploy.pytorch.models.llama import KVCache, LlamaForCausalLM, LlamaMLP, WeightTarget, layer_window
+from lmdeploy.pytorch.models.llama import (KVCache, LlamaForCausalLM, LlamaMLP, WeightTarget, WithoutNativeStack,
+                                           layer_window)
 from lmdeploy.pytorch.nn.attention import PagedAttention
 from lmdeploy.pytorch.nn.embedding import VocabParallelEmbedding
 from lmdeploy.pytorch.nn.linear import Linear, MergedLinear, QKVLinear, RowLinear
 from lmdeploy.pytorch.nn.norm import RMSNorm
-from lmdeploy.pytorch.nn.quant import LinearOptions
 from lmdeploy.pytorch.nn.rotary import RotaryEmbedding, apply_rope
 from lmdeploy.pytorch.step_context import StepContext
 from lmdeploy.pytorch.weights.safetensors_loader import WeightSource
@@ -228,7 +228,7 @@ class Gemma3nDecoderLayer(nn.Module):
         return corrected
 
 
-class Gemma3nForCausalLM(LlamaForCausalLM):
+class Gemma3nForCausalLM(WithoutNativeStack, LlamaForCausalLM):
     """Gemma 3n's language model and LM head (see the module's docstring)."""
 
     tensor_parallel_refusal = ("its activation-sparsity cutoff takes each token's statistics over the whole MLP "
@@ -291,14 +291,6 @@ class Gemma3nForCausalLM(LlamaForCausalLM):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return soft_capped(self.lm_head(hidden), self.final_logit_softcap)
-
-    def finalize_weights(self, pack_cpu: bool, small_step_int4: bool) -> None:
-        """Lays the loaded weights out for their kernels (bf16 CPU weights packed for their GEMM); no native
-        decoder stack."""
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.finalize(LinearOptions(pack_cpu, dtype=self.cfg.dtype))
-        self.lm_head.finalize(pack_cpu)
 
     def recurrent_state_shapes(self) -> list[list | None]:
         """Per layer: None (a KV cache of its own), or nothing for the KV-sharing layers."""

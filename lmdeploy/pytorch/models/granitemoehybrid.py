@@ -14,13 +14,10 @@ from transformers import PretrainedConfig
 from lmdeploy.pytorch.config import RECURRENT_LAYER_TYPES, ModelConfig
 from lmdeploy.pytorch.kernels.mamba2 import SSD_CHUNK
 from lmdeploy.pytorch.models.granite import GraniteMoeForCausalLM
-from lmdeploy.pytorch.models.llama import KVCache, LlamaAttention, LlamaMLP
+from lmdeploy.pytorch.models.llama import KVCache, LlamaAttention, LlamaMLP, WithoutNativeStack
 from lmdeploy.pytorch.models.mamba2 import Mamba2Mixer, Mamba2Shape
 from lmdeploy.pytorch.models.moe import SparseMoeBlock
-from lmdeploy.pytorch.nn.linear import Linear
-from lmdeploy.pytorch.nn.moe import FusedExperts
 from lmdeploy.pytorch.nn.norm import RMSNorm
-from lmdeploy.pytorch.nn.quant import LinearOptions
 from lmdeploy.pytorch.step_context import StepContext
 
 # Bamba's checkpoint name fragment -> Granite 4.0-H's
@@ -69,7 +66,7 @@ class GraniteHybridLayer(nn.Module):
         return out * self.residual_multiplier, residual
 
 
-class GraniteMoeHybridForCausalLM(GraniteMoeForCausalLM):
+class GraniteMoeHybridForCausalLM(WithoutNativeStack, GraniteMoeForCausalLM):
     """Granite 4.0-H's decoder, LM head and multipliers (see the module's docstring); its checkpoints' tensors load
     as Granite 3 MoE's."""
 
@@ -78,14 +75,6 @@ class GraniteMoeHybridForCausalLM(GraniteMoeForCausalLM):
 
     def make_layer(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
         return GraniteHybridLayer(cfg, layer_index)
-
-    def finalize_weights(self, pack_cpu: bool, small_step_int4: bool) -> None:
-        """Lays the loaded weights out for their kernels (bf16 CPU weights packed for their GEMM); no native
-        decoder stack."""
-        for module in self.modules():
-            if isinstance(module, (Linear, FusedExperts)):
-                module.finalize(LinearOptions(pack_cpu, dtype=self.cfg.dtype))
-        self.lm_head.finalize(pack_cpu)
 
     def recurrent_state_shapes(self) -> list[list[tuple[tuple[int, ...], torch.dtype]] | None]:
         """Per layer, one sequence's recurrent state (Mamba-2 layers) or None (attention layers)."""

@@ -13,13 +13,10 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from lmdeploy.pytorch.config import RECURRENT_LAYER_TYPES, ModelConfig
-from lmdeploy.pytorch.models.llama import KVCache, LlamaAttention, LlamaMLP
+from lmdeploy.pytorch.models.llama import KVCache, LlamaAttention, LlamaMLP, WithoutNativeStack
 from lmdeploy.pytorch.models.mamba1 import WEIGHTED_NORMS, Mamba1Mixer, Mamba1Shape
 from lmdeploy.pytorch.models.moe import MoEForCausalLM, SparseMoeBlock
-from lmdeploy.pytorch.nn.linear import Linear
-from lmdeploy.pytorch.nn.moe import FusedExperts
 from lmdeploy.pytorch.nn.norm import RMSNorm
-from lmdeploy.pytorch.nn.quant import LinearOptions
 from lmdeploy.pytorch.step_context import StepContext
 from lmdeploy.pytorch.weights.safetensors_loader import WeightSource
 
@@ -61,7 +58,7 @@ class JambaLayer(nn.Module):
         return self.mlp(x), residual
 
 
-class JambaForCausalLM(MoEForCausalLM):
+class JambaForCausalLM(WithoutNativeStack, MoEForCausalLM):
     """Jamba's decoder and LM head (see the module's docstring)."""
 
     tensor_parallel_refusal = 'its Mamba-1 layers are not sharded for tensor parallelism'
@@ -73,14 +70,6 @@ class JambaForCausalLM(MoEForCausalLM):
     def split_fused(self, weights: Iterable[tuple[str, WeightSource]]) -> Iterator[tuple[str, WeightSource]]:
         """Renames the checkpoint's tensors to the engine's (:data:`RENAMED`)."""
         return super().split_fused((engine_name(name), tensor) for name, tensor in weights)
-
-    def finalize_weights(self, pack_cpu: bool, small_step_int4: bool) -> None:
-        """Lays the loaded weights out for their kernels (bf16 CPU weights packed for their GEMM); no native
-        decoder stack."""
-        for module in self.modules():
-            if isinstance(module, (Linear, FusedExperts)):
-                module.finalize(LinearOptions(pack_cpu, dtype=self.cfg.dtype))
-        self.lm_head.finalize(pack_cpu)
 
     def recurrent_state_shapes(self) -> list[list[tuple[tuple[int, ...], torch.dtype]] | None]:
         """Per layer, one sequence's recurrent state (Mamba-1 layers) or None (attention layers)."""

@@ -18,13 +18,12 @@ from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.kernels import grouped_topk
 from lmdeploy.pytorch.kernels.gated_delta import causal_conv1d
 from lmdeploy.pytorch.models.deepseek_v3 import TopKRouter
-from lmdeploy.pytorch.models.llama import KVCache, LlamaAttention, LlamaMLP
+from lmdeploy.pytorch.models.llama import KVCache, LlamaAttention, LlamaMLP, WithoutNativeStack
 from lmdeploy.pytorch.models.moe import MoEForCausalLM, split_stacked_experts
 from lmdeploy.pytorch.models.qwen3_next import CausalConv1d
 from lmdeploy.pytorch.nn.linear import Linear
-from lmdeploy.pytorch.nn.moe import Fp32Router, FusedExperts
+from lmdeploy.pytorch.nn.moe import FusedExperts
 from lmdeploy.pytorch.nn.norm import RMSNorm
-from lmdeploy.pytorch.nn.quant import LinearOptions
 from lmdeploy.pytorch.step_context import StepContext
 from lmdeploy.pytorch.weights.safetensors_loader import WeightSource
 
@@ -151,7 +150,7 @@ class Lfm2DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-class Lfm2ForCausalLM(MoEForCausalLM):
+class Lfm2ForCausalLM(WithoutNativeStack, MoEForCausalLM):
     """LFM2 and LFM2-MoE decoders (see the module's docstring); the final norm is the checkpoints'
     ``embedding_norm``."""
 
@@ -175,16 +174,6 @@ class Lfm2ForCausalLM(MoEForCausalLM):
         (transformers 5's ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``)."""
         renamed = ((engine_name(name), tensor) for name, tensor in weights)
         return split_stacked_experts(super().split_fused(renamed), self.cfg.hidden_size)
-
-    def finalize_weights(self, pack_cpu: bool, small_step_int4: bool) -> None:
-        """Lays the loaded weights out for their kernels (bf16 CPU weights packed for their GEMM); no native
-        decoder stack."""
-        for module in self.modules():
-            if isinstance(module, (Linear, FusedExperts)):
-                module.finalize(LinearOptions(pack_cpu, dtype=self.cfg.dtype))
-            elif isinstance(module, Fp32Router):
-                module.finalize()
-        self.lm_head.finalize(pack_cpu)
 
     def recurrent_state_shapes(self) -> list[list[tuple[tuple[int, ...], torch.dtype]] | None]:
         """Per layer, one sequence's convolution state (short-convolution layers) or None (attention layers)."""

@@ -351,3 +351,16 @@ class LlamaForCausalLM(nn.Module):
                 stop = start + size // layout.outputs_per_index
                 yield part, TensorPart(tensor, layout.output_dim, start, stop)
                 start = stop
+
+
+class WithoutNativeStack:
+    """For families whose layers the native decoder stack does not take: every step runs the layers' own forward."""
+
+    def finalize_weights(self, pack_cpu: bool, small_step_int4: bool) -> None:
+        """Lays the loaded weights out for their kernels (bf16 CPU weights packed for their GEMM)."""
+        for module in self.modules():
+            if isinstance(module, (Linear, FusedExperts)):
+                module.finalize(LinearOptions(pack_cpu, dtype=self.cfg.dtype))
+            elif isinstance(module, Fp32Router):
+                module.finalize()
+        self.lm_head.finalize(pack_cpu)

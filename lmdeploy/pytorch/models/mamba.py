@@ -11,12 +11,10 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from lmdeploy.pytorch.config import ModelConfig
-from lmdeploy.pytorch.models.llama import KVCache, LlamaForCausalLM
+from lmdeploy.pytorch.models.llama import KVCache, LlamaForCausalLM, WithoutNativeStack
 from lmdeploy.pytorch.models.mamba1 import NO_NORMS, WEIGHTLESS_NORMS, Mamba1Mixer, Mamba1Shape
 from lmdeploy.pytorch.models.nemotron_h import engine_name
-from lmdeploy.pytorch.nn.linear import Linear
 from lmdeploy.pytorch.nn.norm import RMSNorm
-from lmdeploy.pytorch.nn.quant import LinearOptions
 from lmdeploy.pytorch.step_context import StepContext
 from lmdeploy.pytorch.weights.safetensors_loader import WeightSource
 
@@ -45,7 +43,7 @@ class MambaBlock(nn.Module):
         return self.mixer(x, state, ctx), residual
 
 
-class MambaForCausalLM(LlamaForCausalLM):
+class MambaForCausalLM(WithoutNativeStack, LlamaForCausalLM):
     """Mamba's and Falcon Mamba's decoder and LM head (see the module's docstring)."""
 
     tensor_parallel_refusal = 'its Mamba-1 layers are not sharded for tensor parallelism'
@@ -60,14 +58,6 @@ class MambaForCausalLM(LlamaForCausalLM):
     def split_fused(self, weights: Iterable[tuple[str, WeightSource]]) -> Iterator[tuple[str, WeightSource]]:
         """Renames the checkpoint's ``backbone.*`` tensors to the engine's."""
         return super().split_fused((engine_name(name), tensor) for name, tensor in weights)
-
-    def finalize_weights(self, pack_cpu: bool, small_step_int4: bool) -> None:
-        """Lays the loaded weights out for their kernels (bf16 CPU weights packed for their GEMM); no native
-        decoder stack."""
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.finalize(LinearOptions(pack_cpu, dtype=self.cfg.dtype))
-        self.lm_head.finalize(pack_cpu)
 
     def recurrent_state_shapes(self) -> list[list[tuple[tuple[int, ...], torch.dtype]] | None]:
         """Every layer's recurrent state: no layer has a KV cache."""

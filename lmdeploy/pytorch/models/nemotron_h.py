@@ -16,12 +16,10 @@ from lmdeploy.pytorch.kernels import grouped_topk
 from lmdeploy.pytorch.kernels.mamba2 import SSD_CHUNK
 from lmdeploy.pytorch.models.arcee import ReluSquared, UngatedMLP, UngatedMLPForCausalLM
 from lmdeploy.pytorch.models.deepseek_v3 import TopKRouter
-from lmdeploy.pytorch.models.llama import KVCache, LlamaAttention
+from lmdeploy.pytorch.models.llama import KVCache, LlamaAttention, WithoutNativeStack
 from lmdeploy.pytorch.models.mamba2 import Mamba2Mixer, Mamba2Shape
 from lmdeploy.pytorch.nn.linear import Linear
-from lmdeploy.pytorch.nn.moe import Fp32Router
 from lmdeploy.pytorch.nn.norm import RMSNorm
-from lmdeploy.pytorch.nn.quant import LinearOptions
 from lmdeploy.pytorch.step_context import StepContext
 from lmdeploy.pytorch.weights.safetensors_loader import WeightSource
 
@@ -100,7 +98,7 @@ class NemotronHBlock(nn.Module):
         return (self.mixer(x, cache, ctx) if self.kind in (MAMBA, ATTENTION) else self.mixer(x)), residual
 
 
-class NemotronHForCausalLM(UngatedMLPForCausalLM):
+class NemotronHForCausalLM(WithoutNativeStack, UngatedMLPForCausalLM):
     """Nemotron-H's decoder and LM head (see the module's docstring)."""
 
     tensor_parallel_refusal = 'its Mamba-2 layers are not sharded for tensor parallelism'
@@ -115,16 +113,6 @@ class NemotronHForCausalLM(UngatedMLPForCausalLM):
     def split_fused(self, weights: Iterable[tuple[str, WeightSource]]) -> Iterator[tuple[str, WeightSource]]:
         """Renames the checkpoint's tensors to the engine's (:func:`engine_name`)."""
         return super().split_fused((engine_name(name), tensor) for name, tensor in weights)
-
-    def finalize_weights(self, pack_cpu: bool, small_step_int4: bool) -> None:
-        """Lays the loaded weights out for their kernels (bf16 CPU weights packed for their GEMM); no native
-        decoder stack."""
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.finalize(LinearOptions(pack_cpu, dtype=self.cfg.dtype))
-            elif isinstance(module, Fp32Router):
-                module.finalize()
-        self.lm_head.finalize(pack_cpu)
 
     def recurrent_state_shapes(self) -> list[list[tuple[tuple[int, ...], torch.dtype]] | None]:
         """Per layer, one sequence's recurrent state (Mamba-2 layers), None (attention: a KV cache) or nothing

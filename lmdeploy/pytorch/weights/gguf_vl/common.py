@@ -2,6 +2,7 @@
 mmproj beside a language model's GGUF, and the :class:`VisionFamily` each projector type provides."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -10,6 +11,24 @@ import numpy as np
 import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
+
+TOWER_BLOCK = re.compile(r'v\.blk\.(\d+)\.(\w+)\.(weight|bias)')  # a tower layer's tensor: layer, name, kind
+SIGLIP_LAYER_NAMES = {'attn_q': 'self_attn.q_proj', 'attn_k': 'self_attn.k_proj', 'attn_v': 'self_attn.v_proj',
+                      'attn_out': 'self_attn.out_proj', 'ln1': 'layer_norm1', 'ln2': 'layer_norm2',
+                      'ffn_up': 'mlp.fc1', 'ffn_down': 'mlp.fc2'}
+SIGLIP_NAMES = {'v.patch_embd.weight': 'embeddings.patch_embedding.weight',
+                'v.patch_embd.bias': 'embeddings.patch_embedding.bias',
+                'v.position_embd.weight': 'embeddings.position_embedding.weight',
+                'v.post_ln.weight': 'post_layernorm.weight', 'v.post_ln.bias': 'post_layernorm.bias'}
+
+
+def siglip_tower_name(name: str, tower: str) -> str | None:
+    """The checkpoint name (under ``tower``) of an mmproj's SigLIP tower tensor ``name``: its layers
+    (``encoder.layers.N``), embeddings and final norm; None for the others."""
+    block = TOWER_BLOCK.fullmatch(name)
+    if block and block[2] in SIGLIP_LAYER_NAMES:
+        return f'{tower}encoder.layers.{block[1]}.{SIGLIP_LAYER_NAMES[block[2]]}.{block[3]}'
+    return tower + SIGLIP_NAMES[name] if name in SIGLIP_NAMES else None
 
 
 @dataclass(frozen=True)

@@ -6,25 +6,16 @@ patches are average-pooled by ``clip.vision.projector.scale_factor`` (llama.cpp'
 896 px images of 14 px patches)."""
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
 from gguf import GGUFReader
 
-from .common import VisionFamily, float32_tensors, meta, require_vision_keys
+from .common import VisionFamily, float32_tensors, meta, require_vision_keys, siglip_tower_name
 
 GEMMA3_IMAGE_TOKENS = ('<image_soft_token>', '<start_of_image>', '<end_of_image>')  # placeholder, span's ends
 DEFAULT_SCALE_FACTOR = 4  # llama.cpp's pooling step where the mmproj states none
 _TOWER = 'vision_tower.'
-_BLOCK = re.compile(r'v\.blk\.(\d+)\.(\w+)\.(weight|bias)')
-_BLOCK_NAMES = {'attn_q': 'self_attn.q_proj', 'attn_k': 'self_attn.k_proj', 'attn_v': 'self_attn.v_proj',
-                'attn_out': 'self_attn.out_proj', 'ln1': 'layer_norm1', 'ln2': 'layer_norm2', 'ffn_up': 'mlp.fc1',
-                'ffn_down': 'mlp.fc2'}
-_NAMES = {'v.patch_embd.weight': 'embeddings.patch_embedding.weight',
-          'v.patch_embd.bias': 'embeddings.patch_embedding.bias',
-          'v.position_embd.weight': 'embeddings.position_embedding.weight', 'v.post_ln.weight': 'post_layernorm.weight',
-          'v.post_ln.bias': 'post_layernorm.bias'}
 _INPUT_PROJECTION = 'mm.input_projection.weight'
 _SOFT_EMB_NORM = 'mm.soft_emb_norm.weight'
 _PROJECTOR = {_INPUT_PROJECTION: 'multi_modal_projector.mm_input_projection_weight',
@@ -71,11 +62,9 @@ def _state_dict(mmproj: GGUFReader) -> dict[str, torch.Tensor]:
     soft-embedding norm's weight back to Gemma's ``weight`` (the file holds ``1 + weight``)."""
     state_dict = {}
     for name, value in float32_tensors(mmproj).items():
-        block = _BLOCK.fullmatch(name)
-        if block and block[2] in _BLOCK_NAMES:
-            state_dict[f'{_TOWER}encoder.layers.{block[1]}.{_BLOCK_NAMES[block[2]]}.{block[3]}'] = value
-        elif name in _NAMES:
-            state_dict[_TOWER + _NAMES[name]] = value
+        tower_name = siglip_tower_name(name, _TOWER)
+        if tower_name:
+            state_dict[tower_name] = value
         elif name in _PROJECTOR:
             state_dict[_PROJECTOR[name]] = value - 1 if name == _SOFT_EMB_NORM else value
         else:

@@ -6,27 +6,18 @@ shuffle (``clip.vision.projector.scale_factor``) and the longest side images are
 (``clip.vision.preproc_image_size``; files without it: 4 tiles, transformers' default ratio)."""
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
 from gguf import GGUFReader
 
-from .common import VisionFamily, float32_tensors, meta, require_vision_keys
+from .common import VisionFamily, float32_tensors, meta, require_vision_keys, siglip_tower_name
 
 IMAGE_TOKENS = ('<image>', '<fake_token_around_image>', '<global-img>')  # the placeholder, then the span's markers
 DEFAULT_SCALE_FACTOR = 2  # the converter's where the checkpoint names none
 TILES_PER_SIDE = 4  # transformers' ratio of `size` to `max_image_size` where the file names no preprocessing size
 _PROJECTION = 'mm.model.fc.weight'
 _TOWER = 'vision_model.'
-_BLOCK = re.compile(r'v\.blk\.(\d+)\.(\w+)\.(weight|bias)')
-_BLOCK_NAMES = {'attn_q': 'self_attn.q_proj', 'attn_k': 'self_attn.k_proj', 'attn_v': 'self_attn.v_proj',
-                'attn_out': 'self_attn.out_proj', 'ln1': 'layer_norm1', 'ln2': 'layer_norm2', 'ffn_up': 'mlp.fc1',
-                'ffn_down': 'mlp.fc2'}
-_NAMES = {'v.patch_embd.weight': 'embeddings.patch_embedding.weight',
-          'v.patch_embd.bias': 'embeddings.patch_embedding.bias',
-          'v.position_embd.weight': 'embeddings.position_embedding.weight', 'v.post_ln.weight': 'post_layernorm.weight',
-          'v.post_ln.bias': 'post_layernorm.bias'}
 
 
 def _config(text: dict[str, Any], reader: GGUFReader, mmproj: GGUFReader, tokens: list[str],
@@ -68,11 +59,9 @@ def _state_dict(mmproj: GGUFReader) -> dict[str, torch.Tensor]:
     """The tower's and connector's float32 tensors under the names of transformers' Idefics3 checkpoints."""
     state_dict = {}
     for name, value in float32_tensors(mmproj).items():
-        block = _BLOCK.fullmatch(name)
-        if block and block[2] in _BLOCK_NAMES:
-            state_dict[f'{_TOWER}encoder.layers.{block[1]}.{_BLOCK_NAMES[block[2]]}.{block[3]}'] = value
-        elif name in _NAMES:
-            state_dict[_TOWER + _NAMES[name]] = value
+        tower_name = siglip_tower_name(name, _TOWER)
+        if tower_name:
+            state_dict[tower_name] = value
         elif name == _PROJECTION:
             state_dict['connector.modality_projection.proj.weight'] = value
         else:

@@ -5,13 +5,12 @@ layer feeds the projector, its CLS token is dropped, the projector's activation 
 where the file states no limits, and the tower's norms are RMS norms where they have no bias (InternViT-6B)."""
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
 from gguf import GGUFReader
 
-from .common import VisionFamily, float32_tensors, meta, require_vision_keys
+from .common import TOWER_BLOCK, VisionFamily, float32_tensors, meta, require_vision_keys
 
 INTERNVL_IMAGE_TOKENS = ('<IMG_CONTEXT>', '<img>', '</img>')  # the image's placeholder, then its span's ends
 MIN_TILES, MAX_TILES = 1, 12  # llama.cpp's tiles per image where the mmproj states none
@@ -25,7 +24,6 @@ _BLOCK_NAMES = {'attn_q': 'attention.q_proj', 'attn_k': 'attention.k_proj', 'att
                 'ffn_up': 'mlp.fc1', 'ffn_down': 'mlp.fc2'}
 _LAYER_SCALES = {'ls1': 'lambda_1', 'ls2': 'lambda_2'}  # parameters of their own, without '.weight'
 _PROJECTOR_NAMES = {'mm.model.mlp.0': 'layer_norm', 'mm.model.mlp.1': 'linear_1', 'mm.model.mlp.3': 'linear_2'}
-_BLOCK = re.compile(r'v\.blk\.(\d+)\.(\w+)\.(weight|bias)')
 _ACTIVATIONS = {'clip.use_gelu': 'gelu', 'clip.use_silu': 'silu'}
 
 
@@ -75,7 +73,7 @@ def _state_dict(mmproj: GGUFReader) -> dict[str, torch.Tensor]:
     (``vision_tower.*``, ``multi_modal_projector.*``); q, k and v stay separate, as there."""
     state_dict = {}
     for name, value in float32_tensors(mmproj).items():
-        block = _BLOCK.fullmatch(name)
+        block = TOWER_BLOCK.fullmatch(name)
         stem, _, kind = name.rpartition('.')
         if block and block[2] in _BLOCK_NAMES:
             state_dict[f'{_TOWER}encoder.layer.{block[1]}.{_BLOCK_NAMES[block[2]]}.{block[3]}'] = value

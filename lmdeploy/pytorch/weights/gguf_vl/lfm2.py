@@ -6,27 +6,21 @@ linear patch embedding as a convolution's ``[width, 3, patch, patch]`` and the p
 images are tiled with transformers' ``Lfm2VlImageProcessor`` defaults, those of the released checkpoints."""
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
 from gguf import GGUFReader
 
-from .common import VisionFamily, float32_tensors, meta, require_vision_keys
+from .common import VisionFamily, float32_tensors, meta, require_vision_keys, siglip_tower_name
 
 LFM2_IMAGE_TOKEN = '<image>'
 _TOWER = 'vision_tower.'
-_BLOCK = re.compile(r'v\.blk\.(\d+)\.(\w+)\.(weight|bias)')
-_BLOCK_NAMES = {'attn_q': 'self_attn.q_proj', 'attn_k': 'self_attn.k_proj', 'attn_v': 'self_attn.v_proj',
-                'attn_out': 'self_attn.out_proj', 'ln1': 'layer_norm1', 'ln2': 'layer_norm2', 'ffn_up': 'mlp.fc1',
-                'ffn_down': 'mlp.fc2'}
-_NAMES = {'v.patch_embd.bias': _TOWER + 'embeddings.patch_embedding.bias',
-          'v.position_embd.weight': _TOWER + 'embeddings.position_embedding.weight',
-          'v.post_ln.weight': _TOWER + 'post_layernorm.weight', 'v.post_ln.bias': _TOWER + 'post_layernorm.bias',
-          'mm.input_norm.weight': 'multi_modal_projector.layer_norm.weight',
-          'mm.input_norm.bias': 'multi_modal_projector.layer_norm.bias',
-          'mm.1.weight': 'multi_modal_projector.linear_1.weight', 'mm.1.bias': 'multi_modal_projector.linear_1.bias',
-          'mm.2.weight': 'multi_modal_projector.linear_2.weight', 'mm.2.bias': 'multi_modal_projector.linear_2.bias'}
+_PROJECTOR = {'mm.input_norm.weight': 'multi_modal_projector.layer_norm.weight',
+              'mm.input_norm.bias': 'multi_modal_projector.layer_norm.bias',
+              'mm.1.weight': 'multi_modal_projector.linear_1.weight',
+              'mm.1.bias': 'multi_modal_projector.linear_1.bias',
+              'mm.2.weight': 'multi_modal_projector.linear_2.weight',
+              'mm.2.bias': 'multi_modal_projector.linear_2.bias'}
 _PATCH_EMBEDDING = 'v.patch_embd.weight'
 
 
@@ -66,14 +60,13 @@ def _state_dict(mmproj: GGUFReader) -> dict[str, torch.Tensor]:
     embedding back to a linear layer over each patch's ``(row, column, channel)`` values."""
     state_dict = {}
     for name, value in float32_tensors(mmproj).items():
-        block = _BLOCK.fullmatch(name)
-        if block and block[2] in _BLOCK_NAMES:
-            state_dict[f'{_TOWER}encoder.layers.{block[1]}.{_BLOCK_NAMES[block[2]]}.{block[3]}'] = value
-        elif name == _PATCH_EMBEDDING:
+        if name == _PATCH_EMBEDDING:
             state_dict[_TOWER + 'embeddings.patch_embedding.weight'] = value.permute(0, 2, 3, 1).reshape(
                 value.shape[0], -1)
-        elif name in _NAMES:
-            state_dict[_NAMES[name]] = value
+        elif siglip_tower_name(name, _TOWER):
+            state_dict[siglip_tower_name(name, _TOWER)] = value
+        elif name in _PROJECTOR:
+            state_dict[_PROJECTOR[name]] = value
         else:
             raise ValueError(f'mmproj tensor {name} has no transformers counterpart')
     return state_dict

@@ -13,13 +13,12 @@ tiles of ``clip.vision.image_size``, bilinear) with the file's mean and std.
 """
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
 from gguf import GGUFReader
 
-from .common import VisionFamily, float32_tensors, meta, require_vision_keys
+from .common import TOWER_BLOCK, VisionFamily, float32_tensors, meta, require_vision_keys
 
 # the placeholder, the span's ends, the global tile's marker and the tile separators
 IMAGE_TOKENS = ('<|patch|>', '<|image_start|>', '<|image_end|>', '<|image|>', '<|tile_x_separator|>',
@@ -27,7 +26,6 @@ IMAGE_TOKENS = ('<|patch|>', '<|image_start|>', '<|image_end|>', '<|image|>', '<
 VISION_ROPE_THETA = 10000.0
 MAX_TILES = 16  # Llama4ImageProcessor's max_patches
 _TOWER = 'vision_model.'
-_BLOCK = re.compile(r'v\.blk\.(\d+)\.(\w+)\.(weight|bias)')
 _BLOCK_NAMES = {'attn_q': 'self_attn.q_proj', 'attn_k': 'self_attn.k_proj', 'attn_v': 'self_attn.v_proj',
                 'attn_out': 'self_attn.o_proj', 'ln1': 'input_layernorm', 'ln2': 'post_attention_layernorm',
                 'attn_post_norm': 'post_attention_layernorm', 'ffn_up': 'mlp.fc1', 'ffn_down': 'mlp.fc2'}
@@ -83,7 +81,7 @@ def _state_dict(mmproj: GGUFReader) -> dict[str, torch.Tensor]:
     """The tower's, adapter's and projector's float32 tensors under the names of the hub's Llama 4 checkpoints."""
     state_dict = {}
     for name, value in float32_tensors(mmproj).items():
-        block = _BLOCK.fullmatch(name)
+        block = TOWER_BLOCK.fullmatch(name)
         if block and block[2] in _BLOCK_NAMES:
             state_dict[f'{_TOWER}model.layers.{block[1]}.{_BLOCK_NAMES[block[2]]}.{block[3]}'] = value
         elif name in _NAMES:

@@ -5,17 +5,15 @@ from (``clip.vision.feature_layer``, or all but the last) and leaves out the fin
 CLS token. LLaVA-NeXT's tiled images (``image_grid_pinpoints``) are not served."""
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
 from gguf import GGUFReader
 
-from .common import VisionFamily, float32_tensors, meta, require_vision_keys
+from .common import TOWER_BLOCK, VisionFamily, float32_tensors, meta, require_vision_keys
 
 IMAGE_TOKEN = '<image>'
 _TOWER = 'vision_tower'
-_BLOCK = re.compile(r'v\.blk\.(\d+)\.(\w+)\.(weight|bias)')
 _BLOCK_NAMES = {'attn_q': 'self_attn.q_proj', 'attn_k': 'self_attn.k_proj', 'attn_v': 'self_attn.v_proj',
                 'attn_out': 'self_attn.out_proj', 'ln1': 'layer_norm1', 'ln2': 'layer_norm2'}
 _NAMES = {'v.class_embd': 'embeddings.class_embedding', 'v.patch_embd.weight': 'embeddings.patch_embedding.weight',
@@ -85,7 +83,7 @@ def _state_dict(mmproj: GGUFReader) -> dict[str, torch.Tensor]:
     width = meta(mmproj, 'clip.vision.embedding_length')
     state_dict = {}
     for name, value in raw.items():
-        block = _BLOCK.fullmatch(name)
+        block = TOWER_BLOCK.fullmatch(name)
         stem, _, kind = name.rpartition('.')
         if block and block[2] in _BLOCK_NAMES:
             state_dict[f'{_TOWER}.encoder.layers.{block[1]}.{_BLOCK_NAMES[block[2]]}.{block[3]}'] = value

@@ -10,19 +10,17 @@ writes no feature layer: llama.cpp takes the tower's last layer, so ``vision_fea
 """
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
 from gguf import GGUFReader
 
 from ..gguf_archs import unpermute_rotary
-from .common import VisionFamily, float32_tensors, meta, require_vision_keys
+from .common import TOWER_BLOCK, VisionFamily, float32_tensors, meta, require_vision_keys
 
 IMAGE_TOKENS = ('[IMG]', '[IMG_BREAK]', '[IMG_END]')  # placeholder, row end, image end
 VISION_ROPE_THETA = 10000.0  # the tower's rope base where the mmproj states none
 _TOWER = 'vision_tower.'
-_BLOCK = re.compile(r'v\.blk\.(\d+)\.(\w+)\.(weight|bias)')
 _BLOCK_NAMES = {'attn_q': 'attention.q_proj', 'attn_k': 'attention.k_proj', 'attn_v': 'attention.v_proj',
                 'attn_out': 'attention.o_proj', 'ffn_gate': 'feed_forward.gate_proj',
                 'ffn_up': 'feed_forward.up_proj', 'ffn_down': 'feed_forward.down_proj', 'ln1': 'attention_norm',
@@ -91,7 +89,7 @@ def _state_dict(mmproj: GGUFReader) -> dict[str, torch.Tensor]:
     heads = meta(mmproj, 'clip.vision.attention.head_count')
     state_dict = {}
     for name, value in float32_tensors(mmproj).items():
-        block = _BLOCK.fullmatch(name)
+        block = TOWER_BLOCK.fullmatch(name)
         if block and block[2] in _BLOCK_NAMES:
             value = unpermute_rotary(value, heads) if block[2] in _ROTATED else value
             state_dict[f'{_TOWER}transformer.layers.{block[1]}.{_BLOCK_NAMES[block[2]]}.{block[3]}'] = value

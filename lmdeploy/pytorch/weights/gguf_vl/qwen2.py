@@ -3,13 +3,12 @@
 2, temporal patch 2, Qwen2.5-VL's 112 px attention windows) is taken as llama.cpp takes it."""
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
 from gguf import GGUFReader
 
-from .common import VisionFamily, float32_tensors, meta, require_vision_keys
+from .common import TOWER_BLOCK, VisionFamily, float32_tensors, meta, require_vision_keys
 
 QWEN25_WINDOW = 112  # llama.cpp's window when the file states none (as the converter writes them)
 QWEN_IMAGE_TOKENS = {'image_token_id': '<|image_pad|>', 'video_token_id': '<|video_pad|>',
@@ -18,7 +17,6 @@ _BLOCK_NAMES = {'attn_out': 'attn.proj', 'ln1': 'norm1', 'ln2': 'norm2'}
 _MLP_NAMES = {'qwen2vl_merger': {'ffn_up': 'mlp.fc1', 'ffn_down': 'mlp.fc2'},
               'qwen2.5vl_merger': {'ffn_up': 'mlp.up_proj', 'ffn_down': 'mlp.down_proj', 'ffn_gate': 'mlp.gate_proj'}}
 _MERGER_NAMES = {'v.post_ln': 'merger.ln_q', 'mm.0': 'merger.mlp.0', 'mm.2': 'merger.mlp.2'}
-_BLOCK = re.compile(r'v\.blk\.(\d+)\.(\w+)\.(weight|bias)')
 _QKV = ('attn_q', 'attn_k', 'attn_v')
 PATCH_HALVES = ('v.patch_embd.weight', 'v.patch_embd.weight.1')  # the Conv3d's two time steps
 
@@ -86,7 +84,7 @@ def _state_dict(mmproj: GGUFReader) -> dict[str, torch.Tensor]:
     for name, value in raw.items():
         if name in PATCH_HALVES:
             continue
-        block = _BLOCK.fullmatch(name)
+        block = TOWER_BLOCK.fullmatch(name)
         stem, _, kind = name.rpartition('.')
         if block and block[2] in _QKV:
             qkv.setdefault(f'visual.blocks.{block[1]}.attn.qkv.{block[3]}', {})[block[2]] = value

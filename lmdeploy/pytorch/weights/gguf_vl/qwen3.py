@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from gguf import GGUFReader
 
-from .common import VisionFamily, float32_tensors, meta, require_vision_keys
+from .common import TOWER_BLOCK, VisionFamily, float32_tensors, meta, require_vision_keys
 from .qwen2 import PATCH_HALVES, conv3d_patch_weight, qwen_vl_config
 
 # the image processor's pixel limits of the hub's Qwen3-VL checkpoints (the mmproj carries none)
@@ -27,7 +27,6 @@ _BLOCK_NAMES = {'attn_qkv': 'attn.qkv', 'attn_out': 'attn.proj', 'ffn_up': 'mlp.
 _DEEPSTACK_NAMES = {'fc1': 'linear_fc1', 'fc2': 'linear_fc2', 'norm': 'norm'}
 _OTHER_NAMES = {'v.post_ln': 'merger.norm', 'mm.0': 'merger.linear_fc1', 'mm.2': 'merger.linear_fc2',
                 'v.patch_embd': 'patch_embed.proj', 'v.position_embd': 'pos_embed'}
-_BLOCK = re.compile(r'v\.blk\.(\d+)\.(\w+)\.(weight|bias)')
 _DEEPSTACK = re.compile(r'v\.deepstack\.(\d+)\.(\w+)\.(weight|bias)')
 _POSITIONS = 'v.position_embd.weight'
 
@@ -72,7 +71,7 @@ def _state_dict(mmproj: GGUFReader) -> dict[str, torch.Tensor]:
     for name, value in raw.items():
         if name in PATCH_HALVES:
             continue
-        block, deepstack = _BLOCK.fullmatch(name), _DEEPSTACK.fullmatch(name)
+        block, deepstack = TOWER_BLOCK.fullmatch(name), _DEEPSTACK.fullmatch(name)
         stem, _, kind = name.rpartition('.')
         if block and block[2] in _BLOCK_NAMES:
             state_dict[f'visual.blocks.{block[1]}.{_BLOCK_NAMES[block[2]]}.{block[3]}'] = value
