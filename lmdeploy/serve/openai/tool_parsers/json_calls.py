@@ -146,6 +146,7 @@ class JsonCallsParser(ToolParser):
         super().__init__(tools, special_markers)
         self.state = 'start'
         self.reader: CallReader | None = None
+        self.first = True  # in a list of calls: its first object is next
 
     def start_call(self, start: int) -> None:
         """Reads the object at ``start`` as a call from now on."""
@@ -178,6 +179,20 @@ class JsonCallsParser(ToolParser):
         if is_call:
             self.pos = self.reader.end or len(self.text)
         return is_call
+
+    def read_list_call(self, out: ParsedDelta, final: bool) -> bool:
+        """A list's object (state ``'call'``): past it to ``'items'`` where it is a call, else back to ``'text'``
+        from the object on (from the marker on where it is the list's first); False while it is still open."""
+        is_call = self.read_call(out, final)
+        if is_call is None:
+            return False
+        if is_call:
+            self.first, self.state = False, 'items'
+            return True
+        if self.first:
+            out.content += self._unmarked(self.marker_start, self.reader.start)
+        self.pos, self.state = self.reader.start, 'text'
+        return True
 
     def rest_as_text(self, out: ParsedDelta) -> ParsedDelta:
         """``out`` with the unread text added as content."""

@@ -27,7 +27,6 @@ class JsonListToolParser(JsonCallsParser):
     def __init__(self, tools: Sequence[Mapping[str, Any]] = (), special_markers: Collection[str] = ()) -> None:
         super().__init__(tools, special_markers)
         self.state = 'text'
-        self.first = True  # the list's first object is next
 
     def _advance(self, final: bool) -> ParsedDelta:
         out = ParsedDelta()
@@ -53,17 +52,8 @@ class JsonListToolParser(JsonCallsParser):
             elif self.state == 'close':
                 if not self._close(final):
                     return out
-            else:
-                is_call = self.read_call(out, final)
-                if is_call is None:
-                    return out
-                if not is_call:  # an object that is no call: text, from the tag on if it is the list's first
-                    if self.first:
-                        out.content += self._unmarked(self.marker_start, self.reader.start)
-                    self.pos, self.state = self.reader.start, 'text'
-                    continue
-                self.first = False
-                self.state = 'items'
+            elif not self.read_list_call(out, final):
+                return out
 
     def _close(self, final: bool) -> bool:
         """Past the closing tag and the whitespace after it (then back to ``'text'``): False while the text

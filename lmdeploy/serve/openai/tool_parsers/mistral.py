@@ -33,7 +33,6 @@ class MistralToolParser(JsonCallsParser):
         self.state = 'text'
         self.args: JsonScanner | None = None
         self.sent = 0
-        self.first = True  # the list's first object is next
 
     def _advance(self, final: bool) -> ParsedDelta:
         out = ParsedDelta()
@@ -72,14 +71,5 @@ class MistralToolParser(JsonCallsParser):
             elif self.state == 'items':
                 if not self.read_list_item(out, final, self.first):
                     return out
-            else:
-                is_call = self.read_call(out, final)
-                if is_call is None:
-                    return out
-                if not is_call:  # an object that is no call: text, from the marker on if it is the list's first
-                    if self.first:
-                        out.content += self._unmarked(self.marker_start, self.reader.start)
-                    self.pos, self.state = self.reader.start, 'text'
-                    continue
-                self.first = False
-                self.state = 'items'
+            elif not self.read_list_call(out, final):
+                return out
