@@ -11,8 +11,8 @@ import torch
 from family_checks import assert_batched_chunked_and_cached_equal_solo, assert_vl_matches_transformers
 from helpers import add_requests, collect, make_engine, run
 from safetensors.torch import load_file, save_file
-from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer, Gemma3Processor
-from vl_models import hf_vl_inputs, make_processor, random_image, save_tiny_vl_model
+from transformers import AutoImageProcessor, AutoTokenizer, Gemma3Processor
+from vl_models import hf_vl_inputs, hf_vl_model, make_processor, random_image, save_tiny_vl_model
 
 from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
@@ -31,9 +31,7 @@ def gemma3(tmp_path_factory) -> str:
 
 @pytest.fixture(scope='module')
 def hf_model(gemma3):
-    model = AutoModelForImageTextToText.from_pretrained(gemma3, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    return model
+    return hf_vl_model(gemma3)
 
 
 def hf_inputs(model, prompt: ProcessedPrompt) -> dict[str, torch.Tensor]:

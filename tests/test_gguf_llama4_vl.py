@@ -26,7 +26,8 @@ from test_gguf_vl import _tokenizer, converted_tensors, f32_mmproj_writer, visio
 import test_llama4_vl
 from test_llama4_vl import PREPROCESSOR, PROMPTS, VISION, hf_inputs, save_tiny_llama4_vl
 from test_vl_families import make_processor
-from transformers import AutoConfig, AutoModelForImageTextToText
+from transformers import AutoConfig
+from vl_models import hf_vl_model
 
 from lmdeploy.pytorch.weights.gguf import convert_gguf, resolve_gguf
 from lmdeploy.pytorch.weights.gguf_vl.llama4 import MAX_TILES
@@ -48,9 +49,7 @@ def original(tmp_path_factory) -> str:
 
 
 def hf_model(original: str):
-    model = AutoModelForImageTextToText.from_pretrained(original, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    return model
+    return hf_vl_model(original)
 
 
 def write_llama4_text_gguf(hf, model_dir: str, out: Path, qtype: Q = Q.F32) -> None:

@@ -22,12 +22,13 @@ from server_helpers import serve, tiny_engine
 from test_vl import data_url, png_bytes
 from test_vl_families import IMAGES, PROMPTS, hf_inputs, make_processor
 from test_vl_server import assert_image_chat_matches_transformers, image_message
-from transformers import AutoModelForImageTextToText, Glm4vTextConfig, Glm4vMoeTextConfig
+from transformers import Glm4vTextConfig, Glm4vMoeTextConfig
 from transformers.models.glm4v.modeling_glm4v import Glm4vTextRotaryEmbedding
 from transformers.models.glm4v.modeling_glm4v import apply_rotary_pos_emb as glm4v_rotary
 from transformers.models.glm4v.processing_glm4v import Glm4vProcessor
 from transformers.models.glm4v_moe.modeling_glm4v_moe import Glm4vMoeTextRotaryEmbedding
 from transformers.models.glm4v_moe.modeling_glm4v_moe import apply_rotary_pos_emb as glm4v_moe_rotary
+from vl_models import hf_vl_model
 
 from lmdeploy.archs import get_task
 from lmdeploy.messages import PytorchEngineConfig
@@ -49,9 +50,7 @@ def prompts(glm4v) -> list[ProcessedPrompt]:
 
 @pytest.fixture(scope='module')
 def hf_model(glm4v):
-    model = AutoModelForImageTextToText.from_pretrained(glm4v, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    return model
+    return hf_vl_model(glm4v)
 
 
 def test_served_as_vision_language_models():
@@ -163,8 +162,7 @@ def test_glm46v_config_is_served_as_its_language_models_family(kind, served_as, 
     engine = make_engine(path)
     assert type(engine.runner.model) is served_as
     prompt = make_processor(path).process(PROMPTS[1])
-    hf_model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
-    hf_model.generation_config.eos_token_id = None
+    hf_model = hf_vl_model(path)
     expected = hf_model.generate(**hf_inputs(hf_model, prompt), max_new_tokens=32, do_sample=False, top_k=None,
                                  top_p=None, temperature=None)[0, len(prompt.input_ids):]
     assert run(engine, [prompt]) == [expected.tolist()]

@@ -29,7 +29,7 @@ from test_vl_server import assert_image_chat_matches_transformers, chat, image_m
 import transformers
 from transformers import AutoConfig, AutoModelForImageTextToText, Lfm2VlConfig
 from transformers.models.lfm2_vl.processing_lfm2_vl import Lfm2VlProcessor
-from vl_models import image_chat_template, make_processor, random_image
+from vl_models import hf_vl_model, image_chat_template, make_processor, random_image
 
 from lmdeploy.pytorch.models.lfm2_vl import Lfm2VlForConditionalGeneration
 from lmdeploy.vl.lfm2_vl_inputs import Lfm2VlImageInputs
@@ -88,9 +88,7 @@ def prompts(lfm2_vl) -> list[ProcessedPrompt]:
 
 @pytest.fixture(scope='module')
 def hf_model(lfm2_vl):
-    model = AutoModelForImageTextToText.from_pretrained(lfm2_vl, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    return model
+    return hf_vl_model(lfm2_vl)
 
 
 def hf_inputs(prompt: ProcessedPrompt) -> dict[str, torch.Tensor]:

@@ -32,7 +32,7 @@ from transformers.models.llama4.modeling_llama4 import Llama4VisionRotaryEmbeddi
 from transformers.models.llama4.processing_llama4 import Llama4Processor, chat_template
 from transformers.models.mllama.image_processing_pil_mllama import (get_image_size_fit_to_canvas,
                                                                     get_optimal_tiled_canvas)
-from vl_models import random_image
+from vl_models import hf_vl_model, random_image
 
 from lmdeploy.pytorch.models.llama4_vl import Llama4ForConditionalGeneration, patch_rotary_angles
 from lmdeploy.vl.image_inputs import Llama4ImageInputs
@@ -89,9 +89,7 @@ def prompts(llama4_vl) -> list[ProcessedPrompt]:
 
 @pytest.fixture(scope='module')
 def hf_model(llama4_vl):
-    model = AutoModelForImageTextToText.from_pretrained(llama4_vl, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    return model
+    return hf_vl_model(llama4_vl)
 
 
 def hf_inputs(prompt: ProcessedPrompt) -> dict[str, torch.Tensor]:

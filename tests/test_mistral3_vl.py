@@ -22,8 +22,7 @@ from server_helpers import serve, tiny_engine
 from test_vl import data_url
 from test_vl_families import make_processor
 from test_vl_server import chat, image_message
-from transformers import AutoModelForImageTextToText
-from vl_models import random_image, save_tiny_vl_model
+from vl_models import hf_vl_model, random_image, save_tiny_vl_model
 
 from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
@@ -48,9 +47,7 @@ def prompts(mistral3) -> list[ProcessedPrompt]:
 
 @pytest.fixture(scope='module')
 def hf_model(mistral3):
-    model = AutoModelForImageTextToText.from_pretrained(mistral3, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    return model
+    return hf_vl_model(mistral3)
 
 
 def transformers_pixels(path: str, images: list) -> dict[str, torch.Tensor]:
@@ -196,8 +193,7 @@ def test_a_config_without_the_top_level_tie_flag_keeps_its_own_output_layer(tmp_
     config = json.loads((tmp_path / 'mistral3' / 'config.json').read_text())
     del config['tie_word_embeddings']
     (tmp_path / 'mistral3' / 'config.json').write_text(json.dumps(config))
-    hf_model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
-    hf_model.generation_config.eos_token_id = None
+    hf_model = hf_vl_model(path)
     assert hf_model.config.tie_word_embeddings and not torch.equal(hf_model.lm_head.weight,
                                                                    hf_model.get_input_embeddings().weight)
     prompt = make_processor(path).process(PROMPTS[1])

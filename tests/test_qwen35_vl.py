@@ -17,7 +17,7 @@ from test_vl import data_url
 from test_vl_families import IMAGES, PROMPTS, hf_inputs, make_processor
 from transformers import AutoModelForImageTextToText, Qwen3_5TextConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
-from vl_models import save_tiny_vl_model
+from vl_models import hf_vl_model, save_tiny_vl_model
 
 from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
 from lmdeploy.archs import get_task
@@ -38,9 +38,7 @@ def prompts(qwen3_5_vl) -> list[ProcessedPrompt]:
 
 @pytest.fixture(scope='module')
 def hf_model(qwen3_5_vl):
-    model = AutoModelForImageTextToText.from_pretrained(qwen3_5_vl, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    return model
+    return hf_vl_model(qwen3_5_vl)
 
 
 def test_served_as_vision_language_models():

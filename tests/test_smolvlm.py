@@ -21,7 +21,7 @@ from transformers import AutoModelForImageTextToText, AutoTokenizer, Idefics3Con
 from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 from transformers.models.idefics3.processing_idefics3 import Idefics3Processor
 from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
-from vl_models import make_processor, random_image
+from vl_models import hf_vl_model, make_processor, random_image
 
 from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
@@ -85,12 +85,6 @@ def prompts(smolvlm) -> list[ProcessedPrompt]:
     return [make_processor(smolvlm).process(prompt) for prompt in PROMPTS]
 
 
-def load_hf_model(path: str):
-    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    return model
-
-
 def hf_inputs(prompt: ProcessedPrompt) -> dict[str, torch.Tensor]:
     """transformers' inputs: the prompt's ids and the tiles of all its images, in order, as one image each."""
     ids = torch.tensor([prompt.input_ids])
@@ -133,7 +127,7 @@ def test_string_contents_keep_their_text(family):
 
 def test_greedy_and_first_logits_match_transformers(family):
     prompts = [make_processor(family).process(prompt) for prompt in PROMPTS]
-    outs = assert_vl_matches_transformers(family, load_hf_model(family), prompts, [hf_inputs(p) for p in prompts])
+    outs = assert_vl_matches_transformers(family, hf_vl_model(family), prompts, [hf_inputs(p) for p in prompts])
     assert len({tuple(out) for out in outs}) == 3, 'the images must change the answer'
     assert len(set(outs[1])) > 2, 'the tiny model must not repeat one token'
 
@@ -172,7 +166,7 @@ def vl_server(smolvlm):
 @pytest.mark.slow
 def test_server_chat_with_a_data_url_image_matches_transformers(vl_server, smolvlm):
     """One request through the OpenAI server (the ``openai`` client) with a base64 image_url."""
-    prompt = assert_image_chat_matches_transformers(vl_server, load_hf_model(smolvlm), hf_inputs, IMAGES[0])
+    prompt = assert_image_chat_matches_transformers(vl_server, hf_vl_model(smolvlm), hf_inputs, IMAGES[0])
     assert prompt.multimodal
 
 

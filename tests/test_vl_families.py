@@ -17,9 +17,9 @@ from family_checks import assert_batched_chunked_and_cached_equal_solo, assert_v
 from helpers import make_engine, run
 from server_helpers import serve, tiny_engine
 from test_vl_server import assert_image_chat_matches_transformers
-from transformers import AutoModelForImageTextToText, Qwen3VLTextConfig
+from transformers import Qwen3VLTextConfig
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
-from vl_models import INTERNVL_TOKENS, hf_vl_inputs, make_processor, random_image, save_tiny_vl_model
+from vl_models import INTERNVL_TOKENS, hf_vl_inputs, hf_vl_model, make_processor, random_image, save_tiny_vl_model
 
 from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
@@ -42,9 +42,7 @@ def prompts(vl_family) -> list[ProcessedPrompt]:
 
 @pytest.fixture(scope='module')
 def hf_model(vl_family):
-    model = AutoModelForImageTextToText.from_pretrained(vl_family, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    return model
+    return hf_vl_model(vl_family)
 
 
 def hf_inputs(model, prompt: ProcessedPrompt) -> dict[str, torch.Tensor]:

@@ -224,10 +224,16 @@ def hf_vl_inputs(model, input_ids: list[int], images: list[dict[str, torch.Tenso
     return dict(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs)
 
 
+def hf_vl_model(path: str):
+    """transformers' vision-language model of ``path`` in fp32, for evaluation, generating past its EOS."""
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
 def hf_vl_greedy(path: str, input_ids: list[int], images: list[dict[str, torch.Tensor]], n: int = 16) -> list[int]:
     """transformers' greedy continuation of ``input_ids`` with the images' processed tensors."""
-    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
-    model.generation_config.eos_token_id = None
+    model = hf_vl_model(path)
     out = model.generate(**hf_vl_inputs(model, input_ids, images), max_new_tokens=n, do_sample=False, top_k=None,
                          top_p=None, temperature=None)
     return out[0, len(input_ids):].tolist()
