@@ -89,6 +89,18 @@ def time_cases(found: dict[str, dict[str, Callable[[], object]]], rounds: int) -
                                                for who, t in times.items()}}))
 
 
+def time_prefill_and_decode_cases(doc: str, cases_of: Callable[[argparse.Namespace], dict]) -> None:
+    """The command line of the state-space scans' benchmarks (``mamba1.py``, ``mamba2.py``): prefill lengths,
+    decode batches and rounds, then :func:`time_cases` over ``cases_of(args)``."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ints = lambda s: [int(b) for b in s.split(',')]  # noqa: E731
+    parser.add_argument('--prefill', type=ints, default=[256, 1024])
+    parser.add_argument('--batches', type=ints, default=[1, 16])
+    parser.add_argument('--rounds', type=int, default=5)
+    args = parser.parse_args()
+    time_cases(cases_of(args), args.rounds)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--prefill', type=int, default=1024)

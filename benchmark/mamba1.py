@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.jamba.modeling_jamba import mamba_selective_scan, mamba_selective_state_update
 
-from gated_delta import time_cases
+from gated_delta import time_prefill_and_decode_cases
 
 from lmdeploy.pytorch.kernels.mamba1 import selective_decode, selective_scan
 
@@ -55,15 +55,5 @@ def cases(args: argparse.Namespace) -> dict[str, dict]:
     return found
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ints = lambda s: [int(b) for b in s.split(',')]  # noqa: E731
-    parser.add_argument('--prefill', type=ints, default=[256, 1024])
-    parser.add_argument('--batches', type=ints, default=[1, 16])
-    parser.add_argument('--rounds', type=int, default=5)
-    args = parser.parse_args()
-    time_cases(cases(args), args.rounds)
-
-
 if __name__ == '__main__':
-    main()
+    time_prefill_and_decode_cases(__doc__, cases)

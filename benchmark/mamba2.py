@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from transformers.models.granitemoehybrid.modeling_granitemoehybrid import (mamba2_chunk_scan,
                                                                            mamba2_selective_state_update)
 
-from gated_delta import time_cases
+from gated_delta import time_prefill_and_decode_cases
 
 from lmdeploy.pytorch.kernels.mamba2 import ssd_chunk_scan, ssd_decode
 
@@ -65,15 +65,5 @@ def cases(args: argparse.Namespace) -> dict[str, dict]:
     return found
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ints = lambda s: [int(b) for b in s.split(',')]  # noqa: E731
-    parser.add_argument('--prefill', type=ints, default=[256, 1024])
-    parser.add_argument('--batches', type=ints, default=[1, 16])
-    parser.add_argument('--rounds', type=int, default=5)
-    args = parser.parse_args()
-    time_cases(cases(args), args.rounds)
-
-
 if __name__ == '__main__':
-    main()
+    time_prefill_and_decode_cases(__doc__, cases)
