@@ -138,6 +138,17 @@ def assert_correction_bias_loaded_and_routing(path: str, hf_bias: str) -> None:
     assert run(engine, prompts) != outs
 
 
+def assert_batched_equals_solo_and_frees(engine: Engine, vocab: int) -> tuple[list[list[int]], list[list[int]]]:
+    """A recurrent model's engine: two prompts (6 and 41 tokens) batched give what each gives alone, and afterwards
+    every KV block and state slot is free; the prompts and their batched outputs."""
+    prompts = random_prompts([6, 41], seed=3, vocab=vocab)
+    batched = run(engine, prompts)
+    assert batched == [run(engine, [prompt])[0] for prompt in prompts]
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.scheduler.state_pool.num_free == engine.scheduler.state_pool.num_slots
+    return prompts, batched
+
+
 def assert_slots_free(engine: Engine) -> None:
     """A recurrent model's engine holds no sequence, and every state slot and KV block is free."""
     pool = engine.scheduler.state_pool

@@ -23,6 +23,8 @@ from helpers import assert_same_state, assert_transformers_greedy, make_engine, 
 from lmdeploy.messages import ConfigError
 from lmdeploy.pytorch.weights.gguf import convert_gguf, resolve_gguf
 
+pytestmark = pytest.mark.usefixtures('tmp_gguf_cache')
+
 
 def bamba_config(vocab: int) -> BambaConfig:
     """``test_bamba``'s shape: three layers, the second attention (four heads of 16 over two KV heads); eight Mamba
@@ -76,7 +78,7 @@ def save_gguf(path: Path, quantize: bool = False, rope_dim: int = 8,
 
 
 
-def test_f32_file_is_the_checkpoint_and_matches_transformers(tmp_path: Path, tmp_gguf_cache: Path) -> None:
+def test_f32_file_is_the_checkpoint_and_matches_transformers(tmp_path: Path) -> None:
     """Converted with every tensor dequantized, the folder is the Bamba checkpoint (its config's layers, shapes and
     half rotary; every tensor bit for bit, q/k rows put back, ``A_log`` as the file holds it); the engine's 32
     greedy tokens and first-step logits equal transformers'."""
@@ -95,7 +97,7 @@ def test_f32_file_is_the_checkpoint_and_matches_transformers(tmp_path: Path, tmp
                                 random_prompts([5, 33], seed=2, vocab=vocab))
 
 
-def test_q8_0_projections_stay_blocks_and_match_transformers(tmp_path: Path, tmp_gguf_cache: Path) -> None:
+def test_q8_0_projections_stay_blocks_and_match_transformers(tmp_path: Path) -> None:
     """Every projection in Q8_0 (attention, Mamba-2 in and out, the MLP) is held as its blocks; the greedy tokens
     equal transformers' on the weights the blocks hold."""
     src, folder = save_gguf(tmp_path, quantize=True)
@@ -113,7 +115,7 @@ def test_q8_0_projections_stay_blocks_and_match_transformers(tmp_path: Path, tmp
 @pytest.mark.parametrize('rope_dim, extra_keys, message', [
     (4, None, 'turns 4 of its 16 head features'),
     (8, {'add_residual_scale': 0.22}, 'experts or Granite multipliers')])
-def test_other_partial_rotaries_are_refused(rope_dim, extra_keys, message, tmp_path: Path, tmp_gguf_cache: Path) -> None:
+def test_other_partial_rotaries_are_refused(rope_dim, extra_keys, message, tmp_path: Path) -> None:
     """A quarter rotary (transformers' Bamba turns half), or half with a Granite multiplier (not Bamba): refused,
     saying why."""
     src, _ = save_gguf(tmp_path, rope_dim=rope_dim, extra_keys=extra_keys)

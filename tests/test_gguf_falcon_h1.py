@@ -35,6 +35,8 @@ from lmdeploy.pytorch.weights.gguf_hybrid import FALCON_H1_FOLDED
 PROJECTIONS = ('q_proj.weight', 'k_proj.weight', 'v_proj.weight', 'o_proj.weight', 'in_proj.weight', 'out_proj.weight',
                'gate_proj.weight', 'up_proj.weight', 'down_proj.weight')
 
+pytestmark = pytest.mark.usefixtures('tmp_gguf_cache')
+
 
 def folded(config, name: str, data: torch.Tensor) -> torch.Tensor:
     """``FalconH1Model.modify_tensors``' product of a checkpoint tensor and its multipliers (in fp32)."""
@@ -106,7 +108,7 @@ def save_gguf(path: Path, quantize: bool = False, mup_key: bool = False, **varia
 
 
 
-def test_f32_file_is_the_folded_checkpoint_and_matches_transformers(tmp_path: Path, tmp_gguf_cache: Path) -> None:
+def test_f32_file_is_the_folded_checkpoint_and_matches_transformers(tmp_path: Path) -> None:
     """With the gated norm: converted with every tensor dequantized, the folder is the folded checkpoint (every
     multiplier 1, every tensor bit for bit); the engine loads its weights unscaled (a second fold would scale them
     again) and gives transformers' 32 greedy tokens and first-step logits of the original model."""
@@ -130,7 +132,7 @@ def test_f32_file_is_the_folded_checkpoint_and_matches_transformers(tmp_path: Pa
                                 random_prompts([5, 33], seed=2, vocab=vocab))
 
 
-def test_q8_0_projections_stay_blocks_and_match_transformers(tmp_path: Path, tmp_gguf_cache: Path) -> None:
+def test_q8_0_projections_stay_blocks_and_match_transformers(tmp_path: Path) -> None:
     """Every projection in Q8_0 (attention q/k/v and output, Mamba-2 in and out, the MLP) is held as its blocks, none
     refused for its multipliers; the greedy tokens equal transformers' on the weights the blocks hold (the folded
     checkpoint)."""
@@ -146,7 +148,7 @@ def test_q8_0_projections_stay_blocks_and_match_transformers(tmp_path: Path, tmp
     assert_transformers_greedy(hf, prompts, run(engine, prompts))
 
 
-def test_file_with_multipliers_among_its_keys_is_refused(tmp_path: Path, tmp_gguf_cache: Path) -> None:
+def test_file_with_multipliers_among_its_keys_is_refused(tmp_path: Path) -> None:
     """TII's pre-release converter kept the multipliers as keys (``ssm.has_mup``, ``mlp_gate_multiplier``, ...), not
     known to be folded into its tensors: such a file is refused, saying to convert again, not served as if folded."""
     src, _, _ = save_gguf(tmp_path, mup_key=True)

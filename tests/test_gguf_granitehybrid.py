@@ -20,8 +20,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, GraniteMoeHybridConfig
 
 from conftest import save_random_model
-from family_checks import assert_matches_transformers, hf_causal_lm
-from helpers import assert_same_state, assert_transformers_greedy, make_engine, random_prompts, run
+from family_checks import assert_batched_equals_solo_and_frees, assert_matches_transformers, hf_causal_lm
+from helpers import assert_same_state, assert_transformers_greedy, make_engine, random_prompts
 from test_gguf import _add_tokenizer, finish, llama_permute
 from test_gguf_qwen3_next import layer_types
 
@@ -46,6 +46,8 @@ VARIANTS = {
         num_local_experts=0, mamba_n_heads=8, mamba_n_groups=1, position_embedding_type='rope',
         tie_word_embeddings=True, vocab_size=vocab, **SHAPE),
 }
+
+pytestmark = pytest.mark.usefixtures('tmp_gguf_cache')
 
 
 def mamba2_tensor(name: str, data: torch.Tensor, groups: int) -> tuple[str, torch.Tensor]:
@@ -173,7 +175,7 @@ def save_gguf(variant: str, path: Path, quantize: bool = False) -> tuple[Path, s
 
 
 @pytest.mark.parametrize('variant', sorted(VARIANTS))
-def test_f32_file_is_the_checkpoint_and_matches_transformers(variant: str, tmp_path: Path, tmp_gguf_cache: Path) -> None:
+def test_f32_file_is_the_checkpoint_and_matches_transformers(variant: str, tmp_path: Path) -> None:
     """Converted with every tensor dequantized, the folder is the checkpoint (config fields and every tensor bit for
     bit, ``A_log`` as the file holds it); the engine's 32 greedy tokens and first-step logits equal transformers'."""
     src, folder = save_gguf(variant, tmp_path)
@@ -194,7 +196,7 @@ def test_f32_file_is_the_checkpoint_and_matches_transformers(variant: str, tmp_p
                                 random_prompts([5, 33], seed=2, vocab=vocab))
 
 
-def test_q8_0_projections_stay_blocks_and_match_transformers(tmp_path: Path, tmp_gguf_cache: Path) -> None:
+def test_q8_0_projections_stay_blocks_and_match_transformers(tmp_path: Path) -> None:
     """Every projection in Q8_0 is held as its blocks (attention q/k/v and output, the Mamba-2 in and out projections,
     the shared MLP, the experts); only the routers are dense. In fp32 the greedy tokens equal transformers' on the
     weights the blocks hold, batched as alone; every KV block and recurrent-state slot comes back."""
@@ -211,17 +213,14 @@ def test_q8_0_projections_stay_blocks_and_match_transformers(tmp_path: Path, tmp
             expected = mixer + ['shared_mlp.gate_up_proj', 'shared_mlp.down_proj', 'mlp.experts.gate_up',
                                 'mlp.experts.down']
             assert all(types[f'layers.{i}.{name}'] == 'Q8_0' for name in expected), (i, types)
-        prompts = random_prompts([6, 41], seed=3, vocab=hf.config.vocab_size)
-        batched = run(engine, prompts)
-        assert batched == [run(engine, [prompt])[0] for prompt in prompts]
-        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-        assert engine.scheduler.state_pool.num_free == engine.scheduler.state_pool.num_slots
+        prompts, batched = assert_batched_equals_solo_and_frees(engine, hf.config.vocab_size)
     finally:
         engine.close()
     assert_transformers_greedy(hf, prompts, batched)
 
 
-def test_file_without_its_mamba2_groups_is_refused(tmp_path: Path, tmp_gguf_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_file_without_its_mamba2_groups_is_refused(tmp_path: Path, tmp_gguf_cache: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """llama.cpp requires ``ssm.group_count`` (the Mamba-2 layers' B/C groups): a file without it is refused, naming
     the key, and leaves nothing in the cache."""
     monkeypatch.setattr(gguf.GGUFWriter, 'add_ssm_group_count', lambda writer, count: None)
@@ -231,7 +230,7 @@ def test_file_without_its_mamba2_groups_is_refused(tmp_path: Path, tmp_gguf_cach
     assert not (tmp_gguf_cache / 'gguf').exists() or not list((tmp_gguf_cache / 'gguf').iterdir())
 
 
-def test_file_without_the_rotary_switch_rotates(tmp_path: Path, tmp_gguf_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_file_without_the_rotary_switch_rotates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """llama.cpp turns a ``granitehybrid`` file's queries and keys unless ``rope.scaling.finetuned`` is false: a file
     without the key is read as rotary (the converter writes it false for Granite 4.0-H, see the tests above)."""
     monkeypatch.setattr(gguf.GGUFWriter, 'add_rope_scaling_finetuned', lambda writer, value: None)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from test_gguf_olmoe_granitemoe_starcoder2 import save_gguf
 from test_gguf_qwen3_next import layer_types
 from test_granitemoeshared import granitemoeshared_config
@@ -17,8 +18,10 @@ from helpers import assert_transformers_greedy, make_engine, random_prompts, run
 from test_gguf_llama_like import converted_model
 
 
+pytestmark = pytest.mark.usefixtures('tmp_gguf_cache')
 
-def test_f32_file_is_the_checkpoint_and_matches_transformers(tmp_path: Path, tmp_gguf_cache: Path) -> None:
+
+def test_f32_file_is_the_checkpoint_and_matches_transformers(tmp_path: Path) -> None:
     """Converted, the folder is the GraniteMoeShared checkpoint (its shared MLP's ``input_linear`` fused again) bit
     for bit, of the same shared width; the engine's 32 greedy tokens equal transformers'."""
     src, folder, vocab = save_gguf('granitemoe', tmp_path, quantize=False, make_config=granitemoeshared_config)
@@ -29,7 +32,7 @@ def test_f32_file_is_the_checkpoint_and_matches_transformers(tmp_path: Path, tmp
     assert_transformers_greedy(hf, prompts, run(make_engine(str(src)), prompts))
 
 
-def test_q8_0_shared_mlp_kept_as_blocks(tmp_path: Path, tmp_gguf_cache: Path) -> None:
+def test_q8_0_shared_mlp_kept_as_blocks(tmp_path: Path) -> None:
     """In Q8_0 the attention's projections, the experts and the shared MLP's gate/up and down are served as their
     blocks (only the routers are dense), token for token like transformers on the weights they hold."""
     src, folder, vocab = save_gguf('granitemoe', tmp_path, quantize=True, make_config=granitemoeshared_config)

@@ -41,6 +41,8 @@ CONFIG = dict(hidden_size=64, intermediate_size=96, intermediate_size_mlp=128, n
               interleave_moe_layer_step=2, max_position_embeddings=16384, tie_word_embeddings=False,
               rope_parameters=ROPE)
 
+pytestmark = pytest.mark.usefixtures('tmp_gguf_cache')
+
 
 def add_tokenizer(writer: gguf.GGUFWriter, specials: list[str] = SPECIALS, chat_template: str = CHAT_TEMPLATE) -> int:
     """A byte-level vocabulary as the converter's ``_set_vocab_gpt2`` writes Llama 4's (pre-tokenizer ``llama4``),
@@ -164,7 +166,7 @@ def long_engine(src: Path, **kwargs):
     return make_engine(str(src), block_size=64, num_gpu_blocks=160, **kwargs)
 
 
-def test_f32_file_is_the_original_checkpoint_and_matches_transformers(tmp_path: Path, tmp_gguf_cache: Path) -> None:
+def test_f32_file_is_the_original_checkpoint_and_matches_transformers(tmp_path: Path) -> None:
     """Converted with every tensor dequantized, the folder is transformers' own checkpoint (config and weights,
     bit for bit); the engine's greedy tokens equal transformers' on a short and a long prompt (prefilled in chunks
     of 4096 tokens), as do its first-step logits (both prompts whole in one step)."""
@@ -209,7 +211,7 @@ def kept_layers(config: Llama4TextConfig) -> list[str]:
 
 @pytest.mark.parametrize('qtype,down_experts', [(Q.F16, None), (Q.Q8_0, None), (Q.Q8_0, Q.F16)],
                          ids=['F16', 'Q8_0', 'Q8_0-F16-down-experts'])
-def test_f16_and_q8_0_files_match_transformers(tmp_path: Path, tmp_gguf_cache: Path, qtype: Q, down_experts: Q | None) -> None:
+def test_f16_and_q8_0_files_match_transformers(tmp_path: Path, qtype: Q, down_experts: Q | None) -> None:
     """An F16 file is dequantized at conversion, its experts back in Meta's stacked layout; a Q8_0 file keeps
     attention, the dense MLPs, the shared experts and the routed experts (one tensor per expert) as their blocks,
     the router dense; with F16 experts' down projections, those alone go back stacked and dense. Each answers as
@@ -233,7 +235,7 @@ def test_f16_and_q8_0_files_match_transformers(tmp_path: Path, tmp_gguf_cache: P
     assert_transformers_greedy(hf, prompts, run(engine, prompts))
 
 
-def test_chat_template_and_tokenizer_come_from_the_file(tmp_path: Path, tmp_gguf_cache: Path) -> None:
+def test_chat_template_and_tokenizer_come_from_the_file(tmp_path: Path) -> None:
     """The file's chat template renders the conversation; text splits as Llama 4's pre-tokenizer splits it (a
     GPT-2 split would merge ``oW`` and ``34``); a reply ends at ``<|eot|>``."""
     hf = random_llama4(tmp_path)
@@ -259,7 +261,7 @@ PLAIN_ROPE = {'rope_type': 'default', 'rope_theta': 500000.0}
     ('maverick', dict(num_local_experts=128, use_qk_norm=False, rope_parameters=PLAIN_ROPE)),
     ('mobilellm', dict(num_local_experts=0, moe_layers=[], no_rope_layers=[1, 1, 1, 1], attention_chunk_size=None,
                        rope_parameters=PLAIN_ROPE))], ids=['maverick', 'mobilellm'])
-def test_variants_llama_cpp_tells_apart(tmp_path: Path, tmp_gguf_cache: Path, variant: str, overrides: dict) -> None:
+def test_variants_llama_cpp_tells_apart(tmp_path: Path, variant: str, overrides: dict) -> None:
     """What llama.cpp infers from the file: 128 experts are Maverick's, without the q/k norm; a sliding window of 0
     is MobileLLM-R1's dense model, every layer rotating over all positions. Neither has llama3 scaling."""
     hf = random_llama4(tmp_path, **overrides)
@@ -275,7 +277,8 @@ def test_variants_llama_cpp_tells_apart(tmp_path: Path, tmp_gguf_cache: Path, va
     assert_transformers_greedy(hf, prompts, run(engine, prompts))
 
 
-def test_file_without_its_moe_step_is_refused(tmp_path: Path, tmp_gguf_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_file_without_its_moe_step_is_refused(tmp_path: Path, tmp_gguf_cache: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """llama.cpp requires ``llama4.interleave_moe_layer_step``; a file without it is refused, naming the key, and
     leaves nothing in the cache."""
     monkeypatch.setattr(gguf.GGUFWriter, 'add_interleave_moe_layer_step', lambda writer, step: None)

@@ -16,8 +16,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import save_random_model
-from family_checks import assert_matches_transformers, hf_causal_lm
-from helpers import assert_same_state, assert_transformers_greedy, make_engine, random_prompts, run
+from family_checks import assert_batched_equals_solo_and_frees, assert_matches_transformers, hf_causal_lm
+from helpers import assert_same_state, assert_transformers_greedy, make_engine, random_prompts
 from test_gguf import _add_tokenizer, finish, llama_permute
 from test_gguf_granitehybrid import add_mamba2_metadata, mamba2_tensor, write_gguf
 from test_gguf_qwen3_next import layer_types
@@ -25,6 +25,8 @@ from test_nemotron_h import nemotron_3_config, nemotron_h_config
 
 from lmdeploy.pytorch.weights.gguf import convert_gguf
 
+
+pytestmark = pytest.mark.usefixtures('tmp_gguf_cache')
 
 
 def nemotron_3(latent: int | None, pattern: str = 'M*EME'):
@@ -129,7 +131,7 @@ def save_gguf(variant: str, path: Path, quantize: bool = False) -> tuple[Path, s
 
 
 @pytest.mark.parametrize('variant', ['mlp', 'moe_latent'])
-def test_f32_file_is_the_checkpoint_and_matches_transformers(variant: str, tmp_path: Path, tmp_gguf_cache: Path) -> None:
+def test_f32_file_is_the_checkpoint_and_matches_transformers(variant: str, tmp_path: Path) -> None:
     """Converted with every tensor dequantized, the folder is the checkpoint (config fields and every tensor bit for
     bit, ``A_log`` as the file holds it); the engine's 32 greedy tokens and first-step logits equal transformers'."""
     src, folder = save_gguf(variant, tmp_path)
@@ -154,7 +156,7 @@ def test_f32_file_is_the_checkpoint_and_matches_transformers(variant: str, tmp_p
                                 random_prompts([5, 33], seed=2, vocab=vocab))
 
 
-def test_q8_0_projections_stay_blocks_and_match_transformers(tmp_path: Path, tmp_gguf_cache: Path) -> None:
+def test_q8_0_projections_stay_blocks_and_match_transformers(tmp_path: Path) -> None:
     """Every projection in Q8_0 (a model of every block kind): the attention blocks' q/k/v and output, the Mamba-2
     blocks' in and out projections, the MLP blocks' up and down, the MoE blocks' experts, shared experts and latent
     projections are held as their blocks (only the routers are dense). In fp32 the greedy tokens
@@ -174,11 +176,7 @@ def test_q8_0_projections_stay_blocks_and_match_transformers(tmp_path: Path, tmp
                   for name in own[kind]}
         assert {name for name, kind in types.items() if kind != 'dense'} == blocks
         assert {types[name] for name in blocks} == {'Q8_0'}
-        prompts = random_prompts([6, 41], seed=3, vocab=hf.config.vocab_size)
-        batched = run(engine, prompts)
-        assert batched == [run(engine, [prompt])[0] for prompt in prompts]
-        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-        assert engine.scheduler.state_pool.num_free == engine.scheduler.state_pool.num_slots
+        prompts, batched = assert_batched_equals_solo_and_frees(engine, hf.config.vocab_size)
     finally:
         engine.close()
     assert_transformers_greedy(hf, prompts, batched)

@@ -17,8 +17,8 @@ from gguf import GGMLQuantizationType as Q
 from transformers import AutoModelForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig
 
 from conftest import save_random_model
-from family_checks import assert_matches_transformers, hf_causal_lm
-from helpers import assert_same_state, assert_transformers_greedy, make_engine, random_prompts, run
+from family_checks import assert_batched_equals_solo_and_frees, assert_matches_transformers, hf_causal_lm
+from helpers import assert_same_state, assert_transformers_greedy, make_engine, random_prompts
 from test_gguf import CHAT_TEMPLATE, _add_tokenizer, finish
 from test_gguf_mixed import encode
 
@@ -59,6 +59,8 @@ MIXED_LAYERS = {'layers.3.self_attn.qkv_proj': ['Q4_K', 'Q4_K', 'Q6_K'], 'layers
                 'layers.1.mlp.experts.down': 'Q6_K', 'layers.1.linear_attn.in_proj_qkv': 'Q8_0',
                 'layers.1.linear_attn.in_proj_z': 'Q6_K', 'layers.2.linear_attn.out_proj': 'Q8_0',
                 'layers.0.linear_attn.in_proj_qkv': 'Q5_K'}
+
+pytestmark = pytest.mark.usefixtures('tmp_gguf_cache')
 
 
 def write_metadata(config, writer: gguf.GGUFWriter, variant: str) -> None:
@@ -217,7 +219,7 @@ def random_hybrid(path: Path, variant: str, types: dict[str, Q] | None = None) -
 
 
 @pytest.mark.parametrize('variant', sorted(VARIANTS))
-def test_f32_file_is_the_checkpoint_and_matches_transformers(tmp_path: Path, tmp_gguf_cache: Path, variant: str) -> None:
+def test_f32_file_is_the_checkpoint_and_matches_transformers(tmp_path: Path, variant: str) -> None:
     """Converted with every tensor dequantized, the folder is transformers' checkpoint of what the file holds (config
     fields and weights, bit for bit; the next-token-prediction block left out); the engine's 32 greedy tokens and
     first-step logits equal transformers'."""
@@ -258,7 +260,7 @@ def layer_types(model: torch.nn.Module) -> dict[str, str | list[str]]:
 
 
 @pytest.mark.parametrize('variant', sorted(VARIANTS))
-def test_quantized_projections_stay_blocks_and_match_transformers(tmp_path: Path, tmp_gguf_cache: Path, variant: str) -> None:
+def test_quantized_projections_stay_blocks_and_match_transformers(tmp_path: Path, variant: str) -> None:
     """A Q4_K_M-like file (:data:`MIXED`): every projection of the linear attention (but its one-row-per-head b and
     a), of the gated full attention, of the MLP, shared expert and experts is held as the file's blocks, of the
     file's type; only those b and a, the routers and the shared expert's gate are dense. In fp32 the greedy tokens
@@ -279,16 +281,13 @@ def test_quantized_projections_stay_blocks_and_match_transformers(tmp_path: Path
             name: kind for name, kind in MIXED_LAYERS.items() if name in types}
         assert {kind for name, kind in types.items() if name not in MIXED_LAYERS | dict.fromkeys(dense)} == {'Q4_K'}
         assert engine.model_config.hf_config.quantization_config['lm_head'] == 'Q6_K'
-        prompts = random_prompts([6, 41], seed=3, vocab=reference.config.vocab_size)
-        batched = run(engine, prompts)
-        assert batched == [run(engine, [prompt])[0] for prompt in prompts]
-        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        prompts, batched = assert_batched_equals_solo_and_frees(engine, reference.config.vocab_size)
     finally:
         engine.close()
     assert_transformers_greedy(reference, prompts, batched)
 
 
-def test_chat_template_and_tokenizer_come_from_the_file(tmp_path: Path, tmp_gguf_cache: Path) -> None:
+def test_chat_template_and_tokenizer_come_from_the_file(tmp_path: Path) -> None:
     random_hybrid(tmp_path, 'qwen35')
     tokenizer = Tokenizer(resolve_gguf(str(tmp_path / 'model.gguf')))
     assert tokenizer.hf.chat_template == CHAT_TEMPLATE
