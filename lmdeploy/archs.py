@@ -77,6 +77,8 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'AfmoeForCausalLM': ('llm', 'lmdeploy.pytorch.models.afmoe:AfmoeForCausalLM'),
     'DeepseekV32ForCausalLM': ('llm', 'lmdeploy.pytorch.models.deepseek_v32:DeepseekV32ForCausalLM'),
     'GlmMoeDsaForCausalLM': ('llm', 'lmdeploy.pytorch.models.deepseek_v32:GlmMoeDsaForCausalLM'),
+    'LagunaForCausalLM': ('llm', 'lmdeploy.pytorch.models.laguna:LagunaForCausalLM'),
+    'MiMoV2FlashForCausalLM': ('llm', 'lmdeploy.pytorch.models.mimo_v2_flash:MiMoV2FlashForCausalLM'),
     'Qwen2VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
     'Qwen2_5_VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
     'LlavaForConditionalGeneration': ('vlm', f'{_VL}:LlavaForConditionalGeneration'),

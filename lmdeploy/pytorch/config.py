@@ -12,6 +12,9 @@ from transformers import PretrainedConfig
 RECURRENT_LAYER_TYPES = ('linear_attention', 'mamba', 'conv')
 # ``layer_types`` of layers with neither: Nemotron-H's MLP and MoE blocks
 CACHELESS_LAYER_TYPES = ('mlp', 'moe')
+# model type -> how many times ``num_key_value_heads`` its sliding-window layers have (MiMo-V2-Flash's double them);
+# every layer's cache holds that many, a full layer's KV heads each repeated to fill it
+SLIDING_KV_HEADS_FACTOR = {'mimo_v2_flash': 2}
 
 
 @dataclass
@@ -57,12 +60,15 @@ class ModelConfig:
         head_dim = getattr(hf_config, 'head_dim', None) or hf_config.hidden_size // num_heads
         kv_lora_rank = getattr(hf_config, 'kv_lora_rank', None)
         kv_latent_dim = kv_lora_rank + hf_config.qk_rope_head_dim if kv_lora_rank else 0
+        num_kv_heads = getattr(hf_config, 'num_key_value_heads', None) or num_heads
+        if 'sliding_attention' in layer_types:
+            num_kv_heads *= SLIDING_KV_HEADS_FACTOR.get(hf_config.model_type, 1)
         return cls(hf_config=hf_config,
                    architecture=config.architectures[0],
                    hidden_size=hf_config.hidden_size,
                    num_layers=hf_config.num_hidden_layers,
                    num_heads=num_heads,
-                   num_kv_heads=getattr(hf_config, 'num_key_value_heads', None) or num_heads,
+                   num_kv_heads=num_kv_heads,
                    head_dim=head_dim,
                    vocab_size=hf_config.vocab_size,
                    max_position_embeddings=getattr(hf_config, 'max_position_embeddings', 4096),

@@ -19,9 +19,12 @@ INTERLEAVED_MROPE_SECTIONS = {'qwen3_vl_text': [24, 20, 20], 'qwen3_vl_moe_text'
 MROPE_SECTIONS = {'glm4v_text': [8, 12, 12], 'glm4v_moe_text': [8, 12, 12]}
 
 
-def rotary_dim(hf_config: PretrainedConfig, head_dim: int) -> int:
-    """How many leading features of each head rotate (``partial_rotary_factor`` of them)."""
+def rotary_dim(hf_config: PretrainedConfig, head_dim: int, layer_type: str | None = None) -> int:
+    """How many leading features of each head rotate (``partial_rotary_factor`` of them; of the rope of
+    ``layer_type`` where the config has one per layer type: Laguna, MiMo-V2-Flash)."""
     params = getattr(hf_config, 'rope_parameters', None) or {}
+    if layer_type is not None:
+        params = params[layer_type]
     return int(head_dim * params.get('partial_rotary_factor', 1.0))
 
 
@@ -119,7 +122,7 @@ class RotaryEmbedding(nn.Module):
         self.long_inv_freq: torch.Tensor | None = None
         if rope_type in ('default', 'ntk_alpha'):
             base = params.get('rope_theta', getattr(hf_config, 'rope_theta', 10000.0))
-            dim = rotary_dim(hf_config, head_dim)
+            dim = rotary_dim(hf_config, head_dim, layer_type)
             if rope_type == 'ntk_alpha':
                 base *= params['alpha']**(dim / (dim - 2))
             inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
