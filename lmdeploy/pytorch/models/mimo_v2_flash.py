@@ -25,8 +25,9 @@ from lmdeploy.pytorch.nn.linear import MergedLinear, RowLinear
 from lmdeploy.pytorch.nn.rotary import apply_rope
 from lmdeploy.pytorch.step_context import StepContext
 
-# the hub's name of the sinks (transformers renames it ``sinks``)
+# the hub's name of the sinks (transformers renames it ``sinks``), and the prefix of its next-token-prediction layers
 HUB_SINKS = '.self_attn.attention_sink_bias'
+MTP_PREFIX = 'mtp.'
 
 
 class MiMoV2FlashAttention(nn.Module):
@@ -84,6 +85,8 @@ class MiMoV2FlashForCausalLM(LagunaForCausalLM):
                                      MiMoV2FlashAttention(cfg, layer_index))
 
     def weight_target(self, name: str) -> WeightTarget | None:
+        if name.startswith(MTP_PREFIX):
+            return None
         name = name.replace(HUB_SINKS, '.self_attn.sinks')
         if name.endswith('.self_attn.sinks'):
             param, shard = self.get_submodule(name.removesuffix('.sinks')).sinks_part()
