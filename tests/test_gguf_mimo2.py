@@ -60,7 +60,10 @@ def save_gguf(path: Path, kv_factor: int = 2) -> tuple[Path, str, int]:
     kv_heads = [config.num_key_value_heads * (kv_factor if kind == 'sliding_attention' else 1)
                 for kind in config.layer_types]
     add_metadata(writer, config, kv_heads)
-    write_gguf(writer, file_tensors(folder, gguf.MODEL_ARCH.MIMO2, config.num_hidden_layers, quantize=False))
+    tensors = file_tensors(folder, gguf.MODEL_ARCH.MIMO2, config.num_hidden_layers, quantize=False)
+    # the converter names the sinks (``attention_sink_bias``, no kind) ``.weight``
+    write_gguf(writer, {name + '.weight' if name.endswith('attn_sinks') else name: data
+                        for name, data in tensors.items()})
     return src, folder, vocab
 
 
