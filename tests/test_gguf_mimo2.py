@@ -3,7 +3,8 @@ writes it (TextModel's keys, the KV heads per layer, the hub's window without th
 the value length, the rotary features and the sliding layers' rope base, the sinks as ``attn_sinks``, the correction
 bias as ``exp_probs_b.bias``, the experts stacked per projection, q/k rows unpermuted), read back into the original
 tensors and served token for token like transformers on the original model, at prompts longer than the window;
-a file whose sliding layers have other than twice the full layers' KV heads is refused."""
+with every projection and expert in Q8_0, the experts served as their blocks; a file whose sliding layers have other
+than twice the full layers' KV heads is refused."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,7 +15,8 @@ from transformers import AutoConfig
 
 from conftest import save_random_model
 from test_gguf import _add_tokenizer
-from test_gguf_phimoe import assert_f32_file_matches_transformers, file_tensors, write_gguf
+from test_gguf_phimoe import (assert_f32_file_matches_transformers, assert_q8_0_served_as_blocks, file_tensors,
+                              write_gguf)
 from test_mimo_v2_flash import mimo_config
 
 from lmdeploy.messages import ConfigError
@@ -47,10 +49,11 @@ def add_metadata(writer: gguf.GGUFWriter, config, kv_heads: list[int]) -> None:
         add(value)
 
 
-def save_gguf(path: Path, kv_factor: int = 2) -> tuple[Path, str, int]:
+def save_gguf(path: Path, kv_factor: int = 2, quantize: bool = False) -> tuple[Path, str, int]:
     """The tiny MiMo-V2-Flash of ``test_mimo_v2_flash.py`` (one group of experts, as the converter assumes) in
-    ``path / 'hf'`` written to ``path / 'model.gguf'``, its sliding layers' KV heads written as ``kv_factor`` times
-    the full layers': the file, the folder and the vocabulary size."""
+    ``path / 'hf'`` written to ``path / 'model.gguf'`` (``quantize``: its projections and experts in Q8_0), its
+    sliding layers' KV heads written as ``kv_factor`` times the full layers': the file, the folder and the
+    vocabulary size."""
     src = path / 'model.gguf'
     writer = gguf.GGUFWriter(str(src), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.MIMO2])
     vocab = _add_tokenizer(writer)
@@ -60,7 +63,7 @@ def save_gguf(path: Path, kv_factor: int = 2) -> tuple[Path, str, int]:
     kv_heads = [config.num_key_value_heads * (kv_factor if kind == 'sliding_attention' else 1)
                 for kind in config.layer_types]
     add_metadata(writer, config, kv_heads)
-    tensors = file_tensors(folder, gguf.MODEL_ARCH.MIMO2, config.num_hidden_layers, quantize=False)
+    tensors = file_tensors(folder, gguf.MODEL_ARCH.MIMO2, config.num_hidden_layers, quantize)
     # the converter names the sinks (``attention_sink_bias``, no kind) ``.weight``
     write_gguf(writer, {name + '.weight' if name.endswith('attn_sinks') else name: data
                         for name, data in tensors.items()})
@@ -73,6 +76,14 @@ def test_gguf_matches_transformers(tmp_path: Path) -> None:
     original = AutoConfig.from_pretrained(folder)
     for field in ('layer_types', 'mlp_layer_types', 'sliding_window', 'num_key_value_heads', 'v_head_dim'):
         assert getattr(converted.config, field) == getattr(original, field)
+
+
+def test_gguf_q8_0_experts_kept_as_blocks(tmp_path: Path) -> None:
+    """The experts are served as their Q8_0 blocks, the other linear layers dequantized (attention's projections
+    are not of one width), token for token like transformers on the weights they hold."""
+    src, folder, vocab = save_gguf(tmp_path, quantize=True)
+    assert_q8_0_served_as_blocks(src, folder, vocab, (), ('self_attn.qkv_proj', 'self_attn.o_proj'),
+                                 ('mlp.experts.gate_up_proj', 'mlp.experts.down_proj'))
 
 
 def test_gguf_other_kv_ratio_is_refused(tmp_path: Path) -> None:
