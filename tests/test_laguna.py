@@ -10,8 +10,9 @@ import pytest
 from transformers import LagunaConfig
 
 from conftest import VOCAB_SIZE, save_random_model
-from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_correction_bias_loaded_and_routing,
-                           assert_matches_transformers, assert_tp2_equals_tp1, hf_causal_lm, prefix_sharing_prompts)
+from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_bf16_within_twice_transformers,
+                           assert_correction_bias_loaded_and_routing, assert_matches_transformers,
+                           assert_tp2_equals_tp1, hf_causal_lm, prefix_sharing_prompts)
 from helpers import random_prompts
 
 WINDOW = 16
@@ -65,3 +66,9 @@ def test_tp2_equals_tp1(laguna):
     """Each rank computes its share of every layer's query heads, their gates, its KV head and its share of every
     expert and of the shared expert."""
     assert_tp2_equals_tp1(laguna, random_prompts([5, 40], seed=8), logits=True)
+
+
+def test_bf16_within_twice_transformers(laguna, native_gemms):
+    """bf16 on the native GEMMs, outside the native decoder stack
+    (its softplus-gated attention is no option of the stack): logits within twice transformers' own bf16 error."""
+    assert_bf16_within_twice_transformers(laguna)

@@ -13,8 +13,9 @@ from safetensors.torch import load_file, save_file
 from transformers import MiMoV2FlashConfig
 
 from conftest import VOCAB_SIZE, save_random_model
-from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_correction_bias_loaded_and_routing,
-                           assert_matches_transformers, assert_tp2_equals_tp1, hf_causal_lm, prefix_sharing_prompts)
+from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_bf16_within_twice_transformers,
+                           assert_correction_bias_loaded_and_routing, assert_matches_transformers,
+                           assert_tp2_equals_tp1, hf_causal_lm, prefix_sharing_prompts)
 from helpers import make_engine, random_prompts, run
 
 from lmdeploy.pytorch.config import ModelConfig
@@ -102,3 +103,9 @@ def test_tp2_equals_tp1(mimo):
     """Each rank computes its query heads, the KV heads they read (one of the full layers', two of the sliding
     layers'), those heads' sinks and its share of every expert."""
     assert_tp2_equals_tp1(mimo, random_prompts([5, 40], seed=8), logits=True)
+
+
+def test_bf16_within_twice_transformers(mimo, native_gemms):
+    """bf16 on the native GEMMs, outside the native decoder stack
+    (its values narrower than its keys are no option of the stack): logits within twice transformers' own bf16 error."""
+    assert_bf16_within_twice_transformers(mimo)

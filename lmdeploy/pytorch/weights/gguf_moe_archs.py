@@ -3,7 +3,8 @@ tensor names: gpt-oss (``gpt-oss``), DeepSeek-V2/V3 (``deepseek2``), GLM-4.5 (``
 (``ernie4_5-moe``), Llama 4's text model (``llama4``), Hunyuan-A13B (``hunyuan-moe``), and the files of Qwen3-MoE
 (``qwen3moe``; Qwen3-VL-MoE's language model ``qwen3vlmoe`` alike), MiniMax-M2 (``minimax-m2``), Qwen2-MoE
 (``qwen2moe``, with a shared expert), OLMoE (``olmoe``), Mixtral (``llama`` with experts), PhiMoE (``phimoe``),
-dots.llm1 (``dots1``), K-EXAONE (``exaone-moe``), Arcee Trinity (``afmoe``) and MiMo-V2-Flash (``mimo2``), whose stacked experts (``ffn_{gate,up,down}_exps``) are stored back one tensor per expert. Registered in ``gguf_archs.py`` as
+dots.llm1 (``dots1``), K-EXAONE (``exaone-moe``), Arcee Trinity (``afmoe``) and MiMo-V2-Flash (``mimo2``), whose
+stacked experts (``ffn_{gate,up,down}_exps``) are stored back one tensor per expert. Registered in ``gguf_archs.py`` as
 ``gguf_qwen3_next.py`` is; the state-dict steps are in ``gguf_tensors.py``.
 """
 from __future__ import annotations
