@@ -70,10 +70,6 @@ class LagunaMoE(DeepseekV3MoE):
         if shared:
             self.shared_experts = LlamaMLP(cfg, shared)
 
-    def native_moe(self, small_step: bool = False) -> None:
-        """None: these layers do not run in the native decoder stack."""
-        return None
-
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.logit_cap is not None:
             logits = torch.tanh(logits / self.logit_cap) * self.logit_cap
