@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 from transformers import LongcatFlashConfig
 
 from conftest import VOCAB_SIZE, save_random_model
-from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_matches_transformers,
-                           assert_tp2_equals_tp1, hf_causal_lm, prefix_sharing_prompts)
+from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_bf16_within_twice_transformers,
+                           assert_matches_transformers, assert_tp2_equals_tp1, hf_causal_lm, prefix_sharing_prompts)
 from helpers import make_engine, random_prompts, run
 
 from lmdeploy.pytorch.models.longcat_flash import LongcatFlashMoE, check_config
@@ -56,6 +56,12 @@ def longcat(request, tmp_path_factory) -> str:
 def test_greedy_and_first_logits_match_transformers(longcat):
     assert_matches_transformers(longcat, hf_causal_lm(longcat), random_prompts([3, 17, 52, 90]),
                                 random_prompts([7, 31, 60]))
+
+
+def test_bf16_within_twice_transformers_error(tmp_path):
+    """bf16 on the CPU (packed projections and experts, the native latent-attention kernels, the scaled queries and
+    latents in bf16): the last logits stay within twice the error of transformers' own bf16 model."""
+    assert_bf16_within_twice_transformers(save_longcat(str(tmp_path / 'flash'), **VARIANTS['flash']))
 
 
 @pytest.mark.slow
