@@ -11,6 +11,7 @@ import dataclasses
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 
 from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.kernels import biased_softmax_topk
@@ -25,7 +26,7 @@ ROUTER_NAMES = {'.mlp.router.classifier.weight': '.mlp.gate.weight',
                 '.mlp.router.e_score_correction_bias': '.mlp.gate.e_score_correction_bias'}
 
 
-def check_config(hf_config) -> None:
+def check_config(hf_config: PretrainedConfig) -> None:
     """Raises ValueError for the options of LongCat-Flash's config that transformers' model does not run either:
     zero experts other than identities, unscaled latent-attention inputs, a bias on the router's logits."""
     kind = getattr(hf_config, 'zero_expert_type', None) or 'identity'
