@@ -2,8 +2,8 @@
 pairs into halves for llama.cpp's M-RoPE) or ``glm4moe`` (GLM-4.5V) language model with its M-RoPE bands, and an
 mmproj of projector ``glm4v``, written as convert_hf_to_gguf.py writes them (float32) from a tiny random model saved
 by transformers: the converted folder holds the original's tower and merger, and the pair serves text, one-image and
-two-image prompts token for token as transformers does on the original (first-step logits within 1e-3); an mmproj
-without the merger is refused."""
+two-image prompts token for token as transformers does on the original (first-step logits within 1e-3); the language
+model alone serves text as transformers does; an mmproj without the merger is refused."""
 from __future__ import annotations
 
 import shutil
@@ -22,6 +22,7 @@ from transformers import AutoConfig
 
 from family_checks import assert_vl_matches_transformers
 from glm4v_models import save_tiny_glm4v
+from helpers import make_engine, run
 from test_vl_families import hf_inputs
 from vl_models import hf_vl_model, make_processor, random_image
 
@@ -162,3 +163,15 @@ def test_an_mmproj_without_the_merger_is_refused(glm4v, gguf_pair, tmp_path):
     write_mmproj(glm4v, tmp_path / 'mmproj-model.gguf', skip='merger.proj.weight')
     with pytest.raises(ValueError, match=r'the glm4v mmproj needs mm\.model\.fc\.weight'):
         resolve_gguf(str(tmp_path / 'model.gguf'))
+
+
+def test_the_language_model_alone_serves_text_like_transformers(glm4v, gguf_pair, tmp_path):
+    """Without an mmproj beside it the file is a text model (GLM-4.1V's q/k rows back in pairs there too): a text
+    prompt's greedy tokens are transformers' on the original."""
+    shutil.copy(gguf_pair / 'GLM-4V-tiny-F32.gguf', tmp_path / 'model.gguf')
+    assert AutoConfig.from_pretrained(resolve_gguf(str(tmp_path / 'model.gguf'))).model_type in ('glm4', 'glm4_moe')
+    prompt = make_processor(glm4v).process(PROMPTS[0])
+    hf_model = hf_vl_model(glm4v)
+    expected = hf_model.generate(**hf_inputs(hf_model, prompt), max_new_tokens=32, do_sample=False, top_k=None,
+                                 top_p=None, temperature=None)[0, len(prompt.input_ids):].tolist()
+    assert run(make_engine(str(tmp_path / 'model.gguf')), [prompt.input_ids]) == [expected]
