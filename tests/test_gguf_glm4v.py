@@ -165,6 +165,7 @@ def test_an_mmproj_without_the_merger_is_refused(glm4v, gguf_pair, tmp_path):
         resolve_gguf(str(tmp_path / 'model.gguf'))
 
 
+@pytest.mark.slow
 def test_the_language_model_alone_serves_text_like_transformers(glm4v, gguf_pair, tmp_path):
     """Without an mmproj beside it the file is a text model (GLM-4.1V's q/k rows back in pairs there too): a text
     prompt's greedy tokens are transformers' on the original."""

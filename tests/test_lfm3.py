@@ -46,6 +46,7 @@ def test_greedy_and_first_logits_match_transformers(lfm3):
                                 random_prompts([3, 33, 100], seed=1))
 
 
+@pytest.mark.slow
 def test_without_gate_and_sandwich_norms(tmp_path):
     """The options off (no ``g_proj``, no post norms): still transformers' tokens."""
     path = save_random_model(lfm3_config(use_attention_gate=False, use_sandwich_norm=False, num_hidden_layers=5),

@@ -203,7 +203,7 @@ class Lfm2ForCausalLM(WithoutNativeStack, MoEForCausalLM):
         super().__init__(cfg)
         hf = cfg.hf_config
         attention_types = [kind for kind in LAYER_TYPES if kind in hf.layer_types]
-        per_type = set(LAYER_TYPES) & set(getattr(hf, 'rope_parameters', None) or {})  # LFM3's: keyed by layer type
+        per_type = bool(set(LAYER_TYPES) & set(getattr(hf, 'rope_parameters', None) or {}))  # LFM3's: keyed by type
         self.ropes = {kind: RotaryEmbedding(hf, cfg.head_dim, kind) if per_type else self.rotary
                       for kind in attention_types}
 
