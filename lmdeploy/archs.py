@@ -78,6 +78,7 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'DeepseekV32ForCausalLM': ('llm', 'lmdeploy.pytorch.models.deepseek_v32:DeepseekV32ForCausalLM'),
     'GlmMoeDsaForCausalLM': ('llm', 'lmdeploy.pytorch.models.deepseek_v32:GlmMoeDsaForCausalLM'),
     'LongcatFlashForCausalLM': ('llm', 'lmdeploy.pytorch.models.longcat_flash:LongcatFlashForCausalLM'),
+    'Lfm3ForCausalLM': ('llm', 'lmdeploy.pytorch.models.lfm2:Lfm2ForCausalLM'),
     'LagunaForCausalLM': ('llm', 'lmdeploy.pytorch.models.laguna:LagunaForCausalLM'),
     'MiMoV2FlashForCausalLM': ('llm', 'lmdeploy.pytorch.models.mimo_v2_flash:MiMoV2FlashForCausalLM'),
     'Qwen2VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
