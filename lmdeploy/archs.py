@@ -78,6 +78,7 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'DeepseekV32ForCausalLM': ('llm', 'lmdeploy.pytorch.models.deepseek_v32:DeepseekV32ForCausalLM'),
     'GlmMoeDsaForCausalLM': ('llm', 'lmdeploy.pytorch.models.deepseek_v32:GlmMoeDsaForCausalLM'),
     'Qwen4ExpForCausalLM': ('llm', 'lmdeploy.pytorch.models.qwen4_exp:Qwen4ExpForCausalLM'),
+    'Qwen4ExpForConditionalGeneration': ('llm', 'lmdeploy.pytorch.models.qwen4_exp:Qwen4ExpForCausalLM'),
     'Qwen2VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
     'Qwen2_5_VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
     'LlavaForConditionalGeneration': ('vlm', f'{_VL}:LlavaForConditionalGeneration'),

@@ -24,7 +24,7 @@ def pooled_block_keys(keys: torch.Tensor, ratio: int) -> torch.Tensor:
     """``[len(keys) // ratio, D]``: the mean of each complete block of ``ratio`` keys of ``keys [C, D]``, in fp32,
     rounded to their dtype."""
     num_blocks = keys.shape[0] // ratio
-    return keys[:num_blocks * ratio].view(num_blocks, ratio, -1).float().mean(1).to(keys.dtype)
+    return keys[:num_blocks * ratio].view(num_blocks, ratio, keys.shape[1]).float().mean(1).to(keys.dtype)
 
 
 def select_tokens(q: torch.Tensor, block_keys: torch.Tensor, q_pos: torch.Tensor, context_len: int, ratio: int,

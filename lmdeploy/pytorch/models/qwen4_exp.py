@@ -1,5 +1,6 @@
-"""Qwen4-Exp (``Qwen4ExpForCausalLM``, and the language model of ``Qwen4ExpForConditionalGeneration``): Qwen3.5-MoE's
-hybrid of Gated DeltaNet and gated attention (``qwen3_next.py``) with three additions.
+"""Qwen4-Exp (``Qwen4ExpForCausalLM``, and the language model of ``Qwen4ExpForConditionalGeneration``, whose vision
+tower is skipped at load: text only): Qwen3.5-MoE's hybrid of Gated DeltaNet and gated attention (``qwen3_next.py``)
+with three additions.
 
 - Hyper-connections (transformers' ``Qwen4ExpTextGatedResidual``): the residual stream is ``hc_count`` streams of
   ``hidden_size``; before each mixer and each MLP a learned gate mixes the normed streams into the block's input,
@@ -13,6 +14,8 @@ hybrid of Gated DeltaNet and gated attention (``qwen3_next.py``) with three addi
   the Gated DeltaNet's, is the last ``ngram_size - 1`` token ids and the convolution's last inputs.
 """
 from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -31,10 +34,13 @@ from lmdeploy.pytorch.nn.linear import Linear
 from lmdeploy.pytorch.nn.norm import GemmaRMSNorm
 from lmdeploy.pytorch.nn.rotary import apply_rope
 from lmdeploy.pytorch.step_context import StepContext
+from lmdeploy.pytorch.weights.safetensors_loader import WeightSource
 
 # the linear-attention layers' output-gate activation (``output_gate_type``, else ``hidden_act``)
 OUTPUT_GATES = {'silu': F.silu, 'sigmoid': torch.sigmoid}
 BlockRope = tuple[torch.Tensor, torch.Tensor]  # cos, sin of the first position of each indexer block
+LANGUAGE_MODEL_PREFIX = 'model.language_model.'  # Qwen4ExpForConditionalGeneration's language model
+VISION_PREFIX = 'model.visual.'
 
 
 class StreamRMSNorm(nn.Module):
@@ -351,6 +357,13 @@ class Qwen4ExpForCausalLM(WithoutNativeStack, MoEForCausalLM):
             embedding = self.get_submodule(owner)
             return embedding.shard(int(shard.removeprefix('shard_'))), (f'{owner}.ngram_embedding', shard), None
         return super().weight_target(name.replace('hyper_connection_mixer.', 'norm.'))
+
+    def split_fused(self, weights: Iterable[tuple[str, WeightSource]]) -> Iterator[tuple[str, WeightSource]]:
+        """The language model's tensors (a ``Qwen4ExpForConditionalGeneration``'s under ``model.language_model.``, its
+        vision tower's skipped)."""
+        language_model = ((name.replace(LANGUAGE_MODEL_PREFIX, 'model.', 1), tensor) for name, tensor in weights
+                          if not name.startswith(VISION_PREFIX))
+        return super().split_fused(language_model)
 
     def recurrent_state_shapes(self) -> list[list[tuple[tuple[int, ...], torch.dtype]] | None]:
         """Per layer, one sequence's recurrent state (linear-attention layers) or None (KV-cache layers)."""
