@@ -11,15 +11,17 @@ import logging
 import shutil
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import Qwen4ExpConfig, Qwen4ExpTextConfig
 
 from conftest import VOCAB_SIZE, save_random_model
-from family_checks import (assert_first_logits_close, assert_matches_transformers, assert_slots_free, hf_causal_lm,
-                           hf_last_logits)
+from family_checks import (assert_bf16_within_twice_transformers, assert_first_logits_close, assert_matches_transformers,
+                           assert_slots_free, hf_causal_lm, hf_last_logits)
 from helpers import make_engine, random_prompts, run
+from server_helpers import serve, tiny_engine
 
 from lmdeploy.messages import GenerationConfig
 from lmdeploy.pytorch.models.qwen4_exp import QsaIndexer
@@ -118,20 +120,51 @@ def test_tensor_parallelism_is_refused(qwen4_exp):
         make_engine(qwen4_exp, tp=2)
 
 
-def test_conditional_generation_checkpoint_serves_its_language_model(qwen4_exp, tmp_path):
-    """The tiny model laid out as the hub's ``Qwen4ExpForConditionalGeneration`` (its language model under
-    ``model.language_model.``, beside a vision tower tensor) gives the text model's tokens."""
+@pytest.fixture(scope='module')
+def qwen4_exp_multimodal(qwen4_exp, tmp_path_factory) -> str:
+    """The tiny model laid out as the hub's ``Qwen4ExpForConditionalGeneration``: its language model under
+    ``model.language_model.``, beside a vision tower tensor."""
+    path = tmp_path_factory.mktemp('qwen4_exp_multimodal')
     for name in Path(qwen4_exp).iterdir():
         if name.name not in ('config.json', 'model.safetensors'):
-            shutil.copy(name, tmp_path)
+            shutil.copy(name, path)
     tensors = {name.replace('model.', 'model.language_model.', 1): tensor
                for name, tensor in load_file(f'{qwen4_exp}/model.safetensors').items()}
     tensors['model.visual.patch_embed.proj.weight'] = torch.randn(16, 3, 2, 4, 4)
-    save_file(tensors, f'{tmp_path}/model.safetensors', metadata={'format': 'pt'})
+    save_file(tensors, f'{path}/model.safetensors', metadata={'format': 'pt'})
     text_config = json.loads(Path(qwen4_exp, 'config.json').read_text())
     config = Qwen4ExpConfig(text_config=text_config, vision_config=dict(depth=1, hidden_size=16, intermediate_size=32,
                                                                         num_heads=2, out_hidden_size=32, patch_size=4))
     config.architectures = ['Qwen4ExpForConditionalGeneration']
-    config.save_pretrained(tmp_path)
+    config.save_pretrained(path)
+    return str(path)
+
+
+def test_conditional_generation_checkpoint_serves_its_language_model(qwen4_exp, qwen4_exp_multimodal):
     prompts = random_prompts([9, 40], seed=6)
-    assert run(make_engine(str(tmp_path)), prompts) == run(make_engine(qwen4_exp), prompts)
+    assert run(make_engine(qwen4_exp_multimodal), prompts) == run(make_engine(qwen4_exp), prompts)
+
+
+def test_conditional_generation_checkpoint_refuses_images(qwen4_exp_multimodal):
+    for server in serve(tiny_engine(qwen4_exp_multimodal), model_name='tiny'):
+        content = [{'type': 'text', 'text': 'what is it?'}, {'type': 'image_url', 'image_url': {'url': 'x.png'}}]
+        body = {'model': 'tiny', 'max_tokens': 4, 'messages': [{'role': 'user', 'content': content}]}
+        response = httpx.post(f'{server.url}/v1/chat/completions', json=body)
+        assert response.status_code == 400 and 'does not accept images' in response.json()['error']['message']
+
+
+def test_int8_kv_cache_keeps_the_indexer_keys_in_the_model_dtype(qwen4_exp):
+    """With ``quant_policy`` 8 a QSA layer's cache is K and V codes, their scales, then the indexer's raw keys in
+    fp32 (tested to run, not for accuracy)."""
+    engine = make_engine(qwen4_exp, quant_policy=8)
+    cache = engine.runner.kv_caches[1]
+    assert [t.dtype for t in cache] == [torch.uint8] * 2 + [torch.float32] * 3 and cache[-1].shape[-1] == 16
+    assert all(len(out) == 32 for out in run(engine, random_prompts([30, 7], seed=8)))
+    assert_slots_free(engine)
+
+
+@pytest.mark.slow
+def test_bf16_close_to_transformers(qwen4_exp):
+    """bf16 on the CPU (packed projections): the last logits differ from transformers' in fp32 by at most twice
+    what transformers' own bf16 model does."""
+    assert_bf16_within_twice_transformers(qwen4_exp)
