@@ -18,8 +18,8 @@ from safetensors.torch import load_file, save_file
 from transformers import Qwen4ExpConfig, Qwen4ExpTextConfig
 
 from conftest import VOCAB_SIZE, save_random_model
-from family_checks import (assert_bf16_within_twice_transformers, assert_first_logits_close, assert_matches_transformers,
-                           assert_slots_free, hf_causal_lm, hf_last_logits)
+from family_checks import (assert_bf16_within_twice_transformers, assert_first_logits_close,
+                           assert_matches_transformers, assert_slots_free, hf_causal_lm, hf_last_logits)
 from helpers import make_engine, random_prompts, run
 from server_helpers import serve, tiny_engine
 
