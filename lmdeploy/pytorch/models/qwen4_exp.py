@@ -341,8 +341,8 @@ class Qwen4ExpForCausalLM(WithoutNativeStack, MoEForCausalLM):
 
     def forward(self, input_ids: torch.Tensor, kv_caches: list[KVCache], ctx: StepContext) -> torch.Tensor:
         ctx.cos, ctx.sin = self.rotary(ctx, self.cfg.dtype)
-        lens = [lens.max() for lens in (ctx.prefill_ctx_len, ctx.decode_kv_lens) if lens is not None]
-        starts = torch.arange(0, int(max(lens)), self.index_ratio, device=input_ids.device)
+        longest = max(int(lens.max()) for lens in (ctx.prefill_ctx_len, ctx.decode_kv_lens) if lens is not None)
+        starts = torch.arange(0, longest, self.index_ratio, device=input_ids.device)
         block_rope = self.rotary.at(starts, self.cfg.dtype)
         streams = self.embed(input_ids, ctx).repeat(1, self.streams)
         for layer, cache in zip(self.layers, kv_caches):
@@ -350,7 +350,7 @@ class Qwen4ExpForCausalLM(WithoutNativeStack, MoEForCausalLM):
         return self.norm.mix(streams)[0]
 
     def weight_target(self, name: str) -> WeightTarget | None:
-        if name.startswith(MTP_PREFIX) or '.ple_embedding.' in name and not name.endswith('.weight'):
+        if name.startswith(MTP_PREFIX) or ('.ple_embedding.' in name and not name.endswith('.weight')):
             return None  # the next-token-prediction layer; the n-gram hashes' constants, derived from the config
         owner, _, shard = name.removesuffix('.weight').rpartition('.ngram_embedding.')
         if owner:
