@@ -81,6 +81,8 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'Lfm3ForCausalLM': ('llm', 'lmdeploy.pytorch.models.lfm2:Lfm2ForCausalLM'),
     'LagunaForCausalLM': ('llm', 'lmdeploy.pytorch.models.laguna:LagunaForCausalLM'),
     'MiMoV2FlashForCausalLM': ('llm', 'lmdeploy.pytorch.models.mimo_v2_flash:MiMoV2FlashForCausalLM'),
+    'Qwen4ExpForCausalLM': ('llm', 'lmdeploy.pytorch.models.qwen4_exp:Qwen4ExpForCausalLM'),
+    'Qwen4ExpForConditionalGeneration': ('llm', 'lmdeploy.pytorch.models.qwen4_exp:Qwen4ExpForCausalLM'),
     'Qwen2VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
     'Qwen2_5_VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
     'LlavaForConditionalGeneration': ('vlm', f'{_VL}:LlavaForConditionalGeneration'),
