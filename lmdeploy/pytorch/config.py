@@ -36,7 +36,8 @@ class ModelConfig:
     mm_config: PretrainedConfig | None = None
     quant_policy: int = 0  # KV cache: 0 in ``dtype``, 8 int8, 4 int4 (see PytorchEngineConfig)
     # Multi-head latent attention (DeepSeek-V2/V3): each token caches one vector of this width, its latent
-    # (``kv_lora_rank``) then its rotary key (``qk_rope_head_dim``), shared by every head; 0: per-head K/V.
+    # (``kv_lora_rank``) then its rotary key (``qk_rope_head_dim``), shared by every head; DeepSeek-V4: its row of
+    # key-value, compressor inputs and compressed entries (``kernels/compressed_attention.py``); 0: per-head K/V.
     kv_latent_dim: int = 0
     # DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): each token also caches its indexer key of this width, in
     # ``dtype`` whatever ``quant_policy`` (``kernels/dsa.py``); 0: no indexer
@@ -57,6 +58,10 @@ class ModelConfig:
         head_dim = getattr(hf_config, 'head_dim', None) or hf_config.hidden_size // num_heads
         kv_lora_rank = getattr(hf_config, 'kv_lora_rank', None)
         kv_latent_dim = kv_lora_rank + hf_config.qk_rope_head_dim if kv_lora_rank else 0
+        index_key_dim = getattr(hf_config, 'index_head_dim', 0) if getattr(hf_config, 'index_topk', None) else 0
+        if hf_config.model_type == 'deepseek_v4':  # one row a token: models/deepseek_v4_attention.py
+            from lmdeploy.pytorch.models.deepseek_v4_attention import cache_row_width
+            kv_latent_dim, index_key_dim = cache_row_width(hf_config), 0
         return cls(hf_config=hf_config,
                    architecture=config.architectures[0],
                    hidden_size=hf_config.hidden_size,
@@ -71,8 +76,7 @@ class ModelConfig:
                    mm_config=None if hf_config is config else config,
                    quant_policy=quant_policy,
                    kv_latent_dim=kv_latent_dim,
-                   index_key_dim=getattr(hf_config, 'index_head_dim', 0) if getattr(hf_config, 'index_topk', None)
-                   else 0,
+                   index_key_dim=index_key_dim,
                    num_state_layers=sum(kind in RECURRENT_LAYER_TYPES for kind in layer_types),
                    num_cacheless_layers=sum(kind in CACHELESS_LAYER_TYPES for kind in layer_types),
                    num_kv_shared_layers=getattr(hf_config, 'num_kv_shared_layers', 0) or 0)
