@@ -6,6 +6,7 @@ preemption, the cache's row per token, that the indexer's selection and the hash
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 
@@ -15,8 +16,8 @@ from safetensors.torch import load_file, save_file
 from transformers import DeepseekV4Config
 
 from conftest import VOCAB_SIZE, save_random_model
-from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_matches_transformers,
-                           hf_causal_lm, prefix_sharing_prompts)
+from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_bf16_within_twice_transformers,
+                           assert_matches_transformers, hf_causal_lm, prefix_sharing_prompts)
 from helpers import assert_transformers_greedy, make_engine, random_prompts, run
 from test_deepseek import FP8_BLOCK, dequantize_blockwise, quantize_blockwise
 
@@ -69,10 +70,11 @@ def test_greedy_and_first_logits_match_transformers(deepseek_v4):
 
 @pytest.mark.slow
 def test_batched_chunked_and_cached_equal_solo(deepseek_v4):
-    """Chunks of 13 tokens end inside CSA and HCA windows (an entry pools tokens of two chunks); prefix hits of 64
+    """Chunks of 13 tokens end inside CSA and HCA windows (an entry pools tokens of two chunks); prefix hits of 32
     tokens read the cached rows: every row is a function of the tokens up to its own, so hits are exact."""
-    assert_batched_chunked_and_cached_equal_solo(deepseek_v4, prefix_sharing_prompts(),
-                                                 chunked={'max_prefill_token_num': 13})
+    prompts = prefix_sharing_prompts(lengths=(50, 70), prefix=32, tails=(12,))
+    assert_batched_chunked_and_cached_equal_solo(deepseek_v4, prompts,
+                                                 chunked={'max_prefill_token_num': 13, 'block_size': 8})
 
 
 @pytest.mark.slow
@@ -92,21 +94,26 @@ def test_selection_and_hash_routing_matter(deepseek_v4, monkeypatch):
     engine = make_engine(deepseek_v4)
     sparse = run(engine, prompts)
     with monkeypatch.context() as patch:
-        patch.setattr(Indexer, 'select', lambda self, q, weights, keys, valid: valid)
+        patch.setattr(Indexer, 'select', lambda self, q, weights, keys, valid: (
+            torch.arange(valid.shape[1]).expand_as(valid), valid))
         assert run(engine, prompts) != sparse
     for layer in engine.runner.model.layers[:2]:
         layer.ffn.gate.tid2eid.copy_(torch.tensor([0, 1]).expand(VOCAB_SIZE, -1))
     assert run(engine, prompts) != sparse
 
 
-def test_cache_is_one_row_per_token(deepseek_v4):
+def test_cache_is_one_row_per_token(deepseek_v4, caplog):
     """Every layer caches one row a token: key-value (32), then CSA's compressor inputs (4 x 32) and entry (32),
-    then its indexer's inputs (4 x 16) and entry (16); quant_policy is refused, as tensor parallelism."""
-    engine = make_engine(deepseek_v4, num_gpu_blocks=10, block_size=16)
+    then its indexer's inputs (4 x 16) and entry (16), as the start-up log says; quant_policy is refused, as tensor
+    parallelism."""
+    with caplog.at_level(logging.INFO, logger='lmdeploy'):
+        engine = make_engine(deepseek_v4, num_gpu_blocks=10, block_size=16)
     width = HEAD_DIM + 5 * HEAD_DIM + 5 * INDEX_DIM
     for layer_cache in engine.runner.kv_caches:
         assert [tuple(t.shape) for t in layer_cache] == [(11, 16, width)]
-    assert engine.runner.cfg.kv_bytes_per_token() == 4 * width * 4
+    per_token = 4 * width * 4  # four layers, fp32
+    assert engine.runner.cfg.kv_bytes_per_token() == per_token
+    assert 'float32 rows (compressed attention)' in caplog.text and f'{per_token} bytes per token' in caplog.text
     with pytest.raises(ValueError, match='quant_policy=0'):
         make_engine(deepseek_v4, quant_policy=8)
     with pytest.raises(ValueError, match='compressors are not sharded for tensor parallelism; use tp=1'):
@@ -136,3 +143,9 @@ def test_fp8_block_scaled_checkpoint_is_dequantized_at_load(deepseek_v4, tmp_pat
     prompts = random_prompts([5, 40], seed=11)
     assert_transformers_greedy(hf_causal_lm(str(folders['dense'])), prompts, run(make_engine(str(folders['fp8'])),
                                                                                  prompts))
+
+
+def test_bf16_within_twice_transformers(deepseek_v4):
+    """bf16 on the CPU (packed projections; fp32 norms, hyper-connections, sinks and position biases): one prefill
+    step's logits are within twice transformers' own bf16 error."""
+    assert_bf16_within_twice_transformers(deepseek_v4)

@@ -8,7 +8,7 @@ is computed, from its tokens' inputs (and, for CSA, the previous window's): so e
 of the tokens up to its own, and chunked prefill, recompute after preemption and prefix-cache hits read what a solo
 run wrote. Each query attends to the last ``window`` keys (itself included) and to the entries of the windows
 completed up to it (CSA: the ``index_topk`` of those its indexer scores best), with a sink logit per head.
-Torch throughout; ``ATTENTION_ROWS`` queries at a time.
+Torch throughout; as many queries at a time as gather about ``GATHER_ELEMENTS`` key features.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from lmdeploy.pytorch.step_context import StepContext
 
-ATTENTION_ROWS = 256  # queries whose keys are gathered at once
+GATHER_ELEMENTS = 1 << 25  # key features (keys, CSA's index keys) gathered at once: 128 MiB in fp32
 
 
 @dataclass

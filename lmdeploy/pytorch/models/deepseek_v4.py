@@ -15,10 +15,10 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from lmdeploy.pytorch.config import ModelConfig
+from lmdeploy.pytorch.kernels.compressed_attention import PagedRows
 from lmdeploy.pytorch.models.deepseek_v4_attention import (Fp32RMSNorm, V4Attention, V4Rotary, V4Step,
                                                            unweighted_rms_norm)
 from lmdeploy.pytorch.models.llama import KVCache, LlamaForCausalLM, WeightTarget, WithoutNativeStack
-from lmdeploy.pytorch.kernels.compressed_attention import PagedRows
 from lmdeploy.pytorch.nn.linear import Linear
 from lmdeploy.pytorch.nn.moe import Fp32Router
 from lmdeploy.pytorch.nn.quant import Layout, new_parameter
@@ -87,6 +87,7 @@ class V4Router(Fp32Router):
         hf = cfg.hf_config
         super().__init__(cfg.hidden_size, hf.n_routed_experts)
         self.top_k, self.scaling, self.score = hf.num_experts_per_tok, hf.routed_scaling_factor, ACT2FN[hf.scoring_func]
+        self.hashed = hashed
         if hashed:
             self.tid2eid = new_parameter((hf.vocab_size, self.top_k), Layout(None, None), torch.int64)
         else:
@@ -95,9 +96,10 @@ class V4Router(Fp32Router):
     def route(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights [T, k] fp32, experts [T, k])``."""
         scores = self.score(self(x))
-        hashed = hasattr(self, 'tid2eid')
-        ids = self.tid2eid[input_ids] if hashed else torch.topk(scores + self.bias, self.top_k, dim=-1,
-                                                                sorted=False).indices
+        if self.hashed:
+            ids = self.tid2eid[input_ids]
+        else:
+            ids = torch.topk(scores + self.bias, self.top_k, dim=-1, sorted=False).indices
         weights = scores.gather(1, ids)
         return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.scaling, ids
 
@@ -148,6 +150,7 @@ class SharedExperts(nn.Module):
 
 
 class V4MoE(nn.Module):
+    """The routed experts (hash- or top-k-routed, see :class:`V4Router`) plus the shared experts."""
 
     def __init__(self, cfg: ModelConfig, hashed: bool):
         super().__init__()
@@ -191,6 +194,7 @@ class DeepseekV4ForCausalLM(WithoutNativeStack, LlamaForCausalLM):
     see ``kernels/compressed_attention.py``)."""
 
     stacked_params = {}
+    decode_graphs = False  # the compressed attention sizes its gathers on the host
     tensor_parallel_refusal = ('its attention (one key-value head, the grouped output projection) and its '
                                'compressors are not sharded for tensor parallelism')
 

@@ -14,7 +14,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from lmdeploy.pytorch.config import ModelConfig
-from lmdeploy.pytorch.kernels.compressed_attention import (ATTENTION_ROWS, CompressorColumns, PagedRows,
+from lmdeploy.pytorch.kernels.compressed_attention import (GATHER_ELEMENTS, CompressorColumns, PagedRows,
                                                            closing_rows, entry_positions, pooled_windows,
                                                            sink_attention, window_keys, write_rows)
 from lmdeploy.pytorch.nn.linear import Linear
@@ -147,13 +147,15 @@ class Indexer(nn.Module):
         q = rotate(self.wq_b(q_lora).view(-1, self.num_heads, self.head_dim), *step.angles['compress'])
         return q, self.weights_proj(x).float() * self.num_heads**-0.5
 
-    def select(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """Which of the rows' entries ``keys [R, N, D]`` (readable where ``valid``) each query keeps ``[R, N]``."""
+    def select(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
+               valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The entries each query keeps of its row's ``keys [R, N, D]`` (readable where ``valid``): their indices
+        ``[R, k]`` and which of those are readable (fewer than ``index_topk`` may be)."""
         dots = torch.einsum('rhd,rnd->rhn', q.float(), keys.float())
         scores = (F.relu(dots) * self.head_dim**-0.5 * weights.unsqueeze(-1)).sum(dim=1)
         scores = scores.masked_fill(~valid, float('-inf'))
         top = scores.topk(min(self.top_k, scores.shape[1]), dim=-1).indices
-        return torch.zeros_like(valid).scatter(1, top, True) & valid
+        return top, valid.gather(1, top)
 
 
 class GroupedLinear(nn.Module):
@@ -203,16 +205,27 @@ class V4Attention(nn.Module):
                 compressor.update(x, cache, step, rotary)
         index_q = self.indexer.queries(x, q_lora, step) if self.indexer is not None else None
         out = torch.empty_like(q)
-        for start in range(0, x.shape[0], ATTENTION_ROWS):
-            rows = torch.arange(start, min(start + ATTENTION_ROWS, x.shape[0]), device=x.device)
+        num_rows = self.rows_at_once(step.paged.positions)
+        for start in range(0, x.shape[0], num_rows):
+            rows = torch.arange(start, min(start + num_rows, x.shape[0]), device=x.device)
             keys, allowed = window_keys(cache, step.paged, rows, self.window, self.head_dim)
             if self.compressor is not None:
                 positions, valid = entry_positions(step.paged.positions[rows], self.ratio)
-                entries = step.paged.read(cache, rows, positions, self.compressor.columns.entry)
                 if self.indexer is not None:
                     index_keys = step.paged.read(cache, rows, positions, self.indexer.compressor.columns.entry)
-                    valid = self.indexer.select(index_q[0][rows], index_q[1][rows], index_keys, valid)
+                    chosen, valid = self.indexer.select(index_q[0][rows], index_q[1][rows], index_keys, valid)
+                    positions = positions.gather(1, chosen)
+                entries = step.paged.read(cache, rows, positions, self.compressor.columns.entry)
                 keys, allowed = torch.cat((keys, entries), dim=1), torch.cat((allowed, valid), dim=1)
             out[rows] = sink_attention(q[rows], keys, allowed, self.head_dim**-0.5, self.attn_sink)
         out = rotate(out, cos, -sin).view(x.shape[0], self.groups, -1)
         return self.wo_b(self.wo_a(out).flatten(1))
+
+    def rows_at_once(self, positions: torch.Tensor) -> int:
+        """How many queries gather their keys together: about ``GATHER_ELEMENTS`` features of keys (the window's,
+        the entries': in CSA only the selected, after the indexer's keys of every entry)."""
+        entries = (int(positions.max()) + 1) // self.ratio if self.ratio else 0
+        features = (self.window + entries) * self.head_dim
+        if self.indexer is not None:
+            features = (self.window + min(entries, self.indexer.top_k)) * self.head_dim + entries * self.indexer.head_dim
+        return max(1, GATHER_ELEMENTS // features)
