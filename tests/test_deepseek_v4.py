@@ -21,6 +21,7 @@ from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_
 from helpers import assert_transformers_greedy, make_engine, random_prompts, run
 from test_deepseek import FP8_BLOCK, dequantize_blockwise, quantize_blockwise
 
+from lmdeploy.messages import GenerationConfig
 from lmdeploy.pytorch.models.deepseek_v4_attention import Indexer
 
 HEAD_DIM, INDEX_DIM, EXPERTS, TOP_K = 32, 16, 8, 2
@@ -79,7 +80,7 @@ def test_batched_chunked_and_cached_equal_solo(deepseek_v4):
 
 @pytest.mark.slow
 def test_preempted_equals_solo(deepseek_v4):
-    prompts = random_prompts([40, 50, 60, 70], seed=2)
+    prompts = random_prompts([50, 60, 70], seed=2)  # 276 tokens with their outputs, 224 in the cache
     plain = run(make_engine(deepseek_v4), prompts)
     tight = make_engine(deepseek_v4, num_gpu_blocks=14, enable_prefix_caching=False)
     assert run(tight, prompts) == plain
@@ -88,18 +89,18 @@ def test_preempted_equals_solo(deepseek_v4):
 
 
 def test_selection_and_hash_routing_matter(deepseek_v4, monkeypatch):
-    """The indexer's top-k and the token table change the tokens: every entry kept, or every token routed to
-    experts 0 and 1 in the hash layers, the tokens differ."""
-    prompts = random_prompts([40, 60], seed=5)
+    """The indexer's top-k and the token table change the tokens (8 of them): every entry kept, or every token
+    routed to experts 0 and 1 in the hash layers, the tokens differ."""
+    prompts, gen = random_prompts([40, 60], seed=5), GenerationConfig(max_new_tokens=8, ignore_eos=True)
     engine = make_engine(deepseek_v4)
-    sparse = run(engine, prompts)
+    sparse = run(engine, prompts, gen)
     with monkeypatch.context() as patch:
         patch.setattr(Indexer, 'select', lambda self, q, weights, keys, valid: (
             torch.arange(valid.shape[1]).expand_as(valid), valid))
-        assert run(engine, prompts) != sparse
+        assert run(engine, prompts, gen) != sparse
     for layer in engine.runner.model.layers[:2]:
         layer.ffn.gate.tid2eid.copy_(torch.tensor([0, 1]).expand(VOCAB_SIZE, -1))
-    assert run(engine, prompts) != sparse
+    assert run(engine, prompts, gen) != sparse
 
 
 def test_cache_is_one_row_per_token(deepseek_v4, caplog):
