@@ -27,20 +27,24 @@ from lmdeploy.pytorch.models.deepseek_v4_attention import Indexer
 HEAD_DIM, INDEX_DIM, EXPERTS, TOP_K = 32, 16, 8, 2
 LAYER_TYPES = ['sliding_attention', 'compressed_sparse_attention', 'heavily_compressed_attention',
                'compressed_sparse_attention']
+YARN = {'rope_type': 'yarn', 'factor': 4.0, 'original_max_position_embeddings': 32, 'beta_fast': 32.0,
+        'beta_slow': 1.0}
 FP8_WEIGHTS = ('wq_a.weight', 'wq_b.weight', 'wkv.weight', 'wo_a.weight', 'wo_b.weight', 'w1.weight', 'w2.weight',
                'w3.weight')
 
 
 def v4_config(**overrides) -> DeepseekV4Config:
     """4 layers of hidden 64, 4 query heads of 32 features (8 rotary), 3 streams, 8 experts (2 a token), an indexer
-    of 8 heads (with fewer, many entries score exactly 0 and the top-k's ties fall either way)."""
+    of 8 heads (with fewer, many entries score exactly 0 and the top-k's ties fall either way); the compressed
+    layers turn by YaRN past 32 positions (as the hub's configs: ``compress`` rope only), the sliding one plainly."""
     shape = dict(vocab_size=VOCAB_SIZE, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=1, head_dim=HEAD_DIM, q_lora_rank=48,
                  partial_rotary_factor=0.25, num_experts_per_tok=TOP_K, n_routed_experts=EXPERTS, n_shared_experts=1,
                  hc_mult=3, layer_types=LAYER_TYPES, mlp_layer_types=['hash_moe', 'hash_moe', 'moe', 'moe'],
                  compress_rates={'compressed_sparse_attention': 4, 'heavily_compressed_attention': 8},
                  sliding_window=16, o_groups=2, o_lora_rank=24, index_n_heads=8, index_head_dim=INDEX_DIM,
-                 index_topk=4, max_position_embeddings=1024, tie_word_embeddings=False, pad_token_id=None)
+                 index_topk=4, max_position_embeddings=1024, tie_word_embeddings=False, pad_token_id=None,
+                 rope_parameters=YARN)
     return DeepseekV4Config(**(shape | overrides))
 
 
