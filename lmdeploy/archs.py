@@ -77,6 +77,7 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'AfmoeForCausalLM': ('llm', 'lmdeploy.pytorch.models.afmoe:AfmoeForCausalLM'),
     'DeepseekV32ForCausalLM': ('llm', 'lmdeploy.pytorch.models.deepseek_v32:DeepseekV32ForCausalLM'),
     'GlmMoeDsaForCausalLM': ('llm', 'lmdeploy.pytorch.models.deepseek_v32:GlmMoeDsaForCausalLM'),
+    'DeepseekV4ForCausalLM': ('llm', 'lmdeploy.pytorch.models.deepseek_v4:DeepseekV4ForCausalLM'),
     'LongcatFlashForCausalLM': ('llm', 'lmdeploy.pytorch.models.longcat_flash:LongcatFlashForCausalLM'),
     'Lfm3ForCausalLM': ('llm', 'lmdeploy.pytorch.models.lfm2:Lfm2ForCausalLM'),
     'LagunaForCausalLM': ('llm', 'lmdeploy.pytorch.models.laguna:LagunaForCausalLM'),
