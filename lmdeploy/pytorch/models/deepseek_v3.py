@@ -4,6 +4,7 @@ group-limited), shared experts and dense first layers."""
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -12,15 +13,16 @@ from transformers.modeling_rope_utils import yarn_apply_mscale
 from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.kernels import cpu, group_limited_topk, grouped_topk, moe_routing
 from lmdeploy.pytorch.models.llama import DECODE_INT4_LAYERS, KVCache, LlamaDecoderLayer, LlamaMLP, WeightTarget
-from lmdeploy.pytorch.models.moe import MoEForCausalLM, native_experts_with_shared
+from lmdeploy.pytorch.models.moe import MoEForCausalLM, native_experts_with_shared, split_stacked_experts
 from lmdeploy.pytorch.nn.decoder_stack import LayerWeights, NativeDecoderStack, latent_attention, layer_weights
 from lmdeploy.pytorch.nn.linear import Linear, RowLinear
 from lmdeploy.pytorch.nn.mla import HeadsLinear, LatentAttention
 from lmdeploy.pytorch.nn.moe import Fp32Router, FusedExperts
 from lmdeploy.pytorch.nn.norm import RMSNorm
 from lmdeploy.pytorch.nn.quant import Layout, LinearOptions, new_parameter
-from lmdeploy.pytorch.nn.rotary import apply_rope
+from lmdeploy.pytorch.nn.rotary import apply_rope, position_query_scale, scale_queries
 from lmdeploy.pytorch.step_context import StepContext
+from lmdeploy.pytorch.weights.safetensors_loader import WeightSource
 
 LORA_NORM_EPS = 1e-6  # the q_a/kv_a norms keep RMSNorm's default, whatever rms_norm_eps says
 LAYER_INDEX = re.compile(r'layers\.(\d+)\.')
@@ -29,7 +31,8 @@ LAYER_INDEX = re.compile(r'layers\.(\d+)\.')
 class DeepseekV3Attention(nn.Module):
     """Multi-head latent attention: queries from a low-rank projection (or a plain one without
     ``q_lora_rank``), keys and values from the cached latent, each head's rotary part from the shared
-    rotary key."""
+    rotary key. Where the rope names a ``llama_4_scaling_beta`` (Mistral 4), the queries are scaled by their
+    position (the step's ``q_scale``, see :func:`~lmdeploy.pytorch.nn.rotary.position_query_scale`)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -38,6 +41,7 @@ class DeepseekV3Attention(nn.Module):
         self.nope_dim, self.rope_dim, self.v_head_dim = hf.qk_nope_head_dim, hf.qk_rope_head_dim, hf.v_head_dim
         # V2 turns neighbouring pairs (complex rotary); V3 too unless ``rope_interleave`` is off
         self.interleaved_rope = bool(getattr(hf, 'rope_interleave', True))
+        self.scaled_queries = position_query_scale(hf) is not None
         qk_head_dim = self.nope_dim + self.rope_dim
         bias = bool(getattr(hf, 'attention_bias', False))
         self.q_lora = hf.q_lora_rank is not None
@@ -65,7 +69,7 @@ class DeepseekV3Attention(nn.Module):
         outputs the int8 GEMM's panels may not fit, may run on torch's int8 GEMM (its ``router_projection``), as it
         does in the layer."""
         kv_a = self.kv_a_proj_with_mqa.kernel.router_projection(self.kv_a_proj_with_mqa.bias)
-        if kv_a is None:
+        if kv_a is None or self.scaled_queries:  # the native latent attention scales no queries
             return None
         if self.q_lora:
             queries = dict(q_a=self.q_a_proj, q=self.q_b_proj)
@@ -93,6 +97,8 @@ class DeepseekV3Attention(nn.Module):
             [self.nope_dim, self.rope_dim], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         q_rope = apply_rope(q_rope.contiguous(), ctx.cos, ctx.sin, self.interleaved_rope)
+        if self.scaled_queries:
+            q_nope, q_rope = scale_queries(q_nope, ctx.q_scale), scale_queries(q_rope, ctx.q_scale)
         k_rope = apply_rope(k_rope.unsqueeze(1).contiguous(), ctx.cos, ctx.sin, self.interleaved_rope).squeeze(1)
         latent = torch.cat((self.kv_a_layernorm(latent.contiguous()), k_rope), dim=-1)
         return q_lora, q_nope, q_rope, latent
@@ -107,21 +113,24 @@ class TopKRouter(Fp32Router):
             self.e_score_correction_bias = new_parameter((num_experts,), Layout(None, None), torch.float32)
 
 
-ROUTINGS = ('noaux_tc', 'greedy', 'group_limited_greedy')
+ROUTINGS = ('noaux_tc', 'softmax_noaux_tc', 'greedy', 'group_limited_greedy')
 # the model types that route by grouped_topk, whatever topk_method
 NOAUX_TC_MODEL_TYPES = ('deepseek_v3', 'glm4_moe', 'glm4_moe_lite', 'glm4v_moe_text', 'dots1', 'exaone_moe', 'afmoe',
                         'deepseek_v32', 'glm_moe_dsa')
+# the model types that route by grouped_topk over softmax scores, without correction bias (Mistral 4)
+SOFTMAX_NOAUX_TC_MODEL_TYPES = ('mistral4',)
 
 
 class DeepseekV3MoE(nn.Module):
     """Routed experts plus shared experts every token runs. V3 (and GLM-4.5) route by :func:`grouped_topk`
-    (``noaux_tc``); V2 by its ``topk_method``: softmax top-k (``greedy``) or :func:`group_limited_topk`, never
-    renormalized."""
+    (``noaux_tc``), Mistral 4 by it over softmax scores without correction bias (``softmax_noaux_tc``); V2 by its
+    ``topk_method``: softmax top-k (``greedy``) or :func:`group_limited_topk`, never renormalized."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         hf = cfg.hf_config
-        self.routing = 'noaux_tc' if hf.model_type in NOAUX_TC_MODEL_TYPES else hf.topk_method
+        self.routing = ('noaux_tc' if hf.model_type in NOAUX_TC_MODEL_TYPES else 'softmax_noaux_tc'
+                        if hf.model_type in SOFTMAX_NOAUX_TC_MODEL_TYPES else hf.topk_method)
         if self.routing not in ROUTINGS:
             raise ValueError(f'topk_method {self.routing!r} is not supported; supported: {ROUTINGS}')
         # Trinity's (AFMoE's) config has no groups, always renormalizes and names the scaling ``route_scale``
@@ -146,6 +155,12 @@ class DeepseekV3MoE(nn.Module):
         router = self.gate.native_projection()
         if native is None or router is None:
             return None
+        if self.routing == 'softmax_noaux_tc':
+            # the native softmax routing: where every group is kept and the weights are not scaled
+            if self.topk_groups != self.num_groups or self.scaling != 1.0:
+                return None
+            return kernels.MoEBlock(router=router, top_k=self.top_k, routing='softmax', renormalize=self.renormalize,
+                                    **native)
         routing = dict(renormalize=False)  # V2's: never renormalized
         if self.routing == 'noaux_tc':
             routing = dict(renormalize=self.renormalize, correction_bias=self.gate.e_score_correction_bias)
@@ -161,9 +176,10 @@ class DeepseekV3MoE(nn.Module):
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(topk_weights [T, k] fp32, topk_ids [T, k])`` of the fp32 router logits."""
-        if self.routing == 'noaux_tc':
-            return grouped_topk(logits, self.gate.e_score_correction_bias, self.top_k, self.num_groups,
-                                self.topk_groups, self.renormalize, self.scaling)
+        if self.routing in ('noaux_tc', 'softmax_noaux_tc'):
+            softmax = self.routing == 'softmax_noaux_tc'
+            return grouped_topk(logits, None if softmax else self.gate.e_score_correction_bias, self.top_k,
+                                self.num_groups, self.topk_groups, self.renormalize, self.scaling, softmax=softmax)
         if self.routing == 'greedy':
             weights, ids = moe_routing(logits, self.top_k, False)
         else:
@@ -237,3 +253,12 @@ class DeepseekV3ForCausalLM(MoEForCausalLM):
         self.native_stack = NativeDecoderStack.build(
             [layer.native_weights() for layer in self.layers], small, attn.num_heads, 1, attn.nope_dim + attn.rope_dim,
             self.norm.eps, attn.attn.scale, min(rows, default=0), self.cfg.quant_policy)
+
+
+class Mistral4ForCausalLM(DeepseekV3ForCausalLM):
+    """Mistral Small 4's language model: DeepSeek-V3's layers, routed by softmax (``softmax_noaux_tc``), its queries
+    scaled by position (``llama_4_scaling_beta``); its checkpoints stack the experts (``gate_up_proj [E, 2I, H]``,
+    ``down_proj [E, H, I]``), split here into per-expert weights."""
+
+    def split_fused(self, weights: Iterable[tuple[str, WeightSource]]) -> Iterator[tuple[str, WeightSource]]:
+        return split_stacked_experts(super().split_fused(weights), self.cfg.hidden_size)
