@@ -84,5 +84,6 @@ def test_gguf_mistral4_config(hf_mistral4, tmp_path: Path, tmp_gguf_cache) -> No
     convert_gguf(str(src), str(tmp_path / 'converted'), raw_types=())
     converted = json.loads((tmp_path / 'converted' / 'config.json').read_text())
     assert converted['architectures'] == ['Mistral4ForCausalLM'] and 'topk_method' not in converted
+    assert converted['head_dim'] == hf_mistral4.config.head_dim
     assert converted['q_lora_rank'] == hf_mistral4.config.q_lora_rank
     assert 'llama_4_scaling_beta' not in converted['rope_parameters']

@@ -325,7 +325,9 @@ def _mistral4(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> di
     YaRN's original context), as llama.cpp scales them."""
     fields = _deepseek2(meta, tensors, config)
     fields.pop('topk_method', None)
-    rope = fields['rope_parameters']
+    # transformers' Mistral 4 turns the rotary part as a share of whole heads (DeepSeek's config: of a rotary head)
+    head_dim = fields['qk_nope_head_dim'] + fields['qk_rope_head_dim']
+    rope = fields['rope_parameters'] | {'partial_rotary_factor': fields['qk_rope_head_dim'] / head_dim}
     beta = meta(Keys.Attention.TEMPERATURE_SCALE)
     if beta:
         period = meta(Keys.Attention.TEMPERATURE_LENGTH) or rope.get('original_max_position_embeddings')
@@ -333,7 +335,8 @@ def _mistral4(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> di
             raise ValueError('a mistral4 file whose queries are scaled by position (attention.temperature_scale) '
                              'needs its step: attention.temperature_length or YaRN\'s original context length')
         rope |= {'llama_4_scaling_beta': beta, 'original_max_position_embeddings': period}
-    return fields | {'model_type': 'mistral4', 'architectures': [ARCHITECTURES['mistral4']]}
+    return fields | {'model_type': 'mistral4', 'architectures': [ARCHITECTURES['mistral4']], 'head_dim': head_dim,
+                     'rope_parameters': rope}
 
 
 CONFIG_BUILDERS: dict[str, Callable[[Meta, dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
