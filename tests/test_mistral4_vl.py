@@ -1,13 +1,15 @@
 """Mistral Small 4 as the hub ships it (``Mistral3ForConditionalGeneration`` with a ``mistral4`` language model:
 Pixtral tower and Mistral 3's projector feeding DeepSeek-V3-style latent attention and experts) against transformers
 on a tiny random model saved by transformers: 32 greedy tokens and first-step logits in fp32 on text, one-image and
-two-image prompts, batching, chunked prefill through images, prefix-cache hits on the same images, and a server chat
-whose image is a data URL. The image path (processor, spans, hostile images) is Mistral 3's, tested there."""
+two-image prompts, batching, chunked prefill through images, prefix-cache hits on the same images, a server chat
+whose image is a data URL and two tensor-parallel ranks. The image path (processor, spans, hostile images) is
+Mistral 3's, tested there."""
 from __future__ import annotations
 
 import openai
 import pytest
-from family_checks import assert_batched_chunked_and_cached_equal_solo, assert_vl_matches_transformers
+from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_tp2_equals_tp1,
+                           assert_vl_matches_transformers)
 from helpers import make_engine
 from server_helpers import serve, tiny_engine
 from test_mistral3_vl import IMAGES, PROMPT_IMAGES, PROMPTS, hf_inputs
@@ -64,3 +66,9 @@ def test_server_chat_with_a_data_url_image_matches_transformers(mistral_small4_s
     client = openai.OpenAI(base_url=f'{mistral_small4_server.url}/v1', api_key='none', max_retries=0)
     reply = chat(client, messages)
     assert reply.choices[0].message.content == mistral_small4_server.engine.tokenizer.decode(expected.tolist())
+
+
+@pytest.mark.slow
+def test_tp2_equals_tp1(mistral_small4, prompts):
+    """Two ranks (gloo on the CPU): the language model's heads and experts split, the vision part whole on each."""
+    assert_tp2_equals_tp1(mistral_small4, prompts)
