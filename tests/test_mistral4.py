@@ -10,7 +10,8 @@ from transformers.models.mistral4.modeling_mistral4 import Mistral4TopkRouter
 
 from conftest import VOCAB_SIZE, save_random_model
 from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_matches_transformers,
-                           assert_tp2_equals_tp1, hf_causal_lm, prefix_sharing_prompts)
+                           assert_native_stack_gives_the_layers_tokens, assert_tp2_equals_tp1, hf_causal_lm,
+                           prefix_sharing_prompts)
 from helpers import make_engine, random_prompts
 
 from lmdeploy.pytorch.kernels import grouped_topk
@@ -92,6 +93,16 @@ def test_softmax_grouped_routing_matches_transformers_router():
         order, hf_order = ids.sort(-1).indices, hf_ids.sort(-1).indices
         assert torch.equal(ids.gather(1, order), hf_ids.gather(1, hf_order))
         torch.testing.assert_close(weights.gather(1, order), hf_weights.gather(1, hf_order))
+
+
+def test_bf16_native_stack_gives_the_layers_tokens(tmp_path, native_gemms):
+    """bf16 on the native GEMMs, Mistral Small 4's shape: every layer runs in the native decoder stack (the latent
+    attention scaling its queries by position, prompts past the scale's first steps; the MoE layers as MoE blocks
+    routed ``softmax``, one group and unscaled weights), with the tokens of the layers' own forward; a strong scale
+    (``llama_4_scaling_beta`` 1: twice the queries from position 64) so that bf16's tokens show it."""
+    rope = dict(ROPE, llama_4_scaling_beta=1.0)
+    assert_native_stack_gives_the_layers_tokens(save_mistral4(str(tmp_path / 'small4'), **VARIANTS['small4'],
+                                                              rope_parameters=rope))
 
 
 def test_tp2_equals_tp1(tmp_path):

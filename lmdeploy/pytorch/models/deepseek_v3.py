@@ -1,6 +1,7 @@
-"""DeepSeek-V3 (and V2): multi-head latent attention over a latent KV cache, YaRN with DeepSeek's softmax
-mscale, grouped top-k routing (V3: sigmoid scores with a correction bias; V2: softmax, greedy or
-group-limited), shared experts and dense first layers."""
+"""DeepSeek-V3 (and V2, and Mistral Small 4's language model): multi-head latent attention over a latent KV cache,
+YaRN with DeepSeek's softmax mscale, grouped top-k routing (V3: sigmoid scores with a correction bias; V2: softmax,
+greedy or group-limited; Mistral 4: softmax scores grouped as V3's, its queries scaled by position), shared experts
+and dense first layers."""
 from __future__ import annotations
 
 import re
@@ -69,7 +70,7 @@ class DeepseekV3Attention(nn.Module):
         outputs the int8 GEMM's panels may not fit, may run on torch's int8 GEMM (its ``router_projection``), as it
         does in the layer."""
         kv_a = self.kv_a_proj_with_mqa.kernel.router_projection(self.kv_a_proj_with_mqa.bias)
-        if kv_a is None or self.scaled_queries:  # the native latent attention scales no queries
+        if kv_a is None:
             return None
         if self.q_lora:
             queries = dict(q_a=self.q_a_proj, q=self.q_b_proj)
@@ -80,7 +81,7 @@ class DeepseekV3Attention(nn.Module):
                                 num_heads=self.num_heads, kv_lora_rank=self.kv_lora_rank, nope_dim=self.nope_dim,
                                 rope_dim=self.rope_dim, v_head_dim=self.v_head_dim,
                                 interleaved_rope=self.interleaved_rope, scale=self.attn.scale,
-                                norm_eps=LORA_NORM_EPS)
+                                norm_eps=LORA_NORM_EPS, scaled_queries=self.scaled_queries)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache, ctx: StepContext) -> torch.Tensor:
         _, q_nope, q_rope, latent = self.queries_and_latent(x, ctx)
@@ -147,7 +148,8 @@ class DeepseekV3MoE(nn.Module):
 
     def native_moe(self, small_step: bool = False) -> object | None:
         """This block as a ``MoEBlock`` of :class:`~lmdeploy.pytorch.nn.decoder_stack.NativeDecoderStack` with its
-        routing (``noaux_tc``, or V2's ``greedy`` or ``group_limited_greedy``; its fp32 router an ``fp32``
+        routing (``noaux_tc``, Mistral 4's as ``softmax`` where it keeps every group and scales no weight, or V2's
+        ``greedy`` or ``group_limited_greedy``; its fp32 router an ``fp32``
         projection, its shared experts ungated; ``small_step``: for steps of at most ``small_step_rows`` tokens,
         which only the shared experts' projections tell apart); None where a part runs on no native kernel."""
         kernels = cpu.native()
@@ -156,7 +158,6 @@ class DeepseekV3MoE(nn.Module):
         if native is None or router is None:
             return None
         if self.routing == 'softmax_noaux_tc':
-            # the native softmax routing: where every group is kept and the weights are not scaled
             if self.topk_groups != self.num_groups or self.scaling != 1.0:
                 return None
             return kernels.MoEBlock(router=router, top_k=self.top_k, routing='softmax', renormalize=self.renormalize,
