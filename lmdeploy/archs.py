@@ -84,6 +84,7 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'MiMoV2FlashForCausalLM': ('llm', 'lmdeploy.pytorch.models.mimo_v2_flash:MiMoV2FlashForCausalLM'),
     'Qwen4ExpForCausalLM': ('llm', 'lmdeploy.pytorch.models.qwen4_exp:Qwen4ExpForCausalLM'),
     'Qwen4ExpForConditionalGeneration': ('llm', 'lmdeploy.pytorch.models.qwen4_exp:Qwen4ExpForCausalLM'),
+    'Mistral4ForCausalLM': ('llm', 'lmdeploy.pytorch.models.deepseek_v3:Mistral4ForCausalLM'),
     'Qwen2VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
     'Qwen2_5_VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
     'LlavaForConditionalGeneration': ('vlm', f'{_VL}:LlavaForConditionalGeneration'),
