@@ -29,7 +29,9 @@ LAYER_INDEX = re.compile(r'layers\.(\d+)\.')
 class DeepseekV3Attention(nn.Module):
     """Multi-head latent attention: queries from a low-rank projection (or a plain one without
     ``q_lora_rank``), keys and values from the cached latent, each head's rotary part from the shared
-    rotary key."""
+    rotary key (unturned where ``rotary`` is off: Kimi-Linear's attention has no position encoding)."""
+
+    rotary = True
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -92,8 +94,9 @@ class DeepseekV3Attention(nn.Module):
         q_nope, q_rope = q.view(-1, self.num_heads, self.nope_dim + self.rope_dim).split(
             [self.nope_dim, self.rope_dim], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        q_rope = apply_rope(q_rope.contiguous(), ctx.cos, ctx.sin, self.interleaved_rope)
-        k_rope = apply_rope(k_rope.unsqueeze(1).contiguous(), ctx.cos, ctx.sin, self.interleaved_rope).squeeze(1)
+        if self.rotary:
+            q_rope = apply_rope(q_rope.contiguous(), ctx.cos, ctx.sin, self.interleaved_rope)
+            k_rope = apply_rope(k_rope.unsqueeze(1).contiguous(), ctx.cos, ctx.sin, self.interleaved_rope).squeeze(1)
         latent = torch.cat((self.kv_a_layernorm(latent.contiguous()), k_rope), dim=-1)
         return q_lora, q_nope, q_rope, latent
 
@@ -110,7 +113,7 @@ class TopKRouter(Fp32Router):
 ROUTINGS = ('noaux_tc', 'greedy', 'group_limited_greedy')
 # the model types that route by grouped_topk, whatever topk_method
 NOAUX_TC_MODEL_TYPES = ('deepseek_v3', 'glm4_moe', 'glm4_moe_lite', 'glm4v_moe_text', 'dots1', 'exaone_moe', 'afmoe',
-                        'deepseek_v32', 'glm_moe_dsa')
+                        'deepseek_v32', 'glm_moe_dsa', 'kimi_linear')
 
 
 class DeepseekV3MoE(nn.Module):
@@ -210,6 +213,20 @@ class DeepseekV3ForCausalLM(MoEForCausalLM):
     def finalize_weights(self, pack_cpu: bool, small_step_int4: bool) -> None:
         """As :meth:`LlamaForCausalLM.finalize_weights`, except that ``kv_b_proj`` stays dense (attention reads
         its rows, see :class:`LatentAttention`)."""
+        rows = self.finalize_layers(pack_cpu, small_step_int4)
+        if not pack_cpu:
+            return
+        # decode rows take the small stack whatever the layers' bounds; outside an engine step, steps of up to the
+        # smallest. The stack's head sizes are the latent attention's own (its attention options are unset)
+        small = [layer.native_weights(small_step=True) for layer in self.layers] if rows else None
+        attn = self.layers[0].self_attn
+        self.native_stack = NativeDecoderStack.build(
+            [layer.native_weights() for layer in self.layers], small, attn.num_heads, 1, attn.nope_dim + attn.rope_dim,
+            self.norm.eps, attn.attn.scale, min(rows, default=0), self.cfg.quant_policy)
+
+    def finalize_layers(self, pack_cpu: bool, small_step_int4: bool) -> set[int]:
+        """The weights laid out for their kernels (see :meth:`finalize_weights`); the projections' small-step row
+        bounds (0 left out)."""
         rows = set()
         for name, module in self.layers.named_modules():
             if isinstance(module, Linear):
@@ -227,13 +244,4 @@ class DeepseekV3ForCausalLM(MoEForCausalLM):
         if small_step_int4:
             self.lm_head.enable_small_step_copy()
         self.lm_head.finalize(pack_cpu)
-        if not pack_cpu:
-            return
-        rows -= {0}
-        # decode rows take the small stack whatever the layers' bounds; outside an engine step, steps of up to the
-        # smallest. The stack's head sizes are the latent attention's own (its attention options are unset)
-        small = [layer.native_weights(small_step=True) for layer in self.layers] if rows else None
-        attn = self.layers[0].self_attn
-        self.native_stack = NativeDecoderStack.build(
-            [layer.native_weights() for layer in self.layers], small, attn.num_heads, 1, attn.nope_dim + attn.rope_dim,
-            self.norm.eps, attn.attn.scale, min(rows, default=0), self.cfg.quant_policy)
+        return rows - {0}
