@@ -71,10 +71,8 @@ def test_batched_chunked_and_preempted_equal_solo(kimi_linear):
         engine = make_engine(kimi_linear, max_prefill_token_num=chunk, block_size=block_size, max_batch_size=4)
         assert run(engine, prompts) == plain
         assert_slots_free(engine)
-    longer = random_prompts([100, 130, 20, 45], seed=3)
-    expected = run(make_engine(kimi_linear), longer)
-    tight = make_engine(kimi_linear, num_gpu_blocks=14)
-    assert run(tight, longer) == expected
+    tight = make_engine(kimi_linear, num_gpu_blocks=6)
+    assert run(tight, prompts) == plain
     assert tight.scheduler.num_preemptions > 0
     assert_slots_free(tight)
 
