@@ -16,6 +16,7 @@ import torch
 
 from .gguf_gemma3n import FINISHERS as GEMMA3N_FINISHERS
 from .gguf_hybrid import FINISHERS as MAMBA2_FINISHERS
+from .gguf_kimi_linear import finish_kimi_linear
 from .gguf_lfm2 import ARCHITECTURES as LFM2_ARCHS
 from .gguf_lfm2 import unsqueeze_conv
 from .gguf_mamba import FINISHERS as MAMBA1_FINISHERS
@@ -110,6 +111,11 @@ def _deepseek2_merge(state_dict: dict[str, torch.Tensor], config: dict[str, Any]
     _split_experts(state_dict, config)
 
 
+def _kimi_linear_checkpoint(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    _deepseek2_merge(state_dict, config)
+    finish_kimi_linear(state_dict, config)
+
+
 def _ernie4_5_experts(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
     """The stacked experts back into one tensor per expert; the router's correction bias as ``[1, E]``, as ERNIE's
     checkpoints hold it."""
@@ -198,7 +204,7 @@ _FINISHERS = {'llama': _split_experts, 'qwen3moe': _split_experts, 'qwen3vlmoe':
               'minimax-m2': _split_experts, 'hunyuan-moe': _split_experts, 'olmoe': _split_experts,
               'granitemoe': _granitemoe_checkpoint, 'phimoe': _phimoe_checkpoint,
               'dots1': _split_experts, 'exaone-moe': _split_experts,
-              'afmoe': _split_experts,
+              'afmoe': _split_experts, 'kimi-linear': _kimi_linear_checkpoint,
               **dict.fromkeys(HYBRID_ARCHS, _hybrid_checkpoint), **dict.fromkeys(LFM2_ARCHS, _lfm2_checkpoint),
               **MAMBA2_FINISHERS, **GEMMA3N_FINISHERS,
               **MAMBA1_FINISHERS}
