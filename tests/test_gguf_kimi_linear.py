@@ -1,13 +1,15 @@
 """Kimi-Linear from GGUF: a file written as llama.cpp's converter (``KimiLinearModel``) writes ``kimi-linear`` from
 the checkpoint's tensors (the q/k/v convolutions as ``[1, C, 1, K]``, ``A_log`` as ``-exp(A_log)``, ``dt_bias`` as
 ``ssm_dt.bias``, MLA's ``kv_b`` split into ``k_b``/``v_b``, the experts stacked; a KV head count a layer, 0 for KDA)
-reads back into the checkpoint and serves tokens and first-step logits like transformers; a file whose
-``attention.head_count_kv`` is one number is refused saying why."""
+reads back into the checkpoint and serves tokens and first-step logits like transformers; a file whose experts are
+Q8_0 serves them as their blocks; a file whose ``attention.head_count_kv`` is one number is refused saying why."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import gguf
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
 import numpy as np
 import pytest
 import torch
@@ -16,7 +18,7 @@ from transformers import AutoModelForCausalLM, KimiLinearConfig
 
 from conftest import save_random_model
 from family_checks import assert_matches_transformers, hf_causal_lm
-from helpers import random_prompts
+from helpers import assert_transformers_greedy, make_engine, random_prompts, run
 from test_gguf import _add_tokenizer, finish
 from test_kimi_linear import CONFIG
 
@@ -72,8 +74,9 @@ def converter_tensors(path: str, layers: int, experts: int) -> dict[str, np.ndar
     return out
 
 
-def write_kimi_gguf(path: str, dest: Path, kv_heads: list[int] | int | None = None) -> None:
-    """The checkpoint at ``path`` as a ``kimi-linear`` F32 file (``kv_heads``: another ``attention.head_count_kv``)."""
+def write_kimi_gguf(path: str, dest: Path, kv_heads: list[int] | int | None = None, q8_experts: bool = False) -> None:
+    """The checkpoint at ``path`` as a ``kimi-linear`` F32 file (``kv_heads``: another ``attention.head_count_kv``;
+    ``q8_experts``: the stacked experts in Q8_0)."""
     config = AutoModelForCausalLM.from_config(KimiLinearConfig.from_pretrained(path)).config
     layers = config.num_hidden_layers
     writer = gguf.GGUFWriter(str(dest), 'kimi-linear')
@@ -100,7 +103,9 @@ def write_kimi_gguf(path: str, dest: Path, kv_heads: list[int] | int | None = No
                        (writer.add_expert_weights_scale, config.routed_scaling_factor)]:
         add(value)
     for name, data in converter_tensors(path, layers, config.num_local_experts).items():
-        writer.add_tensor(name, np.ascontiguousarray(data))
+        data = np.ascontiguousarray(data)
+        q8 = q8_experts and name.endswith('_exps.weight')
+        writer.add_tensor(name, quantize(data, Q.Q8_0) if q8 else data, raw_dtype=Q.Q8_0 if q8 else None)
     finish(writer)
 
 
@@ -127,6 +132,24 @@ def test_f32_file_reads_back_the_checkpoint_and_serves_like_transformers(kimi_pa
     vocab = hf.config.vocab_size
     assert_matches_transformers(str(src), hf, random_prompts([5, 17, 70], vocab=vocab),
                                 random_prompts([7, 31], vocab=vocab))
+
+
+def test_q8_0_experts_kept_as_blocks(kimi_path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The routed experts in Q8_0 are served as their blocks (the rest dequantized, as ``deepseek2``'s); greedy
+    tokens like transformers on the weights the file holds."""
+    monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(tmp_path / 'cache'))
+    src = tmp_path / 'kimi_q8.gguf'
+    write_kimi_gguf(kimi_path, src, q8_experts=True)
+    config = gguf_config(open_gguf(str(src)), str(src))
+    assert config['quantization_config']['ggml_types'] == {
+        f'layers.{layer}.mlp.experts.{name}': 'Q8_0' for layer in (1, 2, 3) for name in ('gate_up_proj', 'down_proj')}
+    hf = hf_causal_lm(kimi_path)
+    with torch.no_grad():  # the weights as the Q8_0 blocks hold them
+        for name, param in hf.named_parameters():
+            if name.endswith(('experts.gate_up_proj', 'experts.down_proj')):
+                param.copy_(torch.from_numpy(dequantize(quantize(param.numpy(), Q.Q8_0), Q.Q8_0)))
+    prompts = random_prompts([5, 30], vocab=hf.config.vocab_size)
+    assert_transformers_greedy(hf, prompts, run(make_engine(str(src)), prompts))
 
 
 def test_one_kv_head_count_for_every_layer_is_refused(kimi_path, tmp_path: Path) -> None:
