@@ -11,7 +11,8 @@ from lmdeploy.pytorch.kernels.gated_delta import L2NORM_EPS
 
 @triton.jit
 def _gated_delta_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_ptr, slots_ptr, out_ptr,
-                               stride_qb, stride_qh, stride_vb, stride_vh, stride_gb, stride_gh, stride_gk, stride_betab,
+                               stride_qb, stride_qh, stride_vb, stride_vh, stride_gb, stride_gh, stride_gk,
+                               stride_betab,
                                stride_ss, stride_sh, stride_sk, stride_ob, stride_oh,
                                heads_per_key_head, k_dim, v_dim, scale, eps,
                                BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
