@@ -77,6 +77,7 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'AfmoeForCausalLM': ('llm', 'lmdeploy.pytorch.models.afmoe:AfmoeForCausalLM'),
     'DeepseekV32ForCausalLM': ('llm', 'lmdeploy.pytorch.models.deepseek_v32:DeepseekV32ForCausalLM'),
     'GlmMoeDsaForCausalLM': ('llm', 'lmdeploy.pytorch.models.deepseek_v32:GlmMoeDsaForCausalLM'),
+    'LongcatFlashForCausalLM': ('llm', 'lmdeploy.pytorch.models.longcat_flash:LongcatFlashForCausalLM'),
     'KimiLinearForCausalLM': ('llm', 'lmdeploy.pytorch.models.kimi_linear:KimiLinearForCausalLM'),
     'Qwen2VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
     'Qwen2_5_VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
