@@ -79,6 +79,7 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'GlmMoeDsaForCausalLM': ('llm', 'lmdeploy.pytorch.models.deepseek_v32:GlmMoeDsaForCausalLM'),
     'LongcatFlashForCausalLM': ('llm', 'lmdeploy.pytorch.models.longcat_flash:LongcatFlashForCausalLM'),
     'KimiLinearForCausalLM': ('llm', 'lmdeploy.pytorch.models.kimi_linear:KimiLinearForCausalLM'),
+    'Lfm3ForCausalLM': ('llm', 'lmdeploy.pytorch.models.lfm2:Lfm2ForCausalLM'),
     'Qwen2VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
     'Qwen2_5_VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
     'LlavaForConditionalGeneration': ('vlm', f'{_VL}:LlavaForConditionalGeneration'),
