@@ -79,6 +79,7 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'GlmMoeDsaForCausalLM': ('llm', 'lmdeploy.pytorch.models.deepseek_v32:GlmMoeDsaForCausalLM'),
     'DeepseekV4ForCausalLM': ('llm', 'lmdeploy.pytorch.models.deepseek_v4:DeepseekV4ForCausalLM'),
     'LongcatFlashForCausalLM': ('llm', 'lmdeploy.pytorch.models.longcat_flash:LongcatFlashForCausalLM'),
+    'KimiLinearForCausalLM': ('llm', 'lmdeploy.pytorch.models.kimi_linear:KimiLinearForCausalLM'),
     'Lfm3ForCausalLM': ('llm', 'lmdeploy.pytorch.models.lfm2:Lfm2ForCausalLM'),
     'LagunaForCausalLM': ('llm', 'lmdeploy.pytorch.models.laguna:LagunaForCausalLM'),
     'MiMoV2FlashForCausalLM': ('llm', 'lmdeploy.pytorch.models.mimo_v2_flash:MiMoV2FlashForCausalLM'),

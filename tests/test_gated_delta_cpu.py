@@ -20,11 +20,12 @@ def native_delta():
     return module
 
 
-def decode_inputs(batch: int, key_heads: int, heads: int, k_dim: int, v_dim: int, dtype: torch.dtype = torch.float32):
+def decode_inputs(batch: int, key_heads: int, heads: int, k_dim: int, v_dim: int, dtype: torch.dtype = torch.float32,
+                  per_feature: bool = False):
     g = torch.Generator().manual_seed(batch * 1000 + heads * 10 + v_dim)
     q, k = (torch.randn(batch, key_heads, k_dim, generator=g).to(dtype) for _ in range(2))
     v = torch.randn(batch, heads, v_dim, generator=g).to(dtype)
-    decay = -torch.rand(batch, heads, generator=g) * 2
+    decay = -torch.rand(batch, heads, *([k_dim] if per_feature else []), generator=g) * 2
     beta = torch.rand(batch, heads, generator=g).to(dtype)
     states = torch.randn(NUM_SLOTS, heads, k_dim, v_dim, generator=g) * 0.1
     slots = torch.tensor([5, 0, 3, 6, 1, 4, 2][:batch])  # out of order, some rows left out
@@ -36,13 +37,15 @@ def decode_inputs(batch: int, key_heads: int, heads: int, k_dim: int, v_dim: int
 SHAPES = [(2, 4, 16, 16), (1, 3, 24, 24), (2, 4, 40, 160)]
 
 
+@pytest.mark.parametrize('per_feature', [False, True])
 @pytest.mark.parametrize('batch', [1, 3, 7])
 @pytest.mark.parametrize('key_heads, heads, k_dim, v_dim', SHAPES)
-def test_native_decode_matches_torch(batch, key_heads, heads, k_dim, v_dim):
+def test_native_decode_matches_torch(batch, key_heads, heads, k_dim, v_dim, per_feature):
     """Each sequence's output and its pool row updated in place equal the torch twin's to fp32 rounding (the order of
     the sums differs: at most 3e-8 seen on outputs of order 0.1, 2e-7 on state entries of order 1); the rows of no
-    sequence stay bit for bit."""
-    q, k, v, decay, beta, states, slots = decode_inputs(batch, key_heads, heads, k_dim, v_dim)
+    sequence stay bit for bit. ``per_feature``: a decay per key feature (``g [B, H, Dk]``, Kimi-Linear's KDA)."""
+    q, k, v, decay, beta, states, slots = decode_inputs(batch, key_heads, heads, k_dim, v_dim,
+                                                        per_feature=per_feature)
     expected_states = states.clone()
     expected = gated_delta.gated_delta_decode(q, k, v, decay, beta, expected_states, slots)
     out = native_delta().gated_delta_decode(q, k, v, decay, beta, states, slots)
@@ -117,7 +120,8 @@ def test_engine_dispatch_runs_native_and_falls_back(monkeypatch):
     (dict(slots=torch.tensor([0.0, 1.0, 2.0])), 'integer'),
     (dict(states=torch.zeros(NUM_SLOTS, 4, 16, 24, dtype=torch.bfloat16)), 'fp32'),
     (dict(states=torch.zeros(NUM_SLOTS, 4, 24, 16).transpose(-1, -2)), 'contiguous'),
-    (dict(g=torch.zeros(3, 3)), 'g and beta'),
+    (dict(g=torch.zeros(3, 3)), r'g: \[B, H\] or \[B, H, Dk\]'),
+    (dict(g=torch.zeros(3, 4, 15)), r'g: \[B, H\] or \[B, H, Dk\]'),
     (dict(k=torch.zeros(3, 2, 8)), 'q and k'),
 ])
 def test_native_decode_refuses_bad_input(bad, message):

@@ -32,10 +32,12 @@ LAYER_INDEX = re.compile(r'layers\.(\d+)\.')
 class DeepseekV3Attention(nn.Module):
     """Multi-head latent attention: queries from a low-rank projection (or a plain one without
     ``q_lora_rank``), keys and values from the cached latent, each head's rotary part from the shared
-    rotary key. With ``lora_scales`` (LongCat-Flash) the queries are scaled by ``sqrt(hidden / q_lora_rank)`` and
-    the normed latent by ``sqrt(hidden / kv_lora_rank)``. Where the rope names a ``llama_4_scaling_beta`` (Mistral 4),
-    the queries are scaled by their position (the step's ``q_scale``, see
-    :func:`~lmdeploy.pytorch.nn.rotary.position_query_scale`)."""
+    rotary key (unturned where ``rotary`` is off: Kimi-Linear's attention has no position encoding). With
+    ``lora_scales`` (LongCat-Flash) the queries are scaled by ``sqrt(hidden / q_lora_rank)`` and the normed latent by
+    ``sqrt(hidden / kv_lora_rank)``. Where the rope names a ``llama_4_scaling_beta`` (Mistral 4), the queries are
+    scaled by their position (the step's ``q_scale``, see :func:`~lmdeploy.pytorch.nn.rotary.position_query_scale`)."""
+
+    rotary = True
 
     def __init__(self, cfg: ModelConfig, lora_scales: bool = False):
         super().__init__()
@@ -104,10 +106,11 @@ class DeepseekV3Attention(nn.Module):
             q, latent = q * self.lora_scales[0], latent * self.lora_scales[1]
         q_nope, q_rope = q.view(-1, self.num_heads, self.nope_dim + self.rope_dim).split(
             [self.nope_dim, self.rope_dim], dim=-1)
-        q_rope = apply_rope(q_rope.contiguous(), ctx.cos, ctx.sin, self.interleaved_rope)
+        if self.rotary:
+            q_rope = apply_rope(q_rope.contiguous(), ctx.cos, ctx.sin, self.interleaved_rope)
+            k_rope = apply_rope(k_rope.unsqueeze(1).contiguous(), ctx.cos, ctx.sin, self.interleaved_rope).squeeze(1)
         if self.scaled_queries:
             q_nope, q_rope = scale_queries(q_nope, ctx.q_scale), scale_queries(q_rope, ctx.q_scale)
-        k_rope = apply_rope(k_rope.unsqueeze(1).contiguous(), ctx.cos, ctx.sin, self.interleaved_rope).squeeze(1)
         latent = torch.cat((latent, k_rope), dim=-1)
         return q_lora, q_nope, q_rope, latent
 
@@ -124,7 +127,8 @@ class TopKRouter(Fp32Router):
 ROUTINGS = ('noaux_tc', 'softmax_noaux_tc', 'greedy', 'group_limited_greedy')
 # the model types that route by grouped_topk, whatever topk_method
 NOAUX_TC_MODEL_TYPES = ('deepseek_v3', 'glm4_moe', 'glm4_moe_lite', 'glm4v_moe_text', 'dots1', 'exaone_moe', 'afmoe',
-                        'deepseek_v32', 'glm_moe_dsa', 'laguna', 'mimo_v2_flash')
+                        'deepseek_v32', 'glm_moe_dsa', 'laguna', 'mimo_v2_flash',
+                        'kimi_linear')
 # the model types that route by grouped_topk over softmax scores, without correction bias (Mistral 4)
 SOFTMAX_NOAUX_TC_MODEL_TYPES = ('mistral4',)
 

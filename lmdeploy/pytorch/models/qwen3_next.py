@@ -64,7 +64,8 @@ class GatedAttention(nn.Module):
 
 
 class GatedRMSNorm(nn.Module):
-    """RMSNorm of each head's output, times its weight, times ``activation`` (SiLU) of the gate ``z``."""
+    """RMSNorm of each head's output, times its weight, times ``activation`` (SiLU; Kimi-Linear's: sigmoid) of the
+    gate ``z``."""
 
     def __init__(self, size: int, eps: float, activation: Callable[[torch.Tensor], torch.Tensor] = F.silu):
         super().__init__()
@@ -164,12 +165,19 @@ class GatedDeltaNet(nn.Module):
         return q, k, v.unflatten(-1, (self.num_v_heads, self.v_dim))
 
     def forward(self, x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor], ctx: StepContext) -> torch.Tensor:
-        conv_states, delta_states = state
         qkv, z, b, a = self.project(x)
         beta = placeless(torch.sigmoid, b)
         g = -self.A_log.float().exp() * placeless(F.softplus, a.float() + self.dt_bias.float(), a.dtype)
+        out = self.delta_rule(qkv, g, beta, state, ctx)
+        return self.out_proj(self.norm(out.to(self.dtype), z).flatten(1))
+
+    def delta_rule(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   state: tuple[torch.Tensor, torch.Tensor], ctx: StepContext) -> torch.Tensor:
+        """The convolution of ``qkv [T, conv_dim]``, then the gated delta rule of log decay ``g`` (``[T, H]``, or
+        ``[T, H, Dk]`` per key feature) and ``beta [T, H]``, over each sequence's state rows; fp32 ``[T, H, Dv]``."""
+        conv_states, delta_states = state
         weight = self.conv1d.weight.squeeze(1)
-        out = torch.empty(x.shape[0], self.num_v_heads, self.v_dim, dtype=torch.float32, device=x.device)
+        out = torch.empty(qkv.shape[0], self.num_v_heads, self.v_dim, dtype=torch.float32, device=qkv.device)
         num_prefill = ctx.num_prefill_tokens
         for slot, start, length, fresh in ctx.state_prefill:
             rows = slice(start, start + length)
@@ -178,12 +186,12 @@ class GatedDeltaNet(nn.Module):
             mixed, conv_states[slot] = (t[0] for t in causal_conv1d(qkv[rows].T[None], conv_state[None], weight))
             out[rows], delta_states[slot] = chunk_gated_delta_rule(*self.split_heads(mixed.T), g[rows], beta[rows],
                                                                    None if fresh else delta_states[slot])
-        if num_prefill < x.shape[0]:
+        if num_prefill < qkv.shape[0]:
             decode = ctx.state_decode_slots
             mixed = causal_conv1d_decode(qkv[num_prefill:], conv_states, decode, weight)
             out[num_prefill:] = gated_delta_decode(*self.split_heads(mixed), g[num_prefill:],
                                                    beta[num_prefill:], delta_states, decode)
-        return self.out_proj(self.norm(out.to(self.dtype), z).flatten(1))
+        return out
 
 
 class HybridDecoderLayer(nn.Module):

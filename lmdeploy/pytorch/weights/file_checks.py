@@ -17,7 +17,7 @@ from lmdeploy.model_source import ModelNotFoundError
 
 REDOWNLOAD = 'it may be truncated (a download that did not finish) or corrupt: re-download it'
 # architectures whose query projections are not ``heads * head_dim`` rows (multi-head latent attention)
-_OTHER_HEAD_WIDTHS = frozenset({'deepseek2', 'glm-dsa'})
+_OTHER_HEAD_WIDTHS = frozenset({'deepseek2', 'glm-dsa', 'kimi-linear'})
 _LAYER_INDEX = re.compile(r'blk\.(\d+)\.')
 
 

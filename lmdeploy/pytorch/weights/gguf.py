@@ -29,6 +29,7 @@ from .gguf_archs import (ARCHITECTURES, CONFIG_BUILDERS, GLOBAL_NAMES, LAYER_NAM
 from .gguf_hybrid import PERMUTED_ARCHS as MAMBA2_PERMUTED_ARCHS
 from .gguf_keys import metadata
 from .gguf_hybrid import UNSUFFIXED_NAMES as MAMBA2_UNSUFFIXED_NAMES
+from .gguf_kimi_linear import UNSUFFIXED_NAMES as KIMI_LINEAR_UNSUFFIXED_NAMES
 from .gguf_mamba import UNSUFFIXED_NAMES as MAMBA1_UNSUFFIXED_NAMES
 from .gguf_qwen3_next import ARCHITECTURES as HYBRID_ARCHS
 from .gguf_qwen3_next import FILE_LAYOUT as HYBRID_FILE_LAYOUT
@@ -85,7 +86,7 @@ SMOLLM3_NO_ROPE_INTERVAL = 4
 _LAYER_RE = re.compile(r'blk\.(\d+)\.([\w.]+)')  # LFM2's ``shortconv.in_proj`` has a dot
 # tensors llama.cpp names without a ``.weight``/``.bias`` kind (``ssm_a``; Mamba-2's ``ssm_d``)
 _UNSUFFIXED_NAMES = {**dict.fromkeys(HYBRID_ARCHS, UNSUFFIXED_NAMES), **MAMBA2_UNSUFFIXED_NAMES,
-                     **MAMBA1_UNSUFFIXED_NAMES}
+                     **MAMBA1_UNSUFFIXED_NAMES, **KIMI_LINEAR_UNSUFFIXED_NAMES}
 _LAYER_INDEX = re.compile(r'blk\.(\d+)\.')
 _EXPERTS = re.compile(r'blk\.\d+\.ffn_(gate|up|down)_exps\.weight')
 # llama.cpp pre-tokenizers that transformers' GGUF reader does not know, by the one of its splits they use

@@ -7,7 +7,8 @@ back one tensor per expert or fused as its checkpoints hold them); the other MoE
 ``gguf_moe_archs.py``, Qwen3-Next and Qwen3.5 (``qwen3next``, ``qwen35``, ``qwen35moe``) theirs,
 ``gguf_qwen3_next.py``, LFM2 and LFM2-MoE (``lfm2``, ``lfm2moe``) theirs, ``gguf_lfm2.py``, Gemma 3n
 (``gemma3n``) its own, ``gguf_gemma3n.py``, Mamba and Falcon Mamba (``mamba``) theirs, ``gguf_mamba.py``, and
-GLM-5 (``glm-dsa``) its own, ``gguf_dsa.py``, merged in here.
+GLM-5 (``glm-dsa``) its own, ``gguf_dsa.py``, and Kimi-Linear (``kimi-linear``) its own, ``gguf_kimi_linear.py``,
+merged in here.
 
 Each has a config builder (the transformers config fields that llama.cpp keeps in metadata under gguf-py's
 ``Keys``, or fixes in its loader) and, where needed, a state-dict step in ``gguf_tensors.py`` that undoes what
@@ -21,7 +22,8 @@ import numpy as np
 import torch
 from gguf import Keys
 
-from . import gguf_dsa, gguf_gemma3n, gguf_hybrid, gguf_lfm2, gguf_mamba, gguf_moe_archs, gguf_qwen3_next
+from . import (gguf_dsa, gguf_gemma3n, gguf_hybrid, gguf_kimi_linear, gguf_lfm2, gguf_mamba, gguf_moe_archs,
+               gguf_qwen3_next)
 from .gguf_keys import Meta
 from .gguf_keys import glm_rope as _glm_rope
 from .gguf_keys import layer_types as _layer_types
@@ -52,6 +54,7 @@ ARCHITECTURES = {
     **gguf_gemma3n.ARCHITECTURES,
     **gguf_mamba.ARCHITECTURES,
     **gguf_dsa.ARCHITECTURES,
+    **gguf_kimi_linear.ARCHITECTURES,
 }
 
 # architectures whose every linear layer is a projection (or experts) that may be served as llama.cpp's blocks
@@ -92,6 +95,7 @@ LAYER_NAMES: dict[str, dict[str, str]] = {
     **dict.fromkeys(gguf_gemma3n.ARCHITECTURES, gguf_gemma3n.LAYER_NAMES),
     **gguf_mamba.LAYER_NAMES,
     **gguf_dsa.LAYER_NAMES,
+    **gguf_kimi_linear.LAYER_NAMES,
 }
 # tensors outside the layers, by architecture, beyond the embedding, final norm and output every one has
 GLOBAL_NAMES: dict[str, dict[str, str]] = dict.fromkeys(gguf_gemma3n.ARCHITECTURES, gguf_gemma3n.GLOBAL_NAMES)
@@ -312,4 +316,5 @@ CONFIG_BUILDERS: dict[str, Callable[[Meta, dict[str, Any], dict[str, Any]], dict
     'granitemoe': _granitemoe,
     **gguf_moe_archs.CONFIG_BUILDERS,
     **gguf_qwen3_next.CONFIG_BUILDERS, **gguf_lfm2.CONFIG_BUILDERS, **gguf_hybrid.CONFIG_BUILDERS,
-    **gguf_gemma3n.CONFIG_BUILDERS, **gguf_mamba.CONFIG_BUILDERS, **gguf_dsa.CONFIG_BUILDERS}
+    **gguf_gemma3n.CONFIG_BUILDERS, **gguf_mamba.CONFIG_BUILDERS, **gguf_dsa.CONFIG_BUILDERS,
+    **gguf_kimi_linear.CONFIG_BUILDERS}

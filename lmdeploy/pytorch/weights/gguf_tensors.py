@@ -16,6 +16,7 @@ import torch
 
 from .gguf_gemma3n import FINISHERS as GEMMA3N_FINISHERS
 from .gguf_hybrid import FINISHERS as MAMBA2_FINISHERS
+from .gguf_kimi_linear import finish_kimi_linear
 from .gguf_lfm2 import ARCHITECTURES as LFM2_ARCHS
 from .gguf_lfm2 import unsqueeze_conv
 from .gguf_mamba import FINISHERS as MAMBA1_FINISHERS
@@ -118,6 +119,11 @@ def _mistral4_merge(state_dict: dict[str, torch.Tensor], config: dict[str, Any])
         state_dict[prefix + 'mlp.experts.gate_proj.weight'] = gate
         state_dict[prefix + 'mlp.experts.up_proj.weight'] = up
     _deepseek2_merge(state_dict, config)
+
+
+def _kimi_linear_checkpoint(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    _deepseek2_merge(state_dict, config)
+    finish_kimi_linear(state_dict, config)
 
 
 def _ernie4_5_experts(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
@@ -227,6 +233,7 @@ _FINISHERS = {'llama': _split_experts, 'qwen3moe': _split_experts, 'qwen3vlmoe':
               'afmoe': _split_experts,
               'mimo2': _split_experts,
               'mistral4': _mistral4_merge,
+              'kimi-linear': _kimi_linear_checkpoint,
               **dict.fromkeys(HYBRID_ARCHS, _hybrid_checkpoint), **dict.fromkeys(LFM2_ARCHS, _lfm2_checkpoint),
               **MAMBA2_FINISHERS, **GEMMA3N_FINISHERS,
               **MAMBA1_FINISHERS}

@@ -1,5 +1,6 @@
-// Gated DeltaNet's decode step on the CPU (Qwen3-Next, Qwen3.5 linear attention): the one-token gated delta
-// rule on the rows of the fp32 state pool, and the one-token causal convolution before it.
+// Gated DeltaNet's decode step on the CPU (Qwen3-Next, Qwen3.5 linear attention; Kimi-Linear's KDA, whose decay is
+// per key feature): the one-token gated delta rule on the rows of the fp32 state pool, and the one-token causal
+// convolution before it.
 //
 // gated_delta_decode (AVX-512) runs each (sequence, head) state [Dk, Dv] as one task, in tiles of 128 value
 // columns: a first pass reads the tile from the pool row and forms kv = k^T (exp(g) S), a second pass (from L1/L2)
@@ -48,6 +49,7 @@ struct DecodeStep {
   float* out;
   const int64_t* slots;
   int64_t heads, key_heads, k_dim, v_dim, slot_stride, head_stride;
+  bool per_feature;  // g [B, H, Dk] (KDA) rather than [B, H]
 };
 
 // q (scaled by Dk^-0.5) or k, L2-normed, into `normed`.
@@ -63,12 +65,13 @@ __mmask16 lanes_mask(int64_t remaining) {
                              : remaining <= 0 ? static_cast<__mmask16>(0) : static_cast<__mmask16>((1u << remaining) - 1);
 }
 
-// Sequence b's head h; qn and kn: Dk floats of scratch.
-void head_step(const DecodeStep& a, int64_t b, int64_t h, float* qn, float* kn) {
+// Sequence b's head h; qn, kn and decays: Dk floats of scratch each.
+void head_step(const DecodeStep& a, int64_t b, int64_t h, float* qn, float* kn, float* decays) {
   const int64_t Dk = a.k_dim, Dv = a.v_dim, key_head = h / (a.heads / a.key_heads);
   l2_normed(a.q + (b * a.key_heads + key_head) * Dk, Dk, 1.f / std::sqrt(static_cast<float>(Dk)), qn);
   l2_normed(a.k + (b * a.key_heads + key_head) * Dk, Dk, 1.f, kn);
-  const __m512 decay = _mm512_set1_ps(std::exp(a.g[b * a.heads + h]));
+  const float* g = a.per_feature ? a.g + (b * a.heads + h) * Dk : a.g + b * a.heads + h;
+  for (int64_t i = 0; i < Dk; ++i) decays[i] = std::exp(g[a.per_feature ? i : 0]);
   const __m512 beta = _mm512_set1_ps(a.beta[b * a.heads + h]);
   float* state = a.states + a.slots[b] * a.slot_stride + h * a.head_stride;
   const float* v = a.v + (b * a.heads + h) * Dv;
@@ -82,7 +85,7 @@ void head_step(const DecodeStep& a, int64_t b, int64_t h, float* qn, float* kn) 
     }
     for (int64_t i = 0; i < Dk; ++i) {
       const float* row = state + i * Dv + c0;
-      const __m512 ki = _mm512_set1_ps(kn[i]);
+      const __m512 ki = _mm512_set1_ps(kn[i]), decay = _mm512_set1_ps(decays[i]);
 #pragma GCC unroll 8
       for (int j = 0; j < kTileVectors; ++j)
         kv[j] = _mm512_fmadd_ps(ki, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask[j], row + j * kLanes), decay), kv[j]);
@@ -91,7 +94,7 @@ void head_step(const DecodeStep& a, int64_t b, int64_t h, float* qn, float* kn) 
       delta[j] = _mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask[j], v + c0 + j * kLanes), kv[j]), beta);
     for (int64_t i = 0; i < Dk; ++i) {
       float* row = state + i * Dv + c0;
-      const __m512 ki = _mm512_set1_ps(kn[i]), qi = _mm512_set1_ps(qn[i]);
+      const __m512 ki = _mm512_set1_ps(kn[i]), qi = _mm512_set1_ps(qn[i]), decay = _mm512_set1_ps(decays[i]);
 #pragma GCC unroll 8
       for (int j = 0; j < kTileVectors; ++j) {
         const __m512 s = _mm512_fmadd_ps(
@@ -121,8 +124,11 @@ torch::Tensor gated_delta_decode(const torch::Tensor& q, const torch::Tensor& k,
   const int64_t batch = v.size(0), heads = v.size(1), v_dim = v.size(2), key_heads = q.size(1), k_dim = q.size(2);
   TORCH_CHECK(key_heads > 0 && heads % key_heads == 0, "the ", heads, " value heads must be a multiple of the ",
               key_heads, " key heads");
-  TORCH_CHECK(g.dim() == 2 && g.size(0) == batch && g.size(1) == heads && beta.sizes() == g.sizes(),
-              "g and beta: [B, H] each");
+  const bool per_feature = g.dim() == 3;
+  TORCH_CHECK(beta.dim() == 2 && beta.size(0) == batch && beta.size(1) == heads &&
+                  (g.sizes() == beta.sizes() || (per_feature && g.sizes().slice(0, 2) == beta.sizes() &&
+                                                 g.size(2) == k_dim)),
+              "g: [B, H] or [B, H, Dk]; beta: [B, H]");
   TORCH_CHECK(states.device().is_cpu() && states.scalar_type() == at::kFloat && states.dim() == 4 &&
                   states.size(1) == heads && states.size(2) == k_dim && states.size(3) == v_dim &&
                   states.stride(3) == 1 && states.stride(2) == v_dim,
@@ -133,11 +139,11 @@ torch::Tensor gated_delta_decode(const torch::Tensor& q, const torch::Tensor& k,
   auto out = torch::empty({batch, heads, v_dim}, v.options().dtype(at::kFloat));
   const DecodeStep step{q32.data_ptr<float>(), k32.data_ptr<float>(), v32.data_ptr<float>(), g32.data_ptr<float>(),
                         beta32.data_ptr<float>(), states.data_ptr<float>(), out.data_ptr<float>(), rows.data(),
-                        heads, key_heads, k_dim, v_dim, states.stride(0), states.stride(1)};
+                        heads, key_heads, k_dim, v_dim, states.stride(0), states.stride(1), per_feature};
   at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> normed(2 * k_dim);
+    std::vector<float> scratch(3 * k_dim);
     for (int64_t task = begin; task < end; ++task)
-      head_step(step, task / heads, task % heads, normed.data(), normed.data() + k_dim);
+      head_step(step, task / heads, task % heads, scratch.data(), scratch.data() + k_dim, scratch.data() + 2 * k_dim);
   });
   return out;
 }
