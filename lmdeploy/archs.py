@@ -77,6 +77,8 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'AfmoeForCausalLM': ('llm', 'lmdeploy.pytorch.models.afmoe:AfmoeForCausalLM'),
     'DeepseekV32ForCausalLM': ('llm', 'lmdeploy.pytorch.models.deepseek_v32:DeepseekV32ForCausalLM'),
     'GlmMoeDsaForCausalLM': ('llm', 'lmdeploy.pytorch.models.deepseek_v32:GlmMoeDsaForCausalLM'),
+    'Gemma4ForCausalLM': ('llm', 'lmdeploy.pytorch.models.gemma4:Gemma4ForCausalLM'),
+    'Gemma4ForConditionalGeneration': ('llm', 'lmdeploy.pytorch.models.gemma4:Gemma4ForCausalLM'),
     'Qwen2VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
     'Qwen2_5_VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
     'LlavaForConditionalGeneration': ('vlm', f'{_VL}:LlavaForConditionalGeneration'),
