@@ -7,6 +7,7 @@ multimodal checkpoint."""
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -22,7 +23,9 @@ from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_
 from helpers import make_engine, random_prompts, run
 from server_helpers import serve, tiny_engine
 
+from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.config import ModelConfig
+from lmdeploy.pytorch.engine.engine import Engine
 
 SLIDING, FULL = 'sliding_attention', 'full_attention'
 WINDOW = 16
@@ -131,6 +134,20 @@ def test_caches_of_each_layer_geometry(gemma4):
     caches = make_engine(gemma4).runner.kv_caches
     assert [tuple(cache[0].shape[1::2]) if cache else None for cache in caches] == [
         (2, 16), (2, 32), (2, 16), None, None]
+
+
+def test_cache_fills_the_budget_by_each_layers_bytes(gemma4, caplog):
+    """The memory is split between the sliding and full pools by each layer's bytes (the full layer's blocks take
+    twice a sliding layer's): the caches fill the budget and stay within it; the log says what the sharing saves."""
+    budget = 4 << 20
+    with caplog.at_level(logging.INFO, logger='lmdeploy'):
+        engine = Engine(gemma4, PytorchEngineConfig(dtype='float32', block_size=16, max_cache_bytes=budget,
+                                                    max_batch_size=4, max_prefill_token_num=256), show_progress=False)
+    assert 'saving 768 bytes per token' in caplog.text
+    runner = engine.runner
+    assert runner.num_window_blocks is not None
+    cache_bytes = sum(t.numel() * t.element_size() for cache in runner.kv_caches for t in cache)
+    assert 0.95 * budget < cache_bytes <= budget + 2 * engine.model_config.kv_bytes_per_token() * 16
 
 
 def test_multimodal_checkpoint_serves_its_language_model(gemma4, gemma4_multimodal):
