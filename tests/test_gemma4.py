@@ -18,8 +18,8 @@ from safetensors.torch import load_file, save_file
 from transformers import Gemma4Config, Gemma4TextConfig
 
 from conftest import VOCAB_SIZE, save_random_model
-from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_matches_transformers, hf_causal_lm,
-                           prefix_sharing_prompts)
+from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_bf16_within_twice_transformers,
+                           assert_matches_transformers, hf_causal_lm, prefix_sharing_prompts)
 from helpers import make_engine, random_prompts, run
 from server_helpers import serve, tiny_engine
 
@@ -172,3 +172,10 @@ def test_multimodal_checkpoint_refuses_images_and_audio(gemma4_multimodal):
 def test_tensor_parallelism_is_refused(gemma4):
     with pytest.raises(ValueError, match='per-layer cache geometry'):
         make_engine(gemma4, tp=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('fixture', ['gemma4', 'gemma4_moe'])
+def test_bf16_within_twice_transformers(fixture, request):
+    """bf16 on the CPU (the default dtype) stays as close to fp32 as transformers' own bf16 model."""
+    assert_bf16_within_twice_transformers(request.getfixturevalue(fixture))
