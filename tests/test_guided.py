@@ -201,6 +201,42 @@ def test_opener_decides_where_the_grammar_applies(engine):
     assert not seq.grammar.accept(first, []) and seq.grammar.active and not seq.grammar.opening
 
 
+def test_opener_and_grammar_share_a_prefix(engine):
+    """'<think>' and the grammar's '<x>' both start with '<': after it, either may go on, and the grammar
+    that went on is matched from the reply's start (before, '<' forced the rest of the opener); once the
+    opener is under way the grammar's tokens are not allowed, and it applies from its start after the marker."""
+    tok = engine.tokenizer
+    lt, x, close = (tok.encode(s, add_special_tokens=False)[0] for s in ('<', 'x', '>'))
+    config = GenerationConfig(response_format=FORMATS['grammar'], response_format_after='</think>',
+                              response_format_opener='<think>')
+    grammar = GrammarCompiler(tok, engine.model_config.vocab_size).compile(config)
+
+    def sampled(seq, token: int) -> int:
+        logits = torch.zeros(1, engine.model_config.vocab_size)
+        logits[0, token] = 10
+        return sample(logits, [seq]).token_ids[0]
+
+    seq = Sequence(0, [1], config, tok.eos_token_ids)
+    seq.grammar = GrammarState(grammar)
+    output = []
+    for token in (lt, x, close):
+        assert sampled(seq, token) == token
+        assert not seq.grammar.accept(token, output)
+        output.append(token)
+    assert seq.grammar.active and not seq.grammar.opening
+    assert sampled(seq, x) in tok.eos_token_ids
+    seq.grammar = GrammarState(grammar)
+    output = list(grammar.opener_ids)
+    for i, token in enumerate(output):
+        assert sampled(seq, x if i == 2 else token) == token
+        assert not seq.grammar.accept(token, output[:i])
+    assert not seq.grammar.active and not seq.grammar.opening
+    for token in tok.encode('</think>', add_special_tokens=False):
+        assert not seq.grammar.accept(token, output)
+        output.append(token)
+    assert seq.grammar.active and seq.grammar.matcher.accept_token(lt)
+
+
 def test_bad_formats_are_rejected(tiny_llama, engine):
     with pytest.raises(ValueError, match='response_format'):
         GenerationConfig(response_format={'type': 'xml'})

@@ -59,6 +59,17 @@ def test_a_call_cut_short_keeps_the_arguments_that_arrived(name):
     assert split(parser(name), text) == {'reasoning': '', 'content': '', 'calls': [('get_weather', '{"city": "Pa')]}
 
 
+def test_falcon_h1r_writes_one_call_per_tag():
+    """Falcon-H1R writes Hermes' blocks, one object each: read beside Falcon-H1's lists."""
+    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": ' + NESTED + '}\n</tool_call>\n'
+            '<tool_call>{"name": "now", "arguments": {}}</tool_call>' + calls('falcon_h1', ('later', '{}')))
+    assert split(parser('falcon_h1'), text) == {'reasoning': '', 'content': 'Let me check.', 'calls': [
+        ('get_weather', NESTED), ('now', '{}'), ('later', '{}')]}
+    not_a_call = 'Hi <tool_call>{"no": "name"}</tool_call> there'
+    assert split(parser('falcon_h1'), not_a_call)['content'] == not_a_call
+    assert split(parser('jamba'), '<tool_calls>{"name": "f", "arguments": {}}</tool_calls>')['calls'] == []
+
+
 def test_hunyuan_reasoning_and_answer():
     text = ('<think>\nThe user wants the weather.\n</think>\n<answer>\nChecking.\n'
             + calls('hunyuan_a13b', ('get_weather', '{"city": "Paris"}')) + '\n</answer>')
@@ -91,4 +102,4 @@ def test_picked_for_their_model_types_and_named_as_vllm_names_them():
     assert get_tool_parser('hunyuan') is get_tool_parser('hunyuan_a13b')
     assert get_reasoning_parser('hunyuan') is get_reasoning_parser('hunyuan_a13b')
     assert get_tool_parser('command_a') is get_tool_parser('cohere2')
-    assert 'falcon_h1' not in MODEL_PARSERS  # Falcon-H1R writes one object per <tool_call>, as Hermes reads
+    assert MODEL_PARSERS['falcon_h1'] == ('falcon_h1', None)  # Falcon-H1 and H1R share it

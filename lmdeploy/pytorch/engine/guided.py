@@ -132,8 +132,8 @@ _JSON_STRING_CHAR = r'[^\0-\x1f\"\\\ud800-\udfff]'
 class GrammarState:
     """Where one sequence stands in its grammar. ``active``: the grammar masks the next token. While
     ``opening`` (from the output's start, until it is decided), the output may open with the grammar's
-    ``opener_ids`` instead: once it has, the grammar applies after the ``after_ids``; a first token that is
-    not the opener's starts the grammar at once."""
+    ``opener_ids`` instead: tokens that both allow go to both, the first that only the grammar allows starts
+    the grammar, and once the opener is complete the grammar applies after the ``after_ids``."""
 
     def __init__(self, grammar: Grammar):
         import xgrammar as xgr
@@ -142,20 +142,22 @@ class GrammarState:
         self.opener_ids = list(grammar.opener_ids)
         self.opened = 0  # tokens of the opener output so far
         self.opening = bool(self.opener_ids)
+        self.grammar_open = True  # while opening: the output so far is also the grammar's
         self.active = not self.after_ids or self.opening
 
     def accept(self, token_id: int, output_ids: list[int]) -> bool:
         """Advances past ``token_id`` (sampled after ``output_ids``); True once the grammar is complete or
         the token breaks it (it cannot when the logits were masked), so generation must stop."""
         if self.opening:
+            self.grammar_open = self.grammar_open and self.matcher.accept_token(token_id)
             if token_id == self.opener_ids[self.opened]:
                 self.opened += 1
                 if self.opened == len(self.opener_ids):
                     self.opening = self.active = False
+                    self.matcher.reset()
                 return False
-            if self.opened:  # the opener was begun and broken
-                return True
             self.opening = False
+            return not self.grammar_open or self.matcher.is_terminated()
         if not self.active:
             n = len(self.after_ids)
             self.active = (output_ids[-(n - 1):] if n > 1 else []) + [token_id] == self.after_ids
@@ -194,9 +196,9 @@ def apply_grammars(x: Tensor, states: list[GrammarState | None]) -> None:
 
 
 def _allow_opener(mask: Tensor, state: GrammarState) -> None:
-    """Lets ``state``'s opener go on in a row ``mask`` of the grammar's allowed tokens: its first token along
-    with them, its next one alone once begun."""
-    if state.opened:
+    """Lets ``state``'s opener go on in a row ``mask`` of the grammar's allowed tokens: its next token along
+    with them while the output so far is also the grammar's, alone once it is not."""
+    if not state.grammar_open:
         mask.zero_()
     token = state.opener_ids[state.opened]
     bit = 1 << token % 32

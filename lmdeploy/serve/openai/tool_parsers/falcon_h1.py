@@ -1,8 +1,10 @@
-"""Falcon-H1 tool calls: a JSON list of calls in one ``<tool_call>`` block (Hermes writes one object there)::
+"""Falcon-H1 tool calls: a JSON list of calls in one ``<tool_call>`` block, or (Falcon-H1R, as Hermes) one call
+object per block::
 
     some text<tool_call>
     [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "now", "arguments": {}}]
     </tool_call>
+    <tool_call>{"name": "get_time", "arguments": {}}</tool_call>
 """
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ OPEN, CLOSE = '<tool_call>', '</tool_call>'
 
 @register_tool_parser('falcon_h1')
 class FalconH1ToolParser(JsonListToolParser):
-    """A list of calls in ``<tool_call>...</tool_call>``."""
+    """A list of calls, or one call, in ``<tool_call>...</tool_call>``."""
 
     open_tags, close_tag = (OPEN,), CLOSE
+    single_calls = True
     markers = (OPEN, CLOSE)

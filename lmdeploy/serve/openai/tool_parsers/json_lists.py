@@ -19,14 +19,17 @@ class JsonListToolParser(JsonCallsParser):
     """Text up to an opening tag (one of ``open_tags``) is content, without the whitespace before it; then a list
     of call objects, whose arguments stream as written, and ``close_tag`` (when the format has one) with the
     whitespace after it. A tag that no list of calls follows, an object that is not a call (with what follows
-    it), and the text after the list are content, less the tags where they are ``special_markers``."""
+    it), and the text after the list are content, less the tags where they are ``special_markers``. With
+    ``single_calls`` a tag may hold one call object instead of a list."""
 
     open_tags: tuple[str, ...] = ()
     close_tag: str | None = None
+    single_calls = False
 
     def __init__(self, tools: Sequence[Mapping[str, Any]] = (), special_markers: Collection[str] = ()) -> None:
         super().__init__(tools, special_markers)
         self.state = 'text'
+        self.in_list = True
 
     def _advance(self, final: bool) -> ParsedDelta:
         out = ParsedDelta()
@@ -38,8 +41,12 @@ class JsonListToolParser(JsonCallsParser):
                 start = skip_whitespace(self.text, self.pos)
                 if start == len(self.text) and not final:
                     return out
-                if start < len(self.text) and self.text[start] == '[':
-                    self.pos, self.state, self.first = start + 1, 'items', True
+                opening = self.text[start] if start < len(self.text) else None
+                self.first, self.in_list = True, opening == '['
+                if opening == '[':
+                    self.pos, self.state = start + 1, 'items'
+                elif opening == '{' and self.single_calls:
+                    self.start_call(start)
                 else:  # no list: the tag is text
                     out.content += self._unmarked(self.marker_start, start)
                     self.pos, self.state = start, 'text'
@@ -54,6 +61,8 @@ class JsonListToolParser(JsonCallsParser):
                     return out
             elif not self.read_list_call(out, final):
                 return out
+            elif self.state == 'items' and not self.in_list:
+                self.state = 'close'
 
     def _close(self, final: bool) -> bool:
         """Past the closing tag and the whitespace after it (then back to ``'text'``): False while the text
