@@ -84,7 +84,8 @@ def gemma4_multimodal(gemma4, tmp_path_factory) -> str:
     tensors = {name.replace('model.', 'model.language_model.', 1): tensor
                for name, tensor in load_file(f'{gemma4}/model.safetensors').items()}
     g = torch.Generator().manual_seed(5)
-    for name in ('model.audio_tower.layers.0.self_attn.q_proj.linear.weight', 'model.embed_audio.embedding_projection.weight',
+    for name in ('model.audio_tower.layers.0.self_attn.q_proj.linear.weight',
+                 'model.embed_audio.embedding_projection.weight',
                  'model.vision_tower.encoder.layers.0.self_attn.q_proj.linear.weight',
                  'model.embed_vision.embedding_projection.weight'):
         tensors[name] = torch.randn(32, 64, generator=g)

@@ -10,7 +10,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
+from gguf import GGMLQuantizationType as Q
+from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from conftest import save_random_model
@@ -77,7 +78,9 @@ def converter_name(name: str, names) -> str:
     return names.get_name(name, try_suffixes=('.weight', '.bias'))
 
 
-def save_gguf(kind: str, path: Path) -> tuple[Path, str, int]:
+def save_gguf(kind: str, path: Path, quantize: bool = False) -> tuple[Path, str, int]:
+    """The tiny ``kind`` model saved in ``path / 'hf'`` and written as ``path / 'model.gguf'``; with ``quantize``
+    every projection and the stacked experts as Q8_0 blocks, and the checkpoint rewritten with what they hold."""
     src = path / 'model.gguf'
     writer = gguf.GGUFWriter(str(src), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.GEMMA4])
     vocab = _add_tokenizer(writer)
@@ -87,8 +90,16 @@ def save_gguf(kind: str, path: Path) -> tuple[Path, str, int]:
     add_metadata(writer, config)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA4, config.num_hidden_layers)
     writer.add_tensor('rope_freqs.weight', rope_freqs(config))
-    for name, tensor in load_file(f'{folder}/model.safetensors').items():
-        writer.add_tensor(converter_name(name, names), np.ascontiguousarray(tensor.float().numpy()))
+    state = load_file(f'{folder}/model.safetensors')
+    for name, tensor in state.items():
+        data = tensor.float().numpy()
+        if quantize and name.endswith(('proj.weight', 'gate_up_proj', 'down_proj')) and data.shape[-1] % 32 == 0:
+            data = gguf.quants.quantize(data, Q.Q8_0)
+            state[name] = torch.from_numpy(gguf.quants.dequantize(data, Q.Q8_0))
+        writer.add_tensor(converter_name(name, names), np.ascontiguousarray(data),
+                          raw_dtype=Q.Q8_0 if data.dtype == np.uint8 else None)
+    if quantize:
+        save_file(state, f'{folder}/model.safetensors', metadata={'format': 'pt'})
     finish(writer)
     return src, folder, vocab
 
@@ -107,5 +118,18 @@ def test_gguf_matches_transformers(kind: str, tmp_path: Path, monkeypatch) -> No
     assert [(c.num_key_value_heads, c.head_dim) for c in converted.config.per_layer_config] == [
         (c.num_key_value_heads, c.head_dim) for c in hf.config.per_layer_config]
 
+    prompts = random_prompts([5, 40], vocab=vocab)
+    assert_transformers_greedy(hf, prompts, run(make_engine(str(src)), prompts))
+
+
+@pytest.mark.slow
+def test_q8_0_experts_dequantized(tmp_path: Path, monkeypatch) -> None:
+    """A MoE file whose projections and stacked experts are Q8_0 serves, dequantized, the tokens transformers gives
+    on the weights those blocks hold."""
+    monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(tmp_path / 'cache'))
+    src, folder, vocab = save_gguf('moe', tmp_path, quantize=True)
+    reader = gguf.GGUFReader(str(src))
+    assert {t.tensor_type for t in reader.tensors if t.name.endswith('_exps.weight')} == {Q.Q8_0}
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     prompts = random_prompts([5, 40], vocab=vocab)
     assert_transformers_greedy(hf, prompts, run(make_engine(str(src)), prompts))

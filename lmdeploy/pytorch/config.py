@@ -129,11 +129,10 @@ class ModelConfig:
     def kv_bytes_per_token(self) -> int:
         """Bytes of KV cache one token takes across all layers with one, scales and zero points included."""
         layers = self.num_layers - self.num_state_layers - self.num_cacheless_layers - self.num_kv_shared_layers
-        if self.layer_kv_geometry is None:
-            return layers * self.kv_bytes_per_layer_token()
+        # where the layers' caches differ (Gemma 4), those with one are the first: its KV-sharing layers are the last
         return sum(self.kv_bytes_per_layer_token(layer) for layer in range(layers))
 
     def shared_kv_bytes_per_token(self) -> int:
         """Bytes of KV cache per token that the KV-sharing layers (the last ``num_kv_shared_layers``) do not hold."""
-        return sum(self.kv_bytes_per_layer_token(None if self.layer_kv_geometry is None else layer)
+        return sum(self.kv_bytes_per_layer_token(layer)
                    for layer in range(self.num_layers - self.num_kv_shared_layers, self.num_layers))
