@@ -1,7 +1,9 @@
-"""Hunyuan-A13B, the dense Hunyuan, Arcee and Apertus in the native decoder stack against the layers' own forward:
+"""Hunyuan-A13B, the dense Hunyuan, Arcee, Apertus and StarCoder2 in the native decoder stack against the layers' own
+forward:
 Hunyuan's q/k norms after the rotary (``qk_norm_after_rope``) and Hunyuan-A13B's MoE (softmax-routed on the fp32
 router, the ungated shared MLP) as a ``MoEBlock``; Arcee's ungated ReLU² MLP and Apertus's ungated xIELU one with
-each layer's coefficients (``ungated_mlp``); bf16 and W8A8 projections, KV caches in bf16, int8 and int4, 4-bit
+each layer's coefficients and StarCoder2's ungated GELU-tanh one under biased LayerNorms (``ungated_mlp``,
+``layer_norm`` with ``input_norm_bias`` and ``post_norm_bias``); bf16 and W8A8 projections, KV caches in bf16, int8 and int4, 4-bit
 copies for small steps: every step's hidden states equal, Hunyuan's option shown to count, each prompt's tokens
 alone as in a batch."""
 from __future__ import annotations
@@ -17,6 +19,7 @@ from test_decoder_stack import (ENGINE, assert_small_int4_steps_run_in_the_stack
                                 differences_without_an_option, saved_models)
 from test_hunyuan import hunyuan_config
 from test_hunyuan_dense import hunyuan_dense_config
+from test_starcoder2 import save_starcoder2
 
 from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
@@ -28,10 +31,11 @@ MODELS = {'hunyuan': lambda path: save_random_model(hunyuan_config(), path),
           'hunyuan_dense': lambda path: save_random_model(hunyuan_dense_config(), path),
           'arcee': lambda path: save_arcee(path, 'afm_yarn'),
           'arcee_biased': lambda path: save_arcee(path, 'biased'),
-          'apertus': lambda path: save_random_model(apertus_config(), path)}
+          'apertus': lambda path: save_random_model(apertus_config(), path),
+          'starcoder2': lambda path: save_starcoder2(path, 'sliding')}
 CASES = [(kind, 'bf16', 0) for kind in MODELS] + [('arcee', 'w8a8', 8), ('apertus', 'w8a8', 8),
                                                   ('hunyuan_dense', 'w8a8', 8), ('hunyuan', 'bf16', 4),
-                                                  ('apertus', 'bf16', 8)]
+                                                  ('apertus', 'bf16', 8), ('starcoder2', 'bf16', 4)]
 
 
 @pytest.fixture(scope='module')
@@ -46,7 +50,7 @@ def test_stack_equals_the_layers(kind, weights, quant_policy, saved, native_gemm
     assert_stack_equals_the_layers(saved(kind, weights), quant_policy, monkeypatch)
 
 
-@pytest.mark.parametrize('kind', ['hunyuan', 'arcee', 'apertus'])
+@pytest.mark.parametrize('kind', ['hunyuan', 'arcee', 'apertus', 'starcoder2'])
 def test_small_int4_steps_run_in_the_stack(kind, saved, native_gemms, monkeypatch):
     """With ``decode_int4``, steps of at most two tokens run in the stack on the 4-bit weights (an ungated MLP's up
     projection on its bf16 one, as in the layers), equal to the layers' forward on them."""
@@ -69,7 +73,7 @@ def test_hunyuan_qk_norm_after_rope_matters(saved, native_gemms, monkeypatch):
     assert min(differences) > 0.01
 
 
-@pytest.mark.parametrize('kind', ['hunyuan', 'arcee', 'apertus'])
+@pytest.mark.parametrize('kind', ['hunyuan', 'arcee', 'apertus', 'starcoder2'])
 def test_stack_is_batch_invariant(kind, saved, native_gemms):
     """bf16 in the stack: each prompt's greedy tokens alone equal its tokens prefilled together and beside decode
     rows."""

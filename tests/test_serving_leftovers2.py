@@ -33,6 +33,7 @@ MARKERS = [
     ('hunyuan_a13b', '<tool_calls>', 'anywhere'),
     ('falcon_h1', '<tool_call>', 'anywhere'),
     ('cohere2', '<|START_ACTION|>', 'anywhere'),
+    ('longcat', '<longcat_tool_call>', 'anywhere'),
     ('llama3_json', '<|python_tag|>', 'start'),
 ]
 # what follows the marker: nothing, text, whitespace, a list that holds no call

@@ -1,7 +1,7 @@
 """StarCoder2 (``Starcoder2ForCausalLM``) against transformers on tiny random models saved by transformers: greedy
 tokens and first-step logits in fp32 (biased LayerNorms and projections, the ungated GELU-tanh ``c_fc``/``c_proj``
 MLP, tied embeddings as the 3B's; a sliding window shorter than the prompts, or none), batching, chunked prefill and
-prefix-cache hits, tensor parallelism, and bf16 outside the native decoder stack close to transformers."""
+prefix-cache hits, tensor parallelism, and bf16 in the native decoder stack close to transformers."""
 from __future__ import annotations
 
 import pytest
@@ -54,12 +54,12 @@ def test_batched_chunked_and_cached_equal_solo(tmp_path):
                                                  prefix_sharing_prompts())
 
 
-def test_bf16_runs_its_layers_outside_the_native_stack(tmp_path, native_gemms):
-    """The stack's MLPs are gated and its norms carry no bias: with bf16 on the native GEMMs the layers run their own
-    forward, batched as solo, the first step's logits within bf16's error of transformers in fp32."""
+def test_bf16_runs_its_layers_in_the_native_stack(tmp_path, native_gemms):
+    """With bf16 on the native GEMMs the layers run in the stack (biased LayerNorms, the ungated GELU-tanh MLP),
+    batched as solo, the first step's logits within bf16's error of transformers in fp32."""
     path = save_starcoder2(str(tmp_path / 'starcoder2'), 'sliding')
     engine = Engine(path, PytorchEngineConfig(dtype='bfloat16', num_gpu_blocks=64, block_size=16), show_progress=False)
-    assert engine.runner.model.native_stack is None
+    assert engine.runner.model.native_stack is not None
     prompts = random_prompts([40, 9, 23], seed=6)
     outs = run(engine, prompts)
     assert [run(engine, [prompt])[0] for prompt in prompts] == outs

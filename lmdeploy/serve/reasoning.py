@@ -23,7 +23,8 @@ MODEL_PARSERS = {'gpt_oss': ('harmony', 'harmony'), 'seed_oss': ('seed_oss', 'se
                  'qwen3_5_text': ('qwen3_coder', 'qwen3_5'), 'qwen3_5_moe_text': ('qwen3_coder', 'qwen3_5'),
                  'minimax_m2': ('minimax_m2', 'qwen3'), 'hunyuan_v1_moe': ('hunyuan_a13b', 'hunyuan_a13b'),
                  'hunyuan_v1_dense': ('hunyuan_a13b', 'hunyuan_a13b'), 'jamba': ('jamba', None),
-                 'cohere2': ('cohere2', 'cohere2'), 'falcon_h1': ('falcon_h1', None)}
+                 'cohere2': ('cohere2', 'cohere2'), 'falcon_h1': ('falcon_h1', None),
+                 'longcat_flash': ('longcat', None)}
 AUTO = 'auto'
 
 

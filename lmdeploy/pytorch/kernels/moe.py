@@ -96,10 +96,13 @@ def group_limited_topk(router_logits: torch.Tensor, top_k: int, num_groups: int,
 
 
 def biased_softmax_topk(router_logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int,
-                        norm_min: float) -> tuple[torch.Tensor, torch.Tensor]:
+                        norm_min: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     """ERNIE 4.5's routing: ``(topk_weights [T, k] fp32, topk_ids [T, k])``, the experts chosen by softmax score
-    plus ``correction_bias``, weighted by their unbiased scores divided by their sum (at least ``norm_min``)."""
+    plus ``correction_bias``, weighted by their unbiased scores divided by their sum (at least ``norm_min``); with
+    ``norm_min`` None (LongCat-Flash) the unbiased scores as they are."""
     scores = router_logits.float().softmax(-1)
     ids = (scores + correction_bias.float().reshape(-1)).topk(top_k, dim=-1)[1]
     weights = scores.gather(1, ids)
+    if norm_min is None:
+        return weights, ids
     return weights / weights.sum(-1, keepdim=True).clamp(min=norm_min), ids

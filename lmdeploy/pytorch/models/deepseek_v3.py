@@ -29,9 +29,10 @@ LAYER_INDEX = re.compile(r'layers\.(\d+)\.')
 class DeepseekV3Attention(nn.Module):
     """Multi-head latent attention: queries from a low-rank projection (or a plain one without
     ``q_lora_rank``), keys and values from the cached latent, each head's rotary part from the shared
-    rotary key."""
+    rotary key. With ``lora_scales`` (LongCat-Flash) the queries are scaled by ``sqrt(hidden / q_lora_rank)`` and
+    the normed latent by ``sqrt(hidden / kv_lora_rank)``."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, lora_scales: bool = False):
         super().__init__()
         hf = cfg.hf_config
         num_heads, self.kv_lora_rank = hf.num_attention_heads, hf.kv_lora_rank
@@ -54,6 +55,8 @@ class DeepseekV3Attention(nn.Module):
         first, last = self.kv_b_proj.heads
         self.o_proj = RowLinear(num_heads * self.v_head_dim, cfg.hidden_size, bias=bias,
                                 in_range=(first * self.v_head_dim, last * self.v_head_dim))
+        self.lora_scales = ((cfg.hidden_size / hf.q_lora_rank)**0.5, (cfg.hidden_size / self.kv_lora_rank)**0.5
+                            ) if lora_scales else None
         scale = yarn_apply_mscale(getattr(hf, 'rope_parameters', None) or {}, qk_head_dim**-0.5)
         self.attn = LatentAttention(self.num_heads, self.kv_lora_rank, self.nope_dim, self.v_head_dim, scale,
                                     cfg.quant_policy)
@@ -63,9 +66,9 @@ class DeepseekV3Attention(nn.Module):
         :class:`~lmdeploy.pytorch.nn.decoder_stack.NativeDecoderStack` (``small_step``: for steps of at most
         ``small_step_rows`` tokens); None where a projection runs on no native GEMM. ``kv_a_proj_with_mqa``, whose
         outputs the int8 GEMM's panels may not fit, may run on torch's int8 GEMM (its ``router_projection``), as it
-        does in the layer."""
+        does in the layer. None with ``lora_scales`` too (the stack has no such scales)."""
         kv_a = self.kv_a_proj_with_mqa.kernel.router_projection(self.kv_a_proj_with_mqa.bias)
-        if kv_a is None:
+        if kv_a is None or self.lora_scales is not None:
             return None
         if self.q_lora:
             queries = dict(q_a=self.q_a_proj, q=self.q_b_proj)
@@ -89,12 +92,15 @@ class DeepseekV3Attention(nn.Module):
         (normed latent, then turned rotary key)."""
         q_lora = self.q_a_layernorm(self.q_a_proj(x)) if self.q_lora else None
         q = self.q_b_proj(q_lora) if self.q_lora else self.q_proj(x)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent.contiguous())
+        if self.lora_scales is not None:
+            q, latent = q * self.lora_scales[0], latent * self.lora_scales[1]
         q_nope, q_rope = q.view(-1, self.num_heads, self.nope_dim + self.rope_dim).split(
             [self.nope_dim, self.rope_dim], dim=-1)
-        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         q_rope = apply_rope(q_rope.contiguous(), ctx.cos, ctx.sin, self.interleaved_rope)
         k_rope = apply_rope(k_rope.unsqueeze(1).contiguous(), ctx.cos, ctx.sin, self.interleaved_rope).squeeze(1)
-        latent = torch.cat((self.kv_a_layernorm(latent.contiguous()), k_rope), dim=-1)
+        latent = torch.cat((latent, k_rope), dim=-1)
         return q_lora, q_nope, q_rope, latent
 
 
@@ -210,6 +216,20 @@ class DeepseekV3ForCausalLM(MoEForCausalLM):
     def finalize_weights(self, pack_cpu: bool, small_step_int4: bool) -> None:
         """As :meth:`LlamaForCausalLM.finalize_weights`, except that ``kv_b_proj`` stays dense (attention reads
         its rows, see :class:`LatentAttention`)."""
+        rows = self.finalize_layers(pack_cpu, small_step_int4)
+        if not pack_cpu:
+            return
+        # decode rows take the small stack whatever the layers' bounds; outside an engine step, steps of up to the
+        # smallest. The stack's head sizes are the latent attention's own (its attention options are unset)
+        small = [layer.native_weights(small_step=True) for layer in self.layers] if rows else None
+        attn = self.layers[0].self_attn
+        self.native_stack = NativeDecoderStack.build(
+            [layer.native_weights() for layer in self.layers], small, attn.num_heads, 1, attn.nope_dim + attn.rope_dim,
+            self.norm.eps, attn.attn.scale, min(rows, default=0), self.cfg.quant_policy)
+
+    def finalize_layers(self, pack_cpu: bool, small_step_int4: bool) -> set[int]:
+        """Lays out the layers' and the LM head's weights for their kernels (``kv_b_proj`` dense, each latent
+        attention's heads packed); returns the bounds of the small-step kernels (``small_step_rows``, but 0)."""
         rows = set()
         for name, module in self.layers.named_modules():
             if isinstance(module, Linear):
@@ -227,13 +247,4 @@ class DeepseekV3ForCausalLM(MoEForCausalLM):
         if small_step_int4:
             self.lm_head.enable_small_step_copy()
         self.lm_head.finalize(pack_cpu)
-        if not pack_cpu:
-            return
-        rows -= {0}
-        # decode rows take the small stack whatever the layers' bounds; outside an engine step, steps of up to the
-        # smallest. The stack's head sizes are the latent attention's own (its attention options are unset)
-        small = [layer.native_weights(small_step=True) for layer in self.layers] if rows else None
-        attn = self.layers[0].self_attn
-        self.native_stack = NativeDecoderStack.build(
-            [layer.native_weights() for layer in self.layers], small, attn.num_heads, 1, attn.nope_dim + attn.rope_dim,
-            self.norm.eps, attn.attn.scale, min(rows, default=0), self.cfg.quant_policy)
+        return rows - {0}

@@ -44,10 +44,11 @@ def layer_weights(input_norm: torch.Tensor | None, post_norm: torch.Tensor | Non
     """A Llama-style layer's weights for the stack: its norms' weights (None for a ``post_norms_only`` layer, the
     post-norm None for a ``parallel_block`` one) and its ``qkv``, ``o``, ``gate_up`` and ``down`` projections
     (without the last two where ``options`` holds its ``moe`` block), each as its kernel's native projection
-    (``small_step``: the one for steps of at most ``small_step_rows`` tokens); ``options`` are the other fields of ``LayerWeights`` by name (its other norms,
-    ``rotary_dim``, ``interleaved_rope``, ``sliding_window``, ``attention_chunk``, ``scaled_queries``,
-    ``qk_norm_across_heads``, ``qk_norm_after_rope``, ``qk_l2_norm_eps``, ``post_norms_only``, ``parallel_block``,
-    ``layer_norm``, ``ungated_mlp`` (``gate_up`` then the up projection) and its ``xielu`` coefficients, ``sinks``,
+    (``small_step``: the one for steps of at most ``small_step_rows`` tokens); ``options`` are the other fields of
+    ``LayerWeights`` by name (its other norms, ``rotary_dim``, ``interleaved_rope``, ``sliding_window``,
+    ``attention_chunk``, ``scaled_queries``, ``qk_norm_across_heads``, ``qk_norm_after_rope``, ``qk_l2_norm_eps``,
+    ``post_norms_only``, ``parallel_block``, ``layer_norm`` (with ``input_norm_bias``, ``post_norm_bias``),
+    ``ungated_mlp`` (``gate_up`` then the up projection) and its ``xielu`` coefficients, ``sinks``,
     ``moe``; see ``kernels/cpu/decoder_stack.h``). None when a projection runs on no native GEMM."""
     native = native_projections(projections, small_step)
     return None if native is None else cpu.native().LayerWeights(input_norm=input_norm, post_norm=post_norm,

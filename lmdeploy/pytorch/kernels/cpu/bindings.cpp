@@ -200,7 +200,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     c10::optional<int64_t>, c10::optional<double>, bool, bool, double, bool, bool,
                     c10::optional<int64_t>, c10::optional<double>, Optional, c10::optional<LatentAttention>, bool,
                     c10::optional<LinearAttention>, bool, bool, bool, c10::optional<std::string>,
-                    c10::optional<std::vector<torch::Tensor>>>(),
+                    c10::optional<std::vector<torch::Tensor>>, Optional, Optional>(),
            py::kw_only(), py::arg("input_norm") = py::none(), py::arg("post_norm") = py::none(),
            py::arg("qkv") = py::none(),
            py::arg("o"),
@@ -214,7 +214,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("attention_chunk") = py::none(), py::arg("qk_l2_norm_eps") = py::none(),
            py::arg("sinks") = py::none(), py::arg("mla") = py::none(), py::arg("output_gate") = false,
            py::arg("linear_attn") = py::none(), py::arg("parallel_block") = false, py::arg("layer_norm") = false,
-           py::arg("qk_norm_after_rope") = false, py::arg("ungated_mlp") = py::none(), py::arg("xielu") = py::none());
+           py::arg("qk_norm_after_rope") = false, py::arg("ungated_mlp") = py::none(), py::arg("xielu") = py::none(),
+           py::arg("input_norm_bias") = py::none(), py::arg("post_norm_bias") = py::none());
   py::class_<DecoderStack>(m, "DecoderStack", "Llama-style decoder layers in one call per step")
       .def(py::init<std::vector<LayerWeights>, int64_t, int64_t, int64_t, double, double, int64_t>(), py::kw_only(),
            py::arg("layers"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"),

@@ -222,11 +222,13 @@ DecoderStack::DecoderStack(std::vector<LayerWeights> layers, int64_t num_heads, 
       TORCH_CHECK(w.input_norm && w.post_norm, "a layer has its input_norm and post_norm (or is post_norms_only)");
     }
     TORCH_CHECK(!w.layer_norm || w.input_norm, "a layer_norm layer has its input_norm");
+    TORCH_CHECK(w.layer_norm || (!w.input_norm_bias && !w.post_norm_bias),
+                "only a layer_norm layer's norms have biases");
     TORCH_CHECK(!w.qk_norm_after_rope || w.q_norm, "qk_norm_after_rope needs the q and k norms");
-    TORCH_CHECK(!w.ungated_mlp || ((*w.ungated_mlp == "relu2" || *w.ungated_mlp == "xielu") && w.gate_up &&
-                                   !w.gelu_tanh_mlp),
-                "an ungated_mlp is 'relu2' or 'xielu', on the layer's up (gate_up) and down projections, without "
-                "gelu_tanh_mlp");
+    TORCH_CHECK(!w.ungated_mlp || ((*w.ungated_mlp == "relu2" || *w.ungated_mlp == "gelu_tanh" ||
+                                    *w.ungated_mlp == "xielu") && w.gate_up && !w.gelu_tanh_mlp),
+                "an ungated_mlp is 'relu2', 'gelu_tanh' or 'xielu', on the layer's up (gate_up) and down projections, "
+                "without gelu_tanh_mlp");
     const bool xielu = w.ungated_mlp && *w.ungated_mlp == "xielu";
     TORCH_CHECK(w.xielu.has_value() == xielu && (!xielu || w.xielu->size() == 4),
                 "an xielu MLP, and only it, has its xielu coefficients (alpha_p, alpha_n, beta, eps)");
@@ -255,13 +257,21 @@ torch::Tensor gelu_tanh_and_mul(const torch::Tensor& gate_up) {
   return at::gelu(parts[0], "tanh").mul(parts[1]);
 }
 
-// An ungated MLP's activation of its up projection's output x, the ops of ReluSquared (models/arcee.py) or XIELU
-// (models/apertus.py) in their order.
+// An ungated MLP's activation of its up projection's output x, the ops of ReluSquared (models/arcee.py), GeluTanh
+// (models/starcoder2.py) or XIELU (models/apertus.py) in their order.
 torch::Tensor ungated_activation(const LayerWeights& w, const torch::Tensor& x) {
   if (*w.ungated_mlp == "relu2") return x.relu().square();
+  if (*w.ungated_mlp == "gelu_tanh") return at::gelu(x, "tanh");
   const auto &alpha_p = (*w.xielu)[0], &alpha_n = (*w.xielu)[1], &beta = (*w.xielu)[2], &eps = (*w.xielu)[3];
   return at::where(x.gt(0), alpha_p.mul(x).mul(x).add(beta.mul(x)),
                    x.minimum(eps).expm1().sub(x).mul(alpha_n).add(beta.mul(x)));
+}
+
+// LayerNorm of nn/norm.py: x normed in fp32 by weight (and bias), in x's dtype.
+torch::Tensor layer_normed(const torch::Tensor& x, const torch::Tensor& weight,
+                           const c10::optional<torch::Tensor>& bias, double eps) {
+  const auto fp32_bias = bias ? c10::optional<torch::Tensor>(bias->to(at::kFloat)) : c10::nullopt;
+  return at::layer_norm(x.to(at::kFloat), {x.size(-1)}, weight.to(at::kFloat), fp32_bias, eps).to(x.scalar_type());
 }
 
 }  // namespace
@@ -364,10 +374,9 @@ std::tuple<torch::Tensor, torch::Tensor> DecoderStack::forward(
       continue;
     }
     torch::Tensor h;
-    if (w.layer_norm) {  // LayerNorm of nn/norm.py
+    if (w.layer_norm) {
       sum = sum.defined() ? x.add(sum) : x;
-      h = at::layer_norm(sum.to(at::kFloat), {sum.size(-1)}, w.input_norm->to(at::kFloat), {}, eps_)
-              .to(sum.scalar_type());
+      h = layer_normed(sum, *w.input_norm, w.input_norm_bias, eps_);
     } else {
       std::tie(h, sum) = rms_norm(x, *w.input_norm, eps_, sum.defined() ? c10::optional<torch::Tensor>(sum)
                                                                          : c10::nullopt);
@@ -381,7 +390,12 @@ std::tuple<torch::Tensor, torch::Tensor> DecoderStack::forward(
                                         : attention(w, (*w.qkv)(h), kv_caches[i], step));
     if (w.attn_out_norm) attended = std::get<0>(rms_norm(attended, *w.attn_out_norm, eps_, c10::nullopt));
     if (w.residual_scale != 1.0) attended = attended.mul(w.residual_scale);
-    std::tie(h, sum) = rms_norm(attended, *w.post_norm, eps_, sum);
+    if (w.layer_norm) {
+      sum = attended.add(sum);
+      h = layer_normed(sum, *w.post_norm, w.post_norm_bias, eps_);
+    } else {
+      std::tie(h, sum) = rms_norm(attended, *w.post_norm, eps_, sum);
+    }
     x = mlp(w, h);
   }
   return {x, sum};

@@ -193,10 +193,10 @@ struct LatentAttention {
 // above are unset), or its `linear_attn` (Qwen3-Next's and Qwen3.5's Gated DeltaNet, in decode-only steps: `qkv` is
 // its input projections, `o` its out_proj). A layer's MLP is its gate_up and down projections, or its `moe` block.
 // `parallel_block` (Cohere2): the layer has no post_norm, attention and the MLP both read its input norm's output and
-// their outputs are added together; `layer_norm`: its input norm is a LayerNorm with a weight and no bias (the mean
-// subtracted, in fp32) instead of an RMSNorm. `qk_norm_after_rope` (Hunyuan): the q and k norms apply to the rotated
+// their outputs are added together; `layer_norm`: its norms are LayerNorms (the mean subtracted, in fp32) instead
+// of RMSNorms, with `input_norm_bias` and `post_norm_bias` where they have biases (StarCoder2; not Cohere2). `qk_norm_after_rope` (Hunyuan): the q and k norms apply to the rotated
 // queries and keys instead of before the rotary. `ungated_mlp`: the MLP is down(act(up(h))), `gate_up` its up
-// projection and act "relu2" (relu(x)², Arcee) or "xielu" (Apertus: alpha_p x² + beta x where x > 0, else
+// projection and act "relu2" (relu(x)², Arcee), "gelu_tanh" (StarCoder2) or "xielu" (Apertus: alpha_p x² + beta x where x > 0, else
 // (expm1(min(x, eps)) - x) alpha_n + beta x, its `xielu` coefficients (alpha_p, alpha_n, beta, eps) as
 // XIELU.coefficients in models/apertus.py gives them).
 struct LayerWeights {
@@ -222,6 +222,7 @@ struct LayerWeights {
   bool parallel_block, layer_norm, qk_norm_after_rope;
   c10::optional<std::string> ungated_mlp;
   c10::optional<std::vector<torch::Tensor>> xielu;
+  c10::optional<torch::Tensor> input_norm_bias, post_norm_bias;
 };
 
 // Llama-style decoder layers (decoder_stack.cpp): the kernels of LlamaDecoderLayer's forward, in its order.

@@ -3,6 +3,8 @@
     some text<tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
+
+and LongCat-Flash's, the same blocks in ``<longcat_tool_call>`` tags.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ class HermesToolParser(ToolParser):
     make them added tokens that are not special).
     """
 
+    open_tag, close_tag = OPEN, CLOSE
     markers = (OPEN, CLOSE)
 
     def __init__(self, tools: Sequence[Mapping[str, Any]] = (), special_markers: Collection[str] = ()) -> None:
@@ -41,14 +44,14 @@ class HermesToolParser(ToolParser):
                 if self.strip:
                     self.pos = skip_whitespace(self.text, self.pos)
                     self.strip = self.pos == len(self.text)
-                found = self.text.find(OPEN, self.pos)
+                found = self.text.find(self.open_tag, self.pos)
                 if found < 0:
                     out.content += self._text(final)
                     return out
                 text_end = strip_end(self.text, self.pos, found)
                 out.content += self.text[self.pos:text_end]
                 # a block that holds no call goes back as written, the whitespace before it included
-                self.block_start, self.pos, self.state = text_end, found + len(OPEN), 'block'
+                self.block_start, self.pos, self.state = text_end, found + len(self.open_tag), 'block'
             elif self.state == 'block':
                 start = skip_whitespace(self.text, self.pos)
                 if start == len(self.text):
@@ -66,7 +69,7 @@ class HermesToolParser(ToolParser):
                 self.pos = self.reader.end or len(self.text)
                 self.state = 'tail' if is_call else 'bad'
             elif self.state == 'tail':
-                end = self._block_end(final, self.text.find(OPEN, self.pos))
+                end = self._block_end(final, self.text.find(self.open_tag, self.pos))
                 if end is None:
                     return out
                 self.pos, self.state, self.strip = end, 'text', True
@@ -80,11 +83,11 @@ class HermesToolParser(ToolParser):
     def _block_end(self, final: bool, next_open: int = -1) -> int | None:
         """Where the block ends: after its closing tag, or where the next block opens (a model that left
         its block open); None while that is unknown."""
-        found = self.text.find(CLOSE, self.pos)
+        found = self.text.find(self.close_tag, self.pos)
         if 0 <= next_open and (found < 0 or next_open < found):
             return next_open
         if found >= 0:
-            return found + len(CLOSE)
+            return found + len(self.close_tag)
         return len(self.text) if final else None
 
     def _text(self, final: bool) -> str:
@@ -93,6 +96,14 @@ class HermesToolParser(ToolParser):
         if final:
             end = strip_end(self.text, self.pos, len(self.text)) if self.num_calls else len(self.text)
         else:
-            end = strip_end(self.text, self.pos, held_back(self.text, self.pos, OPEN))
+            end = strip_end(self.text, self.pos, held_back(self.text, self.pos, self.open_tag))
         text, self.pos = self.text[self.pos:end], max(self.pos, end)
         return text
+
+
+@register_tool_parser('longcat')
+class LongcatToolParser(HermesToolParser):
+    """LongCat-Flash's calls: Hermes blocks in ``<longcat_tool_call>`` tags."""
+
+    open_tag, close_tag = '<longcat_tool_call>', '</longcat_tool_call>'
+    markers = (open_tag, close_tag)
