@@ -78,6 +78,7 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'DeepseekV32ForCausalLM': ('llm', 'lmdeploy.pytorch.models.deepseek_v32:DeepseekV32ForCausalLM'),
     'GlmMoeDsaForCausalLM': ('llm', 'lmdeploy.pytorch.models.deepseek_v32:GlmMoeDsaForCausalLM'),
     'LongcatFlashForCausalLM': ('llm', 'lmdeploy.pytorch.models.longcat_flash:LongcatFlashForCausalLM'),
+    'Lfm3ForCausalLM': ('llm', 'lmdeploy.pytorch.models.lfm2:Lfm2ForCausalLM'),
     'Gemma4ForCausalLM': ('llm', 'lmdeploy.pytorch.models.gemma4:Gemma4ForCausalLM'),
     'Gemma4ForConditionalGeneration': ('llm', 'lmdeploy.pytorch.models.gemma4:Gemma4ForCausalLM'),
     'Qwen2VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),

@@ -10,7 +10,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from lmdeploy.pytorch.kernels import activation, attention, cpu, gated_delta, mla, moe, norm, rotary, sampling, w8a8
+from lmdeploy.pytorch.kernels import (activation, attention, cpu, gated_delta, mamba1, mla, moe, norm, rotary, sampling,
+                                     w8a8)
 
 
 _triton_on_cpu = False
@@ -64,6 +65,7 @@ fused_moe = dispatch(moe.fused_moe)
 causal_conv1d_decode = dispatch(gated_delta.causal_conv1d_decode, native_cpu='causal_conv1d_decode', triton=False)
 gated_delta_decode = dispatch(gated_delta.gated_delta_decode, native_cpu='gated_delta_decode',
                               built_for_cpu='gated_delta')
+mamba1_scan = dispatch(mamba1.mamba1_scan, native_cpu='mamba1_scan', built_for_cpu='mamba1_scan', triton=False)
 moe_routing = dispatch(moe.moe_routing)
 prefill_attention = dispatch(attention.prefill_attention, native_cpu='paged_prefill_attention')
 rms_norm = dispatch(norm.rms_norm, native_cpu='rms_norm')
@@ -80,4 +82,4 @@ __all__ = ['apply_rotary', 'argmax', 'decode_attention', 'dispatch', 'triton_on_
            'fused_moe', 'moe_routing',
            'prefill_attention', 'rms_norm', 'silu_and_mul', 'w8a8_linear', 'fill_latent_cache',
            'mla_decode_attention', 'mla_prefill_attention', 'grouped_topk', 'group_limited_topk',
-           'biased_softmax_topk', 'causal_conv1d_decode', 'gated_delta_decode']
+           'biased_softmax_topk', 'causal_conv1d_decode', 'gated_delta_decode', 'mamba1_scan']

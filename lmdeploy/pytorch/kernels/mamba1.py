@@ -6,8 +6,10 @@ state ``S [D, N]`` with its own ``A [D, N]`` (negative)::
 
 Unlike Mamba-2's scalar decay per head, the decay differs per state feature, so the scan runs token by token (the
 discretization of ``SCAN_CHUNK`` tokens at once); prefill and decode take the same element-wise steps, so a token's
-bits do not depend on where a prefill chunk ends nor on whether it was prefilled or decoded. Torch ops only: the same
-code runs on CUDA."""
+bits do not depend on where a prefill chunk ends nor on whether it was prefilled or decoded. :func:`mamba1_scan`, a
+step's sequences at once, is the torch twin of the native ``mamba1_scan`` (``kernels/cpu/mamba1.cpp``, AVX-512: the
+same steps in fp32, its ``exp`` within about an ulp of this one's), which the engine runs on such CPUs; these torch
+ops run elsewhere (CUDA included)."""
 from __future__ import annotations
 
 import torch
@@ -55,3 +57,25 @@ def selective_decode(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torc
     state = decay * states[slots] + inputs
     states[slots] = state
     return _read(state, C.float())
+
+
+
+def mamba1_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                states: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """A step's sequences: sequence ``s`` is the next ``lengths[s]`` rows of ``x, dt [T, D]``, ``B, C [T, N]`` and
+    steps row ``slots[s]`` of the fp32 state pool ``states [slots, D, N]`` in place (one-token sequences together,
+    by :func:`selective_decode`; the others by :func:`selective_scan`). Returns the fp32 output ``[T, D]``."""
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    bounds = [0, *torch.cumsum(lengths, 0).tolist()]
+    if bounds[-1] != x.shape[0]:
+        raise ValueError(f'the sequences\' lengths add up to {bounds[-1]}, not to the {x.shape[0]} rows')
+    singles = [i for i, length in enumerate(lengths.tolist()) if length == 1]
+    for i, (start, end) in enumerate(zip(bounds, bounds[1:])):
+        if end - start > 1:
+            slot = int(slots[i])
+            out[start:end], states[slot] = selective_scan(x[start:end], dt[start:end], A, B[start:end],
+                                                          C[start:end], states[slot])
+    if singles:
+        rows = torch.tensor([bounds[i] for i in singles], device=x.device)
+        out[rows] = selective_decode(x[rows], dt[rows], A, B[rows], C[rows], states, slots[singles])
+    return out

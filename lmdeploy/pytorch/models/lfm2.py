@@ -4,7 +4,15 @@
 short convolution projects the input to ``B, C, x``, runs a causal depthwise convolution of ``conv_L_cache`` taps
 (no activation) over ``B * x`` and multiplies it by ``C``; its state is the last ``conv_L_cache - 1`` values of
 ``B * x``. The MLP is SwiGLU; LFM2-MoE's layers past ``num_dense_layers`` are mixtures of experts routed by sigmoid
-scores plus an expert bias. Every step runs the layers' own forward (no native decoder stack)."""
+scores plus an expert bias.
+
+LFM3 (``Lfm3ForCausalLM``) keeps LFM2's short convolutions and adds sliding-window attention layers
+(``sliding_attention`` in ``layer_types``, each attention type turning by its own rope: ``rope_parameters`` per layer
+type, the full layers' ``proportional`` one rotating only the first ``partial_rotary_factor`` of each half-head's
+frequencies), a sigmoid gate per head on the attention output (``g_proj``, where ``use_attention_gate``), RMSNorms on
+the mixer's and the MLP's outputs before the residual adds them (``post_operator_norm``, ``post_ffn_norm``, where
+``use_sandwich_norm``) and a dense SwiGLU of ``intermediate_size``. Every step runs the layers' own forward (no
+native decoder stack)."""
 from __future__ import annotations
 
 import re
@@ -18,12 +26,14 @@ from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.kernels import grouped_topk
 from lmdeploy.pytorch.kernels.gated_delta import causal_conv1d
 from lmdeploy.pytorch.models.deepseek_v3 import TopKRouter
-from lmdeploy.pytorch.models.llama import KVCache, LlamaAttention, LlamaMLP, WithoutNativeStack
+from lmdeploy.pytorch.models.gemma import LAYER_TYPES
+from lmdeploy.pytorch.models.llama import KVCache, LlamaAttention, LlamaMLP, WithoutNativeStack, layer_window
 from lmdeploy.pytorch.models.moe import MoEForCausalLM, split_stacked_experts
 from lmdeploy.pytorch.models.qwen3_next import CausalConv1d
-from lmdeploy.pytorch.nn.linear import Linear
+from lmdeploy.pytorch.nn.linear import ColumnLinear, Linear
 from lmdeploy.pytorch.nn.moe import FusedExperts
 from lmdeploy.pytorch.nn.norm import RMSNorm
+from lmdeploy.pytorch.nn.rotary import RotaryEmbedding, apply_rope
 from lmdeploy.pytorch.step_context import StepContext
 from lmdeploy.pytorch.weights.safetensors_loader import WeightSource
 
@@ -36,6 +46,7 @@ RENAMED = [(re.compile(r'\.feed_forward\.'), '.mlp.'),
            (re.compile(r'\.mlp\.w2\.'), '.mlp.down_proj.'),
            (re.compile(r'\.mlp\.expert_bias$'), '.mlp.gate.e_score_correction_bias'),
            (re.compile(r'\.self_attn\.out_proj\.'), '.self_attn.o_proj.'),
+           (re.compile(r'\.self_attn\.gate_proj\.'), '.self_attn.g_proj.'),  # LFM3's head gate, saved so
            (re.compile(r'\.self_attn\.q_layernorm\.'), '.self_attn.q_norm.'),
            (re.compile(r'\.self_attn\.k_layernorm\.'), '.self_attn.k_norm.'),
            (re.compile(r'\.operator_norm\.'), '.input_layernorm.'),
@@ -124,21 +135,49 @@ class Lfm2MoE(nn.Module):
         return self.experts(x, weights, ids)
 
 
+class HeadGatedAttention(LlamaAttention):
+    """LFM3's attention: LFM2's (q/k RMSNorms per head before the rotary) whose output, before ``o_proj``, is scaled
+    per head by ``sigmoid(g_proj(x))`` (``g_proj``: one output per query head)."""
+
+    def __init__(self, cfg: ModelConfig, sliding_window: int | None):
+        super().__init__(cfg, sliding_window=sliding_window, qk_norm=True, qk_norm_eps=cfg.hf_config.norm_eps,
+                         qkv_bias=False, o_bias=False)
+        self.g_proj = ColumnLinear(cfg.hidden_size, cfg.num_heads)
+
+    def forward(self, x: torch.Tensor, kv_cache: KVCache, ctx: StepContext) -> torch.Tensor:
+        num_qk = self.num_heads + self.num_kv_heads
+        qkv = self.qkv_proj(x).view(-1, num_qk + self.num_kv_heads, self.head_dim)
+        qk = torch.cat((self.q_norm(qkv[:, :self.num_heads]), self.k_norm(qkv[:, self.num_heads:num_qk])), dim=1)
+        qk = apply_rope(qk, ctx.cos, ctx.sin)
+        out = self.attn(qk[:, :self.num_heads], qk[:, self.num_heads:], qkv[:, num_qk:], kv_cache, ctx)
+        gate = torch.sigmoid(self.g_proj(x)).unsqueeze(-1)
+        return self.o_proj((out.view(-1, self.num_heads, self.head_dim) * gate).flatten(1))
+
+
 class Lfm2DecoderLayer(nn.Module):
     """``x + mixer(operator_norm(x))``, then ``+ mlp(ffn_norm(x))``; the mixer is a :class:`ShortConv` (``conv``)
-    or attention with q/k RMSNorms (``self_attn``). Like Llama's layers it hands the residual sum on."""
+    or attention with q/k RMSNorms (``self_attn``: over the layer's window, gated per head where the config has
+    ``use_attention_gate``). With ``use_sandwich_norm`` (LFM3) the mixer's and the MLP's outputs are RMS-normed
+    before the residual adds them. Like Llama's layers it hands the residual sum on."""
 
     def __init__(self, cfg: ModelConfig, layer_index: int, mlp: nn.Module):
         super().__init__()
         hf = cfg.hf_config
-        self.is_conv = hf.layer_types[layer_index] == CONV
+        self.layer_type = hf.layer_types[layer_index]
+        self.is_conv = self.layer_type == CONV
         if self.is_conv:
             self.conv = ShortConv(cfg)
+        elif getattr(hf, 'use_attention_gate', False):
+            self.self_attn = HeadGatedAttention(cfg, layer_window(hf, layer_index))
         else:
-            self.self_attn = LlamaAttention(cfg, qk_norm=True, qk_norm_eps=hf.norm_eps, qkv_bias=False, o_bias=False)
+            self.self_attn = LlamaAttention(cfg, qk_norm=True, qk_norm_eps=hf.norm_eps, qkv_bias=False, o_bias=False,
+                                            sliding_window=layer_window(hf, layer_index))
         self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, hf.norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, hf.norm_eps)
+        sandwich = getattr(hf, 'use_sandwich_norm', False)
+        self.post_operator_norm = RMSNorm(cfg.hidden_size, hf.norm_eps) if sandwich else None
+        self.post_ffn_norm = RMSNorm(cfg.hidden_size, hf.norm_eps) if sandwich else None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cache: KVCache, ctx: StepContext):
         if residual is None:
@@ -146,23 +185,45 @@ class Lfm2DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.conv(x, cache, ctx) if self.is_conv else self.self_attn(x, cache, ctx)
+        if self.post_operator_norm is not None:
+            x = self.post_operator_norm(x)
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        x = self.mlp(x)
+        return (x if self.post_ffn_norm is None else self.post_ffn_norm(x)), residual
 
 
 class Lfm2ForCausalLM(WithoutNativeStack, MoEForCausalLM):
-    """LFM2 and LFM2-MoE decoders (see the module's docstring); the final norm is the checkpoints'
-    ``embedding_norm``."""
+    """LFM2, LFM2-MoE and LFM3 decoders (see the module's docstring); the final norm is the checkpoints'
+    ``embedding_norm``; each attention layer turns by its layer type's rope (``ropes``; LFM2's one for all)."""
 
     tensor_parallel_refusal = 'its short-convolution layers are not sharded for tensor parallelism'
     recurrent_chunk = 0  # the convolution does not round by chunks: prefill chunks may end anywhere
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        hf = cfg.hf_config
+        attention_types = [kind for kind in LAYER_TYPES if kind in hf.layer_types]
+        per_type = bool(set(LAYER_TYPES) & set(getattr(hf, 'rope_parameters', None) or {}))  # LFM3's: keyed by type
+        self.ropes = {kind: RotaryEmbedding(hf, cfg.head_dim, kind) if per_type else self.rotary
+                      for kind in attention_types}
+
+    def forward(self, input_ids: torch.Tensor, kv_caches: list[KVCache], ctx: StepContext) -> torch.Tensor:
+        tables = {kind: rope(ctx, self.cfg.dtype) for kind, rope in self.ropes.items()}
+        x = self.embed(input_ids, ctx)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            if not layer.is_conv:
+                ctx.cos, ctx.sin = tables[layer.layer_type]
+            x, residual = layer(x, residual, kv_cache, ctx)
+        x, _ = self.norm(x, residual)
+        return x
 
     def make_layer(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
         return Lfm2DecoderLayer(cfg, layer_index, self.make_mlp(cfg, layer_index))
 
     def make_mlp(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
         hf = cfg.hf_config
-        if hf.model_type != 'lfm2_moe':
+        if hf.model_type != 'lfm2_moe':  # LFM2's (its width adjusted) and LFM3's
             return LlamaMLP(cfg, dense_intermediate_size(hf))
         return LlamaMLP(cfg, hf.intermediate_size) if layer_index < hf.num_dense_layers else Lfm2MoE(cfg)
 

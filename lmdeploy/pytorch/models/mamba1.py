@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmdeploy.pytorch.config import ModelConfig
+from lmdeploy.pytorch.kernels import mamba1_scan
 from lmdeploy.pytorch.kernels.activation import placeless
 from lmdeploy.pytorch.kernels.gated_delta import causal_conv1d
-from lmdeploy.pytorch.kernels.mamba1 import selective_decode, selective_scan
 from lmdeploy.pytorch.models.qwen3_next import CausalConv1d
 from lmdeploy.pytorch.nn.linear import Linear
 from lmdeploy.pytorch.nn.norm import RMSNorm
@@ -99,13 +99,13 @@ class Mamba1Mixer(nn.Module):
             dt, B, C = self.dt_layernorm(dt), self.b_layernorm(B), self.c_layernorm(C)
         dt = placeless(F.softplus, self.dt_proj(dt).float(), self.dtype)
         A = -self.A_log.float().exp()
-        out = torch.empty(hidden.shape[0], self.inner_size, dtype=torch.float32, device=hidden.device)
-        for slot, start, length, fresh in ctx.state_prefill:
-            rows = slice(start, start + length)
-            out[rows], ssm_states[slot] = selective_scan(conv_out[rows], dt[rows], A, B[rows], C[rows],
-                                                         None if fresh else ssm_states[slot])
-        if num_prefill < hidden.shape[0]:
-            rows = slice(num_prefill, None)
-            out[rows] = selective_decode(conv_out[rows], dt[rows], A, B[rows], C[rows], ssm_states, slots)
+        fresh = [slot for slot, _, _, is_fresh in ctx.state_prefill if is_fresh]
+        if fresh:  # a new (or recomputed) sequence starts from zeros
+            ssm_states[fresh] = 0
+        decoding = hidden.shape[0] - num_prefill
+        slots = [slot for slot, *_ in ctx.state_prefill] + ([] if decoding == 0 else slots.tolist())
+        lengths = [length for _, _, length, _ in ctx.state_prefill] + [1] * decoding
+        out = mamba1_scan(conv_out.float().contiguous(), dt.contiguous(), A, B.float().contiguous(),
+                          C.float().contiguous(), ssm_states, torch.tensor(slots), torch.tensor(lengths))
         out = (out + self.D.float() * conv_out.float()) * placeless(F.silu, z.float(), self.dtype)
         return self.out_proj(out.to(self.dtype))

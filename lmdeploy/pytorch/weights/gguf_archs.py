@@ -117,7 +117,11 @@ def _gemma_query_scalar(config: dict[str, Any], layers_of_27b: int) -> int:
 
 
 def _glm4(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
-    return {'rope_parameters': _glm_rope(meta, config)}
+    """GLM-4-0414's rotary; GLM-4.1V's language model adds its M-RoPE bands (``rope.dimension_sections``), by which
+    ``gguf_tensors.py`` knows its q/k rotary rows are in halves."""
+    rope = _glm_rope(meta, config)
+    sections = meta(Keys.Rope.DIMENSION_SECTIONS)
+    return {'rope_parameters': rope if sections is None else rope | {'mrope_section': list(sections[:3])}}
 
 
 def _chatglm(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:

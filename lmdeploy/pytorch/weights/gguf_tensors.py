@@ -190,8 +190,24 @@ def _lfm2_checkpoint(state_dict: dict[str, torch.Tensor], config: dict[str, Any]
     _split_experts(state_dict, config)
 
 
+def _glm4_checkpoint(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    """GLM-4.1V's language model (an ``mrope_section`` in its rope): the converter reorders each head's rotary q/k rows
+    from GLM's neighbouring pairs into halves (``Glm4Model.normal_to_neox``, for llama.cpp's M-RoPE); back into pairs,
+    the rows of blocks kept as they are (``qweight``) too. GLM-4-0414's files are as its checkpoints."""
+    rope = config['rope_parameters']
+    if 'mrope_section' not in rope:
+        return
+    head_dim = config['head_dim']
+    rotary = int(head_dim * rope['partial_rotary_factor'])
+    for name, value in state_dict.items():
+        if '.self_attn.q_proj.' in name or '.self_attn.k_proj.' in name:
+            heads = value.reshape(-1, head_dim, *value.shape[1:])
+            pairs = heads[:, :rotary].unflatten(1, (2, rotary // 2)).transpose(1, 2).flatten(1, 2)
+            state_dict[name] = torch.cat((pairs, heads[:, rotary:]), dim=1).reshape(value.shape)
+
+
 _FINISHERS = {'llama': _split_experts, 'qwen3moe': _split_experts, 'qwen3vlmoe': _split_experts,
-              'qwen2moe': _split_experts, 'glm4moe': _split_experts, 'chatglm': _split_qkv,
+              'qwen2moe': _split_experts, 'glm4moe': _split_experts, 'chatglm': _split_qkv, 'glm4': _glm4_checkpoint,
               'gemma2': _gemma_norms, 'gemma3': _gemma_norms, 'gpt-oss': _gpt_oss_experts,
               'deepseek2': _deepseek2_merge, 'glm-dsa': _deepseek2_merge, 'ernie4_5-moe': _ernie4_5_experts,
               'llama4': _llama4_checkpoint,

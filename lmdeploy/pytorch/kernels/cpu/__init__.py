@@ -32,7 +32,7 @@ _SOURCES = ['bindings.cpp', 'paged_attention.cpp', 'paged_attention_avx512.cpp',
             'threads.cpp', 'decoder_stack.cpp', 'mla.cpp', 'linear_int4.cpp', 'linear_q8.cpp',
             'linear_q6k.cpp', 'linear_q5k.cpp', 'moe_block.cpp', 'linear_mxfp4.cpp', 'gated_delta.cpp',
             'mla_layer.cpp', 'linear_attention.cpp', 'dequantized_linear.cpp', 'moe_block_region.cpp',
-            'linear_fp32.cpp']
+            'linear_fp32.cpp', 'mamba1.cpp']
 _FLAGS = ['-O3', '-march=native', '-fopenmp', '-ffast-math']
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}
@@ -126,6 +126,12 @@ def gated_delta() -> ModuleType | None:
     """The kernels when their ``gated_delta_decode`` (AVX-512) was built for this CPU; else None."""
     module = native()
     return module if module is not None and module.gated_delta_available() else None
+
+
+def mamba1_scan() -> ModuleType | None:
+    """The kernels when their ``mamba1_scan`` (AVX-512) was built for this CPU; else None."""
+    module = native()
+    return module if module is not None and module.mamba1_scan_available() else None
 
 
 def bind_worker_threads() -> None:

@@ -4,6 +4,7 @@
 #include "decoder_stack.h"
 #include "gated_delta.h"
 #include "linear_q5k.h"
+#include "mamba1.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
@@ -124,6 +125,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gated_delta_decode", &gated_delta_decode,
         "one token of each sequence through the gated delta rule, on its row of the fp32 state pool (in place)",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("states"), py::arg("slots"));
+  m.def("mamba1_scan_available", &mamba1_scan_available, "whether mamba1_scan was built (AVX-512)");
+  m.def("mamba1_scan", &mamba1_scan,
+        "segments of tokens through Mamba-1's selective scan, each on its row of the fp32 state pool (in place)",
+        py::arg("x"), py::arg("dt"), py::arg("A"), py::arg("B"), py::arg("C"), py::arg("states"), py::arg("slots"),
+        py::arg("lengths"));
   m.def("causal_conv1d_decode", &causal_conv1d_decode,
         "SiLU of the depthwise causal convolution of one input per sequence, shifting it into its row of the state pool",
         py::arg("x"), py::arg("conv_states"), py::arg("slots"), py::arg("weight"));

@@ -12,6 +12,7 @@ from gguf import GGUFReader
 from ..file_checks import open_gguf
 from .common import VisionFamily, find_mmproj, meta, mmproj_files
 from .gemma3 import GEMMA3
+from .glm4v import GLM4V
 from .idefics3 import IDEFICS3
 from .internvl import INTERNVL
 from .lfm2 import LFM2_VL
@@ -24,7 +25,8 @@ from .qwen3 import QWEN3_VL
 FAMILIES: dict[str, VisionFamily] = {'qwen2vl_merger': QWEN2_VL, 'qwen2.5vl_merger': QWEN2_VL,
                                      'qwen3vl_merger': QWEN3_VL, 'internvl': INTERNVL, 'mlp': LLAVA,
                                      'gemma3': GEMMA3, 'pixtral': PIXTRAL, 'llama4': LLAMA4,
-                                     'idefics3': IDEFICS3, 'lfm2': LFM2_VL}
+                                     'idefics3': IDEFICS3, 'lfm2': LFM2_VL,
+                                     'glm4v': GLM4V}
 # language-model architectures that only ever come with an mmproj file
 VL_ONLY_ARCHS = frozenset({'qwen2vl', 'qwen3vl', 'qwen3vlmoe'})
 
