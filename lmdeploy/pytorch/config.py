@@ -12,6 +12,19 @@ from transformers import PretrainedConfig
 RECURRENT_LAYER_TYPES = ('linear_attention', 'mamba', 'conv')
 # ``layer_types`` of layers with neither: Nemotron-H's MLP and MoE blocks
 CACHELESS_LAYER_TYPES = ('mlp', 'moe')
+# model type -> how many times ``num_key_value_heads`` its sliding-window layers have (MiMo-V2-Flash's double them);
+# every layer's cache holds that many, a full layer's KV heads each repeated to fill it
+SLIDING_KV_HEADS_FACTOR = {'mimo_v2_flash': 2}
+
+
+def index_key_dim(hf_config: PretrainedConfig) -> int:
+    """The width of the indexer key each token caches: DeepSeek Sparse Attention's ``index_head_dim`` (with
+    ``index_topk``), Qwen4-Exp QSA's ``indexer_head_dim`` (with ``indexer_budget``); 0 without an indexer."""
+    if getattr(hf_config, 'index_topk', None):
+        return hf_config.index_head_dim
+    if getattr(hf_config, 'indexer_budget', None):
+        return hf_config.indexer_head_dim
+    return 0
 
 
 def layer_kv_geometry(hf_config: PretrainedConfig) -> tuple[tuple[int, int], ...] | None:
@@ -49,8 +62,8 @@ class ModelConfig:
     # Multi-head latent attention (DeepSeek-V2/V3): each token caches one vector of this width, its latent
     # (``kv_lora_rank``) then its rotary key (``qk_rope_head_dim``), shared by every head; 0: per-head K/V.
     kv_latent_dim: int = 0
-    # DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): each token also caches its indexer key of this width, in
-    # ``dtype`` whatever ``quant_policy`` (``kernels/dsa.py``); 0: no indexer
+    # DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5) and Qwen4-Exp's QSA: each token also caches its indexer key
+    # of this width, in ``dtype`` whatever ``quant_policy`` (``kernels/dsa.py``, ``kernels/qsa.py``); 0: no indexer
     index_key_dim: int = 0
     # layers with a recurrent state instead of a KV cache (see RECURRENT_LAYER_TYPES)
     num_state_layers: int = 0
@@ -72,12 +85,15 @@ class ModelConfig:
         head_dim = getattr(hf_config, 'head_dim', None) or hf_config.hidden_size // num_heads
         kv_lora_rank = getattr(hf_config, 'kv_lora_rank', None)
         kv_latent_dim = kv_lora_rank + hf_config.qk_rope_head_dim if kv_lora_rank else 0
+        num_kv_heads = getattr(hf_config, 'num_key_value_heads', None) or num_heads
+        if 'sliding_attention' in layer_types:
+            num_kv_heads *= SLIDING_KV_HEADS_FACTOR.get(hf_config.model_type, 1)
         return cls(hf_config=hf_config,
                    architecture=config.architectures[0],
                    hidden_size=hf_config.hidden_size,
                    num_layers=hf_config.num_hidden_layers,
                    num_heads=num_heads,
-                   num_kv_heads=getattr(hf_config, 'num_key_value_heads', None) or num_heads,
+                   num_kv_heads=num_kv_heads,
                    head_dim=head_dim,
                    vocab_size=hf_config.vocab_size,
                    max_position_embeddings=getattr(hf_config, 'max_position_embeddings', 4096),
@@ -86,8 +102,7 @@ class ModelConfig:
                    mm_config=None if hf_config is config else config,
                    quant_policy=quant_policy,
                    kv_latent_dim=kv_latent_dim,
-                   index_key_dim=getattr(hf_config, 'index_head_dim', 0) if getattr(hf_config, 'index_topk', None)
-                   else 0,
+                   index_key_dim=index_key_dim(hf_config),
                    num_state_layers=sum(kind in RECURRENT_LAYER_TYPES for kind in layer_types),
                    num_cacheless_layers=sum(kind in CACHELESS_LAYER_TYPES for kind in layer_types),
                    num_kv_shared_layers=getattr(hf_config, 'num_kv_shared_layers', 0) or 0,
@@ -100,9 +115,9 @@ class ModelConfig:
         scales and zero points (``kernels/kv_quant.py`` describes the layout); with ``kv_latent_dim`` one
         tensor ``[num_blocks, block_size, kv_latent_dim]``, or with ``quant_policy`` its codes and the scales
         and zero points of its two parts (``kernels/mla.py``); with ``index_key_dim`` then one more tensor
-        ``[num_blocks, block_size, index_key_dim]`` of the indexer's keys (``kernels/dsa.py``)."""
+        ``[num_blocks, block_size, index_key_dim]`` of the indexer's keys (``kernels/dsa.py``, ``kernels/qsa.py``)."""
+        index_keys = [((num_blocks, block_size, self.index_key_dim), self.dtype)] if self.index_key_dim else []
         if self.kv_latent_dim:
-            index_keys = [((num_blocks, block_size, self.index_key_dim), self.dtype)] if self.index_key_dim else []
             if not self.quant_policy:
                 return [((num_blocks, block_size, self.kv_latent_dim), self.dtype)] + index_keys
             return [((num_blocks, block_size, self.kv_latent_dim * self.quant_policy // 8), torch.uint8),
@@ -110,9 +125,9 @@ class ModelConfig:
         num_kv_heads, head_dim = self.kv_geometry(layer)
         rows = (num_blocks, num_kv_heads, block_size)
         if not self.quant_policy:
-            return [((*rows, head_dim), self.dtype)] * 2
+            return [((*rows, head_dim), self.dtype)] * 2 + index_keys
         codes = ((*rows, head_dim * self.quant_policy // 8), torch.uint8)
-        return [codes, codes, ((*rows, 2), torch.float32), ((*rows, 2), torch.float32)]
+        return [codes, codes, ((*rows, 2), torch.float32), ((*rows, 2), torch.float32)] + index_keys
 
     def kv_geometry(self, layer: int | None = None) -> tuple[int, int]:
         """``(num_kv_heads, head_dim)`` of ``layer``'s cache (None: of the model's, as its config names them)."""

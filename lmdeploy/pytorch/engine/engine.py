@@ -127,7 +127,8 @@ class Engine:
             return
         kv_kind = {0: str(cfg.dtype).removeprefix('torch.'), 8: 'int8', 4: 'int4'}[config.quant_policy]
         kv_kind += ' latent (MLA)' if cfg.kv_latent_dim else ''
-        kv_kind += f' + {cfg.dtype} indexer keys (DSA)'.replace('torch.', '') if cfg.index_key_dim else ''
+        indexer = 'DSA' if cfg.kv_latent_dim else 'QSA'
+        kv_kind += f' + {cfg.dtype} indexer keys ({indexer})'.replace('torch.', '') if cfg.index_key_dim else ''
         cache_bytes = sum(t.numel() * t.element_size() for layer in runner.kv_caches for t in layer)
         pools = f'{tokens // config.block_size} blocks of {config.block_size}'
         if runner.num_window_blocks is not None:

@@ -18,6 +18,8 @@ and in prefill those after it up to its key limit (below);
 Prefill also takes ``key_limit [T]`` int: the last key position each query row may attend, at or past its own
 (None: its own, causal attention). Gemma 3's image tokens attend to every token of their image, the later ones
 included (transformers: the causal mask OR "same image block"): each one's limit is its image's last position.
+Both take ``keep`` (sparse attention, Qwen4-Exp's QSA in ``kernels/qsa.py``): the keys each query attends, causal
+already (prefill: per chunk ``[q_len, ctx_len]``; decode: ``[B, N * block_size]``); torch only.
 """
 from __future__ import annotations
 
@@ -90,7 +92,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
                       v_scales_zeros: torch.Tensor | None = None, quant_policy: int = 0,
                       sliding_window: int | None = None, logit_softcap: float | None = None,
                       sinks: torch.Tensor | None = None, key_limit: torch.Tensor | None = None,
-                      attention_chunk: int | None = None) -> torch.Tensor:
+                      attention_chunk: int | None = None, keep: list[torch.Tensor] | None = None) -> torch.Tensor:
     """Causal attention of the packed chunks ``q [T, H, D]`` over their contexts; returns ``[T, H, D]``.
 
     Sequence ``s`` owns rows ``q_start[s]:q_start[s] + q_len[s]`` of ``q`` and of the fresh
@@ -102,7 +104,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     """
     out = torch.empty_like(q)
     block_size = k_cache.shape[2]
-    features = bool(sliding_window or attention_chunk or logit_softcap or sinks is not None or key_limit is not None)
+    features = bool(sliding_window or attention_chunk or logit_softcap or sinks is not None or key_limit is not None
+                    or keep is not None)
     for row, (start, length, context_len) in enumerate(zip(q_start.tolist(), q_len.tolist(), ctx_len.tolist())):
         qt = q[start:start + length].transpose(0, 1).unsqueeze(0)
         if context_len == length and not quant_policy and not features:
@@ -118,6 +121,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
             kv_pos = torch.arange(context_len, device=q.device).unsqueeze(0)
             last = q_pos if key_limit is None else key_limit[start:start + length].unsqueeze(1)
             mask = (kv_pos <= last) & (kv_pos >= first_key(q_pos, sliding_window, attention_chunk))
+            if keep is not None:
+                mask &= keep[row]
             if logit_softcap or sinks is not None:
                 chunk = _attend(qt[0], kt[0], vt[0], mask, scale, logit_softcap, sinks).unsqueeze(0)
             else:
@@ -130,7 +135,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      kv_lens: torch.Tensor, scale: float, k_scales_zeros: torch.Tensor | None = None,
                      v_scales_zeros: torch.Tensor | None = None, quant_policy: int = 0,
                      sliding_window: int | None = None, logit_softcap: float | None = None,
-                     sinks: torch.Tensor | None = None, attention_chunk: int | None = None) -> torch.Tensor:
+                     sinks: torch.Tensor | None = None, attention_chunk: int | None = None,
+                     keep: torch.Tensor | None = None) -> torch.Tensor:
     """One new token per sequence: ``q [B, H, D]`` over ``kv_lens [B]`` tokens in ``block_table [B, N]``.
 
     Scores are computed block by block on the gathered blocks, so K/V are never copied into a
@@ -152,6 +158,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     kv_pos = torch.arange(num_blocks * block_size, device=q.device)
     q_pos = kv_lens.unsqueeze(1) - 1
     padding = (kv_pos > q_pos) | (kv_pos < first_key(q_pos, sliding_window, attention_chunk))
+    if keep is not None:
+        padding |= ~keep
     scores.masked_fill_(padding[:, None, None, :], float('-inf'))
     sinks = None if sinks is None else sinks.view(num_kv_heads, group)
     probs = _softmax(scores, sinks).to(q.dtype).view(batch, num_kv_heads, group, num_blocks, block_size)

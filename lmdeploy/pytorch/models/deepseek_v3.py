@@ -116,7 +116,7 @@ class TopKRouter(Fp32Router):
 ROUTINGS = ('noaux_tc', 'greedy', 'group_limited_greedy')
 # the model types that route by grouped_topk, whatever topk_method
 NOAUX_TC_MODEL_TYPES = ('deepseek_v3', 'glm4_moe', 'glm4_moe_lite', 'glm4v_moe_text', 'dots1', 'exaone_moe', 'afmoe',
-                        'deepseek_v32', 'glm_moe_dsa')
+                        'deepseek_v32', 'glm_moe_dsa', 'laguna', 'mimo_v2_flash')
 
 
 class DeepseekV3MoE(nn.Module):
@@ -130,11 +130,13 @@ class DeepseekV3MoE(nn.Module):
         self.routing = 'noaux_tc' if hf.model_type in NOAUX_TC_MODEL_TYPES else hf.topk_method
         if self.routing not in ROUTINGS:
             raise ValueError(f'topk_method {self.routing!r} is not supported; supported: {ROUTINGS}')
-        # Trinity's (AFMoE's) config has no groups, always renormalizes and names the scaling ``route_scale``
+        # Trinity's (AFMoE's) config has no groups, always renormalizes and names the scaling ``route_scale``;
+        # Laguna's names it ``moe_routed_scaling_factor``
         self.top_k = hf.num_experts_per_tok
         self.num_groups, self.topk_groups = getattr(hf, 'n_group', 1), getattr(hf, 'topk_group', 1)
         self.renormalize = bool(getattr(hf, 'norm_topk_prob', True))
-        self.scaling = getattr(hf, 'routed_scaling_factor', None) or hf.route_scale
+        self.scaling = (getattr(hf, 'routed_scaling_factor', None) or getattr(hf, 'moe_routed_scaling_factor', None)
+                        or hf.route_scale)
         # K-EXAONE's config names the counts ``num_experts`` and ``num_shared_experts``
         num_experts = getattr(hf, 'n_routed_experts', None) or hf.num_experts
         num_shared = getattr(hf, 'n_shared_experts', None) or getattr(hf, 'num_shared_experts', 0)

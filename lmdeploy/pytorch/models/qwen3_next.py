@@ -7,6 +7,8 @@ expert (Qwen3-Next, Qwen3.5-MoE). Decode-only steps run in the native decoder st
 kernel; prefill and mixed steps run the layers' own forward (both read and write the same state pool and KV cache)."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,6 +16,7 @@ from torch import nn
 from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.kernels import causal_conv1d_decode, gated_delta_decode
 from lmdeploy.pytorch.kernels.activation import placeless
+from lmdeploy.pytorch.kernels.dsa import TokenSelection
 from lmdeploy.pytorch.kernels.gated_delta import DELTA_RULE_CHUNK, causal_conv1d, chunk_gated_delta_rule
 from lmdeploy.pytorch.models.llama import KVCache, LlamaMLP, WeightTarget
 from lmdeploy.pytorch.models.moe import MoEForCausalLM, SparseMoeBlock
@@ -49,26 +52,29 @@ class GatedAttention(nn.Module):
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5,
                                    cfg.quant_policy)
 
-    def forward(self, x: torch.Tensor, kv_cache: KVCache, ctx: StepContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_cache: KVCache, ctx: StepContext,
+                selection: TokenSelection | None = None) -> torch.Tensor:
+        """With ``selection`` (Qwen4-Exp's QSA) each query attends only the keys it keeps."""
         q_gate, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
         q, gate = q_gate.unflatten(-1, (self.num_heads, 2 * self.head_dim)).chunk(2, dim=-1)
         k, v = k.unflatten(-1, (self.num_kv_heads, self.head_dim)), v.unflatten(-1, (self.num_kv_heads, self.head_dim))
         qk = apply_rope(torch.cat((self.q_norm(q), self.k_norm(k)), dim=1), ctx.cos, ctx.sin)
-        out = self.attn(qk[:, :self.num_heads], qk[:, self.num_heads:], v, kv_cache, ctx)
+        out = self.attn(qk[:, :self.num_heads], qk[:, self.num_heads:], v, kv_cache, ctx, selection)
         return self.o_proj(out * placeless(torch.sigmoid, gate.reshape(out.shape)))
 
 
 class GatedRMSNorm(nn.Module):
-    """RMSNorm of each head's output, times its weight, times SiLU of the gate ``z``."""
+    """RMSNorm of each head's output, times its weight, times ``activation`` (SiLU) of the gate ``z``."""
 
-    def __init__(self, size: int, eps: float):
+    def __init__(self, size: int, eps: float, activation: Callable[[torch.Tensor], torch.Tensor] = F.silu):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
         self.eps = eps
+        self.activation = activation
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        gate = placeless(F.silu, z.float(), self.weight.dtype)
+        gate = placeless(self.activation, z.float(), self.weight.dtype)
         return (self.weight * normed.to(self.weight.dtype) * gate).to(self.weight.dtype)
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lmdeploy.pytorch.kernels import decode_attention, fill_kv_cache, prefill_attention
+from lmdeploy.pytorch.kernels import attention, decode_attention, fill_kv_cache, prefill_attention
+from lmdeploy.pytorch.kernels.dsa import TokenSelection
 from lmdeploy.pytorch.step_context import StepContext
 
 
@@ -53,12 +54,18 @@ class PagedAttention(nn.Module):
                  'sinks': None if self.sinks is None else self.sinks.float()}
         return {name: value for name, value in named.items() if value is not None}
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, ...], ctx: StepContext) -> torch.Tensor:
-        """``q [T, H, D]``, ``k, v [T, H_kv, D]`` -> ``[T, H * D]``."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, ...],
+                ctx: StepContext, selection: TokenSelection | None = None) -> torch.Tensor:
+        """``q [T, H, D]``, ``k, v [T, H_kv, D]`` -> ``[T, H * D]``. With ``selection`` (sparse attention: Qwen4-Exp's
+        QSA) each query attends only the keys it keeps, in torch (``kernels/attention.py``)."""
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         quant = (*kv_cache[2:], self.quant_policy) if self.quant_policy else ()
         features = self.features()
+        prefill, decode = prefill_attention, decode_attention
+        prefill_keep, decode_keep = {}, {}
+        if selection is not None:
+            prefill, decode = attention.prefill_attention, attention.decode_attention
+            prefill_keep, decode_keep = {'keep': selection.prefill}, {'keep': selection.decode}
         kv_blocks, prefill_block_table, decode_blocks = ctx.tables(self.kv_window is not None)
         if self.fills_cache:
             fill_kv_cache(k, v, k_cache, v_cache, kv_blocks, ctx.kv_offsets, *quant)
@@ -66,12 +73,12 @@ class PagedAttention(nn.Module):
         parts = []
         if ctx.prefill_q_len is not None:
             key_limit = {} if ctx.prefill_key_limit is None else {'key_limit': ctx.prefill_key_limit}
-            parts.append(prefill_attention(q[:num_prefill], k[:num_prefill], v[:num_prefill], k_cache, v_cache,
-                                           prefill_block_table, ctx.prefill_q_start, ctx.prefill_q_len,
-                                           ctx.prefill_ctx_len, ctx.prefill_max_q_len, self.scale, *quant,
-                                           **features, **key_limit))
+            parts.append(prefill(q[:num_prefill], k[:num_prefill], v[:num_prefill], k_cache, v_cache,
+                                 prefill_block_table, ctx.prefill_q_start, ctx.prefill_q_len, ctx.prefill_ctx_len,
+                                 ctx.prefill_max_q_len, self.scale, *quant, **features, **key_limit,
+                                 **prefill_keep))
         if decode_blocks is not None:
-            parts.append(decode_attention(q[num_prefill:], k_cache, v_cache, decode_blocks, ctx.decode_kv_lens,
-                                          self.scale, *quant, **features))
+            parts.append(decode(q[num_prefill:], k_cache, v_cache, decode_blocks, ctx.decode_kv_lens, self.scale,
+                                *quant, **features, **decode_keep))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return out.flatten(1)

@@ -14,14 +14,18 @@ from lmdeploy.pytorch.step_context import StepContext
 
 # model type -> the ``mrope_section`` its transformers rotary takes where the config names none
 INTERLEAVED_MROPE_SECTIONS = {'qwen3_vl_text': [24, 20, 20], 'qwen3_vl_moe_text': [24, 20, 20],
-                              'qwen3_5_text': [11, 11, 10], 'qwen3_5_moe_text': [11, 11, 10]}
+                              'qwen3_5_text': [11, 11, 10], 'qwen3_5_moe_text': [11, 11, 10],
+                              'qwen4_exp_text': [11, 11, 10]}
 # the same for models whose sections are consecutive bands (GLM-4.1V, GLM-4.5V)
 MROPE_SECTIONS = {'glm4v_text': [8, 12, 12], 'glm4v_moe_text': [8, 12, 12]}
 
 
-def rotary_dim(hf_config: PretrainedConfig, head_dim: int) -> int:
-    """How many leading features of each head rotate (``partial_rotary_factor`` of them)."""
+def rotary_dim(hf_config: PretrainedConfig, head_dim: int, layer_type: str | None = None) -> int:
+    """How many leading features of each head rotate (``partial_rotary_factor`` of them; of the rope of
+    ``layer_type`` where the config has one per layer type: Laguna, MiMo-V2-Flash)."""
     params = getattr(hf_config, 'rope_parameters', None) or {}
+    if layer_type is not None:
+        params = params[layer_type]
     return int(head_dim * params.get('partial_rotary_factor', 1.0))
 
 
@@ -119,7 +123,7 @@ class RotaryEmbedding(nn.Module):
         self.long_inv_freq: torch.Tensor | None = None
         if rope_type in ('default', 'ntk_alpha'):
             base = params.get('rope_theta', getattr(hf_config, 'rope_theta', 10000.0))
-            dim = rotary_dim(hf_config, head_dim)
+            dim = rotary_dim(hf_config, head_dim, layer_type)
             if rope_type == 'ntk_alpha':
                 base *= params['alpha']**(dim / (dim - 2))
             inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
@@ -160,3 +164,10 @@ class RotaryEmbedding(nn.Module):
             freqs = positions.float().unsqueeze(-1) * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+
+    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin [len(positions), rotary_dim]`` of text ``positions [N]`` (M-RoPE: every axis at that position;
+        no LongRoPE long factors): Qwen4-Exp's indexer turns each block key by its first token's position."""
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)

@@ -3,7 +3,8 @@ tensor names: gpt-oss (``gpt-oss``), DeepSeek-V2/V3 (``deepseek2``), GLM-4.5 (``
 (``ernie4_5-moe``), Llama 4's text model (``llama4``), Hunyuan-A13B (``hunyuan-moe``), and the files of Qwen3-MoE
 (``qwen3moe``; Qwen3-VL-MoE's language model ``qwen3vlmoe`` alike), MiniMax-M2 (``minimax-m2``), Qwen2-MoE
 (``qwen2moe``, with a shared expert), OLMoE (``olmoe``), Mixtral (``llama`` with experts), PhiMoE (``phimoe``),
-dots.llm1 (``dots1``), K-EXAONE (``exaone-moe``) and Arcee Trinity (``afmoe``), whose stacked experts (``ffn_{gate,up,down}_exps``) are stored back one tensor per expert. Registered in ``gguf_archs.py`` as
+dots.llm1 (``dots1``), K-EXAONE (``exaone-moe``), Arcee Trinity (``afmoe``) and MiMo-V2-Flash (``mimo2``), whose
+stacked experts (``ffn_{gate,up,down}_exps``) are stored back one tensor per expert. Registered in ``gguf_archs.py`` as
 ``gguf_qwen3_next.py`` is; the state-dict steps are in ``gguf_tensors.py``.
 """
 from __future__ import annotations
@@ -30,6 +31,7 @@ ARCHITECTURES = {
     'dots1': 'Dots1ForCausalLM',
     'exaone-moe': 'ExaoneMoeForCausalLM',
     'afmoe': 'AfmoeForCausalLM',
+    'mimo2': 'MiMoV2FlashForCausalLM',
 }
 
 # those whose every linear layer is a projection or experts (not MLA's, not gpt-oss's biased experts)
@@ -76,6 +78,7 @@ LAYER_NAMES: dict[str, dict[str, str]] = {
               'ffn_gate_inp': 'mlp.router.gate', 'exp_probs_b.bias': 'mlp.expert_bias', **_SHARED_EXPERTS},
     'hunyuan-moe': {**HUNYUAN_QK_NORMS, 'ffn_gate_inp': 'mlp.gate.wg', 'ffn_gate_shexp': 'mlp.shared_mlp.gate_proj',
                     'ffn_up_shexp': 'mlp.shared_mlp.up_proj', 'ffn_down_shexp': 'mlp.shared_mlp.down_proj'},
+    'mimo2': {'attn_sinks.weight': 'self_attn.attention_sink_bias', **_ROUTER_BIAS},
 }
 
 
@@ -314,9 +317,44 @@ def _afmoe(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[
             'route_scale': meta(Keys.LLM.EXPERT_WEIGHTS_SCALE, 1.0)}
 
 
+def _mimo2(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """MiMo-V2-Flash: the sliding layers by the file's ``sliding_window_pattern`` (a flag per layer), of twice the
+    full layers' KV heads (``head_count_kv`` per layer: transformers' model doubles them, another ratio is refused);
+    the window the hub's ``sliding_window_size``, which transformers widens by the query itself; a rope per layer
+    type (``rope.freq_base`` and ``rope.freq_base_swa``) over ``rope.dimension_count`` features of ``key_length``,
+    values of ``value_length``; dense layers where the file has no router. The converter writes no
+    ``attention_value_scale``: transformers' (the hub's) 0.707 stands."""
+    layers = config['num_hidden_layers']
+    kinds = layer_types(meta, layers, layers)
+    kv_heads = meta(Keys.Attention.HEAD_COUNT_KV)
+    kv_heads = kv_heads if isinstance(kv_heads, list) else [kv_heads] * layers
+    full = {kv for kv, kind in zip(kv_heads, kinds) if kind == 'full_attention'}
+    sliding = {kv // 2 for kv, kind in zip(kv_heads, kinds) if kind == 'sliding_attention'}
+    if len(full | sliding) != 1 or any(kv % 2 for kv, kind in zip(kv_heads, kinds) if kind == 'sliding_attention'):
+        raise ValueError(f'a mimo2 file whose sliding layers have other than twice the full layers\' KV heads '
+                         f'(head_count_kv {kv_heads}) is not supported')
+    head_dim = config['head_dim']
+    # the fraction whose int(head_dim * fraction) transformers takes back to the file's rotary features
+    rotary = (meta(Keys.Rope.DIMENSION_COUNT) + 0.5) / head_dim
+    rope = {'full_attention': {'rope_type': 'default', 'rope_theta': config['rope_theta'],
+                               'partial_rotary_factor': rotary},
+            'sliding_attention': {'rope_type': 'default', 'rope_theta': meta(Keys.Rope.FREQ_BASE_SWA, 10000.0),
+                                  'partial_rotary_factor': rotary}}
+    return {'model_type': 'mimo_v2_flash', 'num_key_value_heads': (full | sliding).pop(), 'layer_types': kinds,
+            'sliding_window': meta(Keys.Attention.SLIDING_WINDOW) + 1, 'rope_parameters': rope,
+            'v_head_dim': meta(Keys.Attention.VALUE_LENGTH, head_dim),
+            'mlp_layer_types': ['sparse' if f'blk.{i}.ffn_gate_inp.weight' in tensors else 'dense'
+                                for i in range(layers)],
+            'moe_intermediate_size': meta(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH),
+            'n_routed_experts': meta(Keys.LLM.EXPERT_COUNT), 'num_experts_per_tok': meta(Keys.LLM.EXPERT_USED_COUNT),
+            'n_group': 1, 'topk_group': 1, 'routed_scaling_factor': meta(Keys.LLM.EXPERT_WEIGHTS_SCALE, 1.0),
+            'norm_topk_prob': bool(meta(Keys.LLM.EXPERT_WEIGHTS_NORM, True))}
+
+
 CONFIG_BUILDERS: dict[str, Callable[[Meta, dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
     'llama': _llama, 'gpt-oss': _gpt_oss, 'deepseek2': _deepseek2, 'glm4moe': _glm4moe, 'qwen3moe': _qwen3moe,
     'qwen3vlmoe': _qwen3moe, 'qwen2moe': _qwen2moe, 'ernie4_5-moe': _ernie4_5_moe, 'llama4': _llama4,
     'minimax-m2': _minimax_m2, 'hunyuan-moe': _hunyuan_moe, 'olmoe': _olmoe, 'phimoe': _phimoe,
     'dots1': _dots1, 'exaone-moe': _exaone_moe,
-    'afmoe': _afmoe}
+    'afmoe': _afmoe,
+    'mimo2': _mimo2}

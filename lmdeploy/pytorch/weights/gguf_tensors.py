@@ -215,6 +215,7 @@ _FINISHERS = {'llama': _split_experts, 'qwen3moe': _split_experts, 'qwen3vlmoe':
               'granitemoe': _granitemoe_checkpoint, 'phimoe': _phimoe_checkpoint,
               'dots1': _split_experts, 'exaone-moe': _split_experts,
               'afmoe': _split_experts,
+              'mimo2': _split_experts,
               **dict.fromkeys(HYBRID_ARCHS, _hybrid_checkpoint), **dict.fromkeys(LFM2_ARCHS, _lfm2_checkpoint),
               **MAMBA2_FINISHERS, **GEMMA3N_FINISHERS,
               **MAMBA1_FINISHERS}
