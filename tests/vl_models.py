@@ -81,6 +81,14 @@ INTERNVL_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2
 MISTRAL3_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, head_dim=16,
                        image_size=128, patch_size=16)
 MISTRAL3_LONGEST_EDGE = 128
+# Mistral Small 4's language model: 4 heads over a latent of 32 (rotary 8, rank-48 queries), 8 experts (top 2) and a
+# shared one, YaRN with the queries scaled by position every 32
+MISTRAL4_TEXT = dict(model_type='mistral4', num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=8,
+                     qk_nope_head_dim=16, v_head_dim=16, moe_intermediate_size=32, n_routed_experts=8,
+                     num_experts_per_tok=2, pad_token_id=None,
+                     rope_parameters={'rope_type': 'yarn', 'rope_theta': 10000.0, 'factor': 4.0,
+                                      'original_max_position_embeddings': 32, 'beta_fast': 32.0, 'beta_slow': 1.0,
+                                      'mscale': 1.0, 'mscale_all_dim': 1.0, 'llama_4_scaling_beta': 0.1})
 # Gemma 3: a SigLIP tower on 56 px images of 14 px patches (4 x 4), average-pooled to 2 x 2 = 4 tokens; a local
 # layer of window 8 (shorter than the prompts) between global ones, each kind on its own rope base
 GEMMA3_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=56,
@@ -96,6 +104,8 @@ def _config(kind: str, ids: dict[str, int]):
         text = {**TEXT, 'model_type': 'mistral', 'head_dim': 16}
         if kind == 'mistral3_ministral3':  # a Ministral 3 language model
             text.update(model_type='ministral3', rope_parameters=MINISTRAL3_ROPE)
+        if kind == 'mistral3_mistral4':  # Mistral Small 4: a Mistral 4 language model (MLA, experts)
+            text = {**TEXT, **MISTRAL4_TEXT}
         return Mistral3Config(text_config=text,
                               vision_config={**MISTRAL3_VISION, 'model_type': 'pixtral'},
                               image_token_id=ids['[IMG]'], tie_word_embeddings=False,

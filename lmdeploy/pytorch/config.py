@@ -60,7 +60,8 @@ class ModelConfig:
     mm_config: PretrainedConfig | None = None
     quant_policy: int = 0  # KV cache: 0 in ``dtype``, 8 int8, 4 int4 (see PytorchEngineConfig)
     # Multi-head latent attention (DeepSeek-V2/V3): each token caches one vector of this width, its latent
-    # (``kv_lora_rank``) then its rotary key (``qk_rope_head_dim``), shared by every head; 0: per-head K/V.
+    # (``kv_lora_rank``) then its rotary key (``qk_rope_head_dim``), shared by every head; DeepSeek-V4: its row of
+    # key-value, compressor inputs and compressed entries (``kernels/compressed_attention.py``); 0: per-head K/V.
     kv_latent_dim: int = 0
     # DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5) and Qwen4-Exp's QSA: each token also caches its indexer key
     # of this width, in ``dtype`` whatever ``quant_policy`` (``kernels/dsa.py``, ``kernels/qsa.py``); 0: no indexer
@@ -88,6 +89,10 @@ class ModelConfig:
         num_kv_heads = getattr(hf_config, 'num_key_value_heads', None) or num_heads
         if 'sliding_attention' in layer_types:
             num_kv_heads *= SLIDING_KV_HEADS_FACTOR.get(hf_config.model_type, 1)
+        index_keys = index_key_dim(hf_config)
+        if hf_config.model_type == 'deepseek_v4':  # one row a token: models/deepseek_v4_attention.py
+            from lmdeploy.pytorch.models.deepseek_v4_attention import cache_row_width
+            kv_latent_dim, index_keys = cache_row_width(hf_config), 0
         return cls(hf_config=hf_config,
                    architecture=config.architectures[0],
                    hidden_size=hf_config.hidden_size,
@@ -102,7 +107,7 @@ class ModelConfig:
                    mm_config=None if hf_config is config else config,
                    quant_policy=quant_policy,
                    kv_latent_dim=kv_latent_dim,
-                   index_key_dim=index_key_dim(hf_config),
+                   index_key_dim=index_keys,
                    num_state_layers=sum(kind in RECURRENT_LAYER_TYPES for kind in layer_types),
                    num_cacheless_layers=sum(kind in CACHELESS_LAYER_TYPES for kind in layer_types),
                    num_kv_shared_layers=getattr(hf_config, 'num_kv_shared_layers', 0) or 0,

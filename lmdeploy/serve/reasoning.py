@@ -24,7 +24,7 @@ MODEL_PARSERS = {'gpt_oss': ('harmony', 'harmony'), 'seed_oss': ('seed_oss', 'se
                  'minimax_m2': ('minimax_m2', 'qwen3'), 'hunyuan_v1_moe': ('hunyuan_a13b', 'hunyuan_a13b'),
                  'hunyuan_v1_dense': ('hunyuan_a13b', 'hunyuan_a13b'), 'jamba': ('jamba', None),
                  'cohere2': ('cohere2', 'cohere2'), 'falcon_h1': ('falcon_h1', None),
-                 'longcat_flash': ('longcat', None)}
+                 'mistral4': ('mistral', 'mistral'), 'longcat_flash': ('longcat', None)}
 AUTO = 'auto'
 
 

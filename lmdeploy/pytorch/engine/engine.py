@@ -99,7 +99,7 @@ class Engine:
                                    long_rope_after(cfg.hf_config), state_pool,
                                    runner.model.recurrent_chunk if state_pool is not None else 0)
         use_graphs = (self.device.type == 'cuda' and not config.eager_mode and config.tp == 1
-                      and state_pool is None)
+                      and state_pool is None and runner.model.decode_graphs)
         capacity = self.block_manager.token_capacity(config.max_prefill_token_num)
         self._log_cache(num_blocks * config.block_size)
         self.session_len = min(config.session_len or cfg.max_position_embeddings, capacity or sys.maxsize)
@@ -126,7 +126,8 @@ class Engine:
                         '%d count the tokens', cfg.architecture, tokens // config.block_size, config.block_size)
             return
         kv_kind = {0: str(cfg.dtype).removeprefix('torch.'), 8: 'int8', 4: 'int4'}[config.quant_policy]
-        kv_kind += ' latent (MLA)' if cfg.kv_latent_dim else ''
+        if cfg.kv_latent_dim:
+            kv_kind += ' rows (compressed attention)' if cfg.hf_config.model_type == 'deepseek_v4' else ' latent (MLA)'
         indexer = 'DSA' if cfg.kv_latent_dim else 'QSA'
         kv_kind += f' + {cfg.dtype} indexer keys ({indexer})'.replace('torch.', '') if cfg.index_key_dim else ''
         cache_bytes = sum(t.numel() * t.element_size() for layer in runner.kv_caches for t in layer)

@@ -151,7 +151,7 @@ def build_runner(model_dir: str, config: PytorchEngineConfig, device: torch.devi
     rank_cfg = dataclasses.replace(cfg, num_heads=q_stop - q_start, num_kv_heads=kv_stop - kv_start)
     layer_states = recurrent_state_shapes(model, cfg.num_layers)
     graph_model = (model if device.type == 'cuda' and not config.eager_mode and group.world_size == 1
-                   and not any(layer_states) else None)
+                   and not any(layer_states) and model.decode_graphs else None)
     slot_bytes, num_slots, num_blocks = state_bytes_per_slot(layer_states), config.max_batch_size, config.num_gpu_blocks
     if not num_blocks:
         budget = cache_budget(rank_cfg, config, device, graph_model, group.world_size)

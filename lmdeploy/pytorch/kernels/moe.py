@@ -57,20 +57,24 @@ def run_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
     return out
 
 
-def grouped_topk(router_logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int, num_groups: int,
-                 topk_groups: int, renormalize: bool, scaling: float,
-                 renormalize_eps: float = 1e-20) -> tuple[torch.Tensor, torch.Tensor]:
+def grouped_topk(router_logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int, num_groups: int,
+                 topk_groups: int, renormalize: bool, scaling: float, renormalize_eps: float = 1e-20,
+                 softmax: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3's routing (``noaux_tc``): ``(topk_weights [T, k] fp32, topk_ids [T, k])``.
 
-    Experts score ``sigmoid(logits)``; they are chosen by score plus ``correction_bias``, among the
-    ``topk_groups`` of ``num_groups`` equal groups whose two best biased scores sum highest. The weights are
-    the chosen experts' unbiased scores, renormalized to sum to one when asked (divided by their sum plus
-    ``renormalize_eps``: LFM2-MoE's 1e-6), times ``scaling``.
+    Experts score ``sigmoid(logits)`` (``softmax``: Mistral 4's softmax over the experts); they are chosen by score
+    plus ``correction_bias`` (None: none), among the ``topk_groups`` of ``num_groups`` equal groups whose two best
+    biased scores sum highest. The weights are the chosen experts' unbiased scores, renormalized to sum to one when
+    asked (divided by their sum plus ``renormalize_eps``: LFM2-MoE's 1e-6), times ``scaling``.
     """
-    # torch's sigmoid takes a vectorized exp but for a tensor's last few elements, a scalar one: in fp32 they differ
-    # in the last bit, so a row's scores changed with its place in the batch; in fp64, far below fp32's rounding
-    scores = router_logits.double().sigmoid().float()
-    biased = scores + correction_bias.float()
+    if softmax:
+        scores = router_logits.float().softmax(-1)
+    else:
+        # torch's sigmoid takes a vectorized exp but for a tensor's last few elements, a scalar one: in fp32 they
+        # differ in the last bit, so a row's scores changed with its place in the batch; in fp64, far below fp32's
+        # rounding
+        scores = router_logits.double().sigmoid().float()
+    biased = scores if correction_bias is None else scores + correction_bias.float()
     grouped = biased.view(scores.shape[0], num_groups, -1)
     best_groups = grouped.topk(2, dim=-1)[0].sum(-1).topk(topk_groups, dim=-1, sorted=False)[1]
     keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best_groups, True)

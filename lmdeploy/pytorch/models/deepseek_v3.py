@@ -1,9 +1,11 @@
-"""DeepSeek-V3 (and V2): multi-head latent attention over a latent KV cache, YaRN with DeepSeek's softmax
-mscale, grouped top-k routing (V3: sigmoid scores with a correction bias; V2: softmax, greedy or
-group-limited), shared experts and dense first layers."""
+"""DeepSeek-V3 (and V2, and Mistral Small 4's language model): multi-head latent attention over a latent KV cache,
+YaRN with DeepSeek's softmax mscale, grouped top-k routing (V3: sigmoid scores with a correction bias; V2: softmax,
+greedy or group-limited; Mistral 4: softmax scores grouped as V3's, its queries scaled by position), shared experts
+and dense first layers."""
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -12,15 +14,16 @@ from transformers.modeling_rope_utils import yarn_apply_mscale
 from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.kernels import cpu, group_limited_topk, grouped_topk, moe_routing
 from lmdeploy.pytorch.models.llama import DECODE_INT4_LAYERS, KVCache, LlamaDecoderLayer, LlamaMLP, WeightTarget
-from lmdeploy.pytorch.models.moe import MoEForCausalLM, native_experts_with_shared
+from lmdeploy.pytorch.models.moe import MoEForCausalLM, native_experts_with_shared, split_stacked_experts
 from lmdeploy.pytorch.nn.decoder_stack import LayerWeights, NativeDecoderStack, latent_attention, layer_weights
 from lmdeploy.pytorch.nn.linear import Linear, RowLinear
 from lmdeploy.pytorch.nn.mla import HeadsLinear, LatentAttention
 from lmdeploy.pytorch.nn.moe import Fp32Router, FusedExperts
 from lmdeploy.pytorch.nn.norm import RMSNorm
 from lmdeploy.pytorch.nn.quant import Layout, LinearOptions, new_parameter
-from lmdeploy.pytorch.nn.rotary import apply_rope
+from lmdeploy.pytorch.nn.rotary import apply_rope, position_query_scale, scale_queries
 from lmdeploy.pytorch.step_context import StepContext
+from lmdeploy.pytorch.weights.safetensors_loader import WeightSource
 
 LORA_NORM_EPS = 1e-6  # the q_a/kv_a norms keep RMSNorm's default, whatever rms_norm_eps says
 LAYER_INDEX = re.compile(r'layers\.(\d+)\.')
@@ -30,7 +33,9 @@ class DeepseekV3Attention(nn.Module):
     """Multi-head latent attention: queries from a low-rank projection (or a plain one without
     ``q_lora_rank``), keys and values from the cached latent, each head's rotary part from the shared
     rotary key. With ``lora_scales`` (LongCat-Flash) the queries are scaled by ``sqrt(hidden / q_lora_rank)`` and
-    the normed latent by ``sqrt(hidden / kv_lora_rank)``."""
+    the normed latent by ``sqrt(hidden / kv_lora_rank)``. Where the rope names a ``llama_4_scaling_beta`` (Mistral 4),
+    the queries are scaled by their position (the step's ``q_scale``, see
+    :func:`~lmdeploy.pytorch.nn.rotary.position_query_scale`)."""
 
     def __init__(self, cfg: ModelConfig, lora_scales: bool = False):
         super().__init__()
@@ -39,6 +44,7 @@ class DeepseekV3Attention(nn.Module):
         self.nope_dim, self.rope_dim, self.v_head_dim = hf.qk_nope_head_dim, hf.qk_rope_head_dim, hf.v_head_dim
         # V2 turns neighbouring pairs (complex rotary); V3 too unless ``rope_interleave`` is off
         self.interleaved_rope = bool(getattr(hf, 'rope_interleave', True))
+        self.scaled_queries = position_query_scale(hf) is not None
         qk_head_dim = self.nope_dim + self.rope_dim
         bias = bool(getattr(hf, 'attention_bias', False))
         self.q_lora = hf.q_lora_rank is not None
@@ -79,7 +85,7 @@ class DeepseekV3Attention(nn.Module):
                                 num_heads=self.num_heads, kv_lora_rank=self.kv_lora_rank, nope_dim=self.nope_dim,
                                 rope_dim=self.rope_dim, v_head_dim=self.v_head_dim,
                                 interleaved_rope=self.interleaved_rope, scale=self.attn.scale,
-                                norm_eps=LORA_NORM_EPS)
+                                norm_eps=LORA_NORM_EPS, scaled_queries=self.scaled_queries)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache, ctx: StepContext) -> torch.Tensor:
         _, q_nope, q_rope, latent = self.queries_and_latent(x, ctx)
@@ -99,6 +105,8 @@ class DeepseekV3Attention(nn.Module):
         q_nope, q_rope = q.view(-1, self.num_heads, self.nope_dim + self.rope_dim).split(
             [self.nope_dim, self.rope_dim], dim=-1)
         q_rope = apply_rope(q_rope.contiguous(), ctx.cos, ctx.sin, self.interleaved_rope)
+        if self.scaled_queries:
+            q_nope, q_rope = scale_queries(q_nope, ctx.q_scale), scale_queries(q_rope, ctx.q_scale)
         k_rope = apply_rope(k_rope.unsqueeze(1).contiguous(), ctx.cos, ctx.sin, self.interleaved_rope).squeeze(1)
         latent = torch.cat((latent, k_rope), dim=-1)
         return q_lora, q_nope, q_rope, latent
@@ -113,21 +121,24 @@ class TopKRouter(Fp32Router):
             self.e_score_correction_bias = new_parameter((num_experts,), Layout(None, None), torch.float32)
 
 
-ROUTINGS = ('noaux_tc', 'greedy', 'group_limited_greedy')
+ROUTINGS = ('noaux_tc', 'softmax_noaux_tc', 'greedy', 'group_limited_greedy')
 # the model types that route by grouped_topk, whatever topk_method
 NOAUX_TC_MODEL_TYPES = ('deepseek_v3', 'glm4_moe', 'glm4_moe_lite', 'glm4v_moe_text', 'dots1', 'exaone_moe', 'afmoe',
                         'deepseek_v32', 'glm_moe_dsa', 'laguna', 'mimo_v2_flash')
+# the model types that route by grouped_topk over softmax scores, without correction bias (Mistral 4)
+SOFTMAX_NOAUX_TC_MODEL_TYPES = ('mistral4',)
 
 
 class DeepseekV3MoE(nn.Module):
     """Routed experts plus shared experts every token runs. V3 (and GLM-4.5) route by :func:`grouped_topk`
-    (``noaux_tc``); V2 by its ``topk_method``: softmax top-k (``greedy``) or :func:`group_limited_topk`, never
-    renormalized."""
+    (``noaux_tc``), Mistral 4 by it over softmax scores without correction bias (``softmax_noaux_tc``); V2 by its
+    ``topk_method``: softmax top-k (``greedy``) or :func:`group_limited_topk`, never renormalized."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         hf = cfg.hf_config
-        self.routing = 'noaux_tc' if hf.model_type in NOAUX_TC_MODEL_TYPES else hf.topk_method
+        self.routing = ('noaux_tc' if hf.model_type in NOAUX_TC_MODEL_TYPES else 'softmax_noaux_tc'
+                        if hf.model_type in SOFTMAX_NOAUX_TC_MODEL_TYPES else hf.topk_method)
         if self.routing not in ROUTINGS:
             raise ValueError(f'topk_method {self.routing!r} is not supported; supported: {ROUTINGS}')
         # Trinity's (AFMoE's) config has no groups, always renormalizes and names the scaling ``route_scale``;
@@ -146,7 +157,8 @@ class DeepseekV3MoE(nn.Module):
 
     def native_moe(self, small_step: bool = False) -> object | None:
         """This block as a ``MoEBlock`` of :class:`~lmdeploy.pytorch.nn.decoder_stack.NativeDecoderStack` with its
-        routing (``noaux_tc``, or V2's ``greedy`` or ``group_limited_greedy``; its fp32 router an ``fp32``
+        routing (``noaux_tc``, Mistral 4's as ``softmax`` where it keeps every group and scales no weight, or V2's
+        ``greedy`` or ``group_limited_greedy``; its fp32 router an ``fp32``
         projection, its shared experts ungated; ``small_step``: for steps of at most ``small_step_rows`` tokens,
         which only the shared experts' projections tell apart); None where a part runs on no native kernel."""
         kernels = cpu.native()
@@ -154,6 +166,11 @@ class DeepseekV3MoE(nn.Module):
         router = self.gate.native_projection()
         if native is None or router is None:
             return None
+        if self.routing == 'softmax_noaux_tc':
+            if self.topk_groups != self.num_groups or self.scaling != 1.0:
+                return None
+            return kernels.MoEBlock(router=router, top_k=self.top_k, routing='softmax', renormalize=self.renormalize,
+                                    **native)
         routing = dict(renormalize=False)  # V2's: never renormalized
         if self.routing == 'noaux_tc':
             routing = dict(renormalize=self.renormalize, correction_bias=self.gate.e_score_correction_bias)
@@ -169,9 +186,10 @@ class DeepseekV3MoE(nn.Module):
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(topk_weights [T, k] fp32, topk_ids [T, k])`` of the fp32 router logits."""
-        if self.routing == 'noaux_tc':
-            return grouped_topk(logits, self.gate.e_score_correction_bias, self.top_k, self.num_groups,
-                                self.topk_groups, self.renormalize, self.scaling)
+        if self.routing in ('noaux_tc', 'softmax_noaux_tc'):
+            softmax = self.routing == 'softmax_noaux_tc'
+            return grouped_topk(logits, None if softmax else self.gate.e_score_correction_bias, self.top_k,
+                                self.num_groups, self.topk_groups, self.renormalize, self.scaling, softmax=softmax)
         if self.routing == 'greedy':
             weights, ids = moe_routing(logits, self.top_k, False)
         else:
@@ -250,3 +268,12 @@ class DeepseekV3ForCausalLM(MoEForCausalLM):
             self.lm_head.enable_small_step_copy()
         self.lm_head.finalize(pack_cpu)
         return rows - {0}
+
+
+class Mistral4ForCausalLM(DeepseekV3ForCausalLM):
+    """Mistral Small 4's language model: DeepSeek-V3's layers, routed by softmax (``softmax_noaux_tc``), its queries
+    scaled by position (``llama_4_scaling_beta``); its checkpoints stack the experts (``gate_up_proj [E, 2I, H]``,
+    ``down_proj [E, H, I]``), split here into per-expert weights."""
+
+    def split_fused(self, weights: Iterable[tuple[str, WeightSource]]) -> Iterator[tuple[str, WeightSource]]:
+        return split_stacked_experts(super().split_fused(weights), self.cfg.hidden_size)

@@ -184,6 +184,8 @@ class LlamaForCausalLM(nn.Module):
     }
     # why the model cannot be split over tensor-parallel ranks; None where it can
     tensor_parallel_refusal: str | None = None
+    # whether CUDA graphs may capture its decode steps (False where a layer reads values back to the host)
+    decode_graphs = True
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

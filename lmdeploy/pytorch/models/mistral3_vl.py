@@ -1,6 +1,7 @@
-"""Mistral Small 3.1 / 3.2 and Ministral 3 (``Mistral3ForConditionalGeneration``): a Mistral or Ministral 3 language
-model fed by transformers' Pixtral vision tower (2-D rotary positions, images of any size in whole patches) through its
-``Mistral3MultiModalProjector``, which merges each ``spatial_merge_size`` square of patches into one token.
+"""Mistral Small 3.1 / 3.2, Ministral 3 and Mistral Small 4 (``Mistral3ForConditionalGeneration``): a Mistral,
+Ministral 3 or Mistral 4 language model fed by transformers' Pixtral vision tower (2-D rotary positions, images of any
+size in whole patches) through its ``Mistral3MultiModalProjector``, which merges each ``spatial_merge_size`` square of
+patches into one token.
 
 An image's span in the prompt is a row of ``[IMG]`` tokens per row of merged patches, each row closed by
 ``[IMG_BREAK]`` and the last by ``[IMG_END]``; only the ``[IMG]`` tokens take the image's features.
@@ -18,12 +19,19 @@ from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.models.vision_language import VisionLanguageModel
 from lmdeploy.pytorch.multimodal import MultiModalInput
 
-TEXT_MODEL_TYPES = ('mistral', 'ministral3')
+TEXT_MODEL_TYPES = ('mistral', 'ministral3', 'mistral4')
 
 
 class Mistral3ForConditionalGeneration(VisionLanguageModel):
     """The Mistral or Ministral 3 language model plus the Pixtral tower and Mistral 3's projector, both
-    transformers' own."""
+    transformers' own; with a ``mistral4`` language model (Mistral Small 4), a
+    :class:`~lmdeploy.pytorch.models.mistral4_vl.MistralSmall4ForConditionalGeneration`."""
+
+    def __new__(cls, cfg: ModelConfig) -> Mistral3ForConditionalGeneration:
+        if cls is Mistral3ForConditionalGeneration and cfg.mm_config.text_config.model_type == 'mistral4':
+            from lmdeploy.pytorch.models.mistral4_vl import MistralSmall4ForConditionalGeneration
+            cls = MistralSmall4ForConditionalGeneration
+        return super().__new__(cls)
 
     def __init__(self, cfg: ModelConfig):
         mm = cfg.mm_config

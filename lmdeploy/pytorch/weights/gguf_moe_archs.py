@@ -3,8 +3,9 @@ tensor names: gpt-oss (``gpt-oss``), DeepSeek-V2/V3 (``deepseek2``), GLM-4.5 (``
 (``ernie4_5-moe``), Llama 4's text model (``llama4``), Hunyuan-A13B (``hunyuan-moe``), and the files of Qwen3-MoE
 (``qwen3moe``; Qwen3-VL-MoE's language model ``qwen3vlmoe`` alike), MiniMax-M2 (``minimax-m2``), Qwen2-MoE
 (``qwen2moe``, with a shared expert), OLMoE (``olmoe``), Mixtral (``llama`` with experts), PhiMoE (``phimoe``),
-dots.llm1 (``dots1``), K-EXAONE (``exaone-moe``), Arcee Trinity (``afmoe``) and MiMo-V2-Flash (``mimo2``), whose
-stacked experts (``ffn_{gate,up,down}_exps``) are stored back one tensor per expert. Registered in ``gguf_archs.py`` as
+dots.llm1 (``dots1``), K-EXAONE (``exaone-moe``), Arcee Trinity (``afmoe``), MiMo-V2-Flash (``mimo2``) and
+Mistral Small 4 (``mistral4``: DeepSeek's MLA, Mistral's routing), whose stacked experts
+(``ffn_{gate,up,down}_exps``) are stored back one tensor per expert. Registered in ``gguf_archs.py`` as
 ``gguf_qwen3_next.py`` is; the state-dict steps are in ``gguf_tensors.py``.
 """
 from __future__ import annotations
@@ -32,6 +33,7 @@ ARCHITECTURES = {
     'exaone-moe': 'ExaoneMoeForCausalLM',
     'afmoe': 'AfmoeForCausalLM',
     'mimo2': 'MiMoV2FlashForCausalLM',
+    'mistral4': 'Mistral4ForCausalLM',
 }
 
 # those whose every linear layer is a projection or experts (not MLA's, not gpt-oss's biased experts)
@@ -80,6 +82,8 @@ LAYER_NAMES: dict[str, dict[str, str]] = {
                     'ffn_up_shexp': 'mlp.shared_mlp.up_proj', 'ffn_down_shexp': 'mlp.shared_mlp.down_proj'},
     'mimo2': {'attn_sinks.weight': 'self_attn.attention_sink_bias', **_ROUTER_BIAS},
 }
+# Mistral 4: ``deepseek2``'s names, its experts' gate and up stacked in one tensor (split by ``finish_state_dict``)
+LAYER_NAMES['mistral4'] = {**LAYER_NAMES['deepseek2'], 'ffn_gate_up_exps': 'mlp.experts.gate_up_proj'}
 
 
 def _gpt_oss(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
@@ -351,10 +355,32 @@ def _mimo2(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[
             'norm_topk_prob': bool(meta(Keys.LLM.EXPERT_WEIGHTS_NORM, True))}
 
 
+def _mistral4(meta: Meta, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """Mistral Small 4's language model, as convert_hf_to_gguf.py's ``Mistral4Model`` (its ``DeepseekV2Model``)
+    writes it: ``deepseek2``'s fields, routed by softmax whatever ``expert_gating_func`` says; the queries scaled by
+    position where the file says (``attention.temperature_scale``, the step ``attention.temperature_length`` or
+    YaRN's original context), as llama.cpp scales them."""
+    fields = _deepseek2(meta, tensors, config)
+    fields.pop('topk_method', None)
+    # transformers' Mistral 4 turns the rotary part as a share of whole heads (DeepSeek's config: of a rotary head)
+    head_dim = fields['qk_nope_head_dim'] + fields['qk_rope_head_dim']
+    rope = fields['rope_parameters'] | {'partial_rotary_factor': fields['qk_rope_head_dim'] / head_dim}
+    beta = meta(Keys.Attention.TEMPERATURE_SCALE)
+    if beta:
+        period = meta(Keys.Attention.TEMPERATURE_LENGTH) or rope.get('original_max_position_embeddings')
+        if not period:
+            raise ValueError('a mistral4 file whose queries are scaled by position (attention.temperature_scale) '
+                             'needs its step: attention.temperature_length or YaRN\'s original context length')
+        rope |= {'llama_4_scaling_beta': beta, 'original_max_position_embeddings': period}
+    return fields | {'model_type': 'mistral4', 'architectures': [ARCHITECTURES['mistral4']], 'head_dim': head_dim,
+                     'rope_parameters': rope}
+
+
 CONFIG_BUILDERS: dict[str, Callable[[Meta, dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
     'llama': _llama, 'gpt-oss': _gpt_oss, 'deepseek2': _deepseek2, 'glm4moe': _glm4moe, 'qwen3moe': _qwen3moe,
     'qwen3vlmoe': _qwen3moe, 'qwen2moe': _qwen2moe, 'ernie4_5-moe': _ernie4_5_moe, 'llama4': _llama4,
     'minimax-m2': _minimax_m2, 'hunyuan-moe': _hunyuan_moe, 'olmoe': _olmoe, 'phimoe': _phimoe,
     'dots1': _dots1, 'exaone-moe': _exaone_moe,
     'afmoe': _afmoe,
-    'mimo2': _mimo2}
+    'mimo2': _mimo2,
+    'mistral4': _mistral4}

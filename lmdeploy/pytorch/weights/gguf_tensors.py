@@ -110,6 +110,16 @@ def _deepseek2_merge(state_dict: dict[str, torch.Tensor], config: dict[str, Any]
     _split_experts(state_dict, config)
 
 
+def _mistral4_merge(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    """As :func:`_deepseek2_merge`, the experts' stacked ``gate_up [E, 2I, H]`` (transformers' layout, which the
+    converter keeps) split into gate and up first."""
+    for prefix in _layer_prefixes(state_dict, 'mlp.experts.gate_up_proj.weight'):
+        gate, up = state_dict.pop(prefix + 'mlp.experts.gate_up_proj.weight').chunk(2, dim=1)
+        state_dict[prefix + 'mlp.experts.gate_proj.weight'] = gate
+        state_dict[prefix + 'mlp.experts.up_proj.weight'] = up
+    _deepseek2_merge(state_dict, config)
+
+
 def _ernie4_5_experts(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
     """The stacked experts back into one tensor per expert; the router's correction bias as ``[1, E]``, as ERNIE's
     checkpoints hold it."""
@@ -216,6 +226,7 @@ _FINISHERS = {'llama': _split_experts, 'qwen3moe': _split_experts, 'qwen3vlmoe':
               'dots1': _split_experts, 'exaone-moe': _split_experts,
               'afmoe': _split_experts,
               'mimo2': _split_experts,
+              'mistral4': _mistral4_merge,
               **dict.fromkeys(HYBRID_ARCHS, _hybrid_checkpoint), **dict.fromkeys(LFM2_ARCHS, _lfm2_checkpoint),
               **MAMBA2_FINISHERS, **GEMMA3N_FINISHERS,
               **MAMBA1_FINISHERS}

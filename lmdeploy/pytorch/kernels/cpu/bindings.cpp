@@ -188,11 +188,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("experts_in_one_region", &MoEBlock::experts_in_one_region, py::arg("tokens"));
   py::class_<LatentAttention>(m, "LatentAttention", "a decoder layer's multi-head latent attention (DeepSeek)")
       .def(py::init<c10::optional<Projection>, Optional, Projection, Projection, torch::Tensor, torch::Tensor, int64_t,
-                    int64_t, int64_t, int64_t, int64_t, bool, double, double>(),
+                    int64_t, int64_t, int64_t, int64_t, bool, double, double, bool>(),
            py::kw_only(), py::arg("q_a") = py::none(), py::arg("q_a_norm") = py::none(), py::arg("q"),
            py::arg("kv_a"), py::arg("kv_a_norm"), py::arg("kv_b"), py::arg("num_heads"), py::arg("kv_lora_rank"),
            py::arg("nope_dim"), py::arg("rope_dim"), py::arg("v_head_dim"), py::arg("interleaved_rope"),
-           py::arg("scale"), py::arg("norm_eps"));
+           py::arg("scale"), py::arg("norm_eps"), py::arg("scaled_queries") = false);
   py::class_<LinearAttention>(m, "LinearAttention", "a decoder layer's Gated DeltaNet linear attention")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, bool, bool, torch::Tensor, torch::Tensor, torch::Tensor,
                     torch::Tensor, double>(),

@@ -151,12 +151,13 @@ struct MoEBlock {
 // queries absorbed through kv_b's key rows, attended over the cache by the mla kernels (`scale`: YaRN's softmax
 // mscale in it), the result taken through kv_b's value rows. `kv_b` is kv_b_proj's dense weight
 // [H * (nope_dim + v_head_dim), kv_lora_rank]; the rotary parts turn in neighbouring pairs with `interleaved_rope`
-// (apply_rope of nn/rotary.py); the two norms use `norm_eps`.
+// (apply_rope of nn/rotary.py); the two norms use `norm_eps`; with `scaled_queries` (Mistral 4) both parts of
+// each query are multiplied by their token's factor in the step's q_scale after the rotary.
 struct LatentAttention {
   LatentAttention(c10::optional<Projection> q_a, c10::optional<torch::Tensor> q_a_norm, Projection q, Projection kv_a,
                   torch::Tensor kv_a_norm, torch::Tensor kv_b, int64_t num_heads, int64_t kv_lora_rank,
                   int64_t nope_dim, int64_t rope_dim, int64_t v_head_dim, bool interleaved_rope, double scale,
-                  double norm_eps);
+                  double norm_eps, bool scaled_queries);
   // x [T, hidden] -> [T, H * v_head_dim]; `cache` is (latent cache) or (codes, scales_zeros) (kernels/mla.py).
   torch::Tensor operator()(const torch::Tensor& x, const std::vector<torch::Tensor>& cache, const StepTensors& step,
                            int64_t quant_policy) const;
@@ -168,6 +169,7 @@ struct LatentAttention {
   int64_t num_heads, kv_lora_rank, nope_dim, rope_dim, v_head_dim;
   bool interleaved_rope;
   double scale, norm_eps;
+  bool scaled_queries;
 };
 
 // A Llama-style decoder layer's weights; q_norm and k_norm (per head, before the rotary embedding) where the

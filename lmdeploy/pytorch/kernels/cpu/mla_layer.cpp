@@ -9,11 +9,11 @@
 LatentAttention::LatentAttention(c10::optional<Projection> q_a, c10::optional<torch::Tensor> q_a_norm, Projection q,
                                  Projection kv_a, torch::Tensor kv_a_norm, torch::Tensor kv_b, int64_t num_heads,
                                  int64_t kv_lora_rank, int64_t nope_dim, int64_t rope_dim, int64_t v_head_dim,
-                                 bool interleaved_rope, double scale, double norm_eps)
+                                 bool interleaved_rope, double scale, double norm_eps, bool scaled_queries)
     : q_a(std::move(q_a)), q_a_norm(std::move(q_a_norm)), q(std::move(q)), kv_a(std::move(kv_a)),
       kv_a_norm(std::move(kv_a_norm)), kv_b(std::move(kv_b)), num_heads(num_heads), kv_lora_rank(kv_lora_rank),
       nope_dim(nope_dim), rope_dim(rope_dim), v_head_dim(v_head_dim), interleaved_rope(interleaved_rope),
-      scale(scale), norm_eps(norm_eps) {
+      scale(scale), norm_eps(norm_eps), scaled_queries(scaled_queries) {
   TORCH_CHECK(this->q_a.has_value() == this->q_a_norm.has_value(), "mla: q_a and q_a_norm come together");
   TORCH_CHECK(num_heads > 0 && kv_lora_rank > 0 && nope_dim > 0 && v_head_dim > 0 && rope_dim > 0 && rope_dim % 2 == 0,
               "mla: positive sizes, an even rope_dim");
@@ -68,10 +68,17 @@ torch::Tensor LatentAttention::operator()(const torch::Tensor& x, const std::vec
               "scales_zeros)");
   const auto queries = q_a ? q(std::get<0>(rms_norm((*q_a)(x), *q_a_norm, norm_eps, c10::nullopt))) : q(x);
   const auto heads = queries.view({-1, num_heads, nope_dim + rope_dim});
-  const auto q_nope = heads.narrow(-1, 0, nope_dim), q_rope = heads.narrow(-1, nope_dim, rope_dim);
+  auto q_nope = heads.narrow(-1, 0, nope_dim);
+  const auto q_rope = heads.narrow(-1, nope_dim, rope_dim);
   const auto compressed = kv_a(x);
   const auto k_rope = compressed.narrow(-1, kv_lora_rank, rope_dim);
-  const auto q_turned = rope(q_rope.contiguous(), step.cos, step.sin, interleaved_rope);
+  auto q_turned = rope(q_rope.contiguous(), step.cos, step.sin, interleaved_rope);
+  if (scaled_queries) {  // scale_queries of nn/rotary.py, as DeepseekV3Attention.queries_and_latent takes it
+    TORCH_CHECK(step.q_scale, "an mla layer with scaled_queries needs the step's q_scale");
+    const auto factors = step.q_scale->view({-1, 1, 1});
+    q_nope = q_nope.mul(factors).to(heads.scalar_type());
+    q_turned = q_turned.mul(factors).to(heads.scalar_type());
+  }
   const auto k_turned = rope(k_rope.unsqueeze(1).contiguous(), step.cos, step.sin, interleaved_rope).squeeze(1);
   const auto normed = std::get<0>(rms_norm(compressed.narrow(-1, 0, kv_lora_rank).contiguous(), kv_a_norm, norm_eps,
                                            c10::nullopt));

@@ -1,5 +1,5 @@
-"""``<think>...</think>`` reasoning, as Qwen3, QwQ, DeepSeek-R1 and GLM-4.5 write it, and Seed-OSS's
-``<seed:think>...</seed:think>``.
+"""``<think>...</think>`` reasoning, as Qwen3, QwQ, DeepSeek-R1 and GLM-4.5 write it, Seed-OSS's
+``<seed:think>...</seed:think>`` and Mistral's ``[THINK]...[/THINK]``.
 
 Qwen3 opens the block in its reply (or, with ``enable_thinking=False``, its template closes an empty
 block in the prompt); DeepSeek-R1's and Qwen3.5's templates open it in the prompt, so the reply starts inside
@@ -101,6 +101,15 @@ class SeedOssReasoningParser(ThinkReasoningParser):
     reply closes it at once)."""
 
     start_marker, end_marker = '<seed:think>', '</seed:think>'
+    markers = (start_marker, end_marker)
+
+
+@register_reasoning_parser('mistral', 'magistral')
+class MistralReasoningParser(ThinkReasoningParser):
+    """Magistral's and Mistral Small 4's ``[THINK]...[/THINK]`` reasoning (special tokens; Small 4 reasons where
+    its template's ``reasoning_effort`` asks), which a ``[TOOL_CALLS]`` may follow."""
+
+    start_marker, end_marker = '[THINK]', '[/THINK]'
     markers = (start_marker, end_marker)
 
 
