@@ -86,6 +86,8 @@ SUPPORTED_ARCHS: dict[str, tuple[Task, str]] = {
     'Qwen4ExpForCausalLM': ('llm', 'lmdeploy.pytorch.models.qwen4_exp:Qwen4ExpForCausalLM'),
     'Qwen4ExpForConditionalGeneration': ('llm', 'lmdeploy.pytorch.models.qwen4_exp:Qwen4ExpForCausalLM'),
     'Mistral4ForCausalLM': ('llm', 'lmdeploy.pytorch.models.deepseek_v3:Mistral4ForCausalLM'),
+    'Gemma4ForCausalLM': ('llm', 'lmdeploy.pytorch.models.gemma4:Gemma4ForCausalLM'),
+    'Gemma4ForConditionalGeneration': ('llm', 'lmdeploy.pytorch.models.gemma4:Gemma4ForCausalLM'),
     'Qwen2VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
     'Qwen2_5_VLForConditionalGeneration': ('vlm', f'{_VL}:Qwen2VLForConditionalGeneration'),
     'LlavaForConditionalGeneration': ('vlm', f'{_VL}:LlavaForConditionalGeneration'),

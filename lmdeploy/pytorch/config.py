@@ -27,6 +27,17 @@ def index_key_dim(hf_config: PretrainedConfig) -> int:
     return 0
 
 
+def layer_kv_geometry(hf_config: PretrainedConfig) -> tuple[tuple[int, int], ...] | None:
+    """Per layer ``(num_kv_heads, head_dim)`` of a config whose layers override them (transformers'
+    ``per_layer_config``: Gemma 4's full-attention layers); None where every layer has the config's own."""
+    if not getattr(hf_config, 'is_heterogeneous', False):
+        return None
+    # the config's own values are the default layer's (Gemma 4's sliding layers); read them as the model's
+    hf_config.allow_global_per_layer_attribute_access = True
+    geometry = tuple((layer.num_key_value_heads, layer.head_dim) for layer in hf_config.per_layer_config)
+    return geometry if len(set(geometry)) > 1 else None
+
+
 @dataclass
 class ModelConfig:
     """The shape of a decoder-only model, independent of its family.
@@ -61,10 +72,14 @@ class ModelConfig:
     num_cacheless_layers: int = 0
     # layers that attend over an earlier layer's KV cache and hold none (Gemma 3n's ``num_kv_shared_layers``)
     num_kv_shared_layers: int = 0
+    # per layer ``(num_kv_heads, head_dim)`` where the layers' caches differ (Gemma 4's full-attention layers: wider
+    # heads, fewer of them); None: every layer's is ``(num_kv_heads, head_dim)``
+    layer_kv_geometry: tuple[tuple[int, int], ...] | None = None
 
     @classmethod
     def from_hf(cls, config: PretrainedConfig, dtype: torch.dtype, quant_policy: int = 0) -> ModelConfig:
         hf_config = config.get_text_config()
+        geometry = layer_kv_geometry(hf_config)
         # a model without attention (Mamba, Falcon Mamba) counts one nominal head: none of its layers has a KV cache
         num_heads = getattr(hf_config, 'num_attention_heads', None) or 1
         layer_types = getattr(hf_config, 'layer_types', None) or []
@@ -95,10 +110,13 @@ class ModelConfig:
                    index_key_dim=index_keys,
                    num_state_layers=sum(kind in RECURRENT_LAYER_TYPES for kind in layer_types),
                    num_cacheless_layers=sum(kind in CACHELESS_LAYER_TYPES for kind in layer_types),
-                   num_kv_shared_layers=getattr(hf_config, 'num_kv_shared_layers', 0) or 0)
+                   num_kv_shared_layers=getattr(hf_config, 'num_kv_shared_layers', 0) or 0,
+                   layer_kv_geometry=geometry)
 
-    def kv_cache_shapes(self, num_blocks: int, block_size: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        """Shape and dtype of each tensor of one layer's cache: K and V, then with ``quant_policy`` their
+    def kv_cache_shapes(self, num_blocks: int, block_size: int,
+                        layer: int | None = None) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """Shape and dtype of each tensor of one layer's cache (of ``layer``'s own geometry where the layers'
+        differ, see ``layer_kv_geometry``): K and V, then with ``quant_policy`` their
         scales and zero points (``kernels/kv_quant.py`` describes the layout); with ``kv_latent_dim`` one
         tensor ``[num_blocks, block_size, kv_latent_dim]``, or with ``quant_policy`` its codes and the scales
         and zero points of its two parts (``kernels/mla.py``); with ``index_key_dim`` then one more tensor
@@ -109,18 +127,32 @@ class ModelConfig:
                 return [((num_blocks, block_size, self.kv_latent_dim), self.dtype)] + index_keys
             return [((num_blocks, block_size, self.kv_latent_dim * self.quant_policy // 8), torch.uint8),
                     ((num_blocks, block_size, 2, 2), torch.float32)] + index_keys
-        rows = (num_blocks, self.num_kv_heads, block_size)
+        num_kv_heads, head_dim = self.kv_geometry(layer)
+        rows = (num_blocks, num_kv_heads, block_size)
         if not self.quant_policy:
-            return [((*rows, self.head_dim), self.dtype)] * 2 + index_keys
-        codes = ((*rows, self.head_dim * self.quant_policy // 8), torch.uint8)
+            return [((*rows, head_dim), self.dtype)] * 2 + index_keys
+        codes = ((*rows, head_dim * self.quant_policy // 8), torch.uint8)
         return [codes, codes, ((*rows, 2), torch.float32), ((*rows, 2), torch.float32)] + index_keys
 
-    def kv_bytes_per_layer_token(self) -> int:
-        """Bytes of KV cache one token takes in one layer, scales and zero points included."""
+    def kv_geometry(self, layer: int | None = None) -> tuple[int, int]:
+        """``(num_kv_heads, head_dim)`` of ``layer``'s cache (None: of the model's, as its config names them)."""
+        if layer is None or self.layer_kv_geometry is None:
+            return self.num_kv_heads, self.head_dim
+        return self.layer_kv_geometry[layer]
+
+    def kv_bytes_per_layer_token(self, layer: int | None = None) -> int:
+        """Bytes of KV cache one token takes in one layer (``layer``, where the layers' differ), scales and zero
+        points included."""
         return sum(torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-                   for shape, dtype in self.kv_cache_shapes(1, 1))
+                   for shape, dtype in self.kv_cache_shapes(1, 1, layer))
 
     def kv_bytes_per_token(self) -> int:
         """Bytes of KV cache one token takes across all layers with one, scales and zero points included."""
         layers = self.num_layers - self.num_state_layers - self.num_cacheless_layers - self.num_kv_shared_layers
-        return layers * self.kv_bytes_per_layer_token()
+        # where the layers' caches differ (Gemma 4), those with one are the first: its KV-sharing layers are the last
+        return sum(self.kv_bytes_per_layer_token(layer) for layer in range(layers))
+
+    def shared_kv_bytes_per_token(self) -> int:
+        """Bytes of KV cache per token that the KV-sharing layers (the last ``num_kv_shared_layers``) do not hold."""
+        return sum(self.kv_bytes_per_layer_token(layer)
+                   for layer in range(self.num_layers - self.num_kv_shared_layers, self.num_layers))

@@ -144,7 +144,7 @@ class Engine:
         if cfg.num_kv_shared_layers:
             logger.info('KV sharing: %d of the %d layers attend over an earlier layer\'s KV cache and hold none, '
                         'saving %d bytes per token', cfg.num_kv_shared_layers, cfg.num_layers,
-                        cfg.num_kv_shared_layers * runner.cfg.kv_bytes_per_layer_token())
+                        runner.cfg.shared_kv_bytes_per_token())
 
     def _start_ranks(self) -> TPGroup:
         """This thread's group: rank 0 of ``tp`` ranks, bound to its share of the CPUs, once the

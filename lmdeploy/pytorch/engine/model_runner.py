@@ -111,16 +111,17 @@ class ModelRunner:
             raise ValueError('a model with linear-attention layers needs recurrent-state slots')
         # Zeroed so that the padding read by batched decode never holds NaNs (a masked position weighs 0, and 0 * NaN
         # is NaN); lazily, page by page as the blocks are first written or read.
-        self.kv_caches = [self._layer_cache(states, size) for states, size in zip(layer_states, pool_sizes)]
+        self.kv_caches = [self._layer_cache(layer, states, size)
+                          for layer, (states, size) in enumerate(zip(layer_states, pool_sizes))]
         self.graphs: DecodeGraphRunner | None = None
         self.splits_mixed_steps = has_small_step_kernels(model)
 
-    def _layer_cache(self, states: list | None, num_blocks: int) -> tuple[torch.Tensor, ...]:
-        """One layer's place in ``kv_caches``: its KV cache of ``num_blocks`` blocks (plus the scratch block), its
-        recurrent states, or both (:class:`KVAndStates`: the KV tensors first)."""
+    def _layer_cache(self, layer: int, states: list | None, num_blocks: int) -> tuple[torch.Tensor, ...]:
+        """Layer ``layer``'s place in ``kv_caches``: its KV cache of ``num_blocks`` blocks (plus the scratch block),
+        its recurrent states, or both (:class:`KVAndStates`: the KV tensors first)."""
         has_kv = states is None or isinstance(states, KVAndStates)
-        kv = tuple(lazily_zeroed(shape, dtype, self.device)
-                   for shape, dtype in self.cfg.kv_cache_shapes(num_blocks + 1, self.block_size)) if has_kv else ()
+        shapes = self.cfg.kv_cache_shapes(num_blocks + 1, self.block_size, layer)
+        kv = tuple(lazily_zeroed(shape, dtype, self.device) for shape, dtype in shapes) if has_kv else ()
         return kv + (allocate_states(states, self.num_state_slots, self.device) if states is not None else ())
 
     def capture_graphs(self, max_batch_size: int, max_blocks: int, make_graph=None) -> None:

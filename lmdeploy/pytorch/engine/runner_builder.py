@@ -116,21 +116,24 @@ def window_pool_target(window: int, config: PytorchEngineConfig) -> int:
     return config.max_batch_size * (-(-(window - 1) // bs) + 1) + -(-config.max_prefill_token_num // bs)
 
 
-def kv_pool_sizes(windows: list[int | None], num_blocks: int, config: PytorchEngineConfig) -> tuple[int, int | None]:
+def kv_pool_sizes(windows: list[int | None], num_blocks: int, config: PytorchEngineConfig,
+                  layer_bytes: list[int] | None = None) -> tuple[int, int | None]:
     """The blocks of the full-attention layers' pool and of the sliding-window layers' pool (None: one pool
     serves every layer) in the memory of ``num_blocks`` blocks of every layer, for layers of sliding
-    ``windows`` (None: full attention). A model with both kinds gives its sliding pool
-    :func:`window_pool_target` blocks, never more than the full pool (a sequence never holds more blocks
-    there), and the rest of the memory to the full pool; ``config.num_gpu_blocks`` sets the full pool's
-    blocks instead."""
+    ``windows`` (None: full attention) whose blocks take ``layer_bytes`` each (None: all alike). A model with both
+    kinds gives its sliding pool :func:`window_pool_target` blocks, never more than the full pool (a sequence never
+    holds more blocks there), and the rest of the memory to the full pool; ``config.num_gpu_blocks`` sets the full
+    pool's blocks instead."""
     sliding = [w for w in windows if w]
     if not sliding or len(sliding) == len(windows):
         return num_blocks, None
     window_blocks = window_pool_target(max(sliding), config)
     if config.num_gpu_blocks or window_blocks >= num_blocks:
         return num_blocks, min(window_blocks, num_blocks)
-    num_full_layers = len(windows) - len(sliding)
-    return (num_blocks * len(windows) - window_blocks * len(sliding)) // num_full_layers, window_blocks
+    layer_bytes = layer_bytes or [1] * len(windows)
+    sliding_bytes = sum(size for window, size in zip(windows, layer_bytes) if window)
+    full_bytes = sum(layer_bytes) - sliding_bytes
+    return (num_blocks * sum(layer_bytes) - window_blocks * sliding_bytes) // full_bytes, window_blocks
 
 
 def build_runner(model_dir: str, config: PytorchEngineConfig, device: torch.device, group: TPGroup,
@@ -156,9 +159,10 @@ def build_runner(model_dir: str, config: PytorchEngineConfig, device: torch.devi
             num_slots = fitting_state_slots(slot_bytes, budget, config)
         num_blocks = group.min(blocks_from_memory(rank_cfg, config, budget, num_slots * slot_bytes),
                                timeout=group.connect_timeout)
-    cache_windows = [window for window, states in zip(layer_windows(model, cfg.num_layers), layer_states)
-                     if states != []]  # of the layers with a KV cache
-    num_blocks, num_window_blocks = kv_pool_sizes(cache_windows, num_blocks, config)
+    cache_layers = [layer for layer, states in enumerate(layer_states) if states != []]  # with a KV cache
+    windows = layer_windows(model, cfg.num_layers)
+    num_blocks, num_window_blocks = kv_pool_sizes([windows[layer] for layer in cache_layers], num_blocks, config,
+                                                  [rank_cfg.kv_bytes_per_layer_token(layer) for layer in cache_layers])
     channel = StepChannel(group) if group.world_size > 1 else None
     return hf_config, cfg, ModelRunner(model, rank_cfg, num_blocks, config.block_size, device, channel,
                                        num_window_blocks, num_slots)

@@ -26,6 +26,7 @@ from lmdeploy.model_source import ModelNotFoundError
 from .file_checks import check_gguf, open_gguf
 from .gguf_archs import (ARCHITECTURES, CONFIG_BUILDERS, GLOBAL_NAMES, LAYER_NAMES, METADATA_TENSORS,
                          RAW_SERVED_ARCHS, unpermute_rotary)
+from .gguf_gemma4 import UNSUFFIXED_NAMES as GEMMA4_UNSUFFIXED_NAMES
 from .gguf_hybrid import PERMUTED_ARCHS as MAMBA2_PERMUTED_ARCHS
 from .gguf_keys import metadata
 from .gguf_hybrid import UNSUFFIXED_NAMES as MAMBA2_UNSUFFIXED_NAMES
@@ -86,7 +87,7 @@ SMOLLM3_NO_ROPE_INTERVAL = 4
 _LAYER_RE = re.compile(r'blk\.(\d+)\.([\w.]+)')  # LFM2's ``shortconv.in_proj`` has a dot
 # tensors llama.cpp names without a ``.weight``/``.bias`` kind (``ssm_a``; Mamba-2's ``ssm_d``)
 _UNSUFFIXED_NAMES = {**dict.fromkeys(HYBRID_ARCHS, UNSUFFIXED_NAMES), **MAMBA2_UNSUFFIXED_NAMES,
-                     **MAMBA1_UNSUFFIXED_NAMES, **KIMI_LINEAR_UNSUFFIXED_NAMES}
+                     **MAMBA1_UNSUFFIXED_NAMES, **KIMI_LINEAR_UNSUFFIXED_NAMES, 'gemma4': GEMMA4_UNSUFFIXED_NAMES}
 _LAYER_INDEX = re.compile(r'blk\.(\d+)\.')
 _EXPERTS = re.compile(r'blk\.\d+\.ffn_(gate|up|down)_exps\.weight')
 # llama.cpp pre-tokenizers that transformers' GGUF reader does not know, by the one of its splits they use
@@ -190,7 +191,7 @@ def gguf_config(reader: GGUFReader, source: str, raw_types: Iterable[str] = RAW_
             config.pop('quantization_config', None)
             if experts:
                 config['quantization_config'] = {'quant_method': 'gguf', 'ggml_types': experts}
-    if ROPE_FREQS in tensors:
+    if ROPE_FREQS in tensors and arch != 'gemma4':  # Gemma 4's: its full layers' proportional rope, read above
         config['rope_parameters'] = _rope_from_freqs(tensors[ROPE_FREQS], config, source)
     expert_types = {t.tensor_type.name for name, t in tensors.items() if _EXPERTS.fullmatch(name)}
     if arch == 'gpt-oss' and MXFP4 in raw_types and expert_types == {MXFP4}:

@@ -6,9 +6,9 @@ Cohere2 (``cohere2``), EXAONE 4.0 (``exaone4``), Arcee (``arcee``), the dense Hu
 back one tensor per expert or fused as its checkpoints hold them); the other MoE families have their own module,
 ``gguf_moe_archs.py``, Qwen3-Next and Qwen3.5 (``qwen3next``, ``qwen35``, ``qwen35moe``) theirs,
 ``gguf_qwen3_next.py``, LFM2 and LFM2-MoE (``lfm2``, ``lfm2moe``) theirs, ``gguf_lfm2.py``, Gemma 3n
-(``gemma3n``) its own, ``gguf_gemma3n.py``, Mamba and Falcon Mamba (``mamba``) theirs, ``gguf_mamba.py``, and
-GLM-5 (``glm-dsa``) its own, ``gguf_dsa.py``, and Kimi-Linear (``kimi-linear``) its own, ``gguf_kimi_linear.py``,
-merged in here.
+(``gemma3n``) its own, ``gguf_gemma3n.py``, Mamba and Falcon Mamba (``mamba``) theirs, ``gguf_mamba.py``,
+GLM-5 (``glm-dsa``) its own, ``gguf_dsa.py``, Kimi-Linear (``kimi-linear``) its own, ``gguf_kimi_linear.py``, and
+Gemma 4 (``gemma4``) its own, ``gguf_gemma4.py``, merged in here.
 
 Each has a config builder (the transformers config fields that llama.cpp keeps in metadata under gguf-py's
 ``Keys``, or fixes in its loader) and, where needed, a state-dict step in ``gguf_tensors.py`` that undoes what
@@ -22,8 +22,8 @@ import numpy as np
 import torch
 from gguf import Keys
 
-from . import (gguf_dsa, gguf_gemma3n, gguf_hybrid, gguf_kimi_linear, gguf_lfm2, gguf_mamba, gguf_moe_archs,
-               gguf_qwen3_next)
+from . import (gguf_dsa, gguf_gemma3n, gguf_gemma4, gguf_hybrid, gguf_kimi_linear, gguf_lfm2, gguf_mamba,
+               gguf_moe_archs, gguf_qwen3_next)
 from .gguf_keys import Meta
 from .gguf_keys import glm_rope as _glm_rope
 from .gguf_keys import layer_types as _layer_types
@@ -55,6 +55,7 @@ ARCHITECTURES = {
     **gguf_mamba.ARCHITECTURES,
     **gguf_dsa.ARCHITECTURES,
     **gguf_kimi_linear.ARCHITECTURES,
+    **gguf_gemma4.ARCHITECTURES,
 }
 
 # architectures whose every linear layer is a projection (or experts) that may be served as llama.cpp's blocks
@@ -96,9 +97,13 @@ LAYER_NAMES: dict[str, dict[str, str]] = {
     **gguf_mamba.LAYER_NAMES,
     **gguf_dsa.LAYER_NAMES,
     **gguf_kimi_linear.LAYER_NAMES,
+    **dict.fromkeys(gguf_gemma4.ARCHITECTURES, gguf_gemma4.LAYER_NAMES),
 }
 # tensors outside the layers, by architecture, beyond the embedding, final norm and output every one has
-GLOBAL_NAMES: dict[str, dict[str, str]] = dict.fromkeys(gguf_gemma3n.ARCHITECTURES, gguf_gemma3n.GLOBAL_NAMES)
+GLOBAL_NAMES: dict[str, dict[str, str]] = {
+    **dict.fromkeys(gguf_gemma3n.ARCHITECTURES, gguf_gemma3n.GLOBAL_NAMES),
+    **dict.fromkeys(gguf_gemma4.ARCHITECTURES, gguf_gemma4.GLOBAL_NAMES),
+}
 
 
 def unpermute_rotary(weight: np.ndarray | torch.Tensor, n_head: int) -> np.ndarray | torch.Tensor:
@@ -317,4 +322,5 @@ CONFIG_BUILDERS: dict[str, Callable[[Meta, dict[str, Any], dict[str, Any]], dict
     **gguf_moe_archs.CONFIG_BUILDERS,
     **gguf_qwen3_next.CONFIG_BUILDERS, **gguf_lfm2.CONFIG_BUILDERS, **gguf_hybrid.CONFIG_BUILDERS,
     **gguf_gemma3n.CONFIG_BUILDERS, **gguf_mamba.CONFIG_BUILDERS, **gguf_dsa.CONFIG_BUILDERS,
-    **gguf_kimi_linear.CONFIG_BUILDERS}
+    **gguf_kimi_linear.CONFIG_BUILDERS,
+    **gguf_gemma4.CONFIG_BUILDERS}
