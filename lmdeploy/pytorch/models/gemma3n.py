@@ -228,7 +228,35 @@ class Gemma3nDecoderLayer(nn.Module):
         return corrected
 
 
-class Gemma3nForCausalLM(WithoutNativeStack, LlamaForCausalLM):
+class GemmaTextWithKVSharing:
+    """The parts Gemma 3n's and Gemma 4's text models share (before ``LlamaForCausalLM`` in their bases): soft-capped
+    logits, no cache for the layers that read another's (``kv_sources``), and a multimodal checkpoint read for its
+    language model."""
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return soft_capped(self.lm_head(hidden), self.final_logit_softcap)
+
+    def recurrent_state_shapes(self) -> list[list | None]:
+        """Per layer: None (a KV cache of its own), or nothing for the KV-sharing layers."""
+        return [None if source is None else [] for source in self.kv_sources]
+
+    def weight_target(self, name: str) -> WeightTarget | None:
+        """As Llama's; the keys and values a checkpoint may hold for the KV-sharing layers are not used."""
+        parts = name.split('.')
+        if (len(parts) > 4 and parts[0] == 'layers' and parts[3] in ('k_proj', 'v_proj', 'k_norm', 'v_norm')
+                and self.kv_sources[int(parts[1])] is not None):
+            return None
+        return super().weight_target(name)
+
+    def split_fused(self, weights: Iterable[tuple[str, WeightSource]]) -> Iterator[tuple[str, WeightSource]]:
+        """The language model's tensors (a multimodal checkpoint's under ``model.language_model.``,
+        its towers' skipped)."""
+        language_model = ((name.replace(LANGUAGE_MODEL_PREFIX, 'model.', 1), tensor) for name, tensor in weights
+                          if not name.startswith(TOWER_PREFIXES))
+        return super().split_fused(language_model)
+
+
+class Gemma3nForCausalLM(GemmaTextWithKVSharing, WithoutNativeStack, LlamaForCausalLM):
     """Gemma 3n's language model and LM head (see the module's docstring)."""
 
     tensor_parallel_refusal = ("its activation-sparsity cutoff takes each token's statistics over the whole MLP "
@@ -288,25 +316,3 @@ class Gemma3nForCausalLM(WithoutNativeStack, LlamaForCausalLM):
         merged = [streams[0]] + [matched_magnitude(proj(stream), target)
                                  for proj, stream in zip(self.altup_unembed_projections, streams[1:])]
         return self.norm(torch.stack(merged).mean(dim=0))
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        return soft_capped(self.lm_head(hidden), self.final_logit_softcap)
-
-    def recurrent_state_shapes(self) -> list[list | None]:
-        """Per layer: None (a KV cache of its own), or nothing for the KV-sharing layers."""
-        return [None if source is None else [] for source in self.kv_sources]
-
-    def weight_target(self, name: str) -> WeightTarget | None:
-        """As Llama's; the keys and values a checkpoint may still hold for the KV-sharing layers are not used."""
-        parts = name.split('.')
-        if (len(parts) > 4 and parts[0] == 'layers' and parts[3] in ('k_proj', 'v_proj', 'k_norm', 'v_norm')
-                and self.kv_sources[int(parts[1])] is not None):
-            return None
-        return super().weight_target(name)
-
-    def split_fused(self, weights: Iterable[tuple[str, WeightSource]]) -> Iterator[tuple[str, WeightSource]]:
-        """The language model's tensors (a ``Gemma3nForConditionalGeneration``'s under ``model.language_model.``,
-        its towers' skipped)."""
-        language_model = ((name.replace(LANGUAGE_MODEL_PREFIX, 'model.', 1), tensor) for name, tensor in weights
-                          if not name.startswith(TOWER_PREFIXES))
-        return super().split_fused(language_model)

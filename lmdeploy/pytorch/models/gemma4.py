@@ -22,8 +22,6 @@ No native decoder stack (per-layer inputs, KV sharing and the parallel MoE are n
 parallelism."""
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,8 +29,8 @@ from torch import nn
 from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.kernels.activation import gelu_tanh_and_mul
 from lmdeploy.pytorch.kernels.moe import run_experts
-from lmdeploy.pytorch.models.gemma import FULL_ATTENTION, SLIDING_ATTENTION, soft_capped
-from lmdeploy.pytorch.models.gemma3n import SharedKV, UnscaledRMSNorm, kv_sources, scale_of
+from lmdeploy.pytorch.models.gemma import FULL_ATTENTION, SLIDING_ATTENTION
+from lmdeploy.pytorch.models.gemma3n import GemmaTextWithKVSharing, SharedKV, UnscaledRMSNorm, kv_sources, scale_of
 from lmdeploy.pytorch.models.llama import KVCache, LlamaForCausalLM, LlamaMLP, WithoutNativeStack, layer_window
 from lmdeploy.pytorch.nn.attention import PagedAttention
 from lmdeploy.pytorch.nn.embedding import VocabParallelEmbedding
@@ -40,11 +38,6 @@ from lmdeploy.pytorch.nn.linear import Linear, MergedLinear, RowLinear
 from lmdeploy.pytorch.nn.norm import RMSNorm
 from lmdeploy.pytorch.nn.rotary import RotaryEmbedding, apply_rope
 from lmdeploy.pytorch.step_context import StepContext
-from lmdeploy.pytorch.weights.safetensors_loader import WeightSource
-
-# the hub's Gemma4ForConditionalGeneration keeps its language model here, beside its towers (not loaded)
-LANGUAGE_MODEL_PREFIX = 'model.language_model.'
-TOWER_PREFIXES = ('model.vision_tower.', 'model.audio_tower.', 'model.embed_vision.', 'model.embed_audio.')
 
 
 def check_config(hf_config) -> None:
@@ -186,7 +179,7 @@ class Gemma4DecoderLayer(nn.Module):
         return x * self.layer_scalar
 
 
-class Gemma4ForCausalLM(WithoutNativeStack, LlamaForCausalLM):
+class Gemma4ForCausalLM(GemmaTextWithKVSharing, WithoutNativeStack, LlamaForCausalLM):
     """Gemma 4's language model and LM head (see the module's docstring)."""
 
     tensor_parallel_refusal = ("its full-attention layers have KV heads of another number and width than its sliding "
@@ -238,25 +231,3 @@ class Gemma4ForCausalLM(WithoutNativeStack, LlamaForCausalLM):
             x = layer(x, None if per_layer is None else per_layer[:, index], kv_caches[index if source is None
                                                                                       else source], ctx, shared)
         return self.norm(x)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        return soft_capped(self.lm_head(hidden), self.final_logit_softcap)
-
-    def recurrent_state_shapes(self) -> list[list | None]:
-        """Per layer: None (a KV cache of its own), or nothing for the KV-sharing layers."""
-        return [None if source is None else [] for source in self.kv_sources]
-
-    def weight_target(self, name: str):
-        """As Llama's; the keys and values a checkpoint may hold for the KV-sharing layers are not used."""
-        parts = name.split('.')
-        if (len(parts) > 4 and parts[0] == 'layers' and parts[3] in ('k_proj', 'v_proj', 'k_norm', 'v_norm')
-                and self.kv_sources[int(parts[1])] is not None):
-            return None
-        return super().weight_target(name)
-
-    def split_fused(self, weights: Iterable[tuple[str, WeightSource]]) -> Iterator[tuple[str, WeightSource]]:
-        """The language model's tensors (a ``Gemma4ForConditionalGeneration``'s under ``model.language_model.``,
-        its towers' skipped)."""
-        language_model = ((name.replace(LANGUAGE_MODEL_PREFIX, 'model.', 1), tensor) for name, tensor in weights
-                          if not name.startswith(TOWER_PREFIXES))
-        return super().split_fused(language_model)
