@@ -22,7 +22,7 @@ from lmdeploy.pytorch.models.llama import (KVCache, LlamaAttention, LlamaDecoder
                                            WithoutNativeStack, layer_window)
 from lmdeploy.pytorch.models.moe import MoEForCausalLM
 from lmdeploy.pytorch.nn.linear import ColumnLinear
-from lmdeploy.pytorch.nn.rotary import RotaryEmbedding, apply_rope
+from lmdeploy.pytorch.nn.rotary import RotaryEmbedding
 from lmdeploy.pytorch.step_context import StepContext
 
 # checkpoint name fragment -> the engine's: the hub's router bias and shared expert (transformers renames them so)
@@ -44,11 +44,7 @@ class LagunaAttention(LlamaAttention):
         self.g_proj = ColumnLinear(cfg.hidden_size, heads if self.gate_per_head else heads * self.head_dim)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache, ctx: StepContext) -> torch.Tensor:
-        num_qk = self.num_heads + self.num_kv_heads
-        qkv = self.qkv_proj(x).view(-1, num_qk + self.num_kv_heads, self.head_dim)
-        qk = torch.cat((self.q_norm(qkv[:, :self.num_heads]), self.k_norm(qkv[:, self.num_heads:num_qk])), dim=1)
-        qk = apply_rope(qk, ctx.cos, ctx.sin)
-        out = self.attn(qk[:, :self.num_heads], qk[:, self.num_heads:], qkv[:, num_qk:], kv_cache, ctx)
+        out = self.attend(x, kv_cache, ctx)
         gate = F.softplus(self.g_proj(x).float()).to(out.dtype)
         if self.gate_per_head:
             out = (out.view(-1, self.num_heads, self.head_dim) * gate.unsqueeze(-1)).flatten(1)

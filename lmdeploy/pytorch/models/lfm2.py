@@ -33,7 +33,7 @@ from lmdeploy.pytorch.models.qwen3_next import CausalConv1d
 from lmdeploy.pytorch.nn.linear import ColumnLinear, Linear
 from lmdeploy.pytorch.nn.moe import FusedExperts
 from lmdeploy.pytorch.nn.norm import RMSNorm
-from lmdeploy.pytorch.nn.rotary import RotaryEmbedding, apply_rope
+from lmdeploy.pytorch.nn.rotary import RotaryEmbedding
 from lmdeploy.pytorch.step_context import StepContext
 from lmdeploy.pytorch.weights.safetensors_loader import WeightSource
 
@@ -145,11 +145,7 @@ class HeadGatedAttention(LlamaAttention):
         self.g_proj = ColumnLinear(cfg.hidden_size, cfg.num_heads)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache, ctx: StepContext) -> torch.Tensor:
-        num_qk = self.num_heads + self.num_kv_heads
-        qkv = self.qkv_proj(x).view(-1, num_qk + self.num_kv_heads, self.head_dim)
-        qk = torch.cat((self.q_norm(qkv[:, :self.num_heads]), self.k_norm(qkv[:, self.num_heads:num_qk])), dim=1)
-        qk = apply_rope(qk, ctx.cos, ctx.sin)
-        out = self.attn(qk[:, :self.num_heads], qk[:, self.num_heads:], qkv[:, num_qk:], kv_cache, ctx)
+        out = self.attend(x, kv_cache, ctx)
         gate = torch.sigmoid(self.g_proj(x)).unsqueeze(-1)
         return self.o_proj((out.view(-1, self.num_heads, self.head_dim) * gate).flatten(1))
 

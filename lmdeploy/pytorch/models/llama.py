@@ -87,6 +87,10 @@ class LlamaAttention(nn.Module):
                                    sliding_window=sliding_window, logit_softcap=logit_softcap)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache, ctx: StepContext) -> torch.Tensor:
+        return self.o_proj(self.attend(x, kv_cache, ctx))
+
+    def attend(self, x: torch.Tensor, kv_cache: KVCache, ctx: StepContext) -> torch.Tensor:
+        """The attention's output before ``o_proj`` (where a family gates it)."""
         heads = self.num_heads + 2 * self.num_kv_heads
         qkv = self.qkv_proj(x).view(-1, heads, self.head_dim)
         qk, v = qkv[:, :self.num_heads + self.num_kv_heads], qkv[:, self.num_heads + self.num_kv_heads:]
@@ -97,7 +101,7 @@ class LlamaAttention(nn.Module):
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         if self.scaled_queries:
             q = scale_queries(q, ctx.q_scale)
-        return self.o_proj(self.attn(q, k, v, kv_cache, ctx))
+        return self.attn(q, k, v, kv_cache, ctx)
 
 
 class LlamaMLP(nn.Module):
