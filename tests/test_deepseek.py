@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -170,6 +173,27 @@ def dequantize_blockwise(codes: torch.Tensor, scales: torch.Tensor, block: list[
         for j in range(scales.shape[1]):
             out[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]] *= scales[i, j]
     return out
+
+
+def save_fp8_and_dense(source: str, out: Path, quantized: Callable[[str], bool]) -> tuple[Path, Path, dict]:
+    """``source`` (one ``model.safetensors``) copied twice under ``out``: ``fp8``, the tensors ``quantized`` names in
+    fp8 with block scales (its config saying so), and ``dense``, those dequantized here; also ``fp8``'s tensors."""
+    fp8, dense = {}, {}
+    for name, tensor in load_file(os.path.join(source, 'model.safetensors')).items():
+        if quantized(name):
+            codes, scales = quantize_blockwise(tensor, FP8_BLOCK)
+            fp8[name], fp8[f'{name}_scale_inv'] = codes, scales
+            dense[name] = dequantize_blockwise(codes, scales, FP8_BLOCK)
+        else:
+            fp8[name] = dense[name] = tensor
+    folders = [shutil.copytree(source, out / kind) for kind in ('fp8', 'dense')]
+    for folder, weights in zip(folders, (fp8, dense)):
+        save_file(weights, str(folder / 'model.safetensors'), metadata={'format': 'pt'})
+    config = json.loads((folders[0] / 'config.json').read_text())
+    config['quantization_config'] = {'quant_method': 'fp8', 'fmt': 'e4m3', 'activation_scheme': 'dynamic',
+                                     'weight_block_size': FP8_BLOCK}
+    (folders[0] / 'config.json').write_text(json.dumps(config))
+    return folders[0], folders[1], fp8
 
 
 def test_fp8_block_scaled_checkpoint_is_dequantized_at_load(tmp_path):

@@ -4,21 +4,17 @@ top-k boundary, prefix-cache hits, tensor parallelism, the indexer keys' place i
 selection matters (dense attention gives other tokens)."""
 from __future__ import annotations
 
-import json
 import logging
-import os
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from transformers import DeepseekV32Config
 
 from conftest import VOCAB_SIZE, save_random_model
 from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_matches_transformers,
                            assert_tp2_equals_tp1, hf_causal_lm, prefix_sharing_prompts)
 from helpers import assert_transformers_greedy, make_engine, random_prompts, run
-from test_deepseek import FP8_BLOCK, dequantize_blockwise, quantize_blockwise
+from test_deepseek import save_fp8_and_dense
 
 from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
@@ -119,23 +115,9 @@ def test_cache_holds_the_latent_and_the_indexer_key_per_token(deepseek_v32, capl
 def test_fp8_block_scaled_checkpoint_is_dequantized_at_load(deepseek_v32, tmp_path):
     """The hub's layout: the decoder's projections and the indexer's ``wq_b`` and ``wk`` in fp8 with block scales,
     its ``weights_proj`` not; the engine equals transformers on the same weights dequantized independently."""
-    quantized, dequantized = {}, {}
-    for name, tensor in load_file(os.path.join(deepseek_v32, 'model.safetensors')).items():
-        if name.startswith('model.layers.') and name.endswith(FP8_WEIGHTS) and 'weights_proj' not in name:
-            codes, scales = quantize_blockwise(tensor, FP8_BLOCK)
-            quantized[name], quantized[f'{name}_scale_inv'] = codes, scales
-            dequantized[name] = dequantize_blockwise(codes, scales, FP8_BLOCK)
-        else:
-            quantized[name] = dequantized[name] = tensor
+    fp8_dir, dense_dir, quantized = save_fp8_and_dense(
+        deepseek_v32, tmp_path, lambda name: (name.startswith('model.layers.') and name.endswith(FP8_WEIGHTS)
+                                              and 'weights_proj' not in name))
     assert sum(name.endswith(('wq_b.weight_scale_inv', 'wk.weight_scale_inv')) for name in quantized) == 6
-    folders = {}
-    for kind, weights in (('fp8', quantized), ('dense', dequantized)):
-        folders[kind] = shutil.copytree(deepseek_v32, tmp_path / kind)
-        save_file(weights, str(folders[kind] / 'model.safetensors'), metadata={'format': 'pt'})
-    config = json.loads((folders['fp8'] / 'config.json').read_text())
-    config['quantization_config'] = {'quant_method': 'fp8', 'fmt': 'e4m3', 'activation_scheme': 'dynamic',
-                                     'weight_block_size': FP8_BLOCK}
-    (folders['fp8'] / 'config.json').write_text(json.dumps(config))
     prompts = random_prompts([5, 40], seed=11)
-    assert_transformers_greedy(hf_causal_lm(str(folders['dense'])), prompts, run(make_engine(str(folders['fp8'])),
-                                                                                 prompts))
+    assert_transformers_greedy(hf_causal_lm(str(dense_dir)), prompts, run(make_engine(str(fp8_dir)), prompts))

@@ -5,10 +5,8 @@ and first-step logits in fp32, batching, chunked prefill (chunks ending inside w
 preemption, the cache's row per token, that the indexer's selection and the hash routing matter, and FP8 files."""
 from __future__ import annotations
 
-import json
 import logging
 import os
-import shutil
 
 import pytest
 import torch
@@ -19,7 +17,7 @@ from conftest import VOCAB_SIZE, save_random_model
 from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_bf16_within_twice_transformers,
                            assert_matches_transformers, hf_causal_lm, prefix_sharing_prompts)
 from helpers import assert_transformers_greedy, make_engine, random_prompts, run
-from test_deepseek import FP8_BLOCK, dequantize_blockwise, quantize_blockwise
+from test_deepseek import save_fp8_and_dense
 
 from lmdeploy.messages import GenerationConfig
 from lmdeploy.pytorch.models.deepseek_v4_attention import Indexer
@@ -129,25 +127,11 @@ def test_cache_is_one_row_per_token(deepseek_v4, caplog):
 def test_fp8_block_scaled_checkpoint_is_dequantized_at_load(deepseek_v4, tmp_path):
     """The hub's layout: the attention's and experts' projections in fp8 with block scales, the compressors' and
     indexers' not; the engine equals transformers on the same weights dequantized independently."""
-    quantized, dequantized = {}, {}
-    for name, tensor in load_file(os.path.join(deepseek_v4, 'model.safetensors')).items():
-        if name.endswith(FP8_WEIGHTS) and '.compressor.' not in name and '.indexer.' not in name:
-            codes, scales = quantize_blockwise(tensor, FP8_BLOCK)
-            quantized[name], quantized[f'{name}_scale_inv'] = codes, scales
-            dequantized[name] = dequantize_blockwise(codes, scales, FP8_BLOCK)
-        else:
-            quantized[name] = dequantized[name] = tensor
-    folders = {}
-    for kind, weights in (('fp8', quantized), ('dense', dequantized)):
-        folders[kind] = shutil.copytree(deepseek_v4, tmp_path / kind)
-        save_file(weights, str(folders[kind] / 'model.safetensors'), metadata={'format': 'pt'})
-    config = json.loads((folders['fp8'] / 'config.json').read_text())
-    config['quantization_config'] = {'quant_method': 'fp8', 'fmt': 'e4m3', 'activation_scheme': 'dynamic',
-                                     'weight_block_size': FP8_BLOCK}
-    (folders['fp8'] / 'config.json').write_text(json.dumps(config))
+    fp8_dir, dense_dir, _ = save_fp8_and_dense(
+        deepseek_v4, tmp_path, lambda name: (name.endswith(FP8_WEIGHTS) and '.compressor.' not in name
+                                             and '.indexer.' not in name))
     prompts = random_prompts([5, 40], seed=11)
-    assert_transformers_greedy(hf_causal_lm(str(folders['dense'])), prompts, run(make_engine(str(folders['fp8'])),
-                                                                                 prompts))
+    assert_transformers_greedy(hf_causal_lm(str(dense_dir)), prompts, run(make_engine(str(fp8_dir)), prompts))
 
 
 def test_bf16_within_twice_transformers(deepseek_v4):
