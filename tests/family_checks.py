@@ -3,6 +3,7 @@ against transformers in fp32, batching, chunked prefill and prefix-cache hits eq
 tensor parallelism equal to one rank."""
 from __future__ import annotations
 
+import logging
 import operator
 
 import torch
@@ -154,3 +155,19 @@ def assert_slots_free(engine: Engine) -> None:
     pool = engine.scheduler.state_pool
     assert pool.num_free == pool.num_slots and not engine.sequences
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def assert_prefix_caching_off_and_every_logit_matches(path: str, caplog, prompt: list[int] | None = None) -> Engine:
+    """A recurrent model's engine asked for prefix caching (prefill chunks of 16, one sequence at a time): it is
+    off and says why, and every position's logits of ``prompt`` (50 random tokens by default) are within 1e-3 of
+    transformers' (the states carried over between chunks). Returns the engine, its slots freed."""
+    with caplog.at_level(logging.INFO, logger='lmdeploy'):
+        engine = make_engine(path, enable_prefix_caching=True, max_prefill_token_num=16, max_batch_size=1)
+    assert not engine.block_manager.enable_prefix_caching
+    assert 'prefix caching is off' in caplog.text
+    prompt = prompt or random_prompts([50], seed=7)[0]
+    with torch.no_grad():
+        expected = hf_causal_lm(path)(torch.tensor([prompt])).logits[0]
+    assert (engine.get_logits(prompt) - expected).abs().max().item() < 1e-3
+    assert_slots_free(engine)
+    return engine

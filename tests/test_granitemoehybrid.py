@@ -7,7 +7,6 @@ recurrent-state slots given back, prefix caching turned off, tensor parallelism 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import sys
 from types import SimpleNamespace
@@ -20,8 +19,8 @@ from transformers.models.granitemoehybrid.modeling_granitemoehybrid import (mamb
                                                                            mamba2_selective_state_update)
 
 from conftest import VOCAB_SIZE, save_random_model
-from family_checks import (assert_bf16_within_twice_transformers, assert_matches_transformers, assert_slots_free,
-                           hf_causal_lm)
+from family_checks import (assert_bf16_within_twice_transformers, assert_matches_transformers,
+                           assert_prefix_caching_off_and_every_logit_matches, assert_slots_free, hf_causal_lm)
 from helpers import make_engine, random_prompts, run
 
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
@@ -162,16 +161,8 @@ def test_mamba_decode_rows_do_not_depend_on_their_place(granite_moe, native):
 def test_get_logits_and_prefix_caching_off(granite_moe, caplog):
     """Every position's logits equal transformers' (computed in chunks of 16, the states carried over); the Mamba
     layers take recurrent-state slots, not KV blocks; prefix caching, asked for, is off and says why."""
-    with caplog.at_level(logging.INFO, logger='lmdeploy'):
-        engine = make_engine(granite_moe, enable_prefix_caching=True, max_prefill_token_num=16, max_batch_size=1)
-    assert not engine.block_manager.enable_prefix_caching
-    assert 'prefix caching is off' in caplog.text
+    engine = assert_prefix_caching_off_and_every_logit_matches(granite_moe, caplog)
     assert engine.runner.cfg.num_state_layers == 3 and engine.scheduler.recurrent_grain > 0
-    prompt = random_prompts([50], seed=7)[0]
-    with torch.no_grad():
-        expected = hf_causal_lm(granite_moe)(torch.tensor([prompt])).logits[0]
-    assert (engine.get_logits(prompt) - expected).abs().max().item() < 1e-3
-    assert_slots_free(engine)
 
 
 def test_tensor_parallelism_is_refused(granite_moe):

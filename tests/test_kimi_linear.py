@@ -4,7 +4,6 @@ chunked prefill and preemption equal to solo runs with every state slot given ba
 tensor parallelism refused, the native decode kernels run by the engine, and bf16 on the CPU."""
 from __future__ import annotations
 
-import logging
 from collections import Counter
 
 import pytest
@@ -14,7 +13,8 @@ from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delt
 
 from conftest import VOCAB_SIZE, save_random_model
 from family_checks import (assert_batched_equals_solo_and_frees, assert_bf16_within_twice_transformers,
-                           assert_matches_transformers, assert_slots_free, hf_causal_lm)
+                           assert_matches_transformers, assert_prefix_caching_off_and_every_logit_matches,
+                           assert_slots_free, hf_causal_lm)
 from helpers import make_engine, random_prompts, run
 
 from lmdeploy.pytorch.kernels import cpu
@@ -80,15 +80,7 @@ def test_batched_chunked_and_preempted_equal_solo(kimi_linear):
 def test_prefix_caching_off_and_every_logit_matches(kimi_linear, caplog):
     """Prefix caching, asked for, is off and says why; every position's logits equal transformers' (computed in
     chunks of 16, the state carried over)."""
-    with caplog.at_level(logging.INFO, logger='lmdeploy'):
-        engine = make_engine(kimi_linear, enable_prefix_caching=True, max_prefill_token_num=16, max_batch_size=1)
-    assert not engine.block_manager.enable_prefix_caching
-    assert 'prefix caching is off' in caplog.text
-    prompt = random_prompts([50], seed=7)[0]
-    with torch.no_grad():
-        expected = hf_causal_lm(kimi_linear)(torch.tensor([prompt])).logits[0]
-    assert (engine.get_logits(prompt) - expected).abs().max().item() < 1e-3
-    assert_slots_free(engine)
+    assert_prefix_caching_off_and_every_logit_matches(kimi_linear, caplog)
 
 
 def test_decode_runs_the_native_per_feature_kernel(kimi_linear, monkeypatch):

@@ -5,17 +5,16 @@ slots given back, fp32 batch invariance, prefix caching turned off, tensor paral
 names, and LFM2's tool calls (``--tool-call-parser lfm2``)."""
 from __future__ import annotations
 
-import logging
 import os
 import sys
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 from transformers import Lfm2Config, Lfm2MoeConfig
 
 from conftest import VOCAB_SIZE, save_random_model
-from family_checks import assert_matches_transformers, hf_causal_lm
+from family_checks import (assert_matches_transformers, assert_prefix_caching_off_and_every_logit_matches,
+                           assert_slots_free, hf_causal_lm)
 from helpers import make_engine, random_prompts, run
 from parser_checks import split
 
@@ -54,12 +53,6 @@ def lfm2_model(request, tmp_path_factory) -> str:
 @pytest.fixture(scope='module')
 def lfm2_moe(tmp_path_factory) -> str:
     return save_random_model(VARIANTS['lfm2_moe'](), str(tmp_path_factory.mktemp('lfm2_moe')), std=STD)
-
-
-def assert_slots_free(engine: Engine) -> None:
-    pool = engine.scheduler.state_pool
-    assert pool.num_free == pool.num_slots and not engine.sequences
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
 def test_greedy_and_first_logits_match_transformers(lfm2_model):
@@ -103,16 +96,8 @@ def test_fp32_is_batch_invariant(lfm2_moe, native):
 def test_get_logits_and_prefix_caching_off(lfm2_moe, caplog):
     """Every position's logits equal transformers' (computed in chunks of 16, the states carried over); the
     convolution layers take recurrent-state slots, not KV blocks; prefix caching, asked for, is off."""
-    with caplog.at_level(logging.INFO, logger='lmdeploy'):
-        engine = make_engine(lfm2_moe, enable_prefix_caching=True, max_prefill_token_num=16, max_batch_size=1)
-    assert not engine.block_manager.enable_prefix_caching
-    assert 'prefix caching is off' in caplog.text
+    engine = assert_prefix_caching_off_and_every_logit_matches(lfm2_moe, caplog)
     assert engine.runner.cfg.num_state_layers == 3
-    prompt = random_prompts([50], seed=7)[0]
-    with torch.no_grad():
-        expected = hf_causal_lm(lfm2_moe)(torch.tensor([prompt])).logits[0]
-    assert (engine.get_logits(prompt) - expected).abs().max().item() < 1e-3
-    assert_slots_free(engine)
 
 
 def test_tensor_parallelism_is_refused(lfm2_moe):

@@ -5,14 +5,13 @@ position's logits over chunked prefill, batching, chunked prefill and preemption
 convolution-state slots given back, prefix caching turned off and tensor parallelism refused."""
 from __future__ import annotations
 
-import logging
 
 import pytest
-import torch
 from transformers import Lfm3Config
 
 from conftest import VOCAB_SIZE, save_random_model
-from family_checks import assert_matches_transformers, assert_slots_free, hf_causal_lm
+from family_checks import (assert_matches_transformers, assert_prefix_caching_off_and_every_logit_matches,
+                           assert_slots_free, hf_causal_lm)
 from helpers import make_engine, random_prompts, run
 
 WINDOW = 16
@@ -76,15 +75,7 @@ def test_batched_chunked_and_preempted_equal_solo(lfm3):
 def test_get_logits_prefix_caching_off_and_tp_refused(lfm3, caplog):
     """Every position's logits equal transformers' (computed in chunks of 16, the states carried over); prefix
     caching, asked for, is off; tp=2 is refused."""
-    with caplog.at_level(logging.INFO, logger='lmdeploy'):
-        engine = make_engine(lfm3, enable_prefix_caching=True, max_prefill_token_num=16, max_batch_size=1)
-    assert not engine.block_manager.enable_prefix_caching
-    assert 'prefix caching is off' in caplog.text
+    engine = assert_prefix_caching_off_and_every_logit_matches(lfm3, caplog)
     assert engine.runner.cfg.num_state_layers == 4
-    prompt = random_prompts([50], seed=7)[0]
-    with torch.no_grad():
-        expected = hf_causal_lm(lfm3)(torch.tensor([prompt])).logits[0]
-    assert (engine.get_logits(prompt) - expected).abs().max().item() < 1e-3
-    assert_slots_free(engine)
     with pytest.raises(ValueError, match='short-convolution layers are not sharded for tensor parallelism'):
         make_engine(lfm3, tp=2)

@@ -10,9 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from family_checks import assert_vl_matches_transformers, first_step_logits
+from family_checks import assert_slots_free, assert_vl_matches_transformers, first_step_logits
 from helpers import make_engine, run
-from test_qwen3_next import assert_slots_free
 from test_vl import data_url
 from test_vl_families import IMAGES, PROMPTS, hf_inputs, make_processor
 from transformers import AutoModelForImageTextToText, Qwen3_5TextConfig

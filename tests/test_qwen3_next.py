@@ -7,7 +7,6 @@ on the CPU."""
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import sys
 from collections import Counter
@@ -19,7 +18,8 @@ from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfi
 from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 
 from conftest import VOCAB_SIZE, save_random_model
-from family_checks import assert_bf16_within_twice_transformers, assert_matches_transformers, hf_causal_lm
+from family_checks import (assert_bf16_within_twice_transformers, assert_matches_transformers,
+                           assert_prefix_caching_off_and_every_logit_matches, assert_slots_free, hf_causal_lm)
 from helpers import assert_all_released, make_engine, random_prompts, run
 
 from lmdeploy.archs import load_hf_config
@@ -58,12 +58,6 @@ def hybrid_model(request, tmp_path_factory) -> str:
 @pytest.fixture(scope='module')
 def qwen3_5(tmp_path_factory) -> str:
     return save_random_model(VARIANTS['qwen3_5'](), str(tmp_path_factory.mktemp('qwen3_5_dense')))
-
-
-def assert_slots_free(engine: Engine) -> None:
-    pool = engine.scheduler.state_pool
-    assert pool.num_free == pool.num_slots and not engine.sequences
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
 def test_configs_are_hybrid():
@@ -266,15 +260,7 @@ def test_failed_step_gives_back_the_slots(async_engine):
 def test_get_logits_and_prefix_caching_off(qwen3_5, caplog):
     """Every position's logits equal transformers' (computed in chunks of 16, the state carried over); prefix caching,
     asked for, is off and says why."""
-    with caplog.at_level(logging.INFO, logger='lmdeploy'):
-        engine = make_engine(qwen3_5, enable_prefix_caching=True, max_prefill_token_num=16, max_batch_size=1)
-    assert not engine.block_manager.enable_prefix_caching
-    assert 'prefix caching is off' in caplog.text
-    prompt = random_prompts([50], seed=7)[0]
-    with torch.no_grad():
-        expected = hf_causal_lm(qwen3_5)(torch.tensor([prompt])).logits[0]
-    assert (engine.get_logits(prompt) - expected).abs().max().item() < 1e-3
-    assert_slots_free(engine)
+    assert_prefix_caching_off_and_every_logit_matches(qwen3_5, caplog)
 
 
 def test_next_token_prediction_weights_are_not_loaded(tmp_path):

@@ -7,7 +7,6 @@ equal to solo runs with every state slot given back, prefix caching and tensor p
 from __future__ import annotations
 
 import json
-import logging
 import shutil
 from pathlib import Path
 
@@ -19,7 +18,8 @@ from transformers import Qwen4ExpConfig, Qwen4ExpTextConfig
 
 from conftest import VOCAB_SIZE, save_random_model
 from family_checks import (assert_bf16_within_twice_transformers, assert_first_logits_close,
-                           assert_matches_transformers, assert_slots_free, hf_causal_lm, hf_last_logits)
+                           assert_matches_transformers, assert_prefix_caching_off_and_every_logit_matches,
+                           assert_slots_free, hf_causal_lm, hf_last_logits)
 from helpers import make_engine, random_prompts, run
 from server_helpers import serve, tiny_engine
 
@@ -100,15 +100,7 @@ def test_batched_chunked_and_preempted_equal_solo(qwen4_exp):
 def test_prefix_caching_off_and_every_position_matches(qwen4_exp, caplog):
     """Prefix caching, asked for, is off and says why; every position's logits equal transformers' (computed in
     chunks of 16, the states carried over)."""
-    with caplog.at_level(logging.INFO, logger='lmdeploy'):
-        engine = make_engine(qwen4_exp, enable_prefix_caching=True, max_prefill_token_num=16, max_batch_size=1)
-    assert not engine.block_manager.enable_prefix_caching
-    assert 'prefix caching is off' in caplog.text
-    prompt = with_eos(random_prompts([50], seed=7)[0], 20)
-    with torch.no_grad():
-        expected = hf_causal_lm(qwen4_exp)(torch.tensor([prompt])).logits[0]
-    assert (engine.get_logits(prompt) - expected).abs().max().item() < 1e-3
-    assert_slots_free(engine)
+    assert_prefix_caching_off_and_every_logit_matches(qwen4_exp, caplog, with_eos(random_prompts([50], seed=7)[0], 20))
 
 
 def test_tensor_parallelism_is_refused(qwen4_exp):
