@@ -16,9 +16,9 @@ from family_checks import (assert_batched_equals_solo_and_frees, assert_bf16_wit
                            assert_matches_transformers, assert_prefix_caching_off_and_every_logit_matches,
                            assert_slots_free, hf_causal_lm)
 from helpers import make_engine, random_prompts, run
+from test_qwen3_next import assert_chunks_then_decode_match
 
 from lmdeploy.pytorch.kernels import cpu
-from lmdeploy.pytorch.kernels.gated_delta import chunk_gated_delta_rule, gated_delta_decode
 
 # KDA, KDA, latent attention, KDA (the checkpoints put one latent-attention layer after three KDA ones); the first
 # layer's MLP dense, the others experts with a shared one
@@ -45,16 +45,7 @@ def test_per_feature_delta_rule_matches_transformers():
     decay, beta = -torch.rand(1, length, heads, dim, generator=g) * 2, torch.rand(1, length, heads, generator=g)
     expected, expected_state = chunk_kimi_delta_attention(q, k, v, decay, beta, output_final_state=True,
                                                           use_qk_l2norm_in_kernel=True)
-    head, state = chunk_gated_delta_rule(q[0, :40], k[0, :40], v[0, :40], decay[0, :40], beta[0, :40], None)
-    middle, state = chunk_gated_delta_rule(q[0, 40:split], k[0, 40:split], v[0, 40:split], decay[0, 40:split],
-                                           beta[0, 40:split], state)
-    pool, slot = torch.zeros(3, heads, dim, dim), torch.tensor([1])
-    pool[1] = state
-    tail = [gated_delta_decode(q[:, t], k[:, t], v[:, t], decay[:, t], beta[:, t], pool, slot)
-            for t in range(split, length)]
-    torch.testing.assert_close(torch.cat([head, middle, *tail]), expected[0], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(pool[1], expected_state[0], atol=1e-5, rtol=1e-5)
-    assert not pool[0].any() and not pool[2].any()
+    assert_chunks_then_decode_match(q, k, v, decay, beta, split, expected, expected_state)
 
 
 def test_greedy_and_first_logits_match_transformers(kimi_linear):

@@ -77,13 +77,20 @@ def test_delta_rule_matches_transformers():
     decay, beta = -torch.rand(1, length, 4, generator=g), torch.rand(1, length, 4, generator=g)
     expected, expected_state = torch_chunk_gated_delta_rule(q, k, v, decay, beta, output_final_state=True,
                                                             use_qk_l2norm_in_kernel=True)
+    assert_chunks_then_decode_match(q, k, v, decay, beta, split, expected, expected_state)
+
+
+def assert_chunks_then_decode_match(q, k, v, decay, beta, split: int, expected, expected_state) -> None:
+    """The chunked rule over ``[0, 40)`` and ``[40, split)`` of the one sequence in ``q, k, v, decay, beta`` (the
+    state carried over), then one-token steps on a state pool's row, give ``expected`` and ``expected_state`` (a
+    reference's over the whole sequence), the pool's other rows untouched."""
     head, state = chunk_gated_delta_rule(q[0, :40], k[0, :40], v[0, :40], decay[0, :40], beta[0, :40], None)
     middle, state = chunk_gated_delta_rule(q[0, 40:split], k[0, 40:split], v[0, 40:split], decay[0, 40:split],
                                            beta[0, 40:split], state)
-    pool, slot = torch.zeros(3, 4, 8, 12), torch.tensor([1])
+    pool, slot = torch.zeros(3, *state.shape), torch.tensor([1])
     pool[1] = state
     tail = [gated_delta_decode(q[:, t], k[:, t], v[:, t], decay[:, t], beta[:, t], pool, slot)
-            for t in range(split, length)]
+            for t in range(split, q.shape[1])]
     torch.testing.assert_close(torch.cat([head, middle, *tail]), expected[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(pool[1], expected_state[0], atol=1e-5, rtol=1e-5)
     assert not pool[0].any() and not pool[2].any()
