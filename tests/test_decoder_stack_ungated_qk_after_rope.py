@@ -83,8 +83,8 @@ def test_stack_is_batch_invariant(kind, saved, native_gemms):
 
 
 def test_ungated_mlp_options_fit_together(native_gemms):
-    """An ungated MLP is ``relu2`` or ``xielu``, only ``xielu`` with its four coefficients, and not a GeLU one; the
-    q/k norms after the rotary need the norms."""
+    """An ungated MLP is ``relu2``, ``gelu_tanh`` or ``xielu``, only ``xielu`` with its four coefficients, and not
+    with a gated GeLU one; the q/k norms after the rotary need the norms; only LayerNorms have biases."""
     weight = torch.zeros(32, 16, dtype=torch.bfloat16)
     bf16 = native_gemms.Projection(kind='bf16', weight=native_gemms.pack_bf16_weight(weight))
     norm = torch.ones(16, dtype=torch.bfloat16)
@@ -92,9 +92,11 @@ def test_ungated_mlp_options_fit_together(native_gemms):
     layer = dict(input_norm=norm, post_norm=norm, qkv=bf16, o=bf16, gate_up=bf16, down=bf16, rotary_dim=16)
     stack = dict(num_heads=1, num_kv_heads=1, head_dim=16, eps=1e-5, scale=0.25, quant_policy=0)
     for options in [dict(ungated_mlp='relu2'), dict(ungated_mlp='xielu', xielu=coefficients),
+                    dict(ungated_mlp='gelu_tanh', layer_norm=True, input_norm_bias=norm, post_norm_bias=norm),
                     dict(q_norm=norm, k_norm=norm, qk_norm_after_rope=True)]:
         native_gemms.DecoderStack(layers=[native_gemms.LayerWeights(**layer, **options)], **stack)
-    for options, match in [(dict(ungated_mlp='gelu'), "'relu2' or 'xielu'"),
+    for options, match in [(dict(ungated_mlp='gelu'), "'relu2', 'gelu_tanh' or 'xielu'"),
+                           (dict(post_norm_bias=norm), "only a layer_norm layer's norms have biases"),
                            (dict(ungated_mlp='relu2', gelu_tanh_mlp=True), 'without gelu_tanh_mlp'),
                            (dict(ungated_mlp='xielu'), 'xielu coefficients'),
                            (dict(ungated_mlp='relu2', xielu=coefficients), 'xielu coefficients'),
