@@ -31,7 +31,7 @@ from lmdeploy.pytorch.models.llama import (KVCache, LlamaForCausalLM, LlamaMLP, 
                                            layer_window)
 from lmdeploy.pytorch.nn.attention import PagedAttention
 from lmdeploy.pytorch.nn.embedding import VocabParallelEmbedding
-from lmdeploy.pytorch.nn.linear import Linear, MergedLinear, QKVLinear, RowLinear
+from lmdeploy.pytorch.nn.linear import Linear, MergedLinear, RowLinear
 from lmdeploy.pytorch.nn.norm import RMSNorm
 from lmdeploy.pytorch.nn.rotary import RotaryEmbedding, apply_rope
 from lmdeploy.pytorch.step_context import StepContext
@@ -85,24 +85,30 @@ class UnscaledRMSNorm(nn.Module):
         return torch.rms_norm(x, self.ones.shape, self.ones.to(x.dtype), self.eps)
 
 
-class Gemma3nAttention(nn.Module):
-    """Attention with q/k norms and an unscaled v norm before the rotation and a query scale of 1; a KV-sharing
-    layer (``kv_source``) projects queries only and attends over its source layer's keys and values."""
+class SharedKVAttention(nn.Module):
+    """Gemma 3n's and Gemma 4's attention: the layer's KV geometry (``ModelConfig.kv_geometry``), q/k norms and an
+    unscaled v norm before the rotation, a query scale of 1, biases per ``attention_bias``; with
+    ``attention_k_eq_v`` (Gemma 4) a full layer's values are its keys before their norm; a KV-sharing layer
+    (``kv_source``) projects queries only and attends over its source layer's keys and values."""
 
     def __init__(self, cfg: ModelConfig, layer_index: int, kv_source: int | None):
         super().__init__()
         hf = cfg.hf_config
-        self.head_dim, self.kind, self.kv_source = cfg.head_dim, hf.layer_types[layer_index], kv_source
-        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
-        q_size = self.num_heads * self.head_dim
+        self.num_kv_heads, self.head_dim = cfg.kv_geometry(layer_index)
+        self.num_heads, self.kind, self.kv_source = cfg.num_heads, hf.layer_types[layer_index], kv_source
+        self.keys_are_values = bool(getattr(hf, 'attention_k_eq_v', False)) and self.kind != SLIDING_ATTENTION
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        bias = bool(getattr(hf, 'attention_bias', False))
+        if kv_source is not None:
+            sizes = [q_size]
+        else:
+            sizes = [q_size, kv_size] if self.keys_are_values else [q_size, kv_size, kv_size]
+        self.qkv_proj = MergedLinear(cfg.hidden_size, sizes, bias)
         if kv_source is None:
-            self.qkv_proj = QKVLinear(cfg.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim)
             self.k_norm = RMSNorm(self.head_dim, hf.rms_norm_eps)
             self.v_norm = UnscaledRMSNorm(self.head_dim, hf.rms_norm_eps)
-        else:
-            self.qkv_proj = MergedLinear(cfg.hidden_size, [q_size])
         self.q_norm = RMSNorm(self.head_dim, hf.rms_norm_eps)
-        self.o_proj = RowLinear(q_size, cfg.hidden_size)
+        self.o_proj = RowLinear(q_size, cfg.hidden_size, bias)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, 1.0, cfg.quant_policy,
                                    sliding_window=layer_window(hf, layer_index), fills_cache=kv_source is None)
 
@@ -113,8 +119,9 @@ class Gemma3nAttention(nn.Module):
         if self.kv_source is not None:
             k, v = shared[self.kind]
             return self.o_proj(self.attn(apply_rope(q, ctx.cos, ctx.sin), k, v, kv_cache, ctx))
-        kv = projected[:, q_size:].view(-1, 2 * self.num_kv_heads, self.head_dim)
-        k, v = self.k_norm(kv[:, :self.num_kv_heads]), self.v_norm(kv[:, self.num_kv_heads:])
+        kv = projected[:, q_size:].view(-1, (1 if self.keys_are_values else 2) * self.num_kv_heads, self.head_dim)
+        raw_k, raw_v = kv[:, :self.num_kv_heads], kv[:, -self.num_kv_heads:]
+        k, v = self.k_norm(raw_k.contiguous()), self.v_norm(raw_v.contiguous())
         qk = apply_rope(torch.cat((q, k), dim=1), ctx.cos, ctx.sin)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         shared[self.kind] = k, v
@@ -198,7 +205,7 @@ class Gemma3nDecoderLayer(nn.Module):
             raise ValueError(f'Gemma 3n with activation {hf.hidden_activation!r} is not supported')
         self.layer_type = hf.layer_types[layer_index]
         self.correct_scale = bool(hf.altup_correct_scale)
-        self.self_attn = Gemma3nAttention(cfg, layer_index, kv_source)
+        self.self_attn = SharedKVAttention(cfg, layer_index, kv_source)
         self.mlp = Gemma3nMLP(cfg, layer_index)
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)

@@ -30,13 +30,13 @@ from lmdeploy.pytorch.config import ModelConfig
 from lmdeploy.pytorch.kernels.activation import gelu_tanh_and_mul
 from lmdeploy.pytorch.kernels.moe import run_experts
 from lmdeploy.pytorch.models.gemma import FULL_ATTENTION, SLIDING_ATTENTION
-from lmdeploy.pytorch.models.gemma3n import GemmaTextWithKVSharing, SharedKV, UnscaledRMSNorm, kv_sources, scale_of
-from lmdeploy.pytorch.models.llama import KVCache, LlamaForCausalLM, LlamaMLP, WithoutNativeStack, layer_window
-from lmdeploy.pytorch.nn.attention import PagedAttention
+from lmdeploy.pytorch.models.gemma3n import (GemmaTextWithKVSharing, SharedKV, SharedKVAttention, UnscaledRMSNorm,
+                                              kv_sources, scale_of)
+from lmdeploy.pytorch.models.llama import KVCache, LlamaForCausalLM, LlamaMLP, WithoutNativeStack
 from lmdeploy.pytorch.nn.embedding import VocabParallelEmbedding
-from lmdeploy.pytorch.nn.linear import Linear, MergedLinear, RowLinear
+from lmdeploy.pytorch.nn.linear import Linear
 from lmdeploy.pytorch.nn.norm import RMSNorm
-from lmdeploy.pytorch.nn.rotary import RotaryEmbedding, apply_rope
+from lmdeploy.pytorch.nn.rotary import RotaryEmbedding
 from lmdeploy.pytorch.step_context import StepContext
 
 
@@ -49,48 +49,6 @@ def check_config(hf_config) -> None:
     if hf_config.hidden_size_per_layer_input and hf_config.vocab_size_per_layer_input < hf_config.vocab_size:
         raise ValueError(f'Gemma 4 with a per-layer table of {hf_config.vocab_size_per_layer_input} tokens, fewer '
                          f'than its {hf_config.vocab_size}, is not supported')
-
-
-class Gemma4Attention(nn.Module):
-    """Attention of the layer's geometry with q/k norms, an unweighted v norm and a query scale of 1; with
-    ``attention_k_eq_v`` a full layer's values are its keys before their norm; a KV-sharing layer (``kv_source``)
-    projects queries only and attends over its source layer's keys and values."""
-
-    def __init__(self, cfg: ModelConfig, layer_index: int, kv_source: int | None):
-        super().__init__()
-        hf = cfg.hf_config
-        self.num_kv_heads, self.head_dim = cfg.kv_geometry(layer_index)
-        self.num_heads, self.kind, self.kv_source = cfg.num_heads, hf.layer_types[layer_index], kv_source
-        self.keys_are_values = bool(hf.attention_k_eq_v) and self.kind != SLIDING_ATTENTION
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        bias = bool(hf.attention_bias)
-        if kv_source is not None:
-            sizes = [q_size]
-        else:
-            sizes = [q_size, kv_size] if self.keys_are_values else [q_size, kv_size, kv_size]
-        self.qkv_proj = MergedLinear(cfg.hidden_size, sizes, bias)
-        if kv_source is None:
-            self.k_norm = RMSNorm(self.head_dim, hf.rms_norm_eps)
-            self.v_norm = UnscaledRMSNorm(self.head_dim, hf.rms_norm_eps)
-        self.q_norm = RMSNorm(self.head_dim, hf.rms_norm_eps)
-        self.o_proj = RowLinear(q_size, cfg.hidden_size, bias)
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, 1.0, cfg.quant_policy,
-                                   sliding_window=layer_window(hf, layer_index), fills_cache=kv_source is None)
-
-    def forward(self, x: torch.Tensor, kv_cache: KVCache, ctx: StepContext, shared: SharedKV) -> torch.Tensor:
-        projected = self.qkv_proj(x)
-        q_size = self.num_heads * self.head_dim
-        q = self.q_norm(projected[:, :q_size].view(-1, self.num_heads, self.head_dim))
-        if self.kv_source is not None:
-            k, v = shared[self.kind]
-            return self.o_proj(self.attn(apply_rope(q, ctx.cos, ctx.sin), k, v, kv_cache, ctx))
-        kv = projected[:, q_size:].view(-1, (1 if self.keys_are_values else 2) * self.num_kv_heads, self.head_dim)
-        raw_k, raw_v = kv[:, :self.num_kv_heads], kv[:, -self.num_kv_heads:]
-        k, v = self.k_norm(raw_k.contiguous()), self.v_norm(raw_v.contiguous())
-        qk = apply_rope(torch.cat((q, k), dim=1), ctx.cos, ctx.sin)
-        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
-        shared[self.kind] = k, v
-        return self.o_proj(self.attn(q, k, v, kv_cache, ctx))
 
 
 class Gemma4Experts(nn.Module):
@@ -139,7 +97,7 @@ class Gemma4DecoderLayer(nn.Module):
         hf = cfg.hf_config
         eps, hidden = hf.rms_norm_eps, cfg.hidden_size
         self.layer_type = hf.layer_types[layer_index]
-        self.self_attn = Gemma4Attention(cfg, layer_index, kv_source)
+        self.self_attn = SharedKVAttention(cfg, layer_index, kv_source)
         wide = 2 if hf.use_double_wide_mlp and kv_source is not None else 1
         self.mlp = LlamaMLP(cfg, hf.intermediate_size * wide, activation='gelu_tanh')
         self.input_layernorm = RMSNorm(hidden, eps)
