@@ -11,7 +11,6 @@ import logging
 import shutil
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -21,7 +20,7 @@ from conftest import VOCAB_SIZE, save_random_model
 from family_checks import (assert_batched_chunked_and_cached_equal_solo, assert_bf16_within_twice_transformers,
                            assert_matches_transformers, hf_causal_lm, prefix_sharing_prompts)
 from helpers import make_engine, random_prompts, run
-from server_helpers import serve, tiny_engine
+from test_gemma3n import assert_images_and_audio_refused
 
 from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.pytorch.config import ModelConfig
@@ -157,17 +156,7 @@ def test_multimodal_checkpoint_serves_its_language_model(gemma4, gemma4_multimod
 
 
 def test_multimodal_checkpoint_refuses_images_and_audio(gemma4_multimodal):
-    for server in serve(tiny_engine(gemma4_multimodal), model_name='tiny'):
-        def error(part: dict) -> str:
-            body = {'model': 'tiny', 'max_tokens': 4,
-                    'messages': [{'role': 'user', 'content': [{'type': 'text', 'text': 'what is it?'}, part]}]}
-            response = httpx.post(f'{server.url}/v1/chat/completions', json=body)
-            assert response.status_code == 400, response.text
-            return response.json()['error']['message']
-
-        assert 'does not accept images' in error({'type': 'image_url', 'image_url': {'url': 'x.png'}})
-        assert 'does not accept audio' in error({'type': 'input_audio',
-                                                 'input_audio': {'data': 'AAAA', 'format': 'wav'}})
+    assert_images_and_audio_refused(gemma4_multimodal)
 
 
 def test_tensor_parallelism_is_refused(gemma4):
